@@ -1,0 +1,130 @@
+"""Torch reference implementations of the paged-KV kernels.
+
+These run on CPU (the engine's path on our machines) and are the oracle the Triton kernels in this
+folder are tested against under ``TRITON_INTERPRET=1``.
+
+KV cache layout (one tensor for the whole model, written down once here):
+
+    kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+
+``kv_cache[layer]`` is a layer's view ``[2, num_blocks, block_size, num_kv_heads, head_dim]``; index 0
+is K, index 1 is V. A token's slot is ``block_id * block_size + offset_in_block``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    layer_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # int64 [num_tokens]
+) -> None:
+    """Write each token's K and V into its slot of the paged cache (in place)."""
+    _, num_blocks, block_size, num_kv_heads, head_dim = layer_cache.shape
+    flat = layer_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    flat[0].index_copy_(0, slot_mapping, key.to(layer_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, value.to(layer_cache.dtype))
+
+
+def _gather_context(
+    layer_cache: torch.Tensor, block_table_row: torch.Tensor, context_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one request's first ``context_len`` tokens, contiguous: [context_len, Hkv, D]."""
+    block_size = layer_cache.shape[2]
+    num_blocks = (context_len + block_size - 1) // block_size
+    blocks = block_table_row[:num_blocks].long()
+    k = layer_cache[0].index_select(0, blocks).flatten(0, 1)[:context_len]
+    v = layer_cache[1].index_select(0, blocks).flatten(0, 1)[:context_len]
+    return k, v
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim], requests packed back to back
+    layer_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # int32 [num_reqs, max_blocks_per_req]
+    seq_lens: torch.Tensor,  # int32 [num_reqs]: context length including this step's tokens
+    query_start_loc: torch.Tensor,  # int32 [num_reqs + 1]: cumulative query lengths
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each request's new query tokens over its paged context.
+
+    Query token ``i`` of request ``r`` (with ``q_len`` new tokens) sits at position
+    ``seq_lens[r] - q_len + i`` and attends to context positions ``0 ..= that position``. This one
+    function serves prefill (q_len = chunk), decode (q_len = 1) and speculative verification
+    (q_len = 1 + k). The K/V of the new tokens must already be written into the cache.
+    """
+    num_q_heads = query.shape[1]
+    num_kv_heads = layer_cache.shape[3]
+    group = num_q_heads // num_kv_heads
+    out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for r, context_len in enumerate(lens):
+        q_start, q_end = starts[r], starts[r + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        k, v = _gather_context(layer_cache, block_tables[r], context_len)
+        q = query[q_start:q_end].transpose(0, 1)  # [Hq, q_len, D]
+        k = k.transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, L, D]
+        v = v.transpose(0, 1).repeat_interleave(group, dim=0)
+        q_pos = torch.arange(context_len - q_len, context_len).unsqueeze(1)
+        k_pos = torch.arange(context_len).unsqueeze(0)
+        mask = k_pos <= q_pos  # [q_len, L]
+        o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
+        out[q_start:q_end] = o.transpose(0, 1)
+    return out
+
+
+def paged_attention_uniform(
+    query: torch.Tensor,  # [num_reqs * q_len, num_q_heads, head_dim]
+    layer_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # int32 [num_reqs, max_blocks_per_req]
+    seq_lens: torch.Tensor,  # int32 [num_reqs]
+    q_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Batched form of :func:`paged_attention` for a uniform-decode batch (every request has the same
+    ``q_len``, e.g. ``1 + num_spec_steps``): one gather and one SDPA call for the whole batch."""
+    num_reqs = seq_lens.shape[0]
+    _, _, block_size, num_kv_heads, head_dim = layer_cache.shape
+    num_q_heads = query.shape[1]
+    max_len = int(seq_lens.max())
+    num_blocks = (max_len + block_size - 1) // block_size
+    table = block_tables[:, :num_blocks].long()
+    k = layer_cache[0][table].view(num_reqs, num_blocks * block_size, num_kv_heads, head_dim)
+    v = layer_cache[1][table].view(num_reqs, num_blocks * block_size, num_kv_heads, head_dim)
+    q = query.view(num_reqs, q_len, num_q_heads, head_dim).transpose(1, 2)  # [B, Hq, q, D]
+    k = k.transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
+    v = v.transpose(1, 2).to(q.dtype)
+    key_pos = torch.arange(num_blocks * block_size).view(1, 1, -1)
+    q_pos = (seq_lens.long().view(-1, 1) - q_len + torch.arange(q_len).view(1, -1)).unsqueeze(-1)
+    mask = (key_pos <= q_pos).unsqueeze(1)  # [B, 1, q, L]
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o.transpose(1, 2).reshape(num_reqs * q_len, num_q_heads, head_dim)
+
+
+def gather_blocks(
+    kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_ids: torch.Tensor,  # int64 [n]
+    out: torch.Tensor | None = None,  # [num_layers, 2, n, block_size, num_kv_heads, head_dim]
+) -> torch.Tensor:
+    """Copy the listed blocks (all layers, K and V) into one contiguous buffer, in list order."""
+    gathered = kv_cache.index_select(2, block_ids)
+    if out is None:
+        return gathered
+    out.copy_(gathered)
+    return out
+
+
+def scatter_blocks(
+    buffer: torch.Tensor,  # [num_layers, 2, n, block_size, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_ids: torch.Tensor,  # int64 [n]: destination block of each buffer entry
+) -> None:
+    """Inverse of :func:`gather_blocks`: write buffer entry ``i`` into block ``block_ids[i]``."""
+    kv_cache.index_copy_(2, block_ids, buffer.to(kv_cache.dtype))
