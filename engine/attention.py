@@ -1,0 +1,38 @@
+"""Per-step attention metadata and the layer-level attention call into the kernels."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdcluster.kernels import ops
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # int64 [num_tokens]: cache slot of every input token
+    block_tables: torch.Tensor  # int32 [num_reqs, max_blocks_per_req]
+    seq_lens: torch.Tensor  # int32 [num_reqs]: context length including this step's tokens
+    query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
+    # Set for a uniform-decode batch (every request has this many query tokens): one batched kernel
+    # call instead of a per-request loop. None for prefill/mixed batches (engine/batch_classifier.py).
+    uniform_q_len: int | None
+    scale: float
+
+
+def attend(
+    query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,
+    layer_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    ops.write_kv(key, value, layer_cache, meta.slot_mapping)
+    if meta.uniform_q_len is not None:
+        return ops.paged_attention_uniform(
+            query, layer_cache, meta.block_tables, meta.seq_lens, meta.uniform_q_len, meta.scale
+        )
+    return ops.paged_attention(
+        query, layer_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.scale
+    )

@@ -1,0 +1,167 @@
+"""Paged KV block allocator with reference counts and prefix caching.
+
+A block holds ``block_size`` consecutive tokens of one sequence (for every layer: see
+engine/kv_cache.py for the tensor layout). Full blocks are content-addressed by a chained hash
+``hash((parent_hash, tokens))`` so two requests with the same prefix share the blocks. A block whose
+reference count drops to zero goes back to the free queue but keeps its hash: until it is handed out
+again it can still be revived by a prefix-cache hit (LRU eviction, oldest freed first).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from pdcluster.engine.request import Request
+
+NO_HASH = None
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = NO_HASH
+    token_ids: tuple[int, ...] = ()  # kept to rule out hash collisions on a hit
+
+
+def chained_block_hashes(token_ids: list[int], block_size: int, parent: int | None = None) -> list[int]:
+    """Hash of every *full* block of ``token_ids``; each hash covers the whole prefix up to its end."""
+    hashes = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash((parent, tuple(token_ids[start : start + block_size])))
+        hashes.append(parent)
+    return hashes
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        assert num_blocks > 0 and block_size > 0
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Insertion order = eviction order. O(1) removal when a cached free block is revived.
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._hash_to_block_id: dict[int, int] = {}
+        # Per request: hashes of its blocks that are already registered in the prefix cache.
+        self._req_hashes: dict[str, list[int]] = {}
+
+    # ---- questions -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Block ids of the longest cached prefix of the request's committed tokens.
+
+        At least one token is always left to compute, so the step that follows produces logits.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        token_ids = request.all_token_ids
+        usable = token_ids[: len(token_ids) - 1]
+        block_ids = []
+        for i, h in enumerate(chained_block_hashes(usable, self.block_size)):
+            block_id = self._hash_to_block_id.get(h)
+            if block_id is None:
+                break
+            chunk = tuple(usable[i * self.block_size : (i + 1) * self.block_size])
+            if self.blocks[block_id].token_ids != chunk:
+                break
+            block_ids.append(block_id)
+        return block_ids
+
+    # ---- actions ----------------------------------------------------------------------------
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, cached_block_ids: list[int] | None = None
+    ) -> bool:
+        """Make room for ``num_new_tokens`` more tokens after ``request.num_computed_tokens``
+        (plus ``cached_block_ids`` taken over from the prefix cache). Returns False, changing nothing,
+        when the pool is too small."""
+        cached_block_ids = cached_block_ids or []
+        num_cached_tokens = len(cached_block_ids) * self.block_size
+        total_tokens = request.num_computed_tokens + num_cached_tokens + num_new_tokens
+        num_new_blocks = self.num_blocks_needed(total_tokens) - len(request.block_ids) - len(cached_block_ids)
+        # Reviving a cached block with ref 0 also takes it out of the free queue.
+        num_revived = sum(1 for b in cached_block_ids if self.blocks[b].ref_count == 0)
+        if num_new_blocks + num_revived > self.num_free_blocks:
+            return False
+        for block_id in cached_block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self._free[block_id]
+            block.ref_count += 1
+            request.block_ids.append(block_id)
+        if cached_block_ids:
+            self._req_hashes[request.request_id] = [self.blocks[b].block_hash for b in cached_block_ids]
+        for _ in range(max(num_new_blocks, 0)):
+            request.block_ids.append(self._pop_free_block())
+        return True
+
+    def reserve(self, request: Request, num_tokens: int) -> bool:
+        """Allocate fresh blocks for ``num_tokens`` tokens of a request whose KV will arrive from
+        elsewhere (decode side of a KV transfer)."""
+        assert not request.block_ids, "reserve() is for requests that hold no blocks yet"
+        return self.allocate_slots(request, num_tokens)
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's full, computed blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
+        known = self._req_hashes.setdefault(request.request_id, [])
+        if num_full <= len(known):
+            return
+        token_ids = request.all_token_ids
+        parent = known[-1] if known else None
+        start_block = len(known)
+        new_hashes = chained_block_hashes(
+            token_ids[start_block * self.block_size : num_full * self.block_size], self.block_size, parent
+        )
+        for i, h in enumerate(new_hashes):
+            block_index = start_block + i
+            block = self.blocks[request.block_ids[block_index]]
+            known.append(h)
+            if block.block_hash is not None:
+                continue  # already a cached block (shared prefix)
+            if h in self._hash_to_block_id:
+                continue  # same content cached in another block; keep the first
+            block.block_hash = h
+            block.token_ids = tuple(token_ids[block_index * self.block_size : (block_index + 1) * self.block_size])
+            self._hash_to_block_id[h] = block.block_id
+
+    def free(self, request: Request) -> None:
+        """Drop the request's references. Tail blocks go to the free queue first so the shared prefix
+        stays cached longest. Each block of a request is freed exactly once."""
+        for block_id in reversed(request.block_ids):
+            block = self.blocks[block_id]
+            assert block.ref_count > 0, f"double free of block {block_id} (request {request.request_id})"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+        request.block_ids = []
+        self._req_hashes.pop(request.request_id, None)
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.blocks:
+            block.block_hash, block.token_ids = NO_HASH, ()
+        self._hash_to_block_id.clear()
+
+    def _pop_free_block(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        assert block.ref_count == 0, f"block {block_id} in free queue with ref_count {block.ref_count}"
+        if block.block_hash is not None:
+            if self._hash_to_block_id.get(block.block_hash) == block_id:
+                del self._hash_to_block_id[block.block_hash]
+            block.block_hash, block.token_ids = NO_HASH, ()
+        block.ref_count = 1
+        return block_id

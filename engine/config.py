@@ -1,0 +1,76 @@
+"""Engine configuration. Validation errors name the field, the bad value and what is allowed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+class ConfigError(ValueError):
+    pass
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+SPEC_METHODS = ("none", "ngram", "mtp")
+
+
+@dataclass
+class EngineConfig:
+    model: str = "smollm2"
+    dtype: str = "float32"
+    device: str = "cpu"
+    # 0 = the model's max_position_embeddings, capped at 4096.
+    max_model_len: int = 0
+    block_size: int = 16
+    # Size of the paged KV pool: an explicit block count wins over the memory budget.
+    num_kv_blocks: int = 0
+    kv_cache_memory_gib: float = 1.0
+    max_num_seqs: int = 64
+    # Token budget of one step (all requests together).
+    max_num_batched_tokens: int = 2048
+    # Chunked prefill: at most this many prompt tokens of one request per step.
+    prefill_chunk_size: int = 512
+    enable_prefix_caching: bool = True
+    spec_method: str = "none"
+    num_spec_tokens: int = 0
+    ngram_min: int = 1
+    ngram_max: int = 4
+    mtp_checkpoint: str = ""  # "" = the trained head from the cache dir if present, else random
+    async_scheduling: bool = False
+    num_threads: int = 0  # torch intra-op threads; 0 = torch's default
+    seed: int = 0
+    cache_dir: str = ""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype: {self.dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+        if self.spec_method not in SPEC_METHODS:
+            raise ConfigError(
+                f"spec_method: {self.spec_method!r} is unknown; choose one of {', '.join(SPEC_METHODS)}"
+            )
+        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
+        for name in ("max_model_len", "num_kv_blocks", "num_spec_tokens", "num_threads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name}: must be a non-negative integer, got {value!r}")
+        if self.kv_cache_memory_gib <= 0:
+            raise ConfigError(f"kv_cache_memory_gib: must be > 0, got {self.kv_cache_memory_gib!r}")
+        if self.spec_method == "none" and self.num_spec_tokens:
+            raise ConfigError(
+                f"num_spec_tokens: {self.num_spec_tokens} given but spec_method is 'none'; "
+                "set spec_method to 'ngram' or 'mtp'"
+            )
+        if self.spec_method != "none" and self.num_spec_tokens == 0:
+            raise ConfigError(f"num_spec_tokens: must be >= 1 with spec_method={self.spec_method!r}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ConfigError(f"ngram_min/ngram_max: need 1 <= min <= max, got {self.ngram_min}, {self.ngram_max}")
+
+    @property
+    def num_spec_steps(self) -> int:
+        return self.num_spec_tokens if self.spec_method != "none" else 0
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}

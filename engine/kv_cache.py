@@ -1,0 +1,49 @@
+"""The paged KV cache tensor.
+
+Layout (shared with kernels/reference.py and every transport):
+
+    kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+
+``num_layers`` counts the target model's layers followed by the draft (MTP) layers, so a request's
+draft-layer KV lives in the same blocks and travels with the target's in a KV transfer (S2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int  # target + draft layers
+    num_draft_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.bytes_per_block // self.block_size
+
+
+def num_blocks_for_budget(bytes_per_block: int, memory_gib: float) -> int:
+    return max(1, int(memory_gib * (1 << 30)) // bytes_per_block)
+
+
+def allocate_kv_cache(spec: KVCacheSpec, device: str | torch.device = "cpu") -> torch.Tensor:
+    # Zeroed, not empty: padded slots of a gathered block are masked out in attention, but reading
+    # uninitialised NaNs there would still poison a masked softmax on some backends.
+    return torch.zeros(spec.shape, dtype=spec.dtype, device=device)

@@ -1,0 +1,39 @@
+"""The model runner's view of a KV connector: a null object, so the runner never asks "is there a
+connector?". kv_transfer/ provides the active implementations.
+
+Call order each step (invariant S2): ``pre_forward`` before the forward pass; ``save_layer(i)`` as each
+layer's KV lands in the cache; ``post_forward(finished_req_ids)`` at the very end of
+``sample_tokens``, after the draft proposer has written the draft layer's KV. A step with nothing to run
+calls ``no_forward`` instead. ``post_forward`` always clears the step's metadata and is the only place
+a request's transfer is declared complete.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class KVConnectorOutput:
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    failed: set[str] = field(default_factory=set)
+
+    def is_empty(self) -> bool:
+        return not (self.finished_sending or self.finished_recving or self.failed)
+
+
+class KVConnector:
+    """Does nothing. Subclasses override what they need."""
+
+    def pre_forward(self, scheduler_output) -> None:
+        pass
+
+    def save_layer(self, layer_idx: int) -> None:
+        pass
+
+    def post_forward(self, finished_req_ids: set[str]) -> KVConnectorOutput:
+        return KVConnectorOutput()
+
+    def no_forward(self, scheduler_output) -> KVConnectorOutput:
+        return KVConnectorOutput()

@@ -1,0 +1,168 @@
+"""Llama-family decoder over packed (varlen) token batches with a paged KV cache.
+
+Weights use Hugging Face names (model.layers.N.self_attn.q_proj.weight, ...); q/k/v and gate/up are
+fused at load time so a layer is four matmuls.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from pdcluster.engine.attention import AttentionMetadata, attend
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> "ModelArch":
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        arch = cfg.get("architectures") or ["LlamaForCausalLM"]
+        if arch[0] not in ("LlamaForCausalLM", "MistralForCausalLM"):
+            raise ValueError(f"{model_dir}: architecture {arch[0]!r} is not supported (Llama family only)")
+        if cfg.get("rope_scaling"):
+            raise ValueError(f"{model_dir}: rope_scaling {cfg['rope_scaling']!r} is not supported yet")
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        num_heads = cfg["num_attention_heads"]
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads", num_heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=cfg.get("rope_theta", 10000.0),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same op order as HF's LlamaRMSNorm (normalise in fp32, cast back, then scale) so fp32 runs
+    # match it bit for bit where possible.
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+class RotaryEmbedding:
+    def __init__(self, head_dim: int, theta: float, max_positions: int, dtype: torch.dtype):
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = emb.cos().to(dtype)
+        self.sin = emb.sin().to(dtype)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: [num_tokens, num_heads, head_dim]; HF's rotate_half convention.
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+
+class DecoderLayer:
+    """One Llama block; holds plain tensors (no nn.Module machinery on the hot path)."""
+
+    def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], prefix: str):
+        w = lambda name: weights[f"{prefix}.{name}"]  # noqa: E731
+        self.arch = arch
+        self.input_norm = w("input_layernorm.weight")
+        self.post_norm = w("post_attention_layernorm.weight")
+        self.qkv = torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")])
+        self.o_proj = w("self_attn.o_proj.weight")
+        self.gate_up = torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")])
+        self.down = w("mlp.down_proj.weight")
+        self.q_size = arch.num_heads * arch.head_dim
+        self.kv_size = arch.num_kv_heads * arch.head_dim
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        layer_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        a = self.arch
+        x = rms_norm(hidden, self.input_norm, a.rms_norm_eps)
+        q, k, v = F.linear(x, self.qkv).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = rope(q.view(-1, a.num_heads, a.head_dim), positions)
+        k = rope(k.view(-1, a.num_kv_heads, a.head_dim), positions)
+        v = v.view(-1, a.num_kv_heads, a.head_dim)
+        o = attend(q, k, v, layer_cache, meta)
+        hidden = hidden + F.linear(o.reshape(-1, self.q_size), self.o_proj)
+        x = rms_norm(hidden, self.post_norm, a.rms_norm_eps)
+        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+        return hidden + F.linear(F.silu(gate) * up, self.down)
+
+
+class LlamaModel:
+    def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int):
+        self.arch = arch
+        self.dtype = dtype
+        self.embed_tokens = weights["model.embed_tokens.weight"]
+        self.lm_head = self.embed_tokens if arch.tie_word_embeddings else weights["lm_head.weight"]
+        self.norm = weights["model.norm.weight"]
+        self.layers = [DecoderLayer(arch, weights, f"model.layers.{i}") for i in range(arch.num_layers)]
+        self.rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, max_positions, dtype)
+        self.scale = arch.head_dim**-0.5
+
+    @classmethod
+    def load(cls, model_dir: Path, dtype: torch.dtype, max_positions: int) -> "LlamaModel":
+        arch = ModelArch.from_dir(model_dir)
+        weights: dict[str, torch.Tensor] = {}
+        files = sorted(Path(model_dir).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{model_dir}: no *.safetensors weight files")
+        for f in files:
+            for name, tensor in load_file(str(f)).items():
+                weights[name] = tensor.to(dtype)
+        return cls(arch, weights, dtype, max_positions)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # int64 [num_tokens]
+        positions: torch.Tensor,  # int64 [num_tokens]
+        kv_cache: torch.Tensor,  # [num_layers(+draft), 2, num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+        on_layer_done: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """Hidden states after the final norm, [num_tokens, hidden]. ``on_layer_done(i)`` runs as soon
+        as layer i's KV is in the cache, so a KV connector can start sending it mid-forward."""
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden, positions, self.rope, kv_cache[i], meta)
+            if on_layer_done is not None:
+                on_layer_done(i)
+        return rms_norm(hidden, self.norm, self.arch.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,189 @@
+"""Tensors in, tokens out. A step is split in two (as in vLLM's model runner v2):
+
+- ``execute_model(scheduler_output)``: refresh per-request state from the scheduler, build the packed
+  inputs, run the forward pass (the KV connector may send each layer as it finishes).
+- ``sample_tokens()``: compute logits, sample / verify, run the draft proposer, and only then finalise
+  the KV connector with ``post_forward(finished_req_ids)`` (invariant S2).
+
+What crosses between the two halves is one small dataclass, ``ExecuteModelState``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pdcluster.engine.attention import AttentionMetadata
+from pdcluster.engine.batch_classifier import BatchKind, classify_batch, uniform_decode_query_len
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.kv_connector import KVConnector, KVConnectorOutput
+from pdcluster.engine.model import LlamaModel
+from pdcluster.engine.rejection_sampler import num_valid_tokens, rejection_sample
+from pdcluster.engine.sampler import sample
+from pdcluster.engine.scheduler import ModelRunnerOutput, SchedulerOutput
+from pdcluster.engine.states import RequestStates
+
+
+@dataclass
+class ExecuteModelState:
+    scheduler_output: SchedulerOutput
+    req_ids: list[str]
+    idx_mapping_np: np.ndarray
+    batch_kind: BatchKind | None
+    hidden_states: torch.Tensor | None
+    # Per request: first row in ``logits_indices`` and how many rows (0 = mid-prefill, nothing to sample).
+    logits_start_np: np.ndarray
+    logits_count_np: np.ndarray
+    logits_indices: torch.Tensor
+    finished_req_ids: set[str] = field(default_factory=set)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: LlamaModel,
+        kv_cache: torch.Tensor,
+        max_model_len: int,
+        connector: KVConnector | None = None,
+    ):
+        self.config = config
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = config.block_size
+        self.num_spec_steps = config.num_spec_steps
+        self.max_model_len = max_model_len
+        max_blocks = -(-(max_model_len + self.num_spec_steps + 1) // self.block_size)
+        self.states = RequestStates(config.max_num_seqs, max_model_len + self.num_spec_steps + 1, max_blocks)
+        self.connector = connector or KVConnector()
+        self.last_batch_kind: BatchKind | None = None
+        self._state: ExecuteModelState | None = None
+
+    # ---- state -----------------------------------------------------------------------------------
+    def update_requests(self, sched: SchedulerOutput) -> np.ndarray:
+        """Apply the scheduler's view: drop finished/preempted requests, add new ones, and overwrite
+        every scheduled request's mirror from the scheduler (S1). Returns the slot of each request."""
+        for req_id in sched.finished_req_ids | sched.preempted_req_ids:
+            self.states.remove_request(req_id)
+        idx_mapping = np.empty(len(sched.scheduled), dtype=np.int32)
+        for i, s in enumerate(sched.scheduled):
+            if s.is_new:
+                self.states.remove_request(s.request_id)  # resumed after preemption
+                idx = self.states.add_request(s.request_id, s.all_token_ids, s.sampling_params, s.sampling_params.seed)
+            else:
+                idx = self.states.req_id_to_index[s.request_id]
+            self.states.refresh(idx, s.num_computed_tokens, s.block_ids)
+            # Committed tokens come from the scheduler too; drafts never enter token_ids_np.
+            num_committed_inputs = max(0, min(s.num_scheduled_tokens, s.num_tokens - s.num_computed_tokens))
+            start = s.num_computed_tokens
+            self.states.token_ids_np[idx, start : start + num_committed_inputs] = s.input_token_ids[:num_committed_inputs]
+            self.states.num_tokens_np[idx] = s.num_tokens
+            idx_mapping[i] = idx
+        return idx_mapping
+
+    # ---- inputs --------------------------------------------------------------------------------
+    def _prepare_inputs(self, sched: SchedulerOutput, idx_mapping: np.ndarray):
+        st = self.states
+        q_lens = np.array([s.num_scheduled_tokens for s in sched.scheduled], dtype=np.int32)
+        starts = st.num_computed_tokens_np[idx_mapping]
+        query_start_loc = np.zeros(len(q_lens) + 1, dtype=np.int32)
+        np.cumsum(q_lens, out=query_start_loc[1:])
+        # positions: for each request, start .. start + q_len
+        req_of_token = np.repeat(np.arange(len(q_lens)), q_lens)
+        positions = starts[req_of_token] + (np.arange(query_start_loc[-1]) - query_start_loc[req_of_token])
+        block_of_token = st.block_table_np[idx_mapping[req_of_token], positions // self.block_size]
+        slot_mapping = block_of_token.astype(np.int64) * self.block_size + positions % self.block_size
+        input_ids = np.concatenate([np.asarray(s.input_token_ids, dtype=np.int64) for s in sched.scheduled])
+        seq_lens = (starts + q_lens).astype(np.int32)
+        max_blocks = int(-(-seq_lens.max() // self.block_size))
+        block_tables = st.block_table_np[idx_mapping, :max_blocks]
+
+        # Rows to sample: the last committed token and every draft after it, for requests whose
+        # committed tokens are all computed after this step.
+        num_tokens = np.array([s.num_tokens for s in sched.scheduled], dtype=np.int32)
+        reaches_end = starts + q_lens >= num_tokens
+        logits_count = np.where(reaches_end, starts + q_lens - num_tokens + 1, 0).astype(np.int32)
+        logits_start = np.zeros(len(q_lens), dtype=np.int32)
+        np.cumsum(logits_count[:-1], out=logits_start[1:])
+        first_row = query_start_loc[1:] - logits_count
+        logits_indices = np.concatenate(
+            [np.arange(first_row[i], first_row[i] + logits_count[i]) for i in range(len(q_lens))]
+        )
+        kind = classify_batch(q_lens, self.num_spec_steps)
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slot_mapping),
+            block_tables=torch.from_numpy(np.ascontiguousarray(block_tables)),
+            seq_lens=torch.from_numpy(seq_lens),
+            query_start_loc=torch.from_numpy(query_start_loc),
+            uniform_q_len=uniform_decode_query_len(self.num_spec_steps) if kind == BatchKind.UNIFORM_DECODE else None,
+            scale=self.model.scale,
+        )
+        return (
+            torch.from_numpy(input_ids),
+            torch.from_numpy(positions.astype(np.int64)),
+            meta,
+            kind,
+            logits_start,
+            logits_count,
+            torch.from_numpy(logits_indices.astype(np.int64)),
+        )
+
+    # ---- the two halves of a step ---------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> None:
+        idx_mapping = self.update_requests(sched)
+        req_ids = [s.request_id for s in sched.scheduled]
+        if sched.is_empty:
+            self._state = ExecuteModelState(
+                sched, req_ids, idx_mapping, None, None, np.zeros(0, np.int32), np.zeros(0, np.int32),
+                torch.zeros(0, dtype=torch.int64), set(sched.finished_req_ids),
+            )
+            return
+        input_ids, positions, meta, kind, logits_start, logits_count, logits_indices = self._prepare_inputs(
+            sched, idx_mapping
+        )
+        self.last_batch_kind = kind
+        self.connector.pre_forward(sched)
+        hidden = self.model.forward(input_ids, positions, self.kv_cache, meta, self.connector.save_layer)
+        self._state = ExecuteModelState(
+            sched, req_ids, idx_mapping, kind, hidden, logits_start, logits_count, logits_indices,
+            set(sched.finished_req_ids),
+        )
+
+    @torch.inference_mode()
+    def sample_tokens(self) -> tuple[ModelRunnerOutput, KVConnectorOutput]:
+        state, self._state = self._state, None
+        assert state is not None, "sample_tokens() without execute_model()"
+        if state.hidden_states is None:
+            return ModelRunnerOutput([], []), self.connector.no_forward(state.scheduler_output)
+        sampled = self._sample(state)
+        kv_output = self.connector.post_forward(state.finished_req_ids)  # last: S2
+        return ModelRunnerOutput(state.req_ids, sampled), kv_output
+
+    def _sample(self, state: ExecuteModelState) -> list[list[int]]:
+        st = self.states
+        sampled: list[list[int]] = [[] for _ in state.req_ids]
+        rows = [i for i in range(len(state.req_ids)) if state.logits_count_np[i] > 0]
+        if not rows:
+            return sampled
+        logits = self.model.compute_logits(state.hidden_states[state.logits_indices])
+        scheduled = state.scheduler_output.scheduled
+        params = [st.sampling_params[state.idx_mapping_np[i]] for i in rows]
+        seeds = [p.seed for p in params]
+        positions = [scheduled[i].num_output_tokens for i in rows]
+        if not any(scheduled[i].spec_token_ids for i in rows):
+            tokens = sample(logits[state.logits_start_np[rows]], params, seeds, positions)
+            per_req = [[t] for t in tokens]
+        else:
+            starts, counts = state.logits_start_np, state.logits_count_np
+            target = [logits[starts[i] : starts[i] + counts[i]] for i in rows]
+            drafts = [scheduled[i].spec_token_ids for i in rows]
+            output_token_ids = rejection_sample(target, drafts, params, seeds, positions)
+            num_valid = num_valid_tokens(output_token_ids).tolist()  # S3
+            per_req = [output_token_ids[r, : num_valid[r]].tolist() for r in range(len(rows))]
+        for i, tokens in zip(rows, per_req):
+            sampled[i] = tokens
+            st.append_tokens(int(state.idx_mapping_np[i]), tokens)
+        return sampled

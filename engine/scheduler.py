@@ -1,0 +1,246 @@
+"""Continuous-batching scheduler with a token budget, chunked prefill, prefix caching, speculative
+slots and preemption by recompute.
+
+The scheduler is the single source of truth for every request's ``num_computed_tokens`` (invariant S1):
+it hands the value to the runner in each step's output, and advances it only after the step's result
+comes back, by the number of tokens actually verified (scheduled minus rejected drafts).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdcluster.engine.block_manager import BlockManager
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request_id: str
+    # True the first time the runner sees this request (also after a preemption): it must (re)build
+    # its per-request state from ``all_token_ids``.
+    is_new: bool
+    num_computed_tokens: int  # before this step; authoritative (S1)
+    num_scheduled_tokens: int  # input tokens this step, drafts included
+    input_token_ids: list[int]  # tokens at positions [num_computed, num_computed + num_scheduled)
+    block_ids: list[int]  # the whole block table
+    num_prompt_tokens: int
+    num_tokens: int  # committed tokens (prompt + verified output) before this step
+    spec_token_ids: list[int]  # drafts among the input tokens (the last len(spec) of them)
+    all_token_ids: list[int] | None = None  # only when is_new
+    sampling_params: object = None  # only when is_new
+    num_output_tokens: int = 0  # seeds position-keyed sampling (engine/sampler.py)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    total_num_scheduled_tokens: int
+    # Finished since the previous step: the runner drops their state, the KV connector finalises them.
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]
+    # Per request: verified tokens of this step (accepted drafts + one sampled), or [] while a chunked
+    # prefill is still in progress.
+    sampled_token_ids: list[list[int]]
+    # Per request: drafts proposed for the next step.
+    spec_token_ids: list[list[int]] = field(default_factory=list)
+
+
+@dataclass
+class StepResult:
+    request: Request
+    new_token_ids: list[int]
+    finished: bool
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int, eos_token_ids: set[int]):
+        self.config = config
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_req_ids: set[str] = set()
+        self._seen_by_runner: set[str] = set()
+
+    # ---- requests in and out -----------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a request from outside the step loop (abort, stop string). Frees its blocks once."""
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._finish(request, status)
+        return request
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks
+
+    # ---- one step ------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: set[str] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, cfg.prefill_chunk_size, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while not self.block_manager.allocate_slots(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                if victim is request:
+                    break
+            if request.request_id in preempted:
+                break
+            scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+            i += 1
+
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and not preempted:
+            request = self.waiting[0]
+            cached = self.block_manager.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
+            num_computed = request.num_computed_tokens + len(cached) * cfg.block_size
+            num_new = min(request.num_tokens - num_computed, cfg.prefill_chunk_size, budget)
+            if not self.block_manager.allocate_slots(request, num_new, cached):
+                break
+            self.waiting.popleft()
+            if cached:
+                request.num_computed_tokens = num_computed
+                request.num_cached_tokens = num_computed
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+
+        finished, self._finished_req_ids = self._finished_req_ids, set()
+        return SchedulerOutput(
+            scheduled=scheduled,
+            total_num_scheduled_tokens=cfg.max_num_batched_tokens - budget,
+            finished_req_ids=finished,
+            preempted_req_ids=preempted,
+        )
+
+    def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[StepResult]:
+        results = []
+        index = {req_id: i for i, req_id in enumerate(out.req_ids)}
+        for s in sched.scheduled:
+            request = self.requests[s.request_id]
+            if request.is_finished or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            i = index[s.request_id]
+            sampled = out.sampled_token_ids[i]
+            num_rejected = len(s.spec_token_ids) + 1 - len(sampled) if sampled and s.spec_token_ids else 0
+            # S1: the count moves by what was verified, here and only here.
+            request.num_computed_tokens = s.num_computed_tokens + s.num_scheduled_tokens - num_rejected
+            if s.spec_token_ids:
+                request.num_draft_tokens += len(s.spec_token_ids)
+                request.num_accepted_tokens += len(sampled) - 1
+            request.spec_token_ids = []
+            new_tokens = []
+            finished = False
+            for token_id in sampled:
+                request.output_token_ids.append(token_id)
+                new_tokens.append(token_id)
+                if self._check_stop(request, token_id):
+                    finished = True
+                    break
+            if finished:
+                self.running.remove(request)
+                self._finish(request, request.status)
+            else:
+                self.block_manager.cache_full_blocks(request)
+                if out.spec_token_ids and sampled:
+                    request.spec_token_ids = self._cap_drafts(request, out.spec_token_ids[i])
+            results.append(StepResult(request, new_tokens, finished))
+        return results
+
+    # ---- helpers ---------------------------------------------------------------------------------
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        is_new = request.request_id not in self._seen_by_runner
+        self._seen_by_runner.add(request.request_id)
+        all_ids = request.all_token_ids + request.spec_token_ids
+        start = request.num_computed_tokens
+        num_spec_in_input = max(0, start + num_new - request.num_tokens)
+        if num_spec_in_input < len(request.spec_token_ids):
+            # The budget cut the drafts short: keep only those that are scheduled.
+            request.spec_token_ids = request.spec_token_ids[:num_spec_in_input]
+        return ScheduledRequest(
+            request_id=request.request_id,
+            is_new=is_new,
+            num_computed_tokens=start,
+            num_scheduled_tokens=num_new,
+            input_token_ids=all_ids[start : start + num_new],
+            block_ids=list(request.block_ids),
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_tokens=request.num_tokens,
+            spec_token_ids=list(request.spec_token_ids),
+            all_token_ids=request.all_token_ids if is_new else None,
+            sampling_params=request.sampling_params if is_new else None,
+            num_output_tokens=len(request.output_token_ids),
+        )
+
+    def _cap_drafts(self, request: Request, drafts: list[int]) -> list[int]:
+        room = min(
+            self.max_model_len - request.num_tokens,
+            request.sampling_params.max_tokens - len(request.output_token_ids),
+        ) - 1
+        return list(drafts[: max(room, 0)])
+
+    def _check_stop(self, request: Request, token_id: int) -> bool:
+        params = request.sampling_params
+        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+            request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token_id
+            return True
+        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    def _preempt(self, request: Request) -> None:
+        """Preemption by recompute: drop the KV, keep the tokens, go back to the front of the queue."""
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self._seen_by_runner.discard(request.request_id)  # the runner rebuilds it when resumed
+        self.waiting.appendleft(request)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.block_manager.free(request)
+        self.requests.pop(request.request_id, None)
+        self._seen_by_runner.discard(request.request_id)
+        self._finished_req_ids.add(request.request_id)

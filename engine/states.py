@@ -1,0 +1,75 @@
+"""Per-request runner state in preallocated numpy arrays indexed by a request slot.
+
+The scheduler is authoritative for ``num_computed_tokens`` (invariant S1): ``num_computed_tokens_np``
+is overwritten from each step's scheduler output (``refresh``) and nothing in the runner adds to it.
+``num_computed_prefill_tokens_np = min(num_computed_tokens_np, prefill_len_np)`` is derived in the same
+place, and ``is_prefilling`` answers per request.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pdcluster.engine.sampling_params import SamplingParams
+
+
+class RequestStates:
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int):
+        self.max_num_reqs = max_num_reqs
+        self.req_id_to_index: dict[str, int] = {}
+        self.index_to_req_id: list[str | None] = [None] * max_num_reqs
+        self._free_indices = list(range(max_num_reqs - 1, -1, -1))
+        self.num_computed_tokens_np = np.zeros(max_num_reqs, dtype=np.int32)
+        self.prefill_len_np = np.zeros(max_num_reqs, dtype=np.int32)
+        self.num_computed_prefill_tokens_np = np.zeros(max_num_reqs, dtype=np.int32)
+        self.num_tokens_np = np.zeros(max_num_reqs, dtype=np.int32)  # committed (no drafts)
+        self.token_ids_np = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
+        self.block_table_np = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
+        self.num_blocks_np = np.zeros(max_num_reqs, dtype=np.int32)
+        self.seed_np = np.zeros(max_num_reqs, dtype=np.int64)
+        self.sampling_params: list[SamplingParams | None] = [None] * max_num_reqs
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_id_to_index)
+
+    def add_request(self, req_id: str, token_ids: list[int], params: SamplingParams, seed: int) -> int:
+        if not self._free_indices:
+            raise RuntimeError(f"no free request slot for {req_id!r}: max_num_reqs={self.max_num_reqs}")
+        idx = self._free_indices.pop()
+        self.req_id_to_index[req_id] = idx
+        self.index_to_req_id[idx] = req_id
+        n = len(token_ids)
+        self.token_ids_np[idx, :n] = token_ids
+        self.num_tokens_np[idx] = n
+        self.prefill_len_np[idx] = n
+        self.num_computed_tokens_np[idx] = 0
+        self.num_computed_prefill_tokens_np[idx] = 0
+        self.num_blocks_np[idx] = 0
+        self.seed_np[idx] = seed
+        self.sampling_params[idx] = params
+        return idx
+
+    def remove_request(self, req_id: str) -> None:
+        idx = self.req_id_to_index.pop(req_id, None)
+        if idx is None:
+            return
+        self.index_to_req_id[idx] = None
+        self.sampling_params[idx] = None
+        self._free_indices.append(idx)
+
+    def refresh(self, idx: int, num_computed_tokens: int, block_ids: list[int]) -> None:
+        """Overwrite the mirror from the scheduler (S1): never ``+=``."""
+        self.num_computed_tokens_np[idx] = num_computed_tokens
+        self.num_computed_prefill_tokens_np[idx] = min(num_computed_tokens, self.prefill_len_np[idx])
+        self.block_table_np[idx, : len(block_ids)] = block_ids
+        self.num_blocks_np[idx] = len(block_ids)
+
+    def is_prefilling(self, idx_mapping_np: np.ndarray) -> np.ndarray:
+        """Per request: is part of its prompt still to be computed?"""
+        return self.num_computed_prefill_tokens_np[idx_mapping_np] < self.prefill_len_np[idx_mapping_np]
+
+    def append_tokens(self, idx: int, token_ids: list[int]) -> None:
+        n = int(self.num_tokens_np[idx])
+        self.token_ids_np[idx, n : n + len(token_ids)] = token_ids
+        self.num_tokens_np[idx] = n + len(token_ids)
