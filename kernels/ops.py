@@ -1,0 +1,107 @@
+"""The paged-KV ops the engine calls: Triton kernels on CUDA tensors, torch reference otherwise.
+
+Signatures are those of :mod:`pdcluster.kernels.reference`. Triton is imported lazily, only when a
+CUDA tensor arrives, so this module imports (and the CPU engine runs) without triton installed.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+
+from pdcluster.kernels import reference
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether triton can be imported (checked once; find_spec does not import it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def _use_triton(*tensors: torch.Tensor) -> bool:
+    """Triton only when every tensor is on a CUDA device: the compiled kernels address device memory,
+    and on CPU the reference is the engine's path (the interpreter is for tests only)."""
+    return all(t.is_cuda for t in tensors) and triton_available()
+
+
+def write_kv(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    layer_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # int64 [num_tokens]
+) -> None:
+    """Write each token's K and V into its slot of the paged cache (in place)."""
+    if _use_triton(key, value, layer_cache, slot_mapping):
+        from pdcluster.kernels.triton_write_kv import write_kv_triton
+
+        write_kv_triton(key, value, layer_cache, slot_mapping)
+    else:
+        reference.write_kv(key, value, layer_cache, slot_mapping)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim], requests packed back to back
+    layer_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # int32 [num_reqs, max_blocks_per_req]
+    seq_lens: torch.Tensor,  # int32 [num_reqs]: context length including this step's tokens
+    query_start_loc: torch.Tensor,  # int32 [num_reqs + 1]: cumulative query lengths
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each request's new query tokens over its paged context."""
+    if _use_triton(query, layer_cache, block_tables, seq_lens, query_start_loc):
+        from pdcluster.kernels.triton_paged_attention import paged_attention_triton
+
+        return paged_attention_triton(query, layer_cache, block_tables, seq_lens, query_start_loc, scale)
+    return reference.paged_attention(query, layer_cache, block_tables, seq_lens, query_start_loc, scale)
+
+
+def paged_attention_uniform(
+    query: torch.Tensor,  # [num_reqs * q_len, num_q_heads, head_dim]
+    layer_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # int32 [num_reqs, max_blocks_per_req]
+    seq_lens: torch.Tensor,  # int32 [num_reqs]
+    q_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Attention for a uniform-decode batch (every request has ``q_len`` new tokens)."""
+    if _use_triton(query, layer_cache, block_tables, seq_lens):
+        from pdcluster.kernels.triton_paged_attention import paged_attention_triton
+
+        # The varlen kernel already handles this case; a uniform batch is just evenly spaced starts
+        # (built on the device: no host sync).
+        num_reqs = seq_lens.shape[0]
+        query_start_loc = torch.arange(
+            0, (num_reqs + 1) * q_len, q_len, dtype=torch.int32, device=query.device
+        )
+        return paged_attention_triton(query, layer_cache, block_tables, seq_lens, query_start_loc, scale)
+    return reference.paged_attention_uniform(query, layer_cache, block_tables, seq_lens, q_len, scale)
+
+
+def gather_blocks(
+    kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_ids: torch.Tensor,  # int64 [n]
+    out: torch.Tensor | None = None,  # [num_layers, 2, n, block_size, num_kv_heads, head_dim]
+) -> torch.Tensor:
+    """Copy the listed blocks (all layers, K and V) into one contiguous buffer, in list order."""
+    tensors = (kv_cache, block_ids) if out is None else (kv_cache, block_ids, out)
+    if _use_triton(*tensors):
+        from pdcluster.kernels.triton_block_copy import gather_blocks_triton
+
+        return gather_blocks_triton(kv_cache, block_ids, out)
+    return reference.gather_blocks(kv_cache, block_ids, out)
+
+
+def scatter_blocks(
+    buffer: torch.Tensor,  # [num_layers, 2, n, block_size, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_ids: torch.Tensor,  # int64 [n]: destination block of each buffer entry
+) -> None:
+    """Write buffer entry ``i`` into block ``block_ids[i]`` (inverse of :func:`gather_blocks`)."""
+    if _use_triton(buffer, kv_cache, block_ids):
+        from pdcluster.kernels.triton_block_copy import scatter_blocks_triton
+
+        scatter_blocks_triton(buffer, kv_cache, block_ids)
+    else:
+        reference.scatter_blocks(buffer, kv_cache, block_ids)

@@ -1,0 +1,392 @@
+"""Paged-KV kernels: Triton kernels == torch reference (under TRITON_INTERPRET=1, set in conftest.py),
+the reference against itself and against plain dense attention, and the dispatch in ops.py.
+
+Shapes are tiny on purpose: the interpreter costs about 1 ms per program instance, so every launch
+here stays well under 100 programs.
+
+Unused cache slots and the padding entries of block tables point at NaN ("poison"): the reference
+reads only each request's first seq_len slots, so a kernel that reads one slot too many, or follows
+a block table entry past a request's blocks, turns its output NaN and fails.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import pdcluster.kernels as kernels_pkg
+from pdcluster.kernels import ops, reference
+from pdcluster.kernels.triton_block_copy import gather_blocks_triton, scatter_blocks_triton
+from pdcluster.kernels.triton_paged_attention import paged_attention_triton
+from pdcluster.kernels.triton_write_kv import write_kv_triton
+
+HEAD_DIM = 16
+BLOCK_SIZE = 4
+SCALE = HEAD_DIM**-0.5
+
+
+@dataclass
+class PagedBatch:
+    """A varlen batch whose context already sits in a paged layer cache."""
+
+    query: torch.Tensor  # [num_tokens, num_q_heads, head_dim]
+    layer_cache: torch.Tensor  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor  # int32 [num_reqs, max_blocks_per_req]
+    seq_lens: torch.Tensor  # int32 [num_reqs]
+    query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
+    dense_kv: list[tuple[torch.Tensor, torch.Tensor]]  # per request: K, V [seq_len, Hkv, D]
+
+    def args(self) -> tuple:
+        return (self.query, self.layer_cache, self.block_tables, self.seq_lens, self.query_start_loc, SCALE)
+
+
+def make_batch(
+    q_lens: list[int],
+    seq_lens: list[int],
+    num_q_heads: int,
+    num_kv_heads: int,
+    dtype: torch.dtype = torch.float32,
+    block_size: int = BLOCK_SIZE,
+    poison: float = float("nan"),
+    seed: int = 0,
+) -> PagedBatch:
+    """Each request's blocks are drawn from a shuffled pool, so they are scattered and out of order.
+    Context is written through the reference write_kv (so this also exercises slot arithmetic)."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_req = [(n + block_size - 1) // block_size for n in seq_lens]
+    max_blocks = max(blocks_per_req) + 1  # one padding entry even for the longest request
+    num_blocks = sum(blocks_per_req) + 3  # spare blocks stay poisoned
+    pool = torch.randperm(num_blocks, generator=gen)
+    poison_block = int(pool[-1])
+    layer_cache = torch.full((2, num_blocks, block_size, num_kv_heads, HEAD_DIM), poison, dtype=dtype)
+    block_tables = torch.full((len(seq_lens), max_blocks), poison_block, dtype=torch.int32)
+    dense_kv = []
+    next_block = 0
+    for r, (seq_len, n) in enumerate(zip(seq_lens, blocks_per_req)):
+        blocks = pool[next_block : next_block + n]
+        next_block += n
+        block_tables[r, :n] = blocks.to(torch.int32)
+        positions = torch.arange(seq_len)
+        slots = blocks[positions // block_size] * block_size + positions % block_size
+        k = torch.randn(seq_len, num_kv_heads, HEAD_DIM, generator=gen).to(dtype)
+        v = torch.randn(seq_len, num_kv_heads, HEAD_DIM, generator=gen).to(dtype)
+        reference.write_kv(k, v, layer_cache, slots)
+        dense_kv.append((k, v))
+    query = torch.randn(sum(q_lens), num_q_heads, HEAD_DIM, generator=gen).to(dtype)
+    query_start_loc = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+    return PagedBatch(
+        query, layer_cache, block_tables, torch.tensor(seq_lens, dtype=torch.int32), query_start_loc, dense_kv
+    )
+
+
+# A mixed batch: decode (q_len 1, context over 4 scattered blocks), a prefill chunk with a prefix that
+# spans two query tiles and two KV tiles, an idle request (q_len 0), and a fresh prefill (no prefix).
+MIXED_Q_LENS = [1, 10, 0, 4]
+MIXED_SEQ_LENS = [13, 37, 5, 4]
+HEAD_CONFIGS = [
+    pytest.param(4, 2, id="gqa2"),
+    pytest.param(2, 2, id="mha"),
+    pytest.param(6, 2, id="gqa3"),  # group not a power of two: padded rows in every tile
+]
+
+
+# ---------------------------------------------------------------------------------------------------
+# (a) Triton kernels == torch reference, under the interpreter
+
+
+@pytest.mark.parametrize(
+    "src_dtype, cache_dtype",
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)],
+)
+def test_write_kv_triton_matches_reference(src_dtype, cache_dtype):
+    gen = torch.Generator().manual_seed(1)
+    num_tokens, num_kv_heads, num_blocks = 7, 2, 6
+    # K and V as strided views of one fused projection output, as the model produces them.
+    fused = torch.randn(num_tokens, 3, num_kv_heads, HEAD_DIM, generator=gen).to(src_dtype)
+    key, value = fused[:, 1], fused[:, 2]
+    # Scattered slots in several blocks, out of order.
+    slot_mapping = torch.randperm(num_blocks * BLOCK_SIZE, generator=gen)[:num_tokens]
+    cache = torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM, generator=gen).to(cache_dtype)
+    expected = cache.clone()
+    reference.write_kv(key, value, expected, slot_mapping)
+    write_kv_triton(key, value, cache, slot_mapping)
+    if src_dtype == cache_dtype:
+        assert torch.equal(cache, expected)
+    else:
+        # The interpreter (triton 3.9) truncates fp32 -> bf16 where a GPU rounds to nearest even: allow
+        # one bf16 ulp. A misplaced token is off by far more.
+        torch.testing.assert_close(cache, expected, rtol=2**-7, atol=0)
+
+
+def test_write_kv_triton_skips_negative_slots():
+    num_kv_heads, num_blocks = 2, 3
+    key = torch.randn(3, num_kv_heads, HEAD_DIM)
+    value = torch.randn(3, num_kv_heads, HEAD_DIM)
+    cache = torch.zeros(2, num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM)
+    write_kv_triton(key, value, cache, torch.tensor([5, -1, 9]))
+    expected = torch.zeros_like(cache)
+    reference.write_kv(key[[0, 2]], value[[0, 2]], expected, torch.tensor([5, 9]))
+    assert torch.equal(cache, expected)
+
+
+@pytest.mark.parametrize("num_q_heads, num_kv_heads", HEAD_CONFIGS)
+def test_paged_attention_triton_matches_reference_fp32(num_q_heads, num_kv_heads):
+    batch = make_batch(MIXED_Q_LENS, MIXED_SEQ_LENS, num_q_heads, num_kv_heads)
+    expected = reference.paged_attention(*batch.args())
+    got = paged_attention_triton(*batch.args())
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_paged_attention_triton_matches_reference_bf16():
+    batch = make_batch(MIXED_Q_LENS, MIXED_SEQ_LENS, 4, 2, dtype=torch.bfloat16)
+    got = paged_attention_triton(*batch.args())
+    assert got.dtype == torch.bfloat16
+    # Oracle: the reference on the same bf16 values upcast to fp32; the kernel accumulates in fp32 and
+    # rounds once at the end, so it is within bf16 rounding of that.
+    upcast = make_batch(MIXED_Q_LENS, MIXED_SEQ_LENS, 4, 2, dtype=torch.bfloat16)
+    upcast.query = upcast.query.float()
+    upcast.layer_cache = upcast.layer_cache.float()
+    expected = reference.paged_attention(*upcast.args())
+    torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2)
+
+
+def test_paged_attention_triton_decode_batch():
+    """Pure decode (q_len 1 everywhere), block size 8, contexts ending mid-block and on a boundary."""
+    batch = make_batch([1, 1, 1], [9, 16, 30], 4, 2, block_size=8)
+    expected = reference.paged_attention(*batch.args())
+    torch.testing.assert_close(paged_attention_triton(*batch.args()), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_blocks_triton_matches_reference(dtype):
+    kv_cache = torch.randn(2, 2, 7, BLOCK_SIZE, 2, HEAD_DIM).to(dtype)
+    block_ids = torch.tensor([5, 1, 3])
+    expected = reference.gather_blocks(kv_cache, block_ids)
+    assert torch.equal(gather_blocks_triton(kv_cache, block_ids), expected)
+    out = torch.zeros_like(expected)
+    assert gather_blocks_triton(kv_cache, block_ids, out) is out
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scatter_blocks_triton_matches_reference(dtype):
+    kv_cache = torch.randn(2, 2, 7, BLOCK_SIZE, 2, HEAD_DIM).to(dtype)
+    buffer = torch.randn(2, 2, 3, BLOCK_SIZE, 2, HEAD_DIM).to(dtype)
+    block_ids = torch.tensor([6, 0, 2])
+    expected = kv_cache.clone()
+    reference.scatter_blocks(buffer, expected, block_ids)
+    scatter_blocks_triton(buffer, kv_cache, block_ids)
+    assert torch.equal(kv_cache, expected)
+
+
+def test_block_copy_triton_multi_chunk():
+    """A block of 8 * 3 * 48 = 1152 elements is copied in two chunks (1024 + a masked tail of 128)."""
+    kv_cache = torch.randn(1, 2, 4, 8, 3, 48)
+    block_ids = torch.tensor([2, 0])
+    expected = reference.gather_blocks(kv_cache, block_ids)
+    assert torch.equal(gather_blocks_triton(kv_cache, block_ids), expected)
+    buffer = torch.randn(1, 2, 2, 8, 3, 48)
+    expected_cache = kv_cache.clone()
+    reference.scatter_blocks(buffer, expected_cache, block_ids)
+    scatter_blocks_triton(buffer, kv_cache, block_ids)
+    assert torch.equal(kv_cache, expected_cache)
+
+
+def test_block_copy_triton_round_trip():
+    """Gather from one cache, scatter into another at different ids: the blocks arrive intact."""
+    src = torch.randn(2, 2, 7, BLOCK_SIZE, 2, HEAD_DIM)
+    dst = torch.zeros(2, 2, 9, BLOCK_SIZE, 2, HEAD_DIM)
+    src_ids, dst_ids = torch.tensor([4, 0, 6]), torch.tensor([8, 3, 1])
+    scatter_blocks_triton(gather_blocks_triton(src, src_ids), dst, dst_ids)
+    assert torch.equal(dst[:, :, dst_ids], src[:, :, src_ids])
+    untouched = [i for i in range(9) if i not in dst_ids.tolist()]
+    assert not dst[:, :, untouched].any()
+
+
+# ---------------------------------------------------------------------------------------------------
+# (b) The reference against itself and against dense attention
+
+
+def naive_dense_attention(batch: PagedBatch, q_lens: list[int]) -> torch.Tensor:
+    """Causal attention from each request's dense K/V, with no paging: one query token, one head at a
+    time, in float64."""
+    num_q_heads = batch.query.shape[1]
+    num_kv_heads = batch.dense_kv[0][0].shape[1]
+    group = num_q_heads // num_kv_heads
+    out = torch.zeros(batch.query.shape, dtype=torch.float64)
+    starts = batch.query_start_loc.tolist()
+    for r, (k, v) in enumerate(batch.dense_kv):
+        seq_len = k.shape[0]
+        for i in range(q_lens[r]):
+            token = starts[r] + i
+            position = seq_len - q_lens[r] + i
+            for h in range(num_q_heads):
+                keys = k[: position + 1, h // group].double()
+                values = v[: position + 1, h // group].double()
+                weights = torch.softmax(keys @ batch.query[token, h].double() * SCALE, dim=0)
+                out[token, h] = weights @ values
+    return out
+
+
+@pytest.mark.parametrize("num_q_heads, num_kv_heads", HEAD_CONFIGS[:2])
+def test_reference_paged_attention_equals_dense(num_q_heads, num_kv_heads):
+    batch = make_batch(MIXED_Q_LENS, MIXED_SEQ_LENS, num_q_heads, num_kv_heads)
+    got = reference.paged_attention(*batch.args())
+    torch.testing.assert_close(got.double(), naive_dense_attention(batch, MIXED_Q_LENS), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_reference_uniform_equals_varlen(q_len):
+    # Finite poison: the uniform reference reads every slot up to the longest request's last block
+    # and relies on its mask alone, so NaN in a masked slot would leak into its output.
+    batch = make_batch([q_len] * 3, [q_len + 2, 11, 17], 4, 2, poison=1e4)
+    varlen = reference.paged_attention(*batch.args())
+    uniform = reference.paged_attention_uniform(
+        batch.query, batch.layer_cache, batch.block_tables, batch.seq_lens, q_len, SCALE
+    )
+    torch.testing.assert_close(uniform, varlen, rtol=1e-5, atol=1e-5)
+
+
+def test_reference_gather_scatter_round_trip():
+    src = torch.randn(3, 2, 6, BLOCK_SIZE, 2, HEAD_DIM)
+    dst = torch.zeros(3, 2, 8, BLOCK_SIZE, 2, HEAD_DIM)
+    src_ids, dst_ids = torch.tensor([2, 5, 0]), torch.tensor([7, 1, 4])
+    reference.scatter_blocks(reference.gather_blocks(src, src_ids), dst, dst_ids)
+    assert torch.equal(dst[:, :, dst_ids], src[:, :, src_ids])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Dispatch (ops.py)
+
+
+def _run_all_ops(batch: PagedBatch, uniform_batch: PagedBatch, q_len: int) -> dict[str, torch.Tensor]:
+    """Every op in ops.py once, on copies, returning what each produced."""
+    results = {}
+    gen = torch.Generator().manual_seed(4)  # both routes must see the same inputs
+    key = torch.randn(3, batch.layer_cache.shape[3], HEAD_DIM, generator=gen)
+    cache = batch.layer_cache.clone()
+    ops.write_kv(key, key + 1, cache, torch.tensor([3, 17, 8]))
+    results["write_kv"] = cache
+    results["paged_attention"] = ops.paged_attention(*batch.args())
+    results["paged_attention_uniform"] = ops.paged_attention_uniform(
+        uniform_batch.query,
+        uniform_batch.layer_cache,
+        uniform_batch.block_tables,
+        uniform_batch.seq_lens,
+        q_len,
+        SCALE,
+    )
+    kv_cache = torch.stack([batch.layer_cache, batch.layer_cache * 2])
+    block_ids = torch.tensor([3, 0])
+    results["gather_blocks"] = ops.gather_blocks(kv_cache, block_ids)
+    scattered = kv_cache.clone()
+    ops.scatter_blocks(results["gather_blocks"] + 1, scattered, torch.tensor([1, 2]))
+    results["scatter_blocks"] = scattered
+    return results
+
+
+@pytest.fixture
+def dispatch_batches():
+    batch = make_batch([1, 5], [6, 9], 4, 2, poison=0.0)
+    uniform_batch = make_batch([2, 2], [3, 10], 4, 2, poison=0.0)
+    return batch, uniform_batch
+
+
+def test_ops_uses_reference_on_cpu(monkeypatch, dispatch_batches):
+    called = []
+    for name in ("write_kv", "paged_attention", "paged_attention_uniform", "gather_blocks", "scatter_blocks"):
+        real = getattr(reference, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            called.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(reference, name, spy)
+    _run_all_ops(*dispatch_batches, q_len=2)
+    assert sorted(called) == sorted(
+        ["write_kv", "paged_attention", "paged_attention_uniform", "gather_blocks", "scatter_blocks"]
+    )
+
+
+def test_ops_triton_route_matches_reference_route(monkeypatch, dispatch_batches):
+    """Force the CUDA branch (whose kernels the interpreter can run on CPU tensors): every op,
+    including paged_attention_uniform's query_start_loc construction, matches the reference branch."""
+    expected = _run_all_ops(*dispatch_batches, q_len=2)
+    monkeypatch.setattr(ops, "_use_triton", lambda *tensors: True)
+    for name in ("write_kv", "paged_attention", "paged_attention_uniform", "gather_blocks", "scatter_blocks"):
+        monkeypatch.setattr(reference, name, None)  # the reference route must not be reached
+    got = _run_all_ops(*dispatch_batches, q_len=2)
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_ops_imports_without_triton(monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton", None)  # makes `import triton` fail, find_spec None
+    monkeypatch.delitem(sys.modules, "pdcluster.kernels.ops")
+    monkeypatch.setattr(kernels_pkg, "ops", ops)  # restored at teardown after the re-import rebinds it
+    fresh_ops = importlib.import_module("pdcluster.kernels.ops")
+    assert fresh_ops is not ops
+    assert not fresh_ops.triton_available()
+    cache = torch.zeros(2, 2, BLOCK_SIZE, 1, HEAD_DIM)
+    fresh_ops.write_kv(torch.ones(1, 1, HEAD_DIM), torch.ones(1, 1, HEAD_DIM), cache, torch.tensor([5]))
+    assert cache[:, 1, 1].eq(1).all()
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU build: the interpreter runs kernels as Python and skips Triton's compiler, which is stricter
+# (types of loop-carried values, constexpr use, dot shapes). Compile every kernel ahead of time for
+# an sm_80 target, as a GPU launch would; no GPU needed. Subprocess: this one must not interpret.
+
+_AOT_COMPILE = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from pdcluster.kernels.triton_block_copy import _copy_blocks_kernel
+from pdcluster.kernels.triton_paged_attention import _paged_attention_kernel
+from pdcluster.kernels.triton_write_kv import _write_kv_kernel
+
+
+def build(fn, pointer_types, constexprs):
+    names = fn.arg_names
+    signature = {n: "constexpr" if n in constexprs else pointer_types.get(n, "i32") for n in names}
+    constants = {(names.index(n),): v for n, v in constexprs.items()}
+    triton.compile(ASTSource(fn, signature, constexprs=constants), target=GPUTarget("cuda", 80, 32))
+
+
+for dtype, precision in (("fp32", "ieee"), ("bf16", "tf32")):
+    build(
+        _paged_attention_kernel,
+        {"out_ptr": "*" + dtype, "query_ptr": "*" + dtype, "cache_ptr": "*" + dtype,
+         "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
+         "qk_scale_log2": "fp32"},
+        # num_reqs == 1 and unit strides: Triton specializes such ints into constants at launch.
+        dict(num_reqs=1, stride_q_dim=1, stride_cache_dim=1, GROUP=4, GROUP_PAD=4, BLOCK_Q=4,
+             BLOCK_M=16, BLOCK_N=32, HEAD_DIM_PAD=128, DOT_PRECISION=precision),
+    )
+build(_write_kv_kernel, {"key_ptr": "*fp32", "value_ptr": "*fp32", "cache_ptr": "*bf16",
+      "slot_mapping_ptr": "*i64"}, dict(HEADS_PAD=8, HEAD_DIM_PAD=128))
+build(_copy_blocks_kernel, {"src_ptr": "*bf16", "dst_ptr": "*bf16", "block_ids_ptr": "*i64"},
+      dict(INDEX_SRC=True, CHUNK=1024))
+print("compiled")
+"""
+
+
+def test_kernels_compile_for_cuda(tmp_path):
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton_cache")  # not the user's ~/.triton
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # silences triton 3.9's default-change warning
+    result = subprocess.run(
+        [sys.executable, "-c", _AOT_COMPILE], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "compiled" in result.stdout
