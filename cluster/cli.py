@@ -1,2 +1,129 @@
-def main():
-    print("pdcluster")
+"""The `pdcluster` command line: `generate` (offline, one engine), more subcommands as they land.
+
+Errors in what the user typed print one line to stderr and exit with status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from pdcluster.engine.config import DTYPES, SPEC_METHODS, ConfigError
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default="smollm2", help="built-in name (smollm2, tiny-random) or an HF model directory")
+    g.add_argument("--dtype", default="float32", choices=DTYPES)
+    g.add_argument("--max-model-len", type=int, default=0, help="0 = the model's limit, capped at 4096")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-kv-blocks", type=int, default=0, help="0 = size the pool from --kv-cache-memory-gib")
+    g.add_argument("--kv-cache-memory-gib", type=float, default=1.0)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--prefill-chunk-size", type=int, default=512)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--spec", default="none", choices=SPEC_METHODS, help="speculative decoding method")
+    g.add_argument("--num-spec-tokens", type=int, default=0, help="draft tokens per step (k)")
+    g.add_argument("--num-threads", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--cache-dir", default="", help="where converted models live (default ~/.cache/pdcluster)")
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    from pdcluster.engine.config import EngineConfig
+
+    num_spec = args.num_spec_tokens
+    if args.spec != "none" and num_spec == 0:
+        num_spec = 3
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_gib=args.kv_cache_memory_gib,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        prefill_chunk_size=args.prefill_chunk_size,
+        enable_prefix_caching=not args.no_prefix_caching,
+        spec_method=args.spec,
+        num_spec_tokens=num_spec,
+        num_threads=args.num_threads,
+        seed=args.seed,
+        cache_dir=args.cache_dir,
+    )
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from pdcluster.engine.llm_engine import LLMEngine
+    from pdcluster.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.sampling_seed,
+        stop=args.stop or [],
+        ignore_eos=args.ignore_eos,
+    )
+    engine = LLMEngine(engine_config_from_args(args))
+    prompts = args.prompt
+    if args.chat:
+        prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    for p in prompts:
+        engine.validate(engine.tokenize(p), params)  # fail before any work, naming the bad prompt
+    outputs = engine.generate(prompts, params)
+    for prompt, out in zip(args.prompt, outputs):
+        if args.json:
+            print(json.dumps({
+                "prompt": prompt,
+                "prompt_token_ids": out.prompt_token_ids,
+                "token_ids": out.token_ids,
+                "text": out.text,
+                "finish_reason": out.finish_reason,
+                "num_draft_tokens": out.num_draft_tokens,
+                "num_accepted_tokens": out.num_accepted_tokens,
+            }), flush=True)
+        else:
+            print(f"{prompt!r} -> {out.text!r}", flush=True)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdcluster", description="Disaggregated prefill/decode LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate offline with one engine (no cluster)")
+    _add_engine_args(gen)
+    gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--json", action="store_true", help="one JSON object per prompt, one per line")
+    gen.set_defaults(func=_cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from pdcluster.engine.llm_engine import InvalidRequestError
+    from pdcluster.engine.model_registry import UnknownModelError
+
+    try:
+        return args.func(args)
+    except (ConfigError, InvalidRequestError, UnknownModelError, ValueError) as e:
+        print(f"pdcluster {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

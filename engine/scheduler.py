@@ -75,6 +75,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_req_ids: set[str] = set()
         self._seen_by_runner: set[str] = set()
+        self.num_preemptions_total = 0
 
     # ---- requests in and out -----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -235,6 +236,7 @@ class Scheduler:
         request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
+        self.num_preemptions_total += 1
         self._seen_by_runner.discard(request.request_id)  # the runner rebuilds it when resumed
         self.waiting.appendleft(request)
 

@@ -1,0 +1,91 @@
+"""Block allocator and scheduler bookkeeping: every block freed exactly once, prefix sharing."""
+
+import pytest
+
+from pdcluster.engine.block_manager import BlockManager, chained_block_hashes
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.request import Request, RequestStatus
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.engine.scheduler import ModelRunnerOutput, Scheduler
+
+
+def _req(rid, tokens, max_tokens=4):
+    return Request(rid, list(tokens), SamplingParams(max_tokens=max_tokens))
+
+
+def test_allocate_and_free_return_every_block():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    a, b = _req("a", range(9)), _req("b", range(5))
+    assert bm.allocate_slots(a, 9) and bm.allocate_slots(b, 5)
+    assert len(a.block_ids) == 3 and len(b.block_ids) == 2
+    assert bm.num_free_blocks == 5
+    assert not bm.allocate_slots(_req("c", range(24)), 24), "6 blocks do not fit in 5"
+    assert bm.num_free_blocks == 5, "a failed allocation changes nothing"
+    bm.free(a)
+    bm.free(b)
+    assert bm.num_free_blocks == 10
+
+
+def test_double_free_is_caught():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    a = _req("a", range(4))
+    bm.allocate_slots(a, 4)
+    ids = list(a.block_ids)
+    bm.free(a)
+    a.block_ids = ids
+    with pytest.raises(AssertionError, match="double free"):
+        bm.free(a)
+
+
+def test_prefix_cache_shares_full_blocks_and_survives_free():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = _req("a", range(10))
+    bm.allocate_slots(a, 10)
+    a.num_computed_tokens = 10
+    bm.cache_full_blocks(a)
+    first_two = a.block_ids[:2]
+    bm.free(a)
+    b = _req("b", list(range(8)) + [99, 98, 97])
+    cached = bm.find_cached_prefix(b)
+    assert cached == first_two
+    assert bm.allocate_slots(b, 3, cached)
+    assert b.block_ids[:2] == first_two
+    assert bm.num_free_blocks == 8 - 3
+    bm.free(b)
+    assert bm.num_free_blocks == 8
+
+
+def test_prefix_cache_leaves_one_token_to_compute():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = _req("a", range(8))
+    bm.allocate_slots(a, 8)
+    a.num_computed_tokens = 8
+    bm.cache_full_blocks(a)
+    # The same 8 tokens again: only the first block may be reused, the last token must be computed.
+    assert len(bm.find_cached_prefix(_req("b", range(8)))) == 1
+
+
+def test_chained_hash_depends_on_prefix():
+    h1 = chained_block_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4)
+    h2 = chained_block_hashes([9, 2, 3, 4, 5, 6, 7, 8], 4)
+    assert h1[1] != h2[1], "same second block after a different first block must hash differently"
+
+
+def test_scheduler_chunks_budget_and_frees_on_finish():
+    cfg = EngineConfig(model="x", block_size=4, max_num_batched_tokens=10, prefill_chunk_size=6)
+    s = Scheduler(cfg, num_blocks=16, max_model_len=64, eos_token_ids={0})
+    s.add_request(_req("a", range(1, 14), max_tokens=2))
+    s.add_request(_req("b", range(1, 4), max_tokens=2))
+    out = s.schedule()
+    assert [(x.request_id, x.num_scheduled_tokens) for x in out.scheduled] == [("a", 6), ("b", 3)]
+    assert out.total_num_scheduled_tokens == 9
+    res = s.update_from_output(out, ModelRunnerOutput(["a", "b"], [[], [7]]))
+    assert s.requests["a"].num_computed_tokens == 6 and res[1].new_token_ids == [7]
+    out = s.schedule()
+    assert [(x.request_id, x.num_scheduled_tokens) for x in out.scheduled] == [("a", 6), ("b", 1)]
+    s.update_from_output(out, ModelRunnerOutput(["a", "b"], [[], [0]]))  # b hits eos
+    assert "b" not in s.requests
+    out = s.schedule()
+    assert out.finished_req_ids == {"b"}
+    s.finish_request("a", RequestStatus.FINISHED_ABORTED)
+    assert s.num_free_blocks == 16 and not s.has_unfinished()

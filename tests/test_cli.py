@@ -1,0 +1,45 @@
+"""`pdcluster generate` as a user runs it: a real subprocess, JSON lines out, clear errors in."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def _run(*args, timeout=300):
+    cmd = [sys.executable, "-m", "pdcluster.cluster.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=os.environ.copy())
+
+
+@pytest.mark.timeout(600)
+def test_generate_json_lines(smollm2_dir):
+    r = _run("generate", "--model", "smollm2", "--prompt", "The capital of France is", "--prompt", "1, 2, 3,",
+             "--max-tokens", "8", "--temperature", "0", "--json", "--num-kv-blocks", "128")
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(line) for line in r.stdout.strip().splitlines()]
+    assert [x["prompt"] for x in lines] == ["The capital of France is", "1, 2, 3,"]
+    for x in lines:
+        assert 0 < len(x["token_ids"]) <= 8 and isinstance(x["text"], str)
+    assert lines[0]["text"].startswith(" Paris")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--prompt", ""], "prompt is empty"),
+        (["--prompt", "word " * 300, "--max-model-len", "128"], "max_model_len is 128"),
+        (["--prompt", "hi", "--max-tokens", "0"], "max_tokens must be a positive integer"),
+        (["--prompt", "hi", "--max-tokens", "-3"], "max_tokens must be a positive integer"),
+        (["--prompt", "hi", "--model", "no-such-model"], "no-such-model"),
+        (["--prompt", "hi", "--dtype", "int3"], "invalid choice"),
+    ],
+)
+@pytest.mark.timeout(300)
+def test_bad_input_is_a_clear_error(tiny_dir, args, message):
+    base = ["generate", "--model", "tiny-random", "--num-kv-blocks", "64"]
+    r = _run(*base, *args)
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert message in r.stderr
+    assert "Traceback" not in r.stderr
