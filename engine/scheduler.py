@@ -32,6 +32,10 @@ class ScheduledRequest:
     all_token_ids: list[int] | None = None  # only when is_new
     sampling_params: object = None  # only when is_new
     num_output_tokens: int = 0  # seeds position-keyed sampling (engine/sampler.py)
+    # Async scheduling (engine/async_utils.py): scheduled behind a step still in flight, so the inputs
+    # (that step's sampled token and drafts) are PLACEHOLDERs the runner fills from its own outputs, and
+    # num_computed_tokens is an upper bound that assumes every in-flight draft is accepted (S4).
+    placeholder_inputs: bool = False
 
 
 @dataclass
@@ -76,6 +80,9 @@ class Scheduler:
         self._finished_req_ids: set[str] = set()
         self._seen_by_runner: set[str] = set()
         self.num_preemptions_total = 0
+        # MTP writes its draft layer's KV for k - 1 chained positions past the verified ones
+        # (engine/proposers/mtp.py): reserve those slots with every allocation.
+        self.num_lookahead_tokens = max(config.num_spec_tokens - 1, 0) if config.spec_method == "mtp" else 0
 
     # ---- requests in and out -----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -113,11 +120,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, cfg.prefill_chunk_size, budget)
+            num_new = min(self._num_new_tokens(request), cfg.prefill_chunk_size, budget)
             if num_new <= 0:
                 i += 1
                 continue
-            while not self.block_manager.allocate_slots(request, num_new):
+            while not self.block_manager.allocate_slots(request, num_new + self.num_lookahead_tokens):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.add(victim.request_id)
@@ -134,7 +141,7 @@ class Scheduler:
             cached = self.block_manager.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
             num_computed = request.num_computed_tokens + len(cached) * cfg.block_size
             num_new = min(request.num_tokens - num_computed, cfg.prefill_chunk_size, budget)
-            if not self.block_manager.allocate_slots(request, num_new, cached):
+            if not self.block_manager.allocate_slots(request, num_new + self.num_lookahead_tokens, cached):
                 break
             self.waiting.popleft()
             if cached:
@@ -157,17 +164,16 @@ class Scheduler:
         results = []
         index = {req_id: i for i, req_id in enumerate(out.req_ids)}
         for s in sched.scheduled:
-            request = self.requests[s.request_id]
-            if request.is_finished or request.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
+            request = self.requests.get(s.request_id)
+            if request is None or request.is_finished or request.status != RequestStatus.RUNNING:
+                continue  # finished or aborted while the step ran
             i = index[s.request_id]
             sampled = out.sampled_token_ids[i]
             num_rejected = len(s.spec_token_ids) + 1 - len(sampled) if sampled and s.spec_token_ids else 0
             # S1: the count moves by what was verified, here and only here.
-            request.num_computed_tokens = s.num_computed_tokens + s.num_scheduled_tokens - num_rejected
+            self._commit_computed(request, s, num_rejected, bool(sampled))
             if s.spec_token_ids:
                 request.num_draft_tokens += len(s.spec_token_ids)
-                request.num_accepted_tokens += len(sampled) - 1
             request.spec_token_ids = []
             new_tokens = []
             finished = False
@@ -177,17 +183,34 @@ class Scheduler:
                 if self._check_stop(request, token_id):
                     finished = True
                     break
+            if s.spec_token_ids and new_tokens:
+                # Accepted drafts that reached the output (a stop token can cut a step's tokens short),
+                # so len(output) == sampling steps + num_accepted_tokens.
+                request.num_accepted_tokens += len(new_tokens) - 1
+            # Register computed full blocks even when the request ends now: a finished request's
+            # prefix is exactly what the next request with the same prompt wants to hit.
+            self.block_manager.cache_full_blocks(request)
             if finished:
                 self.running.remove(request)
                 self._finish(request, request.status)
             else:
-                self.block_manager.cache_full_blocks(request)
                 if out.spec_token_ids and sampled:
-                    request.spec_token_ids = self._cap_drafts(request, out.spec_token_ids[i])
+                    self._take_drafts(request, out.spec_token_ids[i])
             results.append(StepResult(request, new_tokens, finished))
         return results
 
     # ---- helpers ---------------------------------------------------------------------------------
+    # The three hooks below are what async scheduling (engine/async_utils.py) overrides.
+    def _num_new_tokens(self, request: Request) -> int:
+        """Tokens a running request wants this step: its uncomputed committed tokens and drafts."""
+        return request.num_tokens_with_spec - request.num_computed_tokens
+
+    def _commit_computed(self, request: Request, s: ScheduledRequest, num_rejected: int, sampled: bool) -> None:
+        request.num_computed_tokens = s.num_computed_tokens + s.num_scheduled_tokens - num_rejected
+
+    def _take_drafts(self, request: Request, drafts: list[int]) -> None:
+        request.spec_token_ids = self._cap_drafts(request, drafts)
+
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         is_new = request.request_id not in self._seen_by_runner
         self._seen_by_runner.add(request.request_id)

@@ -1,0 +1,145 @@
+"""Model name -> Hugging Face Llama directory on local disk.
+
+Built-in names are built once into `<cache>/models/<name>/`; any other string must be a path to an HF
+directory. Several processes (Ray actors starting together) may resolve the same name at once: an
+exclusive flock on `<cache>/models/<name>.lock` makes exactly one build, and the build happens in a
+temp dir beside the target that is renamed into place, so a reader never sees a half-written model.
+
+A stamp file records which converter source built a directory; when the converter changes the stale
+directory is rebuilt (otherwise a shared cache, e.g. the tests', would hide converter changes). The
+rebuild swaps directories with two renames, so a process resolving in that instant may briefly find
+no directory; only a converter upgrade under running workers can hit that.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from . import gguf_convert, tiny_random
+
+CACHE_ENV = "PDCLUSTER_CACHE_DIR"
+STAMP_FILE = ".pdcluster-build.json"
+REQUIRED_FILES = ("config.json", "tokenizer.json")
+
+
+def _build_smollm2(out: Path, progress: bool) -> None:
+    gguf_convert.convert_gguf_to_hf(gguf_convert.find_smollm2_gguf(), out, progress=progress)
+
+
+def _build_tiny_random(out: Path, progress: bool) -> None:
+    tiny_random.build_tiny_random(out, gguf_convert.find_smollm2_gguf())
+
+
+# name -> (builder, modules whose source decides the output)
+BUILTIN_MODELS: dict[str, tuple[Callable[[Path, bool], None], tuple]] = {
+    "smollm2": (_build_smollm2, (gguf_convert,)),
+    "tiny-random": (_build_tiny_random, (gguf_convert, tiny_random)),
+}
+
+
+class UnknownModelError(ValueError):
+    """Neither a built-in model name nor a Hugging Face model directory."""
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "pdcluster").expanduser()
+
+
+def resolve_model(
+    name_or_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None, progress: bool = True
+) -> Path:
+    """The HF directory for a built-in model name (built on first use) or an existing model directory.
+
+    A built-in name wins over a same-named folder in the working directory.
+    """
+    name = os.fspath(name_or_path)
+    if name in BUILTIN_MODELS:
+        cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+        return _ensure_built(name, cache / "models", progress)
+    path = Path(name).expanduser()
+    problem = _hf_dir_problem(path)
+    if problem is None:
+        return path.resolve()
+    raise UnknownModelError(
+        f"unknown model {name!r}: {problem}; give a built-in name ({', '.join(sorted(BUILTIN_MODELS))}) "
+        "or a Hugging Face model directory with config.json, *.safetensors and tokenizer.json"
+    )
+
+
+def _hf_dir_problem(path: Path) -> str | None:
+    if not path.is_dir():
+        return "it is not a built-in name and no such directory exists"
+    missing = [f for f in REQUIRED_FILES if not (path / f).is_file()]
+    if not any(path.glob("*.safetensors")):
+        missing.append("*.safetensors")
+    return f"directory lacks {', '.join(missing)}" if missing else None
+
+
+def _stamp(name: str) -> dict:
+    _, modules = BUILTIN_MODELS[name]
+    digest = hashlib.sha256()
+    for module in modules:
+        digest.update(Path(module.__file__).read_bytes())
+    return {"name": name, "builder_sha256": digest.hexdigest()}
+
+
+def _is_current(target: Path, stamp: dict) -> bool:
+    try:
+        return json.loads((target / STAMP_FILE).read_text(encoding="utf-8")) == stamp
+    except (OSError, ValueError):
+        return False
+
+
+def _ensure_built(name: str, models_dir: Path, progress: bool) -> Path:
+    target = models_dir / name
+    stamp = _stamp(name)
+    if _is_current(target, stamp):  # fast path: no lock once built
+        return target
+    models_dir.mkdir(parents=True, exist_ok=True)
+    with open(models_dir / f"{name}.lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        if _is_current(target, stamp):  # another process built it while we waited
+            return target
+        for leftover in models_dir.glob(f".{name}.tmp-*"):  # from a builder that died; we hold the lock
+            shutil.rmtree(leftover, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=models_dir))
+        try:
+            BUILTIN_MODELS[name][0](tmp, progress)
+            (tmp / STAMP_FILE).write_text(json.dumps(stamp) + "\n", encoding="utf-8")
+            _make_durable(tmp)
+            _swap_into_place(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return target
+
+
+def _make_durable(folder: Path) -> None:
+    # mkdtemp makes the folder 0700 and safetensors writes 0600; a model cache is not secret.
+    os.chmod(folder, 0o755)
+    for f in folder.iterdir():
+        os.chmod(f, 0o644)
+        with open(f, "rb") as fh:  # data on disk before the rename publishes the folder
+            os.fsync(fh.fileno())
+
+
+def _swap_into_place(tmp: Path, target: Path) -> None:
+    old = None
+    if target.exists():  # stale build: move it aside first, rename() cannot replace a non-empty dir
+        old = target.with_name(f".{target.name}.tmp-old-{os.getpid()}")
+        os.rename(target, old)
+    os.rename(tmp, target)
+    dir_fd = os.open(target.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

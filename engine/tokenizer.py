@@ -1,0 +1,162 @@
+"""Tokenizer wrapper for a Hugging Face model directory: `tokenizers` for text <-> ids, a sandboxed
+jinja2 environment (the same one transformers uses) for chat templates. No transformers import."""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+
+
+class ChatTemplateError(ValueError):
+    """The chat template rejected the conversation (its `raise_exception`) or is missing or broken."""
+
+
+def _token_content(value) -> str | None:
+    # Older tokenizer_config.json files spell special tokens as {"content": "...", ...}.
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _raise_exception(message: str):
+    raise ChatTemplateError(message)
+
+
+def _clean_up_tokenization(text: str) -> str:
+    # transformers' clean_up_tokenization, applied only when the directory asks for it.
+    for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"),
+                          (" n't", "n't"), (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+        text = text.replace(before, after)
+    return text
+
+
+class Tokenizer:
+    """Text <-> token ids and chat rendering for the model in `model_dir`."""
+
+    def __init__(self, model_dir: str | os.PathLike):
+        from tokenizers import Tokenizer as _HFTokenizer
+
+        self.model_dir = Path(model_dir)
+        tokenizer_file = self.model_dir / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in model directory {str(self.model_dir)!r}")
+        self._tok = _HFTokenizer.from_file(str(tokenizer_file))
+        self._config = self._read_json("tokenizer_config.json")
+        self._generation_config = self._read_json("generation_config.json")
+        self.bos_token = _token_content(self._config.get("bos_token"))
+        self.eos_token = _token_content(self._config.get("eos_token"))
+        self.pad_token = _token_content(self._config.get("pad_token"))
+        self._clean_up_spaces = bool(self._config.get("clean_up_tokenization_spaces", False))
+
+    def _read_json(self, name: str) -> dict:
+        path = self.model_dir / name
+        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+    # ---------------------------------------------------------------------------------- text <-> ids
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids for `text`. Special-token strings in the text (e.g. "<|im_start|>") become their ids,
+        as in transformers; `add_special_tokens` adds what the tokenizer's post-processor adds (BOS)."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        text = self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return _clean_up_tokenization(text) if self._clean_up_spaces else text
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    # ---------------------------------------------------------------------------------- special ids
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included (the model's embedding may be larger)."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._id_for(self.bos_token, "bos_token_id")
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._id_for(self.eos_token, "eos_token_id")
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self._id_for(self.pad_token, "pad_token_id")
+
+    def _id_for(self, token: str | None, generation_key: str) -> int | None:
+        if token is not None:
+            token_id = self._tok.token_to_id(token)
+            if token_id is not None:
+                return token_id
+        fallback = self._generation_config.get(generation_key)
+        return fallback[0] if isinstance(fallback, list) else fallback
+
+    @cached_property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """The tokenizer's eos followed by generation_config's eos ids (a model may end a turn on any)."""
+        extra = self._generation_config.get("eos_token_id")
+        extra = extra if isinstance(extra, list) else [] if extra is None else [extra]
+        ids: list[int] = []
+        for token_id in [self.eos_token_id, *extra]:
+            if token_id is not None and int(token_id) not in ids:
+                ids.append(int(token_id))
+        return tuple(ids)
+
+    # ---------------------------------------------------------------------------------- chat
+
+    @cached_property
+    def chat_template(self) -> str | None:
+        template = self._config.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        jinja_file = self.model_dir / "chat_template.jinja"  # newer HF directories keep it separately
+        if template is None and jinja_file.is_file():
+            template = jinja_file.read_text(encoding="utf-8")
+        return template
+
+    @cached_property
+    def _compiled_template(self):
+        import jinja2
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        if self.chat_template is None:
+            raise ChatTemplateError(f"model directory {str(self.model_dir)!r} has no chat template")
+        # Same environment settings as transformers, so templates render byte-identically.
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        # transformers' tojson (argument order included): no HTML escaping, unlike jinja's own.
+        env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            return env.from_string(self.chat_template)
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"chat template of {str(self.model_dir)!r} does not compile: {exc}") from exc
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt text for `messages` ([{"role": ..., "content": ...}, ...])."""
+        import jinja2
+
+        try:
+            # Templates are untrusted code: they see plain JSON data only, never caller objects.
+            plain_messages = json.loads(json.dumps(messages))
+            return self._compiled_template.render(
+                messages=plain_messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except ChatTemplateError:
+            raise
+        except (jinja2.TemplateError, TypeError, ValueError) as exc:  # e.g. content that is not a string / not JSON
+            raise ChatTemplateError(f"chat template failed on these messages: {exc}") from exc
