@@ -23,6 +23,15 @@ class KVConnectorOutput:
         return not (self.finished_sending or self.finished_recving or self.failed)
 
 
+class SchedulerConnector:
+    """Scheduler-side hook, null by default."""
+
+    def request_finished(self, request) -> bool:
+        """A request just finished. Return True to keep its blocks until the connector reports the
+        transfer over (``KVConnectorOutput.finished_sending`` or ``failed``)."""
+        return False
+
+
 class KVConnector:
     """Does nothing. Subclasses override what they need."""
 
@@ -36,4 +45,5 @@ class KVConnector:
         return KVConnectorOutput()
 
     def no_forward(self, scheduler_output) -> KVConnectorOutput:
-        return KVConnectorOutput()
+        """A step with nothing to run still finalises the requests that finished (S2)."""
+        return self.post_forward(set(scheduler_output.finished_req_ids))

@@ -12,10 +12,11 @@ import torch
 
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.kv_cache import KVCacheSpec, allocate_kv_cache, num_blocks_for_budget
-from pdcluster.engine.kv_connector import KVConnector
+from pdcluster.engine.kv_connector import KVConnector, KVConnectorOutput
 from pdcluster.engine.model import LlamaModel, ModelArch
 from pdcluster.engine.model_registry import resolve_model
 from pdcluster.engine.model_runner import ModelRunner
+from pdcluster.engine.proposers import make_proposer, num_draft_layers as proposer_draft_layers
 from pdcluster.engine.request import Request, RequestStatus
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.engine.scheduler import Scheduler
@@ -41,10 +42,20 @@ class RequestOutput:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_cached_tokens: int = 0
+    # The scheduler's authoritative count after this step (S1): what routers must mirror.
+    num_computed_tokens: int = 0
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, connector: KVConnector | None = None, progress: bool = True):
+    def __init__(
+        self,
+        config: EngineConfig,
+        connector: KVConnector | None = None,
+        progress: bool = True,
+        kv_cache_allocator=None,
+    ):
+        """``kv_cache_allocator(shape, dtype, device)`` lets a KV transport provide the cache memory
+        (e.g. shared memory a same-host sender writes into directly)."""
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -60,18 +71,103 @@ class LLMEngine:
             )
         dtype = DTYPES[config.dtype]
         self.model = LlamaModel.load(self.model_dir, dtype, self.max_model_len + config.num_spec_steps + 1)
-        num_draft_layers = 0  # MTP layers are appended here by the speculative-decoding setup
+        num_draft_layers = proposer_draft_layers(config)  # MTP: one layer after the target's (S2)
         probe = KVCacheSpec(arch.num_layers + num_draft_layers, num_draft_layers, 1, config.block_size,
                             arch.num_kv_heads, arch.head_dim, dtype)
         num_blocks = config.num_kv_blocks or num_blocks_for_budget(probe.bytes_per_block, config.kv_cache_memory_gib)
         self.kv_spec = replace(probe, num_blocks=num_blocks)
-        self.kv_cache = allocate_kv_cache(self.kv_spec, config.device)
+        if kv_cache_allocator is not None:
+            self.kv_cache = kv_cache_allocator(self.kv_spec.shape, self.kv_spec.dtype, config.device)
+        else:
+            self.kv_cache = allocate_kv_cache(self.kv_spec, config.device)
         eos = set(arch.eos_token_ids) | set(self.tokenizer.stop_token_ids)
-        self.scheduler = Scheduler(config, num_blocks, self.max_model_len, eos)
-        self.runner = ModelRunner(config, self.model, self.kv_cache, self.max_model_len, connector)
+        scheduler_cls = Scheduler
+        self._stepper = None
+        if config.async_scheduling:
+            from pdcluster.engine.async_utils import AsyncScheduler
+
+            scheduler_cls = AsyncScheduler
+        self.scheduler = scheduler_cls(config, num_blocks, self.max_model_len, eos)
+        self.mtp_source = None
+        mtp_weights = None
+        if config.spec_method == "mtp":
+            from pdcluster.engine.model_registry import default_cache_dir
+            from pdcluster.engine.mtp import resolve_mtp_weights
+
+            mtp_weights, self.mtp_source = resolve_mtp_weights(
+                config.mtp_checkpoint, config.cache_dir or default_cache_dir(), config.model, arch, config.seed
+            )
+        proposer = make_proposer(config, self.model, self.kv_cache, mtp_weights)
+        self.runner = ModelRunner(config, self.model, self.kv_cache, self.max_model_len, connector, proposer)
+        if config.async_scheduling:
+            from pdcluster.engine.async_utils import AsyncStepper
+
+            self._stepper = AsyncStepper(self.scheduler, self.runner)
         self.warmup_batch_kinds = warmup(self.runner, num_blocks=num_blocks)
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
+        # Decode side of a KV transfer: blocks reserved for prompts whose KV is on its way.
+        self._reserved: dict[str, Request] = {}
+        self.last_kv_output = KVConnectorOutput()
+
+    def attach_connector(self, connector: KVConnector) -> None:
+        """Install a KV connector after the cache exists (it needs the tensor). The same object serves
+        as the runner's worker-side connector and, if it has ``request_finished``, the scheduler hook."""
+        self.runner.connector = connector
+        if hasattr(connector, "request_finished"):
+            self.scheduler.kv_hook = connector
+
+    def assign_seed(self, params: SamplingParams) -> SamplingParams:
+        if params.seed is None:
+            # Deterministic per engine seed and request order; the sampler keys draws by (seed, position).
+            params = replace(params, seed=self._rng.randrange(1 << 31))
+        return params
+
+    # ---- decode side of a KV transfer ------------------------------------------------------------
+    def reserve_blocks(self, request_id: str, num_prompt_tokens: int, params: SamplingParams) -> list[int] | None:
+        """Reserve blocks for a prompt whose KV will arrive from a prefill worker; None when the pool
+        cannot hold it now (the router then picks another worker or waits)."""
+        if request_id in self._reserved or request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        placeholder = Request(request_id, [0] * num_prompt_tokens, params, arrival_time=time.monotonic())
+        # Room for the first decode step too (first token + drafts), so an admitted request can run.
+        need = -(-(num_prompt_tokens + 1 + self.config.num_spec_steps) // self.config.block_size)
+        if self.scheduler.block_manager.num_free_blocks < need:
+            return None
+        if not self.scheduler.block_manager.reserve(placeholder, num_prompt_tokens):
+            return None
+        self._reserved[request_id] = placeholder
+        return list(placeholder.block_ids)
+
+    def release_reserved(self, request_id: str) -> bool:
+        """Free the blocks of a reservation whose transfer failed or was aborted. Idempotent."""
+        placeholder = self._reserved.pop(request_id, None)
+        if placeholder is None:
+            return False
+        self.scheduler.block_manager.free(placeholder)
+        return True
+
+    @property
+    def num_reserved(self) -> int:
+        return len(self._reserved)
+
+    def add_prefilled_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        first_token_id: int, draft_token_ids: list[int],
+    ) -> RequestOutput | None:
+        """The prompt's KV has landed in the reserved blocks: decode from here. Returns the final
+        output when the first token already ends the request (stop token, max_tokens=1)."""
+        placeholder = self._reserved.pop(request_id)
+        assert len(prompt_token_ids) == placeholder.num_prompt_tokens
+        request = Request(request_id, list(prompt_token_ids), params, arrival_time=placeholder.arrival_time)
+        request.block_ids = placeholder.block_ids
+        request.num_computed_tokens = len(prompt_token_ids)
+        request.output_token_ids = [first_token_id]
+        request.spec_token_ids = list(draft_token_ids)
+        self.scheduler.add_prefilled_request(request)
+        if request.is_finished:
+            return self._output(request, self.tokenizer.decode(request.output_token_ids), True, [])
+        return None
 
     # ---- requests -------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -100,9 +196,7 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:
         prompt_token_ids = self.tokenize(prompt)
         self.validate(prompt_token_ids, params)
-        if params.seed is None:
-            # Deterministic per engine seed and request order; the sampler keys draws by (seed, position).
-            params = replace(params, seed=self._rng.randrange(1 << 31))
+        params = self.assign_seed(params)
         request_id = request_id or f"req-{next(self._ids)}"
         request = Request(request_id, prompt_token_ids, params, arrival_time=time.monotonic())
         self.scheduler.add_request(request)
@@ -114,13 +208,23 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def has_pending(self) -> bool:
+        """Requests to run, or KV transfers / finish notices still to be driven by steps."""
+        return self.scheduler.has_pending()
+
     # ---- the loop ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule()
-        self.runner.execute_model(sched)
-        runner_output, _kv_output = self.runner.sample_tokens()
+        if self._stepper is not None:  # async scheduling: step n+1 already runs while we detokenise
+            step_results, kv_output = self._stepper.step()
+        else:
+            sched = self.scheduler.schedule()
+            self.runner.execute_model(sched)
+            runner_output, kv_output = self.runner.sample_tokens()
+            step_results = self.scheduler.update_from_output(sched, runner_output)
+        self.last_kv_output = kv_output
+        self.scheduler.free_held(kv_output.finished_sending | kv_output.failed)
         outputs = []
-        for result in self.scheduler.update_from_output(sched, runner_output):
+        for result in step_results:
             request = result.request
             text = self.tokenizer.decode(request.output_token_ids)
             finished = result.finished
@@ -146,6 +250,7 @@ class LLMEngine:
             num_draft_tokens=request.num_draft_tokens,
             num_accepted_tokens=request.num_accepted_tokens,
             num_cached_tokens=request.num_cached_tokens,
+            num_computed_tokens=request.num_computed_tokens,
         )
 
     def generate(

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from pdcluster.engine.block_manager import BlockManager
 from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.kv_connector import SchedulerConnector
 from pdcluster.engine.request import Request, RequestStatus
 
 
@@ -69,8 +70,19 @@ class StepResult:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int, eos_token_ids: set[int]):
+    def __init__(
+        self,
+        config: EngineConfig,
+        num_blocks: int,
+        max_model_len: int,
+        eos_token_ids: set[int],
+        kv_hook: SchedulerConnector | None = None,
+    ):
         self.config = config
+        # KV-transfer hook (null object by default): may hold a finished request's blocks until they
+        # have been sent (prefill side); they are released by free_held().
+        self.kv_hook = kv_hook or SchedulerConnector()
+        self.held: dict[str, Request] = {}
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -106,6 +118,32 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def has_pending(self) -> bool:
+        """Anything left to step for: requests, blocks held for a transfer, or finish notices the
+        runner and connector have not seen yet."""
+        return bool(self.waiting or self.running or self.held or self._finished_req_ids)
+
+    def add_prefilled_request(self, request: Request) -> None:
+        """A request whose prompt KV was computed elsewhere and has landed in ``request.block_ids``
+        (decode side of a KV transfer). ``num_computed_tokens`` is the prompt length, the first
+        output token (and any drafts) came with the transfer."""
+        assert request.block_ids and request.num_computed_tokens == request.num_prompt_tokens
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        request.spec_token_ids = self._cap_drafts(request, request.spec_token_ids)
+        if self._check_stop(request, request.output_token_ids[-1]):
+            self._finish(request, request.status)
+            return
+        self.waiting.append(request)
+
+    def free_held(self, request_ids: set[str]) -> None:
+        """Release the blocks of finished requests whose KV transfer is over (sent or failed)."""
+        for request_id in request_ids:
+            request = self.held.pop(request_id, None)
+            if request is not None:
+                self.block_manager.free(request)
+
     @property
     def num_free_blocks(self) -> int:
         return self.block_manager.num_free_blocks
@@ -140,7 +178,8 @@ class Scheduler:
             request = self.waiting[0]
             cached = self.block_manager.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
             num_computed = request.num_computed_tokens + len(cached) * cfg.block_size
-            num_new = min(request.num_tokens - num_computed, cfg.prefill_chunk_size, budget)
+            # num_tokens_with_spec: a request prefilled elsewhere may arrive with drafts.
+            num_new = min(request.num_tokens_with_spec - num_computed, cfg.prefill_chunk_size, budget)
             if not self.block_manager.allocate_slots(request, num_new + self.num_lookahead_tokens, cached):
                 break
             self.waiting.popleft()
@@ -192,6 +231,8 @@ class Scheduler:
             self.block_manager.cache_full_blocks(request)
             if finished:
                 self.running.remove(request)
+                # Drafts proposed from this step's output travel with a KV transfer (prefill side).
+                request.spec_token_ids = list(out.spec_token_ids[i]) if out.spec_token_ids and sampled else []
                 self._finish(request, request.status)
             else:
                 if out.spec_token_ids and sampled:
@@ -265,7 +306,10 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
-        self.block_manager.free(request)
+        if status != RequestStatus.FINISHED_ABORTED and self.kv_hook.request_finished(request):
+            self.held[request.request_id] = request  # freed by free_held() once sent
+        else:
+            self.block_manager.free(request)
         self.requests.pop(request.request_id, None)
         self._seen_by_runner.discard(request.request_id)
         self._finished_req_ids.add(request.request_id)

@@ -1,0 +1,52 @@
+"""Configuration of a worker's KV-transfer side (control plane + data plane), and the model
+fingerprint both sides compare in the handshake."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pdcluster.kv_transfer.protocol import KVLayout
+from pdcluster.kv_transfer.transports import TransportConfig
+
+
+@dataclass
+class TransferConfig:
+    transport: str = "tcp"
+    secret: str | None = None  # cluster secret for the HMAC handshake; None on both sides = none
+    host: str = "127.0.0.1"  # control-plane and data-plane listeners bind here
+    port: int = 0  # prefill control-plane port; 0 = any free port
+    heartbeat_interval_s: float = 0.5
+    peer_timeout_s: float = 2.5  # a silent peer is dead after this: its blocks are reclaimed
+    transfer_timeout_s: float = 30.0  # deadline of one request's transfer
+
+    def transport_config(self) -> TransportConfig:
+        return TransportConfig(timeout_s=self.transfer_timeout_s, host=self.host)
+
+
+def model_fingerprint(model_dir: str | Path) -> str:
+    """Hash of the model's config and weight file names/sizes: two workers serving different models
+    (or different conversions) must not exchange KV."""
+    model_dir = Path(model_dir)
+    h = hashlib.sha256((model_dir / "config.json").read_bytes())
+    for f in sorted(model_dir.glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return h.hexdigest()[:24]
+
+
+def kv_layout(kv_spec) -> KVLayout:
+    return KVLayout(
+        num_layers=kv_spec.num_layers,
+        num_draft_layers=kv_spec.num_draft_layers,
+        block_size=kv_spec.block_size,
+        num_kv_heads=kv_spec.num_kv_heads,
+        head_dim=kv_spec.head_dim,
+        dtype=str(kv_spec.dtype).removeprefix("torch."),
+    )
+
+
+def dtype_of(name: str) -> torch.dtype:
+    return getattr(torch, name)

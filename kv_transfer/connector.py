@@ -1,0 +1,300 @@
+"""KV connectors: the prefill side sends a request's blocks as they become final, the decode side
+tracks reserved blocks until the KV has landed.
+
+Prefill (``PrefillKVConnector``): full blocks of the prompt are sent layer by layer from the forward
+pass (``save_layer``), overlapping the rest of the forward. Everything that is only final after the
+draft proposer has run (the partial tail block, and the draft/MTP layers of every block) is sent from
+``post_forward(finished_req_ids)`` (invariant S2), which is also the only place a transfer is declared
+complete: once the receiver has acknowledged every send, a ``TransferDone`` carrying the first token
+and the drafts goes to the decode worker and the blocks are released (``finished_sending``). Any failure
+(transport error, dead peer, deadline, abort from the peer) ends in ``failed`` and the blocks are freed
+exactly once.
+
+Decode (``DecodeKVConnector``): each expected request moves WAITING_FOR_KV -> READY | FAILED. READY
+when the prefill side's ``TransferDone`` arrives (sent only after delivery was acknowledged); FAILED on a
+negative ``TransferDone``, an ``AbortTransfer``, a dead prefill peer (heartbeat) or the deadline.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pdcluster.engine.kv_connector import KVConnector, KVConnectorOutput, SchedulerConnector
+from pdcluster.kv_transfer.protocol import AbortTransfer, TransferDone
+
+log = logging.getLogger(__name__)
+
+
+class SendState(enum.Enum):
+    PREFILLING = "prefilling"  # full blocks go out layer by layer as the prompt is computed
+    FLUSHING = "flushing"  # last sends issued from post_forward; waiting for the receiver's ack
+    SENT = "sent"
+    FAILED = "failed"
+
+
+class RecvState(enum.Enum):
+    WAITING_FOR_KV = "waiting_for_kv"
+    READY = "ready"
+    FAILED = "failed"
+
+
+@dataclass
+class SendTask:
+    request_id: str
+    decode_id: str
+    dst_block_ids: list[int]
+    num_prompt_tokens: int
+    deadline: float  # time.monotonic()
+    state: SendState = SendState.PREFILLING
+    src_block_ids: list[int] = field(default_factory=list)
+    num_blocks_sent: int = 0  # full prompt blocks already sent for every target layer
+    finished: bool = False  # the engine finished the request and holds its blocks for us
+    first_token_id: int = -1
+    draft_token_ids: list[int] = field(default_factory=list)
+
+
+class PrefillKVConnector(KVConnector, SchedulerConnector):
+    def __init__(self, transport, endpoint, num_target_layers: int, num_layers: int, block_size: int,
+                 clock=time.monotonic):
+        self.transport = transport
+        self.endpoint = endpoint
+        self.num_target_layers = num_target_layers
+        self.num_layers = num_layers
+        self.block_size = block_size
+        self.clock = clock
+        self.tasks: dict[str, SendTask] = {}
+        self._plan: list[tuple[SendTask, np.ndarray, np.ndarray]] = []  # this step's layer-wise sends
+        self._to_abort: set[str] = set()  # failed while still running in the engine
+        self._failed_reasons: dict[str, str] = {}
+        self._late_failed: set[str] = set()  # finished (blocks held) and failed outside a step
+        self.bytes_sent = 0
+
+    # ---- requests --------------------------------------------------------------------------------
+    def add_transfer(self, request_id: str, decode_id: str, dst_block_ids: list[int], num_prompt_tokens: int,
+                     timeout_s: float) -> None:
+        need = -(-num_prompt_tokens // self.block_size)
+        if len(dst_block_ids) < need:
+            raise ValueError(f"{request_id}: {len(dst_block_ids)} destination blocks for {need} prompt blocks")
+        self.tasks[request_id] = SendTask(request_id, decode_id, list(dst_block_ids), num_prompt_tokens,
+                                          self.clock() + timeout_s)
+
+    def abort(self, request_id: str, reason: str = "aborted") -> None:
+        """Local abort (client gone): tell the decode side, stop sending."""
+        task = self.tasks.get(request_id)
+        if task is not None:
+            self._fail(task, reason, notify_peer=True)
+
+    def take_aborts(self) -> set[str]:
+        """Requests whose transfer failed while the engine still runs them: the worker aborts them."""
+        out, self._to_abort = self._to_abort, set()
+        return out
+
+    def failure_reason(self, request_id: str) -> str | None:
+        return self._failed_reasons.pop(request_id, None)
+
+    # ---- scheduler hook --------------------------------------------------------------------------
+    def request_finished(self, request) -> bool:
+        task = self.tasks.get(request.request_id)
+        if task is None or task.state in (SendState.FAILED, SendState.SENT):
+            return False
+        task.finished = True
+        task.src_block_ids = list(request.block_ids)
+        task.first_token_id = request.output_token_ids[0] if request.output_token_ids else -1
+        task.draft_token_ids = list(request.spec_token_ids)
+        return True  # hold the blocks until post_forward has sent them and the receiver acked
+
+    # ---- worker hooks ------------------------------------------------------------------------------
+    def pre_forward(self, scheduler_output) -> None:
+        self._plan = []
+        for s in scheduler_output.scheduled:
+            task = self.tasks.get(s.request_id)
+            if task is None or task.state != SendState.PREFILLING:
+                continue
+            task.src_block_ids = list(s.block_ids)
+            end = min(s.num_computed_tokens + s.num_scheduled_tokens, task.num_prompt_tokens)
+            num_full = end // self.block_size
+            if num_full > task.num_blocks_sent:
+                blocks = slice(task.num_blocks_sent, num_full)
+                self._plan.append((task, np.asarray(task.src_block_ids[blocks]), np.asarray(task.dst_block_ids[blocks])))
+                task.num_blocks_sent = num_full
+
+    def save_layer(self, layer_idx: int) -> None:
+        if layer_idx >= self.num_target_layers:
+            return  # draft layers are final only after the proposer: post_forward sends them
+        for task, src, dst in self._plan:
+            if task.state == SendState.PREFILLING:
+                self._send(task, [layer_idx], src, dst)
+
+    def post_forward(self, finished_req_ids: set[str]) -> KVConnectorOutput:
+        """Called last in sample_tokens, after the draft proposer (S2); always clears the step's plan."""
+        self._plan = []
+        for request_id in finished_req_ids:
+            task = self.tasks.get(request_id)
+            if task is not None and task.finished and task.state == SendState.PREFILLING:
+                self._flush(task)
+        return self.poll()
+
+    # ---- internals ---------------------------------------------------------------------------------
+    def _send(self, task: SendTask, layer_ids, src: np.ndarray, dst: np.ndarray) -> None:
+        try:
+            self.transport.send(task.decode_id, task.request_id, layer_ids, src, dst)
+            self.bytes_sent += len(src) * len(layer_ids) * self._bytes_per_block_layer()
+        except Exception as e:  # noqa: BLE001 - any send error fails this request only
+            self._fail(task, f"send failed: {e}", notify_peer=True)
+
+    def _bytes_per_block_layer(self) -> int:
+        kv = self.transport.kv_cache
+        return 2 * kv.shape[3] * kv.shape[4] * kv.shape[5] * kv.element_size()
+
+    def _flush(self, task: SendTask) -> None:
+        num_blocks = -(-task.num_prompt_tokens // self.block_size)
+        src = np.asarray(task.src_block_ids[:num_blocks])
+        dst = np.asarray(task.dst_block_ids[:num_blocks])
+        # The tail (partial) block, plus the last full block again so there is always at least one
+        # send after which the receiver's ack means "everything is there".
+        first = min(task.num_blocks_sent, num_blocks - 1)
+        self._send(task, range(0, self.num_target_layers), src[first:], dst[first:])
+        if self.num_layers > self.num_target_layers and task.state != SendState.FAILED:
+            self._send(task, range(self.num_target_layers, self.num_layers), src, dst)
+        if task.state != SendState.FAILED:
+            task.state = SendState.FLUSHING
+
+    def poll(self) -> KVConnectorOutput:
+        out = KVConnectorOutput()
+        delivered, failed = self.transport.poll_sent()
+        for request_id in delivered:
+            task = self.tasks.get(request_id)
+            if task is None or task.state != SendState.FLUSHING:
+                continue  # layer-wise sends drained before the flush: not complete yet
+            done = TransferDone(request_id=request_id, ok=True, error="", num_tokens=task.num_prompt_tokens,
+                                first_token_id=task.first_token_id, draft_token_ids=task.draft_token_ids)
+            try:
+                self.endpoint.send(task.decode_id, done)
+            except Exception as e:  # noqa: BLE001
+                self._fail(task, f"cannot notify decode worker: {e}", notify_peer=False, out=out)
+                continue
+            task.state = SendState.SENT
+            del self.tasks[request_id]
+            out.finished_sending.add(request_id)
+        for request_id, reason in failed:
+            task = self.tasks.get(request_id)
+            if task is not None:
+                self._fail(task, f"transport: {reason}", notify_peer=True, out=out)
+        dead = self.endpoint.dead_peers()
+        now = self.clock()
+        for task in list(self.tasks.values()):
+            if task.decode_id in dead:
+                self._fail(task, f"decode worker {task.decode_id} stopped answering", notify_peer=False, out=out)
+            elif now > task.deadline:
+                self._fail(task, "KV transfer deadline passed", notify_peer=True, out=out)
+        return out
+
+    def handle_message(self, peer_id: str, msg) -> None:
+        if isinstance(msg, AbortTransfer):
+            task = self.tasks.get(msg.request_id)
+            if task is not None and task.decode_id == peer_id:
+                self._fail(task, f"aborted by decode worker: {msg.reason}", notify_peer=False)
+
+    def _fail(self, task: SendTask, reason: str, notify_peer: bool, out: KVConnectorOutput | None = None) -> None:
+        if task.state in (SendState.FAILED, SendState.SENT):
+            return
+        log.warning("KV transfer of %s to %s failed: %s", task.request_id, task.decode_id, reason)
+        task.state = SendState.FAILED
+        self.tasks.pop(task.request_id, None)
+        self._failed_reasons[task.request_id] = reason
+        if notify_peer:
+            try:
+                self.endpoint.send(task.decode_id, AbortTransfer(request_id=task.request_id, reason=reason[:200]))
+            except Exception:  # noqa: BLE001 - the peer may be the thing that is gone
+                pass
+        if task.finished:
+            # Blocks are held by the scheduler for us: release them through the step output.
+            if out is not None:
+                out.failed.add(task.request_id)
+            else:
+                self._late_failed.add(task.request_id)
+        else:
+            self._to_abort.add(task.request_id)  # still running: the worker aborts it (frees once)
+
+    def take_late_failed(self) -> set[str]:
+        out, self._late_failed = self._late_failed, set()
+        return out
+
+
+@dataclass
+class RecvTask:
+    request_id: str
+    prefill_id: str
+    deadline: float
+    state: RecvState = RecvState.WAITING_FOR_KV
+    done: TransferDone | None = None
+    reason: str = ""
+
+
+class DecodeKVConnector(KVConnector):
+    """Tracks reservations; the transport writes the bytes in the background. The worker drains
+    ``take_ready`` / ``take_failed`` each loop turn and hands them to the engine."""
+
+    def __init__(self, transport, endpoint, clock=time.monotonic):
+        self.transport = transport
+        self.endpoint = endpoint
+        self.clock = clock
+        self.tasks: dict[str, RecvTask] = {}
+
+    def expect(self, request_id: str, prefill_id: str, timeout_s: float) -> None:
+        self.tasks[request_id] = RecvTask(request_id, prefill_id, self.clock() + timeout_s)
+
+    def abort(self, request_id: str, reason: str = "aborted") -> bool:
+        task = self.tasks.get(request_id)
+        if task is None or task.state != RecvState.WAITING_FOR_KV:
+            return False
+        self._fail(task, reason, notify_peer=True)
+        return True
+
+    def handle_message(self, peer_id: str, msg) -> None:
+        task = self.tasks.get(msg.request_id) if isinstance(msg, (TransferDone, AbortTransfer)) else None
+        if task is None or task.prefill_id != peer_id or task.state != RecvState.WAITING_FOR_KV:
+            return
+        if isinstance(msg, TransferDone) and msg.ok:
+            task.state, task.done = RecvState.READY, msg
+        else:
+            reason = msg.error if isinstance(msg, TransferDone) else msg.reason
+            self._fail(task, f"prefill worker {peer_id}: {reason}", notify_peer=False)
+
+    def check(self) -> None:
+        self.transport.poll_received()  # bytes land in the background; TransferDone is authoritative
+        dead = self.endpoint.dead_peers()
+        now = self.clock()
+        for task in list(self.tasks.values()):
+            if task.state != RecvState.WAITING_FOR_KV:
+                continue
+            if task.prefill_id in dead:
+                self._fail(task, f"prefill worker {task.prefill_id} stopped answering", notify_peer=False)
+            elif now > task.deadline:
+                self._fail(task, "KV transfer deadline passed", notify_peer=True)
+
+    def take_ready(self) -> list[RecvTask]:
+        ready = [t for t in self.tasks.values() if t.state == RecvState.READY]
+        for t in ready:
+            del self.tasks[t.request_id]
+        return ready
+
+    def take_failed(self) -> list[RecvTask]:
+        failed = [t for t in self.tasks.values() if t.state == RecvState.FAILED]
+        for t in failed:
+            del self.tasks[t.request_id]
+        return failed
+
+    def _fail(self, task: RecvTask, reason: str, notify_peer: bool) -> None:
+        log.warning("KV transfer of %s from %s failed: %s", task.request_id, task.prefill_id, reason)
+        task.state, task.reason = RecvState.FAILED, reason
+        if notify_peer:
+            try:
+                self.endpoint.send(task.prefill_id, AbortTransfer(request_id=task.request_id, reason=reason[:200]))
+            except Exception:  # noqa: BLE001
+                pass

@@ -1,0 +1,147 @@
+"""The KV data-plane interface every transport implements, and its configuration.
+
+A transport moves paged-KV blocks from a sender's cache (prefill) into a receiver's cache (decode).
+It knows nothing of the control plane (handshake, HMAC, heartbeat): peers swap the msgpack-able dict
+from :meth:`KVTransport.local_descriptor` out of band, and the sender calls :meth:`KVTransport.connect`
+with the receiver's dict.
+
+Contract (the same for every transport):
+
+* ``kv_cache`` is the worker's whole paged cache, contiguous,
+  ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``. Sender and receiver must agree
+  on dtype and ``(block_size, num_kv_heads, head_dim)``; ``num_blocks`` may differ.
+* ``send`` never blocks on the network. The listed source blocks must stay unchanged until
+  ``poll_sent`` reports the transfer (a transport may read them lazily, as RDMA would).
+* ``poll_sent`` returns ``(delivered, failed)``. A transfer id is *delivered* when every ``send`` for
+  it issued before this ``poll_sent`` call has landed in the receiver's ``kv_cache`` (the receiver
+  acknowledged it). The check is made at poll time, so a caller sending layer by layer treats the
+  first report that follows its last ``send`` as completion. An id is reported once per time it
+  drains. ``failed`` lists ``(transfer_id, reason)`` for peer loss, timeouts and receiver-side
+  rejections; a failed id is reported once and forgotten.
+* ``poll_received`` returns ``(transfer_id, layer_ids)`` once per ``send`` call whose bytes are fully
+  in ``kv_cache``; a request sent layer by layer shows up once per layer batch, and the caller
+  accumulates layers until it has them all.
+* Every wait is bounded by ``TransportConfig.timeout_s``; a send not acknowledged within it fails.
+* ``close`` stops background threads within about a second and releases OS resources.
+
+Caller errors (unknown peer, block id out of range, mismatched lengths) raise from ``send`` at once.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+import numpy as np
+import torch
+
+Role = Literal["sender", "receiver"]
+
+
+@dataclass
+class UCXOptions:
+    # Comma list for UCX_TLS; None picks "sm,self,tcp" on CPU and adds cuda_copy,cuda_ipc on GPU.
+    tls: str | None = None
+    # Loopback only by default: UCX must not pick a routable interface on shared machines.
+    net_devices: str = "lo"
+    # UCX's shared-memory transports are "unreachable" when endpoint error handling is on, and UCX
+    # then silently falls back to TCP (FIELD_NOTES: ~10x slower). Peer loss is still caught by our
+    # ack deadline (TransportConfig.timeout_s); turn this on only across hosts.
+    error_handling: bool = False
+    # Extra UCX options (without the "UCX_" prefix), e.g. {"RNDV_THRESH": "8192"}.
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class ShmOptions:
+    # Staging ring the sender gathers into when the receiver's cache is not in shared memory.
+    ring_bytes: int = 64 << 20
+
+
+@dataclass
+class TransportConfig:
+    # Bound on every wait: connect handshakes and the delivery of each send (ack deadline).
+    timeout_s: float = 30.0
+    # A send is cut into messages of at most this many payload bytes, so gathering the next chunk,
+    # moving one and scattering the previous one overlap across the two processes.
+    chunk_bytes: int = 4 << 20
+    # Chunks in flight per transport before the sender waits for acks (bounds staging memory).
+    max_inflight_chunks: int = 8
+    # Address listening sockets bind to. Loopback by default; never a wildcard.
+    host: str = "127.0.0.1"
+    ucx: UCXOptions = field(default_factory=UCXOptions)
+    shm: ShmOptions = field(default_factory=ShmOptions)
+
+
+class KVTransport(ABC):
+    """One endpoint (sender or receiver) of the KV data plane. See the module docstring."""
+
+    name: ClassVar[str]
+
+    def __init__(self, kv_cache: torch.Tensor, role: Role, config: TransportConfig | None = None) -> None:
+        if role not in ("sender", "receiver"):
+            raise ValueError(f"role must be 'sender' or 'receiver', got {role!r}")
+        if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
+            raise ValueError(
+                "kv_cache must be [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], "
+                f"got shape {tuple(kv_cache.shape)}"
+            )
+        if not kv_cache.is_contiguous():
+            raise ValueError("kv_cache must be contiguous")
+        self.kv_cache = kv_cache
+        self.role: Role = role
+        self.config = config or TransportConfig()
+
+    @classmethod
+    def allocate_kv_cache(
+        cls, shape: Sequence[int], dtype: torch.dtype, device: str | torch.device = "cpu"
+    ) -> torch.Tensor:
+        """Allocate a zeroed KV cache this transport moves best. The default is plain memory; the
+        shm transport returns memory a sender on the same host can write into directly."""
+        return torch.zeros(tuple(shape), dtype=dtype, device=device)
+
+    @abstractmethod
+    def local_descriptor(self) -> dict:
+        """What a peer needs to connect: msgpack-able (str, int, bytes, lists, dicts)."""
+
+    @abstractmethod
+    def connect(self, peer_id: str, peer_descriptor: dict) -> None:
+        """Sender: open a path to receiver ``peer_id`` (call once per receiver; blocks at most
+        ``timeout_s``). Receivers accept senders without calling this; on a receiver it only checks
+        the descriptor."""
+
+    @abstractmethod
+    def send(
+        self,
+        peer_id: str,
+        transfer_id: str,
+        layer_ids: Sequence[int] | range,
+        src_block_ids: np.ndarray,
+        dst_block_ids: np.ndarray,
+    ) -> None:
+        """Queue a copy of ``kv_cache[layer_ids, :, src_block_ids]`` into the peer's
+        ``kv_cache[layer_ids, :, dst_block_ids]``. Non-blocking."""
+
+    @abstractmethod
+    def poll_sent(self) -> tuple[list[str], list[tuple[str, str]]]:
+        """``(delivered transfer ids, [(transfer id, error)])``; see the module docstring."""
+
+    @abstractmethod
+    def poll_received(self) -> list[tuple[str, list[int]]]:
+        """``[(transfer id, layer ids)]`` whose bytes are now in ``kv_cache``, one per send call."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop background threads and release sockets, memory maps and process groups."""
+
+    def __enter__(self) -> KVTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class TransportUnavailable(RuntimeError):
+    """A transport's library is missing or unusable here."""

@@ -1,0 +1,373 @@
+"""torch.distributed point-to-point transport: NCCL for CUDA caches, gloo for CPU caches.
+
+Every sender-receiver pair gets its own 2-rank process group (sender rank 0, receiver rank 1), so
+nothing clashes with a default group or another pair. The receiver hosts a TCPStore on a socket we
+bind to ``config.host`` ourselves (``master_listen_fd``: TCPStore would otherwise listen on every
+interface); a sender takes the next pair number from a counter in that store and both sides build
+the group under the prefix ``pair<k>/``. gloo's own sockets are bound to the same host.
+
+Per chunk the sender writes the chunk header (transfer id, layers, destination blocks) into the
+store under ``bell<n>``, then sends the gathered payload over the group; the receiver, seeing the
+bell, receives the payload, scatters it and sends an ack back over the group.
+
+Why the header goes through the store and not the group: a gloo receive cannot be polled
+(``is_completed`` stays False until ``wait``) and a ``wait`` that times out closes the pair, so a
+receiver cannot wait, interruptibly, for a message that may never come. The bell is polled with
+``check``; every group receive is posted only when its message is known to be on the way and is
+waited on with the deadline. A pair whose group wait fails is dead: its sends fail at once.
+
+On GPUs the payload goes over NCCL and the control messages (acks) stay on gloo, since a pending
+NCCL receive would hold up later operations of the same communicator. The NCCL path is written for
+real but untested here (no GPU).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import queue
+import socket
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .base import KVTransport, Role, TransportConfig
+from .block_copy import buffer_rows, gather_rows, rows_view, scatter_rows
+from .layout import KVLayout, chunk_problem
+from .send_job import SendJob, prepare_send
+from .staging import BufferPool
+from .tracking import ReceiveTracker, SendTracker
+from .wire import ChunkHeader
+
+log = logging.getLogger(__name__)
+
+_TAG_PAYLOAD = 1
+_TAG_ACK = 2
+_PAIRS_KEY = "pairs"
+_ACK_OK, _ACK_REJECTED = 0, 1
+_STOP_POLL_S = 0.1  # how often blocked-on-queue threads look at the stop flag
+_BELL_POLL_MAX_S = 0.005  # receiver's longest sleep between store checks when idle
+_CLOSE_JOIN_S = 1.5
+_SEND_WINDOW = 2  # payload sends in flight per peer: gather the next chunk while one moves
+
+
+def _td(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=max(seconds, 0.001))
+
+
+def _gloo_group(store: Any, rank: int, host: str, timeout_s: float) -> Any:
+    opts = dist.ProcessGroupGloo._Options()
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    opts._timeout = _td(timeout_s)
+    return dist.ProcessGroupGloo(store, rank, 2, opts)
+
+
+def _nccl_group(store: Any, rank: int, timeout_s: float) -> Any:
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = _td(timeout_s)
+    return dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, 2, opts)
+
+
+@dataclass
+class _PeerLink:
+    """Sender side: the group to one receiver and its two threads."""
+
+    peer_id: str
+    store: Any
+    ctrl: Any  # gloo group
+    data: Any  # NCCL group on GPU, else ``ctrl``
+    jobs: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    expected_acks: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    dead: str | None = None
+    bell_no: int = 0
+    threads: list[threading.Thread] = field(default_factory=list)
+
+
+class TorchDistTransport(KVTransport):
+    name = "nccl"
+
+    def __init__(self, kv_cache: torch.Tensor, role: Role, config: TransportConfig | None = None) -> None:
+        super().__init__(kv_cache, role, config)
+        self._layout = KVLayout.of(kv_cache)
+        self._rows = rows_view(kv_cache, self._layout.block_bytes)
+        self._device = kv_cache.device
+        self._backend = "nccl" if kv_cache.is_cuda else "gloo"
+        self._id = uuid.uuid4().hex
+        self._tracker = SendTracker()
+        self._received = ReceiveTracker()
+        self._pool = BufferPool(self._device, self.config.max_inflight_chunks * self.config.chunk_bytes)
+        self._links: dict[str, _PeerLink] = {}
+        self._peer_layouts: dict[str, KVLayout] = {}
+        self._threads: list[threading.Thread] = []
+        self._stop = threading.Event()
+        self._store: Any = None
+        self._port = 0
+        if role == "receiver":
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((self.config.host, 0))
+            listener.listen(128)
+            self._port = listener.getsockname()[1]
+            self._store = dist.TCPStore(
+                self.config.host,
+                self._port,
+                None,
+                True,
+                _td(self.config.timeout_s),
+                wait_for_workers=False,
+                master_listen_fd=listener.detach(),
+            )
+            self._spawn(self._accept_pairs, "nccl-kv-accept")
+
+    def _spawn(self, target: Any, name: str, *args: Any) -> threading.Thread:
+        t = threading.Thread(target=target, args=args, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+        return t
+
+    def _cuda_thread_setup(self) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)
+
+    # ---------------------------------------------------------------- caller-side API
+
+    def local_descriptor(self) -> dict:
+        return {
+            "transport": self.name,
+            "layout": self._layout.to_dict(),
+            "backend": self._backend,
+            "host": self.config.host,
+            "port": self._port,
+        }
+
+    def connect(self, peer_id: str, peer_descriptor: dict) -> None:
+        peer_layout = KVLayout.from_dict(peer_descriptor["layout"])
+        self._layout.check_peer(peer_layout)
+        if self.role == "receiver":
+            return
+        if peer_descriptor["backend"] != self._backend:
+            raise ValueError(f"{peer_id} uses {peer_descriptor['backend']}, this side {self._backend}")
+        timeout_s = self.config.timeout_s
+        store = dist.TCPStore(str(peer_descriptor["host"]), int(peer_descriptor["port"]), None, False, _td(timeout_s))
+        pair = store.add(_PAIRS_KEY, 1) - 1
+        pair_store = dist.PrefixStore(f"pair{pair}/", store)
+        # Blocks until the receiver's acceptor builds its side (it polls every few ms).
+        ctrl = _gloo_group(pair_store, 0, self.config.host, timeout_s)
+        data = _nccl_group(pair_store, 0, timeout_s) if self._backend == "nccl" else ctrl
+        link = _PeerLink(peer_id, pair_store, ctrl, data)
+        link.threads = [
+            self._spawn(self._send_loop, f"nccl-kv-send-{peer_id}", link),
+            self._spawn(self._ack_loop, f"nccl-kv-ack-{peer_id}", link),
+        ]
+        self._links[peer_id] = link
+        self._peer_layouts[peer_id] = peer_layout
+
+    def send(
+        self,
+        peer_id: str,
+        transfer_id: str,
+        layer_ids: Sequence[int] | range,
+        src_block_ids: np.ndarray,
+        dst_block_ids: np.ndarray,
+    ) -> None:
+        if peer_id not in self._links:
+            raise KeyError(f"unknown peer {peer_id!r}: call connect() first")
+        job = prepare_send(
+            layout=self._layout,
+            peer_layout=self._peer_layouts[peer_id],
+            tracker=self._tracker,
+            peer_id=peer_id,
+            transfer_id=transfer_id,
+            layer_ids=layer_ids,
+            src_block_ids=src_block_ids,
+            dst_block_ids=dst_block_ids,
+            chunk_bytes=self.config.chunk_bytes,
+            timeout_s=self.config.timeout_s,
+        )
+        link = self._links[peer_id]
+        if link.dead:
+            self._tracker.fail_send(job.seq, link.dead)
+            return
+        link.jobs.put(job)
+
+    def poll_sent(self) -> tuple[list[str], list[tuple[str, str]]]:
+        return self._tracker.poll()
+
+    def poll_received(self) -> list[tuple[str, list[int]]]:
+        return self._received.poll()
+
+    def close(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        deadline = time.monotonic() + _CLOSE_JOIN_S
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        stuck = [t.name for t in self._threads if t.is_alive()]
+        if stuck:
+            # A thread inside a gloo/NCCL wait cannot be interrupted; it ends at its deadline.
+            log.warning("threads still in a collective wait after close: %s", stuck)
+            return
+        for link in self._links.values():
+            self._tracker.fail_peer(link.peer_id, "transport closed")
+        self._links.clear()
+        self._pool.clear()
+        self._store = None
+
+    # ---------------------------------------------------------------- sender threads
+
+    def _link_lost(self, link: _PeerLink, reason: str) -> None:
+        if link.dead is None:
+            link.dead = reason
+        self._tracker.fail_peer(link.peer_id, link.dead)
+
+    def _send_loop(self, link: _PeerLink) -> None:
+        self._cuda_thread_setup()
+        in_flight: deque[tuple[Any, torch.Tensor, SendJob, int, float]] = deque()
+        while not self._stop.is_set():
+            try:
+                job: SendJob | None = link.jobs.get(timeout=0 if in_flight else _STOP_POLL_S)
+            except queue.Empty:
+                job = None
+            if job is None:
+                if in_flight:
+                    self._finish_send(link, in_flight.popleft())
+                continue
+            for chunk in job.chunks:
+                if link.dead:
+                    self._tracker.fail_send(job.seq, link.dead)
+                if not self._tracker.is_live(job.seq):
+                    break
+                while len(in_flight) >= _SEND_WINDOW:
+                    self._finish_send(link, in_flight.popleft())
+                try:
+                    in_flight.append(self._post_chunk(link, job, chunk))
+                except Exception as e:  # noqa: BLE001 - any failure of the group ends the pair
+                    self._link_lost(link, f"send to {link.peer_id} failed: {e}")
+        while in_flight and not link.dead:
+            self._finish_send(link, in_flight.popleft())
+
+    def _post_chunk(self, link: _PeerLink, job: SendJob, chunk: Any) -> tuple[Any, torch.Tensor, SendJob, int, float]:
+        nbytes = job.payload_bytes(chunk, self._layout)
+        buf = self._pool.take(nbytes)
+        gather_rows(
+            self._rows, self._layout.row_ids(job.layer_ids, chunk.src_block_ids), buffer_rows(buf, self._layout.block_bytes)
+        )
+        header = job.header(chunk, self._id, self._layout).encode()
+        link.store.set(f"bell{link.bell_no}", header)
+        link.bell_no += 1
+        # Ack expectation first: acks come back in chunk order on the control group.
+        deadline = time.monotonic() + self.config.timeout_s
+        link.expected_acks.put((job.seq, chunk.index, deadline))
+        work = link.data.send([buf], 1, _TAG_PAYLOAD)
+        return work, buf, job, chunk.index, deadline
+
+    def _finish_send(self, link: _PeerLink, item: tuple[Any, torch.Tensor, SendJob, int, float]) -> None:
+        work, buf, job, _, deadline = item
+        try:
+            work.wait(_td(deadline - time.monotonic()))
+        except Exception as e:  # noqa: BLE001 - closed pair or timeout: the pair is gone
+            self._link_lost(link, f"payload to {link.peer_id} failed: {e}")
+            return
+        self._pool.give(buf)
+
+    def _ack_loop(self, link: _PeerLink) -> None:
+        ack = torch.zeros(3, dtype=torch.int64)
+        while not self._stop.is_set() and link.dead is None:
+            try:
+                seq, chunk_index, deadline = link.expected_acks.get(timeout=_STOP_POLL_S)
+            except queue.Empty:
+                continue
+            try:
+                link.ctrl.recv([ack], 1, _TAG_ACK).wait(_td(deadline - time.monotonic()))
+            except Exception as e:  # noqa: BLE001 - closed pair or timeout: the pair is gone
+                self._link_lost(link, f"ack from {link.peer_id} failed: {e}")
+                return
+            got_seq, got_chunk, status = (int(x) for x in ack)
+            if (got_seq, got_chunk) != (seq, chunk_index):
+                self._link_lost(link, f"ack out of order from {link.peer_id}")
+                return
+            self._tracker.chunk_acked(seq, None if status == _ACK_OK else "receiver rejected the chunk")
+
+    # ---------------------------------------------------------------- receiver threads
+
+    def _accept_pairs(self) -> None:
+        store = dist.TCPStore(self.config.host, self._port, None, False, _td(self.config.timeout_s))
+        known = 0
+        while not self._stop.wait(_BELL_POLL_MAX_S * 4):
+            try:
+                count = store.add(_PAIRS_KEY, 0)
+            except Exception:  # noqa: BLE001 - store gone: we are closing
+                return
+            for pair in range(known, count):
+                self._spawn(self._receive_loop, f"nccl-kv-recv-{pair}", pair)
+            known = count
+
+    def _receive_loop(self, pair: int) -> None:
+        self._cuda_thread_setup()
+        timeout_s = self.config.timeout_s
+        client = dist.TCPStore(self.config.host, self._port, None, False, _td(timeout_s))
+        store = dist.PrefixStore(f"pair{pair}/", client)
+        try:
+            ctrl = _gloo_group(store, 1, self.config.host, timeout_s)
+            data = _nccl_group(store, 1, timeout_s) if self._backend == "nccl" else ctrl
+        except Exception as e:  # noqa: BLE001 - sender vanished during setup
+            log.warning("pair %d setup failed: %s", pair, e)
+            return
+        bell_no = 0
+        sleep_s = 0.0002
+        sender_id = None
+        while not self._stop.is_set():
+            key = f"bell{bell_no}"
+            try:
+                if not store.check([key]):
+                    time.sleep(sleep_s)
+                    sleep_s = min(sleep_s * 2, _BELL_POLL_MAX_S)
+                    continue
+                header = ChunkHeader.decode(store.get(key))
+                store.delete_key(key)
+            except Exception as e:  # noqa: BLE001 - our own store failing: closing down
+                log.debug("pair %d store: %s", pair, e)
+                return
+            sleep_s = 0.0002
+            bell_no += 1
+            sender_id = header.sender_id
+            try:
+                self._receive_chunk(ctrl, data, header)
+            except Exception as e:  # noqa: BLE001 - the sender died mid-chunk: drop the pair
+                log.warning("pair %d: %s", pair, e)
+                self._received.drop_sender(sender_id)
+                return
+
+    def _receive_chunk(self, ctrl: Any, data: Any, header: ChunkHeader) -> None:
+        layout = self._layout
+        deadline = time.monotonic() + self.config.timeout_s
+        buf = self._pool.take(header.payload_bytes)
+        try:
+            data.recv([buf], 0, _TAG_PAYLOAD).wait(_td(deadline - time.monotonic()))
+            problem = chunk_problem(layout, header.layer_ids, header.dst_block_ids, buf.numel())
+            if problem is None:
+                scatter_rows(
+                    buffer_rows(buf, layout.block_bytes), self._rows, layout.row_ids(header.layer_ids, header.dst_block_ids)
+                )
+                if buf.is_cuda:
+                    torch.cuda.current_stream().synchronize()  # in kv_cache before we ack
+        finally:
+            self._pool.give(buf)
+        if problem is None:
+            self._received.chunk_landed(
+                header.sender_id, header.send_seq, header.num_chunks, header.transfer_id, header.layer_ids
+            )
+        else:
+            log.warning("rejected chunk of %s: %s", header.transfer_id, problem)
+        status = _ACK_OK if problem is None else _ACK_REJECTED
+        ack = torch.tensor([header.send_seq, header.chunk_index, status], dtype=torch.int64)
+        ctrl.send([ack], 0, _TAG_ACK).wait(_td(deadline - time.monotonic()))

@@ -1,0 +1,312 @@
+"""TCP transport over pyzmq.
+
+The receiver binds a ROUTER on ``config.host`` (127.0.0.1 by default; never a wildcard); each sender
+connects a DEALER per receiver. A chunk is one two-frame message, [msgpack header, payload], the
+payload handed to zmq without a copy (``copy=False``, ``track=True``: the staging buffer goes back to
+the pool only once zmq is done with it). The receiver scatters straight from zmq's frame and answers
+with an ack on the same socket.
+
+Flow control: at most ``max_inflight_chunks`` unacknowledged chunks per transport, so a slow receiver
+holds up the sender instead of growing zmq's queues without bound (HWMs are off).
+
+Failure: a socket monitor on each DEALER reports a dropped connection at once (peer killed); the ack
+deadline covers everything else (peer hung, never reachable).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import uuid
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from .base import KVTransport, Role, TransportConfig
+from .block_copy import buffer_rows, gather_rows, rows_view, scatter_rows
+from .layout import KVLayout, chunk_problem
+from .send_job import SendJob, prepare_send
+from .staging import BufferPool
+from .tracking import ReceiveTracker, SendTracker
+from .waker import Waker
+from .wire import ChunkAck, ChunkHeader
+
+log = logging.getLogger(__name__)
+
+_IDLE_WAIT_MS = 50
+_CLOSE_JOIN_S = 2.0
+
+
+class ZmqTransport(KVTransport):
+    name = "tcp"
+
+    def __init__(self, kv_cache: torch.Tensor, role: Role, config: TransportConfig | None = None) -> None:
+        super().__init__(kv_cache, role, config)
+        self._layout = KVLayout.of(kv_cache)
+        self._rows = rows_view(kv_cache, self._layout.block_bytes)
+        self._device = kv_cache.device
+        self._id = uuid.uuid4().hex
+        self._zctx = zmq.Context()
+        self._waker = Waker()
+        self._tracker = SendTracker()
+        self._received = ReceiveTracker()
+        self._pool = BufferPool(
+            torch.device("cpu"), self.config.max_inflight_chunks * self.config.chunk_bytes
+        )
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._peer_layouts: dict[str, KVLayout] = {}  # caller thread
+        self._port = 0
+        self._router: zmq.Socket | None = None
+        if role == "receiver":
+            # Bound here, not in the IO thread, so the descriptor is ready when __init__ returns.
+            self._router = self._zctx.socket(zmq.ROUTER)
+            self._router.setsockopt(zmq.LINGER, 0)
+            self._router.setsockopt(zmq.RCVHWM, 0)
+            self._router.setsockopt(zmq.SNDHWM, 0)
+            self._port = self._router.bind_to_random_port(f"tcp://{self.config.host}")
+        # IO thread state.
+        self._dealers: dict[str, zmq.Socket] = {}
+        self._monitors: dict[zmq.Socket, str] = {}  # monitor socket -> peer id
+        self._dead_peers: dict[str, str] = {}
+        self._jobs: deque[SendJob] = deque()
+        self._unacked: dict[tuple[int, int], str] = {}  # (send seq, chunk) -> peer id
+        self._tracked: list[tuple[zmq.MessageTracker, torch.Tensor]] = []
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name=f"tcp-kv-{role}", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------- caller-side API
+
+    def local_descriptor(self) -> dict:
+        return {"transport": self.name, "layout": self._layout.to_dict(), "host": self.config.host, "port": self._port}
+
+    def connect(self, peer_id: str, peer_descriptor: dict) -> None:
+        peer_layout = KVLayout.from_dict(peer_descriptor["layout"])
+        self._layout.check_peer(peer_layout)
+        if self.role == "receiver":
+            return
+        endpoint = f"tcp://{peer_descriptor['host']}:{int(peer_descriptor['port'])}"
+        done = threading.Event()
+        result: dict[str, BaseException] = {}
+        self._commands.put(("connect", peer_id, endpoint, done, result))
+        self._waker.wake()
+        if not done.wait(self.config.timeout_s):
+            raise TimeoutError(f"connect to {peer_id} timed out")
+        if "error" in result:
+            raise ConnectionError(f"connect to {peer_id} failed: {result['error']}") from result["error"]
+        self._peer_layouts[peer_id] = peer_layout
+
+    def send(
+        self,
+        peer_id: str,
+        transfer_id: str,
+        layer_ids: Sequence[int] | range,
+        src_block_ids: np.ndarray,
+        dst_block_ids: np.ndarray,
+    ) -> None:
+        if peer_id not in self._peer_layouts:
+            raise KeyError(f"unknown peer {peer_id!r}: call connect() first")
+        job = prepare_send(
+            layout=self._layout,
+            peer_layout=self._peer_layouts[peer_id],
+            tracker=self._tracker,
+            peer_id=peer_id,
+            transfer_id=transfer_id,
+            layer_ids=layer_ids,
+            src_block_ids=src_block_ids,
+            dst_block_ids=dst_block_ids,
+            chunk_bytes=self.config.chunk_bytes,
+            timeout_s=self.config.timeout_s,
+        )
+        self._commands.put(("send", job))
+        self._waker.wake()
+
+    def poll_sent(self) -> tuple[list[str], list[tuple[str, str]]]:
+        return self._tracker.poll()
+
+    def poll_received(self) -> list[tuple[str, list[int]]]:
+        return self._received.poll()
+
+    def close(self) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        self._waker.wake()
+        self._thread.join(_CLOSE_JOIN_S)
+        if self._thread.is_alive():
+            log.warning("tcp IO thread did not stop within %.1fs", _CLOSE_JOIN_S)
+            return
+        self._waker.close()
+        self._pool.clear()
+        self._zctx.term()  # every socket is closed (LINGER 0), so this returns at once
+
+    # ---------------------------------------------------------------- IO thread
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._waker.fileno(), zmq.POLLIN)
+        if self._router is not None:
+            poller.register(self._router, zmq.POLLIN)
+        try:
+            while not self._stopping:
+                busy = self._drain_commands(poller)
+                busy |= self._post_chunks()
+                self._release_sent_buffers()
+                events = dict(poller.poll(0 if busy else _IDLE_WAIT_MS))
+                if self._waker.fileno() in events:
+                    self._waker.drain()
+                if self._router is not None and self._router in events:
+                    self._receive_chunks()
+                for peer_id, sock in list(self._dealers.items()):
+                    if sock in events:
+                        self._receive_acks(sock)
+                for mon, peer_id in list(self._monitors.items()):
+                    if mon in events:
+                        self._on_monitor(mon, peer_id, poller)
+        except Exception as e:  # noqa: BLE001 - surface in poll_sent rather than die silently
+            log.exception("tcp IO thread failed")
+            for peer_id in list(self._dealers):
+                self._tracker.fail_peer(peer_id, f"tcp IO thread failed: {e}")
+        finally:
+            for peer_id in list(self._dealers):
+                self._tracker.fail_peer(peer_id, "transport closed")
+            for sock in [*self._dealers.values(), *self._monitors]:
+                sock.close(linger=0)
+            if self._router is not None:
+                self._router.close(linger=0)
+
+    def _drain_commands(self, poller: zmq.Poller) -> bool:
+        busy = False
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return busy
+            busy = True
+            if cmd[0] == "send":
+                self._jobs.append(cmd[1])
+            elif cmd[0] == "connect":
+                _, peer_id, endpoint, done, result = cmd
+                try:
+                    self._connect_io(peer_id, endpoint, poller)
+                except Exception as e:  # noqa: BLE001 - handed to the caller
+                    result["error"] = e
+                done.set()
+
+    def _connect_io(self, peer_id: str, endpoint: str, poller: zmq.Poller) -> None:
+        sock = self._zctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sock.connect(endpoint)
+        self._dealers[peer_id] = sock
+        self._monitors[mon] = peer_id
+        self._dead_peers.pop(peer_id, None)
+        poller.register(sock, zmq.POLLIN)
+        poller.register(mon, zmq.POLLIN)
+
+    def _on_monitor(self, mon: zmq.Socket, peer_id: str, poller: zmq.Poller) -> None:
+        while mon.poll(0):
+            event = recv_monitor_message(mon)
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                # zmq would reconnect and resend silently; a lost receiver has lost our chunks.
+                reason = f"connection to {peer_id} dropped"
+                self._dead_peers[peer_id] = reason
+                self._tracker.fail_peer(peer_id, reason)
+
+    # sender ------------------------------------------------------------------------------
+
+    def _live_unacked(self) -> int:
+        dead = [k for k in self._unacked if not self._tracker.is_live(k[0])]
+        for k in dead:
+            del self._unacked[k]
+        return len(self._unacked)
+
+    def _post_chunks(self) -> bool:
+        posted = False
+        while self._jobs and self._live_unacked() < self.config.max_inflight_chunks:
+            job = self._jobs[0]
+            if job.peer_id in self._dead_peers:
+                self._tracker.fail_send(job.seq, self._dead_peers[job.peer_id])
+            if not self._tracker.is_live(job.seq) or job.next_chunk >= len(job.chunks):
+                self._jobs.popleft()
+                continue
+            chunk = job.chunks[job.next_chunk]
+            job.next_chunk += 1
+            buf = self._pool.take(job.payload_bytes(chunk, self._layout))
+            rows = self._layout.row_ids(job.layer_ids, chunk.src_block_ids)
+            if self._device.type == "cuda":
+                gathered = torch.empty((len(rows), self._layout.block_bytes), dtype=torch.uint8, device=self._device)
+                gather_rows(self._rows, rows, gathered)
+                buf.view(-1, self._layout.block_bytes).copy_(gathered)  # device -> host, synchronous
+            else:
+                gather_rows(self._rows, rows, buffer_rows(buf, self._layout.block_bytes))
+            header = job.header(chunk, self._id, self._layout).encode()
+            tracker = self._dealers[job.peer_id].send_multipart([header, buf.numpy()], copy=False, track=True)
+            self._tracked.append((tracker, buf))
+            self._unacked[(job.seq, chunk.index)] = job.peer_id
+            posted = True
+        return posted
+
+    def _release_sent_buffers(self) -> None:
+        still: list[tuple[zmq.MessageTracker, torch.Tensor]] = []
+        for tracker, buf in self._tracked:
+            if tracker.done:
+                self._pool.give(buf)
+            else:
+                still.append((tracker, buf))
+        self._tracked = still
+
+    def _receive_acks(self, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            ack = ChunkAck.decode(frames[-1])
+            self._unacked.pop((ack.send_seq, ack.chunk_index), None)
+            self._tracker.chunk_acked(ack.send_seq, ack.error)
+
+    # receiver ----------------------------------------------------------------------------
+
+    def _receive_chunks(self) -> None:
+        assert self._router is not None
+        while True:
+            try:
+                identity, header_frame, payload = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            except ValueError:
+                log.warning("malformed message dropped")
+                continue
+            header = ChunkHeader.decode(header_frame.buffer)
+            error = self._scatter(header, payload)
+            if error is None:
+                self._received.chunk_landed(
+                    header.sender_id, header.send_seq, header.num_chunks, header.transfer_id, header.layer_ids
+                )
+            ack = ChunkAck(header.send_seq, header.chunk_index, error).encode()
+            self._router.send_multipart([identity.bytes, ack])
+
+    def _scatter(self, header: ChunkHeader, payload: Any) -> str | None:
+        layout = self._layout
+        data = np.frombuffer(payload.buffer, dtype=np.uint8)
+        problem = chunk_problem(layout, header.layer_ids, header.dst_block_ids, data.size)
+        if problem:
+            return problem
+        rows = layout.row_ids(header.layer_ids, header.dst_block_ids)
+        src = data.reshape(-1, layout.block_bytes)
+        if self._device.type == "cuda":
+            src = torch.from_numpy(src.copy())  # zmq's frame is read-only; torch wants writable memory
+            scatter_rows(src, self._rows, rows)
+            torch.cuda.current_stream().synchronize()  # bytes in kv_cache before we ack
+        else:
+            scatter_rows(src, self._rows, rows)
+        return None

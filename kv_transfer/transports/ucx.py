@@ -1,0 +1,382 @@
+"""UCX transport over the ucxx core (non-asyncio) API.
+
+Wiring: no listener (``create_listener`` binds every interface). The receiver's descriptor carries its
+UCX worker address; the sender builds an endpoint from it and sends a HELLO with its own worker
+address, from which the receiver builds the endpoint it acks on.
+
+Per chunk the sender gathers the blocks into a staging buffer and posts two tagged sends: a header
+on ``CONTROL_TAG`` and the payload on a tag unique to the chunk. The receiver probes ``CONTROL_TAG``,
+posts a receive for the payload tag into a staging buffer, scatters it into its cache, and acks on
+``ACK_TAG``. Several chunks are in flight, so gathering, moving and scattering overlap.
+
+Threading: UCX workers are not thread-safe, so one IO thread owns the worker and every UCX call;
+callers only queue commands. The thread sleeps in epoll on the worker's event fd and a Waker
+(blocking progress mode: it beat a progress thread on our 2 cores, FIELD_NOTES).
+
+Failure: with endpoint error handling off (the default, see UCXOptions.error_handling) UCX reports
+nothing when a peer dies: a rendezvous send to it simply never completes. The ack deadline in
+SendTracker turns that into an error in poll_sent; the stuck requests are cancelled at close.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import secrets
+import select
+import threading
+import uuid
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+import torch
+
+from .base import KVTransport, Role, TransportConfig
+from .block_copy import buffer_rows, gather_rows, rows_view, scatter_rows
+from .layout import KVLayout, chunk_problem
+from .send_job import SendJob, prepare_send
+from .staging import BufferPool
+from .tracking import ReceiveTracker, SendTracker
+from .waker import Waker
+from .wire import ChunkAck, ChunkHeader
+
+log = logging.getLogger(__name__)
+
+CONTROL_TAG = 0x5044_0001  # HELLO and chunk headers, sender -> receiver
+ACK_TAG = 0x5044_0002  # acks, receiver -> sender
+_PAYLOAD_TAG_BIT = 1 << 63  # payload tags: this bit + 31 random bits + a 32-bit counter
+_MSG_HELLO = 0
+_MSG_CHUNK = 1
+_IDLE_WAIT_S = 0.05  # epoll cap; only stop requests and deadline-free bookkeeping wait on it
+_CLOSE_JOIN_S = 2.0
+
+
+@dataclass
+class _Op:
+    """A posted UCX request and what must stay alive until it completes."""
+
+    kind: str  # "ctrl_send" | "payload_send" | "ack_send" | "ctrl_recv" | "payload_recv" | "ack_recv"
+    request: Any
+    buffer: Any
+    seq: int = -1
+    header: ChunkHeader | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def _host_bytes(data: bytes) -> np.ndarray:
+    # Writable, owned memory: ucxx's Array wants a buffer it can keep a pointer into.
+    return np.frombuffer(bytearray(data), dtype=np.uint8)
+
+
+class UCXTransport(KVTransport):
+    name = "ucx"
+
+    def __init__(self, kv_cache: torch.Tensor, role: Role, config: TransportConfig | None = None) -> None:
+        super().__init__(kv_cache, role, config)
+        import ucxx._lib.libucxx as ucx_api
+        from ucxx._lib.arr import Array
+
+        self._api = ucx_api
+        self._Array = Array
+        self._layout = KVLayout.of(kv_cache)
+        self._rows = rows_view(kv_cache, self._layout.block_bytes)
+        self._device = kv_cache.device
+        self._id = uuid.uuid4().hex
+        opts = self.config.ucx
+        tls = opts.tls or ("sm,self,tcp,cuda_copy,cuda_ipc" if kv_cache.is_cuda else "sm,self,tcp")
+        ucx_options = {"TLS": tls, "NET_DEVICES": opts.net_devices, **opts.extra}
+        self._ctx = ucx_api.UCXContext(ucx_options, feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
+        self._worker = ucx_api.UCXWorker(self._ctx)
+        self._worker.init_blocking_progress_mode()
+        self._address = bytes(self._worker.address.tobytes())
+
+        self._waker = Waker()
+        self._epoll = select.epoll()
+        self._epoll.register(self._worker.epoll_file_descriptor, select.EPOLLIN)
+        self._epoll.register(self._waker.fileno(), select.EPOLLIN)
+
+        self._tracker = SendTracker()
+        self._received = ReceiveTracker()
+        self._pool = BufferPool(self._device, self.config.max_inflight_chunks * self.config.chunk_bytes)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._peer_layouts: dict[str, KVLayout] = {}  # caller thread
+        # Everything below belongs to the IO thread.
+        self._endpoints: dict[str, Any] = {}  # sender: peer_id -> endpoint
+        self._reply_endpoints: dict[str, Any] = {}  # receiver: sender_id -> endpoint
+        self._jobs: deque[SendJob] = deque()
+        self._ops: list[_Op] = []
+        self._ctrl_recvs: deque[_Op] = deque()  # handled strictly in arrival order
+        self._tag_base = _PAYLOAD_TAG_BIT | (secrets.randbits(31) << 32)
+        self._tag_counter = 0
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name=f"ucx-kv-{role}", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------- caller-side API
+
+    def local_descriptor(self) -> dict:
+        return {"transport": self.name, "layout": self._layout.to_dict(), "worker_address": self._address}
+
+    def connect(self, peer_id: str, peer_descriptor: dict) -> None:
+        peer_layout = KVLayout.from_dict(peer_descriptor["layout"])
+        self._layout.check_peer(peer_layout)
+        if self.role == "receiver":
+            return
+        done = threading.Event()
+        result: dict[str, BaseException] = {}
+        self._commands.put(("connect", peer_id, bytes(peer_descriptor["worker_address"]), done, result))
+        self._waker.wake()
+        if not done.wait(self.config.timeout_s):
+            raise TimeoutError(f"UCX connect to {peer_id} timed out")
+        if "error" in result:
+            raise ConnectionError(f"UCX connect to {peer_id} failed: {result['error']}") from result["error"]
+        self._peer_layouts[peer_id] = peer_layout
+
+    def send(
+        self,
+        peer_id: str,
+        transfer_id: str,
+        layer_ids: Sequence[int] | range,
+        src_block_ids: np.ndarray,
+        dst_block_ids: np.ndarray,
+    ) -> None:
+        if peer_id not in self._peer_layouts:
+            raise KeyError(f"unknown peer {peer_id!r}: call connect() first")
+        job = prepare_send(
+            layout=self._layout,
+            peer_layout=self._peer_layouts[peer_id],
+            tracker=self._tracker,
+            peer_id=peer_id,
+            transfer_id=transfer_id,
+            layer_ids=layer_ids,
+            src_block_ids=src_block_ids,
+            dst_block_ids=dst_block_ids,
+            chunk_bytes=self.config.chunk_bytes,
+            timeout_s=self.config.timeout_s,
+        )
+        self._commands.put(("send", job))
+        self._waker.wake()
+
+    def poll_sent(self) -> tuple[list[str], list[tuple[str, str]]]:
+        return self._tracker.poll()
+
+    def poll_received(self) -> list[tuple[str, list[int]]]:
+        return self._received.poll()
+
+    def close(self) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        self._waker.wake()
+        self._thread.join(_CLOSE_JOIN_S)
+        if self._thread.is_alive():
+            log.warning("UCX IO thread did not stop within %.1fs", _CLOSE_JOIN_S)
+            return  # leave UCX objects alone: the thread may still touch them
+        self._epoll.close()
+        self._waker.close()
+        self._pool.clear()
+        # Endpoints before the worker before the context: ucxx tears down in reference order.
+        self._endpoints.clear()
+        self._reply_endpoints.clear()
+        self._ops.clear()
+        self._ctrl_recvs.clear()
+        self._worker = None
+        self._ctx = None
+
+    # ---------------------------------------------------------------- IO thread
+
+    def _run(self) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)
+        try:
+            while not self._stopping:
+                busy = self._drain_commands()
+                self._worker.progress()
+                busy |= self._probe(CONTROL_TAG, "ctrl_recv")
+                busy |= self._probe(ACK_TAG, "ack_recv")
+                busy |= self._complete_ops()
+                busy |= self._post_chunks()
+                if not busy and self._worker.arm():
+                    self._epoll.poll(_IDLE_WAIT_S)
+                    self._waker.drain()
+        except Exception as e:  # noqa: BLE001 - surface in poll_sent rather than die silently
+            log.exception("UCX IO thread failed")
+            for peer_id in list(self._endpoints):
+                self._tracker.fail_peer(peer_id, f"UCX IO thread failed: {e}")
+        finally:
+            self._shutdown_io()
+
+    def _shutdown_io(self) -> None:
+        try:
+            self._worker.cancel_inflight_requests()
+            for ep in [*self._endpoints.values(), *self._reply_endpoints.values()]:
+                ep.close()
+            self._worker.progress()
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            log.debug("UCX shutdown", exc_info=True)
+        for peer_id in list(self._endpoints):
+            self._tracker.fail_peer(peer_id, "transport closed")
+
+    def _drain_commands(self) -> bool:
+        busy = False
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return busy
+            busy = True
+            if cmd[0] == "send":
+                self._jobs.append(cmd[1])
+            elif cmd[0] == "connect":
+                _, peer_id, address, done, result = cmd
+                try:
+                    self._connect_io(peer_id, address)
+                except Exception as e:  # noqa: BLE001 - handed to the caller
+                    result["error"] = e
+                done.set()
+
+    def _connect_io(self, peer_id: str, address: bytes) -> None:
+        api = self._api
+        ep = api.UCXEndpoint.create_from_worker_address(
+            self._worker, api.UCXAddress.create_from_buffer(address), self.config.ucx.error_handling
+        )
+        hello = _host_bytes(msgpack.packb([_MSG_HELLO, self._id, self._address]))
+        self._ops.append(_Op("ctrl_send", ep.tag_send(self._Array(hello), api.UCXXTag(CONTROL_TAG)), hello))
+        self._endpoints[peer_id] = ep
+
+    def _probe(self, tag: int, kind: str) -> bool:
+        found = False
+        while True:
+            probe = self._worker.tag_probe(self._api.UCXXTag(tag), remove=True)
+            if not probe.matched:
+                return found
+            found = True
+            buf = np.empty(probe.length, dtype=np.uint8)
+            op = _Op(kind, self._worker.tag_recv_with_handle(self._Array(buf), probe), buf)
+            (self._ctrl_recvs if kind == "ctrl_recv" else self._ops).append(op)
+
+    def _ucx_array(self, buf: torch.Tensor) -> Any:
+        # Host buffers go through numpy (buffer protocol); CUDA tensors expose __cuda_array_interface__.
+        return self._Array(buf if buf.is_cuda else buf.numpy())
+
+    # sender: post chunks while staging allows ------------------------------------------------
+
+    def _live_payload_sends(self) -> int:
+        return sum(1 for op in self._ops if op.kind == "payload_send" and self._tracker.is_live(op.seq))
+
+    def _post_chunks(self) -> bool:
+        posted = False
+        while self._jobs and self._live_payload_sends() < self.config.max_inflight_chunks:
+            job = self._jobs[0]
+            ep = self._endpoints.get(job.peer_id)
+            if ep is None or not self._tracker.is_live(job.seq) or job.next_chunk >= len(job.chunks):
+                self._jobs.popleft()
+                continue
+            chunk = job.chunks[job.next_chunk]
+            job.next_chunk += 1
+            nbytes = job.payload_bytes(chunk, self._layout)
+            buf = self._pool.take(nbytes)
+            gather_rows(
+                self._rows,
+                self._layout.row_ids(job.layer_ids, chunk.src_block_ids),
+                buffer_rows(buf, self._layout.block_bytes),
+            )
+            if buf.is_cuda:
+                torch.cuda.current_stream().synchronize()  # UCX reads the buffer outside the stream
+            tag = self._tag_base | (self._tag_counter & 0xFFFF_FFFF)
+            self._tag_counter += 1
+            header = job.header(chunk, self._id, self._layout, {"tag": tag})
+            ctrl = _host_bytes(msgpack.packb([_MSG_CHUNK, header.encode()]))
+            api = self._api
+            self._ops.append(_Op("ctrl_send", ep.tag_send(self._Array(ctrl), api.UCXXTag(CONTROL_TAG)), ctrl))
+            req = ep.tag_send(self._ucx_array(buf), api.UCXXTag(tag))
+            self._ops.append(_Op("payload_send", req, buf, seq=job.seq))
+            posted = True
+        return posted
+
+    # completions ------------------------------------------------------------------------------
+
+    def _complete_ops(self) -> bool:
+        busy = False
+        while self._ctrl_recvs and self._ctrl_recvs[0].request.completed:
+            self._on_control(self._ctrl_recvs.popleft())
+            busy = True
+        pending: list[_Op] = []
+        done: list[_Op] = []
+        for op in self._ops:
+            (done if op.request.completed else pending).append(op)
+        self._ops = pending
+        for op in done:
+            busy = True
+            self._on_done(op)
+        return busy
+
+    def _error_of(self, op: _Op) -> str | None:
+        try:
+            op.request.check_error()
+            return None
+        except Exception as e:  # noqa: BLE001 - UCX errors become strings for poll_sent
+            return f"UCX {op.kind} failed: {e}"
+
+    def _on_done(self, op: _Op) -> None:
+        error = self._error_of(op)
+        if op.kind == "payload_send":
+            self._pool.give(op.buffer)
+            if error:
+                self._tracker.fail_send(op.seq, error)
+        elif op.kind == "ack_recv":
+            if error is None:
+                ack = ChunkAck.decode(op.buffer.tobytes())
+                self._tracker.chunk_acked(ack.send_seq, ack.error)
+        elif op.kind == "payload_recv":
+            self._on_payload(op, error)
+        elif error:  # ctrl_send / ack_send: the ack deadline reports the consequence
+            log.debug("%s", error)
+
+    def _on_control(self, op: _Op) -> None:
+        if self._error_of(op):
+            return
+        msg = msgpack.unpackb(op.buffer.tobytes())
+        api = self._api
+        if msg[0] == _MSG_HELLO:
+            _, sender_id, address = msg
+            self._reply_endpoints[sender_id] = api.UCXEndpoint.create_from_worker_address(
+                self._worker, api.UCXAddress.create_from_buffer(address), self.config.ucx.error_handling
+            )
+            return
+        header = ChunkHeader.decode(msg[1])
+        buf = self._pool.take(header.payload_bytes)
+        req = self._worker.tag_recv(self._ucx_array(buf), api.UCXXTag(header.extra["tag"]))
+        self._ops.append(_Op("payload_recv", req, buf, header=header))
+
+    def _on_payload(self, op: _Op, error: str | None) -> None:
+        header = op.header
+        assert header is not None
+        if error is None:
+            error = self._scatter(header, op.buffer)
+        self._pool.give(op.buffer)
+        if error is None:
+            self._received.chunk_landed(
+                header.sender_id, header.send_seq, header.num_chunks, header.transfer_id, header.layer_ids
+            )
+        ep = self._reply_endpoints.get(header.sender_id)
+        if ep is None:
+            log.warning("chunk from unknown sender %s dropped", header.sender_id)
+            return
+        ack = _host_bytes(ChunkAck(header.send_seq, header.chunk_index, error).encode())
+        self._ops.append(_Op("ack_send", ep.tag_send(self._Array(ack), self._api.UCXXTag(ACK_TAG)), ack))
+
+    def _scatter(self, header: ChunkHeader, buf: torch.Tensor) -> str | None:
+        layout = self._layout
+        problem = chunk_problem(layout, header.layer_ids, header.dst_block_ids, buf.numel())
+        if problem:
+            return problem
+        dst = header.dst_block_ids
+        scatter_rows(buffer_rows(buf, layout.block_bytes), self._rows, layout.row_ids(header.layer_ids, dst))
+        if buf.is_cuda:
+            torch.cuda.current_stream().synchronize()  # the bytes must be in kv_cache before we report
+        return None
