@@ -1,0 +1,55 @@
+"""What the HTTP layer needs from a router: the contract between cluster/api.py and the routers
+(cluster/router.py for the Ray cluster, cluster/local_router.py for a single in-process engine).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Protocol
+
+from pdcluster.engine.sampling_params import SamplingParams
+
+
+class RouterError(Exception):
+    """A request could not be served. ``status`` is the HTTP status the API should answer with."""
+
+    def __init__(self, message: str, status: int = 503, kind: str = "server_error"):
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+
+
+@dataclass
+class TokenDelta:
+    """New tokens of one request, in order. The last delta of a request has ``finished=True``."""
+
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # authoritative count so far (from the decode worker)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    error: str | None = None
+    # Seconds, set on the first delta: queue, prefill, kv_transfer, first_decode (where known).
+    ttft_breakdown: dict[str, float] = field(default_factory=dict)
+
+
+class Router(Protocol):
+    model_name: str
+    max_model_len: int
+    tokenizer: object  # pdcluster.engine.tokenizer.Tokenizer
+
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
+        """Stream the request's tokens. Raises RouterError (before the first delta) when it cannot
+        be admitted; a failure after that ends the stream with finish_reason="error"."""
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Client went away or asked to stop: free everything on every worker."""
+        ...
+
+    def stats(self) -> dict:
+        """Gauges for /metrics and /health: e.g. num_requests_running, num_requests_waiting,
+        kv_cache_usage_perc, workers: [...], healthy: bool."""
+        ...
