@@ -1,0 +1,204 @@
+"""Starts the cluster on Ray: prefill and decode actors in a placement group (one device each), the
+control-plane mesh between them (every decode worker handshakes with every prefill worker: xPyD),
+the router, and the HTTP server.
+
+Devices: with CUDA each worker asks Ray for ``num_gpus=1``. On CPU, custom resources
+``prefill_slot`` / ``decode_slot`` stand in for devices and each worker gets its own share of the
+cores (torch threads), so prefill and decode do not fight over them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+import uuid
+from dataclasses import asdict, dataclass
+
+from pdcluster.cluster.router import ClusterRouter
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.model import ModelArch
+from pdcluster.engine.model_registry import resolve_model
+from pdcluster.engine.tokenizer import Tokenizer
+from pdcluster.kv_transfer.config import TransferConfig
+
+log = logging.getLogger(__name__)
+
+_FORWARDED_ENV = ("PDCLUSTER_CACHE_DIR", "UCX_NET_DEVICES", "UCX_TLS", "UCX_WARN_UNUSED_ENV_VARS", "TOKENIZERS_PARALLELISM")
+
+
+@dataclass
+class ClusterSpec:
+    engine: EngineConfig
+    transfer: TransferConfig
+    mode: str = "disagg"  # "disagg" | "colocated"
+    num_prefill: int = 1
+    num_decode: int = 1
+    policy: str = "least_loaded"
+    address: str | None = None  # Ray address; None = start a local Ray instance
+    conditional_prefill_tokens: int = 0
+    busy_prefill_tokens: int = 0
+    request_timeout_s: float = 300.0
+    served_model_name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("disagg", "colocated"):
+            raise ValueError(f"mode: {self.mode!r} is not one of disagg, colocated (or local without Ray)")
+        if self.num_decode < 1 or (self.mode == "disagg" and self.num_prefill < 1):
+            raise ValueError(f"need at least one decode worker and, in disagg mode, one prefill worker "
+                             f"(got num_prefill={self.num_prefill}, num_decode={self.num_decode})")
+
+
+class Cluster:
+    """Handles to a running cluster. ``shutdown()`` stops the actors (and Ray, if we started it)."""
+
+    def __init__(self, spec: ClusterSpec):
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from pdcluster.decode_node.actor import DecodeActor
+        from pdcluster.prefill_node.actor import PrefillActor
+
+        self.spec = spec
+        self._ray = ray
+        num_prefill = spec.num_prefill if spec.mode == "disagg" else 0
+        num_workers = num_prefill + spec.num_decode
+        self.model_dir = resolve_model(spec.engine.model, cache_dir=spec.engine.cache_dir or None)
+        self.tokenizer = Tokenizer(self.model_dir)
+        arch = ModelArch.from_dir(self.model_dir)
+        self._started_ray = False
+        if not ray.is_initialized():
+            if spec.address:
+                ray.init(address=spec.address, log_to_driver=True)
+            else:
+                ray.init(num_cpus=os.cpu_count(), resources={"prefill_slot": num_prefill, "decode_slot": spec.num_decode},
+                         include_dashboard=False, log_to_driver=True)
+                self._started_ray = True
+        use_gpu = bool(ray.cluster_resources().get("GPU", 0))
+        event_host = "127.0.0.1" if not spec.address else ray.util.get_node_ip_address()
+        engine = spec.engine
+        if not engine.num_threads and not use_gpu and not spec.address:
+            # Share this machine's cores between the workers (each worker is its own "device").
+            engine = EngineConfig(**{**asdict(engine), "num_threads": max(1, (os.cpu_count() or 1) // num_workers)})
+        transfer = spec.transfer
+        if spec.address and transfer.host == "127.0.0.1":
+            # Workers on other nodes must reach each other: each binds its own node's address.
+            transfer = TransferConfig(**{**asdict(transfer), "host": "auto"})
+        self.router = ClusterRouter(
+            {}, {}, self.tokenizer, spec.served_model_name or spec.engine.model,
+            max_model_len=engine.max_model_len or min(arch.max_position_embeddings, 4096),
+            block_size=engine.block_size, num_blocks=engine.num_kv_blocks, policy=spec.policy, mode=spec.mode,
+            num_spec_tokens=engine.num_spec_steps, conditional_prefill_tokens=spec.conditional_prefill_tokens,
+            busy_prefill_tokens=spec.busy_prefill_tokens, request_timeout_s=spec.request_timeout_s,
+            event_host=event_host,
+        )
+        slot = {"prefill": "prefill_slot", "decode": "decode_slot"}
+        bundles = [({"GPU": 1} if use_gpu else {slot["prefill"]: 1}) for _ in range(num_prefill)]
+        bundles += [({"GPU": 1} if use_gpu else {slot["decode"]: 1}) for _ in range(spec.num_decode)]
+        self.placement_group = placement_group(bundles, strategy="PACK")
+        ray.get(self.placement_group.ready(), timeout=120)
+        env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
+        engine_dict = asdict(engine)
+        transfer_dict = asdict(transfer)
+        tag = uuid.uuid4().hex[:6]
+        self.prefill_handles, self.decode_handles = {}, {}
+        for i in range(num_prefill):
+            opts = self._actor_options(PlacementGroupSchedulingStrategy(self.placement_group, i), use_gpu, slot["prefill"])
+            wid = f"prefill-{i}-{tag}"
+            self.prefill_handles[wid] = ray.remote(PrefillActor).options(**opts).remote(
+                wid, engine_dict, transfer_dict, self.router.event_address, env)
+        for j in range(spec.num_decode):
+            opts = self._actor_options(PlacementGroupSchedulingStrategy(self.placement_group, num_prefill + j), use_gpu, slot["decode"])
+            wid = f"decode-{j}-{tag}"
+            self.decode_handles[wid] = ray.remote(DecodeActor).options(**opts).remote(
+                wid, engine_dict, transfer_dict if spec.mode == "disagg" else None, self.router.event_address, env)
+        addresses = dict(zip(self.prefill_handles, ray.get([h.address.remote() for h in self.prefill_handles.values()], timeout=300)))
+        for handle in self.decode_handles.values():
+            ray.get([handle.connect_prefill.remote(addr) for addr in addresses.values()], timeout=60)
+        stats = ray.get([h.stats.remote() for h in self.decode_handles.values()], timeout=60)
+        self.router.prefill.update(self.prefill_handles)
+        self.router.decode.update(self.decode_handles)
+        from pdcluster.cluster.policies import WorkerView
+
+        for wid in self.prefill_handles:
+            self.router.views[wid] = WorkerView(wid, "prefill", engine.num_kv_blocks, engine.block_size)
+        for wid, st in zip(self.decode_handles, stats):
+            self.router.views[wid] = WorkerView(wid, "decode", st["num_blocks"], engine.block_size)
+
+    @staticmethod
+    def _actor_options(strategy, use_gpu: bool, slot: str) -> dict:
+        opts = {"scheduling_strategy": strategy, "num_cpus": 0, "max_concurrency": 4}
+        if use_gpu:
+            opts["num_gpus"] = 1
+        else:
+            opts["resources"] = {slot: 1}
+        return opts
+
+    def worker_stats(self) -> dict:
+        handles = {**self.prefill_handles, **self.decode_handles}
+        return dict(zip(handles, self._ray.get([h.stats.remote() for h in handles.values()], timeout=30)))
+
+    def shutdown(self) -> None:
+        ray = self._ray
+        for h in [*self.prefill_handles.values(), *self.decode_handles.values()]:
+            try:
+                ray.kill(h)
+            except Exception:  # noqa: BLE001
+                pass
+        self.router.close()
+        try:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.placement_group)
+        except Exception:  # noqa: BLE001
+            pass
+        if self._started_ray:
+            ray.shutdown()
+
+
+def spec_from_args(args) -> ClusterSpec:
+    from pdcluster.cluster.cli import engine_config_from_args
+
+    return ClusterSpec(
+        engine=engine_config_from_args(args),
+        transfer=TransferConfig(
+            transport=args.transport,
+            secret=args.cluster_secret or os.environ.get("PDCLUSTER_CLUSTER_SECRET") or None,
+        ),
+        mode=args.mode,
+        num_prefill=args.num_prefill,
+        num_decode=args.num_decode,
+        policy=args.router_policy,
+        address=args.address or None,
+        request_timeout_s=args.request_timeout_s,
+        served_model_name=args.served_model_name or "",
+        conditional_prefill_tokens=getattr(args, "conditional_prefill_tokens", 0) or 0,
+    )
+
+
+def run_cluster(args) -> int:
+    """`pdcluster serve` for the Ray modes: start everything, serve HTTP until interrupted."""
+    import uvicorn
+
+    from pdcluster.cluster.api import build_app
+
+    spec = spec_from_args(args)
+    cluster = Cluster(spec)
+    api_key = args.api_key or os.environ.get("PDCLUSTER_API_KEY") or None
+    app = build_app(cluster.router, cluster.router.model_name, api_key=api_key, max_body_bytes=args.max_body_bytes)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
+
+    async def main() -> None:
+        cluster.router.start(asyncio.get_running_loop())
+        print(f"pdcluster serving {cluster.router.model_name} ({spec.mode}, {len(cluster.prefill_handles)}P"
+              f"+{len(cluster.decode_handles)}D, transport {spec.transfer.transport}) on http://{args.host}:{args.port}",
+              file=sys.stderr, flush=True)
+        await server.serve()
+
+    try:
+        asyncio.run(main())
+    finally:
+        cluster.shutdown()
+    return 0

@@ -1,0 +1,87 @@
+"""Placement policies of the global router. Pure functions over the router's worker views, so tests
+can check decisions without a cluster.
+
+Load is measured in KV tokens the router knows a worker holds (refreshed from the decode workers'
+reports, never advanced locally), plus the speculative slots each running request reserves (MTP-aware).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+POLICIES = ("round_robin", "least_loaded", "power_of_two", "prefix_aware")
+
+
+@dataclass
+class WorkerView:
+    worker_id: str
+    role: str  # "prefill" | "decode"
+    num_blocks: int = 0
+    block_size: int = 16
+    healthy: bool = True
+    # Derived from requests (see Router): tokens whose KV the worker holds or has reserved.
+    kv_tokens: int = 0
+    num_requests: int = 0
+    queued_prefill_tokens: int = 0
+    # Prefix affinity: recently seen prompt block hashes (LRU).
+    recent_hashes: OrderedDict = field(default_factory=OrderedDict)
+
+    def load(self, num_spec_tokens: int) -> int:
+        return self.kv_tokens + self.num_requests * num_spec_tokens
+
+    def remember(self, hashes: list[int], capacity: int = 4096) -> None:
+        for h in hashes:
+            self.recent_hashes[h] = None
+            self.recent_hashes.move_to_end(h)
+        while len(self.recent_hashes) > capacity:
+            self.recent_hashes.popitem(last=False)
+
+    def prefix_match(self, hashes: list[int]) -> int:
+        n = 0
+        for h in hashes:
+            if h not in self.recent_hashes:
+                break
+            n += 1
+        return n
+
+
+class Placer:
+    def __init__(self, policy: str, num_spec_tokens: int = 0, seed: int = 0):
+        if policy not in POLICIES:
+            raise ValueError(f"router policy {policy!r} is unknown; choose one of {', '.join(POLICIES)}")
+        self.policy = policy
+        self.num_spec_tokens = num_spec_tokens
+        self._rr = {"prefill": 0, "decode": 0}
+        self._rng = random.Random(seed)
+
+    def order_decode(self, decodes: list[WorkerView]) -> list[WorkerView]:
+        """Decode candidates, best first (the router tries them in order until one admits)."""
+        live = [w for w in decodes if w.healthy]
+        if not live:
+            return []
+        if self.policy == "round_robin":
+            return self._rotate("decode", live)
+        if self.policy == "power_of_two" and len(live) > 2:
+            a, b = self._rng.sample(live, 2)
+            first = min((a, b), key=lambda w: w.load(self.num_spec_tokens))
+            return [first] + sorted((w for w in live if w is not first), key=lambda w: w.load(self.num_spec_tokens))
+        return sorted(live, key=lambda w: (w.load(self.num_spec_tokens), w.worker_id))
+
+    def pick_prefill(self, prefills: list[WorkerView], prompt_hashes: list[int]) -> WorkerView | None:
+        live = [w for w in prefills if w.healthy]
+        if not live:
+            return None
+        if self.policy == "round_robin":
+            return self._rotate("prefill", live)[0]
+        if self.policy == "power_of_two" and len(live) > 2:
+            live = self._rng.sample(live, 2)
+        if self.policy == "prefix_aware":
+            return max(live, key=lambda w: (w.prefix_match(prompt_hashes), -w.queued_prefill_tokens, w.worker_id))
+        return min(live, key=lambda w: (w.queued_prefill_tokens, w.worker_id))
+
+    def _rotate(self, role: str, live: list[WorkerView]) -> list[WorkerView]:
+        i = self._rr[role] % len(live)
+        self._rr[role] += 1
+        return live[i:] + live[:i]

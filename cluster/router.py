@@ -1,0 +1,336 @@
+"""The global router of the Ray cluster: places each request on a (prefill, decode) pair, streams its
+tokens back, and keeps per-request and per-worker token accounting.
+
+Accounting (invariant S1, one level up): a request's ``num_computed_tokens`` is whatever its decode
+worker last reported after acceptance; a worker's load is *derived* from its requests' reported counts
+each time it is read. Nothing here is advanced by "+1 per step", so speculative steps that emit several
+tokens (or none) cannot make the router drift.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import threading
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import AsyncIterator
+
+import msgpack
+import zmq
+
+from pdcluster.cluster.policies import Placer, WorkerView
+from pdcluster.cluster.router_api import RouterError, TokenDelta
+from pdcluster.engine.block_manager import chained_block_hashes
+from pdcluster.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    num_prompt_tokens: int
+    queue: asyncio.Queue
+    prefill_id: str | None = None
+    decode_id: str | None = None
+    local: bool = False  # prefilled on the decode worker itself (colocated / conditional)
+    num_computed_tokens: int = 0  # authoritative, from the decode worker
+    num_output_tokens: int = 0
+    reserved_tokens: int = 0  # prompt tokens reserved on the decode worker before its first report
+    finished: bool = False
+    t_arrival: float = field(default_factory=time.monotonic)
+    t_submit: float = 0.0
+    t_first_token: float = 0.0
+    t_kv_ready: float = 0.0
+    t_first_decode: float = 0.0
+    # Decode deltas that overtook the prefill worker's first token (two sockets, no cross order).
+    early: list = field(default_factory=list)
+
+    @property
+    def kv_tokens(self) -> int:
+        return max(self.num_computed_tokens, self.reserved_tokens)
+
+
+@dataclass
+class Decision:
+    request_id: str
+    prefill_id: str | None
+    decode_id: str
+    local: bool
+
+
+class ClusterRouter:
+    def __init__(
+        self,
+        prefill: dict,  # worker_id -> Ray actor handle
+        decode: dict,
+        tokenizer,
+        model_name: str,
+        max_model_len: int,
+        block_size: int,
+        num_blocks: int,
+        policy: str = "least_loaded",
+        mode: str = "disagg",
+        num_spec_tokens: int = 0,
+        conditional_prefill_tokens: int = 0,  # prompts this short prefill on the decode worker
+        busy_prefill_tokens: int = 0,  # when every prefill worker has this much queued: prefill on D
+        request_timeout_s: float = 300.0,
+        admission_wait_s: float = 30.0,
+        event_host: str = "127.0.0.1",
+    ):
+        self.prefill = prefill
+        self.decode = decode
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.mode = mode
+        self.placer = Placer(policy, num_spec_tokens)
+        self.conditional_prefill_tokens = conditional_prefill_tokens
+        self.busy_prefill_tokens = busy_prefill_tokens
+        self.request_timeout_s = request_timeout_s
+        self.admission_wait_s = admission_wait_s
+        self.views = {wid: WorkerView(wid, "prefill", num_blocks, block_size) for wid in prefill}
+        self.views.update({wid: WorkerView(wid, "decode", num_blocks, block_size) for wid in decode})
+        self.requests: dict[str, RequestState] = {}
+        self.decisions: list[Decision] = []
+        self.reports: list[dict] = []  # recent decode reports (tests compare accounting against them)
+        self.keep_reports = False
+        self.counters = {"num_draft_tokens": 0, "num_accepted_tokens": 0}
+        self._rng = random.Random(0)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ctx = zmq.Context.instance()
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        port = self._pull.bind_to_random_port(f"tcp://{event_host}")
+        self.event_address = f"tcp://{event_host}:{port}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._event_loop, name="router-events", daemon=True)
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2.0)
+        self._pull.close(0)
+
+    def _event_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._pull, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            while True:
+                try:
+                    data = self._pull.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                try:
+                    event = msgpack.unpackb(data, raw=False)
+                except Exception:  # noqa: BLE001 - malformed event: drop, log, live on
+                    log.warning("dropping undecodable worker event (%d bytes)", len(data))
+                    continue
+                if isinstance(event, dict) and self._loop is not None:
+                    self._loop.call_soon_threadsafe(self.on_event, event)
+
+    # ---- accounting (derived, S1) -------------------------------------------------------------------
+    def worker_kv_tokens(self, worker_id: str) -> int:
+        return sum(r.kv_tokens for r in self.requests.values() if r.decode_id == worker_id)
+
+    def _refresh_views(self) -> None:
+        for view in self.views.values():
+            view.kv_tokens = 0
+            view.num_requests = 0
+            view.queued_prefill_tokens = 0
+        for r in self.requests.values():
+            if r.decode_id in self.views:
+                v = self.views[r.decode_id]
+                v.kv_tokens += r.kv_tokens
+                v.num_requests += 1
+            if r.prefill_id in self.views and not r.t_first_token:
+                self.views[r.prefill_id].queued_prefill_tokens += r.num_prompt_tokens
+
+    def stats(self) -> dict:
+        self._refresh_views()
+        total_blocks = sum(v.num_blocks for v in self.views.values() if v.role == "decode") or 1
+        used_tokens = sum(v.kv_tokens for v in self.views.values() if v.role == "decode")
+        running = sum(1 for r in self.requests.values() if r.t_kv_ready or r.local)
+        return {
+            "num_requests_running": running,
+            "num_requests_waiting": len(self.requests) - running,
+            "kv_cache_usage_perc": min(1.0, used_tokens / (total_blocks * self.block_size)),
+            "healthy": any(v.healthy for v in self.views.values() if v.role == "decode"),
+            "workers": [
+                {"worker_id": v.worker_id, "role": v.role, "kv_tokens": v.kv_tokens, "num_requests": v.num_requests,
+                 "queued_prefill_tokens": v.queued_prefill_tokens, "healthy": v.healthy}
+                for v in self.views.values()
+            ],
+            **self.counters,
+        }
+
+    # ---- events from workers (run on the asyncio loop) -------------------------------------------------
+    def on_event(self, event: dict) -> None:
+        kind = event.get("type")
+        r = self.requests.get(event.get("request_id", ""))
+        if r is None or r.finished:
+            return
+        now = time.monotonic()
+        if kind == "first_token":
+            r.t_first_token = now
+            r.queue.put_nowait(TokenDelta([int(event["token_id"])], num_prompt_tokens=r.num_prompt_tokens,
+                                          num_output_tokens=1))
+            early, r.early = r.early, []
+            for e in early:
+                self._on_tokens(r, e, now)
+        elif kind == "kv_ready":
+            r.t_kv_ready = now
+        elif kind == "tokens":
+            self._on_tokens(r, event, now)
+        elif kind == "failed":
+            self._finish(r, TokenDelta([], finished=True, finish_reason="error", error=str(event.get("reason")),
+                                       num_prompt_tokens=r.num_prompt_tokens, num_output_tokens=r.num_output_tokens))
+            self._abort_workers(r)
+
+    def _on_tokens(self, r: RequestState, event: dict, now: float) -> None:
+        if event.get("worker_id") != r.decode_id:
+            return
+        if not r.local and not r.t_first_token:
+            r.early.append(event)
+            return
+        if self.keep_reports:
+            self.reports.append(dict(event))
+        # S1: overwrite from the report; never count steps.
+        r.num_computed_tokens = int(event["num_computed_tokens"])
+        if not r.t_first_decode:
+            r.t_first_decode = now
+        if not r.t_first_token:
+            r.t_first_token = now  # local request: the decode worker produced the first token
+        new = list(event["new_token_ids"])
+        r.num_output_tokens = int(event["num_output_tokens"])
+        delta = TokenDelta(new, num_prompt_tokens=r.num_prompt_tokens, num_output_tokens=r.num_output_tokens,
+                           num_draft_tokens=int(event.get("num_draft_tokens", 0)),
+                           num_accepted_tokens=int(event.get("num_accepted_tokens", 0)))
+        if event.get("finished"):
+            delta.finished = True
+            delta.finish_reason = event.get("finish_reason")
+            delta.ttft_breakdown = self._breakdown(r)
+            self.counters["num_draft_tokens"] += delta.num_draft_tokens
+            self.counters["num_accepted_tokens"] += delta.num_accepted_tokens
+            self._finish(r, delta)
+        elif new:
+            r.queue.put_nowait(delta)
+
+    def _breakdown(self, r: RequestState) -> dict[str, float]:
+        if r.local:
+            return {"queue": r.t_submit - r.t_arrival, "prefill": r.t_first_decode - r.t_submit}
+        out = {"queue": r.t_submit - r.t_arrival}
+        if r.t_first_token:
+            out["prefill"] = r.t_first_token - r.t_submit
+        if r.t_kv_ready and r.t_first_token:
+            out["kv_transfer"] = max(0.0, r.t_kv_ready - r.t_first_token)
+        if r.t_first_decode and r.t_kv_ready:
+            out["first_decode"] = r.t_first_decode - r.t_kv_ready
+        return out
+
+    def _finish(self, r: RequestState, delta: TokenDelta) -> None:
+        r.finished = True
+        self.requests.pop(r.request_id, None)
+        r.queue.put_nowait(delta)
+
+    def _abort_workers(self, r: RequestState) -> None:
+        if r.prefill_id in self.prefill:
+            self.prefill[r.prefill_id].abort.remote(r.request_id)
+        if r.decode_id in self.decode:
+            self.decode[r.decode_id].abort.remote(r.request_id)
+
+    # ---- requests ------------------------------------------------------------------------------------
+    def _wants_local(self, num_prompt_tokens: int) -> bool:
+        if self.mode == "colocated" or not self.prefill:
+            return True
+        if num_prompt_tokens <= self.conditional_prefill_tokens:
+            return True
+        if self.busy_prefill_tokens:
+            self._refresh_views()
+            prefills = [v for v in self.views.values() if v.role == "prefill" and v.healthy]
+            return all(v.queued_prefill_tokens >= self.busy_prefill_tokens for v in prefills)
+        return False
+
+    async def _place(self, r: RequestState, prompt: list[int], params: dict) -> None:
+        deadline = time.monotonic() + self.admission_wait_s
+        hashes = chained_block_hashes(prompt, self.block_size)
+        local = self._wants_local(len(prompt))
+        while True:
+            self._refresh_views()
+            decodes = self.placer.order_decode([v for v in self.views.values() if v.role == "decode"])
+            if not decodes:
+                raise RouterError("no healthy decode worker is available", status=503)
+            prefill_view = None
+            if not local:
+                prefill_view = self.placer.pick_prefill([v for v in self.views.values() if v.role == "prefill"], hashes)
+                if prefill_view is None:
+                    local = True
+            for d in decodes:
+                if local:
+                    r.decode_id, r.local, r.reserved_tokens = d.worker_id, True, len(prompt)
+                    self.requests[r.request_id] = r
+                    r.t_submit = time.monotonic()
+                    self.decode[d.worker_id].add_request.remote(r.request_id, prompt, params)
+                    self.decisions.append(Decision(r.request_id, None, d.worker_id, True))
+                    return
+                blocks = await self.decode[d.worker_id].reserve.remote(r.request_id, prefill_view.worker_id, prompt, params)
+                if blocks is None:
+                    continue  # full: next candidate
+                r.decode_id, r.prefill_id, r.reserved_tokens = d.worker_id, prefill_view.worker_id, len(prompt)
+                self.requests[r.request_id] = r
+                prefill_view.remember(hashes)
+                r.t_submit = time.monotonic()
+                self.prefill[prefill_view.worker_id].submit.remote(r.request_id, prompt, params, d.worker_id, blocks)
+                self.decisions.append(Decision(r.request_id, prefill_view.worker_id, d.worker_id, False))
+                return
+            if time.monotonic() > deadline:
+                raise RouterError("every decode worker is full; try again later", status=503)
+            await asyncio.sleep(0.05)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
+        if request_id in self.requests:
+            raise RouterError(f"request id {request_id!r} is already in use", status=400, kind="invalid_request_error")
+        if not prompt_token_ids:
+            raise RouterError("prompt is empty", status=400, kind="invalid_request_error")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise RouterError(f"prompt has {len(prompt_token_ids)} tokens, max_model_len is {self.max_model_len}",
+                              status=400, kind="invalid_request_error")
+        if params.seed is None:
+            # Prefill and decode must draw from the same per-position streams.
+            params = replace(params, seed=self._rng.randrange(1 << 31))
+        r = RequestState(request_id, len(prompt_token_ids), asyncio.Queue())
+        await self._place(r, list(prompt_token_ids), asdict(params))
+        deadline = r.t_arrival + self.request_timeout_s
+        try:
+            while True:
+                remaining = deadline - time.monotonic()
+                try:
+                    delta = await asyncio.wait_for(r.queue.get(), timeout=max(remaining, 0.001))
+                except asyncio.TimeoutError:
+                    if not r.finished:
+                        self._finish(r, TokenDelta([], finished=True, finish_reason="error",
+                                                   error=f"request timed out after {self.request_timeout_s}s"))
+                        self._abort_workers(r)
+                    continue
+                yield delta
+                if delta.finished:
+                    return
+        finally:
+            if not r.finished:  # the consumer went away (client disconnect)
+                self._finish(r, TokenDelta([], finished=True, finish_reason="abort"))
+                self._abort_workers(r)
+
+    async def abort(self, request_id: str) -> None:
+        r = self.requests.get(request_id)
+        if r is not None and not r.finished:
+            self._finish(r, TokenDelta([], finished=True, finish_reason="abort"))
+            self._abort_workers(r)

@@ -1,0 +1,53 @@
+"""The decode worker as a Ray actor (see prefill_node/actor.py)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.event_pusher import EventPusher
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.kv_transfer.config import TransferConfig
+
+
+class DecodeActor:
+    def __init__(self, worker_id: str, engine_config: dict, transfer_config: dict | None, event_address: str,
+                 env: dict | None = None):
+        os.environ.update(env or {})
+        if transfer_config and transfer_config.get("host") == "auto":
+            import ray
+
+            transfer_config = {**transfer_config, "host": ray.util.get_node_ip_address()}
+        from pdcluster.decode_node.worker import DecodeWorker
+
+        config = EngineConfig(**engine_config)
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        transfer = TransferConfig(**transfer_config) if transfer_config is not None else None
+        self.worker = DecodeWorker(worker_id, config, transfer)
+        self.pusher = EventPusher(event_address)
+        self.worker.on_event = self.pusher
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def connect_prefill(self, address: str) -> str:
+        return self.worker.connect_prefill(address)
+
+    def reserve(self, request_id: str, prefill_id: str, prompt_token_ids: list[int], params: dict):
+        return self.worker.reserve(request_id, prefill_id, prompt_token_ids, SamplingParams(**params))
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: dict) -> None:
+        self.worker.add_request(request_id, prompt_token_ids, SamplingParams(**params))
+
+    def abort(self, request_id: str) -> None:
+        self.worker.abort(request_id)
+
+    def stats(self) -> dict:
+        return self.worker.stats()
+
+    def shutdown(self) -> None:
+        self.worker.close()
+        self.pusher.close()
