@@ -1,0 +1,241 @@
+"""KV transfer between real prefill and decode workers on 127.0.0.1: token-exact against a single
+engine for every transport, and no stranded blocks when either side dies mid-transfer."""
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from conftest import make_engine
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.kv_transfer.config import TransferConfig
+from pdcluster.kv_transfer.transports import available_transports
+
+TRANSPORTS = [name for name, reason in available_transports().items() if reason is None]
+NUM_BLOCKS = 128
+
+
+def _engine_config(**kw):
+    base = dict(model="tiny-random", num_kv_blocks=NUM_BLOCKS, max_model_len=1536, prefill_chunk_size=16)
+    base.update(kw)
+    return EngineConfig(**base)
+
+
+class Events:
+    def __init__(self):
+        self.items = []
+        self.lock = threading.Lock()
+
+    def __call__(self, event):
+        with self.lock:
+            self.items.append(event)
+
+    def wait_for(self, pred, timeout_s):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self.lock:
+                hits = [e for e in self.items if pred(e)]
+            if hits:
+                return hits[0]
+            time.sleep(0.01)
+        return None
+
+
+def _collect_tokens(events, request_ids, timeout_s=60):
+    tokens = {rid: [] for rid in request_ids}
+    done = set()
+    deadline = time.monotonic() + timeout_s
+    seen = 0
+    while len(done) < len(request_ids) and time.monotonic() < deadline:
+        with events.lock:
+            new, seen = events.items[seen:], len(events.items)
+        for e in new:
+            rid = e.get("request_id")
+            if e["type"] == "first_token":
+                tokens[rid].insert(0, e["token_id"])
+            elif e["type"] == "tokens":
+                tokens[rid].extend(e["new_token_ids"])
+                if e["finished"]:
+                    done.add(rid)
+            elif e["type"] == "failed":
+                raise AssertionError(f"request {rid} failed: {e['reason']}")
+        time.sleep(0.01)
+    assert len(done) == len(request_ids), f"only {sorted(done)} finished within {timeout_s}s"
+    return tokens
+
+
+def _wait_free(worker, expected, timeout_s):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        st = worker.stats()
+        if st["num_free_blocks"] == expected:
+            return time.monotonic()
+        time.sleep(0.05)
+    raise AssertionError(f"{worker.worker_id}: free blocks {worker.stats()} never returned to {expected}")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_disagg_equals_single_engine(tiny_dir, transport):
+    from pdcluster.decode_node.worker import DecodeWorker
+    from pdcluster.prefill_node.worker import PrefillWorker
+
+    cfg = _engine_config()
+    prompts = [list(range(300 + i, 300 + i + n)) for i, n in enumerate([3, 16, 17, 45, 100])]
+    params = SamplingParams(max_tokens=10, ignore_eos=True, seed=3)
+    expected = [o.token_ids for o in make_engine("tiny-random", num_kv_blocks=NUM_BLOCKS).generate(prompts, params)]
+    events = Events()
+    tc = TransferConfig(transport=transport, secret="s3cret")
+    p = PrefillWorker("p0", cfg, tc)
+    d = DecodeWorker("d0", cfg, tc)
+    p.on_event = d.on_event = events
+    try:
+        assert d.connect_prefill(p.address) == "p0"
+        deadline = time.monotonic() + 10
+        while "d0" not in p.endpoint.peers() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        ids = [f"r{i}" for i in range(len(prompts))]
+        for rid, prompt in zip(ids, prompts):
+            blocks = d.reserve(rid, "p0", prompt, params)
+            assert blocks is not None
+            p.submit(rid, prompt, params, "d0", blocks)
+        tokens = _collect_tokens(events, ids)
+        assert [tokens[rid] for rid in ids] == expected
+        _wait_free(p, NUM_BLOCKS, 5)
+        _wait_free(d, NUM_BLOCKS, 5)
+        assert p.stats()["bytes_sent"] > 0
+    finally:
+        p.close()
+        d.close()
+
+
+# ---- peers killed mid-transfer --------------------------------------------------------------------
+
+def _decode_child(conn, prefill_address, prompt_len, transport):
+    """Decode worker in its own process: connect, reserve, report the blocks, then idle until killed."""
+    from pdcluster.decode_node.worker import DecodeWorker
+
+    d = DecodeWorker("d-child", _engine_config(), TransferConfig(transport=transport))
+    d.connect_prefill(prefill_address)
+    blocks = d.reserve("victim", "p0", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=4))
+    conn.send(blocks)
+    time.sleep(600)
+
+
+def _prefill_child(conn):
+    """Prefill worker in its own process, driven through a pipe."""
+    from pdcluster.prefill_node.worker import PrefillWorker
+
+    p = PrefillWorker("p-child", _engine_config(prefill_chunk_size=8), TransferConfig(transport="tcp"))
+    conn.send(p.address)
+    while True:
+        cmd = conn.recv()
+        if cmd[0] == "submit":
+            p.submit(*cmd[1:])
+            conn.send("ok")
+
+
+# tcp notices the dropped connection itself; ucx (error handling off, for shared memory) cannot, so
+# there the control-plane heartbeat is what reclaims the blocks.
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("transport, reason", [("tcp", "dropped"), ("ucx", "stopped answering")])
+def test_decode_killed_mid_transfer_prefill_reclaims_within_5s(tiny_dir, transport, reason):
+    from pdcluster.prefill_node.worker import PrefillWorker
+
+    if transport not in TRANSPORTS:
+        pytest.skip(f"{transport} is not available here: {available_transports()[transport]}")
+    events = Events()
+    # Small chunks make the prefill (and so the layer-wise transfer) long enough to be cut.
+    p = PrefillWorker("p0", _engine_config(prefill_chunk_size=8), TransferConfig(transport=transport))
+    p.on_event = events
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    prompt_len = 1200
+    proc = ctx.Process(target=_decode_child, args=(child, p.address, prompt_len, transport), daemon=True)
+    proc.start()
+    try:
+        assert parent.poll(120), "decode child did not start"
+        blocks = parent.recv()
+        assert blocks is not None
+        p.submit("victim", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=4), "d-child", blocks)
+        deadline = time.monotonic() + 30
+        while p.stats()["bytes_sent"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert p.stats()["bytes_sent"] > 0, "the transfer never started"
+        os.kill(proc.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        assert events.wait_for(lambda e: e["type"] == "transfer_done", 0) is None, "transfer finished before the kill"
+        failed = events.wait_for(lambda e: e["type"] == "failed" and e["request_id"] == "victim", 10)
+        assert failed is not None, "the prefill side never reported the request failed"
+        assert reason in failed["reason"]
+        reclaimed_at = _wait_free(p, NUM_BLOCKS, 10)
+        assert reclaimed_at - killed_at < 5.0, f"blocks reclaimed after {reclaimed_at - killed_at:.2f}s"
+        assert p.stats()["num_held"] == 0 and p.stats()["num_transfers"] == 0
+    finally:
+        proc.kill()
+        p.close()
+
+
+@pytest.mark.timeout(180)
+def test_prefill_killed_mid_transfer_decode_frees_reserved_blocks(tiny_dir):
+    from pdcluster.decode_node.worker import DecodeWorker
+
+    events = Events()
+    d = DecodeWorker("d0", _engine_config(), TransferConfig(transport="tcp"))
+    d.on_event = events
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_prefill_child, args=(child,), daemon=True)
+    proc.start()
+    try:
+        assert parent.poll(120), "prefill child did not start"
+        assert d.connect_prefill(parent.recv()) == "p-child"
+        prompt = list(range(1, 1201))
+        params = SamplingParams(max_tokens=4)
+        blocks = d.reserve("victim", "p-child", prompt, params)
+        assert blocks is not None and d.stats()["num_free_blocks"] == NUM_BLOCKS - len(blocks)
+        time.sleep(0.2)  # the child's heartbeats have been flowing; let the handshake settle
+        parent.send(("submit", "victim", prompt, params, "d0", blocks))
+        assert parent.poll(30) and parent.recv() == "ok"
+        time.sleep(0.05)  # prefill under way
+        os.kill(proc.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        failed = events.wait_for(lambda e: e["type"] == "failed" and e["request_id"] == "victim", 10)
+        assert failed is not None, "the decode side never reported the request failed"
+        assert "stopped answering" in failed["reason"]
+        freed_at = _wait_free(d, NUM_BLOCKS, 10)
+        assert freed_at - killed_at < 5.0
+        assert d.stats()["num_reserved"] == 0
+    finally:
+        proc.kill()
+        d.close()
+
+
+@pytest.mark.timeout(120)
+def test_abort_frees_both_sides(tiny_dir):
+    from pdcluster.decode_node.worker import DecodeWorker
+    from pdcluster.prefill_node.worker import PrefillWorker
+
+    events = Events()
+    tc = TransferConfig(transport="tcp")
+    p = PrefillWorker("p0", _engine_config(prefill_chunk_size=8), tc)
+    d = DecodeWorker("d0", _engine_config(), tc)
+    p.on_event = d.on_event = events
+    try:
+        d.connect_prefill(p.address)
+        prompt = list(range(1, 801))
+        params = SamplingParams(max_tokens=4)
+        blocks = d.reserve("a", "p0", prompt, params)
+        p.submit("a", prompt, params, "d0", blocks)
+        time.sleep(0.05)
+        d.abort("a")  # the decode side gives up: tells the prefill side, which stops and frees
+        _wait_free(d, NUM_BLOCKS, 5)
+        _wait_free(p, NUM_BLOCKS, 5)
+        assert p.stats()["num_transfers"] == 0
+    finally:
+        p.close()
+        d.close()
