@@ -1,0 +1,254 @@
+"""The Ray cluster, in-process driver: real Ray actors (custom resources as devices), real zmq event
+stream, real KV transfer. Greedy outputs equal a single engine in every mode; the router's accounting
+follows the decode workers' reports; placement policies do what they say."""
+
+import asyncio
+import os
+import random
+import tempfile
+
+import pytest
+
+from conftest import make_engine
+from pdcluster.cluster.launcher import Cluster, ClusterSpec
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.kv_transfer.config import TransferConfig
+from pdcluster.kv_transfer.transports import available_transports
+
+TRANSPORTS = [name for name, reason in available_transports().items() if reason is None]
+NUM_BLOCKS = 256
+
+
+@pytest.fixture(scope="module")
+def ray_session(tiny_dir):
+    ray = pytest.importorskip("ray")
+    tmp = tempfile.mkdtemp(prefix="pdcluster-ray-")
+    os.environ.setdefault("RAY_TMPDIR", tmp)
+    ray.init(num_cpus=2, resources={"prefill_slot": 4, "decode_slot": 4}, include_dashboard=False,
+             log_to_driver=False, _temp_dir=tmp)
+    yield ray
+    ray.shutdown()
+
+
+def _config(**kw):
+    base = dict(model="tiny-random", num_kv_blocks=NUM_BLOCKS, max_model_len=1024, prefill_chunk_size=32)
+    base.update(kw)
+    return EngineConfig(**base)
+
+
+def _prompts(n, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40000) for _ in range(rng.randrange(4, 120))] for _ in range(n)]
+
+
+async def _run(router, prompts, params):
+    router.start(asyncio.get_running_loop())
+
+    async def one(i, prompt):
+        tokens, last = [], None
+        async for delta in router.generate(f"req-{i}", prompt, params):
+            tokens += delta.new_token_ids
+            last = delta
+        assert last.finished and last.finish_reason in ("length", "stop"), (last.finish_reason, last.error)
+        return tokens
+
+    return await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)])
+
+
+def _serve_and_check(spec, prompts, params, expected):
+    cluster = Cluster(spec)
+    try:
+        outputs = asyncio.run(_run(cluster.router, prompts, params))
+        assert outputs == expected
+        stats = cluster.router.stats()
+        assert stats["num_requests_running"] == 0 and stats["num_requests_waiting"] == 0
+        assert all(w["kv_tokens"] == 0 and w["num_requests"] == 0 for w in stats["workers"])
+        for wid, st in _settled_stats(cluster).items():
+            assert st["num_free_blocks"] == st["num_blocks"], f"{wid} leaked blocks: {st}"
+        return cluster
+    finally:
+        cluster.shutdown()
+
+
+def _settled_stats(cluster, timeout_s=5.0):
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = cluster.worker_stats()
+        if all(s["num_free_blocks"] == s["num_blocks"] for s in stats.values()) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def expected_greedy(tiny_dir):
+    engine = make_engine("tiny-random", num_kv_blocks=NUM_BLOCKS)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    prompts = _prompts(8)
+    return prompts, params, [o.token_ids for o in engine.generate(prompts, params)]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_disagg_equals_engine(ray_session, expected_greedy, transport):
+    prompts, params, expected = expected_greedy
+    spec = ClusterSpec(engine=_config(), transfer=TransferConfig(transport=transport, secret="k"), mode="disagg")
+    _serve_and_check(spec, prompts, params, expected)
+
+
+@pytest.mark.timeout(300)
+def test_colocated_equals_engine(ray_session, expected_greedy):
+    prompts, params, expected = expected_greedy
+    spec = ClusterSpec(engine=_config(), transfer=TransferConfig(), mode="colocated")
+    _serve_and_check(spec, prompts, params, expected)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_disagg_with_speculation_equals_engine(ray_session, expected_greedy, method):
+    prompts, params, expected = expected_greedy
+    spec = ClusterSpec(engine=_config(spec_method=method, num_spec_tokens=3), transfer=TransferConfig(), mode="disagg")
+    _serve_and_check(spec, prompts, params, expected)
+
+
+def _check_accounting(cluster, prompts, params, expected):
+    """Run the prompts; at every decode report the router's count must be the worker's."""
+    router = cluster.router
+    seen = []
+    original = router._on_tokens
+
+    def checked(r, event, now):
+        original(r, event, now)
+        seen.append((event["num_computed_tokens"], r.num_computed_tokens, r.num_prompt_tokens,
+                     event["num_output_tokens"], event["finished"]))
+
+    router._on_tokens = checked
+    outputs = asyncio.run(_run(router, prompts, params))
+    assert outputs == expected
+    assert seen, "no decode reports"
+    for reported, mirrored, num_prompt, num_output, finished in seen:
+        assert mirrored == reported
+        if not finished:
+            # Every committed token but the newest has its KV, after any number of accepted drafts.
+            assert reported == num_prompt + num_output - 1
+    stats = router.stats()
+    assert all(w["kv_tokens"] == 0 and w["num_requests"] == 0 for w in stats["workers"])
+    for wid, st in _settled_stats(cluster).items():
+        assert st["num_free_blocks"] == st["num_blocks"], f"{wid} leaked blocks: {st}"
+    return seen
+
+
+@pytest.mark.timeout(300)
+def test_32_concurrent_mixed_requests(ray_session, tiny_dir):
+    prompts = _prompts(32, seed=5)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    expected = [o.token_ids for o in make_engine("tiny-random", num_kv_blocks=NUM_BLOCKS).generate(prompts, params)]
+    spec = ClusterSpec(engine=_config(spec_method="mtp", num_spec_tokens=3), transfer=TransferConfig(), mode="disagg")
+    cluster = Cluster(spec)
+    try:
+        _check_accounting(cluster, prompts, params, expected)
+    finally:
+        cluster.shutdown()
+
+
+ACCEPTING_PROMPTS = [
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,",
+    "Repeat after me: the cat sat on the mat. The cat sat on the mat. The cat",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+    "The quick brown fox",
+]
+
+
+@pytest.mark.timeout(600)
+def test_router_accounting_follows_reports_under_speculation(ray_session, smollm2_dir):
+    """SmolLM2 with n-gram drafts on repetitive prompts: steps accept a varying number of drafts, so a
+    router that advanced its counts by one per step would drift; ours mirrors every report."""
+    engine = make_engine("smollm2", num_kv_blocks=NUM_BLOCKS)
+    prompts = [engine.tokenize(p) for p in ACCEPTING_PROMPTS]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    expected = [o.token_ids for o in engine.generate(prompts, params)]
+    del engine
+    cfg = _config(model="smollm2", spec_method="ngram", num_spec_tokens=3)
+    cluster = Cluster(ClusterSpec(engine=cfg, transfer=TransferConfig(), mode="disagg"))
+    try:
+        seen = _check_accounting(cluster, prompts, params, expected)
+        assert cluster.router.counters["num_accepted_tokens"] > 0, "no draft was accepted: the test has no teeth"
+        steps_per_request = {}
+        for reported, _, num_prompt, num_output, _ in seen:
+            steps_per_request.setdefault(num_prompt, []).append(num_output)
+        jumps = [b - a for outs in steps_per_request.values() for a, b in zip(outs, outs[1:])]
+        assert max(jumps) > 1, "some step should have emitted several tokens"
+    finally:
+        cluster.shutdown()
+
+
+# ---- placement policies on 2 prefill + 2 decode workers --------------------------------------------
+
+@pytest.fixture(scope="module")
+def cluster_2p2d(ray_session):
+    spec = ClusterSpec(engine=_config(), transfer=TransferConfig(), mode="disagg", num_prefill=2, num_decode=2,
+                       policy="round_robin")
+    cluster = Cluster(spec)
+    yield cluster
+    cluster.shutdown()
+
+
+def _set_policy(cluster, policy):
+    from pdcluster.cluster.policies import Placer
+
+    cluster.router.placer = Placer(policy, 0, seed=1)
+    cluster.router.decisions.clear()
+
+
+@pytest.mark.timeout(300)
+def test_round_robin_alternates(cluster_2p2d):
+    _set_policy(cluster_2p2d, "round_robin")
+
+    async def sequential():
+        cluster_2p2d.router.start(asyncio.get_running_loop()) if not cluster_2p2d.router._thread.is_alive() else None
+        cluster_2p2d.router._loop = asyncio.get_running_loop()
+        for i, prompt in enumerate(_prompts(4, seed=9)):
+            async for _ in cluster_2p2d.router.generate(f"rr-{i}", prompt, SamplingParams(max_tokens=2)):
+                pass
+
+    asyncio.run(sequential())
+    d = cluster_2p2d.router.decisions
+    assert len({x.decode_id for x in d}) == 2 and len({x.prefill_id for x in d}) == 2
+    assert [x.decode_id for x in d[:2]] == [x.decode_id for x in d[2:]]
+    assert d[0].decode_id != d[1].decode_id and d[0].prefill_id != d[1].prefill_id
+
+
+@pytest.mark.timeout(300)
+def test_least_loaded_and_prefix_aware(cluster_2p2d):
+    router = cluster_2p2d.router
+    _set_policy(cluster_2p2d, "least_loaded")
+    long_params = SamplingParams(max_tokens=40, ignore_eos=True)
+    shared = list(range(1000, 1100))
+
+    async def scenario():
+        if not router._thread.is_alive():
+            router.start(asyncio.get_running_loop())
+        router._loop = asyncio.get_running_loop()
+
+        async def drain(rid, prompt, params):
+            async for _ in router.generate(rid, prompt, params):
+                pass
+
+        # A long request occupies one decode worker; the next goes to the other (fewer KV tokens).
+        first = asyncio.create_task(drain("ll-0", list(range(5, 305)), long_params))
+        while not router.decisions:
+            await asyncio.sleep(0.01)
+        await drain("ll-1", [7, 8, 9], SamplingParams(max_tokens=2))
+        await first
+        # prefix_aware: requests sharing a long prefix land on the same prefill worker.
+        router.placer = __import__("pdcluster.cluster.policies", fromlist=["Placer"]).Placer("prefix_aware", 0)
+        await drain("px-0", shared + [1], SamplingParams(max_tokens=2))
+        await drain("px-1", shared + [2], SamplingParams(max_tokens=2))
+        await drain("px-2", shared + [3], SamplingParams(max_tokens=2))
+
+    asyncio.run(scenario())
+    d = {x.request_id: x for x in router.decisions}
+    assert d["ll-1"].decode_id != d["ll-0"].decode_id
+    assert d["px-0"].prefill_id == d["px-1"].prefill_id == d["px-2"].prefill_id
