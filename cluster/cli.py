@@ -109,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt, one per line")
     gen.set_defaults(func=_cmd_generate)
+
+    from pdcluster.cluster.serve_cli import add_serve_parser, serve_main
+
+    add_serve_parser(sub).set_defaults(func=serve_main)
     return parser
 
 

@@ -165,7 +165,7 @@ def spec_from_args(args) -> ClusterSpec:
         engine=engine_config_from_args(args),
         transfer=TransferConfig(
             transport=args.transport,
-            secret=args.cluster_secret or os.environ.get("PDCLUSTER_CLUSTER_SECRET") or None,
+            secret=args.cluster_secret,
         ),
         mode=args.mode,
         num_prefill=args.num_prefill,
@@ -180,25 +180,19 @@ def spec_from_args(args) -> ClusterSpec:
 
 def run_cluster(args) -> int:
     """`pdcluster serve` for the Ray modes: start everything, serve HTTP until interrupted."""
-    import uvicorn
-
     from pdcluster.cluster.api import build_app
+    from pdcluster.cluster.metrics import Metrics
+    from pdcluster.cluster.serve_cli import run_server
 
     spec = spec_from_args(args)
     cluster = Cluster(spec)
-    api_key = args.api_key or os.environ.get("PDCLUSTER_API_KEY") or None
-    app = build_app(cluster.router, cluster.router.model_name, api_key=api_key, max_body_bytes=args.max_body_bytes)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
-
-    async def main() -> None:
-        cluster.router.start(asyncio.get_running_loop())
-        print(f"pdcluster serving {cluster.router.model_name} ({spec.mode}, {len(cluster.prefill_handles)}P"
-              f"+{len(cluster.decode_handles)}D, transport {spec.transfer.transport}) on http://{args.host}:{args.port}",
-              file=sys.stderr, flush=True)
-        await server.serve()
-
     try:
-        asyncio.run(main())
+        metrics = Metrics(cluster.router.model_name)
+        cluster.router.on_kv_transfer = metrics.observe_kv_transfer
+        app = build_app(cluster.router, cluster.router.model_name, api_key=args.api_key,
+                        max_body_bytes=args.max_body_bytes, metrics=metrics)
+        print(f"pdcluster: {spec.mode}, {len(cluster.prefill_handles)} prefill + {len(cluster.decode_handles)} decode "
+              f"workers, transport {spec.transfer.transport}, policy {spec.policy}", file=sys.stderr, flush=True)
+        return run_server(app, args.host, args.port, cluster.router.model_name)
     finally:
         cluster.shutdown()
-    return 0

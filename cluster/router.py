@@ -98,7 +98,9 @@ class ClusterRouter:
         self.decisions: list[Decision] = []
         self.reports: list[dict] = []  # recent decode reports (tests compare accounting against them)
         self.keep_reports = False
-        self.counters = {"num_draft_tokens": 0, "num_accepted_tokens": 0}
+        self.counters = {"num_draft_tokens": 0, "num_accepted_tokens": 0, "kv_transfer_bytes": 0}
+        # Called with (transport, num_bytes, seconds) per finished KV transfer (metrics hook).
+        self.on_kv_transfer = lambda transport, num_bytes, seconds: None
         self._rng = random.Random(0)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ctx = zmq.Context.instance()
@@ -176,6 +178,11 @@ class ClusterRouter:
     # ---- events from workers (run on the asyncio loop) -------------------------------------------------
     def on_event(self, event: dict) -> None:
         kind = event.get("type")
+        if kind == "transfer_done":  # may arrive after the request finished: count it regardless
+            self.counters["kv_transfer_bytes"] += int(event.get("num_bytes", 0))
+            self.on_kv_transfer(str(event.get("transport", "")), int(event.get("num_bytes", 0)),
+                                float(event.get("seconds", 0.0)))
+            return
         r = self.requests.get(event.get("request_id", ""))
         if r is None or r.finished:
             return
@@ -189,6 +196,7 @@ class ClusterRouter:
                 self._on_tokens(r, e, now)
         elif kind == "kv_ready":
             r.t_kv_ready = now
+
         elif kind == "tokens":
             self._on_tokens(r, event, now)
         elif kind == "failed":
@@ -297,6 +305,8 @@ class ClusterRouter:
             await asyncio.sleep(0.05)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
+        if self._loop is None:
+            self.start(asyncio.get_running_loop())
         if request_id in self.requests:
             raise RouterError(f"request id {request_id!r} is already in use", status=400, kind="invalid_request_error")
         if not prompt_token_ids:

@@ -56,6 +56,8 @@ class SendTask:
     finished: bool = False  # the engine finished the request and holds its blocks for us
     first_token_id: int = -1
     draft_token_ids: list[int] = field(default_factory=list)
+    num_bytes: int = 0
+    t_first_send: float = 0.0
 
 
 class PrefillKVConnector(KVConnector, SchedulerConnector):
@@ -72,6 +74,7 @@ class PrefillKVConnector(KVConnector, SchedulerConnector):
         self._to_abort: set[str] = set()  # failed while still running in the engine
         self._failed_reasons: dict[str, str] = {}
         self._late_failed: set[str] = set()  # finished (blocks held) and failed outside a step
+        self.completed: dict[str, tuple[int, float]] = {}  # request -> (bytes, seconds), for metrics
         self.bytes_sent = 0
 
     # ---- requests --------------------------------------------------------------------------------
@@ -142,8 +145,12 @@ class PrefillKVConnector(KVConnector, SchedulerConnector):
     # ---- internals ---------------------------------------------------------------------------------
     def _send(self, task: SendTask, layer_ids, src: np.ndarray, dst: np.ndarray) -> None:
         try:
+            if not task.t_first_send:
+                task.t_first_send = self.clock()
             self.transport.send(task.decode_id, task.request_id, layer_ids, src, dst)
-            self.bytes_sent += len(src) * len(layer_ids) * self._bytes_per_block_layer()
+            num_bytes = len(src) * len(layer_ids) * self._bytes_per_block_layer()
+            task.num_bytes += num_bytes
+            self.bytes_sent += num_bytes
         except Exception as e:  # noqa: BLE001 - any send error fails this request only
             self._fail(task, f"send failed: {e}", notify_peer=True)
 
@@ -180,6 +187,7 @@ class PrefillKVConnector(KVConnector, SchedulerConnector):
                 continue
             task.state = SendState.SENT
             del self.tasks[request_id]
+            self.completed[request_id] = (task.num_bytes, self.clock() - task.t_first_send)
             out.finished_sending.add(request_id)
         for request_id, reason in failed:
             task = self.tasks.get(request_id)

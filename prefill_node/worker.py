@@ -131,7 +131,9 @@ class PrefillWorker(WorkerLoop):
                            "worker_id": self.worker_id})
         kv = self.engine.last_kv_output
         for request_id in kv.finished_sending:
-            self.emit({"type": "transfer_done", "request_id": request_id, "worker_id": self.worker_id})
+            num_bytes, seconds = self.connector.completed.pop(request_id, (0, 0.0))
+            self.emit({"type": "transfer_done", "request_id": request_id, "worker_id": self.worker_id,
+                       "num_bytes": num_bytes, "seconds": seconds, "transport": self.transfer.transport})
         for request_id in kv.failed:
             self._emit_failed(request_id)
         return True
