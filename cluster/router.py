@@ -190,7 +190,8 @@ class ClusterRouter:
         if kind == "first_token":
             r.t_first_token = now
             r.queue.put_nowait(TokenDelta([int(event["token_id"])], num_prompt_tokens=r.num_prompt_tokens,
-                                          num_output_tokens=1))
+                                          num_output_tokens=1,
+                                          ttft_breakdown={"queue": r.t_submit - r.t_arrival, "prefill": now - r.t_submit}))
             early, r.early = r.early, []
             for e in early:
                 self._on_tokens(r, e, now)
@@ -216,17 +217,22 @@ class ClusterRouter:
         r.num_computed_tokens = int(event["num_computed_tokens"])
         if not r.t_first_decode:
             r.t_first_decode = now
-        if not r.t_first_token:
+        first_local = not r.t_first_token
+        if first_local:
             r.t_first_token = now  # local request: the decode worker produced the first token
         new = list(event["new_token_ids"])
         r.num_output_tokens = int(event["num_output_tokens"])
         delta = TokenDelta(new, num_prompt_tokens=r.num_prompt_tokens, num_output_tokens=r.num_output_tokens,
                            num_draft_tokens=int(event.get("num_draft_tokens", 0)),
                            num_accepted_tokens=int(event.get("num_accepted_tokens", 0)))
+        if first_local:
+            delta.ttft_breakdown = {"queue": r.t_submit - r.t_arrival, "prefill": now - r.t_submit}
         if event.get("finished"):
             delta.finished = True
             delta.finish_reason = event.get("finish_reason")
-            delta.ttft_breakdown = self._breakdown(r)
+            if not r.local:
+                # The rest of the disaggregated TTFT story, known only once the decode side ran.
+                delta.ttft_breakdown = {k: v for k, v in self._breakdown(r).items() if k in ("kv_transfer", "first_decode")}
             self.counters["num_draft_tokens"] += delta.num_draft_tokens
             self.counters["num_accepted_tokens"] += delta.num_accepted_tokens
             self._finish(r, delta)

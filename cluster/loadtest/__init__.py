@@ -1,0 +1,19 @@
+"""`pdcluster loadtest`: a load generator for any OpenAI-compatible server (pdcluster, vLLM, SGLang).
+
+One concern a file:
+
+| file | what |
+|---|---|
+| `lengths.py` | length distributions (fixed, uniform range, normal) parsed from flags |
+| `tokenizer_source.py` | which tokenizer counts the prompt tokens (a built-in model or a directory) |
+| `random_prompts.py` | token-exact random prompts |
+| `datasets.py` | `SampleRequest` and the loaders: random, sharegpt, humaneval, a JSONL file |
+| `arrivals.py` | when each request is sent: Poisson, constant, bursts |
+| `client.py` | one streaming request, timed per SSE chunk, errors by kind |
+| `runner.py` | sends a workload on its schedule under a concurrency cap, with a progress bar |
+| `metrics.py` | TTFT/TPOT/ITL/E2E statistics, throughput, goodput at SLOs (vLLM's field names) |
+| `server_metrics.py` | the server's /metrics before and after a run: request counts, TTFT breakdown |
+| `report.py` | tables on stderr, result JSON, `--compare` |
+| `plot.py` | latency CDFs, sweep curves, comparison bars (matplotlib, Agg) |
+| `cli.py` | the `loadtest` subcommand |
+"""

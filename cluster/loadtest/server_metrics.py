@@ -1,0 +1,80 @@
+"""The server's own view of a run: its Prometheus /metrics scraped before and after, differenced.
+
+When the target is pdcluster this yields the request count the server saw (a cross-check of the
+client's), its mean TTFT, and TTFT broken into queue, prefill, KV transfer and first decode step
+(histogram ``_sum``/``_count`` deltas: means over the run). Any other server (or none at /metrics)
+gives None and the run goes on: scraping is optional.
+"""
+
+from __future__ import annotations
+
+import httpx
+
+PREFIX = "pdcluster:"
+TTFT_PARTS = ("queue", "prefill", "kv_transfer", "first_decode")
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Sample name (labels dropped) -> value summed over label sets. ``# HELP``/``# TYPE`` skipped."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if "{" in line.split(" ", 1)[0]:
+            name, _, rest = line.partition("{")
+            rest = rest[rest.rfind("}") + 1:]
+        else:
+            name, _, rest = line.partition(" ")
+        fields = rest.split()
+        if not fields:
+            continue
+        try:
+            value = float(fields[0])
+        except ValueError:
+            continue
+        values[name] = values.get(name, 0.0) + value
+    return values
+
+
+async def scrape(http: httpx.AsyncClient, base_url: str, headers: dict | None = None) -> dict[str, float] | None:
+    """pdcluster's samples at ``base_url/metrics``, or None (not there, not pdcluster, unreachable)."""
+    try:
+        response = await http.get(base_url + "/metrics", headers=headers or {})
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    samples = {k: v for k, v in parse_prometheus(response.text).items() if k.startswith(PREFIX)}
+    return samples or None
+
+
+def _delta(before: dict, after: dict, name: str) -> float:
+    return after.get(PREFIX + name, 0.0) - before.get(PREFIX + name, 0.0)
+
+
+def _mean_ms(before: dict, after: dict, histogram: str) -> float | None:
+    count = _delta(before, after, histogram + "_count")
+    return _delta(before, after, histogram + "_sum") / count * 1e3 if count > 0 else None
+
+
+def server_delta(before: dict | None, after: dict | None) -> tuple[dict | None, dict | None]:
+    """(``server_metrics``, ``ttft_breakdown``) of the run, or (None, None) without both scrapes."""
+    if before is None or after is None:
+        return None, None
+    draft = _delta(before, after, "spec_decode_num_draft_tokens_total")
+    accepted = _delta(before, after, "spec_decode_num_accepted_tokens_total")
+    server = {
+        "request_success": int(round(_delta(before, after, "request_success_total"))),
+        "prompt_tokens": int(round(_delta(before, after, "prompt_tokens_total"))),
+        "generation_tokens": int(round(_delta(before, after, "generation_tokens_total"))),
+        "mean_ttft_ms": _mean_ms(before, after, "time_to_first_token_seconds"),
+        "mean_itl_ms": _mean_ms(before, after, "inter_token_latency_seconds"),
+        "mean_e2el_ms": _mean_ms(before, after, "e2e_request_latency_seconds"),
+        "spec_decode_acceptance_rate": accepted / draft if draft > 0 else None,
+    }
+    breakdown = {"count": int(round(_delta(before, after, "time_to_first_token_seconds_count"))),
+                 "total_ms": server["mean_ttft_ms"]}
+    for part in TTFT_PARTS:
+        breakdown[f"{part}_ms"] = _mean_ms(before, after, f"ttft_{part}_seconds")
+    return server, breakdown

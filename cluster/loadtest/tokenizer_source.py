@@ -1,0 +1,30 @@
+"""The tokenizer that counts prompt tokens: the served model's when it is a pdcluster built-in (or a
+model directory), or the one ``--tokenizer`` names. Against a foreign server with a model name we
+cannot resolve there is none, and the datasets that need exact counts say so."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class TokenizerSourceError(ValueError):
+    pass
+
+
+def load_tokenizer(tokenizer_arg: str | None, model: str):
+    """A ``pdcluster.engine.tokenizer.Tokenizer``, or None when ``model`` is no name we can resolve and
+    no ``--tokenizer`` was given."""
+    from pdcluster.engine.model_registry import BUILTIN_MODELS, resolve_model
+    from pdcluster.engine.tokenizer import Tokenizer
+
+    name = tokenizer_arg or model
+    if name in BUILTIN_MODELS:
+        return Tokenizer(resolve_model(name, progress=False))
+    path = Path(name).expanduser()
+    if (path / "tokenizer.json").is_file():  # a tokenizer-only directory is enough here
+        return Tokenizer(path)
+    if tokenizer_arg:
+        raise TokenizerSourceError(
+            f"--tokenizer: {tokenizer_arg!r} is neither a built-in model ({', '.join(sorted(BUILTIN_MODELS))}) "
+            "nor a directory with tokenizer.json")
+    return None

@@ -1,0 +1,205 @@
+"""A router over ONE in-process colocated decode worker (no Ray, no KV transfer): what
+``pdcluster serve --mode local`` and the HTTP tests run. It implements the contract of
+cluster/router_api.py exactly as the Ray cluster router does, so the HTTP layer cannot tell them apart.
+
+Events arrive on the worker's engine thread and are handed to the request's asyncio queue with
+``loop.call_soon_threadsafe``. Every wait is bounded: a request that hears nothing for
+``request_timeout_s`` is aborted and ends with ``finish_reason="error"``. Whatever ends a stream early
+(abort, client disconnect, timeout, an exception in the consumer) aborts the request on the worker,
+which frees its blocks exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import AsyncIterator
+
+from pdcluster.cluster.router_api import RouterError, TokenDelta
+from pdcluster.decode_node.worker import DecodeWorker
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.llm_engine import InvalidRequestError
+from pdcluster.engine.sampling_params import SamplingParams
+
+_ABORTED = {"type": "aborted"}
+
+
+class _TimedDecodeWorker(DecodeWorker):
+    """A colocated DecodeWorker whose first "tokens" event of a request also carries when the request
+    was first scheduled (``scheduled_at``) and when its first token was ready (``emitted_at``), both
+    ``time.monotonic()``: the queue and prefill parts of TTFT. It also publishes ``snapshot``, its
+    ``stats()`` as of the last turn of its loop, so readers on other threads never wait for a step.
+    Bookkeeping stays on the engine thread."""
+
+    def __init__(self, worker_id: str, engine_config: EngineConfig):
+        self._tick_started = time.monotonic()
+        self._scheduled_at: dict[str, float] = {}  # request id -> first schedule, until its first event
+        self._first_sent: set[str] = set()  # requests whose first "tokens" event went out
+        self.snapshot: dict | None = None
+        super().__init__(worker_id, engine_config, transfer=None)  # starts the engine thread
+
+    def tick(self) -> bool:
+        self._tick_started = time.monotonic()  # a step schedules at its start
+        busy = super().tick()
+        for request in self.engine.scheduler.running:
+            if request.request_id not in self._first_sent:
+                self._scheduled_at.setdefault(request.request_id, self._tick_started)
+        self.snapshot = self._stats()  # one reference swap: readers see a whole dict
+        return busy
+
+    def emit(self, event: dict) -> None:
+        request_id = event.get("request_id")
+        if event.get("type") == "tokens" and request_id not in self._first_sent:
+            self._first_sent.add(request_id)
+            event["scheduled_at"] = self._scheduled_at.pop(request_id, self._tick_started)
+            event["emitted_at"] = time.monotonic()
+        if event.get("finished") or event.get("type") == "failed":
+            self._forget(request_id)
+        super().emit(event)
+
+    def _abort(self, request_id: str) -> None:
+        self._forget(request_id)
+        super()._abort(request_id)
+
+    def _forget(self, request_id: str | None) -> None:
+        self._scheduled_at.pop(request_id, None)
+        self._first_sent.discard(request_id)
+
+
+class LocalRouter:
+    """Router contract (cluster/router_api.py) over one colocated DecodeWorker built from ``engine_config``."""
+
+    def __init__(self, engine_config: EngineConfig, request_timeout_s: float = 300.0, worker_id: str = "local"):
+        if request_timeout_s <= 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s!r}")
+        self.request_timeout_s = request_timeout_s
+        self.worker = _TimedDecodeWorker(worker_id, engine_config)
+        engine = self.worker.engine
+        self.model_name = engine_config.model
+        self.max_model_len = engine.max_model_len
+        self.tokenizer = engine.tokenizer
+        # request id -> (its event loop, its queue); written on the loop, read on the engine thread.
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._closed = False
+        self.worker.on_event = self._on_event
+
+    # ---- engine thread ------------------------------------------------------------------------------
+    def _on_event(self, event: dict) -> None:
+        if event.get("type") == "worker_error":  # the engine thread is dying: fail every stream
+            failure = {"type": "failed", "reason": f"engine worker failed: {event.get('error')}"}
+            for loop, queue in list(self._streams.values()):
+                self._deliver(loop, queue, failure)
+            return
+        stream = self._streams.get(event.get("request_id"))
+        if stream is not None:
+            self._deliver(*stream, event)
+
+    @staticmethod
+    def _deliver(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, event: dict) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, event)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    # ---- the contract -------------------------------------------------------------------------------
+    def _admit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if self._closed or self.worker.loop_error is not None:
+            reason = "router is closed" if self._closed else f"engine worker failed: {self.worker.loop_error!r}"
+            raise RouterError(f"cannot serve requests: {reason}", status=503)
+        if request_id in self._streams:
+            raise RouterError(f"request id {request_id!r} is already in use", status=400,
+                              kind="invalid_request_error")
+        try:
+            # Reads only the engine's fixed limits (max_model_len, vocab, pool size): safe off its thread.
+            self.worker.engine.validate(prompt_token_ids, params)
+        except InvalidRequestError as e:
+            raise RouterError(str(e), status=400, kind="invalid_request_error") from e
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[TokenDelta]:
+        self._admit(request_id, prompt_token_ids, params)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        submitted = time.monotonic()
+        num_prompt = len(prompt_token_ids)
+        done = False
+        try:
+            self.worker.add_request(request_id, prompt_token_ids, params)
+            first = True
+            while True:
+                try:
+                    event = await asyncio.wait_for(queue.get(), timeout=self.request_timeout_s)
+                except asyncio.TimeoutError:
+                    yield _error_delta(num_prompt, f"request {request_id} made no progress for "
+                                                   f"{self.request_timeout_s:g} s and was aborted")
+                    return  # the finally aborts it on the worker
+                kind = event.get("type")
+                if kind == "aborted":
+                    done = True
+                    yield TokenDelta([], finished=True, finish_reason="abort", num_prompt_tokens=num_prompt)
+                    return
+                if kind == "failed":
+                    yield _error_delta(num_prompt, str(event.get("reason") or "request failed"))
+                    return
+                if kind != "tokens":
+                    continue
+                delta = TokenDelta(
+                    new_token_ids=list(event["new_token_ids"]),
+                    finished=bool(event["finished"]),
+                    finish_reason=event["finish_reason"],
+                    num_prompt_tokens=num_prompt,
+                    num_output_tokens=int(event["num_output_tokens"]),
+                    num_draft_tokens=int(event["num_draft_tokens"]),
+                    num_accepted_tokens=int(event["num_accepted_tokens"]),
+                )
+                if first and "scheduled_at" in event:
+                    delta.ttft_breakdown = {
+                        "queue": max(event["scheduled_at"] - submitted, 0.0),
+                        "prefill": max(event["emitted_at"] - event["scheduled_at"], 0.0),
+                    }
+                first = False
+                done = delta.finished
+                yield delta
+                if done:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not done:
+                self.worker.abort(request_id)  # idempotent; frees the blocks on the engine thread
+
+    async def abort(self, request_id: str) -> None:
+        stream = self._streams.get(request_id)
+        self.worker.abort(request_id)
+        if stream is not None:
+            self._deliver(*stream, _ABORTED)
+
+    def stats(self) -> dict:
+        """Never blocks: the worker's figures as of its last loop turn (at most a step old)."""
+        if self._closed or self.worker.loop_error is not None:
+            return {"healthy": False, "error": "router is closed" if self._closed else repr(self.worker.loop_error),
+                    "num_requests_running": 0, "num_requests_waiting": 0, "workers": []}
+        s = self.worker.snapshot
+        if s is None:  # the engine thread has not turned once yet: nothing can have run
+            n = self.worker.engine.kv_spec.num_blocks
+            s = {"worker_id": self.worker.worker_id, "num_free_blocks": n, "num_blocks": n, "num_running": 0,
+                 "num_waiting": 0, "num_reserved": 0}
+        return {
+            "healthy": True,
+            "mode": "local",
+            "num_requests": len(self._streams),  # open streams, including those not yet on the engine
+            "num_requests_running": s["num_running"],
+            "num_requests_waiting": s["num_waiting"],
+            "kv_cache_usage_perc": 1.0 - s["num_free_blocks"] / s["num_blocks"],
+            "workers": [s],
+        }
+
+    def close(self) -> None:
+        """Stop the engine thread; open streams end with an error."""
+        self._closed = True
+        for loop, queue in list(self._streams.values()):
+            self._deliver(loop, queue, {"type": "failed", "reason": "router is shutting down"})
+        self.worker.close()
+
+
+def _error_delta(num_prompt_tokens: int, message: str) -> TokenDelta:
+    return TokenDelta([], finished=True, finish_reason="error", num_prompt_tokens=num_prompt_tokens, error=message)

@@ -1,0 +1,115 @@
+"""Prometheus metrics of the serving front end, named like vLLM's (``vllm:`` -> ``pdcluster:``, same
+suffixes and a ``model_name`` label) so dashboards carry over, plus what no other system has: TTFT
+broken into queue, prefill, KV transfer and first decode step, and KV transfer volume per transport.
+
+Each ``Metrics`` owns its CollectorRegistry, so several apps (tests) never collide. Gauges are
+refreshed from ``router.stats()`` when /metrics is scraped (``refresh``); everything else is observed
+as requests run (the HTTP layer calls ``on_*``; the cluster router calls ``observe_kv_transfer``).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+PREFIX = "pdcluster:"
+
+# vLLM's buckets, so histogram_quantile panels compare like with like.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+# The TTFT parts (keys of TokenDelta.ttft_breakdown) and their histograms.
+TTFT_PARTS = ("queue", "prefill", "kv_transfer", "first_decode")
+
+
+class Metrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, model_name: str = ""):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        r, m = self.registry, ["model_name"]
+
+        def hist(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(PREFIX + name, doc, m, buckets=buckets, registry=r).labels(model_name)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token (arrival at the API to first token).",
+                         TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens.", ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Request latency, arrival to last token.", E2E_BUCKETS)
+        self.prompt_tokens = hist("request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS)
+        self.generation_tokens = hist("request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS)
+        self.ttft_parts = {
+            part: hist(f"ttft_{part}_seconds", f"The {part.replace('_', ' ')} part of the time to first token.",
+                       TTFT_BUCKETS)
+            for part in TTFT_PARTS
+        }
+        self.prompt_tokens_total = Counter(PREFIX + "prompt_tokens", "Prompt tokens processed.", m,
+                                           registry=r).labels(model_name)
+        self.generation_tokens_total = Counter(PREFIX + "generation_tokens", "Tokens generated.", m,
+                                               registry=r).labels(model_name)
+        self._success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
+                                m + ["finished_reason"], registry=r)
+        self.spec_draft = Counter(PREFIX + "spec_decode_num_draft_tokens", "Draft tokens proposed.", m,
+                                  registry=r).labels(model_name)
+        self.spec_accepted = Counter(PREFIX + "spec_decode_num_accepted_tokens", "Draft tokens accepted.", m,
+                                     registry=r).labels(model_name)
+        self._kv_bytes = Counter(PREFIX + "kv_transfer_bytes", "KV cache bytes moved from prefill to decode.",
+                                 m + ["transport"], registry=r)
+        self._kv_seconds = Counter(PREFIX + "kv_transfer_seconds", "Seconds spent moving KV cache.",
+                                   m + ["transport"], registry=r)
+        self.running = Gauge(PREFIX + "num_requests_running", "Requests in a decode batch.", m,
+                             registry=r).labels(model_name)
+        self.waiting = Gauge(PREFIX + "num_requests_waiting", "Requests waiting to be scheduled.", m,
+                             registry=r).labels(model_name)
+        self.kv_usage = Gauge(PREFIX + "kv_cache_usage_perc", "KV cache usage (1 = full).", m,
+                              registry=r).labels(model_name)
+
+    # ---- per request (the HTTP layer) ---------------------------------------------------------------
+    def on_first_token(self, ttft_s: float, breakdown: dict[str, float]) -> None:
+        self.ttft.observe(ttft_s)
+        self.observe_ttft_parts(breakdown)
+
+    def observe_ttft_parts(self, breakdown: dict[str, float]) -> None:
+        for part, seconds in breakdown.items():
+            hist = self.ttft_parts.get(part)
+            if hist is not None and seconds >= 0:
+                hist.observe(seconds)
+
+    def on_tokens(self, gap_s: float, num_tokens: int) -> None:
+        """``num_tokens`` arrived ``gap_s`` after the previous ones (several in one step under
+        speculative decoding): each counts as one inter-token interval of ``gap_s / num_tokens``."""
+        for _ in range(num_tokens):
+            self.itl.observe(gap_s / num_tokens)
+
+    def on_finish(self, e2e_s: float, num_prompt_tokens: int, num_output_tokens: int, finish_reason: str,
+                  num_draft_tokens: int = 0, num_accepted_tokens: int = 0) -> None:
+        self.e2e.observe(e2e_s)
+        self.prompt_tokens.observe(num_prompt_tokens)
+        self.generation_tokens.observe(num_output_tokens)
+        self.prompt_tokens_total.inc(num_prompt_tokens)
+        self.generation_tokens_total.inc(num_output_tokens)
+        self._success.labels(self.model_name, finish_reason or "unknown").inc()
+        if num_draft_tokens:
+            self.spec_draft.inc(num_draft_tokens)
+            self.spec_accepted.inc(num_accepted_tokens)
+
+    # ---- the cluster router -------------------------------------------------------------------------
+    def observe_kv_transfer(self, transport: str, num_bytes: int, seconds: float) -> None:
+        self._kv_bytes.labels(self.model_name, transport).inc(num_bytes)
+        self._kv_seconds.labels(self.model_name, transport).inc(seconds)
+
+    # ---- scrape -------------------------------------------------------------------------------------
+    def refresh(self, stats: dict) -> None:
+        """Gauges from ``router.stats()`` (missing keys leave a gauge as it was)."""
+        for gauge, key in ((self.running, "num_requests_running"), (self.waiting, "num_requests_waiting"),
+                           (self.kv_usage, "kv_cache_usage_perc")):
+            value = stats.get(key)
+            if isinstance(value, (int, float)):
+                gauge.set(value)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,156 @@
+"""`pdcluster serve`: the OpenAI-compatible server. ``--mode local`` runs one in-process engine (no Ray);
+``disagg`` and ``colocated`` start (or join) a Ray cluster through cluster/launcher.py.
+
+cli.py registers it: ``add_serve_parser(sub)``; the parser's default ``func`` is ``serve_main``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import sys
+import threading
+
+from pdcluster.cluster.cli import _add_engine_args, engine_config_from_args
+from pdcluster.engine.config import ConfigError
+
+MODES = ("disagg", "colocated", "local")
+TRANSPORTS = ("ucx", "nccl", "tcp", "shm")
+ROUTER_POLICIES = ("round_robin", "least_loaded", "power_of_two", "prefix_aware")
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
+                              description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health "
+                                          "and /metrics. The engine flags apply to every worker.")
+    _add_engine_args(p)  # --model, --spec, --num-spec-tokens, ... (shared with `generate`)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    g.add_argument("--port", type=int, default=8000, help="0 = any free port (printed when ready)")
+    g.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $PDCLUSTER_API_KEY; none = open)")
+    g.add_argument("--request-timeout-s", type=float, default=300.0,
+                   help="abort a request that makes no progress for this long")
+    g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    c = p.add_argument_group("cluster")
+    c.add_argument("--mode", choices=MODES, default="disagg",
+                   help="disagg: prefill and decode workers; colocated: both in one worker; local: no Ray")
+    c.add_argument("--transport", choices=TRANSPORTS, default="tcp", help="KV transfer transport (disagg)")
+    c.add_argument("--num-prefill", type=int, default=1, help="prefill workers (disagg)")
+    c.add_argument("--num-decode", type=int, default=1, help="decode workers")
+    c.add_argument("--router-policy", choices=ROUTER_POLICIES, default="least_loaded")
+    c.add_argument("--address", default=None, help="Ray address to join (default: start a local Ray)")
+    c.add_argument("--cluster-secret", default=None,
+                   help="shared secret of the control and transfer planes (default: $PDCLUSTER_CLUSTER_SECRET)")
+    p.set_defaults(func=serve_main)
+    return p
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Resolve the env defaults and refuse impossible values, naming the flag."""
+    args.api_key = args.api_key or os.environ.get("PDCLUSTER_API_KEY") or None
+    args.cluster_secret = args.cluster_secret or os.environ.get("PDCLUSTER_CLUSTER_SECRET") or None
+    args.served_model_name = args.served_model_name or args.model
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port: must be in 0..65535, got {args.port}")
+    for flag, value in (("--num-prefill", args.num_prefill), ("--num-decode", args.num_decode),
+                        ("--max-body-bytes", args.max_body_bytes)):
+        if value < 1:
+            raise ConfigError(f"{flag}: must be at least 1, got {value}")
+    if not args.request_timeout_s > 0:
+        raise ConfigError(f"--request-timeout-s: must be > 0, got {args.request_timeout_s}")
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    _check_args(args)
+    if args.api_key is None and args.host not in LOOPBACK:
+        print(f"pdcluster serve: warning: listening on {args.host} without an API key (set --api-key or "
+              "PDCLUSTER_API_KEY)", file=sys.stderr, flush=True)
+    if args.mode != "local":
+        try:
+            from pdcluster.cluster.launcher import run_cluster
+        except ModuleNotFoundError as e:
+            if e.name != "pdcluster.cluster.launcher":
+                raise
+            raise ConfigError(f"--mode {args.mode} needs the Ray launcher, which this build lacks: "
+                              "use --mode local") from e
+        return run_cluster(args)
+    return _serve_local(args)
+
+
+def _serve_local(args: argparse.Namespace) -> int:
+    from pdcluster.cluster.api import build_app
+    from pdcluster.cluster.local_router import LocalRouter
+    from pdcluster.cluster.metrics import Metrics
+
+    sock = _listen(args.host, args.port)  # before loading the model: a busy port fails at once
+    try:
+        router = LocalRouter(engine_config_from_args(args), request_timeout_s=args.request_timeout_s)
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        app = build_app(router, args.served_model_name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                        metrics=Metrics(args.served_model_name))
+        return run_server(app, args.host, args.port, args.served_model_name, sock=sock)
+    finally:
+        router.close()
+
+
+def run_server(app, host: str, port: int, model_name: str, sock: socket.socket | None = None) -> int:
+    """Run uvicorn until SIGINT/SIGTERM, then return (so the caller's cleanup runs); print "pdcluster
+    serving <model> on http://host:port" to stderr once the socket listens (the real port when ``port``
+    is 0). ``sock``: a socket already bound to host:port (see ``_listen``); closed on return."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # uvicorn re-raises the captured signal after shutdown, which would kill us before the
+            # caller's cleanup (router.close(), stopping workers): take the signals, do not re-raise.
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    sock = sock or _listen(host, port)  # bound before uvicorn, so a busy port is one clear error line
+    bound = sock.getsockname()[1]
+    server = Server(uvicorn.Config(app, host=host, port=bound, log_level="info", timeout_graceful_shutdown=5))
+
+    async def serve() -> None:
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started and not task.done():
+            await asyncio.sleep(0.05)
+        if server.started:
+            shown = f"[{host}]" if ":" in host else host
+            print(f"pdcluster serving {model_name} on http://{shown}:{bound}", file=sys.stderr, flush=True)
+        await task
+
+    try:
+        asyncio.run(serve())
+    finally:
+        sock.close()
+    return 0 if server.started else 1
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"--host/--port: cannot listen on {host}:{port}: {e.strerror or e}") from e
+    return sock

@@ -1,0 +1,658 @@
+"""The OpenAI-compatible HTTP API on the real stack: LocalRouter (one colocated DecodeWorker on
+tiny-random) behind a real uvicorn server on 127.0.0.1, driven by the real `openai` client.
+
+Greedy outputs equal LLMEngine.generate token for token; seeded sampling is reproducible; concurrent
+streams and client disconnects leave no block behind; every client mistake is a 4xx that says what was
+wrong (and the server keeps serving); /metrics and /health say sane things; a schema-guided fuzz finds
+no 5xx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import make_engine
+from pdcluster.cluster.api import Detokenizer, build_app
+from pdcluster.cluster.local_router import LocalRouter
+from pdcluster.cluster.metrics import Metrics
+from pdcluster.cluster.router_api import TokenDelta
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.timeout(120)
+
+MODEL = "tiny-random"
+API_KEY = "test-key-0123"
+NUM_BLOCKS = 512
+MAX_MODEL_LEN = 1024
+MAX_BODY = 256 * 1024
+PROMPTS = ["Hello world", "The capital of France is", "1, 2, 3,", "def fibonacci(n):\n    "]
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Count to three."}],
+]
+
+
+# ================================================================================== fixtures
+
+
+@contextlib.contextmanager
+def serving(app):
+    """Run ``app`` on a real uvicorn server in a thread, on a free port of 127.0.0.1."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+class Stack:
+    def __init__(self, router: LocalRouter, metrics: Metrics, base_url: str):
+        self.router, self.metrics, self.base_url = router, metrics, base_url
+        self.client = openai.OpenAI(base_url=base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+        self.http = httpx.Client(base_url=base_url, timeout=60, headers={"Authorization": f"Bearer {API_KEY}"})
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+    def settled(self, timeout_s: float = 10.0) -> dict:
+        """Worker stats once nothing runs, waits or holds a block (bounded wait)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            w = self.router.worker.stats()
+            if (w["num_running"], w["num_waiting"], w["num_free_blocks"]) == (0, 0, NUM_BLOCKS) \
+                    and not self.router._streams:
+                return w
+            assert time.monotonic() < deadline, f"worker did not settle within {timeout_s} s: {w}"
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_dir):
+    router = LocalRouter(EngineConfig(model=MODEL, num_kv_blocks=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN),
+                         request_timeout_s=30)
+    metrics = Metrics(MODEL)
+    app = build_app(router, MODEL, api_key=API_KEY, max_body_bytes=MAX_BODY, metrics=metrics)
+    try:
+        with serving(app) as base_url:
+            yield Stack(router, metrics, base_url)
+    finally:
+        router.close()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir):
+    return make_engine(MODEL, num_kv_blocks=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN)
+
+
+def _reference(engine, prompt, **params):
+    return engine.generate([prompt], SamplingParams(**params))[0]
+
+
+def _metric_samples(text: str) -> dict:
+    """{(sample name, frozenset(labels)): value}"""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def _value(samples: dict, name: str, **labels) -> float:
+    want = {("model_name", MODEL), *labels.items()}
+    return sum(v for (n, ls), v in samples.items() if n == name and want <= set(ls))
+
+
+# ================================================================================== correctness
+
+
+def test_completions_greedy_equal_engine(stack, engine):
+    for prompt in PROMPTS:
+        ref = _reference(engine, prompt, max_tokens=12, temperature=0.0)
+        r = stack.client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+        assert r.choices[0].text == ref.text, prompt
+        assert r.choices[0].finish_reason == ref.finish_reason
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ref.prompt_token_ids), len(ref.token_ids))
+        assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+        chunks = list(stack.client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                                      stream=True, stream_options={"include_usage": True}))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert text == ref.text, prompt
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == ref.finish_reason
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.token_ids)
+        # A prompt of token ids is the same request.
+        r = stack.client.completions.create(model=MODEL, prompt=ref.prompt_token_ids, max_tokens=12, temperature=0)
+        assert r.choices[0].text == ref.text
+
+
+def test_chat_greedy_equal_engine(stack, engine):
+    for messages in CHATS:
+        prompt = engine.tokenizer.apply_chat_template(messages)
+        ref = _reference(engine, prompt, max_tokens=10, temperature=0.0)
+        r = stack.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+        assert r.choices[0].message.role == "assistant"
+        assert r.choices[0].message.content == ref.text
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ref.prompt_token_ids), len(ref.token_ids))
+        r = stack.client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=10,
+                                                 temperature=0)
+        assert r.choices[0].message.content == ref.text
+
+        chunks = list(stack.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10,
+                                                           temperature=0, stream=True))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.text
+        assert chunks[-1].choices[0].finish_reason == ref.finish_reason
+        assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+
+
+def test_stop_strings_truncate(stack, engine):
+    plain = _reference(engine, PROMPTS[1], max_tokens=16, temperature=0.0)
+    words = plain.text.split()
+    assert len(words) >= 4, plain.text
+    stop = words[2][:3]  # a stop string that starts inside the output
+    ref = _reference(engine, PROMPTS[1], max_tokens=16, temperature=0.0, stop=[stop])
+    assert ref.finish_reason == "stop" and stop not in ref.text
+    r = stack.client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=16, temperature=0, stop=stop)
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (ref.text, "stop")
+    assert r.choices[0].text == plain.text[: plain.text.find(stop)]
+    chunks = list(stack.client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=16, temperature=0,
+                                                  stop=[stop, "never-appears"], stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == ref.text
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_is_reproducible(stack, engine):
+    ref = _reference(engine, PROMPTS[0], max_tokens=12, temperature=1.0, seed=1234)
+    texts = [stack.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=1.0,
+                                             seed=1234).choices[0].text for _ in range(2)]
+    streamed = "".join(c.choices[0].text for c in stack.client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=1.0, seed=1234, stream=True))
+    assert texts == [ref.text, ref.text] and streamed == ref.text
+    others = {stack.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=1.0,
+                                              seed=s).choices[0].text for s in (1, 2, 3)}
+    assert len(others | {ref.text}) > 1, "different seeds gave the same sample every time"
+
+
+def test_detokenizer_never_splits_a_character(tiny_dir):
+    from pdcluster.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer(tiny_dir)
+    text = "naïve café — 日本語のテキスト 🙂👍🏽 end"
+    ids = tok.encode(text)
+    assert any("\ufffd" in tok.decode(ids[:i]) for i in range(1, len(ids))), "no multi-token character here"
+    detok = Detokenizer(tok, [])
+    pieces = [detok.add([t], final=(i == len(ids) - 1)) for i, t in enumerate(ids)]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == tok.decode(ids)
+    # A stop string is never shown, not even the part of it that arrives first.
+    detok = Detokenizer(tok, ["テキスト"])
+    pieces = [detok.add([t], final=False) for t in ids]
+    assert "".join(pieces) == tok.decode(ids)[: tok.decode(ids).find("テキスト")]
+    assert detok.hit_stop
+
+
+# ================================================================================== load and lifecycle
+
+
+def test_16_concurrent_streams_complete_and_free_everything(stack, engine):
+    prompts = [PROMPTS[i % len(PROMPTS)] + " " + "word " * (i * 3) for i in range(16)]
+    refs = engine.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0))
+    start = stack.settled()
+
+    async def one(client, prompt):
+        stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
+                                                 stream=True)
+        chunks = [c async for c in stream]
+        return "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+
+    async def main():
+        client = stack.async_client()
+        try:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+        finally:
+            await client.close()
+
+    results = asyncio.run(main())
+    assert [r[0] for r in results] == [ref.text for ref in refs]
+    assert [r[1] for r in results] == [ref.finish_reason for ref in refs]
+    end = stack.settled()
+    assert end["num_free_blocks"] == start["num_free_blocks"] == NUM_BLOCKS
+
+
+def test_client_disconnect_aborts_and_frees(stack):
+    stack.settled()
+    before = _metric_samples(stack.http.get("/metrics").text)
+    stream = stack.client.completions.create(model=MODEL, prompt="Hello", max_tokens=1000, temperature=0,
+                                             stream=True, extra_body={"ignore_eos": True})
+    it = iter(stream)
+    next(it), next(it)
+    assert stack.router.worker.stats()["num_running"] == 1
+    closed_at = time.monotonic()
+    stream.close()
+    stack.settled(timeout_s=5.0)  # 1000 tokens would take far longer: it was aborted
+    assert time.monotonic() - closed_at < 5.0
+    deadline = time.monotonic() + 5
+    while True:  # the abort is recorded by the server once its stream task unwinds
+        after = _metric_samples(stack.http.get("/metrics").text)
+        aborted = _value(after, "pdcluster:request_success_total", finished_reason="abort") \
+            - _value(before, "pdcluster:request_success_total", finished_reason="abort")
+        if aborted == 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert aborted == 1
+    generated = _value(after, "pdcluster:request_generation_tokens_sum") \
+        - _value(before, "pdcluster:request_generation_tokens_sum")
+    assert 2 <= generated < 1000
+
+
+def test_request_deadline_ends_a_stuck_request(tiny_dir):
+    router = LocalRouter(EngineConfig(model=MODEL, num_kv_blocks=64, max_model_len=256), request_timeout_s=0.5)
+    try:
+        router.worker.stop()  # the engine thread is gone: nothing will ever arrive
+
+        async def run():
+            return [d async for d in router.generate("stuck", [1, 2, 3], SamplingParams(max_tokens=4))]
+
+        started = time.monotonic()
+        deltas = asyncio.run(run())
+        assert time.monotonic() - started < 3
+        assert [(d.finished, d.finish_reason) for d in deltas] == [(True, "error")]
+        assert "no progress" in deltas[0].error
+        assert not router._streams
+    finally:
+        router.close()
+
+
+# ================================================================================== client mistakes
+
+_OK = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+_CHAT_OK = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def _without(body, key):
+    return {k: v for k, v in body.items() if k != key}
+
+
+BAD_REQUESTS = [
+    # (path, body, status, words the message must contain)
+    ("/v1/completions", _without(_OK, "model"), 400, ["model", "required"]),
+    ("/v1/completions", _without(_OK, "prompt"), 400, ["prompt", "required"]),
+    ("/v1/chat/completions", _without(_CHAT_OK, "messages"), 400, ["messages", "required"]),
+    ("/v1/completions", {**_OK, "max_tokens": "5"}, 400, ["max_tokens", "integer", "'5'"]),
+    ("/v1/completions", {**_OK, "max_tokens": 2.5}, 400, ["max_tokens", "integer"]),
+    ("/v1/completions", {**_OK, "temperature": "hot"}, 400, ["temperature", "'hot'"]),
+    ("/v1/completions", {**_OK, "prompt": 42}, 400, ["prompt", "42"]),
+    ("/v1/completions", {**_OK, "stream": "yes"}, 400, ["stream", "boolean"]),
+    ("/v1/chat/completions", {**_CHAT_OK, "messages": "hi"}, 400, ["messages", "list"]),
+    ("/v1/chat/completions", {**_CHAT_OK, "messages": [{"role": "wizard", "content": "x"}]}, 400,
+     ["messages[0].role", "wizard"]),
+    ("/v1/chat/completions", {**_CHAT_OK, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     400, ["messages[0].content", "not supported"]),
+    ("/v1/chat/completions", {**_CHAT_OK, "messages": []}, 400, ["messages is empty"]),
+    ("/v1/completions", {**_OK, "max_tokens": 0}, 400, ["max_tokens", "at least 1", "got 0"]),
+    ("/v1/completions", {**_OK, "max_tokens": -3}, 400, ["max_tokens", "got -3"]),
+    ("/v1/completions", {**_OK, "max_tokens": 5000}, 400, ["5000", str(MAX_MODEL_LEN), "max_tokens"]),
+    ("/v1/chat/completions", {**_CHAT_OK, "max_completion_tokens": 4000}, 400,
+     ["max_completion_tokens", "4000", str(MAX_MODEL_LEN)]),
+    ("/v1/completions", {**_OK, "prompt": [5] * 1100}, 400, ["1100 tokens", str(MAX_MODEL_LEN)]),
+    ("/v1/completions", {**_OK, "prompt": [5] * 1000, "max_tokens": 100}, 400, ["1000", "100", str(MAX_MODEL_LEN)]),
+    ("/v1/completions", {**_OK, "prompt": ""}, 400, ["prompt is empty"]),
+    ("/v1/completions", {**_OK, "prompt": []}, 400, ["prompt is empty"]),
+    ("/v1/completions", {**_OK, "prompt": ["a", "b"]}, 400, ["batch of 2 prompts", "one prompt per request"]),
+    ("/v1/completions", {**_OK, "prompt": [10**9]}, 400, ["out of range"]),
+    ("/v1/completions", {**_OK, "model": "gpt-9"}, 404, ["'gpt-9'", f"'{MODEL}'"]),
+    ("/v1/chat/completions", {**_CHAT_OK, "model": "gpt-9"}, 404, ["'gpt-9'", f"'{MODEL}'"]),
+    ("/v1/completions", {**_OK, "n": 2}, 400, ["n", "only n=1", "got 2"]),
+    ("/v1/completions", {**_OK, "logprobs": 3}, 400, ["logprobs", "not supported"]),
+    ("/v1/chat/completions", {**_CHAT_OK, "logprobs": True}, 400, ["logprobs", "not supported"]),
+    ("/v1/completions", {**_OK, "temperature": -1}, 400, ["temperature", ">= 0", "-1"]),
+    ("/v1/completions", {**_OK, "top_p": 0}, 400, ["top_p", "(0, 1]"]),
+    ("/v1/completions", {**_OK, "top_k": -5}, 400, ["top_k", "-5"]),
+    ("/v1/completions", {**_OK, "stop": [""]}, 400, ["stop", "non-empty"]),
+    ("/v1/completions", {**_OK, "seed": 1 << 70}, 400, ["seed", "64-bit"]),
+    ("/v1/completions", [1, 2], 400, ["JSON object"]),
+]
+
+
+@pytest.mark.parametrize("path, body, status, words", BAD_REQUESTS,
+                         ids=[f"{i}-{b[0].rsplit('/', 1)[1]}" for i, b in enumerate(BAD_REQUESTS)])
+def test_bad_request_is_a_clear_4xx(stack, path, body, status, words):
+    r = stack.http.post(path, json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    for word in words:
+        assert word in err["message"], (word, err["message"])
+
+
+def test_malformed_bodies_and_limits(stack):
+    h = {"Content-Type": "application/json"}
+    r = stack.http.post("/v1/completions", content=b'{"model": "tiny-random", "prompt": ', headers=h)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = stack.http.post("/v1/completions", content=b"", headers=h)
+    assert r.status_code == 400 and "JSON object" in r.json()["error"]["message"]
+    r = stack.http.post("/v1/completions", content=json.dumps({**_OK, "prompt": "x" * MAX_BODY}).encode(), headers=h)
+    assert r.status_code == 413 and str(MAX_BODY) in r.json()["error"]["message"]
+
+    def chunked():  # no Content-Length: the limit applies while the body streams in
+        yield b'{"model": "tiny-random", "prompt": "'
+        for _ in range(MAX_BODY // 4096 + 2):
+            yield b"y" * 4096
+        yield b'"}'
+
+    r = stack.http.post("/v1/completions", content=chunked(), headers=h)
+    assert r.status_code == 413 and str(MAX_BODY) in r.json()["error"]["message"]
+    with pytest.raises(openai.APIStatusError) as e:  # what an openai client sees
+        stack.client.completions.create(model=MODEL, prompt="x" * MAX_BODY, max_tokens=2)
+    assert e.value.status_code == 413
+    r = stack.http.get("/v1/no-such-thing")
+    assert r.status_code == 404 and "no such endpoint" in r.json()["error"]["message"]
+    r = stack.http.get("/v1/completions")
+    assert r.status_code == 405 and "GET" in r.json()["error"]["message"]
+    # ... and the server still serves.
+    assert stack.http.post("/v1/completions", json=_OK).status_code == 200
+
+
+def test_api_key(stack):
+    anon = httpx.Client(base_url=stack.base_url, timeout=30)
+    for headers in ({}, {"Authorization": "Bearer wrong-key"}, {"Authorization": API_KEY},
+                    {"Authorization": f"Basic {API_KEY}"}):
+        r = anon.post("/v1/completions", json=_OK, headers=headers)
+        assert r.status_code == 401, (headers, r.text)
+        assert r.json()["error"]["code"] == "invalid_api_key" and "API key" in r.json()["error"]["message"]
+    assert anon.get("/v1/models").status_code == 401
+    wrong = openai.OpenAI(base_url=stack.base_url + "/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    assert anon.get("/health").status_code == 200 and anon.get("/metrics").status_code == 200
+    assert stack.client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].text is not None
+
+
+def test_openai_client_errors_are_typed(stack):
+    with pytest.raises(openai.NotFoundError, match="gpt-9"):
+        stack.client.completions.create(model="gpt-9", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="only n=1"):
+        stack.client.chat.completions.create(model=MODEL, messages=CHATS[0], max_tokens=2, n=2)
+    with pytest.raises(openai.BadRequestError, match=str(MAX_MODEL_LEN)):
+        stack.client.chat.completions.create(model=MODEL, messages=CHATS[0], max_tokens=MAX_MODEL_LEN)
+    assert stack.client.chat.completions.create(model=MODEL, messages=CHATS[0], max_tokens=2).usage.completion_tokens
+
+
+# ================================================================================== models, health, metrics
+
+
+def test_models_and_health(stack):
+    models = stack.client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    r = stack.http.get("/health")
+    assert r.status_code == 200
+    body = r.json()
+    assert body["status"] == "ok" and body["num_requests_running"] == 0 and 0 <= body["kv_cache_usage_perc"] <= 1
+
+
+def test_metrics_after_requests(stack):
+    for _ in range(2):
+        stack.client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=0,
+                                        extra_body={"ignore_eos": True})
+    stack.metrics.observe_kv_transfer("tcp", 4096, 0.002)
+    text = stack.http.get("/metrics").text
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+                 "request_prompt_tokens", "request_generation_tokens", "num_requests_running",
+                 "num_requests_waiting", "kv_cache_usage_perc", "request_success_total",
+                 "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total",
+                 "ttft_queue_seconds", "ttft_prefill_seconds", "ttft_kv_transfer_seconds",
+                 "ttft_first_decode_seconds", "kv_transfer_bytes_total", "kv_transfer_seconds_total"):
+        assert f"pdcluster:{name}" in text, name
+    s = _metric_samples(text)
+    n_ttft = _value(s, "pdcluster:time_to_first_token_seconds_count")
+    assert n_ttft >= 2 and 0 < _value(s, "pdcluster:time_to_first_token_seconds_sum") < 30 * n_ttft
+    # Colocated TTFT = queue + prefill, observed for every request that produced a token.
+    assert _value(s, "pdcluster:ttft_queue_seconds_count") == _value(s, "pdcluster:ttft_prefill_seconds_count") \
+        == n_ttft
+    assert _value(s, "pdcluster:ttft_kv_transfer_seconds_count") == 0
+    assert _value(s, "pdcluster:inter_token_latency_seconds_count") >= 14
+    assert _value(s, "pdcluster:request_success_total", finished_reason="length") >= 2
+    assert _value(s, "pdcluster:request_generation_tokens_sum") >= 16
+    n_done = _value(s, "pdcluster:e2e_request_latency_seconds_count")
+    assert _value(s, "pdcluster:request_prompt_tokens_count") == n_done >= 2
+    assert _value(s, "pdcluster:num_requests_running") == 0 and _value(s, "pdcluster:num_requests_waiting") == 0
+    assert 0 <= _value(s, "pdcluster:kv_cache_usage_perc") <= 1
+    assert _value(s, "pdcluster:kv_transfer_bytes_total", transport="tcp") == 4096
+    assert _value(s, "pdcluster:kv_transfer_seconds_total", transport="tcp") == pytest.approx(0.002)
+
+
+# ================================================================================== router failures
+
+
+class _FailingRouter:
+    """A router whose requests fail after one token (or blow up at once), to see what clients get."""
+
+    model_name, max_model_len = "fake", 64
+
+    def __init__(self, tokenizer, mode: str):
+        self.tokenizer, self.mode, self.aborted = tokenizer, mode, []
+
+    async def generate(self, request_id, prompt_token_ids, params):
+        if self.mode == "boom":
+            raise RuntimeError("secret internal detail")
+        yield TokenDelta(self.tokenizer.encode(" hello"), num_prompt_tokens=len(prompt_token_ids))
+        yield TokenDelta([], finished=True, finish_reason="error", error="decode worker died")
+
+    async def abort(self, request_id):
+        self.aborted.append(request_id)
+
+    def stats(self):
+        return {"healthy": self.mode != "boom", "num_requests_running": 0}
+
+
+@pytest.mark.parametrize("mode", ["fail", "boom"])
+def test_router_failures_are_server_errors(tiny_dir, mode):
+    from pdcluster.engine.tokenizer import Tokenizer
+
+    router = _FailingRouter(Tokenizer(tiny_dir), mode)
+    with serving(build_app(router, "fake")) as base_url:
+        http = httpx.Client(base_url=base_url, timeout=30)
+        r = http.post("/v1/completions", json={"model": "fake", "prompt": "hi", "max_tokens": 4})
+        if mode == "boom":
+            assert r.status_code == 500 and "secret" not in r.text and "internal" in r.json()["error"]["message"]
+            assert http.get("/health").status_code == 503
+            return
+        assert r.status_code == 503 and "decode worker died" in r.json()["error"]["message"]
+        client = openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.APIError, match="decode worker died"):
+            list(client.completions.create(model="fake", prompt="hi", max_tokens=4, stream=True))
+        assert http.get("/health").status_code == 200
+
+
+# ================================================================================== fuzzing
+
+_LEAF = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=12)
+_JSON = st.recursive(_LEAF, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c, max_size=3),
+                     max_leaves=8)
+# Bounded so a valid request generates a handful of tokens; junk values still get through.
+_MAX_TOKENS = st.integers(-2, 6) | st.sampled_from(["4", 2.5, True, [3], 10**6, 10**30])
+
+
+def _typed(schema: dict, defs: dict, depth: int = 0):
+    """Values that fit a JSON schema of the app's OpenAPI document (roughly), mixed with any JSON."""
+    if "$ref" in schema:
+        return _typed(defs[schema["$ref"].rsplit("/", 1)[1]], defs, depth)
+    if depth > 3:
+        return _LEAF
+    for key in ("anyOf", "oneOf"):
+        if key in schema:
+            return st.one_of([_typed(s, defs, depth + 1) for s in schema[key]])
+    if "const" in schema or "enum" in schema:
+        return st.sampled_from(schema.get("enum") or [schema["const"]]) | st.text(max_size=8)
+    kind = schema.get("type")
+    if kind == "string":
+        return st.text(max_size=24) | st.sampled_from(["Hello", "user", "text", MODEL, "日本", "\n"])
+    if kind == "integer":
+        return st.integers(-5, 50)
+    if kind == "number":
+        return st.floats(-1, 3) | st.sampled_from([0.0, 1e-300, 1e300, float("inf"), float("nan")])
+    if kind == "boolean":
+        return st.booleans()
+    if kind == "null":
+        return st.none()
+    if kind == "array":
+        return st.lists(_typed(schema.get("items", {}), defs, depth + 1), max_size=3)
+    if kind == "object" and "properties" in schema:
+        return _object(schema, defs, depth + 1)
+    return _JSON
+
+
+def _object(schema: dict, defs: dict, depth: int = 0, overrides: dict | None = None):
+    props = schema.get("properties", {})
+    overrides = overrides or {}
+    strat = {name: overrides[name] if name in overrides else _typed(sub, defs, depth) | _JSON
+             for name, sub in props.items()}
+    required = set(schema.get("required", []))
+    return st.fixed_dictionaries({k: v for k, v in strat.items() if k in required},
+                                 optional={k: v for k, v in strat.items() if k not in required})
+
+
+@pytest.mark.timeout(240)
+def test_fuzz_openapi_schema_no_5xx(stack):
+    spec = stack.http.get("/openapi.json").json()
+    defs = spec["components"]["schemas"]
+    bodies = []
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        ref = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        schema = defs[ref.rsplit("/", 1)[1]]
+        overrides = {"model": st.sampled_from([MODEL, MODEL, "other"]), "max_tokens": _MAX_TOKENS,
+                     "max_completion_tokens": _MAX_TOKENS}
+        # Chat without max_tokens would generate up to the context's end: keep max_tokens in every body.
+        typed = _object(schema, defs, overrides=overrides).map(
+            lambda b: b if "max_tokens" in b else {**b, "max_tokens": 3})
+        bodies.append(st.tuples(st.just(path), typed))
+    raw = st.tuples(st.sampled_from(["/v1/completions", "/v1/chat/completions"]), _JSON)
+    # Plausible requests with edge-case sampling values, so that many reach the engine.
+    knobs = {"temperature": st.floats(0, 2) | st.sampled_from([0.0, 1e-300, 1e-6, 2.0]),
+             "top_p": st.floats(1e-9, 1.0), "top_k": st.integers(-1, 100) | st.just(10**12),
+             "seed": st.integers(-(2**63), 2**63 - 1), "stop": st.text(min_size=1, max_size=4) | st.lists(
+                 st.text(min_size=1, max_size=4), max_size=3), "ignore_eos": st.booleans(),
+             "stream": st.booleans(), "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()})}
+    text = st.text(min_size=1, max_size=40)
+    plausible = st.one_of(
+        st.tuples(st.just("/v1/completions"), st.fixed_dictionaries(
+            {"model": st.just(MODEL), "prompt": text | st.lists(st.integers(0, 49151), min_size=1, max_size=8),
+             "max_tokens": st.integers(1, 6)}, optional=knobs)),
+        st.tuples(st.just("/v1/chat/completions"), st.fixed_dictionaries(
+            {"model": st.just(MODEL), "max_tokens": st.integers(1, 6),
+             "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
+                                                         "content": text}), min_size=1, max_size=3)},
+            optional=knobs)),
+    )
+    seen = {"ok": 0}
+
+    @settings(max_examples=100, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(st.one_of(bodies[0], bodies[1], raw, plausible))
+    def check(case):
+        path, body = case
+        # allow_nan: Python's json (and so the server) reads NaN and Infinity: they must be refused too.
+        r = stack.http.post(path, content=json.dumps(body, allow_nan=True),
+                            headers={"Content-Type": "application/json"})
+        assert r.status_code < 500, (path, body, r.status_code, r.text)
+        if r.status_code >= 400:
+            assert r.json()["error"]["message"], r.text
+        else:
+            seen["ok"] += 1
+            assert "server_error" not in r.text, (path, body, r.text)
+
+    check()
+    print(f"fuzz: {seen['ok']} of 100 bodies were served (the rest got a 4xx)")
+    assert seen["ok"] > 0, "the fuzz never got past validation: it tests nothing behind it"
+    assert stack.http.get("/health").status_code == 200
+    assert stack.http.post("/v1/completions", json=_OK).status_code == 200
+    stack.settled()
+
+
+# ================================================================================== the CLI
+
+
+def test_serve_flags_parse():
+    import argparse
+
+    from pdcluster.cluster.serve_cli import add_serve_parser, serve_main
+
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    a = parser.parse_args(["serve"])
+    assert (a.host, a.port, a.mode, a.transport, a.router_policy, a.model, a.spec) == \
+        ("127.0.0.1", 8000, "disagg", "tcp", "least_loaded", "smollm2", "none")
+    assert a.func is serve_main and a.max_body_bytes == 1 << 20
+    a = parser.parse_args(["serve", "--host", "0.0.0.0", "--port", "9000", "--model", "tiny-random",
+                           "--served-model-name", "m", "--api-key", "k", "--mode", "colocated", "--transport", "shm",
+                           "--spec", "ngram", "--num-spec-tokens", "2", "--num-prefill", "2", "--num-decode", "3",
+                           "--router-policy", "prefix_aware", "--address", "ray://h:10001", "--cluster-secret", "s",
+                           "--request-timeout-s", "5", "--max-body-bytes", "100"])
+    assert (a.port, a.served_model_name, a.num_prefill, a.num_decode, a.address, a.cluster_secret) == \
+        (9000, "m", 2, 3, "ray://h:10001", "s")
+
+
+@pytest.mark.timeout(120)
+def test_serve_local_subprocess(tiny_dir):
+    code = ("import argparse, sys\n"
+            "from pdcluster.cluster.serve_cli import add_serve_parser\n"
+            "p = argparse.ArgumentParser(); add_serve_parser(p.add_subparsers())\n"
+            "a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))\n")
+    env = {**os.environ, "PDCLUSTER_API_KEY": "env-key"}
+    proc = subprocess.Popen([sys.executable, "-c", code, "serve", "--mode", "local", "--model", MODEL, "--port", "0",
+                             "--num-kv-blocks", "64", "--max-model-len", "256"],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read():
+        for line in proc.stderr:
+            lines.append(line)
+            if line.startswith("pdcluster serving"):
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert ready.wait(90), "".join(lines)
+        line = next(x for x in lines if x.startswith("pdcluster serving"))
+        m = re.fullmatch(rf"pdcluster serving {MODEL} on (http://127\.0\.0\.1:(\d+))\n", line)
+        assert m and int(m.group(2)) > 0, line
+        client = openai.OpenAI(base_url=m.group(1) + "/v1", api_key="env-key", max_retries=0, timeout=30)
+        assert client.completions.create(model=MODEL, prompt="hi", max_tokens=3).usage.completion_tokens >= 1
+        assert httpx.get(m.group(1) + "/v1/models").status_code == 401  # the key came from the environment
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, "".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
