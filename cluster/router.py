@@ -320,6 +320,10 @@ class ClusterRouter:
         if len(prompt_token_ids) >= self.max_model_len:
             raise RouterError(f"prompt has {len(prompt_token_ids)} tokens, max_model_len is {self.max_model_len}",
                               status=400, kind="invalid_request_error")
+        pool_tokens = max((v.num_blocks * v.block_size for v in self.views.values() if v.role == "decode"), default=0)
+        if pool_tokens and len(prompt_token_ids) + 1 > pool_tokens:
+            raise RouterError(f"prompt has {len(prompt_token_ids)} tokens but the largest decode worker's KV pool "
+                              f"holds {pool_tokens}", status=400, kind="invalid_request_error")
         if params.seed is None:
             # Prefill and decode must draw from the same per-position streams.
             params = replace(params, seed=self._rng.randrange(1 << 31))
