@@ -113,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     from pdcluster.cluster.serve_cli import add_serve_parser, serve_main
 
     add_serve_parser(sub).set_defaults(func=serve_main)
+    from pdcluster.cluster.loadtest.cli import add_loadtest_parser
+    add_loadtest_parser(sub)
     return parser
 
 

@@ -6,6 +6,11 @@
   the KV connector with ``post_forward(finished_req_ids)`` (invariant S2).
 
 What crosses between the two halves is one small dataclass, ``ExecuteModelState``.
+
+With speculative decoding a decode row runs the target over 1 + k tokens (the last committed token and
+k drafts); the proposer (engine/proposers/) drafts the next k from the verified tokens. With async
+scheduling (engine/async_utils.py) a row may arrive with placeholder inputs and an upper-bound
+``num_computed_tokens``; ``_resolve_rows`` makes it exact from the previous step's outputs (S4).
 """
 
 from __future__ import annotations
@@ -15,15 +20,29 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pdcluster.engine.async_utils import PLACEHOLDER, PrevStepOutput, fill_placeholder_rows
 from pdcluster.engine.attention import AttentionMetadata
 from pdcluster.engine.batch_classifier import BatchKind, classify_batch, uniform_decode_query_len
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.kv_connector import KVConnector, KVConnectorOutput
 from pdcluster.engine.model import LlamaModel
+from pdcluster.engine.proposers import ProposeBatch, Proposer, make_proposer
 from pdcluster.engine.rejection_sampler import num_valid_tokens, rejection_sample
 from pdcluster.engine.sampler import sample
 from pdcluster.engine.scheduler import ModelRunnerOutput, SchedulerOutput
 from pdcluster.engine.states import RequestStates
+
+
+@dataclass
+class StepRows:
+    """Per-row inputs of one step, exact: async placeholder rows already filled in."""
+
+    starts_np: np.ndarray  # num_computed_tokens before the step: position of the row's first input
+    q_lens_np: np.ndarray
+    num_tokens_np: np.ndarray  # committed tokens before the step (drafts excluded)
+    num_output_np: np.ndarray  # output tokens before the step: output position of the first one sampled
+    input_token_ids: list[list[int]]
+    draft_token_ids: list[list[int]]
 
 
 @dataclass
@@ -38,6 +57,8 @@ class ExecuteModelState:
     logits_count_np: np.ndarray
     logits_indices: torch.Tensor
     finished_req_ids: set[str] = field(default_factory=set)
+    rows: StepRows | None = None
+    query_start_loc_np: np.ndarray | None = None  # [num_rows + 1]: each row's tokens in hidden_states
 
 
 class ModelRunner:
@@ -48,6 +69,7 @@ class ModelRunner:
         kv_cache: torch.Tensor,
         max_model_len: int,
         connector: KVConnector | None = None,
+        proposer: Proposer | None = None,
     ):
         self.config = config
         self.model = model
@@ -58,6 +80,11 @@ class ModelRunner:
         max_blocks = -(-(max_model_len + self.num_spec_steps + 1) // self.block_size)
         self.states = RequestStates(config.max_num_seqs, max_model_len + self.num_spec_steps + 1, max_blocks)
         self.connector = connector or KVConnector()
+        self.proposer = proposer or make_proposer(config, model, kv_cache)
+        # Async scheduling schedules exactly min(k, room) draft placeholders per decode row, so every
+        # sampling row must then come with that many drafts (a short n-gram match is padded).
+        self.fixed_num_drafts = config.async_scheduling
+        self._prev = PrevStepOutput.empty(self.num_spec_steps)  # read by the next step (S4)
         self.last_batch_kind: BatchKind | None = None
         self._state: ExecuteModelState | None = None
 
@@ -79,30 +106,48 @@ class ModelRunner:
             num_committed_inputs = max(0, min(s.num_scheduled_tokens, s.num_tokens - s.num_computed_tokens))
             start = s.num_computed_tokens
             self.states.token_ids_np[idx, start : start + num_committed_inputs] = s.input_token_ids[:num_committed_inputs]
-            self.states.num_tokens_np[idx] = s.num_tokens
+            if not s.placeholder_inputs:  # else the scheduler's count lags the in-flight step's tokens
+                self.states.num_tokens_np[idx] = s.num_tokens
             idx_mapping[i] = idx
         return idx_mapping
 
+    def _resolve_rows(self, sched: SchedulerOutput, idx_mapping: np.ndarray) -> StepRows:
+        scheduled = sched.scheduled
+        rows = StepRows(
+            starts_np=self.states.num_computed_tokens_np[idx_mapping].astype(np.int64),  # the scheduler's (S1)
+            q_lens_np=np.array([s.num_scheduled_tokens for s in scheduled], dtype=np.int64),
+            num_tokens_np=np.array([s.num_tokens for s in scheduled], dtype=np.int64),
+            num_output_np=np.array([s.num_output_tokens for s in scheduled], dtype=np.int64),
+            input_token_ids=[s.input_token_ids for s in scheduled],
+            draft_token_ids=[s.spec_token_ids for s in scheduled],
+        )
+        if any(s.placeholder_inputs for s in scheduled):
+            fill_placeholder_rows(
+                [s.request_id for s in scheduled], scheduled, idx_mapping, self._prev, self.states,
+                rows.starts_np, rows.num_tokens_np, rows.num_output_np, rows.input_token_ids, rows.draft_token_ids,
+            )
+        return rows
+
     # ---- inputs --------------------------------------------------------------------------------
-    def _prepare_inputs(self, sched: SchedulerOutput, idx_mapping: np.ndarray):
+    def _prepare_inputs(self, rows: StepRows, idx_mapping: np.ndarray):
         st = self.states
-        q_lens = np.array([s.num_scheduled_tokens for s in sched.scheduled], dtype=np.int32)
-        starts = st.num_computed_tokens_np[idx_mapping]
-        query_start_loc = np.zeros(len(q_lens) + 1, dtype=np.int32)
+        q_lens = rows.q_lens_np
+        starts = rows.starts_np
+        query_start_loc = np.zeros(len(q_lens) + 1, dtype=np.int64)
         np.cumsum(q_lens, out=query_start_loc[1:])
         # positions: for each request, start .. start + q_len
         req_of_token = np.repeat(np.arange(len(q_lens)), q_lens)
         positions = starts[req_of_token] + (np.arange(query_start_loc[-1]) - query_start_loc[req_of_token])
         block_of_token = st.block_table_np[idx_mapping[req_of_token], positions // self.block_size]
         slot_mapping = block_of_token.astype(np.int64) * self.block_size + positions % self.block_size
-        input_ids = np.concatenate([np.asarray(s.input_token_ids, dtype=np.int64) for s in sched.scheduled])
+        input_ids = np.concatenate([np.asarray(t, dtype=np.int64) for t in rows.input_token_ids])
         seq_lens = (starts + q_lens).astype(np.int32)
         max_blocks = int(-(-seq_lens.max() // self.block_size))
         block_tables = st.block_table_np[idx_mapping, :max_blocks]
 
         # Rows to sample: the last committed token and every draft after it, for requests whose
         # committed tokens are all computed after this step.
-        num_tokens = np.array([s.num_tokens for s in sched.scheduled], dtype=np.int32)
+        num_tokens = rows.num_tokens_np
         reaches_end = starts + q_lens >= num_tokens
         logits_count = np.where(reaches_end, starts + q_lens - num_tokens + 1, 0).astype(np.int32)
         logits_start = np.zeros(len(q_lens), dtype=np.int32)
@@ -116,7 +161,7 @@ class ModelRunner:
             slot_mapping=torch.from_numpy(slot_mapping),
             block_tables=torch.from_numpy(np.ascontiguousarray(block_tables)),
             seq_lens=torch.from_numpy(seq_lens),
-            query_start_loc=torch.from_numpy(query_start_loc),
+            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)),
             uniform_q_len=uniform_decode_query_len(self.num_spec_steps) if kind == BatchKind.UNIFORM_DECODE else None,
             scale=self.model.scale,
         )
@@ -128,6 +173,7 @@ class ModelRunner:
             logits_start,
             logits_count,
             torch.from_numpy(logits_indices.astype(np.int64)),
+            query_start_loc,
         )
 
     # ---- the two halves of a step ---------------------------------------------------------------
@@ -141,15 +187,16 @@ class ModelRunner:
                 torch.zeros(0, dtype=torch.int64), set(sched.finished_req_ids),
             )
             return
-        input_ids, positions, meta, kind, logits_start, logits_count, logits_indices = self._prepare_inputs(
-            sched, idx_mapping
+        rows = self._resolve_rows(sched, idx_mapping)
+        input_ids, positions, meta, kind, logits_start, logits_count, logits_indices, qsl = self._prepare_inputs(
+            rows, idx_mapping
         )
         self.last_batch_kind = kind
         self.connector.pre_forward(sched)
         hidden = self.model.forward(input_ids, positions, self.kv_cache, meta, self.connector.save_layer)
         self._state = ExecuteModelState(
             sched, req_ids, idx_mapping, kind, hidden, logits_start, logits_count, logits_indices,
-            set(sched.finished_req_ids),
+            set(sched.finished_req_ids), rows, qsl,
         )
 
     @torch.inference_mode()
@@ -157,10 +204,47 @@ class ModelRunner:
         state, self._state = self._state, None
         assert state is not None, "sample_tokens() without execute_model()"
         if state.hidden_states is None:
+            self._prev = PrevStepOutput.empty(self.num_spec_steps)
             return ModelRunnerOutput([], []), self.connector.no_forward(state.scheduler_output)
         sampled = self._sample(state)
+        # The proposer runs after verification and before post_forward: MTP writes its draft layer's KV
+        # for this step's verified positions here, and the connector may only finalise complete KV (S2).
+        drafts = self._propose(state, sampled)
+        self._prev = self._step_output(state, sampled, drafts)
         kv_output = self.connector.post_forward(state.finished_req_ids)  # last: S2
-        return ModelRunnerOutput(state.req_ids, sampled), kv_output
+        return ModelRunnerOutput(state.req_ids, sampled, drafts), kv_output
+
+    def _propose(self, state: ExecuteModelState, sampled: list[list[int]]) -> list[list[int]]:
+        if self.num_spec_steps == 0:
+            return [[] for _ in sampled]
+        st, rows, idx = self.states, state.rows, state.idx_mapping_np
+        num_sampled = np.array([len(t) for t in sampled], dtype=np.int64)
+        new_num_tokens = st.num_tokens_np[idx].astype(np.int64)  # this step's tokens appended
+        # Verified inputs: up to (excluding) the newest committed token for a row that sampled; the
+        # whole chunk for a prefill still in progress.
+        num_verified = np.where(num_sampled > 0, new_num_tokens - 1 - rows.starts_np, rows.q_lens_np)
+        max_tokens = np.array([st.sampling_params[i].max_tokens for i in idx], dtype=np.int64)
+        room = np.minimum(self.max_model_len - new_num_tokens, max_tokens - rows.num_output_np - num_sampled) - 1
+        num_drafts = np.where(num_sampled > 0, np.clip(room, 0, self.num_spec_steps), 0)
+        batch = ProposeBatch(idx, rows.starts_np, state.query_start_loc_np, num_verified, num_drafts,
+                             state.hidden_states, st)
+        drafts = self.proposer.propose(batch)
+        if self.fixed_num_drafts:
+            for i, d in enumerate(drafts):
+                if len(d) < num_drafts[i]:  # a short n-gram match: pad with the last token (any token is lossless)
+                    drafts[i] = d + [sampled[i][-1]] * int(num_drafts[i] - len(d))
+        return drafts
+
+    def _step_output(self, state: ExecuteModelState, sampled: list[list[int]], drafts: list[list[int]]) -> PrevStepOutput:
+        """This step's per-row values, in this batch's order, for the next step (S4)."""
+        k = self.num_spec_steps
+        num_rejected = np.array(
+            [len(state.rows.draft_token_ids[i]) + 1 - len(t) if t else 0 for i, t in enumerate(sampled)], dtype=np.int64
+        )
+        draft_np = np.full((len(sampled), k), PLACEHOLDER, dtype=np.int64)
+        for i, d in enumerate(drafts):
+            draft_np[i, : len(d)] = d[:k]
+        return PrevStepOutput(list(state.req_ids), num_rejected, draft_np)
 
     def _sample(self, state: ExecuteModelState) -> list[list[int]]:
         st = self.states
@@ -169,17 +253,17 @@ class ModelRunner:
         if not rows:
             return sampled
         logits = self.model.compute_logits(state.hidden_states[state.logits_indices])
-        scheduled = state.scheduler_output.scheduled
+        step_rows = state.rows
         params = [st.sampling_params[state.idx_mapping_np[i]] for i in rows]
         seeds = [p.seed for p in params]
-        positions = [scheduled[i].num_output_tokens for i in rows]
-        if not any(scheduled[i].spec_token_ids for i in rows):
+        positions = [int(step_rows.num_output_np[i]) for i in rows]
+        if not any(step_rows.draft_token_ids[i] for i in rows):
             tokens = sample(logits[state.logits_start_np[rows]], params, seeds, positions)
             per_req = [[t] for t in tokens]
         else:
             starts, counts = state.logits_start_np, state.logits_count_np
             target = [logits[starts[i] : starts[i] + counts[i]] for i in rows]
-            drafts = [scheduled[i].spec_token_ids for i in rows]
+            drafts = [step_rows.draft_token_ids[i] for i in rows]
             output_token_ids = rejection_sample(target, drafts, params, seeds, positions)
             num_valid = num_valid_tokens(output_token_ids).tolist()  # S3
             per_req = [output_token_ids[r, : num_valid[r]].tolist() for r in range(len(rows))]

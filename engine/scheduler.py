@@ -177,6 +177,11 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and not preempted:
             request = self.waiting[0]
             cached = self.block_manager.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
+            if cached and cfg.spec_method == "mtp":
+                # The MTP entry of position p depends on token p + 1: the last matched block's last entry
+                # was written for whatever followed it in the request that filled it. Recompute that
+                # block, so every shared entry's next token is inside the match (as vLLM does for EAGLE).
+                cached = cached[:-1]
             num_computed = request.num_computed_tokens + len(cached) * cfg.block_size
             # num_tokens_with_spec: a request prefilled elsewhere may arrive with drafts.
             num_new = min(request.num_tokens_with_spec - num_computed, cfg.prefill_chunk_size, budget)

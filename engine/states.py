@@ -23,7 +23,9 @@ class RequestStates:
         self.prefill_len_np = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_computed_prefill_tokens_np = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_tokens_np = np.zeros(max_num_reqs, dtype=np.int32)  # committed (no drafts)
-        self.token_ids_np = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
+        # Committed tokens; -1 past ``num_tokens_np`` so a read beyond them (e.g. at an async-inflated
+        # length, S4) yields an invalid id instead of a plausible stale one.
+        self.token_ids_np = np.full((max_num_reqs, max_model_len), -1, dtype=np.int32)
         self.block_table_np = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks_np = np.zeros(max_num_reqs, dtype=np.int32)
         self.seed_np = np.zeros(max_num_reqs, dtype=np.int64)
@@ -41,6 +43,7 @@ class RequestStates:
         self.index_to_req_id[idx] = req_id
         n = len(token_ids)
         self.token_ids_np[idx, :n] = token_ids
+        self.token_ids_np[idx, n:] = -1
         self.num_tokens_np[idx] = n
         self.prefill_len_np[idx] = n
         self.num_computed_tokens_np[idx] = 0

@@ -38,3 +38,44 @@ def make_engine(model: str = "tiny-random", **kwargs):
     kwargs.setdefault("num_kv_blocks", 512)
     kwargs.setdefault("max_model_len", 1024)
     return LLMEngine(EngineConfig(model=model, **kwargs), progress=False)
+
+
+class OracleProposer:
+    """Test proposer for speculative decoding: drafts the known greedy continuation (``references``: full
+    token sequences, prompt + output), replacing each draft by a wrong token with probability ``corrupt``
+    (seeded), so verification sees long accepted runs, partial acceptance and full rejection. It runs the
+    engine's own proposer first (so MTP still writes its draft layer's KV) and discards its drafts.
+    Correctness never depends on drafts, so outputs must not change."""
+
+    def __init__(self, inner, references: list[list[int]], corrupt: float = 0.25, seed: int = 0):
+        import random
+
+        self.inner = inner
+        self.num_draft_layers = inner.num_draft_layers
+        self.references = [list(r) for r in references]
+        self.corrupt = corrupt
+        self.rng = random.Random(seed)
+
+    def propose(self, batch):
+        self.inner.propose(batch)
+        st = batch.states
+        drafts = []
+        for idx, k in zip(batch.idx_mapping_np, batch.num_drafts_np):
+            n = int(st.num_tokens_np[idx])
+            committed = st.token_ids_np[idx, :n].tolist()
+            ref = next((r for r in self.references if r[:n] == committed), None)
+            proposal = ref[n : n + int(k)] if ref is not None else []
+            drafts.append([t if self.rng.random() >= self.corrupt else (t + 1) % 49152 for t in proposal])
+        return drafts
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Tiny-model tests run single-threaded: their ops are too small to gain from intra-op threads,
+    and on a loaded 2-core machine OpenMP's spin-waiting made them ~10x slower (measured). Restored after."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

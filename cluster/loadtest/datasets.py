@@ -51,6 +51,7 @@ class DatasetOptions:
     fixed_output_len: int | None = None  # max_tokens for every non-random request (None: per dataset)
     prompt_format: str = "ids"  # random only: "ids" or "text"
     max_model_len: int | None = None  # the server's context, when it tells us
+    chat: bool = False  # prompts go to the chat endpoint: count them as the chat template renders them
 
 
 def check_dataset_name(name: str) -> None:
@@ -69,7 +70,7 @@ def load_requests(name: str, options: DatasetOptions, tokenizer) -> list[SampleR
     if name == "sharegpt":
         return sharegpt_requests(options, tokenizer)
     if name == "humaneval":
-        return _cycle([SampleRequest(p, _count(tokenizer, p), options.fixed_output_len or DEFAULT_OUTPUT_LEN)
+        return _cycle([SampleRequest(p, _count(tokenizer, p, options.chat), options.fixed_output_len or DEFAULT_OUTPUT_LEN)
                        for p in _shuffled(load_humaneval_prompts(), options.seed)], options.num_prompts)
     return _cycle(load_jsonl_requests(Path(name), options, tokenizer), options.num_prompts)
 
@@ -90,7 +91,9 @@ def random_requests(options: DatasetOptions, tokenizer) -> list[SampleRequest]:
     requests = []
     for n_in, n_out in zip(input_lens.tolist(), output_lens.tolist()):
         ids, text = exact_length_prompt(tokenizer, vocab_ids, n_in, rng)
-        requests.append(SampleRequest(ids if options.prompt_format == "ids" else text, n_in, n_out))
+        # On the chat endpoint the template wraps the text: the server counts more than n_in.
+        prompt_len = _count(tokenizer, text, chat=True) if options.chat else n_in
+        requests.append(SampleRequest(ids if options.prompt_format == "ids" else text, prompt_len, n_out))
     return requests
 
 
@@ -151,7 +154,7 @@ def sharegpt_requests(options: DatasetOptions, tokenizer) -> list[SampleRequest]
         if len(turns) < 2:
             continue
         prompt, answer = turns[0]["value"], turns[1]["value"]
-        prompt_len = _count(tokenizer, prompt) if tokenizer else len(prompt) // CHARS_PER_TOKEN
+        prompt_len = _count(tokenizer, prompt, options.chat) if tokenizer else len(prompt) // CHARS_PER_TOKEN
         output_len = options.fixed_output_len or (
             _count(tokenizer, answer) if tokenizer else len(answer) // CHARS_PER_TOKEN)
         if prompt_len < SHAREGPT_MIN_LEN or output_len < SHAREGPT_MIN_LEN:
@@ -194,7 +197,7 @@ def load_jsonl_requests(path: Path, options: DatasetOptions, tokenizer) -> list[
             max_tokens = item.get("max_tokens", options.fixed_output_len or DEFAULT_OUTPUT_LEN)
             if not isinstance(max_tokens, int) or max_tokens < 1:
                 raise DatasetError(f"{where}: \"max_tokens\" must be an integer >= 1, got {max_tokens!r}")
-            prompt_len = len(prompt) if is_ids else _count(tokenizer, prompt)
+            prompt_len = len(prompt) if is_ids else _count(tokenizer, prompt, options.chat)
             requests.append(SampleRequest(prompt, prompt_len, options.fixed_output_len or max_tokens))
     if not requests:
         raise DatasetError(f"{path}: no prompts (one JSON object a line: {{\"prompt\": ..., \"max_tokens\": ...}})")
@@ -204,8 +207,16 @@ def load_jsonl_requests(path: Path, options: DatasetOptions, tokenizer) -> list[
 # ---------------------------------------------------------------------------------------- helpers
 
 
-def _count(tokenizer, text: str) -> int:
-    return len(tokenizer.encode(text)) if tokenizer is not None else 0
+def _count(tokenizer, text: str, chat: bool = False) -> int:
+    """Prompt tokens the server will see (0 = unknown): the text, or the one-message chat it becomes."""
+    if tokenizer is None:
+        return 0
+    if chat:
+        try:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": text}])
+        except ValueError:  # no chat template: the server will refuse it anyway, it says why
+            return 0
+    return len(tokenizer.encode(text))
 
 
 def _shuffled(items: list, seed: int) -> list:

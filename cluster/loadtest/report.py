@@ -49,12 +49,13 @@ class ResultFileError(ValueError):
 def fmt(value, spec: str) -> str:
     if value is None:
         return "-"
-    if isinstance(value, float) and value == float("inf"):
-        return "inf"
+    if not isinstance(value, (int, float)) or value == float("inf"):
+        return str(value)  # e.g. request_rate "inf"
     return format(int(value) if spec == "d" else value, spec)
 
 
-def print_summary(result: dict, out: TextIO = sys.stderr) -> None:
+def print_summary(result: dict, out: TextIO | None = None) -> None:
+    out = out or sys.stderr  # looked up per call: the stream may have been swapped since import
     title = f" loadtest: {result.get('label') or result.get('model_id', '')} at {fmt(result.get('request_rate'), 'g')} req/s "
     width = 52
     print(title.center(width, "="), file=out)
@@ -72,7 +73,8 @@ def print_summary(result: dict, out: TextIO = sys.stderr) -> None:
     print("=" * width, file=out)
 
 
-def print_sweep(results: list[dict], out: TextIO = sys.stderr) -> None:
+def print_sweep(results: list[dict], out: TextIO | None = None) -> None:
+    out = out or sys.stderr  # looked up per call: the stream may have been swapped since import
     widths = [max(len(h), 8) for h, _, _ in SWEEP_COLUMNS]
     print("  ".join(h.rjust(w) for (h, _, _), w in zip(SWEEP_COLUMNS, widths)), file=out)
     for r in results:
@@ -89,7 +91,8 @@ def compare_rows(a: dict, b: dict) -> list[tuple[str, str, str, str]]:
     return rows
 
 
-def print_compare(a: dict, b: dict, names: tuple[str, str], out: TextIO = sys.stderr) -> None:
+def print_compare(a: dict, b: dict, names: tuple[str, str], out: TextIO | None = None) -> None:
+    out = out or sys.stderr  # looked up per call: the stream may have been swapped since import
     head = ("metric", names[0][:16], names[1][:16], "B/A")
     print(f"{head[0]:<32}{head[1]:>17}{head[2]:>17}{head[3]:>9}", file=out)
     for metric, va, vb, ratio in compare_rows(a, b):

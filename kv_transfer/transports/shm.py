@@ -1,13 +1,16 @@
 """Same-host shared-memory transport (CPU caches).
 
-Two modes, picked per receiver at connect time:
+A cache allocated with :meth:`ShmTransport.allocate_kv_cache` lives in a memfd segment that peers map.
+Each chunk of a send moves in one of three ways, picked per receiver at connect time:
 
-* direct: the receiver allocated its cache with :meth:`ShmTransport.allocate_kv_cache` (a memfd
-  segment). The sender maps that cache and copies its source blocks straight into the destination
-  blocks: one copy, no staging. The receiver only records the notice and acks.
-* ring: the receiver's cache is ordinary memory. The sender gathers each chunk into a staging ring
-  (its own memfd, mapped by the receiver) and the receiver scatters it out: one copy in, one copy
-  out, in chunks, so the two copies run at the same time in the two processes.
+* push: the receiver's cache is shared. The sender copies its source blocks straight into the
+  destination blocks (one pass over the bytes); the receiver only records the notice and acks.
+* pull: the sender's cache is shared. The receiver copies from the sender's blocks into its own.
+  When both caches are shared, chunks alternate between push and pull (``ShmOptions.pull_share``)
+  so both processes copy at once, on two cores.
+* ring: neither cache is shared. The sender gathers each chunk into a staging ring (its own memfd,
+  mapped by the receiver) and the receiver scatters it out: one copy in, one copy out, overlapping
+  across chunks.
 
 Control: a SOCK_SEQPACKET unix socket per sender-receiver pair in the abstract namespace (no file to
 clean up; the kernel drops it with the process). It carries the handshake with the memfd descriptors
@@ -15,7 +18,7 @@ clean up; the kernel drops it with the process). It carries the handshake with t
 other side learns at once; the ack deadline covers a peer that hangs.
 
 Nothing is created under /dev/shm: memfd segments vanish when the last process holding them exits,
-also on SIGKILL.
+also on SIGKILL. Sources must stay unchanged until poll_sent reports them (a receiver may pull late).
 """
 
 from __future__ import annotations
@@ -30,27 +33,27 @@ import threading
 import uuid
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgpack
 import numpy as np
 import torch
 
 from .base import KVTransport, Role, TransportConfig
-from .block_copy import copy_blocks, gather_rows, rows_view, scatter_rows
-from .layout import KVLayout, chunk_problem
+from .block_copy import copy_blocks, gather_rows, rows_view
+from .layout import KVLayout
 from .send_job import SendJob, prepare_send
-from .shm_memory import create_segment, find_segment, map_fd, shared_tensor
+from .shm_inbox import MAX_MSG_BYTES, PULL, PUSH, RING, ShmInbox
+from .shm_memory import create_segment, find_segment, map_cache, shared_tensor
 from .shm_ring import RingAllocator
 from .tracking import ReceiveTracker, SendTracker
 from .waker import Waker
-from .wire import ChunkAck, ChunkHeader
+from .wire import ChunkAck
 
 log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.05
 _CLOSE_JOIN_S = 2.0
-_MAX_MSG_BYTES = 1 << 20  # one chunk notice; ids of a 4 MiB chunk take a few KiB
 
 
 def _boot_id() -> str:
@@ -67,19 +70,10 @@ class _Peer:
 
     sock: socket.socket
     layout: KVLayout
-    blocks: np.ndarray | None  # the receiver's cache [layers * 2, blocks, bytes] if shared (direct)
+    blocks: np.ndarray | None  # the receiver's cache [layers * 2, blocks, bytes] when shared
     mapping: mmap.mmap | None
+    pulls: bool  # the receiver mapped our cache and copies pull chunks itself
     dead: str | None = None
-
-
-@dataclass
-class _Sender:
-    """Receiver side: one connected sender."""
-
-    sender_id: str
-    ring_rows: np.ndarray | None  # the sender's staging ring as bytes
-    mapping: mmap.mmap | None
-    chunks: deque = field(default_factory=deque)
 
 
 class ShmTransport(KVTransport):
@@ -89,9 +83,9 @@ class ShmTransport(KVTransport):
     def allocate_kv_cache(
         cls, shape: Sequence[int], dtype: torch.dtype, device: str | torch.device = "cpu"
     ) -> torch.Tensor:
-        """A zeroed cache in shared memory. A receiver built on it is written by senders directly
-        (one copy instead of two). Keep this tensor (not just a view of it) alive while senders
-        connect: the segment's descriptor is released with it."""
+        """A zeroed cache in shared memory, which peers on this host copy into (receiver) or out of
+        (sender) directly. Keep this tensor (not just a view of it) alive while peers connect: the
+        segment's descriptor is released with it."""
         if torch.device(device).type != "cpu":
             raise ValueError("the shm transport moves CPU caches only")
         return shared_tensor(shape, dtype)
@@ -103,34 +97,46 @@ class ShmTransport(KVTransport):
         self._layout = KVLayout.of(kv_cache)
         self._rows = rows_view(kv_cache, self._layout.block_bytes)
         self._blocks = self._rows.reshape(self._layout.num_layers * 2, self._layout.num_blocks, -1)
+        found = find_segment(kv_cache)
+        # Our own descriptor of the cache's segment (dup): the registry closes its copy when the
+        # tensor that allocate_kv_cache returned is collected, and a closed number may be reused.
+        self._kv_fd = os.dup(found[0].fd) if found else -1
+        self._kv_offset = found[1] if found else 0
         self._id = uuid.uuid4().hex
         self._waker = Waker()
         self._tracker = SendTracker()
         self._received = ReceiveTracker()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._peer_layouts: dict[str, KVLayout] = {}  # caller thread
-        self._direct_peers: set[str] = set()  # caller thread
+        self._peer_modes: dict[str, str] = {}  # caller thread: "push", "pull", "push+pull" or "ring"
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._waker.fileno(), selectors.EVENT_READ, ("waker", None))
-        # Receiver: a listening socket and the shared cache segment, if any.
         self._socket_name = f"pdcluster-kv-{self._id}"
         self._listener: socket.socket | None = None
-        self._kv_segment = find_segment(kv_cache) if role == "receiver" else None
         if role == "receiver":
             self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
             self._listener.bind(b"\0" + self._socket_name.encode())
             self._listener.listen(64)
             self._listener.setblocking(False)
             self._selector.register(self._listener, selectors.EVENT_READ, ("listener", None))
-        # Sender: the staging ring, made at the first connect to a receiver that needs it.
+        # Sender: the staging ring, made at the first connect to a peer that needs it.
         self._ring_fd = -1
         self._ring_map: mmap.mmap | None = None
-        self._ring_rows: np.ndarray | None = None
+        self._ring_bytes: np.ndarray | None = None
         self._ring: RingAllocator | None = None
         self._ring_lock = threading.Lock()
         # IO thread state.
         self._peers: dict[str, _Peer] = {}
-        self._senders: dict[socket.socket, _Sender] = {}
+        self._inbox = ShmInbox(
+            receiver_id=self._id,
+            layout=self._layout,
+            rows=self._rows,
+            blocks=self._blocks,
+            cache_share=self._cache_share,
+            received=self._received,
+            selector=self._selector,
+            timeout_s=self.config.timeout_s,
+        )
         self._jobs: deque[SendJob] = deque()
         self._ring_spans: dict[tuple[int, int], tuple[str, int]] = {}  # (seq, chunk) -> (peer, offset)
         self._stopping = False
@@ -145,13 +151,19 @@ class ShmTransport(KVTransport):
             "layout": self._layout.to_dict(),
             "socket": self._socket_name if self._listener is not None else "",
             "boot_id": _boot_id(),
-            "kv_in_shm": self._kv_segment is not None,
+            "kv_in_shm": self._kv_fd >= 0,
         }
 
-    @property
-    def direct_peers(self) -> set[str]:
-        """Receivers this sender writes into directly (their cache is shared memory)."""
-        return set(self._direct_peers)
+    def peer_mode(self, peer_id: str) -> str:
+        """How chunks to ``peer_id`` move: "push", "pull", "push+pull" or "ring" (see module doc)."""
+        return self._peer_modes[peer_id]
+
+    def _cache_share(self) -> tuple[dict, list[int]]:
+        """Handshake fields and descriptor that let the peer map our cache, if it is shared."""
+        if self._kv_fd < 0:
+            return {"kv_offset": 0, "kv_bytes": 0}, []
+        nbytes = self.kv_cache.numel() * self.kv_cache.element_size()
+        return {"kv_offset": self._kv_offset, "kv_bytes": nbytes}, [self._kv_fd]
 
     def connect(self, peer_id: str, peer_descriptor: dict) -> None:
         peer_layout = KVLayout.from_dict(peer_descriptor["layout"])
@@ -160,42 +172,47 @@ class ShmTransport(KVTransport):
             return
         if peer_descriptor.get("boot_id") != _boot_id():
             raise ConnectionError(f"{peer_id} runs on another host (or boot): shm needs the same host")
+        needs_ring = not peer_descriptor.get("kv_in_shm") and self._kv_fd < 0
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         sock.settimeout(self.config.timeout_s)
+        mapping = blocks = None
         try:
             sock.connect(b"\0" + str(peer_descriptor["socket"]).encode())
-            fds = [] if peer_descriptor.get("kv_in_shm") else [self._ensure_ring()]
-            hello = {"sender_id": self._id, "ring_bytes": self._ring_map.size() if fds else 0}
+            share, fds = self._cache_share()
+            ring_bytes = self.config.shm.ring_bytes if needs_ring else 0
+            if needs_ring:
+                fds = [self._ensure_ring(), *fds]
+            hello = {"sender_id": self._id, "layout": self._layout.to_dict(), "ring_bytes": ring_bytes, **share}
             socket.send_fds(sock, [msgpack.packb(hello)], fds)
-            data, got_fds, _, _ = socket.recv_fds(sock, _MAX_MSG_BYTES, 1)
+            data, got_fds, _, _ = socket.recv_fds(sock, MAX_MSG_BYTES, 1)
             if not data:
                 raise ConnectionError("receiver closed the connection during the handshake")
             reply = msgpack.unpackb(data)
-            blocks = mapping = None
             if got_fds:
-                mapping = map_fd(got_fds[0], reply["kv_offset"] + reply["kv_bytes"])
-                flat = np.frombuffer(mapping, dtype=np.uint8)[reply["kv_offset"] : reply["kv_offset"] + reply["kv_bytes"]]
-                blocks = flat.reshape(peer_layout.num_layers * 2, peer_layout.num_blocks, peer_layout.block_bytes)
+                mapping, blocks = map_cache(
+                    got_fds[0], reply["kv_offset"], reply["kv_bytes"],
+                    peer_layout.num_layers, peer_layout.num_blocks, peer_layout.block_bytes,
+                )  # fmt: skip
         except BaseException:
             sock.close()
             raise
         sock.setblocking(False)
-        peer = _Peer(sock, peer_layout, blocks, mapping)
+        peer = _Peer(sock, peer_layout, blocks, mapping, pulls=bool(reply.get("pulls")))
         done = threading.Event()
         self._commands.put(("connect", peer_id, peer, done))
         self._waker.wake()
         if not done.wait(self.config.timeout_s):
             raise TimeoutError(f"shm connect to {peer_id}: IO thread did not respond")
         self._peer_layouts[peer_id] = peer_layout
-        if blocks is not None:
-            self._direct_peers.add(peer_id)
+        modes = [m for m, ok in ((PUSH, blocks is not None), (PULL, peer.pulls)) if ok]
+        self._peer_modes[peer_id] = "+".join(modes) or RING
 
     def _ensure_ring(self) -> int:
         with self._ring_lock:
             if self._ring_map is None:
                 ring_bytes = self.config.shm.ring_bytes
                 self._ring_fd, self._ring_map = create_segment(ring_bytes, "pdcluster-kv-ring")
-                self._ring_rows = np.frombuffer(self._ring_map, dtype=np.uint8)
+                self._ring_bytes = np.frombuffer(self._ring_map, dtype=np.uint8)
                 self._ring = RingAllocator(ring_bytes)
             return self._ring_fd
 
@@ -210,7 +227,7 @@ class ShmTransport(KVTransport):
         if peer_id not in self._peer_layouts:
             raise KeyError(f"unknown peer {peer_id!r}: call connect() first")
         chunk_bytes = self.config.chunk_bytes
-        if peer_id not in self._direct_peers:
+        if self._peer_modes[peer_id] == RING:
             # At least two chunks fit in the ring, so gathering one overlaps scattering another.
             chunk_bytes = min(chunk_bytes, self.config.shm.ring_bytes // 2)
         job = prepare_send(
@@ -245,12 +262,14 @@ class ShmTransport(KVTransport):
             return
         self._selector.close()
         self._waker.close()
-        if self._ring_fd >= 0:
-            os.close(self._ring_fd)
-            self._ring_fd = -1
+        for fd in (self._ring_fd, self._kv_fd):
+            if fd >= 0:
+                os.close(fd)
+        self._ring_fd = self._kv_fd = -1
         # Mappings are left to the garbage collector: numpy views of them may still be referenced,
-        # and mmap.close() would fail on exported buffers.
-        self._ring_rows = None
+        # and mmap.close() fails while buffers are exported.
+        self._peers.clear()
+        self._ring_bytes = None
         self._ring_map = None
 
     # ---------------------------------------------------------------- IO thread
@@ -265,9 +284,9 @@ class ShmTransport(KVTransport):
                     if kind == "waker":
                         self._waker.drain()
                     elif kind == "listener":
-                        self._accept()
+                        self._inbox.accept(key.fileobj)
                     elif kind == "sender":
-                        self._on_sender_readable(key.fileobj)
+                        self._inbox.on_readable(key.fileobj)
                     elif kind == "peer":
                         self._on_peer_readable(obj)
         except Exception as e:  # noqa: BLE001 - surface in poll_sent rather than die silently
@@ -278,8 +297,7 @@ class ShmTransport(KVTransport):
             for peer_id, peer in self._peers.items():
                 self._tracker.fail_peer(peer_id, "transport closed")
                 peer.sock.close()
-            for sock in self._senders:
-                sock.close()
+            self._inbox.close()
             if self._listener is not None:
                 self._listener.close()
 
@@ -292,18 +310,35 @@ class ShmTransport(KVTransport):
                 return busy
             busy = True
             if cmd[0] == "send":
-                self._jobs.append(cmd[1])
+                self._jobs.append(self._order_chunks(cmd[1]))
             elif cmd[0] == "connect":
                 _, peer_id, peer, done = cmd
                 old = self._peers.pop(peer_id, None)
                 if old is not None:
-                    self._selector.unregister(old.sock)
+                    if not old.dead:
+                        self._selector.unregister(old.sock)
                     old.sock.close()
                 self._peers[peer_id] = peer
                 self._selector.register(peer.sock, selectors.EVENT_READ, ("peer", peer_id))
                 done.set()
 
     # sender ------------------------------------------------------------------------------
+
+    def _chunk_mode(self, peer: _Peer, chunk_index: int) -> str:
+        if peer.blocks is not None and peer.pulls:
+            share = self.config.shm.pull_share
+            return PULL if int((chunk_index + 1) * share) > int(chunk_index * share) else PUSH
+        if peer.blocks is not None:
+            return PUSH
+        return PULL if peer.pulls else RING
+
+    def _order_chunks(self, job: SendJob) -> SendJob:
+        """Pull notices first: they cost the sender nothing, and the receiver starts copying while
+        the sender pushes its own share."""
+        peer = self._peers.get(job.peer_id)
+        if peer is not None:
+            job.chunks.sort(key=lambda c: self._chunk_mode(peer, c.index) != PULL)
+        return job
 
     def _post_chunks(self) -> bool:
         posted = False
@@ -317,19 +352,23 @@ class ShmTransport(KVTransport):
                 continue
             assert peer is not None
             chunk = job.chunks[job.next_chunk]
-            if peer.blocks is not None:
+            mode = self._chunk_mode(peer, chunk.index)
+            extra: dict = {"mode": mode}
+            if mode == PUSH:
+                assert peer.blocks is not None
                 copy_blocks(self._blocks, chunk.src_block_ids, peer.blocks, chunk.dst_block_ids, job.layer_ids)
-                extra = {"mode": "direct"}
+            elif mode == PULL:
+                extra["src"] = chunk.src_block_ids.astype("<i4").tobytes()
             else:
-                assert self._ring is not None and self._ring_rows is not None
+                assert self._ring is not None and self._ring_bytes is not None
                 nbytes = job.payload_bytes(chunk, self._layout)
                 offset = self._ring.alloc(nbytes)
                 if offset is None:
                     return posted  # wait for acks to free ring space
-                out = self._ring_rows[offset : offset + nbytes].reshape(-1, self._layout.block_bytes)
+                out = self._ring_bytes[offset : offset + nbytes].reshape(-1, self._layout.block_bytes)
                 gather_rows(self._rows, self._layout.row_ids(job.layer_ids, chunk.src_block_ids), out)
                 self._ring_spans[(job.seq, chunk.index)] = (job.peer_id, offset)
-                extra = {"mode": "ring", "offset": offset}
+                extra["offset"] = offset
             job.next_chunk += 1
             self._notify(job.peer_id, peer, job.header(chunk, self._id, self._layout, extra).encode())
             posted = True
@@ -339,8 +378,8 @@ class ShmTransport(KVTransport):
         try:
             peer.sock.send(msg)
         except BlockingIOError:
-            # The receiver is not reading its socket: only a stuck receiver fills a socket buffer
-            # with notices this small. Block for the rest of the deadline rather than drop it.
+            # Only a receiver that stopped reading fills a socket buffer with notices this small.
+            # Block for the rest of the deadline rather than drop the notice.
             peer.sock.settimeout(self.config.timeout_s)
             try:
                 peer.sock.send(msg)
@@ -353,9 +392,9 @@ class ShmTransport(KVTransport):
 
     def _on_peer_readable(self, peer_id: str) -> None:
         peer = self._peers[peer_id]
-        while True:
+        while not peer.dead:
             try:
-                data = peer.sock.recv(_MAX_MSG_BYTES)
+                data = peer.sock.recv(MAX_MSG_BYTES)
             except BlockingIOError:
                 return
             except OSError as e:
@@ -376,83 +415,7 @@ class ShmTransport(KVTransport):
         peer.dead = reason
         self._tracker.fail_peer(peer_id, reason)
         self._selector.unregister(peer.sock)
-        # Its unacked ring chunks will never be acked: reclaim them. (A dead receiver reads nothing.)
+        # Its unacked ring chunks will never be acked: reclaim them (a dead receiver reads nothing).
         for key in [k for k, (p, _) in self._ring_spans.items() if p == peer_id]:
             if self._ring is not None:
                 self._ring.release(self._ring_spans.pop(key)[1])
-
-    # receiver ----------------------------------------------------------------------------
-
-    def _accept(self) -> None:
-        assert self._listener is not None
-        while True:
-            try:
-                sock, _ = self._listener.accept()
-            except BlockingIOError:
-                return
-            try:
-                self._handshake(sock)
-            except (OSError, ValueError, KeyError) as e:
-                log.warning("shm handshake failed: %s", e)
-                sock.close()
-
-    def _handshake(self, sock: socket.socket) -> None:
-        sock.settimeout(self.config.timeout_s)  # the sender writes its hello right after connecting
-        data, fds, _, _ = socket.recv_fds(sock, _MAX_MSG_BYTES, 1)
-        hello = msgpack.unpackb(data)
-        ring_rows = mapping = None
-        if fds:
-            mapping = map_fd(fds[0], int(hello["ring_bytes"]))
-            ring_rows = np.frombuffer(mapping, dtype=np.uint8)
-        reply: dict = {"receiver_id": self._id}
-        out_fds = []
-        if self._kv_segment is not None:
-            seg, offset = self._kv_segment
-            reply.update(kv_offset=offset, kv_bytes=self.kv_cache.numel() * self.kv_cache.element_size())
-            out_fds = [seg.fd]
-        socket.send_fds(sock, [msgpack.packb(reply)], out_fds)
-        sock.setblocking(False)
-        self._senders[sock] = _Sender(hello["sender_id"], ring_rows, mapping)
-        self._selector.register(sock, selectors.EVENT_READ, ("sender", None))
-
-    def _on_sender_readable(self, sock: socket.socket) -> None:
-        sender = self._senders[sock]
-        while True:
-            try:
-                data = sock.recv(_MAX_MSG_BYTES)
-            except BlockingIOError:
-                return
-            except OSError:
-                data = b""
-            if not data:  # the sender went away; chunks it did not finish are forgotten
-                self._selector.unregister(sock)
-                del self._senders[sock]
-                sock.close()
-                self._received.drop_sender(sender.sender_id)
-                return
-            header = ChunkHeader.decode(data)
-            error = self._land(header, sender)
-            if error is None:
-                self._received.chunk_landed(
-                    header.sender_id, header.send_seq, header.num_chunks, header.transfer_id, header.layer_ids
-                )
-            try:
-                sock.send(ChunkAck(header.send_seq, header.chunk_index, error).encode())
-            except OSError as e:
-                log.warning("ack to sender %s failed: %s", sender.sender_id, e)
-
-    def _land(self, header: ChunkHeader, sender: _Sender) -> str | None:
-        layout = self._layout
-        problem = chunk_problem(layout, header.layer_ids, header.dst_block_ids, header.payload_bytes)
-        if problem:
-            return problem
-        if header.extra.get("mode") == "direct":
-            return None if self._kv_segment is not None else "direct write to a cache that is not shared"
-        if sender.ring_rows is None:
-            return "ring chunk from a sender without a ring"
-        offset, nbytes = int(header.extra["offset"]), header.payload_bytes
-        if offset < 0 or offset + nbytes > sender.ring_rows.size:
-            return "ring offset out of range"
-        src = sender.ring_rows[offset : offset + nbytes].reshape(-1, layout.block_bytes)
-        scatter_rows(src, self._rows, layout.row_ids(header.layer_ids, header.dst_block_ids))
-        return None

@@ -89,3 +89,11 @@ def find_segment(tensor: torch.Tensor) -> tuple[Segment, int] | None:
             if seg.address <= start and end <= seg.address + seg.nbytes:
                 return seg, start - seg.address
     return None
+
+
+def map_cache(fd: int, offset: int, nbytes: int, num_layers: int, num_blocks: int, block_bytes: int) -> tuple[mmap.mmap, np.ndarray]:
+    """Map a peer's shared cache (received as ``fd``) as ``[num_layers * 2, num_blocks, block_bytes]``
+    bytes. Returns the mapping too: it must outlive the array."""
+    mapping = map_fd(fd, offset + nbytes)
+    flat = np.frombuffer(mapping, dtype=np.uint8)[offset : offset + nbytes]
+    return mapping, flat.reshape(num_layers * 2, num_blocks, block_bytes)

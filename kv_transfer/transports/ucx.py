@@ -89,6 +89,8 @@ class UCXTransport(KVTransport):
         opts = self.config.ucx
         tls = opts.tls or ("sm,self,tcp,cuda_copy,cuda_ipc" if kv_cache.is_cuda else "sm,self,tcp")
         ucx_options = {"TLS": tls, "NET_DEVICES": opts.net_devices, **opts.extra}
+        if opts.rndv_scheme:
+            ucx_options.setdefault("RNDV_SCHEME", opts.rndv_scheme)
         self._ctx = ucx_api.UCXContext(ucx_options, feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
         self._worker = ucx_api.UCXWorker(self._ctx)
         self._worker.init_blocking_progress_mode()

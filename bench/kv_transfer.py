@@ -1,0 +1,429 @@
+"""Benchmark the KV data-plane transports between two processes on this host.
+
+Moves 64 MiB of KV (16 KiB rows: one layer's K or V of one block) from randomly chosen source blocks
+into permuted destination blocks, once per repetition, and reports the median end-to-end time from
+``send()`` in the sender until ``poll_received()`` in the receiver reports the transfer (gather,
+transfer and scatter included). Also measures an in-process memcpy of the same byte count (the
+ceiling) and, where the ``nixl`` package is installed, NIXL (UCX backend, DRAM) writing the same
+scattered rows.
+
+    python bench/kv_transfer.py --out result.json
+
+JSON goes to --out and stdout; everything else (including native libraries' chatter in the child
+processes) goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+CTX = mp.get_context("spawn")
+CHILD_TIMEOUT_S = 180.0
+
+
+@dataclass(frozen=True)
+class Geometry:
+    num_layers: int = 8
+    num_blocks: int = 1024  # per cache; a transfer moves ``send_blocks`` of them
+    block_size: int = 16
+    num_kv_heads: int = 8
+    head_dim: int = 32  # float32: 16 * 8 * 32 * 4 B = 16 KiB per row
+    send_blocks: int = 256  # 8 layers * 2 * 256 rows * 16 KiB = 64 MiB
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def row_bytes(self) -> int:
+        return self.block_size * self.num_kv_heads * self.head_dim * 4
+
+    @property
+    def transfer_bytes(self) -> int:
+        return self.num_layers * 2 * self.send_blocks * self.row_bytes
+
+
+def block_ids(geom: Geometry, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    src = rng.permutation(geom.num_blocks)[: geom.send_blocks]
+    dst = rng.permutation(geom.num_blocks)[: geom.send_blocks]
+    return src, dst
+
+
+def quiet_stdout() -> None:
+    """Child processes: native libraries (UCX) may log to fd 1; keep stdout for the JSON."""
+    os.dup2(2, 1)
+
+
+def memcpy_gbps(nbytes: int, reps: int) -> float:
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def fill(cache, seed: int) -> None:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    flat = cache.view(torch.uint8).view(-1)
+    step = 64 << 20
+    for start in range(0, flat.numel(), step):
+        end = min(start + step, flat.numel())
+        flat[start:end] = torch.randint(0, 256, (end - start,), generator=g, dtype=torch.uint8)
+
+
+def checksum(cache, ids: np.ndarray) -> str:
+    import hashlib
+
+    import torch
+
+    rows = cache.view(torch.uint8).view(cache.shape[0], 2, cache.shape[2], -1)[:, :, torch.from_numpy(ids)]
+    return hashlib.sha256(rows.contiguous().numpy().tobytes()).hexdigest()
+
+
+# ------------------------------------------------------------------ our transports
+
+
+def allocate(cls, geom: Geometry, shared: bool):
+    """The transport's own allocation (shared memory for shm) or plain memory."""
+    import torch
+
+    return cls.allocate_kv_cache(geom.shape, torch.float32) if shared else torch.zeros(geom.shape, dtype=torch.float32)
+
+
+# shm mode -> (sender cache shared, receiver cache shared); other transports: plain memory both sides
+SHM_MODES = {"push+pull": (True, True), "push": (False, True), "ring": (False, False)}
+
+
+def receiver_proc(name: str, mode: str, geom: Geometry, reps: int, conn) -> None:
+    quiet_stdout()
+    try:
+        from pdcluster.kv_transfer.transports import TransportConfig, get_transport_class
+
+        cls = get_transport_class(name)
+        cache = allocate(cls, geom, SHM_MODES.get(mode, (False, False))[1])
+        fill(cache, 1)
+        t = cls(cache, "receiver", TransportConfig())
+        conn.send(t.local_descriptor())
+        _, dst = block_ids(geom, 0)
+        arrivals = []
+        for rep in range(reps):
+            tid, layers = f"rep{rep}", set()
+            deadline = time.monotonic() + CHILD_TIMEOUT_S
+            while len(layers) < geom.num_layers and time.monotonic() < deadline:
+                for got, ls in t.poll_received():
+                    if got == tid:
+                        layers.update(ls)
+                if len(layers) < geom.num_layers:
+                    # Sleep, don't spin: a spinning main thread keeps the IO thread off the GIL
+                    # for a whole switch interval (5 ms).
+                    time.sleep(0.0002)
+            arrivals.append(time.perf_counter())
+        conn.send(("arrivals", arrivals, checksum(cache, dst)))
+        conn.recv()  # the sender has its acks
+        t.close()
+        conn.send("closed")
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+
+
+def sender_proc(name: str, mode: str, geom: Geometry, reps: int, desc: dict, conn) -> None:
+    quiet_stdout()
+    try:
+        from pdcluster.kv_transfer.transports import TransportConfig, get_transport_class
+
+        cls = get_transport_class(name)
+        cache = allocate(cls, geom, SHM_MODES.get(mode, (False, False))[0])
+        fill(cache, 2)
+        t = cls(cache, "sender", TransportConfig())
+        t.connect("decode", desc)
+        if hasattr(t, "peer_mode"):
+            assert t.peer_mode("decode") == mode, (t.peer_mode("decode"), mode)
+        src, dst = block_ids(geom, 0)
+        starts = []
+        for rep in range(reps):
+            tid = f"rep{rep}"
+            starts.append(time.perf_counter())
+            t.send("decode", tid, range(geom.num_layers), src, dst)
+            done = False
+            deadline = time.monotonic() + CHILD_TIMEOUT_S
+            while not done and time.monotonic() < deadline:
+                delivered, failed = t.poll_sent()
+                if failed:
+                    raise RuntimeError(f"transfer failed: {failed}")
+                done = tid in delivered
+                time.sleep(0.0002)
+            if not done:
+                raise TimeoutError(f"{tid} not delivered")
+        conn.send(("starts", starts, checksum(cache, src)))
+        conn.recv()
+        t.close()
+        conn.send("closed")
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+
+
+def expect(conn, kind: str):
+    if not conn.poll(CHILD_TIMEOUT_S):
+        raise TimeoutError(f"no {kind!r} from child")
+    msg = conn.recv()
+    if isinstance(msg, tuple) and msg[0] == "error":
+        raise RuntimeError(msg[1])
+    if kind == "descriptor":
+        return msg
+    assert msg[0] == kind, msg
+    return msg[1:]
+
+
+def run_pair(recv_target, recv_args, send_target, send_args_fn) -> tuple[list[float], list[float], bool]:
+    """Start receiver then sender; return per-repetition (start, arrival) times and a checksum match."""
+    r_parent, r_child = CTX.Pipe()
+    s_parent, s_child = CTX.Pipe()
+    receiver = CTX.Process(target=recv_target, args=(*recv_args, r_child))
+    receiver.start()
+    sender = None
+    try:
+        desc = expect(r_parent, "descriptor")
+        sender = CTX.Process(target=send_target, args=(*send_args_fn(desc), s_child))
+        sender.start()
+        starts, src_sum = expect(s_parent, "starts")
+        arrivals, dst_sum = expect(r_parent, "arrivals")
+        for c in (s_parent, r_parent):
+            c.send("stop")
+        return starts, arrivals, src_sum == dst_sum
+    finally:
+        for p in (sender, receiver):
+            if p is not None:
+                p.join(10)
+                if p.is_alive():
+                    p.kill()
+
+
+def summarize(transport: str, mode: str, geom: Geometry, starts, arrivals, verified: bool, warmup: int) -> dict:
+    times = [a - s for s, a in zip(starts[warmup:], arrivals[warmup:])]
+    seconds = statistics.median(times)
+    return {
+        "transport": transport,
+        "mode": mode,
+        "bytes": geom.transfer_bytes,
+        "seconds": seconds,
+        "gbps": geom.transfer_bytes / seconds / 1e9,
+        "all_seconds": times,
+        "verified": verified,
+    }
+
+
+def bench_transport(name: str, mode: str, geom: Geometry, reps: int, warmup: int) -> dict:
+    total = reps + warmup
+    starts, arrivals, ok = run_pair(
+        receiver_proc, (name, mode, geom, total), sender_proc, lambda desc: (name, mode, geom, total, desc)
+    )
+    return summarize(name, mode, geom, starts, arrivals, ok, warmup)
+
+
+# ------------------------------------------------------------------ NIXL (reference)
+
+
+def nixl_agent_for(name: str, error_handling: str):
+    """A NIXL agent with the UCX backend. ``error_handling`` "peer" is NIXL's default (UCX then
+    finds its shared-memory transports unreachable and puts over tcp/lo); "none" lets it use them."""
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    agent = nixl_agent(name, nixl_agent_config(backends=[]))
+    agent.create_backend("UCX", {"ucx_error_handling_mode": error_handling})
+    return agent
+
+
+def nixl_receiver_proc(geom: Geometry, reps: int, error_handling: str, conn) -> None:
+    quiet_stdout()
+    try:
+        import torch
+
+        cache = torch.zeros(geom.shape, dtype=torch.float32)
+        fill(cache, 1)
+        agent = nixl_agent_for("decode", error_handling)
+        agent.register_memory(cache)
+        conn.send({"metadata": agent.get_agent_metadata(), "base": cache.data_ptr()})
+        agent.add_remote_agent(conn.recv())
+        _, dst = block_ids(geom, 0)
+        arrivals = []
+        for rep in range(reps):
+            deadline = time.monotonic() + CHILD_TIMEOUT_S
+            while not agent.check_remote_xfer_done("prefill", f"rep{rep}".encode()):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"rep{rep} never arrived")
+                time.sleep(0.0002)
+            arrivals.append(time.perf_counter())
+        conn.send(("arrivals", arrivals, checksum(cache, dst)))
+        conn.recv()
+        conn.send("closed")
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+
+
+def row_table(geom: Geometry, base: int) -> np.ndarray:
+    """Nx3 (address, length, device) descriptors of every row of a cache, in row order."""
+    rows = np.arange(geom.num_layers * 2 * geom.num_blocks, dtype=np.uint64)
+    descs = np.zeros((rows.size, 3), dtype=np.uint64)
+    descs[:, 0] = base + rows * geom.row_bytes
+    descs[:, 1] = geom.row_bytes
+    return descs
+
+
+def row_indices(geom: Geometry, ids: np.ndarray) -> np.ndarray:
+    """Row numbers of ``ids`` in every layer, K and V (layer-major), as NIXL descriptor indices."""
+    layers = np.arange(geom.num_layers * 2, dtype=np.int64)[:, None] * geom.num_blocks
+    return (layers + ids.astype(np.int64)[None, :]).reshape(-1).astype(np.int32)
+
+
+def nixl_sender_proc(geom: Geometry, reps: int, error_handling: str, peer: dict, conn) -> None:
+    """NIXL used the way a connector would: both caches registered and every row prepared as a
+    descriptor once, outside the timing; each transfer picks its rows by index."""
+    quiet_stdout()
+    try:
+        import torch
+
+        cache = torch.empty(geom.shape, dtype=torch.float32)
+        fill(cache, 2)
+        agent = nixl_agent_for("prefill", error_handling)
+        agent.register_memory(cache)
+        remote = agent.add_remote_agent(peer["metadata"])
+        conn.send(("metadata", agent.get_agent_metadata()))
+        local_rows = agent.prep_xfer_dlist("NIXL_INIT_AGENT", row_table(geom, cache.data_ptr()), "DRAM")
+        remote_rows = agent.prep_xfer_dlist(remote, row_table(geom, peer["base"]), "DRAM")
+        src, dst = block_ids(geom, 0)
+        starts = []
+        for rep in range(reps):
+            starts.append(time.perf_counter())
+            handle = agent.make_prepped_xfer(
+                "WRITE", local_rows, row_indices(geom, src), remote_rows, row_indices(geom, dst), f"rep{rep}".encode()
+            )
+            state = agent.transfer(handle)
+            deadline = time.monotonic() + CHILD_TIMEOUT_S
+            while state == "PROC" and time.monotonic() < deadline:
+                time.sleep(0.0002)
+                state = agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise RuntimeError(f"NIXL transfer state {state}")
+            agent.release_xfer_handle(handle)
+        conn.send(("starts", starts, checksum(cache, src)))
+        conn.recv()
+        conn.send("closed")
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+
+
+def bench_nixl(geom: Geometry, reps: int, warmup: int, error_handling: str) -> dict:
+    total = reps + warmup
+    r_parent, r_child = CTX.Pipe()
+    s_parent, s_child = CTX.Pipe()
+    receiver = CTX.Process(target=nixl_receiver_proc, args=(geom, total, error_handling, r_child))
+    receiver.start()
+    sender = None
+    try:
+        peer = expect(r_parent, "descriptor")
+        sender = CTX.Process(target=nixl_sender_proc, args=(geom, total, error_handling, peer, s_child))
+        sender.start()
+        (metadata,) = expect(s_parent, "metadata")
+        r_parent.send(metadata)
+        starts, src_sum = expect(s_parent, "starts")
+        arrivals, dst_sum = expect(r_parent, "arrivals")
+        for c in (s_parent, r_parent):
+            c.send("stop")
+        return summarize("nixl", f"ucx-dram,error-handling={error_handling}", geom, starts, arrivals, src_sum == dst_sum, warmup)
+    finally:
+        for p in (sender, receiver):
+            if p is not None:
+                p.join(10)
+                if p.is_alive():
+                    p.kill()
+
+
+# ------------------------------------------------------------------ main
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="where to write the JSON result")
+    parser.add_argument("--reps", type=int, default=5, help="timed repetitions per transport (median reported)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--transports", nargs="*", help="subset of transports (default: all available)")
+    parser.add_argument("--no-nixl", action="store_true")
+    args = parser.parse_args()
+
+    # Loopback only, and UCX's shared-memory path (FIELD_NOTES); children inherit the environment.
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+
+    from pdcluster.kv_transfer.transports import available_transports
+
+    geom = Geometry()
+    result: dict = {"geometry": asdict(geom), "results": [], "unavailable": {}, "errors": {}}
+    memcpy_runs = [memcpy_gbps(geom.transfer_bytes, 9)]
+    runs = []
+    for name, reason in available_transports().items():
+        if args.transports and name not in args.transports:
+            continue
+        if reason is not None:
+            result["unavailable"][name] = reason
+            continue
+        runs += [(name, m) for m in SHM_MODES] if name == "shm" else [(name, "default")]
+    for name, mode in runs:
+        print(f"benchmarking {name} ({mode})", file=sys.stderr)
+        try:
+            result["results"].append(bench_transport(name, mode, geom, args.reps, args.warmup))
+        except Exception as e:  # noqa: BLE001 - one broken transport must not hide the others
+            result["errors"][f"{name}:{mode}"] = str(e)
+        memcpy_runs.append(memcpy_gbps(geom.transfer_bytes, 9))  # the machine is shared: sample often
+
+    if not args.no_nixl:
+        try:
+            import nixl  # noqa: F401
+        except ImportError as e:
+            result["unavailable"]["nixl"] = f"nixl not installed: {e}"
+        else:
+            for error_handling in ("peer", "none"):
+                print(f"benchmarking nixl (error handling {error_handling})", file=sys.stderr)
+                try:
+                    result["results"].append(bench_nixl(geom, args.reps, args.warmup, error_handling))
+                except Exception as e:  # noqa: BLE001
+                    result["errors"][f"nixl:{error_handling}"] = str(e)
+                memcpy_runs.append(memcpy_gbps(geom.transfer_bytes, 9))
+
+    result["memcpy_gbps"] = statistics.median(memcpy_runs)
+    result["memcpy_gbps_samples"] = memcpy_runs
+    ours = [r for r in result["results"] if r["transport"] != "nixl"]
+    nixl = [r for r in result["results"] if r["transport"] == "nixl"]
+    if ours:
+        best = max(ours, key=lambda r: r["gbps"])
+        result["best"] = {
+            "transport": best["transport"],
+            "mode": best["mode"],
+            "fraction_of_memcpy": best["gbps"] / result["memcpy_gbps"],
+            # Against NIXL's best configuration, not its default.
+            "speedup_over_nixl": best["gbps"] / max(r["gbps"] for r in nixl) if nixl else None,
+        }
+    text = json.dumps(result, indent=2)
+    with open(args.out, "w") as f:
+        f.write(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

