@@ -220,8 +220,10 @@ def main(argv=None) -> int:
     log = lambda msg: print(f"[{time.perf_counter() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     cache = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
     out_path = Path(args.out) if args.out else default_mtp_checkpoint(cache, args.model)
+    # No prefix caching: every position's hidden state must be computed (and captured) here.
     engine = LLMEngine(EngineConfig(model=args.model, num_kv_blocks=2048, max_model_len=1024,
-                                    max_num_batched_tokens=2048, cache_dir=args.cache_dir), progress=False)
+                                    max_num_batched_tokens=2048, enable_prefix_caching=False,
+                                    cache_dir=args.cache_dir), progress=False)
     model = engine.model
     num_heldout = 4
     prompts = load_sharegpt_prompts(engine.tokenizer, args.num_prompts + num_heldout, start=0)

@@ -50,6 +50,12 @@ class ClusterSpec:
                              f"(got num_prefill={self.num_prefill}, num_decode={self.num_decode})")
 
 
+def ray_has_resource(name: str) -> bool:
+    import ray
+
+    return bool(ray.cluster_resources().get(name))
+
+
 class Cluster:
     """Handles to a running cluster. ``shutdown()`` stops the actors (and Ray, if we started it)."""
 
@@ -95,8 +101,10 @@ class Cluster:
             event_host=event_host,
         )
         slot = {"prefill": "prefill_slot", "decode": "decode_slot"}
-        bundles = [({"GPU": 1} if use_gpu else {slot["prefill"]: 1}) for _ in range(num_prefill)]
-        bundles += [({"GPU": 1} if use_gpu else {slot["decode"]: 1}) for _ in range(spec.num_decode)]
+        # On GPU clusters the role slot still decides the node type (prefill vs decode nodes).
+        role_slots = ray.cluster_resources()
+        bundles = [self._bundle(use_gpu, slot["prefill"], role_slots) for _ in range(num_prefill)]
+        bundles += [self._bundle(use_gpu, slot["decode"], role_slots) for _ in range(spec.num_decode)]
         self.placement_group = placement_group(bundles, strategy="PACK")
         ray.get(self.placement_group.ready(), timeout=120)
         env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
@@ -128,11 +136,18 @@ class Cluster:
             self.router.views[wid] = WorkerView(wid, "decode", st["num_blocks"], engine.block_size)
 
     @staticmethod
+    def _bundle(use_gpu: bool, slot: str, cluster_resources: dict) -> dict:
+        bundle = {slot: 1} if cluster_resources.get(slot) else {}
+        if use_gpu:
+            bundle["GPU"] = 1
+        return bundle or {slot: 1}
+
+    @staticmethod
     def _actor_options(strategy, use_gpu: bool, slot: str) -> dict:
         opts = {"scheduling_strategy": strategy, "num_cpus": 0, "max_concurrency": 4}
         if use_gpu:
             opts["num_gpus"] = 1
-        else:
+        if not use_gpu or ray_has_resource(slot):
             opts["resources"] = {slot: 1}
         return opts
 

@@ -1,6 +1,12 @@
 """The global router of the Ray cluster: places each request on a (prefill, decode) pair, streams its
 tokens back, and keeps per-request and per-worker token accounting.
 
+Recovery: when a worker dies (its actor stops answering the health check) or a transfer fails, the
+router re-places the request on a healthy pair with prompt + the tokens already streamed as the new
+prompt; random draws stay keyed by the original output positions, so the client's stream simply
+continues (with greedy sampling it equals an uninterrupted run). Each placement gets its own worker-side
+request id (``request_id#attempt``) so late events from a dead placement are ignored.
+
 Accounting (invariant S1, one level up): a request's ``num_computed_tokens`` is whatever its decode
 worker last reported after acceptance; a worker's load is *derived* from its requests' reported counts
 each time it is read. Nothing here is advanced by "+1 per step", so speculative steps that emit several
@@ -33,6 +39,11 @@ class RequestState:
     request_id: str
     num_prompt_tokens: int
     queue: asyncio.Queue
+    prompt_token_ids: list[int] = field(default_factory=list)
+    params: dict = field(default_factory=dict)
+    emitted: list[int] = field(default_factory=list)  # tokens already streamed to the client
+    attempt: int = 0
+    recovering: bool = False
     prefill_id: str | None = None
     decode_id: str | None = None
     local: bool = False  # prefilled on the decode worker itself (colocated / conditional)
@@ -51,6 +62,11 @@ class RequestState:
     @property
     def kv_tokens(self) -> int:
         return max(self.num_computed_tokens, self.reserved_tokens)
+
+    @property
+    def wid(self) -> str:
+        """The id the workers know this placement by."""
+        return f"{self.request_id}#{self.attempt}"
 
 
 @dataclass
@@ -95,6 +111,10 @@ class ClusterRouter:
         self.views = {wid: WorkerView(wid, "prefill", num_blocks, block_size) for wid in prefill}
         self.views.update({wid: WorkerView(wid, "decode", num_blocks, block_size) for wid in decode})
         self.requests: dict[str, RequestState] = {}
+        self._by_wid: dict[str, RequestState] = {}
+        self.max_recoveries = 3
+        self.health_interval_s = 1.0
+        self.recoveries: list[tuple[str, float]] = []  # (request_id, seconds from detection to re-placement)
         self.decisions: list[Decision] = []
         self.reports: list[dict] = []  # recent decode reports (tests compare accounting against them)
         self.keep_reports = False
@@ -115,9 +135,39 @@ class ClusterRouter:
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._thread.start()
+        self._health_task = loop.create_task(self._health_loop())
+
+    async def _health_loop(self) -> None:
+        """Ping every worker; a worker that errors or stays silent is taken out of rotation (its
+        requests recovered) and pinged again later: it comes back once it answers (circuit breaker)."""
+        while not self._stop.is_set():
+            await asyncio.sleep(self.health_interval_s)
+            for wid, handle in [*self.prefill.items(), *self.decode.items()]:
+                view = self.views.get(wid)
+                if view is None:
+                    continue
+                try:
+                    await asyncio.wait_for(handle.stats.remote(), timeout=max(2.0, 3 * self.health_interval_s))
+                    if not view.healthy:
+                        log.warning("worker %s answers again: back in rotation", wid)
+                        view.healthy = True
+                except Exception as e:  # noqa: BLE001 - dead actor, timeout: same answer
+                    if view.healthy:
+                        log.warning("worker %s is unhealthy (%s): recovering its requests", wid, type(e).__name__)
+                        view.healthy = False
+                        self.worker_down(wid)
+
+    def worker_down(self, worker_id: str) -> None:
+        """Recover every request that had a placement on ``worker_id``."""
+        for r in list(self.requests.values()):
+            if worker_id in (r.prefill_id, r.decode_id) and not r.finished:
+                self._recover(r, f"worker {worker_id} is down")
 
     def close(self) -> None:
         self._stop.set()
+        task = getattr(self, "_health_task", None)
+        if task is not None and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(task.cancel)
         self._thread.join(2.0)
         self._pull.close(0)
 
@@ -183,14 +233,17 @@ class ClusterRouter:
             self.on_kv_transfer(str(event.get("transport", "")), int(event.get("num_bytes", 0)),
                                 float(event.get("seconds", 0.0)))
             return
-        r = self.requests.get(event.get("request_id", ""))
-        if r is None or r.finished:
+        r = self._by_wid.get(event.get("request_id", ""))
+        if r is None or r.finished or r.recovering or r.wid != event.get("request_id"):
             return
         now = time.monotonic()
         if kind == "first_token":
+            if event.get("worker_id") != r.prefill_id:
+                return
             r.t_first_token = now
+            r.emitted.append(int(event["token_id"]))
             r.queue.put_nowait(TokenDelta([int(event["token_id"])], num_prompt_tokens=r.num_prompt_tokens,
-                                          num_output_tokens=1,
+                                          num_output_tokens=len(r.emitted),
                                           ttft_breakdown={"queue": r.t_submit - r.t_arrival, "prefill": now - r.t_submit}))
             early, r.early = r.early, []
             for e in early:
@@ -201,9 +254,7 @@ class ClusterRouter:
         elif kind == "tokens":
             self._on_tokens(r, event, now)
         elif kind == "failed":
-            self._finish(r, TokenDelta([], finished=True, finish_reason="error", error=str(event.get("reason")),
-                                       num_prompt_tokens=r.num_prompt_tokens, num_output_tokens=r.num_output_tokens))
-            self._abort_workers(r)
+            self._recover(r, str(event.get("reason")))
 
     def _on_tokens(self, r: RequestState, event: dict, now: float) -> None:
         if event.get("worker_id") != r.decode_id:
@@ -221,7 +272,9 @@ class ClusterRouter:
         if first_local:
             r.t_first_token = now  # local request: the decode worker produced the first token
         new = list(event["new_token_ids"])
-        r.num_output_tokens = int(event["num_output_tokens"])
+        r.emitted.extend(new)
+        # The decode worker counts this placement's outputs; earlier placements' are in its prompt.
+        r.num_output_tokens = len(r.emitted)
         delta = TokenDelta(new, num_prompt_tokens=r.num_prompt_tokens, num_output_tokens=r.num_output_tokens,
                            num_draft_tokens=int(event.get("num_draft_tokens", 0)),
                            num_accepted_tokens=int(event.get("num_accepted_tokens", 0)))
@@ -254,13 +307,54 @@ class ClusterRouter:
     def _finish(self, r: RequestState, delta: TokenDelta) -> None:
         r.finished = True
         self.requests.pop(r.request_id, None)
+        self._by_wid.pop(r.wid, None)
         r.queue.put_nowait(delta)
+
+    def _recover(self, r: RequestState, reason: str) -> None:
+        """Re-place a request whose placement failed, continuing its stream; or end it with an error."""
+        self._abort_workers(r)
+        self._by_wid.pop(r.wid, None)
+        remaining = int(r.params["max_tokens"]) - len(r.emitted)
+        if remaining <= 0:  # everything was streamed already: nothing to recover
+            self._finish(r, TokenDelta([], finished=True, finish_reason="length",
+                                       num_prompt_tokens=r.num_prompt_tokens, num_output_tokens=len(r.emitted)))
+            return
+        if r.attempt >= self.max_recoveries:
+            self._finish(r, TokenDelta([], finished=True, finish_reason="error",
+                                       error=f"{reason} (gave up after {r.attempt} recoveries)",
+                                       num_prompt_tokens=r.num_prompt_tokens, num_output_tokens=len(r.emitted)))
+            return
+        log.warning("recovering request %s after %d tokens: %s", r.request_id, len(r.emitted), reason)
+        r.recovering = True
+        r.attempt += 1
+        detected = time.monotonic()
+        prompt = r.prompt_token_ids + r.emitted
+        params = {**r.params, "max_tokens": remaining,
+                  "output_position_offset": int(r.params.get("output_position_offset", 0)) + len(r.emitted)}
+        r.prefill_id = r.decode_id = None
+        r.local = False
+        r.num_computed_tokens = 0
+        r.t_first_token = r.t_kv_ready = r.t_first_decode = 0.0
+        r.early = []
+
+        async def replace_it() -> None:
+            try:
+                await self._place(r, prompt, params, already_streaming=True)
+                self.recoveries.append((r.request_id, time.monotonic() - detected))
+            except Exception as e:  # noqa: BLE001 - no healthy pair: end clearly, within the deadline
+                self._finish(r, TokenDelta([], finished=True, finish_reason="error",
+                                           error=f"{reason}; recovery failed: {e}",
+                                           num_prompt_tokens=r.num_prompt_tokens, num_output_tokens=len(r.emitted)))
+            finally:
+                r.recovering = False
+
+        self._loop.create_task(replace_it())
 
     def _abort_workers(self, r: RequestState) -> None:
         if r.prefill_id in self.prefill:
-            self.prefill[r.prefill_id].abort.remote(r.request_id)
+            self.prefill[r.prefill_id].abort.remote(r.wid)
         if r.decode_id in self.decode:
-            self.decode[r.decode_id].abort.remote(r.request_id)
+            self.decode[r.decode_id].abort.remote(r.wid)
 
     # ---- requests ------------------------------------------------------------------------------------
     def _wants_local(self, num_prompt_tokens: int) -> bool:
@@ -274,7 +368,7 @@ class ClusterRouter:
             return all(v.queued_prefill_tokens >= self.busy_prefill_tokens for v in prefills)
         return False
 
-    async def _place(self, r: RequestState, prompt: list[int], params: dict) -> None:
+    async def _place(self, r: RequestState, prompt: list[int], params: dict, already_streaming: bool = False) -> None:
         deadline = time.monotonic() + self.admission_wait_s
         hashes = chained_block_hashes(prompt, self.block_size)
         local = self._wants_local(len(prompt))
@@ -291,24 +385,34 @@ class ClusterRouter:
             for d in decodes:
                 if local:
                     r.decode_id, r.local, r.reserved_tokens = d.worker_id, True, len(prompt)
-                    self.requests[r.request_id] = r
+                    self._register(r)
                     r.t_submit = time.monotonic()
-                    self.decode[d.worker_id].add_request.remote(r.request_id, prompt, params)
+                    self.decode[d.worker_id].add_request.remote(r.wid, prompt, params)
                     self.decisions.append(Decision(r.request_id, None, d.worker_id, True))
                     return
-                blocks = await self.decode[d.worker_id].reserve.remote(r.request_id, prefill_view.worker_id, prompt, params)
+                try:
+                    blocks = await asyncio.wait_for(
+                        self.decode[d.worker_id].reserve.remote(r.wid, prefill_view.worker_id, prompt, params), 30)
+                except Exception as e:  # noqa: BLE001 - dead or stuck worker: out of rotation, next
+                    log.warning("decode worker %s failed to reserve: %s", d.worker_id, type(e).__name__)
+                    d.healthy = False
+                    continue
                 if blocks is None:
                     continue  # full: next candidate
                 r.decode_id, r.prefill_id, r.reserved_tokens = d.worker_id, prefill_view.worker_id, len(prompt)
-                self.requests[r.request_id] = r
+                self._register(r)
                 prefill_view.remember(hashes)
                 r.t_submit = time.monotonic()
-                self.prefill[prefill_view.worker_id].submit.remote(r.request_id, prompt, params, d.worker_id, blocks)
+                self.prefill[prefill_view.worker_id].submit.remote(r.wid, prompt, params, d.worker_id, blocks)
                 self.decisions.append(Decision(r.request_id, prefill_view.worker_id, d.worker_id, False))
                 return
             if time.monotonic() > deadline:
-                raise RouterError("every decode worker is full; try again later", status=503)
+                raise RouterError("every decode worker is full or down; try again later", status=503)
             await asyncio.sleep(0.05)
+
+    def _register(self, r: RequestState) -> None:
+        self.requests[r.request_id] = r
+        self._by_wid[r.wid] = r
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
         if self._loop is None:
@@ -327,8 +431,9 @@ class ClusterRouter:
         if params.seed is None:
             # Prefill and decode must draw from the same per-position streams.
             params = replace(params, seed=self._rng.randrange(1 << 31))
-        r = RequestState(request_id, len(prompt_token_ids), asyncio.Queue())
-        await self._place(r, list(prompt_token_ids), asdict(params))
+        r = RequestState(request_id, len(prompt_token_ids), asyncio.Queue(),
+                         prompt_token_ids=list(prompt_token_ids), params=asdict(params))
+        await self._place(r, list(prompt_token_ids), r.params)
         deadline = r.t_arrival + self.request_timeout_s
         try:
             while True:

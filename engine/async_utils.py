@@ -24,13 +24,14 @@ tests for what it costs and that it is lossless.
 
 from __future__ import annotations
 
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 
 from pdcluster.engine.kv_connector import KVConnectorOutput
-from pdcluster.engine.request import Request
+from pdcluster.engine.request import Request, RequestStatus
 from pdcluster.engine.scheduler import (
     ModelRunnerOutput,
     ScheduledRequest,
@@ -125,6 +126,8 @@ class AsyncScheduler(Scheduler):
         self.num_spec_tokens = self.config.num_spec_steps
         # request id -> [sampling steps scheduled whose output is not back yet, drafts in the newest]
         self._in_flight: dict[str, list[int]] = {}
+        # request id -> tokens scheduled per step whose output is not back yet, oldest first
+        self._unreported: dict[str, deque[int]] = {}
 
     def _num_new_tokens(self, request: Request) -> int:
         flight = self._in_flight.get(request.request_id)
@@ -159,9 +162,31 @@ class AsyncScheduler(Scheduler):
         samples = flight is not None or request.num_computed_tokens + num_new >= request.num_tokens
         # Optimistic: as if every draft were accepted. _commit_computed takes the rejected back.
         request.num_computed_tokens += num_new
+        self._unreported.setdefault(request.request_id, deque()).append(num_new)
         if samples:
             self._in_flight[request.request_id] = [(flight[0] if flight else 0) + 1, len(s.spec_token_ids)]
         return s
+
+    def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[StepResult]:
+        """The base update with exact counts: while it commits step n (and registers computed blocks in
+        the prefix cache), ``num_computed_tokens`` must not include step n+1, already scheduled, whose
+        KV is not written yet (and never will be if the request ends now, e.g. on a stop token)."""
+        ahead: dict[str, int] = {}
+        for s in sched.scheduled:
+            queue = self._unreported.get(s.request_id)
+            if not queue:
+                continue
+            queue.popleft()  # this step's
+            request = self.requests.get(s.request_id)
+            if queue and request is not None and request.status == RequestStatus.RUNNING:
+                ahead[s.request_id] = sum(queue)
+                request.num_computed_tokens -= ahead[s.request_id]
+        results = super().update_from_output(sched, out)
+        for req_id, num in ahead.items():
+            request = self.requests.get(req_id)
+            if request is not None and not request.is_finished:
+                request.num_computed_tokens += num  # the optimistic count again, for scheduling
+        return results
 
     def _commit_computed(self, request: Request, s: ScheduledRequest, num_rejected: int, sampled: bool) -> None:
         request.num_computed_tokens -= num_rejected
@@ -176,10 +201,12 @@ class AsyncScheduler(Scheduler):
 
     def _preempt(self, request: Request) -> None:
         self._in_flight.pop(request.request_id, None)  # its in-flight output is dropped on arrival
+        self._unreported.pop(request.request_id, None)
         super()._preempt(request)
 
     def _finish(self, request: Request, status) -> None:
         self._in_flight.pop(request.request_id, None)
+        self._unreported.pop(request.request_id, None)
         super()._finish(request, status)
 
 

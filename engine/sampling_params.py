@@ -22,6 +22,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    # Output tokens produced before this request started (a request resumed elsewhere after a worker
+    # died carries them in its prompt): random draws stay keyed by the *original* output position.
+    output_position_offset: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:

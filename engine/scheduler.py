@@ -278,7 +278,7 @@ class Scheduler:
             spec_token_ids=list(request.spec_token_ids),
             all_token_ids=request.all_token_ids if is_new else None,
             sampling_params=request.sampling_params if is_new else None,
-            num_output_tokens=len(request.output_token_ids),
+            num_output_tokens=len(request.output_token_ids) + request.sampling_params.output_position_offset,
         )
 
     def _cap_drafts(self, request: Request, drafts: list[int]) -> list[int]:

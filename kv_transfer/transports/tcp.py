@@ -144,7 +144,7 @@ class ZmqTransport(KVTransport):
             return
         self._waker.close()
         self._pool.clear()
-        self._zctx.term()  # every socket is closed (LINGER 0), so this returns at once
+        self._zctx.destroy(linger=0)  # closes any socket still open; nothing waits on unsent data
 
     # ---------------------------------------------------------------- IO thread
 
@@ -205,7 +205,12 @@ class ZmqTransport(KVTransport):
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        sock.connect(endpoint)
+        try:
+            sock.connect(endpoint)
+        except zmq.ZMQError:
+            mon.close(linger=0)
+            sock.close(linger=0)
+            raise
         self._dealers[peer_id] = sock
         self._monitors[mon] = peer_id
         self._dead_peers.pop(peer_id, None)
