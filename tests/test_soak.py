@@ -1,0 +1,114 @@
+"""Soak: many requests at a steady rate through the Ray cluster, 10% aborted by the client mid-stream,
+one decode worker killed mid-run. End state: no leaked block on any live worker, every router count
+zero, every request with a final status, every completed greedy request token-exact.
+
+The default run uses 60 requests; the slow-marked run uses PDCLUSTER_SOAK_REQUESTS (default 600)."""
+
+import asyncio
+import os
+import random
+import tempfile
+import time
+
+import pytest
+
+from conftest import make_engine
+from pdcluster.cluster.launcher import Cluster, ClusterSpec
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.kv_transfer.config import TransferConfig
+
+NUM_BLOCKS = 512
+
+
+@pytest.fixture(scope="module")
+def ray_session(tiny_dir):
+    ray = pytest.importorskip("ray")
+    tmp = tempfile.mkdtemp(prefix="pdcluster-ray-")
+    ray.init(num_cpus=2, resources={"prefill_slot": 4, "decode_slot": 4}, include_dashboard=False,
+             log_to_driver=False, _temp_dir=tmp)
+    yield ray
+    ray.shutdown()
+
+
+def _soak(ray, num_requests: int, rate_per_s: float):
+    rng = random.Random(42)
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randrange(4, 200))] for _ in range(num_requests)]
+    max_tokens = [rng.randrange(4, 48) for _ in range(num_requests)]
+    aborted = set(rng.sample(range(num_requests), num_requests // 10))
+    engine = make_engine("tiny-random", num_kv_blocks=NUM_BLOCKS)
+    expected = [o.token_ids for o in engine.generate(prompts, [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens])]
+    del engine
+    cfg = EngineConfig(model="tiny-random", num_kv_blocks=NUM_BLOCKS, max_model_len=1024, prefill_chunk_size=64)
+    cluster = Cluster(ClusterSpec(engine=cfg, transfer=TransferConfig(), mode="disagg", num_prefill=1, num_decode=2,
+                                  request_timeout_s=300))
+    router = cluster.router
+    router.health_interval_s = 0.3
+    final = {}
+
+    async def one(i):
+        tokens = []
+        params = SamplingParams(max_tokens=max_tokens[i], ignore_eos=True)
+        try:
+            async for delta in router.generate(f"soak-{i}", prompts[i], params):
+                tokens += delta.new_token_ids
+                if i in aborted and len(tokens) >= 2:
+                    final[i] = ("client_abort", tokens)
+                    return  # leaving the stream early = client disconnect
+                if delta.finished:
+                    final[i] = (delta.finish_reason, tokens, delta.error)
+        except Exception as e:  # noqa: BLE001 - admission refused is a final status too
+            final[i] = (f"refused: {e}", tokens)
+
+    async def main():
+        tasks = []
+        killed = False
+        for i in range(num_requests):
+            tasks.append(asyncio.create_task(one(i)))
+            if not killed and i == num_requests // 2:
+                victim = next(iter(cluster.decode_handles))
+                ray.kill(cluster.decode_handles[victim], no_restart=True)
+                killed = True
+            await asyncio.sleep(rng.expovariate(rate_per_s))
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout=240)
+        # Let the health check see the kill and abort messages land.
+        await asyncio.sleep(1.0)
+
+    try:
+        asyncio.run(main())
+        assert len(final) == num_requests, f"requests without a final status: {set(range(num_requests)) - set(final)}"
+        completed = [i for i, v in final.items() if v[0] == "length"]
+        errors = {i: v for i, v in final.items() if v[0] not in ("length", "client_abort")}
+        assert not errors, f"unexpected final statuses: {list(errors.items())[:5]}"
+        for i in completed:
+            assert final[i][1] == expected[i], f"request {i} is not token-exact"
+        assert not router.requests, "router still tracks requests"
+        stats = router.stats()
+        assert all(w["kv_tokens"] == 0 and w["num_requests"] == 0 for w in stats["workers"])
+        # Every live worker: all blocks free, nothing reserved, held or in transfer.
+        live = {wid: h for wid, h in {**cluster.prefill_handles, **cluster.decode_handles}.items()
+                if router.views[wid].healthy}
+        deadline = time.monotonic() + 10
+        while True:
+            st = dict(zip(live, ray.get([h.stats.remote() for h in live.values()], timeout=30)))
+            if all(s["num_free_blocks"] == s["num_blocks"] for s in st.values()) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        for wid, s in st.items():
+            assert s["num_free_blocks"] == s["num_blocks"], f"{wid} leaked blocks: {s}"
+            assert s.get("num_reserved", 0) == 0 and s.get("num_held", 0) == 0 and s.get("num_transfers", 0) == 0, s
+        print(f"soak: {num_requests} requests, {len(completed)} completed token-exact, "
+              f"{num_requests // 10} client aborts, 1 decode worker killed, recoveries={len(router.recoveries)}, leaks=0")
+    finally:
+        cluster.shutdown()
+
+
+@pytest.mark.timeout(600)
+def test_soak_short(ray_session):
+    _soak(ray_session, num_requests=60, rate_per_s=20.0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3000)
+def test_soak_long(ray_session):
+    _soak(ray_session, num_requests=int(os.environ.get("PDCLUSTER_SOAK_REQUESTS", "600")), rate_per_s=15.0)
