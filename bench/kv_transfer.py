@@ -390,6 +390,8 @@ def main() -> int:
 
     geom = Geometry()
     result: dict = {"geometry": asdict(geom), "results": [], "unavailable": {}, "errors": {}}
+    # The machine is shared: the load says how much to trust the numbers.
+    result["loadavg_1min"] = {"start": os.getloadavg()[0], "cpus": os.cpu_count()}
     runs = []
     for name, reason in available_transports().items():
         if args.transports and name not in args.transports:
@@ -407,7 +409,11 @@ def main() -> int:
 
     if not args.no_nixl:
         try:
+            from importlib.metadata import version
+
             import nixl  # noqa: F401
+
+            result["nixl_version"] = version("nixl")
         except ImportError as e:
             result["unavailable"]["nixl"] = f"nixl not installed: {e}"
         else:
@@ -418,6 +424,7 @@ def main() -> int:
                 except Exception as e:  # noqa: BLE001
                     result["errors"][f"nixl:{error_handling}"] = str(e)
 
+    result["loadavg_1min"]["end"] = os.getloadavg()[0]
     samples = [r["memcpy_gbps_alongside"] for r in result["results"]]
     result["memcpy_gbps"] = statistics.median(samples) if samples else Memcpy(geom.transfer_bytes).gbps(9)
     ours = [r for r in result["results"] if r["transport"] != "nixl"]

@@ -83,6 +83,7 @@ def run_config(name: str, args: argparse.Namespace, out_dir: Path) -> list[dict]
         rc = pdcluster_main(["loadtest", "--base-url", server.base_url, "--model", args.model, "--dataset", "random",
                              "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
                              "--num-prompts", str(args.num_prompts), *rates, "--seed", "0",
+                             "--num-warmups", str(args.num_warmups),
                              "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tpot-ms", str(args.slo_tpot_ms),
                              "--label", name, "--result-json", str(result_path),
                              "--plot", str(out_dir / f"{name}.png"), "--no-progress"])
@@ -107,6 +108,7 @@ def main() -> int:
     p.add_argument("--spec", default="ngram", choices=("ngram", "mtp"), help="speculative method of disagg+spec")
     p.add_argument("--num-spec-tokens", type=int, default=3)
     p.add_argument("--num-kv-blocks", type=int, default=1024)
+    p.add_argument("--num-warmups", type=int, default=4, help="unmeasured requests before the first rate")
     p.add_argument("--out-dir", default=None, help="result JSONs, plots and server logs (default: a temp dir)")
     args = p.parse_args()
     out_dir = Path(args.out_dir or tempfile.mkdtemp(prefix="pdcluster-bench-serve-out-"))

@@ -3,7 +3,7 @@ speculation, on SmolLM2 for ShareGPT prompts (chat) and HumanEval prompts (code 
 and MTP drafts. Prints one JSON object.
 
     python bench/spec_decode.py [--model smollm2] [--num-prompts 4] [--max-tokens 64] [--k 3]
-                                [--methods none ngram mtp] [--async-scheduling] [--num-threads 0]
+                                [--methods none ngram mtp] [--async-scheduling] [--num-threads 1]
 
 Each prompt runs alone (batch 1, where speculation pays on a CPU), greedy, ``ignore_eos`` so every run
 decodes the same number of tokens. Acceptance length = tokens emitted per decode step (1 + accepted
@@ -189,7 +189,8 @@ def main(argv=None) -> int:
     p.add_argument("--methods", nargs="+", default=["none", "ngram", "mtp"], choices=["none", "ngram", "mtp"])
     p.add_argument("--async-scheduling", action="store_true", help="also run every method with async scheduling")
     p.add_argument("--mtp-checkpoint", default="", help='"" = the trained head in the cache, else random')
-    p.add_argument("--num-threads", type=int, default=0)
+    p.add_argument("--num-threads", type=int, default=1,
+                   help="torch threads (0 = torch's default; on a shared 2-core machine 2 threads measured ~10x slower)")
     args = p.parse_args(argv)
     if "none" not in args.methods:
         args.methods = ["none"] + args.methods

@@ -114,6 +114,8 @@ class ClusterRouter:
         self._by_wid: dict[str, RequestState] = {}
         self.max_recoveries = 3
         self.health_interval_s = 1.0
+        self.ping_timeout_s = 5.0
+        self.max_strikes = 3
         self.recoveries: list[tuple[str, float]] = []  # (request_id, seconds from detection to re-placement)
         self.decisions: list[Decision] = []
         self.reports: list[dict] = []  # recent decode reports (tests compare accounting against them)
@@ -140,6 +142,7 @@ class ClusterRouter:
     async def _health_loop(self) -> None:
         """Ping every worker; a worker that errors or stays silent is taken out of rotation (its
         requests recovered) and pinged again later: it comes back once it answers (circuit breaker)."""
+        strikes: dict[str, int] = {}
         while not self._stop.is_set():
             await asyncio.sleep(self.health_interval_s)
             for wid, handle in [*self.prefill.items(), *self.decode.items()]:
@@ -147,15 +150,22 @@ class ClusterRouter:
                 if view is None:
                     continue
                 try:
-                    await asyncio.wait_for(handle.stats.remote(), timeout=max(2.0, 3 * self.health_interval_s))
-                    if not view.healthy:
-                        log.warning("worker %s answers again: back in rotation", wid)
-                        view.healthy = True
-                except Exception as e:  # noqa: BLE001 - dead actor, timeout: same answer
-                    if view.healthy:
-                        log.warning("worker %s is unhealthy (%s): recovering its requests", wid, type(e).__name__)
-                        view.healthy = False
-                        self.worker_down(wid)
+                    alive = await asyncio.wait_for(handle.ping.remote(), timeout=self.ping_timeout_s)
+                    reason = None if alive else "its engine thread stopped"
+                    strikes[wid] = 0
+                except asyncio.TimeoutError:
+                    # Slow is not dead (an overloaded CPU delays everything): only repeated silence is.
+                    strikes[wid] = strikes.get(wid, 0) + 1
+                    reason = f"no answer to {strikes[wid]} health checks" if strikes[wid] >= self.max_strikes else None
+                except Exception as e:  # noqa: BLE001 - the actor is gone (RayActorError and kin)
+                    reason = f"{type(e).__name__}"
+                if reason is None and not view.healthy:
+                    log.warning("worker %s answers again: back in rotation", wid)
+                    view.healthy = True
+                elif reason is not None and view.healthy:
+                    log.warning("worker %s is unhealthy (%s): recovering its requests", wid, reason)
+                    view.healthy = False
+                    self.worker_down(wid)
 
     def worker_down(self, worker_id: str) -> None:
         """Recover every request that had a placement on ``worker_id``."""

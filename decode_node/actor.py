@@ -33,6 +33,11 @@ class DecodeActor:
     def pid(self) -> int:
         return os.getpid()
 
+    def ping(self) -> bool:
+        """Health check that does not wait for the engine thread (a long step must not look like
+        death): the process answers, and its engine thread is still running."""
+        return self.worker.loop_error is None and self.worker.is_running()
+
     def connect_prefill(self, address: str) -> str:
         return self.worker.connect_prefill(address)
 

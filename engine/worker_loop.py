@@ -36,6 +36,9 @@ class WorkerLoop:
         """Run ``fn(*args)`` on the engine thread; do not wait."""
         self._commands.put((fn, args, None))
 
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
     def emit(self, event: dict) -> None:
         try:
             self.on_event(event)

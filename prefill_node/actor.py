@@ -36,6 +36,11 @@ class PrefillActor:
     def pid(self) -> int:
         return os.getpid()
 
+    def ping(self) -> bool:
+        """Health check that does not wait for the engine thread (a long step must not look like
+        death): the process answers, and its engine thread is still running."""
+        return self.worker.loop_error is None and self.worker.is_running()
+
     def submit(self, request_id: str, prompt_token_ids: list[int], params: dict, decode_id: str,
                dst_block_ids: list[int]) -> None:
         self.worker.submit(request_id, prompt_token_ids, SamplingParams(**params), decode_id, dst_block_ids)

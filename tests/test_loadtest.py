@@ -133,6 +133,7 @@ def test_run_writes_every_field_and_agrees_with_server_metrics(server, tmp_path)
     rc = _loadtest("--base-url", server.base_url, "--model", MODEL, "--dataset", "random",
                    "--random-input-len", str(input_len), "--random-output-len", str(output_len),
                    "--num-prompts", str(num_prompts), "--request-rate", "20", "--seed", "1",
+                   "--num-warmups", "0",  # so this test's own /metrics deltas cover exactly the run
                    "--slo-ttft-ms", "2000", "--slo-tpot-ms", "500",
                    "--result-json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png"))
     after = server.metrics()
@@ -178,14 +179,20 @@ def test_run_writes_every_field_and_agrees_with_server_metrics(server, tmp_path)
 
 @pytest.mark.timeout(240)
 def test_sweep_over_two_rates_writes_both_runs_and_a_sweep_plot(server, tmp_path):
+    before = server.metrics()
     rc = _loadtest("--base-url", server.base_url, "--model", MODEL, "--random-input-len", "16",
-                   "--random-output-len", "4", "--num-prompts", "8", "--sweep", "4,16",
+                   "--random-output-len", "4", "--num-prompts", "8", "--sweep", "4,16", "--num-warmups", "3",
                    "--slo-ttft-ms", "1000", "--slo-tpot-ms", "200",
                    "--result-json", str(tmp_path / "s.json"), "--plot", str(tmp_path / "s.png"))
     assert rc == 0
     sweep = json.loads((tmp_path / "s.json").read_text())["sweep"]
     assert [r["request_rate"] for r in sweep] == [4.0, 16.0]
+    assert sweep[0]["seed"] == 0 and sweep[1]["seed"] != 0  # fresh prompts per rate: no prefix-cache carry-over
     assert all(r["completed"] == 8 and r["failed"] == 0 for r in sweep)
+    # Warm-ups reach the server but no number of ours.
+    name = "pdcluster:request_success_total"
+    assert _sample(server.metrics(), name) - _sample(before, name) == 3 + 2 * 8
+    assert [r["server_metrics"]["request_success"] for r in sweep] == [8, 8]
     _, single_height = _png_size(_one_run_plot(tmp_path))
     _, sweep_height = _png_size(tmp_path / "s.png")
     assert os.path.getsize(tmp_path / "s.png") > 10_000

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime
 import math
 import os
 import sys
-from dataclasses import dataclass
 
 import httpx
+import numpy as np
 
 from pdcluster.cluster.loadtest import report
 from pdcluster.cluster.loadtest.arrivals import ARRIVALS, ArrivalProcess, within_duration
@@ -35,6 +36,8 @@ from pdcluster.cluster.loadtest.server_metrics import scrape, server_delta
 from pdcluster.cluster.loadtest.tokenizer_source import load_tokenizer
 
 PREFLIGHT_TIMEOUT_S = 10.0
+WARMUP_SEED_OFFSET = 1_000_003
+SWEEP_SEED_STRIDE = 7919
 
 
 class LoadtestError(ValueError):
@@ -76,9 +79,14 @@ def add_loadtest_parser(subparsers) -> argparse.ArgumentParser:
     a.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (inf: all at once)")
     a.add_argument("--arrival", choices=ARRIVALS, default="poisson")
     a.add_argument("--burst-size", type=int, default=8, help="requests per burst (--arrival burst)")
-    a.add_argument("--sweep", default=None, help="comma-separated request rates, run one after another")
+    a.add_argument("--sweep", default=None,
+                   help="comma-separated request rates, run one after another; rate i draws its prompts with "
+                        "seed --seed + 7919*i, so a prefix cache does not carry one rate's prompts into the next")
     a.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
     a.add_argument("--duration-s", type=float, default=None, help="send no request later than this")
+    a.add_argument("--num-warmups", type=int, default=1,
+                   help="requests sent one by one before measuring, left out of every number (a fresh server's "
+                        "first requests are slow)")
     s = p.add_argument_group("SLOs and output")
     s.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT target for goodput")
     s.add_argument("--slo-tpot-ms", type=float, default=None, help="TPOT target for goodput")
@@ -92,7 +100,7 @@ def add_loadtest_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-@dataclass
+@dataclasses.dataclass
 class Plan:
     target: Target
     rates: list[float]
@@ -157,6 +165,8 @@ def _plan(args: argparse.Namespace) -> Plan:
                         ("--max-concurrency", args.max_concurrency), ("--duration-s", args.duration_s),
                         ("--output-len", args.output_len), ("--burst-size", args.burst_size)):
         _positive(flag, value)
+    if args.num_warmups < 0:
+        raise LoadtestError(f"--num-warmups: must be >= 0, got {args.num_warmups}")
     for flag, value in (("--slo-ttft-ms", args.slo_ttft_ms), ("--slo-tpot-ms", args.slo_tpot_ms)):
         _positive(flag, value)
     rates = _rates(args)
@@ -211,10 +221,19 @@ async def _run(args: argparse.Namespace, plan: Plan) -> int:
     target = plan.target
     tokenizer = load_tokenizer(args.tokenizer, args.model)
     plan.dataset_options.max_model_len = await preflight(target)
-    requests = load_requests(plan.dataset, plan.dataset_options, tokenizer)
+    seed = plan.dataset_options.seed
+    # The server's prefix cache keeps what it has seen: a warm-up or an earlier rate of a sweep that
+    # sent the same prompts would make the next run look faster. So each gets prompts (and arrival
+    # times) of its own seed; the first rate keeps --seed, so it equals a single run at that rate.
+    if args.num_warmups:
+        options = dataclasses.replace(plan.dataset_options, num_prompts=args.num_warmups,
+                                      seed=seed + WARMUP_SEED_OFFSET)
+        await warm_up(target, load_requests(plan.dataset, options, tokenizer), tokenizer)
     results = []
-    for rate in plan.rates:
-        results.append(await run_one_rate(args, plan, rate, requests, tokenizer))
+    for index, rate in enumerate(plan.rates):
+        options = dataclasses.replace(plan.dataset_options, seed=seed + index * SWEEP_SEED_STRIDE)
+        requests = load_requests(plan.dataset, options, tokenizer)
+        results.append(await run_one_rate(args, plan, rate, requests, options.seed, tokenizer))
         report.print_summary(results[-1])
     if len(results) > 1:
         report.print_sweep(results)
@@ -229,9 +248,21 @@ async def _run(args: argparse.Namespace, plan: Plan) -> int:
     return 0 if any(r["completed"] for r in results) else 1
 
 
-async def run_one_rate(args, plan: Plan, rate: float, requests, tokenizer) -> dict:
+async def warm_up(target: Target, requests, tokenizer) -> None:
+    """Send ``requests`` one at a time, unmeasured, before the first /metrics scrape."""
+    if not requests:
+        return
+    outcome = await run_workload(target, requests, np.zeros(len(requests)), max_concurrency=1,
+                                 tokenizer=tokenizer, progress=False)
+    failed = [r for r in outcome.records if not r.ok]
+    if failed:
+        print(f"pdcluster loadtest: warning: {len(failed)} of {len(requests)} warm-up requests failed "
+              f"({failed[0].error_kind}: {failed[0].error})", file=sys.stderr)
+
+
+async def run_one_rate(args, plan: Plan, rate: float, requests, seed: int, tokenizer) -> dict:
     process = ArrivalProcess(plan.arrival, rate, plan.burst_size)
-    send_times_s = process.send_times_s(len(requests), plan.dataset_options.seed)
+    send_times_s = process.send_times_s(len(requests), seed)
     n = within_duration(send_times_s, plan.duration_s)
     target = plan.target
     async with http_client(target, 2) as http:
@@ -255,7 +286,7 @@ async def run_one_rate(args, plan: Plan, rate: float, requests, tokenizer) -> di
         "arrival": plan.arrival,
         "burst_size": plan.burst_size if plan.arrival == "burst" else None,
         "max_concurrency": plan.max_concurrency,
-        "seed": plan.dataset_options.seed,
+        "seed": seed,
         "duration_limit_s": plan.duration_s,
         "temperature": target.temperature,
         "ignore_eos": target.ignore_eos,

@@ -70,7 +70,8 @@ def load_requests(name: str, options: DatasetOptions, tokenizer) -> list[SampleR
     if name == "sharegpt":
         return sharegpt_requests(options, tokenizer)
     if name == "humaneval":
-        return _cycle([SampleRequest(p, _count(tokenizer, p, options.chat), options.fixed_output_len or DEFAULT_OUTPUT_LEN)
+        output_len = options.fixed_output_len or DEFAULT_OUTPUT_LEN
+        return _cycle([SampleRequest(p, _count(tokenizer, p, options.chat), output_len)
                        for p in _shuffled(load_humaneval_prompts(), options.seed)], options.num_prompts)
     return _cycle(load_jsonl_requests(Path(name), options, tokenizer), options.num_prompts)
 
@@ -83,7 +84,8 @@ def random_requests(options: DatasetOptions, tokenizer) -> list[SampleRequest]:
         raise DatasetError("--dataset random needs the model's tokenizer to make exact lengths: pass --tokenizer "
                            "(a pdcluster built-in name or a directory with tokenizer.json)")
     if options.prompt_format not in PROMPT_FORMATS:
-        raise DatasetError(f"--prompt-format: must be one of {', '.join(PROMPT_FORMATS)}, got {options.prompt_format!r}")
+        raise DatasetError(f"--prompt-format: must be one of {', '.join(PROMPT_FORMATS)}, "
+                           f"got {options.prompt_format!r}")
     rng = np.random.default_rng(options.seed)
     input_lens = options.input_len.sample(rng, options.num_prompts)
     output_lens = options.output_len.sample(rng, options.num_prompts)

@@ -56,7 +56,8 @@ def fmt(value, spec: str) -> str:
 
 def print_summary(result: dict, out: TextIO | None = None) -> None:
     out = out or sys.stderr  # looked up per call: the stream may have been swapped since import
-    title = f" loadtest: {result.get('label') or result.get('model_id', '')} at {fmt(result.get('request_rate'), 'g')} req/s "
+    name = result.get("label") or result.get("model_id", "")
+    title = f" loadtest: {name} at {fmt(result.get('request_rate'), 'g')} req/s "
     width = 52
     print(title.center(width, "="), file=out)
     for label, key, spec in SUMMARY_ROWS:

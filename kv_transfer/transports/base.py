@@ -23,8 +23,12 @@ Contract (the same for every transport):
   accumulates layers until it has them all.
 * Every wait is bounded by ``TransportConfig.timeout_s``; a send not acknowledged within it fails.
 * ``close`` stops background threads within about a second and releases OS resources.
+* ``allocate_kv_cache(shape, dtype, device)`` (classmethod) allocates the cache the transport moves
+  best; plain memory except for shm, whose shared caches are copied into (receiver) and out of
+  (sender) directly, one pass instead of two. Workers on both sides should use it.
 
-Caller errors (unknown peer, block id out of range, mismatched lengths) raise from ``send`` at once.
+Caller errors (unknown peer, block id out of range, mismatched lengths, no blocks) raise from
+``send`` at once.
 """
 
 from __future__ import annotations
