@@ -30,13 +30,18 @@ def bench_ours(model: str, dtype: str, batch: int, prompt_len: int, new_tokens: 
                                     enable_prefix_caching=False), progress=False)
     prompts = _prompts(engine.tokenizer, batch, prompt_len)
     engine.generate(prompts[:1], SamplingParams(max_tokens=2))  # warm caches
+    # One run: prefill ends when every request has its first token; decode is the rest.
+    for p in prompts:
+        engine.add_request(p, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
     t0 = time.perf_counter()
-    engine.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True))
-    prefill_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    engine.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
-    total_s = time.perf_counter() - t0
-    decode_s = max(total_s - prefill_s, 1e-9)
+    t_prefill = None
+    while engine.has_unfinished():
+        engine.step()
+        if t_prefill is None and all(r.output_token_ids for r in engine.scheduler.running) and not engine.scheduler.waiting:
+            t_prefill = time.perf_counter()
+    t_end = time.perf_counter()
+    prefill_s = t_prefill - t0
+    decode_s = t_end - t_prefill
     return {"prefill_tok_s": batch * prompt_len / prefill_s, "decode_tok_s": batch * (new_tokens - 1) / decode_s}
 
 
