@@ -9,9 +9,12 @@
    of every position is captured on the way (no second forward), and the label of MTP entry ``i`` is
    the target's own greedy prediction after ``t_{i+1}`` (``argmax lm_head(h_{i+1})``): on the generated
    part exactly the next-next token the target emitted.
+   More (off-policy) positions come cheaply from prefilling ShareGPT conversations (user turn and
+   reply): the hidden states of that real text, labelled with the target's greedy predictions.
 3. Training: MTPTrainModule (same math as the engine's paged MTPHead) with the target's embedding, final
-   norm and lm_head frozen; cross-entropy to the labels; AdamW; stops at the time budget. The decoder
-   layer starts as a copy of the target's last layer, the projections at random.
+   norm and lm_head frozen; cross-entropy to the labels over the full vocabulary; AdamW; stops at the
+   time budget. It starts as a one-layer early exit of the target (see ``initial_weights``). Positions
+   inside the chat template's shared system prompt are not trained on.
 4. Saves ``<cache>/mtp/<model>-mtp.safetensors`` (the engine loads it when ``mtp_checkpoint`` is "") and
    measures the acceptance length with the engine (k = 1 and 3) on held-out ShareGPT prompts.
 
@@ -84,6 +87,27 @@ def distillation_labels(model, hidden: torch.Tensor) -> torch.Tensor:
     return torch.cat([F.linear(h, model.lm_head.float()).argmax(-1) for h in hidden.split(512)])
 
 
+def load_sharegpt_conversations(tokenizer, n: int, max_tokens: int, start: int) -> list[list[int]]:
+    """First user turn and the reply, in the chat template, cut at ``max_tokens`` tokens."""
+    from spec_decode import iter_sharegpt_records
+
+    out = []
+    for i, record in enumerate(iter_sharegpt_records()):
+        if i < start:
+            continue
+        turns = record.get("conversations", [])
+        if len(turns) < 2 or turns[0].get("from") != "human" or turns[1].get("from") != "gpt":
+            continue
+        messages = [{"role": "user", "content": turns[0]["value"].strip()},
+                    {"role": "assistant", "content": turns[1]["value"].strip()}]
+        ids = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=False))[:max_tokens]
+        if len(ids) >= 64:
+            out.append(ids)
+            if len(out) == n:
+                break
+    return out
+
+
 def common_prefix_len(seqs: list[np.ndarray]) -> int:
     n = min(len(s) for s in seqs)
     for i in range(n):
@@ -131,24 +155,34 @@ def batches(examples, max_tokens: int, rng: np.random.Generator):
 
 
 def initial_weights(model, seed: int) -> dict[str, torch.Tensor]:
+    """Start as a one-layer early exit of the target: the decoder layer is a copy of the target's first
+    layer (which reads token embeddings) and eh_proj passes the embedding of t_{i+1} through (the hidden
+    half starts small and random, for training to fill in). Measured on the same data and budget:
+    held-out top-1 on generated text 21% from this start vs 17% from a copy of the last layer."""
     from pdcluster.engine.mtp import random_mtp_weights
 
     weights = random_mtp_weights(model.arch, seed)
-    last = model.layers[-1]
+    first = model.layers[0]
     a = model.arch
-    q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    q, kv, h = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.hidden_size
     p = "mtp.layer."
-    weights[p + "input_layernorm.weight"] = last.input_norm.float().clone()
-    weights[p + "post_attention_layernorm.weight"] = last.post_norm.float().clone()
-    wq, wk, wv = last.qkv.float().split([q, kv, kv])
+    weights[p + "input_layernorm.weight"] = first.input_norm.float().clone()
+    weights[p + "post_attention_layernorm.weight"] = first.post_norm.float().clone()
+    wq, wk, wv = first.qkv.float().split([q, kv, kv])
     weights[p + "self_attn.q_proj.weight"] = wq.clone()
     weights[p + "self_attn.k_proj.weight"] = wk.clone()
     weights[p + "self_attn.v_proj.weight"] = wv.clone()
-    weights[p + "self_attn.o_proj.weight"] = last.o_proj.float().clone()
-    gate, up = last.gate_up.float().chunk(2)
+    weights[p + "self_attn.o_proj.weight"] = first.o_proj.float().clone()
+    gate, up = first.gate_up.float().chunk(2)
     weights[p + "mlp.gate_proj.weight"] = gate.clone()
     weights[p + "mlp.up_proj.weight"] = up.clone()
-    weights[p + "mlp.down_proj.weight"] = last.down.float().clone()
+    weights[p + "mlp.down_proj.weight"] = first.down.float().clone()
+    gen = torch.Generator().manual_seed(seed)
+    eh = torch.zeros(h, 2 * h)
+    # enorm makes the embedding unit-RMS; scale back to the embeddings' own RMS, what layer 0 expects.
+    eh[:, h:] = torch.eye(h) * float(model.embed_tokens.float().pow(2).mean().sqrt())
+    eh[:, :h] = torch.randn(h, h, generator=gen) * 0.02
+    weights["mtp.eh_proj.weight"] = eh
     return weights
 
 
@@ -215,11 +249,13 @@ def train(model, examples, heldout, seconds: float, lr: float, batch_tokens: int
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--num-prompts", type=int, default=96, help="prompts the target continues greedily")
     p.add_argument("--gen-tokens", type=int, default=48)
-    p.add_argument("--train-seconds", type=float, default=150)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--batch-tokens", type=int, default=1024)
+    p.add_argument("--offpolicy-convs", type=int, default=64, help="ShareGPT conversations prefilled as is")
+    p.add_argument("--offpolicy-tokens", type=int, default=256)
+    p.add_argument("--train-seconds", type=float, default=180)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--batch-tokens", type=int, default=256)
     p.add_argument("--eval-prompts", type=int, default=6)
     p.add_argument("--eval-tokens", type=int, default=48)
     p.add_argument("--seed", type=int, default=0)
@@ -256,6 +292,10 @@ def main(argv=None) -> int:
     else:
         log(f"{len(prompts)} ShareGPT prompts; generating {args.gen_tokens} greedy tokens each")
         data = generate_with_hidden(engine, prompts, args.gen_tokens)
+        convs = load_sharegpt_conversations(engine.tokenizer, args.offpolicy_convs, args.offpolicy_tokens,
+                                            start=len(prompts) + 100)
+        log(f"prefilling {len(convs)} ShareGPT conversations (off-policy positions)")
+        data += generate_with_hidden(engine, convs, 1)
         if args.data_cache:
             torch.save(data, args.data_cache)
     t_data = time.perf_counter() - t0

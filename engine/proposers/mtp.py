@@ -97,7 +97,7 @@ class MTPProposer(Proposer):
             return drafts
         g = g[torch.from_numpy(qsl[1:][live] - 1)]
         pos = seq_lens[live] - 1  # p0: the last verified position
-        tokens = self.head.compute_logits(g).argmax(dim=-1)
+        tokens = self.head.draft_tokens(g)
         for r, t in zip(live, tokens.tolist()):
             drafts[rows[r]].append(t)
         for j in range(1, int(k_rows.max())):
@@ -110,7 +110,7 @@ class MTPProposer(Proposer):
             ones = np.arange(len(live) + 1, dtype=np.int64)
             meta = self._meta(st, idx_live, self._slots(st, idx_live, pos), pos + 1, ones, 1)
             g = self.head.forward(g, tokens, torch.from_numpy(pos), self.layer_cache, meta)
-            tokens = self.head.compute_logits(g).argmax(dim=-1)
+            tokens = self.head.draft_tokens(g)
             for r, t in zip(live, tokens.tolist()):
                 drafts[rows[r]].append(t)
         return drafts
