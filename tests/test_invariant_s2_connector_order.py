@@ -16,7 +16,6 @@ import re
 import pytest
 import torch
 
-from conftest import make_engine
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.kv_connector import KVConnector, KVConnectorOutput
 from pdcluster.engine.llm_engine import LLMEngine
@@ -125,8 +124,8 @@ def test_S2_draft_layer_kv_complete_at_post_forward(tiny_dir):
             n = int(st.num_tokens_np[idx]) - 1 if end >= s.num_tokens else end
             tokens = st.token_ids_np[idx, : n + 1].tolist()
             k_ref, v_ref = _reference_mtp_kv(engine, tokens, n)
-            pos = torch.arange(n)
-            slots = torch.from_numpy(st.block_table_np[idx, (pos // 16).numpy()]).long() * 16 + pos % 16
+            pos, bs = torch.arange(n), engine.config.block_size
+            slots = torch.from_numpy(st.block_table_np[idx, (pos // bs).numpy()]).long() * bs + pos % bs
             torch.testing.assert_close(flat[0, slots], k_ref, atol=2e-3, rtol=1e-3,
                                        msg=lambda m: f"{s.request_id} K of positions < {n}: {m}")
             torch.testing.assert_close(flat[1, slots], v_ref, atol=2e-3, rtol=1e-3)
