@@ -38,7 +38,7 @@ import torch
 from .base import KVTransport, Role, TransportConfig
 from .block_copy import buffer_rows, gather_rows, rows_view, scatter_rows
 from .layout import KVLayout, chunk_problem
-from .send_job import SendJob, prepare_send
+from .send_job import QueuedSendMixin, SendJob
 from .staging import BufferPool
 from .tracking import ReceiveTracker, SendTracker
 from .waker import Waker
@@ -72,7 +72,7 @@ def _host_bytes(data: bytes) -> np.ndarray:
     return np.frombuffer(bytearray(data), dtype=np.uint8)
 
 
-class UCXTransport(KVTransport):
+class UCXTransport(QueuedSendMixin, KVTransport):
     name = "ucx"
 
     def __init__(self, kv_cache: torch.Tensor, role: Role, config: TransportConfig | None = None) -> None:
@@ -137,37 +137,6 @@ class UCXTransport(KVTransport):
         if "error" in result:
             raise ConnectionError(f"UCX connect to {peer_id} failed: {result['error']}") from result["error"]
         self._peer_layouts[peer_id] = peer_layout
-
-    def send(
-        self,
-        peer_id: str,
-        transfer_id: str,
-        layer_ids: Sequence[int] | range,
-        src_block_ids: np.ndarray,
-        dst_block_ids: np.ndarray,
-    ) -> None:
-        if peer_id not in self._peer_layouts:
-            raise KeyError(f"unknown peer {peer_id!r}: call connect() first")
-        job = prepare_send(
-            layout=self._layout,
-            peer_layout=self._peer_layouts[peer_id],
-            tracker=self._tracker,
-            peer_id=peer_id,
-            transfer_id=transfer_id,
-            layer_ids=layer_ids,
-            src_block_ids=src_block_ids,
-            dst_block_ids=dst_block_ids,
-            chunk_bytes=self.config.chunk_bytes,
-            timeout_s=self.config.timeout_s,
-        )
-        self._commands.put(("send", job))
-        self._waker.wake()
-
-    def poll_sent(self) -> tuple[list[str], list[tuple[str, str]]]:
-        return self._tracker.poll()
-
-    def poll_received(self) -> list[tuple[str, list[int]]]:
-        return self._received.poll()
 
     def close(self) -> None:
         if self._stopping:
