@@ -12,9 +12,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import sys
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from pdcluster.cluster.router import ClusterRouter
 from pdcluster.engine.config import EngineConfig
@@ -41,10 +42,14 @@ class ClusterSpec:
     busy_prefill_tokens: int = 0
     request_timeout_s: float = 300.0
     served_model_name: str = ""
+    # Ray restarts a crashed worker process this many times; the router re-wires it when it is back.
+    max_worker_restarts: int = 3
 
     def __post_init__(self) -> None:
         if self.mode not in ("disagg", "colocated"):
             raise ValueError(f"mode: {self.mode!r} is not one of disagg, colocated (or local without Ray)")
+        if self.max_worker_restarts < 0:
+            raise ValueError(f"max_worker_restarts must be >= 0, got {self.max_worker_restarts}")
         if self.num_decode < 1 or (self.mode == "disagg" and self.num_prefill < 1):
             raise ValueError(f"need at least one decode worker and, in disagg mode, one prefill worker "
                              f"(got num_prefill={self.num_prefill}, num_decode={self.num_decode})")
@@ -89,6 +94,10 @@ class Cluster:
             # Share this machine's cores between the workers (each worker is its own "device").
             engine = EngineConfig(**{**asdict(engine), "num_threads": max(1, (os.cpu_count() or 1) // num_workers)})
         transfer = spec.transfer
+        if transfer.secret is None:
+            # Secure by default: the workers of this cluster share a fresh random secret, so nothing
+            # outside it can join the control or transfer planes even when nobody configured one.
+            transfer = replace(transfer, secret=secrets.token_hex(32))
         if spec.address and transfer.host == "127.0.0.1":
             # Workers on other nodes must reach each other: each binds its own node's address.
             transfer = TransferConfig(**{**asdict(transfer), "host": "auto"})
@@ -113,12 +122,14 @@ class Cluster:
         tag = uuid.uuid4().hex[:6]
         self.prefill_handles, self.decode_handles = {}, {}
         for i in range(num_prefill):
-            opts = self._actor_options(PlacementGroupSchedulingStrategy(self.placement_group, i), use_gpu, slot["prefill"])
+            opts = self._actor_options(PlacementGroupSchedulingStrategy(self.placement_group, i), use_gpu, slot["prefill"],
+                                       spec.max_worker_restarts)
             wid = f"prefill-{i}-{tag}"
             self.prefill_handles[wid] = ray.remote(PrefillActor).options(**opts).remote(
                 wid, engine_dict, transfer_dict, self.router.event_address, env)
         for j in range(spec.num_decode):
-            opts = self._actor_options(PlacementGroupSchedulingStrategy(self.placement_group, num_prefill + j), use_gpu, slot["decode"])
+            opts = self._actor_options(PlacementGroupSchedulingStrategy(self.placement_group, num_prefill + j), use_gpu, slot["decode"],
+                                       spec.max_worker_restarts)
             wid = f"decode-{j}-{tag}"
             self.decode_handles[wid] = ray.remote(DecodeActor).options(**opts).remote(
                 wid, engine_dict, transfer_dict if spec.mode == "disagg" else None, self.router.event_address, env)
@@ -134,6 +145,36 @@ class Cluster:
             self.router.views[wid] = WorkerView(wid, "prefill", engine.num_kv_blocks, engine.block_size)
         for wid, st in zip(self.decode_handles, stats):
             self.router.views[wid] = WorkerView(wid, "decode", st["num_blocks"], engine.block_size)
+        handles = {**self.prefill_handles, **self.decode_handles}
+        pings = ray.get([h.ping.remote() for h in handles.values()], timeout=60)
+        self.router.incarnations.update({wid: incarnation for wid, (_, incarnation) in zip(handles, pings)})
+        self.router.on_worker_restarted = self.rewire
+
+    async def rewire(self, worker_id: str, timeout_s: float = 60.0) -> None:
+        """Re-run the handshakes of a worker Ray restarted (new process: new ports, no peers).
+        A prefill worker gets every live decode worker connected again; a decode worker connects to
+        every prefill worker. Raises if the worker itself cannot be wired (the router retries)."""
+        if worker_id in self.prefill_handles:
+            address = await asyncio.wait_for(self.prefill_handles[worker_id].address.remote(), timeout_s)
+            decodes = [wid for wid in self.decode_handles if self.router.views[wid].healthy]
+            results = await asyncio.gather(
+                *(asyncio.wait_for(self.decode_handles[wid].connect_prefill.remote(address), timeout_s) for wid in decodes),
+                return_exceptions=True)
+            failed = {wid: r for wid, r in zip(decodes, results) if isinstance(r, BaseException)}
+            for wid, err in failed.items():  # that decode worker is in trouble itself: the health check decides
+                log.warning("re-wiring %s: decode worker %s did not connect: %s", worker_id, wid, err)
+            if decodes and len(failed) == len(decodes):
+                raise RuntimeError(f"no decode worker could connect to restarted prefill worker {worker_id}")
+        elif worker_id in self.decode_handles:
+            handle = self.decode_handles[worker_id]
+            addresses = await asyncio.gather(
+                *(asyncio.wait_for(h.address.remote(), timeout_s) for h in self.prefill_handles.values()),
+                return_exceptions=True)
+            for addr in addresses:
+                if not isinstance(addr, BaseException):
+                    await asyncio.wait_for(handle.connect_prefill.remote(addr), timeout_s)
+            st = await asyncio.wait_for(handle.stats.remote(), timeout_s)
+            self.router.views[worker_id].num_blocks = st["num_blocks"]
 
     @staticmethod
     def _bundle(use_gpu: bool, slot: str, cluster_resources: dict) -> dict:
@@ -143,8 +184,10 @@ class Cluster:
         return bundle or {slot: 1}
 
     @staticmethod
-    def _actor_options(strategy, use_gpu: bool, slot: str) -> dict:
-        opts = {"scheduling_strategy": strategy, "num_cpus": 0, "max_concurrency": 4}
+    def _actor_options(strategy, use_gpu: bool, slot: str, max_restarts: int = 0) -> dict:
+        # Restarted actors keep their id and bundle; calls are not retried (the router recovers them).
+        opts = {"scheduling_strategy": strategy, "num_cpus": 0, "max_concurrency": 4,
+                "max_restarts": max_restarts, "max_task_retries": 0}
         if use_gpu:
             opts["num_gpus"] = 1
         if not use_gpu or ray_has_resource(slot):
@@ -190,6 +233,7 @@ def spec_from_args(args) -> ClusterSpec:
         request_timeout_s=args.request_timeout_s,
         served_model_name=args.served_model_name or "",
         conditional_prefill_tokens=getattr(args, "conditional_prefill_tokens", 0) or 0,
+        max_worker_restarts=getattr(args, "max_worker_restarts", 3),
     )
 
 

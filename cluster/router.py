@@ -69,6 +69,10 @@ class RequestState:
         return f"{self.request_id}#{self.attempt}"
 
 
+async def _no_rewire(worker_id: str) -> None:
+    return None
+
+
 @dataclass
 class Decision:
     request_id: str
@@ -108,6 +112,7 @@ class ClusterRouter:
         self.busy_prefill_tokens = busy_prefill_tokens
         self.request_timeout_s = request_timeout_s
         self.admission_wait_s = admission_wait_s
+        self.reserve_timeout_s = 30.0
         self.views = {wid: WorkerView(wid, "prefill", num_blocks, block_size) for wid in prefill}
         self.views.update({wid: WorkerView(wid, "decode", num_blocks, block_size) for wid in decode})
         self.requests: dict[str, RequestState] = {}
@@ -116,6 +121,9 @@ class ClusterRouter:
         self.health_interval_s = 1.0
         self.ping_timeout_s = 5.0
         self.max_strikes = 3
+        self.incarnations: dict[str, str] = {}  # worker id -> the process incarnation its pings report
+        # Awaited with a worker id after Ray restarted that worker (launcher re-runs the handshakes).
+        self.on_worker_restarted = _no_rewire
         self.recoveries: list[tuple[str, float]] = []  # (request_id, seconds from detection to re-placement)
         self.decisions: list[Decision] = []
         self.reports: list[dict] = []  # recent decode reports (tests compare accounting against them)
@@ -141,37 +149,74 @@ class ClusterRouter:
 
     async def _health_loop(self) -> None:
         """Ping every worker; a worker that errors or stays silent is taken out of rotation (its
-        requests recovered) and pinged again later: it comes back once it answers (circuit breaker)."""
+        requests recovered) and pinged again later: it comes back once it answers (circuit breaker).
+        A worker that answers with a new incarnation was restarted by Ray: whatever it held is gone,
+        so its requests are recovered and it is re-wired (``on_worker_restarted``) before it rejoins."""
         strikes: dict[str, int] = {}
         while not self._stop.is_set():
             await asyncio.sleep(self.health_interval_s)
-            for wid, handle in [*self.prefill.items(), *self.decode.items()]:
-                view = self.views.get(wid)
-                if view is None:
-                    continue
-                try:
-                    alive = await asyncio.wait_for(handle.ping.remote(), timeout=self.ping_timeout_s)
-                    reason = None if alive else "its engine thread stopped"
-                    strikes[wid] = 0
-                except asyncio.TimeoutError:
-                    # Slow is not dead (an overloaded CPU delays everything): only repeated silence is.
-                    strikes[wid] = strikes.get(wid, 0) + 1
-                    reason = f"no answer to {strikes[wid]} health checks" if strikes[wid] >= self.max_strikes else None
-                except Exception as e:  # noqa: BLE001 - the actor is gone (RayActorError and kin)
-                    reason = f"{type(e).__name__}"
-                if reason is None and not view.healthy:
-                    log.warning("worker %s answers again: back in rotation", wid)
-                    view.healthy = True
-                elif reason is not None and view.healthy:
-                    log.warning("worker %s is unhealthy (%s): recovering its requests", wid, reason)
-                    view.healthy = False
-                    self.worker_down(wid)
+            # Concurrently: one silent worker must not delay the verdict on the others.
+            await asyncio.gather(*(self._check_worker(wid, handle, strikes)
+                                   for wid, handle in [*self.prefill.items(), *self.decode.items()]
+                                   if wid in self.views))
 
-    def worker_down(self, worker_id: str) -> None:
-        """Recover every request that had a placement on ``worker_id``."""
+    async def _check_worker(self, wid: str, handle, strikes: dict[str, int]) -> None:
+        view = self.views[wid]
+        incarnation = None
+        try:
+            answer = await asyncio.wait_for(handle.ping.remote(), timeout=self.ping_timeout_s)
+            alive, incarnation = answer if isinstance(answer, (list, tuple)) else (answer, None)
+            reason = None if alive else "its engine thread stopped"
+            strikes[wid] = 0
+        except asyncio.TimeoutError:
+            # Slow is not dead (an overloaded CPU delays everything): only repeated silence is.
+            strikes[wid] = strikes.get(wid, 0) + 1
+            reason = f"no answer to {strikes[wid]} health checks" if strikes[wid] >= self.max_strikes else None
+        except Exception as e:  # noqa: BLE001 - the actor is gone or restarting (RayActorError and kin)
+            reason = f"{type(e).__name__}"
+        known = self.incarnations.get(wid)
+        if reason is None and incarnation is not None and known is not None and incarnation != known:
+            # Restarted between two checks: its KV, reservations and peers are gone.
+            self.mark_down(wid, "restarted by Ray")
+            try:
+                await self.on_worker_restarted(wid)
+            except Exception as e:  # noqa: BLE001 - stays out of rotation; retried on the next check
+                log.warning("worker %s restarted but could not be re-wired: %s", wid, e)
+                return
+            self.incarnations[wid] = incarnation
+            log.warning("worker %s restarted (incarnation %s): re-wired, back in rotation", wid, incarnation)
+            view.healthy = True
+            return
+        if reason is None:
+            if incarnation is not None and known is None:
+                self.incarnations[wid] = incarnation
+            if not view.healthy:
+                log.warning("worker %s answers again: back in rotation", wid)
+                view.healthy = True
+        else:
+            # Also sweeps requests that reached an already-unhealthy worker (e.g. admitted just before).
+            self.mark_down(wid, reason)
+
+    def mark_down(self, worker_id: str, reason: str) -> None:
+        """Take a worker out of rotation and recover every request placed on it. Idempotent: every
+        path that finds a worker dead (health check, failed reservation) comes through here, so none of
+        them can leave its requests behind."""
+        view = self.views.get(worker_id)
+        if view is not None and view.healthy:
+            log.warning("worker %s is unhealthy (%s): recovering its requests", worker_id, reason)
+            view.healthy = False
+        self.worker_down(worker_id, reason)
+
+    def worker_down(self, worker_id: str, reason: str = "") -> None:
+        """Recover every request that still depends on ``worker_id``. A prefill worker stops mattering
+        to a request once its KV has landed on the decode worker."""
         for r in list(self.requests.values()):
-            if worker_id in (r.prefill_id, r.decode_id) and not r.finished:
-                self._recover(r, f"worker {worker_id} is down")
+            if r.finished or r.recovering:
+                continue
+            on_decode = r.decode_id == worker_id
+            on_prefill = r.prefill_id == worker_id and not r.t_kv_ready
+            if on_decode or on_prefill:
+                self._recover(r, f"worker {worker_id} is down" + (f" ({reason})" if reason else ""))
 
     def close(self) -> None:
         self._stop.set()
@@ -383,10 +428,16 @@ class ClusterRouter:
         hashes = chained_block_hashes(prompt, self.block_size)
         local = self._wants_local(len(prompt))
         while True:
+            if r.finished:  # aborted (client, deadline) while it waited for room
+                return
             self._refresh_views()
             decodes = self.placer.order_decode([v for v in self.views.values() if v.role == "decode"])
             if not decodes:
-                raise RouterError("no healthy decode worker is available", status=503)
+                # A worker Ray is restarting comes back within seconds: wait for it, up to the deadline.
+                if time.monotonic() > deadline:
+                    raise RouterError("no healthy decode worker is available", status=503)
+                await asyncio.sleep(0.1)
+                continue
             prefill_view = None
             if not local:
                 prefill_view = self.placer.pick_prefill([v for v in self.views.values() if v.role == "prefill"], hashes)
@@ -400,13 +451,26 @@ class ClusterRouter:
                     self.decode[d.worker_id].add_request.remote(r.wid, prompt, params)
                     self.decisions.append(Decision(r.request_id, None, d.worker_id, True))
                     return
+                handle = self.decode[d.worker_id]
                 try:
                     blocks = await asyncio.wait_for(
-                        self.decode[d.worker_id].reserve.remote(r.wid, prefill_view.worker_id, prompt, params), 30)
-                except Exception as e:  # noqa: BLE001 - dead or stuck worker: out of rotation, next
-                    log.warning("decode worker %s failed to reserve: %s", d.worker_id, type(e).__name__)
+                        handle.reserve.remote(r.wid, prefill_view.worker_id, prompt, params), self.reserve_timeout_s)
+                except asyncio.CancelledError:
+                    handle.abort.remote(r.wid)  # the caller went away mid-reservation: give the blocks back
+                    raise
+                except asyncio.TimeoutError:
+                    # Stuck or overloaded: out of rotation until the health check hears from it again.
+                    log.warning("decode worker %s did not answer a reservation within %.0f s", d.worker_id,
+                                self.reserve_timeout_s)
+                    handle.abort.remote(r.wid)  # a late reservation must not strand blocks
                     d.healthy = False
                     continue
+                except Exception as e:  # noqa: BLE001 - the actor is gone: recover what it held, next
+                    self.mark_down(d.worker_id, f"reservation failed: {type(e).__name__}")
+                    continue
+                if r.finished:  # aborted by the client or its deadline while we waited
+                    handle.abort.remote(r.wid)
+                    return
                 if blocks is None:
                     continue  # full: next candidate
                 r.decode_id, r.prefill_id, r.reserved_tokens = d.worker_id, prefill_view.worker_id, len(prompt)

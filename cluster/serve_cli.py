@@ -48,6 +48,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     c.add_argument("--address", default=None, help="Ray address to join (default: start a local Ray)")
     c.add_argument("--cluster-secret", default=None,
                    help="shared secret of the control and transfer planes (default: $PDCLUSTER_CLUSTER_SECRET)")
+    c.add_argument("--max-worker-restarts", type=int, default=3,
+                   help="times Ray restarts a crashed worker; the router re-wires it and puts it back in rotation")
     p.set_defaults(func=serve_main)
     return p
 
@@ -63,6 +65,8 @@ def _check_args(args: argparse.Namespace) -> None:
                         ("--max-body-bytes", args.max_body_bytes)):
         if value < 1:
             raise ConfigError(f"{flag}: must be at least 1, got {value}")
+    if args.max_worker_restarts < 0:
+        raise ConfigError(f"--max-worker-restarts: must be >= 0, got {args.max_worker_restarts}")
     if not args.request_timeout_s > 0:
         raise ConfigError(f"--request-timeout-s: must be > 0, got {args.request_timeout_s}")
 

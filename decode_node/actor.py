@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import uuid
 
 import torch
 
@@ -28,15 +29,17 @@ class DecodeActor:
         transfer = TransferConfig(**transfer_config) if transfer_config is not None else None
         self.worker = DecodeWorker(worker_id, config, transfer)
         self.pusher = EventPusher(event_address)
+        self.incarnation = uuid.uuid4().hex[:12]
         self.worker.on_event = self.pusher
 
     def pid(self) -> int:
         return os.getpid()
 
-    def ping(self) -> bool:
+    def ping(self) -> tuple[bool, str]:
         """Health check that does not wait for the engine thread (a long step must not look like
-        death): the process answers, and its engine thread is still running."""
-        return self.worker.loop_error is None and self.worker.is_running()
+        death): whether the engine thread still runs, and this process's incarnation (a new one after
+        Ray restarted the actor, so the router knows to recover and re-wire)."""
+        return self.worker.loop_error is None and self.worker.is_running(), self.incarnation
 
     def connect_prefill(self, address: str) -> str:
         return self.worker.connect_prefill(address)

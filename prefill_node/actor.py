@@ -4,6 +4,7 @@ restarts it; requests come in as actor calls, events go out over zmq (engine/eve
 from __future__ import annotations
 
 import os
+import uuid
 
 import torch
 
@@ -28,6 +29,7 @@ class PrefillActor:
             torch.set_num_threads(config.num_threads)
         self.worker = PrefillWorker(worker_id, config, TransferConfig(**transfer_config))
         self.pusher = EventPusher(event_address)
+        self.incarnation = uuid.uuid4().hex[:12]
         self.worker.on_event = self.pusher
 
     def address(self) -> str:
@@ -36,10 +38,11 @@ class PrefillActor:
     def pid(self) -> int:
         return os.getpid()
 
-    def ping(self) -> bool:
+    def ping(self) -> tuple[bool, str]:
         """Health check that does not wait for the engine thread (a long step must not look like
-        death): the process answers, and its engine thread is still running."""
-        return self.worker.loop_error is None and self.worker.is_running()
+        death): whether the engine thread still runs, and this process's incarnation (a new one after
+        Ray restarted the actor, so the router knows to recover and re-wire)."""
+        return self.worker.loop_error is None and self.worker.is_running(), self.incarnation
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: dict, decode_id: str,
                dst_block_ids: list[int]) -> None:

@@ -50,7 +50,7 @@ class PrefillWorker(WorkerLoop):
             self.transport, self.endpoint, self.engine.arch.num_layers, spec.num_layers, spec.block_size
         )
         self.engine.attach_connector(self.connector)
-        self._connected: set[str] = set()
+        self._connected: dict[str, dict] = {}  # decode peer id -> the transport descriptor we connected to
         self.start()
 
     @property
@@ -106,10 +106,12 @@ class PrefillWorker(WorkerLoop):
         }
 
     def _connect_new_peers(self) -> None:
+        # A known peer id with a new descriptor is a restarted decode worker (Ray keeps the id): the
+        # transport replaces the old link, failing whatever was still in flight on it.
         for peer_id, hello in self.endpoint.peers().items():
-            if peer_id not in self._connected:
+            if self._connected.get(peer_id) != hello.transport_descriptor:
                 self.transport.connect(peer_id, hello.transport_descriptor)
-                self._connected.add(peer_id)
+                self._connected[peer_id] = hello.transport_descriptor
 
     def tick(self) -> bool:
         self._connect_new_peers()

@@ -102,3 +102,123 @@ def test_no_healthy_worker_ends_with_clear_error_before_deadline(ray_session):
         assert time.monotonic() - started < 30
     finally:
         cluster.shutdown()
+
+
+async def _start_stream(router, request_id, prompt, params, min_tokens):
+    """Start a request and return (task, tokens) once ``min_tokens`` tokens have streamed."""
+    tokens: list[int] = []
+    state = {}
+
+    async def consume():
+        async for delta in router.generate(request_id, prompt, params):
+            tokens.extend(delta.new_token_ids)
+            state["last"] = delta
+        return tokens, state["last"]
+
+    task = asyncio.create_task(consume())
+    for _ in range(600):
+        if len(tokens) >= min_tokens or task.done():
+            break
+        await asyncio.sleep(0.05)
+    assert len(tokens) >= min_tokens, "the request never started streaming"
+    return task
+
+
+@pytest.mark.timeout(300)
+def test_reservation_that_finds_a_dead_decode_worker_recovers_its_requests(ray_session):
+    """The hang the soak test found: a dead decode worker first noticed by a *reservation* (not the
+    health check) was taken out of rotation, but the requests decoding on it were never recovered, so
+    they waited for their deadline. Health checks are off here, so only the reservation path can
+    notice; request A must still finish token-exact."""
+    from pdcluster.cluster.policies import Placer
+
+    prompt_a, prompt_b = list(range(2000, 2040)), list(range(4000, 4030))
+    params_a, params_b = SamplingParams(max_tokens=120, ignore_eos=True), SamplingParams(max_tokens=8, ignore_eos=True)
+    engine = make_engine("tiny-random", num_kv_blocks=NUM_BLOCKS)
+    expected_a = engine.generate([prompt_a], params_a)[0].token_ids
+    expected_b = engine.generate([prompt_b], params_b)[0].token_ids
+    cluster = Cluster(ClusterSpec(engine=_config(), transfer=TransferConfig(), mode="disagg", num_prefill=1, num_decode=2,
+                                  request_timeout_s=60, max_worker_restarts=0))
+    router = cluster.router
+    router.health_interval_s = 3600.0  # no health check: the reservation is the only witness
+
+    async def main():
+        task_a = await _start_stream(router, "a", prompt_a, params_a, min_tokens=5)
+        victim = router.requests["a"].decode_id
+        ray_session.kill(cluster.decode_handles[victim], no_restart=True)
+        # Make B try the dead worker first.
+        router.placer = Placer("round_robin")
+        router.placer._rr["decode"] = list(cluster.decode_handles).index(victim)
+        tokens_b = []
+        async for delta in router.generate("b", prompt_b, params_b):
+            tokens_b += delta.new_token_ids
+        tokens_a, last_a = await asyncio.wait_for(task_a, 120)
+        return victim, tokens_a, last_a, tokens_b
+
+    try:
+        victim, tokens_a, last_a, tokens_b = asyncio.run(main())
+        assert not router.views[victim].healthy
+        assert last_a.finish_reason == "length", (last_a.finish_reason, last_a.error)
+        assert tokens_a == expected_a, "A must be recovered on the healthy worker and continue exactly"
+        assert tokens_b == expected_b
+        assert [rid for rid, _ in router.recoveries] == ["a"]
+        assert not router.requests
+    finally:
+        cluster.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_dead_prefill_worker_requests_are_re_prefilled_elsewhere(ray_session):
+    """A prefill worker dies before it computes a request's prompt: the decode side's connector sees
+    the peer go silent (heartbeat) or the router's health check does, and the request is re-prefilled
+    on the other prefill worker; the output equals an undisturbed run."""
+    prompt = list(range(5000, 5100))
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    expected = make_engine("tiny-random", num_kv_blocks=NUM_BLOCKS).generate([prompt], params)[0].token_ids
+    cluster = Cluster(ClusterSpec(engine=_config(), transfer=TransferConfig(), mode="disagg", num_prefill=2, num_decode=1,
+                                  request_timeout_s=60, max_worker_restarts=0))
+    router = cluster.router
+    router.health_interval_s = 0.3
+
+    async def main():
+        # Kill the prefill worker the router will pick next, before the health check can see it.
+        first = router.placer.pick_prefill([v for v in router.views.values() if v.role == "prefill"], [])
+        ray_session.kill(cluster.prefill_handles[first.worker_id], no_restart=True)
+        tokens, last = [], None
+        async for delta in router.generate("p", prompt, params):
+            tokens += delta.new_token_ids
+            last = delta
+        return first.worker_id, tokens, last
+
+    try:
+        victim, tokens, last = asyncio.run(main())
+        assert last.finish_reason == "length", (last.finish_reason, last.error)
+        assert tokens == expected
+        placed = [d.prefill_id for d in router.decisions if d.request_id == "p"]
+        assert placed[0] == victim and placed[-1] != victim, placed  # first on the dead one, then moved
+        assert not router.views[victim].healthy
+        assert not router.requests
+        live = {**cluster.decode_handles, **{w: h for w, h in cluster.prefill_handles.items() if w != victim}}
+        for wid, s in zip(live, ray_session.get([h.stats.remote() for h in live.values()], timeout=30)):
+            assert s["num_free_blocks"] == s["num_blocks"], (wid, s)
+    finally:
+        cluster.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_prefill_death_after_kv_landed_does_not_disturb_decoding(ray_session):
+    """Once a request's KV is on the decode worker, its prefill worker no longer matters: killing it
+    must not trigger a recovery (re-prefilling would waste a whole prompt's compute)."""
+    prompt = list(range(6000, 6040))
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+    expected = make_engine("tiny-random", num_kv_blocks=NUM_BLOCKS).generate([prompt], params)[0].token_ids
+    cluster = Cluster(ClusterSpec(engine=_config(), transfer=TransferConfig(), mode="disagg", num_prefill=1, num_decode=1,
+                                  max_worker_restarts=0))
+    try:
+        tokens, last, _, _ = asyncio.run(
+            _stream_and_kill(cluster, ray_session, prompt, params, kill_after=10, kill_role="prefill"))
+        assert last.finish_reason == "length", (last.finish_reason, last.error)
+        assert tokens == expected
+        assert cluster.router.recoveries == []
+    finally:
+        cluster.shutdown()

@@ -72,7 +72,12 @@ def _soak(ray, num_requests: int, rate_per_s: float):
                 ray.kill(cluster.decode_handles[victim], no_restart=True)
                 killed = True
             await asyncio.sleep(rng.expovariate(rate_per_s))
-        await asyncio.wait_for(asyncio.gather(*tasks), timeout=240)
+        done, pending = await asyncio.wait(tasks, timeout=240)
+        if pending:  # name the hung requests and where the router thinks they are
+            hung = {rid: (r.prefill_id, r.decode_id, r.attempt, len(r.emitted), r.recovering)
+                    for rid, r in router.requests.items()}
+            raise AssertionError(f"{len(pending)} requests hung; router state "
+                                 f"(prefill, decode, attempt, streamed, recovering): {hung}")
         # Let the health check see the kill and abort messages land.
         await asyncio.sleep(1.0)
 
