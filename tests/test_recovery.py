@@ -222,3 +222,47 @@ def test_prefill_death_after_kv_landed_does_not_disturb_decoding(ray_session):
         assert cluster.router.recoveries == []
     finally:
         cluster.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_frozen_decode_worker_request_ends_at_its_deadline_and_frees_blocks_later(ray_session):
+    """A worker that is alive but makes no progress (SIGSTOP: the process exists, answers nothing) must
+    not hang its requests: each ends with an error at its deadline. When the worker thaws, the abort
+    the router sent meanwhile lands and its blocks come back."""
+    import signal
+
+    prompt = list(range(2000, 2040))
+    params = SamplingParams(max_tokens=400, ignore_eos=True)
+    cluster = Cluster(ClusterSpec(engine=_config(), transfer=TransferConfig(), mode="disagg", num_prefill=1, num_decode=1,
+                                  request_timeout_s=6, max_worker_restarts=0))
+    router = cluster.router
+    (decode,) = cluster.decode_handles.values()
+    pid = ray_session.get(decode.pid.remote(), timeout=30)
+
+    async def main():
+        tokens, last, stopped = [], None, None
+        async for delta in router.generate("frozen", prompt, params):
+            tokens += delta.new_token_ids
+            last = delta
+            if stopped is None and len(tokens) >= 5:
+                os.kill(pid, signal.SIGSTOP)
+                stopped = time.monotonic()
+        return tokens, last, time.monotonic() - stopped
+
+    try:
+        try:
+            tokens, last, waited = asyncio.run(main())
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert last.finished and last.finish_reason == "error" and "timed out" in last.error, last
+        assert waited < 8.0, f"the deadline (6 s from arrival) fired {waited:.1f} s after the freeze"
+        assert not router.requests
+        deadline = time.monotonic() + 30
+        while True:
+            s = ray_session.get(decode.stats.remote(), timeout=30)
+            if s["num_free_blocks"] == s["num_blocks"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert s["num_free_blocks"] == s["num_blocks"] and s["num_running"] == 0, s
+    finally:
+        cluster.shutdown()
