@@ -15,6 +15,43 @@ POLICIES = ("round_robin", "least_loaded", "power_of_two", "prefix_aware")
 
 
 @dataclass
+class Breaker:
+    """Circuit breaker of one (prefill, decode) pair, or of a decode worker running requests alone
+    (prefill None). Pairs, not workers: a failed transfer rarely says which side is at fault, and a
+    broken link between two healthy workers should not take either out for its other partners.
+
+    Closed: placements go through. ``threshold`` failures in a row open it for a cool-down that doubles
+    on every trip (capped); after the cool-down it is half-open: one placement is tried, and its
+    failure re-opens the breaker at once while a success closes it. Dead workers are the health
+    check's business, not this one's."""
+
+    threshold: int = 3
+    cooldown_s: float = 5.0
+    max_cooldown_s: float = 120.0
+    consecutive_failures: int = 0
+    trips: int = 0
+    open_until: float = 0.0
+
+    def allows(self, now: float) -> bool:
+        return now >= self.open_until
+
+    def record_failure(self, now: float) -> bool:
+        """Count a failure; True if this one opened the breaker."""
+        self.consecutive_failures += 1
+        if self.consecutive_failures < self.threshold:
+            return False
+        self.open_until = now + min(self.cooldown_s * (2 ** self.trips), self.max_cooldown_s)
+        self.trips += 1
+        self.consecutive_failures = self.threshold - 1  # half-open after the cool-down: one more failure re-trips
+        return True
+
+    def record_success(self) -> None:
+        self.consecutive_failures = 0
+        self.trips = 0
+        self.open_until = 0.0
+
+
+@dataclass
 class WorkerView:
     worker_id: str
     role: str  # "prefill" | "decode"

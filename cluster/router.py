@@ -26,7 +26,7 @@ from typing import AsyncIterator
 import msgpack
 import zmq
 
-from pdcluster.cluster.policies import Placer, WorkerView
+from pdcluster.cluster.policies import Breaker, Placer, WorkerView
 from pdcluster.cluster.router_api import RouterError, TokenDelta
 from pdcluster.engine.block_manager import chained_block_hashes
 from pdcluster.engine.sampling_params import SamplingParams
@@ -58,6 +58,11 @@ class RequestState:
     t_first_decode: float = 0.0
     # Decode deltas that overtook the prefill worker's first token (two sockets, no cross order).
     early: list = field(default_factory=list)
+    failed_pair: tuple | None = None  # (prefill_id, decode_id) of the placement that last failed
+
+    @property
+    def pair(self) -> tuple:
+        return (None if self.local else self.prefill_id, self.decode_id)
 
     @property
     def kv_tokens(self) -> int:
@@ -117,10 +122,16 @@ class ClusterRouter:
         self.views.update({wid: WorkerView(wid, "decode", num_blocks, block_size) for wid in decode})
         self.requests: dict[str, RequestState] = {}
         self._by_wid: dict[str, RequestState] = {}
+        self._placing: dict[str, list[dict]] = {}  # worker-side ids being reserved -> events that came early
         self.max_recoveries = 3
         self.health_interval_s = 1.0
         self.ping_timeout_s = 5.0
         self.max_strikes = 3
+        # Circuit breakers per (prefill, decode) pair: a pair whose placements keep failing is skipped
+        # for a cool-down, then tried again (policies.Breaker).
+        self.breakers: dict[tuple, Breaker] = {}
+        self.breaker_threshold = 3
+        self.breaker_cooldown_s = 5.0
         self.incarnations: dict[str, str] = {}  # worker id -> the process incarnation its pings report
         # Awaited with a worker id after Ray restarted that worker (launcher re-runs the handshakes).
         self.on_worker_restarted = _no_rewire
@@ -288,8 +299,14 @@ class ClusterRouter:
             self.on_kv_transfer(str(event.get("transport", "")), int(event.get("num_bytes", 0)),
                                 float(event.get("seconds", 0.0)))
             return
-        r = self._by_wid.get(event.get("request_id", ""))
-        if r is None or r.finished or r.recovering or r.wid != event.get("request_id"):
+        wid = event.get("request_id", "")
+        if wid in self._placing:
+            # The decode worker can fail a reservation (or stream) before the reserve() call that made
+            # it has returned here: keep the event until the placement is registered.
+            self._placing[wid].append(event)
+            return
+        r = self._by_wid.get(wid)
+        if r is None or r.finished or r.recovering or r.wid != wid:
             return
         now = time.monotonic()
         if kind == "first_token":
@@ -305,10 +322,18 @@ class ClusterRouter:
                 self._on_tokens(r, e, now)
         elif kind == "kv_ready":
             r.t_kv_ready = now
+            self.breaker(*r.pair).record_success()  # the pair moved a request's KV: the link works
 
         elif kind == "tokens":
             self._on_tokens(r, event, now)
         elif kind == "failed":
+            if event.get("worker_id") not in (r.prefill_id, r.decode_id):
+                return  # from a worker this placement no longer uses
+            pair = r.pair
+            if self.breaker(*pair).record_failure(now):
+                log.warning("placements on %s keep failing (last: %s): skipped for %.0f s", pair,
+                            event.get("reason"), self.breaker(*pair).open_until - now)
+            r.failed_pair = pair
             self._recover(r, str(event.get("reason")))
 
     def _on_tokens(self, r: RequestState, event: dict, now: float) -> None:
@@ -326,6 +351,7 @@ class ClusterRouter:
         first_local = not r.t_first_token
         if first_local:
             r.t_first_token = now  # local request: the decode worker produced the first token
+            self.breaker(None, r.decode_id).record_success()
         new = list(event["new_token_ids"])
         r.emitted.extend(new)
         # The decode worker counts this placement's outputs; earlier placements' are in its prompt.
@@ -438,12 +464,14 @@ class ClusterRouter:
                     raise RouterError("no healthy decode worker is available", status=503)
                 await asyncio.sleep(0.1)
                 continue
-            prefill_view = None
-            if not local:
-                prefill_view = self.placer.pick_prefill([v for v in self.views.values() if v.role == "prefill"], hashes)
-                if prefill_view is None:
-                    local = True
+            now = time.monotonic()
+            prefills = [v for v in self.views.values() if v.role == "prefill" and v.healthy]
+            if not prefills:
+                local = True  # the whole prefill tier is down: decode workers prefill themselves
             for d in decodes:
+                prefill_view = None if local else self._pick_prefill(prefills, d.worker_id, hashes, r.failed_pair, now)
+                if (local and not self.breaker(None, d.worker_id).allows(now)) or (not local and prefill_view is None):
+                    continue  # every pair with this decode worker is cooling down
                 if local:
                     r.decode_id, r.local, r.reserved_tokens = d.worker_id, True, len(prompt)
                     self._register(r)
@@ -452,13 +480,16 @@ class ClusterRouter:
                     self.decisions.append(Decision(r.request_id, None, d.worker_id, True))
                     return
                 handle = self.decode[d.worker_id]
+                self._placing[r.wid] = []
                 try:
                     blocks = await asyncio.wait_for(
                         handle.reserve.remote(r.wid, prefill_view.worker_id, prompt, params), self.reserve_timeout_s)
                 except asyncio.CancelledError:
+                    self._placing.pop(r.wid, None)
                     handle.abort.remote(r.wid)  # the caller went away mid-reservation: give the blocks back
                     raise
                 except asyncio.TimeoutError:
+                    self._placing.pop(r.wid, None)
                     # Stuck or overloaded: out of rotation until the health check hears from it again.
                     log.warning("decode worker %s did not answer a reservation within %.0f s", d.worker_id,
                                 self.reserve_timeout_s)
@@ -466,8 +497,10 @@ class ClusterRouter:
                     d.healthy = False
                     continue
                 except Exception as e:  # noqa: BLE001 - the actor is gone: recover what it held, next
+                    self._placing.pop(r.wid, None)
                     self.mark_down(d.worker_id, f"reservation failed: {type(e).__name__}")
                     continue
+                early = self._placing.pop(r.wid, [])
                 if r.finished:  # aborted by the client or its deadline while we waited
                     handle.abort.remote(r.wid)
                     return
@@ -479,10 +512,31 @@ class ClusterRouter:
                 r.t_submit = time.monotonic()
                 self.prefill[prefill_view.worker_id].submit.remote(r.wid, prompt, params, d.worker_id, blocks)
                 self.decisions.append(Decision(r.request_id, prefill_view.worker_id, d.worker_id, False))
+                if early:
+                    # Replayed after this coroutine returns (a failure re-places the request, which
+                    # must not start while this placement is still being set up).
+                    for event in early:
+                        self._loop.call_soon(self.on_event, event)
                 return
             if time.monotonic() > deadline:
-                raise RouterError("every decode worker is full or down; try again later", status=503)
+                raise RouterError("no (prefill, decode) pair can take the request: full, down, or cooling down "
+                                  "after repeated failures; try again later", status=503)
             await asyncio.sleep(0.05)
+
+    def breaker(self, prefill_id: str | None, decode_id: str | None) -> Breaker:
+        key = (prefill_id, decode_id)
+        b = self.breakers.get(key)
+        if b is None:
+            b = self.breakers[key] = Breaker(self.breaker_threshold, self.breaker_cooldown_s)
+        return b
+
+    def _pick_prefill(self, prefills: list[WorkerView], decode_id: str, hashes: list[int], failed_pair,
+                      now: float) -> WorkerView | None:
+        """The policy's prefill choice among the pairs with ``decode_id`` whose breaker is closed; the
+        pair that just failed this request is the last resort."""
+        allowed = [v for v in prefills if self.breaker(v.worker_id, decode_id).allows(now)]
+        fresh = [v for v in allowed if (v.worker_id, decode_id) != failed_pair]
+        return self.placer.pick_prefill(fresh or allowed, hashes)
 
     def _register(self, r: RequestState) -> None:
         self.requests[r.request_id] = r

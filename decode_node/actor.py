@@ -44,6 +44,9 @@ class DecodeActor:
     def connect_prefill(self, address: str) -> str:
         return self.worker.connect_prefill(address)
 
+    def disconnect_prefill(self, prefill_id: str) -> bool:
+        return self.worker.disconnect_prefill(prefill_id)
+
     def reserve(self, request_id: str, prefill_id: str, prompt_token_ids: list[int], params: dict):
         return self.worker.reserve(request_id, prefill_id, prompt_token_ids, SamplingParams(**params))
 

@@ -62,6 +62,10 @@ class DecodeWorker(WorkerLoop):
         hello = self.endpoint.connect(address)
         return hello.worker_id
 
+    def disconnect_prefill(self, prefill_id: str) -> bool:
+        """Leave a prefill worker (drain): KV expected from it fails now, new reservations naming it fail."""
+        return self.endpoint.disconnect(prefill_id)
+
     def reserve(self, request_id: str, prefill_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[int] | None:
         """Admission + reservation: destination block ids for the prompt's KV, or None if full."""
         return self.call(self._reserve, request_id, prefill_id, list(prompt_token_ids), params)

@@ -624,6 +624,24 @@ class DecodeEndpoint(_Endpoint):
                 f"no handshake with {address} within {timeout} s: is a prefill endpoint listening there?"
             ) from None
 
+    def disconnect(self, peer_id: str) -> bool:
+        """Leave the prefill peer ``peer_id`` (drain / scale-down): its connection is closed and it
+        counts as dead here, so transfers expected from it fail at once; the prefill side sees us go
+        silent and declares us dead after its peer timeout. False if it was not connected."""
+        if peer_id not in self.peers():
+            return False
+        self._post("disconnect", peer_id)
+        return True
+
+    def _cmd_disconnect(self, peer_id: str) -> None:
+        with self._lock:
+            peer = self._peers.pop(peer_id, None)
+            if peer is not None:
+                self._dead.add(peer_id)
+        if peer is not None:
+            log.warning("%s: disconnected from prefill peer %r on request", self._name, peer_id)
+            self._close_conn(peer.route)
+
     def _cmd_connect(self, address: str, future: Future, timeout: float) -> None:
         sock = self._new_socket(zmq.DEALER)
         try:

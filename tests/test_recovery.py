@@ -266,3 +266,45 @@ def test_frozen_decode_worker_request_ends_at_its_deadline_and_frees_blocks_late
         assert s["num_free_blocks"] == s["num_blocks"] and s["num_running"] == 0, s
     finally:
         cluster.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_breaker_takes_a_failing_pair_out_of_rotation(ray_session):
+    """A (prefill, decode) pair whose placements keep failing while both workers answer their health
+    checks (here the decode worker has left prefill worker 0's mesh) is skipped after three failures in
+    a row; every request still completes token-exact on the other pair. Without the breaker every
+    request would try the broken pair first."""
+    prompts = [list(range(1000 + 50 * i, 1030 + 50 * i)) for i in range(8)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    expected = [o.token_ids for o in make_engine("tiny-random", num_kv_blocks=NUM_BLOCKS).generate(prompts, params)]
+    cluster = Cluster(ClusterSpec(engine=_config(), transfer=TransferConfig(), mode="disagg", num_prefill=2, num_decode=1,
+                                  request_timeout_s=60, max_worker_restarts=0))
+    router = cluster.router
+    router.breaker_cooldown_s = 120.0
+    (decode_id, decode), = cluster.decode_handles.items()
+    broken = sorted(cluster.prefill_handles)[0]  # least_loaded breaks ties by id: the broken one is tried first
+    assert ray_session.get(decode.disconnect_prefill.remote(broken), timeout=30)
+
+    async def main():
+        outs = []
+        for i, prompt in enumerate(prompts):
+            tokens, last = [], None
+            async for delta in router.generate(f"r{i}", prompt, params):
+                tokens += delta.new_token_ids
+                last = delta
+            outs.append((tokens, last))
+        return outs
+
+    try:
+        outs = asyncio.run(main())
+        for (tokens, last), want in zip(outs, expected):
+            assert last.finish_reason == "length", (last.finish_reason, last.error)
+            assert tokens == want
+        on_broken = [d for d in router.decisions if d.prefill_id == broken]
+        assert len(on_broken) == router.breaker_threshold, [(d.request_id, d.prefill_id) for d in router.decisions]
+        assert not router.breaker(broken, decode_id).allows(time.monotonic())
+        assert router.views[broken].healthy, "the worker itself is fine: only the pair is cooling down"
+        s = ray_session.get(decode.stats.remote(), timeout=30)
+        assert s["num_free_blocks"] == s["num_blocks"], s
+    finally:
+        cluster.shutdown()
