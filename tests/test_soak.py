@@ -35,11 +35,19 @@ def ray_session(tiny_dir):
 
 def _soak(ray, num_requests: int, rate_per_s: float):
     rng = random.Random(42)
-    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randrange(4, 200))] for _ in range(num_requests)]
-    max_tokens = [rng.randrange(4, 48) for _ in range(num_requests)]
+    # Requests draw from a pool of distinct (prompt, max_tokens) pairs: repeats exercise the prefix
+    # caches on both sides, as repeated system prompts do, and keep the offline oracle small.
+    num_distinct = min(num_requests, 300)
+    pool_prompts = [[rng.randrange(100, 40000) for _ in range(rng.randrange(4, 200))] for _ in range(num_distinct)]
+    pool_max_tokens = [rng.randrange(4, 48) for _ in range(num_distinct)]
+    picks = [i if i < num_distinct else rng.randrange(num_distinct) for i in range(num_requests)]
+    prompts = [pool_prompts[k] for k in picks]
+    max_tokens = [pool_max_tokens[k] for k in picks]
     aborted = set(rng.sample(range(num_requests), num_requests // 10))
     engine = make_engine("tiny-random", num_kv_blocks=NUM_BLOCKS)
-    expected = [o.token_ids for o in engine.generate(prompts, [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens])]
+    pool_expected = [o.token_ids for o in engine.generate(
+        pool_prompts, [SamplingParams(max_tokens=m, ignore_eos=True) for m in pool_max_tokens])]
+    expected = [pool_expected[k] for k in picks]
     del engine
     cfg = EngineConfig(model="tiny-random", num_kv_blocks=NUM_BLOCKS, max_model_len=1024, prefill_chunk_size=64)
     cluster = Cluster(ClusterSpec(engine=cfg, transfer=TransferConfig(), mode="disagg", num_prefill=1, num_decode=2,
