@@ -147,7 +147,7 @@ class Cluster:
             self.router.views[wid] = WorkerView(wid, "decode", st["num_blocks"], engine.block_size)
         handles = {**self.prefill_handles, **self.decode_handles}
         pings = ray.get([h.ping.remote() for h in handles.values()], timeout=60)
-        self.router.incarnations.update({wid: incarnation for wid, (_, incarnation) in zip(handles, pings)})
+        self.router.incarnations.update({wid: ping[1] for wid, ping in zip(handles, pings)})
         self.router.on_worker_restarted = self.rewire
 
     async def rewire(self, worker_id: str, timeout_s: float = 60.0) -> None:

@@ -127,6 +127,9 @@ class ClusterRouter:
         self.health_interval_s = 1.0
         self.ping_timeout_s = 5.0
         self.max_strikes = 3
+        # One engine step longer than this is a stuck worker, not a slow one (a CPU prefill chunk of
+        # 512 tokens on SmolLM2 takes about a second here).
+        self.stall_timeout_s = 120.0
         # Circuit breakers per (prefill, decode) pair: a pair whose placements keep failing is skipped
         # for a cool-down, then tried again (policies.Breaker).
         self.breakers: dict[tuple, Breaker] = {}
@@ -175,9 +178,13 @@ class ClusterRouter:
         view = self.views[wid]
         incarnation = None
         try:
-            answer = await asyncio.wait_for(handle.ping.remote(), timeout=self.ping_timeout_s)
-            alive, incarnation = answer if isinstance(answer, (list, tuple)) else (answer, None)
-            reason = None if alive else "its engine thread stopped"
+            alive, incarnation, stalled_s = await asyncio.wait_for(handle.ping.remote(), timeout=self.ping_timeout_s)
+            if not alive:
+                reason = "its engine thread stopped"
+            elif stalled_s > self.stall_timeout_s:
+                reason = f"its engine thread has been stuck in one step for {stalled_s:.0f} s"
+            else:
+                reason = None
             strikes[wid] = 0
         except asyncio.TimeoutError:
             # Slow is not dead (an overloaded CPU delays everything): only repeated silence is.

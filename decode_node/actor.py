@@ -35,11 +35,12 @@ class DecodeActor:
     def pid(self) -> int:
         return os.getpid()
 
-    def ping(self) -> tuple[bool, str]:
+    def ping(self) -> tuple[bool, str, float]:
         """Health check that does not wait for the engine thread (a long step must not look like
-        death): whether the engine thread still runs, and this process's incarnation (a new one after
-        Ray restarted the actor, so the router knows to recover and re-wire)."""
-        return self.worker.loop_error is None and self.worker.is_running(), self.incarnation
+        death): whether the engine thread still runs, this process's incarnation (a new one after Ray
+        restarted the actor, so the router knows to recover and re-wire), and how long the engine
+        thread has been inside one turn of its loop (a stuck step shows here)."""
+        return self.worker.loop_error is None and self.worker.is_running(), self.incarnation, self.worker.stalled_s()
 
     def connect_prefill(self, address: str) -> str:
         return self.worker.connect_prefill(address)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
@@ -20,6 +21,9 @@ class WorkerLoop:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.on_event: Callable[[dict], None] = lambda event: None
         self.loop_error: BaseException | None = None
+        # When the engine thread last went round its loop (monotonic). A health check reads it without
+        # waiting for the thread, to tell a long step from a stuck one.
+        self.last_turn_s = time.monotonic()
 
     def start(self) -> None:
         self._thread.start()
@@ -35,6 +39,10 @@ class WorkerLoop:
     def post(self, fn: Callable, *args: Any) -> None:
         """Run ``fn(*args)`` on the engine thread; do not wait."""
         self._commands.put((fn, args, None))
+
+    def stalled_s(self) -> float:
+        """Seconds since the engine thread last finished a turn of its loop."""
+        return time.monotonic() - self.last_turn_s
 
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stop.is_set()
@@ -80,6 +88,7 @@ class WorkerLoop:
     def _run(self) -> None:
         busy = False
         while not self._stop.is_set():
+            self.last_turn_s = time.monotonic()
             self._drain(0.0 if busy else self._idle_wait_s)
             if self._stop.is_set():
                 break
