@@ -15,9 +15,16 @@ handshake (so a laptop setup needs no configuration); a worker with a secret and
 each other, because their proofs differ. An empty key authenticates nothing: anyone who can reach the
 port can join, so configure a secret whenever the port is reachable from other hosts.
 
-Not covered: the messages after the handshake are neither signed nor encrypted (loopback and a
-private cluster network are assumed); a relaying man in the middle can still forward both handshakes
-verbatim. Use zmq CURVE or a private network where that matters.
+The data plane proves the same secret on its own (kv_transfer/transports/sealing.py): every chunk
+header and ack is HMAC-sealed to the receiving incarnation's nonce with a replay window, under a key
+derived from the secret with its own domain, so a data-plane listener accepts only holders of the
+secret as well.
+
+Not covered: the control-plane messages after the handshake are neither signed nor encrypted, and
+the data plane authenticates headers and acks but not the payload bytes (nor encrypts anything);
+loopback and a private cluster network are assumed. A relaying man in the middle can still forward
+both handshakes verbatim and then alter what follows. Use zmq CURVE or a private network where that
+matters.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from pdcluster.kv_transfer.transports import TransportConfig
 @dataclass
 class TransferConfig:
     transport: str = "tcp"
-    secret: str | None = None  # cluster secret for the HMAC handshake; None on both sides = none
+    secret: str | None = None  # cluster secret: HMAC proofs on the control and data planes; None on both sides = none
     host: str = "127.0.0.1"  # control-plane and data-plane listeners bind here
     port: int = 0  # prefill control-plane port; 0 = any free port
     heartbeat_interval_s: float = 0.5
@@ -24,7 +24,7 @@ class TransferConfig:
     transfer_timeout_s: float = 30.0  # deadline of one request's transfer
 
     def transport_config(self) -> TransportConfig:
-        return TransportConfig(timeout_s=self.transfer_timeout_s, host=self.host)
+        return TransportConfig(timeout_s=self.transfer_timeout_s, host=self.host, secret=self.secret)
 
 
 def model_fingerprint(model_dir: str | Path) -> str:

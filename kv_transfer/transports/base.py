@@ -1,8 +1,8 @@
 """The KV data-plane interface every transport implements, and its configuration.
 
 A transport moves paged-KV blocks from a sender's cache (prefill) into a receiver's cache (decode).
-It knows nothing of the control plane (handshake, HMAC, heartbeat): peers swap the msgpack-able dict
-from :meth:`KVTransport.local_descriptor` out of band, and the sender calls :meth:`KVTransport.connect`
+It knows nothing of the control plane (handshake, heartbeat): peers swap the msgpack-able dict from
+:meth:`KVTransport.local_descriptor` out of band, and the sender calls :meth:`KVTransport.connect`
 with the receiver's dict.
 
 Contract (the same for every transport):
@@ -26,6 +26,16 @@ Contract (the same for every transport):
 * ``allocate_kv_cache(shape, dtype, device)`` (classmethod) allocates the cache the transport moves
   best; plain memory except for shm, whose shared caches are copied into (receiver) and out of
   (sender) directly, one pass instead of two. Workers on both sides should use it.
+* Authentication: both ends prove ``TransportConfig.secret`` on every chunk header and every ack
+  (sealing.py: HMAC with a per-incarnation nonce from the descriptor, replay window; the payload
+  bytes themselves are not MAC'd). A message that fails is dropped, never acked and never touches
+  the cache, and counts in ``num_rejected``; a sender whose secret differs sees its connect refused
+  (shm, nccl: they prove the secret at connect) or its sends time out (tcp, ucx). No secret on both
+  sides still works (empty key); a secret on one side only does not.
+* Re-connect: ``connect`` again with the same ``peer_id`` and an equal descriptor does nothing; with
+  a different descriptor (the peer restarted: new addresses, new nonce) it replaces the link. Sends
+  still in flight on the old link are reported failed by ``poll_sent``; later sends go to the new
+  peer. A receiver needs nothing: a restarted sender is a new nonce, with its own replay window.
 
 Caller errors (unknown peer, block id out of range, mismatched lengths, no blocks) raise from
 ``send`` at once.
@@ -40,6 +50,8 @@ from typing import ClassVar, Literal
 
 import numpy as np
 import torch
+
+from .sealing import Sealer
 
 Role = Literal["sender", "receiver"]
 
@@ -82,6 +94,9 @@ class TransportConfig:
     max_inflight_chunks: int = 8
     # Address listening sockets bind to. Loopback by default; never a wildcard.
     host: str = "127.0.0.1"
+    # Cluster secret every header and ack is sealed with (see the module docstring). Out of repr,
+    # so a logged config does not leak it.
+    secret: bytes | str | None = field(default=None, repr=False)
     ucx: UCXOptions = field(default_factory=UCXOptions)
     shm: ShmOptions = field(default_factory=ShmOptions)
 
@@ -104,6 +119,18 @@ class KVTransport(ABC):
         self.kv_cache = kv_cache
         self.role: Role = role
         self.config = config or TransportConfig()
+        # Seals what we send, checks what we receive; its nonce goes into local_descriptor().
+        self._sealer = Sealer(self.config.secret, owner=f"{self.name} {role}")
+        self._peer_descriptors: dict[str, dict] = {}  # sender: what connect() last linked each peer to
+
+    def _already_linked(self, peer_id: str, peer_descriptor: dict) -> bool:
+        """connect() with the descriptor the current link was made from: nothing to do."""
+        return self._peer_descriptors.get(peer_id) == peer_descriptor
+
+    @property
+    def num_rejected(self) -> int:
+        """Messages dropped because they failed authentication (bad tag, replay, undecodable)."""
+        return self._sealer.num_rejected
 
     @classmethod
     def allocate_kv_cache(
@@ -119,9 +146,9 @@ class KVTransport(ABC):
 
     @abstractmethod
     def connect(self, peer_id: str, peer_descriptor: dict) -> None:
-        """Sender: open a path to receiver ``peer_id`` (call once per receiver; blocks at most
-        ``timeout_s``). Receivers accept senders without calling this; on a receiver it only checks
-        the descriptor."""
+        """Sender: open a path to receiver ``peer_id`` (blocks at most ``timeout_s``). Again with an
+        equal descriptor: nothing; with a new one: replace the link (see the module docstring).
+        Receivers accept senders without calling this; on a receiver it only checks the descriptor."""
 
     @abstractmethod
     def send(
@@ -152,6 +179,14 @@ class KVTransport(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def replaced_link_reason(peer_id: str) -> str:
+    """poll_sent's error for sends in flight on a link that connect() replaced."""
+    return (
+        f"{peer_id} re-connected with a new descriptor (the peer restarted): this send went to its "
+        "previous incarnation and is abandoned"
+    )
 
 
 class TransportUnavailable(RuntimeError):

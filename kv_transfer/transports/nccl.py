@@ -19,6 +19,15 @@ waited on with the deadline. A pair whose group wait fails is dead: its sends fa
 On GPUs the payload goes over NCCL and the control messages (acks) stay on gloo, since a pending
 NCCL receive would hold up later operations of the same communicator. The NCCL path is written for
 real but untested here (no GPU).
+
+Authentication (sealing.py). The store answers anyone who reaches its port, so nothing read from it
+is trusted unsealed. Before a pair's group is built, the sender writes a sealed HELLO under the
+pair's prefix and the receiver answers a sealed WELCOME (or ``refused``): neither side joins a group
+with a peer that has not proved the secret. Every bell is a sealed header; one that fails is deleted
+and the receiver waits for that bell number again (the real one may still come), so a stranger
+writing into a pair's keys can delay or fail a transfer but never land bytes. Acks are fixed-size
+sealed envelopes on the pair's group. Residual: gloo's own rendezvous addresses travel through the
+same open store, so someone racing the group's setup could still sit on the payload connection.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import datetime
 import logging
 import queue
 import socket
+import struct
 import threading
 import time
 import uuid
@@ -39,9 +49,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .base import KVTransport, Role, TransportConfig
+from .base import KVTransport, Role, TransportConfig, replaced_link_reason
 from .block_copy import buffer_rows, gather_rows, rows_view, scatter_rows
 from .layout import KVLayout, chunk_problem
+from .sealing import ACK, HEADER, HELLO, WELCOME, decode_raw, peer_nonce, sealed_size
 from .send_job import SendJob, prepare_send
 from .staging import BufferPool
 from .tracking import ReceiveTracker, SendTracker
@@ -53,6 +64,10 @@ _TAG_PAYLOAD = 1
 _TAG_ACK = 2
 _PAIRS_KEY = "pairs"
 _ACK_OK, _ACK_REJECTED = 0, 1
+_ACK_BODY = struct.Struct("<qqq")  # send seq, chunk index, status
+_ACK_BYTES = sealed_size(_ACK_BODY.size)  # gloo receives need the size up front
+_HELLO_KEY, _ANSWER_KEY = "hello", "answer"  # under the pair's prefix: the mutual proof
+_REFUSED = b"refused"
 _STOP_POLL_S = 0.1  # how often blocked-on-queue threads look at the stop flag
 _BELL_POLL_MAX_S = 0.005  # receiver's longest sleep between store checks when idle
 _CLOSE_JOIN_S = 1.5
@@ -81,12 +96,14 @@ class _PeerLink:
     """Sender side: the group to one receiver and its two threads."""
 
     peer_id: str
+    peer_nonce: bytes  # the receiver's: bells are sealed to it, acks must come from it
     store: Any
     ctrl: Any  # gloo group
     data: Any  # NCCL group on GPU, else ``ctrl``
     jobs: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     expected_acks: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     dead: str | None = None
+    replaced: bool = False  # connect() gave the peer id a new link: this one's threads wind down
     bell_no: int = 0
     threads: list[threading.Thread] = field(default_factory=list)
 
@@ -105,6 +122,9 @@ class TorchDistTransport(KVTransport):
         self._received = ReceiveTracker()
         self._pool = BufferPool(self._device, self.config.max_inflight_chunks * self.config.chunk_bytes)
         self._links: dict[str, _PeerLink] = {}
+        # Replacing a link and an old link's thread giving up must not interleave: the thread would
+        # fail the peer id's sends after the new link took it.
+        self._links_lock = threading.Lock()
         self._peer_layouts: dict[str, KVLayout] = {}
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
@@ -146,12 +166,14 @@ class TorchDistTransport(KVTransport):
             "backend": self._backend,
             "host": self.config.host,
             "port": self._port,
+            "nonce": self._sealer.nonce,
         }
 
     def connect(self, peer_id: str, peer_descriptor: dict) -> None:
         peer_layout = KVLayout.from_dict(peer_descriptor["layout"])
         self._layout.check_peer(peer_layout)
-        if self.role == "receiver":
+        nonce = peer_nonce(peer_id, peer_descriptor)
+        if self.role == "receiver" or self._already_linked(peer_id, peer_descriptor):
             return
         if peer_descriptor["backend"] != self._backend:
             raise ValueError(f"{peer_id} uses {peer_descriptor['backend']}, this side {self._backend}")
@@ -159,16 +181,41 @@ class TorchDistTransport(KVTransport):
         store = dist.TCPStore(str(peer_descriptor["host"]), int(peer_descriptor["port"]), None, False, _td(timeout_s))
         pair = store.add(_PAIRS_KEY, 1) - 1
         pair_store = dist.PrefixStore(f"pair{pair}/", store)
+        self._prove_pair(peer_id, pair_store, nonce)
         # Blocks until the receiver's acceptor builds its side (it polls every few ms).
         ctrl = _gloo_group(pair_store, 0, self.config.host, timeout_s)
         data = _nccl_group(pair_store, 0, timeout_s) if self._backend == "nccl" else ctrl
-        link = _PeerLink(peer_id, pair_store, ctrl, data)
+        link = _PeerLink(peer_id, nonce, pair_store, ctrl, data)
         link.threads = [
             self._spawn(self._send_loop, f"nccl-kv-send-{peer_id}", link),
             self._spawn(self._ack_loop, f"nccl-kv-ack-{peer_id}", link),
         ]
-        self._links[peer_id] = link
+        with self._links_lock:
+            old = self._links.get(peer_id)
+            if old is not None:
+                self._drop_link(old)
+            self._links[peer_id] = link
         self._peer_layouts[peer_id] = peer_layout
+        self._peer_descriptors[peer_id] = peer_descriptor
+
+    def _prove_pair(self, peer_id: str, pair_store: Any, nonce: bytes) -> None:
+        """HELLO out, WELCOME in: both sides hold the secret before either joins the pair's group."""
+        pair_store.set(_HELLO_KEY, self._sealer.seal(HELLO, nonce, self._id.encode()))
+        pair_store.wait([_ANSWER_KEY], _td(self.config.timeout_s))
+        answer = pair_store.get(_ANSWER_KEY)
+        if answer == _REFUSED:
+            raise ConnectionError(f"{peer_id} refused us: our cluster secret differs from its own (see its log)")
+        if self._sealer.open(answer, {WELCOME: decode_raw}, (nonce,)) is None:
+            raise ConnectionError(f"{peer_id} did not prove the cluster secret; not joining a group with it")
+
+    def _drop_link(self, link: _PeerLink) -> None:
+        """The peer restarted and connect() was given its new descriptor: fail what is in flight to
+        the old incarnation; the old link's threads see ``replaced``/``dead`` and end. Caller holds
+        ``_links_lock``."""
+        link.replaced = True
+        if link.dead is None:
+            link.dead = replaced_link_reason(link.peer_id)
+        self._tracker.fail_peer(link.peer_id, link.dead)
 
     def send(
         self,
@@ -225,14 +272,16 @@ class TorchDistTransport(KVTransport):
     # ---------------------------------------------------------------- sender threads
 
     def _link_lost(self, link: _PeerLink, reason: str) -> None:
-        if link.dead is None:
-            link.dead = reason
-        self._tracker.fail_peer(link.peer_id, link.dead)
+        with self._links_lock:
+            if link.dead is None:
+                link.dead = reason
+            if not link.replaced:  # a replaced link's sends already failed; the peer id is the new link's
+                self._tracker.fail_peer(link.peer_id, link.dead)
 
     def _send_loop(self, link: _PeerLink) -> None:
         self._cuda_thread_setup()
         in_flight: deque[tuple[Any, torch.Tensor, SendJob, int, float]] = deque()
-        while not self._stop.is_set():
+        while not self._stop.is_set() and not link.replaced:
             try:
                 job: SendJob | None = link.jobs.get(timeout=0 if in_flight else _STOP_POLL_S)
             except queue.Empty:
@@ -262,7 +311,7 @@ class TorchDistTransport(KVTransport):
             self._rows, self._layout.row_ids(job.layer_ids, chunk.src_block_ids), buffer_rows(buf, self._layout.block_bytes)
         )
         header = job.header(chunk, self._id, self._layout).encode()
-        link.store.set(f"bell{link.bell_no}", header)
+        link.store.set(f"bell{link.bell_no}", self._sealer.seal(HEADER, link.peer_nonce, header))
         link.bell_no += 1
         # Ack expectation first: acks come back in chunk order on the control group.
         deadline = time.monotonic() + self.config.timeout_s
@@ -280,7 +329,7 @@ class TorchDistTransport(KVTransport):
         self._pool.give(buf)
 
     def _ack_loop(self, link: _PeerLink) -> None:
-        ack = torch.zeros(3, dtype=torch.int64)
+        ack = torch.zeros(_ACK_BYTES, dtype=torch.uint8)
         while not self._stop.is_set() and link.dead is None:
             try:
                 seq, chunk_index, deadline = link.expected_acks.get(timeout=_STOP_POLL_S)
@@ -291,7 +340,11 @@ class TorchDistTransport(KVTransport):
             except Exception as e:  # noqa: BLE001 - closed pair or timeout: the pair is gone
                 self._link_lost(link, f"ack from {link.peer_id} failed: {e}")
                 return
-            got_seq, got_chunk, status = (int(x) for x in ack)
+            opened = self._sealer.open(ack.numpy(), {ACK: _ACK_BODY.unpack}, (link.peer_nonce,))
+            if opened is None:  # on a proven pair: the stream is not what the receiver sent
+                self._link_lost(link, f"ack from {link.peer_id} failed authentication")
+                return
+            got_seq, got_chunk, status = opened.message
             if (got_seq, got_chunk) != (seq, chunk_index):
                 self._link_lost(link, f"ack out of order from {link.peer_id}")
                 return
@@ -316,6 +369,9 @@ class TorchDistTransport(KVTransport):
         timeout_s = self.config.timeout_s
         client = dist.TCPStore(self.config.host, self._port, None, False, _td(timeout_s))
         store = dist.PrefixStore(f"pair{pair}/", client)
+        sender_nonce = self._admit_pair(pair, store)
+        if sender_nonce is None:
+            return
         try:
             ctrl = _gloo_group(store, 1, self.config.host, timeout_s)
             data = _nccl_group(store, 1, timeout_s) if self._backend == "nccl" else ctrl
@@ -324,7 +380,6 @@ class TorchDistTransport(KVTransport):
             return
         bell_no = 0
         sleep_s = 0.0002
-        sender_id = None
         while not self._stop.is_set():
             key = f"bell{bell_no}"
             try:
@@ -332,22 +387,44 @@ class TorchDistTransport(KVTransport):
                     time.sleep(sleep_s)
                     sleep_s = min(sleep_s * 2, _BELL_POLL_MAX_S)
                     continue
-                header = ChunkHeader.decode(store.get(key))
+                sealed = store.get(key)
                 store.delete_key(key)
             except Exception as e:  # noqa: BLE001 - our own store failing: closing down
                 log.debug("pair %d store: %s", pair, e)
                 return
             sleep_s = 0.0002
+            opened = self._sealer.open(sealed, {HEADER: ChunkHeader.decode}, (sender_nonce,))
+            if opened is None:
+                continue  # written by someone else: wait for this bell number again
             bell_no += 1
-            sender_id = header.sender_id
             try:
-                self._receive_chunk(ctrl, data, header)
+                self._receive_chunk(ctrl, data, opened.message, sender_nonce)
             except Exception as e:  # noqa: BLE001 - the sender died mid-chunk: drop the pair
                 log.warning("pair %d: %s", pair, e)
-                self._received.drop_sender(sender_id)
+                self._received.drop_sender(sender_nonce)
                 return
 
-    def _receive_chunk(self, ctrl: Any, data: Any, header: ChunkHeader) -> None:
+    def _admit_pair(self, pair: int, store: Any) -> bytes | None:
+        """Wait for the pair's HELLO; answer WELCOME if it verifies (returning the sender's nonce),
+        else ``refused`` (returning None: no group is built with a sender that has not proved itself)."""
+        deadline = time.monotonic() + self.config.timeout_s
+        try:
+            while not store.check([_HELLO_KEY]):
+                if self._stop.is_set() or time.monotonic() > deadline:
+                    log.warning("pair %d: no hello within %.1fs; dropped", pair, self.config.timeout_s)
+                    return None
+                time.sleep(_BELL_POLL_MAX_S)
+            hello = self._sealer.open(store.get(_HELLO_KEY), {HELLO: decode_raw})
+            if hello is None:
+                store.set(_ANSWER_KEY, _REFUSED)
+                return None
+            store.set(_ANSWER_KEY, self._sealer.seal(WELCOME, hello.from_nonce, b""))
+            return hello.from_nonce
+        except Exception as e:  # noqa: BLE001 - our own store failing: closing down
+            log.debug("pair %d store: %s", pair, e)
+            return None
+
+    def _receive_chunk(self, ctrl: Any, data: Any, header: ChunkHeader, sender_nonce: bytes) -> None:
         layout = self._layout
         deadline = time.monotonic() + self.config.timeout_s
         buf = self._pool.take(header.payload_bytes)
@@ -364,10 +441,11 @@ class TorchDistTransport(KVTransport):
             self._pool.give(buf)
         if problem is None:
             self._received.chunk_landed(
-                header.sender_id, header.send_seq, header.num_chunks, header.transfer_id, header.layer_ids
+                sender_nonce, header.send_seq, header.num_chunks, header.transfer_id, header.layer_ids
             )
         else:
             log.warning("rejected chunk of %s: %s", header.transfer_id, problem)
         status = _ACK_OK if problem is None else _ACK_REJECTED
-        ack = torch.tensor([header.send_seq, header.chunk_index, status], dtype=torch.int64)
+        body = _ACK_BODY.pack(header.send_seq, header.chunk_index, status)
+        ack = torch.frombuffer(bytearray(self._sealer.seal(ACK, sender_nonce, body)), dtype=torch.uint8)
         ctrl.send([ack], 0, _TAG_ACK).wait(_td(deadline - time.monotonic()))

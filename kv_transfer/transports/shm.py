@@ -19,6 +19,14 @@ other side learns at once; the ack deadline covers a peer that hangs.
 
 Nothing is created under /dev/shm: memfd segments vanish when the last process holding them exits,
 also on SIGKILL. Sources must stay unchanged until poll_sent reports them (a receiver may pull late).
+
+Authentication (sealing.py). Mapping a peer's memory is the whole game here (a push writes straight
+into the receiver's cache), so memory descriptors go only to a peer that proved the cluster secret,
+in a three-step handshake: the sender's HELLO (no descriptors), the receiver's WELCOME (with its
+cache, sent only if the HELLO verified), the sender's HANDOVER (with its ring and cache, sent only if
+the WELCOME verified). Notices and acks are sealed too, so a socket cannot be used to make a
+receiver pull or scatter what the sender never sent. The abstract socket name stays guessable; a
+stranger who connects gets nothing but a closed socket.
 """
 
 from __future__ import annotations
@@ -39,9 +47,10 @@ import msgpack
 import numpy as np
 import torch
 
-from .base import KVTransport, Role, TransportConfig
+from .base import KVTransport, Role, TransportConfig, replaced_link_reason
 from .block_copy import copy_blocks, gather_rows, rows_view
 from .layout import KVLayout
+from .sealing import ACK, HANDOVER, HEADER, HELLO, WELCOME, peer_nonce
 from .send_job import SendJob, prepare_send
 from .shm_inbox import MAX_MSG_BYTES, PULL, PUSH, RING, ShmInbox
 from .shm_memory import create_segment, find_segment, map_cache, shared_tensor
@@ -69,6 +78,7 @@ class _Peer:
     """Sender side: one receiver."""
 
     sock: socket.socket
+    nonce: bytes  # the receiver's: notices are sealed to it, acks must come from it
     layout: KVLayout
     blocks: np.ndarray | None  # the receiver's cache [layers * 2, blocks, bytes] when shared
     mapping: mmap.mmap | None
@@ -134,6 +144,7 @@ class ShmTransport(KVTransport):
             blocks=self._blocks,
             cache_share=self._cache_share,
             received=self._received,
+            sealer=self._sealer,
             selector=self._selector,
             timeout_s=self.config.timeout_s,
         )
@@ -152,6 +163,7 @@ class ShmTransport(KVTransport):
             "socket": self._socket_name if self._listener is not None else "",
             "boot_id": _boot_id(),
             "kv_in_shm": self._kv_fd >= 0,
+            "nonce": self._sealer.nonce,
         }
 
     def peer_mode(self, peer_id: str) -> str:
@@ -168,36 +180,22 @@ class ShmTransport(KVTransport):
     def connect(self, peer_id: str, peer_descriptor: dict) -> None:
         peer_layout = KVLayout.from_dict(peer_descriptor["layout"])
         self._layout.check_peer(peer_layout)
-        if self.role == "receiver":
+        nonce = peer_nonce(peer_id, peer_descriptor)
+        if self.role == "receiver" or self._already_linked(peer_id, peer_descriptor):
             return
         if peer_descriptor.get("boot_id") != _boot_id():
             raise ConnectionError(f"{peer_id} runs on another host (or boot): shm needs the same host")
         needs_ring = not peer_descriptor.get("kv_in_shm") and self._kv_fd < 0
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         sock.settimeout(self.config.timeout_s)
-        mapping = blocks = None
         try:
             sock.connect(b"\0" + str(peer_descriptor["socket"]).encode())
-            share, fds = self._cache_share()
-            ring_bytes = self.config.shm.ring_bytes if needs_ring else 0
-            if needs_ring:
-                fds = [self._ensure_ring(), *fds]
-            hello = {"sender_id": self._id, "layout": self._layout.to_dict(), "ring_bytes": ring_bytes, **share}
-            socket.send_fds(sock, [msgpack.packb(hello)], fds)
-            data, got_fds, _, _ = socket.recv_fds(sock, MAX_MSG_BYTES, 1)
-            if not data:
-                raise ConnectionError("receiver closed the connection during the handshake")
-            reply = msgpack.unpackb(data)
-            if got_fds:
-                mapping, blocks = map_cache(
-                    got_fds[0], reply["kv_offset"], reply["kv_bytes"],
-                    peer_layout.num_layers, peer_layout.num_blocks, peer_layout.block_bytes,
-                )  # fmt: skip
+            reply, mapping, blocks = self._handshake(peer_id, sock, nonce, peer_layout, needs_ring)
         except BaseException:
             sock.close()
             raise
         sock.setblocking(False)
-        peer = _Peer(sock, peer_layout, blocks, mapping, pulls=bool(reply.get("pulls")))
+        peer = _Peer(sock, nonce, peer_layout, blocks, mapping, pulls=bool(reply.get("pulls")))
         done = threading.Event()
         self._commands.put(("connect", peer_id, peer, done))
         self._waker.wake()
@@ -206,6 +204,42 @@ class ShmTransport(KVTransport):
         self._peer_layouts[peer_id] = peer_layout
         modes = [m for m, ok in ((PUSH, blocks is not None), (PULL, peer.pulls)) if ok]
         self._peer_modes[peer_id] = "+".join(modes) or RING
+        self._peer_descriptors[peer_id] = peer_descriptor
+
+    def _handshake(
+        self, peer_id: str, sock: socket.socket, nonce: bytes, peer_layout: KVLayout, needs_ring: bool
+    ) -> tuple[dict, mmap.mmap | None, np.ndarray | None]:
+        """HELLO, WELCOME, HANDOVER (module docstring). Returns the receiver's reply and, if it shared
+        its cache, the mapping and the ``[layers * 2, blocks, bytes]`` view of it."""
+        share, fds = self._cache_share()
+        ring_bytes = self.config.shm.ring_bytes if needs_ring else 0
+        if needs_ring:
+            fds = [self._ensure_ring(), *fds]
+        hello = {"sender_id": self._id, "layout": self._layout.to_dict(), "ring_bytes": ring_bytes, **share}
+        sock.send(self._sealer.seal(HELLO, nonce, msgpack.packb(hello)))
+        data, got_fds, _, _ = socket.recv_fds(sock, MAX_MSG_BYTES, 1)
+        try:
+            if not data:
+                raise ConnectionError(
+                    f"{peer_id} closed the connection during the handshake (it does when our cluster "
+                    "secret differs from its own: see its log)"
+                )
+            welcome = self._sealer.open(data, {WELCOME: msgpack.unpackb}, (nonce,))
+            if welcome is None:
+                raise ConnectionError(f"{peer_id} did not prove the cluster secret; our memory stays ours")
+            reply = welcome.message
+            socket.send_fds(sock, [self._sealer.seal(HANDOVER, nonce, b"")], fds)
+            if not got_fds:
+                return reply, None, None
+            fd = got_fds.pop()
+        finally:
+            for fd_left in got_fds:
+                os.close(fd_left)
+        mapping, blocks = map_cache(
+            fd, reply["kv_offset"], reply["kv_bytes"],
+            peer_layout.num_layers, peer_layout.num_blocks, peer_layout.block_bytes,
+        )  # fmt: skip
+        return reply, mapping, blocks
 
     def _ensure_ring(self) -> int:
         with self._ring_lock:
@@ -313,11 +347,8 @@ class ShmTransport(KVTransport):
                 self._jobs.append(self._order_chunks(cmd[1]))
             elif cmd[0] == "connect":
                 _, peer_id, peer, done = cmd
-                old = self._peers.pop(peer_id, None)
-                if old is not None:
-                    if not old.dead:
-                        self._selector.unregister(old.sock)
-                    old.sock.close()
+                if peer_id in self._peers:
+                    self._drop_link(peer_id)
                 self._peers[peer_id] = peer
                 self._selector.register(peer.sock, selectors.EVENT_READ, ("peer", peer_id))
                 done.set()
@@ -370,7 +401,8 @@ class ShmTransport(KVTransport):
                 self._ring_spans[(job.seq, chunk.index)] = (job.peer_id, offset)
                 extra["offset"] = offset
             job.next_chunk += 1
-            self._notify(job.peer_id, peer, job.header(chunk, self._id, self._layout, extra).encode())
+            header = job.header(chunk, self._id, self._layout, extra).encode()
+            self._notify(job.peer_id, peer, self._sealer.seal(HEADER, peer.nonce, header))
             posted = True
         return posted
 
@@ -403,7 +435,10 @@ class ShmTransport(KVTransport):
             if not data:
                 self._peer_lost(peer_id, peer, f"{peer_id} closed the connection")
                 return
-            ack = ChunkAck.decode(data)
+            opened = self._sealer.open(data, {ACK: ChunkAck.decode}, (peer.nonce,))
+            if opened is None:
+                continue  # forged or replayed: the chunk stays unacknowledged
+            ack = opened.message
             span = self._ring_spans.pop((ack.send_seq, ack.chunk_index), None)
             if span is not None and self._ring is not None:
                 self._ring.release(span[1])
@@ -415,6 +450,19 @@ class ShmTransport(KVTransport):
         peer.dead = reason
         self._tracker.fail_peer(peer_id, reason)
         self._selector.unregister(peer.sock)
+        self._release_ring_spans(peer_id)
+
+    def _drop_link(self, peer_id: str) -> None:
+        """The peer restarted and connect() was given its new descriptor: fail what is in flight to
+        the old incarnation and close its socket (before the new link takes the peer id)."""
+        old = self._peers.pop(peer_id)
+        if not old.dead:
+            self._tracker.fail_peer(peer_id, replaced_link_reason(peer_id))
+            self._selector.unregister(old.sock)
+            self._release_ring_spans(peer_id)
+        old.sock.close()
+
+    def _release_ring_spans(self, peer_id: str) -> None:
         # Its unacked ring chunks will never be acked: reclaim them (a dead receiver reads nothing).
         for key in [k for k, (p, _) in self._ring_spans.items() if p == peer_id]:
             if self._ring is not None:

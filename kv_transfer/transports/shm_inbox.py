@@ -1,6 +1,6 @@
 """Receiver side of the shm transport: accepts senders (handshake with memfd descriptors), makes
 each chunk land in the cache (nothing to do for push, copy for pull, scatter for ring) and acks it.
-Runs on the transport's IO thread; see shm.py for the modes and the protocol."""
+Runs on the transport's IO thread; see shm.py for the modes, the protocol and its authentication."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import numpy as np
 
 from .block_copy import copy_blocks, scatter_rows
 from .layout import KVLayout, chunk_problem
+from .sealing import ACK, HANDOVER, HEADER, HELLO, WELCOME, Opened, Sealer, decode_raw
 from .shm_memory import map_cache, map_fd
 from .tracking import ReceiveTracker
 from .wire import ChunkAck, ChunkHeader
@@ -32,10 +33,15 @@ class _Sender:
     """One connected sender."""
 
     sender_id: str
+    nonce: bytes  # the sender's incarnation: its notices must be sealed by it, acks are sealed to it
     layout: KVLayout
     ring: np.ndarray | None  # the sender's staging ring as bytes
     blocks: np.ndarray | None  # the sender's cache [layers * 2, blocks, bytes] when shared
     mappings: list[mmap.mmap]
+
+
+class _Refused(Exception):
+    """A handshake message failed authentication (the sealer has counted and logged it)."""
 
 
 class ShmInbox:
@@ -48,6 +54,7 @@ class ShmInbox:
         blocks: np.ndarray,
         cache_share: Callable[[], tuple[dict, list[int]]],
         received: ReceiveTracker,
+        sealer: Sealer,
         selector: selectors.BaseSelector,
         timeout_s: float,
     ) -> None:
@@ -58,6 +65,7 @@ class ShmInbox:
         self._cache_share = cache_share  # handshake fields + fd letting a sender map our cache
         self._shared = bool(cache_share()[1])
         self._received = received
+        self._sealer = sealer
         self._selector = selector
         self._timeout_s = timeout_s
         self._senders: dict[socket.socket, _Sender] = {}
@@ -75,36 +83,56 @@ class ShmInbox:
                 return
             try:
                 self._handshake(sock)
+            except _Refused:
+                sock.close()  # a stranger, or a sender with another secret: it learns nothing more
             except (OSError, ValueError, KeyError) as e:
                 log.warning("shm handshake failed: %s", e)
                 sock.close()
 
-    def _handshake(self, sock: socket.socket) -> None:
-        sock.settimeout(self._timeout_s)  # the sender writes its hello right after connecting
+    def _receive(
+        self, sock: socket.socket, kind: bytes, decode: Callable[[bytes], object], expect_from: bytes | None = None
+    ) -> tuple[Opened, list[int]]:
+        """One sealed handshake message and the descriptors that came with it (ours to close)."""
         data, fds, _, _ = socket.recv_fds(sock, MAX_MSG_BYTES, 2)
+        opened = self._sealer.open(data, {kind: decode}, None if expect_from is None else (expect_from,))
+        if opened is None:
+            for fd in fds:
+                os.close(fd)
+            raise _Refused
+        return opened, fds
+
+    def _handshake(self, sock: socket.socket) -> None:
+        """HELLO in, WELCOME (with our cache) out, HANDOVER (with the sender's ring and cache) in."""
+        sock.settimeout(self._timeout_s)  # the sender writes its hello right after connecting
+        hello, fds = self._receive(sock, HELLO, msgpack.unpackb)
+        for fd in fds:  # descriptors belong in the HANDOVER, not here
+            os.close(fd)
+        info = hello.message
+        layout = KVLayout.from_dict(info["layout"])
+        self._layout.check_peer(layout)
+        share, out_fds = self._cache_share()
+        reply = {"receiver_id": self._id, "pulls": bool(info["kv_bytes"]), **share}
+        socket.send_fds(sock, [self._sealer.seal(WELCOME, hello.from_nonce, msgpack.packb(reply))], out_fds)
+        _, fds = self._receive(sock, HANDOVER, decode_raw, expect_from=hello.from_nonce)
         try:
-            hello = msgpack.unpackb(data)
-            layout = KVLayout.from_dict(hello["layout"])
-            self._layout.check_peer(layout)
+            if len(fds) != bool(info["ring_bytes"]) + bool(info["kv_bytes"]):
+                raise ValueError(f"handover carried {len(fds)} descriptors, its hello announced otherwise")
             ring = blocks = None
             mappings = []
-            if hello["ring_bytes"]:
-                mappings.append(map_fd(fds.pop(0), int(hello["ring_bytes"])))
+            if info["ring_bytes"]:
+                mappings.append(map_fd(fds.pop(0), int(info["ring_bytes"])))
                 ring = np.frombuffer(mappings[-1], dtype=np.uint8)
-            if hello["kv_bytes"]:
+            if info["kv_bytes"]:
                 mapping, blocks = map_cache(
-                    fds.pop(0), hello["kv_offset"], hello["kv_bytes"],
+                    fds.pop(0), info["kv_offset"], info["kv_bytes"],
                     layout.num_layers, layout.num_blocks, layout.block_bytes,
                 )  # fmt: skip
                 mappings.append(mapping)
         finally:
             for fd in fds:  # not (or no longer) ours to keep
                 os.close(fd)
-        share, out_fds = self._cache_share()
-        reply = {"receiver_id": self._id, "pulls": blocks is not None, **share}
-        socket.send_fds(sock, [msgpack.packb(reply)], out_fds)
         sock.setblocking(False)
-        self._senders[sock] = _Sender(hello["sender_id"], layout, ring, blocks, mappings)
+        self._senders[sock] = _Sender(info["sender_id"], hello.from_nonce, layout, ring, blocks, mappings)
         self._selector.register(sock, selectors.EVENT_READ, ("sender", None))
 
     def on_readable(self, sock: socket.socket) -> None:
@@ -120,16 +148,20 @@ class ShmInbox:
                 self._selector.unregister(sock)
                 del self._senders[sock]
                 sock.close()
-                self._received.drop_sender(sender.sender_id)
+                self._received.drop_sender(sender.nonce)
                 return
-            header = ChunkHeader.decode(data)
+            opened = self._sealer.open(data, {HEADER: ChunkHeader.decode}, (sender.nonce,))
+            if opened is None:
+                continue  # no ack; nothing copied
+            header = opened.message
             error = self._land(header, sender)
             if error is None:
                 self._received.chunk_landed(
-                    header.sender_id, header.send_seq, header.num_chunks, header.transfer_id, header.layer_ids
+                    sender.nonce, header.send_seq, header.num_chunks, header.transfer_id, header.layer_ids
                 )
             try:
-                sock.send(ChunkAck(header.send_seq, header.chunk_index, error).encode())
+                ack = ChunkAck(header.send_seq, header.chunk_index, error).encode()
+                sock.send(self._sealer.seal(ACK, sender.nonce, ack))
             except OSError as e:
                 log.warning("ack to sender %s failed: %s", sender.sender_id, e)
 

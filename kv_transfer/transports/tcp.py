@@ -11,6 +11,11 @@ holds up the sender instead of growing zmq's queues without bound (HWMs are off)
 
 Failure: a socket monitor on each DEALER reports a dropped connection at once (peer killed); the ack
 deadline covers everything else (peer hung, never reachable).
+
+Authentication (sealing.py): the header frame is a sealed envelope, checked before the payload frame
+is looked at; a message that fails is dropped without an ack. zmq keeps one connection's messages in
+order, and a message's payload frame cannot be separated from its header frame. Acks are sealed to
+the sender and must come from the receiver the DEALER was connected to.
 """
 
 from __future__ import annotations
@@ -28,9 +33,10 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from .base import KVTransport, Role, TransportConfig
+from .base import KVTransport, Role, TransportConfig, replaced_link_reason
 from .block_copy import buffer_rows, gather_rows, rows_view, scatter_rows
 from .layout import KVLayout, chunk_problem
+from .sealing import ACK, HEADER, peer_nonce
 from .send_job import QueuedSendMixin, SendJob
 from .staging import BufferPool
 from .tracking import ReceiveTracker, SendTracker
@@ -73,6 +79,7 @@ class ZmqTransport(QueuedSendMixin, KVTransport):
         # IO thread state.
         self._dealers: dict[str, zmq.Socket] = {}
         self._monitors: dict[zmq.Socket, str] = {}  # monitor socket -> peer id
+        self._peer_nonces: dict[str, bytes] = {}  # peer id -> the nonce we seal to, acks come from
         self._dead_peers: dict[str, str] = {}
         self._jobs: deque[SendJob] = deque()
         self._unacked: dict[tuple[int, int], str] = {}  # (send seq, chunk) -> peer id
@@ -84,23 +91,31 @@ class ZmqTransport(QueuedSendMixin, KVTransport):
     # ---------------------------------------------------------------- caller-side API
 
     def local_descriptor(self) -> dict:
-        return {"transport": self.name, "layout": self._layout.to_dict(), "host": self.config.host, "port": self._port}
+        return {
+            "transport": self.name,
+            "layout": self._layout.to_dict(),
+            "host": self.config.host,
+            "port": self._port,
+            "nonce": self._sealer.nonce,
+        }
 
     def connect(self, peer_id: str, peer_descriptor: dict) -> None:
         peer_layout = KVLayout.from_dict(peer_descriptor["layout"])
         self._layout.check_peer(peer_layout)
-        if self.role == "receiver":
+        nonce = peer_nonce(peer_id, peer_descriptor)
+        if self.role == "receiver" or self._already_linked(peer_id, peer_descriptor):
             return
         endpoint = f"tcp://{peer_descriptor['host']}:{int(peer_descriptor['port'])}"
         done = threading.Event()
         result: dict[str, BaseException] = {}
-        self._commands.put(("connect", peer_id, endpoint, done, result))
+        self._commands.put(("connect", peer_id, endpoint, nonce, done, result))
         self._waker.wake()
         if not done.wait(self.config.timeout_s):
             raise TimeoutError(f"connect to {peer_id} timed out")
         if "error" in result:
             raise ConnectionError(f"connect to {peer_id} failed: {result['error']}") from result["error"]
         self._peer_layouts[peer_id] = peer_layout
+        self._peer_descriptors[peer_id] = peer_descriptor
 
     def close(self) -> None:
         if self._stopping:
@@ -134,7 +149,7 @@ class ZmqTransport(QueuedSendMixin, KVTransport):
                     self._receive_chunks()
                 for peer_id, sock in list(self._dealers.items()):
                     if sock in events:
-                        self._receive_acks(sock)
+                        self._receive_acks(sock, peer_id)
                 for mon, peer_id in list(self._monitors.items()):
                     if mon in events:
                         self._on_monitor(mon, peer_id, poller)
@@ -161,14 +176,16 @@ class ZmqTransport(QueuedSendMixin, KVTransport):
             if cmd[0] == "send":
                 self._jobs.append(cmd[1])
             elif cmd[0] == "connect":
-                _, peer_id, endpoint, done, result = cmd
+                _, peer_id, endpoint, nonce, done, result = cmd
                 try:
-                    self._connect_io(peer_id, endpoint, poller)
+                    self._connect_io(peer_id, endpoint, nonce, poller)
                 except Exception as e:  # noqa: BLE001 - handed to the caller
                     result["error"] = e
                 done.set()
 
-    def _connect_io(self, peer_id: str, endpoint: str, poller: zmq.Poller) -> None:
+    def _connect_io(self, peer_id: str, endpoint: str, nonce: bytes, poller: zmq.Poller) -> None:
+        if peer_id in self._dealers:
+            self._drop_link(peer_id, poller)
         sock = self._zctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
@@ -182,9 +199,23 @@ class ZmqTransport(QueuedSendMixin, KVTransport):
             raise
         self._dealers[peer_id] = sock
         self._monitors[mon] = peer_id
+        self._peer_nonces[peer_id] = nonce
         self._dead_peers.pop(peer_id, None)
         poller.register(sock, zmq.POLLIN)
         poller.register(mon, zmq.POLLIN)
+
+    def _drop_link(self, peer_id: str, poller: zmq.Poller) -> None:
+        """The peer restarted and connect() was given its new descriptor: fail what is in flight to
+        the old incarnation (its unacked chunks stop counting against max_inflight_chunks as their
+        sends die) and close the old socket, so nothing from the old link is taken for the new one."""
+        self._tracker.fail_peer(peer_id, replaced_link_reason(peer_id))
+        sock = self._dealers.pop(peer_id)
+        for mon in [m for m, p in self._monitors.items() if p == peer_id]:
+            del self._monitors[mon]
+            poller.unregister(mon)
+            mon.close(linger=0)
+        poller.unregister(sock)
+        sock.close(linger=0)
 
     def _on_monitor(self, mon: zmq.Socket, peer_id: str, poller: zmq.Poller) -> None:
         while mon.poll(0):
@@ -223,7 +254,8 @@ class ZmqTransport(QueuedSendMixin, KVTransport):
             else:
                 gather_rows(self._rows, rows, buffer_rows(buf, self._layout.block_bytes))
             header = job.header(chunk, self._id, self._layout).encode()
-            tracker = self._dealers[job.peer_id].send_multipart([header, buf.numpy()], copy=False, track=True)
+            sealed = self._sealer.seal(HEADER, self._peer_nonces[job.peer_id], header)
+            tracker = self._dealers[job.peer_id].send_multipart([sealed, buf.numpy()], copy=False, track=True)
             self._tracked.append((tracker, buf))
             self._unacked[(job.seq, chunk.index)] = job.peer_id
             posted = True
@@ -238,13 +270,17 @@ class ZmqTransport(QueuedSendMixin, KVTransport):
                 still.append((tracker, buf))
         self._tracked = still
 
-    def _receive_acks(self, sock: zmq.Socket) -> None:
+    def _receive_acks(self, sock: zmq.Socket, peer_id: str) -> None:
+        expect_from = (self._peer_nonces[peer_id],)
         while True:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            ack = ChunkAck.decode(frames[-1])
+            opened = self._sealer.open(frames[-1], {ACK: ChunkAck.decode}, expect_from)
+            if opened is None:
+                continue  # a forged or replayed ack: the send stays outstanding
+            ack = opened.message
             self._unacked.pop((ack.send_seq, ack.chunk_index), None)
             self._tracker.chunk_acked(ack.send_seq, ack.error)
 
@@ -258,16 +294,19 @@ class ZmqTransport(QueuedSendMixin, KVTransport):
             except zmq.Again:
                 return
             except ValueError:
-                log.warning("malformed message dropped")
+                self._sealer.reject("message without exactly a header and a payload frame")
                 continue
-            header = ChunkHeader.decode(header_frame.buffer)
+            opened = self._sealer.open(header_frame.buffer, {HEADER: ChunkHeader.decode})
+            if opened is None:
+                continue  # not from a holder of the secret, or a replay: no ack, cache untouched
+            header = opened.message
             error = self._scatter(header, payload)
             if error is None:
                 self._received.chunk_landed(
-                    header.sender_id, header.send_seq, header.num_chunks, header.transfer_id, header.layer_ids
+                    opened.from_nonce, header.send_seq, header.num_chunks, header.transfer_id, header.layer_ids
                 )
             ack = ChunkAck(header.send_seq, header.chunk_index, error).encode()
-            self._router.send_multipart([identity.bytes, ack])
+            self._router.send_multipart([identity.bytes, self._sealer.seal(ACK, opened.from_nonce, ack)])
 
     def _scatter(self, header: ChunkHeader, payload: Any) -> str | None:
         layout = self._layout

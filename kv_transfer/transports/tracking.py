@@ -101,17 +101,20 @@ class SendTracker:
 
 
 class ReceiveTracker:
-    """Receiver side: counts the chunks of each send() call; reports the call when all landed."""
+    """Receiver side: counts the chunks of each send() call; reports the call when all landed.
+
+    Senders are told apart by their authenticated nonce (sealing.py), not by the id in the header:
+    a sender restarted under the same id numbers its sends from zero again."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._chunks_left: dict[tuple[str, int], int] = {}
+        self._chunks_left: dict[tuple[bytes, int], int] = {}
         self._ready: list[tuple[str, list[int]]] = []
 
     def chunk_landed(
-        self, sender_id: str, send_seq: int, num_chunks: int, transfer_id: str, layer_ids: list[int]
+        self, sender_nonce: bytes, send_seq: int, num_chunks: int, transfer_id: str, layer_ids: list[int]
     ) -> None:
-        key = (sender_id, send_seq)
+        key = (sender_nonce, send_seq)
         with self._lock:
             left = self._chunks_left.get(key, num_chunks) - 1
             if left > 0:
@@ -120,10 +123,10 @@ class ReceiveTracker:
             self._chunks_left.pop(key, None)
             self._ready.append((transfer_id, list(layer_ids)))
 
-    def drop_sender(self, sender_id: str) -> None:
+    def drop_sender(self, sender_nonce: bytes) -> None:
         """Forget half-received sends of a sender that went away."""
         with self._lock:
-            for key in [k for k in self._chunks_left if k[0] == sender_id]:
+            for key in [k for k in self._chunks_left if k[0] == sender_nonce]:
                 del self._chunks_left[key]
 
     def poll(self) -> list[tuple[str, list[int]]]:

@@ -16,6 +16,13 @@ callers only queue commands. The thread sleeps in epoll on the worker's event fd
 Failure: with endpoint error handling off (the default, see UCXOptions.error_handling) UCX reports
 nothing when a peer dies: a rendezvous send to it simply never completes. The ack deadline in
 SendTracker turns that into an error in poll_sent; the stuck requests are cancelled at close.
+
+Authentication (sealing.py): every message on CONTROL_TAG (HELLO, chunk header) and ACK_TAG is a
+sealed envelope. A receiver builds a reply endpoint only for a HELLO that verifies, posts a payload
+receive only for a header that verifies, and acks to the endpoint of the header's (authenticated)
+sender. Messages are matched in probe order, which need not be send order: the replay window takes
+that. Residual: the payload travels on a tag named in the header, so a process that learned a
+header's tag (UCX traffic is not encrypted) could race the real payload with its own.
 """
 
 from __future__ import annotations
@@ -35,9 +42,10 @@ import msgpack
 import numpy as np
 import torch
 
-from .base import KVTransport, Role, TransportConfig
+from .base import KVTransport, Role, TransportConfig, replaced_link_reason
 from .block_copy import buffer_rows, gather_rows, rows_view, scatter_rows
 from .layout import KVLayout, chunk_problem
+from .sealing import ACK, HEADER, HELLO, Opened, peer_nonce
 from .send_job import QueuedSendMixin, SendJob
 from .staging import BufferPool
 from .tracking import ReceiveTracker, SendTracker
@@ -49,8 +57,6 @@ log = logging.getLogger(__name__)
 CONTROL_TAG = 0x5044_0001  # HELLO and chunk headers, sender -> receiver
 ACK_TAG = 0x5044_0002  # acks, receiver -> sender
 _PAYLOAD_TAG_BIT = 1 << 63  # payload tags: this bit + 31 random bits + a 32-bit counter
-_MSG_HELLO = 0
-_MSG_CHUNK = 1
 _IDLE_WAIT_S = 0.05  # epoll cap; only stop requests and deadline-free bookkeeping wait on it
 _CLOSE_JOIN_S = 2.0
 
@@ -59,17 +65,30 @@ _CLOSE_JOIN_S = 2.0
 class _Op:
     """A posted UCX request and what must stay alive until it completes."""
 
-    kind: str  # "ctrl_send" | "payload_send" | "ack_send" | "ctrl_recv" | "payload_recv" | "ack_recv"
+    # "ctrl_send" | "payload_send" | "ack_send" | "ctrl_recv" | "payload_recv" | "ack_recv" | "drain"
+    kind: str
     request: Any
     buffer: Any
     seq: int = -1
-    header: ChunkHeader | None = None
+    header: Opened | None = None  # payload_recv: the verified header it belongs to
     extra: dict = field(default_factory=dict)
 
 
 def _host_bytes(data: bytes) -> np.ndarray:
     # Writable, owned memory: ucxx's Array wants a buffer it can keep a pointer into.
     return np.frombuffer(bytearray(data), dtype=np.uint8)
+
+
+def _decode_hello(body: bytes) -> tuple[str, bytes]:
+    sender_id, address = msgpack.unpackb(body)
+    return str(sender_id), bytes(address)
+
+
+def _decode_header(body: bytes) -> ChunkHeader:
+    header = ChunkHeader.decode(body)
+    if not isinstance(header.extra.get("tag"), int) or not 0 <= header.extra["tag"] < 1 << 64:
+        raise ValueError("header without a 64-bit payload tag")
+    return header
 
 
 class UCXTransport(QueuedSendMixin, KVTransport):
@@ -108,7 +127,9 @@ class UCXTransport(QueuedSendMixin, KVTransport):
         self._peer_layouts: dict[str, KVLayout] = {}  # caller thread
         # Everything below belongs to the IO thread.
         self._endpoints: dict[str, Any] = {}  # sender: peer_id -> endpoint
-        self._reply_endpoints: dict[str, Any] = {}  # receiver: sender_id -> endpoint
+        self._peer_nonces: dict[str, bytes] = {}  # sender: peer_id -> the nonce we seal to
+        self._retired_endpoints: list[Any] = []  # sender: links connect() replaced, closed at shutdown
+        self._reply_endpoints: dict[bytes, Any] = {}  # receiver: sender's nonce -> endpoint
         self._jobs: deque[SendJob] = deque()
         self._ops: list[_Op] = []
         self._ctrl_recvs: deque[_Op] = deque()  # handled strictly in arrival order
@@ -121,22 +142,29 @@ class UCXTransport(QueuedSendMixin, KVTransport):
     # ---------------------------------------------------------------- caller-side API
 
     def local_descriptor(self) -> dict:
-        return {"transport": self.name, "layout": self._layout.to_dict(), "worker_address": self._address}
+        return {
+            "transport": self.name,
+            "layout": self._layout.to_dict(),
+            "worker_address": self._address,
+            "nonce": self._sealer.nonce,
+        }
 
     def connect(self, peer_id: str, peer_descriptor: dict) -> None:
         peer_layout = KVLayout.from_dict(peer_descriptor["layout"])
         self._layout.check_peer(peer_layout)
-        if self.role == "receiver":
+        nonce = peer_nonce(peer_id, peer_descriptor)
+        if self.role == "receiver" or self._already_linked(peer_id, peer_descriptor):
             return
         done = threading.Event()
         result: dict[str, BaseException] = {}
-        self._commands.put(("connect", peer_id, bytes(peer_descriptor["worker_address"]), done, result))
+        self._commands.put(("connect", peer_id, bytes(peer_descriptor["worker_address"]), nonce, done, result))
         self._waker.wake()
         if not done.wait(self.config.timeout_s):
             raise TimeoutError(f"UCX connect to {peer_id} timed out")
         if "error" in result:
             raise ConnectionError(f"UCX connect to {peer_id} failed: {result['error']}") from result["error"]
         self._peer_layouts[peer_id] = peer_layout
+        self._peer_descriptors[peer_id] = peer_descriptor
 
     def close(self) -> None:
         if self._stopping:
@@ -152,6 +180,7 @@ class UCXTransport(QueuedSendMixin, KVTransport):
         self._pool.clear()
         # Endpoints before the worker before the context: ucxx tears down in reference order.
         self._endpoints.clear()
+        self._retired_endpoints.clear()
         self._reply_endpoints.clear()
         self._ops.clear()
         self._ctrl_recvs.clear()
@@ -183,14 +212,29 @@ class UCXTransport(QueuedSendMixin, KVTransport):
 
     def _shutdown_io(self) -> None:
         try:
+            self._drain_unexpected()
             self._worker.cancel_inflight_requests()
             for ep in [*self._endpoints.values(), *self._reply_endpoints.values()]:
                 ep.close()
+            # Retired endpoints were closed when replaced; they are only kept alive until here.
             self._worker.progress()
         except Exception:  # noqa: BLE001 - best effort on the way out
             log.debug("UCX shutdown", exc_info=True)
         for peer_id in list(self._endpoints):
             self._tracker.fail_peer(peer_id, "transport closed")
+
+    def _drain_unexpected(self) -> None:
+        """Match every message no receive was posted for (the payloads behind rejected headers, a
+        stranger's tags) into a byte of scratch: UCX truncates them, and its worker teardown no longer
+        blocks on rendezvous messages left unmatched (it did, for a receiver that had dropped a
+        wrong-secret sender's headers)."""
+        api = self._api
+        while True:
+            probe = self._worker.tag_probe(api.UCXXTag(0), api.UCXXTagMask(0), remove=True)
+            if not probe.matched:
+                return
+            scratch = np.empty(1, dtype=np.uint8)
+            self._ops.append(_Op("drain", self._worker.tag_recv_with_handle(self._Array(scratch), probe), scratch))
 
     def _drain_commands(self) -> bool:
         busy = False
@@ -203,21 +247,37 @@ class UCXTransport(QueuedSendMixin, KVTransport):
             if cmd[0] == "send":
                 self._jobs.append(cmd[1])
             elif cmd[0] == "connect":
-                _, peer_id, address, done, result = cmd
+                _, peer_id, address, nonce, done, result = cmd
                 try:
-                    self._connect_io(peer_id, address)
+                    self._connect_io(peer_id, address, nonce)
                 except Exception as e:  # noqa: BLE001 - handed to the caller
                     result["error"] = e
                 done.set()
 
-    def _connect_io(self, peer_id: str, address: bytes) -> None:
+    def _connect_io(self, peer_id: str, address: bytes, nonce: bytes) -> None:
         api = self._api
         ep = api.UCXEndpoint.create_from_worker_address(
             self._worker, api.UCXAddress.create_from_buffer(address), self.config.ucx.error_handling
         )
-        hello = _host_bytes(msgpack.packb([_MSG_HELLO, self._id, self._address]))
+        if peer_id in self._endpoints:
+            self._drop_link(peer_id)
+        hello = _host_bytes(self._sealer.seal(HELLO, nonce, msgpack.packb([self._id, self._address])))
         self._ops.append(_Op("ctrl_send", ep.tag_send(self._Array(hello), api.UCXXTag(CONTROL_TAG)), hello))
         self._endpoints[peer_id] = ep
+        self._peer_nonces[peer_id] = nonce
+
+    def _drop_link(self, peer_id: str) -> None:
+        """The peer restarted and connect() was given its new descriptor: fail what is in flight to
+        the old incarnation and close the old endpoint (its stuck requests complete cancelled or
+        never; their sends are dead either way, so they stop counting against max_inflight_chunks)."""
+        self._tracker.fail_peer(peer_id, replaced_link_reason(peer_id))
+        old = self._endpoints.pop(peer_id)
+        del self._peer_nonces[peer_id]
+        try:
+            old.close()
+        except Exception:  # noqa: BLE001 - a dead peer's endpoint may refuse; it is dropped anyway
+            log.debug("closing the replaced endpoint to %s", peer_id, exc_info=True)
+        self._retired_endpoints.append(old)
 
     def _probe(self, tag: int, kind: str) -> bool:
         found = False
@@ -260,8 +320,8 @@ class UCXTransport(QueuedSendMixin, KVTransport):
                 torch.cuda.current_stream().synchronize()  # UCX reads the buffer outside the stream
             tag = self._tag_base | (self._tag_counter & 0xFFFF_FFFF)
             self._tag_counter += 1
-            header = job.header(chunk, self._id, self._layout, {"tag": tag})
-            ctrl = _host_bytes(msgpack.packb([_MSG_CHUNK, header.encode()]))
+            header = job.header(chunk, self._id, self._layout, {"tag": tag}).encode()
+            ctrl = _host_bytes(self._sealer.seal(HEADER, self._peer_nonces[job.peer_id], header))
             api = self._api
             self._ops.append(_Op("ctrl_send", ep.tag_send(self._Array(ctrl), api.UCXXTag(CONTROL_TAG)), ctrl))
             req = ep.tag_send(self._ucx_array(buf), api.UCXXTag(tag))
@@ -301,8 +361,10 @@ class UCXTransport(QueuedSendMixin, KVTransport):
                 self._tracker.fail_send(op.seq, error)
         elif op.kind == "ack_recv":
             if error is None:
-                ack = ChunkAck.decode(op.buffer.tobytes())
-                self._tracker.chunk_acked(ack.send_seq, ack.error)
+                # Acks come from every receiver on one tag; each must be sealed by a current peer.
+                opened = self._sealer.open(op.buffer, {ACK: ChunkAck.decode}, self._peer_nonces.values())
+                if opened is not None:
+                    self._tracker.chunk_acked(opened.message.send_seq, opened.message.error)
         elif op.kind == "payload_recv":
             self._on_payload(op, error)
         elif error:  # ctrl_send / ack_send: the ack deadline reports the consequence
@@ -311,34 +373,37 @@ class UCXTransport(QueuedSendMixin, KVTransport):
     def _on_control(self, op: _Op) -> None:
         if self._error_of(op):
             return
-        msg = msgpack.unpackb(op.buffer.tobytes())
+        opened = self._sealer.open(op.buffer, {HELLO: _decode_hello, HEADER: _decode_header})
+        if opened is None:
+            return  # no reply endpoint, no payload receive, no ack
         api = self._api
-        if msg[0] == _MSG_HELLO:
-            _, sender_id, address = msg
-            self._reply_endpoints[sender_id] = api.UCXEndpoint.create_from_worker_address(
+        if opened.kind == HELLO:
+            _, address = opened.message
+            self._reply_endpoints[opened.from_nonce] = api.UCXEndpoint.create_from_worker_address(
                 self._worker, api.UCXAddress.create_from_buffer(address), self.config.ucx.error_handling
             )
             return
-        header = ChunkHeader.decode(msg[1])
+        header = opened.message
         buf = self._pool.take(header.payload_bytes)
         req = self._worker.tag_recv(self._ucx_array(buf), api.UCXXTag(header.extra["tag"]))
-        self._ops.append(_Op("payload_recv", req, buf, header=header))
+        self._ops.append(_Op("payload_recv", req, buf, header=opened))
 
     def _on_payload(self, op: _Op, error: str | None) -> None:
-        header = op.header
-        assert header is not None
+        assert op.header is not None
+        sender_nonce, header = op.header.from_nonce, op.header.message
         if error is None:
             error = self._scatter(header, op.buffer)
         self._pool.give(op.buffer)
         if error is None:
             self._received.chunk_landed(
-                header.sender_id, header.send_seq, header.num_chunks, header.transfer_id, header.layer_ids
+                sender_nonce, header.send_seq, header.num_chunks, header.transfer_id, header.layer_ids
             )
-        ep = self._reply_endpoints.get(header.sender_id)
+        ep = self._reply_endpoints.get(sender_nonce)
         if ep is None:
-            log.warning("chunk from unknown sender %s dropped", header.sender_id)
+            log.warning("chunk from sender %s, whose HELLO never came, not acknowledged", header.sender_id)
             return
-        ack = _host_bytes(ChunkAck(header.send_seq, header.chunk_index, error).encode())
+        ack = ChunkAck(header.send_seq, header.chunk_index, error).encode()
+        ack = _host_bytes(self._sealer.seal(ACK, sender_nonce, ack))
         self._ops.append(_Op("ack_send", ep.tag_send(self._Array(ack), self._api.UCXXTag(ACK_TAG)), ack))
 
     def _scatter(self, header: ChunkHeader, buf: torch.Tensor) -> str | None:
