@@ -261,7 +261,10 @@ class ClusterRouter:
                     log.warning("dropping undecodable worker event (%d bytes)", len(data))
                     continue
                 if isinstance(event, dict) and self._loop is not None:
-                    self._loop.call_soon_threadsafe(self.on_event, event)
+                    try:
+                        self._loop.call_soon_threadsafe(self.on_event, event)
+                    except RuntimeError:  # the loop is closed (shutting down): nobody is listening
+                        return
 
     # ---- accounting (derived, S1) -------------------------------------------------------------------
     def worker_kv_tokens(self, worker_id: str) -> int:
