@@ -79,3 +79,18 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def ray_session(tiny_dir):
+    """A local Ray instance per test module with the custom resources the launcher places workers on
+    (``prefill_slot`` / ``decode_slot`` stand in for devices on this GPU-less machine)."""
+    import tempfile
+
+    ray = pytest.importorskip("ray")
+    tmp = tempfile.mkdtemp(prefix="pdcluster-ray-")
+    os.environ.setdefault("RAY_TMPDIR", tmp)
+    ray.init(num_cpus=2, resources={"prefill_slot": 4, "decode_slot": 4}, include_dashboard=False,
+             log_to_driver=False, _temp_dir=tmp)
+    yield ray
+    ray.shutdown()

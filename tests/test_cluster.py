@@ -3,9 +3,7 @@ stream, real KV transfer. Greedy outputs equal a single engine in every mode; th
 follows the decode workers' reports; placement policies do what they say."""
 
 import asyncio
-import os
 import random
-import tempfile
 
 import pytest
 
@@ -19,16 +17,6 @@ from pdcluster.kv_transfer.transports import available_transports
 TRANSPORTS = [name for name, reason in available_transports().items() if reason is None]
 NUM_BLOCKS = 256
 
-
-@pytest.fixture(scope="module")
-def ray_session(tiny_dir):
-    ray = pytest.importorskip("ray")
-    tmp = tempfile.mkdtemp(prefix="pdcluster-ray-")
-    os.environ.setdefault("RAY_TMPDIR", tmp)
-    ray.init(num_cpus=2, resources={"prefill_slot": 4, "decode_slot": 4}, include_dashboard=False,
-             log_to_driver=False, _temp_dir=tmp)
-    yield ray
-    ray.shutdown()
 
 
 def _config(**kw):

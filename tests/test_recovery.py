@@ -5,7 +5,6 @@ Without a healthy worker left, the request ends with a clear error within its de
 
 import asyncio
 import os
-import tempfile
 import time
 
 import pytest
@@ -18,15 +17,6 @@ from pdcluster.kv_transfer.config import TransferConfig
 
 NUM_BLOCKS = 256
 
-
-@pytest.fixture(scope="module")
-def ray_session(tiny_dir):
-    ray = pytest.importorskip("ray")
-    tmp = tempfile.mkdtemp(prefix="pdcluster-ray-")
-    ray.init(num_cpus=2, resources={"prefill_slot": 4, "decode_slot": 4}, include_dashboard=False,
-             log_to_driver=False, _temp_dir=tmp)
-    yield ray
-    ray.shutdown()
 
 
 def _config():

@@ -9,7 +9,6 @@ import asyncio
 import json
 import os
 import random
-import tempfile
 import time
 
 import pytest
@@ -22,15 +21,6 @@ from pdcluster.kv_transfer.config import TransferConfig
 
 NUM_BLOCKS = 512
 
-
-@pytest.fixture(scope="module")
-def ray_session(tiny_dir):
-    ray = pytest.importorskip("ray")
-    tmp = tempfile.mkdtemp(prefix="pdcluster-ray-")
-    ray.init(num_cpus=2, resources={"prefill_slot": 4, "decode_slot": 4}, include_dashboard=False,
-             log_to_driver=False, _temp_dir=tmp)
-    yield ray
-    ray.shutdown()
 
 
 def _soak(ray, num_requests: int, rate_per_s: float):

@@ -7,7 +7,6 @@ streaming through the crash continues exactly; later requests run on the restart
 import asyncio
 import os
 import signal
-import tempfile
 import time
 
 import pytest
@@ -20,15 +19,6 @@ from pdcluster.kv_transfer.config import TransferConfig
 
 NUM_BLOCKS = 256
 
-
-@pytest.fixture(scope="module")
-def ray_session(tiny_dir):
-    ray = pytest.importorskip("ray")
-    tmp = tempfile.mkdtemp(prefix="pdcluster-ray-")
-    ray.init(num_cpus=2, resources={"prefill_slot": 4, "decode_slot": 4}, include_dashboard=False,
-             log_to_driver=False, _temp_dir=tmp)
-    yield ray
-    ray.shutdown()
 
 
 async def _generate(router, request_id, prompt, params):
