@@ -20,11 +20,13 @@ header and ack is HMAC-sealed to the receiving incarnation's nonce with a replay
 derived from the secret with its own domain, so a data-plane listener accepts only holders of the
 secret as well.
 
-Not covered: the control-plane messages after the handshake are neither signed nor encrypted, and
-the data plane authenticates headers and acks but not the payload bytes (nor encrypts anything);
-loopback and a private cluster network are assumed. A relaying man in the middle can still forward
-both handshakes verbatim and then alter what follows. Use zmq CURVE or a private network where that
-matters.
+Every control-plane message after the handshake is sealed with a session key derived from the
+secret and the two handshake nonces (kv_transfer/session.py): a relaying man in the middle can forward
+both handshakes verbatim but cannot alter, inject or replay what follows.
+
+Not covered: nothing is encrypted, and the data plane authenticates headers and acks but not the
+payload bytes; loopback and a private cluster network are assumed. Use a private network (or an
+encrypted overlay) where confidentiality or payload integrity against an on-path attacker matters.
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ from typing import Any, Callable
 import zmq
 
 from . import auth
+from .session import Session, SessionError
 from .protocol import (
     PROTOCOL_VERSION,
     Challenge,
@@ -105,6 +106,8 @@ class _Peer:
     route: Any  # how to reach it: a ROUTER routing id (bytes) or a DecodeEndpoint _Conn
     last_seen: float  # monotonic time of its last valid message
     seq: int = 0  # next heartbeat sequence number we send it
+    # Seals every message after the handshake (session.py); keyed by this connection's two nonces.
+    session: Session | None = None
 
 
 class _Endpoint:
@@ -152,6 +155,7 @@ class _Endpoint:
         self._lock = threading.Lock()  # guards _peers and _dead: written by the I/O thread, read by callers
         self._peers: dict[str, _Peer] = {}
         self._dead: set[str] = set()
+        self.num_rejected = 0  # messages from established peers that failed their session seal
         self._closing = threading.Event()
         # daemon: an endpoint someone forgot to close must not keep the worker process from exiting.
         self._thread = threading.Thread(
@@ -296,6 +300,14 @@ class _Endpoint:
 
     def _handle(self, origin: Any, payload: bytes) -> None:
         """Decode one payload from ``origin`` (a routing id or a connection) and act on it."""
+        established = self._peer_for(origin)
+        if established is not None and established.session is not None:
+            try:
+                payload = established.session.open(payload)
+            except SessionError as exc:
+                self.num_rejected += 1
+                log.warning("%s: dropped a message from %s: %s", self._name, self._describe(origin), exc)
+                return
         try:
             msg = decode(payload, self.config.max_message_bytes)
         except VersionError as exc:
@@ -530,7 +542,8 @@ class PrefillEndpoint(_Endpoint):
         if reason is not None:
             self._refuse(routing_id, hello, reason)
             return
-        self._register(_Peer(hello=hello, route=routing_id, last_seen=time.monotonic()))
+        session = Session(self._secret, prefill_nonce=pending.nonce, decode_nonce=hello.nonce, role="prefill")
+        self._register(_Peer(hello=hello, route=routing_id, last_seen=time.monotonic(), session=session))
         self._by_route[routing_id] = hello.worker_id
         signed = auth.sign_hello(self._secret, replace(self._local, nonce=pending.nonce), hello.nonce)
         self._send_to(routing_id, encode(HelloAck(accepted=True, reason="", hello=signed)))
@@ -553,7 +566,7 @@ class PrefillEndpoint(_Endpoint):
         self._send_to(routing_id, encode(HelloAck(accepted=False, reason=reason, hello=self._public_hello)))
 
     def _send_payload(self, peer: _Peer, payload: bytes) -> None:
-        self._send_to(peer.route, payload)
+        self._send_to(peer.route, peer.session.seal(payload) if peer.session is not None else payload)
 
     def _send_to(self, routing_id: bytes, payload: bytes) -> None:
         try:
@@ -715,7 +728,8 @@ class DecodeEndpoint(_Endpoint):
             self._fail(conn, f"refused the prefill peer at {conn.address}: {reason}")
             return
         conn.peer_id = ack.hello.worker_id
-        self._register(_Peer(hello=ack.hello, route=conn, last_seen=time.monotonic()))
+        session = Session(self._secret, prefill_nonce=conn.peer_nonce, decode_nonce=conn.nonce, role="decode")
+        self._register(_Peer(hello=ack.hello, route=conn, last_seen=time.monotonic(), session=session))
         log.info("%s: connected to prefill peer %r at %s", self._name, conn.peer_id, conn.address)
         if not conn.future.done():
             conn.future.set_result(ack.hello)
@@ -734,7 +748,7 @@ class DecodeEndpoint(_Endpoint):
             conn.future.set_exception(HandshakeError(reason))
 
     def _send_payload(self, peer: _Peer, payload: bytes) -> None:
-        self._send_on(peer.route, payload)
+        self._send_on(peer.route, peer.session.seal(payload) if peer.session is not None else payload)
 
     def _send_on(self, conn: _Conn, payload: bytes) -> None:
         try:

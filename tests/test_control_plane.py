@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdcluster.kv_transfer import auth
+from pdcluster.kv_transfer.session import Session
 from pdcluster.kv_transfer.control_plane import (
     DecodeEndpoint,
     EndpointConfig,
@@ -105,8 +106,9 @@ def raw_dealer(ctx: zmq.Context, address: str) -> zmq.Socket:
     return sock
 
 
-def raw_handshake(sock: zmq.Socket, worker_id: str) -> Hello:
-    """Play the decode side of the handshake by hand, as another implementation would."""
+def raw_handshake(sock: zmq.Socket, worker_id: str) -> Session:
+    """Play the decode side of the handshake by hand, as another implementation would; returns the
+    session that seals what this peer sends afterwards."""
     nonce = auth.new_nonce()
     sock.send(encode(Challenge(nonce=nonce)))
     challenge = decode(recv_message(sock), MiB)
@@ -117,13 +119,15 @@ def raw_handshake(sock: zmq.Socket, worker_id: str) -> Hello:
     ack = decode(recv_message(sock), MiB)
     assert isinstance(ack, HelloAck) and ack.accepted, ack
     assert auth.verify_hello(SECRET, ack.hello, nonce)
-    return ack.hello
+    return Session(SECRET, prefill_nonce=challenge.nonce, decode_nonce=nonce, role="decode")
 
 
 class TapProxy:
-    """A TCP relay on 127.0.0.1 that records every byte crossing it, in both directions."""
+    """A TCP relay on 127.0.0.1 that records every byte crossing it, in both directions, and can play
+    an on-path attacker: ``rewrite=(old, new)`` swaps equal-length byte strings in transit."""
 
-    def __init__(self, upstream: str):
+    def __init__(self, upstream: str, rewrite: tuple[bytes, bytes] | None = None):
+        self._rewrite = rewrite
         host, port = upstream.removeprefix("tcp://").rsplit(":", 1)
         self._upstream = (host, int(port))
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -157,6 +161,8 @@ class TapProxy:
                         return
                     with self._lock:
                         self.captured += data
+                    if self._rewrite is not None:
+                        data = data.replace(*self._rewrite)
                     peer[s].sendall(data)
         except OSError:
             return
@@ -467,6 +473,36 @@ def test_no_secret_on_either_side_still_connects(endpoints):
 
 
 @pytest.mark.timeout(20)
+def test_messages_after_the_handshake_cannot_be_forged_on_the_path(endpoints):
+    """An on-path attacker rewrites bytes of an established connection (here: which request a
+    TransferDone completes). The session seal makes the decode side drop the altered message instead
+    of acting on it; untouched messages keep flowing, so the connection survives the attempt."""
+    prefill = endpoints(PrefillEndpoint, config("p0"))
+    tap = TapProxy(prefill.address, rewrite=(b"victim-0001", b"forged-0001"))
+    try:
+        decode_ep = endpoints(DecodeEndpoint, config("d0"))
+        decode_ep.connect(tap.address)
+        prefill.send("d0", TransferDone("victim-0001", True, "", 16, 11, [12]))
+        prefill.send("d0", TransferDone("honest-0002", True, "", 16, 21, [22]))
+        got = []
+        wait_until(lambda: got.extend(decode_ep.poll(0.05)) or got, 5.0, "the untouched TransferDone")
+        got += decode_ep.poll(0.3)
+        assert b"forged-0001" not in bytes(tap.captured)  # the capture is taken before the rewrite
+        assert [m.request_id for _, m in got] == ["honest-0002"], got
+        assert decode_ep.num_rejected == 1
+        # The other direction is sealed too.
+        tap._rewrite = (b"victim-0003", b"forged-0003")
+        decode_ep.send("p0", AbortTransfer("victim-0003", "client left"))
+        decode_ep.send("p0", AbortTransfer("honest-0004", "client left"))
+        got = []
+        wait_until(lambda: got.extend(prefill.poll(0.05)) or got, 5.0, "the untouched AbortTransfer")
+        got += prefill.poll(0.3)
+        assert [m.request_id for _, m in got] == ["honest-0004"] and prefill.num_rejected == 1
+    finally:
+        tap.close()
+
+
+@pytest.mark.timeout(15)
 def test_secret_never_crosses_the_wire(endpoints):
     """Every byte between the two endpoints is recorded by a TCP relay: a good and a refused handshake."""
     prefill = endpoints(PrefillEndpoint, config("p0"))
@@ -611,7 +647,7 @@ def test_garbage_is_dropped_and_logged_while_a_real_exchange_completes(endpoints
 
     stranger = raw_dealer(zctx, prefill.address)  # never handshakes
     insider = raw_dealer(zctx, prefill.address)  # handshakes properly, then misbehaves
-    raw_handshake(insider, "d-raw")
+    session = raw_handshake(insider, "d-raw")
     garbage = [
         (b"\x00\xffnot msgpack at all", "not msgpack"),
         (encode(first)[:-5], "not msgpack"),
@@ -623,7 +659,8 @@ def test_garbage_is_dropped_and_logged_while_a_real_exchange_completes(endpoints
     ]
     for payload, _ in garbage:
         stranger.send(payload)
-        insider.send(payload)
+        insider.send(session.seal(payload))  # authenticated garbage reaches the decoder
+    insider.send(encode(TransferRequest("unsealed", [0], 1, 0.0)))  # valid, but not sealed
     stranger.send(encode(TransferRequest("sneaky", [0], 1, 0.0)))  # valid, but no handshake
     stranger.send_multipart([b"two", b"frames"])
     stranger.send(b"z" * (4 * limit))  # over zmq's MAXMSGSIZE: libzmq cuts that connection itself
@@ -644,7 +681,8 @@ def test_garbage_is_dropped_and_logged_while_a_real_exchange_completes(endpoints
         expected = [(f"dropped a message from {who}", reason)
                     for who in ("unauthenticated connection", "decode peer 'd-raw'") for _, reason in garbage]
         expected += [("dropped TransferRequest from unauthenticated connection", "has not completed the handshake"),
-                     ("dropped a 2-frame message from unauthenticated connection", "expected exactly one payload frame")]
+                     ("dropped a 2-frame message from unauthenticated connection", "expected exactly one payload frame"),
+                     ("dropped a message from decode peer 'd-raw'", "bad seal")]
         return all(any(a in line and b in line for line in lines) for a, b in expected)
 
     wait_until(logged, 5.0, "a warning for every dropped message")
