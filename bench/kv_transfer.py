@@ -125,7 +125,7 @@ def receiver_proc(name: str, mode: str, geom: Geometry, reps: int, conn) -> None
         cls = get_transport_class(name)
         cache = allocate(cls, geom, SHM_MODES.get(mode, (False, False))[1])
         fill(cache, 1)
-        t = cls(cache, "receiver", TransportConfig())
+        t = cls(cache, "receiver", TransportConfig(admit_unexpected=True))
         conn.send(t.local_descriptor())
         _, dst = block_ids(geom, 0)
         arrivals = []
@@ -157,7 +157,7 @@ def sender_proc(name: str, mode: str, geom: Geometry, reps: int, desc: dict, con
         cls = get_transport_class(name)
         cache = allocate(cls, geom, SHM_MODES.get(mode, (False, False))[0])
         fill(cache, 2)
-        t = cls(cache, "sender", TransportConfig())
+        t = cls(cache, "sender", TransportConfig(admit_unexpected=True))
         t.connect("decode", desc)
         if hasattr(t, "peer_mode"):
             assert t.peer_mode("decode") == mode, (t.peer_mode("decode"), mode)

@@ -91,7 +91,12 @@ class DecodeWorker(WorkerLoop):
         self.engine.validate(prompt_token_ids, params)
         blocks = self.engine.reserve_blocks(request_id, len(prompt_token_ids), params)
         if blocks is not None:
-            self.connector.expect(request_id, prefill_id, self.transfer.transfer_timeout_s)
+            try:
+                # Admits the blocks on the transport before their ids leave this worker.
+                self.connector.expect(request_id, prefill_id, self.transfer.transfer_timeout_s, blocks)
+            except Exception:
+                self.engine.release_reserved(request_id)  # nothing can have written them yet
+                raise
             self._pending[request_id] = (prompt_token_ids, params)
         return blocks
 
@@ -102,11 +107,20 @@ class DecodeWorker(WorkerLoop):
             self.emit({"type": "failed", "request_id": request_id, "worker_id": self.worker_id, "reason": str(e)})
 
     def _abort(self, request_id: str) -> None:
-        if self.connector is not None and self.connector.abort(request_id, "aborted by the router"):
-            self.connector.take_failed()
+        if self.connector is not None:
+            self.connector.abort(request_id, "aborted by the router")  # revokes the transfer
+            self._release_revoked()
+            if self.connector.holds(request_id):
+                self._pending.pop(request_id, None)
+                return  # quarantined: its blocks come back once the sender confirms (tick)
         self.engine.release_reserved(request_id)
         self._pending.pop(request_id, None)
         self.engine.abort_request(request_id)
+
+    def _release_revoked(self) -> None:
+        """Free the blocks of failed reservations the transport no longer writes (exactly once)."""
+        for request_id in self.connector.take_releasable():
+            self.engine.release_reserved(request_id)
 
     def _stats(self) -> dict:
         sched = self.engine.scheduler
@@ -117,6 +131,8 @@ class DecodeWorker(WorkerLoop):
             "num_running": len(sched.running),
             "num_waiting": len(sched.waiting),
             "num_reserved": self.engine.num_reserved,
+            # Of those, failed ones whose blocks wait for a sender's revoke confirmation (shm push).
+            "num_quarantined": len(self.connector.quarantined) if self.connector is not None else 0,
         }
 
     def tick(self) -> bool:
@@ -133,10 +149,10 @@ class DecodeWorker(WorkerLoop):
                 if out is not None:
                     self._emit_tokens(out)
             for task in self.connector.take_failed():
-                self.engine.release_reserved(task.request_id)
                 self._pending.pop(task.request_id, None)
                 self.emit({"type": "failed", "request_id": task.request_id, "worker_id": self.worker_id,
                            "reason": task.reason})
+            self._release_revoked()
         if not self.engine.has_pending():
             return False
         for out in self.engine.step():

@@ -13,6 +13,16 @@ exactly once.
 Decode (``DecodeKVConnector``): each expected request moves WAITING_FOR_KV -> READY | FAILED. READY
 when the prefill side's ``TransferDone`` arrives (sent only after delivery was acknowledged); FAILED on a
 negative ``TransferDone``, an ``AbortTransfer``, a dead prefill peer (heartbeat) or the deadline.
+
+The reserved blocks are admitted on the receiving transport for the request alone (``expect``, see
+transports/base.py): chunks that arrive after the decode side gave up, from a prefill that has not
+heard of it yet (the abort is an async message; a partitioned or frozen prefill may never hear), are
+refused instead of landing in blocks that another request may own by then. On READY the transfer is
+completed before the engine touches the blocks. On FAILED it is revoked; the blocks may go back to
+the pool (``take_releasable``) only once the transport guarantees nothing of the transfer is written
+any more: at once, or, for a sender that writes into our memory itself (shm push), after it confirmed
+(``poll_revoked``). Until then the reservation stays held, *quarantined*: it fails the request for
+the router at once but keeps its blocks out of use. Each failed reservation is released exactly once.
 """
 
 from __future__ import annotations
@@ -246,22 +256,30 @@ class RecvTask:
 
 class DecodeKVConnector(KVConnector):
     """Tracks reservations; the transport writes the bytes in the background. The worker drains
-    ``take_ready`` / ``take_failed`` each loop turn and hands them to the engine."""
+    ``take_ready`` / ``take_failed`` / ``take_releasable`` each loop turn and hands them to the engine."""
 
     def __init__(self, transport, endpoint, clock=time.monotonic):
         self.transport = transport
         self.endpoint = endpoint
         self.clock = clock
         self.tasks: dict[str, RecvTask] = {}
+        self.quarantined: set[str] = set()  # failed, waiting for the transport's poll_revoked
+        self._releasable: list[str] = []  # failed and revoked: their blocks may go back
 
-    def expect(self, request_id: str, prefill_id: str, timeout_s: float) -> None:
+    def expect(self, request_id: str, prefill_id: str, timeout_s: float, dst_block_ids: list[int]) -> None:
+        """Track a reservation and admit its blocks on the transport (before the caller hands the
+        block ids out: only then can a sender learn them)."""
+        self.transport.expect(request_id, np.asarray(dst_block_ids, dtype=np.int64))
         self.tasks[request_id] = RecvTask(request_id, prefill_id, self.clock() + timeout_s)
 
     def abort(self, request_id: str, reason: str = "aborted") -> bool:
+        """Give up a transfer that has not completed (the caller asked: no ``take_failed`` entry).
+        Its blocks come back through ``take_releasable``, now or once quarantine ends."""
         task = self.tasks.get(request_id)
         if task is None or task.state != RecvState.WAITING_FOR_KV:
             return False
         self._fail(task, reason, notify_peer=True)
+        del self.tasks[request_id]
         return True
 
     def handle_message(self, peer_id: str, msg) -> None:
@@ -269,6 +287,8 @@ class DecodeKVConnector(KVConnector):
         if task is None or task.prefill_id != peer_id or task.state != RecvState.WAITING_FOR_KV:
             return
         if isinstance(msg, TransferDone) and msg.ok:
+            # The KV is final: stray chunks of this transfer are refused before the engine uses it.
+            self.transport.complete(task.request_id)
             task.state, task.done = RecvState.READY, msg
         else:
             reason = msg.error if isinstance(msg, TransferDone) else msg.reason
@@ -276,6 +296,10 @@ class DecodeKVConnector(KVConnector):
 
     def check(self) -> None:
         self.transport.poll_received()  # bytes land in the background; TransferDone is authoritative
+        for request_id in self.transport.poll_revoked():
+            if request_id in self.quarantined:
+                self.quarantined.discard(request_id)
+                self._releasable.append(request_id)
         dead = self.endpoint.dead_peers()
         now = self.clock()
         for task in list(self.tasks.values()):
@@ -293,14 +317,31 @@ class DecodeKVConnector(KVConnector):
         return ready
 
     def take_failed(self) -> list[RecvTask]:
+        """Failed requests to report; their blocks come back through ``take_releasable``."""
         failed = [t for t in self.tasks.values() if t.state == RecvState.FAILED]
         for t in failed:
             del self.tasks[t.request_id]
         return failed
 
+    def take_releasable(self) -> list[str]:
+        """Failed reservations whose blocks nothing will write any more: free them (once)."""
+        out, self._releasable = self._releasable, []
+        return out
+
+    def holds(self, request_id: str) -> bool:
+        """The reservation is tracked here (waiting, failed or quarantined): only this connector
+        may say when its blocks are free."""
+        return request_id in self.tasks or request_id in self.quarantined or request_id in self._releasable
+
     def _fail(self, task: RecvTask, reason: str, notify_peer: bool) -> None:
         log.warning("KV transfer of %s from %s failed: %s", task.request_id, task.prefill_id, reason)
         task.state, task.reason = RecvState.FAILED, reason
+        if self.transport.revoke(task.request_id):
+            self._releasable.append(task.request_id)
+        else:
+            # A sender may still write into the blocks (shm push): keep them reserved until it
+            # confirmed it stopped (poll_revoked); bounded by its liveness (a closed link counts).
+            self.quarantined.add(task.request_id)
         if notify_peer:
             try:
                 self.endpoint.send(task.prefill_id, AbortTransfer(request_id=task.request_id, reason=reason[:200]))

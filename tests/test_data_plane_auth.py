@@ -65,6 +65,7 @@ def config(secret: str | None, timeout_s: float) -> TransportConfig:
         max_inflight_chunks=4,
         shm=ShmOptions(ring_bytes=64 << 10),
         secret=secret,
+        admit_unexpected=True,  # admission (expect/revoke) is tested in test_late_writes.py
     )
 
 

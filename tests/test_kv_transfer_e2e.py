@@ -139,8 +139,8 @@ def _prefill_child(conn):
             conn.send("ok")
 
 
-# tcp notices the dropped connection itself; ucx (error handling off, for shared memory) cannot, so
-# there the control-plane heartbeat is what reclaims the blocks.
+# tcp notices the dropped connection itself; ucx notices only by keepalive (20 s), so there the
+# control-plane heartbeat is what reclaims the blocks.
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("transport, reason", [("tcp", "dropped"), ("ucx", "stopped answering")])
 def test_decode_killed_mid_transfer_prefill_reclaims_within_5s(tiny_dir, transport, reason):

@@ -37,7 +37,11 @@ SHAPE = (NUM_LAYERS, 2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
 WAIT_S = 30.0  # generous bound for one phase in a child; tests fail rather than hang past it
 
 # Small chunks and a small shm ring, so a request spans several chunks and the ring wraps.
-TEST_CONFIG = dict(timeout_s=10.0, chunk_bytes=8 << 10, max_inflight_chunks=4, shm=ShmOptions(ring_bytes=64 << 10))
+# Receivers admit every transfer: these tests are about moving bytes; admission (expect/revoke) is
+# tested in test_late_writes.py.
+TEST_CONFIG = dict(
+    timeout_s=10.0, chunk_bytes=8 << 10, max_inflight_chunks=4, shm=ShmOptions(ring_bytes=64 << 10), admit_unexpected=True
+)
 
 AVAILABLE = available_transports()
 TRANSPORTS = [

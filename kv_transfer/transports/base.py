@@ -32,6 +32,26 @@ Contract (the same for every transport):
   the cache, and counts in ``num_rejected``; a sender whose secret differs sees its connect refused
   (shm, nccl: they prove the secret at connect) or its sends time out (tcp, ucx). No secret on both
   sides still works (empty key); a secret on one side only does not.
+* Admission (receiver; admission.py). A chunk lands only if its transfer is *expected* and names
+  only blocks expected for it; anything else (never expected, revoked, completed, blocks outside the
+  set) is refused: never written, acked with the reason (the sender's send fails), counted in
+  ``num_refused``, logged at most once a second. Sealing is checked first. (An shm sender that
+  pushes into the receiver's memory checks a grant the receiver sent it, and refuses itself.)
+
+  - ``expect(transfer_id, dst_block_ids)``: chunks of this transfer may land in these blocks, from
+    now on. Call it before the sender can learn the block ids (shm hands the grant to its pushing
+    senders before it returns). A block belongs to at most one open transfer.
+  - ``revoke(transfer_id) -> bool``: the transfer is given up (abort, deadline, dead peer). True:
+    no byte of it will be written into the cache any more (the check and the scatter of a chunk
+    share a lock with ``revoke``, so a chunk mid-scatter finished first); the blocks may be reused
+    now. False: a live sender may still write directly (shm push): keep the blocks out of use until
+    ``poll_revoked`` lists the id, which it does once every such sender has confirmed it stopped
+    writing the transfer, or its connection closed.
+  - ``complete(transfer_id)``: the sender reported delivery (TransferDone): the KV is final and
+    stray chunks of the transfer are refused from now on. Nothing to wait for: the sender declares
+    a transfer done only after every one of its sends was acknowledged, so it writes nothing after.
+  - ``TransportConfig.admit_unexpected`` turns refusals of unexpected transfers off, for benchmarks
+    that drive a receiver without reservations; never in a worker.
 * Re-connect: ``connect`` again with the same ``peer_id`` and an equal descriptor does nothing; with
   a different descriptor (the peer restarted: new addresses, new nonce) it replaces the link. Sends
   still in flight on the old link are reported failed by ``poll_sent``; later sends go to the new
@@ -51,6 +71,7 @@ from typing import ClassVar, Literal
 import numpy as np
 import torch
 
+from .admission import Admission
 from .sealing import Sealer
 
 Role = Literal["sender", "receiver"]
@@ -62,13 +83,22 @@ class UCXOptions:
     tls: str | None = None
     # Loopback only by default: UCX must not pick a routable interface on shared machines.
     net_devices: str = "lo"
-    # UCX's shared-memory transports are "unreachable" when endpoint error handling is on, and UCX
-    # then silently falls back to TCP (FIELD_NOTES: ~10x slower). Peer loss is still caught by our
-    # ack deadline (TransportConfig.timeout_s); turn this on only across hosts.
-    error_handling: bool = False
-    # Rendezvous by put: the sender's process does the cross-process copy (CMA on one host), the
-    # receiver only scatters. With UCX's default (get) the receiver did both and was the bottleneck:
-    # 1.8 vs 0.9 GB/s end to end here. None leaves UCX's choice.
+    # Endpoint error handling (UCX "peer" mode): a peer's death fails our requests instead of
+    # aborting this process. Off, UCX treats any transport error as fatal: a rendezvous put by CMA
+    # (process_vm_writev) into a decode worker that had just been killed aborted the surviving
+    # prefill (bench/recovery.py, 2 of 12 kills; tests/test_ucx_peer_death.py). On, ucx.py also sets
+    # UCX_{POSIX,SYSV}_ERROR_HANDLING=y so the shared-memory transports stay usable (UCX otherwise
+    # calls them unreachable and falls back to TCP, FIELD_NOTES). CMA then carries nothing: UCX
+    # wants memory invalidation for rendezvous lanes under peer error handling and CMA has none, so
+    # large messages on one host go as eager fragments through the shared-memory FIFO (sender
+    # copies in, receiver copies out). bench/kv_transfer.py's 64 MiB transfer, runs interleaved on
+    # 2 shared cores: 0.82-1.13 GB/s against 1.04-1.34 GB/s with error handling off and CMA, about
+    # 80%; TCP alone with error handling 0.65-0.84. Turn it off only where no peer can die mid-transfer.
+    error_handling: bool = True
+    # Rendezvous by put: the sender's process does the cross-process copy, the receiver only
+    # scatters. With UCX's default (get) the receiver did both and was the bottleneck (1.8 vs 0.9
+    # GB/s, CMA with error handling off). Moot on one host with error handling on (no rendezvous
+    # lane, see above); kept for transports that have one. None leaves UCX's choice.
     rndv_scheme: str | None = "put_zcopy"
     # Extra UCX options (without the "UCX_" prefix), e.g. {"RNDV_THRESH": "8192"}.
     extra: dict[str, str] = field(default_factory=dict)
@@ -97,6 +127,9 @@ class TransportConfig:
     # Cluster secret every header and ack is sealed with (see the module docstring). Out of repr,
     # so a logged config does not leak it.
     secret: bytes | str | None = field(default=None, repr=False)
+    # Receiver: land chunks of transfers nobody expect()ed (see the module docstring). Benchmarks
+    # only: a worker must leave it off, or late chunks of a given-up transfer corrupt reused blocks.
+    admit_unexpected: bool = False
     ucx: UCXOptions = field(default_factory=UCXOptions)
     shm: ShmOptions = field(default_factory=ShmOptions)
 
@@ -122,6 +155,10 @@ class KVTransport(ABC):
         # Seals what we send, checks what we receive; its nonce goes into local_descriptor().
         self._sealer = Sealer(self.config.secret, owner=f"{self.name} {role}")
         self._peer_descriptors: dict[str, dict] = {}  # sender: what connect() last linked each peer to
+        # Receiver: which transfers may write which blocks; IO threads scatter through its gate.
+        self._admission = Admission(
+            kv_cache.shape[2], owner=f"{self.name} {role}", admit_unexpected=self.config.admit_unexpected
+        )
 
     def _already_linked(self, peer_id: str, peer_descriptor: dict) -> bool:
         """connect() with the descriptor the current link was made from: nothing to do."""
@@ -131,6 +168,30 @@ class KVTransport(ABC):
     def num_rejected(self) -> int:
         """Messages dropped because they failed authentication (bad tag, replay, undecodable)."""
         return self._sealer.num_rejected
+
+    @property
+    def num_refused(self) -> int:
+        """Authenticated chunks the receiver refused: transfer not expected, or blocks outside its set."""
+        return self._admission.num_refused
+
+    def expect(self, transfer_id: str, dst_block_ids: np.ndarray | Sequence[int]) -> None:
+        """Receiver: chunks of ``transfer_id`` may land in ``dst_block_ids`` (module docstring)."""
+        self._admission.expect(transfer_id, dst_block_ids)
+
+    def revoke(self, transfer_id: str) -> bool:
+        """Receiver: give the transfer up. True: nothing of it is written any more; False: wait for
+        ``poll_revoked`` to list it before reusing its blocks. The base receiver scatters every chunk
+        itself, under the admission lock, so it always returns True."""
+        self._admission.revoke(transfer_id)
+        return True
+
+    def complete(self, transfer_id: str) -> None:
+        """Receiver: the transfer was delivered; its chunks are refused from now on."""
+        self._admission.revoke(transfer_id)
+
+    def poll_revoked(self) -> list[str]:
+        """Receiver: ids whose ``revoke`` returned False and that are now safe (reported once)."""
+        return []
 
     @classmethod
     def allocate_kv_cache(

@@ -20,6 +20,10 @@ On GPUs the payload goes over NCCL and the control messages (acks) stay on gloo,
 NCCL receive would hold up later operations of the same communicator. The NCCL path is written for
 real but untested here (no GPU).
 
+Admission (admission.py): a pair's thread receives a payload into a staging buffer and scatters it
+only through the receiver's admission gate; ``revoke`` takes the gate's lock, so once it returns no
+thread scatters the transfer any more (always True here). A refused chunk is acked ``refused``.
+
 Authentication (sealing.py). The store answers anyone who reaches its port, so nothing read from it
 is trusted unsealed. Before a pair's group is built, the sender writes a sealed HELLO under the
 pair's prefix and the receiver answers a sealed WELCOME (or ``refused``): neither side joins a group
@@ -63,7 +67,12 @@ log = logging.getLogger(__name__)
 _TAG_PAYLOAD = 1
 _TAG_ACK = 2
 _PAIRS_KEY = "pairs"
-_ACK_OK, _ACK_REJECTED = 0, 1
+_ACK_OK, _ACK_REJECTED, _ACK_REFUSED = 0, 1, 2  # refused: admission (transfer not expected here)
+_ACK_ERRORS = {
+    _ACK_OK: None,
+    _ACK_REFUSED: "receiver refused the chunk: its transfer is not expected there (aborted, timed out, "
+    "complete, or never reserved) or it names blocks outside the reservation",
+}
 _ACK_BODY = struct.Struct("<qqq")  # send seq, chunk index, status
 _ACK_BYTES = sealed_size(_ACK_BODY.size)  # gloo receives need the size up front
 _HELLO_KEY, _ANSWER_KEY = "hello", "answer"  # under the pair's prefix: the mutual proof
@@ -348,7 +357,7 @@ class TorchDistTransport(KVTransport):
             if (got_seq, got_chunk) != (seq, chunk_index):
                 self._link_lost(link, f"ack out of order from {link.peer_id}")
                 return
-            self._tracker.chunk_acked(seq, None if status == _ACK_OK else "receiver rejected the chunk")
+            self._tracker.chunk_acked(seq, _ACK_ERRORS.get(status, "receiver rejected the chunk"))
 
     # ---------------------------------------------------------------- receiver threads
 
@@ -431,21 +440,31 @@ class TorchDistTransport(KVTransport):
         try:
             data.recv([buf], 0, _TAG_PAYLOAD).wait(_td(deadline - time.monotonic()))
             problem = chunk_problem(layout, header.layer_ids, header.dst_block_ids, buf.numel())
+            refusal = None
             if problem is None:
-                scatter_rows(
-                    buffer_rows(buf, layout.block_bytes), self._rows, layout.row_ids(header.layer_ids, header.dst_block_ids)
-                )
-                if buf.is_cuda:
-                    torch.cuda.current_stream().synchronize()  # in kv_cache before we ack
+                refusal = self._scatter(header, buf)
         finally:
             self._pool.give(buf)
-        if problem is None:
+        if problem is None and refusal is None:
             self._received.chunk_landed(
                 sender_nonce, header.send_seq, header.num_chunks, header.transfer_id, header.layer_ids
             )
-        else:
+        elif problem is not None:
             log.warning("rejected chunk of %s: %s", header.transfer_id, problem)
-        status = _ACK_OK if problem is None else _ACK_REJECTED
+        status = _ACK_OK if problem is None and refusal is None else _ACK_REJECTED if problem else _ACK_REFUSED
         body = _ACK_BODY.pack(header.send_seq, header.chunk_index, status)
         ack = torch.frombuffer(bytearray(self._sealer.seal(ACK, sender_nonce, body)), dtype=torch.uint8)
         ctrl.send([ack], 0, _TAG_ACK).wait(_td(deadline - time.monotonic()))
+
+    def _scatter(self, header: ChunkHeader, buf: torch.Tensor) -> str | None:
+        """Scatter a received payload (in our staging buffer) through the admission gate: a revoke()
+        waits for it, on whichever pair's thread it runs. Returns the refusal, if any."""
+        layout = self._layout
+        with self._admission.gate(header.transfer_id, header.dst_block_ids) as refusal:
+            if refusal:
+                return refusal
+            rows = layout.row_ids(header.layer_ids, header.dst_block_ids)
+            scatter_rows(buffer_rows(buf, layout.block_bytes), self._rows, rows)
+            if buf.is_cuda:
+                torch.cuda.current_stream().synchronize()  # in kv_cache before we ack (or revoke)
+        return None

@@ -74,6 +74,10 @@ ACK = b"A"  # chunk ack, receiver -> sender
 HELLO = b"C"  # sender's first message on a new link (ucx, shm, nccl)
 WELCOME = b"W"  # receiver's answer to a hello (shm, nccl): proves the receiver too
 HANDOVER = b"F"  # shm: the sender's memory descriptors, sent only to a receiver that proved itself
+GRANT = b"G"  # shm: receiver -> pushing sender, a transfer may write these blocks (admission.py)
+REVOKE = b"R"  # shm: receiver -> pushing sender, stop writing a transfer
+REVOKED = b"K"  # shm: sender -> receiver, it stopped writing that transfer
+SYNC = b"S"  # shm: receiver -> new sender, end of the grants in force when it joined
 
 REPLAY_WINDOW = 1024  # counters accepted out of order behind the newest one seen from a sender
 MAX_TRACKED_SENDERS = 4096  # sender incarnations whose windows we remember (least recently used out)

@@ -20,6 +20,13 @@ other side learns at once; the ack deadline covers a peer that hangs.
 Nothing is created under /dev/shm: memfd segments vanish when the last process holding them exits,
 also on SIGKILL. Sources must stay unchanged until poll_sent reports them (a receiver may pull late).
 
+Admission (admission.py, shm_grants.py). Pull and ring chunks are copied by the receiver through its
+admission gate, so ``revoke`` stops them at once. A push is written by the sender itself: it pushes
+only chunks of transfers the receiver granted it (``expect`` sends the grant before it returns), and
+``revoke`` has every pushing sender confirm it dropped the grant. So ``revoke`` returns True when our
+cache is not shared (or no sender is connected), else False, and ``poll_revoked`` lists the transfer
+once every pushing sender confirmed or closed its connection.
+
 Authentication (sealing.py). Mapping a peer's memory is the whole game here (a push writes straight
 into the receiver's cache), so memory descriptors go only to a peer that proved the cluster secret,
 in a three-step handshake: the sender's HELLO (no descriptors), the receiver's WELCOME (with its
@@ -50,8 +57,9 @@ import torch
 from .base import KVTransport, Role, TransportConfig, replaced_link_reason
 from .block_copy import copy_blocks, gather_rows, rows_view
 from .layout import KVLayout
-from .sealing import ACK, HANDOVER, HEADER, HELLO, WELCOME, peer_nonce
+from .sealing import ACK, GRANT, HANDOVER, HEADER, HELLO, REVOKE, REVOKED, SYNC, WELCOME, peer_nonce
 from .send_job import SendJob, prepare_send
+from .shm_grants import Grants, decode_grant, decode_transfer_id, encode_transfer_id
 from .shm_inbox import MAX_MSG_BYTES, PULL, PUSH, RING, ShmInbox
 from .shm_memory import create_segment, find_segment, map_cache, shared_tensor
 from .shm_ring import RingAllocator
@@ -83,7 +91,18 @@ class _Peer:
     blocks: np.ndarray | None  # the receiver's cache [layers * 2, blocks, bytes] when shared
     mapping: mmap.mmap | None
     pulls: bool  # the receiver mapped our cache and copies pull chunks itself
+    grants: Grants  # transfers the receiver lets us push, and their blocks (shm_grants.py)
     dead: str | None = None
+
+
+@dataclass
+class _Call:
+    """A caller waiting for the IO thread (expect's grant, revoke). If the caller stops waiting, a
+    revoke the IO thread settles later is reported through poll_revoked instead."""
+
+    done: threading.Event
+    result: bool = False
+    abandoned: bool = False
 
 
 class ShmTransport(KVTransport):
@@ -144,12 +163,14 @@ class ShmTransport(KVTransport):
             blocks=self._blocks,
             cache_share=self._cache_share,
             received=self._received,
+            admission=self._admission,
             sealer=self._sealer,
             selector=self._selector,
             timeout_s=self.config.timeout_s,
         )
         self._jobs: deque[SendJob] = deque()
         self._ring_spans: dict[tuple[int, int], tuple[str, int]] = {}  # (seq, chunk) -> (peer, offset)
+        self._calls_lock = threading.Lock()  # a _Call's result vs. its caller giving up
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=f"shm-kv-{role}", daemon=True)
         self._thread.start()
@@ -191,11 +212,12 @@ class ShmTransport(KVTransport):
         try:
             sock.connect(b"\0" + str(peer_descriptor["socket"]).encode())
             reply, mapping, blocks = self._handshake(peer_id, sock, nonce, peer_layout, needs_ring)
+            grants = self._initial_grants(peer_id, sock, nonce, Grants(open_receiver=bool(reply.get("open"))))
         except BaseException:
             sock.close()
             raise
         sock.setblocking(False)
-        peer = _Peer(sock, nonce, peer_layout, blocks, mapping, pulls=bool(reply.get("pulls")))
+        peer = _Peer(sock, nonce, peer_layout, blocks, mapping, pulls=bool(reply.get("pulls")), grants=grants)
         done = threading.Event()
         self._commands.put(("connect", peer_id, peer, done))
         self._waker.wake()
@@ -241,6 +263,19 @@ class ShmTransport(KVTransport):
         )  # fmt: skip
         return reply, mapping, blocks
 
+    def _initial_grants(self, peer_id: str, sock: socket.socket, nonce: bytes, grants: Grants) -> Grants:
+        """After the handover the receiver sends the grants in force, then SYNC (shm_grants.py)."""
+        while True:
+            data = sock.recv(MAX_MSG_BYTES)
+            if not data:
+                raise ConnectionError(f"{peer_id} closed the connection during the handshake")
+            opened = self._sealer.open(data, {GRANT: decode_grant, SYNC: bytes}, (nonce,))
+            if opened is None:
+                raise ConnectionError(f"{peer_id} sent a handshake message that fails authentication")
+            if opened.kind == SYNC:
+                return grants
+            grants.add(*opened.message)
+
     def _ensure_ring(self) -> int:
         with self._ring_lock:
             if self._ring_map is None:
@@ -285,6 +320,55 @@ class ShmTransport(KVTransport):
     def poll_received(self) -> list[tuple[str, list[int]]]:
         return self._received.poll()
 
+    # receiver admission (module docstring) ---------------------------------------------------
+
+    def expect(self, transfer_id: str, dst_block_ids: np.ndarray | Sequence[int]) -> None:
+        self._admission.expect(transfer_id, dst_block_ids)
+        if self._kv_fd < 0:
+            return  # nobody writes into our cache but us
+        blocks = np.unique(np.asarray(dst_block_ids, dtype=np.int64))
+        # The grant must be on every pushing sender's socket before the block ids can reach it.
+        if not self._call_io("grant", transfer_id, blocks):
+            self._admission.revoke(transfer_id)
+            raise TimeoutError(f"shm IO thread did not grant {transfer_id!r} within {self.config.timeout_s}s")
+
+    def revoke(self, transfer_id: str) -> bool:
+        was_expected = self._admission.revoke(transfer_id)  # pull and ring copies stop here
+        if self._kv_fd < 0 or not was_expected:
+            return True  # no sender holds a grant for it
+        return self._call_io("revoke", transfer_id, True)
+
+    def complete(self, transfer_id: str) -> None:
+        if self._admission.revoke(transfer_id) and self._kv_fd >= 0:
+            # Senders drop the grant; nothing to wait for (base.py: a delivered transfer is final).
+            self._commands.put(("revoke", transfer_id, False, None))
+            self._waker.wake()
+
+    def poll_revoked(self) -> list[str]:
+        out = []
+        while self._inbox.revoked:
+            out.append(self._inbox.revoked.popleft())
+        return out
+
+    @property
+    def num_pending_revokes(self) -> int:
+        """Revoked transfers still waiting for a pushing sender's confirmation."""
+        return self._inbox.num_pending_revokes
+
+    def _call_io(self, kind: str, transfer_id: str, arg: object) -> bool:
+        """Run a grant or revoke on the IO thread and wait (bounded) for its result."""
+        call = _Call(threading.Event())
+        self._commands.put((kind, transfer_id, arg, call))
+        self._waker.wake()
+        if call.done.wait(self.config.timeout_s):
+            return call.result
+        with self._calls_lock:
+            if call.done.is_set():
+                return call.result
+            call.abandoned = True  # a revoke settled later goes to poll_revoked
+        log.warning("shm IO thread did not answer a %s of %s within %.1fs", kind, transfer_id, self.config.timeout_s)
+        return False
+
     def close(self) -> None:
         if self._stopping:
             return
@@ -313,14 +397,14 @@ class ShmTransport(KVTransport):
             while not self._stopping:
                 busy = self._drain_commands()
                 busy |= self._post_chunks()
-                for key, _ in self._selector.select(0 if busy else _IDLE_WAIT_S):
+                for key, mask in self._selector.select(0 if busy else _IDLE_WAIT_S):
                     kind, obj = key.data
                     if kind == "waker":
                         self._waker.drain()
                     elif kind == "listener":
                         self._inbox.accept(key.fileobj)
                     elif kind == "sender":
-                        self._inbox.on_readable(key.fileobj)
+                        self._inbox.on_ready(key.fileobj, mask)
                     elif kind == "peer":
                         self._on_peer_readable(obj)
         except Exception as e:  # noqa: BLE001 - surface in poll_sent rather than die silently
@@ -352,6 +436,24 @@ class ShmTransport(KVTransport):
                 self._peers[peer_id] = peer
                 self._selector.register(peer.sock, selectors.EVENT_READ, ("peer", peer_id))
                 done.set()
+            elif cmd[0] == "grant":
+                _, transfer_id, blocks, call = cmd
+                self._inbox.grant(transfer_id, blocks)
+                self._answer(call, transfer_id, True)
+            elif cmd[0] == "revoke":
+                _, transfer_id, track, call = cmd
+                self._answer(call, transfer_id, self._inbox.revoke(transfer_id, track))
+
+    def _answer(self, call: _Call | None, transfer_id: str, result: bool) -> None:
+        if call is None:
+            return
+        with self._calls_lock:
+            if call.abandoned:
+                if result:  # the caller took False: report the id once it is safe
+                    self._inbox.revoked.append(transfer_id)
+                return
+            call.result = result
+            call.done.set()
 
     # sender ------------------------------------------------------------------------------
 
@@ -387,6 +489,8 @@ class ShmTransport(KVTransport):
             extra: dict = {"mode": mode}
             if mode == PUSH:
                 assert peer.blocks is not None
+                if not self._may_push(job, peer, chunk.dst_block_ids):
+                    continue  # the send failed; its job is dropped at the top of the loop
                 copy_blocks(self._blocks, chunk.src_block_ids, peer.blocks, chunk.dst_block_ids, job.layer_ids)
             elif mode == PULL:
                 extra["src"] = chunk.src_block_ids.astype("<i4").tobytes()
@@ -405,6 +509,22 @@ class ShmTransport(KVTransport):
             self._notify(job.peer_id, peer, self._sealer.seal(HEADER, peer.nonce, header))
             posted = True
         return posted
+
+    def _may_push(self, job: SendJob, peer: _Peer, dst_block_ids: np.ndarray) -> bool:
+        """Push only under a grant (shm_grants.py). Read what waits on the socket first (one syscall
+        when nothing does): a REVOKE takes effect before the next copy, not after the whole queue,
+        and a grant the receiver sent before its reservation was answered is there by now."""
+        self._on_peer_readable(job.peer_id)
+        if peer.dead or not self._tracker.is_live(job.seq):
+            return False  # already failed (peer lost, or a chunk of the transfer refused)
+        if peer.grants.allows(job.transfer_id, dst_block_ids):
+            return True
+        self._tracker.fail_send(
+            job.seq,
+            f"{job.peer_id} has not granted transfer {job.transfer_id!r} these blocks (not reserved "
+            "there, revoked after an abort or deadline, or complete): nothing was written",
+        )
+        return False
 
     def _notify(self, peer_id: str, peer: _Peer, msg: bytes) -> None:
         try:
@@ -435,9 +555,20 @@ class ShmTransport(KVTransport):
             if not data:
                 self._peer_lost(peer_id, peer, f"{peer_id} closed the connection")
                 return
-            opened = self._sealer.open(data, {ACK: ChunkAck.decode}, (peer.nonce,))
+            opened = self._sealer.open(
+                data, {ACK: ChunkAck.decode, GRANT: decode_grant, REVOKE: decode_transfer_id}, (peer.nonce,)
+            )
             if opened is None:
                 continue  # forged or replayed: the chunk stays unacknowledged
+            if opened.kind == GRANT:
+                peer.grants.add(*opened.message)
+                continue
+            if opened.kind == REVOKE:
+                # Chunks are copied on this thread, one at a time: none of this transfer is being
+                # copied now, and without the grant none will be.
+                peer.grants.drop(opened.message)
+                self._notify(peer_id, peer, self._sealer.seal(REVOKED, peer.nonce, encode_transfer_id(opened.message)))
+                continue
             ack = opened.message
             span = self._ring_spans.pop((ack.send_seq, ack.chunk_index), None)
             if span is not None and self._ring is not None:
@@ -451,6 +582,9 @@ class ShmTransport(KVTransport):
         self._tracker.fail_peer(peer_id, reason)
         self._selector.unregister(peer.sock)
         self._release_ring_spans(peer_id)
+        # We never push to a dead peer again; closing tells a live receiver so, which settles the
+        # revokes it may be waiting on us for (shm_grants.py).
+        peer.sock.close()
 
     def _drop_link(self, peer_id: str) -> None:
         """The peer restarted and connect() was given its new descriptor: fail what is in flight to

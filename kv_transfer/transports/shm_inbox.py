@@ -1,6 +1,9 @@
 """Receiver side of the shm transport: accepts senders (handshake with memfd descriptors), makes
 each chunk land in the cache (nothing to do for push, copy for pull, scatter for ring) and acks it.
-Runs on the transport's IO thread; see shm.py for the modes, the protocol and its authentication."""
+Runs on the transport's IO thread; see shm.py for the modes, the protocol and its authentication.
+
+Admission: pull and ring chunks are copied through the admission gate (admission.py); pushing
+senders are granted and revoked transfers over their socket (shm_grants.py)."""
 
 from __future__ import annotations
 
@@ -9,15 +12,18 @@ import mmap
 import os
 import selectors
 import socket
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgpack
 import numpy as np
 
+from .admission import Admission
 from .block_copy import copy_blocks, scatter_rows
 from .layout import KVLayout, chunk_problem
-from .sealing import ACK, HANDOVER, HEADER, HELLO, WELCOME, Opened, Sealer, decode_raw
+from .sealing import ACK, GRANT, HANDOVER, HEADER, HELLO, REVOKE, REVOKED, SYNC, WELCOME, Opened, Sealer, decode_raw
+from .shm_grants import PendingRevokes, decode_transfer_id, encode_grant, encode_transfer_id
 from .shm_memory import map_cache, map_fd
 from .tracking import ReceiveTracker
 from .wire import ChunkAck, ChunkHeader
@@ -38,6 +44,9 @@ class _Sender:
     ring: np.ndarray | None  # the sender's staging ring as bytes
     blocks: np.ndarray | None  # the sender's cache [layers * 2, blocks, bytes] when shared
     mappings: list[mmap.mmap]
+    # Sealed messages waiting for room in the socket (a sender that stopped reading): acks, grants
+    # and revokes are never dropped, a revoke least of all.
+    outbox: deque[bytes] = field(default_factory=deque)
 
 
 class _Refused(Exception):
@@ -54,6 +63,7 @@ class ShmInbox:
         blocks: np.ndarray,
         cache_share: Callable[[], tuple[dict, list[int]]],
         received: ReceiveTracker,
+        admission: Admission,
         sealer: Sealer,
         selector: selectors.BaseSelector,
         timeout_s: float,
@@ -65,10 +75,13 @@ class ShmInbox:
         self._cache_share = cache_share  # handshake fields + fd letting a sender map our cache
         self._shared = bool(cache_share()[1])
         self._received = received
+        self._admission = admission
         self._sealer = sealer
         self._selector = selector
         self._timeout_s = timeout_s
         self._senders: dict[socket.socket, _Sender] = {}
+        self._pending_revokes = PendingRevokes()
+        self.revoked: deque[str] = deque()  # poll_revoked's ids; the IO thread appends, callers pop
 
     def close(self) -> None:
         for sock in self._senders:
@@ -111,7 +124,13 @@ class ShmInbox:
         layout = KVLayout.from_dict(info["layout"])
         self._layout.check_peer(layout)
         share, out_fds = self._cache_share()
-        reply = {"receiver_id": self._id, "pulls": bool(info["kv_bytes"]), **share}
+        # "open": we admit unexpected transfers (TransportConfig.admit_unexpected): push without grants.
+        reply = {
+            "receiver_id": self._id,
+            "pulls": bool(info["kv_bytes"]),
+            "open": self._admission.admits_unexpected,
+            **share,
+        }
         socket.send_fds(sock, [self._sealer.seal(WELCOME, hello.from_nonce, msgpack.packb(reply))], out_fds)
         _, fds = self._receive(sock, HANDOVER, decode_raw, expect_from=hello.from_nonce)
         try:
@@ -132,10 +151,50 @@ class ShmInbox:
             for fd in fds:  # not (or no longer) ours to keep
                 os.close(fd)
         sock.setblocking(False)
-        self._senders[sock] = _Sender(info["sender_id"], hello.from_nonce, layout, ring, blocks, mappings)
+        sender = _Sender(info["sender_id"], hello.from_nonce, layout, ring, blocks, mappings)
+        self._senders[sock] = sender
         self._selector.register(sock, selectors.EVENT_READ, ("sender", None))
+        # The grants in force, then SYNC: the sender's connect() returns only after reading them, so
+        # it never misses a grant made before it joined (later ones come after, on the same socket).
+        if self._shared:
+            for transfer_id, expected_blocks in self._admission.expected():
+                self._send(sock, self._sealer.seal(GRANT, sender.nonce, encode_grant(transfer_id, expected_blocks)))
+        self._send(sock, self._sealer.seal(SYNC, sender.nonce, b""))
 
-    def on_readable(self, sock: socket.socket) -> None:
+    # admission of pushing senders (shm_grants.py) --------------------------------------------
+
+    def grant(self, transfer_id: str, blocks: np.ndarray) -> None:
+        """Let every pushing sender write ``blocks`` for ``transfer_id``."""
+        if not self._shared:
+            return
+        for sock, sender in list(self._senders.items()):
+            self._send(sock, self._sealer.seal(GRANT, sender.nonce, encode_grant(transfer_id, blocks)))
+
+    def revoke(self, transfer_id: str, track: bool) -> bool:
+        """Tell every pushing sender to stop writing ``transfer_id``. True if none can write it now;
+        False if ``track`` and some must confirm first (the id then appears in ``revoked``)."""
+        if not self._shared or not self._senders:
+            return True
+        for sock, sender in list(self._senders.items()):
+            self._send(sock, self._sealer.seal(REVOKE, sender.nonce, encode_transfer_id(transfer_id)))
+        if not track:
+            return True
+        self._pending_revokes.start(transfer_id, set(self._senders))
+        return False
+
+    @property
+    def num_pending_revokes(self) -> int:
+        return len(self._pending_revokes)
+
+    # sender sockets ---------------------------------------------------------------------------
+
+    def on_ready(self, sock: socket.socket, mask: int) -> None:
+        if mask & selectors.EVENT_WRITE and sock in self._senders:
+            self._flush(sock)
+        if mask & selectors.EVENT_READ and sock in self._senders:
+            self._on_readable(sock)
+
+    def _on_readable(self, sock: socket.socket) -> None:
         sender = self._senders[sock]
         while True:
             try:
@@ -145,25 +204,63 @@ class ShmInbox:
             except OSError:
                 data = b""
             if not data:  # the sender went away; chunks it did not finish are forgotten
-                self._selector.unregister(sock)
-                del self._senders[sock]
-                sock.close()
-                self._received.drop_sender(sender.nonce)
+                self._drop_sender(sock, sender)
                 return
-            opened = self._sealer.open(data, {HEADER: ChunkHeader.decode}, (sender.nonce,))
+            opened = self._sealer.open(
+                data, {HEADER: ChunkHeader.decode, REVOKED: decode_transfer_id}, (sender.nonce,)
+            )
             if opened is None:
                 continue  # no ack; nothing copied
+            if opened.kind == REVOKED:
+                if self._pending_revokes.confirm(opened.message, sock):
+                    self.revoked.append(opened.message)
+                continue
             header = opened.message
             error = self._land(header, sender)
             if error is None:
                 self._received.chunk_landed(
                     sender.nonce, header.send_seq, header.num_chunks, header.transfer_id, header.layer_ids
                 )
+            ack = ChunkAck(header.send_seq, header.chunk_index, error).encode()
+            self._send(sock, self._sealer.seal(ACK, sender.nonce, ack))
+
+    def _drop_sender(self, sock: socket.socket, sender: _Sender) -> None:
+        """Its connection closed: its IO thread, the only one that copies, has ended, so revokes
+        waiting for it are settled."""
+        self._selector.unregister(sock)
+        del self._senders[sock]
+        sock.close()
+        self._received.drop_sender(sender.nonce)
+        self.revoked.extend(self._pending_revokes.sender_gone(sock))
+
+    def _send(self, sock: socket.socket, msg: bytes) -> None:
+        """Send now, or queue behind what is already waiting and send when the socket has room."""
+        sender = self._senders[sock]
+        if not sender.outbox:
             try:
-                ack = ChunkAck(header.send_seq, header.chunk_index, error).encode()
-                sock.send(self._sealer.seal(ACK, sender.nonce, ack))
+                sock.send(msg)
+                return
+            except BlockingIOError:
+                pass
+            except OSError as e:  # the reader side sees the connection close and cleans up
+                log.warning("message to sender %s failed: %s", sender.sender_id, e)
+                return
+        sender.outbox.append(msg)
+        self._selector.modify(sock, selectors.EVENT_READ | selectors.EVENT_WRITE, ("sender", None))
+
+    def _flush(self, sock: socket.socket) -> None:
+        sender = self._senders[sock]
+        while sender.outbox:
+            try:
+                sock.send(sender.outbox[0])
+            except BlockingIOError:
+                return
             except OSError as e:
-                log.warning("ack to sender %s failed: %s", sender.sender_id, e)
+                log.warning("message to sender %s failed: %s", sender.sender_id, e)
+                sender.outbox.clear()
+                break
+            sender.outbox.popleft()
+        self._selector.modify(sock, selectors.EVENT_READ, ("sender", None))
 
     def _land(self, header: ChunkHeader, sender: _Sender) -> str | None:
         """Make the chunk's bytes land in our cache (or check they did); None on success."""
@@ -173,7 +270,11 @@ class ShmInbox:
             return problem
         mode = header.extra.get("mode")
         if mode == PUSH:
-            return None if self._shared else "push into a cache that is not shared"
+            # The bytes are already in place; a sender pushes only with a grant, so a refusal here
+            # means it raced a revoke (the blocks stay quarantined until it confirms) or misbehaves.
+            return self._admission.check(header.transfer_id, header.dst_block_ids) if self._shared else (
+                "push into a cache that is not shared"
+            )
         if mode == PULL:
             src = np.frombuffer(header.extra["src"], dtype="<i4").astype(np.int64)
             if sender.blocks is None:
@@ -183,13 +284,17 @@ class ShmInbox:
                 return "pull chunk with bad source block ids"
             if any(x >= sender.layout.num_layers for x in header.layer_ids):
                 return "pull chunk with a layer the sender does not have"
-            copy_blocks(sender.blocks, src, self._blocks, header.dst_block_ids, header.layer_ids)
-            return None
+            with self._admission.gate(header.transfer_id, header.dst_block_ids) as refusal:
+                if refusal is None:
+                    copy_blocks(sender.blocks, src, self._blocks, header.dst_block_ids, header.layer_ids)
+                return refusal
         if sender.ring is None:
             return "ring chunk from a sender without a ring"
         offset, nbytes = int(header.extra["offset"]), header.payload_bytes
         if offset < 0 or offset + nbytes > sender.ring.size:
             return "ring offset out of range"
         src_rows = sender.ring[offset : offset + nbytes].reshape(-1, layout.block_bytes)
-        scatter_rows(src_rows, self._rows, layout.row_ids(header.layer_ids, header.dst_block_ids))
-        return None
+        with self._admission.gate(header.transfer_id, header.dst_block_ids) as refusal:
+            if refusal is None:
+                scatter_rows(src_rows, self._rows, layout.row_ids(header.layer_ids, header.dst_block_ids))
+            return refusal

@@ -12,6 +12,10 @@ holds up the sender instead of growing zmq's queues without bound (HWMs are off)
 Failure: a socket monitor on each DEALER reports a dropped connection at once (peer killed); the ack
 deadline covers everything else (peer hung, never reachable).
 
+Admission (admission.py): the IO thread scatters a chunk only through the receiver's admission gate,
+after the sealing check; ``revoke`` takes the same lock, so it returns once no chunk of the transfer
+can be scattered any more (always True here). A refused chunk is acked with the reason.
+
 Authentication (sealing.py): the header frame is a sealed envelope, checked before the payload frame
 is looked at; a message that fails is dropped without an ack. zmq keeps one connection's messages in
 order, and a message's payload frame cannot be separated from its header frame. Acks are sealed to
@@ -318,8 +322,11 @@ class ZmqTransport(QueuedSendMixin, KVTransport):
         src = data.reshape(-1, layout.block_bytes)
         if self._device.type == "cuda":
             src = torch.from_numpy(src.copy())  # zmq's frame is read-only; torch wants writable memory
+        # Admission: a revoke() waits for this scatter, and refuses every chunk after it.
+        with self._admission.gate(header.transfer_id, header.dst_block_ids) as refusal:
+            if refusal:
+                return refusal
             scatter_rows(src, self._rows, rows)
-            torch.cuda.current_stream().synchronize()  # bytes in kv_cache before we ack
-        else:
-            scatter_rows(src, self._rows, rows)
+            if self._device.type == "cuda":
+                torch.cuda.current_stream().synchronize()  # bytes in kv_cache before we ack (or revoke)
         return None

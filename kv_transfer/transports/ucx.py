@@ -13,9 +13,15 @@ Threading: UCX workers are not thread-safe, so one IO thread owns the worker and
 callers only queue commands. The thread sleeps in epoll on the worker's event fd and a Waker
 (blocking progress mode: it beat a progress thread on our 2 cores, FIELD_NOTES).
 
-Failure: with endpoint error handling off (the default, see UCXOptions.error_handling) UCX reports
-nothing when a peer dies: a rendezvous send to it simply never completes. The ack deadline in
-SendTracker turns that into an error in poll_sent; the stuck requests are cancelled at close.
+Failure: endpoint error handling is on by default (UCXOptions.error_handling), so a peer's death can
+never abort this process; UCX notices it by keepalive (UCX_KEEPALIVE_INTERVAL, 20 s by default) and
+fails the endpoint's requests, and the ack deadline in SendTracker reports a silent peer sooner. An
+endpoint UCX closed that way is not closed again (that crashed ucxx). With error handling off, UCX
+reports nothing when a peer dies (a send to it never completes; the ack deadline turns that into an
+error in poll_sent; stuck requests are cancelled at close) but aborts the process on a failed CMA copy.
+
+Admission (admission.py): UCX lands a payload in a staging buffer; only the IO thread's scatter writes
+the cache, through the receiver's admission gate, so ``revoke`` always returns True here.
 
 Authentication (sealing.py): every message on CONTROL_TAG (HELLO, chunk header) and ACK_TAG is a
 sealed envelope. A receiver builds a reply endpoint only for a HELLO that verifies, posts a payload
@@ -79,6 +85,13 @@ def _host_bytes(data: bytes) -> np.ndarray:
     return np.frombuffer(bytearray(data), dtype=np.uint8)
 
 
+def _close_endpoint(ep: Any) -> None:
+    """Close an endpoint unless UCX already did: with error handling on, a peer's failure closes
+    it, and closing it again crashed ucxx 0.52 (SIGSEGV in close, after a receiver was killed)."""
+    if ep.alive:
+        ep.close()
+
+
 def _decode_hello(body: bytes) -> tuple[str, bytes]:
     sender_id, address = msgpack.unpackb(body)
     return str(sender_id), bytes(address)
@@ -110,6 +123,11 @@ class UCXTransport(QueuedSendMixin, KVTransport):
         ucx_options = {"TLS": tls, "NET_DEVICES": opts.net_devices, **opts.extra}
         if opts.rndv_scheme:
             ucx_options.setdefault("RNDV_SCHEME", opts.rndv_scheme)
+        if opts.error_handling:
+            # posix/sysv support peer failure (keepalive by pid) but only advertise it when asked;
+            # without these, shared memory is "unreachable" under error handling (UCXOptions).
+            ucx_options.setdefault("POSIX_ERROR_HANDLING", "y")
+            ucx_options.setdefault("SYSV_ERROR_HANDLING", "y")
         self._ctx = ucx_api.UCXContext(ucx_options, feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
         self._worker = ucx_api.UCXWorker(self._ctx)
         self._worker.init_blocking_progress_mode()
@@ -215,7 +233,7 @@ class UCXTransport(QueuedSendMixin, KVTransport):
             self._drain_unexpected()
             self._worker.cancel_inflight_requests()
             for ep in [*self._endpoints.values(), *self._reply_endpoints.values()]:
-                ep.close()
+                _close_endpoint(ep)
             # Retired endpoints were closed when replaced; they are only kept alive until here.
             self._worker.progress()
         except Exception:  # noqa: BLE001 - best effort on the way out
@@ -274,7 +292,7 @@ class UCXTransport(QueuedSendMixin, KVTransport):
         old = self._endpoints.pop(peer_id)
         del self._peer_nonces[peer_id]
         try:
-            old.close()
+            _close_endpoint(old)
         except Exception:  # noqa: BLE001 - a dead peer's endpoint may refuse; it is dropped anyway
             log.debug("closing the replaced endpoint to %s", peer_id, exc_info=True)
         self._retired_endpoints.append(old)
@@ -412,7 +430,12 @@ class UCXTransport(QueuedSendMixin, KVTransport):
         if problem:
             return problem
         dst = header.dst_block_ids
-        scatter_rows(buffer_rows(buf, layout.block_bytes), self._rows, layout.row_ids(header.layer_ids, dst))
-        if buf.is_cuda:
-            torch.cuda.current_stream().synchronize()  # the bytes must be in kv_cache before we report
+        # Admission: UCX wrote the payload into our staging buffer, never into the cache; only this
+        # scatter does, under the gate a revoke() waits for.
+        with self._admission.gate(header.transfer_id, dst) as refusal:
+            if refusal:
+                return refusal
+            scatter_rows(buffer_rows(buf, layout.block_bytes), self._rows, layout.row_ids(header.layer_ids, dst))
+            if buf.is_cuda:
+                torch.cuda.current_stream().synchronize()  # the bytes must be in kv_cache before we report
         return None

@@ -1,0 +1,375 @@
+"""Late writes: a receiver lands a chunk only for a transfer it expects, only into that transfer's
+blocks, and nothing of a transfer after revoking it (kv_transfer/transports/admission.py).
+
+Real transports on 127.0.0.1; most pairs live in this process (independent objects with their own
+sockets, UCX workers and gloo groups), the frozen-sender case runs the sender in a child process so
+it can be stopped with SIGSTOP. shm is run in all four modes: push+pull (both caches shared), push
+(only the receiver's), pull (only the sender's) and ring (neither). Every negative test checks the
+receiving cache byte for byte, and the revoke tests fill the revoked blocks with a sentinel the moment
+they may be reused and check that nothing of the transfer overwrote it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from pdcluster.kv_transfer.transports import TransportConfig, available_transports, get_transport_class
+from pdcluster.kv_transfer.transports.admission import Admission
+from pdcluster.kv_transfer.transports.base import ShmOptions
+
+NUM_LAYERS, NUM_BLOCKS = 4, 64
+SHAPE = (NUM_LAYERS, 2, NUM_BLOCKS, 16, 2, 16)  # 2 KiB rows: one block of all layers is 16 KiB
+BLOCK_BYTES = NUM_LAYERS * 2 * 2048
+ALL_LAYERS = list(range(NUM_LAYERS))
+SENTINEL = 0xA5
+
+AVAILABLE = available_transports()
+# variant -> (transport, sender cache plain, receiver cache plain)
+VARIANTS = {
+    "tcp": ("tcp", False, False),
+    "ucx": ("ucx", False, False),
+    "nccl": ("nccl", False, False),
+    "shm-push+pull": ("shm", False, False),
+    "shm-push": ("shm", True, False),
+    "shm-pull": ("shm", False, True),
+    "shm-ring": ("shm", True, True),
+}
+PUSHING = {"shm-push+pull", "shm-push"}  # the sender writes into the receiver's memory itself
+
+
+def variant_params(names=VARIANTS):
+    reasons = {v: AVAILABLE[VARIANTS[v][0]] for v in names}
+    return [pytest.param(v, marks=pytest.mark.skipif(r is not None, reason=str(r))) for v, r in reasons.items()]
+
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def config(**kw) -> TransportConfig:
+    base = dict(timeout_s=5.0, chunk_bytes=16 << 10, max_inflight_chunks=2, shm=ShmOptions(ring_bytes=64 << 10))
+    base.update(kw)
+    return TransportConfig(**base)
+
+
+def fill(cache: torch.Tensor, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    b = cache.view(torch.uint8)
+    b.copy_(torch.randint(0, 256, b.shape, generator=g, dtype=torch.uint8))
+
+
+def as_bytes(cache: torch.Tensor) -> torch.Tensor:
+    return cache.view(torch.uint8)  # random bytes hold NaNs: always compare bytes
+
+
+def wait_sent(t, ids: set[str], timeout_s: float) -> tuple[set[str], dict[str, str]]:
+    done: set[str] = set()
+    failed: dict[str, str] = {}
+    deadline = time.monotonic() + timeout_s
+    while ids - done - set(failed) and time.monotonic() < deadline:
+        d, f = t.poll_sent()
+        done.update(d)
+        failed.update(dict(f))
+        time.sleep(0.002)
+    return done, failed
+
+
+def wait_until(pred, timeout_s: float = 5.0) -> bool:
+    """True as soon as ``pred()`` is (called once per try: it may consume, e.g. poll_received)."""
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.002)
+    return True
+
+
+@pytest.fixture
+def pair():
+    """``pair(variant, **config) -> (rx, rx_cache, tx, tx_cache)``, connected; all closed at the end."""
+    made = []
+
+    def _pair(variant: str, **kw):
+        name, tx_plain, rx_plain = VARIANTS[variant]
+        cls = get_transport_class(name)
+
+        def cache(plain: bool, seed: int) -> torch.Tensor:
+            c = torch.empty(SHAPE, dtype=torch.float32) if plain else cls.allocate_kv_cache(SHAPE, torch.float32)
+            fill(c, seed)
+            return c
+
+        rx_cache, tx_cache = cache(rx_plain, 1), cache(tx_plain, 2)
+        rx = cls(rx_cache, "receiver", config(**kw))
+        made.append(rx)
+        tx = cls(tx_cache, "sender", config(**kw))
+        made.append(tx)
+        tx.connect("d0", rx.local_descriptor())
+        if name == "shm":
+            want = {"shm-push+pull": "push+pull", "shm-push": "push", "shm-pull": "pull", "shm-ring": "ring"}[variant]
+            assert tx.peer_mode("d0") == want
+        return rx, rx_cache, tx, tx_cache
+
+    yield _pair
+    for t in reversed(made):
+        t.close()
+
+
+# ------------------------------------------------------------------ every transport and shm mode
+
+
+@pytest.mark.parametrize("variant", variant_params())
+def test_expected_transfer_lands_byte_equal(pair, variant):
+    rx, rx_cache, tx, tx_cache = pair(variant)
+    before = as_bytes(rx_cache).clone()
+    src, dst = [1, 2, 3, 9], [5, 6, 7, 40]
+    rx.expect("t", dst)
+    tx.send("d0", "t", ALL_LAYERS, np.array(src), np.array(dst))
+    assert wait_sent(tx, {"t"}, 10.0) == ({"t"}, {})
+    rx.complete("t")
+    want = before.clone()
+    want[:, :, dst] = as_bytes(tx_cache)[:, :, src]
+    assert torch.equal(as_bytes(rx_cache), want)
+    assert rx.poll_received() == [("t", ALL_LAYERS)]
+    assert rx.num_refused == 0 and rx.num_rejected == 0
+
+
+@pytest.mark.parametrize("variant", variant_params())
+def test_unexpected_transfer_lands_nothing(pair, variant):
+    rx, rx_cache, tx, tx_cache = pair(variant)
+    before = as_bytes(rx_cache).clone()
+    tx.send("d0", "ghost", ALL_LAYERS, np.array([1, 2, 3]), np.array([10, 11, 12]))
+    done, failed = wait_sent(tx, {"ghost"}, 10.0)
+    assert "ghost" in failed and not done, (done, failed)
+    assert "refused" in failed["ghost"] or "not granted" in failed["ghost"], failed
+    assert rx.poll_received() == []
+    assert torch.equal(as_bytes(rx_cache), before), "a chunk of an unexpected transfer landed"
+    if variant != "shm-push":  # a pushing sender refuses itself: no grant, no write
+        assert rx.num_refused > 0
+    # The receiver goes on serving expected transfers.
+    rx.expect("real", [20])
+    tx.send("d0", "real", ALL_LAYERS, np.array([4]), np.array([20]))
+    assert wait_sent(tx, {"real"}, 10.0) == ({"real"}, {})
+    assert torch.equal(as_bytes(rx_cache)[:, :, 20], as_bytes(tx_cache)[:, :, 4])
+
+
+@pytest.mark.parametrize("variant", variant_params())
+def test_chunk_outside_the_expected_blocks_is_refused(pair, variant):
+    # One chunk (the ring holds two): blocks 5, 6 and 8 together, all refused with the one outside.
+    rx, rx_cache, tx, _ = pair(variant, chunk_bytes=1 << 20, shm=ShmOptions(ring_bytes=2 << 20))
+    before = as_bytes(rx_cache).clone()
+    rx.expect("t", [5, 6, 7])
+    tx.send("d0", "t", ALL_LAYERS, np.array([1, 2, 3]), np.array([5, 6, 8]))
+    done, failed = wait_sent(tx, {"t"}, 10.0)
+    assert "t" in failed and not done, (done, failed)
+    assert torch.equal(as_bytes(rx_cache), before), "a chunk naming a block outside the reservation landed"
+    if variant not in PUSHING:
+        assert rx.num_refused == 1
+        assert "refused" in failed["t"], failed  # nccl's fixed-size ack carries a status, not the text
+
+
+@pytest.mark.parametrize("variant", variant_params())
+def test_nothing_lands_after_revoke(pair, variant):
+    """Revoke while the sender still has hundreds of chunks queued: once revoke returned True (or,
+    for a pushing sender, once poll_revoked listed the transfer), the blocks are reused (sentinel)
+    and no later chunk of the transfer may touch them."""
+    rx, rx_cache, tx, _ = pair(variant, max_inflight_chunks=1)
+    src, dst = np.arange(32), np.arange(32, 64)
+    rx.expect("big", dst)
+    for _ in range(20):  # 20 sends x 32 one-block chunks
+        tx.send("d0", "big", ALL_LAYERS, src, dst)
+    assert wait_until(lambda: rx.poll_received() != [], 10.0), "the first send never landed"
+    safe = rx.revoke("big")
+    if variant in PUSHING:
+        assert safe is False, "a live pushing sender may still write: revoke must not report it safe"
+        assert wait_until(lambda: rx.poll_revoked() == ["big"], 5.0), "the sender never confirmed"
+    else:
+        assert safe is True
+        assert rx.poll_revoked() == []
+    as_bytes(rx_cache)[:, :, dst] = SENTINEL  # the blocks now belong to someone else
+    done, failed = wait_sent(tx, {"big"}, 15.0)
+    assert "big" in failed and not done, f"the transfer was not cut short by the revoke: {done, failed}"
+    # A sender that never hears of the abort (a partitioned prefill) sends its next layers anyway.
+    tx.send("d0", "big", ALL_LAYERS, src, dst)
+    done, failed = wait_sent(tx, {"big"}, 15.0)
+    assert "big" in failed and not done, (done, failed)
+    time.sleep(0.05)  # let anything still on its way arrive
+    assert bool((as_bytes(rx_cache)[:, :, dst] == SENTINEL).all()), "a chunk landed after the revoke"
+
+
+# ------------------------------------------------------------------ shm push: a frozen sender
+
+
+def frozen_sender_child(conn, desc) -> None:
+    """Sender in its own process: pushes transfer after transfer into the parent's cache until told."""
+    cls = get_transport_class("shm")
+    cache = cls.allocate_kv_cache(SHAPE, torch.float32)
+    fill(cache, 3)
+    t = cls(cache, "sender", config(max_inflight_chunks=1))
+    t.connect("d0", desc)
+    conn.send("connected")
+    while True:
+        transfer_id, src, dst, rounds = conn.recv()
+        if transfer_id is None:
+            break
+        for _ in range(rounds):
+            t.send("d0", transfer_id, ALL_LAYERS, src, dst)
+        conn.send(("sending", transfer_id))
+        conn.send(("result", wait_sent(t, {transfer_id}, 30.0)))
+    t.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(AVAILABLE["shm"] is not None, reason=str(AVAILABLE["shm"]))
+def test_shm_revoke_waits_for_a_frozen_pushing_sender():
+    """A sender frozen mid-transfer (SIGSTOP) may resume and finish the copy it was in: its blocks
+    stay quarantined (revoke False, nothing in poll_revoked) until it confirms after SIGCONT; one
+    that dies while frozen releases them through its closed connection."""
+    cls = get_transport_class("shm")
+    rx_cache = cls.allocate_kv_cache(SHAPE, torch.float32)
+    fill(rx_cache, 1)
+    rx = cls(rx_cache, "receiver", config())
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=frozen_sender_child, args=(child, rx.local_descriptor()), daemon=True)
+    proc.start()
+    try:
+        assert parent.poll(60) and parent.recv() == "connected"
+        src, dst = np.arange(32), np.arange(32, 64)
+        for tid, end in (("resumed", "SIGCONT"), ("killed", "SIGKILL")):
+            rx.expect(tid, dst)
+            parent.send((tid, src, dst, 200))
+            assert parent.recv() == ("sending", tid)
+            assert wait_until(lambda: rx.poll_received() != [], 10.0)
+            os.kill(proc.pid, signal.SIGSTOP)
+            assert rx.revoke(tid) is False
+            time.sleep(0.5)
+            assert rx.poll_revoked() == [], "reported safe while the sender is frozen and may resume"
+            os.kill(proc.pid, getattr(signal, end))
+            if end == "SIGKILL":
+                proc.join(10)
+            assert wait_until(lambda: rx.poll_revoked() == [tid], 10.0), f"{tid}: never reported safe"
+            as_bytes(rx_cache)[:, :, dst] = SENTINEL
+            if end == "SIGCONT":
+                kind, (done, failed) = parent.recv()
+                assert tid in failed and not done, (done, failed)
+                parent.send((tid, src, dst, 1))  # it never heard of the abort: it sends on
+                assert parent.recv() == ("sending", tid)
+                kind, (done, failed) = parent.recv()
+                assert tid in failed and not done, (done, failed)
+            time.sleep(0.05)
+            assert bool((as_bytes(rx_cache)[:, :, dst] == SENTINEL).all()), f"{tid}: written after revoke"
+    finally:
+        proc.kill()
+        proc.join(10)
+        rx.close()
+
+
+# ------------------------------------------------------------------ pieces
+
+
+def test_admission_gives_a_block_to_one_transfer_at_a_time():
+    a = Admission(8, owner="test receiver")
+    a.expect("x", [1, 2])
+    with pytest.raises(ValueError, match="still writable by transfer 'x'"):
+        a.expect("y", [2, 3])
+    a.expect("x", [3])  # the same transfer may grow
+    with a.gate("x", np.array([1, 3])) as refusal:
+        assert refusal is None
+    assert a.check("x", np.array([1, 4])) is not None  # outside its blocks
+    assert a.check("y", np.array([5])) is not None  # never expected
+    assert a.revoke("x") is True and a.revoke("x") is False
+    assert a.check("x", np.array([1])) is not None  # revoked
+    a.expect("y", [2, 3])  # the blocks are free again
+    assert a.num_refused == 3
+
+
+def test_revoke_waits_for_the_scatter_in_progress():
+    a = Admission(8, owner="test receiver")
+    a.expect("x", [1])
+    inside, revoked = threading.Event(), threading.Event()
+
+    def scatter():
+        with a.gate("x", np.array([1])) as refusal:
+            assert refusal is None
+            inside.set()
+            time.sleep(0.2)
+            assert not revoked.is_set(), "revoke returned while a chunk of the transfer was being scattered"
+
+    t = threading.Thread(target=scatter)
+    t.start()
+    assert inside.wait(5)
+    a.revoke("x")
+    revoked.set()
+    t.join()
+
+
+# ------------------------------------------------------------------ decode worker
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("transport", [n for n, r in AVAILABLE.items() if r is None])
+def test_decode_abort_mid_transfer_reused_blocks_stay_intact(tiny_dir, transport):
+    """The decode side aborts a request mid-transfer while the prefill never hears of it (a control
+    plane partition: its AbortTransfer handler is cut off) and keeps sending every layer. The blocks
+    are reused the moment the decode worker frees them (sentinel): no late chunk may overwrite them,
+    the prefill's transfer fails on the refusal, and every block comes back on both sides."""
+    from pdcluster.decode_node.worker import DecodeWorker
+    from pdcluster.engine.config import EngineConfig
+    from pdcluster.engine.sampling_params import SamplingParams
+    from pdcluster.kv_transfer.config import TransferConfig
+    from pdcluster.prefill_node.worker import PrefillWorker
+
+    num_blocks = 128
+
+    def engine_config(**kw):
+        return EngineConfig(model="tiny-random", num_kv_blocks=num_blocks, max_model_len=1536, **kw)
+
+    events, lock = [], threading.Lock()
+
+    def on_event(e):
+        with lock:
+            events.append(e)
+
+    tc = TransferConfig(transport=transport, secret="s3cret")
+    p = PrefillWorker("p0", engine_config(prefill_chunk_size=8), tc)
+    d = DecodeWorker("d0", engine_config(prefill_chunk_size=16), tc)
+    p.on_event = d.on_event = on_event
+    try:
+        assert d.connect_prefill(p.address) == "p0"
+        assert wait_until(lambda: "d0" in p.endpoint.peers(), 10.0)
+        p.connector.handle_message = lambda peer_id, msg: None  # the partition: aborts never arrive
+        prompt = list(range(1, 801))
+        params = SamplingParams(max_tokens=4)
+        blocks = d.reserve("a", "p0", prompt, params)
+        assert blocks is not None
+        p.submit("a", prompt, params, "d0", blocks)
+        assert wait_until(lambda: p.stats()["bytes_sent"] > 0, 30.0), "the transfer never started"
+        d.abort("a")
+        # Freed at once, or once a pushing sender confirmed the revoke.
+        assert wait_until(lambda: d.stats()["num_free_blocks"] == num_blocks, 10.0), d.stats()
+        kv = d.engine.kv_cache.view(torch.uint8)
+        kv[:, :, blocks] = SENTINEL  # reused by another request
+        assert wait_until(lambda: p.stats()["num_transfers"] == 0, 30.0), "the prefill never gave up"
+
+        def prefill_failure():
+            with lock:
+                return next((e for e in events if e["type"] == "failed" and e["worker_id"] == "p0"), None)
+
+        assert wait_until(lambda: prefill_failure() is not None, 10.0), "the prefill's transfer did not fail"
+        reason = prefill_failure()["reason"]
+        assert "refused" in reason or "not granted" in reason, reason
+        assert wait_until(lambda: p.stats()["num_free_blocks"] == num_blocks, 10.0), p.stats()
+        time.sleep(0.1)
+        assert bool((kv[:, :, blocks] == SENTINEL).all()), "a late chunk overwrote a freed block"
+        st = d.stats()
+        assert st["num_free_blocks"] == num_blocks and st["num_reserved"] == 0 and st["num_quarantined"] == 0, st
+    finally:
+        p.close()
+        d.close()
