@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from transport_helpers import as_bytes, fill, wait_sent, wait_until
 from pdcluster.kv_transfer.config import TransferConfig
 from pdcluster.kv_transfer.transports import (
     TransportConfig,
@@ -69,33 +70,8 @@ def config(secret: str | None, timeout_s: float) -> TransportConfig:
     )
 
 
-def fill(cache: torch.Tensor, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    b = cache.view(torch.uint8)
-    b.copy_(torch.randint(0, 256, b.shape, generator=g, dtype=torch.uint8))
 
 
-def as_bytes(cache: torch.Tensor) -> torch.Tensor:
-    return cache.view(torch.uint8)  # random bytes hold NaNs: always compare bytes
-
-
-def wait_sent(t, ids: set[str], timeout_s: float) -> tuple[set[str], dict[str, str]]:
-    done: set[str] = set()
-    failed: dict[str, str] = {}
-    deadline = time.monotonic() + timeout_s
-    while ids - done - set(failed) and time.monotonic() < deadline:
-        d, f = t.poll_sent()
-        done.update(d)
-        failed.update(dict(f))
-        time.sleep(0.002)
-    return done, failed
-
-
-def wait_until(pred, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not pred() and time.monotonic() < deadline:
-        time.sleep(0.002)
-    return pred()
 
 
 def deliver(tx, peer_id: str, transfer_id: str, src: list[int], dst: list[int]) -> None:

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+from transport_helpers import as_bytes, fill, wait_sent, wait_until
 from pdcluster.kv_transfer.transports import TransportConfig, available_transports, get_transport_class
 from pdcluster.kv_transfer.transports.admission import Admission
 from pdcluster.kv_transfer.transports.base import ShmOptions
@@ -59,36 +60,8 @@ def config(**kw) -> TransportConfig:
     return TransportConfig(**base)
 
 
-def fill(cache: torch.Tensor, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    b = cache.view(torch.uint8)
-    b.copy_(torch.randint(0, 256, b.shape, generator=g, dtype=torch.uint8))
 
 
-def as_bytes(cache: torch.Tensor) -> torch.Tensor:
-    return cache.view(torch.uint8)  # random bytes hold NaNs: always compare bytes
-
-
-def wait_sent(t, ids: set[str], timeout_s: float) -> tuple[set[str], dict[str, str]]:
-    done: set[str] = set()
-    failed: dict[str, str] = {}
-    deadline = time.monotonic() + timeout_s
-    while ids - done - set(failed) and time.monotonic() < deadline:
-        d, f = t.poll_sent()
-        done.update(d)
-        failed.update(dict(f))
-        time.sleep(0.002)
-    return done, failed
-
-
-def wait_until(pred, timeout_s: float = 5.0) -> bool:
-    """True as soon as ``pred()`` is (called once per try: it may consume, e.g. poll_received)."""
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.002)
-    return True
 
 
 @pytest.fixture
@@ -206,6 +179,15 @@ def test_nothing_lands_after_revoke(pair, variant):
 # ------------------------------------------------------------------ shm push: a frozen sender
 
 
+def _all_threads_stopped(pid: int) -> bool:
+    """Every thread of ``pid`` is in the stopped state (SIGSTOP is delivered asynchronously)."""
+    states = []
+    for stat in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{stat}/stat") as f:
+            states.append(f.read().rsplit(")", 1)[1].split()[0])
+    return bool(states) and all(state in ("T", "t") for state in states)
+
+
 def frozen_sender_child(conn, desc) -> None:
     """Sender in its own process: pushes transfer after transfer into the parent's cache until told."""
     cls = get_transport_class("shm")
@@ -248,6 +230,7 @@ def test_shm_revoke_waits_for_a_frozen_pushing_sender():
             assert parent.recv() == ("sending", tid)
             assert wait_until(lambda: rx.poll_received() != [], 10.0)
             os.kill(proc.pid, signal.SIGSTOP)
+            assert wait_until(lambda: _all_threads_stopped(proc.pid), 5.0), "SIGSTOP did not take effect"
             assert rx.revoke(tid) is False
             time.sleep(0.5)
             assert rx.poll_revoked() == [], "reported safe while the sender is frozen and may resume"
