@@ -495,11 +495,9 @@ class ClusterRouter:
                     blocks = await asyncio.wait_for(
                         handle.reserve.remote(r.wid, prefill_view.worker_id, prompt, params), self.reserve_timeout_s)
                 except asyncio.CancelledError:
-                    self._placing.pop(r.wid, None)
                     handle.abort.remote(r.wid)  # the caller went away mid-reservation: give the blocks back
                     raise
                 except asyncio.TimeoutError:
-                    self._placing.pop(r.wid, None)
                     # Stuck or overloaded: out of rotation until the health check hears from it again.
                     log.warning("decode worker %s did not answer a reservation within %.0f s", d.worker_id,
                                 self.reserve_timeout_s)
@@ -507,10 +505,11 @@ class ClusterRouter:
                     d.healthy = False
                     continue
                 except Exception as e:  # noqa: BLE001 - the actor is gone: recover what it held, next
-                    self._placing.pop(r.wid, None)
                     self.mark_down(d.worker_id, f"reservation failed: {type(e).__name__}")
                     continue
-                early = self._placing.pop(r.wid, [])
+                finally:
+                    # Events that overtook the answer; dropped with a failed reservation.
+                    early = self._placing.pop(r.wid, [])
                 if r.finished:  # aborted by the client or its deadline while we waited
                     handle.abort.remote(r.wid)
                     return

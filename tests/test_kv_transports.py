@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from transport_helpers import wait_sent
 from pdcluster.kv_transfer.transports import (
     TransportConfig,
     available_transports,
@@ -105,17 +106,6 @@ def make_requests(num_senders: int, receivers: list[str], per_pair: int, seed: i
             for q in layerwise:
                 q.sends.append(Send(q.receiver, q.transfer_id, [layer], q.src, q.dst))
     return reqs
-
-
-def wait_sent(t, transfer_ids: set[str], deadline_s: float) -> tuple[set[str], dict[str, str]]:
-    done: set[str] = set()
-    failed: dict[str, str] = {}
-    while transfer_ids - done - set(failed) and time.monotonic() < deadline_s:
-        d, f = t.poll_sent()
-        done.update(d)
-        failed.update(dict(f))
-        time.sleep(0.002)
-    return done, failed
 
 
 # ------------------------------------------------------------------ worker processes
@@ -242,7 +232,7 @@ def sender_role(out, signals, name, dtype, seed, peers, sends, plain=False):
         t.connect(peer_id, desc)
     for s in sends:
         t.send(s.peer, s.transfer_id, s.layers, s.src, s.dst)
-    done, failed = wait_sent(t, {s.transfer_id for s in sends}, time.monotonic() + WAIT_S)
+    done, failed = wait_sent(t, {s.transfer_id for s in sends}, WAIT_S)
     modes = {p: t.peer_mode(p) for p in peers} if hasattr(t, "peer_mode") else {}
     out.put(("sent", sorted(done), failed, modes))
     wait_signal(signals)
@@ -258,14 +248,14 @@ def dead_peer_sender_role(out, signals, name, desc):
     t.connect("d0", desc)
     ids = np.arange(8)
     t.send("d0", "before-kill", range(NUM_LAYERS), ids, ids)
-    out.put(("first", wait_sent(t, {"before-kill"}, time.monotonic() + WAIT_S)))
+    out.put(("first", wait_sent(t, {"before-kill"}, WAIT_S)))
     wait_signal(signals)  # the parent kills the receiver, then says go
     t0 = time.monotonic()
     t.send("d0", "after-kill", range(NUM_LAYERS), ids, ids)
     # Then layer by layer, so transports that notice a broken connection late are exercised too.
     for layer in range(NUM_LAYERS):
         t.send("d0", "after-kill-2", [layer], ids, ids)
-    done, failed = wait_sent(t, {"after-kill", "after-kill-2"}, time.monotonic() + WAIT_S)
+    done, failed = wait_sent(t, {"after-kill", "after-kill-2"}, WAIT_S)
     out.put(("second", done, failed, time.monotonic() - t0))
     t0 = time.monotonic()
     t.close()
@@ -430,7 +420,7 @@ def test_shm_in_one_process_leaves_nothing_in_dev_shm():
         tx.connect("d0", rx.local_descriptor())  # one process may be both ends
         assert tx.peer_mode("d0") == "push+pull"
         tx.send("d0", "t", range(NUM_LAYERS), np.array([1, 2, 3]), np.array([5, 6, 7]))
-        done, failed = wait_sent(tx, {"t"}, time.monotonic() + 10)
+        done, failed = wait_sent(tx, {"t"}, 10)
         assert done == {"t"} and not failed
         as_bytes = lambda t: t.view(torch.uint8)  # noqa: E731 - random bytes hold NaNs: compare bytes
         assert torch.equal(as_bytes(rx_cache)[:, :, [5, 6, 7]], as_bytes(tx_cache)[:, :, [1, 2, 3]])
