@@ -13,6 +13,7 @@ import torch
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.kv_cache import KVCacheSpec, allocate_kv_cache, num_blocks_for_budget
 from pdcluster.engine.kv_connector import KVConnector, KVConnectorOutput
+from pdcluster.engine.memory import keep_freed_memory
 from pdcluster.engine.model import LlamaModel, ModelArch
 from pdcluster.engine.model_registry import resolve_model
 from pdcluster.engine.model_runner import ModelRunner
@@ -59,6 +60,8 @@ class LLMEngine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        if config.device == "cpu":
+            keep_freed_memory()
         self.model_dir: Path = resolve_model(config.model, cache_dir=config.cache_dir or None, progress=progress)
         self.tokenizer = Tokenizer(self.model_dir)
         arch = ModelArch.from_dir(self.model_dir)

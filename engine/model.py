@@ -1,7 +1,10 @@
 """Llama-family decoder over packed (varlen) token batches with a paged KV cache.
 
 Weights use Hugging Face names (model.layers.N.self_attn.q_proj.weight, ...); q/k/v and gate/up are
-fused at load time so a layer is four matmuls.
+fused at load time so a layer is four matmuls (engine/linear.py: prepacked for the CPU GEMM in bf16).
+Around them a layer is four more kernel calls (kernels/ops.py): residual add fused into RMSNorm,
+RoPE in place on the q and k heads of the qkv output, paged attention reading the cache directly,
+SiLU-and-mul. On CPU those are C kernels; on CUDA, Triton attention and torch for the rest.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from pdcluster.engine.attention import AttentionMetadata, attend
+from pdcluster.engine.linear import Linear
+from pdcluster.kernels import ops
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,14 @@ class RotaryEmbedding:
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = emb.cos().to(dtype)
         self.sin = emb.sin().to(dtype)
+        # float32 [max_positions, head_dim]: cos of each frequency, then sin (what ops.rotary reads).
+        self.cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).contiguous()
+
+    def rotate_(self, x: torch.Tensor, positions: torch.Tensor) -> None:
+        """In place on [num_tokens, num_heads, head_dim] (heads may be a strided view)."""
+        if self.cos_sin.device != x.device:
+            self.cos_sin = self.cos_sin.to(x.device)
+        ops.rotary(x, positions, self.cos_sin)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, num_heads, head_dim]; HF's rotate_half convention.
@@ -88,6 +101,9 @@ class RotaryEmbedding:
         return x * cos + rotated * sin
 
 
+MLP_CHUNK_TOKENS = 1024
+
+
 class DecoderLayer:
     """One Llama block; holds plain tensors (no nn.Module machinery on the hot path)."""
 
@@ -96,12 +112,53 @@ class DecoderLayer:
         self.arch = arch
         self.input_norm = w("input_layernorm.weight")
         self.post_norm = w("post_attention_layernorm.weight")
-        self.qkv = torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")])
-        self.o_proj = w("self_attn.o_proj.weight")
-        self.gate_up = torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")])
-        self.down = w("mlp.down_proj.weight")
+        self.qkv_proj = Linear(torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"),
+                                          w("self_attn.v_proj.weight")]))
+        self.o_proj = Linear(w("self_attn.o_proj.weight"))
+        self.gate_up_proj = Linear(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]))
+        self.down_proj = Linear(w("mlp.down_proj.weight"))
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
+
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding):
+        """q, k, v views [num_tokens, heads, head_dim] of one qkv matmul, q and k rotated in place."""
+        a = self.arch
+        qkv = self.qkv_proj(x).view(-1, a.num_heads + 2 * a.num_kv_heads, a.head_dim)
+        rope.rotate_(qkv[:, : a.num_heads + a.num_kv_heads], positions)
+        return qkv[:, : a.num_heads], qkv[:, a.num_heads : a.num_heads + a.num_kv_heads], qkv[:, a.num_heads + a.num_kv_heads :]
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        layer_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm block with the skip connection carried separately (vLLM's convention): returns
+        (this block's output, residual); the next norm adds them. ``residual`` is updated in place."""
+        a = self.arch
+        if residual is None:
+            residual = hidden.clone()
+            x = ops.rms_norm(hidden, self.input_norm, a.rms_norm_eps)
+        else:
+            x = ops.rms_norm(hidden, self.input_norm, a.rms_norm_eps, residual=residual)
+        q, k, v = self.qkv(x, positions, rope)
+        o = attend(q, k, v, layer_cache, meta)
+        hidden = self.o_proj(o.reshape(-1, self.q_size))
+        x = ops.rms_norm(hidden, self.post_norm, a.rms_norm_eps, residual=residual)
+        if x.shape[0] <= MLP_CHUNK_TOKENS:
+            return self.mlp(x), residual
+        # A long prefill runs the MLP in token chunks: its 2 x intermediate-wide buffers stay small
+        # enough to be reused from the heap (engine/memory.py) and warm in cache.
+        out = torch.empty_like(x)
+        for start in range(0, x.shape[0], MLP_CHUNK_TOKENS):
+            out[start : start + MLP_CHUNK_TOKENS] = self.mlp(x[start : start + MLP_CHUNK_TOKENS])
+        return out, residual
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
     def __call__(
         self,
@@ -111,17 +168,9 @@ class DecoderLayer:
         layer_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        a = self.arch
-        x = rms_norm(hidden, self.input_norm, a.rms_norm_eps)
-        q, k, v = F.linear(x, self.qkv).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = rope(q.view(-1, a.num_heads, a.head_dim), positions)
-        k = rope(k.view(-1, a.num_kv_heads, a.head_dim), positions)
-        v = v.view(-1, a.num_kv_heads, a.head_dim)
-        o = attend(q, k, v, layer_cache, meta)
-        hidden = hidden + F.linear(o.reshape(-1, self.q_size), self.o_proj)
-        x = rms_norm(hidden, self.post_norm, a.rms_norm_eps)
-        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
-        return hidden + F.linear(F.silu(gate) * up, self.down)
+        """The block as a plain function of its input (the MTP head runs it this way)."""
+        out, residual = self.forward(hidden, None, positions, rope, layer_cache, meta)
+        return residual.add_(out)
 
 
 class LlamaModel:
@@ -130,6 +179,8 @@ class LlamaModel:
         self.dtype = dtype
         self.embed_tokens = weights["model.embed_tokens.weight"]
         self.lm_head = self.embed_tokens if arch.tie_word_embeddings else weights["lm_head.weight"]
+        # The MTP head slices the plain lm_head and the embedding reads it: keep it beside the packing.
+        self.lm_head_proj = Linear(self.lm_head, keep_weight=True)
         self.norm = weights["model.norm.weight"]
         self.layers = [DecoderLayer(arch, weights, f"model.layers.{i}") for i in range(arch.num_layers)]
         self.rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, max_positions, dtype)
@@ -158,11 +209,13 @@ class LlamaModel:
         """Hidden states after the final norm, [num_tokens, hidden]. ``on_layer_done(i)`` runs as soon
         as layer i's KV is in the cache, so a KV connector can start sending it mid-forward."""
         hidden = F.embedding(input_ids, self.embed_tokens)
+        residual = None
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, positions, self.rope, kv_cache[i], meta)
+            hidden, residual = layer.forward(hidden, residual, positions, self.rope, kv_cache[i], meta)
             if on_layer_done is not None:
                 on_layer_done(i)
-        return rms_norm(hidden, self.norm, self.arch.rms_norm_eps)
+        return ops.rms_norm(hidden, self.norm, self.arch.rms_norm_eps, residual=residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        """Logits [n, vocab] float32, for the rows to sample only (the runner passes those)."""
+        return self.lm_head_proj(hidden).float()

@@ -165,11 +165,9 @@ class MTPHead:
 
     def reference_kv(self, hidden: torch.Tensor, next_token_ids: torch.Tensor, positions: torch.Tensor):
         """K (after RoPE) and V [n, Hkv, D] the layer writes for these inputs, without a cache (tests)."""
-        a = self.target.arch
         x = rms_norm(self.fuse(hidden, next_token_ids), self.layer.input_norm, self.eps)
-        _, k, v = F.linear(x, self.layer.qkv).split([self.layer.q_size, self.layer.kv_size, self.layer.kv_size], -1)
-        k = self.target.rope(k.reshape(-1, a.num_kv_heads, a.head_dim), positions)
-        return k, v.reshape(-1, a.num_kv_heads, a.head_dim)
+        _, k, v = self.layer.qkv(x, positions, self.target.rope)
+        return k.contiguous(), v.contiguous()
 
 
 class MTPTrainModule(nn.Module):

@@ -1,7 +1,9 @@
-"""The paged-KV ops the engine calls: Triton kernels on CUDA tensors, torch reference otherwise.
+"""The ops the engine calls: Triton kernels on CUDA tensors, the C kernels on CPU tensors
+(kernels/csrc/cpu_kernels.c, built once per machine), torch reference otherwise.
 
 Signatures are those of :mod:`pdcluster.kernels.reference`. Triton is imported lazily, only when a
-CUDA tensor arrives, so this module imports (and the CPU engine runs) without triton installed.
+CUDA tensor arrives, so this module imports (and the CPU engine runs) without triton installed; the C
+kernels are built on first use and, without a compiler, the reference runs instead.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import importlib.util
 
 import torch
 
-from pdcluster.kernels import reference
+from pdcluster.kernels import cpu_ops, reference
 
 
 @functools.cache
@@ -53,7 +55,11 @@ def paged_attention(
     if _use_triton(query, layer_cache, block_tables, seq_lens, query_start_loc):
         from pdcluster.kernels.triton_paged_attention import paged_attention_triton
 
+        query = query.contiguous()
         return paged_attention_triton(query, layer_cache, block_tables, seq_lens, query_start_loc, scale)
+    out = cpu_ops.paged_attention(query, layer_cache, block_tables, seq_lens, query_start_loc, scale)
+    if out is not None:
+        return out
     return reference.paged_attention(query, layer_cache, block_tables, seq_lens, query_start_loc, scale)
 
 
@@ -66,6 +72,14 @@ def paged_attention_uniform(
     scale: float,
 ) -> torch.Tensor:
     """Attention for a uniform-decode batch (every request has ``q_len`` new tokens)."""
+    if not query.is_cuda and cpu_ops.available():
+        # The C kernel is one kernel for every batch shape: a uniform batch is evenly spaced starts.
+        num_reqs = seq_lens.shape[0]
+        query_start_loc = torch.arange(0, (num_reqs + 1) * q_len, q_len, dtype=torch.int32)
+        out = cpu_ops.paged_attention(query, layer_cache, block_tables, seq_lens, query_start_loc, scale)
+        if out is not None:
+            return out
+    query = query.contiguous()  # the torch and Triton paths take a packed query
     if _use_triton(query, layer_cache, block_tables, seq_lens):
         from pdcluster.kernels.triton_paged_attention import paged_attention_triton
 
@@ -105,3 +119,30 @@ def scatter_blocks(
         scatter_blocks_triton(buffer, kv_cache, block_ids)
     else:
         reference.scatter_blocks(buffer, kv_cache, block_ids)
+
+
+def rms_norm(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [num_tokens, hidden]: becomes residual + x (in place)
+) -> torch.Tensor:
+    """RMSNorm, optionally fused with the residual add before it (one pass over the row)."""
+    out = cpu_ops.rms_norm(x, weight, eps, residual)
+    if out is not None:
+        return out
+    return reference.rms_norm(x, weight, eps, residual)
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
+    """Rotary embedding of ``x`` [num_tokens, num_heads, head_dim] in place (heads may be strided)."""
+    if not cpu_ops.rotary(x, positions, cos_sin):
+        reference.rotary(x, positions, cos_sin)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[:, :d]) * x[:, d:]`` for the fused gate/up projection's output."""
+    out = cpu_ops.silu_and_mul(x)
+    if out is not None:
+        return out
+    return reference.silu_and_mul(x)

@@ -128,3 +128,39 @@ def scatter_blocks(
 ) -> None:
     """Inverse of :func:`gather_blocks`: write buffer entry ``i`` into block ``block_ids[i]``."""
     kv_cache.index_copy_(2, block_ids, buffer.to(kv_cache.dtype))
+
+
+def rms_norm(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    residual: torch.Tensor | None = None,  # updated in place to residual + x
+) -> torch.Tensor:
+    """HF LlamaRMSNorm (normalise in fp32, cast back, then scale); with ``residual``, first
+    ``residual += x`` in the model dtype (the decoder's skip connection) and normalise that."""
+    if residual is not None:
+        residual.add_(x)
+        x = residual
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def rotary(
+    x: torch.Tensor,  # [num_tokens, num_heads, head_dim], rotated in place
+    positions: torch.Tensor,  # int64 [num_tokens]
+    cos_sin: torch.Tensor,  # float32 [max_positions, head_dim]: cos of each frequency, then sin
+) -> None:
+    """Rotary embedding in HF's rotate_half convention, in place."""
+    half = x.shape[-1] // 2
+    cs = cos_sin[positions].unsqueeze(1)  # [T, 1, D]
+    cos, sin = cs[..., :half], cs[..., half:]
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    x.copy_(out)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * d] -> [num_tokens, d]
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

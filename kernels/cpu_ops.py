@@ -1,0 +1,115 @@
+"""Tensor-level wrappers over the C kernels (kernels/csrc/cpu_kernels.c): shape and dtype checks
+here, raw pointers and strides to C. Same signatures as kernels/reference.py; ops.py picks one.
+
+Each wrapper returns False (nothing done) when the library is unavailable or the inputs are outside
+what the C code handles (dtype other than float32/bfloat16, non-contiguous head dim), so the caller
+falls back to the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdcluster.kernels import cpu_build
+
+_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def available() -> bool:
+    return cpu_build.load() is not None
+
+
+def _code(*tensors: torch.Tensor) -> int | None:
+    dtype = tensors[0].dtype
+    if any(t.dtype != dtype or t.is_cuda for t in tensors):
+        return None
+    return _DTYPE_CODE.get(dtype)
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
+    layer_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # int32 [num_reqs, max_blocks_per_req]
+    seq_lens: torch.Tensor,  # int32 [num_reqs]
+    query_start_loc: torch.Tensor,  # int32 [num_reqs + 1]
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    lib = cpu_build.load()
+    code = _code(query, layer_cache)
+    if lib is None or code is None or query.stride(-1) != 1 or layer_cache.stride(-1) != 1:
+        return None
+    assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32 and query_start_loc.dtype == torch.int32
+    block_tables = block_tables.contiguous()
+    seq_lens = seq_lens.contiguous()
+    query_start_loc = query_start_loc.contiguous()
+    if out is None:
+        out = torch.empty_like(query)
+    num_q_heads, head_dim = query.shape[1], query.shape[2]
+    _, _, block_size, num_kv_heads, _ = layer_cache.shape
+    k, v = layer_cache[0], layer_cache[1]
+    rc = lib.pd_paged_attention(
+        code, query.data_ptr(), query.stride(0), query.stride(1),
+        k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
+        block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), query_start_loc.data_ptr(),
+        seq_lens.shape[0], num_q_heads, num_kv_heads, head_dim, block_size, scale,
+        out.data_ptr(), out.stride(0), out.stride(1), _threads(),
+    )
+    if rc != 0:
+        raise ValueError(f"pd_paged_attention: unsupported shape (code {rc}): heads {num_q_heads}/{num_kv_heads}, "
+                         f"head_dim {head_dim}, block_size {block_size}")
+    return out
+
+
+def rms_norm(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [num_tokens, hidden], updated in place to residual + x
+    out: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    lib = cpu_build.load()
+    tensors = (x, weight) if residual is None else (x, weight, residual)
+    code = _code(*tensors)
+    if lib is None or code is None or not all(t.is_contiguous() for t in tensors):
+        return None
+    if out is None:
+        out = torch.empty_like(x)
+    num_tokens = x.numel() // x.shape[-1]
+    rc = lib.pd_rms_norm(code, x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+                         out.data_ptr(), num_tokens, x.shape[-1], eps, _threads())
+    if rc != 0:
+        raise ValueError(f"pd_rms_norm: hidden size {x.shape[-1]} is over the kernel's limit")
+    return out
+
+
+def rotary(
+    x: torch.Tensor,  # [num_tokens, num_heads, head_dim], rotated in place
+    positions: torch.Tensor,  # int64 [num_tokens]
+    cos_sin: torch.Tensor,  # float32 [max_positions, head_dim]: cos | sin halves
+) -> bool:
+    lib = cpu_build.load()
+    code = _code(x)
+    if lib is None or code is None or x.stride(-1) != 1 or positions.dtype != torch.int64:
+        return False
+    positions = positions.contiguous()
+    rc = lib.pd_rotary(code, x.data_ptr(), x.stride(0), x.stride(1), x.shape[0], x.shape[1], x.shape[2],
+                       positions.data_ptr(), cos_sin.data_ptr(), _threads())
+    if rc != 0:
+        raise ValueError(f"pd_rotary: head_dim {x.shape[2]} unsupported")
+    return True
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:  # [num_tokens, 2 * d] -> [num_tokens, d]
+    lib = cpu_build.load()
+    code = _code(x)
+    if lib is None or code is None or not x.is_contiguous():
+        return None
+    d = x.shape[-1] // 2
+    out = torch.empty(x.shape[:-1] + (d,), dtype=x.dtype)
+    lib.pd_silu_and_mul(code, x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], d, _threads())
+    return out

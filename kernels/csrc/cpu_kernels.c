@@ -1,0 +1,356 @@
+/* CPU kernels for the engine's hot path: paged attention, fused residual-add + RMSNorm, rotary
+ * embedding, SiLU-and-mul. Plain C with OpenMP, built once per machine by kernels/cpu_build.py
+ * (gcc -O3 -march=native -fopenmp) and called through ctypes with raw pointers, so the build needs
+ * no torch headers (seconds, not minutes). Each function has a torch reference in kernels/reference.py
+ * that tests compare it with.
+ *
+ * dtype codes: 0 = float32, 1 = bfloat16. Math is float32 throughout; bf16 inputs are widened on load
+ * and outputs rounded to nearest even on store (what torch does).
+ *
+ * OpenMP: linked against the libgomp torch already loaded (same soname), so torch's threads and ours
+ * are one pool; every parallel region takes its thread count from the caller (torch.get_num_threads).
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_HEAD_DIM 256
+#define MAX_BLOCK_SIZE 128
+#define MAX_QUERIES 144 /* queries (token x head) of one work item */
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = ((uint32_t)h) << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline void load_row(const void *src, int dtype, int64_t offset, float *dst, int n) {
+    if (dtype == 1) {
+        const uint16_t *s = (const uint16_t *)src + offset;
+#pragma omp simd
+        for (int i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
+    } else {
+        memcpy(dst, (const float *)src + offset, (size_t)n * sizeof(float));
+    }
+}
+
+static inline void store_row(void *dst, int dtype, int64_t offset, const float *src, int n) {
+    if (dtype == 1) {
+        uint16_t *d = (uint16_t *)dst + offset;
+#pragma omp simd
+        for (int i = 0; i < n; i++) d[i] = f32_to_bf16(src[i]);
+    } else {
+        memcpy((float *)dst + offset, src, (size_t)n * sizeof(float));
+    }
+}
+
+/* exp(x) for x <= 0 (softmax after subtracting the max): 2^(x log2 e) split into an integer power
+ * and a degree-6 polynomial on [-0.5, 0.5]; relative error ~2e-7, vectorisable, no libm call. */
+static inline float exp_nonpos(float x) {
+    if (x < -87.0f) return 0.0f;
+    float t = x * 1.4426950408889634f;
+    float n = nearbyintf(t);
+    float f = (t - n) * 0.6931471805599453f; /* f in [-ln2/2, ln2/2] */
+    float p = 1.0f + f * (1.0f + f * (0.5f + f * (0.16666667f + f * (0.041666668f + f * (0.008333334f + f * 0.0013888889f)))));
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+/* ---- paged attention ------------------------------------------------------------------------
+ * Causal attention of each request's new query tokens over its paged context (K/V of the new
+ * tokens already written). Query i of request r (q_len new tokens, context seq_len) sits at
+ * position seq_len - q_len + i and sees keys 0 ..= that position. One work item is (request, chunk
+ * of query tokens) with every head: a cache row holds all kv heads of a token, so an item reads
+ * whole rows (sequential memory) and widens each K/V block once for all its queries. Online softmax
+ * (flash style) block by block.
+ */
+typedef struct {
+    int32_t req, q_begin, q_end;
+} AttnItem;
+
+static inline void attend_item(const AttnItem item, const int head_dim, int dtype, const void *query,
+                               int64_t q_tok_stride, int64_t q_head_stride, const void *k_cache,
+                               const void *v_cache, int64_t cache_blk_stride, int64_t cache_tok_stride,
+                               int64_t cache_head_stride, const int32_t *block_tables, int64_t bt_stride,
+                               const int32_t *seq_lens, const int32_t *query_start_loc, int num_q_heads,
+                               int num_kv_heads, const int block_size, float scale, void *out,
+                               int64_t out_tok_stride, int64_t out_head_stride) {
+    const int group = num_q_heads / num_kv_heads;
+    const int r = item.req;
+    const int q_len = query_start_loc[r + 1] - query_start_loc[r];
+    const int first_pos = seq_lens[r] - q_len; /* position of query 0 */
+    const int nq_tok = item.q_end - item.q_begin;
+    const int nq = nq_tok * num_q_heads; /* query (token t, head h) is row t * num_q_heads + h */
+    float qf[nq][head_dim], acc[nq][head_dim];
+    float m[nq], l[nq];
+    float kf[num_kv_heads][block_size][head_dim];
+    float vf[num_kv_heads][block_size][head_dim];
+    /* Several query tokens share each block: transposing K once pays for itself (prefill). */
+    const int transposed = nq_tok >= 4;
+    float kt[transposed ? num_kv_heads : 1][head_dim][block_size];
+    float scores[transposed ? nq : 1][block_size];
+    float zero_q[head_dim];
+    for (int d = 0; d < head_dim; d++) zero_q[d] = 0.0f;
+    float s[block_size];
+    for (int t = 0; t < nq_tok; t++) {
+        const int64_t tok = query_start_loc[r] + item.q_begin + t;
+        for (int h = 0; h < num_q_heads; h++) {
+            const int qi = t * num_q_heads + h;
+            load_row(query, dtype, tok * q_tok_stride + h * q_head_stride, qf[qi], head_dim);
+            for (int d = 0; d < head_dim; d++) {
+                qf[qi][d] *= scale;
+                acc[qi][d] = 0.0f;
+            }
+            m[qi] = -FLT_MAX;
+            l[qi] = 0.0f;
+        }
+    }
+    const int last_pos = first_pos + item.q_end - 1;
+    const int num_blocks = last_pos / block_size + 1;
+    const int32_t *table = block_tables + (int64_t)r * bt_stride;
+    for (int b = 0; b < num_blocks; b++) {
+        const int64_t base = (int64_t)table[b] * cache_blk_stride;
+        const int block_start = b * block_size;
+        int n_valid = last_pos + 1 - block_start;
+        if (n_valid > block_size) n_valid = block_size;
+        for (int j = 0; j < n_valid; j++)
+            for (int h = 0; h < num_kv_heads; h++) {
+                const int64_t off = base + j * cache_tok_stride + h * cache_head_stride;
+                load_row(k_cache, dtype, off, kf[h][j], head_dim);
+                load_row(v_cache, dtype, off, vf[h][j], head_dim);
+            }
+        if (transposed) {
+            /* K as [head][d][key]: a query's scores for the whole block are FMAs over d without
+             * reductions; 8 queries at a time keep 8 independent accumulator chains in flight. */
+            for (int h = 0; h < num_kv_heads; h++)
+                for (int j = 0; j < block_size; j++)
+                    for (int d = 0; d < head_dim; d++) kt[h][d][j] = j < n_valid ? kf[h][j][d] : 0.0f;
+            for (int h = 0; h < num_kv_heads; h++) {
+                int idx[MAX_QUERIES + 8], cnt = 0;
+                for (int t = 0; t < nq_tok; t++)
+                    if (first_pos + item.q_begin + t >= block_start)
+                        for (int g = 0; g < group; g++) idx[cnt++] = t * num_q_heads + h * group + g;
+                for (int c = 0; c < cnt; c += 8) {
+                    const float *qrow[8];
+                    for (int u = 0; u < 8; u++) qrow[u] = c + u < cnt ? qf[idx[c + u]] : zero_q;
+                    float acc8[8][block_size];
+                    for (int u = 0; u < 8; u++)
+                        for (int j = 0; j < block_size; j++) acc8[u][j] = 0.0f;
+                    for (int d = 0; d < head_dim; d++) {
+                        const float *k = kt[h][d];
+                        for (int u = 0; u < 8; u++) {
+                            const float qd = qrow[u][d];
+#pragma omp simd
+                            for (int j = 0; j < block_size; j++) acc8[u][j] += qd * k[j];
+                        }
+                    }
+                    for (int u = 0; u < 8 && c + u < cnt; u++)
+                        for (int j = 0; j < block_size; j++) scores[idx[c + u]][j] = acc8[u][j];
+                }
+            }
+        }
+        for (int t = 0; t < nq_tok; t++) {
+            int nk = first_pos + item.q_begin + t + 1 - block_start; /* keys of this block it sees */
+            if (nk <= 0) continue;
+            if (nk > n_valid) nk = n_valid;
+            for (int h = 0; h < num_q_heads; h++) {
+                const int qi = t * num_q_heads + h;
+                const int kvh = h / group;
+                const float *q = qf[qi];
+                float block_max = -FLT_MAX;
+                if (transposed) {
+                    for (int j = 0; j < nk; j++) {
+                        s[j] = scores[qi][j];
+                        block_max = s[j] > block_max ? s[j] : block_max;
+                    }
+                } else {
+                    for (int j = 0; j < nk; j++) {
+                        const float *k = kf[kvh][j];
+                        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                        for (int d = 0; d < head_dim; d++) dot += q[d] * k[d];
+                        s[j] = dot;
+                        block_max = dot > block_max ? dot : block_max;
+                    }
+                }
+                const float m_new = block_max > m[qi] ? block_max : m[qi];
+                const float alpha = exp_nonpos(m[qi] - m_new);
+                float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+                for (int j = 0; j < nk; j++) {
+                    s[j] = exp_nonpos(s[j] - m_new);
+                    sum += s[j];
+                }
+                l[qi] = l[qi] * alpha + sum;
+                m[qi] = m_new;
+                float *a = acc[qi];
+#pragma omp simd
+                for (int d = 0; d < head_dim; d++) a[d] *= alpha;
+                for (int j = 0; j < nk; j++) {
+                    const float p = s[j];
+                    const float *v = vf[kvh][j];
+#pragma omp simd
+                    for (int d = 0; d < head_dim; d++) a[d] += p * v[d];
+                }
+            }
+        }
+    }
+    for (int t = 0; t < nq_tok; t++) {
+        const int64_t tok = query_start_loc[r] + item.q_begin + t;
+        for (int h = 0; h < num_q_heads; h++) {
+            const int qi = t * num_q_heads + h;
+            const float inv = 1.0f / l[qi];
+            for (int d = 0; d < head_dim; d++) acc[qi][d] *= inv;
+            store_row(out, dtype, tok * out_tok_stride + h * out_head_stride, acc[qi], head_dim);
+        }
+    }
+}
+
+int pd_paged_attention(int dtype, const void *query, int64_t q_tok_stride, int64_t q_head_stride,
+                       const void *k_cache, const void *v_cache, int64_t cache_blk_stride,
+                       int64_t cache_tok_stride, int64_t cache_head_stride, const int32_t *block_tables,
+                       int64_t bt_stride, const int32_t *seq_lens, const int32_t *query_start_loc,
+                       int num_reqs, int num_q_heads, int num_kv_heads, int head_dim, int block_size,
+                       float scale, void *out, int64_t out_tok_stride, int64_t out_head_stride,
+                       int num_threads) {
+    if (num_kv_heads <= 0 || num_q_heads % num_kv_heads) return -2;
+    /* Working set of one item lives on the thread's stack: keep it well under a worker's stack. */
+    const int q_chunk = num_q_heads >= MAX_QUERIES ? 1 : MAX_QUERIES / num_q_heads;
+    const int64_t stack_bytes = 4 * ((int64_t)2 * q_chunk * num_q_heads * head_dim +
+                                     (int64_t)2 * num_kv_heads * block_size * head_dim);
+    if (head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK_SIZE || stack_bytes > (1 << 20)) return -1;
+    int64_t num_items = 0;
+    for (int r = 0; r < num_reqs; r++) {
+        int q_len = query_start_loc[r + 1] - query_start_loc[r];
+        num_items += (q_len + q_chunk - 1) / q_chunk;
+    }
+    if (num_items == 0) return 0;
+    AttnItem *items = (AttnItem *)malloc((size_t)num_items * sizeof(AttnItem));
+    if (!items) return -3;
+    int64_t n = 0;
+    for (int r = 0; r < num_reqs; r++) {
+        int q_len = query_start_loc[r + 1] - query_start_loc[r];
+        for (int c = 0; c < q_len; c += q_chunk) {
+            items[n].req = r;
+            items[n].q_begin = c;
+            items[n].q_end = c + q_chunk < q_len ? c + q_chunk : q_len;
+            n++;
+        }
+    }
+
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t it = 0; it < num_items; it++) {
+#define PD_ATTEND(HD, BS)                                                                                   \
+    attend_item(items[it], HD, dtype, query, q_tok_stride, q_head_stride, k_cache, v_cache, cache_blk_stride, \
+                cache_tok_stride, cache_head_stride, block_tables, bt_stride, seq_lens, query_start_loc,     \
+                num_q_heads, num_kv_heads, BS, scale, out, out_tok_stride, out_head_stride)
+        /* Constant head dims and block sizes get fully unrolled inner loops (the common sizes). */
+        if (head_dim == 64 && block_size == 16) PD_ATTEND(64, 16);
+        else if (head_dim == 128 && block_size == 16) PD_ATTEND(128, 16);
+        else PD_ATTEND(head_dim, block_size);
+#undef PD_ATTEND
+    }
+    free(items);
+    return 0;
+}
+
+/* ---- fused residual add + RMSNorm ---------------------------------------------------------------
+ * With a residual: residual = residual + x (rounded to the dtype, as an unfused add would be), then
+ * out = weight * dtype(residual * rsqrt(mean(residual^2) + eps)) -- HF's LlamaRMSNorm op order.
+ * Without (residual == NULL): out = norm(x). x and out may alias.
+ */
+int pd_rms_norm(int dtype, const void *x, void *residual, const void *weight, void *out, int64_t num_tokens,
+                int hidden, float eps, int num_threads) {
+    if (hidden > 16384) return -1;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_tokens > 8)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        float row[16384];
+        float w[16384];
+        const int64_t off = t * hidden;
+        load_row(x, dtype, off, row, hidden);
+        if (residual) {
+            float res[16384];
+            load_row(residual, dtype, off, res, hidden);
+            for (int i = 0; i < hidden; i++) row[i] += res[i];
+            store_row(residual, dtype, off, row, hidden);
+            if (dtype == 1) load_row(residual, dtype, off, row, hidden); /* the rounded sum, as HF sees it */
+        }
+        float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int i = 0; i < hidden; i++) ss += row[i] * row[i];
+        const float r = 1.0f / sqrtf(ss / hidden + eps);
+        load_row(weight, dtype, 0, w, hidden);
+        if (dtype == 1) {
+            uint16_t *o = (uint16_t *)out + off;
+#pragma omp simd
+            for (int i = 0; i < hidden; i++) o[i] = f32_to_bf16(w[i] * bf16_to_f32(f32_to_bf16(row[i] * r)));
+        } else {
+            float *o = (float *)out + off;
+#pragma omp simd
+            for (int i = 0; i < hidden; i++) o[i] = w[i] * (row[i] * r);
+        }
+    }
+    return 0;
+}
+
+/* ---- rotary embedding (HF rotate_half convention), in place -------------------------------------
+ * x: [num_tokens, num_heads, head_dim] with the given strides; cos_sin: float32 [max_pos, head_dim]
+ * holding cos in the first half and sin in the second (one frequency per pair). */
+int pd_rotary(int dtype, void *x, int64_t tok_stride, int64_t head_stride, int64_t num_tokens, int num_heads,
+              int head_dim, const int64_t *positions, const float *cos_sin, int num_threads) {
+    if (head_dim > MAX_HEAD_DIM || head_dim % 2) return -1;
+    const int half = head_dim / 2;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_tokens > 16)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const float *cs = cos_sin + positions[t] * head_dim;
+        float row[MAX_HEAD_DIM], outr[MAX_HEAD_DIM];
+        for (int h = 0; h < num_heads; h++) {
+            const int64_t off = t * tok_stride + h * head_stride;
+            load_row(x, dtype, off, row, head_dim);
+            for (int i = 0; i < half; i++) {
+                const float c = cs[i], s = cs[half + i];
+                outr[i] = row[i] * c - row[half + i] * s;
+                outr[half + i] = row[half + i] * c + row[i] * s;
+            }
+            store_row(x, dtype, off, outr, head_dim);
+        }
+    }
+    return 0;
+}
+
+/* ---- SiLU and mul: out = silu(x[:, :d]) * x[:, d:] ---------------------------------------------- */
+int pd_silu_and_mul(int dtype, const void *x, void *out, int64_t num_tokens, int d, int num_threads) {
+    if (d > 65536) return -1;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_tokens > 4)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        float gate[4096], up[4096];
+        for (int c = 0; c < d; c += 4096) {
+            const int n = d - c < 4096 ? d - c : 4096;
+            load_row(x, dtype, t * 2 * d + c, gate, n);
+            load_row(x, dtype, t * 2 * d + d + c, up, n);
+#pragma omp simd
+            for (int i = 0; i < n; i++) {
+                /* silu(g) = g * sigmoid(g), with exp of -|g| only (no overflow, vectorisable). */
+                const float g = gate[i];
+                const float e = exp_nonpos(g >= 0.0f ? -g : g);
+                const float sig = g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+                gate[i] = g * sig * up[i];
+            }
+            store_row(out, dtype, t * d + c, gate, n);
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,161 @@
+"""The C kernels (kernels/csrc/cpu_kernels.c) against the torch reference, and their build/fallback.
+
+Attention batches come from test_kernels.make_batch: scattered blocks, NaN in every slot a request
+must not read, so reading one slot too many (or a wrong block) turns the output NaN and fails here.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from pdcluster.kernels import cpu_build, cpu_ops, ops, reference
+from test_kernels import HEAD_DIM, SCALE, make_batch
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler: the C kernels cannot be built")
+
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+ATTENTION_CASES = [
+    pytest.param([1, 1, 1], [13, 4, 40], id="decode"),
+    pytest.param([3, 3], [9, 30], id="verify-1+2"),  # speculative verification: q_len 1 + k
+    pytest.param([10, 1, 0, 4], [37, 13, 5, 4], id="mixed"),  # chunk with prefix, decode, idle, fresh
+    pytest.param([23], [23], id="prefill-fresh"),  # several query chunks of one request
+    pytest.param([17, 6], [50, 6], id="prefill-chunk-with-prefix"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_q_heads, num_kv_heads", [(4, 2), (2, 2), (6, 2), (9, 3)])
+@pytest.mark.parametrize("q_lens, seq_lens", ATTENTION_CASES)
+def test_paged_attention_matches_reference(q_lens, seq_lens, num_q_heads, num_kv_heads, dtype):
+    batch = make_batch(q_lens, seq_lens, num_q_heads, num_kv_heads, dtype=dtype)
+    expected = reference.paged_attention(*batch.args())
+    got = cpu_ops.paged_attention(*batch.args())
+    assert got is not None and not got.isnan().any()
+    torch.testing.assert_close(got.float(), expected.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 16, 32])
+def test_paged_attention_block_sizes(block_size):
+    batch = make_batch([1, 7, 20], [9, 30, 20], 6, 3, block_size=block_size)
+    torch.testing.assert_close(cpu_ops.paged_attention(*batch.args()), reference.paged_attention(*batch.args()),
+                               **TOL[torch.float32])
+
+
+def test_paged_attention_reads_a_strided_query_and_threads_agree():
+    """The model passes q as a view of the qkv matmul's output (token stride > heads * head_dim);
+    one thread and two give the same numbers (work items never share outputs)."""
+    batch = make_batch([3, 1, 12], [10, 21, 12], 4, 2)
+    qkv = torch.randn(batch.query.shape[0], 8, HEAD_DIM)
+    qkv[:, :4] = batch.query
+    strided = qkv[:, :4]
+    assert not strided.is_contiguous()
+    args = (batch.layer_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, SCALE)
+    expected = reference.paged_attention(batch.query, *args)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_ops.paged_attention(strided, *args)
+        torch.set_num_threads(2)
+        two = cpu_ops.paged_attention(strided, *args)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(one, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_reference(dtype, with_residual):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(37, 576, generator=gen).to(dtype)
+    weight = (1 + 0.1 * torch.randn(576, generator=gen)).to(dtype)
+    residual = torch.randn(37, 576, generator=gen).to(dtype) if with_residual else None
+    ref_residual = residual.clone() if with_residual else None
+    expected = reference.rms_norm(x.clone(), weight, 1e-5, ref_residual)
+    got = cpu_ops.rms_norm(x, weight, 1e-5, residual)
+    torch.testing.assert_close(got, expected, **TOL[dtype])
+    if with_residual:  # the skip connection is updated in place to residual + x
+        assert torch.equal(residual, ref_residual)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_matches_reference_on_strided_heads(dtype):
+    gen = torch.Generator().manual_seed(2)
+    head_dim, max_pos = 64, 300
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
+    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).contiguous()
+    qkv = torch.randn(11, 15, head_dim, generator=gen).to(dtype)
+    positions = torch.randint(0, max_pos, (11,), generator=gen)
+    expected = qkv.clone()
+    reference.rotary(expected[:, :12], positions, cos_sin)
+    got = qkv.clone()
+    assert cpu_ops.rotary(got[:, :12], positions, cos_sin)
+    torch.testing.assert_close(got, expected, **TOL[dtype])
+    assert torch.equal(got[:, 12:], qkv[:, 12:])  # the v heads are not touched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_matches_reference(dtype):
+    x = (torch.randn(9, 2 * 1536, generator=torch.Generator().manual_seed(3)) * 6).to(dtype)
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp's range ends: no overflow, no NaN
+    torch.testing.assert_close(cpu_ops.silu_and_mul(x), reference.silu_and_mul(x), **TOL[dtype])
+
+
+def test_ops_route_cpu_tensors_to_the_c_kernels(monkeypatch):
+    called = []
+    for name in ("paged_attention", "rms_norm", "rotary", "silu_and_mul"):
+        monkeypatch.setattr(reference, name, lambda *a, _n=name, **k: called.append(_n))
+    batch = make_batch([1, 4], [6, 9], 4, 2)
+    ops.paged_attention(*batch.args())
+    ops.paged_attention_uniform(batch.query[:2], batch.layer_cache, batch.block_tables, batch.seq_lens, 1, SCALE)
+    ops.rms_norm(torch.randn(3, 8), torch.ones(8), 1e-5)
+    ops.rotary(torch.randn(3, 2, 8), torch.arange(3), torch.randn(3, 8))
+    ops.silu_and_mul(torch.randn(3, 8))
+    assert called == []
+
+
+def test_without_a_compiler_the_engine_falls_back_with_a_warning(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(cpu_build, "_compiler", lambda: None)
+    cpu_build.load.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert cpu_build.load() is None
+        assert "no C compiler" in caplog.text
+        batch = make_batch([1, 4], [6, 9], 4, 2)
+        assert cpu_ops.paged_attention(*batch.args()) is None
+        torch.testing.assert_close(ops.paged_attention(*batch.args()), reference.paged_attention(*batch.args()))
+    finally:
+        cpu_build.load.cache_clear()
+
+
+def test_a_failing_build_falls_back(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("PDCLUSTER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_build, "_compiler", lambda: "false")  # exits 1: a compiler that fails
+    cpu_build.load.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert cpu_build.load() is None
+        assert "falling back" in caplog.text
+        assert not list(tmp_path.rglob("*.so"))  # no half-written library left to load later
+    finally:
+        cpu_build.load.cache_clear()
+
+
+def test_the_build_is_cached_per_source(monkeypatch, tmp_path):
+    monkeypatch.setenv("PDCLUSTER_CACHE_DIR", str(tmp_path))
+    cpu_build.load.cache_clear()
+    try:
+        assert cpu_build.load() is not None
+        built = list(tmp_path.rglob("cpu_kernels-*.so"))
+        assert len(built) == 1
+        mtime = built[0].stat().st_mtime_ns
+        cpu_build.load.cache_clear()
+        assert cpu_build.load() is not None
+        assert built[0].stat().st_mtime_ns == mtime  # loaded, not rebuilt
+    finally:
+        cpu_build.load.cache_clear()
