@@ -55,6 +55,7 @@ def make_batch(
     block_size: int = BLOCK_SIZE,
     poison: float = float("nan"),
     seed: int = 0,
+    head_dim: int = HEAD_DIM,
 ) -> PagedBatch:
     """Each request's blocks are drawn from a shuffled pool, so they are scattered and out of order.
     Context is written through the reference write_kv (so this also exercises slot arithmetic)."""
@@ -64,7 +65,7 @@ def make_batch(
     num_blocks = sum(blocks_per_req) + 3  # spare blocks stay poisoned
     pool = torch.randperm(num_blocks, generator=gen)
     poison_block = int(pool[-1])
-    layer_cache = torch.full((2, num_blocks, block_size, num_kv_heads, HEAD_DIM), poison, dtype=dtype)
+    layer_cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), poison, dtype=dtype)
     block_tables = torch.full((len(seq_lens), max_blocks), poison_block, dtype=torch.int32)
     dense_kv = []
     next_block = 0
@@ -74,11 +75,11 @@ def make_batch(
         block_tables[r, :n] = blocks.to(torch.int32)
         positions = torch.arange(seq_len)
         slots = blocks[positions // block_size] * block_size + positions % block_size
-        k = torch.randn(seq_len, num_kv_heads, HEAD_DIM, generator=gen).to(dtype)
-        v = torch.randn(seq_len, num_kv_heads, HEAD_DIM, generator=gen).to(dtype)
+        k = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)
+        v = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)
         reference.write_kv(k, v, layer_cache, slots)
         dense_kv.append((k, v))
-    query = torch.randn(sum(q_lens), num_q_heads, HEAD_DIM, generator=gen).to(dtype)
+    query = torch.randn(sum(q_lens), num_q_heads, head_dim, generator=gen).to(dtype)
     query_start_loc = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
     return PagedBatch(
         query, layer_cache, block_tables, torch.tensor(seq_lens, dtype=torch.int32), query_start_loc, dense_kv

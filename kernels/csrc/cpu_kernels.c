@@ -219,6 +219,145 @@ static inline void attend_item(const AttnItem item, const int head_dim, int dtyp
     }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define PD_HAVE_BF16_FAST_PATH 1
+
+/* exp(x) for x <= 0, 16 lanes: the same range reduction and polynomial as exp_nonpos. */
+static inline __m512 exp512_nonpos(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));
+    __m512 p = _mm512_set1_ps(0.0013888889f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.008333334f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.041666668f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.16666667f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+/* Lane j of the result = sum of the 16 lanes of v[j]: 16 dot products finished with 45 shuffles and
+ * adds instead of 16 separate horizontal reductions. */
+static inline __m512 reduce16(const __m512 v[16]) {
+    __m512 w[8], x[4];
+    for (int i = 0; i < 8; i++)
+        w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
+        x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    const __m512 y0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xDD));
+    const __m512 y1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88), _mm512_shuffle_f32x4(x[2], x[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y0, y1, 0x88), _mm512_shuffle_f32x4(y0, y1, 0xDD));
+}
+
+static inline __m512 bf16x16_to_f32(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* The bf16 / block size 16 / head_dim multiple of 32 path of attend_item: scores with the
+ * avx512_bf16 dot-product instruction straight from the cache (no widening of K), 16 keys per
+ * reduce16, softmax on whole vectors, V widened once per block and shared by every query. Unpermuted
+ * lanes of reduce16 are in key order: lane j of v[j]'s sum is key j. */
+static inline void attend_item_bf16(const AttnItem item, const int HD, const uint16_t *query, int64_t q_tok_stride,
+                                    int64_t q_head_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                                    int64_t cache_blk_stride, int64_t cache_tok_stride, int64_t cache_head_stride,
+                                    const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+                                    const int32_t *query_start_loc, int num_q_heads, int num_kv_heads, float scale,
+                                    uint16_t *out, int64_t out_tok_stride, int64_t out_head_stride) {
+    enum { BS = 16 };
+    const int group = num_q_heads / num_kv_heads;
+    const int r = item.req;
+    const int q_len = query_start_loc[r + 1] - query_start_loc[r];
+    const int first_pos = seq_lens[r] - q_len;
+    const int nq_tok = item.q_end - item.q_begin;
+    const int nq = nq_tok * num_q_heads;
+    const int nc = HD / 16; /* 16-float chunks of a head */
+    float acc[nq][HD] __attribute__((aligned(64)));
+    float m[nq], l[nq];
+    float vf[num_kv_heads][BS][HD] __attribute__((aligned(64)));
+    for (int qi = 0; qi < nq; qi++) {
+        for (int d = 0; d < HD; d++) acc[qi][d] = 0.0f;
+        m[qi] = -FLT_MAX;
+        l[qi] = 0.0f;
+    }
+    const __m512 vscale = _mm512_set1_ps(scale);
+    const int last_pos = first_pos + item.q_end - 1;
+    const int num_blocks = last_pos / BS + 1;
+    const int32_t *table = block_tables + (int64_t)r * bt_stride;
+    for (int b = 0; b < num_blocks; b++) {
+        const int64_t base = (int64_t)table[b] * cache_blk_stride;
+        if (b + 1 < num_blocks) { /* the next block is elsewhere in memory: start fetching it */
+            const int64_t next = (int64_t)table[b + 1] * cache_blk_stride;
+            for (int j = 0; j < BS; j += 2) {
+                __builtin_prefetch(k_cache + next + j * cache_tok_stride);
+                __builtin_prefetch(v_cache + next + j * cache_tok_stride);
+            }
+        }
+        const int block_start = b * BS;
+        int n_valid = last_pos + 1 - block_start;
+        if (n_valid > BS) n_valid = BS;
+        for (int h = 0; h < num_kv_heads; h++)
+            for (int j = 0; j < n_valid; j++) {
+                const uint16_t *v = v_cache + base + j * cache_tok_stride + h * cache_head_stride;
+                for (int c = 0; c < nc; c++) _mm512_store_ps(&vf[h][j][16 * c], bf16x16_to_f32(v + 16 * c));
+            }
+        for (int t = 0; t < nq_tok; t++) {
+            int nk = first_pos + item.q_begin + t + 1 - block_start;
+            if (nk <= 0) continue;
+            if (nk > n_valid) nk = n_valid;
+            const __mmask16 valid = (__mmask16)((1u << nk) - 1u);
+            const int64_t tok = query_start_loc[r] + item.q_begin + t;
+            for (int h = 0; h < num_q_heads; h++) {
+                const int qi = t * num_q_heads + h;
+                const int kvh = h / group;
+                const uint16_t *q = query + tok * q_tok_stride + h * q_head_stride;
+                __m512 dots[BS];
+                for (int j = 0; j < BS; j++) {
+                    dots[j] = _mm512_setzero_ps();
+                    if (j < nk) {
+                        const uint16_t *k = k_cache + base + j * cache_tok_stride + kvh * cache_head_stride;
+                        for (int c = 0; c < HD; c += 32)
+                            dots[j] = _mm512_dpbf16_ps(dots[j], (__m512bh)_mm512_loadu_si512(q + c),
+                                                       (__m512bh)_mm512_loadu_si512(k + c));
+                    }
+                }
+                const __m512 sc = _mm512_mask_mov_ps(_mm512_set1_ps(-FLT_MAX), valid,
+                                                     _mm512_mul_ps(reduce16(dots), vscale));
+                const float block_max = _mm512_mask_reduce_max_ps(valid, sc);
+                const float m_new = block_max > m[qi] ? block_max : m[qi];
+                const float alpha = exp_nonpos(m[qi] - m_new);
+                const __m512 p = _mm512_maskz_mov_ps(valid, exp512_nonpos(_mm512_sub_ps(sc, _mm512_set1_ps(m_new))));
+                l[qi] = l[qi] * alpha + _mm512_reduce_add_ps(p);
+                m[qi] = m_new;
+                float pj[BS] __attribute__((aligned(64)));
+                _mm512_store_ps(pj, p);
+                const __m512 valpha = _mm512_set1_ps(alpha);
+                for (int c = 0; c < nc; c++) {
+                    __m512 a = _mm512_mul_ps(_mm512_load_ps(&acc[qi][16 * c]), valpha);
+                    for (int j = 0; j < nk; j++)
+                        a = _mm512_fmadd_ps(_mm512_set1_ps(pj[j]), _mm512_load_ps(&vf[kvh][j][16 * c]), a);
+                    _mm512_store_ps(&acc[qi][16 * c], a);
+                }
+            }
+        }
+    }
+    for (int t = 0; t < nq_tok; t++) {
+        const int64_t tok = query_start_loc[r] + item.q_begin + t;
+        for (int h = 0; h < num_q_heads; h++) {
+            const int qi = t * num_q_heads + h;
+            const float inv = 1.0f / l[qi];
+            for (int d = 0; d < HD; d++) acc[qi][d] *= inv;
+            store_row(out, 1, tok * out_tok_stride + h * out_head_stride, acc[qi], HD);
+        }
+    }
+}
+#endif
+
 int pd_paged_attention(int dtype, const void *query, int64_t q_tok_stride, int64_t q_head_stride,
                        const void *k_cache, const void *v_cache, int64_t cache_blk_stride,
                        int64_t cache_tok_stride, int64_t cache_head_stride, const int32_t *block_tables,
@@ -251,12 +390,28 @@ int pd_paged_attention(int dtype, const void *query, int64_t q_tok_stride, int64
         }
     }
 
+    /* The vector path reads q and K rows as whole 32-element bf16 vectors. */
+    const int fast_bf16 = dtype == 1 && block_size == 16 && head_dim % 32 == 0 &&
+                          getenv("PDCLUSTER_ATTN_GENERIC") == NULL;
+    (void)fast_bf16;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t it = 0; it < num_items; it++) {
 #define PD_ATTEND(HD, BS)                                                                                   \
     attend_item(items[it], HD, dtype, query, q_tok_stride, q_head_stride, k_cache, v_cache, cache_blk_stride, \
                 cache_tok_stride, cache_head_stride, block_tables, bt_stride, seq_lens, query_start_loc,     \
                 num_q_heads, num_kv_heads, BS, scale, out, out_tok_stride, out_head_stride)
+#ifdef PD_HAVE_BF16_FAST_PATH
+#define PD_ATTEND_BF16(HD)                                                                                       \
+    attend_item_bf16(items[it], HD, (const uint16_t *)query, q_tok_stride, q_head_stride, (const uint16_t *)k_cache, \
+                     (const uint16_t *)v_cache, cache_blk_stride, cache_tok_stride, cache_head_stride, block_tables, \
+                     bt_stride, seq_lens, query_start_loc, num_q_heads, num_kv_heads, scale, (uint16_t *)out,        \
+                     out_tok_stride, out_head_stride)
+        if (fast_bf16 && head_dim == 64) PD_ATTEND_BF16(64);
+        else if (fast_bf16 && head_dim == 128) PD_ATTEND_BF16(128);
+        else if (fast_bf16) PD_ATTEND_BF16(head_dim);
+        else
+#undef PD_ATTEND_BF16
+#endif
         /* Constant head dims and block sizes get fully unrolled inner loops (the common sizes). */
         if (head_dim == 64 && block_size == 16) PD_ATTEND(64, 16);
         else if (head_dim == 128 && block_size == 16) PD_ATTEND(128, 16);
