@@ -15,7 +15,8 @@ from pdcluster.engine.config import DTYPES, SPEC_METHODS, ConfigError
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default="smollm2", help="built-in name (smollm2, tiny-random) or an HF model directory")
-    g.add_argument("--dtype", default="float32", choices=DTYPES)
+    g.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="auto = the checkpoint's dtype (bfloat16 for smollm2: prepacked bf16 GEMMs on CPU)")
     g.add_argument("--max-model-len", type=int, default=0, help="0 = the model's limit, capped at 4096")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=0, help="0 = size the pool from --kv-cache-memory-gib")

@@ -9,13 +9,14 @@ class ConfigError(ValueError):
     pass
 
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 SPEC_METHODS = ("none", "ngram", "mtp")
 
 
 @dataclass
 class EngineConfig:
     model: str = "smollm2"
+    # "auto": the model's own dtype (config.json torch_dtype), as vLLM does; see resolve_dtype().
     dtype: str = "float32"
     device: str = "cpu"
     # 0 = the model's max_position_embeddings, capped at 4096.
@@ -67,6 +68,17 @@ class EngineConfig:
             raise ConfigError(f"num_spec_tokens: must be >= 1 with spec_method={self.spec_method!r}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ConfigError(f"ngram_min/ngram_max: need 1 <= min <= max, got {self.ngram_min}, {self.ngram_max}")
+
+    def resolve_dtype(self, model_config: dict) -> str:
+        """The dtype name to run in: ``dtype`` itself unless "auto"; for "auto", the checkpoint's
+        ``torch_dtype`` (``dtype`` in newer configs) with float16 run as bfloat16 on CPU (the CPU
+        has bf16 GEMMs and no fast fp16 ones), float32 when the config says nothing."""
+        if self.dtype != "auto":
+            return self.dtype
+        name = str(model_config.get("torch_dtype") or model_config.get("dtype") or "float32").removeprefix("torch.")
+        if name == "float16" and self.device == "cpu":
+            return "bfloat16"
+        return name if name in DTYPES else "float32"
 
     @property
     def num_spec_steps(self) -> int:

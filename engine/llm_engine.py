@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import random
 import time
 from dataclasses import dataclass, field, replace
@@ -72,7 +73,8 @@ class LLMEngine:
                 f"max_model_len: {self.max_model_len} exceeds the model's max_position_embeddings "
                 f"({arch.max_position_embeddings})"
             )
-        dtype = DTYPES[config.dtype]
+        self.dtype_name = config.resolve_dtype(json.loads((self.model_dir / "config.json").read_text()))
+        dtype = DTYPES[self.dtype_name]
         self.model = LlamaModel.load(self.model_dir, dtype, self.max_model_len + config.num_spec_steps + 1)
         num_draft_layers = proposer_draft_layers(config)  # MTP: one layer after the target's (S2)
         probe = KVCacheSpec(arch.num_layers + num_draft_layers, num_draft_layers, 1, config.block_size,

@@ -43,3 +43,16 @@ def test_bad_input_is_a_clear_error(tiny_dir, args, message):
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
     assert message in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_dtype_auto_takes_the_checkpoints_dtype():
+    """`--dtype auto` (the CLI default) runs a model in the dtype its config.json names, as vLLM does:
+    smollm2's checkpoint is bf16 (the fast CPU path); fp16 checkpoints run as bf16 on CPU."""
+    from pdcluster.engine.config import EngineConfig
+
+    auto = EngineConfig(dtype="auto")
+    assert auto.resolve_dtype({"torch_dtype": "bfloat16"}) == "bfloat16"
+    assert auto.resolve_dtype({"dtype": "float32"}) == "float32"
+    assert auto.resolve_dtype({"torch_dtype": "float16"}) == "bfloat16"
+    assert auto.resolve_dtype({}) == "float32"
+    assert EngineConfig(dtype="float32").resolve_dtype({"torch_dtype": "bfloat16"}) == "float32"
