@@ -280,6 +280,9 @@ static inline void attend_item_bf16(const AttnItem item, const int HD, const uin
     float acc[nq][HD] __attribute__((aligned(64)));
     float m[nq], l[nq];
     float vf[num_kv_heads][BS][HD] __attribute__((aligned(64)));
+    /* Several query tokens share each block (prefill): re-laying K once per block pays for itself. */
+    const int pair_scores = nq_tok >= 4;
+    uint32_t kp[pair_scores ? num_kv_heads : 1][HD / 2][BS] __attribute__((aligned(64)));
     for (int qi = 0; qi < nq; qi++) {
         for (int d = 0; d < HD; d++) acc[qi][d] = 0.0f;
         m[qi] = -FLT_MAX;
@@ -306,6 +309,12 @@ static inline void attend_item_bf16(const AttnItem item, const int HD, const uin
                 const uint16_t *v = v_cache + base + j * cache_tok_stride + h * cache_head_stride;
                 for (int c = 0; c < nc; c++) _mm512_store_ps(&vf[h][j][16 * c], bf16x16_to_f32(v + 16 * c));
             }
+        if (pair_scores) /* K as [head][dim pair][key]: bf16 pairs, so one dpbf16 covers 16 keys */
+            for (int h = 0; h < num_kv_heads; h++)
+                for (int j = 0; j < BS; j++) {
+                    const uint32_t *k = (const uint32_t *)(k_cache + base + j * cache_tok_stride + h * cache_head_stride);
+                    for (int d2 = 0; d2 < HD / 2; d2++) kp[h][d2][j] = j < n_valid ? k[d2] : 0u;
+                }
         for (int t = 0; t < nq_tok; t++) {
             int nk = first_pos + item.q_begin + t + 1 - block_start;
             if (nk <= 0) continue;
@@ -316,18 +325,35 @@ static inline void attend_item_bf16(const AttnItem item, const int HD, const uin
                 const int qi = t * num_q_heads + h;
                 const int kvh = h / group;
                 const uint16_t *q = query + tok * q_tok_stride + h * q_head_stride;
-                __m512 dots[BS];
-                for (int j = 0; j < BS; j++) {
-                    dots[j] = _mm512_setzero_ps();
-                    if (j < nk) {
-                        const uint16_t *k = k_cache + base + j * cache_tok_stride + kvh * cache_head_stride;
-                        for (int c = 0; c < HD; c += 32)
-                            dots[j] = _mm512_dpbf16_ps(dots[j], (__m512bh)_mm512_loadu_si512(q + c),
-                                                       (__m512bh)_mm512_loadu_si512(k + c));
+                __m512 raw;
+                if (pair_scores) {
+                    /* Lane j accumulates q . k_j directly: no reduction; 4 chains for latency. */
+                    const uint32_t *q32 = (const uint32_t *)q;
+                    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+#define PD_DP(ACC, D2) ACC = _mm512_dpbf16_ps(ACC, (__m512bh)_mm512_set1_epi32((int)q32[D2]), \
+                                              (__m512bh)_mm512_load_si512(kp[kvh][D2]))
+                    for (int d2 = 0; d2 < HD / 2; d2 += 4) { /* HD % 32 == 0, so HD / 2 % 4 == 0 */
+                        PD_DP(a0, d2);
+                        PD_DP(a1, d2 + 1);
+                        PD_DP(a2, d2 + 2);
+                        PD_DP(a3, d2 + 3);
                     }
+#undef PD_DP
+                    raw = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
+                } else {
+                    __m512 dots[BS];
+                    for (int j = 0; j < BS; j++) {
+                        dots[j] = _mm512_setzero_ps();
+                        if (j < nk) {
+                            const uint16_t *k = k_cache + base + j * cache_tok_stride + kvh * cache_head_stride;
+                            for (int c = 0; c < HD; c += 32)
+                                dots[j] = _mm512_dpbf16_ps(dots[j], (__m512bh)_mm512_loadu_si512(q + c),
+                                                           (__m512bh)_mm512_loadu_si512(k + c));
+                        }
+                    }
+                    raw = reduce16(dots);
                 }
-                const __m512 sc = _mm512_mask_mov_ps(_mm512_set1_ps(-FLT_MAX), valid,
-                                                     _mm512_mul_ps(reduce16(dots), vscale));
+                const __m512 sc = _mm512_mask_mov_ps(_mm512_set1_ps(-FLT_MAX), valid, _mm512_mul_ps(raw, vscale));
                 const float block_max = _mm512_mask_reduce_max_ps(valid, sc);
                 const float m_new = block_max > m[qi] ? block_max : m[qi];
                 const float alpha = exp_nonpos(m[qi] - m_new);
@@ -337,12 +363,13 @@ static inline void attend_item_bf16(const AttnItem item, const int HD, const uin
                 float pj[BS] __attribute__((aligned(64)));
                 _mm512_store_ps(pj, p);
                 const __m512 valpha = _mm512_set1_ps(alpha);
-                for (int c = 0; c < nc; c++) {
-                    __m512 a = _mm512_mul_ps(_mm512_load_ps(&acc[qi][16 * c]), valpha);
-                    for (int j = 0; j < nk; j++)
-                        a = _mm512_fmadd_ps(_mm512_set1_ps(pj[j]), _mm512_load_ps(&vf[kvh][j][16 * c]), a);
-                    _mm512_store_ps(&acc[qi][16 * c], a);
+                __m512 a[HD / 16]; /* the query's output row in registers for the whole block */
+                for (int c = 0; c < nc; c++) a[c] = _mm512_mul_ps(_mm512_load_ps(&acc[qi][16 * c]), valpha);
+                for (int j = 0; j < nk; j++) {
+                    const __m512 pb = _mm512_set1_ps(pj[j]);
+                    for (int c = 0; c < nc; c++) a[c] = _mm512_fmadd_ps(pb, _mm512_load_ps(&vf[kvh][j][16 * c]), a[c]);
                 }
+                for (int c = 0; c < nc; c++) _mm512_store_ps(&acc[qi][16 * c], a[c]);
             }
         }
     }
