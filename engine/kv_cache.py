@@ -10,6 +10,7 @@ draft-layer KV lives in the same blocks and travels with the target's in a KV tr
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -46,4 +47,27 @@ def num_blocks_for_budget(bytes_per_block: int, memory_gib: float) -> int:
 def allocate_kv_cache(spec: KVCacheSpec, device: str | torch.device = "cpu") -> torch.Tensor:
     # Zeroed, not empty: padded slots of a gathered block are masked out in attention, but reading
     # uninitialised NaNs there would still poison a masked softmax on some backends.
+    if torch.device(device).type == "cpu":
+        return _zeroed_huge_page_tensor(spec.shape, spec.dtype)
     return torch.zeros(spec.shape, dtype=spec.dtype, device=device)
+
+
+def _zeroed_huge_page_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """CPU cache memory from an anonymous mapping backed by 2 MiB pages where the kernel allows.
+
+    Decode attention touches a few KB in each of thousands of scattered blocks per layer; with 4 KiB
+    pages nearly every block costs a TLB miss and a page walk (measured: attention at batch 32 took
+    ~2x longer in the engine than on a warm microbenchmark). The mapping's pages are zero when first
+    touched (no up-front memset), so resident memory grows with the blocks actually used."""
+    nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            buf.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass  # THP off: 4 KiB pages, same contents
+    tensor = torch.frombuffer(buf, dtype=dtype).view(shape)
+    tensor._pdcluster_mapping = buf  # the mapping lives exactly as long as the tensor
+    return tensor

@@ -279,7 +279,7 @@ static inline void attend_item_bf16(const AttnItem item, const int HD, const uin
     const int nc = HD / 16; /* 16-float chunks of a head */
     float acc[nq][HD] __attribute__((aligned(64)));
     float m[nq], l[nq];
-    float vf[num_kv_heads][BS][HD] __attribute__((aligned(64)));
+    uint32_t vp[num_kv_heads][BS / 2][HD] __attribute__((aligned(64)));
     /* Several query tokens share each block (prefill): re-laying K once per block pays for itself. */
     const int pair_scores = nq_tok >= 4;
     uint32_t kp[pair_scores ? num_kv_heads : 1][HD / 2][BS] __attribute__((aligned(64)));
@@ -294,21 +294,36 @@ static inline void attend_item_bf16(const AttnItem item, const int HD, const uin
     const int32_t *table = block_tables + (int64_t)r * bt_stride;
     for (int b = 0; b < num_blocks; b++) {
         const int64_t base = (int64_t)table[b] * cache_blk_stride;
-        if (b + 1 < num_blocks) { /* the next block is elsewhere in memory: start fetching it */
-            const int64_t next = (int64_t)table[b + 1] * cache_blk_stride;
-            for (int j = 0; j < BS; j += 2) {
-                __builtin_prefetch(k_cache + next + j * cache_tok_stride);
-                __builtin_prefetch(v_cache + next + j * cache_tok_stride);
-            }
-        }
+        /* Decode is bound by fetching blocks from memory: while this block's V is widened row by
+         * row, ask for the same row of the next block's K and V (each row: every kv head), so the
+         * next block streams in while this one is computed. Spread out, not one burst: a burst of
+         * prefetches fills the miss buffers and stalls the core. */
+        const int64_t next = b + 2 < num_blocks ? (int64_t)table[b + 2] * cache_blk_stride : -1;
+        const int row_elems = num_kv_heads * (int)cache_head_stride;
         const int block_start = b * BS;
         int n_valid = last_pos + 1 - block_start;
         if (n_valid > BS) n_valid = BS;
-        for (int h = 0; h < num_kv_heads; h++)
-            for (int j = 0; j < n_valid; j++) {
-                const uint16_t *v = v_cache + base + j * cache_tok_stride + h * cache_head_stride;
-                for (int c = 0; c < nc; c++) _mm512_store_ps(&vf[h][j][16 * c], bf16x16_to_f32(v + 16 * c));
-            }
+        for (int j = 0; j < BS; j++) {
+            if (next >= 0)
+                for (int e = 0; e < row_elems; e += 32) { /* 32 bf16 = one 64-byte line */
+                    __builtin_prefetch(k_cache + next + j * cache_tok_stride + e, 0, 3);
+                    __builtin_prefetch(v_cache + next + j * cache_tok_stride + e, 0, 3);
+                }
+            if ((j & 1) && j - 1 < n_valid)
+                /* V as bf16 pairs of consecutive keys: lane d of pair j/2 holds (v[j-1][d], v[j][d]),
+                 * so one dpbf16 adds two keys' weighted rows. A key past the block's end is zero
+                 * (never read: unused slots may hold anything, NaN included). */
+                for (int h = 0; h < num_kv_heads; h++) {
+                    const uint16_t *v0 = v_cache + base + (j - 1) * cache_tok_stride + h * cache_head_stride;
+                    const uint16_t *v1 = v0 + cache_tok_stride;
+                    for (int c = 0; c < nc; c++) {
+                        const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v0 + 16 * c)));
+                        const __m512i hi = j < n_valid ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v1 + 16 * c)))
+                                                       : _mm512_setzero_si512();
+                        _mm512_store_si512(&vp[h][j / 2][16 * c], _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+                    }
+                }
+        }
         if (pair_scores) /* K as [head][dim pair][key]: bf16 pairs, so one dpbf16 covers 16 keys */
             for (int h = 0; h < num_kv_heads; h++)
                 for (int j = 0; j < BS; j++) {
@@ -358,16 +373,21 @@ static inline void attend_item_bf16(const AttnItem item, const int HD, const uin
                 const float m_new = block_max > m[qi] ? block_max : m[qi];
                 const float alpha = exp_nonpos(m[qi] - m_new);
                 const __m512 p = _mm512_maskz_mov_ps(valid, exp512_nonpos(_mm512_sub_ps(sc, _mm512_set1_ps(m_new))));
-                l[qi] = l[qi] * alpha + _mm512_reduce_add_ps(p);
+                /* P in bf16 for the PV product (as flash attention does on GPUs); the normaliser sums
+                 * the same rounded weights, so the output stays a convex combination of V rows. */
+                const __m256bh p_bf16 = _mm512_cvtneps_pbh(p);
+                l[qi] = l[qi] * alpha + _mm512_reduce_add_ps(
+                    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)p_bf16), 16)));
                 m[qi] = m_new;
-                float pj[BS] __attribute__((aligned(64)));
-                _mm512_store_ps(pj, p);
+                uint32_t pairs[BS / 2] __attribute__((aligned(32)));
+                _mm256_store_si256((__m256i *)pairs, (__m256i)p_bf16);
                 const __m512 valpha = _mm512_set1_ps(alpha);
                 __m512 a[HD / 16]; /* the query's output row in registers for the whole block */
                 for (int c = 0; c < nc; c++) a[c] = _mm512_mul_ps(_mm512_load_ps(&acc[qi][16 * c]), valpha);
-                for (int j = 0; j < nk; j++) {
-                    const __m512 pb = _mm512_set1_ps(pj[j]);
-                    for (int c = 0; c < nc; c++) a[c] = _mm512_fmadd_ps(pb, _mm512_load_ps(&vf[kvh][j][16 * c]), a[c]);
+                for (int j2 = 0; j2 < (nk + 1) / 2; j2++) {
+                    const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)pairs[j2]);
+                    for (int c = 0; c < nc; c++)
+                        a[c] = _mm512_dpbf16_ps(a[c], pb, (__m512bh)_mm512_load_si512(&vp[kvh][j2][16 * c]));
                 }
                 for (int c = 0; c < nc; c++) _mm512_store_ps(&acc[qi][16 * c], a[c]);
             }
