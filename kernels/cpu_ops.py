@@ -30,6 +30,24 @@ def _threads() -> int:
     return torch.get_num_threads()
 
 
+def write_kv(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim] (head dim contiguous)
+    value: torch.Tensor,
+    layer_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # int64 [num_tokens]
+) -> bool:
+    lib = cpu_build.load()
+    if (lib is None or key.is_cuda or key.dtype != layer_cache.dtype or value.dtype != key.dtype
+            or key.stride() != value.stride() or key.stride(-1) != 1 or not layer_cache.is_contiguous()
+            or slot_mapping.dtype != torch.int64):
+        return False
+    slot_mapping = slot_mapping.contiguous()
+    lib.pd_write_kv(key.data_ptr(), value.data_ptr(), key.stride(0), key.stride(1), layer_cache[0].data_ptr(),
+                    layer_cache[1].data_ptr(), slot_mapping.data_ptr(), key.shape[0], key.shape[1], key.shape[2],
+                    key.element_size(), _threads())
+    return True
+
+
 def paged_attention(
     query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
     layer_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]

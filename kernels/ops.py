@@ -39,7 +39,7 @@ def write_kv(
         from pdcluster.kernels.triton_write_kv import write_kv_triton
 
         write_kv_triton(key, value, layer_cache, slot_mapping)
-    else:
+    elif not cpu_ops.write_kv(key, value, layer_cache, slot_mapping):
         reference.write_kv(key, value, layer_cache, slot_mapping)
 
 

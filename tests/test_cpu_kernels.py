@@ -123,10 +123,11 @@ def test_silu_and_mul_matches_reference(dtype):
 
 
 def test_ops_route_cpu_tensors_to_the_c_kernels(monkeypatch):
-    called = []
-    for name in ("paged_attention", "rms_norm", "rotary", "silu_and_mul"):
-        monkeypatch.setattr(reference, name, lambda *a, _n=name, **k: called.append(_n))
     batch = make_batch([1, 4], [6, 9], 4, 2)
+    called = []
+    for name in ("paged_attention", "rms_norm", "rotary", "silu_and_mul", "write_kv"):
+        monkeypatch.setattr(reference, name, lambda *a, _n=name, **k: called.append(_n))
+    ops.write_kv(batch.query[:2, :2], batch.query[:2, 2:], batch.layer_cache, torch.tensor([0, 1]))
     ops.paged_attention(*batch.args())
     ops.paged_attention_uniform(batch.query[:2], batch.layer_cache, batch.block_tables, batch.seq_lens, 1, SCALE)
     ops.rms_norm(torch.randn(3, 8), torch.ones(8), 1e-5)
@@ -175,3 +176,18 @@ def test_the_build_is_cached_per_source(monkeypatch, tmp_path):
         assert built[0].stat().st_mtime_ns == mtime  # loaded, not rebuilt
     finally:
         cpu_build.load.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_matches_reference_from_strided_views(dtype):
+    """K and V arrive as views of the qkv output; a negative slot (padding) writes nothing."""
+    gen = torch.Generator().manual_seed(5)
+    qkv = torch.randn(7, 4 + 2 * 2, 16, generator=gen).to(dtype)
+    key, value = qkv[:, 4:6], qkv[:, 6:8]
+    slots = torch.tensor([3, 17, 0, -1, 9, 22, 5])
+    expected = torch.full((2, 6, 4, 2, 16), 7.0, dtype=dtype)
+    got = expected.clone()
+    keep = slots >= 0
+    reference.write_kv(key[keep], value[keep], expected, slots[keep])
+    assert cpu_ops.write_kv(key, value, got, slots)
+    assert torch.equal(got, expected)

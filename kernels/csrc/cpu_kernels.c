@@ -566,3 +566,25 @@ int pd_silu_and_mul(int dtype, const void *x, void *out, int64_t num_tokens, int
     }
     return 0;
 }
+
+/* ---- KV write: each token's K and V rows into its cache slot -----------------------------------
+ * key/value: [num_tokens, num_kv_heads, head_dim] with token and head strides (views of the qkv
+ * matmul's output); cache halves: [num_slots, num_kv_heads, head_dim] contiguous. Negative slots are
+ * skipped (padding). Same dtype on both sides (elem_bytes each). */
+int pd_write_kv(const void *key, const void *value, int64_t kv_tok_stride, int64_t kv_head_stride,
+                void *k_cache, void *v_cache, const int64_t *slot_mapping, int64_t num_tokens, int num_kv_heads,
+                int head_dim, int elem_bytes, int num_threads) {
+    const int64_t row = (int64_t)num_kv_heads * head_dim;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_tokens > 256)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const int64_t slot = slot_mapping[t];
+        if (slot < 0) continue;
+        for (int h = 0; h < num_kv_heads; h++) {
+            const int64_t src = (t * kv_tok_stride + h * kv_head_stride) * elem_bytes;
+            const int64_t dst = (slot * row + (int64_t)h * head_dim) * elem_bytes;
+            memcpy((char *)k_cache + dst, (const char *)key + src, (size_t)head_dim * elem_bytes);
+            memcpy((char *)v_cache + dst, (const char *)value + src, (size_t)head_dim * elem_bytes);
+        }
+    }
+    return 0;
+}
