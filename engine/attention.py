@@ -29,7 +29,7 @@ def attend(
     meta: AttentionMetadata,
 ) -> torch.Tensor:
     ops.write_kv(key, value, layer_cache, meta.slot_mapping)
-    if meta.uniform_q_len is not None:
+    if meta.uniform_q_len is not None and query.is_cuda:  # on CPU one kernel serves every batch shape
         return ops.paged_attention_uniform(
             query, layer_cache, meta.block_tables, meta.seq_lens, meta.uniform_q_len, meta.scale
         )

@@ -26,6 +26,9 @@ def _can_prepack() -> bool:
         return False
 
 
+_linear_pointwise = torch.ops.mkldnn._linear_pointwise.default if hasattr(torch.ops.mkldnn, "_linear_pointwise") else None
+
+
 class Linear:
     """``y = x @ weight.T`` with the weight stored as the backend prefers. ``keep_weight`` keeps the
     plain [out, in] tensor beside a packed copy (for weights other code also reads, e.g. the tied
@@ -42,5 +45,7 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self._packed, None, "none", [], "")
+            if x.dtype is not torch.bfloat16:
+                x = x.to(torch.bfloat16)
+            return _linear_pointwise(x, self._packed, None, "none", [], "")
         return F.linear(x, self.weight)

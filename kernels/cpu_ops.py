@@ -21,8 +21,9 @@ def available() -> bool:
 
 def _code(*tensors: torch.Tensor) -> int | None:
     dtype = tensors[0].dtype
-    if any(t.dtype != dtype or t.is_cuda for t in tensors):
-        return None
+    for t in tensors:
+        if t.dtype is not dtype or t.is_cuda:
+            return None
     return _DTYPE_CODE.get(dtype)
 
 
