@@ -108,7 +108,9 @@ class DecoderLayer:
     """One Llama block; holds plain tensors (no nn.Module machinery on the hot path)."""
 
     def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], prefix: str):
-        w = lambda name: weights[f"{prefix}.{name}"]  # noqa: E731
+        # Taken out of the dict: once fused and packed, the loaded tensors are freed layer by layer
+        # (peak memory at load ~ one copy of the weights, not three).
+        w = lambda name: weights.pop(f"{prefix}.{name}")  # noqa: E731
         self.arch = arch
         self.input_norm = w("input_layernorm.weight")
         self.post_norm = w("post_attention_layernorm.weight")
