@@ -132,3 +132,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:  # [num_tokens, 2 * d]
     out = torch.empty(x.shape[:-1] + (d,), dtype=x.dtype)
     lib.pd_silu_and_mul(code, x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], d, _threads())
     return out
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:  # [num_rows, n] -> int64 [num_rows]
+    """torch.argmax(x, -1) (first index of the maximum; rows without NaN) without widening bf16."""
+    lib = cpu_build.load()
+    code = _code(x)
+    if lib is None or code is None or x.dim() != 2 or x.stride(-1) != 1:
+        return None
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    lib.pd_argmax_rows(code, x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr(), _threads())
+    return out

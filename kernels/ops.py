@@ -146,3 +146,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if out is not None:
         return out
     return reference.silu_and_mul(x)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Greedy token of each row of logits [num_rows, vocab] (first index of the maximum)."""
+    out = cpu_ops.argmax_rows(x)
+    return out if out is not None else x.argmax(dim=-1)

@@ -191,3 +191,14 @@ def test_write_kv_matches_reference_from_strided_views(dtype):
     reference.write_kv(key[keep], value[keep], expected, slots[keep])
     assert cpu_ops.write_kv(key, value, got, slots)
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_matches_torch_first_index_on_ties(dtype):
+    x = torch.randn(5, 3000, generator=torch.Generator().manual_seed(6)).to(dtype)
+    x[1, 2999] = 50.0  # the maximum in the last (partial) chunk
+    x[2, 10] = x[2, 2048] = 60.0  # a tie across chunks: the first index wins
+    x[3, :] = -1.0  # all equal
+    x[4, 1500] = float("-inf")
+    assert torch.equal(cpu_ops.argmax_rows(x), x.argmax(dim=-1))
+    assert cpu_ops.argmax_rows(x)[2] == 10 and cpu_ops.argmax_rows(x)[3] == 0

@@ -588,3 +588,31 @@ int pd_write_kv(const void *key, const void *value, int64_t kv_tok_stride, int64
     }
     return 0;
 }
+
+/* ---- greedy argmax over rows of logits (first index of the maximum, as torch.argmax) ------------ */
+int pd_argmax_rows(int dtype, const void *x, int64_t row_stride, int64_t num_rows, int64_t n, int64_t *out,
+                   int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_rows > 1)
+    for (int64_t r = 0; r < num_rows; r++) {
+        float best = -INFINITY;
+        int64_t best_i = 0;
+        float buf[1024];
+        for (int64_t c = 0; c < n; c += 1024) {
+            const int len = n - c < 1024 ? (int)(n - c) : 1024;
+            load_row(x, dtype, r * row_stride + c, buf, len);
+            float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+            for (int i = 0; i < len; i++) m = buf[i] > m ? buf[i] : m;
+            if (m > best) { /* strictly greater: the first chunk holding the maximum wins */
+                for (int i = 0; i < len; i++)
+                    if (buf[i] == m) {
+                        best_i = c + i;
+                        break;
+                    }
+                best = m;
+            }
+        }
+        out[r] = best_i;
+    }
+    return 0;
+}
