@@ -128,6 +128,11 @@ def rms_norm(
     residual: torch.Tensor | None = None,  # [num_tokens, hidden]: becomes residual + x (in place)
 ) -> torch.Tensor:
     """RMSNorm, optionally fused with the residual add before it (one pass over the row)."""
+    tensors = (x, weight) if residual is None else (x, weight, residual)
+    if _use_triton(*tensors):
+        from pdcluster.kernels.triton_rms_norm import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps, residual)
     out = cpu_ops.rms_norm(x, weight, eps, residual)
     if out is not None:
         return out
@@ -136,12 +141,21 @@ def rms_norm(
 
 def rotary(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
     """Rotary embedding of ``x`` [num_tokens, num_heads, head_dim] in place (heads may be strided)."""
+    if _use_triton(x, positions, cos_sin):
+        from pdcluster.kernels.triton_rotary import rotary_triton
+
+        rotary_triton(x, positions, cos_sin)
+        return
     if not cpu_ops.rotary(x, positions, cos_sin):
         reference.rotary(x, positions, cos_sin)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(x[:, :d]) * x[:, d:]`` for the fused gate/up projection's output."""
+    if _use_triton(x):
+        from pdcluster.kernels.triton_silu_and_mul import silu_and_mul_triton
+
+        return silu_and_mul_triton(x)
     out = cpu_ops.silu_and_mul(x)
     if out is not None:
         return out

@@ -358,6 +358,9 @@ from triton.compiler import ASTSource
 
 from pdcluster.kernels.triton_block_copy import _copy_blocks_kernel
 from pdcluster.kernels.triton_paged_attention import _paged_attention_kernel
+from pdcluster.kernels.triton_rms_norm import _rms_norm_kernel
+from pdcluster.kernels.triton_rotary import _rotary_kernel
+from pdcluster.kernels.triton_silu_and_mul import _silu_and_mul_kernel
 from pdcluster.kernels.triton_write_kv import _write_kv_kernel
 
 
@@ -382,6 +385,13 @@ build(_write_kv_kernel, {"key_ptr": "*fp32", "value_ptr": "*fp32", "cache_ptr": 
       "slot_mapping_ptr": "*i64"}, dict(HEADS_PAD=8, HEAD_DIM_PAD=128))
 build(_copy_blocks_kernel, {"src_ptr": "*bf16", "dst_ptr": "*bf16", "block_ids_ptr": "*i64"},
       dict(INDEX_SRC=True, CHUNK=1024))
+for dtype in ("fp32", "bf16"):
+    for has_residual in (False, True):
+        build(_rms_norm_kernel, {"out_ptr": "*" + dtype, "x_ptr": "*" + dtype, "residual_ptr": "*" + dtype,
+              "weight_ptr": "*" + dtype, "eps": "fp32"}, dict(HAS_RESIDUAL=has_residual, BLOCK=1024))
+    build(_rotary_kernel, {"x_ptr": "*" + dtype, "positions_ptr": "*i64", "cos_sin_ptr": "*fp32"},
+          dict(stride_x_dim=1, stride_cos_sin_dim=1, HEADS_PAD=16, HALF_PAD=64))
+    build(_silu_and_mul_kernel, {"out_ptr": "*" + dtype, "x_ptr": "*" + dtype}, dict(BLOCK=1024))
 print("compiled")
 """
 

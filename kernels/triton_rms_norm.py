@@ -1,0 +1,131 @@
+"""Triton kernel: RMSNorm, optionally fused with the residual add before it.
+
+Same semantics as :func:`pdcluster.kernels.reference.rms_norm` (HF LlamaRMSNorm):
+
+    x:        [num_tokens, hidden]   (any leading dims; rows are the last dim)
+    weight:   [hidden]
+    residual: [num_tokens, hidden] or None; if given, residual <- residual + x (in place, rounded to
+              residual's dtype) and the normalised row is that sum
+    out:      [num_tokens, hidden] in the dtype of ``weight * row`` (torch type promotion)
+
+Rows of x and residual may be strided (unit stride along hidden is all the kernel needs); any other
+layout is copied first, and a copied residual is written back.
+
+One program per token row: the whole row is loaded once into BLOCK (hidden rounded up to a power of
+two, masked) lanes, the residual sum is stored, and the sum of squares, the scale and the weight
+multiply run on that in-register row, so the row is read and written once.
+
+Numerics follow the reference step by step: the residual add in fp32 rounded to the residual's dtype,
+the mean of squares and rsqrt in fp32, the normalised row rounded to the row's dtype (the reference's
+``.to(dtype)``), then the weight multiply in fp32 rounded to the output dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# A row longer than this does not fit one program's registers comfortably; Llama-family hidden sizes
+# (<= 16384) are well under it.
+_MAX_HIDDEN = 65536
+
+
+@triton.jit
+def _rms_norm_kernel(
+    out_ptr,
+    x_ptr,
+    residual_ptr,  # unused unless HAS_RESIDUAL
+    weight_ptr,
+    hidden,
+    eps,
+    stride_out_token,
+    stride_x_token,
+    stride_residual_token,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,  # hidden rounded up to a power of two
+):
+    token_idx = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+
+    row = tl.load(x_ptr + token_idx * stride_x_token + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        residual_row_ptr = residual_ptr + token_idx * stride_residual_token + cols
+        residual_dtype = residual_ptr.dtype.element_ty
+        summed = tl.load(residual_row_ptr, mask=mask, other=0.0).to(tl.float32) + row
+        summed = summed.to(residual_dtype)  # the reference adds in place, in the residual's dtype
+        tl.store(residual_row_ptr, summed, mask=mask)
+        row = summed.to(tl.float32)
+        row_dtype = residual_dtype
+    else:
+        row_dtype = x_ptr.dtype.element_ty
+
+    # Masked lanes are 0 and add nothing; the mean divides by the true hidden size.
+    mean_square = tl.sum(row * row, axis=0) / hidden
+    normed = (row * tl.rsqrt(mean_square + eps)).to(row_dtype).to(tl.float32)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    out = normed * weight
+    tl.store(out_ptr + token_idx * stride_out_token + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _row_view(t: torch.Tensor, hidden: int) -> torch.Tensor | None:
+    """``t`` as a [num_rows, hidden] view with unit stride along hidden (rows may be strided), or None
+    when its layout has no such view."""
+    if t.stride(-1) != 1:
+        return None
+    try:
+        return t.view(-1, hidden)
+    except RuntimeError:
+        return None
+
+
+def rms_norm_triton(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [num_tokens, hidden]: becomes residual + x (in place)
+) -> torch.Tensor:
+    """RMSNorm of each row (of ``residual + x`` when ``residual`` is given; see module doc)."""
+    hidden = x.shape[-1]
+    if weight.shape != (hidden,):
+        raise ValueError(f"weight {tuple(weight.shape)} does not fit hidden size {hidden}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual {tuple(residual.shape)} and x {tuple(x.shape)} differ")
+    if hidden > _MAX_HIDDEN:
+        raise ValueError(f"hidden size {hidden} is over the kernel's limit {_MAX_HIDDEN}")
+    row_dtype = x.dtype if residual is None else residual.dtype
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, row_dtype), device=x.device)
+    num_tokens = x.numel() // hidden if hidden else 0
+    if num_tokens == 0:
+        return out
+
+    x_rows = _row_view(x, hidden)
+    if x_rows is None:
+        x_rows = x.contiguous().view(-1, hidden)
+    residual_rows = None
+    write_back = False
+    if residual is not None:
+        residual_rows = _row_view(residual, hidden)
+        if residual_rows is None:  # no in-place row view: work on a copy, copy it back below
+            residual_rows = residual.contiguous().view(-1, hidden)
+            write_back = True
+    out_rows = out.view(-1, hidden)
+    block = triton.next_power_of_2(hidden)
+    _rms_norm_kernel[(num_tokens,)](
+        out_rows,
+        x_rows,
+        x_rows if residual_rows is None else residual_rows,
+        weight.contiguous(),
+        hidden,
+        eps,
+        out_rows.stride(0),
+        x_rows.stride(0),
+        0 if residual_rows is None else residual_rows.stride(0),
+        HAS_RESIDUAL=residual_rows is not None,
+        BLOCK=block,
+        num_warps=min(max(block // 256, 1), 16),
+    )
+    if write_back:
+        residual.copy_(residual_rows.view(residual.shape))
+    return out

@@ -1,0 +1,67 @@
+"""Triton kernel: SiLU-and-multiply of the fused gate/up projection output.
+
+Same semantics as :func:`pdcluster.kernels.reference.silu_and_mul`:
+
+    x:   [num_tokens, 2 * d]: gate = x[:, :d], up = x[:, d:] (rows may be strided; unit stride along d)
+    out: [num_tokens, d] = silu(gate) * up, in x's dtype
+
+One program per token row walks the row in chunks of BLOCK columns (a power of two, masked tail), so
+any intermediate size fits. Math is in fp32; like the reference (``F.silu(gate) * up`` in the tensor
+dtype), silu(gate) is rounded to x's dtype before the multiply, and the product is rounded once more.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Columns per chunk: wide loads on a GPU, small enough to stay in registers.
+_MAX_BLOCK = 1024
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    out_ptr,
+    x_ptr,
+    d,
+    stride_x_token,
+    stride_out_token,
+    BLOCK: tl.constexpr,
+):
+    token_idx = tl.program_id(0).to(tl.int64)
+    x_row_ptr = x_ptr + token_idx * stride_x_token
+    out_row_ptr = out_ptr + token_idx * stride_out_token
+    dtype = out_ptr.dtype.element_ty
+    cols = tl.arange(0, BLOCK)
+    for start in range(0, d, BLOCK):
+        offsets = start + cols
+        mask = offsets < d
+        gate = tl.load(x_row_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_row_ptr + d + offsets, mask=mask, other=0.0).to(tl.float32)
+        silu = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+        tl.store(out_row_ptr + offsets, (silu * up).to(dtype), mask=mask)
+
+
+def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * d] -> [num_tokens, d]
+    """``silu(x[:, :d]) * x[:, d:]`` (see module doc)."""
+    if x.shape[-1] % 2 != 0:
+        raise ValueError(f"last dim {x.shape[-1]} is odd")
+    d = x.shape[-1] // 2
+    out = torch.empty(x.shape[:-1] + (d,), dtype=x.dtype, device=x.device)
+    num_tokens = out.numel() // d if d else 0
+    if num_tokens == 0:
+        return out
+    x_rows = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, 2 * d)
+    if x_rows.stride(-1) != 1:
+        x_rows = x_rows.contiguous()
+    out_rows = out.view(-1, d)
+    _silu_and_mul_kernel[(num_tokens,)](
+        out_rows,
+        x_rows,
+        d,
+        x_rows.stride(0),
+        out_rows.stride(0),
+        BLOCK=min(triton.next_power_of_2(d), _MAX_BLOCK),
+    )
+    return out
