@@ -18,7 +18,11 @@ import threading
 from pdcluster.cluster.cli import _add_engine_args, engine_config_from_args
 from pdcluster.engine.config import ConfigError
 
-MODES = ("disagg", "colocated", "local")
+MODES = ("auto", "disagg", "colocated", "local")
+# Below this many cores (and no GPU, no cluster to join) a prefill/decode pair would get one core
+# each: "auto" serves colocated there (measured on 2 cores, 2 req/s: TTFT 304 ms colocated vs 733 ms
+# disaggregated; vLLM on its one engine core: 598 ms).
+MIN_CORES_FOR_DISAGG = 4
 TRANSPORTS = ("ucx", "nccl", "tcp", "shm")
 ROUTER_POLICIES = ("round_robin", "least_loaded", "power_of_two", "prefix_aware")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -39,8 +43,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="abort a request that makes no progress for this long")
     g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     c = p.add_argument_group("cluster")
-    c.add_argument("--mode", choices=MODES, default="disagg",
-                   help="disagg: prefill and decode workers; colocated: both in one worker; local: no Ray")
+    c.add_argument("--mode", choices=MODES, default="auto",
+                   help="disagg: prefill and decode workers; colocated: both in one worker; local: no Ray; "
+                        f"auto (default): disagg with --address, a GPU or at least {MIN_CORES_FOR_DISAGG} cores, "
+                        "else colocated")
     c.add_argument("--transport", choices=TRANSPORTS, default="tcp", help="KV transfer transport (disagg)")
     c.add_argument("--num-prefill", type=int, default=1, help="prefill workers (disagg)")
     c.add_argument("--num-decode", type=int, default=1, help="decode workers")
@@ -69,6 +75,19 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--max-worker-restarts: must be >= 0, got {args.max_worker_restarts}")
     if not args.request_timeout_s > 0:
         raise ConfigError(f"--request-timeout-s: must be > 0, got {args.request_timeout_s}")
+    if args.mode == "auto":
+        import torch
+
+        args.mode = resolve_auto_mode(args.address, os.cpu_count() or 1, torch.cuda.is_available())
+        print(f"pdcluster serve: --mode auto -> {args.mode}", file=sys.stderr, flush=True)
+
+
+def resolve_auto_mode(address: str | None, num_cpus: int, has_gpu: bool) -> str:
+    """Disaggregate when each role can have its own device: a cluster to join, GPUs, or enough cores
+    here; on a small CPU box one colocated worker with every core serves faster."""
+    if address or has_gpu or num_cpus >= MIN_CORES_FOR_DISAGG:
+        return "disagg"
+    return "colocated"
 
 
 def serve_main(args: argparse.Namespace) -> int:

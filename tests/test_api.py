@@ -611,7 +611,7 @@ def test_serve_flags_parse():
     add_serve_parser(parser.add_subparsers(dest="command"))
     a = parser.parse_args(["serve"])
     assert (a.host, a.port, a.mode, a.transport, a.router_policy, a.model, a.spec) == \
-        ("127.0.0.1", 8000, "disagg", "tcp", "least_loaded", "smollm2", "none")
+        ("127.0.0.1", 8000, "auto", "tcp", "least_loaded", "smollm2", "none")
     assert a.func is serve_main and a.max_body_bytes == 1 << 20
     a = parser.parse_args(["serve", "--host", "0.0.0.0", "--port", "9000", "--model", "tiny-random",
                            "--served-model-name", "m", "--api-key", "k", "--mode", "colocated", "--transport", "shm",
@@ -620,6 +620,15 @@ def test_serve_flags_parse():
                            "--request-timeout-s", "5", "--max-body-bytes", "100"])
     assert (a.port, a.served_model_name, a.num_prefill, a.num_decode, a.address, a.cluster_secret) == \
         (9000, "m", 2, 3, "ray://h:10001", "s")
+
+
+def test_auto_mode_disaggregates_only_when_each_role_gets_a_device():
+    from pdcluster.cluster.serve_cli import resolve_auto_mode
+
+    assert resolve_auto_mode(None, 2, False) == "colocated"  # a 2-core box: one worker, every core
+    assert resolve_auto_mode(None, 4, False) == "disagg"
+    assert resolve_auto_mode(None, 2, True) == "disagg"
+    assert resolve_auto_mode("ray://head:10001", 2, False) == "disagg"
 
 
 @pytest.mark.timeout(120)
