@@ -28,7 +28,12 @@ def needed_resources(serve_argv: list[str], device: str) -> dict[str, float]:
     if args.command != "serve" or args.mode == "local":
         raise ValueError(f"`pdcluster {args.command} --mode {args.mode}` does not run on a Ray cluster: "
                          "use `pdcluster serve --mode disagg` or `--mode colocated`")
-    num_prefill = args.num_prefill if args.mode == "disagg" else 0
+    mode = args.mode
+    if mode == "auto":  # what `pdcluster serve` resolves it to (serve_cli.resolve_auto_mode)
+        from pdcluster.cluster.serve_cli import resolve_auto_mode
+
+        mode = resolve_auto_mode(args.address, os.cpu_count() or 1, device == "gpu")
+    num_prefill = args.num_prefill if mode == "disagg" else 0
     if device == "gpu":
         return {"GPU": num_prefill + args.num_decode}
     return {k: v for k, v in (("prefill_slot", num_prefill), ("decode_slot", args.num_decode)) if v}
