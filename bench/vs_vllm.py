@@ -38,7 +38,8 @@ OpenAI completions endpoint: ``vllm serve`` (no prefix caching) against ``pdclus
 (no prefix caching, bf16) for each mode in --served-modes. Servers run with their default threading
 unless --served-threads is given. Peak RSS = the maximum over 0.5 s samples of the summed RSS of the
 server's whole process tree (Ray's processes included). The JSON also lists the server's busiest
-processes (CPU seconds, threads, allowed cores). Servers bind 127.0.0.1 and are killed (process group,
+processes (CPU seconds, threads, allowed cores) and "other_processes_cpu_s", the noise gauge (CPU
+the rest of the machine used during the benchmark). Servers bind 127.0.0.1 and are killed (process group,
 then any leftover process of their tree) at the end, even on error.
 """
 
@@ -278,7 +279,7 @@ class TreeSampler:
     CPU seconds each of its processes uses from then on (start-up, e.g. vLLM's compiler, left out)."""
 
     def __init__(self, root: int):
-        self.root, self.peak_mib, self.procs, self.cpu_at_ready = root, 0.0, {}, None
+        self.root, self.peak_mib, self.procs, self.cpu_at_ready, self.server_cpu_s = root, 0.0, {}, None, 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
@@ -302,6 +303,7 @@ class TreeSampler:
         self._thread.join(5)
         base = self.cpu_at_ready or {}
         used = [i | {"cpu_s": round(i["cpu_s"] - base.get(pid, 0.0), 2)} for pid, i in self.procs.items()]
+        self.server_cpu_s = sum(i["cpu_s"] for i in used)
         busiest = sorted(used, key=lambda i: -i["cpu_s"])[:6]
         keys = ("name", "cpu_s", "threads", "cpus_allowed", "OMP_NUM_THREADS")
         return {"peak_rss_mib": round(self.peak_mib, 1), "num_processes_seen": len(self.procs),
@@ -368,8 +370,12 @@ def serve_one(args, model_dir: Path, label: str, cmd: list[str], env: dict, port
         wait_ready(proc, port, args.server_start_timeout, log)
         sampler.mark_ready()
         figures = {"startup_s": round(time.monotonic() - t0, 1)}
+        busy0, client0 = busy_cpu_s(), children_cpu_s()
         figures.update(bench_serve(args, model_dir, port, work, label))
+        busy, client = busy_cpu_s() - busy0, children_cpu_s() - client0
         figures.update(sampler.stop())
+        # Noise gauge: CPU the rest of the machine used meanwhile (neither this server nor the client).
+        figures["other_processes_cpu_s"] = round(busy - client - sampler.server_cpu_s, 1)
         return figures
     finally:
         sampler.stop()
