@@ -15,7 +15,7 @@ Real processes throughout (child processes / Ray actors, sockets on 127.0.0.1). 
 2. ``decode_kill_recovery`` (Ray; as tests/test_recovery.py): disagg, 1 prefill + 2 decode, no actor
    restarts. A greedy request streams; after ``--kill-after`` tokens its decode actor is ray.kill-ed.
    Seconds from the kill to detection (the router marks the worker unhealthy), router-side detection ->
-   re-placement (router.recoveries), kill -> first token after the kill, and whether the whole output
+   re-placement (router.recorder.recoveries), kill -> first token after the kill, and whether the whole output
    equals the uninterrupted run of the offline engine (token_exact).
 3. ``restart_rejoin`` (Ray; as tests/test_worker_restart.py): 1 prefill + 1 decode, max_worker_restarts=2.
    The decode actor's process, then the prefill actor's, is SIGKILLed (os.kill of ``handle.pid``);
@@ -522,9 +522,10 @@ def make_cluster(model: str, transport: str, num_prefill: int, num_decode: int, 
     cluster = Cluster(ClusterSpec(engine=cluster_engine_config(model), transfer=TransferConfig(transport=transport),
                                   mode="disagg", num_prefill=num_prefill, num_decode=num_decode,
                                   request_timeout_s=REQUEST_TIMEOUT_S, max_worker_restarts=max_worker_restarts))
-    cluster.router.health_interval_s = HEALTH_INTERVAL_S
-    ROUTER_SETTINGS.update({k: getattr(cluster.router, k) for k in ("health_interval_s", "ping_timeout_s", "max_strikes",
-                                                                     "max_recoveries", "reserve_timeout_s")})
+    cluster.router.config.health_interval_s = HEALTH_INTERVAL_S
+    cluster.router.record()  # recoveries, for the figures
+    ROUTER_SETTINGS.update({k: getattr(cluster.router.config, k) for k in ("health_interval_s", "ping_timeout_s", "max_strikes",
+                                                                            "max_recoveries", "admission_timeout_s")})
     log(f"cluster {num_prefill}P+{num_decode}D (restarts {max_worker_restarts}) up in {time.monotonic() - t0:.1f} s")
     return cluster
 
@@ -556,7 +557,7 @@ async def _decode_kill_once(cluster, ray, prompt, params, kill_after: int) -> di
             if t["killed"] is not None and t["first_after"] is None and delta.new_token_ids:
                 t["first_after"] = time.monotonic()
             if t["killed"] is None and len(tokens) >= kill_after:
-                victim = router.requests["victim"].decode_id
+                victim = router.requests["victim"].attempt.decode_id
                 ray.kill(cluster.decode_handles[victim], no_restart=True)
                 t["killed"] = time.monotonic()
                 detector = asyncio.create_task(detect(victim))
@@ -568,7 +569,7 @@ async def _decode_kill_once(cluster, ray, prompt, params, kill_after: int) -> di
     killed = t["killed"]
     if killed is None:
         raise RuntimeError(f"the request finished with {len(tokens)} tokens before the kill")
-    recoveries = [s for rid, s in router.recoveries if rid == "victim"]
+    recoveries = [s for rid, s in router.recorder.recoveries if rid == "victim"]
     return {
         "victim": victim,
         "tokens": tokens,
@@ -640,7 +641,7 @@ async def _restart_rounds(cluster, ray, rounds: int, probe_prompt, probe_params,
     for i in range(rounds):
         row = {}
         for role, wid, handle in (("decode", decode_id, decode), ("prefill", prefill_id, prefill)):
-            old = router.incarnations.get(wid)
+            old = router.health.incarnations.get(wid)
             pid = await asyncio.wait_for(handle.pid.remote(), 30)
             os.kill(pid, signal.SIGKILL)
             killed = time.monotonic()
@@ -649,9 +650,9 @@ async def _restart_rounds(cluster, ray, rounds: int, probe_prompt, probe_params,
             def rejoined():
                 nonlocal detected
                 view = router.views[wid]
-                if detected is None and (not view.healthy or router.incarnations.get(wid) != old):
+                if detected is None and (not view.healthy or router.health.incarnations.get(wid) != old):
                     detected = time.monotonic()
-                return view.healthy and router.incarnations.get(wid) not in (None, old)
+                return view.healthy and router.health.incarnations.get(wid) not in (None, old)
 
             back = await _poll_until(rejoined, REJOIN_TIMEOUT_S)
             if back is None:
@@ -680,7 +681,7 @@ def bench_restart(args, ray) -> dict:
         cluster = None
         try:
             cluster = make_cluster(args.model, args.cluster_transport, 1, 1, restarts)
-            cluster.router.admission_wait_s = 120.0  # the only worker of a role is coming back: wait for it
+            cluster.router.config.admission_wait_s = 120.0  # the only worker of a role is coming back: wait for it
             clusters += 1
             rows += asyncio.run(asyncio.wait_for(
                 _restart_rounds(cluster, ray, rounds, probe_prompt, probe_params, probe_expected), SCENARIO_TIMEOUT_S))

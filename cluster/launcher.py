@@ -17,7 +17,7 @@ import sys
 import uuid
 from dataclasses import asdict, dataclass, replace
 
-from pdcluster.cluster.router import ClusterRouter
+from pdcluster.cluster.router import ClusterRouter, RouterConfig
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.model import ModelArch
 from pdcluster.engine.model_registry import resolve_model
@@ -104,10 +104,11 @@ class Cluster:
         self.router = ClusterRouter(
             {}, {}, self.tokenizer, spec.served_model_name or spec.engine.model,
             max_model_len=engine.max_model_len or min(arch.max_position_embeddings, 4096),
-            block_size=engine.block_size, num_blocks=engine.num_kv_blocks, policy=spec.policy, mode=spec.mode,
-            num_spec_tokens=engine.num_spec_steps, conditional_prefill_tokens=spec.conditional_prefill_tokens,
-            busy_prefill_tokens=spec.busy_prefill_tokens, request_timeout_s=spec.request_timeout_s,
-            event_host=event_host,
+            block_size=engine.block_size,
+            config=RouterConfig(policy=spec.policy, mode=spec.mode, num_spec_tokens=engine.num_spec_steps,
+                                conditional_prefill_tokens=spec.conditional_prefill_tokens,
+                                busy_prefill_tokens=spec.busy_prefill_tokens, request_timeout_s=spec.request_timeout_s,
+                                event_host=event_host),
         )
         slot = {"prefill": "prefill_slot", "decode": "decode_slot"}
         # On GPU clusters the role slot still decides the node type (prefill vs decode nodes).
@@ -117,8 +118,6 @@ class Cluster:
         self.placement_group = placement_group(bundles, strategy="PACK")
         ray.get(self.placement_group.ready(), timeout=120)
         env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
-        engine_dict = asdict(engine)
-        transfer_dict = asdict(transfer)
         tag = uuid.uuid4().hex[:6]
         self.prefill_handles, self.decode_handles = {}, {}
         for i in range(num_prefill):
@@ -126,29 +125,27 @@ class Cluster:
                                        spec.max_worker_restarts)
             wid = f"prefill-{i}-{tag}"
             self.prefill_handles[wid] = ray.remote(PrefillActor).options(**opts).remote(
-                wid, engine_dict, transfer_dict, self.router.event_address, env)
+                wid, engine, transfer, None, env)
         for j in range(spec.num_decode):
             opts = self._actor_options(PlacementGroupSchedulingStrategy(self.placement_group, num_prefill + j), use_gpu, slot["decode"],
                                        spec.max_worker_restarts)
             wid = f"decode-{j}-{tag}"
             self.decode_handles[wid] = ray.remote(DecodeActor).options(**opts).remote(
-                wid, engine_dict, transfer_dict if spec.mode == "disagg" else None, self.router.event_address, env)
+                wid, engine, transfer if spec.mode == "disagg" else None, self.router.event_address, env)
         addresses = dict(zip(self.prefill_handles, ray.get([h.address.remote() for h in self.prefill_handles.values()], timeout=300)))
         for handle in self.decode_handles.values():
             ray.get([handle.connect_prefill.remote(addr) for addr in addresses.values()], timeout=60)
         stats = ray.get([h.stats.remote() for h in self.decode_handles.values()], timeout=60)
         self.router.prefill.update(self.prefill_handles)
         self.router.decode.update(self.decode_handles)
-        from pdcluster.cluster.policies import WorkerView
-
         for wid in self.prefill_handles:
-            self.router.views[wid] = WorkerView(wid, "prefill", engine.num_kv_blocks, engine.block_size)
+            self.router.placement.add_worker(wid, "prefill", engine.num_kv_blocks, engine.block_size)
         for wid, st in zip(self.decode_handles, stats):
-            self.router.views[wid] = WorkerView(wid, "decode", st["num_blocks"], engine.block_size)
+            self.router.placement.add_worker(wid, "decode", st["num_blocks"], engine.block_size)
         handles = {**self.prefill_handles, **self.decode_handles}
         pings = ray.get([h.ping.remote() for h in handles.values()], timeout=60)
-        self.router.incarnations.update({wid: ping[1] for wid, ping in zip(handles, pings)})
-        self.router.on_worker_restarted = self.rewire
+        self.router.health.incarnations.update({wid: ping[1] for wid, ping in zip(handles, pings)})
+        self.router.health.on_worker_restarted = self.rewire
 
     async def rewire(self, worker_id: str, timeout_s: float = 60.0) -> None:
         """Re-run the handshakes of a worker Ray restarted (new process: new ports, no peers).

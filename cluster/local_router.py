@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from typing import AsyncIterator
 
 from pdcluster.cluster.router_api import RouterError, TokenDelta
@@ -20,23 +21,33 @@ from pdcluster.decode_node.worker import DecodeWorker
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.llm_engine import InvalidRequestError
 from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.node.events import ADMITTED, Admission, Failed, Tokens, WorkerError
 
-_ABORTED = {"type": "aborted"}
+class _Aborted:
+    """Queued to a stream the router aborted (not a worker event)."""
 
 
 class _TimedDecodeWorker(DecodeWorker):
-    """A colocated DecodeWorker whose first "tokens" event of a request also carries when the request
-    was first scheduled (``scheduled_at``) and when its first token was ready (``emitted_at``), both
-    ``time.monotonic()``: the queue and prefill parts of TTFT. It also publishes ``snapshot``, its
-    ``stats()`` as of the last turn of its loop, so readers on other threads never wait for a step.
-    Bookkeeping stays on the engine thread."""
+    """A colocated DecodeWorker whose first ``Tokens`` event of a request also says how long the request
+    queued before its first step (``queue_s``) and how long that first token took (``prefill_s``):
+    the queue and prefill parts of TTFT. It also publishes ``snapshot``, its ``stats()`` as of the last
+    turn of its loop, so readers on other threads never wait for a step. Bookkeeping stays on the
+    engine thread."""
 
     def __init__(self, worker_id: str, engine_config: EngineConfig):
         self._tick_started = time.monotonic()
+        self._submitted_at: dict[str, float] = {}  # request id -> when submit() was called
         self._scheduled_at: dict[str, float] = {}  # request id -> first schedule, until its first event
-        self._first_sent: set[str] = set()  # requests whose first "tokens" event went out
+        self._first_sent: set[str] = set()  # requests whose first Tokens event went out
         self.snapshot: dict | None = None
         super().__init__(worker_id, engine_config, transfer=None)  # starts the engine thread
+
+    def submit(self, request_id, prompt_token_ids, params, prefill_id=None) -> None:
+        self.post(self._submit_timed, time.monotonic(), request_id, list(prompt_token_ids), params)
+
+    def _submit_timed(self, submitted_at, request_id, prompt_token_ids, params) -> None:
+        self._submitted_at[request_id] = submitted_at
+        self._submit(request_id, prompt_token_ids, params, None)
 
     def tick(self) -> bool:
         self._tick_started = time.monotonic()  # a step schedules at its start
@@ -47,13 +58,15 @@ class _TimedDecodeWorker(DecodeWorker):
         self.snapshot = self._stats()  # one reference swap: readers see a whole dict
         return busy
 
-    def emit(self, event: dict) -> None:
-        request_id = event.get("request_id")
-        if event.get("type") == "tokens" and request_id not in self._first_sent:
+    def emit(self, event) -> None:
+        request_id = getattr(event, "request_id", None)
+        if isinstance(event, Tokens) and request_id not in self._first_sent:
             self._first_sent.add(request_id)
-            event["scheduled_at"] = self._scheduled_at.pop(request_id, self._tick_started)
-            event["emitted_at"] = time.monotonic()
-        if event.get("finished") or event.get("type") == "failed":
+            scheduled = self._scheduled_at.pop(request_id, self._tick_started)
+            submitted = self._submitted_at.pop(request_id, scheduled)
+            event = replace(event, queue_s=max(scheduled - submitted, 0.0),
+                            prefill_s=max(time.monotonic() - scheduled, 0.0))
+        if (isinstance(event, Tokens) and event.finished) or isinstance(event, Failed):
             self._forget(request_id)
         super().emit(event)
 
@@ -62,6 +75,7 @@ class _TimedDecodeWorker(DecodeWorker):
         super()._abort(request_id)
 
     def _forget(self, request_id: str | None) -> None:
+        self._submitted_at.pop(request_id, None)
         self._scheduled_at.pop(request_id, None)
         self._first_sent.discard(request_id)
 
@@ -84,15 +98,20 @@ class LocalRouter:
         self.worker.on_event = self._on_event
 
     # ---- engine thread ------------------------------------------------------------------------------
-    def _on_event(self, event: dict) -> None:
-        if event.get("type") == "worker_error":  # the engine thread is dying: fail every stream
-            failure = {"type": "failed", "reason": f"engine worker failed: {event.get('error')}"}
+    def _on_event(self, event) -> None:
+        if isinstance(event, WorkerError):  # the engine thread is dying: fail every stream
+            failure = Failed(request_id="", worker_id=event.worker_id, reason=f"engine worker failed: {event.error}")
             for loop, queue in list(self._streams.values()):
                 self._deliver(loop, queue, failure)
             return
-        stream = self._streams.get(event.get("request_id"))
+        stream = self._streams.get(event.request_id)
         if stream is not None:
             self._deliver(*stream, event)
+
+    @property
+    def num_open_streams(self) -> int:
+        """Requests whose stream has not ended (tests check that everything ended)."""
+        return len(self._streams)
 
     @staticmethod
     def _deliver(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, event: dict) -> None:
@@ -120,11 +139,10 @@ class LocalRouter:
         self._admit(request_id, prompt_token_ids, params)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), queue)
-        submitted = time.monotonic()
         num_prompt = len(prompt_token_ids)
         done = False
         try:
-            self.worker.add_request(request_id, prompt_token_ids, params)
+            self.worker.submit(request_id, prompt_token_ids, params)
             first = True
             while True:
                 try:
@@ -133,30 +151,29 @@ class LocalRouter:
                     yield _error_delta(num_prompt, f"request {request_id} made no progress for "
                                                    f"{self.request_timeout_s:g} s and was aborted")
                     return  # the finally aborts it on the worker
-                kind = event.get("type")
-                if kind == "aborted":
+                if isinstance(event, _Aborted):
                     done = True
                     yield TokenDelta([], finished=True, finish_reason="abort", num_prompt_tokens=num_prompt)
                     return
-                if kind == "failed":
-                    yield _error_delta(num_prompt, str(event.get("reason") or "request failed"))
+                if isinstance(event, Failed):
+                    yield _error_delta(num_prompt, event.reason or "request failed")
                     return
-                if kind != "tokens":
+                if isinstance(event, Admission) and event.verdict != ADMITTED:
+                    yield _error_delta(num_prompt, f"not admitted ({event.verdict}): {event.reason}")
+                    return
+                if not isinstance(event, Tokens):
                     continue
                 delta = TokenDelta(
-                    new_token_ids=list(event["new_token_ids"]),
-                    finished=bool(event["finished"]),
-                    finish_reason=event["finish_reason"],
+                    new_token_ids=list(event.new_token_ids),
+                    finished=event.finished,
+                    finish_reason=event.finish_reason or None,
                     num_prompt_tokens=num_prompt,
-                    num_output_tokens=int(event["num_output_tokens"]),
-                    num_draft_tokens=int(event["num_draft_tokens"]),
-                    num_accepted_tokens=int(event["num_accepted_tokens"]),
+                    num_output_tokens=event.num_output_tokens,
+                    num_draft_tokens=event.num_draft_tokens,
+                    num_accepted_tokens=event.num_accepted_tokens,
                 )
-                if first and "scheduled_at" in event:
-                    delta.ttft_breakdown = {
-                        "queue": max(event["scheduled_at"] - submitted, 0.0),
-                        "prefill": max(event["emitted_at"] - event["scheduled_at"], 0.0),
-                    }
+                if first:
+                    delta.ttft_breakdown = {"queue": event.queue_s, "prefill": event.prefill_s}
                 first = False
                 done = delta.finished
                 yield delta
@@ -171,7 +188,7 @@ class LocalRouter:
         stream = self._streams.get(request_id)
         self.worker.abort(request_id)
         if stream is not None:
-            self._deliver(*stream, _ABORTED)
+            self._deliver(*stream, _Aborted())
 
     def stats(self) -> dict:
         """Never blocks: the worker's figures as of its last loop turn (at most a step old)."""
@@ -197,7 +214,7 @@ class LocalRouter:
         """Stop the engine thread; open streams end with an error."""
         self._closed = True
         for loop, queue in list(self._streams.values()):
-            self._deliver(loop, queue, {"type": "failed", "reason": "router is shutting down"})
+            self._deliver(loop, queue, Failed(request_id="", worker_id="", reason="router is shutting down"))
         self.worker.close()
 
 

@@ -1,46 +1,17 @@
-"""The decode worker as a Ray actor (see prefill_node/actor.py)."""
+"""The decode worker as a Ray actor (node/actor.py): the router hands it requests (``submit``), it
+streams their events back."""
 
 from __future__ import annotations
 
-import os
-import uuid
-
-import torch
-
-from pdcluster.engine.config import EngineConfig
-from pdcluster.engine.event_pusher import EventPusher
 from pdcluster.engine.sampling_params import SamplingParams
-from pdcluster.kv_transfer.config import TransferConfig
+from pdcluster.node.actor import WorkerActor
 
 
-class DecodeActor:
-    def __init__(self, worker_id: str, engine_config: dict, transfer_config: dict | None, event_address: str,
-                 env: dict | None = None):
-        os.environ.update(env or {})
-        if transfer_config and transfer_config.get("host") == "auto":
-            import ray
-
-            transfer_config = {**transfer_config, "host": ray.util.get_node_ip_address()}
+class DecodeActor(WorkerActor):
+    def make_worker(self, worker_id, engine_config, transfer):
         from pdcluster.decode_node.worker import DecodeWorker
 
-        config = EngineConfig(**engine_config)
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        transfer = TransferConfig(**transfer_config) if transfer_config is not None else None
-        self.worker = DecodeWorker(worker_id, config, transfer)
-        self.pusher = EventPusher(event_address)
-        self.incarnation = uuid.uuid4().hex[:12]
-        self.worker.on_event = self.pusher
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def ping(self) -> tuple[bool, str, float]:
-        """Health check that does not wait for the engine thread (a long step must not look like
-        death): whether the engine thread still runs, this process's incarnation (a new one after Ray
-        restarted the actor, so the router knows to recover and re-wire), and how long the engine
-        thread has been inside one turn of its loop (a stuck step shows here)."""
-        return self.worker.loop_error is None and self.worker.is_running(), self.incarnation, self.worker.stalled_s()
+        return DecodeWorker(worker_id, engine_config, transfer)
 
     def connect_prefill(self, address: str) -> str:
         return self.worker.connect_prefill(address)
@@ -48,18 +19,9 @@ class DecodeActor:
     def disconnect_prefill(self, prefill_id: str) -> bool:
         return self.worker.disconnect_prefill(prefill_id)
 
-    def reserve(self, request_id: str, prefill_id: str, prompt_token_ids: list[int], params: dict):
-        return self.worker.reserve(request_id, prefill_id, prompt_token_ids, SamplingParams(**params))
-
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: dict) -> None:
-        self.worker.add_request(request_id, prompt_token_ids, SamplingParams(**params))
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               prefill_id: str | None) -> None:
+        self.worker.submit(request_id, prompt_token_ids, params, prefill_id)
 
     def abort(self, request_id: str) -> None:
         self.worker.abort(request_id)
-
-    def stats(self) -> dict:
-        return self.worker.stats()
-
-    def shutdown(self) -> None:
-        self.worker.close()
-        self.pusher.close()

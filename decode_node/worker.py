@@ -1,78 +1,64 @@
-"""The decode worker: an engine in the consumer role. It reserves blocks for a request whose prompt is
-prefilled elsewhere, waits for the KV (WAITING_FOR_KV -> READY | FAILED), then decodes with continuous
-batching and speculative decoding. It can also run a request start to finish itself (colocated mode,
-or conditional disaggregation for short prompts).
-
-Events emitted for the router (dicts):
-  {"type": "tokens", "request_id", "worker_id", "new_token_ids", "num_computed_tokens",
-   "num_output_tokens", "finished", "finish_reason", "num_draft_tokens", "num_accepted_tokens"}
-  {"type": "kv_ready", "request_id", "worker_id"}
-  {"type": "failed", "request_id", "worker_id", "reason"}
+"""The decode worker: an engine in the consumer role, and the owner of every request the router hands
+it (``submit``). For a request prefilled elsewhere it reserves blocks and asks that prefill worker for
+the KV (kv_inbox.py: TransferRequest over the control plane), streams the first token as soon as the
+prefill worker sends it, and decodes once the KV has landed (WAITING_FOR_KV -> READY | FAILED), with
+continuous batching and speculative decoding. It also runs requests start to finish itself (colocated
+mode, or conditional disaggregation for short prompts). Every event of a request goes to the router
+on this worker's one typed stream (node/events.py), in order.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from pdcluster.engine.config import EngineConfig
-from pdcluster.engine.llm_engine import LLMEngine, RequestOutput
+from pdcluster.engine.llm_engine import InvalidRequestError, LLMEngine, RequestOutput
 from pdcluster.engine.sampling_params import SamplingParams
-from pdcluster.engine.worker_loop import WorkerLoop
-from pdcluster.kv_transfer.config import TransferConfig, kv_layout, model_fingerprint
-from pdcluster.kv_transfer.connector import DecodeKVConnector
-from pdcluster.kv_transfer.control_plane import DecodeEndpoint, EndpointConfig
+from pdcluster.kv_transfer.config import TransferConfig
+from pdcluster.kv_transfer.protocol import FirstToken
 from pdcluster.kv_transfer.transports import get_transport_class
+from pdcluster.node.events import ADMITTED, FULL, INVALID, UNREACHABLE, Admission, Failed, KVReady, Tokens
+from pdcluster.node.worker_loop import WorkerLoop
+from pdcluster.decode_node.kv_inbox import NoRemoteKV, RemoteKV, UnreachablePrefill
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Waiting:
+    """A request whose prompt is prefilled elsewhere, until its KV has landed."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    first_token_sent: bool = False
 
 
 class DecodeWorker(WorkerLoop):
     def __init__(self, worker_id: str, engine_config: EngineConfig, transfer: TransferConfig | None = None):
         super().__init__(f"decode-{worker_id}")
         self.worker_id = worker_id
-        self.transfer = transfer
-        allocator = None
-        transport_cls = None
-        if transfer is not None:
-            transport_cls = get_transport_class(transfer.transport)
-            allocator = transport_cls.allocate_kv_cache
+        transport_cls = get_transport_class(transfer.transport) if transfer is not None else None
+        allocator = transport_cls.allocate_kv_cache if transport_cls is not None else None
         self.engine = LLMEngine(engine_config, progress=False, kv_cache_allocator=allocator)
-        self.transport = self.endpoint = self.connector = None
-        if transfer is not None:
-            self.transport = transport_cls(self.engine.kv_cache, "receiver", transfer.transport_config())
-            self.endpoint = DecodeEndpoint(
-                EndpointConfig(
-                    worker_id=worker_id,
-                    layout=kv_layout(self.engine.kv_spec),
-                    model_fingerprint=model_fingerprint(self.engine.model_dir),
-                    transport=transfer.transport,
-                    transport_descriptor=self.transport.local_descriptor(),
-                    secret=transfer.secret,
-                    heartbeat_interval_s=transfer.heartbeat_interval_s,
-                    peer_timeout_s=transfer.peer_timeout_s,
-                )
-            )
-            self.connector = DecodeKVConnector(self.transport, self.endpoint)
-        self._pending: dict[str, tuple[list[int], SamplingParams]] = {}
+        self.kv = RemoteKV(worker_id, self.engine, transfer, transport_cls) if transfer is not None else NoRemoteKV()
+        self._waiting: dict[str, _Waiting] = {}
         self.start()
 
     # ---- called from other threads ----------------------------------------------------------------
     def connect_prefill(self, address: str) -> str:
         """Handshake with a prefill worker; returns its worker id."""
-        hello = self.endpoint.connect(address)
-        return hello.worker_id
+        return self.kv.connect(address)
 
     def disconnect_prefill(self, prefill_id: str) -> bool:
-        """Leave a prefill worker (drain): KV expected from it fails now, new reservations naming it fail."""
-        return self.endpoint.disconnect(prefill_id)
+        """Leave a prefill worker (drain): KV expected from it fails now, new requests naming it fail."""
+        return self.kv.disconnect(prefill_id)
 
-    def reserve(self, request_id: str, prefill_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[int] | None:
-        """Admission + reservation: destination block ids for the prompt's KV, or None if full."""
-        return self.call(self._reserve, request_id, prefill_id, list(prompt_token_ids), params)
-
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Run a request here from prefill to finish (colocated / conditional disaggregation)."""
-        self.post(self._add_local, request_id, list(prompt_token_ids), params)
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               prefill_id: str | None = None) -> None:
+        """Take the request: prefill it here (``prefill_id`` None) or fetch its KV from ``prefill_id``.
+        The verdict comes back as an ``Admission`` event, ahead of the request's other events."""
+        self.post(self._submit, request_id, list(prompt_token_ids), params, prefill_id)
 
     def abort(self, request_id: str) -> None:
         self.post(self._abort, request_id)
@@ -82,44 +68,59 @@ class DecodeWorker(WorkerLoop):
 
     def close(self) -> None:
         self.stop()
-        if self.endpoint is not None:
-            self.endpoint.close()
-            self.transport.close()
+        self.kv.close()
 
     # ---- engine thread --------------------------------------------------------------------------------
-    def _reserve(self, request_id, prefill_id, prompt_token_ids, params) -> list[int] | None:
-        self.engine.validate(prompt_token_ids, params)
-        blocks = self.engine.reserve_blocks(request_id, len(prompt_token_ids), params)
-        if blocks is not None:
-            try:
-                # Admits the blocks on the transport before their ids leave this worker.
-                self.connector.expect(request_id, prefill_id, self.transfer.transfer_timeout_s, blocks)
-            except Exception:
-                self.engine.release_reserved(request_id)  # nothing can have written them yet
-                raise
-            self._pending[request_id] = (prompt_token_ids, params)
-        return blocks
+    def _admission(self, request_id: str, verdict: str, reason: str = "") -> None:
+        self.emit(Admission(request_id=request_id, worker_id=self.worker_id, verdict=verdict, reason=reason[:2000]))
 
-    def _add_local(self, request_id, prompt_token_ids, params) -> None:
+    def _submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                prefill_id: str | None) -> None:
         try:
-            self.engine.add_request(prompt_token_ids, params, request_id=request_id)
-        except Exception as e:  # noqa: BLE001
-            self.emit({"type": "failed", "request_id": request_id, "worker_id": self.worker_id, "reason": str(e)})
+            self._place(request_id, prompt_token_ids, params, prefill_id)
+        except Exception as e:  # noqa: BLE001 - not the request's fault: the router tries another pair
+            log.exception("submit of %s failed", request_id)
+            self._admission(request_id, UNREACHABLE, f"{type(e).__name__}: {e}")
+
+    def _place(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               prefill_id: str | None) -> None:
+        try:
+            if prefill_id is None:
+                self.engine.add_request(prompt_token_ids, params, request_id=request_id)
+                self._admission(request_id, ADMITTED)
+                return
+            self.engine.validate(prompt_token_ids, params)
+        except InvalidRequestError as e:
+            self._admission(request_id, INVALID, str(e))
+            return
+        blocks = self.engine.reserve_blocks(request_id, len(prompt_token_ids), params)
+        if blocks is None:
+            self._admission(request_id, FULL)
+            return
+        try:
+            self.kv.request_kv(request_id, prefill_id, prompt_token_ids, params, blocks)
+        except UnreachablePrefill as e:
+            self._give_back(request_id)
+            self._admission(request_id, UNREACHABLE, str(e))
+            return
+        self._waiting[request_id] = _Waiting(prompt_token_ids, params)
+        self._admission(request_id, ADMITTED)
+
+    def _give_back(self, request_id: str) -> None:
+        """Free a reservation, unless the transport still holds it (quarantine: freed by tick)."""
+        if not self.kv.abort(request_id):
+            self.engine.release_reserved(request_id)
 
     def _abort(self, request_id: str) -> None:
-        if self.connector is not None:
-            self.connector.abort(request_id, "aborted by the router")  # revokes the transfer
+        if self._waiting.pop(request_id, None) is not None:
+            self._give_back(request_id)
             self._release_revoked()
-            if self.connector.holds(request_id):
-                self._pending.pop(request_id, None)
-                return  # quarantined: its blocks come back once the sender confirms (tick)
-        self.engine.release_reserved(request_id)
-        self._pending.pop(request_id, None)
+            return
         self.engine.abort_request(request_id)
 
     def _release_revoked(self) -> None:
         """Free the blocks of failed reservations the transport no longer writes (exactly once)."""
-        for request_id in self.connector.take_releasable():
+        for request_id in self.kv.take_releasable():
             self.engine.release_reserved(request_id)
 
     def _stats(self) -> dict:
@@ -132,27 +133,44 @@ class DecodeWorker(WorkerLoop):
             "num_waiting": len(sched.waiting),
             "num_reserved": self.engine.num_reserved,
             # Of those, failed ones whose blocks wait for a sender's revoke confirmation (shm push).
-            "num_quarantined": len(self.connector.quarantined) if self.connector is not None else 0,
+            "num_quarantined": self.kv.num_quarantined,
         }
 
+    def _first_token(self, request_id: str, token_id: int) -> None:
+        waiting = self._waiting.get(request_id)
+        if waiting is None or waiting.first_token_sent:
+            return
+        waiting.first_token_sent = True
+        num_prompt = len(waiting.prompt_token_ids)
+        self.emit(Tokens(request_id=request_id, worker_id=self.worker_id, new_token_ids=[token_id],
+                         num_computed_tokens=num_prompt, num_output_tokens=1))
+
+    def _poll_kv(self) -> None:
+        for peer_id, msg in self.kv.poll_messages():
+            if isinstance(msg, FirstToken):
+                self._first_token(msg.request_id, msg.token_id)
+            else:
+                self.kv.handle_message(peer_id, msg)
+        for task in self.kv.take_ready():
+            done = task.done
+            self._first_token(task.request_id, done.first_token_id)  # if FirstToken was overtaken
+            waiting = self._waiting.pop(task.request_id, None)
+            if waiting is None:  # aborted after its KV landed, before this turn took it
+                self.engine.release_reserved(task.request_id)
+                continue
+            self.emit(KVReady(request_id=task.request_id, worker_id=self.worker_id, transport=self.kv.transport_name,
+                              num_bytes=done.num_bytes, seconds=done.seconds))
+            out = self.engine.add_prefilled_request(task.request_id, waiting.prompt_token_ids, waiting.params,
+                                                    done.first_token_id, list(done.draft_token_ids))
+            if out is not None:
+                self._emit_tokens(out)
+        for task in self.kv.take_failed():
+            self._waiting.pop(task.request_id, None)
+            self.emit(Failed(request_id=task.request_id, worker_id=self.worker_id, reason=task.reason[:2000]))
+        self._release_revoked()
+
     def tick(self) -> bool:
-        if self.connector is not None:
-            for peer_id, msg in self.endpoint.poll(0.0):
-                self.connector.handle_message(peer_id, msg)
-            self.connector.check()
-            for task in self.connector.take_ready():
-                prompt, params = self._pending.pop(task.request_id)
-                done = task.done
-                self.emit({"type": "kv_ready", "request_id": task.request_id, "worker_id": self.worker_id})
-                out = self.engine.add_prefilled_request(task.request_id, prompt, params, done.first_token_id,
-                                                        list(done.draft_token_ids))
-                if out is not None:
-                    self._emit_tokens(out)
-            for task in self.connector.take_failed():
-                self._pending.pop(task.request_id, None)
-                self.emit({"type": "failed", "request_id": task.request_id, "worker_id": self.worker_id,
-                           "reason": task.reason})
-            self._release_revoked()
+        self._poll_kv()
         if not self.engine.has_pending():
             return False
         for out in self.engine.step():
@@ -160,15 +178,14 @@ class DecodeWorker(WorkerLoop):
         return True
 
     def _emit_tokens(self, out: RequestOutput) -> None:
-        self.emit({
-            "type": "tokens",
-            "request_id": out.request_id,
-            "worker_id": self.worker_id,
-            "new_token_ids": list(out.new_token_ids),
-            "num_computed_tokens": out.num_computed_tokens,
-            "num_output_tokens": len(out.token_ids),
-            "finished": out.finished,
-            "finish_reason": out.finish_reason,
-            "num_draft_tokens": out.num_draft_tokens,
-            "num_accepted_tokens": out.num_accepted_tokens,
-        })
+        self.emit(Tokens(
+            request_id=out.request_id,
+            worker_id=self.worker_id,
+            new_token_ids=list(out.new_token_ids),
+            num_computed_tokens=out.num_computed_tokens,
+            num_output_tokens=len(out.token_ids),
+            finished=out.finished,
+            finish_reason=out.finish_reason or "",
+            num_draft_tokens=out.num_draft_tokens,
+            num_accepted_tokens=out.num_accepted_tokens,
+        ))

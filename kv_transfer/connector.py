@@ -84,7 +84,6 @@ class PrefillKVConnector(KVConnector, SchedulerConnector):
         self._to_abort: set[str] = set()  # failed while still running in the engine
         self._failed_reasons: dict[str, str] = {}
         self._late_failed: set[str] = set()  # finished (blocks held) and failed outside a step
-        self.completed: dict[str, tuple[int, float]] = {}  # request -> (bytes, seconds), for metrics
         self.bytes_sent = 0
 
     # ---- requests --------------------------------------------------------------------------------
@@ -189,7 +188,8 @@ class PrefillKVConnector(KVConnector, SchedulerConnector):
             if task is None or task.state != SendState.FLUSHING:
                 continue  # layer-wise sends drained before the flush: not complete yet
             done = TransferDone(request_id=request_id, ok=True, error="", num_tokens=task.num_prompt_tokens,
-                                first_token_id=task.first_token_id, draft_token_ids=task.draft_token_ids)
+                                first_token_id=task.first_token_id, draft_token_ids=task.draft_token_ids,
+                                num_bytes=task.num_bytes, seconds=self.clock() - task.t_first_send)
             try:
                 self.endpoint.send(task.decode_id, done)
             except Exception as e:  # noqa: BLE001
@@ -197,7 +197,6 @@ class PrefillKVConnector(KVConnector, SchedulerConnector):
                 continue
             task.state = SendState.SENT
             del self.tasks[request_id]
-            self.completed[request_id] = (task.num_bytes, self.clock() - task.t_first_send)
             out.finished_sending.add(request_id)
         for request_id, reason in failed:
             task = self.tasks.get(request_id)

@@ -1,25 +1,26 @@
-"""The prefill worker: an engine in the producer role. It computes a request's prompt (chunked), samples
-the first token (and the drafts), and sends the KV to the decode worker the router chose.
-
-Events emitted (dicts, msgpack-friendly) for the router:
-  {"type": "first_token", "request_id", "token_id", "worker_id"}   (TTFT)
-  {"type": "transfer_done", "request_id", "worker_id", "num_bytes"}
-  {"type": "failed", "request_id", "worker_id", "reason"}
+"""The prefill worker: an engine in the producer role. A decode worker that owns a request asks it for
+the KV over the control plane (``TransferRequest``: prompt, sampling parameters, the decode worker's
+reserved blocks); it computes the prompt (chunked), sends the first token at once (``FirstToken``),
+runs the draft proposer, and streams the KV into those blocks; ``TransferDone`` follows from
+post_forward (S2). Failures go back to that decode worker as ``AbortTransfer``; it tells the router.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import replace
 
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.llm_engine import LLMEngine
 from pdcluster.engine.sampling_params import SamplingParams
-from pdcluster.engine.worker_loop import WorkerLoop
-from pdcluster.kv_transfer.config import TransferConfig, kv_layout, model_fingerprint
+from pdcluster.kv_transfer.config import TransferConfig
 from pdcluster.kv_transfer.connector import PrefillKVConnector
-from pdcluster.kv_transfer.control_plane import EndpointConfig, PrefillEndpoint
+from pdcluster.kv_transfer.control_plane import PrefillEndpoint
+from pdcluster.kv_transfer.protocol import AbortTransfer, FirstToken, TransferRequest
 from pdcluster.kv_transfer.transports import get_transport_class
+from pdcluster.node.endpoint import endpoint_config
+from pdcluster.node.worker_loop import WorkerLoop
 
 log = logging.getLogger(__name__)
 
@@ -32,20 +33,8 @@ class PrefillWorker(WorkerLoop):
         self.engine = LLMEngine(engine_config, progress=False)
         spec = self.engine.kv_spec
         self.transport = get_transport_class(transfer.transport)(self.engine.kv_cache, "sender", transfer.transport_config())
-        self.endpoint = PrefillEndpoint(
-            EndpointConfig(
-                worker_id=worker_id,
-                layout=kv_layout(spec),
-                model_fingerprint=model_fingerprint(self.engine.model_dir),
-                transport=transfer.transport,
-                transport_descriptor=self.transport.local_descriptor(),
-                secret=transfer.secret,
-                heartbeat_interval_s=transfer.heartbeat_interval_s,
-                peer_timeout_s=transfer.peer_timeout_s,
-            ),
-            host=transfer.host,
-            port=transfer.port,
-        )
+        self.endpoint = PrefillEndpoint(endpoint_config(worker_id, self.engine, transfer, self.transport),
+                                        host=transfer.host, port=transfer.port)
         self.connector = PrefillKVConnector(
             self.transport, self.endpoint, self.engine.arch.num_layers, spec.num_layers, spec.block_size
         )
@@ -58,13 +47,6 @@ class PrefillWorker(WorkerLoop):
         return self.endpoint.address
 
     # ---- called from other threads --------------------------------------------------------------
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, decode_id: str,
-               dst_block_ids: list[int]) -> None:
-        self.post(self._submit, request_id, prompt_token_ids, params, decode_id, dst_block_ids)
-
-    def abort(self, request_id: str) -> None:
-        self.post(self._abort, request_id)
-
     def stats(self) -> dict:
         return self.call(self._stats)
 
@@ -74,23 +56,25 @@ class PrefillWorker(WorkerLoop):
         self.transport.close()
 
     # ---- engine thread ------------------------------------------------------------------------------
-    def _submit(self, request_id, prompt_token_ids, params, decode_id, dst_block_ids) -> None:
+    def _on_transfer_request(self, decode_id: str, msg: TransferRequest) -> None:
+        request_id = msg.request_id
         try:
-            if decode_id not in self.endpoint.peers():
-                raise RuntimeError(f"decode worker {decode_id!r} has not connected to prefill worker {self.worker_id!r}")
+            params = SamplingParams(**msg.sampling)
+            self.engine.validate(msg.prompt_token_ids, params)
             # Only the first token is produced here; the decode worker continues with the same seed.
-            self.engine.add_request(prompt_token_ids, replace(params, max_tokens=1), request_id=request_id)
-            self.connector.add_transfer(request_id, decode_id, dst_block_ids, len(prompt_token_ids),
-                                        self.transfer.transfer_timeout_s)
-        except Exception as e:  # noqa: BLE001 - a bad request fails alone
+            self.engine.add_request(list(msg.prompt_token_ids), replace(params, max_tokens=1), request_id=request_id)
+            timeout_s = min(self.transfer.transfer_timeout_s, max(0.0, msg.deadline_unix_s - time.time()))
+            self.connector.add_transfer(request_id, decode_id, msg.dst_block_ids, msg.num_tokens, timeout_s)
+        except Exception as e:  # noqa: BLE001 - a bad request fails alone, and its owner hears why
+            log.warning("refusing transfer request %s from %s: %s", request_id, decode_id, e)
             self.engine.abort_request(request_id)
-            self.emit({"type": "failed", "request_id": request_id, "worker_id": self.worker_id, "reason": str(e)})
+            self._send(decode_id, AbortTransfer(request_id=request_id, reason=f"prefill refused: {e}"[:200]))
 
-    def _abort(self, request_id: str) -> None:
-        self.connector.abort(request_id, "aborted by the router")
-        self.connector.take_aborts()
-        self.engine.abort_request(request_id)
-        self.engine.scheduler.free_held(self.connector.take_late_failed())
+    def _send(self, decode_id: str, msg) -> None:
+        try:
+            self.endpoint.send(decode_id, msg)
+        except Exception as e:  # noqa: BLE001 - the peer is gone: its requests fail on the dead-peer path
+            log.warning("cannot reach decode worker %s: %s", decode_id, e)
 
     def _stats(self) -> dict:
         sched = self.engine.scheduler
@@ -116,30 +100,18 @@ class PrefillWorker(WorkerLoop):
     def tick(self) -> bool:
         self._connect_new_peers()
         for peer_id, msg in self.endpoint.poll(0.0):
-            self.connector.handle_message(peer_id, msg)
+            if isinstance(msg, TransferRequest):
+                self._on_transfer_request(peer_id, msg)
+            else:
+                self.connector.handle_message(peer_id, msg)
+        # Transfers that failed outside a step: the decode side was told (or is gone); free here.
         for request_id in self.connector.take_aborts():
             self.engine.abort_request(request_id)
-            self._emit_failed(request_id)
-        late = self.connector.take_late_failed()
-        if late:
-            self.engine.scheduler.free_held(late)
-            for request_id in late:
-                self._emit_failed(request_id)
+        self.engine.scheduler.free_held(self.connector.take_late_failed())
         if not self.engine.has_pending():
             return False
         for out in self.engine.step():
-            if out.new_token_ids:
-                self.emit({"type": "first_token", "request_id": out.request_id, "token_id": out.new_token_ids[0],
-                           "worker_id": self.worker_id})
-        kv = self.engine.last_kv_output
-        for request_id in kv.finished_sending:
-            num_bytes, seconds = self.connector.completed.pop(request_id, (0, 0.0))
-            self.emit({"type": "transfer_done", "request_id": request_id, "worker_id": self.worker_id,
-                       "num_bytes": num_bytes, "seconds": seconds, "transport": self.transfer.transport})
-        for request_id in kv.failed:
-            self._emit_failed(request_id)
+            task = self.connector.tasks.get(out.request_id)
+            if out.new_token_ids and task is not None:
+                self._send(task.decode_id, FirstToken(request_id=out.request_id, token_id=out.new_token_ids[0]))
         return True
-
-    def _emit_failed(self, request_id: str) -> None:
-        reason = self.connector.failure_reason(request_id) or "KV transfer failed"
-        self.emit({"type": "failed", "request_id": request_id, "worker_id": self.worker_id, "reason": reason})

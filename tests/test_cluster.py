@@ -104,17 +104,11 @@ def test_disagg_with_speculation_equals_engine(ray_session, expected_greedy, met
 def _check_accounting(cluster, prompts, params, expected):
     """Run the prompts; at every decode report the router's count must be the worker's."""
     router = cluster.router
-    seen = []
-    original = router._on_tokens
-
-    def checked(r, event, now):
-        original(r, event, now)
-        seen.append((event["num_computed_tokens"], r.num_computed_tokens, r.num_prompt_tokens,
-                     event["num_output_tokens"], event["finished"]))
-
-    router._on_tokens = checked
+    recorder = router.record()  # every report, with the router's mirror right after applying it
     outputs = asyncio.run(_run(router, prompts, params))
     assert outputs == expected
+    seen = [(x.reported_computed_tokens, x.mirrored_computed_tokens, x.num_prompt_tokens, x.num_output_tokens,
+             x.finished) for x in recorder.reports]
     assert seen, "no decode reports"
     for reported, mirrored, num_prompt, num_output, finished in seen:
         assert mirrored == reported
@@ -186,8 +180,8 @@ def cluster_2p2d(ray_session):
 def _set_policy(cluster, policy):
     from pdcluster.cluster.policies import Placer
 
-    cluster.router.placer = Placer(policy, 0, seed=1)
-    cluster.router.decisions.clear()
+    cluster.router.placement.placer = Placer(policy, 0, seed=1)
+    cluster.router.record()
 
 
 @pytest.mark.timeout(300)
@@ -195,14 +189,13 @@ def test_round_robin_alternates(cluster_2p2d):
     _set_policy(cluster_2p2d, "round_robin")
 
     async def sequential():
-        cluster_2p2d.router.start(asyncio.get_running_loop()) if not cluster_2p2d.router._thread.is_alive() else None
-        cluster_2p2d.router._loop = asyncio.get_running_loop()
+        cluster_2p2d.router.start(asyncio.get_running_loop())
         for i, prompt in enumerate(_prompts(4, seed=9)):
             async for _ in cluster_2p2d.router.generate(f"rr-{i}", prompt, SamplingParams(max_tokens=2)):
                 pass
 
     asyncio.run(sequential())
-    d = cluster_2p2d.router.decisions
+    d = cluster_2p2d.router.recorder.decisions
     assert len({x.decode_id for x in d}) == 2 and len({x.prefill_id for x in d}) == 2
     assert [x.decode_id for x in d[:2]] == [x.decode_id for x in d[2:]]
     assert d[0].decode_id != d[1].decode_id and d[0].prefill_id != d[1].prefill_id
@@ -216,9 +209,7 @@ def test_least_loaded_and_prefix_aware(cluster_2p2d):
     shared = list(range(1000, 1100))
 
     async def scenario():
-        if not router._thread.is_alive():
-            router.start(asyncio.get_running_loop())
-        router._loop = asyncio.get_running_loop()
+        router.start(asyncio.get_running_loop())
 
         async def drain(rid, prompt, params):
             async for _ in router.generate(rid, prompt, params):
@@ -226,17 +217,17 @@ def test_least_loaded_and_prefix_aware(cluster_2p2d):
 
         # A long request occupies one decode worker; the next goes to the other (fewer KV tokens).
         first = asyncio.create_task(drain("ll-0", list(range(5, 305)), long_params))
-        while not router.decisions:
+        while not router.recorder.decisions:
             await asyncio.sleep(0.01)
         await drain("ll-1", [7, 8, 9], SamplingParams(max_tokens=2))
         await first
         # prefix_aware: requests sharing a long prefix land on the same prefill worker.
-        router.placer = __import__("pdcluster.cluster.policies", fromlist=["Placer"]).Placer("prefix_aware", 0)
+        router.placement.placer = __import__("pdcluster.cluster.policies", fromlist=["Placer"]).Placer("prefix_aware", 0)
         await drain("px-0", shared + [1], SamplingParams(max_tokens=2))
         await drain("px-1", shared + [2], SamplingParams(max_tokens=2))
         await drain("px-2", shared + [3], SamplingParams(max_tokens=2))
 
     asyncio.run(scenario())
-    d = {x.request_id: x for x in router.decisions}
+    d = {x.request_id: x for x in router.recorder.decisions}
     assert d["ll-1"].decode_id != d["ll-0"].decode_id
     assert d["px-0"].prefill_id == d["px-1"].prefill_id == d["px-2"].prefill_id

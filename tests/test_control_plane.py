@@ -45,6 +45,7 @@ from pdcluster.kv_transfer.protocol import (
     ProtocolError,
     TransferDone,
     TransferRequest,
+    FirstToken,
     VersionError,
     check_compatible,
     decode,
@@ -210,6 +211,7 @@ MESSAGE_STRATEGIES = {
         TransferRequest, request_id=_text, dst_block_ids=st.lists(st.integers(0, 2**64 - 1), max_size=50),
         num_tokens=st.integers(0, 2**63), deadline_unix_s=st.floats(allow_nan=False),
     ),
+    "FirstToken": st.builds(FirstToken, request_id=_text, token_id=_ints64),
     "TransferDone": st.builds(
         TransferDone, request_id=_text, ok=st.booleans(), error=_text, num_tokens=st.integers(0, 2**63),
         first_token_id=_ints64, draft_token_ids=st.lists(_ints64, max_size=8),

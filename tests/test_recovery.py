@@ -25,7 +25,9 @@ def _config():
 
 async def _stream_and_kill(cluster, ray, prompt, params, kill_after, kill_role):
     router = cluster.router
-    router.health_interval_s = 0.3
+    if router.recorder is None:
+        router.record()  # decisions and recoveries, for the asserts below
+    router.config.health_interval_s = 0.3
     tokens, last, killed_at, first_after_kill = [], None, None, None
     async for delta in router.generate("victim", prompt, params):
         tokens += delta.new_token_ids
@@ -34,7 +36,7 @@ async def _stream_and_kill(cluster, ray, prompt, params, kill_after, kill_role):
             first_after_kill = time.monotonic()
         if killed_at is None and len(tokens) >= kill_after:
             r = router.requests["victim"]
-            target = r.decode_id if kill_role == "decode" else r.prefill_id
+            target = r.attempt.decode_id if kill_role == "decode" else r.attempt.prefill_id
             handles = {**cluster.decode_handles, **cluster.prefill_handles}
             ray.kill(handles[target], no_restart=True)
             killed_at = time.monotonic()
@@ -52,7 +54,7 @@ def test_decode_worker_killed_mid_generation_stream_continues_exactly(ray_sessio
             _stream_and_kill(cluster, ray_session, prompt, params, kill_after=20, kill_role="decode"))
         assert last.finished and last.finish_reason == "length", (last.finish_reason, last.error)
         assert tokens == expected, "the recovered stream must equal an uninterrupted greedy run"
-        assert cluster.router.recoveries, "the request was never recovered"
+        assert cluster.router.recorder.recoveries, "the request was never recovered"
         assert resumed_at is not None and resumed_at - killed_at < 10.0
         print(f"recovery: first token {resumed_at - killed_at:.2f}s after the kill")
         assert not cluster.router.requests
@@ -82,7 +84,7 @@ def test_no_healthy_worker_ends_with_clear_error_before_deadline(ray_session):
     spec = ClusterSpec(engine=_config(), transfer=TransferConfig(), mode="disagg", num_prefill=1, num_decode=1,
                        request_timeout_s=60)
     cluster = Cluster(spec)
-    cluster.router.admission_wait_s = 2.0
+    cluster.router.config.admission_wait_s = 2.0
     try:
         started = time.monotonic()
         tokens, last, killed_at, _ = asyncio.run(
@@ -130,15 +132,16 @@ def test_reservation_that_finds_a_dead_decode_worker_recovers_its_requests(ray_s
     cluster = Cluster(ClusterSpec(engine=_config(), transfer=TransferConfig(), mode="disagg", num_prefill=1, num_decode=2,
                                   request_timeout_s=60, max_worker_restarts=0))
     router = cluster.router
-    router.health_interval_s = 3600.0  # no health check: the reservation is the only witness
+    router.record()  # decisions and recoveries, for the asserts below
+    router.config.health_interval_s = 3600.0  # no health check: the reservation is the only witness
 
     async def main():
         task_a = await _start_stream(router, "a", prompt_a, params_a, min_tokens=5)
-        victim = router.requests["a"].decode_id
+        victim = router.requests["a"].attempt.decode_id
         ray_session.kill(cluster.decode_handles[victim], no_restart=True)
         # Make B try the dead worker first.
-        router.placer = Placer("round_robin")
-        router.placer._rr["decode"] = list(cluster.decode_handles).index(victim)
+        router.placement.placer = Placer("round_robin")
+        router.placement.placer._rr["decode"] = list(cluster.decode_handles).index(victim)
         tokens_b = []
         async for delta in router.generate("b", prompt_b, params_b):
             tokens_b += delta.new_token_ids
@@ -151,7 +154,7 @@ def test_reservation_that_finds_a_dead_decode_worker_recovers_its_requests(ray_s
         assert last_a.finish_reason == "length", (last_a.finish_reason, last_a.error)
         assert tokens_a == expected_a, "A must be recovered on the healthy worker and continue exactly"
         assert tokens_b == expected_b
-        assert [rid for rid, _ in router.recoveries] == ["a"]
+        assert [rid for rid, _ in router.recorder.recoveries] == ["a"]
         assert not router.requests
     finally:
         cluster.shutdown()
@@ -168,11 +171,12 @@ def test_dead_prefill_worker_requests_are_re_prefilled_elsewhere(ray_session):
     cluster = Cluster(ClusterSpec(engine=_config(), transfer=TransferConfig(), mode="disagg", num_prefill=2, num_decode=1,
                                   request_timeout_s=60, max_worker_restarts=0))
     router = cluster.router
-    router.health_interval_s = 0.3
+    router.record()  # decisions and recoveries, for the asserts below
+    router.config.health_interval_s = 0.3
 
     async def main():
         # Kill the prefill worker the router will pick next, before the health check can see it.
-        first = router.placer.pick_prefill([v for v in router.views.values() if v.role == "prefill"], [])
+        first = router.placement.placer.pick_prefill([v for v in router.views.values() if v.role == "prefill"], [])
         ray_session.kill(cluster.prefill_handles[first.worker_id], no_restart=True)
         tokens, last = [], None
         async for delta in router.generate("p", prompt, params):
@@ -184,7 +188,7 @@ def test_dead_prefill_worker_requests_are_re_prefilled_elsewhere(ray_session):
         victim, tokens, last = asyncio.run(main())
         assert last.finish_reason == "length", (last.finish_reason, last.error)
         assert tokens == expected
-        placed = [d.prefill_id for d in router.decisions if d.request_id == "p"]
+        placed = [d.prefill_id for d in router.recorder.decisions if d.request_id == "p"]
         assert placed[0] == victim and placed[-1] != victim, placed  # first on the dead one, then moved
         assert not router.views[victim].healthy
         assert not router.requests
@@ -209,7 +213,7 @@ def test_prefill_death_after_kv_landed_does_not_disturb_decoding(ray_session):
             _stream_and_kill(cluster, ray_session, prompt, params, kill_after=10, kill_role="prefill"))
         assert last.finish_reason == "length", (last.finish_reason, last.error)
         assert tokens == expected
-        assert cluster.router.recoveries == []
+        assert cluster.router.recorder.recoveries == []
     finally:
         cluster.shutdown()
 
@@ -226,6 +230,7 @@ def test_frozen_decode_worker_request_ends_at_its_deadline_and_frees_blocks_late
     cluster = Cluster(ClusterSpec(engine=_config(), transfer=TransferConfig(), mode="disagg", num_prefill=1, num_decode=1,
                                   request_timeout_s=6, max_worker_restarts=0))
     router = cluster.router
+    router.record()  # decisions and recoveries, for the asserts below
     (decode,) = cluster.decode_handles.values()
     pid = ray_session.get(decode.pid.remote(), timeout=30)
 
@@ -270,7 +275,8 @@ def test_breaker_takes_a_failing_pair_out_of_rotation(ray_session):
     cluster = Cluster(ClusterSpec(engine=_config(), transfer=TransferConfig(), mode="disagg", num_prefill=2, num_decode=1,
                                   request_timeout_s=60, max_worker_restarts=0))
     router = cluster.router
-    router.breaker_cooldown_s = 120.0
+    router.record()  # decisions and recoveries, for the asserts below
+    router.config.breaker_cooldown_s = 120.0
     (decode_id, decode), = cluster.decode_handles.items()
     broken = sorted(cluster.prefill_handles)[0]  # least_loaded breaks ties by id: the broken one is tried first
     assert ray_session.get(decode.disconnect_prefill.remote(broken), timeout=30)
@@ -290,9 +296,9 @@ def test_breaker_takes_a_failing_pair_out_of_rotation(ray_session):
         for (tokens, last), want in zip(outs, expected):
             assert last.finish_reason == "length", (last.finish_reason, last.error)
             assert tokens == want
-        on_broken = [d for d in router.decisions if d.prefill_id == broken]
-        assert len(on_broken) == router.breaker_threshold, [(d.request_id, d.prefill_id) for d in router.decisions]
-        assert not router.breaker(broken, decode_id).allows(time.monotonic())
+        on_broken = [d for d in router.recorder.decisions if d.prefill_id == broken]
+        assert len(on_broken) == router.config.breaker_threshold, [(d.request_id, d.prefill_id) for d in router.recorder.decisions]
+        assert not router.placement.breaker(broken, decode_id).allows(time.monotonic())
         assert router.views[broken].healthy, "the worker itself is fine: only the pair is cooling down"
         s = ray_session.get(decode.stats.remote(), timeout=30)
         assert s["num_free_blocks"] == s["num_blocks"], s

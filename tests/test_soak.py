@@ -43,7 +43,8 @@ def _soak(ray, num_requests: int, rate_per_s: float):
     cluster = Cluster(ClusterSpec(engine=cfg, transfer=TransferConfig(), mode="disagg", num_prefill=1, num_decode=2,
                                   request_timeout_s=300))
     router = cluster.router
-    router.health_interval_s = 0.3
+    router.record()  # decisions and recoveries, for the asserts below
+    router.config.health_interval_s = 0.3
     final = {}
     t_start = time.monotonic()
 
@@ -103,7 +104,7 @@ def _soak(ray, num_requests: int, rate_per_s: float):
         for wid, s in st.items():
             assert s["num_free_blocks"] == s["num_blocks"], f"{wid} leaked blocks: {s}"
             assert s.get("num_reserved", 0) == 0 and s.get("num_held", 0) == 0 and s.get("num_transfers", 0) == 0, s
-        recovery_s = sorted(t for _, t in router.recoveries)
+        recovery_s = sorted(t for _, t in router.recorder.recoveries)
         print("soak:", json.dumps({
             "requests": num_requests, "completed_token_exact": len(completed), "client_aborts": len(aborted),
             "decode_workers_killed": 1, "recoveries": len(recovery_s),

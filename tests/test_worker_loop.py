@@ -4,7 +4,7 @@ one without waiting for the thread (stalled_s), and a failing posted command mus
 import threading
 import time
 
-from pdcluster.engine.worker_loop import WorkerLoop
+from pdcluster.node.worker_loop import WorkerLoop
 
 
 class _BlockingLoop(WorkerLoop):

@@ -32,7 +32,7 @@ async def _generate(router, request_id, prompt, params):
 async def _wait_rejoined(router, worker_id, old_incarnation, timeout_s=120.0):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if router.views[worker_id].healthy and router.incarnations.get(worker_id) not in (None, old_incarnation):
+        if router.views[worker_id].healthy and router.health.incarnations.get(worker_id) not in (None, old_incarnation):
             return time.monotonic()
         await asyncio.sleep(0.1)
     raise AssertionError(f"{worker_id} did not rejoin within {timeout_s} s")
@@ -51,8 +51,9 @@ def test_crashed_workers_restart_and_rejoin(ray_session):
     cluster = Cluster(ClusterSpec(engine=config, transfer=TransferConfig(), mode="disagg", num_prefill=1, num_decode=1,
                                   request_timeout_s=240, max_worker_restarts=2))
     router = cluster.router
-    router.health_interval_s = 0.3
-    router.admission_wait_s = 120.0  # the only decode worker is coming back: wait for it
+    router.record()  # decisions and recoveries, for the asserts below
+    router.config.health_interval_s = 0.3
+    router.config.admission_wait_s = 120.0  # the only decode worker is coming back: wait for it
     (decode_id, decode), = cluster.decode_handles.items()
     (prefill_id, prefill), = cluster.prefill_handles.items()
 
@@ -69,17 +70,17 @@ def test_crashed_workers_restart_and_rejoin(ray_session):
         task_a = asyncio.create_task(consume_a())
         while len(tokens) < 10 and not task_a.done():
             await asyncio.sleep(0.02)
-        old = router.incarnations[decode_id]
+        old = router.health.incarnations[decode_id]
         pid = await decode.pid.remote()
         os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
         timings["decode_rejoined_s"] = await _wait_rejoined(router, decode_id, old) - killed
         await asyncio.wait_for(task_a, 180)
-        timings["decode_recovered_s"] = router.recoveries[0][1] if router.recoveries else None
+        timings["decode_recovered_s"] = router.recorder.recoveries[0][1] if router.recorder.recoveries else None
         # 2. A new request runs on the restarted decode worker (needs the re-wired handshake).
         out_b = await _generate(router, "b", prompt_b, params)
         # 3. The prefill worker crashes: it comes back on a new port; decode re-connects to it.
-        old = router.incarnations[prefill_id]
+        old = router.health.incarnations[prefill_id]
         pid = await prefill.pid.remote()
         os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
@@ -94,7 +95,7 @@ def test_crashed_workers_restart_and_rejoin(ray_session):
         assert tokens_a == expected_a, "the stream must continue exactly across the decode worker's restart"
         assert (last_b.finish_reason, tokens_b) == ("length", expected_b), last_b.error
         assert (last_c.finish_reason, tokens_c) == ("length", expected_c), last_c.error
-        decisions = {d.request_id: d for d in router.decisions}
+        decisions = {d.request_id: d for d in router.recorder.decisions}
         assert decisions["b"].decode_id == decode_id and decisions["c"].prefill_id == prefill_id
         assert not decisions["c"].local, "C must be prefilled on the restarted prefill worker, not locally"
         assert not router.requests

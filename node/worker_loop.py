@@ -10,6 +10,8 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
+from pdcluster.node.events import Event, WorkerError
+
 log = logging.getLogger(__name__)
 
 
@@ -18,8 +20,9 @@ class WorkerLoop:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._idle_wait_s = idle_wait_s
+        self.name = name
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self.on_event: Callable[[dict], None] = lambda event: None
+        self.on_event: Callable[[Event], None] = lambda event: None
         self.loop_error: BaseException | None = None
         # When the engine thread last went round its loop (monotonic). A health check reads it without
         # waiting for the thread, to tell a long step from a stuck one.
@@ -47,11 +50,11 @@ class WorkerLoop:
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stop.is_set()
 
-    def emit(self, event: dict) -> None:
+    def emit(self, event: Event) -> None:
         try:
             self.on_event(event)
         except Exception:  # noqa: BLE001 - a broken listener must not kill the engine thread
-            log.exception("event listener failed on %s", event.get("type"))
+            log.exception("event listener failed on %s", type(event).__name__)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
@@ -97,5 +100,5 @@ class WorkerLoop:
             except BaseException as e:  # noqa: BLE001
                 log.exception("worker loop failed")
                 self.loop_error = e
-                self.emit({"type": "worker_error", "error": f"{type(e).__name__}: {e}"})
+                self.emit(WorkerError(worker_id=self.name, error=f"{type(e).__name__}: {e}"[:2000]))
                 self._stop.set()

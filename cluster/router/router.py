@@ -1,0 +1,268 @@
+"""The global router of the Ray cluster: places each request on a (prefill, decode) pair and relays the
+decode worker's event stream to the client. It does not carry KV descriptors: the decode worker owns
+the request and asks the prefill worker for the KV itself (docs/request-path.md).
+
+Recovery: when a worker dies (health.py) or a placement fails (a ``Failed`` event), the request is
+placed again on a healthy pair with prompt + the tokens already streamed as the new prompt; random
+draws stay keyed by the original output positions, so the client's stream simply continues (with
+greedy sampling it equals an uninterrupted run). Each placement has its own worker-side id
+(``request_id#n``), so late events of an earlier one are ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from dataclasses import replace
+from typing import AsyncIterator
+
+from pdcluster.cluster.router.config import RouterConfig
+from pdcluster.cluster.router.events import EventReceiver
+from pdcluster.cluster.router.health import HealthMonitor
+from pdcluster.cluster.router.placement import PairPlacement
+from pdcluster.cluster.router.recorder import DecisionRecorder
+from pdcluster.cluster.router.state import RequestState
+from pdcluster.cluster.router.stream import RequestStreams
+from pdcluster.cluster.router.submit import Submitter
+from pdcluster.cluster.router_api import RouterError, TokenDelta
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.node.events import ADMITTED, UNREACHABLE, Admission, Event, Failed, KVReady, Tokens, WorkerError
+
+log = logging.getLogger(__name__)
+
+
+class ClusterRouter:
+    def __init__(self, prefill: dict, decode: dict, tokenizer, model_name: str, max_model_len: int,
+                 block_size: int, config: RouterConfig | None = None):
+        self.prefill = prefill  # worker id -> Ray actor handle
+        self.decode = decode
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.config = config or RouterConfig()
+        self.placement = PairPlacement(self.config)
+        self.health = HealthMonitor(self.config, self.placement.views, lambda: {**self.prefill, **self.decode},
+                                    self.mark_down)
+        self.counters = {"num_draft_tokens": 0, "num_accepted_tokens": 0, "kv_transfer_bytes": 0}
+        self.recorder: DecisionRecorder | None = None
+        self.streams = RequestStreams(self.counters, lambda: self.recorder,
+                                      lambda a: self.placement.breaker(*a.pair).record_success())
+        self.submitter = Submitter(self.config, self.placement, self.streams, self.decode, block_size,
+                                   self.mark_down, lambda: self.recorder)
+        # Called with (transport, num_bytes, seconds) per finished KV transfer (metrics hook).
+        self.on_kv_transfer = lambda transport, num_bytes, seconds: None
+        self._events = EventReceiver(self.config.event_host, self.on_event)
+        self.event_address = self._events.address
+        self._handlers = {Admission: self._on_admission, Tokens: self._on_tokens, KVReady: self._on_kv_ready,
+                          Failed: self._on_failed, WorkerError: self._on_worker_error}
+        self._rng = random.Random(0)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._health_task: asyncio.Task | None = None
+        self._closed = False
+
+    # ---- seams ---------------------------------------------------------------------------------------
+    @property
+    def requests(self) -> dict[str, RequestState]:
+        return self.streams.requests
+
+    @property
+    def views(self):
+        return self.placement.views
+
+    def record(self) -> DecisionRecorder:
+        """Start recording decisions, recoveries and reports (tests, benchmarks); returns the record."""
+        self.recorder = DecisionRecorder()
+        return self.recorder
+
+    # ---- lifecycle -------------------------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Serve on ``loop``; calling it again with another loop moves the router there."""
+        if self._loop is loop:
+            return
+        self._loop = loop
+        self._events.bind(loop)
+        if self._health_task is not None and not self._health_task.done():
+            self._health_task.cancel()  # on the loop we leave (asyncio.run cancels its tasks anyway)
+        self._health_task = loop.create_task(self.health.run(lambda: self._closed))
+
+    def close(self) -> None:
+        self._closed = True
+        task, loop = self._health_task, self._loop
+        if task is not None and loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(task.cancel)
+        self._events.close()
+
+    # ---- health ------------------------------------------------------------------------------------
+    def mark_down(self, worker_id: str, reason: str) -> None:
+        """Take a worker out of rotation and recover every request placed on it. Idempotent: every
+        path that finds a worker dead (health check, a submit that failed) comes through here."""
+        view = self.placement.views.get(worker_id)
+        if view is not None and view.healthy:
+            log.warning("worker %s is unhealthy (%s): recovering its requests", worker_id, reason)
+            view.healthy = False
+        self.worker_down(worker_id, reason)
+
+    def worker_down(self, worker_id: str, reason: str = "") -> None:
+        """Recover every request that still depends on ``worker_id``. A prefill worker stops mattering
+        to a request once its KV has landed on the decode worker."""
+        why = f"worker {worker_id} is down" + (f" ({reason})" if reason else "")
+        for a in self.streams.pending():
+            if a.decode_id == worker_id:  # its verdict will not come
+                a.admitted.set_result(Admission(a.wid, worker_id, UNREACHABLE, why))
+        for r in list(self.streams.requests.values()):
+            a = r.attempt
+            if r.finished or r.recovering or a is None:
+                continue
+            if a.decode_id == worker_id or (a.prefill_id == worker_id and not a.t_kv_ready):
+                self._recover(r, why)
+
+    def stats(self) -> dict:
+        self.placement.refresh(self.streams.requests.values())
+        decodes = self.placement.role_views("decode")
+        total_tokens = sum(v.num_blocks * v.block_size for v in decodes) or self.block_size
+        used_tokens = sum(v.kv_tokens for v in decodes)
+        running = sum(1 for r in self.streams.requests.values() if r.running)
+        return {
+            "num_requests_running": running,
+            "num_requests_waiting": len(self.streams.requests) - running,
+            "kv_cache_usage_perc": min(1.0, used_tokens / total_tokens),
+            "healthy": any(v.healthy for v in decodes),
+            "workers": [
+                {"worker_id": v.worker_id, "role": v.role, "kv_tokens": v.kv_tokens, "num_requests": v.num_requests,
+                 "queued_prefill_tokens": v.queued_prefill_tokens, "healthy": v.healthy}
+                for v in self.placement.views.values()
+            ],
+            **self.counters,
+        }
+
+    # ---- events (on the asyncio loop) ------------------------------------------------------------------
+    def on_event(self, event: Event) -> None:
+        self._handlers[type(event)](event)
+
+    def _on_worker_error(self, ev: WorkerError) -> None:
+        log.warning("worker %s reports its engine thread failed: %s", ev.worker_id, ev.error)
+
+    def _on_admission(self, ev: Admission) -> None:
+        found = self.streams.lookup(ev.request_id, ev.worker_id)
+        if found is None:
+            return
+        r, a = found
+        if ev.verdict == ADMITTED and not r.finished:
+            self.streams.admitted(r, a)  # now, so the events right behind this one find the placement
+        if not a.admitted.done():
+            a.admitted.set_result(ev)
+
+    def _on_kv_ready(self, ev: KVReady) -> None:
+        # Counted even when the request has finished meanwhile: the bytes moved.
+        self.counters["kv_transfer_bytes"] += ev.num_bytes
+        self.on_kv_transfer(ev.transport, ev.num_bytes, ev.seconds)
+        found = self.streams.lookup(ev.request_id, ev.worker_id)
+        if found is not None:
+            self.streams.on_kv_ready(*found, ev)
+
+    def _on_tokens(self, ev: Tokens) -> None:
+        found = self.streams.lookup(ev.request_id, ev.worker_id)
+        if found is not None and not found[0].recovering and found[0].attempt is found[1]:
+            self.streams.on_tokens(*found, ev)
+
+    def _on_failed(self, ev: Failed) -> None:
+        found = self.streams.lookup(ev.request_id, ev.worker_id)
+        if found is None or found[0].recovering or found[0].attempt is not found[1]:
+            return
+        r, a = found
+        breaker = self.placement.breaker(*a.pair)
+        if breaker.record_failure(time.monotonic()):
+            log.warning("placements on %s keep failing (last: %s): skipped for %.0f s", a.pair, ev.reason,
+                        breaker.open_until - time.monotonic())
+        r.failed_pair = a.pair
+        self._recover(r, ev.reason)
+
+    # ---- recovery --------------------------------------------------------------------------------------
+    def _recover(self, r: RequestState, reason: str) -> None:
+        """Place again a request whose placement failed, continuing its stream; or end it with an error."""
+        self._abort_attempt(r)
+        remaining = r.params.max_tokens - len(r.emitted)
+        if remaining <= 0:  # everything was streamed already: nothing to recover
+            self.streams.fail(r, "", reason="length")
+            return
+        if r.num_recoveries >= self.config.max_recoveries:
+            self.streams.fail(r, f"{reason} (gave up after {r.num_recoveries} recoveries)")
+            return
+        r.num_recoveries += 1
+        log.warning("recovering request %s after %d tokens: %s", r.request_id, len(r.emitted), reason)
+        r.recovering = True
+        r.attempt = None
+        detected = time.monotonic()
+        prompt = r.prompt_token_ids + r.emitted
+        params = replace(r.params, max_tokens=remaining,
+                         output_position_offset=r.params.output_position_offset + len(r.emitted))
+
+        async def place_again() -> None:
+            try:
+                await self.submitter.place(r, prompt, params)
+                if self.recorder is not None:
+                    self.recorder.recoveries.append((r.request_id, time.monotonic() - detected))
+            except Exception as e:  # noqa: BLE001 - no healthy pair: end clearly, within the deadline
+                self.streams.fail(r, f"{reason}; recovery failed: {e}")
+            finally:
+                r.recovering = False
+
+        self._loop.create_task(place_again())
+
+    def _abort_attempt(self, r: RequestState) -> None:
+        """Stop the current placement: its decode worker frees its blocks and tells its prefill worker."""
+        a = r.attempt
+        if a is not None:
+            self.streams.forget(a)
+            if a.decode_id in self.decode:
+                self.decode[a.decode_id].abort.remote(a.wid)
+
+    # ---- requests ------------------------------------------------------------------------------------
+    def _check(self, request_id: str, prompt_token_ids: list[int]) -> None:
+        """What only the router can know (ids in use, the decode pool); the API validated the rest."""
+        if request_id in self.streams.requests:
+            raise RouterError(f"request id {request_id!r} is already in use", status=400, kind="invalid_request_error")
+        if not prompt_token_ids:
+            raise RouterError("prompt is empty", status=400, kind="invalid_request_error")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise RouterError(f"prompt has {len(prompt_token_ids)} tokens, max_model_len is {self.max_model_len}",
+                              status=400, kind="invalid_request_error")
+        pool_tokens = self.placement.pool_tokens()
+        if pool_tokens and len(prompt_token_ids) + 1 > pool_tokens:
+            raise RouterError(f"prompt has {len(prompt_token_ids)} tokens but the largest decode worker's KV pool "
+                              f"holds {pool_tokens}", status=400, kind="invalid_request_error")
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
+        self.start(asyncio.get_running_loop())
+        self._check(request_id, prompt_token_ids)
+        if params.seed is None:
+            # Prefill and decode must draw from the same per-position streams.
+            params = replace(params, seed=self._rng.randrange(1 << 31))
+        r = RequestState(request_id, list(prompt_token_ids), params, asyncio.Queue())
+        await self.submitter.place(r, list(prompt_token_ids), params)
+        deadline = r.t_arrival + self.config.request_timeout_s
+        try:
+            while True:
+                try:
+                    delta = await asyncio.wait_for(r.queue.get(), timeout=max(deadline - time.monotonic(), 0.001))
+                except asyncio.TimeoutError:
+                    if not r.finished:
+                        self._abort_attempt(r)
+                        self.streams.fail(r, f"request timed out after {self.config.request_timeout_s}s")
+                    continue
+                yield delta
+                if delta.finished:
+                    return
+        finally:
+            if not r.finished:  # the consumer went away (client disconnect)
+                self._abort_attempt(r)
+                self.streams.fail(r, "", reason="abort")
+
+    async def abort(self, request_id: str) -> None:
+        r = self.streams.requests.get(request_id)
+        if r is not None and not r.finished:
+            self._abort_attempt(r)
+            self.streams.fail(r, "", reason="abort")

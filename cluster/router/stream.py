@@ -1,0 +1,111 @@
+"""A request's stream back to its client: the router's table of requests and their placements, and
+what each decode-worker event does to them. Events of one placement arrive in order on one stream
+(node/events.py), so nothing here re-orders.
+
+Accounting (invariant S1, one level up): a placement's ``num_computed_tokens`` is whatever its decode
+worker last reported after acceptance; worker load is derived from it when read (placement.py).
+Nothing is advanced by "+1 per step", so speculative steps that emit several tokens (or none)
+cannot make the router drift.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from pdcluster.cluster.router.recorder import DecisionRecorder, Report
+from pdcluster.cluster.router.state import Attempt, RequestState
+from pdcluster.cluster.router_api import TokenDelta
+from pdcluster.node.events import KVReady, Tokens
+
+
+class RequestStreams:
+    def __init__(self, counters: dict, recorder: Callable[[], DecisionRecorder | None],
+                 on_pair_success: Callable[[Attempt], None]):
+        self.counters = counters
+        self._recorder = recorder
+        self._on_pair_success = on_pair_success
+        self.requests: dict[str, RequestState] = {}
+        self._by_wid: dict[str, tuple[RequestState, Attempt]] = {}  # every placement that may send events
+
+    # ---- the table ---------------------------------------------------------------------------------
+    def expect(self, r: RequestState, a: Attempt) -> None:
+        """Route ``a``'s events to ``r`` from now on (before the decode worker is asked: its answer
+        may come back before the call returns)."""
+        self._by_wid[a.wid] = (r, a)
+
+    def forget(self, a: Attempt) -> None:
+        self._by_wid.pop(a.wid, None)
+
+    def admitted(self, r: RequestState, a: Attempt) -> None:
+        r.attempt = a
+        self.requests[r.request_id] = r
+
+    def lookup(self, wid: str, worker_id: str) -> tuple[RequestState, Attempt] | None:
+        """The live request and placement an event is about, or None (stale, finished, another worker)."""
+        found = self._by_wid.get(wid)
+        if found is None:
+            return None
+        r, a = found
+        if r.finished or worker_id != a.decode_id:
+            return None
+        return found
+
+    def pending(self) -> list[Attempt]:
+        """Placements still waiting for their decode worker's verdict."""
+        return [a for _, a in self._by_wid.values() if not a.admitted.done()]
+
+    # ---- events ------------------------------------------------------------------------------------
+    def on_kv_ready(self, r: RequestState, a: Attempt, ev: KVReady) -> None:
+        a.t_kv_ready = time.monotonic()
+        self._on_pair_success(a)  # the pair moved a request's KV: the link works
+
+    def on_tokens(self, r: RequestState, a: Attempt, ev: Tokens) -> None:
+        now = time.monotonic()
+        a.num_computed_tokens = ev.num_computed_tokens  # S1: overwrite from the report; never count steps
+        recorder = self._recorder()
+        if recorder is not None:
+            recorder.reports.append(Report(ev.num_computed_tokens, a.num_computed_tokens, r.num_prompt_tokens,
+                                           ev.num_output_tokens, ev.finished))
+        first = not a.t_first_token
+        if first:
+            a.t_first_token = now
+            if a.local:
+                a.t_first_decode = now
+                self._on_pair_success(a)
+        elif a.t_kv_ready and not a.t_first_decode:
+            a.t_first_decode = now
+        new = list(ev.new_token_ids)
+        r.emitted.extend(new)
+        # The decode worker counts this placement's outputs; earlier placements' are in its prompt.
+        delta = TokenDelta(new, num_prompt_tokens=r.num_prompt_tokens, num_output_tokens=len(r.emitted),
+                           num_draft_tokens=ev.num_draft_tokens, num_accepted_tokens=ev.num_accepted_tokens)
+        if first:
+            breakdown = {"queue": a.t_submit - r.t_arrival, "prefill": now - a.t_submit}
+            if ev.queue_s or ev.prefill_s:  # the worker timed its own queue and prefill
+                breakdown = {"queue": breakdown["queue"] + ev.queue_s, "prefill": ev.prefill_s}
+            delta.ttft_breakdown = breakdown
+        if ev.finished:
+            delta.finished = True
+            delta.finish_reason = ev.finish_reason or None
+            if not a.local:
+                # The rest of the disaggregated TTFT story, known only once the decode side ran.
+                tail = a.ttft_breakdown(r.t_arrival, now)
+                delta.ttft_breakdown.update({k: v for k, v in tail.items() if k in ("kv_transfer", "first_decode")})
+            self.counters["num_draft_tokens"] += delta.num_draft_tokens
+            self.counters["num_accepted_tokens"] += delta.num_accepted_tokens
+            self.finish(r, delta)
+        elif new:
+            r.queue.put_nowait(delta)
+
+    # ---- the end -----------------------------------------------------------------------------------
+    def finish(self, r: RequestState, delta: TokenDelta) -> None:
+        r.finished = True
+        self.requests.pop(r.request_id, None)
+        if r.attempt is not None:
+            self.forget(r.attempt)
+        r.queue.put_nowait(delta)
+
+    def fail(self, r: RequestState, error: str, reason: str = "error") -> None:
+        self.finish(r, TokenDelta([], finished=True, finish_reason=reason, error=error or None,
+                                  num_prompt_tokens=r.num_prompt_tokens, num_output_tokens=len(r.emitted)))

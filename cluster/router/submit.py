@@ -1,0 +1,106 @@
+"""Placing one request: try (decode, prefill) pairs best first until a decode worker admits it.
+
+The router hands the request to the decode worker (``submit``: prompt, typed SamplingParams, the
+prefill worker to fetch the KV from, or None to prefill there) and awaits its ``Admission`` event on
+the worker's event stream. The placement is registered before the call, so the verdict and the
+events right behind it find it whichever channel is faster: no re-ordering buffer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable
+
+from pdcluster.cluster.router.config import RouterConfig
+from pdcluster.cluster.router.placement import PairPlacement
+from pdcluster.cluster.router.recorder import Decision, DecisionRecorder
+from pdcluster.cluster.router.state import Attempt, RequestState
+from pdcluster.cluster.router.stream import RequestStreams
+from pdcluster.cluster.router_api import RouterError
+from pdcluster.engine.block_manager import chained_block_hashes
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.node.events import ADMITTED, FULL, INVALID
+
+log = logging.getLogger(__name__)
+
+
+class Submitter:
+    def __init__(self, config: RouterConfig, placement: PairPlacement, streams: RequestStreams, decode: dict,
+                 block_size: int, mark_down: Callable[[str, str], None],
+                 recorder: Callable[[], DecisionRecorder | None]):
+        self.config = config
+        self.placement = placement
+        self.streams = streams
+        self.decode = decode  # worker id -> Ray actor handle
+        self.block_size = block_size
+        self._mark_down = mark_down
+        self._recorder = recorder
+
+    async def place(self, r: RequestState, prompt: list[int], params: SamplingParams) -> None:
+        """Returns once a decode worker admitted the request (or it finished meanwhile); raises
+        RouterError when no pair takes it within ``admission_wait_s`` or it is invalid."""
+        deadline = time.monotonic() + self.config.admission_wait_s
+        hashes = chained_block_hashes(prompt, self.block_size)
+        while not r.finished:
+            self.placement.refresh(self.streams.requests.values())
+            local = self.placement.wants_local(len(prompt), bool(self.placement.role_views("prefill")))
+            for d, p in self.placement.candidates(local, hashes, r.failed_pair, time.monotonic()):
+                if r.finished:  # aborted (client, deadline) while it waited for room
+                    return
+                if await self._try(r, prompt, params, d, p):
+                    if p is not None:
+                        p.remember(hashes)
+                    return
+            if not any(v.healthy for v in self.placement.role_views("decode")):
+                # A worker Ray is restarting comes back within seconds: wait for it, up to the deadline.
+                if time.monotonic() > deadline:
+                    raise RouterError("no healthy decode worker is available", status=503)
+            elif time.monotonic() > deadline:
+                raise RouterError("no (prefill, decode) pair can take the request: full, down, or cooling down "
+                                  "after repeated failures; try again later", status=503)
+            await asyncio.sleep(0.05)
+
+    async def _try(self, r: RequestState, prompt: list[int], params: SamplingParams, d, p) -> bool:
+        """One submit to decode worker ``d`` (prefill from ``p``, or locally when None): admitted?"""
+        r.num_submits += 1
+        a = Attempt(r.request_id, r.num_submits, d.worker_id, p.worker_id if p is not None else None, len(prompt),
+                    asyncio.get_running_loop().create_future())
+        self.streams.expect(r, a)
+        handle = self.decode[d.worker_id]
+        verdict = None
+        try:
+            await asyncio.wait_for(handle.submit.remote(a.wid, prompt, params, a.prefill_id),
+                                   self.config.admission_timeout_s)
+            verdict = await asyncio.wait_for(asyncio.shield(a.admitted), self.config.admission_timeout_s)
+        except asyncio.CancelledError:
+            handle.abort.remote(a.wid)  # the caller went away mid-admission: give the blocks back
+            raise
+        except asyncio.TimeoutError:
+            # Stuck or overloaded: out of rotation until the health check hears from it again.
+            log.warning("decode worker %s gave no verdict within %.0f s", d.worker_id, self.config.admission_timeout_s)
+            handle.abort.remote(a.wid)  # a late admission must not strand blocks
+            d.healthy = False
+            return False
+        except Exception as e:  # noqa: BLE001 - the actor is gone: recover what it held, next
+            self._mark_down(d.worker_id, f"submit failed: {type(e).__name__}")
+            return False
+        finally:
+            if verdict is None or verdict.verdict != ADMITTED:
+                self.streams.forget(a)
+        if verdict.verdict == INVALID:
+            raise RouterError(verdict.reason, status=400, kind="invalid_request_error")
+        if verdict.verdict == FULL:
+            return False  # no decision was made: the next candidate is asked
+        recorder = self._recorder()
+        if recorder is not None:
+            recorder.decisions.append(Decision(r.request_id, a.prefill_id, a.decode_id, a.local))
+        if verdict.verdict != ADMITTED:  # unreachable prefill, or the decode worker went down
+            log.warning("placement of %s on %s failed: %s", r.request_id, a.pair, verdict.reason)
+            self.placement.breaker(*a.pair).record_failure(time.monotonic())
+            r.failed_pair = a.pair
+            return False
+        if r.finished:  # aborted by the client or its deadline while we waited
+            handle.abort.remote(a.wid)
+        return True

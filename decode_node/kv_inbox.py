@@ -1,0 +1,114 @@
+"""Where a decode worker's KV comes from. ``RemoteKV``: a prefill worker, over the control plane
+(endpoint) and a transport, tracked by the DecodeKVConnector. ``NoRemoteKV``: nowhere (colocated: every
+request is prefilled here), so the worker's loop has no ``None`` checks."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.kv_transfer.config import TransferConfig
+from pdcluster.kv_transfer.connector import DecodeKVConnector, RecvTask
+from pdcluster.kv_transfer.control_plane import DecodeEndpoint
+from pdcluster.kv_transfer.protocol import Message, TransferRequest
+from pdcluster.node.endpoint import endpoint_config
+
+
+class UnreachablePrefill(ConnectionError):
+    """The named prefill worker is not connected to this decode worker (never, or no longer)."""
+
+
+class NoRemoteKV:
+    transport_name = ""
+    num_quarantined = 0
+
+    def request_kv(self, request_id: str, prefill_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                   block_ids: list[int]) -> None:
+        raise UnreachablePrefill("this decode worker runs colocated: it has no KV transfer configured")
+
+    def connect(self, address: str) -> str:
+        raise RuntimeError("this decode worker runs colocated: it has no KV transfer configured")
+
+    def disconnect(self, prefill_id: str) -> bool:
+        return False
+
+    def poll_messages(self) -> list[tuple[str, Message]]:
+        return []
+
+    def handle_message(self, peer_id: str, msg: Message) -> None:
+        pass
+
+    def take_ready(self) -> list[RecvTask]:
+        return []
+
+    def take_failed(self) -> list[RecvTask]:
+        return []
+
+    def take_releasable(self) -> list[str]:
+        return []
+
+    def abort(self, request_id: str) -> bool:
+        """True when the reservation stays held here until the transport lets its blocks go."""
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+class RemoteKV(NoRemoteKV):
+    def __init__(self, worker_id: str, engine, transfer: TransferConfig, transport_cls):
+        self.transfer = transfer
+        self.transport_name = transfer.transport
+        self.transport = transport_cls(engine.kv_cache, "receiver", transfer.transport_config())
+        self.endpoint = DecodeEndpoint(endpoint_config(worker_id, engine, transfer, self.transport))
+        self.connector = DecodeKVConnector(self.transport, self.endpoint)
+
+    @property
+    def num_quarantined(self) -> int:
+        return len(self.connector.quarantined)
+
+    def request_kv(self, request_id, prefill_id, prompt_token_ids, params, block_ids) -> None:
+        """Admit the blocks on the transport, then ask the prefill worker for the KV (block ids leave
+        this worker only after the transport expects them)."""
+        if prefill_id not in self.endpoint.peers():
+            raise UnreachablePrefill(f"prefill worker {prefill_id!r} is not connected to this decode worker")
+        self.connector.expect(request_id, prefill_id, self.transfer.transfer_timeout_s, block_ids)
+        ask = TransferRequest(request_id=request_id, dst_block_ids=list(block_ids), num_tokens=len(prompt_token_ids),
+                              deadline_unix_s=time.time() + self.transfer.transfer_timeout_s,
+                              prompt_token_ids=list(prompt_token_ids), sampling=dataclasses.asdict(params))
+        try:
+            self.endpoint.send(prefill_id, ask)
+        except Exception as e:  # lost since the check above: give the admission back (abort) and say so
+            self.connector.abort(request_id, "prefill worker unreachable")
+            raise UnreachablePrefill(f"prefill worker {prefill_id!r}: {e}") from e
+
+    def connect(self, address: str) -> str:
+        return self.endpoint.connect(address).worker_id
+
+    def disconnect(self, prefill_id: str) -> bool:
+        return self.endpoint.disconnect(prefill_id)
+
+    def poll_messages(self) -> list[tuple[str, Message]]:
+        return self.endpoint.poll(0.0)
+
+    def handle_message(self, peer_id: str, msg: Message) -> None:
+        self.connector.handle_message(peer_id, msg)
+
+    def take_ready(self) -> list[RecvTask]:
+        self.connector.check()
+        return self.connector.take_ready()
+
+    def take_failed(self) -> list[RecvTask]:
+        return self.connector.take_failed()
+
+    def take_releasable(self) -> list[str]:
+        return self.connector.take_releasable()
+
+    def abort(self, request_id: str) -> bool:
+        self.connector.abort(request_id, "aborted by the router")  # revokes the transfer, tells the prefill
+        return self.connector.holds(request_id)
+
+    def close(self) -> None:
+        self.endpoint.close()
+        self.transport.close()

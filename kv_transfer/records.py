@@ -1,0 +1,313 @@
+"""Typed records over msgpack: frozen dataclasses whose fields are checked against their annotations
+when built locally and when decoded, and a versioned codec for a family of them.
+
+Used by the KV-transfer control plane (protocol.py: worker <-> worker) and by the worker -> router
+event stream (node/events.py). On the wire a record is ``{"v": version, "t": <class name>, "b":
+{<field>: <value>, ...}}``; nested records are maps of their fields. ``Codec.decode`` turns every
+malformed input into a ``ProtocolError`` (never a ``KeyError``/``TypeError`` from deep inside a
+handler). No pickle: a decode must not be able to run code.
+
+Field annotations with a checker: int, float, bool, str, bytes, list[int], list[str],
+dict[str, Any] (msgpack-native values), a nested record, and a list of records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import operator
+import typing
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import msgpack
+
+# msgpack's integer range: anything outside it cannot be packed, so it is refused at construction.
+_INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
+# Transport descriptors are small nested maps (addresses, ports, keys). A depth bound keeps the
+# recursive check and the canonical form in auth.py far away from Python's recursion limit, whatever
+# nesting a hostile peer packs (msgpack itself allows ~1000 levels).
+_MAX_DESCRIPTOR_DEPTH = 8
+
+
+class ProtocolError(ValueError):
+    """A message could not be encoded or decoded; the text says what was wrong with which value."""
+
+
+class VersionError(ProtocolError):
+    """The envelope carries a version this side does not speak.
+
+    Separate from ``ProtocolError`` so an endpoint can answer a handshake attempt from another version
+    with a refusal that names both versions, instead of silently dropping it.
+    """
+
+    def __init__(self, peer_version: int, own_version: int):
+        super().__init__(f"wrong protocol version {peer_version}: this side speaks version {own_version}")
+        self.peer_version = peer_version
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    # Values in errors come from the wire and can be megabytes long; logs get a bounded excerpt.
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# --- field checkers: one per annotation, each returns the (normalised) value or raises ----------------
+
+
+def _check_int(value: Any, path: str) -> int:
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise ProtocolError(f"{path}: expected int, got {type(value).__name__} {_short(value)}")
+    try:
+        value = operator.index(value)  # numpy integers become plain ints, which msgpack can pack
+    except TypeError:  # e.g. numpy.bool_, which has __index__ but refuses it
+        raise ProtocolError(f"{path}: expected int, got {type(value).__name__} {_short(value)}") from None
+    if not _INT_MIN <= value <= _INT_MAX:
+        raise ProtocolError(f"{path}: int {value} is outside msgpack's 64-bit range")
+    return value
+
+
+def _check_float(value: Any, path: str) -> float:
+    # An int is accepted for a float field: a peer written in another language may send 0 for 0.0.
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ProtocolError(f"{path}: expected float, got {type(value).__name__} {_short(value)}")
+    try:
+        value = float(value)
+    except OverflowError:
+        raise ProtocolError(f"{path}: {_short(value)} does not fit in a float") from None
+    if math.isnan(value):
+        raise ProtocolError(f"{path}: expected a number, got nan")
+    return value
+
+
+def _check_bool(value: Any, path: str) -> bool:
+    if not isinstance(value, bool):
+        raise ProtocolError(f"{path}: expected bool, got {type(value).__name__} {_short(value)}")
+    return value
+
+
+def _check_str(value: Any, path: str) -> str:
+    if not isinstance(value, str):
+        raise ProtocolError(f"{path}: expected str, got {type(value).__name__} {_short(value)}")
+    return value
+
+
+def _check_bytes(value: Any, path: str) -> bytes:
+    if not isinstance(value, (bytes, bytearray)):
+        raise ProtocolError(f"{path}: expected bytes, got {type(value).__name__} {_short(value)}")
+    return bytes(value)
+
+
+def _check_int_list(value: Any, path: str) -> list[int]:
+    if not isinstance(value, (list, tuple)):
+        raise ProtocolError(f"{path}: expected list of int, got {type(value).__name__} {_short(value)}")
+    # Block-id lists can be long: take the fast path when every element is already a plain int.
+    if all(type(x) is int for x in value) and (
+        not value or (min(value) >= _INT_MIN and max(value) <= _INT_MAX)
+    ):
+        return list(value)
+    return [_check_int(x, f"{path}[{i}]") for i, x in enumerate(value)]
+
+
+def _check_str_list(value: Any, path: str) -> list[str]:
+    if not isinstance(value, (list, tuple)):
+        raise ProtocolError(f"{path}: expected list of str, got {type(value).__name__} {_short(value)}")
+    return [_check_str(x, f"{path}[{i}]") for i, x in enumerate(value)]
+
+
+def _check_plain(value: Any, path: str, depth: int) -> Any:
+    """A msgpack-native value (for transport descriptors): None, bool, int, float, str, bytes, list, map."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return _check_int(value, path)
+    if isinstance(value, float):
+        return value  # NaN is allowed here: a descriptor is opaque data, not a quantity we compute with
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value)
+    if depth >= _MAX_DESCRIPTOR_DEPTH:
+        raise ProtocolError(f"{path}: nested deeper than {_MAX_DESCRIPTOR_DEPTH} levels")
+    if isinstance(value, (list, tuple)):
+        # Tuples become lists: that is what msgpack gives back, so round trips compare equal.
+        return [_check_plain(x, f"{path}[{i}]", depth + 1) for i, x in enumerate(value)]
+    if isinstance(value, dict):
+        return _check_str_map(value, path, depth + 1)
+    raise ProtocolError(
+        f"{path}: {type(value).__name__} {_short(value)} is not a msgpack value "
+        "(use None, bool, int, float, str, bytes, list or a map with str keys)"
+    )
+
+
+def _check_str_map(value: Any, path: str, depth: int = 0) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ProtocolError(f"{path}: expected a map, got {type(value).__name__} {_short(value)}")
+    out = {}
+    for key, item in value.items():
+        if not isinstance(key, str):
+            raise ProtocolError(f"{path}: map keys must be str, got {type(key).__name__} {_short(key)}")
+        out[key] = _check_plain(item, f"{path}[{key!r}]", depth)
+    return out
+
+
+def _record_checker(cls: type) -> Callable[[Any, str], Any]:
+    def check(value: Any, path: str) -> Any:
+        if isinstance(value, cls):
+            _check_fields(value, path)  # re-checked: lists inside a frozen record are still mutable
+            return value
+        if isinstance(value, dict):
+            return _build(cls, value, path)
+        raise ProtocolError(f"{path}: expected {cls.__name__}, got {type(value).__name__} {_short(value)}")
+
+    return check
+
+
+def _record_list_checker(cls: type) -> Callable[[Any, str], Any]:
+    check_one = _record_checker(cls)
+
+    def check(value: Any, path: str) -> list:
+        if not isinstance(value, (list, tuple)):
+            raise ProtocolError(f"{path}: expected list of {cls.__name__}, got {type(value).__name__}")
+        return [check_one(x, f"{path}[{i}]") for i, x in enumerate(value)]
+
+    return check
+
+
+def _checker_for(annotation: Any) -> Callable[[Any, str], Any]:
+    simple = {int: _check_int, float: _check_float, bool: _check_bool, str: _check_str, bytes: _check_bytes}
+    if annotation in simple:
+        return simple[annotation]
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is list and args == (int,):
+        return _check_int_list
+    if origin is list and args == (str,):
+        return _check_str_list
+    if origin is list and len(args) == 1 and dataclasses.is_dataclass(args[0]) and issubclass(args[0], _Record):
+        return _record_list_checker(args[0])
+    if origin is dict and args[:1] == (str,):
+        return _check_str_map
+    if dataclasses.is_dataclass(annotation) and issubclass(annotation, _Record):
+        return _record_checker(annotation)
+    raise TypeError(f"record field annotation {annotation!r} has no checker")  # a bug here, not a peer
+
+
+@functools.cache
+def _field_checkers(cls: type) -> tuple[tuple[str, Callable[[Any, str], Any]], ...]:
+    # Resolved lazily: the annotations are strings (future import) naming classes defined below.
+    hints = typing.get_type_hints(cls)
+    return tuple((f.name, _checker_for(hints[f.name])) for f in dataclasses.fields(cls))
+
+
+def _check_fields(record: _Record, path: str) -> None:
+    """Check (and normalise in place) every field of ``record``, then its value rules."""
+    for name, check in _field_checkers(type(record)):
+        object.__setattr__(record, name, check(getattr(record, name), f"{path}.{name}"))
+    record._check_values(path)
+
+
+def _has_default(f: dataclasses.Field) -> bool:
+    return f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+
+
+def _build(cls: type, body: Any, path: str) -> Any:
+    """Construct ``cls`` from a decoded map whose keys must be exactly its field names."""
+    if not isinstance(body, dict):
+        raise ProtocolError(f"{path}: expected a map of fields, got {type(body).__name__} {_short(body)}")
+    fields = dataclasses.fields(cls)
+    names = [f.name for f in fields]
+    # A field with a default may be left out (one added later: older senders do not know it).
+    missing = [f.name for f in fields if f.name not in body and not _has_default(f)]
+    if missing:
+        raise ProtocolError(f"{path}: missing field {missing[0]!r}")
+    extra = [k for k in body if k not in names]
+    if extra:
+        raise ProtocolError(f"{path}: unexpected field {_short(extra[0])}")
+    record = cls.__new__(cls)
+    for f in fields:
+        value = body[f.name] if f.name in body else (
+            f.default if f.default is not dataclasses.MISSING else f.default_factory())
+        object.__setattr__(record, f.name, value)
+    _check_fields(record, path)
+    return record
+
+
+@dataclass(frozen=True)
+class _Record:
+    """Base of everything that travels: fields are type-checked on construction."""
+
+    def __post_init__(self) -> None:
+        _check_fields(self, type(self).__name__)
+
+    def _check_values(self, path: str) -> None:
+        """Rules beyond the type (ranges, enums); overridden where a field has them."""
+
+
+def _require(ok: bool, path: str, what: str, value: Any) -> None:
+    if not ok:
+        raise ProtocolError(f"{path}: {what}, got {_short(value)}")
+
+
+# --- codec -------------------------------------------------------------------------------------------
+
+
+def to_wire(record: _Record) -> dict[str, Any]:
+    """The msgpack-ready map of a record's fields (nested records become maps)."""
+    return dataclasses.asdict(record)
+
+
+_ENVELOPE_KEYS = ("v", "t", "b")
+
+
+class Codec:
+    """Encode and decode one versioned family of record types (looked up by class name)."""
+
+    def __init__(self, version: int, types: Iterable[type]):
+        self.version = version
+        self.types: dict[str, type] = {cls.__name__: cls for cls in types}
+
+    def encode(self, msg: _Record) -> bytes:
+        """msgpack of ``{"v": version, "t": type name, "b": fields}``; ProtocolError if invalid."""
+        name = type(msg).__name__
+        if self.types.get(name) is not type(msg):
+            raise ProtocolError(f"cannot encode {type(msg).__name__}: not a type of this codec")
+        _check_fields(msg, name)  # a list mutated after construction is caught here, not on the peer
+        return msgpack.packb({"v": self.version, "t": name, "b": to_wire(msg)}, use_bin_type=True)
+
+    def decode(self, data: bytes, max_size: int) -> Any:
+        """Parse one message; raises ``ProtocolError`` (and nothing else) on any malformed input."""
+        try:
+            return self._decode(data, max_size)
+        except ProtocolError:
+            raise
+        except Exception as exc:  # the contract is "only ProtocolError"; a miss in the checks lands here
+            raise ProtocolError(f"malformed message: {type(exc).__name__}: {exc}") from exc
+
+    def _decode(self, data: bytes, max_size: int) -> Any:
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise ProtocolError(f"expected bytes, got {type(data).__name__}")
+        size = memoryview(data).nbytes
+        if size > max_size:
+            raise ProtocolError(f"message too big: {size} bytes > max_size {max_size}")
+        try:
+            # strict_map_key: only str/bytes keys, so a hostile map key cannot be an unhashable list.
+            envelope = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
+        except Exception as exc:  # msgpack raises several unrelated types (ExtraData, FormatError, ...)
+            raise ProtocolError(f"not msgpack ({size} bytes): {type(exc).__name__}: {exc}") from None
+        if not isinstance(envelope, dict):
+            raise ProtocolError(f"envelope must be a map with keys v, t, b; got {type(envelope).__name__}")
+        for key in _ENVELOPE_KEYS:
+            if key not in envelope:
+                raise ProtocolError(f"envelope: missing key {key!r}")
+        extra = [k for k in envelope if k not in _ENVELOPE_KEYS]
+        if extra:
+            raise ProtocolError(f"envelope: unexpected key {_short(extra[0])}")
+        version = envelope["v"]
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise ProtocolError(f"envelope.v: expected int protocol version, got {_short(version)}")
+        if version != self.version:  # checked before the type: another version may name types differently
+            raise VersionError(version, self.version)
+        name = envelope["t"]
+        cls = self.types.get(name) if isinstance(name, str) else None
+        if cls is None:
+            raise ProtocolError(f"unknown message type {_short(name)} (known: {', '.join(self.types)})")
+        return _build(cls, envelope["b"], name)

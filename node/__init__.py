@@ -1,0 +1,3 @@
+"""What the prefill and decode workers share: the engine thread (worker_loop), the typed events a
+worker sends the router (events) and their pusher, the Ray actor base (actor), and the control-plane
+endpoint configuration (endpoint)."""

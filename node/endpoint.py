@@ -1,0 +1,20 @@
+"""The control-plane identity a worker presents in the handshake, built the same way by both roles."""
+
+from __future__ import annotations
+
+from pdcluster.kv_transfer.config import TransferConfig, kv_layout, model_fingerprint
+from pdcluster.kv_transfer.control_plane import EndpointConfig
+
+
+def endpoint_config(worker_id: str, engine, transfer: TransferConfig, transport) -> EndpointConfig:
+    """``engine``: the worker's LLMEngine (its KV layout and model); ``transport``: its KV transport."""
+    return EndpointConfig(
+        worker_id=worker_id,
+        layout=kv_layout(engine.kv_spec),
+        model_fingerprint=model_fingerprint(engine.model_dir),
+        transport=transfer.transport,
+        transport_descriptor=transport.local_descriptor(),
+        secret=transfer.secret,
+        heartbeat_interval_s=transfer.heartbeat_interval_s,
+        peer_timeout_s=transfer.peer_timeout_s,
+    )

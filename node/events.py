@@ -1,0 +1,76 @@
+"""Worker -> router events: frozen dataclasses over the records codec (kv_transfer/records.py), one
+typed stream per decode worker. The decode worker owns a request once the router has handed it over,
+so every event of a request comes from its decode worker, in order, on one zmq socket.
+
+Per request, in order:
+    Admission            the verdict on the router's ``submit`` (admitted, full, invalid, unreachable)
+    Tokens (first)       the first token, as soon as the prefill worker sampled it (or local prefill)
+    KVReady              disaggregated only: the KV landed; the transfer's size and duration
+    Tokens ...           decode steps; the last one has ``finished``
+    Failed               instead of the rest: the placement failed (the router recovers the request)
+A worker whose engine thread died sends ``WorkerError`` (the health check would find it too).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+from pdcluster.kv_transfer.records import Codec, _Record
+
+EVENTS_VERSION = 1
+ADMITTED, FULL, INVALID, UNREACHABLE = "admitted", "full", "invalid", "unreachable"
+
+
+@dataclass(frozen=True)
+class Admission(_Record):
+    request_id: str
+    worker_id: str
+    verdict: str  # ADMITTED | FULL | INVALID | UNREACHABLE
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Tokens(_Record):
+    """New tokens of one request; counts are the decode worker's, after acceptance (S1)."""
+
+    request_id: str
+    worker_id: str
+    new_token_ids: list[int]
+    num_computed_tokens: int
+    num_output_tokens: int
+    finished: bool = False
+    finish_reason: str = ""  # "" while running; else "stop" | "length" | "abort" | "error"
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    # Set on the first Tokens of a request prefilled on this worker: seconds queued before its first
+    # step, and from then to the first token (TTFT breakdown without a shared clock).
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class KVReady(_Record):
+    request_id: str
+    worker_id: str
+    transport: str
+    num_bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Failed(_Record):
+    request_id: str
+    worker_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class WorkerError(_Record):
+    worker_id: str
+    error: str
+
+
+Event = Union[Admission, Tokens, KVReady, Failed, WorkerError]
+EVENT_CODEC = Codec(EVENTS_VERSION, (Admission, Tokens, KVReady, Failed, WorkerError))
+MAX_EVENT_BYTES = 8 << 20
