@@ -7,6 +7,8 @@ import signal
 import threading
 import time
 
+import logging
+
 import pytest
 
 from conftest import make_engine
@@ -14,6 +16,7 @@ from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kv_transfer.config import TransferConfig
 from pdcluster.kv_transfer.transports import available_transports
+from pdcluster.node.events import ADMITTED, Admission, Failed, Tokens
 
 TRANSPORTS = [name for name, reason in available_transports().items() if reason is None]
 NUM_BLOCKS = 128
@@ -53,16 +56,13 @@ def _collect_tokens(events, request_ids, timeout_s=60):
     while len(done) < len(request_ids) and time.monotonic() < deadline:
         with events.lock:
             new, seen = events.items[seen:], len(events.items)
-        for e in new:
-            rid = e.get("request_id")
-            if e["type"] == "first_token":
-                tokens[rid].insert(0, e["token_id"])
-            elif e["type"] == "tokens":
-                tokens[rid].extend(e["new_token_ids"])
-                if e["finished"]:
-                    done.add(rid)
-            elif e["type"] == "failed":
-                raise AssertionError(f"request {rid} failed: {e['reason']}")
+        for e in new:  # the decode worker's one stream: the first token, then every decode step
+            if isinstance(e, Tokens):
+                tokens[e.request_id].extend(e.new_token_ids)
+                if e.finished:
+                    done.add(e.request_id)
+            elif isinstance(e, Failed) or (isinstance(e, Admission) and e.verdict != ADMITTED):
+                raise AssertionError(f"request {e.request_id} failed: {e}")
         time.sleep(0.01)
     assert len(done) == len(request_ids), f"only {sorted(done)} finished within {timeout_s}s"
     return tokens
@@ -92,7 +92,7 @@ def test_disagg_equals_single_engine(tiny_dir, transport):
     tc = TransferConfig(transport=transport, secret="s3cret")
     p = PrefillWorker("p0", cfg, tc)
     d = DecodeWorker("d0", cfg, tc)
-    p.on_event = d.on_event = events
+    d.on_event = events
     try:
         assert d.connect_prefill(p.address) == "p0"
         deadline = time.monotonic() + 10
@@ -100,9 +100,7 @@ def test_disagg_equals_single_engine(tiny_dir, transport):
             time.sleep(0.01)
         ids = [f"r{i}" for i in range(len(prompts))]
         for rid, prompt in zip(ids, prompts):
-            blocks = d.reserve(rid, "p0", prompt, params)
-            assert blocks is not None
-            p.submit(rid, prompt, params, "d0", blocks)
+            d.submit(rid, prompt, params, "p0")  # D reserves, asks P for the KV, streams every token
         tokens = _collect_tokens(events, ids)
         assert [tokens[rid] for rid in ids] == expected
         _wait_free(p, NUM_BLOCKS, 5)
@@ -116,13 +114,17 @@ def test_disagg_equals_single_engine(tiny_dir, transport):
 # ---- peers killed mid-transfer --------------------------------------------------------------------
 
 def _decode_child(conn, prefill_address, prompt_len, transport):
-    """Decode worker in its own process: connect, reserve, report the blocks, then idle until killed."""
+    """Decode worker in its own process: connect, take the request (it asks the prefill worker for
+    the KV), report its admission, then idle until killed."""
     from pdcluster.decode_node.worker import DecodeWorker
 
     d = DecodeWorker("d-child", _engine_config(), TransferConfig(transport=transport))
+    events = Events()
+    d.on_event = events
     d.connect_prefill(prefill_address)
-    blocks = d.reserve("victim", "p0", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=4))
-    conn.send(blocks)
+    d.submit("victim", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=4), "p0")
+    admission = events.wait_for(lambda e: isinstance(e, Admission), 30)
+    conn.send(admission.verdict if admission is not None else None)
     time.sleep(600)
 
 
@@ -132,26 +134,23 @@ def _prefill_child(conn):
 
     p = PrefillWorker("p-child", _engine_config(prefill_chunk_size=8), TransferConfig(transport="tcp"))
     conn.send(p.address)
-    while True:
-        cmd = conn.recv()
-        if cmd[0] == "submit":
-            p.submit(*cmd[1:])
-            conn.send("ok")
+    time.sleep(600)  # decode workers ask it for KV over the control plane
 
 
 # tcp notices the dropped connection itself; ucx notices only by keepalive (20 s), so there the
 # control-plane heartbeat is what reclaims the blocks.
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("transport, reason", [("tcp", "dropped"), ("ucx", "stopped answering")])
-def test_decode_killed_mid_transfer_prefill_reclaims_within_5s(tiny_dir, transport, reason):
+def test_decode_killed_mid_transfer_prefill_reclaims_within_5s(tiny_dir, transport, reason, caplog):
+    """The prefill worker has no one to tell (the request's owner is dead): it logs why the transfer
+    failed and frees its blocks."""
     from pdcluster.prefill_node.worker import PrefillWorker
 
     if transport not in TRANSPORTS:
         pytest.skip(f"{transport} is not available here: {available_transports()[transport]}")
-    events = Events()
+    caplog.set_level(logging.WARNING, logger="pdcluster.kv_transfer.connector")
     # Small chunks make the prefill (and so the layer-wise transfer) long enough to be cut.
     p = PrefillWorker("p0", _engine_config(prefill_chunk_size=8), TransferConfig(transport=transport))
-    p.on_event = events
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     prompt_len = 1200
@@ -159,19 +158,20 @@ def test_decode_killed_mid_transfer_prefill_reclaims_within_5s(tiny_dir, transpo
     proc.start()
     try:
         assert parent.poll(120), "decode child did not start"
-        blocks = parent.recv()
-        assert blocks is not None
-        p.submit("victim", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=4), "d-child", blocks)
+        assert parent.recv() == ADMITTED
         deadline = time.monotonic() + 30
         while p.stats()["bytes_sent"] == 0 and time.monotonic() < deadline:
             time.sleep(0.005)
         assert p.stats()["bytes_sent"] > 0, "the transfer never started"
+        assert p.stats()["num_transfers"] == 1, "transfer finished before the kill"
         os.kill(proc.pid, signal.SIGKILL)
         killed_at = time.monotonic()
-        assert events.wait_for(lambda e: e["type"] == "transfer_done", 0) is None, "transfer finished before the kill"
-        failed = events.wait_for(lambda e: e["type"] == "failed" and e["request_id"] == "victim", 10)
-        assert failed is not None, "the prefill side never reported the request failed"
-        assert reason in failed["reason"]
+        deadline = time.monotonic() + 10
+        while "KV transfer of victim" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+        failures = [r.getMessage() for r in caplog.records if "KV transfer of victim" in r.getMessage()]
+        assert failures, "the prefill side never gave the transfer up"
+        assert reason in failures[0], failures
         reclaimed_at = _wait_free(p, NUM_BLOCKS, 10)
         assert reclaimed_at - killed_at < 5.0, f"blocks reclaimed after {reclaimed_at - killed_at:.2f}s"
         assert p.stats()["num_held"] == 0 and p.stats()["num_transfers"] == 0
@@ -196,17 +196,17 @@ def test_prefill_killed_mid_transfer_decode_frees_reserved_blocks(tiny_dir):
         assert d.connect_prefill(parent.recv()) == "p-child"
         prompt = list(range(1, 1201))
         params = SamplingParams(max_tokens=4)
-        blocks = d.reserve("victim", "p-child", prompt, params)
-        assert blocks is not None and d.stats()["num_free_blocks"] == NUM_BLOCKS - len(blocks)
         time.sleep(0.2)  # the child's heartbeats have been flowing; let the handshake settle
-        parent.send(("submit", "victim", prompt, params, "d0", blocks))
-        assert parent.poll(30) and parent.recv() == "ok"
+        d.submit("victim", prompt, params, "p-child")
+        admission = events.wait_for(lambda e: isinstance(e, Admission), 30)
+        assert admission is not None and admission.verdict == ADMITTED, admission
+        assert d.stats()["num_free_blocks"] < NUM_BLOCKS  # the prompt's blocks are reserved
         time.sleep(0.05)  # prefill under way
         os.kill(proc.pid, signal.SIGKILL)
         killed_at = time.monotonic()
-        failed = events.wait_for(lambda e: e["type"] == "failed" and e["request_id"] == "victim", 10)
+        failed = events.wait_for(lambda e: isinstance(e, Failed) and e.request_id == "victim", 10)
         assert failed is not None, "the decode side never reported the request failed"
-        assert "stopped answering" in failed["reason"]
+        assert "stopped answering" in failed.reason
         freed_at = _wait_free(d, NUM_BLOCKS, 10)
         assert freed_at - killed_at < 5.0
         assert d.stats()["num_reserved"] == 0
@@ -224,14 +224,16 @@ def test_abort_frees_both_sides(tiny_dir):
     tc = TransferConfig(transport="tcp")
     p = PrefillWorker("p0", _engine_config(prefill_chunk_size=8), tc)
     d = DecodeWorker("d0", _engine_config(), tc)
-    p.on_event = d.on_event = events
+    d.on_event = events
     try:
         d.connect_prefill(p.address)
         prompt = list(range(1, 801))
         params = SamplingParams(max_tokens=4)
-        blocks = d.reserve("a", "p0", prompt, params)
-        p.submit("a", prompt, params, "d0", blocks)
-        time.sleep(0.05)
+        d.submit("a", prompt, params, "p0")
+        deadline = time.monotonic() + 30
+        while p.stats()["num_transfers"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert p.stats()["num_transfers"] == 1, "the prefill worker never started the transfer"
         d.abort("a")  # the decode side gives up: tells the prefill side, which stops and frees
         _wait_free(d, NUM_BLOCKS, 5)
         _wait_free(p, NUM_BLOCKS, 5)
