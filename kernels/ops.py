@@ -1,9 +1,11 @@
 """The ops the engine calls: Triton kernels on CUDA tensors, the C kernels on CPU tensors
 (kernels/csrc/cpu_kernels.c, built once per machine), torch reference otherwise.
 
-Signatures are those of :mod:`pdcluster.kernels.reference`. Triton is imported lazily, only when a
-CUDA tensor arrives, so this module imports (and the CPU engine runs) without triton installed; the C
-kernels are built on first use and, without a compiler, the reference runs instead.
+Signatures, tensor shapes and semantics are those of the same-named functions in
+:mod:`pdcluster.kernels.reference`, written down there once; the functions here only pick the
+implementation. Triton is imported lazily, only when a CUDA tensor arrives, so this module imports
+(and the CPU engine runs) without triton installed; the C kernels are built on first use and, without
+a compiler, the reference runs instead.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import functools
 import importlib.util
 
 import torch
+from torch import Tensor
 
 from pdcluster.kernels import cpu_ops, reference
 
@@ -22,18 +25,13 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def _use_triton(*tensors: torch.Tensor) -> bool:
+def _use_triton(*tensors: Tensor) -> bool:
     """Triton only when every tensor is on a CUDA device: the compiled kernels address device memory,
     and on CPU the reference is the engine's path (the interpreter is for tests only)."""
     return all(t.is_cuda for t in tensors) and triton_available()
 
 
-def write_kv(
-    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    layer_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-    slot_mapping: torch.Tensor,  # int64 [num_tokens]
-) -> None:
+def write_kv(key: Tensor, value: Tensor, layer_cache: Tensor, slot_mapping: Tensor) -> None:
     """Write each token's K and V into its slot of the paged cache (in place)."""
     if _use_triton(key, value, layer_cache, slot_mapping):
         from pdcluster.kernels.triton_write_kv import write_kv_triton
@@ -44,13 +42,8 @@ def write_kv(
 
 
 def paged_attention(
-    query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim], requests packed back to back
-    layer_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-    block_tables: torch.Tensor,  # int32 [num_reqs, max_blocks_per_req]
-    seq_lens: torch.Tensor,  # int32 [num_reqs]: context length including this step's tokens
-    query_start_loc: torch.Tensor,  # int32 [num_reqs + 1]: cumulative query lengths
-    scale: float,
-) -> torch.Tensor:
+    query: Tensor, layer_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, scale: float
+) -> Tensor:
     """Causal attention of each request's new query tokens over its paged context."""
     if _use_triton(query, layer_cache, block_tables, seq_lens, query_start_loc):
         from pdcluster.kernels.triton_paged_attention import paged_attention_triton
@@ -64,13 +57,8 @@ def paged_attention(
 
 
 def paged_attention_uniform(
-    query: torch.Tensor,  # [num_reqs * q_len, num_q_heads, head_dim]
-    layer_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # int32 [num_reqs, max_blocks_per_req]
-    seq_lens: torch.Tensor,  # int32 [num_reqs]
-    q_len: int,
-    scale: float,
-) -> torch.Tensor:
+    query: Tensor, layer_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, q_len: int, scale: float
+) -> Tensor:
     """Attention for a uniform-decode batch (every request has ``q_len`` new tokens)."""
     if not query.is_cuda and cpu_ops.available():
         # The C kernel is one kernel for every batch shape: a uniform batch is evenly spaced starts.
@@ -93,11 +81,7 @@ def paged_attention_uniform(
     return reference.paged_attention_uniform(query, layer_cache, block_tables, seq_lens, q_len, scale)
 
 
-def gather_blocks(
-    kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-    block_ids: torch.Tensor,  # int64 [n]
-    out: torch.Tensor | None = None,  # [num_layers, 2, n, block_size, num_kv_heads, head_dim]
-) -> torch.Tensor:
+def gather_blocks(kv_cache: Tensor, block_ids: Tensor, out: Tensor | None = None) -> Tensor:
     """Copy the listed blocks (all layers, K and V) into one contiguous buffer, in list order."""
     tensors = (kv_cache, block_ids) if out is None else (kv_cache, block_ids, out)
     if _use_triton(*tensors):
@@ -107,11 +91,7 @@ def gather_blocks(
     return reference.gather_blocks(kv_cache, block_ids, out)
 
 
-def scatter_blocks(
-    buffer: torch.Tensor,  # [num_layers, 2, n, block_size, num_kv_heads, head_dim]
-    kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-    block_ids: torch.Tensor,  # int64 [n]: destination block of each buffer entry
-) -> None:
+def scatter_blocks(buffer: Tensor, kv_cache: Tensor, block_ids: Tensor) -> None:
     """Write buffer entry ``i`` into block ``block_ids[i]`` (inverse of :func:`gather_blocks`)."""
     if _use_triton(buffer, kv_cache, block_ids):
         from pdcluster.kernels.triton_block_copy import scatter_blocks_triton
@@ -121,12 +101,7 @@ def scatter_blocks(
         reference.scatter_blocks(buffer, kv_cache, block_ids)
 
 
-def rms_norm(
-    x: torch.Tensor,  # [num_tokens, hidden]
-    weight: torch.Tensor,  # [hidden]
-    eps: float,
-    residual: torch.Tensor | None = None,  # [num_tokens, hidden]: becomes residual + x (in place)
-) -> torch.Tensor:
+def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> Tensor:
     """RMSNorm, optionally fused with the residual add before it (one pass over the row)."""
     tensors = (x, weight) if residual is None else (x, weight, residual)
     if _use_triton(*tensors):
@@ -139,7 +114,7 @@ def rms_norm(
     return reference.rms_norm(x, weight, eps, residual)
 
 
-def rotary(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
+def rotary(x: Tensor, positions: Tensor, cos_sin: Tensor) -> None:
     """Rotary embedding of ``x`` [num_tokens, num_heads, head_dim] in place (heads may be strided)."""
     if _use_triton(x, positions, cos_sin):
         from pdcluster.kernels.triton_rotary import rotary_triton
@@ -150,7 +125,7 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> N
         reference.rotary(x, positions, cos_sin)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: Tensor) -> Tensor:
     """``silu(x[:, :d]) * x[:, d:]`` for the fused gate/up projection's output."""
     if _use_triton(x):
         from pdcluster.kernels.triton_silu_and_mul import silu_and_mul_triton
@@ -162,7 +137,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return reference.silu_and_mul(x)
 
 
-def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+def argmax_rows(x: Tensor) -> Tensor:
     """Greedy token of each row of logits [num_rows, vocab] (first index of the maximum)."""
     out = cpu_ops.argmax_rows(x)
     return out if out is not None else x.argmax(dim=-1)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 import triton
+from torch import Tensor
 import triton.language as tl
 
 # Elements per chunk: large enough to keep a GPU's loads wide, small enough to stay in registers.
@@ -63,7 +64,7 @@ def _copy_blocks_kernel(
         tl.store(dst_base + idx, chunk.to(dst_dtype), mask=mask)
 
 
-def _check_inner_contiguous(name: str, t: torch.Tensor) -> None:
+def _check_inner_contiguous(name: str, t: Tensor) -> None:
     """Each block's [block_size, num_kv_heads, head_dim] must be one contiguous run (the kernel copies
     it flat); the outer dims may be strided."""
     _, _, _, block_size, num_kv_heads, head_dim = t.shape
@@ -71,7 +72,7 @@ def _check_inner_contiguous(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name}: inner block dims must be contiguous, strides are {t.stride()}")
 
 
-def _launch(src: torch.Tensor, dst: torch.Tensor, block_ids: torch.Tensor, index_src: bool) -> None:
+def _launch(src: Tensor, dst: Tensor, block_ids: Tensor, index_src: bool) -> None:
     num_layers = src.shape[0]
     num_entries = block_ids.shape[0]
     if num_entries == 0 or num_layers == 0:
@@ -95,11 +96,7 @@ def _launch(src: torch.Tensor, dst: torch.Tensor, block_ids: torch.Tensor, index
     )
 
 
-def gather_blocks_triton(
-    kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-    block_ids: torch.Tensor,  # int64 [n]
-    out: torch.Tensor | None = None,  # [num_layers, 2, n, block_size, num_kv_heads, head_dim]
-) -> torch.Tensor:
+def gather_blocks_triton(kv_cache: Tensor, block_ids: Tensor, out: Tensor | None = None) -> Tensor:
     """Copy the listed blocks (all layers, K and V) into one contiguous buffer, in list order."""
     num_layers, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     expected = (num_layers, 2, block_ids.shape[0], block_size, num_kv_heads, head_dim)
@@ -111,11 +108,7 @@ def gather_blocks_triton(
     return out
 
 
-def scatter_blocks_triton(
-    buffer: torch.Tensor,  # [num_layers, 2, n, block_size, num_kv_heads, head_dim]
-    kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-    block_ids: torch.Tensor,  # int64 [n]: destination block of each buffer entry
-) -> None:
+def scatter_blocks_triton(buffer: Tensor, kv_cache: Tensor, block_ids: Tensor) -> None:
     """Inverse of :func:`gather_blocks_triton`: write buffer entry ``i`` into block ``block_ids[i]``."""
     num_layers, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     expected = (num_layers, 2, block_ids.shape[0], block_size, num_kv_heads, head_dim)

@@ -29,6 +29,7 @@ import math
 
 import torch
 import triton
+from torch import Tensor
 import triton.language as tl
 
 # Key positions per inner-loop step. >= 16 because tl.dot needs every dim >= 16 on GPU.
@@ -178,14 +179,10 @@ def _pick_block_q(num_tokens: int, num_reqs: int, group_pad: int) -> int:
 
 
 def paged_attention_triton(
-    query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim], requests packed back to back
-    layer_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-    block_tables: torch.Tensor,  # int32 [num_reqs, max_blocks_per_req]
-    seq_lens: torch.Tensor,  # int32 [num_reqs]: context length including this step's tokens
-    query_start_loc: torch.Tensor,  # int32 [num_reqs + 1]: cumulative query lengths
-    scale: float,
-) -> torch.Tensor:
-    """Causal attention of each request's new query tokens over its paged context (see module doc).
+    query: Tensor, layer_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, scale: float
+) -> Tensor:
+    """Causal attention of each request's new query tokens over its paged context (see module doc;
+    arguments and shapes as in :func:`pdcluster.kernels.reference.paged_attention`).
 
     The K/V of the new tokens must already be written into the cache. Rows of the output past
     ``query_start_loc[-1]`` (batch padding) are left unwritten, as in the reference.

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 import triton
+from torch import Tensor
 import triton.language as tl
 
 # A row longer than this does not fit one program's registers comfortably; Llama-family hidden sizes
@@ -69,7 +70,7 @@ def _rms_norm_kernel(
     tl.store(out_ptr + token_idx * stride_out_token + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _row_view(t: torch.Tensor, hidden: int) -> torch.Tensor | None:
+def _row_view(t: Tensor, hidden: int) -> Tensor | None:
     """``t`` as a [num_rows, hidden] view with unit stride along hidden (rows may be strided), or None
     when its layout has no such view."""
     if t.stride(-1) != 1:
@@ -80,12 +81,7 @@ def _row_view(t: torch.Tensor, hidden: int) -> torch.Tensor | None:
         return None
 
 
-def rms_norm_triton(
-    x: torch.Tensor,  # [num_tokens, hidden]
-    weight: torch.Tensor,  # [hidden]
-    eps: float,
-    residual: torch.Tensor | None = None,  # [num_tokens, hidden]: becomes residual + x (in place)
-) -> torch.Tensor:
+def rms_norm_triton(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> Tensor:
     """RMSNorm of each row (of ``residual + x`` when ``residual`` is given; see module doc)."""
     hidden = x.shape[-1]
     if weight.shape != (hidden,):

@@ -81,6 +81,24 @@ typedef struct {
     int32_t req, q_begin, q_end;
 } AttnItem;
 
+/* The epilogue of an item: divides each query row's accumulator (row qi = t * num_q_heads + h of
+ * acc, head_dim floats each) by its softmax sum l[qi] and stores it as that query's output row. */
+static inline void store_item_output(const AttnItem item, const int head_dim, int dtype,
+                                     const int32_t *query_start_loc, int num_q_heads, float *acc, const float *l,
+                                     void *out, int64_t out_tok_stride, int64_t out_head_stride) {
+    const int nq_tok = item.q_end - item.q_begin;
+    for (int t = 0; t < nq_tok; t++) {
+        const int64_t tok = query_start_loc[item.req] + item.q_begin + t;
+        for (int h = 0; h < num_q_heads; h++) {
+            const int qi = t * num_q_heads + h;
+            float *row = acc + (int64_t)qi * head_dim;
+            const float inv = 1.0f / l[qi];
+            for (int d = 0; d < head_dim; d++) row[d] *= inv;
+            store_row(out, dtype, tok * out_tok_stride + h * out_head_stride, row, head_dim);
+        }
+    }
+}
+
 static inline void attend_item(const AttnItem item, const int head_dim, int dtype, const void *query,
                                int64_t q_tok_stride, int64_t q_head_stride, const void *k_cache,
                                const void *v_cache, int64_t cache_blk_stride, int64_t cache_tok_stride,
@@ -208,15 +226,8 @@ static inline void attend_item(const AttnItem item, const int head_dim, int dtyp
             }
         }
     }
-    for (int t = 0; t < nq_tok; t++) {
-        const int64_t tok = query_start_loc[r] + item.q_begin + t;
-        for (int h = 0; h < num_q_heads; h++) {
-            const int qi = t * num_q_heads + h;
-            const float inv = 1.0f / l[qi];
-            for (int d = 0; d < head_dim; d++) acc[qi][d] *= inv;
-            store_row(out, dtype, tok * out_tok_stride + h * out_head_stride, acc[qi], head_dim);
-        }
-    }
+    store_item_output(item, head_dim, dtype, query_start_loc, num_q_heads, (float *)acc, l, out, out_tok_stride,
+                      out_head_stride);
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -402,15 +413,8 @@ static inline void attend_item_bf16(const AttnItem item, const int HD, const uin
             }
         }
     }
-    for (int t = 0; t < nq_tok; t++) {
-        const int64_t tok = query_start_loc[r] + item.q_begin + t;
-        for (int h = 0; h < num_q_heads; h++) {
-            const int qi = t * num_q_heads + h;
-            const float inv = 1.0f / l[qi];
-            for (int d = 0; d < HD; d++) acc[qi][d] *= inv;
-            store_row(out, 1, tok * out_tok_stride + h * out_head_stride, acc[qi], HD);
-        }
-    }
+    store_item_output(item, HD, 1, query_start_loc, num_q_heads, (float *)acc, l, out, out_tok_stride,
+                      out_head_stride);
 }
 #endif
 
