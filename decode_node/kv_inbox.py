@@ -5,13 +5,15 @@ request is prefilled here), so the worker's loop has no ``None`` checks."""
 from __future__ import annotations
 
 import dataclasses
+import queue
 import time
+from typing import Callable
 
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kv_transfer.config import TransferConfig
 from pdcluster.kv_transfer.connector import DecodeKVConnector, RecvTask
 from pdcluster.kv_transfer.control_plane import DecodeEndpoint
-from pdcluster.kv_transfer.protocol import Message, TransferRequest
+from pdcluster.kv_transfer.protocol import FirstToken, Message, TransferRequest
 from pdcluster.node.endpoint import endpoint_config
 
 
@@ -57,12 +59,26 @@ class NoRemoteKV:
 
 
 class RemoteKV(NoRemoteKV):
-    def __init__(self, worker_id: str, engine, transfer: TransferConfig, transport_cls):
+    """``on_first_token(peer_id, msg)`` runs on the control plane's I/O thread as soon as a FirstToken
+    arrives (the first token does not wait for the engine's current step); every other message waits
+    in an inbox for the engine thread (``poll_messages``)."""
+
+    def __init__(self, worker_id: str, engine, transfer: TransferConfig, transport_cls,
+                 on_first_token: Callable[[str, FirstToken], None]):
         self.transfer = transfer
         self.transport_name = transfer.transport
         self.transport = transport_cls(engine.kv_cache, "receiver", transfer.transport_config())
-        self.endpoint = DecodeEndpoint(endpoint_config(worker_id, engine, transfer, self.transport))
+        self._on_first_token = on_first_token
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.endpoint = DecodeEndpoint(endpoint_config(worker_id, engine, transfer, self.transport),
+                                       on_message=self._on_message)
         self.connector = DecodeKVConnector(self.transport, self.endpoint)
+
+    def _on_message(self, peer_id: str, msg: Message) -> None:
+        if isinstance(msg, FirstToken):
+            self._on_first_token(peer_id, msg)
+        else:
+            self._inbox.put((peer_id, msg))
 
     @property
     def num_quarantined(self) -> int:
@@ -90,7 +106,13 @@ class RemoteKV(NoRemoteKV):
         return self.endpoint.disconnect(prefill_id)
 
     def poll_messages(self) -> list[tuple[str, Message]]:
-        return self.endpoint.poll(0.0)
+        out = []
+        for _ in range(100_000):  # bounded: what has arrived by now
+            try:
+                out.append(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        return out
 
     def handle_message(self, peer_id: str, msg: Message) -> None:
         self.connector.handle_message(peer_id, msg)

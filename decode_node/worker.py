@@ -10,6 +10,7 @@ on this worker's one typed stream (node/events.py), in order.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 
 from pdcluster.engine.config import EngineConfig
@@ -19,7 +20,7 @@ from pdcluster.kv_transfer.config import TransferConfig
 from pdcluster.kv_transfer.protocol import FirstToken
 from pdcluster.kv_transfer.transports import get_transport_class
 from pdcluster.node.events import ADMITTED, FULL, INVALID, UNREACHABLE, Admission, Failed, KVReady, Tokens
-from pdcluster.node.worker_loop import WorkerLoop
+from pdcluster.node.worker_loop import WorkerLoop, engine_stats
 from pdcluster.decode_node.kv_inbox import NoRemoteKV, RemoteKV, UnreachablePrefill
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,7 @@ class _Waiting:
 
     prompt_token_ids: list[int]
     params: SamplingParams
+    prefill_id: str
     first_token_sent: bool = False
 
 
@@ -41,8 +43,12 @@ class DecodeWorker(WorkerLoop):
         transport_cls = get_transport_class(transfer.transport) if transfer is not None else None
         allocator = transport_cls.allocate_kv_cache if transport_cls is not None else None
         self.engine = LLMEngine(engine_config, progress=False, kv_cache_allocator=allocator)
-        self.kv = RemoteKV(worker_id, self.engine, transfer, transport_cls) if transfer is not None else NoRemoteKV()
+        self.kv = (RemoteKV(worker_id, self.engine, transfer, transport_cls, self._on_first_token)
+                   if transfer is not None else NoRemoteKV())
         self._waiting: dict[str, _Waiting] = {}
+        # The first token is streamed from the control plane's I/O thread or, if TransferDone overtook
+        # it, from the engine thread: this lock makes it go out once and before the request's KVReady.
+        self._first_token_lock = threading.Lock()
         self.start()
 
     # ---- called from other threads ----------------------------------------------------------------
@@ -97,14 +103,18 @@ class DecodeWorker(WorkerLoop):
         if blocks is None:
             self._admission(request_id, FULL)
             return
-        try:
-            self.kv.request_kv(request_id, prefill_id, prompt_token_ids, params, blocks)
-        except UnreachablePrefill as e:
-            self._give_back(request_id)
-            self._admission(request_id, UNREACHABLE, str(e))
-            return
-        self._waiting[request_id] = _Waiting(prompt_token_ids, params)
-        self._admission(request_id, ADMITTED)
+        # Under the first-token lock: the prefill worker's FirstToken may arrive (I/O thread) before
+        # request_kv returns, and must find the request and go out after its Admission.
+        with self._first_token_lock:
+            self._waiting[request_id] = _Waiting(prompt_token_ids, params, prefill_id)
+            try:
+                self.kv.request_kv(request_id, prefill_id, prompt_token_ids, params, blocks)
+            except UnreachablePrefill as e:
+                self._waiting.pop(request_id, None)
+                self._give_back(request_id)
+                self._admission(request_id, UNREACHABLE, str(e))
+                return
+            self._admission(request_id, ADMITTED)
 
     def _give_back(self, request_id: str) -> None:
         """Free a reservation, unless the transport still holds it (quarantine: freed by tick)."""
@@ -124,33 +134,29 @@ class DecodeWorker(WorkerLoop):
             self.engine.release_reserved(request_id)
 
     def _stats(self) -> dict:
-        sched = self.engine.scheduler
         return {
-            "worker_id": self.worker_id,
-            "num_free_blocks": sched.num_free_blocks,
-            "num_blocks": self.engine.kv_spec.num_blocks,
-            "num_running": len(sched.running),
-            "num_waiting": len(sched.waiting),
+            **engine_stats(self.worker_id, self.engine),
             "num_reserved": self.engine.num_reserved,
             # Of those, failed ones whose blocks wait for a sender's revoke confirmation (shm push).
             "num_quarantined": self.kv.num_quarantined,
         }
 
-    def _first_token(self, request_id: str, token_id: int) -> None:
-        waiting = self._waiting.get(request_id)
-        if waiting is None or waiting.first_token_sent:
-            return
-        waiting.first_token_sent = True
-        num_prompt = len(waiting.prompt_token_ids)
-        self.emit(Tokens(request_id=request_id, worker_id=self.worker_id, new_token_ids=[token_id],
-                         num_computed_tokens=num_prompt, num_output_tokens=1))
+    def _on_first_token(self, peer_id: str, msg: FirstToken) -> None:
+        """Control-plane I/O thread: stream the first token now, not after the engine's current step."""
+        self._first_token(msg.request_id, msg.token_id, peer_id)
+
+    def _first_token(self, request_id: str, token_id: int, prefill_id: str | None = None) -> None:
+        with self._first_token_lock:
+            waiting = self._waiting.get(request_id)
+            if waiting is None or waiting.first_token_sent or prefill_id not in (None, waiting.prefill_id):
+                return
+            waiting.first_token_sent = True
+            self.emit(Tokens(request_id=request_id, worker_id=self.worker_id, new_token_ids=[token_id],
+                             num_computed_tokens=len(waiting.prompt_token_ids), num_output_tokens=1))
 
     def _poll_kv(self) -> None:
         for peer_id, msg in self.kv.poll_messages():
-            if isinstance(msg, FirstToken):
-                self._first_token(msg.request_id, msg.token_id)
-            else:
-                self.kv.handle_message(peer_id, msg)
+            self.kv.handle_message(peer_id, msg)
         for task in self.kv.take_ready():
             done = task.done
             self._first_token(task.request_id, done.first_token_id)  # if FirstToken was overtaken

@@ -102,3 +102,15 @@ class WorkerLoop:
                 self.loop_error = e
                 self.emit(WorkerError(worker_id=self.name, error=f"{type(e).__name__}: {e}"[:2000]))
                 self._stop.set()
+
+
+def engine_stats(worker_id: str, engine) -> dict:
+    """The figures every worker reports about its engine (its role adds its own)."""
+    sched = engine.scheduler
+    return {
+        "worker_id": worker_id,
+        "num_free_blocks": sched.num_free_blocks,
+        "num_blocks": engine.kv_spec.num_blocks,
+        "num_running": len(sched.running),
+        "num_waiting": len(sched.waiting),
+    }

@@ -20,7 +20,7 @@ from pdcluster.kv_transfer.control_plane import PrefillEndpoint
 from pdcluster.kv_transfer.protocol import AbortTransfer, FirstToken, TransferRequest
 from pdcluster.kv_transfer.transports import get_transport_class
 from pdcluster.node.endpoint import endpoint_config
-from pdcluster.node.worker_loop import WorkerLoop
+from pdcluster.node.worker_loop import WorkerLoop, engine_stats
 
 log = logging.getLogger(__name__)
 
@@ -77,14 +77,9 @@ class PrefillWorker(WorkerLoop):
             log.warning("cannot reach decode worker %s: %s", decode_id, e)
 
     def _stats(self) -> dict:
-        sched = self.engine.scheduler
         return {
-            "worker_id": self.worker_id,
-            "num_free_blocks": sched.num_free_blocks,
-            "num_blocks": self.engine.kv_spec.num_blocks,
-            "num_running": len(sched.running),
-            "num_waiting": len(sched.waiting),
-            "num_held": len(sched.held),
+            **engine_stats(self.worker_id, self.engine),
+            "num_held": len(self.engine.scheduler.held),
             "num_transfers": len(self.connector.tasks),
             "bytes_sent": self.connector.bytes_sent,
         }

@@ -1,0 +1,64 @@
+"""The router's own lifecycle, without a cluster: closing one that never served (Ctrl-C on an idle
+`pdcluster serve`) and malformed events on its stream (dropped and logged, the router lives on)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import zmq
+
+from pdcluster.cluster.router import ClusterRouter, RouterConfig
+from pdcluster.cluster.router.events import EventReceiver
+from pdcluster.node.event_pusher import EventPusher
+from pdcluster.node.events import Failed
+
+
+def _router() -> ClusterRouter:
+    return ClusterRouter({}, {}, tokenizer=None, model_name="m", max_model_len=128, block_size=16,
+                         config=RouterConfig(health_interval_s=0.05))
+
+
+def test_close_before_any_request_does_not_raise():
+    router = _router()
+    router.close()  # used to raise "cannot join thread before it is started"
+
+
+def test_close_after_serving_on_a_loop_that_ended():
+    router = _router()
+
+    async def serve_briefly():
+        router.start(asyncio.get_running_loop())
+        await asyncio.sleep(0.1)
+
+    asyncio.run(serve_briefly())
+    router.close()
+
+
+def test_malformed_events_are_dropped_and_logged(caplog):
+    caplog.set_level(logging.WARNING, logger="pdcluster.cluster.router.events")
+    seen = []
+    receiver = EventReceiver("127.0.0.1", seen.append)
+
+    async def main():
+        receiver.bind(asyncio.get_running_loop())
+        sock = zmq.Context.instance().socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(receiver.address)
+        for junk in (b"\xc1", b"not msgpack at all", b"\x93\x01\x02\x03"):
+            sock.send(junk)
+        pusher = EventPusher(receiver.address)
+        pusher(Failed(request_id="r#1", worker_id="d0", reason="x"))
+        deadline = time.monotonic() + 5
+        while not seen and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        sock.close(0)
+        pusher.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        receiver.close()
+    assert seen == [Failed(request_id="r#1", worker_id="d0", reason="x")]
+    assert caplog.text.count("dropping malformed worker event") == 3
