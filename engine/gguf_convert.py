@@ -103,6 +103,38 @@ def _clean_float(value: float) -> float:
 # --------------------------------------------------------------------------------------------------
 
 
+def llama_config(*, hidden_size: int, intermediate_size: int, num_hidden_layers: int, num_attention_heads: int,
+                 num_key_value_heads: int, head_dim: int, max_position_embeddings: int, rms_norm_eps: float,
+                 rope_theta: float, vocab_size: int, tie_word_embeddings: bool, **tail) -> dict:
+    """config.json of a LlamaForCausalLM as every model built here has it (plain RoPE, a SiLU MLP, no
+    biases), in one fixed key order so that a rebuild writes the same bytes; ``tail`` (token ids,
+    torch_dtype) follows in the order given."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_hidden_layers,
+        "num_attention_heads": num_attention_heads,
+        "num_key_value_heads": num_key_value_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": max_position_embeddings,
+        "rms_norm_eps": rms_norm_eps,
+        "rope_theta": rope_theta,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "initializer_range": 0.02,
+        "pretraining_tp": 1,
+        "use_cache": True,
+        "vocab_size": vocab_size,
+        "tie_word_embeddings": tie_word_embeddings,
+        **tail,
+    }
+
+
 def build_config(reader) -> dict:
     """config.json for LlamaForCausalLM, every value read from GGUF metadata."""
     arch = _field(reader, "general.architecture")
@@ -122,34 +154,24 @@ def build_config(reader) -> dict:
         raise GGUFConversionError("GGUF metadata key 'tokenizer.ggml.tokens' is missing")
     vocab = int(_field(reader, "llama.vocab_size", len(tokens.data)))
     names = {t.name for t in reader.tensors}
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": hidden,
-        "intermediate_size": int(_field(reader, "llama.feed_forward_length")),
-        "num_hidden_layers": int(_field(reader, "llama.block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": int(_field(reader, "llama.context_length")),
-        "rms_norm_eps": _clean_float(_field(reader, "llama.attention.layer_norm_rms_epsilon")),
-        "rope_theta": _clean_float(_field(reader, "llama.rope.freq_base", 10000.0)),
-        "rope_scaling": None,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "mlp_bias": False,
-        "initializer_range": 0.02,
-        "pretraining_tp": 1,
-        "use_cache": True,
-        "vocab_size": vocab,
+    return llama_config(
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, "llama.feed_forward_length")),
+        num_hidden_layers=int(_field(reader, "llama.block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=int(_field(reader, "llama.context_length")),
+        rms_norm_eps=_clean_float(_field(reader, "llama.attention.layer_norm_rms_epsilon")),
+        rope_theta=_clean_float(_field(reader, "llama.rope.freq_base", 10000.0)),
+        vocab_size=vocab,
         # No output.weight tensor means the LM head reuses the embedding matrix.
-        "tie_word_embeddings": "output.weight" not in names,
-        "bos_token_id": int(_field(reader, "tokenizer.ggml.bos_token_id")),
-        "eos_token_id": int(_field(reader, "tokenizer.ggml.eos_token_id")),
-        "pad_token_id": int(_field(reader, "tokenizer.ggml.padding_token_id", _field(reader, "tokenizer.ggml.eos_token_id"))),
-        "torch_dtype": "bfloat16",
-    }
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=int(_field(reader, "tokenizer.ggml.bos_token_id")),
+        eos_token_id=int(_field(reader, "tokenizer.ggml.eos_token_id")),
+        pad_token_id=int(_field(reader, "tokenizer.ggml.padding_token_id", _field(reader, "tokenizer.ggml.eos_token_id"))),
+        torch_dtype="bfloat16",
+    )
 
 
 def build_generation_config(reader) -> dict:

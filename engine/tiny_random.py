@@ -21,32 +21,24 @@ import math
 import os
 from pathlib import Path
 
+from .gguf_convert import llama_config, write_tokenizer_files
+
 SEED = 0
 
-TINY_RANDOM_CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "hidden_act": "silu",
-    "max_position_embeddings": 2048,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "rope_scaling": None,
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "mlp_bias": False,
-    "initializer_range": 0.02,
-    "pretraining_tp": 1,
-    "use_cache": True,
-    "vocab_size": 49152,
-    "tie_word_embeddings": True,
-    "torch_dtype": "float32",
-}
+TINY_RANDOM_CONFIG = llama_config(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    vocab_size=49152,
+    tie_word_embeddings=True,
+    torch_dtype="float32",
+)
 
 # Init scales (see the module docstring for what they buy).
 EMBED_STD = 0.5
@@ -89,8 +81,6 @@ def tiny_random_state_dict(config: dict = TINY_RANDOM_CONFIG, seed: int = SEED) 
 def build_tiny_random(out_dir: str | os.PathLike, gguf_path: str | os.PathLike) -> None:
     """Write the complete tiny-random HF directory into `out_dir`; the tokenizer comes from `gguf_path`."""
     from safetensors.torch import save_file
-
-    from .gguf_convert import write_tokenizer_files
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
