@@ -117,6 +117,7 @@ def _check_accounting(cluster, prompts, params, expected):
             assert reported == num_prompt + num_output - 1
     stats = router.stats()
     assert all(w["kv_tokens"] == 0 and w["num_requests"] == 0 for w in stats["workers"])
+    assert router.streams.num_placements == 0, "events of ended placements are still routed"
     for wid, st in _settled_stats(cluster).items():
         assert st["num_free_blocks"] == st["num_blocks"], f"{wid} leaked blocks: {st}"
     return seen

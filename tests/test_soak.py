@@ -90,6 +90,7 @@ def _soak(ray, num_requests: int, rate_per_s: float):
         for i in completed:
             assert final[i][1] == expected[i], f"request {i} is not token-exact"
         assert not router.requests, "router still tracks requests"
+        assert router.streams.num_placements == 0, "router still routes events of ended placements"
         stats = router.stats()
         assert all(w["kv_tokens"] == 0 and w["num_requests"] == 0 for w in stats["workers"])
         # Every live worker: all blocks free, nothing reserved, held or in transfer.

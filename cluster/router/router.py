@@ -146,7 +146,8 @@ class ClusterRouter:
         log.warning("worker %s reports its engine thread failed: %s", ev.worker_id, ev.error)
 
     def _on_admission(self, ev: Admission) -> None:
-        found = self.streams.lookup(ev.request_id, ev.worker_id)
+        # Also for a request that ended meanwhile: its placement loop is waiting for this verdict.
+        found = self.streams.lookup(ev.request_id, ev.worker_id, live_only=False)
         if found is None:
             return
         r, a = found

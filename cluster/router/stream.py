@@ -41,15 +41,21 @@ class RequestStreams:
         r.attempt = a
         self.requests[r.request_id] = r
 
-    def lookup(self, wid: str, worker_id: str) -> tuple[RequestState, Attempt] | None:
-        """The live request and placement an event is about, or None (stale, finished, another worker)."""
+    def lookup(self, wid: str, worker_id: str, live_only: bool = True) -> tuple[RequestState, Attempt] | None:
+        """The request and placement an event is about, or None (stale, another worker, or, with
+        ``live_only``, finished)."""
         found = self._by_wid.get(wid)
         if found is None:
             return None
         r, a = found
-        if r.finished or worker_id != a.decode_id:
+        if worker_id != a.decode_id or (live_only and r.finished):
             return None
         return found
+
+    @property
+    def num_placements(self) -> int:
+        """Placements whose events are still routed (zero once every request has ended)."""
+        return len(self._by_wid)
 
     def pending(self) -> list[Attempt]:
         """Placements still waiting for their decode worker's verdict."""

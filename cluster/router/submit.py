@@ -102,5 +102,6 @@ class Submitter:
             r.failed_pair = a.pair
             return False
         if r.finished:  # aborted by the client or its deadline while we waited
+            self.streams.forget(a)
             handle.abort.remote(a.wid)
         return True
