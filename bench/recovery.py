@@ -235,6 +235,39 @@ def _reason(failed, prefill_id: str, decode_id: str) -> str | None:
     return re.sub(r":\d{2,5}\b", ":<port>", text)[:160]
 
 
+def _kill_mid_transfer(proc, events: Events, landed: str, landed_what: str, reclaimed, what: str, stats,
+                       prefill_id: str, decode_id: str, at_kill=dict) -> dict:
+    """SIGKILL the child ``proc`` mid-transfer and time the survivor: an error if the ``landed`` event
+    (``landed_what``) came before the kill, else the seconds until ``reclaimed()`` (``what``; ``stats()``
+    is shown when it times out) and until the victim's "failed" event. ``at_kill()`` is read right
+    after the kill; its entries join the result."""
+    os.kill(proc.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    extra = at_kill()
+    landed_event = events.first(lambda e: e["type"] == landed)
+    if landed_event is not None and landed_event[0] <= killed:
+        raise RuntimeError(f"{landed_what} before the kill (not mid-transfer)")
+    try:
+        _wait(reclaimed, RECLAIM_TIMEOUT_S, what)
+    except TimeoutError as e:
+        raise TimeoutError(f"{e}; stats now {stats()}") from None
+    reclaimed_at = time.monotonic()
+    failed = events.first(lambda e: e["type"] == "failed" and e["request_id"] == "victim")
+    return {
+        "reclaim_s": reclaimed_at - killed,
+        "failed_event_s": failed[0] - killed if failed else None,
+        "reason": _reason(failed, prefill_id, decode_id),
+        **extra,
+    }
+
+
+def _stop_child(proc, close_survivor, what: str, notes: list[str]) -> None:
+    if proc.is_alive():
+        proc.kill()
+    proc.join(10)
+    bounded(close_survivor, 20, what, notes)
+
+
 def reclaim_decode_killed(model: str, transport: str, secret: str | None, rep: int) -> dict:
     """Decode child SIGKILLed mid-transfer -> the prefill side has every block of the request back."""
     from pdcluster.engine.sampling_params import SamplingParams
@@ -259,36 +292,18 @@ def reclaim_decode_killed(model: str, transport: str, secret: str | None, rep: i
         before = p.stats()
         p.submit("victim", list(range(1, XFER_PROMPT_LEN + 1)), SamplingParams(max_tokens=4), did, blocks)
         _wait(lambda: p.stats()["bytes_sent"] > before["bytes_sent"], TRANSFER_START_TIMEOUT_S, "transfer start")
-        os.kill(proc.pid, signal.SIGKILL)
-        killed = time.monotonic()
-        bytes_at_kill = p.stats()["bytes_sent"] - before["bytes_sent"]
-        done = events.first(lambda e: e["type"] == "transfer_done")
-        if done is not None and done[0] <= killed:
-            raise RuntimeError("the transfer finished before the kill (not mid-transfer)")
 
         def reclaimed():
             s = p.stats()
             return (s["num_free_blocks"] == before["num_free_blocks"] and s["num_held"] == 0
                     and s["num_transfers"] == 0 and s["num_running"] == 0 and s["num_waiting"] == 0)
 
-        try:
-            _wait(reclaimed, RECLAIM_TIMEOUT_S, "prefill side reclaimed every block")
-        except TimeoutError as e:
-            raise TimeoutError(f"{e}; stats now {p.stats()}") from None
-        reclaimed_at = time.monotonic()
-        failed = events.first(lambda e: e["type"] == "failed" and e["request_id"] == "victim")
-        return {
-            "reclaim_s": reclaimed_at - killed,
-            "failed_event_s": failed[0] - killed if failed else None,
-            "reason": _reason(failed, pid, did),
-            "bytes_sent_at_kill": bytes_at_kill,
-            "notes": notes,
-        }
+        result = _kill_mid_transfer(
+            proc, events, "transfer_done", "the transfer finished", reclaimed, "prefill side reclaimed every block",
+            p.stats, pid, did, at_kill=lambda: {"bytes_sent_at_kill": p.stats()["bytes_sent"] - before["bytes_sent"]})
+        return {**result, "notes": notes}
     finally:
-        if proc.is_alive():
-            proc.kill()
-        proc.join(10)
-        bounded(p.close, 20, "PrefillWorker.close", notes)
+        _stop_child(proc, p.close, "PrefillWorker.close", notes)
 
 
 def reclaim_prefill_killed(model: str, transport: str, secret: str | None, rep: int) -> dict:
@@ -324,33 +339,16 @@ def reclaim_prefill_killed(model: str, transport: str, secret: str | None, rep: 
             return _child_reply(parent, 10, "stats")["bytes_sent"] > 0
 
         _wait(sent, TRANSFER_START_TIMEOUT_S, "transfer start")
-        os.kill(proc.pid, signal.SIGKILL)
-        killed = time.monotonic()
-        ready = events.first(lambda e: e["type"] == "kv_ready")
-        if ready is not None and ready[0] <= killed:
-            raise RuntimeError("the KV landed before the kill (not mid-transfer)")
 
         def released():
             s = d.stats()
             return s["num_free_blocks"] == before["num_free_blocks"] and s["num_reserved"] == 0
 
-        try:
-            _wait(released, RECLAIM_TIMEOUT_S, "decode side released the reservation")
-        except TimeoutError as e:
-            raise TimeoutError(f"{e}; stats now {d.stats()}") from None
-        released_at = time.monotonic()
-        failed = events.first(lambda e: e["type"] == "failed" and e["request_id"] == "victim")
-        return {
-            "reclaim_s": released_at - killed,
-            "failed_event_s": failed[0] - killed if failed else None,
-            "reason": _reason(failed, pid, did),
-            "notes": notes,
-        }
+        result = _kill_mid_transfer(proc, events, "kv_ready", "the KV landed", released,
+                                    "decode side released the reservation", d.stats, pid, did)
+        return {**result, "notes": notes}
     finally:
-        if proc.is_alive():
-            proc.kill()
-        proc.join(10)
-        bounded(d.close, 20, "DecodeWorker.close", notes)
+        _stop_child(proc, d.close, "DecodeWorker.close", notes)
 
 
 DIRECTIONS = {"decode_killed": (reclaim_decode_killed, "prefill"), "prefill_killed": (reclaim_prefill_killed, "decode")}
