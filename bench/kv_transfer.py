@@ -16,6 +16,7 @@ processes) goes to stderr.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -60,9 +61,20 @@ def block_ids(geom: Geometry, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return src, dst
 
 
-def quiet_stdout() -> None:
-    """Child processes: native libraries (UCX) may log to fd 1; keep stdout for the JSON."""
-    os.dup2(2, 1)
+def child_process(fn):
+    """Entry point of a child process (its last argument is its pipe to the parent): stdout goes to
+    stderr, since native libraries (UCX) may log to fd 1 and stdout is for the JSON; a failure is sent
+    to the parent as ("error", traceback)."""
+
+    @functools.wraps(fn)
+    def run(*args) -> None:
+        os.dup2(2, 1)
+        try:
+            fn(*args)
+        except BaseException:
+            args[-1].send(("error", traceback.format_exc()))
+
+    return run
 
 
 class Memcpy:
@@ -117,74 +129,80 @@ def allocate(cls, geom: Geometry, shared: bool):
 SHM_MODES = {"push+pull": (True, True), "push": (False, True), "ring": (False, False)}
 
 
+def open_transport(name: str, mode: str, geom: Geometry, role: str):
+    """(cache, transport) of one side: the cache filled with its side's random bytes."""
+    from pdcluster.kv_transfer.transports import TransportConfig, get_transport_class
+
+    cls = get_transport_class(name)
+    sender = role == "sender"
+    cache = allocate(cls, geom, SHM_MODES.get(mode, (False, False))[0 if sender else 1])
+    fill(cache, 2 if sender else 1)
+    return cache, cls(cache, role, TransportConfig(admit_unexpected=True))
+
+
+@child_process
 def receiver_proc(name: str, mode: str, geom: Geometry, reps: int, conn) -> None:
-    quiet_stdout()
-    try:
-        from pdcluster.kv_transfer.transports import TransportConfig, get_transport_class
-
-        cls = get_transport_class(name)
-        cache = allocate(cls, geom, SHM_MODES.get(mode, (False, False))[1])
-        fill(cache, 1)
-        t = cls(cache, "receiver", TransportConfig(admit_unexpected=True))
-        conn.send(t.local_descriptor())
-        _, dst = block_ids(geom, 0)
-        arrivals = []
-        for rep in range(reps):
-            tid, layers = f"rep{rep}", set()
-            deadline = time.monotonic() + CHILD_TIMEOUT_S
-            while len(layers) < geom.num_layers and time.monotonic() < deadline:
-                for got, ls in t.poll_received():
-                    if got == tid:
-                        layers.update(ls)
-                if len(layers) < geom.num_layers:
-                    # Sleep, don't spin: a spinning main thread keeps the IO thread off the GIL
-                    # for a whole switch interval (5 ms).
-                    time.sleep(0.0002)
-            arrivals.append(time.perf_counter())
-        conn.send(("arrivals", arrivals, checksum(cache, dst)))
-        conn.recv()  # the sender has its acks
-        t.close()
-        conn.send("closed")
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
-
-
-def sender_proc(name: str, mode: str, geom: Geometry, reps: int, desc: dict, conn) -> None:
-    quiet_stdout()
-    try:
-        from pdcluster.kv_transfer.transports import TransportConfig, get_transport_class
-
-        cls = get_transport_class(name)
-        cache = allocate(cls, geom, SHM_MODES.get(mode, (False, False))[0])
-        fill(cache, 2)
-        t = cls(cache, "sender", TransportConfig(admit_unexpected=True))
-        t.connect("decode", desc)
-        if hasattr(t, "peer_mode"):
-            assert t.peer_mode("decode") == mode, (t.peer_mode("decode"), mode)
-        src, dst = block_ids(geom, 0)
-        memcpy = Memcpy(geom.transfer_bytes)
-        starts, memcpy_gbps = [], []
-        for rep in range(reps):
-            tid = f"rep{rep}"
-            memcpy_gbps.append(memcpy.gbps())
-            starts.append(time.perf_counter())
-            t.send("decode", tid, range(geom.num_layers), src, dst)
-            done = False
-            deadline = time.monotonic() + CHILD_TIMEOUT_S
-            while not done and time.monotonic() < deadline:
-                delivered, failed = t.poll_sent()
-                if failed:
-                    raise RuntimeError(f"transfer failed: {failed}")
-                done = tid in delivered
+    cache, t = open_transport(name, mode, geom, "receiver")
+    conn.send(t.local_descriptor())
+    _, dst = block_ids(geom, 0)
+    arrivals = []
+    for rep in range(reps):
+        tid, layers = f"rep{rep}", set()
+        deadline = time.monotonic() + CHILD_TIMEOUT_S
+        while len(layers) < geom.num_layers and time.monotonic() < deadline:
+            for got, ls in t.poll_received():
+                if got == tid:
+                    layers.update(ls)
+            if len(layers) < geom.num_layers:
+                # Sleep, don't spin: a spinning main thread keeps the IO thread off the GIL
+                # for a whole switch interval (5 ms).
                 time.sleep(0.0002)
-            if not done:
-                raise TimeoutError(f"{tid} not delivered")
-        conn.send(("starts", starts, checksum(cache, src), memcpy_gbps))
-        conn.recv()
-        t.close()
-        conn.send("closed")
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
+        arrivals.append(time.perf_counter())
+    conn.send(("arrivals", arrivals, checksum(cache, dst)))
+    conn.recv()  # the sender has its acks
+    t.close()
+    conn.send("closed")
+
+
+def timed_sends(geom: Geometry, reps: int, send) -> tuple[list[float], list[float]]:
+    """Each repetition: a memcpy sample, then ``send(rep)`` (returns once delivered) timed from its
+    start. Returns the start times and the memcpy samples."""
+    memcpy = Memcpy(geom.transfer_bytes)
+    starts, memcpy_gbps = [], []
+    for rep in range(reps):
+        memcpy_gbps.append(memcpy.gbps())
+        starts.append(time.perf_counter())
+        send(rep)
+    return starts, memcpy_gbps
+
+
+@child_process
+def sender_proc(name: str, mode: str, geom: Geometry, reps: int, desc: dict, conn) -> None:
+    cache, t = open_transport(name, mode, geom, "sender")
+    t.connect("decode", desc)
+    if hasattr(t, "peer_mode"):
+        assert t.peer_mode("decode") == mode, (t.peer_mode("decode"), mode)
+    src, dst = block_ids(geom, 0)
+
+    def send(rep: int) -> None:
+        tid = f"rep{rep}"
+        t.send("decode", tid, range(geom.num_layers), src, dst)
+        done = False
+        deadline = time.monotonic() + CHILD_TIMEOUT_S
+        while not done and time.monotonic() < deadline:
+            delivered, failed = t.poll_sent()
+            if failed:
+                raise RuntimeError(f"transfer failed: {failed}")
+            done = tid in delivered
+            time.sleep(0.0002)
+        if not done:
+            raise TimeoutError(f"{tid} not delivered")
+
+    starts, memcpy_gbps = timed_sends(geom, reps, send)
+    conn.send(("starts", starts, checksum(cache, src), memcpy_gbps))
+    conn.recv()
+    t.close()
+    conn.send("closed")
 
 
 def expect(conn, kind: str):
@@ -199,9 +217,11 @@ def expect(conn, kind: str):
     return msg[1:]
 
 
-def run_pair(recv_target, recv_args, send_target, send_args_fn) -> tuple[list[float], list[float], bool, list[float]]:
-    """Start receiver then sender; return per-repetition start and arrival times, whether the
-    destination blocks match the source blocks, and the memcpy samples."""
+def run_pair(recv_target, recv_args, send_target, send_args_fn,
+             introduce=None) -> tuple[list[float], list[float], bool, list[float]]:
+    """Start receiver then sender (``introduce(sender_pipe, receiver_pipe)``, if given, runs once both
+    are up); return per-repetition start and arrival times, whether the destination blocks match the
+    source blocks, and the memcpy samples."""
     r_parent, r_child = CTX.Pipe()
     s_parent, s_child = CTX.Pipe()
     receiver = CTX.Process(target=recv_target, args=(*recv_args, r_child))
@@ -211,6 +231,8 @@ def run_pair(recv_target, recv_args, send_target, send_args_fn) -> tuple[list[fl
         desc = expect(r_parent, "descriptor")
         sender = CTX.Process(target=send_target, args=(*send_args_fn(desc), s_child))
         sender.start()
+        if introduce is not None:
+            introduce(s_parent, r_parent)
         starts, src_sum, memcpy_gbps = expect(s_parent, "starts")
         arrivals, dst_sum = expect(r_parent, "arrivals")
         for c in (s_parent, r_parent):
@@ -262,31 +284,28 @@ def nixl_agent_for(name: str, error_handling: str):
     return agent
 
 
+@child_process
 def nixl_receiver_proc(geom: Geometry, reps: int, error_handling: str, conn) -> None:
-    quiet_stdout()
-    try:
-        import torch
+    import torch
 
-        cache = torch.zeros(geom.shape, dtype=torch.float32)
-        fill(cache, 1)
-        agent = nixl_agent_for("decode", error_handling)
-        agent.register_memory(cache)
-        conn.send({"metadata": agent.get_agent_metadata(), "base": cache.data_ptr()})
-        agent.add_remote_agent(conn.recv())
-        _, dst = block_ids(geom, 0)
-        arrivals = []
-        for rep in range(reps):
-            deadline = time.monotonic() + CHILD_TIMEOUT_S
-            while not agent.check_remote_xfer_done("prefill", f"rep{rep}".encode()):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"rep{rep} never arrived")
-                time.sleep(0.0002)
-            arrivals.append(time.perf_counter())
-        conn.send(("arrivals", arrivals, checksum(cache, dst)))
-        conn.recv()
-        conn.send("closed")
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
+    cache = torch.zeros(geom.shape, dtype=torch.float32)
+    fill(cache, 1)
+    agent = nixl_agent_for("decode", error_handling)
+    agent.register_memory(cache)
+    conn.send({"metadata": agent.get_agent_metadata(), "base": cache.data_ptr()})
+    agent.add_remote_agent(conn.recv())
+    _, dst = block_ids(geom, 0)
+    arrivals = []
+    for rep in range(reps):
+        deadline = time.monotonic() + CHILD_TIMEOUT_S
+        while not agent.check_remote_xfer_done("prefill", f"rep{rep}".encode()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rep{rep} never arrived")
+            time.sleep(0.0002)
+        arrivals.append(time.perf_counter())
+    conn.send(("arrivals", arrivals, checksum(cache, dst)))
+    conn.recv()
+    conn.send("closed")
 
 
 def row_table(geom: Geometry, base: int) -> np.ndarray:
@@ -304,70 +323,52 @@ def row_indices(geom: Geometry, ids: np.ndarray) -> np.ndarray:
     return (layers + ids.astype(np.int64)[None, :]).reshape(-1).astype(np.int32)
 
 
+@child_process
 def nixl_sender_proc(geom: Geometry, reps: int, error_handling: str, peer: dict, conn) -> None:
     """NIXL used the way a connector would: both caches registered and every row prepared as a
     descriptor once, outside the timing; each transfer picks its rows by index."""
-    quiet_stdout()
-    try:
-        import torch
+    import torch
 
-        cache = torch.empty(geom.shape, dtype=torch.float32)
-        fill(cache, 2)
-        agent = nixl_agent_for("prefill", error_handling)
-        agent.register_memory(cache)
-        remote = agent.add_remote_agent(peer["metadata"])
-        conn.send(("metadata", agent.get_agent_metadata()))
-        local_rows = agent.prep_xfer_dlist("NIXL_INIT_AGENT", row_table(geom, cache.data_ptr()), "DRAM")
-        remote_rows = agent.prep_xfer_dlist(remote, row_table(geom, peer["base"]), "DRAM")
-        src, dst = block_ids(geom, 0)
-        memcpy = Memcpy(geom.transfer_bytes)
-        starts, memcpy_gbps = [], []
-        for rep in range(reps):
-            memcpy_gbps.append(memcpy.gbps())
-            starts.append(time.perf_counter())
-            handle = agent.make_prepped_xfer(
-                "WRITE", local_rows, row_indices(geom, src), remote_rows, row_indices(geom, dst), f"rep{rep}".encode()
-            )
-            state = agent.transfer(handle)
-            deadline = time.monotonic() + CHILD_TIMEOUT_S
-            while state == "PROC" and time.monotonic() < deadline:
-                time.sleep(0.0002)
-                state = agent.check_xfer_state(handle)
-            if state != "DONE":
-                raise RuntimeError(f"NIXL transfer state {state}")
-            agent.release_xfer_handle(handle)
-        conn.send(("starts", starts, checksum(cache, src), memcpy_gbps))
-        conn.recv()
-        conn.send("closed")
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
+    cache = torch.empty(geom.shape, dtype=torch.float32)
+    fill(cache, 2)
+    agent = nixl_agent_for("prefill", error_handling)
+    agent.register_memory(cache)
+    remote = agent.add_remote_agent(peer["metadata"])
+    conn.send(("metadata", agent.get_agent_metadata()))
+    local_rows = agent.prep_xfer_dlist("NIXL_INIT_AGENT", row_table(geom, cache.data_ptr()), "DRAM")
+    remote_rows = agent.prep_xfer_dlist(remote, row_table(geom, peer["base"]), "DRAM")
+    src, dst = block_ids(geom, 0)
+
+    def send(rep: int) -> None:
+        handle = agent.make_prepped_xfer(
+            "WRITE", local_rows, row_indices(geom, src), remote_rows, row_indices(geom, dst), f"rep{rep}".encode()
+        )
+        state = agent.transfer(handle)
+        deadline = time.monotonic() + CHILD_TIMEOUT_S
+        while state == "PROC" and time.monotonic() < deadline:
+            time.sleep(0.0002)
+            state = agent.check_xfer_state(handle)
+        if state != "DONE":
+            raise RuntimeError(f"NIXL transfer state {state}")
+        agent.release_xfer_handle(handle)
+
+    starts, memcpy_gbps = timed_sends(geom, reps, send)
+    conn.send(("starts", starts, checksum(cache, src), memcpy_gbps))
+    conn.recv()
+    conn.send("closed")
+
+
+def _pass_nixl_metadata(s_parent, r_parent) -> None:
+    """The sender's agent metadata to the receiver, which adds the sender as its remote agent."""
+    (metadata,) = expect(s_parent, "metadata")
+    r_parent.send(metadata)
 
 
 def bench_nixl(geom: Geometry, reps: int, warmup: int, error_handling: str) -> dict:
     total = reps + warmup
-    r_parent, r_child = CTX.Pipe()
-    s_parent, s_child = CTX.Pipe()
-    receiver = CTX.Process(target=nixl_receiver_proc, args=(geom, total, error_handling, r_child))
-    receiver.start()
-    sender = None
-    try:
-        peer = expect(r_parent, "descriptor")
-        sender = CTX.Process(target=nixl_sender_proc, args=(geom, total, error_handling, peer, s_child))
-        sender.start()
-        (metadata,) = expect(s_parent, "metadata")
-        r_parent.send(metadata)
-        starts, src_sum, memcpy_gbps = expect(s_parent, "starts")
-        arrivals, dst_sum = expect(r_parent, "arrivals")
-        for c in (s_parent, r_parent):
-            c.send("stop")
-        run = (starts, arrivals, src_sum == dst_sum, memcpy_gbps)
-        return summarize("nixl", f"ucx-dram,error-handling={error_handling}", geom, run, warmup)
-    finally:
-        for p in (sender, receiver):
-            if p is not None:
-                p.join(10)
-                if p.is_alive():
-                    p.kill()
+    run = run_pair(nixl_receiver_proc, (geom, total, error_handling), nixl_sender_proc,
+                   lambda peer: (geom, total, error_handling, peer), introduce=_pass_nixl_metadata)
+    return summarize("nixl", f"ucx-dram,error-handling={error_handling}", geom, run, warmup)
 
 
 # ------------------------------------------------------------------ main
