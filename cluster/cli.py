@@ -74,9 +74,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     prompts = args.prompt
     if args.chat:
         prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
-    for p in prompts:
-        engine.validate(engine.tokenize(p), params)  # fail before any work, naming the bad prompt
-    outputs = engine.generate(prompts, params)
+    outputs = engine.generate(prompts, params)  # validates every prompt before the first step
     for prompt, out in zip(args.prompt, outputs):
         if args.json:
             print(json.dumps({

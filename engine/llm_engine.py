@@ -22,7 +22,7 @@ from pdcluster.engine.proposers import make_proposer, num_draft_layers as propos
 from pdcluster.engine.request import Request, RequestStatus
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.engine.scheduler import Scheduler
-from pdcluster.engine.tokenizer import Tokenizer
+from pdcluster.engine.tokenizer import Detokenizer, Tokenizer
 from pdcluster.engine.warmup import warmup
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -37,10 +37,12 @@ class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]
-    text: str
     finished: bool
     finish_reason: str | None
     new_token_ids: list[int] = field(default_factory=list)
+    # Set by ``generate`` (offline) only: the step loop never decodes; text and stop strings belong to
+    # whoever reads the tokens (engine/tokenizer.py Detokenizer: the HTTP API, ``generate``).
+    text: str = ""
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_cached_tokens: int = 0
@@ -171,7 +173,7 @@ class LLMEngine:
         request.spec_token_ids = list(draft_token_ids)
         self.scheduler.add_prefilled_request(request)
         if request.is_finished:
-            return self._output(request, self.tokenizer.decode(request.output_token_ids), True, [])
+            return self._output(request, True, [])
         return None
 
     # ---- requests -------------------------------------------------------------------------------
@@ -219,7 +221,7 @@ class LLMEngine:
 
     # ---- the loop ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        if self._stepper is not None:  # async scheduling: step n+1 already runs while we detokenise
+        if self._stepper is not None:  # async scheduling: step n+1 already runs while the caller reads these outputs
             step_results, kv_output = self._stepper.step()
         else:
             sched = self.scheduler.schedule()
@@ -228,27 +230,13 @@ class LLMEngine:
             step_results = self.scheduler.update_from_output(sched, runner_output)
         self.last_kv_output = kv_output
         self.scheduler.free_held(kv_output.finished_sending | kv_output.failed)
-        outputs = []
-        for result in step_results:
-            request = result.request
-            text = self.tokenizer.decode(request.output_token_ids)
-            finished = result.finished
-            if request.sampling_params.stop:
-                text, hit = _truncate_at_stop(text, request.sampling_params.stop)
-                if hit is not None:
-                    if not finished:
-                        self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
-                    request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, hit
-                    finished = True
-            outputs.append(self._output(request, text, finished, result.new_token_ids))
-        return outputs
+        return [self._output(result.request, result.finished, result.new_token_ids) for result in step_results]
 
-    def _output(self, request: Request, text: str, finished: bool, new_token_ids: list[int]) -> RequestOutput:
+    def _output(self, request: Request, finished: bool, new_token_ids: list[int]) -> RequestOutput:
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
             token_ids=list(request.output_token_ids),
-            text=text,
             finished=finished,
             finish_reason=request.status.value if finished else None,
             new_token_ids=new_token_ids,
@@ -261,27 +249,32 @@ class LLMEngine:
     def generate(
         self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams], max_steps: int = 1_000_000
     ) -> list[RequestOutput]:
-        """Run the prompts to completion (offline batch). Outputs in prompt order."""
+        """Run the prompts to completion (offline batch). Outputs in prompt order, with their text; a
+        request whose text reaches one of its stop strings ends there (finish_reason "stop"), its
+        text cut before it, as the HTTP API does (the same Detokenizer)."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        detoks = {i: Detokenizer(self.tokenizer, sp.stop) for i, sp in zip(ids, params_list)}
         done: dict[str, RequestOutput] = {}
         for _ in range(max_steps):
             if not self.has_unfinished():
                 break
             for out in self.step():
+                detok = detoks.get(out.request_id)
+                if detok is None or out.request_id in done:
+                    continue
+                detok.add(out.token_ids[len(detok.token_ids):], out.finished)
+                if detok.hit_stop:
+                    self._stop_at_string(out.request_id, detok.stop)
+                    out = replace(out, finished=True, finish_reason=RequestStatus.FINISHED_STOPPED.value)
                 if out.finished:
-                    done[out.request_id] = out
+                    done[out.request_id] = replace(out, text=detok.text)
         else:
             raise RuntimeError(f"generate() did not finish within {max_steps} steps")
         return [done[i] for i in ids]
 
-
-def _truncate_at_stop(text: str, stops: list[str]) -> tuple[str, str | None]:
-    best = None
-    for s in stops:
-        pos = text.find(s)
-        if pos != -1 and (best is None or pos < best[0]):
-            best = (pos, s)
-    if best is None:
-        return text, None
-    return text[: best[0]], best[1]
+    def _stop_at_string(self, request_id: str, stop: str) -> None:
+        """End a request whose text reached the stop string ``stop`` (frees its blocks once)."""
+        request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
+        if request is not None:
+            request.stop_reason = stop

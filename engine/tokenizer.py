@@ -160,3 +160,73 @@ class Tokenizer:
             raise
         except (jinja2.TemplateError, TypeError, ValueError) as exc:  # e.g. content that is not a string / not JSON
             raise ChatTemplateError(f"chat template failed on these messages: {exc}") from exc
+
+
+# ---------------------------------------------------------------------------------- output text
+
+
+def find_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+    """Where the earliest stop string starts in ``text``, and which one (the first listed on a tie)."""
+    best: tuple[int, str] | None = None
+    for s in stops:
+        pos = text.find(s)
+        if pos != -1 and (best is None or pos < best[0]):
+            best = (pos, s)
+    return best
+
+
+def _stop_prefix_len(text: str, stops: list[str]) -> int:
+    """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
+
+
+class Detokenizer:
+    """One request's output text, the single place where stop strings apply (the HTTP API streams
+    through it; ``LLMEngine.generate`` builds offline outputs with it; the engine's step loop never
+    decodes text).
+
+    ``add`` decodes the whole output on every call and hands out only the new, stable suffix: it holds
+    back an unfinished UTF-8 character (decoded as U+FFFD) and any tail that could begin a stop string,
+    so a stream never shows half a character or text at or past a stop string. ``text`` is the output
+    so far, cut before the earliest stop string; once one appears, ``stop`` names it and ``text`` no
+    longer grows.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stops: list[str] | tuple[str, ...] = ()):
+        self.tokenizer, self.stops = tokenizer, list(stops)
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.num_sent = 0  # characters of ``text`` already handed out
+        self.stop: str | None = None  # the stop string that ended the text, once one appeared
+
+    @property
+    def hit_stop(self) -> bool:
+        return self.stop is not None
+
+    def add(self, token_ids: list[int], final: bool) -> str:
+        """Append ``token_ids``; return the text that is now safe to show (everything left when ``final``
+        or a stop string appeared)."""
+        if self.hit_stop:  # the text ended at the stop string: later tokens are not shown
+            return ""
+        self.token_ids += token_ids
+        text = self.tokenizer.decode(self.token_ids)
+        found = find_stop(text, self.stops) if self.stops else None
+        if found is not None:
+            text, self.stop = text[: found[0]], found[1]
+            final = True
+        self.text = text
+        end = len(text)
+        if not final:
+            while end > self.num_sent and text[end - 1] == "\ufffd":  # an unfinished UTF-8 character
+                end -= 1
+            end -= _stop_prefix_len(text[:end], self.stops)
+        if end <= self.num_sent:
+            return ""
+        new, self.num_sent = text[self.num_sent : end], end
+        return new
