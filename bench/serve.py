@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from pdcluster.cluster.cli import main as pdcluster_main
+from pdcluster.cluster.server_process import ServeProcess
 
 CONFIGS = {
     "colocated": ["--mode", "colocated"],
@@ -31,41 +29,8 @@ CONFIGS = {
     "disagg+spec": ["--mode", "disagg", "--transport", "tcp"],  # + --spec (below)
     "local": ["--mode", "local"],  # one in-process engine, no Ray: the floor of the others' overhead
 }
-READY = re.compile(r"pdcluster serving \S+ on (http://127\.0\.0\.1:\d+)")
 KEPT = ("completed", "failed", "request_throughput", "request_goodput", "slo_attainment", "output_throughput",
         "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "mean_e2el_ms", "p99_e2el_ms")
-
-
-class Server:
-    def __init__(self, flags: list[str], log_path: Path, timeout_s: float = 600):
-        self.tmp = tempfile.mkdtemp(prefix="pdcluster-bench-serve-")
-        # The model cache must not follow HOME into the temp dir (it would rebuild the model).
-        cache = os.environ.get("PDCLUSTER_CACHE_DIR") or str(Path.home() / ".cache" / "pdcluster")
-        env = dict(os.environ, PDCLUSTER_CACHE_DIR=cache, RAY_TMPDIR=self.tmp, HOME=self.tmp)
-        self.log_path = log_path
-        with open(log_path, "w") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "pdcluster.cluster.cli", "serve", "--port", "0",
-                                          *flags], stdout=log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            match = READY.search(log_path.read_text())
-            if match:
-                self.base_url = match.group(1)
-                return
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited; see {log_path}")
-            time.sleep(0.5)
-        self.close()
-        raise RuntimeError(f"server not ready in {timeout_s:.0f} s; see {log_path}")
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
 
 
 def run_config(name: str, args: argparse.Namespace, out_dir: Path) -> list[dict]:
@@ -74,7 +39,7 @@ def run_config(name: str, args: argparse.Namespace, out_dir: Path) -> list[dict]
     if name == "disagg+spec":
         flags += ["--spec", args.spec, "--num-spec-tokens", str(args.num_spec_tokens)]
     started = time.monotonic()
-    server = Server(flags, out_dir / f"{name}.serve.log")
+    server = ServeProcess(flags, log_path=out_dir / f"{name}.serve.log", timeout_s=600, stop_timeout_s=60)
     print(f"bench/serve.py: {name} ready in {time.monotonic() - started:.0f} s at {server.base_url}",
           file=sys.stderr, flush=True)
     result_path = out_dir / f"{name}.json"

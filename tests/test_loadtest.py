@@ -17,10 +17,6 @@ import json
 import os
 import re
 import socket
-import subprocess
-import sys
-import tempfile
-import time
 
 import httpx
 import numpy as np
@@ -36,6 +32,7 @@ from pdcluster.cluster.loadtest.lengths import LengthDist, LengthSpecError
 from pdcluster.cluster.loadtest.metrics import SLO, summarize
 from pdcluster.cluster.loadtest.runner import run_workload
 from pdcluster.cluster.loadtest.server_metrics import parse_prometheus
+from pdcluster.cluster.server_process import ServeProcess
 
 MODEL = "tiny-random"
 # The CLI contract: fields other tools read from the result JSON.
@@ -52,44 +49,15 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # ================================================================================ the server
 
 
-class LocalServer:
+class LocalServer(ServeProcess):
     """`pdcluster serve --mode local` in a subprocess on a free loopback port."""
 
     def __init__(self, timeout_s: float = 180):
-        self.tmp = tempfile.mkdtemp(prefix="pdcluster-loadtest-")
-        env = dict(os.environ, RAY_TMPDIR=self.tmp, HOME=self.tmp)
-        cmd = [sys.executable, "-m", "pdcluster.cluster.cli", "serve", "--mode", "local", "--model", MODEL,
-               "--num-kv-blocks", "256", "--max-model-len", "512", "--port", "0"]
-        self.log_path = os.path.join(self.tmp, "serve.log")
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            match = re.search(r"pdcluster serving \S+ on (http://127\.0\.0\.1:\d+)", self.output())
-            if match:
-                self.base_url = match.group(1)
-                return
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited: {self.output()[-3000:]}")
-            time.sleep(0.3)
-        self.close()
-        raise AssertionError(f"server not ready in {timeout_s}s: {self.output()[-3000:]}")
-
-    def output(self) -> str:
-        with open(self.log_path) as f:
-            return f.read()
+        super().__init__(["--mode", "local", "--model", MODEL, "--num-kv-blocks", "256", "--max-model-len", "512"],
+                         timeout_s=timeout_s)
 
     def metrics(self) -> str:
         return httpx.get(self.base_url + "/metrics", timeout=30, trust_env=False).text
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
 
 
 @pytest.fixture(scope="module")

@@ -2,17 +2,12 @@
 Greedy outputs equal the offline engine's (what `pdcluster generate` prints) in colocated mode, in
 disagg mode for every transport, and in disagg mode with speculation."""
 
-import os
 import re
-import socket
-import subprocess
-import sys
-import tempfile
-import time
 
 import pytest
 
 from conftest import make_engine
+from pdcluster.cluster.server_process import ServeProcess
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kv_transfer.transports import available_transports
 
@@ -24,46 +19,13 @@ CHAT = [{"role": "user", "content": "Name a color."}]
 MAX_TOKENS = 10
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class Server(ServeProcess):
+    """`pdcluster serve --model tiny-random` with ``flags``, and an openai client on it."""
 
-
-class Server:
     def __init__(self, *flags, timeout_s=240):
-        self.port = _free_port()
-        self.tmp = tempfile.mkdtemp(prefix="pdcluster-serve-")
-        env = dict(os.environ, RAY_TMPDIR=self.tmp, HOME=self.tmp)
-        cmd = [sys.executable, "-m", "pdcluster.cluster.cli", "serve", "--model", "tiny-random", "--num-kv-blocks", "256",
-               "--max-model-len", "1024", "--port", str(self.port), *flags]
-        self.log = open(os.path.join(self.tmp, "serve.log"), "w+")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited: {self.output()}")
-            if "pdcluster serving" in self.output():
-                break
-            time.sleep(0.5)
-        else:
-            self.close()
-            raise AssertionError(f"server not ready in {timeout_s}s: {self.output()[-3000:]}")
-        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="unused", timeout=120)
-
-    def output(self):
-        self.log.flush()
-        with open(self.log.name) as f:
-            return f.read()
-
-    def close(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        super().__init__(["--model", "tiny-random", "--num-kv-blocks", "256", "--max-model-len", "1024", *flags],
+                         timeout_s=timeout_s)
+        self.client = openai.OpenAI(base_url=self.base_url + "/v1", api_key="unused", timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +88,4 @@ def test_serve_disagg_every_transport(expected, transport):
         assert (_metric(metrics, "pdcluster:kv_transfer_bytes_total") or 0) > 0
     finally:
         server.close()
+

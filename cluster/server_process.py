@@ -1,0 +1,89 @@
+"""`pdcluster serve` in a subprocess, as tests and benchmarks run it: started with its own Ray temp dir
+and HOME, ready once it prints ``pdcluster serving <model> on <url>``, stopped with SIGTERM (SIGKILL
+if it does not exit) or interrupted with SIGINT as Ctrl-C would.
+
+    with ServeProcess(["--mode", "local", "--model", "tiny-random"]) as server:
+        httpx.get(server.base_url + "/health")
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from pdcluster.engine.model_registry import default_cache_dir
+
+READY = re.compile(r"pdcluster serving \S+ on (http://\S+)")
+
+
+class ServeProcessError(RuntimeError):
+    """The server exited or did not become ready in time; the message ends with its log's tail."""
+
+
+class ServeProcess:
+    """``flags`` are `pdcluster serve`'s; without ``--port`` it listens on a free port (``--port 0``),
+    which ``base_url`` and ``port`` tell once ready. Its stdout and stderr go to ``log_path`` (default:
+    a file in its temp dir)."""
+
+    def __init__(self, flags: list[str], log_path: str | os.PathLike | None = None, timeout_s: float = 240.0,
+                 stop_timeout_s: float = 30.0):
+        self.tmp = tempfile.mkdtemp(prefix="pdcluster-serve-")
+        self.log_path = Path(log_path) if log_path is not None else Path(self.tmp) / "serve.log"
+        self.stop_timeout_s = stop_timeout_s
+        # Ray's files and HOME go to the temp dir; the model cache must not follow HOME there (every
+        # server would convert the model again).
+        env = dict(os.environ, PDCLUSTER_CACHE_DIR=str(default_cache_dir()), RAY_TMPDIR=self.tmp, HOME=self.tmp)
+        cmd = [sys.executable, "-m", "pdcluster.cluster.cli", "serve", *flags]
+        if "--port" not in flags:
+            cmd += ["--port", "0"]
+        with open(self.log_path, "w") as log:
+            # Its own session: interrupt() signals the server's whole process group, as Ctrl-C does.
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.base_url = ""
+        self.port = 0
+        self._wait_ready(timeout_s)
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            match = READY.search(self.output())
+            if match:
+                self.base_url = match.group(1)
+                self.port = int(self.base_url.rsplit(":", 1)[1])
+                return
+            if self.proc.poll() is not None:
+                raise ServeProcessError(f"server exited with status {self.proc.returncode}: {self.output()[-3000:]}")
+            time.sleep(0.3)
+        self.close()
+        raise ServeProcessError(f"server not ready in {timeout_s:.0f} s: {self.output()[-3000:]}")
+
+    def output(self) -> str:
+        """Everything the server printed so far (stdout and stderr)."""
+        return self.log_path.read_text(errors="replace")
+
+    def interrupt(self, timeout_s: float | None = None) -> int:
+        """SIGINT to the server's process group (what Ctrl-C in its terminal does); its exit status."""
+        os.killpg(self.proc.pid, signal.SIGINT)
+        return self.proc.wait(timeout_s if timeout_s is not None else self.stop_timeout_s)
+
+    def close(self) -> None:
+        """SIGTERM; SIGKILL if it has not exited within ``stop_timeout_s``. Idempotent."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(self.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+    def __enter__(self) -> ServeProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
