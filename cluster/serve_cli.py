@@ -75,6 +75,9 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--max-worker-restarts: must be >= 0, got {args.max_worker_restarts}")
     if not args.request_timeout_s > 0:
         raise ConfigError(f"--request-timeout-s: must be > 0, got {args.request_timeout_s}")
+    if args.mode != "local" and args.port:  # (--mode local binds before loading the model; 0 = any port)
+        # Ray and the workers take a minute to start: a busy port must fail before that, in one line.
+        _listen(args.host, args.port).close()
     if args.mode == "auto":
         import torch
 

@@ -1,8 +1,14 @@
 """`pdcluster serve` as users run it: a subprocess, real Ray, real HTTP, the real `openai` client.
 Greedy outputs equal the offline engine's (what `pdcluster generate` prints) in colocated mode, in
-disagg mode for every transport, and in disagg mode with speculation."""
+disagg mode for every transport, and in disagg mode with speculation. Ctrl-C stops an idle server
+cleanly; a busy port is one error line before Ray starts."""
 
+import os
 import re
+import socket
+import subprocess
+import sys
+import tempfile
 
 import pytest
 
@@ -89,3 +95,38 @@ def test_serve_disagg_every_transport(expected, transport):
     finally:
         server.close()
 
+
+# ================================================================================== start and stop
+
+
+@pytest.mark.timeout(600)
+def test_ctrl_c_on_an_idle_server_exits_cleanly(tiny_dir):
+    """Ctrl-C on a server that never served a request stops it with status 0 and no traceback. The
+    router's event thread starts with the first request; its close() used to join it regardless
+    (``RuntimeError: cannot join thread before it is started``, fixed in cluster/router/events.py)."""
+    server = Server("--mode", "colocated")
+    try:
+        status = server.interrupt(timeout_s=120)
+    finally:
+        server.close()
+    out = server.output()
+    assert "Traceback" not in out and "cannot join thread" not in out, out[-3000:]
+    assert status == 0, out[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_busy_port_is_one_line_before_ray_starts(tiny_dir):
+    """A port already in use fails at once (before Ray and the workers start): one line naming the
+    port, exit status 2, no traceback."""
+    tmp = tempfile.mkdtemp(prefix="pdcluster-busy-port-")
+    env = dict(os.environ, RAY_TMPDIR=tmp, HOME=tmp)
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "pdcluster.cluster.cli", "serve", "--mode", "colocated",
+                            "--model", "tiny-random", "--port", str(port)],
+                           capture_output=True, text=True, timeout=240, env=env)
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out[-3000:]
+    lines = out.strip().splitlines()
+    assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0] and "--port" in lines[0], out[-3000:]
+    assert not os.path.exists(os.path.join(tmp, "ray")), "it started Ray before looking at the port"
