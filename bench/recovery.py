@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import multiprocessing as mp
 import os
 import re
@@ -46,6 +47,7 @@ import tempfile
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -132,24 +134,36 @@ def transfer_config(transport: str, secret: str | None):
     return TransferConfig(transport=transport, secret=secret)
 
 
-class Events:
-    """Worker events with the time each arrived (the workers call this from their engine thread)."""
+class Events(logging.Handler):
+    """Worker events (node/events.py) with the time each arrived (a decode worker emits them from its
+    threads). Also a logging handler: a prefill worker reports a failed transfer to its requester,
+    which is dead here, and logs it; the log record becomes a ``TransferLog`` event."""
 
     def __init__(self):
-        self.items: list[tuple[float, dict]] = []
-        self.lock = threading.Lock()
+        super().__init__(logging.WARNING)
+        self.items: list[tuple[float, object]] = []
+        self._items_lock = threading.Lock()  # not ``lock``: logging.Handler has its own
 
     def __call__(self, event):
-        with self.lock:
+        with self._items_lock:
             self.items.append((time.monotonic(), event))
 
+    def emit(self, record: logging.LogRecord) -> None:
+        self(TransferLog(record.getMessage()))
+
     def first(self, pred):
-        with self.lock:
+        with self._items_lock:
             return next(((t, e) for t, e in self.items if pred(e)), None)
 
 
+@dataclass(frozen=True)
+class TransferLog:
+    message: str  # "KV transfer of <request> to <peer> failed: <reason>"
+
+
 def _decode_child(conn, model, prefill_address, prompt_len, transport, secret, worker_id, prefill_id):
-    """Decode worker in its own process: connect, reserve, report the blocks, then idle until killed."""
+    """Decode worker in its own process: connect, take the request (it asks the prefill worker for the
+    KV), report its admission verdict, then idle until killed."""
     quiet_stdout()
     try:
         import torch
@@ -158,10 +172,15 @@ def _decode_child(conn, model, prefill_address, prompt_len, transport, secret, w
         from pdcluster.decode_node.worker import DecodeWorker
         from pdcluster.engine.sampling_params import SamplingParams
 
+        from pdcluster.node.events import Admission
+
         d = DecodeWorker(worker_id, xfer_engine_config(model), transfer_config(transport, secret))
+        events = Events()
+        d.on_event = events
         d.connect_prefill(prefill_address)
-        blocks = d.reserve("victim", prefill_id, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=4))
-        conn.send(("ok", blocks))
+        d.submit("victim", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=4), prefill_id)
+        admission = _wait(lambda: events.first(lambda e: isinstance(e, Admission)), 30, "admission")
+        conn.send(("ok", admission[1].verdict))
     except BaseException:  # noqa: BLE001
         conn.send(("error", traceback.format_exc()))
         return
@@ -176,7 +195,7 @@ def _decode_child(conn, model, prefill_address, prompt_len, transport, secret, w
 
 
 def _prefill_child(conn, model, transport, secret, worker_id):
-    """Prefill worker in its own process, driven through a pipe (submit / stats)."""
+    """Prefill worker in its own process (decode workers ask it for KV); the pipe asks for its stats."""
     quiet_stdout()
     try:
         import torch
@@ -198,10 +217,7 @@ def _prefill_child(conn, model, transport, secret, worker_id):
         except EOFError:  # the parent is gone
             return
         try:
-            if cmd[0] == "submit":
-                p.submit(*cmd[1:])
-                conn.send(("ok", None))
-            elif cmd[0] == "stats":
+            if cmd[0] == "stats":
                 conn.send(("ok", p.stats()))
         except BaseException:  # noqa: BLE001
             conn.send(("error", traceback.format_exc()))
@@ -230,29 +246,30 @@ def _reason(failed, prefill_id: str, decode_id: str) -> str | None:
     """The failure reason, with what varies per repetition (worker ids, ports) taken out, cut short."""
     if failed is None:
         return None
-    text = str(failed[1].get("reason", ""))
+    event = failed[1]
+    text = event.message if isinstance(event, TransferLog) else str(getattr(event, "reason", ""))
     text = text.replace(prefill_id, "<prefill>").replace(decode_id, "<decode>")
     return re.sub(r":\d{2,5}\b", ":<port>", text)[:160]
 
 
-def _kill_mid_transfer(proc, events: Events, landed: str, landed_what: str, reclaimed, what: str, stats,
+def _kill_mid_transfer(proc, events: Events, landed, landed_what: str, failed_pred, reclaimed, what: str, stats,
                        prefill_id: str, decode_id: str, at_kill=dict) -> dict:
-    """SIGKILL the child ``proc`` mid-transfer and time the survivor: an error if the ``landed`` event
-    (``landed_what``) came before the kill, else the seconds until ``reclaimed()`` (``what``; ``stats()``
-    is shown when it times out) and until the victim's "failed" event. ``at_kill()`` is read right
-    after the kill; its entries join the result."""
+    """SIGKILL the child ``proc`` mid-transfer and time the survivor: an error if ``landed()``
+    (``landed_what``) is true right after the kill, else the seconds until ``reclaimed()`` (``what``;
+    ``stats()`` is shown when it times out) and until the first event matching ``failed_pred`` (the
+    survivor gave the victim up). ``at_kill()`` is read right after the kill; its entries join the
+    result."""
     os.kill(proc.pid, signal.SIGKILL)
     killed = time.monotonic()
     extra = at_kill()
-    landed_event = events.first(lambda e: e["type"] == landed)
-    if landed_event is not None and landed_event[0] <= killed:
+    if landed():
         raise RuntimeError(f"{landed_what} before the kill (not mid-transfer)")
     try:
         _wait(reclaimed, RECLAIM_TIMEOUT_S, what)
     except TimeoutError as e:
         raise TimeoutError(f"{e}; stats now {stats()}") from None
     reclaimed_at = time.monotonic()
-    failed = events.first(lambda e: e["type"] == "failed" and e["request_id"] == "victim")
+    failed = events.first(failed_pred)
     return {
         "reclaim_s": reclaimed_at - killed,
         "failed_event_s": failed[0] - killed if failed else None,
@@ -270,27 +287,25 @@ def _stop_child(proc, close_survivor, what: str, notes: list[str]) -> None:
 
 def reclaim_decode_killed(model: str, transport: str, secret: str | None, rep: int) -> dict:
     """Decode child SIGKILLed mid-transfer -> the prefill side has every block of the request back."""
-    from pdcluster.engine.sampling_params import SamplingParams
     from pdcluster.prefill_node.worker import PrefillWorker
 
     notes: list[str] = []
     pid, did = f"p-{transport}-{rep}", f"d-{transport}-{rep}"
     events = Events()
+    connector_log = logging.getLogger("pdcluster.kv_transfer.connector")
+    connector_log.addHandler(events)
     # Small chunks make the prefill (and so the layer-wise transfer) long enough to be cut.
     p = PrefillWorker(pid, xfer_engine_config(model, prefill_chunk_size=8), transfer_config(transport, secret))
-    p.on_event = events
     parent, child = CTX.Pipe()
     proc = CTX.Process(target=_decode_child, args=(child, model, p.address, XFER_PROMPT_LEN, transport, secret, did, pid),
                        daemon=True)
     proc.start()
     child.close()  # so the child sees EOF if this process dies
     try:
-        blocks = _child_reply(parent, CHILD_START_TIMEOUT_S, "decode child start")
-        if blocks is None:
-            raise RuntimeError("the decode child could not reserve blocks")
-        _wait(lambda: did in p.endpoint.peers(), 10, "decode peer registered on the prefill side")
         before = p.stats()
-        p.submit("victim", list(range(1, XFER_PROMPT_LEN + 1)), SamplingParams(max_tokens=4), did, blocks)
+        verdict = _child_reply(parent, CHILD_START_TIMEOUT_S, "decode child start")
+        if verdict != "admitted":
+            raise RuntimeError(f"the decode child did not take the request: {verdict}")
         _wait(lambda: p.stats()["bytes_sent"] > before["bytes_sent"], TRANSFER_START_TIMEOUT_S, "transfer start")
 
         def reclaimed():
@@ -298,11 +313,19 @@ def reclaim_decode_killed(model: str, transport: str, secret: str | None, rep: i
             return (s["num_free_blocks"] == before["num_free_blocks"] and s["num_held"] == 0
                     and s["num_transfers"] == 0 and s["num_running"] == 0 and s["num_waiting"] == 0)
 
+        at_kill = {}
+
+        def read_at_kill():
+            at_kill.update(p.stats())
+            return {"bytes_sent_at_kill": at_kill["bytes_sent"] - before["bytes_sent"]}
+
         result = _kill_mid_transfer(
-            proc, events, "transfer_done", "the transfer finished", reclaimed, "prefill side reclaimed every block",
-            p.stats, pid, did, at_kill=lambda: {"bytes_sent_at_kill": p.stats()["bytes_sent"] - before["bytes_sent"]})
+            proc, events, lambda: at_kill["num_transfers"] == 0, "the transfer finished",
+            lambda e: isinstance(e, TransferLog) and "KV transfer of victim" in e.message,
+            reclaimed, "prefill side reclaimed every block", p.stats, pid, did, at_kill=read_at_kill)
         return {**result, "notes": notes}
     finally:
+        connector_log.removeHandler(events)
         _stop_child(proc, p.close, "PrefillWorker.close", notes)
 
 
@@ -310,6 +333,7 @@ def reclaim_prefill_killed(model: str, transport: str, secret: str | None, rep: 
     """Prefill child SIGKILLed mid-transfer -> the decode side has released the reservation."""
     from pdcluster.decode_node.worker import DecodeWorker
     from pdcluster.engine.sampling_params import SamplingParams
+    from pdcluster.node.events import Admission, Failed, KVReady
 
     notes: list[str] = []
     pid, did = f"p-{transport}-{rep}", f"d-{transport}-{rep}"
@@ -325,14 +349,11 @@ def reclaim_prefill_killed(model: str, transport: str, secret: str | None, rep: 
         if d.connect_prefill(address) != pid:
             raise RuntimeError("handshake answered with another worker id")
         before = d.stats()
-        prompt = list(range(1, XFER_PROMPT_LEN + 1))
-        params = SamplingParams(max_tokens=4)
-        blocks = d.reserve("victim", pid, prompt, params)
-        if blocks is None:
-            raise RuntimeError("the decode side could not reserve blocks")
         time.sleep(0.2)  # as the test: let the handshake and first heartbeats settle
-        parent.send(("submit", "victim", prompt, params, did, blocks))
-        _child_reply(parent, 30, "submit")
+        d.submit("victim", list(range(1, XFER_PROMPT_LEN + 1)), SamplingParams(max_tokens=4), pid)
+        admission = _wait(lambda: events.first(lambda e: isinstance(e, Admission)), 30, "admission")
+        if admission[1].verdict != "admitted":
+            raise RuntimeError(f"the decode worker did not take the request: {admission[1]}")
 
         def sent():
             parent.send(("stats",))
@@ -344,8 +365,9 @@ def reclaim_prefill_killed(model: str, transport: str, secret: str | None, rep: 
             s = d.stats()
             return s["num_free_blocks"] == before["num_free_blocks"] and s["num_reserved"] == 0
 
-        result = _kill_mid_transfer(proc, events, "kv_ready", "the KV landed", released,
-                                    "decode side released the reservation", d.stats, pid, did)
+        result = _kill_mid_transfer(proc, events, lambda: events.first(lambda e: isinstance(e, KVReady)) is not None,
+                                    "the KV landed", lambda e: isinstance(e, Failed) and e.request_id == "victim",
+                                    released, "decode side released the reservation", d.stats, pid, did)
         return {**result, "notes": notes}
     finally:
         _stop_child(proc, d.close, "DecodeWorker.close", notes)

@@ -74,10 +74,11 @@ def _soak(ray, num_requests: int, rate_per_s: float):
             await asyncio.sleep(rng.expovariate(rate_per_s))
         done, pending = await asyncio.wait(tasks, timeout=240)
         if pending:  # name the hung requests and where the router thinks they are
-            hung = {rid: (r.prefill_id, r.decode_id, r.attempt, len(r.emitted), r.recovering)
+            hung = {rid: (r.attempt and r.attempt.pair, r.attempt and r.attempt.number, len(r.emitted),
+                          r.recovering, r.attempt and r.attempt.t_kv_ready > 0)
                     for rid, r in router.requests.items()}
             raise AssertionError(f"{len(pending)} requests hung; router state "
-                                 f"(prefill, decode, attempt, streamed, recovering): {hung}")
+                                 f"(pair, placement, streamed, recovering, kv landed): {hung}")
         # Let the health check see the kill and abort messages land.
         await asyncio.sleep(1.0)
 
