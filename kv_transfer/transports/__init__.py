@@ -4,7 +4,9 @@
     t = cls(kv_cache, "sender", TransportConfig())   # when the library is missing
 
 Names: ``ucx`` (ucxx), ``nccl`` (torch.distributed p2p: NCCL for CUDA caches, gloo on CPU),
-``tcp`` (pyzmq), ``shm`` (same-host shared memory). The interface is in base.py.
+``tcp`` (pyzmq), ``shm`` (same-host shared memory). The interface is in base.py; what the four
+share (connect, send, close, their threads) in threaded.py, and for tcp, ucx and shm, which run one
+IO thread each, in io_thread.py.
 """
 
 from __future__ import annotations

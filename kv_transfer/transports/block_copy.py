@@ -12,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .layout import KVLayout
+
 Rows = np.ndarray | torch.Tensor  # [num_rows, block_bytes] uint8: numpy on CPU, torch on CUDA
 
 
@@ -19,6 +21,11 @@ def rows_view(kv_cache: torch.Tensor, block_bytes: int) -> Rows:
     """The cache as a uint8 row table sharing its memory."""
     flat = kv_cache.view(torch.uint8).view(-1, block_bytes)
     return flat if kv_cache.is_cuda else flat.numpy()
+
+
+def blocks_view(rows: np.ndarray, layout: KVLayout) -> np.ndarray:
+    """A CPU cache's rows as ``[num_layers * 2, num_blocks, block_bytes]``: copy_blocks' view."""
+    return rows.reshape(layout.num_layers * 2, layout.num_blocks, -1)
 
 
 def buffer_rows(buf: np.ndarray | torch.Tensor, block_bytes: int) -> Rows:

@@ -43,23 +43,19 @@ import socket
 import struct
 import threading
 import time
-import uuid
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from .base import KVTransport, Role, TransportConfig, replaced_link_reason
-from .block_copy import buffer_rows, gather_rows, rows_view, scatter_rows
+from .base import Role, TransportConfig, replaced_link_reason
+from .block_copy import buffer_rows, gather_rows
 from .layout import KVLayout, chunk_problem
-from .sealing import ACK, HEADER, HELLO, WELCOME, decode_raw, peer_nonce, sealed_size
-from .send_job import SendJob, prepare_send
-from .staging import BufferPool
-from .tracking import ReceiveTracker, SendTracker
+from .sealing import ACK, HEADER, HELLO, WELCOME, decode_raw, sealed_size
+from .send_job import SendJob
+from .threaded import ThreadedTransport
 from .wire import ChunkHeader
 
 log = logging.getLogger(__name__)
@@ -79,7 +75,6 @@ _HELLO_KEY, _ANSWER_KEY = "hello", "answer"  # under the pair's prefix: the mutu
 _REFUSED = b"refused"
 _STOP_POLL_S = 0.1  # how often blocked-on-queue threads look at the stop flag
 _BELL_POLL_MAX_S = 0.005  # receiver's longest sleep between store checks when idle
-_CLOSE_JOIN_S = 1.5
 _SEND_WINDOW = 2  # payload sends in flight per peer: gather the next chunk while one moves
 
 
@@ -117,26 +112,17 @@ class _PeerLink:
     threads: list[threading.Thread] = field(default_factory=list)
 
 
-class TorchDistTransport(KVTransport):
+class TorchDistTransport(ThreadedTransport):
     name = "nccl"
+    close_join_s = 1.5  # its threads look at _stop every _STOP_POLL_S; a collective wait does not
 
     def __init__(self, kv_cache: torch.Tensor, role: Role, config: TransportConfig | None = None) -> None:
         super().__init__(kv_cache, role, config)
-        self._layout = KVLayout.of(kv_cache)
-        self._rows = rows_view(kv_cache, self._layout.block_bytes)
-        self._device = kv_cache.device
         self._backend = "nccl" if kv_cache.is_cuda else "gloo"
-        self._id = uuid.uuid4().hex
-        self._tracker = SendTracker()
-        self._received = ReceiveTracker()
-        self._pool = BufferPool(self._device, self.config.max_inflight_chunks * self.config.chunk_bytes)
         self._links: dict[str, _PeerLink] = {}
         # Replacing a link and an old link's thread giving up must not interleave: the thread would
         # fail the peer id's sends after the new link took it.
         self._links_lock = threading.Lock()
-        self._peer_layouts: dict[str, KVLayout] = {}
-        self._threads: list[threading.Thread] = []
-        self._stop = threading.Event()
         self._store: Any = None
         self._port = 0
         if role == "receiver":
@@ -156,34 +142,12 @@ class TorchDistTransport(KVTransport):
             )
             self._spawn(self._accept_pairs, "nccl-kv-accept")
 
-    def _spawn(self, target: Any, name: str, *args: Any) -> threading.Thread:
-        t = threading.Thread(target=target, args=args, name=name, daemon=True)
-        t.start()
-        self._threads.append(t)
-        return t
+    # ---------------------------------------------------------------- caller side
 
-    def _cuda_thread_setup(self) -> None:
-        if self._device.type == "cuda":
-            torch.cuda.set_device(self._device)
+    def _descriptor_fields(self) -> dict:
+        return {"backend": self._backend, "host": self.config.host, "port": self._port}
 
-    # ---------------------------------------------------------------- caller-side API
-
-    def local_descriptor(self) -> dict:
-        return {
-            "transport": self.name,
-            "layout": self._layout.to_dict(),
-            "backend": self._backend,
-            "host": self.config.host,
-            "port": self._port,
-            "nonce": self._sealer.nonce,
-        }
-
-    def connect(self, peer_id: str, peer_descriptor: dict) -> None:
-        peer_layout = KVLayout.from_dict(peer_descriptor["layout"])
-        self._layout.check_peer(peer_layout)
-        nonce = peer_nonce(peer_id, peer_descriptor)
-        if self.role == "receiver" or self._already_linked(peer_id, peer_descriptor):
-            return
+    def _link(self, peer_id: str, peer_descriptor: dict, peer_layout: KVLayout, nonce: bytes) -> None:
         if peer_descriptor["backend"] != self._backend:
             raise ValueError(f"{peer_id} uses {peer_descriptor['backend']}, this side {self._backend}")
         timeout_s = self.config.timeout_s
@@ -204,8 +168,6 @@ class TorchDistTransport(KVTransport):
             if old is not None:
                 self._drop_link(old)
             self._links[peer_id] = link
-        self._peer_layouts[peer_id] = peer_layout
-        self._peer_descriptors[peer_id] = peer_descriptor
 
     def _prove_pair(self, peer_id: str, pair_store: Any, nonce: bytes) -> None:
         """HELLO out, WELCOME in: both sides hold the secret before either joins the pair's group."""
@@ -226,56 +188,16 @@ class TorchDistTransport(KVTransport):
             link.dead = replaced_link_reason(link.peer_id)
         self._tracker.fail_peer(link.peer_id, link.dead)
 
-    def send(
-        self,
-        peer_id: str,
-        transfer_id: str,
-        layer_ids: Sequence[int] | range,
-        src_block_ids: np.ndarray,
-        dst_block_ids: np.ndarray,
-    ) -> None:
-        if peer_id not in self._links:
-            raise KeyError(f"unknown peer {peer_id!r}: call connect() first")
-        job = prepare_send(
-            layout=self._layout,
-            peer_layout=self._peer_layouts[peer_id],
-            tracker=self._tracker,
-            peer_id=peer_id,
-            transfer_id=transfer_id,
-            layer_ids=layer_ids,
-            src_block_ids=src_block_ids,
-            dst_block_ids=dst_block_ids,
-            chunk_bytes=self.config.chunk_bytes,
-            timeout_s=self.config.timeout_s,
-        )
-        link = self._links[peer_id]
+    def _submit(self, job: SendJob) -> None:
+        link = self._links[job.peer_id]
         if link.dead:
             self._tracker.fail_send(job.seq, link.dead)
             return
         link.jobs.put(job)
 
-    def poll_sent(self) -> tuple[list[str], list[tuple[str, str]]]:
-        return self._tracker.poll()
-
-    def poll_received(self) -> list[tuple[str, list[int]]]:
-        return self._received.poll()
-
-    def close(self) -> None:
-        if self._stop.is_set():
-            return
-        self._stop.set()
-        deadline = time.monotonic() + _CLOSE_JOIN_S
-        for t in self._threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-        stuck = [t.name for t in self._threads if t.is_alive()]
-        if stuck:
-            # A thread inside a gloo/NCCL wait cannot be interrupted; it ends at its deadline.
-            log.warning("threads still in a collective wait after close: %s", stuck)
-            return
-        for link in self._links.values():
-            self._tracker.fail_peer(link.peer_id, "transport closed")
+    def _release(self) -> None:
+        super()._release()
         self._links.clear()
-        self._pool.clear()
         self._store = None
 
     # ---------------------------------------------------------------- sender threads
@@ -440,31 +362,14 @@ class TorchDistTransport(KVTransport):
         try:
             data.recv([buf], 0, _TAG_PAYLOAD).wait(_td(deadline - time.monotonic()))
             problem = chunk_problem(layout, header.layer_ids, header.dst_block_ids, buf.numel())
-            refusal = None
-            if problem is None:
-                refusal = self._scatter(header, buf)
+            # Through the admission gate: a revoke() waits for it, on whichever pair's thread it runs.
+            refusal = None if problem else self._landing.scatter(header, buffer_rows(buf, layout.block_bytes))
         finally:
             self._pool.give(buf)
-        if problem is None and refusal is None:
-            self._received.chunk_landed(
-                sender_nonce, header.send_seq, header.num_chunks, header.transfer_id, header.layer_ids
-            )
-        elif problem is not None:
+        self._landing.settle(sender_nonce, header, problem or refusal)  # the ack goes as a status, below
+        if problem:
             log.warning("rejected chunk of %s: %s", header.transfer_id, problem)
-        status = _ACK_OK if problem is None and refusal is None else _ACK_REJECTED if problem else _ACK_REFUSED
+        status = _ACK_REJECTED if problem else _ACK_REFUSED if refusal else _ACK_OK
         body = _ACK_BODY.pack(header.send_seq, header.chunk_index, status)
         ack = torch.frombuffer(bytearray(self._sealer.seal(ACK, sender_nonce, body)), dtype=torch.uint8)
         ctrl.send([ack], 0, _TAG_ACK).wait(_td(deadline - time.monotonic()))
-
-    def _scatter(self, header: ChunkHeader, buf: torch.Tensor) -> str | None:
-        """Scatter a received payload (in our staging buffer) through the admission gate: a revoke()
-        waits for it, on whichever pair's thread it runs. Returns the refusal, if any."""
-        layout = self._layout
-        with self._admission.gate(header.transfer_id, header.dst_block_ids) as refusal:
-            if refusal:
-                return refusal
-            rows = layout.row_ids(header.layer_ids, header.dst_block_ids)
-            scatter_rows(buffer_rows(buf, layout.block_bytes), self._rows, rows)
-            if buf.is_cuda:
-                torch.cuda.current_stream().synchronize()  # in kv_cache before we ack (or revoke)
-        return None

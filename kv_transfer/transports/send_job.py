@@ -83,33 +83,3 @@ def prepare_send(
     chunks = split_blocks(len(layers), src, dst, layout.block_bytes, chunk_bytes)
     seq = tracker.begin(transfer_id, peer_id, len(chunks), timeout_s)
     return SendJob(seq=seq, peer_id=peer_id, transfer_id=transfer_id, layer_ids=layers, chunks=chunks)
-
-
-class QueuedSendMixin:
-    """``send``/``poll_sent``/``poll_received`` for transports whose IO thread takes prepared jobs
-    from ``self._commands`` (woken through ``self._waker``) and reports through ``self._tracker`` and
-    ``self._received``; ``connect`` fills ``self._peer_layouts``."""
-
-    def send(self, peer_id, transfer_id, layer_ids, src_block_ids, dst_block_ids) -> None:
-        if peer_id not in self._peer_layouts:
-            raise KeyError(f"unknown peer {peer_id!r}: call connect() first")
-        job = prepare_send(
-            layout=self._layout,
-            peer_layout=self._peer_layouts[peer_id],
-            tracker=self._tracker,
-            peer_id=peer_id,
-            transfer_id=transfer_id,
-            layer_ids=layer_ids,
-            src_block_ids=src_block_ids,
-            dst_block_ids=dst_block_ids,
-            chunk_bytes=self.config.chunk_bytes,
-            timeout_s=self.config.timeout_s,
-        )
-        self._commands.put(("send", job))
-        self._waker.wake()
-
-    def poll_sent(self) -> tuple[list[str], list[tuple[str, str]]]:
-        return self._tracker.poll()
-
-    def poll_received(self) -> list[tuple[str, list[int]]]:
-        return self._received.poll()

@@ -38,39 +38,35 @@ stranger who connects gets nothing but a closed socket.
 
 from __future__ import annotations
 
+import functools
 import logging
 import mmap
 import os
-import queue
 import selectors
 import socket
 import threading
-import uuid
-from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import msgpack
 import numpy as np
 import torch
 
-from .base import KVTransport, Role, TransportConfig, replaced_link_reason
-from .block_copy import copy_blocks, gather_rows, rows_view
+from .base import Role, TransportConfig, replaced_link_reason
+from .block_copy import blocks_view, copy_blocks, gather_rows
+from .io_thread import IOThreadTransport
 from .layout import KVLayout
-from .sealing import ACK, GRANT, HANDOVER, HEADER, HELLO, REVOKE, REVOKED, SYNC, WELCOME, peer_nonce
-from .send_job import SendJob, prepare_send
+from .sealing import ACK, GRANT, HANDOVER, HEADER, HELLO, REVOKE, REVOKED, SYNC, WELCOME
+from .send_job import Chunk, SendJob
 from .shm_grants import Grants, decode_grant, decode_transfer_id, encode_transfer_id
 from .shm_inbox import MAX_MSG_BYTES, PULL, PUSH, RING, ShmInbox
 from .shm_memory import create_segment, find_segment, map_cache, shared_tensor
 from .shm_ring import RingAllocator
-from .tracking import ReceiveTracker, SendTracker
-from .waker import Waker
 from .wire import ChunkAck
 
 log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.05
-_CLOSE_JOIN_S = 2.0
 
 
 def _boot_id() -> str:
@@ -95,17 +91,7 @@ class _Peer:
     dead: str | None = None
 
 
-@dataclass
-class _Call:
-    """A caller waiting for the IO thread (expect's grant, revoke). If the caller stops waiting, a
-    revoke the IO thread settles later is reported through poll_revoked instead."""
-
-    done: threading.Event
-    result: bool = False
-    abandoned: bool = False
-
-
-class ShmTransport(KVTransport):
+class ShmTransport(IOThreadTransport):
     name = "shm"
 
     @classmethod
@@ -120,23 +106,15 @@ class ShmTransport(KVTransport):
         return shared_tensor(shape, dtype)
 
     def __init__(self, kv_cache: torch.Tensor, role: Role, config: TransportConfig | None = None) -> None:
-        super().__init__(kv_cache, role, config)
         if kv_cache.is_cuda:
             raise ValueError("the shm transport moves CPU caches only; use ucx or nccl for GPU memory")
-        self._layout = KVLayout.of(kv_cache)
-        self._rows = rows_view(kv_cache, self._layout.block_bytes)
-        self._blocks = self._rows.reshape(self._layout.num_layers * 2, self._layout.num_blocks, -1)
+        super().__init__(kv_cache, role, config)
+        self._blocks = blocks_view(self._rows, self._layout)
         found = find_segment(kv_cache)
         # Our own descriptor of the cache's segment (dup): the registry closes its copy when the
         # tensor that allocate_kv_cache returned is collected, and a closed number may be reused.
         self._kv_fd = os.dup(found[0].fd) if found else -1
         self._kv_offset = found[1] if found else 0
-        self._id = uuid.uuid4().hex
-        self._waker = Waker()
-        self._tracker = SendTracker()
-        self._received = ReceiveTracker()
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._peer_layouts: dict[str, KVLayout] = {}  # caller thread
         self._peer_modes: dict[str, str] = {}  # caller thread: "push", "pull", "push+pull" or "ring"
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._waker.fileno(), selectors.EVENT_READ, ("waker", None))
@@ -157,34 +135,23 @@ class ShmTransport(KVTransport):
         # IO thread state.
         self._peers: dict[str, _Peer] = {}
         self._inbox = ShmInbox(
-            receiver_id=self._id,
-            layout=self._layout,
-            rows=self._rows,
-            blocks=self._blocks,
-            cache_share=self._cache_share,
-            received=self._received,
-            admission=self._admission,
+            self._landing,
+            self._cache_share,
             sealer=self._sealer,
             selector=self._selector,
+            receiver_id=self._id,
             timeout_s=self.config.timeout_s,
         )
-        self._jobs: deque[SendJob] = deque()
         self._ring_spans: dict[tuple[int, int], tuple[str, int]] = {}  # (seq, chunk) -> (peer, offset)
-        self._calls_lock = threading.Lock()  # a _Call's result vs. its caller giving up
-        self._stopping = False
-        self._thread = threading.Thread(target=self._run, name=f"shm-kv-{role}", daemon=True)
-        self._thread.start()
+        self._start_io()
 
-    # ---------------------------------------------------------------- caller-side API
+    # ---------------------------------------------------------------- caller side
 
-    def local_descriptor(self) -> dict:
+    def _descriptor_fields(self) -> dict:
         return {
-            "transport": self.name,
-            "layout": self._layout.to_dict(),
             "socket": self._socket_name if self._listener is not None else "",
             "boot_id": _boot_id(),
             "kv_in_shm": self._kv_fd >= 0,
-            "nonce": self._sealer.nonce,
         }
 
     def peer_mode(self, peer_id: str) -> str:
@@ -198,12 +165,9 @@ class ShmTransport(KVTransport):
         nbytes = self.kv_cache.numel() * self.kv_cache.element_size()
         return {"kv_offset": self._kv_offset, "kv_bytes": nbytes}, [self._kv_fd]
 
-    def connect(self, peer_id: str, peer_descriptor: dict) -> None:
-        peer_layout = KVLayout.from_dict(peer_descriptor["layout"])
-        self._layout.check_peer(peer_layout)
-        nonce = peer_nonce(peer_id, peer_descriptor)
-        if self.role == "receiver" or self._already_linked(peer_id, peer_descriptor):
-            return
+    def _link(self, peer_id: str, peer_descriptor: dict, peer_layout: KVLayout, nonce: bytes) -> None:
+        """The handshake runs here, on the caller's thread (it blocks); the IO thread then adopts
+        the connected socket."""
         if peer_descriptor.get("boot_id") != _boot_id():
             raise ConnectionError(f"{peer_id} runs on another host (or boot): shm needs the same host")
         needs_ring = not peer_descriptor.get("kv_in_shm") and self._kv_fd < 0
@@ -218,15 +182,9 @@ class ShmTransport(KVTransport):
             raise
         sock.setblocking(False)
         peer = _Peer(sock, nonce, peer_layout, blocks, mapping, pulls=bool(reply.get("pulls")), grants=grants)
-        done = threading.Event()
-        self._commands.put(("connect", peer_id, peer, done))
-        self._waker.wake()
-        if not done.wait(self.config.timeout_s):
-            raise TimeoutError(f"shm connect to {peer_id}: IO thread did not respond")
-        self._peer_layouts[peer_id] = peer_layout
+        self._connect_on_io(peer_id, self._adopt_peer, peer_id, peer)
         modes = [m for m, ok in ((PUSH, blocks is not None), (PULL, peer.pulls)) if ok]
         self._peer_modes[peer_id] = "+".join(modes) or RING
-        self._peer_descriptors[peer_id] = peer_descriptor
 
     def _handshake(
         self, peer_id: str, sock: socket.socket, nonce: bytes, peer_layout: KVLayout, needs_ring: bool
@@ -285,40 +243,11 @@ class ShmTransport(KVTransport):
                 self._ring = RingAllocator(ring_bytes)
             return self._ring_fd
 
-    def send(
-        self,
-        peer_id: str,
-        transfer_id: str,
-        layer_ids: Sequence[int] | range,
-        src_block_ids: np.ndarray,
-        dst_block_ids: np.ndarray,
-    ) -> None:
-        if peer_id not in self._peer_layouts:
-            raise KeyError(f"unknown peer {peer_id!r}: call connect() first")
-        chunk_bytes = self.config.chunk_bytes
+    def _chunk_bytes_to(self, peer_id: str) -> int:
         if self._peer_modes[peer_id] == RING:
             # At least two chunks fit in the ring, so gathering one overlaps scattering another.
-            chunk_bytes = min(chunk_bytes, self.config.shm.ring_bytes // 2)
-        job = prepare_send(
-            layout=self._layout,
-            peer_layout=self._peer_layouts[peer_id],
-            tracker=self._tracker,
-            peer_id=peer_id,
-            transfer_id=transfer_id,
-            layer_ids=layer_ids,
-            src_block_ids=src_block_ids,
-            dst_block_ids=dst_block_ids,
-            chunk_bytes=chunk_bytes,
-            timeout_s=self.config.timeout_s,
-        )
-        self._commands.put(("send", job))
-        self._waker.wake()
-
-    def poll_sent(self) -> tuple[list[str], list[tuple[str, str]]]:
-        return self._tracker.poll()
-
-    def poll_received(self) -> list[tuple[str, list[int]]]:
-        return self._received.poll()
+            return min(self.config.chunk_bytes, self.config.shm.ring_bytes // 2)
+        return self.config.chunk_bytes
 
     # receiver admission (module docstring) ---------------------------------------------------
 
@@ -328,7 +257,7 @@ class ShmTransport(KVTransport):
             return  # nobody writes into our cache but us
         blocks = np.unique(np.asarray(dst_block_ids, dtype=np.int64))
         # The grant must be on every pushing sender's socket before the block ids can reach it.
-        if not self._call_io("grant", transfer_id, blocks):
+        if not self._wait_io("grant", transfer_id, self._grant_io, transfer_id, blocks):
             self._admission.revoke(transfer_id)
             raise TimeoutError(f"shm IO thread did not grant {transfer_id!r} within {self.config.timeout_s}s")
 
@@ -336,13 +265,12 @@ class ShmTransport(KVTransport):
         was_expected = self._admission.revoke(transfer_id)  # pull and ring copies stop here
         if self._kv_fd < 0 or not was_expected:
             return True  # no sender holds a grant for it
-        return self._call_io("revoke", transfer_id, True)
+        return self._wait_io("revoke", transfer_id, self._inbox.revoke, transfer_id, True)
 
     def complete(self, transfer_id: str) -> None:
         if self._admission.revoke(transfer_id) and self._kv_fd >= 0:
             # Senders drop the grant; nothing to wait for (base.py: a delivered transfer is final).
-            self._commands.put(("revoke", transfer_id, False, None))
-            self._waker.wake()
+            self._on_io(self._inbox.revoke, transfer_id, False)
 
     def poll_revoked(self) -> list[str]:
         out = []
@@ -355,31 +283,19 @@ class ShmTransport(KVTransport):
         """Revoked transfers still waiting for a pushing sender's confirmation."""
         return self._inbox.num_pending_revokes
 
-    def _call_io(self, kind: str, transfer_id: str, arg: object) -> bool:
-        """Run a grant or revoke on the IO thread and wait (bounded) for its result."""
-        call = _Call(threading.Event())
-        self._commands.put((kind, transfer_id, arg, call))
-        self._waker.wake()
-        if call.done.wait(self.config.timeout_s):
-            return call.result
-        with self._calls_lock:
-            if call.done.is_set():
-                return call.result
-            call.abandoned = True  # a revoke settled later goes to poll_revoked
+    def _wait_io(self, kind: str, transfer_id: str, run: Callable[..., object], *args: object) -> bool:
+        """Run a grant or revoke on the IO thread and wait (bounded) for its result. If none comes
+        in time the caller takes False, and a revoke the IO thread settles later is reported
+        through poll_revoked instead."""
+        call = self._ask_io(run, *args, on_late=functools.partial(self._answered_late, transfer_id))
+        if call.wait(self.config.timeout_s):
+            return bool(call.result)
         log.warning("shm IO thread did not answer a %s of %s within %.1fs", kind, transfer_id, self.config.timeout_s)
         return False
 
-    def close(self) -> None:
-        if self._stopping:
-            return
-        self._stopping = True
-        self._waker.wake()
-        self._thread.join(_CLOSE_JOIN_S)
-        if self._thread.is_alive():
-            log.warning("shm IO thread did not stop within %.1fs", _CLOSE_JOIN_S)
-            return
+    def _release(self) -> None:
         self._selector.close()
-        self._waker.close()
+        super()._release()
         for fd in (self._ring_fd, self._kv_fd):
             if fd >= 0:
                 os.close(fd)
@@ -392,68 +308,41 @@ class ShmTransport(KVTransport):
 
     # ---------------------------------------------------------------- IO thread
 
-    def _run(self) -> None:
-        try:
-            while not self._stopping:
-                busy = self._drain_commands()
-                busy |= self._post_chunks()
-                for key, mask in self._selector.select(0 if busy else _IDLE_WAIT_S):
-                    kind, obj = key.data
-                    if kind == "waker":
-                        self._waker.drain()
-                    elif kind == "listener":
-                        self._inbox.accept(key.fileobj)
-                    elif kind == "sender":
-                        self._inbox.on_ready(key.fileobj, mask)
-                    elif kind == "peer":
-                        self._on_peer_readable(obj)
-        except Exception as e:  # noqa: BLE001 - surface in poll_sent rather than die silently
-            log.exception("shm IO thread failed")
-            for peer_id in list(self._peers):
-                self._tracker.fail_peer(peer_id, f"shm IO thread failed: {e}")
-        finally:
-            for peer_id, peer in self._peers.items():
-                self._tracker.fail_peer(peer_id, "transport closed")
-                peer.sock.close()
-            self._inbox.close()
-            if self._listener is not None:
-                self._listener.close()
+    def _io_step(self, busy: bool) -> None:
+        busy |= self._post_chunks()
+        for key, mask in self._selector.select(0 if busy else _IDLE_WAIT_S):
+            kind, obj = key.data
+            if kind == "waker":
+                self._waker.drain()
+            elif kind == "listener":
+                self._inbox.accept(key.fileobj)
+            elif kind == "sender":
+                self._inbox.on_ready(key.fileobj, mask)
+            elif kind == "peer":
+                self._on_peer_readable(obj)
 
-    def _drain_commands(self) -> bool:
-        busy = False
-        while True:
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                return busy
-            busy = True
-            if cmd[0] == "send":
-                self._jobs.append(self._order_chunks(cmd[1]))
-            elif cmd[0] == "connect":
-                _, peer_id, peer, done = cmd
-                if peer_id in self._peers:
-                    self._drop_link(peer_id)
-                self._peers[peer_id] = peer
-                self._selector.register(peer.sock, selectors.EVENT_READ, ("peer", peer_id))
-                done.set()
-            elif cmd[0] == "grant":
-                _, transfer_id, blocks, call = cmd
-                self._inbox.grant(transfer_id, blocks)
-                self._answer(call, transfer_id, True)
-            elif cmd[0] == "revoke":
-                _, transfer_id, track, call = cmd
-                self._answer(call, transfer_id, self._inbox.revoke(transfer_id, track))
+    def _io_shutdown(self) -> None:
+        for peer in self._peers.values():
+            peer.sock.close()
+        self._inbox.close()
+        if self._listener is not None:
+            self._listener.close()
 
-    def _answer(self, call: _Call | None, transfer_id: str, result: bool) -> None:
-        if call is None:
-            return
-        with self._calls_lock:
-            if call.abandoned:
-                if result:  # the caller took False: report the id once it is safe
-                    self._inbox.revoked.append(transfer_id)
-                return
-            call.result = result
-            call.done.set()
+    def _adopt_peer(self, peer_id: str, peer: _Peer) -> None:
+        """connect(), on the IO thread: the handshaken socket replaces any link to the peer id."""
+        if peer_id in self._peers:
+            self._drop_link(peer_id)
+        self._peers[peer_id] = peer
+        self._selector.register(peer.sock, selectors.EVENT_READ, ("peer", peer_id))
+
+    def _grant_io(self, transfer_id: str, blocks: np.ndarray) -> bool:
+        self._inbox.grant(transfer_id, blocks)
+        return True  # every pushing sender has the grant on its socket (or queued for it)
+
+    def _answered_late(self, transfer_id: str, result: object) -> None:
+        """A grant or revoke answered after its caller took False: report the id once it is safe."""
+        if result:
+            self._inbox.revoked.append(transfer_id)
 
     # sender ------------------------------------------------------------------------------
 
@@ -465,50 +354,43 @@ class ShmTransport(KVTransport):
             return PUSH
         return PULL if peer.pulls else RING
 
-    def _order_chunks(self, job: SendJob) -> SendJob:
+    def _queue_job(self, job: SendJob) -> None:
         """Pull notices first: they cost the sender nothing, and the receiver starts copying while
         the sender pushes its own share."""
         peer = self._peers.get(job.peer_id)
         if peer is not None:
             job.chunks.sort(key=lambda c: self._chunk_mode(peer, c.index) != PULL)
-        return job
+        super()._queue_job(job)
 
-    def _post_chunks(self) -> bool:
-        posted = False
-        while self._jobs:
-            job = self._jobs[0]
-            peer = self._peers.get(job.peer_id)
-            if peer is None or peer.dead:
-                self._tracker.fail_send(job.seq, peer.dead if peer else f"not connected to {job.peer_id}")
-            if not self._tracker.is_live(job.seq) or job.next_chunk >= len(job.chunks):
-                self._jobs.popleft()
-                continue
-            assert peer is not None
-            chunk = job.chunks[job.next_chunk]
-            mode = self._chunk_mode(peer, chunk.index)
-            extra: dict = {"mode": mode}
-            if mode == PUSH:
-                assert peer.blocks is not None
-                if not self._may_push(job, peer, chunk.dst_block_ids):
-                    continue  # the send failed; its job is dropped at the top of the loop
-                copy_blocks(self._blocks, chunk.src_block_ids, peer.blocks, chunk.dst_block_ids, job.layer_ids)
-            elif mode == PULL:
-                extra["src"] = chunk.src_block_ids.astype("<i4").tobytes()
-            else:
-                assert self._ring is not None and self._ring_bytes is not None
-                nbytes = job.payload_bytes(chunk, self._layout)
-                offset = self._ring.alloc(nbytes)
-                if offset is None:
-                    return posted  # wait for acks to free ring space
-                out = self._ring_bytes[offset : offset + nbytes].reshape(-1, self._layout.block_bytes)
-                gather_rows(self._rows, self._layout.row_ids(job.layer_ids, chunk.src_block_ids), out)
-                self._ring_spans[(job.seq, chunk.index)] = (job.peer_id, offset)
-                extra["offset"] = offset
-            job.next_chunk += 1
-            header = job.header(chunk, self._id, self._layout, extra).encode()
-            self._notify(job.peer_id, peer, self._sealer.seal(HEADER, peer.nonce, header))
-            posted = True
-        return posted
+    def _peer_problem(self, peer_id: str) -> str | None:
+        peer = self._peers.get(peer_id)
+        return f"not connected to {peer_id}" if peer is None else peer.dead
+
+    def _post_chunk(self, job: SendJob, chunk: Chunk) -> bool:
+        peer = self._peers[job.peer_id]
+        mode = self._chunk_mode(peer, chunk.index)
+        extra: dict = {"mode": mode}
+        if mode == PUSH:
+            assert peer.blocks is not None
+            if not self._may_push(job, peer, chunk.dst_block_ids):
+                return True  # the send failed; the queue drops it
+            copy_blocks(self._blocks, chunk.src_block_ids, peer.blocks, chunk.dst_block_ids, job.layer_ids)
+        elif mode == PULL:
+            extra["src"] = chunk.src_block_ids.astype("<i4").tobytes()
+        else:
+            assert self._ring is not None and self._ring_bytes is not None
+            nbytes = job.payload_bytes(chunk, self._layout)
+            offset = self._ring.alloc(nbytes)
+            if offset is None:
+                return False  # wait for acks to free ring space
+            out = self._ring_bytes[offset : offset + nbytes].reshape(-1, self._layout.block_bytes)
+            gather_rows(self._rows, self._layout.row_ids(job.layer_ids, chunk.src_block_ids), out)
+            self._ring_spans[(job.seq, chunk.index)] = (job.peer_id, offset)
+            extra["offset"] = offset
+        job.next_chunk += 1
+        header = job.header(chunk, self._id, self._layout, extra).encode()
+        self._notify(job.peer_id, peer, self._sealer.seal(HEADER, peer.nonce, header))
+        return True
 
     def _may_push(self, job: SendJob, peer: _Peer, dst_block_ids: np.ndarray) -> bool:
         """Push only under a grant (shm_grants.py). Read what waits on the socket first (one syscall

@@ -19,14 +19,13 @@ from dataclasses import dataclass, field
 import msgpack
 import numpy as np
 
-from .admission import Admission
-from .block_copy import copy_blocks, scatter_rows
+from .block_copy import blocks_view, copy_blocks
+from .landing import Landing
 from .layout import KVLayout, chunk_problem
 from .sealing import ACK, GRANT, HANDOVER, HEADER, HELLO, REVOKE, REVOKED, SYNC, WELCOME, Opened, Sealer, decode_raw
 from .shm_grants import PendingRevokes, decode_transfer_id, encode_grant, encode_transfer_id
 from .shm_memory import map_cache, map_fd
-from .tracking import ReceiveTracker
-from .wire import ChunkAck, ChunkHeader
+from .wire import ChunkHeader
 
 log = logging.getLogger(__name__)
 
@@ -56,26 +55,21 @@ class _Refused(Exception):
 class ShmInbox:
     def __init__(
         self,
-        *,
-        receiver_id: str,
-        layout: KVLayout,
-        rows: np.ndarray,
-        blocks: np.ndarray,
+        landing: Landing,
         cache_share: Callable[[], tuple[dict, list[int]]],
-        received: ReceiveTracker,
-        admission: Admission,
+        *,
         sealer: Sealer,
         selector: selectors.BaseSelector,
+        receiver_id: str,
         timeout_s: float,
     ) -> None:
-        self._id = receiver_id
-        self._layout = layout
-        self._rows = rows
-        self._blocks = blocks
+        self._landing = landing  # our cache, and what a chunk passes through to land in it
+        self._layout = landing.layout
+        self._blocks = blocks_view(landing.rows, landing.layout)
+        self._admission = landing.admission
         self._cache_share = cache_share  # handshake fields + fd letting a sender map our cache
         self._shared = bool(cache_share()[1])
-        self._received = received
-        self._admission = admission
+        self._id = receiver_id
         self._sealer = sealer
         self._selector = selector
         self._timeout_s = timeout_s
@@ -216,13 +210,8 @@ class ShmInbox:
                     self.revoked.append(opened.message)
                 continue
             header = opened.message
-            error = self._land(header, sender)
-            if error is None:
-                self._received.chunk_landed(
-                    sender.nonce, header.send_seq, header.num_chunks, header.transfer_id, header.layer_ids
-                )
-            ack = ChunkAck(header.send_seq, header.chunk_index, error).encode()
-            self._send(sock, self._sealer.seal(ACK, sender.nonce, ack))
+            ack = self._landing.settle(sender.nonce, header, self._land(header, sender))
+            self._send(sock, self._sealer.seal(ACK, sender.nonce, ack.encode()))
 
     def _drop_sender(self, sock: socket.socket, sender: _Sender) -> None:
         """Its connection closed: its IO thread, the only one that copies, has ended, so revokes
@@ -230,7 +219,7 @@ class ShmInbox:
         self._selector.unregister(sock)
         del self._senders[sock]
         sock.close()
-        self._received.drop_sender(sender.nonce)
+        self._landing.received.drop_sender(sender.nonce)
         self.revoked.extend(self._pending_revokes.sender_gone(sock))
 
     def _send(self, sock: socket.socket, msg: bytes) -> None:
@@ -294,7 +283,4 @@ class ShmInbox:
         if offset < 0 or offset + nbytes > sender.ring.size:
             return "ring offset out of range"
         src_rows = sender.ring[offset : offset + nbytes].reshape(-1, layout.block_bytes)
-        with self._admission.gate(header.transfer_id, header.dst_block_ids) as refusal:
-            if refusal is None:
-                scatter_rows(src_rows, self._rows, layout.row_ids(header.layer_ids, header.dst_block_ids))
-            return refusal
+        return self._landing.scatter(header, src_rows)

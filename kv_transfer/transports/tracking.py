@@ -74,6 +74,12 @@ class SendTracker:
             for seq in [q for q, s in self._sends.items() if s.peer_id == peer_id]:
                 self._fail_locked(seq, error)
 
+    def fail_all(self, error: str) -> None:
+        """Fail every outstanding send (the transport closed, or its IO thread died)."""
+        with self._lock:
+            for seq in list(self._sends):
+                self._fail_locked(seq, error)
+
     def outstanding_for_peer(self, peer_id: str) -> int:
         with self._lock:
             return sum(1 for s in self._sends.values() if s.peer_id == peer_id)

@@ -34,13 +34,9 @@ header's tag (UCX traffic is not encrypted) could race the real payload with its
 from __future__ import annotations
 
 import logging
-import queue
 import secrets
 import select
-import threading
-import uuid
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,14 +44,12 @@ import msgpack
 import numpy as np
 import torch
 
-from .base import KVTransport, Role, TransportConfig, replaced_link_reason
-from .block_copy import buffer_rows, gather_rows, rows_view, scatter_rows
+from .base import Role, TransportConfig, replaced_link_reason
+from .block_copy import buffer_rows, gather_rows
+from .io_thread import IOThreadTransport
 from .layout import KVLayout, chunk_problem
-from .sealing import ACK, HEADER, HELLO, Opened, peer_nonce
-from .send_job import QueuedSendMixin, SendJob
-from .staging import BufferPool
-from .tracking import ReceiveTracker, SendTracker
-from .waker import Waker
+from .sealing import ACK, HEADER, HELLO, Opened
+from .send_job import Chunk, SendJob
 from .wire import ChunkAck, ChunkHeader
 
 log = logging.getLogger(__name__)
@@ -64,7 +58,6 @@ CONTROL_TAG = 0x5044_0001  # HELLO and chunk headers, sender -> receiver
 ACK_TAG = 0x5044_0002  # acks, receiver -> sender
 _PAYLOAD_TAG_BIT = 1 << 63  # payload tags: this bit + 31 random bits + a 32-bit counter
 _IDLE_WAIT_S = 0.05  # epoll cap; only stop requests and deadline-free bookkeeping wait on it
-_CLOSE_JOIN_S = 2.0
 
 
 @dataclass
@@ -104,7 +97,7 @@ def _decode_header(body: bytes) -> ChunkHeader:
     return header
 
 
-class UCXTransport(QueuedSendMixin, KVTransport):
+class UCXTransport(IOThreadTransport):
     name = "ucx"
 
     def __init__(self, kv_cache: torch.Tensor, role: Role, config: TransportConfig | None = None) -> None:
@@ -114,10 +107,6 @@ class UCXTransport(QueuedSendMixin, KVTransport):
 
         self._api = ucx_api
         self._Array = Array
-        self._layout = KVLayout.of(kv_cache)
-        self._rows = rows_view(kv_cache, self._layout.block_bytes)
-        self._device = kv_cache.device
-        self._id = uuid.uuid4().hex
         opts = self.config.ucx
         tls = opts.tls or ("sm,self,tcp,cuda_copy,cuda_ipc" if kv_cache.is_cuda else "sm,self,tcp")
         ucx_options = {"TLS": tls, "NET_DEVICES": opts.net_devices, **opts.extra}
@@ -133,69 +122,31 @@ class UCXTransport(QueuedSendMixin, KVTransport):
         self._worker.init_blocking_progress_mode()
         self._address = bytes(self._worker.address.tobytes())
 
-        self._waker = Waker()
         self._epoll = select.epoll()
         self._epoll.register(self._worker.epoll_file_descriptor, select.EPOLLIN)
         self._epoll.register(self._waker.fileno(), select.EPOLLIN)
-
-        self._tracker = SendTracker()
-        self._received = ReceiveTracker()
-        self._pool = BufferPool(self._device, self.config.max_inflight_chunks * self.config.chunk_bytes)
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._peer_layouts: dict[str, KVLayout] = {}  # caller thread
         # Everything below belongs to the IO thread.
         self._endpoints: dict[str, Any] = {}  # sender: peer_id -> endpoint
         self._peer_nonces: dict[str, bytes] = {}  # sender: peer_id -> the nonce we seal to
         self._retired_endpoints: list[Any] = []  # sender: links connect() replaced, closed at shutdown
         self._reply_endpoints: dict[bytes, Any] = {}  # receiver: sender's nonce -> endpoint
-        self._jobs: deque[SendJob] = deque()
         self._ops: list[_Op] = []
         self._ctrl_recvs: deque[_Op] = deque()  # handled strictly in arrival order
         self._tag_base = _PAYLOAD_TAG_BIT | (secrets.randbits(31) << 32)
         self._tag_counter = 0
-        self._stopping = False
-        self._thread = threading.Thread(target=self._run, name=f"ucx-kv-{role}", daemon=True)
-        self._thread.start()
+        self._start_io()
 
-    # ---------------------------------------------------------------- caller-side API
+    # ---------------------------------------------------------------- caller side
 
-    def local_descriptor(self) -> dict:
-        return {
-            "transport": self.name,
-            "layout": self._layout.to_dict(),
-            "worker_address": self._address,
-            "nonce": self._sealer.nonce,
-        }
+    def _descriptor_fields(self) -> dict:
+        return {"worker_address": self._address}
 
-    def connect(self, peer_id: str, peer_descriptor: dict) -> None:
-        peer_layout = KVLayout.from_dict(peer_descriptor["layout"])
-        self._layout.check_peer(peer_layout)
-        nonce = peer_nonce(peer_id, peer_descriptor)
-        if self.role == "receiver" or self._already_linked(peer_id, peer_descriptor):
-            return
-        done = threading.Event()
-        result: dict[str, BaseException] = {}
-        self._commands.put(("connect", peer_id, bytes(peer_descriptor["worker_address"]), nonce, done, result))
-        self._waker.wake()
-        if not done.wait(self.config.timeout_s):
-            raise TimeoutError(f"UCX connect to {peer_id} timed out")
-        if "error" in result:
-            raise ConnectionError(f"UCX connect to {peer_id} failed: {result['error']}") from result["error"]
-        self._peer_layouts[peer_id] = peer_layout
-        self._peer_descriptors[peer_id] = peer_descriptor
+    def _link(self, peer_id: str, peer_descriptor: dict, peer_layout: KVLayout, nonce: bytes) -> None:
+        self._connect_on_io(peer_id, self._connect_io, peer_id, bytes(peer_descriptor["worker_address"]), nonce)
 
-    def close(self) -> None:
-        if self._stopping:
-            return
-        self._stopping = True
-        self._waker.wake()
-        self._thread.join(_CLOSE_JOIN_S)
-        if self._thread.is_alive():
-            log.warning("UCX IO thread did not stop within %.1fs", _CLOSE_JOIN_S)
-            return  # leave UCX objects alone: the thread may still touch them
+    def _release(self) -> None:
         self._epoll.close()
-        self._waker.close()
-        self._pool.clear()
+        super()._release()
         # Endpoints before the worker before the context: ucxx tears down in reference order.
         self._endpoints.clear()
         self._retired_endpoints.clear()
@@ -207,28 +158,17 @@ class UCXTransport(QueuedSendMixin, KVTransport):
 
     # ---------------------------------------------------------------- IO thread
 
-    def _run(self) -> None:
-        if self._device.type == "cuda":
-            torch.cuda.set_device(self._device)
-        try:
-            while not self._stopping:
-                busy = self._drain_commands()
-                self._worker.progress()
-                busy |= self._probe(CONTROL_TAG, "ctrl_recv")
-                busy |= self._probe(ACK_TAG, "ack_recv")
-                busy |= self._complete_ops()
-                busy |= self._post_chunks()
-                if not busy and self._worker.arm():
-                    self._epoll.poll(_IDLE_WAIT_S)
-                    self._waker.drain()
-        except Exception as e:  # noqa: BLE001 - surface in poll_sent rather than die silently
-            log.exception("UCX IO thread failed")
-            for peer_id in list(self._endpoints):
-                self._tracker.fail_peer(peer_id, f"UCX IO thread failed: {e}")
-        finally:
-            self._shutdown_io()
+    def _io_step(self, busy: bool) -> None:
+        self._worker.progress()
+        busy |= self._probe(CONTROL_TAG, "ctrl_recv")
+        busy |= self._probe(ACK_TAG, "ack_recv")
+        busy |= self._complete_ops()
+        busy |= self._post_chunks()
+        if not busy and self._worker.arm():
+            self._epoll.poll(_IDLE_WAIT_S)
+            self._waker.drain()
 
-    def _shutdown_io(self) -> None:
+    def _io_shutdown(self) -> None:
         try:
             self._drain_unexpected()
             self._worker.cancel_inflight_requests()
@@ -238,8 +178,6 @@ class UCXTransport(QueuedSendMixin, KVTransport):
             self._worker.progress()
         except Exception:  # noqa: BLE001 - best effort on the way out
             log.debug("UCX shutdown", exc_info=True)
-        for peer_id in list(self._endpoints):
-            self._tracker.fail_peer(peer_id, "transport closed")
 
     def _drain_unexpected(self) -> None:
         """Match every message no receive was posted for (the payloads behind rejected headers, a
@@ -253,24 +191,6 @@ class UCXTransport(QueuedSendMixin, KVTransport):
                 return
             scratch = np.empty(1, dtype=np.uint8)
             self._ops.append(_Op("drain", self._worker.tag_recv_with_handle(self._Array(scratch), probe), scratch))
-
-    def _drain_commands(self) -> bool:
-        busy = False
-        while True:
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                return busy
-            busy = True
-            if cmd[0] == "send":
-                self._jobs.append(cmd[1])
-            elif cmd[0] == "connect":
-                _, peer_id, address, nonce, done, result = cmd
-                try:
-                    self._connect_io(peer_id, address, nonce)
-                except Exception as e:  # noqa: BLE001 - handed to the caller
-                    result["error"] = e
-                done.set()
 
     def _connect_io(self, peer_id: str, address: bytes, nonce: bytes) -> None:
         api = self._api
@@ -314,38 +234,34 @@ class UCXTransport(QueuedSendMixin, KVTransport):
 
     # sender: post chunks while staging allows ------------------------------------------------
 
-    def _live_payload_sends(self) -> int:
-        return sum(1 for op in self._ops if op.kind == "payload_send" and self._tracker.is_live(op.seq))
+    def _has_room(self) -> bool:
+        live = sum(1 for op in self._ops if op.kind == "payload_send" and self._tracker.is_live(op.seq))
+        return live < self.config.max_inflight_chunks
 
-    def _post_chunks(self) -> bool:
-        posted = False
-        while self._jobs and self._live_payload_sends() < self.config.max_inflight_chunks:
-            job = self._jobs[0]
-            ep = self._endpoints.get(job.peer_id)
-            if ep is None or not self._tracker.is_live(job.seq) or job.next_chunk >= len(job.chunks):
-                self._jobs.popleft()
-                continue
-            chunk = job.chunks[job.next_chunk]
-            job.next_chunk += 1
-            nbytes = job.payload_bytes(chunk, self._layout)
-            buf = self._pool.take(nbytes)
-            gather_rows(
-                self._rows,
-                self._layout.row_ids(job.layer_ids, chunk.src_block_ids),
-                buffer_rows(buf, self._layout.block_bytes),
-            )
-            if buf.is_cuda:
-                torch.cuda.current_stream().synchronize()  # UCX reads the buffer outside the stream
-            tag = self._tag_base | (self._tag_counter & 0xFFFF_FFFF)
-            self._tag_counter += 1
-            header = job.header(chunk, self._id, self._layout, {"tag": tag}).encode()
-            ctrl = _host_bytes(self._sealer.seal(HEADER, self._peer_nonces[job.peer_id], header))
-            api = self._api
-            self._ops.append(_Op("ctrl_send", ep.tag_send(self._Array(ctrl), api.UCXXTag(CONTROL_TAG)), ctrl))
-            req = ep.tag_send(self._ucx_array(buf), api.UCXXTag(tag))
-            self._ops.append(_Op("payload_send", req, buf, seq=job.seq))
-            posted = True
-        return posted
+    def _peer_problem(self, peer_id: str) -> str | None:
+        return None if peer_id in self._endpoints else f"not connected to {peer_id}"
+
+    def _post_chunk(self, job: SendJob, chunk: Chunk) -> bool:
+        ep = self._endpoints[job.peer_id]
+        job.next_chunk += 1
+        nbytes = job.payload_bytes(chunk, self._layout)
+        buf = self._pool.take(nbytes)
+        gather_rows(
+            self._rows,
+            self._layout.row_ids(job.layer_ids, chunk.src_block_ids),
+            buffer_rows(buf, self._layout.block_bytes),
+        )
+        if buf.is_cuda:
+            torch.cuda.current_stream().synchronize()  # UCX reads the buffer outside the stream
+        tag = self._tag_base | (self._tag_counter & 0xFFFF_FFFF)
+        self._tag_counter += 1
+        header = job.header(chunk, self._id, self._layout, {"tag": tag}).encode()
+        ctrl = _host_bytes(self._sealer.seal(HEADER, self._peer_nonces[job.peer_id], header))
+        api = self._api
+        self._ops.append(_Op("ctrl_send", ep.tag_send(self._Array(ctrl), api.UCXXTag(CONTROL_TAG)), ctrl))
+        req = ep.tag_send(self._ucx_array(buf), api.UCXXTag(tag))
+        self._ops.append(_Op("payload_send", req, buf, seq=job.seq))
+        return True
 
     # completions ------------------------------------------------------------------------------
 
@@ -412,30 +328,18 @@ class UCXTransport(QueuedSendMixin, KVTransport):
         if error is None:
             error = self._scatter(header, op.buffer)
         self._pool.give(op.buffer)
-        if error is None:
-            self._received.chunk_landed(
-                sender_nonce, header.send_seq, header.num_chunks, header.transfer_id, header.layer_ids
-            )
+        ack = self._landing.settle(sender_nonce, header, error)
         ep = self._reply_endpoints.get(sender_nonce)
         if ep is None:
             log.warning("chunk from sender %s, whose HELLO never came, not acknowledged", header.sender_id)
             return
-        ack = ChunkAck(header.send_seq, header.chunk_index, error).encode()
-        ack = _host_bytes(self._sealer.seal(ACK, sender_nonce, ack))
-        self._ops.append(_Op("ack_send", ep.tag_send(self._Array(ack), self._api.UCXXTag(ACK_TAG)), ack))
+        sealed = _host_bytes(self._sealer.seal(ACK, sender_nonce, ack.encode()))
+        self._ops.append(_Op("ack_send", ep.tag_send(self._Array(sealed), self._api.UCXXTag(ACK_TAG)), sealed))
 
     def _scatter(self, header: ChunkHeader, buf: torch.Tensor) -> str | None:
-        layout = self._layout
-        problem = chunk_problem(layout, header.layer_ids, header.dst_block_ids, buf.numel())
+        problem = chunk_problem(self._layout, header.layer_ids, header.dst_block_ids, buf.numel())
         if problem:
             return problem
-        dst = header.dst_block_ids
         # Admission: UCX wrote the payload into our staging buffer, never into the cache; only this
         # scatter does, under the gate a revoke() waits for.
-        with self._admission.gate(header.transfer_id, dst) as refusal:
-            if refusal:
-                return refusal
-            scatter_rows(buffer_rows(buf, layout.block_bytes), self._rows, layout.row_ids(header.layer_ids, dst))
-            if buf.is_cuda:
-                torch.cuda.current_stream().synchronize()  # the bytes must be in kv_cache before we report
-        return None
+        return self._landing.scatter(header, buffer_rows(buf, self._layout.block_bytes))
