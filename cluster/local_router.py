@@ -19,7 +19,6 @@ from typing import AsyncIterator
 from pdcluster.cluster.router_api import RouterError, TokenDelta
 from pdcluster.decode_node.worker import DecodeWorker
 from pdcluster.engine.config import EngineConfig
-from pdcluster.engine.llm_engine import InvalidRequestError
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.node.events import ADMITTED, Admission, Failed, Tokens, WorkerError
 
@@ -128,11 +127,13 @@ class LocalRouter:
         if request_id in self._streams:
             raise RouterError(f"request id {request_id!r} is already in use", status=400,
                               kind="invalid_request_error")
-        try:
-            # Reads only the engine's fixed limits (max_model_len, vocab, pool size): safe off its thread.
-            self.worker.engine.validate(prompt_token_ids, params)
-        except InvalidRequestError as e:
-            raise RouterError(str(e), status=400, kind="invalid_request_error") from e
+        # The API validated the request; what only this router knows is the size of its KV pool. Reads
+        # only the engine's fixed limits: safe off its thread.
+        engine = self.worker.engine
+        need = -(-(len(prompt_token_ids) + 1 + engine.config.num_spec_steps) // engine.config.block_size)
+        if not prompt_token_ids or need > engine.kv_spec.num_blocks:
+            raise RouterError(f"prompt has {len(prompt_token_ids)} tokens and needs {need} KV blocks, but the pool "
+                              f"holds {engine.kv_spec.num_blocks}", status=400, kind="invalid_request_error")
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[TokenDelta]:

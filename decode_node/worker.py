@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass
 
 from pdcluster.engine.config import EngineConfig
-from pdcluster.engine.llm_engine import InvalidRequestError, LLMEngine, RequestOutput
+from pdcluster.engine.llm_engine import LLMEngine, RequestOutput
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kv_transfer.config import TransferConfig
 from pdcluster.kv_transfer.protocol import FirstToken
@@ -90,16 +90,16 @@ class DecodeWorker(WorkerLoop):
 
     def _place(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                prefill_id: str | None) -> None:
+        # The API validated the request (once, at the edge); the router checked what only it knows.
+        if prefill_id is None:
+            self.engine.add_request(prompt_token_ids, params, request_id=request_id, validate=False)
+            self._admission(request_id, ADMITTED)
+            return
         try:
-            if prefill_id is None:
-                self.engine.add_request(prompt_token_ids, params, request_id=request_id)
-                self._admission(request_id, ADMITTED)
-                return
-            self.engine.validate(prompt_token_ids, params)
-        except InvalidRequestError as e:
+            blocks = self.engine.reserve_blocks(request_id, len(prompt_token_ids), params)
+        except ValueError as e:  # the id is in use here: a caller bug, said clearly
             self._admission(request_id, INVALID, str(e))
             return
-        blocks = self.engine.reserve_blocks(request_id, len(prompt_token_ids), params)
         if blocks is None:
             self._admission(request_id, FULL)
             return

@@ -200,9 +200,13 @@ class LLMEngine:
                 f"prompt needs {need} KV blocks but the pool holds {self.kv_spec.num_blocks}"
             )
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                    validate: bool = True) -> str:
+        """``validate=False``: the caller's edge validated the request already (a served request is
+        validated once, by the HTTP API)."""
         prompt_token_ids = self.tokenize(prompt)
-        self.validate(prompt_token_ids, params)
+        if validate:
+            self.validate(prompt_token_ids, params)
         params = self.assign_seed(params)
         request_id = request_id or f"req-{next(self._ids)}"
         request = Request(request_id, prompt_token_ids, params, arrival_time=time.monotonic())

@@ -60,8 +60,9 @@ class PrefillWorker(WorkerLoop):
         request_id = msg.request_id
         try:
             params = SamplingParams(**msg.sampling)
-            self.engine.validate(msg.prompt_token_ids, params)
             # Only the first token is produced here; the decode worker continues with the same seed.
+            # Checked here (add_request validates) because it came from another process: a bad token id
+            # must fail this request, not the engine thread.
             self.engine.add_request(list(msg.prompt_token_ids), replace(params, max_tokens=1), request_id=request_id)
             timeout_s = min(self.transfer.transfer_timeout_s, max(0.0, msg.deadline_unix_s - time.time()))
             self.connector.add_transfer(request_id, decode_id, msg.dst_block_ids, msg.num_tokens, timeout_s)

@@ -91,7 +91,7 @@ class Stack:
         while True:
             w = self.router.worker.stats()
             if (w["num_running"], w["num_waiting"], w["num_free_blocks"]) == (0, 0, NUM_BLOCKS) \
-                    and not self.router._streams:
+                    and self.router.num_open_streams == 0:
                 return w
             assert time.monotonic() < deadline, f"worker did not settle within {timeout_s} s: {w}"
             time.sleep(0.05)
@@ -290,7 +290,7 @@ def test_request_deadline_ends_a_stuck_request(tiny_dir):
         assert time.monotonic() - started < 3
         assert [(d.finished, d.finish_reason) for d in deltas] == [(True, "error")]
         assert "no progress" in deltas[0].error
-        assert not router._streams
+        assert router.num_open_streams == 0
     finally:
         router.close()
 
