@@ -30,14 +30,28 @@ def tiny_dir():
     return resolve_model("tiny-random", progress=False)
 
 
-def make_engine(model: str = "tiny-random", **kwargs):
-    """An LLMEngine with test-friendly defaults (small pool, float32)."""
+def engine_config(model: str = "tiny-random", **kwargs):
+    """An EngineConfig with test-friendly defaults (small pool, float32); keyword arguments override
+    them. ``functools.partial(engine_config, ...)`` gives a test module its own defaults."""
     from pdcluster.engine.config import EngineConfig
-    from pdcluster.engine.llm_engine import LLMEngine
 
     kwargs.setdefault("num_kv_blocks", 512)
     kwargs.setdefault("max_model_len", 1024)
-    return LLMEngine(EngineConfig(model=model, **kwargs), progress=False)
+    return EngineConfig(model=model, **kwargs)
+
+
+def make_engine(model: str = "tiny-random", **kwargs):
+    """An LLMEngine on :func:`engine_config` (the same defaults and overrides)."""
+    from pdcluster.engine.llm_engine import LLMEngine
+
+    return LLMEngine(engine_config(model, **kwargs), progress=False)
+
+
+def usable_transports() -> list[str]:
+    """The KV transports that work on this machine (the others' reasons: available_transports())."""
+    from pdcluster.kv_transfer.transports import available_transports
+
+    return [name for name, reason in available_transports().items() if reason is None]
 
 
 class OracleProposer:

@@ -13,6 +13,21 @@ def _req(rid, tokens, max_tokens=4):
     return Request(rid, list(tokens), SamplingParams(max_tokens=max_tokens))
 
 
+def _allocated(bm, rid, num_tokens):
+    """A request of tokens 0 .. num_tokens - 1 with a slot for each."""
+    req = _req(rid, range(num_tokens))
+    assert bm.allocate_slots(req, num_tokens)
+    return req
+
+
+def _cached(bm, rid, num_tokens):
+    """:func:`_allocated`, then every token computed and the full blocks put in the prefix cache."""
+    req = _allocated(bm, rid, num_tokens)
+    req.num_computed_tokens = num_tokens
+    bm.cache_full_blocks(req)
+    return req
+
+
 def test_allocate_and_free_return_every_block():
     bm = BlockManager(num_blocks=10, block_size=4)
     a, b = _req("a", range(9)), _req("b", range(5))
@@ -28,8 +43,7 @@ def test_allocate_and_free_return_every_block():
 
 def test_double_free_is_caught():
     bm = BlockManager(num_blocks=4, block_size=4)
-    a = _req("a", range(4))
-    bm.allocate_slots(a, 4)
+    a = _allocated(bm, "a", 4)
     ids = list(a.block_ids)
     bm.free(a)
     a.block_ids = ids
@@ -39,10 +53,7 @@ def test_double_free_is_caught():
 
 def test_prefix_cache_shares_full_blocks_and_survives_free():
     bm = BlockManager(num_blocks=8, block_size=4)
-    a = _req("a", range(10))
-    bm.allocate_slots(a, 10)
-    a.num_computed_tokens = 10
-    bm.cache_full_blocks(a)
+    a = _cached(bm, "a", 10)
     first_two = a.block_ids[:2]
     bm.free(a)
     b = _req("b", list(range(8)) + [99, 98, 97])
@@ -57,10 +68,7 @@ def test_prefix_cache_shares_full_blocks_and_survives_free():
 
 def test_prefix_cache_leaves_one_token_to_compute():
     bm = BlockManager(num_blocks=8, block_size=4)
-    a = _req("a", range(8))
-    bm.allocate_slots(a, 8)
-    a.num_computed_tokens = 8
-    bm.cache_full_blocks(a)
+    _cached(bm, "a", 8)
     # The same 8 tokens again: only the first block may be reused, the last token must be computed.
     assert len(bm.find_cached_prefix(_req("b", range(8)))) == 1
 

@@ -3,26 +3,20 @@ stream, real KV transfer. Greedy outputs equal a single engine in every mode; th
 follows the decode workers' reports; placement policies do what they say."""
 
 import asyncio
+import functools
 import random
 
 import pytest
 
-from conftest import make_engine
+from conftest import engine_config, make_engine, usable_transports
 from pdcluster.cluster.launcher import Cluster, ClusterSpec
-from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kv_transfer.config import TransferConfig
-from pdcluster.kv_transfer.transports import available_transports
 
-TRANSPORTS = [name for name, reason in available_transports().items() if reason is None]
+TRANSPORTS = usable_transports()
 NUM_BLOCKS = 256
 
-
-
-def _config(**kw):
-    base = dict(model="tiny-random", num_kv_blocks=NUM_BLOCKS, max_model_len=1024, prefill_chunk_size=32)
-    base.update(kw)
-    return EngineConfig(**base)
+_config = functools.partial(engine_config, num_kv_blocks=NUM_BLOCKS, max_model_len=1024, prefill_chunk_size=32)
 
 
 def _prompts(n, seed=0):

@@ -37,6 +37,7 @@ from pdcluster.kv_transfer.protocol import (
     ROLES,
     AbortTransfer,
     Challenge,
+    FirstToken,
     HandshakeError,
     Heartbeat,
     Hello,
@@ -45,7 +46,6 @@ from pdcluster.kv_transfer.protocol import (
     ProtocolError,
     TransferDone,
     TransferRequest,
-    FirstToken,
     VersionError,
     check_compatible,
     decode,
@@ -527,9 +527,18 @@ def test_secret_never_crosses_the_wire(endpoints):
         assert secret.hex().encode() not in wire
 
 
-@pytest.mark.timeout(15)
-def test_decode_side_refuses_a_prefill_peer_that_cannot_prove_the_secret(endpoints, zctx):
-    """Mutual authentication, against a raw ROUTER posing as a prefill worker; it sees no secret either."""
+def _connect_error(endpoint, address):
+    try:
+        endpoint.connect(address, timeout_s=3.0)
+    except HandshakeError as exc:
+        return exc
+    return None
+
+
+def _decode_connecting_to_fake_listener(endpoints, zctx):
+    """A raw ROUTER posing as a prefill listener, and decode endpoint "d0" connecting to it from a thread.
+    Returns (the ROUTER, the endpoint, the started thread, a dict that gets the HandshakeError or None
+    under "error")."""
     fake = zctx.socket(zmq.ROUTER)
     fake.linger = 0
     port = fake.bind_to_random_port("tcp://127.0.0.1")
@@ -537,6 +546,13 @@ def test_decode_side_refuses_a_prefill_peer_that_cannot_prove_the_secret(endpoin
     result = {}
     t = threading.Thread(target=lambda: result.update(error=_connect_error(decode_ep, f"tcp://127.0.0.1:{port}")))
     t.start()
+    return fake, decode_ep, t, result
+
+
+@pytest.mark.timeout(15)
+def test_decode_side_refuses_a_prefill_peer_that_cannot_prove_the_secret(endpoints, zctx):
+    """Mutual authentication, against a raw ROUTER posing as a prefill worker; it sees no secret either."""
+    fake, decode_ep, t, result = _decode_connecting_to_fake_listener(endpoints, zctx)
     received = []
     route, payload = fake.recv_multipart() if fake.poll(2000) else pytest.fail("no Challenge")
     received.append(payload)
@@ -584,14 +600,6 @@ def test_replayed_or_nonce_swapped_hello_is_refused(endpoints, zctx):
     assert prefill.peers() == {}
 
 
-def _connect_error(endpoint, address):
-    try:
-        endpoint.connect(address, timeout_s=3.0)
-    except HandshakeError as exc:
-        return exc
-    return None
-
-
 @pytest.mark.timeout(15)
 def test_protocol_version_mismatch_is_refused_with_both_versions(endpoints, zctx, caplog):
     caplog.set_level(logging.WARNING, logger=LOGGER)
@@ -605,13 +613,7 @@ def test_protocol_version_mismatch_is_refused_with_both_versions(endpoints, zctx
     wait_until(lambda: "protocol version mismatch" in caplog.text, 2.0, "the refusal in the log")
 
     # The other direction: a listener that answers in version 2.
-    fake = zctx.socket(zmq.ROUTER)
-    fake.linger = 0
-    port = fake.bind_to_random_port("tcp://127.0.0.1")
-    decode_ep = endpoints(DecodeEndpoint, config("d0"))
-    result = {}
-    t = threading.Thread(target=lambda: result.update(error=_connect_error(decode_ep, f"tcp://127.0.0.1:{port}")))
-    t.start()
+    fake, _, t, result = _decode_connecting_to_fake_listener(endpoints, zctx)
     assert fake.poll(2000)
     route, _ = fake.recv_multipart()
     fake.send_multipart([route, msgpack.packb({"v": 2, "t": "Challenge", "b": {"nonce": auth.new_nonce()}})])

@@ -1,31 +1,27 @@
 """KV transfer between real prefill and decode workers on 127.0.0.1: token-exact against a single
 engine for every transport, and no stranded blocks when either side dies mid-transfer."""
 
+import contextlib
+import functools
+import logging
 import multiprocessing as mp
 import os
 import signal
 import threading
 import time
 
-import logging
-
 import pytest
 
-from conftest import make_engine
-from pdcluster.engine.config import EngineConfig
+from conftest import engine_config, make_engine, usable_transports
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kv_transfer.config import TransferConfig
 from pdcluster.kv_transfer.transports import available_transports
 from pdcluster.node.events import ADMITTED, Admission, Failed, Tokens
 
-TRANSPORTS = [name for name, reason in available_transports().items() if reason is None]
+TRANSPORTS = usable_transports()
 NUM_BLOCKS = 128
 
-
-def _engine_config(**kw):
-    base = dict(model="tiny-random", num_kv_blocks=NUM_BLOCKS, max_model_len=1536, prefill_chunk_size=16)
-    base.update(kw)
-    return EngineConfig(**base)
+_engine_config = functools.partial(engine_config, num_kv_blocks=NUM_BLOCKS, max_model_len=1536, prefill_chunk_size=16)
 
 
 class Events:
@@ -113,6 +109,27 @@ def test_disagg_equals_single_engine(tiny_dir, transport):
 
 # ---- peers killed mid-transfer --------------------------------------------------------------------
 
+@contextlib.contextmanager
+def _peer_child(survivor, target, *args):
+    """``target(conn, *args)`` in a spawned daemon process, the peer that ``survivor`` (a worker) must
+    outlive: yields (our end of the pipe, the process); afterwards the process is killed and the
+    survivor closed."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(child, *args), daemon=True)
+    proc.start()
+    try:
+        yield parent, proc
+    finally:
+        proc.kill()
+        survivor.close()
+
+
+def _assert_freed_within_5s(worker, killed_at: float) -> None:
+    freed_at = _wait_free(worker, NUM_BLOCKS, 10)
+    assert freed_at - killed_at < 5.0, f"blocks freed {freed_at - killed_at:.2f}s after the kill"
+
+
 def _decode_child(conn, prefill_address, prompt_len, transport):
     """Decode worker in its own process: connect, take the request (it asks the prefill worker for
     the KV), report its admission, then idle until killed."""
@@ -151,12 +168,7 @@ def test_decode_killed_mid_transfer_prefill_reclaims_within_5s(tiny_dir, transpo
     caplog.set_level(logging.WARNING, logger="pdcluster.kv_transfer.connector")
     # Small chunks make the prefill (and so the layer-wise transfer) long enough to be cut.
     p = PrefillWorker("p0", _engine_config(prefill_chunk_size=8), TransferConfig(transport=transport))
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    prompt_len = 1200
-    proc = ctx.Process(target=_decode_child, args=(child, p.address, prompt_len, transport), daemon=True)
-    proc.start()
-    try:
+    with _peer_child(p, _decode_child, p.address, 1200, transport) as (parent, proc):
         assert parent.poll(120), "decode child did not start"
         assert parent.recv() == ADMITTED
         deadline = time.monotonic() + 30
@@ -172,12 +184,8 @@ def test_decode_killed_mid_transfer_prefill_reclaims_within_5s(tiny_dir, transpo
         failures = [r.getMessage() for r in caplog.records if "KV transfer of victim" in r.getMessage()]
         assert failures, "the prefill side never gave the transfer up"
         assert reason in failures[0], failures
-        reclaimed_at = _wait_free(p, NUM_BLOCKS, 10)
-        assert reclaimed_at - killed_at < 5.0, f"blocks reclaimed after {reclaimed_at - killed_at:.2f}s"
+        _assert_freed_within_5s(p, killed_at)
         assert p.stats()["num_held"] == 0 and p.stats()["num_transfers"] == 0
-    finally:
-        proc.kill()
-        p.close()
 
 
 @pytest.mark.timeout(180)
@@ -187,11 +195,7 @@ def test_prefill_killed_mid_transfer_decode_frees_reserved_blocks(tiny_dir):
     events = Events()
     d = DecodeWorker("d0", _engine_config(), TransferConfig(transport="tcp"))
     d.on_event = events
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_prefill_child, args=(child,), daemon=True)
-    proc.start()
-    try:
+    with _peer_child(d, _prefill_child) as (parent, proc):
         assert parent.poll(120), "prefill child did not start"
         assert d.connect_prefill(parent.recv()) == "p-child"
         prompt = list(range(1, 1201))
@@ -207,12 +211,8 @@ def test_prefill_killed_mid_transfer_decode_frees_reserved_blocks(tiny_dir):
         failed = events.wait_for(lambda e: isinstance(e, Failed) and e.request_id == "victim", 10)
         assert failed is not None, "the decode side never reported the request failed"
         assert "stopped answering" in failed.reason
-        freed_at = _wait_free(d, NUM_BLOCKS, 10)
-        assert freed_at - killed_at < 5.0
+        _assert_freed_within_5s(d, killed_at)
         assert d.stats()["num_reserved"] == 0
-    finally:
-        proc.kill()
-        d.close()
 
 
 @pytest.mark.timeout(120)
