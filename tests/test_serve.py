@@ -4,7 +4,6 @@ disagg mode for every transport, and in disagg mode with speculation. Ctrl-C sto
 cleanly; a busy port is one error line before Ray starts."""
 
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -13,6 +12,7 @@ import tempfile
 import pytest
 
 from conftest import make_engine
+from pdcluster.cluster.loadtest.server_metrics import parse_prometheus
 from pdcluster.cluster.server_process import ServeProcess
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kv_transfer.transports import available_transports
@@ -66,8 +66,7 @@ def _check_server(server, expected):
 
 
 def _metric(text, name):
-    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
-    return float(m.group(1)) if m else None
+    return parse_prometheus(text).get(name)
 
 
 @pytest.mark.timeout(600)

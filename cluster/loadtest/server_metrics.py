@@ -9,31 +9,22 @@ gives None and the run goes on: scraping is optional.
 from __future__ import annotations
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 PREFIX = "pdcluster:"
 TTFT_PARTS = ("queue", "prefill", "kv_transfer", "first_decode")
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
-    """Sample name (labels dropped) -> value summed over label sets. ``# HELP``/``# TYPE`` skipped."""
+    """Sample name (labels dropped) -> value summed over label sets (prometheus_client's parser);
+    text that does not parse gives what parsed before it."""
     values: dict[str, float] = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        if "{" in line.split(" ", 1)[0]:
-            name, _, rest = line.partition("{")
-            rest = rest[rest.rfind("}") + 1:]
-        else:
-            name, _, rest = line.partition(" ")
-        fields = rest.split()
-        if not fields:
-            continue
-        try:
-            value = float(fields[0])
-        except ValueError:
-            continue
-        values[name] = values.get(name, 0.0) + value
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    except ValueError:
+        pass
     return values
 
 
