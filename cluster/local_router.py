@@ -172,6 +172,7 @@ class LocalRouter:
                     num_output_tokens=event.num_output_tokens,
                     num_draft_tokens=event.num_draft_tokens,
                     num_accepted_tokens=event.num_accepted_tokens,
+                    num_cached_tokens=event.num_cached_tokens,
                 )
                 if first:
                     delta.ttft_breakdown = {"queue": event.queue_s, "prefill": event.prefill_s}

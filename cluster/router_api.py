@@ -30,6 +30,9 @@ class TokenDelta:
     num_output_tokens: int = 0  # authoritative count so far (from the decode worker)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # Prompt tokens served from the prefix cache of the worker that prefilled the prompt (the first
+    # placement's: a recovery re-prefills prompt + streamed tokens, which is not the client's prompt).
+    num_cached_tokens: int = 0
     error: str | None = None
     # Seconds, set on the first delta: queue, prefill, kv_transfer, first_decode (where known).
     ttft_breakdown: dict[str, float] = field(default_factory=dict)

@@ -68,6 +68,7 @@ class SendTask:
     draft_token_ids: list[int] = field(default_factory=list)
     num_bytes: int = 0
     t_first_send: float = 0.0
+    num_cached_tokens: int = 0
 
 
 class PrefillKVConnector(KVConnector, SchedulerConnector):
@@ -117,6 +118,7 @@ class PrefillKVConnector(KVConnector, SchedulerConnector):
         task.finished = True
         task.src_block_ids = list(request.block_ids)
         task.first_token_id = request.output_token_ids[0] if request.output_token_ids else -1
+        task.num_cached_tokens = request.num_cached_tokens
         task.draft_token_ids = list(request.spec_token_ids)
         return True  # hold the blocks until post_forward has sent them and the receiver acked
 
@@ -189,7 +191,8 @@ class PrefillKVConnector(KVConnector, SchedulerConnector):
                 continue  # layer-wise sends drained before the flush: not complete yet
             done = TransferDone(request_id=request_id, ok=True, error="", num_tokens=task.num_prompt_tokens,
                                 first_token_id=task.first_token_id, draft_token_ids=task.draft_token_ids,
-                                num_bytes=task.num_bytes, seconds=self.clock() - task.t_first_send)
+                                num_bytes=task.num_bytes, seconds=self.clock() - task.t_first_send,
+                                num_cached_tokens=task.num_cached_tokens)
             try:
                 self.endpoint.send(task.decode_id, done)
             except Exception as e:  # noqa: BLE001

@@ -151,6 +151,7 @@ class TransferDone(_Record):
     draft_token_ids: list[int]  # the MTP proposer's drafts for the first decode step
     num_bytes: int = 0  # what the data plane moved for this request (metrics)
     seconds: float = 0.0  # from the first chunk sent to the last one acknowledged
+    num_cached_tokens: int = 0  # prompt tokens the prefill worker took from its prefix cache
 
     def _check_values(self, path: str) -> None:
         _require(self.num_tokens >= 0, f"{path}.num_tokens", "must be >= 0", self.num_tokens)
@@ -163,6 +164,7 @@ class FirstToken(_Record):
 
     request_id: str
     token_id: int
+    num_cached_tokens: int = 0  # prompt tokens the prefill worker took from its prefix cache
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ class Tokens(_Record):
     finish_reason: str = ""  # "" while running; else "stop" | "length" | "abort" | "error"
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from a prefix cache (where the prompt was prefilled)
     # Set on the first Tokens of a request prefilled on this worker: seconds queued before its first
     # step, and from then to the first token (TTFT breakdown without a shared clock).
     queue_s: float = 0.0

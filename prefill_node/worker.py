@@ -109,5 +109,6 @@ class PrefillWorker(WorkerLoop):
         for out in self.engine.step():
             task = self.connector.tasks.get(out.request_id)
             if out.new_token_ids and task is not None:
-                self._send(task.decode_id, FirstToken(request_id=out.request_id, token_id=out.new_token_ids[0]))
+                self._send(task.decode_id, FirstToken(request_id=out.request_id, token_id=out.new_token_ids[0],
+                                                      num_cached_tokens=out.num_cached_tokens))
         return True

@@ -226,3 +226,28 @@ def test_least_loaded_and_prefix_aware(cluster_2p2d):
     d = {x.request_id: x for x in router.recorder.decisions}
     assert d["ll-1"].decode_id != d["ll-0"].decode_id
     assert d["px-0"].prefill_id == d["px-1"].prefill_id == d["px-2"].prefill_id
+
+
+@pytest.mark.timeout(300)
+def test_cached_tokens_come_from_the_worker_that_prefilled(cluster_2p2d):
+    """A repeated prompt is served from the prefill worker's prefix cache (prefix_aware places it on
+    the same one): the usage the router reports says how many prompt tokens were cached, counted by
+    that worker, in full blocks; the first time, none."""
+    router = cluster_2p2d.router
+    _set_policy(cluster_2p2d, "prefix_aware")
+    prompt = list(range(7000, 7000 + 100))  # 6 full blocks of 16 and a partial one
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+
+    async def cached(rid):
+        router.start(asyncio.get_running_loop())
+        last = None
+        async for delta in router.generate(rid, prompt, params):
+            last = delta
+        return last.num_cached_tokens
+
+    first = asyncio.run(cached("cache-0"))
+    second = asyncio.run(cached("cache-1"))
+    placed = {d.request_id: d.prefill_id for d in router.recorder.decisions}
+    assert placed["cache-0"] == placed["cache-1"]
+    assert first == 0
+    assert second == 96, second  # every full block of the prompt (the partial tail is recomputed)

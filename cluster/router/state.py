@@ -68,6 +68,7 @@ class RequestState:
     recovering: bool = False
     finished: bool = False
     failed_pair: tuple | None = None  # the pair whose placement last failed (tried last)
+    num_cached_tokens: int | None = None  # from the first placement's first report
     t_arrival: float = field(default_factory=time.monotonic)
 
     @property

@@ -81,11 +81,14 @@ class RequestStreams:
                 self._on_pair_success(a)
         elif a.t_kv_ready and not a.t_first_decode:
             a.t_first_decode = now
+        if r.num_cached_tokens is None:
+            r.num_cached_tokens = min(ev.num_cached_tokens, r.num_prompt_tokens)
         new = list(ev.new_token_ids)
         r.emitted.extend(new)
         # The decode worker counts this placement's outputs; earlier placements' are in its prompt.
         delta = TokenDelta(new, num_prompt_tokens=r.num_prompt_tokens, num_output_tokens=len(r.emitted),
-                           num_draft_tokens=ev.num_draft_tokens, num_accepted_tokens=ev.num_accepted_tokens)
+                           num_draft_tokens=ev.num_draft_tokens, num_accepted_tokens=ev.num_accepted_tokens,
+                           num_cached_tokens=r.num_cached_tokens)
         if first:
             breakdown = {"queue": a.t_submit - r.t_arrival, "prefill": now - a.t_submit}
             if ev.queue_s or ev.prefill_s:  # the worker timed its own queue and prefill
