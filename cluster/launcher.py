@@ -138,6 +138,10 @@ class Cluster:
         stats = ray.get([h.stats.remote() for h in self.decode_handles.values()], timeout=60)
         self.router.prefill.update(self.prefill_handles)
         self.router.decode.update(self.decode_handles)
+        # One set of handles: workers added or removed later (add_worker, remove_worker) show in both.
+        self.prefill_handles, self.decode_handles = self.router.prefill, self.router.decode
+        self._engine, self._transfer, self._env, self._use_gpu, self._tag = engine, transfer, env, use_gpu, tag
+        self._next_index = {"prefill": num_prefill, "decode": spec.num_decode}
         for wid in self.prefill_handles:
             self.router.placement.add_worker(wid, "prefill", engine.num_kv_blocks, engine.block_size)
         for wid, st in zip(self.decode_handles, stats):
@@ -173,6 +177,60 @@ class Cluster:
             st = await asyncio.wait_for(handle.stats.remote(), timeout_s)
             self.router.views[worker_id].num_blocks = st["num_blocks"]
 
+    async def add_worker(self, role: str, timeout_s: float = 300.0) -> str:
+        """Start one more worker of ``role`` ("prefill" in disagg mode, or "decode"), wire it to the other
+        role (handshakes), and put it into rotation; returns its id. Outside the placement group (its
+        bundles are fixed): Ray places it on any node with a free slot, and on a real cluster the Ray
+        autoscaler adds a node when none has one."""
+        from pdcluster.decode_node.actor import DecodeActor
+        from pdcluster.prefill_node.actor import PrefillActor
+
+        if role not in ("prefill", "decode") or (role == "prefill" and self.spec.mode != "disagg"):
+            raise ValueError(f"cannot add a {role!r} worker in {self.spec.mode} mode")
+        ray = self._ray
+        wid = f"{role}-{self._next_index[role]}-{self._tag}"
+        self._next_index[role] += 1
+        opts = self._actor_options(None, self._use_gpu, f"{role}_slot", self.spec.max_worker_restarts)
+
+        async def call(ref):
+            return await asyncio.wait_for(ref, timeout_s)
+
+        if role == "prefill":
+            handle = ray.remote(PrefillActor).options(**opts).remote(wid, self._engine, self._transfer, None, self._env)
+            address = await call(handle.address.remote())
+            await asyncio.gather(*(call(h.connect_prefill.remote(address)) for h in list(self.decode_handles.values())))
+            num_blocks = self._engine.num_kv_blocks
+        else:
+            transfer = self._transfer if self.spec.mode == "disagg" else None
+            handle = ray.remote(DecodeActor).options(**opts).remote(wid, self._engine, transfer,
+                                                                   self.router.event_address, self._env)
+            for prefill in list(self.prefill_handles.values()):
+                await call(handle.connect_prefill.remote(await call(prefill.address.remote())))
+            num_blocks = (await call(handle.stats.remote()))["num_blocks"]
+        _, incarnation, _ = await call(handle.ping.remote())
+        self.router.membership.add(wid, role, handle, num_blocks, self._engine.block_size, incarnation)
+        log.info("worker %s added and in rotation", wid)
+        return wid
+
+    async def remove_worker(self, worker_id: str, timeout_s: float = 120.0):
+        """Drain ``worker_id`` (no new placements; wait until nothing depends on it: see
+        cluster/router/membership.py), then stop it. Returns the DrainResult."""
+        handle = self.prefill_handles.get(worker_id) or self.decode_handles.get(worker_id)
+        if handle is None:
+            raise KeyError(f"no worker {worker_id!r} in this cluster")
+        is_prefill = worker_id in self.prefill_handles
+        result = await self.router.membership.drain(worker_id, timeout_s)
+        if is_prefill:  # the decode workers leave it: nothing more is expected from it
+            await asyncio.gather(*(asyncio.wait_for(h.disconnect_prefill.remote(worker_id), 30)
+                                   for h in list(self.decode_handles.values())), return_exceptions=True)
+        try:
+            await asyncio.wait_for(handle.shutdown.remote(), 30)
+        except Exception:  # noqa: BLE001 - it is being stopped either way
+            pass
+        self._ray.kill(handle)
+        log.info("worker %s drained in %.2f s and stopped", worker_id, result.waited_s)
+        return result
+
     @staticmethod
     def _bundle(use_gpu: bool, slot: str, cluster_resources: dict) -> dict:
         bundle = {slot: 1} if cluster_resources.get(slot) else {}
@@ -183,8 +241,9 @@ class Cluster:
     @staticmethod
     def _actor_options(strategy, use_gpu: bool, slot: str, max_restarts: int = 0) -> dict:
         # Restarted actors keep their id and bundle; calls are not retried (the router recovers them).
-        opts = {"scheduling_strategy": strategy, "num_cpus": 0, "max_concurrency": 4,
-                "max_restarts": max_restarts, "max_task_retries": 0}
+        opts = {"num_cpus": 0, "max_concurrency": 4, "max_restarts": max_restarts, "max_task_retries": 0}
+        if strategy is not None:
+            opts["scheduling_strategy"] = strategy
         if use_gpu:
             opts["num_gpus"] = 1
         if not use_gpu or ray_has_resource(slot):

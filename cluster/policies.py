@@ -58,12 +58,18 @@ class WorkerView:
     num_blocks: int = 0
     block_size: int = 16
     healthy: bool = True
+    draining: bool = False  # leaving: no new placements, its requests finish (cluster/router/membership.py)
     # Derived from requests (see Router): tokens whose KV the worker holds or has reserved.
     kv_tokens: int = 0
     num_requests: int = 0
     queued_prefill_tokens: int = 0
     # Prefix affinity: recently seen prompt block hashes (LRU).
     recent_hashes: OrderedDict = field(default_factory=OrderedDict)
+
+    @property
+    def in_rotation(self) -> bool:
+        """May take new placements."""
+        return self.healthy and not self.draining
 
     def load(self, num_spec_tokens: int) -> int:
         return self.kv_tokens + self.num_requests * num_spec_tokens
@@ -95,7 +101,7 @@ class Placer:
 
     def order_decode(self, decodes: list[WorkerView]) -> list[WorkerView]:
         """Decode candidates, best first (the router tries them in order until one admits)."""
-        live = [w for w in decodes if w.healthy]
+        live = [w for w in decodes if w.in_rotation]
         if not live:
             return []
         if self.policy == "round_robin":
@@ -107,7 +113,7 @@ class Placer:
         return sorted(live, key=lambda w: (w.load(self.num_spec_tokens), w.worker_id))
 
     def pick_prefill(self, prefills: list[WorkerView], prompt_hashes: list[int]) -> WorkerView | None:
-        live = [w for w in prefills if w.healthy]
+        live = [w for w in prefills if w.in_rotation]
         if not live:
             return None
         if self.policy == "round_robin":

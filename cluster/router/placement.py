@@ -20,8 +20,8 @@ class PairPlacement:
     def add_worker(self, worker_id: str, role: str, num_blocks: int, block_size: int) -> None:
         self.views[worker_id] = WorkerView(worker_id, role, num_blocks, block_size)
 
-    def role_views(self, role: str, healthy_only: bool = False) -> list[WorkerView]:
-        return [v for v in self.views.values() if v.role == role and (v.healthy or not healthy_only)]
+    def role_views(self, role: str, in_rotation_only: bool = False) -> list[WorkerView]:
+        return [v for v in self.views.values() if v.role == role and (v.in_rotation or not in_rotation_only)]
 
     def refresh(self, requests: Iterable[RequestState]) -> None:
         """Recompute every view's load from the requests (never advanced locally: S1)."""
@@ -53,7 +53,7 @@ class PairPlacement:
         if num_prompt_tokens <= c.conditional_prefill_tokens:
             return True
         if c.busy_prefill_tokens:
-            prefills = self.role_views("prefill", healthy_only=True)
+            prefills = self.role_views("prefill", in_rotation_only=True)
             return all(v.queued_prefill_tokens >= c.busy_prefill_tokens for v in prefills)
         return False
 
@@ -62,7 +62,7 @@ class PairPlacement:
         the prefill policy is asked only for the decode worker tried next (round robin advances once
         per placement). With the whole prefill tier down, decode workers prefill themselves."""
         decodes = self.placer.order_decode(self.role_views("decode"))
-        prefills = self.role_views("prefill", healthy_only=True)
+        prefills = self.role_views("prefill", in_rotation_only=True)
         local = local or not prefills
         for d in decodes:
             if local:

@@ -21,6 +21,7 @@ from typing import AsyncIterator
 from pdcluster.cluster.router.config import RouterConfig
 from pdcluster.cluster.router.events import EventReceiver
 from pdcluster.cluster.router.health import HealthMonitor
+from pdcluster.cluster.router.membership import Membership
 from pdcluster.cluster.router.placement import PairPlacement
 from pdcluster.cluster.router.recorder import DecisionRecorder
 from pdcluster.cluster.router.state import RequestState
@@ -50,6 +51,7 @@ class ClusterRouter:
         self.recorder: DecisionRecorder | None = None
         self.streams = RequestStreams(self.counters, lambda: self.recorder,
                                       lambda a: self.placement.breaker(*a.pair).record_success())
+        self.membership = Membership(self.placement, self.streams, self.prefill, self.decode, self.health)
         self.submitter = Submitter(self.config, self.placement, self.streams, self.decode, block_size,
                                    self.mark_down, lambda: self.recorder)
         # Called with (transport, num_bytes, seconds) per finished KV transfer (metrics hook).
@@ -132,7 +134,7 @@ class ClusterRouter:
             "healthy": any(v.healthy for v in decodes),
             "workers": [
                 {"worker_id": v.worker_id, "role": v.role, "kv_tokens": v.kv_tokens, "num_requests": v.num_requests,
-                 "queued_prefill_tokens": v.queued_prefill_tokens, "healthy": v.healthy}
+                 "queued_prefill_tokens": v.queued_prefill_tokens, "healthy": v.healthy, "draining": v.draining}
                 for v in self.placement.views.values()
             ],
             **self.counters,

@@ -57,6 +57,10 @@ class RequestStreams:
         """Placements whose events are still routed (zero once every request has ended)."""
         return len(self._by_wid)
 
+    def pending_on(self, worker_id: str) -> bool:
+        """A placement on ``worker_id`` (either role) is still waiting for its verdict."""
+        return any(worker_id in a.pair for a in self.pending())
+
     def pending(self) -> list[Attempt]:
         """Placements still waiting for their decode worker's verdict."""
         return [a for _, a in self._by_wid.values() if not a.admitted.done()]

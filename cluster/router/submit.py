@@ -45,7 +45,7 @@ class Submitter:
         hashes = chained_block_hashes(prompt, self.block_size)
         while not r.finished:
             self.placement.refresh(self.streams.requests.values())
-            local = self.placement.wants_local(len(prompt), bool(self.placement.role_views("prefill")))
+            local = self.placement.wants_local(len(prompt), bool(self.placement.role_views("prefill", True)))
             for d, p in self.placement.candidates(local, hashes, r.failed_pair, time.monotonic()):
                 if r.finished:  # aborted (client, deadline) while it waited for room
                     return
@@ -53,7 +53,7 @@ class Submitter:
                     if p is not None:
                         p.remember(hashes)
                     return
-            if not any(v.healthy for v in self.placement.role_views("decode")):
+            if not self.placement.role_views("decode", in_rotation_only=True):
                 # A worker Ray is restarting comes back within seconds: wait for it, up to the deadline.
                 if time.monotonic() > deadline:
                     raise RouterError("no healthy decode worker is available", status=503)

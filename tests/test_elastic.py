@@ -1,0 +1,130 @@
+"""Workers join and leave a running cluster (real Ray actors, real KV transfer): a worker that is
+added takes placements; a worker that drains gets none from the moment it starts draining, is
+removed only when nothing depends on it, and nothing is lost or recomputed (no recovery, no failed
+request, token-exact outputs, every block back)."""
+
+import asyncio
+import functools
+import time
+
+import pytest
+
+from conftest import engine_config, make_engine, usable_transports
+from pdcluster.cluster.launcher import Cluster, ClusterSpec
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.kv_transfer.config import TransferConfig
+
+NUM_BLOCKS = 256
+_config = functools.partial(engine_config, num_kv_blocks=NUM_BLOCKS, max_model_len=1024, prefill_chunk_size=16)
+PROMPTS = [list(range(3000 + 50 * i, 3000 + 50 * i + 40 + 7 * i)) for i in range(6)]
+PARAMS = SamplingParams(max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def expected():
+    return [o.token_ids for o in make_engine("tiny-random", num_kv_blocks=NUM_BLOCKS).generate(PROMPTS, PARAMS)]
+
+
+async def _generate(router, rid, prompt):
+    tokens, last = [], None
+    async for delta in router.generate(rid, prompt, PARAMS):
+        tokens += delta.new_token_ids
+        last = delta
+    assert last.finish_reason == "length", (rid, last.finish_reason, last.error)
+    return tokens
+
+
+def _all_blocks_free(cluster):
+    ray = cluster._ray
+    handles = {**cluster.prefill_handles, **cluster.decode_handles}
+    deadline = time.monotonic() + 10
+    while True:
+        stats = dict(zip(handles, ray.get([h.stats.remote() for h in handles.values()], timeout=30)))
+        if all(s["num_free_blocks"] == s["num_blocks"] for s in stats.values()) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(300)
+def test_added_decode_worker_takes_placements(ray_session, expected):
+    cluster = Cluster(ClusterSpec(engine=_config(), transfer=TransferConfig(), mode="disagg", num_prefill=1,
+                                  num_decode=1, policy="round_robin"))
+    router = cluster.router
+    recorder = router.record()
+    try:
+        async def main():
+            router.start(asyncio.get_running_loop())
+            added = await cluster.add_worker("decode")
+            outs = [await _generate(router, f"r{i}", p) for i, p in enumerate(PROMPTS)]
+            return added, outs
+
+        added, outs = asyncio.run(main())
+        assert outs == expected
+        assert added in cluster.decode_handles and router.views[added].in_rotation
+        assert sum(d.decode_id == added for d in recorder.decisions) == len(PROMPTS) // 2  # round robin over 2
+        for wid, s in _all_blocks_free(cluster).items():
+            assert s["num_free_blocks"] == s["num_blocks"], (wid, s)
+    finally:
+        cluster.shutdown()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("transport", [t for t in ("tcp", "shm") if t in usable_transports()])
+def test_drain_decode_worker_mid_stream_loses_nothing(ray_session, expected, transport):
+    cluster = Cluster(ClusterSpec(engine=_config(), transfer=TransferConfig(transport=transport), mode="disagg",
+                                  num_prefill=1, num_decode=2, policy="round_robin"))
+    router = cluster.router
+    recorder = router.record()
+    leaving = sorted(cluster.decode_handles)[0]
+    try:
+        async def main():
+            router.start(asyncio.get_running_loop())
+            first = [asyncio.create_task(_generate(router, f"a{i}", p)) for i, p in enumerate(PROMPTS[:4])]
+            while not any(r.attempt is not None and r.attempt.decode_id == leaving and r.emitted
+                          for r in router.requests.values()):
+                await asyncio.sleep(0.01)  # a request is streaming on the leaving worker
+            drain = asyncio.create_task(cluster.remove_worker(leaving))
+            await asyncio.sleep(0)  # the drain has begun: nothing new may go there
+            began = len(recorder.decisions)
+            later = [asyncio.create_task(_generate(router, f"b{i}", p)) for i, p in enumerate(PROMPTS[4:], 4)]
+            outs = await asyncio.gather(*first, *later)
+            return outs, await drain, began
+
+        outs, result, began = asyncio.run(main())
+        assert outs == expected[:4] + expected[4:]
+        assert result.num_requests_waited_for >= 1, "the drain had nothing to wait for: the test has no teeth"
+        assert not recorder.recoveries, "a drain must not recover (recompute) anything"
+        assert all(d.decode_id != leaving for d in recorder.decisions[began:])
+        assert leaving not in cluster.decode_handles and leaving not in router.views
+        for wid, s in _all_blocks_free(cluster).items():
+            assert s["num_free_blocks"] == s["num_blocks"], (wid, s)
+    finally:
+        cluster.shutdown()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("transport", [t for t in ("tcp", "shm") if t in usable_transports()])
+def test_drain_prefill_worker_with_transfers_in_flight(ray_session, expected, transport):
+    cluster = Cluster(ClusterSpec(engine=_config(), transfer=TransferConfig(transport=transport), mode="disagg",
+                                  num_prefill=2, num_decode=1, policy="round_robin"))
+    router = cluster.router
+    recorder = router.record()
+    leaving = sorted(cluster.prefill_handles)[0]
+    try:
+        async def main():
+            router.start(asyncio.get_running_loop())
+            tasks = [asyncio.create_task(_generate(router, f"p{i}", p)) for i, p in enumerate(PROMPTS)]
+            while not any(d.prefill_id == leaving for d in recorder.decisions):
+                await asyncio.sleep(0.005)  # a transfer from the leaving worker is under way
+            result = await cluster.remove_worker(leaving)
+            return await asyncio.gather(*tasks), result
+
+        outs, result = asyncio.run(main())
+        assert outs == expected
+        assert not recorder.recoveries, "a drain must not re-prefill anything"
+        assert leaving not in cluster.prefill_handles and leaving not in router.views
+        for wid, s in _all_blocks_free(cluster).items():
+            assert s["num_free_blocks"] == s["num_blocks"], (wid, s)
+            assert s.get("num_reserved", 0) == 0 and s.get("num_transfers", 0) == 0, (wid, s)
+    finally:
+        cluster.shutdown()
