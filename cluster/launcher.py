@@ -44,6 +44,10 @@ class ClusterSpec:
     served_model_name: str = ""
     # Ray restarts a crashed worker process this many times; the router re-wires it when it is back.
     max_worker_restarts: int = 3
+    # Most workers of each role this cluster may grow to (add_worker, --autoscale); 0 = the initial
+    # count. A local Ray instance is started with that many device slots.
+    max_prefill: int = 0
+    max_decode: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in ("disagg", "colocated"):
@@ -84,7 +88,9 @@ class Cluster:
             if spec.address:
                 ray.init(address=spec.address, log_to_driver=True)
             else:
-                ray.init(num_cpus=os.cpu_count(), resources={"prefill_slot": num_prefill, "decode_slot": spec.num_decode},
+                slots = {"prefill_slot": max(num_prefill, spec.max_prefill if spec.mode == "disagg" else 0),
+                         "decode_slot": max(spec.num_decode, spec.max_decode)}
+                ray.init(num_cpus=os.cpu_count(), resources=slots,
                          include_dashboard=False, log_to_driver=True)
                 self._started_ray = True
         use_gpu = bool(ray.cluster_resources().get("GPU", 0))
@@ -290,6 +296,8 @@ def spec_from_args(args) -> ClusterSpec:
         served_model_name=args.served_model_name or "",
         conditional_prefill_tokens=getattr(args, "conditional_prefill_tokens", 0) or 0,
         max_worker_restarts=getattr(args, "max_worker_restarts", 3),
+        max_prefill=args.autoscale_config.max_prefill if getattr(args, "autoscale", False) else 0,
+        max_decode=args.autoscale_config.max_decode if getattr(args, "autoscale", False) else 0,
     )
 
 
@@ -308,6 +316,16 @@ def run_cluster(args) -> int:
                         max_body_bytes=args.max_body_bytes, metrics=metrics)
         print(f"pdcluster: {spec.mode}, {len(cluster.prefill_handles)} prefill + {len(cluster.decode_handles)} decode "
               f"workers, transport {spec.transfer.transport}, policy {spec.policy}", file=sys.stderr, flush=True)
-        return run_server(app, args.host, args.port, cluster.router.model_name)
+        on_ready = None
+        if getattr(args, "autoscale", False):
+            from pdcluster.cluster.autoscale import Planner
+
+            planner = Planner(cluster, args.autoscale_config, on_action=metrics.observe_autoscale)
+
+            def on_ready(loop):  # the planner runs on the server's loop, beside the router
+                cluster.router.start(loop)
+                loop.create_task(planner.run(lambda: cluster.router.closed))
+
+        return run_server(app, args.host, args.port, cluster.router.model_name, on_ready=on_ready)
     finally:
         cluster.shutdown()

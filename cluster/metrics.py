@@ -67,6 +67,9 @@ class Metrics:
                              registry=r).labels(model_name)
         self.kv_usage = Gauge(PREFIX + "kv_cache_usage_perc", "KV cache usage (1 = full).", m,
                               registry=r).labels(model_name)
+        self._autoscale = Counter(PREFIX + "autoscale_actions", "Workers added or drained by the autoscaler.",
+                                  m + ["action", "role"], registry=r)
+        self._workers = Gauge(PREFIX + "num_workers", "Workers in rotation.", m + ["role"], registry=r)
 
     # ---- per request (the HTTP layer) ---------------------------------------------------------------
     def on_first_token(self, ttft_s: float, breakdown: dict[str, float]) -> None:
@@ -102,6 +105,10 @@ class Metrics:
         self._kv_bytes.labels(self.model_name, transport).inc(num_bytes)
         self._kv_seconds.labels(self.model_name, transport).inc(seconds)
 
+    def observe_autoscale(self, action) -> None:
+        """``action``: cluster/autoscale.py Action."""
+        self._autoscale.labels(self.model_name, action.kind, action.role).inc()
+
     # ---- scrape -------------------------------------------------------------------------------------
     def refresh(self, stats: dict) -> None:
         """Gauges from ``router.stats()`` (missing keys leave a gauge as it was)."""
@@ -110,6 +117,12 @@ class Metrics:
             value = stats.get(key)
             if isinstance(value, (int, float)):
                 gauge.set(value)
+        workers = stats.get("workers")
+        if isinstance(workers, list):
+            for role in ("prefill", "decode"):
+                in_rotation = [w for w in workers if w.get("role") == role and w.get("healthy", True)
+                               and not w.get("draining", False)]
+                self._workers.labels(self.model_name, role).set(len(in_rotation))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -56,6 +56,15 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="shared secret of the control and transfer planes (default: $PDCLUSTER_CLUSTER_SECRET)")
     c.add_argument("--max-worker-restarts", type=int, default=3,
                    help="times Ray restarts a crashed worker; the router re-wires it and puts it back in rotation")
+    a = p.add_argument_group("autoscaling (disagg and colocated)")
+    a.add_argument("--autoscale", action="store_true",
+                   help="add and drain workers to hold the SLOs below (cluster/autoscale.py)")
+    a.add_argument("--min-prefill", type=int, default=None, help="default: --num-prefill")
+    a.add_argument("--max-prefill", type=int, default=None, help="default: --num-prefill")
+    a.add_argument("--min-decode", type=int, default=None, help="default: --num-decode")
+    a.add_argument("--max-decode", type=int, default=None, help="default: --num-decode")
+    a.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="p90 time to first token to hold")
+    a.add_argument("--slo-tpot-ms", type=float, default=200.0, help="p90 time per output token to hold")
     p.set_defaults(func=serve_main)
     return p
 
@@ -71,6 +80,20 @@ def _check_args(args: argparse.Namespace) -> None:
                         ("--max-body-bytes", args.max_body_bytes)):
         if value < 1:
             raise ConfigError(f"{flag}: must be at least 1, got {value}")
+    if args.autoscale:
+        if args.mode == "local":
+            raise ConfigError("--autoscale: needs --mode disagg or colocated (local serves one in-process engine)")
+        from pdcluster.cluster.autoscale import AutoscaleConfig
+
+        try:
+            args.autoscale_config = AutoscaleConfig(
+                min_prefill=args.min_prefill if args.min_prefill is not None else args.num_prefill,
+                max_prefill=args.max_prefill if args.max_prefill is not None else args.num_prefill,
+                min_decode=args.min_decode if args.min_decode is not None else args.num_decode,
+                max_decode=args.max_decode if args.max_decode is not None else args.num_decode,
+                slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
     if args.max_worker_restarts < 0:
         raise ConfigError(f"--max-worker-restarts: must be >= 0, got {args.max_worker_restarts}")
     if not args.request_timeout_s > 0:
@@ -129,10 +152,12 @@ def _serve_local(args: argparse.Namespace) -> int:
         router.close()
 
 
-def run_server(app, host: str, port: int, model_name: str, sock: socket.socket | None = None) -> int:
+def run_server(app, host: str, port: int, model_name: str, sock: socket.socket | None = None,
+               on_ready=None) -> int:
     """Run uvicorn until SIGINT/SIGTERM, then return (so the caller's cleanup runs); print "pdcluster
     serving <model> on http://host:port" to stderr once the socket listens (the real port when ``port``
-    is 0). ``sock``: a socket already bound to host:port (see ``_listen``); closed on return."""
+    is 0). ``sock``: a socket already bound to host:port (see ``_listen``); closed on return.
+    ``on_ready(loop)``: called once the server listens, on its event loop (background tasks)."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -161,6 +186,8 @@ def run_server(app, host: str, port: int, model_name: str, sock: socket.socket |
         if server.started:
             shown = f"[{host}]" if ":" in host else host
             print(f"pdcluster serving {model_name} on http://{shown}:{bound}", file=sys.stderr, flush=True)
+            if on_ready is not None:
+                on_ready(asyncio.get_running_loop())
         await task
 
     try:

@@ -56,3 +56,19 @@ def test_dtype_auto_takes_the_checkpoints_dtype():
     assert auto.resolve_dtype({"torch_dtype": "float16"}) == "bfloat16"
     assert auto.resolve_dtype({}) == "float32"
     assert EngineConfig(dtype="float32").resolve_dtype({"torch_dtype": "bfloat16"}) == "float32"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--mode", "local", "--autoscale"], "--autoscale: needs --mode disagg or colocated"),
+        (["--mode", "disagg", "--autoscale", "--min-decode", "3", "--max-decode", "2"], "--min-decode/--max-decode"),
+        (["--mode", "disagg", "--autoscale", "--slo-ttft-ms", "0"], "--slo-ttft-ms"),
+    ],
+)
+@pytest.mark.timeout(120)
+def test_bad_autoscale_flags_are_one_line_before_anything_starts(args, message):
+    r = _run("serve", "--model", "tiny-random", "--port", "0", *args)
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert message in r.stderr
+    assert "Traceback" not in r.stderr

@@ -90,6 +90,10 @@ class ClusterRouter:
             self._health_task.cancel()  # on the loop we leave (asyncio.run cancels its tasks anyway)
         self._health_task = loop.create_task(self.health.run(lambda: self._closed))
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
         self._closed = True
         task, loop = self._health_task, self._loop

@@ -11,12 +11,21 @@ cannot make the router drift.
 from __future__ import annotations
 
 import time
+from collections import deque
+from dataclasses import dataclass
 from typing import Callable
 
 from pdcluster.cluster.router.recorder import DecisionRecorder, Report
 from pdcluster.cluster.router.state import Attempt, RequestState
 from pdcluster.cluster.router_api import TokenDelta
 from pdcluster.node.events import KVReady, Tokens
+
+
+@dataclass(frozen=True)
+class Latency:
+    t_done: float  # time.monotonic() when the request finished
+    ttft_s: float  # arrival at the router -> first token
+    tpot_s: float  # mean time per output token after the first
 
 
 class RequestStreams:
@@ -26,6 +35,8 @@ class RequestStreams:
         self._recorder = recorder
         self._on_pair_success = on_pair_success
         self.requests: dict[str, RequestState] = {}
+        # Recent finished requests' latencies (bounded): what the autoscale planner reads.
+        self.latencies: deque[Latency] = deque(maxlen=4096)
         self._by_wid: dict[str, tuple[RequestState, Attempt]] = {}  # every placement that may send events
 
     # ---- the table ---------------------------------------------------------------------------------
@@ -113,6 +124,11 @@ class RequestStreams:
 
     # ---- the end -----------------------------------------------------------------------------------
     def finish(self, r: RequestState, delta: TokenDelta) -> None:
+        a = r.attempt
+        if delta.finish_reason in ("length", "stop") and a is not None and a.t_first_token:
+            now = time.monotonic()
+            tpot_s = (now - a.t_first_token) / max(1, len(r.emitted) - 1)
+            self.latencies.append(Latency(now, a.t_first_token - r.t_arrival, tpot_s))
         r.finished = True
         self.requests.pop(r.request_id, None)
         if r.attempt is not None:
