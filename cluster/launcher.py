@@ -142,19 +142,17 @@ class Cluster:
         for handle in self.decode_handles.values():
             ray.get([handle.connect_prefill.remote(addr) for addr in addresses.values()], timeout=60)
         stats = ray.get([h.stats.remote() for h in self.decode_handles.values()], timeout=60)
-        self.router.prefill.update(self.prefill_handles)
-        self.router.decode.update(self.decode_handles)
+        handles = {**self.prefill_handles, **self.decode_handles}
+        pings = dict(zip(handles, ray.get([h.ping.remote() for h in handles.values()], timeout=60)))
+        num_blocks = {wid: engine.num_kv_blocks for wid in self.prefill_handles}
+        num_blocks.update({wid: st["num_blocks"] for wid, st in zip(self.decode_handles, stats)})
+        for wid, handle in handles.items():  # the same path as add_worker
+            role = "prefill" if wid in self.prefill_handles else "decode"
+            self.router.membership.add(wid, role, handle, num_blocks[wid], engine.block_size, pings[wid][1])
         # One set of handles: workers added or removed later (add_worker, remove_worker) show in both.
         self.prefill_handles, self.decode_handles = self.router.prefill, self.router.decode
         self._engine, self._transfer, self._env, self._use_gpu, self._tag = engine, transfer, env, use_gpu, tag
         self._next_index = {"prefill": num_prefill, "decode": spec.num_decode}
-        for wid in self.prefill_handles:
-            self.router.placement.add_worker(wid, "prefill", engine.num_kv_blocks, engine.block_size)
-        for wid, st in zip(self.decode_handles, stats):
-            self.router.placement.add_worker(wid, "decode", st["num_blocks"], engine.block_size)
-        handles = {**self.prefill_handles, **self.decode_handles}
-        pings = ray.get([h.ping.remote() for h in handles.values()], timeout=60)
-        self.router.health.incarnations.update({wid: ping[1] for wid, ping in zip(handles, pings)})
         self.router.health.on_worker_restarted = self.rewire
 
     async def rewire(self, worker_id: str, timeout_s: float = 60.0) -> None:

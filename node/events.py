@@ -44,8 +44,9 @@ class Tokens(_Record):
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from a prefix cache (where the prompt was prefilled)
-    # Set on the first Tokens of a request prefilled on this worker: seconds queued before its first
-    # step, and from then to the first token (TTFT breakdown without a shared clock).
+    # Set by the local router's worker (cluster/local_router.py) on a request's first Tokens: seconds
+    # queued before its first step, and from then to the first token. The cluster router times these
+    # parts itself, from when it submitted and when the first token arrived.
     queue_s: float = 0.0
     prefill_s: float = 0.0
 

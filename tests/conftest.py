@@ -6,6 +6,7 @@ temp dirs so tests never write into the user's home.
 """
 
 import os
+import time
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
@@ -45,6 +46,17 @@ def make_engine(model: str = "tiny-random", **kwargs):
     from pdcluster.engine.llm_engine import LLMEngine
 
     return LLMEngine(engine_config(model, **kwargs), progress=False)
+
+
+def settled_worker_stats(cluster, timeout_s: float = 5.0) -> dict[str, dict]:
+    """Every worker's stats once all its blocks are free, or as they are when ``timeout_s`` has passed
+    (frees land a message or two after a request's last token)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = cluster.worker_stats()
+        if all(s["num_free_blocks"] == s["num_blocks"] for s in stats.values()) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.05)
 
 
 def usable_transports() -> list[str]:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import engine_config, make_engine
+from conftest import engine_config, make_engine, settled_worker_stats
 from pdcluster.cluster.autoscale import Action, AutoscaleConfig, Planner, Snapshot, decide
 from pdcluster.cluster.launcher import Cluster, ClusterSpec
 from pdcluster.engine.sampling_params import SamplingParams
@@ -102,9 +102,7 @@ def test_planner_adds_under_load_and_drains_when_quiet(ray_session):
         assert (drained.kind, drained.role) == ("drain", "decode")
         assert len(cluster.decode_handles) == 1
         assert not recorder.recoveries, "a drain must not recompute anything"
-        ray = cluster._ray
-        handles = {**cluster.prefill_handles, **cluster.decode_handles}
-        for s in ray.get([h.stats.remote() for h in handles.values()], timeout=30):
+        for s in settled_worker_stats(cluster, 10).values():
             assert s["num_free_blocks"] == s["num_blocks"], s
     finally:
         cluster.shutdown()

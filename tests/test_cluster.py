@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from conftest import engine_config, make_engine, usable_transports
+from conftest import engine_config, make_engine, settled_worker_stats, usable_transports
 from pdcluster.cluster.launcher import Cluster, ClusterSpec
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kv_transfer.config import TransferConfig
@@ -46,22 +46,11 @@ def _serve_and_check(spec, prompts, params, expected):
         stats = cluster.router.stats()
         assert stats["num_requests_running"] == 0 and stats["num_requests_waiting"] == 0
         assert all(w["kv_tokens"] == 0 and w["num_requests"] == 0 for w in stats["workers"])
-        for wid, st in _settled_stats(cluster).items():
+        for wid, st in settled_worker_stats(cluster).items():
             assert st["num_free_blocks"] == st["num_blocks"], f"{wid} leaked blocks: {st}"
         return cluster
     finally:
         cluster.shutdown()
-
-
-def _settled_stats(cluster, timeout_s=5.0):
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = cluster.worker_stats()
-        if all(s["num_free_blocks"] == s["num_blocks"] for s in stats.values()) or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +101,7 @@ def _check_accounting(cluster, prompts, params, expected):
     stats = router.stats()
     assert all(w["kv_tokens"] == 0 and w["num_requests"] == 0 for w in stats["workers"])
     assert router.streams.num_placements == 0, "events of ended placements are still routed"
-    for wid, st in _settled_stats(cluster).items():
+    for wid, st in settled_worker_stats(cluster).items():
         assert st["num_free_blocks"] == st["num_blocks"], f"{wid} leaked blocks: {st}"
     return seen
 

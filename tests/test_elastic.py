@@ -5,11 +5,10 @@ request, token-exact outputs, every block back)."""
 
 import asyncio
 import functools
-import time
 
 import pytest
 
-from conftest import engine_config, make_engine, usable_transports
+from conftest import engine_config, make_engine, settled_worker_stats, usable_transports
 from pdcluster.cluster.launcher import Cluster, ClusterSpec
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kv_transfer.config import TransferConfig
@@ -34,21 +33,14 @@ async def _generate(router, rid, prompt):
     return tokens
 
 
-def _all_blocks_free(cluster):
-    ray = cluster._ray
-    handles = {**cluster.prefill_handles, **cluster.decode_handles}
-    deadline = time.monotonic() + 10
-    while True:
-        stats = dict(zip(handles, ray.get([h.stats.remote() for h in handles.values()], timeout=30)))
-        if all(s["num_free_blocks"] == s["num_blocks"] for s in stats.values()) or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.1)
+def _disagg(transport: str = "tcp", **kw) -> Cluster:
+    return Cluster(ClusterSpec(engine=_config(), transfer=TransferConfig(transport=transport), mode="disagg",
+                               policy="round_robin", **kw))
 
 
 @pytest.mark.timeout(300)
 def test_added_decode_worker_takes_placements(ray_session, expected):
-    cluster = Cluster(ClusterSpec(engine=_config(), transfer=TransferConfig(), mode="disagg", num_prefill=1,
-                                  num_decode=1, policy="round_robin"))
+    cluster = _disagg(num_prefill=1, num_decode=1)
     router = cluster.router
     recorder = router.record()
     try:
@@ -62,7 +54,7 @@ def test_added_decode_worker_takes_placements(ray_session, expected):
         assert outs == expected
         assert added in cluster.decode_handles and router.views[added].in_rotation
         assert sum(d.decode_id == added for d in recorder.decisions) == len(PROMPTS) // 2  # round robin over 2
-        for wid, s in _all_blocks_free(cluster).items():
+        for wid, s in settled_worker_stats(cluster, 10).items():
             assert s["num_free_blocks"] == s["num_blocks"], (wid, s)
     finally:
         cluster.shutdown()
@@ -71,8 +63,7 @@ def test_added_decode_worker_takes_placements(ray_session, expected):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("transport", [t for t in ("tcp", "shm") if t in usable_transports()])
 def test_drain_decode_worker_mid_stream_loses_nothing(ray_session, expected, transport):
-    cluster = Cluster(ClusterSpec(engine=_config(), transfer=TransferConfig(transport=transport), mode="disagg",
-                                  num_prefill=1, num_decode=2, policy="round_robin"))
+    cluster = _disagg(transport, num_prefill=1, num_decode=2)
     router = cluster.router
     recorder = router.record()
     leaving = sorted(cluster.decode_handles)[0]
@@ -96,7 +87,7 @@ def test_drain_decode_worker_mid_stream_loses_nothing(ray_session, expected, tra
         assert not recorder.recoveries, "a drain must not recover (recompute) anything"
         assert all(d.decode_id != leaving for d in recorder.decisions[began:])
         assert leaving not in cluster.decode_handles and leaving not in router.views
-        for wid, s in _all_blocks_free(cluster).items():
+        for wid, s in settled_worker_stats(cluster, 10).items():
             assert s["num_free_blocks"] == s["num_blocks"], (wid, s)
     finally:
         cluster.shutdown()
@@ -105,8 +96,7 @@ def test_drain_decode_worker_mid_stream_loses_nothing(ray_session, expected, tra
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("transport", [t for t in ("tcp", "shm") if t in usable_transports()])
 def test_drain_prefill_worker_with_transfers_in_flight(ray_session, expected, transport):
-    cluster = Cluster(ClusterSpec(engine=_config(), transfer=TransferConfig(transport=transport), mode="disagg",
-                                  num_prefill=2, num_decode=1, policy="round_robin"))
+    cluster = _disagg(transport, num_prefill=2, num_decode=1)
     router = cluster.router
     recorder = router.record()
     leaving = sorted(cluster.prefill_handles)[0]
@@ -123,7 +113,7 @@ def test_drain_prefill_worker_with_transfers_in_flight(ray_session, expected, tr
         assert outs == expected
         assert not recorder.recoveries, "a drain must not re-prefill anything"
         assert leaving not in cluster.prefill_handles and leaving not in router.views
-        for wid, s in _all_blocks_free(cluster).items():
+        for wid, s in settled_worker_stats(cluster, 10).items():
             assert s["num_free_blocks"] == s["num_blocks"], (wid, s)
             assert s.get("num_reserved", 0) == 0 and s.get("num_transfers", 0) == 0, (wid, s)
     finally:

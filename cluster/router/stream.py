@@ -105,10 +105,7 @@ class RequestStreams:
                            num_draft_tokens=ev.num_draft_tokens, num_accepted_tokens=ev.num_accepted_tokens,
                            num_cached_tokens=r.num_cached_tokens)
         if first:
-            breakdown = {"queue": a.t_submit - r.t_arrival, "prefill": now - a.t_submit}
-            if ev.queue_s or ev.prefill_s:  # the worker timed its own queue and prefill
-                breakdown = {"queue": breakdown["queue"] + ev.queue_s, "prefill": ev.prefill_s}
-            delta.ttft_breakdown = breakdown
+            delta.ttft_breakdown = {"queue": a.t_submit - r.t_arrival, "prefill": now - a.t_submit}
         if ev.finished:
             delta.finished = True
             delta.finish_reason = ev.finish_reason or None
