@@ -173,7 +173,10 @@ class LocalRouter:
                     num_draft_tokens=event.num_draft_tokens,
                     num_accepted_tokens=event.num_accepted_tokens,
                     num_cached_tokens=event.num_cached_tokens,
+                    logprobs=list(event.logprobs),
                 )
+                if first and params.prompt_logprobs is not None:
+                    delta.prompt_logprobs = list(event.prompt_logprobs)
                 if first:
                     delta.ttft_breakdown = {"queue": event.queue_s, "prefill": event.prefill_s}
                 first = False

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
 
+from pdcluster.engine.logprobs import TokenLogprobs
 from pdcluster.engine.sampling_params import SamplingParams
 
 
@@ -34,6 +35,11 @@ class TokenDelta:
     # placement's: a recovery re-prefills prompt + streamed tokens, which is not the client's prompt).
     num_cached_tokens: int = 0
     error: str | None = None
+    # With ``params.logprobs``: one record per token of ``new_token_ids``, in order.
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # With ``params.prompt_logprobs``, on the first delta only: one record per prompt position after
+    # the first (the first prompt token has no logprob), len = num_prompt_tokens - 1.
+    prompt_logprobs: list[TokenLogprobs] | None = None
     # Seconds, set on the first delta: queue, prefill, kv_transfer, first_decode (where known).
     ttft_breakdown: dict[str, float] = field(default_factory=dict)
 

@@ -143,10 +143,12 @@ class DecodeWorker(WorkerLoop):
 
     def _on_first_token(self, peer_id: str, msg: FirstToken) -> None:
         """Control-plane I/O thread: stream the first token now, not after the engine's current step."""
-        self._first_token(msg.request_id, msg.token_id, msg.num_cached_tokens, peer_id)
+        self._first_token(msg, peer_id)
 
-    def _first_token(self, request_id: str, token_id: int, num_cached_tokens: int,
-                     prefill_id: str | None = None) -> None:
+    def _first_token(self, msg, prefill_id: str | None = None) -> None:
+        """``msg``: the prefill worker's FirstToken, or its TransferDone when that came first."""
+        request_id = msg.request_id
+        token_id = msg.token_id if isinstance(msg, FirstToken) else msg.first_token_id
         with self._first_token_lock:
             waiting = self._waiting.get(request_id)
             if waiting is None or waiting.first_token_sent or prefill_id not in (None, waiting.prefill_id):
@@ -154,14 +156,15 @@ class DecodeWorker(WorkerLoop):
             waiting.first_token_sent = True
             self.emit(Tokens(request_id=request_id, worker_id=self.worker_id, new_token_ids=[token_id],
                              num_computed_tokens=len(waiting.prompt_token_ids), num_output_tokens=1,
-                             num_cached_tokens=num_cached_tokens))
+                             num_cached_tokens=msg.num_cached_tokens, logprobs=list(msg.logprobs),
+                             prompt_logprobs=list(msg.prompt_logprobs)))
 
     def _poll_kv(self) -> None:
         for peer_id, msg in self.kv.poll_messages():
             self.kv.handle_message(peer_id, msg)
         for task in self.kv.take_ready():
             done = task.done
-            self._first_token(task.request_id, done.first_token_id, done.num_cached_tokens)  # FirstToken overtaken
+            self._first_token(done)  # FirstToken overtaken
             waiting = self._waiting.pop(task.request_id, None)
             if waiting is None:  # aborted after its KV landed, before this turn took it
                 self.engine.release_reserved(task.request_id)
@@ -197,4 +200,6 @@ class DecodeWorker(WorkerLoop):
             num_draft_tokens=out.num_draft_tokens,
             num_accepted_tokens=out.num_accepted_tokens,
             num_cached_tokens=out.num_cached_tokens,
+            logprobs=list(out.new_logprobs),
+            prompt_logprobs=list(out.prompt_logprobs or []),
         ))

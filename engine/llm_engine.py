@@ -14,6 +14,7 @@ import torch
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.kv_cache import KVCacheSpec, allocate_kv_cache, num_blocks_for_budget
 from pdcluster.engine.kv_connector import KVConnector, KVConnectorOutput
+from pdcluster.engine.logprobs import TokenLogprobs
 from pdcluster.engine.memory import keep_freed_memory
 from pdcluster.engine.model import LlamaModel, ModelArch
 from pdcluster.engine.model_registry import resolve_model
@@ -48,6 +49,11 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # The scheduler's authoritative count after this step (S1): what routers must mirror.
     num_computed_tokens: int = 0
+    # With params.logprobs: one record per token of ``new_token_ids``; ``logprobs`` accumulates them
+    # over the request (offline ``generate``). prompt_logprobs: once, with the first token.
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -106,6 +112,7 @@ class LLMEngine:
             )
         proposer = make_proposer(config, self.model, self.kv_cache, mtp_weights)
         self.runner = ModelRunner(config, self.model, self.kv_cache, self.max_model_len, connector, proposer)
+        self.runner.eos_token_ids = eos
         if config.async_scheduling:
             from pdcluster.engine.async_utils import AsyncStepper
 
@@ -166,6 +173,7 @@ class LLMEngine:
         output when the first token already ends the request (stop token, max_tokens=1)."""
         placeholder = self._reserved.pop(request_id)
         assert len(prompt_token_ids) == placeholder.num_prompt_tokens
+        self.prepare_grammar(params)
         request = Request(request_id, list(prompt_token_ids), params, arrival_time=placeholder.arrival_time)
         request.block_ids = placeholder.block_ids
         request.num_computed_tokens = len(prompt_token_ids)
@@ -208,10 +216,26 @@ class LLMEngine:
         if validate:
             self.validate(prompt_token_ids, params)
         params = self.assign_seed(params)
+        self.prepare_grammar(params)
         request_id = request_id or f"req-{next(self._ids)}"
         request = Request(request_id, prompt_token_ids, params, arrival_time=time.monotonic())
         self.scheduler.add_request(request)
         return request_id
+
+    def prepare_grammar(self, params: SamplingParams) -> None:
+        """Compile a structured-output spec now (cached per spec), so a spec the grammar engine refuses
+        fails this request here, with its reason, and never the step loop."""
+        if params.structured_output is None:
+            return
+        from pdcluster.engine.structured_output import GrammarCompiler, StructuredOutputError
+
+        if self.runner.grammar_compiler is None:
+            self.runner.grammar_compiler = GrammarCompiler(self.tokenizer, self.arch.vocab_size,
+                                                           sorted(self.runner.eos_token_ids))
+        try:
+            self.runner.grammar_compiler.compile(params.structured_output)
+        except StructuredOutputError as e:
+            raise InvalidRequestError(f"structured_output: {e}") from e
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
@@ -234,9 +258,12 @@ class LLMEngine:
             step_results = self.scheduler.update_from_output(sched, runner_output)
         self.last_kv_output = kv_output
         self.scheduler.free_held(kv_output.finished_sending | kv_output.failed)
-        return [self._output(result.request, result.finished, result.new_token_ids) for result in step_results]
+        return [self._output(r.request, r.finished, r.new_token_ids, r.new_logprobs, r.prompt_logprobs)
+                for r in step_results]
 
-    def _output(self, request: Request, finished: bool, new_token_ids: list[int]) -> RequestOutput:
+    def _output(self, request: Request, finished: bool, new_token_ids: list[int],
+                new_logprobs: list[TokenLogprobs] | None = None,
+                prompt_logprobs: list[TokenLogprobs] | None = None) -> RequestOutput:
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -248,6 +275,8 @@ class LLMEngine:
             num_accepted_tokens=request.num_accepted_tokens,
             num_cached_tokens=request.num_cached_tokens,
             num_computed_tokens=request.num_computed_tokens,
+            new_logprobs=list(new_logprobs or []),
+            prompt_logprobs=prompt_logprobs,
         )
 
     def generate(
@@ -259,6 +288,8 @@ class LLMEngine:
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
         detoks = {i: Detokenizer(self.tokenizer, sp.stop) for i, sp in zip(ids, params_list)}
+        logprobs: dict[str, list[TokenLogprobs]] = {i: [] for i in ids}
+        prompt_logprobs: dict[str, list[TokenLogprobs] | None] = {}
         done: dict[str, RequestOutput] = {}
         for _ in range(max_steps):
             if not self.has_unfinished():
@@ -267,12 +298,16 @@ class LLMEngine:
                 detok = detoks.get(out.request_id)
                 if detok is None or out.request_id in done:
                     continue
+                logprobs[out.request_id] += out.new_logprobs
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[out.request_id] = out.prompt_logprobs
                 detok.add(out.token_ids[len(detok.token_ids):], out.finished)
                 if detok.hit_stop:
                     self._stop_at_string(out.request_id, detok.stop)
                     out = replace(out, finished=True, finish_reason=RequestStatus.FINISHED_STOPPED.value)
                 if out.finished:
-                    done[out.request_id] = replace(out, text=detok.text)
+                    done[out.request_id] = replace(out, text=detok.text, logprobs=logprobs[out.request_id],
+                                                   prompt_logprobs=prompt_logprobs.get(out.request_id))
         else:
             raise RuntimeError(f"generate() did not finish within {max_steps} steps")
         return [done[i] for i in ids]

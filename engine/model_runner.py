@@ -25,12 +25,17 @@ from pdcluster.engine.attention import AttentionMetadata
 from pdcluster.engine.batch_classifier import BatchKind, classify_batch, uniform_decode_query_len
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.kv_connector import KVConnector, KVConnectorOutput
+from pdcluster.engine.logits_processors import RowContext, apply_penalties
+from pdcluster.engine.logprobs import TokenLogprobs, token_logprobs
 from pdcluster.engine.model import LlamaModel
 from pdcluster.engine.proposers import ProposeBatch, Proposer, make_proposer
 from pdcluster.engine.rejection_sampler import num_valid_tokens, rejection_sample
 from pdcluster.engine.sampler import sample
 from pdcluster.engine.scheduler import ModelRunnerOutput, SchedulerOutput
 from pdcluster.engine.states import RequestStates
+
+
+_PROMPT_LOGPROBS_CHUNK = 256  # prompt positions per logits matrix (256 x 49k x 4 B = 50 MB)
 
 
 @dataclass
@@ -85,6 +90,12 @@ class ModelRunner:
         # sampling row must then come with that many drafts (a short n-gram match is padded).
         self.fixed_num_drafts = config.async_scheduling
         self._prev = PrevStepOutput.empty(self.num_spec_steps)  # read by the next step (S4)
+        self.eos_token_ids: set[int] = set()  # set by the engine: min_tokens masks them
+        # Structured output: the engine installs a GrammarCompiler when a request first asks for one.
+        self.grammar_compiler = None
+        self.grammars: dict[str, object] = {}  # request id -> GrammarState (engine/structured_output.py)
+        # Prompt logprobs of requests whose prompt is still being prefilled (chunk by chunk).
+        self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         self.last_batch_kind: BatchKind | None = None
         self._state: ExecuteModelState | None = None
 
@@ -94,11 +105,14 @@ class ModelRunner:
         every scheduled request's mirror from the scheduler (S1). Returns the slot of each request."""
         for req_id in sched.finished_req_ids | sched.preempted_req_ids:
             self.states.remove_request(req_id)
+            self.grammars.pop(req_id, None)
+            self._prompt_logprobs.pop(req_id, None)
         idx_mapping = np.empty(len(sched.scheduled), dtype=np.int32)
         for i, s in enumerate(sched.scheduled):
             if s.is_new:
                 self.states.remove_request(s.request_id)  # resumed after preemption
                 idx = self.states.add_request(s.request_id, s.all_token_ids, s.sampling_params, s.sampling_params.seed)
+                self._add_request_extras(s, idx)
             else:
                 idx = self.states.req_id_to_index[s.request_id]
             self.states.refresh(idx, s.num_computed_tokens, s.block_ids)
@@ -110,6 +124,22 @@ class ModelRunner:
                 self.states.num_tokens_np[idx] = s.num_tokens
             idx_mapping[i] = idx
         return idx_mapping
+
+    def _add_request_extras(self, s, idx: int) -> None:
+        """Per-request state beside the token arrays: the client's prompt length (penalties), the
+        grammar (replayed over the outputs the request already has: after preemption, on the decode
+        worker after the prefill worker's first token, after a recovery), prompt logprobs restarted."""
+        params = s.sampling_params
+        num_client_prompt = s.num_prompt_tokens - params.output_position_offset
+        self.states.client_prompt_len_np[idx] = num_client_prompt
+        self._prompt_logprobs.pop(s.request_id, None)
+        self.grammars.pop(s.request_id, None)
+        if params.structured_output is not None:
+            from pdcluster.engine.structured_output import GrammarState
+
+            state = GrammarState(self.grammar_compiler.compile(params.structured_output))
+            state.replay(list(s.all_token_ids[num_client_prompt:]))
+            self.grammars[s.request_id] = state
 
     def _resolve_rows(self, sched: SchedulerOutput, idx_mapping: np.ndarray) -> StepRows:
         scheduled = sched.scheduled
@@ -206,13 +236,19 @@ class ModelRunner:
         if state.hidden_states is None:
             self._prev = PrevStepOutput.empty(self.num_spec_steps)
             return ModelRunnerOutput([], []), self.connector.no_forward(state.scheduler_output)
-        sampled = self._sample(state)
+        prompt_logprobs = self._prompt_logprobs_step(state) if self._wants_prompt_logprobs(state) else {}
+        sampled, logprobs = self._sample(state)
         # The proposer runs after verification and before post_forward: MTP writes its draft layer's KV
         # for this step's verified positions here, and the connector may only finalise complete KV (S2).
         drafts = self._propose(state, sampled)
         self._prev = self._step_output(state, sampled, drafts)
         kv_output = self.connector.post_forward(state.finished_req_ids)  # last: S2
-        return ModelRunnerOutput(state.req_ids, sampled, drafts), kv_output
+        return ModelRunnerOutput(state.req_ids, sampled, drafts, logprobs, prompt_logprobs), kv_output
+
+    def _wants_prompt_logprobs(self, state: ExecuteModelState) -> bool:
+        st = self.states
+        return any(st.sampling_params[int(i)] is not None and st.sampling_params[int(i)].prompt_logprobs is not None
+                   for i in state.idx_mapping_np)
 
     def _propose(self, state: ExecuteModelState, sampled: list[list[int]]) -> list[list[int]]:
         if self.num_spec_steps == 0:
@@ -246,28 +282,100 @@ class ModelRunner:
             draft_np[i, : len(d)] = d[:k]
         return PrevStepOutput(list(state.req_ids), num_rejected, draft_np)
 
-    def _sample(self, state: ExecuteModelState) -> list[list[int]]:
+    def _sample(self, state: ExecuteModelState) -> tuple[list[list[int]], list[list[TokenLogprobs]]]:
         st = self.states
         sampled: list[list[int]] = [[] for _ in state.req_ids]
+        logprobs: list[list[TokenLogprobs]] = [[] for _ in state.req_ids]
         rows = [i for i in range(len(state.req_ids)) if state.logits_count_np[i] > 0]
         if not rows:
-            return sampled
-        logits = self.model.compute_logits(state.hidden_states[state.logits_indices])
+            return sampled, logprobs
+        raw_logits = self.model.compute_logits(state.hidden_states[state.logits_indices])
         step_rows = state.rows
         params = [st.sampling_params[state.idx_mapping_np[i]] for i in rows]
         seeds = [p.seed for p in params]
         positions = [int(step_rows.num_output_np[i]) for i in rows]
-        if not any(step_rows.draft_token_ids[i] for i in rows):
-            tokens = sample(logits[state.logits_start_np[rows]], params, seeds, positions)
+        starts, counts = state.logits_start_np, state.logits_count_np
+        drafts = [step_rows.draft_token_ids[i] for i in rows]
+        logits = self._process_logits(state, raw_logits, rows, params, drafts)
+        if not any(drafts):
+            tokens = sample(logits[starts[rows]], params, seeds, positions)
             per_req = [[t] for t in tokens]
         else:
-            starts, counts = state.logits_start_np, state.logits_count_np
             target = [logits[starts[i] : starts[i] + counts[i]] for i in rows]
-            drafts = [step_rows.draft_token_ids[i] for i in rows]
             output_token_ids = rejection_sample(target, drafts, params, seeds, positions)
             num_valid = num_valid_tokens(output_token_ids).tolist()  # S3
             per_req = [output_token_ids[r, : num_valid[r]].tolist() for r in range(len(rows))]
-        for i, tokens in zip(rows, per_req):
+        for r, (i, tokens) in enumerate(zip(rows, per_req)):
             sampled[i] = tokens
             st.append_tokens(int(state.idx_mapping_np[i]), tokens)
-        return sampled
+            grammar = self.grammars.get(state.req_ids[i])
+            if grammar is not None:
+                grammar.accept(tokens)
+        self._sampled_logprobs(raw_logits, rows, params, per_req, starts, logprobs)
+        return sampled, logprobs
+
+    def _process_logits(self, state: ExecuteModelState, logits: torch.Tensor, rows: list[int],
+                        params: list, drafts: list[list[int]]) -> torch.Tensor:
+        """Penalties, logit bias, min_tokens and grammars on the logits rows (one per output position;
+        a verification row j sees drafts[:j] as outputs). The raw logits stay for logprobs."""
+        grammars = [self.grammars.get(state.req_ids[i]) for i in rows]
+        if not any(p.has_penalties for p in params) and not any(grammars):
+            return logits
+        st, starts, counts = self.states, state.logits_start_np, state.logits_count_np
+        logits = logits.float().clone()
+        contexts: list[RowContext | None] = [None] * logits.shape[0]
+        for r, i in enumerate(rows):
+            if not params[r].has_penalties:
+                continue
+            idx = int(state.idx_mapping_np[i])
+            num_prompt = int(st.client_prompt_len_np[idx])
+            tokens = st.token_ids_np[idx, : int(state.rows.num_tokens_np[i])].tolist()
+            for j in range(int(counts[i])):
+                contexts[starts[i] + j] = RowContext(params[r], tokens[:num_prompt], tokens[num_prompt:] + drafts[r][:j])
+        active = [k for k, c in enumerate(contexts) if c is not None]
+        if active:
+            logits[active] = apply_penalties(logits[active], [contexts[k] for k in active], self.eos_token_ids)
+        for r, i in enumerate(rows):
+            if grammars[r] is not None:
+                block = logits[starts[i] : starts[i] + counts[i]]
+                grammars[r].apply(block, drafts[r][: int(counts[i]) - 1])
+        return logits
+
+    @staticmethod
+    def _sampled_logprobs(raw_logits: torch.Tensor, rows: list[int], params: list, per_req: list[list[int]],
+                          starts: np.ndarray, out: list[list[TokenLogprobs]]) -> None:
+        """Raw-distribution logprobs of each sampled token (row j of a request = its j-th token)."""
+        want = [r for r, p in enumerate(params) if p.logprobs is not None and per_req[r]]
+        if not want:
+            return
+        row_index = [int(starts[rows[r]]) + j for r in want for j in range(len(per_req[r]))]
+        token_ids = [t for r in want for t in per_req[r]]
+        num_top = [params[r].logprobs for r in want for _ in per_req[r]]
+        records = token_logprobs(raw_logits[row_index], token_ids, num_top)
+        k = 0
+        for r in want:
+            out[rows[r]] = records[k : k + len(per_req[r])]
+            k += len(per_req[r])
+
+    def _prompt_logprobs_step(self, state: ExecuteModelState) -> dict[str, list[TokenLogprobs]]:
+        """Logprobs of the prompt tokens this step's chunks predict (position p scores token p + 1),
+        kept per request until its prompt is complete; returns the completed ones."""
+        st, rows, done = self.states, state.rows, {}
+        for i, req_id in enumerate(state.req_ids):
+            idx = int(state.idx_mapping_np[i])
+            params = st.sampling_params[idx]
+            if params is None or params.prompt_logprobs is None or rows.num_output_np[i] > 0:
+                continue
+            start, q_len = int(rows.starts_np[i]), int(rows.q_lens_np[i])
+            num_prompt = int(st.client_prompt_len_np[idx])
+            acc = self._prompt_logprobs.setdefault(req_id, [])
+            end = min(start + q_len, num_prompt - 1)  # the last prompt position predicts the first output
+            for lo in range(start, end, _PROMPT_LOGPROBS_CHUNK):
+                hi = min(end, lo + _PROMPT_LOGPROBS_CHUNK)
+                first = int(state.query_start_loc_np[i]) + lo - start
+                logits = self.model.compute_logits(state.hidden_states[first : first + hi - lo])
+                next_ids = st.token_ids_np[idx, lo + 1 : hi + 1].tolist()
+                acc += token_logprobs(logits, next_ids, [params.prompt_logprobs] * len(next_ids))
+            if start + q_len >= num_prompt:
+                done[req_id] = self._prompt_logprobs.pop(req_id)
+        return done

@@ -22,6 +22,24 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    # Log-probabilities returned with each sampled token: None = none; k >= 0 = the sampled token's
+    # and the k most likely tokens'. ``prompt_logprobs`` the same for every prompt position after the
+    # first (computed where the prompt is prefilled). Both come from the model's raw distribution
+    # (log_softmax of the logits before penalties, temperature, top-k/p), as vLLM's default
+    # ``logprobs_mode="raw_logprobs"``: a property of the model, not of the sampling settings.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    # Penalties as vLLM applies them (engine/logits_processors.py): presence/frequency over output
+    # tokens, repetition over prompt + output tokens; ``logit_bias`` maps token id -> added bias
+    # (kept as [[id, bias], ...] so it crosses msgpack, whose map keys are strings here).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: list[list[float]] = field(default_factory=list)
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many output tokens exist
+    # Structured output: a JSON string naming the grammar (engine/structured_output.py), e.g.
+    # '{"type": "json_object"}' or '{"type": "json_schema", "schema": {...}}'; None = free text.
+    structured_output: str | None = None
     # Output tokens produced before this request started (a request resumed elsewhere after a worker
     # died carries them in its prompt): random draws stay keyed by the *original* output position.
     output_position_offset: int = 0
@@ -35,6 +53,18 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs!r}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens!r}")
+        self.logit_bias = [[int(t), float(b)] for t, b in self.logit_bias]
+        if self.structured_output is not None and self.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with structured output: the grammar's end is the "
+                             "end-of-sequence token")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if any(not s for s in self.stop):
@@ -43,3 +73,9 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """Anything that changes the logits before sampling (engine/logits_processors.py)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pdcluster.engine.block_manager import BlockManager
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.kv_connector import SchedulerConnector
+from pdcluster.engine.logprobs import TokenLogprobs
 from pdcluster.engine.request import Request, RequestStatus
 
 
@@ -60,6 +61,10 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     # Per request: drafts proposed for the next step.
     spec_token_ids: list[list[int]] = field(default_factory=list)
+    # Per request with ``params.logprobs``: one record per sampled token (else []).
+    logprobs: list[list[TokenLogprobs]] = field(default_factory=list)
+    # Requests with ``params.prompt_logprobs`` whose prompt was completed this step: all positions.
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 @dataclass
@@ -67,6 +72,8 @@ class StepResult:
     request: Request
     new_token_ids: list[int]
     finished: bool
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class Scheduler:
@@ -176,7 +183,9 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and not preempted:
             request = self.waiting[0]
-            cached = self.block_manager.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
+            # Prompt logprobs need every prompt position's logits: such a request computes its prompt.
+            use_cache = request.num_computed_tokens == 0 and request.sampling_params.prompt_logprobs is None
+            cached = self.block_manager.find_cached_prefix(request) if use_cache else []
             if cached and cfg.spec_method == "mtp":
                 # The MTP entry of position p depends on token p + 1: the last matched block's last entry
                 # was written for whatever followed it in the request that filled it. Recompute that
@@ -242,7 +251,9 @@ class Scheduler:
             else:
                 if out.spec_token_ids and sampled:
                     self._take_drafts(request, out.spec_token_ids[i])
-            results.append(StepResult(request, new_tokens, finished))
+            new_logprobs = out.logprobs[i][: len(new_tokens)] if out.logprobs else []
+            results.append(StepResult(request, new_tokens, finished, new_logprobs,
+                                      out.prompt_logprobs.get(s.request_id)))
         return results
 
     # ---- helpers ---------------------------------------------------------------------------------

@@ -23,6 +23,9 @@ class RequestStates:
         self.prefill_len_np = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_computed_prefill_tokens_np = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_tokens_np = np.zeros(max_num_reqs, dtype=np.int32)  # committed (no drafts)
+        # The client's prompt: tokens before it are what penalties call "prompt", after it "output"
+        # (a request resumed after preemption or recovery re-prefills its outputs too).
+        self.client_prompt_len_np = np.zeros(max_num_reqs, dtype=np.int32)
         # Committed tokens; -1 past ``num_tokens_np`` so a read beyond them (e.g. at an async-inflated
         # length, S4) yields an invalid id instead of a plausible stale one.
         self.token_ids_np = np.full((max_num_reqs, max_model_len), -1, dtype=np.int32)

@@ -69,6 +69,8 @@ class SendTask:
     num_bytes: int = 0
     t_first_send: float = 0.0
     num_cached_tokens: int = 0
+    logprobs: list = field(default_factory=list)  # the first token's TokenLogprobs, if asked
+    prompt_logprobs: list = field(default_factory=list)
 
 
 class PrefillKVConnector(KVConnector, SchedulerConnector):
@@ -192,7 +194,8 @@ class PrefillKVConnector(KVConnector, SchedulerConnector):
             done = TransferDone(request_id=request_id, ok=True, error="", num_tokens=task.num_prompt_tokens,
                                 first_token_id=task.first_token_id, draft_token_ids=task.draft_token_ids,
                                 num_bytes=task.num_bytes, seconds=self.clock() - task.t_first_send,
-                                num_cached_tokens=task.num_cached_tokens)
+                                num_cached_tokens=task.num_cached_tokens, logprobs=task.logprobs,
+                                prompt_logprobs=task.prompt_logprobs)
             try:
                 self.endpoint.send(task.decode_id, done)
             except Exception as e:  # noqa: BLE001

@@ -55,7 +55,7 @@ from .protocol import (
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
+DEFAULT_MAX_MESSAGE_BYTES = 8 << 20  # a prompt's logprobs (top-20 of 4k positions) take ~1 MB
 _POLL_CAP_S = 0.1  # longest the I/O thread sleeps
 _RECV_BATCH = 256  # messages read from one socket per loop turn, so one busy peer cannot starve the rest
 _MAX_PENDING_HANDSHAKES = 256  # unauthenticated state a listener keeps; bounds what a flood can cost

@@ -28,6 +28,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Union
 
+from pdcluster.engine.logprobs import TokenLogprobs
+
 from .records import (  # noqa: F401 - re-exported: the control plane's callers import them from here
     Codec,
     ProtocolError,
@@ -152,6 +154,9 @@ class TransferDone(_Record):
     num_bytes: int = 0  # what the data plane moved for this request (metrics)
     seconds: float = 0.0  # from the first chunk sent to the last one acknowledged
     num_cached_tokens: int = 0  # prompt tokens the prefill worker took from its prefix cache
+    # With the request's logprobs / prompt_logprobs (repeated from FirstToken, which it may overtake).
+    logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
 
     def _check_values(self, path: str) -> None:
         _require(self.num_tokens >= 0, f"{path}.num_tokens", "must be >= 0", self.num_tokens)
@@ -165,6 +170,8 @@ class FirstToken(_Record):
     request_id: str
     token_id: int
     num_cached_tokens: int = 0  # prompt tokens the prefill worker took from its prefix cache
+    logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)  # the first token's, if asked
+    prompt_logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)  # if asked
 
 
 @dataclass(frozen=True)

@@ -110,6 +110,12 @@ def _check_int_list(value: Any, path: str) -> list[int]:
     return [_check_int(x, f"{path}[{i}]") for i, x in enumerate(value)]
 
 
+def _check_float_list(value: Any, path: str) -> list[float]:
+    if not isinstance(value, (list, tuple)):
+        raise ProtocolError(f"{path}: expected list of float, got {type(value).__name__} {_short(value)}")
+    return [_check_float(x, f"{path}[{i}]") for i, x in enumerate(value)]
+
+
 def _check_str_list(value: Any, path: str) -> list[str]:
     if not isinstance(value, (list, tuple)):
         raise ProtocolError(f"{path}: expected list of str, got {type(value).__name__} {_short(value)}")
@@ -182,6 +188,8 @@ def _checker_for(annotation: Any) -> Callable[[Any, str], Any]:
         return _check_int_list
     if origin is list and args == (str,):
         return _check_str_list
+    if origin is list and args == (float,):
+        return _check_float_list
     if origin is list and len(args) == 1 and dataclasses.is_dataclass(args[0]) and issubclass(args[0], _Record):
         return _record_list_checker(args[0])
     if origin is dict and args[:1] == (str,):

@@ -13,9 +13,10 @@ A worker whose engine thread died sends ``WorkerError`` (the health check would 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Union
 
+from pdcluster.engine.logprobs import TokenLogprobs
 from pdcluster.kv_transfer.records import Codec, _Record
 
 EVENTS_VERSION = 1
@@ -49,6 +50,9 @@ class Tokens(_Record):
     # parts itself, from when it submitted and when the first token arrived.
     queue_s: float = 0.0
     prefill_s: float = 0.0
+    # With the request's logprobs: one per new token. prompt_logprobs: on the first Tokens, if asked.
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -109,6 +109,9 @@ class PrefillWorker(WorkerLoop):
         for out in self.engine.step():
             task = self.connector.tasks.get(out.request_id)
             if out.new_token_ids and task is not None:
+                # Kept on the task too: TransferDone repeats them in case it overtakes FirstToken.
+                task.logprobs, task.prompt_logprobs = list(out.new_logprobs), list(out.prompt_logprobs or [])
                 self._send(task.decode_id, FirstToken(request_id=out.request_id, token_id=out.new_token_ids[0],
-                                                      num_cached_tokens=out.num_cached_tokens))
+                                                      num_cached_tokens=out.num_cached_tokens,
+                                                      logprobs=task.logprobs, prompt_logprobs=task.prompt_logprobs))
         return True

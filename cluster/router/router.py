@@ -205,7 +205,8 @@ class ClusterRouter:
         detected = time.monotonic()
         prompt = r.prompt_token_ids + r.emitted
         params = replace(r.params, max_tokens=remaining,
-                         output_position_offset=r.params.output_position_offset + len(r.emitted))
+                         output_position_offset=r.params.output_position_offset + len(r.emitted),
+                         prompt_logprobs=None if r.prompt_logprobs_sent else r.params.prompt_logprobs)
 
         async def place_again() -> None:
             try:

@@ -103,7 +103,11 @@ class RequestStreams:
         # The decode worker counts this placement's outputs; earlier placements' are in its prompt.
         delta = TokenDelta(new, num_prompt_tokens=r.num_prompt_tokens, num_output_tokens=len(r.emitted),
                            num_draft_tokens=ev.num_draft_tokens, num_accepted_tokens=ev.num_accepted_tokens,
-                           num_cached_tokens=r.num_cached_tokens)
+                           num_cached_tokens=r.num_cached_tokens, logprobs=list(ev.logprobs))
+        if first and r.params.prompt_logprobs is not None and not r.prompt_logprobs_sent:
+            # The first placement's (a recovery re-prefills prompt + streamed tokens and asks for none).
+            delta.prompt_logprobs = list(ev.prompt_logprobs)
+            r.prompt_logprobs_sent = True
         if first:
             delta.ttft_breakdown = {"queue": a.t_submit - r.t_arrival, "prefill": now - a.t_submit}
         if ev.finished:

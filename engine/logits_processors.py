@@ -1,0 +1,94 @@
+"""What changes the logits before sampling: logit bias, min_tokens, repetition / frequency / presence
+penalties (as vLLM applies them), and the grammar of structured output (engine/structured_output.py).
+
+The same function serves a plain sampling step and a verification step of speculative decoding: each
+row is one output position and carries the output tokens *before* that position (for a verification
+row j: the committed outputs plus drafts[:j]). The rejection sampler then compares drafts against the
+processed distribution, so speculation stays lossless with penalties on.
+
+Order (vLLM v1): logit bias and min_tokens first, then repetition (divides positive logits, multiplies
+negative ones, over prompt and output tokens), frequency (minus ``f * count`` over output tokens) and
+presence (minus ``p`` once a token appeared in the output).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdcluster.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class RowContext:
+    """One logits row: the request's parameters and the tokens that precede its output position."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]  # the client's prompt (without outputs carried by a resumed request)
+    output_token_ids: list[int]  # outputs before this position, drafts of the same step included
+
+
+def stop_ids_for(params: SamplingParams, eos_token_ids: set[int] | frozenset[int]) -> list[int]:
+    ids = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        ids |= set(eos_token_ids)
+    return sorted(ids)
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[RowContext], eos_token_ids: set[int]) -> torch.Tensor:
+    """Processed float32 logits [R, V] (a new tensor when anything applies). A handful of batched
+    [R, V] operations whatever the number of rows: per-row work is only building index lists."""
+    active = [i for i, row in enumerate(rows) if row.params.has_penalties]
+    if not active:
+        return logits
+    logits = logits.float().clone()
+    num_rows, vocab = logits.shape
+
+    def in_vocab(ids) -> list[int]:
+        return [int(t) for t in ids if 0 <= int(t) < vocab]
+
+    # Additive: logit bias, and -inf on stop tokens while min_tokens is not reached.
+    bias_rows, bias_ids, bias_values, stop_rows, stop_ids = [], [], [], [], []
+    for i in active:
+        p = rows[i].params
+        for token_id, bias in p.logit_bias:
+            if 0 <= int(token_id) < vocab:
+                bias_rows.append(i), bias_ids.append(int(token_id)), bias_values.append(float(bias))
+        if len(rows[i].output_token_ids) < p.min_tokens:
+            ids = in_vocab(stop_ids_for(p, eos_token_ids))
+            stop_rows += [i] * len(ids)
+            stop_ids += ids
+    if bias_rows:
+        logits.index_put_((torch.tensor(bias_rows), torch.tensor(bias_ids)), torch.tensor(bias_values),
+                          accumulate=True)
+    if stop_rows:
+        logits[torch.tensor(stop_rows), torch.tensor(stop_ids)] = float("-inf")
+
+    # Output-token counts [R, V] and the prompt's tokens, for the three penalties.
+    rep = [i for i in active if rows[i].params.repetition_penalty != 1.0]
+    freq = [i for i in active if rows[i].params.frequency_penalty or rows[i].params.presence_penalty]
+    if not rep and not freq:
+        return logits
+    out_rows = [i for i in set(rep) | set(freq) for _ in in_vocab(rows[i].output_token_ids)]
+    out_ids = [t for i in set(rep) | set(freq) for t in in_vocab(rows[i].output_token_ids)]
+    counts = torch.zeros(num_rows, vocab, dtype=torch.float32)
+    if out_rows:
+        counts.index_put_((torch.tensor(out_rows), torch.tensor(out_ids)), torch.ones(len(out_ids)), accumulate=True)
+    if rep:
+        seen = counts > 0
+        prompt_rows = [i for i in rep for _ in in_vocab(rows[i].prompt_token_ids)]
+        prompt_ids = [t for i in rep for t in in_vocab(rows[i].prompt_token_ids)]
+        if prompt_rows:
+            seen[torch.tensor(prompt_rows), torch.tensor(prompt_ids)] = True
+        penalty = torch.ones(num_rows, 1)
+        penalty[rep, 0] = torch.tensor([rows[i].params.repetition_penalty for i in rep])
+        seen[[i for i in range(num_rows) if i not in set(rep)]] = False
+        logits = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+    if freq:
+        f = torch.zeros(num_rows, 1)
+        pr = torch.zeros(num_rows, 1)
+        f[freq, 0] = torch.tensor([rows[i].params.frequency_penalty for i in freq])
+        pr[freq, 0] = torch.tensor([rows[i].params.presence_penalty for i in freq])
+        logits -= f * counts + pr * (counts > 0)
+    return logits
