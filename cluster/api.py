@@ -1,12 +1,18 @@
 """The OpenAI-compatible HTTP API over any router of cluster/router_api.py: the app and its routes.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (streaming SSE or not), GET /v1/models,
-GET /health, GET /metrics. The pieces, one concern each:
+POST /tokenize, POST /detokenize, GET /health, GET /metrics. The pieces, one concern each:
 
 - cluster/api_protocol.py: the OpenAI wire format (request models; response, chunk and error JSON);
-- cluster/api_validation.py: the one validation of a request (body -> prompt ids + SamplingParams);
-- cluster/api_serving.py: a validated request through the router to a JSON or SSE response (text and
-  stop strings through engine/tokenizer.py's Detokenizer, metrics, aborts on disconnect);
+- cluster/api_validation.py: the one validation of a request (body -> prompts + SamplingParams + what
+  the response shows), with cluster/api_sampling.py (sampling fields) and cluster/api_structured.py
+  (response_format and tools -> a grammar; tool calls out of the text);
+- cluster/api_fanout.py: a request's choices (n, a batch of prompts) as router requests, together;
+- cluster/api_choice.py: one choice's router stream -> text (stop strings through engine/tokenizer.py's
+  Detokenizer) and logprobs kept aligned (cluster/api_text.py), counts, metrics;
+- cluster/api_logprobs.py: logprobs in OpenAI's completions and chat layouts;
+- cluster/api_serving.py: the choices to a JSON or SSE response (usage, aborts on disconnect);
+- cluster/api_tokenize.py: /tokenize and /detokenize;
 - cluster/api_middleware.py: errors in OpenAI's format (4xx for client mistakes, generic 5xx), the body
   limit, the API key.
 """
@@ -20,8 +26,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pdcluster.cluster.api_middleware import APIError, install_error_handlers, install_middleware
+from pdcluster.cluster.api_logprobs import TokenStrings
 from pdcluster.cluster.api_protocol import ChatCompletionRequest, CompletionRequest
 from pdcluster.cluster.api_serving import serve_request
+from pdcluster.cluster.api_tokenize import install_tokenize_routes
 from pdcluster.cluster.api_validation import prepare
 from pdcluster.cluster.metrics import Metrics
 from pdcluster.engine.tokenizer import Detokenizer
@@ -40,15 +48,18 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
     app = FastAPI(title="pdcluster", description="OpenAI-compatible API of a disaggregated prefill/decode cluster")
     app.state.router, app.state.metrics = router, metrics
     started = int(time.time())
+    strings = TokenStrings(router.tokenizer)  # token id -> its string in logprobs, shared by all requests
     install_error_handlers(app)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        return await serve_request(await prepare(body, router, served_model_name), request, router, metrics)
+        prep = await prepare(body, router, served_model_name)
+        return await serve_request(prep, request, router, metrics, strings)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await serve_request(await prepare(body, router, served_model_name), request, router, metrics)
+        prep = await prepare(body, router, served_model_name)
+        return await serve_request(prep, request, router, metrics, strings)
 
     @app.get("/v1/models")
     async def models():
@@ -74,5 +85,6 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
             log.warning("router stats failed while scraping metrics: %r", e)
         return Response(metrics.render(), media_type=metrics.content_type)
 
+    install_tokenize_routes(app, router, served_model_name)
     install_middleware(app, max_body_bytes, api_key)
     return app

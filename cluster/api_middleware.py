@@ -164,14 +164,18 @@ class BodyLimitMiddleware:
         await self.app(scope, limited_receive, send)
 
 
+PROTECTED_PATHS = ("/tokenize", "/detokenize")  # besides /v1/*: they cost CPU like any API call
+
+
 class ApiKeyMiddleware:
-    """``Authorization: Bearer <key>`` on /v1/*; /health, /metrics and the docs stay open."""
+    """``Authorization: Bearer <key>`` on /v1/*, /tokenize and /detokenize; /health, /metrics and the
+    docs stay open."""
 
     def __init__(self, app, api_key: str):
         self.app, self.expected = app, api_key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and (scope["path"].startswith("/v1") or scope["path"] in PROTECTED_PATHS):
             given = dict(scope.get("headers") or []).get(b"authorization", b"")
             scheme, _, token = given.partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.expected):

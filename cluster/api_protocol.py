@@ -1,9 +1,10 @@
 """The OpenAI wire format the HTTP API speaks: pydantic models of the request bodies, and the JSON of
 responses, stream chunks (SSE) and errors.
 
-One prompt per request: ``prompt`` may be a string, a list of token ids, or a list holding exactly one
-of those (cluster/api_validation.py refuses a batch of several). Parameters OpenAI defines that we do
-not support are accepted here and refused there with a message that says so.
+A completions ``prompt`` is a string, a list of token ids, or a batch (a list of strings or of token-id
+lists; cluster/api_validation.py caps its size). Parameters OpenAI defines that we do not support are
+accepted here and refused there with a message that says so. Log-probability fields are built by
+cluster/api_logprobs.py, tool calls by cluster/api_structured.py.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, WrapValidator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator
 
 
 def short(value: Any, limit: int = 80) -> str:
@@ -37,18 +38,30 @@ def _one_of(hint: str) -> WrapValidator:
 
 Prompt = Annotated[
     str | list[int] | list[str] | list[list[int]],
-    _one_of("a string, a list of token ids, or a list holding one of those"),
+    _one_of("a string, a list of token ids, or a batch: a list of strings or of token-id lists"),
 ]
 Stop = Annotated[str | list[str] | None, _one_of("a string or a list of strings")]
 
 
 class _Strict(BaseModel):
     # Strict: "5" is not 5, 5.0 is not an int, 1 is not true; NaN and infinities are refused.
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore", populate_by_name=True)
 
 
 class StreamOptions(_Strict):
     include_usage: bool | None = False
+
+
+class JsonSchemaFormat(_Strict):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: str  # "text" | "json_object" | "json_schema"; anything else is refused with its name
+    json_schema: JsonSchemaFormat | None = None
 
 
 class SamplingFields(_Strict):
@@ -62,13 +75,18 @@ class SamplingFields(_Strict):
     seed: int | None = None
     stop: Stop = None
     n: int | None = 1
-    ignore_eos: bool | None = False  # extension (as vLLM)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    response_format: ResponseFormat | None = None  # completions too, as vLLM
+    # Extensions, as vLLM names them:
+    ignore_eos: bool | None = False
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -95,10 +113,36 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Content = None
     name: str | None = None
+    # A conversation that already holds tool calls: handed to the chat template as they are.
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
 
 
-class ResponseFormat(_Strict):
-    type: str
+class FunctionDefinition(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Annotated[
+    Literal["none", "auto", "required"] | NamedToolChoice | None,
+    _one_of('"none", "auto", "required" or {"type": "function", "function": {"name": "..."}}'),
+]
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -106,8 +150,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    tools: list[dict] | None = None
-    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice = None
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool | None = True  # extension (as vLLM)
 
 
@@ -125,21 +170,30 @@ def header(request_id: str, object_kind: str, created: int, model: str, chunk: b
     return {"id": request_id, "object": kind, "created": created, "model": model}
 
 
-def choice(object_kind: str, text: str, finish_reason: str | None, chunk: bool, first: bool = False) -> dict:
-    """The one choice of a response (``chunk``: of a stream chunk; ``first``: the chat stream's first,
-    which carries the role)."""
-    if object_kind == TEXT_COMPLETION:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    if chunk:
-        delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-    return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-            "finish_reason": finish_reason}
+def completion_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
+    """A choice of a text completion, or of one of its stream chunks (same layout)."""
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def usage(num_prompt_tokens: int, num_output_tokens: int) -> dict:
+def chat_choice(index: int, content: str | None, logprobs: dict | None, finish_reason: str | None,
+                tool_calls: list[dict] | None = None) -> dict:
+    message: dict = {"role": "assistant", "content": content}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_chunk_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None,
+                      first: bool = False) -> dict:
+    """A choice of a chat stream chunk (``first``: the choice's first chunk, which carries the role)."""
+    delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int) -> dict:
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_output_tokens,
-            "total_tokens": num_prompt_tokens + num_output_tokens}
+            "total_tokens": num_prompt_tokens + num_output_tokens,
+            "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
 
 
 def sse(payload: dict | str) -> bytes:

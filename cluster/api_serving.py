@@ -1,30 +1,32 @@
-"""Serving a validated request (cluster/api_validation.py ``Prepared``): one stream of TokenDeltas from
-the router becomes a JSON response or an SSE stream, with the text, the usage, the metrics and the
-finish reason.
+"""Serving a validated request (cluster/api_validation.py ``Prepared``): its choices' router streams
+(cluster/api_fanout.py, one cluster/api_choice.py ``ChoiceRun`` each) become one JSON response or one
+SSE stream, with the text, the logprobs, tool calls, the usage and the finish reasons.
 
-Text and stop strings are applied here and only here (engine/tokenizer.py ``Detokenizer``): the router
-and the engine stream token ids; when the text reaches a stop string the request ends with
-finish_reason "stop" and is aborted in the router. A client that goes away aborts its request too.
+A client that goes away aborts every router request of its response; so does a choice that fails.
+Usage counts each prompt's tokens once (not once per choice) and sums the completion tokens of every
+choice; ``cached_tokens`` of a prompt is the fewest any of its choices found in the prefix cache (its
+choices run concurrently and may find each other's blocks: the smallest is what one prefill would get).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import AsyncIterator
 
-import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from pdcluster.cluster import api_protocol as wire
+from pdcluster.cluster.api_choice import ChoiceRun
+from pdcluster.cluster.api_fanout import choice_requests, collect_all, interleaved, start_all
+from pdcluster.cluster.api_logprobs import Positions, TokenStrings, chat_logprobs, completion_logprobs
 from pdcluster.cluster.api_middleware import APIError
+from pdcluster.cluster.api_structured import tool_calls_from_text
 from pdcluster.cluster.api_validation import Prepared
 from pdcluster.cluster.metrics import Metrics
-from pdcluster.cluster.router_api import RouterError, TokenDelta
-from pdcluster.engine.tokenizer import Detokenizer
+from pdcluster.cluster.router_api import RouterError
 
 log = logging.getLogger(__name__)
 
@@ -56,164 +58,115 @@ async def _unless_disconnected(awaitable, request: Request):
             await asyncio.gather(task, return_exceptions=True)
 
 
-class Run:
-    """One request's stream from the router: text, counts, finish, metrics (recorded once)."""
+class Reply:
+    """What every part of one response shares: the request, its runs, the token strings."""
 
-    def __init__(self, prep: Prepared, router, metrics: Metrics):
-        self.prep, self.router, self.metrics = prep, router, metrics
-        self.detok = Detokenizer(router.tokenizer, prep.params.stop)
-        self.stream: AsyncIterator[TokenDelta] | None = None
-        self.num_output = self.num_draft = self.num_accepted = 0
-        self.finish_reason: str | None = None
-        self.error: str | None = None
-        self._last_token_at: float | None = None
-        self._started = False  # the router admitted it and sent a first delta
-        self._closed = False
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    async def start(self) -> TokenDelta:
-        """Admission and the first delta: a RouterError here is still an HTTP error status."""
-        p = self.prep
-        self.stream = self.router.generate(p.request_id, p.prompt_token_ids, p.params)
-        try:
-            first = await self.stream.__anext__()
-        except StopAsyncIteration:
-            self.finish_reason = "error"
-            raise RouterError("the router ended the request without any output", status=503) from None
-        except RouterError:
-            self.finish_reason = "rejected"  # nothing to abort
-            raise
-        self._started = True
-        return first
-
-    async def next(self) -> TokenDelta:
-        try:
-            return await self.stream.__anext__()
-        except StopAsyncIteration:
-            return TokenDelta([], finished=True, finish_reason="error",
-                              error="the router ended the request without a final status")
-
-    def feed(self, delta: TokenDelta) -> str:
-        """Account for ``delta``; return the new text to show."""
-        now = time.monotonic()
-        n = len(delta.new_token_ids)
-        if n:
-            if self._last_token_at is None:
-                self.metrics.on_first_token(now - self.prep.arrival, delta.ttft_breakdown)
-            else:
-                self.metrics.on_tokens(now - self._last_token_at, n)
-                # Disaggregated TTFT parts known only later (KV transfer, first decode step).
-                self.metrics.observe_ttft_parts(delta.ttft_breakdown)
-            self._last_token_at = now
-        elif delta.ttft_breakdown and self._last_token_at is not None:
-            self.metrics.observe_ttft_parts(delta.ttft_breakdown)
-        self.num_output = max(self.num_output + n, delta.num_output_tokens)
-        self.num_draft = max(self.num_draft, delta.num_draft_tokens)
-        self.num_accepted = max(self.num_accepted, delta.num_accepted_tokens)
-        text = self.detok.add(delta.new_token_ids, delta.finished)
-        if delta.finished and delta.finish_reason == "error":
-            self.finish_reason, self.error = "error", delta.error
-        elif self.detok.hit_stop:  # the text reached a stop string: the request ends here (close aborts it)
-            self.finish_reason = "stop"
-        elif delta.finished:
-            self.finish_reason = delta.finish_reason or "stop"
-        return text
-
-    async def collect(self, first: TokenDelta) -> None:
-        self.feed(first)
-        while not self.finished:
-            self.feed(await self.next())
-
-    async def close(self) -> None:
-        """Idempotent: abort in the router unless finished there, close the stream, record metrics."""
-        if self._closed:
-            return
-        self._closed = True
-        with anyio.CancelScope(shield=True):
-            if self.finish_reason is None:
-                self.finish_reason = "abort"
-            try:
-                if self.finish_reason == "abort" or self.detok.hit_stop:
-                    await self.router.abort(self.prep.request_id)
-                aclose = getattr(self.stream, "aclose", None)
-                if aclose is not None:
-                    await aclose()
-            except Exception:  # noqa: BLE001 - cleanup must not mask the request's outcome
-                log.exception("closing request %s failed", self.prep.request_id)
-            if self._started:  # a request refused at admission is no finished request
-                self.metrics.on_finish(time.monotonic() - self.prep.arrival, len(self.prep.prompt_token_ids),
-                                       self.num_output, self.finish_reason, self.num_draft, self.num_accepted)
-
-    def usage(self) -> dict:
-        return wire.usage(len(self.prep.prompt_token_ids), self.num_output)
+    def __init__(self, prep: Prepared, runs: list[ChoiceRun], strings: TokenStrings):
+        self.prep, self.runs, self.strings = prep, runs, strings
 
     def header(self, chunk: bool) -> dict:
         p = self.prep
         return wire.header(p.request_id, p.object_kind, p.created, p.model, chunk)
 
+    def logprobs(self, positions: Positions | None) -> dict | None:
+        if positions is None:
+            return None
+        num_top = self.prep.output.num_logprobs
+        if self.prep.object_kind == wire.TEXT_COMPLETION:
+            return completion_logprobs(positions, num_top, self.strings)
+        return chat_logprobs(positions, num_top, self.strings)
 
-async def _sse_stream(run: Run, first: TokenDelta) -> AsyncIterator[bytes]:
-    prep = run.prep
-    usage_field = {"usage": None} if prep.include_usage else {}
+    def usage(self) -> dict:
+        num_prompt = sum(len(p.token_ids) for p in self.prep.prompts)
+        num_output = sum(run.num_shown_output for run in self.runs)
+        cached: dict[int, int] = {}
+        for run in self.runs:
+            i = run.request.prompt_index
+            cached[i] = min(cached.get(i, run.num_cached), run.num_cached)
+        return wire.usage(num_prompt, num_output, sum(cached.values()))
 
-    def chunk(text: str, finish_reason: str | None, first_chunk: bool = False) -> bytes:
-        return wire.sse({**run.header(True), "choices": [wire.choice(prep.object_kind, text, finish_reason, True,
-                                                                     first_chunk)], **usage_field})
+    def choice(self, run: ChoiceRun) -> dict:
+        """A choice of the JSON response."""
+        logprobs = self.logprobs(run.positions)
+        if self.prep.object_kind == wire.TEXT_COMPLETION:
+            return wire.completion_choice(run.index, run.text, logprobs, run.finish_reason)
+        mode = self.prep.output.tool_calls
+        calls = tool_calls_from_text(mode, run.text) if mode is not None else None
+        if calls:
+            return wire.chat_choice(run.index, None, logprobs, "tool_calls", calls)
+        return wire.chat_choice(run.index, run.text, logprobs, run.finish_reason)
 
+    def chunk(self, run: ChoiceRun, text: str, positions: Positions | None, finish_reason: str | None,
+              first: bool = False) -> bytes:
+        logprobs = self.logprobs(positions)
+        if self.prep.object_kind == wire.TEXT_COMPLETION:
+            choice = wire.completion_choice(run.index, text, logprobs, finish_reason)
+        else:
+            choice = wire.chat_chunk_choice(run.index, text, logprobs, finish_reason, first)
+        usage_field = {"usage": None} if self.prep.include_usage else {}
+        return wire.sse({**self.header(True), "choices": [choice], **usage_field})
+
+
+async def _close_all(runs: list[ChoiceRun]) -> None:
+    await asyncio.gather(*(run.close() for run in runs))
+
+
+async def _sse_stream(resp: Reply, firsts) -> AsyncIterator[bytes]:
+    prep, runs = resp.prep, resp.runs
     try:
         if prep.object_kind == wire.CHAT_COMPLETION:
-            yield chunk("", None, first_chunk=True)
-        delta = first
-        while True:
-            text = run.feed(delta)
-            if run.finished:
-                break
-            if text:
-                yield chunk(text, None)
-            delta = await run.next()
-        if run.finish_reason == "error":
-            if text:
-                yield chunk(text, None)
-            yield wire.sse(wire.error_body(f"generation failed: {run.error}", "server_error"))
-        else:
-            yield chunk(text, run.finish_reason)
-            if prep.include_usage:
-                yield wire.sse({**run.header(True), "choices": [], "usage": run.usage()})
+            for run in runs:
+                yield resp.chunk(run, "", None, None, first=True)
+        failed = None
+        async with interleaved(runs, firsts) as pieces:
+            async for run, piece, finish_reason in pieces:
+                has_tokens = piece.positions is not None and bool(piece.positions.token_ids)
+                if finish_reason == "error":
+                    if piece.text or has_tokens:
+                        yield resp.chunk(run, piece.text, piece.positions, None)
+                    failed = run
+                elif finish_reason is not None:
+                    yield resp.chunk(run, piece.text, piece.positions, finish_reason)
+                elif piece.text or has_tokens:
+                    yield resp.chunk(run, piece.text, piece.positions, None)
+        if failed is not None:
+            yield wire.sse(wire.error_body(f"generation failed: {failed.error}", "server_error"))
+        elif prep.include_usage:
+            yield wire.sse({**resp.header(True), "choices": [], "usage": resp.usage()})
         yield wire.sse("[DONE]")
     except Exception:  # noqa: BLE001 - the status line is gone: report it in the stream
         log.exception("stream of %s failed", prep.request_id)
         yield wire.sse(wire.error_body("internal error while streaming", "server_error"))
         yield wire.sse("[DONE]")
     finally:
-        await run.close()  # a client disconnect cancels us here: the router request is aborted
+        await _close_all(runs)  # a client disconnect cancels us here: every router request is aborted
 
 
-async def serve_request(prep: Prepared, request: Request, router, metrics: Metrics) -> Response:
-    run = Run(prep, router, metrics)
+async def serve_request(prep: Prepared, request: Request, router, metrics: Metrics,
+                        strings: TokenStrings) -> Response:
+    runs = [ChoiceRun(prep, c, router, metrics) for c in choice_requests(prep)]
+    resp = Reply(prep, runs, strings)
     handed_off = False
     try:
         try:
-            first = await _unless_disconnected(run.start(), request)
+            firsts = await _unless_disconnected(start_all(runs), request)
         except RouterError as e:
             raise APIError(e.status, str(e), kind=e.kind) from e
         if prep.stream:
             handed_off = True
-            # The stream closes the run when it ends or is cancelled; the background task covers a
+            # The stream closes the runs when it ends or is cancelled; the background task covers a
             # client that left before the stream even started (close is idempotent).
-            return StreamingResponse(_sse_stream(run, first), media_type="text/event-stream",
+            return StreamingResponse(_sse_stream(resp, firsts), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                                     background=BackgroundTask(run.close))
-        await _unless_disconnected(run.collect(first), request)
-        if run.finish_reason == "error":
-            raise APIError(503, f"generation failed: {run.error}", kind="server_error")
-        return JSONResponse({**run.header(False), "choices": [wire.choice(prep.object_kind, run.detok.text,
-                                                                          run.finish_reason, False)],
-                             "usage": run.usage()})
+                                     background=BackgroundTask(_close_all, runs))
+        await _unless_disconnected(collect_all(runs, firsts), request)
+        failed = next((run for run in runs if run.finish_reason == "error"), None)
+        if failed is not None:
+            raise APIError(503, f"generation failed: {failed.error}", kind="server_error")
+        return JSONResponse({**resp.header(False), "choices": [resp.choice(run) for run in runs],
+                             "usage": resp.usage()})
     except _ClientGone:
-        return Response(status_code=499)  # nobody reads it; the request is aborted in close()
+        return Response(status_code=499)  # nobody reads it; the requests are aborted in close()
     finally:
         if not handed_off:
-            await run.close()
+            await _close_all(runs)

@@ -1,184 +1,230 @@
-"""The one validation of a request: a parsed OpenAI body (cluster/api_protocol.py) becomes prompt token
-ids and engine SamplingParams, or an APIError whose message names the field, the value and the limit.
+"""The one validation of a request: a parsed OpenAI body (cluster/api_protocol.py) becomes prompts
+(token ids), their engine SamplingParams and what the response shows, or an APIError whose message
+names the field, the value and the limit.
 
 Everything a client can get wrong is checked here, at the edge, against what the Router contract
 exposes (cluster/router_api.py: ``tokenizer``, ``max_model_len``): the model name, unsupported
-parameters, an empty or batched prompt, token ids outside the vocabulary, the context length,
-``max_tokens`` and every sampling value. Routers and engines behind it keep only cheap guards for what
-they alone know (request ids in use, the size of a worker's KV pool).
+parameters, empty prompts and the batch size, token ids outside the vocabulary, the context length,
+``max_tokens``, logprobs, the grammar (cluster/api_structured.py) and every sampling value
+(cluster/api_sampling.py). Routers and engines behind it keep only cheap guards for what they alone
+know (request ids in use, the size of a worker's KV pool).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import anyio
 
 from pdcluster.cluster.api_middleware import APIError
 from pdcluster.cluster.api_protocol import (CHAT_COMPLETION, TEXT_COMPLETION, ChatCompletionRequest,
-                                            CompletionRequest, SamplingFields, short)
+                                            ChatMessage, CompletionRequest, SamplingFields, short)
+from pdcluster.cluster.api_sampling import INT64_MAX, Extras, sampling_params
+from pdcluster.cluster.api_structured import ToolCalls, structured_request
 from pdcluster.engine.sampling_params import SamplingParams
 
-INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
-MAX_STOP_STRINGS = 16
-GREEDY_EPS = 1e-5  # temperatures below this sample greedily (as vLLM): 1/T would overflow the logits
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: up to the context's end)
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI (chat) and vLLM's default max_logprobs
+MAX_PROMPTS = 64  # prompts in one completions request
+MAX_CHOICES = 128  # prompts x n: each is a router request
+
+
+@dataclass
+class PromptInput:
+    """One prompt of the request and the parameters of its router requests."""
+
+    token_ids: list[int]
+    params: SamplingParams
+    text: str | None = None  # what echo shows (the client's string, or the ids decoded); None without echo
+
+
+@dataclass
+class Output:
+    """What each choice shows besides its text."""
+
+    num_logprobs: int | None = None  # top alternatives per token; None = no logprobs
+    echo: bool = False  # the prompt (and its logprobs) first
+    drop_output: bool = False  # max_tokens 0 with echo (scoring): the one token generated is not shown
+    tool_calls: ToolCalls | None = None  # the text is tool calls (cluster/api_structured.py)
 
 
 @dataclass
 class Prepared:
-    """A validated request, ready for the router."""
+    """A validated request, ready for the router: ``len(prompts) * n`` choices."""
 
     request_id: str
     object_kind: str  # TEXT_COMPLETION | CHAT_COMPLETION
     model: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
+    prompts: list[PromptInput]
+    n: int
+    output: Output
     stream: bool
     include_usage: bool
     created: int = field(default_factory=lambda: int(time.time()))
     arrival: float = field(default_factory=time.monotonic)
 
 
+def _bad(param: str, message: str) -> APIError:
+    return APIError(400, f"{param}: {message}", param=param)
+
+
 async def prepare(body: SamplingFields, router, served_model_name: str) -> Prepared:
-    _check_model(body, served_model_name)
+    check_model(body.model, served_model_name)
+    n = _check_n(body)
     _reject_unsupported(body)
-    tokenizer = router.tokenizer
     is_chat = isinstance(body, ChatCompletionRequest)
-    # Tokenising a long prompt takes a while: keep it off the event loop.
-    prompt_fn = _chat_prompt if is_chat else _completion_prompt
-    ids = await anyio.to_thread.run_sync(prompt_fn, body, tokenizer)
+    output, extras = _output_and_extras(body)
+    tokenizer = router.tokenizer
+    # Checking a schema and tokenising long prompts take a while: keep them off the event loop.
+    spec, tool_calls = await anyio.to_thread.run_sync(structured_request, body)
+    output, extras = replace(output, tool_calls=tool_calls), replace(extras, structured_output=spec)
     if is_chat:
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        default = None
+        ids = await anyio.to_thread.run_sync(
+            chat_prompt_ids, body.messages, body.add_generation_prompt is not False, tokenizer)
+        prompts = [(ids, None)]
     else:
-        max_tokens, param, default = body.max_tokens, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS
-    params = _sampling_params(body, max_tokens, len(ids), router.max_model_len, param, default)
+        prompts = await anyio.to_thread.run_sync(_completion_prompts, body, n, output.echo, tokenizer)
+    inputs = []
+    for i, (ids, text) in enumerate(prompts):
+        label = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        max_tokens = _max_tokens(body, len(ids), router.max_model_len, label, output)
+        inputs.append(PromptInput(ids, sampling_params(body, max_tokens, tokenizer.vocab_size, extras), text))
     prefix, kind = ("chatcmpl", CHAT_COMPLETION) if is_chat else ("cmpl", TEXT_COMPLETION)
     include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
-    return Prepared(f"{prefix}-{uuid.uuid4().hex}", kind, served_model_name, ids, params, bool(body.stream),
-                    include_usage)
+    return Prepared(f"{prefix}-{uuid.uuid4().hex}", kind, served_model_name, inputs, n, output,
+                    bool(body.stream), include_usage)
 
 
-def _check_model(body: SamplingFields, served_model_name: str) -> None:
-    if body.model != served_model_name:
-        raise APIError(404, f"The model {body.model!r} does not exist: this server serves {served_model_name!r}",
+def check_model(model: str | None, served_model_name: str) -> None:
+    if model != served_model_name:
+        raise APIError(404, f"The model {model!r} does not exist: this server serves {served_model_name!r}",
                        param="model", code="model_not_found")
+
+
+def _check_n(body: SamplingFields) -> int:
+    n = 1 if body.n is None else body.n
+    if not 1 <= n <= MAX_CHOICES:
+        raise _bad("n", f"must be in [1, {MAX_CHOICES}], got {n}")
+    if body.seed is not None and n > 1 and body.seed + n - 1 > INT64_MAX:  # choice j samples with seed + j
+        raise _bad("seed", f"with n={n} the choices use seeds seed..seed+{n - 1}, which must fit in a signed "
+                           f"64-bit integer: got seed={body.seed}")
+    return n
 
 
 def _reject_unsupported(body: SamplingFields) -> None:
     def no(param: str, what: str) -> None:
         raise APIError(400, f"{param}: {what}", param=param, code="unsupported_parameter")
 
-    if body.n not in (None, 1):
-        no("n", f"only n=1 is supported, got {body.n}: send {body.n} requests (with different seeds) instead")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(body, name)
-        if value not in (None, 0, 0.0):
-            no(name, f"penalties are not supported, got {value!r} (leave it out or send 0)")
-    if body.logit_bias:
-        no("logit_bias", "logit_bias is not supported (leave it out)")
     if isinstance(body, CompletionRequest):
-        if body.logprobs is not None:
-            no("logprobs", f"logprobs are not supported, got {body.logprobs!r} (leave it out)")
-        if body.echo:
-            no("echo", "echo is not supported (leave it out or send false)")
         if body.best_of not in (None, 1):
-            no("best_of", f"only best_of=1 is supported, got {body.best_of}")
+            no("best_of", f"only best_of=1 is supported, got {body.best_of}: use n={body.best_of} and pick "
+                          "a choice yourself (with logprobs to score them)")
         if body.suffix:
             no("suffix", "suffix (insertion) is not supported (leave it out)")
-    else:
-        if body.logprobs or body.top_logprobs:
-            no("logprobs", "logprobs are not supported (leave logprobs and top_logprobs out)")
-        if body.tools:
-            no("tools", "tool calling is not supported (leave tools out)")
-        if body.response_format is not None and body.response_format.type != "text":
-            no("response_format", f"only response_format type 'text' is supported, got {body.response_format.type!r}")
 
 
-def _completion_prompt(body: CompletionRequest, tokenizer) -> list[int]:
+def _output_and_extras(body: SamplingFields) -> tuple[Output, Extras]:
+    def in_range(param: str, value: int) -> int:
+        if not 0 <= value <= MAX_LOGPROBS:
+            raise _bad(param, f"must be in [0, {MAX_LOGPROBS}], got {value}")
+        return value
+
+    if isinstance(body, ChatCompletionRequest):
+        if body.top_logprobs is not None and not body.logprobs:
+            raise _bad("top_logprobs", f"needs logprobs=true, got top_logprobs={body.top_logprobs} with "
+                                       f"logprobs={body.logprobs}")
+        num = in_range("top_logprobs", body.top_logprobs or 0) if body.logprobs else None
+        return Output(num_logprobs=num), Extras(logprobs=num)
+    num = None if body.logprobs is None else in_range("logprobs", body.logprobs)
+    echo = bool(body.echo)
+    output = Output(num_logprobs=num, echo=echo, drop_output=echo and body.max_tokens == 0)
+    return output, Extras(logprobs=num, prompt_logprobs=num if echo else None)
+
+
+def _completion_prompts(body: CompletionRequest, n: int, echo: bool, tokenizer) -> list[tuple[list[int], str | None]]:
     prompt = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise APIError(400, f"prompt: a batch of {len(prompt)} prompts is not supported: send one prompt "
-                                "per request (concurrent requests are batched by the server)", param="prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt)
-    else:
-        ids = list(prompt)
-        vocab_size = tokenizer.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise APIError(400, f"prompt: token ids out of range [0, {vocab_size}): {short(bad[:5])}",
-                           param="prompt")
-    if not ids:
-        raise APIError(400, "prompt is empty: give at least one token of text", param="prompt")
-    return ids
+    batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+    if len(batch) > MAX_PROMPTS:
+        raise _bad("prompt", f"a batch of at most {MAX_PROMPTS} prompts is supported, got {len(batch)}: "
+                             "split it over several requests")
+    if len(batch) * n > MAX_CHOICES:
+        raise _bad("n", f"{len(batch)} prompts x n={n} = {len(batch) * n} choices, more than the limit of "
+                        f"{MAX_CHOICES}: lower n or split the batch")
+    vocab_size = tokenizer.vocab_size
+    out = []
+    for i, one in enumerate(batch):
+        label = "prompt" if len(batch) == 1 else f"prompt[{i}]"
+        if isinstance(one, str):
+            ids, text = tokenizer.encode(one), one
+        else:
+            ids, text = list(one), None
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise APIError(400, f"{label}: token ids out of range [0, {vocab_size}): {short(bad[:5])}",
+                               param="prompt")
+        if not ids:
+            raise APIError(400, f"{label} is empty: give at least one token of text", param="prompt")
+        if echo and text is None:
+            text = tokenizer.decode(ids)
+        out.append((ids, text if echo else None))
+    return out
 
 
-def _chat_prompt(body: ChatCompletionRequest, tokenizer) -> list[int]:
+def chat_prompt_text(messages: list[ChatMessage], add_generation_prompt: bool, tokenizer) -> str:
+    """``messages`` rendered by the model's chat template (also /tokenize's)."""
     from pdcluster.engine.tokenizer import ChatTemplateError
 
-    if not body.messages:
+    if not messages:
         raise APIError(400, "messages is empty: give at least one message", param="messages")
-    messages = []
-    for m in body.messages:
+    rendered = []
+    for m in messages:
         content = m.content if isinstance(m.content, str) or m.content is None else "\n".join(p.text for p in m.content)
-        messages.append({"role": m.role, "content": content or "", **({"name": m.name} if m.name else {})})
+        message = {"role": m.role, "content": content or ""}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(m, key):
+                message[key] = getattr(m, key)
+        rendered.append(message)
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt is not False)
+        return tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt)
     except ChatTemplateError as e:
         raise APIError(400, f"messages: {e}", param="messages") from e
-    ids = tokenizer.encode(text)
+
+
+def chat_prompt_ids(messages: list[ChatMessage], add_generation_prompt: bool, tokenizer) -> list[int]:
+    ids = tokenizer.encode(chat_prompt_text(messages, add_generation_prompt, tokenizer))
     if not ids:
         raise APIError(400, "messages render to an empty prompt", param="messages")
     return ids
 
 
-def _sampling_params(body: SamplingFields, max_tokens: int | None, num_prompt: int, max_model_len: int,
-                     max_tokens_param: str, default_max_tokens: int | None) -> SamplingParams:
-    def bad(param: str, message: str) -> APIError:
-        return APIError(400, f"{param}: {message}", param=param)
-
+def _max_tokens(body: SamplingFields, num_prompt: int, max_model_len: int, label: str, output: Output) -> int:
+    """Tokens the router generates for one prompt (1 when scoring: max_tokens 0 with echo)."""
+    if isinstance(body, ChatCompletionRequest):
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        default = None
+    else:
+        max_tokens, param, default = body.max_tokens, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS
+    prompt_param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
     if num_prompt >= max_model_len:
-        raise APIError(400, f"prompt has {num_prompt} tokens, but this model's context (max_model_len) is "
-                            f"{max_model_len} tokens: shorten the prompt to at most {max_model_len - 1} tokens",
-                       param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
-                       code="context_length_exceeded")
+        raise APIError(400, f"{label if prompt_param == 'prompt' else 'prompt'} has {num_prompt} tokens, but "
+                            f"this model's context (max_model_len) is {max_model_len} tokens: shorten the prompt "
+                            f"to at most {max_model_len - 1} tokens",
+                       param=prompt_param, code="context_length_exceeded")
+    if output.drop_output:
+        return 1  # the prompt's logprobs come with the first token, which is then dropped
     if max_tokens is None:  # the default never overflows the context
-        max_tokens = min(default_max_tokens or max_model_len, max_model_len - num_prompt)
+        max_tokens = min(default or max_model_len, max_model_len - num_prompt)
     elif max_tokens <= 0:
-        raise bad(max_tokens_param, f"must be at least 1, got {max_tokens}")
+        hint = " (0 only with echo=true, to score the prompt)" if isinstance(body, CompletionRequest) else ""
+        raise _bad(param, f"must be at least 1, got {max_tokens}{hint}")
     if num_prompt + max_tokens > max_model_len:
         raise APIError(
-            400, f"prompt ({num_prompt} tokens) + {max_tokens_param} ({max_tokens}) = {num_prompt + max_tokens} "
-                 f"tokens exceeds this model's context (max_model_len) of {max_model_len} tokens: lower "
-                 f"{max_tokens_param} to at most {max_model_len - num_prompt} or shorten the prompt",
-            param=max_tokens_param, code="context_length_exceeded")
-    temperature = 1.0 if body.temperature is None else body.temperature
-    if temperature < 0:
-        raise bad("temperature", f"must be >= 0 (0 = greedy), got {temperature!r}")
-    if temperature < GREEDY_EPS:
-        temperature = 0.0
-    top_p = 1.0 if body.top_p is None else body.top_p
-    if not 0.0 < top_p <= 1.0:
-        raise bad("top_p", f"must be in (0, 1], got {top_p!r}")
-    top_k = 0 if body.top_k in (None, -1) else body.top_k
-    if top_k < 0:
-        raise bad("top_k", f"must be >= 0 (0 or -1 disables it), got {body.top_k!r}")
-    if body.seed is not None and not INT64_MIN <= body.seed <= INT64_MAX:
-        raise bad("seed", f"must fit in a signed 64-bit integer, got {short(body.seed)}")
-    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    if len(stop) > MAX_STOP_STRINGS:
-        raise bad("stop", f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(stop)}")
-    if any(not s for s in stop):
-        raise bad("stop", f"stop strings must be non-empty, got {short(stop)}")
-    try:  # every value is checked above; SamplingParams' own checks are the engine's guard
-        return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                              seed=body.seed, stop=stop, ignore_eos=bool(body.ignore_eos))
-    except ValueError as e:
-        raise APIError(400, str(e)) from e
+            400, f"{label if prompt_param == 'prompt' else 'prompt'} ({num_prompt} tokens) + {param} "
+                 f"({max_tokens}) = {num_prompt + max_tokens} tokens exceeds this model's context "
+                 f"(max_model_len) of {max_model_len} tokens: lower {param} to at most "
+                 f"{max_model_len - num_prompt} or shorten the prompt",
+            param=param, code="context_length_exceeded")
+    return max_tokens

@@ -46,6 +46,9 @@ class DecodeWorker(WorkerLoop):
         self.kv = (RemoteKV(worker_id, self.engine, transfer, transport_cls, self._on_first_token)
                    if transfer is not None else NoRemoteKV())
         self._waiting: dict[str, _Waiting] = {}
+        # fork_group -> the request whose prompt its siblings reuse (engine/forks.py): the first choice
+        # of an n > 1 request fetches or computes the prompt; the others follow it here.
+        self._fork_leaders: dict[str, str] = {}
         # The first token is streamed from the control plane's I/O thread or, if TransferDone overtook
         # it, from the engine thread: this lock makes it go out once and before the request's KVReady.
         self._first_token_lock = threading.Lock()
@@ -91,9 +94,13 @@ class DecodeWorker(WorkerLoop):
     def _place(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                prefill_id: str | None) -> None:
         # The API validated the request (once, at the edge); the router checked what only it knows.
-        if prefill_id is None:
-            self.engine.add_request(prompt_token_ids, params, request_id=request_id, validate=False)
+        leader = self._fork_leader(request_id, prompt_token_ids, params)
+        if prefill_id is None or leader is not None:
+            self.engine.add_request(prompt_token_ids, params, request_id=request_id, validate=False, follow=leader)
             self._admission(request_id, ADMITTED)
+            if prefill_id is not None:  # a forked choice: its KV is its leader's, nothing to transfer
+                self.emit(KVReady(request_id=request_id, worker_id=self.worker_id, transport="fork",
+                                  num_bytes=0, seconds=0.0))
             return
         try:
             blocks = self.engine.reserve_blocks(request_id, len(prompt_token_ids), params)
@@ -115,6 +122,22 @@ class DecodeWorker(WorkerLoop):
                 self._admission(request_id, UNREACHABLE, str(e))
                 return
             self._admission(request_id, ADMITTED)
+
+    def _fork_leader(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> str | None:
+        """The live sibling this request follows, or None (then it leads its group from now on)."""
+        group = params.fork_group
+        if group is None:
+            return None
+        leader = self._fork_leaders.get(group)
+        if leader is not None and (leader in self._waiting or leader in self.engine.scheduler.requests):
+            lead = self._waiting.get(leader) or self.engine.scheduler.requests[leader]
+            if list(lead.prompt_token_ids) == list(prompt_token_ids):
+                return leader
+        for stale in [g for g, rid in self._fork_leaders.items()
+                      if rid not in self._waiting and rid not in self.engine.scheduler.requests]:
+            del self._fork_leaders[stale]  # bounded by the live requests
+        self._fork_leaders[group] = request_id
+        return None
 
     def _give_back(self, request_id: str) -> None:
         """Free a reservation, unless the transport still holds it (quarantine: freed by tick)."""
@@ -139,6 +162,7 @@ class DecodeWorker(WorkerLoop):
             "num_reserved": self.engine.num_reserved,
             # Of those, failed ones whose blocks wait for a sender's revoke confirmation (shm push).
             "num_quarantined": self.kv.num_quarantined,
+            "num_prompt_tokens_computed": self.engine.scheduler.num_prompt_tokens_computed,
         }
 
     def _on_first_token(self, peer_id: str, msg: FirstToken) -> None:

@@ -151,11 +151,13 @@ class LLMEngine:
         if not self.scheduler.block_manager.reserve(placeholder, num_prompt_tokens):
             return None
         self._reserved[request_id] = placeholder
+        self.scheduler.awaiting_kv.add(request_id)
         return list(placeholder.block_ids)
 
     def release_reserved(self, request_id: str) -> bool:
         """Free the blocks of a reservation whose transfer failed or was aborted. Idempotent."""
         placeholder = self._reserved.pop(request_id, None)
+        self.scheduler.awaiting_kv.discard(request_id)
         if placeholder is None:
             return False
         self.scheduler.block_manager.free(placeholder)
@@ -172,6 +174,7 @@ class LLMEngine:
         """The prompt's KV has landed in the reserved blocks: decode from here. Returns the final
         output when the first token already ends the request (stop token, max_tokens=1)."""
         placeholder = self._reserved.pop(request_id)
+        self.scheduler.awaiting_kv.discard(request_id)
         assert len(prompt_token_ids) == placeholder.num_prompt_tokens
         self.prepare_grammar(params)
         request = Request(request_id, list(prompt_token_ids), params, arrival_time=placeholder.arrival_time)
@@ -209,9 +212,10 @@ class LLMEngine:
             )
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                    validate: bool = True) -> str:
+                    validate: bool = True, follow: str | None = None) -> str:
         """``validate=False``: the caller's edge validated the request already (a served request is
-        validated once, by the HTTP API)."""
+        validated once, by the HTTP API). ``follow``: the id of a running request with the same prompt
+        (a sibling choice of an n > 1 request): start once its prompt is in the prefix cache."""
         prompt_token_ids = self.tokenize(prompt)
         if validate:
             self.validate(prompt_token_ids, params)
@@ -219,7 +223,7 @@ class LLMEngine:
         self.prepare_grammar(params)
         request_id = request_id or f"req-{next(self._ids)}"
         request = Request(request_id, prompt_token_ids, params, arrival_time=time.monotonic())
-        self.scheduler.add_request(request)
+        self.scheduler.add_request(request, follow=follow)
         return request_id
 
     def prepare_grammar(self, params: SamplingParams) -> None:

@@ -45,6 +45,8 @@ class Request:
     # Speculative-decoding counters reported to the user.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # The prompt's full blocks are registered in the prefix cache (engine/forks.py releases followers).
+    prompt_cached: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -40,6 +40,9 @@ class SamplingParams:
     # Structured output: a JSON string naming the grammar (engine/structured_output.py), e.g.
     # '{"type": "json_object"}' or '{"type": "json_schema", "schema": {...}}'; None = free text.
     structured_output: str | None = None
+    # The n choices of one request share this key (any string unique to the request): the router puts
+    # them on one worker pair and the prompt is computed and transferred once (engine/forks.py).
+    fork_group: str | None = None
     # Output tokens produced before this request started (a request resumed elsewhere after a worker
     # died carries them in its prompt): random draws stay keyed by the *original* output position.
     output_position_offset: int = 0

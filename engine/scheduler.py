@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from pdcluster.engine.block_manager import BlockManager
 from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.forks import ForkGate
 from pdcluster.engine.kv_connector import SchedulerConnector
 from pdcluster.engine.logprobs import TokenLogprobs
 from pdcluster.engine.request import Request, RequestStatus
@@ -99,15 +100,25 @@ class Scheduler:
         self._finished_req_ids: set[str] = set()
         self._seen_by_runner: set[str] = set()
         self.num_preemptions_total = 0
+        self.forks = ForkGate()
+        self.awaiting_kv: set[str] = set()  # reservations of the engine: prompts whose KV is on its way
+        # Prompt tokens this scheduler had computed (prefix-cache hits and transferred KV excluded):
+        # the stat that shows a forked prompt was computed once.
+        self.num_prompt_tokens_computed = 0
         # MTP writes its draft layer's KV for k - 1 chained positions past the verified ones
         # (engine/proposers/mtp.py): reserve those slots with every allocation.
         self.num_lookahead_tokens = max(config.num_spec_tokens - 1, 0) if config.spec_method == "mtp" else 0
 
     # ---- requests in and out -----------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, follow: str | None = None) -> None:
+        """``follow``: a request with the same prompt (engine/forks.py): wait until its prompt is cached."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        leader = self.requests.get(follow) if follow is not None else None
+        if follow in self.awaiting_kv or (leader is not None and not leader.is_finished and not leader.prompt_cached):
+            self.forks.park(follow, request)
+            return
         self.waiting.append(request)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
@@ -117,18 +128,18 @@ class Scheduler:
             return None
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
-        else:
+        elif not self.forks.remove(request):
             self.waiting.remove(request)
         self._finish(request, status)
         return request
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.forks)
 
     def has_pending(self) -> bool:
         """Anything left to step for: requests, blocks held for a transfer, or finish notices the
         runner and connector have not seen yet."""
-        return bool(self.waiting or self.running or self.held or self._finished_req_ids)
+        return bool(self.waiting or self.running or self.held or self._finished_req_ids or self.forks)
 
     def add_prefilled_request(self, request: Request) -> None:
         """A request whose prompt KV was computed elsewhere and has landed in ``request.block_ids``
@@ -160,6 +171,8 @@ class Scheduler:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
+        if self.forks:
+            self.waiting.extendleft(reversed(self.forks.release(self.requests, self.awaiting_kv)))
         preempted: set[str] = set()
 
         i = 0
@@ -243,6 +256,10 @@ class Scheduler:
             # Register computed full blocks even when the request ends now: a finished request's
             # prefix is exactly what the next request with the same prompt wants to hit.
             self.block_manager.cache_full_blocks(request)
+            self.num_prompt_tokens_computed += max(0, min(s.num_computed_tokens + s.num_scheduled_tokens,
+                                                          s.num_prompt_tokens) - s.num_computed_tokens)
+            if request.num_computed_tokens >= request.num_prompt_tokens:
+                request.prompt_cached = True
             if finished:
                 self.running.remove(request)
                 # Drafts proposed from this step's output travel with a KV transfer (prefill side).

@@ -83,6 +83,7 @@ class PrefillWorker(WorkerLoop):
             "num_held": len(self.engine.scheduler.held),
             "num_transfers": len(self.connector.tasks),
             "bytes_sent": self.connector.bytes_sent,
+            "num_prompt_tokens_computed": self.engine.scheduler.num_prompt_tokens_computed,
         }
 
     def _connect_new_peers(self) -> None:

@@ -330,13 +330,17 @@ BAD_REQUESTS = [
     ("/v1/completions", {**_OK, "prompt": [5] * 1000, "max_tokens": 100}, 400, ["1000", "100", str(MAX_MODEL_LEN)]),
     ("/v1/completions", {**_OK, "prompt": ""}, 400, ["prompt is empty"]),
     ("/v1/completions", {**_OK, "prompt": []}, 400, ["prompt is empty"]),
-    ("/v1/completions", {**_OK, "prompt": ["a", "b"]}, 400, ["batch of 2 prompts", "one prompt per request"]),
+    ("/v1/completions", {**_OK, "prompt": ["a"] * 65}, 400, ["prompt", "at most 64 prompts", "got 65"]),
+    ("/v1/completions", {**_OK, "prompt": ["a"] * 64, "n": 3}, 400, ["n", "192 choices", "128"]),
+    ("/v1/completions", {**_OK, "prompt": ["a", ""]}, 400, ["prompt[1] is empty"]),
     ("/v1/completions", {**_OK, "prompt": [10**9]}, 400, ["out of range"]),
     ("/v1/completions", {**_OK, "model": "gpt-9"}, 404, ["'gpt-9'", f"'{MODEL}'"]),
     ("/v1/chat/completions", {**_CHAT_OK, "model": "gpt-9"}, 404, ["'gpt-9'", f"'{MODEL}'"]),
-    ("/v1/completions", {**_OK, "n": 2}, 400, ["n", "only n=1", "got 2"]),
-    ("/v1/completions", {**_OK, "logprobs": 3}, 400, ["logprobs", "not supported"]),
-    ("/v1/chat/completions", {**_CHAT_OK, "logprobs": True}, 400, ["logprobs", "not supported"]),
+    ("/v1/completions", {**_OK, "n": 0}, 400, ["n", "[1, 128]", "got 0"]),
+    ("/v1/completions", {**_OK, "n": 129}, 400, ["n", "[1, 128]", "got 129"]),
+    ("/v1/completions", {**_OK, "logprobs": 21}, 400, ["logprobs", "[0, 20]", "got 21"]),
+    ("/v1/chat/completions", {**_CHAT_OK, "top_logprobs": 3}, 400, ["top_logprobs", "logprobs=true"]),
+    ("/v1/chat/completions", {**_CHAT_OK, "logprobs": True, "top_logprobs": 21}, 400, ["top_logprobs", "got 21"]),
     ("/v1/completions", {**_OK, "temperature": -1}, 400, ["temperature", ">= 0", "-1"]),
     ("/v1/completions", {**_OK, "top_p": 0}, 400, ["top_p", "(0, 1]"]),
     ("/v1/completions", {**_OK, "top_k": -5}, 400, ["top_k", "-5"]),
@@ -355,6 +359,21 @@ def test_bad_request_is_a_clear_4xx(stack, path, body, status, words):
     assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
     for word in words:
         assert word in err["message"], (word, err["message"])
+
+
+def test_formerly_refused_features_are_served(stack):
+    """n, logprobs, chat logprobs and a batch of prompts were 400 "not supported": now they are served
+    (tests/test_api_openai.py tests each in depth)."""
+    r = stack.http.post("/v1/completions", json={**_OK, "n": 2}).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1] and r["usage"]["completion_tokens"] == 4
+    r = stack.http.post("/v1/completions", json={**_OK, "logprobs": 3}).json()
+    lp = r["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["text_offset"]) == 2
+    assert "".join(lp["tokens"]) == r["choices"][0]["text"]
+    r = stack.http.post("/v1/chat/completions", json={**_CHAT_OK, "logprobs": True}).json()
+    assert "".join(e["token"] for e in r["choices"][0]["logprobs"]["content"]) == r["choices"][0]["message"]["content"]
+    r = stack.http.post("/v1/completions", json={**_OK, "prompt": ["a", "b"]}).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1] and r["usage"]["prompt_tokens"] == 2
 
 
 def test_malformed_bodies_and_limits(stack):
@@ -403,8 +422,8 @@ def test_api_key(stack):
 def test_openai_client_errors_are_typed(stack):
     with pytest.raises(openai.NotFoundError, match="gpt-9"):
         stack.client.completions.create(model="gpt-9", prompt="hi", max_tokens=2)
-    with pytest.raises(openai.BadRequestError, match="only n=1"):
-        stack.client.chat.completions.create(model=MODEL, messages=CHATS[0], max_tokens=2, n=2)
+    with pytest.raises(openai.BadRequestError, match=r"n: must be in \[1, 128\], got 200"):
+        stack.client.chat.completions.create(model=MODEL, messages=CHATS[0], max_tokens=2, n=200)
     with pytest.raises(openai.BadRequestError, match=str(MAX_MODEL_LEN)):
         stack.client.chat.completions.create(model=MODEL, messages=CHATS[0], max_tokens=MAX_MODEL_LEN)
     assert stack.client.chat.completions.create(model=MODEL, messages=CHATS[0], max_tokens=2).usage.completion_tokens
@@ -549,38 +568,67 @@ def test_fuzz_openapi_schema_no_5xx(stack):
     spec = stack.http.get("/openapi.json").json()
     defs = spec["components"]["schemas"]
     bodies = []
-    for path in ("/v1/completions", "/v1/chat/completions"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
         ref = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
         schema = defs[ref.rsplit("/", 1)[1]]
         overrides = {"model": st.sampled_from([MODEL, MODEL, "other"]), "max_tokens": _MAX_TOKENS,
-                     "max_completion_tokens": _MAX_TOKENS}
+                     "max_completion_tokens": _MAX_TOKENS, "n": st.integers(-1, 4) | st.just(500)}
         # Chat without max_tokens would generate up to the context's end: keep max_tokens in every body.
         typed = _object(schema, defs, overrides=overrides).map(
             lambda b: b if "max_tokens" in b else {**b, "max_tokens": 3})
         bodies.append(st.tuples(st.just(path), typed))
-    raw = st.tuples(st.sampled_from(["/v1/completions", "/v1/chat/completions"]), _JSON)
+    raw = st.tuples(st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]), _JSON)
     # Plausible requests with edge-case sampling values, so that many reach the engine.
     knobs = {"temperature": st.floats(0, 2) | st.sampled_from([0.0, 1e-300, 1e-6, 2.0]),
              "top_p": st.floats(1e-9, 1.0), "top_k": st.integers(-1, 100) | st.just(10**12),
              "seed": st.integers(-(2**63), 2**63 - 1), "stop": st.text(min_size=1, max_size=4) | st.lists(
                  st.text(min_size=1, max_size=4), max_size=3), "ignore_eos": st.booleans(),
-             "stream": st.booleans(), "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()})}
+             "stream": st.booleans(), "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+             # issue 14: penalties, bias, the vLLM extensions, n
+             "presence_penalty": st.floats(-2.5, 2.5), "frequency_penalty": st.floats(-2.5, 2.5),
+             "repetition_penalty": st.floats(0, 3) | st.just(1e300), "n": st.integers(0, 3),
+             "logit_bias": st.dictionaries(st.integers(-1, 49160).map(str) | st.text(max_size=3),
+                                           st.floats(-120, 120), max_size=3),
+             "min_tokens": st.integers(-1, 8), "stop_token_ids": st.lists(st.integers(-1, 49160), max_size=3)}
     text = st.text(min_size=1, max_size=40)
+    ids = st.lists(st.integers(0, 49151), min_size=1, max_size=8)
+    schema = st.sampled_from([{"type": "object"}, {"type": "object", "properties": {"a": {"type": "integer"}}},
+                              {"type": "array", "items": {"type": "string"}, "maxItems": 2}, {"type": "bogus"},
+                              {"$ref": "http://x"}, {"type": "string", "enum": ["x", "y"]}]) | _JSON
+    tool = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+        {"name": st.sampled_from(["f", "g"])}, optional={"parameters": schema})})
+    chat_knobs = {
+        **knobs, "logprobs": st.booleans(), "top_logprobs": st.integers(-1, 21),
+        "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "xml"}])
+        | st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema": st.fixed_dictionaries(
+            {"name": st.just("s")}, optional={"schema": schema, "strict": st.booleans()})}),
+        "tools": st.lists(tool, max_size=2), "parallel_tool_calls": st.booleans(),
+        "tool_choice": st.sampled_from(["none", "auto", "required"]) | st.fixed_dictionaries(
+            {"type": st.just("function"), "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "h"])})})}
+    completion_knobs = {**knobs, "logprobs": st.integers(-1, 21), "echo": st.booleans(),
+                        "best_of": st.integers(0, 2), "suffix": st.sampled_from(["", "x"])}
     plausible = st.one_of(
         st.tuples(st.just("/v1/completions"), st.fixed_dictionaries(
-            {"model": st.just(MODEL), "prompt": text | st.lists(st.integers(0, 49151), min_size=1, max_size=8),
-             "max_tokens": st.integers(1, 6)}, optional=knobs)),
+            {"model": st.just(MODEL), "max_tokens": st.integers(0, 6),
+             "prompt": text | ids | st.lists(text, min_size=1, max_size=3) | st.lists(ids, min_size=1, max_size=3)},
+            optional=completion_knobs)),
         st.tuples(st.just("/v1/chat/completions"), st.fixed_dictionaries(
             {"model": st.just(MODEL), "max_tokens": st.integers(1, 6),
              "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
                                                          "content": text}), min_size=1, max_size=3)},
-            optional=knobs)),
+            optional=chat_knobs)),
+        st.tuples(st.just("/tokenize"), st.fixed_dictionaries({}, optional={
+            "model": st.sampled_from([MODEL, "x"]), "prompt": text, "add_special_tokens": st.booleans(),
+            "return_token_strs": st.booleans(), "messages": st.lists(st.fixed_dictionaries(
+                {"role": st.just("user"), "content": text}), max_size=2)})),
+        st.tuples(st.just("/detokenize"), st.fixed_dictionaries({"tokens": st.lists(st.integers(-1, 49160),
+                                                                                     max_size=5)})),
     )
     seen = {"ok": 0}
 
-    @settings(max_examples=100, deadline=None, derandomize=True, database=None,
+    @settings(max_examples=200, deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))
-    @given(st.one_of(bodies[0], bodies[1], raw, plausible))
+    @given(st.one_of(*bodies, raw, plausible))
     def check(case):
         path, body = case
         # allow_nan: Python's json (and so the server) reads NaN and Infinity: they must be refused too.
@@ -594,7 +642,7 @@ def test_fuzz_openapi_schema_no_5xx(stack):
             assert "server_error" not in r.text, (path, body, r.text)
 
     check()
-    print(f"fuzz: {seen['ok']} of 100 bodies were served (the rest got a 4xx)")
+    print(f"fuzz: {seen['ok']} of 200 bodies were served (the rest got a 4xx)")
     assert seen["ok"] > 0, "the fuzz never got past validation: it tests nothing behind it"
     assert stack.http.get("/health").status_code == 200
     assert stack.http.post("/v1/completions", json=_OK).status_code == 200

@@ -250,6 +250,17 @@ class ClusterRouter:
             # Prefill and decode must draw from the same per-position streams.
             params = replace(params, seed=self._rng.randrange(1 << 31))
         r = RequestState(request_id, list(prompt_token_ids), params, asyncio.Queue())
+        inner = self._stream(r, prompt_token_ids, params)
+        try:
+            async for delta in inner:
+                yield delta
+        finally:
+            await inner.aclose()  # now, not at garbage collection: its finally aborts a disconnected request
+            group = params.fork_group
+            if group is not None and not any(o.params.fork_group == group for o in self.streams.requests.values()):
+                self.submitter.group_pairs.pop(group, None)  # the group's last request ended
+
+    async def _stream(self, r: RequestState, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
         await self.submitter.place(r, list(prompt_token_ids), params)
         deadline = r.t_arrival + self.config.request_timeout_s
         try:

@@ -37,6 +37,9 @@ class Submitter:
         self.block_size = block_size
         self._mark_down = mark_down
         self._recorder = recorder
+        # fork_group -> (prefill_id, decode_id) of the group's first placement; dropped when the
+        # group's last request ends (RequestStreams.finish).
+        self.group_pairs: dict[str, tuple] = {}
 
     async def place(self, r: RequestState, prompt: list[int], params: SamplingParams) -> None:
         """Returns once a decode worker admitted the request (or it finished meanwhile); raises
@@ -46,7 +49,7 @@ class Submitter:
         while not r.finished:
             self.placement.refresh(self.streams.requests.values())
             local = self.placement.wants_local(len(prompt), bool(self.placement.role_views("prefill", True)))
-            for d, p in self.placement.candidates(local, hashes, r.failed_pair, time.monotonic()):
+            for d, p in self._with_siblings_pair(params, local, hashes, r.failed_pair):
                 if r.finished:  # aborted (client, deadline) while it waited for room
                     return
                 if await self._try(r, prompt, params, d, p):
@@ -62,12 +65,27 @@ class Submitter:
                                   "after repeated failures; try again later", status=503)
             await asyncio.sleep(0.05)
 
+    def _with_siblings_pair(self, params: SamplingParams, local: bool, hashes: list[int], failed_pair):
+        """The candidates, led by the pair a sibling choice of the same n > 1 request went to (its decode
+        worker then forks the prompt instead of computing or fetching it again: engine/forks.py)."""
+        sibling = self.group_pairs.get(params.fork_group) if params.fork_group is not None else None
+        now = time.monotonic()
+        if sibling is not None and sibling != failed_pair:
+            d = self.placement.views.get(sibling[1])
+            p = self.placement.views.get(sibling[0]) if sibling[0] is not None else None
+            if (d is not None and d.in_rotation and (sibling[0] is None or (p is not None and p.in_rotation))
+                    and self.placement.breaker(*sibling).allows(now)):
+                yield d, p
+        yield from self.placement.candidates(local, hashes, failed_pair, now)
+
     async def _try(self, r: RequestState, prompt: list[int], params: SamplingParams, d, p) -> bool:
         """One submit to decode worker ``d`` (prefill from ``p``, or locally when None): admitted?"""
         r.num_submits += 1
         a = Attempt(r.request_id, r.num_submits, d.worker_id, p.worker_id if p is not None else None, len(prompt),
                     asyncio.get_running_loop().create_future())
         self.streams.expect(r, a)
+        if params.fork_group is not None:  # set before the first await: siblings placed next see it
+            self.group_pairs.setdefault(params.fork_group, a.pair)
         handle = self.decode[d.worker_id]
         verdict = None
         try:

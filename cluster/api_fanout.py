@@ -1,0 +1,118 @@
+"""A request's choices as router requests: ``n`` choices per prompt, a batch of prompts, started
+together, collected or interleaved together, and failed together.
+
+This is the one place that turns a request into router requests: when the engine learns to prefill a
+prompt once for all its n choices, ``choice_requests`` and ``start_all`` are what change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import replace
+from typing import AsyncIterator
+
+from pdcluster.cluster.api_choice import ChoiceRequest, ChoiceRun
+from pdcluster.cluster.api_text import Piece
+from pdcluster.cluster.api_validation import Prepared
+from pdcluster.cluster.router_api import TokenDelta
+
+
+def choice_requests(prep: Prepared) -> list[ChoiceRequest]:
+    """One router request per choice: prompt i's choice j is choice ``i * n + j`` with request id
+    ``<request id>-<choice index>``.
+
+    Seeds: with ``seed`` s, choice j (of every prompt) samples with seed ``s + j``, so it equals the same
+    prompt sent alone (n=1) with seed s + j, token for token (sampling draws are a pure function of the
+    seed and the output position, engine/sampler.py). Without a seed each request draws its own.
+
+    With n > 1 the choices of a prompt share a ``fork_group``: the router places them on one worker
+    pair, and the prompt is computed (and, disaggregated, transferred) once for all of them
+    (engine/forks.py). With echo + logprobs every choice scores the prompt itself (no prefix-cache
+    hit for prompt logprobs), so there the prompt is computed per choice.
+    """
+    out = []
+    for i, prompt in enumerate(prep.prompts):
+        group = {"fork_group": f"{prep.request_id}-p{i}"} if prep.n > 1 else {}
+        for j in range(prep.n):
+            index = i * prep.n + j
+            # Wrapped within int64, as a seed near the top of the range plus j would overflow the wire.
+            seed = {"seed": (prompt.params.seed + j + (1 << 63)) % (1 << 64) - (1 << 63)} \
+                if prompt.params.seed is not None else {}
+            params = replace(prompt.params, **seed, **group)
+            out.append(ChoiceRequest(index, i, f"{prep.request_id}-{index}", prompt, params))
+    return out
+
+
+async def start_all(runs: list[ChoiceRun]) -> list[TokenDelta]:
+    """Every choice admitted and its first delta, concurrently. If one is refused, its error is raised
+    (the caller closes every run, which aborts those already admitted)."""
+    results = await asyncio.gather(*(run.start() for run in runs), return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return list(results)
+
+
+async def collect_all(runs: list[ChoiceRun], firsts: list[TokenDelta]) -> None:
+    """Every choice to its end; the first choice that fails ends the wait (the caller closes the rest,
+    which aborts them)."""
+    tasks = {asyncio.ensure_future(run.collect(first)): run for run, first in zip(runs, firsts)}
+    pending = set(tasks)
+    try:
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()  # an exception here is ours: let it propagate
+                if tasks[task].finish_reason == "error":
+                    return
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+
+Item = tuple[ChoiceRun, Piece, "str | None"]  # a run, its new piece, its finish reason if that piece ends it
+
+
+@contextlib.asynccontextmanager
+async def interleaved(runs: list[ChoiceRun], firsts: list[TokenDelta]) -> AsyncIterator[AsyncIterator[Item]]:
+    """``async with interleaved(...) as pieces``: (run, piece, finish reason once that piece ends the
+    run) of every choice as they come, until all finished or one failed (finish reason "error": the
+    last item). Leaving the block stops reading. Each run is fed by its own task, which may be ahead of
+    the reader: the finish reason travels with the piece, never read off the run."""
+    queue: asyncio.Queue = asyncio.Queue()  # unbounded: the routers' queues would hold it otherwise
+
+    async def pump(run: ChoiceRun, delta: TokenDelta) -> None:
+        try:
+            while True:
+                piece = run.feed(delta)
+                queue.put_nowait((run, piece, run.finish_reason))
+                if run.finished:
+                    return
+                delta = await run.next()
+        except Exception as e:  # noqa: BLE001 - handed to the reader, which raises it
+            queue.put_nowait((run, e, None))
+
+    tasks = [asyncio.ensure_future(pump(run, first)) for run, first in zip(runs, firsts)]
+
+    async def pieces() -> AsyncIterator[Item]:
+        remaining = len(runs)
+        while remaining:
+            run, item, finish_reason = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            yield run, item, finish_reason
+            if finish_reason == "error":
+                return
+            if finish_reason is not None:
+                remaining -= 1
+
+    gen = pieces()
+    try:
+        yield gen
+    finally:
+        await gen.aclose()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

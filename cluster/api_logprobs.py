@@ -1,0 +1,97 @@
+"""Log-probabilities in OpenAI's layouts, built from the router's TokenLogprobs records
+(engine/logprobs.py; raw log_softmax of the model's logits, see there).
+
+- completions: ``{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}``;
+  ``top_logprobs`` holds the N most likely tokens, most likely first, plus the sampled token when it is
+  not among them (OpenAI: "up to logprobs+1 elements"), so ``logprobs: 0`` shows the sampled token alone.
+- chat: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}``
+  with exactly the N most likely tokens, most likely first.
+
+As vLLM: a token's string is the token decoded on its own (special tokens spelled out; part of a
+multi-byte character shows as U+FFFD), ``bytes`` its UTF-8, and -inf becomes -9999.0 (JSON has no
+infinity). A position without a record (the first prompt token, which has no logprob) has logprob and
+top_logprobs null.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from pdcluster.engine.logprobs import TokenLogprobs
+
+LOGPROB_FLOOR = -9999.0
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, LOGPROB_FLOOR)
+
+
+class TokenStrings:
+    """A token id's string as shown in logprobs (decoded alone), cached: the same few thousand tokens
+    come back in every top-k list."""
+
+    def __init__(self, tokenizer):
+        self._string = lru_cache(maxsize=1 << 16)(
+            lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False))
+
+    def __call__(self, token_id: int) -> str:
+        return self._string(int(token_id))
+
+
+@dataclass
+class Positions:
+    """Tokens shown in one response or chunk: ids, their records (None: no logprob) and where each
+    token's text starts in the choice's text (characters)."""
+
+    token_ids: list[int]
+    records: list[TokenLogprobs | None]
+    text_offsets: list[int]
+
+    def __post_init__(self) -> None:
+        assert len(self.token_ids) == len(self.records) == len(self.text_offsets), \
+            (len(self.token_ids), len(self.records), len(self.text_offsets))
+
+    def __add__(self, other: Positions) -> Positions:
+        return Positions(self.token_ids + other.token_ids, self.records + other.records,
+                         self.text_offsets + other.text_offsets)
+
+    def extend(self, other: Positions) -> None:
+        self.token_ids += other.token_ids
+        self.records += other.records
+        self.text_offsets += other.text_offsets
+
+    @staticmethod
+    def empty() -> Positions:
+        return Positions([], [], [])
+
+
+def completion_logprobs(pos: Positions, num_top: int, strings: TokenStrings) -> dict:
+    tokens, token_logprobs, top_logprobs = [], [], []
+    for token_id, record in zip(pos.token_ids, pos.records):
+        tokens.append(strings(token_id))
+        if record is None:
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            continue
+        token_logprobs.append(_finite(record.logprob))
+        top = {strings(t): _finite(lp) for t, lp in zip(record.top_token_ids[:num_top], record.top_logprobs)}
+        top.setdefault(strings(record.token_id), _finite(record.logprob))
+        top_logprobs.append(top)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": list(pos.text_offsets)}
+
+
+def _chat_entry(token: str, logprob: float | None) -> dict:
+    return {"token": token, "logprob": None if logprob is None else _finite(logprob),
+            "bytes": list(token.encode("utf-8", errors="replace"))}
+
+
+def chat_logprobs(pos: Positions, num_top: int, strings: TokenStrings) -> dict:
+    content = []
+    for token_id, record in zip(pos.token_ids, pos.records):
+        entry = _chat_entry(strings(token_id), None if record is None else record.logprob)
+        entry["top_logprobs"] = [] if record is None else [
+            _chat_entry(strings(t), lp) for t, lp in zip(record.top_token_ids[:num_top], record.top_logprobs)]
+        content.append(entry)
+    return {"content": content}

@@ -1,0 +1,105 @@
+"""OpenAI's sampling fields -> engine SamplingParams for one prompt, every value checked once with a
+400 that names the field, the value and the limit (cluster/api_validation.py decides max_tokens, the
+logprobs wanted and the grammar; this file checks and maps the rest).
+
+Limits are OpenAI's (penalties in [-2, 2], logit_bias in [-100, 100]) and vLLM's for its extensions
+(repetition_penalty > 0, min_tokens <= max_tokens, stop_token_ids within the vocabulary).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdcluster.cluster.api_middleware import APIError
+from pdcluster.cluster.api_protocol import SamplingFields, short
+from pdcluster.engine.sampling_params import SamplingParams
+
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+MAX_STOP_STRINGS = 16
+MAX_PENALTY = 2.0  # presence and frequency penalties, as OpenAI
+MAX_LOGIT_BIAS = 100.0
+GREEDY_EPS = 1e-5  # temperatures below this sample greedily (as vLLM): 1/T would overflow the logits
+
+
+def _bad(param: str, message: str) -> APIError:
+    return APIError(400, f"{param}: {message}", param=param)
+
+
+@dataclass(frozen=True)
+class Extras:
+    """What the API decides beyond the plain sampling fields (the same for every prompt)."""
+
+    logprobs: int | None = None  # top-k per sampled token, None = no logprobs
+    prompt_logprobs: int | None = None
+    structured_output: str | None = None
+
+
+def sampling_params(body: SamplingFields, max_tokens: int, vocab_size: int, extras: Extras) -> SamplingParams:
+    temperature = 1.0 if body.temperature is None else body.temperature
+    if temperature < 0:
+        raise _bad("temperature", f"must be >= 0 (0 = greedy), got {temperature!r}")
+    if temperature < GREEDY_EPS:
+        temperature = 0.0
+    top_p = 1.0 if body.top_p is None else body.top_p
+    if not 0.0 < top_p <= 1.0:
+        raise _bad("top_p", f"must be in (0, 1], got {top_p!r}")
+    top_k = 0 if body.top_k in (None, -1) else body.top_k
+    if top_k < 0:
+        raise _bad("top_k", f"must be >= 0 (0 or -1 disables it), got {body.top_k!r}")
+    if body.seed is not None and not INT64_MIN <= body.seed <= INT64_MAX:
+        raise _bad("seed", f"must fit in a signed 64-bit integer, got {short(body.seed)}")
+    min_tokens = body.min_tokens or 0
+    if not 0 <= min_tokens <= max_tokens:
+        raise _bad("min_tokens", f"must be in [0, max_tokens={max_tokens}], got {min_tokens}")
+    try:  # every value is checked here; SamplingParams' own checks are the engine's guard
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=body.seed,
+            stop=_stop_strings(body), stop_token_ids=_token_ids("stop_token_ids", body.stop_token_ids or [],
+                                                                vocab_size),
+            ignore_eos=bool(body.ignore_eos), min_tokens=min_tokens, **_penalties(body, vocab_size),
+            logprobs=extras.logprobs, prompt_logprobs=extras.prompt_logprobs,
+            structured_output=extras.structured_output)
+    except ValueError as e:
+        raise APIError(400, str(e)) from e
+
+
+def _stop_strings(body: SamplingFields) -> list[str]:
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stop) > MAX_STOP_STRINGS:
+        raise _bad("stop", f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(stop)}")
+    if any(not s for s in stop):
+        raise _bad("stop", f"stop strings must be non-empty, got {short(stop)}")
+    return stop
+
+
+def _token_ids(param: str, ids: list[int], vocab_size: int) -> list[int]:
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise _bad(param, f"token ids out of range [0, {vocab_size}): {short(bad[:5])}")
+    return list(ids)
+
+
+def _penalties(body: SamplingFields, vocab_size: int) -> dict:
+    out = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(body, name) or 0.0
+        if not -MAX_PENALTY <= value <= MAX_PENALTY:
+            raise _bad(name, f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}")
+        out[name] = value
+    repetition = 1.0 if body.repetition_penalty is None else body.repetition_penalty
+    if not repetition > 0:
+        raise _bad("repetition_penalty", f"must be > 0 (1 = off), got {repetition!r}")
+    out["repetition_penalty"] = repetition
+    bias = []
+    for key, value in (body.logit_bias or {}).items():
+        param = f"logit_bias[{key!r}]"
+        if not (key.isascii() and key.isdigit() and len(key) <= 18):  # "-1" and "1.5" are not token ids
+            raise _bad("logit_bias", f"keys must be token ids (as strings, e.g. \"50256\"), got {short(key)}")
+        if not 0 <= int(key) < vocab_size:
+            raise _bad("logit_bias", f"token id {int(key)} is out of range [0, {vocab_size})")
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise _bad("logit_bias", f"{param}: bias must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                                     f"got {value!r}")
+        bias.append([int(key), float(value)])
+    out["logit_bias"] = bias
+    return out

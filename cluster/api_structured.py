@@ -1,0 +1,168 @@
+"""Structured output at the API: ``response_format`` and forced ``tools`` become one grammar spec for
+the engine (SamplingParams.structured_output, a JSON string engine/structured_output.py compiles), and
+the constrained text of a tool call becomes ``message.tool_calls``.
+
+As vLLM:
+- ``response_format`` ``{"type": "json_object"}`` -> any JSON object; ``{"type": "json_schema",
+  "json_schema": {"name", "schema", "strict"}}`` -> that schema (always enforced: ``strict`` is moot
+  under a grammar).
+- ``tool_choice`` {"type": "function", "function": {"name": f}} -> the text is f's arguments: the grammar
+  is f's ``parameters`` schema.
+- ``tool_choice`` "required" -> the text is a JSON array of at least one ``{"name": <one of the tools>,
+  "parameters": <that tool's schema>}`` (one at most with ``parallel_tool_calls: false``).
+- ``tool_choice`` "none" -> the tools are ignored. "auto" (the default when tools are given) needs a
+  model-specific parser of free text, which this server does not have: refused with a 400.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+
+from pdcluster.cluster.api_middleware import APIError
+from pdcluster.cluster.api_protocol import NamedToolChoice, SamplingFields
+
+_EMPTY_OBJECT = {"type": "object", "properties": {}}
+# Compiling a schema grows fast with its nesting (xgrammar: 0.04 s at 64 levels of "properties", 11 s at
+# 400), and it runs here and on a worker: deeper schemas are refused. Real ones nest a handful of levels.
+MAX_SCHEMA_DEPTH = 64
+
+
+@dataclass(frozen=True)
+class ToolCalls:
+    """The output is tool calls: of the function ``name``, or (None) a JSON array naming them."""
+
+    name: str | None
+
+
+def _bad(param: str, message: str) -> APIError:
+    return APIError(400, f"{param}: {message}", param=param)
+
+
+def structured_request(body: SamplingFields) -> tuple[str | None, ToolCalls | None]:
+    """The grammar spec (a JSON string, or None for free text) and how to read the output."""
+    tool_spec, tool_calls = _tools_spec(body)
+    format_spec = _response_format_spec(body)
+    if tool_spec is not None and format_spec is not None:
+        raise _bad("response_format", "cannot be combined with tool_choice 'required' or a named function "
+                                      "(both constrain the output): send one of them")
+    spec = tool_spec or format_spec
+    if spec is not None:
+        check_spec(spec, "tools" if tool_spec else "response_format")
+    return spec, tool_calls
+
+
+def _response_format_spec(body: SamplingFields) -> str | None:
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return json.dumps({"type": "json_object"})
+    if fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise _bad("response_format.json_schema", 'give the schema: {"type": "json_schema", "json_schema": '
+                                                      '{"name": "...", "schema": {...}}}')
+        _check_depth(fmt.json_schema.schema_, "response_format.json_schema.schema")
+        return json.dumps({"type": "json_schema", "schema": fmt.json_schema.schema_})
+    raise _bad("response_format.type", f"must be 'text', 'json_object' or 'json_schema', got {fmt.type!r}")
+
+
+def _tools_spec(body: SamplingFields) -> tuple[str | None, ToolCalls | None]:
+    tools = getattr(body, "tools", None) or []  # chat only
+    choice = getattr(body, "tool_choice", None)
+    choice = choice if choice is not None else ("auto" if tools else "none")
+    if choice == "none":
+        return None, None
+    if not tools:
+        raise _bad("tool_choice", f"{_choice_text(choice)} needs tools: give tools or leave tool_choice out")
+    names = [t.function.name for t in tools]
+    for i, tool in enumerate(tools):
+        _check_depth(tool.function.parameters, f"tools[{i}].function.parameters")
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise _bad("tools", f"function names must be unique, {dupes[0]!r} appears {names.count(dupes[0])} times")
+    if choice == "auto":
+        raise _bad("tool_choice", "'auto' (the default when tools are given) needs a tool-call parser for "
+                                  "this model, which this server does not have: send tool_choice 'required' "
+                                  "or {\"type\": \"function\", \"function\": {\"name\": ...}} (or 'none')")
+    if body.stream:
+        raise _bad("stream", "streaming tool calls is not supported: send stream=false with tools")
+    if isinstance(choice, NamedToolChoice):
+        name = choice.function.name
+        if name not in names:
+            raise _bad("tool_choice.function.name", f"{name!r} is not one of the tools {names}")
+        parameters = tools[names.index(name)].function.parameters or _EMPTY_OBJECT
+        return json.dumps({"type": "json_schema", "schema": parameters}), ToolCalls(name)
+    # "required": an array of calls, each naming one tool and giving its parameters.
+    defs: dict[str, dict] = {}
+    options = []
+    for tool in tools:
+        parameters = dict(tool.function.parameters or _EMPTY_OBJECT)
+        for def_name, def_schema in parameters.pop("$defs", {}).items():
+            if defs.setdefault(def_name, def_schema) != def_schema:
+                raise _bad("tools", f"two tools define $defs {def_name!r} differently: rename one")
+        options.append({"properties": {"name": {"type": "string", "enum": [tool.function.name]},
+                                       "parameters": parameters},
+                        "required": ["name", "parameters"]})
+    schema: dict = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": options}}
+    if getattr(body, "parallel_tool_calls", None) is False:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return json.dumps({"type": "json_schema", "schema": schema}), ToolCalls(None)
+
+
+def _check_depth(schema, param: str) -> None:
+    """Refuse a schema nested deeper than MAX_SCHEMA_DEPTH (iterative: the schema may be very deep)."""
+    stack = [(schema, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise _bad(param, f"the schema nests more than {MAX_SCHEMA_DEPTH} levels deep: flatten it "
+                              "(or use $defs and $ref)")
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+
+
+def _choice_text(choice) -> str:
+    return f"tool_choice {choice!r}" if isinstance(choice, str) else "a named tool_choice"
+
+
+def check_spec(spec: str, param: str) -> None:
+    """Validate ``spec`` once, here, so a bad schema is a 400 naming the field (not an engine error)."""
+    try:
+        from pdcluster.engine.structured_output import StructuredOutputError
+        from pdcluster.engine.structured_output import check_spec as engine_check_spec
+    except ModuleNotFoundError as e:  # the grammar module is not there yet: the engine is the judge
+        if e.name != "pdcluster.engine.structured_output":
+            raise
+        return
+    try:
+        engine_check_spec(spec)
+    except StructuredOutputError as e:
+        raise _bad(param, str(e)) from e
+
+
+def tool_calls_from_text(mode: ToolCalls, text: str) -> list[dict] | None:
+    """``message.tool_calls`` for the constrained output ``text``, or None when it does not parse as
+    what the grammar allows (e.g. cut by max_tokens): the caller then answers with plain content."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if mode.name is not None:
+        return [_call(mode.name, text)] if isinstance(value, dict) else None
+    if not isinstance(value, list) or not value:
+        return None
+    calls = []
+    for item in value:
+        if not (isinstance(item, dict) and isinstance(item.get("name"), str) and "parameters" in item):
+            return None
+        calls.append(_call(item["name"], json.dumps(item["parameters"], ensure_ascii=False)))
+    return calls
+
+
+def _call(name: str, arguments: str) -> dict:
+    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}

@@ -1,0 +1,72 @@
+"""POST /tokenize and POST /detokenize, as vLLM serves them.
+
+/tokenize: ``{"model"?, "prompt", "add_special_tokens"?: true}`` or ``{"model"?, "messages",
+"add_generation_prompt"?: true, "add_special_tokens"?: false}`` (the chat template rendered as chat
+completions renders it), ``"return_token_strs"?`` -> ``{"count", "max_model_len", "tokens",
+"token_strs"}`` (``token_strs``: the vocabulary's strings, null unless asked for).
+/detokenize: ``{"model"?, "tokens"}`` -> ``{"prompt"}`` (special tokens kept, as vLLM).
+
+Both sit next to /v1 (not under it, as vLLM) behind the same API key.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import anyio
+from fastapi import FastAPI
+from pdcluster.cluster.api_middleware import APIError
+from pdcluster.cluster.api_protocol import ChatMessage, _one_of, _Strict, short
+from pdcluster.cluster.api_validation import chat_prompt_text, check_model
+
+
+class TokenizeRequest(_Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (as vLLM)
+    return_token_strs: bool | None = False
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: Annotated[list[int], _one_of("a list of token ids")]
+
+
+def _tokenize(body: TokenizeRequest, tokenizer) -> list[int]:
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "give exactly one of prompt (text) or messages (a chat)", param="prompt")
+    if body.continue_final_message:
+        raise APIError(400, "continue_final_message: not supported (leave it out or send false)",
+                       param="continue_final_message", code="unsupported_parameter")
+    if body.prompt is not None:
+        return tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+    text = chat_prompt_text(body.messages, body.add_generation_prompt is not False, tokenizer)
+    # The template spells its own special tokens: by default none are added (as chat completions).
+    return tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+
+
+def install_tokenize_routes(app: FastAPI, router, served_model_name: str) -> None:
+    tokenizer = router.tokenizer
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        if body.model is not None:
+            check_model(body.model, served_model_name)
+        ids = await anyio.to_thread.run_sync(_tokenize, body, tokenizer)
+        strs = [tokenizer.id_to_token(t) for t in ids] if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": router.max_model_len, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        if body.model is not None:
+            check_model(body.model, served_model_name)
+        vocab_size = tokenizer.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise APIError(400, f"tokens: token ids out of range [0, {vocab_size}): {short(bad[:5])}",
+                           param="tokens")
+        text = await anyio.to_thread.run_sync(lambda: tokenizer.decode(body.tokens, skip_special_tokens=False))
+        return {"prompt": text}
