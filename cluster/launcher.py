@@ -301,6 +301,7 @@ def spec_from_args(args) -> ClusterSpec:
 
 def run_cluster(args) -> int:
     """`pdcluster serve` for the Ray modes: start everything, serve HTTP until interrupted."""
+    from pdcluster.cluster.admin_api import install_admin_routes
     from pdcluster.cluster.api import build_app
     from pdcluster.cluster.metrics import Metrics
     from pdcluster.cluster.serve_cli import run_server
@@ -312,6 +313,7 @@ def run_cluster(args) -> int:
         cluster.router.on_kv_transfer = metrics.observe_kv_transfer
         app = build_app(cluster.router, cluster.router.model_name, api_key=args.api_key,
                         max_body_bytes=args.max_body_bytes, metrics=metrics)
+        install_admin_routes(app, cluster, args.admin_key)  # /admin/drain: `pdcluster drain`, preStop hooks
         print(f"pdcluster: {spec.mode}, {len(cluster.prefill_handles)} prefill + {len(cluster.decode_handles)} decode "
               f"workers, transport {spec.transfer.transport}, policy {spec.policy}", file=sys.stderr, flush=True)
         on_ready = None

@@ -39,6 +39,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $PDCLUSTER_API_KEY; none = open)")
+    g.add_argument("--admin-key", default=None,
+                   help="enable /admin/drain and /admin/workers (`pdcluster drain`) for 'Authorization: Bearer KEY' "
+                        "(default: $PDCLUSTER_ADMIN_KEY; none = those routes answer 403). Not the API key: API "
+                        "clients must not be able to take workers away")
     g.add_argument("--request-timeout-s", type=float, default=300.0,
                    help="abort a request that makes no progress for this long")
     g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
@@ -73,6 +77,7 @@ def _check_args(args: argparse.Namespace) -> None:
     """Resolve the env defaults and refuse impossible values, naming the flag."""
     args.api_key = args.api_key or os.environ.get("PDCLUSTER_API_KEY") or None
     args.cluster_secret = args.cluster_secret or os.environ.get("PDCLUSTER_CLUSTER_SECRET") or None
+    args.admin_key = args.admin_key or os.environ.get("PDCLUSTER_ADMIN_KEY") or None
     args.served_model_name = args.served_model_name or args.model
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port: must be in 0..65535, got {args.port}")

@@ -45,11 +45,17 @@ def test_bad_input_is_a_clear_error(tiny_dir, args, message):
     assert "Traceback" not in r.stderr
 
 
-def test_dtype_auto_takes_the_checkpoints_dtype():
+def test_dtype_auto_takes_the_checkpoints_dtype(monkeypatch):
     """`--dtype auto` (the CLI default) runs a model in the dtype its config.json names, as vLLM does:
-    smollm2's checkpoint is bf16 (the fast CPU path); fp16 checkpoints run as bf16 on CPU."""
+    smollm2's checkpoint is bf16 (the fast CPU path where the CPU has bf16 instructions); fp16
+    checkpoints run as bf16 on CPU; without avx512_bf16/AMX both run in float32."""
+    from pdcluster.engine import config
     from pdcluster.engine.config import EngineConfig
 
+    monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda: False)
+    assert EngineConfig(dtype="auto").resolve_dtype({"torch_dtype": "bfloat16"}) == "float32"
+    assert EngineConfig(dtype="auto").resolve_dtype({"torch_dtype": "float16"}) == "float32"
+    monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda: True)
     auto = EngineConfig(dtype="auto")
     assert auto.resolve_dtype({"torch_dtype": "bfloat16"}) == "bfloat16"
     assert auto.resolve_dtype({"dtype": "float32"}) == "float32"

@@ -1,7 +1,8 @@
 """deploy/ checked offline: the Ray cluster YAMLs with Ray's own validator, the Helm chart with the real
 helm binary, every rendered object against its schema (kubernetes-validate strict, KubeRay CRDs made
-strict), and what the files do: node types, worker groups, replicas, GPUs and the `pdcluster serve`
-flags, parsed with pdcluster's parser. Every check also gets a broken fixture and must fail on it.
+strict), and what the files do: node types, worker groups, replicas, GPUs, the `pdcluster serve`
+flags and the worker pods' preStop `pdcluster drain`, parsed with pdcluster's parser (and the hook run
+by bash). Every check also gets a broken fixture and must fail on it.
 
 The checks live in deploy/tools/schema_checks.py and behaviour_checks.py (validate_deploy.py runs them
 as a command for developers); helm comes from deploy/tools/fetch_helm.py, cached under
@@ -152,6 +153,8 @@ def test_helm_template_renders(rendered, values_file):
     ("serve.spec=eagle", "serve.spec"),
     ("prefil.replicas=1", "prefil"),  # a typo is not silently ignored
     ("serve.model=it's", "serve.model"),  # would break the head's shell quoting
+    ("drain.timeoutS=0", "drain.timeoutS"),
+    ("drain.timeout=60", "drain"),
 ])
 def test_bad_values_fail_lint_and_template(helm, helm_home, setting, field):
     """Broken fixtures for values.schema.json: helm lint and helm template both refuse them."""
@@ -384,7 +387,9 @@ def test_chart_gpu_groups(rendered):
     {"auth": {"existingSecret": "my-keys"}, "metrics": {"annotations": False}},
     {"serve": {"extraArgs": ["--max-num-seqs", "32", "--no-prefix-caching"], "port": 9000},
      "service": {"port": 80}},
-], ids=["colocated", "two-gpus-per-pod", "existing-secret", "extra-args"])
+    {"drain": {"enabled": False, "timeoutS": 600}},
+    {"drain": {"enabled": True, "timeoutS": 120}, "service": {"port": 80}},
+], ids=["colocated", "two-gpus-per-pod", "existing-secret", "extra-args", "no-drain", "short-drain"])
 def test_chart_behaviour_follows_values(helm, helm_home, tmp_path, overrides):
     values = tmp_path / "values.yaml"
     values.write_text(yaml.safe_dump(overrides))
@@ -392,6 +397,11 @@ def test_chart_behaviour_follows_values(helm, helm_home, tmp_path, overrides):
     bc.check_chart(docs, sc.merged_values(overrides=overrides))
     kinds = [d["kind"] for d in docs]
     assert ("Secret" in kinds) == (not overrides.get("auth", {}).get("existingSecret"))
+    for g in _kind(docs, "RayCluster")["spec"]["workerGroupSpecs"]:
+        pod = g["template"]["spec"]
+        drain = overrides.get("drain", {"enabled": True, "timeoutS": 600})
+        assert ("lifecycle" in pod["containers"][0]) == drain["enabled"]
+        assert pod.get("terminationGracePeriodSeconds") == (drain["timeoutS"] + 30 if drain["enabled"] else None)
 
 
 def _group(docs, name):
@@ -443,6 +453,50 @@ def _monitor_misses_service(docs):
     _kind(docs, "ServiceMonitor")["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] = "head"
 
 
+def _worker(docs, name="decode"):
+    return _group(docs, name)["template"]["spec"]["containers"][0]
+
+
+def _edit_hook(old, new):
+    def mutate(docs):
+        command = _worker(docs)["lifecycle"]["preStop"]["exec"]["command"]
+        assert old in command[2]
+        command[2] = command[2].replace(old, new)
+    mutate.__name__ = f"hook {old!r}->{new!r}"
+    return mutate
+
+
+def _no_prestop(docs):
+    _worker(docs).pop("lifecycle")
+
+
+def _short_grace(docs):
+    _group(docs, "prefill")["template"]["spec"]["terminationGracePeriodSeconds"] = 60
+
+
+def _default_grace(docs):
+    _group(docs, "decode")["template"]["spec"].pop("terminationGracePeriodSeconds")
+
+
+def _pod_ip_from_node(docs):
+    env = next(e for e in _worker(docs)["env"] if e["name"] == "PDCLUSTER_POD_IP")
+    env["valueFrom"]["fieldRef"]["fieldPath"] = "status.hostIP"
+
+
+def _worker_without_admin_key(docs):
+    container = _worker(docs, "prefill")
+    container["env"] = [e for e in container["env"] if e["name"] != "PDCLUSTER_ADMIN_KEY"]
+
+
+def _head_admin_key_required(docs):
+    env = next(e for e in _head(docs)["env"] if e["name"] == "PDCLUSTER_ADMIN_KEY")
+    env["valueFrom"]["secretKeyRef"].pop("optional")  # an existing Secret without it would stop the head
+
+
+def _secret_without_admin_key(docs):
+    _kind(docs, "Secret")["data"].pop("admin-key")
+
+
 @pytest.mark.parametrize("mutate, message", [
     (_rename_group, "worker groups"),
     (_replicas_drift, "replicas"),
@@ -454,6 +508,19 @@ def _monitor_misses_service(docs):
     (_key_on_command_line, "environment"),
     (_service_selects_workers, "selector"),
     (_monitor_misses_service, "misses the API Service"),
+    (_no_prestop, "preStop"),
+    (_short_grace, "terminationGracePeriodSeconds 60"),
+    (_default_grace, "terminationGracePeriodSeconds 30"),
+    (_edit_hook('"$PDCLUSTER_POD_IP"', '"$HOSTNAME"'), "--node-ip"),
+    (_edit_hook("--node-ip", "--node"), "abbreviated"),
+    (_edit_hook("--timeout-s 600", "--timeout-s 900"), "drain.timeoutS"),
+    (_edit_hook(":8000", ":8265"), "API Service"),
+    (_edit_hook("--timeout-s", "--admin-key hunter2 --timeout-s"), "environment"),
+    (_edit_hook("pdcluster drain", "pdcluster serve"), "no `pdcluster drain`"),
+    (_pod_ip_from_node, "status.podIP"),
+    (_worker_without_admin_key, "PDCLUSTER_ADMIN_KEY"),
+    (_head_admin_key_required, "PDCLUSTER_ADMIN_KEY"),
+    (_secret_without_admin_key, "admin-key"),
 ], ids=lambda x: getattr(x, "__name__", None) or str(x))
 def test_chart_behaviour_check_fails_on_broken_fixtures(rendered, mutate, message):
     docs = rendered("values-gpu.yaml")
@@ -605,3 +672,77 @@ def test_readme_serve_commands_are_accepted():
                     bc.parse_serve_args(command.split(), readme.name)
                     found += 1
     assert found
+
+
+# --- the worker pods' preStop drain -----------------------------------------------------------------------
+
+def test_prestop_hook_drains_this_pod_through_the_admin_route(rendered, tmp_path, monkeypatch):
+    """The hook as the kubelet runs it (bash, the pod's env): `pdcluster drain` gets this pod's IP and
+    the admin key from the Secret; sent to a server, it is the request /admin/drain accepts."""
+    import http.server
+    import threading
+
+    from pdcluster.cluster.admin_api import DrainRequest
+    from pdcluster.cluster.cli import main
+
+    command = _worker(rendered("values-cpu.yaml"))["lifecycle"]["preStop"]["exec"]["command"]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stub = bin_dir / "pdcluster"  # records what the hook runs
+    stub.write_text("\n".join(["#!/bin/bash", 'printf "%s\\n" "$@" > "$STUB_OUT.args"',
+                               'printf "%s" "$PDCLUSTER_ADMIN_KEY" > "$STUB_OUT.key"']) + "\n")
+    stub.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "STUB_OUT": str(tmp_path / "stub"), "PDCLUSTER_POD_IP": "10.4.0.17",
+           "PDCLUSTER_ADMIN_KEY": "adm-1"}
+    assert subprocess.run(command, env=env, timeout=30).returncode == 0
+    argv = (tmp_path / "stub.args").read_text().split("\n")[:-1]
+    assert argv[argv.index("--node-ip") + 1] == "10.4.0.17"
+    assert (tmp_path / "stub.key").read_text() == "adm-1"
+
+    got = {}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            got["path"], got["auth"] = self.path, self.headers["Authorization"]
+            got["body"] = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            reply = json.dumps({"drained": [], "workers_in_rotation": {}, "warnings": []}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(reply)))
+            self.end_headers()
+            self.wfile.write(reply)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        argv[argv.index("--url") + 1] = f"http://127.0.0.1:{server.server_address[1]}"
+        monkeypatch.setenv("PDCLUSTER_ADMIN_KEY", "adm-1")
+        assert main(["drain", *argv[1:]]) == 0
+    finally:
+        server.shutdown()
+    assert got["path"] == "/admin/drain" and got["auth"] == "Bearer adm-1"
+    body = DrainRequest.model_validate(got["body"])
+    assert (body.node_ip, body.timeout_s, body.worker_id, body.all) == ("10.4.0.17", 600, None, False)
+
+
+def test_readme_and_ray_yaml_drain_commands_are_accepted():
+    """Every `pdcluster drain` command the deploy docs and the Ray YAMLs' notes show parses, with full
+    flag names and no key on the command line."""
+    import re
+
+    sources = [sc.REPO / "deploy" / "README.md", sc.CHART / "README.md", *sc.RAY_YAMLS]
+    found = 0
+    for path in sources:
+        text = path.read_text()
+        lines = ("\n".join(re.findall(r"```bash\n(.*?)```", text, flags=re.DOTALL)) if path.suffix == ".md"
+                 else "\n".join(line for line in text.splitlines() if line.lstrip().startswith("#"))).splitlines()
+        for line in lines:
+            if "pdcluster drain --" in line:
+                command = line[line.index("pdcluster drain"):]
+                command = re.split(r"[`']", command)[0]
+                bc.parse_drain_args(bc.drain_argv_from_shell(command), path.name)
+                found += 1
+    assert found >= 3

@@ -485,3 +485,19 @@ def test_killed_receiver_surfaces_error(pool, name):
     assert set(failed) == {"after-kill", "after-kill-2"}, failed
     assert elapsed_s < 3.0 + 5.0, f"error took {elapsed_s:.1f}s"
     assert close_s < 2.5
+
+
+def test_staging_pool_reuses_buffers_of_different_sizes():
+    """Two cached buffers of different sizes: taking one must not compare tensors by value (that raised
+    in the tcp sender's IO thread, and every transfer after it timed out)."""
+    import torch
+
+    from pdcluster.kv_transfer.transports.staging import BufferPool
+
+    pool = BufferPool(torch.device("cpu"), max_cached_bytes=64 << 20)
+    small, large = pool.take(1 << 20), pool.take(3 << 20)
+    pool.give(small)
+    pool.give(large)
+    again = pool.take(2 << 20)  # only the large one fits
+    assert again.numel() == 2 << 20 and again.data_ptr() == large.data_ptr()
+    assert pool.take(1 << 20).data_ptr() == small.data_ptr()

@@ -1,6 +1,7 @@
 """Behaviour checks of deploy/: what the Ray YAMLs and the rendered chart do (node types and worker
-groups, replicas, slots and GPUs, probes, Service selection) and the `pdcluster serve` command they run,
-parsed with pdcluster's own argparse parser. Each check raises CheckFailed.
+groups, replicas, slots and GPUs, probes, Service selection, the worker pods' preStop drain and its
+grace period) and the `pdcluster serve` / `pdcluster drain` commands they run, parsed with pdcluster's
+own argparse parser. Each check raises CheckFailed.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import json
 import shlex
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from schema_checks import CHART, RAY_VERSION, REPO, SERVE_SCRIPT, fail
 
@@ -29,26 +31,31 @@ def serve_argv_from_shell(command: str) -> tuple[list[str], list[str]]:
     fail("serve command", f"no `pdcluster serve` in {command!r}")
 
 
-def parse_serve_args(serve_argv: list[str], where: str):
-    """The argv as `pdcluster serve` would parse it, with pdcluster's own parser."""
+def _parse_pdcluster(argv: list[str], command: str, where: str):
+    """``pdcluster <command> ...`` as pdcluster's own parser reads it, full flag names only."""
     from pdcluster.cluster.cli import build_parser
 
-    if serve_argv[:2] != ["pdcluster", "serve"]:
-        fail(where, f"expected `pdcluster serve ...`, got {serve_argv[:2]}")
+    if argv[:2] != ["pdcluster", command]:
+        fail(where, f"expected `pdcluster {command} ...`, got {argv[:2]}")
     parser = build_parser()
     try:
-        args = parser.parse_args(serve_argv[1:])
+        args = parser.parse_args(argv[1:])
     except SystemExit as e:
-        fail(where, f"`pdcluster serve` rejects {' '.join(serve_argv[2:])!r} (exit {e.code})")
+        fail(where, f"`pdcluster {command}` rejects {' '.join(argv[2:])!r} (exit {e.code})")
     # argparse also takes unique prefixes (--num-prefil); a deploy file must not, since a flag added to
     # pdcluster later can make the prefix ambiguous and break a cluster that worked.
-    serve_parser = next(a for a in parser._actions if a.choices and "serve" in a.choices).choices["serve"]
-    known = {o for a in serve_parser._actions for o in a.option_strings}
-    for token in serve_argv[2:]:
+    sub = next(a for a in parser._actions if a.choices and command in a.choices).choices[command]
+    known = {o for a in sub._actions for o in a.option_strings}
+    for token in argv[2:]:
         flag = token.split("=", 1)[0]
         if flag.startswith("--") and flag not in known:
-            fail(where, f"`pdcluster serve` flag {flag} is abbreviated or unknown: spell it out")
+            fail(where, f"`pdcluster {command}` flag {flag} is abbreviated or unknown: spell it out")
     return args
+
+
+def parse_serve_args(serve_argv: list[str], where: str):
+    """The argv as `pdcluster serve` would parse it, with pdcluster's own parser."""
+    return _parse_pdcluster(serve_argv, "serve", where)
 
 
 def _check_wrapper(wrapper: list[str], device: str, where: str) -> None:
@@ -61,13 +68,34 @@ def _check_wrapper(wrapper: list[str], device: str, where: str) -> None:
         fail(where, f"{SERVE_SCRIPT} options must end with `--`, got {wrapper}")
 
 
+def parse_drain_args(drain_argv: list[str], where: str):
+    """A `pdcluster drain ...` argv as pdcluster's own parser reads it; the admin key stays off it."""
+    args = _parse_pdcluster(drain_argv, "drain", where)
+    if args.admin_key is not None:
+        fail(where, "the admin key must come from the environment ($PDCLUSTER_ADMIN_KEY), not the command line")
+    return args
+
+
+def drain_argv_from_shell(command: str) -> list[str]:
+    """The `pdcluster drain` argv of a shell command line, up to the first shell operator; variables
+    stay as written (``"$PDCLUSTER_POD_IP"`` -> ``$PDCLUSTER_POD_IP``)."""
+    lexer = shlex.shlex(command, posix=True, punctuation_chars=True)
+    lexer.wordchars += ":$"  # URLs and variables are words
+    tokens = list(lexer)
+    for i in range(len(tokens) - 1):
+        if tokens[i:i + 2] == ["pdcluster", "drain"]:
+            end = next((j for j in range(i, len(tokens)) if set(tokens[j]) <= _SHELL_OPERATORS), len(tokens))
+            return tokens[i:end]
+    fail("drain command", f"no `pdcluster drain` in {command!r}")
+
+
 def _check_serve_common(args, where: str) -> None:
     if args.address != "auto":
         fail(where, f"--address must be auto (join the Ray cluster the head runs), got {args.address}")
     if args.host != "0.0.0.0":
         fail(where, f"--host must be 0.0.0.0 to be reachable off the head, got {args.host}")
-    if args.api_key is not None or args.cluster_secret is not None:
-        fail(where, "the API key and cluster secret must come from the environment, not the command line")
+    if args.api_key is not None or args.cluster_secret is not None or args.admin_key is not None:
+        fail(where, "the API, admin and cluster keys must come from the environment, not the command line")
     if args.mode not in ("disagg", "colocated"):
         fail(where, f"--mode {args.mode} does not use the Ray cluster")
 
@@ -205,11 +233,19 @@ def check_chart(docs: list[dict], values: dict) -> None:
         get = hc.get(probe, {}).get("httpGet", {})
         if get.get("path") != "/health" or get.get("port") != "http":
             fail(where, f"{probe} must GET /health on the http port, has {hc.get(probe)}")
+    if env.get("PDCLUSTER_ADMIN_KEY") != {"name": secret, "key": "admin-key", "optional": True}:
+        fail(where, f"PDCLUSTER_ADMIN_KEY (enables /admin/drain) must come from Secret {secret} key admin-key, "
+                    f"optional; has {env.get('PDCLUSTER_ADMIN_KEY')}")
+    chart_secret = next((d for d in docs if d["kind"] == "Secret"), None)
+    if chart_secret is not None and not {"api-key", "cluster-secret", "admin-key"} <= set(chart_secret.get("data", {})):
+        fail(f"Secret/{chart_secret['metadata']['name']}", "needs keys api-key, cluster-secret and admin-key")
+    svc = _one(docs, "Service")
+    for name, g in groups.items():
+        _check_drain_hook(g, values, secret, svc, f"{where} group {name}")
     cm = _one(docs, "ConfigMap")
     if cm["data"].get(SERVE_SCRIPT) != (CHART / "files" / SERVE_SCRIPT).read_text():
         fail(where, f"ConfigMap {cm['metadata']['name']} must carry files/{SERVE_SCRIPT} unchanged")
 
-    svc = _one(docs, "Service")
     sel = {"ray.io/cluster": rc["metadata"]["name"], "ray.io/node-type": "head"}
     if svc["spec"]["selector"] != sel:
         fail(f"Service/{svc['metadata']['name']}", f"selector {svc['spec']['selector']} != head pod {sel}")
@@ -230,3 +266,39 @@ def check_chart(docs: list[dict], values: dict) -> None:
             fail(f"ServiceMonitor/{sm['metadata']['name']}", f"selector {labels} misses the API Service")
         if [e["port"] for e in sm["spec"]["endpoints"]] != ["http"]:
             fail(f"ServiceMonitor/{sm['metadata']['name']}", "must scrape the Service's http port")
+
+
+def _check_drain_hook(group: dict, values: dict, secret: str, svc: dict, where: str) -> None:
+    """With drain.enabled, a worker pod's termination drains its workers first: a preStop hook running
+    `pdcluster drain --url <API Service> --node-ip $PDCLUSTER_POD_IP` (the pod IP is its Ray node's
+    address), the admin key from the Secret, and a grace period that covers the drain."""
+    pod = group["template"]["spec"]
+    container = pod["containers"][0]
+    hook = container.get("lifecycle", {}).get("preStop")
+    drain = values["drain"]
+    if not drain["enabled"]:
+        if hook is not None:
+            fail(where, "drain.enabled is false but the pod has a preStop hook")
+        return
+    command = (hook or {}).get("exec", {}).get("command", [])
+    if command[:2] != ["/bin/bash", "-c"] or len(command) != 3:
+        fail(where, f"preStop must exec [/bin/bash, -c, 'pdcluster drain ...'], has {hook}")
+    args = parse_drain_args(drain_argv_from_shell(command[2]), where)
+    if args.node_ip != "$PDCLUSTER_POD_IP":
+        fail(where, f"preStop must drain --node-ip \"$PDCLUSTER_POD_IP\" (this pod), has --node-ip {args.node_ip}")
+    if args.timeout_s != drain["timeoutS"]:
+        fail(where, f"preStop --timeout-s {args.timeout_s:g} != drain.timeoutS {drain['timeoutS']}")
+    url = urlsplit(args.url)
+    name, port = svc["metadata"]["name"], values["service"]["port"]
+    if url.scheme != "http" or url.port != port or (url.hostname or "").split(".")[0] != name:
+        fail(where, f"preStop --url {args.url} must be the API Service: http://{name}...:{port}")
+    grace = pod.get("terminationGracePeriodSeconds", 30)  # Kubernetes' default
+    if grace < drain["timeoutS"] + 10:
+        fail(where, f"terminationGracePeriodSeconds {grace} must exceed drain.timeoutS {drain['timeoutS']} by 10 s "
+                    "or more (the grace period includes the preStop hook)")
+    env = {e["name"]: e.get("valueFrom", {}) for e in container.get("env", [])}
+    if env.get("PDCLUSTER_POD_IP") != {"fieldRef": {"fieldPath": "status.podIP"}}:
+        fail(where, f"PDCLUSTER_POD_IP must be the pod IP (fieldRef status.podIP), has {env.get('PDCLUSTER_POD_IP')}")
+    key = env.get("PDCLUSTER_ADMIN_KEY", {}).get("secretKeyRef")
+    if key != {"name": secret, "key": "admin-key", "optional": True}:
+        fail(where, f"PDCLUSTER_ADMIN_KEY must come from Secret {secret} key admin-key (optional), has {key}")

@@ -7,8 +7,9 @@
   `helm lint --strict` and `helm template` (helm from fetch_helm.py); every rendered built-in kind with
   kubernetes-validate (strict), KubeRay kinds with the CRDs' openAPIV3Schema made strict, and the
   ServiceMonitor with a small strict schema. Any other kind fails.
-- behaviour_checks.py: node types and worker groups, replicas, slots and GPUs, and the
-  `pdcluster serve` flags, parsed with pdcluster's own argparse parser.
+- behaviour_checks.py: node types and worker groups, replicas, slots and GPUs, the
+  `pdcluster serve` flags and the worker pods' preStop `pdcluster drain` (with its grace period),
+  parsed with pdcluster's own argparse parser.
 
 tests/test_deploy.py runs the same checks, and feeds each one a broken fixture to show it can fail.
 """

@@ -24,10 +24,11 @@ class BufferPool:
         """A uint8 buffer of exactly ``nbytes`` (a view of a possibly larger pooled buffer); hand the
         same tensor back with :meth:`give`."""
         with self._lock:
-            fits = [b for b in self._free if b.numel() >= nbytes]
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
             if fits:
-                base = min(fits, key=lambda b: b.numel())
-                self._free.remove(base)
+                # By position: list.remove(tensor) compares tensors by value, which raises once the
+                # pool holds buffers of different sizes.
+                base = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
                 return base[:nbytes]
         size = max(_ROUND_BYTES, -(-nbytes // _ROUND_BYTES) * _ROUND_BYTES)
         return torch.empty(size, dtype=torch.uint8, device=self._device)[:nbytes]

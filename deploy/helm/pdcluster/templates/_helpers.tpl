@@ -70,6 +70,12 @@ app.kubernetes.io/part-of: pdcluster
 {{- range $i, $a := $args }}{{ if $i }} {{ end }}{{ $a | squote }}{{ end }}
 {{- end }}
 
+{{/* The worker pods' preStop command: drain every worker on this pod's Ray node (its address is the pod
+     IP) through the API Service, waiting up to drain.timeoutS. The admin key comes from the environment. */}}
+{{- define "pdcluster.drainCommand" -}}
+pdcluster drain --url http://{{ include "pdcluster.fullname" . }}-api.{{ .Release.Namespace }}.svc:{{ .Values.service.port }} --node-ip "$PDCLUSTER_POD_IP" --timeout-s {{ .Values.drain.timeoutS }}
+{{- end }}
+
 {{/* A worker group: KubeRay's generated `ray start` (KUBERAY_GEN_RAY_START_CMD), since the cluster
      overrides container commands for the head's sake. */}}
 {{- define "pdcluster.workerGroup" -}}
@@ -96,6 +102,10 @@ app.kubernetes.io/part-of: pdcluster
         {{- toYaml . | nindent 8 }}
       {{- end }}
     spec:
+      {{- if $root.Values.drain.enabled }}
+      # Covers the preStop drain (drain.timeoutS) and the stop after it.
+      terminationGracePeriodSeconds: {{ add $root.Values.drain.timeoutS 30 }}
+      {{- end }}
       {{- with $root.Values.imagePullSecrets }}
       imagePullSecrets:
         {{- toYaml . | nindent 8 }}
@@ -107,6 +117,15 @@ app.kubernetes.io/part-of: pdcluster
           command: ["/bin/bash", "-c", "--"]
           # The inner bash keeps the quoted JSON of --resources intact.
           args: ['ulimit -n 65536; exec /bin/bash -c "$KUBERAY_GEN_RAY_START_CMD"']
+          {{- if $root.Values.drain.enabled }}
+          # Pod termination drains this pod's worker first (cluster/admin_api.py): no new requests, the
+          # ones it has finish, a prefill worker's KV transfers are acknowledged; then it is stopped and
+          # Kubernetes sends SIGTERM. A failed hook (server gone, no admin key) only shows as an event.
+          lifecycle:
+            preStop:
+              exec:
+                command: ["/bin/bash", "-c", {{ include "pdcluster.drainCommand" $root | quote }}]
+          {{- end }}
           resources:
             requests:
               {{- toYaml $g.resources.requests | nindent 14 }}
@@ -118,10 +137,21 @@ app.kubernetes.io/part-of: pdcluster
               {{- if gt (int $g.gpusPerWorker) 0 }}
               {{ $root.Values.gpuResourceName }}: {{ $g.gpusPerWorker }}
               {{- end }}
-          {{- with $root.Values.env }}
           env:
+            # What the preStop hook needs: this pod's IP (its Ray node's address) and the admin key.
+            - name: PDCLUSTER_POD_IP
+              valueFrom:
+                fieldRef:
+                  fieldPath: status.podIP
+            - name: PDCLUSTER_ADMIN_KEY
+              valueFrom:
+                secretKeyRef:
+                  name: {{ include "pdcluster.authSecretName" $root }}
+                  key: admin-key
+                  optional: true
+            {{- with $root.Values.env }}
             {{- toYaml . | nindent 12 }}
-          {{- end }}
+            {{- end }}
           {{- with $root.Values.volumeMounts }}
           volumeMounts:
             {{- toYaml . | nindent 12 }}
