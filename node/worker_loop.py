@@ -4,6 +4,7 @@ needs a lock. Other threads (Ray method calls, the HTTP server) hand it work thr
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -109,6 +110,8 @@ def engine_stats(worker_id: str, engine) -> dict:
     sched = engine.scheduler
     return {
         "worker_id": worker_id,
+        # This process: a load test on the same host signals it (pdcluster loadtest --chaos).
+        "pid": os.getpid(),
         "num_free_blocks": sched.num_free_blocks,
         "num_blocks": engine.kv_spec.num_blocks,
         "num_running": len(sched.running),

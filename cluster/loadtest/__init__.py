@@ -15,5 +15,11 @@ One concern a file:
 | `server_metrics.py` | the server's /metrics before and after a run: request counts, TTFT breakdown |
 | `report.py` | tables on stderr, result JSON, `--compare` |
 | `plot.py` | latency CDFs, sweep curves, comparison bars (matplotlib, Agg) |
+| `chaos.py` | the `--chaos` schedule: `kill-decode@30s,stop-prefill1@40s+5s` parsed into events |
+| `chaos_targets.py` | a server's worker processes on this host (under the server's pid), signalled safely |
+| `chaos_controller.py` | fires the events beside the load, resumes stopped workers, watches /health until each is back |
+| `chaos_report.py` | the result's `chaos` section: in-flight requests, recovery times, a per-second timeline |
+| `chaos_run.py` | `--chaos` around one run: preflight (every event has a worker), the controller, the section |
+| `chaos_plot.py` | throughput, TTFT and healthy workers over time with the events marked |
 | `cli.py` | the `loadtest` subcommand |
 """

@@ -6,6 +6,7 @@ report latency, throughput and goodput at SLOs, in `vllm bench serve`'s JSON fie
         --result-json out.json --plot out.png
     pdcluster loadtest ... --sweep 1,2,4 --result-json sweep.json --plot sweep.png
     pdcluster loadtest --compare colocated.json disagg.json --plot compare.png
+    pdcluster loadtest ... --chaos 'kill-decode@20s,stop-prefill@40s+5s' --result-json chaos.json --plot chaos.png
 
 cli.py registers it with ``add_loadtest_parser(sub)``; the parser's ``func`` is ``loadtest_main``.
 Mistakes in the arguments raise ``LoadtestError`` (a ValueError), which the top-level CLI prints as one
@@ -27,6 +28,10 @@ import numpy as np
 
 from pdcluster.cluster.loadtest import report
 from pdcluster.cluster.loadtest.arrivals import ARRIVALS, ArrivalProcess, within_duration
+from pdcluster.cluster.loadtest.chaos import ChaosEvent, parse_chaos
+from pdcluster.cluster.loadtest.chaos_report import print_chaos
+from pdcluster.cluster.loadtest.chaos_run import ChaosSetup, chaos_preflight, run_under_chaos
+from pdcluster.cluster.loadtest.chaos_targets import require_loopback
 from pdcluster.cluster.loadtest.client import ENDPOINTS, Target
 from pdcluster.cluster.loadtest.datasets import DatasetOptions, check_dataset_name, load_requests
 from pdcluster.cluster.loadtest.lengths import LengthDist
@@ -96,6 +101,13 @@ def add_loadtest_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
     s.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), default=None,
                    help="compare two result files (table on stderr; bars with --plot) instead of running")
+    c = p.add_argument_group("chaos (a pdcluster server on this host)")
+    c.add_argument("--chaos", default=None, metavar="EVENTS",
+                   help="hit workers during the run: comma-separated <kill|stop>-<prefill|decode>[N]@<s>s[+<s>s], "
+                        "e.g. 'kill-decode@30s,stop-prefill1@60s+5s' (kill: SIGKILL, Ray restarts the worker; "
+                        "stop: SIGSTOP, then SIGCONT after the +duration); times from the first measured request")
+    c.add_argument("--chaos-recovery-timeout-s", type=float, default=60.0,
+                   help="after the load, wait this long at most for hit workers to be back on /health")
     p.set_defaults(func=loadtest_main)
     return p
 
@@ -111,6 +123,7 @@ class Plan:
     max_concurrency: int | None
     duration_s: float | None
     slo: SLO
+    chaos: list[ChaosEvent] | None = None
 
 
 def loadtest_main(args: argparse.Namespace) -> int:
@@ -157,6 +170,17 @@ def _positive(flag: str, value, allow_none: bool = True) -> None:
         raise LoadtestError(f"{flag}: must be > 0, got {value}")
 
 
+def _chaos(args: argparse.Namespace) -> list[ChaosEvent] | None:
+    if args.chaos is None:
+        return None
+    if args.sweep:
+        raise LoadtestError("--chaos: runs with one request rate; drop --sweep")
+    try:
+        return parse_chaos(args.chaos)
+    except ValueError as e:
+        raise LoadtestError(f"--chaos: {e}") from None
+
+
 def _plan(args: argparse.Namespace) -> Plan:
     if not args.model:
         raise LoadtestError("--model: required (the served model name), unless you --compare two results")
@@ -167,8 +191,10 @@ def _plan(args: argparse.Namespace) -> Plan:
         _positive(flag, value)
     if args.num_warmups < 0:
         raise LoadtestError(f"--num-warmups: must be >= 0, got {args.num_warmups}")
-    for flag, value in (("--slo-ttft-ms", args.slo_ttft_ms), ("--slo-tpot-ms", args.slo_tpot_ms)):
+    for flag, value in (("--slo-ttft-ms", args.slo_ttft_ms), ("--slo-tpot-ms", args.slo_tpot_ms),
+                        ("--chaos-recovery-timeout-s", args.chaos_recovery_timeout_s)):
         _positive(flag, value)
+    chaos = _chaos(args)
     rates = _rates(args)
     prompt_format = args.prompt_format
     if prompt_format == "auto":
@@ -184,8 +210,10 @@ def _plan(args: argparse.Namespace) -> Plan:
     target = Target(base_url=_base_url(args.base_url), model=args.model, endpoint=args.endpoint, api_key=api_key,
                     temperature=args.temperature, ignore_eos=args.ignore_eos, timeout_s=args.timeout_s)
     ArrivalProcess(args.arrival, rates[0], args.burst_size)  # validates before any work
+    if chaos:
+        require_loopback(target.base_url)  # it signals processes here: the server must be here too
     return Plan(target, rates, args.arrival, args.burst_size, args.dataset, options, args.max_concurrency,
-                args.duration_s, SLO(args.slo_ttft_ms, args.slo_tpot_ms))
+                args.duration_s, SLO(args.slo_ttft_ms, args.slo_tpot_ms), chaos)
 
 
 # ---------------------------------------------------------------------------------------- running
@@ -221,6 +249,10 @@ async def _run(args: argparse.Namespace, plan: Plan) -> int:
     target = plan.target
     tokenizer = load_tokenizer(args.tokenizer, args.model)
     plan.dataset_options.max_model_len = await preflight(target)
+    chaos = None
+    if plan.chaos:  # before any load: every event must have a worker to hit here
+        chaos = await chaos_preflight(target, plan.chaos, ",".join(e.spec for e in plan.chaos),
+                                      args.chaos_recovery_timeout_s)
     seed = plan.dataset_options.seed
     # The server's prefix cache keeps what it has seen: a warm-up or an earlier rate of a sweep that
     # sent the same prompts would make the next run look faster. So each gets prompts (and arrival
@@ -233,8 +265,10 @@ async def _run(args: argparse.Namespace, plan: Plan) -> int:
     for index, rate in enumerate(plan.rates):
         options = dataclasses.replace(plan.dataset_options, seed=seed + index * SWEEP_SEED_STRIDE)
         requests = load_requests(plan.dataset, options, tokenizer)
-        results.append(await run_one_rate(args, plan, rate, requests, options.seed, tokenizer))
+        results.append(await run_one_rate(args, plan, rate, requests, options.seed, tokenizer, chaos))
         report.print_summary(results[-1])
+        if chaos is not None:
+            print_chaos(results[-1]["chaos"])
     if len(results) > 1:
         report.print_sweep(results)
     if args.result_json:
@@ -243,8 +277,13 @@ async def _run(args: argparse.Namespace, plan: Plan) -> int:
     if args.plot:
         from pdcluster.cluster.loadtest import plot  # matplotlib takes a second to import: only when asked
 
-        _write(lambda: plot.plot_sweep(results, args.plot) if args.sweep else plot.plot_run(results[0], args.plot),
-               "--plot", args.plot)
+        if chaos is not None:
+            from pdcluster.cluster.loadtest.chaos_plot import plot_chaos
+
+            _write(lambda: plot_chaos(results[0], args.plot), "--plot", args.plot)
+        else:
+            _write(lambda: plot.plot_sweep(results, args.plot) if args.sweep else plot.plot_run(results[0], args.plot),
+                   "--plot", args.plot)
     return 0 if any(r["completed"] for r in results) else 1
 
 
@@ -260,15 +299,22 @@ async def warm_up(target: Target, requests, tokenizer) -> None:
               f"({failed[0].error_kind}: {failed[0].error})", file=sys.stderr)
 
 
-async def run_one_rate(args, plan: Plan, rate: float, requests, seed: int, tokenizer) -> dict:
+async def run_one_rate(args, plan: Plan, rate: float, requests, seed: int, tokenizer,
+                       chaos: ChaosSetup | None = None) -> dict:
     process = ArrivalProcess(plan.arrival, rate, plan.burst_size)
     send_times_s = process.send_times_s(len(requests), seed)
     n = within_duration(send_times_s, plan.duration_s)
     target = plan.target
     async with http_client(target, 2) as http:
         before = None if args.no_server_metrics else await scrape(http, target.base_url, target.headers)
-        outcome = await run_workload(target, requests[:n], send_times_s[:n], plan.max_concurrency, tokenizer,
-                                     progress=not args.no_progress, description=f"{rate:g} req/s")
+        section = None
+        if chaos is None:
+            outcome = await run_workload(target, requests[:n], send_times_s[:n], plan.max_concurrency, tokenizer,
+                                         progress=not args.no_progress, description=f"{rate:g} req/s")
+        else:
+            outcome, section = await run_under_chaos(chaos, target, requests[:n], send_times_s[:n], plan.slo,
+                                                     plan.max_concurrency, tokenizer, not args.no_progress,
+                                                     f"{rate:g} req/s, chaos")
         after = None if before is None else await scrape(http, target.base_url, target.headers)
     result = summarize(outcome.records, outcome.duration_s, plan.slo)
     server, breakdown = server_delta(before, after)
@@ -291,7 +337,8 @@ async def run_one_rate(args, plan: Plan, rate: float, requests, seed: int, token
         "temperature": target.temperature,
         "ignore_eos": target.ignore_eos,
     }
-    return {**meta, **result, "server_metrics": server, "ttft_breakdown": breakdown}
+    extra = {} if section is None else {"chaos": section}
+    return {**meta, **result, "server_metrics": server, "ttft_breakdown": breakdown, **extra}
 
 
 def _write(action, flag: str, path: str) -> None:

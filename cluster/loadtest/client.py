@@ -63,6 +63,7 @@ class RequestRecord:
     prompt_len: int  # tokens, by our tokenizer (0 = unknown)
     max_tokens: int
     send_time_s: float = 0.0  # perf_counter at send
+    end_time_s: float = 0.0  # perf_counter when it ended, answered or failed (a timeline's x)
     ok: bool = False
     ttft_s: float = 0.0
     chunk_times_s: list[float] = field(default_factory=list)  # output chunk arrivals, from send
@@ -105,11 +106,12 @@ async def send_request(http: httpx.AsyncClient, target: Target, sample: SampleRe
     try:
         await asyncio.wait_for(_stream(http, target, payload, record, tokenizer), timeout=target.timeout_s)
     except asyncio.TimeoutError:
-        return record.fail("timeout", f"no complete answer within {target.timeout_s:g} s")
+        record.fail("timeout", f"no complete answer within {target.timeout_s:g} s")
     except httpx.TimeoutException as e:
-        return record.fail("timeout", f"{type(e).__name__}: {e}")
+        record.fail("timeout", f"{type(e).__name__}: {e}")
     except httpx.TransportError as e:  # refused, reset, closed mid-stream, protocol errors
-        return record.fail("connection", f"{type(e).__name__}: {e}")
+        record.fail("connection", f"{type(e).__name__}: {e}")
+    record.end_time_s = time.perf_counter()
     return record
 
 

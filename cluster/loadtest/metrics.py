@@ -5,7 +5,8 @@
 - Throughput: ``completed / duration`` requests/s, output and total tokens/s.
 - Goodput (DistServe): completed requests per second that meet both ``slo_ttft_ms`` and
   ``slo_tpot_ms``; a one-token answer has no TPOT and meets any TPOT target; an SLO not given is no
-  constraint. ``slo_attainment`` is the share of all sent requests (failures included) that meet it.
+  constraint. ``output_goodput`` is those requests' output tokens per second. ``slo_attainment`` is
+  the share of all sent requests (failures included) that meet it.
 
 A statistic with no samples is None (vLLM writes 0, which reads like a real latency).
 """
@@ -75,6 +76,7 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: SLO) -> dict
         "output_throughput": total_out * per_s,
         "total_token_throughput": (total_in + total_out) * per_s,
         "request_goodput": len(good) * per_s,
+        "output_goodput": sum(r.output_len for r in good) * per_s,
         "slo_attainment": len(good) / len(records) if records else None,
         "slo_ttft_ms": slo.ttft_ms,
         "slo_tpot_ms": slo.tpot_ms,

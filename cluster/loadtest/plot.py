@@ -17,7 +17,7 @@ CDF_PANELS = (("ttfts", "TTFT (ms)", "slo_ttft_ms"), ("tpots", "TPOT (ms)", "slo
               ("e2els", "E2E latency (ms)", None))
 
 
-def _save(fig: Figure, path: str | Path) -> None:
+def save_figure(fig: Figure, path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     FigureCanvasAgg(fig)
@@ -63,7 +63,7 @@ def plot_run(result: dict, path: str | Path) -> None:
     fig.suptitle(f"{result.get('label') or result.get('model_id', '')}: {result.get('completed')} requests, "
                  f"goodput {result.get('request_goodput', 0):.2f} req/s")
     fig.tight_layout()
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def plot_sweep(results: list[dict], path: str | Path) -> None:
@@ -86,7 +86,7 @@ def plot_sweep(results: list[dict], path: str | Path) -> None:
     curve(axes[1][2], (("p99_tpot_ms", "p99 TPOT"), ("p99_itl_ms", "p99 ITL")), "ms", "slo_tpot_ms")
     fig.suptitle(f"{results[0].get('label') or results[0].get('model_id', '')}: sweep over request rate")
     fig.tight_layout()
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def plot_compare(a: dict, b: dict, names: tuple[str, str], path: str | Path) -> None:
@@ -108,4 +108,4 @@ def plot_compare(a: dict, b: dict, names: tuple[str, str], path: str | Path) -> 
         ax.legend(fontsize=7)
     fig.suptitle(f"{names[0]} vs {names[1]}")
     fig.tight_layout()
-    _save(fig, path)
+    save_figure(fig, path)

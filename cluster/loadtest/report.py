@@ -17,6 +17,7 @@ SUMMARY_ROWS = (
     ("total output tokens", "total_output_tokens", "d"),
     ("request throughput (req/s)", "request_throughput", ".3f"),
     ("request goodput (req/s)", "request_goodput", ".3f"),
+    ("output goodput (tok/s)", "output_goodput", ".1f"),
     ("SLO attainment", "slo_attainment", ".1%"),
     ("output throughput (tok/s)", "output_throughput", ".1f"),
     ("total token throughput (tok/s)", "total_token_throughput", ".1f"),
