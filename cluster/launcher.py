@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, replace
 
 from pdcluster.cluster.router import ClusterRouter, RouterConfig
 from pdcluster.engine.config import EngineConfig
-from pdcluster.engine.model import ModelArch
+from pdcluster.engine.architectures import arch_from_dir
 from pdcluster.engine.model_registry import resolve_model
 from pdcluster.engine.tokenizer import Tokenizer
 from pdcluster.kv_transfer.config import TransferConfig
@@ -82,7 +82,7 @@ class Cluster:
         num_workers = num_prefill + spec.num_decode
         self.model_dir = resolve_model(spec.engine.model, cache_dir=spec.engine.cache_dir or None)
         self.tokenizer = Tokenizer(self.model_dir)
-        arch = ModelArch.from_dir(self.model_dir)
+        arch = arch_from_dir(self.model_dir)
         self._started_ray = False
         if not ray.is_initialized():
             if spec.address:
@@ -148,12 +148,22 @@ class Cluster:
         num_blocks.update({wid: st["num_blocks"] for wid, st in zip(self.decode_handles, stats)})
         for wid, handle in handles.items():  # the same path as add_worker
             role = "prefill" if wid in self.prefill_handles else "decode"
-            self.router.membership.add(wid, role, handle, num_blocks[wid], engine.block_size, pings[wid][1])
+            ping = pings[wid]
+            self.router.membership.add(wid, role, handle, num_blocks[wid], engine.block_size, ping.incarnation, ping.pid)
         # One set of handles: workers added or removed later (add_worker, remove_worker) show in both.
         self.prefill_handles, self.decode_handles = self.router.prefill, self.router.decode
         self._engine, self._transfer, self._env, self._use_gpu, self._tag = engine, transfer, env, use_gpu, tag
         self._next_index = {"prefill": num_prefill, "decode": spec.num_decode}
         self.router.health.on_worker_restarted = self.rewire
+        self.router.health.on_pair_lost = self.rewire_pair
+
+    async def rewire_pair(self, prefill_id: str, decode_id: str, timeout_s: float = 30.0) -> None:
+        """Have decode worker ``decode_id`` handshake with prefill worker ``prefill_id`` again: it
+        dropped that peer after the control plane's peer timeout (the prefill worker was frozen) and
+        the same process resumed, so nothing else would. The handshake a restart runs (``rewire``);
+        raises if it fails (the router retries on its next health check)."""
+        address = await asyncio.wait_for(self.prefill_handles[prefill_id].address.remote(), timeout_s)
+        await asyncio.wait_for(self.decode_handles[decode_id].connect_prefill.remote(address), timeout_s)
 
     async def rewire(self, worker_id: str, timeout_s: float = 60.0) -> None:
         """Re-run the handshakes of a worker Ray restarted (new process: new ports, no peers).
@@ -211,8 +221,8 @@ class Cluster:
             for prefill in list(self.prefill_handles.values()):
                 await call(handle.connect_prefill.remote(await call(prefill.address.remote())))
             num_blocks = (await call(handle.stats.remote()))["num_blocks"]
-        _, incarnation, _ = await call(handle.ping.remote())
-        self.router.membership.add(wid, role, handle, num_blocks, self._engine.block_size, incarnation)
+        ping = await call(handle.ping.remote())
+        self.router.membership.add(wid, role, handle, num_blocks, self._engine.block_size, ping.incarnation, ping.pid)
         log.info("worker %s added and in rotation", wid)
         return wid
 

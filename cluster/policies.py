@@ -59,6 +59,10 @@ class WorkerView:
     block_size: int = 16
     healthy: bool = True
     draining: bool = False  # leaving: no new placements, its requests finish (cluster/router/membership.py)
+    pid: int | None = None  # the worker's process, as its last health check said (None: not known yet)
+    # Decode worker: prefill workers it dropped after the control plane's peer timeout and is not
+    # wired to again; those pairs cannot serve until the router re-wires them (cluster/router/health.py).
+    lost_prefills: set[str] = field(default_factory=set)
     # Derived from requests (see Router): tokens whose KV the worker holds or has reserved.
     kv_tokens: int = 0
     num_requests: int = 0

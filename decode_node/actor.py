@@ -19,6 +19,9 @@ class DecodeActor(WorkerActor):
     def disconnect_prefill(self, prefill_id: str) -> bool:
         return self.worker.disconnect_prefill(prefill_id)
 
+    def lost_peers(self) -> list[str]:
+        return self.worker.lost_prefills()
+
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                prefill_id: str | None) -> None:
         self.worker.submit(request_id, prompt_token_ids, params, prefill_id)

@@ -35,6 +35,10 @@ class NoRemoteKV:
     def disconnect(self, prefill_id: str) -> bool:
         return False
 
+    def lost_peers(self) -> list[str]:
+        """Prefill workers this worker was connected to and lost to silence (not left on request)."""
+        return []
+
     def poll_messages(self) -> list[tuple[str, Message]]:
         return []
 
@@ -104,6 +108,9 @@ class RemoteKV(NoRemoteKV):
 
     def disconnect(self, prefill_id: str) -> bool:
         return self.endpoint.disconnect(prefill_id)
+
+    def lost_peers(self) -> list[str]:
+        return sorted(self.endpoint.lost_peers())
 
     def poll_messages(self) -> list[tuple[str, Message]]:
         out = []

@@ -63,6 +63,12 @@ class DecodeWorker(WorkerLoop):
         """Leave a prefill worker (drain): KV expected from it fails now, new requests naming it fail."""
         return self.kv.disconnect(prefill_id)
 
+    def lost_prefills(self) -> list[str]:
+        """Prefill workers this worker dropped after the control plane's peer timeout (silent: dead, or
+        only frozen) and is not connected to again: requests naming one fail until it is re-wired
+        (``connect_prefill``). Does not wait for the engine thread."""
+        return self.kv.lost_peers()
+
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                prefill_id: str | None = None) -> None:
         """Take the request: prefill it here (``prefill_id`` None) or fetch its KV from ``prefill_id``.
@@ -94,6 +100,9 @@ class DecodeWorker(WorkerLoop):
     def _place(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                prefill_id: str | None) -> None:
         # The API validated the request (once, at the edge); the router checked what only it knows.
+        # The router seeds every request; a direct caller may not: seed it here, before the prefill
+        # worker sees the parameters, so both sides sample the same stream.
+        params = self.engine.assign_seed(params)
         leader = self._fork_leader(request_id, prompt_token_ids, params)
         if prefill_id is None or leader is not None:
             self.engine.add_request(prompt_token_ids, params, request_id=request_id, validate=False, follow=leader)
@@ -126,7 +135,7 @@ class DecodeWorker(WorkerLoop):
     def _fork_leader(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> str | None:
         """The live sibling this request follows, or None (then it leads its group from now on)."""
         group = params.fork_group
-        if group is None:
+        if group is None or not self.engine.shares_prompts:  # hybrids: every choice fetches its prompt
             return None
         leader = self._fork_leaders.get(group)
         if leader is not None and (leader in self._waiting or leader in self.engine.scheduler.requests):

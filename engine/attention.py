@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pdcluster.engine.mamba_state import MambaMetadata  # noqa: F401 (annotation)
+
 from pdcluster.kernels import ops
 
 
@@ -19,6 +21,8 @@ class AttentionMetadata:
     # call instead of a per-request loop. None for prefill/mixed batches (engine/batch_classifier.py).
     uniform_q_len: int | None
     scale: float
+    # Hybrid models: the Mamba layers' per-row step inputs (engine/mamba_state.py); None for Llama.
+    mamba: "MambaMetadata | None" = None
 
 
 def attend(

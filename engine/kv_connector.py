@@ -5,7 +5,9 @@ Call order each step (invariant S2): ``pre_forward`` before the forward pass; ``
 layer's KV lands in the cache; ``post_forward(finished_req_ids)`` at the very end of
 ``sample_tokens``, after the draft proposer has written the draft layer's KV. A step with nothing to run
 calls ``no_forward`` instead. ``post_forward`` always clears the step's metadata and is the only place
-a request's transfer is declared complete.
+a request's last sends are issued; the receiver's acknowledgement of them may be noticed later, between
+steps or from the worker's ack poller (kv_transfer/connector.py ``poll_acks``), and only then is the
+transfer declared complete: never before the sends that follow the proposer.
 """
 
 from __future__ import annotations

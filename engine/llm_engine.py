@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import random
 import time
 from dataclasses import dataclass, field, replace
@@ -11,20 +12,23 @@ from pathlib import Path
 
 import torch
 
+from pdcluster.engine.architectures import arch_from_dir, is_hybrid, load_model
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.kv_cache import KVCacheSpec, allocate_kv_cache, num_blocks_for_budget
 from pdcluster.engine.kv_connector import KVConnector, KVConnectorOutput
 from pdcluster.engine.logprobs import TokenLogprobs
 from pdcluster.engine.memory import keep_freed_memory
-from pdcluster.engine.model import LlamaModel, ModelArch
 from pdcluster.engine.model_registry import resolve_model
 from pdcluster.engine.model_runner import ModelRunner
 from pdcluster.engine.proposers import make_proposer, num_draft_layers as proposer_draft_layers
 from pdcluster.engine.request import Request, RequestStatus
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.engine.scheduler import Scheduler
+from pdcluster.engine.state_blocks import num_state_blocks
 from pdcluster.engine.tokenizer import Detokenizer, Tokenizer
 from pdcluster.engine.warmup import warmup
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -73,8 +77,16 @@ class LLMEngine:
             keep_freed_memory()
         self.model_dir: Path = resolve_model(config.model, cache_dir=config.cache_dir or None, progress=progress)
         self.tokenizer = Tokenizer(self.model_dir)
-        arch = ModelArch.from_dir(self.model_dir)
+        arch = arch_from_dir(self.model_dir)
         self.arch = arch
+        self.is_hybrid = is_hybrid(arch)
+        if self.is_hybrid and config.enable_prefix_caching:
+            # A cached block holds KV but no Mamba state for its boundary: a hit would resume the
+            # recurrence from nothing. Hybrids compute every prompt (vLLM's default for Mamba too).
+            log.info("prefix caching is off for hybrid model %s (no recurrent state at block boundaries)",
+                     config.model)
+            config = replace(config, enable_prefix_caching=False)
+            self.config = config
         self.max_model_len = config.max_model_len or min(arch.max_position_embeddings, 4096)
         if self.max_model_len > arch.max_position_embeddings:
             raise ValueError(
@@ -83,7 +95,7 @@ class LLMEngine:
             )
         self.dtype_name = config.resolve_dtype(json.loads((self.model_dir / "config.json").read_text()))
         dtype = DTYPES[self.dtype_name]
-        self.model = LlamaModel.load(self.model_dir, dtype, self.max_model_len + config.num_spec_steps + 1)
+        self.model = load_model(self.model_dir, dtype, self.max_model_len + config.num_spec_steps + 1)
         num_draft_layers = proposer_draft_layers(config)  # MTP: one layer after the target's (S2)
         probe = KVCacheSpec(arch.num_layers + num_draft_layers, num_draft_layers, 1, config.block_size,
                             arch.num_kv_heads, arch.head_dim, dtype)
@@ -93,6 +105,10 @@ class LLMEngine:
             self.kv_cache = kv_cache_allocator(self.kv_spec.shape, self.kv_spec.dtype, config.device)
         else:
             self.kv_cache = allocate_kv_cache(self.kv_spec, config.device)
+        # Hybrids in a KV transfer: the Mamba state rides in blocks after the prompt's (state_blocks.py).
+        self.state_shape = arch.mamba_state_shape() if self.is_hybrid else None
+        self.num_state_blocks = (num_state_blocks(self.state_shape, self.kv_spec.bytes_per_block)
+                                 if self.is_hybrid else 0)
         eos = set(arch.eos_token_ids) | set(self.tokenizer.stop_token_ids)
         scheduler_cls = Scheduler
         self._stepper = None
@@ -113,6 +129,7 @@ class LLMEngine:
         proposer = make_proposer(config, self.model, self.kv_cache, mtp_weights)
         self.runner = ModelRunner(config, self.model, self.kv_cache, self.max_model_len, connector, proposer)
         self.runner.eos_token_ids = eos
+        self.runner.num_state_blocks = self.num_state_blocks
         if config.async_scheduling:
             from pdcluster.engine.async_utils import AsyncStepper
 
@@ -130,6 +147,9 @@ class LLMEngine:
         self.runner.connector = connector
         if hasattr(connector, "request_finished"):
             self.scheduler.kv_hook = connector
+            # Producer of a hybrid's KV: every prompt also gets the blocks its state is sent in.
+            self.scheduler.num_state_blocks = self.num_state_blocks
+            self.runner.num_state_blocks_out = self.num_state_blocks
 
     def assign_seed(self, params: SamplingParams) -> SamplingParams:
         if params.seed is None:
@@ -145,10 +165,15 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         placeholder = Request(request_id, [0] * num_prompt_tokens, params, arrival_time=time.monotonic())
         # Room for the first decode step too (first token + drafts), so an admitted request can run.
-        need = -(-(num_prompt_tokens + 1 + self.config.num_spec_steps) // self.config.block_size)
+        bs = self.config.block_size
+        need = -(-(num_prompt_tokens + 1 + self.config.num_spec_steps) // bs)
+        num_tokens = num_prompt_tokens
+        if self.num_state_blocks:  # a hybrid's state arrives in the blocks right after the prompt's
+            num_tokens = (-(-num_prompt_tokens // bs) + self.num_state_blocks) * bs
+            need = max(need, num_tokens // bs)
         if self.scheduler.block_manager.num_free_blocks < need:
             return None
-        if not self.scheduler.block_manager.reserve(placeholder, num_prompt_tokens):
+        if not self.scheduler.block_manager.reserve(placeholder, num_tokens):
             return None
         self._reserved[request_id] = placeholder
         self.scheduler.awaiting_kv.add(request_id)
@@ -162,6 +187,11 @@ class LLMEngine:
             return False
         self.scheduler.block_manager.free(placeholder)
         return True
+
+    @property
+    def shares_prompts(self) -> bool:
+        """Can requests with one prompt share its computed KV (prefix cache, n > 1 forks)?"""
+        return self.config.enable_prefix_caching
 
     @property
     def num_reserved(self) -> int:

@@ -67,6 +67,18 @@ class ModelArch:
         )
 
 
+def load_weights(model_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every tensor of the directory's *.safetensors files, by Hugging Face name, in ``dtype``."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors weight files")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        for name, tensor in load_file(str(f)).items():
+            weights[name] = tensor.to(dtype)
+    return weights
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Same op order as HF's LlamaRMSNorm (normalise in fp32, cast back, then scale) so fp32 runs
     # match it bit for bit where possible.
@@ -190,15 +202,7 @@ class LlamaModel:
 
     @classmethod
     def load(cls, model_dir: Path, dtype: torch.dtype, max_positions: int) -> "LlamaModel":
-        arch = ModelArch.from_dir(model_dir)
-        weights: dict[str, torch.Tensor] = {}
-        files = sorted(Path(model_dir).glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"{model_dir}: no *.safetensors weight files")
-        for f in files:
-            for name, tensor in load_file(str(f)).items():
-                weights[name] = tensor.to(dtype)
-        return cls(arch, weights, dtype, max_positions)
+        return cls(ModelArch.from_dir(model_dir), load_weights(model_dir, dtype), dtype, max_positions)
 
     def forward(
         self,

@@ -22,7 +22,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from . import gguf_convert, tiny_random
+from . import gguf_convert, tiny_hybrid, tiny_random
 
 CACHE_ENV = "PDCLUSTER_CACHE_DIR"
 STAMP_FILE = ".pdcluster-build.json"
@@ -37,10 +37,15 @@ def _build_tiny_random(out: Path, progress: bool) -> None:
     tiny_random.build_tiny_random(out, gguf_convert.find_smollm2_gguf())
 
 
+def _build_tiny_hybrid(out: Path, progress: bool) -> None:
+    tiny_hybrid.build_tiny_hybrid(out, gguf_convert.find_smollm2_gguf())
+
+
 # name -> (builder, modules whose source decides the output)
 BUILTIN_MODELS: dict[str, tuple[Callable[[Path, bool], None], tuple]] = {
     "smollm2": (_build_smollm2, (gguf_convert,)),
     "tiny-random": (_build_tiny_random, (gguf_convert, tiny_random)),
+    "tiny-hybrid": (_build_tiny_hybrid, (gguf_convert, tiny_random, tiny_hybrid)),
 }
 
 

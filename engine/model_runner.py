@@ -27,11 +27,13 @@ from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.kv_connector import KVConnector, KVConnectorOutput
 from pdcluster.engine.logits_processors import RowContext, apply_penalties
 from pdcluster.engine.logprobs import TokenLogprobs, token_logprobs
+from pdcluster.engine.mamba_state import MambaMetadata, MambaStatePool
 from pdcluster.engine.model import LlamaModel
 from pdcluster.engine.proposers import ProposeBatch, Proposer, make_proposer
 from pdcluster.engine.rejection_sampler import num_valid_tokens, rejection_sample
 from pdcluster.engine.sampler import sample
 from pdcluster.engine.scheduler import ModelRunnerOutput, SchedulerOutput
+from pdcluster.engine.state_blocks import pack_state, state_block_ids, unpack_state
 from pdcluster.engine.states import RequestStates
 
 
@@ -98,6 +100,16 @@ class ModelRunner:
         self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         self.last_batch_kind: BatchKind | None = None
         self._state: ExecuteModelState | None = None
+        # Hybrid models: the Mamba layers' per-request state, indexed by the request's slot in
+        # ``states`` (engine/mamba_state.py). None for attention-only models.
+        self.mamba_pool: MambaStatePool | None = None
+        if hasattr(model.arch, "mamba_state_shape"):
+            self.mamba_pool = MambaStatePool(model.arch.mamba_state_shape(), config.max_num_seqs,
+                                             1 + self.num_spec_steps, kv_cache.device)
+        # Blocks after a prompt's that carry its state in a KV transfer (engine/state_blocks.py): the
+        # engine sets both; ``_out`` only on a producer, which packs each finished prompt's state.
+        self.num_state_blocks = 0
+        self.num_state_blocks_out = 0
 
     # ---- state -----------------------------------------------------------------------------------
     def update_requests(self, sched: SchedulerOutput) -> np.ndarray:
@@ -113,6 +125,8 @@ class ModelRunner:
                 self.states.remove_request(s.request_id)  # resumed after preemption
                 idx = self.states.add_request(s.request_id, s.all_token_ids, s.sampling_params, s.sampling_params.seed)
                 self._add_request_extras(s, idx)
+                if self.mamba_pool is not None:
+                    self._init_state(s, idx)
             else:
                 idx = self.states.req_id_to_index[s.request_id]
             self.states.refresh(idx, s.num_computed_tokens, s.block_ids)
@@ -124,6 +138,28 @@ class ModelRunner:
                 self.states.num_tokens_np[idx] = s.num_tokens
             idx_mapping[i] = idx
         return idx_mapping
+
+    def _init_state(self, s, idx: int) -> None:
+        """A hybrid request's Mamba state when it takes slot ``idx``: from zero when it starts at token
+        0 (new, or resumed after preemption: recompute); from the state blocks when its prompt was
+        computed by a prefill worker (KV transfer: the only way a hybrid starts past token 0, prefix
+        caching being off), before this step's forward can write KV into those blocks."""
+        if s.num_computed_tokens == 0:
+            self.mamba_pool.reset(idx)
+            return
+        if not self.num_state_blocks:
+            raise RuntimeError(f"{s.request_id}: hybrid request starts at token {s.num_computed_tokens} "
+                               "without a transferred state")
+        blocks = state_block_ids(s.block_ids, s.num_prompt_tokens, self.block_size, self.num_state_blocks)
+        unpack_state(self.kv_cache, blocks, self.mamba_pool, idx)
+
+    def _pack_states(self, state: ExecuteModelState, sampled: list[list[int]]) -> None:
+        """Producer: the state of every prompt finished this step goes into its state blocks, after the
+        proposer and before post_forward sends them (S2)."""
+        for i, s in enumerate(state.scheduler_output.scheduled):
+            if sampled[i]:
+                blocks = state_block_ids(s.block_ids, s.num_prompt_tokens, self.block_size, self.num_state_blocks_out)
+                pack_state(self.mamba_pool, int(state.idx_mapping_np[i]), self.kv_cache, blocks)
 
     def _add_request_extras(self, s, idx: int) -> None:
         """Per-request state beside the token arrays: the client's prompt length (penalties), the
@@ -195,6 +231,16 @@ class ModelRunner:
             uniform_q_len=uniform_decode_query_len(self.num_spec_steps) if kind == BatchKind.UNIFORM_DECODE else None,
             scale=self.model.scale,
         )
+        if self.mamba_pool is not None:
+            meta.mamba = MambaMetadata(
+                pool=self.mamba_pool,
+                query_start_loc_np=query_start_loc,
+                state_slots_np=idx_mapping.astype(np.int64),
+                has_initial_state_np=starts > 0,
+                # Verification rows keep the state after every position; sample_tokens keeps the one
+                # after the last accepted token.
+                keep_positions_np=np.array([len(d) > 0 for d in rows.draft_token_ids], dtype=bool),
+            )
         return (
             torch.from_numpy(input_ids),
             torch.from_numpy(positions.astype(np.int64)),
@@ -241,6 +287,8 @@ class ModelRunner:
         # The proposer runs after verification and before post_forward: MTP writes its draft layer's KV
         # for this step's verified positions here, and the connector may only finalise complete KV (S2).
         drafts = self._propose(state, sampled)
+        if self.num_state_blocks_out:
+            self._pack_states(state, sampled)
         self._prev = self._step_output(state, sampled, drafts)
         kv_output = self.connector.post_forward(state.finished_req_ids)  # last: S2
         return ModelRunnerOutput(state.req_ids, sampled, drafts, logprobs, prompt_logprobs), kv_output
@@ -305,6 +353,7 @@ class ModelRunner:
             output_token_ids = rejection_sample(target, drafts, params, seeds, positions)
             num_valid = num_valid_tokens(output_token_ids).tolist()  # S3
             per_req = [output_token_ids[r, : num_valid[r]].tolist() for r in range(len(rows))]
+            self._keep_accepted_states(state, rows, drafts, num_valid)
         for r, (i, tokens) in enumerate(zip(rows, per_req)):
             sampled[i] = tokens
             st.append_tokens(int(state.idx_mapping_np[i]), tokens)
@@ -313,6 +362,18 @@ class ModelRunner:
                 grammar.accept(tokens)
         self._sampled_logprobs(raw_logits, rows, params, per_req, starts, logprobs)
         return sampled, logprobs
+
+    def _keep_accepted_states(self, state: ExecuteModelState, rows: list[int], drafts: list[list[int]],
+                              num_valid: list[int]) -> None:
+        """Hybrid models: a verification row's Mamba state must be the one after its last accepted
+        input (the committed token and ``num_valid - 1`` drafts), never after a rejected draft. The count
+        is S3's ``(ids != -1).sum(1)`` of this very step, keyed by the request's slot, so a reordered
+        or condensed batch (async scheduling, S4) cannot hand one request another's count."""
+        if self.mamba_pool is None:
+            return
+        verify = [r for r in range(len(rows)) if drafts[r]]
+        slots = np.array([state.idx_mapping_np[rows[r]] for r in verify], dtype=np.int64)
+        self.mamba_pool.select(slots, np.array([num_valid[r] - 1 for r in verify], dtype=np.int64))
 
     def _process_logits(self, state: ExecuteModelState, logits: torch.Tensor, rows: list[int],
                         params: list, drafts: list[list[int]]) -> torch.Tensor:

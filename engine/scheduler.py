@@ -108,6 +108,9 @@ class Scheduler:
         # MTP writes its draft layer's KV for k - 1 chained positions past the verified ones
         # (engine/proposers/mtp.py): reserve those slots with every allocation.
         self.num_lookahead_tokens = max(config.num_spec_tokens - 1, 0) if config.spec_method == "mtp" else 0
+        # A hybrid's KV producer: blocks after each prompt's that carry its Mamba state to the decode
+        # worker (engine/state_blocks.py); set by the engine when a producer connector is attached.
+        self.num_state_blocks = 0
 
     # ---- requests in and out -----------------------------------------------------------------
     def add_request(self, request: Request, follow: str | None = None) -> None:
@@ -182,7 +185,7 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            while not self.block_manager.allocate_slots(request, num_new + self.num_lookahead_tokens):
+            while not self.block_manager.allocate_slots(request, self._num_slots(request, request.num_computed_tokens, num_new)):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.add(victim.request_id)
@@ -207,7 +210,7 @@ class Scheduler:
             num_computed = request.num_computed_tokens + len(cached) * cfg.block_size
             # num_tokens_with_spec: a request prefilled elsewhere may arrive with drafts.
             num_new = min(request.num_tokens_with_spec - num_computed, cfg.prefill_chunk_size, budget)
-            if not self.block_manager.allocate_slots(request, num_new + self.num_lookahead_tokens, cached):
+            if not self.block_manager.allocate_slots(request, self._num_slots(request, num_computed, num_new), cached):
                 break
             self.waiting.popleft()
             if cached:
@@ -274,6 +277,16 @@ class Scheduler:
         return results
 
     # ---- helpers ---------------------------------------------------------------------------------
+    def _num_slots(self, request: Request, num_computed: int, num_new: int) -> int:
+        """Token slots to allocate after ``num_computed`` for ``num_new`` tokens: MTP's lookahead, and
+        for a hybrid producer the state blocks once the chunk completes the prompt."""
+        n = num_new + self.num_lookahead_tokens
+        if self.num_state_blocks and num_computed + num_new >= request.num_prompt_tokens:
+            bs = self.config.block_size
+            end = (-(-request.num_prompt_tokens // bs) + self.num_state_blocks) * bs
+            n = max(n, end - num_computed)
+        return n
+
     # The three hooks below are what async scheduling (engine/async_utils.py) overrides.
     def _num_new_tokens(self, request: Request) -> int:
         """Tokens a running request wants this step: its uncomputed committed tokens and drafts."""

@@ -80,15 +80,21 @@ def tiny_random_state_dict(config: dict = TINY_RANDOM_CONFIG, seed: int = SEED) 
 
 def build_tiny_random(out_dir: str | os.PathLike, gguf_path: str | os.PathLike) -> None:
     """Write the complete tiny-random HF directory into `out_dir`; the tokenizer comes from `gguf_path`."""
+    write_tiny_model(out_dir, gguf_path, TINY_RANDOM_CONFIG, tiny_random_state_dict)
+
+
+def write_tiny_model(out_dir: str | os.PathLike, gguf_path: str | os.PathLike, base_config: dict, state_dict_of) -> None:
+    """An HF directory: SmolLM2's tokenizer (from `gguf_path`), `base_config` with its special token
+    ids, and the weights ``state_dict_of(config)``."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_tokenizer_files(gguf_path, out)
     generation = json.loads((out / "generation_config.json").read_text(encoding="utf-8"))
-    config = dict(TINY_RANDOM_CONFIG)
+    config = dict(base_config)
     config["bos_token_id"] = generation["bos_token_id"]
     config["eos_token_id"] = generation["eos_token_id"][0]
     config["pad_token_id"] = generation["pad_token_id"]
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    save_file(tiny_random_state_dict(config), str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(state_dict_of(config), str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -37,8 +37,15 @@ def model_fingerprint(model_dir: str | Path) -> str:
     return h.hexdigest()[:24]
 
 
-def kv_layout(kv_spec) -> KVLayout:
-    return KVLayout(
+def kv_layout(kv_spec, state_shape=None, num_state_blocks: int = 0) -> KVLayout:
+    """``state_shape``: a hybrid model's MambaStateShape (None for attention-only models)."""
+    state = {}
+    if state_shape is not None:
+        state = dict(num_state_blocks=num_state_blocks, state_num_layers=state_shape.num_mamba_layers,
+                     state_conv_dim=state_shape.conv_dim, state_conv_width=state_shape.conv_width,
+                     state_num_heads=state_shape.num_heads, state_head_dim=state_shape.head_dim,
+                     state_size=state_shape.state_size)
+    return KVLayout(**state,
         num_layers=kv_spec.num_layers,
         num_draft_layers=kv_spec.num_draft_layers,
         block_size=kv_spec.block_size,

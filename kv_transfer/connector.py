@@ -4,11 +4,14 @@ tracks reserved blocks until the KV has landed.
 Prefill (``PrefillKVConnector``): full blocks of the prompt are sent layer by layer from the forward
 pass (``save_layer``), overlapping the rest of the forward. Everything that is only final after the
 draft proposer has run (the partial tail block, and the draft/MTP layers of every block) is sent from
-``post_forward(finished_req_ids)`` (invariant S2), which is also the only place a transfer is declared
-complete: once the receiver has acknowledged every send, a ``TransferDone`` carrying the first token
-and the drafts goes to the decode worker and the blocks are released (``finished_sending``). Any failure
-(transport error, dead peer, deadline, abort from the peer) ends in ``failed`` and the blocks are freed
-exactly once.
+``post_forward(finished_req_ids)`` (invariant S2): only a transfer whose last sends were issued there
+(state FLUSHING) can complete. Once the receiver has acknowledged every send, a ``TransferDone``
+carrying the first token and the drafts goes to the decode worker and the blocks are released
+(``finished_sending``). The acks are polled at the end of every step (``post_forward``), and also
+between and during steps (``poll_acks``, the prefill worker's ack poller and loop), so a TransferDone
+does not wait for the next step, which can take seconds of prefill; the blocks go back to the
+scheduler through the engine thread's next ``poll``. Any failure (transport error, dead peer,
+deadline, abort from the peer) ends in ``failed`` and the blocks are freed exactly once.
 
 Decode (``DecodeKVConnector``): each expected request moves WAITING_FOR_KV -> READY | FAILED. READY
 when the prefill side's ``TransferDone`` arrives (sent only after delivery was acknowledged); FAILED on a
@@ -28,7 +31,9 @@ the router at once but keeps its blocks out of use. Each failed reservation is r
 from __future__ import annotations
 
 import enum
+import functools
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -73,14 +78,29 @@ class SendTask:
     prompt_logprobs: list = field(default_factory=list)
 
 
+def _locked(method):
+    """Run ``method`` under the connector's lock: the engine thread (scheduler and runner hooks) and
+    the prefill worker's ack poller (``poll_acks``) both touch the send tasks."""
+
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked
+
+
 class PrefillKVConnector(KVConnector, SchedulerConnector):
     def __init__(self, transport, endpoint, num_target_layers: int, num_layers: int, block_size: int,
-                 clock=time.monotonic):
+                 clock=time.monotonic, num_state_blocks: int = 0):
         self.transport = transport
         self.endpoint = endpoint
         self.num_target_layers = num_target_layers
         self.num_layers = num_layers
         self.block_size = block_size
+        # Hybrid models: blocks after the prompt's holding its Mamba state (engine/state_blocks.py),
+        # written after the proposer, so sent whole from post_forward like the draft layers (S2).
+        self.num_state_blocks = num_state_blocks
         self.clock = clock
         self.tasks: dict[str, SendTask] = {}
         self._plan: list[tuple[SendTask, np.ndarray, np.ndarray]] = []  # this step's layer-wise sends
@@ -88,31 +108,43 @@ class PrefillKVConnector(KVConnector, SchedulerConnector):
         self._failed_reasons: dict[str, str] = {}
         self._late_failed: set[str] = set()  # finished (blocks held) and failed outside a step
         self.bytes_sent = 0
+        self._lock = threading.RLock()
+        # What poll_acks found (sent or failed transfers whose blocks the scheduler holds), until the
+        # engine thread's next poll hands it to the engine.
+        self._unreported = KVConnectorOutput()
+        # Set while a flushed transfer waits for its receiver's ack: the ack poller sleeps otherwise.
+        self.awaiting_acks = threading.Event()
 
     # ---- requests --------------------------------------------------------------------------------
+    @_locked
     def add_transfer(self, request_id: str, decode_id: str, dst_block_ids: list[int], num_prompt_tokens: int,
                      timeout_s: float) -> None:
-        need = -(-num_prompt_tokens // self.block_size)
+        need = -(-num_prompt_tokens // self.block_size) + self.num_state_blocks
         if len(dst_block_ids) < need:
-            raise ValueError(f"{request_id}: {len(dst_block_ids)} destination blocks for {need} prompt blocks")
+            raise ValueError(f"{request_id}: {len(dst_block_ids)} destination blocks for {need} prompt "
+                             f"(+ {self.num_state_blocks} state) blocks")
         self.tasks[request_id] = SendTask(request_id, decode_id, list(dst_block_ids), num_prompt_tokens,
                                           self.clock() + timeout_s)
 
+    @_locked
     def abort(self, request_id: str, reason: str = "aborted") -> None:
         """Local abort (client gone): tell the decode side, stop sending."""
         task = self.tasks.get(request_id)
         if task is not None:
             self._fail(task, reason, notify_peer=True)
 
+    @_locked
     def take_aborts(self) -> set[str]:
         """Requests whose transfer failed while the engine still runs them: the worker aborts them."""
         out, self._to_abort = self._to_abort, set()
         return out
 
+    @_locked
     def failure_reason(self, request_id: str) -> str | None:
         return self._failed_reasons.pop(request_id, None)
 
     # ---- scheduler hook --------------------------------------------------------------------------
+    @_locked
     def request_finished(self, request) -> bool:
         task = self.tasks.get(request.request_id)
         if task is None or task.state in (SendState.FAILED, SendState.SENT):
@@ -125,6 +157,7 @@ class PrefillKVConnector(KVConnector, SchedulerConnector):
         return True  # hold the blocks until post_forward has sent them and the receiver acked
 
     # ---- worker hooks ------------------------------------------------------------------------------
+    @_locked
     def pre_forward(self, scheduler_output) -> None:
         self._plan = []
         for s in scheduler_output.scheduled:
@@ -139,6 +172,7 @@ class PrefillKVConnector(KVConnector, SchedulerConnector):
                 self._plan.append((task, np.asarray(task.src_block_ids[blocks]), np.asarray(task.dst_block_ids[blocks])))
                 task.num_blocks_sent = num_full
 
+    @_locked
     def save_layer(self, layer_idx: int) -> None:
         if layer_idx >= self.num_target_layers:
             return  # draft layers are final only after the proposer: post_forward sends them
@@ -146,6 +180,7 @@ class PrefillKVConnector(KVConnector, SchedulerConnector):
             if task.state == SendState.PREFILLING:
                 self._send(task, [layer_idx], src, dst)
 
+    @_locked
     def post_forward(self, finished_req_ids: set[str]) -> KVConnectorOutput:
         """Called last in sample_tokens, after the draft proposer (S2); always clears the step's plan."""
         self._plan = []
@@ -181,11 +216,30 @@ class PrefillKVConnector(KVConnector, SchedulerConnector):
         self._send(task, range(0, self.num_target_layers), src[first:], dst[first:])
         if self.num_layers > self.num_target_layers and task.state != SendState.FAILED:
             self._send(task, range(self.num_target_layers, self.num_layers), src, dst)
+        if self.num_state_blocks and task.state != SendState.FAILED:
+            state = slice(num_blocks, num_blocks + self.num_state_blocks)
+            self._send(task, range(0, self.num_layers), np.asarray(task.src_block_ids[state]),
+                       np.asarray(task.dst_block_ids[state]))
         if task.state != SendState.FAILED:
             task.state = SendState.FLUSHING
+            self.awaiting_acks.set()
 
+    @_locked
     def poll(self) -> KVConnectorOutput:
-        out = KVConnectorOutput()
+        """Engine thread (end of a step, or between steps): check acks, failures and deadlines; the
+        returned output (with what ``poll_acks`` found since the last call) frees the held blocks."""
+        out, self._unreported = self._unreported, KVConnectorOutput()
+        self._check(out)
+        return out
+
+    @_locked
+    def poll_acks(self) -> None:
+        """Any thread, e.g. while the engine runs a step: send the TransferDone of every flushed
+        transfer its receiver has acknowledged now (only FLUSHING ones, whose last sends post_forward
+        issued after the proposer: S2 holds). Their blocks are freed by the engine thread's next poll."""
+        self._check(self._unreported)
+
+    def _check(self, out: KVConnectorOutput) -> None:
         delivered, failed = self.transport.poll_sent()
         for request_id in delivered:
             task = self.tasks.get(request_id)
@@ -215,8 +269,10 @@ class PrefillKVConnector(KVConnector, SchedulerConnector):
                 self._fail(task, f"decode worker {task.decode_id} stopped answering", notify_peer=False, out=out)
             elif now > task.deadline:
                 self._fail(task, "KV transfer deadline passed", notify_peer=True, out=out)
-        return out
+        if not any(t.state == SendState.FLUSHING for t in self.tasks.values()):
+            self.awaiting_acks.clear()
 
+    @_locked
     def handle_message(self, peer_id: str, msg) -> None:
         if isinstance(msg, AbortTransfer):
             task = self.tasks.get(msg.request_id)
@@ -244,6 +300,7 @@ class PrefillKVConnector(KVConnector, SchedulerConnector):
         else:
             self._to_abort.add(task.request_id)  # still running: the worker aborts it (frees once)
 
+    @_locked
     def take_late_failed(self) -> set[str]:
         out, self._late_failed = self._late_failed, set()
         return out

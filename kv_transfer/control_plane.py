@@ -152,9 +152,10 @@ class _Endpoint:
         self._poller.register(self._wake_fd, zmq.POLLIN)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()  # guards _peers and _dead: written by the I/O thread, read by callers
+        self._lock = threading.Lock()  # guards _peers, _dead and _left: written by the I/O thread, read by callers
         self._peers: dict[str, _Peer] = {}
         self._dead: set[str] = set()
+        self._left: set[str] = set()  # of ``_dead``: the peers we left on request (disconnect), not lost
         self.num_rejected = 0  # messages from established peers that failed their session seal
         self._closing = threading.Event()
         # daemon: an endpoint someone forgot to close must not keep the worker process from exiting.
@@ -177,6 +178,13 @@ class _Endpoint:
         """Peers declared dead after ``peer_timeout_s`` of silence (and not reconnected since)."""
         with self._lock:
             return set(self._dead)
+
+    def lost_peers(self) -> set[str]:
+        """Of ``dead_peers``, those lost to silence rather than left on request (``disconnect``): a
+        peer that was only frozen (SIGSTOP, a long GC pause) is one of these when it speaks again,
+        and nothing re-handshakes by itself: whoever wired the pair must connect it again."""
+        with self._lock:
+            return self._dead - self._left
 
     def send(self, peer_id: str, msg: Message) -> None:
         """Queue ``msg`` for ``peer_id``. Raises if the message is invalid or too big, or the peer unknown."""
@@ -368,6 +376,7 @@ class _Endpoint:
             old = self._peers.get(pid)
             self._peers[pid] = peer
             self._dead.discard(pid)
+            self._left.discard(pid)
         if old is not None:
             # Same worker id, new connection: the worker restarted (or reconnected) before we noticed.
             log.warning("%s: peer %r reconnected; dropping its previous connection", self._name, pid)
@@ -651,6 +660,7 @@ class DecodeEndpoint(_Endpoint):
             peer = self._peers.pop(peer_id, None)
             if peer is not None:
                 self._dead.add(peer_id)
+                self._left.add(peer_id)
         if peer is not None:
             log.warning("%s: disconnected from prefill peer %r on request", self._name, peer_id)
             self._close_conn(peer.route)

@@ -65,6 +65,15 @@ class KVLayout(_Record):
     num_kv_heads: int
     head_dim: int
     dtype: str
+    # Hybrid models: the Mamba state that travels in ``num_state_blocks`` blocks after the prompt's
+    # (engine/state_blocks.py). All zero for attention-only models.
+    num_state_blocks: int = 0
+    state_num_layers: int = 0
+    state_conv_dim: int = 0
+    state_conv_width: int = 0
+    state_num_heads: int = 0
+    state_head_dim: int = 0
+    state_size: int = 0
 
     def _check_values(self, path: str) -> None:
         for name in ("num_layers", "block_size", "num_kv_heads", "head_dim"):

@@ -15,6 +15,19 @@ from pdcluster.kv_transfer.config import TransferConfig
 from pdcluster.node.event_pusher import EventPusher
 
 
+@dataclasses.dataclass(frozen=True)
+class Ping:
+    """A worker's answer to the router's health check (``WorkerActor.ping``)."""
+
+    alive: bool  # the engine thread still runs
+    incarnation: str  # this process's: a new one after Ray restarted the actor
+    stalled_s: float  # how long the engine thread has been inside one turn of its loop
+    pid: int  # this process (a load test on the same host signals it: pdcluster loadtest --chaos)
+    # Decode worker: prefill workers it dropped after the control plane's peer timeout and is not
+    # connected to again (a frozen worker that resumed is one of them until the router re-wires the pair).
+    lost_peers: tuple[str, ...] = ()
+
+
 class WorkerActor:
     """Subclasses say which worker they run (``make_worker``) and add their role's methods."""
 
@@ -39,12 +52,17 @@ class WorkerActor:
     def pid(self) -> int:
         return os.getpid()
 
-    def ping(self) -> tuple[bool, str, float]:
+    def ping(self) -> Ping:
         """Health check that does not wait for the engine thread (a long step must not look like
         death): whether the engine thread still runs, this process's incarnation (a new one after Ray
-        restarted the actor, so the router knows to recover and re-wire), and how long the engine
-        thread has been inside one turn of its loop (a stuck step shows here)."""
-        return self.worker.loop_error is None and self.worker.is_running(), self.incarnation, self.worker.stalled_s()
+        restarted the actor, so the router knows to recover and re-wire), how long the engine thread
+        has been inside one turn of its loop (a stuck step shows here), the pid, and the peers lost."""
+        return Ping(alive=self.worker.loop_error is None and self.worker.is_running(), incarnation=self.incarnation,
+                    stalled_s=self.worker.stalled_s(), pid=os.getpid(), lost_peers=tuple(self.lost_peers()))
+
+    def lost_peers(self) -> list[str]:
+        """Peers this worker lost to silence and that only a new handshake brings back (decode role)."""
+        return []
 
     def stats(self) -> dict:
         return self.worker.stats()

@@ -10,7 +10,7 @@ def endpoint_config(worker_id: str, engine, transfer: TransferConfig, transport)
     """``engine``: the worker's LLMEngine (its KV layout and model); ``transport``: its KV transport."""
     return EndpointConfig(
         worker_id=worker_id,
-        layout=kv_layout(engine.kv_spec),
+        layout=kv_layout(engine.kv_spec, engine.state_shape, engine.num_state_blocks),
         model_fingerprint=model_fingerprint(engine.model_dir),
         transport=transfer.transport,
         transport_descriptor=transport.local_descriptor(),

@@ -1,13 +1,17 @@
 """The prefill worker: an engine in the producer role. A decode worker that owns a request asks it for
 the KV over the control plane (``TransferRequest``: prompt, sampling parameters, the decode worker's
 reserved blocks); it computes the prompt (chunked), sends the first token at once (``FirstToken``),
-runs the draft proposer, and streams the KV into those blocks; ``TransferDone`` follows from
-post_forward (S2). Failures go back to that decode worker as ``AbortTransfer``; it tells the router.
+runs the draft proposer, and streams the KV into those blocks; the last sends go out from post_forward
+(S2), and ``TransferDone`` as soon as the decode side has acknowledged them: the ack is looked for at
+the end of each step, between steps (``tick``), and while a step runs (the ack poller thread), so it
+does not wait for the next step. Failures go back to that decode worker as ``AbortTransfer``; it
+tells the router.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import replace
 
@@ -24,6 +28,9 @@ from pdcluster.node.worker_loop import WorkerLoop, engine_stats
 
 log = logging.getLogger(__name__)
 
+_ACK_POLL_S = 0.002  # how often the ack poller looks while a flushed transfer waits for its ack
+_ACK_IDLE_S = 0.1  # longest it sleeps otherwise (it also wakes when a transfer is flushed)
+
 
 class PrefillWorker(WorkerLoop):
     def __init__(self, worker_id: str, engine_config: EngineConfig, transfer: TransferConfig):
@@ -36,11 +43,14 @@ class PrefillWorker(WorkerLoop):
         self.endpoint = PrefillEndpoint(endpoint_config(worker_id, self.engine, transfer, self.transport),
                                         host=transfer.host, port=transfer.port)
         self.connector = PrefillKVConnector(
-            self.transport, self.endpoint, self.engine.arch.num_layers, spec.num_layers, spec.block_size
+            self.transport, self.endpoint, self.engine.arch.num_layers, spec.num_layers, spec.block_size,
+            num_state_blocks=self.engine.num_state_blocks,
         )
         self.engine.attach_connector(self.connector)
         self._connected: dict[str, dict] = {}  # decode peer id -> the transport descriptor we connected to
+        self._ack_poller = threading.Thread(target=self._poll_acks, name=f"prefill-{worker_id}-acks", daemon=True)
         self.start()
+        self._ack_poller.start()
 
     @property
     def address(self) -> str:
@@ -52,8 +62,21 @@ class PrefillWorker(WorkerLoop):
 
     def close(self) -> None:
         self.stop()
+        self._ack_poller.join(1.0)
         self.endpoint.close()
         self.transport.close()
+
+    def _poll_acks(self) -> None:
+        """Ack poller thread: while the engine thread is inside a step (a prefill chunk can take
+        seconds), send the TransferDone of each flushed transfer its receiver has acknowledged."""
+        while self.is_running():
+            if not self.connector.awaiting_acks.wait(_ACK_IDLE_S):
+                continue
+            try:
+                self.connector.poll_acks()
+            except Exception:  # noqa: BLE001 - the engine thread's own poll still covers it
+                log.exception("polling transfer acks failed")
+            time.sleep(_ACK_POLL_S)
 
     # ---- engine thread ------------------------------------------------------------------------------
     def _on_transfer_request(self, decode_id: str, msg: TransferRequest) -> None:
@@ -101,6 +124,10 @@ class PrefillWorker(WorkerLoop):
                 self._on_transfer_request(peer_id, msg)
             else:
                 self.connector.handle_message(peer_id, msg)
+        # Between steps (or idle): acks that came in since the last step send their TransferDone now,
+        # and the blocks of transfers that ended (here or in the ack poller) go back.
+        ended = self.connector.poll()
+        self.engine.scheduler.free_held(ended.finished_sending | ended.failed)
         # Transfers that failed outside a step: the decode side was told (or is gone); free here.
         for request_id in self.connector.take_aborts():
             self.engine.abort_request(request_id)

@@ -59,6 +59,16 @@ def settled_worker_stats(cluster, timeout_s: float = 5.0) -> dict[str, dict]:
         time.sleep(0.05)
 
 
+async def router_generate(router, request_id: str, prompt, params) -> list[int]:
+    """Every token of one request through a router's stream; it must end by length (no failure)."""
+    tokens, last = [], None
+    async for delta in router.generate(request_id, prompt, params):
+        tokens += delta.new_token_ids
+        last = delta
+    assert last.finish_reason == "length", (request_id, last.finish_reason, last.error)
+    return tokens
+
+
 def usable_transports() -> list[str]:
     """The KV transports that work on this machine (the others' reasons: available_transports())."""
     from pdcluster.kv_transfer.transports import available_transports

@@ -803,3 +803,35 @@ def test_sigkilled_prefill_process_is_reported_to_on_peer_dead(endpoints):
         child.kill()
         child.wait()
     assert decode_ep.dead_peers() == {"p-child"} and decode_ep.peers() == {}
+
+
+@pytest.mark.timeout(30)
+def test_prefill_frozen_past_the_timeout_is_lost_until_connected_again_and_a_left_peer_is_not(endpoints):
+    """Guards the control-plane half of re-wiring a frozen prefill worker (issue 16): SIGSTOPped past the
+    peer timeout, it is dropped and reported by ``lost_peers`` (what the decode worker's ping tells the
+    router); after SIGCONT the same process accepts a new handshake, which clears it. A peer left on
+    request (``disconnect``: drain) is dead but not lost, so the router does not re-wire it."""
+    interval, timeout = 0.2, 1.0
+    child = spawn("prefill", "p-child", "", interval, timeout)
+    try:
+        address = read_line(child, 15.0)
+        decode_ep = endpoints(DecodeEndpoint, config("d0", heartbeat_interval_s=interval, peer_timeout_s=timeout))
+        assert decode_ep.connect(address).worker_id == "p-child"
+        os.kill(child.pid, signal.SIGSTOP)
+        try:
+            wait_until(lambda: decode_ep.lost_peers() == {"p-child"}, timeout + 2.0, "the frozen peer lost")
+            assert decode_ep.peers() == {}
+        finally:
+            os.kill(child.pid, signal.SIGCONT)
+        time.sleep(timeout)  # resumed, same process: nothing reconnects by itself
+        assert decode_ep.lost_peers() == {"p-child"} and decode_ep.peers() == {}
+        assert decode_ep.connect(address).worker_id == "p-child"  # what the router's re-wiring does
+        assert decode_ep.lost_peers() == set() and "p-child" in decode_ep.peers()
+        time.sleep(timeout + 0.3)
+        assert "p-child" in decode_ep.peers(), "the re-wired pair must stay up (heartbeats both ways)"
+        assert decode_ep.disconnect("p-child")
+        wait_until(lambda: decode_ep.dead_peers() == {"p-child"}, 2.0, "the peer left")
+        assert decode_ep.lost_peers() == set()
+    finally:
+        child.kill()
+        child.wait()

@@ -8,7 +8,7 @@ import functools
 
 import pytest
 
-from conftest import engine_config, make_engine, settled_worker_stats, usable_transports
+from conftest import engine_config, make_engine, router_generate, settled_worker_stats, usable_transports
 from pdcluster.cluster.launcher import Cluster, ClusterSpec
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kv_transfer.config import TransferConfig
@@ -25,12 +25,7 @@ def expected():
 
 
 async def _generate(router, rid, prompt):
-    tokens, last = [], None
-    async for delta in router.generate(rid, prompt, PARAMS):
-        tokens += delta.new_token_ids
-        last = delta
-    assert last.finish_reason == "length", (rid, last.finish_reason, last.error)
-    return tokens
+    return await router_generate(router, rid, prompt, PARAMS)
 
 
 def _disagg(transport: str = "tcp", **kw) -> Cluster:

@@ -77,23 +77,12 @@ def _wait_free(worker, expected, timeout_s):
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_disagg_equals_single_engine(tiny_dir, transport):
-    from pdcluster.decode_node.worker import DecodeWorker
-    from pdcluster.prefill_node.worker import PrefillWorker
-
     cfg = _engine_config()
     prompts = [list(range(300 + i, 300 + i + n)) for i, n in enumerate([3, 16, 17, 45, 100])]
     params = SamplingParams(max_tokens=10, ignore_eos=True, seed=3)
     expected = [o.token_ids for o in make_engine("tiny-random", num_kv_blocks=NUM_BLOCKS).generate(prompts, params)]
     events = Events()
-    tc = TransferConfig(transport=transport, secret="s3cret")
-    p = PrefillWorker("p0", cfg, tc)
-    d = DecodeWorker("d0", cfg, tc)
-    d.on_event = events
-    try:
-        assert d.connect_prefill(p.address) == "p0"
-        deadline = time.monotonic() + 10
-        while "d0" not in p.endpoint.peers() and time.monotonic() < deadline:
-            time.sleep(0.01)
+    with connected_pair(cfg, TransferConfig(transport=transport, secret="s3cret"), events) as (p, d):
         ids = [f"r{i}" for i in range(len(prompts))]
         for rid, prompt in zip(ids, prompts):
             d.submit(rid, prompt, params, "p0")  # D reserves, asks P for the KV, streams every token
@@ -102,6 +91,24 @@ def test_disagg_equals_single_engine(tiny_dir, transport):
         _wait_free(p, NUM_BLOCKS, 5)
         _wait_free(d, NUM_BLOCKS, 5)
         assert p.stats()["bytes_sent"] > 0
+
+
+@contextlib.contextmanager
+def connected_pair(cfg, tc: TransferConfig, events: Events):
+    """A prefill worker "p0" and a decode worker "d0" (its events to ``events``), handshaken both
+    ways; closed afterwards."""
+    from pdcluster.decode_node.worker import DecodeWorker
+    from pdcluster.prefill_node.worker import PrefillWorker
+
+    p = PrefillWorker("p0", cfg, tc)
+    d = DecodeWorker("d0", cfg, tc)
+    d.on_event = events
+    try:
+        assert d.connect_prefill(p.address) == "p0"
+        deadline = time.monotonic() + 10
+        while "d0" not in p.endpoint.peers() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        yield p, d
     finally:
         p.close()
         d.close()

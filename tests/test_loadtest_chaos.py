@@ -254,9 +254,9 @@ def test_chaos_run_kills_and_stops_workers_and_every_request_in_flight_completes
         assert before["status"] == "ok"
         # Constant arrivals of long-enough answers: several requests are in flight at every moment,
         # on both decode workers, so the kill at 3 s always catches some mid-stream. The stop stays
-        # under the control plane's 2.5 s peer timeout: a longer one currently leaves the decode
-        # workers disconnected from the resumed prefill worker (every later placement fails while
-        # /health says ok), a server bug this harness found, not what this test is about.
+        # under the control plane's 2.5 s peer timeout; a longer one (the decode workers drop the
+        # frozen prefill worker and the router re-wires the pairs after SIGCONT, a bug this harness
+        # found) is tests/test_pair_rewire.py's subject.
         rc = main(["loadtest", "--no-progress", "--base-url", server.base_url, "--model", "tiny-random",
                    "--dataset", "random", "--random-input-len", "48", "--random-output-len", "48",
                    "--num-prompts", "48", "--request-rate", "6", "--arrival", "constant", "--num-warmups", "1",

@@ -75,6 +75,7 @@ def test_crashed_workers_restart_and_rejoin(ray_session):
         os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
         timings["decode_rejoined_s"] = await _wait_rejoined(router, decode_id, old) - killed
+        pids = {"decode": (pid, router.views[decode_id].pid, await decode.pid.remote())}  # old, listed, real
         await asyncio.wait_for(task_a, 180)
         timings["decode_recovered_s"] = router.recorder.recoveries[0][1] if router.recorder.recoveries else None
         # 2. A new request runs on the restarted decode worker (needs the re-wired handshake).
@@ -85,11 +86,12 @@ def test_crashed_workers_restart_and_rejoin(ray_session):
         os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
         timings["prefill_rejoined_s"] = await _wait_rejoined(router, prefill_id, old) - killed
+        pids["prefill"] = (pid, router.views[prefill_id].pid, await prefill.pid.remote())
         out_c = await _generate(router, "c", prompt_c, params)
-        return tokens, state["last"], out_b, out_c, timings
+        return tokens, state["last"], out_b, out_c, timings, pids
 
     try:
-        tokens_a, last_a, (tokens_b, last_b), (tokens_c, last_c), timings = asyncio.run(main())
+        tokens_a, last_a, (tokens_b, last_b), (tokens_c, last_c), timings, pids = asyncio.run(main())
         print(f"restart timings: {timings}")
         assert last_a.finish_reason == "length", (last_a.finish_reason, last_a.error)
         assert tokens_a == expected_a, "the stream must continue exactly across the decode worker's restart"
@@ -98,6 +100,8 @@ def test_crashed_workers_restart_and_rejoin(ray_session):
         decisions = {d.request_id: d for d in router.recorder.decisions}
         assert decisions["b"].decode_id == decode_id and decisions["c"].prefill_id == prefill_id
         assert not decisions["c"].local, "C must be prefilled on the restarted prefill worker, not locally"
+        for role, (old_pid, listed, real) in pids.items():  # /health's pid is the replacement's once it rejoined
+            assert listed == real != old_pid, (role, old_pid, listed, real)
         assert not router.requests
         stats = cluster.worker_stats()
         for wid, s in stats.items():

@@ -31,12 +31,14 @@ class Membership:
         self.decode = decode
         self.health = health
 
-    def add(self, worker_id: str, role: str, handle, num_blocks: int, block_size: int, incarnation: str | None) -> None:
+    def add(self, worker_id: str, role: str, handle, num_blocks: int, block_size: int, incarnation: str | None,
+            pid: int | None = None) -> None:
         """Put a started, wired worker into rotation."""
         (self.prefill if role == "prefill" else self.decode)[worker_id] = handle
         if incarnation is not None:
             self.health.incarnations[worker_id] = incarnation
         self.placement.add_worker(worker_id, role, num_blocks, block_size)
+        self.placement.views[worker_id].pid = pid
 
     def dependents(self, worker_id: str) -> list[str]:
         """Requests that still need ``worker_id``: placed on it as decode, or waiting for its KV."""
@@ -80,6 +82,6 @@ class Membership:
         self.placement.views.pop(worker_id, None)
         self.prefill.pop(worker_id, None)
         self.decode.pop(worker_id, None)
-        self.health.incarnations.pop(worker_id, None)
+        self.health.forget(worker_id)
         for key in [k for k in self.placement.breakers if worker_id in k]:
             del self.placement.breakers[key]

@@ -60,18 +60,24 @@ class PairPlacement:
     def candidates(self, local: bool, hashes: list[int], failed_pair, now: float) -> Iterator[tuple[WorkerView, WorkerView | None]]:
         """(decode, prefill or None) pairs to try, best first; pairs cooling down are left out. Lazy:
         the prefill policy is asked only for the decode worker tried next (round robin advances once
-        per placement). With the whole prefill tier down, decode workers prefill themselves."""
+        per placement). With the whole prefill tier down, or unreachable from a decode worker (it lost
+        every prefill worker in rotation: ``lost_prefills``), decode workers prefill themselves."""
         decodes = self.placer.order_decode(self.role_views("decode"))
         prefills = self.role_views("prefill", in_rotation_only=True)
-        local = local or not prefills
         for d in decodes:
-            if local:
+            reachable = [p for p in prefills if p.worker_id not in d.lost_prefills]
+            if local or not reachable:
                 if self.breaker(None, d.worker_id).allows(now):
                     yield d, None
                 continue
-            p = self._pick_prefill(prefills, d.worker_id, hashes, failed_pair, now)
+            p = self._pick_prefill(reachable, d.worker_id, hashes, failed_pair, now)
             if p is not None:
                 yield d, p
+
+    def unwired_pairs(self) -> list[tuple[str, str]]:
+        """(prefill, decode) pairs of known workers whose decode side lost the prefill peer."""
+        return [(p, d.worker_id) for d in self.role_views("decode") for p in sorted(d.lost_prefills)
+                if p in self.views]
 
     def _pick_prefill(self, prefills: list[WorkerView], decode_id: str, hashes: list[int], failed_pair,
                       now: float) -> WorkerView | None:

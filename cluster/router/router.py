@@ -47,6 +47,8 @@ class ClusterRouter:
         self.placement = PairPlacement(self.config)
         self.health = HealthMonitor(self.config, self.placement.views, lambda: {**self.prefill, **self.decode},
                                     self.mark_down)
+        # A re-wired pair's earlier failures were the missing link's: its breaker closes again.
+        self.health.on_pair_rewired = lambda p, d: self.placement.breaker(p, d).record_success()
         self.counters = {"num_draft_tokens": 0, "num_accepted_tokens": 0, "kv_transfer_bytes": 0}
         self.recorder: DecisionRecorder | None = None
         self.streams = RequestStreams(self.counters, lambda: self.recorder,
@@ -126,21 +128,29 @@ class ClusterRouter:
                 self._recover(r, why)
 
     def stats(self) -> dict:
+        """What /health and /metrics show. A worker is listed healthy when it answers its health checks
+        and, for a prefill worker, every decode worker is still wired to it: one that a decode worker
+        lost (it was frozen past the peer timeout) is listed unhealthy, with the pair under
+        ``unwired_pairs``, until the pair is re-wired."""
         self.placement.refresh(self.streams.requests.values())
         decodes = self.placement.role_views("decode")
         total_tokens = sum(v.num_blocks * v.block_size for v in decodes) or self.block_size
         used_tokens = sum(v.kv_tokens for v in decodes)
         running = sum(1 for r in self.streams.requests.values() if r.running)
+        unwired = self.placement.unwired_pairs()
+        cut_off = {p for p, _ in unwired}
         return {
             "num_requests_running": running,
             "num_requests_waiting": len(self.streams.requests) - running,
             "kv_cache_usage_perc": min(1.0, used_tokens / total_tokens),
             "healthy": any(v.healthy for v in decodes),
             "workers": [
-                {"worker_id": v.worker_id, "role": v.role, "kv_tokens": v.kv_tokens, "num_requests": v.num_requests,
-                 "queued_prefill_tokens": v.queued_prefill_tokens, "healthy": v.healthy, "draining": v.draining}
+                {"worker_id": v.worker_id, "role": v.role, "pid": v.pid, "kv_tokens": v.kv_tokens,
+                 "num_requests": v.num_requests, "queued_prefill_tokens": v.queued_prefill_tokens,
+                 "healthy": v.healthy and v.worker_id not in cut_off, "draining": v.draining}
                 for v in self.placement.views.values()
             ],
+            "unwired_pairs": [{"prefill": p, "decode": d} for p, d in unwired],
             **self.counters,
         }
 

@@ -73,7 +73,8 @@ class Submitter:
         if sibling is not None and sibling != failed_pair:
             d = self.placement.views.get(sibling[1])
             p = self.placement.views.get(sibling[0]) if sibling[0] is not None else None
-            if (d is not None and d.in_rotation and (sibling[0] is None or (p is not None and p.in_rotation))
+            if (d is not None and d.in_rotation
+                    and (sibling[0] is None or (p is not None and p.in_rotation and p.worker_id not in d.lost_prefills))
                     and self.placement.breaker(*sibling).allows(now)):
                 yield d, p
         yield from self.placement.candidates(local, hashes, failed_pair, now)

@@ -1,0 +1,66 @@
+"""Which model class serves a Hugging Face directory: dispatch on config.json ``architectures[0]``.
+
+    LlamaForCausalLM, MistralForCausalLM -> engine.model.ModelArch / LlamaModel
+    NemotronHForCausalLM                 -> engine.nemotron_h.HybridArch / NemotronHModel
+
+Errors are one line naming what is wrong (a missing file, an unsupported architecture) and what is
+supported; they are ValueErrors (UnknownModelError), which the CLI reports without a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from pdcluster.engine.model import LlamaModel, ModelArch
+from pdcluster.engine.model_registry import UnknownModelError
+from pdcluster.engine.nemotron_h import HybridArch, NemotronHModel
+
+# architectures[0] -> (arch class, model class)
+ARCHITECTURES = {
+    "LlamaForCausalLM": (ModelArch, LlamaModel),
+    "MistralForCausalLM": (ModelArch, LlamaModel),
+    "NemotronHForCausalLM": (HybridArch, NemotronHModel),
+}
+REQUIRED_FILES = ("config.json", "tokenizer.json")
+
+
+def architecture_of(model_dir: str | Path) -> str:
+    """config.json's ``architectures[0]`` (LlamaForCausalLM when the list is absent, as HF's Llama
+    loader assumes), after checking the directory has what serving it needs."""
+    model_dir = Path(model_dir)
+    missing = [f for f in REQUIRED_FILES if not (model_dir / f).is_file()]
+    if missing:
+        raise UnknownModelError(f"{model_dir}: directory lacks {', '.join(missing)}; a Hugging Face model directory "
+                                "needs config.json, *.safetensors and tokenizer.json")
+    try:
+        cfg = json.loads((model_dir / "config.json").read_text())
+    except ValueError as e:
+        raise UnknownModelError(f"{model_dir}/config.json is not valid JSON: {e}") from None
+    names = cfg.get("architectures") or ["LlamaForCausalLM"]
+    return names[0]
+
+
+def _classes(model_dir: str | Path):
+    name = architecture_of(model_dir)
+    if name not in ARCHITECTURES:
+        raise ValueError(f"{model_dir}: architecture {name!r} is not supported; supported: "
+                         f"{', '.join(ARCHITECTURES)}")
+    return ARCHITECTURES[name]
+
+
+def arch_from_dir(model_dir: str | Path) -> ModelArch | HybridArch:
+    """The model's shape (ModelArch for Llama-family, HybridArch for NemotronH)."""
+    return _classes(model_dir)[0].from_dir(Path(model_dir))
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype, max_positions: int) -> LlamaModel | NemotronHModel:
+    """The model's weights loaded into the engine's model class for its architecture."""
+    return _classes(model_dir)[1].load(Path(model_dir), dtype, max_positions)
+
+
+def is_hybrid(arch) -> bool:
+    """Whether the model has Mamba layers with per-request recurrent state (engine/mamba_state.py)."""
+    return isinstance(arch, HybridArch)

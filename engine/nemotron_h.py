@@ -1,0 +1,342 @@
+"""NemotronH (transformers ``NemotronHForCausalLM``): a hybrid of Mamba2, attention and MLP blocks over
+packed (varlen) token batches, with a paged KV cache for the attention layers and a slot-indexed
+state pool for the Mamba layers.
+
+The layer pattern (``layers_block_type``, or the legacy ``hybrid_override_pattern`` string) gives each
+block one mixer: "M" Mamba2 (engine/mamba_mixer.py), "*" attention (no rotary embedding: position
+comes from the Mamba layers), "-" MLP (``down(relu(up(x)) ** 2)``). "E" (MoE) is not supported. Every
+block is ``x = x + mixer(RMSNorm(x))``; after the last, ``norm_f`` and the LM head.
+
+Indexing the engine relies on: ``arch.num_layers`` counts the *attention* layers (the KV cache has one
+layer per attention block, ``kv_cache[i]`` for the i-th), ``on_layer_done(i)`` runs with that
+attention ordinal, and Mamba layer m keeps its state in ``pool.conv[m]`` / ``pool.ssm[m]``.
+
+Weights use transformers' names: ``backbone.`` (what NVIDIA's checkpoints and transformers'
+save_pretrained write) or ``model.`` as the prefix, ``mtp.*`` ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from pdcluster.engine.attention import AttentionMetadata, attend
+from pdcluster.engine.linear import Linear
+from pdcluster.engine.mamba_mixer import Mamba2Mixer, MambaStepPlan
+from pdcluster.engine.mamba_state import MambaStateShape
+from pdcluster.engine.model import RotaryEmbedding, load_weights
+from pdcluster.kernels import ops
+
+MAMBA, ATTENTION, MLP, MOE = "M", "*", "-", "E"
+# layers_block_type names (and the legacy ones transformers remaps) -> pattern characters.
+_BLOCK_TYPES = {"linear_attention": MAMBA, "mamba": MAMBA, "full_attention": ATTENTION, "attention": ATTENTION,
+                "mlp": MLP, "moe": MOE}
+# Legacy config keys NemotronHConfig.__post_init__ maps (the legacy name wins when both are present).
+_LEGACY_KEYS = {"n_groups": "mamba_n_groups", "conv_kernel": "mamba_d_conv", "expand": "mamba_expand",
+                "time_step_min": "mamba_dt_min", "use_conv_bias": "mamba_conv_bias", "chunk_size": "mamba_chunk_size"}
+_DEFAULTS = {"n_groups": 8, "conv_kernel": 4, "expand": 2, "time_step_min": 0.001, "use_conv_bias": True,
+             "chunk_size": 128}
+
+
+def layer_pattern(cfg: dict, where: str = "config") -> tuple[str, ...]:
+    """The per-layer pattern as characters "M", "*", "-" from a NemotronH config dict; ValueError for
+    an unknown or unsupported (MoE) layer type."""
+    types = cfg.get("layers_block_type") or cfg.get("layer_types")
+    if types is None:
+        pattern = cfg.get("hybrid_override_pattern")
+        if pattern is None:
+            raise ValueError(f"{where}: NemotronH config has neither layers_block_type nor hybrid_override_pattern")
+        chars = tuple(pattern)
+        unknown = sorted(set(chars) - set(_BLOCK_TYPES.values()))
+        if unknown:
+            raise ValueError(f"{where}: hybrid_override_pattern {pattern!r} has unknown layer characters {unknown} "
+                             "(known: M mamba, * attention, - mlp, E moe)")
+    else:
+        unknown = sorted({t for t in types if t not in _BLOCK_TYPES})
+        if unknown:
+            raise ValueError(f"{where}: layers_block_type has unknown layer types {unknown} "
+                             f"(known: {', '.join(sorted(_BLOCK_TYPES))})")
+        chars = tuple(_BLOCK_TYPES[t] for t in types)
+    if MOE in chars:
+        raise ValueError(f"{where}: NemotronH layer type 'moe' (E, at layer {chars.index(MOE)}) is not supported; "
+                         "supported layer types: linear_attention (M), full_attention (*), mlp (-)")
+    return chars
+
+
+@dataclass(frozen=True)
+class HybridArch:
+    """A NemotronH config. The first block of fields are those engine code reads from a Llama
+    ``ModelArch`` (``num_layers`` = attention layers = KV-cache layers); the rest are NemotronH's."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int  # the MLP blocks' width
+    num_layers: int  # attention layers (the KV cache's layers)
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float  # layer_norm_epsilon
+    rope_theta: float  # NemotronH attention has no RoPE; only our MTP draft head uses this
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    layer_types: tuple[str, ...]  # "M", "*", "-" per block
+    num_hidden_layers: int  # all blocks
+    mamba_num_heads: int
+    mamba_head_dim: int
+    ssm_state_size: int
+    n_groups: int
+    conv_kernel: int
+    chunk_size: int
+    time_step_min: float  # dt is clamped to [time_step_min, inf) as transformers' mixer does
+    use_conv_bias: bool
+    use_bias: bool  # Mamba in_proj / out_proj biases
+    mlp_bias: bool
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> "HybridArch":
+        model_dir = Path(model_dir)
+        return cls.from_config(json.loads((model_dir / "config.json").read_text()), where=str(model_dir))
+
+    @classmethod
+    def from_config(cls, cfg: dict, where: str = "config") -> "HybridArch":
+        def get(key: str):
+            legacy = _LEGACY_KEYS.get(key)
+            if legacy is not None and legacy in cfg:
+                return cfg[legacy]
+            return cfg.get(key, _DEFAULTS.get(key))
+
+        for key, expected in (("mamba_hidden_act", "silu"), ("mlp_hidden_act", "relu2")):
+            if cfg.get(key, expected) != expected:
+                raise ValueError(f"{where}: {key} {cfg[key]!r} is not supported (only {expected!r})")
+        layer_types = layer_pattern(cfg, where)
+        eos = cfg.get("eos_token_id", 2)
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        # Defaults are NemotronHConfig's, so a key a config leaves out means what it means to transformers.
+        num_heads = cfg.get("num_attention_heads", 32)
+        hidden = cfg.get("hidden_size", 4096)
+        num_kv_heads = cfg.get("num_key_value_heads", 8)
+        mamba_heads = cfg.get("mamba_num_heads", 128)
+        mamba_head_dim = cfg.get("mamba_head_dim", 64)
+        n_groups = get("n_groups")
+        if mamba_heads % n_groups:
+            raise ValueError(f"{where}: mamba_num_heads {mamba_heads} is not a multiple of n_groups {n_groups}")
+        return cls(
+            vocab_size=cfg.get("vocab_size", 131072),
+            hidden_size=hidden,
+            intermediate_size=cfg.get("intermediate_size", 21504),
+            num_layers=layer_types.count(ATTENTION),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads if num_kv_heads is not None else num_heads,
+            head_dim=cfg.get("head_dim", 128) or hidden // num_heads,
+            rms_norm_eps=cfg.get("layer_norm_epsilon", 1e-5),  # transformers reads no other name
+            rope_theta=10000.0,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            bos_token_id=cfg.get("bos_token_id", 1),
+            eos_token_ids=eos_ids,
+            layer_types=layer_types,
+            num_hidden_layers=len(layer_types),
+            mamba_num_heads=mamba_heads,
+            mamba_head_dim=mamba_head_dim,
+            ssm_state_size=cfg.get("ssm_state_size", 128),
+            n_groups=n_groups,
+            conv_kernel=get("conv_kernel"),
+            chunk_size=get("chunk_size"),
+            time_step_min=float(get("time_step_min")),
+            use_conv_bias=bool(get("use_conv_bias")),
+            use_bias=bool(cfg.get("use_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+        )
+
+    @property
+    def num_mamba_layers(self) -> int:
+        return self.layer_types.count(MAMBA)
+
+    @property
+    def mamba_intermediate_size(self) -> int:
+        return self.mamba_num_heads * self.mamba_head_dim
+
+    @property
+    def mamba_conv_dim(self) -> int:
+        return self.mamba_intermediate_size + 2 * self.n_groups * self.ssm_state_size
+
+    def mamba_state_shape(self) -> MambaStateShape:
+        return MambaStateShape(
+            num_mamba_layers=self.num_mamba_layers,
+            conv_dim=self.mamba_conv_dim,
+            conv_width=self.conv_kernel - 1,
+            num_heads=self.mamba_num_heads,
+            head_dim=self.mamba_head_dim,
+            state_size=self.ssm_state_size,
+        )
+
+
+MLP_CHUNK_TOKENS = 1024
+
+
+class AttentionMixer:
+    """NemotronH attention: fused q/k/v projection, paged attention, o_proj; no rotary embedding."""
+
+    def __init__(self, arch: HybridArch, w: Callable[[str], torch.Tensor]):
+        self.arch = arch
+        self.qkv_proj = Linear(torch.cat([w("q_proj.weight"), w("k_proj.weight"), w("v_proj.weight")]))
+        self.o_proj = Linear(w("o_proj.weight"))
+        self.q_size = arch.num_heads * arch.head_dim
+
+    def __call__(self, x: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        a = self.arch
+        qkv = self.qkv_proj(x).view(-1, a.num_heads + 2 * a.num_kv_heads, a.head_dim)
+        q = qkv[:, : a.num_heads]
+        k = qkv[:, a.num_heads : a.num_heads + a.num_kv_heads]
+        v = qkv[:, a.num_heads + a.num_kv_heads :]
+        o = attend(q, k, v, layer_cache, meta)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+class MLPMixer:
+    """``down(relu(up(x)) ** 2)`` (NemotronH's relu2, no gate)."""
+
+    def __init__(self, w: Callable[[str], torch.Tensor], w_opt: Callable[[str], torch.Tensor | None]):
+        self.up_proj = Linear(w("up_proj.weight"))
+        self.up_bias = w_opt("up_proj.bias")
+        self.down_proj = Linear(w("down_proj.weight"))
+        self.down_bias = w_opt("down_proj.bias")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= MLP_CHUNK_TOKENS:
+            return self._mlp(x)
+        # A long prefill runs in token chunks so the intermediate-wide buffer stays small (as model.py).
+        out = torch.empty_like(x)
+        for start in range(0, x.shape[0], MLP_CHUNK_TOKENS):
+            out[start : start + MLP_CHUNK_TOKENS] = self._mlp(x[start : start + MLP_CHUNK_TOKENS])
+        return out
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up_proj(x)
+        if self.up_bias is not None:
+            h = h + self.up_bias
+        h = torch.relu(h).square_()
+        out = self.down_proj(h)
+        return out + self.down_bias if self.down_bias is not None else out
+
+
+@dataclass
+class HybridBlock:
+    kind: str  # MAMBA, ATTENTION or MLP
+    norm: torch.Tensor
+    mixer: object
+    cache_index: int  # attention ordinal (KV-cache layer) for ATTENTION, Mamba ordinal for MAMBA, else -1
+
+
+def _canonical_names(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``backbone.*`` -> ``model.*``; ``mtp.*`` (NemotronH's own MTP layers) dropped."""
+    out = {}
+    for name, tensor in weights.items():
+        if name.startswith("mtp."):
+            continue
+        if name.startswith("backbone."):
+            name = "model." + name[len("backbone."):]
+        out[name] = tensor
+    return out
+
+
+class NemotronHModel:
+    """Same interface as engine.model.LlamaModel (the runner, the MTP head and the warmup use it)."""
+
+    def __init__(self, arch: HybridArch, weights: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int):
+        self.arch = arch
+        self.dtype = dtype
+        # Taken out of the dict as they are used: once fused and packed, loaded tensors are freed.
+        weights = _canonical_names(weights)
+
+        def take(key: str, layer_kind: str | None = None) -> torch.Tensor:
+            if key not in weights:
+                what = f" (the layer pattern makes it {layer_kind!r})" if layer_kind else ""
+                raise ValueError(f"NemotronH weights lack {key!r}{what}")
+            return weights.pop(key)
+
+        self.embed_tokens = take("model.embeddings.weight")
+        self.lm_head = self._lm_head(arch, weights.pop("lm_head.weight", None))
+        self.lm_head_proj = Linear(self.lm_head, keep_weight=True)
+        self.norm = take("model.norm_f.weight")
+        self.layers: list[HybridBlock] = []
+        counts = {ATTENTION: 0, MAMBA: 0}
+        for i, kind in enumerate(arch.layer_types):
+            prefix = f"model.layers.{i}"
+
+            def w(name: str, prefix: str = prefix, kind: str = kind) -> torch.Tensor:
+                return take(f"{prefix}.mixer.{name}", kind)
+
+            def w_opt(name: str, prefix: str = prefix) -> torch.Tensor | None:
+                return weights.pop(f"{prefix}.mixer.{name}", None)
+
+            norm = take(f"{prefix}.norm.weight", kind)
+            if kind == ATTENTION:
+                mixer, index = AttentionMixer(arch, w), counts[ATTENTION]
+            elif kind == MAMBA:
+                mixer, index = Mamba2Mixer(arch, w, w_opt, counts[MAMBA]), counts[MAMBA]
+            else:
+                mixer, index = MLPMixer(w, w_opt), -1
+            if kind in counts:
+                counts[kind] += 1
+            self.layers.append(HybridBlock(kind, norm, mixer, index))
+        self.rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, max_positions, dtype)
+        self.scale = arch.head_dim**-0.5
+
+    def _lm_head(self, arch: HybridArch, lm_head: torch.Tensor | None) -> torch.Tensor:
+        """The checkpoint's lm_head.weight when it has one (transformers' NemotronH never ties, so a
+        saved model always has it), shared with the embedding when tied and equal; the embedding
+        when tied and absent."""
+        if lm_head is None:
+            if not arch.tie_word_embeddings:
+                raise ValueError("NemotronH weights lack 'lm_head.weight' and tie_word_embeddings is false")
+            return self.embed_tokens
+        if arch.tie_word_embeddings and torch.equal(lm_head, self.embed_tokens):
+            return self.embed_tokens
+        return lm_head
+
+    @classmethod
+    def load(cls, model_dir: Path, dtype: torch.dtype, max_positions: int) -> "NemotronHModel":
+        return cls(HybridArch.from_dir(model_dir), load_weights(model_dir, dtype), dtype, max_positions)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # int64 [num_tokens]
+        positions: torch.Tensor,  # int64 [num_tokens] (unused: NemotronH has no positional encoding)
+        kv_cache: torch.Tensor,  # [num_attention_layers(+draft), 2, num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+        on_layer_done: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """Hidden states after the final norm, [num_tokens, hidden]. ``on_layer_done(i)`` runs as soon
+        as attention layer i's KV is in the cache (i counts attention layers only)."""
+        eps = self.arch.rms_norm_eps
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        residual = None
+        plan = (MambaStepPlan.build(meta.mamba, input_ids.device)
+                if meta.mamba is not None and self.arch.num_mamba_layers else None)
+        for layer in self.layers:
+            if residual is None:
+                residual = hidden.clone()
+                x = ops.rms_norm(hidden, layer.norm, eps)
+            else:
+                x = ops.rms_norm(hidden, layer.norm, eps, residual=residual)
+            if layer.kind == ATTENTION:
+                hidden = layer.mixer(x, kv_cache[layer.cache_index], meta)
+                if on_layer_done is not None:
+                    on_layer_done(layer.cache_index)
+            elif layer.kind == MAMBA:
+                hidden = layer.mixer(x, meta.mamba, plan)
+            else:
+                hidden = layer.mixer(x)
+        return ops.rms_norm(hidden, self.norm, eps, residual=residual)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [n, vocab] float32, for the rows to sample only."""
+        return self.lm_head_proj(hidden).float()
