@@ -146,10 +146,12 @@ class Cluster:
         pings = dict(zip(handles, ray.get([h.ping.remote() for h in handles.values()], timeout=60)))
         num_blocks = {wid: engine.num_kv_blocks for wid in self.prefill_handles}
         num_blocks.update({wid: st["num_blocks"] for wid, st in zip(self.decode_handles, stats)})
+        state_blocks = {wid: st.get("num_state_blocks", 0) for wid, st in zip(self.decode_handles, stats)}
         for wid, handle in handles.items():  # the same path as add_worker
             role = "prefill" if wid in self.prefill_handles else "decode"
             ping = pings[wid]
-            self.router.membership.add(wid, role, handle, num_blocks[wid], engine.block_size, ping.incarnation, ping.pid)
+            self.router.membership.add(wid, role, handle, num_blocks[wid], engine.block_size, ping.incarnation, ping.pid,
+                                       state_blocks.get(wid, 0))
         # One set of handles: workers added or removed later (add_worker, remove_worker) show in both.
         self.prefill_handles, self.decode_handles = self.router.prefill, self.router.decode
         self._engine, self._transfer, self._env, self._use_gpu, self._tag = engine, transfer, env, use_gpu, tag
@@ -213,16 +215,18 @@ class Cluster:
             handle = ray.remote(PrefillActor).options(**opts).remote(wid, self._engine, self._transfer, None, self._env)
             address = await call(handle.address.remote())
             await asyncio.gather(*(call(h.connect_prefill.remote(address)) for h in list(self.decode_handles.values())))
-            num_blocks = self._engine.num_kv_blocks
+            num_blocks, num_state_blocks = self._engine.num_kv_blocks, 0
         else:
             transfer = self._transfer if self.spec.mode == "disagg" else None
             handle = ray.remote(DecodeActor).options(**opts).remote(wid, self._engine, transfer,
                                                                    self.router.event_address, self._env)
             for prefill in list(self.prefill_handles.values()):
                 await call(handle.connect_prefill.remote(await call(prefill.address.remote())))
-            num_blocks = (await call(handle.stats.remote()))["num_blocks"]
+            st = await call(handle.stats.remote())
+            num_blocks, num_state_blocks = st["num_blocks"], st.get("num_state_blocks", 0)
         ping = await call(handle.ping.remote())
-        self.router.membership.add(wid, role, handle, num_blocks, self._engine.block_size, ping.incarnation, ping.pid)
+        self.router.membership.add(wid, role, handle, num_blocks, self._engine.block_size, ping.incarnation, ping.pid,
+                                   num_state_blocks)
         log.info("worker %s added and in rotation", wid)
         return wid
 

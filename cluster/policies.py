@@ -65,6 +65,9 @@ class WorkerView:
     lost_prefills: set[str] = field(default_factory=set)
     # Derived from requests (see Router): tokens whose KV the worker holds or has reserved.
     kv_tokens: int = 0
+    # Hybrid decode worker: a transferred prompt's reservation holds this many blocks more for its Mamba
+    # state (they become the request's next KV blocks once the state is read).
+    num_state_blocks: int = 0
     num_requests: int = 0
     queued_prefill_tokens: int = 0
     # Prefix affinity: recently seen prompt block hashes (LRU).

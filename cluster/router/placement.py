@@ -33,10 +33,19 @@ class PairPlacement:
                 continue
             if a.decode_id in self.views:
                 view = self.views[a.decode_id]
-                view.kv_tokens += a.kv_tokens
+                view.kv_tokens += self._held_tokens(view, a)
                 view.num_requests += 1
             if a.prefill_id in self.views and not a.t_first_token:
                 self.views[a.prefill_id].queued_prefill_tokens += a.num_prompt_tokens
+
+    @staticmethod
+    def _held_tokens(view: WorkerView, a) -> int:
+        """Token slots the attempt holds on its decode worker: its KV, and for a hybrid's transferred
+        prompt the state blocks after the prompt's (reserved with it, KV blocks afterwards)."""
+        if not view.num_state_blocks or a.prefill_id is None:
+            return a.kv_tokens
+        bs = view.block_size
+        return max(a.kv_tokens, (-(-a.num_prompt_tokens // bs) + view.num_state_blocks) * bs)
 
     def breaker(self, prefill_id: str | None, decode_id: str | None) -> Breaker:
         key = (prefill_id, decode_id)
