@@ -70,8 +70,10 @@ def apply_penalties(logits: torch.Tensor, rows: list[RowContext], eos_token_ids:
     freq = [i for i in active if rows[i].params.frequency_penalty or rows[i].params.presence_penalty]
     if not rep and not freq:
         return logits
-    out_rows = [i for i in set(rep) | set(freq) for _ in in_vocab(rows[i].output_token_ids)]
-    out_ids = [t for i in set(rep) | set(freq) for t in in_vocab(rows[i].output_token_ids)]
+    rep_set = set(rep)
+    penalised = sorted(rep_set | set(freq))
+    out_rows = [i for i in penalised for _ in in_vocab(rows[i].output_token_ids)]
+    out_ids = [t for i in penalised for t in in_vocab(rows[i].output_token_ids)]
     counts = torch.zeros(num_rows, vocab, dtype=torch.float32)
     if out_rows:
         counts.index_put_((torch.tensor(out_rows), torch.tensor(out_ids)), torch.ones(len(out_ids)), accumulate=True)
@@ -83,7 +85,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[RowContext], eos_token_ids:
             seen[torch.tensor(prompt_rows), torch.tensor(prompt_ids)] = True
         penalty = torch.ones(num_rows, 1)
         penalty[rep, 0] = torch.tensor([rows[i].params.repetition_penalty for i in rep])
-        seen[[i for i in range(num_rows) if i not in set(rep)]] = False
+        seen[[i for i in range(num_rows) if i not in rep_set]] = False
         logits = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
     if freq:
         f = torch.zeros(num_rows, 1)

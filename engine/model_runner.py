@@ -282,7 +282,7 @@ class ModelRunner:
         if state.hidden_states is None:
             self._prev = PrevStepOutput.empty(self.num_spec_steps)
             return ModelRunnerOutput([], []), self.connector.no_forward(state.scheduler_output)
-        prompt_logprobs = self._prompt_logprobs_step(state) if self._wants_prompt_logprobs(state) else {}
+        prompt_logprobs = self._prompt_logprobs_step(state)
         sampled, logprobs = self._sample(state)
         # The proposer runs after verification and before post_forward: MTP writes its draft layer's KV
         # for this step's verified positions here, and the connector may only finalise complete KV (S2).
@@ -292,11 +292,6 @@ class ModelRunner:
         self._prev = self._step_output(state, sampled, drafts)
         kv_output = self.connector.post_forward(state.finished_req_ids)  # last: S2
         return ModelRunnerOutput(state.req_ids, sampled, drafts, logprobs, prompt_logprobs), kv_output
-
-    def _wants_prompt_logprobs(self, state: ExecuteModelState) -> bool:
-        st = self.states
-        return any(st.sampling_params[int(i)] is not None and st.sampling_params[int(i)].prompt_logprobs is not None
-                   for i in state.idx_mapping_np)
 
     def _propose(self, state: ExecuteModelState, sampled: list[list[int]]) -> list[list[int]]:
         if self.num_spec_steps == 0:

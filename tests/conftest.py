@@ -59,6 +59,25 @@ def settled_worker_stats(cluster, timeout_s: float = 5.0) -> dict[str, dict]:
         time.sleep(0.05)
 
 
+def assert_drained_cleanly(cluster, recorder, leaving: str, began: int | None = None) -> None:
+    """After a drain of ``leaving``: nothing was recovered (recomputed), nothing was placed on it from
+    decision ``began`` on, it is gone from the cluster and the router, and every worker has all its blocks
+    back (no reservation or transfer left over)."""
+    router = cluster.router
+    assert not recorder.recoveries, "a drain must not recover (recompute) anything"
+    if began is not None:
+        assert all(d.decode_id != leaving and d.prefill_id != leaving for d in recorder.decisions[began:])
+    assert leaving not in cluster.decode_handles and leaving not in cluster.prefill_handles
+    assert leaving not in router.views
+    assert_all_blocks_free(cluster)
+
+
+def assert_all_blocks_free(cluster) -> None:
+    for wid, s in settled_worker_stats(cluster, 10).items():
+        assert s["num_free_blocks"] == s["num_blocks"], (wid, s)
+        assert s.get("num_reserved", 0) == 0 and s.get("num_transfers", 0) == 0, (wid, s)
+
+
 async def router_generate(router, request_id: str, prompt, params) -> list[int]:
     """Every token of one request through a router's stream; it must end by length (no failure)."""
     tokens, last = [], None
@@ -67,6 +86,13 @@ async def router_generate(router, request_id: str, prompt, params) -> list[int]:
         last = delta
     assert last.finish_reason == "length", (request_id, last.finish_reason, last.error)
     return tokens
+
+
+def transport_params(fast: tuple[str, ...] = ("tcp", "shm")) -> list:
+    """usable_transports() as pytest parameters for whole-cluster tests: the ``fast`` ones in the default
+    run, the others marked slow (.ci/run runs them after it; every transport is covered at the worker
+    level by test_kv_transfer_e2e.py in the default run)."""
+    return [t if t in fast else pytest.param(t, marks=pytest.mark.slow) for t in usable_transports()]
 
 
 def usable_transports() -> list[str]:

@@ -53,7 +53,9 @@ def expected():
     }
 
 
-@pytest.fixture(scope="module", params=list(MODES))
+# colocated is local's engine behind disagg's Ray plumbing: in the slow pass (.ci/run runs it after).
+@pytest.fixture(scope="module", params=[pytest.param(m, marks=pytest.mark.slow) if m == "colocated" else m
+                                        for m in MODES])
 def server(request):
     s = ServeProcess([*SERVER_FLAGS, *MODES[request.param]], timeout_s=180, stop_timeout_s=20)
     s.mode = request.param

@@ -147,7 +147,8 @@ PENALTIES = [
 ]
 
 
-@pytest.mark.parametrize("penalty", PENALTIES, ids=lambda d: "+".join(d))
+@pytest.mark.parametrize("penalty", [pytest.param(p, marks=pytest.mark.slow) for p in PENALTIES[:3]] + PENALTIES[3:],
+                         ids=lambda d: "+".join(d))
 def test_penalties_equal_the_reference(engine, hf_model, penalty):
     params = SamplingParams(max_tokens=16, **penalty)
     stop_ids = set(engine.runner.eos_token_ids)

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from conftest import settled_worker_stats, usable_transports
+from conftest import settled_worker_stats, transport_params
 from pdcluster.cluster.admin_api import worker_places
 from pdcluster.cluster.autoscale import AutoscaleConfig, Planner
 from test_admin_api import ADMIN_KEY, admin_app, auth, serving
@@ -146,7 +146,7 @@ def test_load_rises_adds_a_worker_on_another_node_load_falls_drains_one(ray_node
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("transport", usable_transports())
+@pytest.mark.parametrize("transport", transport_params())
 def test_node_drain_with_transfers_in_flight_loses_nothing(ray_nodes, expected, transport):
     with ray_nodes.node(prefill_slot=1, decode_slot=1) as (leaving_node, leaving_ip):
         # 2P2D over three nodes: one prefill and one decode worker on the leaving node (its slots and

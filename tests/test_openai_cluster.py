@@ -108,7 +108,7 @@ def _json_prompts(n):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("spec_method", [None, "ngram"])
+@pytest.mark.parametrize("spec_method", [pytest.param(None, marks=pytest.mark.slow), "ngram"])
 def test_structured_output_validates_on_50_prompts_in_disagg(ray_session, smollm2_dir, spec_method):
     kw = {"spec_method": spec_method, "num_spec_tokens": 3} if spec_method else {}
     cluster = Cluster(ClusterSpec(engine=_config(**kw), transfer=TransferConfig(), mode="disagg"))

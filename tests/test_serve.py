@@ -11,15 +11,13 @@ import tempfile
 
 import pytest
 
-from conftest import make_engine
+from conftest import make_engine, transport_params
 from pdcluster.cluster.loadtest.server_metrics import parse_prometheus
 from pdcluster.cluster.server_process import ServeProcess
 from pdcluster.engine.sampling_params import SamplingParams
-from pdcluster.kv_transfer.transports import available_transports
 
 openai = pytest.importorskip("openai")
 
-TRANSPORTS = [name for name, reason in available_transports().items() if reason is None]
 PROMPTS = ["Hello there, how", "The list of numbers: 3, 1, 4,", "def main():"]
 CHAT = [{"role": "user", "content": "Name a color."}]
 MAX_TOKENS = 10
@@ -81,7 +79,7 @@ def test_serve_modes_match_engine(expected, flags):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", transport_params())
 def test_serve_disagg_every_transport(expected, transport):
     import httpx
 

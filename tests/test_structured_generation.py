@@ -49,7 +49,7 @@ def test_json_schema_outputs_validate(engine):
     assert engine.scheduler.num_free_blocks == engine.kv_spec.num_blocks
 
 
-@pytest.mark.parametrize("use_async", [False, True])
+@pytest.mark.parametrize("use_async", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_json_schema_under_ngram_speculation(smollm2_dir, engine, use_async):
     spec = make_engine("smollm2", num_kv_blocks=512, spec_method="ngram", num_spec_tokens=3,
                        async_scheduling=use_async)
@@ -62,6 +62,7 @@ def test_json_schema_under_ngram_speculation(smollm2_dir, engine, use_async):
     _check_valid(sampled)
 
 
+@pytest.mark.slow
 def test_json_schema_under_preemption(smollm2_dir, engine):
     params = SamplingParams(max_tokens=80, structured_output=SPEC)
     small = make_engine("smollm2", num_kv_blocks=12, max_model_len=256)  # 8 x ~4 blocks do not fit
