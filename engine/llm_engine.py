@@ -24,7 +24,7 @@ from pdcluster.engine.proposers import make_proposer, num_draft_layers as propos
 from pdcluster.engine.request import Request, RequestStatus
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.engine.scheduler import Scheduler
-from pdcluster.engine.state_blocks import num_state_blocks
+from pdcluster.engine.state_blocks import num_state_blocks, tokens_with_state
 from pdcluster.engine.tokenizer import Detokenizer, Tokenizer
 from pdcluster.engine.warmup import warmup
 
@@ -169,7 +169,7 @@ class LLMEngine:
         need = -(-(num_prompt_tokens + 1 + self.config.num_spec_steps) // bs)
         num_tokens = num_prompt_tokens
         if self.num_state_blocks:  # a hybrid's state arrives in the blocks right after the prompt's
-            num_tokens = (-(-num_prompt_tokens // bs) + self.num_state_blocks) * bs
+            num_tokens = tokens_with_state(num_prompt_tokens, bs, self.num_state_blocks)
             need = max(need, num_tokens // bs)
         if self.scheduler.block_manager.num_free_blocks < need:
             return None

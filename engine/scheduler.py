@@ -17,6 +17,7 @@ from pdcluster.engine.forks import ForkGate
 from pdcluster.engine.kv_connector import SchedulerConnector
 from pdcluster.engine.logprobs import TokenLogprobs
 from pdcluster.engine.request import Request, RequestStatus
+from pdcluster.engine.state_blocks import tokens_with_state
 
 
 @dataclass
@@ -282,8 +283,7 @@ class Scheduler:
         for a hybrid producer the state blocks once the chunk completes the prompt."""
         n = num_new + self.num_lookahead_tokens
         if self.num_state_blocks and num_computed + num_new >= request.num_prompt_tokens:
-            bs = self.config.block_size
-            end = (-(-request.num_prompt_tokens // bs) + self.num_state_blocks) * bs
+            end = tokens_with_state(request.num_prompt_tokens, self.config.block_size, self.num_state_blocks)
             n = max(n, end - num_computed)
         return n
 

@@ -26,6 +26,11 @@ def num_state_blocks(shape: MambaStateShape, bytes_per_block: int) -> int:
     return -(-shape.bytes_per_slot // bytes_per_block)
 
 
+def tokens_with_state(num_prompt_tokens: int, block_size: int, num_blocks: int) -> int:
+    """Token slots that cover a prompt's blocks and the ``num_blocks`` state blocks after them."""
+    return (-(-num_prompt_tokens // block_size) + num_blocks) * block_size
+
+
 def state_block_ids(block_ids: list[int], num_prompt_tokens: int, block_size: int, num_blocks: int) -> list[int]:
     """The state blocks of a request: the ``num_blocks`` blocks right after its prompt's."""
     first = -(-num_prompt_tokens // block_size)

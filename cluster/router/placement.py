@@ -8,6 +8,7 @@ from typing import Iterable, Iterator
 from pdcluster.cluster.policies import Breaker, Placer, WorkerView
 from pdcluster.cluster.router.config import RouterConfig
 from pdcluster.cluster.router.state import RequestState
+from pdcluster.engine.state_blocks import tokens_with_state
 
 
 class PairPlacement:
@@ -44,8 +45,7 @@ class PairPlacement:
         prompt the state blocks after the prompt's (reserved with it, KV blocks afterwards)."""
         if not view.num_state_blocks or a.prefill_id is None:
             return a.kv_tokens
-        bs = view.block_size
-        return max(a.kv_tokens, (-(-a.num_prompt_tokens // bs) + view.num_state_blocks) * bs)
+        return max(a.kv_tokens, tokens_with_state(a.num_prompt_tokens, view.block_size, view.num_state_blocks))
 
     def breaker(self, prefill_id: str | None, decode_id: str | None) -> Breaker:
         key = (prefill_id, decode_id)
