@@ -225,6 +225,10 @@ class AsyncStepper:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdcluster-runner")
         self._in_flight: tuple[SchedulerOutput, Future] | None = None
 
+    @property
+    def in_flight(self) -> bool:
+        return self._in_flight is not None
+
     def _run(self, sched: SchedulerOutput) -> tuple[ModelRunnerOutput, KVConnectorOutput]:
         self.runner.execute_model(sched)
         return self.runner.sample_tokens()

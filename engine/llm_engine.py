@@ -25,6 +25,7 @@ from pdcluster.engine.request import Request, RequestStatus
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.engine.scheduler import Scheduler
 from pdcluster.engine.state_blocks import num_state_blocks, tokens_with_state
+from pdcluster.engine.step_trace import StepTrace
 from pdcluster.engine.tokenizer import Detokenizer, Tokenizer
 from pdcluster.engine.warmup import warmup
 
@@ -112,6 +113,7 @@ class LLMEngine:
         eos = set(arch.eos_token_ids) | set(self.tokenizer.stop_token_ids)
         scheduler_cls = Scheduler
         self._stepper = None
+        self.step_trace = StepTrace()  # engine/step_trace.py (synchronous steps)
         if config.async_scheduling:
             from pdcluster.engine.async_utils import AsyncScheduler
 
@@ -281,15 +283,21 @@ class LLMEngine:
         """Requests to run, or KV transfers / finish notices still to be driven by steps."""
         return self.scheduler.has_pending()
 
+    def has_work(self) -> bool:
+        """A step would compute something (``has_pending`` minus blocks only held for a transfer)."""
+        return self.scheduler.has_work() or (self._stepper is not None and self._stepper.in_flight)
+
     # ---- the loop ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         if self._stepper is not None:  # async scheduling: step n+1 already runs while the caller reads these outputs
             step_results, kv_output = self._stepper.step()
         else:
+            started = time.perf_counter()
             sched = self.scheduler.schedule()
             self.runner.execute_model(sched)
             runner_output, kv_output = self.runner.sample_tokens()
             step_results = self.scheduler.update_from_output(sched, runner_output)
+            self.step_trace.record(sched, time.perf_counter() - started)
         self.last_kv_output = kv_output
         self.scheduler.free_held(kv_output.finished_sending | kv_output.failed)
         return [self._output(r.request, r.finished, r.new_token_ids, r.new_logprobs, r.prompt_logprobs)

@@ -145,6 +145,12 @@ class Scheduler:
         runner and connector have not seen yet."""
         return bool(self.waiting or self.running or self.held or self._finished_req_ids or self.forks)
 
+    def has_work(self) -> bool:
+        """Something a step must run for: requests, or finish notices the runner and connector have not
+        seen yet. Not blocks merely held for a transfer: those wait for the receiver's acknowledgement,
+        which the connector's poll finds between steps without one."""
+        return bool(self.waiting or self.running or self._finished_req_ids or self.forks)
+
     def add_prefilled_request(self, request: Request) -> None:
         """A request whose prompt KV was computed elsewhere and has landed in ``request.block_ids``
         (decode side of a KV transfer). ``num_computed_tokens`` is the prompt length, the first

@@ -35,6 +35,7 @@ SIGNATURES = {
     "pd_rotary": [_c_int, _ptr, _c_i64, _c_i64, _c_i64, _c_int, _c_int, _ptr, _ptr, _c_int],
     "pd_silu_and_mul": [_c_int, _ptr, _ptr, _c_i64, _c_int, _c_int],
     "pd_argmax_rows": [_c_int, _ptr, _c_i64, _c_i64, _c_i64, _ptr, _c_int],
+    "pd_linear_small_m": [_ptr, _c_i64, _c_i64, _ptr, _c_i64, _c_i64, _ptr, _c_i64, _c_int],
     "pd_write_kv": [_ptr, _ptr, _c_i64, _c_i64, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_int, _c_int, _c_int],
 }
 

@@ -132,7 +132,10 @@ class PrefillWorker(WorkerLoop):
         for request_id in self.connector.take_aborts():
             self.engine.abort_request(request_id)
         self.engine.scheduler.free_held(self.connector.take_late_failed())
-        if not self.engine.has_pending():
+        # Blocks held only for transfers in flight need no step: the poll above frees them once acked.
+        # Stepping for them (empty steps, back to back) burnt a core for the whole transfer, taken
+        # from the decode worker and the next prompt on a host the workers share.
+        if not self.engine.has_work():
             return False
         for out in self.engine.step():
             task = self.connector.tasks.get(out.request_id)

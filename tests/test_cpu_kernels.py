@@ -122,6 +122,40 @@ def test_silu_and_mul_matches_reference(dtype):
     torch.testing.assert_close(cpu_ops.silu_and_mul(x), reference.silu_and_mul(x), **TOL[dtype])
 
 
+@pytest.mark.parametrize("n, k", [(1536, 576), (577, 1536), (7, 13), (1, 8)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+def test_linear_small_m_matches_f_linear_and_is_batch_invariant(n, k, rows):
+    """Up to 8 rows of float32 x against an nn.Linear weight: equal to F.linear within fp32 rounding
+    (odd N, K not a multiple of 8: the pair and lane tails), and each row's result is bit-identical
+    whatever the other rows are (a request's logits do not depend on its batch)."""
+    g = torch.Generator().manual_seed(n + k + rows)
+    w, x = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g)
+    got = cpu_ops.linear_small_m(x, w)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w), rtol=1e-4, atol=1e-4)
+    for r in range(rows):
+        assert torch.equal(cpu_ops.linear_small_m(x[r:r + 1], w)[0], got[r])
+    strided = torch.randn(rows, 2 * k, generator=g)[:, :k]  # a row stride other than k
+    torch.testing.assert_close(cpu_ops.linear_small_m(strided, w), torch.nn.functional.linear(strided, w),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_linear_routes_decode_batches_to_the_small_m_kernel(monkeypatch):
+    """engine.linear.Linear sends 2-8 float32 rows (leading dims flattened) to the C kernel and the rest
+    (one row: MKL's matrix-vector path is as fast; prefill-sized batches: MKL's GEMM) to F.linear."""
+    from pdcluster.engine.linear import Linear
+
+    calls = []
+    real = cpu_ops.linear_small_m
+    monkeypatch.setattr(cpu_ops, "linear_small_m", lambda x, w: calls.append(x.shape) or real(x, w))
+    lin = Linear(torch.randn(64, 32))
+    for shape in [(1, 32), (2, 32), (2, 4, 32), (8, 32), (9, 32), (128, 32)]:
+        x = torch.randn(*shape)
+        torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight), rtol=1e-4, atol=1e-4)
+    assert calls == [(2, 32), (2, 4, 32), (8, 32)]
+    assert cpu_ops.linear_small_m(torch.randn(9, 32), lin.weight) is None
+    assert cpu_ops.linear_small_m(torch.randn(2, 32, dtype=torch.float64), lin.weight.double()) is None
+
+
 def test_ops_route_cpu_tensors_to_the_c_kernels(monkeypatch):
     batch = make_batch([1, 4], [6, 9], 4, 2)
     called = []

@@ -196,6 +196,46 @@ def test_decode_killed_mid_transfer_prefill_reclaims_within_5s(tiny_dir, transpo
 
 
 @pytest.mark.timeout(180)
+def test_prefill_worker_waiting_for_acks_does_not_step(tiny_dir):
+    """A prefill worker whose only work is blocks held for unacknowledged transfers runs no engine
+    steps: it polls for the acks between loop turns. It used to step empty batches back to back for
+    the whole transfer, a core burnt that the decode worker and the next prompt needed on a shared host.
+    The receiver (a decode worker in its own process) is stopped (SIGSTOP) mid-transfer, so the prompt
+    finishes and its blocks stay held with no ack coming; then it is killed and the blocks come back."""
+    from pdcluster.prefill_node.worker import PrefillWorker
+
+    p = PrefillWorker("p0", _engine_config(prefill_chunk_size=8), TransferConfig(transport="tcp"))
+    steps = [0]
+    real_step = p.engine.step
+
+    def counted_step():
+        steps[0] += 1
+        return real_step()
+
+    p.engine.step = counted_step
+    with _peer_child(p, _decode_child, p.address, 400, "tcp") as (parent, proc):
+        assert parent.poll(120), "decode child did not start"
+        assert parent.recv() == ADMITTED
+        deadline = time.monotonic() + 30
+        while p.stats()["bytes_sent"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.002)
+        os.kill(proc.pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        deadline = stopped_at + 30
+        while (p.engine.has_work() or p.stats()["num_held"] == 0) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert p.stats()["num_held"] == 1 and not p.engine.has_work(), p.stats()
+        assert time.monotonic() - stopped_at < 1.5, "the prompt took too long: the peer timeout would end the wait"
+        before = steps[0]
+        time.sleep(0.5)
+        assert p.stats()["num_held"] == 1, "no ack can have come from a stopped receiver"
+        assert steps[0] == before, f"{steps[0] - before} engine steps while only waiting for an ack"
+        os.kill(proc.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        _assert_freed_within_5s(p, killed_at)
+
+
+@pytest.mark.timeout(180)
 def test_prefill_killed_mid_transfer_decode_frees_reserved_blocks(tiny_dir):
     from pdcluster.decode_node.worker import DecodeWorker
 

@@ -59,9 +59,9 @@ def test_one_request_alone_disagg_matches_closed_form():
     assert s["ttft_breakdown"]["kv_transfer_ms"] == pytest.approx(exposed * 1e3)
 
 
-def test_transfer_done_waits_for_the_prefill_workers_running_step():
-    """The prefill worker notices a delivered transfer only when a step ends (connector.poll runs from
-    post_forward): A's KV is delivered while B's prompt is computing, so A is ready when B's step ends."""
+def test_transfer_done_does_not_wait_for_the_prefill_workers_running_step():
+    """The prefill worker's ack poller sends TransferDone while its engine computes the next prompt:
+    A's KV is delivered while B's prompt is computing, and A is ready then, not when B's step ends."""
     cost = cost_model()
     a, b = SimRequest(0, 0.0, 100, 4), SimRequest(1, 0.05, 400, 4)
     results, _ = run("1P1D", [a, b], cost)
@@ -72,8 +72,36 @@ def test_transfer_done_waits_for_the_prefill_workers_running_step():
     assert rb.t_first_token == pytest.approx(prefill_a + 0.010 + 0.4)
     delivered = prefill_a + cost.exposed_transfer_s(100, prefill_a)
     assert delivered < rb.t_first_token
-    assert ra.t_kv_ready == pytest.approx(rb.t_first_token)  # not at ``delivered``
-    assert rb.t_kv_ready == pytest.approx(rb.t_first_token + cost.exposed_transfer_s(400, 0.41))  # idle by then
+    assert ra.t_kv_ready == pytest.approx(delivered)
+    assert rb.t_kv_ready == pytest.approx(rb.t_first_token + cost.exposed_transfer_s(400, 0.41))
+
+
+def test_decode_cost_table_interpolates_between_measured_batches():
+    """A CPU decode step is not linear in the batch (one request runs matrix-vector kernels): the
+    profile keeps an intercept per measured batch size and a shared context term, interpolated
+    between the sizes and extended past the largest along the last two."""
+    from pdcluster.cluster.planner.costs import fit_batch_table
+
+    def truth(b, ctx):
+        return {1: 0.06, 2: 0.10, 4: 0.11, 8: 0.13}[b] + 2e-6 * ctx
+
+    points = [{"batch": b, "context": ctx * b, "seconds": truth(b, ctx * b)} for b in (1, 2, 4, 8) for ctx in (100, 500, 1000)]
+    table = fit_batch_table(points)
+    assert table.batches == (1, 2, 4, 8)
+    assert table.intercepts == pytest.approx((0.06, 0.10, 0.11, 0.13), rel=1e-6)
+    assert table.context_coef == pytest.approx(2e-6, rel=1e-6)
+    assert table.max_rel_err < 1e-6
+    assert table.predict(3, 0) == pytest.approx(0.105)
+    assert table.predict(16, 0) == pytest.approx(0.13 + 8 * 0.005)
+    line = fit_linear(points, ("batch", "context"))
+    assert line.max_rel_err > 0.1, "a straight line cannot follow the step at batch 2"
+    profile = {"fits": {"prefill": PREFILL.__dict__, "decode": line.__dict__, "transfer": TRANSFER.__dict__},
+               "kv_bytes_per_token": 1000, "num_layers": 10, "points": {"decode": points}}
+    cost = CostModel.from_profile(profile)  # an older profile: the table comes from its raw points
+    assert cost.step_s(num_decode=2, context=1000) == pytest.approx(truth(2, 1000))
+    profile["fits"]["decode_table"] = {"batches": [1, 2], "intercepts": [0.5], "context_coef": 0}
+    with pytest.raises(ValueError, match="decode_table"):
+        CostModel.from_profile(profile)
 
 
 def test_background_load_on_shared_cores():

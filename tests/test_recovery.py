@@ -161,6 +161,59 @@ def test_reservation_that_finds_a_dead_decode_worker_recovers_its_requests(ray_s
 
 
 @pytest.mark.timeout(300)
+def test_decode_worker_silent_at_submit_then_dead_recovers_its_requests(ray_session):
+    """The flake behind the test above: on a loaded host Ray can take longer than the admission timeout
+    to say a killed actor is gone, so the submit times out instead of raising, and the worker was only
+    taken out of rotation: with no health check, the request decoding there waited for its deadline.
+    Here the silence is real (the victim's process is stopped, SIGSTOP) and then the process dies
+    (SIGKILL): the probe the timeout starts must see the death and recover A token-exact."""
+    import signal
+
+    from pdcluster.cluster.policies import Placer
+
+    prompt_a, prompt_b = list(range(2000, 2040)), list(range(4000, 4030))
+    params_a, params_b = SamplingParams(max_tokens=120, ignore_eos=True), SamplingParams(max_tokens=8, ignore_eos=True)
+    engine = make_engine("tiny-random", num_kv_blocks=NUM_BLOCKS)
+    expected_a = engine.generate([prompt_a], params_a)[0].token_ids
+    expected_b = engine.generate([prompt_b], params_b)[0].token_ids
+    cluster = Cluster(ClusterSpec(engine=_config(), transfer=TransferConfig(), mode="disagg", num_prefill=1, num_decode=2,
+                                  request_timeout_s=90, max_worker_restarts=0))
+    router = cluster.router
+    router.record()
+    router.config.health_interval_s = 3600.0  # no health check: only the submit's probe can notice
+    router.config.admission_timeout_s = 2.0
+
+    async def main():
+        task_a = await _start_stream(router, "a", prompt_a, params_a, min_tokens=5)
+        victim = router.requests["a"].attempt.decode_id
+        pid = (await cluster.decode_handles[victim].ping.remote()).pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            router.placement.placer = Placer("round_robin")
+            router.placement.placer._rr["decode"] = list(cluster.decode_handles).index(victim)
+            tokens_b = []
+            async for delta in router.generate("b", prompt_b, params_b):  # times out on the victim first
+                tokens_b += delta.new_token_ids
+            assert victim in router.submitter._probing, "a submit that timed out must start a probe"
+            assert router.requests["a"].attempt.decode_id == victim, "silence alone must not recover A"
+        finally:
+            os.kill(pid, signal.SIGKILL)
+        tokens_a, last_a = await asyncio.wait_for(task_a, 120)
+        return victim, tokens_a, last_a, tokens_b
+
+    try:
+        victim, tokens_a, last_a, tokens_b = asyncio.run(main())
+        assert not router.views[victim].healthy
+        assert last_a.finish_reason == "length", (last_a.finish_reason, last_a.error)
+        assert tokens_a == expected_a, "A must be recovered on the healthy worker and continue exactly"
+        assert tokens_b == expected_b
+        assert [rid for rid, _ in router.recorder.recoveries] == ["a"]
+        assert not router.requests
+    finally:
+        cluster.shutdown()
+
+
+@pytest.mark.timeout(300)
 def test_dead_prefill_worker_requests_are_re_prefilled_elsewhere(ray_session):
     """A prefill worker dies before it computes a request's prompt: the decode side's connector sees
     the peer go silent (heartbeat) or the router's health check does, and the request is re-prefilled

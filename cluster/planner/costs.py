@@ -6,7 +6,13 @@ a 1 s prefill) with non-negative coefficients:
 - prefill step: ``a + b * tokens + c * attn`` where ``tokens`` are the prompt tokens the step computes
   (all chunks together) and ``attn`` the attention work, ``sum(chunk * (computed + chunk / 2))``
   query-key pairs over the chunks.
-- decode step: ``a + b * batch + c * context``, ``context`` the sum of the batch's context lengths.
+- decode step: ``a(batch) + c * context``, ``context`` the sum of the batch's context lengths and
+  ``a(batch)`` one intercept per measured batch size, interpolated linearly between them (and extended
+  past the largest along the last two): the step time is not linear in the batch on a CPU (here one
+  request takes 63 ms, two 100 ms, eight 116 ms: a batch of one runs matrix-vector kernels, more run
+  matrix-matrix ones), and a straight line through the grid was 30% off exactly where light loads run.
+  The straight line ``a + b * batch + c * context`` is kept in the profile (``fits.decode``) for a
+  profile without raw points.
 - transfer: ``a + b * bytes`` (one request's KV, end to end through the real transport).
 
 A mixed step (colocated: decodes and prefill chunks in one batch) is the decode model plus the prefill
@@ -17,7 +23,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -77,6 +83,62 @@ def fit_linear(points: list[dict], features: tuple[str, ...], target: str = "sec
                float(rel.max()), len(points))
 
 
+@dataclass(frozen=True)
+class BatchTable:
+    """Decode step seconds ``a(batch) + context_coef * context``; ``a`` interpolated between ``batches``."""
+
+    batches: tuple[int, ...]
+    intercepts: tuple[float, ...]
+    context_coef: float
+    mean_rel_err: float = 0.0
+    max_rel_err: float = 0.0
+
+    def predict(self, batch: float, context: float) -> float:
+        b, a = self.batches, self.intercepts
+        if len(b) == 1 or batch <= b[0]:
+            base = a[0] * batch / b[0] if batch < b[0] else a[0]
+        elif batch >= b[-1]:
+            base = a[-1] + max(0.0, (a[-1] - a[-2]) / (b[-1] - b[-2])) * (batch - b[-1])
+        else:
+            base = float(np.interp(batch, b, a))
+        return base + self.context_coef * context
+
+
+def fit_batch_table(points: list[dict]) -> BatchTable:
+    """Least squares on relative error with one intercept per batch size and a shared, non-negative
+    context coefficient (``batch``, ``context``, ``seconds`` per point)."""
+    if not points:
+        raise ProfileError("no decode points to fit a batch table")
+    batches = sorted({int(p["batch"]) for p in points})
+    y = np.array([float(p["seconds"]) for p in points])
+    if np.any(y <= 0):
+        raise ProfileError("decode: every measured time must be > 0")
+    onehot = np.array([[1.0 if int(p["batch"]) == b else 0.0 for b in batches] for p in points])
+    ctx = np.array([float(p["context"]) for p in points])
+    w = 1.0 / y
+    sol, *_ = np.linalg.lstsq(np.column_stack([onehot, ctx]) * w[:, None], y * w, rcond=None)
+    coef = float(sol[-1])
+    if coef < 0:  # context cannot make a step faster: intercepts alone
+        coef = 0.0
+        sol, *_ = np.linalg.lstsq(onehot * w[:, None], y * w, rcond=None)
+    intercepts = [max(0.0, float(v)) for v in sol[:len(batches)]]
+    table = BatchTable(tuple(batches), tuple(intercepts), coef)
+    rel = np.array([abs(table.predict(int(p["batch"]), float(p["context"])) - yy) / yy for p, yy in zip(points, y)])
+    return replace(table, mean_rel_err=float(rel.mean()), max_rel_err=float(rel.max()))
+
+
+def _table_from(d: dict, where: str) -> BatchTable:
+    try:
+        batches = tuple(int(b) for b in d["batches"])
+        intercepts = tuple(float(a) for a in d["intercepts"])
+        coef = float(d["context_coef"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ProfileError(f"{where}: want {{'batches', 'intercepts', 'context_coef'}}, got {d!r:.120} ({e})") from None
+    if not batches or len(batches) != len(intercepts) or list(batches) != sorted(set(batches)) or batches[0] < 1:
+        raise ProfileError(f"{where}: batches must be increasing sizes >= 1, one intercept each; got {d!r:.120}")
+    return BatchTable(batches, intercepts, coef, float(d.get("mean_rel_err", 0.0)), float(d.get("max_rel_err", 0.0)))
+
+
 def _fit_from(d: dict, where: str) -> Fit:
     try:
         return Fit(float(d["intercept"]), {str(k): float(v) for k, v in d["coef"].items()},
@@ -112,12 +174,18 @@ class CostModel:
     profile_background_cores: float = 0.0
     limits: EngineLimits = field(default_factory=EngineLimits)
     model: str = ""
+    decode_table: BatchTable | None = None  # preferred over ``decode`` when the profile has one
+
+    def decode_s(self, num_decode: int, context: int) -> float:
+        if self.decode_table is not None:
+            return self.decode_table.predict(num_decode, context)
+        return self.decode.predict(batch=num_decode, context=context)
 
     def step_s(self, prefill_tokens: int = 0, attn: float = 0.0, num_decode: int = 0, context: int = 0) -> float:
         """Seconds of one engine step at full speed (see the module docstring for a mixed step)."""
         if num_decode == 0:
             return self.prefill.predict(tokens=prefill_tokens, attn=attn)
-        t = self.decode.predict(batch=num_decode, context=context)
+        t = self.decode_s(num_decode, context)
         if prefill_tokens:
             t += self.prefill.coef.get("tokens", 0.0) * prefill_tokens + self.prefill.coef.get("attn", 0.0) * attn
         return t
@@ -165,9 +233,15 @@ class CostModel:
         background = float(profile.get("host", {}).get("background_cores", 0.0) or 0.0)
         if not math.isfinite(background) or background < 0:
             background = 0.0
+        table = None
+        if "decode_table" in fits:
+            table = _table_from(fits["decode_table"], f"{where}: fits.decode_table")
+        elif profile.get("points", {}).get("decode"):  # a profile written before the table: its raw points
+            table = fit_batch_table(profile["points"]["decode"])
         return cls(_fit_from(fits["prefill"], f"{where}: fits.prefill"), _fit_from(fits["decode"], f"{where}: fits.decode"),
                    _fit_from(fits["transfer"], f"{where}: fits.transfer"), kv, layers,
-                   int(profile.get("threads", 1) or 1), slowdown, background, limits, str(profile.get("model", "")))
+                   int(profile.get("threads", 1) or 1), slowdown, background, limits, str(profile.get("model", "")),
+                   table)
 
 
 def load_cost_model(path: str | Path) -> CostModel:

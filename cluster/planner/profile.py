@@ -30,7 +30,7 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -41,6 +41,7 @@ from pdcluster.cluster.planner.costs import (
     TRANSFER_FEATURES,
     CostModel,
     attn_pairs,
+    fit_batch_table,
     fit_linear,
 )
 
@@ -373,6 +374,7 @@ def run_profile(model: str = "smollm2", threads: int = 1, grid: ProfileGrid | No
     fits = {
         "prefill": fit_linear(least_disturbed(prefill, ("tokens", "attn", "num_requests")), PREFILL_FEATURES).__dict__,
         "decode": fit_linear(decode, DECODE_FEATURES).__dict__,
+        "decode_table": asdict(fit_batch_table(decode)),
         "transfer": (fit_linear(least_disturbed(transfer, ("bytes",)), TRANSFER_FEATURES).__dict__ if transfer
                      else {"intercept": 0.0, "coef": {"bytes": 0.0}, "mean_rel_err": 0.0, "max_rel_err": 0.0,
                            "num_points": 0}),

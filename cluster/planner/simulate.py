@@ -13,10 +13,9 @@ What it models, after the code it stands for:
   the profile's fits say (costs.py), including mixed prefill + decode steps (colocated).
 - Prefill worker: the step that completes a prompt samples the first token, which goes to the client
   at once (TTFT does not wait for the KV). The KV streams while the forward pass runs and is delivered
-  ``CostModel.exposed_transfer_s`` later; the prefill worker notices the delivery (and sends
-  ``TransferDone``) only at the end of one of its steps (kv_transfer/connector.py polls the transport
-  from ``post_forward``): right away when it is idle (it steps while it holds blocks), after its current
-  step when it is computing the next prompt. The request joins the decode worker's next step then.
+  ``CostModel.exposed_transfer_s`` later; the prefill worker's ack poller sends ``TransferDone`` as
+  soon as the receiver acknowledges, also while its engine computes the next prompt
+  (prefill_node/worker.py), and the request joins the decode worker's next step.
 - Decode worker: continuous batching; one token per request per step; a request ends at its output
   length (ignore_eos).
 - Shared cores (``shared_cores`` > 0: every worker on one host with that many cores, like this 2-core
@@ -115,10 +114,6 @@ class _Worker:
     busy_s: float = 0.0
     steps: int = 0
     queued_prompt_tokens: int = 0  # prefill side: placed prompts with no first token yet
-    # Prefill side: (delivered at, request) of transfers whose TransferDone waits for a step to end.
-    undone: list = field(default_factory=list)
-    epoch: int = 0  # steps started so far: tells a stale idle-delivery event from a current one
-    poll_key: tuple = ()  # (epoch, time) of the idle-delivery event already queued
 
     def load(self) -> int:
         return sum(r.kv_tokens for r in self.placed)
@@ -167,8 +162,6 @@ class Simulation:
                 self._kick(worker)
             elif kind == "step_done" and version == payload.version:
                 self._finish_step(payload)
-            elif kind == "idle_poll" and version == payload.epoch and not payload.busy:
-                self._notify_delivered(payload)
             if not self._events or self._events[0][0] > t:
                 self._start_steps()  # everything that happened at this instant is in the queues now
         else:
@@ -258,13 +251,6 @@ class Simulation:
             w.work_left = self._step_cost(batch)
             w.last_t = self.now
             w.steps += 1
-            w.epoch += 1
-        for w in self.prefill:
-            if not w.busy and w.undone:  # idle with blocks held: it steps (empty) until delivery shows
-                key = (w.epoch, max(self.now, min(t for t, _ in w.undone)))
-                if key != w.poll_key:
-                    w.poll_key = key
-                    self._push(key[1], "idle_poll", w, w.epoch)
         self._rerate()
 
     def _rate(self, num_busy: int) -> float:
@@ -311,8 +297,6 @@ class Simulation:
                     self._first_token(w, r)
             else:
                 self._decoded(w, r)
-        if w.undone:
-            self._notify_delivered(w)
         if self._router_queue:
             self._place_queued()
         self._kick(w)
@@ -328,21 +312,10 @@ class Simulation:
             if r.spec.output_len <= 1:
                 self._done(r, self._decode_of(r))
                 return
-            w.undone.append((delivered, r))
+            self._push(delivered, "kv_ready", r)
         elif r.spec.output_len <= 1:
             w.running.remove(r)
             self._done(r, w)
-
-    def _notify_delivered(self, w: _Worker) -> None:
-        """The prefill worker's step ended (or it polled while idle): every delivered transfer's
-        TransferDone goes out now and its request is ready on its decode worker."""
-        still = []
-        for t, r in w.undone:
-            if t <= self.now + 1e-12:
-                self._push(self.now, "kv_ready", r)
-            else:
-                still.append((t, r))
-        w.undone = still
 
     def _decoded(self, w: _Worker, r: _Req) -> None:
         r.num_output += 1

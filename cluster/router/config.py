@@ -15,6 +15,9 @@ class RouterConfig:
     request_timeout_s: float = 300.0
     admission_wait_s: float = 30.0  # how long a request waits for a pair with room
     admission_timeout_s: float = 30.0  # one decode worker's verdict on a submit
+    # After a worker gave no verdict in time: how long a probe waits for Ray to say whether it is
+    # alive (answers), dead (raises: its requests are recovered) or neither (the health check decides).
+    silent_probe_timeout_s: float = 120.0
     max_recoveries: int = 3
     health_interval_s: float = 1.0
     ping_timeout_s: float = 5.0

@@ -40,6 +40,7 @@ class Submitter:
         # fork_group -> (prefill_id, decode_id) of the group's first placement; dropped when the
         # group's last request ends (RequestStreams.finish).
         self.group_pairs: dict[str, tuple] = {}
+        self._probing: dict[str, asyncio.Task] = {}  # worker id -> its silent-worker probe (_probe_silent)
 
     async def place(self, r: RequestState, prompt: list[int], params: SamplingParams) -> None:
         """Returns once a decode worker admitted the request (or it finished meanwhile); raises
@@ -64,6 +65,27 @@ class Submitter:
                 raise RouterError("no (prefill, decode) pair can take the request: full, down, or cooling down "
                                   "after repeated failures; try again later", status=503)
             await asyncio.sleep(0.05)
+
+    def _probe_silent(self, worker_id: str, handle) -> None:
+        """A worker gave no verdict in time. A killed actor's calls can hang until Ray learns of the
+        death (seconds to minutes on a loaded host), so the requests decoding there would wait for their
+        deadline when no health check runs (or before its strikes add up): a ping in the background
+        settles it. It fails once Ray knows the actor is gone, and then the worker is marked down and
+        its requests are recovered; an answer or continued silence leaves the verdict to the health check."""
+        if worker_id in self._probing:
+            return
+
+        async def probe() -> None:
+            try:
+                await asyncio.wait_for(handle.ping.remote(), self.config.silent_probe_timeout_s)
+            except asyncio.TimeoutError:
+                return
+            except Exception as e:  # noqa: BLE001 - RayActorError and kin: the actor is gone
+                self._mark_down(worker_id, f"gave no verdict, then {type(e).__name__}")
+            finally:
+                self._probing.pop(worker_id, None)
+
+        self._probing[worker_id] = asyncio.get_running_loop().create_task(probe())
 
     def _with_siblings_pair(self, params: SamplingParams, local: bool, hashes: list[int], failed_pair):
         """The candidates, led by the pair a sibling choice of the same n > 1 request went to (its decode
@@ -97,10 +119,12 @@ class Submitter:
             handle.abort.remote(a.wid)  # the caller went away mid-admission: give the blocks back
             raise
         except asyncio.TimeoutError:
-            # Stuck or overloaded: out of rotation until the health check hears from it again.
+            # Stuck, overloaded, or dead before Ray said so: out of rotation until the health check
+            # hears from it again, and probed, so a death recovers its requests even without one.
             log.warning("decode worker %s gave no verdict within %.0f s", d.worker_id, self.config.admission_timeout_s)
             handle.abort.remote(a.wid)  # a late admission must not strand blocks
             d.healthy = False
+            self._probe_silent(d.worker_id, handle)
             return False
         except Exception as e:  # noqa: BLE001 - the actor is gone: recover what it held, next
             self._mark_down(d.worker_id, f"submit failed: {type(e).__name__}")

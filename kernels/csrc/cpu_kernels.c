@@ -682,3 +682,89 @@ int pd_argmax_rows(int dtype, const void *x, int64_t row_stride, int64_t num_row
     }
     return 0;
 }
+
+/* ---- y = x @ w.T for a few rows of float32 x (decode batches) ----------------------------------------
+ * x [M, K] (row stride x_stride), w [N, K] contiguous (an nn.Linear weight), y [M, N] (row stride
+ * y_stride). MKL's sgemm runs M = 2..8 as M separate matrix-vector passes over the weight (measured
+ * here: the same GFLOP/s at M = 1 and 2), so a decode step of two requests read every weight twice;
+ * this streams each weight row once for up to PD_SMALL_M rows. Every (m, n) dot product is summed the
+ * same way whatever M is (8 lanes over k, lanes added pairwise, then the tail), so a request's
+ * logits do not depend on the batch it shares. */
+#define PD_SMALL_M 8
+
+static inline float dot_tail(const float *a, const float *b, int64_t from, int64_t k) {
+    float s = 0.0f;
+    for (int64_t i = from; i < k; i++) s += a[i] * b[i];
+    return s;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+static inline float hsum8(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);                     /* lanes i + (i + 4) */
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));  /* + (i + 2) */
+    lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+    return _mm_cvtss_f32(lo);
+}
+
+/* Rows m0..m0+mb (mb <= 4) against weight rows n and n + 1. */
+static inline void small_m_block(const float *x, int64_t x_stride, int mb, const float *w0, const float *w1,
+                                 int64_t k, float *out0, float *out1, int64_t y_stride) {
+    __m256 a0[4], a1[4];
+    for (int m = 0; m < 4; m++) a0[m] = a1[m] = _mm256_setzero_ps();
+    const int64_t k8 = k & ~(int64_t)7;
+    for (int64_t i = 0; i < k8; i += 8) {
+        const __m256 v0 = _mm256_loadu_ps(w0 + i);
+        const __m256 v1 = w1 ? _mm256_loadu_ps(w1 + i) : v0;
+        for (int m = 0; m < mb; m++) {
+            const __m256 xv = _mm256_loadu_ps(x + m * x_stride + i);
+            a0[m] = _mm256_fmadd_ps(xv, v0, a0[m]);
+            a1[m] = _mm256_fmadd_ps(xv, v1, a1[m]);
+        }
+    }
+    for (int m = 0; m < mb; m++) {
+        out0[m * y_stride] = hsum8(a0[m]) + dot_tail(x + m * x_stride, w0, k8, k);
+        if (w1) out1[m * y_stride] = hsum8(a1[m]) + dot_tail(x + m * x_stride, w1, k8, k);
+    }
+}
+#else
+static inline void small_m_block(const float *x, int64_t x_stride, int mb, const float *w0, const float *w1,
+                                 int64_t k, float *out0, float *out1, int64_t y_stride) {
+    for (int m = 0; m < mb; m++) {
+        const float *xm = x + m * x_stride;
+        float lanes0[8] = {0}, lanes1[8] = {0};
+        const int64_t k8 = k & ~(int64_t)7;
+        for (int64_t i = 0; i < k8; i += 8)
+            for (int l = 0; l < 8; l++) {
+                lanes0[l] += xm[i + l] * w0[i + l];
+                if (w1) lanes1[l] += xm[i + l] * w1[i + l];
+            }
+        /* the AVX2 path's order: (l + l+4), then + (l+2), then + (l+1) */
+        float s0 = ((lanes0[0] + lanes0[4]) + (lanes0[2] + lanes0[6])) + ((lanes0[1] + lanes0[5]) + (lanes0[3] + lanes0[7]));
+        out0[m * y_stride] = s0 + dot_tail(xm, w0, k8, k);
+        if (w1) {
+            float s1 = ((lanes1[0] + lanes1[4]) + (lanes1[2] + lanes1[6])) + ((lanes1[1] + lanes1[5]) + (lanes1[3] + lanes1[7]));
+            out1[m * y_stride] = s1 + dot_tail(xm, w1, k8, k);
+        }
+    }
+}
+#endif
+
+int pd_linear_small_m(const float *x, int64_t x_stride, int64_t m_rows, const float *w, int64_t n, int64_t k,
+                      float *y, int64_t y_stride, int num_threads) {
+    if (m_rows < 1 || m_rows > PD_SMALL_M) return -1;
+    const int64_t n_pairs = (n + 1) / 2;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (n * k > 65536)
+    for (int64_t p = 0; p < n_pairs; p++) {
+        const int64_t j = 2 * p;
+        const float *w0 = w + j * k;
+        const float *w1 = j + 1 < n ? w0 + k : NULL;
+        for (int64_t m0 = 0; m0 < m_rows; m0 += 4) {
+            const int mb = m_rows - m0 < 4 ? (int)(m_rows - m0) : 4;
+            small_m_block(x + m0 * x_stride, x_stride, mb, w0, w1, k, y + m0 * y_stride + j,
+                          y + m0 * y_stride + j + 1, y_stride);
+        }
+    }
+    return 0;
+}
