@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -45,10 +46,14 @@ def step_features(sched) -> tuple[int, float, int, int]:
 
 
 class StepTrace:
-    def __init__(self, directory: str | None = None):
+    """``directory`` None: ``$PDCLUSTER_STEP_TRACE``; "": no file. ``keep`` > 0 also keeps the last
+    ``keep`` records in ``records`` (``pdcluster profile`` reads a served worker's steps that way)."""
+
+    def __init__(self, directory: str | None = None, keep: int = 0):
         directory = directory if directory is not None else os.environ.get(TRACE_ENV) or None
         self.num_steps = 0
         self.busy_s = 0.0
+        self.records: deque[StepRecord] | None = deque(maxlen=keep) if keep > 0 else None
         self._file = None
         if directory:
             Path(directory).mkdir(parents=True, exist_ok=True)
@@ -59,9 +64,12 @@ class StepTrace:
             return
         self.num_steps += 1
         self.busy_s += seconds
-        if self._file is not None:
+        if self._file is not None or self.records is not None:
             rec = StepRecord(time.time(), seconds, *step_features(sched))
-            self._file.write(json.dumps(asdict(rec)) + "\n")
+            if self.records is not None:
+                self.records.append(rec)
+            if self._file is not None:
+                self._file.write(json.dumps(asdict(rec)) + "\n")
 
     def close(self) -> None:
         if self._file is not None:

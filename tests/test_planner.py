@@ -197,6 +197,36 @@ def test_shared_cores_slow_busy_workers_down():
         assert c.t_first_token == pytest.approx(prefill * 1.5 * 1.2)
 
 
+def test_corun_slowdown_depends_on_what_the_other_worker_computes():
+    """A disaggregated pair: while the prefill worker computes B's prompt, the decode worker's steps run
+    at the profile's "decode beside prefill" slowdown; once the prefill worker is idle, at full speed.
+    A profile with only the single figure applies it to every pairing."""
+    from dataclasses import replace
+
+    beside = {"prefill": {"prefill": 1.1, "decode": 1.5}, "decode": {"prefill": 1.05, "decode": 1.2}}
+    cost = replace(cost_model(slowdown=1.2), corun_beside=beside)
+    assert cost.corun_factor("decode", ["prefill"]) == 1.5
+    assert cost.corun_factor("decode", ["decode", "prefill"]) == 1.5
+    assert cost.corun_factor("prefill", ["decode"]) == 1.05
+    assert cost.corun_factor("decode", []) == 1.0
+    assert cost_model(slowdown=1.2).corun_factor("decode", ["prefill"]) == 1.2
+    # A decodes 40 tokens; B (a long prompt) arrives after A's first decode step and keeps the
+    # prefill worker busy for 1.01 s of full-speed work.
+    a, b = SimRequest(0, 0.0, 100, 40), SimRequest(1, 0.2, 1000, 2)
+    (ra, rb), _ = run("1P1D", [a, b], cost, shared_cores=2)
+    (qa, qb), _ = run("1P1D", [a, b], cost_model(), shared_cores=2)
+    assert ra.t_kv_ready == pytest.approx(qa.t_kv_ready)  # A's prompt ran alone in both
+    # B's prompt ran beside A's decoding at 1/1.05 speed, and A's decode steps beside it at 1/1.5.
+    assert rb.t_first_token - rb.t_prefill_start == pytest.approx(1.01 * 1.05, rel=0.02)
+    assert ra.t_done - qa.t_done > 0.4 * (rb.t_first_token - rb.t_prefill_start) * (1 - 1 / 1.5)
+    profile = {"fits": {"prefill": PREFILL.__dict__, "decode": DECODE.__dict__, "transfer": TRANSFER.__dict__},
+               "kv_bytes_per_token": 1000, "num_layers": 10, "corun": {"slowdown": 1.2, "beside": beside}}
+    assert CostModel.from_profile(profile).corun_beside == beside
+    profile["corun"]["beside"] = {"prefill": 3}
+    with pytest.raises(ValueError, match="corun.beside"):
+        CostModel.from_profile(profile)
+
+
 def test_kv_capacity_makes_requests_wait_at_the_router():
     requests = [SimRequest(i, 0.0, 100, 10) for i in range(2)]
     results, _ = run("colocatedx1", requests, cost_model(), kv_capacity_tokens=150)
@@ -369,6 +399,39 @@ def test_profile_tiny_random_writes_a_usable_profile(tmp_path, capsys):
                  "--input-len", "64", "--output-len", "8"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["results"]["1P1D"]["completed"] == 20
+
+
+@pytest.mark.timeout(300)
+def test_served_probe_times_a_real_pair_and_the_planner_applies_it(tmp_path):
+    """The profile's served probe runs a real prefill worker (here) and decode worker (its own process)
+    over tcp: it records the prefill worker's prompt steps and the decode worker's batched decode steps
+    with their features, and the factors (served over bare, >= 1) reach the simulator's step costs."""
+    from dataclasses import replace
+
+    from pdcluster.cluster.planner.profile import ProfileGrid, run_profile
+    from pdcluster.cluster.planner.served import DECODE_BATCHES, PREFILL_SIZES, measure_served
+
+    profile = run_profile("tiny-random", 1, ProfileGrid.quick(), "tcp", 0, "float32", log=lambda m: None)
+    cost = CostModel.from_profile(profile)
+    served = measure_served(cost, "tiny-random", "float32", 1, "tcp", 0, log=print)
+    assert served["measured"], served
+    prompts = {r["prefill_tokens"] for r in served["prefill_steps"]}
+    assert set(PREFILL_SIZES) <= prompts, prompts  # every lone prompt in one step (chunk 512)
+    batches = {r["num_decode"] for r in served["decode_steps"]}
+    assert 1 in batches and max(batches) == max(DECODE_BATCHES), batches
+    assert all(r["seconds"] > 0 and r["context"] > 0 for r in served["decode_steps"])
+    assert served["prefill_factor"] >= 1.0 and served["decode_factor"] >= 1.0
+    profile["served"] = {**served, "prefill_factor": 1.5, "decode_factor": 2.0}
+    slow = CostModel.from_profile(profile)
+    assert (slow.served_prefill_factor, slow.served_decode_factor) == (1.5, 2.0)
+    assert slow.served_step_s(64, 2048.0) == pytest.approx(1.5 * cost.step_s(64, 2048.0))
+    assert slow.served_step_s(0, 0.0, 4, 400) == pytest.approx(2.0 * cost.step_s(0, 0.0, 4, 400))
+    (a,), _ = run("1P1D", [SimRequest(0, 0.0, 64, 4)], replace(cost, corun_beside=None))
+    (b,), _ = run("1P1D", [SimRequest(0, 0.0, 64, 4)], replace(slow, corun_beside=None))
+    assert b.t_first_token == pytest.approx(1.5 * a.t_first_token)
+    profile["served"]["decode_factor"] = "fast"
+    with pytest.raises(ValueError, match="served"):
+        CostModel.from_profile(profile)
 
 
 def test_profile_fits_the_least_disturbed_repetition():

@@ -38,6 +38,8 @@ def add_planner_parsers(subparsers) -> None:
                    help="KV transport to time (none: no transfer cost)")
     p.add_argument("--quick", action="store_true", help="a small grid (seconds; for tests and tiny models)")
     p.add_argument("--no-corun", action="store_true", help="skip the co-run slowdown (a second engine process)")
+    p.add_argument("--no-served", action="store_true",
+                   help="skip timing a real prefill/decode worker pair (served over bare step factors)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="profile JSON to write")
     p.set_defaults(func=profile_main)
@@ -88,11 +90,16 @@ def profile_main(args: argparse.Namespace) -> int:
     grid = ProfileGrid.quick() if args.quick else ProfileGrid()
     if args.no_corun:
         grid = ProfileGrid(**{**grid.__dict__, "corun": False})
+    if args.no_served:
+        grid = ProfileGrid(**{**grid.__dict__, "served": False})
     profile = run_profile(args.model, args.threads, grid, args.transport, args.seed, args.dtype)
     out.write_text(json.dumps(profile, indent=1) + "\n")
     fits = profile["fits"]
     print(json.dumps({"out": str(out), "seconds": profile["seconds"], "fits": fits,
-                      "corun_slowdown": profile["corun"]["slowdown"]}, indent=2))
+                      "corun_slowdown": profile["corun"]["slowdown"],
+                      "corun_beside": profile["corun"].get("beside"),
+                      "served": {k: v for k, v in profile.get("served", {}).items() if not k.endswith("_steps")}},
+                     indent=2))
     return 0
 
 

@@ -175,11 +175,31 @@ class CostModel:
     limits: EngineLimits = field(default_factory=EngineLimits)
     model: str = ""
     decode_table: BatchTable | None = None  # preferred over ``decode`` when the profile has one
+    # partner step kind -> this step's kind -> slowdown (>= 1), "prefill" / "decode" each; None: the
+    # single ``corun_slowdown`` for every pairing (a profile from before these were measured).
+    corun_beside: dict[str, dict[str, float]] | None = None
+    # A served worker's step over the bare engine's (served.py): prefill steps, and decode (or mixed) steps.
+    served_prefill_factor: float = 1.0
+    served_decode_factor: float = 1.0
+
+    def corun_factor(self, kind: str, partner_kinds: list[str]) -> float:
+        """How much slower a ``kind`` step runs while other workers run steps of ``partner_kinds``
+        (the worst pairing: a third busy worker adds its CPU share, accounted separately)."""
+        if not partner_kinds:
+            return 1.0
+        if not self.corun_beside:
+            return self.corun_slowdown
+        return max(self.corun_beside.get(p, {}).get(kind, self.corun_slowdown) for p in partner_kinds)
 
     def decode_s(self, num_decode: int, context: int) -> float:
         if self.decode_table is not None:
             return self.decode_table.predict(num_decode, context)
         return self.decode.predict(batch=num_decode, context=context)
+
+    def served_step_s(self, prefill_tokens: int = 0, attn: float = 0.0, num_decode: int = 0, context: int = 0) -> float:
+        """``step_s`` as a served worker runs it (times the profile's served factor for its kind)."""
+        factor = self.served_decode_factor if num_decode else self.served_prefill_factor
+        return factor * self.step_s(prefill_tokens, attn, num_decode, context)
 
     def step_s(self, prefill_tokens: int = 0, attn: float = 0.0, num_decode: int = 0, context: int = 0) -> float:
         """Seconds of one engine step at full speed (see the module docstring for a mixed step)."""
@@ -238,10 +258,29 @@ class CostModel:
             table = _table_from(fits["decode_table"], f"{where}: fits.decode_table")
         elif profile.get("points", {}).get("decode"):  # a profile written before the table: its raw points
             table = fit_batch_table(profile["points"]["decode"])
+        beside = None
+        raw = profile.get("corun", {}).get("beside")
+        if raw:
+            try:
+                beside = {str(p): {str(k): max(1.0, float(v)) for k, v in kinds.items()} for p, kinds in raw.items()}
+            except (AttributeError, TypeError, ValueError) as e:
+                raise ProfileError(f"{where}: corun.beside wants {{partner: {{kind: slowdown}}}}, got {raw!r:.120} ({e})") from None
         return cls(_fit_from(fits["prefill"], f"{where}: fits.prefill"), _fit_from(fits["decode"], f"{where}: fits.decode"),
                    _fit_from(fits["transfer"], f"{where}: fits.transfer"), kv, layers,
                    int(profile.get("threads", 1) or 1), slowdown, background, limits, str(profile.get("model", "")),
-                   table)
+                   table, beside, *_served_factors(profile.get("served"), where))
+
+
+def _served_factors(served, where: str) -> tuple[float, float]:
+    if not served or not served.get("measured"):
+        return 1.0, 1.0
+    try:
+        factors = float(served["prefill_factor"]), float(served["decode_factor"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ProfileError(f"{where}: served wants prefill_factor and decode_factor, got {served!r:.120} ({e})") from None
+    if not all(math.isfinite(f) and f > 0 for f in factors):
+        raise ProfileError(f"{where}: served factors must be positive numbers, got {factors}")
+    return factors
 
 
 def load_cost_model(path: str | Path) -> CostModel:

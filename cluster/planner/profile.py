@@ -65,13 +65,14 @@ class ProfileGrid:
     transfer_blocks: tuple[int, ...] = (64, 16, 4, 1)
     reps: int = 2
     corun: bool = True
+    served: bool = True  # time a real prefill/decode pair's steps too (served.py)
 
     @classmethod
     def quick(cls) -> "ProfileGrid":
         """A small grid (tests, tiny models): seconds, not minutes."""
         return cls(prefill_sizes=(16, 64, 128), prefill_batches=((2, 64),), decode_contexts=(64, 256),
                    decode_batches=(1, 4, 8), decode_steps=2, mixed=((4, 64, 64),), transfer_blocks=(8, 2),
-                   reps=1, corun=False)
+                   reps=1, corun=False, served=False)
 
 
 class _Prompts:
@@ -272,8 +273,12 @@ def _wait_delivered(sender, transfer_id: str) -> tuple[bool, list]:
     return False, [(transfer_id, "no answer within the bound")]
 
 
+PROBE_KINDS = ("prefill", "prefill", "decode", "decode", "decode", "decode", "decode", "decode")
+
+
 def _probe(engine, prompts: _Prompts) -> list[float]:
-    """Step times of a fixed probe: two 256-token prompts, then a batch of 8 decoding at context 256."""
+    """Step times of a fixed probe (kinds in PROBE_KINDS): two 256-token prompts, then a batch of 8
+    decoding at context 256."""
     times = []
     for _ in range(2):
         engine.add_request(prompts.make(256), _params(1))
@@ -286,33 +291,43 @@ def _probe(engine, prompts: _Prompts) -> list[float]:
     return times
 
 
-def _corun_child(model: str, threads: int, dtype: str, ready, stop, limit_s: float) -> None:
-    """Another worker on this host: decode at batch 8 until told to stop (or ``limit_s``)."""
+def _corun_child(model: str, threads: int, dtype: str, partner: str, ready, stop, limit_s: float) -> None:
+    """Another worker on this host, until told to stop (or ``limit_s``): ``partner`` "decode" decodes at
+    batch 8; "prefill" computes 256-token prompts back to back (a prefill worker under load)."""
     os.dup2(2, 1)
     engine = _engine(model, threads, 1024, 512, seed=1, dtype=dtype)
     prompts = _Prompts(engine.arch.vocab_size, 7)
-    batch = _DecodeBatch(engine, prompts, 256, max_tokens=4096 // 8)
-    batch.grow_to(8)
+    batch = None
+    if partner == "decode":
+        batch = _DecodeBatch(engine, prompts, 256, max_tokens=4096 // 8)
+        batch.grow_to(8)
     ready.set()
     deadline = time.monotonic() + limit_s
     while not stop.is_set() and time.monotonic() < deadline:
+        if partner == "prefill":
+            engine.add_request(prompts.make(256), _params(1))
+            engine.step()
+            _clear(engine)
+            continue
         if not engine.has_unfinished():
             batch = _DecodeBatch(engine, prompts, 256, max_tokens=4096 // 8)
             batch.grow_to(8)
         engine.step()
 
 
-def measure_corun(engine, prompts: _Prompts, model: str, threads: int, log) -> dict:
-    meter = CpuMeter()
-    alone = _probe(engine, prompts)
-    alone_cpu = meter.read()
+def _corun_beside(engine, prompts: _Prompts, model: str, threads: int, partner: str, alone: list[float],
+                  alone_cpu: dict, log) -> dict | None:
+    """The probe beside a ``partner`` engine in another process: slowdown per probe kind, the CPU-share
+    effect of the other work measured meanwhile taken out (what is left is memory bandwidth, caches and
+    the host's own contention between busy cores)."""
     ready, stop = CTX.Event(), CTX.Event()
-    child = CTX.Process(target=_corun_child, args=(model, threads, engine.config.dtype, ready, stop, 300.0), daemon=True)
+    child = CTX.Process(target=_corun_child, args=(model, threads, engine.config.dtype, partner, ready, stop, 300.0),
+                        daemon=True)
     child.start()
     try:
         if not ready.wait(CORUN_READY_TIMEOUT_S):
-            log("profile: the co-run engine did not start in time; co-run slowdown not measured")
-            return {"slowdown": 1.0, "measured": False}
+            log(f"profile: the co-run {partner} engine did not start in time; its slowdown not measured")
+            return None
         meter = CpuMeter()
         together = _probe(engine, prompts)
         together_cpu = meter.read()
@@ -322,15 +337,41 @@ def measure_corun(engine, prompts: _Prompts, model: str, threads: int, log) -> d
         if child.is_alive():
             child.kill()
             child.join(5)
-    ratio = statistics.median(b / a for a, b in zip(alone, together) if a > 0)
-    # Fair CPU shares: one engine thread (alone) or two (together) beside the other work measured then.
     cores = os.cpu_count() or 1
     share_alone = min(1.0, cores / (threads + others_cores(alone_cpu)))
     share_together = min(1.0, cores / (2 * threads + others_cores(together_cpu)))
     cpu_effect = share_alone / share_together
-    return {"slowdown": max(1.0, ratio / cpu_effect), "measured": True, "step_time_ratio": ratio,
-            "cpu_share_effect": cpu_effect, "alone_cpu": alone_cpu, "together_cpu": together_cpu,
-            "alone_s": alone, "together_s": together}
+    by_kind = {}
+    for kind in ("prefill", "decode"):
+        ratios = [b / a for a, b, k in zip(alone, together, PROBE_KINDS) if k == kind and a > 0]
+        by_kind[kind] = max(1.0, statistics.median(ratios) / cpu_effect)
+    ratio = statistics.median(b / a for a, b in zip(alone, together) if a > 0)
+    return {"slowdown": max(1.0, ratio / cpu_effect), "by_probe_kind": by_kind, "step_time_ratio": ratio,
+            "cpu_share_effect": cpu_effect, "together_cpu": together_cpu, "together_s": together}
+
+
+def measure_corun(engine, prompts: _Prompts, model: str, threads: int, log) -> dict:
+    """Slowdowns beside a second engine: ``beside[partner][kind]`` is how much slower a ``kind`` step
+    ("prefill" / "decode") runs while the partner runs ``partner`` steps. A decode worker runs beside
+    a prefill worker in every disaggregated pair, and compute-heavy prompts disturb it more than another
+    decode does (measured here: 1.4x vs 1.15x). ``slowdown`` (beside a decoding partner, all probes)
+    is kept for older readers."""
+    meter = CpuMeter()
+    alone = _probe(engine, prompts)
+    alone_cpu = meter.read()
+    beside = {}
+    out = {"slowdown": 1.0, "measured": False, "alone_cpu": alone_cpu, "alone_s": alone, "probe_kinds": list(PROBE_KINDS)}
+    for partner in ("decode", "prefill"):
+        result = _corun_beside(engine, prompts, model, threads, partner, alone, alone_cpu, log)
+        if result is None:
+            continue
+        beside[partner] = result["by_probe_kind"]
+        out[f"with_{partner}"] = result
+        if partner == "decode":
+            out["slowdown"] = result["slowdown"]
+            out["measured"] = True
+    out["beside"] = beside
+    return out
 
 
 def run_profile(model: str = "smollm2", threads: int = 1, grid: ProfileGrid | None = None,
@@ -370,7 +411,7 @@ def run_profile(model: str = "smollm2", threads: int = 1, grid: ProfileGrid | No
     if grid.corun:
         t = time.monotonic()
         corun = measure_corun(engine, prompts, model, threads, log)
-        log(f"profile: co-run slowdown {corun['slowdown']:.2f} in {time.monotonic() - t:.1f} s")
+        log(f"profile: co-run slowdowns {corun.get('beside')} in {time.monotonic() - t:.1f} s")
     fits = {
         "prefill": fit_linear(least_disturbed(prefill, ("tokens", "attn", "num_requests")), PREFILL_FEATURES).__dict__,
         "decode": fit_linear(decode, DECODE_FEATURES).__dict__,
@@ -400,6 +441,14 @@ def run_profile(model: str = "smollm2", threads: int = 1, grid: ProfileGrid | No
         "points": {"prefill": prefill, "decode": decode, "mixed": mixed, "transfer": transfer},
     }
     model_check = CostModel.from_profile(profile)
+    if grid.served and transport != "none":
+        from pdcluster.cluster.planner.served import measure_served
+
+        t = time.monotonic()
+        del engine  # its KV pool: the pair below allocates two more
+        profile["served"] = measure_served(model_check, model, dtype, threads, transport, seed, log)
+        log(f"profile: served over bare steps: prefill x{profile['served']['prefill_factor']:.2f}, "
+            f"decode x{profile['served']['decode_factor']:.2f} in {time.monotonic() - t:.1f} s")
     for p in mixed:  # how well "decode model + prefill terms" predicts a measured mixed step
         p["predicted_s"] = model_check.step_s(p["tokens"], p["attn"], p["batch"], p["context"])
     if mixed:

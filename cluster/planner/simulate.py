@@ -10,7 +10,9 @@ What it models, after the code it stands for:
 - Every worker runs the engine's scheduler (engine/scheduler.py): each step takes the running requests
   first (a decode token each, or their next prompt chunk), then waiting ones FCFS, within
   ``max_num_batched_tokens``, ``prefill_chunk_size`` per request and ``max_num_seqs``. A step costs what
-  the profile's fits say (costs.py), including mixed prefill + decode steps (colocated).
+  the profile's fits say (costs.py), including mixed prefill + decode steps (colocated), times the
+  profile's served-over-bare factor for the step's kind (served.py: a worker process with its
+  transport, control plane and peer beside it steps slower than the bare engine).
 - Prefill worker: the step that completes a prompt samples the first token, which goes to the client
   at once (TTFT does not wait for the KV). The KV streams while the forward pass runs and is delivered
   ``CostModel.exposed_transfer_s`` later; the prefill worker's ack poller sends ``TransferDone`` as
@@ -23,8 +25,9 @@ What it models, after the code it stands for:
   of other work get ``share(k) = min(1, cores / (k * t + background))`` each. The profile's step times
   were measured alone at its own background load (``CostModel.profile_background_cores``), so a busy
   worker runs at ``share(k) / share_at_profile`` of its profiled speed, divided by the profile's
-  memory-contention slowdown (``CostModel.corun_slowdown``: shared memory bandwidth and caches, measured
-  with a second engine running and the CPU shares taken out) when another worker computes at the same
+  contention slowdown (``CostModel.corun_factor``: shared memory bandwidth and caches, measured with a
+  second engine running and the CPU shares taken out, per pairing of step kinds: a decode step beside a
+  prompt being computed suffers more than beside another decode) when another worker computes at the same
   time. Rates are re-evaluated whenever a worker starts or ends a step (processor sharing).
   ``background_cores`` None: the profile's own. ``shared_cores`` = 0: each worker is its own device
   (GPUs): no sharing.
@@ -228,7 +231,7 @@ class Simulation:
             else:
                 num_decode += 1
                 context += r.spec.input_len + r.num_output
-        return self.cost.step_s(tokens, attn, num_decode, context)
+        return self.cost.served_step_s(tokens, attn, num_decode, context)
 
     def _kick(self, w: _Worker) -> None:
         """Start a step on ``w`` if it is idle, once every event of this instant is in (requests that
@@ -253,9 +256,14 @@ class Simulation:
             w.steps += 1
         self._rerate()
 
-    def _rate(self, num_busy: int) -> float:
+    @staticmethod
+    def _kind(w: _Worker) -> str:
+        """What the step in flight mostly is: "prefill" when it computes prompt tokens."""
+        return "prefill" if any(r.in_prompt for r, _ in w.batch) else "decode"
+
+    def _rate(self, w: _Worker, busy: list[_Worker]) -> float:
         cores = self.config.shared_cores
-        if cores <= 0 or num_busy == 0:
+        if cores <= 0 or not busy:
             return 1.0
         threads = max(1, self.cost.threads)
         background = self.config.background_cores
@@ -265,16 +273,14 @@ class Simulation:
         def share(k: int, other: float) -> float:
             return min(1.0, cores / (k * threads + other))
 
-        rate = share(num_busy, background) / share(1, self.cost.profile_background_cores)
-        if num_busy > 1:
-            rate /= self.cost.corun_slowdown
-        return rate
+        rate = share(len(busy), background) / share(1, self.cost.profile_background_cores)
+        return rate / self.cost.corun_factor(self._kind(w), [self._kind(o) for o in busy if o is not w])
 
     def _rerate(self) -> None:
         """Bring every busy worker's progress up to now and (re)schedule its step's end at its new rate."""
         busy = [w for w in self.workers if w.busy]
-        rate = self._rate(len(busy))
         for w in busy:
+            rate = self._rate(w, busy)
             elapsed = self.now - w.last_t
             w.work_left = max(0.0, w.work_left - elapsed * w.rate)
             w.busy_s += elapsed
