@@ -291,19 +291,36 @@ def _probe(engine, prompts: _Prompts) -> list[float]:
     return times
 
 
-def _corun_child(model: str, threads: int, dtype: str, partner: str, ready, stop, limit_s: float) -> None:
-    """Another worker on this host, until told to stop (or ``limit_s``): ``partner`` "decode" decodes at
-    batch 8; "prefill" computes 256-token prompts back to back (a prefill worker under load)."""
+CORUN_ROUNDS = 3  # alone / together pairs per partner kind
+
+
+def bare_drift(engine, prompts: _Prompts, cost: CostModel) -> dict[str, float]:
+    """How the bare engine runs now against the fits (``cost``), per step kind: the probe's prefill and
+    decode steps over what the fits predict for them. The served probe divides by this, so the host's
+    speed drifting between the grid and the served probe (minutes apart) does not count as serving cost."""
+    times = _probe(engine, prompts)
+    ratios = {"prefill": [], "decode": []}
+    for seconds, kind in zip(times, PROBE_KINDS):
+        if kind == "prefill":
+            predicted = cost.step_s(256, attn_pairs(256, 0))
+        else:  # batch 8 over a 256-token prompt (probe steps 1-6 of it)
+            predicted = cost.step_s(0, 0.0, 8, 8 * 260)
+        ratios[kind].append(seconds / predicted)
+    return {kind: statistics.median(r) for kind, r in ratios.items()}
+
+
+def _corun_child(model: str, threads: int, dtype: str, partner: str, ready, run, stop, limit_s: float) -> None:
+    """Another worker on this host, while ``run`` is set, until told to stop (or ``limit_s``):
+    ``partner`` "decode" decodes at batch 8; "prefill" computes 256-token prompts back to back (a
+    prefill worker under load). Paused (``run`` clear), it sleeps."""
     os.dup2(2, 1)
     engine = _engine(model, threads, 1024, 512, seed=1, dtype=dtype)
     prompts = _Prompts(engine.arch.vocab_size, 7)
-    batch = None
-    if partner == "decode":
-        batch = _DecodeBatch(engine, prompts, 256, max_tokens=4096 // 8)
-        batch.grow_to(8)
     ready.set()
     deadline = time.monotonic() + limit_s
     while not stop.is_set() and time.monotonic() < deadline:
+        if not run.wait(0.05):
+            continue
         if partner == "prefill":
             engine.add_request(prompts.make(256), _params(1))
             engine.step()
@@ -315,54 +332,63 @@ def _corun_child(model: str, threads: int, dtype: str, partner: str, ready, stop
         engine.step()
 
 
-def _corun_beside(engine, prompts: _Prompts, model: str, threads: int, partner: str, alone: list[float],
-                  alone_cpu: dict, log) -> dict | None:
-    """The probe beside a ``partner`` engine in another process: slowdown per probe kind, the CPU-share
-    effect of the other work measured meanwhile taken out (what is left is memory bandwidth, caches and
-    the host's own contention between busy cores)."""
-    ready, stop = CTX.Event(), CTX.Event()
-    child = CTX.Process(target=_corun_child, args=(model, threads, engine.config.dtype, partner, ready, stop, 300.0),
-                        daemon=True)
+def _corun_beside(engine, prompts: _Prompts, model: str, threads: int, partner: str, log) -> dict | None:
+    """The probe alone and beside a ``partner`` engine in another process, CORUN_ROUNDS times in turn
+    (the partner paused in between), so a host whose speed drifts over minutes (a shared VM: 20-30%
+    here) biases neither side: each together-probe is compared with the alone-probe just before it.
+    Slowdown per probe kind, the CPU-share effect of other work measured meanwhile taken out (what is
+    left is memory bandwidth, caches and the host's own contention between busy cores)."""
+    ready, run, stop = CTX.Event(), CTX.Event(), CTX.Event()
+    child = CTX.Process(target=_corun_child,
+                        args=(model, threads, engine.config.dtype, partner, ready, run, stop, 600.0), daemon=True)
     child.start()
+    alone_all, together_all, ratios = [], [], {"prefill": [], "decode": []}
+    cores = os.cpu_count() or 1
     try:
         if not ready.wait(CORUN_READY_TIMEOUT_S):
             log(f"profile: the co-run {partner} engine did not start in time; its slowdown not measured")
             return None
-        meter = CpuMeter()
-        together = _probe(engine, prompts)
-        together_cpu = meter.read()
+        for _ in range(CORUN_ROUNDS):
+            meter = CpuMeter()
+            alone = _probe(engine, prompts)
+            alone_cpu = meter.read()
+            run.set()
+            time.sleep(0.2)  # the partner is into its steps
+            meter = CpuMeter()
+            together = _probe(engine, prompts)
+            together_cpu = meter.read()
+            run.clear()
+            time.sleep(0.2)
+            share_alone = min(1.0, cores / (threads + others_cores(alone_cpu)))
+            share_together = min(1.0, cores / (2 * threads + others_cores(together_cpu)))
+            cpu_effect = share_alone / share_together
+            for a, b, kind in zip(alone, together, PROBE_KINDS):
+                if a > 0:
+                    ratios[kind].append(b / a / cpu_effect)
+            alone_all.append(alone)
+            together_all.append(together)
     finally:
         stop.set()
+        run.set()
         child.join(30)
         if child.is_alive():
             child.kill()
             child.join(5)
-    cores = os.cpu_count() or 1
-    share_alone = min(1.0, cores / (threads + others_cores(alone_cpu)))
-    share_together = min(1.0, cores / (2 * threads + others_cores(together_cpu)))
-    cpu_effect = share_alone / share_together
-    by_kind = {}
-    for kind in ("prefill", "decode"):
-        ratios = [b / a for a, b, k in zip(alone, together, PROBE_KINDS) if k == kind and a > 0]
-        by_kind[kind] = max(1.0, statistics.median(ratios) / cpu_effect)
-    ratio = statistics.median(b / a for a, b in zip(alone, together) if a > 0)
-    return {"slowdown": max(1.0, ratio / cpu_effect), "by_probe_kind": by_kind, "step_time_ratio": ratio,
-            "cpu_share_effect": cpu_effect, "together_cpu": together_cpu, "together_s": together}
+    by_kind = {kind: max(1.0, statistics.median(r)) for kind, r in ratios.items()}
+    every = ratios["prefill"] + ratios["decode"]
+    return {"slowdown": max(1.0, statistics.median(every)), "by_probe_kind": by_kind, "rounds": CORUN_ROUNDS,
+            "alone_s": alone_all, "together_s": together_all}
 
 
 def measure_corun(engine, prompts: _Prompts, model: str, threads: int, log) -> dict:
     """Slowdowns beside a second engine: ``beside[partner][kind]`` is how much slower a ``kind`` step
-    ("prefill" / "decode") runs while the partner runs ``partner`` steps. A decode worker runs beside
-    a prefill worker in every disaggregated pair, and compute-heavy prompts disturb it more than another
-    decode does (measured here: 1.4x vs 1.15x). ``slowdown`` (beside a decoding partner, all probes)
+    ("prefill" / "decode") runs while the partner runs ``partner`` steps (a decode worker runs beside a
+    prefill worker in every disaggregated pair). ``slowdown`` (beside a decoding partner, all probes)
     is kept for older readers."""
-    meter = CpuMeter()
-    alone = _probe(engine, prompts)
-    alone_cpu = meter.read()
     beside = {}
-    out = {"slowdown": 1.0, "measured": False, "alone_cpu": alone_cpu, "alone_s": alone, "probe_kinds": list(PROBE_KINDS)}
+    out = {"slowdown": 1.0, "measured": False, "probe_kinds": list(PROBE_KINDS)}
     for partner in ("decode", "prefill"):
-        result = _corun_beside(engine, prompts, model, threads, partner, alone, alone_cpu, log)
+        result = _corun_beside(engine, prompts, model, threads, partner, log)
         if result is None:
             continue
         beside[partner] = result["by_probe_kind"]
@@ -445,8 +471,16 @@ def run_profile(model: str = "smollm2", threads: int = 1, grid: ProfileGrid | No
         from pdcluster.cluster.planner.served import measure_served
 
         t = time.monotonic()
-        del engine  # its KV pool: the pair below allocates two more
-        profile["served"] = measure_served(model_check, model, dtype, threads, transport, seed, log)
+        before = bare_drift(engine, prompts, model_check)
+        served = measure_served(model_check, model, dtype, threads, transport, seed, log)
+        after = bare_drift(engine, prompts, model_check)
+        if served["measured"]:
+            drift = {kind: (before[kind] + after[kind]) / 2.0 for kind in before}
+            served["raw_prefill_factor"], served["raw_decode_factor"] = served["prefill_factor"], served["decode_factor"]
+            served["bare_drift"] = {"before": before, "after": after}
+            served["prefill_factor"] = max(1.0, served["raw_prefill_factor"] / drift["prefill"])
+            served["decode_factor"] = max(1.0, served["raw_decode_factor"] / drift["decode"])
+        profile["served"] = served
         log(f"profile: served over bare steps: prefill x{profile['served']['prefill_factor']:.2f}, "
             f"decode x{profile['served']['decode_factor']:.2f} in {time.monotonic() - t:.1f} s")
     for p in mixed:  # how well "decode model + prefill terms" predicts a measured mixed step

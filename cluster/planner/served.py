@@ -7,8 +7,10 @@ prefill step about 1.25x the bare one, and the planner predicted every run 20-35
 also runs a real pair: a prefill worker here and a decode worker in another process, connected over the
 real transport; lone prompts one after another (prefill steps), then decode batches of 1 to 8 requests.
 Each step's time over what the bare fits predict for the same step (engine/step_trace.py records its
-features) gives ``served.prefill_factor`` and ``served.decode_factor`` (medians), which the simulator
-multiplies into every prefill and decode step.
+features) gives the raw factors (medians); profile.py divides them by how the bare engine ran against
+the same fits just before and after (``bare_drift``: this host's speed drifts by 20-30% over minutes),
+giving ``served.prefill_factor`` and ``served.decode_factor``, which the simulator multiplies into
+every prefill and decode step.
 """
 
 from __future__ import annotations
