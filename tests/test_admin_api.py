@@ -160,7 +160,10 @@ def test_pdcluster_drain_cli_against_a_real_server(tiny_dir, capsys):
     """`pdcluster drain` as the preStop hook runs it (a process of its own) against `pdcluster serve`
     (colocated, two decode workers), draining one while streaming requests run on both: every request
     completes and the server keeps serving on the other. Mistakes exit 1 with the server's reason."""
-    flags = ["--mode", "colocated", "--model", "tiny-random", "--num-kv-blocks", "256", "--max-model-len", "1024",
+    # Long requests (1,900 tokens, room for two per worker): they must still be decoding when the drain
+    # process (a Python start-up of its own) reaches the server; 600 tokens ended first once batch-2
+    # decode steps got faster.
+    flags = ["--mode", "colocated", "--model", "tiny-random", "--num-kv-blocks", "512", "--max-model-len", "2048",
              "--num-decode", "2", "--router-policy", "round_robin", "--api-key", API_KEY]
     os.environ["PDCLUSTER_ADMIN_KEY"] = ADMIN_KEY  # the server reads it at start
     try:
@@ -181,7 +184,7 @@ def test_pdcluster_drain_cli_against_a_real_server(tiny_dir, capsys):
         status, _, err = _cli("--url", url, "--all", key="", capsys=capsys)
         assert status == 2 and "--admin-key" in err, err
 
-        body = {"model": "tiny-random", "prompt": "count with me: 1, 2, 3,", "max_tokens": 600, "temperature": 0,
+        body = {"model": "tiny-random", "prompt": "count with me: 1, 2, 3,", "max_tokens": 1900, "temperature": 0,
                 "ignore_eos": True, "stream": True}
         results, started = {}, threading.Semaphore(0)
 
