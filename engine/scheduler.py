@@ -143,7 +143,7 @@ class Scheduler:
     def has_pending(self) -> bool:
         """Anything left to step for: requests, blocks held for a transfer, or finish notices the
         runner and connector have not seen yet."""
-        return bool(self.waiting or self.running or self.held or self._finished_req_ids or self.forks)
+        return self.has_work() or bool(self.held)
 
     def has_work(self) -> bool:
         """Something a step must run for: requests, or finish notices the runner and connector have not

@@ -1,8 +1,7 @@
 """What each engine step computed and how long it took, for comparing a served worker with its
 `pdcluster profile` (cluster/planner/costs.py uses the same features).
 
-Always kept: the step count and busy seconds (cheap counters a worker reports in its stats). With
-``PDCLUSTER_STEP_TRACE=DIR`` in a worker's environment, every step is also appended to
+With ``PDCLUSTER_STEP_TRACE=DIR`` in a worker's environment, every step is appended to
 ``DIR/<pid>.jsonl`` as ``{"t", "seconds", "prefill_tokens", "attn", "num_decode", "context"}``
 (``t`` is the step's end, Unix seconds): a diagnostic, off by default.
 """
@@ -29,6 +28,11 @@ class StepRecord:
     context: int
 
 
+def attn_pairs(chunk: int, computed: int) -> float:
+    """Query-key pairs of a prefill chunk of ``chunk`` tokens after ``computed`` cached ones."""
+    return chunk * (computed + chunk / 2.0)
+
+
 def step_features(sched) -> tuple[int, float, int, int]:
     """(prompt tokens computed, their query-key pairs, decode rows, sum of decode contexts) of a
     ``SchedulerOutput``; a request still in its prompt is prefill, any other a decode row (drafts
@@ -38,7 +42,7 @@ def step_features(sched) -> tuple[int, float, int, int]:
         if s.num_computed_tokens < s.num_prompt_tokens:
             n = s.num_scheduled_tokens
             prefill_tokens += n
-            attn += n * (s.num_computed_tokens + n / 2.0)
+            attn += attn_pairs(n, s.num_computed_tokens)
         else:
             num_decode += 1
             context += s.num_computed_tokens + s.num_scheduled_tokens
@@ -51,25 +55,24 @@ class StepTrace:
 
     def __init__(self, directory: str | None = None, keep: int = 0):
         directory = directory if directory is not None else os.environ.get(TRACE_ENV) or None
-        self.num_steps = 0
-        self.busy_s = 0.0
         self.records: deque[StepRecord] | None = deque(maxlen=keep) if keep > 0 else None
         self._file = None
         if directory:
             Path(directory).mkdir(parents=True, exist_ok=True)
             self._file = open(Path(directory) / f"{os.getpid()}.jsonl", "a", buffering=1)  # noqa: SIM115 - kept open
 
+    @property
+    def enabled(self) -> bool:
+        return self._file is not None or self.records is not None
+
     def record(self, sched, seconds: float) -> None:
-        if sched is None or not sched.scheduled:
+        if sched is None or not sched.scheduled or not self.enabled:
             return
-        self.num_steps += 1
-        self.busy_s += seconds
-        if self._file is not None or self.records is not None:
-            rec = StepRecord(time.time(), seconds, *step_features(sched))
-            if self.records is not None:
-                self.records.append(rec)
-            if self._file is not None:
-                self._file.write(json.dumps(asdict(rec)) + "\n")
+        rec = StepRecord(time.time(), seconds, *step_features(sched))
+        if self.records is not None:
+            self.records.append(rec)
+        if self._file is not None:
+            self._file.write(json.dumps(asdict(rec)) + "\n")
 
     def close(self) -> None:
         if self._file is not None:

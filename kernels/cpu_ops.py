@@ -151,12 +151,12 @@ SMALL_M = 8  # pd_linear_small_m handles up to this many rows
 def linear_small_m(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """``F.linear(x, weight)`` for float32 ``x`` of at most SMALL_M rows (leading dims flattened):
     one pass over the weight for all rows (MKL makes one per row). None when not applicable."""
-    lib = cpu_build.load()
-    if (lib is None or x.dtype is not torch.float32 or weight.dtype is not torch.float32 or x.is_cuda
-            or weight.is_cuda or not weight.is_contiguous() or x.shape[-1] != weight.shape[1]):
+    if (x.dtype is not torch.float32 or weight.dtype is not torch.float32 or x.is_cuda or weight.is_cuda
+            or not weight.is_contiguous() or x.shape[-1] != weight.shape[1]):
         return None
     rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] == 0 or rows.shape[0] > SMALL_M:
+    lib = cpu_build.load()
+    if lib is None or rows.shape[0] == 0 or rows.shape[0] > SMALL_M:
         return None
     if rows.stride(-1) != 1:
         rows = rows.contiguous()

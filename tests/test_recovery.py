@@ -4,6 +4,7 @@ the same stream continues. With greedy sampling the client's whole output equals
 Without a healthy worker left, the request ends with a clear error within its deadline."""
 
 import asyncio
+import contextlib
 import os
 import time
 
@@ -116,12 +117,10 @@ async def _start_stream(router, request_id, prompt, params, min_tokens):
     return task
 
 
-@pytest.mark.timeout(300)
-def test_reservation_that_finds_a_dead_decode_worker_recovers_its_requests(ray_session):
-    """The hang the soak test found: a dead decode worker first noticed by a *reservation* (not the
-    health check) was taken out of rotation, but the requests decoding on it were never recovered, so
-    they waited for their deadline. Health checks are off here, so only the reservation path can
-    notice; request A must still finish token-exact."""
+def _a_recovers_after_b_meets_its_dead_worker(break_victim, request_timeout_s: float, admission_timeout_s: float | None = None):
+    """Request A decodes on one of two decode workers; ``break_victim(cluster, victim)`` (an async
+    context manager) breaks that worker around request B, which is placed on it first. Health checks
+    are off, so only B's placement can notice: A must still finish token-exact on the other worker."""
     from pdcluster.cluster.policies import Placer
 
     prompt_a, prompt_b = list(range(2000, 2040)), list(range(4000, 4030))
@@ -130,21 +129,23 @@ def test_reservation_that_finds_a_dead_decode_worker_recovers_its_requests(ray_s
     expected_a = engine.generate([prompt_a], params_a)[0].token_ids
     expected_b = engine.generate([prompt_b], params_b)[0].token_ids
     cluster = Cluster(ClusterSpec(engine=_config(), transfer=TransferConfig(), mode="disagg", num_prefill=1, num_decode=2,
-                                  request_timeout_s=60, max_worker_restarts=0))
+                                  request_timeout_s=request_timeout_s, max_worker_restarts=0))
     router = cluster.router
     router.record()  # decisions and recoveries, for the asserts below
-    router.config.health_interval_s = 3600.0  # no health check: the reservation is the only witness
+    router.config.health_interval_s = 3600.0  # no health check
+    if admission_timeout_s is not None:
+        router.config.admission_timeout_s = admission_timeout_s
 
     async def main():
         task_a = await _start_stream(router, "a", prompt_a, params_a, min_tokens=5)
         victim = router.requests["a"].attempt.decode_id
-        ray_session.kill(cluster.decode_handles[victim], no_restart=True)
-        # Make B try the dead worker first.
-        router.placement.placer = Placer("round_robin")
-        router.placement.placer._rr["decode"] = list(cluster.decode_handles).index(victim)
-        tokens_b = []
-        async for delta in router.generate("b", prompt_b, params_b):
-            tokens_b += delta.new_token_ids
+        async with break_victim(cluster, victim):
+            # Make B try the broken worker first.
+            router.placement.placer = Placer("round_robin")
+            router.placement.placer._rr["decode"] = list(cluster.decode_handles).index(victim)
+            tokens_b = []
+            async for delta in router.generate("b", prompt_b, params_b):
+                tokens_b += delta.new_token_ids
         tokens_a, last_a = await asyncio.wait_for(task_a, 120)
         return victim, tokens_a, last_a, tokens_b
 
@@ -158,6 +159,21 @@ def test_reservation_that_finds_a_dead_decode_worker_recovers_its_requests(ray_s
         assert not router.requests
     finally:
         cluster.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_reservation_that_finds_a_dead_decode_worker_recovers_its_requests(ray_session):
+    """The hang the soak test found: a dead decode worker first noticed by a *reservation* (not the
+    health check) was taken out of rotation, but the requests decoding on it were never recovered, so
+    they waited for their deadline. Health checks are off here, so only the reservation path can
+    notice; request A must still finish token-exact."""
+
+    @contextlib.asynccontextmanager
+    async def kill(cluster, victim):
+        ray_session.kill(cluster.decode_handles[victim], no_restart=True)
+        yield
+
+    _a_recovers_after_b_meets_its_dead_worker(kill, request_timeout_s=60)
 
 
 @pytest.mark.timeout(300)
@@ -169,48 +185,19 @@ def test_decode_worker_silent_at_submit_then_dead_recovers_its_requests(ray_sess
     (SIGKILL): the probe the timeout starts must see the death and recover A token-exact."""
     import signal
 
-    from pdcluster.cluster.policies import Placer
-
-    prompt_a, prompt_b = list(range(2000, 2040)), list(range(4000, 4030))
-    params_a, params_b = SamplingParams(max_tokens=120, ignore_eos=True), SamplingParams(max_tokens=8, ignore_eos=True)
-    engine = make_engine("tiny-random", num_kv_blocks=NUM_BLOCKS)
-    expected_a = engine.generate([prompt_a], params_a)[0].token_ids
-    expected_b = engine.generate([prompt_b], params_b)[0].token_ids
-    cluster = Cluster(ClusterSpec(engine=_config(), transfer=TransferConfig(), mode="disagg", num_prefill=1, num_decode=2,
-                                  request_timeout_s=90, max_worker_restarts=0))
-    router = cluster.router
-    router.record()
-    router.config.health_interval_s = 3600.0  # no health check: only the submit's probe can notice
-    router.config.admission_timeout_s = 2.0
-
-    async def main():
-        task_a = await _start_stream(router, "a", prompt_a, params_a, min_tokens=5)
-        victim = router.requests["a"].attempt.decode_id
+    @contextlib.asynccontextmanager
+    async def stop_then_kill(cluster, victim):
+        router = cluster.router
         pid = (await cluster.decode_handles[victim].ping.remote()).pid
         os.kill(pid, signal.SIGSTOP)
         try:
-            router.placement.placer = Placer("round_robin")
-            router.placement.placer._rr["decode"] = list(cluster.decode_handles).index(victim)
-            tokens_b = []
-            async for delta in router.generate("b", prompt_b, params_b):  # times out on the victim first
-                tokens_b += delta.new_token_ids
+            yield  # B times out on the victim first
             assert victim in router.submitter._probing, "a submit that timed out must start a probe"
             assert router.requests["a"].attempt.decode_id == victim, "silence alone must not recover A"
         finally:
             os.kill(pid, signal.SIGKILL)
-        tokens_a, last_a = await asyncio.wait_for(task_a, 120)
-        return victim, tokens_a, last_a, tokens_b
 
-    try:
-        victim, tokens_a, last_a, tokens_b = asyncio.run(main())
-        assert not router.views[victim].healthy
-        assert last_a.finish_reason == "length", (last_a.finish_reason, last_a.error)
-        assert tokens_a == expected_a, "A must be recovered on the healthy worker and continue exactly"
-        assert tokens_b == expected_b
-        assert [rid for rid, _ in router.recorder.recoveries] == ["a"]
-        assert not router.requests
-    finally:
-        cluster.shutdown()
+    _a_recovers_after_b_meets_its_dead_worker(stop_then_kill, request_timeout_s=90, admission_timeout_s=2.0)
 
 
 @pytest.mark.timeout(300)

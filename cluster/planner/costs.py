@@ -28,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
+from pdcluster.engine.step_trace import attn_pairs  # the features a served step trace records
+
 PREFILL_FEATURES = ("tokens", "attn")
 DECODE_FEATURES = ("batch", "context")
 TRANSFER_FEATURES = ("bytes",)
@@ -35,11 +37,6 @@ TRANSFER_FEATURES = ("bytes",)
 
 class ProfileError(ValueError):
     """A profile file that cannot be used: the message names the file and what is wrong."""
-
-
-def attn_pairs(chunk: int, computed: int) -> float:
-    """Query-key pairs of a prefill chunk of ``chunk`` tokens after ``computed`` cached ones."""
-    return chunk * (computed + chunk / 2.0)
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from pdcluster.cluster.planner.costs import CostModel, attn_pairs
@@ -261,9 +261,11 @@ class Simulation:
         """What the step in flight mostly is: "prefill" when it computes prompt tokens."""
         return "prefill" if any(r.in_prompt for r, _ in w.batch) else "decode"
 
-    def _rate(self, w: _Worker, busy: list[_Worker]) -> float:
+    def _rate(self, kind: str, partner_kinds: set[str], num_busy: int) -> float:
+        """Speed of a busy worker running a ``kind`` step beside ``num_busy - 1`` others running steps
+        of ``partner_kinds``."""
         cores = self.config.shared_cores
-        if cores <= 0 or not busy:
+        if cores <= 0 or num_busy == 0:
             return 1.0
         threads = max(1, self.cost.threads)
         background = self.config.background_cores
@@ -273,14 +275,17 @@ class Simulation:
         def share(k: int, other: float) -> float:
             return min(1.0, cores / (k * threads + other))
 
-        rate = share(len(busy), background) / share(1, self.cost.profile_background_cores)
-        return rate / self.cost.corun_factor(self._kind(w), [self._kind(o) for o in busy if o is not w])
+        rate = share(num_busy, background) / share(1, self.cost.profile_background_cores)
+        return rate / self.cost.corun_factor(kind, list(partner_kinds))
 
     def _rerate(self) -> None:
         """Bring every busy worker's progress up to now and (re)schedule its step's end at its new rate."""
         busy = [w for w in self.workers if w.busy]
-        for w in busy:
-            rate = self._rate(w, busy)
+        kinds = [self._kind(w) for w in busy]
+        counts = Counter(kinds)
+        for w, kind in zip(busy, kinds):
+            partners = {k for k, n in counts.items() if n > (k == kind)}  # kinds of the other busy workers
+            rate = self._rate(kind, partners, len(busy))
             elapsed = self.now - w.last_t
             w.work_left = max(0.0, w.work_left - elapsed * w.rate)
             w.busy_s += elapsed
