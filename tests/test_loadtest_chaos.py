@@ -23,7 +23,8 @@ import pytest
 from pdcluster.cluster.cli import main
 from pdcluster.cluster.loadtest import chaos_targets
 from pdcluster.cluster.loadtest.chaos import ChaosEvent, ChaosSpecError, parse_chaos
-from pdcluster.cluster.loadtest.chaos_controller import ChaosController, EventState
+from pdcluster.cluster.loadtest.chaos_controller import ChaosController, EventState, busiest_index
+from pdcluster.cluster.loadtest.chaos_targets import ChaosTargetError
 from pdcluster.cluster.loadtest.chaos_report import event_outcome, request_rows, timeline
 from pdcluster.cluster.loadtest.client import RequestRecord
 from pdcluster.cluster.loadtest.metrics import SLO
@@ -48,9 +49,25 @@ EVENT_FIELDS = ("fired_at_s", "pid", "in_flight", "in_flight_completed_ok", "in_
      [ChaosEvent("kill", "decode", 0, 30.0), ChaosEvent("kill", "prefill", 0, 60.0)]),
     ("kill-decode@0s,stop-decode1@0s+1s",
      [ChaosEvent("kill", "decode", 0, 0.0), ChaosEvent("stop", "decode", 1, 0.0, 1.0)]),
+    ("kill-busiest-decode@3s", [ChaosEvent("kill", "decode", 0, 3.0, None, True)]),
+    ("stop-busiest-prefill@3s+1s", [ChaosEvent("stop", "prefill", 0, 3.0, 1.0, True)]),
 ])
 def test_good_specs(spec, want):
     assert parse_chaos(spec) == want
+    assert ",".join(e.spec for e in want) == ",".join(e.spec for e in parse_chaos(",".join(e.spec for e in want)))
+
+
+def test_busiest_is_the_healthy_worker_with_most_requests_lowest_index_on_a_tie():
+    def w(i, n, healthy=True):
+        return {"worker_id": f"decode-{i}-x", "role": "decode", "num_requests": n, "healthy": healthy}
+
+    assert busiest_index([w(0, 1), w(1, 5), w(2, 3)], "s") == 1
+    assert busiest_index([w(0, 4), w(1, 4)], "s") == 0
+    assert busiest_index([w(0, 2), w(1, 9, healthy=False)], "s") == 0  # a down worker is not a target
+    with pytest.raises(ChaosTargetError, match="num_requests"):
+        busiest_index([{"worker_id": "decode-0-x", "role": "decode", "healthy": True}], "s")
+    with pytest.raises(ChaosTargetError, match="no healthy worker"):
+        busiest_index([w(0, 3, healthy=False)], "s")
 
 
 @pytest.mark.parametrize("spec, says", [
@@ -69,6 +86,8 @@ def test_good_specs(spec, want):
     ("stop-decode@30s+0s", "more than 0"),
     ("stop-decode@30s+7200s", "at most 3600"),
     ("kill-decode@100000s", "longest run"),
+    ("kill-busiest-decode1@3s", "an index or busiest, not both"),
+    ("kill-busy-decode@3s", "is not <kill|stop>"),
 ])
 def test_bad_specs(spec, says):
     with pytest.raises(ChaosSpecError) as e:
@@ -252,15 +271,18 @@ def test_chaos_run_kills_and_stops_workers_and_every_request_in_flight_completes
     try:
         before = httpx.get(server.base_url + "/health", timeout=30, trust_env=False).json()
         assert before["status"] == "ok"
-        # Constant arrivals of long-enough answers: several requests are in flight at every moment,
-        # on both decode workers, so the kill at 3 s always catches some mid-stream. The stop stays
+        # Constant arrivals of long-enough answers (192 tokens at ~8 ms a step) keep about nine
+        # requests in flight, and the kill hits the decode worker holding the most of them, so it
+        # always catches some mid-stream. Least-loaded placement by KV tokens sends a run of new
+        # requests to one worker while the other's grow old: a fixed index (decode0) sometimes hit a
+        # worker with nothing streaming, and the router then had no request to recover. The stop stays
         # under the control plane's 2.5 s peer timeout; a longer one (the decode workers drop the
         # frozen prefill worker and the router re-wires the pairs after SIGCONT, a bug this harness
         # found) is tests/test_pair_rewire.py's subject.
         rc = main(["loadtest", "--no-progress", "--base-url", server.base_url, "--model", "tiny-random",
-                   "--dataset", "random", "--random-input-len", "48", "--random-output-len", "48",
+                   "--dataset", "random", "--random-input-len", "48", "--random-output-len", "192",
                    "--num-prompts", "48", "--request-rate", "6", "--arrival", "constant", "--num-warmups", "1",
-                   "--slo-ttft-ms", "3000", "--slo-tpot-ms", "500", "--chaos", "kill-decode@3s,stop-prefill@5s+2s",
+                   "--slo-ttft-ms", "3000", "--slo-tpot-ms", "500", "--chaos", "kill-busiest-decode@3s,stop-prefill@5s+2s",
                    "--chaos-recovery-timeout-s", "90",
                    "--result-json", str(tmp_path / "chaos.json"), "--plot", str(tmp_path / "chaos.png")])
         assert rc == 0
@@ -283,7 +305,8 @@ def test_chaos_run_kills_and_stops_workers_and_every_request_in_flight_completes
         assert ev["skipped"] is None and ev["fired_at_s"] >= ev["at_s"]
 
     # The kill happened: that process is gone, Ray started another, the router saw it and recovered.
-    assert kill["spec"] == "kill-decode0@3s" and kill["signal"] == "SIGKILL"
+    assert kill["spec"] == "kill-busiest-decode@3s" and kill["signal"] == "SIGKILL"
+    assert kill["index"] in (0, 1) and kill["worker_num_requests"] >= 1, kill
     assert not psutil.pid_exists(kill["pid"]) or psutil.Process(kill["pid"]).status() == psutil.STATUS_ZOMBIE
     assert kill["replacement_pid"] not in (None, kill["pid"])
     assert kill["worker_back_s"] is not None and kill["worker_back_s"] > 0, kill

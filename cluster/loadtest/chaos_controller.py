@@ -48,7 +48,7 @@ class EventState:
     spec: str
     action: str
     role: str
-    index: int
+    index: int | None  # busiest: None until it fires, then the worker it picked
     signal: str
     at_s: float
     stop_s: float | None
@@ -92,6 +92,16 @@ def role_workers(health: dict | None, role: str) -> list[dict]:
     return sorted(mine, key=lambda w: _natural_key(w["worker_id"]))
 
 
+def busiest_index(workers: list[dict], spec: str) -> int:
+    """Position in ``workers`` (role_workers' order) of the healthy worker with the most requests;
+    the lowest position on a tie."""
+    counts = [(w.get("num_requests"), i) for i, w in enumerate(workers) if w.get("healthy", True)]
+    counts = [(n, i) for n, i in counts if isinstance(n, int)]
+    if not counts:
+        raise ChaosTargetError(f"--chaos: {spec}: /health lists no healthy worker of the role with its num_requests")
+    return min(counts, key=lambda c: (-c[0], c[1]))[1]
+
+
 def health_reports_pids(health: dict | None) -> bool:
     workers = (health or {}).get("workers") or []
     return bool(workers) and all(isinstance(w, dict) and isinstance(w.get("pid"), int) for w in workers)
@@ -105,7 +115,8 @@ class ChaosController:
         self.server = server  # pid of the server process (chaos_targets.server_pid)
         self.max_run_s = max_run_s
         self.poll_interval_s = poll_interval_s
-        self.events = [EventState(e.spec, e.action, e.role, e.index, e.signal.name, e.at_s, e.stop_s) for e in events]
+        self.events = [EventState(e.spec, e.action, e.role, None if e.busiest else e.index, e.signal.name, e.at_s,
+                                  e.stop_s) for e in events]
         self._schedule = list(zip(events, self.events))
         self.health_samples: list[dict] = []  # {"t_s", "status", "healthy": {role: n}, "total": {role: n}}
         self.t0 = 0.0
@@ -209,9 +220,11 @@ class ChaosController:
 
     def _fire(self, event: ChaosEvent, ev: EventState) -> None:
         workers = role_workers(self._last_health, event.role)
-        entry = workers[event.index] if event.index < len(workers) else None
+        if event.busiest:
+            ev.index = busiest_index(workers, event.spec)
+        entry = workers[ev.index] if ev.index < len(workers) else None
         pid = entry.get("pid") if entry is not None and isinstance(entry.get("pid"), int) else None
-        target = chaos_targets.find_worker(self.server, event.role, pid, event.index)
+        target = chaos_targets.find_worker(self.server, event.role, pid, ev.index)
         ev.pid, ev.pid_source = target.pid, "health" if pid is not None else "process_table"
         # Without pids from the server, the index picks the role's processes by start time: the
         # worker id is certain only when the role has a single worker.

@@ -13,7 +13,8 @@ import numpy as np
 
 from pdcluster.cluster.loadtest import chaos_targets
 from pdcluster.cluster.loadtest.chaos import ChaosEvent
-from pdcluster.cluster.loadtest.chaos_controller import ChaosController, health_reports_pids, role_workers
+from pdcluster.cluster.loadtest.chaos_controller import (ChaosController, busiest_index, health_reports_pids,
+                                                         role_workers)
 from pdcluster.cluster.loadtest.chaos_report import chaos_section
 from pdcluster.cluster.loadtest.client import Target
 from pdcluster.cluster.loadtest.metrics import SLO
@@ -46,6 +47,10 @@ async def chaos_preflight(target: Target, events: list[ChaosEvent], spec: str, r
                                              "chaos needs a pdcluster server") from None
     for event in events:
         workers = role_workers(health, event.role)
+        if event.busiest:
+            busiest_index(workers, event.spec)  # the role has a worker and /health counts its requests
+            chaos_targets.find_worker(server, event.role, None, 0)  # and its processes are here
+            continue
         if event.index >= len(workers):
             have = ", ".join(w["worker_id"] for w in workers) or "none"
             raise chaos_targets.ChaosTargetError(
