@@ -6,7 +6,7 @@
 
 Without --vllm-python only pdcluster's figures are printed (and --served is refused).
 
-Offline (SmolLM2-135M, bf16, 32 distinct prompts x 200 tokens in, 64 out, greedy, ignore_eos, prefix
+Offline (SmolLM2-135M, bf16 or --dtype float32, 32 distinct prompts x 200 tokens in, 64 out, greedy, ignore_eos, prefix
 caching off in both engines; each engine in its own process, one after the other, warmed up first).
 Both sides are timed by the same function, ``measure`` in bench/vllm_side.py:
   prefill tok/s  32 x 200 prompts, max_tokens=1: 6,400 / T1 (T1 = wall time of that generate call)
@@ -35,7 +35,7 @@ while pdcluster (num_threads=0) uses torch's default: all cores.
 Served (``--served``): each server alone on the box (never both at once), driven by ``vllm bench serve``
 (random dataset, 256 in / 64 out, ignore_eos, temperature 0, 40 prompts at 2 req/s, seed 0) through the
 OpenAI completions endpoint: ``vllm serve`` (no prefix caching) against ``pdcluster serve --mode M``
-(no prefix caching, bf16) for each mode in --served-modes. Servers run with their default threading
+(no prefix caching, --dtype) for each mode in --served-modes. Servers run with their default threading
 unless --served-threads is given. Peak RSS = the maximum over 0.5 s samples of the summed RSS of the
 server's whole process tree (Ray's processes included). The JSON also lists the server's busiest
 processes (CPU seconds, threads, allowed cores) and "other_processes_cpu_s", the noise gauge (CPU
@@ -181,7 +181,8 @@ def ours_child(spec_file: str, threads: int) -> int:
     from pdcluster.engine.sampling_params import SamplingParams
 
     spec = json.loads(Path(spec_file).read_text())
-    config = EngineConfig(model="smollm2", dtype="bfloat16", enable_prefix_caching=False, num_threads=threads,
+    config = EngineConfig(model="smollm2", dtype=spec.get("dtype", "bfloat16"), enable_prefix_caching=False,
+                          num_threads=threads,
                           max_num_batched_tokens=8192, max_num_seqs=64, num_kv_blocks=4096, seed=0)
     engine = LLMEngine(config, progress=False)
 
@@ -238,7 +239,7 @@ def offline(args, model_dir: Path) -> dict:
     result: dict = {"num_prompts": args.num_prompts, "prompt_len": args.prompt_len, "output_len": args.output_len,
                     "threads_requested": {"pdcluster": threads_ours, "vllm": threads_vllm}}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump({"prompts": prompts, "output_len": args.output_len}, f)
+        json.dump({"prompts": prompts, "output_len": args.output_len, "dtype": args.dtype}, f)
     try:
         result["pdcluster"] = ours = run_child(
             [sys.executable, str(Path(__file__).resolve()), "--_ours", f.name, "--threads", str(threads_ours)],
@@ -398,7 +399,7 @@ def served(args, model_dir: Path) -> dict:
         work = Path(tmp)
         port = free_port()
         vllm_cmd = [args.vllm_python, "-c", VLLM_CLI, "serve", str(model_dir), "--host", "127.0.0.1",
-                    "--port", str(port), "--dtype", "bfloat16", "--served-model-name", "smollm2",
+                    "--port", str(port), "--dtype", args.dtype, "--served-model-name", "smollm2",
                     "--no-enable-prefix-caching", "--max-model-len", "1024"]
         try:
             out["vllm"] = serve_one(args, model_dir, "vllm", vllm_cmd, {**VLLM_ENV, **vllm_bind(args.served_threads)},
@@ -408,7 +409,7 @@ def served(args, model_dir: Path) -> dict:
         for mode in args.served_modes:
             port = free_port()
             cmd = [pd_bin, "serve", "--mode", mode, "--host", "127.0.0.1", "--port", str(port),
-                   "--dtype", "bfloat16", "--no-prefix-caching", "--served-model-name", "smollm2",
+                   "--dtype", args.dtype, "--no-prefix-caching", "--served-model-name", "smollm2",
                    "--num-threads", str(args.served_threads)]
             try:
                 out[f"pdcluster_{mode}"] = ours = serve_one(args, model_dir, mode, cmd, {}, port, work)
@@ -427,6 +428,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=1, help="cores for each engine offline (0 = engine default)")
     ap.add_argument("--threads-ours", type=int, default=None, help="override --threads for pdcluster")
     ap.add_argument("--threads-vllm", type=int, default=None, help="override --threads for vLLM")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="both engines (float32 on a CPU without avx512_bf16, where bf16 matmuls are emulated)")
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=200)
     ap.add_argument("--output-len", type=int, default=64)
@@ -454,7 +457,7 @@ def main() -> int:
     from pdcluster.engine.model_registry import resolve_model
 
     model_dir = Path(resolve_model("smollm2", progress=False))
-    result: dict = {"ratio_definition": RATIO_DEFINITION, "model_dir": str(model_dir), "dtype": "bfloat16",
+    result: dict = {"ratio_definition": RATIO_DEFINITION, "model_dir": str(model_dir), "dtype": args.dtype,
                     "machine": {"cpus": os.cpu_count(), "load_avg_1min_at_start": os.getloadavg()[0]}}
     if not args.no_offline:
         result["offline"] = offline(args, model_dir)
