@@ -273,9 +273,8 @@ def test_chaos_run_kills_and_stops_workers_and_every_request_in_flight_completes
         assert before["status"] == "ok"
         # Constant arrivals of long-enough answers (192 tokens at ~8 ms a step) keep about nine
         # requests in flight, and the kill hits the decode worker holding the most of them, so it
-        # always catches some mid-stream. Least-loaded placement by KV tokens sends a run of new
-        # requests to one worker while the other's grow old: a fixed index (decode0) sometimes hit a
-        # worker with nothing streaming, and the router then had no request to recover. The stop stays
+        # always catches some mid-stream. A fixed index (decode0) sometimes hit a worker with nothing
+        # streaming (only submits not yet admitted), and the router then had no request to recover. The stop stays
         # under the control plane's 2.5 s peer timeout; a longer one (the decode workers drop the
         # frozen prefill worker and the router re-wires the pairs after SIGCONT, a bug this harness
         # found) is tests/test_pair_rewire.py's subject.

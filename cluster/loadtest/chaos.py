@@ -10,8 +10,8 @@ warm-up). ``kill`` takes no duration; ``stop`` needs one (a stopped process neve
 the rest of the run into a different experiment). The index counts the role's workers in the order
 of their ids on the server's /health (``decode-0-…``, ``decode-1-…``); no index means 0. ``busiest``
 picks, when the event fires, the healthy worker of the role with the most requests on /health (the
-lowest index on a tie): the hit then always catches requests in flight, whatever the placement
-policy did with the load just before (least-loaded by KV tokens can leave one worker idle for a while).
+lowest index on a tie): the hit then catches requests in flight whenever there are any, whereas a
+fixed index can find its worker with nothing streaming at that moment.
 """
 
 from __future__ import annotations
