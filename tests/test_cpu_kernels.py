@@ -54,6 +54,21 @@ def test_bf16_vector_path_matches_reference(q_lens, seq_lens, head_dim, path, mo
     torch.testing.assert_close(got.float(), expected.float(), **TOL[torch.bfloat16])
 
 
+@pytest.mark.parametrize("q_lens, seq_lens", [([1, 1], [40, 23]), ([7, 20], [30, 20])])
+def test_paged_attention_with_scores_far_below_the_max(q_lens, seq_lens):
+    """Scores more than 87 below the running max take exp_nonpos's underflow select (0): a large
+    scale spreads the scores over thousands, so most keys underflow and a few dominate, and blocks
+    whose max is far below an earlier one rescale the accumulator by exp(-large) = 0."""
+    batch = make_batch(q_lens, seq_lens, 6, 3)
+    args = (*batch.args()[:5], 40.0)
+    expected = reference.paged_attention(*args)
+    got = cpu_ops.paged_attention(*args)
+    assert not got.isnan().any()
+    # Scores of ~1e3 carry ~1e-4 of summation-order error into exp: looser than TOL (the code before
+    # the branch-free exp differed from the reference by the same 3e-5).
+    torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-4)
+
+
 @pytest.mark.parametrize("block_size", [1, 5, 16, 32])
 def test_paged_attention_block_sizes(block_size):
     batch = make_batch([1, 7, 20], [9, 30, 20], 6, 3, block_size=block_size)

@@ -58,15 +58,20 @@ static inline void store_row(void *dst, int dtype, int64_t offset, const float *
 /* exp(x) for x <= 0 (softmax after subtracting the max): 2^(x log2 e) split into an integer power
  * and a degree-6 polynomial on [-0.5, 0.5]; relative error ~2e-7, vectorisable, no libm call. */
 static inline float exp_nonpos(float x) {
-    if (x < -87.0f) return 0.0f;
-    float t = x * 1.4426950408889634f;
-    float n = nearbyintf(t);
-    float f = (t - n) * 0.6931471805599453f; /* f in [-ln2/2, ln2/2] */
-    float p = 1.0f + f * (1.0f + f * (0.5f + f * (0.16666667f + f * (0.041666668f + f * (0.008333334f + f * 0.0013888889f)))));
-    int32_t bits = ((int32_t)n + 127) << 23;
+    /* Branch-free (a select, not a return) so loops calling it auto-vectorise on every ISA; the
+     * clamp keeps the exponent bits valid on the lanes that then select 0. Rounding by adding and
+     * subtracting 1.5 * 2^23 is nearbyintf in the default mode for |t| < 2^22 (here t >= -126). */
+    const int under = x < -87.0f;
+    const float xc = under ? -87.0f : x;
+    const float t = xc * 1.4426950408889634f;
+    const float n = (t + 12582912.0f) - 12582912.0f;
+    const float f = (t - n) * 0.6931471805599453f; /* f in [-ln2/2, ln2/2] */
+    const float p = 1.0f + f * (1.0f + f * (0.5f + f * (0.16666667f + f * (0.041666668f + f * (0.008333334f + f * 0.0013888889f)))));
+    const int32_t bits = ((int32_t)n + 127) << 23;
     float scale;
     memcpy(&scale, &bits, 4);
-    return p * scale;
+    const float r = p * scale; /* computed on every lane: a select of two values, not a branch */
+    return under ? 0.0f : r;
 }
 
 /* ---- paged attention ------------------------------------------------------------------------
@@ -623,9 +628,9 @@ int pd_silu_and_mul(int dtype, const void *x, void *out, int64_t num_tokens, int
             for (int i = 0; i < n; i++) {
                 /* silu(g) = g * sigmoid(g), with exp of -|g| only (no overflow, vectorisable). */
                 const float g = gate[i];
-                const float e = exp_nonpos(g >= 0.0f ? -g : g);
-                const float sig = g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-                gate[i] = g * sig * up[i];
+                const float e = exp_nonpos(-fabsf(g));
+                const float num = g >= 0.0f ? 1.0f : e;
+                gate[i] = g * (num / (1.0f + e)) * up[i];
             }
             store_row(out, dtype, t * d + c, gate, n);
         }
