@@ -8,6 +8,12 @@ decode batch): MKL runs those as one matrix-vector pass over the weight per row,
 every weight twice (decode step of smollm2 fp32 here: 63 ms for one request, 100 ms for two); the C
 kernel ``pd_linear_small_m`` (kernels/csrc/cpu_kernels.c) streams the weight once for all rows. On
 CUDA, ``F.linear`` (cuBLAS) as is.
+
+``pack_float32`` (the LM head): a float32 weight also gets a oneDNN copy packed for 32 rows, used for
+up to PACKED_F32_MAX_ROWS rows (a decode batch's last hidden states); bigger inputs (prompt logprobs)
+keep MKL, which is faster there. Measured on this box, one thread, smollm2's 576 x 49152 head: M=1
+7.6 -> 6.4 ms, M=8 19.7 (16.8 with the small-M kernel) -> 11.1 ms, M=32 37.1 -> 28.6 ms; M=512 MKL
+393 ms against 420 ms packed. The cost is a second copy of that one matrix (113 MB for smollm2).
 """
 
 from __future__ import annotations
@@ -20,12 +26,16 @@ import torch.nn.functional as F
 from pdcluster.kernels import cpu_ops
 
 
+PACKED_F32_ROWS_HINT = 32  # the batch size oneDNN lays the float32 copy out for
+PACKED_F32_MAX_ROWS = 64  # above this MKL on the plain weight is faster (see the module docstring)
+
+
 @functools.cache
-def _can_prepack() -> bool:
+def _can_prepack(dtype: torch.dtype = torch.bfloat16) -> bool:
     try:
-        w = torch.zeros(16, 16, dtype=torch.bfloat16)
+        w = torch.zeros(16, 16, dtype=dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
-        torch.ops.mkldnn._linear_pointwise(torch.zeros(2, 16, dtype=torch.bfloat16), packed, None, "none", [], "")
+        torch.ops.mkldnn._linear_pointwise(torch.zeros(2, 16, dtype=dtype), packed, None, "none", [], "")
         return torch.backends.mkldnn.is_available()
     except (RuntimeError, AttributeError):
         return False
@@ -39,20 +49,28 @@ class Linear:
     plain [out, in] tensor beside a packed copy (for weights other code also reads, e.g. the tied
     embedding); otherwise a packed weight is the only copy (no doubled memory)."""
 
-    def __init__(self, weight: torch.Tensor, prepack: bool = True, keep_weight: bool = False):
+    def __init__(self, weight: torch.Tensor, prepack: bool = True, keep_weight: bool = False,
+                 pack_float32: bool = False):
         self.weight: torch.Tensor | None = weight
         self.out_features, self.in_features = weight.shape
         self._packed = None
-        if prepack and weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and _can_prepack():
+        self._packed_f32 = None  # beside the plain weight: up to PACKED_F32_MAX_ROWS rows
+        on_cpu = prepack and weight.device.type == "cpu"
+        if on_cpu and weight.dtype == torch.bfloat16 and _can_prepack():
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
             if not keep_weight:
                 self.weight = None
+        elif on_cpu and pack_float32 and weight.dtype == torch.float32 and _can_prepack(torch.float32):
+            self._packed_f32 = torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_F32_ROWS_HINT)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:
             if x.dtype is not torch.bfloat16:
                 x = x.to(torch.bfloat16)
             return _linear_pointwise(x, self._packed, None, "none", [], "")
+        if (self._packed_f32 is not None and x.dtype is torch.float32 and x.is_contiguous()
+                and x.numel() <= PACKED_F32_MAX_ROWS * x.shape[-1]):
+            return _linear_pointwise(x, self._packed_f32, None, "none", [], "")
         if x.dtype is torch.float32 and 2 * x.shape[-1] <= x.numel() <= cpu_ops.SMALL_M * x.shape[-1]:
             out = cpu_ops.linear_small_m(x, self.weight)  # None: no C kernels here (falls through)
             if out is not None:

@@ -194,7 +194,7 @@ class LlamaModel:
         self.embed_tokens = weights["model.embed_tokens.weight"]
         self.lm_head = self.embed_tokens if arch.tie_word_embeddings else weights["lm_head.weight"]
         # The MTP head slices the plain lm_head and the embedding reads it: keep it beside the packing.
-        self.lm_head_proj = Linear(self.lm_head, keep_weight=True)
+        self.lm_head_proj = Linear(self.lm_head, keep_weight=True, pack_float32=True)
         self.norm = weights["model.norm.weight"]
         self.layers = [DecoderLayer(arch, weights, f"model.layers.{i}") for i in range(arch.num_layers)]
         self.rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, max_positions, dtype)

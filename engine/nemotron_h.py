@@ -264,7 +264,7 @@ class NemotronHModel:
 
         self.embed_tokens = take("model.embeddings.weight")
         self.lm_head = self._lm_head(arch, weights.pop("lm_head.weight", None))
-        self.lm_head_proj = Linear(self.lm_head, keep_weight=True)
+        self.lm_head_proj = Linear(self.lm_head, keep_weight=True, pack_float32=True)
         self.norm = take("model.norm_f.weight")
         self.layers: list[HybridBlock] = []
         counts = {ATTENTION: 0, MAMBA: 0}

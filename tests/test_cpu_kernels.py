@@ -171,6 +171,29 @@ def test_linear_routes_decode_batches_to_the_small_m_kernel(monkeypatch):
     assert cpu_ops.linear_small_m(torch.randn(2, 32, dtype=torch.float64), lin.weight.double()) is None
 
 
+def test_lm_head_float32_packing_serves_decode_batches_and_leaves_big_inputs_to_mkl(monkeypatch):
+    """pack_float32 (the LM head): up to PACKED_F32_MAX_ROWS float32 rows go through the oneDNN copy,
+    more (prompt logprobs) through F.linear on the plain weight, kept beside it; results agree."""
+    from pdcluster.engine import linear as linear_mod
+
+    if not linear_mod._can_prepack(torch.float32):
+        pytest.skip("this torch has no oneDNN linear")
+    packed_calls = []
+    real = linear_mod._linear_pointwise
+    monkeypatch.setattr(linear_mod, "_linear_pointwise", lambda x, *a: packed_calls.append(x.shape) or real(x, *a))
+    w = torch.randn(300, 48, generator=torch.Generator().manual_seed(5))
+    lin = linear_mod.Linear(w, keep_weight=True, pack_float32=True)
+    assert lin.weight is w and lin._packed_f32 is not None
+    limit = linear_mod.PACKED_F32_MAX_ROWS
+    for rows in (1, 8, 32, limit, limit + 1, 200):
+        x = torch.randn(rows, 48)
+        torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, w), rtol=1e-4, atol=1e-4)
+    assert packed_calls == [(1, 48), (8, 48), (32, 48), (limit, 48)]
+    big = torch.randn(200, 48)
+    assert torch.equal(lin(big), torch.nn.functional.linear(big, w))  # MKL on the plain weight
+    assert linear_mod.Linear(w)._packed_f32 is None  # only where asked (the layers keep MKL)
+
+
 def test_ops_route_cpu_tensors_to_the_c_kernels(monkeypatch):
     batch = make_batch([1, 4], [6, 9], 4, 2)
     called = []
