@@ -586,7 +586,9 @@ def test_head_script_ends_when_either_process_ends(rendered, tmp_path, ray_cmd, 
     script = _head(rendered("values.yaml"))["args"][0]
     env = {**_stub_python(tmp_path), "KUBERAY_GEN_RAY_START_CMD": ray_cmd, "PDCLUSTER_API_KEY": "k-123",
            "STUB_SLEEP": stub_sleep, "STUB_RC": stub_rc}
-    assert _run_shell(script, env) == want_rc
+    # When Ray exits at once the script can end before the background server stub has recorded its
+    # argv (a CI flake on a loaded box): wait for the stub's last file (.key, written after .args).
+    assert _run_shell(script, env, then_wait_for=tmp_path / "stub.key") == want_rc
     argv = (tmp_path / "stub.args").read_text().split("\n")[:-1]
     assert argv[0] == "/etc/pdcluster/serve_when_ready.py"
     _, serve = bc.serve_argv_from_shell(" ".join(argv))  # plain tokens: no quoting left
