@@ -188,7 +188,7 @@ def main(argv=None) -> int:
     p.add_argument("--k", type=int, default=3, help="draft tokens per step")
     p.add_argument("--methods", nargs="+", default=["none", "ngram", "mtp"], choices=["none", "ngram", "mtp"])
     p.add_argument("--async-scheduling", action="store_true", help="also run every method with async scheduling")
-    p.add_argument("--mtp-checkpoint", default="", help='"" = the trained head in the cache, else random')
+    p.add_argument("--mtp-checkpoint", default="", help='"" = the trained head in the cache (refused without one), or "random"')
     p.add_argument("--num-threads", type=int, default=1,
                    help="torch threads (0 = torch's default; on a shared 2-core machine 2 threads measured ~10x slower)")
     args = p.parse_args(argv)

@@ -29,6 +29,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--spec", default="none", choices=SPEC_METHODS, help="speculative decoding method")
     g.add_argument("--num-spec-tokens", type=int, default=0, help="draft tokens per step (k)")
+    g.add_argument("--mtp-checkpoint", default="",
+                   help="MTP head for --spec mtp: a safetensors file from bench/train_mtp.py (default: the one "
+                        "trained for --model in the cache dir; refused when there is none), or 'random'")
     g.add_argument("--num-threads", type=int, default=0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--cache-dir", default="", help="where converted models live (default ~/.cache/pdcluster)")
@@ -53,6 +56,7 @@ def engine_config_from_args(args: argparse.Namespace):
         enable_prefix_caching=not args.no_prefix_caching,
         spec_method=args.spec,
         num_spec_tokens=num_spec,
+        mtp_checkpoint=args.mtp_checkpoint,
         num_threads=args.num_threads,
         seed=args.seed,
         cache_dir=args.cache_dir,

@@ -35,7 +35,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     _add_engine_args(p)  # --model, --spec, --num-spec-tokens, ... (shared with `generate`)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    g.add_argument("--port", type=int, default=8000, help="0 = any free port (printed when ready)")
+    g.add_argument("--port", type=int, default=None,
+                   help="0 = any free port (printed when ready); default: $PDCLUSTER_PORT, else 8000")
     g.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $PDCLUSTER_API_KEY; none = open)")
@@ -79,6 +80,12 @@ def _check_args(args: argparse.Namespace) -> None:
     args.cluster_secret = args.cluster_secret or os.environ.get("PDCLUSTER_CLUSTER_SECRET") or None
     args.admin_key = args.admin_key or os.environ.get("PDCLUSTER_ADMIN_KEY") or None
     args.served_model_name = args.served_model_name or args.model
+    if args.port is None:
+        env_port = os.environ.get("PDCLUSTER_PORT") or "8000"
+        try:
+            args.port = int(env_port)
+        except ValueError:
+            raise ConfigError(f"PDCLUSTER_PORT: must be a port number, got {env_port!r}") from None
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port: must be in 0..65535, got {args.port}")
     for flag, value in (("--num-prefill", args.num_prefill), ("--num-decode", args.num_decode),
@@ -99,6 +106,11 @@ def _check_args(args: argparse.Namespace) -> None:
                 slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
         except ValueError as e:
             raise ConfigError(str(e)) from e
+    if args.spec == "mtp":  # before any worker starts: one line, not a traceback from every actor
+        from pdcluster.engine.model_registry import default_cache_dir
+        from pdcluster.engine.mtp import find_mtp_checkpoint
+
+        find_mtp_checkpoint(args.mtp_checkpoint, args.cache_dir or default_cache_dir(), args.model)
     if args.max_worker_restarts < 0:
         raise ConfigError(f"--max-worker-restarts: must be >= 0, got {args.max_worker_restarts}")
     if not args.request_timeout_s > 0:

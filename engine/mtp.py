@@ -14,8 +14,10 @@ token is known: for every position the target computes, in the same step (engine
 
 Checkpoints are safetensors with the names of :func:`mtp_param_shapes` (``mtp.eh_proj.weight``,
 ``mtp.layer.self_attn.q_proj.weight``, ...). ``engine.cache_dir/mtp/<model>-mtp.safetensors`` is used when
-``EngineConfig.mtp_checkpoint`` is ""; without it a seeded random head runs (correctness never depends
-on draft quality: verification is lossless); ``mtp_checkpoint="random"`` forces the random head.
+``EngineConfig.mtp_checkpoint`` is ""; without it the engine refuses to start (a random head drafts
+nothing the target accepts: 0 of 261 drafts on SmolLM2, decoding slower than without speculation), naming
+the ways out. ``mtp_checkpoint="random"`` asks for the seeded random head on purpose (tests: correctness
+never depends on draft quality, verification is lossless).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdcluster.engine.attention import AttentionMetadata
+from pdcluster.engine.config import ConfigError
 from pdcluster.engine.model import DecoderLayer, LlamaModel, ModelArch, rms_norm
 
 MTP_DIR = "mtp"
@@ -42,6 +45,34 @@ DRAFT_VOCAB_SIZE = 16384
 
 class MTPCheckpointError(ValueError):
     """An MTP checkpoint that does not fit the target model (missing tensors, wrong shapes)."""
+
+
+class MTPHeadMissing(ConfigError):
+    """``spec_method="mtp"`` with no trained head to load: refused rather than drafting at random."""
+
+
+def missing_head_message(model_name: str, default: Path) -> str:
+    """One line: what is missing and the three ways out."""
+    return (f"--spec mtp: no trained MTP head for {model_name!r} (looked for {default}) and the model has no MTP "
+            f"layers of its own; train one with `python bench/train_mtp.py --model {model_name}` (a few minutes "
+            "on a CPU), pass --mtp-checkpoint PATH, or use --spec ngram (--mtp-checkpoint random drafts with an "
+            "untrained head: lossless but slower)")
+
+
+def find_mtp_checkpoint(checkpoint: str, cache_dir: str | os.PathLike, model_name: str) -> Path | None:
+    """The file the engine will load for ``checkpoint`` (None: the random head, asked for by name), checked
+    without reading it, so a server can refuse in one line before it starts any worker."""
+    if checkpoint == RANDOM_HEAD:
+        return None
+    if checkpoint:
+        if not Path(checkpoint).is_file():
+            raise MTPHeadMissing(f"mtp_checkpoint (--mtp-checkpoint): {checkpoint!r} does not exist; train one "
+                                 "with bench/train_mtp.py")
+        return Path(checkpoint)
+    default = default_mtp_checkpoint(cache_dir, model_name)
+    if not default.is_file():
+        raise MTPHeadMissing(missing_head_message(model_name, default))
+    return default
 
 
 def mtp_param_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
@@ -111,17 +142,11 @@ def save_mtp_weights(path: str | os.PathLike, weights: dict[str, torch.Tensor], 
 def resolve_mtp_weights(checkpoint: str, cache_dir: str | os.PathLike, model_name: str, arch: ModelArch,
                         seed: int) -> tuple[dict[str, torch.Tensor], str]:
     """(weights, where they came from). An explicit path must exist; "" means the trained head in the
-    cache if there is one, else a random head seeded with ``seed``; "random" forces the random head."""
-    if checkpoint == RANDOM_HEAD:
+    cache (MTPHeadMissing without one); "random" asks for the random head seeded with ``seed``."""
+    path = find_mtp_checkpoint(checkpoint, cache_dir, model_name)
+    if path is None:
         return random_mtp_weights(arch, seed), f"random(seed={seed})"
-    if checkpoint:
-        if not Path(checkpoint).is_file():
-            raise FileNotFoundError(f"mtp_checkpoint: {checkpoint!r} does not exist; train one with bench/train_mtp.py")
-        return load_mtp_weights(checkpoint, arch), str(checkpoint)
-    default = default_mtp_checkpoint(cache_dir, model_name)
-    if default.is_file():
-        return load_mtp_weights(default, arch), str(default)
-    return random_mtp_weights(arch, seed), f"random(seed={seed})"
+    return load_mtp_weights(path, arch), str(path)
 
 
 class MTPHead:

@@ -78,3 +78,39 @@ def test_bad_autoscale_flags_are_one_line_before_anything_starts(args, message):
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
     assert message in r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi", "--num-kv-blocks", "64"],
+                                     ["serve", "--port", "0", "--mode", "local"],
+                                     ["serve", "--port", "0", "--mode", "colocated"]])
+@pytest.mark.timeout(300)
+def test_spec_mtp_without_a_trained_head_is_refused_in_one_line(tiny_dir, tmp_path, command):
+    """A random MTP head drafts nothing the target accepts (0 of 261 on SmolLM2) and decodes slower than
+    no speculation: refused at start-up, before any worker, naming the ways out."""
+    r = _run(*command, "--model", "tiny-random", "--spec", "mtp", "--cache-dir", str(tmp_path))
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    lines = [line for line in r.stderr.splitlines() if "error:" in line]
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "no trained MTP head for 'tiny-random'" in lines[0] and "--spec ngram" in lines[0]
+    assert "bench/train_mtp.py" in lines[0] and "--mtp-checkpoint PATH" in lines[0]
+    missing = _run(*command, "--model", "tiny-random", "--spec", "mtp", "--mtp-checkpoint", str(tmp_path / "x"))
+    assert missing.returncode == 2 and "does not exist" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_serve_port_defaults_to_the_environment(monkeypatch):
+    from pdcluster.cluster.cli import build_parser
+    from pdcluster.cluster.serve_cli import _check_args
+    from pdcluster.engine.config import ConfigError
+
+    def port(*argv):
+        args = build_parser().parse_args(["serve", "--mode", "local", *argv])
+        _check_args(args)
+        return args.port
+
+    monkeypatch.delenv("PDCLUSTER_PORT", raising=False)
+    assert port() == 8000
+    monkeypatch.setenv("PDCLUSTER_PORT", "18123")
+    assert port() == 18123 and port("--port", "0") == 0  # the flag wins
+    monkeypatch.setenv("PDCLUSTER_PORT", "eighty")
+    with pytest.raises(ConfigError, match="PDCLUSTER_PORT: must be a port number, got 'eighty'"):
+        port()

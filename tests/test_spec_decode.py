@@ -328,6 +328,7 @@ def test_mtp_checkpoint_roundtrip_and_mismatch(tmp_path, tiny_dir, smollm2_dir):
     from pdcluster.engine.model import ModelArch
     from pdcluster.engine.mtp import (
         MTPCheckpointError,
+        MTPHeadMissing,
         load_mtp_weights,
         random_mtp_weights,
         resolve_mtp_weights,
@@ -343,10 +344,11 @@ def test_mtp_checkpoint_roundtrip_and_mismatch(tmp_path, tiny_dir, smollm2_dir):
     # "" finds the cache's checkpoint by model name; "random" ignores it; a wrong model is a clear error.
     assert resolve_mtp_weights("", tmp_path, "tiny-random", tiny, 0)[1] == str(path)
     assert resolve_mtp_weights("random", tmp_path, "tiny-random", tiny, 0)[1] == "random(seed=0)"
-    assert resolve_mtp_weights("", tmp_path / "none", "tiny-random", tiny, 4)[1] == "random(seed=4)"
+    with pytest.raises(MTPHeadMissing, match="no trained MTP head for 'tiny-random'.*bench/train_mtp.py"):
+        resolve_mtp_weights("", tmp_path / "none", "tiny-random", tiny, 4)  # never a silent random head
     with pytest.raises(MTPCheckpointError, match="trained for another model"):
         load_mtp_weights(path, smol)
-    with pytest.raises(FileNotFoundError, match="mtp_checkpoint"):
+    with pytest.raises(MTPHeadMissing, match="mtp_checkpoint"):
         resolve_mtp_weights(str(tmp_path / "missing.safetensors"), tmp_path, "tiny-random", tiny, 0)
 
 
@@ -376,7 +378,7 @@ def test_spec_cli_json_counters(tiny_dir):
         return [json.loads(line) for line in buf.getvalue().splitlines()]
 
     plain = run()
-    spec = run("--spec", "mtp", "--num-spec-tokens", "3")
+    spec = run("--spec", "mtp", "--num-spec-tokens", "3", "--mtp-checkpoint", "random")
     for a, b in zip(plain, spec):
         assert a["token_ids"] == b["token_ids"]
         assert a["num_draft_tokens"] == 0 and a["num_accepted_tokens"] == 0

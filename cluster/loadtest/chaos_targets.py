@@ -8,15 +8,21 @@ the base URL's port. A process is signalled only if it is, at that moment, a wor
 signals another server's workers or anything else on a shared machine.
 
 A server that joined a Ray cluster (``--address``) runs its workers elsewhere: refused, with why.
+
+psutil is load-test tooling, not a serving dependency (the ``loadtest`` extra): imported on first use,
+so the ``pdcluster`` command (which builds the load-test parser) starts without it.
 """
 
 from __future__ import annotations
 
 import signal
 from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-import psutil
+if TYPE_CHECKING:
+    import psutil
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 ROLE_TITLES = {"prefill": "ray::PrefillActor", "decode": "ray::DecodeActor"}
@@ -36,6 +42,15 @@ class WorkerProcess:
     process: psutil.Process  # kept: send_signal on it refuses a pid re-used since
 
 
+def _psutil() -> ModuleType:
+    try:
+        import psutil
+    except ModuleNotFoundError:
+        raise ChaosTargetError("--chaos: needs psutil to find the server's worker processes: "
+                               "pip install 'pdcluster[loadtest]' (or psutil)") from None
+    return psutil
+
+
 def require_loopback(base_url: str) -> str:
     """The host of ``base_url`` when it is this machine's loopback, else one clear error."""
     host = urlsplit(base_url).hostname or ""
@@ -47,6 +62,7 @@ def require_loopback(base_url: str) -> str:
 
 def server_pid(port: int) -> int:
     """The pid of the process listening on loopback ``port`` (one of ours: same user)."""
+    psutil = _psutil()
     try:
         conns = psutil.net_connections(kind="inet")
     except psutil.AccessDenied:
@@ -65,6 +81,7 @@ def server_pid(port: int) -> int:
 
 
 def _title(p: psutil.Process) -> str:
+    psutil = _psutil()
     try:
         cmdline = p.cmdline()
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
@@ -74,6 +91,7 @@ def _title(p: psutil.Process) -> str:
 
 def worker_processes(server: int, role: str) -> list[WorkerProcess]:
     """Live ``role`` worker processes under the server process, oldest first."""
+    psutil = _psutil()
     title = ROLE_TITLES[role]
     try:
         descendants = psutil.Process(server).children(recursive=True)
@@ -114,6 +132,7 @@ def find_worker(server: int, role: str, pid: int | None, index: int) -> WorkerPr
 
 def send(worker: WorkerProcess, sig: signal.Signals) -> None:
     """Signal the worker found by ``find_worker`` (psutil checks the pid was not re-used since)."""
+    psutil = _psutil()
     try:
         worker.process.send_signal(sig)
     except psutil.NoSuchProcess:

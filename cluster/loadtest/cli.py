@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import dataclasses
 import datetime
+import importlib.util
 import math
 import os
 import sys
@@ -170,6 +171,20 @@ def _positive(flag: str, value, allow_none: bool = True) -> None:
         raise LoadtestError(f"{flag}: must be > 0, got {value}")
 
 
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a finder that refuses it, or a broken install
+        return False
+
+
+def _require_tooling(args: argparse.Namespace) -> None:
+    """--plot and --chaos use the ``loadtest`` extra: say so before any work, not after the run."""
+    for flag, wanted, module in (("--plot", args.plot, "matplotlib"), ("--chaos", args.chaos, "psutil")):
+        if wanted and not _importable(module):
+            raise LoadtestError(f"{flag}: needs {module}, which this install lacks: pip install 'pdcluster[loadtest]'")
+
+
 def _chaos(args: argparse.Namespace) -> list[ChaosEvent] | None:
     if args.chaos is None:
         return None
@@ -182,6 +197,7 @@ def _chaos(args: argparse.Namespace) -> list[ChaosEvent] | None:
 
 
 def _plan(args: argparse.Namespace) -> Plan:
+    _require_tooling(args)
     if not args.model:
         raise LoadtestError("--model: required (the served model name), unless you --compare two results")
     check_dataset_name(args.dataset)
@@ -350,6 +366,7 @@ def _write(action, flag: str, path: str) -> None:
 
 
 def _compare(args: argparse.Namespace) -> int:
+    _require_tooling(args)
     path_a, path_b = args.compare
     a, b = report.read_result(path_a), report.read_result(path_b)
     names = (report.result_name(a, path_a), report.result_name(b, path_b))
