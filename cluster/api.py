@@ -6,7 +6,7 @@ POST /tokenize, POST /detokenize, GET /health, GET /metrics. The pieces, one con
 - cluster/api_protocol.py: the OpenAI wire format (request models; response, chunk and error JSON);
 - cluster/api_validation.py: the one validation of a request (body -> prompts + SamplingParams + what
   the response shows), with cluster/api_sampling.py (sampling fields) and cluster/api_structured.py
-  (response_format and tools -> a grammar; tool calls out of the text);
+  (response_format and tools -> a grammar; tool calls out of the text, by cluster/tool_parsers/);
 - cluster/api_fanout.py: a request's choices (n, a batch of prompts) as router requests, together;
 - cluster/api_choice.py: one choice's router stream -> text (stop strings through engine/tokenizer.py's
   Detokenizer) and logprobs kept aligned (cluster/api_text.py), counts, metrics;
@@ -32,6 +32,7 @@ from pdcluster.cluster.api_serving import serve_request
 from pdcluster.cluster.api_tokenize import install_tokenize_routes
 from pdcluster.cluster.api_validation import prepare
 from pdcluster.cluster.metrics import Metrics
+from pdcluster.cluster.tool_parsers import select_parser
 from pdcluster.engine.tokenizer import Detokenizer
 
 # Names callers imported from this module before it was split.
@@ -41,9 +42,13 @@ log = logging.getLogger(__name__)
 
 
 def build_app(router, served_model_name: str, api_key: str | None = None, max_body_bytes: int = 1 << 20,
-              metrics: Metrics | None = None) -> FastAPI:
+              metrics: Metrics | None = None, tool_call_parser: str = "auto") -> FastAPI:
+    """``tool_call_parser``: the model's tool-call format for tool_choice "auto" (cluster/tool_parsers/:
+    hermes, llama3_json, pythonic; ``auto`` reads it off the chat template, and without one "auto" is
+    refused)."""
     if max_body_bytes <= 0:
         raise ValueError(f"max_body_bytes must be > 0, got {max_body_bytes!r}")
+    tool_parser = select_parser(tool_call_parser, getattr(router.tokenizer, "chat_template", None))
     metrics = metrics or Metrics(served_model_name)
     app = FastAPI(title="pdcluster", description="OpenAI-compatible API of a disaggregated prefill/decode cluster")
     app.state.router, app.state.metrics = router, metrics
@@ -58,7 +63,7 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        prep = await prepare(body, router, served_model_name)
+        prep = await prepare(body, router, served_model_name, tool_parser)
         return await serve_request(prep, request, router, metrics, strings)
 
     @app.get("/v1/models")

@@ -190,6 +190,11 @@ def chat_chunk_choice(index: int, text: str, logprobs: dict | None, finish_reaso
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
+def chat_delta_choice(index: int, delta: dict, logprobs: dict | None, finish_reason: str | None) -> dict:
+    """A choice of a chat stream chunk with a ready ``delta`` (tool calls: cluster/tool_parsers/stream.py)."""
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
 def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int) -> dict:
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_output_tokens,
             "total_tokens": num_prompt_tokens + num_output_tokens,

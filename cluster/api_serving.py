@@ -1,6 +1,8 @@
 """Serving a validated request (cluster/api_validation.py ``Prepared``): its choices' router streams
 (cluster/api_fanout.py, one cluster/api_choice.py ``ChoiceRun`` each) become one JSON response or one
-SSE stream, with the text, the logprobs, tool calls, the usage and the finish reasons.
+SSE stream, with the text, the logprobs, tool calls, the usage and the finish reasons. A chat choice
+that may hold tool calls is read by the request's tool-call parser (cluster/tool_parsers/): whole, or
+piece by piece into OpenAI's ``delta.tool_calls``; its finish reason is then "tool_calls".
 
 A client that goes away aborts every router request of its response; so does a choice that fails.
 Usage counts each prompt's tokens once (not once per choice) and sums the completion tokens of every
@@ -23,10 +25,10 @@ from pdcluster.cluster.api_choice import ChoiceRun
 from pdcluster.cluster.api_fanout import choice_requests, collect_all, interleaved, start_all
 from pdcluster.cluster.api_logprobs import Positions, TokenStrings, chat_logprobs, completion_logprobs
 from pdcluster.cluster.api_middleware import APIError
-from pdcluster.cluster.api_structured import tool_calls_from_text
 from pdcluster.cluster.api_validation import Prepared
 from pdcluster.cluster.metrics import Metrics
 from pdcluster.cluster.router_api import RouterError
+from pdcluster.cluster.tool_parsers import ToolCallStream
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,10 @@ class Reply:
 
     def __init__(self, prep: Prepared, runs: list[ChoiceRun], strings: TokenStrings):
         self.prep, self.runs, self.strings = prep, runs, strings
+        mode = prep.output.tool_calls if prep.object_kind == wire.CHAT_COMPLETION else None
+        # Per choice index, the parser of its stream (only for a request whose text may hold tool calls).
+        self.tool_streams = {} if mode is None else {
+            run.index: ToolCallStream(mode.reader(), mode.max_calls) for run in runs}
 
     def header(self, chunk: bool) -> dict:
         p = self.prep
@@ -91,10 +97,12 @@ class Reply:
         if self.prep.object_kind == wire.TEXT_COMPLETION:
             return wire.completion_choice(run.index, run.text, logprobs, run.finish_reason)
         mode = self.prep.output.tool_calls
-        calls = tool_calls_from_text(mode, run.text) if mode is not None else None
+        if mode is None:
+            return wire.chat_choice(run.index, run.text, logprobs, run.finish_reason)
+        content, calls = mode.reader().parse(run.text, mode.max_calls)
         if calls:
-            return wire.chat_choice(run.index, None, logprobs, "tool_calls", calls)
-        return wire.chat_choice(run.index, run.text, logprobs, run.finish_reason)
+            return wire.chat_choice(run.index, content or None, logprobs, "tool_calls", calls)
+        return wire.chat_choice(run.index, content, logprobs, run.finish_reason)
 
     def chunk(self, run: ChoiceRun, text: str, positions: Positions | None, finish_reason: str | None,
               first: bool = False) -> bytes:
@@ -103,6 +111,29 @@ class Reply:
             choice = wire.completion_choice(run.index, text, logprobs, finish_reason)
         else:
             choice = wire.chat_chunk_choice(run.index, text, logprobs, finish_reason, first)
+        return self._sse(choice)
+
+    def chunks(self, run: ChoiceRun, text: str, positions: Positions | None, finish_reason: str | None) -> list[bytes]:
+        """The chunks for a piece of a choice: one, or with tool calls one per delta of its parser (the
+        piece's logprobs on the first, the finish reason on the last)."""
+        stream = self.tool_streams.get(run.index)
+        if stream is None:
+            return [self.chunk(run, text, positions, finish_reason)]
+        deltas = stream.feed(text)
+        if finish_reason is not None and finish_reason != "error":
+            deltas += stream.finish()
+            finish_reason = "tool_calls" if stream.num_final_calls else finish_reason
+        has_tokens = positions is not None and bool(positions.token_ids)
+        if not deltas and (has_tokens or finish_reason is not None):
+            deltas = [{}]  # held-back text: its logprobs still go out, and so does the finish reason
+        out = []
+        for i, delta in enumerate(deltas):
+            logprobs = self.logprobs(positions) if i == 0 else None
+            reason = finish_reason if i == len(deltas) - 1 else None
+            out.append(self._sse(wire.chat_delta_choice(run.index, delta, logprobs, reason)))
+        return out
+
+    def _sse(self, choice: dict) -> bytes:
         usage_field = {"usage": None} if self.prep.include_usage else {}
         return wire.sse({**self.header(True), "choices": [choice], **usage_field})
 
@@ -123,12 +154,12 @@ async def _sse_stream(resp: Reply, firsts) -> AsyncIterator[bytes]:
                 has_tokens = piece.positions is not None and bool(piece.positions.token_ids)
                 if finish_reason == "error":
                     if piece.text or has_tokens:
-                        yield resp.chunk(run, piece.text, piece.positions, None)
+                        for chunk in resp.chunks(run, piece.text, piece.positions, None):
+                            yield chunk
                     failed = run
-                elif finish_reason is not None:
-                    yield resp.chunk(run, piece.text, piece.positions, finish_reason)
-                elif piece.text or has_tokens:
-                    yield resp.chunk(run, piece.text, piece.positions, None)
+                elif finish_reason is not None or piece.text or has_tokens:
+                    for chunk in resp.chunks(run, piece.text, piece.positions, finish_reason):
+                        yield chunk
         if failed is not None:
             yield wire.sse(wire.error_body(f"generation failed: {failed.error}", "server_error"))
         elif prep.include_usage:

@@ -1,6 +1,6 @@
 """Structured output at the API: ``response_format`` and forced ``tools`` become one grammar spec for
 the engine (SamplingParams.structured_output, a JSON string engine/structured_output.py compiles), and
-the constrained text of a tool call becomes ``message.tool_calls``.
+the text of a choice becomes ``message.tool_calls`` through a tool-call parser (cluster/tool_parsers/).
 
 As vLLM:
 - ``response_format`` ``{"type": "json_object"}`` -> any JSON object; ``{"type": "json_schema",
@@ -10,18 +10,21 @@ As vLLM:
   is f's ``parameters`` schema.
 - ``tool_choice`` "required" -> the text is a JSON array of at least one ``{"name": <one of the tools>,
   "parameters": <that tool's schema>}`` (one at most with ``parallel_tool_calls: false``).
-- ``tool_choice`` "none" -> the tools are ignored. "auto" (the default when tools are given) needs a
-  model-specific parser of free text, which this server does not have: refused with a 400.
+- ``tool_choice`` "auto" (the default when tools are given) -> free text, read by the server's parser
+  for the model's format (``pdcluster serve --tool-call-parser``; ``auto`` picks it from the chat
+  template): the model answers in text or calls tools. With no parser for the model, refused with a 400.
+- ``tool_choice`` "none" -> the tools are ignored.
+Every tool choice streams: calls come as OpenAI ``delta.tool_calls`` (cluster/tool_parsers/stream.py).
 """
 
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass
 
 from pdcluster.cluster.api_middleware import APIError
 from pdcluster.cluster.api_protocol import NamedToolChoice, SamplingFields
+from pdcluster.cluster.tool_parsers import NamedParser, RequiredParser, ToolParser
 
 _EMPTY_OBJECT = {"type": "object", "properties": {}}
 # Compiling a schema grows fast with its nesting (xgrammar: 0.04 s at 64 levels of "properties", 11 s at
@@ -31,18 +34,28 @@ MAX_SCHEMA_DEPTH = 64
 
 @dataclass(frozen=True)
 class ToolCalls:
-    """The output is tool calls: of the function ``name``, or (None) a JSON array naming them."""
+    """The output may be tool calls: with ``parser`` (tool_choice "auto"), free text in the model's
+    format; else forced, the arguments of the function ``name``, or (None) a JSON array naming them."""
 
     name: str | None
+    parser: ToolParser | None = None
+    max_calls: int | None = None  # parallel_tool_calls false: 1
+
+    def reader(self) -> ToolParser:
+        if self.parser is not None:
+            return self.parser
+        return NamedParser(self.name) if self.name is not None else RequiredParser()
 
 
 def _bad(param: str, message: str) -> APIError:
     return APIError(400, f"{param}: {message}", param=param)
 
 
-def structured_request(body: SamplingFields) -> tuple[str | None, ToolCalls | None]:
-    """The grammar spec (a JSON string, or None for free text) and how to read the output."""
-    tool_spec, tool_calls = _tools_spec(body)
+def structured_request(body: SamplingFields, tool_parser: ToolParser | None = None
+                       ) -> tuple[str | None, ToolCalls | None]:
+    """The grammar spec (a JSON string, or None for free text) and how to read the output.
+    ``tool_parser``: the server's parser for tool_choice "auto" (None: the model has none)."""
+    tool_spec, tool_calls = _tools_spec(body, tool_parser)
     format_spec = _response_format_spec(body)
     if tool_spec is not None and format_spec is not None:
         raise _bad("response_format", "cannot be combined with tool_choice 'required' or a named function "
@@ -68,7 +81,7 @@ def _response_format_spec(body: SamplingFields) -> str | None:
     raise _bad("response_format.type", f"must be 'text', 'json_object' or 'json_schema', got {fmt.type!r}")
 
 
-def _tools_spec(body: SamplingFields) -> tuple[str | None, ToolCalls | None]:
+def _tools_spec(body: SamplingFields, tool_parser: ToolParser | None) -> tuple[str | None, ToolCalls | None]:
     tools = getattr(body, "tools", None) or []  # chat only
     choice = getattr(body, "tool_choice", None)
     choice = choice if choice is not None else ("auto" if tools else "none")
@@ -83,11 +96,14 @@ def _tools_spec(body: SamplingFields) -> tuple[str | None, ToolCalls | None]:
     if dupes:
         raise _bad("tools", f"function names must be unique, {dupes[0]!r} appears {names.count(dupes[0])} times")
     if choice == "auto":
-        raise _bad("tool_choice", "'auto' (the default when tools are given) needs a tool-call parser for "
-                                  "this model, which this server does not have: send tool_choice 'required' "
-                                  "or {\"type\": \"function\", \"function\": {\"name\": ...}} (or 'none')")
-    if body.stream:
-        raise _bad("stream", "streaming tool calls is not supported: send stream=false with tools")
+        if tool_parser is None:
+            raise _bad("tool_choice", "'auto' (the default when tools are given) needs a tool-call parser, and "
+                                      "this model's chat template does not show its format: start the server "
+                                      "with --tool-call-parser hermes, llama3_json or pythonic, or send "
+                                      "tool_choice 'required' or {\"type\": \"function\", \"function\": "
+                                      "{\"name\": ...}} (or 'none')")
+        single = 1 if getattr(body, "parallel_tool_calls", None) is False else None
+        return None, ToolCalls(None, tool_parser, single)
     if isinstance(choice, NamedToolChoice):
         name = choice.function.name
         if name not in names:
@@ -145,24 +161,7 @@ def check_spec(spec: str, param: str) -> None:
 
 
 def tool_calls_from_text(mode: ToolCalls, text: str) -> list[dict] | None:
-    """``message.tool_calls`` for the constrained output ``text``, or None when it does not parse as
-    what the grammar allows (e.g. cut by max_tokens): the caller then answers with plain content."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    if mode.name is not None:
-        return [_call(mode.name, text)] if isinstance(value, dict) else None
-    if not isinstance(value, list) or not value:
-        return None
-    calls = []
-    for item in value:
-        if not (isinstance(item, dict) and isinstance(item.get("name"), str) and "parameters" in item):
-            return None
-        calls.append(_call(item["name"], json.dumps(item["parameters"], ensure_ascii=False)))
-    return calls
-
-
-def _call(name: str, arguments: str) -> dict:
-    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
-            "function": {"name": name, "arguments": arguments}}
+    """``message.tool_calls`` for the output ``text``, or None when it holds no call (for a forced
+    choice: when it does not parse as what the grammar allows, e.g. cut by max_tokens): the caller
+    then answers with plain content."""
+    return mode.reader().parse(text, mode.max_calls)[1] or None

@@ -23,6 +23,7 @@ from pdcluster.cluster.api_protocol import (CHAT_COMPLETION, TEXT_COMPLETION, Ch
                                             ChatMessage, CompletionRequest, SamplingFields, short)
 from pdcluster.cluster.api_sampling import INT64_MAX, Extras, sampling_params
 from pdcluster.cluster.api_structured import ToolCalls, structured_request
+from pdcluster.cluster.tool_parsers import ToolParser
 from pdcluster.engine.sampling_params import SamplingParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: up to the context's end)
@@ -70,7 +71,9 @@ def _bad(param: str, message: str) -> APIError:
     return APIError(400, f"{param}: {message}", param=param)
 
 
-async def prepare(body: SamplingFields, router, served_model_name: str) -> Prepared:
+async def prepare(body: SamplingFields, router, served_model_name: str,
+                  tool_parser: ToolParser | None = None) -> Prepared:
+    """``tool_parser``: the model's tool-call format (tool_choice "auto", tools in the prompt)."""
     check_model(body.model, served_model_name)
     n = _check_n(body)
     _reject_unsupported(body)
@@ -78,11 +81,12 @@ async def prepare(body: SamplingFields, router, served_model_name: str) -> Prepa
     output, extras = _output_and_extras(body)
     tokenizer = router.tokenizer
     # Checking a schema and tokenising long prompts take a while: keep them off the event loop.
-    spec, tool_calls = await anyio.to_thread.run_sync(structured_request, body)
+    spec, tool_calls = await anyio.to_thread.run_sync(structured_request, body, tool_parser)
     output, extras = replace(output, tool_calls=tool_calls), replace(extras, structured_output=spec)
     if is_chat:
+        tools = [t.model_dump(exclude_none=True) for t in body.tools or []] if body.tool_choice != "none" else []
         ids = await anyio.to_thread.run_sync(
-            chat_prompt_ids, body.messages, body.add_generation_prompt is not False, tokenizer)
+            chat_prompt_ids, body.messages, body.add_generation_prompt is not False, tokenizer, tools, tool_parser)
         prompts = [(ids, None)]
     else:
         prompts = await anyio.to_thread.run_sync(_completion_prompts, body, n, output.echo, tokenizer)
@@ -172,12 +176,20 @@ def _completion_prompts(body: CompletionRequest, n: int, echo: bool, tokenizer) 
     return out
 
 
-def chat_prompt_text(messages: list[ChatMessage], add_generation_prompt: bool, tokenizer) -> str:
-    """``messages`` rendered by the model's chat template (also /tokenize's)."""
+def chat_prompt_text(messages: list[ChatMessage], add_generation_prompt: bool, tokenizer,
+                     tools: list[dict] | None = None, tool_parser: ToolParser | None = None) -> str:
+    """``messages`` rendered by the model's chat template (also /tokenize's).
+
+    With ``tools`` and a ``tool_parser``: a template that renders ``tools`` itself gets them (when the
+    tokenizer passes them on); any other template (SmolLM2's plain ChatML) gets them as HF's tool
+    templates show them, in a system prompt of the parser's format (before the client's own system
+    text), and past calls (an assistant's ``tool_calls``) written in that format as the message's text.
+    """
     from pdcluster.engine.tokenizer import ChatTemplateError
 
     if not messages:
         raise APIError(400, "messages is empty: give at least one message", param="messages")
+    inject = bool(tools) and tool_parser is not None and not _template_takes_tools(tokenizer)
     rendered = []
     for m in messages:
         content = m.content if isinstance(m.content, str) or m.content is None else "\n".join(p.text for p in m.content)
@@ -185,15 +197,35 @@ def chat_prompt_text(messages: list[ChatMessage], add_generation_prompt: bool, t
         for key in ("name", "tool_calls", "tool_call_id"):
             if getattr(m, key):
                 message[key] = getattr(m, key)
+        if inject and m.role == "assistant" and m.tool_calls:
+            message["content"] = "\n".join(x for x in (message["content"], tool_parser.render_calls(m.tool_calls)) if x)
         rendered.append(message)
+    kwargs = {}
+    if inject:
+        prompt = tool_parser.system_prompt(tools)
+        if rendered[0]["role"] in ("system", "developer"):
+            rendered[0] = {**rendered[0], "content": prompt + "\n\n" + rendered[0]["content"]}
+        else:
+            rendered.insert(0, {"role": "system", "content": prompt})
+    elif tools and _template_takes_tools(tokenizer):
+        kwargs["tools"] = tools
     try:
-        return tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt, **kwargs)
     except ChatTemplateError as e:
         raise APIError(400, f"messages: {e}", param="messages") from e
 
 
-def chat_prompt_ids(messages: list[ChatMessage], add_generation_prompt: bool, tokenizer) -> list[int]:
-    ids = tokenizer.encode(chat_prompt_text(messages, add_generation_prompt, tokenizer))
+def _template_takes_tools(tokenizer) -> bool:
+    """Whether the chat template renders ``tools`` and the tokenizer hands them to it."""
+    import inspect
+
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return "tools" in template and "tools" in inspect.signature(tokenizer.apply_chat_template).parameters
+
+
+def chat_prompt_ids(messages: list[ChatMessage], add_generation_prompt: bool, tokenizer,
+                    tools: list[dict] | None = None, tool_parser: ToolParser | None = None) -> list[int]:
+    ids = tokenizer.encode(chat_prompt_text(messages, add_generation_prompt, tokenizer, tools, tool_parser))
     if not ids:
         raise APIError(400, "messages render to an empty prompt", param="messages")
     return ids

@@ -326,7 +326,8 @@ def run_cluster(args) -> int:
         metrics = Metrics(cluster.router.model_name)
         cluster.router.on_kv_transfer = metrics.observe_kv_transfer
         app = build_app(cluster.router, cluster.router.model_name, api_key=args.api_key,
-                        max_body_bytes=args.max_body_bytes, metrics=metrics)
+                        max_body_bytes=args.max_body_bytes, metrics=metrics,
+                        tool_call_parser=getattr(args, "tool_call_parser", "auto"))
         install_admin_routes(app, cluster, args.admin_key)  # /admin/drain: `pdcluster drain`, preStop hooks
         print(f"pdcluster: {spec.mode}, {len(cluster.prefill_handles)} prefill + {len(cluster.decode_handles)} decode "
               f"workers, transport {spec.transfer.transport}, policy {spec.policy}", file=sys.stderr, flush=True)

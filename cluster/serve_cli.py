@@ -16,6 +16,7 @@ import sys
 import threading
 
 from pdcluster.cluster.cli import _add_engine_args, engine_config_from_args
+from pdcluster.cluster.tool_parsers import PARSER_CHOICES
 from pdcluster.engine.config import ConfigError
 
 MODES = ("auto", "disagg", "colocated", "local")
@@ -47,6 +48,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--request-timeout-s", type=float, default=300.0,
                    help="abort a request that makes no progress for this long")
     g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    g.add_argument("--tool-call-parser", choices=PARSER_CHOICES, default="auto",
+                   help="the model's tool-call format, read for tool_choice 'auto': hermes (<tool_call> JSON "
+                        "blocks), llama3_json, pythonic ([f(a=1)]); auto (default): from the chat template "
+                        "(<tool_call> or ChatML -> hermes, Llama 3 -> llama3_json; otherwise 'auto' is refused)")
     c = p.add_argument_group("cluster")
     c.add_argument("--mode", choices=MODES, default="auto",
                    help="disagg: prefill and decode workers; colocated: both in one worker; local: no Ray; "
@@ -163,7 +168,7 @@ def _serve_local(args: argparse.Namespace) -> int:
         raise
     try:
         app = build_app(router, args.served_model_name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                        metrics=Metrics(args.served_model_name))
+                        metrics=Metrics(args.served_model_name), tool_call_parser=args.tool_call_parser)
         return run_server(app, args.host, args.port, args.served_model_name, sock=sock)
     finally:
         router.close()

@@ -753,17 +753,14 @@ REFUSED = [
     ("/v1/completions", {**_C, "suffix": "end"}, 400, "suffix", ["not supported"]),
     ("/v1/completions", {**_C, "seed": 2**63 - 2, "n": 3}, 400, "seed", ["n=3", "64-bit"]),
     ("/v1/completions", {**_C, "prompt": [[1, 2], [10**7]]}, 400, "prompt", ["prompt[1]", "out of range"]),
-    ("/v1/chat/completions", {**_CHAT, "tools": [WEATHER_TOOL]}, 400, "tool_choice", ["'auto'", "required"]),
-    ("/v1/chat/completions", {**_CHAT, "tools": [WEATHER_TOOL], "tool_choice": "auto"}, 400, "tool_choice",
-     ["tool-call parser"]),
+    # tool_choice "auto" (the default with tools) and streaming with tools are served now: tests/test_tool_calls.py
+    # (which also checks the 400 for "auto" on a model without a known tool-call format).
     ("/v1/chat/completions", {**_CHAT, "tool_choice": "required"}, 400, "tool_choice", ["needs tools"]),
     ("/v1/chat/completions", {**_CHAT, "tools": [WEATHER_TOOL], "tool_choice": {
         "type": "function", "function": {"name": "nope"}}}, 400, "tool_choice.function.name",
      ["'nope'", "get_weather"]),
     ("/v1/chat/completions", {**_CHAT, "tools": [WEATHER_TOOL, WEATHER_TOOL], "tool_choice": "required"}, 400,
      "tools", ["unique", "get_weather"]),
-    ("/v1/chat/completions", {**_CHAT, "tools": [WEATHER_TOOL], "tool_choice": _NAMED, "stream": True}, 400,
-     "stream", ["streaming tool calls"]),
     ("/v1/chat/completions", {**_CHAT, "tools": [WEATHER_TOOL], "tool_choice": _NAMED,
                               "response_format": {"type": "json_object"}}, 400, "response_format", ["one of them"]),
     ("/v1/chat/completions", {**_CHAT, "response_format": {"type": "yaml"}}, 400, "response_format.type", ["'yaml'"]),

@@ -1,0 +1,82 @@
+"""Hermes-style calls: ``<tool_call>{"name": "f", "arguments": {...}}</tool_call>``, one block per call,
+text around them. Also read: a JSON array of such objects in one block (SmolLM2's format, which it was
+trained on: ``<tool_call>[{"name": ..., "arguments": ...}, ...]</tool_call>``; ``[]`` means no call),
+and a last block whose closing tag never came. Whitespace next to a block is not content.
+"""
+
+from __future__ import annotations
+
+import json
+
+from pdcluster.cluster.tool_parsers.base import (CallSnapshot, Snapshot, ToolParser, call_arguments,
+                                                 held_prefix_len, tools_json)
+from pdcluster.cluster.tool_parsers.json_scan import SequenceScan, scan_array, scan_call, skip_ws
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+ARGS_KEYS = ("arguments", "parameters")
+
+
+class HermesParser(ToolParser):
+    name = "hermes"
+
+    def snapshot(self, text: str, final: bool) -> Snapshot:
+        parts: list = []
+        pending, pos, after_block = "", 0, False
+        while True:
+            start = text.find(OPEN, pos)
+            if start < 0:
+                pending += text[pos:]
+                break
+            body = start + len(OPEN)
+            block = self._block(text, body, final)
+            if block is None:  # not a call: the tag is text
+                pending, pos = pending + text[pos:body], body
+                continue
+            calls, end = block
+            before = pending + text[pos:start]
+            parts.append(before.lstrip() if after_block else before)
+            parts[-1] = parts[-1].rstrip()
+            parts.extend(calls)
+            if end is None:  # still being written: nothing after it yet
+                return Snapshot(parts)
+            pending, pos, after_block = "", end, True
+        tail = pending.lstrip() if after_block else pending
+        if not final:  # what may still become a block's tag, or whitespace before one, waits
+            tail = tail[: len(tail) - held_prefix_len(tail, OPEN)].rstrip()
+        parts.append(tail)
+        return Snapshot(parts)
+
+    def _block(self, text: str, body: int, final: bool) -> tuple[list[CallSnapshot], int | None] | None:
+        """The calls of the block whose body starts at ``body`` and where it ends (None: open), or None
+        if it is not a call block."""
+        i = skip_ws(text, body)
+        if i >= len(text):
+            return None if final else ([], None)
+        if text[i] == "[":
+            scan = scan_array(text, i, ARGS_KEYS)
+        else:
+            one = scan_call(text, i, ARGS_KEYS)
+            scan = SequenceScan([one] if one.name or one.args_start is not None else [], one.end, one.bad)
+        if scan.bad or (final and scan.end is None):
+            return None
+        calls = [CallSnapshot(c.name, c.arguments(text), c.end is not None) for c in scan.calls]
+        if scan.end is None:
+            return calls, None
+        j = skip_ws(text, scan.end)
+        if text.startswith(CLOSE, j):
+            return calls, j + len(CLOSE)
+        if CLOSE.startswith(text[j:]):  # the closing tag is coming (or never came: the text ended)
+            return calls, (len(text) if final else None)
+        return calls, scan.end  # no closing tag: the block ends with its JSON
+
+    def system_prompt(self, tools: list[dict]) -> str:
+        return ("You may call functions to help answer. These are the functions you can call, described in "
+                f"JSON Schema:\n<tools>{tools_json(tools)}</tools>\n"
+                "To call functions, answer with the calls only, in this format:\n"
+                '<tool_call>[{"name": "<function name>", "arguments": {"<argument>": <value>}}]</tool_call>\n'
+                "Put several calls in the list to call several functions. If no function is needed, "
+                "answer in plain text.")
+
+    def render_calls(self, calls: list[dict]) -> str:
+        items = [{"name": c["function"]["name"], "arguments": call_arguments(c)} for c in calls]
+        return f"{OPEN}{json.dumps(items, ensure_ascii=False)}{CLOSE}"
