@@ -3,7 +3,8 @@ here, raw pointers and strides to C. Same signatures as kernels/reference.py; op
 
 Each wrapper returns False (nothing done) when the library is unavailable or the inputs are outside
 what the C code handles (dtype other than float32/bfloat16, non-contiguous head dim), so the caller
-falls back to the reference.
+falls back to the reference. Every tensor whose pointer reaches C must be in host memory: one CUDA (or
+any non-CPU) tensor among them and the wrapper refuses, where C would write through a device pointer.
 """
 
 from __future__ import annotations
@@ -19,10 +20,15 @@ def available() -> bool:
     return cpu_build.load() is not None
 
 
+def _on_cpu(*tensors: torch.Tensor | None) -> bool:
+    return all(t is None or t.device.type == "cpu" for t in tensors)
+
+
 def _code(*tensors: torch.Tensor) -> int | None:
+    """The C dtype code of same-dtype CPU tensors, else None (the caller falls back)."""
     dtype = tensors[0].dtype
     for t in tensors:
-        if t.dtype is not dtype or t.is_cuda:
+        if t.dtype is not dtype or t.device.type != "cpu":
             return None
     return _DTYPE_CODE.get(dtype)
 
@@ -38,7 +44,7 @@ def write_kv(
     slot_mapping: torch.Tensor,  # int64 [num_tokens]
 ) -> bool:
     lib = cpu_build.load()
-    if (lib is None or key.is_cuda or key.dtype != layer_cache.dtype or value.dtype != key.dtype
+    if (lib is None or not _on_cpu(key, value, layer_cache, slot_mapping) or key.dtype != layer_cache.dtype or value.dtype != key.dtype
             or key.stride() != value.stride() or key.stride(-1) != 1 or not layer_cache.is_contiguous()
             or slot_mapping.dtype != torch.int64):
         return False
@@ -60,7 +66,8 @@ def paged_attention(
 ) -> torch.Tensor | None:
     lib = cpu_build.load()
     code = _code(query, layer_cache)
-    if lib is None or code is None or query.stride(-1) != 1 or layer_cache.stride(-1) != 1:
+    if (lib is None or code is None or query.stride(-1) != 1 or layer_cache.stride(-1) != 1
+            or not _on_cpu(block_tables, seq_lens, query_start_loc, out)):
         return None
     assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32 and query_start_loc.dtype == torch.int32
     block_tables = block_tables.contiguous()
@@ -94,7 +101,7 @@ def rms_norm(
     lib = cpu_build.load()
     tensors = (x, weight) if residual is None else (x, weight, residual)
     code = _code(*tensors)
-    if lib is None or code is None or not all(t.is_contiguous() for t in tensors):
+    if lib is None or code is None or not all(t.is_contiguous() for t in tensors) or not _on_cpu(out):
         return None
     if out is None:
         out = torch.empty_like(x)
@@ -113,7 +120,8 @@ def rotary(
 ) -> bool:
     lib = cpu_build.load()
     code = _code(x)
-    if lib is None or code is None or x.stride(-1) != 1 or positions.dtype != torch.int64:
+    if (lib is None or code is None or x.stride(-1) != 1 or positions.dtype != torch.int64
+            or not _on_cpu(positions, cos_sin)):
         return False
     positions = positions.contiguous()
     rc = lib.pd_rotary(code, x.data_ptr(), x.stride(0), x.stride(1), x.shape[0], x.shape[1], x.shape[2],
@@ -151,7 +159,7 @@ SMALL_M = 8  # pd_linear_small_m handles up to this many rows
 def linear_small_m(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """``F.linear(x, weight)`` for float32 ``x`` of at most SMALL_M rows (leading dims flattened):
     one pass over the weight for all rows (MKL makes one per row). None when not applicable."""
-    if (x.dtype is not torch.float32 or weight.dtype is not torch.float32 or x.is_cuda or weight.is_cuda
+    if (x.dtype is not torch.float32 or weight.dtype is not torch.float32 or not _on_cpu(x, weight)
             or not weight.is_contiguous() or x.shape[-1] != weight.shape[1]):
         return None
     rows = x.reshape(-1, x.shape[-1])

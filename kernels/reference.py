@@ -72,8 +72,8 @@ def paged_attention(
         q = query[q_start:q_end].transpose(0, 1)  # [Hq, q_len, D]
         k = k.transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, L, D]
         v = v.transpose(0, 1).repeat_interleave(group, dim=0)
-        q_pos = torch.arange(context_len - q_len, context_len).unsqueeze(1)
-        k_pos = torch.arange(context_len).unsqueeze(0)
+        q_pos = torch.arange(context_len - q_len, context_len, device=query.device).unsqueeze(1)
+        k_pos = torch.arange(context_len, device=query.device).unsqueeze(0)
         mask = k_pos <= q_pos  # [q_len, L]
         o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
         out[q_start:q_end] = o.transpose(0, 1)
@@ -101,8 +101,8 @@ def paged_attention_uniform(
     q = query.view(num_reqs, q_len, num_q_heads, head_dim).transpose(1, 2)  # [B, Hq, q, D]
     k = k.transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
     v = v.transpose(1, 2).to(q.dtype)
-    key_pos = torch.arange(num_blocks * block_size).view(1, 1, -1)
-    q_pos = (seq_lens.long().view(-1, 1) - q_len + torch.arange(q_len).view(1, -1)).unsqueeze(-1)
+    key_pos = torch.arange(num_blocks * block_size, device=query.device).view(1, 1, -1)
+    q_pos = (seq_lens.long().view(-1, 1) - q_len + torch.arange(q_len, device=query.device).view(1, -1)).unsqueeze(-1)
     mask = (key_pos <= q_pos).unsqueeze(1)  # [B, 1, q, L]
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return o.transpose(1, 2).reshape(num_reqs * q_len, num_q_heads, head_dim)

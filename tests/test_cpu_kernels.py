@@ -274,3 +274,31 @@ def test_argmax_rows_matches_torch_first_index_on_ties(dtype):
     x[4, 1500] = float("-inf")
     assert torch.equal(cpu_ops.argmax_rows(x), x.argmax(dim=-1))
     assert cpu_ops.argmax_rows(x)[2] == 10 and cpu_ops.argmax_rows(x)[3] == 0
+
+
+def test_c_kernels_refuse_tensors_outside_host_memory():
+    """A GPU engine once handed the C write_kv a CPU key and a CUDA cache and it wrote through the device
+    pointer (segfault). Every wrapper now refuses when any tensor it would pass to C is not on the CPU
+    ("meta" stands in for CUDA here: no storage, so a dereference would crash this process)."""
+    meta = torch.device("meta")
+    key = torch.randn(3, 2, HEAD_DIM)
+    cache = torch.zeros(2, 4, 16, 2, HEAD_DIM)
+    slots = torch.tensor([0, 1, 2])
+    assert cpu_ops.write_kv(key, key, cache.to(meta), slots) is False
+    assert cpu_ops.write_kv(key, key, cache, slots.to(meta)) is False
+    assert cpu_ops.write_kv(key, key, cache, slots) is True  # all on the CPU: the kernel runs
+    batch = make_batch([1, 1], [5, 9], 4, 2)
+    query, layer_cache, block_tables, seq_lens, query_start_loc, scale = batch.args()
+    assert cpu_ops.paged_attention(query, layer_cache, block_tables.to(meta), seq_lens, query_start_loc, scale) is None
+    assert cpu_ops.paged_attention(query, layer_cache, block_tables, seq_lens.to(meta), query_start_loc, scale) is None
+    assert cpu_ops.paged_attention(query, layer_cache.to(meta), block_tables, seq_lens, query_start_loc, scale) is None
+    x, w = torch.randn(4, 64), torch.ones(64)
+    assert cpu_ops.rms_norm(x, w.to(meta), 1e-6) is None
+    assert cpu_ops.rms_norm(x, w, 1e-6, out=torch.empty(4, 64, device=meta)) is None
+    heads = torch.randn(3, 2, HEAD_DIM)
+    cos_sin = torch.randn(32, HEAD_DIM)
+    assert cpu_ops.rotary(heads, torch.tensor([0, 1, 2]).to(meta), cos_sin) is False
+    assert cpu_ops.rotary(heads, torch.tensor([0, 1, 2]), cos_sin.to(meta)) is False
+    assert cpu_ops.silu_and_mul(torch.randn(3, 8, device=meta)) is None
+    assert cpu_ops.argmax_rows(torch.randn(3, 8, device=meta)) is None
+    assert cpu_ops.linear_small_m(torch.randn(2, 64), torch.randn(32, 64, device=meta)) is None
