@@ -59,7 +59,9 @@ class _TimedDecodeWorker(DecodeWorker):
 
     def emit(self, event) -> None:
         request_id = getattr(event, "request_id", None)
-        if isinstance(event, Tokens) and request_id not in self._first_sent:
+        # The first token's event, not the first event: a prompt longer than one prefill chunk reports
+        # each chunk before it (Tokens without tokens: the scheduler's count, S1).
+        if isinstance(event, Tokens) and event.new_token_ids and request_id not in self._first_sent:
             self._first_sent.add(request_id)
             scheduled = self._scheduled_at.pop(request_id, self._tick_started)
             submitted = self._submitted_at.pop(request_id, scheduled)
@@ -164,6 +166,8 @@ class LocalRouter:
                     return
                 if not isinstance(event, Tokens):
                     continue
+                if not event.new_token_ids and not event.finished:
+                    continue  # a prefill chunk's progress report: nothing for the client yet
                 delta = TokenDelta(
                     new_token_ids=list(event.new_token_ids),
                     finished=event.finished,
@@ -175,7 +179,8 @@ class LocalRouter:
                     num_cached_tokens=event.num_cached_tokens,
                     logprobs=list(event.logprobs),
                 )
-                if first and params.prompt_logprobs is not None:
+                if first and params.prompt_logprobs is not None and event.new_token_ids:
+                    # They come with the first token (engine/model_runner.py), on its event.
                     delta.prompt_logprobs = list(event.prompt_logprobs)
                 if first:
                     delta.ttft_breakdown = {"queue": event.queue_s, "prefill": event.prefill_s}

@@ -415,7 +415,8 @@ class ModelRunner:
 
     def _prompt_logprobs_step(self, state: ExecuteModelState) -> dict[str, list[TokenLogprobs]]:
         """Logprobs of the prompt tokens this step's chunks predict (position p scores token p + 1),
-        kept per request until its prompt is complete; returns the completed ones."""
+        kept per request until its prompt is complete; returns the completed ones, in the step that
+        samples the first token: they travel with it (a chunk before it reports no tokens)."""
         st, rows, done = self.states, state.rows, {}
         for i, req_id in enumerate(state.req_ids):
             idx = int(state.idx_mapping_np[i])
@@ -432,6 +433,6 @@ class ModelRunner:
                 logits = self.model.compute_logits(state.hidden_states[first : first + hi - lo])
                 next_ids = st.token_ids_np[idx, lo + 1 : hi + 1].tolist()
                 acc += token_logprobs(logits, next_ids, [params.prompt_logprobs] * len(next_ids))
-            if start + q_len >= num_prompt:
+            if state.logits_count_np[i] > 0:  # the prompt is complete: this row samples
                 done[req_id] = self._prompt_logprobs.pop(req_id)
         return done

@@ -50,7 +50,8 @@ class Tokens(_Record):
     # parts itself, from when it submitted and when the first token arrived.
     queue_s: float = 0.0
     prefill_s: float = 0.0
-    # With the request's logprobs: one per new token. prompt_logprobs: on the first Tokens, if asked.
+    # With the request's logprobs: one per new token. prompt_logprobs, if asked: on the Tokens that carries
+    # the first token (a prompt prefilled here in chunks reports each chunk before it, without tokens).
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 

@@ -88,17 +88,20 @@ class RequestStreams:
         if recorder is not None:
             recorder.reports.append(Report(ev.num_computed_tokens, a.num_computed_tokens, r.num_prompt_tokens,
                                            ev.num_output_tokens, ev.finished))
-        first = not a.t_first_token
+        new = list(ev.new_token_ids)
+        # The first token's event. Not the placement's first event: a prompt prefilled on the decode
+        # worker (colocated, a short prompt, a forked choice) in several chunks reports each chunk
+        # before it, without tokens (S1); the prompt logprobs and the TTFT come with the first token.
+        first = bool(new) and not a.t_first_token
         if first:
             a.t_first_token = now
             if a.local:
                 a.t_first_decode = now
                 self._on_pair_success(a)
-        elif a.t_kv_ready and not a.t_first_decode:
+        elif new and a.t_kv_ready and not a.t_first_decode:
             a.t_first_decode = now
         if r.num_cached_tokens is None:
             r.num_cached_tokens = min(ev.num_cached_tokens, r.num_prompt_tokens)
-        new = list(ev.new_token_ids)
         r.emitted.extend(new)
         # The decode worker counts this placement's outputs; earlier placements' are in its prompt.
         delta = TokenDelta(new, num_prompt_tokens=r.num_prompt_tokens, num_output_tokens=len(r.emitted),
