@@ -17,6 +17,9 @@ from pdcluster.engine.config import DTYPES, SPEC_METHODS, ConfigError
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default="smollm2", help="built-in name (smollm2, tiny-random) or an HF model directory")
+    g.add_argument("--device", default="auto",
+                   help="auto (CUDA where torch sees a GPU: in a cluster, the GPU Ray gave the worker), cpu, cuda "
+                        "or cuda:N")
     g.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="auto = the checkpoint's dtype (bfloat16 for smollm2: prepacked bf16 GEMMs on CPU)")
     g.add_argument("--max-model-len", type=int, default=0, help="0 = the model's limit, capped at 4096")
@@ -46,6 +49,7 @@ def engine_config_from_args(args: argparse.Namespace):
     return EngineConfig(
         model=args.model,
         dtype=args.dtype,
+        device=args.device,
         max_model_len=args.max_model_len,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,

@@ -111,6 +111,10 @@ def _check_args(args: argparse.Namespace) -> None:
                 slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
         except ValueError as e:
             raise ConfigError(str(e)) from e
+    if args.device.startswith("cuda") and not args.address:  # a worker would fail the same way, later
+        from pdcluster.engine.config import EngineConfig
+
+        EngineConfig(device=args.device).resolve_device()
     if args.spec == "mtp":  # before any worker starts: one line, not a traceback from every actor
         from pdcluster.engine.model_registry import default_cache_dir
         from pdcluster.engine.mtp import find_mtp_checkpoint

@@ -12,6 +12,7 @@ class ConfigError(ValueError):
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")  # "cuda:N" too: one GPU of several
 
 
 @functools.cache
@@ -31,6 +32,7 @@ class EngineConfig:
     model: str = "smollm2"
     # "auto": the model's own dtype (config.json torch_dtype), as vLLM does; see resolve_dtype().
     dtype: str = "float32"
+    # "auto": CUDA when torch sees a GPU (in a Ray actor: the one Ray gave it), else the CPU.
     device: str = "cpu"
     # 0 = the model's max_position_embeddings, capped at 4096.
     max_model_len: int = 0
@@ -57,6 +59,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype: {self.dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+        if self.device not in DEVICES and not self.device.startswith("cuda:"):
+            raise ConfigError(f"device: {self.device!r} is not supported; choose one of {', '.join(DEVICES)} "
+                              "(or cuda:N)")
         if self.spec_method not in SPEC_METHODS:
             raise ConfigError(
                 f"spec_method: {self.spec_method!r} is unknown; choose one of {', '.join(SPEC_METHODS)}"
@@ -81,6 +86,23 @@ class EngineConfig:
             raise ConfigError(f"num_spec_tokens: must be >= 1 with spec_method={self.spec_method!r}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ConfigError(f"ngram_min/ngram_max: need 1 <= min <= max, got {self.ngram_min}, {self.ngram_max}")
+
+    def resolve_device(self) -> str:
+        """The device to run on: "auto" becomes "cuda" where torch sees a GPU, else "cpu"; asking for
+        CUDA where there is none is a ConfigError naming what torch sees."""
+        import torch
+
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device.startswith("cuda"):
+            if not torch.cuda.is_available():
+                build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+                raise ConfigError(f"device: {self.device!r} but torch {torch.__version__} ({build}) sees no CUDA "
+                                  "device; use --device cpu (or auto)")
+            index = torch.device(self.device).index
+            if index is not None and index >= torch.cuda.device_count():
+                raise ConfigError(f"device: {self.device!r} but there are {torch.cuda.device_count()} CUDA devices")
+        return self.device
 
     def resolve_dtype(self, model_config: dict) -> str:
         """The dtype name to run in: ``dtype`` itself unless "auto"; for "auto", the checkpoint's

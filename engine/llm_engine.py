@@ -71,6 +71,8 @@ class LLMEngine:
     ):
         """``kv_cache_allocator(shape, dtype, device)`` lets a KV transport provide the cache memory
         (e.g. shared memory a same-host sender writes into directly)."""
+        if config.device != (device := config.resolve_device()):
+            config = replace(config, device=device)
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)

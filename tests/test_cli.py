@@ -34,6 +34,9 @@ def test_generate_json_lines(smollm2_dir):
         (["--prompt", "hi", "--max-tokens", "-3"], "max_tokens must be a positive integer"),
         (["--prompt", "hi", "--model", "no-such-model"], "no-such-model"),
         (["--prompt", "hi", "--dtype", "int3"], "invalid choice"),
+        (["--prompt", "hi", "--device", "tpu"], "device: 'tpu' is not supported"),
+        pytest.param(["--prompt", "hi", "--device", "cuda"], "sees no CUDA device",
+                     marks=pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is here")),
     ],
 )
 @pytest.mark.timeout(300)
@@ -70,10 +73,12 @@ def test_dtype_auto_takes_the_checkpoints_dtype(monkeypatch):
         (["--mode", "local", "--autoscale"], "--autoscale: needs --mode disagg or colocated"),
         (["--mode", "disagg", "--autoscale", "--min-decode", "3", "--max-decode", "2"], "--min-decode/--max-decode"),
         (["--mode", "disagg", "--autoscale", "--slo-ttft-ms", "0"], "--slo-ttft-ms"),
+        pytest.param(["--mode", "disagg", "--device", "cuda"], "sees no CUDA device",
+                     marks=pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is here")),
     ],
 )
 @pytest.mark.timeout(120)
-def test_bad_autoscale_flags_are_one_line_before_anything_starts(args, message):
+def test_bad_serve_flags_are_one_line_before_anything_starts(args, message):
     r = _run("serve", "--model", "tiny-random", "--port", "0", *args)
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
     assert message in r.stderr
