@@ -1,0 +1,437 @@
+/* Batch-invariant linear: y[m, n] = sum_k x[m, k] * w[n, k], each output element computed by the same
+ * sequence of floating-point operations whatever the number of rows M, the tile or the thread it lands
+ * in (issue 24, deterministic serving). Built into the kernel library by kernels/cpu_build.py (gcc -O3
+ * -march=native -fopenmp), called through kernels/cpu_gemm.py.
+ *
+ * The invariant (call it BI): one fp32 accumulator per output element, starting at +0, updated in
+ * increasing k with one fixed operation per step, then rounded once on store. No split-K, no K blocking
+ * that depends on M or on the thread count, no partial sums combined in a tree. Tiles (rows x columns
+ * of accumulators) and threads only choose WHICH elements are computed together, never how.
+ *   float32:  acc = fma(x[k], w[k], acc) for k = 0 .. K-1. The same on every ISA path here (AVX-512,
+ *             AVX2, scalar fmaf), so fp32 results are bitwise equal across these paths and machines.
+ *   bfloat16, avx512_bf16: acc = vdpbf16ps(acc, (x[2p], x[2p+1]), (w[2p], w[2p+1])) for p = 0 .. K/2-1
+ *             (the instruction adds a pair of products; an odd K ends with the pair (x[K-1], 0)).
+ *   bfloat16, AVX2 / scalar: acc = fma(x[2p], w[2p], acc); acc = fma(x[2p+1], w[2p+1], acc) (odd K: the
+ *             missing x is +0, its weight +0). AVX2 and scalar agree bitwise; vdpbf16ps does not (it
+ *             rounds differently), so a machine's bf16 results depend on its best path, never on M.
+ * Output: float32, or bfloat16 rounded to nearest even from the accumulator (what torch does; NaN ->
+ * 0x7fc0).
+ *
+ * Packed weight (kernels/cpu_gemm.py pack_bi, once at load): strips of 16 output columns, zero padded
+ * to a whole strip and (bf16) to an even K:
+ *   float32  [S][K][16]         S = ceil(N / 16)
+ *   bfloat16 [S][K/2][16][2]    K rounded up to even: one 64-byte line per (strip, k pair), the
+ *                               vdpbf16ps operand as is.
+ * A tile is MR rows x NV strips of accumulators; OpenMP threads take contiguous ranges of strips.
+ *
+ * isa: 0 = best available, 1 = scalar C, 2 = AVX2+FMA, 3 = AVX-512 (fp32: avx512f; bf16: avx512_bf16).
+ */
+#include <immintrin.h>
+#include <omp.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define STRIP 16
+#define MC 96 /* rows per cache block for large M (x block stays in L2); no effect on the arithmetic */
+#define MAX_MR 6
+#define MAX_NV 8
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define HAVE_AVX2 1
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define HAVE_AVX512 1
+#endif
+#if defined(HAVE_AVX512) && defined(__AVX512BF16__)
+#define HAVE_AVX512BF16 1
+#endif
+
+typedef struct {
+    const void *x;   /* [M, K] rows ldx apart (elements) */
+    int64_t ldx;
+    const void *w;   /* packed */
+    int64_t strip;   /* elements per packed strip */
+    int64_t n, k;
+    void *y;         /* [M, N] rows ldy apart */
+    int64_t ldy;
+    int out_fp32;
+    const float *xf; /* AVX2 / scalar bf16: x widened to fp32, rows kx apart (K rounded up to even, pad 0) */
+    int64_t kx;
+} gemm_args;
+
+typedef void (*tile_fn)(const gemm_args *a, int64_t m0, int64_t s0);
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = ((uint32_t)h) << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Stores n_valid (<= count) fp32 accumulators at column col of row r. */
+static inline void store_scalar(const gemm_args *a, int64_t r, int64_t col, const float *acc, int n_valid) {
+    if (a->out_fp32) {
+        memcpy((float *)a->y + r * a->ldy + col, acc, (size_t)n_valid * 4);
+    } else {
+        uint16_t *y = (uint16_t *)a->y + r * a->ldy + col;
+        for (int i = 0; i < n_valid; i++) y[i] = f32_to_bf16(acc[i]);
+    }
+}
+
+static inline int valid_cols(const gemm_args *a, int64_t s) {
+    int64_t v = a->n - s * STRIP;
+    return v >= STRIP ? STRIP : (int)v;
+}
+
+/* ---------------------------------------------------------------- scalar (any CPU) */
+
+static void scalar_tile(const gemm_args *a, int64_t m0, int64_t s0, int mr, int nv, int bf16) {
+    for (int r = 0; r < mr; r++) {
+        for (int v = 0; v < nv; v++) {
+            float acc[STRIP] = {0};
+            if (bf16) {
+                const uint16_t *w = (const uint16_t *)a->w + (s0 + v) * a->strip;
+                const float *x = a->xf + (m0 + r) * a->kx;
+                for (int64_t p = 0; p < a->kx / 2; p++)
+                    for (int c = 0; c < STRIP; c++) {
+                        acc[c] = fmaf(x[2 * p], bf16_to_f32(w[(p * STRIP + c) * 2]), acc[c]);
+                        acc[c] = fmaf(x[2 * p + 1], bf16_to_f32(w[(p * STRIP + c) * 2 + 1]), acc[c]);
+                    }
+            } else {
+                const float *w = (const float *)a->w + (s0 + v) * a->strip;
+                const float *x = (const float *)a->x + (m0 + r) * a->ldx;
+                for (int64_t k = 0; k < a->k; k++)
+                    for (int c = 0; c < STRIP; c++) acc[c] = fmaf(x[k], w[k * STRIP + c], acc[c]);
+            }
+            store_scalar(a, m0 + r, (s0 + v) * STRIP, acc, valid_cols(a, s0 + v));
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- AVX2 + FMA */
+#ifdef HAVE_AVX2
+static inline void avx2_store(const gemm_args *a, int64_t r, int64_t s, __m256 lo, __m256 hi) {
+    const int64_t col = s * STRIP;
+    const int nvalid = valid_cols(a, s);
+    if (a->out_fp32 && nvalid == STRIP) {
+        float *y = (float *)a->y + r * a->ldy + col;
+        _mm256_storeu_ps(y, lo);
+        _mm256_storeu_ps(y + 8, hi);
+        return;
+    }
+    if (!a->out_fp32 && nvalid == STRIP) {
+        const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff), qnan = _mm256_set1_epi32(0x7fc0);
+        __m128i half[2];
+        for (int h = 0; h < 2; h++) {
+            const __m256 v = h ? hi : lo;
+            __m256i u = _mm256_castps_si256(v);
+            u = _mm256_add_epi32(u, _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(u, 16), one)));
+            u = _mm256_srli_epi32(u, 16);
+            u = _mm256_blendv_epi8(u, qnan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+            half[h] = _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
+        }
+        uint16_t *y = (uint16_t *)a->y + r * a->ldy + col;
+        _mm_storeu_si128((__m128i *)y, half[0]);
+        _mm_storeu_si128((__m128i *)(y + 8), half[1]);
+        return;
+    }
+    float buf[STRIP];
+    _mm256_storeu_ps(buf, lo);
+    _mm256_storeu_ps(buf + 8, hi);
+    store_scalar(a, r, col, buf, nvalid);
+}
+
+/* fp32: MR rows x NV strips, 2 ymm per strip. */
+static inline __attribute__((always_inline)) void avx2_f32_tile(const gemm_args *a, int64_t m0, int64_t s0,
+                                                                const int MR, const int NV) {
+    __m256 acc[MAX_MR][MAX_NV][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; r++)
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; v++) acc[r][v][0] = acc[r][v][1] = _mm256_setzero_ps();
+    const float *x = (const float *)a->x + m0 * a->ldx;
+    const float *w = (const float *)a->w + s0 * a->strip;
+    const int64_t ldx = a->ldx, strip = a->strip;
+    for (int64_t k = 0; k < a->k; k++) {
+        __m256 xb[MAX_MR];
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; r++) xb[r] = _mm256_broadcast_ss(x + r * ldx + k);
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; v++) {
+            const __m256 w0 = _mm256_loadu_ps(w + v * strip + k * STRIP);
+            const __m256 w1 = _mm256_loadu_ps(w + v * strip + k * STRIP + 8);
+#pragma GCC unroll 8
+            for (int r = 0; r < MR; r++) {
+                acc[r][v][0] = _mm256_fmadd_ps(xb[r], w0, acc[r][v][0]);
+                acc[r][v][1] = _mm256_fmadd_ps(xb[r], w1, acc[r][v][1]);
+            }
+        }
+    }
+    for (int r = 0; r < MR; r++)
+        for (int v = 0; v < NV; v++) avx2_store(a, m0 + r, s0 + v, acc[r][v][0], acc[r][v][1]);
+}
+
+/* bf16 (x widened in a->xf): a ymm of 8 (even, odd) pairs gives even = pair << 16, odd = pair & hi. */
+static inline __attribute__((always_inline)) void avx2_bf16_tile(const gemm_args *a, int64_t m0, int64_t s0,
+                                                                 const int MR, const int NV) {
+    __m256 acc[MAX_MR][MAX_NV][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; r++)
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; v++) acc[r][v][0] = acc[r][v][1] = _mm256_setzero_ps();
+    const float *x = a->xf + m0 * a->kx;
+    const uint16_t *w = (const uint16_t *)a->w + s0 * a->strip;
+    const int64_t kx = a->kx, strip = a->strip;
+    const __m256i hi_mask = _mm256_set1_epi32((int)0xffff0000u);
+    for (int64_t p = 0; p < kx / 2; p++) {
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; v++) {
+            const __m256i q0 = _mm256_loadu_si256((const __m256i *)(w + v * strip + p * 2 * STRIP));
+            const __m256i q1 = _mm256_loadu_si256((const __m256i *)(w + v * strip + p * 2 * STRIP + 16));
+            const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(q0, 16));
+            const __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(q0, hi_mask));
+            const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(q1, 16));
+            const __m256 o1 = _mm256_castsi256_ps(_mm256_and_si256(q1, hi_mask));
+#pragma GCC unroll 8
+            for (int r = 0; r < MR; r++) {
+                const __m256 xe = _mm256_broadcast_ss(x + r * kx + 2 * p);
+                const __m256 xo = _mm256_broadcast_ss(x + r * kx + 2 * p + 1);
+                acc[r][v][0] = _mm256_fmadd_ps(xo, o0, _mm256_fmadd_ps(xe, e0, acc[r][v][0]));
+                acc[r][v][1] = _mm256_fmadd_ps(xo, o1, _mm256_fmadd_ps(xe, e1, acc[r][v][1]));
+            }
+        }
+    }
+    for (int r = 0; r < MR; r++)
+        for (int v = 0; v < NV; v++) avx2_store(a, m0 + r, s0 + v, acc[r][v][0], acc[r][v][1]);
+}
+#endif
+
+/* ---------------------------------------------------------------- AVX-512 */
+#ifdef HAVE_AVX512
+static inline void avx512_store(const gemm_args *a, int64_t r, int64_t s, __m512 v) {
+    const int64_t col = s * STRIP;
+    const int nvalid = valid_cols(a, s);
+    const __mmask16 mask = nvalid >= STRIP ? (__mmask16)0xffff : (__mmask16)((1u << nvalid) - 1);
+    if (a->out_fp32) {
+        _mm512_mask_storeu_ps((float *)a->y + r * a->ldy + col, mask, v);
+        return;
+    }
+    __m512i u = _mm512_castps_si512(v);
+    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                             _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    u = _mm512_srli_epi32(u, 16);
+    u = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), u, _mm512_set1_epi32(0x7fc0));
+    _mm256_mask_storeu_epi16((uint16_t *)a->y + r * a->ldy + col, mask, _mm512_cvtepi32_epi16(u));
+}
+
+static inline __attribute__((always_inline)) void avx512_f32_tile(const gemm_args *a, int64_t m0, int64_t s0,
+                                                                  const int MR, const int NV) {
+    __m512 acc[MAX_MR][MAX_NV];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; r++)
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; v++) acc[r][v] = _mm512_setzero_ps();
+    const float *x = (const float *)a->x + m0 * a->ldx;
+    const float *w = (const float *)a->w + s0 * a->strip;
+    const int64_t ldx = a->ldx, strip = a->strip;
+    for (int64_t k = 0; k < a->k; k++) {
+        __m512 xb[MAX_MR];
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; r++) xb[r] = _mm512_set1_ps(x[r * ldx + k]);
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; v++) {
+            const __m512 wv = _mm512_loadu_ps(w + v * strip + k * STRIP);
+#pragma GCC unroll 8
+            for (int r = 0; r < MR; r++) acc[r][v] = _mm512_fmadd_ps(xb[r], wv, acc[r][v]);
+        }
+    }
+    for (int r = 0; r < MR; r++)
+        for (int v = 0; v < NV; v++) avx512_store(a, m0 + r, s0 + v, acc[r][v]);
+}
+#endif
+
+#ifdef HAVE_AVX512BF16
+/* One k pair for a tile: xp(r) gives row r's pair as 32 bits. */
+#define BF16_STEP(XP)                                                                          \
+    do {                                                                                       \
+        __m512bh xb[MAX_MR];                                                                   \
+        _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++) xb[r] = (__m512bh)_mm512_set1_epi32((int)(XP)); \
+        _Pragma("GCC unroll 8") for (int v = 0; v < NV; v++) {                                 \
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + v * strip + p * 2 * STRIP);   \
+            _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xb[r], wv); \
+        }                                                                                      \
+    } while (0)
+
+static inline uint32_t load_pair(const uint16_t *p) {
+    uint32_t u;
+    memcpy(&u, p, 4);
+    return u;
+}
+
+static inline __attribute__((always_inline)) void avx512bf16_tile(const gemm_args *a, int64_t m0, int64_t s0,
+                                                                  const int MR, const int NV) {
+    __m512 acc[MAX_MR][MAX_NV];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; r++)
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; v++) acc[r][v] = _mm512_setzero_ps();
+    const uint16_t *x = (const uint16_t *)a->x + m0 * a->ldx;
+    const uint16_t *w = (const uint16_t *)a->w + s0 * a->strip;
+    const int64_t ldx = a->ldx, strip = a->strip, pairs = a->k / 2;
+    int64_t p = 0;
+    for (; p < pairs; p++) BF16_STEP(load_pair(x + r * ldx + 2 * p));
+    if (a->k & 1) BF16_STEP(x[r * ldx + 2 * p]); /* odd K: the last pair is (x[K-1], +0) */
+    for (int r = 0; r < MR; r++)
+        for (int v = 0; v < NV; v++) avx512_store(a, m0 + r, s0 + v, acc[r][v]);
+}
+#endif
+
+/* ---------------------------------------------------------------- tiles: one function per (MR, NV) */
+#define TILE1(kern, MR, NV) \
+    static void kern##_##MR##_##NV(const gemm_args *a, int64_t m0, int64_t s0) { kern##_tile(a, m0, s0, MR, NV); }
+#define ROW4(kern, MR) TILE1(kern, MR, 1) TILE1(kern, MR, 2) TILE1(kern, MR, 3) TILE1(kern, MR, 4)
+#define ROW8(kern, MR) ROW4(kern, MR) TILE1(kern, MR, 5) TILE1(kern, MR, 6) TILE1(kern, MR, 7) TILE1(kern, MR, 8)
+#define T4(kern, MR) {NULL, kern##_##MR##_1, kern##_##MR##_2, kern##_##MR##_3, kern##_##MR##_4}
+#define T8(kern, MR) \
+    {NULL, kern##_##MR##_1, kern##_##MR##_2, kern##_##MR##_3, kern##_##MR##_4, kern##_##MR##_5, kern##_##MR##_6, \
+     kern##_##MR##_7, kern##_##MR##_8}
+
+/* How a path tiles: big_mr x big_nv tiles for M > 3; M <= 3 rows at once with small_nv[M] strips. */
+typedef struct {
+    tile_fn tab[MAX_MR + 1][MAX_NV + 1];
+    int big_mr, big_nv, small_nv[4];
+} tiling;
+
+#ifdef HAVE_AVX512BF16
+ROW8(avx512bf16, 1) ROW8(avx512bf16, 2) ROW8(avx512bf16, 3) ROW4(avx512bf16, 4) ROW4(avx512bf16, 5)
+ROW4(avx512bf16, 6)
+static const tiling TILING_AVX512BF16 = {
+    {{NULL}, T8(avx512bf16, 1), T8(avx512bf16, 2), T8(avx512bf16, 3), T4(avx512bf16, 4), T4(avx512bf16, 5),
+     T4(avx512bf16, 6)}, 6, 4, {0, 8, 8, 8}};
+#endif
+#ifdef HAVE_AVX512
+ROW8(avx512_f32, 1) ROW8(avx512_f32, 2) ROW8(avx512_f32, 3) ROW4(avx512_f32, 4) ROW4(avx512_f32, 5)
+ROW4(avx512_f32, 6)
+static const tiling TILING_AVX512_F32 = {
+    {{NULL}, T8(avx512_f32, 1), T8(avx512_f32, 2), T8(avx512_f32, 3), T4(avx512_f32, 4), T4(avx512_f32, 5),
+     T4(avx512_f32, 6)}, 6, 4, {0, 8, 8, 8}};
+#endif
+#ifdef HAVE_AVX2
+/* 16 ymm registers: fp32 keeps <= 12 accumulators, bf16 <= 8 (4 more hold a strip's widened weights). */
+TILE1(avx2_f32, 1, 1) TILE1(avx2_f32, 1, 2) TILE1(avx2_f32, 1, 3) TILE1(avx2_f32, 1, 4) TILE1(avx2_f32, 1, 5)
+TILE1(avx2_f32, 1, 6) TILE1(avx2_f32, 2, 1) TILE1(avx2_f32, 2, 2) TILE1(avx2_f32, 2, 3) TILE1(avx2_f32, 3, 1)
+TILE1(avx2_f32, 3, 2) TILE1(avx2_f32, 4, 1) TILE1(avx2_f32, 5, 1) TILE1(avx2_f32, 6, 1)
+static const tiling TILING_AVX2_F32 = {
+    {{NULL},
+     {NULL, avx2_f32_1_1, avx2_f32_1_2, avx2_f32_1_3, avx2_f32_1_4, avx2_f32_1_5, avx2_f32_1_6},
+     {NULL, avx2_f32_2_1, avx2_f32_2_2, avx2_f32_2_3},
+     {NULL, avx2_f32_3_1, avx2_f32_3_2},
+     {NULL, avx2_f32_4_1}, {NULL, avx2_f32_5_1}, {NULL, avx2_f32_6_1}}, 6, 1, {0, 6, 3, 2}};
+TILE1(avx2_bf16, 1, 1) TILE1(avx2_bf16, 1, 2) TILE1(avx2_bf16, 1, 3) TILE1(avx2_bf16, 1, 4)
+TILE1(avx2_bf16, 2, 1) TILE1(avx2_bf16, 2, 2) TILE1(avx2_bf16, 3, 1) TILE1(avx2_bf16, 4, 1)
+static const tiling TILING_AVX2_BF16 = {
+    {{NULL},
+     {NULL, avx2_bf16_1_1, avx2_bf16_1_2, avx2_bf16_1_3, avx2_bf16_1_4},
+     {NULL, avx2_bf16_2_1, avx2_bf16_2_2},
+     {NULL, avx2_bf16_3_1},
+     {NULL, avx2_bf16_4_1}}, 4, 1, {0, 4, 2, 1}};
+#endif
+
+/* Strips [s_begin, s_end) of every row. Which tile computes an element never changes its arithmetic. */
+static void run_tiles(const gemm_args *a, const tiling *t, int64_t m, int64_t s_begin, int64_t s_end) {
+    if (m <= 3) {
+        const int nv_max = t->small_nv[m];
+        for (int64_t s = s_begin; s < s_end; s += nv_max) {
+            const int nv = s_end - s < nv_max ? (int)(s_end - s) : nv_max;
+            t->tab[m][nv](a, 0, s);
+        }
+        return;
+    }
+    for (int64_t mb = 0; mb < m; mb += MC) {
+        const int64_t m_end = mb + MC < m ? mb + MC : m;
+        for (int64_t s = s_begin; s < s_end; s += t->big_nv) {
+            const int nv = s_end - s < t->big_nv ? (int)(s_end - s) : t->big_nv;
+            for (int64_t r = mb; r < m_end; r += t->big_mr) {
+                const int mr = m_end - r < t->big_mr ? (int)(m_end - r) : t->big_mr;
+                t->tab[mr][nv](a, r, s);
+            }
+        }
+    }
+}
+
+static void run_scalar(const gemm_args *a, int64_t m, int64_t s_begin, int64_t s_end, int bf16) {
+    for (int64_t r = 0; r < m; r++) scalar_tile(a, r, s_begin, 1, (int)(s_end - s_begin), bf16);
+}
+
+int pd_gemm_bi_isa(int dtype) {
+#ifdef HAVE_AVX512BF16
+    if (dtype == 1) return 3;
+#endif
+#ifdef HAVE_AVX512
+    if (dtype == 0) return 3;
+#endif
+#ifdef HAVE_AVX2
+    return 2;
+#endif
+    (void)dtype;
+    return 1;
+}
+
+/* dtype: 0 float32, 1 bfloat16 (x and packed w). y is float32 when out_fp32, else x's dtype.
+ * Returns 0, or -1 for a bad argument / an ISA this build lacks. */
+int pd_gemm_bi(int dtype, const void *x, int64_t ldx, int64_t m, const void *w_packed, int64_t n, int64_t k,
+               void *y, int64_t ldy, int out_fp32, int isa, int num_threads) {
+    if ((dtype != 0 && dtype != 1) || m < 0 || n < 1 || k < 1) return -1;
+    const int best = pd_gemm_bi_isa(dtype);
+    if (isa == 0) isa = best;
+    if (isa < 1 || isa > best) return -1;
+    if (m == 0) return 0;
+    const int64_t kx = (k + 1) / 2 * 2;
+    gemm_args a = {x, ldx, w_packed, dtype == 1 ? kx * STRIP : k * STRIP, n, k, y, ldy, out_fp32, NULL, kx};
+    const tiling *t = NULL;
+    float *xf = NULL;
+    if (dtype == 1 && isa < 3) { /* AVX2 / scalar bf16 read x widened to fp32 (exact) */
+        xf = aligned_alloc(64, (size_t)((m * kx * 4 + 63) / 64 * 64));
+        if (xf == NULL) return -1;
+        for (int64_t r = 0; r < m; r++) {
+            const uint16_t *src = (const uint16_t *)x + r * ldx;
+            for (int64_t i = 0; i < kx; i++) xf[r * kx + i] = i < k ? bf16_to_f32(src[i]) : 0.0f;
+        }
+        a.xf = xf;
+    }
+#ifdef HAVE_AVX512BF16
+    if (isa == 3 && dtype == 1) t = &TILING_AVX512BF16;
+#endif
+#ifdef HAVE_AVX512
+    if (isa == 3 && dtype == 0) t = &TILING_AVX512_F32;
+#endif
+#ifdef HAVE_AVX2
+    if (isa == 2) t = dtype == 1 ? &TILING_AVX2_BF16 : &TILING_AVX2_F32;
+#endif
+    const int64_t strips = (n + STRIP - 1) / STRIP;
+    /* Threads split the strips (N) only: each element's arithmetic is the same whoever computes it. */
+    int threads = num_threads < 1 ? 1 : num_threads;
+    if (threads > strips) threads = (int)strips;
+    if (m * n * k < (int64_t)1 << 18) threads = 1;
+#pragma omp parallel num_threads(threads)
+    {
+        const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
+        const int64_t s_begin = strips * tid / nt, s_end = strips * (tid + 1) / nt;
+        if (s_begin < s_end) {
+            if (t != NULL) run_tiles(&a, t, m, s_begin, s_end);
+            else run_scalar(&a, m, s_begin, s_end, dtype == 1);
+        }
+    }
+    free(xf);
+    return 0;
+}
