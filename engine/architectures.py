@@ -56,9 +56,10 @@ def arch_from_dir(model_dir: str | Path) -> ModelArch | HybridArch:
     return _classes(model_dir)[0].from_dir(Path(model_dir))
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, max_positions: int) -> LlamaModel | NemotronHModel:
-    """The model's weights loaded into the engine's model class for its architecture."""
-    return _classes(model_dir)[1].load(Path(model_dir), dtype, max_positions)
+def load_model(model_dir: str | Path, dtype: torch.dtype, max_positions: int,
+               device: str | torch.device = "cpu") -> LlamaModel | NemotronHModel:
+    """The model's weights loaded onto ``device`` into the engine's model class for its architecture."""
+    return _classes(model_dir)[1].load(Path(model_dir), dtype, max_positions, device)
 
 
 def is_hybrid(arch) -> bool:

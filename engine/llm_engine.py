@@ -98,7 +98,7 @@ class LLMEngine:
             )
         self.dtype_name = config.resolve_dtype(json.loads((self.model_dir / "config.json").read_text()))
         dtype = DTYPES[self.dtype_name]
-        self.model = load_model(self.model_dir, dtype, self.max_model_len + config.num_spec_steps + 1)
+        self.model = load_model(self.model_dir, dtype, self.max_model_len + config.num_spec_steps + 1, config.device)
         num_draft_layers = proposer_draft_layers(config)  # MTP: one layer after the target's (S2)
         probe = KVCacheSpec(arch.num_layers + num_draft_layers, num_draft_layers, 1, config.block_size,
                             arch.num_kv_heads, arch.head_dim, dtype)

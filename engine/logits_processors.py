@@ -44,6 +44,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[RowContext], eos_token_ids:
         return logits
     logits = logits.float().clone()
     num_rows, vocab = logits.shape
+    dev = logits.device  # index lists are built on the host, used where the logits live
 
     def in_vocab(ids) -> list[int]:
         return [int(t) for t in ids if 0 <= int(t) < vocab]
@@ -60,10 +61,11 @@ def apply_penalties(logits: torch.Tensor, rows: list[RowContext], eos_token_ids:
             stop_rows += [i] * len(ids)
             stop_ids += ids
     if bias_rows:
-        logits.index_put_((torch.tensor(bias_rows), torch.tensor(bias_ids)), torch.tensor(bias_values),
+        logits.index_put_((torch.tensor(bias_rows, device=dev), torch.tensor(bias_ids, device=dev)),
+                          torch.tensor(bias_values, device=dev),
                           accumulate=True)
     if stop_rows:
-        logits[torch.tensor(stop_rows), torch.tensor(stop_ids)] = float("-inf")
+        logits[torch.tensor(stop_rows, device=dev), torch.tensor(stop_ids, device=dev)] = float("-inf")
 
     # Output-token counts [R, V] and the prompt's tokens, for the three penalties.
     rep = [i for i in active if rows[i].params.repetition_penalty != 1.0]
@@ -74,23 +76,24 @@ def apply_penalties(logits: torch.Tensor, rows: list[RowContext], eos_token_ids:
     penalised = sorted(rep_set | set(freq))
     out_rows = [i for i in penalised for _ in in_vocab(rows[i].output_token_ids)]
     out_ids = [t for i in penalised for t in in_vocab(rows[i].output_token_ids)]
-    counts = torch.zeros(num_rows, vocab, dtype=torch.float32)
+    counts = torch.zeros(num_rows, vocab, dtype=torch.float32, device=dev)
     if out_rows:
-        counts.index_put_((torch.tensor(out_rows), torch.tensor(out_ids)), torch.ones(len(out_ids)), accumulate=True)
+        counts.index_put_((torch.tensor(out_rows, device=dev), torch.tensor(out_ids, device=dev)),
+                          torch.ones(len(out_ids), device=dev), accumulate=True)
     if rep:
         seen = counts > 0
         prompt_rows = [i for i in rep for _ in in_vocab(rows[i].prompt_token_ids)]
         prompt_ids = [t for i in rep for t in in_vocab(rows[i].prompt_token_ids)]
         if prompt_rows:
-            seen[torch.tensor(prompt_rows), torch.tensor(prompt_ids)] = True
-        penalty = torch.ones(num_rows, 1)
-        penalty[rep, 0] = torch.tensor([rows[i].params.repetition_penalty for i in rep])
+            seen[torch.tensor(prompt_rows, device=dev), torch.tensor(prompt_ids, device=dev)] = True
+        penalty = torch.ones(num_rows, 1, device=dev)
+        penalty[rep, 0] = torch.tensor([rows[i].params.repetition_penalty for i in rep], device=dev)
         seen[[i for i in range(num_rows) if i not in rep_set]] = False
         logits = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
     if freq:
-        f = torch.zeros(num_rows, 1)
-        pr = torch.zeros(num_rows, 1)
-        f[freq, 0] = torch.tensor([rows[i].params.frequency_penalty for i in freq])
-        pr[freq, 0] = torch.tensor([rows[i].params.presence_penalty for i in freq])
+        f = torch.zeros(num_rows, 1, device=dev)
+        pr = torch.zeros(num_rows, 1, device=dev)
+        f[freq, 0] = torch.tensor([rows[i].params.frequency_penalty for i in freq], device=dev)
+        pr[freq, 0] = torch.tensor([rows[i].params.presence_penalty for i in freq], device=dev)
         logits -= f * counts + pr * (counts > 0)
     return logits

@@ -34,7 +34,7 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int
     if not token_ids:
         return []
     logp = torch.log_softmax(logits.float(), dim=-1)
-    index = torch.tensor(token_ids, dtype=torch.int64).unsqueeze(1)
+    index = torch.tensor(token_ids, dtype=torch.int64, device=logp.device).unsqueeze(1)
     chosen = logp.gather(1, index)  # [R, 1]
     ranks = (logp > chosen).sum(dim=1) + 1
     k_max = max(num_top) if num_top else 0

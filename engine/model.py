@@ -67,15 +67,16 @@ class ModelArch:
         )
 
 
-def load_weights(model_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every tensor of the directory's *.safetensors files, by Hugging Face name, in ``dtype``."""
+def load_weights(model_dir: Path, dtype: torch.dtype, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Every tensor of the directory's *.safetensors files, by Hugging Face name, in ``dtype`` on
+    ``device`` (read on the host, cast there, then moved: one device copy per tensor)."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{model_dir}: no *.safetensors weight files")
     weights: dict[str, torch.Tensor] = {}
     for f in files:
         for name, tensor in load_file(str(f)).items():
-            weights[name] = tensor.to(dtype)
+            weights[name] = tensor.to(dtype).to(device)
     return weights
 
 
@@ -89,14 +90,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class RotaryEmbedding:
-    def __init__(self, head_dim: int, theta: float, max_positions: int, dtype: torch.dtype):
+    def __init__(self, head_dim: int, theta: float, max_positions: int, dtype: torch.dtype,
+                 device: str | torch.device = "cpu"):
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(dtype)
-        self.sin = emb.sin().to(dtype)
+        self.cos = emb.cos().to(dtype).to(device)
+        self.sin = emb.sin().to(dtype).to(device)
         # float32 [max_positions, head_dim]: cos of each frequency, then sin (what ops.rotary reads).
-        self.cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).contiguous()
+        self.cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).contiguous().to(device)
 
     def rotate_(self, x: torch.Tensor, positions: torch.Tensor) -> None:
         """In place on [num_tokens, num_heads, head_dim] (heads may be a strided view)."""
@@ -197,12 +199,17 @@ class LlamaModel:
         self.lm_head_proj = Linear(self.lm_head, keep_weight=True, pack_float32=True)
         self.norm = weights["model.norm.weight"]
         self.layers = [DecoderLayer(arch, weights, f"model.layers.{i}") for i in range(arch.num_layers)]
-        self.rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, max_positions, dtype)
+        self.rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, max_positions, dtype, self.embed_tokens.device)
         self.scale = arch.head_dim**-0.5
 
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.device
+
     @classmethod
-    def load(cls, model_dir: Path, dtype: torch.dtype, max_positions: int) -> "LlamaModel":
-        return cls(ModelArch.from_dir(model_dir), load_weights(model_dir, dtype), dtype, max_positions)
+    def load(cls, model_dir: Path, dtype: torch.dtype, max_positions: int,
+             device: str | torch.device = "cpu") -> "LlamaModel":
+        return cls(ModelArch.from_dir(model_dir), load_weights(model_dir, dtype, device), dtype, max_positions)
 
     def forward(
         self,

@@ -35,6 +35,7 @@ from pdcluster.engine.sampler import sample
 from pdcluster.engine.scheduler import ModelRunnerOutput, SchedulerOutput
 from pdcluster.engine.state_blocks import pack_state, state_block_ids, unpack_state
 from pdcluster.engine.states import RequestStates
+from pdcluster.engine.step_inputs import StepInputs
 
 
 _PROMPT_LOGPROBS_CHUNK = 256  # prompt positions per logits matrix (256 x 49k x 4 B = 50 MB)
@@ -81,6 +82,8 @@ class ModelRunner:
         self.config = config
         self.model = model
         self.kv_cache = kv_cache
+        self.device = kv_cache.device
+        self.inputs = StepInputs(self.device)  # host numpy -> device, through pinned buffers on a GPU
         self.block_size = config.block_size
         self.num_spec_steps = config.num_spec_steps
         self.max_model_len = max_model_len
@@ -223,11 +226,13 @@ class ModelRunner:
             [np.arange(first_row[i], first_row[i] + logits_count[i]) for i in range(len(q_lens))]
         )
         kind = classify_batch(q_lens, self.num_spec_steps)
+        put = self.inputs.put
+        self.inputs.begin_step()
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping),
-            block_tables=torch.from_numpy(np.ascontiguousarray(block_tables)),
-            seq_lens=torch.from_numpy(seq_lens),
-            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)),
+            slot_mapping=put("slot_mapping", slot_mapping),
+            block_tables=put("block_tables", block_tables),
+            seq_lens=put("seq_lens", seq_lens),
+            query_start_loc=put("query_start_loc", query_start_loc.astype(np.int32)),
             uniform_q_len=uniform_decode_query_len(self.num_spec_steps) if kind == BatchKind.UNIFORM_DECODE else None,
             scale=self.model.scale,
         )
@@ -242,13 +247,13 @@ class ModelRunner:
                 keep_positions_np=np.array([len(d) > 0 for d in rows.draft_token_ids], dtype=bool),
             )
         return (
-            torch.from_numpy(input_ids),
-            torch.from_numpy(positions.astype(np.int64)),
+            put("input_ids", input_ids),
+            put("positions", positions.astype(np.int64)),
             meta,
             kind,
             logits_start,
             logits_count,
-            torch.from_numpy(logits_indices.astype(np.int64)),
+            put("logits_indices", logits_indices.astype(np.int64)),
             query_start_loc,
         )
 
@@ -260,7 +265,7 @@ class ModelRunner:
         if sched.is_empty:
             self._state = ExecuteModelState(
                 sched, req_ids, idx_mapping, None, None, np.zeros(0, np.int32), np.zeros(0, np.int32),
-                torch.zeros(0, dtype=torch.int64), set(sched.finished_req_ids),
+                torch.zeros(0, dtype=torch.int64, device=self.device), set(sched.finished_req_ids),
             )
             return
         rows = self._resolve_rows(sched, idx_mapping)

@@ -155,7 +155,7 @@ class MTPHead:
     def __init__(self, target: LlamaModel, weights: dict[str, torch.Tensor], draft_vocab_size: int = DRAFT_VOCAB_SIZE):
         arch = target.arch
         expected = mtp_param_shapes(arch)
-        w = {n: weights[n].to(target.dtype) for n in expected}
+        w = {n: weights[n].to(target.device, target.dtype) for n in expected}  # checkpoints load on the host
         self.target = target
         self.eps = arch.rms_norm_eps
         self.enorm = w["mtp.enorm.weight"]

@@ -287,7 +287,7 @@ class NemotronHModel:
             if kind in counts:
                 counts[kind] += 1
             self.layers.append(HybridBlock(kind, norm, mixer, index))
-        self.rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, max_positions, dtype)
+        self.rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, max_positions, dtype, self.embed_tokens.device)
         self.scale = arch.head_dim**-0.5
 
     def _lm_head(self, arch: HybridArch, lm_head: torch.Tensor | None) -> torch.Tensor:
@@ -303,8 +303,13 @@ class NemotronHModel:
         return lm_head
 
     @classmethod
-    def load(cls, model_dir: Path, dtype: torch.dtype, max_positions: int) -> "NemotronHModel":
-        return cls(HybridArch.from_dir(model_dir), load_weights(model_dir, dtype), dtype, max_positions)
+    def load(cls, model_dir: Path, dtype: torch.dtype, max_positions: int,
+             device: str | torch.device = "cpu") -> "NemotronHModel":
+        return cls(HybridArch.from_dir(model_dir), load_weights(model_dir, dtype, device), dtype, max_positions)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.device
 
     def forward(
         self,

@@ -43,9 +43,9 @@ def _apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
         return logits
     k_max = max(ks)
     values = torch.topk(logits, k_max, dim=-1).values  # [R, k_max], descending
-    index = torch.tensor([max(k, 1) - 1 for k in ks]).unsqueeze(1)
+    index = torch.tensor([max(k, 1) - 1 for k in ks], device=logits.device).unsqueeze(1)
     kth = values.gather(1, index)
-    kth[torch.tensor([k == 0 for k in ks])] = float("-inf")  # rows without top-k keep everything
+    kth[torch.tensor([k == 0 for k in ks], device=logits.device)] = float("-inf")  # rows without top-k keep everything
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
@@ -71,7 +71,7 @@ def _apply_top_p(logits: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
 
 def batch_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Sampling distributions [R, V] float32 after temperature, top-k and top-p (non-greedy rows)."""
-    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32).unsqueeze(1)
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=logits.device).unsqueeze(1)
     scaled = logits.float() / temps
     scaled = _apply_top_k(scaled, [p.top_k for p in params])
     scaled = _apply_top_p(scaled, [p.top_p for p in params])
@@ -85,10 +85,15 @@ def probs_for(logits_row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 def sample_rows(probs: torch.Tensor, uniforms: list[float]) -> list[int]:
     """Inverse-CDF draw per row of ``probs`` [R, V] (need not be normalised; zeros never drawn)."""
+    return _draw(probs, uniforms).tolist()
+
+
+def _draw(probs: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
+    """:func:`sample_rows` as an int64 tensor on ``probs``' device (no host synchronisation)."""
     cdf = probs.cumsum(-1)  # non-decreasing, so a zero-probability token is never the first above
-    targets = torch.tensor(uniforms, dtype=cdf.dtype).unsqueeze(1) * cdf[:, -1:]
+    targets = torch.tensor(uniforms, dtype=cdf.dtype, device=cdf.device).unsqueeze(1) * cdf[:, -1:]
     index = torch.searchsorted(cdf, targets, right=True).squeeze(1)
-    return index.clamp_(max=probs.shape[-1] - 1).tolist()
+    return index.clamp_(max=probs.shape[-1] - 1)
 
 
 def sample_from_probs(probs: torch.Tensor, seed: int, position: int) -> int:
@@ -101,12 +106,12 @@ def sample(
     seeds: list[int],
     positions: list[int],
 ) -> list[int]:
-    """One token per row: a batched argmax for greedy rows, one batched draw for the others."""
-    tokens = ops.argmax_rows(logits).tolist()  # C on CPU: ~6x torch.argmax over a 49k vocabulary
+    """One token per row: a batched argmax for greedy rows, one batched draw for the others; one
+    host synchronisation (the final ids) wherever the logits live."""
+    tokens = ops.argmax_rows(logits)  # C on CPU: ~6x torch.argmax over a 49k vocabulary
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         probs = batch_probs(logits[rows], [params[i] for i in rows])
-        drawn = sample_rows(probs, [position_uniform(seeds[i], positions[i]) for i in rows])
-        for i, token in zip(rows, drawn):
-            tokens[i] = token
-    return tokens
+        drawn = _draw(probs, [position_uniform(seeds[i], positions[i]) for i in rows])
+        tokens[torch.tensor(rows, device=tokens.device)] = drawn
+    return tokens.tolist()

@@ -37,6 +37,7 @@ class MTPProposer(Proposer):
         self.head = head
         self.layer_index = num_target_layers  # the draft layer sits right after the target's
         self.layer_cache = kv_cache[self.layer_index]
+        self.device = kv_cache.device
         self.block_size = block_size
         self.scale = head.target.scale
 
@@ -51,14 +52,19 @@ class MTPProposer(Proposer):
             )
         return states.block_table_np[idx, block_col].astype(np.int64) * self.block_size + positions % self.block_size
 
+    def _t(self, array_np: np.ndarray) -> torch.Tensor:
+        """A host array on the cache's device (as is on the CPU)."""
+        t = torch.from_numpy(np.ascontiguousarray(array_np))
+        return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
+
     def _meta(self, states, idx_rows: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
               query_start_loc: np.ndarray, uniform_q_len: int | None) -> AttentionMetadata:
         max_blocks = int(-(-int(seq_lens.max()) // self.block_size))
         return AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots),
-            block_tables=torch.from_numpy(np.ascontiguousarray(states.block_table_np[idx_rows, :max_blocks])),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
-            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)),
+            slot_mapping=self._t(slots),
+            block_tables=self._t(states.block_table_np[idx_rows, :max_blocks]),
+            seq_lens=self._t(seq_lens.astype(np.int32)),
+            query_start_loc=self._t(query_start_loc.astype(np.int32)),
             uniform_q_len=uniform_q_len,
             scale=self.scale,
         )
@@ -86,8 +92,7 @@ class MTPProposer(Proposer):
         seq_lens = starts + n
         meta = self._meta(st, idx, self._slots(st, idx[row_of], positions), seq_lens, qsl, None)
         g = self.head.forward(
-            batch.hidden_states[torch.from_numpy(hidden_rows)], torch.from_numpy(next_ids),
-            torch.from_numpy(positions), self.layer_cache, meta,
+            batch.hidden_states[self._t(hidden_rows)], self._t(next_ids), self._t(positions), self.layer_cache, meta,
         )
 
         # ---- chain: k drafts per proposing row ---------------------------------------------------
@@ -95,7 +100,7 @@ class MTPProposer(Proposer):
         live = np.flatnonzero(k_rows > 0)  # indices into `rows`
         if live.size == 0:
             return drafts
-        g = g[torch.from_numpy(qsl[1:][live] - 1)]
+        g = g[self._t(qsl[1:][live] - 1)]
         pos = seq_lens[live] - 1  # p0: the last verified position
         tokens = self.head.draft_tokens(g)
         for r, t in zip(live, tokens.tolist()):
@@ -104,12 +109,12 @@ class MTPProposer(Proposer):
             keep = k_rows[live] > j
             if not keep.any():
                 break
-            keep_t = torch.from_numpy(keep)
+            keep_t = self._t(keep)
             live, pos, g, tokens = live[keep], pos[keep] + 1, g[keep_t], tokens[keep_t]
             idx_live = idx[live]
             ones = np.arange(len(live) + 1, dtype=np.int64)
             meta = self._meta(st, idx_live, self._slots(st, idx_live, pos), pos + 1, ones, 1)
-            g = self.head.forward(g, tokens, torch.from_numpy(pos), self.layer_cache, meta)
+            g = self.head.forward(g, tokens, self._t(pos), self.layer_cache, meta)
             tokens = self.head.draft_tokens(g)
             for r, t in zip(live, tokens.tolist()):
                 drafts[rows[r]].append(t)
