@@ -20,6 +20,7 @@ chunk of 512); the slow tests run those very sizes at the default chunk of 512 (
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 from dataclasses import dataclass
 
@@ -52,9 +53,32 @@ class Reference:
     last_top: float
 
 
-def _prompts(sizes, seed: int = 22) -> list[list[int]]:
+def _random_prompts(sizes, seed: int = 22) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(100, 49000) for _ in range(n)] for n in sizes]
+
+
+@functools.cache
+def _text_tokens() -> tuple[int, ...]:
+    """English prose (and a little code) that does not change under us: standard-library docstrings,
+    ~4,400 SmolLM2 tokens. Natural text, as harnesses score: on random token ids a few positions'
+    logprobs are below -28, where fp32 kernels that add in another order differ by up to 4e-4
+    (chunking or not: measured the same with one chunk); on text they stay within 4e-5."""
+    import argparse, csv, difflib, doctest, heapq, json, statistics, unittest  # noqa: E401
+
+    from pdcluster.engine.model_registry import resolve_model
+    from pdcluster.engine.tokenizer import Tokenizer
+
+    text = "\n\n".join(m.__doc__ for m in (argparse, unittest, doctest, csv, heapq, difflib, statistics, json))
+    return tuple(Tokenizer(resolve_model("smollm2", progress=False)).encode(text))
+
+
+def _prompts(sizes) -> list[list[int]]:
+    """Windows of the text, each from another offset."""
+    tokens = _text_tokens()
+    prompts = [list(tokens[i * 211 % 800 : i * 211 % 800 + n]) for i, n in enumerate(sizes)]
+    assert [len(p) for p in prompts] == list(sizes), "the text is too short for these sizes"
+    return prompts
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +144,9 @@ def _run_to_completion(engine, prompts, params) -> dict[str, list]:
     dict(enable_prefix_caching=True, max_num_batched_tokens=100, num_kv_blocks=20),
     # Async scheduling (the next chunk is scheduled while one runs) with n-gram speculation.
     dict(async_scheduling=True, spec_method="ngram", num_spec_tokens=3, enable_prefix_caching=False),
-], ids=["prefix-cache-budget-preemption", "async-ngram"])
+    # MTP (a random head: drafts never change logprobs) with the prefix cache on.
+    dict(spec_method="mtp", num_spec_tokens=2),
+], ids=["prefix-cache-budget-preemption", "async-ngram", "mtp"])
 def test_engine_prompt_logprobs_come_with_the_first_token(smollm2_dir, oracle, kw):
     kw = {"num_kv_blocks": 128, **kw}
     engine = make_engine("smollm2", dtype="float32", prefill_chunk_size=CHUNK, max_model_len=512, **kw)
@@ -172,7 +198,7 @@ def test_local_router_first_delta_carries_the_prompt_logprobs(tiny_dir, one_torc
     chunk = 16
     router = LocalRouter(engine_config(prefill_chunk_size=chunk, num_kv_blocks=64, max_model_len=256),
                          request_timeout_s=60)
-    prompts = _prompts((1, chunk - 1, chunk, chunk + 1, 3 * chunk + 7))
+    prompts = _random_prompts((1, chunk - 1, chunk, chunk + 1, 3 * chunk + 7))
 
     async def one(i, ids):
         deltas = [d async for d in router.generate(f"p{i}", ids, SamplingParams(max_tokens=1, prompt_logprobs=1))]
@@ -266,7 +292,10 @@ def _cluster_scores(prompts, mode: str, conditional_prefill_tokens: int = 0, **k
     from pdcluster.kv_transfer.config import TransferConfig
     from test_admin_api import serving
 
-    transfer = TransferConfig(transport="tcp", secret="k") if mode == "disagg" else TransferConfig()
+    # A transfer's deadline runs while its prompt waits on the prefill worker: every prompt at once on
+    # two shared cores queues longer than the default 30 s (then the router recovers, and may give up).
+    transfer = TransferConfig(transport="tcp", secret="k", transfer_timeout_s=600) if mode == "disagg" \
+        else TransferConfig()
     cluster = Cluster(ClusterSpec(engine=engine_config("smollm2", dtype="float32", **kw), transfer=transfer,
                                   mode=mode, conditional_prefill_tokens=conditional_prefill_tokens))
 
