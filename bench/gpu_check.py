@@ -1,0 +1,504 @@
+"""The GPU issue's one device check: the engine's correctness and speed on CUDA, in one script.
+
+    python bench/gpu_check.py --device cuda [--budget-s 480] [--out bench/results/gpu_check_<gpu>.json]
+    python bench/gpu_check.py --device cpu --quick --simulate-gpu-box     # the dry run, here
+
+It prints one JSON object and writes it (after every section, so a run cut short still leaves what it
+measured). Sections, each timed, each failing on its own (an error is recorded, the next one runs),
+skipped once the time budget is spent:
+- ``env``: torch, CUDA, triton, transformers versions, the device;
+- ``kernel_tests``: the ``gpu``-marked kernel tests, compiled (TRITON_INTERPRET=0), in a subprocess;
+- ``correctness``: tiny-random, tiny-hybrid and a transformers-made NemotronH equal transformers'
+  greedy (repeated full forwards, fp32, on the same device): alone, batched, with n-gram and MTP
+  speculation, async scheduling, chunked prefill and preemption;
+- ``speed``: a random-weight 1.1B Llama (TinyLlama's shape, bf16): copy bandwidth and the HBM floor,
+  decode step time at batch 1, 32 and 128, prefill tok/s at 16 x 2,048 and its MFU, transformers'
+  ``generate`` on the same GPU.
+
+The GPU machine has torch, triton, transformers, safetensors, tokenizers, msgpack and numpy but no
+Ray, pyzmq, FastAPI, gguf or xgrammar, and nothing downloads there: the engine runs without them
+(``--simulate-gpu-box`` refuses those imports here, to prove it), the source is imported through a
+namespace folder of links when pdcluster is not installed, and the tiny models are built there from
+the project's seeded code with the tokenizer files this script copies into bench/gpu_assets/ first
+(``--prepare-assets``; that folder is ignored by git: carry it to the device machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ASSETS = ROOT / "bench" / "gpu_assets"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+GPU_BOX_MISSING = ("ray", "zmq", "fastapi", "uvicorn", "pydantic", "gguf", "xgrammar", "openai", "ucxx", "starlette")
+PACKAGES = ("cluster", "engine", "kernels", "kv_transfer", "node", "prefill_node", "decode_node")
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense, SXM
+
+
+# ------------------------------------------------------------------------------------------ setup
+
+
+def block_modules(names: tuple[str, ...]) -> None:
+    """Make ``names`` unimportable, as on the GPU machine (a dry run here proves the engine needs none)."""
+
+    class Blocker:
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in names:
+                raise ModuleNotFoundError(f"No module named {name!r} (--simulate-gpu-box)", name=name)
+            return None
+
+    sys.meta_path.insert(0, Blocker())
+
+
+def import_pdcluster() -> None:
+    """``import pdcluster`` from this checkout, installed or not (a namespace folder of links)."""
+    try:
+        import pdcluster.engine  # noqa: F401
+        return
+    except ModuleNotFoundError:
+        pass
+    ns = Path(tempfile.mkdtemp(prefix="pdcluster-ns-")) / "pdcluster"
+    ns.mkdir()
+    for pkg in PACKAGES:
+        (ns / pkg).symlink_to(ROOT / pkg, target_is_directory=True)
+    sys.path.insert(0, str(ns.parent))
+    import pdcluster.engine  # noqa: F401
+
+
+def prepare_assets() -> None:
+    """Copy SmolLM2's tokenizer files (from the built tiny-random model) into bench/gpu_assets/."""
+    from pdcluster.engine.model_registry import resolve_model
+
+    src = resolve_model("tiny-random", progress=False)
+    ASSETS.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        shutil.copy(src / name, ASSETS / name)
+    print(f"wrote {', '.join(TOKENIZER_FILES)} to {ASSETS}", file=sys.stderr)
+
+
+def build_tiny(name: str, out: Path) -> Path:
+    """Build the built-in ``name`` (tiny-random / tiny-hybrid) from its seeded code, with the carried
+    tokenizer files instead of the GGUF conversion (gguf is not on the GPU machine)."""
+    from safetensors.torch import save_file
+
+    if name == "tiny-random":
+        from pdcluster.engine.tiny_random import TINY_RANDOM_CONFIG as base, tiny_random_state_dict as weights
+    else:
+        from pdcluster.engine.tiny_hybrid import TINY_HYBRID_CONFIG as base, tiny_hybrid_state_dict as weights
+    out.mkdir(parents=True, exist_ok=True)
+    for f in TOKENIZER_FILES:
+        shutil.copy(ASSETS / f, out / f)
+    generation = json.loads((out / "generation_config.json").read_text())
+    config = dict(base, bos_token_id=generation["bos_token_id"], eos_token_id=generation["eos_token_id"][0],
+                  pad_token_id=generation["pad_token_id"])
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(weights(config), str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def build_random_nemotron_h(out: Path) -> Path:
+    """A NemotronH directory made by transformers (tests/test_hybrid_model.py's shape: attention first,
+    n_groups 1, conv kernel 3 without bias, state 12, scan chunk 8, untied head), random weights at a
+    scale where the blocks matter; A_log and dt_bias keep transformers' init."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=512, hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=24,
+                  intermediate_size=96, mamba_num_heads=6, mamba_head_dim=8, ssm_state_size=12, n_groups=1,
+                  conv_kernel=3, chunk_size=8, use_conv_bias=False, tie_word_embeddings=False,
+                  layer_norm_epsilon=1e-6, bos_token_id=1, eos_token_id=2)
+    blocks = ["full_attention", "linear_attention", "mlp", "linear_attention", "full_attention", "linear_attention"]
+    config = transformers.NemotronHConfig(layers_block_type=blocks, **common)
+    if getattr(config, "num_hidden_layers", len(blocks)) != len(blocks):  # older transformers: the pattern string
+        config = transformers.NemotronHConfig(hybrid_override_pattern="*M-M*M", num_hidden_layers=6, **common)
+    model = transformers.NemotronHForCausalLM(config)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("A_log", "dt_bias")):
+                continue
+            if "norm" in name or name.endswith(".D"):
+                p.copy_(0.8 + 0.4 * torch.rand(p.shape, generator=gen))
+            elif name.endswith("embeddings.weight"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+            elif name.endswith("conv1d.weight"):
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+            else:
+                gain = 3.0 if name.endswith(("out_proj.weight", "o_proj.weight", "down_proj.weight")) else 1.5
+                p.copy_(torch.randn(p.shape, generator=gen) * gain / p.shape[-1] ** 0.5)
+    model.save_pretrained(str(out))
+    shutil.copy(ASSETS / "tokenizer.json", out / "tokenizer.json")
+    return out
+
+
+# ------------------------------------------------------------------------------------------ report
+
+
+class Report:
+    def __init__(self, out: Path, budget_s: float):
+        self.out, self.budget_s, self.t0 = out, budget_s, time.monotonic()
+        self.data: dict = {"sections": {}}
+
+    def left_s(self) -> float:
+        return self.budget_s - (time.monotonic() - self.t0)
+
+    @contextlib.contextmanager
+    def section(self, name: str, min_left_s: float = 20.0):
+        entry: dict = {}
+        self.data["sections"][name] = entry
+        if self.left_s() < min_left_s:
+            entry["skipped"] = f"time budget spent ({self.left_s():.0f} s left)"
+            self.write()
+            yield None
+            return
+        t0 = time.monotonic()
+        try:
+            yield entry
+            entry.setdefault("ok", True)
+        except Exception as e:  # noqa: BLE001 - one section's failure must not stop the others
+            entry["ok"] = False
+            entry["error"] = f"{type(e).__name__}: {e}"
+            entry["traceback"] = traceback.format_exc()[-3000:]
+            print(f"[{name}] FAILED: {entry['error']}", file=sys.stderr, flush=True)
+        entry["seconds"] = round(time.monotonic() - t0, 1)
+        print(f"[{name}] {'ok' if entry.get('ok') else 'FAILED'} in {entry['seconds']} s", file=sys.stderr, flush=True)
+        self.write()
+
+    def write(self) -> None:
+        self.data["elapsed_s"] = round(time.monotonic() - self.t0, 1)
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.out.write_text(json.dumps(self.data, indent=2) + "\n")
+
+
+# ------------------------------------------------------------------------------------------ checks
+
+
+def env_section(entry: dict, device: str) -> None:
+    import torch
+
+    entry["torch"] = torch.__version__
+    entry["cuda"] = torch.version.cuda
+    entry["device"] = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    for mod in ("triton", "transformers"):
+        try:
+            entry[mod] = __import__(mod).__version__
+        except ImportError:
+            entry[mod] = None
+
+
+def kernel_tests_section(entry: dict, device: str, left_s: float) -> None:
+    if device != "cuda":
+        entry["skipped"] = "the gpu-marked tests need CUDA"
+        return
+    files = [f"tests/{f}" for f in ("test_kernels.py", "test_triton_mamba.py", "test_triton_mamba_scan.py",
+                                    "test_triton_elementwise.py") if (ROOT / "tests" / f).exists()]
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *files],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(30, min(240, left_s - 60)))
+    entry["returncode"] = proc.returncode
+    entry["summary"] = (proc.stdout.strip().splitlines() or [""])[-1]
+    entry["ok"] = proc.returncode == 0
+    if proc.returncode != 0:
+        entry["output_tail"] = (proc.stdout + proc.stderr)[-4000:]
+
+
+def _prompts(vocab: int, lengths=(5, 17, 40, 70), seed: int = 1) -> list[list[int]]:
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, min(vocab, 30000), (n,), generator=gen).tolist() for n in lengths]  # ids < vocab
+
+
+def _oracle(model_dir: Path, prompts: list[list[int]], num_new: int, device: str) -> list[list[int]]:
+    """transformers' greedy by repeated full forwards (no cache: its cached Mamba path skips the dt
+    clamp its prefill applies), fp32 on ``device``."""
+    import torch
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
+                                                           attn_implementation="eager").to(device).eval()
+    out = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = list(p)
+            for _ in range(num_new):
+                ids.append(int(hf(torch.tensor([ids], device=device)).logits[0, -1].argmax()))
+            out.append(ids[len(p):])
+    del hf
+    return out
+
+
+def _ours(model_dir: Path, prompts, num_new: int, device: str, **cfg) -> tuple[list[list[int]], dict]:
+    from pdcluster.engine.config import EngineConfig
+    from pdcluster.engine.llm_engine import LLMEngine
+    from pdcluster.engine.sampling_params import SamplingParams
+
+    base = dict(model=str(model_dir), device=device, dtype="float32", num_kv_blocks=256, max_model_len=256,
+                max_num_seqs=16)
+    base.update(cfg)
+    engine = LLMEngine(EngineConfig(**base), progress=False)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=num_new, temperature=0.0, ignore_eos=True))
+    stats = {"num_preemptions": engine.scheduler.num_preemptions_total,
+             "num_draft_tokens": sum(o.num_draft_tokens for o in outs),
+             "num_accepted_tokens": sum(o.num_accepted_tokens for o in outs),
+             "blocks_leaked": engine.kv_spec.num_blocks - engine.scheduler.block_manager.num_free_blocks}
+    return [o.token_ids for o in outs], stats
+
+
+def correctness_section(entry: dict, device: str, work: Path, quick: bool) -> None:
+    num_new = 8 if quick else 16
+    models = {"tiny-random": build_tiny("tiny-random", work / "tiny-random"),
+              "tiny-hybrid": build_tiny("tiny-hybrid", work / "tiny-hybrid")}
+    try:
+        models["nemotron-h-random"] = build_random_nemotron_h(work / "nemotron-h-random")
+    except Exception as e:  # noqa: BLE001 - transformers without NemotronH: say so, check the rest
+        entry["nemotron-h-random"] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    variants = {
+        "alone": dict(prompts=slice(0, 1)),
+        "batch": {},
+        "chunked+preemption": dict(prefill_chunk_size=7, max_num_batched_tokens=32, num_kv_blocks=8),
+        "ngram": dict(spec_method="ngram", num_spec_tokens=3),
+        "mtp": dict(spec_method="mtp", num_spec_tokens=2, mtp_checkpoint="random"),
+        "async": dict(async_scheduling=True),
+        "async+mtp": dict(async_scheduling=True, spec_method="mtp", num_spec_tokens=2, mtp_checkpoint="random"),
+    }
+    all_ok = True
+    for name, model_dir in models.items():
+        prompts = _prompts(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+        expected = _oracle(model_dir, prompts, num_new, device)
+        result: dict = {"not_degenerate": len({tuple(e) for e in expected}) > 1}
+        for vname, cfg in variants.items():
+            if quick and vname in ("async", "async+mtp", "ngram"):
+                continue
+            cfg = dict(cfg)
+            sel = cfg.pop("prompts", slice(None))
+            try:
+                got, stats = _ours(model_dir, prompts[sel], num_new, device, **cfg)
+                ok = got == expected[sel] and stats["blocks_leaked"] == 0
+                if vname == "chunked+preemption":
+                    ok = ok and stats["num_preemptions"] > 0
+                result[vname] = {"ok": ok, **stats}
+                if not ok:
+                    result[vname]["first_diff"] = next(
+                        ({"prompt": i, "got": g, "expected": e} for i, (g, e) in enumerate(zip(got, expected[sel]))
+                         if g != e), None)
+            except Exception as e:  # noqa: BLE001
+                result[vname] = {"ok": False, "error": f"{type(e).__name__}: {e}",
+                                 "traceback": traceback.format_exc()[-1500:]}
+            all_ok = all_ok and result[vname]["ok"]
+        entry[name] = result
+    entry["ok"] = all_ok and entry.get("nemotron-h-random", {}).get("ok", True)
+
+
+def _copy_bandwidth_gbps(device: str) -> float:
+    import torch
+
+    n = (1 << 30) // 2 if device == "cuda" else (1 << 26)
+    src = torch.empty(n, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        _sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.numel() * src.element_size() / best / 1e9  # read + write
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                num_key_value_heads=4, vocab_size=49152, max_position_embeddings=4096, rope_theta=10000.0,
+                rms_norm_eps=1e-5, tie_word_embeddings=False)
+LLAMA_QUICK = dict(LLAMA_1B, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2)
+
+
+def _decode_step_ms(engine, batch: int, prompt_len: int, num_steps: int, device: str) -> float:
+    from pdcluster.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=num_steps + 8, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request([5 + (i * 7 + j) % 20000 for j in range(prompt_len)], params)
+    started = set()
+    for _ in range(10_000):  # until every request has its first token (prefill done)
+        for out in engine.step():
+            if out.token_ids:
+                started.add(out.request_id)
+        if len(started) == batch:
+            break
+    times = []
+    for _ in range(num_steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    for rid in list(started):
+        engine.abort_request(rid)
+    while engine.has_unfinished():
+        engine.step()
+    return statistics.median(times) * 1e3
+
+
+def speed_section(entry: dict, device: str, work: Path, quick: bool, report: Report) -> None:
+    import torch
+    import transformers
+
+    from pdcluster.engine.config import EngineConfig
+    from pdcluster.engine.llm_engine import LLMEngine
+
+    shape = LLAMA_QUICK if quick else LLAMA_1B
+    bw = _copy_bandwidth_gbps(device)
+    entry["copy_bandwidth_gbps"] = round(bw, 1)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**shape)
+    with torch.device(device):
+        hf = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
+    entry["weight_bytes"] = weight_bytes
+    entry["hbm_floor_ms"] = round(weight_bytes / (bw * 1e9) * 1e3, 3)
+    model_dir = work / "llama-1b"
+    hf.save_pretrained(str(model_dir))
+    for f in TOKENIZER_FILES:
+        shutil.copy(ASSETS / f, model_dir / f)
+    report.write()
+
+    prompt_len, num_steps = (64, 4) if quick else (512, 24)
+    batches = (1, 4) if quick else (1, 32, 128)
+    engine = LLMEngine(EngineConfig(model=str(model_dir), device=device, dtype="bfloat16", max_model_len=4096,
+                                    max_num_seqs=max(batches), max_num_batched_tokens=8192, prefill_chunk_size=2048,
+                                    kv_cache_memory_gib=0.25 if quick else 8.0, enable_prefix_caching=False),
+                       progress=False)
+    decode = {}
+    for b in batches:
+        ms = _decode_step_ms(engine, b, prompt_len, num_steps, device)
+        kv_bytes = b * (prompt_len + num_steps // 2) * shape["num_hidden_layers"] * 2 * shape["num_key_value_heads"] \
+            * (shape["hidden_size"] // shape["num_attention_heads"]) * 2
+        floor = (weight_bytes + kv_bytes) / (bw * 1e9) * 1e3
+        decode[str(b)] = {"step_ms": round(ms, 3), "floor_ms": round(floor, 3), "x_floor": round(ms / floor, 2),
+                          "tokens_per_s": round(b / ms * 1e3, 1)}
+        report.write()
+    entry["decode"] = {"context_tokens": prompt_len, "cuda_graphs": False, "batches": decode}
+    del engine
+
+    # Prefill: 16 x 2,048 (quick: 4 x 256) in one step.
+    n_seq, seq_len = (4, 256) if quick else (16, 2048)
+    engine = LLMEngine(EngineConfig(model=str(model_dir), device=device, dtype="bfloat16", max_model_len=4096,
+                                    max_num_seqs=n_seq, max_num_batched_tokens=n_seq * seq_len, prefill_chunk_size=seq_len,
+                                    kv_cache_memory_gib=0.5 if quick else 12.0, enable_prefix_caching=False),
+                       progress=False)
+    from pdcluster.engine.sampling_params import SamplingParams
+
+    def one_prefill() -> float:
+        for i in range(n_seq):
+            engine.add_request([5 + (i * 13 + j) % 20000 for j in range(seq_len)], SamplingParams(max_tokens=1))
+        _sync(device)
+        t0 = time.perf_counter()
+        engine.step()
+        _sync(device)
+        dt = time.perf_counter() - t0
+        while engine.has_unfinished():
+            engine.step()
+        return dt
+
+    one_prefill()  # warm-up (allocator, kernels)
+    dt = min(one_prefill() for _ in range(2))
+    num_params = weight_bytes / 2
+    h, layers = shape["hidden_size"], shape["num_hidden_layers"]
+    flops = 2 * num_params * n_seq * seq_len + 2 * layers * n_seq * seq_len * seq_len * h  # + causal attention
+    peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in entry.get("device", "")), None)
+    entry["prefill"] = {"num_seqs": n_seq, "seq_len": seq_len, "seconds": round(dt, 4),
+                        "tokens_per_s": round(n_seq * seq_len / dt, 1), "tflops": round(flops / dt / 1e12, 1),
+                        "mfu": round(flops / dt / 1e12 / peak, 3) if peak else None}
+    del engine
+    report.write()
+
+    # transformers generate on the same GPU (eager, dynamic cache): per decode step.
+    hf_steps = {}
+    for b in batches[:2]:
+        ids = torch.randint(5, 20000, (b, prompt_len), device=device)
+        with torch.inference_mode():
+            def gen(n: int) -> float:
+                _sync(device)
+                t0 = time.perf_counter()
+                hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+                _sync(device)
+                return time.perf_counter() - t0
+            gen(2)
+            short = min(gen(2) for _ in range(2))
+            long = min(gen(2 + num_steps) for _ in range(2))
+        hf_steps[str(b)] = round((long - short) / num_steps * 1e3, 3)
+    entry["transformers_generate_step_ms"] = hf_steps
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--budget-s", type=float, default=480.0, help="stop starting sections past this")
+    p.add_argument("--out", default=None, help="default bench/results/gpu_check_<gpu>.json")
+    p.add_argument("--quick", action="store_true", help="small shapes (the dry run on a CPU)")
+    p.add_argument("--simulate-gpu-box", action="store_true", help="refuse the modules the GPU machine lacks")
+    p.add_argument("--prepare-assets", action="store_true", help="copy the tokenizer files and exit")
+    p.add_argument("--sections", default="env,kernel_tests,correctness,speed")
+    args = p.parse_args()
+    if args.simulate_gpu_box:
+        block_modules(GPU_BOX_MISSING)
+    import_pdcluster()
+    if args.prepare_assets:
+        prepare_assets()
+        return 0
+    if not all((ASSETS / f).is_file() for f in TOKENIZER_FILES):
+        print(f"{ASSETS}: tokenizer files missing: run `python bench/gpu_check.py --prepare-assets` where pdcluster "
+              "is installed, then carry bench/gpu_assets", file=sys.stderr)
+        return 2
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: torch sees no CUDA device", file=sys.stderr)
+        return 2
+    gpu = torch.cuda.get_device_name().split()[-1] if args.device == "cuda" else "cpu"
+    out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"gpu_check_{gpu.lower()}.json"
+    report = Report(out, args.budget_s)
+    work = Path(tempfile.mkdtemp(prefix="pdcluster-gpu-check-"))
+    wanted = set(args.sections.split(","))
+    with report.section("env", 0) as entry:
+        if entry is not None:
+            env_section(entry, args.device)
+    if "kernel_tests" in wanted:
+        with report.section("kernel_tests") as entry:
+            if entry is not None:
+                kernel_tests_section(entry, args.device, report.left_s())
+    if "correctness" in wanted:
+        with report.section("correctness", 60) as entry:
+            if entry is not None:
+                correctness_section(entry, args.device, work, args.quick)
+    if "speed" in wanted:
+        with report.section("speed", 60) as entry:
+            if entry is not None:
+                entry["device"] = report.data["sections"]["env"].get("device", "")
+                speed_section(entry, args.device, work, args.quick, report)
+    shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(report.data, indent=2))
+    return 0 if all(s.get("ok", True) for s in report.data["sections"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
