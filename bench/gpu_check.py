@@ -383,21 +383,28 @@ def speed_section(entry: dict, device: str, work: Path, quick: bool, report: Rep
 
     prompt_len, num_steps = (64, 4) if quick else (512, 24)
     batches = (1, 4) if quick else (1, 32, 128)
-    engine = LLMEngine(EngineConfig(model=str(model_dir), device=device, dtype="bfloat16", max_model_len=4096,
-                                    max_num_seqs=max(batches), max_num_batched_tokens=8192, prefill_chunk_size=2048,
-                                    kv_cache_memory_gib=0.25 if quick else 8.0, enable_prefix_caching=False),
-                       progress=False)
-    decode = {}
-    for b in batches:
-        ms = _decode_step_ms(engine, b, prompt_len, num_steps, device)
-        kv_bytes = b * (prompt_len + num_steps // 2) * shape["num_hidden_layers"] * 2 * shape["num_key_value_heads"] \
-            * (shape["hidden_size"] // shape["num_attention_heads"]) * 2
-        floor = (weight_bytes + kv_bytes) / (bw * 1e9) * 1e3
-        decode[str(b)] = {"step_ms": round(ms, 3), "floor_ms": round(floor, 3), "x_floor": round(ms / floor, 2),
-                          "tokens_per_s": round(b / ms * 1e3, 1)}
-        report.write()
-    entry["decode"] = {"context_tokens": prompt_len, "cuda_graphs": False, "batches": decode}
-    del engine
+    decode: dict = {}
+    for graphs in (True, False):
+        mode = "cuda_graphs" if graphs else "eager"
+        engine = LLMEngine(EngineConfig(model=str(model_dir), device=device, dtype="bfloat16", max_model_len=4096,
+                                        max_num_seqs=max(batches), max_num_batched_tokens=8192,
+                                        prefill_chunk_size=2048, kv_cache_memory_gib=0.25 if quick else 8.0,
+                                        enable_prefix_caching=False, cuda_graphs=graphs), progress=False)
+        if graphs and device == "cpu":
+            engine.runner.use_decode_graphs(emulate=True)  # the dry run: the same path, nothing captured
+        decode[mode] = {"used": engine.runner.graphs is not None}
+        for b in batches:
+            ms = _decode_step_ms(engine, b, prompt_len, num_steps, device)
+            kv_bytes = b * (prompt_len + num_steps // 2) * shape["num_hidden_layers"] * 2 \
+                * shape["num_key_value_heads"] * (shape["hidden_size"] // shape["num_attention_heads"]) * 2
+            floor = (weight_bytes + kv_bytes) / (bw * 1e9) * 1e3
+            decode[mode][str(b)] = {"step_ms": round(ms, 3), "floor_ms": round(floor, 3),
+                                    "x_floor": round(ms / floor, 2), "tokens_per_s": round(b / ms * 1e3, 1)}
+            report.write()
+        if graphs and engine.runner.graphs is not None:
+            decode[mode]["num_replays"] = engine.runner.graphs.num_replays
+        del engine
+    entry["decode"] = {"context_tokens": prompt_len, **decode}
 
     # Prefill: 16 x 2,048 (quick: 4 x 256) in one step.
     n_seq, seq_len = (4, 256) if quick else (16, 2048)

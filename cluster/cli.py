@@ -35,7 +35,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mtp-checkpoint", default="",
                    help="MTP head for --spec mtp: a safetensors file from bench/train_mtp.py (default: the one "
                         "trained for --model in the cache dir; refused when there is none), or 'random'")
+    g.add_argument("--no-cuda-graphs", action="store_true",
+                   help="on a GPU, run decode steps eagerly instead of through CUDA graphs (vLLM's --enforce-eager)")
     g.add_argument("--num-threads", type=int, default=0)
+    g.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
+                   help="batch-invariant kernels: a request's tokens and logprobs are bitwise the same whatever the "
+                        "batch, chunking, speculation, placement or recovery (CPU; default: on, see README)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--cache-dir", default="", help="where converted models live (default ~/.cache/pdcluster)")
 
@@ -62,8 +67,10 @@ def engine_config_from_args(args: argparse.Namespace):
         num_spec_tokens=num_spec,
         mtp_checkpoint=args.mtp_checkpoint,
         num_threads=args.num_threads,
+        cuda_graphs=not args.no_cuda_graphs,
         seed=args.seed,
         cache_dir=args.cache_dir,
+        **({} if getattr(args, "deterministic", None) is None else {"deterministic": args.deterministic}),
     )
 
 

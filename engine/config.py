@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, fields
+import os
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 
@@ -25,6 +26,22 @@ def cpu_has_fast_bf16() -> bool:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
 SPEC_METHODS = ("none", "ngram", "mtp")
+DETERMINISTIC_ENV = "PDCLUSTER_DETERMINISTIC"  # "0"/"1": the default of EngineConfig.deterministic
+
+
+def default_deterministic() -> bool:
+    """EngineConfig.deterministic when not given: $PDCLUSTER_DETERMINISTIC ("0" or "1") if set, else
+    DETERMINISTIC_DEFAULT. The variable reaches engines built by code that takes no flag (profile's
+    co-run child process, the planner's served check)."""
+    value = os.environ.get(DETERMINISTIC_ENV, "").strip()
+    if value in ("0", "1"):
+        return value == "1"
+    if value:
+        raise ConfigError(f"{DETERMINISTIC_ENV}: {value!r} is not 0 or 1")
+    return DETERMINISTIC_DEFAULT
+
+
+DETERMINISTIC_DEFAULT = False
 
 
 @dataclass
@@ -52,7 +69,13 @@ class EngineConfig:
     ngram_max: int = 4
     mtp_checkpoint: str = ""  # "" = the trained head from the cache dir if present, else random
     async_scheduling: bool = False
+    # CUDA graphs for uniform decode batches on a GPU (engine/cuda_graphs.py); False = eager (vLLM's
+    # --enforce-eager).
+    cuda_graphs: bool = True
     num_threads: int = 0  # torch intra-op threads; 0 = torch's default
+    # Batch-invariant kernels (issue 24): each request's tokens and logprobs are bitwise the same whatever
+    # the batch, the prefill chunking, speculation, placement or a recovery re-prefill (CPU; see README).
+    deterministic: bool = field(default_factory=default_deterministic)
     seed: int = 0
     cache_dir: str = ""
 

@@ -43,6 +43,12 @@ class KVConnector:
     def save_layer(self, layer_idx: int) -> None:
         pass
 
+    def wants_layers(self) -> bool:
+        """Whether this step's ``save_layer`` calls do anything (after ``pre_forward``): a step whose
+        layers must be handed over one by one cannot run as one CUDA graph. By default: whether a
+        subclass overrides ``save_layer``."""
+        return type(self).save_layer is not KVConnector.save_layer
+
     def post_forward(self, finished_req_ids: set[str]) -> KVConnectorOutput:
         return KVConnectorOutput()
 

@@ -24,6 +24,7 @@ from pdcluster.engine.async_utils import PLACEHOLDER, PrevStepOutput, fill_place
 from pdcluster.engine.attention import AttentionMetadata
 from pdcluster.engine.batch_classifier import BatchKind, classify_batch, uniform_decode_query_len
 from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.cuda_graphs import DecodeGraphs
 from pdcluster.engine.kv_connector import KVConnector, KVConnectorOutput
 from pdcluster.engine.logits_processors import RowContext, apply_penalties
 from pdcluster.engine.logprobs import TokenLogprobs, token_logprobs
@@ -113,6 +114,19 @@ class ModelRunner:
         # engine sets both; ``_out`` only on a producer, which packs each finished prompt's state.
         self.num_state_blocks = 0
         self.num_state_blocks_out = 0
+        self.graphs: DecodeGraphs | None = None
+        if config.cuda_graphs and self.device.type == "cuda" and self.mamba_pool is None:
+            self.use_decode_graphs()
+
+    def use_decode_graphs(self, emulate: bool = False) -> None:
+        """Run uniform decode batches through per-bucket CUDA graphs (engine/cuda_graphs.py); ``emulate``
+        runs the same static-buffer path without capturing (tests on a CPU)."""
+        if self.mamba_pool is not None:
+            raise ValueError("CUDA graphs: models with Mamba layers run eager (per-row state indexing on the host)")
+        self.graphs = DecodeGraphs(
+            lambda ids, pos, meta: self.model.forward(ids, pos, self.kv_cache, meta, None), self.device,
+            self.config.max_num_seqs, uniform_decode_query_len(self.num_spec_steps),
+            self.states.block_table_np.shape[1], self.model.scale, emulate=emulate)
 
     # ---- state -----------------------------------------------------------------------------------
     def update_requests(self, sched: SchedulerOutput) -> np.ndarray:
@@ -274,7 +288,11 @@ class ModelRunner:
         )
         self.last_batch_kind = kind
         self.connector.pre_forward(sched)
-        hidden = self.model.forward(input_ids, positions, self.kv_cache, meta, self.connector.save_layer)
+        hidden = None
+        if self.graphs is not None and kind == BatchKind.UNIFORM_DECODE and not self.connector.wants_layers():
+            hidden = self.graphs.run(input_ids, positions, meta)
+        if hidden is None:
+            hidden = self.model.forward(input_ids, positions, self.kv_cache, meta, self.connector.save_layer)
         self._state = ExecuteModelState(
             sched, req_ids, idx_mapping, kind, hidden, logits_start, logits_count, logits_indices,
             set(sched.finished_req_ids), rows, qsl,

@@ -172,6 +172,9 @@ class PrefillKVConnector(KVConnector, SchedulerConnector):
                 self._plan.append((task, np.asarray(task.src_block_ids[blocks]), np.asarray(task.dst_block_ids[blocks])))
                 task.num_blocks_sent = num_full
 
+    def wants_layers(self) -> bool:
+        return bool(self._plan)  # this step's prompt blocks go out layer by layer
+
     @_locked
     def save_layer(self, layer_idx: int) -> None:
         if layer_idx >= self.num_target_layers:

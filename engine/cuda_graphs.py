@@ -1,0 +1,113 @@
+"""CUDA graphs for uniform decode batches (every row has ``q_len`` = 1 + k query tokens).
+
+A decode step of a small model on a GPU is mostly kernel-launch overhead: hundreds of small kernels a
+step, each launched from Python. Captured once per batch-size bucket, a step replays as one graph.
+
+How (vLLM's recipe):
+- buckets of batch sizes (1, 2, 4, 8, then every 16 up to ``max_num_seqs``); a batch runs in the
+  smallest bucket that holds it, the rows past it padded;
+- every input lives in a static buffer the graph was captured over (token ids, positions, slot
+  mapping, block tables at full width, context lengths); a step copies its inputs into them (device to
+  device) and replays. Padded rows write no KV (slot -1: the write kernels skip it), have context
+  length 1 and block table row 0: they read one cache slot, and their outputs are dropped;
+- the hidden states come out of the bucket's static output, sliced to the batch; logits, sampling
+  and the proposer run outside the graph (they depend on the rows' sampling parameters);
+- captured lazily, at a bucket's first use (warm-up runs every bucket once, see engine/warmup.py), in
+  one memory pool shared by all buckets.
+Not captured: batches with prefill rows, models with Mamba layers (their per-row state indexing is
+built on the host every step), and steps whose KV connector sends layers as they finish (a prefill
+worker's layer callbacks run Python between layers).
+
+``emulate=True`` (the CPU tests) replays by calling the captured function again on the same static
+buffers: every buffer, padding and slicing path runs; only the CUDA capture itself does not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from pdcluster.engine.attention import AttentionMetadata
+
+PAD_SLOT = -1  # write kernels skip negative slots
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    small = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
+    return small + list(range(16, max_num_seqs, 16)) + [max_num_seqs]
+
+
+class DecodeGraphs:
+    def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
+                 device: torch.device, max_num_seqs: int, q_len: int, max_blocks_per_req: int, scale: float,
+                 emulate: bool = False):
+        self.forward = forward  # (input_ids, positions, meta) -> hidden [num_tokens, H]
+        self.device, self.q_len, self.scale, self.emulate = device, q_len, scale, emulate
+        self.buckets = batch_buckets(max_num_seqs)
+        max_rows, max_tokens = self.buckets[-1], self.buckets[-1] * q_len
+        self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((max_tokens,), PAD_SLOT, dtype=torch.int64, device=device)
+        self.block_tables = torch.zeros(max_rows, max_blocks_per_req, dtype=torch.int32, device=device)
+        self.seq_lens = torch.ones(max_rows, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(0, (max_rows + 1) * q_len, q_len, dtype=torch.int32, device=device)
+        self._graphs: dict[int, object] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        self._pool = None
+        self.num_replays = 0
+
+    def bucket(self, num_rows: int) -> int | None:
+        return next((b for b in self.buckets if b >= num_rows), None)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+        """The hidden states of this uniform batch through its bucket's graph (None: no bucket fits)."""
+        num_rows = meta.seq_lens.shape[0]
+        bucket = self.bucket(num_rows)
+        if bucket is None or meta.block_tables.shape[1] > self.block_tables.shape[1]:
+            return None
+        n = num_rows * self.q_len
+        # Inputs into the static buffers (device to device; padded rows reset to their padding values).
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(meta.slot_mapping)
+        self.slot_mapping[n : bucket * self.q_len].fill_(PAD_SLOT)
+        width = meta.block_tables.shape[1]
+        self.block_tables[:num_rows, :width].copy_(meta.block_tables)
+        self.block_tables[num_rows:bucket].zero_()
+        self.seq_lens[:num_rows].copy_(meta.seq_lens)
+        self.seq_lens[num_rows:bucket].fill_(1)
+        if bucket not in self._outputs:
+            self._capture(bucket)
+        if self.emulate:
+            self._outputs[bucket] = self._call(bucket)
+        else:
+            self._graphs[bucket].replay()
+        self.num_replays += 1
+        return self._outputs[bucket][:n]
+
+    def _call(self, bucket: int) -> torch.Tensor:
+        tokens = bucket * self.q_len
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:tokens], block_tables=self.block_tables[:bucket],
+            seq_lens=self.seq_lens[:bucket], query_start_loc=self.query_start_loc[: bucket + 1],
+            uniform_q_len=self.q_len, scale=self.scale)
+        return self.forward(self.input_ids[:tokens], self.positions[:tokens], meta)
+
+    def _capture(self, bucket: int) -> None:
+        if self.emulate:
+            self._outputs[bucket] = self._call(bucket)
+            return
+        # Warm the bucket's kernels (Triton compiles, cuBLAS picks) outside the capture, on a side stream.
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._call(bucket)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._outputs[bucket] = self._call(bucket)
+        self._graphs[bucket] = graph

@@ -1,0 +1,107 @@
+"""Decode through CUDA graphs (engine/cuda_graphs.py). On a CPU the graphs are emulated: the same static
+buffers, bucket padding and output slicing, replayed by calling the captured function again; the
+``gpu`` test captures for real."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import make_engine
+from pdcluster.engine.attention import AttentionMetadata
+from pdcluster.engine.cuda_graphs import PAD_SLOT, DecodeGraphs, batch_buckets
+from pdcluster.engine.sampling_params import SamplingParams
+
+PROMPTS = [[5 + (7 * i + 3 * j) % 300 for j in range(4 + 5 * i)] for i in range(7)]
+
+
+def test_batch_buckets():
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(10) == [1, 2, 4, 8, 10]
+    assert batch_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert batch_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
+
+
+def _generate(engine, graphs: bool, emulate: bool = True):
+    if graphs:
+        engine.runner.use_decode_graphs(emulate=emulate)
+    params = [SamplingParams(max_tokens=6 + 3 * i, temperature=0.0, ignore_eos=True, logprobs=2) for i in range(7)]
+    outs = engine.generate(PROMPTS, params)  # rows finish at different steps: the batch shrinks through buckets
+    assert engine.scheduler.block_manager.num_free_blocks == engine.kv_spec.num_blocks
+    return outs
+
+
+# n-gram drafts vary in number per row unless async scheduling pads them: only then are batches uniform.
+@pytest.mark.parametrize("spec", [{}, dict(spec_method="ngram", num_spec_tokens=2, async_scheduling=True),
+                                  dict(spec_method="mtp", num_spec_tokens=2)])
+def test_emulated_graphs_give_the_eager_tokens(tiny_dir, spec):
+    cfg = dict(max_num_seqs=10, num_kv_blocks=128, **spec)
+    eager = _generate(make_engine("tiny-random", **cfg), graphs=False)
+    engine = make_engine("tiny-random", **cfg)
+    graphed = _generate(engine, graphs=True)
+    assert engine.runner.graphs.num_replays > 0
+    assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
+    for g, e in zip(graphed, eager):  # the padded batch is other GEMM shapes: equal within fp32 noise
+        np.testing.assert_allclose([x.logprob for x in g.logprobs], [x.logprob for x in e.logprobs], atol=1e-4)
+
+
+def test_padded_rows_write_no_kv_and_read_nothing_they_keep(tiny_dir):
+    engine = make_engine("tiny-random", max_num_seqs=8, num_kv_blocks=32)
+    runner = engine.runner
+    graphs = DecodeGraphs(lambda ids, pos, meta: runner.model.forward(ids, pos, runner.kv_cache, meta, None),
+                          runner.device, 8, 1, 4, runner.model.scale, emulate=True)
+    torch.manual_seed(0)
+    runner.kv_cache.normal_()
+    before = runner.kv_cache.clone()
+    # 3 decode rows at positions 5, 9, 17 of blocks [1], [2], [3, 4]: bucket 4, one padded row.
+    seq_lens = torch.tensor([6, 10, 18], dtype=torch.int32)
+    block_tables = torch.tensor([[1, 0], [2, 0], [3, 4]], dtype=torch.int32)
+    slots = torch.tensor([1 * 16 + 5, 2 * 16 + 9, 4 * 16 + 1], dtype=torch.int64)
+    meta = AttentionMetadata(slot_mapping=slots, block_tables=block_tables, seq_lens=seq_lens,
+                             query_start_loc=torch.arange(4, dtype=torch.int32), uniform_q_len=1,
+                             scale=runner.model.scale)
+    ids, pos = torch.tensor([11, 12, 13]), torch.tensor([5, 9, 17])
+    hidden = graphs.run(ids, pos, meta)
+    assert hidden.shape[0] == 3 and graphs.bucket(3) == 4
+    assert graphs.slot_mapping[3].item() == PAD_SLOT and graphs.seq_lens[3].item() == 1
+    changed = (runner.kv_cache != before).flatten(4).any(-1)  # [layers, 2, blocks, block_size]
+    written = {(int(b), int(o)) for b, o in changed.any(0).any(0).nonzero().tolist()}
+    assert written == {(1, 5), (2, 9), (4, 1)}  # the three rows' slots, nothing for the padded row
+    # Same rows eagerly: the same hidden states (the padded row changes nothing the real rows read).
+    runner.kv_cache.copy_(before)
+    eager = runner.model.forward(ids, pos, runner.kv_cache, meta, None)
+    torch.testing.assert_close(hidden, eager, rtol=1e-5, atol=1e-5)
+    # A smaller batch after a bigger one in the same bucket: the stale row is reset to padding.
+    four = AttentionMetadata(slot_mapping=torch.cat([slots, torch.tensor([5 * 16])]),
+                             block_tables=torch.cat([block_tables, torch.tensor([[5, 0]], dtype=torch.int32)]),
+                             seq_lens=torch.cat([seq_lens, torch.tensor([1], dtype=torch.int32)]),
+                             query_start_loc=torch.arange(5, dtype=torch.int32), uniform_q_len=1,
+                             scale=runner.model.scale)
+    graphs.run(torch.tensor([11, 12, 13, 14]), torch.tensor([5, 9, 17, 0]), four)
+    assert graphs.slot_mapping[3].item() == 5 * 16 and graphs.block_tables[3, 0].item() == 5
+    graphs.run(ids, pos, meta)
+    assert graphs.slot_mapping[3].item() == PAD_SLOT and graphs.seq_lens[3].item() == 1
+    assert graphs.block_tables[3].tolist() == [0, 0, 0, 0]
+
+
+def test_graphs_skip_steps_whose_connector_sends_layers():
+    from pdcluster.engine.kv_connector import KVConnector
+
+    class Sends(KVConnector):
+        def save_layer(self, layer_idx: int) -> None:
+            pass
+
+    assert not KVConnector().wants_layers() and Sends().wants_layers()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_captured_graphs_give_the_eager_tokens_on_cuda(tiny_dir):
+    cfg = dict(max_num_seqs=10, num_kv_blocks=128, device="cuda")
+    eager = _generate(make_engine("tiny-random", cuda_graphs=False, **cfg), graphs=False)
+    engine = make_engine("tiny-random", **cfg)
+    assert engine.runner.graphs is not None and not engine.runner.graphs.emulate
+    graphed = _generate(engine, graphs=False)  # the engine's own graphs
+    assert engine.runner.graphs.num_replays > 0
+    assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
