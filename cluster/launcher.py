@@ -59,6 +59,15 @@ class ClusterSpec:
                              f"(got num_prefill={self.num_prefill}, num_decode={self.num_decode})")
 
 
+def gpu_share_per_worker(num_gpus: float, num_workers: int) -> float:
+    """The GPU each worker asks Ray for: a whole one where there are enough, else an equal share of
+    what there is (1 GPU, 1 prefill + 1 decode: 0.5 each). Shares are rounded down to hundredths so
+    that Ray's bundles add up to no more than the GPUs."""
+    if num_gpus >= num_workers:
+        return 1.0
+    return max(0.01, int(100 * num_gpus / num_workers) / 100)
+
+
 def ray_has_resource(name: str) -> bool:
     import ray
 
@@ -93,7 +102,11 @@ class Cluster:
                 ray.init(num_cpus=os.cpu_count(), resources=slots,
                          include_dashboard=False, log_to_driver=True)
                 self._started_ray = True
-        use_gpu = bool(ray.cluster_resources().get("GPU", 0))
+        num_gpus = float(ray.cluster_resources().get("GPU", 0))
+        use_gpu = num_gpus > 0
+        # A worker per GPU where there are enough; fewer GPUs than workers (disagg on a one-GPU machine):
+        # the workers share them, each asking Ray for its fraction (Ray then gives them the same device).
+        gpu_share = gpu_share_per_worker(num_gpus, num_workers) if use_gpu else 0.0
         event_host = "127.0.0.1" if not spec.address else ray.util.get_node_ip_address()
         engine = spec.engine
         if not engine.num_threads and not use_gpu and not spec.address:
@@ -119,21 +132,21 @@ class Cluster:
         slot = {"prefill": "prefill_slot", "decode": "decode_slot"}
         # On GPU clusters the role slot still decides the node type (prefill vs decode nodes).
         role_slots = ray.cluster_resources()
-        bundles = [self._bundle(use_gpu, slot["prefill"], role_slots) for _ in range(num_prefill)]
-        bundles += [self._bundle(use_gpu, slot["decode"], role_slots) for _ in range(spec.num_decode)]
+        bundles = [self._bundle(gpu_share, slot["prefill"], role_slots) for _ in range(num_prefill)]
+        bundles += [self._bundle(gpu_share, slot["decode"], role_slots) for _ in range(spec.num_decode)]
         self.placement_group = placement_group(bundles, strategy="PACK")
         ray.get(self.placement_group.ready(), timeout=120)
         env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
         tag = uuid.uuid4().hex[:6]
         self.prefill_handles, self.decode_handles = {}, {}
         for i in range(num_prefill):
-            opts = self._actor_options(PlacementGroupSchedulingStrategy(self.placement_group, i), use_gpu, slot["prefill"],
+            opts = self._actor_options(PlacementGroupSchedulingStrategy(self.placement_group, i), gpu_share, slot["prefill"],
                                        spec.max_worker_restarts)
             wid = f"prefill-{i}-{tag}"
             self.prefill_handles[wid] = ray.remote(PrefillActor).options(**opts).remote(
                 wid, engine, transfer, None, env)
         for j in range(spec.num_decode):
-            opts = self._actor_options(PlacementGroupSchedulingStrategy(self.placement_group, num_prefill + j), use_gpu, slot["decode"],
+            opts = self._actor_options(PlacementGroupSchedulingStrategy(self.placement_group, num_prefill + j), gpu_share, slot["decode"],
                                        spec.max_worker_restarts)
             wid = f"decode-{j}-{tag}"
             self.decode_handles[wid] = ray.remote(DecodeActor).options(**opts).remote(
@@ -154,7 +167,7 @@ class Cluster:
                                        state_blocks.get(wid, 0))
         # One set of handles: workers added or removed later (add_worker, remove_worker) show in both.
         self.prefill_handles, self.decode_handles = self.router.prefill, self.router.decode
-        self._engine, self._transfer, self._env, self._use_gpu, self._tag = engine, transfer, env, use_gpu, tag
+        self._engine, self._transfer, self._env, self._gpu_share, self._tag = engine, transfer, env, gpu_share, tag
         self._next_index = {"prefill": num_prefill, "decode": spec.num_decode}
         self.router.health.on_worker_restarted = self.rewire
         self.router.health.on_pair_lost = self.rewire_pair
@@ -206,7 +219,7 @@ class Cluster:
         ray = self._ray
         wid = f"{role}-{self._next_index[role]}-{self._tag}"
         self._next_index[role] += 1
-        opts = self._actor_options(None, self._use_gpu, f"{role}_slot", self.spec.max_worker_restarts)
+        opts = self._actor_options(None, self._gpu_share, f"{role}_slot", self.spec.max_worker_restarts)
 
         async def call(ref):
             return await asyncio.wait_for(ref, timeout_s)
@@ -250,21 +263,21 @@ class Cluster:
         return result
 
     @staticmethod
-    def _bundle(use_gpu: bool, slot: str, cluster_resources: dict) -> dict:
+    def _bundle(gpu_share: float, slot: str, cluster_resources: dict) -> dict:
         bundle = {slot: 1} if cluster_resources.get(slot) else {}
-        if use_gpu:
-            bundle["GPU"] = 1
+        if gpu_share:
+            bundle["GPU"] = gpu_share
         return bundle or {slot: 1}
 
     @staticmethod
-    def _actor_options(strategy, use_gpu: bool, slot: str, max_restarts: int = 0) -> dict:
+    def _actor_options(strategy, gpu_share: float, slot: str, max_restarts: int = 0) -> dict:
         # Restarted actors keep their id and bundle; calls are not retried (the router recovers them).
         opts = {"num_cpus": 0, "max_concurrency": 4, "max_restarts": max_restarts, "max_task_retries": 0}
         if strategy is not None:
             opts["scheduling_strategy"] = strategy
-        if use_gpu:
-            opts["num_gpus"] = 1
-        if not use_gpu or ray_has_resource(slot):
+        if gpu_share:
+            opts["num_gpus"] = gpu_share
+        if not gpu_share or ray_has_resource(slot):
             opts["resources"] = {slot: 1}
         return opts
 

@@ -130,14 +130,17 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.mode == "auto":
         import torch
 
-        args.mode = resolve_auto_mode(args.address, os.cpu_count() or 1, torch.cuda.is_available())
+        args.mode = resolve_auto_mode(args.address, os.cpu_count() or 1,
+                                      torch.cuda.device_count() if torch.cuda.is_available() else 0)
         print(f"pdcluster serve: --mode auto -> {args.mode}", file=sys.stderr, flush=True)
 
 
-def resolve_auto_mode(address: str | None, num_cpus: int, has_gpu: bool) -> str:
-    """Disaggregate when each role can have its own device: a cluster to join, GPUs, or enough cores
-    here; on a small CPU box one colocated worker with every core serves faster."""
-    if address or has_gpu or num_cpus >= MIN_CORES_FOR_DISAGG:
+def resolve_auto_mode(address: str | None, num_cpus: int, num_gpus: int) -> str:
+    """Disaggregate when each role can have its own device: a cluster to join, two GPUs or more, or
+    (without a GPU) enough cores here. One GPU serves colocated by default: prefill and decode would
+    share it (``--mode disagg`` does that, each worker asking Ray for half), and one worker batching
+    both serves faster there; on a small CPU box one colocated worker with every core serves faster."""
+    if address or num_gpus >= 2 or (not num_gpus and num_cpus >= MIN_CORES_FOR_DISAGG):
         return "disagg"
     return "colocated"
 

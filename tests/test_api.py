@@ -677,8 +677,18 @@ def test_auto_mode_disaggregates_only_when_each_role_gets_a_device():
 
     assert resolve_auto_mode(None, 2, False) == "colocated"  # a 2-core box: one worker, every core
     assert resolve_auto_mode(None, 4, False) == "disagg"
-    assert resolve_auto_mode(None, 2, True) == "disagg"
+    assert resolve_auto_mode(None, 2, 2) == "disagg"  # a GPU per role
+    assert resolve_auto_mode(None, 64, 1) == "colocated"  # one GPU: one worker batches both phases
     assert resolve_auto_mode("ray://head:10001", 2, False) == "disagg"
+
+
+def test_workers_share_a_gpu_when_there_are_fewer_gpus_than_workers():
+    from pdcluster.cluster.launcher import gpu_share_per_worker
+
+    assert gpu_share_per_worker(1, 2) == 0.5  # disagg 1P + 1D on one GPU
+    assert gpu_share_per_worker(1, 3) == 0.33 and 3 * gpu_share_per_worker(1, 3) <= 1
+    assert gpu_share_per_worker(2, 2) == 1.0 and gpu_share_per_worker(8, 3) == 1.0
+    assert gpu_share_per_worker(2, 3) == 0.66
 
 
 @pytest.mark.timeout(120)

@@ -32,7 +32,8 @@ def needed_resources(serve_argv: list[str], device: str) -> dict[str, float]:
     if mode == "auto":  # what `pdcluster serve` resolves it to (serve_cli.resolve_auto_mode)
         from pdcluster.cluster.serve_cli import resolve_auto_mode
 
-        mode = resolve_auto_mode(args.address, os.cpu_count() or 1, device == "gpu")
+        # A GPU cluster gives each worker its own GPU (the chart asks for one per worker pod).
+        mode = resolve_auto_mode(args.address, os.cpu_count() or 1, 2 if device == "gpu" else 0)
     num_prefill = args.num_prefill if mode == "disagg" else 0
     if device == "gpu":
         return {"GPU": num_prefill + args.num_decode}
