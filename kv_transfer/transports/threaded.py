@@ -53,7 +53,9 @@ class ThreadedTransport(KVTransport):
         self._received = ReceiveTracker()
         self._landing = Landing(self._layout, self._rows, self._admission, self._received)
         # Staging for gathered and received payloads (allocated on first use; shm stages in its ring).
-        self._pool = BufferPool(self._staging_device(), self.config.max_inflight_chunks * self.config.chunk_bytes)
+        # Host staging for a GPU cache is pinned (fast, asynchronous device/host copies).
+        self._pool = BufferPool(self._staging_device(), self.config.max_inflight_chunks * self.config.chunk_bytes,
+                                pin=self._device.type == "cuda")
         self._peer_layouts: dict[str, KVLayout] = {}  # caller thread: the peers send() accepts
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
