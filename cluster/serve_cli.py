@@ -36,7 +36,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     _add_engine_args(p)  # --model, --spec, --num-spec-tokens, ... (shared with `generate`)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    g.add_argument("--port", type=int, default=None,
+    g.add_argument("--port", type=_port, default=os.environ.get("PDCLUSTER_PORT") or "8000",
                    help="0 = any free port (printed when ready); default: $PDCLUSTER_PORT, else 8000")
     g.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     g.add_argument("--api-key", default=None,
@@ -79,18 +79,20 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def _port(value: str) -> int:
+    """--port (its default from $PDCLUSTER_PORT goes through here too: argparse converts string defaults)."""
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want a port number (from --port or $PDCLUSTER_PORT), got {value!r}") from None
+
+
 def _check_args(args: argparse.Namespace) -> None:
     """Resolve the env defaults and refuse impossible values, naming the flag."""
     args.api_key = args.api_key or os.environ.get("PDCLUSTER_API_KEY") or None
     args.cluster_secret = args.cluster_secret or os.environ.get("PDCLUSTER_CLUSTER_SECRET") or None
     args.admin_key = args.admin_key or os.environ.get("PDCLUSTER_ADMIN_KEY") or None
     args.served_model_name = args.served_model_name or args.model
-    if args.port is None:
-        env_port = os.environ.get("PDCLUSTER_PORT") or "8000"
-        try:
-            args.port = int(env_port)
-        except ValueError:
-            raise ConfigError(f"PDCLUSTER_PORT: must be a port number, got {env_port!r}") from None
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port: must be in 0..65535, got {args.port}")
     for flag, value in (("--num-prefill", args.num_prefill), ("--num-decode", args.num_decode),

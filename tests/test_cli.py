@@ -102,7 +102,7 @@ def test_spec_mtp_without_a_trained_head_is_refused_in_one_line(tiny_dir, tmp_pa
     assert missing.returncode == 2 and "does not exist" in missing.stderr and "Traceback" not in missing.stderr
 
 
-def test_serve_port_defaults_to_the_environment(monkeypatch):
+def test_serve_port_defaults_to_the_environment(monkeypatch, capsys):
     from pdcluster.cluster.cli import build_parser
     from pdcluster.cluster.serve_cli import _check_args
     from pdcluster.engine.config import ConfigError
@@ -117,5 +117,10 @@ def test_serve_port_defaults_to_the_environment(monkeypatch):
     monkeypatch.setenv("PDCLUSTER_PORT", "18123")
     assert port() == 18123 and port("--port", "0") == 0  # the flag wins
     monkeypatch.setenv("PDCLUSTER_PORT", "eighty")
-    with pytest.raises(ConfigError, match="PDCLUSTER_PORT: must be a port number, got 'eighty'"):
+    with pytest.raises(SystemExit) as exit_info:  # argparse: one line naming the variable, status 2
+        port()
+    assert exit_info.value.code == 2
+    assert "want a port number (from --port or $PDCLUSTER_PORT), got 'eighty'" in capsys.readouterr().err
+    monkeypatch.setenv("PDCLUSTER_PORT", "70000")
+    with pytest.raises(ConfigError, match="--port: must be in 0..65535, got 70000"):
         port()
