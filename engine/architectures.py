@@ -57,9 +57,10 @@ def arch_from_dir(model_dir: str | Path) -> ModelArch | HybridArch:
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, max_positions: int,
-               device: str | torch.device = "cpu") -> LlamaModel | NemotronHModel:
-    """The model's weights loaded onto ``device`` into the engine's model class for its architecture."""
-    return _classes(model_dir)[1].load(Path(model_dir), dtype, max_positions, device)
+               device: str | torch.device = "cpu", deterministic: bool = False) -> LlamaModel | NemotronHModel:
+    """The model's weights loaded onto ``device`` into the engine's model class for its architecture;
+    ``deterministic``: batch-invariant kernels throughout (EngineConfig.deterministic)."""
+    return _classes(model_dir)[1].load(Path(model_dir), dtype, max_positions, device, deterministic)
 
 
 def is_hybrid(arch) -> bool:

@@ -14,16 +14,24 @@ up to PACKED_F32_MAX_ROWS rows (a decode batch's last hidden states); bigger inp
 keep MKL, which is faster there. Measured on this box, one thread, smollm2's 576 x 49152 head: M=1
 7.6 -> 6.4 ms, M=8 19.7 (16.8 with the small-M kernel) -> 11.1 ms, M=32 37.1 -> 28.6 ms; M=512 MKL
 393 ms against 420 ms packed. The cost is a second copy of that one matrix (113 MB for smollm2).
+
+``deterministic=True`` (issue 24, EngineConfig.deterministic): a bf16 or float32 CPU weight is packed for
+the batch-invariant C GEMM (kernels/cpu_gemm.py, kernels/csrc/gemm_bi.c) and every call goes there, so
+each output row is bit for bit a function of its own input row, whatever the number of rows (oneDNN's
+bf16 GEMM varies with M at K=1536 here; MKL's fp32 GEMM and the small-M kernel switch with M). Without
+the C library that mode is refused (DeterministicUnavailable), never silently dropped. CUDA weights
+keep ``F.linear`` (cuBLAS): batch invariance there needs fixed-tile Triton matmuls (not done yet).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
 
-from pdcluster.kernels import cpu_ops
+from pdcluster.kernels import cpu_gemm, cpu_ops
 
 
 PACKED_F32_ROWS_HINT = 32  # the batch size oneDNN lays the float32 copy out for
@@ -44,26 +52,61 @@ def _can_prepack(dtype: torch.dtype = torch.bfloat16) -> bool:
 _linear_pointwise = torch.ops.mkldnn._linear_pointwise.default if hasattr(torch.ops.mkldnn, "_linear_pointwise") else None
 
 
+class DeterministicUnavailable(RuntimeError):
+    """Deterministic mode was asked for where the batch-invariant GEMM cannot run."""
+
+
+def check_deterministic_available() -> None:
+    """Raise DeterministicUnavailable (one line saying why and what to do) unless the batch-invariant
+    CPU GEMM library is built and loadable here."""
+    if cpu_gemm.available():
+        return
+    from pdcluster.kernels import cpu_build
+
+    if os.environ.get("PDCLUSTER_CPU_KERNELS", "1") == "0":
+        why = "PDCLUSTER_CPU_KERNELS=0 turns the C kernels off"
+    elif cpu_build._compiler() is None:
+        why = "no C compiler was found (set CC or install gcc: apt-get install gcc)"
+    else:
+        why = "building kernels/csrc/gemm_bi.c failed (see the warning logged above)"
+    raise DeterministicUnavailable(f"deterministic mode needs the batch-invariant C GEMM, but {why}; "
+                                   "fix that or run with --no-deterministic")
+
+
 class Linear:
     """``y = x @ weight.T`` with the weight stored as the backend prefers. ``keep_weight`` keeps the
     plain [out, in] tensor beside a packed copy (for weights other code also reads, e.g. the tied
     embedding); otherwise a packed weight is the only copy (no doubled memory)."""
 
     def __init__(self, weight: torch.Tensor, prepack: bool = True, keep_weight: bool = False,
-                 pack_float32: bool = False):
+                 pack_float32: bool = False, deterministic: bool = False):
         self.weight: torch.Tensor | None = weight
         self.out_features, self.in_features = weight.shape
         self._packed = None
         self._packed_f32 = None  # beside the plain weight: up to PACKED_F32_MAX_ROWS rows
+        self._packed_bi = None  # deterministic: the batch-invariant GEMM's layout (the only path then)
         on_cpu = prepack and weight.device.type == "cpu"
-        if on_cpu and weight.dtype == torch.bfloat16 and _can_prepack():
+        if deterministic and weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float32):
+            check_deterministic_available()
+            self._packed_bi = cpu_gemm.pack_bi(weight)
+            if not keep_weight:
+                self.weight = None
+        elif on_cpu and weight.dtype == torch.bfloat16 and _can_prepack():
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
             if not keep_weight:
                 self.weight = None
         elif on_cpu and pack_float32 and weight.dtype == torch.float32 and _can_prepack(torch.float32):
             self._packed_f32 = torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_F32_ROWS_HINT)
 
+    @property
+    def deterministic(self) -> bool:
+        return self._packed_bi is not None
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._packed_bi is not None:
+            if x.dtype is not self._packed_bi.dtype:
+                x = x.to(self._packed_bi.dtype)
+            return cpu_gemm.linear_bi(x, self._packed_bi)
         if self._packed is not None:
             if x.dtype is not torch.bfloat16:
                 x = x.to(torch.bfloat16)

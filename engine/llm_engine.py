@@ -98,7 +98,14 @@ class LLMEngine:
             )
         self.dtype_name = config.resolve_dtype(json.loads((self.model_dir / "config.json").read_text()))
         dtype = DTYPES[self.dtype_name]
-        self.model = load_model(self.model_dir, dtype, self.max_model_len + config.num_spec_steps + 1, config.device)
+        # Deterministic mode (issue 24): batch-invariant kernels on CPU. CUDA has none yet (cuBLAS and the
+        # Triton kernels keep their batch-dependent choices): said once, not refused.
+        self.deterministic = config.deterministic and config.device == "cpu"
+        if config.deterministic and not self.deterministic:
+            log.warning("deterministic mode is implemented for the CPU only; on %s results may depend on the "
+                        "batch (run with --no-deterministic to silence this)", config.device)
+        self.model = load_model(self.model_dir, dtype, self.max_model_len + config.num_spec_steps + 1, config.device,
+                                deterministic=self.deterministic)
         num_draft_layers = proposer_draft_layers(config)  # MTP: one layer after the target's (S2)
         probe = KVCacheSpec(arch.num_layers + num_draft_layers, num_draft_layers, 1, config.block_size,
                             arch.num_kv_heads, arch.head_dim, dtype)

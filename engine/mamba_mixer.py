@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from pdcluster.engine.linear import Linear
 from pdcluster.engine.mamba_state import MambaMetadata
-from pdcluster.kernels import mamba_ops
+from pdcluster.kernels import mamba_ops, mamba_reference
 
 
 class Mamba2Mixer:
@@ -43,7 +43,7 @@ class Mamba2Mixer:
     ``pool.conv[mamba_index]`` / ``pool.ssm[mamba_index]``."""
 
     def __init__(self, arch, w: Callable[[str], torch.Tensor], w_opt: Callable[[str], torch.Tensor | None],
-                 mamba_index: int):
+                 mamba_index: int, deterministic: bool = False):
         self.mamba_index = mamba_index
         self.num_heads = arch.mamba_num_heads
         self.head_dim = arch.mamba_head_dim
@@ -54,7 +54,7 @@ class Mamba2Mixer:
         self.chunk_size = arch.chunk_size
         self.dt_min = arch.time_step_min
         self.eps = arch.rms_norm_eps
-        self.in_proj = Linear(w("in_proj.weight"))
+        self.in_proj = Linear(w("in_proj.weight"), deterministic=deterministic)
         self.in_proj_bias = w_opt("in_proj.bias")
         # The small per-channel/per-head parameters stay float32 (the SSM runs in float32).
         self.conv_weight = w("conv1d.weight").float().reshape(self.conv_dim, -1).contiguous()  # [conv_dim, kernel]
@@ -64,7 +64,7 @@ class Mamba2Mixer:
         self.A = -torch.exp(w("A_log").float()).contiguous()
         self.D = w("D").float().contiguous()
         self.norm_weight = w("norm.weight").float()
-        self.out_proj = Linear(w("out_proj.weight"))
+        self.out_proj = Linear(w("out_proj.weight"), deterministic=deterministic)
         self.out_proj_bias = w_opt("out_proj.bias")
         expected = self.intermediate + self.conv_dim + self.num_heads
         if self.in_proj.out_features != expected:
@@ -136,7 +136,7 @@ class Mamba2Mixer:
         """out_proj(weight * groupnorm(y * silu(z))), the norm over groups of intermediate / n_groups
         channels, in float32 (transformers' NemotronHRMSNormGated on the float32 scan output)."""
         num_tokens = y.shape[0]
-        gated = (y * F.silu(z.float())).view(num_tokens, self.n_groups, -1)
+        gated = (y * mamba_reference.silu(z.float())).view(num_tokens, self.n_groups, -1)
         gated = gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + self.eps)
         out = self.out_proj((self.norm_weight * gated.view(num_tokens, -1)).to(dtype))
         if self.out_proj_bias is not None:
@@ -155,7 +155,11 @@ class MambaStepPlan:
     positions: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]]  # (tokens, slots, kept, j)
 
     @classmethod
-    def build(cls, meta: MambaMetadata, device: torch.device | str) -> "MambaStepPlan":
+    def build(cls, meta: MambaMetadata, device: torch.device | str, recurrent_prefill: bool = False) -> "MambaStepPlan":
+        """``recurrent_prefill`` (deterministic mode, issue 24): prompt rows too go token by token through
+        the one-token conv and SSM updates, so a request's state (and every output) after a prompt
+        chunk is bitwise the state after the same tokens as one-token steps, whatever the chunking,
+        the batch or a re-prefill after recovery. The chunked SSD scan sums in another order."""
         qsl = meta.query_start_loc_np
         q_lens = np.diff(qsl)
         slots_np = np.asarray(meta.state_slots_np, dtype=np.int64)
@@ -168,7 +172,7 @@ class MambaStepPlan:
             return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
 
         fresh = slots_np[~has_initial]
-        recurrent = ((q_lens == 1) | keep) & (q_lens > 0)
+        recurrent = ((q_lens == 1) | keep | recurrent_prefill) & (q_lens > 0)
         prefill_rows = [(int(qsl[r]), int(qsl[r + 1]), int(slots_np[r]))
                         for r in np.nonzero(~recurrent & (q_lens > 0))[0]]
         rows = np.nonzero(recurrent)[0]
@@ -176,8 +180,9 @@ class MambaStepPlan:
         if len(rows):
             row_lens = q_lens[rows]
             max_len = int(row_lens.max())
-            if keep[rows].any() and max_len > meta.pool.max_positions_per_step:
-                raise ValueError(f"a verification row has {max_len} positions but the Mamba state pool keeps "
+            kept_len = int(row_lens[keep[rows]].max()) if keep[rows].any() else 0
+            if kept_len > meta.pool.max_positions_per_step:
+                raise ValueError(f"a verification row has {kept_len} positions but the Mamba state pool keeps "
                                  f"{meta.pool.max_positions_per_step} (MambaStatePool max_positions_per_step)")
             for j in range(max_len):
                 active = rows[row_lens > j]

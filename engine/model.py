@@ -121,18 +121,19 @@ MLP_CHUNK_TOKENS = 1024
 class DecoderLayer:
     """One Llama block; holds plain tensors (no nn.Module machinery on the hot path)."""
 
-    def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], prefix: str):
+    def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], prefix: str, deterministic: bool = False):
         # Taken out of the dict: once fused and packed, the loaded tensors are freed layer by layer
         # (peak memory at load ~ one copy of the weights, not three).
         w = lambda name: weights.pop(f"{prefix}.{name}")  # noqa: E731
         self.arch = arch
         self.input_norm = w("input_layernorm.weight")
         self.post_norm = w("post_attention_layernorm.weight")
+        det = {"deterministic": deterministic}  # engine/linear.py: the batch-invariant GEMM (issue 24)
         self.qkv_proj = Linear(torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"),
-                                          w("self_attn.v_proj.weight")]))
-        self.o_proj = Linear(w("self_attn.o_proj.weight"))
-        self.gate_up_proj = Linear(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]))
-        self.down_proj = Linear(w("mlp.down_proj.weight"))
+                                          w("self_attn.v_proj.weight")]), **det)
+        self.o_proj = Linear(w("self_attn.o_proj.weight"), **det)
+        self.gate_up_proj = Linear(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]), **det)
+        self.down_proj = Linear(w("mlp.down_proj.weight"), **det)
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
 
@@ -190,15 +191,18 @@ class DecoderLayer:
 
 
 class LlamaModel:
-    def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int):
+    def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int,
+                 deterministic: bool = False):
         self.arch = arch
         self.dtype = dtype
+        # Every matmul batch-invariant (engine/linear.py; EngineConfig.deterministic). The MTP head reads it.
+        self.deterministic = deterministic
         self.embed_tokens = weights["model.embed_tokens.weight"]
         self.lm_head = self.embed_tokens if arch.tie_word_embeddings else weights["lm_head.weight"]
         # The MTP head slices the plain lm_head and the embedding reads it: keep it beside the packing.
-        self.lm_head_proj = Linear(self.lm_head, keep_weight=True, pack_float32=True)
+        self.lm_head_proj = Linear(self.lm_head, keep_weight=True, pack_float32=True, deterministic=deterministic)
         self.norm = weights["model.norm.weight"]
-        self.layers = [DecoderLayer(arch, weights, f"model.layers.{i}") for i in range(arch.num_layers)]
+        self.layers = [DecoderLayer(arch, weights, f"model.layers.{i}", deterministic) for i in range(arch.num_layers)]
         self.rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, max_positions, dtype, self.embed_tokens.device)
         self.scale = arch.head_dim**-0.5
 
@@ -208,8 +212,9 @@ class LlamaModel:
 
     @classmethod
     def load(cls, model_dir: Path, dtype: torch.dtype, max_positions: int,
-             device: str | torch.device = "cpu") -> "LlamaModel":
-        return cls(ModelArch.from_dir(model_dir), load_weights(model_dir, dtype, device), dtype, max_positions)
+             device: str | torch.device = "cpu", deterministic: bool = False) -> "LlamaModel":
+        return cls(ModelArch.from_dir(model_dir), load_weights(model_dir, dtype, device), dtype, max_positions,
+                   deterministic)
 
     def forward(
         self,

@@ -32,6 +32,7 @@ from torch import nn
 
 from pdcluster.engine.attention import AttentionMetadata
 from pdcluster.engine.config import ConfigError
+from pdcluster.engine.linear import Linear
 from pdcluster.engine.model import DecoderLayer, LlamaModel, ModelArch, rms_norm
 
 MTP_DIR = "mtp"
@@ -160,14 +161,18 @@ class MTPHead:
         self.eps = arch.rms_norm_eps
         self.enorm = w["mtp.enorm.weight"]
         self.hnorm = w["mtp.hnorm.weight"]
-        self.eh_proj = w["mtp.eh_proj.weight"]
-        self.layer = DecoderLayer(arch, w, "mtp.layer")
-        self.draft_lm_head = target.lm_head[: min(draft_vocab_size, arch.vocab_size)]
+        # The target's mode (engine/linear.py): in deterministic mode every matmul of the head is the
+        # batch-invariant GEMM too, so a request's drafts do not depend on the batch it is drafted in.
+        det = getattr(target, "deterministic", False)
+        self.eh_proj = Linear(w["mtp.eh_proj.weight"], deterministic=det)
+        self.layer = DecoderLayer(arch, w, "mtp.layer", det)
+        self.draft_lm_head = Linear(target.lm_head[: min(draft_vocab_size, arch.vocab_size)].contiguous(),
+                                    deterministic=det)
 
     def fuse(self, hidden: torch.Tensor, next_token_ids: torch.Tensor) -> torch.Tensor:
         emb = F.embedding(next_token_ids, self.target.embed_tokens)
         x = torch.cat([rms_norm(hidden, self.hnorm, self.eps), rms_norm(emb, self.enorm, self.eps)], dim=-1)
-        return F.linear(x, self.eh_proj)
+        return self.eh_proj(x)
 
     def forward(
         self,
@@ -186,7 +191,7 @@ class MTPHead:
 
     def draft_tokens(self, g: torch.Tensor) -> torch.Tensor:
         """Greedy drafts: argmax over the first ``draft_vocab_size`` ids (see DRAFT_VOCAB_SIZE)."""
-        return F.linear(g, self.draft_lm_head).argmax(dim=-1)
+        return self.draft_lm_head(g).argmax(dim=-1)
 
     def reference_kv(self, hidden: torch.Tensor, next_token_ids: torch.Tensor, positions: torch.Tensor):
         """K (after RoPE) and V [n, Hkv, D] the layer writes for these inputs, without a cache (tests)."""

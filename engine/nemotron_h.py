@@ -184,10 +184,11 @@ MLP_CHUNK_TOKENS = 1024
 class AttentionMixer:
     """NemotronH attention: fused q/k/v projection, paged attention, o_proj; no rotary embedding."""
 
-    def __init__(self, arch: HybridArch, w: Callable[[str], torch.Tensor]):
+    def __init__(self, arch: HybridArch, w: Callable[[str], torch.Tensor], deterministic: bool = False):
         self.arch = arch
-        self.qkv_proj = Linear(torch.cat([w("q_proj.weight"), w("k_proj.weight"), w("v_proj.weight")]))
-        self.o_proj = Linear(w("o_proj.weight"))
+        self.qkv_proj = Linear(torch.cat([w("q_proj.weight"), w("k_proj.weight"), w("v_proj.weight")]),
+                               deterministic=deterministic)
+        self.o_proj = Linear(w("o_proj.weight"), deterministic=deterministic)
         self.q_size = arch.num_heads * arch.head_dim
 
     def __call__(self, x: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -203,10 +204,11 @@ class AttentionMixer:
 class MLPMixer:
     """``down(relu(up(x)) ** 2)`` (NemotronH's relu2, no gate)."""
 
-    def __init__(self, w: Callable[[str], torch.Tensor], w_opt: Callable[[str], torch.Tensor | None]):
-        self.up_proj = Linear(w("up_proj.weight"))
+    def __init__(self, w: Callable[[str], torch.Tensor], w_opt: Callable[[str], torch.Tensor | None],
+                 deterministic: bool = False):
+        self.up_proj = Linear(w("up_proj.weight"), deterministic=deterministic)
         self.up_bias = w_opt("up_proj.bias")
-        self.down_proj = Linear(w("down_proj.weight"))
+        self.down_proj = Linear(w("down_proj.weight"), deterministic=deterministic)
         self.down_bias = w_opt("down_proj.bias")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -250,9 +252,12 @@ def _canonical_names(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 class NemotronHModel:
     """Same interface as engine.model.LlamaModel (the runner, the MTP head and the warmup use it)."""
 
-    def __init__(self, arch: HybridArch, weights: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int):
+    def __init__(self, arch: HybridArch, weights: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int,
+                 deterministic: bool = False):
         self.arch = arch
         self.dtype = dtype
+        # Batch-invariant matmuls, and Mamba prefill rows run token by token (engine/mamba_mixer.py).
+        self.deterministic = deterministic
         # Taken out of the dict as they are used: once fused and packed, loaded tensors are freed.
         weights = _canonical_names(weights)
 
@@ -264,7 +269,7 @@ class NemotronHModel:
 
         self.embed_tokens = take("model.embeddings.weight")
         self.lm_head = self._lm_head(arch, weights.pop("lm_head.weight", None))
-        self.lm_head_proj = Linear(self.lm_head, keep_weight=True, pack_float32=True)
+        self.lm_head_proj = Linear(self.lm_head, keep_weight=True, pack_float32=True, deterministic=deterministic)
         self.norm = take("model.norm_f.weight")
         self.layers: list[HybridBlock] = []
         counts = {ATTENTION: 0, MAMBA: 0}
@@ -279,11 +284,11 @@ class NemotronHModel:
 
             norm = take(f"{prefix}.norm.weight", kind)
             if kind == ATTENTION:
-                mixer, index = AttentionMixer(arch, w), counts[ATTENTION]
+                mixer, index = AttentionMixer(arch, w, deterministic), counts[ATTENTION]
             elif kind == MAMBA:
-                mixer, index = Mamba2Mixer(arch, w, w_opt, counts[MAMBA]), counts[MAMBA]
+                mixer, index = Mamba2Mixer(arch, w, w_opt, counts[MAMBA], deterministic), counts[MAMBA]
             else:
-                mixer, index = MLPMixer(w, w_opt), -1
+                mixer, index = MLPMixer(w, w_opt, deterministic), -1
             if kind in counts:
                 counts[kind] += 1
             self.layers.append(HybridBlock(kind, norm, mixer, index))
@@ -304,8 +309,9 @@ class NemotronHModel:
 
     @classmethod
     def load(cls, model_dir: Path, dtype: torch.dtype, max_positions: int,
-             device: str | torch.device = "cpu") -> "NemotronHModel":
-        return cls(HybridArch.from_dir(model_dir), load_weights(model_dir, dtype, device), dtype, max_positions)
+             device: str | torch.device = "cpu", deterministic: bool = False) -> "NemotronHModel":
+        return cls(HybridArch.from_dir(model_dir), load_weights(model_dir, dtype, device), dtype, max_positions,
+                   deterministic)
 
     @property
     def device(self) -> torch.device:
@@ -324,7 +330,7 @@ class NemotronHModel:
         eps = self.arch.rms_norm_eps
         hidden = F.embedding(input_ids, self.embed_tokens)
         residual = None
-        plan = (MambaStepPlan.build(meta.mamba, input_ids.device)
+        plan = (MambaStepPlan.build(meta.mamba, input_ids.device, recurrent_prefill=self.deterministic)
                 if meta.mamba is not None and self.arch.num_mamba_layers else None)
         for layer in self.layers:
             if residual is None:

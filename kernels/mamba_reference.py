@@ -32,9 +32,28 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
+# Batch invariance (issue 24): torch's CPU elementwise kernels run the vectorised (Sleef) op on whole
+# vectors and the scalar libm op on the tail of the tensor, and for silu, sigmoid, softplus and log1p the
+# two disagree in the last bit (measured: ~5% of elements), so an element's value depended on where its
+# row landed in the batch. exp, log, +, *, / agree on both paths: the two below use only those.
+
+
+def silu(x: Tensor) -> Tensor:
+    """``x * sigmoid(x)`` as ``x / (1 + exp(-x))`` (float32 in, float32 out): the same bits for an
+    element wherever it sits in the tensor (see above)."""
+    return x / (1.0 + torch.exp(-x))
+
+
+def softplus(x: Tensor) -> Tensor:
+    """``log(1 + exp(x))`` (x itself above 20, as F.softplus), computed in float64 and rounded to float32:
+    no log1p (batch-variant), and float64 keeps the precision log1p would (within 2.3e-7 of F.softplus)."""
+    x64 = x.double()
+    return torch.where(x64 > 20.0, x64, torch.log(1.0 + torch.exp(x64))).float()
+
+
 def discretize_dt(dt: Tensor, dt_bias: Tensor, dt_min: float) -> Tensor:
     """``max(softplus(dt + dt_bias), dt_min)`` in float32 (same shape as ``dt``, [..., num_heads])."""
-    return F.softplus(dt.float() + dt_bias.float()).clamp(min=dt_min)
+    return softplus(dt.float() + dt_bias.float()).clamp(min=dt_min)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -60,7 +79,7 @@ def causal_conv1d(
                    groups=conv_dim)[0]  # [conv_dim, num_tokens]
     out = out.t()
     if activation:
-        out = F.silu(out)
+        out = silu(out)
     return out, padded[:, num_tokens:].clone()
 
 
@@ -80,7 +99,7 @@ def causal_conv1d_update(
     if bias is not None:
         out = out + bias.float()
     if activation:
-        out = F.silu(out)
+        out = silu(out)
     conv_state.index_copy_(0, state_slots, window[:, :, 1:].to(conv_state.dtype))
     return out
 
@@ -113,7 +132,9 @@ def selective_state_update(
     state = ssm_state.index_select(0, state_slots)  # [batch, H, P, N]
     state = state * decay[:, :, None, None] + (dt[:, :, None] * xf)[..., None] * Bh[:, :, None, :]
     ssm_state.index_copy_(0, state_slots, state)
-    return torch.einsum("bhpn,bhn->bhp", state, Ch) + D.float()[:, None] * xf
+    # An elementwise product summed over the contiguous last dim: per row the same sum whatever the
+    # batch (a batched matmul, as einsum lowers to, need not be).
+    return (state * Ch[:, :, None, :]).sum(-1) + D.float()[:, None] * xf
 
 
 def _segment_sum(a: Tensor) -> Tensor:

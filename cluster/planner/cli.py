@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -41,6 +42,8 @@ def add_planner_parsers(subparsers) -> None:
     p.add_argument("--no-served", action="store_true",
                    help="skip timing a real prefill/decode worker pair (served over bare step factors)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
+                   help="profile the engine with batch-invariant kernels (default: the engine's default, see README)")
     p.add_argument("--out", required=True, help="profile JSON to write")
     p.set_defaults(func=profile_main)
 
@@ -87,6 +90,11 @@ def profile_main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if not out.parent.exists():
         raise PlanError(f"--out: directory {out.parent} does not exist")
+    if args.deterministic is not None:
+        # Through the environment: it reaches every engine the profile builds, the co-run child process too.
+        from pdcluster.engine.config import DETERMINISTIC_ENV
+
+        os.environ[DETERMINISTIC_ENV] = "1" if args.deterministic else "0"
     grid = ProfileGrid.quick() if args.quick else ProfileGrid()
     if args.no_corun:
         grid = ProfileGrid(**{**grid.__dict__, "corun": False})

@@ -121,10 +121,13 @@ static inline void attend_item(const AttnItem item, const int head_dim, int dtyp
     float m[nq], l[nq];
     float kf[num_kv_heads][block_size][head_dim];
     float vf[num_kv_heads][block_size][head_dim];
-    /* Several query tokens share each block: transposing K once pays for itself (prefill). */
-    const int transposed = nq_tok >= 4;
-    float kt[transposed ? num_kv_heads : 1][head_dim][block_size];
-    float scores[transposed ? nq : 1][block_size];
+    /* Scores always come from K transposed ([head][d][key]), one fma chain over d per (query, key):
+     * a query's score is then the same in a prefill chunk, a verification row and a decode step
+     * (batch invariance, issue 24). Choosing the per-key dot product for short items, as this did,
+     * summed over d in another order (omp simd lanes) and changed the bits with the chunk. */
+    const int transposed = 1;
+    float kt[num_kv_heads][head_dim][block_size];
+    float scores[nq][block_size];
     float zero_q[head_dim];
     for (int d = 0; d < head_dim; d++) zero_q[d] = 0.0f;
     float s[block_size];
@@ -172,12 +175,24 @@ static inline void attend_item(const AttnItem item, const int head_dim, int dtyp
                     float acc8[8][block_size];
                     for (int u = 0; u < 8; u++)
                         for (int j = 0; j < block_size; j++) acc8[u][j] = 0.0f;
-                    for (int d = 0; d < head_dim; d++) {
-                        const float *k = kt[h][d];
-                        for (int u = 0; u < 8; u++) {
-                            const float qd = qrow[u][d];
+                    if (cnt - c >= 8) {
+                        for (int d = 0; d < head_dim; d++) {
+                            const float *k = kt[h][d];
+                            for (int u = 0; u < 8; u++) {
+                                const float qd = qrow[u][d];
 #pragma omp simd
-                            for (int j = 0; j < block_size; j++) acc8[u][j] += qd * k[j];
+                                for (int j = 0; j < block_size; j++) acc8[u][j] = fmaf(qd, k[j], acc8[u][j]);
+                            }
+                        }
+                    } else { /* the same chain per (query, key), only for the queries there are */
+                        const int nu = cnt - c;
+                        for (int d = 0; d < head_dim; d++) {
+                            const float *k = kt[h][d];
+                            for (int u = 0; u < nu; u++) {
+                                const float qd = qrow[u][d];
+#pragma omp simd
+                                for (int j = 0; j < block_size; j++) acc8[u][j] = fmaf(qd, k[j], acc8[u][j]);
+                            }
                         }
                     }
                     for (int u = 0; u < 8 && c + u < cnt; u++)
@@ -367,19 +382,24 @@ static inline void attend_item_bf16(const AttnItem item, const int HD, const uin
                 const uint16_t *q = query + tok * q_tok_stride + h * q_head_stride;
                 __m512 raw;
                 if (pair_scores) {
-                    /* Lane j accumulates q . k_j directly: no reduction; 4 chains for latency. */
+                    /* Lane j accumulates q . k_j directly, in exactly the order of the other branch
+                     * (batch invariance, issue 24: a query's score must not depend on whether its item
+                     * has 1 or 4+ tokens): chain l (l = 0..15) takes dim pairs 16c + l for c = 0, 1, ...
+                     * (lane l of the other branch's dpbf16 over 32-element chunks), and the 16 chains
+                     * are added in reduce16's tree: ((Q0 + Q1) + (Q2 + Q3)), Qk = (a[4k] + a[4k+2]) +
+                     * (a[4k+1] + a[4k+3]). */
                     const uint32_t *q32 = (const uint32_t *)q;
-                    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-#define PD_DP(ACC, D2) ACC = _mm512_dpbf16_ps(ACC, (__m512bh)_mm512_set1_epi32((int)q32[D2]), \
-                                              (__m512bh)_mm512_load_si512(kp[kvh][D2]))
-                    for (int d2 = 0; d2 < HD / 2; d2 += 4) { /* HD % 32 == 0, so HD / 2 % 4 == 0 */
-                        PD_DP(a0, d2);
-                        PD_DP(a1, d2 + 1);
-                        PD_DP(a2, d2 + 2);
-                        PD_DP(a3, d2 + 3);
-                    }
-#undef PD_DP
-                    raw = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
+                    __m512 a[16];
+                    for (int l = 0; l < 16; l++) a[l] = _mm512_setzero_ps();
+                    for (int d2 = 0; d2 < HD / 2; d2 += 16) /* HD % 32 == 0, so HD / 2 % 16 == 0 */
+                        for (int l = 0; l < 16; l++)
+                            a[l] = _mm512_dpbf16_ps(a[l], (__m512bh)_mm512_set1_epi32((int)q32[d2 + l]),
+                                                    (__m512bh)_mm512_load_si512(kp[kvh][d2 + l]));
+                    __m512 qk[4];
+                    for (int k4 = 0; k4 < 4; k4++)
+                        qk[k4] = _mm512_add_ps(_mm512_add_ps(a[4 * k4], a[4 * k4 + 2]),
+                                               _mm512_add_ps(a[4 * k4 + 1], a[4 * k4 + 3]));
+                    raw = _mm512_add_ps(_mm512_add_ps(qk[0], qk[1]), _mm512_add_ps(qk[2], qk[3]));
                 } else {
                     __m512 dots[BS];
                     for (int j = 0; j < BS; j++) {
