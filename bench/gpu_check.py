@@ -198,13 +198,29 @@ def env_section(entry: dict, device: str) -> None:
             entry[mod] = None
 
 
-def kernel_tests_section(entry: dict, device: str, left_s: float) -> None:
+def model_cache(work: Path) -> Path:
+    """A model cache holding the built-in tiny models, built here, stamped as model_registry stamps
+    them, so the tests' fixtures (resolve_model("tiny-random")) find them and never convert a GGUF."""
+    from pdcluster.engine.model_registry import STAMP_FILE, _stamp
+
+    cache = work / "cache"
+    for name in ("tiny-random", "tiny-hybrid"):
+        target = cache / "models" / name
+        if not (target / STAMP_FILE).is_file():
+            build_tiny(name, target)
+            (target / STAMP_FILE).write_text(json.dumps(_stamp(name)) + "\n")
+    return cache
+
+
+def kernel_tests_section(entry: dict, device: str, left_s: float, work: Path) -> None:
     if device != "cuda":
         entry["skipped"] = "the gpu-marked tests need CUDA"
         return
     files = [f"tests/{f}" for f in ("test_kernels.py", "test_triton_mamba.py", "test_triton_mamba_scan.py",
-                                    "test_triton_elementwise.py") if (ROOT / "tests" / f).exists()]
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+                                    "test_triton_elementwise.py", "test_cuda_graphs.py")
+             if (ROOT / "tests" / f).exists()]
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+           "PDCLUSTER_CACHE_DIR": str(model_cache(work))}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *files],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(30, min(240, left_s - 60)))
     entry["returncode"] = proc.returncode
@@ -492,7 +508,7 @@ def main() -> int:
     if "kernel_tests" in wanted:
         with report.section("kernel_tests") as entry:
             if entry is not None:
-                kernel_tests_section(entry, args.device, report.left_s())
+                kernel_tests_section(entry, args.device, report.left_s(), work)
     if "correctness" in wanted:
         with report.section("correctness", 60) as entry:
             if entry is not None:

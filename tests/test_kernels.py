@@ -406,3 +406,21 @@ def test_kernels_compile_for_cuda(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "compiled" in result.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="needs a CUDA device and compiled Triton")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_and_triton_attention_on_cuda_equal_the_cpu_reference(dtype):
+    """The torch reference runs on CUDA tensors (its masks are built on the query's device), and the
+    compiled Triton kernel (what ops picks for CUDA tensors) agrees with it, prefill, decode and
+    verification rows together."""
+    batch = make_batch([10, 1, 3, 0], [37, 13, 9, 4], 8, 2, dtype=dtype)
+    expected = reference.paged_attention(*batch.args())
+    cuda_args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in batch.args()]
+    on_cuda = reference.paged_attention(*cuda_args)
+    assert on_cuda.is_cuda
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(on_cuda.cpu().float(), expected.float(), **tol)
+    torch.testing.assert_close(ops.paged_attention(*cuda_args).cpu().float(), expected.float(), **tol)
