@@ -1,5 +1,5 @@
 """What the HTTP layer needs from a router: the contract between cluster/api*.py and the routers
-(cluster/router.py for the Ray cluster, cluster/local_router.py for a single in-process engine).
+(cluster/router/router.py for the Ray cluster, cluster/local_router.py for a single in-process engine).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Async scheduling (``EngineConfig.async_scheduling``): the CPU schedules step n+1 while step n runs.
 
-Pieces, and the invariant S4 they keep (seed 004):
+Pieces, and the invariant S4 they keep (docs/invariants.md):
 
 - :class:`AsyncStepper` runs the model runner on one worker thread, one step ahead of the scheduler:
   ``schedule(n+1)`` overlaps step n, and step n's outputs are read only through its Future, after the

@@ -3,7 +3,7 @@
 The prefill batch uses ``2 + num_spec_steps`` prompt tokens per request: strictly longer than the
 decode query length ``1 + num_spec_steps``, so the batch classifier labels it prefill/mixed and the
 prefill path is exercised. With the old fixed length of 2, a batch with ``num_spec_steps == 1`` has the
-decode query length and is taken for uniform decode (seed 000). The decode step then feeds one sampled
+decode query length and is taken for uniform decode (invariant S0, docs/invariants.md). The decode step then feeds one sampled
 token plus ``num_spec_steps`` dummy drafts per request.
 """
 

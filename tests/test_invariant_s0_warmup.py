@@ -1,4 +1,4 @@
-"""S0 (seed 000): warmup covers the prefill path.
+"""S0 (docs/invariants.md; source report 000): warmup covers the prefill path.
 
 Warmup's prefill batch has ``2 + num_spec_steps`` query tokens per request, strictly more than the
 decode query length ``1 + num_spec_steps``; the classifier must call it prefill/mixed, and the decode

@@ -1,4 +1,4 @@
-"""S1 (seed 001): the scheduler's num_computed_tokens is authoritative.
+"""S1 (docs/invariants.md; source report 001): the scheduler's num_computed_tokens is authoritative.
 
 The runner's CPU mirror ``num_computed_tokens_np`` is overwritten from the scheduler every step, never
 advanced locally; ``num_computed_prefill_tokens_np == min(computed, prefill_len)``; ``is_prefilling`` is
@@ -129,7 +129,7 @@ def test_S1_mirror_equals_scheduler_with_mtp_head(monkeypatch, use_async):
 
 
 def test_S1_detects_locally_incremented_mirror(monkeypatch):
-    """Put seed 001's bug back: the runner keeps its own count and adds what it scheduled."""
+    """Put source report 001's bug back: the runner keeps its own count and adds what it scheduled."""
     original_refresh = RequestStates.refresh
     scheduled_last = {}
 

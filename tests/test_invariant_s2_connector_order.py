@@ -1,4 +1,4 @@
-"""S2 (seed 002): the KV connector finalises after the draft proposer.
+"""S2 (docs/invariants.md; source report 002): the KV connector finalises after the draft proposer.
 
 Each step: ``pre_forward``, ``save_layer(i)`` for every target layer, then in ``sample_tokens`` the
 proposer (which for MTP writes the draft layer's KV), and ``post_forward(finished_req_ids)`` last; a step

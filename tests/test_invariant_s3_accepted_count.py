@@ -1,4 +1,4 @@
-"""S3 (seed 003): accepted-token counting.
+"""S3 (docs/invariants.md; source report 003): accepted-token counting.
 
 The rejection sampler's output has one row per request: valid tokens contiguous from position 0 (the
 accepted drafts, then the target's token), -1 everywhere after. So the count of valid tokens equals the

@@ -1,4 +1,4 @@
-"""S4 (seed 004): async speculative decoding.
+"""S4 (docs/invariants.md; source report 004): async speculative decoding.
 
 With async scheduling the scheduler schedules step n+1 while step n runs: a decoding request's inputs
 are placeholders and its CPU ``num_computed_tokens`` / ``seq_lens`` assume every in-flight draft is
