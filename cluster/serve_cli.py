@@ -24,7 +24,7 @@ MODES = ("auto", "disagg", "colocated", "local")
 # each: "auto" serves colocated there (measured on 2 cores, 2 req/s: TTFT 304 ms colocated vs 733 ms
 # disaggregated; vLLM on its one engine core: 598 ms).
 MIN_CORES_FOR_DISAGG = 4
-TRANSPORTS = ("ucx", "nccl", "tcp", "shm")
+TRANSPORTS = ("ucx", "nccl", "tcp", "shm", "cuda_ipc")
 ROUTER_POLICIES = ("round_robin", "least_loaded", "power_of_two", "prefix_aware")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 

@@ -320,8 +320,8 @@ def run_topology(
 
 
 def test_registry_names_and_errors():
-    assert set(transport_names()) == {"ucx", "nccl", "tcp", "shm"}
-    with pytest.raises(ValueError, match="ucx, nccl, tcp, shm"):
+    assert set(transport_names()) == {"ucx", "nccl", "tcp", "shm", "cuda_ipc"}
+    with pytest.raises(ValueError, match="ucx, nccl, tcp, shm, cuda_ipc"):
         get_transport_class("carrier-pigeon")
     for name, reason in available_transports().items():
         assert reason is None or isinstance(reason, str), name

@@ -4,9 +4,10 @@
     t = cls(kv_cache, "sender", TransportConfig())   # when the library is missing
 
 Names: ``ucx`` (ucxx), ``nccl`` (torch.distributed p2p: NCCL for CUDA caches, gloo on CPU),
-``tcp`` (pyzmq), ``shm`` (same-host shared memory). The interface is in base.py; what the four
-share (connect, send, close, their threads) in threaded.py, and for tcp, ucx and shm, which run one
-IO thread each, in io_thread.py.
+``tcp`` (pyzmq), ``shm`` (same-host shared memory), ``cuda_ipc`` (same host: the sender writes
+into the receiver's cache, on a GPU through CUDA IPC; CPU caches through shared memory, for tests).
+The interface is in base.py; what they share (connect, send, close, their threads) in threaded.py,
+and for the ones that run one IO thread each (all but nccl), in io_thread.py.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ _REGISTRY: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "nccl": ("nccl", "TorchDistTransport", ("torch.distributed",)),
     "tcp": ("tcp", "ZmqTransport", ("zmq",)),
     "shm": ("shm", "ShmTransport", ()),
+    "cuda_ipc": ("cuda_ipc", "CudaIpcTransport", ("torch.multiprocessing.reductions",)),
 }
 
 
@@ -49,6 +51,11 @@ def _missing_reason(name: str) -> str | None:
 
         if not sys.platform.startswith("linux") or not hasattr(os, "memfd_create"):
             return "needs Linux memfd_create and abstract unix sockets"
+    if name == "cuda_ipc":
+        import sys
+
+        if not sys.platform.startswith("linux"):
+            return "needs Linux abstract unix sockets (and CUDA IPC or shared memory by file name)"
     return None
 
 

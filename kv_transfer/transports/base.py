@@ -25,7 +25,8 @@ Contract (the same for every transport):
 * ``close`` stops background threads within about a second and releases OS resources.
 * ``allocate_kv_cache(shape, dtype, device)`` (classmethod) allocates the cache the transport moves
   best; plain memory except for shm, whose shared caches are copied into (receiver) and out of
-  (sender) directly, one pass instead of two. Workers on both sides should use it.
+  (sender) directly, one pass instead of two, and cuda_ipc, whose receiver's CPU cache must be shared
+  memory named by a file (a CUDA cache is plain device memory). Workers on both sides should use it.
 * Authentication: both ends prove ``TransportConfig.secret`` on every chunk header and every ack
   (sealing.py: HMAC with a per-incarnation nonce from the descriptor, replay window; the payload
   bytes themselves are not MAC'd). A message that fails is dropped, never acked and never touches
@@ -44,7 +45,7 @@ Contract (the same for every transport):
   - ``revoke(transfer_id) -> bool``: the transfer is given up (abort, deadline, dead peer). True:
     no byte of it will be written into the cache any more (the check and the scatter of a chunk
     share a lock with ``revoke``, so a chunk mid-scatter finished first); the blocks may be reused
-    now. False: a live sender may still write directly (shm push): keep the blocks out of use until
+    now. False: a live sender may still write directly (shm push, cuda_ipc): keep the blocks out of use until
     ``poll_revoked`` lists the id, which it does once every such sender has confirmed it stopped
     writing the transfer, or its connection closed.
   - ``complete(transfer_id)``: the sender reported delivery (TransferDone): the KV is final and

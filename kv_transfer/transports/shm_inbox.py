@@ -62,13 +62,16 @@ class ShmInbox:
         selector: selectors.BaseSelector,
         receiver_id: str,
         timeout_s: float,
+        shared: bool | None = None,
     ) -> None:
+        """``shared``: whether senders write into our cache themselves (push); None: when
+        ``cache_share`` hands out a descriptor (shm). cuda_ipc shares its cache without one."""
         self._landing = landing  # our cache, and what a chunk passes through to land in it
         self._layout = landing.layout
         self._blocks = blocks_view(landing.rows, landing.layout)
         self._admission = landing.admission
         self._cache_share = cache_share  # handshake fields + fd letting a sender map our cache
-        self._shared = bool(cache_share()[1])
+        self._shared = bool(cache_share()[1]) if shared is None else shared
         self._id = receiver_id
         self._sealer = sealer
         self._selector = selector
