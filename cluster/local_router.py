@@ -17,6 +17,7 @@ from dataclasses import replace
 from typing import AsyncIterator
 
 from pdcluster.cluster.router_api import RouterError, TokenDelta
+from pdcluster.cluster.token_deltas import is_first_token, is_progress_report, token_delta
 from pdcluster.decode_node.worker import DecodeWorker
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.sampling_params import SamplingParams
@@ -146,7 +147,7 @@ class LocalRouter:
         done = False
         try:
             self.worker.submit(request_id, prompt_token_ids, params)
-            first = True
+            seen_first_token = False
             while True:
                 try:
                     event = await asyncio.wait_for(queue.get(), timeout=self.request_timeout_s)
@@ -166,25 +167,14 @@ class LocalRouter:
                     return
                 if not isinstance(event, Tokens):
                     continue
-                if not event.new_token_ids and not event.finished:
+                if is_progress_report(event):
                     continue  # a prefill chunk's progress report: nothing for the client yet
-                delta = TokenDelta(
-                    new_token_ids=list(event.new_token_ids),
-                    finished=event.finished,
-                    finish_reason=event.finish_reason or None,
-                    num_prompt_tokens=num_prompt,
-                    num_output_tokens=event.num_output_tokens,
-                    num_draft_tokens=event.num_draft_tokens,
-                    num_accepted_tokens=event.num_accepted_tokens,
-                    num_cached_tokens=event.num_cached_tokens,
-                    logprobs=list(event.logprobs),
-                )
-                if first and params.prompt_logprobs is not None and event.new_token_ids:
-                    # They come with the first token (engine/model_runner.py), on its event.
-                    delta.prompt_logprobs = list(event.prompt_logprobs)
-                if first:
-                    delta.ttft_breakdown = {"queue": event.queue_s, "prefill": event.prefill_s}
-                first = False
+                first = is_first_token(event, seen_first_token)
+                delta = token_delta(event, num_prompt_tokens=num_prompt, num_output_tokens=event.num_output_tokens,
+                                    num_cached_tokens=event.num_cached_tokens, first=first,
+                                    prompt_logprobs=params.prompt_logprobs is not None,
+                                    ttft_breakdown={"queue": event.queue_s, "prefill": event.prefill_s})
+                seen_first_token = seen_first_token or first
                 done = delta.finished
                 yield delta
                 if done:

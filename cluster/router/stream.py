@@ -18,6 +18,7 @@ from typing import Callable
 from pdcluster.cluster.router.recorder import DecisionRecorder, Report
 from pdcluster.cluster.router.state import Attempt, RequestState
 from pdcluster.cluster.router_api import TokenDelta
+from pdcluster.cluster.token_deltas import is_first_token, token_delta
 from pdcluster.node.events import KVReady, Tokens
 
 
@@ -89,10 +90,7 @@ class RequestStreams:
             recorder.reports.append(Report(ev.num_computed_tokens, a.num_computed_tokens, r.num_prompt_tokens,
                                            ev.num_output_tokens, ev.finished))
         new = list(ev.new_token_ids)
-        # The first token's event. Not the placement's first event: a prompt prefilled on the decode
-        # worker (colocated, a short prompt, a forked choice) in several chunks reports each chunk
-        # before it, without tokens (S1); the prompt logprobs and the TTFT come with the first token.
-        first = bool(new) and not a.t_first_token
+        first = is_first_token(ev, bool(a.t_first_token))
         if first:
             a.t_first_token = now
             if a.local:
@@ -104,18 +102,15 @@ class RequestStreams:
             r.num_cached_tokens = min(ev.num_cached_tokens, r.num_prompt_tokens)
         r.emitted.extend(new)
         # The decode worker counts this placement's outputs; earlier placements' are in its prompt.
-        delta = TokenDelta(new, num_prompt_tokens=r.num_prompt_tokens, num_output_tokens=len(r.emitted),
-                           num_draft_tokens=ev.num_draft_tokens, num_accepted_tokens=ev.num_accepted_tokens,
-                           num_cached_tokens=r.num_cached_tokens, logprobs=list(ev.logprobs))
-        if first and r.params.prompt_logprobs is not None and not r.prompt_logprobs_sent:
-            # The first placement's (a recovery re-prefills prompt + streamed tokens and asks for none).
-            delta.prompt_logprobs = list(ev.prompt_logprobs)
+        # Prompt logprobs: the first placement's (a recovery re-prefills prompt + streamed tokens and
+        # asks for none).
+        with_prompt_logprobs = r.params.prompt_logprobs is not None and not r.prompt_logprobs_sent
+        delta = token_delta(ev, num_prompt_tokens=r.num_prompt_tokens, num_output_tokens=len(r.emitted),
+                            num_cached_tokens=r.num_cached_tokens, first=first, prompt_logprobs=with_prompt_logprobs,
+                            ttft_breakdown={"queue": a.t_submit - r.t_arrival, "prefill": now - a.t_submit})
+        if first and with_prompt_logprobs:
             r.prompt_logprobs_sent = True
-        if first:
-            delta.ttft_breakdown = {"queue": a.t_submit - r.t_arrival, "prefill": now - a.t_submit}
         if ev.finished:
-            delta.finished = True
-            delta.finish_reason = ev.finish_reason or None
             if not a.local:
                 # The rest of the disaggregated TTFT story, known only once the decode side ran.
                 tail = a.ttft_breakdown(r.t_arrival, now)

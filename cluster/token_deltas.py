@@ -1,0 +1,46 @@
+"""One adapter from a worker's ``Tokens`` event to the client's ``TokenDelta``, for both routers (the
+local one and the cluster's), so the HTTP tests, which run on the local router, exercise the same
+streaming code the cluster serves with.
+
+What each router knows and passes in: the counts as the client sees them (the cluster router counts
+outputs across placements: after a recovery the decode worker's own count starts again), whether this
+event carries the request's first token, and the TTFT breakdown it measured.
+"""
+
+from __future__ import annotations
+
+from pdcluster.cluster.router_api import TokenDelta
+from pdcluster.node.events import Tokens
+
+
+def is_progress_report(event: Tokens) -> bool:
+    """A prefill chunk's report (S1: the scheduler's count, no tokens yet): nothing for the client."""
+    return not event.new_token_ids and not event.finished
+
+
+def is_first_token(event: Tokens, seen_first_token: bool) -> bool:
+    """The event with the request's first token: not its first event (a prompt prefilled in several
+    chunks on the decode worker reports each chunk before it, without tokens)."""
+    return bool(event.new_token_ids) and not seen_first_token
+
+
+def token_delta(event: Tokens, *, num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int,
+                first: bool, prompt_logprobs: bool, ttft_breakdown: dict[str, float] | None = None) -> TokenDelta:
+    """The delta for ``event``. On the first token's event: the prompt logprobs (when ``prompt_logprobs``:
+    they travel with the first token, engine/model_runner.py) and the TTFT breakdown."""
+    delta = TokenDelta(
+        list(event.new_token_ids),
+        finished=event.finished,
+        finish_reason=(event.finish_reason or None) if event.finished else None,
+        num_prompt_tokens=num_prompt_tokens,
+        num_output_tokens=num_output_tokens,
+        num_draft_tokens=event.num_draft_tokens,
+        num_accepted_tokens=event.num_accepted_tokens,
+        num_cached_tokens=num_cached_tokens,
+        logprobs=list(event.logprobs),
+    )
+    if first:
+        if prompt_logprobs:
+            delta.prompt_logprobs = list(event.prompt_logprobs)
+        delta.ttft_breakdown = dict(ttft_breakdown or {})
+    return delta
