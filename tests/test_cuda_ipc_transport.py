@@ -24,7 +24,8 @@ import pytest
 import torch
 
 from conftest import engine_config, make_engine
-from transport_helpers import as_bytes, fill, wait_sent, wait_until
+from transport_helpers import ALL_LAYERS, NUM_BLOCKS, NUM_LAYERS, SHAPE, as_bytes, assert_landed, fill, wait_sent
+from transport_helpers import check_revoke_waits_for_a_frozen_sender, serve_sends, wait_until
 from pdcluster.kv_transfer.transports import TransportConfig, get_transport_class
 from pdcluster.kv_transfer.transports import cuda_ipc
 from pdcluster.kv_transfer.transports.cuda_ipc import CudaIpcTransport
@@ -36,10 +37,6 @@ from pdcluster.kv_transfer.transports.cuda_ipc_handle import (
 )
 from pdcluster.kv_transfer.transports.layout import KVLayout
 
-NUM_LAYERS, NUM_BLOCKS = 4, 64
-SHAPE = (NUM_LAYERS, 2, NUM_BLOCKS, 16, 2, 16)  # 2 KiB rows: one block of all layers is 16 KiB
-ALL_LAYERS = list(range(NUM_LAYERS))
-SENTINEL = 0xA5
 CTX = mp.get_context("spawn")
 HAS_CUDA = torch.cuda.is_available()
 
@@ -69,23 +66,7 @@ def sender_child(conn, desc: dict, device: str) -> None:
     t = CudaIpcTransport(cache, "sender", config(max_inflight_chunks=1))
     t.connect("d0", desc)
     conn.send(("connected", as_bytes(cache).cpu().numpy().tobytes()))
-    while True:
-        transfer_id, src, dst, rounds = conn.recv()
-        if transfer_id is None:
-            break
-        for _ in range(rounds):
-            t.send("d0", transfer_id, ALL_LAYERS, src, dst)
-        conn.send(("sending", transfer_id))
-        conn.send(("result", wait_sent(t, {transfer_id}, 30.0)))
-    t.close()
-
-
-def _all_threads_stopped(pid: int) -> bool:
-    states = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/stat") as f:
-            states.append(f.read().rsplit(")", 1)[1].split()[0])
-    return bool(states) and all(state in ("T", "t") for state in states)
+    serve_sends(t, conn)
 
 
 def run_sender_process_checks(device: str) -> None:
@@ -119,36 +100,7 @@ def run_sender_process_checks(device: str) -> None:
         assert rx.poll_received() == [("moved", ALL_LAYERS)]
 
         # 2. Revoke under a frozen sender: quarantined until it confirms or dies.
-        src, dst = np.arange(32), np.arange(32, 64)
-        for tid, end in (("resumed", "SIGCONT"), ("killed", "SIGKILL")):
-            rx.expect(tid, dst)
-            parent.send((tid, src, dst, 200))
-            assert parent.recv() == ("sending", tid)
-            assert wait_until(lambda: rx.poll_received() != [], 10.0), "nothing landed"
-            os.kill(proc.pid, signal.SIGSTOP)
-            assert wait_until(lambda: _all_threads_stopped(proc.pid), 5.0), "SIGSTOP did not take effect"
-            assert rx.revoke(tid) is False, "a live sender may still write: revoke must not report it safe"
-            time.sleep(0.3)
-            assert rx.poll_revoked() == [], "reported safe while the sender is frozen and may resume"
-            assert rx.num_pending_revokes == 1
-            os.kill(proc.pid, getattr(signal, end))
-            if end == "SIGKILL":
-                proc.join(10)
-            assert wait_until(lambda: rx.poll_revoked() == [tid], 10.0), f"{tid}: never reported safe"
-            as_bytes(rx_cache)[:, :, dst] = SENTINEL  # the blocks now belong to another request
-            if end == "SIGCONT":
-                kind, (done, failed) = parent.recv()
-                assert tid in failed and not done, (done, failed)
-                parent.send((tid, src, dst, 1))  # it never heard of the abort: it sends on
-                assert parent.recv() == ("sending", tid)
-                kind, (done, failed) = parent.recv()
-                assert tid in failed and not done, (done, failed)
-                assert "not granted" in failed[tid], failed
-            time.sleep(0.05)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            assert bool((as_bytes(rx_cache)[:, :, dst] == SENTINEL).all()), f"{tid}: written after the revoke"
-        assert rx.num_pending_revokes == 0
+        check_revoke_waits_for_a_frozen_sender(rx, rx_cache, parent, proc, frozen_s=0.3, device=device)
     finally:
         proc.kill()
         proc.join(10)
@@ -242,9 +194,7 @@ def test_sender_refuses_a_malformed_handle_and_logs_it(monkeypatch, caplog):
         rx.expect("t", [10, 11])
         txs[-1].send("d0", "t", ALL_LAYERS, np.array([1, 2]), np.array([10, 11]))
         assert wait_sent(txs[-1], {"t"}, 10.0) == ({"t"}, {})
-        want = before.clone()
-        want[:, :, [10, 11]] = as_bytes(tx_cache)[:, :, [1, 2]]
-        assert torch.equal(as_bytes(rx_cache), want)
+        assert_landed(rx_cache, before, tx_cache, [1, 2], [10, 11])
     finally:
         for t in txs:
             t.close()

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from transport_helpers import as_bytes, fill, wait_sent, wait_until
+from transport_helpers import ALL_LAYERS, NUM_LAYERS, SHAPE, as_bytes, assert_landed, fill, wait_sent, wait_until
 from pdcluster.kv_transfer.config import TransferConfig
 from pdcluster.kv_transfer.transports import (
     TransportConfig,
@@ -42,9 +42,6 @@ from pdcluster.kv_transfer.transports.sealing import (
 )
 from pdcluster.kv_transfer.transports.wire import ChunkAck, ChunkHeader
 
-NUM_LAYERS, NUM_BLOCKS = 4, 64
-SHAPE = (NUM_LAYERS, 2, NUM_BLOCKS, 16, 2, 16)  # 2 KiB rows: one block of all layers is 16 KiB
-ALL_LAYERS = list(range(NUM_LAYERS))
 SECRET = "the-cluster-secret"
 WRONG = "not-the-cluster-secret"
 
@@ -70,21 +67,10 @@ def config(secret: str | None, timeout_s: float) -> TransportConfig:
     )
 
 
-
-
-
-
 def deliver(tx, peer_id: str, transfer_id: str, src: list[int], dst: list[int]) -> None:
     tx.send(peer_id, transfer_id, ALL_LAYERS, np.array(src), np.array(dst))
     done, failed = wait_sent(tx, {transfer_id}, 10.0)
     assert done == {transfer_id} and not failed, (done, failed)
-
-
-def assert_landed(rx_cache, want_before, tx_cache, src: list[int], dst: list[int]) -> None:
-    """``dst`` blocks hold the sender's ``src`` blocks; every other byte is as ``want_before``."""
-    want = want_before.clone()
-    want[:, :, dst] = as_bytes(tx_cache)[:, :, src]
-    assert torch.equal(as_bytes(rx_cache), want)
 
 
 @pytest.fixture

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import os
-import signal
 import threading
 import time
 
@@ -22,16 +20,11 @@ import numpy as np
 import pytest
 import torch
 
-from transport_helpers import as_bytes, fill, wait_sent, wait_until
+from transport_helpers import ALL_LAYERS, SENTINEL, SHAPE, as_bytes, assert_landed, fill, wait_sent, wait_until
+from transport_helpers import check_revoke_waits_for_a_frozen_sender, serve_sends
 from pdcluster.kv_transfer.transports import TransportConfig, available_transports, get_transport_class
 from pdcluster.kv_transfer.transports.admission import Admission
 from pdcluster.kv_transfer.transports.base import ShmOptions
-
-NUM_LAYERS, NUM_BLOCKS = 4, 64
-SHAPE = (NUM_LAYERS, 2, NUM_BLOCKS, 16, 2, 16)  # 2 KiB rows: one block of all layers is 16 KiB
-BLOCK_BYTES = NUM_LAYERS * 2 * 2048
-ALL_LAYERS = list(range(NUM_LAYERS))
-SENTINEL = 0xA5
 
 AVAILABLE = available_transports()
 # variant -> (transport, sender cache plain, receiver cache plain)
@@ -59,10 +52,6 @@ def config(**kw) -> TransportConfig:
     base = dict(timeout_s=5.0, chunk_bytes=16 << 10, max_inflight_chunks=2, shm=ShmOptions(ring_bytes=64 << 10))
     base.update(kw)
     return TransportConfig(**base)
-
-
-
-
 
 
 @pytest.fixture
@@ -107,9 +96,7 @@ def test_expected_transfer_lands_byte_equal(pair, variant):
     tx.send("d0", "t", ALL_LAYERS, np.array(src), np.array(dst))
     assert wait_sent(tx, {"t"}, 10.0) == ({"t"}, {})
     rx.complete("t")
-    want = before.clone()
-    want[:, :, dst] = as_bytes(tx_cache)[:, :, src]
-    assert torch.equal(as_bytes(rx_cache), want)
+    assert_landed(rx_cache, before, tx_cache, src, dst)
     assert rx.poll_received() == [("t", ALL_LAYERS)]
     assert rx.num_refused == 0 and rx.num_rejected == 0
 
@@ -182,15 +169,6 @@ def test_nothing_lands_after_revoke(pair, variant):
 # ------------------------------------------------------------------ shm push: a frozen sender
 
 
-def _all_threads_stopped(pid: int) -> bool:
-    """Every thread of ``pid`` is in the stopped state (SIGSTOP is delivered asynchronously)."""
-    states = []
-    for stat in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{stat}/stat") as f:
-            states.append(f.read().rsplit(")", 1)[1].split()[0])
-    return bool(states) and all(state in ("T", "t") for state in states)
-
-
 def frozen_sender_child(conn, desc) -> None:
     """Sender in its own process: pushes transfer after transfer into the parent's cache until told."""
     cls = get_transport_class("shm")
@@ -199,15 +177,7 @@ def frozen_sender_child(conn, desc) -> None:
     t = cls(cache, "sender", config(max_inflight_chunks=1))
     t.connect("d0", desc)
     conn.send("connected")
-    while True:
-        transfer_id, src, dst, rounds = conn.recv()
-        if transfer_id is None:
-            break
-        for _ in range(rounds):
-            t.send("d0", transfer_id, ALL_LAYERS, src, dst)
-        conn.send(("sending", transfer_id))
-        conn.send(("result", wait_sent(t, {transfer_id}, 30.0)))
-    t.close()
+    serve_sends(t, conn)
 
 
 @pytest.mark.timeout(120)
@@ -226,31 +196,7 @@ def test_shm_revoke_waits_for_a_frozen_pushing_sender():
     proc.start()
     try:
         assert parent.poll(60) and parent.recv() == "connected"
-        src, dst = np.arange(32), np.arange(32, 64)
-        for tid, end in (("resumed", "SIGCONT"), ("killed", "SIGKILL")):
-            rx.expect(tid, dst)
-            parent.send((tid, src, dst, 200))
-            assert parent.recv() == ("sending", tid)
-            assert wait_until(lambda: rx.poll_received() != [], 10.0)
-            os.kill(proc.pid, signal.SIGSTOP)
-            assert wait_until(lambda: _all_threads_stopped(proc.pid), 5.0), "SIGSTOP did not take effect"
-            assert rx.revoke(tid) is False
-            time.sleep(0.5)
-            assert rx.poll_revoked() == [], "reported safe while the sender is frozen and may resume"
-            os.kill(proc.pid, getattr(signal, end))
-            if end == "SIGKILL":
-                proc.join(10)
-            assert wait_until(lambda: rx.poll_revoked() == [tid], 10.0), f"{tid}: never reported safe"
-            as_bytes(rx_cache)[:, :, dst] = SENTINEL
-            if end == "SIGCONT":
-                kind, (done, failed) = parent.recv()
-                assert tid in failed and not done, (done, failed)
-                parent.send((tid, src, dst, 1))  # it never heard of the abort: it sends on
-                assert parent.recv() == ("sending", tid)
-                kind, (done, failed) = parent.recv()
-                assert tid in failed and not done, (done, failed)
-            time.sleep(0.05)
-            assert bool((as_bytes(rx_cache)[:, :, dst] == SENTINEL).all()), f"{tid}: written after revoke"
+        check_revoke_waits_for_a_frozen_sender(rx, rx_cache, parent, proc, frozen_s=0.5)
     finally:
         proc.kill()
         proc.join(10)
