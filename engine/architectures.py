@@ -1,6 +1,7 @@
 """Which model class serves a Hugging Face directory: dispatch on config.json ``architectures[0]``.
 
     LlamaForCausalLM, MistralForCausalLM -> engine.model.ModelArch / LlamaModel
+    Qwen3ForCausalLM, Qwen3MoeForCausalLM -> the same (q/k norm; MoE MLPs in engine/moe.py)
     NemotronHForCausalLM                 -> engine.nemotron_h.HybridArch / NemotronHModel
 
 Errors are one line naming what is wrong (a missing file, an unsupported architecture) and what is
@@ -22,6 +23,8 @@ from pdcluster.engine.nemotron_h import HybridArch, NemotronHModel
 ARCHITECTURES = {
     "LlamaForCausalLM": (ModelArch, LlamaModel),
     "MistralForCausalLM": (ModelArch, LlamaModel),
+    "Qwen3ForCausalLM": (ModelArch, LlamaModel),
+    "Qwen3MoeForCausalLM": (ModelArch, LlamaModel),
     "NemotronHForCausalLM": (HybridArch, NemotronHModel),
 }
 REQUIRED_FILES = ("config.json", "tokenizer.json")

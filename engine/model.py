@@ -20,7 +20,12 @@ from safetensors.torch import load_file
 
 from pdcluster.engine.attention import AttentionMetadata, attend
 from pdcluster.engine.linear import Linear
+from pdcluster.engine.moe import MoeArch, SparseMoe, take_expert_weights
 from pdcluster.kernels import ops
+
+LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM")
+# Qwen3: Llama plus RMSNorm over each q and k head before RoPE; Qwen3-MoE: and sparse MoE MLPs (engine/moe.py).
+QWEN3 = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -38,15 +43,29 @@ class ModelArch:
     tie_word_embeddings: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    qk_norm: bool = False  # Qwen3: q_norm / k_norm [head_dim] on every head before RoPE
+    moe: MoeArch | None = None  # Qwen3-MoE: which layers are sparse, and their experts
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> "ModelArch":
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
         arch = cfg.get("architectures") or ["LlamaForCausalLM"]
-        if arch[0] not in ("LlamaForCausalLM", "MistralForCausalLM"):
-            raise ValueError(f"{model_dir}: architecture {arch[0]!r} is not supported (Llama family only)")
+        if arch[0] not in LLAMA_FAMILY + QWEN3:
+            raise ValueError(f"{model_dir}: architecture {arch[0]!r} is not supported here "
+                             f"({', '.join(LLAMA_FAMILY + QWEN3)})")
         if cfg.get("rope_scaling"):
             raise ValueError(f"{model_dir}: rope_scaling {cfg['rope_scaling']!r} is not supported yet")
+        # transformers 5 writes rope_parameters {rope_type, rope_theta} instead of rope_theta / rope_scaling.
+        rope = cfg.get("rope_parameters") or {}
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"{model_dir}: rope_parameters.rope_type {rope['rope_type']!r} is not supported "
+                             "(only 'default')")
+        for key, supported in (("attention_bias", False), ("use_sliding_window", False), ("hidden_act", "silu")):
+            if cfg.get(key, supported) != supported:
+                raise ValueError(f"{model_dir}: {key} {cfg[key]!r} is not supported (only {supported!r})")
+        sliding = sorted({t for t in cfg.get("layer_types") or [] if t != "full_attention"})
+        if sliding:
+            raise ValueError(f"{model_dir}: layer_types {sliding} are not supported (only 'full_attention')")
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         num_heads = cfg["num_attention_heads"]
@@ -59,11 +78,14 @@ class ModelArch:
             num_kv_heads=cfg.get("num_key_value_heads", num_heads),
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta", 10000.0),
+            rope_theta=cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            qk_norm=arch[0] in QWEN3,
+            moe=(MoeArch.from_config(cfg, cfg["num_hidden_layers"], str(model_dir))
+                 if arch[0] == "Qwen3MoeForCausalLM" else None),
         )
 
 
@@ -121,7 +143,11 @@ MLP_CHUNK_TOKENS = 1024
 class DecoderLayer:
     """One Llama block; holds plain tensors (no nn.Module machinery on the hot path)."""
 
-    def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], prefix: str, deterministic: bool = False):
+    def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], prefix: str, deterministic: bool = False,
+                 layer_index: int | None = None):
+        """``layer_index``: this layer's index in the model, for the MoE layout (None: a dense MLP, as the
+        MTP head's layer has). q_norm / k_norm are taken when the weights have them (LlamaModel checks a
+        Qwen3 has them all)."""
         # Taken out of the dict: once fused and packed, the loaded tensors are freed layer by layer
         # (peak memory at load ~ one copy of the weights, not three).
         w = lambda name: weights.pop(f"{prefix}.{name}")  # noqa: E731
@@ -132,8 +158,15 @@ class DecoderLayer:
         self.qkv_proj = Linear(torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"),
                                           w("self_attn.v_proj.weight")]), **det)
         self.o_proj = Linear(w("self_attn.o_proj.weight"), **det)
-        self.gate_up_proj = Linear(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]), **det)
-        self.down_proj = Linear(w("mlp.down_proj.weight"), **det)
+        self.q_norm = weights.pop(f"{prefix}.self_attn.q_norm.weight", None)
+        self.k_norm = weights.pop(f"{prefix}.self_attn.k_norm.weight", None)
+        self.moe = None
+        if arch.moe is not None and layer_index is not None and arch.moe.sparse_layers[layer_index]:
+            gate_up, down = take_expert_weights(weights, f"{prefix}.mlp", arch.moe, arch.hidden_size)
+            self.moe = SparseMoe(arch.moe, w("mlp.gate.weight"), gate_up, down, deterministic)
+        else:
+            self.gate_up_proj = Linear(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]), **det)
+            self.down_proj = Linear(w("mlp.down_proj.weight"), **det)
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
 
@@ -141,8 +174,20 @@ class DecoderLayer:
         """q, k, v views [num_tokens, heads, head_dim] of one qkv matmul, q and k rotated in place."""
         a = self.arch
         qkv = self.qkv_proj(x).view(-1, a.num_heads + 2 * a.num_kv_heads, a.head_dim)
-        rope.rotate_(qkv[:, : a.num_heads + a.num_kv_heads], positions)
-        return qkv[:, : a.num_heads], qkv[:, a.num_heads : a.num_heads + a.num_kv_heads], qkv[:, a.num_heads + a.num_kv_heads :]
+        if self.q_norm is None:
+            rope.rotate_(qkv[:, : a.num_heads + a.num_kv_heads], positions)
+            return qkv[:, : a.num_heads], qkv[:, a.num_heads : a.num_heads + a.num_kv_heads], qkv[:, a.num_heads + a.num_kv_heads :]
+        # Qwen3: RMSNorm over each head's head_dim (the norm kernel's last dim), then RoPE on the result.
+        q = self._head_norm(qkv[:, : a.num_heads], self.q_norm)
+        k = self._head_norm(qkv[:, a.num_heads : a.num_heads + a.num_kv_heads], self.k_norm)
+        rope.rotate_(q, positions)
+        rope.rotate_(k, positions)
+        return q, k, qkv[:, a.num_heads + a.num_kv_heads :]
+
+    def _head_norm(self, heads: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """[tokens, heads, head_dim] normalised per head, as a new contiguous tensor."""
+        rows = heads.reshape(-1, heads.shape[-1])  # a copy: the heads are a strided view of qkv
+        return ops.rms_norm(rows, weight, self.arch.rms_norm_eps).view(heads.shape)
 
     def forward(
         self,
@@ -175,6 +220,8 @@ class DecoderLayer:
         return out, residual
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if self.moe is not None:
+            return self.moe(x)
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
     def __call__(
@@ -202,7 +249,10 @@ class LlamaModel:
         # The MTP head slices the plain lm_head and the embedding reads it: keep it beside the packing.
         self.lm_head_proj = Linear(self.lm_head, keep_weight=True, pack_float32=True, deterministic=deterministic)
         self.norm = weights["model.norm.weight"]
-        self.layers = [DecoderLayer(arch, weights, f"model.layers.{i}", deterministic) for i in range(arch.num_layers)]
+        self.layers = [DecoderLayer(arch, weights, f"model.layers.{i}", deterministic, layer_index=i)
+                       for i in range(arch.num_layers)]
+        if arch.qk_norm and any(layer.q_norm is None or layer.k_norm is None for layer in self.layers):
+            raise ValueError("Qwen3 weights lack self_attn.q_norm.weight / k_norm.weight in some layer")
         self.rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, max_positions, dtype, self.embed_tokens.device)
         self.scale = arch.head_dim**-0.5
 

@@ -1,0 +1,251 @@
+"""Qwen3 and Qwen3-MoE directories made by transformers (random weights) served by LLMEngine, with
+transformers (fp32, eager attention) as the oracle (issue 26 item 4).
+
+Two models, each saved by ``save_pretrained`` with the tokenizer of tiny-random copied beside it:
+- Qwen3 (dense): q_norm / k_norm on every head before RoPE, head_dim 24 while hidden / heads is 16, GQA
+  4/2, tied embeddings;
+- Qwen3-MoE: 8 experts, top-2 renormalised, layer 1 dense through ``mlp_only_layers``, head_dim 32,
+  untied head (the checkpoint stores experts one by one: ``mlp.experts.{e}.gate_proj.weight``).
+Weights are redrawn at a scale where every block matters (transformers' std-0.02 init gives near-flat
+logits), the router's included so the experts a token picks change its output.
+
+The oracle for greedy tokens is repeated full forwards (as in test_hybrid_random_dir.py): for every new
+token, the argmax of ``model(prompt + tokens so far).logits[0, -1]``.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdcluster.engine.architectures import arch_from_dir, load_model
+from pdcluster.engine.attention import AttentionMetadata
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.llm_engine import LLMEngine
+from pdcluster.engine.model_registry import resolve_model
+from pdcluster.engine.moe import MoeArch, SparseMoe
+from pdcluster.engine.sampling_params import SamplingParams
+from test_hybrid_engine import _prompts
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.timeout(300)
+
+NUM_NEW = 12
+VOCAB = 512
+# 16 mixed-length prompts (3..70 tokens) with ids below the vocabulary.
+PROMPTS = [[3 + t % (VOCAB - 3) for t in p] for p in _prompts(16, seed=1)]
+
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+              intermediate_size=96, rms_norm_eps=1e-6, max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
+CONFIGS = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",
+              dict(COMMON, num_hidden_layers=3, head_dim=24, tie_word_embeddings=True,
+                   rope_parameters={"rope_type": "default", "rope_theta": 100000.0})),
+    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(COMMON, num_hidden_layers=4, head_dim=32, tie_word_embeddings=False, num_experts=8,
+                       num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[1])),
+}
+NAMES = list(CONFIGS)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls: one thread is fastest and does not contend with a second job on a 2-core box."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _redraw_weights(model, seed: int = 0) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(0.8 + 0.4 * torch.rand(p.shape, generator=gen))
+            elif name.endswith("embed_tokens.weight"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+            else:  # [out, in] or an expert stack [E, out, in]
+                gain = 3.0 if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")) else 1.5
+                p.copy_(torch.randn(p.shape, generator=gen) * gain / p.shape[-1] ** 0.5)
+
+
+def _hf_model(model_dir: Path, cls: str):
+    return getattr(transformers, cls).from_pretrained(str(model_dir), dtype=torch.float32,
+                                                      attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory) -> dict[str, Path]:
+    tokenizer = resolve_model("tiny-random", progress=False) / "tokenizer.json"
+    out = {}
+    for name, (config_cls, model_cls, kwargs) in CONFIGS.items():
+        d = tmp_path_factory.mktemp(name)
+        torch.manual_seed(0)
+        model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs))
+        _redraw_weights(model)
+        model.save_pretrained(str(d))
+        shutil.copy(tokenizer, d / "tokenizer.json")
+        out[name] = d
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_models(dirs):
+    return {name: _hf_model(dirs[name], CONFIGS[name][1]) for name in NAMES}
+
+
+def _hf_logits(hf, tokens: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf(torch.tensor([tokens])).logits[0]
+
+
+@pytest.fixture(scope="module")
+def reference(hf_models) -> dict[str, dict[tuple[int, ...], list[int]]]:
+    """name -> prompt -> transformers' greedy continuation (repeated full forwards)."""
+    out = {}
+    for name, hf in hf_models.items():
+        out[name] = {}
+        for p in PROMPTS:
+            ids = list(p)
+            for _ in range(NUM_NEW):
+                ids.append(int(_hf_logits(hf, ids)[-1].argmax()))
+            out[name][tuple(p)] = ids[len(p):]
+    return out
+
+
+def _engine(model_dir: Path, **overrides) -> LLMEngine:
+    cfg = dict(model=str(model_dir), dtype="float32", max_model_len=256, num_kv_blocks=256, block_size=16,
+               max_num_seqs=16)
+    cfg.update(overrides)
+    return LLMEngine(EngineConfig(**cfg), progress=False)
+
+
+def _run(engine: LLMEngine, prompts) -> list[list[int]]:
+    params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+    return [o.token_ids for o in engine.generate(prompts, params)]
+
+
+def _prefill_logits(model, tokens: list[int]) -> torch.Tensor:
+    """Our model alone over a fresh paged cache: logits of every prompt token."""
+    a, bs, n = model.arch, 16, len(tokens)
+    num_blocks = -(-n // bs)
+    cache = torch.zeros((a.num_layers, 2, num_blocks, bs, a.num_kv_heads, a.head_dim))
+    pos = torch.arange(n)
+    meta = AttentionMetadata(pos.clone(), torch.arange(num_blocks, dtype=torch.int32)[None],
+                             torch.tensor([n], dtype=torch.int32), torch.tensor([0, n], dtype=torch.int32), None,
+                             model.scale)
+    with torch.inference_mode():
+        return model.compute_logits(model.forward(torch.tensor(tokens), pos, cache, meta))
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_arch_reads_the_configs(dirs):
+    dense, moe = arch_from_dir(dirs["qwen3"]), arch_from_dir(dirs["qwen3-moe"])
+    assert dense.qk_norm and dense.moe is None and dense.head_dim == 24 and dense.tie_word_embeddings
+    assert dense.rope_theta == 100000.0  # from transformers 5's rope_parameters
+    assert moe.qk_norm and not moe.tie_word_embeddings
+    assert moe.moe == MoeArch(num_experts=8, top_k=2, intermediate_size=48, norm_topk_prob=True,
+                              sparse_layers=(True, False, True, True))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_prompt_logits_equal_transformers(dirs, hf_models, name):
+    ours = load_model(dirs[name], torch.float32, 256)
+    tokens = PROMPTS[3]
+    expected = _hf_logits(hf_models[name], tokens)
+    assert expected.abs().max() > 5  # logits large enough for the tolerance to be a real test
+    torch.testing.assert_close(_prefill_logits(ours, tokens), expected, rtol=0, atol=1e-4)
+
+
+def test_reference_is_not_degenerate(reference):
+    for outs in reference.values():
+        outs = list(outs.values())
+        assert len({tuple(o) for o in outs}) > len(outs) // 2
+        assert sum(len(set(o)) > 2 for o in outs) > len(outs) // 2
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_alone_and_batched_equal_transformers(dirs, reference, name):
+    engine = _engine(dirs[name])
+    expected = [reference[name][tuple(p)] for p in PROMPTS]
+    assert _run(engine, PROMPTS[:1]) == expected[:1]
+    assert _run(engine, PROMPTS) == expected
+    assert engine.scheduler.block_manager.num_free_blocks == engine.kv_spec.num_blocks
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_chunked_prefill_and_preemption_equal_transformers(dirs, reference, name):
+    # Chunks of 5 tokens; 24 blocks of 16 for 16 requests of up to 82 tokens force preemption.
+    engine = _engine(dirs[name], prefill_chunk_size=5, max_num_batched_tokens=40, num_kv_blocks=24)
+    assert _run(engine, PROMPTS) == [reference[name][tuple(p)] for p in PROMPTS]
+    assert engine.scheduler.num_preemptions_total > 0
+    assert engine.scheduler.block_manager.num_free_blocks == engine.kv_spec.num_blocks
+
+
+# ---------------------------------------------------------------------------------------------------
+# MoE routing
+
+
+def _moe_block(hf_models):
+    """transformers' first sparse block and ours with the same weights (taken from its state dict)."""
+    hf_block = hf_models["qwen3-moe"].model.layers[0].mlp
+    sd = {k: v.detach().clone() for k, v in hf_block.state_dict().items()}
+    arch = MoeArch(num_experts=8, top_k=2, intermediate_size=48, norm_topk_prob=True, sparse_layers=(True,))
+    return hf_block, arch, sd
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped_mm", "expert_loop"])
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_moe_every_token_routed_to_different_experts(hf_models, grouped, norm_topk_prob):
+    """Four tokens whose top-2 sets are disjoint ({0,1}, {2,3}, {4,5}, {6,7}: the router weight is set so),
+    and random tokens besides: our block's output equals transformers' Qwen3MoeSparseMoeBlock's."""
+    hf_block, arch, sd = _moe_block(hf_models)
+    arch = MoeArch(**{**arch.__dict__, "norm_topk_prob": norm_topk_prob})
+    hf_block.gate.norm_topk_prob = norm_topk_prob
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(5))
+    router = torch.zeros(8, 64)
+    for t in range(4):  # token t scores high on experts 2t and 2t + 1 only (different scores for each)
+        router[2 * t] = 3.0 * x[t] / x[t].norm() ** 2
+        router[2 * t + 1] = 2.0 * x[t] / x[t].norm() ** 2
+    router += 0.01 * torch.randn(8, 64, generator=torch.Generator().manual_seed(6))
+    original = hf_block.gate.weight.detach().clone()
+    try:
+        with torch.no_grad():
+            hf_block.gate.weight.copy_(router)
+        ours = SparseMoe(arch, router, sd["experts.gate_up_proj"], sd["experts.down_proj"], use_grouped_mm=grouped)
+        _, experts = ours.route(x)
+        assert sorted(experts.sort(dim=-1).values.reshape(-1).tolist()) == list(range(8))
+        mixed = torch.cat([x, torch.randn(13, 64, generator=torch.Generator().manual_seed(7))])
+        with torch.inference_mode():
+            expected = hf_block(mixed[None])[0]
+            got = ours(mixed)
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+        # Each token's output is its own: alone it is the same (no mixing across tokens or experts).
+        torch.testing.assert_close(ours(x[2:3]), got[2:3], rtol=0, atol=1e-5)
+    finally:
+        with torch.no_grad():
+            hf_block.gate.weight.copy_(original)
+        hf_block.gate.norm_topk_prob = True
+
+
+def test_unsupported_configs_refused_in_one_line(dirs, tmp_path):
+    import json
+
+    cases = {"use_sliding_window": True, "attention_bias": True, "shared_expert_intermediate_size": 64,
+             "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}}
+    for key, value in cases.items():
+        d = tmp_path / key
+        d.mkdir()
+        cfg = json.loads((dirs["qwen3-moe"] / "config.json").read_text())
+        cfg[key] = value
+        (d / "config.json").write_text(json.dumps(cfg))
+        shutil.copy(dirs["qwen3-moe"] / "tokenizer.json", d / "tokenizer.json")
+        with pytest.raises(ValueError) as err:
+            arch_from_dir(d)
+        assert key in str(err.value) and "\n" not in str(err.value)
