@@ -13,7 +13,10 @@ How it runs (``SparseMoe.__call__``), with no Python loop over tokens or experts
    sorted order, so a token's experts are summed in expert-id order, as transformers' loop does).
 Where ``torch._grouped_mm`` cannot run (device/dtype it lacks), and in deterministic mode (issue 24: every
 expert matmul through the batch-invariant GEMM of engine/linear.py, one packed weight per expert), step 2
-loops over the experts that have rows. Measured on CPU: see ``bench_moe`` below and the issue-26 note.
+loops over the experts that have rows. Measured on CPU (bench/moe_decode.py: 128 experts, top-8, hidden
+1024, width 384, one thread, shared box, medians), grouped_mm / loop: fp32 batch 1 3.75 / 3.66 ms, batch 8
+25.4 / 27.6 ms, batch 64 101 / 109 ms; bf16 2.34 / 2.24, 16.2 / 17.9, 40.9 / 45.6 ms. Batch 1 moves 8 experts'
+weights (38 MB fp32) in 3.75 ms; all 128 would be 604 MB: only the routed experts are read.
 
 Expert weights are stacked at load into ``gate_up`` [E, 2 * I, H] (gate rows, then up rows) and ``down``
 [E, H, I], from either layout a checkpoint has: per expert (``mlp.experts.{e}.gate_proj.weight``, ..., what

@@ -249,3 +249,17 @@ def test_unsupported_configs_refused_in_one_line(dirs, tmp_path):
         with pytest.raises(ValueError) as err:
             arch_from_dir(d)
         assert key in str(err.value) and "\n" not in str(err.value)
+
+
+def test_deterministic_mode_moe_is_batch_invariant(dirs, hf_models):
+    """EngineConfig.deterministic (issue 24) on Qwen3-MoE: router and every expert through the batch-invariant
+    GEMM, so a token's MoE output is bit for bit the same alone or among 32 others; logits still match."""
+    det = load_model(dirs["qwen3-moe"], torch.float32, 256, deterministic=True)
+    moe = det.layers[0].moe
+    assert moe.router.deterministic and moe._per_expert is not None and not moe.use_grouped_mm
+    x = torch.randn(33, 64, generator=torch.Generator().manual_seed(8))
+    with torch.inference_mode():
+        assert torch.equal(moe(x), torch.cat([moe(x[i : i + 1]) for i in range(33)]))
+    tokens = PROMPTS[3]
+    torch.testing.assert_close(_prefill_logits(det, tokens), _hf_logits(hf_models["qwen3-moe"], tokens),
+                               rtol=0, atol=1e-4)
