@@ -263,3 +263,13 @@ def test_deterministic_mode_moe_is_batch_invariant(dirs, hf_models):
     tokens = PROMPTS[3]
     torch.testing.assert_close(_prefill_logits(det, tokens), _hf_logits(hf_models["qwen3-moe"], tokens),
                                rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_speculative_decoding_is_lossless(dirs, reference, name):
+    """A random MTP head (its own dense layer, no q/k norm) and n-gram drafts: tokens stay transformers'."""
+    prompts = PROMPTS[:6]
+    expected = [reference[name][tuple(p)] for p in prompts]
+    for spec in (dict(spec_method="mtp", mtp_checkpoint="random", num_spec_tokens=2),
+                 dict(spec_method="ngram", num_spec_tokens=3)):
+        assert _run(_engine(dirs[name], **spec), prompts) == expected, spec
