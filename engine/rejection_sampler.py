@@ -4,6 +4,14 @@ Output layout (invariant S3): one row per request, ``max_num_drafts + 1`` wide; 
 contiguous from position 0 (accepted drafts, then the target's own token at the first rejection or the
 bonus token after the last draft) and every later position is -1. Hence the number of valid tokens is
 ``(output_token_ids != -1).sum(dim=1)``: no cat-a-sentinel-and-argmax.
+
+Sampled verification of drafts that are a single token each (n-gram, and MTP's greedy drafts: no draft
+distribution) draws the target's token at every position with the very uniform the same request would
+use without speculation (keyed by seed and output position, engine/sampler.py) and accepts the draft
+iff the draw equals it. That is exact sampling from the target (lossless) and, beyond that, the same
+tokens as decoding without speculation, seed for seed. (Accepting with probability p(draft) from a
+separate stream and resampling the residual is lossless in distribution only: a seeded request's
+tokens changed with speculation on.) Drafts with a distribution q keep the standard rule.
 """
 
 from __future__ import annotations
@@ -41,19 +49,25 @@ def _verify_sampled(
     position: int,
 ) -> list[int]:
     out = []
+    if draft_probs is None:  # single-token drafts: draw as without speculation, accept on equality
+        for i, draft in enumerate(drafts):
+            token = sample_from_probs(probs_for(target_logits[i], params), seed, position + i)
+            out.append(token)
+            if token != draft:
+                return out
+        out.append(sample_from_probs(probs_for(target_logits[len(drafts)], params), seed, position + len(drafts)))
+        return out
     for i, draft in enumerate(drafts):
         p = probs_for(target_logits[i], params)
-        q = draft_probs[i] if draft_probs is not None else None
-        q_x = float(q[draft]) if q is not None else 1.0
+        q = draft_probs[i]
+        q_x = float(q[draft])
         # Uniform for the accept test, from a stream keyed by (seed, position) and disjoint from the
         # stream used to sample the token at that position.
         u = torch.rand((), generator=position_generator(seed ^ 0x5DEECE66D, position + i)).item()
         if q_x > 0 and u < min(1.0, float(p[draft]) / q_x):
             out.append(draft)
             continue
-        residual = (p - q).clamp_min(0) if q is not None else p.clone()
-        if q is None:
-            residual[draft] = 0.0
+        residual = (p - q).clamp_min(0)
         total = residual.sum()
         residual = residual / total if total > 0 else p
         out.append(sample_from_probs(residual, seed, position + i))

@@ -385,3 +385,20 @@ def test_spec_cli_json_counters(tiny_dir):
         # random head on tiny-random: 3 drafts per decode step, 11 decode steps unless some are accepted
         assert 0 <= b["num_accepted_tokens"] <= b["num_draft_tokens"] <= 3 * 11
         assert b["num_draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("model", ["tiny-random", "tiny-hybrid"])
+def test_sampled_speculation_gives_the_tokens_of_no_speculation_seed_for_seed(model):
+    """Single-token drafts are verified by drawing the target's token with the uniform the request uses
+    without speculation and accepting on equality: lossless, and the same seeded tokens. (Accepting with
+    probability p(draft) from another stream and resampling the residual changed them: on these
+    repetitive prompts, with padded async drafts, a draft equal to the token the plain run drew was
+    rejected and the residual, without it, drew another.)"""
+    gen = torch.Generator().manual_seed(0)
+    prompts = [(torch.randint(3, 500, (6,), generator=gen).tolist() * 6)[:30] for _ in range(8)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.8, top_p=0.9, seed=11)
+    plain = make_engine(model, num_kv_blocks=512).generate(prompts, params)
+    spec = make_engine(model, num_kv_blocks=512, spec_method="ngram", num_spec_tokens=3,
+                       async_scheduling=True).generate(prompts, params)
+    assert sum(o.num_draft_tokens for o in spec) > 100  # every decode row verified padded drafts
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
