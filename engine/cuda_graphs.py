@@ -24,6 +24,7 @@ buffers: every buffer, padding and slicing path runs; only the CUDA capture itse
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -31,6 +32,7 @@ import torch
 from pdcluster.engine.attention import AttentionMetadata
 
 PAD_SLOT = -1  # write kernels skip negative slots
+log = logging.getLogger(__name__)
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -55,6 +57,7 @@ class DecodeGraphs:
         self._graphs: dict[int, object] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self._pool = None
+        self._failed: set[int] = set()  # buckets whose capture raised: eager from then on
         self.num_replays = 0
 
     def bucket(self, num_rows: int) -> int | None:
@@ -77,8 +80,18 @@ class DecodeGraphs:
         self.block_tables[num_rows:bucket].zero_()
         self.seq_lens[:num_rows].copy_(meta.seq_lens)
         self.seq_lens[num_rows:bucket].fill_(1)
+        if bucket in self._failed:
+            return None
         if bucket not in self._outputs:
-            self._capture(bucket)
+            try:
+                self._capture(bucket)
+            except Exception as e:  # noqa: BLE001 - a model whose forward cannot be captured runs eager
+                # (e.g. a host synchronisation inside it: an MoE's expert loop without grouped GEMMs).
+                log.warning("CUDA graph capture for batch bucket %d failed (%s: %s): that bucket runs eager",
+                            bucket, type(e).__name__, e)
+                self._failed.add(bucket)
+                self._outputs.pop(bucket, None)
+                return None
         if self.emulate:
             self._outputs[bucket] = self._call(bucket)
         else:

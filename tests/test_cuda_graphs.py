@@ -105,3 +105,25 @@ def test_captured_graphs_give_the_eager_tokens_on_cuda(tiny_dir):
     graphed = _generate(engine, graphs=False)  # the engine's own graphs
     assert engine.runner.graphs.num_replays > 0
     assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
+
+
+def test_a_bucket_whose_capture_fails_runs_eager(tiny_dir, caplog):
+    """A forward that cannot be captured (a host synchronisation inside it) must not fail the step: that
+    bucket runs eager from then on, with one warning."""
+    engine = make_engine("tiny-random", max_num_seqs=4, num_kv_blocks=64)
+    runner = engine.runner
+    calls = {"n": 0}
+
+    def forward(ids, pos, meta):
+        calls["n"] += 1
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    graphs = DecodeGraphs(forward, runner.device, 4, 1, 4, runner.model.scale, emulate=True)
+    meta = AttentionMetadata(slot_mapping=torch.tensor([5]), block_tables=torch.tensor([[0]], dtype=torch.int32),
+                             seq_lens=torch.tensor([6], dtype=torch.int32),
+                             query_start_loc=torch.arange(2, dtype=torch.int32), uniform_q_len=1,
+                             scale=runner.model.scale)
+    with caplog.at_level("WARNING"):
+        assert graphs.run(torch.tensor([7]), torch.tensor([5]), meta) is None
+        assert graphs.run(torch.tensor([7]), torch.tensor([5]), meta) is None
+    assert calls["n"] == 1 and "bucket 1 failed" in caplog.text  # tried once, then eager without retrying
