@@ -26,7 +26,7 @@ def test_batch_buckets():
 def _generate(engine, graphs: bool, emulate: bool = True):
     if graphs:
         engine.runner.use_decode_graphs(emulate=emulate)
-    params = [SamplingParams(max_tokens=6 + 3 * i, temperature=0.0, ignore_eos=True, logprobs=2) for i in range(7)]
+    params = [SamplingParams(max_tokens=8 + 2 * i, temperature=0.0, ignore_eos=True, logprobs=2) for i in range(7)]
     outs = engine.generate(PROMPTS, params)  # rows finish at different steps: the batch shrinks through buckets
     assert engine.scheduler.block_manager.num_free_blocks == engine.kv_spec.num_blocks
     return outs
