@@ -161,9 +161,10 @@ class DecoderLayer:
         self.q_norm = weights.pop(f"{prefix}.self_attn.q_norm.weight", None)
         self.k_norm = weights.pop(f"{prefix}.self_attn.k_norm.weight", None)
         self.moe = None
-        if arch.moe is not None and layer_index is not None and arch.moe.sparse_layers[layer_index]:
-            gate_up, down = take_expert_weights(weights, f"{prefix}.mlp", arch.moe, arch.hidden_size)
-            self.moe = SparseMoe(arch.moe, w("mlp.gate.weight"), gate_up, down, deterministic)
+        moe = getattr(arch, "moe", None)  # an MTP layer on a hybrid target gets a HybridArch (no .moe)
+        if moe is not None and layer_index is not None and moe.sparse_layers[layer_index]:
+            gate_up, down = take_expert_weights(weights, f"{prefix}.mlp", moe, arch.hidden_size)
+            self.moe = SparseMoe(moe, w("mlp.gate.weight"), gate_up, down, deterministic)
         else:
             self.gate_up_proj = Linear(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]), **det)
             self.down_proj = Linear(w("mlp.down_proj.weight"), **det)
