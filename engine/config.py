@@ -41,7 +41,10 @@ def default_deterministic() -> bool:
     return DETERMINISTIC_DEFAULT
 
 
-DETERMINISTIC_DEFAULT = False
+# On: it costs nothing measurable on bench/vs_vllm.py's offline measures (smollm2 bf16, a quiet box,
+# bench/results/deterministic_cost.json: 2 threads prefill -3.5%, decode +12%, TTFT +9%, TPOT 1.56x;
+# 1 thread +5%, +2%, +4%, 1.69x), and it is what makes the token-exact promises hold in bf16.
+DETERMINISTIC_DEFAULT = True
 
 
 @dataclass
@@ -75,7 +78,8 @@ class EngineConfig:
     num_threads: int = 0  # torch intra-op threads; 0 = torch's default
     # Batch-invariant kernels (issue 24): each request's tokens and logprobs are bitwise the same whatever
     # the batch, the prefill chunking, speculation, placement or a recovery re-prefill (CPU; see README).
-    deterministic: bool = field(default_factory=default_deterministic)
+    # None: default_deterministic() (the engine resolves it; see resolve_deterministic).
+    deterministic: bool | None = None
     seed: int = 0
     cache_dir: str = ""
 
@@ -109,6 +113,14 @@ class EngineConfig:
             raise ConfigError(f"num_spec_tokens: must be >= 1 with spec_method={self.spec_method!r}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ConfigError(f"ngram_min/ngram_max: need 1 <= min <= max, got {self.ngram_min}, {self.ngram_max}")
+
+    def resolve_deterministic(self) -> tuple[bool, bool]:
+        """(wanted, asked): whether deterministic mode is wanted, and whether someone asked for it
+        (the field or $PDCLUSTER_DETERMINISTIC) rather than it being the built-in default. Asked for
+        where it cannot run is an error; the default quietly steps back there."""
+        if self.deterministic is not None:
+            return bool(self.deterministic), True
+        return default_deterministic(), bool(os.environ.get(DETERMINISTIC_ENV, "").strip())
 
     def resolve_device(self) -> str:
         """The device to run on: "auto" becomes "cuda" where torch sees a GPU, else "cpu"; asking for

@@ -100,10 +100,8 @@ class LLMEngine:
         dtype = DTYPES[self.dtype_name]
         # Deterministic mode (issue 24): batch-invariant kernels on CPU. CUDA has none yet (cuBLAS and the
         # Triton kernels keep their batch-dependent choices): said once, not refused.
-        self.deterministic = config.deterministic and config.device == "cpu"
-        if config.deterministic and not self.deterministic:
-            log.warning("deterministic mode is implemented for the CPU only; on %s results may depend on the "
-                        "batch (run with --no-deterministic to silence this)", config.device)
+        self.deterministic = self._resolve_deterministic(config)
+        config = self.config = replace(config, deterministic=self.deterministic)
         self.model = load_model(self.model_dir, dtype, self.max_model_len + config.num_spec_steps + 1, config.device,
                                 deterministic=self.deterministic)
         num_draft_layers = proposer_draft_layers(config)  # MTP: one layer after the target's (S2)
@@ -151,6 +149,30 @@ class LLMEngine:
         # Decode side of a KV transfer: blocks reserved for prompts whose KV is on its way.
         self._reserved: dict[str, Request] = {}
         self.last_kv_output = KVConnectorOutput()
+
+    @staticmethod
+    def _resolve_deterministic(config: EngineConfig) -> bool:
+        """Deterministic mode where it can run: the CPU with the batch-invariant C GEMM. Asked for where
+        it cannot: a warning on CUDA (no batch-invariant GPU kernels yet), an error without the C GEMM.
+        As the default: the fast mode there, said at info level."""
+        wanted, asked = config.resolve_deterministic()
+        if not wanted:
+            return False
+        if config.device != "cpu":
+            (log.warning if asked else log.info)(
+                "deterministic mode is implemented for the CPU only; on %s results may depend on the batch%s",
+                config.device, " (run with --no-deterministic to silence this)" if asked else "")
+            return False
+        from pdcluster.engine.linear import DeterministicUnavailable, check_deterministic_available
+
+        try:
+            check_deterministic_available()
+        except DeterministicUnavailable as e:
+            if asked:
+                raise
+            log.warning("%s: running in the fast mode (results may depend on the batch)", e)
+            return False
+        return True
 
     def attach_connector(self, connector: KVConnector) -> None:
         """Install a KV connector after the cache exists (it needs the tensor). The same object serves

@@ -98,18 +98,40 @@ def test_every_linear_is_the_batch_invariant_gemm():
 
 
 def test_flag_and_default(monkeypatch):
+    """On by default (it costs nothing measurable, bench/results/deterministic_cost.json); the flag or
+    $PDCLUSTER_DETERMINISTIC is an explicit ask (an error where it cannot run), the default is not."""
     from pdcluster.cluster.cli import build_parser, engine_config_from_args
 
     parse = lambda *a: engine_config_from_args(build_parser().parse_args(["generate", "--prompt", "x", *a]))  # noqa: E731
     assert parse("--deterministic").deterministic is True
     assert parse("--no-deterministic").deterministic is False
-    assert parse().deterministic is default_deterministic()
+    monkeypatch.delenv(DETERMINISTIC_ENV, raising=False)
+    assert parse().resolve_deterministic() == (default_deterministic(), False) == (True, False)  # on by default
+    assert parse("--deterministic").resolve_deterministic() == (True, True)
     monkeypatch.setenv(DETERMINISTIC_ENV, "0")
-    assert EngineConfig().deterministic is False
+    assert EngineConfig().resolve_deterministic() == (False, True)
     monkeypatch.setenv(DETERMINISTIC_ENV, "1")
-    assert EngineConfig().deterministic is True
+    assert EngineConfig().resolve_deterministic() == (True, True)
     args = build_parser().parse_args(["profile", "--out", "/tmp/x.json", "--no-deterministic"])
     assert args.deterministic is False
+
+
+def test_the_default_steps_back_where_it_cannot_run_and_an_ask_is_an_error(monkeypatch, caplog):
+    """Without the C GEMM (here: PDCLUSTER_CPU_KERNELS=0), the default runs the fast mode with a warning;
+    asking for deterministic mode there is one clear error."""
+    from pdcluster.engine.linear import DeterministicUnavailable
+    from pdcluster.kernels import cpu_build, cpu_gemm
+
+    monkeypatch.delenv(DETERMINISTIC_ENV, raising=False)
+    monkeypatch.setenv("PDCLUSTER_CPU_KERNELS", "0")
+    monkeypatch.setattr(cpu_gemm, "available", lambda: False)
+    monkeypatch.setattr(cpu_build, "load", lambda: None)
+    with caplog.at_level("WARNING"):
+        engine = make_engine("tiny-random", num_kv_blocks=32)
+    assert engine.deterministic is False and engine.config.deterministic is False
+    assert "PDCLUSTER_CPU_KERNELS=0" in caplog.text and "fast mode" in caplog.text
+    with pytest.raises(DeterministicUnavailable, match="run with --no-deterministic"):
+        make_engine("tiny-random", num_kv_blocks=32, deterministic=True)
 
 
 # ---- batch invariance ---------------------------------------------------------------------------------
