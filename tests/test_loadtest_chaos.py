@@ -271,15 +271,16 @@ def test_chaos_run_kills_and_stops_workers_and_every_request_in_flight_completes
     try:
         before = httpx.get(server.base_url + "/health", timeout=30, trust_env=False).json()
         assert before["status"] == "ok"
-        # Constant arrivals of long-enough answers (192 tokens at ~8 ms a step) keep about nine
-        # requests in flight, and the kill hits the decode worker holding the most of them, so it
-        # always catches some mid-stream. A fixed index (decode0) sometimes hit a worker with nothing
+        # Constant arrivals of long-enough answers (384 tokens: decode steps got faster with the
+        # batch-invariant GEMM, and 192-token answers left the busiest worker once with nothing
+        # mid-stream at the kill) keep about a dozen requests in flight, and the kill hits the decode
+        # worker holding the most of them, so it always catches some mid-stream. A fixed index (decode0) sometimes hit a worker with nothing
         # streaming (only submits not yet admitted), and the router then had no request to recover. The stop stays
         # under the control plane's 2.5 s peer timeout; a longer one (the decode workers drop the
         # frozen prefill worker and the router re-wires the pairs after SIGCONT, a bug this harness
         # found) is tests/test_pair_rewire.py's subject.
         rc = main(["loadtest", "--no-progress", "--base-url", server.base_url, "--model", "tiny-random",
-                   "--dataset", "random", "--random-input-len", "48", "--random-output-len", "192",
+                   "--dataset", "random", "--random-input-len", "48", "--random-output-len", "384",
                    "--num-prompts", "48", "--request-rate", "6", "--arrival", "constant", "--num-warmups", "1",
                    "--slo-ttft-ms", "3000", "--slo-tpot-ms", "500", "--chaos", "kill-busiest-decode@3s,stop-prefill@5s+2s",
                    "--chaos-recovery-timeout-s", "90",
