@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 

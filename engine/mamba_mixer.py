@@ -29,7 +29,6 @@ from typing import Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from pdcluster.engine.linear import Linear
 from pdcluster.engine.mamba_state import MambaMetadata

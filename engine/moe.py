@@ -137,7 +137,7 @@ class SparseMoe:
         return weights.to(x.dtype), experts
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        num_tokens, k = x.shape[0], self.moe.top_k
+        k = self.moe.top_k
         weights, experts = self.route(x)
         flat = experts.reshape(-1)
         order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert, tokens in order within

@@ -13,7 +13,6 @@ from __future__ import annotations
 import datetime
 import hmac
 import socket
-import time
 
 import msgpack
 import numpy as np
