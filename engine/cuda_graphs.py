@@ -67,7 +67,7 @@ class DecodeGraphs:
         """The hidden states of this uniform batch through its bucket's graph (None: no bucket fits)."""
         num_rows = meta.seq_lens.shape[0]
         bucket = self.bucket(num_rows)
-        if bucket is None or meta.block_tables.shape[1] > self.block_tables.shape[1]:
+        if bucket is None or bucket in self._failed or meta.block_tables.shape[1] > self.block_tables.shape[1]:
             return None
         n = num_rows * self.q_len
         # Inputs into the static buffers (device to device; padded rows reset to their padding values).
@@ -80,8 +80,6 @@ class DecodeGraphs:
         self.block_tables[num_rows:bucket].zero_()
         self.seq_lens[:num_rows].copy_(meta.seq_lens)
         self.seq_lens[num_rows:bucket].fill_(1)
-        if bucket in self._failed:
-            return None
         if bucket not in self._outputs:
             try:
                 self._capture(bucket)
