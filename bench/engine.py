@@ -73,7 +73,7 @@ def main() -> int:
     ap.add_argument("--no-transformers", action="store_true")
     args = ap.parse_args()
 
-    from pdcluster.engine.model_registry import resolve_model
+    from pdcluster.engine.models.registry import resolve_model
     from pdcluster.engine.tokenizer import Tokenizer
 
     model_dir = resolve_model(args.model, progress=False)

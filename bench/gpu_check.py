@@ -78,7 +78,7 @@ def import_pdcluster() -> None:
 
 def prepare_assets() -> None:
     """Copy SmolLM2's tokenizer files (from the built tiny-random model) into bench/gpu_assets/."""
-    from pdcluster.engine.model_registry import resolve_model
+    from pdcluster.engine.models.registry import resolve_model
 
     src = resolve_model("tiny-random", progress=False)
     ASSETS.mkdir(parents=True, exist_ok=True)
@@ -93,9 +93,9 @@ def build_tiny(name: str, out: Path) -> Path:
     from safetensors.torch import save_file
 
     if name == "tiny-random":
-        from pdcluster.engine.tiny_random import TINY_RANDOM_CONFIG as base, tiny_random_state_dict as weights
+        from pdcluster.engine.models.tiny_random import TINY_RANDOM_CONFIG as base, tiny_random_state_dict as weights
     else:
-        from pdcluster.engine.tiny_hybrid import TINY_HYBRID_CONFIG as base, tiny_hybrid_state_dict as weights
+        from pdcluster.engine.models.tiny_hybrid import TINY_HYBRID_CONFIG as base, tiny_hybrid_state_dict as weights
     out.mkdir(parents=True, exist_ok=True)
     for f in TOKENIZER_FILES:
         shutil.copy(ASSETS / f, out / f)
@@ -199,9 +199,9 @@ def env_section(entry: dict, device: str) -> None:
 
 
 def model_cache(work: Path) -> Path:
-    """A model cache holding the built-in tiny models, built here, stamped as model_registry stamps
+    """A model cache holding the built-in tiny models, built here, stamped as models/registry.py stamps
     them, so the tests' fixtures (resolve_model("tiny-random")) find them and never convert a GGUF."""
-    from pdcluster.engine.model_registry import STAMP_FILE, _stamp
+    from pdcluster.engine.models.registry import STAMP_FILE, _stamp
 
     cache = work / "cache"
     for name in ("tiny-random", "tiny-hybrid"):

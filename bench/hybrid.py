@@ -38,7 +38,7 @@ def small_model_dir(cache: Path) -> Path:
     import torch
     from transformers import NemotronHConfig, NemotronHForCausalLM
 
-    from pdcluster.engine.model_registry import resolve_model
+    from pdcluster.engine.models.registry import resolve_model
 
     out = cache / "nemotron-h-small"
     if (out / "config.json").is_file():
@@ -101,7 +101,7 @@ def main() -> int:
     ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "pdcluster-bench-models"))
     ap.add_argument("--out", default="")
     args = ap.parse_args()
-    from pdcluster.engine.model_registry import resolve_model
+    from pdcluster.engine.models.registry import resolve_model
     from pdcluster.engine.tokenizer import Tokenizer
 
     small = small_model_dir(Path(args.cache))

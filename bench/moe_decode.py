@@ -1,4 +1,4 @@
-"""engine/moe.py's two ways to run the experts at decode sizes (issue 26 item 4): one torch._grouped_mm per
+"""engine/models/moe.py's two ways to run the experts at decode sizes (issue 26 item 4): one torch._grouped_mm per
 projection against the expert loop (F.linear per expert that has rows), timed in turns on the same inputs.
 
 Shape: 128 experts, top-8, hidden 1024, expert width 384 (Qwen3-30B-A3B's expert count and top-k at half
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from pdcluster.engine.moe import MoeArch, SparseMoe
+from pdcluster.engine.models.moe import MoeArch, SparseMoe
 
 
 def main() -> None:

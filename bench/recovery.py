@@ -753,7 +753,7 @@ def main() -> int:
 
     import torch
 
-    from pdcluster.engine.model_registry import resolve_model
+    from pdcluster.engine.models.registry import resolve_model
     from pdcluster.kv_transfer.config import TransferConfig
 
     resolve_model(args.model, progress=False)  # build once, before children and actors race for it

@@ -1,4 +1,4 @@
-"""Train the MTP draft head (engine/mtp.py) for a target model by self-distillation, on CPU, in minutes.
+"""Train the MTP draft head (engine/models/mtp.py) for a target model by self-distillation, on CPU, in minutes.
 
     python bench/train_mtp.py [--model smollm2] [--num-prompts 64] [--gen-tokens 48] [--train-seconds 150]
                               [--eval-prompts 6] [--out PATH]
@@ -159,7 +159,7 @@ def initial_weights(model, seed: int) -> dict[str, torch.Tensor]:
     layer (which reads token embeddings) and eh_proj passes the embedding of t_{i+1} through (the hidden
     half starts small and random, for training to fill in). Measured on the same data and budget:
     held-out top-1 on generated text 21% from this start vs 17% from a copy of the last layer."""
-    from pdcluster.engine.mtp import random_mtp_weights
+    from pdcluster.engine.models.mtp import random_mtp_weights
 
     weights = random_mtp_weights(model.arch, seed)
     first = model.layers[0]
@@ -203,7 +203,7 @@ def top1(module, examples, generated_only: bool = False) -> float:
 
 def train(model, examples, heldout, seconds: float, lr: float, batch_tokens: int, seed: int, log,
           vocab: torch.Tensor | None = None) -> tuple:
-    from pdcluster.engine.mtp import MTPTrainModule
+    from pdcluster.engine.models.mtp import MTPTrainModule
 
     torch.manual_seed(seed)
     module = MTPTrainModule(model, initial_weights(model, seed))
@@ -271,8 +271,8 @@ def main(argv=None) -> int:
 
     from pdcluster.engine.config import EngineConfig
     from pdcluster.engine.llm_engine import LLMEngine
-    from pdcluster.engine.model_registry import default_cache_dir
-    from pdcluster.engine.mtp import default_mtp_checkpoint, save_mtp_weights
+    from pdcluster.engine.models.registry import default_cache_dir
+    from pdcluster.engine.models.mtp import default_mtp_checkpoint, save_mtp_weights
 
     torch.set_num_threads(args.num_threads)
     t0 = time.perf_counter()

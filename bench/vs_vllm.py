@@ -454,7 +454,7 @@ def main() -> int:
     if args._ours:
         return ours_child(args._ours, args.threads)
 
-    from pdcluster.engine.model_registry import resolve_model
+    from pdcluster.engine.models.registry import resolve_model
 
     model_dir = Path(resolve_model("smollm2", progress=False))
     result: dict = {"ratio_definition": RATIO_DEFINITION, "model_dir": str(model_dir), "dtype": args.dtype,

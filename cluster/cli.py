@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     from pdcluster.engine.llm_engine import InvalidRequestError
-    from pdcluster.engine.model_registry import UnknownModelError
+    from pdcluster.engine.models.registry import UnknownModelError
 
     try:
         return args.func(args)

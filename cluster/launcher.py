@@ -19,8 +19,8 @@ from dataclasses import asdict, dataclass, replace
 
 from pdcluster.cluster.router import ClusterRouter, RouterConfig
 from pdcluster.engine.config import EngineConfig
-from pdcluster.engine.architectures import arch_from_dir
-from pdcluster.engine.model_registry import resolve_model
+from pdcluster.engine.models.architectures import arch_from_dir
+from pdcluster.engine.models.registry import resolve_model
 from pdcluster.engine.tokenizer import Tokenizer
 from pdcluster.kv_transfer.config import TransferConfig
 

@@ -118,8 +118,8 @@ def _check_args(args: argparse.Namespace) -> None:
 
         EngineConfig(device=args.device).resolve_device()
     if args.spec == "mtp":  # before any worker starts: one line, not a traceback from every actor
-        from pdcluster.engine.model_registry import default_cache_dir
-        from pdcluster.engine.mtp import find_mtp_checkpoint
+        from pdcluster.engine.models.registry import default_cache_dir
+        from pdcluster.engine.models.mtp import find_mtp_checkpoint
 
         find_mtp_checkpoint(args.mtp_checkpoint, args.cache_dir or default_cache_dir(), args.model)
     if args.max_worker_restarts < 0:

@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pdcluster.engine.model_registry import default_cache_dir
+from pdcluster.engine.models.registry import default_cache_dir
 
 READY = re.compile(r"pdcluster serving \S+ on (http://\S+)")
 

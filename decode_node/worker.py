@@ -1,6 +1,6 @@
 """The decode worker: an engine in the consumer role, and the owner of every request the router hands
 it (``submit``). For a request prefilled elsewhere it reserves blocks and asks that prefill worker for
-the KV (kv_inbox.py: TransferRequest over the control plane), streams the first token as soon as the
+the KV (remote_kv.py: TransferRequest over the control plane), streams the first token as soon as the
 prefill worker sends it, and decodes once the KV has landed (WAITING_FOR_KV -> READY | FAILED), with
 continuous batching and speculative decoding. It also runs requests start to finish itself (colocated
 mode, or conditional disaggregation for short prompts). Every event of a request goes to the router
@@ -21,7 +21,7 @@ from pdcluster.kv_transfer.protocol import FirstToken
 from pdcluster.kv_transfer.transports import get_transport_class
 from pdcluster.node.events import ADMITTED, FULL, INVALID, UNREACHABLE, Admission, Failed, KVReady, Tokens
 from pdcluster.node.worker_loop import WorkerLoop, engine_stats
-from pdcluster.decode_node.kv_inbox import NoRemoteKV, RemoteKV, UnreachablePrefill
+from pdcluster.decode_node.remote_kv import NoRemoteKV, RemoteKV, UnreachablePrefill
 
 log = logging.getLogger(__name__)
 

@@ -12,19 +12,19 @@ from pathlib import Path
 
 import torch
 
-from pdcluster.engine.architectures import arch_from_dir, is_hybrid, load_model
+from pdcluster.engine.models.architectures import arch_from_dir, is_hybrid, load_model
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.kv_cache import KVCacheSpec, allocate_kv_cache, num_blocks_for_budget
 from pdcluster.engine.kv_connector import KVConnector, KVConnectorOutput
 from pdcluster.engine.logprobs import TokenLogprobs
 from pdcluster.engine.memory import keep_freed_memory
-from pdcluster.engine.model_registry import resolve_model
+from pdcluster.engine.models.registry import resolve_model
 from pdcluster.engine.model_runner import ModelRunner
 from pdcluster.engine.proposers import make_proposer, num_draft_layers as proposer_draft_layers
 from pdcluster.engine.request import Request, RequestStatus
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.engine.scheduler import Scheduler
-from pdcluster.engine.state_blocks import num_state_blocks, tokens_with_state
+from pdcluster.engine.mamba_state_blocks import num_state_blocks, tokens_with_state
 from pdcluster.engine.step_trace import StepTrace
 from pdcluster.engine.tokenizer import Detokenizer, Tokenizer
 from pdcluster.engine.warmup import warmup
@@ -113,7 +113,7 @@ class LLMEngine:
             self.kv_cache = kv_cache_allocator(self.kv_spec.shape, self.kv_spec.dtype, config.device)
         else:
             self.kv_cache = allocate_kv_cache(self.kv_spec, config.device)
-        # Hybrids in a KV transfer: the Mamba state rides in blocks after the prompt's (state_blocks.py).
+        # Hybrids in a KV transfer: the Mamba state rides in blocks after the prompt's (mamba_state_blocks.py).
         self.state_shape = arch.mamba_state_shape() if self.is_hybrid else None
         self.num_state_blocks = (num_state_blocks(self.state_shape, self.kv_spec.bytes_per_block)
                                  if self.is_hybrid else 0)
@@ -122,15 +122,15 @@ class LLMEngine:
         self._stepper = None
         self.step_trace = StepTrace()  # engine/step_trace.py (synchronous steps)
         if config.async_scheduling:
-            from pdcluster.engine.async_utils import AsyncScheduler
+            from pdcluster.engine.async_scheduler import AsyncScheduler
 
             scheduler_cls = AsyncScheduler
         self.scheduler = scheduler_cls(config, num_blocks, self.max_model_len, eos)
         self.mtp_source = None
         mtp_weights = None
         if config.spec_method == "mtp":
-            from pdcluster.engine.model_registry import default_cache_dir
-            from pdcluster.engine.mtp import resolve_mtp_weights
+            from pdcluster.engine.models.registry import default_cache_dir
+            from pdcluster.engine.models.mtp import resolve_mtp_weights
 
             mtp_weights, self.mtp_source = resolve_mtp_weights(
                 config.mtp_checkpoint, config.cache_dir or default_cache_dir(), config.model, arch, config.seed
@@ -140,7 +140,7 @@ class LLMEngine:
         self.runner.eos_token_ids = eos
         self.runner.num_state_blocks = self.num_state_blocks
         if config.async_scheduling:
-            from pdcluster.engine.async_utils import AsyncStepper
+            from pdcluster.engine.async_scheduler import AsyncStepper
 
             self._stepper = AsyncStepper(self.scheduler, self.runner)
         self.warmup_batch_kinds = warmup(self.runner, num_blocks=num_blocks)

@@ -9,7 +9,7 @@ What crosses between the two halves is one small dataclass, ``ExecuteModelState`
 
 With speculative decoding a decode row runs the target over 1 + k tokens (the last committed token and
 k drafts); the proposer (engine/proposers/) drafts the next k from the verified tokens. With async
-scheduling (engine/async_utils.py) a row may arrive with placeholder inputs and an upper-bound
+scheduling (engine/async_scheduler.py) a row may arrive with placeholder inputs and an upper-bound
 ``num_computed_tokens``; ``_resolve_rows`` makes it exact from the previous step's outputs (S4).
 """
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pdcluster.engine.async_utils import PLACEHOLDER, PrevStepOutput, fill_placeholder_rows
+from pdcluster.engine.async_scheduler import PLACEHOLDER, PrevStepOutput, fill_placeholder_rows
 from pdcluster.engine.attention import AttentionMetadata
 from pdcluster.engine.batch_classifier import BatchKind, classify_batch, uniform_decode_query_len
 from pdcluster.engine.config import EngineConfig
@@ -29,13 +29,13 @@ from pdcluster.engine.kv_connector import KVConnector, KVConnectorOutput
 from pdcluster.engine.logits_processors import RowContext, apply_penalties
 from pdcluster.engine.logprobs import TokenLogprobs, token_logprobs
 from pdcluster.engine.mamba_state import MambaMetadata, MambaStatePool
-from pdcluster.engine.model import LlamaModel
+from pdcluster.engine.models.llama import LlamaModel
 from pdcluster.engine.proposers import ProposeBatch, Proposer, make_proposer
 from pdcluster.engine.rejection_sampler import num_valid_tokens, rejection_sample
 from pdcluster.engine.sampler import sample
 from pdcluster.engine.scheduler import ModelRunnerOutput, SchedulerOutput
-from pdcluster.engine.state_blocks import pack_state, state_block_ids, unpack_state
-from pdcluster.engine.states import RequestStates
+from pdcluster.engine.mamba_state_blocks import pack_state, state_block_ids, unpack_state
+from pdcluster.engine.request_slots import RequestStates
 from pdcluster.engine.step_inputs import StepInputs
 
 
@@ -110,7 +110,7 @@ class ModelRunner:
         if hasattr(model.arch, "mamba_state_shape"):
             self.mamba_pool = MambaStatePool(model.arch.mamba_state_shape(), config.max_num_seqs,
                                              1 + self.num_spec_steps, kv_cache.device)
-        # Blocks after a prompt's that carry its state in a KV transfer (engine/state_blocks.py): the
+        # Blocks after a prompt's that carry its state in a KV transfer (engine/mamba_state_blocks.py): the
         # engine sets both; ``_out`` only on a producer, which packs each finished prompt's state.
         self.num_state_blocks = 0
         self.num_state_blocks_out = 0

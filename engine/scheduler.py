@@ -17,7 +17,7 @@ from pdcluster.engine.forks import ForkGate
 from pdcluster.engine.kv_connector import SchedulerConnector
 from pdcluster.engine.logprobs import TokenLogprobs
 from pdcluster.engine.request import Request, RequestStatus
-from pdcluster.engine.state_blocks import tokens_with_state
+from pdcluster.engine.mamba_state_blocks import tokens_with_state
 
 
 @dataclass
@@ -36,7 +36,7 @@ class ScheduledRequest:
     all_token_ids: list[int] | None = None  # only when is_new
     sampling_params: object = None  # only when is_new
     num_output_tokens: int = 0  # seeds position-keyed sampling (engine/sampler.py)
-    # Async scheduling (engine/async_utils.py): scheduled behind a step still in flight, so the inputs
+    # Async scheduling (engine/async_scheduler.py): scheduled behind a step still in flight, so the inputs
     # (that step's sampled token and drafts) are PLACEHOLDERs the runner fills from its own outputs, and
     # num_computed_tokens is an upper bound that assumes every in-flight draft is accepted (S4).
     placeholder_inputs: bool = False
@@ -110,7 +110,7 @@ class Scheduler:
         # (engine/proposers/mtp.py): reserve those slots with every allocation.
         self.num_lookahead_tokens = max(config.num_spec_tokens - 1, 0) if config.spec_method == "mtp" else 0
         # A hybrid's KV producer: blocks after each prompt's that carry its Mamba state to the decode
-        # worker (engine/state_blocks.py); set by the engine when a producer connector is attached.
+        # worker (engine/mamba_state_blocks.py); set by the engine when a producer connector is attached.
         self.num_state_blocks = 0
 
     # ---- requests in and out -----------------------------------------------------------------
@@ -293,7 +293,7 @@ class Scheduler:
             n = max(n, end - num_computed)
         return n
 
-    # The three hooks below are what async scheduling (engine/async_utils.py) overrides.
+    # The three hooks below are what async scheduling (engine/async_scheduler.py) overrides.
     def _num_new_tokens(self, request: Request) -> int:
         """Tokens a running request wants this step: its uncomputed committed tokens and drafts."""
         return request.num_tokens_with_spec - request.num_computed_tokens

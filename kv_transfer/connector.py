@@ -98,7 +98,7 @@ class PrefillKVConnector(KVConnector, SchedulerConnector):
         self.num_target_layers = num_target_layers
         self.num_layers = num_layers
         self.block_size = block_size
-        # Hybrid models: blocks after the prompt's holding its Mamba state (engine/state_blocks.py),
+        # Hybrid models: blocks after the prompt's holding its Mamba state (engine/mamba_state_blocks.py),
         # written after the proposer, so sent whole from post_forward like the draft layers (S2).
         self.num_state_blocks = num_state_blocks
         self.clock = clock

@@ -66,7 +66,7 @@ class KVLayout(_Record):
     head_dim: int
     dtype: str
     # Hybrid models: the Mamba state that travels in ``num_state_blocks`` blocks after the prompt's
-    # (engine/state_blocks.py). All zero for attention-only models.
+    # (engine/mamba_state_blocks.py). All zero for attention-only models.
     num_state_blocks: int = 0
     state_num_layers: int = 0
     state_conv_dim: int = 0

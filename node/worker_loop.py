@@ -114,7 +114,7 @@ def engine_stats(worker_id: str, engine) -> dict:
         "pid": os.getpid(),
         "num_free_blocks": sched.num_free_blocks,
         "num_blocks": engine.kv_spec.num_blocks,
-        # Hybrid models: blocks a disaggregated prompt's Mamba state arrives in (engine/state_blocks.py).
+        # Hybrid models: blocks a disaggregated prompt's Mamba state arrives in (engine/mamba_state_blocks.py).
         "num_state_blocks": engine.num_state_blocks,
         "num_running": len(sched.running),
         "num_waiting": len(sched.waiting),

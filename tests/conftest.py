@@ -19,14 +19,14 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="session")
 def smollm2_dir():
-    from pdcluster.engine.model_registry import resolve_model
+    from pdcluster.engine.models.registry import resolve_model
 
     return resolve_model("smollm2", progress=False)
 
 
 @pytest.fixture(scope="session")
 def tiny_dir():
-    from pdcluster.engine.model_registry import resolve_model
+    from pdcluster.engine.models.registry import resolve_model
 
     return resolve_model("tiny-random", progress=False)
 

@@ -14,7 +14,7 @@ from test_cli import _run
 
 @pytest.fixture(scope="module")
 def hybrid_dir():
-    from pdcluster.engine.model_registry import resolve_model
+    from pdcluster.engine.models.registry import resolve_model
 
     return resolve_model("tiny-hybrid", progress=False)
 

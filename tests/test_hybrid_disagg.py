@@ -1,6 +1,6 @@
 """Hybrid models (tiny-hybrid: Mamba2 + attention) disaggregated: the prefill worker sends each prompt's
 Mamba state (conv + SSM, every Mamba layer) with its KV blocks, in the blocks right after the prompt's
-(engine/state_blocks.py), written after the proposer and sent from post_forward (S2). Real prefill and
+(engine/mamba_state_blocks.py), written after the proposer and sent from post_forward (S2). Real prefill and
 decode workers on 127.0.0.1, every transport usable here: the tokens equal the colocated engine's, the
 bytes sent include the state, and both pools get every block back.
 

@@ -25,7 +25,7 @@ import torch
 from conftest import OracleProposer
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.llm_engine import LLMEngine
-from pdcluster.engine.model_registry import resolve_model
+from pdcluster.engine.models.registry import resolve_model
 from pdcluster.engine.sampling_params import SamplingParams
 
 NUM_NEW = 12

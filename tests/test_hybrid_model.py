@@ -1,4 +1,4 @@
-"""NemotronH (engine/nemotron_h.py, engine/mamba_mixer.py) against transformers' NemotronHForCausalLM
+"""NemotronH (engine/models/nemotron_h.py, engine/models/mamba_mixer.py) against transformers' NemotronHForCausalLM
 (fp32, eager attention) as the oracle, run standalone over a paged KV cache and a Mamba state pool.
 
 Two models: the built-in tiny-hybrid ("M-M*M-M*", n_groups 2, conv kernel 4, chunk 16) and a
@@ -21,14 +21,14 @@ import numpy as np
 import pytest
 import torch
 
-from pdcluster.engine.architectures import arch_from_dir, is_hybrid, load_model
+from pdcluster.engine.models.architectures import arch_from_dir, is_hybrid, load_model
 from pdcluster.engine.attention import AttentionMetadata
 from pdcluster.engine.kv_cache import KVCacheSpec
 from pdcluster.engine.mamba_state import MambaMetadata, MambaStatePool
-from pdcluster.engine.model import LlamaModel, ModelArch
-from pdcluster.engine.model_registry import resolve_model
-from pdcluster.engine.nemotron_h import HybridArch, NemotronHModel
-from pdcluster.engine.tiny_hybrid import TINY_HYBRID_CONFIG, tiny_hybrid_state_dict
+from pdcluster.engine.models.llama import LlamaModel, ModelArch
+from pdcluster.engine.models.registry import resolve_model
+from pdcluster.engine.models.nemotron_h import HybridArch, NemotronHModel
+from pdcluster.engine.models.tiny_hybrid import TINY_HYBRID_CONFIG, tiny_hybrid_state_dict
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,5 +1,5 @@
 """Router accounting for hybrid models: a transferred prompt holds its Mamba state's blocks on the
-decode worker beside its KV (engine/state_blocks.py), so the router's view of the worker counts them."""
+decode worker beside its KV (engine/mamba_state_blocks.py), so the router's view of the worker counts them."""
 
 import asyncio
 

@@ -20,7 +20,7 @@ from pdcluster.engine import model_runner as model_runner_module
 from pdcluster.engine.proposers import Proposer
 from pdcluster.engine.rejection_sampler import PLACEHOLDER
 from pdcluster.engine.sampling_params import SamplingParams
-from pdcluster.engine.states import RequestStates
+from pdcluster.engine.request_slots import RequestStates
 
 K = 3
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

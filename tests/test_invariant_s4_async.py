@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from conftest import OracleProposer, make_engine
-from pdcluster.engine.async_utils import (
+from pdcluster.engine.async_scheduler import (
     PLACEHOLDER,
     PrevStepOutput,
     carry_over,
@@ -32,7 +32,7 @@ from pdcluster.engine.async_utils import (
 )
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.engine.scheduler import ScheduledRequest
-from pdcluster.engine.states import RequestStates
+from pdcluster.engine.request_slots import RequestStates
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

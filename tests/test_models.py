@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 import torch
 
-from pdcluster.engine import model_registry
-from pdcluster.engine.gguf_convert import find_smollm2_gguf, unpermute_rope_rows
-from pdcluster.engine.model_registry import UnknownModelError, resolve_model
-from pdcluster.engine.tiny_random import TINY_RANDOM_CONFIG
+from pdcluster.engine.models import registry as model_registry
+from pdcluster.engine.models.gguf_convert import find_smollm2_gguf, unpermute_rope_rows
+from pdcluster.engine.models.registry import UnknownModelError, resolve_model
+from pdcluster.engine.models.tiny_random import TINY_RANDOM_CONFIG
 from pdcluster.engine.tokenizer import ChatTemplateError, Tokenizer
 
 TEST_CACHE_DIR = Path("/tmp/pdcluster-test-cache")
@@ -311,7 +311,7 @@ _CONCURRENT_RESOLVER = textwrap.dedent(
     """
     import os, sys, time
     from pathlib import Path
-    from pdcluster.engine import model_registry as mr
+    from pdcluster.engine.models import registry as mr
 
     cache, log, barrier = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     build, modules = mr.BUILTIN_MODELS["tiny-random"]

@@ -66,7 +66,7 @@ def _text_tokens() -> tuple[int, ...]:
     (chunking or not: measured the same with one chunk); on text they stay within 4e-5."""
     import argparse, csv, difflib, doctest, heapq, json, statistics, unittest  # noqa: E401
 
-    from pdcluster.engine.model_registry import resolve_model
+    from pdcluster.engine.models.registry import resolve_model
     from pdcluster.engine.tokenizer import Tokenizer
 
     text = "\n\n".join(m.__doc__ for m in (argparse, unittest, doctest, csv, heapq, difflib, statistics, json))

@@ -21,12 +21,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdcluster.engine.architectures import arch_from_dir, load_model
+from pdcluster.engine.models.architectures import arch_from_dir, load_model
 from pdcluster.engine.attention import AttentionMetadata
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.llm_engine import LLMEngine
-from pdcluster.engine.model_registry import resolve_model
-from pdcluster.engine.moe import MoeArch, SparseMoe
+from pdcluster.engine.models.registry import resolve_model
+from pdcluster.engine.models.moe import MoeArch, SparseMoe
 from pdcluster.engine.sampling_params import SamplingParams
 from test_hybrid_engine import _prompts
 

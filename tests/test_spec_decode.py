@@ -173,8 +173,8 @@ def smol_reference(smol_engine):
 
 
 def _trained_checkpoint():
-    from pdcluster.engine.model_registry import default_cache_dir
-    from pdcluster.engine.mtp import default_mtp_checkpoint
+    from pdcluster.engine.models.registry import default_cache_dir
+    from pdcluster.engine.models.mtp import default_mtp_checkpoint
 
     from pathlib import Path
 
@@ -293,7 +293,7 @@ def test_ngram_lookup():
 def test_mtp_training_form_matches_paged_inference(tiny_dir):
     """MTPTrainModule (dense, for training) and MTPHead on the paged cache compute the same g."""
     from pdcluster.engine.attention import AttentionMetadata
-    from pdcluster.engine.mtp import MTPHead, MTPTrainModule, random_mtp_weights
+    from pdcluster.engine.models.mtp import MTPHead, MTPTrainModule, random_mtp_weights
 
     engine = make_engine("tiny-random", num_kv_blocks=64)
     model = engine.model
@@ -325,8 +325,8 @@ def test_mtp_training_form_matches_paged_inference(tiny_dir):
 
 
 def test_mtp_checkpoint_roundtrip_and_mismatch(tmp_path, tiny_dir, smollm2_dir):
-    from pdcluster.engine.model import ModelArch
-    from pdcluster.engine.mtp import (
+    from pdcluster.engine.models.llama import ModelArch
+    from pdcluster.engine.models.mtp import (
         MTPCheckpointError,
         MTPHeadMissing,
         load_mtp_weights,

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from pdcluster.engine.mamba_mixer import Mamba2Mixer
+from pdcluster.engine.models.mamba_mixer import Mamba2Mixer
 from pdcluster.engine.mamba_state import MambaMetadata, MambaStatePool
-from pdcluster.engine.nemotron_h import HybridArch
-from pdcluster.engine.tiny_hybrid import TINY_HYBRID_CONFIG, tiny_hybrid_state_dict
+from pdcluster.engine.models.nemotron_h import HybridArch
+from pdcluster.engine.models.tiny_hybrid import TINY_HYBRID_CONFIG, tiny_hybrid_state_dict
 from pdcluster.kernels import mamba_ops
 from pdcluster.kernels import mamba_reference as ref
 from pdcluster.kernels.triton_mamba import causal_conv1d_update_triton, selective_state_update_triton

@@ -199,10 +199,10 @@ def test_conv_in_two_pieces_carries_the_state():
 
 def _run_mixer_prefills():
     """Two fresh rows (33 and 7 tokens) in one step, then the first continued by 20 tokens."""
-    from pdcluster.engine.mamba_mixer import Mamba2Mixer
+    from pdcluster.engine.models.mamba_mixer import Mamba2Mixer
     from pdcluster.engine.mamba_state import MambaMetadata, MambaStatePool
-    from pdcluster.engine.nemotron_h import HybridArch
-    from pdcluster.engine.tiny_hybrid import TINY_HYBRID_CONFIG, tiny_hybrid_state_dict
+    from pdcluster.engine.models.nemotron_h import HybridArch
+    from pdcluster.engine.models.tiny_hybrid import TINY_HYBRID_CONFIG, tiny_hybrid_state_dict
 
     config = dict(TINY_HYBRID_CONFIG, vocab_size=64, bos_token_id=1, eos_token_id=2)
     arch = HybridArch.from_config(config)

@@ -14,7 +14,7 @@ class TokenizerSourceError(ValueError):
 def load_tokenizer(tokenizer_arg: str | None, model: str):
     """A ``pdcluster.engine.tokenizer.Tokenizer``, or None when ``model`` is no name we can resolve and
     no ``--tokenizer`` was given."""
-    from pdcluster.engine.model_registry import BUILTIN_MODELS, resolve_model
+    from pdcluster.engine.models.registry import BUILTIN_MODELS, resolve_model
     from pdcluster.engine.tokenizer import Tokenizer
 
     name = tokenizer_arg or model

@@ -8,7 +8,7 @@ from typing import Iterable, Iterator
 from pdcluster.cluster.policies import Breaker, Placer, WorkerView
 from pdcluster.cluster.router.config import RouterConfig
 from pdcluster.cluster.router.state import RequestState
-from pdcluster.engine.state_blocks import tokens_with_state
+from pdcluster.engine.mamba_state_blocks import tokens_with_state
 
 
 class PairPlacement:

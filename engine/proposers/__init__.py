@@ -26,7 +26,7 @@ def make_proposer(config: EngineConfig, model, kv_cache: torch.Tensor, mtp_weigh
 
         return NgramProposer(config.ngram_min, config.ngram_max)
     if config.spec_method == "mtp":
-        from pdcluster.engine.mtp import MTPHead, random_mtp_weights
+        from pdcluster.engine.models.mtp import MTPHead, random_mtp_weights
         from pdcluster.engine.proposers.mtp import MTPProposer
 
         weights = mtp_weights if mtp_weights is not None else random_mtp_weights(model.arch, config.seed)

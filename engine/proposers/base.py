@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pdcluster.engine.states import RequestStates
+from pdcluster.engine.request_slots import RequestStates
 
 
 @dataclass

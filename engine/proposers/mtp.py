@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from pdcluster.engine.attention import AttentionMetadata
-from pdcluster.engine.mtp import MTPHead
+from pdcluster.engine.models.mtp import MTPHead
 from pdcluster.engine.proposers.base import ProposeBatch, Proposer
 
 

@@ -20,11 +20,11 @@ from safetensors.torch import load_file
 
 from pdcluster.engine.attention import AttentionMetadata, attend
 from pdcluster.engine.linear import Linear
-from pdcluster.engine.moe import MoeArch, SparseMoe, take_expert_weights
+from pdcluster.engine.models.moe import MoeArch, SparseMoe, take_expert_weights
 from pdcluster.kernels import ops
 
 LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM")
-# Qwen3: Llama plus RMSNorm over each q and k head before RoPE; Qwen3-MoE: and sparse MoE MLPs (engine/moe.py).
+# Qwen3: Llama plus RMSNorm over each q and k head before RoPE; Qwen3-MoE: and sparse MoE MLPs (engine/models/moe.py).
 QWEN3 = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 

@@ -3,7 +3,7 @@ packed (varlen) token batches, with a paged KV cache for the attention layers an
 state pool for the Mamba layers.
 
 The layer pattern (``layers_block_type``, or the legacy ``hybrid_override_pattern`` string) gives each
-block one mixer: "M" Mamba2 (engine/mamba_mixer.py), "*" attention (no rotary embedding: position
+block one mixer: "M" Mamba2 (engine/models/mamba_mixer.py), "*" attention (no rotary embedding: position
 comes from the Mamba layers), "-" MLP (``down(relu(up(x)) ** 2)``). "E" (MoE) is not supported. Every
 block is ``x = x + mixer(RMSNorm(x))``; after the last, ``norm_f`` and the LM head.
 
@@ -27,9 +27,9 @@ import torch.nn.functional as F
 
 from pdcluster.engine.attention import AttentionMetadata, attend
 from pdcluster.engine.linear import Linear
-from pdcluster.engine.mamba_mixer import Mamba2Mixer, MambaStepPlan
+from pdcluster.engine.models.mamba_mixer import Mamba2Mixer, MambaStepPlan
 from pdcluster.engine.mamba_state import MambaStateShape
-from pdcluster.engine.model import RotaryEmbedding, load_weights
+from pdcluster.engine.models.llama import RotaryEmbedding, load_weights
 from pdcluster.kernels import ops
 
 MAMBA, ATTENTION, MLP, MOE = "M", "*", "-", "E"
@@ -214,7 +214,7 @@ class MLPMixer:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= MLP_CHUNK_TOKENS:
             return self._mlp(x)
-        # A long prefill runs in token chunks so the intermediate-wide buffer stays small (as model.py).
+        # A long prefill runs in token chunks so the intermediate-wide buffer stays small (as llama.py).
         out = torch.empty_like(x)
         for start in range(0, x.shape[0], MLP_CHUNK_TOKENS):
             out[start : start + MLP_CHUNK_TOKENS] = self._mlp(x[start : start + MLP_CHUNK_TOKENS])
@@ -250,13 +250,13 @@ def _canonical_names(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 
 class NemotronHModel:
-    """Same interface as engine.model.LlamaModel (the runner, the MTP head and the warmup use it)."""
+    """Same interface as engine.models.llama.LlamaModel (the runner, the MTP head and the warmup use it)."""
 
     def __init__(self, arch: HybridArch, weights: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int,
                  deterministic: bool = False):
         self.arch = arch
         self.dtype = dtype
-        # Batch-invariant matmuls, and Mamba prefill rows run token by token (engine/mamba_mixer.py).
+        # Batch-invariant matmuls, and Mamba prefill rows run token by token (engine/models/mamba_mixer.py).
         self.deterministic = deterministic
         # Taken out of the dict as they are used: once fused and packed, loaded tensors are freed.
         weights = _canonical_names(weights)

@@ -1,6 +1,6 @@
 """A request's Mamba state carried in paged-KV blocks, so a KV transfer moves it like any block.
 
-Every transport moves *rows* of the paged cache (kv_transfer/transports/layout.py): one layer's K or
+Every transport moves *rows* of the paged cache (kv_transfer/transports/common/layout.py): one layer's K or
 V slice of one block. A block's *stripe* is all of its rows (every layer, K and V), and a stripe is as
 good as any buffer: the prefill worker writes a finished prompt's state (conv + SSM, all Mamba
 layers, float32 bytes) into the stripes of ``num_state_blocks`` extra blocks right after the prompt's

@@ -1,5 +1,5 @@
 """`tiny-hybrid`: a small, deterministic, randomly initialised NemotronHForCausalLM (Mamba2 + attention +
-MLP blocks) for fast tests of the hybrid path, the sibling of `tiny-random` (engine/tiny_random.py).
+MLP blocks) for fast tests of the hybrid path, the sibling of `tiny-random` (engine/models/tiny_random.py).
 
 Pattern "M-M*M-M*": 4 Mamba2 blocks (8 heads x 16, state 16, 2 groups, conv kernel 4), 2 attention
 blocks (4 heads / 2 KV heads x 32, no RoPE), 2 relu2 MLP blocks (256 wide); hidden 128. The chunk size

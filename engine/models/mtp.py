@@ -33,7 +33,7 @@ from torch import nn
 from pdcluster.engine.attention import AttentionMetadata
 from pdcluster.engine.config import ConfigError
 from pdcluster.engine.linear import Linear
-from pdcluster.engine.model import DecoderLayer, LlamaModel, ModelArch, rms_norm
+from pdcluster.engine.models.llama import DecoderLayer, LlamaModel, ModelArch, rms_norm
 
 MTP_DIR = "mtp"
 RANDOM_HEAD = "random"  # EngineConfig.mtp_checkpoint value that forces the seeded random head

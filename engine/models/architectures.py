@@ -1,8 +1,8 @@
 """Which model class serves a Hugging Face directory: dispatch on config.json ``architectures[0]``.
 
-    LlamaForCausalLM, MistralForCausalLM -> engine.model.ModelArch / LlamaModel
-    Qwen3ForCausalLM, Qwen3MoeForCausalLM -> the same (q/k norm; MoE MLPs in engine/moe.py)
-    NemotronHForCausalLM                 -> engine.nemotron_h.HybridArch / NemotronHModel
+    LlamaForCausalLM, MistralForCausalLM -> engine.models.llama.ModelArch / LlamaModel
+    Qwen3ForCausalLM, Qwen3MoeForCausalLM -> the same (q/k norm; MoE MLPs in engine/models/moe.py)
+    NemotronHForCausalLM                 -> engine.models.nemotron_h.HybridArch / NemotronHModel
 
 Errors are one line naming what is wrong (a missing file, an unsupported architecture) and what is
 supported; they are ValueErrors (UnknownModelError), which the CLI reports without a traceback.
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from pdcluster.engine.model import LlamaModel, ModelArch
-from pdcluster.engine.model_registry import UnknownModelError
-from pdcluster.engine.nemotron_h import HybridArch, NemotronHModel
+from pdcluster.engine.models.llama import LlamaModel, ModelArch
+from pdcluster.engine.models.registry import UnknownModelError
+from pdcluster.engine.models.nemotron_h import HybridArch, NemotronHModel
 
 # architectures[0] -> (arch class, model class)
 ARCHITECTURES = {
