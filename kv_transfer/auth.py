@@ -15,7 +15,7 @@ handshake (so a laptop setup needs no configuration); a worker with a secret and
 each other, because their proofs differ. An empty key authenticates nothing: anyone who can reach the
 port can join, so configure a secret whenever the port is reachable from other hosts.
 
-The data plane proves the same secret on its own (kv_transfer/transports/sealing.py): every chunk
+The data plane proves the same secret on its own (kv_transfer/transports/common/sealing.py): every chunk
 header and ack is HMAC-sealed to the receiving incarnation's nonce with a replay window, under a key
 derived from the secret with its own domain, so a data-plane listener accepts only holders of the
 secret as well.

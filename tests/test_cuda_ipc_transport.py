@@ -1,4 +1,4 @@
-"""The cuda_ipc transport (kv_transfer/transports/cuda_ipc.py): the prefill side writes straight into
+"""The cuda_ipc transport (kv_transfer/transports/cuda_ipc/): the prefill side writes straight into
 the decode side's cache, mapped through a handle torch's own reduction made.
 
 On CPU (every run) the receiver's cache is shared memory named by a file, and the handle is rebuilt
@@ -27,15 +27,15 @@ from conftest import engine_config, make_engine
 from transport_helpers import ALL_LAYERS, NUM_BLOCKS, NUM_LAYERS, SHAPE, as_bytes, assert_landed, fill, wait_sent
 from transport_helpers import check_revoke_waits_for_a_frozen_sender, serve_sends, wait_until
 from pdcluster.kv_transfer.transports import TransportConfig, get_transport_class
-from pdcluster.kv_transfer.transports import cuda_ipc
-from pdcluster.kv_transfer.transports.cuda_ipc import CudaIpcTransport
-from pdcluster.kv_transfer.transports.cuda_ipc_handle import (
+from pdcluster.kv_transfer.transports.common.layout import KVLayout
+from pdcluster.kv_transfer.transports.cuda_ipc import transport as cuda_ipc
+from pdcluster.kv_transfer.transports.cuda_ipc.handle import (
     HandleError,
     export_handle,
     open_handle,
     shared_cpu_cache,
 )
-from pdcluster.kv_transfer.transports.layout import KVLayout
+from pdcluster.kv_transfer.transports.cuda_ipc.transport import CudaIpcTransport
 
 CTX = mp.get_context("spawn")
 HAS_CUDA = torch.cuda.is_available()
@@ -179,7 +179,7 @@ def test_sender_refuses_a_malformed_handle_and_logs_it(monkeypatch, caplog):
 
     txs = []
     try:
-        caplog.set_level(logging.WARNING, logger="pdcluster.kv_transfer.transports.cuda_ipc")
+        caplog.set_level(logging.WARNING, logger="pdcluster.kv_transfer.transports.cuda_ipc.transport")
         monkeypatch.setattr(cuda_ipc, "export_handle", tampered)
         txs.append(CudaIpcTransport(torch.zeros(SHAPE), "sender", config()))
         with pytest.raises(ConnectionError, match="refused the cache handle of d0"):

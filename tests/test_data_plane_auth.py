@@ -1,4 +1,4 @@
-"""The KV data plane accepts only peers that prove the cluster secret (kv_transfer/transports/sealing.py).
+"""The KV data plane accepts only peers that prove the cluster secret (kv_transfer/transports/common/sealing.py).
 
 Real transports on 127.0.0.1, both ends in this process (they are independent objects with their own
 sockets, UCX workers and gloo groups; in-process keeps the file fast). Forgeries are made with raw
@@ -28,8 +28,8 @@ from pdcluster.kv_transfer.transports import (
     transport_names,
 )
 from pdcluster.kv_transfer.transports.base import ShmOptions
-from pdcluster.kv_transfer.transports.layout import KVLayout
-from pdcluster.kv_transfer.transports.sealing import (
+from pdcluster.kv_transfer.transports.common.layout import KVLayout
+from pdcluster.kv_transfer.transports.common.sealing import (
     ACK,
     DOMAIN,
     HEADER,
@@ -39,7 +39,7 @@ from pdcluster.kv_transfer.transports.sealing import (
     Sealer,
     new_nonce,
 )
-from pdcluster.kv_transfer.transports.wire import ChunkAck, ChunkHeader
+from pdcluster.kv_transfer.transports.common.wire import ChunkAck, ChunkHeader
 
 SECRET = "the-cluster-secret"
 WRONG = "not-the-cluster-secret"

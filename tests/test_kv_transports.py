@@ -26,10 +26,10 @@ from pdcluster.kv_transfer.transports import (
     transport_names,
 )
 from pdcluster.kv_transfer.transports.base import ShmOptions
-from pdcluster.kv_transfer.transports.block_copy import copy_blocks, gather_rows, rows_view, scatter_rows
-from pdcluster.kv_transfer.transports.layout import KVLayout
-from pdcluster.kv_transfer.transports.shm_ring import RingAllocator
-from pdcluster.kv_transfer.transports.tracking import ReceiveTracker, SendTracker
+from pdcluster.kv_transfer.transports.common.block_copy import copy_blocks, gather_rows, rows_view, scatter_rows
+from pdcluster.kv_transfer.transports.common.layout import KVLayout
+from pdcluster.kv_transfer.transports.common.tracking import ReceiveTracker, SendTracker
+from pdcluster.kv_transfer.transports.shm.ring import RingAllocator
 from pdcluster.kernels.reference import gather_blocks, scatter_blocks
 
 CTX = mp.get_context("spawn")
@@ -492,7 +492,7 @@ def test_staging_pool_reuses_buffers_of_different_sizes():
     in the tcp sender's IO thread, and every transfer after it timed out)."""
     import torch
 
-    from pdcluster.kv_transfer.transports.staging import BufferPool
+    from pdcluster.kv_transfer.transports.common.staging import BufferPool
 
     pool = BufferPool(torch.device("cpu"), max_cached_bytes=64 << 20)
     small, large = pool.take(1 << 20), pool.take(3 << 20)

@@ -1,5 +1,5 @@
 """Late writes: a receiver lands a chunk only for a transfer it expects, only into that transfer's
-blocks, and nothing of a transfer after revoking it (kv_transfer/transports/admission.py).
+blocks, and nothing of a transfer after revoking it (kv_transfer/transports/common/admission.py).
 
 Real transports on 127.0.0.1; most pairs live in this process (independent objects with their own
 sockets, UCX workers and gloo groups), the frozen-sender case runs the sender in a child process so
@@ -23,7 +23,7 @@ import torch
 from transport_helpers import ALL_LAYERS, SENTINEL, SHAPE, as_bytes, assert_landed, fill, wait_sent, wait_until
 from transport_helpers import check_revoke_waits_for_a_frozen_sender, serve_sends
 from pdcluster.kv_transfer.transports import TransportConfig, available_transports, get_transport_class
-from pdcluster.kv_transfer.transports.admission import Admission
+from pdcluster.kv_transfer.transports.common.admission import Admission
 from pdcluster.kv_transfer.transports.base import ShmOptions
 
 AVAILABLE = available_transports()

@@ -113,7 +113,9 @@ def kill_receivers_mid_transfer(
     """Run the scenario; returns, per kill, the failure the sender reported and how long after the
     kill. Asserts the sender survived every kill and closes cleanly at the end."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "numpy", "ucxx._lib.libucxx", "pdcluster.kv_transfer.transports.ucx"])
+    ctx.set_forkserver_preload(
+        ["torch", "numpy", "ucxx._lib.libucxx", "pdcluster.kv_transfer.transports.ucx.transport"]
+    )
     rng = random.Random(seed)
     s_parent, s_child = ctx.Pipe()
     sender = ctx.Process(target=sender_child, args=(s_child, ucx_options), daemon=True)

@@ -233,8 +233,8 @@ def _measure_transfer(kv_spec, transport: str, grid: ProfileGrid) -> list[dict]:
     """A request's KV, one send per layer as the prefill worker streams it, until acknowledged.
 
     Each size gets its own sender/receiver pair: the tcp sender's staging pool
-    (kv_transfer/transports/staging.py) looks buffers up by tensor comparison and fails once it holds
-    buffers of two sizes, which one pair moving several sizes would provoke."""
+    (kv_transfer/transports/common/staging.py) looks buffers up by tensor comparison and fails once it
+    holds buffers of two sizes, which one pair moving several sizes would provoke."""
     points = []
     for blocks in grid.transfer_blocks:
         points += _transfer_points(kv_spec, transport, blocks, grid.reps + 1)

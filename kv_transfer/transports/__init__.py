@@ -6,8 +6,11 @@
 Names: ``ucx`` (ucxx), ``nccl`` (torch.distributed p2p: NCCL for CUDA caches, gloo on CPU),
 ``tcp`` (pyzmq), ``shm`` (same-host shared memory), ``cuda_ipc`` (same host: the sender writes
 into the receiver's cache, on a GPU through CUDA IPC; CPU caches through shared memory, for tests).
-The interface is in base.py; what they share (connect, send, close, their threads) in threaded.py,
-and for the ones that run one IO thread each (all but nccl), in io_thread.py.
+The interface is in base.py; each transport lives in its own folder (``tcp/``, ``ucx/``, ``nccl/``,
+``shm/``, ``cuda_ipc/``) holding the files only it uses, and what two or more of them share is in
+``common/``: connect, send, close and their threads (common/threaded.py), the one IO thread of all
+but nccl (common/io_thread.py), and the sender that writes into a mapped receiver cache with the
+receiver's side of it, shared by shm and cuda_ipc (common/mapped_push.py, common/inbox.py).
 """
 
 from __future__ import annotations
@@ -16,13 +19,13 @@ import importlib
 
 from .base import KVTransport, ShmOptions, TransportConfig, TransportUnavailable, UCXOptions
 
-# name -> (module, class, python modules the transport needs)
+# name -> (module below this package, class, python modules the transport needs)
 _REGISTRY: dict[str, tuple[str, str, tuple[str, ...]]] = {
-    "ucx": ("ucx", "UCXTransport", ("ucxx._lib.libucxx",)),
-    "nccl": ("nccl", "TorchDistTransport", ("torch.distributed",)),
-    "tcp": ("tcp", "ZmqTransport", ("zmq",)),
-    "shm": ("shm", "ShmTransport", ()),
-    "cuda_ipc": ("cuda_ipc", "CudaIpcTransport", ("torch.multiprocessing.reductions",)),
+    "ucx": ("ucx.transport", "UCXTransport", ("ucxx._lib.libucxx",)),
+    "nccl": ("nccl.transport", "TorchDistTransport", ("torch.distributed",)),
+    "tcp": ("tcp.transport", "ZmqTransport", ("zmq",)),
+    "shm": ("shm.transport", "ShmTransport", ()),
+    "cuda_ipc": ("cuda_ipc.transport", "CudaIpcTransport", ("torch.multiprocessing.reductions",)),
 }
 
 

@@ -28,12 +28,12 @@ Contract (the same for every transport):
   (sender) directly, one pass instead of two, and cuda_ipc, whose receiver's CPU cache must be shared
   memory named by a file (a CUDA cache is plain device memory). Workers on both sides should use it.
 * Authentication: both ends prove ``TransportConfig.secret`` on every chunk header and every ack
-  (sealing.py: HMAC with a per-incarnation nonce from the descriptor, replay window; the payload
+  (common/sealing.py: HMAC with a per-incarnation nonce from the descriptor, replay window; the payload
   bytes themselves are not MAC'd). A message that fails is dropped, never acked and never touches
   the cache, and counts in ``num_rejected``; a sender whose secret differs sees its connect refused
   (shm, nccl: they prove the secret at connect) or its sends time out (tcp, ucx). No secret on both
   sides still works (empty key); a secret on one side only does not.
-* Admission (receiver; admission.py). A chunk lands only if its transfer is *expected* and names
+* Admission (receiver; common/admission.py). A chunk lands only if its transfer is *expected* and names
   only blocks expected for it; anything else (never expected, revoked, completed, blocks outside the
   set) is refused: never written, acked with the reason (the sender's send fails), counted in
   ``num_refused``, logged at most once a second. Sealing is checked first. (An shm sender that
@@ -72,8 +72,8 @@ from typing import ClassVar, Literal
 import numpy as np
 import torch
 
-from .admission import Admission
-from .sealing import Sealer
+from .common.admission import Admission
+from .common.sealing import Sealer
 
 Role = Literal["sender", "receiver"]
 
@@ -87,9 +87,9 @@ class UCXOptions:
     # Endpoint error handling (UCX "peer" mode): a peer's death fails our requests instead of
     # aborting this process. Off, UCX treats any transport error as fatal: a rendezvous put by CMA
     # (process_vm_writev) into a decode worker that had just been killed aborted the surviving
-    # prefill (bench/recovery.py, 2 of 12 kills; tests/test_ucx_peer_death.py). On, ucx.py also sets
-    # UCX_{POSIX,SYSV}_ERROR_HANDLING=y so the shared-memory transports stay usable (UCX otherwise
-    # calls them unreachable and falls back to TCP, FIELD_NOTES). CMA then carries nothing: UCX
+    # prefill (bench/recovery.py, 2 of 12 kills; tests/test_ucx_peer_death.py). On, ucx/transport.py
+    # also sets UCX_{POSIX,SYSV}_ERROR_HANDLING=y so the shared-memory transports stay usable (UCX
+    # otherwise calls them unreachable and falls back to TCP, FIELD_NOTES). CMA then carries nothing: UCX
     # wants memory invalidation for rendezvous lanes under peer error handling and CMA has none, so
     # large messages on one host go as eager fragments through the shared-memory FIFO (sender
     # copies in, receiver copies out). bench/kv_transfer.py's 64 MiB transfer, runs interleaved on

@@ -16,7 +16,7 @@ transfer is *expected* and only into the blocks expected for it:
   logged at most once a second.
 
 Transports whose sender writes into the receiver's memory itself (shm push) cannot be stopped by
-this lock alone; they add a revoke handshake with the sender (see shm.py).
+this lock alone; they add a revoke handshake with the sender (see shm/transport.py).
 """
 
 from __future__ import annotations

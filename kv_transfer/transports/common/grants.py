@@ -1,5 +1,6 @@
-"""Admission across processes for shm push: a pushing sender copies straight into the receiver's
-cache, so the receiver's admission gate (admission.py) cannot stop it; the sender must hold a grant.
+"""Admission across processes for shm push and cuda_ipc (mapped_push.py): a pushing sender copies
+straight into the receiver's cache, so the receiver's admission gate (admission.py) cannot stop it;
+the sender must hold a grant.
 
 Protocol, on the sender's control socket (every message sealed, sealing.py):
 

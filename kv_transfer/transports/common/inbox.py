@@ -1,9 +1,10 @@
-"""Receiver side of the shm transport: accepts senders (handshake with memfd descriptors), makes
-each chunk land in the cache (nothing to do for push, copy for pull, scatter for ring) and acks it.
-Runs on the transport's IO thread; see shm.py for the modes, the protocol and its authentication.
+"""Receiver side of the shm transport, and of cuda_ipc's (``shared=True``: push only): accepts
+senders (handshake with memfd descriptors), makes each chunk land in the cache (nothing to do for
+push, copy for pull, scatter for ring) and acks it. Runs on the transport's IO thread; see
+shm/transport.py for the modes, the protocol and its authentication.
 
 Admission: pull and ring chunks are copied through the admission gate (admission.py); pushing
-senders are granted and revoked transfers over their socket (shm_grants.py)."""
+senders are granted and revoked transfers over their socket (grants.py)."""
 
 from __future__ import annotations
 
@@ -20,11 +21,11 @@ import msgpack
 import numpy as np
 
 from .block_copy import blocks_view, copy_blocks
+from .grants import PendingRevokes, decode_transfer_id, encode_grant, encode_transfer_id
 from .landing import Landing
 from .layout import KVLayout, chunk_problem
+from .memfd import map_cache, map_fd
 from .sealing import ACK, GRANT, HANDOVER, HEADER, HELLO, REVOKE, REVOKED, SYNC, WELCOME, Opened, Sealer, decode_raw
-from .shm_grants import PendingRevokes, decode_transfer_id, encode_grant, encode_transfer_id
-from .shm_memory import map_cache, map_fd
 from .wire import ChunkHeader
 
 log = logging.getLogger(__name__)
@@ -158,7 +159,7 @@ class ShmInbox:
                 self._send(sock, self._sealer.seal(GRANT, sender.nonce, encode_grant(transfer_id, expected_blocks)))
         self._send(sock, self._sealer.seal(SYNC, sender.nonce, b""))
 
-    # admission of pushing senders (shm_grants.py) --------------------------------------------
+    # admission of pushing senders (grants.py) --------------------------------------------
 
     def grant(self, transfer_id: str, blocks: np.ndarray) -> None:
         """Let every pushing sender write ``blocks`` for ``transfer_id``."""

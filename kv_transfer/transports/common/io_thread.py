@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from .base import Role, TransportConfig
+from ..base import Role, TransportConfig
 from .io_call import IOCall, IOCommand
 from .send_job import Chunk, SendJob
 from .threaded import ThreadedTransport

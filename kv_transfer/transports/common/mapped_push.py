@@ -1,9 +1,10 @@
 """What shm's push mode and cuda_ipc share: a sender that writes into a receiver's cache, mapped in
 its own process, only under the receiver's grants; and the receiver's side of those grants.
 
-How the receiver's cache gets mapped (a memfd segment for shm, a CUDA IPC handle for cuda_ipc), how
-one chunk is copied into it and what else a transport moves (shm's pull and ring modes) stay in
-shm.py and cuda_ipc.py; they implement ``_check_peer``, ``_cache_share``, ``_handshake`` and ``_push``.
+How the receiver's cache gets mapped (a memfd segment for shm, a CUDA IPC handle for cuda_ipc), how one
+chunk is copied into it and what else a transport moves (shm's pull and ring modes) stay in
+shm/transport.py and cuda_ipc/transport.py; they implement ``_check_peer``, ``_cache_share``,
+``_handshake`` and ``_push``.
 
 Control: one SOCK_SEQPACKET unix socket per sender-receiver pair in the abstract namespace (no file
 to clean up; the kernel drops it with the process). The sender connects and runs the handshake
@@ -11,12 +12,12 @@ to clean up; the kernel drops it with the process). The sender connects and runs
 thread, reads the grants in force up to SYNC, and hands the socket to the IO thread. The socket
 then carries one sealed notice and one ack per chunk, and the grants and revokes. A peer that dies
 closes its end, so the other side learns at once; the ack deadline covers a peer that hangs. The
-receiver's side of the socket is shm_inbox.py.
+receiver's side of the socket is inbox.py.
 
 Authentication (sealing.py): the receiver shares its cache (in the WELCOME) only with a sender whose
 HELLO proved the cluster secret, and the sender maps nothing of a receiver whose WELCOME did not.
 
-Admission (admission.py, shm_grants.py). The receiver's admission gate cannot stop a sender that
+Admission (admission.py, grants.py). The receiver's admission gate cannot stop a sender that
 writes its memory itself, so:
 
 * the sender pushes a chunk only if it holds a grant naming the transfer and every destination
@@ -48,13 +49,13 @@ import msgpack
 import numpy as np
 import torch
 
-from .base import Role, TransportConfig, replaced_link_reason
+from ..base import Role, TransportConfig, replaced_link_reason
+from .grants import Grants, decode_grant, decode_transfer_id, encode_transfer_id
+from .inbox import MAX_MSG_BYTES, PUSH, ShmInbox
 from .io_thread import IOThreadTransport
 from .layout import KVLayout
 from .sealing import ACK, GRANT, HEADER, HELLO, REVOKE, REVOKED, SYNC, WELCOME
 from .send_job import Chunk, SendJob
-from .shm_grants import Grants, decode_grant, decode_transfer_id, encode_transfer_id
-from .shm_inbox import MAX_MSG_BYTES, PUSH, ShmInbox
 from .wire import ChunkAck
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ class PushPeer:
     sock: socket.socket
     nonce: bytes  # the receiver's: notices are sealed to it, acks must come from it
     layout: KVLayout
-    grants: Grants  # transfers the receiver lets us push, and their blocks (shm_grants.py)
+    grants: Grants  # transfers the receiver lets us push, and their blocks (grants.py)
     dead: str | None = None
 
 
@@ -122,7 +123,7 @@ class MappedPushTransport(IOThreadTransport):
     @abstractmethod
     def _cache_share(self) -> tuple[dict, list[int]]:
         """Receiver, IO thread, per sender handshake: the WELCOME's fields and descriptors that let
-        the sender map our cache (shm_inbox.py)."""
+        the sender map our cache (inbox.py)."""
 
     @abstractmethod
     def _handshake(
@@ -186,7 +187,7 @@ class MappedPushTransport(IOThreadTransport):
         return welcome.message, fds
 
     def _initial_grants(self, peer_id: str, sock: socket.socket, nonce: bytes, grants: Grants) -> None:
-        """After the handover the receiver sends the grants in force, then SYNC (shm_grants.py)."""
+        """After the handover the receiver sends the grants in force, then SYNC (grants.py)."""
         while True:
             data = sock.recv(MAX_MSG_BYTES)
             if not data:
@@ -309,7 +310,7 @@ class MappedPushTransport(IOThreadTransport):
         self._notify(job.peer_id, peer, self._sealer.seal(HEADER, peer.nonce, header))
 
     def _may_push(self, job: SendJob, peer: PushPeer, dst_block_ids: np.ndarray) -> bool:
-        """Push only under a grant (shm_grants.py). Read what waits on the socket first (one syscall
+        """Push only under a grant (grants.py). Read what waits on the socket first (one syscall
         when nothing does): a REVOKE takes effect before the next copy, not after the whole queue,
         and a grant the receiver sent before its reservation was answered is there by now."""
         self._on_peer_readable(job.peer_id)
@@ -380,7 +381,7 @@ class MappedPushTransport(IOThreadTransport):
         self._selector.unregister(peer.sock)
         self._peer_gone(peer_id, peer)
         # We never push to a dead peer again; closing tells a live receiver so, which settles the
-        # revokes it may be waiting on us for (shm_grants.py).
+        # revokes it may be waiting on us for (grants.py).
         peer.sock.close()
 
     def _drop_link(self, peer_id: str) -> None:

@@ -1,4 +1,5 @@
-"""Shared memory for the shm transport: anonymous memfd segments, passed between processes as file
+"""Shared memory for the shm transport (its caches and staging ring, made in shm/transport.py and
+mapped by the receiver in inbox.py): anonymous memfd segments, passed between processes as file
 descriptors over a unix socket (SCM_RIGHTS).
 
 Why memfd rather than named /dev/shm segments: a memfd has no name to unlink, so nothing leaks when a

@@ -58,7 +58,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
-from ..auth import normalize_secret
+from ...auth import normalize_secret
 
 log = logging.getLogger(__name__)
 

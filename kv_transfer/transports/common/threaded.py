@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from .base import KVTransport, Role, TransportConfig
+from ..base import KVTransport, Role, TransportConfig
 from .block_copy import rows_view
 from .landing import Landing
 from .layout import KVLayout

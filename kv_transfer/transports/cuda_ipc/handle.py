@@ -51,7 +51,7 @@ import torch
 import torch.multiprocessing
 from torch.multiprocessing import reductions
 
-from .layout import KVLayout
+from ..common.layout import KVLayout
 
 HANDLE_VERSION = 1
 

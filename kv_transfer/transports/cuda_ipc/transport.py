@@ -1,23 +1,24 @@
 """Same-host transport that writes KV straight into the decode worker's cache: CUDA IPC.
 
 The receiver (decode) shares its whole cache through a handle made by torch's own reduction
-(cuda_ipc_handle.py): a CUDA IPC memory handle for a CUDA cache, a shared-memory file name for a CPU
+(handle.py): a CUDA IPC memory handle for a CUDA cache, a shared-memory file name for a CPU
 cache (tests, CPU-only hosts). The sender (prefill) maps it once per connection and copies each chunk
 from its own cache into the destination blocks itself, on its device: a gather of the source rows
-into a staging buffer and a scatter into the mapped cache (block_copy.py; torch index kernels, so on
-one GPU a device-to-device copy, no host memory, no second copy on the receiver). This is shm's
-"push" mode (shm.py) with device memory; everything else is shared with shm (mapped_push.py):
+into a staging buffer and a scatter into the mapped cache (common/block_copy.py; torch index
+kernels, so on one GPU a device-to-device copy, no host memory, no second copy on the receiver).
+This is shm's "push" mode (shm/transport.py) with device memory; everything else is shared with shm
+(common/mapped_push.py):
 
 * Control: one SOCK_SEQPACKET unix socket per sender-receiver pair in the abstract namespace; the
   HELLO / WELCOME / HANDOVER handshake in which the receiver hands its cache handle (inside the sealed
   WELCOME) only to a sender that proved the cluster secret; one sealed notice and one ack per chunk.
-  The receiver's side of it is shm's (shm_inbox.py, which also checks each pushed chunk's admission).
-* Admission (admission.py, shm_grants.py, mapped_push.py): the sender pushes only chunks of
-  transfers the receiver granted it (``expect`` puts the grant on every sender's socket before it
-  returns) and only into the granted blocks; ``revoke`` has every sender confirm it dropped the
-  grant, so it returns False while a sender is connected and ``poll_revoked`` lists the transfer
-  once every sender confirmed or its connection closed. Until then the decode worker keeps the
-  blocks quarantined.
+  The receiver's side of it is shm's (common/inbox.py, which also checks each pushed chunk's admission).
+* Admission (common/admission.py, common/grants.py, common/mapped_push.py): the sender pushes
+  only chunks of transfers the receiver granted it (``expect`` puts the grant on every sender's
+  socket before it returns) and only into the granted blocks; ``revoke`` has every sender confirm it
+  dropped the grant, so it returns False while a sender is connected and ``poll_revoked`` lists the
+  transfer once every sender confirmed or its connection closed. Until then the decode worker keeps
+  the blocks quarantined.
 * Where it runs: one host (the boot id in the descriptor must match ours, else ``connect`` refuses
   with one line) and caches of one kind (both CUDA, or both CPU). On CUDA the decode worker's GPU must
   be visible in the prefill process: the same GPU (two workers sharing one), or another GPU of the
@@ -42,10 +43,10 @@ Ordering (why the decode worker never reads half-written KV, and why a revoke me
    completed: they see the whole chunk, on the same GPU or across a peer link.
 4. Revoke. The IO thread is the only thread that copies; it copies one chunk at a time and returns
    from the synchronisation of step 2 (the end of ``_push``) before it reads the socket again. It
-   answers REVOKED (dropping the grant, mapped_push.py) only between chunks, so when REVOKED leaves,
-   no copy of that transfer is running on the GPU nor will one start. Without the synchronisation
-   of step 2 a REVOKED could overtake a copy still queued on the device: that is why it is per
-   chunk and not per transfer.
+   answers REVOKED (dropping the grant, common/mapped_push.py) only between chunks, so when
+   REVOKED leaves, no copy of that transfer is running on the GPU nor will one start. Without the
+   synchronisation of step 2 a REVOKED could overtake a copy still queued on the device: that is why
+   it is per chunk and not per transfer.
 5. Peer death. A sender that dies cannot copy any more; the receiver learns it when the kernel
    closes the sender's socket. On CUDA that relies on the driver ending the dead process's work as
    it tears down its context, which happens while the kernel closes the process's descriptors; a
@@ -71,14 +72,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Role, TransportConfig
-from .block_copy import gather_rows, scatter_rows
-from .cuda_ipc_handle import HandleError, export_handle, is_shared_cpu_cache, open_handle, shared_cpu_cache
-from .layout import KVLayout
-from .mapped_push import MappedPushTransport, PushPeer, same_host
-from .sealing import HANDOVER
-from .send_job import Chunk, SendJob
-from .shm_grants import Grants
+from ..base import Role, TransportConfig
+from ..common.block_copy import gather_rows, scatter_rows
+from ..common.grants import Grants
+from ..common.layout import KVLayout
+from ..common.mapped_push import MappedPushTransport, PushPeer, same_host
+from ..common.sealing import HANDOVER
+from ..common.send_job import Chunk, SendJob
+from .handle import HandleError, export_handle, is_shared_cpu_cache, open_handle, shared_cpu_cache
 
 log = logging.getLogger(__name__)
 

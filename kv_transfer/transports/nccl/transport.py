@@ -20,18 +20,18 @@ On GPUs the payload goes over NCCL and the control messages (acks) stay on gloo,
 NCCL receive would hold up later operations of the same communicator. The NCCL path is written for
 real but untested here (no GPU).
 
-Admission (admission.py): a pair's thread receives a payload into a staging buffer and scatters it
-only through the receiver's admission gate; ``revoke`` takes the gate's lock, so once it returns no
+Admission (common/admission.py): a pair's thread receives a payload into a staging buffer and scatters
+it only through the receiver's admission gate; ``revoke`` takes the gate's lock, so once it returns no
 thread scatters the transfer any more (always True here). A refused chunk is acked ``refused``.
 
-Authentication (sealing.py). The store answers anyone who reaches its port, so nothing read from it
-is trusted unsealed. Before a pair's group is built, the sender writes a sealed HELLO under the
+Authentication (common/sealing.py). The store answers anyone who reaches its port, so nothing read from
+it is trusted unsealed. Before a pair's group is built, the sender writes a sealed HELLO under the
 pair's prefix and the receiver answers a sealed WELCOME (or ``refused``): neither side joins a group
-with a peer that has not proved the secret. Every bell is a sealed header; one that fails is deleted
-and the receiver waits for that bell number again (the real one may still come), so a stranger
-writing into a pair's keys can delay or fail a transfer but never land bytes. Acks are fixed-size
-sealed envelopes on the pair's group. Residual: gloo's own rendezvous addresses travel through the
-same open store, so someone racing the group's setup could still sit on the payload connection.
+with a peer that has not proved the secret. Every bell is a sealed header; one that fails is deleted and
+the receiver waits for that bell number again (the real one may still come), so a stranger writing into
+a pair's keys can delay or fail a transfer but never land bytes. Acks are fixed-size sealed envelopes on
+the pair's group. Residual: gloo's own rendezvous addresses travel through the same open store, so
+someone racing the group's setup could still sit on the payload connection.
 """
 
 from __future__ import annotations
@@ -50,13 +50,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .base import Role, TransportConfig, replaced_link_reason
-from .block_copy import buffer_rows, gather_rows
-from .layout import KVLayout, chunk_problem
-from .sealing import ACK, HEADER, HELLO, WELCOME, decode_raw, sealed_size
-from .send_job import SendJob
-from .threaded import ThreadedTransport
-from .wire import ChunkHeader
+from ..base import Role, TransportConfig, replaced_link_reason
+from ..common.block_copy import buffer_rows, gather_rows
+from ..common.layout import KVLayout, chunk_problem
+from ..common.sealing import ACK, HEADER, HELLO, WELCOME, decode_raw, sealed_size
+from ..common.send_job import SendJob
+from ..common.threaded import ThreadedTransport
+from ..common.wire import ChunkHeader
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ Each chunk of a send moves in one of three ways, picked per receiver at connect 
   mapped by the receiver) and the receiver scatters it out: one copy in, one copy out, overlapping
   across chunks.
 
-Control (mapped_push.py, shared with cuda_ipc): a SOCK_SEQPACKET unix socket per sender-receiver
+Control (common/mapped_push.py, shared with cuda_ipc): a SOCK_SEQPACKET unix socket per sender-receiver
 pair in the abstract namespace (no file to clean up; the kernel drops it with the process). It
 carries the handshake with the memfd descriptors (SCM_RIGHTS), one notice per chunk and one ack per
 chunk. A peer that dies closes its end, so the other side learns at once; the ack deadline covers a
@@ -21,20 +21,20 @@ peer that hangs.
 Nothing is created under /dev/shm: memfd segments vanish when the last process holding them exits,
 also on SIGKILL. Sources must stay unchanged until poll_sent reports them (a receiver may pull late).
 
-Admission (admission.py, shm_grants.py, mapped_push.py). Pull and ring chunks are copied by the receiver through its
-admission gate, so ``revoke`` stops them at once. A push is written by the sender itself: it pushes
-only chunks of transfers the receiver granted it (``expect`` sends the grant before it returns), and
-``revoke`` has every pushing sender confirm it dropped the grant. So ``revoke`` returns True when our
-cache is not shared (or no sender is connected), else False, and ``poll_revoked`` lists the transfer
-once every pushing sender confirmed or closed its connection.
+Admission (common/admission.py, common/grants.py, common/mapped_push.py). Pull and ring chunks are
+copied by the receiver through its admission gate, so ``revoke`` stops them at once. A push is written
+by the sender itself: it pushes only chunks of transfers the receiver granted it (``expect`` sends the
+grant before it returns), and ``revoke`` has every pushing sender confirm it dropped the grant. So
+``revoke`` returns True when our cache is not shared (or no sender is connected), else False, and
+``poll_revoked`` lists the transfer once every pushing sender confirmed or closed its connection.
 
-Authentication (sealing.py). Mapping a peer's memory is the whole game here (a push writes straight
-into the receiver's cache), so memory descriptors go only to a peer that proved the cluster secret,
-in a three-step handshake: the sender's HELLO (no descriptors), the receiver's WELCOME (with its
+Authentication (common/sealing.py). Mapping a peer's memory is the whole game here (a push writes
+straight into the receiver's cache), so memory descriptors go only to a peer that proved the cluster
+secret, in a three-step handshake: the sender's HELLO (no descriptors), the receiver's WELCOME (with its
 cache, sent only if the HELLO verified), the sender's HANDOVER (with its ring and cache, sent only if
-the WELCOME verified). Notices and acks are sealed too, so a socket cannot be used to make a
-receiver pull or scatter what the sender never sent. The abstract socket name stays guessable; a
-stranger who connects gets nothing but a closed socket.
+the WELCOME verified). Notices and acks are sealed too, so a socket cannot be used to make a receiver
+pull or scatter what the sender never sent. The abstract socket name stays guessable; a stranger who
+connects gets nothing but a closed socket.
 """
 
 from __future__ import annotations
@@ -49,17 +49,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .base import Role, TransportConfig
-from .block_copy import blocks_view, copy_blocks, gather_rows
-from .layout import KVLayout
-from .mapped_push import MappedPushTransport, PushPeer, same_host
-from .sealing import HANDOVER
-from .send_job import Chunk, SendJob
-from .shm_grants import Grants
-from .shm_inbox import PULL, PUSH, RING
-from .shm_memory import create_segment, find_segment, map_cache, shared_tensor
-from .shm_ring import RingAllocator
-from .wire import ChunkAck
+from ..base import Role, TransportConfig
+from ..common.block_copy import blocks_view, copy_blocks, gather_rows
+from ..common.grants import Grants
+from ..common.inbox import PULL, PUSH, RING
+from ..common.layout import KVLayout
+from ..common.mapped_push import MappedPushTransport, PushPeer, same_host
+from ..common.memfd import create_segment, find_segment, map_cache, shared_tensor
+from ..common.sealing import HANDOVER
+from ..common.send_job import Chunk, SendJob
+from ..common.wire import ChunkAck
+from .ring import RingAllocator
 
 
 @dataclass
@@ -205,7 +205,7 @@ class ShmTransport(MappedPushTransport):
         peer = self._peers[job.peer_id]
         mode = self._chunk_mode(peer, chunk.index)
         if mode == PUSH:
-            return super()._post_chunk(job, chunk)  # under a grant (mapped_push.py)
+            return super()._post_chunk(job, chunk)  # under a grant (common/mapped_push.py)
         extra: dict = {"mode": mode}
         if mode == PULL:
             extra["src"] = chunk.src_block_ids.astype("<i4").tobytes()

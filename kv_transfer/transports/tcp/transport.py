@@ -12,13 +12,13 @@ holds up the sender instead of growing zmq's queues without bound (HWMs are off)
 Failure: a socket monitor on each DEALER reports a dropped connection at once (peer killed); the ack
 deadline covers everything else (peer hung, never reachable).
 
-Admission (admission.py): the IO thread scatters a chunk only through the receiver's admission gate,
-after the sealing check; ``revoke`` takes the same lock, so it returns once no chunk of the transfer
-can be scattered any more (always True here). A refused chunk is acked with the reason.
+Admission (common/admission.py): the IO thread scatters a chunk only through the receiver's admission
+gate, after the sealing check; ``revoke`` takes the same lock, so it returns once no chunk of the
+transfer can be scattered any more (always True here). A refused chunk is acked with the reason.
 
-Authentication (sealing.py): the header frame is a sealed envelope, checked before the payload frame
-is looked at; a message that fails is dropped without an ack. zmq keeps one connection's messages in
-order, and a message's payload frame cannot be separated from its header frame. Acks are sealed to
+Authentication (common/sealing.py): the header frame is a sealed envelope, checked before the payload
+frame is looked at; a message that fails is dropped without an ack. zmq keeps one connection's messages
+in order, and a message's payload frame cannot be separated from its header frame. Acks are sealed to
 the sender and must come from the receiver the DEALER was connected to.
 """
 
@@ -32,13 +32,13 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from .base import Role, TransportConfig, replaced_link_reason
-from .block_copy import buffer_rows, gather_rows
-from .io_thread import IOThreadTransport
-from .layout import KVLayout, chunk_problem
-from .sealing import ACK, HEADER
-from .send_job import Chunk, SendJob
-from .wire import ChunkAck, ChunkHeader
+from ..base import Role, TransportConfig, replaced_link_reason
+from ..common.block_copy import buffer_rows, gather_rows
+from ..common.io_thread import IOThreadTransport
+from ..common.layout import KVLayout, chunk_problem
+from ..common.sealing import ACK, HEADER
+from ..common.send_job import Chunk, SendJob
+from ..common.wire import ChunkAck, ChunkHeader
 
 log = logging.getLogger(__name__)
 

@@ -20,10 +20,10 @@ endpoint UCX closed that way is not closed again (that crashed ucxx). With error
 reports nothing when a peer dies (a send to it never completes; the ack deadline turns that into an
 error in poll_sent; stuck requests are cancelled at close) but aborts the process on a failed CMA copy.
 
-Admission (admission.py): UCX lands a payload in a staging buffer; only the IO thread's scatter writes
-the cache, through the receiver's admission gate, so ``revoke`` always returns True here.
+Admission (common/admission.py): UCX lands a payload in a staging buffer; only the IO thread's scatter
+writes the cache, through the receiver's admission gate, so ``revoke`` always returns True here.
 
-Authentication (sealing.py): every message on CONTROL_TAG (HELLO, chunk header) and ACK_TAG is a
+Authentication (common/sealing.py): every message on CONTROL_TAG (HELLO, chunk header) and ACK_TAG is a
 sealed envelope. A receiver builds a reply endpoint only for a HELLO that verifies, posts a payload
 receive only for a header that verifies, and acks to the endpoint of the header's (authenticated)
 sender. Messages are matched in probe order, which need not be send order: the replay window takes
@@ -44,13 +44,13 @@ import msgpack
 import numpy as np
 import torch
 
-from .base import Role, TransportConfig, replaced_link_reason
-from .block_copy import buffer_rows, gather_rows
-from .io_thread import IOThreadTransport
-from .layout import KVLayout, chunk_problem
-from .sealing import ACK, HEADER, HELLO, Opened
-from .send_job import Chunk, SendJob
-from .wire import ChunkAck, ChunkHeader
+from ..base import Role, TransportConfig, replaced_link_reason
+from ..common.block_copy import buffer_rows, gather_rows
+from ..common.io_thread import IOThreadTransport
+from ..common.layout import KVLayout, chunk_problem
+from ..common.sealing import ACK, HEADER, HELLO, Opened
+from ..common.send_job import Chunk, SendJob
+from ..common.wire import ChunkAck, ChunkHeader
 
 log = logging.getLogger(__name__)
 

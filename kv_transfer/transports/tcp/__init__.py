@@ -1,0 +1,1 @@
+"""The tcp KV transport (pyzmq): transport.py."""

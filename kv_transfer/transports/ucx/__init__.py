@@ -1,0 +1,1 @@
+"""The ucx KV transport (ucxx): transport.py."""
