@@ -112,7 +112,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _add_drain_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "drain", help="drain workers of a running `pdcluster serve` (before a node or pod goes away)",
-        description="Ask a running server (its /admin/drain route: cluster/admin_api.py) to drain workers: they "
+        description="Ask a running server (its /admin/drain route: cluster/api/admin.py) to drain workers: they "
                     "take no new requests, finish or hand over what they have, then stop. Returns when they have "
                     "left (exit 0), or exits 1 with the server's reason.")
     p.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")

@@ -328,8 +328,8 @@ def spec_from_args(args) -> ClusterSpec:
 
 def run_cluster(args) -> int:
     """`pdcluster serve` for the Ray modes: start everything, serve HTTP until interrupted."""
-    from pdcluster.cluster.admin_api import install_admin_routes
-    from pdcluster.cluster.api import build_app
+    from pdcluster.cluster.api.admin import install_admin_routes
+    from pdcluster.cluster.api.app import build_app
     from pdcluster.cluster.metrics import Metrics
     from pdcluster.cluster.serve_cli import run_server
 

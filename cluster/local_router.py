@@ -1,6 +1,6 @@
 """A router over ONE in-process colocated decode worker (no Ray, no KV transfer): what
 ``pdcluster serve --mode local`` and the HTTP tests run. It implements the contract of
-cluster/router_api.py exactly as the Ray cluster router does, so the HTTP layer cannot tell them apart.
+cluster/api/router_contract.py exactly as the Ray cluster router does, so the HTTP layer cannot tell them apart.
 
 Events arrive on the worker's engine thread and are handed to the request's asyncio queue with
 ``loop.call_soon_threadsafe``. Every wait is bounded: a request that hears nothing for
@@ -16,7 +16,7 @@ import time
 from dataclasses import replace
 from typing import AsyncIterator
 
-from pdcluster.cluster.router_api import RouterError, TokenDelta
+from pdcluster.cluster.api.router_contract import RouterError, TokenDelta
 from pdcluster.cluster.token_deltas import is_first_token, is_progress_report, token_delta
 from pdcluster.decode_node.worker import DecodeWorker
 from pdcluster.engine.config import EngineConfig
@@ -83,7 +83,7 @@ class _TimedDecodeWorker(DecodeWorker):
 
 
 class LocalRouter:
-    """Router contract (cluster/router_api.py) over one colocated DecodeWorker built from ``engine_config``."""
+    """Router contract (cluster/api/router_contract.py) over one colocated DecodeWorker built from ``engine_config``."""
 
     def __init__(self, engine_config: EngineConfig, request_timeout_s: float = 300.0, worker_id: str = "local"):
         if request_timeout_s <= 0:

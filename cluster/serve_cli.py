@@ -15,8 +15,8 @@ import socket
 import sys
 import threading
 
+from pdcluster.cluster.api.tool_parsers import PARSER_CHOICES
 from pdcluster.cluster.cli import _add_engine_args, engine_config_from_args
-from pdcluster.cluster.tool_parsers import PARSER_CHOICES
 from pdcluster.engine.config import ConfigError
 
 MODES = ("auto", "disagg", "colocated", "local")
@@ -165,7 +165,7 @@ def serve_main(args: argparse.Namespace) -> int:
 
 
 def _serve_local(args: argparse.Namespace) -> int:
-    from pdcluster.cluster.api import build_app
+    from pdcluster.cluster.api.app import build_app
     from pdcluster.cluster.local_router import LocalRouter
     from pdcluster.cluster.metrics import Metrics
 

@@ -9,7 +9,7 @@ event carries the request's first token, and the TTFT breakdown it measured.
 
 from __future__ import annotations
 
-from pdcluster.cluster.router_api import TokenDelta
+from pdcluster.cluster.api.router_contract import TokenDelta
 from pdcluster.node.events import Tokens
 
 

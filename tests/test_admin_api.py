@@ -1,4 +1,4 @@
-"""Draining workers from outside the server (cluster/admin_api.py): `POST /admin/drain` on a real HTTP
+"""Draining workers from outside the server (cluster/api/admin.py): `POST /admin/drain` on a real HTTP
 server drains a worker while requests stream on it, losing and recomputing nothing; mistakes (no key,
 the wrong key, the API key, an unknown worker, a node hosting none, a body naming two selectors) are
 clear 4xx; `pdcluster drain` against a real `pdcluster serve` does the same from the command line, as
@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from conftest import assert_drained_cleanly
-from pdcluster.cluster.admin_api import install_admin_routes
-from pdcluster.cluster.api import build_app
+from pdcluster.cluster.api.admin import install_admin_routes
+from pdcluster.cluster.api.app import build_app
 from pdcluster.cluster.server_process import ServeProcess
 from test_elastic import PROMPTS, _disagg, _generate, expected  # noqa: F401 - expected is a fixture
 
@@ -120,7 +120,7 @@ def test_admin_routes_without_an_admin_key_are_disabled():
     """No --admin-key: the routes exist but refuse everyone (403 naming the flag), even with the API key."""
     from fastapi import FastAPI
 
-    from pdcluster.cluster.admin_api import install_admin_routes
+    from pdcluster.cluster.api.admin import install_admin_routes
 
     class NoCluster:  # the routes refuse before they touch the cluster
         router = None

@@ -30,10 +30,10 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import make_engine
-from pdcluster.cluster.api import build_app
+from pdcluster.cluster.api.app import build_app
+from pdcluster.cluster.api.router_contract import TokenDelta
 from pdcluster.cluster.local_router import LocalRouter
 from pdcluster.cluster.metrics import Metrics
-from pdcluster.cluster.router_api import TokenDelta
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.engine.tokenizer import Detokenizer

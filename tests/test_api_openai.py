@@ -27,13 +27,13 @@ import openai
 import pytest
 
 from conftest import make_engine
-from pdcluster.cluster.api import build_app
-from pdcluster.cluster.api_logprobs import Positions, TokenStrings, chat_logprobs, completion_logprobs
-from pdcluster.cluster.api_structured import ToolCalls, tool_calls_from_text
-from pdcluster.cluster.api_text import AlignedText
+from pdcluster.cluster.api.app import build_app
+from pdcluster.cluster.api.logprobs import Positions, TokenStrings, chat_logprobs, completion_logprobs
+from pdcluster.cluster.api.router_contract import TokenDelta
+from pdcluster.cluster.api.structured import ToolCalls, tool_calls_from_text
+from pdcluster.cluster.api.text import AlignedText
 from pdcluster.cluster.local_router import LocalRouter
 from pdcluster.cluster.metrics import Metrics
-from pdcluster.cluster.router_api import TokenDelta
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.logprobs import TokenLogprobs
 from pdcluster.engine.sampling_params import SamplingParams

@@ -684,7 +684,7 @@ def test_prestop_hook_drains_this_pod_through_the_admin_route(rendered, tmp_path
     import http.server
     import threading
 
-    from pdcluster.cluster.admin_api import DrainRequest
+    from pdcluster.cluster.api.admin import DrainRequest
     from pdcluster.cluster.cli import main
 
     command = _worker(rendered("values-cpu.yaml"))["lifecycle"]["preStop"]["exec"]["command"]

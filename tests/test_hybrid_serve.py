@@ -4,7 +4,7 @@ with its KV). A real subprocess, real HTTP, the real `openai` client; one server
 
 In each mode: greedy completion and chat equal the in-process LLMEngine's tokens (text and count),
 streamed or not; n=2 with seed s gives two choices equal to what the engine samples with seeds s and
-s + 1 (cluster/api_fanout.py; a hybrid never shares a prompt between choices, so each choice computes,
+s + 1 (cluster/api/fanout.py; a hybrid never shares a prompt between choices, so each choice computes,
 or disaggregated fetches, its own, engine/llm_engine.py ``shares_prompts``) and to two single requests
 with those seeds; logprobs=2 on a completion are the engine's; /health lists the mode's workers.
 """

@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from conftest import settled_worker_stats, transport_params
-from pdcluster.cluster.admin_api import worker_places
+from pdcluster.cluster.api.admin import worker_places
 from pdcluster.cluster.autoscale import AutoscaleConfig, Planner
 from test_admin_api import ADMIN_KEY, admin_app, auth, serving
 from test_elastic import PROMPTS, _disagg, _generate, expected  # noqa: F401 - expected is a fixture

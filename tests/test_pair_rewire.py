@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from conftest import engine_config, make_engine, router_generate, settled_worker_stats
-from pdcluster.cluster.api import build_app
+from pdcluster.cluster.api.app import build_app
 from pdcluster.cluster.launcher import Cluster, ClusterSpec
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kv_transfer.config import TransferConfig

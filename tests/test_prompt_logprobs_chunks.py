@@ -268,7 +268,7 @@ def _same_scores(a, b) -> None:
 
 
 def _local_scores(prompts, **kw) -> list:
-    from pdcluster.cluster.api import build_app
+    from pdcluster.cluster.api.app import build_app
     from pdcluster.cluster.local_router import LocalRouter
     from test_api import serving
 
@@ -287,7 +287,7 @@ def _local_scores(prompts, **kw) -> list:
 def _cluster_scores(prompts, mode: str, conditional_prefill_tokens: int = 0, **kw) -> list:
     """Start one cluster (``mode``), score every prompt through its HTTP API at once, shut it down.
     Disagg: prompts shorter than ``conditional_prefill_tokens`` are prefilled on the decode worker."""
-    from pdcluster.cluster.api import build_app
+    from pdcluster.cluster.api.app import build_app
     from pdcluster.cluster.launcher import Cluster, ClusterSpec
     from pdcluster.kv_transfer.config import TransferConfig
     from test_admin_api import serving

@@ -1,4 +1,4 @@
-"""Tool calls (issue 22): tool_choice "auto" read by a tool-call parser (cluster/tool_parsers/), and
+"""Tool calls (issue 22): tool_choice "auto" read by a tool-call parser (cluster/api/tool_parsers/), and
 streamed tool calls for every tool choice.
 
 - parser units: each format (hermes with SmolLM2's list form, llama3_json, pythonic, and the forced
@@ -21,15 +21,15 @@ import random
 import openai
 import pytest
 
-from pdcluster.cluster.api import build_app
-from pdcluster.cluster.api_protocol import ChatMessage
-from pdcluster.cluster.api_validation import chat_prompt_text
-from pdcluster.cluster.local_router import LocalRouter
-from pdcluster.cluster.tool_parsers import (NamedParser, RequiredParser, ToolCallStream, parser_for_template,
+from pdcluster.cluster.api.app import build_app
+from pdcluster.cluster.api.protocol import ChatMessage
+from pdcluster.cluster.api.tool_parsers import (NamedParser, RequiredParser, ToolCallStream, parser_for_template,
                                             select_parser)
-from pdcluster.cluster.tool_parsers.hermes import HermesParser
-from pdcluster.cluster.tool_parsers.llama3_json import Llama3JsonParser
-from pdcluster.cluster.tool_parsers.pythonic import PythonicParser
+from pdcluster.cluster.api.tool_parsers.hermes import HermesParser
+from pdcluster.cluster.api.tool_parsers.llama3_json import Llama3JsonParser
+from pdcluster.cluster.api.tool_parsers.pythonic import PythonicParser
+from pdcluster.cluster.api.validation import chat_prompt_text
+from pdcluster.cluster.local_router import LocalRouter
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.tokenizer import Tokenizer
 from test_api import API_KEY, MAX_MODEL_LEN, MODEL, NUM_BLOCKS, serving

@@ -1,7 +1,7 @@
 """The cluster router, split by concern: config (every tunable), placement (views, policy, breakers),
 health (pings, restarts), events (the worker event stream), submit (placing one request), stream
 (a request's events and its client stream), recorder (optional record for tests), router (the
-composition, recovery, and the Router contract of cluster/router_api.py)."""
+composition, recovery, and the Router contract of cluster/api/router_contract.py)."""
 
 from pdcluster.cluster.router.config import RouterConfig
 from pdcluster.cluster.router.recorder import Decision, DecisionRecorder

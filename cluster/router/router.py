@@ -18,6 +18,7 @@ import time
 from dataclasses import replace
 from typing import AsyncIterator
 
+from pdcluster.cluster.api.router_contract import RouterError, TokenDelta
 from pdcluster.cluster.router.config import RouterConfig
 from pdcluster.cluster.router.events import EventReceiver
 from pdcluster.cluster.router.health import HealthMonitor
@@ -27,7 +28,6 @@ from pdcluster.cluster.router.recorder import DecisionRecorder
 from pdcluster.cluster.router.state import RequestState
 from pdcluster.cluster.router.stream import RequestStreams
 from pdcluster.cluster.router.submit import Submitter
-from pdcluster.cluster.router_api import RouterError, TokenDelta
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.node.events import ADMITTED, UNREACHABLE, Admission, Event, Failed, KVReady, Tokens, WorkerError
 

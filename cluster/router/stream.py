@@ -15,9 +15,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
+from pdcluster.cluster.api.router_contract import TokenDelta
 from pdcluster.cluster.router.recorder import DecisionRecorder, Report
 from pdcluster.cluster.router.state import Attempt, RequestState
-from pdcluster.cluster.router_api import TokenDelta
 from pdcluster.cluster.token_deltas import is_first_token, token_delta
 from pdcluster.node.events import KVReady, Tokens
 

@@ -13,12 +13,12 @@ import logging
 import time
 from typing import Callable
 
+from pdcluster.cluster.api.router_contract import RouterError
 from pdcluster.cluster.router.config import RouterConfig
 from pdcluster.cluster.router.placement import PairPlacement
 from pdcluster.cluster.router.recorder import Decision, DecisionRecorder
 from pdcluster.cluster.router.state import Attempt, RequestState
 from pdcluster.cluster.router.stream import RequestStreams
-from pdcluster.cluster.router_api import RouterError
 from pdcluster.engine.block_manager import chained_block_hashes
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.node.events import ADMITTED, FULL, INVALID

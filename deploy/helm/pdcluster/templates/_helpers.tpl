@@ -118,7 +118,7 @@ pdcluster drain --url http://{{ include "pdcluster.fullname" . }}-api.{{ .Releas
           # The inner bash keeps the quoted JSON of --resources intact.
           args: ['ulimit -n 65536; exec /bin/bash -c "$KUBERAY_GEN_RAY_START_CMD"']
           {{- if $root.Values.drain.enabled }}
-          # Pod termination drains this pod's worker first (cluster/admin_api.py): no new requests, the
+          # Pod termination drains this pod's worker first (cluster/api/admin.py): no new requests, the
           # ones it has finish, a prefill worker's KV transfers are acknowledged; then it is stopped and
           # Kubernetes sends SIGTERM. A failed hook (server gone, no admin key) only shows as an event.
           lifecycle:

@@ -1,5 +1,5 @@
 """One choice of a response: one router request's TokenDeltas become the text and the logprobs it
-shows (cluster/api_text.py keeps them aligned), its counts, its finish reason and its metrics.
+shows (cluster/api/text.py keeps them aligned), its counts, its finish reason and its metrics.
 
 Stop strings apply here: when the text reaches one, the choice ends with finish_reason "stop" and the
 router request is aborted on close. With echo the prompt (and its logprobs) comes first, with the first
@@ -16,11 +16,11 @@ from typing import AsyncIterator
 
 import anyio
 
-from pdcluster.cluster.api_logprobs import Positions
-from pdcluster.cluster.api_text import AlignedText, Piece, prompt_positions
-from pdcluster.cluster.api_validation import Prepared, PromptInput
+from pdcluster.cluster.api.logprobs import Positions
+from pdcluster.cluster.api.router_contract import TokenDelta
+from pdcluster.cluster.api.text import AlignedText, Piece, prompt_positions
+from pdcluster.cluster.api.validation import Prepared, PromptInput
 from pdcluster.cluster.metrics import Metrics
-from pdcluster.cluster.router_api import TokenDelta
 from pdcluster.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)

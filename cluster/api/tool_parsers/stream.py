@@ -12,7 +12,7 @@ vLLM): the whole answer then shows it as text, the stream as a call.
 
 from __future__ import annotations
 
-from pdcluster.cluster.tool_parsers.base import CallSnapshot, ToolParser, new_call_id
+from pdcluster.cluster.api.tool_parsers.base import CallSnapshot, ToolParser, new_call_id
 
 
 class ToolCallStream:

@@ -1,4 +1,4 @@
-"""The outputs of forced tool choices (cluster/api_structured.py makes the grammar): a named function's
+"""The outputs of forced tool choices (cluster/api/structured.py makes the grammar): a named function's
 arguments object, or for "required" a JSON array of ``{"name": ..., "parameters": {...}}``. Output that
 is not that (cut by max_tokens) is text.
 """
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import json
 
-from pdcluster.cluster.tool_parsers.base import CallSnapshot, Snapshot, ToolParser
-from pdcluster.cluster.tool_parsers.json_scan import scan_array, skip_ws
+from pdcluster.cluster.api.tool_parsers.base import CallSnapshot, Snapshot, ToolParser
+from pdcluster.cluster.api.tool_parsers.json_scan import scan_array, skip_ws
 
 
 class NamedParser(ToolParser):

@@ -1,6 +1,6 @@
 """Structured output at the API: ``response_format`` and forced ``tools`` become one grammar spec for
 the engine (SamplingParams.structured_output, a JSON string engine/structured_output.py compiles), and
-the text of a choice becomes ``message.tool_calls`` through a tool-call parser (cluster/tool_parsers/).
+the text of a choice becomes ``message.tool_calls`` through a tool-call parser (cluster/api/tool_parsers/).
 
 As vLLM:
 - ``response_format`` ``{"type": "json_object"}`` -> any JSON object; ``{"type": "json_schema",
@@ -14,7 +14,7 @@ As vLLM:
   for the model's format (``pdcluster serve --tool-call-parser``; ``auto`` picks it from the chat
   template): the model answers in text or calls tools. With no parser for the model, refused with a 400.
 - ``tool_choice`` "none" -> the tools are ignored.
-Every tool choice streams: calls come as OpenAI ``delta.tool_calls`` (cluster/tool_parsers/stream.py).
+Every tool choice streams: calls come as OpenAI ``delta.tool_calls`` (cluster/api/tool_parsers/stream.py).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from pdcluster.cluster.api_middleware import APIError
-from pdcluster.cluster.api_protocol import NamedToolChoice, SamplingFields
-from pdcluster.cluster.tool_parsers import NamedParser, RequiredParser, ToolParser
+from pdcluster.cluster.api.middleware import APIError
+from pdcluster.cluster.api.protocol import NamedToolChoice, SamplingFields
+from pdcluster.cluster.api.tool_parsers import NamedParser, RequiredParser, ToolParser
 
 _EMPTY_OBJECT = {"type": "object", "properties": {}}
 # Compiling a schema grows fast with its nesting (xgrammar: 0.04 s at 64 levels of "properties", 11 s at

@@ -1,7 +1,7 @@
-"""Serving a validated request (cluster/api_validation.py ``Prepared``): its choices' router streams
-(cluster/api_fanout.py, one cluster/api_choice.py ``ChoiceRun`` each) become one JSON response or one
+"""Serving a validated request (cluster/api/validation.py ``Prepared``): its choices' router streams
+(cluster/api/fanout.py, one cluster/api/choice.py ``ChoiceRun`` each) become one JSON response or one
 SSE stream, with the text, the logprobs, tool calls, the usage and the finish reasons. A chat choice
-that may hold tool calls is read by the request's tool-call parser (cluster/tool_parsers/): whole, or
+that may hold tool calls is read by the request's tool-call parser (cluster/api/tool_parsers/): whole, or
 piece by piece into OpenAI's ``delta.tool_calls``; its finish reason is then "tool_calls".
 
 A client that goes away aborts every router request of its response; so does a choice that fails.
@@ -20,15 +20,15 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from pdcluster.cluster import api_protocol as wire
-from pdcluster.cluster.api_choice import ChoiceRun
-from pdcluster.cluster.api_fanout import choice_requests, collect_all, interleaved, start_all
-from pdcluster.cluster.api_logprobs import Positions, TokenStrings, chat_logprobs, completion_logprobs
-from pdcluster.cluster.api_middleware import APIError
-from pdcluster.cluster.api_validation import Prepared
+from pdcluster.cluster.api import protocol as wire
+from pdcluster.cluster.api.choice import ChoiceRun
+from pdcluster.cluster.api.fanout import choice_requests, collect_all, interleaved, start_all
+from pdcluster.cluster.api.logprobs import Positions, TokenStrings, chat_logprobs, completion_logprobs
+from pdcluster.cluster.api.middleware import APIError
+from pdcluster.cluster.api.router_contract import RouterError
+from pdcluster.cluster.api.tool_parsers import ToolCallStream
+from pdcluster.cluster.api.validation import Prepared
 from pdcluster.cluster.metrics import Metrics
-from pdcluster.cluster.router_api import RouterError
-from pdcluster.cluster.tool_parsers import ToolCallStream
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdcluster.cluster.api_logprobs import Positions
+from pdcluster.cluster.api.logprobs import Positions
 from pdcluster.engine.logprobs import TokenLogprobs
 from pdcluster.engine.tokenizer import Detokenizer
 

@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pdcluster.cluster.api_protocol import error_body, short
+from pdcluster.cluster.api.protocol import error_body, short
 
 log = logging.getLogger(__name__)
 

@@ -1,12 +1,12 @@
-"""The one validation of a request: a parsed OpenAI body (cluster/api_protocol.py) becomes prompts
+"""The one validation of a request: a parsed OpenAI body (cluster/api/protocol.py) becomes prompts
 (token ids), their engine SamplingParams and what the response shows, or an APIError whose message
 names the field, the value and the limit.
 
 Everything a client can get wrong is checked here, at the edge, against what the Router contract
-exposes (cluster/router_api.py: ``tokenizer``, ``max_model_len``): the model name, unsupported
+exposes (cluster/api/router_contract.py: ``tokenizer``, ``max_model_len``): the model name, unsupported
 parameters, empty prompts and the batch size, token ids outside the vocabulary, the context length,
-``max_tokens``, logprobs, the grammar (cluster/api_structured.py) and every sampling value
-(cluster/api_sampling.py). Routers and engines behind it keep only cheap guards for what they alone
+``max_tokens``, logprobs, the grammar (cluster/api/structured.py) and every sampling value
+(cluster/api/sampling.py). Routers and engines behind it keep only cheap guards for what they alone
 know (request ids in use, the size of a worker's KV pool).
 """
 
@@ -18,12 +18,12 @@ from dataclasses import dataclass, field, replace
 
 import anyio
 
-from pdcluster.cluster.api_middleware import APIError
-from pdcluster.cluster.api_protocol import (CHAT_COMPLETION, TEXT_COMPLETION, ChatCompletionRequest,
+from pdcluster.cluster.api.middleware import APIError
+from pdcluster.cluster.api.protocol import (CHAT_COMPLETION, TEXT_COMPLETION, ChatCompletionRequest,
                                             ChatMessage, CompletionRequest, SamplingFields, short)
-from pdcluster.cluster.api_sampling import INT64_MAX, Extras, sampling_params
-from pdcluster.cluster.api_structured import ToolCalls, structured_request
-from pdcluster.cluster.tool_parsers import ToolParser
+from pdcluster.cluster.api.sampling import INT64_MAX, Extras, sampling_params
+from pdcluster.cluster.api.structured import ToolCalls, structured_request
+from pdcluster.cluster.api.tool_parsers import ToolParser
 from pdcluster.engine.sampling_params import SamplingParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: up to the context's end)
@@ -48,7 +48,7 @@ class Output:
     num_logprobs: int | None = None  # top alternatives per token; None = no logprobs
     echo: bool = False  # the prompt (and its logprobs) first
     drop_output: bool = False  # max_tokens 0 with echo (scoring): the one token generated is not shown
-    tool_calls: ToolCalls | None = None  # the text is tool calls (cluster/api_structured.py)
+    tool_calls: ToolCalls | None = None  # the text is tool calls (cluster/api/structured.py)
 
 
 @dataclass

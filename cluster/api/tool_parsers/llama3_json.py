@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 
-from pdcluster.cluster.tool_parsers.base import (CallSnapshot, Snapshot, ToolParser, call_arguments,
+from pdcluster.cluster.api.tool_parsers.base import (CallSnapshot, Snapshot, ToolParser, call_arguments,
                                                  held_prefix_len, tools_json)
-from pdcluster.cluster.tool_parsers.json_scan import scan_joined, skip_ws
+from pdcluster.cluster.api.tool_parsers.json_scan import scan_joined, skip_ws
 
 PYTHON_TAG = "<|python_tag|>"
 ARGS_KEYS = ("parameters", "arguments")

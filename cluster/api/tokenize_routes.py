@@ -15,9 +15,9 @@ from typing import Annotated
 
 import anyio
 from fastapi import FastAPI
-from pdcluster.cluster.api_middleware import APIError
-from pdcluster.cluster.api_protocol import ChatMessage, _one_of, _Strict, short
-from pdcluster.cluster.api_validation import chat_prompt_text, check_model
+from pdcluster.cluster.api.middleware import APIError
+from pdcluster.cluster.api.protocol import ChatMessage, _one_of, _Strict, short
+from pdcluster.cluster.api.validation import chat_prompt_text, check_model
 
 
 class TokenizeRequest(_Strict):

@@ -9,7 +9,7 @@ import ast
 import json
 import re
 
-from pdcluster.cluster.tool_parsers.base import CallSnapshot, Snapshot, ToolParser, call_arguments, tools_json
+from pdcluster.cluster.api.tool_parsers.base import CallSnapshot, Snapshot, ToolParser, call_arguments, tools_json
 
 # A complete Python string literal, a bracket or comma, or a lone quote (an unterminated string).
 _TOKEN = re.compile(r"'(?:[^'\\\n]|\\.)*'|\"(?:[^\"\\\n]|\\.)*\"|[\[\](){},]|['\"]")

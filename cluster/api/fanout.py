@@ -12,10 +12,10 @@ import contextlib
 from dataclasses import replace
 from typing import AsyncIterator
 
-from pdcluster.cluster.api_choice import ChoiceRequest, ChoiceRun
-from pdcluster.cluster.api_text import Piece
-from pdcluster.cluster.api_validation import Prepared
-from pdcluster.cluster.router_api import TokenDelta
+from pdcluster.cluster.api.choice import ChoiceRequest, ChoiceRun
+from pdcluster.cluster.api.router_contract import TokenDelta
+from pdcluster.cluster.api.text import Piece
+from pdcluster.cluster.api.validation import Prepared
 
 
 def choice_requests(prep: Prepared) -> list[ChoiceRequest]:

@@ -30,8 +30,8 @@ from dataclasses import asdict, dataclass
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from pdcluster.cluster.api_middleware import error_response
-from pdcluster.cluster.api_protocol import short
+from pdcluster.cluster.api.middleware import error_response
+from pdcluster.cluster.api.protocol import short
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +183,7 @@ def _denied(request: Request, admin_key: bytes | None):
 
 
 def install_admin_routes(app: FastAPI, cluster, admin_key: str | None) -> Drainer:
-    """Add /admin/drain and /admin/workers to ``app`` (built by cluster/api.py for ``cluster``'s router)."""
+    """Add /admin/drain and /admin/workers to ``app`` (built by cluster/api/app.py for ``cluster``'s router)."""
     drainer = Drainer(cluster)
     key = admin_key.encode() if admin_key else None
 

@@ -1,4 +1,4 @@
-"""What the HTTP layer needs from a router: the contract between cluster/api*.py and the routers
+"""What the HTTP layer needs from a router: the contract between cluster/api/ and the routers
 (cluster/router/router.py for the Ray cluster, cluster/local_router.py for a single in-process engine).
 """
 
@@ -53,7 +53,7 @@ class Router(Protocol):
         """Stream the request's tokens. Raises RouterError (before the first delta) when it cannot
         be admitted; a failure after that ends the stream with finish_reason="error".
 
-        The API validated the request (cluster/api_validation.py: prompt non-empty, token ids within
+        The API validated the request (cluster/api/validation.py: prompt non-empty, token ids within
         ``tokenizer.vocab_size``, prompt + max_tokens within ``max_model_len``, sampling values): a
         router checks only what it alone knows (request ids in use, whether a worker's KV pool can
         ever hold the prompt). It streams token ids only: text and ``params.stop`` are the API's,

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import json
 
-from pdcluster.cluster.tool_parsers.base import (CallSnapshot, Snapshot, ToolParser, call_arguments,
+from pdcluster.cluster.api.tool_parsers.base import (CallSnapshot, Snapshot, ToolParser, call_arguments,
                                                  held_prefix_len, tools_json)
-from pdcluster.cluster.tool_parsers.json_scan import SequenceScan, scan_array, scan_call, skip_ws
+from pdcluster.cluster.api.tool_parsers.json_scan import SequenceScan, scan_array, scan_call, skip_ws
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 ARGS_KEYS = ("arguments", "parameters")

@@ -2,9 +2,9 @@
 responses, stream chunks (SSE) and errors.
 
 A completions ``prompt`` is a string, a list of token ids, or a batch (a list of strings or of token-id
-lists; cluster/api_validation.py caps its size). Parameters OpenAI defines that we do not support are
+lists; cluster/api/validation.py caps its size). Parameters OpenAI defines that we do not support are
 accepted here and refused there with a message that says so. Log-probability fields are built by
-cluster/api_logprobs.py, tool calls by cluster/api_structured.py.
+cluster/api/logprobs.py, tool calls by cluster/api/structured.py.
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ def chat_chunk_choice(index: int, text: str, logprobs: dict | None, finish_reaso
 
 
 def chat_delta_choice(index: int, delta: dict, logprobs: dict | None, finish_reason: str | None) -> dict:
-    """A choice of a chat stream chunk with a ready ``delta`` (tool calls: cluster/tool_parsers/stream.py)."""
+    """A choice of a chat stream chunk with a ready ``delta`` (tool calls: cluster/api/tool_parsers/stream.py)."""
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 

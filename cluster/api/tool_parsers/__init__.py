@@ -9,12 +9,12 @@ picks one for tool_choice "auto"; ``auto`` (the default) picks from the chat tem
 
 from __future__ import annotations
 
-from pdcluster.cluster.tool_parsers.base import Snapshot, ToolParser
-from pdcluster.cluster.tool_parsers.forced import NamedParser, RequiredParser
-from pdcluster.cluster.tool_parsers.hermes import HermesParser
-from pdcluster.cluster.tool_parsers.llama3_json import Llama3JsonParser
-from pdcluster.cluster.tool_parsers.pythonic import PythonicParser
-from pdcluster.cluster.tool_parsers.stream import ToolCallStream
+from pdcluster.cluster.api.tool_parsers.base import Snapshot, ToolParser
+from pdcluster.cluster.api.tool_parsers.forced import NamedParser, RequiredParser
+from pdcluster.cluster.api.tool_parsers.hermes import HermesParser
+from pdcluster.cluster.api.tool_parsers.llama3_json import Llama3JsonParser
+from pdcluster.cluster.api.tool_parsers.pythonic import PythonicParser
+from pdcluster.cluster.api.tool_parsers.stream import ToolCallStream
 
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, PythonicParser)}
 PARSER_CHOICES = ("auto", *PARSERS)

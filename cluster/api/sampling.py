@@ -1,5 +1,5 @@
 """OpenAI's sampling fields -> engine SamplingParams for one prompt, every value checked once with a
-400 that names the field, the value and the limit (cluster/api_validation.py decides max_tokens, the
+400 that names the field, the value and the limit (cluster/api/validation.py decides max_tokens, the
 logprobs wanted and the grammar; this file checks and maps the rest).
 
 Limits are OpenAI's (penalties in [-2, 2], logit_bias in [-100, 100]) and vLLM's for its extensions
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdcluster.cluster.api_middleware import APIError
-from pdcluster.cluster.api_protocol import SamplingFields, short
+from pdcluster.cluster.api.middleware import APIError
+from pdcluster.cluster.api.protocol import SamplingFields, short
 from pdcluster.engine.sampling_params import SamplingParams
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1

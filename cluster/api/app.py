@@ -1,20 +1,6 @@
-"""The OpenAI-compatible HTTP API over any router of cluster/router_api.py: the app and its routes.
-
-Endpoints: POST /v1/completions, POST /v1/chat/completions (streaming SSE or not), GET /v1/models,
-POST /tokenize, POST /detokenize, GET /health, GET /metrics. The pieces, one concern each:
-
-- cluster/api_protocol.py: the OpenAI wire format (request models; response, chunk and error JSON);
-- cluster/api_validation.py: the one validation of a request (body -> prompts + SamplingParams + what
-  the response shows), with cluster/api_sampling.py (sampling fields) and cluster/api_structured.py
-  (response_format and tools -> a grammar; tool calls out of the text, by cluster/tool_parsers/);
-- cluster/api_fanout.py: a request's choices (n, a batch of prompts) as router requests, together;
-- cluster/api_choice.py: one choice's router stream -> text (stop strings through engine/tokenizer.py's
-  Detokenizer) and logprobs kept aligned (cluster/api_text.py), counts, metrics;
-- cluster/api_logprobs.py: logprobs in OpenAI's completions and chat layouts;
-- cluster/api_serving.py: the choices to a JSON or SSE response (usage, aborts on disconnect);
-- cluster/api_tokenize.py: /tokenize and /detokenize;
-- cluster/api_middleware.py: errors in OpenAI's format (4xx for client mistakes, generic 5xx), the body
-  limit, the API key.
+"""The app and its routes: POST /v1/completions, POST /v1/chat/completions (streaming SSE or not),
+GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET /metrics, over any router of
+router_contract.py. The pieces it composes are listed in __init__.py.
 """
 
 from __future__ import annotations
@@ -25,25 +11,21 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from pdcluster.cluster.api_middleware import APIError, install_error_handlers, install_middleware
-from pdcluster.cluster.api_logprobs import TokenStrings
-from pdcluster.cluster.api_protocol import ChatCompletionRequest, CompletionRequest
-from pdcluster.cluster.api_serving import serve_request
-from pdcluster.cluster.api_tokenize import install_tokenize_routes
-from pdcluster.cluster.api_validation import prepare
+from pdcluster.cluster.api.logprobs import TokenStrings
+from pdcluster.cluster.api.middleware import install_error_handlers, install_middleware
+from pdcluster.cluster.api.protocol import ChatCompletionRequest, CompletionRequest
+from pdcluster.cluster.api.serving import serve_request
+from pdcluster.cluster.api.tokenize_routes import install_tokenize_routes
+from pdcluster.cluster.api.tool_parsers import select_parser
+from pdcluster.cluster.api.validation import prepare
 from pdcluster.cluster.metrics import Metrics
-from pdcluster.cluster.tool_parsers import select_parser
-from pdcluster.engine.tokenizer import Detokenizer
-
-# Names callers imported from this module before it was split.
-__all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "Detokenizer", "build_app"]
 
 log = logging.getLogger(__name__)
 
 
 def build_app(router, served_model_name: str, api_key: str | None = None, max_body_bytes: int = 1 << 20,
               metrics: Metrics | None = None, tool_call_parser: str = "auto") -> FastAPI:
-    """``tool_call_parser``: the model's tool-call format for tool_choice "auto" (cluster/tool_parsers/:
+    """``tool_call_parser``: the model's tool-call format for tool_choice "auto" (cluster/api/tool_parsers/:
     hermes, llama3_json, pythonic; ``auto`` reads it off the chat template, and without one "auto" is
     refused)."""
     if max_body_bytes <= 0:

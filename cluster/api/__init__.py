@@ -1,0 +1,20 @@
+"""The OpenAI-compatible HTTP API, over any router that keeps router_contract.py's contract (the Ray
+cluster's, cluster/router/; one in-process engine's, cluster/local_router.py). One concern a module:
+
+- app.py: ``build_app``, the FastAPI app and its routes;
+- protocol.py: the OpenAI wire format (request models; response, chunk and error JSON);
+- validation.py: the one validation of a request (body -> prompts + SamplingParams + what the response
+  shows), with sampling.py (sampling fields) and structured.py (response_format and tools -> a grammar;
+  tool calls out of the text, by tool_parsers/);
+- fanout.py: a request's choices (n, a batch of prompts) as router requests, together;
+- choice.py: one choice's router stream -> text (stop strings through engine/tokenizer.py's
+  Detokenizer) and logprobs kept aligned (text.py), counts, metrics;
+- logprobs.py: logprobs in OpenAI's completions and chat layouts;
+- serving.py: the choices to a JSON or SSE response (usage, aborts on disconnect);
+- tokenize_routes.py: /tokenize and /detokenize (not ``tokenize.py``: that would shadow the standard
+  library's module wherever this folder lands on sys.path);
+- middleware.py: errors in OpenAI's format (4xx for client mistakes, generic 5xx), the body limit, the
+  API key;
+- admin.py: /admin/drain and /admin/workers (``pdcluster drain``), added by the Ray launcher;
+- router_contract.py: what the API needs from a router (``Router``, ``TokenDelta``, ``RouterError``).
+"""
