@@ -9,6 +9,8 @@ again it can still be revived by a prefix-cache hit (LRU eviction, oldest freed 
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -26,10 +28,17 @@ class Block:
 
 
 def chained_block_hashes(token_ids: list[int], block_size: int, parent: int | None = None) -> list[int]:
-    """Hash of every *full* block of ``token_ids``; each hash covers the whole prefix up to its end."""
+    """Hash of every *full* block of ``token_ids``; each hash covers the whole prefix up to its end.
+
+    A 64-bit BLAKE2b digest, not Python's ``hash()``: the value must be the same in every process and
+    every run (``hash(None)`` is not on Python 3.11), because it names a block to the router's global
+    index (KV events) and names the block's file in the disk tier (engine/kv_offload/)."""
     hashes = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash((parent, tuple(token_ids[start : start + block_size])))
+        digest = hashlib.blake2b(digest_size=8)
+        digest.update(b"" if parent is None else parent.to_bytes(8, "little", signed=True))
+        digest.update(array("q", token_ids[start : start + block_size]).tobytes())
+        parent = int.from_bytes(digest.digest(), "little", signed=True)
         hashes.append(parent)
     return hashes
 

@@ -1,0 +1,71 @@
+"""The host-memory tier: one preallocated tensor of block slots, least recently used evicted first.
+
+A slot holds one block's KV for every layer, ``[num_layers, 2, block_size, num_kv_heads, head_dim]``
+(the block's column of the paged cache, engine/kv_cache.py). The memory is pinned when the device
+cache is on a GPU, so the copies in and out are DMA transfers that do not stall the host."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+
+class HostTier:
+    name = "host"
+
+    def __init__(self, capacity_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, pin_memory: bool = False) -> None:
+        if capacity_blocks <= 0:
+            raise ValueError(f"host tier capacity must be at least one block, got {capacity_blocks}")
+        self.capacity_blocks = capacity_blocks
+        self.data = torch.empty((capacity_blocks, *block_shape), dtype=dtype, pin_memory=pin_memory)
+        self._slot_of: OrderedDict[int, int] = OrderedDict()  # block hash -> slot; order = LRU first
+        self._free_slots = list(range(capacity_blocks - 1, -1, -1))
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._slot_of)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.data[0].numel() * self.data.element_size()
+
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._slot_of
+
+    def hashes(self) -> list[int]:
+        return list(self._slot_of)
+
+    def touch(self, block_hash: int) -> None:
+        self._slot_of.move_to_end(block_hash)
+
+    def store(self, block_hash: int, block_kv: torch.Tensor) -> tuple[int, torch.Tensor] | None:
+        """Copy one block in. Returns the least recently used block it pushed out, as
+        ``(hash, a CPU copy of its KV)``, for the tier below; None when a slot was free."""
+        if block_hash in self._slot_of:
+            self.touch(block_hash)
+            return None
+        evicted = None
+        if not self._free_slots:
+            old_hash, old_slot = self._slot_of.popitem(last=False)
+            evicted = (old_hash, self.data[old_slot].clone())
+            self._free_slots.append(old_slot)
+        slot = self._free_slots.pop()
+        self.data[slot].copy_(block_kv, non_blocking=self.data.is_pinned())
+        self._slot_of[block_hash] = slot
+        return evicted
+
+    def load(self, block_hash: int, out: torch.Tensor) -> bool:
+        slot = self._slot_of.get(block_hash)
+        if slot is None:
+            return False
+        out.copy_(self.data[slot], non_blocking=self.data.is_pinned())
+        self.touch(block_hash)
+        return True
+
+    def drop(self, block_hash: int) -> bool:
+        slot = self._slot_of.pop(block_hash, None)
+        if slot is None:
+            return False
+        self._free_slots.append(slot)
+        return True

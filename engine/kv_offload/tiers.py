@@ -1,0 +1,133 @@
+"""The tiers below the device pool, as one store: host memory, then disk.
+
+``offload`` takes a block the device pool is about to reuse (its KV still in place) and keeps it in the
+highest tier with room; a block pushed out of the host tier moves on to disk. ``match`` answers how
+many of a prompt's next blocks some tier holds, ``load`` copies one back. Every change is reported to
+``on_event`` (stored / removed, with the tier), which feeds the router's global index (KV events)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from pdcluster.engine.kv_offload.disk_tier import DiskTier
+from pdcluster.engine.kv_offload.host_tier import HostTier
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    host_gib: float = 0.0
+    disk_dir: str = ""
+    disk_gib: float = 0.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.host_gib > 0 or bool(self.disk_dir)
+
+    def validate(self) -> None:
+        if self.host_gib < 0:
+            raise ValueError(f"kv_offload_host_gib must be >= 0, got {self.host_gib}")
+        if self.disk_gib < 0:
+            raise ValueError(f"kv_offload_disk_gib must be >= 0, got {self.disk_gib}")
+        if self.disk_dir and self.disk_gib <= 0:
+            raise ValueError("kv_offload_disk_dir needs kv_offload_disk_gib > 0 (how much of the disk it may use)")
+        if self.disk_gib > 0 and not self.disk_dir:
+            raise ValueError("kv_offload_disk_gib needs kv_offload_disk_dir (where the blocks go)")
+
+
+@dataclass
+class TierCounters:
+    stored: int = 0
+    hits: int = 0
+    failed_loads: int = 0
+
+
+@dataclass
+class OffloadEvent:
+    kind: str  # "stored" | "removed"
+    tier: str  # "host" | "disk"
+    block_hashes: list[int] = field(default_factory=list)
+
+
+class OffloadTiers:
+    def __init__(self, config: OffloadConfig, block_shape: tuple[int, ...], dtype: torch.dtype, namespace: str,
+                 pin_memory: bool = False, on_event: Callable[[OffloadEvent], None] | None = None) -> None:
+        config.validate()
+        self.on_event = on_event or (lambda event: None)
+        bytes_per_block = int(torch.Size(block_shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        host_blocks = int(config.host_gib * GIB) // bytes_per_block
+        if config.host_gib > 0 and host_blocks == 0:
+            raise ValueError(f"kv_offload_host_gib {config.host_gib} holds no block of {bytes_per_block} bytes")
+        self.host = HostTier(host_blocks, block_shape, dtype, pin_memory) if host_blocks else None
+        self.disk = (DiskTier(config.disk_dir, int(config.disk_gib * GIB), block_shape, dtype, namespace)
+                     if config.disk_dir else None)
+        if self.disk is not None:
+            self.disk.on_evicted = lambda hashes: self.on_event(OffloadEvent("removed", "disk", hashes))
+        self.counters = {tier.name: TierCounters() for tier in self.tiers}
+
+    @property
+    def tiers(self) -> list:
+        return [t for t in (self.host, self.disk) if t is not None]
+
+    def tier_of(self, block_hash: int) -> str | None:
+        for tier in self.tiers:
+            if block_hash in tier:
+                return tier.name
+        return None
+
+    def match(self, block_hashes: list[int]) -> int:
+        """How many of ``block_hashes`` (a prompt's next blocks, in order) some tier holds, from the first."""
+        n = 0
+        for h in block_hashes:
+            if self.tier_of(h) is None:
+                break
+            n += 1
+        return n
+
+    def offload(self, block_hash: int, block_kv: torch.Tensor) -> None:
+        """Keep a block the device pool evicts. ``block_kv`` is read before this returns."""
+        if self.tier_of(block_hash) is not None:
+            return
+        if self.host is not None:
+            evicted = self.host.store(block_hash, block_kv)
+            self._stored("host", block_hash)
+            if evicted is not None:
+                self.on_event(OffloadEvent("removed", "host", [evicted[0]]))
+                if self.disk is not None:
+                    self.disk.store(evicted[0], evicted[1])
+                    self._stored("disk", evicted[0])
+        elif self.disk is not None:
+            self.disk.store(block_hash, block_kv.to("cpu", copy=True))
+            self._stored("disk", block_hash)
+
+    def load(self, block_hash: int, out: torch.Tensor) -> bool:
+        """Copy one block into ``out`` (a device block's view). False: no tier has it intact (recompute)."""
+        if self.host is not None and self.host.load(block_hash, out):
+            self.counters["host"].hits += 1
+            return True
+        if self.disk is not None and block_hash in self.disk:
+            block_kv = self.disk.load(block_hash)
+            if block_kv is None:
+                self.counters["disk"].failed_loads += 1
+                self.on_event(OffloadEvent("removed", "disk", [block_hash]))
+                return False
+            out.copy_(block_kv)
+            self.counters["disk"].hits += 1
+            return True
+        return False
+
+    def usage(self) -> dict[str, dict[str, int]]:
+        """Per tier: blocks held and capacity (for /metrics)."""
+        return {t.name: {"blocks": t.num_blocks, "capacity_blocks": t.capacity_blocks} for t in self.tiers}
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
+
+    def _stored(self, tier: str, block_hash: int) -> None:
+        self.counters[tier].stored += 1
+        self.on_event(OffloadEvent("stored", tier, [block_hash]))

@@ -1,0 +1,100 @@
+"""The offload tiers on their own (engine/kv_offload/): host LRU pushing blocks down to disk, disk files
+checked on read (deleted, truncated, corrupted -> a miss, never wrong KV), a restarted worker finding its
+blocks, events for every store and removal."""
+
+from __future__ import annotations
+
+import torch
+
+from pdcluster.engine.block_manager import chained_block_hashes
+from pdcluster.engine.kv_offload.disk_tier import DiskTier
+from pdcluster.engine.kv_offload.host_tier import HostTier
+from pdcluster.engine.kv_offload.tiers import OffloadConfig, OffloadTiers
+
+SHAPE = (2, 2, 4, 1, 8)  # layers, K/V, block_size, kv heads, head_dim
+
+
+def _block(seed: int, dtype=torch.bfloat16) -> torch.Tensor:
+    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def test_block_hashes_are_the_same_in_every_process():
+    # A fixed value: Python's hash() of a tuple holding None changes per process on 3.11.
+    assert chained_block_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4) == [-3251428344978824213, -2543332785878942959]
+
+
+def test_host_tier_evicts_least_recently_used():
+    host = HostTier(2, SHAPE, torch.bfloat16)
+    assert host.store(1, _block(1)) is None and host.store(2, _block(2)) is None
+    out = torch.empty(SHAPE, dtype=torch.bfloat16)
+    assert host.load(1, out) and torch.equal(out, _block(1))  # 1 is now the most recently used
+    evicted_hash, evicted_kv = host.store(3, _block(3))
+    assert evicted_hash == 2 and torch.equal(evicted_kv, _block(2))
+    assert 1 in host and 3 in host and 2 not in host
+
+
+def test_blocks_move_down_to_disk_and_load_back_exactly(tmp_path):
+    events = []
+    tiers = OffloadTiers(OffloadConfig(host_gib=2 * 256 / (1 << 30), disk_dir=str(tmp_path), disk_gib=0.001),
+                         SHAPE, torch.bfloat16, "layout-a", on_event=events.append)
+    assert tiers.host.capacity_blocks == 2
+    for h in (10, 11, 12, 13):
+        tiers.offload(h, _block(h))
+    tiers.disk.flush()
+    assert [tiers.tier_of(h) for h in (10, 11, 12, 13)] == ["disk", "disk", "host", "host"]
+    assert tiers.match([10, 11, 12, 13, 99, 10]) == 4
+    for h in (10, 11, 12, 13):
+        out = torch.zeros(SHAPE, dtype=torch.bfloat16)
+        assert tiers.load(h, out) and torch.equal(out, _block(h)), h
+    assert ("removed", "host", [10]) in [(e.kind, e.tier, e.block_hashes) for e in events]
+    assert sum(1 for e in events if e.kind == "stored" and e.tier == "disk") == 2
+    tiers.close()
+
+
+def test_disk_faults_are_misses_never_wrong_kv(tmp_path):
+    disk = DiskTier(tmp_path, 1 << 20, SHAPE, torch.bfloat16, "layout-a")
+    for h in (1, 2, 3, 4):
+        disk.store(h, _block(h))
+    assert disk.flush()
+    disk.path_of(1).unlink()  # deleted
+    data = bytearray(disk.path_of(2).read_bytes())
+    data[-1] ^= 0x40  # one bit of the payload
+    disk.path_of(2).write_bytes(bytes(data))
+    disk.path_of(3).write_bytes(disk.path_of(3).read_bytes()[:40])  # truncated
+    assert disk.load(1) is None and disk.load(2) is None and disk.load(3) is None
+    assert torch.equal(disk.load(4), _block(4))
+    assert 1 not in disk and 2 not in disk and 3 not in disk and disk.num_failed_reads == 3
+    disk.close()
+
+
+def test_a_restarted_worker_finds_its_blocks_and_no_other_layouts(tmp_path):
+    first = DiskTier(tmp_path, 1 << 20, SHAPE, torch.bfloat16, "layout-a")
+    first.store(-5, _block(5))
+    first.close()
+    again = DiskTier(tmp_path, 1 << 20, SHAPE, torch.bfloat16, "layout-a")
+    assert -5 in again and torch.equal(again.load(-5), _block(5))
+    other = DiskTier(tmp_path, 1 << 20, SHAPE, torch.bfloat16, "layout-b")
+    assert -5 not in other
+
+
+def test_disk_capacity_drops_oldest_files(tmp_path):
+    block_bytes = _block(0).numel() * 2
+    disk = DiskTier(tmp_path, 3 * (block_bytes + 32), SHAPE, torch.bfloat16, "layout-a")
+    removed = []
+    disk.on_evicted = removed.extend
+    for h in range(5):
+        disk.store(h, _block(h))
+        disk.flush()
+    assert disk.hashes() == [2, 3, 4] and removed == [0, 1]
+    assert sorted(p.name for p in disk.directory.iterdir()) == sorted(disk.path_of(h).name for h in (2, 3, 4))
+
+
+def test_bad_configurations_name_the_flag():
+    import pytest
+
+    with pytest.raises(ValueError, match="kv_offload_disk_gib"):
+        OffloadConfig(disk_dir="/tmp/x").validate()
+    with pytest.raises(ValueError, match="kv_offload_disk_dir"):
+        OffloadConfig(disk_gib=1).validate()
+    with pytest.raises(ValueError, match="kv_offload_host_gib"):
+        OffloadConfig(host_gib=-1).validate()
