@@ -13,6 +13,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Callable
 
 from pdcluster.engine.request import Request
 
@@ -44,8 +45,16 @@ def chained_block_hashes(token_ids: list[int], block_size: int, parent: int | No
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    """``on_evict(block_id, block_hash)`` runs when a cached block is handed to a new owner, while its KV
+    is still in place (the offload tiers copy it out: engine/kv_offload/). ``on_event(kind, hashes)``
+    reports blocks entering ("stored") and leaving ("removed") the prefix cache, for KV events."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 on_evict: Callable[[int, int], None] | None = None,
+                 on_event: Callable[[str, list[int]], None] | None = None) -> None:
         assert num_blocks > 0 and block_size > 0
+        self.on_evict = on_evict
+        self.on_event = on_event
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -135,6 +144,7 @@ class BlockManager:
         new_hashes = chained_block_hashes(
             token_ids[start_block * self.block_size : num_full * self.block_size], self.block_size, parent
         )
+        stored = []
         for i, h in enumerate(new_hashes):
             block_index = start_block + i
             block = self.blocks[request.block_ids[block_index]]
@@ -146,6 +156,9 @@ class BlockManager:
             block.block_hash = h
             block.token_ids = tuple(token_ids[block_index * self.block_size : (block_index + 1) * self.block_size])
             self._hash_to_block_id[h] = block.block_id
+            stored.append(h)
+        if stored and self.on_event is not None:
+            self.on_event("stored", stored)
 
     def free(self, request: Request) -> None:
         """Drop the request's references. Tail blocks go to the free queue first so the shared prefix
@@ -160,6 +173,8 @@ class BlockManager:
         self._req_hashes.pop(request.request_id, None)
 
     def reset_prefix_cache(self) -> None:
+        if self.on_event is not None and self._hash_to_block_id:
+            self.on_event("removed", list(self._hash_to_block_id))
         for block in self.blocks:
             block.block_hash, block.token_ids = NO_HASH, ()
         self._hash_to_block_id.clear()
@@ -171,6 +186,10 @@ class BlockManager:
         if block.block_hash is not None:
             if self._hash_to_block_id.get(block.block_hash) == block_id:
                 del self._hash_to_block_id[block.block_hash]
+                if self.on_evict is not None:
+                    self.on_evict(block_id, block.block_hash)
+                if self.on_event is not None:
+                    self.on_event("removed", [block.block_hash])
             block.block_hash, block.token_ids = NO_HASH, ()
         block.ref_count = 1
         return block_id

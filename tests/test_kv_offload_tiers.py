@@ -98,3 +98,50 @@ def test_bad_configurations_name_the_flag():
         OffloadConfig(disk_gib=1).validate()
     with pytest.raises(ValueError, match="kv_offload_host_gib"):
         OffloadConfig(host_gib=-1).validate()
+
+
+def test_evicted_device_blocks_come_back_through_the_loader(tmp_path):
+    """The block manager's eviction hook copies a cached block out before its next owner writes it; the
+    loader thread copies it into fresh blocks; a corrupt disk file ends the loaded prefix there."""
+    from pdcluster.engine.block_manager import BlockManager
+    from pdcluster.engine.kv_offload.manager import LoadJob, OffloadManager
+    from pdcluster.engine.request import Request
+    from pdcluster.engine.sampling_params import SamplingParams
+
+    num_blocks, block_size = 4, 4
+    kv_cache = torch.randn((2, 2, num_blocks, block_size, 1, 8)).to(torch.bfloat16)
+    block_bytes = 2 * 2 * block_size * 8 * 2
+    manager = OffloadManager(OffloadConfig(host_gib=2 * block_bytes / (1 << 30), disk_dir=str(tmp_path), disk_gib=0.001),
+                             kv_cache, "layout-a")
+    events = []
+    bm = BlockManager(num_blocks, block_size, on_evict=manager.on_evict, on_event=lambda k, hs: events.append((k, hs)))
+    first = Request("a", list(range(16)), SamplingParams(max_tokens=1))
+    assert bm.allocate_slots(first, 16)
+    first.num_computed_tokens = 16
+    bm.cache_full_blocks(first)
+    hashes = list(bm._req_hashes["a"])
+    original = {h: kv_cache[:, :, b].clone() for h, b in zip(hashes, first.block_ids)}
+    assert events == [("stored", hashes)]
+    bm.free(first)
+    other = Request("b", list(range(100, 116)), SamplingParams(max_tokens=1))
+    assert bm.allocate_slots(other, 16)  # takes every block: all four cached ones are evicted
+    kv_cache[:, :, other.block_ids] = 0  # the new owner writes its KV
+    manager.tiers.disk.flush()
+    # The tail is freed (and so evicted) first: the prefix stays in the faster tier.
+    assert [manager.tiers.tier_of(h) for h in hashes] == ["host", "host", "disk", "disk"]
+    assert manager.match(hashes) == 4
+    bm.free(other)
+    again = Request("c", list(range(16)), SamplingParams(max_tokens=1))
+    assert bm.allocate_slots(again, 16)
+    manager.start_load(LoadJob("c", hashes, list(again.block_ids)))
+    (job,) = manager.wait_all()
+    assert job.num_loaded == 4
+    for h, b in zip(hashes, again.block_ids):
+        assert torch.equal(kv_cache[:, :, b], original[h])
+    # A corrupt third block: the first two arrive, the rest is recomputed.
+    path = manager.tiers.disk.path_of(hashes[2])
+    path.write_bytes(path.read_bytes()[:-1] + bytes([path.read_bytes()[-1] ^ 1]))
+    manager.start_load(LoadJob("d", hashes, list(again.block_ids)))
+    (job,) = manager.wait_all()
+    assert job.num_loaded == 2 and manager.tiers.tier_of(hashes[2]) is None
+    manager.close()

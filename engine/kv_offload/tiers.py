@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+import threading
+
 import torch
 
 from pdcluster.engine.kv_offload.disk_tier import DiskTier
@@ -67,6 +69,9 @@ class OffloadTiers:
                      if config.disk_dir else None)
         if self.disk is not None:
             self.disk.on_evicted = lambda hashes: self.on_event(OffloadEvent("removed", "disk", hashes))
+        # The engine thread offloads and matches while the loader thread loads: one lock over the
+        # tiers' indexes and the host tier's slots (a slot must not be reused while it is read).
+        self._lock = threading.RLock()
         self.counters = {tier.name: TierCounters() for tier in self.tiers}
 
     @property
@@ -74,6 +79,10 @@ class OffloadTiers:
         return [t for t in (self.host, self.disk) if t is not None]
 
     def tier_of(self, block_hash: int) -> str | None:
+        with self._lock:
+            return self._tier_of(block_hash)
+
+    def _tier_of(self, block_hash: int) -> str | None:
         for tier in self.tiers:
             if block_hash in tier:
                 return tier.name
@@ -90,7 +99,11 @@ class OffloadTiers:
 
     def offload(self, block_hash: int, block_kv: torch.Tensor) -> None:
         """Keep a block the device pool evicts. ``block_kv`` is read before this returns."""
-        if self.tier_of(block_hash) is not None:
+        with self._lock:
+            self._offload(block_hash, block_kv)
+
+    def _offload(self, block_hash: int, block_kv: torch.Tensor) -> None:
+        if self._tier_of(block_hash) is not None:
             return
         if self.host is not None:
             evicted = self.host.store(block_hash, block_kv)
@@ -106,11 +119,12 @@ class OffloadTiers:
 
     def load(self, block_hash: int, out: torch.Tensor) -> bool:
         """Copy one block into ``out`` (a device block's view). False: no tier has it intact (recompute)."""
-        if self.host is not None and self.host.load(block_hash, out):
-            self.counters["host"].hits += 1
-            return True
+        with self._lock:
+            if self.host is not None and self.host.load(block_hash, out):
+                self.counters["host"].hits += 1
+                return True
         if self.disk is not None and block_hash in self.disk:
-            block_kv = self.disk.load(block_hash)
+            block_kv = self.disk.load(block_hash)  # a file read: outside the lock, the disk tier has its own
             if block_kv is None:
                 self.counters["disk"].failed_loads += 1
                 self.on_event(OffloadEvent("removed", "disk", [block_hash]))

@@ -1,0 +1,114 @@
+"""The engine's side of the offload tiers: blocks leave the device pool into the tiers, and come back
+into fresh device blocks on a loader thread while the engine keeps stepping.
+
+``on_evict`` is the block manager's eviction hook: the block's KV is still in place (nobody writes a
+free block), so it is copied out before the block is handed to its next owner. On a GPU the copy is
+queued on the compute stream, which orders it before any later write to the block.
+
+``start_load`` hands a request's lower-tier blocks to the loader thread; ``poll`` returns the loads
+that ended, each with how many of its blocks arrived intact *from the first*: a block that could not be
+read (deleted or corrupt disk file) ends the prefix there, and the tokens from it on are recomputed."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from pdcluster.engine.kv_offload.tiers import OffloadConfig, OffloadEvent, OffloadTiers
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadJob:
+    request_id: str
+    block_hashes: list[int]
+    block_ids: list[int]  # device blocks reserved for them, same order
+    num_loaded: int = 0  # blocks that arrived intact, from the first
+
+
+class OffloadManager:
+    def __init__(self, config: OffloadConfig, kv_cache: torch.Tensor, namespace: str, on_event=None) -> None:
+        self.kv_cache = kv_cache  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        block_shape = (kv_cache.shape[0], kv_cache.shape[1], *kv_cache.shape[3:])
+        self.on_gpu = kv_cache.device.type == "cuda"
+        self.tiers = OffloadTiers(config, block_shape, kv_cache.dtype, namespace, pin_memory=self.on_gpu,
+                                  on_event=on_event)
+        self._jobs: queue.Queue = queue.Queue()
+        self._done: queue.Queue = queue.Queue()
+        self.num_loading = 0
+        self._stream = torch.cuda.Stream(kv_cache.device) if self.on_gpu else None
+        self._thread = threading.Thread(target=self._load_loop, name="kv-offload-loader", daemon=True)
+        self._thread.start()
+
+    # ---- eviction (engine thread) -----------------------------------------------------------
+    def on_evict(self, block_id: int, block_hash: int) -> None:
+        self.tiers.offload(block_hash, self.kv_cache[:, :, block_id])
+        if self.on_gpu:
+            torch.cuda.current_stream().synchronize()  # the host copy must be whole before anyone reads it
+
+    # ---- matching and loading ----------------------------------------------------------------
+    def match(self, block_hashes: list[int]) -> int:
+        return self.tiers.match(block_hashes)
+
+    def start_load(self, job: LoadJob) -> None:
+        assert len(job.block_hashes) == len(job.block_ids) > 0
+        self.num_loading += 1
+        self._jobs.put(job)
+
+    def poll(self) -> list[LoadJob]:
+        done = []
+        while True:
+            try:
+                done.append(self._done.get_nowait())
+            except queue.Empty:
+                break
+        self.num_loading -= len(done)
+        return done
+
+    def wait_all(self, timeout_s: float = 30.0) -> list[LoadJob]:
+        """Block until every started load ended (shutdown, tests)."""
+        done = []
+        try:
+            while self.num_loading > len(done):
+                done.append(self._done.get(timeout=timeout_s))
+        except queue.Empty:
+            pass
+        self.num_loading -= len(done)
+        return done
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=30)
+        self.tiers.close()
+
+    # ---- the loader thread -----------------------------------------------------------------------
+    def _load_loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                self._load(job)
+            except Exception:  # noqa: BLE001  a failed load is a miss: the request recomputes
+                log.exception("KV offload: loading %d blocks for %s failed", len(job.block_ids), job.request_id)
+            self._done.put(job)
+
+    def _load(self, job: LoadJob) -> None:
+        for block_hash, block_id in zip(job.block_hashes, job.block_ids):
+            if self._stream is not None:
+                with torch.cuda.stream(self._stream):
+                    ok = self.tiers.load(block_hash, self.kv_cache[:, :, block_id])
+                self._stream.synchronize()
+            else:
+                ok = self.tiers.load(block_hash, self.kv_cache[:, :, block_id])
+            if not ok:
+                return
+            job.num_loaded += 1
+
+
+__all__ = ["LoadJob", "OffloadConfig", "OffloadEvent", "OffloadManager"]
