@@ -12,7 +12,7 @@ handler). No pickle: the peer is untrusted until the handshake says otherwise, a
 decode must not be able to run code.
 
 Handshake messages (``Challenge``, ``Hello``, ``HelloAck``) are driven by the endpoints in
-``control_plane.py``; the proof inside them is computed in ``auth.py``.
+``control_plane/`` (prefill.py, decode.py); the proof inside them is computed in ``auth.py``.
 
 A request's transfer, D = decode (which owns the request), P = prefill:
 
