@@ -33,7 +33,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdcluster.engine.kv_connector import KVConnectorOutput
 from pdcluster.engine.request import Request, RequestStatus
 from pdcluster.engine.scheduler import (
     ModelRunnerOutput,
@@ -42,6 +41,7 @@ from pdcluster.engine.scheduler import (
     SchedulerOutput,
     StepResult,
 )
+from pdcluster.wire.kv_connector import KVConnectorOutput
 
 PLACEHOLDER = -1
 

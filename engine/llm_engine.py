@@ -15,8 +15,6 @@ import torch
 from pdcluster.engine.models.architectures import arch_from_dir, is_hybrid, load_model
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.kv_cache import KVCacheSpec, allocate_kv_cache, num_blocks_for_budget
-from pdcluster.engine.kv_connector import KVConnector, KVConnectorOutput
-from pdcluster.engine.logprobs import TokenLogprobs
 from pdcluster.engine.memory import keep_freed_memory
 from pdcluster.engine.models.registry import resolve_model
 from pdcluster.engine.model_runner import ModelRunner
@@ -28,6 +26,8 @@ from pdcluster.engine.mamba_state_blocks import num_state_blocks, tokens_with_st
 from pdcluster.engine.step_trace import StepTrace
 from pdcluster.engine.tokenizer import Detokenizer, Tokenizer
 from pdcluster.engine.warmup import warmup
+from pdcluster.wire.kv_connector import KVConnector, KVConnectorOutput
+from pdcluster.wire.logprobs import TokenLogprobs
 
 log = logging.getLogger(__name__)
 

@@ -6,26 +6,15 @@ client's scoring does not change with its sampling settings, and they equal a tr
 pass. Under speculative decoding the row for an accepted token is the target model's row at that
 position, so logprobs are the same with and without a proposer.
 
-The record is a typed wire record (kv_transfer/records.py): it rides in the prefill worker's
+The record (``TokenLogprobs``) is a wire record (wire/logprobs.py): it rides in the prefill worker's
 FirstToken / TransferDone and in the decode worker's Tokens events unchanged.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
-from pdcluster.kv_transfer.records import _Record
-
-
-@dataclass(frozen=True)
-class TokenLogprobs(_Record):
-    token_id: int
-    logprob: float
-    rank: int  # 1 = the most likely token at this position
-    top_token_ids: list[int] = field(default_factory=list)  # most likely first; len = the k asked for
-    top_logprobs: list[float] = field(default_factory=list)
+from pdcluster.wire.logprobs import TokenLogprobs
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int]) -> list[TokenLogprobs]:

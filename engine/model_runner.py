@@ -25,9 +25,8 @@ from pdcluster.engine.attention import AttentionMetadata
 from pdcluster.engine.batch_classifier import BatchKind, classify_batch, uniform_decode_query_len
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.cuda_graphs import DecodeGraphs
-from pdcluster.engine.kv_connector import KVConnector, KVConnectorOutput
 from pdcluster.engine.logits_processors import RowContext, apply_penalties
-from pdcluster.engine.logprobs import TokenLogprobs, token_logprobs
+from pdcluster.engine.logprobs import token_logprobs
 from pdcluster.engine.mamba_state import MambaMetadata, MambaStatePool
 from pdcluster.engine.models.llama import LlamaModel
 from pdcluster.engine.proposers import ProposeBatch, Proposer, make_proposer
@@ -37,6 +36,8 @@ from pdcluster.engine.scheduler import ModelRunnerOutput, SchedulerOutput
 from pdcluster.engine.mamba_state_blocks import pack_state, state_block_ids, unpack_state
 from pdcluster.engine.request_slots import RequestStates
 from pdcluster.engine.step_inputs import StepInputs
+from pdcluster.wire.kv_connector import KVConnector, KVConnectorOutput
+from pdcluster.wire.logprobs import TokenLogprobs
 
 
 _PROMPT_LOGPROBS_CHUNK = 256  # prompt positions per logits matrix (256 x 49k x 4 B = 50 MB)

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from pdcluster.engine.block_manager import BlockManager
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.forks import ForkGate
-from pdcluster.engine.kv_connector import SchedulerConnector
-from pdcluster.engine.logprobs import TokenLogprobs
 from pdcluster.engine.request import Request, RequestStatus
 from pdcluster.engine.mamba_state_blocks import tokens_with_state
+from pdcluster.wire.kv_connector import SchedulerConnector
+from pdcluster.wire.logprobs import TokenLogprobs
 
 
 @dataclass

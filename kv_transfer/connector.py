@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pdcluster.engine.kv_connector import KVConnector, KVConnectorOutput, SchedulerConnector
+from pdcluster.wire.kv_connector import KVConnector, KVConnectorOutput, SchedulerConnector
 from pdcluster.kv_transfer.protocol import AbortTransfer, TransferDone
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 Every message is a frozen dataclass. On the wire a message is the msgpack map
 ``{"v": PROTOCOL_VERSION, "t": <class name>, "b": {<field>: <value>, ...}}``; nested records
 (``KVLayout`` inside ``Hello``, ``Hello`` inside ``HelloAck``) are maps of their fields. The record
-machinery and the codec are in records.py (shared with the worker -> router events).
+machinery and the codec are in wire/records.py (shared with the worker -> router events).
 
 Field types are checked against the dataclass annotations both when a message is built locally and
 when one is decoded, so a message that encodes here always decodes on the peer, and ``decode`` turns
@@ -28,14 +28,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Union
 
-from pdcluster.engine.logprobs import TokenLogprobs
-
-from .records import (  # noqa: F401 - re-exported: the control plane's callers import them from here
+from pdcluster.wire.logprobs import TokenLogprobs
+from pdcluster.wire.records import (  # noqa: F401 - re-exported: the control plane's callers import them from here
     Codec,
     ProtocolError,
+    Record,
     VersionError,
     _check_fields,
-    _Record,
     _require,
     _short,
     to_wire,
@@ -56,7 +55,7 @@ class HandshakeError(ConnectionError):
 
 
 @dataclass(frozen=True)
-class KVLayout(_Record):
+class KVLayout(Record):
     """Shape of one worker's paged KV cache; prefill and decode must agree on every field."""
 
     num_layers: int  # including the draft (MTP) layers, whose KV is transferred too
@@ -92,14 +91,14 @@ class KVLayout(_Record):
 
 
 @dataclass(frozen=True)
-class Challenge(_Record):
+class Challenge(Record):
     """First handshake message in each direction: the nonce the peer must sign over."""
 
     nonce: bytes
 
 
 @dataclass(frozen=True)
-class Hello(_Record):
+class Hello(Record):
     """Who a worker is and what its KV cache looks like, with its proof of the cluster secret.
 
     ``hmac`` = HMAC(secret, canonical bytes of every other field + the peer's nonce); see auth.py.
@@ -121,7 +120,7 @@ class Hello(_Record):
 
 
 @dataclass(frozen=True)
-class HelloAck(_Record):
+class HelloAck(Record):
     """The listener's verdict on a Hello; when accepted, ``hello`` is its own signed Hello."""
 
     accepted: bool
@@ -130,7 +129,7 @@ class HelloAck(_Record):
 
 
 @dataclass(frozen=True)
-class TransferRequest(_Record):
+class TransferRequest(Record):
     """Decode -> prefill: prefill this prompt and write its KV into these pre-allocated blocks.
 
     ``sampling`` is the request's SamplingParams as a map (engine/sampling_params.py), so the first
@@ -151,7 +150,7 @@ class TransferRequest(_Record):
 
 
 @dataclass(frozen=True)
-class TransferDone(_Record):
+class TransferDone(Record):
     """Prefill -> decode: the KV of ``request_id`` is in place (sent from post_forward only, S2)."""
 
     request_id: str
@@ -172,7 +171,7 @@ class TransferDone(_Record):
 
 
 @dataclass(frozen=True)
-class FirstToken(_Record):
+class FirstToken(Record):
     """Prefill -> decode: the first output token, sent as soon as it is sampled (the decode worker
     streams it to the router at once; TransferDone repeats it)."""
 
@@ -184,7 +183,7 @@ class FirstToken(_Record):
 
 
 @dataclass(frozen=True)
-class AbortTransfer(_Record):
+class AbortTransfer(Record):
     """Either direction: stop working on ``request_id``; its blocks are freed by each side."""
 
     request_id: str
@@ -192,7 +191,7 @@ class AbortTransfer(_Record):
 
 
 @dataclass(frozen=True)
-class Heartbeat(_Record):
+class Heartbeat(Record):
     """Liveness; any message counts as liveness, heartbeats cover idle periods."""
 
     worker_id: str

@@ -1,4 +1,4 @@
-"""Worker -> router events: frozen dataclasses over the records codec (kv_transfer/records.py), one
+"""Worker -> router events: frozen dataclasses over the records codec (wire/records.py), one
 typed stream per decode worker. The decode worker owns a request once the router has handed it over,
 so every event of a request comes from its decode worker, in order, on one zmq socket.
 
@@ -16,15 +16,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Union
 
-from pdcluster.engine.logprobs import TokenLogprobs
-from pdcluster.kv_transfer.records import Codec, _Record
+from pdcluster.wire.logprobs import TokenLogprobs
+from pdcluster.wire.records import Codec, Record
 
 EVENTS_VERSION = 1
 ADMITTED, FULL, INVALID, UNREACHABLE = "admitted", "full", "invalid", "unreachable"
 
 
 @dataclass(frozen=True)
-class Admission(_Record):
+class Admission(Record):
     request_id: str
     worker_id: str
     verdict: str  # ADMITTED | FULL | INVALID | UNREACHABLE
@@ -32,7 +32,7 @@ class Admission(_Record):
 
 
 @dataclass(frozen=True)
-class Tokens(_Record):
+class Tokens(Record):
     """New tokens of one request; counts are the decode worker's, after acceptance (S1)."""
 
     request_id: str
@@ -57,7 +57,7 @@ class Tokens(_Record):
 
 
 @dataclass(frozen=True)
-class KVReady(_Record):
+class KVReady(Record):
     request_id: str
     worker_id: str
     transport: str
@@ -66,14 +66,14 @@ class KVReady(_Record):
 
 
 @dataclass(frozen=True)
-class Failed(_Record):
+class Failed(Record):
     request_id: str
     worker_id: str
     reason: str
 
 
 @dataclass(frozen=True)
-class WorkerError(_Record):
+class WorkerError(Record):
     worker_id: str
     error: str
 

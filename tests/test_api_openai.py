@@ -35,7 +35,7 @@ from pdcluster.cluster.api.text import AlignedText
 from pdcluster.cluster.local_router import LocalRouter
 from pdcluster.cluster.metrics import Metrics
 from pdcluster.engine.config import EngineConfig
-from pdcluster.engine.logprobs import TokenLogprobs
+from pdcluster.wire.logprobs import TokenLogprobs
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.engine.tokenizer import Tokenizer
 from test_api import API_KEY, MAX_MODEL_LEN, MODEL, NUM_BLOCKS, PROMPTS, Stack, serving

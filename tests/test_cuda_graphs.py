@@ -86,7 +86,7 @@ def test_padded_rows_write_no_kv_and_read_nothing_they_keep(tiny_dir):
 
 
 def test_graphs_skip_steps_whose_connector_sends_layers():
-    from pdcluster.engine.kv_connector import KVConnector
+    from pdcluster.wire.kv_connector import KVConnector
 
     class Sends(KVConnector):
         def save_layer(self, layer_idx: int) -> None:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from pdcluster.engine.config import EngineConfig
-from pdcluster.engine.kv_connector import KVConnector, KVConnectorOutput
+from pdcluster.wire.kv_connector import KVConnector, KVConnectorOutput
 from pdcluster.engine.llm_engine import LLMEngine
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.engine.scheduler import SchedulerOutput

@@ -170,7 +170,7 @@ def test_cluster_router_takes_prompt_logprobs_from_the_first_token_not_a_chunk_r
     with the prompt logprobs; the client's first delta must carry them (and the TTFT)."""
     from pdcluster.cluster.router.state import Attempt, RequestState
     from pdcluster.cluster.router.stream import RequestStreams
-    from pdcluster.engine.logprobs import TokenLogprobs
+    from pdcluster.wire.logprobs import TokenLogprobs
     from pdcluster.node.events import Tokens
 
     streams = RequestStreams({"num_draft_tokens": 0, "num_accepted_tokens": 0}, lambda: None, lambda a: None)

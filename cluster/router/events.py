@@ -11,7 +11,7 @@ from typing import Callable
 
 import zmq
 
-from pdcluster.kv_transfer.records import ProtocolError
+from pdcluster.wire.records import ProtocolError
 from pdcluster.node.events import EVENT_CODEC, MAX_EVENT_BYTES, Event
 
 log = logging.getLogger(__name__)

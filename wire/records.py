@@ -1,11 +1,12 @@
 """Typed records over msgpack: frozen dataclasses whose fields are checked against their annotations
 when built locally and when decoded, and a versioned codec for a family of them.
 
-Used by the KV-transfer control plane (protocol.py: worker <-> worker) and by the worker -> router
-event stream (node/events.py). On the wire a record is ``{"v": version, "t": <class name>, "b":
-{<field>: <value>, ...}}``; nested records are maps of their fields. ``Codec.decode`` turns every
-malformed input into a ``ProtocolError`` (never a ``KeyError``/``TypeError`` from deep inside a
-handler). No pickle: a decode must not be able to run code.
+Used by the KV-transfer control plane (kv_transfer/protocol.py: worker <-> worker), by the worker ->
+router event stream (node/events.py), and by the records both carry (logprobs.py). On the wire a
+record is ``{"v": version, "t": <class name>, "b": {<field>: <value>, ...}}``; nested records are
+maps of their fields. ``Codec.decode`` turns every malformed input into a ``ProtocolError`` (never a
+``KeyError``/``TypeError`` from deep inside a handler). No pickle: a decode must not be able to run
+code.
 
 Field annotations with a checker: int, float, bool, str, bytes, list[int], list[str],
 dict[str, Any] (msgpack-native values), a nested record, and a list of records.
@@ -190,11 +191,11 @@ def _checker_for(annotation: Any) -> Callable[[Any, str], Any]:
         return _check_str_list
     if origin is list and args == (float,):
         return _check_float_list
-    if origin is list and len(args) == 1 and dataclasses.is_dataclass(args[0]) and issubclass(args[0], _Record):
+    if origin is list and len(args) == 1 and dataclasses.is_dataclass(args[0]) and issubclass(args[0], Record):
         return _record_list_checker(args[0])
     if origin is dict and args[:1] == (str,):
         return _check_str_map
-    if dataclasses.is_dataclass(annotation) and issubclass(annotation, _Record):
+    if dataclasses.is_dataclass(annotation) and issubclass(annotation, Record):
         return _record_checker(annotation)
     raise TypeError(f"record field annotation {annotation!r} has no checker")  # a bug here, not a peer
 
@@ -206,7 +207,7 @@ def _field_checkers(cls: type) -> tuple[tuple[str, Callable[[Any, str], Any]], .
     return tuple((f.name, _checker_for(hints[f.name])) for f in dataclasses.fields(cls))
 
 
-def _check_fields(record: _Record, path: str) -> None:
+def _check_fields(record: Record, path: str) -> None:
     """Check (and normalise in place) every field of ``record``, then its value rules."""
     for name, check in _field_checkers(type(record)):
         object.__setattr__(record, name, check(getattr(record, name), f"{path}.{name}"))
@@ -240,7 +241,7 @@ def _build(cls: type, body: Any, path: str) -> Any:
 
 
 @dataclass(frozen=True)
-class _Record:
+class Record:
     """Base of everything that travels: fields are type-checked on construction."""
 
     def __post_init__(self) -> None:
@@ -258,7 +259,7 @@ def _require(ok: bool, path: str, what: str, value: Any) -> None:
 # --- codec -------------------------------------------------------------------------------------------
 
 
-def to_wire(record: _Record) -> dict[str, Any]:
+def to_wire(record: Record) -> dict[str, Any]:
     """The msgpack-ready map of a record's fields (nested records become maps)."""
     return dataclasses.asdict(record)
 
@@ -273,7 +274,7 @@ class Codec:
         self.version = version
         self.types: dict[str, type] = {cls.__name__: cls for cls in types}
 
-    def encode(self, msg: _Record) -> bytes:
+    def encode(self, msg: Record) -> bytes:
         """msgpack of ``{"v": version, "t": type name, "b": fields}``; ProtocolError if invalid."""
         name = type(msg).__name__
         if self.types.get(name) is not type(msg):
