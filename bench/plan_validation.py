@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pdcluster.cluster.cli import main as pdcluster_main
+from pdcluster.cli.main import main as pdcluster_main
 from pdcluster.cluster.planner.costs import load_cost_model
 from pdcluster.cluster.planner.cpu_meter import CpuMeter
 from pdcluster.cluster.planner.shape import parse_shape

@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pdcluster.cluster.cli import main as pdcluster_main
+from pdcluster.cli.main import main as pdcluster_main
 from pdcluster.cluster.server_process import ServeProcess
 
 CONFIGS = {

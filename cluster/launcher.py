@@ -5,6 +5,9 @@ the router, and the HTTP server.
 Devices: with CUDA each worker asks Ray for ``num_gpus=1``. On CPU, custom resources
 ``prefill_slot`` / ``decode_slot`` stand in for devices and each worker gets its own share of the
 cores (torch threads), so prefill and decode do not fight over them.
+
+Ray is imported where a cluster starts, not at the top: its import loads the psutil Ray vendors, which
+tests/test_runtime_dependencies.py's isolated import (declared distributions' names only) refuses.
 """
 
 from __future__ import annotations
@@ -17,12 +20,20 @@ import sys
 import uuid
 from dataclasses import asdict, dataclass, replace
 
+from pdcluster.cluster.api.admin import install_admin_routes
+from pdcluster.cluster.api.app import build_app
+from pdcluster.cluster.autoscale import Planner
+from pdcluster.cluster.engine_args import engine_config_from_args
+from pdcluster.cluster.http_server import run_server
+from pdcluster.cluster.metrics import Metrics
 from pdcluster.cluster.router import ClusterRouter, RouterConfig
+from pdcluster.decode_node.actor import DecodeActor
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.models.architectures import arch_from_dir
 from pdcluster.engine.models.registry import resolve_model
 from pdcluster.engine.tokenizer import Tokenizer
 from pdcluster.kv_transfer.config import TransferConfig
+from pdcluster.prefill_node.actor import PrefillActor
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +80,7 @@ def gpu_share_per_worker(num_gpus: float, num_workers: int) -> float:
 
 
 def ray_has_resource(name: str) -> bool:
-    import ray
+    import ray  # see the module docstring
 
     return bool(ray.cluster_resources().get(name))
 
@@ -78,12 +89,9 @@ class Cluster:
     """Handles to a running cluster. ``shutdown()`` stops the actors (and Ray, if we started it)."""
 
     def __init__(self, spec: ClusterSpec):
-        import ray
+        import ray  # see the module docstring
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from pdcluster.decode_node.actor import DecodeActor
-        from pdcluster.prefill_node.actor import PrefillActor
 
         self.spec = spec
         self._ray = ray
@@ -211,9 +219,6 @@ class Cluster:
         role (handshakes), and put it into rotation; returns its id. Outside the placement group (its
         bundles are fixed): Ray places it on any node with a free slot, and on a real cluster the Ray
         autoscaler adds a node when none has one."""
-        from pdcluster.decode_node.actor import DecodeActor
-        from pdcluster.prefill_node.actor import PrefillActor
-
         if role not in ("prefill", "decode") or (role == "prefill" and self.spec.mode != "disagg"):
             raise ValueError(f"cannot add a {role!r} worker in {self.spec.mode} mode")
         ray = self._ray
@@ -304,8 +309,6 @@ class Cluster:
 
 
 def spec_from_args(args) -> ClusterSpec:
-    from pdcluster.cluster.cli import engine_config_from_args
-
     return ClusterSpec(
         engine=engine_config_from_args(args),
         transfer=TransferConfig(
@@ -328,11 +331,6 @@ def spec_from_args(args) -> ClusterSpec:
 
 def run_cluster(args) -> int:
     """`pdcluster serve` for the Ray modes: start everything, serve HTTP until interrupted."""
-    from pdcluster.cluster.api.admin import install_admin_routes
-    from pdcluster.cluster.api.app import build_app
-    from pdcluster.cluster.metrics import Metrics
-    from pdcluster.cluster.serve_cli import run_server
-
     spec = spec_from_args(args)
     cluster = Cluster(spec)
     try:
@@ -346,8 +344,6 @@ def run_cluster(args) -> int:
               f"workers, transport {spec.transfer.transport}, policy {spec.policy}", file=sys.stderr, flush=True)
         on_ready = None
         if getattr(args, "autoscale", False):
-            from pdcluster.cluster.autoscale import Planner
-
             planner = Planner(cluster, args.autoscale_config, on_action=metrics.observe_autoscale)
 
             def on_ready(loop):  # the planner runs on the server's loop, beside the router

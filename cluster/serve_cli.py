@@ -1,23 +1,24 @@
 """`pdcluster serve`: the OpenAI-compatible server. ``--mode local`` runs one in-process engine (no Ray);
 ``disagg`` and ``colocated`` start (or join) a Ray cluster through cluster/launcher.py.
 
-cli.py registers it: ``add_serve_parser(sub)``; the parser's default ``func`` is ``serve_main``.
+The `pdcluster` command (cli/main.py) registers it: ``add_serve_parser(sub)``; the parser's default
+``func`` is ``serve_main``. What serves (the launcher, the local router, the app) is imported when a
+server starts: they load torch and the engine (about 1.5 s), which `pdcluster --help` should not wait for.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import os
-import signal
-import socket
 import sys
-import threading
 
 from pdcluster.cluster.api.tool_parsers import PARSER_CHOICES
-from pdcluster.cluster.cli import _add_engine_args, engine_config_from_args
-from pdcluster.engine.config import ConfigError
+from pdcluster.cluster.autoscale import AutoscaleConfig
+from pdcluster.cluster.engine_args import add_engine_args, engine_config_from_args
+from pdcluster.cluster.http_server import listen, run_server
+from pdcluster.cluster.metrics import Metrics
+from pdcluster.engine.config import ConfigError, EngineConfig
+from pdcluster.engine.models.registry import default_cache_dir
 
 MODES = ("auto", "disagg", "colocated", "local")
 # Below this many cores (and no GPU, no cluster to join) a prefill/decode pair would get one core
@@ -33,7 +34,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
                               description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health "
                                           "and /metrics. The engine flags apply to every worker.")
-    _add_engine_args(p)  # --model, --spec, --num-spec-tokens, ... (shared with `generate`)
+    add_engine_args(p)  # --model, --spec, --num-spec-tokens, ... (shared with `generate`)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     g.add_argument("--port", type=_port, default=os.environ.get("PDCLUSTER_PORT") or "8000",
@@ -102,8 +103,6 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.autoscale:
         if args.mode == "local":
             raise ConfigError("--autoscale: needs --mode disagg or colocated (local serves one in-process engine)")
-        from pdcluster.cluster.autoscale import AutoscaleConfig
-
         try:
             args.autoscale_config = AutoscaleConfig(
                 min_prefill=args.min_prefill if args.min_prefill is not None else args.num_prefill,
@@ -114,12 +113,9 @@ def _check_args(args: argparse.Namespace) -> None:
         except ValueError as e:
             raise ConfigError(str(e)) from e
     if args.device.startswith("cuda") and not args.address:  # a worker would fail the same way, later
-        from pdcluster.engine.config import EngineConfig
-
         EngineConfig(device=args.device).resolve_device()
     if args.spec == "mtp":  # before any worker starts: one line, not a traceback from every actor
-        from pdcluster.engine.models.registry import default_cache_dir
-        from pdcluster.engine.models.mtp import find_mtp_checkpoint
+        from pdcluster.engine.models.mtp import find_mtp_checkpoint  # torch: when asked for, not at --help
 
         find_mtp_checkpoint(args.mtp_checkpoint, args.cache_dir or default_cache_dir(), args.model)
     if args.max_worker_restarts < 0:
@@ -128,9 +124,9 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--request-timeout-s: must be > 0, got {args.request_timeout_s}")
     if args.mode != "local" and args.port:  # (--mode local binds before loading the model; 0 = any port)
         # Ray and the workers take a minute to start: a busy port must fail before that, in one line.
-        _listen(args.host, args.port).close()
+        listen(args.host, args.port).close()
     if args.mode == "auto":
-        import torch
+        import torch  # 1.5 s: only when a server starts
 
         args.mode = resolve_auto_mode(args.address, os.cpu_count() or 1,
                                       torch.cuda.device_count() if torch.cuda.is_available() else 0)
@@ -153,23 +149,17 @@ def serve_main(args: argparse.Namespace) -> int:
         print(f"pdcluster serve: warning: listening on {args.host} without an API key (set --api-key or "
               "PDCLUSTER_API_KEY)", file=sys.stderr, flush=True)
     if args.mode != "local":
-        try:
-            from pdcluster.cluster.launcher import run_cluster
-        except ModuleNotFoundError as e:
-            if e.name != "pdcluster.cluster.launcher":
-                raise
-            raise ConfigError(f"--mode {args.mode} needs the Ray launcher, which this build lacks: "
-                              "use --mode local") from e
+        from pdcluster.cluster.launcher import run_cluster  # Ray, torch, the router: see the docstring
+
         return run_cluster(args)
     return _serve_local(args)
 
 
 def _serve_local(args: argparse.Namespace) -> int:
-    from pdcluster.cluster.api.app import build_app
+    from pdcluster.cluster.api.app import build_app  # torch and the engine: see the docstring
     from pdcluster.cluster.local_router import LocalRouter
-    from pdcluster.cluster.metrics import Metrics
 
-    sock = _listen(args.host, args.port)  # before loading the model: a busy port fails at once
+    sock = listen(args.host, args.port)  # before loading the model: a busy port fails at once
     try:
         router = LocalRouter(engine_config_from_args(args), request_timeout_s=args.request_timeout_s)
     except BaseException:
@@ -181,60 +171,3 @@ def _serve_local(args: argparse.Namespace) -> int:
         return run_server(app, args.host, args.port, args.served_model_name, sock=sock)
     finally:
         router.close()
-
-
-def run_server(app, host: str, port: int, model_name: str, sock: socket.socket | None = None,
-               on_ready=None) -> int:
-    """Run uvicorn until SIGINT/SIGTERM, then return (so the caller's cleanup runs); print "pdcluster
-    serving <model> on http://host:port" to stderr once the socket listens (the real port when ``port``
-    is 0). ``sock``: a socket already bound to host:port (see ``_listen``); closed on return.
-    ``on_ready(loop)``: called once the server listens, on its event loop (background tasks)."""
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self):
-            # uvicorn re-raises the captured signal after shutdown, which would kill us before the
-            # caller's cleanup (router.close(), stopping workers): take the signals, do not re-raise.
-            if threading.current_thread() is not threading.main_thread():
-                yield
-                return
-            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-            try:
-                yield
-            finally:
-                for sig, handler in previous.items():
-                    signal.signal(sig, handler)
-
-    sock = sock or _listen(host, port)  # bound before uvicorn, so a busy port is one clear error line
-    bound = sock.getsockname()[1]
-    server = Server(uvicorn.Config(app, host=host, port=bound, log_level="info", timeout_graceful_shutdown=5))
-
-    async def serve() -> None:
-        task = asyncio.create_task(server.serve(sockets=[sock]))
-        while not server.started and not task.done():
-            await asyncio.sleep(0.05)
-        if server.started:
-            shown = f"[{host}]" if ":" in host else host
-            print(f"pdcluster serving {model_name} on http://{shown}:{bound}", file=sys.stderr, flush=True)
-            if on_ready is not None:
-                on_ready(asyncio.get_running_loop())
-        await task
-
-    try:
-        asyncio.run(serve())
-    finally:
-        sock.close()
-    return 0 if server.started else 1
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise ConfigError(f"--host/--port: cannot listen on {host}:{port}: {e.strerror or e}") from e
-    return sock

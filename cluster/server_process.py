@@ -39,7 +39,7 @@ class ServeProcess:
         # Ray's files and HOME go to the temp dir; the model cache must not follow HOME there (every
         # server would convert the model again).
         env = dict(os.environ, PDCLUSTER_CACHE_DIR=str(default_cache_dir()), RAY_TMPDIR=self.tmp, HOME=self.tmp)
-        cmd = [sys.executable, "-m", "pdcluster.cluster.cli", "serve", *flags]
+        cmd = [sys.executable, "-m", "pdcluster.cli", "serve", *flags]
         if "--port" not in flags:
             cmd += ["--port", "0"]
         with open(self.log_path, "w") as log:

@@ -31,9 +31,9 @@ async def serving(app):
     """``app`` on uvicorn on a free loopback port, on this loop (beside the router); yields its URL."""
     import uvicorn
 
-    from pdcluster.cluster.serve_cli import _listen
+    from pdcluster.cluster.http_server import listen
 
-    sock = _listen("127.0.0.1", 0)
+    sock = listen("127.0.0.1", 0)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
@@ -139,7 +139,7 @@ def test_admin_routes_without_an_admin_key_are_disabled():
 
 def _cli(*args, key=ADMIN_KEY, capsys=None):
     """`pdcluster drain ARGS` in this process (as fast as it gets): (exit status, stdout, stderr)."""
-    from pdcluster.cluster.cli import main
+    from pdcluster.cli.main import main
 
     capsys.readouterr()
     env = {"PDCLUSTER_ADMIN_KEY": key}
@@ -205,7 +205,7 @@ def test_pdcluster_drain_cli_against_a_real_server(tiny_dir, capsys):
             t.start()
         for _ in threads:  # every request streams (round robin: two on each worker)
             assert started.acquire(timeout=120)
-        drained = subprocess.run([sys.executable, "-m", "pdcluster.cluster.cli", "drain", "--url", url, "--worker-id",
+        drained = subprocess.run([sys.executable, "-m", "pdcluster.cli", "drain", "--url", url, "--worker-id",
                                   leaving], capture_output=True, text=True, timeout=300,
                                  env={**os.environ, "PDCLUSTER_ADMIN_KEY": ADMIN_KEY})
         for t in threads:

@@ -9,7 +9,7 @@ import pytest
 
 
 def _run(*args, timeout=300):
-    cmd = [sys.executable, "-m", "pdcluster.cluster.cli", *args]
+    cmd = [sys.executable, "-m", "pdcluster.cli", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=os.environ.copy())
 
 
@@ -103,7 +103,7 @@ def test_spec_mtp_without_a_trained_head_is_refused_in_one_line(tiny_dir, tmp_pa
 
 
 def test_serve_port_defaults_to_the_environment(monkeypatch, capsys):
-    from pdcluster.cluster.cli import build_parser
+    from pdcluster.cli.main import build_parser
     from pdcluster.cluster.serve_cli import _check_args
     from pdcluster.engine.config import ConfigError
 

@@ -685,7 +685,7 @@ def test_prestop_hook_drains_this_pod_through_the_admin_route(rendered, tmp_path
     import threading
 
     from pdcluster.cluster.api.admin import DrainRequest
-    from pdcluster.cluster.cli import main
+    from pdcluster.cli.main import main
 
     command = _worker(rendered("values-cpu.yaml"))["lifecycle"]["preStop"]["exec"]["command"]
     bin_dir = tmp_path / "bin"

@@ -100,7 +100,8 @@ def test_every_linear_is_the_batch_invariant_gemm():
 def test_flag_and_default(monkeypatch):
     """On by default (it costs nothing measurable, bench/results/deterministic_cost.json); the flag or
     $PDCLUSTER_DETERMINISTIC is an explicit ask (an error where it cannot run), the default is not."""
-    from pdcluster.cluster.cli import build_parser, engine_config_from_args
+    from pdcluster.cli.main import build_parser
+    from pdcluster.cluster.engine_args import engine_config_from_args
 
     parse = lambda *a: engine_config_from_args(build_parser().parse_args(["generate", "--prompt", "x", *a]))  # noqa: E731
     assert parse("--deterministic").deterministic is True

@@ -22,7 +22,7 @@ import httpx
 import numpy as np
 import pytest
 
-from pdcluster.cluster.cli import main
+from pdcluster.cli.main import main
 from pdcluster.cluster.loadtest.arrivals import ArrivalProcess, ArrivalError, within_duration
 from pdcluster.cluster.loadtest.client import RequestRecord, Target, send_request
 from pdcluster.cluster.loadtest.datasets import (

@@ -20,7 +20,7 @@ import httpx
 import psutil
 import pytest
 
-from pdcluster.cluster.cli import main
+from pdcluster.cli.main import main
 from pdcluster.cluster.loadtest import chaos_targets
 from pdcluster.cluster.loadtest.chaos import ChaosEvent, ChaosSpecError, parse_chaos
 from pdcluster.cluster.loadtest.chaos_controller import ChaosController, EventState, busiest_index

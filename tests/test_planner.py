@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pdcluster.cluster.cli import main
+from pdcluster.cli.main import main
 from pdcluster.cluster.planner.costs import CostModel, EngineLimits, Fit, attn_pairs, fit_linear
 from pdcluster.cluster.planner.search import Searcher, Target, split_for
 from pdcluster.cluster.planner.shape import ClusterShape, ShapeError, parse_shape

@@ -150,9 +150,9 @@ _ISOLATED = textwrap.dedent("""
     for name in json.loads(sys.argv[2]):
         importlib.import_module(name)
     if sys.argv[3] == "cli":
-        from pdcluster.cluster.cli import build_parser
+        from pdcluster.cli.main import build_parser
         parser = build_parser()
-        for argv in (["--help"], ["serve", "--help"], ["generate", "--help"], ["loadtest", "--help"]):
+        for argv in (["--help"], *([c, "--help"] for c in ("serve", "generate", "loadtest", "drain", "profile", "plan"))):
             try:
                 parser.parse_args(argv)
             except SystemExit as e:

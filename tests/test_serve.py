@@ -119,7 +119,7 @@ def test_busy_port_is_one_line_before_ray_starts(tiny_dir):
     env = dict(os.environ, RAY_TMPDIR=tmp, HOME=tmp)
     with socket.create_server(("127.0.0.1", 0)) as busy:
         port = busy.getsockname()[1]
-        r = subprocess.run([sys.executable, "-m", "pdcluster.cluster.cli", "serve", "--mode", "colocated",
+        r = subprocess.run([sys.executable, "-m", "pdcluster.cli", "serve", "--mode", "colocated",
                             "--model", "tiny-random", "--port", str(port)],
                            capture_output=True, text=True, timeout=240, env=env)
     out = r.stdout + r.stderr

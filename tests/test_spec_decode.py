@@ -367,7 +367,7 @@ def test_spec_cli_json_counters(tiny_dir):
     import io
     import json
 
-    from pdcluster.cluster.cli import main
+    from pdcluster.cli.main import main
 
     def run(*extra):
         buf = io.StringIO()

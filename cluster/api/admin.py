@@ -15,7 +15,7 @@ must not be able to take workers away; without an admin key the routes answer 40
   and a drain goes on when the caller disconnects (a repeated preStop call finds it).
 - ``GET /admin/workers``: every worker, its role, Ray node and whether it takes placements.
 
-``pdcluster drain --url URL (--worker-id ID | --node-ip IP | --all | --list)`` (cluster/cli.py) is their
+``pdcluster drain --url URL (--worker-id ID | --node-ip IP | --all | --list)`` (cli/drain.py) is their
 client.
 """
 
@@ -35,7 +35,7 @@ from pdcluster.cluster.api.protocol import short
 
 log = logging.getLogger(__name__)
 
-DEFAULT_DRAIN_TIMEOUT_S = 600.0  # also `pdcluster drain --timeout-s`'s default (cluster/cli.py)
+DEFAULT_DRAIN_TIMEOUT_S = 600.0  # also `pdcluster drain --timeout-s`'s default (cli/drain.py)
 NODE_LOOKUP_TIMEOUT_S = 10.0
 
 

@@ -8,7 +8,7 @@ report latency, throughput and goodput at SLOs, in `vllm bench serve`'s JSON fie
     pdcluster loadtest --compare colocated.json disagg.json --plot compare.png
     pdcluster loadtest ... --chaos 'kill-decode@20s,stop-prefill@40s+5s' --result-json chaos.json --plot chaos.png
 
-cli.py registers it with ``add_loadtest_parser(sub)``; the parser's ``func`` is ``loadtest_main``.
+cli/main.py registers it with ``add_loadtest_parser(sub)``; the parser's ``func`` is ``loadtest_main``.
 Mistakes in the arguments raise ``LoadtestError`` (a ValueError), which the top-level CLI prints as one
 line and exit status 2.
 """

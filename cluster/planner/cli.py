@@ -5,7 +5,7 @@
         --dataset random --input-len 256 --output-len 64 --shared-cores 2 --slo-ttft-ms 2000 --slo-tpot-ms 200
     pdcluster plan --profile profile.json --search --gpus 64 --rate 40 --slo-ttft-ms 1000 --slo-tpot-ms 100
 
-cli.py registers both with ``add_planner_parsers(sub)``. Mistakes in the arguments raise ValueErrors
+cli/main.py registers both with ``add_planner_parsers(sub)``. Mistakes in the arguments raise ValueErrors
 (ProfileError, ShapeError, WorkloadError, PlanError) that the top-level CLI prints as one line, exit 2.
 """
 

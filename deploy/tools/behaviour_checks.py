@@ -33,7 +33,7 @@ def serve_argv_from_shell(command: str) -> tuple[list[str], list[str]]:
 
 def _parse_pdcluster(argv: list[str], command: str, where: str):
     """``pdcluster <command> ...`` as pdcluster's own parser reads it, full flag names only."""
-    from pdcluster.cluster.cli import build_parser
+    from pdcluster.cli.main import build_parser
 
     if argv[:2] != ["pdcluster", command]:
         fail(where, f"expected `pdcluster {command} ...`, got {argv[:2]}")

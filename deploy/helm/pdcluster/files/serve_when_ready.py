@@ -20,7 +20,7 @@ import time
 
 def needed_resources(serve_argv: list[str], device: str) -> dict[str, float]:
     """Ray resources the launcher's placement group will ask for, from `pdcluster serve ...` argv."""
-    from pdcluster.cluster.cli import build_parser
+    from pdcluster.cli.main import build_parser
 
     if serve_argv[:1] != ["pdcluster"]:
         raise ValueError(f"expected `pdcluster serve ...` after --, got {serve_argv[:2]}")

@@ -1,0 +1,59 @@
+"""`pdcluster generate`: generate offline with one engine in this process (no cluster, no server)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from pdcluster.cluster.engine_args import add_engine_args, engine_config_from_args
+from pdcluster.engine.sampling_params import SamplingParams
+
+
+def add_generate_parser(sub) -> argparse.ArgumentParser:
+    gen = sub.add_parser("generate", help="generate offline with one engine (no cluster)")
+    add_engine_args(gen)
+    gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--json", action="store_true", help="one JSON object per prompt, one per line")
+    gen.set_defaults(func=generate_main)
+    return gen
+
+
+def generate_main(args: argparse.Namespace) -> int:
+    from pdcluster.engine.llm_engine import LLMEngine  # torch: when generating, not at `pdcluster --help`
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.sampling_seed,
+        stop=args.stop or [],
+        ignore_eos=args.ignore_eos,
+    )
+    engine = LLMEngine(engine_config_from_args(args))
+    prompts = args.prompt
+    if args.chat:
+        prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    outputs = engine.generate(prompts, params)  # validates every prompt before the first step
+    for prompt, out in zip(args.prompt, outputs):
+        if args.json:
+            print(json.dumps({
+                "prompt": prompt,
+                "prompt_token_ids": out.prompt_token_ids,
+                "token_ids": out.token_ids,
+                "text": out.text,
+                "finish_reason": out.finish_reason,
+                "num_draft_tokens": out.num_draft_tokens,
+                "num_accepted_tokens": out.num_accepted_tokens,
+            }), flush=True)
+        else:
+            print(f"{prompt!r} -> {out.text!r}", flush=True)
+    return 0

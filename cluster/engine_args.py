@@ -1,0 +1,68 @@
+"""The engine flags every command that builds an engine shares (`pdcluster generate`, `serve`: one set
+for every worker), and the EngineConfig they make. Below both the CLI and the Ray launcher, which
+rebuilds the config from the parsed `serve` flags."""
+
+from __future__ import annotations
+
+import argparse
+
+from pdcluster.engine.config import DTYPES, SPEC_METHODS, EngineConfig
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default="smollm2", help="built-in name (smollm2, tiny-random) or an HF model directory")
+    g.add_argument("--device", default="auto",
+                   help="auto (CUDA where torch sees a GPU: in a cluster, the GPU Ray gave the worker), cpu, cuda "
+                        "or cuda:N")
+    g.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="auto = the checkpoint's dtype (bfloat16 for smollm2: prepacked bf16 GEMMs on CPU)")
+    g.add_argument("--max-model-len", type=int, default=0, help="0 = the model's limit, capped at 4096")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-kv-blocks", type=int, default=0, help="0 = size the pool from --kv-cache-memory-gib")
+    g.add_argument("--kv-cache-memory-gib", type=float, default=1.0)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--prefill-chunk-size", type=int, default=512)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--spec", default="none", choices=SPEC_METHODS, help="speculative decoding method")
+    g.add_argument("--num-spec-tokens", type=int, default=0, help="draft tokens per step (k)")
+    g.add_argument("--mtp-checkpoint", default="",
+                   help="MTP head for --spec mtp: a safetensors file from bench/train_mtp.py (default: the one "
+                        "trained for --model in the cache dir; refused when there is none), or 'random'")
+    g.add_argument("--no-cuda-graphs", action="store_true",
+                   help="on a GPU, run decode steps eagerly instead of through CUDA graphs (vLLM's --enforce-eager)")
+    g.add_argument("--num-threads", type=int, default=0)
+    g.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
+                   help="batch-invariant kernels: a request's tokens and logprobs are bitwise the same whatever the "
+                        "batch, chunking, speculation, placement or recovery (CPU; on by default, --no-deterministic for the "
+                        "library GEMMs and, on hybrids, the chunked Mamba scan; see README)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--cache-dir", default="", help="where converted models live (default ~/.cache/pdcluster)")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    num_spec = args.num_spec_tokens
+    if args.spec != "none" and num_spec == 0:
+        num_spec = 3
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_gib=args.kv_cache_memory_gib,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        prefill_chunk_size=args.prefill_chunk_size,
+        enable_prefix_caching=not args.no_prefix_caching,
+        spec_method=args.spec,
+        num_spec_tokens=num_spec,
+        mtp_checkpoint=args.mtp_checkpoint,
+        num_threads=args.num_threads,
+        cuda_graphs=not args.no_cuda_graphs,
+        seed=args.seed,
+        cache_dir=args.cache_dir,
+        **({} if getattr(args, "deterministic", None) is None else {"deterministic": args.deterministic}),
+    )

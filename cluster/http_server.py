@@ -1,0 +1,72 @@
+"""The HTTP server under `pdcluster serve`, both modes (local: cluster/serve_cli.py; Ray:
+cluster/launcher.py): uvicorn on a socket bound first, so a busy port is one clear error line, not a
+traceback after the model loaded or Ray started."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+import sys
+import threading
+
+import uvicorn
+
+from pdcluster.engine.config import ConfigError
+
+
+def run_server(app, host: str, port: int, model_name: str, sock: socket.socket | None = None,
+               on_ready=None) -> int:
+    """Run uvicorn until SIGINT/SIGTERM, then return (so the caller's cleanup runs); print "pdcluster
+    serving <model> on http://host:port" to stderr once the socket listens (the real port when ``port``
+    is 0). ``sock``: a socket already bound to host:port (see ``listen``); closed on return.
+    ``on_ready(loop)``: called once the server listens, on its event loop (background tasks)."""
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # uvicorn re-raises the captured signal after shutdown, which would kill us before the
+            # caller's cleanup (router.close(), stopping workers): take the signals, do not re-raise.
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    sock = sock or listen(host, port)  # bound before uvicorn, so a busy port is one clear error line
+    bound = sock.getsockname()[1]
+    server = Server(uvicorn.Config(app, host=host, port=bound, log_level="info", timeout_graceful_shutdown=5))
+
+    async def serve() -> None:
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started and not task.done():
+            await asyncio.sleep(0.05)
+        if server.started:
+            shown = f"[{host}]" if ":" in host else host
+            print(f"pdcluster serving {model_name} on http://{shown}:{bound}", file=sys.stderr, flush=True)
+            if on_ready is not None:
+                on_ready(asyncio.get_running_loop())
+        await task
+
+    try:
+        asyncio.run(serve())
+    finally:
+        sock.close()
+    return 0 if server.started else 1
+
+
+def listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"--host/--port: cannot listen on {host}:{port}: {e.strerror or e}") from e
+    return sock
