@@ -15,7 +15,7 @@ seed 7919 * i (new prompts, so the prefix cache does not carry one rate's prompt
 planner simulates every worker on one host with ``os.cpu_count()`` shared cores.
 
 Other work on the machine changes the measured figures, so each run records the 1-minute load average
-before and after and the CPU used while it ran (cluster/planner/cpu_meter.py): by the workers, by our
+before and after and the CPU used while it ran (tools/planner/cpu_meter.py): by the workers, by our
 other processes (HTTP server, router, Ray, this load-test client) and by everything else. Two
 predictions per run: "as_profiled" (the background load the profile saw) and "load_aware" (told the
 CPU everything but the workers used during that run: an input about the machine, not the outcome).
@@ -32,12 +32,12 @@ import time
 from pathlib import Path
 
 from pdcluster.cli.main import main as pdcluster_main
-from pdcluster.cluster.planner.costs import load_cost_model
-from pdcluster.cluster.planner.cpu_meter import CpuMeter
-from pdcluster.cluster.planner.shape import parse_shape
-from pdcluster.cluster.planner.simulate import SimConfig, simulate
-from pdcluster.cluster.planner.summary import summarize
-from pdcluster.cluster.planner.workload import random_workload
+from pdcluster.tools.planner.costs import load_cost_model
+from pdcluster.tools.planner.cpu_meter import CpuMeter
+from pdcluster.tools.planner.shape import parse_shape
+from pdcluster.tools.planner.simulate import SimConfig, simulate
+from pdcluster.tools.planner.summary import summarize
+from pdcluster.tools.planner.workload import random_workload
 
 SEED_STRIDE = 7919
 SERVE_FLAGS = {
@@ -48,7 +48,7 @@ COMPARED = ("mean_ttft_ms", "mean_tpot_ms", "p90_ttft_ms", "p90_tpot_ms", "reque
 
 
 def measure(config: str, args: argparse.Namespace, out_dir: Path) -> list[dict]:
-    from pdcluster.cluster.server_process import ServeProcess
+    from pdcluster.tools.server_process import ServeProcess
 
     shape = parse_shape(config)
     flags = ["--model", "smollm2", "--dtype", args.dtype, "--max-model-len", "2048", *SERVE_FLAGS[shape.mode],

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from pdcluster.cli.main import main as pdcluster_main
-from pdcluster.cluster.server_process import ServeProcess
+from pdcluster.tools.server_process import ServeProcess
 
 CONFIGS = {
     "colocated": ["--mode", "colocated"],

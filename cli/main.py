@@ -1,6 +1,6 @@
 """The `pdcluster` command (the console script): one parser over every subcommand, each defined next to
 what it drives: `serve` (cluster/serve_cli.py), `generate` and `drain` (here), `loadtest`
-(cluster/loadtest/cli.py), `profile` and `plan` (cluster/planner/cli.py).
+(tools/loadtest/cli.py), `profile` and `plan` (tools/planner/cli.py).
 
 Errors in what the user typed print one line to stderr and exit with status 2, never a traceback.
 """
@@ -12,11 +12,11 @@ import sys
 
 from pdcluster.cli.drain import add_drain_parser
 from pdcluster.cli.generate import add_generate_parser
-from pdcluster.cluster.loadtest.cli import add_loadtest_parser
-from pdcluster.cluster.planner.cli import add_planner_parsers
 from pdcluster.cluster.serve_cli import add_serve_parser
 from pdcluster.engine.config import ConfigError
 from pdcluster.engine.models.registry import UnknownModelError
+from pdcluster.tools.loadtest.cli import add_loadtest_parser
+from pdcluster.tools.planner.cli import add_planner_parsers
 
 
 def build_parser() -> argparse.ArgumentParser:

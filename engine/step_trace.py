@@ -1,5 +1,5 @@
 """What each engine step computed and how long it took, for comparing a served worker with its
-`pdcluster profile` (cluster/planner/costs.py uses the same features).
+`pdcluster profile` (tools/planner/costs.py uses the same features).
 
 With ``PDCLUSTER_STEP_TRACE=DIR`` in a worker's environment, every step is appended to
 ``DIR/<pid>.jsonl`` as ``{"t", "seconds", "prefill_tokens", "attn", "num_decode", "context"}``

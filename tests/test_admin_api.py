@@ -19,7 +19,7 @@ import pytest
 from conftest import assert_drained_cleanly
 from pdcluster.cluster.api.admin import install_admin_routes
 from pdcluster.cluster.api.app import build_app
-from pdcluster.cluster.server_process import ServeProcess
+from pdcluster.tools.server_process import ServeProcess
 from test_elastic import PROMPTS, _disagg, _generate, expected  # noqa: F401 - expected is a fixture
 
 ADMIN_KEY = "admin-k"

@@ -115,8 +115,8 @@ def test_serve_autoscale_adds_a_worker_and_exports_it(tiny_dir):
     the workers in rotation, and requests keep succeeding."""
     import httpx
 
-    from pdcluster.cluster.loadtest.server_metrics import parse_prometheus
-    from pdcluster.cluster.server_process import ServeProcess
+    from pdcluster.tools.loadtest.server_metrics import parse_prometheus
+    from pdcluster.tools.server_process import ServeProcess
 
     flags = ["--mode", "colocated", "--model", "tiny-random", "--num-kv-blocks", "128", "--autoscale",
              "--max-decode", "2", "--slo-tpot-ms", "0.001"]

@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from conftest import make_engine
-from pdcluster.cluster.server_process import ServeProcess
 from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.tools.server_process import ServeProcess
 from test_serve import CHAT, MAX_TOKENS, PROMPTS, _metric
 
 openai = pytest.importorskip("openai")

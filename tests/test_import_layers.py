@@ -1,6 +1,6 @@
-"""Imports flow downward only: cli -> cluster -> prefill_node / decode_node -> node -> engine / kv_transfer
--> wire -> kernels. A module that imports from a layer above its own, or from the other package of its
-layer, fails here, naming the import."""
+"""Imports flow downward only: cli -> tools -> cluster -> prefill_node / decode_node -> node -> engine /
+kv_transfer -> wire -> kernels. A module that imports from a layer above its own, or from the other
+package of its layer, fails here, naming the import."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # Higher number = higher layer. engine and kv_transfer share a layer and must not import each other:
 # what both need (records, the token-logprobs record, the connector contract) is in wire, below them.
 # prefill_node and decode_node share one too and must not import each other either.
-LAYERS = {"cli": 7, "cluster": 6, "prefill_node": 5, "decode_node": 5, "node": 4, "engine": 3, "kv_transfer": 3,
-          "wire": 2, "kernels": 1}
+LAYERS = {"cli": 8, "tools": 7, "cluster": 6, "prefill_node": 5, "decode_node": 5, "node": 4, "engine": 3,
+          "kv_transfer": 3, "wire": 2, "kernels": 1}
 SEPARATE = ({"prefill_node", "decode_node"}, {"engine", "kv_transfer"})  # same layer, no imports between them
 
 

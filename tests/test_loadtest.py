@@ -23,16 +23,16 @@ import numpy as np
 import pytest
 
 from pdcluster.cli.main import main
-from pdcluster.cluster.loadtest.arrivals import ArrivalProcess, ArrivalError, within_duration
-from pdcluster.cluster.loadtest.client import RequestRecord, Target, send_request
-from pdcluster.cluster.loadtest.datasets import (
+from pdcluster.tools.loadtest.arrivals import ArrivalProcess, ArrivalError, within_duration
+from pdcluster.tools.loadtest.client import RequestRecord, Target, send_request
+from pdcluster.tools.loadtest.datasets import (
     DatasetError, DatasetOptions, SampleRequest, load_humaneval_prompts, load_requests,
     load_sharegpt_conversations, sharegpt_path)
-from pdcluster.cluster.loadtest.lengths import LengthDist, LengthSpecError
-from pdcluster.cluster.loadtest.metrics import SLO, summarize
-from pdcluster.cluster.loadtest.runner import run_workload
-from pdcluster.cluster.loadtest.server_metrics import parse_prometheus
-from pdcluster.cluster.server_process import ServeProcess
+from pdcluster.tools.loadtest.lengths import LengthDist, LengthSpecError
+from pdcluster.tools.loadtest.metrics import SLO, summarize
+from pdcluster.tools.loadtest.runner import run_workload
+from pdcluster.tools.loadtest.server_metrics import parse_prometheus
+from pdcluster.tools.server_process import ServeProcess
 
 MODEL = "tiny-random"
 # The CLI contract: fields other tools read from the result JSON.
@@ -168,7 +168,7 @@ def test_sweep_over_two_rates_writes_both_runs_and_a_sweep_plot(server, tmp_path
 
 
 def _one_run_plot(tmp_path):
-    from pdcluster.cluster.loadtest.plot import plot_run
+    from pdcluster.tools.loadtest.plot import plot_run
 
     result = summarize([_record(0.1, 0.3, 5)], 1.0, SLO())
     plot_run({**result, "request_rate": 1.0}, tmp_path / "one.png")

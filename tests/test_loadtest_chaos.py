@@ -21,14 +21,14 @@ import psutil
 import pytest
 
 from pdcluster.cli.main import main
-from pdcluster.cluster.loadtest import chaos_targets
-from pdcluster.cluster.loadtest.chaos import ChaosEvent, ChaosSpecError, parse_chaos
-from pdcluster.cluster.loadtest.chaos_controller import ChaosController, EventState, busiest_index
-from pdcluster.cluster.loadtest.chaos_targets import ChaosTargetError
-from pdcluster.cluster.loadtest.chaos_report import event_outcome, request_rows, timeline
-from pdcluster.cluster.loadtest.client import RequestRecord
-from pdcluster.cluster.loadtest.metrics import SLO
-from pdcluster.cluster.server_process import ServeProcess
+from pdcluster.tools.loadtest import chaos_targets
+from pdcluster.tools.loadtest.chaos import ChaosEvent, ChaosSpecError, parse_chaos
+from pdcluster.tools.loadtest.chaos_controller import ChaosController, EventState, busiest_index
+from pdcluster.tools.loadtest.chaos_report import event_outcome, request_rows, timeline
+from pdcluster.tools.loadtest.chaos_targets import ChaosTargetError
+from pdcluster.tools.loadtest.client import RequestRecord
+from pdcluster.tools.loadtest.metrics import SLO
+from pdcluster.tools.server_process import ServeProcess
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 EVENT_FIELDS = ("fired_at_s", "pid", "in_flight", "in_flight_completed_ok", "in_flight_failed_by_kind",

@@ -8,12 +8,12 @@ import json
 import pytest
 
 from pdcluster.cli.main import main
-from pdcluster.cluster.planner.costs import CostModel, EngineLimits, Fit, attn_pairs, fit_linear
-from pdcluster.cluster.planner.search import Searcher, Target, split_for
-from pdcluster.cluster.planner.shape import ClusterShape, ShapeError, parse_shape
-from pdcluster.cluster.planner.simulate import SimConfig, simulate
-from pdcluster.cluster.planner.summary import summarize
-from pdcluster.cluster.planner.workload import SimRequest, random_workload, trace_workload, write_trace
+from pdcluster.tools.planner.costs import CostModel, EngineLimits, Fit, attn_pairs, fit_linear
+from pdcluster.tools.planner.search import Searcher, Target, split_for
+from pdcluster.tools.planner.shape import ClusterShape, ShapeError, parse_shape
+from pdcluster.tools.planner.simulate import SimConfig, simulate
+from pdcluster.tools.planner.summary import summarize
+from pdcluster.tools.planner.workload import SimRequest, random_workload, trace_workload, write_trace
 
 # Synthetic worker: prefill step = 10 ms + 1 ms/token; decode step = 20 ms + 1 ms/request + 0.01 ms per
 # context token; a transfer costs 5 ms + 1 ns/byte (1000 bytes per token, 10 layers).
@@ -80,7 +80,7 @@ def test_decode_cost_table_interpolates_between_measured_batches():
     """A CPU decode step is not linear in the batch (one request runs matrix-vector kernels): the
     profile keeps an intercept per measured batch size and a shared context term, interpolated
     between the sizes and extended past the largest along the last two."""
-    from pdcluster.cluster.planner.costs import fit_batch_table
+    from pdcluster.tools.planner.costs import fit_batch_table
 
     def truth(b, ctx):
         return {1: 0.06, 2: 0.10, 4: 0.11, 8: 0.13}[b] + 2e-6 * ctx
@@ -269,13 +269,13 @@ def test_parse_shape():
 
 
 def test_random_workload_matches_the_load_tester_draws():
-    from pdcluster.cluster.loadtest.arrivals import ArrivalProcess
+    from pdcluster.tools.loadtest.arrivals import ArrivalProcess
 
     reqs = random_workload(50, 2.0, "100:300", "10:20", seed=7)
     assert [r.arrival_s for r in reqs] == ArrivalProcess("poisson", 2.0).send_times_s(50, 7).tolist()
     import numpy as np
 
-    from pdcluster.cluster.loadtest.lengths import LengthDist
+    from pdcluster.tools.loadtest.lengths import LengthDist
 
     rng = np.random.default_rng(7)
     ins = LengthDist.parse("100:300").sample(rng, 50).tolist()
@@ -408,8 +408,8 @@ def test_served_probe_times_a_real_pair_and_the_planner_applies_it(tmp_path):
     with their features, and the factors (served over bare, >= 1) reach the simulator's step costs."""
     from dataclasses import replace
 
-    from pdcluster.cluster.planner.profile import ProfileGrid, run_profile
-    from pdcluster.cluster.planner.served import DECODE_BATCHES, PREFILL_SIZES, measure_served
+    from pdcluster.tools.planner.profile import ProfileGrid, run_profile
+    from pdcluster.tools.planner.served import DECODE_BATCHES, PREFILL_SIZES, measure_served
 
     profile = run_profile("tiny-random", 1, ProfileGrid.quick(), "tcp", 0, "float32", log=lambda m: None)
     cost = CostModel.from_profile(profile)
@@ -435,7 +435,7 @@ def test_served_probe_times_a_real_pair_and_the_planner_applies_it(tmp_path):
 
 
 def test_profile_fits_the_least_disturbed_repetition():
-    from pdcluster.cluster.planner.profile import least_disturbed
+    from pdcluster.tools.planner.profile import least_disturbed
 
     points = [{"tokens": 128, "attn": 1.0, "num_requests": 1, "seconds": s} for s in (0.9, 0.5, 0.7)]
     points.append({"tokens": 256, "attn": 2.0, "num_requests": 1, "seconds": 1.2})

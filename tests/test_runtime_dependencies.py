@@ -36,8 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 # Modules that belong to an extra (imported only where that feature is used).
 EXTRA_MODULES = {
-    "pdcluster.cluster.loadtest.plot": "loadtest",
-    "pdcluster.cluster.loadtest.chaos_plot": "loadtest",
+    "pdcluster.tools.loadtest.plot": "loadtest",
+    "pdcluster.tools.loadtest.chaos_plot": "loadtest",
 }
 
 
@@ -158,7 +158,7 @@ _ISOLATED = textwrap.dedent("""
             except SystemExit as e:
                 assert e.code == 0, (argv, e.code)
         args = parser.parse_args(["loadtest", "--model", "m", "--plot", "x.png"])
-        from pdcluster.cluster.loadtest import cli as loadtest_cli
+        from pdcluster.tools.loadtest import cli as loadtest_cli
         try:
             loadtest_cli._plan(args)
         except loadtest_cli.LoadtestError as e:

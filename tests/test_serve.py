@@ -12,9 +12,9 @@ import tempfile
 import pytest
 
 from conftest import make_engine, transport_params
-from pdcluster.cluster.loadtest.server_metrics import parse_prometheus
-from pdcluster.cluster.server_process import ServeProcess
 from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.tools.loadtest.server_metrics import parse_prometheus
+from pdcluster.tools.server_process import ServeProcess
 
 openai = pytest.importorskip("openai")
 

@@ -11,14 +11,14 @@ from urllib.parse import urlsplit
 import httpx
 import numpy as np
 
-from pdcluster.cluster.loadtest import chaos_targets
-from pdcluster.cluster.loadtest.chaos import ChaosEvent
-from pdcluster.cluster.loadtest.chaos_controller import (ChaosController, busiest_index, health_reports_pids,
+from pdcluster.tools.loadtest import chaos_targets
+from pdcluster.tools.loadtest.chaos import ChaosEvent
+from pdcluster.tools.loadtest.chaos_controller import (ChaosController, busiest_index, health_reports_pids,
                                                          role_workers)
-from pdcluster.cluster.loadtest.chaos_report import chaos_section
-from pdcluster.cluster.loadtest.client import Target
-from pdcluster.cluster.loadtest.metrics import SLO
-from pdcluster.cluster.loadtest.runner import RunOutcome, run_workload
+from pdcluster.tools.loadtest.chaos_report import chaos_section
+from pdcluster.tools.loadtest.client import Target
+from pdcluster.tools.loadtest.metrics import SLO
+from pdcluster.tools.loadtest.runner import RunOutcome, run_workload
 
 PREFLIGHT_TIMEOUT_S = 10.0
 PIDS_FROM_HEALTH = "health"

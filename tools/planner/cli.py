@@ -18,8 +18,8 @@ import os
 import sys
 from pathlib import Path
 
-from pdcluster.cluster.loadtest.arrivals import ARRIVALS
 from pdcluster.engine.config import DTYPES
+from pdcluster.tools.loadtest.arrivals import ARRIVALS
 
 
 class PlanError(ValueError):
@@ -83,7 +83,7 @@ def add_planner_parsers(subparsers) -> None:
 
 
 def profile_main(args: argparse.Namespace) -> int:
-    from pdcluster.cluster.planner.profile import ProfileGrid, run_profile
+    from pdcluster.tools.planner.profile import ProfileGrid, run_profile
 
     if args.threads < 1:
         raise PlanError(f"--threads: must be at least 1, got {args.threads}")
@@ -112,7 +112,7 @@ def profile_main(args: argparse.Namespace) -> int:
 
 
 def _workload(args: argparse.Namespace, model: str):
-    from pdcluster.cluster.planner import workload as wl
+    from pdcluster.tools.planner import workload as wl
 
     if args.trace:
         if args.search:
@@ -135,10 +135,10 @@ def _workload(args: argparse.Namespace, model: str):
 
 
 def plan_main(args: argparse.Namespace) -> int:
-    from pdcluster.cluster.planner.costs import load_cost_model
-    from pdcluster.cluster.planner.shape import parse_shape
-    from pdcluster.cluster.planner.simulate import SimConfig, simulate
-    from pdcluster.cluster.planner.summary import summarize
+    from pdcluster.tools.planner.costs import load_cost_model
+    from pdcluster.tools.planner.shape import parse_shape
+    from pdcluster.tools.planner.simulate import SimConfig, simulate
+    from pdcluster.tools.planner.summary import summarize
 
     shapes = [parse_shape(c) for c in (args.config or ["1P1D"])]  # bad strings fail before any work
     if args.shared_cores < 0:
@@ -173,7 +173,7 @@ def plan_main(args: argparse.Namespace) -> int:
 
 
 def _search(args: argparse.Namespace, cost, make, overhead_s: float) -> dict:
-    from pdcluster.cluster.planner.search import Searcher, Target, search
+    from pdcluster.tools.planner.search import Searcher, Target, search
 
     if args.slo_ttft_ms is None or args.slo_tpot_ms is None:
         raise PlanError("--search: give both --slo-ttft-ms and --slo-tpot-ms")

@@ -34,8 +34,7 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from pdcluster.cluster.planner.cpu_meter import CpuMeter, others_cores
-from pdcluster.cluster.planner.costs import (
+from pdcluster.tools.planner.costs import (
     DECODE_FEATURES,
     PREFILL_FEATURES,
     TRANSFER_FEATURES,
@@ -44,6 +43,7 @@ from pdcluster.cluster.planner.costs import (
     fit_batch_table,
     fit_linear,
 )
+from pdcluster.tools.planner.cpu_meter import CpuMeter, others_cores
 
 CTX = mp.get_context("spawn")
 MAX_STEPS_PER_PHASE = 64  # every stepping loop below is bounded by this
@@ -481,7 +481,7 @@ def run_profile(model: str = "smollm2", threads: int = 1, grid: ProfileGrid | No
     }
     model_check = CostModel.from_profile(profile)
     if grid.served and transport != "none":
-        from pdcluster.cluster.planner.served import measure_served
+        from pdcluster.tools.planner.served import measure_served
 
         t = time.monotonic()
         before = bare_drift(engine, prompts, model_check)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdcluster.cluster.loadtest.client import RequestRecord
+from pdcluster.tools.loadtest.client import RequestRecord
 
 PERCENTILES = (50, 90, 99)
 LATENCIES = ("ttft", "tpot", "itl", "e2el")

@@ -30,9 +30,9 @@ from dataclasses import dataclass, field, fields
 
 import httpx
 
-from pdcluster.cluster.loadtest import chaos_targets
-from pdcluster.cluster.loadtest.chaos import ChaosEvent
-from pdcluster.cluster.loadtest.chaos_targets import ChaosTargetError, WorkerProcess
+from pdcluster.tools.loadtest import chaos_targets
+from pdcluster.tools.loadtest.chaos import ChaosEvent
+from pdcluster.tools.loadtest.chaos_targets import ChaosTargetError, WorkerProcess
 
 POLL_INTERVAL_S = 0.25
 HEALTH_TIMEOUT_S = 2.0

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pdcluster.cluster.loadtest.lengths import LengthDist
-from pdcluster.cluster.loadtest.random_prompts import exact_length_prompt, ordinary_token_ids
+from pdcluster.tools.loadtest.lengths import LengthDist
+from pdcluster.tools.loadtest.random_prompts import exact_length_prompt, ordinary_token_ids
 
 BUILTIN_DATASETS = ("random", "sharegpt", "humaneval")
 PROMPT_FORMATS = ("ids", "text")

@@ -1,8 +1,8 @@
 """The requests a simulation serves: when each arrives, its prompt tokens and its output tokens.
 
 - ``random``: lengths drawn exactly as `pdcluster loadtest --dataset random` draws them for the same
-  ``--seed`` (cluster/loadtest/datasets.py: input lengths, then output lengths, from one generator),
-  and the same arrival process (cluster/loadtest/arrivals.py), so a plan and a load test of the same
+  ``--seed`` (tools/loadtest/datasets.py: input lengths, then output lengths, from one generator),
+  and the same arrival process (tools/loadtest/arrivals.py), so a plan and a load test of the same
   flags describe the same requests at the same times. No tokenizer needed.
 - ``sharegpt``, ``humaneval`` or a JSONL file of prompts: the load tester's own loader counts the prompt
   tokens (the model's tokenizer), output tokens are each request's ``max_tokens`` (ignore_eos).
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pdcluster.cluster.loadtest.arrivals import ArrivalProcess
-from pdcluster.cluster.loadtest.lengths import LengthDist
+from pdcluster.tools.loadtest.arrivals import ArrivalProcess
+from pdcluster.tools.loadtest.lengths import LengthDist
 
 
 class WorkloadError(ValueError):
@@ -64,8 +64,8 @@ def random_workload(num_prompts: int, rate: float, input_len: str, output_len: s
 def dataset_workload(dataset: str, num_prompts: int, rate: float, model: str, seed: int = 0,
                      output_len: int | None = None, arrival: str = "poisson", burst_size: int = 8) -> list[SimRequest]:
     """A named dataset or a JSONL file of prompts, tokenized as the load tester counts them."""
-    from pdcluster.cluster.loadtest.datasets import DatasetOptions, load_requests
-    from pdcluster.cluster.loadtest.tokenizer_source import load_tokenizer
+    from pdcluster.tools.loadtest.datasets import DatasetOptions, load_requests
+    from pdcluster.tools.loadtest.tokenizer_source import load_tokenizer
 
     _check_count(num_prompts)
     tokenizer = load_tokenizer(None, model)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from pdcluster.cluster.loadtest.datasets import SampleRequest
+from pdcluster.tools.loadtest.datasets import SampleRequest
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 ERROR_TEXT_LIMIT = 300

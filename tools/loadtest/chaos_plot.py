@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 from matplotlib.figure import Figure
 
-from pdcluster.cluster.loadtest.plot import save_figure
+from pdcluster.tools.loadtest.plot import save_figure
 
 EVENT_COLORS = {"kill": "tab:red", "stop": "tab:purple"}
 

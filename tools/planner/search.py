@@ -21,11 +21,11 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from pdcluster.cluster.planner.costs import CostModel
-from pdcluster.cluster.planner.shape import ClusterShape
-from pdcluster.cluster.planner.simulate import SimConfig, simulate
-from pdcluster.cluster.planner.summary import meets, summarize
-from pdcluster.cluster.planner.workload import SimRequest
+from pdcluster.tools.planner.costs import CostModel
+from pdcluster.tools.planner.shape import ClusterShape
+from pdcluster.tools.planner.simulate import SimConfig, simulate
+from pdcluster.tools.planner.summary import meets, summarize
+from pdcluster.tools.planner.workload import SimRequest
 
 MAX_ADJUST = 24
 BISECT_STEPS = 10

@@ -19,8 +19,8 @@ import sys
 from collections import Counter
 from typing import TextIO
 
-from pdcluster.cluster.loadtest.client import RequestRecord
-from pdcluster.cluster.loadtest.metrics import SLO
+from pdcluster.tools.loadtest.client import RequestRecord
+from pdcluster.tools.loadtest.metrics import SLO
 
 TIMELINE_BIN_S = 1.0
 

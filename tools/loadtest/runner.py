@@ -16,8 +16,8 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from pdcluster.cluster.loadtest.client import RequestRecord, Target, send_request
-from pdcluster.cluster.loadtest.datasets import SampleRequest
+from pdcluster.tools.loadtest.client import RequestRecord, Target, send_request
+from pdcluster.tools.loadtest.datasets import SampleRequest
 
 
 @dataclass

@@ -45,9 +45,9 @@ import itertools
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from pdcluster.cluster.planner.costs import CostModel, attn_pairs
-from pdcluster.cluster.planner.shape import ClusterShape
-from pdcluster.cluster.planner.workload import SimRequest
+from pdcluster.tools.planner.costs import CostModel, attn_pairs
+from pdcluster.tools.planner.shape import ClusterShape
+from pdcluster.tools.planner.workload import SimRequest
 
 MAX_EVENTS_PER_REQUEST = 20_000  # a bound on the loop: a request sees at most output_len + chunks steps
 

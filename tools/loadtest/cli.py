@@ -27,19 +27,19 @@ import sys
 import httpx
 import numpy as np
 
-from pdcluster.cluster.loadtest import report
-from pdcluster.cluster.loadtest.arrivals import ARRIVALS, ArrivalProcess, within_duration
-from pdcluster.cluster.loadtest.chaos import ChaosEvent, parse_chaos
-from pdcluster.cluster.loadtest.chaos_report import print_chaos
-from pdcluster.cluster.loadtest.chaos_run import ChaosSetup, chaos_preflight, run_under_chaos
-from pdcluster.cluster.loadtest.chaos_targets import require_loopback
-from pdcluster.cluster.loadtest.client import ENDPOINTS, Target
-from pdcluster.cluster.loadtest.datasets import DatasetOptions, check_dataset_name, load_requests
-from pdcluster.cluster.loadtest.lengths import LengthDist
-from pdcluster.cluster.loadtest.metrics import SLO, summarize
-from pdcluster.cluster.loadtest.runner import http_client, run_workload
-from pdcluster.cluster.loadtest.server_metrics import scrape, server_delta
-from pdcluster.cluster.loadtest.tokenizer_source import load_tokenizer
+from pdcluster.tools.loadtest import report
+from pdcluster.tools.loadtest.arrivals import ARRIVALS, ArrivalProcess, within_duration
+from pdcluster.tools.loadtest.chaos import ChaosEvent, parse_chaos
+from pdcluster.tools.loadtest.chaos_report import print_chaos
+from pdcluster.tools.loadtest.chaos_run import ChaosSetup, chaos_preflight, run_under_chaos
+from pdcluster.tools.loadtest.chaos_targets import require_loopback
+from pdcluster.tools.loadtest.client import ENDPOINTS, Target
+from pdcluster.tools.loadtest.datasets import DatasetOptions, check_dataset_name, load_requests
+from pdcluster.tools.loadtest.lengths import LengthDist
+from pdcluster.tools.loadtest.metrics import SLO, summarize
+from pdcluster.tools.loadtest.runner import http_client, run_workload
+from pdcluster.tools.loadtest.server_metrics import scrape, server_delta
+from pdcluster.tools.loadtest.tokenizer_source import load_tokenizer
 
 PREFLIGHT_TIMEOUT_S = 10.0
 WARMUP_SEED_OFFSET = 1_000_003
@@ -291,10 +291,10 @@ async def _run(args: argparse.Namespace, plan: Plan) -> int:
         _write(lambda: report.write_json(args.result_json, {"sweep": results} if args.sweep else results[0]),
                "--result-json", args.result_json)
     if args.plot:
-        from pdcluster.cluster.loadtest import plot  # matplotlib takes a second to import: only when asked
+        from pdcluster.tools.loadtest import plot  # matplotlib takes a second to import: only when asked
 
         if chaos is not None:
-            from pdcluster.cluster.loadtest.chaos_plot import plot_chaos
+            from pdcluster.tools.loadtest.chaos_plot import plot_chaos
 
             _write(lambda: plot_chaos(results[0], args.plot), "--plot", args.plot)
         else:
@@ -374,7 +374,7 @@ def _compare(args: argparse.Namespace) -> int:
         names = (f"A: {names[0]}", f"B: {names[1]}")
     report.print_compare(a, b, names)
     if args.plot:
-        from pdcluster.cluster.loadtest import plot
+        from pdcluster.tools.loadtest import plot
 
         _write(lambda: plot.plot_compare(a, b, names, args.plot), "--plot", args.plot)
     return 0

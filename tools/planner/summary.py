@@ -1,4 +1,4 @@
-"""A simulated run's figures, under the load tester's field names (cluster/loadtest/metrics.py), so a
+"""A simulated run's figures, under the load tester's field names (tools/loadtest/metrics.py), so a
 plan and a measured run read the same: TTFT as the client sees it, TPOT per request as
 ``(e2e - ttft) / (output tokens - 1)``, goodput = completed requests per second meeting both SLOs, SLO
 attainment = their share of all requests.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pdcluster.cluster.planner.simulate import RequestResult
+from pdcluster.tools.planner.simulate import RequestResult
 
 PERCENTILES = (50, 90, 99)
 
