@@ -147,13 +147,11 @@ def _choice_text(choice) -> str:
 
 def check_spec(spec: str, param: str) -> None:
     """Validate ``spec`` once, here, so a bad schema is a 400 naming the field (not an engine error)."""
-    try:
-        from pdcluster.engine.structured_output import StructuredOutputError
-        from pdcluster.engine.structured_output import check_spec as engine_check_spec
-    except ModuleNotFoundError as e:  # the grammar module is not there yet: the engine is the judge
-        if e.name != "pdcluster.engine.structured_output":
-            raise
-        return
+    # xgrammar and the transformers it imports take ~4 s: loaded by the first request with a grammar,
+    # not by every process that builds the app (or answers `pdcluster --help`).
+    from pdcluster.engine.structured_output import StructuredOutputError
+    from pdcluster.engine.structured_output import check_spec as engine_check_spec
+
     try:
         engine_check_spec(spec)
     except StructuredOutputError as e:

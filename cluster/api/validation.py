@@ -12,6 +12,7 @@ know (request ids in use, the size of a worker's KV pool).
 
 from __future__ import annotations
 
+import inspect
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -25,6 +26,7 @@ from pdcluster.cluster.api.sampling import INT64_MAX, Extras, sampling_params
 from pdcluster.cluster.api.structured import ToolCalls, structured_request
 from pdcluster.cluster.api.tool_parsers import ToolParser
 from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.engine.tokenizer import ChatTemplateError
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: up to the context's end)
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI (chat) and vLLM's default max_logprobs
@@ -185,8 +187,6 @@ def chat_prompt_text(messages: list[ChatMessage], add_generation_prompt: bool, t
     templates show them, in a system prompt of the parser's format (before the client's own system
     text), and past calls (an assistant's ``tool_calls``) written in that format as the message's text.
     """
-    from pdcluster.engine.tokenizer import ChatTemplateError
-
     if not messages:
         raise APIError(400, "messages is empty: give at least one message", param="messages")
     inject = bool(tools) and tool_parser is not None and not _template_takes_tools(tokenizer)
@@ -217,8 +217,6 @@ def chat_prompt_text(messages: list[ChatMessage], add_generation_prompt: bool, t
 
 def _template_takes_tools(tokenizer) -> bool:
     """Whether the chat template renders ``tools`` and the tokenizer hands them to it."""
-    import inspect
-
     template = getattr(tokenizer, "chat_template", None) or ""
     return "tools" in template and "tools" in inspect.signature(tokenizer.apply_chat_template).parameters
 

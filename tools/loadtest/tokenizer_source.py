@@ -6,17 +6,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pdcluster.engine.models.registry import BUILTIN_MODELS, resolve_model
+from pdcluster.engine.tokenizer import Tokenizer
+
 
 class TokenizerSourceError(ValueError):
     pass
 
 
-def load_tokenizer(tokenizer_arg: str | None, model: str):
-    """A ``pdcluster.engine.tokenizer.Tokenizer``, or None when ``model`` is no name we can resolve and
-    no ``--tokenizer`` was given."""
-    from pdcluster.engine.models.registry import BUILTIN_MODELS, resolve_model
-    from pdcluster.engine.tokenizer import Tokenizer
-
+def load_tokenizer(tokenizer_arg: str | None, model: str) -> Tokenizer | None:
+    """The tokenizer, or None when ``model`` is no name we can resolve and no ``--tokenizer`` was given."""
     name = tokenizer_arg or model
     if name in BUILTIN_MODELS:
         return Tokenizer(resolve_model(name, progress=False))

@@ -7,6 +7,7 @@
 
 cli/main.py registers both with ``add_planner_parsers(sub)``. Mistakes in the arguments raise ValueErrors
 (ProfileError, ShapeError, WorkloadError, PlanError) that the top-level CLI prints as one line, exit 2.
+profile.py (the engine, torch: 1.5 s) is imported by `profile` alone, not by every `pdcluster` start.
 """
 
 from __future__ import annotations
@@ -18,8 +19,14 @@ import os
 import sys
 from pathlib import Path
 
-from pdcluster.engine.config import DTYPES
+from pdcluster.engine.config import DETERMINISTIC_ENV, DTYPES
 from pdcluster.tools.loadtest.arrivals import ARRIVALS
+from pdcluster.tools.planner import workload as wl
+from pdcluster.tools.planner.costs import load_cost_model
+from pdcluster.tools.planner.search import Searcher, Target, search
+from pdcluster.tools.planner.shape import parse_shape
+from pdcluster.tools.planner.simulate import SimConfig, simulate
+from pdcluster.tools.planner.summary import summarize
 
 
 class PlanError(ValueError):
@@ -83,7 +90,7 @@ def add_planner_parsers(subparsers) -> None:
 
 
 def profile_main(args: argparse.Namespace) -> int:
-    from pdcluster.tools.planner.profile import ProfileGrid, run_profile
+    from pdcluster.tools.planner.profile import ProfileGrid, run_profile  # torch: see the docstring
 
     if args.threads < 1:
         raise PlanError(f"--threads: must be at least 1, got {args.threads}")
@@ -92,8 +99,6 @@ def profile_main(args: argparse.Namespace) -> int:
         raise PlanError(f"--out: directory {out.parent} does not exist")
     if args.deterministic is not None:
         # Through the environment: it reaches every engine the profile builds, the co-run child process too.
-        from pdcluster.engine.config import DETERMINISTIC_ENV
-
         os.environ[DETERMINISTIC_ENV] = "1" if args.deterministic else "0"
     grid = ProfileGrid.quick() if args.quick else ProfileGrid()
     if args.no_corun:
@@ -112,8 +117,6 @@ def profile_main(args: argparse.Namespace) -> int:
 
 
 def _workload(args: argparse.Namespace, model: str):
-    from pdcluster.tools.planner import workload as wl
-
     if args.trace:
         if args.search:
             raise PlanError("--search: needs a dataset and --rate (it varies the rate), not --trace")
@@ -135,11 +138,6 @@ def _workload(args: argparse.Namespace, model: str):
 
 
 def plan_main(args: argparse.Namespace) -> int:
-    from pdcluster.tools.planner.costs import load_cost_model
-    from pdcluster.tools.planner.shape import parse_shape
-    from pdcluster.tools.planner.simulate import SimConfig, simulate
-    from pdcluster.tools.planner.summary import summarize
-
     shapes = [parse_shape(c) for c in (args.config or ["1P1D"])]  # bad strings fail before any work
     if args.shared_cores < 0:
         raise PlanError(f"--shared-cores: must be >= 0, got {args.shared_cores}")
@@ -173,8 +171,6 @@ def plan_main(args: argparse.Namespace) -> int:
 
 
 def _search(args: argparse.Namespace, cost, make, overhead_s: float) -> dict:
-    from pdcluster.tools.planner.search import Searcher, Target, search
-
     if args.slo_ttft_ms is None or args.slo_tpot_ms is None:
         raise PlanError("--search: give both --slo-ttft-ms and --slo-tpot-ms")
     if args.gpus < 2:

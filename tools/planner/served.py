@@ -21,6 +21,16 @@ import statistics
 import time
 from dataclasses import asdict
 
+import torch
+
+from pdcluster.decode_node.worker import DecodeWorker
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.engine.step_trace import StepTrace
+from pdcluster.kv_transfer.config import TransferConfig
+from pdcluster.node.events import Failed, Tokens
+from pdcluster.prefill_node.worker import PrefillWorker
+
 CTX = mp.get_context("spawn")
 READY_TIMEOUT_S = 240.0
 REQUEST_TIMEOUT_S = 60.0
@@ -30,9 +40,7 @@ DECODE_TOKENS = 24
 MAX_RECORDS = 4096
 
 
-def _config(model: str, dtype: str, threads: int, num_kv_blocks: int):
-    from pdcluster.engine.config import EngineConfig
-
+def _config(model: str, dtype: str, threads: int, num_kv_blocks: int) -> EngineConfig:
     return EngineConfig(model=model, dtype=dtype, num_threads=threads, max_model_len=2048, num_kv_blocks=num_kv_blocks)
 
 
@@ -41,8 +49,6 @@ def _prompt(rng: random.Random, vocab: int, n: int) -> list[int]:
 
 
 def _wait_finished(events: list, request_ids: set[str], timeout_s: float) -> bool:
-    from pdcluster.node.events import Failed, Tokens
-
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         done = {e.request_id for e in list(events) if (isinstance(e, Tokens) and e.finished) or isinstance(e, Failed)}
@@ -55,13 +61,6 @@ def _wait_finished(events: list, request_ids: set[str], timeout_s: float) -> boo
 def _decode_child(conn, prefill_address: str, model: str, dtype: str, threads: int, transport: str,
                   num_kv_blocks: int, seed: int) -> None:
     """The decode worker: connect, drive both phases (it is the one that submits), send its steps back."""
-    import torch
-
-    from pdcluster.decode_node.worker import DecodeWorker
-    from pdcluster.engine.sampling_params import SamplingParams
-    from pdcluster.engine.step_trace import StepTrace
-    from pdcluster.kv_transfer.config import TransferConfig
-
     torch.set_num_threads(threads)
     d = DecodeWorker("served-probe-d", _config(model, dtype, threads, num_kv_blocks), TransferConfig(transport=transport))
     try:
@@ -96,10 +95,6 @@ def _decode_child(conn, prefill_address: str, model: str, dtype: str, threads: i
 def measure_served(cost, model: str, dtype: str, threads: int, transport: str, seed: int, log) -> dict:
     """Served over bare step-time factors, measured on a real prefill/decode pair (see the module
     docstring); ``cost`` is the bare profile's CostModel. {"measured": False, ...} when it fails."""
-    from pdcluster.engine.step_trace import StepTrace
-    from pdcluster.kv_transfer.config import TransferConfig
-    from pdcluster.prefill_node.worker import PrefillWorker
-
     num_kv_blocks = 512
     p = PrefillWorker("served-probe-p", _config(model, dtype, threads, num_kv_blocks), TransferConfig(transport=transport))
     p.engine.step_trace = StepTrace("", keep=MAX_RECORDS)

@@ -19,7 +19,9 @@ from pathlib import Path
 import numpy as np
 
 from pdcluster.tools.loadtest.arrivals import ArrivalProcess
+from pdcluster.tools.loadtest.datasets import DatasetOptions, load_requests
 from pdcluster.tools.loadtest.lengths import LengthDist
+from pdcluster.tools.loadtest.tokenizer_source import load_tokenizer
 
 
 class WorkloadError(ValueError):
@@ -64,9 +66,6 @@ def random_workload(num_prompts: int, rate: float, input_len: str, output_len: s
 def dataset_workload(dataset: str, num_prompts: int, rate: float, model: str, seed: int = 0,
                      output_len: int | None = None, arrival: str = "poisson", burst_size: int = 8) -> list[SimRequest]:
     """A named dataset or a JSONL file of prompts, tokenized as the load tester counts them."""
-    from pdcluster.tools.loadtest.datasets import DatasetOptions, load_requests
-    from pdcluster.tools.loadtest.tokenizer_source import load_tokenizer
-
     _check_count(num_prompts)
     tokenizer = load_tokenizer(None, model)
     if tokenizer is None:
