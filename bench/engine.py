@@ -25,7 +25,7 @@ def bench_ours(model: str, dtype: str, batch: int, prompt_len: int, new_tokens: 
     from pdcluster.engine.llm_engine import LLMEngine
     from pdcluster.engine.sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineConfig(model=model, dtype=dtype, num_kv_blocks=2048,
+    engine = LLMEngine.from_config(EngineConfig(model=model, dtype=dtype, num_kv_blocks=2048,
                                     max_num_batched_tokens=max(2048, batch * prompt_len),
                                     enable_prefix_caching=False), progress=False)
     prompts = _prompts(engine.tokenizer, batch, prompt_len)

@@ -264,7 +264,7 @@ def _ours(model_dir: Path, prompts, num_new: int, device: str, **cfg) -> tuple[l
     base = dict(model=str(model_dir), device=device, dtype="float32", num_kv_blocks=256, max_model_len=256,
                 max_num_seqs=16)
     base.update(cfg)
-    engine = LLMEngine(EngineConfig(**base), progress=False)
+    engine = LLMEngine.from_config(EngineConfig(**base), progress=False)
     outs = engine.generate(prompts, SamplingParams(max_tokens=num_new, temperature=0.0, ignore_eos=True))
     stats = {"num_preemptions": engine.scheduler.num_preemptions_total,
              "num_draft_tokens": sum(o.num_draft_tokens for o in outs),
@@ -402,7 +402,7 @@ def speed_section(entry: dict, device: str, work: Path, quick: bool, report: Rep
     decode: dict = {}
     for graphs in (True, False):
         mode = "cuda_graphs" if graphs else "eager"
-        engine = LLMEngine(EngineConfig(model=str(model_dir), device=device, dtype="bfloat16", max_model_len=4096,
+        engine = LLMEngine.from_config(EngineConfig(model=str(model_dir), device=device, dtype="bfloat16", max_model_len=4096,
                                         max_num_seqs=max(batches), max_num_batched_tokens=8192,
                                         prefill_chunk_size=2048, kv_cache_memory_gib=0.25 if quick else 8.0,
                                         enable_prefix_caching=False, cuda_graphs=graphs), progress=False)
@@ -424,7 +424,7 @@ def speed_section(entry: dict, device: str, work: Path, quick: bool, report: Rep
 
     # Prefill: 16 x 2,048 (quick: 4 x 256) in one step.
     n_seq, seq_len = (4, 256) if quick else (16, 2048)
-    engine = LLMEngine(EngineConfig(model=str(model_dir), device=device, dtype="bfloat16", max_model_len=4096,
+    engine = LLMEngine.from_config(EngineConfig(model=str(model_dir), device=device, dtype="bfloat16", max_model_len=4096,
                                     max_num_seqs=n_seq, max_num_batched_tokens=n_seq * seq_len, prefill_chunk_size=seq_len,
                                     kv_cache_memory_gib=0.5 if quick else 12.0, enable_prefix_caching=False),
                        progress=False)

@@ -27,7 +27,7 @@ def _engine(model: str, prefix_caching: bool):
     from pdcluster.engine.config import EngineConfig
     from pdcluster.engine.llm_engine import LLMEngine
 
-    return LLMEngine(EngineConfig(model=model, num_kv_blocks=2048, enable_prefix_caching=prefix_caching),
+    return LLMEngine.from_config(EngineConfig(model=model, num_kv_blocks=2048, enable_prefix_caching=prefix_caching),
                      progress=False)
 
 

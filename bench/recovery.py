@@ -527,7 +527,7 @@ def offline_outputs(model: str, prompts: list[list[int]], params) -> list[list[i
     from pdcluster.engine.config import EngineConfig
     from pdcluster.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(EngineConfig(model=model, num_kv_blocks=CLUSTER_BLOCKS, max_model_len=1024), progress=False)
+    engine = LLMEngine.from_config(EngineConfig(model=model, num_kv_blocks=CLUSTER_BLOCKS, max_model_len=1024), progress=False)
     return [list(o.token_ids) for o in engine.generate(prompts, params)]
 
 

@@ -141,7 +141,7 @@ def bench(args) -> dict:
     from pdcluster.engine.llm_engine import LLMEngine
 
     def engine_for(method: str, async_scheduling: bool):
-        return LLMEngine(EngineConfig(
+        return LLMEngine.from_config(EngineConfig(
             model=args.model, num_kv_blocks=512, max_model_len=1024, spec_method=method,
             num_spec_tokens=0 if method == "none" else args.k, async_scheduling=async_scheduling,
             mtp_checkpoint=args.mtp_checkpoint, num_threads=args.num_threads,

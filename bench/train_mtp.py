@@ -280,7 +280,7 @@ def main(argv=None) -> int:
     cache = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
     out_path = Path(args.out) if args.out else default_mtp_checkpoint(cache, args.model)
     # No prefix caching: every position's hidden state must be computed (and captured) here.
-    engine = LLMEngine(EngineConfig(model=args.model, num_kv_blocks=2048, max_model_len=1024,
+    engine = LLMEngine.from_config(EngineConfig(model=args.model, num_kv_blocks=2048, max_model_len=1024,
                                     max_num_batched_tokens=2048, enable_prefix_caching=False,
                                     num_threads=args.num_threads, cache_dir=args.cache_dir), progress=False)
     model = engine.model
@@ -319,7 +319,7 @@ def main(argv=None) -> int:
     eval_prompts = load_sharegpt_prompts(engine.tokenizer, args.eval_prompts, start=SHAREGPT_HELDOUT_START)
     acceptance = {}
     for k in (1, 3):
-        spec = LLMEngine(EngineConfig(model=args.model, num_kv_blocks=512, max_model_len=1024, spec_method="mtp",
+        spec = LLMEngine.from_config(EngineConfig(model=args.model, num_kv_blocks=512, max_model_len=1024, spec_method="mtp",
                                       num_spec_tokens=k, mtp_checkpoint=str(out_path), num_threads=args.num_threads,
                                       cache_dir=args.cache_dir),
                          progress=False)

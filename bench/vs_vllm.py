@@ -184,7 +184,7 @@ def ours_child(spec_file: str, threads: int) -> int:
     config = EngineConfig(model="smollm2", dtype=spec.get("dtype", "bfloat16"), enable_prefix_caching=False,
                           num_threads=threads,
                           max_num_batched_tokens=8192, max_num_seqs=64, num_kv_blocks=4096, seed=0)
-    engine = LLMEngine(config, progress=False)
+    engine = LLMEngine.from_config(config, progress=False)
 
     def run(batch, max_tokens):
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)

@@ -9,6 +9,7 @@ import queue
 import time
 from typing import Callable
 
+from pdcluster.engine.loaded_model import LoadedModel
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kv_transfer.config import TransferConfig
 from pdcluster.kv_transfer.connector import DecodeKVConnector, RecvTask
@@ -67,14 +68,14 @@ class RemoteKV(NoRemoteKV):
     arrives (the first token does not wait for the engine's current step); every other message waits
     in an inbox for the engine thread (``poll_messages``)."""
 
-    def __init__(self, worker_id: str, engine, transfer: TransferConfig, transport_cls,
+    def __init__(self, worker_id: str, model: LoadedModel, transfer: TransferConfig, transport_cls,
                  on_first_token: Callable[[str, FirstToken], None]):
         self.transfer = transfer
         self.transport_name = transfer.transport
-        self.transport = transport_cls(engine.kv_cache, "receiver", transfer.transport_config())
+        self.transport = transport_cls(model.kv_cache, "receiver", transfer.transport_config())
         self._on_first_token = on_first_token
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.endpoint = DecodeEndpoint(endpoint_config(worker_id, engine, transfer, self.transport),
+        self.endpoint = DecodeEndpoint(endpoint_config(worker_id, model, transfer, self.transport),
                                        on_message=self._on_message)
         self.connector = DecodeKVConnector(self.transport, self.endpoint)
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.llm_engine import LLMEngine, RequestOutput
+from pdcluster.engine.loaded_model import LoadedModel
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kv_transfer.config import TransferConfig
 from pdcluster.kv_transfer.protocol import FirstToken
@@ -42,9 +43,10 @@ class DecodeWorker(WorkerLoop):
         self.worker_id = worker_id
         transport_cls = get_transport_class(transfer.transport) if transfer is not None else None
         allocator = transport_cls.allocate_kv_cache if transport_cls is not None else None
-        self.engine = LLMEngine(engine_config, progress=False, kv_cache_allocator=allocator)
-        self.kv = (RemoteKV(worker_id, self.engine, transfer, transport_cls, self._on_first_token)
+        model = LoadedModel.load(engine_config, progress=False, kv_cache_allocator=allocator)
+        self.kv = (RemoteKV(worker_id, model, transfer, transport_cls, self._on_first_token)
                    if transfer is not None else NoRemoteKV())
+        self.engine = LLMEngine(model)
         self._waiting: dict[str, _Waiting] = {}
         # fork_group -> the request whose prompt its siblings reuse (engine/forks.py): the first choice
         # of an n > 1 request fetches or computes the prompt; the others follow it here.

@@ -1,37 +1,31 @@
-"""The engine loop: scheduler + model runner + tokenizer. One object per worker."""
+"""The engine loop: scheduler + model runner + tokenizer. One object per worker, built in stages: the
+model and its KV cache (engine/loaded_model.py), then the KV connector the caller made for that cache
+(wire/kv_connector.py; the null one by default), then the scheduler and the runner, whole."""
 
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import random
 import time
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
-import torch
-
-from pdcluster.engine.models.architectures import arch_from_dir, is_hybrid, load_model
+from pdcluster.engine.async_scheduler import AsyncScheduler, AsyncStepper
 from pdcluster.engine.config import EngineConfig
-from pdcluster.engine.kv_cache import KVCacheSpec, allocate_kv_cache, num_blocks_for_budget
-from pdcluster.engine.memory import keep_freed_memory
-from pdcluster.engine.models.registry import resolve_model
+from pdcluster.engine.loaded_model import LoadedModel
+from pdcluster.engine.mamba_state_blocks import tokens_with_state
 from pdcluster.engine.model_runner import ModelRunner
-from pdcluster.engine.proposers import make_proposer, num_draft_layers as proposer_draft_layers
+from pdcluster.engine.proposers import make_proposer
 from pdcluster.engine.request import Request, RequestStatus
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.engine.scheduler import Scheduler
-from pdcluster.engine.mamba_state_blocks import num_state_blocks, tokens_with_state
 from pdcluster.engine.step_trace import StepTrace
-from pdcluster.engine.tokenizer import Detokenizer, Tokenizer
+from pdcluster.engine.tokenizer import Detokenizer
 from pdcluster.engine.warmup import warmup
-from pdcluster.wire.kv_connector import KVConnector, KVConnectorOutput
+from pdcluster.wire.kv_connector import KVConnector
 from pdcluster.wire.logprobs import TokenLogprobs
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class InvalidRequestError(ValueError):
@@ -62,70 +56,20 @@ class RequestOutput:
 
 
 class LLMEngine:
-    def __init__(
-        self,
-        config: EngineConfig,
-        connector: KVConnector | None = None,
-        progress: bool = True,
-        kv_cache_allocator=None,
-    ):
-        """``kv_cache_allocator(shape, dtype, device)`` lets a KV transport provide the cache memory
-        (e.g. shared memory a same-host sender writes into directly)."""
-        if config.device != (device := config.resolve_device()):
-            config = replace(config, device=device)
-        self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        if config.device == "cpu":
-            keep_freed_memory()
-        self.model_dir: Path = resolve_model(config.model, cache_dir=config.cache_dir or None, progress=progress)
-        self.tokenizer = Tokenizer(self.model_dir)
-        arch = arch_from_dir(self.model_dir)
-        self.arch = arch
-        self.is_hybrid = is_hybrid(arch)
-        if self.is_hybrid and config.enable_prefix_caching:
-            # A cached block holds KV but no Mamba state for its boundary: a hit would resume the
-            # recurrence from nothing. Hybrids compute every prompt (vLLM's default for Mamba too).
-            log.info("prefix caching is off for hybrid model %s (no recurrent state at block boundaries)",
-                     config.model)
-            config = replace(config, enable_prefix_caching=False)
-            self.config = config
-        self.max_model_len = config.max_model_len or min(arch.max_position_embeddings, 4096)
-        if self.max_model_len > arch.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len: {self.max_model_len} exceeds the model's max_position_embeddings "
-                f"({arch.max_position_embeddings})"
-            )
-        self.dtype_name = config.resolve_dtype(json.loads((self.model_dir / "config.json").read_text()))
-        dtype = DTYPES[self.dtype_name]
-        # Deterministic mode (issue 24): batch-invariant kernels on CPU. CUDA has none yet (cuBLAS and the
-        # Triton kernels keep their batch-dependent choices): said once, not refused.
-        self.deterministic = self._resolve_deterministic(config)
-        config = self.config = replace(config, deterministic=self.deterministic)
-        self.model = load_model(self.model_dir, dtype, self.max_model_len + config.num_spec_steps + 1, config.device,
-                                deterministic=self.deterministic)
-        num_draft_layers = proposer_draft_layers(config)  # MTP: one layer after the target's (S2)
-        probe = KVCacheSpec(arch.num_layers + num_draft_layers, num_draft_layers, 1, config.block_size,
-                            arch.num_kv_heads, arch.head_dim, dtype)
-        num_blocks = config.num_kv_blocks or num_blocks_for_budget(probe.bytes_per_block, config.kv_cache_memory_gib)
-        self.kv_spec = replace(probe, num_blocks=num_blocks)
-        if kv_cache_allocator is not None:
-            self.kv_cache = kv_cache_allocator(self.kv_spec.shape, self.kv_spec.dtype, config.device)
-        else:
-            self.kv_cache = allocate_kv_cache(self.kv_spec, config.device)
-        # Hybrids in a KV transfer: the Mamba state rides in blocks after the prompt's (mamba_state_blocks.py).
-        self.state_shape = arch.mamba_state_shape() if self.is_hybrid else None
-        self.num_state_blocks = (num_state_blocks(self.state_shape, self.kv_spec.bytes_per_block)
-                                 if self.is_hybrid else 0)
-        eos = set(arch.eos_token_ids) | set(self.tokenizer.stop_token_ids)
-        scheduler_cls = Scheduler
-        self._stepper = None
-        self.step_trace = StepTrace()  # engine/step_trace.py (synchronous steps)
-        if config.async_scheduling:
-            from pdcluster.engine.async_scheduler import AsyncScheduler
-
-            scheduler_cls = AsyncScheduler
-        self.scheduler = scheduler_cls(config, num_blocks, self.max_model_len, eos)
+    def __init__(self, loaded: LoadedModel, connector: KVConnector | None = None):
+        """``connector``: the KV transfer this engine takes part in, made on ``loaded.kv_cache``; the
+        same object serves the scheduler (its request hooks) and the runner (its step hooks)."""
+        config = self.config = loaded.config
+        self.model_dir, self.tokenizer, self.arch = loaded.model_dir, loaded.tokenizer, loaded.arch
+        self.model, self.is_hybrid, self.max_model_len = loaded.model, loaded.is_hybrid, loaded.max_model_len
+        self.dtype_name, self.deterministic = loaded.dtype_name, loaded.deterministic
+        self.kv_spec, self.kv_cache = loaded.kv_spec, loaded.kv_cache
+        self.state_shape, self.num_state_blocks = loaded.state_shape, loaded.num_state_blocks
+        self.connector = connector or KVConnector()
+        num_blocks = self.kv_spec.num_blocks
+        scheduler_cls = AsyncScheduler if config.async_scheduling else Scheduler
+        self.scheduler = scheduler_cls(config, num_blocks, self.max_model_len, set(loaded.eos_token_ids),
+                                       self.connector, self.num_state_blocks)
         self.mtp_source = None
         mtp_weights = None
         if config.spec_method == "mtp":
@@ -133,56 +77,25 @@ class LLMEngine:
             from pdcluster.engine.models.mtp import resolve_mtp_weights
 
             mtp_weights, self.mtp_source = resolve_mtp_weights(
-                config.mtp_checkpoint, config.cache_dir or default_cache_dir(), config.model, arch, config.seed
+                config.mtp_checkpoint, config.cache_dir or default_cache_dir(), config.model, self.arch, config.seed
             )
         proposer = make_proposer(config, self.model, self.kv_cache, mtp_weights)
-        self.runner = ModelRunner(config, self.model, self.kv_cache, self.max_model_len, connector, proposer)
-        self.runner.eos_token_ids = eos
-        self.runner.num_state_blocks = self.num_state_blocks
-        if config.async_scheduling:
-            from pdcluster.engine.async_scheduler import AsyncStepper
-
-            self._stepper = AsyncStepper(self.scheduler, self.runner)
+        self.runner = ModelRunner(config, self.model, self.kv_cache, self.max_model_len, self.connector, proposer,
+                                  eos_token_ids=set(loaded.eos_token_ids), num_state_blocks=self.num_state_blocks)
+        # Async scheduling: step n+1 is scheduled while step n runs (engine/async_scheduler.py).
+        self._stepper = AsyncStepper(self.scheduler, self.runner) if config.async_scheduling else None
+        self.step_trace = StepTrace()  # engine/step_trace.py (synchronous steps)
         self.warmup_batch_kinds = warmup(self.runner, num_blocks=num_blocks)
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         # Decode side of a KV transfer: blocks reserved for prompts whose KV is on its way.
         self._reserved: dict[str, Request] = {}
-        self.last_kv_output = KVConnectorOutput()
 
-    @staticmethod
-    def _resolve_deterministic(config: EngineConfig) -> bool:
-        """Deterministic mode where it can run: the CPU with the batch-invariant C GEMM. Asked for where
-        it cannot: a warning on CUDA (no batch-invariant GPU kernels yet), an error without the C GEMM.
-        As the default: the fast mode there, said at info level."""
-        wanted, asked = config.resolve_deterministic()
-        if not wanted:
-            return False
-        if config.device != "cpu":
-            (log.warning if asked else log.info)(
-                "deterministic mode is implemented for the CPU only; on %s results may depend on the batch%s",
-                config.device, " (run with --no-deterministic to silence this)" if asked else "")
-            return False
-        from pdcluster.engine.linear import DeterministicUnavailable, check_deterministic_available
-
-        try:
-            check_deterministic_available()
-        except DeterministicUnavailable as e:
-            if asked:
-                raise
-            log.warning("%s: running in the fast mode (results may depend on the batch)", e)
-            return False
-        return True
-
-    def attach_connector(self, connector: KVConnector) -> None:
-        """Install a KV connector after the cache exists (it needs the tensor). The same object serves
-        as the runner's worker-side connector and, if it has ``request_finished``, the scheduler hook."""
-        self.runner.connector = connector
-        if hasattr(connector, "request_finished"):
-            self.scheduler.kv_hook = connector
-            # Producer of a hybrid's KV: every prompt also gets the blocks its state is sent in.
-            self.scheduler.num_state_blocks = self.num_state_blocks
-            self.runner.num_state_blocks_out = self.num_state_blocks
+    @classmethod
+    def from_config(cls, config: EngineConfig, connector: KVConnector | None = None,
+                    progress: bool = True) -> LLMEngine:
+        """All stages at once, for a connector that does not need the KV cache (the null one by default)."""
+        return cls(LoadedModel.load(config, progress=progress), connector)
 
     def assign_seed(self, params: SamplingParams) -> SamplingParams:
         if params.seed is None:
@@ -329,7 +242,6 @@ class LLMEngine:
             runner_output, kv_output = self.runner.sample_tokens()
             step_results = self.scheduler.update_from_output(sched, runner_output)
             self.step_trace.record(sched, time.perf_counter() - started)
-        self.last_kv_output = kv_output
         self.scheduler.free_held(kv_output.finished_sending | kv_output.failed)
         return [self._output(r.request, r.finished, r.new_token_ids, r.new_logprobs, r.prompt_logprobs)
                 for r in step_results]

@@ -80,7 +80,13 @@ class ModelRunner:
         max_model_len: int,
         connector: KVConnector | None = None,
         proposer: Proposer | None = None,
+        eos_token_ids: set[int] | None = None,
+        num_state_blocks: int = 0,
     ):
+        """``eos_token_ids``: what min_tokens masks. ``num_state_blocks``: a hybrid's blocks after each
+        prompt's that carry its Mamba state in a KV transfer (engine/mamba_state_blocks.py): read when a
+        request arrives with its prompt computed elsewhere, and written for every finished prompt when
+        ``connector`` is a producer."""
         self.config = config
         self.model = model
         self.kv_cache = kv_cache
@@ -97,7 +103,7 @@ class ModelRunner:
         # sampling row must then come with that many drafts (a short n-gram match is padded).
         self.fixed_num_drafts = config.async_scheduling
         self._prev = PrevStepOutput.empty(self.num_spec_steps)  # read by the next step (S4)
-        self.eos_token_ids: set[int] = set()  # set by the engine: min_tokens masks them
+        self.eos_token_ids: set[int] = set(eos_token_ids or ())
         # Structured output: the engine installs a GrammarCompiler when a request first asks for one.
         self.grammar_compiler = None
         self.grammars: dict[str, object] = {}  # request id -> GrammarState (engine/structured_output.py)
@@ -111,10 +117,8 @@ class ModelRunner:
         if hasattr(model.arch, "mamba_state_shape"):
             self.mamba_pool = MambaStatePool(model.arch.mamba_state_shape(), config.max_num_seqs,
                                              1 + self.num_spec_steps, kv_cache.device)
-        # Blocks after a prompt's that carry its state in a KV transfer (engine/mamba_state_blocks.py): the
-        # engine sets both; ``_out`` only on a producer, which packs each finished prompt's state.
-        self.num_state_blocks = 0
-        self.num_state_blocks_out = 0
+        self.num_state_blocks = num_state_blocks
+        self.num_state_blocks_out = num_state_blocks if self.connector.is_producer else 0
         self.graphs: DecodeGraphs | None = None
         if config.cuda_graphs and self.device.type == "cuda" and self.mamba_pool is None:
             self.use_decode_graphs()

@@ -85,12 +85,13 @@ class Scheduler:
         num_blocks: int,
         max_model_len: int,
         eos_token_ids: set[int],
-        kv_hook: SchedulerConnector | None = None,
+        connector: SchedulerConnector | None = None,
+        num_state_blocks: int = 0,
     ):
         self.config = config
-        # KV-transfer hook (null object by default): may hold a finished request's blocks until they
-        # have been sent (prefill side); they are released by free_held().
-        self.kv_hook = kv_hook or SchedulerConnector()
+        # The KV transfer's scheduler-side hooks (a null object by default): may hold a finished request's
+        # blocks until they have been sent (producer); they are released by free_held().
+        self.connector = connector or SchedulerConnector()
         self.held: dict[str, Request] = {}
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
@@ -109,9 +110,10 @@ class Scheduler:
         # MTP writes its draft layer's KV for k - 1 chained positions past the verified ones
         # (engine/proposers/mtp.py): reserve those slots with every allocation.
         self.num_lookahead_tokens = max(config.num_spec_tokens - 1, 0) if config.spec_method == "mtp" else 0
-        # A hybrid's KV producer: blocks after each prompt's that carry its Mamba state to the decode
-        # worker (engine/mamba_state_blocks.py); set by the engine when a producer connector is attached.
-        self.num_state_blocks = 0
+        # A hybrid in a KV transfer: blocks after each prompt's that carry its Mamba state to the decode
+        # worker (engine/mamba_state_blocks.py). A producer allocates them with each prompt's last chunk.
+        self.num_state_blocks = num_state_blocks
+        self._num_state_blocks_out = num_state_blocks if self.connector.is_producer else 0
 
     # ---- requests in and out -----------------------------------------------------------------
     def add_request(self, request: Request, follow: str | None = None) -> None:
@@ -288,8 +290,8 @@ class Scheduler:
         """Token slots to allocate after ``num_computed`` for ``num_new`` tokens: MTP's lookahead, and
         for a hybrid producer the state blocks once the chunk completes the prompt."""
         n = num_new + self.num_lookahead_tokens
-        if self.num_state_blocks and num_computed + num_new >= request.num_prompt_tokens:
-            end = tokens_with_state(request.num_prompt_tokens, self.config.block_size, self.num_state_blocks)
+        if self._num_state_blocks_out and num_computed + num_new >= request.num_prompt_tokens:
+            end = tokens_with_state(request.num_prompt_tokens, self.config.block_size, self._num_state_blocks_out)
             n = max(n, end - num_computed)
         return n
 
@@ -358,7 +360,7 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
-        if status != RequestStatus.FINISHED_ABORTED and self.kv_hook.request_finished(request):
+        if status != RequestStatus.FINISHED_ABORTED and self.connector.request_finished(request):
             self.held[request.request_id] = request  # freed by free_held() once sent
         else:
             self.block_manager.free(request)

@@ -23,7 +23,8 @@ def warmup(runner, max_num_reqs: int = 4, num_blocks: int | None = None) -> list
     k = runner.num_spec_steps
     prompt_len = warmup_prompt_len(k)
     block_size = runner.block_size
-    blocks_per_req = -(-(prompt_len + 1 + k) // block_size)
+    # A hybrid producer packs each finished prompt's Mamba state into the blocks after the prompt's.
+    blocks_per_req = max(-(-(prompt_len + 1 + k) // block_size), -(-prompt_len // block_size) + runner.num_state_blocks_out)
     pool = num_blocks if num_blocks is not None else runner.kv_cache.shape[2]
     num_reqs = max(1, min(max_num_reqs, runner.config.max_num_seqs, pool // blocks_per_req))
     params = SamplingParams(max_tokens=1, temperature=0.0, seed=0)

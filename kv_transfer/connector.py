@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pdcluster.wire.kv_connector import KVConnector, KVConnectorOutput, SchedulerConnector
+from pdcluster.wire.kv_connector import KVConnector, KVConnectorOutput
 from pdcluster.kv_transfer.protocol import AbortTransfer, TransferDone
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,9 @@ def _locked(method):
     return locked
 
 
-class PrefillKVConnector(KVConnector, SchedulerConnector):
+class PrefillKVConnector(KVConnector):
+    is_producer = True
+
     def __init__(self, transport, endpoint, num_target_layers: int, num_layers: int, block_size: int,
                  clock=time.monotonic, num_state_blocks: int = 0):
         self.transport = transport

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+from pdcluster.engine.loaded_model import LoadedModel
 from pdcluster.kv_transfer.config import TransferConfig, kv_layout, model_fingerprint
 from pdcluster.kv_transfer.control_plane import EndpointConfig
 
 
-def endpoint_config(worker_id: str, engine, transfer: TransferConfig, transport) -> EndpointConfig:
-    """``engine``: the worker's LLMEngine (its KV layout and model); ``transport``: its KV transport."""
+def endpoint_config(worker_id: str, model: LoadedModel, transfer: TransferConfig, transport) -> EndpointConfig:
+    """``model``: the worker's LoadedModel (its KV layout and model); ``transport``: its KV transport."""
     return EndpointConfig(
         worker_id=worker_id,
-        layout=kv_layout(engine.kv_spec, engine.state_shape, engine.num_state_blocks),
-        model_fingerprint=model_fingerprint(engine.model_dir),
+        layout=kv_layout(model.kv_spec, model.state_shape, model.num_state_blocks),
+        model_fingerprint=model_fingerprint(model.model_dir),
         transport=transfer.transport,
         transport_descriptor=transport.local_descriptor(),
         secret=transfer.secret,

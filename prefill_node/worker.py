@@ -17,6 +17,7 @@ from dataclasses import replace
 
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.llm_engine import LLMEngine
+from pdcluster.engine.loaded_model import LoadedModel
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kv_transfer.config import TransferConfig
 from pdcluster.kv_transfer.connector import PrefillKVConnector
@@ -37,16 +38,17 @@ class PrefillWorker(WorkerLoop):
         super().__init__(f"prefill-{worker_id}")
         self.worker_id = worker_id
         self.transfer = transfer
-        self.engine = LLMEngine(engine_config, progress=False)
-        spec = self.engine.kv_spec
-        self.transport = get_transport_class(transfer.transport)(self.engine.kv_cache, "sender", transfer.transport_config())
-        self.endpoint = PrefillEndpoint(endpoint_config(worker_id, self.engine, transfer, self.transport),
+        # In stages: the model and its cache, the transfer made on that cache, then the engine with it.
+        model = LoadedModel.load(engine_config, progress=False)
+        spec = model.kv_spec
+        self.transport = get_transport_class(transfer.transport)(model.kv_cache, "sender", transfer.transport_config())
+        self.endpoint = PrefillEndpoint(endpoint_config(worker_id, model, transfer, self.transport),
                                         host=transfer.host, port=transfer.port)
         self.connector = PrefillKVConnector(
-            self.transport, self.endpoint, self.engine.arch.num_layers, spec.num_layers, spec.block_size,
-            num_state_blocks=self.engine.num_state_blocks,
+            self.transport, self.endpoint, model.arch.num_layers, spec.num_layers, spec.block_size,
+            num_state_blocks=model.num_state_blocks,
         )
-        self.engine.attach_connector(self.connector)
+        self.engine = LLMEngine(model, self.connector)
         self._connected: dict[str, dict] = {}  # decode peer id -> the transport descriptor we connected to
         self._ack_poller = threading.Thread(target=self._poll_acks, name=f"prefill-{worker_id}-acks", daemon=True)
         self.start()

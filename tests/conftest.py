@@ -48,7 +48,7 @@ def make_engine(model: str = "tiny-random", **kwargs):
     """An LLMEngine on :func:`engine_config` (the same defaults and overrides)."""
     from pdcluster.engine.llm_engine import LLMEngine
 
-    return LLMEngine(engine_config(model, **kwargs), progress=False)
+    return LLMEngine.from_config(engine_config(model, **kwargs), progress=False)
 
 
 def settled_worker_stats(cluster, timeout_s: float = 5.0) -> dict[str, dict]:

@@ -60,7 +60,7 @@ def _engine(**overrides) -> LLMEngine:
     cfg.update(overrides)
     if cfg.get("spec_method") == "mtp":
         cfg.setdefault("mtp_checkpoint", "random")  # no trained head for the tiny model
-    return LLMEngine(EngineConfig(**cfg), progress=False)
+    return LLMEngine.from_config(EngineConfig(**cfg), progress=False)
 
 
 def _greedy(max_tokens: int = NUM_NEW) -> SamplingParams:

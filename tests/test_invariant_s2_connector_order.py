@@ -58,7 +58,7 @@ class RecordingConnector(KVConnector):
 def _engine(connector, **cfg):
     cfg = dict(dict(model="tiny-random", num_kv_blocks=128, max_model_len=512, prefill_chunk_size=24,
                     max_num_batched_tokens=48, spec_method="mtp", num_spec_tokens=3, mtp_checkpoint="random"), **cfg)
-    engine = LLMEngine(EngineConfig(**cfg), connector=connector, progress=False)
+    engine = LLMEngine.from_config(EngineConfig(**cfg), connector=connector, progress=False)
     propose = engine.runner.proposer.propose
 
     def recorded(batch):

@@ -121,7 +121,7 @@ def _engine(model_dir: Path, **overrides) -> LLMEngine:
     cfg = dict(model=str(model_dir), dtype="float32", max_model_len=256, num_kv_blocks=256, block_size=16,
                max_num_seqs=16)
     cfg.update(overrides)
-    return LLMEngine(EngineConfig(**cfg), progress=False)
+    return LLMEngine.from_config(EngineConfig(**cfg), progress=False)
 
 
 def _run(engine: LLMEngine, prompts) -> list[list[int]]:

@@ -357,10 +357,10 @@ def test_bf16_deterministic_recovery_continues_bitwise(ray_session, smollm2_dir)
 
     config = EngineConfig(model="smollm2", dtype="bfloat16", deterministic=True, num_kv_blocks=NUM_BLOCKS,
                           max_model_len=1024, prefill_chunk_size=64, num_threads=1)
-    prompt = LLMEngine(config, progress=False).tokenize(
+    prompt = LLMEngine.from_config(config, progress=False).tokenize(
         "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg")
     params = SamplingParams(max_tokens=160, ignore_eos=True, logprobs=1)
-    undisturbed = LLMEngine(config, progress=False).generate([prompt], params)[0]
+    undisturbed = LLMEngine.from_config(config, progress=False).generate([prompt], params)[0]
     cluster = Cluster(ClusterSpec(engine=config, transfer=TransferConfig(), mode="disagg", num_prefill=1,
                                   num_decode=2))
     try:

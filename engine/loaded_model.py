@@ -1,0 +1,117 @@
+"""The first stages of an engine: the model (weights, tokenizer, architecture) and its paged KV cache.
+
+A KV connector needs the cache (its transport reads or shares that memory), and the scheduler and
+runner need the connector: so a worker loads these first, builds its connector on ``kv_cache``, and
+then the engine (engine/llm_engine.py) with both. Nothing is patched onto an engine afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.kv_cache import KVCacheSpec, allocate_kv_cache, num_blocks_for_budget
+from pdcluster.engine.linear import DeterministicUnavailable, check_deterministic_available
+from pdcluster.engine.mamba_state import MambaStateShape
+from pdcluster.engine.mamba_state_blocks import num_state_blocks
+from pdcluster.engine.memory import keep_freed_memory
+from pdcluster.engine.models.architectures import arch_from_dir, is_hybrid, load_model
+from pdcluster.engine.models.registry import resolve_model
+from pdcluster.engine.proposers import num_draft_layers as proposer_draft_layers
+from pdcluster.engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    config: EngineConfig  # resolved: the device, prefix caching (off for hybrids), deterministic mode
+    model_dir: Path
+    tokenizer: Tokenizer
+    arch: object  # the architecture read from the model directory (engine/models/architectures.py)
+    is_hybrid: bool
+    max_model_len: int
+    dtype_name: str
+    deterministic: bool
+    model: torch.nn.Module
+    kv_spec: KVCacheSpec
+    kv_cache: torch.Tensor
+    # Hybrids in a KV transfer: the Mamba state rides in ``num_state_blocks`` blocks after the prompt's
+    # (engine/mamba_state_blocks.py). None / 0 for attention-only models.
+    state_shape: MambaStateShape | None
+    num_state_blocks: int
+    eos_token_ids: frozenset[int]
+
+    @classmethod
+    def load(cls, config: EngineConfig, progress: bool = True, kv_cache_allocator=None) -> LoadedModel:
+        """``kv_cache_allocator(shape, dtype, device)`` lets a KV transport provide the cache memory
+        (e.g. shared memory a same-host sender writes into directly)."""
+        if config.device != (device := config.resolve_device()):
+            config = replace(config, device=device)
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        if config.device == "cpu":
+            keep_freed_memory()
+        model_dir: Path = resolve_model(config.model, cache_dir=config.cache_dir or None, progress=progress)
+        tokenizer = Tokenizer(model_dir)
+        arch = arch_from_dir(model_dir)
+        hybrid = is_hybrid(arch)
+        if hybrid and config.enable_prefix_caching:
+            # A cached block holds KV but no Mamba state for its boundary: a hit would resume the
+            # recurrence from nothing. Hybrids compute every prompt (vLLM's default for Mamba too).
+            log.info("prefix caching is off for hybrid model %s (no recurrent state at block boundaries)",
+                     config.model)
+            config = replace(config, enable_prefix_caching=False)
+        max_model_len = config.max_model_len or min(arch.max_position_embeddings, 4096)
+        if max_model_len > arch.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len: {max_model_len} exceeds the model's max_position_embeddings "
+                f"({arch.max_position_embeddings})"
+            )
+        dtype_name = config.resolve_dtype(json.loads((model_dir / "config.json").read_text()))
+        dtype = DTYPES[dtype_name]
+        # Deterministic mode (issue 24): batch-invariant kernels on CPU. CUDA has none yet (cuBLAS and the
+        # Triton kernels keep their batch-dependent choices): said once, not refused.
+        deterministic = _resolve_deterministic(config)
+        config = replace(config, deterministic=deterministic)
+        model = load_model(model_dir, dtype, max_model_len + config.num_spec_steps + 1, config.device,
+                           deterministic=deterministic)
+        num_draft_layers = proposer_draft_layers(config)  # MTP: one layer after the target's (S2)
+        probe = KVCacheSpec(arch.num_layers + num_draft_layers, num_draft_layers, 1, config.block_size,
+                            arch.num_kv_heads, arch.head_dim, dtype)
+        num_blocks = config.num_kv_blocks or num_blocks_for_budget(probe.bytes_per_block, config.kv_cache_memory_gib)
+        kv_spec = replace(probe, num_blocks=num_blocks)
+        allocate = kv_cache_allocator or (lambda shape, dtype, device: allocate_kv_cache(kv_spec, device))
+        kv_cache = allocate(kv_spec.shape, kv_spec.dtype, config.device)
+        state_shape = arch.mamba_state_shape() if hybrid else None
+        return cls(
+            config=config, model_dir=model_dir, tokenizer=tokenizer, arch=arch, is_hybrid=hybrid,
+            max_model_len=max_model_len, dtype_name=dtype_name, deterministic=deterministic, model=model,
+            kv_spec=kv_spec, kv_cache=kv_cache, state_shape=state_shape,
+            num_state_blocks=num_state_blocks(state_shape, kv_spec.bytes_per_block) if hybrid else 0,
+            eos_token_ids=frozenset(arch.eos_token_ids) | frozenset(tokenizer.stop_token_ids),
+        )
+
+
+def _resolve_deterministic(config: EngineConfig) -> bool:
+    """Deterministic mode where its batch-invariant kernels run: the CPU with the C GEMM, CUDA with
+    Triton (kernels/triton_matmul_bi.py and the fixed-tile attention). Asked for where they cannot:
+    an error; as the default: the fast mode there, with a warning."""
+    wanted, asked = config.resolve_deterministic()
+    if not wanted:
+        return False
+    try:
+        check_deterministic_available("cuda" if config.device.startswith("cuda") else "cpu")
+    except DeterministicUnavailable as e:
+        if asked:
+            raise
+        log.warning("%s: running in the fast mode (results may depend on the batch)", e)
+        return False
+    return True
