@@ -408,7 +408,8 @@ def test_served_probe_times_a_real_pair_and_the_planner_applies_it(tmp_path):
     with their features, and the factors (served over bare, >= 1) reach the simulator's step costs."""
     from dataclasses import replace
 
-    from pdcluster.tools.planner.profile import ProfileGrid, run_profile
+    from pdcluster.tools.planner.grid import ProfileGrid
+    from pdcluster.tools.planner.profile import run_profile
     from pdcluster.tools.planner.served import DECODE_BATCHES, PREFILL_SIZES, measure_served
 
     profile = run_profile("tiny-random", 1, ProfileGrid.quick(), "tcp", 0, "float32", log=lambda m: None)
@@ -435,7 +436,7 @@ def test_served_probe_times_a_real_pair_and_the_planner_applies_it(tmp_path):
 
 
 def test_profile_fits_the_least_disturbed_repetition():
-    from pdcluster.tools.planner.profile import least_disturbed
+    from pdcluster.tools.planner.steps import least_disturbed
 
     points = [{"tokens": 128, "attn": 1.0, "num_requests": 1, "seconds": s} for s in (0.9, 0.5, 0.7)]
     points.append({"tokens": 256, "attn": 2.0, "num_requests": 1, "seconds": 1.2})

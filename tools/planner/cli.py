@@ -23,6 +23,7 @@ from pdcluster.engine.config import DETERMINISTIC_ENV, DTYPES
 from pdcluster.tools.loadtest.arrivals import ARRIVALS
 from pdcluster.tools.planner import workload as wl
 from pdcluster.tools.planner.costs import load_cost_model
+from pdcluster.tools.planner.grid import ProfileGrid
 from pdcluster.tools.planner.search import Searcher, Target, search
 from pdcluster.tools.planner.shape import parse_shape
 from pdcluster.tools.planner.simulate import SimConfig, simulate
@@ -90,7 +91,7 @@ def add_planner_parsers(subparsers) -> None:
 
 
 def profile_main(args: argparse.Namespace) -> int:
-    from pdcluster.tools.planner.profile import ProfileGrid, run_profile  # torch: see the docstring
+    from pdcluster.tools.planner.profile import run_profile  # torch: see the docstring
 
     if args.threads < 1:
         raise PlanError(f"--threads: must be at least 1, got {args.threads}")
