@@ -38,7 +38,7 @@ def generate_main(args: argparse.Namespace) -> int:
         stop=args.stop or [],
         ignore_eos=args.ignore_eos,
     )
-    engine = LLMEngine(engine_config_from_args(args))
+    engine = LLMEngine.from_config(engine_config_from_args(args))
     prompts = args.prompt
     if args.chat:
         prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]

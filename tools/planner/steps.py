@@ -33,7 +33,7 @@ def bare_engine(model: str, threads: int, max_model_len: int, num_kv_blocks: int
                 dtype: str = "auto") -> LLMEngine:
     config = EngineConfig(model=model, dtype=dtype, num_threads=threads, max_model_len=max_model_len,
                           num_kv_blocks=num_kv_blocks, seed=seed)
-    return LLMEngine(config, progress=False)
+    return LLMEngine.from_config(config, progress=False)
 
 
 def greedy(max_tokens: int) -> SamplingParams:
