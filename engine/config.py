@@ -77,7 +77,8 @@ class EngineConfig:
     cuda_graphs: bool = True
     num_threads: int = 0  # torch intra-op threads; 0 = torch's default
     # Batch-invariant kernels (issue 24): each request's tokens and logprobs are bitwise the same whatever
-    # the batch, the prefill chunking, speculation, placement or a recovery re-prefill (CPU; see README).
+    # the batch, the prefill chunking, speculation, placement or a recovery re-prefill (CPU: the C GEMM;
+    # CUDA: the Triton matmul and fixed-tile attention, bitwise among workers with the same GPU model; see README).
     # None: default_deterministic() (the engine resolves it; see resolve_deterministic).
     deterministic: bool | None = None
     seed: int = 0

@@ -19,8 +19,10 @@ keep MKL, which is faster there. Measured on this box, one thread, smollm2's 576
 the batch-invariant C GEMM (kernels/cpu_gemm.py, kernels/csrc/gemm_bi.c) and every call goes there, so
 each output row is bit for bit a function of its own input row, whatever the number of rows (oneDNN's
 bf16 GEMM varies with M at K=1536 here; MKL's fp32 GEMM and the small-M kernel switch with M). Without
-the C library that mode is refused (DeterministicUnavailable), never silently dropped. CUDA weights
-keep ``F.linear`` (cuBLAS): batch invariance there needs fixed-tile Triton matmuls (not done yet).
+the C library that mode is refused (DeterministicUnavailable), never silently dropped. On CUDA that mode
+runs every call through the fixed-tile Triton matmul (kernels/triton_matmul_bi.py: no split-K, tiles from
+the weight's shape only) on the plain weight; the fast mode keeps ``F.linear`` (cuBLAS, whose kernel and
+split-K choice follow the number of rows).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from pdcluster.kernels import cpu_gemm, cpu_ops
+from pdcluster.kernels import cpu_gemm, cpu_ops, ops
 
 
 PACKED_F32_ROWS_HINT = 32  # the batch size oneDNN lays the float32 copy out for
@@ -56,9 +58,15 @@ class DeterministicUnavailable(RuntimeError):
     """Deterministic mode was asked for where the batch-invariant GEMM cannot run."""
 
 
-def check_deterministic_available() -> None:
+def check_deterministic_available(device_type: str = "cpu") -> None:
     """Raise DeterministicUnavailable (one line saying why and what to do) unless the batch-invariant
-    CPU GEMM library is built and loadable here."""
+    GEMM for ``device_type`` can run here: the C library on the CPU, Triton on CUDA."""
+    if device_type == "cuda":
+        if not ops.triton_available():
+            raise DeterministicUnavailable("deterministic mode on CUDA needs triton (the batch-invariant "
+                                           "matmul), which is not installed; pip install triton or run with "
+                                           "--no-deterministic")
+        return
     if cpu_gemm.available():
         return
     from pdcluster.kernels import cpu_build
@@ -85,12 +93,18 @@ class Linear:
         self._packed = None
         self._packed_f32 = None  # beside the plain weight: up to PACKED_F32_MAX_ROWS rows
         self._packed_bi = None  # deterministic: the batch-invariant GEMM's layout (the only path then)
+        self._cuda_bi = None  # deterministic on CUDA: kernels/triton_matmul_bi.matmul_bi on the plain weight
         on_cpu = prepack and weight.device.type == "cpu"
         if deterministic and weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float32):
             check_deterministic_available()
             self._packed_bi = cpu_gemm.pack_bi(weight)
             if not keep_weight:
                 self.weight = None
+        elif deterministic and weight.is_cuda and weight.dtype in (torch.bfloat16, torch.float16, torch.float32):
+            check_deterministic_available("cuda")
+            from pdcluster.kernels.triton_matmul_bi import matmul_bi  # triton only where CUDA is
+
+            self._cuda_bi = matmul_bi
         elif on_cpu and weight.dtype == torch.bfloat16 and _can_prepack():
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
             if not keep_weight:
@@ -100,9 +114,11 @@ class Linear:
 
     @property
     def deterministic(self) -> bool:
-        return self._packed_bi is not None
+        return self._packed_bi is not None or self._cuda_bi is not None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._cuda_bi is not None:
+            return self._cuda_bi(x if x.dtype is self.weight.dtype else x.to(self.weight.dtype), self.weight)
         if self._packed_bi is not None:
             if x.dtype is not self._packed_bi.dtype:
                 x = x.to(self._packed_bi.dtype)

@@ -9,7 +9,20 @@ Work split: one program per (query tile, KV head). A query tile is up to BLOCK_Q
 tokens of ONE request times the GROUP query heads that share this KV head (GQA), flattened into
 BLOCK_M = BLOCK_Q * GROUP_PAD rows: each K/V tile loaded from the cache is reused by every row.
 Each program walks its request's context in tiles of BLOCK_N token positions with an online softmax
-(flash-attention style), stopping at the last position its tile's latest token can see.
+(flash-attention style), stopping at the last position its tile's latest token can see. There is no
+split of the context across programs (no flash-decoding): one program reduces a row's whole context.
+
+Batch invariance (issue 24; STYLE.md "Deterministic kernels"): a query's result is bit for bit the same
+in a prefill chunk, a verification row and a decode step, alone or in any batch. Its reduction order
+is fixed: key tiles of BLOCK_N positions from position 0 up, each merged by the same online-softmax
+update. The tile shapes are constants of the model (TILE_ROWS rows, GROUP_PAD from the head counts),
+never chosen from the batch: the dots' instruction and the row reductions' layout follow the tile
+shape on a GPU. (Until issue 24 a batch of prefill chunks got 64-row tiles and a decode batch 16-row
+ones; every batch now gets the decode tile, so prefill reads each K/V tile more often, mostly from L2.)
+Tiles past a row's own position, which a prefill chunk's earlier tokens walk through for their later
+neighbours, are exact no-ops for that row: every score is -inf, so p = 0 and alpha = exp2(0) = 1.
+``num_reqs`` is not specialised, so a request alone (Triton would compile num_reqs == 1 as a constant)
+runs the same compiled kernel as a batch.
 
 Programs find their request without a host sync: request r owns query tiles starting at index
 ``query_start_loc[r] // BLOCK_Q + r`` (the "+ r" leaves room for every request's partial last
@@ -32,9 +45,12 @@ import triton
 from torch import Tensor
 import triton.language as tl
 
-# Key positions per inner-loop step. >= 16 because tl.dot needs every dim >= 16 on GPU.
-_KV_TILE_TOKENS = 32
-_MIN_DOT_ROWS = 16
+# Key positions per inner-loop step. >= 16 because tl.dot needs every dim >= 16 on GPU. A constant: the
+# context's split into tiles fixes the order of a query's softmax reduction (module doc).
+KV_TILE_TOKENS = 32
+# Rows (query tokens x heads of a GQA group) per tile, in every batch (module doc). 16: tl.dot's minimum,
+# and the decode tile, so a decode step costs what it did before tiles were fixed.
+TILE_ROWS = 16
 
 
 @triton.jit
@@ -52,7 +68,7 @@ def _find_request(query_start_loc_ptr, q_tile_idx, num_reqs, BLOCK_Q: tl.constex
     return lo - 1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs"])
 def _paged_attention_kernel(
     out_ptr,
     query_ptr,
@@ -167,15 +183,9 @@ def _paged_attention_kernel(
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=row_dim_mask)
 
 
-def _pick_block_q(num_tokens: int, num_reqs: int, group_pad: int) -> int:
-    """Query tokens per tile, from shapes only (no device sync).
-
-    Decode-like batches (about one new token per request) get 16-row tiles so few rows are padding;
-    batches of prefill chunks get 64-row tiles so each K/V tile loaded serves more query rows.
-    """
-    avg_q_len = max(1, num_tokens // max(num_reqs, 1))
-    target_rows = 64 if avg_q_len * group_pad >= 64 else _MIN_DOT_ROWS
-    return max(1, target_rows // group_pad)
+def block_q_for(group_pad: int) -> int:
+    """Query tokens per tile: a function of the model's head grouping only, never of the batch."""
+    return max(1, TILE_ROWS // group_pad)
 
 
 def paged_attention_triton(
@@ -200,9 +210,20 @@ def paged_attention_triton(
     if num_tokens == 0 or num_reqs == 0:
         return out
 
+    group_pad = triton.next_power_of_2(num_q_heads // num_kv_heads)
+    return launch(query, layer_cache, block_tables, seq_lens, query_start_loc, scale, out,
+                  block_q_for(group_pad), KV_TILE_TOKENS)
+
+
+def launch(query: Tensor, layer_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
+           scale: float, out: Tensor, block_q: int, block_n: int) -> Tensor:
+    """Run the kernel with the given tiles (checked arguments; :func:`paged_attention_triton` passes the
+    fixed ones, tests pass batch-dependent ones to show the invariance tests catch them)."""
+    num_tokens, num_q_heads, head_dim = query.shape
+    block_size, num_kv_heads = layer_cache.shape[2], layer_cache.shape[3]
+    num_reqs = seq_lens.shape[0]
     group = num_q_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    block_q = _pick_block_q(num_tokens, num_reqs, group_pad)
     # The "+ num_reqs" covers each request's partial last tile (see the module doc).
     num_q_tiles = num_tokens // block_q + num_reqs
     _paged_attention_kernel[(num_q_tiles, num_kv_heads)](
@@ -224,7 +245,7 @@ def paged_attention_triton(
         GROUP_PAD=group_pad,
         BLOCK_Q=block_q,
         BLOCK_M=block_q * group_pad,
-        BLOCK_N=_KV_TILE_TOKENS,
+        BLOCK_N=block_n,
         HEAD_DIM_PAD=max(triton.next_power_of_2(head_dim), 16),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
     )
