@@ -11,6 +11,9 @@ skipped once the time budget is spent:
 - ``correctness``: tiny-random, tiny-hybrid and a transformers-made NemotronH equal transformers'
   greedy (repeated full forwards, fp32, on the same device): alone, batched, with n-gram and MTP
   speculation, async scheduling, chunked prefill and preemption;
+- ``deterministic``: deterministic mode (issue 24: the batch-invariant Triton matmul and fixed-tile
+  attention on CUDA) against the fast mode on a 4-layer model of that Llama's width, bf16: decode step
+  time at batch 1 and 32, and a request's greedy tokens and logprobs alone == among 15 others, bitwise;
 - ``speed``: a random-weight 1.1B Llama (TinyLlama's shape, bf16): copy bandwidth and the HBM floor,
   decode step time at batch 1, 32 and 128, prefill tok/s at 16 x 2,048 and its MFU, transformers'
   ``generate`` on the same GPU.
@@ -217,7 +220,8 @@ def kernel_tests_section(entry: dict, device: str, left_s: float, work: Path) ->
         entry["skipped"] = "the gpu-marked tests need CUDA"
         return
     files = [f"tests/{f}" for f in ("test_kernels.py", "test_triton_mamba.py", "test_triton_mamba_scan.py",
-                                    "test_triton_elementwise.py", "test_cuda_graphs.py")
+                                    "test_triton_elementwise.py", "test_cuda_graphs.py",
+                                    "test_triton_deterministic.py")
              if (ROOT / "tests" / f).exists()]
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
            "PDCLUSTER_CACHE_DIR": str(model_cache(work))}
@@ -472,6 +476,46 @@ def speed_section(entry: dict, device: str, work: Path, quick: bool, report: Rep
     entry["transformers_generate_step_ms"] = hf_steps
 
 
+def deterministic_section(entry: dict, device: str, work: Path, quick: bool) -> None:
+    """Deterministic vs fast mode on one model (module doc). ``ok``: the engine kept deterministic mode and
+    the request alone equals the request in a batch; the fast mode's answer to that is recorded only."""
+    import torch
+    import transformers
+
+    from pdcluster.engine.config import EngineConfig
+    from pdcluster.engine.llm_engine import LLMEngine
+    from pdcluster.engine.sampling_params import SamplingParams
+
+    shape = LLAMA_QUICK if quick else dict(LLAMA_1B, num_hidden_layers=4)
+    model_dir = work / "llama-deterministic"
+    torch.manual_seed(0)
+    with torch.device(device):
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape)).to(torch.bfloat16).save_pretrained(
+            str(model_dir))
+    for f in TOKENIZER_FILES:
+        shutil.copy(ASSETS / f, model_dir / f)
+    prompt_len, num_steps, batches = (64, 4, (1, 4)) if quick else (512, 16, (1, 32))
+    params = SamplingParams(max_tokens=8 if quick else 24, temperature=0.0, ignore_eos=True, logprobs=2)
+    target = [5 + (j * 31) % 20000 for j in range(37)]
+    others = [[5 + (i * 7 + j * 13) % 20000 for j in range(10 + 9 * i)] for i in range(15)]
+    for mode, deterministic in (("fast", False), ("deterministic", True)):
+        engine = LLMEngine.from_config(EngineConfig(
+            model=str(model_dir), device=device, dtype="bfloat16", max_model_len=2048, max_num_seqs=32,
+            max_num_batched_tokens=4096, prefill_chunk_size=2048, kv_cache_memory_gib=0.25 if quick else 4.0,
+            enable_prefix_caching=False, deterministic=deterministic), progress=False)
+        result: dict = {"engine_deterministic": engine.deterministic, "decode_step_ms": {}}
+        for b in batches:
+            result["decode_step_ms"][str(b)] = round(_decode_step_ms(engine, b, prompt_len, num_steps, device), 3)
+        alone = engine.generate([target], params)[0]
+        mixed = engine.generate(others[:5] + [target] + others[5:], [params] * 16)[5]
+        result["alone_equals_batch"] = alone.token_ids == mixed.token_ids and alone.logprobs == mixed.logprobs
+        entry[mode] = result
+        del engine
+    fast, det = entry["fast"]["decode_step_ms"], entry["deterministic"]["decode_step_ms"]
+    entry["decode_cost"] = {b: round(det[b] / fast[b], 3) for b in fast}  # deterministic / fast step time
+    entry["ok"] = entry["deterministic"]["engine_deterministic"] and entry["deterministic"]["alone_equals_batch"]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -480,7 +524,7 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="small shapes (the dry run on a CPU)")
     p.add_argument("--simulate-gpu-box", action="store_true", help="refuse the modules the GPU machine lacks")
     p.add_argument("--prepare-assets", action="store_true", help="copy the tokenizer files and exit")
-    p.add_argument("--sections", default="env,kernel_tests,correctness,speed")
+    p.add_argument("--sections", default="env,kernel_tests,correctness,deterministic,speed")
     args = p.parse_args()
     if args.simulate_gpu_box:
         block_modules(GPU_BOX_MISSING)
@@ -513,6 +557,10 @@ def main() -> int:
         with report.section("correctness", 60) as entry:
             if entry is not None:
                 correctness_section(entry, args.device, work, args.quick)
+    if "deterministic" in wanted:
+        with report.section("deterministic", 60) as entry:
+            if entry is not None:
+                deterministic_section(entry, args.device, work, args.quick)
     if "speed" in wanted:
         with report.section("speed", 60) as entry:
             if entry is not None:
