@@ -51,8 +51,13 @@ GEMM_BI_SIGNATURES = {  # kernels/csrc/gemm_bi.c: the batch-invariant linear (ke
     "pd_gemm_bi": [_c_int, _ptr, _c_i64, _c_i64, _ptr, _c_i64, _c_i64, _ptr, _c_i64, _c_int, _c_int, _c_int],
     "pd_gemm_bi_isa": [_c_int],
 }
+GROUPED_GEMM_BI_SIGNATURES = {  # kernels/csrc/grouped_gemm_bi.c: the MoE's grouped linear (kernels/cpu_grouped_mm.py)
+    "pd_grouped_gemm_bi": [_c_int, _ptr, _c_i64, _ptr, _c_i64, _ptr, _c_i64, _c_i64, _ptr, _c_i64, _c_int, _c_int,
+                           _c_int],
+}
 # source -> the functions it defines; the first is required, the others optional (see the docstring)
-SOURCES = {SOURCE: CORE_SIGNATURES, CSRC / "gemm_bi.c": GEMM_BI_SIGNATURES}
+SOURCES = {SOURCE: CORE_SIGNATURES, CSRC / "gemm_bi.c": GEMM_BI_SIGNATURES,
+           CSRC / "grouped_gemm_bi.c": GROUPED_GEMM_BI_SIGNATURES}
 SIGNATURES = {name: argtypes for signatures in SOURCES.values() for name, argtypes in signatures.items()}
 
 

@@ -41,8 +41,8 @@ def test_generate_tiny_hybrid(hybrid_dir):
 def test_unservable_model_dirs_are_one_line(hybrid_dir, tmp_path, command):
     cases = {
         "GPT2LMHeadModel": _copy_with_config(hybrid_dir, tmp_path / "gpt2", architectures=["GPT2LMHeadModel"]),
-        "moe": _copy_with_config(hybrid_dir, tmp_path / "moe", hybrid_override_pattern="ME*-",
-                                 layers_block_type=None),
+        "n_group": _copy_with_config(hybrid_dir, tmp_path / "moe", hybrid_override_pattern="ME*-",
+                                     layers_block_type=None, n_routed_experts=8, n_group=3),
     }
     no_tok = _copy_with_config(hybrid_dir, tmp_path / "notok")
     (no_tok / "tokenizer.json").unlink()

@@ -200,9 +200,9 @@ def _moe_block(hf_models):
     return hf_block, arch, sd
 
 
-@pytest.mark.parametrize("grouped", [True, False], ids=["grouped_mm", "expert_loop"])
+@pytest.mark.parametrize("backend", ["auto", "torch"], ids=["c_grouped_gemm", "torch_grouped_mm"])
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
-def test_moe_every_token_routed_to_different_experts(hf_models, grouped, norm_topk_prob):
+def test_moe_every_token_routed_to_different_experts(hf_models, backend, norm_topk_prob):
     """Four tokens whose top-2 sets are disjoint ({0,1}, {2,3}, {4,5}, {6,7}: the router weight is set so),
     and random tokens besides: our block's output equals transformers' Qwen3MoeSparseMoeBlock's."""
     hf_block, arch, sd = _moe_block(hf_models)
@@ -218,7 +218,8 @@ def test_moe_every_token_routed_to_different_experts(hf_models, grouped, norm_to
     try:
         with torch.no_grad():
             hf_block.gate.weight.copy_(router)
-        ours = SparseMoe(arch, router, sd["experts.gate_up_proj"], sd["experts.down_proj"], use_grouped_mm=grouped)
+        ours = SparseMoe(arch, router, sd["experts.gate_up_proj"], sd["experts.down_proj"], backend=backend)
+        assert ours.experts.up.backend == ("c" if backend == "auto" else "torch")
         _, experts = ours.route(x)
         assert sorted(experts.sort(dim=-1).values.reshape(-1).tolist()) == list(range(8))
         mixed = torch.cat([x, torch.randn(13, 64, generator=torch.Generator().manual_seed(7))])
@@ -252,11 +253,12 @@ def test_unsupported_configs_refused_in_one_line(dirs, tmp_path):
 
 
 def test_deterministic_mode_moe_is_batch_invariant(dirs, hf_models):
-    """EngineConfig.deterministic (issue 24) on Qwen3-MoE: router and every expert through the batch-invariant
-    GEMM, so a token's MoE output is bit for bit the same alone or among 32 others; logits still match."""
+    """EngineConfig.deterministic (issue 24) on Qwen3-MoE: the router through the batch-invariant GEMM, the
+    experts through the batch-invariant grouped GEMM (kernels/csrc/grouped_gemm_bi.c), so a token's MoE output is
+    bit for bit the same alone or among 32 others; logits still match."""
     det = load_model(dirs["qwen3-moe"], torch.float32, 256, deterministic=True)
     moe = det.layers[0].moe
-    assert moe.router.deterministic and moe._per_expert is not None and not moe.use_grouped_mm
+    assert moe.router.deterministic and moe.experts.up.backend == moe.experts.down.backend == "c"
     x = torch.randn(33, 64, generator=torch.Generator().manual_seed(8))
     with torch.inference_mode():
         assert torch.equal(moe(x), torch.cat([moe(x[i : i + 1]) for i in range(33)]))

@@ -3,6 +3,7 @@
     LlamaForCausalLM, MistralForCausalLM -> engine.models.llama.ModelArch / LlamaModel
     Qwen3ForCausalLM, Qwen3MoeForCausalLM -> the same (q/k norm; MoE MLPs in engine/models/moe.py)
     NemotronHForCausalLM                 -> engine.models.nemotron_h.HybridArch / NemotronHModel
+                                            (MoE layers in engine/models/nemotron_moe.py)
 
 Errors are one line naming what is wrong (a missing file, an unsupported architecture) and what is
 supported; they are ValueErrors (UnknownModelError), which the CLI reports without a traceback.

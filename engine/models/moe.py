@@ -1,43 +1,163 @@
-"""Sparse mixture-of-experts MLP as transformers' ``Qwen3MoeSparseMoeBlock`` computes it, run as a fused MoE.
+"""The fused mixture-of-experts core, and Qwen3-MoE's sparse MLP (transformers' ``Qwen3MoeSparseMoeBlock``) on it.
+NemotronH's MoE (sigmoid group routing, relu2 experts, latent projection, shared expert) is
+engine/models/nemotron_moe.py, on the same core.
 
-Per token: router logits ``x @ gate.T`` (model dtype), softmax in float32, the top ``num_experts_per_tok``
-probabilities (divided by their sum when ``norm_topk_prob``), cast back to the model dtype; the output is
-the sum over the chosen experts of ``weight * down(silu(gate(x)) * up(x))``.
+A router gives every token k (routing weight, expert id) pairs. ``FusedExperts`` then runs them with no
+Python loop over tokens or experts:
+1. the T x k pairs are sorted by expert id (stable), so each expert's rows are contiguous, ``offs`` [E + 1]
+   their row offsets (device ops only: no host sync, so CUDA graphs capture it);
+2. one grouped matmul per projection over all routed rows (``GroupedLinear``), the activation in between
+   (SwiGLU for Qwen3, relu2 for NemotronH). An expert with no rows is skipped, so decoding one token reads only
+   its k routed experts' weights;
+3. each row times its routing weight (in the weight's dtype: Qwen3 rounds it to the model dtype first,
+   NemotronH keeps float32), put back in (token, slot) order and summed over the k slots in float32, rounded
+   once to the model dtype: transformers' grouped_mm path (its default) in the same order of operations.
 
-How it runs (``SparseMoe.__call__``), with no Python loop over tokens or experts:
-1. the T x k (token, expert) pairs are sorted by expert id (stable), so each expert's rows are contiguous;
-2. one grouped matmul per projection over all routed rows (``torch._grouped_mm`` with the per-expert row
-   offsets against the stacked [E, ...] weights; an expert with no rows is skipped, so decoding one token
-   reads only its k routed experts' weights), SiLU-and-mul in between;
-3. each row scaled by its routing weight and scatter-added back to its token (``index_add_``: on CPU in
-   sorted order, so a token's experts are summed in expert-id order, as transformers' loop does).
-Where ``torch._grouped_mm`` cannot run (device/dtype it lacks), and in deterministic mode (issue 24: every
-expert matmul through the batch-invariant GEMM of engine/linear.py, one packed weight per expert), step 2
-loops over the experts that have rows. Measured on CPU (bench/moe_decode.py: 128 experts, top-8, hidden
-1024, width 384, one thread, shared box, medians), grouped_mm / loop: fp32 batch 1 3.75 / 3.66 ms, batch 8
-25.4 / 27.6 ms, batch 64 101 / 109 ms; bf16 2.34 / 2.24, 16.2 / 17.9, 40.9 / 45.6 ms. Batch 1 moves 8 experts'
-weights (38 MB fp32) in 3.75 ms; all 128 would be 604 MB: only the routed experts are read.
+``GroupedLinear`` holds [E, N, K] weights as the backend wants them: on CPU (float32, bfloat16) packed for the
+C kernel kernels/csrc/grouped_gemm_bi.c, which is batch-invariant (a row's result does not depend on how many
+rows its expert got: deterministic mode needs nothing else here); on CUDA the Triton kernel
+kernels/triton_grouped_mm.py (fixed tiles: batch-invariant too); elsewhere ``torch._grouped_mm``.
+Measured on CPU by bench/moe_decode.py (figures in bench/results/moe_decode.json).
 
-Expert weights are stacked at load into ``gate_up`` [E, 2 * I, H] (gate rows, then up rows) and ``down``
-[E, H, I], from either layout a checkpoint has: per expert (``mlp.experts.{e}.gate_proj.weight``, ..., what
-Qwen's checkpoints and transformers 5's ``save_pretrained`` write) or fused (``mlp.experts.gate_up_proj``,
-``mlp.experts.down_proj``, transformers 5's in-memory names).
+Qwen3-MoE: router logits ``x @ gate.T`` (model dtype), softmax in float32, the top ``num_experts_per_tok``
+probabilities (divided by their sum when ``norm_topk_prob``), experts ``down(silu(gate(x)) * up(x))``. Expert
+weights are stacked at load into ``gate_up`` [E, 2I, H] (gate rows, then up rows) and ``down`` [E, H, I] from
+either layout a checkpoint has: per expert (``mlp.experts.{e}.gate_proj.weight``, ..., what Qwen's checkpoints
+and transformers 5's ``save_pretrained`` write) or fused (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``).
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
-from pdcluster.engine.linear import Linear
-from pdcluster.kernels import ops
+from pdcluster.engine.linear import DeterministicUnavailable, Linear, check_deterministic_available
+from pdcluster.kernels import cpu_grouped_mm, ops
 
-# Config keys of MoE variants this block does not implement: a truthy value is refused at load.
+# Config keys of Qwen3-MoE variants this block does not implement: a truthy value is refused at load.
 _UNSUPPORTED_KEYS = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts", "n_group",
                      "topk_group", "routed_scaling_factor")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Expert weights
+
+
+def take_stacked_experts(weights: dict[str, torch.Tensor], prefix: str, fused_name: str,
+                         per_expert_names: tuple[str, ...], num_experts: int) -> torch.Tensor:
+    """One projection of every expert, [E, out, in], popped from ``weights``: the checkpoint's fused tensor
+    ``{prefix}.experts.{fused_name}`` when it has one, else ``{prefix}.experts.{e}.{name}.weight`` stacked over
+    e (several names are concatenated along the output rows, e.g. Qwen3's gate_proj then up_proj)."""
+    def pop(key: str) -> torch.Tensor:
+        if key not in weights:
+            raise ValueError(f"MoE weights lack {key!r}")
+        return weights.pop(key)
+
+    fused = f"{prefix}.experts.{fused_name}"
+    if fused in weights:
+        return weights.pop(fused).contiguous()
+    return torch.stack([torch.cat([pop(f"{prefix}.experts.{e}.{name}.weight") for name in per_expert_names])
+                        for e in range(num_experts)])
+
+
+def check_shape(name: str, tensor: torch.Tensor, shape: tuple[int, ...], fields: str) -> None:
+    """ValueError, one line, when a loaded tensor's shape is not the one the config's ``fields`` give."""
+    if tuple(tensor.shape) != shape:
+        raise ValueError(f"{name} has shape {tuple(tensor.shape)}, the config says {shape} ({fields})")
+
+
+@functools.cache
+def grouped_mm_available(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` runs here for this dtype (checked once on a tiny problem)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        a = torch.ones(3, 16, dtype=dtype, device=device_type)
+        b = torch.ones(2, 32, 16, dtype=dtype, device=device_type).transpose(1, 2)
+        out = torch._grouped_mm(a, b, offs=torch.tensor([1, 3], dtype=torch.int32, device=device_type))
+        return bool((out == 16).all())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+class GroupedLinear:
+    """``y[r] = rows[r] @ weight[e].T`` for the rows ``offs[e]:offs[e + 1]`` of expert e, over E weights
+    [E, out, in] kept in the layout of the backend that runs them (module docstring): "c" (CPU float32 /
+    bfloat16: packed, the only copy), "triton" (CUDA) or "torch" (``torch._grouped_mm``; ``backend="torch"``
+    asks for it, for comparisons)."""
+
+    def __init__(self, weight: torch.Tensor, deterministic: bool = False, backend: str = "auto"):
+        self.num_experts, self.out_features, self.in_features = weight.shape
+        self.weight: torch.Tensor | None = weight
+        self._packed = None
+        device = weight.device.type
+        if deterministic:
+            check_deterministic_available(device)  # one line saying why not, when the kernels are missing
+        if backend == "auto" and device == "cpu" and cpu_grouped_mm.available():
+            self._packed = cpu_grouped_mm.pack_experts(weight)
+        if self._packed is not None:
+            self.backend, self.weight = "c", None
+        elif backend == "auto" and weight.is_cuda and ops.triton_available():
+            self.backend = "triton"
+        elif deterministic:  # torch._grouped_mm's result for a row may change with its group's size
+            raise DeterministicUnavailable(f"deterministic mode needs a batch-invariant grouped matmul for "
+                                           f"{weight.dtype} experts on {device} (kernels/csrc/grouped_gemm_bi.c on "
+                                           "CPU float32/bfloat16, Triton on CUDA); run with --no-deterministic")
+        elif backend in ("auto", "torch") and grouped_mm_available(device, weight.dtype):
+            self.backend = "torch"
+        else:
+            raise ValueError(f"no grouped matmul for {weight.dtype} expert weights on {device} "
+                             f"(backend {backend!r}): the C kernels (CPU float32/bfloat16) need a C compiler, "
+                             "Triton needs CUDA, torch._grouped_mm needs a newer torch")
+
+    def __call__(self, rows: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        if self.backend == "c":
+            out = cpu_grouped_mm.grouped_linear_bi(rows, self._packed, offs)
+            assert out is not None, f"grouped_linear_bi took no {rows.dtype} rows for {self._packed.dtype} weights"
+            return out
+        if self.backend == "triton":
+            from pdcluster.kernels.triton_grouped_mm import grouped_mm_triton  # triton only where CUDA is
+
+            return grouped_mm_triton(rows, self.weight, offs)
+        return torch._grouped_mm(rows, self.weight.transpose(1, 2), offs=offs[1:].to(torch.int32))
+
+
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    """NemotronH's ``relu2``: relu(x) squared (in place on the fresh projection output)."""
+    return torch.relu_(x).square_()
+
+
+class FusedExperts:
+    """E experts ``down(act(up(x)))`` applied to routed tokens (module docstring, steps 1-3)."""
+
+    def __init__(self, up: torch.Tensor, down: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor],
+                 deterministic: bool = False, backend: str = "auto"):
+        self.num_experts = up.shape[0]
+        self.up = GroupedLinear(up, deterministic, backend)  # [E, I or 2I, H]
+        self.down = GroupedLinear(down, deterministic, backend)  # [E, H, I]
+        self.activation = activation
+
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """``x`` [T, H]; ``weights`` [T, k] (float32, or the dtype the products are rounded to); ``experts``
+        [T, k] ids. Returns [T, H] in x's dtype."""
+        num_tokens, k = experts.shape
+        flat = experts.reshape(-1)
+        order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert, tokens in order within
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))
+        offs = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+        rows = self.down(self.activation(self.up(x[order // k], offs)), offs)
+        rows = rows * weights.reshape(-1)[order].unsqueeze(-1)
+        by_slot = torch.empty_like(rows)
+        by_slot[order] = rows  # back to (token, slot) order: the k rows of a token are adjacent
+        return by_slot.view(num_tokens, k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Qwen3-MoE
 
 
 @dataclass(frozen=True)
@@ -72,61 +192,24 @@ class MoeArch:
 
 def take_expert_weights(weights: dict[str, torch.Tensor], prefix: str, moe: MoeArch,
                         hidden_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(gate_up [E, 2I, H], down [E, H, I]) popped from ``weights`` under ``{prefix}.experts.``, stacked
-    from per-expert tensors or taken as the checkpoint's fused ones."""
-    def pop(name: str) -> torch.Tensor:
-        key = f"{prefix}.experts.{name}"
-        if key not in weights:
-            raise ValueError(f"MoE weights lack {key!r}")
-        return weights.pop(key)
-
+    """Qwen3-MoE's (gate_up [E, 2I, H], down [E, H, I]) popped from ``weights`` under ``{prefix}.experts.``."""
     E, I, H = moe.num_experts, moe.intermediate_size, hidden_size
-    if f"{prefix}.experts.gate_up_proj" in weights:
-        gate_up, down = pop("gate_up_proj"), pop("down_proj")
-    else:
-        gate_up = torch.stack([torch.cat([pop(f"{e}.gate_proj.weight"), pop(f"{e}.up_proj.weight")])
-                               for e in range(E)])
-        down = torch.stack([pop(f"{e}.down_proj.weight") for e in range(E)])
-    for name, t, shape in (("gate_up", gate_up, (E, 2 * I, H)), ("down", down, (E, H, I))):
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{prefix}.experts: {name} weights have shape {tuple(t.shape)}, the config says {shape} "
-                             "(num_experts, moe_intermediate_size, hidden_size)")
-    return gate_up.contiguous(), down.contiguous()
-
-
-@functools.cache
-def grouped_mm_available(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether ``torch._grouped_mm`` runs here for this dtype (checked once on a tiny problem)."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    try:
-        a = torch.ones(3, 16, dtype=dtype, device=device_type)
-        b = torch.ones(2, 32, 16, dtype=dtype, device=device_type).transpose(1, 2)
-        out = torch._grouped_mm(a, b, offs=torch.tensor([1, 3], dtype=torch.int32, device=device_type))
-        return bool((out == 16).all())
-    except (RuntimeError, NotImplementedError, TypeError):
-        return False
+    gate_up = take_stacked_experts(weights, prefix, "gate_up_proj", ("gate_proj", "up_proj"), E)
+    down = take_stacked_experts(weights, prefix, "down_proj", ("down_proj",), E)
+    fields = "num_experts, moe_intermediate_size, hidden_size"
+    check_shape(f"{prefix}.experts gate_up", gate_up, (E, 2 * I, H), fields)
+    check_shape(f"{prefix}.experts down", down, (E, H, I), fields)
+    return gate_up, down
 
 
 class SparseMoe:
-    """The MoE MLP of one layer (module docstring); plain tensors, like DecoderLayer."""
+    """The MoE MLP of one Qwen3-MoE layer (module docstring); plain tensors, like DecoderLayer."""
 
     def __init__(self, moe: MoeArch, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                 deterministic: bool = False, use_grouped_mm: bool | None = None):
+                 deterministic: bool = False, backend: str = "auto"):
         self.moe = moe
         self.router = Linear(router, deterministic=deterministic)  # [E, H]
-        self.gate_up = gate_up  # [E, 2I, H]
-        self.down = down  # [E, H, I]
-        self._per_expert = None
-        if deterministic and gate_up.device.type == "cpu":
-            # One batch-invariant packed weight per expert: a row's result does not depend on how many
-            # other rows its expert has this step.
-            self._per_expert = [(Linear(gate_up[e], deterministic=True), Linear(down[e], deterministic=True))
-                                for e in range(moe.num_experts)]
-            self.gate_up = self.down = None
-        if use_grouped_mm is None:
-            use_grouped_mm = grouped_mm_available(gate_up.device.type, gate_up.dtype)
-        self.use_grouped_mm = use_grouped_mm and self._per_expert is None
+        self.experts = FusedExperts(gate_up, down, ops.silu_and_mul, deterministic, backend)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, expert ids [T, k]) as Qwen3MoeTopKRouter computes them."""
@@ -137,32 +220,4 @@ class SparseMoe:
         return weights.to(x.dtype), experts
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        k = self.moe.top_k
-        weights, experts = self.route(x)
-        flat = experts.reshape(-1)
-        order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert, tokens in order within
-        token_of_row = order // k
-        counts = torch.bincount(flat, minlength=self.moe.num_experts)
-        out = self.experts(x[token_of_row], counts)
-        out.mul_(weights.reshape(-1)[order].unsqueeze(-1))
-        return torch.zeros_like(x).index_add_(0, token_of_row, out)
-
-    def experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Each row through its expert's SwiGLU MLP; ``rows`` sorted by expert, ``counts`` [E] per expert."""
-        if self.use_grouped_mm:
-            offs = counts.cumsum(0).to(torch.int32)
-            h = ops.silu_and_mul(torch._grouped_mm(rows, self.gate_up.transpose(1, 2), offs=offs))
-            return torch._grouped_mm(h, self.down.transpose(1, 2), offs=offs)
-        out = torch.empty_like(rows)
-        start = 0
-        for e, n in enumerate(counts.tolist()):
-            if n == 0:
-                continue
-            r = rows[start : start + n]
-            if self._per_expert is not None:
-                gate_up, down = self._per_expert[e]
-                out[start : start + n] = down(ops.silu_and_mul(gate_up(r)))
-            else:
-                out[start : start + n] = F.linear(ops.silu_and_mul(F.linear(r, self.gate_up[e])), self.down[e])
-            start += n
-        return out
+        return self.experts(x, *self.route(x))

@@ -4,8 +4,9 @@ state pool for the Mamba layers.
 
 The layer pattern (``layers_block_type``, or the legacy ``hybrid_override_pattern`` string) gives each
 block one mixer: "M" Mamba2 (engine/models/mamba_mixer.py), "*" attention (no rotary embedding: position
-comes from the Mamba layers), "-" MLP (``down(relu(up(x)) ** 2)``). "E" (MoE) is not supported. Every
-block is ``x = x + mixer(RMSNorm(x))``; after the last, ``norm_f`` and the LM head.
+comes from the Mamba layers), "-" MLP (``down(relu(up(x)) ** 2)``), "E" MoE (routed relu2 experts, optionally
+in a latent space, plus a shared expert: engine/models/nemotron_moe.py). Every block is
+``x = x + mixer(RMSNorm(x))``; after the last, ``norm_f`` and the LM head.
 
 Indexing the engine relies on: ``arch.num_layers`` counts the *attention* layers (the KV cache has one
 layer per attention block, ``kv_cache[i]`` for the i-th), ``on_layer_done(i)`` runs with that
@@ -28,11 +29,13 @@ import torch.nn.functional as F
 from pdcluster.engine.attention import AttentionMetadata, attend
 from pdcluster.engine.linear import Linear
 from pdcluster.engine.models.mamba_mixer import Mamba2Mixer, MambaStepPlan
+from pdcluster.engine.models.nemotron_moe import NemotronHMoE, NemotronMoeArch
 from pdcluster.engine.mamba_state import MambaStateShape
 from pdcluster.engine.models.llama import RotaryEmbedding, load_weights
 from pdcluster.kernels import ops
 
 MAMBA, ATTENTION, MLP, MOE = "M", "*", "-", "E"
+_TYPE_NAMES = {MAMBA: "mamba", ATTENTION: "attention", MLP: "mlp", MOE: "moe"}  # in our error messages
 # layers_block_type names (and the legacy ones transformers remaps) -> pattern characters.
 _BLOCK_TYPES = {"linear_attention": MAMBA, "mamba": MAMBA, "full_attention": ATTENTION, "attention": ATTENTION,
                 "mlp": MLP, "moe": MOE}
@@ -44,8 +47,8 @@ _DEFAULTS = {"n_groups": 8, "conv_kernel": 4, "expand": 2, "time_step_min": 0.00
 
 
 def layer_pattern(cfg: dict, where: str = "config") -> tuple[str, ...]:
-    """The per-layer pattern as characters "M", "*", "-" from a NemotronH config dict; ValueError for
-    an unknown or unsupported (MoE) layer type."""
+    """The per-layer pattern as characters "M", "*", "-", "E" from a NemotronH config dict; ValueError for
+    an unknown layer type."""
     types = cfg.get("layers_block_type") or cfg.get("layer_types")
     if types is None:
         pattern = cfg.get("hybrid_override_pattern")
@@ -62,9 +65,6 @@ def layer_pattern(cfg: dict, where: str = "config") -> tuple[str, ...]:
             raise ValueError(f"{where}: layers_block_type has unknown layer types {unknown} "
                              f"(known: {', '.join(sorted(_BLOCK_TYPES))})")
         chars = tuple(_BLOCK_TYPES[t] for t in types)
-    if MOE in chars:
-        raise ValueError(f"{where}: NemotronH layer type 'moe' (E, at layer {chars.index(MOE)}) is not supported; "
-                         "supported layer types: linear_attention (M), full_attention (*), mlp (-)")
     return chars
 
 
@@ -86,7 +86,7 @@ class HybridArch:
     tie_word_embeddings: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
-    layer_types: tuple[str, ...]  # "M", "*", "-" per block
+    layer_types: tuple[str, ...]  # "M", "*", "-", "E" per block
     num_hidden_layers: int  # all blocks
     mamba_num_heads: int
     mamba_head_dim: int
@@ -98,6 +98,9 @@ class HybridArch:
     use_conv_bias: bool
     use_bias: bool  # Mamba in_proj / out_proj biases
     mlp_bias: bool
+    # The MoE blocks' shape, when the pattern has any. Not named ``moe``: DecoderLayer (llama.py) reads that as
+    # Qwen3-MoE's, and the MTP head builds one on a HybridArch.
+    routed_experts: NemotronMoeArch | None = None
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> "HybridArch":
@@ -153,6 +156,7 @@ class HybridArch:
             use_conv_bias=bool(get("use_conv_bias")),
             use_bias=bool(cfg.get("use_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
+            routed_experts=NemotronMoeArch.from_config(cfg, where) if MOE in layer_types else None,
         )
 
     @property
@@ -212,15 +216,6 @@ class MLPMixer:
         self.down_bias = w_opt("down_proj.bias")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= MLP_CHUNK_TOKENS:
-            return self._mlp(x)
-        # A long prefill runs in token chunks so the intermediate-wide buffer stays small (as llama.py).
-        out = torch.empty_like(x)
-        for start in range(0, x.shape[0], MLP_CHUNK_TOKENS):
-            out[start : start + MLP_CHUNK_TOKENS] = self._mlp(x[start : start + MLP_CHUNK_TOKENS])
-        return out
-
-    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         h = self.up_proj(x)
         if self.up_bias is not None:
             h = h + self.up_bias
@@ -229,9 +224,34 @@ class MLPMixer:
         return out + self.down_bias if self.down_bias is not None else out
 
 
+class TokenChunked:
+    """A per-token mixer (MLP, MoE) run over a long prefill in chunks of MLP_CHUNK_TOKENS tokens, so its
+    intermediate-wide buffers stay small (as llama.py does)."""
+
+    def __init__(self, mixer: Callable[[torch.Tensor], torch.Tensor]):
+        self.mixer = mixer
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= MLP_CHUNK_TOKENS:
+            return self.mixer(x)
+        out = torch.empty_like(x)
+        for start in range(0, x.shape[0], MLP_CHUNK_TOKENS):
+            out[start : start + MLP_CHUNK_TOKENS] = self.mixer(x[start : start + MLP_CHUNK_TOKENS])
+        return out
+
+
+def _moe_mixer(arch: HybridArch, weights: dict[str, torch.Tensor], prefix: str, w: Callable[[str], torch.Tensor],
+               w_opt: Callable[[str], torch.Tensor | None], deterministic: bool) -> NemotronHMoE:
+    """Layer ``prefix``'s MoE mixer, its shared expert a NemotronH MLP under ``mixer.shared_experts.``."""
+    shared = MLPMixer(lambda name: w(f"shared_experts.{name}"), lambda name: w_opt(f"shared_experts.{name}"),
+                      deterministic)
+    return NemotronHMoE(arch.routed_experts, arch.hidden_size, w, w_opt, shared, weights, f"{prefix}.mixer",
+                        deterministic)
+
+
 @dataclass
 class HybridBlock:
-    kind: str  # MAMBA, ATTENTION or MLP
+    kind: str  # MAMBA, ATTENTION, MLP or MOE
     norm: torch.Tensor
     mixer: object
     cache_index: int  # attention ordinal (KV-cache layer) for ATTENTION, Mamba ordinal for MAMBA, else -1
@@ -263,7 +283,7 @@ class NemotronHModel:
 
         def take(key: str, layer_kind: str | None = None) -> torch.Tensor:
             if key not in weights:
-                what = f" (the layer pattern makes it {layer_kind!r})" if layer_kind else ""
+                what = f" (the layer pattern makes it {_TYPE_NAMES[layer_kind]!r})" if layer_kind else ""
                 raise ValueError(f"NemotronH weights lack {key!r}{what}")
             return weights.pop(key)
 
@@ -287,8 +307,10 @@ class NemotronHModel:
                 mixer, index = AttentionMixer(arch, w, deterministic), counts[ATTENTION]
             elif kind == MAMBA:
                 mixer, index = Mamba2Mixer(arch, w, w_opt, counts[MAMBA], deterministic), counts[MAMBA]
+            elif kind == MOE:
+                mixer, index = TokenChunked(_moe_mixer(arch, weights, prefix, w, w_opt, deterministic)), -1
             else:
-                mixer, index = MLPMixer(w, w_opt, deterministic), -1
+                mixer, index = TokenChunked(MLPMixer(w, w_opt, deterministic)), -1
             if kind in counts:
                 counts[kind] += 1
             self.layers.append(HybridBlock(kind, norm, mixer, index))

@@ -22,7 +22,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from . import gguf_convert, tiny_hybrid, tiny_random
+from . import gguf_convert, tiny_hybrid, tiny_hybrid_moe, tiny_random
 
 CACHE_ENV = "PDCLUSTER_CACHE_DIR"
 STAMP_FILE = ".pdcluster-build.json"
@@ -41,11 +41,18 @@ def _build_tiny_hybrid(out: Path, progress: bool) -> None:
     tiny_hybrid.build_tiny_hybrid(out, gguf_convert.find_smollm2_gguf())
 
 
+def _build_tiny_hybrid_moe(out: Path, progress: bool, latent: bool = True) -> None:
+    tiny_hybrid_moe.build_tiny_hybrid_moe(out, gguf_convert.find_smollm2_gguf(), latent=latent)
+
+
 # name -> (builder, modules whose source decides the output)
 BUILTIN_MODELS: dict[str, tuple[Callable[[Path, bool], None], tuple]] = {
     "smollm2": (_build_smollm2, (gguf_convert,)),
     "tiny-random": (_build_tiny_random, (gguf_convert, tiny_random)),
     "tiny-hybrid": (_build_tiny_hybrid, (gguf_convert, tiny_random, tiny_hybrid)),
+    "tiny-hybrid-moe": (_build_tiny_hybrid_moe, (gguf_convert, tiny_random, tiny_hybrid, tiny_hybrid_moe)),
+    "tiny-hybrid-moe-plain": (lambda out, progress: _build_tiny_hybrid_moe(out, progress, latent=False),
+                              (gguf_convert, tiny_random, tiny_hybrid, tiny_hybrid_moe)),
 }
 
 

@@ -80,61 +80,112 @@ DT_GAIN = 0.5  # std of the in_proj rows that make dt (before dt_bias)
 DT_RANGE = (0.01, 0.1)  # softplus(dt_bias) drawn log-uniform in this range
 FINAL_NORM_SCALE = 2.0  # sets the logit scale (std ~11)
 NORM_JITTER = 0.2  # norm weights uniform in [1 - j, 1 + j]
+# MoE blocks (tiny_hybrid_moe.py): router logits spread enough that the chosen experts differ from token to
+# token; the routed experts' sum (weights summing to routed_scaling_factor) and the shared expert each about
+# as strong as a dense MLP block.
+ROUTER_GAIN = 2.0
+EXPERT_GAIN = 2.0
+SHARED_GAIN = 2.0
+
+
+class _Draws:
+    """Seeded float32 draws from one CPU generator, in call order (so a fixed order gives fixed bytes)."""
+
+    def __init__(self, seed: int):
+        import torch
+
+        self.torch = torch
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def normal(self, shape: tuple[int, ...], std: float):
+        return self.torch.randn(shape, generator=self.gen, dtype=self.torch.float32) * std
+
+    def uniform(self, n: int, low: float, high: float):
+        return low + (high - low) * self.torch.rand(n, generator=self.gen, dtype=self.torch.float32)
+
+    def norm_weight(self, size: int, scale: float = 1.0):
+        return scale * self.uniform(size, 1 - NORM_JITTER, 1 + NORM_JITTER)
+
+
+def _mamba(d: _Draws, config: dict, p: str) -> dict:
+    hidden, m_heads = config["hidden_size"], config["mamba_num_heads"]
+    m_inter = m_heads * config["mamba_head_dim"]
+    conv_dim = m_inter + 2 * config["n_groups"] * config["ssm_state_size"]
+    kernel = config["conv_kernel"]
+    torch = d.torch
+    state = {p + "mixer.in_proj.weight": torch.cat([
+        d.normal((m_inter + conv_dim, hidden), INPUT_GAIN / math.sqrt(hidden)),
+        d.normal((m_heads, hidden), DT_GAIN / math.sqrt(hidden)),
+    ])}
+    state[p + "mixer.conv1d.weight"] = d.normal((conv_dim, 1, kernel), 1 / math.sqrt(kernel))
+    state[p + "mixer.conv1d.bias"] = d.normal((conv_dim,), 0.1)
+    dt = torch.exp(d.uniform(m_heads, math.log(DT_RANGE[0]), math.log(DT_RANGE[1])))
+    state[p + "mixer.dt_bias"] = dt + torch.log(-torch.expm1(-dt))  # inverse softplus
+    state[p + "mixer.A_log"] = torch.log(torch.arange(1, m_heads + 1, dtype=torch.float32))
+    state[p + "mixer.D"] = d.uniform(m_heads, 0.5, 1.5)
+    state[p + "mixer.norm.weight"] = d.norm_weight(m_inter)
+    state[p + "mixer.out_proj.weight"] = d.normal((hidden, m_inter), OUTPUT_GAIN / math.sqrt(m_inter))
+    return state
+
+
+def _attention(d: _Draws, config: dict, p: str) -> dict:
+    hidden, heads, kv_heads = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config["head_dim"]
+    return {
+        p + "mixer.q_proj.weight": d.normal((heads * head_dim, hidden), INPUT_GAIN / math.sqrt(hidden)),
+        p + "mixer.k_proj.weight": d.normal((kv_heads * head_dim, hidden), INPUT_GAIN / math.sqrt(hidden)),
+        p + "mixer.v_proj.weight": d.normal((kv_heads * head_dim, hidden), 1 / math.sqrt(hidden)),
+        p + "mixer.o_proj.weight": d.normal((hidden, heads * head_dim), OUTPUT_GAIN / math.sqrt(heads * head_dim)),
+    }
+
+
+def _mlp(d: _Draws, config: dict, p: str, width: int | None = None, gain: float = OUTPUT_GAIN) -> dict:
+    hidden, inter = config["hidden_size"], width or config["intermediate_size"]
+    return {
+        p + "up_proj.weight": d.normal((inter, hidden), 1 / math.sqrt(hidden)),
+        # relu(h)^2 of h ~ N(0, 1) has second moment 3/2.
+        p + "down_proj.weight": d.normal((hidden, inter), gain / math.sqrt(1.5 * inter)),
+    }
+
+
+def _moe(d: _Draws, config: dict, p: str) -> dict:
+    """Router (with a correction bias), routed relu2 experts (in the latent space when moe_latent_size is set),
+    shared expert: engine/models/nemotron_moe.py's names (tiny_hybrid_moe.py)."""
+    hidden, experts, width = config["hidden_size"], config["n_routed_experts"], config["moe_intermediate_size"]
+    latent = config.get("moe_latent_size")
+    inner = latent or hidden
+    state = {p + "mixer.gate.weight": d.normal((experts, hidden), ROUTER_GAIN / math.sqrt(hidden)),
+             p + "mixer.gate.e_score_correction_bias": d.normal((experts,), 0.1)}
+    if latent:
+        state[p + "mixer.fc1_latent_proj.weight"] = d.normal((latent, hidden), 1 / math.sqrt(hidden))
+        state[p + "mixer.fc2_latent_proj.weight"] = d.normal((hidden, latent), 1 / math.sqrt(latent))
+    for e in range(experts):
+        state.update(_mlp(d, {"hidden_size": inner}, f"{p}mixer.experts.{e}.", width, EXPERT_GAIN))
+    state.update(_mlp(d, config, p + "mixer.shared_experts.", config["moe_shared_expert_intermediate_size"],
+                      SHARED_GAIN))
+    return state
+
+
+# layers_block_type -> the initialiser of one block's mixer under prefix p (the block's norm is drawn before).
+# The MTP layers (mtp.layers.{j}., mtp_layers_block_type) are blocks of these same kinds.
+LAYER_INITS = {"linear_attention": _mamba, "full_attention": _attention,
+               "mlp": lambda d, config, p: _mlp(d, config, p + "mixer."), "moe": _moe}
 
 
 def tiny_hybrid_state_dict(config: dict = TINY_HYBRID_CONFIG, seed: int = SEED) -> dict:
     """float32 weights (transformers' names, ``backbone.`` prefix) from one seeded CPU generator, drawn
     in a fixed order (so always the same bytes)."""
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    heads, kv_heads, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
-    m_heads, m_head_dim = config["mamba_num_heads"], config["mamba_head_dim"]
-    m_inter = m_heads * m_head_dim
-    conv_dim = m_inter + 2 * config["n_groups"] * config["ssm_state_size"]
-    kernel = config["conv_kernel"]
-
-    def normal(shape: tuple[int, ...], std: float):
-        return torch.randn(shape, generator=gen, dtype=torch.float32) * std
-
-    def uniform(n: int, low: float, high: float):
-        return low + (high - low) * torch.rand(n, generator=gen, dtype=torch.float32)
-
-    def norm_weight(size: int = hidden, scale: float = 1.0):
-        return scale * uniform(size, 1 - NORM_JITTER, 1 + NORM_JITTER)
-
-    embed = normal((config["vocab_size"], hidden), EMBED_STD)
+    d = _Draws(seed)
+    hidden = config["hidden_size"]
+    embed = d.normal((config["vocab_size"], hidden), EMBED_STD)
     state = {"backbone.embeddings.weight": embed}
     for i, kind in enumerate(config["layers_block_type"]):
         p = f"backbone.layers.{i}."
-        state[p + "norm.weight"] = norm_weight()
-        if kind == "linear_attention":
-            state[p + "mixer.in_proj.weight"] = torch.cat([
-                normal((m_inter + conv_dim, hidden), INPUT_GAIN / math.sqrt(hidden)),
-                normal((m_heads, hidden), DT_GAIN / math.sqrt(hidden)),
-            ])
-            state[p + "mixer.conv1d.weight"] = normal((conv_dim, 1, kernel), 1 / math.sqrt(kernel))
-            state[p + "mixer.conv1d.bias"] = normal((conv_dim,), 0.1)
-            dt = torch.exp(uniform(m_heads, math.log(DT_RANGE[0]), math.log(DT_RANGE[1])))
-            state[p + "mixer.dt_bias"] = dt + torch.log(-torch.expm1(-dt))  # inverse softplus
-            state[p + "mixer.A_log"] = torch.log(torch.arange(1, m_heads + 1, dtype=torch.float32))
-            state[p + "mixer.D"] = uniform(m_heads, 0.5, 1.5)
-            state[p + "mixer.norm.weight"] = norm_weight(m_inter)
-            state[p + "mixer.out_proj.weight"] = normal((hidden, m_inter), OUTPUT_GAIN / math.sqrt(m_inter))
-        elif kind == "full_attention":
-            state[p + "mixer.q_proj.weight"] = normal((heads * head_dim, hidden), INPUT_GAIN / math.sqrt(hidden))
-            state[p + "mixer.k_proj.weight"] = normal((kv_heads * head_dim, hidden), INPUT_GAIN / math.sqrt(hidden))
-            state[p + "mixer.v_proj.weight"] = normal((kv_heads * head_dim, hidden), 1 / math.sqrt(hidden))
-            state[p + "mixer.o_proj.weight"] = normal((hidden, heads * head_dim),
-                                                      OUTPUT_GAIN / math.sqrt(heads * head_dim))
-        elif kind == "mlp":
-            state[p + "mixer.up_proj.weight"] = normal((inter, hidden), 1 / math.sqrt(hidden))
-            # relu(h)^2 of h ~ N(0, 1) has second moment 3/2.
-            state[p + "mixer.down_proj.weight"] = normal((hidden, inter), OUTPUT_GAIN / math.sqrt(1.5 * inter))
-        else:
+        state[p + "norm.weight"] = d.norm_weight(hidden)
+        if kind not in LAYER_INITS:
             raise ValueError(f"tiny-hybrid: layer type {kind!r} has no initialiser")
-    state["backbone.norm_f.weight"] = norm_weight(scale=FINAL_NORM_SCALE)
+        state.update(LAYER_INITS[kind](d, config, p))
+    state["backbone.norm_f.weight"] = d.norm_weight(hidden, scale=FINAL_NORM_SCALE)
     state["lm_head.weight"] = embed.clone()  # tied, stored (module docstring)
     return state
 
