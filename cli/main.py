@@ -13,8 +13,6 @@ import sys
 from pdcluster.cli.drain import add_drain_parser
 from pdcluster.cli.generate import add_generate_parser
 from pdcluster.cluster.serve_cli import add_serve_parser
-from pdcluster.engine.config import ConfigError
-from pdcluster.engine.models.registry import UnknownModelError
 from pdcluster.tools.loadtest.cli import add_loadtest_parser
 from pdcluster.tools.planner.cli import add_planner_parsers
 
@@ -33,12 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    # After parsing: torch (1.5 s) loads only for a command that runs, never for --help or a typo.
-    from pdcluster.engine.llm_engine import InvalidRequestError
-
     try:
         return args.func(args)
-    except (ConfigError, InvalidRequestError, UnknownModelError, ValueError) as e:
+    except ValueError as e:  # ConfigError, the engine's InvalidRequestError, UnknownModelError: what was typed
         print(f"pdcluster {args.command}: error: {e}", file=sys.stderr)
         return 2
 
