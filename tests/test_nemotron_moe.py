@@ -92,10 +92,10 @@ def _hf_logits(hf, tokens: list[int]) -> torch.Tensor:
         return hf(torch.tensor([tokens])).logits[0]
 
 
-def assert_greedy_of(hf, prompts: list[list[int]], outputs: list[list[int]]) -> None:
+def assert_greedy_of(hf, prompts: list[list[int]], outputs: list[list[int]], num_new: int = NUM_NEW) -> None:
     """Each output is transformers' greedy continuation of its prompt (module docstring)."""
     for p, o in zip(prompts, outputs):
-        assert len(o) == NUM_NEW
+        assert len(o) == num_new
         expected = _hf_logits(hf, p + o)[len(p) - 1 : len(p) + len(o) - 1].argmax(-1).tolist()
         assert o == expected, (p, o, expected)
 
@@ -105,8 +105,8 @@ def _engine(model: str | Path, **overrides):
     return make_engine(str(model), **{**cfg, **overrides})
 
 
-def _run(engine, prompts) -> list[list[int]]:
-    params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+def _run(engine, prompts, num_new: int = NUM_NEW) -> list[list[int]]:
+    params = SamplingParams(max_tokens=num_new, temperature=0.0, ignore_eos=True)
     return [o.token_ids for o in engine.generate(prompts, params)]
 
 
@@ -179,6 +179,20 @@ def test_moe_block_equals_transformers_and_is_batch_invariant(dirs, hf_models):
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)  # outputs reach ~100
 
 
+def test_decoding_one_token_reads_only_its_routed_experts(dirs):
+    """The experts one token is not routed to are NaN in the packed weights: its output stays finite and equal."""
+    block = load_model(dirs["moe"], torch.float32, 256).layers[1].mixer.mixer  # "ME*E-": layer 1
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        expected = block(x)
+        routed = set(block.router(x)[1].reshape(-1).tolist())
+        assert len(routed) == 2
+        for grouped in (block.experts.up, block.experts.down):
+            for e in set(range(8)) - routed:
+                grouped._packed.data[e] = float("nan")
+        assert torch.equal(block(x), expected)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_greedy_alone_and_batched_equal_transformers(dirs, hf_models, name):
     engine = _engine(dirs[name])
@@ -209,6 +223,26 @@ def test_tiny_hybrid_moe_serves_through_the_engine(model):
     prompts = PROMPTS[:4]
     outputs = _run(_engine(model), [[100 + t for t in p] for p in prompts])
     assert_greedy_of(_hf_model(model_dir), [[100 + t for t in p] for p in prompts], outputs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny-hybrid-moe", "tiny-hybrid-moe-plain"])
+def test_tiny_hybrid_moe_long_greedy_chunked_and_preempted_equals_transformers(model):
+    """The longer variant: 16 prompts x 48 new tokens, prefill in 7-token chunks, a pool small enough to preempt."""
+    prompts = [[100 + t for t in p] for p in PROMPTS]
+    engine = _engine(model, prefill_chunk_size=7, max_num_batched_tokens=56, num_kv_blocks=40)
+    outputs = _run(engine, prompts, num_new=48)
+    assert engine.scheduler.num_preemptions_total > 0
+    assert_greedy_of(_hf_model(resolve_model(model, progress=False)), prompts, outputs, num_new=48)
+
+
+def test_bf16_deterministic_request_alone_equals_it_in_a_batch():
+    """Deterministic mode (the default where it can run) in bf16 on tiny-hybrid-moe: every matmul, the grouped
+    ones included, is batch-invariant, so a request's greedy tokens alone are those it gets among 15 others."""
+    engine = _engine("tiny-hybrid-moe", dtype="bfloat16", deterministic=True)
+    prompts = [[100 + t for t in p] for p in PROMPTS]
+    batched = _run(engine, prompts)
+    assert [_run(engine, [p])[0] for p in prompts[:4]] == batched[:4]
 
 
 # ---------------------------------------------------------------------------------------------------
