@@ -1,6 +1,7 @@
 """Where a decode worker's KV comes from. ``RemoteKV``: a prefill worker, over the control plane
-(endpoint) and a transport, tracked by the DecodeKVConnector. ``NoRemoteKV``: nowhere (colocated: every
-request is prefilled here), so the worker's loop has no ``None`` checks."""
+(endpoint) and a transport, tracked by the DecodeKVConnector that the worker's engine is built with.
+``NoRemoteKV``: nowhere (colocated: every request is prefilled here; the engine gets the null
+connector), so the worker's loop has no ``None`` checks."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ from typing import Callable
 from pdcluster.engine.loaded_model import LoadedModel
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kv_transfer.config import TransferConfig
-from pdcluster.kv_transfer.connector import DecodeKVConnector, RecvTask
+from pdcluster.kv_transfer.connector import DecodeKVConnector
 from pdcluster.kv_transfer.control_plane import DecodeEndpoint
 from pdcluster.kv_transfer.protocol import FirstToken, Message, TransferRequest
 from pdcluster.node.endpoint import endpoint_config
+from pdcluster.wire.kv_connector import KVConnector
 
 
 class UnreachablePrefill(ConnectionError):
@@ -25,6 +27,9 @@ class UnreachablePrefill(ConnectionError):
 class NoRemoteKV:
     transport_name = ""
     num_quarantined = 0
+
+    def __init__(self) -> None:
+        self.connector = KVConnector()
 
     def request_kv(self, request_id: str, prefill_id: str, prompt_token_ids: list[int], params: SamplingParams,
                    block_ids: list[int]) -> None:
@@ -45,19 +50,6 @@ class NoRemoteKV:
 
     def handle_message(self, peer_id: str, msg: Message) -> None:
         pass
-
-    def take_ready(self) -> list[RecvTask]:
-        return []
-
-    def take_failed(self) -> list[RecvTask]:
-        return []
-
-    def take_releasable(self) -> list[str]:
-        return []
-
-    def abort(self, request_id: str) -> bool:
-        """True when the reservation stays held here until the transport lets its blocks go."""
-        return False
 
     def close(self) -> None:
         pass
@@ -100,7 +92,7 @@ class RemoteKV(NoRemoteKV):
                               prompt_token_ids=list(prompt_token_ids), sampling=dataclasses.asdict(params))
         try:
             self.endpoint.send(prefill_id, ask)
-        except Exception as e:  # lost since the check above: give the admission back (abort) and say so
+        except Exception as e:  # lost since the check above: give the admission back (revoke) and say so
             self.connector.abort(request_id, "prefill worker unreachable")
             raise UnreachablePrefill(f"prefill worker {prefill_id!r}: {e}") from e
 
@@ -124,20 +116,6 @@ class RemoteKV(NoRemoteKV):
 
     def handle_message(self, peer_id: str, msg: Message) -> None:
         self.connector.handle_message(peer_id, msg)
-
-    def take_ready(self) -> list[RecvTask]:
-        self.connector.check()
-        return self.connector.take_ready()
-
-    def take_failed(self) -> list[RecvTask]:
-        return self.connector.take_failed()
-
-    def take_releasable(self) -> list[str]:
-        return self.connector.take_releasable()
-
-    def abort(self, request_id: str) -> bool:
-        self.connector.abort(request_id, "aborted by the router")  # revokes the transfer, tells the prefill
-        return self.connector.holds(request_id)
 
     def close(self) -> None:
         self.endpoint.close()

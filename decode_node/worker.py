@@ -1,7 +1,8 @@
 """The decode worker: an engine in the consumer role, and the owner of every request the router hands
-it (``submit``). For a request prefilled elsewhere it reserves blocks and asks that prefill worker for
-the KV (remote_kv.py: TransferRequest over the control plane), streams the first token as soon as the
-prefill worker sends it, and decodes once the KV has landed (WAITING_FOR_KV -> READY | FAILED), with
+it (``submit``). A request prefilled elsewhere joins the engine at once, its blocks reserved, in
+WAITING_FOR_REMOTE_KV; the worker asks that prefill worker for the KV (remote_kv.py: TransferRequest over
+the control plane), streams the first token as soon as the prefill worker sends it, and the engine
+decodes once its connector reports the KV landed (or ends the request when it failed), with
 continuous batching and speculative decoding. It also runs requests start to finish itself (colocated
 mode, or conditional disaggregation for short prompts). Every event of a request goes to the router
 on this worker's one typed stream (node/events.py), in order.
@@ -18,7 +19,7 @@ from pdcluster.engine.llm_engine import LLMEngine, RequestOutput
 from pdcluster.engine.loaded_model import LoadedModel
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kv_transfer.config import TransferConfig
-from pdcluster.kv_transfer.protocol import FirstToken
+from pdcluster.kv_transfer.protocol import FirstToken, TransferDone
 from pdcluster.kv_transfer.transports import get_transport_class
 from pdcluster.node.events import ADMITTED, FULL, INVALID, UNREACHABLE, Admission, Failed, KVReady, Tokens
 from pdcluster.node.worker_loop import WorkerLoop, engine_stats
@@ -28,12 +29,13 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class _Waiting:
-    """A request whose prompt is prefilled elsewhere, until its KV has landed."""
+class _FirstTokenStream:
+    """What the worker still owes the router for a request prefilled elsewhere, until its KV has landed:
+    the first token, streamed as soon as it arrives from ``prefill_id``. The request itself is the
+    engine's (WAITING_FOR_REMOTE_KV); this is keyed by the same id."""
 
-    prompt_token_ids: list[int]
-    params: SamplingParams
     prefill_id: str
+    num_prompt_tokens: int
     first_token_sent: bool = False
 
 
@@ -43,11 +45,13 @@ class DecodeWorker(WorkerLoop):
         self.worker_id = worker_id
         transport_cls = get_transport_class(transfer.transport) if transfer is not None else None
         allocator = transport_cls.allocate_kv_cache if transport_cls is not None else None
+        # In stages: the model and its cache, the transfer made on that cache, then the engine with its
+        # connector.
         model = LoadedModel.load(engine_config, progress=False, kv_cache_allocator=allocator)
         self.kv = (RemoteKV(worker_id, model, transfer, transport_cls, self._on_first_token)
                    if transfer is not None else NoRemoteKV())
-        self.engine = LLMEngine(model)
-        self._waiting: dict[str, _Waiting] = {}
+        self.engine = LLMEngine(model, self.kv.connector)
+        self._first_tokens: dict[str, _FirstTokenStream] = {}
         # fork_group -> the request whose prompt its siblings reuse (engine/forks.py): the first choice
         # of an n > 1 request fetches or computes the prompt; the others follow it here.
         self._fork_leaders: dict[str, str] = {}
@@ -114,8 +118,8 @@ class DecodeWorker(WorkerLoop):
                                   num_bytes=0, seconds=0.0))
             return
         try:
-            blocks = self.engine.reserve_blocks(request_id, len(prompt_token_ids), params)
-        except ValueError as e:  # the id is in use here: a caller bug, said clearly
+            blocks = self.engine.add_remote_request(request_id, prompt_token_ids, params)
+        except ValueError as e:  # the id is in use here (a caller bug), or a grammar refused: said clearly
             self._admission(request_id, INVALID, str(e))
             return
         if blocks is None:
@@ -124,12 +128,12 @@ class DecodeWorker(WorkerLoop):
         # Under the first-token lock: the prefill worker's FirstToken may arrive (I/O thread) before
         # request_kv returns, and must find the request and go out after its Admission.
         with self._first_token_lock:
-            self._waiting[request_id] = _Waiting(prompt_token_ids, params, prefill_id)
+            self._first_tokens[request_id] = _FirstTokenStream(prefill_id, len(prompt_token_ids))
             try:
                 self.kv.request_kv(request_id, prefill_id, prompt_token_ids, params, blocks)
             except UnreachablePrefill as e:
-                self._waiting.pop(request_id, None)
-                self._give_back(request_id)
+                del self._first_tokens[request_id]
+                self.engine.abort_request(request_id)  # its blocks go back, or stay quarantined
                 self._admission(request_id, UNREACHABLE, str(e))
                 return
             self._admission(request_id, ADMITTED)
@@ -139,38 +143,33 @@ class DecodeWorker(WorkerLoop):
         group = params.fork_group
         if group is None or not self.engine.shares_prompts:  # hybrids: every choice fetches its prompt
             return None
+        requests = self.engine.scheduler.requests  # waiting for its KV or not: the engine has it
         leader = self._fork_leaders.get(group)
-        if leader is not None and (leader in self._waiting or leader in self.engine.scheduler.requests):
-            lead = self._waiting.get(leader) or self.engine.scheduler.requests[leader]
-            if list(lead.prompt_token_ids) == list(prompt_token_ids):
-                return leader
-        for stale in [g for g, rid in self._fork_leaders.items()
-                      if rid not in self._waiting and rid not in self.engine.scheduler.requests]:
+        lead = requests.get(leader) if leader is not None else None
+        if lead is not None and list(lead.prompt_token_ids) == list(prompt_token_ids):
+            return lead.request_id
+        for stale in [g for g, rid in self._fork_leaders.items() if rid not in requests]:
             del self._fork_leaders[stale]  # bounded by the live requests
         self._fork_leaders[group] = request_id
         return None
 
-    def _give_back(self, request_id: str) -> None:
-        """Free a reservation, unless the transport still holds it (quarantine: freed by tick)."""
-        if not self.kv.abort(request_id):
-            self.engine.release_reserved(request_id)
-
     def _abort(self, request_id: str) -> None:
-        if self._waiting.pop(request_id, None) is not None:
-            self._give_back(request_id)
-            self._release_revoked()
-            return
+        # Waiting for its KV or not: the engine ends it, its connector revokes the transfer, tells the
+        # prefill worker and keeps the blocks only while a sender may still write them.
+        self._end_first_token_stream(request_id)
         self.engine.abort_request(request_id)
 
-    def _release_revoked(self) -> None:
-        """Free the blocks of failed reservations the transport no longer writes (exactly once)."""
-        for request_id in self.kv.take_releasable():
-            self.engine.release_reserved(request_id)
+    def _end_first_token_stream(self, request_id: str) -> None:
+        with self._first_token_lock:  # after this, a late FirstToken finds nothing to stream
+            self._first_tokens.pop(request_id, None)
 
     def _stats(self) -> dict:
+        sched = self.engine.scheduler
         return {
             **engine_stats(self.worker_id, self.engine),
-            "num_reserved": self.engine.num_reserved,
+            # Blocks reserved for KV from a prefill worker: waiting for it, or failed with blocks held
+            # until nothing can write them (held: this worker's engine holds blocks for nothing else).
+            "num_reserved": sched.num_waiting_for_remote_kv + len(sched.held),
             # Of those, failed ones whose blocks wait for a sender's revoke confirmation (shm push).
             "num_quarantined": self.kv.num_quarantined,
             "num_prompt_tokens_computed": self.engine.scheduler.num_prompt_tokens_computed,
@@ -180,44 +179,40 @@ class DecodeWorker(WorkerLoop):
         """Control-plane I/O thread: stream the first token now, not after the engine's current step."""
         self._first_token(msg, peer_id)
 
-    def _first_token(self, msg, prefill_id: str | None = None) -> None:
+    def _first_token(self, msg, prefill_id: str) -> None:
         """``msg``: the prefill worker's FirstToken, or its TransferDone when that came first."""
         request_id = msg.request_id
         token_id = msg.token_id if isinstance(msg, FirstToken) else msg.first_token_id
         with self._first_token_lock:
-            waiting = self._waiting.get(request_id)
-            if waiting is None or waiting.first_token_sent or prefill_id not in (None, waiting.prefill_id):
+            stream = self._first_tokens.get(request_id)
+            if stream is None or stream.first_token_sent or prefill_id != stream.prefill_id:
                 return
-            waiting.first_token_sent = True
+            stream.first_token_sent = True
             self.emit(Tokens(request_id=request_id, worker_id=self.worker_id, new_token_ids=[token_id],
-                             num_computed_tokens=len(waiting.prompt_token_ids), num_output_tokens=1,
+                             num_computed_tokens=stream.num_prompt_tokens, num_output_tokens=1,
                              num_cached_tokens=msg.num_cached_tokens, logprobs=list(msg.logprobs),
                              prompt_logprobs=list(msg.prompt_logprobs)))
 
     def _poll_kv(self) -> None:
         for peer_id, msg in self.kv.poll_messages():
+            if isinstance(msg, TransferDone) and msg.ok:
+                self._first_token(msg, peer_id)  # it overtook FirstToken: the first token goes first
             self.kv.handle_message(peer_id, msg)
-        for task in self.kv.take_ready():
-            done = task.done
-            self._first_token(done)  # FirstToken overtaken
-            waiting = self._waiting.pop(task.request_id, None)
-            if waiting is None:  # aborted after its KV landed, before this turn took it
-                self.engine.release_reserved(task.request_id)
-                continue
-            self.emit(KVReady(request_id=task.request_id, worker_id=self.worker_id, transport=self.kv.transport_name,
-                              num_bytes=done.num_bytes, seconds=done.seconds))
-            out = self.engine.add_prefilled_request(task.request_id, waiting.prompt_token_ids, waiting.params,
-                                                    done.first_token_id, list(done.draft_token_ids))
-            if out is not None:
-                self._emit_tokens(out)
-        for task in self.kv.take_failed():
-            self._waiting.pop(task.request_id, None)
-            self.emit(Failed(request_id=task.request_id, worker_id=self.worker_id, reason=task.reason[:2000]))
-        self._release_revoked()
+        polled = self.engine.poll_kv()  # the connector's news, applied by the engine's scheduler
+        for request_id, kv in polled.landed.items():
+            self._end_first_token_stream(request_id)
+            self.emit(KVReady(request_id=request_id, worker_id=self.worker_id, transport=self.kv.transport_name,
+                              num_bytes=kv.num_bytes, seconds=kv.seconds))
+        for out in polled.outputs:  # ended by the first token
+            self._emit_tokens(out)
+        for request_id, reason in polled.failed.items():
+            self._end_first_token_stream(request_id)
+            self.emit(Failed(request_id=request_id, worker_id=self.worker_id, reason=reason[:2000]))
 
     def tick(self) -> bool:
         self._poll_kv()
-        if not self.engine.has_pending():
+        # Blocks held only for a transfer (a revoke not yet confirmed) need no step: the poll frees them.
+        if not self.engine.has_work():
             return False
         for out in self.engine.step():
             self._emit_tokens(out)

@@ -34,13 +34,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from pdcluster.engine.request import Request, RequestStatus
-from pdcluster.engine.scheduler import (
-    ModelRunnerOutput,
-    ScheduledRequest,
-    Scheduler,
-    SchedulerOutput,
-    StepResult,
-)
+from pdcluster.engine.scheduler import Scheduler, StepResult
+from pdcluster.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pdcluster.wire.kv_connector import KVConnectorOutput
 
 PLACEHOLDER = -1

@@ -35,13 +35,11 @@ class ForkGate:
                 return True
         return False
 
-    def release(self, requests: dict[str, Request], awaiting_kv: set[str]) -> list[Request]:
+    def release(self, requests: dict[str, Request]) -> list[Request]:
         """Followers whose leader's prompt is cached, or whose leader is gone. A leader whose KV is
-        still on its way from a prefill worker (``awaiting_kv``) keeps them."""
+        still on its way from a prefill worker (WAITING_FOR_REMOTE_KV: not cached) keeps them."""
         out = []
         for leader_id in list(self._parked):
-            if leader_id in awaiting_kv:
-                continue
             leader = requests.get(leader_id)
             if leader is None or leader.is_finished or leader.prompt_cached:
                 out += self._parked.pop(leader_id)

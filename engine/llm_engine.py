@@ -13,7 +13,6 @@ from dataclasses import dataclass, field, replace
 from pdcluster.engine.async_scheduler import AsyncScheduler, AsyncStepper
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.loaded_model import LoadedModel
-from pdcluster.engine.mamba_state_blocks import tokens_with_state
 from pdcluster.engine.model_runner import ModelRunner
 from pdcluster.engine.proposers import make_proposer
 from pdcluster.engine.request import Request, RequestStatus
@@ -22,7 +21,7 @@ from pdcluster.engine.scheduler import Scheduler
 from pdcluster.engine.step_trace import StepTrace
 from pdcluster.engine.tokenizer import Detokenizer
 from pdcluster.engine.warmup import warmup
-from pdcluster.wire.kv_connector import KVConnector
+from pdcluster.wire.kv_connector import KVConnector, LoadedKV
 from pdcluster.wire.logprobs import TokenLogprobs
 
 log = logging.getLogger(__name__)
@@ -53,6 +52,15 @@ class RequestOutput:
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs] | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+@dataclass
+class KVPoll:
+    """What ``LLMEngine.poll_kv`` changed (decode side of a KV transfer)."""
+
+    landed: dict[str, LoadedKV]  # requests whose prompt's KV landed, with the transfer's figures
+    outputs: list[RequestOutput]  # of those, the ones the producer's first token already ended
+    failed: dict[str, str]  # request id -> why its KV will not come (the request is gone)
 
 
 class LLMEngine:
@@ -88,8 +96,6 @@ class LLMEngine:
         self.warmup_batch_kinds = warmup(self.runner, num_blocks=num_blocks)
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
-        # Decode side of a KV transfer: blocks reserved for prompts whose KV is on its way.
-        self._reserved: dict[str, Request] = {}
 
     @classmethod
     def from_config(cls, config: EngineConfig, connector: KVConnector | None = None,
@@ -103,65 +109,31 @@ class LLMEngine:
             params = replace(params, seed=self._rng.randrange(1 << 31))
         return params
 
-    # ---- decode side of a KV transfer ------------------------------------------------------------
-    def reserve_blocks(self, request_id: str, num_prompt_tokens: int, params: SamplingParams) -> list[int] | None:
-        """Reserve blocks for a prompt whose KV will arrive from a prefill worker; None when the pool
-        cannot hold it now (the router then picks another worker or waits)."""
-        if request_id in self._reserved or request_id in self.scheduler.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        placeholder = Request(request_id, [0] * num_prompt_tokens, params, arrival_time=time.monotonic())
-        # Room for the first decode step too (first token + drafts), so an admitted request can run.
-        bs = self.config.block_size
-        need = -(-(num_prompt_tokens + 1 + self.config.num_spec_steps) // bs)
-        num_tokens = num_prompt_tokens
-        if self.num_state_blocks:  # a hybrid's state arrives in the blocks right after the prompt's
-            num_tokens = tokens_with_state(num_prompt_tokens, bs, self.num_state_blocks)
-            need = max(need, num_tokens // bs)
-        if self.scheduler.block_manager.num_free_blocks < need:
-            return None
-        if not self.scheduler.block_manager.reserve(placeholder, num_tokens):
-            return None
-        self._reserved[request_id] = placeholder
-        self.scheduler.awaiting_kv.add(request_id)
-        return list(placeholder.block_ids)
-
-    def release_reserved(self, request_id: str) -> bool:
-        """Free the blocks of a reservation whose transfer failed or was aborted. Idempotent."""
-        placeholder = self._reserved.pop(request_id, None)
-        self.scheduler.awaiting_kv.discard(request_id)
-        if placeholder is None:
-            return False
-        self.scheduler.block_manager.free(placeholder)
-        return True
-
     @property
     def shares_prompts(self) -> bool:
         """Can requests with one prompt share its computed KV (prefix cache, n > 1 forks)?"""
         return self.config.enable_prefix_caching
 
-    @property
-    def num_reserved(self) -> int:
-        return len(self._reserved)
-
-    def add_prefilled_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-        first_token_id: int, draft_token_ids: list[int],
-    ) -> RequestOutput | None:
-        """The prompt's KV has landed in the reserved blocks: decode from here. Returns the final
-        output when the first token already ends the request (stop token, max_tokens=1)."""
-        placeholder = self._reserved.pop(request_id)
-        self.scheduler.awaiting_kv.discard(request_id)
-        assert len(prompt_token_ids) == placeholder.num_prompt_tokens
+    # ---- decode side of a KV transfer ------------------------------------------------------------
+    def add_remote_request(self, request_id: str, prompt_token_ids: list[int],
+                           params: SamplingParams) -> list[int] | None:
+        """A request whose prompt's KV another worker computes. It joins the scheduler now, with its
+        prompt, in WAITING_FOR_REMOTE_KV, its blocks reserved; returns those block ids (where the KV is
+        to land), or None when the pool cannot hold it now (the router then tries another worker).
+        The connector reports its KV's arrival (``poll_kv``); ``abort_request`` gives it up."""
         self.prepare_grammar(params)
-        request = Request(request_id, list(prompt_token_ids), params, arrival_time=placeholder.arrival_time)
-        request.block_ids = placeholder.block_ids
-        request.num_computed_tokens = len(prompt_token_ids)
-        request.output_token_ids = [first_token_id]
-        request.spec_token_ids = list(draft_token_ids)
-        self.scheduler.add_prefilled_request(request)
-        if request.is_finished:
-            return self._output(request, True, [])
-        return None
+        request = Request(request_id, list(prompt_token_ids), params, arrival_time=time.monotonic())
+        if not self.scheduler.add_remote_request(request):
+            return None
+        return list(request.block_ids)
+
+    def poll_kv(self) -> KVPoll:
+        """Between steps: apply what the KV connector reports since the last call (landed prompts start
+        decoding, failed transfers end their requests, blocks held for a transfer that is over go back)."""
+        out = self.connector.poll()
+        landed, failed = self.scheduler.update_from_kv(out)
+        return KVPoll(landed={r.request_id: out.finished_recving[r.request_id] for r in landed},
+                      outputs=[self._output(r, True, []) for r in landed if r.is_finished], failed=failed)
 
     # ---- requests -------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -242,6 +214,7 @@ class LLMEngine:
             runner_output, kv_output = self.runner.sample_tokens()
             step_results = self.scheduler.update_from_output(sched, runner_output)
             self.step_trace.record(sched, time.perf_counter() - started)
+        # post_forward reports sends only (wire/kv_connector.py); what a consumer receives comes by poll_kv.
         self.scheduler.free_held(kv_output.finished_sending | kv_output.failed)
         return [self._output(r.request, r.finished, r.new_token_ids, r.new_logprobs, r.prompt_logprobs)
                 for r in step_results]

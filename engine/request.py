@@ -9,12 +9,16 @@ from pdcluster.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
+    # Decode side of a KV transfer: in the scheduler from admission, its blocks reserved, its prompt's KV
+    # on its way from another worker; in no queue until the connector reports it landed (-> WAITING).
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # its prompt's KV will not come (the transfer failed)
 
     @property
     def finished(self) -> bool:
@@ -22,6 +26,7 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_STOPPED,
             RequestStatus.FINISHED_LENGTH,
             RequestStatus.FINISHED_ABORTED,
+            RequestStatus.FINISHED_ERROR,
         )
 
 

@@ -4,6 +4,11 @@ slots and preemption by recompute.
 The scheduler is the single source of truth for every request's ``num_computed_tokens`` (invariant S1):
 it hands the value to the runner in each step's output, and advances it only after the step's result
 comes back, by the number of tokens actually verified (scheduled minus rejected drafts).
+
+It holds every request of its engine in one table (``requests``), including those whose prompt's KV
+comes from another worker (decode side of a KV transfer): such a request is admitted with its blocks
+reserved and waits in status WAITING_FOR_REMOTE_KV, in no queue, until the KV connector reports it
+landed (then it joins ``waiting`` with the producer's first token) or failed (then it finishes).
 """
 
 from __future__ import annotations
@@ -14,59 +19,11 @@ from dataclasses import dataclass, field
 from pdcluster.engine.block_manager import BlockManager
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.forks import ForkGate
-from pdcluster.engine.request import Request, RequestStatus
 from pdcluster.engine.mamba_state_blocks import tokens_with_state
-from pdcluster.wire.kv_connector import SchedulerConnector
+from pdcluster.engine.request import Request, RequestStatus
+from pdcluster.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pdcluster.wire.kv_connector import KVConnectorOutput, LoadedKV, SchedulerConnector
 from pdcluster.wire.logprobs import TokenLogprobs
-
-
-@dataclass
-class ScheduledRequest:
-    request_id: str
-    # True the first time the runner sees this request (also after a preemption): it must (re)build
-    # its per-request state from ``all_token_ids``.
-    is_new: bool
-    num_computed_tokens: int  # before this step; authoritative (S1)
-    num_scheduled_tokens: int  # input tokens this step, drafts included
-    input_token_ids: list[int]  # tokens at positions [num_computed, num_computed + num_scheduled)
-    block_ids: list[int]  # the whole block table
-    num_prompt_tokens: int
-    num_tokens: int  # committed tokens (prompt + verified output) before this step
-    spec_token_ids: list[int]  # drafts among the input tokens (the last len(spec) of them)
-    all_token_ids: list[int] | None = None  # only when is_new
-    sampling_params: object = None  # only when is_new
-    num_output_tokens: int = 0  # seeds position-keyed sampling (engine/sampler.py)
-    # Async scheduling (engine/async_scheduler.py): scheduled behind a step still in flight, so the inputs
-    # (that step's sampled token and drafts) are PLACEHOLDERs the runner fills from its own outputs, and
-    # num_computed_tokens is an upper bound that assumes every in-flight draft is accepted (S4).
-    placeholder_inputs: bool = False
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest]
-    total_num_scheduled_tokens: int
-    # Finished since the previous step: the runner drops their state, the KV connector finalises them.
-    finished_req_ids: set[str] = field(default_factory=set)
-    preempted_req_ids: set[str] = field(default_factory=set)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass
-class ModelRunnerOutput:
-    req_ids: list[str]
-    # Per request: verified tokens of this step (accepted drafts + one sampled), or [] while a chunked
-    # prefill is still in progress.
-    sampled_token_ids: list[list[int]]
-    # Per request: drafts proposed for the next step.
-    spec_token_ids: list[list[int]] = field(default_factory=list)
-    # Per request with ``params.logprobs``: one record per sampled token (else []).
-    logprobs: list[list[TokenLogprobs]] = field(default_factory=list)
-    # Requests with ``params.prompt_logprobs`` whose prompt was completed this step: all positions.
-    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 @dataclass
@@ -103,7 +60,6 @@ class Scheduler:
         self._seen_by_runner: set[str] = set()
         self.num_preemptions_total = 0
         self.forks = ForkGate()
-        self.awaiting_kv: set[str] = set()  # reservations of the engine: prompts whose KV is on its way
         # Prompt tokens this scheduler had computed (prefix-cache hits and transferred KV excluded):
         # the stat that shows a forked prompt was computed once.
         self.num_prompt_tokens_computed = 0
@@ -122,10 +78,30 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         leader = self.requests.get(follow) if follow is not None else None
-        if follow in self.awaiting_kv or (leader is not None and not leader.is_finished and not leader.prompt_cached):
+        if leader is not None and not leader.is_finished and not leader.prompt_cached:  # waiting for its KV too
             self.forks.park(follow, request)
             return
         self.waiting.append(request)
+
+    def add_remote_request(self, request: Request) -> bool:
+        """A request whose prompt's KV another worker computes (decode side of a KV transfer). Its blocks
+        are reserved now, where the KV is to land: the prompt's, and a hybrid's state blocks right after
+        them; and only if the pool also has room for its first decode step (first token + drafts). It
+        then waits in WAITING_FOR_REMOTE_KV until ``update_from_kv``. False, nothing changed, when the
+        pool cannot hold it now."""
+        if request.request_id in self.requests or request.request_id in self.held:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        bs, n = self.config.block_size, request.num_prompt_tokens
+        need = -(-(n + 1 + self.config.num_spec_steps) // bs)
+        num_tokens = n
+        if self.num_state_blocks:
+            num_tokens = tokens_with_state(n, bs, self.num_state_blocks)
+            need = max(need, num_tokens // bs)
+        if self.block_manager.num_free_blocks < need or not self.block_manager.reserve(request, num_tokens):
+            return False
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.requests[request.request_id] = request
+        return True
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """End a request from outside the step loop (abort, stop string). Frees its blocks once."""
@@ -134,13 +110,19 @@ class Scheduler:
             return None
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
-        elif not self.forks.remove(request):
+        elif request.status != RequestStatus.WAITING_FOR_REMOTE_KV and not self.forks.remove(request):
             self.waiting.remove(request)
         self._finish(request, status)
         return request
 
     def has_unfinished(self) -> bool:
+        """Requests a step runs (or a fork waits to run). Not those waiting for remote KV: no step
+        brings it, the connector's poll does (``update_from_kv``)."""
         return bool(self.waiting or self.running or self.forks)
+
+    @property
+    def num_waiting_for_remote_kv(self) -> int:
+        return sum(r.status == RequestStatus.WAITING_FOR_REMOTE_KV for r in self.requests.values())
 
     def has_pending(self) -> bool:
         """Anything left to step for: requests, blocks held for a transfer, or finish notices the
@@ -153,19 +135,37 @@ class Scheduler:
         which the connector's poll finds between steps without one."""
         return bool(self.waiting or self.running or self._finished_req_ids or self.forks)
 
-    def add_prefilled_request(self, request: Request) -> None:
-        """A request whose prompt KV was computed elsewhere and has landed in ``request.block_ids``
-        (decode side of a KV transfer). ``num_computed_tokens`` is the prompt length, the first
-        output token (and any drafts) came with the transfer."""
-        assert request.block_ids and request.num_computed_tokens == request.num_prompt_tokens
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
-        self.requests[request.request_id] = request
-        request.spec_token_ids = self._cap_drafts(request, request.spec_token_ids)
-        if self._check_stop(request, request.output_token_ids[-1]):
+    def update_from_kv(self, out: KVConnectorOutput) -> tuple[list[Request], dict[str, str]]:
+        """Apply what the KV connector reports: requests whose KV landed leave WAITING_FOR_REMOTE_KV (for
+        ``waiting``, or finished when the producer's first token already ends them), those whose KV
+        will not come finish (FINISHED_ERROR), and held blocks whose transfer is over go back. Returns
+        the landed requests and the failed ones' reasons."""
+        landed, failed = [], {}
+        for request_id, kv in out.finished_recving.items():
+            request = self.requests.get(request_id)
+            if request is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+                self._land(request, kv)
+                landed.append(request)
+        for request_id, reason in out.failed_recving.items():
+            request = self.requests.get(request_id)
+            if request is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+                self._finish(request, RequestStatus.FINISHED_ERROR)  # the connector may keep its blocks
+                failed[request_id] = reason
+        self.free_held(out.finished_sending | out.failed)  # after the failures: those held are held by now
+        return landed, failed
+
+    def _land(self, request: Request, kv: LoadedKV) -> None:
+        """The prompt's KV is in ``request.block_ids``: the request continues from the producer's first
+        token and drafts, as if it had computed the prompt here (S1: the count is set here)."""
+        assert request.block_ids
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.output_token_ids = [kv.first_token_id]
+        request.spec_token_ids = self._cap_drafts(request, kv.draft_token_ids)
+        request.status = RequestStatus.WAITING
+        if self._check_stop(request, kv.first_token_id):
             self._finish(request, request.status)
-            return
-        self.waiting.append(request)
+        else:
+            self.waiting.append(request)
 
     def free_held(self, request_ids: set[str]) -> None:
         """Release the blocks of finished requests whose KV transfer is over (sent or failed)."""
@@ -184,7 +184,7 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         if self.forks:
-            self.waiting.extendleft(reversed(self.forks.release(self.requests, self.awaiting_kv)))
+            self.waiting.extendleft(reversed(self.forks.release(self.requests)))
         preempted: set[str] = set()
 
         i = 0
@@ -360,8 +360,10 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
-        if status != RequestStatus.FINISHED_ABORTED and self.connector.request_finished(request):
-            self.held[request.request_id] = request  # freed by free_held() once sent
+        # The connector may keep the blocks: a producer's until they are sent, a consumer's reserved ones
+        # until nothing can write them any more (a revoke not yet confirmed). free_held() frees them.
+        if self.connector.request_finished(request):
+            self.held[request.request_id] = request
         else:
             self.block_manager.free(request)
         self.requests.pop(request.request_id, None)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pdcluster.engine.batch_classifier import BatchKind
 from pdcluster.engine.sampling_params import SamplingParams
-from pdcluster.engine.scheduler import ScheduledRequest, SchedulerOutput
+from pdcluster.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 
 
 def warmup_prompt_len(num_spec_steps: int) -> int:

@@ -13,19 +13,24 @@ does not wait for the next step, which can take seconds of prefill; the blocks g
 scheduler through the engine thread's next ``poll``. Any failure (transport error, dead peer,
 deadline, abort from the peer) ends in ``failed`` and the blocks are freed exactly once.
 
-Decode (``DecodeKVConnector``): each expected request moves WAITING_FOR_KV -> READY | FAILED. READY
-when the prefill side's ``TransferDone`` arrives (sent only after delivery was acknowledged); FAILED on a
-negative ``TransferDone``, an ``AbortTransfer``, a dead prefill peer (heartbeat) or the deadline.
+Decode (``DecodeKVConnector``): keyed by request id, it tracks transfers, never requests: the request
+is the engine's, in its scheduler from admission with its blocks reserved (WAITING_FOR_REMOTE_KV). A
+transfer is expected from ``expect`` until the prefill side's ``TransferDone`` (sent only after delivery
+was acknowledged) lands it (``finished_recving``, with the first token and drafts), or a negative
+``TransferDone``, an ``AbortTransfer``, a dead prefill peer (heartbeat) or the deadline fails it
+(``failed_recving``), or the engine ends the request first (``request_finished``: the router aborted it).
+``poll``, between steps, reports all of that to the engine.
 
 The reserved blocks are admitted on the receiving transport for the request alone (``expect``, see
 transports/base.py): chunks that arrive after the decode side gave up, from a prefill that has not
 heard of it yet (the abort is an async message; a partitioned or frozen prefill may never hear), are
-refused instead of landing in blocks that another request may own by then. On READY the transfer is
-completed before the engine touches the blocks. On FAILED it is revoked; the blocks may go back to
-the pool (``take_releasable``) only once the transport guarantees nothing of the transfer is written
-any more: at once, or, for a sender that writes into our memory itself (shm push), after it confirmed
-(``poll_revoked``). Until then the reservation stays held, *quarantined*: it fails the request for
-the router at once but keeps its blocks out of use. Each failed reservation is released exactly once.
+refused instead of landing in blocks that another request may own by then. A landed transfer is
+completed before the engine touches the blocks. A failed or given-up one is revoked; its blocks may go
+back to the pool only once the transport guarantees nothing of the transfer is written any more: at
+once, or, for a sender that writes into our memory itself (shm push), after it confirmed
+(``poll_revoked``). Until then ``request_finished`` keeps them held by the scheduler, *quarantined*:
+the request fails for the router at once but its blocks stay out of use, and ``poll`` reports them in
+``failed`` when the revoke is confirmed. Each reservation is released exactly once.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pdcluster.wire.kv_connector import KVConnector, KVConnectorOutput
+from pdcluster.wire.kv_connector import KVConnector, KVConnectorOutput, LoadedKV
 from pdcluster.kv_transfer.protocol import AbortTransfer, TransferDone
 
 log = logging.getLogger(__name__)
@@ -49,12 +54,6 @@ class SendState(enum.Enum):
     PREFILLING = "prefilling"  # full blocks go out layer by layer as the prompt is computed
     FLUSHING = "flushing"  # last sends issued from post_forward; waiting for the receiver's ack
     SENT = "sent"
-    FAILED = "failed"
-
-
-class RecvState(enum.Enum):
-    WAITING_FOR_KV = "waiting_for_kv"
-    READY = "ready"
     FAILED = "failed"
 
 
@@ -107,12 +106,10 @@ class PrefillKVConnector(KVConnector):
         self.tasks: dict[str, SendTask] = {}
         self._plan: list[tuple[SendTask, np.ndarray, np.ndarray]] = []  # this step's layer-wise sends
         self._to_abort: set[str] = set()  # failed while still running in the engine
-        self._failed_reasons: dict[str, str] = {}
-        self._late_failed: set[str] = set()  # finished (blocks held) and failed outside a step
         self.bytes_sent = 0
         self._lock = threading.RLock()
-        # What poll_acks found (sent or failed transfers whose blocks the scheduler holds), until the
-        # engine thread's next poll hands it to the engine.
+        # Sent or failed transfers whose blocks the scheduler holds, found outside the engine thread's
+        # poll (the ack poller, a message, an abort), until that poll hands them to the engine.
         self._unreported = KVConnectorOutput()
         # Set while a flushed transfer waits for its receiver's ack: the ack poller sleeps otherwise.
         self.awaiting_acks = threading.Event()
@@ -141,19 +138,18 @@ class PrefillKVConnector(KVConnector):
         out, self._to_abort = self._to_abort, set()
         return out
 
-    @_locked
-    def failure_reason(self, request_id: str) -> str | None:
-        return self._failed_reasons.pop(request_id, None)
-
     # ---- scheduler hook --------------------------------------------------------------------------
     @_locked
     def request_finished(self, request) -> bool:
         task = self.tasks.get(request.request_id)
         if task is None or task.state in (SendState.FAILED, SendState.SENT):
             return False
+        if not request.output_token_ids:  # ended before its first token (aborted): nothing to send
+            self._fail(task, "the request ended before its first token", notify_peer=True)
+            return False
         task.finished = True
         task.src_block_ids = list(request.block_ids)
-        task.first_token_id = request.output_token_ids[0] if request.output_token_ids else -1
+        task.first_token_id = request.output_token_ids[0]
         task.num_cached_tokens = request.num_cached_tokens
         task.draft_token_ids = list(request.spec_token_ids)
         return True  # hold the blocks until post_forward has sent them and the receiver acked
@@ -290,127 +286,100 @@ class PrefillKVConnector(KVConnector):
         log.warning("KV transfer of %s to %s failed: %s", task.request_id, task.decode_id, reason)
         task.state = SendState.FAILED
         self.tasks.pop(task.request_id, None)
-        self._failed_reasons[task.request_id] = reason
         if notify_peer:
             try:
                 self.endpoint.send(task.decode_id, AbortTransfer(request_id=task.request_id, reason=reason[:200]))
             except Exception:  # noqa: BLE001 - the peer may be the thing that is gone
                 pass
         if task.finished:
-            # Blocks are held by the scheduler for us: release them through the step output.
-            if out is not None:
-                out.failed.add(task.request_id)
-            else:
-                self._late_failed.add(task.request_id)
+            # Blocks are held by the scheduler for us: released through this poll's output or the next.
+            (out if out is not None else self._unreported).failed.add(task.request_id)
         else:
             self._to_abort.add(task.request_id)  # still running: the worker aborts it (frees once)
 
-    @_locked
-    def take_late_failed(self) -> set[str]:
-        out, self._late_failed = self._late_failed, set()
-        return out
-
 
 @dataclass
-class RecvTask:
-    request_id: str
+class _Expected:
     prefill_id: str
-    deadline: float
-    state: RecvState = RecvState.WAITING_FOR_KV
-    done: TransferDone | None = None
-    reason: str = ""
+    deadline: float  # time.monotonic()
 
 
 class DecodeKVConnector(KVConnector):
-    """Tracks reservations; the transport writes the bytes in the background. The worker drains
-    ``take_ready`` / ``take_failed`` / ``take_releasable`` each loop turn and hands them to the engine."""
+    """Keyed by request id; the request itself is the engine's. The transport writes the bytes in the
+    background; ``poll`` (engine thread, between steps) reports what landed, what failed, and which
+    quarantined blocks may go back."""
 
     def __init__(self, transport, endpoint, clock=time.monotonic):
         self.transport = transport
         self.endpoint = endpoint
         self.clock = clock
-        self.tasks: dict[str, RecvTask] = {}
-        self.quarantined: set[str] = set()  # failed, waiting for the transport's poll_revoked
-        self._releasable: list[str] = []  # failed and revoked: their blocks may go back
+        self.expected: dict[str, _Expected] = {}  # transfers whose KV has not landed yet
+        self.quarantined: set[str] = set()  # failed or aborted, waiting for the transport's poll_revoked
+        self._out = KVConnectorOutput()  # what the next poll reports
 
     def expect(self, request_id: str, prefill_id: str, timeout_s: float, dst_block_ids: list[int]) -> None:
-        """Track a reservation and admit its blocks on the transport (before the caller hands the
-        block ids out: only then can a sender learn them)."""
+        """Track a transfer and admit its blocks on the transport (before the caller hands the block
+        ids out: only then can a sender learn them)."""
         self.transport.expect(request_id, np.asarray(dst_block_ids, dtype=np.int64))
-        self.tasks[request_id] = RecvTask(request_id, prefill_id, self.clock() + timeout_s)
+        self.expected[request_id] = _Expected(prefill_id, self.clock() + timeout_s)
 
-    def abort(self, request_id: str, reason: str = "aborted") -> bool:
-        """Give up a transfer that has not completed (the caller asked: no ``take_failed`` entry).
-        Its blocks come back through ``take_releasable``, now or once quarantine ends."""
-        task = self.tasks.get(request_id)
-        if task is None or task.state != RecvState.WAITING_FOR_KV:
-            return False
-        self._fail(task, reason, notify_peer=True)
-        del self.tasks[request_id]
-        return True
+    def abort(self, request_id: str, reason: str) -> None:
+        """Give up a transfer that has not landed (the caller asked: it is not reported as failed)."""
+        if request_id in self.expected:
+            self._end(request_id, reason, notify_peer=True)
+
+    def request_finished(self, request) -> bool:
+        """The engine ended the request (the router aborted it, or its transfer failed): a transfer still
+        expected is given up, and the blocks stay held while the transport may still write them."""
+        request_id = request.request_id
+        self.abort(request_id, "aborted by the router")
+        self._out.finished_recving.pop(request_id, None)  # landed before the abort: nothing writes them
+        self._out.failed_recving.pop(request_id, None)
+        return request_id in self.quarantined
 
     def handle_message(self, peer_id: str, msg) -> None:
-        task = self.tasks.get(msg.request_id) if isinstance(msg, (TransferDone, AbortTransfer)) else None
-        if task is None or task.prefill_id != peer_id or task.state != RecvState.WAITING_FOR_KV:
+        expected = self.expected.get(msg.request_id) if isinstance(msg, (TransferDone, AbortTransfer)) else None
+        if expected is None or expected.prefill_id != peer_id:
             return
         if isinstance(msg, TransferDone) and msg.ok:
             # The KV is final: stray chunks of this transfer are refused before the engine uses it.
-            self.transport.complete(task.request_id)
-            task.state, task.done = RecvState.READY, msg
+            self.transport.complete(msg.request_id)
+            del self.expected[msg.request_id]
+            self._out.finished_recving[msg.request_id] = LoadedKV(
+                msg.first_token_id, list(msg.draft_token_ids), num_bytes=msg.num_bytes, seconds=msg.seconds)
         else:
             reason = msg.error if isinstance(msg, TransferDone) else msg.reason
-            self._fail(task, f"prefill worker {peer_id}: {reason}", notify_peer=False)
+            self._fail(msg.request_id, f"prefill worker {peer_id}: {reason}", notify_peer=False)
 
-    def check(self) -> None:
+    def poll(self) -> KVConnectorOutput:
         self.transport.poll_received()  # bytes land in the background; TransferDone is authoritative
         for request_id in self.transport.poll_revoked():
             if request_id in self.quarantined:
                 self.quarantined.discard(request_id)
-                self._releasable.append(request_id)
+                self._out.failed.add(request_id)  # the held blocks go back
         dead = self.endpoint.dead_peers()
         now = self.clock()
-        for task in list(self.tasks.values()):
-            if task.state != RecvState.WAITING_FOR_KV:
-                continue
-            if task.prefill_id in dead:
-                self._fail(task, f"prefill worker {task.prefill_id} stopped answering", notify_peer=False)
-            elif now > task.deadline:
-                self._fail(task, "KV transfer deadline passed", notify_peer=True)
-
-    def take_ready(self) -> list[RecvTask]:
-        ready = [t for t in self.tasks.values() if t.state == RecvState.READY]
-        for t in ready:
-            del self.tasks[t.request_id]
-        return ready
-
-    def take_failed(self) -> list[RecvTask]:
-        """Failed requests to report; their blocks come back through ``take_releasable``."""
-        failed = [t for t in self.tasks.values() if t.state == RecvState.FAILED]
-        for t in failed:
-            del self.tasks[t.request_id]
-        return failed
-
-    def take_releasable(self) -> list[str]:
-        """Failed reservations whose blocks nothing will write any more: free them (once)."""
-        out, self._releasable = self._releasable, []
+        for request_id, expected in list(self.expected.items()):
+            if expected.prefill_id in dead:
+                self._fail(request_id, f"prefill worker {expected.prefill_id} stopped answering", notify_peer=False)
+            elif now > expected.deadline:
+                self._fail(request_id, "KV transfer deadline passed", notify_peer=True)
+        out, self._out = self._out, KVConnectorOutput()
         return out
 
-    def holds(self, request_id: str) -> bool:
-        """The reservation is tracked here (waiting, failed or quarantined): only this connector
-        may say when its blocks are free."""
-        return request_id in self.tasks or request_id in self.quarantined or request_id in self._releasable
+    def _fail(self, request_id: str, reason: str, notify_peer: bool) -> None:
+        self._end(request_id, reason, notify_peer)
+        self._out.failed_recving[request_id] = reason
 
-    def _fail(self, task: RecvTask, reason: str, notify_peer: bool) -> None:
-        log.warning("KV transfer of %s from %s failed: %s", task.request_id, task.prefill_id, reason)
-        task.state, task.reason = RecvState.FAILED, reason
-        if self.transport.revoke(task.request_id):
-            self._releasable.append(task.request_id)
-        else:
+    def _end(self, request_id: str, reason: str, notify_peer: bool) -> None:
+        expected = self.expected.pop(request_id)
+        log.warning("KV transfer of %s from %s failed: %s", request_id, expected.prefill_id, reason)
+        if not self.transport.revoke(request_id):
             # A sender may still write into the blocks (shm push): keep them reserved until it
             # confirmed it stopped (poll_revoked); bounded by its liveness (a closed link counts).
-            self.quarantined.add(task.request_id)
+            self.quarantined.add(request_id)
         if notify_peer:
             try:
-                self.endpoint.send(task.prefill_id, AbortTransfer(request_id=task.request_id, reason=reason[:200]))
+                self.endpoint.send(expected.prefill_id, AbortTransfer(request_id=request_id, reason=reason[:200]))
             except Exception:  # noqa: BLE001
                 pass

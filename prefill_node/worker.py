@@ -127,13 +127,11 @@ class PrefillWorker(WorkerLoop):
             else:
                 self.connector.handle_message(peer_id, msg)
         # Between steps (or idle): acks that came in since the last step send their TransferDone now,
-        # and the blocks of transfers that ended (here or in the ack poller) go back.
-        ended = self.connector.poll()
-        self.engine.scheduler.free_held(ended.finished_sending | ended.failed)
-        # Transfers that failed outside a step: the decode side was told (or is gone); free here.
-        for request_id in self.connector.take_aborts():
+        # and the blocks of transfers that ended (here, in the ack poller, or failed outside a step: the
+        # decode side was told, or is gone) go back.
+        self.engine.poll_kv()
+        for request_id in self.connector.take_aborts():  # failed while the engine still runs them
             self.engine.abort_request(request_id)
-        self.engine.scheduler.free_held(self.connector.take_late_failed())
         # Blocks held only for transfers in flight need no step: the poll above frees them once acked.
         # Stepping for them (empty steps, back to back) burnt a core for the whole transfer, taken
         # from the decode worker and the next prompt on a host the workers share.

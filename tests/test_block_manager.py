@@ -6,7 +6,8 @@ from pdcluster.engine.block_manager import BlockManager, chained_block_hashes
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.request import Request, RequestStatus
 from pdcluster.engine.sampling_params import SamplingParams
-from pdcluster.engine.scheduler import ModelRunnerOutput, Scheduler
+from pdcluster.engine.scheduler import Scheduler
+from pdcluster.engine.scheduler_output import ModelRunnerOutput
 
 
 def _req(rid, tokens, max_tokens=4):

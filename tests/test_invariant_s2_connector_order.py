@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from pdcluster.engine.config import EngineConfig
-from pdcluster.wire.kv_connector import KVConnector, KVConnectorOutput
+from pdcluster.wire.kv_connector import KVConnector, KVConnectorOutput, LoadedKV
 from pdcluster.engine.llm_engine import LLMEngine
 from pdcluster.engine.sampling_params import SamplingParams
-from pdcluster.engine.scheduler import SchedulerOutput
+from pdcluster.engine.scheduler_output import SchedulerOutput
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -164,6 +164,19 @@ class SnapshotConnector(RecordingConnector):
             self.snapshots[s.request_id] = self.kv_cache_ref["cache"][:, :, blocks].clone()
 
 
+class LandingConnector(RecordingConnector):
+    """Decode side: reports a prompt's KV landed, with the producer's first token and drafts, once the
+    test has copied it into the reserved blocks (what a consumer connector's poll does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.landed: dict[str, LoadedKV] = {}
+
+    def poll(self) -> KVConnectorOutput:
+        out, self.landed = KVConnectorOutput(finished_recving=self.landed), {}
+        return out
+
+
 def _drafts_recorder(engine):
     drafts = []
     propose = engine.runner.proposer.propose
@@ -194,13 +207,15 @@ def test_S2_draft_kv_transferred_at_post_forward_gives_colocated_drafts(tiny_dir
     snapshot = connector.snapshots[first.request_id]
     first_drafts = colocated_drafts[0][0]  # the prefill step's drafts (same engine config, same math)
 
-    decode = _engine(RecordingConnector(), **cfg)
+    arrivals = LandingConnector()
+    decode = _engine(arrivals, **cfg)
     decode_drafts = _drafts_recorder(decode)
     prompt_ids = decode.tokenize(prompt)
     params = decode.assign_seed(params)
-    blocks = decode.reserve_blocks("r", len(prompt_ids), params)
+    blocks = decode.add_remote_request("r", prompt_ids, params)  # WAITING_FOR_REMOTE_KV, blocks reserved
     decode.kv_cache[:, :, torch.tensor(blocks[: snapshot.shape[2]])] = snapshot[:, :, : len(blocks)]
-    decode.add_prefilled_request("r", prompt_ids, params, first.token_ids[0], first_drafts)
+    arrivals.landed["r"] = LoadedKV(first.token_ids[0], first_drafts)
+    assert list(decode.poll_kv().landed) == ["r"]
     while decode.has_unfinished():
         for out in decode.step():
             if out.finished:

@@ -31,7 +31,7 @@ from pdcluster.engine.async_scheduler import (
     prev_positions,
 )
 from pdcluster.engine.sampling_params import SamplingParams
-from pdcluster.engine.scheduler import ScheduledRequest
+from pdcluster.engine.scheduler_output import ScheduledRequest
 from pdcluster.engine.request_slots import RequestStates
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

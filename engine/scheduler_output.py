@@ -1,0 +1,57 @@
+"""What crosses between the scheduler and the model runner each step: the schedule (``SchedulerOutput``,
+one ``ScheduledRequest`` a row) and the runner's result (``ModelRunnerOutput``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdcluster.wire.logprobs import TokenLogprobs
+
+
+@dataclass
+class ScheduledRequest:
+    request_id: str
+    # True the first time the runner sees this request (also after a preemption): it must (re)build
+    # its per-request state from ``all_token_ids``.
+    is_new: bool
+    num_computed_tokens: int  # before this step; authoritative (S1)
+    num_scheduled_tokens: int  # input tokens this step, drafts included
+    input_token_ids: list[int]  # tokens at positions [num_computed, num_computed + num_scheduled)
+    block_ids: list[int]  # the whole block table
+    num_prompt_tokens: int
+    num_tokens: int  # committed tokens (prompt + verified output) before this step
+    spec_token_ids: list[int]  # drafts among the input tokens (the last len(spec) of them)
+    all_token_ids: list[int] | None = None  # only when is_new
+    sampling_params: object = None  # only when is_new
+    num_output_tokens: int = 0  # seeds position-keyed sampling (engine/sampler.py)
+    # Async scheduling (engine/async_scheduler.py): scheduled behind a step still in flight, so the inputs
+    # (that step's sampled token and drafts) are PLACEHOLDERs the runner fills from its own outputs, and
+    # num_computed_tokens is an upper bound that assumes every in-flight draft is accepted (S4).
+    placeholder_inputs: bool = False
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    total_num_scheduled_tokens: int
+    # Finished since the previous step: the runner drops their state, the KV connector finalises them.
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]
+    # Per request: verified tokens of this step (accepted drafts + one sampled), or [] while a chunked
+    # prefill is still in progress.
+    sampled_token_ids: list[list[int]]
+    # Per request: drafts proposed for the next step.
+    spec_token_ids: list[list[int]] = field(default_factory=list)
+    # Per request with ``params.logprobs``: one record per sampled token (else []).
+    logprobs: list[list[TokenLogprobs]] = field(default_factory=list)
+    # Requests with ``params.prompt_logprobs`` whose prompt was completed this step: all positions.
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
