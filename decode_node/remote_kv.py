@@ -13,7 +13,7 @@ from typing import Callable
 from pdcluster.engine.loaded_model import LoadedModel
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kv_transfer.config import TransferConfig
-from pdcluster.kv_transfer.connector import DecodeKVConnector
+from pdcluster.kv_transfer.connector.decode import DecodeKVConnector
 from pdcluster.kv_transfer.control_plane import DecodeEndpoint
 from pdcluster.kv_transfer.protocol import FirstToken, Message, TransferRequest
 from pdcluster.node.endpoint import endpoint_config

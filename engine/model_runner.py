@@ -1,7 +1,8 @@
 """Tensors in, tokens out. A step is split in two (as in vLLM's model runner v2):
 
 - ``execute_model(scheduler_output)``: refresh per-request state from the scheduler, build the packed
-  inputs, run the forward pass (the KV connector may send each layer as it finishes).
+  inputs (engine/input_batch.py), run the forward pass (the KV connector may send each layer as it
+  finishes).
 - ``sample_tokens()``: compute logits, sample / verify, run the draft proposer, and only then finalise
   the KV connector with ``post_forward(finished_req_ids)`` (invariant S2).
 
@@ -10,7 +11,8 @@ What crosses between the two halves is one small dataclass, ``ExecuteModelState`
 With speculative decoding a decode row runs the target over 1 + k tokens (the last committed token and
 k drafts); the proposer (engine/proposers/) drafts the next k from the verified tokens. With async
 scheduling (engine/async_scheduler.py) a row may arrive with placeholder inputs and an upper-bound
-``num_computed_tokens``; ``_resolve_rows`` makes it exact from the previous step's outputs (S4).
+``num_computed_tokens``; ``step_rows`` (engine/input_batch.py) makes it exact from the previous step's
+outputs (S4).
 """
 
 from __future__ import annotations
@@ -20,14 +22,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pdcluster.engine.async_scheduler import PLACEHOLDER, PrevStepOutput, fill_placeholder_rows
-from pdcluster.engine.attention import AttentionMetadata
-from pdcluster.engine.batch_classifier import BatchKind, classify_batch, uniform_decode_query_len
+from pdcluster.engine.async_scheduler import PLACEHOLDER, PrevStepOutput
+from pdcluster.engine.batch_classifier import BatchKind, uniform_decode_query_len
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.cuda_graphs import DecodeGraphs
+from pdcluster.engine.input_batch import StepRows, prepare_inputs, step_rows
 from pdcluster.engine.logits_processors import RowContext, apply_penalties
 from pdcluster.engine.logprobs import token_logprobs
-from pdcluster.engine.mamba_state import MambaMetadata, MambaStatePool
+from pdcluster.engine.mamba_state import MambaStatePool
 from pdcluster.engine.models.llama import LlamaModel
 from pdcluster.engine.proposers import ProposeBatch, Proposer, make_proposer
 from pdcluster.engine.rejection_sampler import num_valid_tokens, rejection_sample
@@ -41,18 +43,6 @@ from pdcluster.wire.logprobs import TokenLogprobs
 
 
 _PROMPT_LOGPROBS_CHUNK = 256  # prompt positions per logits matrix (256 x 49k x 4 B = 50 MB)
-
-
-@dataclass
-class StepRows:
-    """Per-row inputs of one step, exact: async placeholder rows already filled in."""
-
-    starts_np: np.ndarray  # num_computed_tokens before the step: position of the row's first input
-    q_lens_np: np.ndarray
-    num_tokens_np: np.ndarray  # committed tokens before the step (drafts excluded)
-    num_output_np: np.ndarray  # output tokens before the step: output position of the first one sampled
-    input_token_ids: list[list[int]]
-    draft_token_ids: list[list[int]]
 
 
 @dataclass
@@ -199,83 +189,6 @@ class ModelRunner:
             state.replay(list(s.all_token_ids[num_client_prompt:]))
             self.grammars[s.request_id] = state
 
-    def _resolve_rows(self, sched: SchedulerOutput, idx_mapping: np.ndarray) -> StepRows:
-        scheduled = sched.scheduled
-        rows = StepRows(
-            starts_np=self.states.num_computed_tokens_np[idx_mapping].astype(np.int64),  # the scheduler's (S1)
-            q_lens_np=np.array([s.num_scheduled_tokens for s in scheduled], dtype=np.int64),
-            num_tokens_np=np.array([s.num_tokens for s in scheduled], dtype=np.int64),
-            num_output_np=np.array([s.num_output_tokens for s in scheduled], dtype=np.int64),
-            input_token_ids=[s.input_token_ids for s in scheduled],
-            draft_token_ids=[s.spec_token_ids for s in scheduled],
-        )
-        if any(s.placeholder_inputs for s in scheduled):
-            fill_placeholder_rows(
-                [s.request_id for s in scheduled], scheduled, idx_mapping, self._prev, self.states,
-                rows.starts_np, rows.num_tokens_np, rows.num_output_np, rows.input_token_ids, rows.draft_token_ids,
-            )
-        return rows
-
-    # ---- inputs --------------------------------------------------------------------------------
-    def _prepare_inputs(self, rows: StepRows, idx_mapping: np.ndarray):
-        st = self.states
-        q_lens = rows.q_lens_np
-        starts = rows.starts_np
-        query_start_loc = np.zeros(len(q_lens) + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=query_start_loc[1:])
-        # positions: for each request, start .. start + q_len
-        req_of_token = np.repeat(np.arange(len(q_lens)), q_lens)
-        positions = starts[req_of_token] + (np.arange(query_start_loc[-1]) - query_start_loc[req_of_token])
-        block_of_token = st.block_table_np[idx_mapping[req_of_token], positions // self.block_size]
-        slot_mapping = block_of_token.astype(np.int64) * self.block_size + positions % self.block_size
-        input_ids = np.concatenate([np.asarray(t, dtype=np.int64) for t in rows.input_token_ids])
-        seq_lens = (starts + q_lens).astype(np.int32)
-        max_blocks = int(-(-seq_lens.max() // self.block_size))
-        block_tables = st.block_table_np[idx_mapping, :max_blocks]
-
-        # Rows to sample: the last committed token and every draft after it, for requests whose
-        # committed tokens are all computed after this step.
-        num_tokens = rows.num_tokens_np
-        reaches_end = starts + q_lens >= num_tokens
-        logits_count = np.where(reaches_end, starts + q_lens - num_tokens + 1, 0).astype(np.int32)
-        logits_start = np.zeros(len(q_lens), dtype=np.int32)
-        np.cumsum(logits_count[:-1], out=logits_start[1:])
-        first_row = query_start_loc[1:] - logits_count
-        logits_indices = np.concatenate(
-            [np.arange(first_row[i], first_row[i] + logits_count[i]) for i in range(len(q_lens))]
-        )
-        kind = classify_batch(q_lens, self.num_spec_steps)
-        put = self.inputs.put
-        self.inputs.begin_step()
-        meta = AttentionMetadata(
-            slot_mapping=put("slot_mapping", slot_mapping),
-            block_tables=put("block_tables", block_tables),
-            seq_lens=put("seq_lens", seq_lens),
-            query_start_loc=put("query_start_loc", query_start_loc.astype(np.int32)),
-            uniform_q_len=uniform_decode_query_len(self.num_spec_steps) if kind == BatchKind.UNIFORM_DECODE else None,
-            scale=self.model.scale,
-        )
-        if self.mamba_pool is not None:
-            meta.mamba = MambaMetadata(
-                pool=self.mamba_pool,
-                query_start_loc_np=query_start_loc,
-                state_slots_np=idx_mapping.astype(np.int64),
-                has_initial_state_np=starts > 0,
-                # Verification rows keep the state after every position; sample_tokens keeps the one
-                # after the last accepted token.
-                keep_positions_np=np.array([len(d) > 0 for d in rows.draft_token_ids], dtype=bool),
-            )
-        return (
-            put("input_ids", input_ids),
-            put("positions", positions.astype(np.int64)),
-            meta,
-            kind,
-            logits_start,
-            logits_count,
-            put("logits_indices", logits_indices.astype(np.int64)),
-            query_start_loc,
-        )
-
     # ---- the two halves of a step ---------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> None:
@@ -287,20 +200,21 @@ class ModelRunner:
                 torch.zeros(0, dtype=torch.int64, device=self.device), set(sched.finished_req_ids),
             )
             return
-        rows = self._resolve_rows(sched, idx_mapping)
-        input_ids, positions, meta, kind, logits_start, logits_count, logits_indices, qsl = self._prepare_inputs(
-            rows, idx_mapping
-        )
+        rows = step_rows(sched, idx_mapping, self.states, self._prev)
+        batch = prepare_inputs(rows, idx_mapping, self.states, self.inputs, self.block_size, self.num_spec_steps,
+                               self.model.scale, self.mamba_pool)
+        kind, meta = batch.batch_kind, batch.attn_metadata
         self.last_batch_kind = kind
         self.connector.pre_forward(sched)
         hidden = None
         if self.graphs is not None and kind == BatchKind.UNIFORM_DECODE and not self.connector.wants_layers():
-            hidden = self.graphs.run(input_ids, positions, meta)
+            hidden = self.graphs.run(batch.input_ids, batch.positions, meta)
         if hidden is None:
-            hidden = self.model.forward(input_ids, positions, self.kv_cache, meta, self.connector.save_layer)
+            hidden = self.model.forward(batch.input_ids, batch.positions, self.kv_cache, meta,
+                                        self.connector.save_layer)
         self._state = ExecuteModelState(
-            sched, req_ids, idx_mapping, kind, hidden, logits_start, logits_count, logits_indices,
-            set(sched.finished_req_ids), rows, qsl,
+            sched, req_ids, idx_mapping, kind, hidden, batch.logits_start_np, batch.logits_count_np,
+            batch.logits_indices, set(sched.finished_req_ids), rows, batch.query_start_loc_np,
         )
 
     @torch.inference_mode()

@@ -20,7 +20,7 @@ from pdcluster.engine.llm_engine import LLMEngine
 from pdcluster.engine.loaded_model import LoadedModel
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kv_transfer.config import TransferConfig
-from pdcluster.kv_transfer.connector import PrefillKVConnector
+from pdcluster.kv_transfer.connector.prefill import PrefillKVConnector
 from pdcluster.kv_transfer.control_plane import PrefillEndpoint
 from pdcluster.kv_transfer.protocol import AbortTransfer, FirstToken, TransferRequest
 from pdcluster.kv_transfer.transports import get_transport_class

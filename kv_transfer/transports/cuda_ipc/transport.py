@@ -37,7 +37,7 @@ Ordering (why the decode worker never reads half-written KV, and why a revoke me
    byte of the chunk is in the decode worker's memory.
 3. Notice -> ack -> TransferDone -> decode. The receiver acks the notice; the sender reports the
    transfer delivered only after every chunk's ack (poll_sent), and the prefill worker sends
-   TransferDone only then (connector.py). The decode worker schedules the request, and launches the
+   TransferDone only then (connector/prefill.py). The decode worker schedules the request, and launches the
    kernels that read those blocks, only after TransferDone. Each arrow is a message read by a host
    thread after the previous step finished, so the decode's reads are issued after the copy
    completed: they see the whole chunk, on the same GPU or across a peer link.

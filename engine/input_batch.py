@@ -1,0 +1,130 @@
+"""One step's model inputs, built from the scheduler's rows and the runner's per-request arrays
+(engine/request_slots.py): first the exact rows (``step_rows``: async placeholder rows filled in from
+the previous step's outputs, S4), then the packed batch (``prepare_inputs``): token ids, positions, the
+slot mapping, block tables, attention (and Mamba) metadata, and which rows the sampler reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pdcluster.engine.async_scheduler import PrevStepOutput, fill_placeholder_rows
+from pdcluster.engine.attention import AttentionMetadata
+from pdcluster.engine.batch_classifier import BatchKind, classify_batch, uniform_decode_query_len
+from pdcluster.engine.mamba_state import MambaMetadata, MambaStatePool
+from pdcluster.engine.request_slots import RequestStates
+from pdcluster.engine.scheduler_output import SchedulerOutput
+from pdcluster.engine.step_inputs import StepInputs
+
+
+@dataclass
+class StepRows:
+    """Per-row inputs of one step, exact: async placeholder rows already filled in."""
+
+    starts_np: np.ndarray  # num_computed_tokens before the step: position of the row's first input
+    q_lens_np: np.ndarray
+    num_tokens_np: np.ndarray  # committed tokens before the step (drafts excluded)
+    num_output_np: np.ndarray  # output tokens before the step: output position of the first one sampled
+    input_token_ids: list[list[int]]
+    draft_token_ids: list[list[int]]
+
+
+@dataclass
+class InputBatch:
+    """The packed inputs of one step, on the model's device, and where the sampler reads."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_metadata: AttentionMetadata
+    batch_kind: BatchKind
+    # Per row: first row in ``logits_indices`` and how many rows (0 = mid-prefill, nothing to sample).
+    logits_start_np: np.ndarray
+    logits_count_np: np.ndarray
+    logits_indices: torch.Tensor
+    query_start_loc_np: np.ndarray  # [num_rows + 1]: each row's tokens in the packed batch
+
+
+def step_rows(sched: SchedulerOutput, idx_mapping: np.ndarray, states: RequestStates,
+              prev: PrevStepOutput) -> StepRows:
+    """The scheduler's rows, with ``num_computed_tokens`` from the runner's mirror (the scheduler's, S1)
+    and placeholder rows (async scheduling) made exact from the previous step's outputs (S4)."""
+    scheduled = sched.scheduled
+    rows = StepRows(
+        starts_np=states.num_computed_tokens_np[idx_mapping].astype(np.int64),  # the scheduler's (S1)
+        q_lens_np=np.array([s.num_scheduled_tokens for s in scheduled], dtype=np.int64),
+        num_tokens_np=np.array([s.num_tokens for s in scheduled], dtype=np.int64),
+        num_output_np=np.array([s.num_output_tokens for s in scheduled], dtype=np.int64),
+        input_token_ids=[s.input_token_ids for s in scheduled],
+        draft_token_ids=[s.spec_token_ids for s in scheduled],
+    )
+    if any(s.placeholder_inputs for s in scheduled):
+        fill_placeholder_rows(
+            [s.request_id for s in scheduled], scheduled, idx_mapping, prev, states,
+            rows.starts_np, rows.num_tokens_np, rows.num_output_np, rows.input_token_ids, rows.draft_token_ids,
+        )
+    return rows
+
+
+def prepare_inputs(rows: StepRows, idx_mapping: np.ndarray, states: RequestStates, inputs: StepInputs,
+                   block_size: int, num_spec_steps: int, scale: float, mamba_pool: MambaStatePool | None) -> InputBatch:
+    """Pack ``rows`` (requests at slots ``idx_mapping``) into one batch; ``inputs`` moves the host arrays to
+    the device, ``scale`` is the attention scale, ``mamba_pool`` the hybrid's state pool (None if none)."""
+    q_lens = rows.q_lens_np
+    starts = rows.starts_np
+    query_start_loc = np.zeros(len(q_lens) + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=query_start_loc[1:])
+    # positions: for each request, start .. start + q_len
+    req_of_token = np.repeat(np.arange(len(q_lens)), q_lens)
+    positions = starts[req_of_token] + (np.arange(query_start_loc[-1]) - query_start_loc[req_of_token])
+    block_of_token = states.block_table_np[idx_mapping[req_of_token], positions // block_size]
+    slot_mapping = block_of_token.astype(np.int64) * block_size + positions % block_size
+    input_ids = np.concatenate([np.asarray(t, dtype=np.int64) for t in rows.input_token_ids])
+    seq_lens = (starts + q_lens).astype(np.int32)
+    max_blocks = int(-(-seq_lens.max() // block_size))
+    block_tables = states.block_table_np[idx_mapping, :max_blocks]
+
+    # Rows to sample: the last committed token and every draft after it, for requests whose
+    # committed tokens are all computed after this step.
+    num_tokens = rows.num_tokens_np
+    reaches_end = starts + q_lens >= num_tokens
+    logits_count = np.where(reaches_end, starts + q_lens - num_tokens + 1, 0).astype(np.int32)
+    logits_start = np.zeros(len(q_lens), dtype=np.int32)
+    np.cumsum(logits_count[:-1], out=logits_start[1:])
+    first_row = query_start_loc[1:] - logits_count
+    logits_indices = np.concatenate(
+        [np.arange(first_row[i], first_row[i] + logits_count[i]) for i in range(len(q_lens))]
+    )
+    kind = classify_batch(q_lens, num_spec_steps)
+    put = inputs.put
+    inputs.begin_step()
+    meta = AttentionMetadata(
+        slot_mapping=put("slot_mapping", slot_mapping),
+        block_tables=put("block_tables", block_tables),
+        seq_lens=put("seq_lens", seq_lens),
+        query_start_loc=put("query_start_loc", query_start_loc.astype(np.int32)),
+        uniform_q_len=uniform_decode_query_len(num_spec_steps) if kind == BatchKind.UNIFORM_DECODE else None,
+        scale=scale,
+    )
+    if mamba_pool is not None:
+        meta.mamba = MambaMetadata(
+            pool=mamba_pool,
+            query_start_loc_np=query_start_loc,
+            state_slots_np=idx_mapping.astype(np.int64),
+            has_initial_state_np=starts > 0,
+            # Verification rows keep the state after every position; sample_tokens keeps the one
+            # after the last accepted token.
+            keep_positions_np=np.array([len(d) > 0 for d in rows.draft_token_ids], dtype=bool),
+        )
+    return InputBatch(
+        input_ids=put("input_ids", input_ids),
+        positions=put("positions", positions.astype(np.int64)),
+        attn_metadata=meta,
+        batch_kind=kind,
+        logits_start_np=logits_start,
+        logits_count_np=logits_count,
+        logits_indices=put("logits_indices", logits_indices.astype(np.int64)),
+        query_start_loc_np=query_start_loc,
+    )
