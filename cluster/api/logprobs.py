@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from pdcluster.engine.logprobs import TokenLogprobs
+from pdcluster.wire.logprobs import TokenLogprobs
 
 LOGPROB_FLOOR = -9999.0
 

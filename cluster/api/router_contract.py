@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
 
-from pdcluster.engine.logprobs import TokenLogprobs
+from pdcluster.wire.logprobs import TokenLogprobs
 from pdcluster.engine.sampling_params import SamplingParams
 
 

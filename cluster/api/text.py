@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdcluster.cluster.api.logprobs import Positions
-from pdcluster.engine.logprobs import TokenLogprobs
+from pdcluster.wire.logprobs import TokenLogprobs
 from pdcluster.engine.tokenizer import Detokenizer
 
 PROMPT_DECODE_WINDOW = 6  # tokens of left context when measuring a prompt token's text
