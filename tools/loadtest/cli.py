@@ -27,16 +27,17 @@ import sys
 import httpx
 import numpy as np
 
-from pdcluster.tools.loadtest import report
+from pdcluster.tools.loadtest import multiturn, report
 from pdcluster.tools.loadtest.arrivals import ARRIVALS, ArrivalProcess, within_duration
 from pdcluster.tools.loadtest.chaos import ChaosEvent, parse_chaos
 from pdcluster.tools.loadtest.chaos_report import print_chaos
 from pdcluster.tools.loadtest.chaos_run import ChaosSetup, chaos_preflight, run_under_chaos
 from pdcluster.tools.loadtest.chaos_targets import require_loopback
 from pdcluster.tools.loadtest.client import ENDPOINTS, Target
-from pdcluster.tools.loadtest.datasets import DatasetOptions, check_dataset_name, load_requests
+from pdcluster.tools.loadtest.datasets import DatasetOptions, check_dataset_name
 from pdcluster.tools.loadtest.lengths import LengthDist
 from pdcluster.tools.loadtest.metrics import SLO, summarize
+from pdcluster.tools.loadtest.multiturn import load_workload
 from pdcluster.tools.loadtest.runner import http_client, run_workload
 from pdcluster.tools.loadtest.server_metrics import scrape, server_delta
 from pdcluster.tools.loadtest.tokenizer_source import load_tokenizer
@@ -68,8 +69,11 @@ def add_loadtest_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--no-server-metrics", action="store_true",
                    help="do not read the server's /metrics (TTFT breakdown, request count cross-check)")
     d = p.add_argument_group("workload")
-    d.add_argument("--dataset", default="random", help="random, sharegpt, humaneval, or a JSONL file of "
-                                                       '{"prompt": ..., "max_tokens": ...} lines')
+    d.add_argument("--dataset", default="random", help="random, sharegpt, sharegpt-multiturn (conversations replayed "
+                   "turn by turn; --num-prompts counts conversations), humaneval, or a JSONL file of "
+                   '{"prompt": ..., "max_tokens": ...} lines')
+    d.add_argument("--think-time-s", type=float, default=0.0,
+                   help="sharegpt-multiturn: mean pause (exponential) between an answer and the next turn")
     d.add_argument("--num-prompts", type=int, default=100, help="requests to send (per rate of a sweep)")
     d.add_argument("--random-input-len", default="128", help="random: prompt tokens: N, LOW:HIGH or normal:MEAN:STD")
     d.add_argument("--random-output-len", default="32", help="random: output tokens, same forms")
@@ -210,7 +214,11 @@ def _plan(args: argparse.Namespace) -> Plan:
     for flag, value in (("--slo-ttft-ms", args.slo_ttft_ms), ("--slo-tpot-ms", args.slo_tpot_ms),
                         ("--chaos-recovery-timeout-s", args.chaos_recovery_timeout_s)):
         _positive(flag, value)
+    if args.think_time_s < 0:
+        raise LoadtestError(f"--think-time-s: must be >= 0, got {args.think_time_s}")
     chaos = _chaos(args)
+    if chaos and args.dataset == multiturn.NAME:
+        raise LoadtestError(f"--chaos: not with --dataset {multiturn.NAME} (conversations are not replayed under chaos)")
     rates = _rates(args)
     prompt_format = args.prompt_format
     if prompt_format == "auto":
@@ -276,11 +284,11 @@ async def _run(args: argparse.Namespace, plan: Plan) -> int:
     if args.num_warmups:
         options = dataclasses.replace(plan.dataset_options, num_prompts=args.num_warmups,
                                       seed=seed + WARMUP_SEED_OFFSET)
-        await warm_up(target, load_requests(plan.dataset, options, tokenizer), tokenizer)
+        await warm_up(target, multiturn.as_requests(load_workload(plan.dataset, options, tokenizer)), tokenizer)
     results = []
     for index, rate in enumerate(plan.rates):
         options = dataclasses.replace(plan.dataset_options, seed=seed + index * SWEEP_SEED_STRIDE)
-        requests = load_requests(plan.dataset, options, tokenizer)
+        requests = load_workload(plan.dataset, options, tokenizer)
         results.append(await run_one_rate(args, plan, rate, requests, options.seed, tokenizer, chaos))
         report.print_summary(results[-1])
         if chaos is not None:
@@ -324,7 +332,11 @@ async def run_one_rate(args, plan: Plan, rate: float, requests, seed: int, token
     async with http_client(target, 2) as http:
         before = None if args.no_server_metrics else await scrape(http, target.base_url, target.headers)
         section = None
-        if chaos is None:
+        if plan.dataset == multiturn.NAME:
+            outcome = await multiturn.run_conversations(
+                target, requests[:n], send_times_s[:n], args.think_time_s, plan.max_concurrency, seed,
+                progress=not args.no_progress, description=f"{rate:g} conversations/s")
+        elif chaos is None:
             outcome = await run_workload(target, requests[:n], send_times_s[:n], plan.max_concurrency, tokenizer,
                                          progress=not args.no_progress, description=f"{rate:g} req/s")
         else:

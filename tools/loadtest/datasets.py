@@ -21,7 +21,7 @@ import numpy as np
 from pdcluster.tools.loadtest.lengths import LengthDist
 from pdcluster.tools.loadtest.random_prompts import exact_length_prompt, ordinary_token_ids
 
-BUILTIN_DATASETS = ("random", "sharegpt", "humaneval")
+BUILTIN_DATASETS = ("random", "sharegpt", "sharegpt-multiturn", "humaneval")  # multiturn: tools/loadtest/multiturn.py
 PROMPT_FORMATS = ("ids", "text")
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
 HUMANEVAL_FILE = "HumanEval.jsonl.gz"
@@ -69,6 +69,9 @@ def load_requests(name: str, options: DatasetOptions, tokenizer) -> list[SampleR
         return random_requests(options, tokenizer)
     if name == "sharegpt":
         return sharegpt_requests(options, tokenizer)
+    if name == "sharegpt-multiturn":
+        raise DatasetError("--dataset sharegpt-multiturn is a workload of conversations: `pdcluster loadtest` "
+                           "replays it (tools/loadtest/multiturn.py), single requests cannot")
     if name == "humaneval":
         output_len = options.fixed_output_len or DEFAULT_OUTPUT_LEN
         return _cycle([SampleRequest(p, _count(tokenizer, p, options.chat), output_len)

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from pdcluster.tools.loadtest.client import RequestRecord, Target, send_request
 from pdcluster.tools.loadtest.datasets import (DatasetError, DatasetOptions, SampleRequest, _shuffled,
-                                               load_sharegpt_conversations)
+                                               load_requests, load_sharegpt_conversations)
 from pdcluster.tools.loadtest.runner import RunOutcome, http_client
 
 NAME = "sharegpt-multiturn"
@@ -88,6 +88,16 @@ def load_conversations(options: DatasetOptions, tokenizer) -> list[Conversation]
         raise DatasetError(f"--dataset {NAME}: only {len(picked)} ShareGPT conversations have {MIN_TURNS}+ turns that "
                            f"fit {max_len} tokens; ask for at most that many (--num-prompts)")
     return picked
+
+
+def load_workload(name: str, options: DatasetOptions, tokenizer) -> list[SampleRequest] | list[Conversation]:
+    """Conversations for this dataset, requests for every other one."""
+    return load_conversations(options, tokenizer) if name == NAME else load_requests(name, options, tokenizer)
+
+
+def as_requests(workload: list) -> list[SampleRequest]:
+    """Single requests (a warm-up): a conversation gives its first turn."""
+    return [w.turns[0] if isinstance(w, Conversation) else w for w in workload]
 
 
 async def run_conversations(target: Target, conversations: list[Conversation], start_times_s: np.ndarray,
