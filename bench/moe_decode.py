@@ -5,7 +5,8 @@
    with all prompts in one batch). The model is made by transformers with random weights at a realistic-ish width:
    pattern "MEM*EMEM*E" (4 Mamba2, 4 MoE, 2 attention), hidden 1024, 64 routed experts of width 512 in a 512-dim
    latent space, top 6, shared expert 1024 wide; vocab 32000 (~240M parameters, ~82M read per decoded token).
-   Decode tok/s = (N - 1) / (time for N new tokens - time for 1), so the prompt's prefill is left out.
+   Decode tok/s = (N - 1) / (time for N new tokens - time for 1), so the prompt's prefill is left out; each
+   time the fastest of --repeats runs.
    Correctness beside it: ``agrees_with_full_forward``, the fraction of our greedy tokens that are the argmax of
    transformers' logits in one full forward over prompt + our tokens (1.0 = our output is transformers' greedy;
    the tests' oracle), and ``agrees_with_generate``, the fraction equal to transformers' generate() output (its
@@ -13,7 +14,7 @@
 2. "fused_moe_block": one Qwen3-MoE-shaped block (128 experts, top 8, hidden 1024, width 384), our grouped
    matmul (the C kernel, batch-invariant) against ``torch._grouped_mm``, at 1 / 8 / 64 tokens.
 
-    python bench/moe_decode.py [--threads 1] [--new-tokens 32] [--out bench/results/moe_decode.json]
+    python bench/moe_decode.py [--threads 1] [--new-tokens 32] [--repeats 3] [--out bench/results/moe_decode.json]
 """
 
 from __future__ import annotations
@@ -59,16 +60,19 @@ def make_nemotron_dir(out: Path) -> None:
     (out / "tokenizer.json").write_bytes((resolve_model("tiny-random", progress=False) / "tokenizer.json").read_bytes())
 
 
-def decode_tok_s(run, new_tokens: int, num_seqs: int = 1) -> tuple[float, list]:
-    """(decode tok/s, tokens) from ``run(max_new_tokens) -> tokens`` timed at N and at 1 new token."""
+def decode_tok_s(run, new_tokens: int, repeats: int, num_seqs: int = 1) -> tuple[float, list]:
+    """(decode tok/s, tokens) from ``run(max_new_tokens) -> tokens`` timed at N and at 1 new token, each the
+    fastest of ``repeats`` runs (on a shared box, the run least disturbed by other jobs)."""
     run(2)  # warm-up
-    t = time.perf_counter()
-    tokens = run(new_tokens)
-    full = time.perf_counter() - t
-    t = time.perf_counter()
-    run(1)
-    first = time.perf_counter() - t
-    return num_seqs * (new_tokens - 1) / (full - first), tokens
+    full, first = [], []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        tokens = run(new_tokens)
+        full.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        run(1)
+        first.append(time.perf_counter() - t)
+    return num_seqs * (new_tokens - 1) / (min(full) - min(first)), tokens
 
 
 def nemotron_section(args, model_dir: Path) -> dict:
@@ -95,8 +99,8 @@ def nemotron_section(args, model_dir: Path) -> dict:
         rows = {"ours": [], "transformers": []}
         agree = {"agrees_with_full_forward": [], "agrees_with_generate": []}
         for p in prompts:
-            ours_rate, ours_tokens = decode_tok_s(lambda n, p=p: ours(n, [p])[0], args.new_tokens)
-            hf_rate, hf_tokens = decode_tok_s(lambda n, p=p: theirs(n, p), args.new_tokens)
+            ours_rate, ours_tokens = decode_tok_s(lambda n, p=p: ours(n, [p])[0], args.new_tokens, args.repeats)
+            hf_rate, hf_tokens = decode_tok_s(lambda n, p=p: theirs(n, p), args.new_tokens, args.repeats)
             rows["ours"].append(ours_rate)
             rows["transformers"].append(hf_rate)
             with torch.inference_mode():
@@ -104,7 +108,7 @@ def nemotron_section(args, model_dir: Path) -> dict:
             for key, ref in (("agrees_with_full_forward", logits.argmax(-1).tolist()),
                              ("agrees_with_generate", hf_tokens)):
                 agree[key].append(sum(a == b for a, b in zip(ours_tokens, ref)) / len(ours_tokens))
-        batched, _ = decode_tok_s(lambda n: ours(n, prompts), args.new_tokens, num_seqs=len(prompts))
+        batched, _ = decode_tok_s(lambda n: ours(n, prompts), args.new_tokens, args.repeats, num_seqs=len(prompts))
         med = {k: statistics.median(v) for k, v in rows.items()}
         out[dtype] = {"decode_tok_s_batch1_median": med, "decode_tok_s_batch1_per_prompt": rows,
                       "speedup_batch1": med["ours"] / med["transformers"],
@@ -114,7 +118,7 @@ def nemotron_section(args, model_dir: Path) -> dict:
               f"(batch 1 medians), ours batch {len(prompts)} {batched:.1f} tok/s", flush=True)
         del engine, hf
     return {"config": NEMOTRON, "prompt_lengths": [len(p) for p in prompts], "new_tokens": args.new_tokens,
-            "runs": out}
+            "repeats": args.repeats, "runs": out}
 
 
 def block_section(args) -> dict:
@@ -141,8 +145,8 @@ def block_section(args) -> dict:
             diff = (outs["c_grouped_gemm_bi"].float() - outs["torch_grouped_mm"].float()).abs().max().item()
             ms = {n: statistics.median(t) * 1e3 for n, t in times.items()}
             out[f"{str(dtype)[6:]}_batch{tokens}"] = {"median_ms": ms, "max_abs_diff": diff}
-            print(f"block {str(dtype)[6:]:8s} batch {tokens:2d}: " + ", ".join(f"{n} {v:.2f} ms" for n, v in ms.items()),
-                  flush=True)
+            row = ", ".join(f"{n} {v:.2f} ms" for n, v in ms.items())
+            print(f"block {str(dtype)[6:]:8s} batch {tokens:2d}: {row}", flush=True)
     return {"shape": {"experts": E, "top_k": K, "hidden": H, "width": I}, "reps": args.reps, "runs": out}
 
 
@@ -151,6 +155,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3, help="decode timings: the fastest of this many runs")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "moe_decode.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

@@ -70,9 +70,10 @@ class NemotronMoeArch:
                              f"n_routed_experts {num_experts}; a group's score is the sum of its top 2 experts")
         if topk_group > n_group:
             raise ValueError(f"{where}: topk_group {topk_group} must be in 1..n_group ({n_group})")
-        if top_k > topk_group * (num_experts // n_group):
-            raise ValueError(f"{where}: num_experts_per_tok {top_k} is more than the {topk_group * num_experts // n_group}"
-                             f" experts of topk_group {topk_group} groups of {num_experts // n_group}")
+        per_group = num_experts // n_group
+        if top_k > topk_group * per_group:
+            raise ValueError(f"{where}: num_experts_per_tok {top_k} is more than the {topk_group * per_group} experts "
+                             f"of topk_group {topk_group} groups of {per_group}")
         return arch
 
 
