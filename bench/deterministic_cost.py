@@ -22,6 +22,9 @@ import tempfile
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+from json_report import emit_json  # noqa: E402  (bench/json_report.py)
+
 MEASURES = ("prefill_tok_s", "decode_tok_s", "ttft_ms", "tpot_ms")
 
 
@@ -67,10 +70,7 @@ def main() -> int:
                     for mode, rs in runs.items()}
             entry[pick] = {**best, "ratio": ratio(best["deterministic"], best["fast"])}
         result["runs"][f"threads_{threads}"] = entry
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit_json(result, args.out)
     return 0
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine import bench_ours, bench_transformers  # noqa: E402  (bench/engine.py)
+from json_report import emit_json  # noqa: E402
 
 SMALL = dict(hidden_size=1024, layers_block_type=["linear_attention", "mlp", "linear_attention", "full_attention",
                                                    "linear_attention", "mlp", "linear_attention", "mlp",
@@ -118,10 +119,7 @@ def main() -> int:
                                      "ratio": round(ours["decode_tok_s"] / theirs["decode_tok_s"], 2)})
             print(json.dumps(result["decode"][-1]), file=sys.stderr)
         result["transfer"][name] = transfer_bytes(model)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit_json(result, args.out, indent=2)
     return 0
 
 

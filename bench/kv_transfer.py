@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import multiprocessing as mp
 import os
 import statistics
@@ -27,6 +26,9 @@ import traceback
 from dataclasses import asdict, dataclass
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from json_report import emit_json  # noqa: E402  (bench/json_report.py)
 
 CTX = mp.get_context("spawn")
 CHILD_TIMEOUT_S = 180.0
@@ -441,10 +443,7 @@ def main() -> int:
             # Against NIXL's best configuration, not its default.
             "speedup_over_nixl": best["gbps"] / max(r["gbps"] for r in nixl) if nixl else None,
         }
-    text = json.dumps(result, indent=2)
-    with open(args.out, "w") as f:
-        f.write(text + "\n")
-    print(text)
+    emit_json(result, args.out, indent=2)
     return 0
 
 

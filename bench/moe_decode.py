@@ -20,9 +20,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,6 +34,9 @@ from pdcluster.engine.llm_engine import LLMEngine
 from pdcluster.engine.models.moe import MoeArch, SparseMoe
 from pdcluster.engine.models.registry import resolve_model
 from pdcluster.engine.sampling_params import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from json_report import emit_json  # noqa: E402  (bench/json_report.py)
 
 NEMOTRON = dict(vocab_size=32000, hidden_size=1024, hybrid_override_pattern="MEM*EMEM*E", num_attention_heads=8,
                 num_key_value_heads=2, head_dim=128, mamba_num_heads=32, mamba_head_dim=64, ssm_state_size=128,
@@ -166,10 +169,7 @@ def main() -> None:
         result["nemotron_h"] = nemotron_section(args, Path(tmp))
     result["fused_moe_block"] = block_section(args)
     result["load_avg_1min_at_end"] = os.getloadavg()[0]
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit_json(result, args.out)
 
 
 if __name__ == "__main__":

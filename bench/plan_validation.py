@@ -39,6 +39,9 @@ from pdcluster.tools.planner.simulate import SimConfig, simulate
 from pdcluster.tools.planner.summary import summarize
 from pdcluster.tools.planner.workload import random_workload
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from json_report import emit_json  # noqa: E402  (bench/json_report.py)
+
 SEED_STRIDE = 7919
 SERVE_FLAGS = {
     "disagg": ["--mode", "disagg", "--transport", "tcp"],
@@ -172,10 +175,7 @@ def main() -> int:
         "out_dir": str(out_dir) if out_dir else None,
         "runs": runs,
     }
-    text = json.dumps(summary, indent=2)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text + "\n")
-    print(text)
+    emit_json(summary, args.out, indent=2)
     return 0
 
 

@@ -61,6 +61,7 @@ from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
+from json_report import emit_json  # noqa: E402
 from vllm_side import measure, process_cpus, tree_pids  # noqa: E402  (stdlib only; vllm itself is imported there lazily)
 
 SENTENCES = [
@@ -464,10 +465,7 @@ def main() -> int:
     if args.served:
         result["served"] = served(args, model_dir)
     result["machine"]["load_avg_1min_at_end"] = os.getloadavg()[0]
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit_json(result, args.out)
     return 0
 
 
