@@ -5,7 +5,6 @@ model and its KV cache (engine/loaded_model.py), then the KV connector the calle
 from __future__ import annotations
 
 import itertools
-import logging
 import random
 import time
 from dataclasses import dataclass, field, replace
@@ -23,8 +22,6 @@ from pdcluster.engine.tokenizer import Detokenizer
 from pdcluster.engine.warmup import warmup
 from pdcluster.wire.kv_connector import KVConnector, LoadedKV
 from pdcluster.wire.logprobs import TokenLogprobs
-
-log = logging.getLogger(__name__)
 
 
 class InvalidRequestError(ValueError):

@@ -47,7 +47,8 @@ class Scheduler:
     ):
         self.config = config
         # The KV transfer's scheduler-side hooks (a null object by default): may hold a finished request's
-        # blocks until they have been sent (producer); they are released by free_held().
+        # blocks until they are sent (producer) or nothing can write them any more (consumer); free_held()
+        # releases them.
         self.connector = connector or SchedulerConnector()
         self.held: dict[str, Request] = {}
         self.max_model_len = max_model_len
@@ -78,7 +79,8 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         leader = self.requests.get(follow) if follow is not None else None
-        if leader is not None and not leader.is_finished and not leader.prompt_cached:  # waiting for its KV too
+        # Not cached yet: the leader computes its prompt, or waits for its KV (WAITING_FOR_REMOTE_KV).
+        if leader is not None and not leader.is_finished and not leader.prompt_cached:
             self.forks.park(follow, request)
             return
         self.waiting.append(request)
