@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from pdcluster.engine.kv_offload.config import OffloadConfig
+
 
 class ConfigError(ValueError):
     pass
@@ -66,6 +68,11 @@ class EngineConfig:
     # Chunked prefill: at most this many prompt tokens of one request per step.
     prefill_chunk_size: int = 512
     enable_prefix_caching: bool = True
+    # KV offload tiers (engine/kv_offload/): blocks the device pool evicts move to host memory, then to a
+    # disk directory, and come back on a prefix hit. 0 / "" = that tier off.
+    kv_offload_host_gib: float = 0.0
+    kv_offload_disk_dir: str = ""
+    kv_offload_disk_gib: float = 0.0
     spec_method: str = "none"
     num_spec_tokens: int = 0
     ngram_min: int = 1
@@ -112,8 +119,18 @@ class EngineConfig:
             )
         if self.spec_method != "none" and self.num_spec_tokens == 0:
             raise ConfigError(f"num_spec_tokens: must be >= 1 with spec_method={self.spec_method!r}")
+        try:
+            self.offload_config().validate()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if self.offload_config().enabled and not self.enable_prefix_caching:
+            raise ConfigError("kv_offload_*: the offload tiers keep prefix-cache blocks; turn prefix caching on "
+                              "(drop --no-prefix-caching) or the tiers off")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ConfigError(f"ngram_min/ngram_max: need 1 <= min <= max, got {self.ngram_min}, {self.ngram_max}")
+
+    def offload_config(self) -> OffloadConfig:
+        return OffloadConfig(self.kv_offload_host_gib, self.kv_offload_disk_dir, self.kv_offload_disk_gib)
 
     def resolve_deterministic(self) -> tuple[bool, bool]:
         """(wanted, asked): whether deterministic mode is wanted, and whether someone asked for it

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 
 from pdcluster.engine.async_scheduler import AsyncScheduler, AsyncStepper
 from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.kv_offload.events import KVEventLog, make_offload_manager
 from pdcluster.engine.loaded_model import LoadedModel
 from pdcluster.engine.model_runner import ModelRunner
 from pdcluster.engine.proposers import make_proposer
@@ -42,6 +43,7 @@ class RequestOutput:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_cached_tokens: int = 0
+    num_offloaded_tokens: int = 0  # of num_cached_tokens, loaded back from a lower tier (host, disk)
     # The scheduler's authoritative count after this step (S1): what routers must mirror.
     num_computed_tokens: int = 0
     # With params.logprobs: one record per token of ``new_token_ids``; ``logprobs`` accumulates them
@@ -72,9 +74,13 @@ class LLMEngine:
         self.state_shape, self.num_state_blocks = loaded.state_shape, loaded.num_state_blocks
         self.connector = connector or KVConnector()
         num_blocks = self.kv_spec.num_blocks
+        # KV events (block stored / removed, by tier) for the router's global index, drained by the worker.
+        self.kv_events = KVEventLog()
+        self.offload = make_offload_manager(config, self.kv_cache, str(self.model_dir), self.dtype_name,
+                                            self.kv_events)
         scheduler_cls = AsyncScheduler if config.async_scheduling else Scheduler
         self.scheduler = scheduler_cls(config, num_blocks, self.max_model_len, set(loaded.eos_token_ids),
-                                       self.connector, self.num_state_blocks)
+                                       self.connector, self.num_state_blocks, self.offload, self.kv_events.record)
         self.mtp_source = None
         mtp_weights = None
         if config.spec_method == "mtp":
@@ -229,6 +235,7 @@ class LLMEngine:
             num_draft_tokens=request.num_draft_tokens,
             num_accepted_tokens=request.num_accepted_tokens,
             num_cached_tokens=request.num_cached_tokens,
+            num_offloaded_tokens=request.num_offloaded_tokens,
             num_computed_tokens=request.num_computed_tokens,
             new_logprobs=list(new_logprobs or []),
             prompt_logprobs=prompt_logprobs,

@@ -63,6 +63,9 @@ class LoadedModel:
         tokenizer = Tokenizer(model_dir)
         arch = arch_from_dir(model_dir)
         hybrid = is_hybrid(arch)
+        if hybrid and config.offload_config().enabled:
+            raise ValueError(f"kv_offload_*: model {config.model} is a hybrid (Mamba): it has no prefix cache (no "
+                             "recurrent state at block boundaries), so nothing to offload; drop the --kv-offload-* flags")
         if hybrid and config.enable_prefix_caching:
             # A cached block holds KV but no Mamba state for its boundary: a hit would resume the
             # recurrence from nothing. Hybrids compute every prompt (vLLM's default for Mamba too).

@@ -12,6 +12,9 @@ class RequestStatus(enum.Enum):
     # Decode side of a KV transfer: in the scheduler from admission, its blocks reserved, its prompt's KV
     # on its way from another worker; in no queue until the connector reports it landed (-> WAITING).
     WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
+    # Its prompt's prefix is in a lower KV tier (host memory, disk: engine/kv_offload/): blocks reserved,
+    # the loader thread copying it back; in no queue until the load ends (-> WAITING, at the front).
+    WAITING_FOR_OFFLOAD = "waiting_for_offload"
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
@@ -45,7 +48,8 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
-    num_cached_tokens: int = 0  # prefix-cache hit on first schedule
+    num_cached_tokens: int = 0  # prefix-cache hit on first schedule (device and lower tiers)
+    num_offloaded_tokens: int = 0  # of those, loaded back from a lower tier (host memory, disk)
     num_preemptions: int = 0
     # Speculative-decoding counters reported to the user.
     num_draft_tokens: int = 0

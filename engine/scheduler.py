@@ -14,16 +14,23 @@ landed (then it joins ``waiting`` with the producer's first token) or failed (th
 from __future__ import annotations
 
 from collections import deque
+from typing import Callable
 from dataclasses import dataclass, field
 
 from pdcluster.engine.block_manager import BlockManager
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.forks import ForkGate
+from pdcluster.engine.kv_offload.gate import NoOffload, OffloadGate
+from pdcluster.engine.kv_offload.manager import OffloadManager
 from pdcluster.engine.mamba_state_blocks import tokens_with_state
 from pdcluster.engine.request import Request, RequestStatus
 from pdcluster.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pdcluster.wire.kv_connector import KVConnectorOutput, LoadedKV, SchedulerConnector
 from pdcluster.wire.logprobs import TokenLogprobs
+
+
+# Requests the scheduler holds in no queue: their KV is on its way (another worker, a lower tier).
+WAITING_OUTSIDE_QUEUES = (RequestStatus.WAITING_FOR_REMOTE_KV, RequestStatus.WAITING_FOR_OFFLOAD)
 
 
 @dataclass
@@ -44,6 +51,8 @@ class Scheduler:
         eos_token_ids: set[int],
         connector: SchedulerConnector | None = None,
         num_state_blocks: int = 0,
+        offload: OffloadManager | None = None,
+        on_kv_event: Callable[[str, str, list[int]], None] | None = None,
     ):
         self.config = config
         # The KV transfer's scheduler-side hooks (a null object by default): may hold a finished request's
@@ -53,7 +62,12 @@ class Scheduler:
         self.held: dict[str, Request] = {}
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # KV offload tiers (engine/kv_offload/): evicted cached blocks move down; lower-tier hits load back.
+        self.offload = OffloadGate(offload, config.block_size) if offload is not None else NoOffload()
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching,
+            on_evict=offload.on_evict if offload is not None else None,
+            on_event=(lambda kind, hashes: on_kv_event(kind, "device", hashes)) if on_kv_event else None)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -112,7 +126,7 @@ class Scheduler:
             return None
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
-        elif request.status != RequestStatus.WAITING_FOR_REMOTE_KV and not self.forks.remove(request):
+        elif request.status not in WAITING_OUTSIDE_QUEUES and not self.forks.remove(request):
             self.waiting.remove(request)
         self._finish(request, status)
         return request
@@ -120,7 +134,7 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         """Requests a step runs (or a fork waits to run). Not those waiting for remote KV: no step
         brings it, the connector's poll does (``update_from_kv``)."""
-        return bool(self.waiting or self.running or self.forks)
+        return bool(self.waiting or self.running or self.forks or self.offload.num_loading)
 
     @property
     def num_waiting_for_remote_kv(self) -> int:
@@ -135,7 +149,7 @@ class Scheduler:
         """Something a step must run for: requests, or finish notices the runner and connector have not
         seen yet. Not blocks merely held for a transfer: those wait for the receiver's acknowledgement,
         which the connector's poll finds between steps without one."""
-        return bool(self.waiting or self.running or self._finished_req_ids or self.forks)
+        return bool(self.waiting or self.running or self._finished_req_ids or self.forks or self.offload.num_loading)
 
     def update_from_kv(self, out: KVConnectorOutput) -> tuple[list[Request], dict[str, str]]:
         """Apply what the KV connector reports: requests whose KV landed leave WAITING_FOR_REMOTE_KV (for
@@ -187,6 +201,9 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         if self.forks:
             self.waiting.extendleft(reversed(self.forks.release(self.requests)))
+        loaded, released = self.offload.poll()
+        self.waiting.extendleft(reversed(loaded))  # they were first in line when their load began
+        self.free_held(set(released))
         preempted: set[str] = set()
 
         i = 0
@@ -211,13 +228,18 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and not preempted:
             request = self.waiting[0]
             # Prompt logprobs need every prompt position's logits: such a request computes its prompt.
-            use_cache = request.num_computed_tokens == 0 and request.sampling_params.prompt_logprobs is None
+            # (A request back from an offload load already holds its blocks: no second lookup.)
+            use_cache = (request.num_computed_tokens == 0 and not request.block_ids
+                         and request.sampling_params.prompt_logprobs is None)
             cached = self.block_manager.find_cached_prefix(request) if use_cache else []
             if cached and cfg.spec_method == "mtp":
                 # The MTP entry of position p depends on token p + 1: the last matched block's last entry
                 # was written for whatever followed it in the request that filled it. Recompute that
                 # block, so every shared entry's next token is inside the match (as vLLM does for EAGLE).
                 cached = cached[:-1]
+            if use_cache and self.offload.try_start(request, cached, self.block_manager, cfg.spec_method == "mtp"):
+                self.waiting.popleft()  # WAITING_FOR_OFFLOAD: back at the front when its blocks are in
+                continue
             num_computed = request.num_computed_tokens + len(cached) * cfg.block_size
             # num_tokens_with_spec: a request prefilled elsewhere may arrive with drafts.
             num_new = min(request.num_tokens_with_spec - num_computed, cfg.prefill_chunk_size, budget)
@@ -364,7 +386,9 @@ class Scheduler:
         request.status = status
         # The connector may keep the blocks: a producer's until they are sent, a consumer's reserved ones
         # until nothing can write them any more (a revoke not yet confirmed). free_held() frees them.
-        if self.connector.request_finished(request):
+        # A request whose offload load is under way: the loader may still write its blocks (gate.poll frees them).
+        loading = request.request_id in self.offload.loading
+        if self.connector.request_finished(request) or loading:
             self.held[request.request_id] = request
         else:
             self.block_manager.free(request)

@@ -9,7 +9,8 @@ import torch
 from pdcluster.engine.block_manager import chained_block_hashes
 from pdcluster.engine.kv_offload.disk_tier import DiskTier
 from pdcluster.engine.kv_offload.host_tier import HostTier
-from pdcluster.engine.kv_offload.tiers import OffloadConfig, OffloadTiers
+from pdcluster.engine.kv_offload.config import OffloadConfig
+from pdcluster.engine.kv_offload.tiers import OffloadTiers
 
 SHAPE = (2, 2, 4, 1, 8)  # layers, K/V, block_size, kv heads, head_dim
 

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pdcluster.engine.kv_offload.tiers import OffloadConfig, OffloadEvent, OffloadTiers
+from pdcluster.engine.kv_offload.config import OffloadConfig
+from pdcluster.engine.kv_offload.tiers import OffloadEvent, OffloadTiers
 
 log = logging.getLogger(__name__)
 

@@ -7,38 +7,16 @@ many of a prompt's next blocks some tier holds, ``load`` copies one back. Every 
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
-import threading
-
 import torch
 
+from pdcluster.engine.kv_offload.config import GIB, OffloadConfig
 from pdcluster.engine.kv_offload.disk_tier import DiskTier
 from pdcluster.engine.kv_offload.host_tier import HostTier
 
-GIB = 1 << 30
-
-
-@dataclass(frozen=True)
-class OffloadConfig:
-    host_gib: float = 0.0
-    disk_dir: str = ""
-    disk_gib: float = 0.0
-
-    @property
-    def enabled(self) -> bool:
-        return self.host_gib > 0 or bool(self.disk_dir)
-
-    def validate(self) -> None:
-        if self.host_gib < 0:
-            raise ValueError(f"kv_offload_host_gib must be >= 0, got {self.host_gib}")
-        if self.disk_gib < 0:
-            raise ValueError(f"kv_offload_disk_gib must be >= 0, got {self.disk_gib}")
-        if self.disk_dir and self.disk_gib <= 0:
-            raise ValueError("kv_offload_disk_dir needs kv_offload_disk_gib > 0 (how much of the disk it may use)")
-        if self.disk_gib > 0 and not self.disk_dir:
-            raise ValueError("kv_offload_disk_gib needs kv_offload_disk_dir (where the blocks go)")
 
 
 @dataclass

@@ -1,0 +1,54 @@
+"""KV events: which blocks a worker's engine holds, by tier, as they change (stored / removed), for the
+router's global index (cluster/router/kv_index.py). The block manager reports the device pool, the tiers
+report host and disk (the disk tier from its writer thread: hence the lock)."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+
+import torch
+
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.kv_offload.manager import OffloadManager
+from pdcluster.engine.kv_offload.tiers import OffloadEvent
+
+MAX_PENDING_EVENTS = 100_000  # an undrained log drops its oldest (the router's index is a hint, not truth)
+
+
+class KVEventLog:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._events: list[tuple[str, str, list[int]]] = []
+        self.num_dropped = 0
+
+    def record(self, kind: str, tier: str, block_hashes: list[int]) -> None:
+        with self._lock:
+            self._events.append((kind, tier, list(block_hashes)))
+            if len(self._events) > MAX_PENDING_EVENTS:
+                self.num_dropped += len(self._events) - MAX_PENDING_EVENTS
+                del self._events[: len(self._events) - MAX_PENDING_EVENTS]
+
+    def on_offload_event(self, event: OffloadEvent) -> None:
+        self.record(event.kind, event.tier, event.block_hashes)
+
+    def drain(self) -> list[tuple[str, str, list[int]]]:
+        """Every event since the last drain, oldest first: (kind "stored"|"removed", tier, block hashes)."""
+        with self._lock:
+            events, self._events = self._events, []
+        return events
+
+
+def layout_namespace(model_dir: str, dtype_name: str, kv_cache: torch.Tensor) -> str:
+    """The disk tier's folder for this KV layout: another model's or shape's blocks are never read as ours."""
+    key = f"{model_dir}|{dtype_name}|{tuple(kv_cache.shape[:2])}|{tuple(kv_cache.shape[3:])}"
+    return hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
+
+
+def make_offload_manager(config: EngineConfig, kv_cache: torch.Tensor, model_dir: str, dtype_name: str,
+                         events: KVEventLog) -> OffloadManager | None:
+    offload = config.offload_config()
+    if not offload.enabled:
+        return None
+    return OffloadManager(offload, kv_cache, layout_namespace(model_dir, dtype_name, kv_cache),
+                          on_event=events.on_offload_event)

@@ -1,0 +1,113 @@
+"""The offload tiers in the engine (issue 27): a prompt whose blocks the device pool evicted comes back
+from host memory or disk instead of being recomputed, with the same tokens as without tiers; disk faults
+mean recompute, never a wrong token; a request aborted while its blocks load leaks nothing."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from conftest import make_engine
+from pdcluster.engine.request import RequestStatus
+from pdcluster.engine.sampling_params import SamplingParams
+
+BLOCK = 16
+POOL = 24  # blocks: two 160-token prompts do not fit together, so the first one's blocks are evicted
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+
+
+def _prompts(seed: int, n: int, length: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, 40000) for _ in range(length)] for _ in range(n)]
+
+
+def _run(engine, prompts):
+    """One at a time (the evictions happen between them); outputs in order."""
+    return [engine.generate([p], GREEDY)[0] for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The same sequence of prompts on an engine without tiers (nothing comes back: all recomputed)."""
+    engine = make_engine(num_kv_blocks=POOL, dtype="bfloat16")
+    a, b, c = _prompts(1, 3, 160)
+    return [a, b, c, a, b], [o.token_ids for o in _run(engine, [a, b, c, a, b])]
+
+
+@pytest.mark.parametrize("tiers", ["host", "disk", "host+disk"])
+def test_evicted_prefix_comes_back_from_a_lower_tier_token_exact(reference, tiers, tmp_path):
+    prompts, expected = reference
+    kwargs = {}
+    if "host" in tiers:
+        kwargs["kv_offload_host_gib"] = 12 * 2 * 2 * BLOCK * 4 * 16 * 2 / (1 << 30) if tiers == "host+disk" else 0.01
+    if "disk" in tiers:
+        kwargs.update(kv_offload_disk_dir=str(tmp_path), kv_offload_disk_gib=0.05)
+    engine = make_engine(num_kv_blocks=POOL, dtype="bfloat16", **kwargs)
+    outputs = _run(engine, prompts)
+    assert [o.token_ids for o in outputs] == expected
+    # The repeat finds all 9 full blocks of its prompt (159 usable tokens), most of them in a lower tier.
+    assert outputs[0].num_offloaded_tokens == 0
+    assert outputs[3].num_cached_tokens == 9 * BLOCK, outputs[3]
+    assert outputs[3].num_offloaded_tokens >= 4 * BLOCK, outputs[3]
+    kinds = {(kind, tier) for kind, tier, _ in engine.kv_events.drain()}
+    assert ("stored", "device") in kinds and ("removed", "device") in kinds
+    assert any(kind == "stored" and tier != "device" for kind, tier in kinds)
+    assert engine.scheduler.num_free_blocks == POOL
+    engine.offload.close()
+
+
+def test_disk_faults_mean_recompute_never_a_wrong_token(reference, tmp_path):
+    prompts, expected = reference
+    engine = make_engine(num_kv_blocks=POOL, dtype="bfloat16", kv_offload_disk_dir=str(tmp_path),
+                         kv_offload_disk_gib=0.05)
+    outputs = _run(engine, prompts[:3])
+    disk = engine.offload.tiers.disk
+    assert disk.flush()
+    files = sorted(disk.directory.glob("*.kvb"))
+    assert len(files) >= 6
+    for i, path in enumerate(files):  # every other file deleted, the rest corrupted in one byte
+        if i % 2:
+            path.unlink()
+        else:
+            data = bytearray(path.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            path.write_bytes(bytes(data))
+    outputs += _run(engine, prompts[3:])
+    assert [o.token_ids for o in outputs] == expected
+    # The first prompt's blocks on disk were all damaged: recomputed. (The second's were written again
+    # after the damage, when the repeat of the first evicted them: they load.)
+    assert outputs[3].num_offloaded_tokens == 0
+    assert engine.offload.tiers.counters["disk"].failed_loads >= 1
+    assert engine.scheduler.num_free_blocks == POOL
+    engine.offload.close()
+
+
+def test_abort_while_loading_frees_every_block_once(reference, tmp_path):
+    prompts, _ = reference
+    engine = make_engine(num_kv_blocks=POOL, dtype="bfloat16", kv_offload_host_gib=0.01)
+    _run(engine, prompts[:3])
+    request_id = engine.add_request(prompts[0], GREEDY)
+    engine.scheduler.schedule()  # starts the load: the request waits outside the queues
+    request = engine.scheduler.requests[request_id]
+    assert request.status == RequestStatus.WAITING_FOR_OFFLOAD and engine.scheduler.offload.num_loading == 1
+    engine.abort_request(request_id)
+    assert engine.scheduler.num_free_blocks < POOL  # held until the loader is done with them
+    for _ in range(500):  # bounded: steps poll the load; its end gives the blocks back
+        engine.step()
+        if engine.scheduler.num_free_blocks == POOL:
+            break
+        time.sleep(0.01)
+    assert engine.scheduler.num_free_blocks == POOL
+    assert not engine.has_unfinished() and engine.scheduler.offload.num_loading == 0
+    engine.offload.close()
+
+
+def test_hybrids_and_no_prefix_cache_refuse_the_tiers_in_one_line():
+    from pdcluster.engine.config import ConfigError
+
+    with pytest.raises(ConfigError, match="turn prefix caching on"):
+        make_engine(kv_offload_host_gib=0.01, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="is a hybrid"):
+        make_engine("tiny-hybrid", kv_offload_host_gib=0.01)
