@@ -32,7 +32,7 @@ class NoRemoteKV:
         self.connector = KVConnector()
 
     def request_kv(self, request_id: str, prefill_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                   block_ids: list[int]) -> None:
+                   block_ids: list[int], num_reused_blocks: int = 0) -> None:
         raise UnreachablePrefill("this decode worker runs colocated: it has no KV transfer configured")
 
     def connect(self, address: str) -> str:
@@ -81,15 +81,18 @@ class RemoteKV(NoRemoteKV):
     def num_quarantined(self) -> int:
         return len(self.connector.quarantined)
 
-    def request_kv(self, request_id, prefill_id, prompt_token_ids, params, block_ids) -> None:
+    def request_kv(self, request_id, prefill_id, prompt_token_ids, params, block_ids, num_reused_blocks=0) -> None:
         """Admit the blocks on the transport, then ask the prefill worker for the KV (block ids leave
-        this worker only after the transport expects them)."""
+        this worker only after the transport expects them). ``block_ids``: where the KV of the prompt's
+        blocks from ``num_reused_blocks`` on lands (the ones before are this worker's own, shared with
+        its prefix cache: never admitted, never named to the sender)."""
         if prefill_id not in self.endpoint.peers():
             raise UnreachablePrefill(f"prefill worker {prefill_id!r} is not connected to this decode worker")
         self.connector.expect(request_id, prefill_id, self.transfer.transfer_timeout_s, block_ids)
         ask = TransferRequest(request_id=request_id, dst_block_ids=list(block_ids), num_tokens=len(prompt_token_ids),
                               deadline_unix_s=time.time() + self.transfer.transfer_timeout_s,
-                              prompt_token_ids=list(prompt_token_ids), sampling=dataclasses.asdict(params))
+                              prompt_token_ids=list(prompt_token_ids), sampling=dataclasses.asdict(params),
+                              num_reused_blocks=num_reused_blocks)
         try:
             self.endpoint.send(prefill_id, ask)
         except Exception as e:  # lost since the check above: give the admission back (revoke) and say so

@@ -118,11 +118,11 @@ class DecodeWorker(WorkerLoop):
                                   num_bytes=0, seconds=0.0))
             return
         try:
-            blocks = self.engine.add_remote_request(request_id, prompt_token_ids, params)
+            reserved = self.engine.add_remote_request(request_id, prompt_token_ids, params)
         except ValueError as e:  # the id is in use here (a caller bug), or a grammar refused: said clearly
             self._admission(request_id, INVALID, str(e))
             return
-        if blocks is None:
+        if reserved is None:
             self._admission(request_id, FULL)
             return
         # Under the first-token lock: the prefill worker's FirstToken may arrive (I/O thread) before
@@ -130,7 +130,9 @@ class DecodeWorker(WorkerLoop):
         with self._first_token_lock:
             self._first_tokens[request_id] = _FirstTokenStream(prefill_id, len(prompt_token_ids))
             try:
-                self.kv.request_kv(request_id, prefill_id, prompt_token_ids, params, blocks)
+                # Only the blocks after the prefix this worker's cache holds (engine/remote_admission.py).
+                self.kv.request_kv(request_id, prefill_id, prompt_token_ids, params, reserved.dst_block_ids,
+                                   reserved.num_reused_blocks)
             except UnreachablePrefill as e:
                 del self._first_tokens[request_id]
                 self.engine.abort_request(request_id)  # its blocks go back, or stay quarantined
@@ -173,6 +175,7 @@ class DecodeWorker(WorkerLoop):
             # Of those, failed ones whose blocks wait for a sender's revoke confirmation (shm push).
             "num_quarantined": self.kv.num_quarantined,
             "num_prompt_tokens_computed": self.engine.scheduler.num_prompt_tokens_computed,
+            "num_prompt_tokens_reused": sched.num_prompt_tokens_reused,  # held here, not transferred
         }
 
     def _on_first_token(self, peer_id: str, msg: FirstToken) -> None:

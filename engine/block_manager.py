@@ -124,11 +124,13 @@ class BlockManager:
             request.block_ids.append(self._pop_free_block())
         return True
 
-    def reserve(self, request: Request, num_tokens: int) -> bool:
-        """Allocate fresh blocks for ``num_tokens`` tokens of a request whose KV will arrive from
-        elsewhere (decode side of a KV transfer)."""
+    def reserve(self, request: Request, num_tokens: int, cached_block_ids: list[int] | None = None) -> bool:
+        """Blocks for the first ``num_tokens`` tokens of a request whose KV will arrive from elsewhere
+        (decode side of a KV transfer): ``cached_block_ids`` (its prefix-cache hit) taken by reference,
+        fresh ones for the rest."""
         assert not request.block_ids, "reserve() is for requests that hold no blocks yet"
-        return self.allocate_slots(request, num_tokens)
+        cached_block_ids = cached_block_ids or []
+        return self.allocate_slots(request, num_tokens - len(cached_block_ids) * self.block_size, cached_block_ids)
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's full, computed blocks in the prefix cache."""

@@ -73,6 +73,9 @@ class EngineConfig:
     kv_offload_host_gib: float = 0.0
     kv_offload_disk_dir: str = ""
     kv_offload_disk_gib: float = 0.0
+    # Decode side of a KV transfer: take the prompt's prefix from this worker's own prefix cache and ask
+    # the prefill worker only for the rest (engine/remote_admission.py). False: every block is sent.
+    decode_prefix_reuse: bool = True
     spec_method: str = "none"
     num_spec_tokens: int = 0
     ngram_min: int = 1

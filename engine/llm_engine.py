@@ -15,6 +15,7 @@ from pdcluster.engine.kv_offload.events import KVEventLog, make_offload_manager
 from pdcluster.engine.loaded_model import LoadedModel
 from pdcluster.engine.model_runner import ModelRunner
 from pdcluster.engine.proposers import make_proposer
+from pdcluster.engine.remote_admission import RemoteReservation
 from pdcluster.engine.request import Request, RequestStatus
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.engine.scheduler import Scheduler
@@ -119,16 +120,15 @@ class LLMEngine:
 
     # ---- decode side of a KV transfer ------------------------------------------------------------
     def add_remote_request(self, request_id: str, prompt_token_ids: list[int],
-                           params: SamplingParams) -> list[int] | None:
+                           params: SamplingParams) -> RemoteReservation | None:
         """A request whose prompt's KV another worker computes. It joins the scheduler now, with its
-        prompt, in WAITING_FOR_REMOTE_KV, its blocks reserved; returns those block ids (where the KV is
-        to land), or None when the pool cannot hold it now (the router then tries another worker).
+        prompt, in WAITING_FOR_REMOTE_KV, its blocks taken; returns where the KV is to land and how many
+        leading prompt blocks this worker's prefix cache already holds (the producer skips those), or
+        None when the pool cannot hold it now (the router then tries another worker).
         The connector reports its KV's arrival (``poll_kv``); ``abort_request`` gives it up."""
         self.prepare_grammar(params)
         request = Request(request_id, list(prompt_token_ids), params, arrival_time=time.monotonic())
-        if not self.scheduler.add_remote_request(request):
-            return None
-        return list(request.block_ids)
+        return self.scheduler.add_remote_request(request)
 
     def poll_kv(self) -> KVPoll:
         """Between steps: apply what the KV connector reports since the last call (landed prompts start

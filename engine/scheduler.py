@@ -7,8 +7,9 @@ comes back, by the number of tokens actually verified (scheduled minus rejected 
 
 It holds every request of its engine in one table (``requests``), including those whose prompt's KV
 comes from another worker (decode side of a KV transfer): such a request is admitted with its blocks
-reserved and waits in status WAITING_FOR_REMOTE_KV, in no queue, until the KV connector reports it
-landed (then it joins ``waiting`` with the producer's first token) or failed (then it finishes).
+reserved (the prefix its own cache holds taken by reference: engine/remote_admission.py) and waits in
+status WAITING_FOR_REMOTE_KV, in no queue, until the KV connector reports it landed (then it joins
+``waiting`` with the producer's first token) or failed (then it finishes).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pdcluster.engine.forks import ForkGate
 from pdcluster.engine.kv_offload.gate import NoOffload, OffloadGate
 from pdcluster.engine.kv_offload.manager import OffloadManager
 from pdcluster.engine.mamba_state_blocks import tokens_with_state
+from pdcluster.engine.remote_admission import RemoteReservation, reserve_remote
 from pdcluster.engine.request import Request, RequestStatus
 from pdcluster.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pdcluster.wire.kv_connector import KVConnectorOutput, LoadedKV, SchedulerConnector
@@ -78,6 +80,7 @@ class Scheduler:
         # Prompt tokens this scheduler had computed (prefix-cache hits and transferred KV excluded):
         # the stat that shows a forked prompt was computed once.
         self.num_prompt_tokens_computed = 0
+        self.num_prompt_tokens_reused = 0  # of remote requests' prompts, found here instead of transferred
         # MTP writes its draft layer's KV for k - 1 chained positions past the verified ones
         # (engine/proposers/mtp.py): reserve those slots with every allocation.
         self.num_lookahead_tokens = max(config.num_spec_tokens - 1, 0) if config.spec_method == "mtp" else 0
@@ -99,25 +102,20 @@ class Scheduler:
             return
         self.waiting.append(request)
 
-    def add_remote_request(self, request: Request) -> bool:
+    def add_remote_request(self, request: Request) -> RemoteReservation | None:
         """A request whose prompt's KV another worker computes (decode side of a KV transfer). Its blocks
-        are reserved now, where the KV is to land: the prompt's, and a hybrid's state blocks right after
-        them; and only if the pool also has room for its first decode step (first token + drafts). It
-        then waits in WAITING_FOR_REMOTE_KV until ``update_from_kv``. False, nothing changed, when the
+        are taken now (engine/remote_admission.py): the prompt's prefix this worker's cache holds, by
+        reference, and reserved ones where the rest of the KV is to land (and a hybrid's state blocks).
+        It then waits in WAITING_FOR_REMOTE_KV until ``update_from_kv``. None, nothing changed, when the
         pool cannot hold it now."""
         if request.request_id in self.requests or request.request_id in self.held:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        bs, n = self.config.block_size, request.num_prompt_tokens
-        need = -(-(n + 1 + self.config.num_spec_steps) // bs)
-        num_tokens = n
-        if self.num_state_blocks:
-            num_tokens = tokens_with_state(n, bs, self.num_state_blocks)
-            need = max(need, num_tokens // bs)
-        if self.block_manager.num_free_blocks < need or not self.block_manager.reserve(request, num_tokens):
-            return False
-        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        self.requests[request.request_id] = request
-        return True
+        reservation = reserve_remote(self.block_manager, self.config, request, self.num_state_blocks)
+        if reservation is not None:
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+            self.requests[request.request_id] = request
+            self.num_prompt_tokens_reused += reservation.num_reused_tokens
+        return reservation
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """End a request from outside the step loop (abort, stop string). Frees its blocks once."""

@@ -16,7 +16,7 @@ Handshake messages (``Challenge``, ``Hello``, ``HelloAck``) are driven by the en
 
 A request's transfer, D = decode (which owns the request), P = prefill:
 
-    D -> P  TransferRequest(request, prompt, sampling, D's reserved blocks)
+    D -> P  TransferRequest(request, prompt, sampling, D's reserved blocks, blocks D already holds)
     P -> D  FirstToken(request, token)       as soon as P sampled it (TTFT does not wait for the KV)
     P -> D  TransferDone(request, ok, ...)   from post_forward, once D acked every chunk (S2)
     either  AbortTransfer(request, reason)   stop; each side frees its blocks
@@ -40,8 +40,8 @@ from pdcluster.wire.records import (  # noqa: F401 - re-exported: the control pl
     to_wire,
 )
 
-# Fields added with a default (TransferRequest.prompt_token_ids, .sampling; TransferDone.num_bytes,
-# .seconds) and new message types do not change the version; a changed meaning would.
+# Fields added with a default (TransferRequest.prompt_token_ids, .sampling, .num_reused_blocks;
+# TransferDone.num_bytes, .seconds) and new message types do not change the version; a changed meaning would.
 PROTOCOL_VERSION = 1
 ROLES = ("prefill", "decode")
 
@@ -133,7 +133,12 @@ class TransferRequest(Record):
     """Decode -> prefill: prefill this prompt and write its KV into these pre-allocated blocks.
 
     ``sampling`` is the request's SamplingParams as a map (engine/sampling_params.py), so the first
-    token is drawn from the same per-position stream the decode worker continues."""
+    token is drawn from the same per-position stream the decode worker continues.
+
+    ``num_reused_blocks``: leading prompt blocks the decode worker already holds (its own prefix cache:
+    engine/remote_admission.py). The prefill worker still computes the whole prompt but sends only the
+    blocks from that one on; ``dst_block_ids[0]`` is where prompt block ``num_reused_blocks`` lands.
+    A peer that does not send the field asks for every block (0)."""
 
     request_id: str
     dst_block_ids: list[int]
@@ -141,9 +146,11 @@ class TransferRequest(Record):
     deadline_unix_s: float
     prompt_token_ids: list[int] = dataclasses.field(default_factory=list)
     sampling: dict[str, Any] = dataclasses.field(default_factory=dict)
+    num_reused_blocks: int = 0
 
     def _check_values(self, path: str) -> None:
         _require(self.num_tokens >= 0, f"{path}.num_tokens", "must be >= 0", self.num_tokens)
+        _require(self.num_reused_blocks >= 0, f"{path}.num_reused_blocks", "must be >= 0", self.num_reused_blocks)
         if self.dst_block_ids:
             low = min(self.dst_block_ids)
             _require(low >= 0, f"{path}.dst_block_ids", "block ids must be >= 0", low)

@@ -90,7 +90,8 @@ class PrefillWorker(WorkerLoop):
             # must fail this request, not the engine thread.
             self.engine.add_request(list(msg.prompt_token_ids), replace(params, max_tokens=1), request_id=request_id)
             timeout_s = min(self.transfer.transfer_timeout_s, max(0.0, msg.deadline_unix_s - time.time()))
-            self.connector.add_transfer(request_id, decode_id, msg.dst_block_ids, msg.num_tokens, timeout_s)
+            self.connector.add_transfer(request_id, decode_id, msg.dst_block_ids, msg.num_tokens, timeout_s,
+                                        num_reused_blocks=msg.num_reused_blocks)  # those the decode side holds
         except Exception as e:  # noqa: BLE001 - a bad request fails alone, and its owner hears why
             log.warning("refusing transfer request %s from %s: %s", request_id, decode_id, e)
             self.engine.abort_request(request_id)

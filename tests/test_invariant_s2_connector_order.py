@@ -212,7 +212,7 @@ def test_S2_draft_kv_transferred_at_post_forward_gives_colocated_drafts(tiny_dir
     decode_drafts = _drafts_recorder(decode)
     prompt_ids = decode.tokenize(prompt)
     params = decode.assign_seed(params)
-    blocks = decode.add_remote_request("r", prompt_ids, params)  # WAITING_FOR_REMOTE_KV, blocks reserved
+    blocks = decode.add_remote_request("r", prompt_ids, params).dst_block_ids  # WAITING_FOR_REMOTE_KV, blocks reserved
     decode.kv_cache[:, :, torch.tensor(blocks[: snapshot.shape[2]])] = snapshot[:, :, : len(blocks)]
     arrivals.landed["r"] = LoadedKV(first.token_ids[0], first_drafts)
     assert list(decode.poll_kv().landed) == ["r"]

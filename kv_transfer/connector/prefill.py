@@ -41,12 +41,14 @@ class SendState(enum.Enum):
 class SendTask:
     request_id: str
     decode_id: str
-    dst_block_ids: list[int]
+    dst_block_ids: list[int]  # dst_block_ids[i] receives prompt block num_reused_blocks + i
     num_prompt_tokens: int
     deadline: float  # time.monotonic()
+    # Leading prompt blocks the receiver already holds (its own prefix cache): never sent.
+    num_reused_blocks: int = 0
     state: SendState = SendState.PREFILLING
     src_block_ids: list[int] = field(default_factory=list)
-    num_blocks_sent: int = 0  # full prompt blocks already sent for every target layer
+    num_blocks_sent: int = 0  # full prompt blocks the receiver has for every target layer (reused or sent)
     finished: bool = False  # the engine finished the request and holds its blocks for us
     first_token_id: int = -1
     draft_token_ids: list[int] = field(default_factory=list)
@@ -55,6 +57,13 @@ class SendTask:
     num_cached_tokens: int = 0
     logprobs: list = field(default_factory=list)  # the first token's TokenLogprobs, if asked
     prompt_logprobs: list = field(default_factory=list)
+
+    def pairs(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source, destination) block ids of the request's blocks [start, stop) (prompt order, state
+        blocks after the prompt's), all at or after the reused ones."""
+        skip = self.num_reused_blocks
+        assert start >= skip, f"block {start} of {self.request_id} is one the receiver already holds"
+        return np.asarray(self.src_block_ids[start:stop]), np.asarray(self.dst_block_ids[start - skip:stop - skip])
 
 
 def _locked(method):
@@ -97,13 +106,18 @@ class PrefillKVConnector(KVConnector):
     # ---- requests --------------------------------------------------------------------------------
     @_locked
     def add_transfer(self, request_id: str, decode_id: str, dst_block_ids: list[int], num_prompt_tokens: int,
-                     timeout_s: float) -> None:
-        need = -(-num_prompt_tokens // self.block_size) + self.num_state_blocks
+                     timeout_s: float, num_reused_blocks: int = 0) -> None:
+        """``num_reused_blocks``: leading prompt blocks the receiver holds already; the rest are sent."""
+        num_blocks = -(-num_prompt_tokens // self.block_size)
+        if not 0 <= num_reused_blocks < max(num_blocks, 1):  # the tail block is always sent (S2's last send)
+            raise ValueError(f"{request_id}: {num_reused_blocks} reused blocks of a {num_blocks}-block prompt")
+        need = num_blocks - num_reused_blocks + self.num_state_blocks
         if len(dst_block_ids) < need:
             raise ValueError(f"{request_id}: {len(dst_block_ids)} destination blocks for {need} prompt "
-                             f"(+ {self.num_state_blocks} state) blocks")
+                             f"(+ {self.num_state_blocks} state) blocks after {num_reused_blocks} reused")
         self.tasks[request_id] = SendTask(request_id, decode_id, list(dst_block_ids), num_prompt_tokens,
-                                          self.clock() + timeout_s)
+                                          self.clock() + timeout_s, num_reused_blocks=num_reused_blocks,
+                                          num_blocks_sent=num_reused_blocks)
 
     @_locked
     def abort(self, request_id: str, reason: str = "aborted") -> None:
@@ -146,8 +160,7 @@ class PrefillKVConnector(KVConnector):
             end = min(s.num_computed_tokens + s.num_scheduled_tokens, task.num_prompt_tokens)
             num_full = end // self.block_size
             if num_full > task.num_blocks_sent:
-                blocks = slice(task.num_blocks_sent, num_full)
-                self._plan.append((task, np.asarray(task.src_block_ids[blocks]), np.asarray(task.dst_block_ids[blocks])))
+                self._plan.append((task, *task.pairs(task.num_blocks_sent, num_full)))
                 task.num_blocks_sent = num_full
 
     def wants_layers(self) -> bool:
@@ -189,18 +202,17 @@ class PrefillKVConnector(KVConnector):
 
     def _flush(self, task: SendTask) -> None:
         num_blocks = -(-task.num_prompt_tokens // self.block_size)
-        src = np.asarray(task.src_block_ids[:num_blocks])
-        dst = np.asarray(task.dst_block_ids[:num_blocks])
         # The tail (partial) block, plus the last full block again so there is always at least one
-        # send after which the receiver's ack means "everything is there".
+        # send after which the receiver's ack means "everything is there" (never a reused block: the
+        # receiver's reuse leaves the tail block out, add_transfer checks).
         first = min(task.num_blocks_sent, num_blocks - 1)
-        self._send(task, range(0, self.num_target_layers), src[first:], dst[first:])
+        self._send(task, range(0, self.num_target_layers), *task.pairs(first, num_blocks))
         if self.num_layers > self.num_target_layers and task.state != SendState.FAILED:
-            self._send(task, range(self.num_target_layers, self.num_layers), src, dst)
+            # The draft layers of every block the receiver does not hold.
+            self._send(task, range(self.num_target_layers, self.num_layers),
+                       *task.pairs(task.num_reused_blocks, num_blocks))
         if self.num_state_blocks and task.state != SendState.FAILED:
-            state = slice(num_blocks, num_blocks + self.num_state_blocks)
-            self._send(task, range(0, self.num_layers), np.asarray(task.src_block_ids[state]),
-                       np.asarray(task.dst_block_ids[state]))
+            self._send(task, range(0, self.num_layers), *task.pairs(num_blocks, num_blocks + self.num_state_blocks))
         if task.state != SendState.FAILED:
             task.state = SendState.FLUSHING
             self.awaiting_acks.set()

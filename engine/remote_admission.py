@@ -1,0 +1,69 @@
+"""Decode side of a KV transfer: where a request's prompt KV is to land, and how much of it this worker
+already holds (decode-side prefix reuse, as SGLang's decode-side reuse and vLLM's NIXL connector with a
+local prefix hit do).
+
+The prompt is matched against this worker's own prefix cache first; the matched blocks are taken by
+reference (as the scheduler's waiting loop takes a prefix-cache hit) and only the rest is reserved for
+the KV that the prefill worker sends. The prefill worker still computes the whole prompt (the first
+token needs it) but sends only the blocks after the reused ones.
+
+Why this is token-exact against a transfer of the whole prompt: deterministic mode (the default,
+EngineConfig.deterministic) makes every KV entry bitwise independent of the batch, the chunking and the
+worker that computed it (same model, same kernels), so a block this worker computed while decoding an
+earlier turn holds the very bytes the prefill worker would have sent. Without deterministic mode the
+reuse is as exact as a local prefix-cache hit, no more.
+
+What counts as a hit here: only blocks in the device pool. A prefix that continues in a lower offload
+tier (engine/kv_offload/) is not loaded back for a remote request: the prefill worker sends those
+blocks as it would without tiers (the simplest correct choice; loading first would delay the transfer
+request by the load). Hybrids never reuse: they have no prefix cache (engine/loaded_model.py), and their
+Mamba state travels in blocks after the prompt's, which the prefill worker always sends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdcluster.engine.block_manager import BlockManager
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.mamba_state_blocks import tokens_with_state
+from pdcluster.engine.request import Request
+
+
+@dataclass
+class RemoteReservation:
+    """A remote request's admission: the blocks its KV lands in, in prompt order after the reused ones
+    (then a hybrid's state blocks), and how many leading prompt blocks are already here (reused)."""
+
+    dst_block_ids: list[int]
+    num_reused_blocks: int
+    num_reused_tokens: int  # num_reused_blocks * block_size: always fewer than the prompt's tokens
+
+
+def reserve_remote(block_manager: BlockManager, config: EngineConfig, request: Request,
+                   num_state_blocks: int) -> RemoteReservation | None:
+    """Take the request's cached prefix (``config.decode_prefix_reuse``) and reserve blocks for the rest
+    of its prompt (and a hybrid's state blocks right after), only if the pool also has room for its first
+    decode step (first token + drafts). None, nothing changed, when it cannot hold it now."""
+    bs, n = config.block_size, request.num_prompt_tokens
+    cached = []
+    if config.decode_prefix_reuse and not num_state_blocks:
+        # At least one prompt token is left out of the match (find_cached_prefix), so the prefill worker
+        # always sends the tail block: its TransferDone then follows a send from post_forward (S2).
+        cached = block_manager.find_cached_prefix(request)
+        if cached and config.spec_method == "mtp":
+            # The MTP layer's entry at position p depends on token p + 1: the last matched block's last
+            # entry was written for whatever followed it where it was computed (see Scheduler.schedule).
+            cached = cached[:-1]
+    need = -(-(n + 1 + config.num_spec_steps) // bs)
+    num_tokens = n
+    if num_state_blocks:
+        num_tokens = tokens_with_state(n, bs, num_state_blocks)
+        need = max(need, num_tokens // bs)
+    # Cached blocks in use by another request cost no free block; those with no owner leave the free queue.
+    num_revived = sum(block_manager.blocks[b].ref_count == 0 for b in cached)
+    if block_manager.num_free_blocks < need - len(cached) + num_revived:
+        return None
+    if not block_manager.reserve(request, num_tokens, cached):
+        return None
+    return RemoteReservation(list(request.block_ids[len(cached):]), len(cached), len(cached) * bs)
