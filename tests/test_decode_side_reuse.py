@@ -270,7 +270,7 @@ def _conversation(params=PARAMS, cut: int | None = None, **overrides) -> Convers
     ("float32", {}, None, 4), ("bfloat16", {}, None, 4),
     # MTP recomputes the last matched block (its last entry's MTP KV was written for the token after it):
     # turn 2 then diverges from turn 1 right after that block (cut), so reusing it would change the drafts.
-    ("float32", MTP, None, 3), ("bfloat16", MTP, 64, 3)])
+    ("float32", MTP, None, 3), ("bfloat16", MTP, 64, 3), ("float32", dict(MTP, async_scheduling=True), 64, 3)])
 def test_second_turn_moves_only_the_missing_suffix_and_equals_no_reuse(dtype, spec, cut, num_reused_blocks):
     params = GREEDY if spec else PARAMS
     reused = _conversation(params, cut, dtype=dtype, **spec)
