@@ -42,7 +42,11 @@ def generate_main(args: argparse.Namespace) -> int:
     prompts = args.prompt
     if args.chat:
         prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
-    outputs = engine.generate(prompts, params)  # validates every prompt before the first step
+    try:
+        outputs = engine.generate(prompts, params)  # validates every prompt before the first step
+    finally:
+        if engine.offload is not None:  # the disk tier's writer finishes its queue (--kv-offload-*)
+            engine.offload.close()
     for prompt, out in zip(args.prompt, outputs):
         if args.json:
             print(json.dumps({

@@ -25,6 +25,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--prefill-chunk-size", type=int, default=512)
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--kv-offload-host-gib", type=float, default=0.0,
+                   help="host memory for KV blocks the device pool evicts (pinned on a GPU); a prompt whose prefix "
+                        "is there is loaded back instead of recomputed (0 = off)")
+    g.add_argument("--kv-offload-disk-dir", default="",
+                   help="local directory for KV blocks pushed out of host memory (or out of the device pool "
+                        "without a host tier), checksummed per block; in a cluster each worker uses a "
+                        "subdirectory named after its id (needs --kv-offload-disk-gib)")
+    g.add_argument("--kv-offload-disk-gib", type=float, default=0.0,
+                   help="how much of --kv-offload-disk-dir each worker may fill")
     g.add_argument("--spec", default="none", choices=SPEC_METHODS, help="speculative decoding method")
     g.add_argument("--num-spec-tokens", type=int, default=0, help="draft tokens per step (k)")
     g.add_argument("--mtp-checkpoint", default="",
@@ -57,6 +66,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         prefill_chunk_size=args.prefill_chunk_size,
         enable_prefix_caching=not args.no_prefix_caching,
+        kv_offload_host_gib=args.kv_offload_host_gib,
+        kv_offload_disk_dir=args.kv_offload_disk_dir,
+        kv_offload_disk_gib=args.kv_offload_disk_gib,
         spec_method=args.spec,
         num_spec_tokens=num_spec,
         mtp_checkpoint=args.mtp_checkpoint,

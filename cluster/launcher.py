@@ -152,7 +152,7 @@ class Cluster:
                                        spec.max_worker_restarts)
             wid = f"prefill-{i}-{tag}"
             self.prefill_handles[wid] = ray.remote(PrefillActor).options(**opts).remote(
-                wid, engine, transfer, None, env)
+                wid, engine, transfer, self.router.event_address, env)  # its KV events
         for j in range(spec.num_decode):
             opts = self._actor_options(PlacementGroupSchedulingStrategy(self.placement_group, num_prefill + j), gpu_share, slot["decode"],
                                        spec.max_worker_restarts)
@@ -230,7 +230,8 @@ class Cluster:
             return await asyncio.wait_for(ref, timeout_s)
 
         if role == "prefill":
-            handle = ray.remote(PrefillActor).options(**opts).remote(wid, self._engine, self._transfer, None, self._env)
+            handle = ray.remote(PrefillActor).options(**opts).remote(wid, self._engine, self._transfer,
+                                                                    self.router.event_address, self._env)
             address = await call(handle.address.remote())
             await asyncio.gather(*(call(h.connect_prefill.remote(address)) for h in list(self.decode_handles.values())))
             num_blocks, num_state_blocks = self._engine.num_kv_blocks, 0

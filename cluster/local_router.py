@@ -21,7 +21,7 @@ from pdcluster.cluster.token_deltas import is_first_token, is_progress_report, t
 from pdcluster.decode_node.worker import DecodeWorker
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.sampling_params import SamplingParams
-from pdcluster.node.events import ADMITTED, Admission, Failed, Tokens, WorkerError
+from pdcluster.node.events import ADMITTED, Admission, Failed, KVEvents, Tokens, WorkerError
 
 class _Aborted:
     """Queued to a stream the router aborted (not a worker event)."""
@@ -101,6 +101,8 @@ class LocalRouter:
 
     # ---- engine thread ------------------------------------------------------------------------------
     def _on_event(self, event) -> None:
+        if isinstance(event, KVEvents):  # one engine: nothing to place, no index to feed
+            return
         if isinstance(event, WorkerError):  # the engine thread is dying: fail every stream
             failure = Failed(request_id="", worker_id=event.worker_id, reason=f"engine worker failed: {event.error}")
             for loop, queue in list(self._streams.values()):
@@ -173,7 +175,8 @@ class LocalRouter:
                 delta = token_delta(event, num_prompt_tokens=num_prompt, num_output_tokens=event.num_output_tokens,
                                     num_cached_tokens=event.num_cached_tokens, first=first,
                                     prompt_logprobs=params.prompt_logprobs is not None,
-                                    ttft_breakdown={"queue": event.queue_s, "prefill": event.prefill_s})
+                                    ttft_breakdown={"queue": event.queue_s, "prefill": event.prefill_s},
+                                    num_offloaded_tokens=event.num_offloaded_tokens)
                 seen_first_token = seen_first_token or first
                 done = delta.finished
                 yield delta

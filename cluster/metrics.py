@@ -23,6 +23,9 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 # The TTFT parts (keys of TokenDelta.ttft_breakdown) and their histograms.
 TTFT_PARTS = ("queue", "prefill", "kv_transfer", "first_decode")
+# Where cached prompt tokens came from: the worker's device pool, or loaded back from an offload tier
+# (host memory, disk: engine/kv_offload/).
+CACHE_TIERS = ("device", "offload")
 
 
 class Metrics:
@@ -51,6 +54,10 @@ class Metrics:
                                            registry=r).labels(model_name)
         self.generation_tokens_total = Counter(PREFIX + "generation_tokens", "Tokens generated.", m,
                                                registry=r).labels(model_name)
+        cached = Counter(PREFIX + "prompt_tokens_cached", "Prompt tokens served from a KV cache instead of computed, "
+                         "by tier: device (the prefix cache in the worker's pool) or offload (loaded back from "
+                         "host memory or disk).", m + ["tier"], registry=r)
+        self.prompt_tokens_cached = {tier: cached.labels(model_name, tier) for tier in CACHE_TIERS}
         self._success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
                                 m + ["finished_reason"], registry=r)
         self.spec_draft = Counter(PREFIX + "spec_decode_num_draft_tokens", "Draft tokens proposed.", m,
@@ -70,6 +77,12 @@ class Metrics:
         self._autoscale = Counter(PREFIX + "autoscale_actions", "Workers added or drained by the autoscaler.",
                                   m + ["action", "role"], registry=r)
         self._workers = Gauge(PREFIX + "num_workers", "Workers in rotation.", m + ["role"], registry=r)
+        self._tier_blocks = Gauge(PREFIX + "kv_tier_blocks", "KV blocks held per tier, summed over workers "
+                                  "(device: in use by requests; host, disk: offloaded blocks kept).",
+                                  m + ["tier"], registry=r)
+        self._tier_capacity = Gauge(PREFIX + "kv_tier_capacity_blocks", "KV blocks each tier can hold, summed "
+                                    "over workers.", m + ["tier"], registry=r)
+        self._tiers_seen: set[str] = set()
 
     # ---- per request (the HTTP layer) ---------------------------------------------------------------
     def on_first_token(self, ttft_s: float, breakdown: dict[str, float]) -> None:
@@ -89,11 +102,17 @@ class Metrics:
             self.itl.observe(gap_s / num_tokens)
 
     def on_finish(self, e2e_s: float, num_prompt_tokens: int, num_output_tokens: int, finish_reason: str,
-                  num_draft_tokens: int = 0, num_accepted_tokens: int = 0) -> None:
+                  num_draft_tokens: int = 0, num_accepted_tokens: int = 0, num_cached_tokens: int = 0,
+                  num_offloaded_tokens: int = 0) -> None:
+        """``num_cached_tokens``: of the prompt's, served from a cache; ``num_offloaded_tokens``: of those,
+        loaded back from an offload tier (the rest were in the device pool)."""
         self.e2e.observe(e2e_s)
         self.prompt_tokens.observe(num_prompt_tokens)
         self.generation_tokens.observe(num_output_tokens)
         self.prompt_tokens_total.inc(num_prompt_tokens)
+        offloaded = min(num_offloaded_tokens, num_cached_tokens)
+        self.prompt_tokens_cached["device"].inc(num_cached_tokens - offloaded)
+        self.prompt_tokens_cached["offload"].inc(offloaded)
         self.generation_tokens_total.inc(num_output_tokens)
         self._success.labels(self.model_name, finish_reason or "unknown").inc()
         if num_draft_tokens:
@@ -123,6 +142,20 @@ class Metrics:
                 in_rotation = [w for w in workers if w.get("role") == role and w.get("healthy", True)
                                and not w.get("draining", False)]
                 self._workers.labels(self.model_name, role).set(len(in_rotation))
+            self._refresh_tiers(workers)
+
+    def _refresh_tiers(self, workers: list) -> None:
+        """Per tier, the workers' ``kv_tiers`` summed (a tier no worker reports any more reads 0)."""
+        held, capacity = dict.fromkeys(self._tiers_seen, 0), dict.fromkeys(self._tiers_seen, 0)
+        for w in workers:
+            tiers = w.get("kv_tiers") if isinstance(w, dict) else None
+            for tier, usage in (tiers or {}).items():
+                held[tier] = held.get(tier, 0) + usage.get("blocks", 0)
+                capacity[tier] = capacity.get(tier, 0) + usage.get("capacity_blocks", 0)
+        for tier in held:
+            self._tier_blocks.labels(self.model_name, tier).set(held[tier])
+            self._tier_capacity.labels(self.model_name, tier).set(capacity[tier])
+        self._tiers_seen |= set(held)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -3,6 +3,9 @@ can check decisions without a cluster.
 
 Load is measured in KV tokens the router knows a worker holds (refreshed from the decode workers'
 reports, never advanced locally), plus the speculative slots each running request reserves (MTP-aware).
+
+``kv_aware`` places on the prefix a worker really holds (its prefix cache and offload tiers, from the
+workers' KV events: cluster/router/kv_index.py) against its load; see ``kv_aware_score``.
 """
 
 from __future__ import annotations
@@ -11,7 +14,42 @@ import random
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-POLICIES = ("round_robin", "least_loaded", "power_of_two", "prefix_aware")
+POLICIES = ("round_robin", "least_loaded", "power_of_two", "prefix_aware", "kv_aware")
+
+
+def kv_aware_score(overlap_blocks: float, block_size: int, load_tokens: float) -> float:
+    """What placing a prompt on a worker is worth, in prompt tokens: the tokens of its prefix the worker
+    already holds, minus a load term in the same unit.
+
+        score = overlap_blocks * block_size - load_tokens
+
+    ``overlap_blocks``: the prompt's leading blocks the worker holds, each weighted by its best tier
+    (KVIndex.overlap: device 1, host 0.8, disk 0.5: a lower tier still costs a copy or a read).
+
+    ``load_tokens``, for a prefill worker: its queued prefill tokens (the prompts placed on it that have
+    not produced their first token). A prompt's first token waits for those and then for its own
+    uncached tokens, so the score is, up to a constant, minus its time to first token in prefill
+    tokens: a worker holding the whole prompt wins as long as it has less than the prompt queued.
+
+    For a decode worker (``decode_load_tokens``): the prompt's full-block tokens times the share of the
+    worker's KV pool in use (Placer's decode load: KV tokens held plus the speculative slots of its
+    running requests, over its pool). An idle worker forfeits nothing; a full one forfeits the whole
+    prompt, more than it can hold of it.
+
+    So an idle worker with no overlap (score 0) beats a hopelessly busy one: a prefill worker with more
+    tokens queued than the prompt has, or a decode worker whose pool is full, scores below 0 whatever
+    it holds. Ties go to the less loaded worker, then to the lower id. With no overlap anywhere the
+    policy is least_loaded."""
+    return overlap_blocks * block_size - load_tokens
+
+
+def decode_load_tokens(view: WorkerView, num_prompt_blocks: int, num_spec_tokens: int) -> float:
+    """A decode worker's load term of ``kv_aware_score``: the prompt's full-block tokens times the
+    share of its KV pool in use (0 while its pool size is unknown)."""
+    capacity_tokens = view.num_blocks * view.block_size
+    if capacity_tokens <= 0:
+        return 0.0
+    return num_prompt_blocks * view.block_size * view.load(num_spec_tokens) / capacity_tokens
 
 
 @dataclass
@@ -70,6 +108,8 @@ class WorkerView:
     num_state_blocks: int = 0
     num_requests: int = 0
     queued_prefill_tokens: int = 0
+    # Per KV tier: {"blocks": held, "capacity_blocks": ...}, as the worker's last health check said (/metrics).
+    kv_tiers: dict = field(default_factory=dict)
     # Prefix affinity: recently seen prompt block hashes (LRU).
     recent_hashes: OrderedDict = field(default_factory=OrderedDict)
 
@@ -106,11 +146,21 @@ class Placer:
         self._rr = {"prefill": 0, "decode": 0}
         self._rng = random.Random(seed)
 
-    def order_decode(self, decodes: list[WorkerView]) -> list[WorkerView]:
-        """Decode candidates, best first (the router tries them in order until one admits)."""
+    def order_decode(self, decodes: list[WorkerView], prompt_hashes: list[int] = (),
+                     overlap_blocks: dict[str, float] | None = None) -> list[WorkerView]:
+        """Decode candidates, best first (the router tries them in order until one admits).
+        ``overlap_blocks``: worker id -> the prompt's weighted prefix it holds (kv_aware)."""
         live = [w for w in decodes if w.in_rotation]
         if not live:
             return []
+        if self.policy == "kv_aware":
+            overlap = overlap_blocks or {}
+
+            def score(w: WorkerView) -> float:
+                load = decode_load_tokens(w, len(prompt_hashes), self.num_spec_tokens)
+                return kv_aware_score(overlap.get(w.worker_id, 0.0), w.block_size, load)
+
+            return sorted(live, key=lambda w: (-score(w), w.load(self.num_spec_tokens), w.worker_id))
         if self.policy == "round_robin":
             return self._rotate("decode", live)
         if self.policy == "power_of_two" and len(live) > 2:
@@ -119,10 +169,16 @@ class Placer:
             return [first] + sorted((w for w in live if w is not first), key=lambda w: w.load(self.num_spec_tokens))
         return sorted(live, key=lambda w: (w.load(self.num_spec_tokens), w.worker_id))
 
-    def pick_prefill(self, prefills: list[WorkerView], prompt_hashes: list[int]) -> WorkerView | None:
+    def pick_prefill(self, prefills: list[WorkerView], prompt_hashes: list[int],
+                     overlap_blocks: dict[str, float] | None = None) -> WorkerView | None:
         live = [w for w in prefills if w.in_rotation]
         if not live:
             return None
+        if self.policy == "kv_aware":
+            overlap = overlap_blocks or {}
+            return min(live, key=lambda w: (
+                -kv_aware_score(overlap.get(w.worker_id, 0.0), w.block_size, w.queued_prefill_tokens),
+                w.queued_prefill_tokens, w.worker_id))
         if self.policy == "round_robin":
             return self._rotate("prefill", live)[0]
         if self.policy == "power_of_two" and len(live) > 2:

@@ -17,6 +17,7 @@ from pdcluster.cluster.autoscale import AutoscaleConfig
 from pdcluster.cluster.engine_args import add_engine_args, engine_config_from_args
 from pdcluster.cluster.http_server import listen, run_server
 from pdcluster.cluster.metrics import Metrics
+from pdcluster.cluster.policies import POLICIES
 from pdcluster.engine.config import ConfigError, EngineConfig
 from pdcluster.engine.models.registry import default_cache_dir
 
@@ -26,7 +27,6 @@ MODES = ("auto", "disagg", "colocated", "local")
 # disaggregated; vLLM on its one engine core: 598 ms).
 MIN_CORES_FOR_DISAGG = 4
 TRANSPORTS = ("ucx", "nccl", "tcp", "shm", "cuda_ipc")
-ROUTER_POLICIES = ("round_robin", "least_loaded", "power_of_two", "prefix_aware")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -61,7 +61,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     c.add_argument("--transport", choices=TRANSPORTS, default="tcp", help="KV transfer transport (disagg)")
     c.add_argument("--num-prefill", type=int, default=1, help="prefill workers (disagg)")
     c.add_argument("--num-decode", type=int, default=1, help="decode workers")
-    c.add_argument("--router-policy", choices=ROUTER_POLICIES, default="least_loaded")
+    c.add_argument("--router-policy", choices=POLICIES, default="least_loaded",
+                   help="where the router places each request (disagg, colocated): kv_aware scores the prompt "
+                        "prefix each worker really holds (its KV events: device pool, host and disk tiers) "
+                        "against its load; --mode local serves one engine and places nothing")
     c.add_argument("--address", default=None, help="Ray address to join (default: start a local Ray)")
     c.add_argument("--cluster-secret", default=None,
                    help="shared secret of the control and transfer planes (default: $PDCLUSTER_CLUSTER_SECRET)")
@@ -100,6 +103,9 @@ def _check_args(args: argparse.Namespace) -> None:
                         ("--max-body-bytes", args.max_body_bytes)):
         if value < 1:
             raise ConfigError(f"{flag}: must be at least 1, got {value}")
+    if args.mode == "local" and args.router_policy != "least_loaded":
+        print(f"pdcluster serve: --router-policy {args.router_policy}: --mode local serves one engine, there is "
+              "nothing to place (accepted, no effect)", file=sys.stderr, flush=True)
     if args.autoscale:
         if args.mode == "local":
             raise ConfigError("--autoscale: needs --mode disagg or colocated (local serves one in-process engine)")

@@ -25,7 +25,8 @@ def is_first_token(event: Tokens, seen_first_token: bool) -> bool:
 
 
 def token_delta(event: Tokens, *, num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int,
-                first: bool, prompt_logprobs: bool, ttft_breakdown: dict[str, float] | None = None) -> TokenDelta:
+                first: bool, prompt_logprobs: bool, ttft_breakdown: dict[str, float] | None = None,
+                num_offloaded_tokens: int = 0) -> TokenDelta:
     """The delta for ``event``. On the first token's event: the prompt logprobs (when ``prompt_logprobs``:
     they travel with the first token, engine/model_runner.py) and the TTFT breakdown."""
     delta = TokenDelta(
@@ -37,6 +38,7 @@ def token_delta(event: Tokens, *, num_prompt_tokens: int, num_output_tokens: int
         num_draft_tokens=event.num_draft_tokens,
         num_accepted_tokens=event.num_accepted_tokens,
         num_cached_tokens=num_cached_tokens,
+        num_offloaded_tokens=num_offloaded_tokens,
         logprobs=list(event.logprobs),
     )
     if first:

@@ -89,6 +89,7 @@ class DecodeWorker(WorkerLoop):
 
     def close(self) -> None:
         self.stop()
+        self.close_kv_offload()
         self.kv.close()
 
     # ---- engine thread --------------------------------------------------------------------------------
@@ -233,6 +234,7 @@ class DecodeWorker(WorkerLoop):
             num_draft_tokens=out.num_draft_tokens,
             num_accepted_tokens=out.num_accepted_tokens,
             num_cached_tokens=out.num_cached_tokens,
+            num_offloaded_tokens=out.num_offloaded_tokens,
             logprobs=list(out.new_logprobs),
             prompt_logprobs=list(out.prompt_logprobs or []),
         ))

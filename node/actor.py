@@ -1,5 +1,6 @@
 """A worker as a Ray actor: Ray places it (its own device, a placement-group bundle) and restarts
-it; the router calls its methods, and a decode worker's events go back over zmq (event_pusher.py).
+it; the router calls its methods, and a worker's events go back over zmq (event_pusher.py): a decode
+worker's request events, and every worker's KV events.
 Configs cross Ray as the typed dataclasses (EngineConfig, TransferConfig), not as dicts."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from pdcluster.engine.config import EngineConfig
 from pdcluster.kv_transfer.config import TransferConfig
 from pdcluster.node.event_pusher import EventPusher
+from pdcluster.node.worker_loop import kv_tier_usage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +28,18 @@ class Ping:
     # Decode worker: prefill workers it dropped after the control plane's peer timeout and is not
     # connected to again (a frozen worker that resumed is one of them until the router re-wires the pair).
     lost_peers: tuple[str, ...] = ()
+    # Per KV tier (device, host, disk): {"blocks": held, "capacity_blocks": ...} (node/worker_loop.py
+    # kv_tier_usage), for /metrics; empty before the engine is built.
+    kv_tiers: dict = dataclasses.field(default_factory=dict)
+
+
+def worker_engine_config(engine_config: EngineConfig, worker_id: str) -> EngineConfig:
+    """The config of worker ``worker_id``: its disk tier in a subdirectory of its own (two workers on one
+    host never share block files; a worker Ray restarts keeps its id, so it finds its blocks again)."""
+    if not engine_config.kv_offload_disk_dir:
+        return engine_config
+    return dataclasses.replace(engine_config,
+                               kv_offload_disk_dir=os.path.join(engine_config.kv_offload_disk_dir, worker_id))
 
 
 class WorkerActor:
@@ -40,7 +54,7 @@ class WorkerActor:
             transfer = dataclasses.replace(transfer, host=ray.util.get_node_ip_address())
         if engine_config.num_threads:
             torch.set_num_threads(engine_config.num_threads)
-        self.worker = self.make_worker(worker_id, engine_config, transfer)
+        self.worker = self.make_worker(worker_id, worker_engine_config(engine_config, worker_id), transfer)
         self.pusher = EventPusher(event_address) if event_address else None
         if self.pusher is not None:
             self.worker.on_event = self.pusher
@@ -58,7 +72,8 @@ class WorkerActor:
         restarted the actor, so the router knows to recover and re-wire), how long the engine thread
         has been inside one turn of its loop (a stuck step shows here), the pid, and the peers lost."""
         return Ping(alive=self.worker.loop_error is None and self.worker.is_running(), incarnation=self.incarnation,
-                    stalled_s=self.worker.stalled_s(), pid=os.getpid(), lost_peers=tuple(self.lost_peers()))
+                    stalled_s=self.worker.stalled_s(), pid=os.getpid(), lost_peers=tuple(self.lost_peers()),
+                    kv_tiers=kv_tier_usage(self.worker.engine))
 
     def lost_peers(self) -> list[str]:
         """Peers this worker lost to silence and that only a new handshake brings back (decode role)."""
@@ -68,6 +83,6 @@ class WorkerActor:
         return self.worker.stats()
 
     def shutdown(self) -> None:
-        self.worker.close()
+        self.worker.close()  # its engine's offload tiers too
         if self.pusher is not None:
             self.pusher.close()

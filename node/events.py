@@ -1,5 +1,5 @@
 """Worker -> router events: frozen dataclasses over the records codec (wire/records.py), one
-typed stream per decode worker. The decode worker owns a request once the router has handed it over,
+typed stream per worker. The decode worker owns a request once the router has handed it over,
 so every event of a request comes from its decode worker, in order, on one zmq socket.
 
 Per request, in order:
@@ -9,6 +9,11 @@ Per request, in order:
     Tokens ...           decode steps; the last one has ``finished``
     Failed               instead of the rest: the placement failed (the router recovers the request)
 A worker whose engine thread died sends ``WorkerError`` (the health check would find it too).
+
+Not about a request: ``KVEvents``, from every worker (prefill and decode), at most one a turn of its
+engine thread: the blocks its engine stored in or removed from each KV tier since the last, for the
+router's global index (cluster/router/kv_index.py). A hint, not a ledger: a lost one costs a placement
+the overlap it would have seen, never correctness.
 """
 
 from __future__ import annotations
@@ -17,10 +22,15 @@ from dataclasses import dataclass, field
 from typing import Union
 
 from pdcluster.wire.logprobs import TokenLogprobs
-from pdcluster.wire.records import Codec, Record
+from pdcluster.wire.records import Codec, Record, _require
 
 EVENTS_VERSION = 1
 ADMITTED, FULL, INVALID, UNREACHABLE = "admitted", "full", "invalid", "unreachable"
+KV_EVENT_KINDS = ("stored", "removed")
+KV_TIERS = ("device", "host", "disk")  # engine/kv_offload/: the device pool, then the offload tiers
+# Block hashes per KVEvents record: a burst (a reset prefix cache, a long prompt's blocks) goes out as
+# several records, each far below MAX_EVENT_BYTES (a hash packs into at most 9 bytes).
+MAX_KV_EVENT_HASHES = 65536
 
 
 @dataclass(frozen=True)
@@ -45,6 +55,7 @@ class Tokens(Record):
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from a prefix cache (where the prompt was prefilled)
+    num_offloaded_tokens: int = 0  # of those, loaded back from a lower KV tier (host memory, disk)
     # Set by the local router's worker (cluster/local_router.py) on a request's first Tokens: seconds
     # queued before its first step, and from then to the first token. The cluster router times these
     # parts itself, from when it submitted and when the first token arrived.
@@ -78,6 +89,46 @@ class WorkerError(Record):
     error: str
 
 
-Event = Union[Admission, Tokens, KVReady, Failed, WorkerError]
-EVENT_CODEC = Codec(EVENTS_VERSION, (Admission, Tokens, KVReady, Failed, WorkerError))
+@dataclass(frozen=True)
+class KVEvent(Record):
+    """Blocks (chained prefix hashes, engine/block_manager.py) that entered or left one tier."""
+
+    kind: str  # "stored" | "removed"
+    tier: str  # "device" | "host" | "disk"
+    block_hashes: list[int]
+
+    def _check_values(self, path: str) -> None:
+        _require(self.kind in KV_EVENT_KINDS, f"{path}.kind", f"expected one of {', '.join(KV_EVENT_KINDS)}",
+                 self.kind)
+        _require(self.tier in KV_TIERS, f"{path}.tier", f"expected one of {', '.join(KV_TIERS)}", self.tier)
+
+
+@dataclass(frozen=True)
+class KVEvents(Record):
+    """One worker's KV events of one turn of its engine thread, oldest first."""
+
+    worker_id: str
+    events: list[KVEvent]
+
+
+def kv_event_records(worker_id: str, drained: list[tuple[str, str, list[int]]]) -> list[KVEvents]:
+    """``engine.kv_events.drain()`` as KVEvents records, in order: one, unless it holds more than
+    MAX_KV_EVENT_HASHES hashes (then each record but the last holds exactly that many)."""
+    records, batch, room = [], [], MAX_KV_EVENT_HASHES
+    for kind, tier, hashes in drained:
+        hashes = list(hashes)
+        while hashes:
+            part, hashes = hashes[:room], hashes[room:]
+            batch.append(KVEvent(kind, tier, part))
+            room -= len(part)
+            if room == 0:
+                records.append(KVEvents(worker_id, batch))
+                batch, room = [], MAX_KV_EVENT_HASHES
+    if batch:
+        records.append(KVEvents(worker_id, batch))
+    return records
+
+
+Event = Union[Admission, Tokens, KVReady, Failed, WorkerError, KVEvents]
+EVENT_CODEC = Codec(EVENTS_VERSION, (Admission, Tokens, KVReady, Failed, WorkerError, KVEvents))
 MAX_EVENT_BYTES = 8 << 20

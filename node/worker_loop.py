@@ -1,5 +1,6 @@
 """A worker's engine thread: every engine call happens on this one thread, so nothing in the engine
-needs a lock. Other threads (Ray method calls, the HTTP server) hand it work through a queue."""
+needs a lock. Other threads (Ray method calls, the HTTP server) hand it work through a queue. After
+each turn it publishes the engine's KV events (one ``KVEvents`` record, when there are any)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from pdcluster.node.events import Event, WorkerError
+from pdcluster.node.events import Event, WorkerError, kv_event_records
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +23,8 @@ class WorkerLoop:
         self._stop = threading.Event()
         self._idle_wait_s = idle_wait_s
         self.name = name
+        self.worker_id = name  # the id the router knows: subclasses set it (their thread's name differs)
+        self.engine = None  # the subclass's LLMEngine, once built (its KV events are published each turn)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.on_event: Callable[[Event], None] = lambda event: None
         self.loop_error: BaseException | None = None
@@ -103,6 +106,22 @@ class WorkerLoop:
                 self.loop_error = e
                 self.emit(WorkerError(worker_id=self.name, error=f"{type(e).__name__}: {e}"[:2000]))
                 self._stop.set()
+            self.publish_kv_events()
+
+    def publish_kv_events(self) -> None:
+        """The engine's KV events since the last turn, as one record (the tiers' threads add to the log
+        between turns too: a disk eviction, a failed read)."""
+        if self.engine is None:
+            return
+        drained = self.engine.kv_events.drain()
+        if drained:
+            for record in kv_event_records(self.worker_id, drained):
+                self.emit(record)
+
+    def close_kv_offload(self) -> None:
+        """After ``stop``: the offload tiers' threads end (the disk writer finishes its queue)."""
+        if self.engine is not None and self.engine.offload is not None:
+            self.engine.offload.close()
 
 
 def engine_stats(worker_id: str, engine) -> dict:
@@ -118,4 +137,16 @@ def engine_stats(worker_id: str, engine) -> dict:
         "num_state_blocks": engine.num_state_blocks,
         "num_running": len(sched.running),
         "num_waiting": len(sched.waiting),
+        "kv_tiers": kv_tier_usage(engine),
     }
+
+
+def kv_tier_usage(engine) -> dict[str, dict[str, int]]:
+    """Per KV tier: blocks held and capacity. The device pool's held blocks are those in use (a cached
+    free block is free); the offload tiers hold only cached blocks. Safe off the engine thread (the
+    tiers lock; the pool's count is one read)."""
+    num_blocks = engine.kv_spec.num_blocks
+    usage = {"device": {"blocks": num_blocks - engine.scheduler.num_free_blocks, "capacity_blocks": num_blocks}}
+    if engine.offload is not None:
+        usage.update(engine.offload.tiers.usage())
+    return usage

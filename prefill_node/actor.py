@@ -1,5 +1,6 @@
 """The prefill worker as a Ray actor (node/actor.py). It takes no requests from the router: decode
-workers ask it for KV over the control plane; the router only needs its address and its health."""
+workers ask it for KV over the control plane; the router only needs its address, its health and its
+KV events (what its prefix cache and tiers hold, for ``kv_aware`` placement)."""
 
 from __future__ import annotations
 

@@ -65,6 +65,7 @@ class PrefillWorker(WorkerLoop):
     def close(self) -> None:
         self.stop()
         self._ack_poller.join(1.0)
+        self.close_kv_offload()
         self.endpoint.close()
         self.transport.close()
 

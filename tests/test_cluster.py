@@ -5,6 +5,7 @@ follows the decode workers' reports; placement policies do what they say."""
 import asyncio
 import functools
 import random
+import time
 
 import pytest
 
@@ -240,3 +241,55 @@ def test_cached_tokens_come_from_the_worker_that_prefilled(cluster_2p2d):
     assert placed["cache-0"] == placed["cache-1"]
     assert first == 0
     assert second == 96, second  # every full block of the prompt (the partial tail is recomputed)
+
+
+@pytest.mark.timeout(300)
+def test_kv_aware_sends_a_repeated_prompt_to_the_worker_holding_its_blocks(cluster_2p2d):
+    """The workers' KV events fill the router's index; kv_aware then places a repeated long prompt on
+    the prefill worker that holds its blocks, although least_loaded would pick the other (both idle: the
+    lower id). The index forgets nothing it should not: each prompt is held where it was prefilled."""
+    from pdcluster.cluster.metrics import Metrics
+    from pdcluster.engine.block_manager import chained_block_hashes
+
+    router = cluster_2p2d.router
+    _set_policy(cluster_2p2d, "round_robin")  # the first placements: a on one prefill worker, b on the other
+    a, b = list(range(8000, 8160)), list(range(9000, 9160))  # 10 full blocks each
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+
+    async def place(rid, prompt):
+        router.start(asyncio.get_running_loop())
+        async for _ in router.generate(rid, prompt, params):
+            pass
+
+    async def indexed(worker_id, prompt, timeout_s=30.0):
+        hashes = chained_block_hashes(prompt, 16)
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while router.kv_index.overlap(worker_id, hashes) < len(hashes):
+            assert asyncio.get_running_loop().time() < deadline, f"{worker_id}'s KV events never arrived"
+            await asyncio.sleep(0.02)
+
+    async def scenario():
+        await place("kv-a", a)
+        await place("kv-b", b)
+        first = {d.request_id: d.prefill_id for d in router.recorder.decisions}
+        await indexed(first["kv-a"], a)
+        await indexed(first["kv-b"], b)
+        _set_policy(cluster_2p2d, "kv_aware")
+        for rid, prompt in (("kv-b2", b), ("kv-a2", a)):  # b first: least_loaded would send it to prefill-0
+            await place(rid, prompt)
+        deadline = time.monotonic() + 10  # every worker's tiers, once a health check has reported them
+        while not all(w["kv_tiers"] for w in router.stats()["workers"]) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        return first
+
+    first = asyncio.run(scenario())
+    assert first["kv-a"] != first["kv-b"]
+    again = {d.request_id: d.prefill_id for d in router.recorder.decisions}
+    assert again["kv-a2"] == first["kv-a"] and again["kv-b2"] == first["kv-b"]
+    hashes_a = chained_block_hashes(a, 16)
+    assert router.kv_index.overlap(first["kv-b"], hashes_a) == 0  # a's blocks are not where b went
+    # /metrics: every tier's usage, summed over the workers.
+    metrics = Metrics("m")
+    metrics.refresh(router.stats())
+    text = metrics.render().decode()
+    assert f'pdcluster:kv_tier_capacity_blocks{{model_name="m",tier="device"}} {4 * NUM_BLOCKS}.0' in text

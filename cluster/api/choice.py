@@ -51,7 +51,7 @@ class ChoiceRun:
                                    base_offset=len(echo_text or ""))
         self._echo_text = echo_text
         self.stream: AsyncIterator[TokenDelta] | None = None
-        self.num_output = self.num_draft = self.num_accepted = self.num_cached = 0
+        self.num_output = self.num_draft = self.num_accepted = self.num_cached = self.num_offloaded = 0
         self.finish_reason: str | None = None
         self.error: str | None = None
         # Everything shown so far (a JSON response shows it at once).
@@ -131,6 +131,7 @@ class ChoiceRun:
         self.num_draft = max(self.num_draft, delta.num_draft_tokens)
         self.num_accepted = max(self.num_accepted, delta.num_accepted_tokens)
         self.num_cached = max(self.num_cached, delta.num_cached_tokens)
+        self.num_offloaded = max(self.num_offloaded, delta.num_offloaded_tokens)
 
     async def collect(self, first: TokenDelta) -> None:
         self.feed(first)
@@ -155,4 +156,5 @@ class ChoiceRun:
                 log.exception("closing request %s failed", self.request.request_id)
             if self._started:  # a request refused at admission is no finished request
                 self.metrics.on_finish(time.monotonic() - self.prep.arrival, len(self.request.prompt.token_ids),
-                                       self.num_output, self.finish_reason, self.num_draft, self.num_accepted)
+                                       self.num_output, self.finish_reason, self.num_draft, self.num_accepted,
+                                       self.num_cached, self.num_offloaded)

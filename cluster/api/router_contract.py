@@ -34,6 +34,9 @@ class TokenDelta:
     # Prompt tokens served from the prefix cache of the worker that prefilled the prompt (the first
     # placement's: a recovery re-prefills prompt + streamed tokens, which is not the client's prompt).
     num_cached_tokens: int = 0
+    # Of those, loaded back from a lower KV tier (host memory, disk: engine/kv_offload/) rather than
+    # found in the device pool.
+    num_offloaded_tokens: int = 0
     error: str | None = None
     # With ``params.logprobs``: one record per token of ``new_token_ids``, in order.
     logprobs: list[TokenLogprobs] = field(default_factory=list)

@@ -46,6 +46,9 @@ class HealthMonitor:
         self.on_pair_lost: Callable[[str, str], Awaitable[None]] = _no_pair_rewire
         # Called with (prefill id, decode id) once such a pair is wired again (the router closes its breaker).
         self.on_pair_rewired: Callable[[str, str], None] = lambda prefill_id, decode_id: None
+        # Called with a worker id when whatever it held is gone: Ray restarted it, or it left the cluster
+        # (the router forgets its blocks in the global KV index).
+        self.on_worker_reset: Callable[[str], None] = lambda worker_id: None
         self._strikes: dict[str, int] = {}
         # worker id, or (prefill id, decode id) -> time.monotonic() when it was last wired: a ping asked
         # before that reports a loss the wiring already repaired, and is not acted on.
@@ -63,6 +66,7 @@ class HealthMonitor:
         """A worker left the cluster: drop what was known about it."""
         self.incarnations.pop(worker_id, None)
         self._strikes.pop(worker_id, None)
+        self.on_worker_reset(worker_id)
         for key in [k for k in self._wired_at if k == worker_id or (isinstance(k, tuple) and worker_id in k)]:
             del self._wired_at[key]
 
@@ -97,6 +101,7 @@ class HealthMonitor:
             return
         if incarnation is not None and known is not None and incarnation != known:
             # Restarted between two checks: its KV, reservations and peers are gone.
+            self.on_worker_reset(wid)
             self._mark_down(wid, "restarted by Ray")
             try:
                 await self.on_worker_restarted(wid)
@@ -105,14 +110,14 @@ class HealthMonitor:
                 return
             self.incarnations[wid] = incarnation
             self._wired(wid)
-            view.pid = ping.pid
+            view.pid, view.kv_tiers = ping.pid, dict(ping.kv_tiers)
             log.warning("worker %s restarted (incarnation %s): re-wired, back in rotation", wid, incarnation)
             view.healthy = True
             return
         if ping is not None:
             if known is None:
                 self.incarnations[wid] = incarnation
-            view.pid = ping.pid
+            view.pid, view.kv_tiers = ping.pid, dict(ping.kv_tiers)
             self._note_lost(view, ping.lost_peers, asked)
         if not view.healthy:
             log.warning("worker %s answers again: back in rotation", wid)

@@ -7,14 +7,17 @@ from typing import Iterable, Iterator
 
 from pdcluster.cluster.policies import Breaker, Placer, WorkerView
 from pdcluster.cluster.router.config import RouterConfig
+from pdcluster.cluster.router.kv_index import KVIndex
 from pdcluster.cluster.router.state import RequestState
 from pdcluster.engine.mamba_state_blocks import tokens_with_state
 
 
 class PairPlacement:
-    def __init__(self, config: RouterConfig):
+    def __init__(self, config: RouterConfig, kv_index: KVIndex | None = None):
         self.config = config
         self.placer = Placer(config.policy, config.num_spec_tokens)
+        # What each worker holds, from its KV events (kv_aware reads it; the router feeds it).
+        self.kv_index = kv_index if kv_index is not None else KVIndex()
         self.views: dict[str, WorkerView] = {}
         self.breakers: dict[tuple, Breaker] = {}
 
@@ -71,7 +74,8 @@ class PairPlacement:
         the prefill policy is asked only for the decode worker tried next (round robin advances once
         per placement). With the whole prefill tier down, or unreachable from a decode worker (it lost
         every prefill worker in rotation: ``lost_prefills``), decode workers prefill themselves."""
-        decodes = self.placer.order_decode(self.role_views("decode"))
+        overlaps = self._overlaps(hashes) if self.placer.policy == "kv_aware" else None
+        decodes = self.placer.order_decode(self.role_views("decode"), hashes, overlaps)
         prefills = self.role_views("prefill", in_rotation_only=True)
         for d in decodes:
             reachable = [p for p in prefills if p.worker_id not in d.lost_prefills]
@@ -79,7 +83,7 @@ class PairPlacement:
                 if self.breaker(None, d.worker_id).allows(now):
                     yield d, None
                 continue
-            p = self._pick_prefill(reachable, d.worker_id, hashes, failed_pair, now)
+            p = self._pick_prefill(reachable, d.worker_id, hashes, failed_pair, now, overlaps)
             if p is not None:
                 yield d, p
 
@@ -88,13 +92,17 @@ class PairPlacement:
         return [(p, d.worker_id) for d in self.role_views("decode") for p in sorted(d.lost_prefills)
                 if p in self.views]
 
+    def _overlaps(self, hashes: list[int]) -> dict[str, float]:
+        """Worker id -> the weighted length, in blocks, of the prompt's prefix it holds."""
+        return {wid: self.kv_index.overlap(wid, hashes) for wid in self.views} if hashes else {}
+
     def _pick_prefill(self, prefills: list[WorkerView], decode_id: str, hashes: list[int], failed_pair,
-                      now: float) -> WorkerView | None:
+                      now: float, overlaps: dict[str, float] | None = None) -> WorkerView | None:
         """The policy's prefill choice among the pairs with ``decode_id`` whose breaker is closed; the
         pair that just failed this request is the last resort."""
         allowed = [v for v in prefills if self.breaker(v.worker_id, decode_id).allows(now)]
         fresh = [v for v in allowed if (v.worker_id, decode_id) != failed_pair]
-        return self.placer.pick_prefill(fresh or allowed, hashes)
+        return self.placer.pick_prefill(fresh or allowed, hashes, overlaps)
 
     def pool_tokens(self) -> int:
         """KV tokens the largest decode worker holds: no prompt longer than this can ever run."""

@@ -22,6 +22,7 @@ from pdcluster.cluster.api.router_contract import RouterError, TokenDelta
 from pdcluster.cluster.router.config import RouterConfig
 from pdcluster.cluster.router.events import EventReceiver
 from pdcluster.cluster.router.health import HealthMonitor
+from pdcluster.cluster.router.kv_index import KVIndex
 from pdcluster.cluster.router.membership import Membership
 from pdcluster.cluster.router.placement import PairPlacement
 from pdcluster.cluster.router.recorder import DecisionRecorder
@@ -29,7 +30,8 @@ from pdcluster.cluster.router.state import RequestState
 from pdcluster.cluster.router.stream import RequestStreams
 from pdcluster.cluster.router.submit import Submitter
 from pdcluster.engine.sampling_params import SamplingParams
-from pdcluster.node.events import ADMITTED, UNREACHABLE, Admission, Event, Failed, KVReady, Tokens, WorkerError
+from pdcluster.node.events import (ADMITTED, UNREACHABLE, Admission, Event, Failed, KVEvents, KVReady, Tokens,
+                                   WorkerError)
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +46,13 @@ class ClusterRouter:
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.config = config or RouterConfig()
-        self.placement = PairPlacement(self.config)
+        # Which worker holds which prompt block, in which tier: fed by every worker's KVEvents, read by
+        # kv_aware placement; a worker that restarts or leaves is forgotten.
+        self.kv_index = KVIndex()
+        self.placement = PairPlacement(self.config, self.kv_index)
         self.health = HealthMonitor(self.config, self.placement.views, lambda: {**self.prefill, **self.decode},
                                     self.mark_down)
+        self.health.on_worker_reset = self.kv_index.forget_worker
         # A re-wired pair's earlier failures were the missing link's: its breaker closes again.
         self.health.on_pair_rewired = lambda p, d: self.placement.breaker(p, d).record_success()
         self.counters = {"num_draft_tokens": 0, "num_accepted_tokens": 0, "kv_transfer_bytes": 0}
@@ -61,7 +67,7 @@ class ClusterRouter:
         self._events = EventReceiver(self.config.event_host, self.on_event)
         self.event_address = self._events.address
         self._handlers = {Admission: self._on_admission, Tokens: self._on_tokens, KVReady: self._on_kv_ready,
-                          Failed: self._on_failed, WorkerError: self._on_worker_error}
+                          Failed: self._on_failed, WorkerError: self._on_worker_error, KVEvents: self._on_kv_events}
         self._rng = random.Random(0)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._health_task: asyncio.Task | None = None
@@ -147,7 +153,7 @@ class ClusterRouter:
             "workers": [
                 {"worker_id": v.worker_id, "role": v.role, "pid": v.pid, "kv_tokens": v.kv_tokens,
                  "num_requests": v.num_requests, "queued_prefill_tokens": v.queued_prefill_tokens,
-                 "num_state_blocks": v.num_state_blocks,
+                 "num_state_blocks": v.num_state_blocks, "kv_tiers": v.kv_tiers,
                  "healthy": v.healthy and v.worker_id not in cut_off, "draining": v.draining}
                 for v in self.placement.views.values()
             ],
@@ -161,6 +167,13 @@ class ClusterRouter:
 
     def _on_worker_error(self, ev: WorkerError) -> None:
         log.warning("worker %s reports its engine thread failed: %s", ev.worker_id, ev.error)
+
+    def _on_kv_events(self, ev: KVEvents) -> None:
+        if ev.worker_id not in self.placement.views:  # it left (late events) or is not in the cluster yet
+            return
+        for e in ev.events:  # kind and tier were checked when the record was decoded
+            apply = self.kv_index.stored if e.kind == "stored" else self.kv_index.removed
+            apply(ev.worker_id, e.tier, e.block_hashes)
 
     def _on_admission(self, ev: Admission) -> None:
         # Also for a request that ended meanwhile: its placement loop is waiting for this verdict.

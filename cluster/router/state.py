@@ -69,6 +69,7 @@ class RequestState:
     finished: bool = False
     failed_pair: tuple | None = None  # the pair whose placement last failed (tried last)
     num_cached_tokens: int | None = None  # from the first placement's first report
+    num_offloaded_tokens: int = 0  # of those, loaded back from a lower KV tier (same report)
     prompt_logprobs_sent: bool = False  # the first placement delivered them (a recovery asks for none)
     t_arrival: float = field(default_factory=time.monotonic)
 

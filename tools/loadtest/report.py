@@ -67,12 +67,28 @@ def print_summary(result: dict, out: TextIO | None = None) -> None:
         print("errors: " + ", ".join(f"{k}={v}" for k, v in sorted(result["errors"].items())), file=out)
         for kind, message in result.get("error_examples", {}).items():
             print(f"  {kind}: {message}", file=out)
+    print_cache(result.get("server_metrics") or {}, out, width)
     breakdown = result.get("ttft_breakdown")
     if breakdown:
         print(" server TTFT breakdown (mean ms) ".center(width, "-"), file=out)
         for label, key in BREAKDOWN_ROWS:
             print(f"{label:<36}{fmt(breakdown.get(key), '.1f'):>16}", file=out)
     print("=" * width, file=out)
+
+
+def print_cache(server: dict, out: TextIO, width: int) -> None:
+    """Prompt tokens the server served from a cache, by tier, and those it computed (when it counts them)."""
+    cached = server.get("prompt_tokens_cached")
+    if not isinstance(cached, dict):
+        return
+    total, computed = server.get("prompt_tokens_total"), server.get("prompt_tokens_computed")
+    print(" server prompt tokens ".center(width, "-"), file=out)
+    for tier, tokens in cached.items():
+        print(f"{'cached (' + tier + ')':<36}{fmt(tokens, 'd'):>16}", file=out)
+    print(f"{'computed':<36}{fmt(computed, 'd'):>16}", file=out)
+    print(f"{'total':<36}{fmt(total, 'd'):>16}", file=out)
+    if total:
+        print(f"{'computed / total':<36}{fmt(computed / total, '.1%'):>16}", file=out)
 
 
 def print_sweep(results: list[dict], out: TextIO | None = None) -> None:
