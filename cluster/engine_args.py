@@ -34,6 +34,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "subdirectory named after its id (needs --kv-offload-disk-gib)")
     g.add_argument("--kv-offload-disk-gib", type=float, default=0.0,
                    help="how much of --kv-offload-disk-dir each worker may fill")
+    g.add_argument("--no-decode-prefix-reuse", action="store_true",
+                   help="disagg: a decode worker receives a prompt's whole KV even when its own prefix cache "
+                        "holds the start of it (default: it asks the prefill worker only for the rest)")
     g.add_argument("--spec", default="none", choices=SPEC_METHODS, help="speculative decoding method")
     g.add_argument("--num-spec-tokens", type=int, default=0, help="draft tokens per step (k)")
     g.add_argument("--mtp-checkpoint", default="",
@@ -69,6 +72,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_offload_host_gib=args.kv_offload_host_gib,
         kv_offload_disk_dir=args.kv_offload_disk_dir,
         kv_offload_disk_gib=args.kv_offload_disk_gib,
+        decode_prefix_reuse=not args.no_decode_prefix_reuse,
         spec_method=args.spec,
         num_spec_tokens=num_spec,
         mtp_checkpoint=args.mtp_checkpoint,
