@@ -86,7 +86,7 @@ class LoadedModel:
         config = replace(config, deterministic=deterministic)
         model = load_model(model_dir, dtype, max_model_len + config.num_spec_steps + 1, config.device,
                            deterministic=deterministic)
-        num_draft_layers = proposer_draft_layers(config)  # MTP: one layer after the target's (S2)
+        num_draft_layers = proposer_draft_layers(config, arch)  # MTP: its layers after the target's (S2)
         probe = KVCacheSpec(arch.num_layers + num_draft_layers, num_draft_layers, 1, config.block_size,
                             arch.num_kv_heads, arch.head_dim, dtype)
         num_blocks = config.num_kv_blocks or num_blocks_for_budget(probe.bytes_per_block, config.kv_cache_memory_gib)

@@ -22,8 +22,10 @@ never depends on draft quality, verification is lossless).
 
 from __future__ import annotations
 
+import json
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,6 +36,9 @@ from pdcluster.engine.attention import AttentionMetadata
 from pdcluster.engine.config import ConfigError
 from pdcluster.engine.linear import Linear
 from pdcluster.engine.models.llama import DecoderLayer, LlamaModel, ModelArch, rms_norm
+from pdcluster.engine.models.nemotron_h import HybridArch
+from pdcluster.engine.models.nemotron_mtp import load_own_mtp_weights, own_mtp_problem, own_mtp_weight_names
+from pdcluster.engine.models.registry import BUILTIN_MODELS, builtin_config, resolve_model
 
 MTP_DIR = "mtp"
 RANDOM_HEAD = "random"  # EngineConfig.mtp_checkpoint value that forces the seeded random head
@@ -52,28 +57,73 @@ class MTPHeadMissing(ConfigError):
     """``spec_method="mtp"`` with no trained head to load: refused rather than drafting at random."""
 
 
-def missing_head_message(model_name: str, default: Path) -> str:
-    """One line: what is missing and the three ways out."""
+@dataclass(frozen=True)
+class MTPSource:
+    """What ``--spec mtp`` drafts with: ``kind`` "own" (the checkpoint's own MTP layers: a NemotronH with
+    ``num_nextn_predict_layers``, engine/models/nemotron_mtp.py), "file" (a trained head at ``path``) or "random"
+    (the seeded random head, asked for by name)."""
+
+    kind: str
+    path: Path | None = None
+
+
+def missing_head_message(model_name: str, default: Path, hybrid: bool = False) -> str:
+    """One line: what is missing and the ways out (bench/train_mtp.py trains Llama-family heads only)."""
+    if hybrid:
+        return (f"--spec mtp: {model_name!r} has no MTP layers of its own (config.json num_nextn_predict_layers is "
+                f"0) and no trained MTP head was found (looked for {default}); pass --mtp-checkpoint PATH or use "
+                "--spec ngram (--mtp-checkpoint random drafts with an untrained head: lossless but slower)")
     return (f"--spec mtp: no trained MTP head for {model_name!r} (looked for {default}) and the model has no MTP "
             f"layers of its own; train one with `python bench/train_mtp.py --model {model_name}` (a few minutes "
             "on a CPU), pass --mtp-checkpoint PATH, or use --spec ngram (--mtp-checkpoint random drafts with an "
             "untrained head: lossless but slower)")
 
 
-def find_mtp_checkpoint(checkpoint: str, cache_dir: str | os.PathLike, model_name: str) -> Path | None:
-    """The file the engine will load for ``checkpoint`` (None: the random head, asked for by name), checked
-    without reading it, so a server can refuse in one line before it starts any worker."""
-    if checkpoint == RANDOM_HEAD:
+def uses_own_mtp_layers(checkpoint: str, arch) -> bool:
+    """The one rule (KV-cache layers, proposer, start-up check): with no --mtp-checkpoint, a model that declares
+    MTP layers of its own drafts with them."""
+    return checkpoint == "" and bool(getattr(arch, "mtp_layer_types", ()))
+
+
+def declared_arch(model_name: str):
+    """The model's HybridArch from its config alone (a built-in's builder config, or a directory's config.json),
+    without building or reading weights; None for other architectures or a name that resolves to neither."""
+    if model_name in BUILTIN_MODELS:  # a built-in name wins over a same-named folder (registry.resolve_model)
+        config = builtin_config(model_name)
+    else:
+        path = Path(model_name) / "config.json"
+        config = json.loads(path.read_text()) if path.is_file() else None
+    if config is None or (config.get("architectures") or [""])[0] != "NemotronHForCausalLM":
         return None
+    return HybridArch.from_config(config, where=model_name)
+
+
+def find_mtp_checkpoint(checkpoint: str, cache_dir: str | os.PathLike, model_name: str, arch=None) -> MTPSource:
+    """What the engine will draft with for ``checkpoint``, checked without reading weights, so a server can
+    refuse in one line before it starts any worker. ``arch``: the model's (looked up from its config if None)."""
+    if checkpoint == RANDOM_HEAD:
+        return MTPSource("random")
     if checkpoint:
         if not Path(checkpoint).is_file():
             raise MTPHeadMissing(f"mtp_checkpoint (--mtp-checkpoint): {checkpoint!r} does not exist; train one "
                                  "with bench/train_mtp.py")
-        return Path(checkpoint)
+        return MTPSource("file", Path(checkpoint))
+    arch = arch if arch is not None else declared_arch(model_name)
+    if uses_own_mtp_layers(checkpoint, arch):
+        problem = own_mtp_problem(arch)
+        if problem is not None:
+            raise ConfigError(f"--spec mtp: {model_name}: {problem}")
+        model_dir = None if model_name in BUILTIN_MODELS else Path(model_name)  # a built-in has them
+        if model_dir is not None and not own_mtp_weight_names(model_dir):
+            raise MTPHeadMissing(f"--spec mtp: {model_dir}/config.json declares num_nextn_predict_layers "
+                                 f"{arch.num_nextn_predict_layers} but its weights have no mtp.* tensors "
+                                 "(transformers' save_pretrained drops them); pass --mtp-checkpoint PATH or use "
+                                 "--spec ngram")
+        return MTPSource("own", model_dir)
     default = default_mtp_checkpoint(cache_dir, model_name)
     if not default.is_file():
-        raise MTPHeadMissing(missing_head_message(model_name, default))
-    return default
+        raise MTPHeadMissing(missing_head_message(model_name, default, hybrid=isinstance(arch, HybridArch)))
+    return MTPSource("file", default)
 
 
 def mtp_param_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
@@ -140,14 +190,19 @@ def save_mtp_weights(path: str | os.PathLike, weights: dict[str, torch.Tensor], 
     os.replace(tmp, path)  # readers never see a half-written file
 
 
-def resolve_mtp_weights(checkpoint: str, cache_dir: str | os.PathLike, model_name: str, arch: ModelArch,
+def resolve_mtp_weights(checkpoint: str, cache_dir: str | os.PathLike, model_name: str, arch,
                         seed: int) -> tuple[dict[str, torch.Tensor], str]:
-    """(weights, where they came from). An explicit path must exist; "" means the trained head in the
-    cache (MTPHeadMissing without one); "random" asks for the random head seeded with ``seed``."""
-    path = find_mtp_checkpoint(checkpoint, cache_dir, model_name)
-    if path is None:
+    """(weights, where they came from). An explicit path must exist; "" means the model's own MTP layers when it
+    declares them (NemotronH ``num_nextn_predict_layers``), else the trained head in the cache (MTPHeadMissing
+    without one); "random" asks for the random head seeded with ``seed``."""
+    source = find_mtp_checkpoint(checkpoint, cache_dir, model_name, arch)
+    if source.kind == "random":
         return random_mtp_weights(arch, seed), f"random(seed={seed})"
-    return load_mtp_weights(path, arch), str(path)
+    if source.kind == "own":
+        model_dir = resolve_model(model_name, cache_dir=cache_dir, progress=False)
+        weights = load_own_mtp_weights(model_dir)
+        return weights, f"{model_dir}: its own MTP layers ({len(weights)} mtp.* tensors)"
+    return load_mtp_weights(source.path, arch), str(source.path)
 
 
 class MTPHead:
@@ -168,6 +223,13 @@ class MTPHead:
         self.layer = DecoderLayer(arch, w, "mtp.layer", det)
         self.draft_lm_head = Linear(target.lm_head[: min(draft_vocab_size, arch.vocab_size)].contiguous(),
                                     deterministic=det)
+
+    #: Draft layers in the paged KV cache.
+    num_draft_layers = 1
+
+    def draft_cache(self, kv_cache: torch.Tensor, first_layer: int) -> torch.Tensor:
+        """This head's layer of the paged cache (what ``forward`` takes as ``layer_cache``)."""
+        return kv_cache[first_layer]
 
     def fuse(self, hidden: torch.Tensor, next_token_ids: torch.Tensor) -> torch.Tensor:
         emb = F.embedding(next_token_ids, self.target.embed_tokens)

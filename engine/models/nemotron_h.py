@@ -6,14 +6,15 @@ The layer pattern (``layers_block_type``, or the legacy ``hybrid_override_patter
 block one mixer: "M" Mamba2 (engine/models/mamba_mixer.py), "*" attention (no rotary embedding: position
 comes from the Mamba layers), "-" MLP (``down(relu(up(x)) ** 2)``), "E" MoE (routed relu2 experts, optionally
 in a latent space, plus a shared expert: engine/models/nemotron_moe.py). Every block is
-``x = x + mixer(RMSNorm(x))``; after the last, ``norm_f`` and the LM head.
+``x = x + mixer(RMSNorm(x))`` (engine/models/nemotron_blocks.py); after the last, ``norm_f`` and the LM head.
 
 Indexing the engine relies on: ``arch.num_layers`` counts the *attention* layers (the KV cache has one
 layer per attention block, ``kv_cache[i]`` for the i-th), ``on_layer_done(i)`` runs with that
 attention ordinal, and Mamba layer m keeps its state in ``pool.conv[m]`` / ``pool.ssm[m]``.
 
 Weights use transformers' names: ``backbone.`` (what NVIDIA's checkpoints and transformers'
-save_pretrained write) or ``model.`` as the prefix, ``mtp.*`` ignored.
+save_pretrained write) or ``model.`` as the prefix. The checkpoint's own MTP layers (``mtp.*``) are not loaded
+here: with ``--spec mtp`` the proposer loads them (engine/models/nemotron_mtp.py), on these same blocks.
 """
 
 from __future__ import annotations
@@ -26,22 +27,21 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from pdcluster.engine.attention import AttentionMetadata, attend
+from pdcluster.engine.attention import AttentionMetadata
 from pdcluster.engine.linear import Linear
-from pdcluster.engine.models.mamba_mixer import Mamba2Mixer, MambaStepPlan
-from pdcluster.engine.models.nemotron_moe import NemotronHMoE, NemotronMoeArch
+from pdcluster.engine.models.mamba_mixer import MambaStepPlan
+from pdcluster.engine.models.nemotron_blocks import (ATTENTION, MAMBA, MLP, MOE, TYPE_NAMES, build_blocks,
+                                                     run_blocks)
+from pdcluster.engine.models.nemotron_moe import NemotronMoeArch
 from pdcluster.engine.mamba_state import MambaStateShape
 from pdcluster.engine.models.llama import RotaryEmbedding, load_weights
-from pdcluster.kernels import ops
-
-MAMBA, ATTENTION, MLP, MOE = "M", "*", "-", "E"
-_TYPE_NAMES = {MAMBA: "mamba", ATTENTION: "attention", MLP: "mlp", MOE: "moe"}  # in our error messages
 # layers_block_type names (and the legacy ones transformers remaps) -> pattern characters.
 _BLOCK_TYPES = {"linear_attention": MAMBA, "mamba": MAMBA, "full_attention": ATTENTION, "attention": ATTENTION,
                 "mlp": MLP, "moe": MOE}
 # Legacy config keys NemotronHConfig.__post_init__ maps (the legacy name wins when both are present).
 _LEGACY_KEYS = {"n_groups": "mamba_n_groups", "conv_kernel": "mamba_d_conv", "expand": "mamba_expand",
                 "time_step_min": "mamba_dt_min", "use_conv_bias": "mamba_conv_bias", "chunk_size": "mamba_chunk_size"}
+_MTP_DEFAULT = ["full_attention", "moe"]  # NemotronHConfig's mtp_layers_block_type
 _DEFAULTS = {"n_groups": 8, "conv_kernel": 4, "expand": 2, "time_step_min": 0.001, "use_conv_bias": True,
              "chunk_size": 128}
 
@@ -50,22 +50,37 @@ def layer_pattern(cfg: dict, where: str = "config") -> tuple[str, ...]:
     """The per-layer pattern as characters "M", "*", "-", "E" from a NemotronH config dict; ValueError for
     an unknown layer type."""
     types = cfg.get("layers_block_type") or cfg.get("layer_types")
+    if types is None and cfg.get("hybrid_override_pattern") is None:
+        raise ValueError(f"{where}: NemotronH config has neither layers_block_type nor hybrid_override_pattern")
+    return _pattern(types, cfg.get("hybrid_override_pattern"), "layers_block_type", "hybrid_override_pattern",
+                    where)
+
+
+def mtp_layer_pattern(cfg: dict, where: str = "config") -> tuple[str, ...]:
+    """The pattern of one MTP step (``mtp_layers_block_type``, or the legacy ``mtp_hybrid_override_pattern``;
+    transformers' default attention + moe); () when ``num_nextn_predict_layers`` is 0."""
+    if not cfg.get("num_nextn_predict_layers"):
+        return ()
+    types, pattern = cfg.get("mtp_layers_block_type") or _MTP_DEFAULT, cfg.get("mtp_hybrid_override_pattern")
+    if pattern is not None and types == _MTP_DEFAULT:  # transformers: the legacy pattern overrides the default
+        types = None
+    return _pattern(types, pattern, "mtp_layers_block_type", "mtp_hybrid_override_pattern", where)
+
+
+def _pattern(types: list | None, pattern: str | None, types_key: str, pattern_key: str,
+             where: str) -> tuple[str, ...]:
     if types is None:
-        pattern = cfg.get("hybrid_override_pattern")
-        if pattern is None:
-            raise ValueError(f"{where}: NemotronH config has neither layers_block_type nor hybrid_override_pattern")
         chars = tuple(pattern)
         unknown = sorted(set(chars) - set(_BLOCK_TYPES.values()))
         if unknown:
-            raise ValueError(f"{where}: hybrid_override_pattern {pattern!r} has unknown layer characters {unknown} "
+            raise ValueError(f"{where}: {pattern_key} {pattern!r} has unknown layer characters {unknown} "
                              "(known: M mamba, * attention, - mlp, E moe)")
-    else:
-        unknown = sorted({t for t in types if t not in _BLOCK_TYPES})
-        if unknown:
-            raise ValueError(f"{where}: layers_block_type has unknown layer types {unknown} "
-                             f"(known: {', '.join(sorted(_BLOCK_TYPES))})")
-        chars = tuple(_BLOCK_TYPES[t] for t in types)
-    return chars
+        return chars
+    unknown = sorted({t for t in types if t not in _BLOCK_TYPES})
+    if unknown:
+        raise ValueError(f"{where}: {types_key} has unknown layer types {unknown} "
+                         f"(known: {', '.join(sorted(_BLOCK_TYPES))})")
+    return tuple(_BLOCK_TYPES[t] for t in types)
 
 
 @dataclass(frozen=True)
@@ -101,6 +116,10 @@ class HybridArch:
     # The MoE blocks' shape, when the pattern has any. Not named ``moe``: DecoderLayer (llama.py) reads that as
     # Qwen3-MoE's, and the MTP head builds one on a HybridArch.
     routed_experts: NemotronMoeArch | None = None
+    # The checkpoint's own MTP layers (engine/models/nemotron_mtp.py): num_nextn_predict_layers steps of this
+    # pattern, () without. Their weights (``mtp.*``) are the MTP proposer's, never loaded with the model.
+    num_nextn_predict_layers: int = 0
+    mtp_layer_types: tuple[str, ...] = ()
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> "HybridArch":
@@ -119,6 +138,7 @@ class HybridArch:
             if cfg.get(key, expected) != expected:
                 raise ValueError(f"{where}: {key} {cfg[key]!r} is not supported (only {expected!r})")
         layer_types = layer_pattern(cfg, where)
+        mtp_types = mtp_layer_pattern(cfg, where)
         eos = cfg.get("eos_token_id", 2)
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         # Defaults are NemotronHConfig's, so a key a config leaves out means what it means to transformers.
@@ -156,7 +176,9 @@ class HybridArch:
             use_conv_bias=bool(get("use_conv_bias")),
             use_bias=bool(cfg.get("use_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            routed_experts=NemotronMoeArch.from_config(cfg, where) if MOE in layer_types else None,
+            routed_experts=NemotronMoeArch.from_config(cfg, where) if MOE in layer_types + mtp_types else None,
+            num_nextn_predict_layers=int(cfg.get("num_nextn_predict_layers") or 0),
+            mtp_layer_types=mtp_types,
         )
 
     @property
@@ -182,83 +204,8 @@ class HybridArch:
         )
 
 
-MLP_CHUNK_TOKENS = 1024
-
-
-class AttentionMixer:
-    """NemotronH attention: fused q/k/v projection, paged attention, o_proj; no rotary embedding."""
-
-    def __init__(self, arch: HybridArch, w: Callable[[str], torch.Tensor], deterministic: bool = False):
-        self.arch = arch
-        self.qkv_proj = Linear(torch.cat([w("q_proj.weight"), w("k_proj.weight"), w("v_proj.weight")]),
-                               deterministic=deterministic)
-        self.o_proj = Linear(w("o_proj.weight"), deterministic=deterministic)
-        self.q_size = arch.num_heads * arch.head_dim
-
-    def __call__(self, x: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        a = self.arch
-        qkv = self.qkv_proj(x).view(-1, a.num_heads + 2 * a.num_kv_heads, a.head_dim)
-        q = qkv[:, : a.num_heads]
-        k = qkv[:, a.num_heads : a.num_heads + a.num_kv_heads]
-        v = qkv[:, a.num_heads + a.num_kv_heads :]
-        o = attend(q, k, v, layer_cache, meta)
-        return self.o_proj(o.reshape(-1, self.q_size))
-
-
-class MLPMixer:
-    """``down(relu(up(x)) ** 2)`` (NemotronH's relu2, no gate)."""
-
-    def __init__(self, w: Callable[[str], torch.Tensor], w_opt: Callable[[str], torch.Tensor | None],
-                 deterministic: bool = False):
-        self.up_proj = Linear(w("up_proj.weight"), deterministic=deterministic)
-        self.up_bias = w_opt("up_proj.bias")
-        self.down_proj = Linear(w("down_proj.weight"), deterministic=deterministic)
-        self.down_bias = w_opt("down_proj.bias")
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.up_proj(x)
-        if self.up_bias is not None:
-            h = h + self.up_bias
-        h = torch.relu(h).square_()
-        out = self.down_proj(h)
-        return out + self.down_bias if self.down_bias is not None else out
-
-
-class TokenChunked:
-    """A per-token mixer (MLP, MoE) run over a long prefill in chunks of MLP_CHUNK_TOKENS tokens, so its
-    intermediate-wide buffers stay small (as llama.py does)."""
-
-    def __init__(self, mixer: Callable[[torch.Tensor], torch.Tensor]):
-        self.mixer = mixer
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= MLP_CHUNK_TOKENS:
-            return self.mixer(x)
-        out = torch.empty_like(x)
-        for start in range(0, x.shape[0], MLP_CHUNK_TOKENS):
-            out[start : start + MLP_CHUNK_TOKENS] = self.mixer(x[start : start + MLP_CHUNK_TOKENS])
-        return out
-
-
-def _moe_mixer(arch: HybridArch, weights: dict[str, torch.Tensor], prefix: str, w: Callable[[str], torch.Tensor],
-               w_opt: Callable[[str], torch.Tensor | None], deterministic: bool) -> NemotronHMoE:
-    """Layer ``prefix``'s MoE mixer, its shared expert a NemotronH MLP under ``mixer.shared_experts.``."""
-    shared = MLPMixer(lambda name: w(f"shared_experts.{name}"), lambda name: w_opt(f"shared_experts.{name}"),
-                      deterministic)
-    return NemotronHMoE(arch.routed_experts, arch.hidden_size, w, w_opt, shared, weights, f"{prefix}.mixer",
-                        deterministic)
-
-
-@dataclass
-class HybridBlock:
-    kind: str  # MAMBA, ATTENTION, MLP or MOE
-    norm: torch.Tensor
-    mixer: object
-    cache_index: int  # attention ordinal (KV-cache layer) for ATTENTION, Mamba ordinal for MAMBA, else -1
-
-
 def _canonical_names(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``backbone.*`` -> ``model.*``; ``mtp.*`` (NemotronH's own MTP layers) dropped."""
+    """``backbone.*`` -> ``model.*``; ``mtp.*`` (NemotronH's own MTP layers: the MTP proposer loads them) dropped."""
     out = {}
     for name, tensor in weights.items():
         if name.startswith("mtp."):
@@ -283,7 +230,7 @@ class NemotronHModel:
 
         def take(key: str, layer_kind: str | None = None) -> torch.Tensor:
             if key not in weights:
-                what = f" (the layer pattern makes it {_TYPE_NAMES[layer_kind]!r})" if layer_kind else ""
+                what = f" (the layer pattern makes it {TYPE_NAMES[layer_kind]!r})" if layer_kind else ""
                 raise ValueError(f"NemotronH weights lack {key!r}{what}")
             return weights.pop(key)
 
@@ -291,29 +238,7 @@ class NemotronHModel:
         self.lm_head = self._lm_head(arch, weights.pop("lm_head.weight", None))
         self.lm_head_proj = Linear(self.lm_head, keep_weight=True, pack_float32=True, deterministic=deterministic)
         self.norm = take("model.norm_f.weight")
-        self.layers: list[HybridBlock] = []
-        counts = {ATTENTION: 0, MAMBA: 0}
-        for i, kind in enumerate(arch.layer_types):
-            prefix = f"model.layers.{i}"
-
-            def w(name: str, prefix: str = prefix, kind: str = kind) -> torch.Tensor:
-                return take(f"{prefix}.mixer.{name}", kind)
-
-            def w_opt(name: str, prefix: str = prefix) -> torch.Tensor | None:
-                return weights.pop(f"{prefix}.mixer.{name}", None)
-
-            norm = take(f"{prefix}.norm.weight", kind)
-            if kind == ATTENTION:
-                mixer, index = AttentionMixer(arch, w, deterministic), counts[ATTENTION]
-            elif kind == MAMBA:
-                mixer, index = Mamba2Mixer(arch, w, w_opt, counts[MAMBA], deterministic), counts[MAMBA]
-            elif kind == MOE:
-                mixer, index = TokenChunked(_moe_mixer(arch, weights, prefix, w, w_opt, deterministic)), -1
-            else:
-                mixer, index = TokenChunked(MLPMixer(w, w_opt, deterministic)), -1
-            if kind in counts:
-                counts[kind] += 1
-            self.layers.append(HybridBlock(kind, norm, mixer, index))
+        self.layers = build_blocks(arch, arch.layer_types, "model.layers", weights, take, deterministic)
         self.rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, max_positions, dtype, self.embed_tokens.device)
         self.scale = arch.head_dim**-0.5
 
@@ -349,26 +274,10 @@ class NemotronHModel:
     ) -> torch.Tensor:
         """Hidden states after the final norm, [num_tokens, hidden]. ``on_layer_done(i)`` runs as soon
         as attention layer i's KV is in the cache (i counts attention layers only)."""
-        eps = self.arch.rms_norm_eps
-        hidden = F.embedding(input_ids, self.embed_tokens)
-        residual = None
         plan = (MambaStepPlan.build(meta.mamba, input_ids.device, recurrent_prefill=self.deterministic)
                 if meta.mamba is not None and self.arch.num_mamba_layers else None)
-        for layer in self.layers:
-            if residual is None:
-                residual = hidden.clone()
-                x = ops.rms_norm(hidden, layer.norm, eps)
-            else:
-                x = ops.rms_norm(hidden, layer.norm, eps, residual=residual)
-            if layer.kind == ATTENTION:
-                hidden = layer.mixer(x, kv_cache[layer.cache_index], meta)
-                if on_layer_done is not None:
-                    on_layer_done(layer.cache_index)
-            elif layer.kind == MAMBA:
-                hidden = layer.mixer(x, meta.mamba, plan)
-            else:
-                hidden = layer.mixer(x)
-        return ops.rms_norm(hidden, self.norm, eps, residual=residual)
+        return run_blocks(self.layers, F.embedding(input_ids, self.embed_tokens), kv_cache, meta, self.norm,
+                          self.arch.rms_norm_eps, plan, on_layer_done)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [n, vocab] float32, for the rows to sample only."""

@@ -55,6 +55,21 @@ BUILTIN_MODELS: dict[str, tuple[Callable[[Path, bool], None], tuple]] = {
                               (gguf_convert, tiny_random, tiny_hybrid, tiny_hybrid_moe)),
 }
 
+# The config.json a built-in's builder writes (before its tokenizer's special ids), for questions about the model
+# that need no weights, asked before it is built (e.g. whether it has MTP layers of its own); smollm2 is converted
+# from its GGUF (a Llama, no MTP layers).
+BUILTIN_CONFIGS: dict[str, dict] = {
+    "tiny-random": tiny_random.TINY_RANDOM_CONFIG,
+    "tiny-hybrid": tiny_hybrid.TINY_HYBRID_CONFIG,
+    "tiny-hybrid-moe": tiny_hybrid_moe.TINY_HYBRID_MOE_CONFIG,
+    "tiny-hybrid-moe-plain": tiny_hybrid_moe.TINY_HYBRID_MOE_PLAIN_CONFIG,
+}
+
+
+def builtin_config(name: str) -> dict | None:
+    """A built-in's config (BUILTIN_CONFIGS), None for other names."""
+    return BUILTIN_CONFIGS.get(name)
+
 
 class UnknownModelError(ValueError):
     """Neither a built-in model name nor a Hugging Face model directory."""

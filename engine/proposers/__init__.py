@@ -6,29 +6,36 @@ from __future__ import annotations
 import torch
 
 from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.models.mtp import MTPHead, random_mtp_weights, uses_own_mtp_layers
+from pdcluster.engine.models.nemotron_blocks import ATTENTION
+from pdcluster.engine.models.nemotron_mtp import NemotronMTP, is_own_mtp_weights
 from pdcluster.engine.proposers.base import ProposeBatch, Proposer
+from pdcluster.engine.proposers.mtp import MTPProposer
+from pdcluster.engine.proposers.ngram import NgramProposer
 
 __all__ = ["ProposeBatch", "Proposer", "make_proposer", "num_draft_layers"]
 
 
-def num_draft_layers(config: EngineConfig) -> int:
-    """Layers the proposer adds to the paged KV cache (after the target's)."""
-    return 1 if config.spec_method == "mtp" else 0
+def num_draft_layers(config: EngineConfig, arch=None) -> int:
+    """Layers the proposer adds to the paged KV cache (after the target's): MTP's one, or one per attention
+    block of a NemotronH's own MTP layers (``arch``: the model's)."""
+    if config.spec_method != "mtp":
+        return 0
+    if uses_own_mtp_layers(config.mtp_checkpoint, arch):
+        return arch.mtp_layer_types.count(ATTENTION)
+    return 1
 
 
 def make_proposer(config: EngineConfig, model, kv_cache: torch.Tensor, mtp_weights: dict | None = None) -> Proposer:
-    """The proposer for ``config.spec_method``. For MTP without ``mtp_weights``: a random head seeded
-    with ``config.seed``."""
+    """The proposer for ``config.spec_method``. For MTP: a NemotronH's own MTP layers when ``mtp_weights`` are
+    those (engine/models/mtp.py resolve_mtp_weights), our MTP head otherwise (seeded random without weights)."""
     if config.spec_method == "none":
         return Proposer()
     if config.spec_method == "ngram":
-        from pdcluster.engine.proposers.ngram import NgramProposer
-
         return NgramProposer(config.ngram_min, config.ngram_max)
     if config.spec_method == "mtp":
-        from pdcluster.engine.models.mtp import MTPHead, random_mtp_weights
-        from pdcluster.engine.proposers.mtp import MTPProposer
-
+        if mtp_weights is not None and is_own_mtp_weights(mtp_weights):
+            return MTPProposer(NemotronMTP(model, mtp_weights), kv_cache, config.block_size)
         weights = mtp_weights if mtp_weights is not None else random_mtp_weights(model.arch, config.seed)
         return MTPProposer(MTPHead(model, weights), kv_cache, config.block_size)
     raise ValueError(f"spec_method: {config.spec_method!r} has no proposer")

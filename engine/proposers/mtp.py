@@ -1,5 +1,7 @@
-"""MTP proposer: completes the MTP layer's KV for every position the target verified this step, then
-chains the head k times to draft k tokens.
+"""MTP proposer: completes the MTP layers' KV for every position the target verified this step, then
+chains the head k times to draft k tokens. The head is our DeepSeek-style MTPHead (engine/models/mtp.py, one draft
+layer) or a NemotronH checkpoint's own MTP layers (engine/models/nemotron_mtp.py, one draft layer per attention
+block); both write their KV in the draft layers of the paged cache, right after the target's.
 
 Pass 1 (varlen, one row per request with verified positions): entry ``p`` for each verified position
 ``p`` of the step, from the target's hidden ``h_p`` and the committed token ``t_{p+1}`` (the next prompt
@@ -21,22 +23,23 @@ import torch
 
 from pdcluster.engine.attention import AttentionMetadata
 from pdcluster.engine.models.mtp import MTPHead
+from pdcluster.engine.models.nemotron_mtp import NemotronMTP
 from pdcluster.engine.proposers.base import ProposeBatch, Proposer
 
 
 class MTPProposer(Proposer):
-    num_draft_layers = 1
-
-    def __init__(self, head: MTPHead, kv_cache: torch.Tensor, block_size: int):
+    def __init__(self, head: MTPHead | NemotronMTP, kv_cache: torch.Tensor, block_size: int):
         num_target_layers = head.target.arch.num_layers
-        if kv_cache.shape[0] <= num_target_layers:
+        self.num_draft_layers = head.num_draft_layers
+        if kv_cache.shape[0] < num_target_layers + self.num_draft_layers:
             raise ValueError(
-                f"kv_cache has {kv_cache.shape[0]} layers but MTP needs {num_target_layers} target layers + 1 "
-                "draft layer; allocate it with KVCacheSpec.num_draft_layers=1"
+                f"kv_cache has {kv_cache.shape[0]} layers but MTP needs {num_target_layers} target layers + "
+                f"{self.num_draft_layers} draft layers; allocate it with KVCacheSpec.num_draft_layers="
+                f"{self.num_draft_layers}"
             )
         self.head = head
-        self.layer_index = num_target_layers  # the draft layer sits right after the target's
-        self.layer_cache = kv_cache[self.layer_index]
+        self.layer_index = num_target_layers  # the draft layers sit right after the target's
+        self.layer_cache = head.draft_cache(kv_cache, num_target_layers)
         self.device = kv_cache.device
         self.block_size = block_size
         self.scale = head.target.scale
