@@ -162,6 +162,21 @@ class BlockManager:
         if stored and self.on_event is not None:
             self.on_event("stored", stored)
 
+    def cache_loaded_blocks(self, block_ids: list[int], block_hashes: list[int],
+                            token_chunks: list[tuple[int, ...]]) -> None:
+        """Register blocks whose KV was loaded from a lower tier (engine/kv_offload/) in the prefix cache,
+        as if computed here: the request that loaded them finds them like any cached prefix."""
+        stored = []
+        for block_id, h, chunk in zip(block_ids, block_hashes, token_chunks):
+            block = self.blocks[block_id]
+            if block.block_hash is not None or h in self._hash_to_block_id:
+                continue  # the same content got cached meanwhile (another request computed it)
+            block.block_hash, block.token_ids = h, tuple(chunk)
+            self._hash_to_block_id[h] = block_id
+            stored.append(h)
+        if stored and self.on_event is not None:
+            self.on_event("stored", stored)
+
     def free(self, request: Request) -> None:
         """Drop the request's references. Tail blocks go to the free queue first so the shared prefix
         stays cached longest. Each block of a request is freed exactly once."""

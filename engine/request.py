@@ -50,6 +50,7 @@ class Request:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0  # prefix-cache hit on first schedule (device and lower tiers)
     num_offloaded_tokens: int = 0  # of those, loaded back from a lower tier (host memory, disk)
+    num_offload_base_blocks: int = 0  # device-cache blocks before the ones a lower-tier load brings
     num_preemptions: int = 0
     # Speculative-decoding counters reported to the user.
     num_draft_tokens: int = 0

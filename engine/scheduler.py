@@ -199,7 +199,7 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         if self.forks:
             self.waiting.extendleft(reversed(self.forks.release(self.requests)))
-        loaded, released = self.offload.poll()
+        loaded, released = self.offload.poll(self.block_manager)
         self.waiting.extendleft(reversed(loaded))  # they were first in line when their load began
         self.free_held(set(released))
         preempted: set[str] = set()
@@ -226,9 +226,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and not preempted:
             request = self.waiting[0]
             # Prompt logprobs need every prompt position's logits: such a request computes its prompt.
-            # (A request back from an offload load already holds its blocks: no second lookup.)
-            use_cache = (request.num_computed_tokens == 0 and not request.block_ids
-                         and request.sampling_params.prompt_logprobs is None)
+            use_cache = request.num_computed_tokens == 0 and request.sampling_params.prompt_logprobs is None
             cached = self.block_manager.find_cached_prefix(request) if use_cache else []
             if cached and cfg.spec_method == "mtp":
                 # The MTP entry of position p depends on token p + 1: the last matched block's last entry
@@ -386,6 +384,7 @@ class Scheduler:
         # until nothing can write them any more (a revoke not yet confirmed). free_held() frees them.
         # A request whose offload load is under way: the loader may still write its blocks (gate.poll frees them).
         loading = request.request_id in self.offload.loading
+        self.offload.forget(request.request_id)
         if self.connector.request_finished(request) or loading:
             self.held[request.request_id] = request
         else:

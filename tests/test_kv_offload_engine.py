@@ -111,3 +111,23 @@ def test_hybrids_and_no_prefix_cache_refuse_the_tiers_in_one_line():
         make_engine(kv_offload_host_gib=0.01, enable_prefix_caching=False)
     with pytest.raises(ValueError, match="is a hybrid"):
         make_engine("tiny-hybrid", kv_offload_host_gib=0.01)
+
+
+def test_requests_back_from_a_load_never_deadlock_a_full_pool():
+    """Three longer turns at once, each continuing a prompt that is in host memory: they all finish and
+    every block comes back (requests waiting after a load used to sit on their loaded blocks while the
+    first of them could not grow, with nothing running to preempt)."""
+    rng = random.Random(0)
+    engine = make_engine(num_kv_blocks=POOL, kv_offload_host_gib=0.01)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    prompts = [[rng.randrange(10, 40000) for _ in range(160)] for _ in range(3)]
+    for p in prompts:  # one at a time: each pushes the one before down to host memory
+        engine.generate([p], params)
+    ids = [engine.add_request(p + [rng.randrange(10, 40000) for _ in range(160)], params) for p in prompts]
+    done = set()
+    deadline = time.monotonic() + 60
+    while engine.has_work() and time.monotonic() < deadline:  # bounded in time
+        done |= {out.request_id for out in engine.step() if out.finished}
+    assert done == set(ids)
+    assert engine.scheduler.num_free_blocks == POOL and engine.scheduler.offload.num_loading == 0
+    engine.offload.close()

@@ -57,13 +57,6 @@ def test_each_turn_extends_the_previous_prompt(conversations):
         assert turns[-1].prompt_len + OUTPUT_LEN <= MAX_MODEL_LEN
 
 
-# The engine's offload gate can deadlock here (engine/kv_offload/gate.py, engine/scheduler.py): requests
-# back from a load wait at the front of the queue holding their loaded blocks, and when the rest of the
-# head's prompt does not fit beside the others' (nothing running, nothing to preempt), no request ever
-# moves; the client's --timeout-s ends them. Seen in about 2 runs of 3. Remove this marker once the engine
-# reserves a loading request's whole prompt (or hands waiting requests' blocks back when the head cannot
-# start).
-@pytest.mark.xfail(strict=False, reason="engine offload-gate deadlock under pool pressure (issue 27, engine side)")
 @pytest.mark.timeout(300)
 def test_conversations_are_served_partly_from_the_offload_tier(server, conversations, tmp_path, capsys):
     rc = main(["loadtest", "--no-progress", "--base-url", server.base_url, "--model", MODEL,

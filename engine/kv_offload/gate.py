@@ -1,16 +1,23 @@
 """The scheduler's use of the offload tiers: a waiting request whose prompt continues past the device
 prefix cache in a lower tier gets blocks for that part and waits (WAITING_FOR_OFFLOAD) while the loader
-thread copies them in; then it goes back to the front of the queue with those tokens computed.
+thread copies them in.
 
-The counts follow S1: the scheduler sets ``num_computed_tokens`` when the load has ended, to the device
-prefix plus the blocks that arrived intact (a block that could not be read ends the prefix there; the
-request's remaining blocks are simply filled by its own prefill)."""
+When the load ends, the loaded blocks join the device prefix cache (registered under their hashes) and the
+request lets go of every block it held, then goes back to the front of the queue: its next schedule finds
+them as an ordinary prefix hit. So a waiting request never sits on blocks (requests back from a load
+holding blocks while the first of them could not grow would deadlock a full pool, with nothing running to
+preempt), and S1 holds as for any prefix hit: the scheduler sets ``num_computed_tokens`` when it takes the
+hit. A block that could not be read (deleted or corrupt disk file) ends the loaded prefix there; the rest
+is computed. A request loads at most MAX_LOADS times (a pool so full that its loaded blocks are evicted
+again before it runs recomputes instead of loading forever)."""
 
 from __future__ import annotations
 
 from pdcluster.engine.block_manager import BlockManager, chained_block_hashes
 from pdcluster.engine.kv_offload.manager import LoadJob, OffloadManager
 from pdcluster.engine.request import Request, RequestStatus
+
+MAX_LOADS = 2
 
 
 class NoOffload:
@@ -22,12 +29,15 @@ class NoOffload:
     def try_start(self, request: Request, cached: list[int], block_manager: BlockManager, keep_last: bool) -> bool:
         return False
 
-    def poll(self) -> tuple[list[Request], list[str]]:
+    def poll(self, block_manager: BlockManager) -> tuple[list[Request], list[str]]:
         return [], []
 
     @property
     def num_loading(self) -> int:
         return 0
+
+    def forget(self, request_id: str) -> None:
+        pass
 
 
 class OffloadGate(NoOffload):
@@ -35,7 +45,7 @@ class OffloadGate(NoOffload):
         self.manager = manager
         self.block_size = block_size
         self.loading: dict[str, Request] = {}
-        self._device_blocks: dict[str, int] = {}
+        self._num_loads: dict[str, int] = {}
 
     @property
     def num_loading(self) -> int:
@@ -44,6 +54,8 @@ class OffloadGate(NoOffload):
     def try_start(self, request: Request, cached: list[int], block_manager: BlockManager, keep_last: bool) -> bool:
         """``cached``: the device prefix cache's blocks for the request (already trimmed as the scheduler
         wants). Starts a load and returns True when lower tiers hold the blocks that follow."""
+        if self._num_loads.get(request.request_id, 0) >= MAX_LOADS:
+            return False
         bs = self.block_size
         usable = request.all_token_ids[: request.num_tokens - 1]  # one token always left to compute
         hashes = chained_block_hashes(usable, bs)[len(cached):]
@@ -55,26 +67,34 @@ class OffloadGate(NoOffload):
         if not block_manager.allocate_slots(request, num_lower * bs, cached):
             return False
         request.status = RequestStatus.WAITING_FOR_OFFLOAD
-        request.num_cached_tokens = len(cached) * bs
         self.loading[request.request_id] = request
-        self._device_blocks[request.request_id] = len(cached)
+        self._num_loads[request.request_id] = self._num_loads.get(request.request_id, 0) + 1
         block_ids = request.block_ids[len(cached): len(cached) + num_lower]
         self.manager.start_load(LoadJob(request.request_id, hashes[:num_lower], list(block_ids)))
+        request.num_offload_base_blocks = len(cached)
         return True
 
-    def poll(self) -> tuple[list[Request], list[str]]:
-        """(requests whose load ended and that continue, ids of loads that ended for requests finished
-        meanwhile: their blocks may go back now)."""
+    def poll(self, block_manager: BlockManager) -> tuple[list[Request], list[str]]:
+        """(requests whose load ended and that go back to the queue, ids of loads that ended for
+        requests finished meanwhile: their blocks may go back now)."""
         ready, released = [], []
+        bs = self.block_size
         for job in self.manager.poll():
             request = self.loading.pop(job.request_id, None)
-            num_device = self._device_blocks.pop(job.request_id, 0)
             if request is None or request.status != RequestStatus.WAITING_FOR_OFFLOAD:
+                self._num_loads.pop(job.request_id, None)
                 released.append(job.request_id)
                 continue
-            request.num_computed_tokens = (num_device + job.num_loaded) * self.block_size
-            request.num_cached_tokens = request.num_computed_tokens
-            request.num_offloaded_tokens = job.num_loaded * self.block_size
+            first = request.num_offload_base_blocks
+            chunks = [tuple(request.all_token_ids[(first + i) * bs: (first + i + 1) * bs])
+                      for i in range(job.num_loaded)]
+            block_manager.cache_loaded_blocks(job.block_ids[: job.num_loaded], job.block_hashes[: job.num_loaded],
+                                              chunks)
+            block_manager.free(request)
+            request.num_offloaded_tokens = job.num_loaded * bs
             request.status = RequestStatus.WAITING
             ready.append(request)
         return ready, released
+
+    def forget(self, request_id: str) -> None:
+        self._num_loads.pop(request_id, None)
