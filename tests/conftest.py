@@ -31,6 +31,16 @@ def tiny_dir():
     return resolve_model("tiny-random", progress=False)
 
 
+@pytest.fixture(scope="module")
+def hf_model(smollm2_dir):
+    """SmolLM2 (the ``smollm2`` built-in) in transformers, float32: the oracle the engine's outputs are
+    checked against. One per module, freed with it."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    return transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+
+
 def engine_config(model: str = "tiny-random", **kwargs):
     """An EngineConfig with test-friendly defaults (small pool, float32); keyword arguments override
     them. ``functools.partial(engine_config, ...)`` gives a test module its own defaults."""
@@ -91,6 +101,18 @@ async def router_generate(router, request_id: str, prompt, params) -> list[int]:
     return tokens
 
 
+def run_with_router(router, scenario):
+    """``asyncio.run(scenario())`` with ``router`` started on that loop first (its background tasks live on
+    the loop that runs the requests); returns what the scenario returns."""
+    import asyncio
+
+    async def main():
+        router.start(asyncio.get_running_loop())
+        return await scenario()
+
+    return asyncio.run(main())
+
+
 def transport_params(fast: tuple[str, ...] = ("tcp", "shm")) -> list:
     """usable_transports() as pytest parameters for whole-cluster tests: the ``fast`` ones in the default
     run, the others marked slow (.ci/run runs them after it; every transport is covered at the worker
@@ -134,16 +156,22 @@ class OracleProposer:
         return drafts
 
 
-@pytest.fixture
-def one_torch_thread():
+def _one_torch_thread():
     """Tiny-model tests run single-threaded: their ops are too small to gain from intra-op threads,
-    and on a loaded 2-core machine OpenMP's spin-waiting made them ~10x slower (measured). Restored after."""
+    and on a loaded 2-core machine OpenMP's spin-waiting made them ~10x slower (measured; a 13 x 128 x 328
+    matmul: 0.04 ms on one thread, 6 ms on two). Restored after."""
     import torch
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# Per test; or, through ``pytestmark = pytest.mark.usefixtures("one_torch_thread_per_module")``, for a
+# whole module, its module-scoped fixtures (models built, references computed) included.
+one_torch_thread = pytest.fixture(_one_torch_thread, name="one_torch_thread")
+one_torch_thread_per_module = pytest.fixture(_one_torch_thread, scope="module", name="one_torch_thread_per_module")
 
 
 @pytest.fixture(scope="module")

@@ -90,6 +90,13 @@ def make():
         t.close()
 
 
+def _receiver(make, name: str):
+    """A ``name`` receiver (cache seed 1), its cache, its descriptor, and the cache's bytes before anything
+    lands (for assert_landed)."""
+    rx, cache = make(name, "receiver", 1)
+    return rx, cache, rx.local_descriptor(), as_bytes(cache).clone()
+
+
 @pytest.fixture
 def zctx():
     zmq = pytest.importorskip("zmq")
@@ -220,9 +227,7 @@ def _sync(sock, peer: Sealer, rx_nonce: bytes, transfer_id: str, dst: list[int])
 
 @needs["tcp"]
 def test_tcp_forged_headers_are_dropped(make, zctx):
-    rx, rx_cache = make("tcp", "receiver", 1)
-    desc = rx.local_descriptor()
-    before = as_bytes(rx_cache).clone()
+    rx, rx_cache, desc, before = _receiver(make, "tcp")
     header, payload = _chunk("forged", [5, 6], seed=1)
     raw = header.encode()
     forgeries = [
@@ -348,9 +353,7 @@ def test_tcp_reconnect_fails_the_old_links_sends_with_a_reason(make, fake_receiv
 
 @needs["shm"]
 def test_shm_stranger_gets_no_memory(make):
-    rx, rx_cache = make("shm", "receiver", 1)
-    desc = rx.local_descriptor()
-    before = as_bytes(rx_cache).clone()
+    rx, rx_cache, desc, before = _receiver(make, "shm")
     layout = KVLayout.of(rx_cache).to_dict()
     hello = {"sender_id": "mallory", "layout": layout, "ring_bytes": 0, "kv_offset": 0, "kv_bytes": 0}
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -373,9 +376,7 @@ def test_shm_stranger_gets_no_memory(make):
 def test_nccl_forged_bell_is_dropped(make):
     import torch.distributed as dist
 
-    rx, rx_cache = make("nccl", "receiver", 1)
-    desc = rx.local_descriptor()
-    before = as_bytes(rx_cache).clone()
+    rx, rx_cache, desc, before = _receiver(make, "nccl")
     tx, tx_cache = make("nccl", "sender", 2)
     tx.connect("d0", desc)  # pair 0; its first bell will be bell0
     # Anyone who reaches the store can write into the pair's keys: a header for blocks 50, 51 where

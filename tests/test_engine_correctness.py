@@ -24,12 +24,6 @@ def engine(smollm2_dir):
     return make_engine("smollm2", num_kv_blocks=1024)
 
 
-@pytest.fixture(scope="module")
-def hf_model(smollm2_dir):
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
-
-
 def _greedy(n):
     return SamplingParams(max_tokens=n, temperature=0.0)
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import subprocess
 import sys
 from dataclasses import dataclass
 
@@ -25,6 +24,7 @@ from pdcluster.kernels import ops, reference
 from pdcluster.kernels.triton_block_copy import gather_blocks_triton, scatter_blocks_triton
 from pdcluster.kernels.triton_paged_attention import paged_attention_triton
 from pdcluster.kernels.triton_write_kv import write_kv_triton
+from triton_compile_helpers import compile_for_cuda
 
 HEAD_DIM = 16
 BLOCK_SIZE = 4
@@ -397,15 +397,7 @@ print("compiled")
 
 
 def test_kernels_compile_for_cuda(tmp_path):
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton_cache")  # not the user's ~/.triton
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # silences triton 3.9's default-change warning
-    result = subprocess.run(
-        [sys.executable, "-c", _AOT_COMPILE], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "compiled" in result.stdout
+    assert "compiled" in compile_for_cuda(_AOT_COMPILE, tmp_path)
 
 
 @pytest.mark.gpu

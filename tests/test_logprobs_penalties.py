@@ -23,12 +23,6 @@ TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def hf_model(smollm2_dir):
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
 def engine(smollm2_dir):
     return make_engine("smollm2", dtype="float32", num_kv_blocks=256)
 

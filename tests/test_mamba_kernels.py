@@ -15,14 +15,7 @@ from pdcluster.kernels import mamba_reference as ref
 
 DT_MIN = 0.01
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors: one thread (two contend on a loaded 2-core box, see test_hybrid_model.py)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread_per_module")
 
 
 def _case(length: int, heads: int = 4, head_dim: int = 8, groups: int = 2, state: int = 6, seed: int = 0):

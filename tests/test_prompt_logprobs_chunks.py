@@ -82,12 +82,6 @@ def _prompts(sizes) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def hf_model(smollm2_dir):
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
 def oracle(hf_model):
     cache: dict[tuple, Reference] = {}
 

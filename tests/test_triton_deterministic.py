@@ -26,8 +26,6 @@ docstring), so the native bf16 dot is checked by the gpu tests and compiled ahea
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
@@ -37,6 +35,7 @@ import torch.nn.functional as F
 from pdcluster.kernels import reference, triton_matmul_bi
 from pdcluster.kernels import triton_paged_attention as attention
 from pdcluster.kernels.triton_matmul_bi import matmul_bi, tiles_for
+from triton_compile_helpers import compile_for_cuda
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 ON_GPU = torch.cuda.is_available() and not INTERPRETED
@@ -372,14 +371,8 @@ for spec in sys.argv[1:]:  # kernel:dtype:arch[:N]
 
 
 def _compile_for_cuda(tmp_path, specs: list[str]) -> None:
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton_cache")  # not the user's ~/.triton
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # silences triton 3.9's default-change warning
-    result = subprocess.run([sys.executable, "-c", _AOT_COMPILE, *specs], env=env, capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count("compiled") == len(specs), result.stdout
+    stdout = compile_for_cuda(_AOT_COMPILE, tmp_path, specs, timeout_s=600)
+    assert stdout.count("compiled") == len(specs), stdout
 
 
 def test_the_native_bf16_matmul_compiles_for_cuda(tmp_path):

@@ -96,7 +96,9 @@ def test_selective_state_update_triton_matches_reference(heads, head_dim, groups
 # The mixer's one-token paths through the Triton kernels (dispatch in mamba_ops.py)
 
 
-def _mixer_and_inputs():
+def tiny_hybrid_mixer() -> tuple[HybridArch, Mamba2Mixer]:
+    """tiny-hybrid's first Mamba mixer (with the built-in's weights) and its arch (vocabulary cut to 64).
+    test_triton_mamba_scan.py runs its prefill rows."""
     config = dict(TINY_HYBRID_CONFIG, vocab_size=64, bos_token_id=1, eos_token_id=2)
     arch = HybridArch.from_config(config)
     weights = {k.replace("backbone.layers.0.mixer.", ""): v for k, v in tiny_hybrid_state_dict(config).items()
@@ -105,17 +107,22 @@ def _mixer_and_inputs():
     return arch, mixer
 
 
+def mixer_step(arch: HybridArch, mixer: Mamba2Mixer, pool: MambaStatePool, rows: list[tuple[int, int, bool, bool]],
+               seed: int) -> torch.Tensor:
+    """One mixer call on random hidden states; a row is (slot, q_len, has_initial_state, keep_positions)."""
+    qsl = np.concatenate([[0], np.cumsum([r[1] for r in rows])]).astype(np.int64)
+    meta = MambaMetadata(pool, qsl, np.array([r[0] for r in rows], dtype=np.int64),
+                         np.array([r[2] for r in rows]), np.array([r[3] for r in rows]))
+    return mixer(_randn(int(qsl[-1]), arch.hidden_size, seed=seed), meta)
+
+
 def _run_mixer_steps(arch, mixer) -> tuple[list[torch.Tensor], MambaStatePool]:
     """Prefill three requests, then one step with a decode row, a verification row (3 positions) and a
     fresh one-token row."""
     pool = MambaStatePool(arch.mamba_state_shape(), NUM_SLOTS, max_positions_per_step=3)
-    hidden = arch.hidden_size
 
-    def step(rows: list[tuple[int, int, bool, bool]], seed: int) -> torch.Tensor:  # (slot, q_len, has_initial, keep)
-        qsl = np.concatenate([[0], np.cumsum([r[1] for r in rows])]).astype(np.int64)
-        meta = MambaMetadata(pool, qsl, np.array([r[0] for r in rows], dtype=np.int64),
-                             np.array([r[2] for r in rows]), np.array([r[3] for r in rows]))
-        return mixer(_randn(int(qsl[-1]), hidden, seed=seed), meta)
+    def step(rows: list[tuple[int, int, bool, bool]], seed: int) -> torch.Tensor:
+        return mixer_step(arch, mixer, pool, rows, seed)
 
     outputs = [step([(4, 7, False, False), (1, 5, False, False)], seed=20)]
     outputs.append(step([(4, 1, True, False), (1, 3, True, True), (5, 1, False, False)], seed=21))
@@ -124,7 +131,7 @@ def _run_mixer_steps(arch, mixer) -> tuple[list[torch.Tensor], MambaStatePool]:
 
 
 def test_mixer_decode_paths_through_triton_match_reference(monkeypatch):
-    arch, mixer = _mixer_and_inputs()
+    arch, mixer = tiny_hybrid_mixer()
     expected, expected_pool = _run_mixer_steps(arch, mixer)
     monkeypatch.setattr(mamba_ops, "_use_triton", lambda *tensors: True)
     for name in ("causal_conv1d_update", "selective_state_update"):

@@ -13,35 +13,29 @@ and state size below the kernels' 16-wide blocks and not powers of two, 1 and 2 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 
+from pdcluster.engine.mamba_state import MambaStatePool
 from pdcluster.kernels import mamba_ops
 from pdcluster.kernels import mamba_reference as ref
 from pdcluster.kernels.triton_mamba_conv import causal_conv1d_triton
 from pdcluster.kernels.triton_mamba_scan import ssd_chunk_scan_triton
+from test_triton_mamba import mixer_step, tiny_hybrid_mixer
+from triton_compile_helpers import compile_for_cuda
 
 CHUNK = 16
 DT_MIN = 0.01
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread_per_module")
 
 gpu = pytest.mark.gpu
 needs_compiled_cuda = pytest.mark.skipif(
     not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
     reason="needs a CUDA device and compiled kernels (run with TRITON_INTERPRET=0)",
 )
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors: one thread (two contend on a loaded 2-core box, see test_mamba_kernels.py)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _randn(*shape: int, seed: int) -> torch.Tensor:
@@ -199,25 +193,10 @@ def test_conv_in_two_pieces_carries_the_state():
 
 def _run_mixer_prefills():
     """Two fresh rows (33 and 7 tokens) in one step, then the first continued by 20 tokens."""
-    from pdcluster.engine.models.mamba_mixer import Mamba2Mixer
-    from pdcluster.engine.mamba_state import MambaMetadata, MambaStatePool
-    from pdcluster.engine.models.nemotron_h import HybridArch
-    from pdcluster.engine.models.tiny_hybrid import TINY_HYBRID_CONFIG, tiny_hybrid_state_dict
-
-    config = dict(TINY_HYBRID_CONFIG, vocab_size=64, bos_token_id=1, eos_token_id=2)
-    arch = HybridArch.from_config(config)
-    weights = {k.replace("backbone.layers.0.mixer.", ""): v for k, v in tiny_hybrid_state_dict(config).items()
-               if k.startswith("backbone.layers.0.mixer.")}
-    mixer = Mamba2Mixer(arch, weights.pop, lambda name: weights.pop(name, None), mamba_index=0)
+    arch, mixer = tiny_hybrid_mixer()
     pool = MambaStatePool(arch.mamba_state_shape(), 4, max_positions_per_step=1)
-
-    def step(rows: list[tuple[int, int, bool]], seed: int) -> torch.Tensor:  # (slot, q_len, has_initial)
-        qsl = np.concatenate([[0], np.cumsum([r[1] for r in rows])]).astype(np.int64)
-        meta = MambaMetadata(pool, qsl, np.array([r[0] for r in rows], dtype=np.int64),
-                             np.array([r[2] for r in rows]), np.zeros(len(rows), dtype=bool))
-        return mixer(_randn(int(qsl[-1]), arch.hidden_size, seed=seed), meta)
-
-    outputs = [step([(3, 33, False), (1, 7, False)], seed=30), step([(3, 20, True)], seed=31)]
+    outputs = [mixer_step(arch, mixer, pool, [(3, 33, False, False), (1, 7, False, False)], seed=30),
+               mixer_step(arch, mixer, pool, [(3, 20, True, False)], seed=31)]
     return outputs, pool
 
 
@@ -282,14 +261,7 @@ print("compiled")
 
 
 def test_prefill_kernels_compile_for_cuda(tmp_path):
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton_cache")  # not the user's ~/.triton
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # silences triton 3.9's default-change warning
-    result = subprocess.run([sys.executable, "-c", _AOT_COMPILE], env=env, capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "compiled" in result.stdout
+    assert "compiled" in compile_for_cuda(_AOT_COMPILE, tmp_path)
 
 
 # ---------------------------------------------------------------------------------------------------
