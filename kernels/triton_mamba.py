@@ -29,6 +29,15 @@ def _softplus(v):
 
 
 @triton.jit
+def head_block(h, p_block, head_dim, state_size, heads_per_group, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A program's share of head h's [head_dim, state_size] state (here and in triton_mamba_scan.py): the
+    head's B/C group g, rows p (block p_block of head_dim), columns n, and their masks."""
+    p = p_block * BLOCK_P + tl.arange(0, BLOCK_P)
+    n = tl.arange(0, BLOCK_N)
+    return h // heads_per_group, p, n, p < head_dim, n < state_size
+
+
+@triton.jit
 def _conv1d_update_kernel(
     out_ptr, x_ptr, state_ptr, slots_ptr, weight_ptr, bias_ptr,
     conv_dim,
@@ -112,11 +121,7 @@ def _selective_state_update_kernel(
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
-    n = tl.arange(0, BLOCK_N)
-    pmask = p < head_dim
-    nmask = n < state_size
-    g = h // heads_per_group
+    g, p, n, pmask, nmask = head_block(h, tl.program_id(2), head_dim, state_size, heads_per_group, BLOCK_P, BLOCK_N)
     slot = tl.load(slots_ptr + b).to(tl.int64)
 
     dt = tl.load(dt_ptr + b * stride_dt_b + h * stride_dt_h).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)

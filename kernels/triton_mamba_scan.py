@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from pdcluster.kernels.triton_mamba import _softplus
+from pdcluster.kernels.triton_mamba import _softplus, head_block
 
 
 @triton.jit
@@ -69,13 +69,9 @@ def _chunk_state_passing_kernel(
     BLOCK_N: tl.constexpr,
 ):
     h = tl.program_id(0)
-    p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
-    n = tl.arange(0, BLOCK_N)
+    g, p, n, pmask, nmask = head_block(h, tl.program_id(1), head_dim, state_size, heads_per_group, BLOCK_P, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
-    pmask = p < head_dim
-    nmask = n < state_size
     smask = pmask[:, None] & nmask[None, :]
-    g = h // heads_per_group
     # [P, N] offsets of this head's block within one [H, P, N] state (int64: starts can be large).
     state_offs = h.to(tl.int64) * head_dim * state_size + p[:, None] * state_size + n[None, :]
 
@@ -125,11 +121,7 @@ def _chunk_scan_kernel(
     c = tl.program_id(0) // row_blocks
     mb = tl.program_id(0) % row_blocks
     h = tl.program_id(1)
-    p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
-    n = tl.arange(0, BLOCK_N)
-    pmask = p < head_dim
-    nmask = n < state_size
-    g = h // heads_per_group
+    g, p, n, pmask, nmask = head_block(h, tl.program_id(2), head_dim, state_size, heads_per_group, BLOCK_P, BLOCK_N)
     t0 = c * chunk_size
 
     m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
