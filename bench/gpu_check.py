@@ -117,6 +117,8 @@ def build_random_nemotron_h(out: Path) -> Path:
     import torch
     import transformers
 
+    from pdcluster.engine.models.random_weights import redraw_nemotron_h
+
     torch.manual_seed(0)
     common = dict(vocab_size=512, hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=24,
                   intermediate_size=96, mamba_num_heads=6, mamba_head_dim=8, ssm_state_size=12, n_groups=1,
@@ -127,20 +129,7 @@ def build_random_nemotron_h(out: Path) -> Path:
     if getattr(config, "num_hidden_layers", len(blocks)) != len(blocks):  # older transformers: the pattern string
         config = transformers.NemotronHConfig(hybrid_override_pattern="*M-M*M", num_hidden_layers=6, **common)
     model = transformers.NemotronHForCausalLM(config)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("A_log", "dt_bias")):
-                continue
-            if "norm" in name or name.endswith(".D"):
-                p.copy_(0.8 + 0.4 * torch.rand(p.shape, generator=gen))
-            elif name.endswith("embeddings.weight"):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-            elif name.endswith("conv1d.weight"):
-                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
-            else:
-                gain = 3.0 if name.endswith(("out_proj.weight", "o_proj.weight", "down_proj.weight")) else 1.5
-                p.copy_(torch.randn(p.shape, generator=gen) * gain / p.shape[-1] ** 0.5)
+    redraw_nemotron_h(model)
     model.save_pretrained(str(out))
     shutil.copy(ASSETS / "tokenizer.json", out / "tokenizer.json")
     return out

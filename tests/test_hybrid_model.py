@@ -26,11 +26,13 @@ from pdcluster.engine.attention import AttentionMetadata
 from pdcluster.engine.kv_cache import KVCacheSpec
 from pdcluster.engine.mamba_state import MambaMetadata, MambaStatePool
 from pdcluster.engine.models.llama import LlamaModel, ModelArch
+from pdcluster.engine.models.random_weights import redraw_nemotron_h
 from pdcluster.engine.models.registry import resolve_model
 from pdcluster.engine.models.nemotron_h import HybridArch, NemotronHModel
 from pdcluster.engine.models.tiny_hybrid import TINY_HYBRID_CONFIG, tiny_hybrid_state_dict
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_torch_thread_per_module")
 
 ATOL = 1e-4
 RTOL = 1e-5  # logits reach ~25: fp32 summation order differs by a few ulps of that
@@ -127,16 +129,6 @@ def assert_states_equal(got: list[torch.Tensor], expected: list[torch.Tensor], a
         torch.testing.assert_close(g, e, rtol=1e-4, atol=atol, msg=f"state tensor {i}")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: one thread is fastest, and on a loaded 2-core box two threads contend (measured:
-    a 13 x 128 x 328 matmul 0.04 ms on one thread, 6 ms on two)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # ---------------------------------------------------------------------------------------------------
 # Models
 
@@ -151,32 +143,13 @@ def _hf_model(model_dir: Path):
         str(model_dir), dtype=torch.float32, attn_implementation="eager").eval()
 
 
-def _redraw_weights(model, seed: int = 0) -> None:
-    """Weights at a scale where the blocks matter (module docstring); A_log and dt_bias keep
-    transformers' init (A = 1..H, dt in [time_step_min, time_step_max])."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("A_log", "dt_bias")):
-                continue
-            if "norm" in name or name.endswith(".D"):
-                p.copy_(0.8 + 0.4 * torch.rand(p.shape, generator=gen))
-            elif name.endswith("embeddings.weight"):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-            elif name.endswith("conv1d.weight"):
-                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
-            else:
-                gain = 3.0 if name.endswith(("out_proj.weight", "o_proj.weight", "down_proj.weight")) else 1.5
-                p.copy_(torch.randn(p.shape, generator=gen) * gain / p.shape[-1] ** 0.5)
-
-
 @pytest.fixture(scope="module")
 def random_dir(tmp_path_factory, tiny_hybrid_dir) -> Path:
     out = tmp_path_factory.mktemp("random-nemotron-h")
     torch.manual_seed(0)
     config = transformers.NemotronHConfig(**RANDOM_CONFIG)
     model = transformers.NemotronHForCausalLM(config)
-    _redraw_weights(model)
+    redraw_nemotron_h(model)
     model.save_pretrained(str(out))
     shutil.copy(tiny_hybrid_dir / "tokenizer.json", out / "tokenizer.json")
     return out

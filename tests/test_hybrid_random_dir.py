@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from test_hybrid_engine import NUM_NEW, _engine, _expected, _prompts, _run
-from test_hybrid_model import _hf_logits, _hf_model, one_thread, random_dir, tiny_hybrid_dir  # noqa: F401 - fixtures
+from test_hybrid_model import _hf_logits, _hf_model, random_dir, tiny_hybrid_dir  # noqa: F401 - fixtures
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread_per_module")]
 
 # test_hybrid_engine's 16 mixed-length prompts (3..70 tokens), mapped into this model's 512-token vocab.
 PROMPTS = [[3 + t % 509 for t in p] for p in _prompts(16, seed=1)]

@@ -29,15 +29,16 @@ import torch
 from conftest import make_engine
 from pdcluster.engine.models.architectures import arch_from_dir, load_model
 from pdcluster.engine.models.nemotron_moe import NemotronMoeArch
+from pdcluster.engine.models.random_weights import redraw_nemotron_h
 from pdcluster.engine.models.registry import resolve_model
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kernels import cpu_gemm, cpu_grouped_mm
 from pdcluster.kernels.triton_grouped_mm import grouped_mm_triton, tile_table
 from test_hybrid_engine import _prompts
-from test_hybrid_model import Steps, _redraw_weights, one_thread  # noqa: F401 - fixture
+from test_hybrid_model import Steps
 
 transformers = pytest.importorskip("transformers")
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread_per_module")]
 
 NUM_NEW = 10
 VOCAB = 512
@@ -65,7 +66,7 @@ def dirs(tmp_path_factory) -> dict[str, Path]:
         d = tmp_path_factory.mktemp(name)
         torch.manual_seed(0)
         model = transformers.NemotronHForCausalLM(transformers.NemotronHConfig(**kwargs))
-        _redraw_weights(model)
+        redraw_nemotron_h(model)
         gen = torch.Generator().manual_seed(1)
         with torch.no_grad():
             for layer in model.model.layers:

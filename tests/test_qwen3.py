@@ -31,7 +31,7 @@ from pdcluster.engine.sampling_params import SamplingParams
 from test_hybrid_engine import _prompts
 
 transformers = pytest.importorskip("transformers")
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread_per_module")]
 
 NUM_NEW = 12
 VOCAB = 512
@@ -49,15 +49,6 @@ CONFIGS = {
                        num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[1])),
 }
 NAMES = list(CONFIGS)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: one thread is fastest and does not contend with a second job on a 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _redraw_weights(model, seed: int = 0) -> None:
