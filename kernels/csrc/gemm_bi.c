@@ -63,6 +63,17 @@ typedef struct {
 
 typedef void (*tile_fn)(const gemm_args *a, int64_t m0, int64_t s0);
 
+/* A tile kernel: MR rows x NV strips of accumulators from row m0, strip s0. Always inlined, so each
+ * TILE1 instance below gets MR and NV as constants and its loops unrolled. */
+#define TILE_KERNEL(name) \
+    static inline __attribute__((always_inline)) void name(const gemm_args *a, int64_t m0, int64_t s0, const int MR, \
+                                                           const int NV)
+/* Loop heads, unrolled: over a tile's rows r < MR, its strips v < NV, and both (every accumulator). The
+ * stores after the k loop stay rolled (unrolled, the inlined store would be copied MR x NV times). */
+#define FOR_EACH_ROW _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++)
+#define FOR_EACH_STRIP _Pragma("GCC unroll 8") for (int v = 0; v < NV; v++)
+#define FOR_EACH_ACC FOR_EACH_ROW FOR_EACH_STRIP
+
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
@@ -152,26 +163,19 @@ static inline void avx2_store(const gemm_args *a, int64_t r, int64_t s, __m256 l
 }
 
 /* fp32: MR rows x NV strips, 2 ymm per strip. */
-static inline __attribute__((always_inline)) void avx2_f32_tile(const gemm_args *a, int64_t m0, int64_t s0,
-                                                                const int MR, const int NV) {
+TILE_KERNEL(avx2_f32_tile) {
     __m256 acc[MAX_MR][MAX_NV][2];
-#pragma GCC unroll 8
-    for (int r = 0; r < MR; r++)
-#pragma GCC unroll 8
-        for (int v = 0; v < NV; v++) acc[r][v][0] = acc[r][v][1] = _mm256_setzero_ps();
+    FOR_EACH_ACC acc[r][v][0] = acc[r][v][1] = _mm256_setzero_ps();
     const float *x = (const float *)a->x + m0 * a->ldx;
     const float *w = (const float *)a->w + s0 * a->strip;
     const int64_t ldx = a->ldx, strip = a->strip;
     for (int64_t k = 0; k < a->k; k++) {
         __m256 xb[MAX_MR];
-#pragma GCC unroll 8
-        for (int r = 0; r < MR; r++) xb[r] = _mm256_broadcast_ss(x + r * ldx + k);
-#pragma GCC unroll 8
-        for (int v = 0; v < NV; v++) {
+        FOR_EACH_ROW xb[r] = _mm256_broadcast_ss(x + r * ldx + k);
+        FOR_EACH_STRIP {
             const __m256 w0 = _mm256_loadu_ps(w + v * strip + k * STRIP);
             const __m256 w1 = _mm256_loadu_ps(w + v * strip + k * STRIP + 8);
-#pragma GCC unroll 8
-            for (int r = 0; r < MR; r++) {
+            FOR_EACH_ROW {
                 acc[r][v][0] = _mm256_fmadd_ps(xb[r], w0, acc[r][v][0]);
                 acc[r][v][1] = _mm256_fmadd_ps(xb[r], w1, acc[r][v][1]);
             }
@@ -182,28 +186,22 @@ static inline __attribute__((always_inline)) void avx2_f32_tile(const gemm_args 
 }
 
 /* bf16 (x widened in a->xf): a ymm of 8 (even, odd) pairs gives even = pair << 16, odd = pair & hi. */
-static inline __attribute__((always_inline)) void avx2_bf16_tile(const gemm_args *a, int64_t m0, int64_t s0,
-                                                                 const int MR, const int NV) {
+TILE_KERNEL(avx2_bf16_tile) {
     __m256 acc[MAX_MR][MAX_NV][2];
-#pragma GCC unroll 8
-    for (int r = 0; r < MR; r++)
-#pragma GCC unroll 8
-        for (int v = 0; v < NV; v++) acc[r][v][0] = acc[r][v][1] = _mm256_setzero_ps();
+    FOR_EACH_ACC acc[r][v][0] = acc[r][v][1] = _mm256_setzero_ps();
     const float *x = a->xf + m0 * a->kx;
     const uint16_t *w = (const uint16_t *)a->w + s0 * a->strip;
     const int64_t kx = a->kx, strip = a->strip;
     const __m256i hi_mask = _mm256_set1_epi32((int)0xffff0000u);
     for (int64_t p = 0; p < kx / 2; p++) {
-#pragma GCC unroll 8
-        for (int v = 0; v < NV; v++) {
+        FOR_EACH_STRIP {
             const __m256i q0 = _mm256_loadu_si256((const __m256i *)(w + v * strip + p * 2 * STRIP));
             const __m256i q1 = _mm256_loadu_si256((const __m256i *)(w + v * strip + p * 2 * STRIP + 16));
             const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(q0, 16));
             const __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(q0, hi_mask));
             const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(q1, 16));
             const __m256 o1 = _mm256_castsi256_ps(_mm256_and_si256(q1, hi_mask));
-#pragma GCC unroll 8
-            for (int r = 0; r < MR; r++) {
+            FOR_EACH_ROW {
                 const __m256 xe = _mm256_broadcast_ss(x + r * kx + 2 * p);
                 const __m256 xo = _mm256_broadcast_ss(x + r * kx + 2 * p + 1);
                 acc[r][v][0] = _mm256_fmadd_ps(xo, o0, _mm256_fmadd_ps(xe, e0, acc[r][v][0]));
@@ -234,25 +232,18 @@ static inline void avx512_store(const gemm_args *a, int64_t r, int64_t s, __m512
     _mm256_mask_storeu_epi16((uint16_t *)a->y + r * a->ldy + col, mask, _mm512_cvtepi32_epi16(u));
 }
 
-static inline __attribute__((always_inline)) void avx512_f32_tile(const gemm_args *a, int64_t m0, int64_t s0,
-                                                                  const int MR, const int NV) {
+TILE_KERNEL(avx512_f32_tile) {
     __m512 acc[MAX_MR][MAX_NV];
-#pragma GCC unroll 8
-    for (int r = 0; r < MR; r++)
-#pragma GCC unroll 8
-        for (int v = 0; v < NV; v++) acc[r][v] = _mm512_setzero_ps();
+    FOR_EACH_ACC acc[r][v] = _mm512_setzero_ps();
     const float *x = (const float *)a->x + m0 * a->ldx;
     const float *w = (const float *)a->w + s0 * a->strip;
     const int64_t ldx = a->ldx, strip = a->strip;
     for (int64_t k = 0; k < a->k; k++) {
         __m512 xb[MAX_MR];
-#pragma GCC unroll 8
-        for (int r = 0; r < MR; r++) xb[r] = _mm512_set1_ps(x[r * ldx + k]);
-#pragma GCC unroll 8
-        for (int v = 0; v < NV; v++) {
+        FOR_EACH_ROW xb[r] = _mm512_set1_ps(x[r * ldx + k]);
+        FOR_EACH_STRIP {
             const __m512 wv = _mm512_loadu_ps(w + v * strip + k * STRIP);
-#pragma GCC unroll 8
-            for (int r = 0; r < MR; r++) acc[r][v] = _mm512_fmadd_ps(xb[r], wv, acc[r][v]);
+            FOR_EACH_ROW acc[r][v] = _mm512_fmadd_ps(xb[r], wv, acc[r][v]);
         }
     }
     for (int r = 0; r < MR; r++)
@@ -262,14 +253,14 @@ static inline __attribute__((always_inline)) void avx512_f32_tile(const gemm_arg
 
 #ifdef HAVE_AVX512BF16
 /* One k pair for a tile: xp(r) gives row r's pair as 32 bits. */
-#define BF16_STEP(XP)                                                                          \
-    do {                                                                                       \
-        __m512bh xb[MAX_MR];                                                                   \
-        _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++) xb[r] = (__m512bh)_mm512_set1_epi32((int)(XP)); \
-        _Pragma("GCC unroll 8") for (int v = 0; v < NV; v++) {                                 \
-            const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + v * strip + p * 2 * STRIP);   \
-            _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xb[r], wv); \
-        }                                                                                      \
+#define BF16_STEP(XP)                                                                        \
+    do {                                                                                     \
+        __m512bh xb[MAX_MR];                                                                 \
+        FOR_EACH_ROW xb[r] = (__m512bh)_mm512_set1_epi32((int)(XP));                         \
+        FOR_EACH_STRIP {                                                                     \
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + v * strip + p * 2 * STRIP); \
+            FOR_EACH_ROW acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xb[r], wv);                 \
+        }                                                                                    \
     } while (0)
 
 static inline uint32_t load_pair(const uint16_t *p) {
@@ -278,13 +269,9 @@ static inline uint32_t load_pair(const uint16_t *p) {
     return u;
 }
 
-static inline __attribute__((always_inline)) void avx512bf16_tile(const gemm_args *a, int64_t m0, int64_t s0,
-                                                                  const int MR, const int NV) {
+TILE_KERNEL(avx512bf16_tile) {
     __m512 acc[MAX_MR][MAX_NV];
-#pragma GCC unroll 8
-    for (int r = 0; r < MR; r++)
-#pragma GCC unroll 8
-        for (int v = 0; v < NV; v++) acc[r][v] = _mm512_setzero_ps();
+    FOR_EACH_ACC acc[r][v] = _mm512_setzero_ps();
     const uint16_t *x = (const uint16_t *)a->x + m0 * a->ldx;
     const uint16_t *w = (const uint16_t *)a->w + s0 * a->strip;
     const int64_t ldx = a->ldx, strip = a->strip, pairs = a->k / 2;
@@ -312,19 +299,16 @@ typedef struct {
     int big_mr, big_nv, small_nv[4];
 } tiling;
 
+/* Both AVX-512 paths (32 zmm registers): 6 x 4 tiles, and up to 8 strips for M <= 3. */
+#define AVX512_TILING(kern, name)                                                                          \
+    ROW8(kern, 1) ROW8(kern, 2) ROW8(kern, 3) ROW4(kern, 4) ROW4(kern, 5) ROW4(kern, 6)                    \
+    static const tiling name = {                                                                           \
+        {{NULL}, T8(kern, 1), T8(kern, 2), T8(kern, 3), T4(kern, 4), T4(kern, 5), T4(kern, 6)}, 6, 4, {0, 8, 8, 8}};
 #ifdef HAVE_AVX512BF16
-ROW8(avx512bf16, 1) ROW8(avx512bf16, 2) ROW8(avx512bf16, 3) ROW4(avx512bf16, 4) ROW4(avx512bf16, 5)
-ROW4(avx512bf16, 6)
-static const tiling TILING_AVX512BF16 = {
-    {{NULL}, T8(avx512bf16, 1), T8(avx512bf16, 2), T8(avx512bf16, 3), T4(avx512bf16, 4), T4(avx512bf16, 5),
-     T4(avx512bf16, 6)}, 6, 4, {0, 8, 8, 8}};
+AVX512_TILING(avx512bf16, TILING_AVX512BF16)
 #endif
 #ifdef HAVE_AVX512
-ROW8(avx512_f32, 1) ROW8(avx512_f32, 2) ROW8(avx512_f32, 3) ROW4(avx512_f32, 4) ROW4(avx512_f32, 5)
-ROW4(avx512_f32, 6)
-static const tiling TILING_AVX512_F32 = {
-    {{NULL}, T8(avx512_f32, 1), T8(avx512_f32, 2), T8(avx512_f32, 3), T4(avx512_f32, 4), T4(avx512_f32, 5),
-     T4(avx512_f32, 6)}, 6, 4, {0, 8, 8, 8}};
+AVX512_TILING(avx512_f32, TILING_AVX512_F32)
 #endif
 #ifdef HAVE_AVX2
 /* 16 ymm registers: fp32 keeps <= 12 accumulators, bf16 <= 8 (4 more hold a strip's widened weights). */
