@@ -46,8 +46,11 @@ def openai_call(name: str, arguments: str) -> dict:
     return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def tools_json(tools: list[dict]) -> str:
-    return json.dumps(tools, ensure_ascii=False)
+def tools_system_prompt(tools: list[dict], how_to_call: str, open_tag: str = "", close_tag: str = "") -> str:
+    """What a parser's ``system_prompt`` says: the tools as JSON Schema (between the format's tags where it
+    has them), then ``how_to_call`` in that format."""
+    return ("You may call functions to help answer. These are the functions you can call, described in "
+            f"JSON Schema:\n{open_tag}{json.dumps(tools, ensure_ascii=False)}{close_tag}\n{how_to_call}")
 
 
 class ToolParser:

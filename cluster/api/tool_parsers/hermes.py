@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 from pdcluster.cluster.api.tool_parsers.base import (CallSnapshot, Snapshot, ToolParser, call_arguments,
-                                                 held_prefix_len, tools_json)
+                                                 held_prefix_len, tools_system_prompt)
 from pdcluster.cluster.api.tool_parsers.json_scan import SequenceScan, scan_array, scan_call, skip_ws
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -70,12 +70,11 @@ class HermesParser(ToolParser):
         return calls, scan.end  # no closing tag: the block ends with its JSON
 
     def system_prompt(self, tools: list[dict]) -> str:
-        return ("You may call functions to help answer. These are the functions you can call, described in "
-                f"JSON Schema:\n<tools>{tools_json(tools)}</tools>\n"
-                "To call functions, answer with the calls only, in this format:\n"
-                '<tool_call>[{"name": "<function name>", "arguments": {"<argument>": <value>}}]</tool_call>\n'
-                "Put several calls in the list to call several functions. If no function is needed, "
-                "answer in plain text.")
+        how_to_call = ("To call functions, answer with the calls only, in this format:\n"
+                       '<tool_call>[{"name": "<function name>", "arguments": {"<argument>": <value>}}]</tool_call>\n'
+                       "Put several calls in the list to call several functions. If no function is needed, "
+                       "answer in plain text.")
+        return tools_system_prompt(tools, how_to_call, "<tools>", "</tools>")
 
     def render_calls(self, calls: list[dict]) -> str:
         items = [{"name": c["function"]["name"], "arguments": call_arguments(c)} for c in calls]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from pdcluster.cluster.api.tool_parsers.base import (CallSnapshot, Snapshot, ToolParser, call_arguments,
-                                                 held_prefix_len, tools_json)
+                                                 held_prefix_len, tools_system_prompt)
 from pdcluster.cluster.api.tool_parsers.json_scan import scan_joined, skip_ws
 
 PYTHON_TAG = "<|python_tag|>"
@@ -33,11 +33,9 @@ class Llama3JsonParser(ToolParser):
         return Snapshot([CallSnapshot(c.name, c.arguments(text), c.end is not None) for c in scan.calls])
 
     def system_prompt(self, tools: list[dict]) -> str:
-        return ("You may call functions to help answer. These are the functions you can call, described in "
-                f"JSON Schema:\n{tools_json(tools)}\n"
-                "To call a function, answer with only a JSON object in this format:\n"
-                '{"name": "<function name>", "parameters": {"<argument>": <value>}}\n'
-                "Join several calls with ';'. If no function is needed, answer in plain text.")
+        return tools_system_prompt(tools, "To call a function, answer with only a JSON object in this format:\n"
+                                   '{"name": "<function name>", "parameters": {"<argument>": <value>}}\n'
+                                   "Join several calls with ';'. If no function is needed, answer in plain text.")
 
     def render_calls(self, calls: list[dict]) -> str:
         return "; ".join(json.dumps({"name": c["function"]["name"], "parameters": call_arguments(c)},

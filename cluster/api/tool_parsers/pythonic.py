@@ -9,7 +9,7 @@ import ast
 import json
 import re
 
-from pdcluster.cluster.api.tool_parsers.base import CallSnapshot, Snapshot, ToolParser, call_arguments, tools_json
+from pdcluster.cluster.api.tool_parsers.base import CallSnapshot, Snapshot, ToolParser, call_arguments, tools_system_prompt
 
 # A complete Python string literal, a bracket or comma, or a lone quote (an unterminated string).
 _TOKEN = re.compile(r"'(?:[^'\\\n]|\\.)*'|\"(?:[^\"\\\n]|\\.)*\"|[\[\](){},]|['\"]")
@@ -38,11 +38,10 @@ class PythonicParser(ToolParser):
         return Snapshot(calls)
 
     def system_prompt(self, tools: list[dict]) -> str:
-        return ("You may call functions to help answer. These are the functions you can call, described in "
-                f"JSON Schema:\n{tools_json(tools)}\n"
-                "To call functions, answer with only a Python list of calls with keyword arguments, like:\n"
-                '[function_name(argument="value", other=1)]\n'
-                "If no function is needed, answer in plain text.")
+        return tools_system_prompt(tools, "To call functions, answer with only a Python list of calls with keyword "
+                                   "arguments, like:\n"
+                                   '[function_name(argument="value", other=1)]\n'
+                                   "If no function is needed, answer in plain text.")
 
     def render_calls(self, calls: list[dict]) -> str:
         def one(c: dict) -> str:
