@@ -550,6 +550,22 @@ def make_cluster(model: str, transport: str, num_prefill: int, num_decode: int, 
     return cluster
 
 
+def on_a_cluster(what: str, errors: list[str], cluster_args: tuple, run):
+    """``run(cluster)`` on ``make_cluster(*cluster_args)``, shut down after (bounded); a failure of either is
+    logged and noted in ``errors``, not raised (the other runs go on), and gives None."""
+    cluster = None
+    try:
+        cluster = make_cluster(*cluster_args)
+        return run(cluster)
+    except Exception as e:  # noqa: BLE001
+        errors.append(short_error(e))
+        log(f"{what}: FAILED {short_error(e)}\n{traceback.format_exc()}")
+        return None
+    finally:
+        if cluster is not None:
+            bounded(cluster.shutdown, 60, "Cluster.shutdown", errors)
+
+
 async def _poll_until(pred, timeout_s: float, interval_s: float = POLL_S):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -609,29 +625,26 @@ def bench_decode_kill(args, ray) -> dict:
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)  # greedy
     expected = offline_outputs(args.model, [prompt], params)[0]
     detect, replace, first_after, exact, errors, runs = [], [], [], [], [], []
+
+    def kill_once(cluster) -> dict:
+        return asyncio.run(asyncio.wait_for(
+            _decode_kill_once(cluster, ray, prompt, params, args.kill_after), SCENARIO_TIMEOUT_S))
+
     for rep in range(args.repeats):
-        cluster = None
-        try:
-            cluster = make_cluster(args.model, args.cluster_transport, 1, 2, 0)
-            r = asyncio.run(asyncio.wait_for(
-                _decode_kill_once(cluster, ray, prompt, params, args.kill_after), SCENARIO_TIMEOUT_S))
-            ok = r["finish_reason"] == "length" and r["tokens"] == expected
-            exact.append(ok)
-            for key, acc in (("detect_s", detect), ("replace_s", replace), ("first_token_after_kill_s", first_after)):
-                if r[key] is not None:
-                    acc.append(r[key])
-            run = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items() if k != "tokens"}
-            run["num_tokens"] = len(r["tokens"])
-            run["token_exact"] = ok
-            runs.append(run)
-            log(f"decode_kill #{rep}: detect {r['detect_s']}, first token after kill {r['first_token_after_kill_s']}, "
-                f"exact {ok}")
-        except Exception as e:  # noqa: BLE001
-            errors.append(short_error(e))
-            log(f"decode_kill #{rep}: FAILED {short_error(e)}\n{traceback.format_exc()}")
-        finally:
-            if cluster is not None:
-                bounded(cluster.shutdown, 60, "Cluster.shutdown", errors)
+        r = on_a_cluster(f"decode_kill #{rep}", errors, (args.model, args.cluster_transport, 1, 2, 0), kill_once)
+        if r is None:
+            continue
+        ok = r["finish_reason"] == "length" and r["tokens"] == expected
+        exact.append(ok)
+        for key, acc in (("detect_s", detect), ("replace_s", replace), ("first_token_after_kill_s", first_after)):
+            if r[key] is not None:
+                acc.append(r[key])
+        run = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items() if k != "tokens"}
+        run["num_tokens"] = len(r["tokens"])
+        run["token_exact"] = ok
+        runs.append(run)
+        log(f"decode_kill #{rep}: detect {r['detect_s']}, first token after kill {r['first_token_after_kill_s']}, "
+            f"exact {ok}")
     return {
         "kill_to_detect_s": summary(detect),
         "detect_to_replace_s": summary(replace),
@@ -695,22 +708,19 @@ def bench_restart(args, ray) -> dict:
     restarts = 2
     rows, errors, clusters = [], [], 0
     remaining = args.repeats
+
+    def restart_rounds(cluster, rounds: int) -> list[dict]:
+        nonlocal clusters
+        cluster.router.config.admission_wait_s = 120.0  # the only worker of a role is coming back: wait for it
+        clusters += 1
+        return asyncio.run(asyncio.wait_for(
+            _restart_rounds(cluster, ray, rounds, probe_prompt, probe_params, probe_expected), SCENARIO_TIMEOUT_S))
+
     while remaining > 0:
         rounds = min(remaining, restarts)  # each round restarts each actor once
         remaining -= rounds
-        cluster = None
-        try:
-            cluster = make_cluster(args.model, args.cluster_transport, 1, 1, restarts)
-            cluster.router.config.admission_wait_s = 120.0  # the only worker of a role is coming back: wait for it
-            clusters += 1
-            rows += asyncio.run(asyncio.wait_for(
-                _restart_rounds(cluster, ray, rounds, probe_prompt, probe_params, probe_expected), SCENARIO_TIMEOUT_S))
-        except Exception as e:  # noqa: BLE001
-            errors.append(short_error(e))
-            log(f"restart_rejoin: FAILED {short_error(e)}\n{traceback.format_exc()}")
-        finally:
-            if cluster is not None:
-                bounded(cluster.shutdown, 60, "Cluster.shutdown", errors)
+        rows += on_a_cluster("restart_rejoin", errors, (args.model, args.cluster_transport, 1, 1, restarts),
+                             lambda cluster: restart_rounds(cluster, rounds)) or []
     out = {"clusters": clusters}
     for role in ("decode", "prefill"):
         got = [r[role] for r in rows if role in r]
