@@ -53,32 +53,24 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cache-dir", default="", help="where converted models live (default ~/.cache/pdcluster)")
 
 
+# Flags whose dest is the EngineConfig field of the same name (the others are mapped by hand below).
+SAME_NAMED_FLAGS = (
+    "model", "dtype", "device", "max_model_len", "block_size", "num_kv_blocks", "kv_cache_memory_gib",
+    "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "kv_offload_host_gib", "kv_offload_disk_dir",
+    "kv_offload_disk_gib", "mtp_checkpoint", "num_threads", "seed", "cache_dir",
+)
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     num_spec = args.num_spec_tokens
     if args.spec != "none" and num_spec == 0:
         num_spec = 3
     return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        max_model_len=args.max_model_len,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory_gib=args.kv_cache_memory_gib,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        prefill_chunk_size=args.prefill_chunk_size,
+        **{name: getattr(args, name) for name in SAME_NAMED_FLAGS},
         enable_prefix_caching=not args.no_prefix_caching,
-        kv_offload_host_gib=args.kv_offload_host_gib,
-        kv_offload_disk_dir=args.kv_offload_disk_dir,
-        kv_offload_disk_gib=args.kv_offload_disk_gib,
         decode_prefix_reuse=not args.no_decode_prefix_reuse,
+        cuda_graphs=not args.no_cuda_graphs,
         spec_method=args.spec,
         num_spec_tokens=num_spec,
-        mtp_checkpoint=args.mtp_checkpoint,
-        num_threads=args.num_threads,
-        cuda_graphs=not args.no_cuda_graphs,
-        seed=args.seed,
-        cache_dir=args.cache_dir,
         **({} if getattr(args, "deterministic", None) is None else {"deterministic": args.deterministic}),
     )

@@ -39,6 +39,12 @@ class Metrics:
         def hist(name: str, doc: str, buckets) -> Histogram:
             return Histogram(PREFIX + name, doc, m, buckets=buckets, registry=r).labels(model_name)
 
+        def model_counter(name: str, doc: str) -> Counter:  # one series: this model's
+            return Counter(PREFIX + name, doc, m, registry=r).labels(model_name)
+
+        def model_gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, m, registry=r).labels(model_name)
+
         self.ttft = hist("time_to_first_token_seconds", "Time to first token (arrival at the API to first token).",
                          TTFT_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens.", ITL_BUCKETS)
@@ -50,30 +56,23 @@ class Metrics:
                        TTFT_BUCKETS)
             for part in TTFT_PARTS
         }
-        self.prompt_tokens_total = Counter(PREFIX + "prompt_tokens", "Prompt tokens processed.", m,
-                                           registry=r).labels(model_name)
-        self.generation_tokens_total = Counter(PREFIX + "generation_tokens", "Tokens generated.", m,
-                                               registry=r).labels(model_name)
+        self.prompt_tokens_total = model_counter("prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens_total = model_counter("generation_tokens", "Tokens generated.")
         cached = Counter(PREFIX + "prompt_tokens_cached", "Prompt tokens served from a KV cache instead of computed, "
                          "by tier: device (the prefix cache in the worker's pool) or offload (loaded back from "
                          "host memory or disk).", m + ["tier"], registry=r)
         self.prompt_tokens_cached = {tier: cached.labels(model_name, tier) for tier in CACHE_TIERS}
         self._success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
                                 m + ["finished_reason"], registry=r)
-        self.spec_draft = Counter(PREFIX + "spec_decode_num_draft_tokens", "Draft tokens proposed.", m,
-                                  registry=r).labels(model_name)
-        self.spec_accepted = Counter(PREFIX + "spec_decode_num_accepted_tokens", "Draft tokens accepted.", m,
-                                     registry=r).labels(model_name)
+        self.spec_draft = model_counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
+        self.spec_accepted = model_counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
         self._kv_bytes = Counter(PREFIX + "kv_transfer_bytes", "KV cache bytes moved from prefill to decode.",
                                  m + ["transport"], registry=r)
         self._kv_seconds = Counter(PREFIX + "kv_transfer_seconds", "Seconds spent moving KV cache.",
                                    m + ["transport"], registry=r)
-        self.running = Gauge(PREFIX + "num_requests_running", "Requests in a decode batch.", m,
-                             registry=r).labels(model_name)
-        self.waiting = Gauge(PREFIX + "num_requests_waiting", "Requests waiting to be scheduled.", m,
-                             registry=r).labels(model_name)
-        self.kv_usage = Gauge(PREFIX + "kv_cache_usage_perc", "KV cache usage (1 = full).", m,
-                              registry=r).labels(model_name)
+        self.running = model_gauge("num_requests_running", "Requests in a decode batch.")
+        self.waiting = model_gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = model_gauge("kv_cache_usage_perc", "KV cache usage (1 = full).")
         self._autoscale = Counter(PREFIX + "autoscale_actions", "Workers added or drained by the autoscaler.",
                                   m + ["action", "role"], registry=r)
         self._workers = Gauge(PREFIX + "num_workers", "Workers in rotation.", m + ["role"], registry=r)
