@@ -85,7 +85,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.num_spec_steps = config.num_spec_steps
         self.max_model_len = max_model_len
-        max_blocks = -(-(max_model_len + self.num_spec_steps + 1) // self.block_size)
+        # A hybrid's transfer holds its state blocks right after the prompt's (engine/mamba_state_blocks.py).
+        max_blocks = -(-(max_model_len + self.num_spec_steps + 1) // self.block_size) + num_state_blocks
         self.states = RequestStates(config.max_num_seqs, max_model_len + self.num_spec_steps + 1, max_blocks)
         self.connector = connector or KVConnector()
         self.proposer = proposer or make_proposer(config, model, kv_cache)

@@ -7,8 +7,10 @@ it equals a from-scratch reference for every position below the scheduler's new 
 And a transfer taken at post_forward (all layers, draft layer included) lets a second engine continue
 with exactly the drafts, acceptance and tokens of the colocated run.
 
+The same for a NemotronH's own MTP layers (tiny-hybrid-moe: attention + latent MoE), order and completeness.
+
 Putting the seed's bug back (post_forward before the proposer) fails the order test, the completeness
-test and the transfer test.
+test (both heads) and the transfer test.
 """
 
 import re
@@ -69,13 +71,19 @@ def _engine(connector, **cfg):
     return engine
 
 
+# A NemotronH's own MTP layers (engine/models/nemotron_mtp.py): tiny-hybrid-moe's attention + latent-MoE step.
+OWN_LAYERS = dict(model="tiny-hybrid-moe", mtp_checkpoint="")
+
+
+@pytest.mark.parametrize("head", [{}, OWN_LAYERS], ids=["mtp-head", "own-mtp-layers"])
 @pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
-def test_S2_proposer_runs_before_post_forward(tiny_dir, use_async):
+def test_S2_proposer_runs_before_post_forward(tiny_dir, use_async, head):
     connector = RecordingConnector()
-    engine = _engine(connector, async_scheduling=use_async)
+    engine = _engine(connector, async_scheduling=use_async, **head)
     num_layers = engine.arch.num_layers
     connector.calls.clear()  # warmup went through the same path; look at real steps
-    engine.generate(PROMPTS, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    # Own layers: drafts mostly accepted, so fewer steps a token; as many steps as the head's 10 tokens take.
+    engine.generate(PROMPTS, SamplingParams(max_tokens=24 if head else 10, temperature=0.0, ignore_eos=True))
     step = " ".join(["pre_forward"] + [f"save_layer:{i}" for i in range(num_layers)] + ["propose", "post_forward"])
     trace = " ".join(connector.calls)
     assert re.fullmatch(rf"(?:(?:{step}|no_forward) ?)+", trace), trace[:600]
@@ -108,11 +116,27 @@ def _reference_mtp_kv(engine, token_ids: list[int], n: int):
     return engine.runner.proposer.head.reference_kv(hidden, torch.tensor(token_ids[1 : n + 1]), pos)
 
 
-def test_S2_draft_layer_kv_complete_at_post_forward(tiny_dir):
-    connector = RecordingConnector()
-    engine = _engine(connector)
+def _reference_own_mtp_kv(engine, token_ids: list[int], n: int):
+    """The same for a NemotronH's own MTP layers: the hybrid target over t_0..t_{n-1} from scratch (its own KV cache
+    and Mamba state: test_hybrid_model's Steps), then the first MTP attention block's K/V from (h_p, t_{p+1})."""
+    from test_hybrid_model import Steps
+
+    class HiddenStates:  # Steps runs forward then compute_logits: keep the final hidden states
+        def __init__(self, model):
+            self.arch, self.dtype, self.scale, self.forward = model.arch, model.dtype, model.scale, model.forward
+
+        def compute_logits(self, hidden):
+            return hidden
+
+    hidden = Steps(HiddenStates(engine.model), num_slots=1, block_size=16, num_blocks=-(-n // 16) + 1).prefill(
+        0, token_ids[:n])
+    return engine.runner.proposer.head.reference_kv(hidden, torch.tensor(token_ids[1 : n + 1]), torch.arange(n))
+
+
+def _draft_kv_checker(engine, reference, checked: list):
+    """A post_forward hook: the first draft layer's KV of every scheduled request equals ``reference`` for every
+    position below the scheduler's num_computed after this step."""
     runner, layer = engine.runner, engine.arch.num_layers
-    checked = []
 
     def check(sched, finished_req_ids):
         st = runner.states
@@ -123,7 +147,7 @@ def test_S2_draft_layer_kv_complete_at_post_forward(tiny_dir):
             # The scheduler's num_computed after this step: the newest committed token has no KV yet.
             n = int(st.num_tokens_np[idx]) - 1 if end >= s.num_tokens else end
             tokens = st.token_ids_np[idx, : n + 1].tolist()
-            k_ref, v_ref = _reference_mtp_kv(engine, tokens, n)
+            k_ref, v_ref = reference(engine, tokens, n)
             pos, bs = torch.arange(n), engine.config.block_size
             slots = torch.from_numpy(st.block_table_np[idx, (pos // bs).numpy()]).long() * bs + pos % bs
             torch.testing.assert_close(flat[0, slots], k_ref, atol=2e-3, rtol=1e-3,
@@ -131,6 +155,14 @@ def test_S2_draft_layer_kv_complete_at_post_forward(tiny_dir):
             torch.testing.assert_close(flat[1, slots], v_ref, atol=2e-3, rtol=1e-3)
             checked.append((s.request_id, n))
 
+    return check
+
+
+def test_S2_draft_layer_kv_complete_at_post_forward(tiny_dir):
+    connector = RecordingConnector()
+    engine = _engine(connector)
+    checked = []
+    check = _draft_kv_checker(engine, _reference_mtp_kv, checked)
     connector.on_post_forward = check
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     engine.generate(PROMPTS, params)
@@ -142,6 +174,21 @@ def test_S2_draft_layer_kv_complete_at_post_forward(tiny_dir):
     hit = engine.generate([shared + [1000 + i for i in range(12)]], params)[0]
     assert hit.num_cached_tokens > 0
     assert checked[-1][1] > 40
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+def test_S2_own_mtp_layers_kv_complete_at_post_forward(use_async):
+    """tiny-hybrid-moe drafting with its own MTP layers: at post_forward the draft layer holds, for every position
+    the scheduler counts computed, exactly what the MTP step computes from the target's hidden states, chunked
+    prefill included (so a transfer taken there carries it whole; disagg: tests/test_nemotron_mtp.py)."""
+    connector = RecordingConnector()
+    engine = _engine(connector, async_scheduling=use_async, **OWN_LAYERS)
+    assert engine.kv_spec.num_draft_layers == 1 and "its own MTP layers" in engine.mtp_source
+    checked = []
+    connector.on_post_forward = _draft_kv_checker(engine, _reference_own_mtp_kv, checked)
+    engine.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    assert len(checked) > 15
+    assert any(n < len(engine.tokenize(PROMPTS[1])) for rid, n in checked)  # mid-prefill chunks too
 
 
 class SnapshotConnector(RecordingConnector):

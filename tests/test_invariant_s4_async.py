@@ -247,3 +247,85 @@ def test_S4_async_prefix_cache_never_shares_uncomputed_kv(tiny_dir, spec, k):
         outs[use_async] = (first.token_ids, second.token_ids, second.num_cached_tokens)
     assert outs[True][:2] == outs[False][:2]
     assert outs[True][2] == outs[False][2] == 16  # the block holding the unwritten position is recomputed
+
+
+# ---- a NemotronH's own MTP layers (engine/models/nemotron_mtp.py), random acceptance ---------------------
+class PositionalOracle:
+    """Drafts the reference continuation, each draft replaced by a wrong token with probability ``corrupt`` drawn
+    from its request and absolute position alone (not from the call order), so a batch shuffled every step sees
+    the same draft at the same position. The model's own MTP proposer runs first (it writes its draft layer's KV),
+    its drafts discarded."""
+
+    def __init__(self, inner, references: list[list[int]], corrupt: float = 0.3):
+        self.inner, self.references, self.corrupt = inner, references, corrupt
+        self.num_draft_layers = inner.num_draft_layers
+
+    def propose(self, batch):
+        self.inner.propose(batch)
+        st, drafts = batch.states, []
+        for idx, k in zip(batch.idx_mapping_np, batch.num_drafts_np):
+            n = int(st.num_tokens_np[idx])
+            ref = next(r for r in self.references if r[:n] == st.token_ids_np[idx, :n].tolist())
+            wrong = [random.Random(f"{len(ref)}:{ref[:6]}:{pos}").random() < self.corrupt for pos in range(n, n + k)]
+            drafts.append([(t + 1) % 49152 if w else t for t, w in zip(ref[n : n + k], wrong)])
+        return drafts
+
+
+class CountingRecorder:
+    """Around the runner's sample_tokens: per request, the drafts each step verified and how many of them the
+    step kept, checked against the reference (S3: the accepted count is the run of leading drafts that equal
+    the target's tokens, every kept token is the reference's). The engine's counters must add up to these."""
+
+    def __init__(self, runner, references: list[list[int]]):
+        self.runner, self.references = runner, references
+        self.drafted: dict[str, int] = {}
+        self.accepted: dict[str, int] = {}
+        self.steps = {"none": 0, "partial": 0, "all": 0}  # verification steps by how many drafts they kept
+        self.sample, runner.sample_tokens = runner.sample_tokens, self.sample_tokens
+
+    def sample_tokens(self):
+        state = self.runner._state
+        out, kv = self.sample()
+        for i, rid in enumerate(out.req_ids):
+            drafts, kept = state.rows.draft_token_ids[i], out.sampled_token_ids[i]
+            if not kept:
+                continue
+            n = int(state.rows.num_tokens_np[i])
+            committed = self.runner.states.token_ids_np[state.idx_mapping_np[i], :n].tolist()
+            ref = next(r for r in self.references if r[:n] == committed)
+            assert kept == ref[n : n + len(kept)], f"{rid}: kept tokens are not the target's"
+            leading = next((j for j, d in enumerate(drafts) if d != ref[n + j]), len(drafts))
+            assert len(kept) - 1 == leading, f"{rid}: {len(kept) - 1} accepted of drafts {drafts}, {leading} right"
+            if drafts:
+                self.steps["none" if leading == 0 else "all" if leading == len(drafts) else "partial"] += 1
+            self.drafted[rid] = self.drafted.get(rid, 0) + len(drafts)
+            self.accepted[rid] = self.accepted.get(rid, 0) + len(kept) - 1
+        return out, kv
+
+
+@pytest.fixture(scope="module")
+def hybrid_reference():
+    outs = _run(make_engine("tiny-hybrid-moe", **CFG))
+    return [o.token_ids for o in outs], [o.prompt_token_ids + o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+def test_S3_S4_own_mtp_layers_counts_exact_under_random_acceptance(hybrid_reference, use_async):
+    """tiny-hybrid-moe drafting with its own MTP layers (attention + latent MoE, their KV in the paged cache), the
+    drafts corrupted at random positions; async: the batch shuffled every step and requests joining. The tokens
+    are the plain greedy ones, every step keeps exactly its leading right drafts (S3), and each request's
+    num_draft_tokens / num_accepted_tokens are exactly the sums of what its steps verified and kept (S4: the
+    optimistic async counts are taken back)."""
+    expected, refs = hybrid_reference
+    engine = make_engine("tiny-hybrid-moe", spec_method="mtp", num_spec_tokens=3, mtp_checkpoint="",
+                         async_scheduling=use_async, **CFG)
+    assert "its own MTP layers" in engine.mtp_source
+    engine.runner.proposer = PositionalOracle(engine.runner.proposer, refs)
+    recorder = CountingRecorder(engine.runner, refs)
+    outs = _run(engine, shuffle_seed=5 if use_async else None)
+    assert [o.token_ids for o in outs] == expected
+    for o in outs:
+        assert (o.num_draft_tokens, o.num_accepted_tokens) == (recorder.drafted[o.request_id],
+                                                                recorder.accepted[o.request_id]), o.request_id
+    assert min(recorder.steps.values()) > 0, recorder.steps  # random acceptance: none, partial and all happen
+    assert engine.scheduler.num_free_blocks == engine.kv_spec.num_blocks

@@ -18,6 +18,9 @@ Checkpoints are safetensors with the names of :func:`mtp_param_shapes` (``mtp.eh
 nothing the target accepts: 0 of 261 drafts on SmolLM2, decoding slower than without speculation), naming
 the ways out. ``mtp_checkpoint="random"`` asks for the seeded random head on purpose (tests: correctness
 never depends on draft quality, verification is lossless).
+
+A NemotronH that declares MTP layers of its own (``num_nextn_predict_layers``) drafts with those instead when
+``mtp_checkpoint`` is "" (engine/models/nemotron_mtp.py; :func:`uses_own_mtp_layers` is the one rule).
 """
 
 from __future__ import annotations
