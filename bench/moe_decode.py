@@ -13,13 +13,24 @@
    cached Mamba step skips the dt clamp, tests/test_hybrid_random_dir.py, so near-ties may drift).
 2. "fused_moe_block": one Qwen3-MoE-shaped block (128 experts, top 8, hidden 1024, width 384), our grouped
    matmul (the C kernel, batch-invariant) against ``torch._grouped_mm``, at 1 / 8 / 64 tokens.
+3. "disagg_bytes": bytes a disaggregated request moves from the prefill to the decode worker, drafting with the
+   model's own MTP layers (--spec mtp): the target's attention KV, the MTP layers' KV (their draft layers, every
+   prompt block) and the Mamba state (conv + SSM of every Mamba layer, fp32, in whole blocks after the prompt's).
+   Measured over a real tcp pair (the prefill worker's bytes_sent) and split by the connector's sends
+   (kv_transfer/connector/prefill.py): the full blocks layer by layer, then at post_forward the tail block again
+   (the last full one when the prompt fills its blocks), the draft layers of every block and the state blocks. For
+   tiny-hybrid-moe and for section 1's model with one MTP step added (attention + latent MoE, random weights
+   under the published Nemotron-3 names: transformers' save_pretrained writes none).
 
-    python bench/moe_decode.py [--threads 1] [--new-tokens 32] [--repeats 3] [--out bench/results/moe_decode.json]
+    python bench/moe_decode.py [--threads 1] [--new-tokens 32] [--repeats 3] [--sections ...]
+                               [--out bench/results/moe_decode.json]
+--sections runs only those sections; the others are kept from --out's file.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -32,6 +43,7 @@ import torch
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.llm_engine import LLMEngine
 from pdcluster.engine.models.moe import MoeArch, SparseMoe
+from pdcluster.engine.models.tiny_hybrid_moe import mtp_state_dict
 from pdcluster.engine.models.registry import resolve_model
 from pdcluster.engine.sampling_params import SamplingParams
 
@@ -153,22 +165,104 @@ def block_section(args) -> dict:
     return {"shape": {"experts": E, "top_k": K, "hidden": H, "width": I}, "reps": args.reps, "runs": out}
 
 
+def add_mtp_layers(model_dir: Path) -> None:
+    """One MTP step (transformers' default attention + moe) under the published names, as NVIDIA's checkpoints
+    carry it: config fields, and the weights in their own file (tiny_hybrid_moe's draws at this model's shape)."""
+    from safetensors.torch import save_file
+
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(num_nextn_predict_layers=1, mtp_layers_block_type=["full_attention", "moe"])
+    (model_dir / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(mtp_state_dict(config), str(model_dir / "mtp.safetensors"), metadata={"format": "pt"})
+
+
+def request_bytes(engine, prompt_tokens: int) -> dict:
+    """What the prefill connector sends for one prompt (module docstring), split by kind."""
+    spec, bs = engine.kv_spec, engine.kv_spec.block_size
+    per_layer_block = spec.bytes_per_block // spec.num_layers
+    target_layers = spec.num_layers - spec.num_draft_layers
+    full, blocks = prompt_tokens // bs, -(-prompt_tokens // bs)
+    resent = blocks - min(full, blocks - 1)  # the tail block, or the last full block again
+    return {"kv": (full + resent) * target_layers * per_layer_block,
+            "mtp_kv": blocks * spec.num_draft_layers * per_layer_block,
+            "state": engine.num_state_blocks * spec.bytes_per_block}
+
+
+def disagg_bytes(model: str, dtype: str, prompt_lengths: tuple[int, ...]) -> dict:
+    """Each prompt through a real tcp prefill/decode pair, one at a time: bytes sent against request_bytes."""
+    from pdcluster.decode_node.worker import DecodeWorker
+    from pdcluster.kv_transfer.config import TransferConfig
+    from pdcluster.node.events import Tokens
+    from pdcluster.prefill_node.worker import PrefillWorker
+
+    cfg = EngineConfig(model=model, dtype=dtype, num_kv_blocks=512, max_model_len=2048, prefill_chunk_size=512,
+                       spec_method="mtp", num_spec_tokens=2, mtp_checkpoint="")
+    prefill, decode = PrefillWorker("p0", cfg, TransferConfig(transport="tcp")), None
+    finished: set[str] = set()
+    try:
+        decode = DecodeWorker("d0", cfg, TransferConfig(transport="tcp"))
+        decode.on_event = lambda e: isinstance(e, Tokens) and e.finished and finished.add(e.request_id)
+        decode.connect_prefill(prefill.address)
+        engine, rows = prefill.engine, []
+        gen = torch.Generator().manual_seed(2)
+        for n in prompt_lengths:
+            sent_before = prefill.stats()["bytes_sent"]
+            decode.submit(f"n{n}", torch.randint(3, engine.arch.vocab_size, (n,), generator=gen).tolist(),
+                          SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0), "p0")
+            t_end = time.monotonic() + 600
+            while f"n{n}" not in finished and time.monotonic() < t_end:
+                time.sleep(0.01)
+            time.sleep(0.2)  # the prefill worker counts its last sends when the receiver acks them
+            parts = request_bytes(engine, n)
+            rows.append({"prompt_tokens": n, "bytes_sent": prefill.stats()["bytes_sent"] - sent_before,
+                         **{f"{k}_bytes": v for k, v in parts.items()}, "accounted_bytes": sum(parts.values())})
+            print(f"disagg bytes {Path(model).name} {dtype} {n} tokens: {rows[-1]}", flush=True)
+        spec = engine.kv_spec
+        return {"mtp_source": engine.mtp_source.split(": ", 1)[-1], "block_size": spec.block_size, "num_layers": spec.num_layers,
+                "num_draft_layers": spec.num_draft_layers, "bytes_per_block": spec.bytes_per_block,
+                "num_state_blocks": engine.num_state_blocks, "state_payload_bytes": engine.state_shape.bytes_per_slot,
+                "requests": rows}
+    finally:
+        prefill.close()
+        if decode is not None:
+            decode.close()
+
+
+def disagg_section(model_dir: Path) -> dict:
+    add_mtp_layers(model_dir)
+    return {"tiny-hybrid-moe": {"float32": disagg_bytes("tiny-hybrid-moe", "float32", (100, 1000))},
+            "nemotron_h_with_mtp": {dtype: disagg_bytes(str(model_dir), dtype, (100, 1000))
+                                    for dtype in ("float32", "bfloat16")}}
+
+
+SECTIONS = ("nemotron_h", "fused_moe_block", "disagg_bytes")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3, help="decode timings: the fastest of this many runs")
+    ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "moe_decode.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    result = {"what": __doc__.split("\n\n")[0], "threads": args.threads, "torch": torch.__version__,
-              "load_avg_1min_at_start": os.getloadavg()[0]}
-    with tempfile.TemporaryDirectory() as tmp:
-        make_nemotron_dir(Path(tmp))
-        result["nemotron_h"] = nemotron_section(args, Path(tmp))
-    result["fused_moe_block"] = block_section(args)
-    result["load_avg_1min_at_end"] = os.getloadavg()[0]
+    result = json.loads(Path(args.out).read_text()) if args.out and Path(args.out).is_file() else {}
+    result.update({"what": __doc__.split("\n\n")[0], "threads": args.threads, "torch": torch.__version__})
+    for section in args.sections:
+        started = os.getloadavg()[0]
+        with tempfile.TemporaryDirectory() as tmp:
+            if section != "fused_moe_block":
+                make_nemotron_dir(Path(tmp))
+            if section == "nemotron_h":
+                result[section] = nemotron_section(args, Path(tmp))
+            elif section == "fused_moe_block":
+                result[section] = block_section(args)
+            else:
+                result[section] = disagg_section(Path(tmp))
+        result[section]["load_avg_1min"] = {"start": started, "end": os.getloadavg()[0],
+                                            "date": time.strftime("%Y-%m-%d")}
     emit_json(result, args.out)
 
 
