@@ -14,7 +14,7 @@ import functools
 import pytest
 
 from conftest import engine_config, make_engine, usable_transports
-from test_kv_transfer_e2e import Events, _collect_tokens, _wait_free, connected_pair
+from test_kv_transfer_e2e import run_on_pair
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kv_transfer.config import TransferConfig, kv_layout
 from pdcluster.kv_transfer.protocol import HandshakeError, Hello, check_compatible
@@ -33,15 +33,9 @@ def _colocated(params, **overrides):
 
 
 def _disagg(transport: str, params: SamplingParams, **overrides):
-    events = Events()
-    with connected_pair(_config(**overrides), TransferConfig(transport=transport, secret="s3cret"), events) as (p, d):
-        ids = [f"r{i}" for i in range(len(PROMPTS))]
-        for rid, prompt in zip(ids, PROMPTS):
-            d.submit(rid, prompt, params, "p0")
-        tokens = _collect_tokens(events, ids, timeout_s=120)
-        _wait_free(p, NUM_BLOCKS, 5)
-        _wait_free(d, NUM_BLOCKS, 5)
-        return [tokens[rid] for rid in ids], p.stats()["bytes_sent"], p.engine
+    run = run_on_pair(_config(**overrides), TransferConfig(transport=transport, secret="s3cret"), PROMPTS, params,
+                      NUM_BLOCKS)
+    return run.tokens, run.stats[0]["bytes_sent"], run.prefill_engine
 
 
 def _kv_bytes(engine) -> int:

@@ -2,6 +2,7 @@
 engine for every transport, and no stranded blocks when either side dies mid-transfer."""
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import multiprocessing as mp
@@ -112,6 +113,28 @@ def connected_pair(cfg, tc: TransferConfig, events: Events):
     finally:
         p.close()
         d.close()
+
+
+@dataclasses.dataclass
+class PairRun:
+    tokens: list[list[int]]  # per prompt, in order
+    request_ids: list[str]
+    events: Events
+    stats: tuple[dict, dict]  # the prefill and decode workers' stats once their blocks were back
+    prefill_engine: object
+
+
+def run_on_pair(cfg, tc: TransferConfig, prompts, params, num_blocks: int, timeout_s: float = 120) -> PairRun:
+    """Every prompt through a real prefill/decode pair (``connected_pair``), its tokens collected; waits
+    (bounded) for both workers' blocks to come back before taking their stats."""
+    events, ids = Events(), [f"r{i}" for i in range(len(prompts))]
+    with connected_pair(cfg, tc, events) as (p, d):
+        for rid, prompt in zip(ids, prompts):
+            d.submit(rid, prompt, params, "p0")
+        tokens = _collect_tokens(events, ids, timeout_s=timeout_s)
+        for worker in (p, d):
+            _wait_free(worker, num_blocks, 5)
+        return PairRun([tokens[rid] for rid in ids], ids, events, (p.stats(), d.stats()), p.engine)
 
 
 # ---- peers killed mid-transfer --------------------------------------------------------------------

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from conftest import engine_config, make_engine, usable_transports
-from test_kv_transfer_e2e import Events, _collect_tokens, _wait_free, connected_pair
+from test_kv_transfer_e2e import Events, _collect_tokens, connected_pair, run_on_pair
 from pdcluster.engine.attention import AttentionMetadata
 from pdcluster.engine.config import ConfigError
 from pdcluster.engine.models.architectures import load_model
@@ -212,18 +212,14 @@ def test_native_mtp_long_chunked_preempted_is_lossless(use_async):
 
 def _disagg(transport: str, params: SamplingParams, **overrides):
     """(tokens, (drafted, accepted) per request, bytes sent, the prefill worker's engine) through a real pair."""
-    events, ids = Events(), [f"r{i}" for i in range(len(PROMPTS))]
-    with connected_pair(_config(**overrides), TransferConfig(transport=transport, secret="s3cret"), events) as pair:
-        for i, prompt in enumerate(PROMPTS):
-            pair[1].submit(ids[i], prompt, params, "p0")
-        tokens = _collect_tokens(events, ids, timeout_s=120)
-        for worker in pair:  # every block back on both sides
-            _wait_free(worker, NUM_BLOCKS, 5)
-            assert worker.stats()["num_free_blocks"] == NUM_BLOCKS
-        with events.lock:  # the decode worker's counts ride on its Tokens events (S1: after acceptance)
-            last = {e.request_id: e for e in events.items if isinstance(e, Tokens)}
-        counts = [(last[rid].num_draft_tokens, last[rid].num_accepted_tokens) for rid in ids]
-        return [tokens[rid] for rid in ids], counts, pair[0].stats()["bytes_sent"], pair[0].engine
+    run = run_on_pair(_config(**overrides), TransferConfig(transport=transport, secret="s3cret"), PROMPTS, params,
+                      NUM_BLOCKS)
+    for stats in run.stats:  # every block back on both sides
+        assert stats["num_free_blocks"] == NUM_BLOCKS
+    with run.events.lock:  # the decode worker's counts ride on its Tokens events (S1: after acceptance)
+        last = {e.request_id: e for e in run.events.items if isinstance(e, Tokens)}
+    counts = [(last[rid].num_draft_tokens, last[rid].num_accepted_tokens) for rid in run.request_ids]
+    return run.tokens, counts, run.stats[0]["bytes_sent"], run.prefill_engine
 
 
 class NoDraftsWithTheFirstToken:
