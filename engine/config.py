@@ -80,7 +80,9 @@ class EngineConfig:
     num_spec_tokens: int = 0
     ngram_min: int = 1
     ngram_max: int = 4
-    mtp_checkpoint: str = ""  # "" = the trained head from the cache dir if present, else random
+    # "" = the model's own MTP layers when its config declares them (NemotronH), else our trained head from
+    # the cache dir (refused when there is none); a path; or "random" (tests).
+    mtp_checkpoint: str = ""
     async_scheduling: bool = False
     # CUDA graphs for uniform decode batches on a GPU (engine/cuda_graphs.py); False = eager (vLLM's
     # --enforce-eager).
