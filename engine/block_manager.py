@@ -77,17 +77,21 @@ class BlockManager:
     def num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def find_cached_prefix(self, request: Request) -> list[int]:
-        """Block ids of the longest cached prefix of the request's committed tokens.
+    def usable_block_hashes(self, request: Request) -> list[int]:
+        """Hashes of the full blocks a prefix hit may cover: every token but the last is usable, so the
+        step that follows produces logits."""
+        return chained_block_hashes(request.all_token_ids[: request.num_tokens - 1], self.block_size)
 
-        At least one token is always left to compute, so the step that follows produces logits.
-        """
+    def find_cached_prefix(self, request: Request, block_hashes: list[int] | None = None) -> list[int]:
+        """Block ids of the longest cached prefix of the request's committed tokens (at least one token is
+        always left to compute). ``block_hashes``: ``usable_block_hashes(request)``, when the caller has them."""
         if not self.enable_prefix_caching:
             return []
-        token_ids = request.all_token_ids
-        usable = token_ids[: len(token_ids) - 1]
+        usable = request.all_token_ids[: request.num_tokens - 1]
+        if block_hashes is None:
+            block_hashes = self.usable_block_hashes(request)
         block_ids = []
-        for i, h in enumerate(chained_block_hashes(usable, self.block_size)):
+        for i, h in enumerate(block_hashes):
             block_id = self._hash_to_block_id.get(h)
             if block_id is None:
                 break

@@ -227,13 +227,16 @@ class Scheduler:
             request = self.waiting[0]
             # Prompt logprobs need every prompt position's logits: such a request computes its prompt.
             use_cache = request.num_computed_tokens == 0 and request.sampling_params.prompt_logprobs is None
-            cached = self.block_manager.find_cached_prefix(request) if use_cache else []
+            # Hashed once here: the device lookup and the lower tiers' both walk them.
+            hashes = self.block_manager.usable_block_hashes(request) if use_cache else []
+            cached = self.block_manager.find_cached_prefix(request, hashes) if use_cache else []
             if cached and cfg.spec_method == "mtp":
                 # The MTP entry of position p depends on token p + 1: the last matched block's last entry
                 # was written for whatever followed it in the request that filled it. Recompute that
                 # block, so every shared entry's next token is inside the match (as vLLM does for EAGLE).
                 cached = cached[:-1]
-            if use_cache and self.offload.try_start(request, cached, self.block_manager, cfg.spec_method == "mtp"):
+            if use_cache and self.offload.try_start(request, cached, hashes, self.block_manager,
+                                                     cfg.spec_method == "mtp"):
                 self.waiting.popleft()  # WAITING_FOR_OFFLOAD: back at the front when its blocks are in
                 continue
             num_computed = request.num_computed_tokens + len(cached) * cfg.block_size

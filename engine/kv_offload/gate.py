@@ -13,7 +13,7 @@ again before it runs recomputes instead of loading forever)."""
 
 from __future__ import annotations
 
-from pdcluster.engine.block_manager import BlockManager, chained_block_hashes
+from pdcluster.engine.block_manager import BlockManager
 from pdcluster.engine.kv_offload.manager import LoadJob, OffloadManager
 from pdcluster.engine.request import Request, RequestStatus
 
@@ -26,7 +26,8 @@ class NoOffload:
     manager = None
     loading: dict[str, Request] = {}
 
-    def try_start(self, request: Request, cached: list[int], block_manager: BlockManager, keep_last: bool) -> bool:
+    def try_start(self, request: Request, cached: list[int], block_hashes: list[int], block_manager: BlockManager,
+                  keep_last: bool) -> bool:
         return False
 
     def poll(self, block_manager: BlockManager) -> tuple[list[Request], list[str]]:
@@ -51,14 +52,15 @@ class OffloadGate(NoOffload):
     def num_loading(self) -> int:
         return len(self.loading)
 
-    def try_start(self, request: Request, cached: list[int], block_manager: BlockManager, keep_last: bool) -> bool:
+    def try_start(self, request: Request, cached: list[int], block_hashes: list[int], block_manager: BlockManager,
+                  keep_last: bool) -> bool:
         """``cached``: the device prefix cache's blocks for the request (already trimmed as the scheduler
-        wants). Starts a load and returns True when lower tiers hold the blocks that follow."""
+        wants); ``block_hashes``: BlockManager.usable_block_hashes(request). Starts a load and returns True
+        when lower tiers hold the blocks that follow."""
         if self._num_loads.get(request.request_id, 0) >= MAX_LOADS:
             return False
         bs = self.block_size
-        usable = request.all_token_ids[: request.num_tokens - 1]  # one token always left to compute
-        hashes = chained_block_hashes(usable, bs)[len(cached):]
+        hashes = block_hashes[len(cached):]
         num_lower = self.manager.match(hashes)
         if keep_last and num_lower:
             num_lower -= 1  # MTP: the last matched block is recomputed (see Scheduler.schedule)
