@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from collections import deque
 
 import torch
 
@@ -19,15 +20,15 @@ MAX_PENDING_EVENTS = 100_000  # an undrained log drops its oldest (the router's 
 class KVEventLog:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._events: list[tuple[str, str, list[int]]] = []
+        # Bounded: an engine nobody drains (offline generate) drops its oldest events in O(1) each.
+        self._events: deque[tuple[str, str, list[int]]] = deque(maxlen=MAX_PENDING_EVENTS)
         self.num_dropped = 0
 
     def record(self, kind: str, tier: str, block_hashes: list[int]) -> None:
         with self._lock:
+            if len(self._events) == MAX_PENDING_EVENTS:
+                self.num_dropped += 1
             self._events.append((kind, tier, list(block_hashes)))
-            if len(self._events) > MAX_PENDING_EVENTS:
-                self.num_dropped += len(self._events) - MAX_PENDING_EVENTS
-                del self._events[: len(self._events) - MAX_PENDING_EVENTS]
 
     def on_offload_event(self, event: OffloadEvent) -> None:
         self.record(event.kind, event.tier, event.block_hashes)
@@ -35,7 +36,8 @@ class KVEventLog:
     def drain(self) -> list[tuple[str, str, list[int]]]:
         """Every event since the last drain, oldest first: (kind "stored"|"removed", tier, block hashes)."""
         with self._lock:
-            events, self._events = self._events, []
+            events = list(self._events)
+            self._events.clear()
         return events
 
 
