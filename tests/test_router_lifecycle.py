@@ -62,3 +62,34 @@ def test_malformed_events_are_dropped_and_logged(caplog):
         receiver.close()
     assert seen == [Failed(request_id="r#1", worker_id="d0", reason="x")]
     assert caplog.text.count("dropping malformed worker event") == 3
+
+
+def test_events_that_arrive_between_two_loops_do_not_stop_the_receiver():
+    """A router serves one asyncio loop after another (each ``asyncio.run`` is a new loop); a worker
+    event that lands after the first closed is dropped, and the next loop still gets its events. The
+    reader thread used to exit on the closed loop, and the next bind() raised "threads can only be
+    started once"."""
+    seen = []
+    receiver = EventReceiver("127.0.0.1", seen.append)
+    pusher = EventPusher(receiver.address)
+
+    async def bind_only():
+        receiver.bind(asyncio.get_running_loop())
+
+    async def wait_for(n):
+        receiver.bind(asyncio.get_running_loop())
+        deadline = time.monotonic() + 5
+        while len(seen) < n and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+
+    try:
+        asyncio.run(bind_only())  # that loop is closed now
+        pusher(Failed(request_id="r#late", worker_id="d0", reason="x"))
+        time.sleep(0.5)  # the thread meets the closed loop
+        asyncio.run(wait_for(1))
+        pusher(Failed(request_id="r#2", worker_id="d0", reason="y"))
+        asyncio.run(wait_for(1))
+    finally:
+        pusher.close()
+        receiver.close()
+    assert seen == [Failed(request_id="r#2", worker_id="d0", reason="y")]

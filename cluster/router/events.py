@@ -29,9 +29,13 @@ class EventReceiver:
         self._thread = threading.Thread(target=self._run, name="router-events", daemon=True)
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Deliver events on ``loop`` from now on (starts the thread the first time)."""
+        """Deliver events on ``loop`` from now on (starts the thread the first time). A router may be
+        rebound to a new loop after the old one closed (each ``asyncio.run`` is a new loop): events that
+        arrive between the two are dropped, and the thread keeps reading."""
         self._loop = loop
         if not self._thread.is_alive() and not self._stop.is_set():
+            if self._thread.ident is not None:  # it ran and died: a Thread starts only once
+                self._thread = threading.Thread(target=self._run, name="router-events", daemon=True)
             self._thread.start()
 
     def close(self) -> None:
@@ -56,7 +60,8 @@ class EventReceiver:
                 except ProtocolError as e:
                     log.warning("dropping malformed worker event (%d bytes): %s", len(data), e)
                     continue
+                loop = self._loop
                 try:
-                    self._loop.call_soon_threadsafe(self._on_event, event)
-                except RuntimeError:  # the loop is closed (shutting down): nobody is listening
-                    return
+                    loop.call_soon_threadsafe(self._on_event, event)
+                except RuntimeError:  # that loop closed; a later bind() brings a new one
+                    log.debug("dropping a worker event: the router's event loop is closed")
