@@ -8,10 +8,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
-
-KINDS = ("fixed", "uniform", "normal")
 
 
 class LengthSpecError(ValueError):
@@ -20,7 +19,7 @@ class LengthSpecError(ValueError):
 
 @dataclass(frozen=True)
 class LengthDist:
-    kind: str  # one of KINDS
+    kind: Literal["fixed", "uniform", "normal"]
     low: float  # fixed: the length; uniform: lowest; normal: mean
     high: float  # fixed: the length; uniform: highest; normal: standard deviation
 
