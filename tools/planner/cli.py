@@ -140,10 +140,9 @@ def _workload(args: argparse.Namespace, model: str):
 
 def plan_main(args: argparse.Namespace) -> int:
     shapes = [parse_shape(c) for c in (args.config or ["1P1D"])]  # bad strings fail before any work
-    if args.shared_cores < 0:
-        raise PlanError(f"--shared-cores: must be >= 0, got {args.shared_cores}")
-    if args.overhead_ms < 0:
-        raise PlanError(f"--overhead-ms: must be >= 0, got {args.overhead_ms}")
+    for flag, value in (("--shared-cores", args.shared_cores), ("--overhead-ms", args.overhead_ms)):
+        if value < 0:
+            raise PlanError(f"{flag}: must be >= 0, got {value}")
     if not 0 < args.attainment <= 1:
         raise PlanError(f"--attainment: must be in (0, 1], got {args.attainment}")
     cost = load_cost_model(args.profile)
