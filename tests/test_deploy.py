@@ -429,20 +429,8 @@ def _wrong_slot(docs):
     _group(docs, "prefill")["rayStartParams"]["resources"] = "'{\"decode_slot\": 1}'"
 
 
-def _serve_flag_typo(docs):
-    _head(docs)["args"][0] = _head(docs)["args"][0].replace("'--num-decode'", "'--num-decodes'")
-
-
-def _serve_count_drift(docs):
-    _head(docs)["args"][0] = _head(docs)["args"][0].replace("'--num-decode' '4'", "'--num-decode' '2'")
-
-
 def _probe_path(docs):
     _head(docs)["livenessProbe"]["httpGet"]["path"] = "/healthz"
-
-
-def _key_on_command_line(docs):
-    _head(docs)["args"][0] = _head(docs)["args"][0].replace("'--mode'", "'--api-key' 'k' '--mode'")
 
 
 def _service_selects_workers(docs):
@@ -457,12 +445,17 @@ def _worker(docs, name="decode"):
     return _group(docs, name)["template"]["spec"]["containers"][0]
 
 
-def _edit_hook(old, new):
+def _edit_chart(command, old, new):
+    """Replace ``old`` (which must be there) by ``new`` in one rendered command line: the head's
+    `pdcluster serve` ("serve") or the decode workers' preStop hook ("hook")."""
     def mutate(docs):
-        command = _worker(docs)["lifecycle"]["preStop"]["exec"]["command"]
-        assert old in command[2]
-        command[2] = command[2].replace(old, new)
-    mutate.__name__ = f"hook {old!r}->{new!r}"
+        if command == "serve":
+            lines, i = _head(docs)["args"], 0
+        else:
+            lines, i = _worker(docs)["lifecycle"]["preStop"]["exec"]["command"], 2
+        assert old in lines[i]
+        lines[i] = lines[i].replace(old, new)
+    mutate.__name__ = f"{command} {old!r}->{new!r}"
     return mutate
 
 
@@ -502,21 +495,22 @@ def _secret_without_admin_key(docs):
     (_replicas_drift, "replicas"),
     (_lose_gpu_limit, "nvidia.com/gpu"),
     (_wrong_slot, "prefill_slot"),
-    (_serve_flag_typo, "rejects"),
-    (_serve_count_drift, "num_decode"),
     (_probe_path, "livenessProbe"),
-    (_key_on_command_line, "environment"),
     (_service_selects_workers, "selector"),
     (_monitor_misses_service, "misses the API Service"),
     (_no_prestop, "preStop"),
     (_short_grace, "terminationGracePeriodSeconds 60"),
     (_default_grace, "terminationGracePeriodSeconds 30"),
-    (_edit_hook('"$PDCLUSTER_POD_IP"', '"$HOSTNAME"'), "--node-ip"),
-    (_edit_hook("--node-ip", "--node"), "abbreviated"),
-    (_edit_hook("--timeout-s 600", "--timeout-s 900"), "drain.timeoutS"),
-    (_edit_hook(":8000", ":8265"), "API Service"),
-    (_edit_hook("--timeout-s", "--admin-key hunter2 --timeout-s"), "environment"),
-    (_edit_hook("pdcluster drain", "pdcluster serve"), "no `pdcluster drain`"),
+    # Text edits of the rendered commands:
+    (_edit_chart("serve", "'--num-decode'", "'--num-decodes'"), "rejects"),
+    (_edit_chart("serve", "'--num-decode' '4'", "'--num-decode' '2'"), "num_decode"),
+    (_edit_chart("serve", "'--mode'", "'--api-key' 'k' '--mode'"), "environment"),
+    (_edit_chart("hook", '"$PDCLUSTER_POD_IP"', '"$HOSTNAME"'), "--node-ip"),
+    (_edit_chart("hook", "--node-ip", "--node"), "abbreviated"),
+    (_edit_chart("hook", "--timeout-s 600", "--timeout-s 900"), "drain.timeoutS"),
+    (_edit_chart("hook", ":8000", ":8265"), "API Service"),
+    (_edit_chart("hook", "--timeout-s", "--admin-key hunter2 --timeout-s"), "environment"),
+    (_edit_chart("hook", "pdcluster drain", "pdcluster serve"), "no `pdcluster drain`"),
     (_pod_ip_from_node, "status.podIP"),
     (_worker_without_admin_key, "PDCLUSTER_ADMIN_KEY"),
     (_head_admin_key_required, "PDCLUSTER_ADMIN_KEY"),
