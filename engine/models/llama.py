@@ -16,10 +16,10 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 
 from pdcluster.engine.attention import AttentionMetadata, attend
 from pdcluster.engine.linear import Linear
+from pdcluster.engine.models.causal_lm import CausalLM
 from pdcluster.engine.models.moe import MoeArch, SparseMoe, take_expert_weights
 from pdcluster.kernels import ops
 
@@ -87,19 +87,6 @@ class ModelArch:
             moe=(MoeArch.from_config(cfg, cfg["num_hidden_layers"], str(model_dir))
                  if arch[0] == "Qwen3MoeForCausalLM" else None),
         )
-
-
-def load_weights(model_dir: Path, dtype: torch.dtype, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """Every tensor of the directory's *.safetensors files, by Hugging Face name, in ``dtype`` on
-    ``device`` (read on the host, cast there, then moved: one device copy per tensor)."""
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{model_dir}: no *.safetensors weight files")
-    weights: dict[str, torch.Tensor] = {}
-    for f in files:
-        for name, tensor in load_file(str(f)).items():
-            weights[name] = tensor.to(dtype).to(device)
-    return weights
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -238,17 +225,14 @@ class DecoderLayer:
         return residual.add_(out)
 
 
-class LlamaModel:
+class LlamaModel(CausalLM):
+    arch_class = ModelArch
+
     def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int,
                  deterministic: bool = False):
-        self.arch = arch
-        self.dtype = dtype
-        # Every matmul batch-invariant (engine/linear.py; EngineConfig.deterministic). The MTP head reads it.
-        self.deterministic = deterministic
-        self.embed_tokens = weights["model.embed_tokens.weight"]
-        self.lm_head = self.embed_tokens if arch.tie_word_embeddings else weights["lm_head.weight"]
-        # The MTP head slices the plain lm_head and the embedding reads it: keep it beside the packing.
-        self.lm_head_proj = Linear(self.lm_head, keep_weight=True, pack_float32=True, deterministic=deterministic)
+        embed_tokens = weights["model.embed_tokens.weight"]
+        lm_head = embed_tokens if arch.tie_word_embeddings else weights["lm_head.weight"]
+        super().__init__(arch, dtype, deterministic, embed_tokens, lm_head)
         self.norm = weights["model.norm.weight"]
         self.layers = [DecoderLayer(arch, weights, f"model.layers.{i}", deterministic, layer_index=i)
                        for i in range(arch.num_layers)]
@@ -256,16 +240,6 @@ class LlamaModel:
             raise ValueError("Qwen3 weights lack self_attn.q_norm.weight / k_norm.weight in some layer")
         self.rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, max_positions, dtype, self.embed_tokens.device)
         self.scale = arch.head_dim**-0.5
-
-    @property
-    def device(self) -> torch.device:
-        return self.embed_tokens.device
-
-    @classmethod
-    def load(cls, model_dir: Path, dtype: torch.dtype, max_positions: int,
-             device: str | torch.device = "cpu", deterministic: bool = False) -> "LlamaModel":
-        return cls(ModelArch.from_dir(model_dir), load_weights(model_dir, dtype, device), dtype, max_positions,
-                   deterministic)
 
     def forward(
         self,
@@ -284,7 +258,3 @@ class LlamaModel:
             if on_layer_done is not None:
                 on_layer_done(i)
         return ops.rms_norm(hidden, self.norm, self.arch.rms_norm_eps, residual=residual)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [n, vocab] float32, for the rows to sample only (the runner passes those)."""
-        return self.lm_head_proj(hidden).float()

@@ -28,13 +28,13 @@ import torch
 import torch.nn.functional as F
 
 from pdcluster.engine.attention import AttentionMetadata
-from pdcluster.engine.linear import Linear
+from pdcluster.engine.models.causal_lm import CausalLM
 from pdcluster.engine.models.mamba_mixer import MambaStepPlan
 from pdcluster.engine.models.nemotron_blocks import (ATTENTION, MAMBA, MLP, MOE, TYPE_NAMES, build_blocks,
                                                      run_blocks)
 from pdcluster.engine.models.nemotron_moe import NemotronMoeArch
 from pdcluster.engine.mamba_state import MambaStateShape
-from pdcluster.engine.models.llama import RotaryEmbedding, load_weights
+from pdcluster.engine.models.llama import RotaryEmbedding
 # layers_block_type names (and the legacy ones transformers remaps) -> pattern characters.
 _BLOCK_TYPES = {"linear_attention": MAMBA, "mamba": MAMBA, "full_attention": ATTENTION, "attention": ATTENTION,
                 "mlp": MLP, "moe": MOE}
@@ -216,15 +216,27 @@ def _canonical_names(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     return out
 
 
-class NemotronHModel:
-    """Same interface as engine.models.llama.LlamaModel (the runner, the MTP head and the warmup use it)."""
+def _lm_head(arch: HybridArch, lm_head: torch.Tensor | None, embed_tokens: torch.Tensor) -> torch.Tensor:
+    """The checkpoint's lm_head.weight when it has one (transformers' NemotronH never ties, so a
+    saved model always has it), shared with the embedding when tied and equal; the embedding
+    when tied and absent."""
+    if lm_head is None:
+        if not arch.tie_word_embeddings:
+            raise ValueError("NemotronH weights lack 'lm_head.weight' and tie_word_embeddings is false")
+        return embed_tokens
+    if arch.tie_word_embeddings and torch.equal(lm_head, embed_tokens):
+        return embed_tokens
+    return lm_head
+
+
+class NemotronHModel(CausalLM):
+    """The runner, the MTP head and the warmup use it as they use LlamaModel (the CausalLM interface).
+    ``deterministic`` also runs Mamba prefill rows token by token (engine/models/mamba_mixer.py)."""
+
+    arch_class = HybridArch
 
     def __init__(self, arch: HybridArch, weights: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int,
                  deterministic: bool = False):
-        self.arch = arch
-        self.dtype = dtype
-        # Batch-invariant matmuls, and Mamba prefill rows run token by token (engine/models/mamba_mixer.py).
-        self.deterministic = deterministic
         # Taken out of the dict as they are used: once fused and packed, loaded tensors are freed.
         weights = _canonical_names(weights)
 
@@ -234,35 +246,13 @@ class NemotronHModel:
                 raise ValueError(f"NemotronH weights lack {key!r}{what}")
             return weights.pop(key)
 
-        self.embed_tokens = take("model.embeddings.weight")
-        self.lm_head = self._lm_head(arch, weights.pop("lm_head.weight", None))
-        self.lm_head_proj = Linear(self.lm_head, keep_weight=True, pack_float32=True, deterministic=deterministic)
+        embed_tokens = take("model.embeddings.weight")
+        lm_head = _lm_head(arch, weights.pop("lm_head.weight", None), embed_tokens)
+        super().__init__(arch, dtype, deterministic, embed_tokens, lm_head)
         self.norm = take("model.norm_f.weight")
         self.layers = build_blocks(arch, arch.layer_types, "model.layers", weights, take, deterministic)
         self.rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, max_positions, dtype, self.embed_tokens.device)
         self.scale = arch.head_dim**-0.5
-
-    def _lm_head(self, arch: HybridArch, lm_head: torch.Tensor | None) -> torch.Tensor:
-        """The checkpoint's lm_head.weight when it has one (transformers' NemotronH never ties, so a
-        saved model always has it), shared with the embedding when tied and equal; the embedding
-        when tied and absent."""
-        if lm_head is None:
-            if not arch.tie_word_embeddings:
-                raise ValueError("NemotronH weights lack 'lm_head.weight' and tie_word_embeddings is false")
-            return self.embed_tokens
-        if arch.tie_word_embeddings and torch.equal(lm_head, self.embed_tokens):
-            return self.embed_tokens
-        return lm_head
-
-    @classmethod
-    def load(cls, model_dir: Path, dtype: torch.dtype, max_positions: int,
-             device: str | torch.device = "cpu", deterministic: bool = False) -> "NemotronHModel":
-        return cls(HybridArch.from_dir(model_dir), load_weights(model_dir, dtype, device), dtype, max_positions,
-                   deterministic)
-
-    @property
-    def device(self) -> torch.device:
-        return self.embed_tokens.device
 
     def forward(
         self,
@@ -278,7 +268,3 @@ class NemotronHModel:
                 if meta.mamba is not None and self.arch.num_mamba_layers else None)
         return run_blocks(self.layers, F.embedding(input_ids, self.embed_tokens), kv_cache, meta, self.norm,
                           self.arch.rms_norm_eps, plan, on_layer_done)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [n, vocab] float32, for the rows to sample only."""
-        return self.lm_head_proj(hidden).float()

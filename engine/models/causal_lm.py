@@ -1,0 +1,61 @@
+"""What every model class shares around its own blocks: the checkpoint's weights, the token embedding, the
+LM head packed for the logits matmul, and the interface the runner, the MTP heads and the warmup use
+(``load``, ``device``, ``compute_logits``).
+
+LlamaModel (engine/models/llama.py) and NemotronHModel (engine/models/nemotron_h.py) add their blocks,
+final norm and rotary table. Each is built as ``cls(arch, weights, dtype, max_positions, deterministic)``
+with ``arch`` read by its ``arch_class``, which is how ``load`` builds it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from safetensors.torch import load_file
+
+from pdcluster.engine.linear import Linear
+
+
+def load_weights(model_dir: Path, dtype: torch.dtype, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Every tensor of the directory's *.safetensors files, by Hugging Face name, in ``dtype`` on
+    ``device`` (read on the host, cast there, then moved: one device copy per tensor)."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors weight files")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        for name, tensor in load_file(str(f)).items():
+            weights[name] = tensor.to(dtype).to(device)
+    return weights
+
+
+class CausalLM:
+    arch_class: ClassVar[type]  # ModelArch or HybridArch: ``from_dir`` reads the checkpoint's config.json
+
+    def __init__(self, arch, dtype: torch.dtype, deterministic: bool, embed_tokens: torch.Tensor,
+                 lm_head: torch.Tensor):
+        self.arch = arch
+        self.dtype = dtype
+        # Batch-invariant kernels (EngineConfig.deterministic): every matmul (engine/linear.py), and what else
+        # a model makes invariant (NemotronH: Mamba prefill rows token by token). The MTP heads read it.
+        self.deterministic = deterministic
+        self.embed_tokens = embed_tokens
+        self.lm_head = lm_head
+        # The MTP head slices the plain lm_head and the embedding reads it: keep it beside the packing.
+        self.lm_head_proj = Linear(lm_head, keep_weight=True, pack_float32=True, deterministic=deterministic)
+
+    @classmethod
+    def load(cls, model_dir: Path, dtype: torch.dtype, max_positions: int,
+             device: str | torch.device = "cpu", deterministic: bool = False) -> "CausalLM":
+        return cls(cls.arch_class.from_dir(model_dir), load_weights(model_dir, dtype, device), dtype, max_positions,
+                   deterministic)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.device
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [n, vocab] float32, for the rows to sample only (the runner passes those)."""
+        return self.lm_head_proj(hidden).float()
