@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.llm_engine import LLMEngine, RequestOutput
 from pdcluster.engine.loaded_model import LoadedModel
+from pdcluster.engine.remote_admission import RemoteReservation
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kv_transfer.config import TransferConfig
 from pdcluster.kv_transfer.protocol import FirstToken, TransferDone
@@ -52,6 +53,9 @@ class DecodeWorker(WorkerLoop):
                    if transfer is not None else NoRemoteKV())
         self.engine = LLMEngine(model, self.kv.connector)
         self._first_tokens: dict[str, _FirstTokenStream] = {}
+        # Admitted requests loading their prefix from the offload tiers: (prefill id, prompt, params) to
+        # ask the prefill worker with once the load ends. Engine thread only.
+        self._asks_after_load: dict[str, tuple[str, list[int], SamplingParams]] = {}
         # fork_group -> the request whose prompt its siblings reuse (engine/forks.py): the first choice
         # of an n > 1 request fetches or computes the prompt; the others follow it here.
         self._fork_leaders: dict[str, str] = {}
@@ -126,20 +130,37 @@ class DecodeWorker(WorkerLoop):
         if reserved is None:
             self._admission(request_id, FULL)
             return
+        if reserved.num_loading_blocks:
+            # Its prefix continues in this worker's offload tiers: admitted now (its blocks are taken), the
+            # prefill worker asked once the load ends (_poll_kv), for the blocks after those that arrived.
+            self._asks_after_load[request_id] = (prefill_id, list(prompt_token_ids), params)
+            self._admission(request_id, ADMITTED)
+            return
+        self._ask_prefill(request_id, prefill_id, prompt_token_ids, params, reserved)
+
+    def _ask_prefill(self, request_id: str, prefill_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     reserved: RemoteReservation, admitted: bool = False) -> None:
+        """Ask the prefill worker for the KV of the blocks after the ones held here. ``admitted``: the
+        Admission went out already (after an offload load), so a prefill worker lost meanwhile is a
+        failed request (the router recovers it), not a refused admission."""
         # Under the first-token lock: the prefill worker's FirstToken may arrive (I/O thread) before
         # request_kv returns, and must find the request and go out after its Admission.
         with self._first_token_lock:
             self._first_tokens[request_id] = _FirstTokenStream(prefill_id, len(prompt_token_ids))
             try:
-                # Only the blocks after the prefix this worker's cache holds (engine/remote_admission.py).
+                # Only the blocks after the prefix this worker holds (engine/remote_admission.py).
                 self.kv.request_kv(request_id, prefill_id, prompt_token_ids, params, reserved.dst_block_ids,
                                    reserved.num_reused_blocks)
             except UnreachablePrefill as e:
                 del self._first_tokens[request_id]
                 self.engine.abort_request(request_id)  # its blocks go back, or stay quarantined
-                self._admission(request_id, UNREACHABLE, str(e))
+                if admitted:
+                    self.emit(Failed(request_id=request_id, worker_id=self.worker_id, reason=str(e)[:2000]))
+                else:
+                    self._admission(request_id, UNREACHABLE, str(e))
                 return
-            self._admission(request_id, ADMITTED)
+            if not admitted:
+                self._admission(request_id, ADMITTED)
 
     def _fork_leader(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> str | None:
         """The live sibling this request follows, or None (then it leads its group from now on)."""
@@ -157,6 +178,7 @@ class DecodeWorker(WorkerLoop):
         return None
 
     def _abort(self, request_id: str) -> None:
+        self._asks_after_load.pop(request_id, None)
         # Waiting for its KV or not: the engine ends it, its connector revokes the transfer, tells the
         # prefill worker and keeps the blocks only while a sender may still write them.
         self._end_first_token_stream(request_id)
@@ -194,7 +216,8 @@ class DecodeWorker(WorkerLoop):
             stream.first_token_sent = True
             self.emit(Tokens(request_id=request_id, worker_id=self.worker_id, new_token_ids=[token_id],
                              num_computed_tokens=stream.num_prompt_tokens, num_output_tokens=1,
-                             num_cached_tokens=msg.num_cached_tokens, logprobs=list(msg.logprobs),
+                             num_cached_tokens=msg.num_cached_tokens,
+                             num_offloaded_tokens=msg.num_offloaded_tokens, logprobs=list(msg.logprobs),
                              prompt_logprobs=list(msg.prompt_logprobs)))
 
     def _poll_kv(self) -> None:
@@ -203,6 +226,10 @@ class DecodeWorker(WorkerLoop):
                 self._first_token(msg, peer_id)  # it overtook FirstToken: the first token goes first
             self.kv.handle_message(peer_id, msg)
         polled = self.engine.poll_kv()  # the connector's news, applied by the engine's scheduler
+        for request_id, reserved in polled.ready_to_ask.items():
+            ask = self._asks_after_load.pop(request_id, None)
+            if ask is not None:
+                self._ask_prefill(request_id, ask[0], ask[1], ask[2], reserved, admitted=True)
         for request_id, kv in polled.landed.items():
             self._end_first_token_stream(request_id)
             self.emit(KVReady(request_id=request_id, worker_id=self.worker_id, transport=self.kv.transport_name,

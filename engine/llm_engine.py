@@ -61,6 +61,8 @@ class KVPoll:
     landed: dict[str, LoadedKV]  # requests whose prompt's KV landed, with the transfer's figures
     outputs: list[RequestOutput]  # of those, the ones the producer's first token already ended
     failed: dict[str, str]  # request id -> why its KV will not come (the request is gone)
+    # Requests whose offload-tier prefix load ended: ask the prefill worker for the rest now.
+    ready_to_ask: dict[str, RemoteReservation] = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -135,8 +137,11 @@ class LLMEngine:
         decoding, failed transfers end their requests, blocks held for a transfer that is over go back)."""
         out = self.connector.poll()
         landed, failed = self.scheduler.update_from_kv(out)
+        self.scheduler.poll_offload()
+        ready = {r.request_id: reservation for r, reservation in self.scheduler.take_remote_ready()}
         return KVPoll(landed={r.request_id: out.finished_recving[r.request_id] for r in landed},
-                      outputs=[self._output(r, True, []) for r in landed if r.is_finished], failed=failed)
+                      outputs=[self._output(r, True, []) for r in landed if r.is_finished], failed=failed,
+                      ready_to_ask=ready)
 
     # ---- requests -------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:

@@ -81,6 +81,7 @@ class Scheduler:
         # the stat that shows a forked prompt was computed once.
         self.num_prompt_tokens_computed = 0
         self.num_prompt_tokens_reused = 0  # of remote requests' prompts, found here instead of transferred
+        self._remote_ready: list[tuple[Request, RemoteReservation]] = []  # poll_offload -> take_remote_ready
         # MTP writes its draft layer's KV for k - 1 chained positions past the verified ones
         # (engine/proposers/mtp.py): reserve those slots with every allocation.
         self.num_lookahead_tokens = max(config.num_spec_tokens - 1, 0) if config.spec_method == "mtp" else 0
@@ -110,12 +111,33 @@ class Scheduler:
         pool cannot hold it now."""
         if request.request_id in self.requests or request.request_id in self.held:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        reservation = reserve_remote(self.block_manager, self.config, request, self.num_state_blocks)
+        reservation = reserve_remote(self.block_manager, self.config, request, self.num_state_blocks, self.offload)
         if reservation is not None:
-            request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+            if not reservation.num_loading_blocks:  # else WAITING_FOR_OFFLOAD until poll_offload hands it out
+                request.status = RequestStatus.WAITING_FOR_REMOTE_KV
             self.requests[request.request_id] = request
             self.num_prompt_tokens_reused += reservation.num_reused_tokens
         return reservation
+
+    def poll_offload(self) -> list[tuple[Request, RemoteReservation]]:
+        """Apply the offload loads that ended (local requests back to the front of the queue, blocks of
+        requests finished meanwhile back to the pool). Returns the remote requests whose lower-tier
+        prefix load ended, each with its final reservation: the blocks after the ones loaded intact are
+        what the prefill worker is to send."""
+        polled = self.offload.poll(self.block_manager)
+        self.waiting.extendleft(reversed(polled.ready))  # they were first in line when their load began
+        self.free_held(set(polled.released))
+        out = []
+        for request in polled.remote_ready:
+            self.num_prompt_tokens_reused += request.num_offloaded_tokens
+            num_reused = request.num_offload_base_blocks + request.num_offloaded_tokens // self.config.block_size
+            out.append((request, RemoteReservation.for_request(request, num_reused, self.config.block_size)))
+        self._remote_ready += out
+        return out
+
+    def take_remote_ready(self) -> list[tuple[Request, RemoteReservation]]:
+        out, self._remote_ready = self._remote_ready, []
+        return out
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """End a request from outside the step loop (abort, stop string). Frees its blocks once."""
@@ -199,9 +221,7 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         if self.forks:
             self.waiting.extendleft(reversed(self.forks.release(self.requests)))
-        loaded, released = self.offload.poll(self.block_manager)
-        self.waiting.extendleft(reversed(loaded))  # they were first in line when their load began
-        self.free_held(set(released))
+        self.poll_offload()
         preempted: set[str] = set()
 
         i = 0

@@ -41,7 +41,7 @@ from pdcluster.wire.records import (  # noqa: F401 - re-exported: the control pl
 )
 
 # Fields added with a default (TransferRequest.prompt_token_ids, .sampling, .num_reused_blocks;
-# TransferDone.num_bytes, .seconds) and new message types do not change the version; a changed meaning would.
+# TransferDone.num_bytes, .seconds, .num_offloaded_tokens; FirstToken.num_offloaded_tokens) and new message types do not change the version; a changed meaning would.
 PROTOCOL_VERSION = 1
 ROLES = ("prefill", "decode")
 
@@ -169,6 +169,7 @@ class TransferDone(Record):
     num_bytes: int = 0  # what the data plane moved for this request (metrics)
     seconds: float = 0.0  # from the first chunk sent to the last one acknowledged
     num_cached_tokens: int = 0  # prompt tokens the prefill worker took from its prefix cache
+    num_offloaded_tokens: int = 0  # of those, loaded back from its offload tiers (host, disk)
     # With the request's logprobs / prompt_logprobs (repeated from FirstToken, which it may overtake).
     logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
@@ -187,6 +188,7 @@ class FirstToken(Record):
     num_cached_tokens: int = 0  # prompt tokens the prefill worker took from its prefix cache
     logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)  # the first token's, if asked
     prompt_logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)  # if asked
+    num_offloaded_tokens: int = 0  # of num_cached_tokens, loaded back from its offload tiers (host, disk)
 
 
 @dataclass(frozen=True)

@@ -146,5 +146,6 @@ class PrefillWorker(WorkerLoop):
                 task.logprobs, task.prompt_logprobs = list(out.new_logprobs), list(out.prompt_logprobs or [])
                 self._send(task.decode_id, FirstToken(request_id=out.request_id, token_id=out.new_token_ids[0],
                                                       num_cached_tokens=out.num_cached_tokens,
+                                                      num_offloaded_tokens=out.num_offloaded_tokens,
                                                       logprobs=task.logprobs, prompt_logprobs=task.prompt_logprobs))
         return True

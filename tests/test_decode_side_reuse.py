@@ -26,7 +26,7 @@ from conftest import engine_config
 from test_kv_transfer_e2e import Events, _wait_free, connected_pair
 import pdcluster.engine.scheduler as scheduler_module
 from pdcluster.engine.config import EngineConfig
-from pdcluster.engine.request import Request
+from pdcluster.engine.request import Request, RequestStatus
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.engine.scheduler import Scheduler
 from pdcluster.engine.scheduler_output import ModelRunnerOutput
@@ -115,11 +115,11 @@ def test_shared_blocks_cost_no_free_block_and_a_full_pool_changes_nothing():
 
 
 class _LowerTiers:
-    """An offload manager whose lower tiers hold every block asked about once ``holding`` is set
-    (engine/kv_offload/manager.py)."""
+    """An offload manager (engine/kv_offload/manager.py) whose lower tiers hold every block asked about
+    once ``holding`` is set; ``finish(n)`` ends the last load with its first ``n`` blocks intact."""
 
     def __init__(self):
-        self.loads = []
+        self.loads, self._done = [], []
         self.holding = False
 
     def on_evict(self, block_id, block_hash):
@@ -131,20 +131,73 @@ class _LowerTiers:
     def start_load(self, job):
         self.loads.append(job)
 
+    def finish(self, num_loaded):
+        self.loads[-1].num_loaded = num_loaded
+        self._done.append(self.loads[-1])
+
     def poll(self):
-        return []
+        done, self._done = self._done, []
+        return done
 
 
-def test_only_device_pool_hits_count_lower_tiers_are_sent_by_the_prefill_worker():
+def _tiered_scheduler(**cfg):
     tiers = _LowerTiers()
-    config = EngineConfig(model="x", block_size=BS, max_num_batched_tokens=64, prefill_chunk_size=64)
+    config = EngineConfig(model="x", block_size=BS, max_num_batched_tokens=64, prefill_chunk_size=64, **cfg)
     s = Scheduler(config, num_blocks=16, max_model_len=64, eos_token_ids={0}, offload=tiers)
     _cache_turn(s, list(range(1, 6)))  # 1 block in the device pool
     tiers.holding = True  # and the rest of any prompt in the lower tiers
+    return s, tiers
+
+
+@pytest.mark.parametrize("num_loaded", [3, 1, 0])
+def test_lower_tier_blocks_load_first_then_only_the_rest_is_asked_for(num_loaded):
+    """18 tokens = 5 blocks; the last token is never matched, so 4 can be held here: 1 in the device pool,
+    3 in the lower tiers. They load into the reservation, then the prefill worker is asked for the blocks
+    after the ones that arrived intact (a block that could not be read, from it on: asked for)."""
+    s, tiers = _tiered_scheduler()
     request = Request("r", list(range(1, 19)), SamplingParams())
     reserved = s.add_remote_request(request)
-    assert reserved.num_reused_blocks == 1 and len(reserved.dst_block_ids) == 4
-    assert tiers.loads == [] and request.status.name == "WAITING_FOR_REMOTE_KV"
+    assert reserved.num_reused_blocks == 1 and reserved.num_loading_blocks == 3
+    assert request.status.name == "WAITING_FOR_OFFLOAD" and len(request.block_ids) == 5
+    assert [job.block_ids for job in tiers.loads] == [request.block_ids[1:4]]
+    assert s.poll_offload() == [] and s.has_work()  # still loading: nothing to ask yet
+    tiers.finish(num_loaded)
+    [(ready, final)] = s.poll_offload()
+    num_reused = 1 + num_loaded
+    assert ready is request and request.status.name == "WAITING_FOR_REMOTE_KV"
+    assert final.num_reused_blocks == num_reused and final.dst_block_ids == request.block_ids[num_reused:]
+    assert request.num_offloaded_tokens == num_loaded * BS and s.num_prompt_tokens_reused == num_reused * BS
+    assert s.take_remote_ready() == [(request, final)] and s.take_remote_ready() == []
+    # The loaded blocks joined the device prefix cache; the whole prompt then lands and runs.
+    probe = Request("p", list(range(1, 19)) + [3], SamplingParams())
+    assert s.block_manager.find_cached_prefix(probe) == request.block_ids[:num_reused]
+    s.update_from_kv(KVConnectorOutput(finished_recving={"r": LoadedKV(5)}))
+    out = s.schedule()
+    s.update_from_output(out, ModelRunnerOutput(["r"], [[0]]))
+    assert not s.requests and s.num_free_blocks == 16
+
+
+def test_a_request_aborted_while_its_prefix_loads_keeps_its_blocks_until_the_load_ends():
+    s, tiers = _tiered_scheduler()
+    request = Request("r", list(range(1, 19)), SamplingParams())
+    assert s.add_remote_request(request).num_loading_blocks == 3
+    s.finish_request("r", RequestStatus.FINISHED_ABORTED)
+    assert "r" in s.held and s.num_free_blocks == 16 - 5  # the loader may still write them
+    tiers.finish(3)
+    assert s.poll_offload() == [] and not s.held and s.num_free_blocks == 16
+
+
+def test_mtp_leaves_the_last_lower_tier_block_to_the_prefill_worker():
+    s, tiers = _tiered_scheduler(spec_method="mtp", num_spec_tokens=2)
+    reserved = s.add_remote_request(Request("r", list(range(1, 19)), SamplingParams()))
+    assert reserved.num_reused_blocks == 0 and reserved.num_loading_blocks == 3  # 1 + 3 matched, the last dropped
+    assert len(tiers.loads[0].block_ids) == 3
+
+
+def test_no_lower_tier_load_when_reuse_is_off():
+    s, tiers = _tiered_scheduler(decode_prefix_reuse=False)
+    reserved = s.add_remote_request(Request("r", list(range(1, 19)), SamplingParams()))
+    assert reserved.num_reused_blocks == 0 and reserved.num_loading_blocks == 0 and tiers.loads == []
 
 
 # ---- the producer: only the blocks after the reused ones go out --------------------------------------
@@ -184,7 +237,7 @@ def test_prefill_connector_sends_only_blocks_after_the_reused_ones():
     c.pre_forward(Sched)
     c.save_layer(0)
     c.request_finished(type("R", (), dict(request_id="r", output_token_ids=[5], block_ids=[10, 11, 12, 13, 14, 15],
-                                          num_cached_tokens=0, spec_token_ids=[]))())
+                                          num_cached_tokens=0, num_offloaded_tokens=0, spec_token_ids=[]))())
     c.post_forward({"r"})
     assert transport.sent == [([0], [13], [40]),  # the full block after the reused ones, layer by layer
                               ([0], [14], [41]),  # the tail block from post_forward (S2)
@@ -229,6 +282,7 @@ class Conversation:
     num_reused_tokens: int  # the decode worker's, over both turns
     drafts: list[list[list[int]]]  # every draft the decode worker's proposer made, in order
     bytes_per_block: int
+    first_reports: list[Tokens]  # each turn's first Tokens event (the prefill worker's cache counts)
 
 
 def _turn_tokens(events: Events, request_id: str) -> list[int]:
@@ -240,8 +294,9 @@ def _turn_tokens(events: Events, request_id: str) -> list[int]:
         return [t for e in events.items if mine(e) and isinstance(e, Tokens) for t in e.new_token_ids]
 
 
-def _conversation(params=PARAMS, cut: int | None = None, **overrides) -> Conversation:
-    """Turn 1, then turn 2 = (turn 1's prompt + its answer)[:cut] + MORE, on one prefill + decode pair."""
+def _conversation(params=PARAMS, cut: int | None = None, between_turns=None, **overrides) -> Conversation:
+    """Turn 1, then turn 2 = (turn 1's prompt + its answer)[:cut] + MORE, on one prefill + decode pair;
+    ``between_turns(p, d)`` runs after turn 1."""
     events = Events()
     with connected_pair(_config(**overrides), TransferConfig(transport="tcp", secret="s3cret"), events) as (p, d):
         drafts, propose = [], d.engine.runner.proposer.propose
@@ -257,12 +312,18 @@ def _conversation(params=PARAMS, cut: int | None = None, **overrides) -> Convers
             d.submit(turn, prompt, params, "p0")
             turns.append(_turn_tokens(events, turn))
             prompt = (TURN1 + turns[0])[:cut] + MORE
+            if between_turns is not None and turn == "t1":
+                between_turns(p, d)
         _wait_free(p, NUM_BLOCKS, 5)
         _wait_free(d, NUM_BLOCKS, 5)  # 0 leaked blocks on both workers (shared ones freed once)
         sent = {e.request_id: e.num_bytes for e in events.items if isinstance(e, KVReady)}
         assert sum(sent.values()) == p.stats()["bytes_sent"]
+        first = {}
+        for e in events.items:
+            if isinstance(e, Tokens):
+                first.setdefault(e.request_id, e)
         return Conversation(turns, [sent["t1"], sent["t2"]], d.stats()["num_prompt_tokens_reused"], drafts,
-                            p.engine.kv_spec.bytes_per_block)
+                            p.engine.kv_spec.bytes_per_block, [first["t1"], first["t2"]])
 
 
 @pytest.mark.timeout(300)
@@ -290,9 +351,9 @@ def test_tokens_catch_a_decode_side_that_claims_blocks_it_does_not_hold(monkeypa
     expected = _conversation(decode_prefix_reuse=False).turns
     real = scheduler_module.reserve_remote
 
-    def claims_without_holding(block_manager, config, request, num_state_blocks):
+    def claims_without_holding(block_manager, config, request, num_state_blocks, offload=None):
         reserved = real(block_manager, dataclasses.replace(config, decode_prefix_reuse=False), request,
-                        num_state_blocks)
+                        num_state_blocks, offload)
         claimed = len(block_manager.find_cached_prefix(request)) if reserved is not None else 0
         if claimed:
             reserved.num_reused_blocks, reserved.num_reused_tokens = claimed, claimed * config.block_size
@@ -303,3 +364,68 @@ def test_tokens_catch_a_decode_side_that_claims_blocks_it_does_not_hold(monkeypa
     mutated = _conversation()
     assert mutated.num_reused_tokens == 64
     assert mutated.turns[0] == expected[0] and mutated.turns[1] != expected[1]
+
+
+# ---- real workers with offload tiers: a prefix evicted to host memory or disk still counts -----------
+
+def _evict_device_cache(worker) -> None:
+    """Give every free block of the worker's pool a new owner once (on its engine thread): each cached
+    block leaves the device prefix cache for the offload tiers, as under memory pressure."""
+
+    def evict(engine):
+        bm = engine.scheduler.block_manager
+        num_tokens = bm.num_free_blocks * bm.block_size
+        filler = Request("evict-all", [1] * num_tokens, SamplingParams())
+        assert bm.allocate_slots(filler, num_tokens)
+        bm.free(filler)
+        assert bm.find_cached_prefix(Request("probe", TURN1 + [1], SamplingParams())) == []
+
+    worker.call(evict, worker.engine)
+
+
+def _evict_both(p, d):
+    _evict_device_cache(p)
+    _evict_device_cache(d)
+
+
+def _corrupt_disk_tier(folder):
+    def between(p, d):
+        _evict_both(p, d)
+        for w in (p, d):
+            w.engine.offload.tiers.disk.flush()
+        files = sorted(folder.rglob("*.kvb"))
+        assert files, "the evicted blocks reached the disk tier"
+        for path in files:  # flip one byte of every block's KV: its checksum no longer matches
+            data = bytearray(path.read_bytes())
+            data[-1] ^= 0xFF
+            path.write_bytes(bytes(data))
+    return between
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_prefix_evicted_to_host_memory_is_loaded_back_on_both_sides(dtype):
+    """Both workers' device caches are emptied into their host tiers between the turns. The decode worker
+    loads turn 1's 4 blocks back and asks only for the rest (as if they had stayed in its pool); the
+    prefill worker loads its 3 and says so in the first token's report (FirstToken.num_offloaded_tokens).
+    Tokens equal a run with neither reuse nor tiers."""
+    plain = _conversation(dtype=dtype, decode_prefix_reuse=False, enable_prefix_caching=False)
+    tiered = _conversation(between_turns=_evict_both, dtype=dtype, kv_offload_host_gib=0.05)
+    assert tiered.turns == plain.turns
+    assert tiered.num_reused_tokens == 4 * 16  # all of them loaded back from host memory
+    assert tiered.bytes_sent[1] == plain.bytes_sent[1] - 4 * tiered.bytes_per_block
+    t2 = tiered.first_reports[1]
+    assert t2.num_cached_tokens == 48 and t2.num_offloaded_tokens == 48  # the prefill worker's 3 blocks
+    assert tiered.first_reports[0].num_offloaded_tokens == 0
+
+
+@pytest.mark.timeout(300)
+def test_corrupt_disk_blocks_are_asked_for_and_computed_never_used(tmp_path):
+    """Every block file corrupted between the turns: both workers find it on reading (checksum), the
+    decode worker asks the prefill worker for the whole prompt, which computes it; tokens exact."""
+    plain = _conversation(decode_prefix_reuse=False, enable_prefix_caching=False)
+    faulty = _conversation(between_turns=_corrupt_disk_tier(tmp_path), kv_offload_disk_dir=str(tmp_path),
+                           kv_offload_disk_gib=0.05)
+    assert faulty.turns == plain.turns
+    assert faulty.num_reused_tokens == 0 and faulty.bytes_sent == plain.bytes_sent
+    assert faulty.first_reports[1].num_offloaded_tokens == 0

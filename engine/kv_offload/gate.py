@@ -9,15 +9,29 @@ holding blocks while the first of them could not grow would deadlock a full pool
 preempt), and S1 holds as for any prefix hit: the scheduler sets ``num_computed_tokens`` when it takes the
 hit. A block that could not be read (deleted or corrupt disk file) ends the loaded prefix there; the rest
 is computed. A request loads at most MAX_LOADS times (a pool so full that its loaded blocks are evicted
-again before it runs recomputes instead of loading forever)."""
+again before it runs recomputes instead of loading forever).
+
+A decode worker's remote request (engine/remote_admission.py) loads its lower-tier prefix the same way,
+at admission: it keeps its blocks (they are its reservation), and when the load ends it goes back to
+WAITING_FOR_REMOTE_KV and is handed out (``OffloadPoll.remote_ready``) for the worker to ask the prefill
+worker for the blocks after the ones that arrived intact."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 from pdcluster.engine.block_manager import BlockManager
 from pdcluster.engine.kv_offload.manager import LoadJob, OffloadManager
 from pdcluster.engine.request import Request, RequestStatus
 
 MAX_LOADS = 2
+
+
+@dataclass
+class OffloadPoll:
+    ready: list[Request] = field(default_factory=list)  # local requests back to the queue (front)
+    released: list[str] = field(default_factory=list)  # loads that ended for requests finished meanwhile
+    remote_ready: list[Request] = field(default_factory=list)  # remote requests whose lower-tier prefix is in
 
 
 class NoOffload:
@@ -30,8 +44,14 @@ class NoOffload:
                   keep_last: bool) -> bool:
         return False
 
-    def poll(self, block_manager: BlockManager) -> tuple[list[Request], list[str]]:
-        return [], []
+    def num_lower_blocks(self, cached: list[int], block_hashes: list[int], keep_last: bool) -> int:
+        return 0
+
+    def start_remote(self, request: Request, num_base_blocks: int, block_hashes: list[int]) -> None:
+        raise AssertionError("no lower tiers to load from")
+
+    def poll(self, block_manager: BlockManager) -> OffloadPoll:
+        return OffloadPoll()
 
     @property
     def num_loading(self) -> int:
@@ -47,6 +67,7 @@ class OffloadGate(NoOffload):
         self.block_size = block_size
         self.loading: dict[str, Request] = {}
         self._num_loads: dict[str, int] = {}
+        self._remote: set[str] = set()  # of ``loading``, decode-side requests (they keep their blocks)
 
     @property
     def num_loading(self) -> int:
@@ -59,44 +80,62 @@ class OffloadGate(NoOffload):
         when lower tiers hold the blocks that follow."""
         if self._num_loads.get(request.request_id, 0) >= MAX_LOADS:
             return False
-        bs = self.block_size
-        hashes = block_hashes[len(cached):]
-        num_lower = self.manager.match(hashes)
-        if keep_last and num_lower:
-            num_lower -= 1  # MTP: the last matched block is recomputed (see Scheduler.schedule)
+        num_lower = self.num_lower_blocks(cached, block_hashes, keep_last)
         if num_lower == 0:
             return False
-        if not block_manager.allocate_slots(request, num_lower * bs, cached):
+        if not block_manager.allocate_slots(request, num_lower * self.block_size, cached):
             return False
-        request.status = RequestStatus.WAITING_FOR_OFFLOAD
-        self.loading[request.request_id] = request
         self._num_loads[request.request_id] = self._num_loads.get(request.request_id, 0) + 1
-        block_ids = request.block_ids[len(cached): len(cached) + num_lower]
-        self.manager.start_load(LoadJob(request.request_id, hashes[:num_lower], list(block_ids)))
-        request.num_offload_base_blocks = len(cached)
+        self._start(request, len(cached), block_hashes[len(cached): len(cached) + num_lower])
         return True
 
-    def poll(self, block_manager: BlockManager) -> tuple[list[Request], list[str]]:
-        """(requests whose load ended and that go back to the queue, ids of loads that ended for
-        requests finished meanwhile: their blocks may go back now)."""
-        ready, released = [], []
+    def num_lower_blocks(self, cached: list[int], block_hashes: list[int], keep_last: bool) -> int:
+        """How many of the blocks after ``cached`` (the device hit) the lower tiers hold, from the first."""
+        num_lower = self.manager.match(block_hashes[len(cached):])
+        if keep_last and num_lower:
+            num_lower -= 1  # MTP: the last matched block is recomputed (see Scheduler.schedule)
+        return num_lower
+
+    def start_remote(self, request: Request, num_base_blocks: int, block_hashes: list[int]) -> None:
+        """A remote request holding its reservation: load ``block_hashes`` into its blocks from
+        ``num_base_blocks`` on."""
+        self._remote.add(request.request_id)
+        self._start(request, num_base_blocks, block_hashes)
+
+    def _start(self, request: Request, num_base_blocks: int, block_hashes: list[int]) -> None:
+        request.status = RequestStatus.WAITING_FOR_OFFLOAD
+        request.num_offload_base_blocks = num_base_blocks
+        self.loading[request.request_id] = request
+        block_ids = request.block_ids[num_base_blocks: num_base_blocks + len(block_hashes)]
+        self.manager.start_load(LoadJob(request.request_id, list(block_hashes), list(block_ids)))
+
+    def poll(self, block_manager: BlockManager) -> OffloadPoll:
+        """The loads that ended: local requests go back to the queue, remote ones to waiting for their
+        KV; a request finished meanwhile lets its blocks go now (``released``)."""
+        out = OffloadPoll()
         bs = self.block_size
         for job in self.manager.poll():
             request = self.loading.pop(job.request_id, None)
+            remote = job.request_id in self._remote
+            self._remote.discard(job.request_id)
             if request is None or request.status != RequestStatus.WAITING_FOR_OFFLOAD:
                 self._num_loads.pop(job.request_id, None)
-                released.append(job.request_id)
+                out.released.append(job.request_id)
                 continue
             first = request.num_offload_base_blocks
             chunks = [tuple(request.all_token_ids[(first + i) * bs: (first + i + 1) * bs])
                       for i in range(job.num_loaded)]
             block_manager.cache_loaded_blocks(job.block_ids[: job.num_loaded], job.block_hashes[: job.num_loaded],
                                               chunks)
-            block_manager.free(request)
             request.num_offloaded_tokens = job.num_loaded * bs
+            if remote:  # its blocks are its reservation: the ones that did not arrive become destinations
+                request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+                out.remote_ready.append(request)
+                continue
+            block_manager.free(request)
             request.status = RequestStatus.WAITING
-            ready.append(request)
-        return ready, released
+            out.ready.append(request)
+        return out
 
     def forget(self, request_id: str) -> None:
         self._num_loads.pop(request_id, None)

@@ -55,6 +55,7 @@ class SendTask:
     num_bytes: int = 0
     t_first_send: float = 0.0
     num_cached_tokens: int = 0
+    num_offloaded_tokens: int = 0
     logprobs: list = field(default_factory=list)  # the first token's TokenLogprobs, if asked
     prompt_logprobs: list = field(default_factory=list)
 
@@ -145,6 +146,7 @@ class PrefillKVConnector(KVConnector):
         task.src_block_ids = list(request.block_ids)
         task.first_token_id = request.output_token_ids[0]
         task.num_cached_tokens = request.num_cached_tokens
+        task.num_offloaded_tokens = request.num_offloaded_tokens
         task.draft_token_ids = list(request.spec_token_ids)
         return True  # hold the blocks until post_forward has sent them and the receiver acked
 
@@ -241,7 +243,8 @@ class PrefillKVConnector(KVConnector):
             done = TransferDone(request_id=request_id, ok=True, error="", num_tokens=task.num_prompt_tokens,
                                 first_token_id=task.first_token_id, draft_token_ids=task.draft_token_ids,
                                 num_bytes=task.num_bytes, seconds=self.clock() - task.t_first_send,
-                                num_cached_tokens=task.num_cached_tokens, logprobs=task.logprobs,
+                                num_cached_tokens=task.num_cached_tokens,
+                                num_offloaded_tokens=task.num_offloaded_tokens, logprobs=task.logprobs,
                                 prompt_logprobs=task.prompt_logprobs)
             try:
                 self.endpoint.send(task.decode_id, done)
