@@ -213,6 +213,9 @@ class Cluster:
                     await asyncio.wait_for(handle.connect_prefill.remote(addr), timeout_s)
             st = await asyncio.wait_for(handle.stats.remote(), timeout_s)
             self.router.views[worker_id].num_blocks = st["num_blocks"]
+        # The router forgot what it held (health.py); its offload tiers' disk files outlived the process.
+        handle = self.prefill_handles.get(worker_id) or self.decode_handles.get(worker_id)
+        await asyncio.wait_for(handle.announce_kv.remote(), timeout_s)
 
     async def add_worker(self, role: str, timeout_s: float = 300.0) -> str:
         """Start one more worker of ``role`` ("prefill" in disagg mode, or "decode"), wire it to the other

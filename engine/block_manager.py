@@ -77,6 +77,10 @@ class BlockManager:
     def num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def cached_block_hashes(self) -> list[int]:
+        """Hashes of every block in the prefix cache (in use or free)."""
+        return list(self._hash_to_block_id)
+
     def usable_block_hashes(self, request: Request) -> list[int]:
         """Hashes of the full blocks a prefix hit may cover: every token but the last is usable, so the
         step that follows produces logits."""

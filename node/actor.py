@@ -58,6 +58,9 @@ class WorkerActor:
         self.pusher = EventPusher(event_address) if event_address else None
         if self.pusher is not None:
             self.worker.on_event = self.pusher
+            # Disk tier files an earlier run of this worker left (the same folder): the router learns of
+            # them now, its events having a listener from here on.
+            self.worker.post(self.worker.announce_kv_blocks)
         self.incarnation = uuid.uuid4().hex[:12]
 
     def make_worker(self, worker_id: str, engine_config: EngineConfig, transfer: TransferConfig | None):
@@ -81,6 +84,10 @@ class WorkerActor:
 
     def stats(self) -> dict:
         return self.worker.stats()
+
+    def announce_kv(self) -> int:
+        """Publish every KV block this worker holds, by tier (after a restart: node/worker_loop.py)."""
+        return self.worker.call(self.worker.announce_kv_blocks)
 
     def shutdown(self) -> None:
         self.worker.close()  # its engine's offload tiers too

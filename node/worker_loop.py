@@ -118,6 +118,19 @@ class WorkerLoop:
             for record in kv_event_records(self.worker_id, drained):
                 self.emit(record)
 
+    def announce_kv_blocks(self) -> int:
+        """Engine thread: every block the engine holds, by tier, as "stored" KV events (published at the
+        end of this turn). The router forgets a worker Ray restarted; its disk tier survived the restart,
+        so the re-wiring asks it to say again what it holds. Returns how many blocks it announced."""
+        engine = self.engine
+        held = {"device": engine.scheduler.block_manager.cached_block_hashes()}
+        if engine.offload is not None:
+            held.update(engine.offload.tiers.held_hashes())
+        for tier, block_hashes in held.items():
+            if block_hashes:
+                engine.kv_events.record("stored", tier, block_hashes)
+        return sum(map(len, held.values()))
+
     def close_kv_offload(self) -> None:
         """After ``stop``: the offload tiers' threads end (the disk writer finishes its queue)."""
         if self.engine is not None and self.engine.offload is not None:

@@ -16,7 +16,7 @@ import zmq
 
 from conftest import engine_config
 from pdcluster.cluster.router import ClusterRouter, RouterConfig
-from pdcluster.cluster.router.kv_index import TIER_WEIGHTS
+from pdcluster.cluster.router.kv_index import TIER_WEIGHTS, KVIndex
 from pdcluster.engine.block_manager import chained_block_hashes
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.node.actor import worker_engine_config
@@ -195,3 +195,43 @@ def test_a_worker_publishes_its_device_and_host_blocks(tiny_dir):
     finally:
         worker.close()
     assert not worker.engine.offload._thread.is_alive()
+
+
+@pytest.mark.timeout(120)
+def test_a_restarted_worker_announces_the_disk_blocks_it_finds(tiny_dir, tmp_path):
+    """A worker's disk tier outlives its process. The next worker on the same folder finds the blocks
+    and, asked (its actor does at start, the re-wiring after a Ray restart: the router forgot it),
+    publishes each tier's blocks as "stored" events, which the router's index applies."""
+    from pdcluster.decode_node.worker import DecodeWorker
+
+    cfg = engine_config(num_kv_blocks=16, kv_offload_disk_dir=str(tmp_path), kv_offload_disk_gib=0.05)
+    a, b = [list(range(1000 + 200 * i, 1000 + 200 * i + 160)) for i in range(2)]
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    first = DecodeWorker("d8", cfg)
+    finished: queue.SimpleQueue = queue.SimpleQueue()
+    first.on_event = lambda ev: finished.put(ev) if getattr(ev, "finished", False) else None
+    try:
+        for prompt in (a, b):  # b's blocks evict a's to disk
+            first.submit(f"r{prompt[0]}", prompt, params)
+            finished.get(timeout=60)
+        on_disk = set(first.call(lambda: first.engine.offload.tiers.held_hashes()["disk"]))
+    finally:
+        first.close()  # the disk writer finishes its queue
+    assert on_disk and on_disk <= set(chained_block_hashes(a, BLOCK))
+
+    second = DecodeWorker("d8", cfg)
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    second.on_event = events.put
+    try:
+        assert second.call(second.announce_kv_blocks) == len(on_disk)
+        second.call(lambda: None)  # one more turn: the announcement is out
+        index = KVIndex()
+        while not events.empty():
+            ev = events.get()
+            if isinstance(ev, KVEvents):
+                for e in ev.events:
+                    getattr(index, e.kind)(ev.worker_id, e.tier, e.block_hashes)
+        assert index.num_blocks("d8")["disk"] == len(on_disk)
+        assert all(index.overlap("d8", [h]) == TIER_WEIGHTS["disk"] for h in on_disk)
+    finally:
+        second.close()

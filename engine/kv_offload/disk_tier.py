@@ -43,6 +43,7 @@ class DiskTier:
         self._lock = threading.Lock()
         self._files: OrderedDict[int, None] = OrderedDict()  # block hashes on disk, least recently used first
         self._pending: dict[int, torch.Tensor] = {}  # queued for writing: readable from memory meanwhile
+        self._copied: dict[int, torch.cuda.Event] = {}  # of those, copies from a GPU still queued
         self.on_evicted: Callable[[list[int]], None] = lambda block_hashes: None  # called from the writer thread
         self.num_dropped_writes = 0
         self.num_failed_reads = 0
@@ -69,28 +70,36 @@ class DiskTier:
         return self.directory / f"{block_hash & 0xFFFFFFFFFFFFFFFF:016x}{SUFFIX}"
 
     # ---- actions ------------------------------------------------------------------------------
-    def store(self, block_hash: int, block_kv: torch.Tensor) -> None:
-        """Queue one block (a CPU tensor this tier now owns) for writing; returns at once."""
+    def store(self, block_hash: int, block_kv: torch.Tensor, copied: "torch.cuda.Event | None" = None) -> None:
+        """Queue one block (a CPU tensor this tier now owns) for writing; returns at once. ``copied``: a
+        CUDA event recorded after a still-queued copy into ``block_kv`` (readers wait for it)."""
         with self._lock:
             if block_hash in self._files or block_hash in self._pending:
                 return
             self._pending[block_hash] = block_kv
+            if copied is not None:
+                self._copied[block_hash] = copied
         try:
             self._queue.put_nowait(block_hash)
         except queue.Full:
             with self._lock:
                 self._pending.pop(block_hash, None)
+                self._copied.pop(block_hash, None)
             self.num_dropped_writes += 1
 
     def load(self, block_hash: int) -> torch.Tensor | None:
         """The block's KV, or None when it is not here or its file does not read back intact."""
         with self._lock:
             pending = self._pending.get(block_hash)
-            if pending is not None:
-                return pending
-            if block_hash not in self._files:
-                return None
-            self._files.move_to_end(block_hash)
+            copied = self._copied.get(block_hash)
+            if pending is None:
+                if block_hash not in self._files:
+                    return None
+                self._files.move_to_end(block_hash)
+        if pending is not None:
+            if copied is not None:
+                copied.synchronize()
+            return pending
         payload = self._read(block_hash)
         if payload is None:
             self.num_failed_reads += 1
@@ -102,6 +111,7 @@ class DiskTier:
         with self._lock:
             self._files.pop(block_hash, None)
             self._pending.pop(block_hash, None)
+            self._copied.pop(block_hash, None)
         self.path_of(block_hash).unlink(missing_ok=True)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
@@ -129,8 +139,11 @@ class DiskTier:
                 continue
             with self._lock:
                 block_kv = self._pending.get(item)
+                copied = self._copied.pop(item, None)
             if block_kv is None:
                 continue  # dropped while queued
+            if copied is not None:
+                copied.synchronize()  # the copy from the GPU was queued, not waited for, on eviction
             try:
                 self._write(item, block_kv)
             except OSError as e:  # a full or failing disk loses a cached block, nothing else

@@ -2,7 +2,12 @@
 
 A slot holds one block's KV for every layer, ``[num_layers, 2, block_size, num_kv_heads, head_dim]``
 (the block's column of the paged cache, engine/kv_cache.py). The memory is pinned when the device
-cache is on a GPU, so the copies in and out are DMA transfers that do not stall the host."""
+cache is on a GPU, so the copies in and out are DMA transfers that do not stall the host.
+
+On a GPU a block's copy out is only queued (on the engine's compute stream, which orders it before any
+later write to the device block); a CUDA event recorded after it marks when the slot holds the block.
+Whoever reads the slot waits for that event: a load's stream on the device (no host stall), the spill of
+an old slot to disk on the host (by then its copy has almost always ended)."""
 
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ class HostTier:
         self.data = torch.empty((capacity_blocks, *block_shape), dtype=dtype, pin_memory=pin_memory)
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # block hash -> slot; order = LRU first
         self._free_slots = list(range(capacity_blocks - 1, -1, -1))
+        self._copied: dict[int, torch.cuda.Event] = {}  # slot -> recorded after its queued copy in (GPU)
 
     @property
     def num_blocks(self) -> int:
@@ -48,10 +54,18 @@ class HostTier:
         evicted = None
         if not self._free_slots:
             old_hash, old_slot = self._slot_of.popitem(last=False)
+            copied = self._copied.pop(old_slot, None)
+            if copied is not None:
+                copied.synchronize()  # the least recently used slot: its copy ended long ago, as a rule
             evicted = (old_hash, self.data[old_slot].clone())
             self._free_slots.append(old_slot)
         slot = self._free_slots.pop()
-        self.data[slot].copy_(block_kv, non_blocking=self.data.is_pinned())
+        if block_kv.is_cuda:
+            self.data[slot].copy_(block_kv, non_blocking=self.data.is_pinned())
+            self._copied[slot] = torch.cuda.Event()
+            self._copied[slot].record()  # on the current (compute) stream, after the copy
+        else:
+            self.data[slot].copy_(block_kv)
         self._slot_of[block_hash] = slot
         return evicted
 
@@ -59,7 +73,14 @@ class HostTier:
         slot = self._slot_of.get(block_hash)
         if slot is None:
             return False
+        copied = self._copied.get(slot)
+        if copied is not None and out.is_cuda:
+            torch.cuda.current_stream(out.device).wait_event(copied)  # the loader's stream, on the device
         out.copy_(self.data[slot], non_blocking=self.data.is_pinned())
+        if out.is_cuda:
+            # Ended before the caller lets go of the tiers' lock: the engine thread may reuse the slot
+            # right after (one block, microseconds).
+            torch.cuda.current_stream(out.device).synchronize()
         self.touch(block_hash)
         return True
 
@@ -67,5 +88,8 @@ class HostTier:
         slot = self._slot_of.pop(block_hash, None)
         if slot is None:
             return False
+        copied = self._copied.pop(slot, None)
+        if copied is not None:
+            copied.synchronize()  # a slot is reused only once its copy in has ended
         self._free_slots.append(slot)
         return True

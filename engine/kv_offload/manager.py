@@ -3,7 +3,9 @@ into fresh device blocks on a loader thread while the engine keeps stepping.
 
 ``on_evict`` is the block manager's eviction hook: the block's KV is still in place (nobody writes a
 free block), so it is copied out before the block is handed to its next owner. On a GPU the copy is
-queued on the compute stream, which orders it before any later write to the block.
+queued on the compute stream, which orders it before any later write to the block, and the engine
+thread does not wait for it: each tier records a CUDA event after the copy and its readers wait for
+that (host_tier.py, and the disk tier's writer).
 
 ``start_load`` hands a request's lower-tier blocks to the loader thread; ``poll`` returns the loads
 that ended, each with how many of its blocks arrived intact *from the first*: a block that could not be
@@ -49,8 +51,6 @@ class OffloadManager:
     # ---- eviction (engine thread) -----------------------------------------------------------
     def on_evict(self, block_id: int, block_hash: int) -> None:
         self.tiers.offload(block_hash, self.kv_cache[:, :, block_id])
-        if self.on_gpu:
-            torch.cuda.current_stream().synchronize()  # the host copy must be whole before anyone reads it
 
     # ---- matching and loading ----------------------------------------------------------------
     def match(self, block_hashes: list[int]) -> int:

@@ -92,7 +92,15 @@ class OffloadTiers:
                     self.disk.store(evicted[0], evicted[1])
                     self._stored("disk", evicted[0])
         elif self.disk is not None:
-            self.disk.store(block_hash, block_kv.to("cpu", copy=True))
+            copied = None
+            if block_kv.is_cuda:  # queued into pinned memory; the disk tier's writer waits for the event
+                host_kv = torch.empty(block_kv.shape, dtype=block_kv.dtype, pin_memory=True)
+                host_kv.copy_(block_kv, non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record()
+            else:
+                host_kv = block_kv.clone()
+            self.disk.store(block_hash, host_kv, copied)
             self._stored("disk", block_hash)
 
     def load(self, block_hash: int, out: torch.Tensor) -> bool:
@@ -111,6 +119,11 @@ class OffloadTiers:
             self.counters["disk"].hits += 1
             return True
         return False
+
+    def held_hashes(self) -> dict[str, list[int]]:
+        """Per tier, the hashes of the blocks it holds."""
+        with self._lock:
+            return {tier.name: tier.hashes() for tier in self.tiers}
 
     def usage(self) -> dict[str, dict[str, int]]:
         """Per tier: blocks held and capacity (for /metrics)."""
