@@ -138,7 +138,7 @@ class LLMEngine:
         out = self.connector.poll()
         landed, failed = self.scheduler.update_from_kv(out)
         self.scheduler.poll_offload()
-        ready = {r.request_id: reservation for r, reservation in self.scheduler.take_remote_ready()}
+        ready, self.scheduler.remote_ready = self.scheduler.remote_ready, {}
         return KVPoll(landed={r.request_id: out.finished_recving[r.request_id] for r in landed},
                       outputs=[self._output(r, True, []) for r in landed if r.is_finished], failed=failed,
                       ready_to_ask=ready)

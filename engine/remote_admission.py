@@ -88,3 +88,10 @@ def reserve_remote(block_manager: BlockManager, config: EngineConfig, request: R
         offload.start_remote(request, len(cached), hashes[len(cached): len(cached) + num_lower])
         reservation.num_loading_blocks = num_lower
     return reservation
+
+
+def reservation_after_load(request: Request, block_size: int) -> RemoteReservation:
+    """A remote request whose lower-tier prefix load ended: the blocks after those that arrived intact
+    (engine/kv_offload/gate.py sets ``num_offloaded_tokens``) are what the prefill worker is to send."""
+    num_reused = request.num_offload_base_blocks + request.num_offloaded_tokens // block_size
+    return RemoteReservation.for_request(request, num_reused, block_size)

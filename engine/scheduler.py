@@ -24,7 +24,7 @@ from pdcluster.engine.forks import ForkGate
 from pdcluster.engine.kv_offload.gate import NoOffload, OffloadGate
 from pdcluster.engine.kv_offload.manager import OffloadManager
 from pdcluster.engine.mamba_state_blocks import tokens_with_state
-from pdcluster.engine.remote_admission import RemoteReservation, reserve_remote
+from pdcluster.engine.remote_admission import RemoteReservation, reservation_after_load, reserve_remote
 from pdcluster.engine.request import Request, RequestStatus
 from pdcluster.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pdcluster.wire.kv_connector import KVConnectorOutput, LoadedKV, SchedulerConnector
@@ -81,7 +81,7 @@ class Scheduler:
         # the stat that shows a forked prompt was computed once.
         self.num_prompt_tokens_computed = 0
         self.num_prompt_tokens_reused = 0  # of remote requests' prompts, found here instead of transferred
-        self._remote_ready: list[tuple[Request, RemoteReservation]] = []  # poll_offload -> take_remote_ready
+        self.remote_ready: dict[str, RemoteReservation] = {}  # filled by poll_offload, emptied by the engine
         # MTP writes its draft layer's KV for k - 1 chained positions past the verified ones
         # (engine/proposers/mtp.py): reserve those slots with every allocation.
         self.num_lookahead_tokens = max(config.num_spec_tokens - 1, 0) if config.spec_method == "mtp" else 0
@@ -119,25 +119,17 @@ class Scheduler:
             self.num_prompt_tokens_reused += reservation.num_reused_tokens
         return reservation
 
-    def poll_offload(self) -> list[tuple[Request, RemoteReservation]]:
-        """Apply the offload loads that ended (local requests back to the front of the queue, blocks of
-        requests finished meanwhile back to the pool). Returns the remote requests whose lower-tier
-        prefix load ended, each with its final reservation: the blocks after the ones loaded intact are
-        what the prefill worker is to send."""
+    def poll_offload(self) -> None:
+        """Apply the offload loads that ended: local requests back to the front of the queue, blocks of
+        requests finished meanwhile back to the pool, remote requests whose lower-tier prefix is in to
+        ``remote_ready`` with their final reservation (the engine hands them to the worker, which asks
+        the prefill worker for the blocks after the ones loaded intact)."""
         polled = self.offload.poll(self.block_manager)
         self.waiting.extendleft(reversed(polled.ready))  # they were first in line when their load began
         self.free_held(set(polled.released))
-        out = []
         for request in polled.remote_ready:
             self.num_prompt_tokens_reused += request.num_offloaded_tokens
-            num_reused = request.num_offload_base_blocks + request.num_offloaded_tokens // self.config.block_size
-            out.append((request, RemoteReservation.for_request(request, num_reused, self.config.block_size)))
-        self._remote_ready += out
-        return out
-
-    def take_remote_ready(self) -> list[tuple[Request, RemoteReservation]]:
-        out, self._remote_ready = self._remote_ready, []
-        return out
+            self.remote_ready[request.request_id] = reservation_after_load(request, self.config.block_size)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """End a request from outside the step loop (abort, stop string). Frees its blocks once."""
@@ -352,26 +344,11 @@ class Scheduler:
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         is_new = request.request_id not in self._seen_by_runner
         self._seen_by_runner.add(request.request_id)
-        all_ids = request.all_token_ids + request.spec_token_ids
-        start = request.num_computed_tokens
-        num_spec_in_input = max(0, start + num_new - request.num_tokens)
+        num_spec_in_input = max(0, request.num_computed_tokens + num_new - request.num_tokens)
         if num_spec_in_input < len(request.spec_token_ids):
             # The budget cut the drafts short: keep only those that are scheduled.
             request.spec_token_ids = request.spec_token_ids[:num_spec_in_input]
-        return ScheduledRequest(
-            request_id=request.request_id,
-            is_new=is_new,
-            num_computed_tokens=start,
-            num_scheduled_tokens=num_new,
-            input_token_ids=all_ids[start : start + num_new],
-            block_ids=list(request.block_ids),
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_tokens=request.num_tokens,
-            spec_token_ids=list(request.spec_token_ids),
-            all_token_ids=request.all_token_ids if is_new else None,
-            sampling_params=request.sampling_params if is_new else None,
-            num_output_tokens=len(request.output_token_ids) + request.sampling_params.output_position_offset,
-        )
+        return ScheduledRequest.of(request, num_new, is_new)
 
     def _cap_drafts(self, request: Request, drafts: list[int]) -> list[int]:
         room = min(

@@ -29,6 +29,26 @@ class ScheduledRequest:
     # num_computed_tokens is an upper bound that assumes every in-flight draft is accepted (S4).
     placeholder_inputs: bool = False
 
+    @classmethod
+    def of(cls, request, num_new: int, is_new: bool) -> "ScheduledRequest":
+        """A request's next ``num_new`` input tokens (its drafts last), from its ``num_computed_tokens``."""
+        start = request.num_computed_tokens
+        all_ids = request.all_token_ids + request.spec_token_ids
+        return cls(
+            request_id=request.request_id,
+            is_new=is_new,
+            num_computed_tokens=start,
+            num_scheduled_tokens=num_new,
+            input_token_ids=all_ids[start : start + num_new],
+            block_ids=list(request.block_ids),
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_tokens=request.num_tokens,
+            spec_token_ids=list(request.spec_token_ids),
+            all_token_ids=request.all_token_ids if is_new else None,
+            sampling_params=request.sampling_params if is_new else None,
+            num_output_tokens=len(request.output_token_ids) + request.sampling_params.output_position_offset,
+        )
+
 
 @dataclass
 class SchedulerOutput:

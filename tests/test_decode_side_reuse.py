@@ -160,14 +160,15 @@ def test_lower_tier_blocks_load_first_then_only_the_rest_is_asked_for(num_loaded
     assert reserved.num_reused_blocks == 1 and reserved.num_loading_blocks == 3
     assert request.status.name == "WAITING_FOR_OFFLOAD" and len(request.block_ids) == 5
     assert [job.block_ids for job in tiers.loads] == [request.block_ids[1:4]]
-    assert s.poll_offload() == [] and s.has_work()  # still loading: nothing to ask yet
+    s.poll_offload()
+    assert s.remote_ready == {} and s.has_work()  # still loading: nothing to ask yet
     tiers.finish(num_loaded)
-    [(ready, final)] = s.poll_offload()
+    s.poll_offload()
+    final = s.remote_ready.pop("r")
     num_reused = 1 + num_loaded
-    assert ready is request and request.status.name == "WAITING_FOR_REMOTE_KV"
+    assert not s.remote_ready and request.status.name == "WAITING_FOR_REMOTE_KV"
     assert final.num_reused_blocks == num_reused and final.dst_block_ids == request.block_ids[num_reused:]
     assert request.num_offloaded_tokens == num_loaded * BS and s.num_prompt_tokens_reused == num_reused * BS
-    assert s.take_remote_ready() == [(request, final)] and s.take_remote_ready() == []
     # The loaded blocks joined the device prefix cache; the whole prompt then lands and runs.
     probe = Request("p", list(range(1, 19)) + [3], SamplingParams())
     assert s.block_manager.find_cached_prefix(probe) == request.block_ids[:num_reused]
@@ -184,7 +185,8 @@ def test_a_request_aborted_while_its_prefix_loads_keeps_its_blocks_until_the_loa
     s.finish_request("r", RequestStatus.FINISHED_ABORTED)
     assert "r" in s.held and s.num_free_blocks == 16 - 5  # the loader may still write them
     tiers.finish(3)
-    assert s.poll_offload() == [] and not s.held and s.num_free_blocks == 16
+    s.poll_offload()
+    assert s.remote_ready == {} and not s.held and s.num_free_blocks == 16
 
 
 def test_mtp_leaves_the_last_lower_tier_block_to_the_prefill_worker():
