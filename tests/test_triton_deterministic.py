@@ -149,6 +149,31 @@ def test_matmul_launches_one_configuration_for_every_m(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device and compiled Triton")
+def test_the_mtp_and_gated_norms_reduce_each_row_alone_on_cuda():
+    """The MTP head's norms (engine/models/llama.py rms_norm) and the Mamba gated norm's per-group RMS
+    (engine/models/mamba_mixer.py) run the per-row Triton RMSNorm on CUDA, not torch's mean (whose
+    reduction may split a row by the batch's shape): a row's bits do not depend on the rows beside it,
+    and the values match torch's."""
+    from pdcluster.engine.models.llama import rms_norm
+    from pdcluster.kernels import ops
+
+    x = _randn(300, 576, dtype=torch.bfloat16, seed=8, device="cuda")
+    w = _randn(576, dtype=torch.bfloat16, seed=9, device="cuda")
+    full = rms_norm(x, w, 1e-5)
+    for m in (1, 2, 7, 64, 257):
+        assert torch.equal(rms_norm(x[:m], w, 1e-5), full[:m]), m
+    x32 = x.float()
+    ref = w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
+    torch.testing.assert_close(full.float(), ref.float(), rtol=2 * BF16_ULP, atol=1e-2)
+    groups = _randn(300 * 8, 128, dtype=torch.float32, seed=10, device="cuda")  # (token, group) rows
+    unit = torch.ones(128, device="cuda")
+    normed = ops.rms_norm(groups, unit, 1e-5)
+    assert torch.equal(ops.rms_norm(groups[:8], unit, 1e-5), normed[:8])
+    torch.testing.assert_close(normed, groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + 1e-5))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device and compiled Triton")
 def test_linear_on_cuda_runs_the_batch_invariant_matmul_in_deterministic_mode():
     """engine/linear.py: deterministic mode on CUDA is matmul_bi (bitwise), the fast mode F.linear; a
     model-sized projection is row-invariant at decode and prefill batch sizes."""

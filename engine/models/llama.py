@@ -92,6 +92,11 @@ class ModelArch:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Same op order as HF's LlamaRMSNorm (normalise in fp32, cast back, then scale) so fp32 runs
     # match it bit for bit where possible.
+    if x.is_cuda and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        # On a GPU torch's mean may split one row's sum by the batch's shape: the Triton kernel
+        # (same op order) reduces each row alone, so the MTP head stays batch-invariant. On a CPU torch's
+        # row reduction is per row already; training needs autograd (torch).
+        return ops.rms_norm(x, weight, eps)
     dtype = x.dtype
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)

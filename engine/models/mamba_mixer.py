@@ -32,7 +32,7 @@ import torch
 
 from pdcluster.engine.linear import Linear
 from pdcluster.engine.mamba_state import MambaMetadata
-from pdcluster.kernels import mamba_ops, mamba_reference
+from pdcluster.kernels import mamba_ops, mamba_reference, ops
 
 
 class Mamba2Mixer:
@@ -63,6 +63,7 @@ class Mamba2Mixer:
         self.A = -torch.exp(w("A_log").float()).contiguous()
         self.D = w("D").float().contiguous()
         self.norm_weight = w("norm.weight").float()
+        self._unit_weight: torch.Tensor | None = None  # the gated norm's per-group RMSNorm on CUDA
         self.out_proj = Linear(w("out_proj.weight"), deterministic=deterministic)
         self.out_proj_bias = w_opt("out_proj.bias")
         expected = self.intermediate + self.conv_dim + self.num_heads
@@ -136,7 +137,15 @@ class Mamba2Mixer:
         channels, in float32 (transformers' NemotronHRMSNormGated on the float32 scan output)."""
         num_tokens = y.shape[0]
         gated = (y * mamba_reference.silu(z.float())).view(num_tokens, self.n_groups, -1)
-        gated = gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + self.eps)
+        if gated.is_cuda:
+            # torch's mean may split one row's sum by the batch's shape on a GPU; the Triton RMSNorm
+            # reduces each (token, group) row alone, with the same fp32 op order (a unit weight is exact).
+            group_size = gated.shape[-1]
+            if self._unit_weight is None or self._unit_weight.device != gated.device:
+                self._unit_weight = torch.ones(group_size, dtype=torch.float32, device=gated.device)
+            gated = ops.rms_norm(gated.reshape(-1, group_size), self._unit_weight, self.eps)
+        else:
+            gated = gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + self.eps)
         out = self.out_proj((self.norm_weight * gated.view(num_tokens, -1)).to(dtype))
         if self.out_proj_bias is not None:
             out = out + self.out_proj_bias
