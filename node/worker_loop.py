@@ -12,6 +12,7 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
+from pdcluster.engine.kv_offload.audit import offload_audit
 from pdcluster.node.events import Event, WorkerError, kv_event_records
 
 log = logging.getLogger(__name__)
@@ -151,6 +152,8 @@ def engine_stats(worker_id: str, engine) -> dict:
         "num_running": len(sched.running),
         "num_waiting": len(sched.waiting),
         "kv_tiers": kv_tier_usage(engine),
+        # The offload tiers' leak audit (engine/kv_offload/audit.py: problems, in-flight counts, counters).
+        "kv_tier_audit": offload_audit(engine),
     }
 
 
