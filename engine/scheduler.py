@@ -257,6 +257,9 @@ class Scheduler:
             if not self.block_manager.allocate_slots(request, self._num_slots(request, num_computed, num_new), cached):
                 break
             self.waiting.popleft()
+            if use_cache:  # of the hit, what a lower-tier load brought (its blocks may be evicted again)
+                base_tokens = request.num_offload_base_blocks * cfg.block_size
+                request.num_offloaded_tokens = min(request.num_offloaded_tokens, max(0, num_computed - base_tokens))
             if cached:
                 request.num_computed_tokens = num_computed
                 request.num_cached_tokens = num_computed

@@ -431,3 +431,23 @@ def test_corrupt_disk_blocks_are_asked_for_and_computed_never_used(tmp_path):
     assert faulty.turns == plain.turns
     assert faulty.num_reused_tokens == 0 and faulty.bytes_sent == plain.bytes_sent
     assert faulty.first_reports[1].num_offloaded_tokens == 0
+
+
+def test_a_local_load_evicted_before_its_request_runs_reports_no_offloaded_tokens():
+    """A local request's loaded blocks join the prefix cache and it lets them go until it runs; if another
+    request takes them first, its hit is shorter and so is what it says came from the tiers (the count
+    used to keep the load's figure: 12 offloaded tokens out of 0 cached)."""
+    s, tiers = _tiered_scheduler()
+    request = Request("r", list(range(1, 19)), SamplingParams(max_tokens=1))
+    s.add_request(request)
+    s.schedule()  # device hit 1 block, the next 3 from the lower tiers: it starts a load
+    assert request.status.name == "WAITING_FOR_OFFLOAD"
+    tiers.finish(3)
+    s.poll_offload()
+    assert request.num_offloaded_tokens == 12 and request.status.name == "WAITING"
+    hog = Request("hog", list(range(100, 100 + 16 * BS - 1)), SamplingParams())
+    assert s.block_manager.allocate_slots(hog, 16 * BS - 1)  # every free block: the loaded ones evicted
+    s.block_manager.free(hog)
+    tiers.holding = False
+    s.schedule()
+    assert request.num_cached_tokens == 0 and request.num_offloaded_tokens == 0

@@ -146,3 +146,29 @@ def test_evicted_device_blocks_come_back_through_the_loader(tmp_path):
     (job,) = manager.wait_all()
     assert job.num_loaded == 2 and manager.tiers.tier_of(hashes[2]) is None
     manager.close()
+
+
+def test_a_failed_disk_write_is_announced_removed_and_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """The disk filling up mid-write: the block is lost (a cache), its temporary file removed, and the
+    "stored" event it got when queued is followed by "removed" (the router's index must not keep it); a
+    write the full queue drops is never announced at all."""
+    import pdcluster.engine.kv_offload.disk_tier as disk_module
+
+    events = []
+    tiers = OffloadTiers(OffloadConfig(0.0, str(tmp_path), 0.01), SHAPE, torch.bfloat16, "ns",
+                         on_event=lambda e: events.append((e.kind, e.tier, list(e.block_hashes))))
+
+    def disk_full(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(disk_module.os, "replace", disk_full)
+    tiers.offload(7, _block(1))
+    assert tiers.disk.flush()
+    assert events == [("stored", "disk", [7]), ("removed", "disk", [7])]
+    assert 7 not in tiers.disk and not list(tiers.disk.directory.glob("*.tmp"))
+    monkeypatch.undo()
+    events.clear()
+    tiers.disk.store = lambda block_hash, block_kv, copied=None: False  # the write queue is full
+    tiers.offload(8, _block(2))
+    assert events == []
+    tiers.close()

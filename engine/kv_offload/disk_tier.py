@@ -70,12 +70,13 @@ class DiskTier:
         return self.directory / f"{block_hash & 0xFFFFFFFFFFFFFFFF:016x}{SUFFIX}"
 
     # ---- actions ------------------------------------------------------------------------------
-    def store(self, block_hash: int, block_kv: torch.Tensor, copied: "torch.cuda.Event | None" = None) -> None:
-        """Queue one block (a CPU tensor this tier now owns) for writing; returns at once. ``copied``: a
-        CUDA event recorded after a still-queued copy into ``block_kv`` (readers wait for it)."""
+    def store(self, block_hash: int, block_kv: torch.Tensor, copied: "torch.cuda.Event | None" = None) -> bool:
+        """Queue one block (a CPU tensor this tier now owns) for writing; returns at once, True when this
+        tier now holds it (False: held already, or the write queue is full and the block is dropped).
+        ``copied``: a CUDA event recorded after a still-queued copy into ``block_kv`` (readers wait for it)."""
         with self._lock:
             if block_hash in self._files or block_hash in self._pending:
-                return
+                return False
             self._pending[block_hash] = block_kv
             if copied is not None:
                 self._copied[block_hash] = copied
@@ -86,6 +87,8 @@ class DiskTier:
                 self._pending.pop(block_hash, None)
                 self._copied.pop(block_hash, None)
             self.num_dropped_writes += 1
+            return False
+        return True
 
     def load(self, block_hash: int) -> torch.Tensor | None:
         """The block's KV, or None when it is not here or its file does not read back intact."""
@@ -150,6 +153,8 @@ class DiskTier:
                 log.warning("disk tier: writing block %016x failed: %s", item & 0xFFFFFFFFFFFFFFFF, e)
                 with self._lock:
                     self._pending.pop(item, None)
+                self.path_of(item).with_suffix(".tmp").unlink(missing_ok=True)
+                self.on_evicted([item])  # announced as stored when queued: the router forgets it
                 continue
             evicted = []
             with self._lock:

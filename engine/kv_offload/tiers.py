@@ -88,8 +88,7 @@ class OffloadTiers:
             self._stored("host", block_hash)
             if evicted is not None:
                 self.on_event(OffloadEvent("removed", "host", [evicted[0]]))
-                if self.disk is not None:
-                    self.disk.store(evicted[0], evicted[1])
+                if self.disk is not None and self.disk.store(evicted[0], evicted[1]):
                     self._stored("disk", evicted[0])
         elif self.disk is not None:
             copied = None
@@ -100,8 +99,8 @@ class OffloadTiers:
                 copied.record()
             else:
                 host_kv = block_kv.clone()
-            self.disk.store(block_hash, host_kv, copied)
-            self._stored("disk", block_hash)
+            if self.disk.store(block_hash, host_kv, copied):
+                self._stored("disk", block_hash)
 
     def load(self, block_hash: int, out: torch.Tensor) -> bool:
         """Copy one block into ``out`` (a device block's view). False: no tier has it intact (recompute)."""
