@@ -83,7 +83,9 @@ class BlockManager:
 
     def usable_block_hashes(self, request: Request) -> list[int]:
         """Hashes of the full blocks a prefix hit may cover: every token but the last is usable, so the
-        step that follows produces logits."""
+        step that follows produces logits. None without prefix caching (nothing is hashed then)."""
+        if not self.enable_prefix_caching:
+            return []
         return chained_block_hashes(request.all_token_ids[: request.num_tokens - 1], self.block_size)
 
     def find_cached_prefix(self, request: Request, block_hashes: list[int] | None = None) -> list[int]:

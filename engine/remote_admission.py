@@ -70,8 +70,7 @@ def reserve_remote(block_manager: BlockManager, config: EngineConfig, request: R
             # The MTP layer's entry at position p depends on token p + 1: the last matched block's last
             # entry was written for whatever followed it where it was computed (see Scheduler.schedule).
             cached = cached[:-1]
-        if block_manager.enable_prefix_caching:
-            num_lower = offload.num_lower_blocks(cached, hashes, keep_last=mtp)
+        num_lower = offload.num_lower_blocks(cached, hashes, keep_last=mtp)
     need = -(-(n + 1 + config.num_spec_steps) // bs)
     num_tokens = n
     if num_state_blocks:

@@ -74,6 +74,22 @@ def test_prefix_cache_leaves_one_token_to_compute():
     assert len(bm.find_cached_prefix(_req("b", range(8)))) == 1
 
 
+def test_without_prefix_caching_nothing_is_hashed(monkeypatch):
+    """Prefix caching off (as in vs-vLLM comparisons): a waiting request's prompt is never hashed, neither
+    by the scheduler nor by a decode-side admission (a BLAKE2b chain per prompt for no use)."""
+    import pdcluster.engine.block_manager as block_manager_module
+
+    calls = []
+    monkeypatch.setattr(block_manager_module, "chained_block_hashes", lambda *a, **k: calls.append(a) or [])
+    cfg = EngineConfig(model="x", block_size=4, max_num_batched_tokens=64, prefill_chunk_size=64,
+                       enable_prefix_caching=False)
+    s = Scheduler(cfg, num_blocks=16, max_model_len=64, eos_token_ids={0})
+    s.add_request(_req("a", range(1, 30)))
+    s.schedule()
+    assert s.add_remote_request(_req("b", range(1, 30))).num_reused_blocks == 0
+    assert calls == []
+
+
 def test_chained_hash_depends_on_prefix():
     h1 = chained_block_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4)
     h2 = chained_block_hashes([9, 2, 3, 4, 5, 6, 7, 8], 4)
