@@ -53,9 +53,9 @@ class DecodeWorker(WorkerLoop):
                    if transfer is not None else NoRemoteKV())
         self.engine = LLMEngine(model, self.kv.connector)
         self._first_tokens: dict[str, _FirstTokenStream] = {}
-        # Admitted requests loading their prefix from the offload tiers: (prefill id, prompt, params) to
-        # ask the prefill worker with once the load ends. Engine thread only.
-        self._asks_after_load: dict[str, tuple[str, list[int], SamplingParams]] = {}
+        # Admitted requests loading their prefix from the offload tiers -> the prefill worker to ask once
+        # the load ends (prompt and parameters are the engine's Request's). Engine thread only.
+        self._asks_after_load: dict[str, str] = {}
         # fork_group -> the request whose prompt its siblings reuse (engine/forks.py): the first choice
         # of an n > 1 request fetches or computes the prompt; the others follow it here.
         self._fork_leaders: dict[str, str] = {}
@@ -133,7 +133,7 @@ class DecodeWorker(WorkerLoop):
         if reserved.num_loading_blocks:
             # Its prefix continues in this worker's offload tiers: admitted now (its blocks are taken), the
             # prefill worker asked once the load ends (_poll_kv), for the blocks after those that arrived.
-            self._asks_after_load[request_id] = (prefill_id, list(prompt_token_ids), params)
+            self._asks_after_load[request_id] = prefill_id
             self._admission(request_id, ADMITTED)
             return
         self._ask_prefill(request_id, prefill_id, prompt_token_ids, params, reserved)
@@ -227,9 +227,11 @@ class DecodeWorker(WorkerLoop):
             self.kv.handle_message(peer_id, msg)
         polled = self.engine.poll_kv()  # the connector's news, applied by the engine's scheduler
         for request_id, reserved in polled.ready_to_ask.items():
-            ask = self._asks_after_load.pop(request_id, None)
-            if ask is not None:
-                self._ask_prefill(request_id, ask[0], ask[1], ask[2], reserved, admitted=True)
+            prefill_id = self._asks_after_load.pop(request_id, None)
+            request = self.engine.scheduler.requests.get(request_id)
+            if prefill_id is not None and request is not None:
+                self._ask_prefill(request_id, prefill_id, request.prompt_token_ids, request.sampling_params,
+                                  reserved, admitted=True)
         for request_id, kv in polled.landed.items():
             self._end_first_token_stream(request_id)
             self.emit(KVReady(request_id=request_id, worker_id=self.worker_id, transport=self.kv.transport_name,
