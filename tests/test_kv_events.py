@@ -229,8 +229,7 @@ def test_a_restarted_worker_announces_the_disk_blocks_it_finds(tiny_dir, tmp_pat
         while not events.empty():
             ev = events.get()
             if isinstance(ev, KVEvents):
-                for e in ev.events:
-                    getattr(index, e.kind)(ev.worker_id, e.tier, e.block_hashes)
+                index.apply(ev.worker_id, ev.events)
         assert index.num_blocks("d8")["disk"] == len(on_disk)
         assert all(index.overlap("d8", [h]) == TIER_WEIGHTS["disk"] for h in on_disk)
     finally:

@@ -43,6 +43,12 @@ class KVIndex:
                 if not workers:
                     del self._holders[h]
 
+    def apply(self, worker_id: str, events) -> None:
+        """A worker's KV events (node/events.py KVEvent: kind "stored" | "removed", tier, block hashes),
+        in order."""
+        for e in events:
+            (self.stored if e.kind == "stored" else self.removed)(worker_id, e.tier, e.block_hashes)
+
     def forget_worker(self, worker_id: str) -> None:
         """A worker left or restarted: nothing it held counts any more."""
         for h in list(self._holders):

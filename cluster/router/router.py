@@ -171,9 +171,7 @@ class ClusterRouter:
     def _on_kv_events(self, ev: KVEvents) -> None:
         if ev.worker_id not in self.placement.views:  # it left (late events) or is not in the cluster yet
             return
-        for e in ev.events:  # kind and tier were checked when the record was decoded
-            apply = self.kv_index.stored if e.kind == "stored" else self.kv_index.removed
-            apply(ev.worker_id, e.tier, e.block_hashes)
+        self.kv_index.apply(ev.worker_id, ev.events)  # kind and tier were checked when the record was decoded
 
     def _on_admission(self, ev: Admission) -> None:
         # Also for a request that ended meanwhile: its placement loop is waiting for this verdict.
