@@ -204,23 +204,53 @@ def model_cache(work: Path) -> Path:
     return cache
 
 
-def kernel_tests_section(entry: dict, device: str, left_s: float, work: Path) -> None:
-    if device != "cuda":
-        entry["skipped"] = "the gpu-marked tests need CUDA"
-        return
-    files = [f"tests/{f}" for f in ("test_kernels.py", "test_triton_mamba.py", "test_triton_mamba_scan.py",
-                                    "test_triton_elementwise.py", "test_cuda_graphs.py",
-                                    "test_triton_deterministic.py")
-             if (ROOT / "tests" / f).exists()]
+def gpu_test_files() -> list[str]:
+    """Every test module with ``gpu``-marked tests."""
+    return sorted(f"tests/{f.name}" for f in (ROOT / "tests").glob("test_*.py") if "mark.gpu" in f.read_text())
+
+
+def start_kernel_tests(device: str, left_s: float, work: Path, simulate: bool) -> tuple[subprocess.Popen, float, Path]:
+    """The gpu-marked tests, compiled (TRITON_INTERPRET=0), in a subprocess that runs beside the next
+    sections (Triton compiles on the host's cores while the GPU runs them). Here (no CUDA) only their
+    collection runs, under the GPU machine's missing modules when ``simulate``: proof they import there."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
            "PDCLUSTER_CACHE_DIR": str(model_cache(work))}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *files],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(30, min(240, left_s - 60)))
+    if simulate:  # a sitecustomize that refuses what the GPU machine lacks (pyzmq travels as a wheel)
+        site = work / "simulate-site"
+        site.mkdir(exist_ok=True)
+        missing = tuple(m for m in GPU_BOX_MISSING if m != "zmq")
+        (site / "sitecustomize.py").write_text(
+            "import sys\n"
+            "class _Blocker:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            f"        if name.split('.')[0] in {missing!r}:\n"
+            "            raise ModuleNotFoundError(f'No module named {name!r} (simulated GPU machine)', name=name)\n"
+            "sys.meta_path.insert(0, _Blocker())\n")
+        env["PYTHONPATH"] = os.pathsep.join([str(site), env["PYTHONPATH"]])
+    args = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *gpu_test_files()]
+    if device != "cuda":
+        args.append("--collect-only")
+    log_path = work / "kernel_tests.log"
+    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, text=True)
+    return proc, time.monotonic() + max(30.0, min(300.0, left_s - 60)), log_path
+
+
+def finish_kernel_tests(entry: dict, started: tuple[subprocess.Popen, float, Path], device: str) -> None:
+    proc, deadline, log_path = started
+    try:
+        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        entry["timed_out"] = True
+    out = log_path.read_text(errors="replace")
+    entry["files"] = gpu_test_files()
+    entry["collect_only"] = device != "cuda"
     entry["returncode"] = proc.returncode
-    entry["summary"] = (proc.stdout.strip().splitlines() or [""])[-1]
+    entry["summary"] = (out.strip().splitlines() or [""])[-1]
     entry["ok"] = proc.returncode == 0
     if proc.returncode != 0:
-        entry["output_tail"] = (proc.stdout + proc.stderr)[-4000:]
+        entry["output_tail"] = out[-24000:]
 
 
 def _prompts(vocab: int, lengths=(5, 17, 40, 70), seed: int = 1) -> list[list[int]]:
@@ -341,10 +371,49 @@ LLAMA_QUICK = dict(LLAMA_1B, hidden_size=256, intermediate_size=512, num_hidden_
                    num_key_value_heads=2)
 
 
-def _decode_step_ms(engine, batch: int, prompt_len: int, num_steps: int, device: str) -> float:
+def _profile_steps(engine, device: str, num_steps: int = 3) -> dict:
+    """Where a decode step's time goes: the host's wall time against the GPU's busy time, and the
+    kernels that took the most GPU time (torch.profiler over ``num_steps`` steps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    _sync(device)
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(num_steps):
+            engine.step()
+        _sync(device)
+    wall_ms = (time.perf_counter() - t0) * 1e3 / num_steps
+    events = prof.key_averages()
+    attr = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+    kernels = sorted(((e.key, getattr(e, attr, 0.0), e.count) for e in events), key=lambda x: -x[1])
+    gpu_ms = sum(getattr(e, attr, 0.0) for e in events) / 1e3 / num_steps if device == "cuda" else None
+    out = {"wall_ms_per_step": round(wall_ms, 3), "gpu_busy_ms_per_step": round(gpu_ms, 3) if gpu_ms else None,
+           "top": [{"name": k[:90], "ms_per_step": round(t / 1e3 / num_steps, 4), "calls_per_step": c / num_steps}
+                   for k, t, c in kernels[:14]]}
+    # The host's side: Python functions by their own time over 10 steps (cProfile's overhead inflates
+    # them alike; what matters is the order).
+    import cProfile
+    import pstats
+
+    prof_py = cProfile.Profile()
+    prof_py.enable()
+    for _ in range(10):
+        engine.step()
+    _sync(device)
+    prof_py.disable()
+    stats = pstats.Stats(prof_py)
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:18]  # (file, line, fn) -> (cc, nc, tt, ct, callers)
+    out["host_top"] = [{"fn": f"{Path(k[0]).name}:{k[1]}:{k[2]}"[:90], "own_ms_per_step": round(v[2] * 100, 4),
+                        "calls_per_step": v[1] / 10} for k, v in rows]
+    return out
+
+
+def _decode_step_ms(engine, batch: int, prompt_len: int, num_steps: int, device: str,
+                    profile_into: dict | None = None) -> float:
     from pdcluster.engine.sampling_params import SamplingParams
 
-    params = SamplingParams(max_tokens=num_steps + 8, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=num_steps + 24, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         engine.add_request([5 + (i * 7 + j) % 20000 for j in range(prompt_len)], params)
     started = set()
@@ -360,6 +429,11 @@ def _decode_step_ms(engine, batch: int, prompt_len: int, num_steps: int, device:
         t0 = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t0)
+    if profile_into is not None:
+        try:
+            profile_into[str(batch)] = _profile_steps(engine, device)
+        except Exception as e:  # noqa: BLE001 - a diagnostic: never fail the timing for it
+            profile_into[str(batch)] = {"error": f"{type(e).__name__}: {e}"}
     for rid in list(started):
         engine.abort_request(rid)
     while engine.has_unfinished():
@@ -393,17 +467,21 @@ def speed_section(entry: dict, device: str, work: Path, quick: bool, report: Rep
     prompt_len, num_steps = (64, 4) if quick else (512, 24)
     batches = (1, 4) if quick else (1, 32, 128)
     decode: dict = {}
-    for graphs in (True, False):
-        mode = "cuda_graphs" if graphs else "eager"
+    profiles: dict = {}
+    # The default (deterministic mode on CUDA: the batch-invariant Triton matmul) and the fast mode (cuBLAS).
+    for mode, graphs, async_sched, det in (("cuda_graphs", True, False, None), ("cuda_graphs+async", True, True, None),
+                                           ("fast+cuda_graphs", True, False, False), ("eager", False, False, None)):
         engine = LLMEngine.from_config(EngineConfig(model=str(model_dir), device=device, dtype="bfloat16", max_model_len=4096,
                                         max_num_seqs=max(batches), max_num_batched_tokens=8192,
                                         prefill_chunk_size=2048, kv_cache_memory_gib=0.25 if quick else 8.0,
-                                        enable_prefix_caching=False, cuda_graphs=graphs), progress=False)
+                                        enable_prefix_caching=False, cuda_graphs=graphs,
+                                        async_scheduling=async_sched, deterministic=det), progress=False)
         if graphs and device == "cpu":
             engine.runner.use_decode_graphs(emulate=True)  # the dry run: the same path, nothing captured
-        decode[mode] = {"used": engine.runner.graphs is not None}
+        decode[mode] = {"used": engine.runner.graphs is not None, "deterministic": engine.deterministic}
         for b in batches:
-            ms = _decode_step_ms(engine, b, prompt_len, num_steps, device)
+            ms = _decode_step_ms(engine, b, prompt_len, num_steps, device,
+                                 profile_into=profiles.setdefault(mode, {}) if mode in ("cuda_graphs", "fast+cuda_graphs") else None)
             kv_bytes = b * (prompt_len + num_steps // 2) * shape["num_hidden_layers"] * 2 \
                 * shape["num_key_value_heads"] * (shape["hidden_size"] // shape["num_attention_heads"]) * 2
             floor = (weight_bytes + kv_bytes) / (bw * 1e9) * 1e3
@@ -414,38 +492,52 @@ def speed_section(entry: dict, device: str, work: Path, quick: bool, report: Rep
             decode[mode]["num_replays"] = engine.runner.graphs.num_replays
         del engine
     entry["decode"] = {"context_tokens": prompt_len, **decode}
+    entry["decode_profiles"] = profiles
 
-    # Prefill: 16 x 2,048 (quick: 4 x 256) in one step.
-    n_seq, seq_len = (4, 256) if quick else (16, 2048)
-    engine = LLMEngine.from_config(EngineConfig(model=str(model_dir), device=device, dtype="bfloat16", max_model_len=4096,
-                                    max_num_seqs=n_seq, max_num_batched_tokens=n_seq * seq_len, prefill_chunk_size=seq_len,
-                                    kv_cache_memory_gib=0.5 if quick else 12.0, enable_prefix_caching=False),
-                       progress=False)
+    # Prefill: 16 x 2,048 (quick: 4 x 256) in one step, the default (deterministic) and the fast mode.
     from pdcluster.engine.sampling_params import SamplingParams
 
-    def one_prefill() -> float:
-        for i in range(n_seq):
-            engine.add_request([5 + (i * 13 + j) % 20000 for j in range(seq_len)], SamplingParams(max_tokens=1))
-        _sync(device)
-        t0 = time.perf_counter()
-        engine.step()
-        _sync(device)
-        dt = time.perf_counter() - t0
-        while engine.has_unfinished():
-            engine.step()
-        return dt
-
-    one_prefill()  # warm-up (allocator, kernels)
-    dt = min(one_prefill() for _ in range(2))
-    num_params = weight_bytes / 2
+    n_seq, seq_len = (4, 256) if quick else (16, 2048)
+    # Matmul FLOPs: the decoder layers' weights (the embedding is a lookup; the LM head runs on one row a
+    # sequence), plus causal attention (QK and PV over half the square).
+    layer_params = sum(p.numel() for n, p in hf.named_parameters() if ".layers." in n)
     h, layers = shape["hidden_size"], shape["num_hidden_layers"]
-    flops = 2 * num_params * n_seq * seq_len + 2 * layers * n_seq * seq_len * seq_len * h  # + causal attention
+    flops = 2 * layer_params * n_seq * seq_len + 2 * layers * n_seq * seq_len * seq_len * h
     peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in entry.get("device", "")), None)
-    entry["prefill"] = {"num_seqs": n_seq, "seq_len": seq_len, "seconds": round(dt, 4),
-                        "tokens_per_s": round(n_seq * seq_len / dt, 1), "tflops": round(flops / dt / 1e12, 1),
-                        "mfu": round(flops / dt / 1e12 / peak, 3) if peak else None}
-    del engine
-    report.write()
+    entry["prefill"] = {"num_seqs": n_seq, "seq_len": seq_len, "flops": flops}
+    for mode, det in (("default", None), ("fast", False)):
+        engine = LLMEngine.from_config(EngineConfig(
+            model=str(model_dir), device=device, dtype="bfloat16", max_model_len=4096, max_num_seqs=n_seq,
+            max_num_batched_tokens=n_seq * seq_len, prefill_chunk_size=seq_len,
+            kv_cache_memory_gib=0.5 if quick else 12.0, enable_prefix_caching=False, deterministic=det), progress=False)
+
+        def one_prefill(profiled: bool = False) -> float:
+            for i in range(n_seq):
+                engine.add_request([5 + (i * 13 + j) % 20000 for j in range(seq_len)], SamplingParams(max_tokens=1))
+            if profiled:
+                result = _profile_steps(engine, device, num_steps=1)
+            else:
+                _sync(device)
+                t0 = time.perf_counter()
+                engine.step()
+                _sync(device)
+                result = time.perf_counter() - t0
+            while engine.has_unfinished():
+                engine.step()
+            return result
+
+        one_prefill()  # warm-up (allocator, kernels)
+        dt = min(one_prefill() for _ in range(2))
+        entry["prefill"][mode] = {
+            "deterministic": engine.deterministic, "seconds": round(dt, 4),
+            "tokens_per_s": round(n_seq * seq_len / dt, 1), "tflops": round(flops / dt / 1e12, 1),
+            "mfu": round(flops / dt / 1e12 / peak, 3) if peak else None}
+        try:
+            entry["prefill"][mode]["profile"] = one_prefill(profiled=True)
+        except Exception as e:  # noqa: BLE001 - a diagnostic
+            entry["prefill"][mode]["profile"] = {"error": f"{type(e).__name__}: {e}"}
+        del engine
+        report.write()
 
     # transformers generate on the same GPU (eager, dynamic cache): per decode step.
     hf_steps = {}
@@ -538,23 +630,26 @@ def main() -> int:
     with report.section("env", 0) as entry:
         if entry is not None:
             env_section(entry, args.device)
+    kernel_tests = None
     if "kernel_tests" in wanted:
-        with report.section("kernel_tests") as entry:
-            if entry is not None:
-                kernel_tests_section(entry, args.device, report.left_s(), work)
+        kernel_tests = start_kernel_tests(args.device, report.left_s(), work, args.simulate_gpu_box)
     if "correctness" in wanted:
         with report.section("correctness", 60) as entry:
             if entry is not None:
                 correctness_section(entry, args.device, work, args.quick)
-    if "deterministic" in wanted:
-        with report.section("deterministic", 60) as entry:
+    if kernel_tests is not None:  # done before the timings: they must have the GPU to themselves
+        with report.section("kernel_tests", 0) as entry:
             if entry is not None:
-                deterministic_section(entry, args.device, work, args.quick)
+                finish_kernel_tests(entry, kernel_tests, args.device)
     if "speed" in wanted:
         with report.section("speed", 60) as entry:
             if entry is not None:
                 entry["device"] = report.data["sections"]["env"].get("device", "")
                 speed_section(entry, args.device, work, args.quick, report)
+    if "deterministic" in wanted:
+        with report.section("deterministic", 60) as entry:
+            if entry is not None:
+                deterministic_section(entry, args.device, work, args.quick)
     shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(report.data, indent=2))
     return 0 if all(s.get("ok", True) for s in report.data["sections"].values()) else 1
