@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ASSETS = ROOT / "bench" / "gpu_assets"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 GPU_BOX_MISSING = ("ray", "zmq", "fastapi", "uvicorn", "pydantic", "gguf", "xgrammar", "openai", "ucxx", "starlette")
-PACKAGES = ("cluster", "engine", "kernels", "kv_transfer", "node", "prefill_node", "decode_node")
+PACKAGES = tuple(sorted(d.name for d in ROOT.iterdir() if (d / "__init__.py").is_file()))  # pdcluster.<name>
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense, SXM
 
 

@@ -89,6 +89,7 @@ class DecodeGraphs:
                             bucket, type(e).__name__, e)
                 self._failed.add(bucket)
                 self._outputs.pop(bucket, None)
+                self._pool = None  # a capture that raised may leave its pool marked as recording
                 return None
         if self.emulate:
             self._outputs[bucket] = self._call(bucket)
@@ -119,6 +120,9 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: only this thread is held to capture's rules. In "global" mode (torch's default)
+        # another thread's synchronisation (a KV transport's IO thread landing blocks) during the capture
+        # fails there and invalidates the capture here.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             self._outputs[bucket] = self._call(bucket)
         self._graphs[bucket] = graph

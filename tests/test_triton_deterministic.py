@@ -100,8 +100,29 @@ def test_matmul_bi_rows_are_batch_invariant(device, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_the_matmul_check_catches_split_k_chosen_from_m(device):
+    """Mutation: split-K keyed on the number of rows (a library GEMM's habit for a few rows and a long
+    K): two half-K partial products summed round differently from one accumulation."""
+    x = _randn(NUM_ROWS, K, dtype=torch.float32, seed=2, device=device)
+    w = _randn(N, K, dtype=torch.float32, seed=3, device=device)
+    half = K // 2
+
+    def split_k_for_few_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > 8:
+            return matmul_bi(x, w)
+        return matmul_bi(x[:, :half].contiguous(), w[:, :half].contiguous()) + \
+            matmul_bi(x[:, half:].contiguous(), w[:, half:].contiguous())
+
+    failures = matmul_invariance_failures(split_k_for_few_rows, x, w)
+    assert "row 0 alone" in failures and "first 1 rows" in failures, failures
+
+
+@pytest.mark.parametrize("device", DEVICES[:1])
 def test_the_matmul_check_catches_block_k_chosen_from_m(device):
-    """Mutation: BLOCK_K keyed on the number of rows changes every row's K chunking."""
+    """Mutation: BLOCK_K keyed on the number of rows changes every row's K chunking under the
+    interpreter (its dot sums a whole K block at once). Not on a GPU: there the tensor cores sum 8
+    (fp32) or 16 (bf16) K elements per instruction into the same accumulator, in order, so 16- and
+    32-wide K blocks give the same bits (seen on an H100); split-K above is the GPU's real hazard."""
     x = _randn(NUM_ROWS, K, dtype=torch.float32, seed=2, device=device)
     w = _randn(N, K, dtype=torch.float32, seed=3, device=device)
     tiles = tiles_for(N, K, torch.float32)

@@ -9,7 +9,7 @@ sender's delivery always means the receiver can see the bytes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +26,7 @@ class Landing:
     rows: Rows  # the receiver's cache as rows (block_copy.rows_view)
     admission: Admission
     received: ReceiveTracker
+    _stream: "torch.cuda.Stream | None" = field(default=None, repr=False)
 
     def scatter(self, header: ChunkHeader, src_rows: Rows) -> str | None:
         """Scatter a chunk's payload (``[rows, block_bytes]``, in header order) into its blocks unless
@@ -33,9 +34,17 @@ class Landing:
         with self.admission.gate(header.transfer_id, header.dst_block_ids) as refusal:
             if refusal is not None:
                 return refusal
-            scatter_rows(src_rows, self.rows, self.layout.row_ids(header.layer_ids, header.dst_block_ids))
+            row_ids = self.layout.row_ids(header.layer_ids, header.dst_block_ids)
             if isinstance(self.rows, torch.Tensor) and self.rows.is_cuda:
-                torch.cuda.current_stream().synchronize()  # in kv_cache before we ack (or revoke)
+                # On a stream of its own: the engine's compute on the default stream neither delays the
+                # landing nor waits for it (the blocks are reserved, nothing computes on them yet).
+                if self._stream is None:
+                    self._stream = torch.cuda.Stream(self.rows.device)
+                with torch.cuda.stream(self._stream):
+                    scatter_rows(src_rows, self.rows, row_ids)
+                self._stream.synchronize()  # in kv_cache before we ack (or revoke)
+            else:
+                scatter_rows(src_rows, self.rows, row_ids)
         return None
 
     def settle(self, sender_nonce: bytes, header: ChunkHeader, error: str | None) -> ChunkAck:
