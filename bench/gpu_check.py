@@ -312,6 +312,9 @@ def correctness_section(entry: dict, device: str, work: Path, quick: bool) -> No
         "mtp": dict(spec_method="mtp", num_spec_tokens=2, mtp_checkpoint="random"),
         "async": dict(async_scheduling=True),
         "async+mtp": dict(async_scheduling=True, spec_method="mtp", num_spec_tokens=2, mtp_checkpoint="random"),
+        "fast": dict(deterministic=False),  # cuBLAS and the fast attention tiles (fp32: still exact greedy)
+        "fast+chunked+mtp": dict(deterministic=False, prefill_chunk_size=7, max_num_batched_tokens=32,
+                                 spec_method="mtp", num_spec_tokens=2, mtp_checkpoint="random"),
     }
     all_ok = True
     for name, model_dir in models.items():

@@ -42,14 +42,18 @@ def write_kv(key: Tensor, value: Tensor, layer_cache: Tensor, slot_mapping: Tens
 
 
 def paged_attention(
-    query: Tensor, layer_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, scale: float
+    query: Tensor, layer_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, scale: float,
+    batch_invariant: bool = True,
 ) -> Tensor:
-    """Causal attention of each request's new query tokens over its paged context."""
+    """Causal attention of each request's new query tokens over its paged context. ``batch_invariant``:
+    a query's bits independent of its batch (the CPU kernel always; on CUDA the fixed tiles, else the
+    fast ones)."""
     if _use_triton(query, layer_cache, block_tables, seq_lens, query_start_loc):
         from pdcluster.kernels.triton_paged_attention import paged_attention_triton
 
         query = query.contiguous()
-        return paged_attention_triton(query, layer_cache, block_tables, seq_lens, query_start_loc, scale)
+        return paged_attention_triton(query, layer_cache, block_tables, seq_lens, query_start_loc, scale,
+                                      batch_invariant=batch_invariant)
     out = cpu_ops.paged_attention(query, layer_cache, block_tables, seq_lens, query_start_loc, scale)
     if out is not None:
         return out

@@ -9,8 +9,15 @@ Work split: one program per (query tile, KV head). A query tile is up to BLOCK_Q
 tokens of ONE request times the GROUP query heads that share this KV head (GQA), flattened into
 BLOCK_M = BLOCK_Q * GROUP_PAD rows: each K/V tile loaded from the cache is reused by every row.
 Each program walks its request's context in tiles of BLOCK_N token positions with an online softmax
-(flash-attention style), stopping at the last position its tile's latest token can see. There is no
-split of the context across programs (no flash-decoding): one program reduces a row's whole context.
+(flash-attention style), stopping at the last position its tile's latest token can see.
+
+The context is cut into fixed partitions of PARTITION positions (a constant, like the key tile). Each
+partition is reduced from a fresh softmax state, and the partitions' states are merged in order by one
+formula (``_merge``). Where that merge runs is the only thing a launch chooses: inside the program that
+walked the partitions (prefill chunks, big batches), or, when a step has too few query tiles to fill
+the GPU (a decode step of a few requests), by a second kernel after one program per (query tile, KV
+head, partition group) wrote each partition's state to scratch (flash-decoding). Both run the same
+per-partition loop and the same merge, so a row gets the same bits either way.
 
 Batch invariance (issue 24; STYLE.md "Deterministic kernels"): a query's result is bit for bit the same
 in a prefill chunk, a verification row and a decode step, alone or in any batch. Its reduction order
@@ -39,6 +46,7 @@ cost is up to 2x tensor-core throughput in compute-bound prefill; decode is memo
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -51,6 +59,16 @@ KV_TILE_TOKENS = 32
 # Rows (query tokens x heads of a GQA group) per tile, in every batch (module doc). 16: tl.dot's minimum,
 # and the decode tile, so a decode step costs what it did before tiles were fixed.
 TILE_ROWS = 16
+# Context positions per partition (module doc): a multiple of every key tile. A constant: it fixes where
+# a row's softmax states are merged.
+PARTITION = 128
+# The fast mode (deterministic off): wider key tiles, 64- or 128-row query tiles for prefill chunks and
+# native 16-bit dots; a row's bits may then depend on its batch.
+FAST_KV_TILE_TOKENS = 64
+FAST_PREFILL_ROWS = 128
+# Split a launch's context across programs when it has fewer (query tile, KV head) programs than this
+# (about two waves of an H100's 132 SMs).
+SPLIT_BELOW_PROGRAMS = 256
 
 
 @triton.jit
@@ -68,6 +86,61 @@ def _find_request(query_start_loc_ptr, q_tile_idx, num_reqs, BLOCK_Q: tl.constex
     return lo - 1
 
 
+@triton.jit
+def _merge(m, l, acc, m_p, l_p, acc_p):
+    """Fold one partition's softmax state into the running one (rows x dims). A partition that saw no
+    key (m_p = -1e30, l_p = 0, acc_p = 0) is an exact no-op; so is the first real one on the empty start."""
+    m_new = tl.maximum(m, m_p)
+    a = tl.exp2(m - m_new)
+    b = tl.exp2(m_p - m_new)
+    # Explicit fma: the compiler may not contract these differently in the two kernels that merge.
+    return m_new, tl.fma(l_p, b, l * a), tl.fma(acc_p, b[:, None], acc * a[:, None])
+
+
+@triton.jit
+def _partition_state(q, q_pos, row_valid, kv_lo, kv_hi, table_row_ptr, cache_ptr, kv_head, block_size,
+                     qk_scale_log2, dims, dim_valid, stride_cache_kv, stride_cache_block, stride_cache_slot,
+                     stride_cache_head, stride_cache_dim, stride_table_entry,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr, NATIVE_DOT: tl.constexpr):
+    """Online softmax over context positions [kv_lo, kv_hi) from a fresh state: (m, l, acc)."""
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: -inf - -inf would be NaN
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    cols = tl.arange(0, BLOCK_N)
+    for kv_start in range(kv_lo, kv_hi, BLOCK_N):
+        k_pos = kv_start + cols
+        k_valid = k_pos < kv_hi
+        block_ids = tl.load(table_row_ptr + (k_pos // block_size) * stride_table_entry, mask=k_valid, other=0)
+        slot_offsets = (
+            block_ids.to(tl.int64) * stride_cache_block
+            + (k_pos % block_size) * stride_cache_slot
+            + kv_head * stride_cache_head
+        )
+        # K is loaded transposed, [HEAD_DIM_PAD, BLOCK_N], ready for q @ k.
+        k_t = tl.load(cache_ptr + slot_offsets[None, :] + dims[:, None] * stride_cache_dim,
+                      mask=dim_valid[:, None] & k_valid[None, :], other=0.0)
+        v = tl.load(cache_ptr + stride_cache_kv + slot_offsets[:, None] + dims[None, :] * stride_cache_dim,
+                    mask=k_valid[:, None] & dim_valid[None, :], other=0.0)
+        if NATIVE_DOT:
+            scores = tl.dot(q, k_t) * qk_scale_log2
+        else:
+            scores = tl.dot(q, k_t.to(tl.float32), input_precision=DOT_PRECISION) * qk_scale_log2
+        causal = (k_pos[None, :] <= q_pos[:, None]) & row_valid[:, None]
+        scores = tl.where(causal, scores, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)  # rescales what was accumulated under the old max
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if NATIVE_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
 @triton.jit(do_not_specialize=["num_reqs"])
 def _paged_attention_kernel(
     out_ptr,
@@ -76,10 +149,15 @@ def _paged_attention_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
+    part_m_ptr,  # SPLIT: [num_tokens, num_q_heads, max_parts] fp32 partition states (else unused)
+    part_l_ptr,
+    part_acc_ptr,  # SPLIT: [num_tokens, num_q_heads, max_parts, HEAD_DIM_PAD] fp32
     qk_scale_log2,  # softmax scale * log2(e): the softmax runs on exp2
     num_reqs,
     block_size,
     head_dim,
+    num_q_heads,
+    max_parts,
     stride_q_token,
     stride_q_head,
     stride_q_dim,
@@ -100,6 +178,9 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,  # key positions per inner step
     HEAD_DIM_PAD: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PARTITION_SIZE: tl.constexpr,  # context positions per partition (a multiple of BLOCK_N)
+    SPLIT: tl.constexpr,  # write partition states to scratch (program_id(2) picks partitions) vs merge here
+    NATIVE_DOT: tl.constexpr,  # 16-bit operands straight into tl.dot (fast mode on a GPU)
 ):
     q_tile_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -128,72 +209,122 @@ def _paged_attention_kernel(
         q_token[:, None] * stride_q_token + q_head[:, None] * stride_q_head + dims[None, :] * stride_q_dim
     )
     row_dim_mask = row_valid[:, None] & dim_valid[None, :]
-    q = tl.load(query_ptr + q_offsets, mask=row_dim_mask, other=0.0).to(tl.float32)
-
-    # Finite start for the running max: padding rows see no key at all, and -inf - -inf would be NaN.
-    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    q = tl.load(query_ptr + q_offsets, mask=row_dim_mask, other=0.0)
+    if not NATIVE_DOT:
+        q = q.to(tl.float32)
 
     # Keys up to the tile's latest valid token: later positions are masked for every row anyway, and
     # cache slots past context_len may hold garbage (even NaN), so they are never loaded.
     last_q_in_tile = tl.minimum(tile_in_req * BLOCK_Q + BLOCK_Q, q_len) - 1
     kv_end = first_q_pos + last_q_in_tile + 1
+    num_parts = tl.cdiv(kv_end, PARTITION_SIZE)
     table_row_ptr = block_tables_ptr + req.to(tl.int64) * stride_table_req
-    cols = tl.arange(0, BLOCK_N)
-    for kv_start in range(0, kv_end, BLOCK_N):
-        k_pos = kv_start + cols
-        k_valid = k_pos < kv_end
-        block_ids = tl.load(table_row_ptr + (k_pos // block_size) * stride_table_entry, mask=k_valid, other=0)
-        slot_offsets = (
-            block_ids.to(tl.int64) * stride_cache_block
-            + (k_pos % block_size) * stride_cache_slot
-            + kv_head * stride_cache_head
+    if SPLIT:
+        state_row = q_token * num_q_heads + q_head  # [BLOCK_M]
+        for part in range(tl.program_id(2), num_parts, tl.num_programs(2)):
+            kv_lo = part * PARTITION_SIZE
+            m_p, l_p, acc_p = _partition_state(
+                q, q_pos, row_valid, kv_lo, tl.minimum(kv_lo + PARTITION_SIZE, kv_end), table_row_ptr, cache_ptr,
+                kv_head, block_size, qk_scale_log2, dims, dim_valid, stride_cache_kv, stride_cache_block,
+                stride_cache_slot, stride_cache_head, stride_cache_dim, stride_table_entry,
+                BLOCK_M, BLOCK_N, HEAD_DIM_PAD, DOT_PRECISION, NATIVE_DOT)
+            at = state_row * max_parts + part
+            tl.store(part_m_ptr + at, m_p, mask=row_valid)
+            tl.store(part_l_ptr + at, l_p, mask=row_valid)
+            tl.store(part_acc_ptr + at[:, None] * HEAD_DIM_PAD + dims[None, :], acc_p, mask=row_valid[:, None])
+    else:
+        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+        for part in range(0, num_parts):
+            kv_lo = part * PARTITION_SIZE
+            m_p, l_p, acc_p = _partition_state(
+                q, q_pos, row_valid, kv_lo, tl.minimum(kv_lo + PARTITION_SIZE, kv_end), table_row_ptr, cache_ptr,
+                kv_head, block_size, qk_scale_log2, dims, dim_valid, stride_cache_kv, stride_cache_block,
+                stride_cache_slot, stride_cache_head, stride_cache_dim, stride_table_entry,
+                BLOCK_M, BLOCK_N, HEAD_DIM_PAD, DOT_PRECISION, NATIVE_DOT)
+            m_i, l_i, acc = _merge(m_i, l_i, acc, m_p, l_p, acc_p)
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # padding rows: never stored, but keep them NaN-free
+        out = acc / l_safe[:, None]
+        out_offsets = (
+            q_token[:, None] * stride_out_token
+            + q_head[:, None] * stride_out_head
+            + dims[None, :] * stride_out_dim
         )
-        # K is loaded transposed, [HEAD_DIM_PAD, BLOCK_N], ready for q @ k.
-        k_t = tl.load(
-            cache_ptr + slot_offsets[None, :] + dims[:, None] * stride_cache_dim,
-            mask=dim_valid[:, None] & k_valid[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        v = tl.load(
-            cache_ptr + stride_cache_kv + slot_offsets[:, None] + dims[None, :] * stride_cache_dim,
-            mask=k_valid[:, None] & dim_valid[None, :],
-            other=0.0,
-        ).to(tl.float32)
+        tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=row_dim_mask)
 
-        scores = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale_log2  # [BLOCK_M, BLOCK_N]
-        causal = (k_pos[None, :] <= q_pos[:, None]) & row_valid[:, None]
-        scores = tl.where(causal, scores, float("-inf"))
 
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)  # rescales what was accumulated under the old max
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
-        m_i = m_new
-
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # padding rows: never stored, but keep them NaN-free
+@triton.jit(do_not_specialize=["num_reqs"])
+def _merge_partitions_kernel(
+    out_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    num_reqs,
+    num_q_heads,
+    head_dim,
+    max_parts,
+    stride_out_token,
+    stride_out_head,
+    stride_out_dim,
+    HEADS_PAD: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    PARTITION_SIZE: tl.constexpr,
+):
+    """One program per query token: merge each of its heads' partition states in order (``_merge``, the
+    same fold the unsplit kernel runs) and write the output row."""
+    token = tl.program_id(0)
+    lo: tl.int32 = 0
+    hi = num_reqs
+    while lo < hi:  # the request of this token: largest r with query_start_loc[r] <= token
+        mid = (lo + hi) // 2
+        if tl.load(query_start_loc_ptr + mid) <= token:
+            lo = mid + 1
+        else:
+            hi = mid
+    req = lo - 1
+    if req >= num_reqs:
+        return
+    q_end = tl.load(query_start_loc_ptr + req + 1)
+    if token >= q_end:
+        return  # batch padding past the last request
+    q_pos = tl.load(seq_lens_ptr + req) - (q_end - token)
+    num_parts = tl.cdiv(q_pos + 1, PARTITION_SIZE)
+    heads = tl.arange(0, HEADS_PAD)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    head_valid = heads < num_q_heads
+    state_row = token.to(tl.int64) * num_q_heads + heads
+    m_i = tl.full([HEADS_PAD], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([HEADS_PAD], dtype=tl.float32)
+    acc = tl.zeros([HEADS_PAD, HEAD_DIM_PAD], dtype=tl.float32)
+    for part in range(0, num_parts):
+        at = state_row * max_parts + part
+        m_p = tl.load(part_m_ptr + at, mask=head_valid, other=-1.0e30)
+        l_p = tl.load(part_l_ptr + at, mask=head_valid, other=0.0)
+        acc_p = tl.load(part_acc_ptr + at[:, None] * HEAD_DIM_PAD + dims[None, :], mask=head_valid[:, None], other=0.0)
+        m_i, l_i, acc = _merge(m_i, l_i, acc, m_p, l_p, acc_p)
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
-    out_offsets = (
-        q_token[:, None] * stride_out_token
-        + q_head[:, None] * stride_out_head
-        + dims[None, :] * stride_out_dim
-    )
-    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=row_dim_mask)
+    offsets = token.to(tl.int64) * stride_out_token + heads[:, None] * stride_out_head + dims[None, :] * stride_out_dim
+    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=head_valid[:, None] & (dims[None, :] < head_dim))
 
 
-def block_q_for(group_pad: int) -> int:
+def block_q_for(group_pad: int, rows: int = TILE_ROWS) -> int:
     """Query tokens per tile: a function of the model's head grouping only, never of the batch."""
-    return max(1, TILE_ROWS // group_pad)
+    return max(1, rows // group_pad)
 
 
 def paged_attention_triton(
-    query: Tensor, layer_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, scale: float
+    query: Tensor, layer_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, scale: float,
+    batch_invariant: bool = True,
 ) -> Tensor:
     """Causal attention of each request's new query tokens over its paged context (see module doc;
     arguments and shapes as in :func:`pdcluster.kernels.reference.paged_attention`).
 
+    ``batch_invariant`` (deterministic mode): the fixed tiles. Otherwise (the fast mode) prefill chunks
+    get 128-row query tiles, keys come in tiles of 64 and 16-bit operands go to the dots as they are.
     The K/V of the new tokens must already be written into the cache. Rows of the output past
     ``query_start_loc[-1]`` (batch padding) are left unwritten, as in the reference.
     """
@@ -211,32 +342,67 @@ def paged_attention_triton(
         return out
 
     group_pad = triton.next_power_of_2(num_q_heads // num_kv_heads)
+    if batch_invariant:
+        return launch(query, layer_cache, block_tables, seq_lens, query_start_loc, scale, out,
+                      block_q_for(group_pad), KV_TILE_TOKENS)
+    # Fast mode: prefill-sized calls (more than a few query tokens a request) get the big row tile.
+    prefill = num_tokens > 4 * num_reqs
+    native = query.dtype in (torch.bfloat16, torch.float16) and not INTERPRETED
     return launch(query, layer_cache, block_tables, seq_lens, query_start_loc, scale, out,
-                  block_q_for(group_pad), KV_TILE_TOKENS)
+                  block_q_for(group_pad, FAST_PREFILL_ROWS if prefill else TILE_ROWS), FAST_KV_TILE_TOKENS,
+                  native_dot=native, partition=2 * FAST_KV_TILE_TOKENS if not prefill else 4 * FAST_KV_TILE_TOKENS)
+
+
+# The interpreter multiplies 16-bit dot operands wrongly (module doc): it never runs the native dot.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def launch(query: Tensor, layer_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
-           scale: float, out: Tensor, block_q: int, block_n: int) -> Tensor:
+           scale: float, out: Tensor, block_q: int, block_n: int, split: bool | None = None,
+           native_dot: bool = False, partition: int | None = None) -> Tensor:
     """Run the kernel with the given tiles (checked arguments; :func:`paged_attention_triton` passes the
-    fixed ones, tests pass batch-dependent ones to show the invariance tests catch them)."""
+    fixed ones, tests pass batch-dependent ones to show the invariance tests catch them). ``split``:
+    merge the partitions in a second kernel (None: when the launch has too few programs, module doc)."""
     num_tokens, num_q_heads, head_dim = query.shape
     block_size, num_kv_heads = layer_cache.shape[2], layer_cache.shape[3]
     num_reqs = seq_lens.shape[0]
+    partition = PARTITION if partition is None else partition
+    if partition % block_n:
+        raise ValueError(f"partition {partition} is not a multiple of the key tile {block_n}")
     group = num_q_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
+    head_dim_pad = max(triton.next_power_of_2(head_dim), 16)
     # The "+ num_reqs" covers each request's partial last tile (see the module doc).
     num_q_tiles = num_tokens // block_q + num_reqs
-    _paged_attention_kernel[(num_q_tiles, num_kv_heads)](
+    # The longest context this call can have, from shapes alone (no host sync): the block table's width.
+    max_parts = -(-block_tables.shape[1] * block_size // partition)
+    if split is None:
+        split = num_q_tiles * num_kv_heads < SPLIT_BELOW_PROGRAMS and max_parts > 1
+    num_splits = min(max_parts, -(-SPLIT_BELOW_PROGRAMS // (num_q_tiles * num_kv_heads))) if split else 1
+    if split:
+        part_m = torch.empty(num_tokens, num_q_heads, max_parts, dtype=torch.float32, device=query.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty(num_tokens, num_q_heads, max_parts, head_dim_pad, dtype=torch.float32,
+                               device=query.device)
+    else:
+        part_m = part_l = part_acc = out  # never touched
+    prefill_rows = block_q * group_pad >= 64
+    _paged_attention_kernel[(num_q_tiles, num_kv_heads, num_splits)](
         out,
         query,
         layer_cache,
         block_tables,
         seq_lens,
         query_start_loc,
+        part_m,
+        part_l,
+        part_acc,
         scale / math.log(2.0),
         num_reqs,
         block_size,
         head_dim,
+        num_q_heads,
+        max_parts,
         *query.stride(),
         *out.stride(),
         *layer_cache.stride(),
@@ -246,7 +412,17 @@ def launch(query: Tensor, layer_cache: Tensor, block_tables: Tensor, seq_lens: T
         BLOCK_Q=block_q,
         BLOCK_M=block_q * group_pad,
         BLOCK_N=block_n,
-        HEAD_DIM_PAD=max(triton.next_power_of_2(head_dim), 16),
+        HEAD_DIM_PAD=head_dim_pad,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        PARTITION_SIZE=partition,
+        SPLIT=split,
+        NATIVE_DOT=native_dot,
+        num_warps=8 if prefill_rows else 4,
     )
+    if split:
+        _merge_partitions_kernel[(num_tokens,)](
+            out, seq_lens, query_start_loc, part_m, part_l, part_acc, num_reqs, num_q_heads, head_dim, max_parts,
+            *out.stride(), HEADS_PAD=triton.next_power_of_2(num_q_heads), HEAD_DIM_PAD=head_dim_pad,
+            PARTITION_SIZE=partition,
+        )
     return out

@@ -357,7 +357,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from pdcluster.kernels.triton_block_copy import _copy_blocks_kernel
-from pdcluster.kernels.triton_paged_attention import _paged_attention_kernel
+from pdcluster.kernels.triton_paged_attention import _merge_partitions_kernel, _paged_attention_kernel
 from pdcluster.kernels.triton_rms_norm import _rms_norm_kernel
 from pdcluster.kernels.triton_rotary import _rotary_kernel
 from pdcluster.kernels.triton_silu_and_mul import _silu_and_mul_kernel
@@ -371,16 +371,26 @@ def build(fn, pointer_types, constexprs):
     triton.compile(ASTSource(fn, signature, constexprs=constants), target=GPUTarget("cuda", 80, 32))
 
 
-for dtype, precision in (("fp32", "ieee"), ("bf16", "tf32")):
+for dtype, precision, split in (("fp32", "ieee", False), ("bf16", "tf32", False), ("bf16", "tf32", True)):
     build(
         _paged_attention_kernel,
         {"out_ptr": "*" + dtype, "query_ptr": "*" + dtype, "cache_ptr": "*" + dtype,
          "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
-         "qk_scale_log2": "fp32"},
+         "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32", "qk_scale_log2": "fp32"},
         # num_reqs == 1 and unit strides: Triton specializes such ints into constants at launch.
         dict(num_reqs=1, stride_q_dim=1, stride_cache_dim=1, GROUP=4, GROUP_PAD=4, BLOCK_Q=4,
-             BLOCK_M=16, BLOCK_N=32, HEAD_DIM_PAD=128, DOT_PRECISION=precision),
+             BLOCK_M=16, BLOCK_N=32, HEAD_DIM_PAD=128, DOT_PRECISION=precision, PARTITION_SIZE=128,
+             SPLIT=split, NATIVE_DOT=False),
     )
+build(_paged_attention_kernel,
+      {"out_ptr": "*bf16", "query_ptr": "*bf16", "cache_ptr": "*bf16", "block_tables_ptr": "*i32",
+       "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
+       "part_acc_ptr": "*fp32", "qk_scale_log2": "fp32"},
+      dict(stride_q_dim=1, stride_cache_dim=1, GROUP=8, GROUP_PAD=8, BLOCK_Q=16, BLOCK_M=128, BLOCK_N=64,
+           HEAD_DIM_PAD=64, DOT_PRECISION="tf32", PARTITION_SIZE=256, SPLIT=False, NATIVE_DOT=True))  # fast prefill
+build(_merge_partitions_kernel, {"out_ptr": "*bf16", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
+      "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32"},
+      dict(stride_out_dim=1, HEADS_PAD=32, HEAD_DIM_PAD=64, PARTITION_SIZE=128))
 build(_write_kv_kernel, {"key_ptr": "*fp32", "value_ptr": "*fp32", "cache_ptr": "*bf16",
       "slot_mapping_ptr": "*i64"}, dict(HEADS_PAD=8, HEAD_DIM_PAD=128))
 build(_copy_blocks_kernel, {"src_ptr": "*bf16", "dst_ptr": "*bf16", "block_ids_ptr": "*i64"},

@@ -351,6 +351,61 @@ def test_the_attention_check_catches_a_key_tile_chosen_from_the_query_count(devi
     assert not any(f.startswith("decode batch") for f in failures), failures  # 5 tokens: the fixed tile
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_attention_split_and_merged_in_kernel_give_the_same_rows(device, dtype, monkeypatch):
+    """The context's fixed partitions merged by a second kernel (flash-decoding, chosen for launches with
+    few programs) or inside the program give every row the same bits: partitions of 32 positions (two
+    for CONTEXT), each scenario launched split, unsplit and by the production rule, against the
+    decode step alone split."""
+    monkeypatch.setattr(attention, "PARTITION", attention.KV_TILE_TOKENS)
+
+    def fixed(split):
+        def run(query, cache, tables, seq_lens, qsl, scale):
+            block_q = attention.block_q_for(triton_next_pow2(query.shape[1] // cache.shape[3]))
+            return attention.launch(query, cache, tables, seq_lens, qsl, scale, torch.empty_like(query), block_q,
+                                    attention.KV_TILE_TOKENS, split=split)
+        return run
+
+    ctx = PagedContext(6, 2, dtype, device)
+    alone = {pos: ctx.run(fixed(True), [(0, pos, 1)])[pos] for pos in TARGET_POSITIONS}
+    for split in (True, False, None):
+        for name, rows in SCENARIOS:
+            for pos, row in ctx.run(fixed(split), rows).items():
+                if pos in alone:
+                    assert torch.equal(row, alone[pos]), (split, name, pos)
+    # ... and the split path is attention (a second partition's keys are counted).
+    out = alone[44]
+    expected = reference.paged_attention(ctx.target_q[44:45], ctx.cache.cpu(), ctx.tables[:1].cpu(),
+                                         torch.tensor([45], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
+                                         HEAD_DIM**-0.5)[0]
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out.cpu().float(), expected.float(), **tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fast_mode_attention_matches_the_reference(device, dtype):
+    """batch_invariant=False (the fast mode): 128-row query tiles for prefill-sized calls, 64-key tiles,
+    native 16-bit dots on a GPU; every scenario's target rows match the reference."""
+    ctx = PagedContext(4, 2, dtype, device)
+
+    def fast(query, cache, tables, seq_lens, qsl, scale):
+        return attention.paged_attention_triton(query, cache, tables, seq_lens, qsl, scale, batch_invariant=False)
+
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    for _, rows in SCENARIOS:
+        for pos, row in ctx.run(fast, rows).items():
+            expected = reference.paged_attention(
+                ctx.target_q[pos : pos + 1], ctx.cache.cpu(), ctx.tables[:1].cpu(),
+                torch.tensor([pos + 1], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), HEAD_DIM**-0.5)[0]
+            torch.testing.assert_close(row.cpu().float(), expected.float(), **tol)
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
 @pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1")
 def test_attention_tiles_are_constants_of_the_model(monkeypatch):
     """Every batch of SCENARIOS launches with the same tiles. The interpreter cannot see a row tile that
@@ -408,9 +463,11 @@ for spec in sys.argv[1:]:  # kernel:dtype:arch[:N]
     else:
         build(_paged_attention_kernel,
               {"out_ptr": "*" + dtype, "query_ptr": "*" + dtype, "cache_ptr": "*" + dtype, "block_tables_ptr": "*i32",
-               "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "qk_scale_log2": "fp32"},
+               "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "qk_scale_log2": "fp32",
+               "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32"},
               dict(stride_q_dim=1, stride_cache_dim=1, GROUP=4, GROUP_PAD=4, BLOCK_Q=attention_block_q,
-                   BLOCK_M=16, BLOCK_N=32, HEAD_DIM_PAD=128, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32"),
+                   BLOCK_M=16, BLOCK_N=32, HEAD_DIM_PAD=128, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
+                   PARTITION_SIZE=128, SPLIT=kernel == "attention-split", NATIVE_DOT=False),
               int(arch))
     print("compiled", spec)
 """.replace("attention_block_q", str(attention.block_q_for(4)))
@@ -430,4 +487,5 @@ def test_the_native_bf16_matmul_compiles_for_cuda(tmp_path):
 def test_every_deterministic_kernel_variant_compiles_for_cuda(tmp_path):
     specs = [f"matmul:{dtype}:{arch}:{n}" for arch in (80, 90) for dtype in ("bf16", "fp16", "fp32")
              for n in (2048, 11264, 49152)]
-    _compile_for_cuda(tmp_path, specs + [f"attention:{dtype}:{arch}" for arch in (80, 90) for dtype in ("bf16", "fp32")])
+    _compile_for_cuda(tmp_path, specs + [f"{k}:{dtype}:{arch}" for arch in (80, 90) for dtype in ("bf16", "fp32")
+                                 for k in ("attention", "attention-split")])

@@ -130,6 +130,9 @@ class RotaryEmbedding:
 
 
 MLP_CHUNK_TOKENS = 1024
+# On a GPU the chunks are the size of a whole big prefill step: GEMMs of 1,024 rows leave tensor cores
+# idle in their tails, and HBM holds the intermediate buffers.
+MLP_CHUNK_TOKENS_CUDA = 16384
 
 
 class DecoderLayer:
@@ -147,6 +150,7 @@ class DecoderLayer:
         self.input_norm = w("input_layernorm.weight")
         self.post_norm = w("post_attention_layernorm.weight")
         det = {"deterministic": deterministic}  # engine/linear.py: the batch-invariant GEMM (issue 24)
+        self.deterministic = deterministic  # ... and the fixed attention tiles (kernels/triton_paged_attention.py)
         self.qkv_proj = Linear(torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"),
                                           w("self_attn.v_proj.weight")]), **det)
         self.o_proj = Linear(w("self_attn.o_proj.weight"), **det)
@@ -200,16 +204,17 @@ class DecoderLayer:
         else:
             x = ops.rms_norm(hidden, self.input_norm, a.rms_norm_eps, residual=residual)
         q, k, v = self.qkv(x, positions, rope)
-        o = attend(q, k, v, layer_cache, meta)
+        o = attend(q, k, v, layer_cache, meta, batch_invariant=self.deterministic)
         hidden = self.o_proj(o.reshape(-1, self.q_size))
         x = ops.rms_norm(hidden, self.post_norm, a.rms_norm_eps, residual=residual)
-        if x.shape[0] <= MLP_CHUNK_TOKENS:
+        chunk = MLP_CHUNK_TOKENS_CUDA if x.is_cuda else MLP_CHUNK_TOKENS
+        if x.shape[0] <= chunk:
             return self.mlp(x), residual
         # A long prefill runs the MLP in token chunks: its 2 x intermediate-wide buffers stay small
         # enough to be reused from the heap (engine/memory.py) and warm in cache.
         out = torch.empty_like(x)
-        for start in range(0, x.shape[0], MLP_CHUNK_TOKENS):
-            out[start : start + MLP_CHUNK_TOKENS] = self.mlp(x[start : start + MLP_CHUNK_TOKENS])
+        for start in range(0, x.shape[0], chunk):
+            out[start : start + chunk] = self.mlp(x[start : start + chunk])
         return out, residual
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,7 @@ class AttentionMixer:
                                deterministic=deterministic)
         self.o_proj = Linear(w("o_proj.weight"), deterministic=deterministic)
         self.q_size = arch.num_heads * arch.head_dim
+        self.deterministic = deterministic
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [n, heads, D], k and v [n, kv_heads, D] (views of one projection)."""
@@ -44,7 +45,7 @@ class AttentionMixer:
                 qkv[:, a.num_heads + a.num_kv_heads :])
 
     def __call__(self, x: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        o = attend(*self.qkv(x), layer_cache, meta)
+        o = attend(*self.qkv(x), layer_cache, meta, batch_invariant=self.deterministic)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
