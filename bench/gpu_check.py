@@ -312,9 +312,11 @@ def correctness_section(entry: dict, device: str, work: Path, quick: bool) -> No
         "mtp": dict(spec_method="mtp", num_spec_tokens=2, mtp_checkpoint="random"),
         "async": dict(async_scheduling=True),
         "async+mtp": dict(async_scheduling=True, spec_method="mtp", num_spec_tokens=2, mtp_checkpoint="random"),
-        "fast": dict(deterministic=False),  # cuBLAS and the fast attention tiles (fp32: still exact greedy)
-        "fast+chunked+mtp": dict(deterministic=False, prefill_chunk_size=7, max_num_batched_tokens=32,
-                                 spec_method="mtp", num_spec_tokens=2, mtp_checkpoint="random"),
+        # The other mode than the device's default (CUDA: fast, CPU: deterministic), asked for.
+        "other_mode": dict(deterministic=device != "cuda"),
+        "other_mode+chunked+mtp": dict(deterministic=device != "cuda", prefill_chunk_size=7,
+                                       max_num_batched_tokens=32, spec_method="mtp", num_spec_tokens=2,
+                                       mtp_checkpoint="random"),
     }
     all_ok = True
     for name, model_dir in models.items():
@@ -471,9 +473,10 @@ def speed_section(entry: dict, device: str, work: Path, quick: bool, report: Rep
     batches = (1, 4) if quick else (1, 32, 128)
     decode: dict = {}
     profiles: dict = {}
-    # The default (deterministic mode on CUDA: the batch-invariant Triton matmul) and the fast mode (cuBLAS).
-    for mode, graphs, async_sched, det in (("cuda_graphs", True, False, None), ("cuda_graphs+async", True, True, None),
-                                           ("fast+cuda_graphs", True, False, False), ("eager", False, False, None)):
+    # The fast mode (CUDA's default: cuBLAS, the fast attention tiles) and deterministic mode (the
+    # batch-invariant Triton matmul and fixed attention tiles).
+    for mode, graphs, async_sched, det in (("cuda_graphs", True, False, False), ("cuda_graphs+async", True, True, False),
+                                           ("deterministic+cuda_graphs", True, False, True), ("eager", False, False, False)):
         engine = LLMEngine.from_config(EngineConfig(model=str(model_dir), device=device, dtype="bfloat16", max_model_len=4096,
                                         max_num_seqs=max(batches), max_num_batched_tokens=8192,
                                         prefill_chunk_size=2048, kv_cache_memory_gib=0.25 if quick else 8.0,
@@ -484,7 +487,7 @@ def speed_section(entry: dict, device: str, work: Path, quick: bool, report: Rep
         decode[mode] = {"used": engine.runner.graphs is not None, "deterministic": engine.deterministic}
         for b in batches:
             ms = _decode_step_ms(engine, b, prompt_len, num_steps, device,
-                                 profile_into=profiles.setdefault(mode, {}) if mode in ("cuda_graphs", "fast+cuda_graphs") else None)
+                                 profile_into=profiles.setdefault(mode, {}) if mode in ("cuda_graphs", "deterministic+cuda_graphs") else None)
             kv_bytes = b * (prompt_len + num_steps // 2) * shape["num_hidden_layers"] * 2 \
                 * shape["num_key_value_heads"] * (shape["hidden_size"] // shape["num_attention_heads"]) * 2
             floor = (weight_bytes + kv_bytes) / (bw * 1e9) * 1e3
@@ -497,7 +500,7 @@ def speed_section(entry: dict, device: str, work: Path, quick: bool, report: Rep
     entry["decode"] = {"context_tokens": prompt_len, **decode}
     entry["decode_profiles"] = profiles
 
-    # Prefill: 16 x 2,048 (quick: 4 x 256) in one step, the default (deterministic) and the fast mode.
+    # Prefill: 16 x 2,048 (quick: 4 x 256) in one step, the fast mode (CUDA's default) and deterministic mode.
     from pdcluster.engine.sampling_params import SamplingParams
 
     n_seq, seq_len = (4, 256) if quick else (16, 2048)
@@ -508,7 +511,7 @@ def speed_section(entry: dict, device: str, work: Path, quick: bool, report: Rep
     flops = 2 * layer_params * n_seq * seq_len + 2 * layers * n_seq * seq_len * seq_len * h
     peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in entry.get("device", "")), None)
     entry["prefill"] = {"num_seqs": n_seq, "seq_len": seq_len, "flops": flops}
-    for mode, det in (("default", None), ("fast", False)):
+    for mode, det in (("fast", False), ("deterministic", True)):
         engine = LLMEngine.from_config(EngineConfig(
             model=str(model_dir), device=device, dtype="bfloat16", max_model_len=4096, max_num_seqs=n_seq,
             max_num_batched_tokens=n_seq * seq_len, prefill_chunk_size=seq_len,

@@ -2,8 +2,9 @@
 this one, both on CUDA, give the tokens a colocated engine on that GPU gives, and every decode block
 comes back. Over ``cuda_ipc`` (the decode worker shares its cache by IPC handle, the prefill worker
 writes the blocks in place) and over ``tcp`` (blocks staged through pinned host buffers), in fp32 and
-in bf16 (deterministic mode, the default on CUDA: the prefill worker's chunking differs from the
-colocated engine's, so only batch-invariant kernels keep the tokens equal).
+in bf16 in deterministic mode (asked for: the prefill worker's chunking differs from the colocated
+engine's, so only batch-invariant kernels keep the tokens equal in bf16; fp32 runs CUDA's default, the
+fast mode).
 
 Needs CUDA and pyzmq (the control plane), not Ray: the workers are plain objects and a spawned process.
 The CPU twins of these checks are tests/test_cuda_ipc_transport.py and tests/test_kv_transfer_e2e.py.
@@ -32,11 +33,15 @@ CASES = [("cuda_ipc", "float32"), ("tcp", "float32"), ("cuda_ipc", "bfloat16"), 
 _config = functools.partial(engine_config, device="cuda", num_kv_blocks=NUM_KV_BLOCKS, max_model_len=1536)
 
 
+def deterministic(dtype: str) -> bool:
+    return dtype == "bfloat16"
+
+
 def prefill_child(conn, transport: str, dtype: str) -> None:
     from pdcluster.kv_transfer.config import TransferConfig
     from pdcluster.prefill_node.worker import PrefillWorker
 
-    p = PrefillWorker(f"p-{transport}", _config(dtype=dtype, prefill_chunk_size=8),
+    p = PrefillWorker(f"p-{transport}", _config(dtype=dtype, prefill_chunk_size=8, deterministic=deterministic(dtype)),
                       TransferConfig(transport=transport, secret="k"))
     conn.send(p.address)
     time.sleep(600)
@@ -57,7 +62,8 @@ def workers(request, tiny_dir):
     try:
         assert parent.poll(180), "prefill process did not start"
         address = parent.recv()
-        d = DecodeWorker("d0", _config(dtype=dtype, prefill_chunk_size=64), TransferConfig(transport=transport, secret="k"))
+        d = DecodeWorker("d0", _config(dtype=dtype, prefill_chunk_size=64, deterministic=deterministic(dtype)),
+                         TransferConfig(transport=transport, secret="k"))
         d.on_event = events = Events()
         yield transport, dtype, address, d, events
     finally:
@@ -74,7 +80,8 @@ def test_one_gpu_disagg_tokens_equal_colocated(workers):
     transport, dtype, address, d, events = workers
     prompts = [list(range(300 + i, 300 + i + n)) for i, n in enumerate([3, 16, 17, 45, 100])]
     params = SamplingParams(max_tokens=12, ignore_eos=True, seed=3)
-    colocated = make_engine("tiny-random", device="cuda", dtype=dtype, num_kv_blocks=NUM_KV_BLOCKS)
+    colocated = make_engine("tiny-random", device="cuda", dtype=dtype, num_kv_blocks=NUM_KV_BLOCKS,
+                            deterministic=deterministic(dtype))
     expected = [o.token_ids for o in colocated.generate(prompts, params)]
     del colocated
     assert d.connect_prefill(address) == f"p-{transport}"

@@ -215,22 +215,26 @@ def test_linear_on_cuda_runs_the_batch_invariant_matmul_in_deterministic_mode():
 
 
 def test_deterministic_mode_holds_on_cuda_where_triton_is(monkeypatch, caplog):
-    """The engine keeps deterministic mode on a CUDA device (these kernels); without triton the default
-    steps back to the fast mode with a warning and an explicit ask is an error. Needs no GPU: the choice
-    is made from the config before anything touches the device."""
+    """On a CUDA device deterministic mode runs these kernels when asked (flag or environment), and is
+    not the default there; without triton an ask is an error. Needs no GPU: the choice is made from the
+    config before anything touches the device."""
     from pdcluster.engine.config import DETERMINISTIC_ENV, EngineConfig
     from pdcluster.engine.linear import DeterministicUnavailable
     from pdcluster.engine.loaded_model import _resolve_deterministic
     from pdcluster.kernels import ops
 
     monkeypatch.delenv(DETERMINISTIC_ENV, raising=False)
-    assert _resolve_deterministic(EngineConfig(device="cuda")) is True
+    # On CUDA it is asked for (flag or environment), not the default (its cost there: loaded_model.py).
+    assert _resolve_deterministic(EngineConfig(device="cuda")) is False
+    assert _resolve_deterministic(EngineConfig(device="cpu")) is True
     assert _resolve_deterministic(EngineConfig(device="cuda:1", deterministic=True)) is True
     assert _resolve_deterministic(EngineConfig(device="cuda", deterministic=False)) is False
+    monkeypatch.setenv(DETERMINISTIC_ENV, "1")
+    assert _resolve_deterministic(EngineConfig(device="cuda")) is True
     monkeypatch.setattr(ops, "triton_available", lambda: False)
-    with caplog.at_level("WARNING"):
-        assert _resolve_deterministic(EngineConfig(device="cuda")) is False
-    assert "needs triton" in caplog.text and "fast mode" in caplog.text
+    with pytest.raises(DeterministicUnavailable, match="--no-deterministic"):
+        _resolve_deterministic(EngineConfig(device="cuda"))  # the environment's ask
+    monkeypatch.delenv(DETERMINISTIC_ENV)
     with pytest.raises(DeterministicUnavailable, match="--no-deterministic"):
         _resolve_deterministic(EngineConfig(device="cuda", deterministic=True))
 
