@@ -367,7 +367,8 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 def launch(query: Tensor, layer_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
            scale: float, out: Tensor, block_q: int, block_n: int, split: bool | None = None,
-           native_dot: bool = False, partition: int | None = None) -> Tensor:
+           native_dot: bool = False, partition: int | None = None, num_warps: int | None = None,
+           num_stages: int | None = None) -> Tensor:
     """Run the kernel with the given tiles (checked arguments; :func:`paged_attention_triton` passes the
     fixed ones, tests pass batch-dependent ones to show the invariance tests catch them). ``split``:
     merge the partitions in a second kernel (None: when the launch has too few programs, module doc)."""
@@ -425,7 +426,8 @@ def launch(query: Tensor, layer_cache: Tensor, block_tables: Tensor, seq_lens: T
         PARTITION_SIZE=partition,
         SPLIT=split,
         NATIVE_DOT=native_dot,
-        num_warps=8 if prefill_rows else 4,
+        num_warps=num_warps or (8 if prefill_rows else 4),
+        **({"num_stages": num_stages} if num_stages else {}),
     )
     if split:
         _merge_partitions_kernel[(num_tokens,)](

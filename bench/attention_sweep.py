@@ -1,0 +1,106 @@
+"""Paged attention launch configurations on a GPU: the fast mode's prefill (16 x 2,048 tokens, 32 query
+and 4 KV heads of 64, bf16) and a decode batch (128 x 512), each configuration checked against the torch
+reference and timed with triton.testing.do_bench. Prints JSON (and writes it with --out).
+
+    python bench/attention_sweep.py [--out bench/results/attention_sweep_h100.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def paged_case(num_seqs: int, seq_len: int, q_len: int, device: str = "cuda", block_size: int = 16):
+    import torch
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    heads, kv_heads, dim = 32, 4, 64
+    blocks_per_seq = -(-seq_len // block_size)
+    num_blocks = num_seqs * blocks_per_seq + 1
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, dim, generator=g).to(torch.bfloat16).to(device)
+    perm = torch.randperm(num_blocks - 1, generator=g) + 1
+    tables = perm[: num_seqs * blocks_per_seq].view(num_seqs, blocks_per_seq).to(torch.int32).to(device)
+    seq_lens = torch.full((num_seqs,), seq_len, dtype=torch.int32, device=device)
+    qsl = torch.arange(0, (num_seqs + 1) * q_len, q_len, dtype=torch.int32, device=device)
+    query = torch.randn(num_seqs * q_len, heads, dim, generator=g).to(torch.bfloat16).to(device)
+    return query, cache, tables, seq_lens, qsl, dim**-0.5
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true", help="a few configurations (a dry run)")
+    ap.add_argument("--device", default="cuda", help="cpu: the dry run, under TRITON_INTERPRET=1")
+    args = ap.parse_args()
+    sys.path.insert(0, str(ROOT / "bench"))
+    from gpu_check import import_pdcluster
+
+    import_pdcluster()
+    import torch
+    import triton
+    from triton.testing import do_bench
+
+    from pdcluster.kernels import reference
+    from pdcluster.kernels import triton_paged_attention as attn
+
+    if args.device == "cpu":
+        import time
+
+        def do_bench(fn, warmup, rep):  # noqa: ARG001 - the dry run's stand-in
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1e3
+    dev = args.device
+    result: dict = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "prefill": [], "decode": []}
+    cases = {"prefill": paged_case(16, 2048, 2048, dev) if not args.quick else paged_case(1, 48, 48, dev),
+             "decode": paged_case(128, 512, 1, dev) if not args.quick else paged_case(4, 48, 1, dev)}
+    for name, case in cases.items():
+        query, cache, tables, seq_lens, qsl, scale = case
+        # The reference on a few requests' rows (the whole batch would take minutes in torch).
+        n_check = 2 if name == "prefill" else 8
+        n_check = min(n_check, tables.shape[0])
+        q_check = query[: int(qsl[n_check])]
+        want = reference.paged_attention(q_check.float(), cache.float(), tables[:n_check], seq_lens[:n_check],
+                                         qsl[: n_check + 1], scale)
+        if name == "prefill":
+            configs = itertools.product((64, 128), (64, 128), (4, 8), (2, 3))
+        else:
+            configs = itertools.product((16,), (32, 64, 128), (2, 4), (2, 3, 4))
+        if args.quick:
+            configs = list(configs)[:2]
+        for rows, block_n, warps, stages in configs:
+            block_q = attn.block_q_for(8, rows)
+            partition = (attn.fast_whole_context(tables, cache.shape[2]) // block_n + 1) * block_n \
+                if name == "prefill" else max(block_n, attn.FAST_PARTITION)
+
+            def run():
+                return attn.launch(query, cache, tables, seq_lens, qsl, scale, torch.empty_like(query), block_q,
+                                   block_n, native_dot=dev == "cuda", partition=partition, num_warps=warps, num_stages=stages)
+
+            entry = {"rows": rows, "block_n": block_n, "num_warps": warps, "num_stages": stages}
+            try:
+                got = run()[: q_check.shape[0]].float()
+                entry["max_abs_err"] = float((got - want).abs().max())
+                entry["ok"] = entry["max_abs_err"] < 3e-2
+                entry["ms"] = round(do_bench(run, warmup=5, rep=30), 4)
+            except Exception as e:  # noqa: BLE001 - a configuration that does not compile (registers)
+                entry["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            result[name].append(entry)
+            print(name, entry, file=sys.stderr, flush=True)
+        ranked = sorted((e for e in result[name] if e.get("ok")), key=lambda e: e["ms"])
+        result[f"{name}_best"] = ranked[0] if ranked else None
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
