@@ -65,7 +65,8 @@ PARTITION = 128
 # The fast mode (deterministic off): wider key tiles, 64- or 128-row query tiles for prefill chunks and
 # native 16-bit dots; a row's bits may then depend on its batch.
 FAST_KV_TILE_TOKENS = 64
-FAST_PREFILL_ROWS = 128
+FAST_PREFILL_ROWS = 64  # with FAST_PREFILL_KV_TILE, 4 warps, 3 stages: bench/results/attention_sweep_h100.json
+FAST_PREFILL_KV_TILE = 128
 FAST_PARTITION = 256  # the fast mode's decode split (any size will do there: nothing needs fixed bits)
 # Split a launch's context across programs when it has fewer (query tile, KV head) programs than this
 # (about two waves of an H100's 132 SMs).
@@ -350,15 +351,17 @@ def paged_attention_triton(
     prefill = num_tokens > 4 * num_reqs
     native = query.dtype in (torch.bfloat16, torch.float16) and not INTERPRETED
     return launch(query, layer_cache, block_tables, seq_lens, query_start_loc, scale, out,
-                  block_q_for(group_pad, FAST_PREFILL_ROWS if prefill else TILE_ROWS), FAST_KV_TILE_TOKENS,
-                  native_dot=native, partition=FAST_PARTITION if not prefill else fast_whole_context(block_tables, block_size))
+                  block_q_for(group_pad, FAST_PREFILL_ROWS if prefill else TILE_ROWS),
+                  FAST_PREFILL_KV_TILE if prefill else FAST_KV_TILE_TOKENS, native_dot=native,
+                  partition=FAST_PARTITION if not prefill else fast_whole_context(block_tables, block_size),
+                  num_warps=4, num_stages=3)
 
 
 def fast_whole_context(block_tables: Tensor, block_size: int) -> int:
     """The fast mode's prefill partition: the whole context (from the block table's width), so each
     program's key loop runs the context at once; short loops leave the software pipeline idle."""
     width = block_tables.shape[1] * block_size
-    return max(FAST_KV_TILE_TOKENS, -(-width // FAST_KV_TILE_TOKENS) * FAST_KV_TILE_TOKENS)
+    return max(FAST_PREFILL_KV_TILE, -(-width // FAST_PREFILL_KV_TILE) * FAST_PREFILL_KV_TILE)
 
 
 # The interpreter multiplies 16-bit dot operands wrongly (module doc): it never runs the native dot.
