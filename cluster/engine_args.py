@@ -47,8 +47,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-threads", type=int, default=0)
     g.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
                    help="batch-invariant kernels: a request's tokens and logprobs are bitwise the same whatever the "
-                        "batch, chunking, speculation, placement or recovery (CPU; on by default, --no-deterministic for the "
-                        "library GEMMs and, on hybrids, the chunked Mamba scan; see README)")
+                        "batch, chunking, speculation, placement or recovery (on by default on CPU, --no-deterministic for the "
+                        "library GEMMs and, on hybrids, the chunked Mamba scan; off by default on CUDA, where it "
+                        "costs 2.9x in prefill; see README)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--cache-dir", default="", help="where converted models live (default ~/.cache/pdcluster)")
 
