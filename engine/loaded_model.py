@@ -108,7 +108,7 @@ def _resolve_deterministic(config: EngineConfig) -> bool:
     Triton (kernels/triton_matmul_bi.py and the fixed-tile attention). Asked for where they cannot:
     an error; as the default: the fast mode there, with a warning.
 
-    On CUDA deterministic mode is asked for, not the default: there it costs 2.8x in prefill and 1.1x
+    On CUDA deterministic mode is asked for, not the default: there it costs 2.9x in prefill and 1.2-1.5x
     in decode (bench/results/gpu_check_h100.json: the Triton batch-invariant matmul against cuBLAS, the
     fixed attention tiles against the fast ones), beyond the 5% that makes it the CPU's default."""
     wanted, asked = config.resolve_deterministic()
