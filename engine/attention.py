@@ -36,11 +36,7 @@ def attend(
     """``batch_invariant`` (deterministic mode): a query's result is the same in any batch (on CUDA the
     fixed attention tiles; the CPU kernel always is)."""
     ops.write_kv(key, value, layer_cache, meta.slot_mapping)
-    if meta.uniform_q_len is not None and not query.is_cuda:  # the CPU's uniform entry point
-        return ops.paged_attention_uniform(
-            query, layer_cache, meta.block_tables, meta.seq_lens, meta.uniform_q_len, meta.scale
-        )
-    # On CUDA one varlen kernel serves every batch; query_start_loc is already on the device.
+    # One varlen kernel serves every batch shape (CPU and CUDA); query_start_loc is already on the device.
     return ops.paged_attention(
         query, layer_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.scale,
         batch_invariant=batch_invariant,
