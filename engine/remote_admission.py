@@ -7,7 +7,7 @@ reference (as the scheduler's waiting loop takes a prefix-cache hit) and only th
 the KV that the prefill worker sends. The prefill worker still computes the whole prompt (the first
 token needs it) but sends only the blocks after the reused ones.
 
-Why this is token-exact against a transfer of the whole prompt: deterministic mode (the default,
+Why this is token-exact against a transfer of the whole prompt: deterministic mode (the default on CPU,
 EngineConfig.deterministic) makes every KV entry bitwise independent of the batch, the chunking and the
 worker that computed it (same model, same kernels), so a block this worker computed while decoding an
 earlier turn holds the very bytes the prefill worker would have sent. Without deterministic mode the
