@@ -75,6 +75,21 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_window(self, start: int, num: int) -> list[int]:
+        """Tokens ``start .. start + num`` of prompt + output + drafts, without building the whole list
+        (a decode step asks for its last token or two: O(num), not O(context), per request per step)."""
+        out: list[int] = []
+        end = start + num
+        for part in (self.prompt_token_ids, self.output_token_ids, self.spec_token_ids):
+            n = len(part)
+            if start < n and end > 0:
+                out += part[max(start, 0) : min(end, n)]
+            start -= n
+            end -= n
+            if end <= 0:
+                break
+        return out
+
     @property
     def is_finished(self) -> bool:
         return self.status.finished

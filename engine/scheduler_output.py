@@ -33,13 +33,12 @@ class ScheduledRequest:
     def of(cls, request, num_new: int, is_new: bool) -> "ScheduledRequest":
         """A request's next ``num_new`` input tokens (its drafts last), from its ``num_computed_tokens``."""
         start = request.num_computed_tokens
-        all_ids = request.all_token_ids + request.spec_token_ids
         return cls(
             request_id=request.request_id,
             is_new=is_new,
             num_computed_tokens=start,
             num_scheduled_tokens=num_new,
-            input_token_ids=all_ids[start : start + num_new],
+            input_token_ids=request.token_window(start, num_new),
             block_ids=list(request.block_ids),
             num_prompt_tokens=request.num_prompt_tokens,
             num_tokens=request.num_tokens,

@@ -150,3 +150,23 @@ def test_S1_detects_locally_incremented_mirror(monkeypatch):
     monkeypatch.setattr(RequestStates, "refresh", incrementing_refresh)
     with pytest.raises(AssertionError, match="runner mirror"):
         _drive(monkeypatch, 2000, on_check=remember, stub_logits=True)
+
+
+def test_scheduled_inputs_are_the_window_of_prompt_output_and_drafts():
+    """ScheduledRequest.of takes a step's input tokens as a window of prompt + output + drafts without
+    building the whole list (Request.token_window): every window equals the slice of the concatenation."""
+    import itertools
+
+    from pdcluster.engine.request import Request
+    from pdcluster.engine.sampling_params import SamplingParams
+
+    for num_prompt, num_output, num_spec in itertools.product((0, 1, 5), (0, 1, 4), (0, 2)):
+        if num_prompt == 0:
+            continue
+        r = Request("r", list(range(100, 100 + num_prompt)), SamplingParams(),
+                    output_token_ids=list(range(200, 200 + num_output)), spec_token_ids=list(range(300, 300 + num_spec)))
+        whole = r.prompt_token_ids + r.output_token_ids + r.spec_token_ids
+        for start in range(len(whole) + 1):
+            for num in range(len(whole) - start + 2):
+                assert r.token_window(start, num) == whole[start : start + num], (num_prompt, num_output, num_spec,
+                                                                                 start, num)
