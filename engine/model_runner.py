@@ -132,24 +132,43 @@ class ModelRunner:
             self.states.remove_request(req_id)
             self.grammars.pop(req_id, None)
             self._prompt_logprobs.pop(req_id, None)
-        idx_mapping = np.empty(len(sched.scheduled), dtype=np.int32)
+        st = self.states
+        num_rows = len(sched.scheduled)
+        idx_mapping = np.empty(num_rows, dtype=np.int32)
+        num_computed = np.empty(num_rows, dtype=np.int32)
+        num_tokens = np.empty(num_rows, dtype=np.int32)
+        counted = np.ones(num_rows, dtype=bool)
+        # One committed input token (a decode row): written together after the loop.
+        one_rows: list[int] = []
+        one_tokens: list[int] = []
         for i, s in enumerate(sched.scheduled):
             if s.is_new:
-                self.states.remove_request(s.request_id)  # resumed after preemption
-                idx = self.states.add_request(s.request_id, s.all_token_ids, s.sampling_params, s.sampling_params.seed)
+                st.remove_request(s.request_id)  # resumed after preemption
+                idx = st.add_request(s.request_id, s.all_token_ids, s.sampling_params, s.sampling_params.seed)
                 self._add_request_extras(s, idx)
                 if self.mamba_pool is not None:
                     self._init_state(s, idx)
             else:
-                idx = self.states.req_id_to_index[s.request_id]
-            self.states.refresh(idx, s.num_computed_tokens, s.block_ids)
+                idx = st.req_id_to_index[s.request_id]
+            idx_mapping[i] = idx
+            st.set_block_ids(idx, s.block_ids)
+            num_computed[i] = s.num_computed_tokens
+            num_tokens[i] = s.num_tokens
+            counted[i] = not s.placeholder_inputs  # else the scheduler's count lags the in-flight step's tokens
             # Committed tokens come from the scheduler too; drafts never enter token_ids_np.
             num_committed_inputs = max(0, min(s.num_scheduled_tokens, s.num_tokens - s.num_computed_tokens))
-            start = s.num_computed_tokens
-            self.states.token_ids_np[idx, start : start + num_committed_inputs] = s.input_token_ids[:num_committed_inputs]
-            if not s.placeholder_inputs:  # else the scheduler's count lags the in-flight step's tokens
-                self.states.num_tokens_np[idx] = s.num_tokens
-            idx_mapping[i] = idx
+            if num_committed_inputs == 1:
+                one_rows.append(i)
+                one_tokens.append(s.input_token_ids[0])
+            elif num_committed_inputs:
+                start = s.num_computed_tokens
+                st.token_ids_np[idx, start : start + num_committed_inputs] = s.input_token_ids[:num_committed_inputs]
+        # The mirror overwritten from the scheduler (S1), every scheduled row at once.
+        st.refresh_counts(idx_mapping, num_computed)
+        if one_rows:
+            rows = np.asarray(one_rows)
+            st.token_ids_np[idx_mapping[rows], num_computed[rows]] = one_tokens
+        st.num_tokens_np[idx_mapping[counted]] = num_tokens[counted]
         return idx_mapping
 
     def _init_state(self, s, idx: int) -> None:
@@ -292,12 +311,14 @@ class ModelRunner:
             num_valid = num_valid_tokens(output_token_ids).tolist()  # S3
             per_req = [output_token_ids[r, : num_valid[r]].tolist() for r in range(len(rows))]
             self._keep_accepted_states(state, rows, drafts, num_valid)
-        for r, (i, tokens) in enumerate(zip(rows, per_req)):
+        for i, tokens in zip(rows, per_req):
             sampled[i] = tokens
-            st.append_tokens(int(state.idx_mapping_np[i]), tokens)
-            grammar = self.grammars.get(state.req_ids[i])
-            if grammar is not None:
-                grammar.accept(tokens)
+        st.append_sampled(state.idx_mapping_np[rows], per_req)
+        if self.grammars:
+            for i, tokens in zip(rows, per_req):
+                grammar = self.grammars.get(state.req_ids[i])
+                if grammar is not None:
+                    grammar.accept(tokens)
         self._sampled_logprobs(raw_logits, rows, params, per_req, starts, logprobs)
         return sampled, logprobs
 

@@ -64,12 +64,15 @@ class RequestStates:
         self.sampling_params[idx] = None
         self._free_indices.append(idx)
 
-    def refresh(self, idx: int, num_computed_tokens: int, block_ids: list[int]) -> None:
-        """Overwrite the mirror from the scheduler (S1): never ``+=``."""
-        self.num_computed_tokens_np[idx] = num_computed_tokens
-        self.num_computed_prefill_tokens_np[idx] = min(num_computed_tokens, self.prefill_len_np[idx])
+    def set_block_ids(self, idx: int, block_ids: list[int]) -> None:
+        """The request's whole block table, from the scheduler (S1)."""
         self.block_table_np[idx, : len(block_ids)] = block_ids
         self.num_blocks_np[idx] = len(block_ids)
+
+    def refresh_counts(self, idx_np: np.ndarray, num_computed_tokens_np: np.ndarray) -> None:
+        """Overwrite the computed counts of the slots ``idx_np`` from the scheduler (S1): never ``+=``."""
+        self.num_computed_tokens_np[idx_np] = num_computed_tokens_np
+        self.num_computed_prefill_tokens_np[idx_np] = np.minimum(num_computed_tokens_np, self.prefill_len_np[idx_np])
 
     def is_prefilling(self, idx_mapping_np: np.ndarray) -> np.ndarray:
         """Per request: is part of its prompt still to be computed?"""
@@ -79,3 +82,13 @@ class RequestStates:
         n = int(self.num_tokens_np[idx])
         self.token_ids_np[idx, n : n + len(token_ids)] = token_ids
         self.num_tokens_np[idx] = n + len(token_ids)
+
+    def append_sampled(self, idx_np: np.ndarray, per_req: list[list[int]]) -> None:
+        """``append_tokens`` for a step's sampled rows: one token each (no speculation) in one go."""
+        if all(len(t) == 1 for t in per_req):
+            n = self.num_tokens_np[idx_np]
+            self.token_ids_np[idx_np, n] = [t[0] for t in per_req]
+            self.num_tokens_np[idx_np] = n + 1
+            return
+        for idx, tokens in zip(idx_np.tolist(), per_req):
+            self.append_tokens(idx, tokens)

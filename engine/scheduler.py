@@ -315,9 +315,8 @@ class Scheduler:
                 # Drafts proposed from this step's output travel with a KV transfer (prefill side).
                 request.spec_token_ids = list(out.spec_token_ids[i]) if out.spec_token_ids and sampled else []
                 self._finish(request, request.status)
-            else:
-                if out.spec_token_ids and sampled:
-                    self._take_drafts(request, out.spec_token_ids[i])
+            elif sampled and out.spec_token_ids and out.spec_token_ids[i]:
+                self._take_drafts(request, out.spec_token_ids[i])
             new_logprobs = out.logprobs[i][: len(new_tokens)] if out.logprobs else []
             results.append(StepResult(request, new_tokens, finished, new_logprobs,
                                       out.prompt_logprobs.get(s.request_id)))

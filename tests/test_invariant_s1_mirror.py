@@ -12,6 +12,7 @@ rejected drafts included) is caught within a few steps.
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -130,24 +131,24 @@ def test_S1_mirror_equals_scheduler_with_mtp_head(monkeypatch, use_async):
 
 def test_S1_detects_locally_incremented_mirror(monkeypatch):
     """Put source report 001's bug back: the runner keeps its own count and adds what it scheduled."""
-    original_refresh = RequestStates.refresh
+    original_refresh = RequestStates.refresh_counts
     scheduled_last = {}
 
-    def incrementing_refresh(self, idx, num_computed_tokens, block_ids):
-        req_id = self.index_to_req_id[idx]
-        if req_id not in scheduled_last:  # first sight: taken from the scheduler
-            original_refresh(self, idx, num_computed_tokens, block_ids)
-        else:
-            self.num_computed_tokens_np[idx] += scheduled_last[req_id]  # the bug: += num_scheduled
-            self.num_computed_prefill_tokens_np[idx] = min(self.num_computed_tokens_np[idx], self.prefill_len_np[idx])
-            self.block_table_np[idx, : len(block_ids)] = block_ids
-            self.num_blocks_np[idx] = len(block_ids)
+    def incrementing_refresh(self, idx_np, num_computed_tokens_np):
+        for idx, num_computed in zip(idx_np.tolist(), num_computed_tokens_np.tolist()):
+            req_id = self.index_to_req_id[idx]
+            if req_id not in scheduled_last:  # first sight: taken from the scheduler
+                original_refresh(self, np.array([idx]), np.array([num_computed]))
+            else:
+                self.num_computed_tokens_np[idx] += scheduled_last[req_id]  # the bug: += num_scheduled
+                self.num_computed_prefill_tokens_np[idx] = min(self.num_computed_tokens_np[idx],
+                                                               self.prefill_len_np[idx])
 
     def remember(sched, idx_mapping):
         for s in sched.scheduled:
             scheduled_last[s.request_id] = s.num_scheduled_tokens
 
-    monkeypatch.setattr(RequestStates, "refresh", incrementing_refresh)
+    monkeypatch.setattr(RequestStates, "refresh_counts", incrementing_refresh)
     with pytest.raises(AssertionError, match="runner mirror"):
         _drive(monkeypatch, 2000, on_check=remember, stub_logits=True)
 

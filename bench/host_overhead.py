@@ -1,0 +1,97 @@
+"""The engine's host work per decode step, without the model: what a GPU waits on between steps.
+
+On a GPU a decode step is the model's kernels plus the Python around them (scheduling, the mirror
+update, input preparation, sampling bookkeeping, outputs); on the H100 that Python was 0.4 ms of a
+2.1 ms batch-1 step and ~2.7 ms of a 5.2 ms batch-128 step (bench/results/gpu_check_h100.json). This
+script measures that Python on this machine: the tiny-random model's forward is replaced by a function
+that returns zeros and its LM head by one over 256 token ids, so each step is the engine's own host work
+(with greedy argmax over 256 logits a row). Decode batches of 1, 32, 128 and 256 requests after a prompt
+of --context tokens; median of --steps steps. Prints JSON (and writes it with --out).
+
+    python bench/host_overhead.py [--context 512] [--steps 50] [--out bench/results/host_overhead.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def host_step_ms(batch: int, context: int, steps: int, profile: bool = False) -> dict:
+    import torch
+
+    from pdcluster.engine.config import EngineConfig
+    from pdcluster.engine.llm_engine import LLMEngine
+    from pdcluster.engine.models.registry import resolve_model
+    from pdcluster.engine.sampling_params import SamplingParams
+
+    prefill_steps = batch * context // max(2048, batch) + 8  # the first requests decode meanwhile
+    max_tokens = 2 * steps + 32 + prefill_steps  # the timed and the profiled steps
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    max_model_len = context + max_tokens + 16
+    engine = LLMEngine.from_config(EngineConfig(
+        model=str(resolve_model("tiny-random", progress=False)), device="cpu", dtype="float32", max_num_seqs=batch,
+        num_kv_blocks=batch * (-(-max_model_len // 16)) + 16, max_model_len=max_model_len,
+        max_num_batched_tokens=max(2048, batch), enable_prefix_caching=False), progress=False)
+    model = engine.runner.model
+    hidden_size = model.embed_tokens.shape[1]
+    model.forward = lambda ids, *args, **kwargs: torch.zeros(ids.shape[0], hidden_size)
+    model.compute_logits = lambda hidden: torch.zeros(hidden.shape[0], 256)
+    for i in range(batch):
+        engine.add_request([5 + (i * 7 + j) % 200 for j in range(context)], params)
+    for _ in range(10_000):  # prefill done: every request running with a token out
+        engine.step()
+        running = engine.scheduler.running
+        if len(running) == batch and all(r.output_token_ids for r in running):
+            break
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    if profile:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(steps):
+            engine.step()
+        prof.disable()
+        pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(30)
+    assert len(engine.scheduler.running) == batch, "requests finished during the timing"
+    return {"step_ms": round(statistics.median(times) * 1e3, 3), "us_per_request": round(statistics.median(times) * 1e6 / batch, 2)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--batches", default="1,32,128,256")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", action="store_true", help="cProfile the steps too (printed to stderr)")
+    args = ap.parse_args()
+    sys.path.insert(0, str(ROOT / "bench"))
+    from gpu_check import import_pdcluster
+
+    import_pdcluster()
+    import torch
+
+    torch.set_num_threads(1)
+    result = {"context_tokens": args.context, "steps": args.steps,
+              "batches": {b: host_step_ms(int(b), args.context, args.steps, args.profile) for b in args.batches.split(",")}}
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
