@@ -6,6 +6,7 @@ slot mapping, block tables, attention (and Mamba) metadata, and which rows the s
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,7 +82,8 @@ def prepare_inputs(rows: StepRows, idx_mapping: np.ndarray, states: RequestState
     positions = starts[req_of_token] + (np.arange(query_start_loc[-1]) - query_start_loc[req_of_token])
     block_of_token = states.block_table_np[idx_mapping[req_of_token], positions // block_size]
     slot_mapping = block_of_token.astype(np.int64) * block_size + positions % block_size
-    input_ids = np.concatenate([np.asarray(t, dtype=np.int64) for t in rows.input_token_ids])
+    input_ids = np.fromiter(itertools.chain.from_iterable(rows.input_token_ids), dtype=np.int64,
+                            count=int(query_start_loc[-1]))
     seq_lens = (starts + q_lens).astype(np.int32)
     max_blocks = int(-(-seq_lens.max() // block_size))
     block_tables = states.block_table_np[idx_mapping, :max_blocks]
@@ -94,9 +96,8 @@ def prepare_inputs(rows: StepRows, idx_mapping: np.ndarray, states: RequestState
     logits_start = np.zeros(len(q_lens), dtype=np.int32)
     np.cumsum(logits_count[:-1], out=logits_start[1:])
     first_row = query_start_loc[1:] - logits_count
-    logits_indices = np.concatenate(
-        [np.arange(first_row[i], first_row[i] + logits_count[i]) for i in range(len(q_lens))]
-    )
+    # Row i's entries are first_row[i] .. + logits_count[i], packed from logits_start[i] on.
+    logits_indices = np.repeat(first_row - logits_start, logits_count) + np.arange(int(logits_count.sum()))
     kind = classify_batch(q_lens, num_spec_steps)
     put = inputs.put
     inputs.begin_step()
