@@ -138,6 +138,7 @@ class ModelRunner:
         num_computed = np.empty(num_rows, dtype=np.int32)
         num_tokens = np.empty(num_rows, dtype=np.int32)
         counted = np.ones(num_rows, dtype=bool)
+        any_placeholder = False
         # One committed input token (a decode row): written together after the loop.
         one_rows: list[int] = []
         one_tokens: list[int] = []
@@ -154,7 +155,9 @@ class ModelRunner:
             st.set_block_ids(idx, s.block_ids)
             num_computed[i] = s.num_computed_tokens
             num_tokens[i] = s.num_tokens
-            counted[i] = not s.placeholder_inputs  # else the scheduler's count lags the in-flight step's tokens
+            if s.placeholder_inputs:  # the scheduler's count lags the in-flight step's tokens
+                counted[i] = False
+                any_placeholder = True
             # Committed tokens come from the scheduler too; drafts never enter token_ids_np.
             num_committed_inputs = max(0, min(s.num_scheduled_tokens, s.num_tokens - s.num_computed_tokens))
             if num_committed_inputs == 1:
@@ -165,10 +168,15 @@ class ModelRunner:
                 st.token_ids_np[idx, start : start + num_committed_inputs] = s.input_token_ids[:num_committed_inputs]
         # The mirror overwritten from the scheduler (S1), every scheduled row at once.
         st.refresh_counts(idx_mapping, num_computed)
-        if one_rows:
+        if len(one_rows) == num_rows:  # a decode batch
+            st.token_ids_np[idx_mapping, num_computed] = one_tokens
+        elif one_rows:
             rows = np.asarray(one_rows)
             st.token_ids_np[idx_mapping[rows], num_computed[rows]] = one_tokens
-        st.num_tokens_np[idx_mapping[counted]] = num_tokens[counted]
+        if any_placeholder:
+            st.num_tokens_np[idx_mapping[counted]] = num_tokens[counted]
+        else:
+            st.num_tokens_np[idx_mapping] = num_tokens
         return idx_mapping
 
     def _init_state(self, s, idx: int) -> None:

@@ -84,8 +84,9 @@ class RequestStates:
         self.num_tokens_np[idx] = n + len(token_ids)
 
     def append_sampled(self, idx_np: np.ndarray, per_req: list[list[int]]) -> None:
-        """``append_tokens`` for a step's sampled rows: one token each (no speculation) in one go."""
-        if all(len(t) == 1 for t in per_req):
+        """``append_tokens`` for a step's sampled rows: one token each (no speculation) in one go (past a
+        few rows: below, numpy's fancy indexing costs more than the loop)."""
+        if len(per_req) > 4 and all(len(t) == 1 for t in per_req):
             n = self.num_tokens_np[idx_np]
             self.token_ids_np[idx_np, n] = [t[0] for t in per_req]
             self.num_tokens_np[idx_np] = n + 1
