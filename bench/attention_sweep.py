@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 from pathlib import Path
 
@@ -40,10 +39,10 @@ def main() -> int:
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT / "bench"))
     from gpu_check import import_pdcluster
+    from json_report import emit_json
 
     import_pdcluster()
     import torch
-    import triton
     from triton.testing import do_bench
 
     from pdcluster.kernels import reference
@@ -95,10 +94,7 @@ def main() -> int:
             print(name, entry, file=sys.stderr, flush=True)
         ranked = sorted((e for e in result[name] if e.get("ok")), key=lambda e: e["ms"])
         result[f"{name}_best"] = ranked[0] if ranked else None
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit_json(result, args.out, indent=2)
     return 0
 
 

@@ -14,7 +14,6 @@ of --context tokens; median of --steps steps. Prints JSON (and writes it with --
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -79,6 +78,7 @@ def main() -> int:
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT / "bench"))
     from gpu_check import import_pdcluster
+    from json_report import emit_json
 
     import_pdcluster()
     import torch
@@ -86,10 +86,7 @@ def main() -> int:
     torch.set_num_threads(1)
     result = {"context_tokens": args.context, "steps": args.steps,
               "batches": {b: host_step_ms(int(b), args.context, args.steps, args.profile) for b in args.batches.split(",")}}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit_json(result, args.out, indent=2)
     return 0
 
 

@@ -322,6 +322,15 @@ def attention_invariance_failures(launch, ctx: PagedContext) -> list[str]:
     return failures
 
 
+def assert_decode_row_is_attention(out: torch.Tensor, ctx: PagedContext, dtype: torch.dtype) -> None:
+    """``out``, the target's row at position 44 as a decode step, matches the torch reference."""
+    expected = reference.paged_attention(ctx.target_q[44:45], ctx.cache.cpu(), ctx.tables[:1].cpu(),
+                                         torch.tensor([45], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
+                                         HEAD_DIM**-0.5)[0]
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out.cpu().float(), expected.float(), **tol)
+
+
 HEADS = [pytest.param(4, 2, id="gqa2"), pytest.param(6, 2, id="gqa3")]
 
 
@@ -333,11 +342,7 @@ def test_attention_query_is_the_same_in_prefill_verification_and_decode(device, 
     assert attention_invariance_failures(_fixed_tiles, ctx) == []
     # ... and it is attention: the decode rows match the reference.
     out = ctx.run(_fixed_tiles, [(0, 44, 1)])[44]
-    expected = reference.paged_attention(ctx.target_q[44:45], ctx.cache.cpu(), ctx.tables[:1].cpu(),
-                                         torch.tensor([45], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
-                                         HEAD_DIM**-0.5)[0]
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(out.cpu().float(), expected.float(), **tol)
+    assert_decode_row_is_attention(out, ctx, dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -380,11 +385,7 @@ def test_attention_split_and_merged_in_kernel_give_the_same_rows(device, dtype, 
                     assert torch.equal(row, alone[pos]), (split, name, pos)
     # ... and the split path is attention (a second partition's keys are counted).
     out = alone[44]
-    expected = reference.paged_attention(ctx.target_q[44:45], ctx.cache.cpu(), ctx.tables[:1].cpu(),
-                                         torch.tensor([45], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
-                                         HEAD_DIM**-0.5)[0]
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(out.cpu().float(), expected.float(), **tol)
+    assert_decode_row_is_attention(out, ctx, dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
