@@ -17,6 +17,12 @@ Pieces, and the invariant S4 they keep (docs/invariants.md):
   last committed token, :func:`backup_token_ids`), never at the inflated CPU length, which lies past the
   committed tokens (where ``token_ids_np`` holds -1).
 
+- Launch-ahead (:class:`AsyncStepper`, ``ModelRunner.launch`` / ``finish``): without speculation, penalties
+  or grammars, step n+1 is launched before step n is finished; its placeholder rows take step n's sampled
+  ids on the device (:func:`fill_ahead_rows`, by request id), so the device never waits for the host's
+  bookkeeping of step n. Step n's tokens then land in the mirror only for slots the same request still
+  holds (``RequestStates.epoch_np``): the launch of n+1 may have dropped a request and reused its slot.
+
 On a 2-core CPU the overlap buys nothing measurable (scheduling and detokenising are small next to the
 forward): bench/spec_decode.py --async-scheduling, SmolLM2 batch 1, one torch thread, 2026-11-22:
 12.48 vs 12.52 decode tok/s (ShareGPT) and 13.69 vs 13.03 (HumanEval), sync vs async, within noise;
@@ -32,11 +38,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from pdcluster.engine.request import Request, RequestStatus
 from pdcluster.engine.scheduler import Scheduler, StepResult
 from pdcluster.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from pdcluster.wire.kv_connector import KVConnectorOutput
+from pdcluster.wire.kv_connector import KVConnector, KVConnectorOutput
 
 PLACEHOLDER = -1
 
@@ -113,6 +120,43 @@ def fill_placeholder_rows(
         draft_token_ids[r] = step_drafts
         num_output_np[r] += committed - num_tokens_np[r]
         num_tokens_np[r] = committed
+
+
+@dataclass
+class LaunchedTokens:
+    """A launched step's sampled ids, still on the device: the next step, launched before this one is
+    finished (``AsyncStepper``'s launch-ahead), reads its placeholder inputs from here."""
+
+    req_ids: list[str]
+    sample_index_np: np.ndarray  # [num_rows]: the row's entry in ``tokens_dev``, -1 if it samples nothing
+    tokens_dev: torch.Tensor  # [num_sampling_rows] int64, on the model's device
+
+
+def fill_ahead_rows(
+    req_ids: list[str],
+    scheduled: list[ScheduledRequest],
+    prev: LaunchedTokens,
+    starts_np: np.ndarray,
+    num_tokens_np: np.ndarray,
+    num_output_np: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Placeholder rows of a step launched before the previous one is finished (no speculation, so one
+    input token a row and nothing rejected): the counts are made exact in place (the committed length
+    is ``num_computed + 1``, with the in-flight token), and the input token is left to the device.
+    Returns those rows and where each one's token lies in ``prev.tokens_dev`` (S4: by request id,
+    never by row position)."""
+    rows = np.flatnonzero([s.placeholder_inputs for s in scheduled])
+    prev_pos = prev_positions([req_ids[r] for r in rows], prev.req_ids)
+    is_new = np.array([scheduled[r].is_new for r in rows], dtype=bool)
+    src = np.where((prev_pos >= 0) & ~is_new, prev.sample_index_np[np.maximum(prev_pos, 0)], -1)
+    for r, j in zip(rows.tolist(), src.tolist()):
+        if j < 0 or scheduled[r].num_scheduled_tokens != 1:
+            raise RuntimeError(f"request {req_ids[r]!r} has placeholder inputs but no token sampled by the "
+                               f"step before it, or {scheduled[r].num_scheduled_tokens} inputs")
+    committed = starts_np[rows] + 1
+    num_output_np[rows] += committed - num_tokens_np[rows]
+    num_tokens_np[rows] = committed
+    return rows, src
 
 
 # ---- the scheduler half ------------------------------------------------------------------------------
@@ -210,37 +254,104 @@ class AsyncScheduler(Scheduler):
 
 # ---- the loop --------------------------------------------------------------------------------------
 class AsyncStepper:
-    """Keeps one step in flight on a worker thread. ``step()`` schedules step n+1 while step n runs,
-    then takes step n's output, updates the scheduler, and submits step n+1 before returning, so the
-    caller's output processing (detokenising, stop strings) overlaps step n+1 too."""
+    """Keeps the runner one step ahead of the scheduler, on a worker thread. The runner launches a step
+    (its forward and sampling queued on the device) and later finishes it (reads the sampled ids, builds
+    the outputs). ``step()`` schedules step n+1 while step n runs, then:
+
+    - launch-ahead, where step n+1 needs nothing of step n on the host (no speculation, penalties,
+      grammars or KV connector): the worker launches n+1 *before* finishing n, its placeholder inputs
+      read from n's sampled ids on the device, so the device has n+1 queued while the host waits for n,
+      finishes it and updates the scheduler (vLLM's async scheduling);
+    - otherwise: n is finished, the scheduler updated, rows of requests that ended dropped, then n+1
+      launched.
+
+    Either way step n's outputs reach the scheduler only through its Future, set once the worker
+    finished n (S4), and the caller's output processing overlaps step n+1."""
 
     def __init__(self, scheduler: AsyncScheduler, runner):
         self.scheduler = scheduler
         self.runner = runner
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdcluster-runner")
-        self._in_flight: tuple[SchedulerOutput, Future] | None = None
+        # The newest launched step and the Future its outputs arrive on once the worker finished it.
+        self._pending: tuple[SchedulerOutput, Future] | None = None
+        self._finish_asked = False  # a finish of the pending step is queued on the worker
+        self.num_launched_ahead = 0
 
     @property
     def in_flight(self) -> bool:
-        return self._in_flight is not None
+        return self._pending is not None
 
-    def _run(self, sched: SchedulerOutput) -> tuple[ModelRunnerOutput, KVConnectorOutput]:
-        self.runner.execute_model(sched)
-        return self.runner.sample_tokens()
+    # ---- worker-thread jobs (one at a time, in submission order) -----------------------------------
+    def _launch_job(self, sched: SchedulerOutput, ahead: bool, prev_done: Future | None) -> None:
+        try:
+            self.runner.launch(sched, ahead=ahead)
+        except BaseException as e:
+            if prev_done is not None:
+                prev_done.set_exception(e)
+            raise
+        if prev_done is not None:
+            self._finish_job(prev_done)
 
-    def _submit(self, sched: SchedulerOutput) -> None:
-        self._in_flight = (sched, self._pool.submit(self._run, sched))
+    def _finish_job(self, done: Future) -> None:
+        try:
+            done.set_result(self.runner.finish())
+        except BaseException as e:  # the caller's done.result() raises it
+            done.set_exception(e)
+
+    def _submit_launch(self, sched: SchedulerOutput, ahead: bool = False, prev_done: Future | None = None) -> Future:
+        """Queue the launch of ``sched`` (then, if given, the finish of the step before it); returns the
+        Future of ``sched``'s own outputs, set when a later job finishes it."""
+        done: Future = Future()
+        job = self._pool.submit(self._launch_job, sched, ahead, prev_done)
+        job.add_done_callback(lambda j: j.exception() is not None and not done.done()
+                              and done.set_exception(j.exception()))
+        return done
+
+    def _finish_pending(self) -> Future:
+        sched, done = self._pending
+        if not self._finish_asked and not done.done():
+            self._pool.submit(self._finish_job, done)
+            self._finish_asked = True
+        return done
+
+    # ---- the loop ------------------------------------------------------------------------------------
+    def _can_launch_ahead(self, sched: SchedulerOutput) -> bool:
+        """Step n+1 needs nothing of step n on the host: no drafts to fill in, no penalty or grammar that
+        reads step n's token from the host mirror, no KV connector finalising requests in between."""
+        runner = self.runner
+        if sched.is_empty or self.scheduler.num_spec_tokens or runner.num_state_blocks_out:
+            return False
+        if type(runner.connector) is not KVConnector:
+            return False
+        for s in sched.scheduled:
+            request = self.scheduler.requests.get(s.request_id)
+            if request is None:
+                continue
+            params = request.sampling_params
+            if params.has_penalties or params.structured_output is not None:
+                return False
+        return True
 
     def step(self) -> tuple[list[StepResult], KVConnectorOutput]:
-        if self._in_flight is None:
-            self._submit(self.scheduler.schedule())
+        if self._pending is None:
+            first = self.scheduler.schedule()
+            self._pending = (first, self._submit_launch(first))
+            self._finish_asked = False
         next_sched = self.scheduler.schedule()  # CPU work for step n+1 while step n runs
-        sched, future = self._in_flight
-        self._in_flight = None
-        runner_output, kv_output = future.result()  # step n is complete: its outputs are final
-        results = self.scheduler.update_from_output(sched, runner_output)
-        # Always submit, even empty: it carries finished/preempted ids the runner must see.
-        self._submit(self._drop_gone(next_sched))
+        sched, done = self._pending
+        if not self._finish_asked and self._can_launch_ahead(next_sched):
+            next_done = self._submit_launch(next_sched, ahead=True, prev_done=done)
+            self.num_launched_ahead += 1
+            runner_output, kv_output = done.result()  # step n is finished: its outputs are final
+            results = self.scheduler.update_from_output(sched, runner_output)
+        else:
+            runner_output, kv_output = self._finish_pending().result()
+            results = self.scheduler.update_from_output(sched, runner_output)
+            # Always launch, even empty: it carries finished/preempted ids the runner must see.
+            next_sched = self._drop_gone(next_sched)
+            next_done = self._submit_launch(next_sched)
+        self._pending = (next_sched, next_done)
+        self._finish_asked = False
         return results, kv_output
 
     def _drop_gone(self, sched: SchedulerOutput) -> SchedulerOutput:
@@ -257,9 +368,10 @@ class AsyncStepper:
         )
 
     def drain(self) -> None:
-        """Wait for the step in flight (its output is dropped: call only when nothing is running)."""
-        if self._in_flight is not None:
-            self._in_flight[1].result()
+        """Wait for the step in flight (its output stays for the next ``step()``: call only when nothing
+        is running)."""
+        if self._pending is not None:
+            self._finish_pending().result()
 
     def close(self) -> None:
         self.drain()

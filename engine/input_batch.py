@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pdcluster.engine.async_scheduler import PrevStepOutput, fill_placeholder_rows
+from pdcluster.engine.async_scheduler import LaunchedTokens, PrevStepOutput, fill_ahead_rows, fill_placeholder_rows
 from pdcluster.engine.attention import AttentionMetadata
 from pdcluster.engine.batch_classifier import BatchKind, classify_batch, uniform_decode_query_len
 from pdcluster.engine.mamba_state import MambaMetadata, MambaStatePool
@@ -31,6 +31,11 @@ class StepRows:
     num_output_np: np.ndarray  # output tokens before the step: output position of the first one sampled
     input_token_ids: list[list[int]]
     draft_token_ids: list[list[int]]
+    # Launch-ahead (engine/async_scheduler.py): rows whose input token is the previous step's sampled id,
+    # still on the device, and that id's index in ``ahead_tokens_dev``.
+    ahead_rows_np: np.ndarray | None = None
+    ahead_src_np: np.ndarray | None = None
+    ahead_tokens_dev: torch.Tensor | None = None
 
 
 @dataclass
@@ -49,9 +54,10 @@ class InputBatch:
 
 
 def step_rows(sched: SchedulerOutput, idx_mapping: np.ndarray, states: RequestStates,
-              prev: PrevStepOutput) -> StepRows:
+              prev: PrevStepOutput, ahead: LaunchedTokens | None = None) -> StepRows:
     """The scheduler's rows, with ``num_computed_tokens`` from the runner's mirror (the scheduler's, S1)
-    and placeholder rows (async scheduling) made exact from the previous step's outputs (S4)."""
+    and placeholder rows (async scheduling) made exact from the previous step's outputs (S4): from
+    ``prev`` once that step is finished, else (launched ahead of it) from ``ahead``, its ids on the device."""
     scheduled = sched.scheduled
     rows = StepRows(
         starts_np=states.num_computed_tokens_np[idx_mapping].astype(np.int64),  # the scheduler's (S1)
@@ -61,7 +67,12 @@ def step_rows(sched: SchedulerOutput, idx_mapping: np.ndarray, states: RequestSt
         input_token_ids=[s.input_token_ids for s in scheduled],
         draft_token_ids=[s.spec_token_ids for s in scheduled],
     )
-    if any(s.placeholder_inputs for s in scheduled):
+    if ahead is not None and any(s.placeholder_inputs for s in scheduled):
+        rows.ahead_rows_np, rows.ahead_src_np = fill_ahead_rows(
+            [s.request_id for s in scheduled], scheduled, ahead, rows.starts_np, rows.num_tokens_np,
+            rows.num_output_np)
+        rows.ahead_tokens_dev = ahead.tokens_dev
+    elif any(s.placeholder_inputs for s in scheduled):
         fill_placeholder_rows(
             [s.request_id for s in scheduled], scheduled, idx_mapping, prev, states,
             rows.starts_np, rows.num_tokens_np, rows.num_output_np, rows.input_token_ids, rows.draft_token_ids,
@@ -119,8 +130,13 @@ def prepare_inputs(rows: StepRows, idx_mapping: np.ndarray, states: RequestState
             # after the last accepted token.
             keep_positions_np=np.array([len(d) > 0 for d in rows.draft_token_ids], dtype=bool),
         )
+    input_ids_dev = put("input_ids", input_ids)
+    if rows.ahead_rows_np is not None and len(rows.ahead_rows_np):
+        # The previous step's sampled ids, gathered on the device: no wait for that step to finish.
+        dst = put("ahead_dst", query_start_loc[rows.ahead_rows_np])
+        input_ids_dev[dst] = rows.ahead_tokens_dev[put("ahead_src", rows.ahead_src_np.astype(np.int64))]
     return InputBatch(
-        input_ids=put("input_ids", input_ids),
+        input_ids=input_ids_dev,
         positions=put("positions", positions.astype(np.int64)),
         attn_metadata=meta,
         batch_kind=kind,

@@ -17,12 +17,13 @@ outputs (S4).
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from pdcluster.engine.async_scheduler import PLACEHOLDER, PrevStepOutput
+from pdcluster.engine.async_scheduler import PLACEHOLDER, LaunchedTokens, PrevStepOutput
 from pdcluster.engine.batch_classifier import BatchKind, uniform_decode_query_len
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.cuda_graphs import DecodeGraphs
@@ -33,7 +34,7 @@ from pdcluster.engine.mamba_state import MambaStatePool
 from pdcluster.engine.models.llama import LlamaModel
 from pdcluster.engine.proposers import ProposeBatch, Proposer, make_proposer
 from pdcluster.engine.rejection_sampler import num_valid_tokens, rejection_sample
-from pdcluster.engine.sampler import sample
+from pdcluster.engine.sampler import sample, sample_on_device
 from pdcluster.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pdcluster.engine.mamba_state_blocks import pack_state, state_block_ids, unpack_state
 from pdcluster.engine.request_slots import RequestStates
@@ -59,6 +60,22 @@ class ExecuteModelState:
     finished_req_ids: set[str] = field(default_factory=set)
     rows: StepRows | None = None
     query_start_loc_np: np.ndarray | None = None  # [num_rows + 1]: each row's tokens in hidden_states
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward and sampling are queued on the device; ``ModelRunner.finish`` completes it."""
+
+    state: ExecuteModelState
+    output: tuple[ModelRunnerOutput, KVConnectorOutput] | None = None  # complete already (speculation)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    rows: list[int] = field(default_factory=list)  # rows that sample
+    params: list = field(default_factory=list)
+    raw_logits: torch.Tensor | None = None
+    epochs_np: np.ndarray | None = None  # RequestStates.epoch_np of each row's slot at launch
+    tokens: LaunchedTokens | None = None  # the sampled ids on the device
+    tokens_host: torch.Tensor | None = None  # their copy on the host (pinned on a GPU)
+    copied: object = None  # torch.cuda.Event recorded after the copy (None on a CPU)
 
 
 class ModelRunner:
@@ -102,6 +119,7 @@ class ModelRunner:
         self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         self.last_batch_kind: BatchKind | None = None
         self._state: ExecuteModelState | None = None
+        self._launched: deque[LaunchedStep] = deque()  # launched, not yet finished: oldest first
         # Hybrid models: the Mamba layers' per-request state, indexed by the request's slot in
         # ``states`` (engine/mamba_state.py). None for attention-only models.
         self.mamba_pool: MambaStatePool | None = None
@@ -219,7 +237,9 @@ class ModelRunner:
 
     # ---- the two halves of a step ---------------------------------------------------------------
     @torch.inference_mode()
-    def execute_model(self, sched: SchedulerOutput) -> None:
+    def execute_model(self, sched: SchedulerOutput, ahead: LaunchedTokens | None = None) -> None:
+        """``ahead``: the previous step, launched and not yet finished (its sampled ids still on the
+        device): this step's placeholder rows read their input token from it there."""
         idx_mapping = self.update_requests(sched)
         req_ids = [s.request_id for s in sched.scheduled]
         if sched.is_empty:
@@ -228,7 +248,7 @@ class ModelRunner:
                 torch.zeros(0, dtype=torch.int64, device=self.device), set(sched.finished_req_ids),
             )
             return
-        rows = step_rows(sched, idx_mapping, self.states, self._prev)
+        rows = step_rows(sched, idx_mapping, self.states, self._prev, ahead)
         batch = prepare_inputs(rows, idx_mapping, self.states, self.inputs, self.block_size, self.num_spec_steps,
                                self.model.scale, self.mamba_pool)
         kind, meta = batch.batch_kind, batch.attn_metadata
@@ -249,9 +269,114 @@ class ModelRunner:
     def sample_tokens(self) -> tuple[ModelRunnerOutput, KVConnectorOutput]:
         state, self._state = self._state, None
         assert state is not None, "sample_tokens() without execute_model()"
+        return self._finish(self._launch_sampling(state))
+
+    # ---- launched steps (async scheduling's launch-ahead, engine/async_scheduler.py) ---------------
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput, ahead: bool = False) -> None:
+        """``execute_model`` and the sampling, queued on the device without waiting for them; ``finish``
+        collects the oldest launched step. ``ahead``: launch while the previous step is still unfinished
+        (its sampled ids are read on the device); only without speculation, penalties or grammars in
+        this step (their inputs need the previous step's tokens on the host)."""
+        prev = None
+        if ahead:
+            if not self._launched or self.num_spec_steps:
+                raise RuntimeError("launch ahead: needs an unfinished launched step and no speculative decoding")
+            # A previous step that sampled nothing leaves no ids: a placeholder row then fails loudly.
+            prev = self._launched[-1].tokens or LaunchedTokens([], np.zeros(0, np.int64), None)
+        self.execute_model(sched, prev)
+        state, self._state = self._state, None
+        self._launched.append(self._launch_sampling(state))
+
+    @torch.inference_mode()
+    def finish(self) -> tuple[ModelRunnerOutput, KVConnectorOutput]:
+        """The oldest launched step's outputs (waits for its sampled ids)."""
+        launched = self._launched.popleft()
+        return self._finish(launched, check_slots=bool(self._launched))
+
+    @property
+    def num_launched(self) -> int:
+        return len(self._launched)
+
+    def _launch_sampling(self, state: ExecuteModelState) -> LaunchedStep:
+        """Everything of a step's second half that needs no host copy of its sampled ids: prompt
+        logprobs, logits, and (without speculation) the sampled ids on the device, with their copy
+        to the host started. Speculative steps verify, propose and finalise here at once."""
+        if state.hidden_states is None:
+            return LaunchedStep(state)
+        if self.num_spec_steps:
+            return LaunchedStep(state, output=self._sample_and_propose(state))
+        prompt_logprobs = self._prompt_logprobs_step(state)
+        st, n = self.states, len(state.req_ids)
+        rows = np.flatnonzero(state.logits_count_np > 0)
+        sample_index_np = np.full(n, -1, dtype=np.int64)
+        sample_index_np[rows] = np.arange(len(rows))
+        launched = LaunchedStep(state, prompt_logprobs=prompt_logprobs, rows=rows.tolist(),
+                                epochs_np=st.epoch_np[state.idx_mapping_np])
+        if not launched.rows:
+            return launched
+        # One logits row per sampling row, in order (no drafts: every count is 1).
+        raw_logits = self.model.compute_logits(state.hidden_states[state.logits_indices])
+        params = [st.sampling_params[state.idx_mapping_np[i]] for i in launched.rows]
+        logits = self._process_logits(state, raw_logits, launched.rows, params, [[] for _ in launched.rows])
+        positions = state.rows.num_output_np[rows].tolist()
+        tokens_dev = sample_on_device(logits, params, [p.seed for p in params], positions).to(torch.int64)
+        launched.params, launched.raw_logits = params, raw_logits
+        launched.tokens = LaunchedTokens(list(state.req_ids), sample_index_np, tokens_dev)
+        if tokens_dev.is_cuda:  # the step's one synchronisation, deferred to finish()
+            launched.tokens_host = torch.empty(tokens_dev.shape, dtype=torch.int64, pin_memory=True)
+            launched.tokens_host.copy_(tokens_dev, non_blocking=True)
+            launched.copied = torch.cuda.Event()
+            launched.copied.record()
+        else:
+            launched.tokens_host = tokens_dev
+        return launched
+
+    def _finish(self, launched: LaunchedStep, check_slots: bool = False) -> tuple[ModelRunnerOutput, KVConnectorOutput]:
+        """``check_slots``: a later step was launched before this one is finished (its update may have
+        dropped requests of this step and reused their slots)."""
+        state = launched.state
+        if launched.output is not None:
+            return launched.output
         if state.hidden_states is None:
             self._prev = PrevStepOutput.empty(self.num_spec_steps)
             return ModelRunnerOutput([], []), self.connector.no_forward(state.scheduler_output)
+        st, rows = self.states, launched.rows
+        sampled: list[list[int]] = [[] for _ in state.req_ids]
+        logprobs: list[list[TokenLogprobs]] = [[] for _ in state.req_ids]
+        if rows:
+            if launched.copied is not None:
+                launched.copied.synchronize()
+            per_req = [[t] for t in launched.tokens_host.tolist()]
+            for i, tokens in zip(rows, per_req):
+                sampled[i] = tokens
+            # A step launched ahead of this one may have dropped a request (finished, preempted) and
+            # given its slot to another: only slots the same request has held since launch take tokens.
+            idx = state.idx_mapping_np[rows]
+            held = st.epoch_np[idx] == launched.epochs_np[rows] if check_slots else None
+            if check_slots:
+                held &= np.array([st.index_to_req_id[j] == state.req_ids[i] for i, j in zip(rows, idx.tolist())])
+            if held is None or held.all():
+                st.append_sampled(idx, per_req)
+            else:
+                st.append_sampled(idx[held], [t for t, h in zip(per_req, held) if h])
+            if self.grammars:
+                for i, tokens in zip(rows, per_req):
+                    grammar = self.grammars.get(state.req_ids[i])
+                    if grammar is not None:
+                        grammar.accept(tokens)
+            self._sampled_logprobs(launched.raw_logits, rows, launched.params, per_req,
+                                   state.logits_start_np, logprobs)
+        drafts: list[list[int]] = [[] for _ in sampled]
+        if self.num_state_blocks_out:
+            self._pack_states(state, sampled)
+        self._prev = self._step_output(state, sampled, drafts)
+        kv_output = self.connector.post_forward(state.finished_req_ids)  # last: S2
+        return ModelRunnerOutput(state.req_ids, sampled, drafts, logprobs, launched.prompt_logprobs), kv_output
+
+    def _sample_and_propose(self, state: ExecuteModelState) -> tuple[ModelRunnerOutput, KVConnectorOutput]:
+        """A speculative step's second half, all at once: verify, propose from the verified tokens,
+        finalise (S2)."""
         prompt_logprobs = self._prompt_logprobs_step(state)
         sampled, logprobs = self._sample(state)
         # The proposer runs after verification and before post_forward: MTP writes its draft layer's KV

@@ -33,6 +33,9 @@ class RequestStates:
         self.num_blocks_np = np.zeros(max_num_reqs, dtype=np.int32)
         self.seed_np = np.zeros(max_num_reqs, dtype=np.int64)
         self.sampling_params: list[SamplingParams | None] = [None] * max_num_reqs
+        # Bumped whenever a slot is taken: a step finished after the next one was launched (async
+        # scheduling) appends its tokens only to slots still held by the same request since its launch.
+        self.epoch_np = np.zeros(max_num_reqs, dtype=np.int64)
 
     @property
     def num_reqs(self) -> int:
@@ -54,6 +57,7 @@ class RequestStates:
         self.num_blocks_np[idx] = 0
         self.seed_np[idx] = seed
         self.sampling_params[idx] = params
+        self.epoch_np[idx] += 1
         return idx
 
     def remove_request(self, req_id: str) -> None:

@@ -17,6 +17,7 @@ is broken back to the seed's bug.
 
 import random
 import threading
+from collections import deque
 import time
 
 import numpy as np
@@ -115,48 +116,52 @@ def test_S4_new_request_gets_fresh_values():
     assert starts.tolist() == [0] and inputs == [[9, 9, 9]]  # untouched: nothing carried from "A"
 
 
-def test_S4_outputs_read_only_after_the_step_completed(tiny_dir):
-    """schedule(n+1) overlaps step n; update_from_output(n) runs only once step n is complete."""
-    engine = make_engine("tiny-random", async_scheduling=True, spec_method="mtp", num_spec_tokens=2,
-                         mtp_checkpoint="random", num_kv_blocks=64)
-    runner, scheduler = engine.runner, engine.scheduler
-    state = {"running": False, "overlapped": 0, "updates": 0}
-    execute, sample = runner.execute_model, runner.sample_tokens
+@pytest.mark.parametrize("spec", ["mtp", "none"])
+def test_S4_outputs_read_only_after_the_step_completed(tiny_dir, spec):
+    """schedule(n+1) overlaps step n; update_from_output(n) runs only once step n is finished, also
+    when step n+1 is launched before step n is finished (launch-ahead: no speculation)."""
+    kwargs = dict(spec_method="mtp", num_spec_tokens=2, mtp_checkpoint="random") if spec == "mtp" else {}
+    engine = make_engine("tiny-random", async_scheduling=True, num_kv_blocks=64, **kwargs)
+    runner, scheduler, stepper = engine.runner, engine.scheduler, engine._stepper
+    state = {"overlapped": 0, "updates": 0}
+    in_flight: deque = deque()  # launched steps, oldest first: from submission until finish() returns
+    execute, finish = runner.execute_model, runner.finish
+    submit = stepper._submit_launch
     schedule = scheduler.schedule
     update = scheduler.update_from_output
 
-    submit = engine._stepper._submit
+    def flagged_submit(sched, *args, **kwargs):
+        in_flight.append(id(sched))
+        return submit(sched, *args, **kwargs)
 
-    def flagged_submit(sched):
-        state["running"] = True  # from submission until sample_tokens returns, the step is in flight
-        submit(sched)
-
-    def slow_execute(sched):
+    def slow_execute(sched, *args):
         time.sleep(0.02)
-        return execute(sched)
+        return execute(sched, *args)
 
-    def slow_sample():
+    def watched_finish():
         try:
-            return sample()
+            return finish()
         finally:
-            state["running"] = False
+            in_flight.popleft()
 
     def watched_schedule():
-        state["overlapped"] += state["running"]
+        state["overlapped"] += bool(in_flight)
         return schedule()
 
     def watched_update(sched, out):
-        assert not state["running"], "update_from_output read a step still in flight"
+        assert id(sched) not in in_flight, "update_from_output read a step still in flight"
         state["updates"] += 1
         return update(sched, out)
 
-    engine._stepper._submit = flagged_submit
+    stepper._submit_launch = flagged_submit
     runner.execute_model = slow_execute
-    runner.sample_tokens = slow_sample
+    runner.finish = watched_finish
     scheduler.schedule = watched_schedule
     scheduler.update_from_output = watched_update
     engine.generate(["Hello there", "one two three"], SamplingParams(max_tokens=8, ignore_eos=True))
     assert state["updates"] >= 8 and state["overlapped"] >= 3
+    # Without speculation the runner launched steps ahead of finishing the previous one.
+    assert (stepper.num_launched_ahead >= 5) == (spec == "none")
     assert threading.current_thread() is threading.main_thread()
 
 
@@ -272,7 +277,8 @@ class PositionalOracle:
 
 
 class CountingRecorder:
-    """Around the runner's sample_tokens: per request, the drafts each step verified and how many of them the
+    """Around the runner's speculative second half (``_sample_and_propose``, what sample_tokens and the async
+    stepper's launch both run for a speculative step): per request, the drafts each step verified and how many of them the
     step kept, checked against the reference (S3: the accepted count is the run of leading drafts that equal
     the target's tokens, every kept token is the reference's). The engine's counters must add up to these."""
 
@@ -281,11 +287,10 @@ class CountingRecorder:
         self.drafted: dict[str, int] = {}
         self.accepted: dict[str, int] = {}
         self.steps = {"none": 0, "partial": 0, "all": 0}  # verification steps by how many drafts they kept
-        self.sample, runner.sample_tokens = runner.sample_tokens, self.sample_tokens
+        self.sample, runner._sample_and_propose = runner._sample_and_propose, self.sample_and_propose
 
-    def sample_tokens(self):
-        state = self.runner._state
-        out, kv = self.sample()
+    def sample_and_propose(self, state):
+        out, kv = self.sample(state)
         for i, rid in enumerate(out.req_ids):
             drafts, kept = state.rows.draft_token_ids[i], out.sampled_token_ids[i]
             if not kept:

@@ -1,0 +1,142 @@
+"""Async scheduling's launch-ahead (engine/async_scheduler.py, AsyncStepper): without speculation the runner
+launches step n+1 before it finishes step n, and step n+1's placeholder inputs are step n's sampled ids read
+on the device. The tokens must be those of the synchronous engine, whatever happens between the two steps:
+requests that stop at step n (their rows in n+1 computed and dropped), preemptions (a slot given to another
+request before step n is finished), requests joining, a reordered batch, seeded sampling, logprobs, and
+penalties (which fall back to finishing step n first).
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from conftest import make_engine
+from pdcluster.engine.sampling_params import SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    " ".join(f"item{i}" for i in range(40)),  # chunked prefill
+    "a b c a b c a b",
+    "Hi",
+    "def f(x):\n    return x * 2\n\ndef g(",
+    "Once upon a time, there",
+    "1, 2, 3, 4,",
+    "Roses are red",
+]
+# Small pool and chunks: requests are preempted and resumed while others decode.
+CFG = dict(prefill_chunk_size=32, max_num_batched_tokens=80, num_kv_blocks=14, max_num_seqs=6)
+
+
+def _params(stop_token: int | None) -> list[SamplingParams]:
+    out = []
+    for i in range(len(PROMPTS)):
+        p = dict(max_tokens=14 + 3 * i, ignore_eos=True)
+        if i % 3 == 1:  # seeded sampling: position-keyed draws, top-p syncs but stays exact
+            p.update(temperature=0.8, top_p=0.9, seed=100 + i)
+        if i == 2:
+            p.update(logprobs=2, prompt_logprobs=1)
+        if i == 0 and stop_token is not None:  # stops mid-stream: step n+1 already holds its row
+            p.update(stop_token_ids=[stop_token])
+        out.append(SamplingParams(**p))
+    return out
+
+
+def _run(engine, params, shuffle_seed=None, join_every=2):
+    if shuffle_seed is not None:
+        rng = random.Random(shuffle_seed)
+        schedule = engine.scheduler.schedule
+
+        def shuffled():
+            out = schedule()
+            rng.shuffle(out.scheduled)
+            return out
+
+        engine.scheduler.schedule = shuffled
+    order, done, logprobs, step = [], {}, {}, 0
+    while (len(order) < len(PROMPTS) or engine.has_unfinished()) and step < 2000:
+        if len(order) < len(PROMPTS) and step % join_every == 0:
+            i = len(order)
+            order.append(engine.add_request(PROMPTS[i], params[i]))
+        for out in engine.step():
+            logprobs.setdefault(out.request_id, []).extend(
+                (r.token_id, round(r.logprob, 4)) for r in out.new_logprobs)
+            if out.finished:
+                done[out.request_id] = out
+        step += 1
+    return [(done[r].token_ids, done[r].finish_reason, logprobs.get(r, [])) for r in order]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dir):
+    """The synchronous engine's outputs, and a token request 0 emits mid-stream (its stop token)."""
+    free = _run(make_engine("tiny-random", **CFG), _params(None))
+    stop_token = free[0][0][5]
+    return stop_token, _run(make_engine("tiny-random", **CFG), _params(stop_token))
+
+
+@pytest.mark.parametrize("shuffle_seed", [None, 3])
+def test_launch_ahead_equals_sync(reference, shuffle_seed):
+    stop_token, expected = reference
+    assert expected[0][1] == "stop" and len(expected[0][0]) < 14  # request 0 really stops early
+    engine = make_engine("tiny-random", async_scheduling=True, **CFG)
+    got = _run(engine, _params(stop_token), shuffle_seed=shuffle_seed)
+    assert got == expected
+    stepper, scheduler = engine._stepper, engine.scheduler
+    assert stepper.num_launched_ahead >= 20, stepper.num_launched_ahead
+    assert scheduler.num_preemptions_total > 0  # slots were taken from requests between launch and finish
+    stepper.drain()
+    assert scheduler.block_manager.num_free_blocks == CFG["num_kv_blocks"]
+
+
+def test_penalties_fall_back_to_finishing_first(reference, tiny_dir):
+    """A batch with a penalty needs step n's token on the host before step n+1 is launched: those steps are not
+    launched ahead, and the tokens are the synchronous engine's."""
+    params = [SamplingParams(max_tokens=12, ignore_eos=True, repetition_penalty=1.3),
+              SamplingParams(max_tokens=20, ignore_eos=True)]
+    prompts = PROMPTS[:2]
+    expected = [o.token_ids for o in make_engine("tiny-random", **CFG).generate(prompts, params)]
+    engine = make_engine("tiny-random", async_scheduling=True, **CFG)
+    stepper, ahead_rows = engine._stepper, []
+    submit = stepper._submit_launch
+
+    def watched(sched, ahead=False, prev_done=None):
+        if ahead:
+            ahead_rows.extend(engine.scheduler.requests[s.request_id].sampling_params for s in sched.scheduled)
+        return submit(sched, ahead, prev_done)
+
+    stepper._submit_launch = watched
+    assert [o.token_ids for o in engine.generate(prompts, params)] == expected
+    # Launched ahead only once the penalised request had finished.
+    assert stepper.num_launched_ahead > 0 and ahead_rows
+    assert not any(p.has_penalties for p in ahead_rows)
+
+
+def test_finished_step_appends_only_to_slots_still_held(tiny_dir):
+    """A launched step finished after the next launch dropped one of its requests (preempted) and gave the
+    slot to another (or to the same request, resumed from scratch): the late token must not land there."""
+    engine = make_engine("tiny-random", num_kv_blocks=64)
+    runner, scheduler, st = engine.runner, engine.scheduler, engine.runner.states
+    a = engine.add_request("The capital of France is", SamplingParams(max_tokens=8, ignore_eos=True))
+    sched = scheduler.schedule()
+    runner.launch(sched)
+    scheduler.update_from_output(sched, runner.finish()[0])
+    sched_a = scheduler.schedule()  # a decode step of `a`, launched and left unfinished
+    slot = st.req_id_to_index[a]
+    runner.launch(sched_a)
+    scheduler._preempt(scheduler.requests[a])
+    scheduler.running.remove(scheduler.requests[a])
+    engine.add_request("Roses are red", SamplingParams(max_tokens=4, ignore_eos=True))
+    sched_b = scheduler.schedule()
+    assert [(s.request_id, s.is_new) for s in sched_b.scheduled][0] == (a, True)  # resumed: rebuilt from scratch
+    epoch = int(st.epoch_np[slot])
+    runner.launch(sched_b, ahead=True)
+    # The slot changed hands (here: back to `a` itself, rebuilt; only the epoch tells the two apart).
+    assert st.epoch_np[slot] > epoch and st.index_to_req_id[slot] == a
+    held = st.token_ids_np[slot, : st.num_tokens_np[slot]].copy()
+    out, _ = runner.finish()  # step `a`: its token is reported, but not appended to the slot
+    assert out.sampled_token_ids[0]
+    assert np.array_equal(st.token_ids_np[slot, : st.num_tokens_np[slot]], held)
+    runner.finish()
