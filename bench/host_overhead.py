@@ -8,7 +8,12 @@ that returns zeros and its LM head by one over 256 token ids, so each step is th
 (with greedy argmax over 256 logits a row). Decode batches of 1, 32, 128 and 256 requests after a prompt
 of --context tokens; median of --steps steps. Prints JSON (and writes it with --out).
 
-    python bench/host_overhead.py [--context 512] [--steps 50] [--out bench/results/host_overhead.json]
+With --async-scheduling the engine launches each step before finishing the previous one (launch-ahead,
+engine/async_scheduler.py): the runner's half of the host work runs on its own thread beside the
+scheduler's, and the step time is what the two leave between launches (the GIL lets them overlap only
+where numpy and torch release it).
+
+    python bench/host_overhead.py [--context 512] [--steps 50] [--async-scheduling] [--out bench/results/host_overhead.json]
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def host_step_ms(batch: int, context: int, steps: int, profile: bool = False) -> dict:
+def host_step_ms(batch: int, context: int, steps: int, profile: bool = False, async_scheduling: bool = False) -> dict:
     import torch
 
     from pdcluster.engine.config import EngineConfig
@@ -37,7 +42,8 @@ def host_step_ms(batch: int, context: int, steps: int, profile: bool = False) ->
     engine = LLMEngine.from_config(EngineConfig(
         model=str(resolve_model("tiny-random", progress=False)), device="cpu", dtype="float32", max_num_seqs=batch,
         num_kv_blocks=batch * (-(-max_model_len // 16)) + 16, max_model_len=max_model_len,
-        max_num_batched_tokens=max(2048, batch), enable_prefix_caching=False), progress=False)
+        max_num_batched_tokens=max(2048, batch), enable_prefix_caching=False, async_scheduling=async_scheduling),
+        progress=False)
     model = engine.runner.model
     hidden_size = model.embed_tokens.shape[1]
     model.forward = lambda ids, *args, **kwargs: torch.zeros(ids.shape[0], hidden_size)
@@ -65,7 +71,10 @@ def host_step_ms(batch: int, context: int, steps: int, profile: bool = False) ->
         prof.disable()
         pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(30)
     assert len(engine.scheduler.running) == batch, "requests finished during the timing"
-    return {"step_ms": round(statistics.median(times) * 1e3, 3), "us_per_request": round(statistics.median(times) * 1e6 / batch, 2)}
+    out = {"step_ms": round(statistics.median(times) * 1e3, 3), "us_per_request": round(statistics.median(times) * 1e6 / batch, 2)}
+    if engine._stepper is not None:
+        out["steps_launched_ahead"] = engine._stepper.num_launched_ahead
+    return out
 
 
 def main() -> int:
@@ -75,6 +84,7 @@ def main() -> int:
     ap.add_argument("--batches", default="1,32,128,256")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", action="store_true", help="cProfile the steps too (printed to stderr)")
+    ap.add_argument("--async-scheduling", action="store_true", help="launch each step before finishing the previous one")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT / "bench"))
     from gpu_check import import_pdcluster
@@ -84,8 +94,9 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(1)
-    result = {"context_tokens": args.context, "steps": args.steps,
-              "batches": {b: host_step_ms(int(b), args.context, args.steps, args.profile) for b in args.batches.split(",")}}
+    result = {"context_tokens": args.context, "steps": args.steps, "async_scheduling": args.async_scheduling,
+              "batches": {b: host_step_ms(int(b), args.context, args.steps, args.profile, args.async_scheduling)
+                          for b in args.batches.split(",")}}
     emit_json(result, args.out, indent=2)
     return 0
 

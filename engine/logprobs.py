@@ -12,6 +12,8 @@ FirstToken / TransferDone and in the decode worker's Tokens events unchanged.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from pdcluster.wire.logprobs import TokenLogprobs
@@ -22,20 +24,56 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int
     the ``num_top[r]`` most likely tokens."""
     if not token_ids:
         return []
+    index = torch.tensor(token_ids, dtype=torch.int64, device=logits.device)
+    pending = launch_token_logprobs(logits, index, num_top)
+    if logits.is_cuda:  # the copies to the host were started non-blocking
+        torch.cuda.current_stream(logits.device).synchronize()
+    return pending.records(token_ids)
+
+
+@dataclass
+class PendingLogprobs:
+    """:func:`token_logprobs`' numbers, computed on the logits' device and on their way to host memory
+    (pinned, non-blocking: read them only after the copies finished, e.g. behind a CUDA event)."""
+
+    chosen: torch.Tensor  # [R] logprob of each row's token
+    ranks: torch.Tensor  # [R]
+    top_values: torch.Tensor | None  # [R, k_max]
+    top_ids: torch.Tensor | None
+    num_top: list[int]
+
+    def records(self, token_ids: list[int]) -> list[TokenLogprobs]:
+        top_values = self.top_values.tolist() if self.top_values is not None else None
+        top_ids = self.top_ids.tolist() if self.top_ids is not None else None
+        chosen_l, ranks_l = self.chosen.tolist(), self.ranks.tolist()
+        out = []
+        for r, token_id in enumerate(token_ids):
+            k = self.num_top[r]
+            out.append(TokenLogprobs(
+                token_id=int(token_id), logprob=float(chosen_l[r]), rank=int(ranks_l[r]),
+                top_token_ids=top_ids[r][:k] if k else [], top_logprobs=top_values[r][:k] if k else [],
+            ))
+        return out
+
+
+def launch_token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> PendingLogprobs:
+    """The numbers of :func:`token_logprobs` for ``token_ids`` (an int64 tensor on the logits' device),
+    without waiting for the device: the copies to the host are started, not awaited."""
     logp = torch.log_softmax(logits.float(), dim=-1)
-    index = torch.tensor(token_ids, dtype=torch.int64, device=logp.device).unsqueeze(1)
-    chosen = logp.gather(1, index)  # [R, 1]
+    chosen = logp.gather(1, token_ids.view(-1, 1))  # [R, 1]
     ranks = (logp > chosen).sum(dim=1) + 1
     k_max = max(num_top) if num_top else 0
+    top_values = top_ids = None
     if k_max > 0:
         top_values, top_ids = torch.topk(logp, min(k_max, logp.shape[-1]), dim=-1)
-        top_values, top_ids = top_values.tolist(), top_ids.tolist()
-    chosen_l, ranks_l = chosen.squeeze(1).tolist(), ranks.tolist()
-    out = []
-    for r, token_id in enumerate(token_ids):
-        k = num_top[r]
-        out.append(TokenLogprobs(
-            token_id=int(token_id), logprob=float(chosen_l[r]), rank=int(ranks_l[r]),
-            top_token_ids=top_ids[r][:k] if k else [], top_logprobs=top_values[r][:k] if k else [],
-        ))
-    return out
+        top_values, top_ids = _to_host(top_values), _to_host(top_ids)
+    return PendingLogprobs(_to_host(chosen.squeeze(1)), _to_host(ranks), top_values, top_ids, list(num_top))
+
+
+def _to_host(x: torch.Tensor) -> torch.Tensor:
+    """``x`` on the host: itself on a CPU, else a non-blocking copy into pinned memory."""
+    if x.device.type == "cpu":
+        return x
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    host.copy_(x, non_blocking=True)
+    return host

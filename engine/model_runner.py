@@ -29,7 +29,7 @@ from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.cuda_graphs import DecodeGraphs
 from pdcluster.engine.input_batch import StepRows, prepare_inputs, step_rows
 from pdcluster.engine.logits_processors import RowContext, apply_penalties
-from pdcluster.engine.logprobs import token_logprobs
+from pdcluster.engine.logprobs import PendingLogprobs, launch_token_logprobs, token_logprobs
 from pdcluster.engine.mamba_state import MambaStatePool
 from pdcluster.engine.models.llama import LlamaModel
 from pdcluster.engine.proposers import ProposeBatch, Proposer, make_proposer
@@ -71,7 +71,8 @@ class LaunchedStep:
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     rows: list[int] = field(default_factory=list)  # rows that sample
     params: list = field(default_factory=list)
-    raw_logits: torch.Tensor | None = None
+    logprobs: PendingLogprobs | None = None  # of the sampled tokens, for the rows in ``logprob_rows``
+    logprob_rows: list[int] = field(default_factory=list)  # indices into ``rows``
     epochs_np: np.ndarray | None = None  # RequestStates.epoch_np of each row's slot at launch
     tokens: LaunchedTokens | None = None  # the sampled ids on the device
     tokens_host: torch.Tensor | None = None  # their copy on the host (pinned on a GPU)
@@ -321,8 +322,17 @@ class ModelRunner:
         logits = self._process_logits(state, raw_logits, launched.rows, params, [[] for _ in launched.rows])
         positions = state.rows.num_output_np[rows].tolist()
         tokens_dev = sample_on_device(logits, params, [p.seed for p in params], positions).to(torch.int64)
-        launched.params, launched.raw_logits = params, raw_logits
+        launched.params = params
         launched.tokens = LaunchedTokens(list(state.req_ids), sample_index_np, tokens_dev)
+        want = [j for j, p in enumerate(params) if p.logprobs is not None]
+        if want:  # on the device too, their host copies behind the same event
+            if len(want) == len(params):
+                lp_logits, lp_ids = raw_logits, tokens_dev
+            else:
+                sel = self.inputs.put("logprob_rows", np.asarray(want, dtype=np.int64))
+                lp_logits, lp_ids = raw_logits[sel], tokens_dev[sel]
+            launched.logprobs = launch_token_logprobs(lp_logits, lp_ids, [params[j].logprobs for j in want])
+            launched.logprob_rows = want
         if tokens_dev.is_cuda:  # the step's one synchronisation, deferred to finish()
             launched.tokens_host = torch.empty(tokens_dev.shape, dtype=torch.int64, pin_memory=True)
             launched.tokens_host.copy_(tokens_dev, non_blocking=True)
@@ -365,8 +375,10 @@ class ModelRunner:
                     grammar = self.grammars.get(state.req_ids[i])
                     if grammar is not None:
                         grammar.accept(tokens)
-            self._sampled_logprobs(launched.raw_logits, rows, launched.params, per_req,
-                                   state.logits_start_np, logprobs)
+            if launched.logprobs is not None:
+                records = launched.logprobs.records([per_req[j][0] for j in launched.logprob_rows])
+                for j, record in zip(launched.logprob_rows, records):
+                    logprobs[rows[j]] = [record]
         drafts: list[list[int]] = [[] for _ in sampled]
         if self.num_state_blocks_out:
             self._pack_states(state, sampled)

@@ -36,6 +36,16 @@ def position_uniform(seed: int, position: int) -> float:
     return (z >> 11) / float(1 << 53)
 
 
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on ``device`` without waiting for the device: through pinned memory, copied
+    non-blocking (a plain ``torch.tensor(..., device=cuda)`` synchronises the stream, which would wait
+    for a step launched ahead, engine/async_scheduler.py)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def _apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
     vocab = logits.shape[-1]
     ks = [k if 0 < k < vocab else 0 for k in top_ks]
@@ -43,9 +53,10 @@ def _apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
         return logits
     k_max = max(ks)
     values = torch.topk(logits, k_max, dim=-1).values  # [R, k_max], descending
-    index = torch.tensor([max(k, 1) - 1 for k in ks], device=logits.device).unsqueeze(1)
+    index = _to_device([max(k, 1) - 1 for k in ks], torch.int64, logits.device).unsqueeze(1)
     kth = values.gather(1, index)
-    kth[torch.tensor([k == 0 for k in ks], device=logits.device)] = float("-inf")  # rows without top-k keep everything
+    keep_all = _to_device([k == 0 for k in ks], torch.bool, logits.device).unsqueeze(1)
+    kth = torch.where(keep_all, float("-inf"), kth)  # rows without top-k keep everything
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
@@ -71,7 +82,7 @@ def _apply_top_p(logits: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
 
 def batch_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Sampling distributions [R, V] float32 after temperature, top-k and top-p (non-greedy rows)."""
-    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=logits.device).unsqueeze(1)
+    temps = _to_device([p.temperature for p in params], torch.float32, logits.device).unsqueeze(1)
     scaled = logits.float() / temps
     scaled = _apply_top_k(scaled, [p.top_k for p in params])
     scaled = _apply_top_p(scaled, [p.top_p for p in params])
@@ -91,7 +102,7 @@ def sample_rows(probs: torch.Tensor, uniforms: list[float]) -> list[int]:
 def _draw(probs: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
     """:func:`sample_rows` as an int64 tensor on ``probs``' device (no host synchronisation)."""
     cdf = probs.cumsum(-1)  # non-decreasing, so a zero-probability token is never the first above
-    targets = torch.tensor(uniforms, dtype=cdf.dtype, device=cdf.device).unsqueeze(1) * cdf[:, -1:]
+    targets = _to_device(uniforms, cdf.dtype, cdf.device).unsqueeze(1) * cdf[:, -1:]
     index = torch.searchsorted(cdf, targets, right=True).squeeze(1)
     return index.clamp_(max=probs.shape[-1] - 1)
 
@@ -124,5 +135,5 @@ def sample_on_device(
     if rows:
         probs = batch_probs(logits[rows], [params[i] for i in rows])
         drawn = _draw(probs, [position_uniform(seeds[i], positions[i]) for i in rows])
-        tokens[torch.tensor(rows, device=tokens.device)] = drawn
+        tokens[_to_device(rows, torch.int64, tokens.device)] = drawn
     return tokens
