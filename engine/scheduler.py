@@ -235,7 +235,27 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and not preempted:
+        if not preempted:
+            budget = self._admit_waiting(budget, scheduled)
+            # Nothing runs and the head of the queue cannot get its blocks: if requests behind it hold them
+            # (prompts whose KV landed from a prefill worker), nothing would ever free them. Free theirs,
+            # from the back of the queue, until the head fits (they are computed again when their turn comes).
+            while not scheduled and not self.running and self.waiting and self._evict_waiting_holder():
+                budget = self._admit_waiting(budget, scheduled)
+
+        finished, self._finished_req_ids = self._finished_req_ids, set()
+        return SchedulerOutput(
+            scheduled=scheduled,
+            total_num_scheduled_tokens=cfg.max_num_batched_tokens - budget,
+            finished_req_ids=finished,
+            preempted_req_ids=preempted,
+        )
+
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+        """Requests from the front of the waiting queue, while the budget, max_num_seqs and the pool allow;
+        returns the budget left."""
+        cfg = self.config
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             request = self.waiting[0]
             # Prompt logprobs need every prompt position's logits: such a request computes its prompt.
             use_cache = request.num_computed_tokens == 0 and request.sampling_params.prompt_logprobs is None
@@ -267,14 +287,25 @@ class Scheduler:
             self.running.append(request)
             scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
+        return budget
 
-        finished, self._finished_req_ids = self._finished_req_ids, set()
-        return SchedulerOutput(
-            scheduled=scheduled,
-            total_num_scheduled_tokens=cfg.max_num_batched_tokens - budget,
-            finished_req_ids=finished,
-            preempted_req_ids=preempted,
-        )
+    def _evict_waiting_holder(self) -> bool:
+        """Free the blocks of the last waiting request (not the head) that holds some, as a preemption by
+        recompute that keeps its place in the queue. False if none holds any."""
+        for request in reversed(self.waiting):
+            if request is self.waiting[0]:
+                return False
+            if request.block_ids:
+                self.block_manager.free(request)
+                request.num_computed_tokens = 0
+                request.num_cached_tokens = 0
+                request.spec_token_ids = []
+                request.status = RequestStatus.PREEMPTED
+                request.num_preemptions += 1
+                self.num_preemptions_total += 1
+                self._seen_by_runner.discard(request.request_id)
+                return True
+        return False
 
     def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[StepResult]:
         results = []

@@ -105,8 +105,14 @@ def _soak(ray, num_requests: int, rate_per_s: float, offload_dir=None):
             hung = {rid: (r.attempt and r.attempt.pair, r.attempt and r.attempt.number, len(r.emitted),
                           r.recovering, r.attempt and r.attempt.t_kv_ready > 0)
                     for rid, r in router.requests.items()}
+            workers = {}  # and what the live workers say they run and hold
+            for wid, handle in {**cluster.prefill_handles, **cluster.decode_handles}.items():
+                try:
+                    workers[wid] = ray.get(handle.stats.remote(), timeout=10)
+                except Exception as e:  # noqa: BLE001 - a diagnostic (the killed worker answers nothing)
+                    workers[wid] = type(e).__name__
             raise AssertionError(f"{len(pending)} requests hung; router state "
-                                 f"(pair, placement, streamed, recovering, kv landed): {hung}")
+                                 f"(pair, placement, streamed, recovering, kv landed): {hung}; workers: {workers}")
         # Let the health check see the kill and abort messages land.
         await asyncio.sleep(1.0)
 
