@@ -487,7 +487,7 @@ def speed_section(entry: dict, device: str, work: Path, quick: bool, report: Rep
         decode[mode] = {"used": engine.runner.graphs is not None, "deterministic": engine.deterministic}
         for b in batches:
             ms = _decode_step_ms(engine, b, prompt_len, num_steps, device,
-                                 profile_into=profiles.setdefault(mode, {}) if mode in ("cuda_graphs", "deterministic+cuda_graphs") else None)
+                                 profile_into=profiles.setdefault(mode, {}) if mode != "eager" else None)
             kv_bytes = b * (prompt_len + num_steps // 2) * shape["num_hidden_layers"] * 2 \
                 * shape["num_key_value_heads"] * (shape["hidden_size"] // shape["num_attention_heads"]) * 2
             floor = (weight_bytes + kv_bytes) / (bw * 1e9) * 1e3

@@ -159,6 +159,16 @@ def fill_ahead_rows(
     return rows, src
 
 
+def merge_kv_outputs(a: KVConnectorOutput, b: KVConnectorOutput) -> KVConnectorOutput:
+    """What two steps' KV connectors reported, as one report."""
+    return KVConnectorOutput(
+        finished_sending=a.finished_sending | b.finished_sending,
+        finished_recving={**a.finished_recving, **b.finished_recving},
+        failed_recving={**a.failed_recving, **b.failed_recving},
+        failed=a.failed | b.failed,
+    )
+
+
 # ---- the scheduler half ------------------------------------------------------------------------------
 class AsyncScheduler(Scheduler):
     """Schedules a request behind its own in-flight step (see the module docstring)."""
@@ -350,6 +360,13 @@ class AsyncStepper:
             # Always launch, even empty: it carries finished/preempted ids the runner must see.
             next_sched = self._drop_gone(next_sched)
             next_done = self._submit_launch(next_sched)
+            if next_sched.is_empty and not self.scheduler.has_work():
+                # Idle: that empty step (it tells the runner what finished) is finished at once, so nothing
+                # stays in flight and has_work() turns false (a worker loop would spin on empty steps).
+                self._pending, self._finish_asked = (next_sched, next_done), False
+                _, idle_kv_output = self._finish_pending().result()
+                self._pending, self._finish_asked = None, False
+                return results, merge_kv_outputs(kv_output, idle_kv_output)
         self._pending = (next_sched, next_done)
         self._finish_asked = False
         return results, kv_output

@@ -140,3 +140,20 @@ def test_finished_step_appends_only_to_slots_still_held(tiny_dir):
     assert out.sampled_token_ids[0]
     assert np.array_equal(st.token_ids_np[slot, : st.num_tokens_np[slot]], held)
     runner.finish()
+
+
+def test_idle_engine_keeps_nothing_in_flight(tiny_dir):
+    """Once every request has finished, the async engine settles: no step stays in flight, has_work() is false
+    (a worker loop idles instead of stepping empty batches), and the runner has dropped every request."""
+    engine = make_engine("tiny-random", async_scheduling=True, num_kv_blocks=64)
+    outs = engine.generate(PROMPTS[:3], SamplingParams(max_tokens=6, ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [6, 6, 6]
+    for _ in range(4):  # a bounded number of steps settles it
+        if not engine.has_work():
+            break
+        engine.step()
+    assert not engine.has_work() and not engine._stepper.in_flight
+    assert engine.runner.states.num_reqs == 0 and engine.runner.num_launched == 0
+    # And it starts again from there.
+    again = engine.generate(PROMPTS[3:4], SamplingParams(max_tokens=5, ignore_eos=True))
+    assert len(again[0].token_ids) == 5
