@@ -337,7 +337,8 @@ class ModelRunner:
             launched.tokens_host = torch.empty(tokens_dev.shape, dtype=torch.int64, pin_memory=True)
             launched.tokens_host.copy_(tokens_dev, non_blocking=True)
             launched.copied = torch.cuda.Event()
-            launched.copied.record()
+            # On the ids' device's stream: the runner's thread may have another current device (cuda:N).
+            launched.copied.record(torch.cuda.current_stream(tokens_dev.device))
         else:
             launched.tokens_host = tokens_dev
         return launched

@@ -160,11 +160,12 @@ def test_pdcluster_drain_cli_against_a_real_server(tiny_dir, capsys):
     """`pdcluster drain` as the preStop hook runs it (a process of its own) against `pdcluster serve`
     (colocated, two decode workers), draining one while streaming requests run on both: every request
     completes and the server keeps serving on the other. Mistakes exit 1 with the server's reason."""
-    # Long requests (1,900 tokens, room for two per worker): they must still be decoding when the drain
-    # process (a Python start-up of its own) reaches the server; 600 tokens ended first once batch-2
-    # decode steps got faster.
+    # Long requests (1,900 tokens), one at a time per worker (--max-num-seqs 1) and four per worker: the
+    # leaving worker must still have some when the drain process (a Python start-up of its own) reaches the
+    # server. Two requests a worker running side by side ended first once decode steps got faster (tiny-random
+    # decodes 1,900 tokens in about a second); queued behind each other they last seconds.
     flags = ["--mode", "colocated", "--model", "tiny-random", "--num-kv-blocks", "512", "--max-model-len", "2048",
-             "--num-decode", "2", "--router-policy", "round_robin", "--api-key", API_KEY]
+             "--num-decode", "2", "--max-num-seqs", "1", "--router-policy", "round_robin", "--api-key", API_KEY]
     os.environ["PDCLUSTER_ADMIN_KEY"] = ADMIN_KEY  # the server reads it at start
     try:
         server = ServeProcess(flags)
@@ -200,10 +201,10 @@ def test_pdcluster_drain_cli_against_a_real_server(tiny_dir, capsys):
                             finish = json.loads(line[6:])["choices"][0].get("finish_reason") or finish
                     results[i] = (r.status_code, finish)
 
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(8)]
         for t in threads:
             t.start()
-        for _ in threads:  # every request streams (round robin: two on each worker)
+        for _ in range(2):  # one request streams on each worker (round robin: four on each, three queued)
             assert started.acquire(timeout=120)
         drained = subprocess.run([sys.executable, "-m", "pdcluster.cli", "drain", "--url", url, "--worker-id",
                                   leaving], capture_output=True, text=True, timeout=300,
@@ -213,7 +214,7 @@ def test_pdcluster_drain_cli_against_a_real_server(tiny_dir, capsys):
         assert drained.returncode == 0, drained.stderr
         match = re.search(rf"drained decode worker {leaving} in [\d.]+ s \((\d+) requests waited for\)", drained.stdout)
         assert match and int(match.group(1)) >= 1, drained.stdout
-        assert [results.get(i) for i in range(4)] == [(200, "length")] * 4, results  # all ran to the end
+        assert [results.get(i) for i in range(8)] == [(200, "length")] * 8, results  # all ran to the end
         with httpx.Client(base_url=url, timeout=60, headers=auth(API_KEY)) as http:
             r = http.post("/v1/completions", json={**body, "stream": False, "max_tokens": 8})
             assert r.status_code == 200, r.text

@@ -14,18 +14,11 @@ import numpy as np
 import pytest
 
 from conftest import make_engine
+from test_invariant_s4_async import PROMPTS as S4_PROMPTS
 from pdcluster.engine.sampling_params import SamplingParams
 
-PROMPTS = [
-    "The capital of France is",
-    " ".join(f"item{i}" for i in range(40)),  # chunked prefill
-    "a b c a b c a b",
-    "Hi",
-    "def f(x):\n    return x * 2\n\ndef g(",
-    "Once upon a time, there",
-    "1, 2, 3, 4,",
-    "Roses are red",
-]
+# The S4 tests' prompts (one chunked prefill among them) and two more.
+PROMPTS = S4_PROMPTS + ["1, 2, 3, 4,", "Roses are red"]
 # Small pool and chunks: requests are preempted and resumed while others decode.
 CFG = dict(prefill_chunk_size=32, max_num_batched_tokens=80, num_kv_blocks=14, max_num_seqs=6)
 
