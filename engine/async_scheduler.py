@@ -292,13 +292,14 @@ class AsyncStepper:
         return self._pending is not None
 
     # ---- worker-thread jobs (one at a time, in submission order) -----------------------------------
-    def _launch_job(self, sched: SchedulerOutput, ahead: bool, prev_done: Future | None) -> None:
+    def _launch_job(self, sched: SchedulerOutput, ahead: bool, done: Future, prev_done: Future | None) -> None:
         try:
             self.runner.launch(sched, ahead=ahead)
-        except BaseException as e:
-            if prev_done is not None:
-                prev_done.set_exception(e)
-            raise
+        except BaseException as e:  # the caller's result() raises it, for this step and the one before
+            for future in (done, prev_done):
+                if future is not None and not future.done():
+                    future.set_exception(e)
+            return
         if prev_done is not None:
             self._finish_job(prev_done)
 
@@ -312,9 +313,7 @@ class AsyncStepper:
         """Queue the launch of ``sched`` (then, if given, the finish of the step before it); returns the
         Future of ``sched``'s own outputs, set when a later job finishes it."""
         done: Future = Future()
-        job = self._pool.submit(self._launch_job, sched, ahead, prev_done)
-        job.add_done_callback(lambda j: j.exception() is not None and not done.done()
-                              and done.set_exception(j.exception()))
+        self._pool.submit(self._launch_job, sched, ahead, done, prev_done)
         return done
 
     def _finish_pending(self) -> Future:

@@ -67,12 +67,14 @@ def step_rows(sched: SchedulerOutput, idx_mapping: np.ndarray, states: RequestSt
         input_token_ids=[s.input_token_ids for s in scheduled],
         draft_token_ids=[s.spec_token_ids for s in scheduled],
     )
-    if ahead is not None and any(s.placeholder_inputs for s in scheduled):
+    if not any(s.placeholder_inputs for s in scheduled):
+        return rows
+    if ahead is not None:
         rows.ahead_rows_np, rows.ahead_src_np = fill_ahead_rows(
             [s.request_id for s in scheduled], scheduled, ahead, rows.starts_np, rows.num_tokens_np,
             rows.num_output_np)
         rows.ahead_tokens_dev = ahead.tokens_dev
-    elif any(s.placeholder_inputs for s in scheduled):
+    else:
         fill_placeholder_rows(
             [s.request_id for s in scheduled], scheduled, idx_mapping, prev, states,
             rows.starts_np, rows.num_tokens_np, rows.num_output_np, rows.input_token_ids, rows.draft_token_ids,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdcluster.engine.step_inputs import to_host_async
 from pdcluster.wire.logprobs import TokenLogprobs
 
 
@@ -66,14 +67,6 @@ def launch_token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top
     top_values = top_ids = None
     if k_max > 0:
         top_values, top_ids = torch.topk(logp, min(k_max, logp.shape[-1]), dim=-1)
-        top_values, top_ids = _to_host(top_values), _to_host(top_ids)
-    return PendingLogprobs(_to_host(chosen.squeeze(1)), _to_host(ranks), top_values, top_ids, list(num_top))
-
-
-def _to_host(x: torch.Tensor) -> torch.Tensor:
-    """``x`` on the host: itself on a CPU, else a non-blocking copy into pinned memory."""
-    if x.device.type == "cpu":
-        return x
-    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-    host.copy_(x, non_blocking=True)
-    return host
+        top_values, top_ids = to_host_async(top_values), to_host_async(top_ids)
+    return PendingLogprobs(to_host_async(chosen.squeeze(1)), to_host_async(ranks), top_values, top_ids,
+                           list(num_top))

@@ -38,7 +38,7 @@ from pdcluster.engine.sampler import sample, sample_on_device
 from pdcluster.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pdcluster.engine.mamba_state_blocks import pack_state, state_block_ids, unpack_state
 from pdcluster.engine.request_slots import RequestStates
-from pdcluster.engine.step_inputs import StepInputs
+from pdcluster.engine.step_inputs import StepInputs, to_host_async
 from pdcluster.wire.kv_connector import KVConnector, KVConnectorOutput
 from pdcluster.wire.logprobs import TokenLogprobs
 
@@ -70,7 +70,6 @@ class LaunchedStep:
     output: tuple[ModelRunnerOutput, KVConnectorOutput] | None = None  # complete already (speculation)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     rows: list[int] = field(default_factory=list)  # rows that sample
-    params: list = field(default_factory=list)
     logprobs: PendingLogprobs | None = None  # of the sampled tokens, for the rows in ``logprob_rows``
     logprob_rows: list[int] = field(default_factory=list)  # indices into ``rows``
     epochs_np: np.ndarray | None = None  # RequestStates.epoch_np of each row's slot at launch
@@ -322,7 +321,6 @@ class ModelRunner:
         logits = self._process_logits(state, raw_logits, launched.rows, params, [[] for _ in launched.rows])
         positions = state.rows.num_output_np[rows].tolist()
         tokens_dev = sample_on_device(logits, params, [p.seed for p in params], positions).to(torch.int64)
-        launched.params = params
         launched.tokens = LaunchedTokens(list(state.req_ids), sample_index_np, tokens_dev)
         want = [j for j, p in enumerate(params) if p.logprobs is not None]
         if want:  # on the device too, their host copies behind the same event
@@ -333,14 +331,11 @@ class ModelRunner:
                 lp_logits, lp_ids = raw_logits[sel], tokens_dev[sel]
             launched.logprobs = launch_token_logprobs(lp_logits, lp_ids, [params[j].logprobs for j in want])
             launched.logprob_rows = want
-        if tokens_dev.is_cuda:  # the step's one synchronisation, deferred to finish()
-            launched.tokens_host = torch.empty(tokens_dev.shape, dtype=torch.int64, pin_memory=True)
-            launched.tokens_host.copy_(tokens_dev, non_blocking=True)
+        launched.tokens_host = to_host_async(tokens_dev)  # the step's one synchronisation, deferred to finish()
+        if tokens_dev.is_cuda:
             launched.copied = torch.cuda.Event()
             # On the ids' device's stream: the runner's thread may have another current device (cuda:N).
             launched.copied.record(torch.cuda.current_stream(tokens_dev.device))
-        else:
-            launched.tokens_host = tokens_dev
         return launched
 
     def _finish(self, launched: LaunchedStep, check_slots: bool = False) -> tuple[ModelRunnerOutput, KVConnectorOutput]:
@@ -363,14 +358,13 @@ class ModelRunner:
                 sampled[i] = tokens
             # A step launched ahead of this one may have dropped a request (finished, preempted) and
             # given its slot to another: only slots the same request has held since launch take tokens.
-            idx = state.idx_mapping_np[rows]
-            held = st.epoch_np[idx] == launched.epochs_np[rows] if check_slots else None
+            idx, appended = state.idx_mapping_np[rows], per_req
             if check_slots:
+                held = st.epoch_np[idx] == launched.epochs_np[rows]
                 held &= np.array([st.index_to_req_id[j] == state.req_ids[i] for i, j in zip(rows, idx.tolist())])
-            if held is None or held.all():
-                st.append_sampled(idx, per_req)
-            else:
-                st.append_sampled(idx[held], [t for t, h in zip(per_req, held) if h])
+                if not held.all():
+                    idx, appended = idx[held], [t for t, h in zip(per_req, held) if h]
+            st.append_sampled(idx, appended)
             if self.grammars:
                 for i, tokens in zip(rows, per_req):
                     grammar = self.grammars.get(state.req_ids[i])

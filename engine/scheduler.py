@@ -296,14 +296,8 @@ class Scheduler:
             if request is self.waiting[0]:
                 return False
             if request.block_ids:
-                self.block_manager.free(request)
-                request.num_computed_tokens = 0
+                self._release(request)
                 request.num_cached_tokens = 0
-                request.spec_token_ids = []
-                request.status = RequestStatus.PREEMPTED
-                request.num_preemptions += 1
-                self.num_preemptions_total += 1
-                self._seen_by_runner.discard(request.request_id)
                 return True
         return False
 
@@ -402,6 +396,11 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         """Preemption by recompute: drop the KV, keep the tokens, go back to the front of the queue."""
+        self._release(request)
+        self.waiting.appendleft(request)
+
+    def _release(self, request: Request) -> None:
+        """Drop a request's KV, keep its tokens: it is computed again when next scheduled."""
         self.block_manager.free(request)
         request.num_computed_tokens = 0
         request.spec_token_ids = []
@@ -409,7 +408,6 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         self._seen_by_runner.discard(request.request_id)  # the runner rebuilds it when resumed
-        self.waiting.appendleft(request)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status

@@ -20,6 +20,16 @@ import numpy as np
 import torch
 
 
+def to_host_async(x: torch.Tensor) -> torch.Tensor:
+    """``x`` on the host: itself on a CPU, else a non-blocking copy into pinned memory (read it only
+    after the copy finished, e.g. behind a CUDA event recorded after it)."""
+    if x.device.type == "cpu":
+        return x
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    host.copy_(x, non_blocking=True)
+    return host
+
+
 class StepInputs:
     def __init__(self, device: str | torch.device):
         self.device = torch.device(device)

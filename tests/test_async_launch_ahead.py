@@ -8,13 +8,11 @@ penalties (which fall back to finishing step n first).
 
 from __future__ import annotations
 
-import random
-
 import numpy as np
 import pytest
 
 from conftest import make_engine
-from test_invariant_s4_async import PROMPTS as S4_PROMPTS
+from test_invariant_s4_async import PROMPTS as S4_PROMPTS, shuffle_every_schedule
 from pdcluster.engine.sampling_params import SamplingParams
 
 # The S4 tests' prompts (one chunked prefill among them) and two more.
@@ -39,15 +37,7 @@ def _params(stop_token: int | None) -> list[SamplingParams]:
 
 def _run(engine, params, shuffle_seed=None, join_every=2):
     if shuffle_seed is not None:
-        rng = random.Random(shuffle_seed)
-        schedule = engine.scheduler.schedule
-
-        def shuffled():
-            out = schedule()
-            rng.shuffle(out.scheduled)
-            return out
-
-        engine.scheduler.schedule = shuffled
+        shuffle_every_schedule(engine, shuffle_seed)
     order, done, logprobs, step = [], {}, {}, 0
     while (len(order) < len(PROMPTS) or engine.has_unfinished()) and step < 2000:
         if len(order) < len(PROMPTS) and step % join_every == 0:

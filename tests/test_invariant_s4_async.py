@@ -178,19 +178,24 @@ MAX_TOKENS = [18, 12, 25, 9, 20, 15]
 CFG = dict(prefill_chunk_size=32, max_num_batched_tokens=80, num_kv_blocks=128)
 
 
+def shuffle_every_schedule(engine, seed: int) -> None:
+    """From now on every schedule's batch order, and the scheduler's running list, is shuffled."""
+    rng = random.Random(seed)
+    schedule = engine.scheduler.schedule
+
+    def shuffled():
+        out = schedule()
+        rng.shuffle(out.scheduled)
+        rng.shuffle(engine.scheduler.running)
+        return out
+
+    engine.scheduler.schedule = shuffled
+
+
 def _run(engine, shuffle_seed=None, join_every=2):
     """Requests join two steps apart (while others decode); the batch order is shuffled every step."""
     if shuffle_seed is not None:
-        rng = random.Random(shuffle_seed)
-        schedule = engine.scheduler.schedule
-
-        def shuffled():
-            out = schedule()
-            rng.shuffle(out.scheduled)
-            rng.shuffle(engine.scheduler.running)
-            return out
-
-        engine.scheduler.schedule = shuffled
+        shuffle_every_schedule(engine, shuffle_seed)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_TOKENS]
     order, done, step = [], {}, 0
     while len(order) < len(PROMPTS) or engine.has_unfinished():
