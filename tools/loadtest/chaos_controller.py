@@ -37,6 +37,7 @@ from pdcluster.tools.loadtest.chaos_targets import ChaosTargetError, WorkerProce
 POLL_INTERVAL_S = 0.25
 HEALTH_TIMEOUT_S = 2.0
 MIN_SLEEP_S = 0.01
+FRESH_HEALTH_TRIES = 3  # polls before a busiest-worker event fires on the last answer it has
 # The router checks every worker once a second and a ping may take 5 s to time out: a restarted worker
 # not listed down within this long after its replacement was ready is taken as never listed down.
 UNSEEN_GRACE_S = 8.0
@@ -58,6 +59,7 @@ class EventState:
     pid: int | None = None
     pid_source: str | None = None  # "health" (the server named the pid) or "process_table"
     worker_num_requests: int | None = None  # requests the router had on that worker just before
+    health_at_s: float | None = None  # when the /health it picked the worker from was polled
     resumed_at_s: float | None = None  # stop: SIGCONT sent
     seen_down_at_s: float | None = None  # first /health poll listing it unhealthy
     replacement_pid: int | None = None  # kill: the process Ray started in its place
@@ -126,6 +128,7 @@ class ChaosController:
         # Event position -> (event, process) of every stopped worker still awaiting its SIGCONT.
         self._stopped: dict[int, tuple[EventState, WorkerProcess]] = {}
         self._last_health: dict | None = None
+        self._last_health_at_s: float | None = None
 
     # ---- control -------------------------------------------------------------------------------------
     def start(self, t0: float) -> None:
@@ -167,7 +170,7 @@ class ChaosController:
             async with httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S, trust_env=False) as http:
                 await self._poll(http)  # an event due at 0 s needs /health's worker list
                 while self.now_s() < self.max_run_s:
-                    self._fire_due()
+                    await self._fire_due(http)
                     self._resume_due()
                     await self._poll(http)
                     if self._finish_deadline is not None and (
@@ -205,13 +208,20 @@ class ChaosController:
         return not self._stopped and all(ev.settled or unseen_done(ev) for ev in self.events)
 
     # ---- firing --------------------------------------------------------------------------------------
-    def _fire_due(self) -> None:
+    async def _fire_due(self, http: httpx.AsyncClient) -> None:
         for event, ev in self._schedule:
             if ev.fired_at_s is not None or ev.skipped is not None or ev.at_s > self.now_s():
                 continue
             if not self._firing:
                 ev.skipped = "the load ended before its time"
                 continue
+            if event.busiest:
+                # Counts from this moment: the last answer may be seconds old (a poll on a busy server
+                # times out and the older answer stays), and the worker busiest then may have finished
+                # everything it held by now.
+                for _ in range(FRESH_HEALTH_TRIES):
+                    if await self._poll(http):
+                        break
             try:
                 self._fire(event, ev)
             except ChaosTargetError as e:
@@ -220,6 +230,7 @@ class ChaosController:
 
     def _fire(self, event: ChaosEvent, ev: EventState) -> None:
         workers = role_workers(self._last_health, event.role)
+        ev.health_at_s = self._last_health_at_s
         if event.busiest:
             ev.index = busiest_index(workers, event.spec)
         entry = workers[ev.index] if ev.index < len(workers) else None
@@ -258,7 +269,8 @@ class ChaosController:
             self._resume(key)
 
     # ---- watching ------------------------------------------------------------------------------------
-    async def _poll(self, http: httpx.AsyncClient) -> None:
+    async def _poll(self, http: httpx.AsyncClient) -> bool:
+        """One /health poll: sampled, and the fired events watched; whether the server answered."""
         t_s = self.now_s()
         try:
             response = await http.get(self.base_url + "/health", headers=self.headers)
@@ -268,7 +280,8 @@ class ChaosController:
             health, status = None, f"{type(e).__name__}"
         if not isinstance(health, dict):
             health = None
-        self._last_health = health if health is not None else self._last_health
+        if health is not None:
+            self._last_health, self._last_health_at_s = health, t_s
         sample = {"t_s": round(t_s, 3), "status": status, "healthy": {}, "total": {}}
         for role in chaos_targets.ROLE_TITLES:
             workers = role_workers(health, role)
@@ -279,6 +292,7 @@ class ChaosController:
             for ev in self.events:
                 if ev.fired_at_s is not None and ev.back_at_s is None:
                     self._watch(ev, health, t_s)
+        return health is not None
 
     def _watch(self, ev: EventState, health: dict, t_s: float) -> None:
         workers = role_workers(health, ev.role)
