@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -180,6 +180,26 @@ class AsyncScheduler(Scheduler):
         self._in_flight: dict[str, list[int]] = {}
         # request id -> tokens scheduled per step whose output is not back yet, oldest first
         self._unreported: dict[str, deque[int]] = {}
+        # Steps scheduled and steps finished so far: the ones between are in flight, and a block freed
+        # now may still be written by the newest of them (BlockManager's fences).
+        self.num_scheduled_steps = 0
+        self.num_finished_steps = 0
+
+    def schedule(self) -> SchedulerOutput:
+        sched = super().schedule()
+        self.num_scheduled_steps += 1
+        sched.step_index = self.num_scheduled_steps
+        return sched
+
+    def retire(self, sched: SchedulerOutput) -> None:
+        """Step ``sched`` finished (it and every step before it, in order): what it fenced is free
+        for any writer."""
+        self.num_finished_steps = max(self.num_finished_steps, sched.step_index)
+        self.block_manager.lift_fences(sched.step_index)
+
+    def _write_fence(self) -> int | None:
+        in_flight = self.num_scheduled_steps > self.num_finished_steps
+        return self.num_scheduled_steps if in_flight else None
 
     def _num_new_tokens(self, request: Request) -> int:
         flight = self._in_flight.get(request.request_id)
@@ -223,6 +243,7 @@ class AsyncScheduler(Scheduler):
         """The base update with exact counts: while it commits step n (and registers computed blocks in
         the prefix cache), ``num_computed_tokens`` must not include step n+1, already scheduled, whose
         KV is not written yet (and never will be if the request ends now, e.g. on a stop token)."""
+        self.retire(sched)
         ahead: dict[str, int] = {}
         for s in sched.scheduled:
             queue = self._unreported.get(s.request_id)
@@ -364,6 +385,7 @@ class AsyncStepper:
                 # stays in flight and has_work() turns false (a worker loop would spin on empty steps).
                 self._pending, self._finish_asked = (next_sched, next_done), False
                 _, idle_kv_output = self._finish_pending().result()
+                self.scheduler.retire(next_sched)
                 self._pending, self._finish_asked = None, False
                 return results, merge_kv_outputs(kv_output, idle_kv_output)
         self._pending = (next_sched, next_done)
@@ -376,12 +398,7 @@ class AsyncStepper:
                 and not r.is_finished]
         if len(keep) == len(sched.scheduled):
             return sched
-        return SchedulerOutput(
-            scheduled=keep,
-            total_num_scheduled_tokens=sum(s.num_scheduled_tokens for s in keep),
-            finished_req_ids=sched.finished_req_ids,
-            preempted_req_ids=sched.preempted_req_ids,
-        )
+        return replace(sched, scheduled=keep, total_num_scheduled_tokens=sum(s.num_scheduled_tokens for s in keep))
 
     def drain(self) -> None:
         """Wait for the step in flight (its output stays for the next ``step()``: call only when nothing

@@ -64,11 +64,20 @@ class BlockManager:
         self._hash_to_block_id: dict[int, int] = {}
         # Per request: hashes of its blocks that are already registered in the prefix cache.
         self._req_hashes: dict[str, list[int]] = {}
+        # Free blocks that a step still in flight may write (async scheduling: freed while the request's
+        # next step runs) -> that step's index. The scheduler's own next step runs after it on the same
+        # device queue, so it may take them; writers outside that queue (a KV transfer landing, an
+        # offload load) may not until ``lift_fences`` says the step finished.
+        self._fenced: dict[int, int] = {}
 
     # ---- questions -------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)
+
+    def num_free_blocks_for(self, out_of_stream: bool) -> int:
+        """Free blocks a writer may take: all, or for one outside the steps' queue, the unfenced."""
+        return len(self._free) - (len(self._fenced) if out_of_stream else 0)
 
     @property
     def usage(self) -> float:
@@ -109,38 +118,45 @@ class BlockManager:
 
     # ---- actions ----------------------------------------------------------------------------
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, cached_block_ids: list[int] | None = None
+        self, request: Request, num_new_tokens: int, cached_block_ids: list[int] | None = None,
+        out_of_stream: bool = False,
     ) -> bool:
         """Make room for ``num_new_tokens`` more tokens after ``request.num_computed_tokens``
         (plus ``cached_block_ids`` taken over from the prefix cache). Returns False, changing nothing,
-        when the pool is too small."""
+        when the pool is too small. ``out_of_stream``: the new blocks are written outside the steps'
+        device queue (a KV transfer, an offload load): no fenced block is handed out."""
         cached_block_ids = cached_block_ids or []
         num_cached_tokens = len(cached_block_ids) * self.block_size
         total_tokens = request.num_computed_tokens + num_cached_tokens + num_new_tokens
         num_new_blocks = self.num_blocks_needed(total_tokens) - len(request.block_ids) - len(cached_block_ids)
         # Reviving a cached block with ref 0 also takes it out of the free queue.
         num_revived = sum(1 for b in cached_block_ids if self.blocks[b].ref_count == 0)
-        if num_new_blocks + num_revived > self.num_free_blocks:
+        # A revived block is full and cached: no step writes it any more, fenced or not.
+        num_revived_fenced = sum(1 for b in cached_block_ids if self.blocks[b].ref_count == 0 and b in self._fenced)
+        num_free = self.num_free_blocks_for(out_of_stream) + (num_revived_fenced if out_of_stream else 0)
+        if num_new_blocks + num_revived > num_free:
             return False
         for block_id in cached_block_ids:
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self._free[block_id]
+                self._fenced.pop(block_id, None)
             block.ref_count += 1
             request.block_ids.append(block_id)
         if cached_block_ids:
             self._req_hashes[request.request_id] = [self.blocks[b].block_hash for b in cached_block_ids]
         for _ in range(max(num_new_blocks, 0)):
-            request.block_ids.append(self._pop_free_block())
+            request.block_ids.append(self._pop_free_block(out_of_stream))
         return True
 
     def reserve(self, request: Request, num_tokens: int, cached_block_ids: list[int] | None = None) -> bool:
         """Blocks for the first ``num_tokens`` tokens of a request whose KV will arrive from elsewhere
-        (decode side of a KV transfer): ``cached_block_ids`` (its prefix-cache hit) taken by reference,
-        fresh ones for the rest."""
+        (decode side of a KV transfer, written outside the steps' queue): ``cached_block_ids`` (its
+        prefix-cache hit) taken by reference, fresh unfenced ones for the rest."""
         assert not request.block_ids, "reserve() is for requests that hold no blocks yet"
         cached_block_ids = cached_block_ids or []
-        return self.allocate_slots(request, num_tokens - len(cached_block_ids) * self.block_size, cached_block_ids)
+        return self.allocate_slots(request, num_tokens - len(cached_block_ids) * self.block_size, cached_block_ids,
+                                   out_of_stream=True)
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's full, computed blocks in the prefix cache."""
@@ -187,17 +203,29 @@ class BlockManager:
         if stored and self.on_event is not None:
             self.on_event("stored", stored)
 
-    def free(self, request: Request) -> None:
+    def free(self, request: Request, fence: int | None = None) -> None:
         """Drop the request's references. Tail blocks go to the free queue first so the shared prefix
-        stays cached longest. Each block of a request is freed exactly once."""
+        stays cached longest. Each block of a request is freed exactly once. ``fence``: the newest step
+        that may still write the request's blocks (async scheduling; None when none is in flight)."""
         for block_id in reversed(request.block_ids):
             block = self.blocks[block_id]
             assert block.ref_count > 0, f"double free of block {block_id} (request {request.request_id})"
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block_id] = None
+                if fence is not None:
+                    self._fenced[block_id] = fence
         request.block_ids = []
         self._req_hashes.pop(request.request_id, None)
+
+    def lift_fences(self, step_index: int) -> None:
+        """Steps up to ``step_index`` finished: the blocks they fenced may go to any writer."""
+        if self._fenced:
+            self._fenced = {b: s for b, s in self._fenced.items() if s > step_index}
+
+    @property
+    def fenced_block_ids(self) -> set[int]:
+        return set(self._fenced)
 
     def reset_prefix_cache(self) -> None:
         if self.on_event is not None and self._hash_to_block_id:
@@ -206,8 +234,14 @@ class BlockManager:
             block.block_hash, block.token_ids = NO_HASH, ()
         self._hash_to_block_id.clear()
 
-    def _pop_free_block(self) -> int:
-        block_id, _ = self._free.popitem(last=False)
+    def _pop_free_block(self, out_of_stream: bool = False) -> int:
+        if out_of_stream and self._fenced:
+            # Fenced blocks were freed last, so they sit at the queue's end: the scan is short.
+            block_id = next(b for b in self._free if b not in self._fenced)
+            del self._free[block_id]
+        else:
+            block_id, _ = self._free.popitem(last=False)
+            self._fenced.pop(block_id, None)
         block = self.blocks[block_id]
         assert block.ref_count == 0, f"block {block_id} in free queue with ref_count {block.ref_count}"
         if block.block_hash is not None:

@@ -78,7 +78,7 @@ def reserve_remote(block_manager: BlockManager, config: EngineConfig, request: R
         need = max(need, num_tokens // bs)
     # Cached blocks in use by another request cost no free block; those with no owner leave the free queue.
     num_revived = sum(block_manager.blocks[b].ref_count == 0 for b in cached)
-    if block_manager.num_free_blocks < need - len(cached) + num_revived:
+    if block_manager.num_free_blocks_for(out_of_stream=True) < need - len(cached) + num_revived:
         return None
     if not block_manager.reserve(request, num_tokens, cached):
         return None

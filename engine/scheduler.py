@@ -200,7 +200,7 @@ class Scheduler:
         for request_id in request_ids:
             request = self.held.pop(request_id, None)
             if request is not None:
-                self.block_manager.free(request)
+                self.block_manager.free(request, self._write_fence())
 
     @property
     def num_free_blocks(self) -> int:
@@ -399,9 +399,14 @@ class Scheduler:
         self._release(request)
         self.waiting.appendleft(request)
 
+    def _write_fence(self) -> int | None:
+        """The newest step that may still write blocks freed now: none here (a synchronous step is
+        over before anything is freed); AsyncScheduler's has steps in flight."""
+        return None
+
     def _release(self, request: Request) -> None:
         """Drop a request's KV, keep its tokens: it is computed again when next scheduled."""
-        self.block_manager.free(request)
+        self.block_manager.free(request, self._write_fence())
         request.num_computed_tokens = 0
         request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
@@ -419,7 +424,7 @@ class Scheduler:
         if self.connector.request_finished(request) or loading:
             self.held[request.request_id] = request
         else:
-            self.block_manager.free(request)
+            self.block_manager.free(request, self._write_fence())
         self.requests.pop(request.request_id, None)
         self._seen_by_runner.discard(request.request_id)
         self._finished_req_ids.add(request.request_id)

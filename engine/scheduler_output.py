@@ -56,6 +56,9 @@ class SchedulerOutput:
     # Finished since the previous step: the runner drops their state, the KV connector finalises them.
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Async scheduling numbers its steps from 1 (AsyncScheduler): blocks freed while step n may still
+    # write them are fenced until step n finished (BlockManager.lift_fences). 0: not numbered.
+    step_index: int = 0
 
     @property
     def is_empty(self) -> bool:

@@ -83,7 +83,7 @@ class OffloadGate(NoOffload):
         num_lower = self.num_lower_blocks(cached, block_hashes, keep_last)
         if num_lower == 0:
             return False
-        if not block_manager.allocate_slots(request, num_lower * self.block_size, cached):
+        if not block_manager.allocate_slots(request, num_lower * self.block_size, cached, out_of_stream=True):
             return False
         self._num_loads[request.request_id] = self._num_loads.get(request.request_id, 0) + 1
         self._start(request, len(cached), block_hashes[len(cached): len(cached) + num_lower])
