@@ -497,7 +497,7 @@ def speed_section(entry: dict, device: str, work: Path, quick: bool, report: Rep
         if graphs and engine.runner.graphs is not None:
             decode[mode]["num_replays"] = engine.runner.graphs.num_replays
         if engine._stepper is not None:  # async scheduling: steps launched before the previous one finished
-            decode[mode]["steps_launched_ahead"] = engine._stepper.num_launched_ahead
+            decode[mode]["steps_launched_ahead"] = engine.num_steps_launched_ahead
         del engine
     entry["decode"] = {"context_tokens": prompt_len, **decode}
     entry["decode_profiles"] = profiles

@@ -73,7 +73,7 @@ def host_step_ms(batch: int, context: int, steps: int, profile: bool = False, as
     assert len(engine.scheduler.running) == batch, "requests finished during the timing"
     out = {"step_ms": round(statistics.median(times) * 1e3, 3), "us_per_request": round(statistics.median(times) * 1e6 / batch, 2)}
     if engine._stepper is not None:
-        out["steps_launched_ahead"] = engine._stepper.num_launched_ahead
+        out["steps_launched_ahead"] = engine.num_steps_launched_ahead
     return out
 
 

@@ -44,6 +44,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "trained for --model in the cache dir; refused when there is none), or 'random'")
     g.add_argument("--no-cuda-graphs", action="store_true",
                    help="on a GPU, run decode steps eagerly instead of through CUDA graphs (vLLM's --enforce-eager)")
+    g.add_argument("--async-scheduling", action="store_true",
+                   help="schedule step n+1 while step n runs and, without speculation, penalties or grammars, queue "
+                        "it on the device before step n's tokens are read (vLLM's --async-scheduling). In a "
+                        "cluster the decode workers launch ahead; prefill workers finish each step first (their KV "
+                        "sends run inside the step). Off by default: on a CPU both threads share the cores")
     g.add_argument("--num-threads", type=int, default=0)
     g.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
                    help="batch-invariant kernels: a request's tokens and logprobs are bitwise the same whatever the "
@@ -71,6 +76,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching,
         decode_prefix_reuse=not args.no_decode_prefix_reuse,
         cuda_graphs=not args.no_cuda_graphs,
+        async_scheduling=args.async_scheduling,
         spec_method=args.spec,
         num_spec_tokens=num_spec,
         **({} if getattr(args, "deterministic", None) is None else {"deterministic": args.deterministic}),

@@ -28,7 +28,12 @@ forward): bench/spec_decode.py --async-scheduling, SmolLM2 batch 1, one torch th
 12.48 vs 12.52 decode tok/s (ShareGPT) and 13.69 vs 13.03 (HumanEval), sync vs async, within noise;
 with speculation async is slower (it must schedule min(k, room) drafts before knowing the match, so
 n-gram pads short matches). So it is off by default. The tests show it is lossless.
-This loop drives the colocated engine (LLMEngine.step); KV-transfer workers step synchronously.
+Blocks freed while a step in flight may still write them (a request aborted, finished or preempted
+mid-flight) are fenced (BlockManager): the next step may take them, since it runs after on the same
+device queue, but a KV transfer landing in a reservation or an offload load may not until the step
+finished (``AsyncScheduler.retire``). In a cluster (`--async-scheduling`) the decode workers launch ahead
+(their consumer connector acts only between steps); prefill workers finish each step first (their
+producer sends from inside the step).
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ import torch
 from pdcluster.engine.request import Request, RequestStatus
 from pdcluster.engine.scheduler import Scheduler, StepResult
 from pdcluster.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from pdcluster.wire.kv_connector import KVConnector, KVConnectorOutput
+from pdcluster.wire.kv_connector import KVConnectorOutput
 
 PLACEHOLDER = -1
 
@@ -290,7 +295,7 @@ class AsyncStepper:
     the outputs). ``step()`` schedules step n+1 while step n runs, then:
 
     - launch-ahead, where step n+1 needs nothing of step n on the host (no speculation, penalties,
-      grammars or KV connector): the worker launches n+1 *before* finishing n, its placeholder inputs
+      grammars or KV connector acting inside steps): the worker launches n+1 *before* finishing n, its placeholder inputs
       read from n's sampled ids on the device, so the device has n+1 queued while the host waits for n,
       finishes it and updates the scheduler (vLLM's async scheduling);
     - otherwise: n is finished, the scheduler updated, rows of requests that ended dropped, then n+1
@@ -347,11 +352,12 @@ class AsyncStepper:
     # ---- the loop ------------------------------------------------------------------------------------
     def _can_launch_ahead(self, sched: SchedulerOutput) -> bool:
         """Step n+1 needs nothing of step n on the host: no drafts to fill in, no penalty or grammar that
-        reads step n's token from the host mirror, no KV connector finalising requests in between."""
+        reads step n's token from the host mirror, no KV connector acting inside steps (a producer's
+        sends; a consumer's transfers land between steps, into blocks no step in flight writes)."""
         runner = self.runner
         if sched.is_empty or self.scheduler.num_spec_tokens or runner.num_state_blocks_out:
             return False
-        if type(runner.connector) is not KVConnector:
+        if runner.connector.has_step_hooks:
             return False
         for s in sched.scheduled:
             request = self.scheduler.requests.get(s.request_id)

@@ -211,6 +211,11 @@ class LLMEngine:
         """A step would compute something (``has_pending`` minus blocks only held for a transfer)."""
         return self.scheduler.has_work() or (self._stepper is not None and self._stepper.in_flight)
 
+    @property
+    def num_steps_launched_ahead(self) -> int:
+        """Async scheduling: steps launched before the one before them was finished (0 otherwise)."""
+        return self._stepper.num_launched_ahead if self._stepper is not None else 0
+
     # ---- the loop ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         if self._stepper is not None:  # async scheduling: step n+1 already runs while the caller reads these outputs

@@ -154,6 +154,8 @@ def engine_stats(worker_id: str, engine) -> dict:
         "kv_tiers": kv_tier_usage(engine),
         # The offload tiers' leak audit (engine/kv_offload/audit.py: problems, in-flight counts, counters).
         "kv_tier_audit": offload_audit(engine),
+        # Async scheduling (--async-scheduling): steps queued on the device before the previous one ended.
+        "num_steps_launched_ahead": engine.num_steps_launched_ahead,
     }
 
 

@@ -140,3 +140,39 @@ def test_idle_engine_keeps_nothing_in_flight(tiny_dir):
     # And it starts again from there.
     again = engine.generate(PROMPTS[3:4], SamplingParams(max_tokens=5, ignore_eos=True))
     assert len(again[0].token_ids) == 5
+
+
+@pytest.mark.timeout(300)
+def test_a_decode_worker_launches_ahead_and_equals_the_colocated_engine(tiny_dir):
+    """A real prefill/decode pair over tcp on 127.0.0.1, both with async scheduling: the decode worker's
+    consumer connector acts only between steps, so its engine launches ahead (prompts landing, requests
+    joining and ending while a step is queued); the prefill worker's producer finishes each step first.
+    Tokens equal the synchronous colocated engine's, every block comes back on both sides."""
+    from test_kv_transfer_e2e import run_on_pair
+    from conftest import engine_config
+    from pdcluster.kv_transfer.config import TransferConfig
+
+    prompts = [list(range(5 + i, 5 + i + n)) for i, n in enumerate([3, 16, 17, 45, 100, 7])]
+    params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.8, top_p=0.9, seed=5)
+    num_blocks = 64
+    colocated = make_engine("tiny-random", num_kv_blocks=num_blocks, max_model_len=512)
+    expected = [o.token_ids for o in colocated.generate(prompts, params)]
+    cfg = engine_config("tiny-random", num_kv_blocks=num_blocks, max_model_len=512, async_scheduling=True)
+    run = run_on_pair(cfg, TransferConfig(transport="tcp", secret="s3cret"), prompts, params, num_blocks)
+    assert run.tokens == expected
+    assert run.decode_engine.num_steps_launched_ahead >= 10, run.decode_engine.num_steps_launched_ahead
+    assert run.stats[1]["num_steps_launched_ahead"] == run.decode_engine.num_steps_launched_ahead
+    assert run.prefill_engine.num_steps_launched_ahead == 0  # its connector sends from inside steps
+    assert run.stats[0]["num_free_blocks"] == run.stats[1]["num_free_blocks"] == num_blocks
+
+
+def test_the_flag_reaches_every_engine_config():
+    """`--async-scheduling` for generate and serve (one set of engine flags; the Ray launcher rebuilds
+    every worker's config from them); off by default."""
+    from pdcluster.cli.main import build_parser
+    from pdcluster.cluster.engine_args import engine_config_from_args
+
+    for command in (["generate", "--prompt", "x"], ["serve"]):
+        parse = lambda *a: engine_config_from_args(build_parser().parse_args([*command, *a]))  # noqa: E731
+        assert parse("--async-scheduling").async_scheduling is True
+        assert parse().async_scheduling is False

@@ -39,7 +39,8 @@ async def _run(router, prompts, params):
     return await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)])
 
 
-def _serve_and_check(spec, prompts, params, expected):
+def _serve_and_check(spec, prompts, params, expected) -> dict[str, dict]:
+    """Serve the prompts, check the outputs and that everything came back; every worker's stats."""
     cluster = Cluster(spec)
     try:
         outputs = asyncio.run(_run(cluster.router, prompts, params))
@@ -47,9 +48,10 @@ def _serve_and_check(spec, prompts, params, expected):
         stats = cluster.router.stats()
         assert stats["num_requests_running"] == 0 and stats["num_requests_waiting"] == 0
         assert all(w["kv_tokens"] == 0 and w["num_requests"] == 0 for w in stats["workers"])
-        for wid, st in settled_worker_stats(cluster).items():
+        worker_stats = settled_worker_stats(cluster)
+        for wid, st in worker_stats.items():
             assert st["num_free_blocks"] == st["num_blocks"], f"{wid} leaked blocks: {st}"
-        return cluster
+        return worker_stats
     finally:
         cluster.shutdown()
 
@@ -83,6 +85,18 @@ def test_disagg_with_speculation_equals_engine(ray_session, expected_greedy, met
     prompts, params, expected = expected_greedy
     spec = ClusterSpec(engine=_config(spec_method=method, num_spec_tokens=3), transfer=TransferConfig(), mode="disagg")
     _serve_and_check(spec, prompts, params, expected)
+
+
+@pytest.mark.timeout(300)
+def test_disagg_with_async_scheduling_equals_engine(ray_session, expected_greedy):
+    """`serve --async-scheduling`: the decode workers launch steps ahead (their connector acts between
+    steps), the prefill workers finish each step first; outputs and accounting as without."""
+    prompts, params, expected = expected_greedy
+    spec = ClusterSpec(engine=_config(async_scheduling=True), transfer=TransferConfig(), mode="disagg")
+    stats = _serve_and_check(spec, prompts, params, expected)
+    ahead = {wid: st["num_steps_launched_ahead"] for wid, st in stats.items()}
+    assert all(n > 0 for wid, n in ahead.items() if wid.startswith("decode")), ahead
+    assert all(n == 0 for wid, n in ahead.items() if wid.startswith("prefill")), ahead
 
 
 def _check_accounting(cluster, prompts, params, expected):

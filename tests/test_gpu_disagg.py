@@ -29,7 +29,9 @@ pytestmark = [
 
 CTX = mp.get_context("spawn")
 NUM_KV_BLOCKS = 128
-CASES = [("cuda_ipc", "float32"), ("tcp", "float32"), ("cuda_ipc", "bfloat16"), ("tcp", "bfloat16")]
+# (transport, dtype, the decode worker's async scheduling: it launches steps ahead of their finish)
+CASES = [("cuda_ipc", "float32", False), ("tcp", "float32", False), ("cuda_ipc", "bfloat16", False),
+         ("tcp", "bfloat16", False), ("cuda_ipc", "float32", True)]
 _config = functools.partial(engine_config, device="cuda", num_kv_blocks=NUM_KV_BLOCKS, max_model_len=1536)
 
 
@@ -47,14 +49,14 @@ def prefill_child(conn, transport: str, dtype: str) -> None:
     time.sleep(600)
 
 
-@pytest.fixture(params=CASES, ids=["-".join(c) for c in CASES])
+@pytest.fixture(params=CASES, ids=["-".join(c[:2]) + ("-async" if c[2] else "") for c in CASES])
 def workers(request, tiny_dir):
     from pdcluster.decode_node.worker import DecodeWorker
     from pdcluster.kv_transfer.config import TransferConfig
 
     from test_kv_transfer_e2e import Events
 
-    transport, dtype = request.param
+    transport, dtype, async_scheduling = request.param
     parent, child = CTX.Pipe()
     proc = CTX.Process(target=prefill_child, args=(child, transport, dtype), daemon=True)
     proc.start()
@@ -62,7 +64,8 @@ def workers(request, tiny_dir):
     try:
         assert parent.poll(180), "prefill process did not start"
         address = parent.recv()
-        d = DecodeWorker("d0", _config(dtype=dtype, prefill_chunk_size=64, deterministic=deterministic(dtype)),
+        d = DecodeWorker("d0", _config(dtype=dtype, prefill_chunk_size=64, deterministic=deterministic(dtype),
+                                       async_scheduling=async_scheduling),
                          TransferConfig(transport=transport, secret="k"))
         d.on_event = events = Events()
         yield transport, dtype, address, d, events
@@ -96,3 +99,5 @@ def test_one_gpu_disagg_tokens_equal_colocated(workers):
     assert d.stats()["num_free_blocks"] == NUM_KV_BLOCKS, d.stats()
     kv_ready = [e for e in events.items if type(e).__name__ == "KVReady"]
     assert kv_ready and all(e.transport == transport and e.num_bytes > 0 for e in kv_ready), kv_ready
+    if d.engine.config.async_scheduling:  # launch-ahead on the GPU, prompts landing between steps
+        assert d.stats()["num_steps_launched_ahead"] >= 5, d.stats()

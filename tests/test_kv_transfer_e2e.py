@@ -122,6 +122,7 @@ class PairRun:
     events: Events
     stats: tuple[dict, dict]  # the prefill and decode workers' stats once their blocks were back
     prefill_engine: object
+    decode_engine: object
 
 
 def run_on_pair(cfg, tc: TransferConfig, prompts, params, num_blocks: int, timeout_s: float = 120) -> PairRun:
@@ -134,7 +135,7 @@ def run_on_pair(cfg, tc: TransferConfig, prompts, params, num_blocks: int, timeo
         tokens = _collect_tokens(events, ids, timeout_s=timeout_s)
         for worker in (p, d):
             _wait_free(worker, num_blocks, 5)
-        return PairRun([tokens[rid] for rid in ids], ids, events, (p.stats(), d.stats()), p.engine)
+        return PairRun([tokens[rid] for rid in ids], ids, events, (p.stats(), d.stats()), p.engine, d.engine)
 
 
 # ---- peers killed mid-transfer --------------------------------------------------------------------

@@ -89,3 +89,13 @@ class KVConnector(SchedulerConnector):
     def no_forward(self, scheduler_output) -> KVConnectorOutput:
         """A step with nothing to run still finalises the requests that finished (S2)."""
         return self.post_forward(set(scheduler_output.finished_req_ids))
+
+    @property
+    def has_step_hooks(self) -> bool:
+        """Whether a subclass acts inside steps (``pre_forward``, ``save_layer``, ``post_forward``,
+        ``no_forward``): a producer sends from there. Async scheduling launches a step before the
+        previous one is finished only with a connector that does not (a consumer's news come by
+        ``poll``, between steps)."""
+        cls = type(self)
+        return any(getattr(cls, name) is not getattr(KVConnector, name)
+                   for name in ("pre_forward", "save_layer", "post_forward", "no_forward"))
