@@ -292,7 +292,9 @@ def _ours(model_dir: Path, prompts, num_new: int, device: str, **cfg) -> tuple[l
     stats = {"num_preemptions": engine.scheduler.num_preemptions_total,
              "num_draft_tokens": sum(o.num_draft_tokens for o in outs),
              "num_accepted_tokens": sum(o.num_accepted_tokens for o in outs),
-             "blocks_leaked": engine.kv_spec.num_blocks - engine.scheduler.block_manager.num_free_blocks}
+             "blocks_leaked": engine.kv_spec.num_blocks - engine.scheduler.block_manager.num_free_blocks,
+             # Decode steps replayed through CUDA graphs (hybrids too: their Mamba updates in the graph).
+             "graph_replays": engine.runner.graphs.num_replays if engine.runner.graphs is not None else 0}
     return [o.token_ids for o in outs], stats
 
 

@@ -14,9 +14,14 @@ How (vLLM's recipe):
   and the proposer run outside the graph (they depend on the rows' sampling parameters);
 - captured lazily, at a bucket's first use (warm-up runs every bucket once, see engine/warmup.py), in
   one memory pool shared by all buckets.
-Not captured: batches with prefill rows, models with Mamba layers (their per-row state indexing is
-built on the host every step), and steps whose KV connector sends layers as they finish (a prefill
-worker's layer callbacks run Python between layers).
+Hybrids (Mamba layers): the rows' state slots are a static buffer too, and the layers take a row plan
+built once per bucket over it (``MambaMetadata.plan``: position j of every row, its packed tokens and
+slots; with speculation every row keeps its per-position states), so the one-token conv and SSM
+updates replay inside the graph. Padded rows update a scratch state slot no request owns (the pool has
+one slot more than ``max_num_seqs``). A batch with a row starting from token 0 (a one-token prompt
+looks like decode) runs eager: its state must start from zeros.
+Not captured: batches with prefill rows, and steps whose KV connector sends layers as they finish (a
+prefill worker's layer callbacks run Python between layers).
 
 ``emulate=True`` (the CPU tests) replays by calling the captured function again on the same static
 buffers: every buffer, padding and slicing path runs; only the CUDA capture itself does not.
@@ -27,9 +32,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from pdcluster.engine.attention import AttentionMetadata
+from pdcluster.engine.mamba_state import MambaMetadata, MambaStatePool
+from pdcluster.engine.models.mamba_mixer import MambaStepPlan
 
 PAD_SLOT = -1  # write kernels skip negative slots
 log = logging.getLogger(__name__)
@@ -43,9 +51,11 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
                  device: torch.device, max_num_seqs: int, q_len: int, max_blocks_per_req: int, scale: float,
-                 emulate: bool = False):
+                 emulate: bool = False, mamba_pool: MambaStatePool | None = None):
+        """``mamba_pool``: a hybrid's state pool, with a scratch slot past ``max_num_seqs`` rows'."""
         self.forward = forward  # (input_ids, positions, meta) -> hidden [num_tokens, H]
         self.device, self.q_len, self.scale, self.emulate = device, q_len, scale, emulate
+        self.mamba_pool = mamba_pool
         self.buckets = batch_buckets(max_num_seqs)
         max_rows, max_tokens = self.buckets[-1], self.buckets[-1] * q_len
         self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
@@ -54,6 +64,13 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(max_rows, max_blocks_per_req, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(max_rows, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(0, (max_rows + 1) * q_len, q_len, dtype=torch.int32, device=device)
+        if mamba_pool is not None:
+            if mamba_pool.num_slots <= max_rows:
+                raise ValueError(f"CUDA graphs for a hybrid: the state pool needs a scratch slot past the "
+                                 f"{max_rows} rows' ({mamba_pool.num_slots} slots)")
+            self.pad_state_slot = mamba_pool.num_slots - 1
+            self.state_slots = torch.full((max_rows,), self.pad_state_slot, dtype=torch.int64, device=device)
+        self._mamba_meta: dict[int, MambaMetadata] = {}  # bucket -> its static row plan
         self._graphs: dict[int, object] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self._pool = None
@@ -64,11 +81,17 @@ class DecodeGraphs:
         return next((b for b in self.buckets if b >= num_rows), None)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
-        """The hidden states of this uniform batch through its bucket's graph (None: no bucket fits)."""
+        """The hidden states of this uniform batch through its bucket's graph (None: no bucket fits, or
+        a hybrid's row starts from token 0)."""
         num_rows = meta.seq_lens.shape[0]
         bucket = self.bucket(num_rows)
         if bucket is None or bucket in self._failed or meta.block_tables.shape[1] > self.block_tables.shape[1]:
             return None
+        if self.mamba_pool is not None:
+            if meta.mamba is None or meta.mamba.state_slots is None or not meta.mamba.has_initial_state_np.all():
+                return None
+            self.state_slots[:num_rows].copy_(meta.mamba.state_slots)
+            self.state_slots[num_rows:bucket].fill_(self.pad_state_slot)
         n = num_rows * self.q_len
         # Inputs into the static buffers (device to device; padded rows reset to their padding values).
         self.input_ids[:n].copy_(input_ids)
@@ -82,7 +105,7 @@ class DecodeGraphs:
         self.seq_lens[num_rows:bucket].fill_(1)
         if bucket not in self._outputs:
             try:
-                self._capture(bucket)
+                self._capture_on_scratch(bucket)
             except Exception as e:  # noqa: BLE001 - a model whose forward cannot be captured runs eager
                 # (e.g. a host synchronisation inside it: an MoE's expert loop without grouped GEMMs).
                 log.warning("CUDA graph capture for batch bucket %d failed (%s: %s): that bucket runs eager",
@@ -103,8 +126,40 @@ class DecodeGraphs:
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:tokens], block_tables=self.block_tables[:bucket],
             seq_lens=self.seq_lens[:bucket], query_start_loc=self.query_start_loc[: bucket + 1],
-            uniform_q_len=self.q_len, scale=self.scale)
+            uniform_q_len=self.q_len, scale=self.scale, mamba=self._bucket_mamba(bucket))
         return self.forward(self.input_ids[:tokens], self.positions[:tokens], meta)
+
+    def _bucket_mamba(self, bucket: int) -> MambaMetadata | None:
+        """A hybrid bucket's Mamba rows over the static slots: position j of row r is packed token
+        ``r * q_len + j``; every row continues its state; with speculation (q_len > 1) every row is a
+        verification row and keeps its per-position states (the runner selects the accepted one)."""
+        if self.mamba_pool is None:
+            return None
+        meta = self._mamba_meta.get(bucket)
+        if meta is None:  # built before any capture: the plan's index tensors are static too
+            q, slots = self.q_len, self.state_slots[:bucket]
+            rows = torch.arange(bucket, dtype=torch.int64, device=self.device) * q
+            positions = [(rows + j, slots, slots if q > 1 else None, j) for j in range(q)]
+            meta = self._mamba_meta[bucket] = MambaMetadata(
+                pool=self.mamba_pool, query_start_loc_np=np.arange(bucket + 1, dtype=np.int64) * q,
+                state_slots_np=np.full(bucket, self.pad_state_slot, dtype=np.int64),
+                has_initial_state_np=np.ones(bucket, dtype=bool), keep_positions_np=np.full(bucket, q > 1),
+                plan=MambaStepPlan(None, [], positions))
+        return meta
+
+    def _capture_on_scratch(self, bucket: int) -> None:
+        """Capture with every row's state slot pointed at the scratch slot: the warm-up runs (and the
+        emulated capture's call) advance the states they touch, which a request's must not be twice.
+        Their KV writes go to the rows' own slots and the replay right after writes them again."""
+        if self.mamba_pool is None:
+            self._capture(bucket)
+            return
+        real_slots = self.state_slots[:bucket].clone()
+        self.state_slots[:bucket].fill_(self.pad_state_slot)
+        try:
+            self._capture(bucket)
+        finally:
+            self.state_slots[:bucket].copy_(real_slots)
 
     def _capture(self, bucket: int) -> None:
         if self.emulate:

@@ -131,6 +131,7 @@ def prepare_inputs(rows: StepRows, idx_mapping: np.ndarray, states: RequestState
             # Verification rows keep the state after every position; sample_tokens keeps the one
             # after the last accepted token.
             keep_positions_np=np.array([len(d) > 0 for d in rows.draft_token_ids], dtype=bool),
+            state_slots=put("state_slots", idx_mapping.astype(np.int64)),
         )
     input_ids_dev = put("input_ids", input_ids)
     if rows.ahead_rows_np is not None and len(rows.ahead_rows_np):

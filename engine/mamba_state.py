@@ -95,3 +95,8 @@ class MambaMetadata:
     has_initial_state_np: np.ndarray  # bool [num_rows]
     # Verification rows: store the state after every position in pool.spec_* (see module docstring).
     keep_positions_np: np.ndarray  # bool [num_rows]
+    # The layers' row plan (models/mamba_mixer.py MambaStepPlan) when the caller built it already: a
+    # CUDA graph's, over its static buffers (engine/cuda_graphs.py). None: the model builds it.
+    plan: object | None = None
+    # state_slots_np on the model's device (the step's pinned copy): what a CUDA graph's static slots take.
+    state_slots: torch.Tensor | None = None

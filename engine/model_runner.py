@@ -124,23 +124,22 @@ class ModelRunner:
         # ``states`` (engine/mamba_state.py). None for attention-only models.
         self.mamba_pool: MambaStatePool | None = None
         if hasattr(model.arch, "mamba_state_shape"):
-            self.mamba_pool = MambaStatePool(model.arch.mamba_state_shape(), config.max_num_seqs,
+            # One slot more than requests: a CUDA graph's padded rows update that one (engine/cuda_graphs.py).
+            self.mamba_pool = MambaStatePool(model.arch.mamba_state_shape(), config.max_num_seqs + 1,
                                              1 + self.num_spec_steps, kv_cache.device)
         self.num_state_blocks = num_state_blocks
         self.num_state_blocks_out = num_state_blocks if self.connector.is_producer else 0
         self.graphs: DecodeGraphs | None = None
-        if config.cuda_graphs and self.device.type == "cuda" and self.mamba_pool is None:
+        if config.cuda_graphs and self.device.type == "cuda":
             self.use_decode_graphs()
 
     def use_decode_graphs(self, emulate: bool = False) -> None:
         """Run uniform decode batches through per-bucket CUDA graphs (engine/cuda_graphs.py); ``emulate``
         runs the same static-buffer path without capturing (tests on a CPU)."""
-        if self.mamba_pool is not None:
-            raise ValueError("CUDA graphs: models with Mamba layers run eager (per-row state indexing on the host)")
         self.graphs = DecodeGraphs(
             lambda ids, pos, meta: self.model.forward(ids, pos, self.kv_cache, meta, None), self.device,
             self.config.max_num_seqs, uniform_decode_query_len(self.num_spec_steps),
-            self.states.block_table_np.shape[1], self.model.scale, emulate=emulate)
+            self.states.block_table_np.shape[1], self.model.scale, emulate=emulate, mamba_pool=self.mamba_pool)
 
     # ---- state -----------------------------------------------------------------------------------
     def update_requests(self, sched: SchedulerOutput) -> np.ndarray:

@@ -176,3 +176,21 @@ def test_the_flag_reaches_every_engine_config():
         parse = lambda *a: engine_config_from_args(build_parser().parse_args([*command, *a]))  # noqa: E731
         assert parse("--async-scheduling").async_scheduling is True
         assert parse().async_scheduling is False
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "emulated-graphs"])
+def test_a_hybrid_launches_ahead_and_equals_sync(graphs):
+    """tiny-hybrid (Mamba2 + attention): the recurrent state advances in place step after step, so a
+    step launched ahead must find the state its predecessor left (same device queue), and a slot a
+    finished request leaves is reset only for its next owner, two steps later. Seeded sampling, chunked
+    prompts, more requests than slots; with graphs, the Mamba updates replay over static slots."""
+    prompts = [[5 + (7 * i + 3 * j) % 300 for j in range(4 + 9 * i)] for i in range(7)]
+    params = [SamplingParams(max_tokens=10 + 3 * i, ignore_eos=True, temperature=0.7, seed=i) for i in range(7)]
+    cfg = dict(max_num_seqs=4, num_kv_blocks=64, max_model_len=512, prefill_chunk_size=16)
+    expected = [o.token_ids for o in make_engine("tiny-hybrid", **cfg).generate(prompts, params)]
+    engine = make_engine("tiny-hybrid", async_scheduling=True, **cfg)
+    if graphs:
+        engine.runner.use_decode_graphs(emulate=True)
+    assert [o.token_ids for o in engine.generate(prompts, params)] == expected
+    assert engine.num_steps_launched_ahead >= 20
+    assert not graphs or engine.runner.graphs.num_replays >= 20

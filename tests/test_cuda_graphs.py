@@ -85,6 +85,98 @@ def test_padded_rows_write_no_kv_and_read_nothing_they_keep(tiny_dir):
     assert graphs.block_tables[3].tolist() == [0, 0, 0, 0]
 
 
+# Hybrids: the Mamba layers' one-token updates replay inside the graph over static state slots.
+HYBRID_SPECS = [{}, dict(spec_method="mtp", num_spec_tokens=2),
+                dict(spec_method="ngram", num_spec_tokens=2, async_scheduling=True)]
+
+
+@pytest.mark.parametrize("spec", HYBRID_SPECS, ids=["none", "mtp", "ngram-async"])
+def test_emulated_graphs_give_a_hybrids_eager_tokens(spec):
+    cfg = dict(max_num_seqs=10, num_kv_blocks=128, max_model_len=512, **spec)
+    eager = _generate(make_engine("tiny-hybrid", **cfg), graphs=False)
+    engine = make_engine("tiny-hybrid", **cfg)
+    graphed = _generate(engine, graphs=True)
+    assert engine.runner.graphs.num_replays > 0
+    assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
+    for g, e in zip(graphed, eager):
+        np.testing.assert_allclose([x.logprob for x in g.logprobs], [x.logprob for x in e.logprobs], atol=1e-4)
+
+
+def _mamba_meta(pool, slots: list[int], started: bool = True):
+    from pdcluster.engine.mamba_state import MambaMetadata
+
+    n = len(slots)
+    return MambaMetadata(pool=pool, query_start_loc_np=np.arange(n + 1, dtype=np.int64),
+                         state_slots_np=np.array(slots, dtype=np.int64), has_initial_state_np=np.full(n, started),
+                         keep_positions_np=np.zeros(n, dtype=bool), state_slots=torch.tensor(slots))
+
+
+def test_a_hybrids_padded_rows_update_only_the_scratch_state_slot():
+    engine = make_engine("tiny-hybrid", max_num_seqs=8, num_kv_blocks=32)
+    runner, pool = engine.runner, engine.runner.mamba_pool
+    assert pool.num_slots == 9  # the 8 rows' and a scratch slot for padding
+    graphs = DecodeGraphs(lambda ids, pos, meta: runner.model.forward(ids, pos, runner.kv_cache, meta, None),
+                          runner.device, 8, 1, 4, runner.model.scale, emulate=True, mamba_pool=pool)
+    torch.manual_seed(0)
+    for t in pool.conv + pool.ssm:
+        t.normal_()
+    runner.kv_cache.normal_()
+    states, kv = [t.clone() for t in pool.conv + pool.ssm], runner.kv_cache.clone()
+    # 3 decode rows in slots 2, 5, 7: bucket 4, one padded row.
+    meta = AttentionMetadata(slot_mapping=torch.tensor([16 + 5, 32 + 9, 64 + 1]),
+                             block_tables=torch.tensor([[1, 0], [2, 0], [3, 4]], dtype=torch.int32),
+                             seq_lens=torch.tensor([6, 10, 18], dtype=torch.int32),
+                             query_start_loc=torch.arange(4, dtype=torch.int32), uniform_q_len=1,
+                             scale=runner.model.scale, mamba=_mamba_meta(pool, [2, 5, 7]))
+    ids, pos = torch.tensor([11, 12, 13]), torch.tensor([5, 9, 17])
+    hidden = graphs.run(ids, pos, meta)
+    assert hidden.shape[0] == 3 and graphs.state_slots[:4].tolist() == [2, 5, 7, 8]
+    changed = {s for s in range(pool.num_slots)
+               if any(not torch.equal(t[s], b[s]) for t, b in zip(pool.conv + pool.ssm, states))}
+    assert changed == {2, 5, 7, 8}  # the rows' slots and the scratch slot, no other request's state
+    graphed_states = [t.clone() for t in pool.conv + pool.ssm]
+    # The same rows eagerly from the same start: the same hidden states and row states.
+    for t, b in zip(pool.conv + pool.ssm, states):
+        t.copy_(b)
+    runner.kv_cache.copy_(kv)
+    eager = runner.model.forward(ids, pos, runner.kv_cache, meta, None)
+    torch.testing.assert_close(hidden, eager, rtol=1e-5, atol=1e-5)
+    for t, g in zip(pool.conv + pool.ssm, graphed_states):
+        torch.testing.assert_close(t[[2, 5, 7]], g[[2, 5, 7]], rtol=1e-5, atol=1e-5)
+    # A smaller batch after a bigger one in the same bucket: the stale row's slot goes back to the scratch.
+    four = AttentionMetadata(slot_mapping=torch.tensor([16 + 5, 32 + 9, 64 + 1, 80]),
+                             block_tables=torch.tensor([[1, 0], [2, 0], [3, 4], [5, 0]], dtype=torch.int32),
+                             seq_lens=torch.tensor([6, 10, 18, 1], dtype=torch.int32),
+                             query_start_loc=torch.arange(5, dtype=torch.int32), uniform_q_len=1,
+                             scale=runner.model.scale, mamba=_mamba_meta(pool, [2, 5, 7, 1]))
+    graphs.run(torch.tensor([11, 12, 13, 14]), torch.tensor([5, 9, 17, 0]), four)
+    assert graphs.state_slots[:4].tolist() == [2, 5, 7, 1]
+    graphs.run(ids, pos, meta)
+    assert graphs.state_slots[:4].tolist() == [2, 5, 7, 8]
+    # A row starting from token 0 (a one-token prompt looks like decode) runs eager: its state starts at zero.
+    meta.mamba = _mamba_meta(pool, [2, 5, 7], started=False)
+    assert graphs.run(ids, pos, meta) is None
+    # A pool without the scratch slot is refused in one line.
+    from pdcluster.engine.mamba_state import MambaStatePool
+
+    with pytest.raises(ValueError, match="scratch slot"):
+        DecodeGraphs(lambda *a: None, runner.device, 8, 1, 4, 1.0, emulate=True,
+                     mamba_pool=MambaStatePool(pool.shape, 8))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("spec", HYBRID_SPECS[:2], ids=["none", "mtp"])
+def test_captured_graphs_give_a_hybrids_eager_tokens_on_cuda(spec):
+    cfg = dict(max_num_seqs=10, num_kv_blocks=128, max_model_len=512, device="cuda", deterministic=True, **spec)
+    eager = _generate(make_engine("tiny-hybrid", cuda_graphs=False, **cfg), graphs=False)
+    engine = make_engine("tiny-hybrid", **cfg)
+    assert engine.runner.graphs is not None and not engine.runner.graphs.emulate
+    graphed = _generate(engine, graphs=False)  # the engine's own graphs
+    assert engine.runner.graphs.num_replays > 0 and not engine.runner.graphs._failed
+    assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
+
+
 def test_graphs_skip_steps_whose_connector_sends_layers():
     from pdcluster.wire.kv_connector import KVConnector
 

@@ -264,7 +264,9 @@ class NemotronHModel(CausalLM):
     ) -> torch.Tensor:
         """Hidden states after the final norm, [num_tokens, hidden]. ``on_layer_done(i)`` runs as soon
         as attention layer i's KV is in the cache (i counts attention layers only)."""
-        plan = (MambaStepPlan.build(meta.mamba, input_ids.device, recurrent_prefill=self.deterministic)
-                if meta.mamba is not None and self.arch.num_mamba_layers else None)
+        plan = None
+        if meta.mamba is not None and self.arch.num_mamba_layers:
+            plan = meta.mamba.plan or MambaStepPlan.build(meta.mamba, input_ids.device,
+                                                          recurrent_prefill=self.deterministic)
         return run_blocks(self.layers, F.embedding(input_ids, self.embed_tokens), kv_cache, meta, self.norm,
                           self.arch.rms_norm_eps, plan, on_layer_done)
