@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import mmap
 import os
-import threading
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from pdcluster.kv_transfer.transports.common.tensor_registry import TensorRegistry
 
 
 @dataclass
@@ -27,8 +27,8 @@ class Segment:
     address: int  # where this process mapped it
 
 
-_lock = threading.Lock()
-_segments: dict[int, Segment] = {}  # address -> segment, for tensors made by shared_tensor()
+# address -> segment, for tensors made by shared_tensor(); a collected tensor's descriptor is closed.
+_segments: TensorRegistry[Segment] = TensorRegistry(on_drop=lambda seg: os.close(seg.fd))
 
 
 def create_segment(nbytes: int, name: str) -> tuple[int, mmap.mmap]:
@@ -63,32 +63,18 @@ def shared_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     fd, mm = create_segment(max(nbytes, 1), "pdcluster-kv-cache")
     tensor = torch.frombuffer(mm, dtype=torch.uint8)[:nbytes].view(dtype).view(tuple(shape))
-    address = tensor.data_ptr()
-    with _lock:
-        _segments[address] = Segment(fd, nbytes, address)
-    # The descriptor is only needed to share the segment; drop it with the tensor (the tensor keeps
-    # the mapping alive through torch.frombuffer's reference to ``mm``).
-    weakref.finalize(tensor, _forget, address)
+    # The descriptor is only needed to share the segment; it is closed once the tensor is collected
+    # (the tensor keeps the mapping alive through torch.frombuffer's reference to ``mm``).
+    _segments.add(tensor, Segment(fd, nbytes, tensor.data_ptr()))
     return tensor
-
-
-def _forget(address: int) -> None:
-    with _lock:
-        seg = _segments.pop(address, None)
-    if seg is not None:
-        os.close(seg.fd)
 
 
 def find_segment(tensor: torch.Tensor) -> tuple[Segment, int] | None:
     """The registered segment holding all of ``tensor``, and the tensor's byte offset in it."""
     if tensor.is_cuda:
         return None
-    start = tensor.data_ptr()
-    end = start + tensor.numel() * tensor.element_size()
-    with _lock:
-        for seg in _segments.values():
-            if seg.address <= start and end <= seg.address + seg.nbytes:
-                return seg, start - seg.address
+    for _, seg in _segments.find(tensor, lambda seg: seg.nbytes):
+        return seg, tensor.data_ptr() - seg.address
     return None
 
 

@@ -52,6 +52,7 @@ import torch.multiprocessing
 from torch.multiprocessing import reductions
 
 from ..common.layout import KVLayout
+from ..common.tensor_registry import TensorRegistry
 
 HANDLE_VERSION = 1
 
@@ -81,8 +82,7 @@ class HandleError(ValueError):
 # ------------------------------------------------------------------ CPU caches in shared memory
 
 _strategy_lock = threading.Lock()
-_cpu_caches: dict[int, int] = {}  # data_ptr -> nbytes of CPU caches made by shared_cpu_cache()
-_cpu_lock = threading.Lock()
+_cpu_caches: TensorRegistry[int] = TensorRegistry()  # data_ptr -> nbytes of caches made by shared_cpu_cache()
 
 
 @contextlib.contextmanager
@@ -107,24 +107,13 @@ def shared_cpu_cache(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     tensor = torch.zeros(tuple(int(d) for d in shape), dtype=dtype)
     with _file_system_sharing():
         tensor.share_memory_()
-    address = tensor.data_ptr()
-    with _cpu_lock:
-        _cpu_caches[address] = tensor.numel() * tensor.element_size()
-    weakref.finalize(tensor, _forget_cpu_cache, address)
+    _cpu_caches.add(tensor, tensor.numel() * tensor.element_size())
     return tensor
-
-
-def _forget_cpu_cache(address: int) -> None:
-    with _cpu_lock:
-        _cpu_caches.pop(address, None)
 
 
 def is_shared_cpu_cache(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` lies inside a cache made by :func:`shared_cpu_cache`."""
-    start = tensor.data_ptr()
-    end = start + tensor.numel() * tensor.element_size()
-    with _cpu_lock:
-        return any(a <= start and end <= a + n for a, n in _cpu_caches.items())
+    return any(True for _ in _cpu_caches.find(tensor, lambda nbytes: nbytes))
 
 
 # ------------------------------------------------------------------ export
