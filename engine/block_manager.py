@@ -131,9 +131,12 @@ class BlockManager:
         num_new_blocks = self.num_blocks_needed(total_tokens) - len(request.block_ids) - len(cached_block_ids)
         # Reviving a cached block with ref 0 also takes it out of the free queue.
         num_revived = sum(1 for b in cached_block_ids if self.blocks[b].ref_count == 0)
-        # A revived block is full and cached: no step writes it any more, fenced or not.
-        num_revived_fenced = sum(1 for b in cached_block_ids if self.blocks[b].ref_count == 0 and b in self._fenced)
-        num_free = self.num_free_blocks_for(out_of_stream) + (num_revived_fenced if out_of_stream else 0)
+        num_free = self.num_free_blocks
+        if out_of_stream and self._fenced:
+            # Fenced blocks are not for this writer, but a revived one is: it is full and cached, no
+            # step writes it any more.
+            num_free -= len(self._fenced) - sum(1 for b in cached_block_ids
+                                                if self.blocks[b].ref_count == 0 and b in self._fenced)
         if num_new_blocks + num_revived > num_free:
             return False
         for block_id in cached_block_ids:

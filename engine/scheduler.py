@@ -200,7 +200,7 @@ class Scheduler:
         for request_id in request_ids:
             request = self.held.pop(request_id, None)
             if request is not None:
-                self.block_manager.free(request, self._write_fence())
+                self._free_blocks(request)
 
     @property
     def num_free_blocks(self) -> int:
@@ -399,6 +399,10 @@ class Scheduler:
         self._release(request)
         self.waiting.appendleft(request)
 
+    def _free_blocks(self, request: Request) -> None:
+        """Every path that frees a request's blocks comes here, fenced while steps are in flight."""
+        self.block_manager.free(request, self._write_fence())
+
     def _write_fence(self) -> int | None:
         """The newest step that may still write blocks freed now: none here (a synchronous step is
         over before anything is freed); AsyncScheduler's has steps in flight."""
@@ -406,7 +410,7 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         """Drop a request's KV, keep its tokens: it is computed again when next scheduled."""
-        self.block_manager.free(request, self._write_fence())
+        self._free_blocks(request)
         request.num_computed_tokens = 0
         request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
@@ -424,7 +428,7 @@ class Scheduler:
         if self.connector.request_finished(request) or loading:
             self.held[request.request_id] = request
         else:
-            self.block_manager.free(request, self._write_fence())
+            self._free_blocks(request)
         self.requests.pop(request.request_id, None)
         self._seen_by_runner.discard(request.request_id)
         self._finished_req_ids.add(request.request_id)
