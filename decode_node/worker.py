@@ -51,7 +51,7 @@ class DecodeWorker(WorkerLoop):
         model = LoadedModel.load(engine_config, progress=False, kv_cache_allocator=allocator)
         self.kv = (RemoteKV(worker_id, model, transfer, transport_cls, self._on_first_token)
                    if transfer is not None else NoRemoteKV())
-        self.engine = LLMEngine(model, self.kv.connector)
+        self.engine = LLMEngine(model, self.kv.connector, cumulative_outputs=False)  # streams new tokens
         self._first_tokens: dict[str, _FirstTokenStream] = {}
         # Admitted requests loading their prefix from the offload tiers -> the prefill worker to ask once
         # the load ends (prompt and parameters are the engine's Request's). Engine thread only.
@@ -257,7 +257,7 @@ class DecodeWorker(WorkerLoop):
             worker_id=self.worker_id,
             new_token_ids=list(out.new_token_ids),
             num_computed_tokens=out.num_computed_tokens,
-            num_output_tokens=len(out.token_ids),
+            num_output_tokens=out.num_output_tokens,
             finished=out.finished,
             finish_reason=out.finish_reason or "",
             num_draft_tokens=out.num_draft_tokens,

@@ -229,7 +229,7 @@ class AsyncScheduler(Scheduler):
                 num_computed_tokens=request.num_computed_tokens,
                 num_scheduled_tokens=num_new,
                 input_token_ids=[PLACEHOLDER] * num_new,
-                block_ids=list(request.block_ids),
+                block_ids=request.block_table(),
                 num_prompt_tokens=request.num_prompt_tokens,
                 num_tokens=request.num_tokens,
                 spec_token_ids=[PLACEHOLDER] * (num_new - 1),

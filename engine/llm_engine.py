@@ -34,7 +34,7 @@ class InvalidRequestError(ValueError):
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int]
+    token_ids: list[int]  # every output token so far (only on the finished output: cumulative_outputs False)
     finished: bool
     finish_reason: str | None
     new_token_ids: list[int] = field(default_factory=list)
@@ -47,6 +47,7 @@ class RequestOutput:
     num_offloaded_tokens: int = 0  # of num_cached_tokens, loaded back from a lower tier (host, disk)
     # The scheduler's authoritative count after this step (S1): what routers must mirror.
     num_computed_tokens: int = 0
+    num_output_tokens: int = 0  # len(token_ids), also where token_ids is left empty
     # With params.logprobs: one record per token of ``new_token_ids``; ``logprobs`` accumulates them
     # over the request (offline ``generate``). prompt_logprobs: once, with the first token.
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
@@ -66,9 +67,13 @@ class KVPoll:
 
 
 class LLMEngine:
-    def __init__(self, loaded: LoadedModel, connector: KVConnector | None = None):
+    def __init__(self, loaded: LoadedModel, connector: KVConnector | None = None, cumulative_outputs: bool = True):
         """``connector``: the KV transfer this engine takes part in, made on ``loaded.kv_cache``; the
-        same object serves the scheduler (its request hooks) and the runner (its step hooks)."""
+        same object serves the scheduler (its request hooks) and the runner (its step hooks).
+        ``cumulative_outputs`` False (a streaming caller, the workers): a step's outputs carry the new
+        tokens and ``num_output_tokens``, and ``token_ids`` only on a request's finished output; copying
+        every running request's whole output each step costs O(output length) per row per step."""
+        self.cumulative_outputs = cumulative_outputs
         config = self.config = loaded.config
         self.model_dir, self.tokenizer, self.arch = loaded.model_dir, loaded.tokenizer, loaded.arch
         self.model, self.is_hybrid, self.max_model_len = loaded.model, loaded.is_hybrid, loaded.max_model_len
@@ -238,7 +243,8 @@ class LLMEngine:
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
-            token_ids=list(request.output_token_ids),
+            token_ids=list(request.output_token_ids) if finished or self.cumulative_outputs else [],
+            num_output_tokens=len(request.output_token_ids),
             finished=finished,
             finish_reason=request.status.value if finished else None,
             new_token_ids=new_token_ids,

@@ -422,8 +422,9 @@ class ModelRunner:
             [len(state.rows.draft_token_ids[i]) + 1 - len(t) if t else 0 for i, t in enumerate(sampled)], dtype=np.int64
         )
         draft_np = np.full((len(sampled), k), PLACEHOLDER, dtype=np.int64)
-        for i, d in enumerate(drafts):
-            draft_np[i, : len(d)] = d[:k]
+        if k:  # without speculation every row's drafts are [] (a numpy call per row for nothing)
+            for i, d in enumerate(drafts):
+                draft_np[i, : len(d)] = d[:k]
         return PrevStepOutput(list(state.req_ids), num_rejected, draft_np)
 
     def _sample(self, state: ExecuteModelState) -> tuple[list[list[int]], list[list[TokenLogprobs]]]:

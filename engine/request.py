@@ -57,6 +57,19 @@ class Request:
     num_accepted_tokens: int = 0
     # The prompt's full blocks are registered in the prefix cache (engine/forks.py releases followers).
     prompt_cached: bool = False
+    # block_table()'s snapshot and the list it was taken of (see there).
+    _block_table: tuple[int, ...] = field(default=(), repr=False, compare=False)
+    _block_table_of: list[int] | None = field(default=None, repr=False, compare=False)
+
+    def block_table(self) -> tuple[int, ...]:
+        """``block_ids`` as an immutable tuple that the step's consumers (runner, connector) may keep,
+        rebuilt only when the table grew or was replaced: a step costs O(1) per request instead of a
+        copy of the whole table. A request's list only ever grows (BlockManager appends) until it is
+        replaced by a new one (freed: ``[]``), so the same list at the same length holds the same ids."""
+        if self._block_table_of is not self.block_ids or len(self._block_table) != len(self.block_ids):
+            self._block_table = tuple(self.block_ids)
+            self._block_table_of = self.block_ids
+        return self._block_table
 
     @property
     def num_prompt_tokens(self) -> int:

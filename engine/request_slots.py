@@ -68,10 +68,18 @@ class RequestStates:
         self.sampling_params[idx] = None
         self._free_indices.append(idx)
 
-    def set_block_ids(self, idx: int, block_ids: list[int]) -> None:
-        """The request's whole block table, from the scheduler (S1)."""
-        self.block_table_np[idx, : len(block_ids)] = block_ids
-        self.num_blocks_np[idx] = len(block_ids)
+    def set_block_ids(self, idx: int, block_ids: list[int] | tuple[int, ...]) -> None:
+        """The request's whole block table, from the scheduler. Only entries past the slot's count are
+        written: while a request keeps its slot its table only grows (blocks are appended, never
+        replaced: ``Request.block_table``), and a slot taken anew starts from none (``add_request``), so
+        a decode step writes nothing for most rows instead of the whole table."""
+        n, num_known = len(block_ids), int(self.num_blocks_np[idx])
+        if n == num_known:
+            return
+        if n < num_known:  # a table never shrinks under a slot; if it did, take it whole
+            num_known = 0
+        self.block_table_np[idx, num_known:n] = block_ids[num_known:]
+        self.num_blocks_np[idx] = n
 
     def refresh_counts(self, idx_np: np.ndarray, num_computed_tokens_np: np.ndarray) -> None:
         """Overwrite the computed counts of the slots ``idx_np`` from the scheduler (S1): never ``+=``."""

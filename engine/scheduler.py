@@ -306,7 +306,7 @@ class Scheduler:
         index = {req_id: i for i, req_id in enumerate(out.req_ids)}
         for s in sched.scheduled:
             request = self.requests.get(s.request_id)
-            if request is None or request.is_finished or request.status != RequestStatus.RUNNING:
+            if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # finished or aborted while the step ran
             i = index[s.request_id]
             sampled = out.sampled_token_ids[i]

@@ -17,7 +17,7 @@ class ScheduledRequest:
     num_computed_tokens: int  # before this step; authoritative (S1)
     num_scheduled_tokens: int  # input tokens this step, drafts included
     input_token_ids: list[int]  # tokens at positions [num_computed, num_computed + num_scheduled)
-    block_ids: list[int]  # the whole block table
+    block_ids: list[int] | tuple[int, ...]  # the whole block table (Request.block_table(): a shared tuple)
     num_prompt_tokens: int
     num_tokens: int  # committed tokens (prompt + verified output) before this step
     spec_token_ids: list[int]  # drafts among the input tokens (the last len(spec) of them)
@@ -39,10 +39,10 @@ class ScheduledRequest:
             num_computed_tokens=start,
             num_scheduled_tokens=num_new,
             input_token_ids=request.token_window(start, num_new),
-            block_ids=list(request.block_ids),
+            block_ids=request.block_table(),
             num_prompt_tokens=request.num_prompt_tokens,
             num_tokens=request.num_tokens,
-            spec_token_ids=list(request.spec_token_ids),
+            spec_token_ids=list(request.spec_token_ids) if request.spec_token_ids else [],
             all_token_ids=request.all_token_ids if is_new else None,
             sampling_params=request.sampling_params if is_new else None,
             num_output_tokens=len(request.output_token_ids) + request.sampling_params.output_position_offset,

@@ -48,7 +48,7 @@ class PrefillWorker(WorkerLoop):
             self.transport, self.endpoint, model.arch.num_layers, spec.num_layers, spec.block_size,
             num_state_blocks=model.num_state_blocks,
         )
-        self.engine = LLMEngine(model, self.connector)
+        self.engine = LLMEngine(model, self.connector, cumulative_outputs=False)  # reads new tokens only
         self._connected: dict[str, dict] = {}  # decode peer id -> the transport descriptor we connected to
         self._ack_poller = threading.Thread(target=self._poll_acks, name=f"prefill-{worker_id}-acks", daemon=True)
         self.start()

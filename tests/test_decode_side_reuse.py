@@ -69,7 +69,7 @@ def test_remote_request_takes_the_cached_prefix_and_reserves_the_rest():
     # Landed: it continues from the whole prompt, and registers its new full blocks after the shared ones.
     s.update_from_kv(KVConnectorOutput(finished_recving={"r": LoadedKV(5)}))
     out = s.schedule()
-    assert out.scheduled[0].block_ids == request.block_ids and out.scheduled[0].num_computed_tokens == 18
+    assert list(out.scheduled[0].block_ids) == request.block_ids and out.scheduled[0].num_computed_tokens == 18
     s.update_from_output(out, ModelRunnerOutput(["r"], [[0]]))
     assert not s.requests and s.num_free_blocks == 16  # shared blocks freed once each (ref counts)
     assert len(s.block_manager.find_cached_prefix(Request("z", list(range(1, 14)) + [7, 8, 9, 10, 11, 5, 1],

@@ -81,3 +81,29 @@ def test_prefix_cache_hit_gives_same_tokens(engine):
     assert second.token_ids == first.token_ids
     no_cache = make_engine("smollm2", num_kv_blocks=256, enable_prefix_caching=False)
     assert no_cache.generate([shared + "What is the boiling point of water?"], _greedy(10))[0].token_ids == first.token_ids
+
+
+def test_streaming_outputs_carry_new_tokens_and_counts(engine):
+    """cumulative_outputs False (the workers): each step's output has the new tokens and the output count,
+    the whole output only once finished; the tokens stream to the same sequence as a cumulative run."""
+    prompts = [engine.tokenize(p) for p in PROMPTS[:3]]
+    params = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)
+    want = [o.token_ids for o in engine.generate(prompts, params)]
+    engine.cumulative_outputs = False
+    try:
+        ids = [engine.add_request(p, params) for p in prompts]
+        streamed = {i: [] for i in ids}
+        final = {}
+        for _ in range(200):
+            if not engine.has_unfinished():
+                break
+            for out in engine.step():
+                streamed[out.request_id] += out.new_token_ids
+                assert out.num_output_tokens == len(streamed[out.request_id])
+                if out.finished:
+                    final[out.request_id] = out.token_ids
+                else:
+                    assert out.token_ids == [], "a running request's output is not copied each step"
+    finally:
+        engine.cumulative_outputs = True
+    assert [streamed[i] for i in ids] == want and [final[i] for i in ids] == want

@@ -81,6 +81,12 @@ def _drive(monkeypatch, num_steps: int, use_async: bool = False, stub_proposer: 
                 assert mirror == scheduler.requests[s.request_id].num_computed_tokens
             prefill_len = int(st.prefill_len_np[idx])
             assert st.num_computed_prefill_tokens_np[idx] == min(mirror, prefill_len)
+            # The block table mirror (written incrementally: RequestStates.set_block_ids) is the scheduler's.
+            num_blocks = int(st.num_blocks_np[idx])
+            assert st.block_table_np[idx, :num_blocks].tolist() == list(s.block_ids), (
+                f"step {stats['steps']}: runner block table != scheduler's for {s.request_id}")
+            if not use_async:
+                assert list(s.block_ids) == scheduler.requests[s.request_id].block_ids
         if len(idx_mapping):
             prefilling = st.is_prefilling(idx_mapping)
             expected = st.num_computed_tokens_np[idx_mapping] < st.prefill_len_np[idx_mapping]
@@ -151,6 +157,36 @@ def test_S1_detects_locally_incremented_mirror(monkeypatch):
     monkeypatch.setattr(RequestStates, "refresh_counts", incrementing_refresh)
     with pytest.raises(AssertionError, match="runner mirror"):
         _drive(monkeypatch, 2000, on_check=remember, stub_logits=True)
+
+
+def test_block_table_mirror_detects_missed_growth(monkeypatch):
+    """The runner writes only a table's new entries; a runner that missed a request's growth (here: one
+    that writes a slot's table only when the slot is taken) is caught by the mirror check."""
+    original = RequestStates.set_block_ids
+
+    def write_once(self, idx, block_ids):
+        if self.num_blocks_np[idx] == 0:
+            original(self, idx, block_ids)
+
+    monkeypatch.setattr(RequestStates, "set_block_ids", write_once)
+    with pytest.raises(AssertionError, match="block table"):
+        _drive(monkeypatch, 300, stub_logits=True)
+
+
+def test_block_table_snapshot_is_shared_until_the_table_changes():
+    """Request.block_table(): one tuple while the list neither grows nor is replaced (a decode step
+    copies nothing), a new one after either; a replaced list of the same length is seen too."""
+    from pdcluster.engine.request import Request
+
+    r = Request("r", [1, 2, 3], SamplingParams(), block_ids=[7, 8])
+    first = r.block_table()
+    assert first == (7, 8) and r.block_table() is first
+    r.block_ids.append(9)
+    assert r.block_table() == (7, 8, 9)
+    r.block_ids = [4, 5, 6]  # freed and allocated anew: same length, other ids
+    assert r.block_table() == (4, 5, 6)
+    r.block_ids = []
+    assert r.block_table() == ()
 
 
 def test_scheduled_inputs_are_the_window_of_prompt_output_and_drafts():
