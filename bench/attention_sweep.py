@@ -1,6 +1,7 @@
 """Paged attention launch configurations on a GPU: the fast mode's prefill (16 x 2,048 tokens, 32 query
-and 4 KV heads of 64, bf16) and a decode batch (128 x 512), each configuration checked against the torch
-reference and timed with triton.testing.do_bench. Prints JSON (and writes it with --out).
+and 4 KV heads of 64, bf16), a decode batch (128 x 512) and decode steps of a few requests (the partition
+split against the segment split), each configuration checked against the torch reference and timed with
+triton.testing.do_bench. Prints JSON (and writes it with --out).
 
     python bench/attention_sweep.py [--out bench/results/attention_sweep_h100.json]
 """
@@ -94,8 +95,59 @@ def main() -> int:
             print(name, entry, file=sys.stderr, flush=True)
         ranked = sorted((e for e in result[name] if e.get("ok")), key=lambda e: e["ms"])
         result[f"{name}_best"] = ranked[0] if ranked else None
+    result["decode_few"] = decode_few(dev, args.quick, do_bench)
     emit_json(result, args.out, indent=2)
     return 0
+
+
+def decode_few(dev: str, quick: bool, do_bench) -> dict:
+    """Decode steps of a few requests (latency-bound: too few (query tile, KV head) programs to fill the
+    GPU): the partition split (FAST_PARTITION, before the segments) against the segment split, each
+    checked against the reference. Block tables as wide as a CUDA graph's (4,096 positions), since the
+    partition split sizes itself from the table's width."""
+    import torch
+
+    from pdcluster.kernels import reference
+    from pdcluster.kernels import triton_paged_attention as attn
+
+    cases = [(1, 512), (1, 4096), (8, 2048), (32, 512)] if not quick else [(1, 40)]
+    width_tokens = 4096 if not quick else 64
+    out: dict = {}
+    for num_seqs, seq_len in cases:
+        query, cache, tables, seq_lens, qsl, scale = paged_case(num_seqs, seq_len, 1, dev)
+        wide = torch.zeros(num_seqs, width_tokens // cache.shape[2], dtype=tables.dtype, device=tables.device)
+        wide[:, : tables.shape[1]] = tables
+        n_check = min(4, num_seqs)
+        want = reference.paged_attention(query[:n_check].float(), cache.float(), wide[:n_check], seq_lens[:n_check],
+                                         qsl[: n_check + 1], scale)
+        block_q = attn.block_q_for(8)
+        configs = [("production", None, None)] + [("partition", 64, 0)] + [
+            ("segments", block_n, segments) for segments in (8, 16, 32) for block_n in (32, 64)]
+        if quick:
+            configs = configs[:3]
+        entries = []
+        for kind, block_n, segments in configs:
+            if kind == "production":
+                def run():
+                    return attn.paged_attention_triton(query, cache, wide, seq_lens, qsl, scale, batch_invariant=False)
+            else:
+                def run(block_n=block_n, segments=segments):
+                    return attn.launch(query, cache, wide, seq_lens, qsl, scale, torch.empty_like(query), block_q,
+                                       block_n, split=True, native_dot=dev == "cuda", num_warps=4, num_stages=3,
+                                       partition=None if segments else attn.FAST_PARTITION, segments=segments)
+            entry = {"kind": kind, "block_n": block_n, "segments": segments}
+            try:
+                got = run()[:n_check].float()
+                entry["max_abs_err"] = float((got - want).abs().max())
+                entry["ok"] = entry["max_abs_err"] < 3e-2
+                entry["us"] = round(do_bench(run, warmup=5, rep=30) * 1e3, 2)
+            except Exception as e:  # noqa: BLE001 - a configuration that does not compile
+                entry["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            entries.append(entry)
+            print(f"decode_few {num_seqs}x{seq_len}", entry, file=sys.stderr, flush=True)
+        ranked = sorted((e for e in entries if e.get("ok")), key=lambda e: e["us"])
+        out[f"{num_seqs}x{seq_len}"] = {"configs": entries, "best": ranked[0] if ranked else None}
+    return out
 
 
 if __name__ == "__main__":

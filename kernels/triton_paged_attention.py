@@ -19,6 +19,12 @@ the GPU (a decode step of a few requests), by a second kernel after one program 
 head, partition group) wrote each partition's state to scratch (flash-decoding). Both run the same
 per-partition loop and the same merge, so a row gets the same bits either way.
 
+The fast mode (``batch_invariant=False``) splits a decode step of a few requests differently: each row's
+key tiles are cut into FAST_DECODE_SEGMENTS even runs whatever the context's length, one program each,
+and one program per (token, head) merges all of them with one load (``_merge_segments_kernel``). Such a
+step is latency-bound: the partition split walks PARTITION / BLOCK_N tiles one after another in each
+program and merges partitions one by one, while here each program walks ceil(tiles / SEGMENTS).
+
 Batch invariance (issue 24; STYLE.md "Deterministic kernels"): a query's result is bit for bit the same
 in a prefill chunk, a verification row and a decode step, alone or in any batch. Its reduction order
 is fixed: key tiles of BLOCK_N positions from position 0 up, each merged by the same online-softmax
@@ -67,7 +73,11 @@ PARTITION = 128
 FAST_KV_TILE_TOKENS = 64
 FAST_PREFILL_ROWS = 64  # with FAST_PREFILL_KV_TILE, 4 warps, 3 stages: bench/results/attention_sweep_h100.json
 FAST_PREFILL_KV_TILE = 128
-FAST_PARTITION = 256  # the fast mode's decode split (any size will do there: nothing needs fixed bits)
+FAST_PARTITION = 256  # the fast mode's partition split (any size will do there: nothing needs fixed bits)
+# The fast mode's decode split (module doc; flash-decoding as vLLM's unified Triton attention does it):
+# segments per row (a power of two; 0 = the partition split) and their key tile.
+FAST_DECODE_SEGMENTS = 16
+FAST_DECODE_KV_TILE = 32
 # Split a launch's context across programs when it has fewer (query tile, KV head) programs than this
 # (about two waves of an H100's 132 SMs).
 SPLIT_BELOW_PROGRAMS = 256
@@ -183,6 +193,7 @@ def _paged_attention_kernel(
     PARTITION_SIZE: tl.constexpr,  # context positions per partition (a multiple of BLOCK_N)
     SPLIT: tl.constexpr,  # write partition states to scratch (program_id(2) picks partitions) vs merge here
     NATIVE_DOT: tl.constexpr,  # 16-bit operands straight into tl.dot (fast mode on a GPU)
+    NUM_SEGMENTS: tl.constexpr = 0,  # SPLIT by segments (FAST_DECODE_SEGMENTS; max_parts == it), not partitions
 ):
     q_tile_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -223,14 +234,22 @@ def _paged_attention_kernel(
     table_row_ptr = block_tables_ptr + req.to(tl.int64) * stride_table_req
     if SPLIT:
         state_row = q_token * num_q_heads + q_head  # [BLOCK_M]
-        for part in range(tl.program_id(2), num_parts, tl.num_programs(2)):
-            kv_lo = part * PARTITION_SIZE
+        if NUM_SEGMENTS > 0:
+            # Segment program_id(2) of the row's key tiles, an even share of them: stored even when empty
+            # (m = -1e30, l = 0, acc = 0: no weight in the merge), so the merge reads them all at once.
+            part_len = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), NUM_SEGMENTS) * BLOCK_N
+            parts_end = tl.program_id(2) + 1
+        else:
+            part_len = PARTITION_SIZE
+            parts_end = num_parts
+        for part in range(tl.program_id(2), parts_end, tl.num_programs(2)):
+            kv_lo = part * part_len
             m_p, l_p, acc_p = _partition_state(
-                q, q_pos, row_valid, kv_lo, tl.minimum(kv_lo + PARTITION_SIZE, kv_end), table_row_ptr, cache_ptr,
+                q, q_pos, row_valid, kv_lo, tl.minimum(kv_lo + part_len, kv_end), table_row_ptr, cache_ptr,
                 kv_head, block_size, qk_scale_log2, dims, dim_valid, stride_cache_kv, stride_cache_block,
                 stride_cache_slot, stride_cache_head, stride_cache_dim, stride_table_entry,
                 BLOCK_M, BLOCK_N, HEAD_DIM_PAD, DOT_PRECISION, NATIVE_DOT)
-            at = state_row * max_parts + part
+            at = state_row * max_parts + part  # max_parts == NUM_SEGMENTS with segments (launch)
             tl.store(part_m_ptr + at, m_p, mask=row_valid)
             tl.store(part_l_ptr + at, l_p, mask=row_valid)
             tl.store(part_acc_ptr + at[:, None] * HEAD_DIM_PAD + dims[None, :], acc_p, mask=row_valid[:, None])
@@ -313,6 +332,41 @@ def _merge_partitions_kernel(
     tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=head_valid[:, None] & (dims[None, :] < head_dim))
 
 
+@triton.jit(do_not_specialize=["num_reqs"])
+def _merge_segments_kernel(
+    out_ptr,
+    query_start_loc_ptr,
+    part_m_ptr,  # [num_tokens, num_q_heads, NUM_SEGMENTS] fp32
+    part_l_ptr,
+    part_acc_ptr,  # [num_tokens, num_q_heads, NUM_SEGMENTS, HEAD_DIM_PAD] fp32
+    num_reqs,
+    num_q_heads,
+    head_dim,
+    stride_out_token,
+    stride_out_head,
+    stride_out_dim,
+    NUM_SEGMENTS: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+):
+    """One program per (query token, head): every segment's state in one load, merged at once (the fast
+    mode's decode split; the sum's order is the compiler's, so its bits are not batch invariant)."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    if token >= tl.load(query_start_loc_ptr + num_reqs):
+        return  # batch padding past the last request: no state was written
+    segments = tl.arange(0, NUM_SEGMENTS)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    at = (token.to(tl.int64) * num_q_heads + head) * NUM_SEGMENTS + segments
+    m = tl.load(part_m_ptr + at)
+    l = tl.load(part_l_ptr + at)
+    acc = tl.load(part_acc_ptr + at[:, None] * HEAD_DIM_PAD + dims[None, :])
+    weight = tl.exp2(m - tl.max(m, 0))  # an empty segment (m = -1e30) weighs 0
+    total = tl.sum(l * weight, 0)
+    out = tl.sum(acc * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    offsets = token.to(tl.int64) * stride_out_token + head * stride_out_head + dims * stride_out_dim
+    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
+
+
 def block_q_for(group_pad: int, rows: int = TILE_ROWS) -> int:
     """Query tokens per tile: a function of the model's head grouping only, never of the batch."""
     return max(1, rows // group_pad)
@@ -350,11 +404,20 @@ def paged_attention_triton(
     # Fast mode: prefill-sized calls (more than a few query tokens a request) get the big row tile.
     prefill = num_tokens > 4 * num_reqs
     native = query.dtype in (torch.bfloat16, torch.float16) and not INTERPRETED
-    return launch(query, layer_cache, block_tables, seq_lens, query_start_loc, scale, out,
-                  block_q_for(group_pad, FAST_PREFILL_ROWS if prefill else TILE_ROWS),
-                  FAST_PREFILL_KV_TILE if prefill else FAST_KV_TILE_TOKENS, native_dot=native,
-                  partition=FAST_PARTITION if not prefill else fast_whole_context(block_tables, block_size),
-                  num_warps=4, num_stages=3)
+    if prefill:
+        return launch(query, layer_cache, block_tables, seq_lens, query_start_loc, scale, out,
+                      block_q_for(group_pad, FAST_PREFILL_ROWS), FAST_PREFILL_KV_TILE, native_dot=native,
+                      partition=fast_whole_context(block_tables, block_size), num_warps=4, num_stages=3)
+    # Decode and verification: a few requests split their context in segments (flash-decoding), many
+    # (enough programs to fill the GPU) walk it whole in one program each.
+    block_q = block_q_for(group_pad)
+    few = (num_tokens // block_q + num_reqs) * num_kv_heads < SPLIT_BELOW_PROGRAMS
+    if few and FAST_DECODE_SEGMENTS:
+        return launch(query, layer_cache, block_tables, seq_lens, query_start_loc, scale, out, block_q,
+                      FAST_DECODE_KV_TILE, split=True, native_dot=native, segments=FAST_DECODE_SEGMENTS,
+                      num_warps=4, num_stages=3)
+    return launch(query, layer_cache, block_tables, seq_lens, query_start_loc, scale, out, block_q,
+                  FAST_KV_TILE_TOKENS, native_dot=native, partition=FAST_PARTITION, num_warps=4, num_stages=3)
 
 
 def fast_whole_context(block_tables: Tensor, block_size: int) -> int:
@@ -371,10 +434,12 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 def launch(query: Tensor, layer_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
            scale: float, out: Tensor, block_q: int, block_n: int, split: bool | None = None,
            native_dot: bool = False, partition: int | None = None, num_warps: int | None = None,
-           num_stages: int | None = None) -> Tensor:
+           num_stages: int | None = None, segments: int = 0) -> Tensor:
     """Run the kernel with the given tiles (checked arguments; :func:`paged_attention_triton` passes the
     fixed ones, tests pass batch-dependent ones to show the invariance tests catch them). ``split``:
-    merge the partitions in a second kernel (None: when the launch has too few programs, module doc)."""
+    merge the partitions in a second kernel (None: when the launch has too few programs, module doc).
+    ``segments`` (with ``split``): split each row's key tiles in that many even runs instead of
+    partitions (the fast mode's decode split, FAST_DECODE_SEGMENTS; a power of two)."""
     num_tokens, num_q_heads, head_dim = query.shape
     block_size, num_kv_heads = layer_cache.shape[2], layer_cache.shape[3]
     num_reqs = seq_lens.shape[0]
@@ -391,6 +456,10 @@ def launch(query: Tensor, layer_cache: Tensor, block_tables: Tensor, seq_lens: T
     if split is None:
         split = num_q_tiles * num_kv_heads < SPLIT_BELOW_PROGRAMS and max_parts > 1
     num_splits = min(max_parts, -(-SPLIT_BELOW_PROGRAMS // (num_q_tiles * num_kv_heads))) if split else 1
+    if segments:
+        if not split or segments & (segments - 1):
+            raise ValueError(f"segments={segments}: a power of two, with split")
+        max_parts = num_splits = segments
     if split:
         part_m = torch.empty(num_tokens, num_q_heads, max_parts, dtype=torch.float32, device=query.device)
         part_l = torch.empty_like(part_m)
@@ -429,10 +498,16 @@ def launch(query: Tensor, layer_cache: Tensor, block_tables: Tensor, seq_lens: T
         PARTITION_SIZE=partition,
         SPLIT=split,
         NATIVE_DOT=native_dot,
+        NUM_SEGMENTS=segments,
         num_warps=num_warps or (8 if prefill_rows else 4),
         **({"num_stages": num_stages} if num_stages else {}),
     )
-    if split:
+    if segments:
+        _merge_segments_kernel[(num_tokens, num_q_heads)](
+            out, query_start_loc, part_m, part_l, part_acc, num_reqs, num_q_heads, head_dim, *out.stride(),
+            NUM_SEGMENTS=segments, HEAD_DIM_PAD=head_dim_pad,
+        )
+    elif split:
         _merge_partitions_kernel[(num_tokens,)](
             out, seq_lens, query_start_loc, part_m, part_l, part_acc, num_reqs, num_q_heads, head_dim, max_parts,
             *out.stride(), HEADS_PAD=triton.next_power_of_2(num_q_heads), HEAD_DIM_PAD=head_dim_pad,

@@ -165,6 +165,52 @@ def test_paged_attention_triton_decode_batch():
     torch.testing.assert_close(paged_attention_triton(*batch.args()), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("segments, block_n", [(4, 16), (16, 32)], ids=["4x16", "16x32"])
+@pytest.mark.parametrize("num_q_heads, num_kv_heads", HEAD_CONFIGS)
+def test_paged_attention_split_in_segments_matches_reference(segments, block_n, num_q_heads, num_kv_heads):
+    """The fast mode's decode split: each row's key tiles in ``segments`` even runs (several tiles a
+    segment for the longer contexts, empty segments for the short ones), merged in one load. Decode and
+    verification rows, contexts of 1 to 150 positions over scattered blocks; rows past the batch's last
+    query token (graph padding) are left as they were."""
+    from pdcluster.kernels import triton_paged_attention as attention
+
+    batch = make_batch([1, 1, 3, 1, 2], [1, 18, 70, 150, 33], num_q_heads, num_kv_heads, block_size=8)
+    expected = reference.paged_attention(*batch.args())
+    num_tokens = batch.query.shape[0]
+    padded = torch.cat([batch.query, torch.zeros(2, *batch.query.shape[1:])])
+    out = torch.full_like(padded, float("nan"))
+    attention.launch(padded, batch.layer_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, SCALE,
+                     out, attention.block_q_for(triton_next_pow2(num_q_heads // num_kv_heads)), block_n, split=True,
+                     segments=segments)
+    torch.testing.assert_close(out[:num_tokens], expected, rtol=1e-5, atol=1e-5)
+    assert out[num_tokens:].isnan().all(), "padding rows were written"
+
+
+def test_fast_decode_takes_the_segment_split_for_a_few_requests(monkeypatch):
+    """paged_attention_triton(batch_invariant=False) on a decode batch of a few requests launches the
+    segment split (and still matches the reference); prefill-sized calls do not."""
+    from pdcluster.kernels import triton_paged_attention as attention
+
+    launched = []
+    real_launch = attention.launch
+
+    def recording(*args, **kwargs):
+        launched.append(kwargs.get("segments", 0))
+        return real_launch(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "launch", recording)
+    batch = make_batch([1, 1], [9, 40], 4, 2, block_size=8)
+    got = attention.paged_attention_triton(*batch.args(), batch_invariant=False)
+    torch.testing.assert_close(got, reference.paged_attention(*batch.args()), rtol=1e-5, atol=1e-5)
+    prefill = make_batch([20], [20], 4, 2, block_size=8)
+    attention.paged_attention_triton(*prefill.args(), batch_invariant=False)
+    assert launched == [attention.FAST_DECODE_SEGMENTS, 0]
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gather_blocks_triton_matches_reference(dtype):
     kv_cache = torch.randn(2, 2, 7, BLOCK_SIZE, 2, HEAD_DIM).to(dtype)
@@ -357,7 +403,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from pdcluster.kernels.triton_block_copy import _copy_blocks_kernel
-from pdcluster.kernels.triton_paged_attention import _merge_partitions_kernel, _paged_attention_kernel
+from pdcluster.kernels.triton_paged_attention import (_merge_partitions_kernel, _merge_segments_kernel,
+                                                       _paged_attention_kernel)
 from pdcluster.kernels.triton_rms_norm import _rms_norm_kernel
 from pdcluster.kernels.triton_rotary import _rotary_kernel
 from pdcluster.kernels.triton_silu_and_mul import _silu_and_mul_kernel
@@ -388,6 +435,15 @@ build(_paged_attention_kernel,
        "part_acc_ptr": "*fp32", "qk_scale_log2": "fp32"},
       dict(stride_q_dim=1, stride_cache_dim=1, GROUP=8, GROUP_PAD=8, BLOCK_Q=16, BLOCK_M=128, BLOCK_N=64,
            HEAD_DIM_PAD=64, DOT_PRECISION="tf32", PARTITION_SIZE=256, SPLIT=False, NATIVE_DOT=True))  # fast prefill
+build(_paged_attention_kernel,
+      {"out_ptr": "*bf16", "query_ptr": "*bf16", "cache_ptr": "*bf16", "block_tables_ptr": "*i32",
+       "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
+       "part_acc_ptr": "*fp32", "qk_scale_log2": "fp32"},
+      dict(stride_q_dim=1, stride_cache_dim=1, GROUP=8, GROUP_PAD=8, BLOCK_Q=2, BLOCK_M=16, BLOCK_N=32,
+           HEAD_DIM_PAD=64, DOT_PRECISION="tf32", PARTITION_SIZE=256, SPLIT=True, NATIVE_DOT=True,
+           NUM_SEGMENTS=16))  # fast decode, split in segments
+build(_merge_segments_kernel, {"out_ptr": "*bf16", "query_start_loc_ptr": "*i32", "part_m_ptr": "*fp32",
+      "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32"}, dict(stride_out_dim=1, NUM_SEGMENTS=16, HEAD_DIM_PAD=64))
 build(_merge_partitions_kernel, {"out_ptr": "*bf16", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
       "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32"},
       dict(stride_out_dim=1, HEADS_PAD=32, HEAD_DIM_PAD=64, PARTITION_SIZE=128))
