@@ -223,6 +223,89 @@ def test_detokenizer_never_splits_a_character(tiny_dir):
     assert detok.hit_stop
 
 
+_DETOK_TEXT = ("naïve café — 日本語のテキスト 🙂👍🏽 end. The quick brown fox jumps over the lazy dog.\n\n"
+               "def f(x):\n    return x ** 2  # ünïcödé ")
+
+
+def _stream(detok: Detokenizer, ids: list[int], chunk_sizes: list[int], valid_text: bool = True) -> str:
+    """``ids`` fed in chunks (never final), then the final flush: the text a client saw. ``valid_text``:
+    the tokens spell valid UTF-8 (random ids may not: their invalid bytes decode to U+FFFD for good)."""
+    pieces, i = [], 0
+    for k in chunk_sizes:
+        if i >= len(ids):
+            break
+        pieces.append(detok.add(ids[i : i + k], final=False))
+        assert not valid_text or "\ufffd" not in pieces[-1], "a stream showed half a character"
+        i += k
+    if i < len(ids):
+        pieces.append(detok.add(ids[i:], final=False))
+    return "".join(pieces) + detok.add([], final=True)
+
+
+def test_detokenizer_decodes_a_bounded_window_per_token(tiny_dir):
+    """One token at a time, the Detokenizer decodes a few tokens per step, not the whole output (which
+    made a stream O(n^2) in the API process), and still gives decode()'s text and each token's end."""
+    from pdcluster.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer(tiny_dir)
+    ids = tok.encode(_DETOK_TEXT * 12)
+    num_decoded = []
+    real_decode = tok.decode
+    tok.decode = lambda token_ids, **kw: num_decoded.append(len(token_ids)) or real_decode(token_ids, **kw)
+    detok = Detokenizer(tok, [])
+    for t in ids:
+        detok.add([t], final=False)
+    tok.decode = real_decode
+    assert len(ids) > 400 and sum(num_decoded) <= 8 * len(ids), (
+        f"{sum(num_decoded)} tokens decoded for {len(ids)}: not incremental")
+    detok.add([], final=True)
+    assert detok.text == tok.decode(ids)
+    ends = [len(tok.decode(ids[: i + 1]).rstrip("\ufffd")) for i in range(len(ids))]
+    assert detok.token_ends == [max(ends[: i + 1]) for i in range(len(ids))]
+    assert detok.token_complete == [not tok.decode(ids[: i + 1]).endswith("\ufffd") for i in range(len(ids))]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_detokenizer_streams_decodes_text_cut_at_the_first_stop(tiny_dir, data):
+    """Any tokens (real text or random ids), any stop strings, any chunking: the streamed text is
+    decode()'s text cut before its earliest stop string; the tokenizer that cleans up spaces over the
+    whole text (decoded whole each time) gives the same."""
+    from pdcluster.engine.tokenizer import Tokenizer, find_stop
+
+    tok = _detok_tokenizer(tiny_dir)
+    text_ids = tok.encode(_DETOK_TEXT)
+    # A start on a character boundary (a slice that starts inside one is invalid UTF-8 for good).
+    start = data.draw(st.sampled_from([i for i in range(len(text_ids))
+                                       if not tok.decode(text_ids[:i]).endswith("\ufffd")]))
+    valid_text = data.draw(st.booleans())
+    ids = (text_ids[start : start + 40] if valid_text
+           else data.draw(st.lists(st.integers(0, tok.vocab_size - 1), min_size=1, max_size=30)))
+    stops = data.draw(st.lists(st.sampled_from(["e", "テキ", " the", "\n\n", "👍", "é", "🏽 end", "x **"]),
+                               max_size=2, unique=True))
+    chunks = data.draw(st.lists(st.integers(1, 3), min_size=1, max_size=len(ids)))
+    whole = tok.decode(ids)
+    found = find_stop(whole, stops)
+    want = whole[: found[0]] if found else whole
+    assert _stream(Detokenizer(tok, stops), ids, chunks, valid_text) == want
+    tok.cleans_up_spaces = True  # the whole-output path
+    try:
+        assert _stream(Detokenizer(tok, stops), ids, chunks, valid_text) == want
+    finally:
+        tok.cleans_up_spaces = False
+
+
+_TOKENIZERS: dict = {}
+
+
+def _detok_tokenizer(model_dir):
+    from pdcluster.engine.tokenizer import Tokenizer
+
+    if model_dir not in _TOKENIZERS:
+        _TOKENIZERS[model_dir] = Tokenizer(model_dir)
+    return _TOKENIZERS[model_dir]
+
+
 # ================================================================================== load and lifecycle
 
 

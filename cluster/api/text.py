@@ -8,8 +8,8 @@ completes it; at the end every remaining token goes with the last piece. When a 
 text, the tokens that start at or after the cut are dropped (their text is not shown) and a token that
 straddles the cut is kept (part of its text is shown).
 
-Offsets come from decoding the output up to each token (the Detokenizer's own coordinates), one decode
-per token, and only when logprobs were asked for.
+Offsets are where each token's text ends in the Detokenizer's text (its ``token_ends`` and
+``token_complete``, kept as it decodes incrementally).
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ class AlignedText:
     def __init__(self, tokenizer, stops: list[str], track_tokens: bool, base_offset: int = 0):
         self.tokenizer, self.track_tokens, self.base_offset = tokenizer, track_tokens, base_offset
         self.detok = Detokenizer(tokenizer, stops)
-        self._ends: list[int] = []  # per output token: characters of output text up to and including it
-        self._complete: list[bool] = []  # per output token: its text does not end inside a character
+        # Per output token (the Detokenizer's): characters of output text up to and including it, and
+        # whether its text ends on a character boundary.
+        self._ends, self._complete = self.detok.token_ends, self.detok.token_complete
         self._records: list[TokenLogprobs | None] = []
         self._num_released = 0
 
@@ -54,7 +55,8 @@ class AlignedText:
         if self.detok.hit_stop:  # the text ended at a stop string: later tokens are not shown
             return Piece("", Positions.empty() if self.track_tokens else None)
         if self.track_tokens:
-            self._measure(token_ids, records)
+            # A router that sent no records (or too few) leaves those tokens without a logprob.
+            self._records += list(records[: len(token_ids)]) + [None] * (len(token_ids) - len(records))
         text = self.detok.add(token_ids, final)
         if not self.track_tokens:
             return Piece(text, None)
@@ -72,16 +74,6 @@ class AlignedText:
             if self._complete[i - 1]:
                 upto = i
         return Piece(text, self._release(upto))
-
-    def _measure(self, token_ids: list[int], records: list[TokenLogprobs]) -> None:
-        ids = self.detok.token_ids + list(token_ids)  # the Detokenizer appends them next
-        first = len(self._ends)
-        for k in range(len(token_ids)):
-            text = self.tokenizer.decode(ids[: first + k + 1])
-            self._complete.append(not text.endswith("\ufffd"))
-            self._ends.append(max(len(text.rstrip("\ufffd")), self._ends[-1] if self._ends else 0))
-        # A router that sent no records (or too few) leaves those tokens without a logprob.
-        self._records += list(records[: len(token_ids)]) + [None] * (len(token_ids) - len(records))
 
     def _start(self, i: int) -> int:
         return self._ends[i - 1] if i > 0 else 0
