@@ -3,7 +3,7 @@ and 4 KV heads of 64, bf16), a decode batch (128 x 512) and decode steps of a fe
 split against the segment split), each configuration checked against the torch reference and timed with
 triton.testing.do_bench. Prints JSON (and writes it with --out).
 
-    python bench/attention_sweep.py [--out bench/results/attention_sweep_h100.json]
+    python bench/attention_sweep.py [--sections prefill,decode,decode_few] [--out bench/results/attention_sweep_h100.json]
 """
 
 from __future__ import annotations
@@ -37,7 +37,9 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="a few configurations (a dry run)")
     ap.add_argument("--device", default="cuda", help="cpu: the dry run, under TRITON_INTERPRET=1")
+    ap.add_argument("--sections", default="prefill,decode,decode_few", help="which sweeps (comma-separated)")
     args = ap.parse_args()
+    wanted = set(args.sections.split(","))
     sys.path.insert(0, str(ROOT / "bench"))
     from gpu_check import import_pdcluster
     from json_report import emit_json
@@ -58,10 +60,12 @@ def main() -> int:
             return (time.perf_counter() - t0) * 1e3
     dev = args.device
     result: dict = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "prefill": [], "decode": []}
-    cases = {"prefill": paged_case(16, 2048, 2048, dev) if not args.quick else paged_case(1, 48, 48, dev),
-             "decode": paged_case(128, 512, 1, dev) if not args.quick else paged_case(4, 48, 1, dev)}
-    for name, case in cases.items():
-        query, cache, tables, seq_lens, qsl, scale = case
+    shapes = {"prefill": (16, 2048, 2048) if not args.quick else (1, 48, 48),
+              "decode": (128, 512, 1) if not args.quick else (4, 48, 1)}
+    for name, shape in shapes.items():
+        if name not in wanted:
+            continue
+        query, cache, tables, seq_lens, qsl, scale = paged_case(*shape, dev)
         # The reference on a few requests' rows (the whole batch would take minutes in torch).
         n_check = 2 if name == "prefill" else 8
         n_check = min(n_check, tables.shape[0])
@@ -95,7 +99,8 @@ def main() -> int:
             print(name, entry, file=sys.stderr, flush=True)
         ranked = sorted((e for e in result[name] if e.get("ok")), key=lambda e: e["ms"])
         result[f"{name}_best"] = ranked[0] if ranked else None
-    result["decode_few"] = decode_few(dev, args.quick, do_bench)
+    if "decode_few" in wanted:
+        result["decode_few"] = decode_few(dev, args.quick, do_bench)
     emit_json(result, args.out, indent=2)
     return 0
 

@@ -1,0 +1,27 @@
+#!/bin/bash
+# One device call for a GPU session (bench/gpu_check.py, then bench/attention_sweep.py), within one
+# command's 10 minutes: results go to $OUT (what comes back) and their logs' tails to the output.
+#
+# Here, first (the GPU machine lacks pyzmq and downloads nothing; the tokenizer files are ignored by git):
+#   python bench/gpu_check.py --prepare-assets
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 -d .whl pyzmq==27.3.0          # .whl/ in .git/info/exclude
+#   python bench/gpu_check.py --device cpu --quick --simulate-gpu-box   # the dry run
+# Then the device call: command `bash bench/gpu_session.sh`, carry ["bench/gpu_assets", ".whl"], timeout_s 590.
+set -o pipefail
+OUT=${OUT:-/tmp/gpu_session}
+mkdir -p "$OUT"
+if ls .whl/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site
+fi
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+# gpu_check stops starting sections past --budget-s; the sweep gets what is left (about 2 minutes).
+timeout 440 python3 bench/gpu_check.py --device cuda --budget-s 380 --out "$OUT/gpu_check.json" > "$OUT/gpu_check.log" 2>&1
+echo "gpu_check rc=$?"
+grep -E '"(ok|x_floor|step_ms|mfu|graph_replays|steps_launched_ahead)"' "$OUT/gpu_check.json" | head -60
+timeout 130 python3 bench/attention_sweep.py --sections decode_few --out "$OUT/attention_sweep.json" > "$OUT/attention_sweep.log" 2>&1
+echo "attention_sweep rc=$?"
+grep -E 'decode_few|best' "$OUT/attention_sweep.log" | tail -20
+tail -5 "$OUT/gpu_check.log"
