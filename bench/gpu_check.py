@@ -542,6 +542,11 @@ def speed_section(entry: dict, device: str, work: Path, quick: bool, report: Rep
             "deterministic": engine.deterministic, "seconds": round(dt, 4),
             "tokens_per_s": round(n_seq * seq_len / dt, 1), "tflops": round(flops / dt / 1e12, 1),
             "mfu": round(flops / dt / 1e12 / peak, 3) if peak else None}
+        if not det:  # prompts without context go to FlashAttention in the fast mode (kernels/flash_prefill.py)
+            from pdcluster.kernels import flash_prefill
+
+            entry["prefill"][mode]["flash_attention"] = {"layer_calls": flash_prefill.num_calls,
+                                                         "refused": flash_prefill.disabled_reason()}
         try:
             entry["prefill"][mode]["profile"] = one_prefill(profiled=True)
         except Exception as e:  # noqa: BLE001 - a diagnostic

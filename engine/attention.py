@@ -8,7 +8,7 @@ import torch
 
 from pdcluster.engine.mamba_state import MambaMetadata  # noqa: F401 (annotation)
 
-from pdcluster.kernels import ops
+from pdcluster.kernels import flash_prefill, ops
 
 
 @dataclass
@@ -23,6 +23,10 @@ class AttentionMetadata:
     scale: float
     # Hybrid models: the Mamba layers' per-row step inputs (engine/mamba_state.py); None for Llama.
     mamba: "MambaMetadata | None" = None
+    # Every request of the step starts at position 0 (prompts with no context yet, no prefix-cache hit):
+    # the longest one's token count, else None. Such a step's attention needs nothing from the paged
+    # cache (the fast mode hands it to FlashAttention on CUDA: kernels/flash_prefill.py).
+    no_context_max_query_len: int | None = None
 
 
 def attend(
@@ -36,6 +40,12 @@ def attend(
     """``batch_invariant`` (deterministic mode): a query's result is the same in any batch (on CUDA the
     fixed attention tiles; the CPU kernel always is)."""
     ops.write_kv(key, value, layer_cache, meta.slot_mapping)
+    if meta.no_context_max_query_len is not None and not batch_invariant \
+            and flash_prefill.usable(query, key.shape[1]):
+        out = flash_prefill.flash_prefill(query, key, value, meta.query_start_loc, meta.no_context_max_query_len,
+                                          meta.scale)
+        if out is not None:
+            return out
     # One varlen kernel serves every batch shape (CPU and CUDA); query_start_loc is already on the device.
     return ops.paged_attention(
         query, layer_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.scale,
