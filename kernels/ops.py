@@ -51,7 +51,9 @@ def paged_attention(
     if _use_triton(query, layer_cache, block_tables, seq_lens, query_start_loc):
         from pdcluster.kernels.triton_paged_attention import paged_attention_triton
 
-        query = query.contiguous()
+        # The kernel takes the query's strides: the model's q is a strided view of its qkv projection, and
+        # packing it first was a copy kernel a layer (on the H100: 0.055 ms of a 5.2 ms batch-128 decode
+        # step, 3.8 ms of the 16 x 2,048 prefill).
         return paged_attention_triton(query, layer_cache, block_tables, seq_lens, query_start_loc, scale,
                                       batch_invariant=batch_invariant)
     out = cpu_ops.paged_attention(query, layer_cache, block_tables, seq_lens, query_start_loc, scale)

@@ -393,7 +393,7 @@ def paged_attention_triton(
     num_reqs = seq_lens.shape[0]
     if query_start_loc.shape[0] != num_reqs + 1:
         raise ValueError(f"query_start_loc has {query_start_loc.shape[0]} entries for {num_reqs} requests")
-    out = torch.empty_like(query)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # packed, whatever the query's strides
     if num_tokens == 0 or num_reqs == 0:
         return out
 

@@ -158,6 +158,20 @@ def test_paged_attention_triton_matches_reference_bf16():
     torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("batch_invariant", [True, False], ids=["deterministic", "fast"])
+def test_paged_attention_triton_takes_a_strided_query(batch_invariant):
+    """The model's q is a view of its qkv projection (rows strided past the K and V heads): the kernel
+    reads it in place, with the same bits as a packed copy, and writes a packed output."""
+    batch = make_batch(MIXED_Q_LENS, MIXED_SEQ_LENS, 4, 2)
+    qkv = torch.cat([batch.query, torch.randn(batch.query.shape[0], 4, HEAD_DIM)], dim=1)
+    strided = qkv[:, :4]
+    assert not strided.is_contiguous()
+    args = (batch.layer_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, SCALE)
+    got = paged_attention_triton(strided, *args, batch_invariant=batch_invariant)
+    assert got.is_contiguous()
+    assert torch.equal(got, paged_attention_triton(strided.contiguous(), *args, batch_invariant=batch_invariant))
+
+
 def test_paged_attention_triton_decode_batch():
     """Pure decode (q_len 1 everywhere), block size 8, contexts ending mid-block and on a boundary."""
     batch = make_batch([1, 1, 1], [9, 16, 30], 4, 2, block_size=8)
