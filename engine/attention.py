@@ -36,10 +36,13 @@ def attend(
     layer_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     meta: AttentionMetadata,
     batch_invariant: bool = True,
+    kv_written: bool = False,
 ) -> torch.Tensor:
     """``batch_invariant`` (deterministic mode): a query's result is the same in any batch (on CUDA the
-    fixed attention tiles; the CPU kernel always is)."""
-    ops.write_kv(key, value, layer_cache, meta.slot_mapping)
+    fixed attention tiles; the CPU kernel always is). ``kv_written``: the caller already put this step's
+    K and V into the cache (ops.rotary_write_kv)."""
+    if not kv_written:
+        ops.write_kv(key, value, layer_cache, meta.slot_mapping)
     if meta.no_context_max_query_len is not None and not batch_invariant \
             and flash_prefill.usable(query, key.shape[1]):
         out = flash_prefill.flash_prefill(query, key, value, meta.query_start_loc, meta.no_context_max_query_len,

@@ -131,6 +131,19 @@ def rotary(x: Tensor, positions: Tensor, cos_sin: Tensor) -> None:
         reference.rotary(x, positions, cos_sin)
 
 
+def rotary_write_kv(query: Tensor, key: Tensor, value: Tensor, positions: Tensor, cos_sin: Tensor,
+                    layer_cache: Tensor, slot_mapping: Tensor) -> bool:
+    """Rotary on ``query`` and ``key`` in place and the rotated K and V into the cache, in one kernel
+    where Triton runs (CUDA): True. False elsewhere, having done nothing (the caller runs ``rotary`` and
+    ``write_kv``, the same result)."""
+    if not _use_triton(query, key, value, positions, cos_sin, layer_cache, slot_mapping):
+        return False
+    from pdcluster.kernels.triton_rotary_kv import rotary_write_kv_triton
+
+    rotary_write_kv_triton(query, key, value, positions, cos_sin, layer_cache, slot_mapping)
+    return True
+
+
 def silu_and_mul(x: Tensor) -> Tensor:
     """``silu(x[:, :d]) * x[:, d:]`` for the fused gate/up projection's output."""
     if _use_triton(x):

@@ -38,27 +38,43 @@ def _rotary_kernel(
     HALF_PAD: tl.constexpr,
 ):
     token_idx = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token_idx).to(tl.int64)
+    cos, sin, dims, dim_mask = _cos_sin(positions_ptr, token_idx, cos_sin_ptr, half, stride_cos_sin_pos,
+                                        stride_cos_sin_dim, HALF_PAD)
+    _rotate_heads(x_ptr + token_idx * stride_x_token, num_heads, half, stride_x_head, stride_x_dim, cos, sin,
+                  dims, dim_mask, HEADS_PAD)
 
+
+@triton.jit
+def _cos_sin(positions_ptr, token_idx, cos_sin_ptr, half, stride_pos, stride_dim, HALF_PAD: tl.constexpr):
+    """The token's cos and sin rows (fp32, [HALF_PAD]), with the half's dims and their mask."""
+    pos = tl.load(positions_ptr + token_idx).to(tl.int64)
     dims = tl.arange(0, HALF_PAD)
     dim_mask = dims < half
-    cs_row_ptr = cos_sin_ptr + pos * stride_cos_sin_pos
-    cos = tl.load(cs_row_ptr + dims * stride_cos_sin_dim, mask=dim_mask, other=0.0).to(tl.float32)
-    sin = tl.load(cs_row_ptr + (dims + half) * stride_cos_sin_dim, mask=dim_mask, other=0.0).to(tl.float32)
+    row_ptr = cos_sin_ptr + pos * stride_pos
+    cos = tl.load(row_ptr + dims * stride_dim, mask=dim_mask, other=0.0).to(tl.float32)
+    sin = tl.load(row_ptr + (dims + half) * stride_dim, mask=dim_mask, other=0.0).to(tl.float32)
+    return cos, sin, dims, dim_mask
 
+
+@triton.jit
+def _rotate_heads(row_ptr, num_heads, half, stride_head, stride_dim, cos, sin, dims, dim_mask,
+                  HEADS_PAD: tl.constexpr):
+    """Rotate one token's heads in place (``row_ptr``: the token's first head); returns the two rotated
+    halves, [HEADS_PAD, HALF_PAD] in the row's dtype (what was stored). Shared with the fused rotary +
+    KV write kernel (kernels/triton_rotary_kv.py), so both round the same math the same way."""
     heads = tl.arange(0, HEADS_PAD)
     mask = (heads < num_heads)[:, None] & dim_mask[None, :]
-    first_ptrs = (
-        x_ptr + token_idx * stride_x_token + heads[:, None] * stride_x_head + dims[None, :] * stride_x_dim
-    )
-    second_ptrs = first_ptrs + half * stride_x_dim
+    first_ptrs = row_ptr + heads[:, None] * stride_head + dims[None, :] * stride_dim
+    second_ptrs = first_ptrs + half * stride_dim
     x1 = tl.load(first_ptrs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(second_ptrs, mask=mask, other=0.0).to(tl.float32)
     out1 = x1 * cos[None, :] - x2 * sin[None, :]
     out2 = x2 * cos[None, :] + x1 * sin[None, :]
-    x_dtype = x_ptr.dtype.element_ty
-    tl.store(first_ptrs, out1.to(x_dtype), mask=mask)
-    tl.store(second_ptrs, out2.to(x_dtype), mask=mask)
+    x_dtype = row_ptr.dtype.element_ty
+    out1, out2 = out1.to(x_dtype), out2.to(x_dtype)
+    tl.store(first_ptrs, out1, mask=mask)
+    tl.store(second_ptrs, out2, mask=mask)
+    return out1, out2
 
 
 def rotary_triton(

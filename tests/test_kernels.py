@@ -421,6 +421,7 @@ from pdcluster.kernels.triton_paged_attention import (_merge_partitions_kernel, 
                                                        _paged_attention_kernel)
 from pdcluster.kernels.triton_rms_norm import _rms_norm_kernel
 from pdcluster.kernels.triton_rotary import _rotary_kernel
+from pdcluster.kernels.triton_rotary_kv import _rotary_write_kv_kernel
 from pdcluster.kernels.triton_silu_and_mul import _silu_and_mul_kernel
 from pdcluster.kernels.triton_write_kv import _write_kv_kernel
 
@@ -472,6 +473,10 @@ for dtype in ("fp32", "bf16"):
     build(_rotary_kernel, {"x_ptr": "*" + dtype, "positions_ptr": "*i64", "cos_sin_ptr": "*fp32"},
           dict(stride_x_dim=1, stride_cos_sin_dim=1, HEADS_PAD=16, HALF_PAD=64))
     build(_silu_and_mul_kernel, {"out_ptr": "*" + dtype, "x_ptr": "*" + dtype}, dict(BLOCK=1024))
+    build(_rotary_write_kv_kernel, {"q_ptr": "*" + dtype, "k_ptr": "*" + dtype, "v_ptr": "*" + dtype,
+          "positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "cache_ptr": "*" + dtype, "slot_mapping_ptr": "*i64"},
+          dict(stride_q_dim=1, stride_k_dim=1, stride_v_dim=1, stride_cos_sin_dim=1, stride_cache_dim=1,
+               Q_HEADS_PAD=32, KV_HEADS_PAD=4, HALF_PAD=32))
 print("compiled")
 """
 

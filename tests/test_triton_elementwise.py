@@ -124,6 +124,35 @@ def test_rotary_triton_int32_positions_and_heads_not_power_of_two():
     _assert_close(buffer, expected)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=["cache-fp32", "cache-bf16"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_q_heads, num_kv_heads", [(4, 2), (6, 2), (3, 1)], ids=["gqa2", "gqa3", "mqa3"])
+def test_fused_rotary_and_kv_write_equals_the_two_kernels(dtype, cache_dtype, num_q_heads, num_kv_heads):
+    """The fused kernel (kernels/triton_rotary_kv.py) on q, k, v views of one qkv row: q and k rotated in
+    place and K, V in the cache bit for bit as rotary_triton then write_kv_triton leave them; a negative
+    slot (padding) is rotated but not written; v is not touched."""
+    from pdcluster.kernels.triton_rotary_kv import rotary_write_kv_triton
+    from pdcluster.kernels.triton_write_kv import write_kv_triton
+
+    head_dim, num_heads = 16, num_q_heads + 2 * num_kv_heads
+    qkv = _randn(NUM_TOKENS, num_heads, head_dim, dtype=dtype, seed=21)
+    positions = torch.tensor([3, 0, 17, 9, 3])
+    cos_sin = _randn(20, head_dim, dtype=torch.float32, seed=22)
+    slots = torch.tensor([5, -1, 0, 11, 6])
+    cache = torch.full((2, 4, 4, num_kv_heads, head_dim), 7.0, dtype=cache_dtype)
+
+    def views(t):
+        return t[:, :num_q_heads], t[:, num_q_heads : num_q_heads + num_kv_heads], t[:, num_q_heads + num_kv_heads :]
+
+    want_qkv, want_cache = qkv.clone(), cache.clone()
+    q, k, v = views(want_qkv)
+    rotary_triton(want_qkv[:, : num_q_heads + num_kv_heads], positions, cos_sin)
+    write_kv_triton(k, v, want_cache, slots)
+    rotary_write_kv_triton(*views(qkv), positions, cos_sin, cache, slots)
+    assert torch.equal(qkv, want_qkv) and torch.equal(cache, want_cache)
+    assert cache[:, 0, 1].eq(7.0).all(), "slot 1 is no token's: untouched (the padding token's slot is -1)"
+
+
 # ---------------------------------------------------------------------------------------------------
 # SiLU and mul
 
@@ -174,3 +203,24 @@ def test_ops_elementwise_triton_route_matches_reference_route(monkeypatch):
     got = _run_elementwise_ops()
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_llama_layers_on_the_triton_route_fuse_rotary_and_kv_write(monkeypatch):
+    """The decoder layer's CUDA branch, forced on CPU tensors (the interpreter runs every kernel): one fused
+    rotary + KV-write launch a layer, and the same greedy tokens as the CPU route."""
+    from conftest import make_engine
+    from pdcluster.engine.sampling_params import SamplingParams
+    from pdcluster.kernels import triton_rotary_kv
+
+    engine = make_engine("tiny-random", dtype="float32", num_kv_blocks=32, max_model_len=128)
+    prompts = [[5, 17, 300, 42, 7, 99, 1000], [8, 8, 31]]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    want = [o.token_ids for o in engine.generate(prompts, params)]
+    calls = []
+    real = triton_rotary_kv.rotary_write_kv_triton
+    monkeypatch.setattr(triton_rotary_kv, "rotary_write_kv_triton", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(ops, "_use_triton", lambda *tensors: True)
+    monkeypatch.setattr(reference, "rotary", None)  # the separate rotary must not run
+    got = [o.token_ids for o in engine.generate(prompts, params)]
+    assert got == want
+    assert len(calls) >= engine.arch.num_layers * 4, "every layer of every step took the fused kernel"

@@ -116,9 +116,12 @@ class RotaryEmbedding:
 
     def rotate_(self, x: torch.Tensor, positions: torch.Tensor) -> None:
         """In place on [num_tokens, num_heads, head_dim] (heads may be a strided view)."""
-        if self.cos_sin.device != x.device:
-            self.cos_sin = self.cos_sin.to(x.device)
-        ops.rotary(x, positions, self.cos_sin)
+        ops.rotary(x, positions, self.cos_sin_on(x.device))
+
+    def cos_sin_on(self, device: torch.device) -> torch.Tensor:
+        if self.cos_sin.device != device:
+            self.cos_sin = self.cos_sin.to(device)
+        return self.cos_sin
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, num_heads, head_dim]; HF's rotate_half convention.
@@ -167,10 +170,15 @@ class DecoderLayer:
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
 
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        """The qkv matmul's output as [num_tokens, heads, head_dim]: q's heads, then k's, then v's."""
+        a = self.arch
+        return self.qkv_proj(x).view(-1, a.num_heads + 2 * a.num_kv_heads, a.head_dim)
+
     def qkv(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding):
         """q, k, v views [num_tokens, heads, head_dim] of one qkv matmul, q and k rotated in place."""
         a = self.arch
-        qkv = self.qkv_proj(x).view(-1, a.num_heads + 2 * a.num_kv_heads, a.head_dim)
+        qkv = self._heads(x)
         if self.q_norm is None:
             rope.rotate_(qkv[:, : a.num_heads + a.num_kv_heads], positions)
             return qkv[:, : a.num_heads], qkv[:, a.num_heads : a.num_heads + a.num_kv_heads], qkv[:, a.num_heads + a.num_kv_heads :]
@@ -203,8 +211,17 @@ class DecoderLayer:
             x = ops.rms_norm(hidden, self.input_norm, a.rms_norm_eps)
         else:
             x = ops.rms_norm(hidden, self.input_norm, a.rms_norm_eps, residual=residual)
-        q, k, v = self.qkv(x, positions, rope)
-        o = attend(q, k, v, layer_cache, meta, batch_invariant=self.deterministic)
+        if self.q_norm is None:
+            qkv, num_qk = self._heads(x), a.num_heads + a.num_kv_heads
+            q, k, v = qkv[:, : a.num_heads], qkv[:, a.num_heads : num_qk], qkv[:, num_qk:]
+            # On CUDA one kernel rotates q and k and writes K and V into the cache; elsewhere apart.
+            kv_written = ops.rotary_write_kv(q, k, v, positions, rope.cos_sin_on(x.device), layer_cache,
+                                             meta.slot_mapping)
+            if not kv_written:
+                rope.rotate_(qkv[:, :num_qk], positions)
+        else:
+            (q, k, v), kv_written = self.qkv(x, positions, rope), False
+        o = attend(q, k, v, layer_cache, meta, batch_invariant=self.deterministic, kv_written=kv_written)
         hidden = self.o_proj(o.reshape(-1, self.q_size))
         x = ops.rms_norm(hidden, self.post_norm, a.rms_norm_eps, residual=residual)
         chunk = MLP_CHUNK_TOKENS_CUDA if x.is_cuda else MLP_CHUNK_TOKENS
