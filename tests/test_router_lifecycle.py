@@ -94,3 +94,29 @@ def test_events_that_arrive_between_two_loops_do_not_stop_the_receiver():
         pusher.close()
         receiver.close()
     assert seen and seen[-1] == second and len(seen) <= 2, seen  # the late one is dropped, as a rule
+
+
+def test_an_admission_after_the_worker_was_declared_down_is_not_taken():
+    """A decode worker admits a placement and dies; the router declares it down (the pending verdict is
+    UNREACHABLE) and only then reads the ADMITTED event it sent before dying. The placement loop has moved
+    on: the late verdict must not make that placement the request's (a later worker_down would recover
+    the request beside the loop, leaving a placement no one forgets: test_soak_long saw one)."""
+    from pdcluster.cluster.router.state import Attempt, RequestState
+    from pdcluster.engine.sampling_params import SamplingParams
+    from pdcluster.node.events import ADMITTED, Admission
+
+    router = _router()
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        r = RequestState("req", [1, 2, 3], SamplingParams(max_tokens=4), asyncio.Queue())
+        a = Attempt("req", 1, "decode-0", "prefill-0", 3, loop.create_future())
+        router.streams.expect(r, a)
+        router.worker_down("decode-0", "submit failed: ActorDiedError")  # the pending verdict: UNREACHABLE
+        router._on_admission(Admission(a.wid, "decode-0", ADMITTED))
+        return r, a
+
+    r, a = asyncio.run(scenario())
+    assert a.admitted.result().verdict != ADMITTED
+    assert r.attempt is None and "req" not in router.streams.requests, "the late admission was taken"
+    router.close()

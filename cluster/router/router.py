@@ -179,10 +179,15 @@ class ClusterRouter:
         if found is None:
             return
         r, a = found
+        if a.admitted.done():
+            # The verdict was given already: a worker_down answered UNREACHABLE for a decode worker that
+            # had admitted it just before dying. The placement loop has moved on (it forgets this
+            # placement); taking it as the request's now would make a later worker_down recover the
+            # request beside that loop: two placements, one never forgotten (test_soak_long saw it).
+            return
         if ev.verdict == ADMITTED and not r.finished:
             self.streams.admitted(r, a)  # now, so the events right behind this one find the placement
-        if not a.admitted.done():
-            a.admitted.set_result(ev)
+        a.admitted.set_result(ev)
 
     def _on_kv_ready(self, ev: KVReady) -> None:
         # Counted even when the request has finished meanwhile: the bytes moved.
