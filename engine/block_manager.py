@@ -126,7 +126,7 @@ class BlockManager:
         when the pool is too small. ``out_of_stream``: the new blocks are written outside the steps'
         device queue (a KV transfer, an offload load): no fenced block is handed out."""
         if not cached_block_ids:
-            num_new_blocks = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) - len(request.block_ids)
+            num_new_blocks = self.num_blocks_needed(request.num_computed_tokens + num_new_tokens) - len(request.block_ids)
             if num_new_blocks <= 0:  # a decode step inside its last block: most rows of most steps
                 return True
         cached_block_ids = cached_block_ids or []

@@ -411,13 +411,17 @@ def paged_attention_triton(
     # Decode and verification: a few requests split their context in segments (flash-decoding), many
     # (enough programs to fill the GPU) walk it whole in one program each.
     block_q = block_q_for(group_pad)
-    few = (num_tokens // block_q + num_reqs) * num_kv_heads < SPLIT_BELOW_PROGRAMS
-    if few and FAST_DECODE_SEGMENTS:
+    if FAST_DECODE_SEGMENTS and too_few_programs(num_tokens // block_q + num_reqs, num_kv_heads):
         return launch(query, layer_cache, block_tables, seq_lens, query_start_loc, scale, out, block_q,
                       FAST_DECODE_KV_TILE, split=True, native_dot=native, segments=FAST_DECODE_SEGMENTS,
                       num_warps=4, num_stages=3)
     return launch(query, layer_cache, block_tables, seq_lens, query_start_loc, scale, out, block_q,
                   FAST_KV_TILE_TOKENS, native_dot=native, partition=FAST_PARTITION, num_warps=4, num_stages=3)
+
+
+def too_few_programs(num_q_tiles: int, num_kv_heads: int) -> bool:
+    """A launch of this many (query tile, KV head) programs leaves the GPU idle: split the context."""
+    return num_q_tiles * num_kv_heads < SPLIT_BELOW_PROGRAMS
 
 
 def fast_whole_context(block_tables: Tensor, block_size: int) -> int:
@@ -454,7 +458,7 @@ def launch(query: Tensor, layer_cache: Tensor, block_tables: Tensor, seq_lens: T
     # The longest context this call can have, from shapes alone (no host sync): the block table's width.
     max_parts = -(-block_tables.shape[1] * block_size // partition)
     if split is None:
-        split = num_q_tiles * num_kv_heads < SPLIT_BELOW_PROGRAMS and max_parts > 1
+        split = too_few_programs(num_q_tiles, num_kv_heads) and max_parts > 1
     num_splits = min(max_parts, -(-SPLIT_BELOW_PROGRAMS // (num_q_tiles * num_kv_heads))) if split else 1
     if segments:
         if not split or segments & (segments - 1):

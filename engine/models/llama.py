@@ -175,13 +175,19 @@ class DecoderLayer:
         a = self.arch
         return self.qkv_proj(x).view(-1, a.num_heads + 2 * a.num_kv_heads, a.head_dim)
 
+    def _split(self, qkv: torch.Tensor):
+        """q, k, v views of ``_heads``' output."""
+        a = self.arch
+        num_qk = a.num_heads + a.num_kv_heads
+        return qkv[:, : a.num_heads], qkv[:, a.num_heads : num_qk], qkv[:, num_qk:]
+
     def qkv(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding):
         """q, k, v views [num_tokens, heads, head_dim] of one qkv matmul, q and k rotated in place."""
         a = self.arch
         qkv = self._heads(x)
         if self.q_norm is None:
             rope.rotate_(qkv[:, : a.num_heads + a.num_kv_heads], positions)
-            return qkv[:, : a.num_heads], qkv[:, a.num_heads : a.num_heads + a.num_kv_heads], qkv[:, a.num_heads + a.num_kv_heads :]
+            return self._split(qkv)
         # Qwen3: RMSNorm over each head's head_dim (the norm kernel's last dim), then RoPE on the result.
         q = self._head_norm(qkv[:, : a.num_heads], self.q_norm)
         k = self._head_norm(qkv[:, a.num_heads : a.num_heads + a.num_kv_heads], self.k_norm)
@@ -212,13 +218,13 @@ class DecoderLayer:
         else:
             x = ops.rms_norm(hidden, self.input_norm, a.rms_norm_eps, residual=residual)
         if self.q_norm is None:
-            qkv, num_qk = self._heads(x), a.num_heads + a.num_kv_heads
-            q, k, v = qkv[:, : a.num_heads], qkv[:, a.num_heads : num_qk], qkv[:, num_qk:]
+            qkv = self._heads(x)
+            q, k, v = self._split(qkv)
             # On CUDA one kernel rotates q and k and writes K and V into the cache; elsewhere apart.
             kv_written = ops.rotary_write_kv(q, k, v, positions, rope.cos_sin_on(x.device), layer_cache,
                                              meta.slot_mapping)
             if not kv_written:
-                rope.rotate_(qkv[:, :num_qk], positions)
+                rope.rotate_(qkv[:, : a.num_heads + a.num_kv_heads], positions)
         else:
             (q, k, v), kv_written = self.qkv(x, positions, rope), False
         o = attend(q, k, v, layer_cache, meta, batch_invariant=self.deterministic, kv_written=kv_written)
