@@ -331,6 +331,60 @@ def test_a_busiest_worker_event_picks_from_health_polled_when_it_fires():
         server.wait(10)
 
 
+@pytest.mark.timeout(60)
+def test_a_busiest_worker_event_waits_while_no_worker_holds_a_request():
+    """On a slow start every request may still wait for its admission at the event's time: /health
+    counts 0 on every worker, and a kill then would test no recovery. The event waits and fires at the
+    first poll that shows a worker holding requests; a load that ends first leaves it unfired."""
+    server_script = ("import subprocess; ps = [subprocess.Popen(['bash', '-c', {inner!r}]) for _ in range(2)]; "
+                     "[p.wait() for p in ps]")
+    server = _fake("ray::DecodeActor", server_script)  # a fake server with two decode workers
+    healths = []
+    try:
+        pids = sorted(p.pid for p in _wait_for(lambda: len(chaos_targets.worker_processes(server.pid, "decode")) == 2
+                                               and chaos_targets.worker_processes(server.pid, "decode")))
+        idle = _health(("decode-0", True, {"pid": pids[0], "num_requests": 0}),
+                       ("decode-1", True, {"pid": pids[1], "num_requests": 0}))
+        busy = _health(("decode-0", True, {"pid": pids[0], "num_requests": 0}),
+                       ("decode-1", True, {"pid": pids[1], "num_requests": 2}))
+
+        def run(health: "_HealthServer", load_s: float) -> ChaosController:
+            controller = ChaosController(health.base_url, {}, parse_chaos("kill-busiest-decode@0.1s"),
+                                         server=server.pid, max_run_s=10.0, poll_interval_s=0.1)
+
+            async def go() -> None:
+                controller.start(time.perf_counter())
+                await asyncio.sleep(load_s)
+                await controller.finish(recovery_timeout_s=0.1)
+
+            asyncio.run(go())
+            return controller
+
+        # Idle for the whole (short) load: never fired, nobody hit.
+        healths.append(_HealthServer([idle]))
+        ev = run(healths[-1], load_s=0.6).events[0]
+        assert ev.fired_at_s is None and ev.skipped == "the load ended before its time", ev
+        assert ev.idle_polls >= 2 and ev.pid is None, ev
+        assert all(psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+
+        # Idle for the first 8 polls, then decode-1 holds two requests: that one is hit.
+        healths.append(_HealthServer([idle] * 8 + [busy]))
+        ev = run(healths[-1], load_s=3.0).events[0]
+        assert ev.skipped is None and ev.idle_polls >= 1, ev
+        assert (ev.index, ev.worker_id, ev.pid, ev.worker_num_requests) == (1, "decode-1", pids[1], 2), ev
+        assert ev.fired_at_s > ev.at_s, ev
+        _wait_for(lambda: not psutil.pid_exists(pids[1]) or psutil.Process(pids[1]).status() == psutil.STATUS_ZOMBIE)
+        assert psutil.Process(pids[0]).status() != psutil.STATUS_ZOMBIE  # the idle one was left alone
+    finally:
+        for health in healths:
+            health.close()
+        for child in psutil.Process(server.pid).children() if server.poll() is None else []:
+            child.kill()
+        if server.poll() is None:
+            server.kill()
+        server.wait(10)
+
+
 def test_loopback_only():
     assert chaos_targets.require_loopback("http://127.0.0.1:8000") == "127.0.0.1"
     assert chaos_targets.require_loopback("http://localhost:8000") == "localhost"

@@ -11,7 +11,9 @@ the rest of the run into a different experiment). The index counts the role's wo
 of their ids on the server's /health (``decode-0-…``, ``decode-1-…``); no index means 0. ``busiest``
 picks, when the event fires, the healthy worker of the role with the most requests on /health (the
 lowest index on a tie): the hit then catches requests in flight whenever there are any, whereas a
-fixed index can find its worker with nothing streaming at that moment.
+fixed index can find its worker with nothing streaming at that moment. When no worker of the role
+holds a request yet (a slow start: every request still waits for its admission), a busiest event
+waits a poll and looks again, until the load ends; ``idle_polls`` in the JSON counts those waits.
 """
 
 from __future__ import annotations

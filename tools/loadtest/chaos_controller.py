@@ -60,6 +60,7 @@ class EventState:
     pid_source: str | None = None  # "health" (the server named the pid) or "process_table"
     worker_num_requests: int | None = None  # requests the router had on that worker just before
     health_at_s: float | None = None  # when the /health it picked the worker from was polled
+    idle_polls: int = 0  # busiest: polls at or after its time that found no worker of the role holding a request
     resumed_at_s: float | None = None  # stop: SIGCONT sent
     seen_down_at_s: float | None = None  # first /health poll listing it unhealthy
     replacement_pid: int | None = None  # kill: the process Ray started in its place
@@ -72,6 +73,8 @@ class EventState:
     # Kill, no pids on /health, the router never listed the worker down: the first poll listing it
     # healthy after its replacement was ready. Only an upper bound's stand-in (see settle_unseen).
     _healthy_after_ready_at_s: float | None = field(default=None, repr=False)
+    # Busiest, deferred because no worker of the role held a request: not tried again before this.
+    _retry_at_s: float | None = field(default=None, repr=False)
 
     def public(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
@@ -102,6 +105,12 @@ def busiest_index(workers: list[dict], spec: str) -> int:
     if not counts:
         raise ChaosTargetError(f"--chaos: {spec}: /health lists no healthy worker of the role with its num_requests")
     return min(counts, key=lambda c: (-c[0], c[1]))[1]
+
+
+def role_is_idle(workers: list[dict]) -> bool:
+    """Whether /health counts requests on the role's healthy workers and every count is 0."""
+    counts = [w.get("num_requests") for w in workers if w.get("healthy", True)]
+    return bool(counts) and all(n == 0 for n in counts)
 
 
 def health_reports_pids(health: dict | None) -> bool:
@@ -194,7 +203,8 @@ class ChaosController:
 
     def _sleep_s(self) -> float:
         now = self.now_s()
-        due = [ev.at_s for _, ev in self._schedule if ev.fired_at_s is None and ev.skipped is None]
+        due = [max(ev.at_s, ev._retry_at_s or 0.0) for _, ev in self._schedule
+               if ev.fired_at_s is None and ev.skipped is None]
         due += [ev.fired_at_s + ev.stop_s for ev, _ in self._stopped.values()]
         next_due = min(due, default=now + self.poll_interval_s)
         return max(MIN_SLEEP_S, min(self.poll_interval_s, next_due - now))
@@ -210,7 +220,8 @@ class ChaosController:
     # ---- firing --------------------------------------------------------------------------------------
     async def _fire_due(self, http: httpx.AsyncClient) -> None:
         for event, ev in self._schedule:
-            if ev.fired_at_s is not None or ev.skipped is not None or ev.at_s > self.now_s():
+            if (ev.fired_at_s is not None or ev.skipped is not None or ev.at_s > self.now_s()
+                    or (ev._retry_at_s is not None and ev._retry_at_s > self.now_s())):
                 continue
             if not self._firing:
                 ev.skipped = "the load ended before its time"
@@ -222,6 +233,13 @@ class ChaosController:
                 for _ in range(FRESH_HEALTH_TRIES):
                     if await self._poll(http):
                         break
+                if role_is_idle(role_workers(self._last_health, event.role)):
+                    # Nothing to hit yet (on a slow start every request may still wait for its
+                    # admission): a kill now would test no recovery. Try again a poll later, until the
+                    # load ends (then it is skipped as not fired).
+                    ev.idle_polls += 1
+                    ev._retry_at_s = self.now_s() + self.poll_interval_s
+                    continue
             try:
                 self._fire(event, ev)
             except ChaosTargetError as e:
