@@ -15,7 +15,8 @@ skipped once the time budget is spent:
   attention on CUDA) against the fast mode on a 4-layer model of that Llama's width, bf16: decode step
   time at batch 1 and 32, and a request's greedy tokens and logprobs alone == among 15 others, bitwise;
 - ``speed``: a random-weight 1.1B Llama (TinyLlama's shape, bf16): copy bandwidth and the HBM floor,
-  decode step time at batch 1, 32 and 128, prefill tok/s at 16 x 2,048 and its MFU, transformers'
+  decode step time at batch 1, 32 and 128 (steps back to back, the steady state; ``step_ms_synced``:
+  each step alone after a device sync), prefill tok/s at 16 x 2,048 and its MFU, transformers'
   ``generate`` on the same GPU.
 
 The GPU machine has torch, triton, transformers, safetensors, tokenizers, msgpack and numpy but no
@@ -417,25 +418,39 @@ def _profile_steps(engine, device: str, num_steps: int = 3) -> dict:
 
 
 def _decode_step_ms(engine, batch: int, prompt_len: int, num_steps: int, device: str,
-                    profile_into: dict | None = None) -> float:
+                    profile_into: dict | None = None, synced_into: dict | None = None) -> float:
+    """Decode step time at ``batch`` in the steady state: ``num_steps`` steps back to back, the device
+    synchronised only before the first and after the last (with async scheduling a step is launched
+    while the one before it runs; a sync before each step would drain that pipeline and time every step
+    as if alone). ``synced_into[str(batch)]``, if given, gets the median of steps timed one at a time
+    after a sync (the figure this check reported until launch-ahead)."""
     from pdcluster.engine.sampling_params import SamplingParams
 
-    params = SamplingParams(max_tokens=num_steps + 24, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=2 * num_steps + 24, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         engine.add_request([5 + (i * 7 + j) % 20000 for j in range(prompt_len)], params)
     started = set()
     for _ in range(10_000):  # until every request has its first token (prefill done)
         for out in engine.step():
-            if out.token_ids:
+            if out.token_ids or out.num_output_tokens:
                 started.add(out.request_id)
         if len(started) == batch:
             break
-    times = []
+    engine.step()  # one more: with async scheduling the next decode step is in flight from here on
+    _sync(device)
+    t0 = time.perf_counter()
     for _ in range(num_steps):
-        _sync(device)
-        t0 = time.perf_counter()
         engine.step()
-        times.append(time.perf_counter() - t0)
+    _sync(device)
+    step_ms = (time.perf_counter() - t0) / num_steps * 1e3
+    if synced_into is not None:
+        times = []
+        for _ in range(num_steps):
+            _sync(device)
+            t1 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t1)
+        synced_into[str(batch)] = round(statistics.median(times) * 1e3, 3)
     if profile_into is not None:
         try:
             profile_into[str(batch)] = _profile_steps(engine, device)
@@ -445,7 +460,7 @@ def _decode_step_ms(engine, batch: int, prompt_len: int, num_steps: int, device:
         engine.abort_request(rid)
     while engine.has_unfinished():
         engine.step()
-    return statistics.median(times) * 1e3
+    return step_ms
 
 
 def speed_section(entry: dict, device: str, work: Path, quick: bool, report: Report) -> None:
@@ -488,13 +503,16 @@ def speed_section(entry: dict, device: str, work: Path, quick: bool, report: Rep
             engine.runner.use_decode_graphs(emulate=True)  # the dry run: the same path, nothing captured
         decode[mode] = {"used": engine.runner.graphs is not None, "deterministic": engine.deterministic}
         for b in batches:
+            synced: dict = {}
             ms = _decode_step_ms(engine, b, prompt_len, num_steps, device,
-                                 profile_into=profiles.setdefault(mode, {}) if mode != "eager" else None)
+                                 profile_into=profiles.setdefault(mode, {}) if mode != "eager" else None,
+                                 synced_into=synced)
             kv_bytes = b * (prompt_len + num_steps // 2) * shape["num_hidden_layers"] * 2 \
                 * shape["num_key_value_heads"] * (shape["hidden_size"] // shape["num_attention_heads"]) * 2
             floor = (weight_bytes + kv_bytes) / (bw * 1e9) * 1e3
             decode[mode][str(b)] = {"step_ms": round(ms, 3), "floor_ms": round(floor, 3),
-                                    "x_floor": round(ms / floor, 2), "tokens_per_s": round(b / ms * 1e3, 1)}
+                                    "x_floor": round(ms / floor, 2), "tokens_per_s": round(b / ms * 1e3, 1),
+                                    "step_ms_synced": synced[str(b)]}
             report.write()
         if graphs and engine.runner.graphs is not None:
             decode[mode]["num_replays"] = engine.runner.graphs.num_replays
