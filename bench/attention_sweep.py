@@ -1,9 +1,10 @@
 """Paged attention launch configurations on a GPU: the fast mode's prefill (16 x 2,048 tokens, 32 query
-and 4 KV heads of 64, bf16), a decode batch (128 x 512) and decode steps of a few requests (the partition
-split against the segment split), each configuration checked against the torch reference and timed with
-triton.testing.do_bench. Prints JSON (and writes it with --out).
+and 4 KV heads of 64, bf16), a decode batch (128 x 512), decode steps of a few requests (the partition
+split against the segment split) and of many (unsplit, the whole context one partition, against 256-
+position partitions and 2-16 segments), each configuration checked against the torch reference and timed
+with triton.testing.do_bench. Prints JSON (and writes it with --out).
 
-    python bench/attention_sweep.py [--sections prefill,decode,decode_few] [--out bench/results/attention_sweep_h100.json]
+    python bench/attention_sweep.py [--sections prefill,decode,decode_few,decode_many] [--out bench/results/attention_sweep_h100.json]
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="a few configurations (a dry run)")
     ap.add_argument("--device", default="cuda", help="cpu: the dry run, under TRITON_INTERPRET=1")
-    ap.add_argument("--sections", default="prefill,decode,decode_few", help="which sweeps (comma-separated)")
+    ap.add_argument("--sections", default="prefill,decode,decode_few,decode_many", help="which sweeps (comma-separated)")
     args = ap.parse_args()
     wanted = set(args.sections.split(","))
     sys.path.insert(0, str(ROOT / "bench"))
@@ -80,8 +81,7 @@ def main() -> int:
             configs = list(configs)[:2]
         for rows, block_n, warps, stages in configs:
             block_q = attn.block_q_for(8, rows)
-            partition = (attn.fast_whole_context(tables, cache.shape[2]) // block_n + 1) * block_n \
-                if name == "prefill" else max(block_n, attn.FAST_PARTITION)
+            partition = attn.fast_whole_context(tables, cache.shape[2])  # production's, both
 
             def run():
                 return attn.launch(query, cache, tables, seq_lens, qsl, scale, torch.empty_like(query), block_q,
@@ -101,21 +101,30 @@ def main() -> int:
         result[f"{name}_best"] = ranked[0] if ranked else None
     if "decode_few" in wanted:
         result["decode_few"] = decode_few(dev, args.quick, do_bench)
+    if "decode_many" in wanted:
+        result["decode_many"] = decode_few(dev, args.quick, do_bench, many=True)
     emit_json(result, args.out, indent=2)
     return 0
 
 
-def decode_few(dev: str, quick: bool, do_bench) -> dict:
+def decode_few(dev: str, quick: bool, do_bench, many: bool = False) -> dict:
     """Decode steps of a few requests (latency-bound: too few (query tile, KV head) programs to fill the
     GPU): the partition split (FAST_PARTITION, before the segments) against the segment split, each
     checked against the reference. Block tables as wide as a CUDA graph's (4,096 positions), since the
-    partition split sizes itself from the table's width."""
+    partition split sizes itself from the table's width.
+
+    ``many``: decode steps of many requests (enough programs: production runs them unsplit) against
+    2 to 16 segments, whether splitting the context pays there too (the H100's batch-128 decode step
+    spent 0.81 ms of 2.5 in attention at ~0.65 of copy bandwidth)."""
     import torch
 
     from pdcluster.kernels import reference
     from pdcluster.kernels import triton_paged_attention as attn
 
-    cases = [(1, 512), (1, 4096), (8, 2048), (32, 512)] if not quick else [(1, 40)]
+    if many:
+        cases = [(64, 1024), (128, 512), (128, 2048)] if not quick else [(8, 40)]
+    else:
+        cases = [(1, 512), (1, 4096), (8, 2048), (32, 512)] if not quick else [(1, 40)]
     width_tokens = 4096 if not quick else 64
     out: dict = {}
     for num_seqs, seq_len in cases:
@@ -127,7 +136,10 @@ def decode_few(dev: str, quick: bool, do_bench) -> dict:
                                          qsl[: n_check + 1], scale)
         block_q = attn.block_q_for(8)
         configs = [("production", None, None)] + [("partition", 64, 0)] + [
-            ("segments", block_n, segments) for segments in (8, 16, 32) for block_n in (32, 64)]
+            ("segments", block_n, segments) for segments in ((2, 4, 8, 16) if many else (8, 16, 32))
+            for block_n in (32, 64)]
+        if many:  # unsplit in 256-position partitions: production until the whole context became one
+            configs.insert(1, ("unsplit_partitions", 64, None))
         if quick:
             configs = configs[:3]
         entries = []
@@ -135,6 +147,11 @@ def decode_few(dev: str, quick: bool, do_bench) -> dict:
             if kind == "production":
                 def run():
                     return attn.paged_attention_triton(query, cache, wide, seq_lens, qsl, scale, batch_invariant=False)
+            elif kind == "unsplit_partitions":
+                def run(block_n=block_n):
+                    return attn.launch(query, cache, wide, seq_lens, qsl, scale, torch.empty_like(query), block_q,
+                                       block_n, split=False, native_dot=dev == "cuda", num_warps=4, num_stages=3,
+                                       partition=attn.FAST_PARTITION)
             else:
                 def run(block_n=block_n, segments=segments):
                     return attn.launch(query, cache, wide, seq_lens, qsl, scale, torch.empty_like(query), block_q,
@@ -149,7 +166,7 @@ def decode_few(dev: str, quick: bool, do_bench) -> dict:
             except Exception as e:  # noqa: BLE001 - a configuration that does not compile
                 entry["error"] = f"{type(e).__name__}: {str(e)[:200]}"
             entries.append(entry)
-            print(f"decode_few {num_seqs}x{seq_len}", entry, file=sys.stderr, flush=True)
+            print(f"decode_{'many' if many else 'few'} {num_seqs}x{seq_len}", entry, file=sys.stderr, flush=True)
         ranked = sorted((e for e in entries if e.get("ok")), key=lambda e: e["us"])
         out[f"{num_seqs}x{seq_len}"] = {"configs": entries, "best": ranked[0] if ranked else None}
     return out

@@ -409,14 +409,17 @@ def paged_attention_triton(
                       block_q_for(group_pad, FAST_PREFILL_ROWS), FAST_PREFILL_KV_TILE, native_dot=native,
                       partition=fast_whole_context(block_tables, block_size), num_warps=4, num_stages=3)
     # Decode and verification: a few requests split their context in segments (flash-decoding), many
-    # (enough programs to fill the GPU) walk it whole in one program each.
+    # (enough programs to fill the GPU) walk it whole in one program each, as one partition: one key
+    # loop the software pipeline runs through (with FAST_PARTITION's 4-tile partitions it filled and
+    # drained its stages every 256 positions).
     block_q = block_q_for(group_pad)
     if FAST_DECODE_SEGMENTS and too_few_programs(num_tokens // block_q + num_reqs, num_kv_heads):
         return launch(query, layer_cache, block_tables, seq_lens, query_start_loc, scale, out, block_q,
                       FAST_DECODE_KV_TILE, split=True, native_dot=native, segments=FAST_DECODE_SEGMENTS,
                       num_warps=4, num_stages=3)
     return launch(query, layer_cache, block_tables, seq_lens, query_start_loc, scale, out, block_q,
-                  FAST_KV_TILE_TOKENS, native_dot=native, partition=FAST_PARTITION, num_warps=4, num_stages=3)
+                  FAST_KV_TILE_TOKENS, native_dot=native, partition=fast_whole_context(block_tables, block_size),
+                  num_warps=4, num_stages=3)
 
 
 def too_few_programs(num_q_tiles: int, num_kv_heads: int) -> bool:
@@ -425,10 +428,14 @@ def too_few_programs(num_q_tiles: int, num_kv_heads: int) -> bool:
 
 
 def fast_whole_context(block_tables: Tensor, block_size: int) -> int:
-    """The fast mode's prefill partition: the whole context (from the block table's width), so each
-    program's key loop runs the context at once; short loops leave the software pipeline idle."""
+    """The fast mode's partition for prefill and unsplit decode: the whole context (from the block
+    table's width), so each program's key loop runs the context at once; short loops leave the software
+    pipeline idle. A power of two (a multiple of both fast key tiles): the partition is a compile-time
+    constant, and eager steps whose widths grow one block at a time compile ~log2(max_model_len)
+    variants, not one per 128 positions (a bigger partition than the context costs nothing: the loop
+    stops at the row's last key)."""
     width = block_tables.shape[1] * block_size
-    return max(FAST_PREFILL_KV_TILE, -(-width // FAST_PREFILL_KV_TILE) * FAST_PREFILL_KV_TILE)
+    return triton.next_power_of_2(max(FAST_PREFILL_KV_TILE, width))
 
 
 # The interpreter multiplies 16-bit dot operands wrongly (module doc): it never runs the native dot.

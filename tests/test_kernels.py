@@ -202,14 +202,16 @@ def test_paged_attention_split_in_segments_matches_reference(segments, block_n, 
 
 def test_fast_decode_takes_the_segment_split_for_a_few_requests(monkeypatch):
     """paged_attention_triton(batch_invariant=False) on a decode batch of a few requests launches the
-    segment split (and still matches the reference); prefill-sized calls do not."""
+    segment split (and still matches the reference); prefill-sized calls do not. A decode batch with
+    enough programs runs unsplit, its whole context one partition (one key loop per program), and
+    matches the reference over contexts of several FAST_PARTITIONs."""
     from pdcluster.kernels import triton_paged_attention as attention
 
     launched = []
     real_launch = attention.launch
 
     def recording(*args, **kwargs):
-        launched.append(kwargs.get("segments", 0))
+        launched.append((kwargs.get("segments", 0), kwargs.get("split"), kwargs.get("partition")))
         return real_launch(*args, **kwargs)
 
     monkeypatch.setattr(attention, "launch", recording)
@@ -218,7 +220,16 @@ def test_fast_decode_takes_the_segment_split_for_a_few_requests(monkeypatch):
     torch.testing.assert_close(got, reference.paged_attention(*batch.args()), rtol=1e-5, atol=1e-5)
     prefill = make_batch([20], [20], 4, 2, block_size=8)
     attention.paged_attention_triton(*prefill.args(), batch_invariant=False)
-    assert launched == [attention.FAST_DECODE_SEGMENTS, 0]
+    assert [seg for seg, _, _ in launched] == [attention.FAST_DECODE_SEGMENTS, 0]
+
+    launched.clear()
+    monkeypatch.setattr(attention, "SPLIT_BELOW_PROGRAMS", 1)  # every launch has programs enough
+    many = make_batch([1, 2, 1], [700, 257, 3], 4, 2, block_size=8)
+    got = attention.paged_attention_triton(*many.args(), batch_invariant=False)
+    torch.testing.assert_close(got, reference.paged_attention(*many.args()), rtol=1e-5, atol=1e-5)
+    whole = attention.fast_whole_context(many.block_tables, 8)
+    assert whole >= 700 and whole > attention.FAST_PARTITION
+    assert launched == [(0, None, whole)]
 
 
 def triton_next_pow2(n: int) -> int:
@@ -457,6 +468,13 @@ build(_paged_attention_kernel,
       dict(stride_q_dim=1, stride_cache_dim=1, GROUP=8, GROUP_PAD=8, BLOCK_Q=2, BLOCK_M=16, BLOCK_N=32,
            HEAD_DIM_PAD=64, DOT_PRECISION="tf32", PARTITION_SIZE=256, SPLIT=True, NATIVE_DOT=True,
            NUM_SEGMENTS=16))  # fast decode, split in segments
+build(_paged_attention_kernel,
+      {"out_ptr": "*bf16", "query_ptr": "*bf16", "cache_ptr": "*bf16", "block_tables_ptr": "*i32",
+       "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
+       "part_acc_ptr": "*fp32", "qk_scale_log2": "fp32"},
+      dict(stride_q_dim=1, stride_cache_dim=1, GROUP=8, GROUP_PAD=8, BLOCK_Q=2, BLOCK_M=16, BLOCK_N=64,
+           HEAD_DIM_PAD=64, DOT_PRECISION="tf32", PARTITION_SIZE=4096, SPLIT=False,
+           NATIVE_DOT=True))  # fast decode of many requests: the whole context one partition
 build(_merge_segments_kernel, {"out_ptr": "*bf16", "query_start_loc_ptr": "*i32", "part_m_ptr": "*fp32",
       "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32"}, dict(stride_out_dim=1, NUM_SEGMENTS=16, HEAD_DIM_PAD=64))
 build(_merge_partitions_kernel, {"out_ptr": "*bf16", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
