@@ -163,6 +163,8 @@ def decode_few(dev: str, quick: bool, do_bench, many: bool = False) -> dict:
                 entry["max_abs_err"] = float((got - want).abs().max())
                 entry["ok"] = entry["max_abs_err"] < 3e-2
                 entry["us"] = round(do_bench(run, warmup=5, rep=30) * 1e3, 2)
+                kv_bytes = num_seqs * seq_len * 2 * cache.shape[3] * cache.shape[4] * cache.element_size()
+                entry["kv_tb_per_s"] = round(kv_bytes / entry["us"] / 1e6, 3)  # K and V read once
             except Exception as e:  # noqa: BLE001 - a configuration that does not compile
                 entry["error"] = f"{type(e).__name__}: {str(e)[:200]}"
             entries.append(entry)
