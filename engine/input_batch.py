@@ -112,13 +112,23 @@ def prepare_inputs(rows: StepRows, idx_mapping: np.ndarray, states: RequestState
     # Row i's entries are first_row[i] .. + logits_count[i], packed from logits_start[i] on.
     logits_indices = np.repeat(first_row - logits_start, logits_count) + np.arange(int(logits_count.sum()))
     kind = classify_batch(q_lens, num_spec_steps)
-    put = inputs.put
+    # Every array of the step to the device in one copy (engine/step_inputs.py).
+    host = {"slot_mapping": slot_mapping, "block_tables": block_tables, "seq_lens": seq_lens,
+            "query_start_loc": query_start_loc.astype(np.int32), "input_ids": input_ids,
+            "positions": positions.astype(np.int64), "logits_indices": logits_indices.astype(np.int64)}
+    if mamba_pool is not None:
+        host["state_slots"] = idx_mapping.astype(np.int64)
+    ahead = rows.ahead_rows_np is not None and len(rows.ahead_rows_np) > 0
+    if ahead:
+        host["ahead_dst"] = query_start_loc[rows.ahead_rows_np]
+        host["ahead_src"] = rows.ahead_src_np.astype(np.int64)
     inputs.begin_step()
+    dev = inputs.put_many(host)
     meta = AttentionMetadata(
-        slot_mapping=put("slot_mapping", slot_mapping),
-        block_tables=put("block_tables", block_tables),
-        seq_lens=put("seq_lens", seq_lens),
-        query_start_loc=put("query_start_loc", query_start_loc.astype(np.int32)),
+        slot_mapping=dev["slot_mapping"],
+        block_tables=dev["block_tables"],
+        seq_lens=dev["seq_lens"],
+        query_start_loc=dev["query_start_loc"],
         uniform_q_len=uniform_decode_query_len(num_spec_steps) if kind == BatchKind.UNIFORM_DECODE else None,
         scale=scale,
         no_context_max_query_len=int(q_lens.max()) if len(q_lens) and not starts.any() else None,
@@ -132,20 +142,19 @@ def prepare_inputs(rows: StepRows, idx_mapping: np.ndarray, states: RequestState
             # Verification rows keep the state after every position; sample_tokens keeps the one
             # after the last accepted token.
             keep_positions_np=np.array([len(d) > 0 for d in rows.draft_token_ids], dtype=bool),
-            state_slots=put("state_slots", idx_mapping.astype(np.int64)),
+            state_slots=dev["state_slots"],
         )
-    input_ids_dev = put("input_ids", input_ids)
-    if rows.ahead_rows_np is not None and len(rows.ahead_rows_np):
+    input_ids_dev = dev["input_ids"]
+    if ahead:
         # The previous step's sampled ids, gathered on the device: no wait for that step to finish.
-        dst = put("ahead_dst", query_start_loc[rows.ahead_rows_np])
-        input_ids_dev[dst] = rows.ahead_tokens_dev[put("ahead_src", rows.ahead_src_np.astype(np.int64))]
+        input_ids_dev[dev["ahead_dst"]] = rows.ahead_tokens_dev[dev["ahead_src"]]
     return InputBatch(
         input_ids=input_ids_dev,
-        positions=put("positions", positions.astype(np.int64)),
+        positions=dev["positions"],
         attn_metadata=meta,
         batch_kind=kind,
         logits_start_np=logits_start,
         logits_count_np=logits_count,
-        logits_indices=put("logits_indices", logits_indices.astype(np.int64)),
+        logits_indices=dev["logits_indices"],
         query_start_loc_np=query_start_loc,
     )
