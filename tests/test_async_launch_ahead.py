@@ -83,14 +83,14 @@ def test_penalties_fall_back_to_finishing_first(reference, tiny_dir):
     expected = [o.token_ids for o in make_engine("tiny-random", **CFG).generate(prompts, params)]
     engine = make_engine("tiny-random", async_scheduling=True, **CFG)
     stepper, ahead_rows = engine._stepper, []
-    submit = stepper._submit_launch
+    launch = engine.runner.launch
 
-    def watched(sched, ahead=False, prev_done=None):
+    def watched(sched, ahead=False):
         if ahead:
             ahead_rows.extend(engine.scheduler.requests[s.request_id].sampling_params for s in sched.scheduled)
-        return submit(sched, ahead, prev_done)
+        return launch(sched, ahead=ahead)
 
-    stepper._submit_launch = watched
+    engine.runner.launch = watched
     assert [o.token_ids for o in engine.generate(prompts, params)] == expected
     # Launched ahead only once the penalised request had finished.
     assert stepper.num_launched_ahead > 0 and ahead_rows

@@ -126,13 +126,17 @@ def test_S4_outputs_read_only_after_the_step_completed(tiny_dir, spec):
     state = {"overlapped": 0, "updates": 0}
     in_flight: deque = deque()  # launched steps, oldest first: from submission until finish() returns
     execute, finish = runner.execute_model, runner.finish
-    submit = stepper._submit_launch
+    submit, launch_here = stepper._submit_launch, stepper._launch_ahead_here
     schedule = scheduler.schedule
     update = scheduler.update_from_output
 
     def flagged_submit(sched, *args, **kwargs):
         in_flight.append(id(sched))
         return submit(sched, *args, **kwargs)
+
+    def flagged_launch_here(sched, *args, **kwargs):  # launch-ahead runs on the caller's thread
+        in_flight.append(id(sched))
+        return launch_here(sched, *args, **kwargs)
 
     def slow_execute(sched, *args):
         time.sleep(0.02)
@@ -154,6 +158,7 @@ def test_S4_outputs_read_only_after_the_step_completed(tiny_dir, spec):
         return update(sched, out)
 
     stepper._submit_launch = flagged_submit
+    stepper._launch_ahead_here = flagged_launch_here
     runner.execute_model = slow_execute
     runner.finish = watched_finish
     scheduler.schedule = watched_schedule
