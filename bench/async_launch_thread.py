@@ -1,8 +1,9 @@
 """Async scheduling's host time per decode step, in one process: launch-ahead on the caller's thread (the
 engine as it is) against the same job on the runner's worker thread (as before 2026-11-27, monkeypatched
-back), and the synchronous engine. The model is stubbed as in bench/host_overhead.py (a forward of zeros,
-a 256-id head), so a step is the engine's own host work, what a GPU waits on. Blocks of 10 steps alternate
-between the three engines, so the box's drift hits all alike; medians. Prints JSON (and writes it with --out).
+back), and the synchronous engine. The model is stubbed by bench/host_overhead.py's stubbed_engine (a
+forward of zeros, a 256-id head), so a step is the engine's own host work, what a GPU waits on. Blocks of
+10 steps alternate between the three engines, so the box's drift hits all alike; medians. Prints JSON (and
+writes it with --out).
 
     python bench/async_launch_thread.py [--context 512] [--steps 240] [--out bench/results/async_launch_thread.json]
 """
@@ -18,39 +19,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _engine(batch: int, context: int, steps: int, async_scheduling: bool):
-    import torch
-
-    from pdcluster.engine.config import EngineConfig
-    from pdcluster.engine.llm_engine import LLMEngine
-    from pdcluster.engine.models.registry import resolve_model
-    from pdcluster.engine.sampling_params import SamplingParams
-
-    max_tokens = 2 * steps + 64 + batch * context // max(2048, batch)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    max_model_len = context + max_tokens + 16
-    engine = LLMEngine.from_config(EngineConfig(
-        model=str(resolve_model("tiny-random", progress=False)), device="cpu", dtype="float32", max_num_seqs=batch,
-        num_kv_blocks=batch * (-(-max_model_len // 16)) + 16, max_model_len=max_model_len,
-        max_num_batched_tokens=max(2048, batch), enable_prefix_caching=False, async_scheduling=async_scheduling),
-        progress=False)
-    model = engine.runner.model
-    hidden_size = model.embed_tokens.shape[1]
-    model.forward = lambda ids, *args, **kwargs: torch.zeros(ids.shape[0], hidden_size)
-    model.compute_logits = lambda hidden: torch.zeros(hidden.shape[0], 256)
-    for i in range(batch):
-        engine.add_request([5 + (i * 7 + j) % 200 for j in range(context)], params)
-    for _ in range(10_000):  # prefill done: every request running with a token out
-        engine.step()
-        running = engine.scheduler.running
-        if len(running) == batch and all(r.output_token_ids for r in running):
-            break
-    return engine
-
-
 def measure(batch: int, context: int, steps: int) -> dict:
-    engines = {"caller_thread": _engine(batch, context, steps, True), "worker_thread": _engine(batch, context, steps, True),
-               "sync": _engine(batch, context, steps, False)}
+    from host_overhead import stubbed_engine
+
+    engines = {"caller_thread": stubbed_engine(batch, context, steps, True),
+               "worker_thread": stubbed_engine(batch, context, steps, True),
+               "sync": stubbed_engine(batch, context, steps, False)}
     stepper = engines["worker_thread"]._stepper
     # The earlier AsyncStepper: the launch-ahead job queued on the worker thread, the caller waiting on it.
     stepper._launch_ahead_here = lambda sched, prev_done: stepper._submit_launch(sched, ahead=True, prev_done=prev_done)

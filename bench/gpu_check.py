@@ -432,7 +432,7 @@ def _decode_step_ms(engine, batch: int, prompt_len: int, num_steps: int, device:
     started = set()
     for _ in range(10_000):  # until every request has its first token (prefill done)
         for out in engine.step():
-            if out.token_ids or out.num_output_tokens:
+            if out.num_output_tokens:
                 started.add(out.request_id)
         if len(started) == batch:
             break

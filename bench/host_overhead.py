@@ -27,7 +27,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def host_step_ms(batch: int, context: int, steps: int, profile: bool = False, async_scheduling: bool = False) -> dict:
+def stubbed_engine(batch: int, context: int, steps: int, async_scheduling: bool = False):
+    """The tiny-random engine with its forward and LM head stubbed (zeros; a 256-id head), ``batch``
+    requests of ``context`` prompt tokens past their prefill, each with room for 2 x ``steps`` more
+    decode steps: a decode step is then the engine's own host work."""
     import torch
 
     from pdcluster.engine.config import EngineConfig
@@ -55,6 +58,11 @@ def host_step_ms(batch: int, context: int, steps: int, profile: bool = False, as
         running = engine.scheduler.running
         if len(running) == batch and all(r.output_token_ids for r in running):
             break
+    return engine
+
+
+def host_step_ms(batch: int, context: int, steps: int, profile: bool = False, async_scheduling: bool = False) -> dict:
+    engine = stubbed_engine(batch, context, steps, async_scheduling)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()

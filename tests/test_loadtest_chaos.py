@@ -10,6 +10,7 @@ re-prefills elsewhere), the stopped worker resumed, and the JSON fields and the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.server
 import json
 import os
@@ -285,26 +286,45 @@ class _HealthServer:
         self.httpd.shutdown()
         self.httpd.server_close()
 
+    def __enter__(self) -> "_HealthServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@contextlib.contextmanager
+def _two_fake_decode_workers():
+    """A fake server with two decode workers under it: (its process, the workers' pids in order); both
+    killed at the end."""
+    server_script = ("import subprocess; ps = [subprocess.Popen(['bash', '-c', {inner!r}]) for _ in range(2)]; "
+                     "[p.wait() for p in ps]")
+    server = _fake("ray::DecodeActor", server_script)
+    try:
+        yield server, sorted(p.pid for p in _wait_for(
+            lambda: len(chaos_targets.worker_processes(server.pid, "decode")) == 2
+            and chaos_targets.worker_processes(server.pid, "decode")))
+    finally:
+        for child in psutil.Process(server.pid).children() if server.poll() is None else []:
+            child.kill()
+        if server.poll() is None:
+            server.kill()
+        server.wait(10)
+
 
 @pytest.mark.timeout(60)
 def test_a_busiest_worker_event_picks_from_health_polled_when_it_fires():
     """The worker busiest at the last regular poll may have finished everything by the time the
     event is due (a poll on a busy server can be seconds old): the controller polls again and kills
     the worker busiest now."""
-    server_script = ("import subprocess; ps = [subprocess.Popen(['bash', '-c', {inner!r}]) for _ in range(2)]; "
-                     "[p.wait() for p in ps]")
-    server = _fake("ray::DecodeActor", server_script)  # a fake server with two decode workers
-    health = None
-    try:
-        pids = sorted(p.pid for p in _wait_for(lambda: len(chaos_targets.worker_processes(server.pid, "decode")) == 2
-                                               and chaos_targets.worker_processes(server.pid, "decode")))
+    with _two_fake_decode_workers() as (server, pids), contextlib.ExitStack() as closing:
         old = _health(("decode-0", True, {"pid": pids[0], "num_requests": 5}),
                       ("decode-1", True, {"pid": pids[1], "num_requests": 0}))
         now = _health(("decode-0", True, {"pid": pids[0], "num_requests": 0}),
                       ("decode-1", True, {"pid": pids[1], "num_requests": 3}))
         # Polls 1 and 2 (the start and the loop's first turn, before the event is due) see the old
         # counts; any poll after them sees the new ones.
-        health = _HealthServer([old, old, now])
+        health = closing.enter_context(_HealthServer([old, old, now]))
         event = parse_chaos("kill-busiest-decode@0.3s")[0]
         controller = ChaosController(health.base_url, {}, [event], server=server.pid, max_run_s=5.0,
                                      poll_interval_s=2.0)
@@ -321,14 +341,6 @@ def test_a_busiest_worker_event_picks_from_health_polled_when_it_fires():
         assert ev.health_at_s is not None and ev.health_at_s >= 0.3, ev
         _wait_for(lambda: not psutil.pid_exists(pids[1]) or psutil.Process(pids[1]).status() == psutil.STATUS_ZOMBIE)
         assert psutil.Process(pids[0]).status() != psutil.STATUS_ZOMBIE  # the idle one was left alone
-    finally:
-        if health is not None:
-            health.close()
-        for child in psutil.Process(server.pid).children() if server.poll() is None else []:
-            child.kill()
-        if server.poll() is None:
-            server.kill()
-        server.wait(10)
 
 
 @pytest.mark.timeout(60)
@@ -336,13 +348,7 @@ def test_a_busiest_worker_event_waits_while_no_worker_holds_a_request():
     """On a slow start every request may still wait for its admission at the event's time: /health
     counts 0 on every worker, and a kill then would test no recovery. The event waits and fires at the
     first poll that shows a worker holding requests; a load that ends first leaves it unfired."""
-    server_script = ("import subprocess; ps = [subprocess.Popen(['bash', '-c', {inner!r}]) for _ in range(2)]; "
-                     "[p.wait() for p in ps]")
-    server = _fake("ray::DecodeActor", server_script)  # a fake server with two decode workers
-    healths = []
-    try:
-        pids = sorted(p.pid for p in _wait_for(lambda: len(chaos_targets.worker_processes(server.pid, "decode")) == 2
-                                               and chaos_targets.worker_processes(server.pid, "decode")))
+    with _two_fake_decode_workers() as (server, pids), contextlib.ExitStack() as closing:
         idle = _health(("decode-0", True, {"pid": pids[0], "num_requests": 0}),
                        ("decode-1", True, {"pid": pids[1], "num_requests": 0}))
         busy = _health(("decode-0", True, {"pid": pids[0], "num_requests": 0}),
@@ -361,28 +367,18 @@ def test_a_busiest_worker_event_waits_while_no_worker_holds_a_request():
             return controller
 
         # Idle for the whole (short) load: never fired, nobody hit.
-        healths.append(_HealthServer([idle]))
-        ev = run(healths[-1], load_s=0.6).events[0]
+        ev = run(closing.enter_context(_HealthServer([idle])), load_s=0.6).events[0]
         assert ev.fired_at_s is None and ev.skipped == "the load ended before its time", ev
         assert ev.idle_polls >= 2 and ev.pid is None, ev
         assert all(psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
 
         # Idle for the first 8 polls, then decode-1 holds two requests: that one is hit.
-        healths.append(_HealthServer([idle] * 8 + [busy]))
-        ev = run(healths[-1], load_s=3.0).events[0]
+        ev = run(closing.enter_context(_HealthServer([idle] * 8 + [busy])), load_s=3.0).events[0]
         assert ev.skipped is None and ev.idle_polls >= 1, ev
         assert (ev.index, ev.worker_id, ev.pid, ev.worker_num_requests) == (1, "decode-1", pids[1], 2), ev
         assert ev.fired_at_s > ev.at_s, ev
         _wait_for(lambda: not psutil.pid_exists(pids[1]) or psutil.Process(pids[1]).status() == psutil.STATUS_ZOMBIE)
         assert psutil.Process(pids[0]).status() != psutil.STATUS_ZOMBIE  # the idle one was left alone
-    finally:
-        for health in healths:
-            health.close()
-        for child in psutil.Process(server.pid).children() if server.poll() is None else []:
-            child.kill()
-        if server.poll() is None:
-            server.kill()
-        server.wait(10)
 
 
 def test_loopback_only():
