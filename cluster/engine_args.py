@@ -44,11 +44,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "trained for --model in the cache dir; refused when there is none), or 'random'")
     g.add_argument("--no-cuda-graphs", action="store_true",
                    help="on a GPU, run decode steps eagerly instead of through CUDA graphs (vLLM's --enforce-eager)")
-    g.add_argument("--async-scheduling", action="store_true",
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule step n+1 while step n runs and, without speculation, penalties or grammars, queue "
                         "it on the device before step n's tokens are read (vLLM's --async-scheduling). In a "
                         "cluster the decode workers launch ahead; prefill workers finish each step first (their KV "
-                        "sends run inside the step). Off by default: on a CPU both threads share the cores")
+                        "sends run inside the step). Default: on where the engine runs on CUDA, off on a CPU, where "
+                        "both threads share the cores")
     g.add_argument("--num-threads", type=int, default=0)
     g.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
                    help="batch-invariant kernels: a request's tokens and logprobs are bitwise the same whatever the "

@@ -83,7 +83,11 @@ class EngineConfig:
     # "" = the model's own MTP layers when its config declares them (NemotronH), else our trained head from
     # the cache dir (refused when there is none); a path; or "random" (tests).
     mtp_checkpoint: str = ""
-    async_scheduling: bool = False
+    # Schedule step n+1 while step n runs (engine/async_scheduler.py). None: on where the engine runs on
+    # CUDA (as vLLM does), off on a CPU, where the scheduler's thread and the model share the cores; an H100
+    # decode step of a 1.1B model took 1.56 / 2.71 / 3.24 ms async against 2.16 / 3.22 / 5.42 ms synchronous
+    # at batch 1 / 32 / 128 (bench/results/gpu_check_h100.json). See resolve_async_scheduling.
+    async_scheduling: bool | None = None
     # CUDA graphs for uniform decode batches on a GPU (engine/cuda_graphs.py); False = eager (vLLM's
     # --enforce-eager).
     cuda_graphs: bool = True
@@ -161,6 +165,12 @@ class EngineConfig:
             if index is not None and index >= torch.cuda.device_count():
                 raise ConfigError(f"device: {self.device!r} but there are {torch.cuda.device_count()} CUDA devices")
         return self.device
+
+    def resolve_async_scheduling(self, device: str) -> bool:
+        """``async_scheduling`` itself when given, else whether ``device`` (resolved) is a GPU."""
+        if self.async_scheduling is not None:
+            return bool(self.async_scheduling)
+        return device.startswith("cuda")
 
     def resolve_dtype(self, model_config: dict) -> str:
         """The dtype name to run in: ``dtype`` itself unless "auto"; for "auto", the checkpoint's

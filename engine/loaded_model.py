@@ -55,6 +55,7 @@ class LoadedModel:
         (e.g. shared memory a same-host sender writes into directly)."""
         if config.device != (device := config.resolve_device()):
             config = replace(config, device=device)
+        config = replace(config, async_scheduling=config.resolve_async_scheduling(config.device))
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         if config.device == "cpu":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import make_engine
 from test_invariant_s4_async import PROMPTS as S4_PROMPTS, shuffle_every_schedule
@@ -72,6 +73,26 @@ def test_launch_ahead_equals_sync(reference, shuffle_seed):
     assert scheduler.num_preemptions_total > 0  # slots were taken from requests between launch and finish
     stepper.drain()
     assert scheduler.block_manager.num_free_blocks == CFG["num_kv_blocks"]
+
+
+def test_a_cpu_engine_schedules_synchronously_by_default(tiny_dir):
+    engine = make_engine("tiny-random", **CFG)
+    assert engine.config.async_scheduling is False and engine._stepper is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_engine_launches_ahead_by_default_and_equals_sync(tiny_dir):
+    """CUDA's default is async scheduling (EngineConfig.resolve_async_scheduling): the same tokens as the
+    synchronous engine on the same GPU, with steps launched ahead."""
+    stop_token = None
+    expected = _run(make_engine("tiny-random", device="cuda", async_scheduling=False, **CFG), _params(stop_token))
+    engine = make_engine("tiny-random", device="cuda", **CFG)
+    assert engine.config.async_scheduling is True
+    assert _run(engine, _params(stop_token)) == expected
+    assert engine._stepper.num_launched_ahead >= 20, engine._stepper.num_launched_ahead
+    engine._stepper.drain()
+    assert engine.scheduler.block_manager.num_free_blocks == CFG["num_kv_blocks"]
 
 
 def test_penalties_fall_back_to_finishing_first(reference, tiny_dir):
@@ -167,15 +188,21 @@ def test_a_decode_worker_launches_ahead_and_equals_the_colocated_engine(tiny_dir
 
 
 def test_the_flag_reaches_every_engine_config():
-    """`--async-scheduling` for generate and serve (one set of engine flags; the Ray launcher rebuilds
-    every worker's config from them); off by default."""
+    """`--async-scheduling` / `--no-async-scheduling` for generate and serve (one set of engine flags; the
+    Ray launcher rebuilds every worker's config from them); unset by default, which each engine resolves
+    by its device: on for CUDA, off on a CPU."""
     from pdcluster.cli.main import build_parser
     from pdcluster.cluster.engine_args import engine_config_from_args
 
     for command in (["generate", "--prompt", "x"], ["serve"]):
         parse = lambda *a: engine_config_from_args(build_parser().parse_args([*command, *a]))  # noqa: E731
         assert parse("--async-scheduling").async_scheduling is True
-        assert parse().async_scheduling is False
+        assert parse("--no-async-scheduling").async_scheduling is False
+        assert parse().async_scheduling is None
+        assert parse().resolve_async_scheduling("cpu") is False
+        assert parse().resolve_async_scheduling("cuda:1") is True
+        assert parse("--no-async-scheduling").resolve_async_scheduling("cuda") is False
+        assert parse("--async-scheduling").resolve_async_scheduling("cpu") is True
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "emulated-graphs"])
