@@ -405,6 +405,11 @@ def _profile_steps(engine, device: str, num_steps: int = 3) -> dict:
     out = {"wall_ms_per_step": round(wall_ms, 3), "gpu_busy_ms_per_step": round(gpu_ms, 3) if gpu_ms else None,
            "top": [{"name": k[:90], "ms_per_step": round(t / 1e3 / num_steps, 4), "calls_per_step": c / num_steps}
                    for k, t, c in kernels[:14]]}
+    if device == "cuda":
+        try:
+            out["gpu_timeline"] = _gpu_idle(prof, num_steps)
+        except Exception as e:  # noqa: BLE001 - a diagnostic
+            out["gpu_timeline"] = {"error": f"{type(e).__name__}: {e}"}
     # The host's side: Python functions by their own time over 10 steps (cProfile's overhead inflates
     # them alike; what matters is the order).
     import cProfile
@@ -421,6 +426,31 @@ def _profile_steps(engine, device: str, num_steps: int = 3) -> dict:
     out["host_top"] = [{"fn": f"{Path(k[0]).name}:{k[1]}:{k[2]}"[:90], "own_ms_per_step": round(v[2] * 100, 4),
                         "calls_per_step": v[1] / 10} for k, v in rows]
     return out
+
+
+def _gpu_idle(prof, num_steps: int, device_type=None) -> dict:
+    """The device's timeline in the profile: from its first kernel to its last, how long no kernel or copy
+    ran, and the longest such gaps with the kernels either side (where the GPU waited on the host)."""
+    from torch.autograd import DeviceType
+
+    device_type = DeviceType.CUDA if device_type is None else device_type
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == device_type and e.time_range.end > e.time_range.start)
+    if not spans:
+        return {"kernels": 0}
+    gaps, busy_end, prev = [], spans[0][1], spans[0][2]
+    for start, end, name in spans[1:]:
+        if start > busy_end:
+            gaps.append((start - busy_end, prev, name))
+        if end > busy_end:
+            busy_end, prev = end, name
+    idle_us = sum(g[0] for g in gaps)
+    return {"kernels_per_step": len(spans) / num_steps,
+            "span_ms_per_step": round((busy_end - spans[0][0]) / 1e3 / num_steps, 3),
+            "idle_ms_per_step": round(idle_us / 1e3 / num_steps, 3),
+            "gaps_over_20us_per_step": round(sum(1 for g in gaps if g[0] > 20) / num_steps, 1),
+            "longest_gaps": [{"us": round(g, 1), "after": a[:60], "before": b[:60]}
+                             for g, a, b in sorted(gaps, reverse=True)[:8]]}
 
 
 def _decode_step_ms(engine, batch: int, prompt_len: int, num_steps: int, device: str,

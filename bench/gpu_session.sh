@@ -1,5 +1,6 @@
 #!/bin/bash
-# One device call for a GPU session (bench/gpu_check.py, then bench/attention_sweep.py), within one
+# One device call for a GPU session (bench/gpu_check.py, bench/prefill_attention.py, and with GPU_SWEEP=1
+# bench/attention_sweep.py), within one
 # command's 10 minutes: results go to $OUT (what comes back) and their logs' tails to the output.
 #
 # Here, first (the GPU machine lacks pyzmq and downloads nothing; the tokenizer files are ignored by git):
@@ -18,11 +19,16 @@ fi
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 # gpu_check stops starting sections past --budget-s (its last full run took 110 s); the sweeps get what
-# is left: decode of few requests (segments) and of many (whole-context partition vs segments).
+# is left.
 timeout 360 python3 bench/gpu_check.py --device cuda --budget-s 300 --out "$OUT/gpu_check.json" > "$OUT/gpu_check.log" 2>&1
 echo "gpu_check rc=$?"
-grep -E '"(ok|x_floor|step_ms|step_ms_synced|mfu|graph_replays|steps_launched_ahead)"' "$OUT/gpu_check.json" | head -60
-timeout 200 python3 bench/attention_sweep.py --sections decode_few,decode_many --out "$OUT/attention_sweep.json" > "$OUT/attention_sweep.log" 2>&1
-echo "attention_sweep rc=$?"
-grep -E '"(best|kind|us|kv_tb_per_s)"' "$OUT/attention_sweep.json" | tr -d ' \n' | sed 's/"kind"/\n"kind"/g' | tail -60
+echo "checks not ok: $(grep -c '"ok": false' "$OUT/gpu_check.json")"
+grep -E '"(x_floor|step_ms|step_ms_synced|mfu|idle_ms_per_step|span_ms_per_step|steps_launched_ahead)"' "$OUT/gpu_check.json" | head -60
+timeout 120 python3 bench/prefill_attention.py --out "$OUT/prefill_attention.json" > "$OUT/prefill_attention.log" 2>&1
+echo "prefill_attention rc=$?"
+grep -E '"(best|ms|tflops|error)"' "$OUT/prefill_attention.json"
+if [ -n "${GPU_SWEEP:-}" ]; then  # the Triton kernels' tile sweeps (bench/results/attention_sweep_h100.json)
+    timeout 200 python3 bench/attention_sweep.py --sections decode_few,decode_many --out "$OUT/attention_sweep.json" > "$OUT/attention_sweep.log" 2>&1
+    echo "attention_sweep rc=$?"
+fi
 tail -5 "$OUT/gpu_check.log"
