@@ -601,7 +601,9 @@ def speed_section(entry: dict, device: str, work: Path, quick: bool, report: Rep
             from pdcluster.kernels import flash_prefill
 
             entry["prefill"][mode]["flash_attention"] = {"layer_calls": flash_prefill.num_calls,
-                                                         "refused": flash_prefill.disabled_reason()}
+                                                         "refused": flash_prefill.disabled_reason(),
+                                                         "cudnn_layer_calls": flash_prefill.num_cudnn_calls,
+                                                         "cudnn_refused": flash_prefill.cudnn_disabled_reason()}
         try:
             entry["prefill"][mode]["profile"] = one_prefill(profiled=True)
         except Exception as e:  # noqa: BLE001 - a diagnostic

@@ -20,7 +20,16 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 # gpu_check stops starting sections past --budget-s (its last full run took 110 s); the sweeps get what
 # is left.
-timeout 360 python3 bench/gpu_check.py --device cuda --budget-s 300 --out "$OUT/gpu_check.json" > "$OUT/gpu_check.log" 2>&1
+# GPU_CHECK_SECTIONS: a shorter rerun (e.g. speed) after a full one; GPU_TESTS: test files to run directly
+# (their gpu-marked tests), when gpu_check's kernel_tests section (every gpu test, ~100 s) is left out.
+if [ -n "${GPU_TESTS:-}" ]; then
+    timeout 200 python3 -c "import sys; sys.path.insert(0, 'bench'); from gpu_check import import_pdcluster
+import_pdcluster(); import pytest; sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', *sys.argv[1:]]))" \
+        $GPU_TESTS > "$OUT/gpu_tests.log" 2>&1
+    echo "gpu tests rc=$?: $(grep -E '[0-9]+ (passed|failed)' "$OUT/gpu_tests.log" | tail -1)"
+fi
+timeout 360 python3 bench/gpu_check.py --device cuda --budget-s 300 --sections "${GPU_CHECK_SECTIONS:-env,kernel_tests,correctness,deterministic,speed}" \
+    --out "$OUT/gpu_check.json" > "$OUT/gpu_check.log" 2>&1
 echo "gpu_check rc=$?"
 echo "checks not ok: $(grep -c '"ok": false' "$OUT/gpu_check.json")"
 grep -E '"(x_floor|step_ms|step_ms_synced|mfu|idle_ms_per_step|span_ms_per_step|steps_launched_ahead)"' "$OUT/gpu_check.json" | head -60
@@ -28,7 +37,7 @@ timeout 120 python3 bench/prefill_attention.py --out "$OUT/prefill_attention.jso
 echo "prefill_attention rc=$?"
 grep -E '"(best|ms|tflops|error)"' "$OUT/prefill_attention.json"
 if [ -n "${GPU_SWEEP:-}" ]; then  # the Triton kernels' tile sweeps (bench/results/attention_sweep_h100.json)
-    timeout 200 python3 bench/attention_sweep.py --sections decode_few,decode_many --out "$OUT/attention_sweep.json" > "$OUT/attention_sweep.log" 2>&1
+    timeout 200 python3 bench/attention_sweep.py --sections decode,decode_many --out "$OUT/attention_sweep.json" > "$OUT/attention_sweep.log" 2>&1
     echo "attention_sweep rc=$?"
 fi
 tail -5 "$OUT/gpu_check.log"

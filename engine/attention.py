@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pdcluster.engine.mamba_state import MambaMetadata  # noqa: F401 (annotation)
@@ -27,6 +28,9 @@ class AttentionMetadata:
     # the longest one's token count, else None. Such a step's attention needs nothing from the paged
     # cache (the fast mode hands it to FlashAttention on CUDA: kernels/flash_prefill.py).
     no_context_max_query_len: int | None = None
+    # The same steps' query lengths on the host (int64 [num_reqs]), for the cuDNN path, which launches
+    # per length (kernels/flash_prefill.py); None where no_context_max_query_len is.
+    no_context_query_lens_np: np.ndarray | None = None
 
 
 def attend(
@@ -46,7 +50,7 @@ def attend(
     if meta.no_context_max_query_len is not None and not batch_invariant \
             and flash_prefill.usable(query, key.shape[1]):
         out = flash_prefill.flash_prefill(query, key, value, meta.query_start_loc, meta.no_context_max_query_len,
-                                          meta.scale)
+                                          meta.scale, meta.no_context_query_lens_np)
         if out is not None:
             return out
     # One varlen kernel serves every batch shape (CPU and CUDA); query_start_loc is already on the device.

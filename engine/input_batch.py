@@ -132,6 +132,7 @@ def prepare_inputs(rows: StepRows, idx_mapping: np.ndarray, states: RequestState
         uniform_q_len=uniform_decode_query_len(num_spec_steps) if kind == BatchKind.UNIFORM_DECODE else None,
         scale=scale,
         no_context_max_query_len=int(q_lens.max()) if len(q_lens) and not starts.any() else None,
+        no_context_query_lens_np=q_lens if len(q_lens) and not starts.any() else None,
     )
     if mamba_pool is not None:
         meta.mamba = MambaMetadata(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -54,7 +55,8 @@ def fresh_prompts(q_lens, num_q_heads=4, num_kv_heads=2, seed=0):
         first += nb
     qsl = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
     meta = AttentionMetadata(torch.tensor(slots), tables, torch.tensor(q_lens, dtype=torch.int32), qsl, None,
-                             HEAD_DIM**-0.5, no_context_max_query_len=max(q_lens))
+                             HEAD_DIM**-0.5, no_context_max_query_len=max(q_lens),
+                             no_context_query_lens_np=np.array(q_lens, dtype=np.int64))
     return query, key, value, cache, meta
 
 
@@ -63,7 +65,8 @@ def test_attend_hands_prompts_without_context_to_flash_attention(monkeypatch):
 
     def stand_in(*args):
         calls.append(args[4])
-        return causal_per_request(*args)
+        assert list(args[6]) == [7, 1, 12]  # the lengths on the host too (the cuDNN path's)
+        return causal_per_request(*args[:6])
 
     monkeypatch.setattr(flash_prefill, "usable", lambda query, num_kv_heads: True)
     monkeypatch.setattr(flash_prefill, "flash_prefill", stand_in)
@@ -96,6 +99,32 @@ def test_flash_attention_is_not_for_cpu_or_fp32_tensors():
     query = torch.zeros(3, 4, HEAD_DIM)
     assert not flash_prefill.usable(query, 2)
     assert not flash_prefill.usable(query.bfloat16(), 2)  # on the CPU
+
+
+@pytest.mark.parametrize("q_lens", [[600, 600, 600], [513, 1, 40], [512, 900, 1030, 768]],
+                         ids=["equal", "short-ones", "padded"])
+def test_long_prompts_go_to_cudnn_with_the_same_result(monkeypatch, q_lens):
+    """cudnn_prefill's arithmetic (one call over views when the lengths are equal, else one padded call a
+    request) on the CPU: SDPA's own math backend stands in for cuDNN. Steps with a prompt shorter than
+    CUDNN_MIN_LEN stay on FlashAttention (refused here, so None)."""
+    import contextlib
+
+    monkeypatch.setattr(flash_prefill, "sdpa_kernel", lambda backends: contextlib.nullcontext())
+    for name, value in (("num_cudnn_calls", 0), ("_disabled_why", None), ("_cudnn_disabled_why", None)):
+        monkeypatch.setattr(flash_prefill, name, value)  # and back after the test (a refusal is sticky)
+    g = torch.Generator().manual_seed(2)
+    n = sum(q_lens)
+    qkv = torch.randn(n, 4 + 2 * 1, 32, generator=g)
+    query, key, value = qkv[:, :4], qkv[:, 4:5], qkv[:, 5:]  # strided views, as the model passes them
+    qsl = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+    lens = np.array(q_lens, dtype=np.int64)
+    got = flash_prefill.flash_prefill(query, key, value, qsl, max(q_lens), 32**-0.5, lens)
+    if min(q_lens) < flash_prefill.CUDNN_MIN_LEN:
+        assert got is None and flash_prefill.num_cudnn_calls == 0
+        return
+    assert flash_prefill.num_cudnn_calls == 1 and flash_prefill.cudnn_disabled_reason() is None
+    want = causal_per_request(query, key, value, qsl, max(q_lens), 32**-0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_steps_say_when_no_request_has_context(monkeypatch):
@@ -145,6 +174,25 @@ def test_flash_prefill_on_cuda_equals_the_reference():
     assert flash_prefill.usable(query, 2)
     got = flash_prefill.flash_prefill(query, key, value, qsl, max(q_lens), 64**-0.5)
     assert got is not None, flash_prefill.disabled_reason()
+    want = causal_per_request(query.cpu().float(), key.cpu().float(), value.cpu().float(), qsl.cpu(), max(q_lens),
+                              64**-0.5)
+    torch.testing.assert_close(got.cpu().float(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="needs a CUDA device")
+@pytest.mark.parametrize("q_lens", [[512, 512], [600, 1030, 512]], ids=["equal", "padded"])
+def test_cudnn_prefill_on_cuda_equals_the_reference(q_lens):
+    """The real cuDNN path: prompts of 512 tokens or more, 8 query heads on 2 KV heads, head 64, bf16."""
+    g = torch.Generator().manual_seed(3)
+    n = sum(q_lens)
+    qkv = torch.randn(n, 8 + 2 * 2, 64, generator=g).to(torch.bfloat16).cuda()
+    query, key, value = qkv[:, :8], qkv[:, 8:10], qkv[:, 10:]
+    qsl = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32).cuda()
+    before = flash_prefill.num_cudnn_calls
+    got = flash_prefill.flash_prefill(query, key, value, qsl, max(q_lens), 64**-0.5, np.array(q_lens))
+    assert got is not None and flash_prefill.num_cudnn_calls == before + 1, flash_prefill.cudnn_disabled_reason()
     want = causal_per_request(query.cpu().float(), key.cpu().float(), value.cpu().float(), qsl.cpu(), max(q_lens),
                               64**-0.5)
     torch.testing.assert_close(got.cpu().float(), want, rtol=2e-2, atol=2e-2)
