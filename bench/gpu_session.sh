@@ -23,7 +23,7 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 # GPU_CHECK_SECTIONS: a shorter rerun (e.g. speed) after a full one; GPU_TESTS: test files to run directly
 # (their gpu-marked tests), when gpu_check's kernel_tests section (every gpu test, ~100 s) is left out.
 if [ -n "${GPU_TESTS:-}" ]; then
-    timeout 200 python3 -c "import sys; sys.path.insert(0, 'bench'); from gpu_check import import_pdcluster
+    TRITON_INTERPRET=0 timeout 200 python3 -c "import sys; sys.path.insert(0, 'bench'); from gpu_check import import_pdcluster
 import_pdcluster(); import pytest; sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', *sys.argv[1:]]))" \
         $GPU_TESTS > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests rc=$?: $(grep -E '[0-9]+ (passed|failed)' "$OUT/gpu_tests.log" | tail -1)"

@@ -14,10 +14,11 @@ engine stays on the Triton kernel.
 Long prompts go to cuDNN's attention instead (torch's SDPA cuDNN backend, dense [batch, heads, len, dim]
 views of the packed rows): on an H100 one layer of 16 x 2,048 took 0.67 ms there against 1.22 ms in the
 FlashAttention-2 varlen op (bench/results/prefill_attention_h100.json; cuDNN's own varlen entry point took
-67 ms). Dense means one length a call: a step whose requests all have the same length is one call, others
-one call a request, each padded at its end to a multiple of CUDNN_LEN_MULTIPLE (padded rows come after the
-real ones, so causal attention keeps them out of the real rows' results) so that cuDNN builds a bounded
-number of plans. Steps with a prompt shorter than CUDNN_MIN_LEN stay on FlashAttention (there cuDNN's
+67 ms). Dense means one length a call: a step whose requests all have the same length, a multiple of
+CUDNN_LEN_MULTIPLE, is one call; others one call a request, each padded at its end to such a multiple
+(padded rows come after the real ones, so causal attention keeps them out of the real rows' results). cuDNN
+builds a plan for each new shape (~50 ms on the H100, once per process), so the shapes are kept few: at
+most max_model_len / CUDNN_LEN_MULTIPLE lengths of one request, and batches of equal such lengths. Steps with a prompt shorter than CUDNN_MIN_LEN stay on FlashAttention (there cuDNN's
 launches, padding copies and a short request's few tiles cost more than they save).
 """
 
@@ -91,7 +92,7 @@ def cudnn_prefill(query: Tensor, key: Tensor, value: Tensor, query_lens_np: np.n
     try:
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             lens = query_lens_np.tolist()
-            if min(lens) == max(lens):  # one call over views of the packed rows: no copies
+            if min(lens) == max(lens) and lens[0] % CUDNN_LEN_MULTIPLE == 0:  # one call over views: no copies
                 out = _dense_causal(query, key, value, len(lens), lens[0], scale)
                 num_cudnn_calls += 1
                 return out.transpose(1, 2).reshape(query.shape)

@@ -101,8 +101,8 @@ def test_flash_attention_is_not_for_cpu_or_fp32_tensors():
     assert not flash_prefill.usable(query.bfloat16(), 2)  # on the CPU
 
 
-@pytest.mark.parametrize("q_lens", [[600, 600, 600], [513, 1, 40], [512, 900, 1030, 768]],
-                         ids=["equal", "short-ones", "padded"])
+@pytest.mark.parametrize("q_lens", [[768, 768, 768], [600, 600], [513, 1, 40], [512, 900, 1030, 768]],
+                         ids=["equal", "equal-padded", "short-ones", "padded"])
 def test_long_prompts_go_to_cudnn_with_the_same_result(monkeypatch, q_lens):
     """cudnn_prefill's arithmetic (one call over views when the lengths are equal, else one padded call a
     request) on the CPU: SDPA's own math backend stands in for cuDNN. Steps with a prompt shorter than
@@ -110,6 +110,14 @@ def test_long_prompts_go_to_cudnn_with_the_same_result(monkeypatch, q_lens):
     import contextlib
 
     monkeypatch.setattr(flash_prefill, "sdpa_kernel", lambda backends: contextlib.nullcontext())
+    shapes = []
+    real_dense = flash_prefill._dense_causal
+
+    def recording(q, k, v, batch, length, scale):
+        shapes.append((batch, length))
+        return real_dense(q, k, v, batch, length, scale)
+
+    monkeypatch.setattr(flash_prefill, "_dense_causal", recording)
     for name, value in (("num_cudnn_calls", 0), ("_disabled_why", None), ("_cudnn_disabled_why", None)):
         monkeypatch.setattr(flash_prefill, name, value)  # and back after the test (a refusal is sticky)
     g = torch.Generator().manual_seed(2)
@@ -123,6 +131,10 @@ def test_long_prompts_go_to_cudnn_with_the_same_result(monkeypatch, q_lens):
         assert got is None and flash_prefill.num_cudnn_calls == 0
         return
     assert flash_prefill.num_cudnn_calls == 1 and flash_prefill.cudnn_disabled_reason() is None
+    # the cuDNN shapes (one plan each): one batched call for equal multiples of 256, else one a request
+    want_shapes = [(len(q_lens), q_lens[0])] if len(set(q_lens)) == 1 and q_lens[0] % 256 == 0 else \
+        [(1, -(-n // 256) * 256) for n in q_lens]
+    assert shapes == want_shapes
     want = causal_per_request(query, key, value, qsl, max(q_lens), 32**-0.5)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
