@@ -570,15 +570,20 @@ def speed_section(entry: dict, device: str, work: Path, quick: bool, report: Rep
     flops = 2 * layer_params * n_seq * seq_len + 2 * layers * n_seq * seq_len * seq_len * h
     peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in entry.get("device", "")), None)
     entry["prefill"] = {"num_seqs": n_seq, "seq_len": seq_len, "flops": flops}
-    for mode, det in (("fast", False), ("deterministic", True)):
+    # "fast_unequal": prompts of four lengths (2,048 down to 1,904), as a served batch has: on CUDA the
+    # cuDNN path then runs one padded call a request (kernels/flash_prefill.py), not one batched call.
+    equal = [seq_len] * n_seq
+    unequal = [seq_len - 48 * (i % 4) for i in range(n_seq)]
+    for mode, det, lens in (("fast", False, equal), ("deterministic", True, equal), ("fast_unequal", False, unequal)):
+        mode_flops = 2 * layer_params * sum(lens) + 2 * layers * h * sum(n * n for n in lens)
         engine = LLMEngine.from_config(EngineConfig(
             model=str(model_dir), device=device, dtype="bfloat16", max_model_len=4096, max_num_seqs=n_seq,
             max_num_batched_tokens=n_seq * seq_len, prefill_chunk_size=seq_len,
             kv_cache_memory_gib=0.5 if quick else 12.0, enable_prefix_caching=False, deterministic=det), progress=False)
 
         def one_prefill(profiled: bool = False) -> float:
-            for i in range(n_seq):
-                engine.add_request([5 + (i * 13 + j) % 20000 for j in range(seq_len)], SamplingParams(max_tokens=1))
+            for i, length in enumerate(lens):
+                engine.add_request([5 + (i * 13 + j) % 20000 for j in range(length)], SamplingParams(max_tokens=1))
             if profiled:
                 result = _profile_steps(engine, device, num_steps=1)
             else:
@@ -594,12 +599,13 @@ def speed_section(entry: dict, device: str, work: Path, quick: bool, report: Rep
         one_prefill()  # warm-up (allocator, kernels)
         dt = min(one_prefill() for _ in range(2))
         entry["prefill"][mode] = {
-            "deterministic": engine.deterministic, "seconds": round(dt, 4),
-            "tokens_per_s": round(n_seq * seq_len / dt, 1), "tflops": round(flops / dt / 1e12, 1),
-            "mfu": round(flops / dt / 1e12 / peak, 3) if peak else None}
+            "deterministic": engine.deterministic, "seconds": round(dt, 4), "prompt_lens": sorted(set(lens)),
+            "tokens_per_s": round(sum(lens) / dt, 1), "tflops": round(mode_flops / dt / 1e12, 1),
+            "mfu": round(mode_flops / dt / 1e12 / peak, 3) if peak else None}
         if not det:  # prompts without context go to FlashAttention in the fast mode (kernels/flash_prefill.py)
             from pdcluster.kernels import flash_prefill
 
+            # (counts since the process started: the unequal mode's include the equal one's)
             entry["prefill"][mode]["flash_attention"] = {"layer_calls": flash_prefill.num_calls,
                                                          "refused": flash_prefill.disabled_reason(),
                                                          "cudnn_layer_calls": flash_prefill.num_cudnn_calls,

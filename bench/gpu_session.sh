@@ -1,6 +1,6 @@
 #!/bin/bash
-# One device call for a GPU session (bench/gpu_check.py, bench/prefill_attention.py, and with GPU_SWEEP=1
-# bench/attention_sweep.py), within one
+# One device call for a GPU session (bench/gpu_check.py, bench/prefill_attention.py, and with GPU_SWEEP=1 or
+# GPU_SWEEP=<sections> bench/attention_sweep.py), within one
 # command's 10 minutes: results go to $OUT (what comes back) and their logs' tails to the output.
 #
 # Here, first (the GPU machine lacks pyzmq and downloads nothing; the tokenizer files are ignored by git):
@@ -37,7 +37,8 @@ timeout 120 python3 bench/prefill_attention.py --out "$OUT/prefill_attention.jso
 echo "prefill_attention rc=$?"
 grep -E '"(best|ms|tflops|error)"' "$OUT/prefill_attention.json"
 if [ -n "${GPU_SWEEP:-}" ]; then  # the Triton kernels' tile sweeps (bench/results/attention_sweep_h100.json)
-    timeout 200 python3 bench/attention_sweep.py --sections decode,decode_many --out "$OUT/attention_sweep.json" > "$OUT/attention_sweep.log" 2>&1
+    sweep_sections=$([ "$GPU_SWEEP" = 1 ] && echo decode,decode_many || echo "$GPU_SWEEP")
+    timeout 200 python3 bench/attention_sweep.py --sections "$sweep_sections" --out "$OUT/attention_sweep.json" > "$OUT/attention_sweep.log" 2>&1
     echo "attention_sweep rc=$?"
 fi
 tail -5 "$OUT/gpu_check.log"
