@@ -24,7 +24,9 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 # (their gpu-marked tests), when gpu_check's kernel_tests section (every gpu test, ~100 s) is left out.
 if [ -n "${GPU_TESTS:-}" ]; then
     TRITON_INTERPRET=0 timeout 200 python3 -c "import sys; sys.path.insert(0, 'bench'); from gpu_check import import_pdcluster
-import_pdcluster(); import pytest; sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', *sys.argv[1:]]))" \
+import_pdcluster(); import os, pathlib, tempfile, pytest; from gpu_check import model_cache
+os.environ['PDCLUSTER_CACHE_DIR'] = str(model_cache(pathlib.Path(tempfile.mkdtemp())))  # the tiny models, built
+sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', *sys.argv[1:]]))" \
         $GPU_TESTS > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests rc=$?: $(grep -E '[0-9]+ (passed|failed)' "$OUT/gpu_tests.log" | tail -1)"
 fi

@@ -100,27 +100,27 @@ def main() -> int:
             entry = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
         result["candidates"][name] = entry
         print(name, entry, file=sys.stderr, flush=True)
-    if dev == "cuda":  # production's cuDNN path on unequal lengths: a first call builds a plan per padded length
+    if dev == "cuda":  # production's entry (kernels/flash_prefill.py): which path serves, first call and later
         import time
 
         import numpy as np
 
         from pdcluster.kernels import flash_prefill
 
-        lens = np.array([1000, 700, 1536])
-        rows = int(lens.sum())
-        qs, ks, vs = q[:rows], k[:rows], v[:rows]
-        cu = torch.tensor([0, *np.cumsum(lens)], device=dev, dtype=torch.int32)
-        calls = []
-        for _ in range(3):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            out = flash_prefill.flash_prefill(qs, ks, vs, cu, int(lens.max()), scale, lens)
-            torch.cuda.synchronize()
-            calls.append(round((time.perf_counter() - t0) * 1e3, 3))
-        result["cudnn_per_request"] = {"lens": lens.tolist(), "call_ms": calls, "served": out is not None,
-                                       "cudnn_calls": flash_prefill.num_cudnn_calls,
-                                       "refused": flash_prefill.cudnn_disabled_reason()}
+        result["production"] = {}
+        for name, lens in (("equal_1024", np.array([1024] * 3)), ("unequal", np.array([1000, 700, 1536]))):
+            rows = int(lens.sum())
+            cu = torch.tensor([0, *np.cumsum(lens)], device=dev, dtype=torch.int32)
+            before, calls = flash_prefill.num_cudnn_calls, []
+            for _ in range(3):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                out = flash_prefill.flash_prefill(q[:rows], k[:rows], v[:rows], cu, int(lens.max()), scale, lens)
+                torch.cuda.synchronize()
+                calls.append(round((time.perf_counter() - t0) * 1e3, 3))
+            result["production"][name] = {"lens": lens.tolist(), "call_ms": calls, "served": out is not None,
+                                          "by_cudnn": flash_prefill.num_cudnn_calls > before,
+                                          "cudnn_refused": flash_prefill.cudnn_disabled_reason()}
     timed = {k: e["ms"] for k, e in result["candidates"].items() if e.get("ok") and "ms" in e}
     result["best"] = min(timed, key=timed.get) if timed else None
     emit_json(result, args.out, indent=2)

@@ -11,15 +11,15 @@ takes 16-bit inputs only. Grouped-query attention needs no copies: the kernel ma
 heads itself. Anything it refuses (an older GPU, a torch without the op) is reported once and the
 engine stays on the Triton kernel.
 
-Long prompts go to cuDNN's attention instead (torch's SDPA cuDNN backend, dense [batch, heads, len, dim]
-views of the packed rows): on an H100 one layer of 16 x 2,048 took 0.67 ms there against 1.22 ms in the
-FlashAttention-2 varlen op (bench/results/prefill_attention_h100.json; cuDNN's own varlen entry point took
-67 ms). Dense means one length a call: a step whose requests all have the same length, a multiple of
-CUDNN_LEN_MULTIPLE, is one call; others one call a request, each padded at its end to such a multiple
-(padded rows come after the real ones, so causal attention keeps them out of the real rows' results). cuDNN
-builds a plan for each new shape (~50 ms on the H100, once per process), so the shapes are kept few: at
-most max_model_len / CUDNN_LEN_MULTIPLE lengths of one request, and batches of equal such lengths. Steps with a prompt shorter than CUDNN_MIN_LEN stay on FlashAttention (there cuDNN's
-launches, padding copies and a short request's few tiles cost more than they save).
+Long prompts of one length go to cuDNN's attention instead (torch's SDPA cuDNN backend, one dense
+[batch, heads, len, dim] call over views of the packed rows, no copies): on an H100 one layer of 16 x 2,048
+took 0.67 ms there against 1.22 ms in the FlashAttention-2 varlen op (bench/results/prefill_attention_h100.json;
+cuDNN's own varlen entry point took 67-125 ms), and the 16 x 2,048 prefill step went from MFU 0.47-0.49 to
+0.52-0.53. Only steps whose prompts all have one length, a multiple of CUDNN_LEN_MULTIPLE and at least
+CUDNN_MIN_LEN: cuDNN builds a plan for each new shape (50-75 ms on the H100, once per process), so the
+shapes are kept few. Prompts of several lengths stay on FlashAttention: one cuDNN call a request, each
+padded to such a multiple, measured no faster there (16 prompts of 1,904-2,048 tokens: MFU 0.46) and paid
+a plan per new length.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ _cudnn_disabled_why: str | None = None  # the same for the cuDNN path (FlashAtte
 num_calls = 0  # layer calls it served (a diagnostic: bench/gpu_check.py reports it)
 num_cudnn_calls = 0  # of those, the ones cuDNN served
 
-CUDNN_MIN_LEN = 512  # every prompt of the step at least this long, or the step stays on FlashAttention
-CUDNN_LEN_MULTIPLE = 256  # per-request calls pad each prompt to a multiple of this (bounded plan count)
+CUDNN_MIN_LEN = 512  # shorter prompts stay on FlashAttention (fewer tiles, a plan for little gain)
+CUDNN_LEN_MULTIPLE = 256  # the prompts' one length is a multiple of this (a bounded number of plans)
 
 
 def usable(query: Tensor, num_kv_heads: int) -> bool:
@@ -62,9 +62,8 @@ def flash_prefill(query: Tensor, key: Tensor, value: Tensor, query_start_loc: Te
     global _disabled_why, num_calls
     if _disabled_why is not None:
         return None
-    if query_lens_np is not None and _cudnn_disabled_why is None and len(query_lens_np) \
-            and int(query_lens_np.min()) >= CUDNN_MIN_LEN:
-        out = cudnn_prefill(query, key, value, query_lens_np, scale)
+    if query_lens_np is not None and _cudnn_disabled_why is None and cudnn_takes(query_lens_np):
+        out = cudnn_prefill(query, key, value, len(query_lens_np), int(query_lens_np[0]), scale)
         if out is not None:
             num_calls += 1
             return out
@@ -85,41 +84,25 @@ def disabled_reason() -> str | None:
     return _disabled_why
 
 
-def cudnn_prefill(query: Tensor, key: Tensor, value: Tensor, query_lens_np: np.ndarray, scale: float) -> Tensor | None:
-    """The same attention through cuDNN (module doc), or None where cuDNN refused (then never tried again)."""
+def cudnn_takes(query_lens_np: np.ndarray) -> bool:
+    """Prompts cuDNN serves (module doc): one length, a multiple of CUDNN_LEN_MULTIPLE, >= CUDNN_MIN_LEN."""
+    length = int(query_lens_np[0]) if len(query_lens_np) else 0
+    return length >= CUDNN_MIN_LEN and length % CUDNN_LEN_MULTIPLE == 0 and bool((query_lens_np == length).all())
+
+
+def cudnn_prefill(query: Tensor, key: Tensor, value: Tensor, num_seqs: int, length: int, scale: float) -> Tensor | None:
+    """The same attention through cuDNN for ``num_seqs`` prompts of ``length`` tokens each (module doc), or
+    None where cuDNN refused (then never tried again)."""
     global _cudnn_disabled_why, num_cudnn_calls
-    num_heads, head_dim = query.shape[1], query.shape[2]
     try:
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-            lens = query_lens_np.tolist()
-            if min(lens) == max(lens) and lens[0] % CUDNN_LEN_MULTIPLE == 0:  # one call over views: no copies
-                out = _dense_causal(query, key, value, len(lens), lens[0], scale)
-                num_cudnn_calls += 1
-                return out.transpose(1, 2).reshape(query.shape)
-            out = torch.empty_like(query)
-            start = 0
-            for length in lens:
-                end = start + length
-                padded = -(-length // CUDNN_LEN_MULTIPLE) * CUDNN_LEN_MULTIPLE
-                q, k, v = (_padded(x[start:end], padded) for x in (query, key, value))
-                o = _dense_causal(q, k, v, 1, padded, scale)  # [1, heads, padded, dim]
-                out[start:end] = o[0, :, :length].transpose(0, 1)
-                start = end
-            num_cudnn_calls += 1
-            return out.view(-1, num_heads, head_dim)
+            out = _dense_causal(query, key, value, num_seqs, length, scale)
     except RuntimeError as exc:  # refused (no cuDNN, an unsupported GPU or shape): FlashAttention serves
         _cudnn_disabled_why = f"{type(exc).__name__}: {exc}"[:300]
         log.warning("cuDNN prefill attention unavailable, prompts go to FlashAttention: %s", _cudnn_disabled_why)
         return None
-
-
-def _padded(rows: Tensor, length: int) -> Tensor:
-    """[n, heads, dim] rows followed by zeros up to ``length`` (the rows themselves when n == length)."""
-    if rows.shape[0] == length:
-        return rows
-    out = rows.new_zeros((length, *rows.shape[1:]))
-    out[: rows.shape[0]] = rows
-    return out
+    num_cudnn_calls += 1
+    return out.transpose(1, 2).reshape(query.shape)
 
 
 def _dense_causal(q: Tensor, k: Tensor, v: Tensor, batch: int, length: int, scale: float) -> Tensor:

@@ -20,7 +20,7 @@ head, partition group) wrote each partition's state to scratch (flash-decoding).
 per-partition loop and the same merge, so a row gets the same bits either way.
 
 The fast mode (``batch_invariant=False``) splits a decode step of a few requests differently: each row's
-key tiles are cut into FAST_DECODE_SEGMENTS even runs whatever the context's length, one program each,
+key tiles are cut into fast_decode_segments() even runs whatever the context's length, one program each,
 and one program per (token, head) merges all of them with one load (``_merge_segments_kernel``). Such a
 step is latency-bound: the partition split walks PARTITION / BLOCK_N tiles one after another in each
 program and merges partitions one by one, while here each program walks ceil(tiles / SEGMENTS).
@@ -76,7 +76,14 @@ FAST_PREFILL_KV_TILE = 128
 FAST_PARTITION = 256  # the fast mode's partition split (any size will do there: nothing needs fixed bits)
 # The fast mode's decode split (module doc; flash-decoding as vLLM's unified Triton attention does it):
 # segments per row (a power of two; 0 = the partition split) and their key tile.
-FAST_DECODE_SEGMENTS = 16
+# Segments a row (fast_decode_segments): enough for about FAST_DECODE_TARGET_PROGRAMS programs, a power
+# of two within [MIN, MAX]. Timed inside CUDA graphs on an H100 (bench/results/attention_sweep_h100.json,
+# decode_few; 32 query / 4 KV heads of 64, bf16), against the 16 segments every such step had before:
+# 1 x 4,096 context 12.0 -> 8.4 us (32), 1 x 512 5.8 -> 5.6 us (32), 32 x 512 18.4 -> 15.5 us (8),
+# 8 x 2,048 13.7 us either way (16). FAST_DECODE_SEGMENTS = 0 turns the segment split off (partitions).
+FAST_DECODE_SEGMENTS = 1
+FAST_DECODE_TARGET_PROGRAMS = 1024
+FAST_DECODE_MIN_SEGMENTS, FAST_DECODE_MAX_SEGMENTS = 8, 32
 FAST_DECODE_KV_TILE = 32
 # Split a launch's context across programs when it has fewer (query tile, KV head) programs than this
 # (about two waves of an H100's 132 SMs).
@@ -193,7 +200,7 @@ def _paged_attention_kernel(
     PARTITION_SIZE: tl.constexpr,  # context positions per partition (a multiple of BLOCK_N)
     SPLIT: tl.constexpr,  # write partition states to scratch (program_id(2) picks partitions) vs merge here
     NATIVE_DOT: tl.constexpr,  # 16-bit operands straight into tl.dot (fast mode on a GPU)
-    NUM_SEGMENTS: tl.constexpr = 0,  # SPLIT by segments (FAST_DECODE_SEGMENTS; max_parts == it), not partitions
+    NUM_SEGMENTS: tl.constexpr = 0,  # SPLIT by segments (fast_decode_segments; max_parts == it), not partitions
 ):
     q_tile_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -413,10 +420,11 @@ def paged_attention_triton(
     # loop the software pipeline runs through (with FAST_PARTITION's 4-tile partitions it filled and
     # drained its stages every 256 positions).
     block_q = block_q_for(group_pad)
-    if FAST_DECODE_SEGMENTS and too_few_programs(num_tokens // block_q + num_reqs, num_kv_heads):
+    num_q_tiles = num_tokens // block_q + num_reqs
+    if FAST_DECODE_SEGMENTS and too_few_programs(num_q_tiles, num_kv_heads):
         return launch(query, layer_cache, block_tables, seq_lens, query_start_loc, scale, out, block_q,
-                      FAST_DECODE_KV_TILE, split=True, native_dot=native, segments=FAST_DECODE_SEGMENTS,
-                      num_warps=4, num_stages=3)
+                      FAST_DECODE_KV_TILE, split=True, native_dot=native,
+                      segments=fast_decode_segments(num_q_tiles, num_kv_heads), num_warps=4, num_stages=3)
     return launch(query, layer_cache, block_tables, seq_lens, query_start_loc, scale, out, block_q,
                   FAST_KV_TILE_TOKENS, native_dot=native, partition=fast_whole_context(block_tables, block_size),
                   num_warps=4, num_stages=3)
@@ -425,6 +433,15 @@ def paged_attention_triton(
 def too_few_programs(num_q_tiles: int, num_kv_heads: int) -> bool:
     """A launch of this many (query tile, KV head) programs leaves the GPU idle: split the context."""
     return num_q_tiles * num_kv_heads < SPLIT_BELOW_PROGRAMS
+
+
+def fast_decode_segments(num_q_tiles: int, num_kv_heads: int) -> int:
+    """Segments a row's context is cut into in the fast mode's split decode: about
+    FAST_DECODE_TARGET_PROGRAMS programs in all, a power of two in [FAST_DECODE_MIN_SEGMENTS,
+    FAST_DECODE_MAX_SEGMENTS]. From the launch's shape only (a CUDA graph's batch bucket fixes it)."""
+    per_segment = max(1, num_q_tiles * num_kv_heads)
+    want = max(1, FAST_DECODE_TARGET_PROGRAMS // per_segment)
+    return min(FAST_DECODE_MAX_SEGMENTS, max(FAST_DECODE_MIN_SEGMENTS, 1 << (want.bit_length() - 1)))
 
 
 def fast_whole_context(block_tables: Tensor, block_size: int) -> int:
@@ -450,7 +467,7 @@ def launch(query: Tensor, layer_cache: Tensor, block_tables: Tensor, seq_lens: T
     fixed ones, tests pass batch-dependent ones to show the invariance tests catch them). ``split``:
     merge the partitions in a second kernel (None: when the launch has too few programs, module doc).
     ``segments`` (with ``split``): split each row's key tiles in that many even runs instead of
-    partitions (the fast mode's decode split, FAST_DECODE_SEGMENTS; a power of two)."""
+    partitions (the fast mode's decode split, fast_decode_segments; a power of two)."""
     num_tokens, num_q_heads, head_dim = query.shape
     block_size, num_kv_heads = layer_cache.shape[2], layer_cache.shape[3]
     num_reqs = seq_lens.shape[0]

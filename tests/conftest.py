@@ -17,6 +17,31 @@ os.environ.setdefault("PDCLUSTER_CACHE_DIR", "/tmp/pdcluster-test-cache")
 import pytest  # noqa: E402
 
 
+def _row_invariant_interpreter_dot() -> None:
+    """Under TRITON_INTERPRET a kernel's ``tl.dot`` is a numpy matmul (OpenBLAS). The batch-invariance
+    tests need a row's bits to depend on that row alone, as a GPU's dot instruction gives: OpenBLAS's
+    Haswell kernels (which some machines here pin with OPENBLAS_CORETYPE, see ../.library/env/README.md)
+    give a row other bits by its place in the tile. Each row's product is taken alone here (a batch of
+    1-row matmuls, one path for every row), so the interpreter's dot is row-invariant on every BLAS."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.data.ndim != 2 or a.data.dtype != np.float32 or b.data.dtype != np.float32:
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        rows = np.matmul(a.data[:, None, :], b.data, dtype=d.data.dtype)[:, 0, :]
+        return interpreter.TensorHandle(rows + d.data, d.dtype.scalar)
+
+    builder.create_dot = create_dot
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _row_invariant_interpreter_dot()
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir():
     from pdcluster.engine.models.registry import resolve_model

@@ -101,23 +101,15 @@ def test_flash_attention_is_not_for_cpu_or_fp32_tensors():
     assert not flash_prefill.usable(query.bfloat16(), 2)  # on the CPU
 
 
-@pytest.mark.parametrize("q_lens", [[768, 768, 768], [600, 600], [513, 1, 40], [512, 900, 1030, 768]],
-                         ids=["equal", "equal-padded", "short-ones", "padded"])
-def test_long_prompts_go_to_cudnn_with_the_same_result(monkeypatch, q_lens):
-    """cudnn_prefill's arithmetic (one call over views when the lengths are equal, else one padded call a
-    request) on the CPU: SDPA's own math backend stands in for cuDNN. Steps with a prompt shorter than
-    CUDNN_MIN_LEN stay on FlashAttention (refused here, so None)."""
+@pytest.mark.parametrize("q_lens", [[768, 768, 768], [512], [600, 600], [512, 768], [513, 1, 40]],
+                         ids=["equal", "one", "equal-not-multiple", "unequal", "short-ones"])
+def test_prompts_of_one_long_length_go_to_cudnn_with_the_same_result(monkeypatch, q_lens):
+    """cudnn_prefill's arithmetic (one call over views of the packed rows) on the CPU: SDPA's own math
+    backend stands in for cuDNN. Only prompts of one length, a multiple of 256 and at least 512, go there:
+    the rest stay on FlashAttention (which refuses CPU tensors here: None)."""
     import contextlib
 
     monkeypatch.setattr(flash_prefill, "sdpa_kernel", lambda backends: contextlib.nullcontext())
-    shapes = []
-    real_dense = flash_prefill._dense_causal
-
-    def recording(q, k, v, batch, length, scale):
-        shapes.append((batch, length))
-        return real_dense(q, k, v, batch, length, scale)
-
-    monkeypatch.setattr(flash_prefill, "_dense_causal", recording)
     for name, value in (("num_cudnn_calls", 0), ("_disabled_why", None), ("_cudnn_disabled_why", None)):
         monkeypatch.setattr(flash_prefill, name, value)  # and back after the test (a refusal is sticky)
     g = torch.Generator().manual_seed(2)
@@ -125,16 +117,11 @@ def test_long_prompts_go_to_cudnn_with_the_same_result(monkeypatch, q_lens):
     qkv = torch.randn(n, 4 + 2 * 1, 32, generator=g)
     query, key, value = qkv[:, :4], qkv[:, 4:5], qkv[:, 5:]  # strided views, as the model passes them
     qsl = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
-    lens = np.array(q_lens, dtype=np.int64)
-    got = flash_prefill.flash_prefill(query, key, value, qsl, max(q_lens), 32**-0.5, lens)
-    if min(q_lens) < flash_prefill.CUDNN_MIN_LEN:
+    got = flash_prefill.flash_prefill(query, key, value, qsl, max(q_lens), 32**-0.5, np.array(q_lens))
+    if len(set(q_lens)) > 1 or q_lens[0] % 256 or q_lens[0] < 512:
         assert got is None and flash_prefill.num_cudnn_calls == 0
         return
     assert flash_prefill.num_cudnn_calls == 1 and flash_prefill.cudnn_disabled_reason() is None
-    # the cuDNN shapes (one plan each): one batched call for equal multiples of 256, else one a request
-    want_shapes = [(len(q_lens), q_lens[0])] if len(set(q_lens)) == 1 and q_lens[0] % 256 == 0 else \
-        [(1, -(-n // 256) * 256) for n in q_lens]
-    assert shapes == want_shapes
     want = causal_per_request(query, key, value, qsl, max(q_lens), 32**-0.5)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -194,9 +181,10 @@ def test_flash_prefill_on_cuda_equals_the_reference():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
                     reason="needs a CUDA device")
-@pytest.mark.parametrize("q_lens", [[512, 512], [600, 1030, 512]], ids=["equal", "padded"])
+@pytest.mark.parametrize("q_lens", [[512, 512, 512], [1024]], ids=["three", "one"])
 def test_cudnn_prefill_on_cuda_equals_the_reference(q_lens):
-    """The real cuDNN path: prompts of 512 tokens or more, 8 query heads on 2 KV heads, head 64, bf16."""
+    """The real cuDNN path: prompts of one length (a multiple of 256), 8 query heads on 2 KV heads, head
+    64, bf16; prompts of several lengths go to FlashAttention."""
     g = torch.Generator().manual_seed(3)
     n = sum(q_lens)
     qkv = torch.randn(n, 8 + 2 * 2, 64, generator=g).to(torch.bfloat16).cuda()
@@ -208,3 +196,7 @@ def test_cudnn_prefill_on_cuda_equals_the_reference(q_lens):
     want = causal_per_request(query.cpu().float(), key.cpu().float(), value.cpu().float(), qsl.cpu(), max(q_lens),
                               64**-0.5)
     torch.testing.assert_close(got.cpu().float(), want, rtol=2e-2, atol=2e-2)
+    unequal = np.array([512, n - 512]) if n > 1024 else np.array([256, n - 256])
+    qsl2 = torch.tensor([0, *np.cumsum(unequal)], dtype=torch.int32).cuda()
+    assert flash_prefill.flash_prefill(query, key, value, qsl2, int(unequal.max()), 64**-0.5, unequal) is not None
+    assert flash_prefill.num_cudnn_calls == before + 1  # FlashAttention served it

@@ -220,7 +220,7 @@ def test_fast_decode_takes_the_segment_split_for_a_few_requests(monkeypatch):
     torch.testing.assert_close(got, reference.paged_attention(*batch.args()), rtol=1e-5, atol=1e-5)
     prefill = make_batch([20], [20], 4, 2, block_size=8)
     attention.paged_attention_triton(*prefill.args(), batch_invariant=False)
-    assert [seg for seg, _, _ in launched] == [attention.FAST_DECODE_SEGMENTS, 0]
+    assert [seg for seg, _, _ in launched] == [32, 0]  # 2 query tiles x 2 KV heads: the most segments
 
     launched.clear()
     monkeypatch.setattr(attention, "SPLIT_BELOW_PROGRAMS", 1)  # every launch has programs enough
@@ -230,6 +230,19 @@ def test_fast_decode_takes_the_segment_split_for_a_few_requests(monkeypatch):
     whole = attention.fast_whole_context(many.block_tables, 8)
     assert whole >= 700 and whole > attention.FAST_PARTITION
     assert launched == [(0, None, whole)]
+
+
+def test_fast_decode_segments_follow_the_launch_size():
+    """About FAST_DECODE_TARGET_PROGRAMS programs, a power of two in [8, 32]: TinyLlama's decode (GQA 8,
+    so 2 tokens a query tile; 4 KV heads) of 1, 8 and 32 requests, the shapes timed on an H100."""
+    from pdcluster.kernels.triton_paged_attention import fast_decode_segments
+
+    def tiles(num_reqs):
+        return num_reqs // 2 + num_reqs
+
+    assert [fast_decode_segments(tiles(n), 4) for n in (1, 8, 32)] == [32, 16, 8]
+    assert fast_decode_segments(tiles(60), 4) == 8  # the floor, up to where the unsplit launch takes over
+    assert all(s & (s - 1) == 0 for s in (fast_decode_segments(t, h) for t in range(1, 300) for h in (1, 2, 4, 8)))
 
 
 def triton_next_pow2(n: int) -> int:
