@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device call for a GPU session (bench/gpu_check.py, bench/prefill_attention.py, and with GPU_SWEEP=1 or
-# GPU_SWEEP=<sections> bench/attention_sweep.py), within one
+# GPU_SWEEP=<sections> bench/attention_sweep.py, with GPU_GEMM=1 bench/gemm_sweep.py), within one
 # command's 10 minutes: results go to $OUT (what comes back) and their logs' tails to the output.
 #
 # Here, first (the GPU machine lacks pyzmq and downloads nothing; the tokenizer files are ignored by git):
@@ -42,5 +42,10 @@ if [ -n "${GPU_SWEEP:-}" ]; then  # the Triton kernels' tile sweeps (bench/resul
     sweep_sections=$([ "$GPU_SWEEP" = 1 ] && echo decode,decode_many || echo "$GPU_SWEEP")
     timeout 200 python3 bench/attention_sweep.py --sections "$sweep_sections" --out "$OUT/attention_sweep.json" > "$OUT/attention_sweep.log" 2>&1
     echo "attention_sweep rc=$?"
+fi
+if [ -n "${GPU_GEMM:-}" ]; then  # decode-sized GEMMs: F.linear against a pre-transposed weight and cuBLASLt
+    timeout 120 python3 bench/gemm_sweep.py --out "$OUT/gemm_sweep.json" > "$OUT/gemm_sweep.log" 2>&1
+    echo "gemm_sweep rc=$?"
+    grep -E '"best"' "$OUT/gemm_sweep.json" | sort | uniq -c
 fi
 tail -5 "$OUT/gpu_check.log"
