@@ -6,7 +6,8 @@ A real prefill worker in its own process (as in a cluster) and a real decode wor
 talking over 127.0.0.1 (control plane and tcp transport). With both in one interpreter, thread
 switches often let an ack come back between the last sends and the poll right after them in the same
 post_forward, which hid the bug about half the time. The prefill engine is kept busy: every step is
-a full 2048-token batch (~1 s of tiny-random with an MTP head on one torch thread). A lead prompt L (2000 tokens) is asked for first,
+a full 2048-token batch (0.3-1 s of tiny-random with an MTP head on one torch thread, plus a
+0.4 s pause added to the forward so that every machine's step is long). A lead prompt L (2000 tokens) is asked for first,
 so every later request is queued before step 2; then A (1500 tokens) and long prompts B1, B2, B3
 (2000 tokens each). Whichever way L and A meet the first step:
 
@@ -35,6 +36,7 @@ from pdcluster.node.events import ADMITTED, Admission, Failed, KVReady, Tokens
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 CHUNK = 2048
+STEP_PAUSE_S = 0.4  # added to every prefill forward (_prefill_child)
 # MTP: A's last sends carry its draft layer for every block (S2), ~0.8 MB: their ack takes a while.
 _config = functools.partial(engine_config, num_kv_blocks=1024, max_model_len=2048, prefill_chunk_size=CHUNK,
                             max_num_batched_tokens=CHUNK, spec_method="mtp", num_spec_tokens=1,
@@ -70,6 +72,18 @@ def _prefill_child(conn):
 
     torch.set_num_threads(1)
     p = PrefillWorker("p0", _config(), TransferConfig(transport="tcp"))
+    # Every step at least STEP_PAUSE_S longer, whatever the machine (a fast CPU ran the 2048-token step
+    # in 0.27 s, too short to tell a TransferDone sent early in a step from one sent at its end). The
+    # pause holds no lock, as the forward's torch kernels hold none: the worker's threads run meanwhile.
+    model = p.engine.runner.model
+    forward = model.forward
+
+    def long_forward(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        time.sleep(STEP_PAUSE_S)
+        return out
+
+    model.forward = long_forward
     conn.send(p.address)
     time.sleep(600)
 
