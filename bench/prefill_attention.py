@@ -1,6 +1,8 @@
 """Causal prefill attention on a GPU, one layer of 16 x 2,048 tokens (TinyLlama's 32 query / 4 KV heads of
 64, bf16): torch's FlashAttention-2 varlen op (production, kernels/flash_prefill.py) against cuDNN's
-attention, varlen and dense, and FlashAttention-2 through SDPA on dense tensors. Each candidate's output
+attention, varlen and dense, and FlashAttention-2 through SDPA on dense tensors; then prompts of four
+lengths: FlashAttention-2 varlen against one cuDNN call over the batch padded to the longest (copies
+included). Each candidate's output
 is compared with production's (max abs difference) and timed with triton's do_bench; TFLOP/s counts QK
 and PV over half the square. A candidate the GPU or torch refuses is recorded with its error.
 
@@ -53,6 +55,64 @@ def candidates(q, k, v, cu_seqlens, num_seqs: int, seq_len: int, scale: float) -
             "cudnn_dense_gqa": sdpa(SDPBackend.CUDNN_ATTENTION, True),
             "cudnn_dense_repeat_kv": sdpa(SDPBackend.CUDNN_ATTENTION, False),
             "flash_dense_gqa": sdpa(SDPBackend.FLASH_ATTENTION, True)}
+
+
+def unequal_lengths(q, k, v, n: int, s: int, scale: float, dev: str) -> dict:
+    """Prompts of several lengths (s, s - 48, s - 96, s - 144 in turn): FlashAttention-2 varlen (what
+    production runs for them) against one cuDNN call over the batch padded at each prompt's end to the
+    longest, the padding copies and the gather of the real rows included (padded rows come after the real
+    ones: causal attention keeps them out of the real rows' results)."""
+    import torch
+
+    from pdcluster.kernels import flash_prefill
+
+    lens = [s - 48 * (i % 4) for i in range(n)]
+    total, longest = sum(lens), max(lens)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=dev, dtype=torch.int32)
+    qs, ks, vs = q[:total], k[:total], v[:total]
+    # Row i of the padded batch: prompt r's token j sits at r * longest + j.
+    dest = torch.cat([torch.arange(r * longest, r * longest + n_r) for r, n_r in enumerate(lens)]).to(dev)
+
+    def flash():
+        return torch.ops.aten._flash_attention_forward(qs, ks, vs, cu, cu, longest, longest, 0.0, True, False,
+                                                       scale=scale)[0]
+
+    def cudnn_padded():
+        padded = []
+        for x in (qs, ks, vs):
+            buf = x.new_zeros((n * longest, *x.shape[1:]))
+            buf[dest] = x
+            padded.append(buf)
+        out = flash_prefill._dense_causal(*padded, n, longest, scale)  # [n, heads, longest, dim]
+        return out.transpose(1, 2).reshape(n * longest, *qs.shape[1:])[dest]
+
+    flops = sum(2 * n_r * n_r * q.shape[2] * q.shape[1] for n_r in lens)
+    padded_flops = n * 2 * longest * longest * q.shape[2] * q.shape[1]
+    out: dict = {"lens": sorted(set(lens)), "padded_work_ratio": round(padded_flops / flops, 3)}
+    want = None
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def cudnn_run():  # the dry run on a CPU: SDPA's math backend stands in
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION if dev == "cuda" else SDPBackend.MATH]):
+            return cudnn_padded()
+
+    for name, fn in (("flash_varlen", flash), ("cudnn_padded_batch", cudnn_run)):
+        try:
+            got = fn()
+            if want is None:
+                want = got.float()
+            entry = {"max_abs_diff": round(float((got.float() - want).abs().max()), 5)}
+            entry["ok"] = entry["max_abs_diff"] < 2e-2
+            if dev == "cuda":
+                from triton.testing import do_bench
+
+                ms = do_bench(fn, warmup=10, rep=100)
+                entry.update(ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1))
+        except Exception as e:  # noqa: BLE001 - refused here (the CPU dry run: FlashAttention's op)
+            entry = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+        out[name] = entry
+        print("unequal", name, entry, file=sys.stderr, flush=True)
+    return out
 
 
 def main() -> int:
@@ -121,6 +181,7 @@ def main() -> int:
             result["production"][name] = {"lens": lens.tolist(), "call_ms": calls, "served": out is not None,
                                           "by_cudnn": flash_prefill.num_cudnn_calls > before,
                                           "cudnn_refused": flash_prefill.cudnn_disabled_reason()}
+    result["unequal"] = unequal_lengths(q, k, v, n, s, scale, dev)
     timed = {k: e["ms"] for k, e in result["candidates"].items() if e.get("ok") and "ms" in e}
     result["best"] = min(timed, key=timed.get) if timed else None
     emit_json(result, args.out, indent=2)
