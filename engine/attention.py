@@ -28,8 +28,8 @@ class AttentionMetadata:
     # the longest one's token count, else None. Such a step's attention needs nothing from the paged
     # cache (the fast mode hands it to FlashAttention on CUDA: kernels/flash_prefill.py).
     no_context_max_query_len: int | None = None
-    # The same steps' query lengths on the host (int64 [num_reqs]), for the cuDNN path, which launches
-    # per length (kernels/flash_prefill.py); None where no_context_max_query_len is.
+    # The same steps' query lengths on the host (int64 [num_reqs]): the cuDNN path takes steps whose
+    # prompts have one length (kernels/flash_prefill.py); None where no_context_max_query_len is.
     no_context_query_lens_np: np.ndarray | None = None
 
 
