@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from pdcluster.cli.main import main
 from pdcluster.tools.planner.costs import CostModel, EngineLimits, Fit, attn_pairs, fit_linear
@@ -366,6 +367,19 @@ def test_plan_cli_errors_are_one_line(tmp_path, capsys, argv, message):
     assert err.startswith("pdcluster plan: error: ") and message in err and "\n" not in err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where torch sees no GPU")
+def test_profile_refuses_a_device_torch_cannot_see(tmp_path, capsys):
+    """`pdcluster profile --device cuda` without a GPU: one line naming the flag and what torch sees,
+    before anything is loaded or measured."""
+    out = tmp_path / "p.json"
+    assert main(["profile", "--model", "tiny-random", "--quick", "--device", "cuda", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("pdcluster profile: error: --device: ") and "sees no CUDA device" in err and "\n" not in err
+    assert not out.exists()
+    assert main(["profile", "--model", "tiny-random", "--device", "tpu", "--out", str(out)]) == 2
+    assert "--device: " in capsys.readouterr().err
+
+
 def test_plan_cli_missing_or_bad_profile(tmp_path, capsys):
     assert main(["plan", "--profile", str(tmp_path / "none.json"), "--rate", "1"]) == 2
     err = capsys.readouterr().err.strip()
@@ -384,6 +398,7 @@ def test_profile_tiny_random_writes_a_usable_profile(tmp_path, capsys):
     assert main(["profile", "--model", "tiny-random", "--quick", "--no-corun", "--out", str(out)]) == 0
     profile = json.loads(out.read_text())
     assert profile["model"] == "tiny-random" and profile["threads"] == 1
+    assert profile["device"] == ("cuda" if torch.cuda.is_available() else "cpu")  # --device auto
     assert profile["kv_bytes_per_token"] > 0 and profile["num_layers"] == 4
     for name in ("prefill", "decode", "transfer"):
         fit = profile["fits"][name]

@@ -19,7 +19,7 @@ import os
 import sys
 from pathlib import Path
 
-from pdcluster.engine.config import DETERMINISTIC_ENV, DTYPES
+from pdcluster.engine.config import DETERMINISTIC_ENV, DTYPES, ConfigError, EngineConfig
 from pdcluster.tools.loadtest.arrivals import ARRIVALS
 from pdcluster.tools.planner import workload as wl
 from pdcluster.tools.planner.costs import load_cost_model
@@ -43,6 +43,9 @@ def add_planner_parsers(subparsers) -> None:
                    help="as `pdcluster serve --dtype` (auto: the checkpoint's; bf16 is slow on CPUs without avx512_bf16)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads, as one worker gets them (serve on 2 cores: 1 each with 2+ workers)")
+    p.add_argument("--device", default="auto",
+                   help="as `pdcluster serve --device`: auto (CUDA where torch sees a GPU), cpu, cuda or cuda:N. "
+                        "Steps are timed synchronously (no async scheduling): one step's cost, not an overlap"),
     p.add_argument("--transport", default="tcp", choices=("tcp", "shm", "ucx", "nccl", "none"),
                    help="KV transport to time (none: no transfer cost)")
     p.add_argument("--quick", action="store_true", help="a small grid (seconds; for tests and tiny models)")
@@ -95,6 +98,10 @@ def profile_main(args: argparse.Namespace) -> int:
 
     if args.threads < 1:
         raise PlanError(f"--threads: must be at least 1, got {args.threads}")
+    try:  # a device torch cannot see is refused here, before anything is measured
+        device = EngineConfig(device=args.device).resolve_device()
+    except ConfigError as e:
+        raise PlanError(f"--device: {str(e).removeprefix('device: ')}") from None
     out = Path(args.out)
     if not out.parent.exists():
         raise PlanError(f"--out: directory {out.parent} does not exist")
@@ -106,7 +113,7 @@ def profile_main(args: argparse.Namespace) -> int:
         grid = ProfileGrid(**{**grid.__dict__, "corun": False})
     if args.no_served:
         grid = ProfileGrid(**{**grid.__dict__, "served": False})
-    profile = run_profile(args.model, args.threads, grid, args.transport, args.seed, args.dtype)
+    profile = run_profile(args.model, args.threads, grid, args.transport, args.seed, args.dtype, device=device)
     out.write_text(json.dumps(profile, indent=1) + "\n")
     fits = profile["fits"]
     print(json.dumps({"out": str(out), "seconds": profile["seconds"], "fits": fits,

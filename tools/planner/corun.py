@@ -51,12 +51,13 @@ def bare_drift(engine, prompts: RandomPrompts, cost: CostModel) -> dict[str, flo
     return {kind: statistics.median(r) for kind, r in ratios.items()}
 
 
-def _corun_child(model: str, threads: int, dtype: str, partner: str, ready, run, stop, limit_s: float) -> None:
+def _corun_child(model: str, threads: int, dtype: str, partner: str, ready, run, stop, limit_s: float,
+                 device: str = "cpu") -> None:
     """Another worker on this host, while ``run`` is set, until told to stop (or ``limit_s``):
     ``partner`` "decode" decodes at batch 8; "prefill" computes 256-token prompts back to back (a
     prefill worker under load). Paused (``run`` clear), it sleeps."""
     os.dup2(2, 1)
-    engine = bare_engine(model, threads, 1024, 512, seed=1, dtype=dtype)
+    engine = bare_engine(model, threads, 1024, 512, seed=1, dtype=dtype, device=device)
     prompts = RandomPrompts(engine.arch.vocab_size, 7)
     ready.set()
     deadline = time.monotonic() + limit_s
@@ -82,7 +83,8 @@ def _corun_beside(engine, prompts: RandomPrompts, model: str, threads: int, part
     left is memory bandwidth, caches and the host's own contention between busy cores)."""
     ready, run, stop = CTX.Event(), CTX.Event(), CTX.Event()
     child = CTX.Process(target=_corun_child,
-                        args=(model, threads, engine.config.dtype, partner, ready, run, stop, 600.0), daemon=True)
+                        args=(model, threads, engine.config.dtype, partner, ready, run, stop, 600.0,
+                              engine.config.device), daemon=True)
     child.start()
     alone_all, together_all, ratios = [], [], {"prefill": [], "decode": []}
     cores = os.cpu_count() or 1

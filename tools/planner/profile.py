@@ -56,7 +56,7 @@ from pdcluster.tools.planner.transfer import measure_transfer
 
 def run_profile(model: str = "smollm2", threads: int = 1, grid: ProfileGrid | None = None,
                 transport: str = "tcp", seed: int = 0, dtype: str = "auto",
-                log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> dict:
+                log=lambda msg: print(msg, file=sys.stderr, flush=True), device: str = "cpu") -> dict:
     """Measure, fit and return the profile (a JSON-able dict; costs.CostModel.from_profile reads it)."""
     grid = grid or ProfileGrid()
     started = time.monotonic()
@@ -69,11 +69,12 @@ def run_profile(model: str = "smollm2", threads: int = 1, grid: ProfileGrid | No
     # plus the mixed prompts that join it; with room, and never less than the probe needs.
     prompt_blocks = max(-(-longest // 16) * 2, max(k * -(-n // 16) for k, n in grid.prefill_batches))
     pool = prompt_blocks + (max_batch + len(grid.mixed) + 2) * (-(-(steps + 64) // 16) + 2) + 256
-    engine = bare_engine(model, threads, max_model_len, pool, seed, dtype)
+    engine = bare_engine(model, threads, max_model_len, pool, seed, dtype, device)
     spec = engine.kv_spec
     meter = CpuMeter()
     prompts = RandomPrompts(engine.arch.vocab_size, seed)
-    log(f"profile: {model} ({engine.dtype_name}), {threads} thread(s), loaded in {time.monotonic() - started:.1f} s")
+    log(f"profile: {model} ({engine.dtype_name}) on {engine.config.device}, {threads} thread(s), loaded in "
+        f"{time.monotonic() - started:.1f} s")
     warm_up(engine, prompts, grid)
     t = time.monotonic()
     prefill = measure_prefill(engine, prompts, grid)
@@ -105,6 +106,7 @@ def run_profile(model: str = "smollm2", threads: int = 1, grid: ProfileGrid | No
         "version": 1,
         "model": model,
         "dtype": engine.dtype_name,
+        "device": engine.config.device,
         "threads": threads,
         "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "processor": platform.processor(),
                  "load_avg_at_start": load_at_start, "background_cores": others_cores(background),
@@ -123,7 +125,7 @@ def run_profile(model: str = "smollm2", threads: int = 1, grid: ProfileGrid | No
     if grid.served and transport != "none":
         t = time.monotonic()
         before = bare_drift(engine, prompts, model_check)
-        served = measure_served(model_check, model, dtype, threads, transport, seed, log)
+        served = measure_served(model_check, model, dtype, threads, transport, seed, log, engine.config.device)
         after = bare_drift(engine, prompts, model_check)
         if served["measured"]:
             drift = {kind: (before[kind] + after[kind]) / 2.0 for kind in before}

@@ -40,8 +40,10 @@ DECODE_TOKENS = 24
 MAX_RECORDS = 4096
 
 
-def _config(model: str, dtype: str, threads: int, num_kv_blocks: int) -> EngineConfig:
-    return EngineConfig(model=model, dtype=dtype, num_threads=threads, max_model_len=2048, num_kv_blocks=num_kv_blocks)
+def _config(model: str, dtype: str, threads: int, num_kv_blocks: int, device: str = "cpu") -> EngineConfig:
+    # Synchronous scheduling, as the bare profile's steps (steps.bare_engine): the two are compared step by step.
+    return EngineConfig(model=model, dtype=dtype, num_threads=threads, max_model_len=2048, num_kv_blocks=num_kv_blocks,
+                        device=device, async_scheduling=False)
 
 
 def _prompt(rng: random.Random, vocab: int, n: int) -> list[int]:
@@ -59,10 +61,11 @@ def _wait_finished(events: list, request_ids: set[str], timeout_s: float) -> boo
 
 
 def _decode_child(conn, prefill_address: str, model: str, dtype: str, threads: int, transport: str,
-                  num_kv_blocks: int, seed: int) -> None:
+                  num_kv_blocks: int, seed: int, device: str = "cpu") -> None:
     """The decode worker: connect, drive both phases (it is the one that submits), send its steps back."""
     torch.set_num_threads(threads)
-    d = DecodeWorker("served-probe-d", _config(model, dtype, threads, num_kv_blocks), TransferConfig(transport=transport))
+    d = DecodeWorker("served-probe-d", _config(model, dtype, threads, num_kv_blocks, device),
+                     TransferConfig(transport=transport))
     try:
         d.engine.step_trace = StepTrace("", keep=MAX_RECORDS)
         events: list = []
@@ -92,15 +95,17 @@ def _decode_child(conn, prefill_address: str, model: str, dtype: str, threads: i
         d.close()
 
 
-def measure_served(cost, model: str, dtype: str, threads: int, transport: str, seed: int, log) -> dict:
+def measure_served(cost, model: str, dtype: str, threads: int, transport: str, seed: int, log,
+                   device: str = "cpu") -> dict:
     """Served over bare step-time factors, measured on a real prefill/decode pair (see the module
     docstring); ``cost`` is the bare profile's CostModel. {"measured": False, ...} when it fails."""
     num_kv_blocks = 512
-    p = PrefillWorker("served-probe-p", _config(model, dtype, threads, num_kv_blocks), TransferConfig(transport=transport))
+    p = PrefillWorker("served-probe-p", _config(model, dtype, threads, num_kv_blocks, device),
+                      TransferConfig(transport=transport))
     p.engine.step_trace = StepTrace("", keep=MAX_RECORDS)
     parent, child_end = CTX.Pipe()
     child = CTX.Process(target=_decode_child, args=(child_end, p.address, model, dtype, threads, transport,
-                                                    num_kv_blocks, seed), daemon=True)
+                                                    num_kv_blocks, seed, device), daemon=True)
     child.start()
     try:
         if not parent.poll(READY_TIMEOUT_S + REQUEST_TIMEOUT_S * (len(PREFILL_SIZES) + len(DECODE_BATCHES))):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import torch
 
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.llm_engine import LLMEngine
@@ -30,9 +31,11 @@ class RandomPrompts:
 
 
 def bare_engine(model: str, threads: int, max_model_len: int, num_kv_blocks: int, seed: int,
-                dtype: str = "auto") -> LLMEngine:
+                dtype: str = "auto", device: str = "cpu") -> LLMEngine:
+    """An engine whose steps are timed one at a time: synchronous scheduling (on CUDA async is the
+    default, and a step launched ahead would overlap the one being timed)."""
     config = EngineConfig(model=model, dtype=dtype, num_threads=threads, max_model_len=max_model_len,
-                          num_kv_blocks=num_kv_blocks, seed=seed)
+                          num_kv_blocks=num_kv_blocks, seed=seed, device=device, async_scheduling=False)
     return LLMEngine.from_config(config, progress=False)
 
 
@@ -41,8 +44,15 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 
 def timed_step(engine) -> float:
+    """One engine step's wall time; on a GPU up to its last kernel (a step that samples nothing, e.g. a
+    prompt's middle chunk, returns once its kernels are queued)."""
+    on_gpu = engine.config.device.startswith("cuda")
+    if on_gpu:
+        torch.cuda.synchronize(engine.config.device)
     t0 = time.perf_counter()
     engine.step()
+    if on_gpu:
+        torch.cuda.synchronize(engine.config.device)
     return time.perf_counter() - t0
 
 
