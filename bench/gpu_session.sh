@@ -1,6 +1,7 @@
 #!/bin/bash
 # One device call for a GPU session (bench/gpu_check.py, bench/prefill_attention.py, and with GPU_SWEEP=1 or
-# GPU_SWEEP=<sections> bench/attention_sweep.py, with GPU_GEMM=1 bench/gemm_sweep.py), within one
+# GPU_SWEEP=<sections> bench/attention_sweep.py, with GPU_GEMM=1 bench/gemm_sweep.py, with GPU_PROFILE=1 a quick
+# `pdcluster profile --device cuda`), within one
 # command's 10 minutes: results go to $OUT (what comes back) and their logs' tails to the output.
 #
 # Here, first (the GPU machine lacks pyzmq and downloads nothing; the tokenizer files are ignored by git):
@@ -47,5 +48,13 @@ if [ -n "${GPU_GEMM:-}" ]; then  # decode-sized GEMMs: F.linear against a pre-tr
     timeout 120 python3 bench/gemm_sweep.py --out "$OUT/gemm_sweep.json" > "$OUT/gemm_sweep.log" 2>&1
     echo "gemm_sweep rc=$?"
     grep -E '"best"' "$OUT/gemm_sweep.json" | sort | uniq -c
+fi
+if [ -n "${GPU_PROFILE:-}" ]; then  # `pdcluster profile --device cuda --quick` on the tiny model (planner inputs)
+    timeout 240 python3 -c "import sys; sys.path.insert(0, 'bench'); from gpu_check import import_pdcluster, model_cache
+import_pdcluster(); import os, pathlib, tempfile
+os.environ['PDCLUSTER_CACHE_DIR'] = str(model_cache(pathlib.Path(tempfile.mkdtemp())))
+from pdcluster.cli.main import main; sys.exit(main(['profile', '--model', 'tiny-random', '--quick', '--device',
+    os.environ.get('GPU_PROFILE_DEVICE', 'cuda'), '--out', sys.argv[1]]))" "$OUT/profile_tiny.json" > "$OUT/profile.log" 2>&1
+    echo "profile rc=$?: $(tail -1 "$OUT/profile.log" | cut -c1-300)"
 fi
 tail -5 "$OUT/gpu_check.log"
