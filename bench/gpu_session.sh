@@ -18,17 +18,28 @@ if ls .whl/*.whl > /dev/null 2>&1; then
         && export PYTHONPATH=/tmp/site
 fi
 export PYTHONUNBUFFERED=1
+
+# with_tiny_models TIMEOUT_S CODE [ARGS...]: Python CODE (sys and os imported) with pdcluster importable from
+# this checkout and PDCLUSTER_CACHE_DIR holding the built tiny models (gpu_check's own helpers).
+with_tiny_models() {
+    local timeout_s=$1 code=$2
+    shift 2
+    timeout "$timeout_s" python3 -c "import os, pathlib, sys, tempfile
+sys.path.insert(0, 'bench')
+from gpu_check import import_pdcluster, model_cache
+import_pdcluster()
+os.environ['PDCLUSTER_CACHE_DIR'] = str(model_cache(pathlib.Path(tempfile.mkdtemp())))
+$code" "$@"
+}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 # gpu_check stops starting sections past --budget-s (its last full run took 110 s); the sweeps get what
 # is left.
 # GPU_CHECK_SECTIONS: a shorter rerun (e.g. speed) after a full one; GPU_TESTS: test files to run directly
 # (their gpu-marked tests), when gpu_check's kernel_tests section (every gpu test, ~100 s) is left out.
 if [ -n "${GPU_TESTS:-}" ]; then
-    TRITON_INTERPRET=0 timeout 200 python3 -c "import sys; sys.path.insert(0, 'bench'); from gpu_check import import_pdcluster
-import_pdcluster(); import os, pathlib, tempfile, pytest; from gpu_check import model_cache
-os.environ['PDCLUSTER_CACHE_DIR'] = str(model_cache(pathlib.Path(tempfile.mkdtemp())))  # the tiny models, built
-sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', *sys.argv[1:]]))" \
-        $GPU_TESTS > "$OUT/gpu_tests.log" 2>&1
+    # shellcheck disable=SC2086
+    TRITON_INTERPRET=0 with_tiny_models 200 "import pytest
+sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', *sys.argv[1:]]))" $GPU_TESTS > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests rc=$?: $(grep -E '[0-9]+ (passed|failed)' "$OUT/gpu_tests.log" | tail -1)"
 fi
 timeout 360 python3 bench/gpu_check.py --device cuda --budget-s 300 --sections "${GPU_CHECK_SECTIONS:-env,kernel_tests,correctness,deterministic,speed}" \
@@ -50,11 +61,9 @@ if [ -n "${GPU_GEMM:-}" ]; then  # decode-sized GEMMs: F.linear against a pre-tr
     grep -E '"best"' "$OUT/gemm_sweep.json" | sort | uniq -c
 fi
 if [ -n "${GPU_PROFILE:-}" ]; then  # `pdcluster profile --device cuda --quick` on the tiny model (planner inputs)
-    timeout 240 python3 -c "import sys; sys.path.insert(0, 'bench'); from gpu_check import import_pdcluster, model_cache
-import_pdcluster(); import os, pathlib, tempfile
-os.environ['PDCLUSTER_CACHE_DIR'] = str(model_cache(pathlib.Path(tempfile.mkdtemp())))
-from pdcluster.cli.main import main; sys.exit(main(['profile', '--model', 'tiny-random', '--quick', '--device',
-    os.environ.get('GPU_PROFILE_DEVICE', 'cuda'), '--out', sys.argv[1]]))" "$OUT/profile_tiny.json" > "$OUT/profile.log" 2>&1
+    with_tiny_models 240 "from pdcluster.cli.main import main
+sys.exit(main(['profile', '--model', 'tiny-random', '--quick', '--device', os.environ.get('GPU_PROFILE_DEVICE', 'cuda'),
+    '--out', sys.argv[1]]))" "$OUT/profile_tiny.json" > "$OUT/profile.log" 2>&1
     echo "profile rc=$?: $(tail -1 "$OUT/profile.log" | cut -c1-300)"
 fi
 tail -5 "$OUT/gpu_check.log"

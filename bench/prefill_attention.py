@@ -63,6 +63,7 @@ def unequal_lengths(q, k, v, n: int, s: int, scale: float, dev: str) -> dict:
     longest, the padding copies and the gather of the real rows included (padded rows come after the real
     ones: causal attention keeps them out of the real rows' results)."""
     import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from pdcluster.kernels import flash_prefill
 
@@ -88,15 +89,21 @@ def unequal_lengths(q, k, v, n: int, s: int, scale: float, dev: str) -> dict:
 
     flops = sum(2 * n_r * n_r * q.shape[2] * q.shape[1] for n_r in lens)
     padded_flops = n * 2 * longest * longest * q.shape[2] * q.shape[1]
-    out: dict = {"lens": sorted(set(lens)), "padded_work_ratio": round(padded_flops / flops, 3)}
-    want = None
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     def cudnn_run():  # the dry run on a CPU: SDPA's math backend stands in
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION if dev == "cuda" else SDPBackend.MATH]):
             return cudnn_padded()
 
-    for name, fn in (("flash_varlen", flash), ("cudnn_padded_batch", cudnn_run)):
+    return {"lens": sorted(set(lens)), "padded_work_ratio": round(padded_flops / flops, 3),
+            **measure({"flash_varlen": flash, "cudnn_padded_batch": cudnn_run}, flops, dev, "unequal")}
+
+
+def measure(fns: dict, flops: int, dev: str, label: str) -> dict:
+    """name -> {max_abs_diff against the first that ran, ok, and on CUDA ms and TFLOP/s}, or the error of
+    one this GPU or torch refuses (the CPU dry run: FlashAttention's op)."""
+    entries: dict = {}
+    want = None
+    for name, fn in fns.items():
         try:
             got = fn()
             if want is None:
@@ -108,11 +115,11 @@ def unequal_lengths(q, k, v, n: int, s: int, scale: float, dev: str) -> dict:
 
                 ms = do_bench(fn, warmup=10, rep=100)
                 entry.update(ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1))
-        except Exception as e:  # noqa: BLE001 - refused here (the CPU dry run: FlashAttention's op)
+        except Exception as e:  # noqa: BLE001 - recorded
             entry = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
-        out[name] = entry
-        print("unequal", name, entry, file=sys.stderr, flush=True)
-    return out
+        entries[name] = entry
+        print(label, name, entry, file=sys.stderr, flush=True)
+    return entries
 
 
 def main() -> int:
@@ -140,26 +147,8 @@ def main() -> int:
     scale = head_dim ** -0.5
     flops = 2 * n * s * s * head_dim * num_heads  # QK and PV over half the square
     result: dict = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "num_seqs": n, "seq_len": s,
-                    "num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim, "torch": torch.__version__,
-                    "candidates": {}}
-    if dev == "cuda":
-        from triton.testing import do_bench
-    want = None
-    for name, fn in candidates(q, k, v, cu_seqlens, n, s, scale).items():
-        entry: dict = {}
-        try:
-            out = fn()
-            if want is None:
-                want = out.float()
-            entry["max_abs_diff"] = round(float((out.float() - want).abs().max()), 5)
-            entry["ok"] = entry["max_abs_diff"] < 2e-2
-            if dev == "cuda":
-                ms = do_bench(fn, warmup=10, rep=100)
-                entry.update(ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1))
-        except Exception as e:  # noqa: BLE001 - a backend this GPU or torch refuses: recorded
-            entry = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
-        result["candidates"][name] = entry
-        print(name, entry, file=sys.stderr, flush=True)
+                    "num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim, "torch": torch.__version__}
+    result["candidates"] = measure(candidates(q, k, v, cu_seqlens, n, s, scale), flops, dev, "layer")
     if dev == "cuda":  # production's entry (kernels/flash_prefill.py): which path serves, first call and later
         import time
 

@@ -124,6 +124,7 @@ def prepare_inputs(rows: StepRows, idx_mapping: np.ndarray, states: RequestState
         host["ahead_src"] = rows.ahead_src_np.astype(np.int64)
     inputs.begin_step()
     dev = inputs.put_many(host)
+    no_context = len(q_lens) > 0 and not starts.any()  # every request starts at position 0
     meta = AttentionMetadata(
         slot_mapping=dev["slot_mapping"],
         block_tables=dev["block_tables"],
@@ -131,8 +132,8 @@ def prepare_inputs(rows: StepRows, idx_mapping: np.ndarray, states: RequestState
         query_start_loc=dev["query_start_loc"],
         uniform_q_len=uniform_decode_query_len(num_spec_steps) if kind == BatchKind.UNIFORM_DECODE else None,
         scale=scale,
-        no_context_max_query_len=int(q_lens.max()) if len(q_lens) and not starts.any() else None,
-        no_context_query_lens_np=q_lens if len(q_lens) and not starts.any() else None,
+        no_context_max_query_len=int(q_lens.max()) if no_context else None,
+        no_context_query_lens_np=q_lens if no_context else None,
     )
     if mamba_pool is not None:
         meta.mamba = MambaMetadata(

@@ -75,13 +75,12 @@ FAST_PREFILL_ROWS = 64  # with FAST_PREFILL_KV_TILE, 4 warps, 3 stages: bench/re
 FAST_PREFILL_KV_TILE = 128
 FAST_PARTITION = 256  # the fast mode's partition split (any size will do there: nothing needs fixed bits)
 # The fast mode's decode split (module doc; flash-decoding as vLLM's unified Triton attention does it):
-# segments per row (a power of two; 0 = the partition split) and their key tile.
-# Segments a row (fast_decode_segments): enough for about FAST_DECODE_TARGET_PROGRAMS programs, a power
-# of two within [MIN, MAX]. Timed inside CUDA graphs on an H100 (bench/results/attention_sweep_h100.json,
+# by segments (False: the partition split) and their key tile. Segments a row (fast_decode_segments):
+# enough for about FAST_DECODE_TARGET_PROGRAMS programs, a power of two within [MIN, MAX]. Timed inside CUDA graphs on an H100 (bench/results/attention_sweep_h100.json,
 # decode_few; 32 query / 4 KV heads of 64, bf16), against the 16 segments every such step had before:
 # 1 x 4,096 context 12.0 -> 8.4 us (32), 1 x 512 5.8 -> 5.6 us (32), 32 x 512 18.4 -> 15.5 us (8),
-# 8 x 2,048 13.7 us either way (16). FAST_DECODE_SEGMENTS = 0 turns the segment split off (partitions).
-FAST_DECODE_SEGMENTS = 1
+# 8 x 2,048 13.7 us either way (16).
+FAST_DECODE_BY_SEGMENTS = True
 FAST_DECODE_TARGET_PROGRAMS = 1024
 FAST_DECODE_MIN_SEGMENTS, FAST_DECODE_MAX_SEGMENTS = 8, 32
 FAST_DECODE_KV_TILE = 32
@@ -421,7 +420,7 @@ def paged_attention_triton(
     # drained its stages every 256 positions).
     block_q = block_q_for(group_pad)
     num_q_tiles = num_tokens // block_q + num_reqs
-    if FAST_DECODE_SEGMENTS and too_few_programs(num_q_tiles, num_kv_heads):
+    if FAST_DECODE_BY_SEGMENTS and too_few_programs(num_q_tiles, num_kv_heads):
         return launch(query, layer_cache, block_tables, seq_lens, query_start_loc, scale, out, block_q,
                       FAST_DECODE_KV_TILE, split=True, native_dot=native,
                       segments=fast_decode_segments(num_q_tiles, num_kv_heads), num_warps=4, num_stages=3)

@@ -45,7 +45,7 @@ def add_planner_parsers(subparsers) -> None:
                    help="torch threads, as one worker gets them (serve on 2 cores: 1 each with 2+ workers)")
     p.add_argument("--device", default="auto",
                    help="as `pdcluster serve --device`: auto (CUDA where torch sees a GPU), cpu, cuda or cuda:N. "
-                        "Steps are timed synchronously (no async scheduling): one step's cost, not an overlap"),
+                        "Steps are timed synchronously (no async scheduling): one step's cost, not an overlap")
     p.add_argument("--transport", default="tcp", choices=("tcp", "shm", "ucx", "nccl", "none"),
                    help="KV transport to time (none: no transfer cost)")
     p.add_argument("--quick", action="store_true", help="a small grid (seconds; for tests and tiny models)")
