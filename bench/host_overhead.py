@@ -13,7 +13,7 @@ engine/async_scheduler.py): the runner's half of the host work runs on its own t
 scheduler's, and the step time is what the two leave between launches (the GIL lets them overlap only
 where numpy and torch release it).
 
-    python bench/host_overhead.py [--context 512] [--steps 50] [--async-scheduling] [--out bench/results/host_overhead.json]
+    python bench/host_overhead.py [--context 512] [--steps 50] [--async-scheduling] [--streaming-outputs] [--out F.json]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def stubbed_engine(batch: int, context: int, steps: int, async_scheduling: bool = False):
+def stubbed_engine(batch: int, context: int, steps: int, async_scheduling: bool = False, streaming: bool = False):
     """The tiny-random engine with its forward and LM head stubbed (zeros; a 256-id head), ``batch``
     requests of ``context`` prompt tokens past their prefill, each with room for 2 x ``steps`` more
     decode steps: a decode step is then the engine's own host work."""
@@ -47,6 +47,7 @@ def stubbed_engine(batch: int, context: int, steps: int, async_scheduling: bool 
         num_kv_blocks=batch * (-(-max_model_len // 16)) + 16, max_model_len=max_model_len,
         max_num_batched_tokens=max(2048, batch), enable_prefix_caching=False, async_scheduling=async_scheduling),
         progress=False)
+    engine.cumulative_outputs = not streaming  # streaming: new tokens only, as the serving workers ask
     model = engine.runner.model
     hidden_size = model.embed_tokens.shape[1]
     model.forward = lambda ids, *args, **kwargs: torch.zeros(ids.shape[0], hidden_size)
@@ -61,8 +62,9 @@ def stubbed_engine(batch: int, context: int, steps: int, async_scheduling: bool 
     return engine
 
 
-def host_step_ms(batch: int, context: int, steps: int, profile: bool = False, async_scheduling: bool = False) -> dict:
-    engine = stubbed_engine(batch, context, steps, async_scheduling)
+def host_step_ms(batch: int, context: int, steps: int, profile: str | None = None, async_scheduling: bool = False,
+                 streaming: bool = False) -> dict:
+    engine = stubbed_engine(batch, context, steps, async_scheduling, streaming)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -77,7 +79,7 @@ def host_step_ms(batch: int, context: int, steps: int, profile: bool = False, as
         for _ in range(steps):
             engine.step()
         prof.disable()
-        pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(30)
+        pstats.Stats(prof, stream=sys.stderr).sort_stats(profile).print_stats(30)
     assert len(engine.scheduler.running) == batch, "requests finished during the timing"
     out = {"step_ms": round(statistics.median(times) * 1e3, 3), "us_per_request": round(statistics.median(times) * 1e6 / batch, 2)}
     if engine._stepper is not None:
@@ -91,8 +93,12 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--batches", default="1,32,128,256")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--profile", action="store_true", help="cProfile the steps too (printed to stderr)")
+    ap.add_argument("--profile", nargs="?", const="tottime", default=None, choices=("tottime", "cumulative"),
+                    help="cProfile the steps too (printed to stderr), sorted by own (default) or cumulative time")
     ap.add_argument("--async-scheduling", action="store_true", help="launch each step before finishing the previous one")
+    ap.add_argument("--streaming-outputs", action="store_true",
+                    help="outputs carry each step's new tokens only (the serving workers' setting), not every "
+                         "request's whole output (LLMEngine's default)")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT / "bench"))
     from gpu_check import import_pdcluster
@@ -103,7 +109,9 @@ def main() -> int:
 
     torch.set_num_threads(1)
     result = {"context_tokens": args.context, "steps": args.steps, "async_scheduling": args.async_scheduling,
-              "batches": {b: host_step_ms(int(b), args.context, args.steps, args.profile, args.async_scheduling)
+              "streaming_outputs": args.streaming_outputs,
+              "batches": {b: host_step_ms(int(b), args.context, args.steps, args.profile, args.async_scheduling,
+                                          args.streaming_outputs)
                           for b in args.batches.split(",")}}
     emit_json(result, args.out, indent=2)
     return 0

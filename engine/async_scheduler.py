@@ -212,36 +212,46 @@ class AsyncScheduler(Scheduler):
             return super()._num_new_tokens(request)
         params = request.sampling_params
         num_out = len(request.output_token_ids)
-        if num_out + 1 >= params.max_tokens or request.num_tokens + 1 >= self.max_model_len:
+        num_tokens = len(request.prompt_token_ids) + num_out
+        if num_out + 1 >= params.max_tokens or num_tokens + 1 >= self.max_model_len:
             return 0  # the in-flight step's first token already ends it
+        if not self.num_spec_tokens:
+            return 1
         most = 1 + flight[1]  # what the in-flight step may emit: room is counted from that upper bound
-        room = min(self.max_model_len - (request.num_tokens + most), params.max_tokens - (num_out + most)) - 1
+        room = min(self.max_model_len - (num_tokens + most), params.max_tokens - (num_out + most)) - 1
         return 1 + max(0, min(self.num_spec_tokens, room))
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
-        flight = self._in_flight.get(request.request_id)
+        request_id = request.request_id
+        flight = self._in_flight.get(request_id)
         if flight is None:
             s = super()._scheduled(request, num_new)
+            samples = request.num_computed_tokens + num_new >= request.num_tokens
         else:
+            num_prompt_tokens, num_output_tokens = len(request.prompt_token_ids), len(request.output_token_ids)
             s = ScheduledRequest(
-                request_id=request.request_id,
+                request_id=request_id,
                 is_new=False,
                 num_computed_tokens=request.num_computed_tokens,
                 num_scheduled_tokens=num_new,
                 input_token_ids=[PLACEHOLDER] * num_new,
                 block_ids=request.block_table(),
-                num_prompt_tokens=request.num_prompt_tokens,
-                num_tokens=request.num_tokens,
-                spec_token_ids=[PLACEHOLDER] * (num_new - 1),
-                num_output_tokens=len(request.output_token_ids),
+                num_prompt_tokens=num_prompt_tokens,
+                num_tokens=num_prompt_tokens + num_output_tokens,
+                spec_token_ids=[PLACEHOLDER] * (num_new - 1) if num_new > 1 else [],
+                num_output_tokens=num_output_tokens,
                 placeholder_inputs=True,
             )
-        samples = flight is not None or request.num_computed_tokens + num_new >= request.num_tokens
+            samples = True
         # Optimistic: as if every draft were accepted. _commit_computed takes the rejected back.
         request.num_computed_tokens += num_new
-        self._unreported.setdefault(request.request_id, deque()).append(num_new)
+        queue = self._unreported.get(request_id)
+        if queue is None:
+            self._unreported[request_id] = deque((num_new,))
+        else:
+            queue.append(num_new)
         if samples:
-            self._in_flight[request.request_id] = [(flight[0] if flight else 0) + 1, len(s.spec_token_ids)]
+            self._in_flight[request_id] = [(flight[0] if flight else 0) + 1, len(s.spec_token_ids)]
         return s
 
     def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[StepResult]:
@@ -249,20 +259,22 @@ class AsyncScheduler(Scheduler):
         the prefix cache), ``num_computed_tokens`` must not include step n+1, already scheduled, whose
         KV is not written yet (and never will be if the request ends now, e.g. on a stop token)."""
         self.retire(sched)
-        ahead: dict[str, int] = {}
+        ahead: list[tuple[Request, int]] = []
+        unreported, requests, running = self._unreported, self.requests, RequestStatus.RUNNING
         for s in sched.scheduled:
-            queue = self._unreported.get(s.request_id)
+            queue = unreported.get(s.request_id)
             if not queue:
                 continue
             queue.popleft()  # this step's
-            request = self.requests.get(s.request_id)
-            if queue and request is not None and request.status == RequestStatus.RUNNING:
-                ahead[s.request_id] = sum(queue)
-                request.num_computed_tokens -= ahead[s.request_id]
+            if queue:
+                request = requests.get(s.request_id)
+                if request is not None and request.status is running:
+                    num = queue[0] if len(queue) == 1 else sum(queue)
+                    request.num_computed_tokens -= num
+                    ahead.append((request, num))
         results = super().update_from_output(sched, out)
-        for req_id, num in ahead.items():
-            request = self.requests.get(req_id)
-            if request is not None and not request.is_finished:
+        for request, num in ahead:
+            if requests.get(request.request_id) is request and not request.is_finished:
                 request.num_computed_tokens += num  # the optimistic count again, for scheduling
         return results
 

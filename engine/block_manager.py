@@ -125,10 +125,8 @@ class BlockManager:
         (plus ``cached_block_ids`` taken over from the prefix cache). Returns False, changing nothing,
         when the pool is too small. ``out_of_stream``: the new blocks are written outside the steps'
         device queue (a KV transfer, an offload load): no fenced block is handed out."""
-        if not cached_block_ids:
-            num_new_blocks = self.num_blocks_needed(request.num_computed_tokens + num_new_tokens) - len(request.block_ids)
-            if num_new_blocks <= 0:  # a decode step inside its last block: most rows of most steps
-                return True
+        if not cached_block_ids and len(request.block_ids) * self.block_size >= request.num_computed_tokens + num_new_tokens:
+            return True  # a decode step inside its last block: most rows of most steps
         cached_block_ids = cached_block_ids or []
         num_cached_tokens = len(cached_block_ids) * self.block_size
         total_tokens = request.num_computed_tokens + num_cached_tokens + num_new_tokens

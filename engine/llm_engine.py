@@ -30,7 +30,7 @@ class InvalidRequestError(ValueError):
     """The request can never run (bad prompt, too long, ...). The message says why."""
 
 
-@dataclass
+@dataclass(slots=True)  # one per request per step
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
@@ -234,17 +234,18 @@ class LLMEngine:
             self.step_trace.record(sched, time.perf_counter() - started)
         # post_forward reports sends only (wire/kv_connector.py); what a consumer receives comes by poll_kv.
         self.scheduler.free_held(kv_output.finished_sending | kv_output.failed)
-        return [self._output(r.request, r.finished, r.new_token_ids, r.new_logprobs, r.prompt_logprobs)
-                for r in step_results]
+        output = self._output
+        return [output(r.request, r.finished, r.new_token_ids, r.new_logprobs, r.prompt_logprobs) for r in step_results]
 
     def _output(self, request: Request, finished: bool, new_token_ids: list[int],
                 new_logprobs: list[TokenLogprobs] | None = None,
                 prompt_logprobs: list[TokenLogprobs] | None = None) -> RequestOutput:
+        output = request.output_token_ids
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
-            token_ids=list(request.output_token_ids) if finished or self.cumulative_outputs else [],
-            num_output_tokens=len(request.output_token_ids),
+            token_ids=list(output) if finished or self.cumulative_outputs else [],
+            num_output_tokens=len(output),
             finished=finished,
             finish_reason=request.status.value if finished else None,
             new_token_ids=new_token_ids,
@@ -253,7 +254,7 @@ class LLMEngine:
             num_cached_tokens=request.num_cached_tokens,
             num_offloaded_tokens=request.num_offloaded_tokens,
             num_computed_tokens=request.num_computed_tokens,
-            new_logprobs=list(new_logprobs or []),
+            new_logprobs=list(new_logprobs) if new_logprobs else [],
             prompt_logprobs=prompt_logprobs,
         )
 
@@ -269,29 +270,39 @@ class LLMEngine:
         logprobs: dict[str, list[TokenLogprobs]] = {i: [] for i in ids}
         prompt_logprobs: dict[str, list[TokenLogprobs] | None] = {}
         done: dict[str, RequestOutput] = {}
-        for _ in range(max_steps):
-            if not self.has_unfinished():
-                break
-            for out in self.step():
-                detok = detoks.get(out.request_id)
-                if detok is None or out.request_id in done:
-                    continue
-                logprobs[out.request_id] += out.new_logprobs
-                if out.prompt_logprobs is not None:
-                    prompt_logprobs[out.request_id] = out.prompt_logprobs
-                detok.add(out.token_ids[len(detok.token_ids):], out.finished)
-                if detok.hit_stop:
-                    self._stop_at_string(out.request_id, detok.stop)
-                    out = replace(out, finished=True, finish_reason=RequestStatus.FINISHED_STOPPED.value)
-                if out.finished:
-                    done[out.request_id] = replace(out, text=detok.text, logprobs=logprobs[out.request_id],
-                                                   prompt_logprobs=prompt_logprobs.get(out.request_id))
-        else:
-            raise RuntimeError(f"generate() did not finish within {max_steps} steps")
+        # The loop reads each step's new tokens: no copy of every request's whole output each step (a
+        # finished output still carries all its tokens).
+        cumulative, self.cumulative_outputs = self.cumulative_outputs, False
+        try:
+            for _ in range(max_steps):
+                if not self.has_unfinished():
+                    break
+                for out in self.step():
+                    detok = detoks.get(out.request_id)
+                    if detok is None or out.request_id in done:
+                        continue
+                    logprobs[out.request_id] += out.new_logprobs
+                    if out.prompt_logprobs is not None:
+                        prompt_logprobs[out.request_id] = out.prompt_logprobs
+                    detok.add(out.new_token_ids, out.finished)
+                    if detok.hit_stop:
+                        request = self._stop_at_string(out.request_id, detok.stop)
+                        if not out.finished:  # its output so far (an unfinished output carries only the new)
+                            out = replace(out, token_ids=list(request.output_token_ids if request is not None
+                                                              else detok.token_ids))
+                        out = replace(out, finished=True, finish_reason=RequestStatus.FINISHED_STOPPED.value)
+                    if out.finished:
+                        done[out.request_id] = replace(out, text=detok.text, logprobs=logprobs[out.request_id],
+                                                       prompt_logprobs=prompt_logprobs.get(out.request_id))
+            else:
+                raise RuntimeError(f"generate() did not finish within {max_steps} steps")
+        finally:
+            self.cumulative_outputs = cumulative
         return [done[i] for i in ids]
 
-    def _stop_at_string(self, request_id: str, stop: str) -> None:
+    def _stop_at_string(self, request_id: str, stop: str) -> Request | None:
         """End a request whose text reached the stop string ``stop`` (frees its blocks once)."""
         request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
         if request is not None:
             request.stop_reason = stop
+        return request

@@ -150,16 +150,18 @@ class ModelRunner:
             self.grammars.pop(req_id, None)
             self._prompt_logprobs.pop(req_id, None)
         st = self.states
-        num_rows = len(sched.scheduled)
-        idx_mapping = np.empty(num_rows, dtype=np.int32)
-        num_computed = np.empty(num_rows, dtype=np.int32)
-        num_tokens = np.empty(num_rows, dtype=np.int32)
-        counted = np.ones(num_rows, dtype=bool)
-        any_placeholder = False
+        scheduled = sched.scheduled
+        num_rows = len(scheduled)
+        # Per row, as Python lists (a numpy element write costs more than an append): made arrays below.
+        idx_list: list[int] = []
+        num_computed_list: list[int] = []
+        num_tokens_list: list[int] = []
+        placeholder_rows: list[int] = []
         # One committed input token (a decode row): written together after the loop.
         one_rows: list[int] = []
         one_tokens: list[int] = []
-        for i, s in enumerate(sched.scheduled):
+        req_id_to_index = st.req_id_to_index
+        for i, s in enumerate(scheduled):
             if s.is_new:
                 st.remove_request(s.request_id)  # resumed after preemption
                 idx = st.add_request(s.request_id, s.all_token_ids, s.sampling_params, s.sampling_params.seed)
@@ -167,22 +169,27 @@ class ModelRunner:
                 if self.mamba_pool is not None:
                     self._init_state(s, idx)
             else:
-                idx = st.req_id_to_index[s.request_id]
-            idx_mapping[i] = idx
-            st.set_block_ids(idx, s.block_ids)
-            num_computed[i] = s.num_computed_tokens
-            num_tokens[i] = s.num_tokens
+                idx = req_id_to_index[s.request_id]
+            idx_list.append(idx)
+            start, num_tokens_i = s.num_computed_tokens, s.num_tokens
+            num_computed_list.append(start)
+            num_tokens_list.append(num_tokens_i)
             if s.placeholder_inputs:  # the scheduler's count lags the in-flight step's tokens
-                counted[i] = False
-                any_placeholder = True
+                placeholder_rows.append(i)
             # Committed tokens come from the scheduler too; drafts never enter token_ids_np.
-            num_committed_inputs = max(0, min(s.num_scheduled_tokens, s.num_tokens - s.num_computed_tokens))
+            num_committed_inputs = min(s.num_scheduled_tokens, num_tokens_i - start)
             if num_committed_inputs == 1:
                 one_rows.append(i)
                 one_tokens.append(s.input_token_ids[0])
-            elif num_committed_inputs:
-                start = s.num_computed_tokens
+            elif num_committed_inputs > 0:
                 st.token_ids_np[idx, start : start + num_committed_inputs] = s.input_token_ids[:num_committed_inputs]
+        idx_mapping = np.array(idx_list, dtype=np.int32)
+        num_computed = np.array(num_computed_list, dtype=np.int32)
+        num_tokens = np.array(num_tokens_list, dtype=np.int32)
+        # Block tables: only the rows whose table grew since the slot's last write (a decode step: few).
+        num_blocks = np.fromiter((len(s.block_ids) for s in scheduled), dtype=np.int64, count=num_rows)
+        for r in np.flatnonzero(num_blocks != st.num_blocks_np[idx_mapping]).tolist():
+            st.set_block_ids(idx_list[r], scheduled[r].block_ids)
         # The mirror overwritten from the scheduler (S1), every scheduled row at once.
         st.refresh_counts(idx_mapping, num_computed)
         if len(one_rows) == num_rows:  # a decode batch
@@ -190,7 +197,9 @@ class ModelRunner:
         elif one_rows:
             rows = np.asarray(one_rows)
             st.token_ids_np[idx_mapping[rows], num_computed[rows]] = one_tokens
-        if any_placeholder:
+        if placeholder_rows:
+            counted = np.ones(num_rows, dtype=bool)
+            counted[placeholder_rows] = False
             st.num_tokens_np[idx_mapping[counted]] = num_tokens[counted]
         else:
             st.num_tokens_np[idx_mapping] = num_tokens

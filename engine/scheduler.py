@@ -35,7 +35,7 @@ from pdcluster.wire.logprobs import TokenLogprobs
 WAITING_OUTSIDE_QUEUES = (RequestStatus.WAITING_FOR_REMOTE_KV, RequestStatus.WAITING_FOR_OFFLOAD)
 
 
-@dataclass
+@dataclass(slots=True)  # one per request per step
 class StepResult:
     request: Request
     new_token_ids: list[int]
@@ -216,22 +216,25 @@ class Scheduler:
         self.poll_offload()
         preempted: set[str] = set()
 
+        # The running rows: one pass, its calls bound once (a decode step does this for every row).
+        running, chunk_size, allocate = self.running, cfg.prefill_chunk_size, self.block_manager.allocate_slots
+        num_new_tokens, scheduled_row, num_slots = self._num_new_tokens, self._scheduled, self._num_slots
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = min(self._num_new_tokens(request), cfg.prefill_chunk_size, budget)
+        while i < len(running) and budget > 0:
+            request = running[i]
+            num_new = min(num_new_tokens(request), chunk_size, budget)
             if num_new <= 0:
                 i += 1
                 continue
-            while not self.block_manager.allocate_slots(request, self._num_slots(request, request.num_computed_tokens, num_new)):
-                victim = self.running.pop()
+            while not allocate(request, num_slots(request, request.num_computed_tokens, num_new)):
+                victim = running.pop()
                 self._preempt(victim)
                 preempted.add(victim.request_id)
                 if victim is request:
                     break
-            if request.request_id in preempted:
+            if preempted and request.request_id in preempted:
                 break
-            scheduled.append(self._scheduled(request, num_new))
+            scheduled.append(scheduled_row(request, num_new))
             budget -= num_new
             i += 1
 
@@ -303,37 +306,53 @@ class Scheduler:
 
     def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[StepResult]:
         results = []
-        index = {req_id: i for i, req_id in enumerate(out.req_ids)}
-        for s in sched.scheduled:
-            request = self.requests.get(s.request_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
+        req_ids, requests, running_status = out.req_ids, self.requests, RequestStatus.RUNNING
+        # The runner answers in the schedule's order; a dict only if it ever did not.
+        index = None if len(req_ids) == len(sched.scheduled) else {req_id: i for i, req_id in enumerate(req_ids)}
+        commit, check_stop, cache_full_blocks = self._commit_computed, self._check_stop, self.block_manager.cache_full_blocks
+        num_prompt_tokens_computed = 0
+        for row, s in enumerate(sched.scheduled):
+            request = requests.get(s.request_id)
+            if request is None or request.status is not running_status:
                 continue  # finished or aborted while the step ran
-            i = index[s.request_id]
+            if index is None and req_ids[row] != s.request_id:
+                index = {req_id: i for i, req_id in enumerate(req_ids)}
+            i = row if index is None else index[s.request_id]
             sampled = out.sampled_token_ids[i]
-            num_rejected = len(s.spec_token_ids) + 1 - len(sampled) if sampled and s.spec_token_ids else 0
+            spec = s.spec_token_ids
+            num_rejected = len(spec) + 1 - len(sampled) if sampled and spec else 0
             # S1: the count moves by what was verified, here and only here.
-            self._commit_computed(request, s, num_rejected, bool(sampled))
-            if s.spec_token_ids:
-                request.num_draft_tokens += len(s.spec_token_ids)
-            request.spec_token_ids = []
-            new_tokens = []
+            commit(request, s, num_rejected, bool(sampled))
+            if spec:
+                request.num_draft_tokens += len(spec)
+                request.spec_token_ids = []
+            elif request.spec_token_ids:
+                request.spec_token_ids = []
             finished = False
-            for token_id in sampled:
+            if len(sampled) == 1:  # a decode row's one token (most rows of most steps)
+                token_id = sampled[0]
+                new_tokens = [token_id]
                 request.output_token_ids.append(token_id)
-                new_tokens.append(token_id)
-                if self._check_stop(request, token_id):
-                    finished = True
-                    break
-            if s.spec_token_ids and new_tokens:
+                finished = check_stop(request, token_id)
+            else:
+                new_tokens = []
+                for token_id in sampled:
+                    request.output_token_ids.append(token_id)
+                    new_tokens.append(token_id)
+                    if check_stop(request, token_id):
+                        finished = True
+                        break
+            if spec and new_tokens:
                 # Accepted drafts that reached the output (a stop token can cut a step's tokens short),
                 # so len(output) == sampling steps + num_accepted_tokens.
                 request.num_accepted_tokens += len(new_tokens) - 1
             # Register computed full blocks even when the request ends now: a finished request's
             # prefix is exactly what the next request with the same prompt wants to hit.
-            self.block_manager.cache_full_blocks(request)
-            self.num_prompt_tokens_computed += max(0, min(s.num_computed_tokens + s.num_scheduled_tokens,
-                                                          s.num_prompt_tokens) - s.num_computed_tokens)
-            if request.num_computed_tokens >= request.num_prompt_tokens:
+            cache_full_blocks(request)
+            if s.num_computed_tokens < s.num_prompt_tokens:  # a prompt chunk
+                num_prompt_tokens_computed += min(s.num_computed_tokens + s.num_scheduled_tokens,
+                                                  s.num_prompt_tokens) - s.num_computed_tokens
+            if not request.prompt_cached and request.num_computed_tokens >= len(request.prompt_token_ids):
                 request.prompt_cached = True
             if finished:
                 self.running.remove(request)
@@ -344,7 +363,8 @@ class Scheduler:
                 self._take_drafts(request, out.spec_token_ids[i])
             new_logprobs = out.logprobs[i][: len(new_tokens)] if out.logprobs else []
             results.append(StepResult(request, new_tokens, finished, new_logprobs,
-                                      out.prompt_logprobs.get(s.request_id)))
+                                      out.prompt_logprobs.get(s.request_id) if out.prompt_logprobs else None))
+        self.num_prompt_tokens_computed += num_prompt_tokens_computed
         return results
 
     # ---- helpers ---------------------------------------------------------------------------------
@@ -352,7 +372,7 @@ class Scheduler:
         """Token slots to allocate after ``num_computed`` for ``num_new`` tokens: MTP's lookahead, and
         for a hybrid producer the state blocks once the chunk completes the prompt."""
         n = num_new + self.num_lookahead_tokens
-        if self._num_state_blocks_out and num_computed + num_new >= request.num_prompt_tokens:
+        if self._num_state_blocks_out and num_computed + num_new >= len(request.prompt_token_ids):
             end = tokens_with_state(request.num_prompt_tokens, self.config.block_size, self._num_state_blocks_out)
             n = max(n, end - num_computed)
         return n
@@ -360,7 +380,8 @@ class Scheduler:
     # The three hooks below are what async scheduling (engine/async_scheduler.py) overrides.
     def _num_new_tokens(self, request: Request) -> int:
         """Tokens a running request wants this step: its uncomputed committed tokens and drafts."""
-        return request.num_tokens_with_spec - request.num_computed_tokens
+        return (len(request.prompt_token_ids) + len(request.output_token_ids) + len(request.spec_token_ids)
+                - request.num_computed_tokens)  # num_tokens_with_spec, without its two property calls
 
     def _commit_computed(self, request: Request, s: ScheduledRequest, num_rejected: int, sampled: bool) -> None:
         request.num_computed_tokens = s.num_computed_tokens + s.num_scheduled_tokens - num_rejected
@@ -370,9 +391,10 @@ class Scheduler:
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         is_new = request.request_id not in self._seen_by_runner
-        self._seen_by_runner.add(request.request_id)
-        num_spec_in_input = max(0, request.num_computed_tokens + num_new - request.num_tokens)
-        if num_spec_in_input < len(request.spec_token_ids):
+        if is_new:
+            self._seen_by_runner.add(request.request_id)
+        spec = request.spec_token_ids
+        if spec and (num_spec_in_input := max(0, request.num_computed_tokens + num_new - request.num_tokens)) < len(spec):
             # The budget cut the drafts short: keep only those that are scheduled.
             request.spec_token_ids = request.spec_token_ids[:num_spec_in_input]
         return ScheduledRequest.of(request, num_new, is_new)
@@ -389,7 +411,8 @@ class Scheduler:
         if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
             request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token_id
             return True
-        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        num_output_tokens = len(request.output_token_ids)
+        if num_output_tokens >= params.max_tokens or len(request.prompt_token_ids) + num_output_tokens >= self.max_model_len:
             request.status = RequestStatus.FINISHED_LENGTH
             return True
         return False

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pdcluster.wire.logprobs import TokenLogprobs
 
 
-@dataclass
+@dataclass(slots=True)  # built per request per step: slots make that and every read cheaper
 class ScheduledRequest:
     request_id: str
     # True the first time the runner sees this request (also after a preemption): it must (re)build
@@ -33,19 +33,27 @@ class ScheduledRequest:
     def of(cls, request, num_new: int, is_new: bool) -> "ScheduledRequest":
         """A request's next ``num_new`` input tokens (its drafts last), from its ``num_computed_tokens``."""
         start = request.num_computed_tokens
-        return cls(
-            request_id=request.request_id,
-            is_new=is_new,
-            num_computed_tokens=start,
-            num_scheduled_tokens=num_new,
-            input_token_ids=request.token_window(start, num_new),
-            block_ids=request.block_table(),
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_tokens=request.num_tokens,
-            spec_token_ids=list(request.spec_token_ids) if request.spec_token_ids else [],
-            all_token_ids=request.all_token_ids if is_new else None,
-            sampling_params=request.sampling_params if is_new else None,
-            num_output_tokens=len(request.output_token_ids) + request.sampling_params.output_position_offset,
+        output, spec = request.output_token_ids, request.spec_token_ids
+        num_prompt_tokens = len(request.prompt_token_ids)
+        num_tokens = num_prompt_tokens + len(output)
+        if num_new == 1 and not spec and output and start == num_tokens - 1:
+            inputs = [output[-1]]  # a decode row (most rows of most steps): its newest token
+        else:
+            inputs = request.token_window(start, num_new)
+        params = request.sampling_params
+        return cls(  # positional, in field order: one per request per step
+            request.request_id,
+            is_new,
+            start,
+            num_new,
+            inputs,
+            request.block_table(),
+            num_prompt_tokens,
+            num_tokens,
+            list(spec) if spec else [],
+            request.all_token_ids if is_new else None,
+            params if is_new else None,
+            len(output) + params.output_position_offset,
         )
 
 

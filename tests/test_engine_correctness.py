@@ -107,3 +107,20 @@ def test_streaming_outputs_carry_new_tokens_and_counts(engine):
     finally:
         engine.cumulative_outputs = True
     assert [streamed[i] for i in ids] == want and [final[i] for i in ids] == want
+
+
+def test_generate_stop_string_ends_the_output_there(engine):
+    """generate() reads each step's new tokens (not the whole output copied each step): a stop string
+    still ends a request at the step its text appeared, with that step's tokens, the text cut before it,
+    and every output token once finished; the engine's own setting is left as it was."""
+    prompt = PROMPTS[2]
+    full = engine.generate([prompt], _greedy(24))[0]
+    stop = full.text[len(full.text) // 2:][:6]
+    assert stop and stop in full.text
+    out = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, stop=[stop]))[0]
+    assert out.finish_reason == "stop" and out.text == full.text[: full.text.index(stop)]
+    assert 0 < len(out.token_ids) < len(full.token_ids) and out.token_ids == full.token_ids[: len(out.token_ids)]
+    assert out.num_output_tokens == len(out.token_ids)
+    assert stop in engine.tokenizer.decode(out.token_ids) and stop not in engine.tokenizer.decode(out.token_ids[:-1])
+    assert engine.cumulative_outputs is True
+    assert engine.scheduler.num_free_blocks == engine.kv_spec.num_blocks
