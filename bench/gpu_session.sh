@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call for a GPU session (bench/gpu_check.py, bench/prefill_attention.py, and with GPU_SWEEP=1 or
 # GPU_SWEEP=<sections> bench/attention_sweep.py, with GPU_GEMM=1 bench/gemm_sweep.py, with GPU_PROFILE=1 a quick
-# `pdcluster profile --device cuda`), within one
+# `pdcluster profile --device cuda`, and the host's Python speed: bench/host_overhead.py), within one
 # command's 10 minutes: results go to $OUT (what comes back) and their logs' tails to the output.
 #
 # Here, first (the GPU machine lacks pyzmq and downloads nothing; the tokenizer files are ignored by git):
@@ -66,4 +66,13 @@ sys.exit(main(['profile', '--model', 'tiny-random', '--quick', '--device', os.en
     '--out', sys.argv[1]]))" "$OUT/profile_tiny.json" > "$OUT/profile.log" 2>&1
     echo "profile rc=$?: $(tail -1 "$OUT/profile.log" | cut -c1-300)"
 fi
+# The host's own speed (the GPU machines' hosts differed 2-4x in one session): the engine's Python per decode
+# step with the model stubbed (bench/host_overhead.py), synchronous and async, beside this machine's figures.
+for flag in "" "--async-scheduling"; do
+    with_tiny_models 90 "sys.argv = ['host_overhead.py', *sys.argv[1:]]
+import host_overhead
+sys.exit(host_overhead.main())" --batches 1,128 --steps 100 $flag --out "$OUT/host_overhead${flag:+_async}.json" \
+        >> "$OUT/host_overhead.log" 2>&1
+    echo "host_overhead ${flag:-sync} rc=$?: $(grep -A1 '"128"' "$OUT/host_overhead${flag:+_async}.json" | tail -1)"
+done
 tail -5 "$OUT/gpu_check.log"
