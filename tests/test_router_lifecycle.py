@@ -64,6 +64,39 @@ def test_malformed_events_are_dropped_and_logged(caplog):
     assert caplog.text.count("dropping malformed worker event") == 3
 
 
+def test_a_burst_of_events_arrives_in_order_and_a_failing_one_does_not_stop_the_rest(caplog):
+    """A decode step of a big batch sends an event per request; the receiver hands a burst to the loop in
+    one callback (one wake-up, not one per event): every event still arrives, in the order sent, and a
+    listener that fails on one of them is logged and sees the others."""
+    caplog.set_level(logging.ERROR, logger="pdcluster.cluster.router.events")
+    seen = []
+    sent = [Failed(request_id=f"r#{i}", worker_id="d0", reason="x") for i in range(300)]
+
+    def listener(event):
+        if event.request_id == "r#7":
+            raise RuntimeError("listener broke on r#7")
+        seen.append(event)
+
+    receiver = EventReceiver("127.0.0.1", listener)
+    pusher = EventPusher(receiver.address)
+
+    async def main():
+        receiver.bind(asyncio.get_running_loop())
+        for event in sent:
+            pusher(event)
+        deadline = time.monotonic() + 10
+        while len(seen) < len(sent) - 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+
+    try:
+        asyncio.run(main())
+    finally:
+        pusher.close()
+        receiver.close()
+    assert seen == [e for e in sent if e.request_id != "r#7"]
+    assert "router failed on a worker event Failed" in caplog.text and "listener broke on r#7" in caplog.text
+
+
 def test_events_that_arrive_between_two_loops_do_not_stop_the_receiver():
     """A router serves one asyncio loop after another (each ``asyncio.run`` is a new loop); a worker
     event that lands after the first closed is dropped, and the next loop still gets its events. The

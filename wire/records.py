@@ -58,6 +58,8 @@ def _short(value: Any, limit: int = 60) -> str:
 
 
 def _check_int(value: Any, path: str) -> int:
+    if type(value) is int and _INT_MIN <= value <= _INT_MAX:  # most values: a plain int in range
+        return value
     if isinstance(value, bool) or not hasattr(value, "__index__"):
         raise ProtocolError(f"{path}: expected int, got {type(value).__name__} {_short(value)}")
     try:
@@ -103,12 +105,11 @@ def _check_bytes(value: Any, path: str) -> bytes:
 def _check_int_list(value: Any, path: str) -> list[int]:
     if not isinstance(value, (list, tuple)):
         raise ProtocolError(f"{path}: expected list of int, got {type(value).__name__} {_short(value)}")
-    # Block-id lists can be long: take the fast path when every element is already a plain int.
-    if all(type(x) is int for x in value) and (
-        not value or (min(value) >= _INT_MIN and max(value) <= _INT_MAX)
-    ):
-        return list(value)
-    return [_check_int(x, f"{path}[{i}]") for i, x in enumerate(value)]
+    # Block-id lists can be long, token lists short: one pass when every element is a plain int in range.
+    for x in value:
+        if type(x) is not int or not _INT_MIN <= x <= _INT_MAX:
+            return [_check_int(x, f"{path}[{i}]") for i, x in enumerate(value)]
+    return list(value)
 
 
 def _check_float_list(value: Any, path: str) -> list[float]:
@@ -200,17 +201,45 @@ def _checker_for(annotation: Any) -> Callable[[Any, str], Any]:
     raise TypeError(f"record field annotation {annotation!r} has no checker")  # a bug here, not a peer
 
 
+# Scalar annotations whose checker returns a value of exactly that type unchanged: such a value is
+# accepted without the call (ints within msgpack's range, floats that are not NaN; bool is not an int here:
+# type(True) is bool).
+_EXACT_SCALARS = (str, bool, int, float)
+
+
 @functools.cache
-def _field_checkers(cls: type) -> tuple[tuple[str, Callable[[Any, str], Any]], ...]:
-    # Resolved lazily: the annotations are strings (future import) naming classes defined below.
+def _field_checkers(cls: type) -> tuple[tuple[str, Callable[[Any, str], Any], str, type | None], ...]:
+    """(field name, checker, the field's path in a top-level record, the scalar type a value of which
+    passes as it is, or None) per field. Resolved lazily: the annotations are strings (future import)
+    naming classes defined below."""
     hints = typing.get_type_hints(cls)
-    return tuple((f.name, _checker_for(hints[f.name])) for f in dataclasses.fields(cls))
+    return tuple((f.name, _checker_for(hints[f.name]), f"{cls.__name__}.{f.name}",
+                  hints[f.name] if hints[f.name] in _EXACT_SCALARS else None) for f in dataclasses.fields(cls))
+
+
+@functools.cache
+def _field_values(cls: type) -> Callable[[Any], tuple]:
+    """A function of a ``cls`` record giving all its field values at once, in field order."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    if len(names) == 1:
+        return lambda record: (getattr(record, names[0]),)
+    return operator.attrgetter(*names) if names else (lambda record: ())
 
 
 def _check_fields(record: Record, path: str) -> None:
-    """Check (and normalise in place) every field of ``record``, then its value rules."""
-    for name, check in _field_checkers(type(record)):
-        object.__setattr__(record, name, check(getattr(record, name), f"{path}.{name}"))
+    """Check (and normalise in place) every field of ``record``, then its value rules. Records are
+    checked per message (a worker's events: one per request per step), so the common case is cheap: a
+    scalar of its field's exact type is taken without a call, a top-level record's field paths come
+    precomputed, and a value the check returns as is is not set again."""
+    cls = type(record)
+    top = path == cls.__name__
+    for (name, check, top_path, exact), value in zip(_field_checkers(cls), _field_values(cls)(record)):
+        if type(value) is exact and (exact is str or exact is bool or (
+                _INT_MIN <= value <= _INT_MAX if exact is int else value == value)):  # float: not NaN
+            continue
+        checked = check(value, top_path if top else f"{path}.{name}")
+        if checked is not value:
+            object.__setattr__(record, name, checked)
     record._check_values(path)
 
 
@@ -218,24 +247,32 @@ def _has_default(f: dataclasses.Field) -> bool:
     return f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
 
 
+@functools.cache
+def _build_plan(cls: type) -> tuple[tuple[dataclasses.Field, ...], frozenset[str], tuple[str, ...]]:
+    """(fields, their names, the names of those without a default) of ``cls``."""
+    fields = dataclasses.fields(cls)
+    return fields, frozenset(f.name for f in fields), tuple(f.name for f in fields if not _has_default(f))
+
+
 def _build(cls: type, body: Any, path: str) -> Any:
     """Construct ``cls`` from a decoded map whose keys must be exactly its field names."""
     if not isinstance(body, dict):
         raise ProtocolError(f"{path}: expected a map of fields, got {type(body).__name__} {_short(body)}")
-    fields = dataclasses.fields(cls)
-    names = [f.name for f in fields]
+    fields, names, required = _build_plan(cls)
     # A field with a default may be left out (one added later: older senders do not know it).
-    missing = [f.name for f in fields if f.name not in body and not _has_default(f)]
+    missing = [name for name in required if name not in body]
     if missing:
         raise ProtocolError(f"{path}: missing field {missing[0]!r}")
-    extra = [k for k in body if k not in names]
-    if extra:
+    if len(body) > len(names) or not names.issuperset(body):
+        extra = [k for k in body if k not in names]
         raise ProtocolError(f"{path}: unexpected field {_short(extra[0])}")
     record = cls.__new__(cls)
+    setattr_ = object.__setattr__
     for f in fields:
-        value = body[f.name] if f.name in body else (
+        name = f.name
+        value = body[name] if name in body else (
             f.default if f.default is not dataclasses.MISSING else f.default_factory())
-        object.__setattr__(record, f.name, value)
+        setattr_(record, name, value)
     _check_fields(record, path)
     return record
 
@@ -259,9 +296,31 @@ def _require(ok: bool, path: str, what: str, value: Any) -> None:
 # --- codec -------------------------------------------------------------------------------------------
 
 
+@functools.cache
+def _wire_plan(cls: type) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The field names of ``cls``, and those whose annotation holds records (a record, a list of them)."""
+    hints = typing.get_type_hints(cls)
+    names = tuple(f.name for f in dataclasses.fields(cls))
+
+    def holds_records(annotation: Any) -> bool:
+        args = typing.get_args(annotation)
+        inner = args[0] if typing.get_origin(annotation) is list and len(args) == 1 else annotation
+        return isinstance(inner, type) and issubclass(inner, Record)
+
+    return names, tuple(n for n in names if holds_records(hints[n]))
+
+
 def to_wire(record: Record) -> dict[str, Any]:
-    """The msgpack-ready map of a record's fields (nested records become maps)."""
-    return dataclasses.asdict(record)
+    """The msgpack-ready map of a record's fields (nested records, alone or in a list, become maps). A
+    new map; field values other than records are the record's own (msgpack only reads them), not deep
+    copies as ``dataclasses.asdict`` made: the checked field types hold records nowhere else."""
+    cls = type(record)
+    names, nested = _wire_plan(cls)
+    out = dict(zip(names, _field_values(cls)(record)))
+    for name in nested:
+        value = out[name]
+        out[name] = to_wire(value) if isinstance(value, Record) else [to_wire(x) for x in value]
+    return out
 
 
 _ENVELOPE_KEYS = ("v", "t", "b")

@@ -50,18 +50,31 @@ class EventReceiver:
         while not self._stop.is_set():
             if not poller.poll(100):
                 continue
-            for _ in range(1024):  # bounded burst, then check for stop again
+            # A bounded burst (then check for stop again), handed to the loop in one callback: a decode
+            # step of a big batch sends an event per request, and each wake-up of the loop costs a
+            # write to its self-pipe.
+            events: list[Event] = []
+            for _ in range(1024):
                 try:
                     data = self._pull.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
                 try:
-                    event = EVENT_CODEC.decode(data, MAX_EVENT_BYTES)
+                    events.append(EVENT_CODEC.decode(data, MAX_EVENT_BYTES))
                 except ProtocolError as e:
                     log.warning("dropping malformed worker event (%d bytes): %s", len(data), e)
-                    continue
-                loop = self._loop
-                try:
-                    loop.call_soon_threadsafe(self._on_event, event)
-                except RuntimeError:  # that loop closed; a later bind() brings a new one
-                    log.debug("dropping a worker event: the router's event loop is closed")
+            if not events:
+                continue
+            loop = self._loop
+            try:
+                loop.call_soon_threadsafe(self._deliver, events)
+            except RuntimeError:  # that loop closed; a later bind() brings a new one
+                log.debug("dropping %d worker events: the router's event loop is closed", len(events))
+
+    def _deliver(self, events: list[Event]) -> None:
+        """On the loop: each event in arrival order; one that fails is logged and the rest still go."""
+        for event in events:
+            try:
+                self._on_event(event)
+            except Exception:  # noqa: BLE001 - as the loop's handler did for a callback per event
+                log.exception("router failed on a worker event %s", type(event).__name__)
