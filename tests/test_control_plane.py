@@ -50,6 +50,7 @@ from pdcluster.kv_transfer.protocol import (
     check_compatible,
     decode,
     encode,
+    to_wire,
 )
 
 LOGGER = "pdcluster.kv_transfer.control_plane"
@@ -235,6 +236,17 @@ def test_every_message_type_has_a_round_trip_strategy():
 def test_encode_decode_round_trips(type_name, data):
     msg = data.draw(MESSAGE_STRATEGIES[type_name])
     assert decode(encode(msg), MiB) == msg
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("type_name", sorted(MESSAGE_STRATEGIES))
+@given(data=st.data())
+@FUZZ
+def test_wire_map_is_the_records_fields_as_asdict_gives_them(type_name, data):
+    """to_wire (what encode packs and the Hello proof covers) builds the map itself instead of
+    dataclasses.asdict's deep copy: the same map for every message, nested records included."""
+    msg = data.draw(MESSAGE_STRATEGIES[type_name])
+    assert to_wire(msg) == dataclasses.asdict(msg)
 
 
 def _decodes_or_protocol_error(data) -> None:

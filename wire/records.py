@@ -305,7 +305,7 @@ def _wire_plan(cls: type) -> tuple[tuple[str, ...], tuple[str, ...]]:
     def holds_records(annotation: Any) -> bool:
         args = typing.get_args(annotation)
         inner = args[0] if typing.get_origin(annotation) is list and len(args) == 1 else annotation
-        return isinstance(inner, type) and issubclass(inner, Record)
+        return dataclasses.is_dataclass(inner) and isinstance(inner, type) and issubclass(inner, Record)
 
     return names, tuple(n for n in names if holds_records(hints[n]))
 
