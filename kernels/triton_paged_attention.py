@@ -76,8 +76,9 @@ FAST_PREFILL_KV_TILE = 128
 FAST_PARTITION = 256  # the fast mode's partition split (any size will do there: nothing needs fixed bits)
 # The fast mode's decode split (module doc; flash-decoding as vLLM's unified Triton attention does it):
 # by segments (False: the partition split) and their key tile. Segments a row (fast_decode_segments):
-# enough for about FAST_DECODE_TARGET_PROGRAMS programs, a power of two within [MIN, MAX]. Timed inside CUDA graphs on an H100 (bench/results/attention_sweep_h100.json,
-# decode_few; 32 query / 4 KV heads of 64, bf16), against the 16 segments every such step had before:
+# enough for about FAST_DECODE_TARGET_PROGRAMS programs, a power of two within [MIN, MAX]. Timed inside
+# CUDA graphs on an H100 (bench/results/attention_sweep_h100.json, decode_few; 32 query / 4 KV heads of
+# 64, bf16), against the 16 segments every such step had before:
 # 1 x 4,096 context 12.0 -> 8.4 us (32), 1 x 512 5.8 -> 5.6 us (32), 32 x 512 18.4 -> 15.5 us (8),
 # 8 x 2,048 13.7 us either way (16).
 FAST_DECODE_BY_SEGMENTS = True

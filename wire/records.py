@@ -207,23 +207,48 @@ def _checker_for(annotation: Any) -> Callable[[Any, str], Any]:
 _EXACT_SCALARS = (str, bool, int, float)
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """What checking, building and encoding a record class need of its fields, derived once per class
+    (lazily: the annotations are strings, under the future import, naming classes defined below)."""
+
+    fields: tuple[dataclasses.Field, ...]
+    names: tuple[str, ...]
+    name_set: frozenset[str]
+    required: tuple[str, ...]  # the names of the fields without a default
+    # Per field: (name, checker, its path in a top-level record, the scalar type a value of which
+    # passes as it is, or None).
+    checks: tuple[tuple[str, Callable[[Any, str], Any], str, type | None], ...]
+    values: Callable[[Any], tuple]  # a record's field values at once, in field order
+    nested: tuple[str, ...]  # the fields that hold records (a record, or a list of them)
+
+
+def _holds_records(annotation: Any) -> bool:
+    args = typing.get_args(annotation)
+    inner = args[0] if typing.get_origin(annotation) is list and len(args) == 1 else annotation
+    return dataclasses.is_dataclass(inner) and isinstance(inner, type) and issubclass(inner, Record)
+
+
 @functools.cache
-def _field_checkers(cls: type) -> tuple[tuple[str, Callable[[Any, str], Any], str, type | None], ...]:
-    """(field name, checker, the field's path in a top-level record, the scalar type a value of which
-    passes as it is, or None) per field. Resolved lazily: the annotations are strings (future import)
-    naming classes defined below."""
+def _plan(cls: type) -> _Plan:
     hints = typing.get_type_hints(cls)
-    return tuple((f.name, _checker_for(hints[f.name]), f"{cls.__name__}.{f.name}",
-                  hints[f.name] if hints[f.name] in _EXACT_SCALARS else None) for f in dataclasses.fields(cls))
-
-
-@functools.cache
-def _field_values(cls: type) -> Callable[[Any], tuple]:
-    """A function of a ``cls`` record giving all its field values at once, in field order."""
-    names = [f.name for f in dataclasses.fields(cls)]
-    if len(names) == 1:
-        return lambda record: (getattr(record, names[0]),)
-    return operator.attrgetter(*names) if names else (lambda record: ())
+    fields = dataclasses.fields(cls)
+    names = tuple(f.name for f in fields)
+    if len(names) > 1:
+        values = operator.attrgetter(*names)
+    else:  # attrgetter of one name gives the value, not a tuple
+        def values(record: Any) -> tuple:
+            return tuple(getattr(record, name) for name in names)
+    return _Plan(
+        fields=fields,
+        names=names,
+        name_set=frozenset(names),
+        required=tuple(f.name for f in fields if not _has_default(f)),
+        checks=tuple((f.name, _checker_for(hints[f.name]), f"{cls.__name__}.{f.name}",
+                      hints[f.name] if hints[f.name] in _EXACT_SCALARS else None) for f in fields),
+        values=values,
+        nested=tuple(n for n in names if _holds_records(hints[n])),
+    )
 
 
 def _check_fields(record: Record, path: str) -> None:
@@ -231,9 +256,9 @@ def _check_fields(record: Record, path: str) -> None:
     checked per message (a worker's events: one per request per step), so the common case is cheap: a
     scalar of its field's exact type is taken without a call, a top-level record's field paths come
     precomputed, and a value the check returns as is is not set again."""
-    cls = type(record)
-    top = path == cls.__name__
-    for (name, check, top_path, exact), value in zip(_field_checkers(cls), _field_values(cls)(record)):
+    plan = _plan(type(record))
+    top = path == type(record).__name__
+    for (name, check, top_path, exact), value in zip(plan.checks, plan.values(record)):
         if type(value) is exact and (exact is str or exact is bool or (
                 _INT_MIN <= value <= _INT_MAX if exact is int else value == value)):  # float: not NaN
             continue
@@ -247,28 +272,21 @@ def _has_default(f: dataclasses.Field) -> bool:
     return f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
 
 
-@functools.cache
-def _build_plan(cls: type) -> tuple[tuple[dataclasses.Field, ...], frozenset[str], tuple[str, ...]]:
-    """(fields, their names, the names of those without a default) of ``cls``."""
-    fields = dataclasses.fields(cls)
-    return fields, frozenset(f.name for f in fields), tuple(f.name for f in fields if not _has_default(f))
-
-
 def _build(cls: type, body: Any, path: str) -> Any:
     """Construct ``cls`` from a decoded map whose keys must be exactly its field names."""
     if not isinstance(body, dict):
         raise ProtocolError(f"{path}: expected a map of fields, got {type(body).__name__} {_short(body)}")
-    fields, names, required = _build_plan(cls)
+    plan = _plan(cls)
     # A field with a default may be left out (one added later: older senders do not know it).
-    missing = [name for name in required if name not in body]
+    missing = [name for name in plan.required if name not in body]
     if missing:
         raise ProtocolError(f"{path}: missing field {missing[0]!r}")
-    if len(body) > len(names) or not names.issuperset(body):
-        extra = [k for k in body if k not in names]
+    if len(body) > len(plan.names) or not plan.name_set.issuperset(body):
+        extra = [k for k in body if k not in plan.name_set]
         raise ProtocolError(f"{path}: unexpected field {_short(extra[0])}")
     record = cls.__new__(cls)
     setattr_ = object.__setattr__
-    for f in fields:
+    for f in plan.fields:
         name = f.name
         value = body[name] if name in body else (
             f.default if f.default is not dataclasses.MISSING else f.default_factory())
@@ -296,28 +314,13 @@ def _require(ok: bool, path: str, what: str, value: Any) -> None:
 # --- codec -------------------------------------------------------------------------------------------
 
 
-@functools.cache
-def _wire_plan(cls: type) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The field names of ``cls``, and those whose annotation holds records (a record, a list of them)."""
-    hints = typing.get_type_hints(cls)
-    names = tuple(f.name for f in dataclasses.fields(cls))
-
-    def holds_records(annotation: Any) -> bool:
-        args = typing.get_args(annotation)
-        inner = args[0] if typing.get_origin(annotation) is list and len(args) == 1 else annotation
-        return dataclasses.is_dataclass(inner) and isinstance(inner, type) and issubclass(inner, Record)
-
-    return names, tuple(n for n in names if holds_records(hints[n]))
-
-
 def to_wire(record: Record) -> dict[str, Any]:
     """The msgpack-ready map of a record's fields (nested records, alone or in a list, become maps). A
     new map; field values other than records are the record's own (msgpack only reads them), not deep
     copies as ``dataclasses.asdict`` made: the checked field types hold records nowhere else."""
-    cls = type(record)
-    names, nested = _wire_plan(cls)
-    out = dict(zip(names, _field_values(cls)(record)))
-    for name in nested:
+    plan = _plan(type(record))
+    out = dict(zip(plan.names, plan.values(record)))
+    for name in plan.nested:
         value = out[name]
         out[name] = to_wire(value) if isinstance(value, Record) else [to_wire(x) for x in value]
     return out
