@@ -325,9 +325,7 @@ class Scheduler:
             commit(request, s, num_rejected, bool(sampled))
             if spec:
                 request.num_draft_tokens += len(spec)
-                request.spec_token_ids = []
-            elif request.spec_token_ids:
-                request.spec_token_ids = []
+            request.spec_token_ids = []
             finished = False
             if len(sampled) == 1:  # a decode row's one token (most rows of most steps)
                 token_id = sampled[0]
