@@ -161,6 +161,20 @@ def _a_recovers_after_b_meets_its_dead_worker(break_victim, request_timeout_s: f
         cluster.shutdown()
 
 
+async def _until_process_gone(pid: int, timeout_s: float) -> None:
+    """Waits (bounded) until process ``pid`` has exited: no /proc entry, or a zombie."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return
+        except FileNotFoundError:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"process {pid} still runs {timeout_s:.0f} s after ray.kill")
+
+
 @pytest.mark.timeout(300)
 def test_reservation_that_finds_a_dead_decode_worker_recovers_its_requests(ray_session):
     """The hang the soak test found: a dead decode worker first noticed by a *reservation* (not the
@@ -170,7 +184,12 @@ def test_reservation_that_finds_a_dead_decode_worker_recovers_its_requests(ray_s
 
     @contextlib.asynccontextmanager
     async def kill(cluster, victim):
+        # ray.kill only asks Ray to kill the actor: on a loaded host B's submit could reach the live
+        # process first and be admitted there (CI saw it: then nothing ever noticed the death and both
+        # requests waited for their deadline). B is placed only once the process is gone.
+        pid = (await cluster.decode_handles[victim].ping.remote()).pid
         ray_session.kill(cluster.decode_handles[victim], no_restart=True)
+        await _until_process_gone(pid, timeout_s=30)
         yield
 
     _a_recovers_after_b_meets_its_dead_worker(kill, request_timeout_s=60)
