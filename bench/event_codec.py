@@ -1,7 +1,9 @@
 """The typed records' cost per message (wire/records.py): building, encoding and decoding the worker ->
-router ``Tokens`` event (one per request per decode step: at batch 128 a decode worker builds and sends
-128 a step, and the router decodes them) and a KV-transfer ``TransferRequest`` (a 2,048-token prompt,
-128 block ids). Best of --repeats runs of --n messages each, in microseconds a message. Prints JSON.
+router ``Tokens`` event (one per request that a step ends or gives logprobs) and a KV-transfer
+``TransferRequest`` (a 2,048-token prompt, 128 block ids), best of --repeats runs of --n messages each,
+in microseconds a message; and a decode step's events at batch 128 both ways: 128 ``Tokens`` (what the
+worker sent before) against one ``StepTokens`` (what it sends now: the router expands its rows), in
+milliseconds a step. Prints JSON.
 
     python bench/event_codec.py [--n 20000] [--repeats 5] [--out bench/results/event_codec.json]
 """
@@ -38,7 +40,7 @@ def main() -> int:
 
     import_pdcluster()
     from pdcluster.kv_transfer import protocol
-    from pdcluster.node.events import EVENT_CODEC, MAX_EVENT_BYTES, Tokens
+    from pdcluster.node.events import EVENT_CODEC, MAX_EVENT_BYTES, StepTokens, Tokens
 
     def tokens() -> Tokens:
         return Tokens(request_id="cmpl-5f0c1a2b3c4d4e5f8a9b0c1d2e3f4a5b-0", worker_id="decode-0-3c6414",
@@ -66,6 +68,25 @@ def main() -> int:
     e = result["tokens_event"]
     e["per_step_at_batch_128_ms"] = {"worker": round(128 * (e["build_us"] + e["encode_us"]) / 1e3, 3),
                                      "router": round(128 * e["decode_us"] / 1e3, 3)}
+    batch = 128
+    ids = [f"cmpl-5f0c1a2b3c4d4e5f8a9b0c1d2e3f{i:04x}-0" for i in range(batch)]
+
+    def step_tokens() -> StepTokens:
+        return StepTokens("decode-0-3c6414", list(ids), [1] * batch, list(range(1000, 1000 + batch)),
+                          list(range(600, 600 + batch)), [100] * batch, [0] * batch, [0] * batch, [0] * batch,
+                          [0] * batch)
+
+    step = step_tokens()
+    step_bytes = EVENT_CODEC.encode(step)
+    assert EVENT_CODEC.decode(step_bytes, MAX_EVENT_BYTES).rows() == step.rows()
+    steps = max(n // batch, 20)
+    build, encode = best_us(step_tokens, steps, r), best_us(lambda: EVENT_CODEC.encode(step), steps, r)
+    decode = best_us(lambda: EVENT_CODEC.decode(step_bytes, MAX_EVENT_BYTES).rows(), steps, r)
+    result["step_at_batch_128_ms"] = {
+        "per_request_tokens": e["per_step_at_batch_128_ms"],
+        "step_tokens": {"bytes": len(step_bytes), "worker": round((build + encode) / 1e3, 3),
+                        "router": round(decode / 1e3, 3), "router_includes": "decode and rows()"},
+    }
     emit_json(result, args.out, indent=2)
     return 0
 

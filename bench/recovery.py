@@ -145,8 +145,11 @@ class Events(logging.Handler):
         self._items_lock = threading.Lock()  # not ``lock``: logging.Handler has its own
 
     def __call__(self, event):
+        from pdcluster.node.events import expand
+
+        now = time.monotonic()
         with self._items_lock:
-            self.items.append((time.monotonic(), event))
+            self.items.extend((now, e) for e in expand(event))  # a step's StepTokens as its requests' Tokens
 
     def emit(self, record: logging.LogRecord) -> None:
         self(TransferLog(record.getMessage()))

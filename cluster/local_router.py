@@ -21,10 +21,15 @@ from pdcluster.cluster.token_deltas import is_first_token, is_progress_report, t
 from pdcluster.decode_node.worker import DecodeWorker
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.sampling_params import SamplingParams
-from pdcluster.node.events import ADMITTED, Admission, Failed, KVEvents, Tokens, WorkerError
+from pdcluster.node.events import ADMITTED, Admission, Failed, KVEvents, StepTokens, Tokens, WorkerError
 
 class _Aborted:
     """Queued to a stream the router aborted (not a worker event)."""
+
+
+def _put_each(items: list[tuple[asyncio.Queue, Tokens]]) -> None:
+    for queue, event in items:
+        queue.put_nowait(event)
 
 
 class _TimedDecodeWorker(DecodeWorker):
@@ -59,18 +64,25 @@ class _TimedDecodeWorker(DecodeWorker):
         return busy
 
     def emit(self, event) -> None:
-        request_id = getattr(event, "request_id", None)
-        # The first token's event, not the first event: a prompt longer than one prefill chunk reports
-        # each chunk before it (Tokens without tokens: the scheduler's count, S1).
-        if isinstance(event, Tokens) and event.new_token_ids and request_id not in self._first_sent:
-            self._first_sent.add(request_id)
-            scheduled = self._scheduled_at.pop(request_id, self._tick_started)
-            submitted = self._submitted_at.pop(request_id, scheduled)
-            event = replace(event, queue_s=max(scheduled - submitted, 0.0),
-                            prefill_s=max(time.monotonic() - scheduled, 0.0))
-        if (isinstance(event, Tokens) and event.finished) or isinstance(event, Failed):
-            self._forget(request_id)
-        super().emit(event)
+        if isinstance(event, Tokens):
+            event = self.timed(event)
+            if event.finished:
+                self._forget(event.request_id)
+        elif isinstance(event, Failed):
+            self._forget(event.request_id)
+        super().emit(event)  # a StepTokens' rows are timed by the router, which expands it (timed())
+
+    def timed(self, event: Tokens) -> Tokens:
+        """``event``, with the TTFT parts when it carries its request's first token. The first token's
+        event, not the first event: a prompt longer than one prefill chunk reports each chunk before it
+        (Tokens without tokens: the scheduler's count, S1)."""
+        request_id = event.request_id
+        if not event.new_token_ids or request_id in self._first_sent:
+            return event
+        self._first_sent.add(request_id)
+        scheduled = self._scheduled_at.pop(request_id, self._tick_started)
+        submitted = self._submitted_at.pop(request_id, scheduled)
+        return replace(event, queue_s=max(scheduled - submitted, 0.0), prefill_s=max(time.monotonic() - scheduled, 0.0))
 
     def _abort(self, request_id: str) -> None:
         self._forget(request_id)
@@ -107,6 +119,19 @@ class LocalRouter:
             failure = Failed(request_id="", worker_id=event.worker_id, reason=f"engine worker failed: {event.error}")
             for loop, queue in list(self._streams.values()):
                 self._deliver(loop, queue, failure)
+            return
+        if isinstance(event, StepTokens):
+            # One hand-over per event loop for the whole step (each call_soon_threadsafe wakes the loop).
+            by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+            for row in event.rows():
+                stream = self._streams.get(row.request_id)
+                if stream is not None:
+                    by_loop.setdefault(stream[0], []).append((stream[1], self.worker.timed(row)))
+            for loop, items in by_loop.items():
+                try:
+                    loop.call_soon_threadsafe(_put_each, items)
+                except RuntimeError:  # the loop is closed: nobody is listening any more
+                    pass
             return
         stream = self._streams.get(event.request_id)
         if stream is not None:

@@ -22,7 +22,8 @@ from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kv_transfer.config import TransferConfig
 from pdcluster.kv_transfer.protocol import FirstToken, TransferDone
 from pdcluster.kv_transfer.transports import get_transport_class
-from pdcluster.node.events import ADMITTED, FULL, INVALID, UNREACHABLE, Admission, Failed, KVReady, Tokens
+from pdcluster.node.events import (ADMITTED, FULL, INVALID, UNREACHABLE, Admission, Failed, KVReady, StepTokens,
+                                   Tokens)
 from pdcluster.node.worker_loop import WorkerLoop, engine_stats
 from pdcluster.decode_node.remote_kv import NoRemoteKV, RemoteKV, UnreachablePrefill
 
@@ -247,9 +248,29 @@ class DecodeWorker(WorkerLoop):
         # Blocks held only for a transfer (a revoke not yet confirmed) need no step: the poll frees them.
         if not self.engine.has_work():
             return False
-        for out in self.engine.step():
-            self._emit_tokens(out)
+        self._emit_step(self.engine.step())
         return True
+
+    def _emit_step(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs: a request's last and any with logprobs as their own ``Tokens``, the rest
+        together as one ``StepTokens`` (one event a step, not one a request, at any batch size)."""
+        ids, num_new, token_ids, computed, output, draft, accepted, cached, offloaded = [], [], [], [], [], [], [], [], []
+        for out in outputs:
+            if out.finished or out.new_logprobs or out.prompt_logprobs:
+                self._emit_tokens(out)
+                continue
+            ids.append(out.request_id)
+            num_new.append(len(out.new_token_ids))
+            token_ids += out.new_token_ids
+            computed.append(out.num_computed_tokens)
+            output.append(out.num_output_tokens)
+            draft.append(out.num_draft_tokens)
+            accepted.append(out.num_accepted_tokens)
+            cached.append(out.num_cached_tokens)
+            offloaded.append(out.num_offloaded_tokens)
+        if ids:
+            self.emit(StepTokens(self.worker_id, ids, num_new, token_ids, computed, output, draft, accepted, cached,
+                                 offloaded))
 
     def _emit_tokens(self, out: RequestOutput) -> None:
         self.emit(Tokens(

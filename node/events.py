@@ -6,7 +6,8 @@ Per request, in order:
     Admission            the verdict on the router's ``submit`` (admitted, full, invalid, unreachable)
     Tokens (first)       the first token, as soon as the prefill worker sampled it (or local prefill)
     KVReady              disaggregated only: the KV landed; the transfer's size and duration
-    Tokens ...           decode steps; the last one has ``finished``
+    Tokens ...           decode steps; the last one has ``finished``. A step's plain rows (not the
+                         last, no logprobs) travel together, as one ``StepTokens`` for the step
     Failed               instead of the rest: the placement failed (the router recovers the request)
 A worker whose engine thread died sends ``WorkerError`` (the health check would find it too).
 
@@ -22,9 +23,9 @@ from dataclasses import dataclass, field
 from typing import Union
 
 from pdcluster.wire.logprobs import TokenLogprobs
-from pdcluster.wire.records import Codec, Record, _require
+from pdcluster.wire.records import Codec, Record, _require, assemble
 
-EVENTS_VERSION = 1
+EVENTS_VERSION = 2  # 2: StepTokens
 ADMITTED, FULL, INVALID, UNREACHABLE = "admitted", "full", "invalid", "unreachable"
 KV_EVENT_KINDS = ("stored", "removed")
 KV_TIERS = ("device", "host", "disk")  # engine/kv_offload/: the device pool, then the offload tiers
@@ -65,6 +66,57 @@ class Tokens(Record):
     # the first token (a prompt prefilled here in chunks reports each chunk before it, without tokens).
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+# StepTokens' per-row columns, each a list[int] with one value per request.
+_STEP_COUNT_COLUMNS = ("num_new_tokens", "num_computed_tokens", "num_output_tokens", "num_draft_tokens",
+                       "num_accepted_tokens", "num_cached_tokens", "num_offloaded_tokens")
+
+
+@dataclass(frozen=True)
+class StepTokens(Record):
+    """One decode step's ``Tokens`` for the requests it advanced that need nothing more said: not
+    finished, no logprobs, no prompt logprobs (those go as their own ``Tokens``). Columns, one row per
+    request: at batch 128 the worker builds and encodes one record a step instead of 128 and the router
+    decodes one (bench/event_codec.py). ``rows()`` gives each row as the ``Tokens`` it stands for."""
+
+    worker_id: str
+    request_ids: list[str]
+    num_new_tokens: list[int]  # row i's tokens: new_token_ids[sum(num_new_tokens[:i]):][:num_new_tokens[i]]
+    new_token_ids: list[int]
+    num_computed_tokens: list[int]
+    num_output_tokens: list[int]
+    num_draft_tokens: list[int]
+    num_accepted_tokens: list[int]
+    num_cached_tokens: list[int]
+    num_offloaded_tokens: list[int]
+
+    def _check_values(self, path: str) -> None:
+        num_rows = len(self.request_ids)
+        for name in _STEP_COUNT_COLUMNS:
+            column = getattr(self, name)
+            _require(len(column) == num_rows, f"{path}.{name}", f"expected {num_rows} values (one a request)",
+                     f"{len(column)} values")
+        _require(min(self.num_new_tokens, default=0) >= 0, f"{path}.num_new_tokens", "expected counts >= 0",
+                 self.num_new_tokens)
+        _require(sum(self.num_new_tokens) == len(self.new_token_ids), f"{path}.new_token_ids",
+                 f"expected {sum(self.num_new_tokens)} tokens (the sum of num_new_tokens)",
+                 f"{len(self.new_token_ids)} tokens")
+
+    def rows(self) -> list[Tokens]:
+        """Each row as the ``Tokens`` event it stands for (built from this checked record's values)."""
+        rows, start, worker_id, token_ids = [], 0, self.worker_id, self.new_token_ids
+        for request_id, n, computed, output, draft, accepted, cached, offloaded in zip(
+                self.request_ids, self.num_new_tokens, self.num_computed_tokens, self.num_output_tokens,
+                self.num_draft_tokens, self.num_accepted_tokens, self.num_cached_tokens, self.num_offloaded_tokens):
+            rows.append(assemble(Tokens, {
+                "request_id": request_id, "worker_id": worker_id, "new_token_ids": token_ids[start:start + n],
+                "num_computed_tokens": computed, "num_output_tokens": output, "finished": False,
+                "finish_reason": "", "num_draft_tokens": draft, "num_accepted_tokens": accepted,
+                "num_cached_tokens": cached, "num_offloaded_tokens": offloaded, "queue_s": 0.0, "prefill_s": 0.0,
+                "logprobs": [], "prompt_logprobs": []}))
+            start += n
+        return rows
 
 
 @dataclass(frozen=True)
@@ -129,6 +181,11 @@ def kv_event_records(worker_id: str, drained: list[tuple[str, str, list[int]]]) 
     return records
 
 
-Event = Union[Admission, Tokens, KVReady, Failed, WorkerError, KVEvents]
-EVENT_CODEC = Codec(EVENTS_VERSION, (Admission, Tokens, KVReady, Failed, WorkerError, KVEvents))
+Event = Union[Admission, Tokens, StepTokens, KVReady, Failed, WorkerError, KVEvents]
+EVENT_CODEC = Codec(EVENTS_VERSION, (Admission, Tokens, StepTokens, KVReady, Failed, WorkerError, KVEvents))
+
+
+def expand(event: Event) -> list[Event]:
+    """``event`` as per-request events: a ``StepTokens``' rows, anything else alone."""
+    return event.rows() if type(event) is StepTokens else [event]
 MAX_EVENT_BYTES = 8 << 20

@@ -17,7 +17,7 @@ from conftest import engine_config, make_engine, usable_transports
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kv_transfer.config import TransferConfig
 from pdcluster.kv_transfer.transports import available_transports
-from pdcluster.node.events import ADMITTED, Admission, Failed, Tokens
+from pdcluster.node.events import ADMITTED, Admission, Failed, Tokens, expand
 
 TRANSPORTS = usable_transports()
 NUM_BLOCKS = 128
@@ -32,7 +32,7 @@ class Events:
 
     def __call__(self, event):
         with self.lock:
-            self.items.append(event)
+            self.items.extend(expand(event))  # a step's StepTokens as its requests' Tokens
 
     def wait_for(self, pred, timeout_s):
         deadline = time.monotonic() + timeout_s

@@ -31,7 +31,7 @@ import pytest
 from conftest import engine_config
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kv_transfer.config import TransferConfig
-from pdcluster.node.events import ADMITTED, Admission, Failed, KVReady, Tokens
+from pdcluster.node.events import ADMITTED, Admission, Failed, KVReady, Tokens, expand
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -51,8 +51,9 @@ class TimedEvents:
         self.lock = threading.Lock()
 
     def __call__(self, event):
+        now = time.monotonic()
         with self.lock:
-            self.items.append((time.monotonic(), event))
+            self.items.extend((now, e) for e in expand(event))  # a step's StepTokens as its requests' Tokens
 
     def first(self, pred) -> float | None:
         with self.lock:

@@ -295,6 +295,15 @@ def _build(cls: type, body: Any, path: str) -> Any:
     return record
 
 
+def assemble(cls: type, values: dict[str, Any]) -> Any:
+    """A record of ``cls`` from field values that were checked already, as fields of another record
+    (``StepTokens.rows``: each row of a checked columnar event as the ``Tokens`` it stands for):
+    every field given, no second check. Never for values from anywhere else."""
+    record = cls.__new__(cls)
+    record.__dict__.update(values)  # frozen: its __setattr__ refuses, the instance dict does not
+    return record
+
+
 @dataclass(frozen=True)
 class Record:
     """Base of everything that travels: fields are type-checked on construction."""

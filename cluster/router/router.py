@@ -30,8 +30,8 @@ from pdcluster.cluster.router.state import RequestState
 from pdcluster.cluster.router.stream import RequestStreams
 from pdcluster.cluster.router.submit import Submitter
 from pdcluster.engine.sampling_params import SamplingParams
-from pdcluster.node.events import (ADMITTED, UNREACHABLE, Admission, Event, Failed, KVEvents, KVReady, Tokens,
-                                   WorkerError)
+from pdcluster.node.events import (ADMITTED, UNREACHABLE, Admission, Event, Failed, KVEvents, KVReady, StepTokens,
+                                   Tokens, WorkerError)
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +66,9 @@ class ClusterRouter:
         self.on_kv_transfer = lambda transport, num_bytes, seconds: None
         self._events = EventReceiver(self.config.event_host, self.on_event)
         self.event_address = self._events.address
-        self._handlers = {Admission: self._on_admission, Tokens: self._on_tokens, KVReady: self._on_kv_ready,
-                          Failed: self._on_failed, WorkerError: self._on_worker_error, KVEvents: self._on_kv_events}
+        self._handlers = {Admission: self._on_admission, Tokens: self._on_tokens, StepTokens: self._on_step_tokens,
+                          KVReady: self._on_kv_ready, Failed: self._on_failed, WorkerError: self._on_worker_error,
+                          KVEvents: self._on_kv_events}
         self._rng = random.Random(0)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._health_task: asyncio.Task | None = None
@@ -196,6 +197,10 @@ class ClusterRouter:
         found = self.streams.lookup(ev.request_id, ev.worker_id)
         if found is not None:
             self.streams.on_kv_ready(*found, ev)
+
+    def _on_step_tokens(self, ev: StepTokens) -> None:
+        for row in ev.rows():
+            self._on_tokens(row)
 
     def _on_tokens(self, ev: Tokens) -> None:
         found = self.streams.lookup(ev.request_id, ev.worker_id)

@@ -1,0 +1,166 @@
+"""A decode step's tokens as one ``StepTokens`` event (node/events.py): the decode worker sends one event a
+step for every request that needs nothing more said (not finished, no logprobs) instead of one ``Tokens``
+a request, and every consumer reads its rows as the ``Tokens`` they stand for. Checked here: the rows
+equal those Tokens field by field, malformed columns are refused (built locally and off the wire, where
+the router drops and logs them and lives on), and a real decode worker's stream, expanded, equals the
+engine's output with a request's last tokens and logprobs still in their own ``Tokens``."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import re
+import time
+
+import msgpack
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import engine_config, make_engine
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.node.event_pusher import EventPusher
+from pdcluster.node.events import (EVENT_CODEC, EVENTS_VERSION, MAX_EVENT_BYTES, KVEvent, KVEvents, StepTokens,
+                                   Tokens, expand)
+from pdcluster.wire.records import ProtocolError
+
+_counts = st.integers(0, 2**40)
+_rows = st.lists(st.tuples(st.text(min_size=1, max_size=12), st.lists(st.integers(0, 2**31), max_size=4),
+                           _counts, _counts, _counts, _counts, _counts, _counts), max_size=20)
+
+
+def _step(worker_id: str, rows) -> StepTokens:
+    columns = list(zip(*rows)) if rows else [()] * 8
+    return StepTokens(worker_id, list(columns[0]), [len(t) for t in columns[1]], [t for ts in columns[1] for t in ts],
+                      *(list(c) for c in columns[2:]))
+
+
+def _tokens(worker_id: str, row) -> Tokens:
+    request_id, token_ids, computed, output, draft, accepted, cached, offloaded = row
+    return Tokens(request_id=request_id, worker_id=worker_id, new_token_ids=list(token_ids),
+                  num_computed_tokens=computed, num_output_tokens=output, num_draft_tokens=draft,
+                  num_accepted_tokens=accepted, num_cached_tokens=cached, num_offloaded_tokens=offloaded)
+
+
+@pytest.mark.timeout(60)
+@given(rows=_rows)
+@settings(max_examples=100, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+def test_rows_are_the_tokens_each_request_would_have_sent(rows):
+    step = _step("decode-0", rows)
+    expected = [_tokens("decode-0", row) for row in rows]
+    decoded = EVENT_CODEC.decode(EVENT_CODEC.encode(step), MAX_EVENT_BYTES)
+    assert decoded == step
+    for got in (step.rows(), decoded.rows(), expand(decoded)):
+        assert got == expected
+        # Every field of Tokens, set (a field added to Tokens must be added to rows() too).
+        assert all(set(vars(t)) == {f.name for f in dataclasses.fields(Tokens)} for t in got)
+    rows_a, rows_b = step.rows(), step.rows()
+    assert all(a.new_token_ids is not b.new_token_ids for a, b in zip(rows_a, rows_b))  # no shared lists
+
+
+def test_expand_leaves_other_events_alone():
+    ev = Tokens(request_id="r", worker_id="w", new_token_ids=[1], num_computed_tokens=3, num_output_tokens=1)
+    assert expand(ev) == [ev]
+
+
+def _body(**overrides) -> dict:
+    body = {"worker_id": "d0", "request_ids": ["a", "b"], "num_new_tokens": [1, 2], "new_token_ids": [5, 6, 7],
+            "num_computed_tokens": [10, 11], "num_output_tokens": [1, 2], "num_draft_tokens": [0, 0],
+            "num_accepted_tokens": [0, 0], "num_cached_tokens": [0, 0], "num_offloaded_tokens": [0, 0]}
+    return {**body, **overrides}
+
+
+@pytest.mark.parametrize("overrides, says", [
+    ({"num_output_tokens": [1]}, "StepTokens.num_output_tokens: expected 2 values"),
+    ({"request_ids": ["a"]}, "StepTokens.num_new_tokens: expected 1 values"),
+    ({"num_new_tokens": [-1, 4]}, "StepTokens.num_new_tokens: expected counts >= 0"),
+    ({"new_token_ids": [5, 6]}, "StepTokens.new_token_ids: expected 3 tokens"),
+    ({"num_cached_tokens": [0, "1"]}, "StepTokens.num_cached_tokens[1]: expected int"),
+])
+def test_malformed_columns_are_refused_built_and_decoded(overrides, says):
+    body = _body(**overrides)
+    with pytest.raises(ProtocolError, match="^" + re.escape(says)):
+        StepTokens(**body)
+    with pytest.raises(ProtocolError, match=re.escape(says)):
+        EVENT_CODEC.decode(msgpack.packb({"v": EVENTS_VERSION, "t": "StepTokens", "b": body}), MAX_EVENT_BYTES)
+    StepTokens(**_body())  # the unmodified body is fine
+
+
+def test_router_drops_a_malformed_step_event_and_lives_on(caplog):
+    """Over the real zmq stream: a StepTokens whose columns disagree is logged and dropped; the receiver
+    goes on and applies the next event."""
+    from test_kv_events import _router
+
+    router = _router()
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(router.event_address)
+    pusher = EventPusher(router.event_address)
+
+    async def scenario():
+        router.start(asyncio.get_running_loop())
+        sock.send(msgpack.packb({"v": EVENTS_VERSION, "t": "StepTokens", "b": _body(new_token_ids=[1])}))
+        pusher(KVEvents("p0", [KVEvent("stored", "device", [7])]))
+        deadline = time.monotonic() + 10
+        while router.kv_index.overlap("p0", [7]) == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="pdcluster.cluster.router.events"):
+            asyncio.run(scenario())
+        assert router.kv_index.overlap("p0", [7]) == 1.0
+        dropped = [r.getMessage() for r in caplog.records if "dropping malformed worker event" in r.getMessage()]
+        assert len(dropped) == 1 and "StepTokens.new_token_ids" in dropped[0], dropped
+    finally:
+        pusher.close()
+        sock.close(0)
+        router.close()
+
+
+@pytest.mark.timeout(120)
+def test_decode_worker_sends_one_event_a_step_and_the_stream_equals_the_engine():
+    """Five requests on one real decode worker (tiny-random): four plain ones of different lengths and
+    one with logprobs. Each step's plain rows come as one StepTokens; a request's last tokens and the
+    logprobs request's tokens come as Tokens of their own; expanded, each request's tokens and counts
+    are the engine's (S1: num_output_tokens is the running count)."""
+    from pdcluster.decode_node.worker import DecodeWorker
+
+    prompts = {f"r{i}": list(range(100 + 40 * i, 100 + 40 * i + 20 + 3 * i)) for i in range(5)}
+    params = {rid: SamplingParams(max_tokens=12 + 4 * i, ignore_eos=True, logprobs=2 if rid == "r4" else None)
+              for i, rid in enumerate(prompts)}
+    engine = make_engine()
+    expected = {rid: engine.generate([p], params[rid])[0].token_ids for rid, p in prompts.items()}
+    worker = DecodeWorker("d0", engine_config())
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    raw = []
+    worker.on_event = events.put
+    try:
+        for rid, p in prompts.items():
+            worker.submit(rid, p, params[rid])
+        finished = set()
+        deadline = time.monotonic() + 90
+        while len(finished) < len(prompts) and time.monotonic() < deadline:
+            try:
+                ev = events.get(timeout=1)
+            except queue.Empty:
+                continue
+            raw.append(ev)
+            finished |= {e.request_id for e in expand(ev) if isinstance(e, Tokens) and e.finished}
+        assert finished == set(prompts)
+    finally:
+        worker.close()
+    steps = [ev for ev in raw if isinstance(ev, StepTokens)]
+    assert steps and max(len(s.request_ids) for s in steps) == 4, "the plain rows of a step travel together"
+    assert all("r4" not in s.request_ids for s in steps), "a request with logprobs keeps its own Tokens"
+    assert all(len(set(s.request_ids)) == len(s.request_ids) for s in steps)
+    for rid in prompts:
+        mine = [e for ev in raw for e in expand(ev) if isinstance(e, Tokens) and e.request_id == rid]
+        assert [t for e in mine for t in e.new_token_ids] == expected[rid], rid
+        assert [e.finished for e in mine] == [False] * (len(mine) - 1) + [True]
+        counts = [e.num_output_tokens for e in mine if e.new_token_ids]
+        assert counts == list(range(1, len(expected[rid]) + 1)), (rid, counts)  # one token a step here
+        if rid == "r4":
+            assert all(len(e.logprobs) == len(e.new_token_ids) for e in mine)
