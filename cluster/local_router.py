@@ -27,6 +27,34 @@ class _Aborted:
     """Queued to a stream the router aborted (not a worker event)."""
 
 
+class _TimedOut:
+    """Queued to a stream by its watchdog: nothing came for request_timeout_s (not a worker event)."""
+
+
+class _Watchdog:
+    """Calls ``on_expiry`` once nothing kicked it for ``timeout_s``. A kick only notes the time (a wait
+    with asyncio.wait_for would make a task, a future and a timer for every event); the one timer, when
+    it fires early, sleeps again for what is left."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, timeout_s: float, on_expiry):
+        self._loop, self._timeout_s, self._on_expiry = loop, timeout_s, on_expiry
+        self._last = loop.time()
+        self._timer = loop.call_later(timeout_s, self._fire)
+
+    def kick(self) -> None:
+        self._last = self._loop.time()
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+    def _fire(self) -> None:
+        left = self._last + self._timeout_s - self._loop.time()
+        if left > 0:
+            self._timer = self._loop.call_later(left, self._fire)
+        else:
+            self._on_expiry()
+
+
 def _put_each(items: list[tuple[asyncio.Queue, Tokens]]) -> None:
     for queue, event in items:
         queue.put_nowait(event)
@@ -169,19 +197,21 @@ class LocalRouter:
                        params: SamplingParams) -> AsyncIterator[TokenDelta]:
         self._admit(request_id, prompt_token_ids, params)
         queue: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        loop = asyncio.get_running_loop()
+        self._streams[request_id] = (loop, queue)
+        watchdog = _Watchdog(loop, self.request_timeout_s, lambda: queue.put_nowait(_TimedOut()))
         num_prompt = len(prompt_token_ids)
         done = False
         try:
             self.worker.submit(request_id, prompt_token_ids, params)
             seen_first_token = False
             while True:
-                try:
-                    event = await asyncio.wait_for(queue.get(), timeout=self.request_timeout_s)
-                except asyncio.TimeoutError:
+                event = await queue.get()
+                if isinstance(event, _TimedOut):
                     yield _error_delta(num_prompt, f"request {request_id} made no progress for "
                                                    f"{self.request_timeout_s:g} s and was aborted")
                     return  # the finally aborts it on the worker
+                watchdog.kick()
                 if isinstance(event, _Aborted):
                     done = True
                     yield TokenDelta([], finished=True, finish_reason="abort", num_prompt_tokens=num_prompt)
@@ -208,6 +238,7 @@ class LocalRouter:
                 if done:
                     return
         finally:
+            watchdog.cancel()
             self._streams.pop(request_id, None)
             if not done:
                 self.worker.abort(request_id)  # idempotent; frees the blocks on the engine thread

@@ -378,6 +378,30 @@ def test_request_deadline_ends_a_stuck_request(tiny_dir):
         router.close()
 
 
+def test_local_router_watchdog_expires_only_after_silence():
+    """The local router's per-request inactivity timeout (cluster/local_router.py _Watchdog): events that
+    keep coming for longer than the timeout never trip it; silence does, once, about the timeout after
+    the last event."""
+    from pdcluster.cluster.local_router import _Watchdog
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        expired = []
+        dog = _Watchdog(loop, 0.2, lambda: expired.append(loop.time()))
+        started = loop.time()
+        for _ in range(10):  # 0.5 s of events, 0.05 s apart
+            await asyncio.sleep(0.05)
+            dog.kick()
+        last_kick = loop.time()
+        assert not expired, f"expired {expired[0] - started:.2f} s in, while events kept coming"
+        await asyncio.sleep(0.6)
+        dog.cancel()
+        return expired, last_kick
+
+    expired, last_kick = asyncio.run(scenario())
+    assert len(expired) == 1 and 0.19 <= expired[0] - last_kick < 0.5, (expired, last_kick)
+
+
 # ================================================================================== client mistakes
 
 _OK = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "temperature": 0}

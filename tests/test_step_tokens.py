@@ -164,3 +164,4 @@ def test_decode_worker_sends_one_event_a_step_and_the_stream_equals_the_engine()
         assert counts == list(range(1, len(expected[rid]) + 1)), (rid, counts)  # one token a step here
         if rid == "r4":
             assert all(len(e.logprobs) == len(e.new_token_ids) for e in mine)
+

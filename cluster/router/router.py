@@ -294,23 +294,27 @@ class ClusterRouter:
 
     async def _stream(self, r: RequestState, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
         await self.submitter.place(r, list(prompt_token_ids), params)
-        deadline = r.t_arrival + self.config.request_timeout_s
+        # One timer for the request's deadline, not a timeout around each token's wait (asyncio.wait_for
+        # makes a task, a future and a timer a call): at the deadline it ends the request, and the final
+        # delta arrives on the queue like any other.
+        timer = asyncio.get_running_loop().call_later(
+            max(r.t_arrival + self.config.request_timeout_s - time.monotonic(), 0.0), self._time_out, r)
         try:
             while True:
-                try:
-                    delta = await asyncio.wait_for(r.queue.get(), timeout=max(deadline - time.monotonic(), 0.001))
-                except asyncio.TimeoutError:
-                    if not r.finished:
-                        self._abort_attempt(r)
-                        self.streams.fail(r, f"request timed out after {self.config.request_timeout_s}s")
-                    continue
+                delta = await r.queue.get()
                 yield delta
                 if delta.finished:
                     return
         finally:
+            timer.cancel()
             if not r.finished:  # the consumer went away (client disconnect)
                 self._abort_attempt(r)
                 self.streams.fail(r, "", reason="abort")
+
+    def _time_out(self, r: RequestState) -> None:
+        if not r.finished:
+            self._abort_attempt(r)
+            self.streams.fail(r, f"request timed out after {self.config.request_timeout_s}s")
 
     async def abort(self, request_id: str) -> None:
         r = self.streams.requests.get(request_id)
