@@ -81,6 +81,13 @@ async def interleaved(runs: list[ChoiceRun], firsts: list[TokenDelta]) -> AsyncI
     run) of every choice as they come, until all finished or one failed (finish reason "error": the
     last item). Leaving the block stops reading. Each run is fed by its own task, which may be ahead of
     the reader: the finish reason travels with the piece, never read off the run."""
+    if len(runs) == 1:  # one choice (most requests): read it here, without a task and a queue between
+        gen = _one(runs[0], firsts[0])
+        try:
+            yield gen
+        finally:
+            await gen.aclose()
+        return
     queue: asyncio.Queue = asyncio.Queue()  # unbounded: the routers' queues would hold it otherwise
 
     async def pump(run: ChoiceRun, delta: TokenDelta) -> None:
@@ -116,3 +123,13 @@ async def interleaved(runs: list[ChoiceRun], firsts: list[TokenDelta]) -> AsyncI
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _one(run: ChoiceRun, delta: TokenDelta) -> AsyncIterator[Item]:
+    """``interleaved``'s items for a single choice: each piece as it is fed, until the choice ends."""
+    while True:
+        piece = run.feed(delta)
+        yield run, piece, run.finish_reason
+        if run.finished:
+            return
+        delta = await run.next()
