@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import signal
 import socket
 import sys
@@ -40,7 +41,8 @@ def run_server(app, host: str, port: int, model_name: str, sock: socket.socket |
 
     sock = sock or listen(host, port)  # bound before uvicorn, so a busy port is one clear error line
     bound = sock.getsockname()[1]
-    server = Server(uvicorn.Config(app, host=host, port=bound, log_level="info", timeout_graceful_shutdown=5))
+    server = Server(uvicorn.Config(app, host=host, port=bound, log_level="info", timeout_graceful_shutdown=5,
+                                   http="httptools" if _has("httptools") else "h11"))
 
     async def serve() -> None:
         task = asyncio.create_task(server.serve(sockets=[sock]))
@@ -54,7 +56,12 @@ def run_server(app, host: str, port: int, model_name: str, sock: socket.socket |
         await task
 
     try:
-        asyncio.run(serve())
+        if _has("uvloop"):
+            import uvloop
+
+            uvloop.run(serve())
+        else:  # a platform without uvloop (Windows): the standard loop
+            asyncio.run(serve())
     finally:
         sock.close()
     return 0 if server.started else 1
@@ -70,3 +77,7 @@ def listen(host: str, port: int) -> socket.socket:
         sock.close()
         raise ConfigError(f"--host/--port: cannot listen on {host}:{port}: {e.strerror or e}") from e
     return sock
+
+
+def _has(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
