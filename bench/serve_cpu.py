@@ -1,0 +1,119 @@
+"""The serving process's CPU per streamed token: ``pdcluster serve`` under ``pdcluster loadtest``, and the
+CPU seconds the serve process itself (HTTP server and router; in Ray modes the workers are other
+processes) spent during the run, per output token. On a GPU the workers' steps are short and this
+process streams every token of every request, so its cost per token bounds the served throughput
+(1 s / cost per token, on one core). Prints JSON.
+
+    python bench/serve_cpu.py [--mode disagg] [--model tiny-random] [--concurrency 128]
+                              [--num-prompts 384] [--output-len 256] [--repeats 1] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+NUM_WARMUPS = 4
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"serve exited with {proc.returncode} before it was healthy")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"serve was not healthy within {timeout_s:.0f} s")
+
+
+def run_once(args, pdcluster: list[str]) -> dict:
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    workers = ["--num-prefill", "1", "--num-decode", "1"] if args.mode == "disagg" else []
+    serve = subprocess.Popen([*pdcluster, "serve", "--mode", args.mode, "--model", args.model, *workers,
+                              "--max-num-seqs", str(args.concurrency), "--num-kv-blocks", "4096",
+                              "--max-model-len", "1024", "--port", str(port)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_healthy(url, serve, args.start_timeout)
+        with tempfile.TemporaryDirectory() as tmp:
+            result_path = Path(tmp) / "result.json"
+            cpu_before = _cpu_s(serve.pid)
+            lt = subprocess.run([*pdcluster, "loadtest", "--no-progress", "--base-url", url, "--model", args.model,
+                                 "--dataset", "random", "--random-input-len", "64", "--random-output-len",
+                                 str(args.output_len), "--num-prompts", str(args.num_prompts), "--request-rate", "inf",
+                                 "--max-concurrency", str(args.concurrency), "--num-warmups", str(NUM_WARMUPS),
+                                 "--ignore-eos", "--result-json", str(result_path)],
+                                check=False, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                timeout=args.timeout)
+            if not result_path.exists():
+                raise SystemExit(f"pdcluster loadtest failed: {(lt.stderr or '')[-2000:]}")
+            cpu_s = _cpu_s(serve.pid) - cpu_before
+            result = json.loads(result_path.read_text())
+    finally:
+        serve.send_signal(signal.SIGINT)
+        try:
+            serve.wait(60)
+        except subprocess.TimeoutExpired:
+            serve.kill()
+    num_tokens = (args.num_prompts + NUM_WARMUPS) * args.output_len  # ignore_eos: every request its full length
+    return {"serve_cpu_s": round(cpu_s, 2), "us_per_output_token": round(cpu_s / num_tokens * 1e6, 1),
+            "output_throughput": round(result["output_throughput"], 1),
+            "median_tpot_ms": round(result["median_tpot_ms"], 2), "completed": result["completed"],
+            "failed": result["failed"]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mode", default="disagg", choices=("disagg", "colocated", "local"))
+    ap.add_argument("--model", default="tiny-random")
+    ap.add_argument("--concurrency", type=int, default=128)
+    ap.add_argument("--num-prompts", type=int, default=384)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--start-timeout", type=float, default=180.0)
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds one load-test run may take")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    sys.path.insert(0, str(ROOT / "bench"))
+    from json_report import emit_json
+
+    pdcluster = [sys.executable, "-m", "pdcluster.cli.main"]
+    runs = [run_once(args, pdcluster) for _ in range(args.repeats)]
+    emit_json({"mode": args.mode, "model": args.model, "concurrency": args.concurrency,
+               "num_prompts": args.num_prompts, "output_len": args.output_len, "runs": runs,
+               "median_us_per_output_token": sorted(r["us_per_output_token"] for r in runs)[len(runs) // 2]},
+              args.out, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
