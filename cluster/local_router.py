@@ -32,12 +32,13 @@ class _TimedOut:
 
 
 class _Watchdog:
-    """Calls ``on_expiry`` once nothing kicked it for ``timeout_s``. A kick only notes the time (a wait
+    """Calls ``on_expiry`` once nothing kicked it for ``timeout_s`` and nothing is ``pending`` (events
+    queued for a consumer that is slow, not a worker that is stuck). A kick only notes the time (a wait
     with asyncio.wait_for would make a task, a future and a timer for every event); the one timer, when
     it fires early, sleeps again for what is left."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, timeout_s: float, on_expiry):
-        self._loop, self._timeout_s, self._on_expiry = loop, timeout_s, on_expiry
+    def __init__(self, loop: asyncio.AbstractEventLoop, timeout_s: float, on_expiry, pending=lambda: False):
+        self._loop, self._timeout_s, self._on_expiry, self._pending = loop, timeout_s, on_expiry, pending
         self._last = loop.time()
         self._timer = loop.call_later(timeout_s, self._fire)
 
@@ -49,8 +50,8 @@ class _Watchdog:
 
     def _fire(self) -> None:
         left = self._last + self._timeout_s - self._loop.time()
-        if left > 0:
-            self._timer = self._loop.call_later(left, self._fire)
+        if left > 0 or self._pending():
+            self._timer = self._loop.call_later(left if left > 0 else self._timeout_s, self._fire)
         else:
             self._on_expiry()
 
@@ -199,7 +200,8 @@ class LocalRouter:
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         self._streams[request_id] = (loop, queue)
-        watchdog = _Watchdog(loop, self.request_timeout_s, lambda: queue.put_nowait(_TimedOut()))
+        watchdog = _Watchdog(loop, self.request_timeout_s, lambda: queue.put_nowait(_TimedOut()),
+                             pending=lambda: not queue.empty())
         num_prompt = len(prompt_token_ids)
         done = False
         try:

@@ -401,6 +401,20 @@ def test_local_router_watchdog_expires_only_after_silence():
     expired, last_kick = asyncio.run(scenario())
     assert len(expired) == 1 and 0.19 <= expired[0] - last_kick < 0.5, (expired, last_kick)
 
+    async def slow_consumer():
+        # Events queued for a consumer that has not read them are progress: no expiry while any wait.
+        loop = asyncio.get_running_loop()
+        expired, pending = [], [True]
+        dog = _Watchdog(loop, 0.1, lambda: expired.append(loop.time()), pending=lambda: pending[0])
+        await asyncio.sleep(0.35)
+        assert not expired
+        pending[0] = False
+        await asyncio.sleep(0.3)
+        dog.cancel()
+        return expired
+
+    assert len(asyncio.run(slow_consumer())) == 1
+
 
 # ================================================================================== client mistakes
 
