@@ -1,7 +1,8 @@
 #!/bin/bash
 # One device call for a GPU session (bench/gpu_check.py, bench/prefill_attention.py, and with GPU_SWEEP=1 or
 # GPU_SWEEP=<sections> bench/attention_sweep.py, with GPU_GEMM=1 bench/gemm_sweep.py, with GPU_PROFILE=1 a quick
-# `pdcluster profile --device cuda`, and the host's Python speed: bench/host_overhead.py), within one
+# `pdcluster profile --device cuda`, and the host's Python speed: bench/host_overhead.py and
+# bench/event_codec.py), within one
 # command's 10 minutes: results go to $OUT (what comes back) and their logs' tails to the output.
 #
 # Here, first (the GPU machine lacks pyzmq and downloads nothing; the tokenizer files are ignored by git):
@@ -75,4 +76,7 @@ sys.exit(host_overhead.main())" --batches 1,128 --steps 100 $flag --out "$OUT/ho
         >> "$OUT/host_overhead.log" 2>&1
     echo "host_overhead ${flag:-sync} rc=$?: $(grep -A1 '"128"' "$OUT/host_overhead${flag:+_async}.json" | tail -1)"
 done
+# And a decode step's worker -> router events at batch 128 on this host (bench/event_codec.py, msgpack only).
+timeout 60 python3 bench/event_codec.py --n 5000 --repeats 3 --out "$OUT/event_codec.json" > "$OUT/event_codec.log" 2>&1
+echo "event_codec rc=$?: $(grep -A3 '"step_tokens"' "$OUT/event_codec.json" | tr -s ' \n' ' ')"
 tail -5 "$OUT/gpu_check.log"
