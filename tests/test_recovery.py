@@ -6,6 +6,7 @@ Without a healthy worker left, the request ends with a clear error within its de
 import asyncio
 import contextlib
 import os
+import signal
 import time
 
 import pytest
@@ -202,7 +203,6 @@ def test_decode_worker_silent_at_submit_then_dead_recovers_its_requests(ray_sess
     taken out of rotation: with no health check, the request decoding there waited for its deadline.
     Here the silence is real (the victim's process is stopped, SIGSTOP) and then the process dies
     (SIGKILL): the probe the timeout starts must see the death and recover A token-exact."""
-    import signal
 
     @contextlib.asynccontextmanager
     async def stop_then_kill(cluster, victim):
@@ -233,14 +233,29 @@ def test_dead_prefill_worker_requests_are_re_prefilled_elsewhere(ray_session):
     router.record()  # decisions and recoveries, for the asserts below
     router.config.health_interval_s = 0.3
 
-    async def main():
-        # Kill the prefill worker the router will pick next, before the health check can see it.
-        first = router.placement.placer.pick_prefill([v for v in router.views.values() if v.role == "prefill"], [])
-        ray_session.kill(cluster.prefill_handles[first.worker_id], no_restart=True)
+    async def consume():
         tokens, last = [], None
         async for delta in router.generate("p", prompt, params):
             tokens += delta.new_token_ids
             last = delta
+        return tokens, last
+
+    async def main():
+        # The prefill worker the router will pick next dies before it computes the prompt: frozen
+        # (SIGSTOP) before the request, killed once the request is placed on it. (A bare ray.kill only
+        # asks Ray to kill it: on a loaded host the prompt could be computed first.) Its silence is far
+        # shorter than the health check's strikes, so the placement still picks it.
+        first = router.placement.placer.pick_prefill([v for v in router.views.values() if v.role == "prefill"], [])
+        pid = (await cluster.prefill_handles[first.worker_id].ping.remote()).pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            task = asyncio.ensure_future(consume())
+            deadline = time.monotonic() + 60
+            while not any(d.request_id == "p" for d in router.recorder.decisions) and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+        finally:
+            os.kill(pid, signal.SIGKILL)
+        tokens, last = await asyncio.wait_for(task, 120)
         return first.worker_id, tokens, last
 
     try:
@@ -282,8 +297,6 @@ def test_frozen_decode_worker_request_ends_at_its_deadline_and_frees_blocks_late
     """A worker that is alive but makes no progress (SIGSTOP: the process exists, answers nothing) must
     not hang its requests: each ends with an error at its deadline. When the worker thaws, the abort
     the router sent meanwhile lands and its blocks come back."""
-    import signal
-
     prompt = list(range(2000, 2040))
     params = SamplingParams(max_tokens=400, ignore_eos=True)
     cluster = Cluster(ClusterSpec(engine=_config(), transfer=TransferConfig(), mode="disagg", num_prefill=1, num_decode=1,
