@@ -12,78 +12,37 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 NUM_WARMUPS = 4
 
 
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far (Linux /proc)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def run_once(args) -> dict:
+    from pdcluster.cli.main import main as pdcluster_main
+    from pdcluster.tools.server_process import ServeProcess
+    from vs_vllm import read_proc
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"serve exited with {proc.returncode} before it was healthy")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"serve was not healthy within {timeout_s:.0f} s")
-
-
-def run_once(args, pdcluster: list[str]) -> dict:
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
     workers = ["--num-prefill", "1", "--num-decode", "1"] if args.mode == "disagg" else []
-    serve = subprocess.Popen([*pdcluster, "serve", "--mode", args.mode, "--model", args.model, *workers,
-                              "--max-num-seqs", str(args.concurrency), "--num-kv-blocks", "4096",
-                              "--max-model-len", "1024", "--port", str(port)],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = ServeProcess(["--mode", args.mode, "--model", args.model, *workers, "--max-num-seqs", str(args.concurrency),
+                           "--num-kv-blocks", "4096", "--max-model-len", "1024"], timeout_s=args.start_timeout)
     try:
-        _wait_healthy(url, serve, args.start_timeout)
         with tempfile.TemporaryDirectory() as tmp:
             result_path = Path(tmp) / "result.json"
-            cpu_before = _cpu_s(serve.pid)
-            lt = subprocess.run([*pdcluster, "loadtest", "--no-progress", "--base-url", url, "--model", args.model,
-                                 "--dataset", "random", "--random-input-len", "64", "--random-output-len",
-                                 str(args.output_len), "--num-prompts", str(args.num_prompts), "--request-rate", "inf",
-                                 "--max-concurrency", str(args.concurrency), "--num-warmups", str(NUM_WARMUPS),
-                                 "--ignore-eos", "--result-json", str(result_path)],
-                                check=False, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                timeout=args.timeout)
-            if not result_path.exists():
-                raise SystemExit(f"pdcluster loadtest failed: {(lt.stderr or '')[-2000:]}")
-            cpu_s = _cpu_s(serve.pid) - cpu_before
+            cpu_before = read_proc(server.proc.pid)["cpu_s"]
+            rc = pdcluster_main(["loadtest", "--no-progress", "--base-url", server.base_url, "--model", args.model,
+                                 "--dataset", "random", "--random-input-len", "64",
+                                 "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
+                                 "--request-rate", "inf", "--max-concurrency", str(args.concurrency),
+                                 "--num-warmups", str(NUM_WARMUPS), "--ignore-eos", "--result-json", str(result_path)])
+            cpu_s = read_proc(server.proc.pid)["cpu_s"] - cpu_before
+            if rc not in (0, 1):
+                raise RuntimeError(f"pdcluster loadtest failed with status {rc}")
             result = json.loads(result_path.read_text())
     finally:
-        serve.send_signal(signal.SIGINT)
-        try:
-            serve.wait(60)
-        except subprocess.TimeoutExpired:
-            serve.kill()
+        server.close()
     num_tokens = (args.num_prompts + NUM_WARMUPS) * args.output_len  # ignore_eos: every request its full length
     return {"serve_cpu_s": round(cpu_s, 2), "us_per_output_token": round(cpu_s / num_tokens * 1e6, 1),
             "output_throughput": round(result["output_throughput"], 1),
@@ -100,14 +59,12 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--start-timeout", type=float, default=180.0)
-    ap.add_argument("--timeout", type=float, default=900.0, help="seconds one load-test run may take")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT / "bench"))
     from json_report import emit_json
 
-    pdcluster = [sys.executable, "-m", "pdcluster.cli.main"]
-    runs = [run_once(args, pdcluster) for _ in range(args.repeats)]
+    runs = [run_once(args) for _ in range(args.repeats)]
     emit_json({"mode": args.mode, "model": args.model, "concurrency": args.concurrency,
                "num_prompts": args.num_prompts, "output_len": args.output_len, "runs": runs,
                "median_us_per_output_token": sorted(r["us_per_output_token"] for r in runs)[len(runs) // 2]},

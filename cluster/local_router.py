@@ -157,10 +157,7 @@ class LocalRouter:
                 if stream is not None:
                     by_loop.setdefault(stream[0], []).append((stream[1], self.worker.timed(row)))
             for loop, items in by_loop.items():
-                try:
-                    loop.call_soon_threadsafe(_put_each, items)
-                except RuntimeError:  # the loop is closed: nobody is listening any more
-                    pass
+                self._call_on(loop, _put_each, items)
             return
         stream = self._streams.get(event.request_id)
         if stream is not None:
@@ -173,8 +170,12 @@ class LocalRouter:
 
     @staticmethod
     def _deliver(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, event: dict) -> None:
+        LocalRouter._call_on(loop, queue.put_nowait, event)
+
+    @staticmethod
+    def _call_on(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
         try:
-            loop.call_soon_threadsafe(queue.put_nowait, event)
+            loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the loop is closed: nobody is listening any more
             pass
 

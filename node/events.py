@@ -183,9 +183,9 @@ def kv_event_records(worker_id: str, drained: list[tuple[str, str, list[int]]]) 
 
 Event = Union[Admission, Tokens, StepTokens, KVReady, Failed, WorkerError, KVEvents]
 EVENT_CODEC = Codec(EVENTS_VERSION, (Admission, Tokens, StepTokens, KVReady, Failed, WorkerError, KVEvents))
+MAX_EVENT_BYTES = 8 << 20
 
 
 def expand(event: Event) -> list[Event]:
     """``event`` as per-request events: a ``StepTokens``' rows, anything else alone."""
     return event.rows() if type(event) is StepTokens else [event]
-MAX_EVENT_BYTES = 8 << 20

@@ -7,12 +7,13 @@ import asyncio
 import logging
 import time
 
+import msgpack
 import zmq
 
 from pdcluster.cluster.router import ClusterRouter, RouterConfig
 from pdcluster.cluster.router.events import EventReceiver
 from pdcluster.node.event_pusher import EventPusher
-from pdcluster.node.events import Failed
+from pdcluster.node.events import EVENTS_VERSION, Failed
 
 
 def _router() -> ClusterRouter:
@@ -36,6 +37,13 @@ def test_close_after_serving_on_a_loop_that_ended():
     router.close()
 
 
+# A step's columnar event whose token count disagrees with its per-row counts (1 + 2).
+BAD_STEP = msgpack.packb({"v": EVENTS_VERSION, "t": "StepTokens", "b": {
+    "worker_id": "d0", "request_ids": ["a", "b"], "num_new_tokens": [1, 2], "new_token_ids": [5],
+    "num_computed_tokens": [10, 11], "num_output_tokens": [1, 2], "num_draft_tokens": [0, 0],
+    "num_accepted_tokens": [0, 0], "num_cached_tokens": [0, 0], "num_offloaded_tokens": [0, 0]}})
+
+
 def test_malformed_events_are_dropped_and_logged(caplog):
     caplog.set_level(logging.WARNING, logger="pdcluster.cluster.router.events")
     seen = []
@@ -46,7 +54,7 @@ def test_malformed_events_are_dropped_and_logged(caplog):
         sock = zmq.Context.instance().socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(receiver.address)
-        for junk in (b"\xc1", b"not msgpack at all", b"\x93\x01\x02\x03"):
+        for junk in (b"\xc1", b"not msgpack at all", b"\x93\x01\x02\x03", BAD_STEP):
             sock.send(junk)
         pusher = EventPusher(receiver.address)
         pusher(Failed(request_id="r#1", worker_id="d0", reason="x"))
@@ -61,7 +69,8 @@ def test_malformed_events_are_dropped_and_logged(caplog):
     finally:
         receiver.close()
     assert seen == [Failed(request_id="r#1", worker_id="d0", reason="x")]
-    assert caplog.text.count("dropping malformed worker event") == 3
+    assert caplog.text.count("dropping malformed worker event") == 4
+    assert "StepTokens.new_token_ids: expected 3 tokens" in caplog.text
 
 
 def test_a_burst_of_events_arrives_in_order_and_a_failing_one_does_not_stop_the_rest(caplog):
