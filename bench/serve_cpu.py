@@ -4,7 +4,11 @@ processes) spent during the run, per output token. On a GPU the workers' steps a
 process streams every token of every request, so its cost per token bounds the served throughput
 (1 s / cost per token, on one core). Prints JSON.
 
-    python bench/serve_cpu.py [--mode disagg] [--model tiny-random] [--concurrency 128]
+With ``--api-servers N`` (N > 1) the serve process keeps the router and N API processes stream
+(cluster/frontend/): the router process's CPU per token then bounds the throughput, and the API
+processes' is reported beside it (summed; each streams a share).
+
+    python bench/serve_cpu.py [--mode disagg] [--model tiny-random] [--concurrency 128] [--api-servers 1]
                               [--num-prompts 384] [--output-len 256] [--repeats 1] [--out FILE]
 """
 
@@ -27,17 +31,21 @@ def run_once(args) -> dict:
 
     workers = ["--num-prefill", "1", "--num-decode", "1"] if args.mode == "disagg" else []
     server = ServeProcess(["--mode", args.mode, "--model", args.model, *workers, "--max-num-seqs", str(args.concurrency),
-                           "--num-kv-blocks", "4096", "--max-model-len", "1024"], timeout_s=args.start_timeout)
+                           "--num-kv-blocks", "4096", "--max-model-len", "1024", "--api-servers", str(args.api_servers)],
+                          timeout_s=args.start_timeout)
     try:
         with tempfile.TemporaryDirectory() as tmp:
             result_path = Path(tmp) / "result.json"
+            api_pids = _api_processes(server.proc.pid)
             cpu_before = read_proc(server.proc.pid)["cpu_s"]
+            api_cpu_before = sum(read_proc(pid)["cpu_s"] for pid in api_pids)
             rc = pdcluster_main(["loadtest", "--no-progress", "--base-url", server.base_url, "--model", args.model,
                                  "--dataset", "random", "--random-input-len", "64",
                                  "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
                                  "--request-rate", "inf", "--max-concurrency", str(args.concurrency),
                                  "--num-warmups", str(NUM_WARMUPS), "--ignore-eos", "--result-json", str(result_path)])
             cpu_s = read_proc(server.proc.pid)["cpu_s"] - cpu_before
+            api_cpu_s = sum(read_proc(pid)["cpu_s"] for pid in api_pids) - api_cpu_before
             if rc not in (0, 1):
                 raise RuntimeError(f"pdcluster loadtest failed with status {rc}")
             result = json.loads(result_path.read_text())
@@ -45,9 +53,18 @@ def run_once(args) -> dict:
         server.close()
     num_tokens = (args.num_prompts + NUM_WARMUPS) * args.output_len  # ignore_eos: every request its full length
     return {"serve_cpu_s": round(cpu_s, 2), "us_per_output_token": round(cpu_s / num_tokens * 1e6, 1),
+            "num_api_processes": len(api_pids), "api_processes_cpu_s": round(api_cpu_s, 2),
+            "api_processes_us_per_output_token": round(api_cpu_s / num_tokens * 1e6, 1),
             "output_throughput": round(result["output_throughput"], 1),
             "median_tpot_ms": round(result["median_tpot_ms"], 2), "completed": result["completed"],
             "failed": result["failed"]}
+
+
+def _api_processes(pid: int) -> list[int]:
+    """The serve process's API processes (multiprocessing spawn children; not Ray's, not its tracker)."""
+    import psutil
+
+    return [c.pid for c in psutil.Process(pid).children() if "spawn_main" in " ".join(c.cmdline())]
 
 
 def main() -> int:
@@ -57,6 +74,7 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=128)
     ap.add_argument("--num-prompts", type=int, default=384)
     ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--api-servers", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--start-timeout", type=float, default=180.0)
     ap.add_argument("--out", default=None)
@@ -65,7 +83,7 @@ def main() -> int:
     from json_report import emit_json
 
     runs = [run_once(args) for _ in range(args.repeats)]
-    emit_json({"mode": args.mode, "model": args.model, "concurrency": args.concurrency,
+    emit_json({"mode": args.mode, "model": args.model, "concurrency": args.concurrency, "api_servers": args.api_servers,
                "num_prompts": args.num_prompts, "output_len": args.output_len, "runs": runs,
                "median_us_per_output_token": sorted(r["us_per_output_token"] for r in runs)[len(runs) // 2]},
               args.out, indent=2)

@@ -18,11 +18,12 @@ from pdcluster.engine.config import ConfigError
 
 
 def run_server(app, host: str, port: int, model_name: str, sock: socket.socket | None = None,
-               on_ready=None) -> int:
+               on_ready=None, announce: bool = True) -> int:
     """Run uvicorn until SIGINT/SIGTERM, then return (so the caller's cleanup runs); print "pdcluster
     serving <model> on http://host:port" to stderr once the socket listens (the real port when ``port``
     is 0). ``sock``: a socket already bound to host:port (see ``listen``); closed on return.
-    ``on_ready(loop)``: called once the server listens, on its event loop (background tasks)."""
+    ``on_ready(loop)``: called once the server listens, on its event loop (background tasks).
+    ``announce=False``: no serving line (an API process of several: cluster/frontend/ prints one for all)."""
 
     class Server(uvicorn.Server):
         @contextlib.contextmanager
@@ -49,8 +50,8 @@ def run_server(app, host: str, port: int, model_name: str, sock: socket.socket |
         while not server.started and not task.done():
             await asyncio.sleep(0.05)
         if server.started:
-            shown = f"[{host}]" if ":" in host else host
-            print(f"pdcluster serving {model_name} on http://{shown}:{bound}", file=sys.stderr, flush=True)
+            if announce:
+                announce_serving(model_name, host, bound)
             if on_ready is not None:
                 on_ready(asyncio.get_running_loop())
         await task
@@ -65,6 +66,12 @@ def run_server(app, host: str, port: int, model_name: str, sock: socket.socket |
     finally:
         sock.close()
     return 0 if server.started else 1
+
+
+def announce_serving(model_name: str, host: str, port: int) -> None:
+    """The line tools wait for (tools/server_process.py READY)."""
+    shown = f"[{host}]" if ":" in host else host
+    print(f"pdcluster serving {model_name} on http://{shown}:{port}", file=sys.stderr, flush=True)
 
 
 def listen(host: str, port: int) -> socket.socket:

@@ -20,11 +20,14 @@ import sys
 import uuid
 from dataclasses import asdict, dataclass, replace
 
+from fastapi import FastAPI
+
 from pdcluster.cluster.api.admin import install_admin_routes
 from pdcluster.cluster.api.app import build_app
+from pdcluster.cluster.api.middleware import install_error_handlers
 from pdcluster.cluster.autoscale import Planner
 from pdcluster.cluster.engine_args import engine_config_from_args
-from pdcluster.cluster.http_server import run_server
+from pdcluster.cluster.http_server import listen, run_server
 from pdcluster.cluster.metrics import Metrics
 from pdcluster.cluster.router import ClusterRouter, RouterConfig
 from pdcluster.decode_node.actor import DecodeActor
@@ -337,13 +340,15 @@ def run_cluster(args) -> int:
     """`pdcluster serve` for the Ray modes: start everything, serve HTTP until interrupted."""
     spec = spec_from_args(args)
     cluster = Cluster(spec)
+    servers = None
     try:
-        metrics = Metrics(cluster.router.model_name)
+        num_api_servers = getattr(args, "api_servers", 1)
+        if num_api_servers > 1:  # before the Metrics: their values then go where every process reads them
+            from pdcluster.cluster.frontend.supervisor import ApiServers
+
+            servers = ApiServers(num_api_servers, listen(args.host, args.port), args.host)
+        metrics = Metrics(cluster.router.model_name, multiprocess_dir=servers.metrics_dir if servers else None)
         cluster.router.on_kv_transfer = metrics.observe_kv_transfer
-        app = build_app(cluster.router, cluster.router.model_name, api_key=args.api_key,
-                        max_body_bytes=args.max_body_bytes, metrics=metrics,
-                        tool_call_parser=getattr(args, "tool_call_parser", "auto"))
-        install_admin_routes(app, cluster, args.admin_key)  # /admin/drain: `pdcluster drain`, preStop hooks
         print(f"pdcluster: {spec.mode}, {len(cluster.prefill_handles)} prefill + {len(cluster.decode_handles)} decode "
               f"workers, transport {spec.transfer.transport}, policy {spec.policy}", file=sys.stderr, flush=True)
         on_ready = None
@@ -354,6 +359,20 @@ def run_cluster(args) -> int:
                 cluster.router.start(loop)
                 loop.create_task(planner.run(lambda: cluster.router.closed))
 
+        tool_call_parser = getattr(args, "tool_call_parser", "auto")
+        if servers is not None:
+            admin_app = FastAPI()  # /admin/* of every API process is answered here, beside the cluster
+            install_error_handlers(admin_app)
+            install_admin_routes(admin_app, cluster, args.admin_key)
+            return servers.run(cluster.router, cluster.router.model_name, api_key=args.api_key,
+                               max_body_bytes=args.max_body_bytes, tool_call_parser=tool_call_parser,
+                               admin_app=admin_app, on_ready=on_ready)
+        app = build_app(cluster.router, cluster.router.model_name, api_key=args.api_key,
+                        max_body_bytes=args.max_body_bytes, metrics=metrics, tool_call_parser=tool_call_parser)
+        install_admin_routes(app, cluster, args.admin_key)  # /admin/drain: `pdcluster drain`, preStop hooks
         return run_server(app, args.host, args.port, cluster.router.model_name, on_ready=on_ready)
     finally:
+        if servers is not None:
+            servers.close()
+            servers.sock.close()
         cluster.shutdown()

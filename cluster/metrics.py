@@ -2,14 +2,21 @@
 suffixes and a ``model_name`` label) so dashboards carry over, plus what no other system has: TTFT
 broken into queue, prefill, KV transfer and first decode step, and KV transfer volume per transport.
 
-Each ``Metrics`` owns its CollectorRegistry, so several apps (tests) never collide. Gauges are
+Each ``Metrics`` owns its CollectorRegistry, so several apps (tests) never collide. With several API
+processes (``serve --api-servers N``: cluster/frontend/) every process writes its values to one
+prometheus_client multiprocess directory (``enable_multiprocess``) and a scrape, whichever process
+answers it, merges them all: counters and histograms summed, gauges the most recently set. Gauges are
 refreshed from ``router.stats()`` when /metrics is scraped (``refresh``); everything else is observed
 as requests run (the HTTP layer calls ``on_*``; the cluster router calls ``observe_kv_transfer``).
 """
 
 from __future__ import annotations
 
+import os
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import values
+from prometheus_client.multiprocess import MultiProcessCollector
 
 PREFIX = "pdcluster:"
 
@@ -28,12 +35,22 @@ TTFT_PARTS = ("queue", "prefill", "kv_transfer", "first_decode")
 CACHE_TIERS = ("device", "offload")
 
 
+def enable_multiprocess(directory: str) -> None:
+    """Metrics made in this process from now on keep their values in ``directory`` (prometheus_client's
+    multiprocess mode, which it otherwise reads from the environment when first imported)."""
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
+    values.ValueClass = values.MultiProcessValue()
+
+
 class Metrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, model_name: str = ""):
+    def __init__(self, model_name: str = "", multiprocess_dir: str | None = None):
+        """``multiprocess_dir``: render every process's values in that directory (``enable_multiprocess``
+        must have been called with it in each process first)."""
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
+        self.multiprocess_dir = multiprocess_dir
         r, m = self.registry, ["model_name"]
 
         def hist(name: str, doc: str, buckets) -> Histogram:
@@ -43,7 +60,7 @@ class Metrics:
             return Counter(PREFIX + name, doc, m, registry=r).labels(model_name)
 
         def model_gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, m, registry=r).labels(model_name)
+            return Gauge(PREFIX + name, doc, m, registry=r, multiprocess_mode="mostrecent").labels(model_name)
 
         self.ttft = hist("time_to_first_token_seconds", "Time to first token (arrival at the API to first token).",
                          TTFT_BUCKETS)
@@ -75,12 +92,13 @@ class Metrics:
         self.kv_usage = model_gauge("kv_cache_usage_perc", "KV cache usage (1 = full).")
         self._autoscale = Counter(PREFIX + "autoscale_actions", "Workers added or drained by the autoscaler.",
                                   m + ["action", "role"], registry=r)
-        self._workers = Gauge(PREFIX + "num_workers", "Workers in rotation.", m + ["role"], registry=r)
+        self._workers = Gauge(PREFIX + "num_workers", "Workers in rotation.", m + ["role"], registry=r,
+                              multiprocess_mode="mostrecent")
         self._tier_blocks = Gauge(PREFIX + "kv_tier_blocks", "KV blocks held per tier, summed over workers "
                                   "(device: in use by requests; host, disk: offloaded blocks kept).",
-                                  m + ["tier"], registry=r)
+                                  m + ["tier"], registry=r, multiprocess_mode="mostrecent")
         self._tier_capacity = Gauge(PREFIX + "kv_tier_capacity_blocks", "KV blocks each tier can hold, summed "
-                                    "over workers.", m + ["tier"], registry=r)
+                                    "over workers.", m + ["tier"], registry=r, multiprocess_mode="mostrecent")
         self._tiers_seen: set[str] = set()
 
     # ---- per request (the HTTP layer) ---------------------------------------------------------------
@@ -157,4 +175,8 @@ class Metrics:
         self._tiers_seen |= set(held)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry)
+        merged = CollectorRegistry()
+        MultiProcessCollector(merged, path=self.multiprocess_dir)
+        return generate_latest(merged)

@@ -46,6 +46,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="enable /admin/drain and /admin/workers (`pdcluster drain`) for 'Authorization: Bearer KEY' "
                         "(default: $PDCLUSTER_ADMIN_KEY; none = those routes answer 403). Not the API key: API "
                         "clients must not be able to take workers away")
+    g.add_argument("--api-servers", "--api-server-count", type=int, default=1, dest="api_servers",
+                   help="HTTP server processes sharing the port (vLLM's --api-server-count): each parses, "
+                        "tokenizes, detokenizes and streams its own requests over one router; more than one "
+                        "when a GPU's output outruns one process (about 15k streamed tokens/s each)")
     g.add_argument("--request-timeout-s", type=float, default=300.0,
                    help="abort a request that makes no progress for this long")
     g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
@@ -100,7 +104,7 @@ def _check_args(args: argparse.Namespace) -> None:
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port: must be in 0..65535, got {args.port}")
     for flag, value in (("--num-prefill", args.num_prefill), ("--num-decode", args.num_decode),
-                        ("--max-body-bytes", args.max_body_bytes)):
+                        ("--max-body-bytes", args.max_body_bytes), ("--api-servers", args.api_servers)):
         if value < 1:
             raise ConfigError(f"{flag}: must be at least 1, got {value}")
     if args.mode == "local" and args.router_policy != "least_loaded":
@@ -172,6 +176,16 @@ def _serve_local(args: argparse.Namespace) -> int:
         sock.close()
         raise
     try:
+        if args.api_servers > 1:
+            from pdcluster.cluster.frontend.supervisor import ApiServers
+
+            servers = ApiServers(args.api_servers, sock, args.host)
+            try:
+                return servers.run(router, args.served_model_name, api_key=args.api_key,
+                                   max_body_bytes=args.max_body_bytes, tool_call_parser=args.tool_call_parser)
+            finally:
+                servers.close()
+                sock.close()
         app = build_app(router, args.served_model_name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                         metrics=Metrics(args.served_model_name), tool_call_parser=args.tool_call_parser)
         return run_server(app, args.host, args.port, args.served_model_name, sock=sock)

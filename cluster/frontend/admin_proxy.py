@@ -1,0 +1,22 @@
+"""/admin/* in an API process: handed to the router process (service.py answers it with the cluster's
+admin routes, cluster/api/admin.py), whose reply is this process's answer."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+# What the admin routes read of a request: the admin key and the body's type.
+FORWARDED_HEADERS = ("authorization", "content-type")
+
+
+def install_admin_proxy(app: FastAPI, router) -> None:
+    """``router``: a RemoteRouter (its ``admin`` call)."""
+
+    @app.api_route("/admin/{path:path}", methods=["GET", "POST", "PUT", "DELETE"], include_in_schema=False)
+    async def admin(path: str, request: Request):
+        target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        headers = [(k, v) for k, v in request.headers.items() if k in FORWARDED_HEADERS]
+        reply = await router.admin(request.method, target, headers, await request.body())
+        return Response(reply.body, status_code=reply.status,
+                        headers=dict(zip(reply.header_names, reply.header_values)))

@@ -1,0 +1,179 @@
+"""API process <-> router process records, over the records codec (wire/records.py), on one zmq
+ROUTER socket in the router's process (cluster/frontend/service.py) and a DEALER in each API process
+(remote_router.py). The socket is an ipc path in a directory only this user can enter.
+
+API process -> router (a DEALER in each API process, to one ROUTER):
+    Hello        once connected: which process (its index), the PULL socket it reads the router's
+                 messages on (``endpoint``), then that its HTTP server is up (``ready``)
+    Generate     a request to place: prompt ids and its SamplingParams as a map
+    Abort        stop a request (client gone, stop string, consumer failed)
+    AdminCall    an /admin/* HTTP request, answered by the router process's admin routes
+Router -> API process (a PUSH to that process's PULL; Welcome answers on the ROUTER):
+    Welcome      the answer to Hello: what the app needs to know about the model
+    Deltas       every delta ready for that process since the last send, in order per request: the
+                 plain ones (see ``Deltas``) as columns, the rest as ``Delta`` records
+    Refused      a Generate the router would not admit (before any delta): the HTTP status to answer
+    Stats        the router's gauges, every ``STATS_INTERVAL_S``: /health and /metrics read the last,
+                 and a process that hears nothing for ``SILENCE_LIMIT_S`` takes the router for dead
+    AdminReply   the answer to an AdminCall
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdcluster.cluster.api.router_contract import TokenDelta
+from pdcluster.wire.logprobs import TokenLogprobs
+from pdcluster.wire.records import Codec, Record, _require
+
+FRONTEND_VERSION = 1
+# A Generate carries a prompt (up to max_model_len ids, ~5 bytes each) and a Deltas batch a step's
+# tokens for every request of a process; 64 MiB is far above both.
+MAX_FRONTEND_BYTES = 64 << 20
+STATS_INTERVAL_S = 0.5
+SILENCE_LIMIT_S = 10.0
+
+
+@dataclass(frozen=True)
+class Hello(Record):
+    index: int  # the API process's index, 0..N-1
+    endpoint: str = ""  # its PULL socket ("": a handshake, answered with Welcome only)
+    ready: bool = False  # its HTTP server listens
+
+
+@dataclass(frozen=True)
+class Welcome(Record):
+    model_name: str
+    max_model_len: int
+    tokenizer_dir: str
+
+
+@dataclass(frozen=True)
+class Generate(Record):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: dict[str, Any]  # dataclasses.asdict(SamplingParams)
+
+
+@dataclass(frozen=True)
+class Abort(Record):
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Delta(Record):
+    """One TokenDelta of one request (router_contract.py says what each field means); "" and an empty
+    list stand for None."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str = ""
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_offloaded_tokens: int = 0
+    error: str = ""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    has_prompt_logprobs: bool = False
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    ttft_breakdown: dict[str, Any] = field(default_factory=dict)
+
+
+# Deltas' per-row columns, each a list[int] with one value per plain row.
+_ROW_COUNT_COLUMNS = ("num_new_tokens", "num_output_tokens", "num_draft_tokens", "num_accepted_tokens")
+
+
+@dataclass(frozen=True)
+class Deltas(Record):
+    """A batch for one API process. Rows: plain deltas (not a request's first or last, no logprobs, no
+    error), whose other fields the process knows from the request's first delta; at batch 128 a decode
+    step costs one record, not 128 (as the workers' StepTokens). Then ``full``: every other delta, applied
+    after the rows; the sender never puts a request's plain delta after one of its full ones in a batch."""
+
+    request_ids: list[str]
+    num_new_tokens: list[int]  # row i's tokens: new_token_ids[sum(num_new_tokens[:i]):][:num_new_tokens[i]]
+    new_token_ids: list[int]
+    num_output_tokens: list[int]
+    num_draft_tokens: list[int]
+    num_accepted_tokens: list[int]
+    full: list[Delta]
+
+    def _check_values(self, path: str) -> None:
+        num_rows = len(self.request_ids)
+        for name in _ROW_COUNT_COLUMNS:
+            column = getattr(self, name)
+            _require(len(column) == num_rows, f"{path}.{name}", f"expected {num_rows} values (one a row)",
+                     f"{len(column)} values")
+        _require(min(self.num_new_tokens, default=0) >= 0, f"{path}.num_new_tokens", "expected counts >= 0",
+                 self.num_new_tokens)
+        _require(sum(self.num_new_tokens) == len(self.new_token_ids), f"{path}.new_token_ids",
+                 f"expected {sum(self.num_new_tokens)} tokens (the sum of num_new_tokens)",
+                 f"{len(self.new_token_ids)} tokens")
+
+
+def is_plain(delta: TokenDelta) -> bool:
+    """A delta that can travel as a Deltas row (given it is not its request's first)."""
+    return not (delta.finished or delta.logprobs or delta.prompt_logprobs is not None or delta.error
+                or delta.ttft_breakdown)
+
+
+@dataclass(frozen=True)
+class Refused(Record):
+    request_id: str
+    message: str
+    status: int
+    kind: str
+
+
+@dataclass(frozen=True)
+class Stats(Record):
+    stats: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class AdminCall(Record):
+    call_id: int
+    method: str
+    path: str  # with the query string
+    header_names: list[str]
+    header_values: list[str]
+    body: bytes
+
+
+@dataclass(frozen=True)
+class AdminReply(Record):
+    call_id: int
+    status: int
+    header_names: list[str]
+    header_values: list[str]
+    body: bytes
+
+
+FRONTEND_CODEC = Codec(FRONTEND_VERSION, [Hello, Welcome, Generate, Abort, Delta, Deltas, Refused, Stats,
+                                          AdminCall, AdminReply])
+
+
+def to_delta(request_id: str, delta: TokenDelta) -> Delta:
+    return Delta(request_id, list(delta.new_token_ids), delta.finished, delta.finish_reason or "",
+                 delta.num_prompt_tokens, delta.num_output_tokens, delta.num_draft_tokens, delta.num_accepted_tokens,
+                 delta.num_cached_tokens, delta.num_offloaded_tokens, delta.error or "", list(delta.logprobs),
+                 delta.prompt_logprobs is not None, list(delta.prompt_logprobs or ()), dict(delta.ttft_breakdown))
+
+
+def from_delta(d: Delta) -> TokenDelta:
+    return TokenDelta(list(d.new_token_ids), finished=d.finished, finish_reason=d.finish_reason or None,
+                      num_prompt_tokens=d.num_prompt_tokens, num_output_tokens=d.num_output_tokens,
+                      num_draft_tokens=d.num_draft_tokens, num_accepted_tokens=d.num_accepted_tokens,
+                      num_cached_tokens=d.num_cached_tokens, num_offloaded_tokens=d.num_offloaded_tokens,
+                      error=d.error or None, logprobs=list(d.logprobs),
+                      prompt_logprobs=list(d.prompt_logprobs) if d.has_prompt_logprobs else None,
+                      ttft_breakdown={k: float(v) for k, v in d.ttft_breakdown.items()})
+
+
+def sampling_map(params) -> dict[str, Any]:
+    return dataclasses.asdict(params)

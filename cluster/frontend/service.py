@@ -1,0 +1,283 @@
+"""RouterService: the router (cluster/router/router.py or cluster/local_router.py) behind a zmq ROUTER
+socket, in the process that owns it, for the API processes (remote_router.py).
+
+Each Generate becomes one task that reads ``router.generate`` and queues its deltas for the process
+that asked; a process's queued deltas go out as one ``Deltas`` message once the loop has run every
+task that woke this turn, so a decode step of a big batch costs each API process one message, not one
+per request. Requests arrive on one ROUTER socket (asyncio); everything for a process goes out on a
+PUSH socket to it, sent at once (no high-water mark: a send never waits). A malformed message is
+dropped and logged; the service lives on. Everything runs on the router's own event loop: the router
+is not thread-safe, and needs none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Awaitable, Callable
+
+import zmq
+import zmq.asyncio
+
+from pdcluster.cluster.api.router_contract import RouterError, TokenDelta
+from pdcluster.cluster.frontend.protocol import (FRONTEND_CODEC, MAX_FRONTEND_BYTES, STATS_INTERVAL_S, Abort,
+                                                 AdminCall, AdminReply, Deltas, Generate, Hello, Refused, Stats,
+                                                 Welcome, is_plain, to_delta)
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.wire.records import ProtocolError
+
+log = logging.getLogger(__name__)
+
+# An admin call answers within this (a drain waits for its workers up to the timeout it was given, at
+# most /admin's own limit: cluster/api/admin.py).
+ADMIN_CALL_TIMEOUT_S = 3600.0
+
+
+class _Outbox:
+    """One process's deltas since the last send (the fields of a Deltas record)."""
+
+    __slots__ = ("request_ids", "num_new_tokens", "new_token_ids", "num_output_tokens", "num_draft_tokens",
+                 "num_accepted_tokens", "full", "full_ids")
+
+    def __init__(self):
+        self.request_ids, self.num_new_tokens, self.new_token_ids = [], [], []
+        self.num_output_tokens, self.num_draft_tokens, self.num_accepted_tokens = [], [], []
+        self.full, self.full_ids = [], set()
+
+    def add(self, rid: str, delta: TokenDelta, first: bool) -> None:
+        if first or rid in self.full_ids or not is_plain(delta):  # a row may not follow its request's full one
+            self.full.append(to_delta(rid, delta))
+            self.full_ids.add(rid)
+            return
+        self.request_ids.append(rid)
+        self.num_new_tokens.append(len(delta.new_token_ids))
+        self.new_token_ids.extend(delta.new_token_ids)
+        self.num_output_tokens.append(delta.num_output_tokens)
+        self.num_draft_tokens.append(delta.num_draft_tokens)
+        self.num_accepted_tokens.append(delta.num_accepted_tokens)
+
+    def record(self) -> Deltas:
+        return Deltas(self.request_ids, self.num_new_tokens, self.new_token_ids, self.num_output_tokens,
+                      self.num_draft_tokens, self.num_accepted_tokens, self.full)
+
+
+class RouterService:
+    """``admin(call) -> AdminReply``: answers /admin/* (None: those routes answer 404 in every process).
+    ``on_hello(index, ready)``: a process said hello (the supervisor counts ready processes)."""
+
+    def __init__(self, router, endpoint: str, tokenizer_dir: str,
+                 admin: Callable[[AdminCall], Awaitable[AdminReply]] | None = None,
+                 on_hello: Callable[[int, bool], None] | None = None):
+        self.router, self.endpoint = router, endpoint
+        self._welcome = Welcome(router.model_name, router.max_model_len, tokenizer_dir)
+        self._admin, self._on_hello = admin, on_hello
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        # No high-water marks: a message dropped for a slow process would stall its stream; what a slow
+        # process has not read waits here, as it would in the router's own queues.
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._sock.bind(endpoint)
+        self._streams: dict[str, tuple[bytes, asyncio.Task]] = {}  # request id -> (its process, its task)
+        self._pushes: dict[bytes, zmq.Socket] = {}  # process -> the socket to it (sync: sends never wait)
+        self._outboxes: dict[bytes, _Outbox] = {}  # process -> deltas not yet sent
+        self._flush_scheduled = False
+        self._tasks: set[asyncio.Task] = set()
+        self._closed = False
+
+    async def run(self) -> None:
+        """Serve until cancelled."""
+        stats = asyncio.create_task(self._send_stats())
+        try:
+            while True:
+                frames = await self._sock.recv_multipart(copy=False)
+                if len(frames) != 2:
+                    log.warning("dropping a frontend message of %d frames (want identity and body)", len(frames))
+                    continue
+                identity, data = frames[0].bytes, frames[1].buffer
+                try:
+                    msg = FRONTEND_CODEC.decode(data, MAX_FRONTEND_BYTES)
+                except ProtocolError as e:
+                    log.warning("dropping malformed frontend message from %r (%d bytes): %s", identity,
+                                len(data), e)
+                    continue
+                try:
+                    self._on_message(identity, msg)
+                except Exception:  # noqa: BLE001 - one bad request must not stop the others
+                    log.exception("frontend message %s from %r failed", type(msg).__name__, identity)
+        finally:
+            stats.cancel()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for task in list(self._tasks):
+            task.cancel()
+        for push in self._pushes.values():
+            push.close(0)
+        self._sock.close(0)
+        self._ctx.term()
+
+    # ---- requests -------------------------------------------------------------------------------------
+    def _on_message(self, identity: bytes, msg) -> None:
+        if identity not in self._pushes and not isinstance(msg, Hello):
+            log.warning("dropping a %s from %r: it has not said hello", type(msg).__name__, identity)
+        elif isinstance(msg, Generate):
+            self._generate(identity, msg)
+        elif isinstance(msg, Abort):
+            stream = self._streams.get(msg.request_id)
+            if stream is not None and stream[0] == identity:
+                self._spawn(self.router.abort(msg.request_id))
+        elif isinstance(msg, Hello):
+            self._hello(identity, msg)
+        elif isinstance(msg, AdminCall):
+            self._spawn(self._admin_call(identity, msg))
+        else:
+            log.warning("dropping a %s from %r: not a message an API process sends", type(msg).__name__, identity)
+
+    def _hello(self, identity: bytes, msg: Hello) -> None:
+        if not msg.endpoint:  # a handshake: what the app needs, on the socket that asked
+            reply = self._sock.send_multipart([identity, FRONTEND_CODEC.encode(self._welcome)])
+            reply.add_done_callback(lambda f: f.cancelled() or f.exception() is None
+                                    or log.warning("cannot answer a handshake: %s", f.exception()))
+            return
+        if identity not in self._pushes:
+            push = zmq.Context.instance().socket(zmq.PUSH)
+            push.setsockopt(zmq.LINGER, 0)
+            push.setsockopt(zmq.SNDHWM, 0)
+            push.connect(msg.endpoint)
+            self._pushes[identity] = push
+        if self._on_hello is not None:
+            self._on_hello(msg.index, msg.ready)
+
+    def _generate(self, identity: bytes, msg: Generate) -> None:
+        rid = msg.request_id
+        if rid in self._streams:
+            self._send(identity, Refused(rid, f"request id {rid!r} is already in use", 400, "invalid_request_error"))
+            return
+        try:
+            params = SamplingParams(**msg.sampling)
+            self._check_request(msg.prompt_token_ids, params)
+        except (TypeError, ValueError) as e:
+            self._send(identity, Refused(rid, f"request {rid!r}: {e}", 400, "invalid_request_error"))
+            return
+        task = self._spawn(self._forward(identity, rid, list(msg.prompt_token_ids), params))
+        self._streams[rid] = (identity, task)
+
+    def _check_request(self, prompt: list[int], params: SamplingParams) -> None:
+        """What the API process checked already (cluster/api/validation.py) and a router takes as given
+        (router_contract.py): a message that skipped it must not reach an engine."""
+        vocab_size, max_model_len = self.router.tokenizer.vocab_size, self.router.max_model_len
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
+        if len(prompt) + params.max_tokens > max_model_len:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                             f"max_model_len {max_model_len}")
+        bad = next((t for t, _ in params.logit_bias if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias token id {int(bad)} is outside the vocabulary (0..{vocab_size - 1})")
+
+    async def _forward(self, identity: bytes, rid: str, prompt: list[int], params: SamplingParams) -> None:
+        stream = self.router.generate(rid, prompt, params)
+        finished = False
+        try:
+            try:
+                first = await stream.__anext__()
+            except RouterError as e:
+                self._send(identity, Refused(rid, str(e), e.status, e.kind))
+                return
+            except StopAsyncIteration:
+                self._send(identity, Refused(rid, "the router ended the request before admitting it", 503,
+                                             "server_error"))
+                return
+            self._queue(identity, rid, first, first=True)
+            finished = first.finished
+            while not finished:
+                delta = await stream.__anext__()
+                self._queue(identity, rid, delta)
+                finished = delta.finished
+        except StopAsyncIteration:
+            self._queue_error(identity, rid, "the router ended the request without a final status")
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the process still gets its request's end
+            log.exception("request %s failed in the router", rid)
+            self._queue_error(identity, rid, f"router failed: {e!r}")
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:  # cancelled (shutdown) or failed: the router must free it
+                with contextlib.suppress(Exception):
+                    await stream.aclose()
+
+    def _queue_error(self, identity: bytes, rid: str, error: str) -> None:
+        self._queue(identity, rid, TokenDelta([], finished=True, finish_reason="error", error=error))
+
+    def _queue(self, identity: bytes, rid: str, delta: TokenDelta, first: bool = False) -> None:
+        box = self._outboxes.get(identity)
+        if box is None:
+            box = self._outboxes[identity] = _Outbox()
+        box.add(rid, delta, first)
+        if not self._flush_scheduled:  # after every task that woke this turn has queued its delta
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        outboxes, self._outboxes = self._outboxes, {}
+        for identity, box in outboxes.items():
+            self._send(identity, box.record())
+
+    # ---- the rest -------------------------------------------------------------------------------------
+    async def _admin_call(self, identity: bytes, call: AdminCall) -> None:
+        if self._admin is None:
+            reply = AdminReply(call.call_id, 404, ["content-type"], ["application/json"],
+                               b'{"error": {"message": "no admin routes in this mode", "type": "not_found"}}')
+        else:
+            try:
+                reply = await asyncio.wait_for(self._admin(call), ADMIN_CALL_TIMEOUT_S)
+            except Exception as e:  # noqa: BLE001 - the caller gets a 500 with the reason
+                log.exception("admin call %s %s failed", call.method, call.path)
+                reply = AdminReply(call.call_id, 500, ["content-type"], ["text/plain"], f"admin call failed: {e!r}".encode())
+        self._send(identity, reply)
+
+    async def _send_stats(self) -> None:
+        while True:
+            try:
+                stats = self.router.stats()
+            except Exception as e:  # noqa: BLE001 - /health then says why
+                stats = {"healthy": False, "error": f"router stats failed: {e!r}"}
+            message = Stats(_plain(stats))
+            for identity in list(self._pushes):
+                self._send(identity, message)
+            await asyncio.sleep(STATS_INTERVAL_S)
+
+    def _send(self, identity: bytes, msg) -> None:
+        push = self._pushes.get(identity)
+        if push is None or self._closed:
+            return
+        try:
+            push.send(FRONTEND_CODEC.encode(msg), zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # not with SNDHWM 0; a dead process is the supervisor's to handle
+            log.warning("cannot send %s to API process %r: %s", type(msg).__name__, identity, e)
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+
+def _plain(value):
+    """``stats`` as msgpack-native values (tuples become lists, other objects their repr)."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return value
+    return repr(value)

@@ -1,0 +1,137 @@
+"""``pdcluster serve --api-servers N`` (N > 1): this process keeps the router (and in ``--mode local``
+the engine) and serves it to N API processes (api_process.py) that share the listening socket.
+
+The serving line is printed once every API process listens. SIGINT or SIGTERM stops the API
+processes (SIGTERM: uvicorn finishes what it can within its grace period), then returns so the caller
+closes the router and the workers. An API process that dies stops the whole server with status 1, as
+vLLM does: a server missing a process would take its share of connections and answer none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+
+from pdcluster.cluster.frontend.api_process import ApiConfig, main as api_process_main, router_endpoint
+from pdcluster.cluster.frontend.protocol import AdminCall, AdminReply
+from pdcluster.cluster.frontend.service import RouterService
+from pdcluster.cluster.http_server import announce_serving
+from pdcluster.cluster.metrics import enable_multiprocess
+
+log = logging.getLogger(__name__)
+
+STOP_GRACE_S = 10.0  # an API process's time to finish its streams after SIGTERM (uvicorn's is 5 s)
+WATCH_INTERVAL_S = 0.2
+
+
+class ApiServers:
+    """Make this before the process's Metrics (``metrics_dir`` must be set when they are created), then
+    ``run`` it; ``close`` removes its directory."""
+
+    def __init__(self, num_processes: int, sock: socket.socket, host: str):
+        if num_processes < 2:
+            raise ValueError(f"ApiServers is for 2 or more API processes, got {num_processes}")
+        self.num_processes, self.sock, self.host = num_processes, sock, host
+        self.port = sock.getsockname()[1]
+        # Owner-only (mkdtemp): the ipc socket in it is the router's door, with no secret of its own.
+        self.dir = tempfile.mkdtemp(prefix="pdcluster-api-")
+        self.endpoint = router_endpoint(self.dir)
+        self.metrics_dir = os.path.join(self.dir, "metrics")
+        os.mkdir(self.metrics_dir)
+        enable_multiprocess(self.metrics_dir)
+        self._procs: list[multiprocessing.Process] = []
+
+    def run(self, router, served_model_name: str, *, api_key: str | None, max_body_bytes: int,
+            tool_call_parser: str, admin_app=None, on_ready=None) -> int:
+        """Serve until SIGINT/SIGTERM (0) or an API process's death (1). ``admin_app``: an ASGI app whose
+        /admin/* routes answer the API processes' admin calls. ``on_ready(loop)``: as run_server's."""
+        config = ApiConfig(self.dir, self.metrics_dir, self.host, self.port, served_model_name, api_key,
+                           max_body_bytes, tool_call_parser)
+        try:
+            import uvloop
+
+            return uvloop.run(self._serve(router, config, admin_app, on_ready))
+        except ImportError:  # a platform without uvloop
+            return asyncio.run(self._serve(router, config, admin_app, on_ready))
+
+    async def _serve(self, router, config: ApiConfig, admin_app, on_ready) -> int:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        ready: set[int] = set()
+
+        def on_hello(index: int, is_ready: bool) -> None:
+            if is_ready and index not in ready:
+                ready.add(index)
+                if len(ready) == self.num_processes:
+                    announce_serving(config.served_model_name, self.host, self.port)
+
+        admin = _asgi_admin(admin_app) if admin_app is not None else None
+        service = RouterService(router, self.endpoint, str(router.tokenizer.model_dir), admin=admin, on_hello=on_hello)
+        serving = loop.create_task(service.run())
+        status = 0
+        try:
+            context = multiprocessing.get_context("spawn")  # no fork of a process holding torch, Ray, threads
+            for index in range(self.num_processes):
+                proc = context.Process(target=api_process_main, args=(config, index, self.sock),
+                                       name=f"pdcluster-api-{index}")
+                proc.start()
+                self._procs.append(proc)
+            if on_ready is not None:
+                on_ready(loop)
+            while not stop.is_set():
+                dead = [p for p in self._procs if not p.is_alive()]
+                if dead or serving.done():
+                    what = (f"API process {dead[0].name} exited with status {dead[0].exitcode}" if dead
+                            else f"the router service stopped: {serving.exception()!r}")
+                    print(f"pdcluster serve: {what}; stopping the server", file=sys.stderr, flush=True)
+                    status = 1
+                    break
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), WATCH_INTERVAL_S)
+        finally:
+            await loop.run_in_executor(None, self._stop_processes)
+            serving.cancel()
+            with contextlib.suppress(BaseException):
+                await serving
+            service.close()
+        return status
+
+    def _stop_processes(self) -> None:
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in self._procs:
+            proc.join(STOP_GRACE_S)
+            if proc.is_alive():
+                log.warning("API process %s did not stop in %.0f s: killing it", proc.name, STOP_GRACE_S)
+                proc.kill()
+                proc.join(STOP_GRACE_S)
+
+    def close(self) -> None:
+        self._stop_processes()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _asgi_admin(app):
+    """An AdminCall answered by ``app`` in this process (httpx over ASGI: no socket)."""
+    import httpx
+
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router-process")
+
+    async def call(msg: AdminCall) -> AdminReply:
+        response = await client.request(msg.method, msg.path, headers=list(zip(msg.header_names, msg.header_values)),
+                                        content=msg.body, timeout=None)
+        content_type = response.headers.get("content-type", "application/octet-stream")
+        return AdminReply(msg.call_id, response.status_code, ["content-type"], [content_type], response.content)
+
+    return call

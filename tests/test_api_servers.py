@@ -1,0 +1,357 @@
+"""`pdcluster serve --api-servers N` (cluster/frontend/): N API processes over one router.
+
+In-process: the RouterService over a real LocalRouter (tiny-random) and RemoteRouters on real zmq ipc
+sockets: the same tokens as the router itself, refusals as RouterError with their status, aborts that
+free the request, malformed and out-of-order messages dropped and logged with the service still
+serving, and a silent router process ending open streams. As users run it: a `pdcluster serve`
+subprocess with 2 API processes answers the real openai client with the offline engine's greedy text,
+its /metrics adds up every process's requests, a client that leaves frees its request, and the death
+of an API process stops the server with status 1.
+"""
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import shutil
+import signal
+import tempfile
+import time
+
+import httpx
+import msgpack
+import pytest
+import zmq
+import zmq.asyncio
+
+from conftest import engine_config
+from pdcluster.cluster.api.router_contract import RouterError
+from pdcluster.cluster.frontend.protocol import (FRONTEND_CODEC, MAX_FRONTEND_BYTES, Deltas, Generate, Hello,
+                                                 Refused, TokenDelta, is_plain)
+from pdcluster.cluster.frontend.remote_router import RemoteRouter, handshake
+from pdcluster.cluster.frontend.service import RouterService
+from pdcluster.cluster.local_router import LocalRouter
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.tools.loadtest.server_metrics import parse_prometheus
+from test_serve import MAX_TOKENS, PROMPTS, Server, _check_server, expected  # noqa: F401 - a fixture
+
+openai = pytest.importorskip("openai")
+psutil = pytest.importorskip("psutil")
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+PROMPT = [1, 2, 3, 4, 5, 6, 7]
+
+
+@pytest.fixture(scope="module")
+def local_router():
+    router = LocalRouter(engine_config(num_kv_blocks=64, max_model_len=256), request_timeout_s=60)
+    yield router
+    router.close()
+
+
+@pytest.fixture()
+def socket_dir():
+    path = tempfile.mkdtemp(prefix="pdc-")  # short: an ipc path must fit in sockaddr_un
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+async def _tokens(stream) -> tuple[list[int], TokenDelta]:
+    tokens, last = [], None
+    async for delta in stream:
+        tokens += delta.new_token_ids
+        last = delta
+    return tokens, last
+
+
+async def _remote(socket_dir: str, index: int, **kw) -> RemoteRouter:
+    endpoint = f"ipc://{socket_dir}/router"
+    welcome = await asyncio.to_thread(handshake, endpoint, index, 10.0)
+    return RemoteRouter(endpoint, f"ipc://{socket_dir}/api-{index}", index, welcome, **kw)
+
+
+def _run_with_service(router, socket_dir: str, body) -> None:
+    async def main():
+        service = RouterService(router, f"ipc://{socket_dir}/router", str(router.tokenizer.model_dir))
+        serving = asyncio.create_task(service.run())
+        try:
+            await asyncio.wait_for(body(service), 120)
+        finally:
+            serving.cancel()
+            await asyncio.gather(serving, return_exceptions=True)
+            service.close()
+
+    asyncio.run(main())
+
+
+def _idle(router) -> bool:
+    stats = router.stats()
+    worker = stats["workers"][0]
+    return stats["num_requests_running"] == 0 and worker["num_free_blocks"] == worker["num_blocks"]
+
+
+async def _until(predicate, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.05)
+
+
+# ============================================================================ the service, in-process
+
+
+def test_remote_router_streams_the_routers_own_tokens(local_router, socket_dir):
+    async def body(service):
+        want, _ = await _tokens(local_router.generate("direct", PROMPT, GREEDY))
+        remote = await _remote(socket_dir, 0)
+        try:
+            assert remote.model_name == local_router.model_name
+            assert remote.max_model_len == local_router.max_model_len
+            assert remote.tokenizer.vocab_size == local_router.tokenizer.vocab_size
+            tokens, last = await _tokens(remote.generate("r1", PROMPT, GREEDY))
+            assert tokens == want
+            assert last.finished and last.finish_reason == "length"
+            assert last.num_output_tokens == len(want) and last.num_prompt_tokens == len(PROMPT)
+            # Several at once: each its own tokens, in order (rows and full deltas of one batch).
+            results = await asyncio.gather(*(_tokens(remote.generate(f"c{i}", PROMPT, GREEDY)) for i in range(6)))
+            assert [tokens for tokens, _ in results] == [want] * 6
+            # Stats reach the process (its /health and /metrics read them).
+            await _until(lambda: remote.stats().get("healthy") is True, 5.0)
+        finally:
+            remote.close()
+
+    _run_with_service(local_router, socket_dir, body)
+
+
+def test_refusals_are_router_errors_with_their_status(local_router, socket_dir):
+    async def body(service):
+        a, b = await _remote(socket_dir, 0), await _remote(socket_dir, 1)
+        try:
+            # What the API process checks is checked again here: a request that skipped it never reaches
+            # the engine (a prompt longer than its slots would kill its loop).
+            too_long = list(range(1, local_router.max_model_len + 5))
+            for prompt, params, message in (
+                    (too_long, GREEDY, "exceeds max_model_len"), ([], GREEDY, "prompt is empty"),
+                    ([1, 10**6], GREEDY, "outside the vocabulary"),
+                    (PROMPT, SamplingParams(max_tokens=4, logit_bias=[[10**6, 1.0]]), "logit_bias token id")):
+                with pytest.raises(RouterError, match=message) as err:
+                    await _tokens(a.generate("bad", prompt, params))
+                assert err.value.status == 400
+            # The same request id from two processes: the second is refused, the first still streams.
+            slow = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+            first = a.generate("same", PROMPT, slow)
+            await first.__anext__()
+            with pytest.raises(RouterError, match="already in use") as err:
+                await _tokens(b.generate("same", PROMPT, GREEDY))
+            assert err.value.status == 400
+            await first.aclose()  # an early close aborts it in the router
+            await _until(lambda: _idle(local_router))
+        finally:
+            a.close()
+            b.close()
+
+    _run_with_service(local_router, socket_dir, body)
+
+
+def test_abort_frees_the_request_in_the_router(local_router, socket_dir):
+    async def body(service):
+        remote = await _remote(socket_dir, 0)
+        try:
+            stream = remote.generate("to-abort", PROMPT, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+            await stream.__anext__()
+            assert local_router.stats()["num_requests_running"] == 1
+            await remote.abort("to-abort")
+            tokens, last = await _tokens(stream)
+            assert last.finished and last.finish_reason == "abort"
+            assert len(tokens) < 199
+            await _until(lambda: _idle(local_router))
+        finally:
+            remote.close()
+
+    _run_with_service(local_router, socket_dir, body)
+
+
+def test_malformed_and_unexpected_messages_are_dropped_and_logged(local_router, socket_dir, caplog):
+    """Garbage, a Generate before Hello, a message type only the router sends, and sampling values the
+    engine refuses: each is dropped or refused with a reason, and the service keeps serving."""
+    async def body(service):
+        ctx = zmq.asyncio.Context.instance()
+        raw = ctx.socket(zmq.DEALER)
+        pull = ctx.socket(zmq.PULL)
+        raw.connect(f"ipc://{socket_dir}/router")
+        pull.bind(f"ipc://{socket_dir}/raw")
+        try:
+            with caplog.at_level(logging.WARNING, logger="pdcluster.cluster.frontend.service"):
+                await raw.send(b"\xc1 not msgpack")
+                await raw.send(msgpack.packb({"v": 1, "t": "Generate", "b": {"request_id": 7}}))
+                await raw.send(FRONTEND_CODEC.encode(Generate("early", PROMPT, {"max_tokens": 200, "ignore_eos": True})))
+                await raw.send(FRONTEND_CODEC.encode(Hello(9, f"ipc://{socket_dir}/raw")))
+                await raw.send(FRONTEND_CODEC.encode(Deltas([], [], [], [], [], [], [])))
+                await raw.send(FRONTEND_CODEC.encode(Generate("bad", PROMPT, {"max_tokens": -1})))
+                await raw.send(FRONTEND_CODEC.encode(Generate("odd", PROMPT, {"no_such_field": 1})))
+                refusals = {}
+                while len(refusals) < 2:
+                    msg = FRONTEND_CODEC.decode(await asyncio.wait_for(pull.recv(), 10), MAX_FRONTEND_BYTES)
+                    if isinstance(msg, Refused):
+                        refusals[msg.request_id] = msg
+                assert refusals["bad"].status == 400 and "max_tokens" in refusals["bad"].message
+                assert refusals["odd"].status == 400 and "no_such_field" in refusals["odd"].message
+            logged = caplog.text
+            assert "not msgpack" in logged
+            assert "Generate: missing field" in logged
+            assert "dropping a Generate" in logged and "has not said hello" in logged
+            assert "dropping a Deltas" in logged and "not a message an API process sends" in logged
+            assert local_router.stats()["num_requests_running"] == 0  # "early" was never placed
+            # Still serving.
+            remote = await _remote(socket_dir, 0)
+            try:
+                tokens, last = await _tokens(remote.generate("after", PROMPT, GREEDY))
+                assert len(tokens) == GREEDY.max_tokens and last.finish_reason == "length"
+            finally:
+                remote.close()
+            await _until(lambda: _idle(local_router))
+        finally:
+            raw.close(0)
+            pull.close(0)
+
+    _run_with_service(local_router, socket_dir, body)
+
+
+def test_a_silent_router_process_ends_open_streams(local_router, socket_dir):
+    async def body(service):
+        remote = await _remote(socket_dir, 0, silence_limit_s=1.0)
+        try:
+            stream = remote.generate("orphan", PROMPT, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+            await stream.__anext__()
+            service.close()  # the router process stops answering (its router still runs the request)
+            started = time.monotonic()
+            _, last = await _tokens(stream)
+            assert last.finish_reason == "error" and "not answered" in last.error
+            assert time.monotonic() - started < 10
+            assert remote.stats()["healthy"] is False
+            with pytest.raises(RouterError) as err:
+                await _tokens(remote.generate("refused", PROMPT, GREEDY))
+            assert err.value.status == 503
+        finally:
+            remote.close()
+            await local_router.abort("orphan")
+            await _until(lambda: _idle(local_router))
+
+    _run_with_service(local_router, socket_dir, body)
+
+
+def test_handshake_with_no_router_process_is_a_clear_error(socket_dir):
+    started = time.monotonic()
+    with pytest.raises(RouterError, match="did not answer"):
+        handshake(f"ipc://{socket_dir}/router", 0, 0.5)
+    assert time.monotonic() - started < 5
+
+
+def test_a_batch_never_puts_a_row_after_its_requests_full_delta():
+    """The API process applies a batch's rows before its full deltas: a request's plain delta that
+    follows its full one in the same batch must travel full too, or its tokens would come out of order."""
+    from pdcluster.cluster.frontend.service import _Outbox
+
+    box = _Outbox()
+    box.add("a", TokenDelta([1], num_output_tokens=1, ttft_breakdown={"queue": 0.0}), first=True)
+    box.add("a", TokenDelta([2], num_output_tokens=2), first=False)  # plain, but after a's full one
+    box.add("b", TokenDelta([7], num_output_tokens=5), first=False)
+    box.add("b", TokenDelta([8], finished=True, finish_reason="length", num_output_tokens=6), first=False)
+    record = box.record()
+    assert record.request_ids == ["b"] and record.new_token_ids == [7] and record.num_output_tokens == [5]
+    assert [(d.request_id, d.new_token_ids) for d in record.full] == [("a", [1]), ("a", [2]), ("b", [8])]
+    decoded = FRONTEND_CODEC.decode(FRONTEND_CODEC.encode(record), MAX_FRONTEND_BYTES)
+    assert decoded == record
+
+
+def test_a_malformed_batch_is_refused():
+    from pdcluster.wire.records import ProtocolError
+
+    with pytest.raises(ProtocolError, match="num_output_tokens: expected 1 values"):
+        Deltas(["a"], [1], [5], [], [0], [0], [])
+    with pytest.raises(ProtocolError, match="new_token_ids: expected 2 tokens"):
+        Deltas(["a"], [2], [5], [1], [0], [0], [])
+
+
+def test_plain_deltas_are_the_ones_rows_can_carry():
+    assert is_plain(TokenDelta([5], num_output_tokens=3))
+    assert not is_plain(TokenDelta([5], finished=True, finish_reason="length"))
+    assert not is_plain(TokenDelta([5], ttft_breakdown={"queue": 0.1}))
+    assert not is_plain(TokenDelta([], finished=True, finish_reason="error", error="x"))
+    assert not is_plain(TokenDelta([5], prompt_logprobs=[]))
+
+
+# ======================================================================= `pdcluster serve`, as users run it
+
+
+def _api_processes(server) -> list:
+    return [c for c in psutil.Process(server.proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+
+
+def _scrape(server) -> dict:
+    return parse_prometheus(httpx.get(f"{server.base_url}/metrics", timeout=10).text)
+
+
+@pytest.mark.timeout(600)
+def test_serve_with_two_api_processes(expected):  # noqa: F811 - the fixture
+    server = Server("--mode", "local", "--api-servers", "2")
+    try:
+        assert len(_api_processes(server)) == 2
+        _check_server(server, expected)  # 9 requests finish (two more are refused)
+        completions, _ = expected
+        # Many at once, over new connections: the kernel spreads them over both processes.
+        def one(i):
+            client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=120)
+            r = client.completions.create(model="tiny-random", prompt=PROMPTS[i % 3], max_tokens=MAX_TOKENS,
+                                          temperature=0)
+            return r.choices[0].text
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            texts = list(pool.map(one, range(16)))
+        assert texts == [completions[i % 3] for i in range(16)]
+        # Whichever process answers the scrape, it counts every process's requests.
+        for _ in range(6):
+            metrics = _scrape(server)
+            assert metrics.get("pdcluster:request_success_total") == 25, metrics
+            assert metrics.get("pdcluster:e2e_request_latency_seconds_count") == 25
+        health = httpx.get(f"{server.base_url}/health", timeout=10).json()
+        assert health["status"] == "ok" and health["num_requests_running"] == 0
+
+        # A client that leaves mid-stream: its request is aborted and its blocks freed.
+        with httpx.stream("POST", f"{server.base_url}/v1/completions", timeout=60,
+                          json={"model": "tiny-random", "prompt": PROMPTS[0], "max_tokens": 500, "stream": True,
+                                "ignore_eos": True}) as response:
+            num_events = 0
+            for line in response.iter_lines():
+                num_events += line.startswith("data: {")
+                if num_events == 3:
+                    break
+            assert num_events == 3
+        deadline = time.monotonic() + 30
+        while True:
+            health = httpx.get(f"{server.base_url}/health", timeout=10).json()
+            worker = health["workers"][0]
+            if health["num_requests_running"] == 0 and worker["num_free_blocks"] == worker["num_blocks"]:
+                break
+            assert time.monotonic() < deadline, health
+            time.sleep(0.2)
+        # /admin/* exists only beside a Ray cluster: a clear 404, not a hang.
+        r = httpx.post(f"{server.base_url}/admin/drain", json={}, timeout=10)
+        assert r.status_code == 404 and "no admin routes" in r.text
+    finally:
+        server.close()
+
+
+@pytest.mark.timeout(300)
+def test_an_api_process_that_dies_stops_the_server(tiny_dir):
+    server = Server("--mode", "local", "--api-servers", "2")
+    try:
+        victim, other = _api_processes(server)
+        os.kill(victim.pid, signal.SIGKILL)
+        status = server.proc.wait(timeout=60)
+        out = server.output()
+        assert status == 1, out[-3000:]
+        assert "exited with status -9; stopping the server" in out, out[-3000:]
+        other.wait(timeout=10)  # stopped by the server, not left running (psutil.TimeoutExpired if it were)
+    finally:
+        server.close()
