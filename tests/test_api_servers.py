@@ -32,7 +32,7 @@ from pdcluster.cluster.frontend.remote_router import RemoteRouter, handshake
 from pdcluster.cluster.frontend.service import RouterService
 from pdcluster.cluster.local_router import LocalRouter
 from pdcluster.engine.sampling_params import SamplingParams
-from pdcluster.tools.loadtest.server_metrics import parse_prometheus
+from pdcluster.tools.loadtest.server_metrics import parse_by_label, parse_prometheus
 from test_serve import MAX_TOKENS, PROMPTS, Server, _check_server, expected  # noqa: F401 - a fixture
 
 openai = pytest.importorskip("openai")
@@ -288,6 +288,24 @@ def _api_processes(server) -> list:
     return [c for c in psutil.Process(server.proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
 
 
+def _until_idle(server, timeout_s: float = 30.0) -> None:
+    """/health says no request runs and every block is free (bounded wait)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        health = httpx.get(f"{server.base_url}/health", timeout=10).json()
+        worker = health["workers"][0]
+        if health["status"] == "ok" and health["num_requests_running"] == 0 \
+                and worker["num_free_blocks"] == worker["num_blocks"]:
+            return
+        assert time.monotonic() < deadline, health
+        time.sleep(0.2)
+
+
+def _decode_workers(server) -> float | None:
+    text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    return parse_by_label(text, "role").get('pdcluster:num_workers{role="decode"}')
+
+
 def _scrape(server) -> dict:
     return parse_prometheus(httpx.get(f"{server.base_url}/metrics", timeout=10).text)
 
@@ -314,8 +332,7 @@ def test_serve_with_two_api_processes(expected):  # noqa: F811 - the fixture
             metrics = _scrape(server)
             assert metrics.get("pdcluster:request_success_total") == 25, metrics
             assert metrics.get("pdcluster:e2e_request_latency_seconds_count") == 25
-        health = httpx.get(f"{server.base_url}/health", timeout=10).json()
-        assert health["status"] == "ok" and health["num_requests_running"] == 0
+        _until_idle(server)  # (the router's gauges reach the API processes every 0.5 s)
 
         # A client that leaves mid-stream: its request is aborted and its blocks freed.
         with httpx.stream("POST", f"{server.base_url}/v1/completions", timeout=60,
@@ -327,17 +344,17 @@ def test_serve_with_two_api_processes(expected):  # noqa: F811 - the fixture
                 if num_events == 3:
                     break
             assert num_events == 3
-        deadline = time.monotonic() + 30
-        while True:
-            health = httpx.get(f"{server.base_url}/health", timeout=10).json()
-            worker = health["workers"][0]
-            if health["num_requests_running"] == 0 and worker["num_free_blocks"] == worker["num_blocks"]:
-                break
-            assert time.monotonic() < deadline, health
-            time.sleep(0.2)
+        _until_idle(server)
         # /admin/* exists only beside a Ray cluster: a clear 404, not a hang.
         r = httpx.post(f"{server.base_url}/admin/drain", json={}, timeout=10)
         assert r.status_code == 404 and "no admin routes" in r.text
+        # Ctrl-C (SIGINT to the process group): every process stops, status 0, no traceback.
+        api_processes = _api_processes(server)
+        status = server.interrupt(timeout_s=60)
+        out = server.output()
+        assert status == 0 and "Traceback" not in out, out[-3000:]
+        for proc in api_processes:
+            proc.wait(timeout=10)
     finally:
         server.close()
 
@@ -353,5 +370,38 @@ def test_an_api_process_that_dies_stops_the_server(tiny_dir):
         assert status == 1, out[-3000:]
         assert "exited with status -9; stopping the server" in out, out[-3000:]
         other.wait(timeout=10)  # stopped by the server, not left running (psutil.TimeoutExpired if it were)
+    finally:
+        server.close()
+
+
+@pytest.mark.timeout(600)
+def test_ray_cluster_behind_two_api_processes(expected):  # noqa: F811 - the fixture
+    """Colocated on Ray with two decode workers: the engine's greedy text through either process, and
+    /admin/* (which only the router process can answer) from either: listing, refusing a request without
+    the key with the route's own 401, and a drain that takes a worker out of rotation."""
+    server = Server("--mode", "colocated", "--num-decode", "2", "--api-servers", "2", "--admin-key", "adm")
+    try:
+        _check_server(server, expected)
+        key = {"Authorization": "Bearer adm"}
+        for _ in range(4):  # new connections: either process may answer
+            r = httpx.get(f"{server.base_url}/admin/workers", headers=key, timeout=30)
+            assert r.status_code == 200, r.text
+            assert sorted(w["role"] for w in r.json()["workers"]) == ["decode", "decode"]
+            r = httpx.get(f"{server.base_url}/admin/workers", timeout=30)
+            assert r.status_code == 401 and r.headers.get("www-authenticate") == "Bearer", r.text
+            assert "missing admin key" in r.json()["error"]["message"]
+        leaving = httpx.get(f"{server.base_url}/admin/workers", headers=key, timeout=30).json()["workers"][0]["worker_id"]
+        r = httpx.post(f"{server.base_url}/admin/drain", headers=key, json={"worker_id": leaving}, timeout=120)
+        assert r.status_code == 200, r.text
+        assert [d["worker_id"] for d in r.json()["drained"]] == [leaving]
+        assert r.json()["workers_in_rotation"]["decode"] == 1
+        completions, _ = expected
+        r = server.client.completions.create(model="tiny-random", prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                                             temperature=0)
+        assert r.choices[0].text == completions[0]
+        deadline = time.monotonic() + 10  # the gauge follows the router's stats, sent every 0.5 s
+        while _decode_workers(server) != 1:
+            assert time.monotonic() < deadline, _decode_workers(server)
+            time.sleep(0.2)
     finally:
         server.close()

@@ -122,6 +122,10 @@ class ApiServers:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+# The API process's response sets its own length and framing.
+_NOT_FORWARDED = ("content-length", "transfer-encoding", "connection")
+
+
 def _asgi_admin(app):
     """An AdminCall answered by ``app`` in this process (httpx over ASGI: no socket)."""
     import httpx
@@ -131,7 +135,8 @@ def _asgi_admin(app):
     async def call(msg: AdminCall) -> AdminReply:
         response = await client.request(msg.method, msg.path, headers=list(zip(msg.header_names, msg.header_values)),
                                         content=msg.body, timeout=None)
-        content_type = response.headers.get("content-type", "application/octet-stream")
-        return AdminReply(msg.call_id, response.status_code, ["content-type"], [content_type], response.content)
+        headers = [(k, v) for k, v in response.headers.multi_items() if k not in _NOT_FORWARDED]
+        return AdminReply(msg.call_id, response.status_code, [k for k, _ in headers], [v for _, v in headers],
+                          response.content)
 
     return call
