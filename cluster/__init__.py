@@ -5,6 +5,8 @@ above it; the `pdcluster` command in cli/).
 - router/: the Ray cluster's router (placement, health, the worker event stream, recovery), with
   policies.py (placement policies, circuit breakers) and token_deltas.py (worker events -> deltas);
 - local_router.py: the same contract over one in-process engine (``--mode local``, the HTTP tests);
+- frontend/: ``--api-servers N``: N API processes over one router (the router behind a zmq socket in
+  this process, the contract again in each API process);
 - launcher.py: the workers as Ray actors in a placement group, wired to each other and the router;
 - autoscale.py: adds and drains workers to hold the SLOs (``--autoscale``);
 - metrics.py: what /metrics serves;
