@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import importlib.util
 import signal
 import socket
@@ -56,6 +57,7 @@ def run_server(app, host: str, port: int, model_name: str, sock: socket.socket |
                 on_ready(asyncio.get_running_loop())
         await task
 
+    freeze_startup_objects()
     try:
         if _has("uvloop"):
             import uvloop
@@ -66,6 +68,14 @@ def run_server(app, host: str, port: int, model_name: str, sock: socket.socket |
     finally:
         sock.close()
     return 0 if server.started else 1
+
+
+def freeze_startup_objects() -> None:
+    """Everything made at start-up (the model's modules, Ray, FastAPI's routes: hundreds of thousands of
+    objects) moves out of the garbage collector's sight: otherwise every full collection, which the
+    per-token garbage of streaming triggers again and again, walks all of it (vLLM freezes too)."""
+    gc.collect()
+    gc.freeze()
 
 
 def announce_serving(model_name: str, host: str, port: int) -> None:

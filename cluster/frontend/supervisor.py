@@ -23,7 +23,7 @@ import tempfile
 from pdcluster.cluster.frontend.api_process import ApiConfig, main as api_process_main, router_endpoint
 from pdcluster.cluster.frontend.protocol import AdminCall, AdminReply
 from pdcluster.cluster.frontend.service import RouterService
-from pdcluster.cluster.http_server import announce_serving
+from pdcluster.cluster.http_server import announce_serving, freeze_startup_objects
 from pdcluster.cluster.metrics import enable_multiprocess
 
 log = logging.getLogger(__name__)
@@ -75,6 +75,7 @@ class ApiServers:
                 if len(ready) == self.num_processes:
                     announce_serving(config.served_model_name, self.host, self.port)
 
+        freeze_startup_objects()
         admin = _asgi_admin(admin_app) if admin_app is not None else None
         service = RouterService(router, self.endpoint, str(router.tokenizer.model_dir), admin=admin, on_hello=on_hello)
         serving = loop.create_task(service.run())
