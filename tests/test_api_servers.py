@@ -376,21 +376,28 @@ def test_an_api_process_that_dies_stops_the_server(tiny_dir):
 
 @pytest.mark.timeout(600)
 def test_ray_cluster_behind_two_api_processes(expected):  # noqa: F811 - the fixture
-    """Colocated on Ray with two decode workers: the engine's greedy text through either process, and
-    /admin/* (which only the router process can answer) from either: listing, refusing a request without
-    the key with the route's own 401, and a drain that takes a worker out of rotation."""
-    server = Server("--mode", "colocated", "--num-decode", "2", "--api-servers", "2", "--admin-key", "adm")
+    """Disaggregated on Ray (one prefill, two decode workers): the engine's greedy text through either
+    process; the router process's own metrics (KV transfer) in every scrape; and /admin/* (which only the
+    router process can answer) from either: listing, refusing a request without the key with the route's
+    own 401, and a drain that takes a worker out of rotation."""
+    server = Server("--mode", "disagg", "--num-prefill", "1", "--num-decode", "2", "--api-servers", "2",
+                    "--admin-key", "adm")
     try:
         _check_server(server, expected)
+        for _ in range(4):
+            metrics = _scrape(server)
+            assert metrics.get("pdcluster:kv_transfer_bytes_total", 0) > 0, metrics
+            assert metrics.get("pdcluster:ttft_kv_transfer_seconds_count", 0) > 0
         key = {"Authorization": "Bearer adm"}
         for _ in range(4):  # new connections: either process may answer
             r = httpx.get(f"{server.base_url}/admin/workers", headers=key, timeout=30)
             assert r.status_code == 200, r.text
-            assert sorted(w["role"] for w in r.json()["workers"]) == ["decode", "decode"]
+            assert sorted(w["role"] for w in r.json()["workers"]) == ["decode", "decode", "prefill"]
             r = httpx.get(f"{server.base_url}/admin/workers", timeout=30)
             assert r.status_code == 401 and r.headers.get("www-authenticate") == "Bearer", r.text
             assert "missing admin key" in r.json()["error"]["message"]
-        leaving = httpx.get(f"{server.base_url}/admin/workers", headers=key, timeout=30).json()["workers"][0]["worker_id"]
+        workers = httpx.get(f"{server.base_url}/admin/workers", headers=key, timeout=30).json()["workers"]
+        leaving = next(w["worker_id"] for w in workers if w["role"] == "decode")
         r = httpx.post(f"{server.base_url}/admin/drain", headers=key, json={"worker_id": leaving}, timeout=120)
         assert r.status_code == 200, r.text
         assert [d["worker_id"] for d in r.json()["drained"]] == [leaving]
