@@ -124,3 +124,20 @@ def test_serve_port_defaults_to_the_environment(monkeypatch, capsys):
     monkeypatch.setenv("PDCLUSTER_PORT", "70000")
     with pytest.raises(ConfigError, match="--port: must be in 0..65535, got 70000"):
         port()
+
+
+def test_serve_api_servers_flag():
+    """--api-servers (and vLLM's spelling) reach the args; fewer than one is a ConfigError naming it."""
+    from pdcluster.cli.main import build_parser
+    from pdcluster.cluster.serve_cli import _check_args
+    from pdcluster.engine.config import ConfigError
+
+    def api_servers(*argv):
+        args = build_parser().parse_args(["serve", "--mode", "local", "--port", "0", *argv])
+        _check_args(args)
+        return args.api_servers
+
+    assert api_servers() == 1
+    assert api_servers("--api-servers", "3") == 3 and api_servers("--api-server-count", "2") == 2
+    with pytest.raises(ConfigError, match="--api-servers: must be at least 1, got 0"):
+        api_servers("--api-servers", "0")
