@@ -385,6 +385,21 @@ LLAMA_QUICK = dict(LLAMA_1B, hidden_size=256, intermediate_size=512, num_hidden_
                    num_key_value_heads=2)
 
 
+def random_llama(shape: dict, device: str, out: Path):
+    """A seeded random-weight Llama of ``shape`` in bf16 on ``device``, saved to ``out`` with the carried
+    tokenizer files: (the transformers model, ``out``)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape)).to(torch.bfloat16).eval()
+    hf.save_pretrained(str(out))
+    for f in TOKENIZER_FILES:
+        shutil.copy(ASSETS / f, out / f)
+    return hf, out
+
+
 def _profile_steps(engine, device: str, num_steps: int = 3) -> dict:
     """Where a decode step's time goes: the host's wall time against the GPU's busy time, and the
     kernels that took the most GPU time (torch.profiler over ``num_steps`` steps)."""
@@ -509,17 +524,10 @@ def speed_section(entry: dict, device: str, work: Path, quick: bool, report: Rep
     shape = LLAMA_QUICK if quick else LLAMA_1B
     bw = _copy_bandwidth_gbps(device)
     entry["copy_bandwidth_gbps"] = round(bw, 1)
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(**shape)
-    with torch.device(device):
-        hf = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    hf, model_dir = random_llama(shape, device, work / "llama-1b")
     weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
     entry["weight_bytes"] = weight_bytes
     entry["hbm_floor_ms"] = round(weight_bytes / (bw * 1e9) * 1e3, 3)
-    model_dir = work / "llama-1b"
-    hf.save_pretrained(str(model_dir))
-    for f in TOKENIZER_FILES:
-        shutil.copy(ASSETS / f, model_dir / f)
     report.write()
 
     prompt_len, num_steps = (64, 4) if quick else (512, 24)

@@ -1,15 +1,25 @@
 #!/bin/bash
-# One device call for a GPU session (bench/gpu_check.py, bench/prefill_attention.py, and with GPU_SWEEP=1 or
+# One device call for a GPU session (bench/gpu_check.py, bench/prefill_attention.py, with GPU_SERVE=1 the served
+# throughput by --api-servers (bench/gpu_serve.py; GPU_SERVE_ONLY=1: that alone, ~3 minutes), and with GPU_SWEEP=1 or
 # GPU_SWEEP=<sections> bench/attention_sweep.py, with GPU_GEMM=1 bench/gemm_sweep.py, with GPU_PROFILE=1 a quick
 # `pdcluster profile --device cuda`, and the host's Python speed: bench/host_overhead.py and
 # bench/event_codec.py), within one
 # command's 10 minutes: results go to $OUT (what comes back) and their logs' tails to the output.
 #
-# Here, first (the GPU machine lacks pyzmq and downloads nothing; the tokenizer files are ignored by git):
+# Here, first (the GPU machine lacks pyzmq and the HTTP stack, and downloads nothing; the tokenizer files are
+# ignored by git):
 #   python bench/gpu_check.py --prepare-assets
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 -d .whl pyzmq==27.3.0          # .whl/ in .git/info/exclude
+#   # GPU_SERVE only: the serving stack, at the versions the tests run (9.6 MB with pyzmq)
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+#       fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 httptools==0.9.0 uvloop==0.23.0 prometheus_client==0.26.0 \
+#       httpx==0.28.1 httpcore==1.0.9 Jinja2==3.1.6 MarkupSafe==3.0.4 pydantic==2.14.4 pydantic_core==2.50.5 \
+#       anyio==4.16.0 idna==3.20 sniffio==1.3.1 typing_extensions==4.16.0 annotated-types==0.8.0 \
+#       typing-inspection==0.4.5 click==8.5.1 h11==0.16.0 certifi==2026.10.19.post1
 #   python bench/gpu_check.py --device cpu --quick --simulate-gpu-box   # the dry run
+#   python bench/gpu_serve.py --device cpu --quick --api-servers 1,2 --num-prompts 32 --concurrency 16 --output-len 16
 # Then the device call: command `bash bench/gpu_session.sh`, carry ["bench/gpu_assets", ".whl"], timeout_s 590.
 set -o pipefail
 OUT=${OUT:-/tmp/gpu_session}
@@ -33,6 +43,14 @@ os.environ['PDCLUSTER_CACHE_DIR'] = str(model_cache(pathlib.Path(tempfile.mkdtem
 $code" "$@"
 }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+if [ -n "${GPU_SERVE:-}${GPU_SERVE_ONLY:-}" ]; then  # served tok/s and CPU per token by --api-servers
+    timeout 330 python3 bench/gpu_serve.py --device cuda --api-servers "${GPU_SERVE_COUNTS:-1,2,4}" --num-prompts 384 \
+        --out "$OUT/gpu_serve.json" > "$OUT/gpu_serve.log" 2>&1
+    echo "gpu_serve rc=$?"
+    grep -E '"(output_throughput|us_per_output_token|api_processes_us_per_output_token|median_tpot_ms|error)"' "$OUT/gpu_serve.json"
+    tail -3 "$OUT/gpu_serve.log"
+    [ -n "${GPU_SERVE_ONLY:-}" ] && exit 0
+fi
 # gpu_check stops starting sections past --budget-s (its last full run took 110 s); the sweeps get what
 # is left.
 # GPU_CHECK_SECTIONS: a shorter rerun (e.g. speed) after a full one; GPU_TESTS: test files to run directly

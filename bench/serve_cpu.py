@@ -24,14 +24,16 @@ ROOT = Path(__file__).resolve().parents[1]
 NUM_WARMUPS = 4
 
 
-def run_once(args) -> dict:
+def run_once(args, engine_flags: tuple[str, ...] = ("--num-kv-blocks", "4096"), tokenizer: str | None = None) -> dict:
+    """One server and one load test. ``engine_flags``: more `pdcluster serve` flags (bench/gpu_serve.py:
+    the device, dtype, KV memory); ``tokenizer``: the load test's, for a model given as a directory."""
     from pdcluster.cli.main import main as pdcluster_main
     from pdcluster.tools.server_process import ServeProcess
     from vs_vllm import read_proc
 
     workers = ["--num-prefill", "1", "--num-decode", "1"] if args.mode == "disagg" else []
     server = ServeProcess(["--mode", args.mode, "--model", args.model, *workers, "--max-num-seqs", str(args.concurrency),
-                           "--num-kv-blocks", "4096", "--max-model-len", "1024", "--api-servers", str(args.api_servers)],
+                           "--max-model-len", "1024", "--api-servers", str(args.api_servers), *engine_flags],
                           timeout_s=args.start_timeout)
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -43,7 +45,8 @@ def run_once(args) -> dict:
                                  "--dataset", "random", "--random-input-len", "64",
                                  "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
                                  "--request-rate", "inf", "--max-concurrency", str(args.concurrency),
-                                 "--num-warmups", str(NUM_WARMUPS), "--ignore-eos", "--result-json", str(result_path)])
+                                 "--num-warmups", str(NUM_WARMUPS), "--ignore-eos", "--result-json", str(result_path),
+                                 *(["--tokenizer", tokenizer] if tokenizer else [])])
             cpu_s = read_proc(server.proc.pid)["cpu_s"] - cpu_before
             api_cpu_s = sum(read_proc(pid)["cpu_s"] for pid in api_pids) - api_cpu_before
             if rc not in (0, 1):
@@ -61,10 +64,18 @@ def run_once(args) -> dict:
 
 
 def _api_processes(pid: int) -> list[int]:
-    """The serve process's API processes (multiprocessing spawn children; not Ray's, not its tracker)."""
-    import psutil
-
-    return [c.pid for c in psutil.Process(pid).children() if "spawn_main" in " ".join(c.cmdline())]
+    """The serve process's API processes (multiprocessing spawn children; not Ray's, not its tracker),
+    read from /proc (the GPU machine has no psutil)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid and b"spawn_main" in cmdline:
+            found.append(int(stat.parent.name))
+    return sorted(found)
 
 
 def main() -> int:
