@@ -171,6 +171,53 @@ def test_abort_frees_the_request_in_the_router(local_router, socket_dir):
     _run_with_service(local_router, socket_dir, body)
 
 
+class _DeafRouter:
+    """The contract as the cluster router keeps it while a request is still being placed: ``abort`` finds
+    nothing to end and the stream waits on (here for good). Reproducing that window with Ray is a race;
+    this stand-in holds it open. It records the streams closed on it (what frees a request there)."""
+
+    model_name, max_model_len = "deaf", 256
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.closed: list[str] = []
+
+    async def generate(self, request_id, prompt_token_ids, params):
+        try:
+            await asyncio.sleep(3600)
+            yield TokenDelta([])
+        finally:
+            self.closed.append(request_id)
+
+    async def abort(self, request_id):
+        pass
+
+    def stats(self):
+        return {"healthy": True}
+
+
+def test_an_abort_the_router_lets_pass_still_ends_the_request(local_router, socket_dir):
+    router = _DeafRouter(local_router.tokenizer)
+
+    async def body(service):
+        remote = await _remote(socket_dir, 0)
+        try:
+            stream = remote.generate("placing", PROMPT, GREEDY)
+            first = asyncio.ensure_future(stream.__anext__())
+            await asyncio.sleep(0.2)
+            started = time.monotonic()
+            await remote.abort("placing")
+            delta = await asyncio.wait_for(first, 10)
+            assert delta.finished and delta.finish_reason == "abort" and delta.new_token_ids == []
+            assert time.monotonic() - started < 5
+            await _until(lambda: router.closed == ["placing"], 5.0)  # its stream closed: freed there
+            await stream.aclose()
+        finally:
+            remote.close()
+
+    _run_with_service(router, socket_dir, body)
+
+
 def test_malformed_and_unexpected_messages_are_dropped_and_logged(local_router, socket_dir, caplog):
     """Garbage, a Generate before Hello, a message type only the router sends, and sampling values the
     engine refuses: each is dropped or refused with a reason, and the service keeps serving."""

@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 # An admin call answers within this (a drain waits for its workers up to the timeout it was given, at
 # most /admin's own limit: cluster/api/admin.py).
 ADMIN_CALL_TIMEOUT_S = 3600.0
+# After an Abort, how long the router has to end the request's stream itself before the service closes it.
+ABORT_GRACE_S = 1.0
 
 
 class _Outbox:
@@ -129,7 +131,7 @@ class RouterService:
         elif isinstance(msg, Abort):
             stream = self._streams.get(msg.request_id)
             if stream is not None and stream[0] == identity:
-                self._spawn(self.router.abort(msg.request_id))
+                self._spawn(self._abort(identity, msg.request_id, stream[1]))
         elif isinstance(msg, Hello):
             self._hello(identity, msg)
         elif isinstance(msg, AdminCall):
@@ -213,6 +215,17 @@ class RouterService:
             if not finished:  # cancelled (shutdown) or failed: the router must free it
                 with contextlib.suppress(Exception):
                     await stream.aclose()
+
+    async def _abort(self, identity: bytes, rid: str, task: asyncio.Task) -> None:
+        """Abort in the router, whose final delta then ends the stream; a router that lets the request go
+        on (the cluster router before the decode worker admitted it) has its stream closed here instead,
+        which frees the request there as a client's disconnect would."""
+        await self.router.abort(rid)
+        if not task.done():
+            await asyncio.wait({task}, timeout=ABORT_GRACE_S)
+        if not task.done():
+            task.cancel()
+            self._queue(identity, rid, TokenDelta([], finished=True, finish_reason="abort"))
 
     def _queue_error(self, identity: bytes, rid: str, error: str) -> None:
         self._queue(identity, rid, TokenDelta([], finished=True, finish_reason="error", error=error))
