@@ -11,6 +11,7 @@ of an API process stops the server with status 1.
 
 import asyncio
 import concurrent.futures
+import json
 import logging
 import os
 import shutil
@@ -404,6 +405,56 @@ def test_serve_with_two_api_processes(expected):  # noqa: F811 - the fixture
             proc.wait(timeout=10)
     finally:
         server.close()
+
+
+# Requests whose answers use every part of a delta: n choices with seeds, logprobs, prompt logprobs
+# (echo), stop strings, streamed and not, completions and chat.
+RICH = [
+    ("completions", {"prompt": PROMPTS[1], "max_tokens": 12, "n": 3, "seed": 7, "temperature": 0.9, "logprobs": 2}),
+    ("completions", {"prompt": PROMPTS[0], "max_tokens": 6, "echo": True, "logprobs": 1, "temperature": 0}),
+    ("completions", {"prompt": [PROMPTS[2], PROMPTS[0]], "max_tokens": 8, "temperature": 0, "stop": [" the"]}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "Count to five."}], "max_tokens": 10,
+                          "n": 2, "seed": 3, "temperature": 1.0, "logprobs": True, "top_logprobs": 2}),
+]
+
+
+def _answers(server) -> list:
+    """Each RICH request's choices (ids and timestamps left out), whole and streamed."""
+    out = []
+    with httpx.Client(base_url=server.base_url + "/v1", timeout=120) as http:
+        for path, body in RICH:
+            body = {"model": "tiny-random", **body}
+            r = http.post(f"/{path}", json=body)
+            assert r.status_code == 200, r.text
+            out.append((r.json()["choices"], r.json()["usage"]))
+            pieces: dict = {}
+            with http.stream("POST", f"/{path}", json={**body, "stream": True}) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: {"):
+                        for choice in json.loads(line[6:])["choices"]:
+                            pieces.setdefault(choice["index"], []).append(
+                                {k: v for k, v in choice.items() if k != "index"})
+            out.append(pieces)
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_two_api_processes_answer_as_one(tiny_dir):
+    """Every field of every answer (text, logprobs, prompt logprobs, finish reasons, usage, each streamed
+    piece) is the same through two API processes as through one."""
+    answers = {}
+    for num in ("1", "2"):
+        server = Server("--mode", "local", "--api-servers", num)
+        try:
+            answers[num] = _answers(server)
+        finally:
+            server.close()
+    first_choices, _ = answers["1"][0]
+    assert len(first_choices) == 3 and all(c["logprobs"]["top_logprobs"] for c in first_choices)
+    echo_choices, _ = answers["1"][2]
+    assert echo_choices[0]["logprobs"]["token_logprobs"][0] is None  # the echoed prompt's first token
+    assert len(echo_choices[0]["logprobs"]["tokens"]) > 6  # prompt positions and the 6 generated
+    assert answers["2"] == answers["1"]
 
 
 @pytest.mark.timeout(300)
