@@ -17,6 +17,7 @@ from dataclasses import replace
 from typing import AsyncIterator
 
 from pdcluster.cluster.api.router_contract import RouterError, TokenDelta
+from pdcluster.cluster.delta_queue import DeltaQueue
 from pdcluster.cluster.token_deltas import is_first_token, is_progress_report, token_delta
 from pdcluster.decode_node.worker import DecodeWorker
 from pdcluster.engine.config import EngineConfig
@@ -56,7 +57,7 @@ class _Watchdog:
             self._on_expiry()
 
 
-def _put_each(items: list[tuple[asyncio.Queue, Tokens]]) -> None:
+def _put_each(items: list[tuple[DeltaQueue, Tokens]]) -> None:
     for queue, event in items:
         queue.put_nowait(event)
 
@@ -136,7 +137,7 @@ class LocalRouter:
         self.max_model_len = engine.max_model_len
         self.tokenizer = engine.tokenizer
         # request id -> (its event loop, its queue); written on the loop, read on the engine thread.
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, DeltaQueue]] = {}
         self._closed = False
         self.worker.on_event = self._on_event
 
@@ -169,7 +170,7 @@ class LocalRouter:
         return len(self._streams)
 
     @staticmethod
-    def _deliver(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, event: dict) -> None:
+    def _deliver(loop: asyncio.AbstractEventLoop, queue: DeltaQueue, event: dict) -> None:
         LocalRouter._call_on(loop, queue.put_nowait, event)
 
     @staticmethod
@@ -198,7 +199,7 @@ class LocalRouter:
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[TokenDelta]:
         self._admit(request_id, prompt_token_ids, params)
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = DeltaQueue()
         loop = asyncio.get_running_loop()
         self._streams[request_id] = (loop, queue)
         watchdog = _Watchdog(loop, self.request_timeout_s, lambda: queue.put_nowait(_TimedOut()),
@@ -233,7 +234,7 @@ class LocalRouter:
                 delta = token_delta(event, num_prompt_tokens=num_prompt, num_output_tokens=event.num_output_tokens,
                                     num_cached_tokens=event.num_cached_tokens, first=first,
                                     prompt_logprobs=params.prompt_logprobs is not None,
-                                    ttft_breakdown={"queue": event.queue_s, "prefill": event.prefill_s},
+                                    ttft_breakdown={"queue": event.queue_s, "prefill": event.prefill_s} if first else None,
                                     num_offloaded_tokens=event.num_offloaded_tokens)
                 seen_first_token = seen_first_token or first
                 done = delta.finished

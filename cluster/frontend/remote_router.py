@@ -21,6 +21,7 @@ import zmq
 import zmq.asyncio
 
 from pdcluster.cluster.api.router_contract import RouterError, TokenDelta
+from pdcluster.cluster.delta_queue import DeltaQueue
 from pdcluster.cluster.frontend.protocol import (FRONTEND_CODEC, MAX_FRONTEND_BYTES, SILENCE_LIMIT_S, Abort,
                                                  AdminCall, AdminReply, Deltas, Generate, Hello, Refused, Stats,
                                                  Welcome, from_delta, sampling_map)
@@ -65,7 +66,7 @@ class RemoteRouter:
         self._sock: zmq.asyncio.Socket | None = None
         self._pull: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task] = []
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._queues: dict[str, DeltaQueue] = {}
         self._admin_calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._stats: dict = {"healthy": False, "error": "no word from the router process yet"}
@@ -80,7 +81,7 @@ class RemoteRouter:
             raise RouterError(f"the router process has not answered for over {self.silence_limit_s:g} s", 503)
         if request_id in self._queues:
             raise RouterError(f"request id {request_id!r} is already in use", 400, "invalid_request_error")
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = DeltaQueue()
         self._queues[request_id] = queue
         self._send(Generate(request_id, list(prompt_token_ids), sampling_map(params)))
         finished = False

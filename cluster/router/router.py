@@ -19,6 +19,7 @@ from dataclasses import replace
 from typing import AsyncIterator
 
 from pdcluster.cluster.api.router_contract import RouterError, TokenDelta
+from pdcluster.cluster.delta_queue import DeltaQueue
 from pdcluster.cluster.router.config import RouterConfig
 from pdcluster.cluster.router.events import EventReceiver
 from pdcluster.cluster.router.health import HealthMonitor
@@ -276,40 +277,35 @@ class ClusterRouter:
                               f"holds {pool_tokens}", status=400, kind="invalid_request_error")
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
-        self.start(asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        self.start(loop)
         self._check(request_id, prompt_token_ids)
         if params.seed is None:
             # Prefill and decode must draw from the same per-position streams.
             params = replace(params, seed=self._rng.randrange(1 << 31))
-        r = RequestState(request_id, list(prompt_token_ids), params, asyncio.Queue())
-        inner = self._stream(r, prompt_token_ids, params)
+        r = RequestState(request_id, list(prompt_token_ids), params, DeltaQueue())
+        timer = None
         try:
-            async for delta in inner:
-                yield delta
-        finally:
-            await inner.aclose()  # now, not at garbage collection: its finally aborts a disconnected request
-            group = params.fork_group
-            if group is not None and not any(o.params.fork_group == group for o in self.streams.requests.values()):
-                self.submitter.group_pairs.pop(group, None)  # the group's last request ended
-
-    async def _stream(self, r: RequestState, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
-        await self.submitter.place(r, list(prompt_token_ids), params)
-        # One timer for the request's deadline, not a timeout around each token's wait (asyncio.wait_for
-        # makes a task, a future and a timer a call): at the deadline it ends the request, and the final
-        # delta arrives on the queue like any other.
-        timer = asyncio.get_running_loop().call_later(
-            max(r.t_arrival + self.config.request_timeout_s - time.monotonic(), 0.0), self._time_out, r)
-        try:
-            while True:
+            await self.submitter.place(r, list(prompt_token_ids), params)
+            # One timer for the request's deadline, not a timeout around each token's wait (asyncio.wait_for
+            # makes a task, a future and a timer a call): at the deadline it ends the request, and the final
+            # delta arrives on the queue like any other.
+            timer = loop.call_later(max(r.t_arrival + self.config.request_timeout_s - time.monotonic(), 0.0),
+                                    self._time_out, r)
+            while True:  # one generator between the queue and the consumer: every token passes here
                 delta = await r.queue.get()
                 yield delta
                 if delta.finished:
                     return
         finally:
-            timer.cancel()
-            if not r.finished:  # the consumer went away (client disconnect)
-                self._abort_attempt(r)
-                self.streams.fail(r, "", reason="abort")
+            if timer is not None:
+                timer.cancel()
+                if not r.finished:  # placed, and the consumer went away (client disconnect)
+                    self._abort_attempt(r)
+                    self.streams.fail(r, "", reason="abort")
+            group = params.fork_group
+            if group is not None and not any(o.params.fork_group == group for o in self.streams.requests.values()):
+                self.submitter.group_pairs.pop(group, None)  # the group's last request ended
 
     def _time_out(self, r: RequestState) -> None:
         if not r.finished:

@@ -60,7 +60,7 @@ class RequestState:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    queue: asyncio.Queue
+    queue: asyncio.Queue  # (cluster/delta_queue.py's DeltaQueue: the same put_nowait / get / empty)
     emitted: list[int] = field(default_factory=list)  # tokens already streamed to the client
     attempt: Attempt | None = None  # the placement that streams now (None while placing)
     num_submits: int = 0  # placements asked for, full answers included (numbers the worker-side ids)

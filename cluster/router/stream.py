@@ -108,7 +108,7 @@ class RequestStreams:
         with_prompt_logprobs = r.params.prompt_logprobs is not None and not r.prompt_logprobs_sent
         delta = token_delta(ev, num_prompt_tokens=r.num_prompt_tokens, num_output_tokens=len(r.emitted),
                             num_cached_tokens=r.num_cached_tokens, first=first, prompt_logprobs=with_prompt_logprobs,
-                            ttft_breakdown={"queue": a.t_submit - r.t_arrival, "prefill": now - a.t_submit},
+                            ttft_breakdown={"queue": a.t_submit - r.t_arrival, "prefill": now - a.t_submit} if first else None,
                             num_offloaded_tokens=r.num_offloaded_tokens)
         if first and with_prompt_logprobs:
             r.prompt_logprobs_sent = True
