@@ -280,6 +280,9 @@ def test_a_silent_router_process_ends_open_streams(local_router, socket_dir):
             with pytest.raises(RouterError) as err:
                 await _tokens(remote.generate("refused", PROMPT, GREEDY))
             assert err.value.status == 503
+            with pytest.raises(RouterError, match="not answered") as err:  # /admin/* answers 503 too
+                await remote.admin("GET", "/admin/workers", [], b"")
+            assert err.value.status == 503
         finally:
             remote.close()
             await local_router.abort("orphan")

@@ -6,6 +6,9 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from pdcluster.cluster.api.middleware import error_response
+from pdcluster.cluster.api.router_contract import RouterError
+
 # What the admin routes read of a request: the admin key and the body's type.
 FORWARDED_HEADERS = ("authorization", "content-type")
 
@@ -17,6 +20,9 @@ def install_admin_proxy(app: FastAPI, router) -> None:
     async def admin(path: str, request: Request):
         target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         headers = [(k, v) for k, v in request.headers.items() if k in FORWARDED_HEADERS]
-        reply = await router.admin(request.method, target, headers, await request.body())
+        try:
+            reply = await router.admin(request.method, target, headers, await request.body())
+        except RouterError as e:
+            return error_response(e.status, str(e), kind=e.kind)
         return Response(reply.body, status_code=reply.status,
                         headers=dict(zip(reply.header_names, reply.header_values)))

@@ -124,8 +124,11 @@ class RemoteRouter:
 
     # ---- the rest -----------------------------------------------------------------------------------
     async def admin(self, method: str, path: str, headers: list[tuple[str, str]], body: bytes) -> AdminReply:
-        """An /admin/* request, answered by the router process's admin routes."""
+        """An /admin/* request, answered by the router process's admin routes. RouterError (503) when
+        that process is silent, or falls silent before it answers."""
         self._start()
+        if self._silent:
+            raise RouterError(f"the router process has not answered for over {self.silence_limit_s:g} s", 503)
         call_id = next(self._call_ids)
         future = asyncio.get_running_loop().create_future()
         self._admin_calls[call_id] = future

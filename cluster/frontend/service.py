@@ -29,9 +29,9 @@ from pdcluster.wire.records import ProtocolError
 
 log = logging.getLogger(__name__)
 
-# An admin call answers within this (a drain waits for its workers up to the timeout it was given, at
-# most /admin's own limit: cluster/api/admin.py).
-ADMIN_CALL_TIMEOUT_S = 3600.0
+# The longest an admin call may take: a drain waits for its workers up to the timeout it was given, at
+# most a day (cluster/api/admin.py DrainRequest.timeout_s).
+ADMIN_CALL_TIMEOUT_S = 24 * 3600 + 60
 # After an Abort, how long the router has to end the request's stream itself before the service closes it.
 ABORT_GRACE_S = 1.0
 
@@ -275,6 +275,8 @@ class RouterService:
             return
         try:
             push.send(FRONTEND_CODEC.encode(msg), zmq.NOBLOCK)
+        except ProtocolError:  # values the workers' events carried through the same checks: a bug here
+            log.exception("cannot encode %s for API process %r", type(msg).__name__, identity)
         except zmq.ZMQError as e:  # not with SNDHWM 0; a dead process is the supervisor's to handle
             log.warning("cannot send %s to API process %r: %s", type(msg).__name__, identity, e)
 
