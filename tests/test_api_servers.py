@@ -134,7 +134,9 @@ def test_refusals_are_router_errors_with_their_status(local_router, socket_dir):
             for prompt, params, message in (
                     (too_long, GREEDY, "exceeds max_model_len"), ([], GREEDY, "prompt is empty"),
                     ([1, 10**6], GREEDY, "outside the vocabulary"),
-                    (PROMPT, SamplingParams(max_tokens=4, logit_bias=[[10**6, 1.0]]), "logit_bias token id")):
+                    (PROMPT, SamplingParams(max_tokens=4, logit_bias=[[10**6, 1.0]]), "logit_bias token id"),
+                    (PROMPT, SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[10**6]),
+                     "stop_token_ids token id")):
                 with pytest.raises(RouterError, match=message) as err:
                     await _tokens(a.generate("bad", prompt, params))
                 assert err.value.status == 400

@@ -174,15 +174,14 @@ class RouterService:
         vocab_size, max_model_len = self.router.tokenizer.vocab_size, self.router.max_model_len
         if not prompt:
             raise ValueError("the prompt is empty")
-        bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
+        for what, ids in (("prompt", prompt), ("stop_token_ids", params.stop_token_ids),
+                          ("logit_bias", [t for t, _ in params.logit_bias])):
+            bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"{what} token id {int(bad)} is outside the vocabulary (0..{vocab_size - 1})")
         if len(prompt) + params.max_tokens > max_model_len:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                              f"max_model_len {max_model_len}")
-        bad = next((t for t, _ in params.logit_bias if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"logit_bias token id {int(bad)} is outside the vocabulary (0..{vocab_size - 1})")
 
     async def _forward(self, identity: bytes, rid: str, prompt: list[int], params: SamplingParams) -> None:
         stream = self.router.generate(rid, prompt, params)
