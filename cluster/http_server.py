@@ -57,17 +57,22 @@ def run_server(app, host: str, port: int, model_name: str, sock: socket.socket |
                 on_ready(asyncio.get_running_loop())
         await task
 
-    freeze_startup_objects()
     try:
-        if _has("uvloop"):
-            import uvloop
-
-            uvloop.run(serve())
-        else:  # a platform without uvloop (Windows): the standard loop
-            asyncio.run(serve())
+        run_serving_loop(serve())
     finally:
         sock.close()
     return 0 if server.started else 1
+
+
+def run_serving_loop(main):
+    """Run the coroutine ``main`` as a serving process's event loop (uvloop where installed; Windows has
+    none) after ``freeze_startup_objects``; its result."""
+    freeze_startup_objects()
+    if _has("uvloop"):
+        import uvloop
+
+        return uvloop.run(main)
+    return asyncio.run(main)
 
 
 def freeze_startup_objects() -> None:

@@ -374,5 +374,4 @@ def run_cluster(args) -> int:
     finally:
         if servers is not None:
             servers.close()
-            servers.sock.close()
         cluster.shutdown()

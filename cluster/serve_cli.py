@@ -185,7 +185,6 @@ def _serve_local(args: argparse.Namespace) -> int:
                                    max_body_bytes=args.max_body_bytes, tool_call_parser=args.tool_call_parser)
             finally:
                 servers.close()
-                sock.close()
         app = build_app(router, args.served_model_name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                         metrics=Metrics(args.served_model_name), tool_call_parser=args.tool_call_parser)
         return run_server(app, args.host, args.port, args.served_model_name, sock=sock)

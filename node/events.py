@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Union
 
 from pdcluster.wire.logprobs import TokenLogprobs
-from pdcluster.wire.records import Codec, Record, _require, assemble
+from pdcluster.wire.records import Codec, Record, _require, assemble, require_token_columns
 
 EVENTS_VERSION = 2  # 2: StepTokens
 ADMITTED, FULL, INVALID, UNREACHABLE = "admitted", "full", "invalid", "unreachable"
@@ -92,16 +92,7 @@ class StepTokens(Record):
     num_offloaded_tokens: list[int]
 
     def _check_values(self, path: str) -> None:
-        num_rows = len(self.request_ids)
-        for name in _STEP_COUNT_COLUMNS:
-            column = getattr(self, name)
-            _require(len(column) == num_rows, f"{path}.{name}", f"expected {num_rows} values (one a request)",
-                     f"{len(column)} values")
-        _require(min(self.num_new_tokens, default=0) >= 0, f"{path}.num_new_tokens", "expected counts >= 0",
-                 self.num_new_tokens)
-        _require(sum(self.num_new_tokens) == len(self.new_token_ids), f"{path}.new_token_ids",
-                 f"expected {sum(self.num_new_tokens)} tokens (the sum of num_new_tokens)",
-                 f"{len(self.new_token_ids)} tokens")
+        require_token_columns(self, path, len(self.request_ids), _STEP_COUNT_COLUMNS)
 
     def rows(self) -> list[Tokens]:
         """Each row as the ``Tokens`` event it stands for (built from this checked record's values)."""

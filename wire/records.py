@@ -320,6 +320,21 @@ def _require(ok: bool, path: str, what: str, value: Any) -> None:
         raise ProtocolError(f"{path}: {what}, got {_short(value)}")
 
 
+def require_token_columns(record: Any, path: str, num_rows: int, count_columns: Iterable[str]) -> None:
+    """The rules of a columnar record of token rows (node/events.py StepTokens, cluster/frontend/
+    protocol.py Deltas): every column in ``count_columns`` has one value a row, ``num_new_tokens`` are
+    counts >= 0, and ``new_token_ids`` holds exactly their sum."""
+    for name in count_columns:
+        column = getattr(record, name)
+        _require(len(column) == num_rows, f"{path}.{name}", f"expected {num_rows} values (one a row)",
+                 f"{len(column)} values")
+    _require(min(record.num_new_tokens, default=0) >= 0, f"{path}.num_new_tokens", "expected counts >= 0",
+             record.num_new_tokens)
+    _require(sum(record.num_new_tokens) == len(record.new_token_ids), f"{path}.new_token_ids",
+             f"expected {sum(record.num_new_tokens)} tokens (the sum of num_new_tokens)",
+             f"{len(record.new_token_ids)} tokens")
+
+
 # --- codec -------------------------------------------------------------------------------------------
 
 

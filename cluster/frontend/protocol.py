@@ -26,7 +26,7 @@ from typing import Any
 
 from pdcluster.cluster.api.router_contract import TokenDelta
 from pdcluster.wire.logprobs import TokenLogprobs
-from pdcluster.wire.records import Codec, Record, _require
+from pdcluster.wire.records import Codec, Record, require_token_columns
 
 FRONTEND_VERSION = 1
 # A Generate carries a prompt (up to max_model_len ids, ~5 bytes each) and a Deltas batch a step's
@@ -104,16 +104,7 @@ class Deltas(Record):
     full: list[Delta]
 
     def _check_values(self, path: str) -> None:
-        num_rows = len(self.request_ids)
-        for name in _ROW_COUNT_COLUMNS:
-            column = getattr(self, name)
-            _require(len(column) == num_rows, f"{path}.{name}", f"expected {num_rows} values (one a row)",
-                     f"{len(column)} values")
-        _require(min(self.num_new_tokens, default=0) >= 0, f"{path}.num_new_tokens", "expected counts >= 0",
-                 self.num_new_tokens)
-        _require(sum(self.num_new_tokens) == len(self.new_token_ids), f"{path}.new_token_ids",
-                 f"expected {sum(self.num_new_tokens)} tokens (the sum of num_new_tokens)",
-                 f"{len(self.new_token_ids)} tokens")
+        require_token_columns(self, path, len(self.request_ids), _ROW_COUNT_COLUMNS)
 
 
 def is_plain(delta: TokenDelta) -> bool:

@@ -23,7 +23,7 @@ import tempfile
 from pdcluster.cluster.frontend.api_process import ApiConfig, main as api_process_main, router_endpoint
 from pdcluster.cluster.frontend.protocol import AdminCall, AdminReply
 from pdcluster.cluster.frontend.service import RouterService
-from pdcluster.cluster.http_server import announce_serving, freeze_startup_objects
+from pdcluster.cluster.http_server import announce_serving, run_serving_loop
 from pdcluster.cluster.metrics import enable_multiprocess
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ WATCH_INTERVAL_S = 0.2
 
 class ApiServers:
     """Make this before the process's Metrics (``metrics_dir`` must be set when they are created), then
-    ``run`` it; ``close`` removes its directory."""
+    ``run`` it; it owns ``sock`` from then on (as run_server does), and ``close`` closes it."""
 
     def __init__(self, num_processes: int, sock: socket.socket, host: str):
         if num_processes < 2:
@@ -55,12 +55,7 @@ class ApiServers:
         /admin/* routes answer the API processes' admin calls. ``on_ready(loop)``: as run_server's."""
         config = ApiConfig(self.dir, self.metrics_dir, self.host, self.port, served_model_name, api_key,
                            max_body_bytes, tool_call_parser)
-        try:
-            import uvloop
-
-            return uvloop.run(self._serve(router, config, admin_app, on_ready))
-        except ImportError:  # a platform without uvloop
-            return asyncio.run(self._serve(router, config, admin_app, on_ready))
+        return run_serving_loop(self._serve(router, config, admin_app, on_ready))
 
     async def _serve(self, router, config: ApiConfig, admin_app, on_ready) -> int:
         loop = asyncio.get_running_loop()
@@ -75,7 +70,6 @@ class ApiServers:
                 if len(ready) == self.num_processes:
                     announce_serving(config.served_model_name, self.host, self.port)
 
-        freeze_startup_objects()
         admin = _asgi_admin(admin_app) if admin_app is not None else None
         service = RouterService(router, self.endpoint, str(router.tokenizer.model_dir), admin=admin, on_hello=on_hello)
         serving = loop.create_task(service.run())
@@ -119,7 +113,9 @@ class ApiServers:
                 proc.join(STOP_GRACE_S)
 
     def close(self) -> None:
+        """Stop the processes, close the listening socket (it was handed over), remove the directory."""
         self._stop_processes()
+        self.sock.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
