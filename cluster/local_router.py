@@ -12,9 +12,10 @@ which frees its blocks exactly once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import replace
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from pdcluster.cluster.api.router_contract import RouterError, TokenDelta
 from pdcluster.cluster.delta_queue import DeltaQueue
@@ -246,6 +247,14 @@ class LocalRouter:
             self._streams.pop(request_id, None)
             if not done:
                 self.worker.abort(request_id)  # idempotent; frees the blocks on the engine thread
+
+    async def deliver(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      on_delta: Callable[[TokenDelta], None]) -> None:
+        """The contract's push form, over generate: here the consumer's side makes the deltas (events
+        from the engine thread reach the loop as they are)."""
+        async with contextlib.aclosing(self.generate(request_id, prompt_token_ids, params)) as stream:
+            async for delta in stream:
+                on_delta(delta)
 
     async def abort(self, request_id: str) -> None:
         stream = self._streams.get(request_id)

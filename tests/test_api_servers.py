@@ -185,10 +185,10 @@ class _DeafRouter:
         self.tokenizer = tokenizer
         self.closed: list[str] = []
 
-    async def generate(self, request_id, prompt_token_ids, params):
+    async def deliver(self, request_id, prompt_token_ids, params, on_delta):
         try:
             await asyncio.sleep(3600)
-            yield TokenDelta([])
+            on_delta(TokenDelta([]))
         finally:
             self.closed.append(request_id)
 

@@ -169,16 +169,17 @@ def test_cluster_router_takes_prompt_logprobs_from_the_first_token_not_a_chunk_r
 
     streams = RequestStreams({"num_draft_tokens": 0, "num_accepted_tokens": 0}, lambda: None, lambda a: None)
     prompt = list(range(100, 100 + CHUNK + 1))
-    r = RequestState("r", prompt, SamplingParams(max_tokens=4, prompt_logprobs=1), asyncio.Queue())
+    delivered = []
+    r = RequestState("r", prompt, SamplingParams(max_tokens=4, prompt_logprobs=1), delivered.append)
     a = Attempt("r", 0, "d0", None, len(prompt), admitted=None)
     streams.admitted(r, a)
     records = [TokenLogprobs(t, -1.0, 1, [t], [-1.0]) for t in prompt[1:]]
     streams.on_tokens(r, a, Tokens(request_id=a.wid, worker_id="d0", new_token_ids=[], num_computed_tokens=CHUNK,
                                    num_output_tokens=0))
-    assert r.queue.empty() and not r.prompt_logprobs_sent and not a.t_first_token
+    assert not delivered and not r.prompt_logprobs_sent and not a.t_first_token
     streams.on_tokens(r, a, Tokens(request_id=a.wid, worker_id="d0", new_token_ids=[7],
                                    num_computed_tokens=len(prompt), num_output_tokens=1, prompt_logprobs=records))
-    delta = r.queue.get_nowait()
+    [delta] = delivered
     assert delta.new_token_ids == [7] and delta.prompt_logprobs == records and "prefill" in delta.ttft_breakdown
     assert r.prompt_logprobs_sent and a.t_first_token
 

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Protocol
+from typing import AsyncIterator, Callable, Protocol
 
 from pdcluster.wire.logprobs import TokenLogprobs
 from pdcluster.engine.sampling_params import SamplingParams
@@ -61,6 +61,14 @@ class Router(Protocol):
         router checks only what it alone knows (request ids in use, whether a worker's KV pool can
         ever hold the prompt). It streams token ids only: text and ``params.stop`` are the API's,
         which ends the stream and calls ``abort`` once the text reaches a stop string."""
+        ...
+
+    async def deliver(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      on_delta: Callable[[TokenDelta], None]) -> None:
+        """``generate`` in push form: ``on_delta`` gets each delta on the loop, the final one last, and
+        this returns once the final one was given (RouterError, before any delta, as generate). Cancelling
+        it aborts the request, and no delta comes after. For a consumer that only forwards deltas (the
+        router process behind API processes, cluster/frontend/service.py): no queue between."""
         ...
 
     async def abort(self, request_id: str) -> None:

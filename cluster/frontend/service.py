@@ -13,7 +13,6 @@ is not thread-safe, and needs none.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import Awaitable, Callable
 
@@ -184,36 +183,33 @@ class RouterService:
                              f"max_model_len {max_model_len}")
 
     async def _forward(self, identity: bytes, rid: str, prompt: list[int], params: SamplingParams) -> None:
-        stream = self.router.generate(rid, prompt, params)
-        finished = False
+        sent = {"any": False, "finished": False}
+
+        def on_delta(delta: TokenDelta) -> None:  # called by the router as it makes each delta
+            self._queue(identity, rid, delta, first=not sent["any"])
+            sent["any"] = True
+            sent["finished"] = delta.finished
+
         try:
-            try:
-                first = await stream.__anext__()
-            except RouterError as e:
-                self._send(identity, Refused(rid, str(e), e.status, e.kind))
-                return
-            except StopAsyncIteration:
+            await self.router.deliver(rid, prompt, params, on_delta)
+            if not sent["any"]:
                 self._send(identity, Refused(rid, "the router ended the request before admitting it", 503,
                                              "server_error"))
-                return
-            self._queue(identity, rid, first, first=True)
-            finished = first.finished
-            while not finished:
-                delta = await stream.__anext__()
-                self._queue(identity, rid, delta)
-                finished = delta.finished
-        except StopAsyncIteration:
-            self._queue_error(identity, rid, "the router ended the request without a final status")
+            elif not sent["finished"]:
+                self._queue_error(identity, rid, "the router ended the request without a final status")
+        except RouterError as e:
+            if sent["any"]:  # not the contract (refusals come before any delta), but the process must hear the end
+                self._queue_error(identity, rid, f"router refused the request after streaming it: {e}")
+            else:
+                self._send(identity, Refused(rid, str(e), e.status, e.kind))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - the process still gets its request's end
             log.exception("request %s failed in the router", rid)
-            self._queue_error(identity, rid, f"router failed: {e!r}")
+            if not sent["finished"]:
+                self._queue_error(identity, rid, f"router failed: {e!r}")
         finally:
             self._streams.pop(rid, None)
-            if not finished:  # cancelled (shutdown) or failed: the router must free it
-                with contextlib.suppress(Exception):
-                    await stream.aclose()
 
     async def _abort(self, identity: bytes, rid: str, task: asyncio.Task) -> None:
         """Abort in the router, whose final delta then ends the stream; a router that lets the request go

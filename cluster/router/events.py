@@ -1,6 +1,12 @@
-"""The worker -> router event stream: a zmq PULL socket read by one thread, each message decoded into
-a typed event (node/events.py) and handed to the asyncio loop. A malformed message is dropped and
-logged; the thread lives on."""
+"""The worker -> router event stream: a zmq PULL socket read on the router's asyncio loop, each message
+decoded into a typed event (node/events.py) and handed to the router. A malformed message is dropped and
+logged; the receiver lives on.
+
+Read on the loop, not by a thread of its own: the loop is where every event ends up, and a second Python
+thread in this process made the two pass the GIL back and forth (each of the loop's socket sends to the
+API processes waited ~0.5 ms on average for the reader thread to give it back, cProfile at 128 streams;
+bench/results/served_events_on_loop_s40.json), besides a self-pipe write a burst to wake the loop.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +22,10 @@ from pdcluster.node.events import EVENT_CODEC, MAX_EVENT_BYTES, Event
 
 log = logging.getLogger(__name__)
 
+# Messages read in one turn of the loop before others get theirs (the rest: next turn). A decode step of a
+# big batch is one StepTokens plus a Tokens per finished or logprobs row.
+MAX_BURST = 1024
+
 
 class EventReceiver:
     def __init__(self, host: str, on_event: Callable[[Event], None]):
@@ -25,36 +35,46 @@ class EventReceiver:
         self._pull.setsockopt(zmq.LINGER, 0)
         port = self._pull.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="router-events", daemon=True)
+        self._fd = self._pull.getsockopt(zmq.FD)
+        # The socket is read by whichever loop is bound; the lock covers the moment a router moves from a
+        # loop that still runs to another (bind), so two threads never read it at once.
+        self._lock = threading.Lock()
+        self._closed = False
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Deliver events on ``loop`` from now on (starts the thread the first time). A router may be
-        rebound to a new loop after the old one closed (each ``asyncio.run`` is a new loop): events that
-        arrive between the two are dropped, and the thread keeps reading."""
-        self._loop = loop
-        if not self._thread.is_alive() and not self._stop.is_set():
-            if self._thread.ident is not None:  # it ran and died: a Thread starts only once
-                self._thread = threading.Thread(target=self._run, name="router-events", daemon=True)
-            self._thread.start()
+        """Deliver events on ``loop`` from now on (call it on that loop's thread). A router may be rebound
+        to a new loop after the old one closed (each ``asyncio.run`` is a new loop): events that arrived in
+        between are delivered on the new one."""
+        with self._lock:
+            old, self._loop = self._loop, loop
+        if old is loop or self._closed:
+            return
+        if old is not None and not old.is_closed():
+            old.call_soon_threadsafe(old.remove_reader, self._fd)
+        loop.add_reader(self._fd, self._drain)
+        loop.call_soon(self._drain)  # the FD signals edges: messages already queued raised theirs before
 
     def close(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():  # never started (no request came): nothing to join
-            self._thread.join(2.0)
+        with self._lock:
+            self._closed = True
+            loop, self._loop = self._loop, None
+        if loop is not None and not loop.is_closed():
+            try:
+                if loop.is_running():
+                    loop.call_soon_threadsafe(loop.remove_reader, self._fd)
+                else:
+                    loop.remove_reader(self._fd)
+            except RuntimeError:  # closed meanwhile: its readers went with it
+                pass
         self._pull.close(0)
 
-    def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._pull, zmq.POLLIN)
-        while not self._stop.is_set():
-            if not poller.poll(100):
-                continue
-            # A bounded burst (then check for stop again), handed to the loop in one callback: a decode
-            # step of a big batch sends an event per request, and each wake-up of the loop costs a
-            # write to its self-pipe.
-            events: list[Event] = []
-            for _ in range(1024):
+    def _drain(self) -> None:
+        """On the bound loop: read what is queued (a bounded burst), then hand it over in arrival order."""
+        events: list[Event] = []
+        with self._lock:
+            if self._closed or self._loop is not asyncio.get_running_loop():
+                return  # a loop this receiver left: its reader is being removed
+            for _ in range(MAX_BURST):
                 try:
                     data = self._pull.recv(zmq.NOBLOCK)
                 except zmq.Again:
@@ -63,18 +83,13 @@ class EventReceiver:
                     events.append(EVENT_CODEC.decode(data, MAX_EVENT_BYTES))
                 except ProtocolError as e:
                     log.warning("dropping malformed worker event (%d bytes): %s", len(data), e)
-            if not events:
-                continue
-            loop = self._loop
-            try:
-                loop.call_soon_threadsafe(self._deliver, events)
-            except RuntimeError:  # that loop closed; a later bind() brings a new one
-                log.debug("dropping %d worker events: the router's event loop is closed", len(events))
-
-    def _deliver(self, events: list[Event]) -> None:
-        """On the loop: each event in arrival order; one that fails is logged and the rest still go."""
+            else:
+                self._loop.call_soon(self._drain)  # more may wait: after the others' turn
+            # Reading EVENTS resets the FD's edge; a message that came after our last recv raises a new one.
+            if self._pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                self._loop.call_soon(self._drain)
         for event in events:
             try:
                 self._on_event(event)
-            except Exception:  # noqa: BLE001 - as the loop's handler did for a callback per event
+            except Exception:  # noqa: BLE001 - one failing event must not cost the others
                 log.exception("router failed on a worker event %s", type(event).__name__)

@@ -12,11 +12,12 @@ greedy sampling it equals an uninterrupted run). Each placement has its own work
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
 from dataclasses import replace
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from pdcluster.cluster.api.router_contract import RouterError, TokenDelta
 from pdcluster.cluster.delta_queue import DeltaQueue
@@ -277,26 +278,56 @@ class ClusterRouter:
                               f"holds {pool_tokens}", status=400, kind="invalid_request_error")
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
+        queue = DeltaQueue()
+        async with self._placed(request_id, prompt_token_ids, params, queue.put_nowait):
+            while True:  # one generator between the queue and the consumer: every token passes here
+                delta = await queue.get()
+                yield delta
+                if delta.finished:
+                    return
+
+    async def deliver(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      on_delta: Callable[[TokenDelta], None]) -> None:
+        """The contract's push form (router_contract.py): ``on_delta`` is called from the event handler
+        that made each delta, with no queue or task wake-up between (a router process behind API
+        processes streams every token of every request through here)."""
+        done = asyncio.get_running_loop().create_future()
+
+        def put(delta: TokenDelta) -> None:
+            if done.done():  # cancelled: the caller ends the stream itself
+                return
+            try:
+                on_delta(delta)
+            except Exception as e:  # noqa: BLE001 - raised from deliver(); the other rows of this event go on
+                done.set_exception(e)
+                return
+            if delta.finished:
+                done.set_result(None)
+
+        async with self._placed(request_id, prompt_token_ids, params, put):
+            await done
+
+    @contextlib.asynccontextmanager
+    async def _placed(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      deliver: Callable[[TokenDelta], None]):
+        """Place the request (RouterError if it cannot be), its deltas going to ``deliver``; leaving the
+        block before its final delta (client disconnect, cancellation) aborts it."""
         loop = asyncio.get_running_loop()
         self.start(loop)
         self._check(request_id, prompt_token_ids)
         if params.seed is None:
             # Prefill and decode must draw from the same per-position streams.
             params = replace(params, seed=self._rng.randrange(1 << 31))
-        r = RequestState(request_id, list(prompt_token_ids), params, DeltaQueue())
+        r = RequestState(request_id, list(prompt_token_ids), params, deliver)
         timer = None
         try:
             await self.submitter.place(r, list(prompt_token_ids), params)
             # One timer for the request's deadline, not a timeout around each token's wait (asyncio.wait_for
             # makes a task, a future and a timer a call): at the deadline it ends the request, and the final
-            # delta arrives on the queue like any other.
+            # delta arrives like any other.
             timer = loop.call_later(max(r.t_arrival + self.config.request_timeout_s - time.monotonic(), 0.0),
                                     self._time_out, r)
-            while True:  # one generator between the queue and the consumer: every token passes here
-                delta = await r.queue.get()
-                yield delta
-                if delta.finished:
-                    return
+            yield r
         finally:
             if timer is not None:
                 timer.cancel()

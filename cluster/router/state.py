@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
+from pdcluster.cluster.api.router_contract import TokenDelta
 from pdcluster.engine.sampling_params import SamplingParams
 
 
@@ -60,7 +62,9 @@ class RequestState:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    queue: asyncio.Queue  # (cluster/delta_queue.py's DeltaQueue: the same put_nowait / get / empty)
+    # Where the request's deltas go, the final one last, on the loop: the generate() consumer's queue, or
+    # (ClusterRouter.deliver) a callback such as the frontend service's outbox.
+    deliver: Callable[[TokenDelta], None]
     emitted: list[int] = field(default_factory=list)  # tokens already streamed to the client
     attempt: Attempt | None = None  # the placement that streams now (None while placing)
     num_submits: int = 0  # placements asked for, full answers included (numbers the worker-side ids)

@@ -121,7 +121,7 @@ class RequestStreams:
             self.counters["num_accepted_tokens"] += delta.num_accepted_tokens
             self.finish(r, delta)
         elif new:
-            r.queue.put_nowait(delta)
+            r.deliver(delta)
 
     # ---- the end -----------------------------------------------------------------------------------
     def finish(self, r: RequestState, delta: TokenDelta) -> None:
@@ -134,7 +134,7 @@ class RequestStreams:
         self.requests.pop(r.request_id, None)
         if r.attempt is not None:
             self.forget(r.attempt)
-        r.queue.put_nowait(delta)
+        r.deliver(delta)
 
     def fail(self, r: RequestState, error: str, reason: str = "error") -> None:
         self.finish(r, TokenDelta([], finished=True, finish_reason=reason, error=error or None,
