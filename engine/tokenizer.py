@@ -5,9 +5,23 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the printable character that stands for each byte -> the byte
+    (printable ASCII and Latin-1 bytes stand for themselves; the other 68 take the code points from 256 on)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
+_BYTE_LEVEL_DECODER = _byte_level_decoder()
+_SENTENCEPIECE_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 class ChatTemplateError(ValueError):
@@ -73,6 +87,44 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes token ``token_id`` stands for (OpenAI's logprobs ``bytes``): a byte-level BPE token
+        that is part of a multi-byte character gives its own bytes (e.g. b"\\xf0\\x9f"), where decoding it
+        alone gives U+FFFD; a SentencePiece token keeps its leading space. The tokens of a text give its
+        UTF-8 back when their bytes are joined. Tokenizers of another kind: the token decoded alone."""
+        token = self._tok.id_to_token(int(token_id))
+        if token is None:
+            return b""
+        if int(token_id) in self._added_token_ids:
+            return token.encode("utf-8")
+        kind = self._byte_alphabet
+        if kind == "byte_level":
+            try:
+                return bytes(_BYTE_LEVEL_DECODER[ch] for ch in token)
+            except KeyError:  # not a byte-level spelling after all
+                return token.encode("utf-8")
+        if kind == "sentencepiece":
+            byte = _SENTENCEPIECE_BYTE.fullmatch(token)
+            return bytes([int(byte.group(1), 16)]) if byte else token.replace("\u2581", " ").encode("utf-8")
+        return self.decode([int(token_id)], skip_special_tokens=False).encode("utf-8")
+
+    @cached_property
+    def _added_token_ids(self) -> frozenset[int]:
+        return frozenset(self._tok.get_added_tokens_decoder())
+
+    @cached_property
+    def _byte_alphabet(self) -> str:
+        """How a token's string spells its bytes, from the tokenizer's decoder: "byte_level" (GPT-2's
+        printable stand-ins for the 256 bytes), "sentencepiece" ("\u2581" for a space, <0xNN> byte tokens),
+        else "text"."""
+        decoder = json.loads(self._tok.to_str()).get("decoder") or {}
+        kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders") or [] if isinstance(d, dict)}
+        if "ByteLevel" in kinds:
+            return "byte_level"
+        if kinds & {"ByteFallback", "Metaspace"}:
+            return "sentencepiece"
+        return "text"
 
     # ---------------------------------------------------------------------------------- special ids
 

@@ -166,9 +166,31 @@ def test_chat_logprobs_layout(tok):
     assert [(t["token"], t["logprob"]) for t in first["top_logprobs"]] == [(" world", -0.25), (",", -2.0)]
     assert all(t["bytes"] == list(t["token"].encode()) for t in first["top_logprobs"])
     second = lp["content"][1]
-    assert second["bytes"] == list(second["token"].encode("utf-8", errors="replace"))
+    assert second["bytes"] == list(tok.token_bytes(e_acute[0]))
     assert [t["logprob"] for t in second["top_logprobs"]] == [-0.5, -1.0]  # exactly N, most likely first
     assert chat_logprobs(pos, 0, strings)["content"][0]["top_logprobs"] == []
+
+
+def test_chat_logprobs_bytes_are_the_tokens_own_bytes(tok):
+    """OpenAI's ``bytes``: joined over a text's tokens they give its UTF-8, also where a character spans
+    tokens. The token decoded alone shows U+FFFD there (its ``token`` string, as vLLM); vLLM's ``bytes``
+    are that U+FFFD's UTF-8, which join into something else."""
+    text = "Hi \U0001F631 w\u00f6rld \u2014 \u65e5\u672c\u8a9e"
+    ids = tok.encode(text)
+    strings = TokenStrings(tok)
+    pos = Positions(ids, [_rec(t, -1.0, [(t, -1.0)]) for t in ids], [0] * len(ids))
+    content = chat_logprobs(pos, 1, strings)["content"]
+    assert bytes(b for entry in content for b in entry["bytes"]).decode("utf-8") == text
+    assert all(entry["top_logprobs"][0]["bytes"] == entry["bytes"] for entry in content)
+    split = [entry for entry in content if "\ufffd" in entry["token"]]
+    assert split, "the text was meant to split a character across tokens"
+    assert all(entry["bytes"] != list("\ufffd".encode()) and b"\xef\xbf\xbd" not in bytes(entry["bytes"])
+               for entry in split)
+    # Every token of the vocabulary: special tokens are their text, the rest join back as above.
+    for token_id in range(tok.vocab_size):
+        raw = tok.token_bytes(token_id)
+        decoded = tok.decode([token_id], skip_special_tokens=False)
+        assert raw.decode("utf-8", errors="replace") == decoded, (token_id, raw, decoded)
 
 
 def test_aligned_text_releases_tokens_with_their_text(tok):
@@ -573,8 +595,9 @@ def test_chat_logprobs_equal_the_router_records(stack):
     content, records = r.choices[0].logprobs.content, stack.recording.records(r.id + "-0")
     assert len(content) == len(records) == 6
     assert "".join(c.token for c in content) == r.choices[0].message.content
+    assert bytes(b for c in content for b in c.bytes).decode("utf-8", errors="replace") == r.choices[0].message.content
     for c, rec in zip(content, records):
-        assert c.logprob == rec.logprob <= 0 and c.bytes == list(c.token.encode("utf-8", errors="replace"))
+        assert c.logprob == rec.logprob <= 0 and c.bytes == list(stack.router.tokenizer.token_bytes(rec.token_id))
         assert [t.logprob for t in c.top_logprobs] == rec.top_logprobs[:3] == sorted(rec.top_logprobs[:3], reverse=True)
     chunks = list(stack.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0,
                                                        logprobs=True, top_logprobs=3, stream=True))

@@ -8,8 +8,9 @@
   with exactly the N most likely tokens, most likely first.
 
 As vLLM: a token's string is the token decoded on its own (special tokens spelled out; part of a
-multi-byte character shows as U+FFFD), ``bytes`` its UTF-8, and -inf becomes -9999.0 (JSON has no
-infinity). A position without a record (the first prompt token, which has no logprob) has logprob and
+multi-byte character shows as U+FFFD), and -inf becomes -9999.0 (JSON has no infinity). As OpenAI, not
+vLLM: ``bytes`` are the token's own bytes (Tokenizer.token_bytes), so the bytes of a choice's tokens
+join into its text's UTF-8 even where a character spans tokens (vLLM gives the UTF-8 of the U+FFFD). A position without a record (the first prompt token, which has no logprob) has logprob and
 top_logprobs null.
 """
 
@@ -28,15 +29,20 @@ def _finite(logprob: float) -> float:
 
 
 class TokenStrings:
-    """A token id's string as shown in logprobs (decoded alone), cached: the same few thousand tokens
-    come back in every top-k list."""
+    """A token id's string as shown in logprobs (decoded alone) and its bytes, cached: the same few
+    thousand tokens come back in every top-k list."""
 
     def __init__(self, tokenizer):
         self._string = lru_cache(maxsize=1 << 16)(
             lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False))
+        self._bytes = lru_cache(maxsize=1 << 16)(lambda token_id: list(tokenizer.token_bytes(token_id)))
 
     def __call__(self, token_id: int) -> str:
         return self._string(int(token_id))
+
+    def bytes(self, token_id: int) -> list[int]:
+        """The token's own bytes (a fresh list: a response may be changed by its caller)."""
+        return list(self._bytes(int(token_id)))
 
 
 @dataclass
@@ -82,16 +88,16 @@ def completion_logprobs(pos: Positions, num_top: int, strings: TokenStrings) -> 
             "text_offset": list(pos.text_offsets)}
 
 
-def _chat_entry(token: str, logprob: float | None) -> dict:
-    return {"token": token, "logprob": None if logprob is None else _finite(logprob),
-            "bytes": list(token.encode("utf-8", errors="replace"))}
+def _chat_entry(token_id: int, logprob: float | None, strings: TokenStrings) -> dict:
+    return {"token": strings(token_id), "logprob": None if logprob is None else _finite(logprob),
+            "bytes": strings.bytes(token_id)}
 
 
 def chat_logprobs(pos: Positions, num_top: int, strings: TokenStrings) -> dict:
     content = []
     for token_id, record in zip(pos.token_ids, pos.records):
-        entry = _chat_entry(strings(token_id), None if record is None else record.logprob)
+        entry = _chat_entry(token_id, None if record is None else record.logprob, strings)
         entry["top_logprobs"] = [] if record is None else [
-            _chat_entry(strings(t), lp) for t, lp in zip(record.top_token_ids[:num_top], record.top_logprobs)]
+            _chat_entry(t, lp, strings) for t, lp in zip(record.top_token_ids[:num_top], record.top_logprobs)]
         content.append(entry)
     return {"content": content}
