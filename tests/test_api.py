@@ -537,6 +537,8 @@ def test_api_key(stack):
     with pytest.raises(openai.AuthenticationError):
         wrong.completions.create(model=MODEL, prompt="hi", max_tokens=2)
     assert anon.get("/health").status_code == 200 and anon.get("/metrics").status_code == 200
+    assert anon.get("/ping").status_code == 200 and anon.get("/version").status_code == 200
+    assert anon.get(f"/v1/models/{MODEL}").status_code == 401
     assert stack.client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].text is not None
 
 
@@ -560,6 +562,14 @@ def test_models_and_health(stack):
     assert r.status_code == 200
     body = r.json()
     assert body["status"] == "ok" and body["num_requests_running"] == 0 and 0 <= body["kv_cache_usage_perc"] <= 1
+    # OpenAI's retrieve, vLLM's /ping (GET and POST: /health's status) and /version.
+    model = stack.client.models.retrieve(MODEL)
+    assert model.id == MODEL and model.model_dump() == models.data[0].model_dump()
+    with pytest.raises(openai.NotFoundError, match="gpt-9"):
+        stack.client.models.retrieve("gpt-9")
+    assert stack.http.get("/ping").status_code == stack.http.post("/ping").status_code == 200
+    import importlib.metadata
+    assert stack.http.get("/version").json() == {"version": importlib.metadata.version("pdcluster")}
 
 
 def test_metrics_after_requests(stack):
@@ -627,7 +637,7 @@ def test_router_failures_are_server_errors(tiny_dir, mode):
         r = http.post("/v1/completions", json={"model": "fake", "prompt": "hi", "max_tokens": 4})
         if mode == "boom":
             assert r.status_code == 500 and "secret" not in r.text and "internal" in r.json()["error"]["message"]
-            assert http.get("/health").status_code == 503
+            assert http.get("/health").status_code == http.get("/ping").status_code == 503
             return
         assert r.status_code == 503 and "decode worker died" in r.json()["error"]["message"]
         client = openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0)

@@ -1,10 +1,11 @@
 """The app and its routes: POST /v1/completions, POST /v1/chat/completions (streaming SSE or not),
-GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET /metrics, over any router of
-router_contract.py. The pieces it composes are listed in __init__.py.
+GET /v1/models (and /v1/models/{id}), POST /tokenize, POST /detokenize, GET /health, GET|POST /ping,
+GET /version, GET /metrics, over any router of router_contract.py. The pieces it composes are listed in __init__.py.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import time
 
@@ -12,7 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pdcluster.cluster.api.logprobs import TokenStrings
-from pdcluster.cluster.api.middleware import install_error_handlers, install_middleware
+from pdcluster.cluster.api.middleware import error_response, install_error_handlers, install_middleware
 from pdcluster.cluster.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdcluster.cluster.api.serving import serve_request
 from pdcluster.cluster.api.tokenize_routes import install_tokenize_routes
@@ -21,6 +22,14 @@ from pdcluster.cluster.api.validation import prepare
 from pdcluster.cluster.metrics import Metrics
 
 log = logging.getLogger(__name__)
+
+
+def package_version() -> str:
+    """pdcluster's installed version (pyproject.toml), or "unknown" when run from a tree not installed."""
+    try:
+        return importlib.metadata.version("pdcluster")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def build_app(router, served_model_name: str, api_key: str | None = None, max_body_bytes: int = 1 << 20,
@@ -48,11 +57,20 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
         prep = await prepare(body, router, served_model_name, tool_parser)
         return await serve_request(prep, request, router, metrics, strings)
 
+    def model_card() -> dict:
+        return {"id": served_model_name, "object": "model", "created": started, "owned_by": "pdcluster",
+                "root": router.model_name, "max_model_len": router.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": started,
-                                            "owned_by": "pdcluster", "root": router.model_name,
-                                            "max_model_len": router.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")  # OpenAI's retrieve (client.models.retrieve)
+    async def model(model_id: str):
+        if model_id != served_model_name:
+            return error_response(404, f"the model {model_id!r} does not exist; this server serves "
+                                       f"{served_model_name!r}", code="model_not_found", param="model")
+        return model_card()
 
     @app.get("/health")
     async def health():
@@ -63,6 +81,14 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
         healthy = bool(stats.get("healthy", True))
         return JSONResponse({"status": "ok" if healthy else "unhealthy", **stats},
                             status_code=200 if healthy else 503)
+
+    @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's) liveness path: /health's status
+    async def ping():
+        return Response(status_code=(await health()).status_code)
+
+    @app.get("/version")
+    async def version():
+        return {"version": package_version()}
 
     @app.get("/metrics")
     async def prometheus_metrics():
