@@ -11,7 +11,7 @@ import msgpack
 import zmq
 
 from pdcluster.cluster.router import ClusterRouter, RouterConfig
-from pdcluster.cluster.router.events import EventReceiver
+from pdcluster.cluster.router.events import MAX_BURST, EventReceiver
 from pdcluster.node.event_pusher import EventPusher
 from pdcluster.node.events import EVENTS_VERSION, Failed
 
@@ -74,12 +74,13 @@ def test_malformed_events_are_dropped_and_logged(caplog):
 
 
 def test_a_burst_of_events_arrives_in_order_and_a_failing_one_does_not_stop_the_rest(caplog):
-    """A decode step of a big batch sends an event per request; the receiver hands a burst to the loop in
-    one callback (one wake-up, not one per event): every event still arrives, in the order sent, and a
-    listener that fails on one of them is logged and sees the others."""
+    """A burst of events (a decode step of a big batch with many finished or logprobs rows; workers in
+    turn) is read on the loop a bounded number per turn: every event still arrives, in the order sent, and
+    a listener that fails on one of them is logged and sees the others."""
     caplog.set_level(logging.ERROR, logger="pdcluster.cluster.router.events")
     seen = []
-    sent = [Failed(request_id=f"r#{i}", worker_id="d0", reason="x") for i in range(300)]
+    # More than one turn's reading (events.MAX_BURST): the rest must follow on later turns.
+    sent = [Failed(request_id=f"r#{i}", worker_id="d0", reason="x") for i in range(2 * MAX_BURST + 300)]
 
     def listener(event):
         if event.request_id == "r#7":

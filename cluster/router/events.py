@@ -83,9 +83,8 @@ class EventReceiver:
                     events.append(EVENT_CODEC.decode(data, MAX_EVENT_BYTES))
                 except ProtocolError as e:
                     log.warning("dropping malformed worker event (%d bytes): %s", len(data), e)
-            else:
-                self._loop.call_soon(self._drain)  # more may wait: after the others' turn
-            # Reading EVENTS resets the FD's edge; a message that came after our last recv raises a new one.
+            # zmq's FD signals edges, and only reading EVENTS re-arms it: whatever is still queued (the rest
+            # of a long burst, or what came after the last recv) is read on the next turn of the loop.
             if self._pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 self._loop.call_soon(self._drain)
         for event in events:

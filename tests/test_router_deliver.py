@@ -1,0 +1,157 @@
+"""ClusterRouter.deliver, the router contract's push form (the router process behind API processes streams
+every token through it): deltas go from the event handler straight to the caller's callback. Over the real
+event stream (zmq, the router's loop) from a scripted decode worker: no Ray, no engine."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from pdcluster.cluster.api.router_contract import RouterError, TokenDelta
+from pdcluster.cluster.router import ClusterRouter, RouterConfig
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.node.event_pusher import EventPusher
+from pdcluster.node.events import ADMITTED, Admission, StepTokens, Tokens
+
+PROMPT = [5, 6, 7]
+
+
+class _ScriptedDecode:
+    """A decode worker's actor handle as the router uses it: ``submit`` admits at once (an Admission on
+    the event stream), ``abort`` is recorded; the test sends the tokens."""
+
+    def __init__(self, event_address: str):
+        self.pusher = EventPusher(event_address)
+        self.aborted: list[str] = []
+        outer = self
+
+        class submit:  # noqa: N801 - Ray's handle.method.remote(...) shape
+            @staticmethod
+            def remote(wid, prompt, params, prefill_id):
+                async def admit():
+                    outer.pusher(Admission(wid, "d0", ADMITTED))
+                return admit()
+
+        class abort:  # noqa: N801
+            @staticmethod
+            def remote(wid):
+                outer.aborted.append(wid)
+
+        self.submit, self.abort = submit, abort
+
+    def step(self, rows: dict[str, list[int]], num_output_tokens: int) -> None:
+        """One decode step's columnar event: each request's new tokens."""
+        wids = list(rows)
+        n = len(wids)
+        self.pusher(StepTokens(worker_id="d0", request_ids=wids, num_new_tokens=[len(rows[w]) for w in wids],
+                               new_token_ids=[t for w in wids for t in rows[w]],
+                               num_computed_tokens=[len(PROMPT) + num_output_tokens] * n,
+                               num_output_tokens=[num_output_tokens] * n, num_draft_tokens=[0] * n,
+                               num_accepted_tokens=[0] * n, num_cached_tokens=[0] * n, num_offloaded_tokens=[0] * n))
+
+    def last(self, wid: str, token: int, num_output_tokens: int) -> None:
+        self.pusher(Tokens(request_id=wid, worker_id="d0", new_token_ids=[token],
+                           num_computed_tokens=len(PROMPT) + num_output_tokens, num_output_tokens=num_output_tokens,
+                           finished=True, finish_reason="length"))
+
+
+@pytest.fixture
+def cluster():
+    router = ClusterRouter({}, {}, None, "m", max_model_len=128, block_size=16,
+                           config=RouterConfig(health_interval_s=3600))  # the worker is a script, not an actor
+    worker = _ScriptedDecode(router.event_address)
+    router.decode["d0"] = worker
+    router.membership.add("d0", "decode", worker, 64, 16, incarnation="i0")
+    try:
+        yield router, worker
+    finally:
+        worker.pusher.close()
+        router.close()
+
+
+async def _until(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def test_deliver_streams_each_delta_to_the_callback_and_returns_after_the_last(cluster):
+    router, worker = cluster
+    got: list[TokenDelta] = []
+
+    async def main():
+        task = asyncio.ensure_future(router.deliver("a", PROMPT, SamplingParams(max_tokens=3), got.append))
+        await _until(lambda: "a" in router.requests and router.requests["a"].attempt is not None)
+        worker.step({"a#1": [11]}, 1)
+        worker.step({"a#1": [12]}, 2)
+        await _until(lambda: len(got) == 2)
+        assert not task.done()
+        worker.last("a#1", 13, 3)
+        await asyncio.wait_for(task, 10)
+
+    asyncio.run(main())
+    assert [d.new_token_ids for d in got] == [[11], [12], [13]]
+    assert [d.finished for d in got] == [False, False, True] and got[-1].finish_reason == "length"
+    assert got[0].ttft_breakdown and not got[1].ttft_breakdown  # the first delta carries the TTFT parts
+    assert "a" not in router.requests and not worker.aborted
+
+
+def test_a_callback_that_fails_costs_only_its_own_request(cluster):
+    """Deltas are made inside the event handler: a callback that raises must not stop the other rows of
+    the same step. Its own request ends (deliver raises it, the worker is told to abort)."""
+    router, worker = cluster
+    got_b: list[TokenDelta] = []
+
+    def broken(delta):
+        raise RuntimeError("consumer broke")
+
+    async def main():
+        a = asyncio.ensure_future(router.deliver("a", PROMPT, SamplingParams(max_tokens=2), broken))
+        b = asyncio.ensure_future(router.deliver("b", PROMPT, SamplingParams(max_tokens=2), got_b.append))
+        await _until(lambda: all(r in router.requests and router.requests[r].attempt is not None for r in "ab"))
+        worker.step({"a#1": [21], "b#1": [31]}, 1)  # a's row first: its failure must not drop b's
+        with pytest.raises(RuntimeError, match="consumer broke"):
+            await asyncio.wait_for(a, 10)
+        worker.last("b#1", 32, 2)
+        await asyncio.wait_for(b, 10)
+
+    asyncio.run(main())
+    assert [d.new_token_ids for d in got_b] == [[31], [32]] and got_b[-1].finished
+    assert worker.aborted == ["a#1"] and not router.requests
+
+
+def test_cancelled_deliver_aborts_and_calls_back_no_more(cluster):
+    """Cancelling (the frontend's abort after its grace, shutdown) ends the request on the worker; the
+    router's own final 'abort' delta does not reach the callback: the canceller ends the stream itself."""
+    router, worker = cluster
+    got: list[TokenDelta] = []
+
+    async def main():
+        task = asyncio.ensure_future(router.deliver("a", PROMPT, SamplingParams(max_tokens=8), got.append))
+        await _until(lambda: "a" in router.requests and router.requests["a"].attempt is not None)
+        worker.step({"a#1": [11]}, 1)
+        await _until(lambda: len(got) == 1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        worker.step({"a#1": [12]}, 2)  # late: the request is gone
+        await asyncio.sleep(0.2)
+
+    asyncio.run(main())
+    assert [d.new_token_ids for d in got] == [[11]] and not got[0].finished
+    assert worker.aborted == ["a#1"] and not router.requests
+
+
+def test_a_request_that_cannot_be_placed_raises_before_any_delta(cluster):
+    router, _ = cluster
+    got: list[TokenDelta] = []
+
+    async def main():
+        with pytest.raises(RouterError, match="max_model_len"):
+            await router.deliver("big", list(range(200)), SamplingParams(max_tokens=2), got.append)
+
+    asyncio.run(main())
+    assert got == []
