@@ -1,10 +1,11 @@
 """RouterService: the router (cluster/router/router.py or cluster/local_router.py) behind a zmq ROUTER
 socket, in the process that owns it, for the API processes (remote_router.py).
 
-Each Generate becomes one task that reads ``router.generate`` and queues its deltas for the process
-that asked; a process's queued deltas go out as one ``Deltas`` message once the loop has run every
-task that woke this turn, so a decode step of a big batch costs each API process one message, not one
-per request. Requests arrive on one ROUTER socket (asyncio); everything for a process goes out on a
+Each Generate becomes one task running ``router.deliver`` (the contract's push form): the router hands
+each delta, from the handler of the worker event that made it, straight to that process's outbox (no
+queue or task wake-up per token). A process's queued deltas go out as one ``Deltas`` message once the
+loop's current turn is done, so a decode step of a big batch costs each API process one message, not
+one per request. Requests arrive on one ROUTER socket (asyncio); everything for a process goes out on a
 PUSH socket to it, sent at once (no high-water mark: a send never waits). A malformed message is
 dropped and logged; the service lives on. Everything runs on the router's own event loop: the router
 is not thread-safe, and needs none.
