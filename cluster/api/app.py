@@ -82,9 +82,11 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
         return JSONResponse({"status": "ok" if healthy else "unhealthy", **stats},
                             status_code=200 if healthy else 503)
 
-    @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's) liveness path: /health's status
-    async def ping():
+    async def ping():  # vLLM's (SageMaker's) liveness path, GET or POST: /health's status, no body
         return Response(status_code=(await health()).status_code)
+
+    for method in ("GET", "POST"):  # one route a method: one OpenAPI operation id each
+        app.add_api_route("/ping", ping, methods=[method], operation_id=f"ping_{method.lower()}")
 
     @app.get("/version")
     async def version():
