@@ -78,13 +78,19 @@ async def _until(condition, timeout_s: float = 10.0) -> None:
         await asyncio.sleep(0.01)
 
 
+async def _placed(router: ClusterRouter, request_id: str, on_delta, max_tokens: int) -> asyncio.Future:
+    """``router.deliver`` running, once the decode worker admitted the request."""
+    task = asyncio.ensure_future(router.deliver(request_id, PROMPT, SamplingParams(max_tokens=max_tokens), on_delta))
+    await _until(lambda: request_id in router.requests and router.requests[request_id].attempt is not None)
+    return task
+
+
 def test_deliver_streams_each_delta_to_the_callback_and_returns_after_the_last(cluster):
     router, worker = cluster
     got: list[TokenDelta] = []
 
     async def main():
-        task = asyncio.ensure_future(router.deliver("a", PROMPT, SamplingParams(max_tokens=3), got.append))
-        await _until(lambda: "a" in router.requests and router.requests["a"].attempt is not None)
+        task = await _placed(router, "a", got.append, 3)
         worker.step({"a#1": [11]}, 1)
         worker.step({"a#1": [12]}, 2)
         await _until(lambda: len(got) == 2)
@@ -109,9 +115,8 @@ def test_a_callback_that_fails_costs_only_its_own_request(cluster):
         raise RuntimeError("consumer broke")
 
     async def main():
-        a = asyncio.ensure_future(router.deliver("a", PROMPT, SamplingParams(max_tokens=2), broken))
-        b = asyncio.ensure_future(router.deliver("b", PROMPT, SamplingParams(max_tokens=2), got_b.append))
-        await _until(lambda: all(r in router.requests and router.requests[r].attempt is not None for r in "ab"))
+        a = await _placed(router, "a", broken, 2)
+        b = await _placed(router, "b", got_b.append, 2)
         worker.step({"a#1": [21], "b#1": [31]}, 1)  # a's row first: its failure must not drop b's
         with pytest.raises(RuntimeError, match="consumer broke"):
             await asyncio.wait_for(a, 10)
@@ -130,8 +135,7 @@ def test_cancelled_deliver_aborts_and_calls_back_no_more(cluster):
     got: list[TokenDelta] = []
 
     async def main():
-        task = asyncio.ensure_future(router.deliver("a", PROMPT, SamplingParams(max_tokens=8), got.append))
-        await _until(lambda: "a" in router.requests and router.requests["a"].attempt is not None)
+        task = await _placed(router, "a", got.append, 8)
         worker.step({"a#1": [11]}, 1)
         await _until(lambda: len(got) == 1)
         task.cancel()
