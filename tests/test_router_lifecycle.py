@@ -163,3 +163,27 @@ def test_an_admission_after_the_worker_was_declared_down_is_not_taken():
     assert a.admitted.result().verdict != ADMITTED
     assert r.attempt is None and "req" not in router.streams.requests, "the late admission was taken"
     router.close()
+
+
+def test_close_from_another_thread_leaves_its_loop_running():
+    """The receiver is read on its router's loop; closed from another thread while that loop runs, the
+    loop stops watching the socket and closes it on its own thread, and goes on serving."""
+    import threading
+
+    receiver = EventReceiver("127.0.0.1", lambda event: None)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def bind():
+        receiver.bind(asyncio.get_running_loop())
+
+    try:
+        asyncio.run_coroutine_threadsafe(bind(), loop).result(5)
+        receiver.close()
+        assert asyncio.run_coroutine_threadsafe(asyncio.sleep(0.05, result="alive"), loop).result(5) == "alive"
+        assert receiver._pull.closed
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()

@@ -60,12 +60,23 @@ class EventReceiver:
             loop, self._loop = self._loop, None
         if loop is not None and not loop.is_closed():
             try:
-                if loop.is_running():
-                    loop.call_soon_threadsafe(loop.remove_reader, self._fd)
-                else:
-                    loop.remove_reader(self._fd)
-            except RuntimeError:  # closed meanwhile: its readers went with it
-                pass
+                here = asyncio.get_running_loop()
+            except RuntimeError:
+                here = None
+            if loop.is_running() and here is not loop:
+                # Another thread's loop watches the socket's FD: it stops watching, then closes it there
+                # (closing it here could leave that loop polling a closed FD).
+                try:
+                    loop.call_soon_threadsafe(self._close_on, loop)
+                    return
+                except RuntimeError:  # it closed meanwhile: its readers went with it
+                    pass
+            else:
+                loop.remove_reader(self._fd)
+        self._pull.close(0)
+
+    def _close_on(self, loop: asyncio.AbstractEventLoop) -> None:
+        loop.remove_reader(self._fd)
         self._pull.close(0)
 
     def _drain(self) -> None:
