@@ -11,6 +11,7 @@ cluster's, cluster/router/; one in-process engine's, cluster/local_router.py). O
   Detokenizer) and logprobs kept aligned (text.py), counts, metrics;
 - logprobs.py: logprobs in OpenAI's completions and chat layouts;
 - serving.py: the choices to a JSON or SSE response (usage, aborts on disconnect);
+- responses.py: OpenAI's Responses API (/v1/responses) as a chat completion, its answer and events;
 - tokenize_routes.py: /tokenize and /detokenize (not ``tokenize.py``: that would shadow the standard
   library's module wherever this folder lands on sys.path);
 - middleware.py: errors in OpenAI's format (4xx for client mistakes, generic 5xx), the body limit, the

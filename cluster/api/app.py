@@ -1,6 +1,7 @@
 """The app and its routes: POST /v1/completions, POST /v1/chat/completions (streaming SSE or not),
-GET /v1/models (and /v1/models/{id}), POST /tokenize, POST /detokenize, GET /health, GET|POST /ping,
-GET /version, GET /metrics, over any router of router_contract.py. The pieces it composes are listed in __init__.py.
+POST /v1/responses (cluster/api/responses.py), GET /v1/models (and /v1/models/{id}), POST /tokenize,
+POST /detokenize, GET /health, GET|POST /ping, GET /version, GET /metrics, over any router of
+router_contract.py. The pieces it composes are listed in __init__.py.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from pdcluster.cluster.api.logprobs import TokenStrings
 from pdcluster.cluster.api.middleware import error_response, install_error_handlers, install_middleware
 from pdcluster.cluster.api.protocol import ChatCompletionRequest, CompletionRequest
+from pdcluster.cluster.api.responses import ResponsesRequest, serve_response
 from pdcluster.cluster.api.serving import serve_request
 from pdcluster.cluster.api.tokenize_routes import install_tokenize_routes
 from pdcluster.cluster.api.tool_parsers import select_parser
@@ -56,6 +58,10 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         prep = await prepare(body, router, served_model_name, tool_parser)
         return await serve_request(prep, request, router, metrics, strings)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request):
+        return await serve_response(body, request, router, served_model_name, metrics, strings, tool_parser)
 
     def model_card() -> dict:
         return {"id": served_model_name, "object": "model", "created": started, "owned_by": "pdcluster",

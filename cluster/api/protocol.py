@@ -24,7 +24,7 @@ def short(value: Any, limit: int = 80) -> str:
 # ================================================================================== request bodies
 
 
-def _one_of(hint: str) -> WrapValidator:
+def one_of(hint: str) -> WrapValidator:
     """Replace a union's one-error-per-branch by one message that says what is accepted."""
 
     def validate(value, handler):
@@ -38,33 +38,33 @@ def _one_of(hint: str) -> WrapValidator:
 
 Prompt = Annotated[
     str | list[int] | list[str] | list[list[int]],
-    _one_of("a string, a list of token ids, or a batch: a list of strings or of token-id lists"),
+    one_of("a string, a list of token ids, or a batch: a list of strings or of token-id lists"),
 ]
-Stop = Annotated[str | list[str] | None, _one_of("a string or a list of strings")]
+Stop = Annotated[str | list[str] | None, one_of("a string or a list of strings")]
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
     # Strict: "5" is not 5, 5.0 is not an int, 1 is not true; NaN and infinities are refused.
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore", populate_by_name=True)
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool | None = False
 
 
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(StrictModel):
     name: str | None = None
     description: str | None = None
     schema_: dict | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(StrictModel):
     type: str  # "text" | "json_object" | "json_schema"; anything else is refused with its name
     json_schema: JsonSchemaFormat | None = None
 
 
-class SamplingFields(_Strict):
+class SamplingFields(StrictModel):
     """What completions and chat completions share."""
 
     model: str
@@ -97,19 +97,19 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
 
 
-class TextPart(_Strict):
+class TextPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
 Content = Annotated[
     str | list[TextPart] | None,
-    _one_of('a string or a list of text parts ({"type": "text", "text": "..."}); '
+    one_of('a string or a list of text parts ({"type": "text", "text": "..."}); '
             "image and audio parts are not supported"),
 ]
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Content = None
     name: str | None = None
@@ -118,30 +118,30 @@ class ChatMessage(_Strict):
     tool_call_id: str | None = None
 
 
-class FunctionDefinition(_Strict):
+class FunctionDefinition(StrictModel):
     name: str
     description: str | None = None
     parameters: dict | None = None
     strict: bool | None = None
 
 
-class Tool(_Strict):
+class Tool(StrictModel):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionName(_Strict):
+class FunctionName(StrictModel):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(StrictModel):
     type: Literal["function"]
     function: FunctionName
 
 
 ToolChoice = Annotated[
     Literal["none", "auto", "required"] | NamedToolChoice | None,
-    _one_of('"none", "auto", "required" or {"type": "function", "function": {"name": "..."}}'),
+    one_of('"none", "auto", "required" or {"type": "function", "function": {"name": "..."}}'),
 ]
 
 

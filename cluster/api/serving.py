@@ -35,12 +35,12 @@ log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.25
 
 
-class _ClientGone(Exception):
+class ClientGone(Exception):
     pass
 
 
-async def _unless_disconnected(awaitable, request: Request):
-    """Await ``awaitable``; raise _ClientGone (cancelling it) if the client goes away first."""
+async def unless_disconnected(awaitable, request: Request):
+    """Await ``awaitable``; raise ClientGone (cancelling it) if the client goes away first."""
     task = asyncio.ensure_future(awaitable)
 
     async def watch() -> None:
@@ -52,7 +52,7 @@ async def _unless_disconnected(awaitable, request: Request):
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if task.done():
             return task.result()
-        raise _ClientGone()
+        raise ClientGone()
     finally:
         watcher.cancel()
         if not task.done():
@@ -138,7 +138,7 @@ class Reply:
         return wire.sse({**self.header(True), "choices": [choice], **usage_field})
 
 
-async def _close_all(runs: list[ChoiceRun]) -> None:
+async def close_all(runs: list[ChoiceRun]) -> None:
     await asyncio.gather(*(run.close() for run in runs))
 
 
@@ -170,7 +170,7 @@ async def _sse_stream(resp: Reply, firsts) -> AsyncIterator[bytes]:
         yield wire.sse(wire.error_body("internal error while streaming", "server_error"))
         yield wire.sse("[DONE]")
     finally:
-        await _close_all(runs)  # a client disconnect cancels us here: every router request is aborted
+        await close_all(runs)  # a client disconnect cancels us here: every router request is aborted
 
 
 async def serve_request(prep: Prepared, request: Request, router, metrics: Metrics,
@@ -180,7 +180,7 @@ async def serve_request(prep: Prepared, request: Request, router, metrics: Metri
     handed_off = False
     try:
         try:
-            firsts = await _unless_disconnected(start_all(runs), request)
+            firsts = await unless_disconnected(start_all(runs), request)
         except RouterError as e:
             raise APIError(e.status, str(e), kind=e.kind) from e
         if prep.stream:
@@ -189,15 +189,15 @@ async def serve_request(prep: Prepared, request: Request, router, metrics: Metri
             # client that left before the stream even started (close is idempotent).
             return StreamingResponse(_sse_stream(resp, firsts), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                                     background=BackgroundTask(_close_all, runs))
-        await _unless_disconnected(collect_all(runs, firsts), request)
+                                     background=BackgroundTask(close_all, runs))
+        await unless_disconnected(collect_all(runs, firsts), request)
         failed = next((run for run in runs if run.finish_reason == "error"), None)
         if failed is not None:
             raise APIError(503, f"generation failed: {failed.error}", kind="server_error")
         return JSONResponse({**resp.header(False), "choices": [resp.choice(run) for run in runs],
                              "usage": resp.usage()})
-    except _ClientGone:
+    except ClientGone:
         return Response(status_code=499)  # nobody reads it; the requests are aborted in close()
     finally:
         if not handed_off:
-            await _close_all(runs)
+            await close_all(runs)

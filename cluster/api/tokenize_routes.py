@@ -16,11 +16,11 @@ from typing import Annotated
 import anyio
 from fastapi import FastAPI
 from pdcluster.cluster.api.middleware import APIError
-from pdcluster.cluster.api.protocol import ChatMessage, _one_of, _Strict, short
+from pdcluster.cluster.api.protocol import ChatMessage, one_of, StrictModel, short
 from pdcluster.cluster.api.validation import chat_prompt_text, check_model
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(StrictModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -30,9 +30,9 @@ class TokenizeRequest(_Strict):
     return_token_strs: bool | None = False
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(StrictModel):
     model: str | None = None
-    tokens: Annotated[list[int], _one_of("a list of token ids")]
+    tokens: Annotated[list[int], one_of("a list of token ids")]
 
 
 def _tokenize(body: TokenizeRequest, tokenizer) -> list[int]:
