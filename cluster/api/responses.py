@@ -27,17 +27,15 @@ import uuid
 from typing import Annotated, Any, AsyncIterator, Literal
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import ValidationError
-from starlette.background import BackgroundTask
 
 from pdcluster.cluster.api import protocol as wire
 from pdcluster.cluster.api.choice import ChoiceRun
-from pdcluster.cluster.api.fanout import choice_requests, collect_all, interleaved, start_all
+from pdcluster.cluster.api.fanout import interleaved
 from pdcluster.cluster.api.middleware import APIError, validation_message
 from pdcluster.cluster.api.protocol import ChatCompletionRequest, StrictModel, one_of
-from pdcluster.cluster.api.router_contract import RouterError
-from pdcluster.cluster.api.serving import ClientGone, Reply, close_all, unless_disconnected
+from pdcluster.cluster.api.serving import Reply, close_all, serve_runs
 from pdcluster.cluster.api.validation import prepare
 
 log = logging.getLogger(__name__)
@@ -318,26 +316,11 @@ async def serve_response(body: ResponsesRequest, request: Request, router, serve
         prep = await prepare(to_chat(body), router, served_model_name, tool_parser)
     except APIError as e:
         raise in_responses_terms(e) from e
-    runs = [ChoiceRun(prep, c, router, metrics) for c in choice_requests(prep)]
-    reply, out = Reply(prep, runs, strings), _Output(body, served_model_name)
-    handed_off = False
-    try:
-        try:
-            firsts = await unless_disconnected(start_all(runs), request)
-        except RouterError as e:
-            raise APIError(e.status, str(e), kind=e.kind) from e
-        if prep.stream:
-            handed_off = True
-            return StreamingResponse(_event_stream(out, reply, firsts), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                                     background=BackgroundTask(close_all, runs))
-        await unless_disconnected(collect_all(runs, firsts), request)
-        run = runs[0]
-        if run.finish_reason == "error":
-            raise APIError(503, f"generation failed: {run.error}", kind="server_error")
-        return JSONResponse(out.response(_status(run), out.items(reply, run), _usage(reply)))
-    except ClientGone:
-        return Response(status_code=499)
-    finally:
-        if not handed_off:
-            await close_all(runs)
+    out = _Output(body, served_model_name)
+
+    def json_body(reply: Reply) -> dict:
+        run = reply.runs[0]
+        return out.response(_status(run), out.items(reply, run), _usage(reply))
+
+    return await serve_runs(prep, request, router, metrics, strings,
+                            lambda reply, firsts: _event_stream(out, reply, firsts), json_body)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -35,12 +35,12 @@ log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.25
 
 
-class ClientGone(Exception):
+class _ClientGone(Exception):
     pass
 
 
-async def unless_disconnected(awaitable, request: Request):
-    """Await ``awaitable``; raise ClientGone (cancelling it) if the client goes away first."""
+async def _unless_disconnected(awaitable, request: Request):
+    """Await ``awaitable``; raise _ClientGone (cancelling it) if the client goes away first."""
     task = asyncio.ensure_future(awaitable)
 
     async def watch() -> None:
@@ -52,7 +52,7 @@ async def unless_disconnected(awaitable, request: Request):
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if task.done():
             return task.result()
-        raise ClientGone()
+        raise _ClientGone()
     finally:
         watcher.cancel()
         if not task.done():
@@ -175,28 +175,39 @@ async def _sse_stream(resp: Reply, firsts) -> AsyncIterator[bytes]:
 
 async def serve_request(prep: Prepared, request: Request, router, metrics: Metrics,
                         strings: TokenStrings) -> Response:
+    def json_body(resp: Reply) -> dict:
+        return {**resp.header(False), "choices": [resp.choice(run) for run in resp.runs], "usage": resp.usage()}
+
+    return await serve_runs(prep, request, router, metrics, strings, _sse_stream, json_body)
+
+
+async def serve_runs(prep: Prepared, request: Request, router, metrics: Metrics, strings: TokenStrings,
+                     stream_body: Callable[[Reply, list], AsyncIterator[bytes]],
+                     json_body: Callable[[Reply], dict]) -> Response:
+    """Start every choice, then answer ``stream_body(reply, first deltas)`` as SSE (``prep.stream``) or
+    ``json_body(reply)`` once all ended (503 if one failed): chat and completions here, the Responses API's
+    own layout (responses.py)."""
     runs = [ChoiceRun(prep, c, router, metrics) for c in choice_requests(prep)]
     resp = Reply(prep, runs, strings)
     handed_off = False
     try:
         try:
-            firsts = await unless_disconnected(start_all(runs), request)
+            firsts = await _unless_disconnected(start_all(runs), request)
         except RouterError as e:
             raise APIError(e.status, str(e), kind=e.kind) from e
         if prep.stream:
             handed_off = True
             # The stream closes the runs when it ends or is cancelled; the background task covers a
             # client that left before the stream even started (close is idempotent).
-            return StreamingResponse(_sse_stream(resp, firsts), media_type="text/event-stream",
+            return StreamingResponse(stream_body(resp, firsts), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                                      background=BackgroundTask(close_all, runs))
-        await unless_disconnected(collect_all(runs, firsts), request)
+        await _unless_disconnected(collect_all(runs, firsts), request)
         failed = next((run for run in runs if run.finish_reason == "error"), None)
         if failed is not None:
             raise APIError(503, f"generation failed: {failed.error}", kind="server_error")
-        return JSONResponse({**resp.header(False), "choices": [resp.choice(run) for run in runs],
-                             "usage": resp.usage()})
-    except ClientGone:
+        return JSONResponse(json_body(resp))
+    except _ClientGone:
         return Response(status_code=499)  # nobody reads it; the requests are aborted in close()
     finally:
         if not handed_off:
