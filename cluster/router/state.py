@@ -25,6 +25,7 @@ class Attempt:
     t_first_token: float = 0.0
     t_kv_ready: float = 0.0
     t_first_decode: float = 0.0
+    decided: bool = False  # its Decision is in the router's recorder (when one records)
 
     @property
     def wid(self) -> str:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from pdcluster.cluster.api.router_contract import TokenDelta
-from pdcluster.cluster.router.recorder import DecisionRecorder, Report
+from pdcluster.cluster.router.recorder import Decision, DecisionRecorder, Report
 from pdcluster.cluster.router.state import Attempt, RequestState
 from pdcluster.cluster.token_deltas import is_first_token, token_delta
 from pdcluster.node.events import KVReady, Tokens
@@ -52,6 +52,10 @@ class RequestStreams:
     def admitted(self, r: RequestState, a: Attempt) -> None:
         r.attempt = a
         self.requests[r.request_id] = r
+        recorder = self._recorder()
+        if recorder is not None:  # recorded as it is made: its tokens may be handled before the placing task resumes
+            recorder.decisions.append(Decision(r.request_id, a.prefill_id, a.decode_id, a.local))
+            a.decided = True
 
     def lookup(self, wid: str, worker_id: str, live_only: bool = True) -> tuple[RequestState, Attempt] | None:
         """The request and placement an event is about, or None (stale, another worker, or, with

@@ -137,7 +137,7 @@ class Submitter:
         if verdict.verdict == FULL:
             return False  # no decision was made: the next candidate is asked
         recorder = self._recorder()
-        if recorder is not None:
+        if recorder is not None and not a.decided:  # an admission taken on arrival was recorded then
             recorder.decisions.append(Decision(r.request_id, a.prefill_id, a.decode_id, a.local))
         if verdict.verdict != ADMITTED:  # unreachable prefill, or the decode worker went down
             log.warning("placement of %s on %s failed: %s", r.request_id, a.pair, verdict.reason)
