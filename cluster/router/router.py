@@ -63,7 +63,7 @@ class ClusterRouter:
                                       lambda a: self.placement.breaker(*a.pair).record_success())
         self.membership = Membership(self.placement, self.streams, self.prefill, self.decode, self.health)
         self.submitter = Submitter(self.config, self.placement, self.streams, self.decode, block_size,
-                                   self.mark_down, lambda: self.recorder)
+                                   self.mark_down)
         # Called with (transport, num_bytes, seconds) per finished KV transfer (metrics hook).
         self.on_kv_transfer = lambda transport, num_bytes, seconds: None
         self._events = EventReceiver(self.config.event_host, self.on_event)

@@ -52,8 +52,12 @@ class RequestStreams:
     def admitted(self, r: RequestState, a: Attempt) -> None:
         r.attempt = a
         self.requests[r.request_id] = r
+        self.record_decision(r, a)  # as it is made: its tokens may be handled before the placing task resumes
+
+    def record_decision(self, r: RequestState, a: Attempt) -> None:
+        """Note placement ``a`` in the recorder (when one records), once."""
         recorder = self._recorder()
-        if recorder is not None:  # recorded as it is made: its tokens may be handled before the placing task resumes
+        if recorder is not None and not a.decided:
             recorder.decisions.append(Decision(r.request_id, a.prefill_id, a.decode_id, a.local))
             a.decided = True
 

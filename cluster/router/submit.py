@@ -16,7 +16,6 @@ from typing import Callable
 from pdcluster.cluster.api.router_contract import RouterError
 from pdcluster.cluster.router.config import RouterConfig
 from pdcluster.cluster.router.placement import PairPlacement
-from pdcluster.cluster.router.recorder import Decision, DecisionRecorder
 from pdcluster.cluster.router.state import Attempt, RequestState
 from pdcluster.cluster.router.stream import RequestStreams
 from pdcluster.engine.block_manager import chained_block_hashes
@@ -28,15 +27,13 @@ log = logging.getLogger(__name__)
 
 class Submitter:
     def __init__(self, config: RouterConfig, placement: PairPlacement, streams: RequestStreams, decode: dict,
-                 block_size: int, mark_down: Callable[[str, str], None],
-                 recorder: Callable[[], DecisionRecorder | None]):
+                 block_size: int, mark_down: Callable[[str, str], None]):
         self.config = config
         self.placement = placement
         self.streams = streams
         self.decode = decode  # worker id -> Ray actor handle
         self.block_size = block_size
         self._mark_down = mark_down
-        self._recorder = recorder
         # fork_group -> (prefill_id, decode_id) of the group's first placement; dropped when the
         # group's last request ends (RequestStreams.finish).
         self.group_pairs: dict[str, tuple] = {}
@@ -136,9 +133,7 @@ class Submitter:
             raise RouterError(verdict.reason, status=400, kind="invalid_request_error")
         if verdict.verdict == FULL:
             return False  # no decision was made: the next candidate is asked
-        recorder = self._recorder()
-        if recorder is not None and not a.decided:  # an admission taken on arrival was recorded then
-            recorder.decisions.append(Decision(r.request_id, a.prefill_id, a.decode_id, a.local))
+        self.streams.record_decision(r, a)  # an admission taken on arrival was recorded then
         if verdict.verdict != ADMITTED:  # unreachable prefill, or the decode worker went down
             log.warning("placement of %s on %s failed: %s", r.request_id, a.pair, verdict.reason)
             self.placement.breaker(*a.pair).record_failure(time.monotonic())
