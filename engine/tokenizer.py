@@ -93,10 +93,11 @@ class Tokenizer:
         that is part of a multi-byte character gives its own bytes (e.g. b"\\xf0\\x9f"), where decoding it
         alone gives U+FFFD; a SentencePiece token keeps its leading space. The tokens of a text give its
         UTF-8 back when their bytes are joined. Tokenizers of another kind: the token decoded alone."""
-        token = self._tok.id_to_token(int(token_id))
+        token_id = int(token_id)
+        token = self._tok.id_to_token(token_id)
         if token is None:
             return b""
-        if int(token_id) in self._added_token_ids:
+        if token_id in self._added_token_ids:
             return token.encode("utf-8")
         kind = self._byte_alphabet
         if kind == "byte_level":
@@ -107,7 +108,7 @@ class Tokenizer:
         if kind == "sentencepiece":
             byte = _SENTENCEPIECE_BYTE.fullmatch(token)
             return bytes([int(byte.group(1), 16)]) if byte else token.replace("\u2581", " ").encode("utf-8")
-        return self.decode([int(token_id)], skip_special_tokens=False).encode("utf-8")
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
     @cached_property
     def _added_token_ids(self) -> frozenset[int]:

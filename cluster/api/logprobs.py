@@ -10,7 +10,8 @@
 As vLLM: a token's string is the token decoded on its own (special tokens spelled out; part of a
 multi-byte character shows as U+FFFD), and -inf becomes -9999.0 (JSON has no infinity). As OpenAI, not
 vLLM: ``bytes`` are the token's own bytes (Tokenizer.token_bytes), so the bytes of a choice's tokens
-join into its text's UTF-8 even where a character spans tokens (vLLM gives the UTF-8 of the U+FFFD). A position without a record (the first prompt token, which has no logprob) has logprob and
+join into its text's UTF-8 even where a character spans tokens (vLLM gives the UTF-8 of the U+FFFD).
+A position without a record (the first prompt token, which has no logprob) has logprob and
 top_logprobs null.
 """
 
@@ -35,7 +36,7 @@ class TokenStrings:
     def __init__(self, tokenizer):
         self._string = lru_cache(maxsize=1 << 16)(
             lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False))
-        self._bytes = lru_cache(maxsize=1 << 16)(lambda token_id: list(tokenizer.token_bytes(token_id)))
+        self._bytes = lru_cache(maxsize=1 << 16)(tokenizer.token_bytes)
 
     def __call__(self, token_id: int) -> str:
         return self._string(int(token_id))

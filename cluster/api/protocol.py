@@ -201,7 +201,9 @@ def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int
             "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
 
 
-def sse(payload: dict | str) -> bytes:
-    """One server-sent event: ``data: <json>`` (or the literal ``[DONE]``)."""
+def sse(payload: dict | str, event: str | None = None) -> bytes:
+    """One server-sent event: ``data: <json>`` (or the literal ``[DONE]``), after ``event: <event>`` when
+    given (the Responses API names each event's type)."""
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
+    head = f"event: {event}\n" if event is not None else ""
+    return f"{head}data: {data}\n\n".encode()

@@ -20,7 +20,6 @@ in chat; one output (no ``n``).
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -41,8 +40,7 @@ from pdcluster.cluster.api.validation import prepare
 log = logging.getLogger(__name__)
 
 # Chat fields the conversion fills -> the Responses field a client sent (error messages name the latter).
-_FIELD_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format",
-                "tools": "tools", "tool_choice": "tool_choice"}
+_FIELD_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
 
 
 Input = Annotated[str | list[dict], one_of("a string or a list of input items (messages, function_call, "
@@ -172,7 +170,7 @@ def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
         return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
     except ValidationError as e:
         message, param = validation_message(list(e.errors()))
-        raise in_responses_terms(APIError(400, message, param=param)) from e
+        raise APIError(400, message, param=param) from e  # named in Responses terms by serve_response
 
 
 def in_responses_terms(e: APIError) -> APIError:
@@ -189,7 +187,7 @@ def in_responses_terms(e: APIError) -> APIError:
 
 
 class _Output:
-    """The response object as it grows: ids, the output items, the final status."""
+    """One response's ids and the layouts of its object and output items."""
 
     def __init__(self, body: ResponsesRequest, model: str):
         self.body, self.model = body, model
@@ -211,8 +209,7 @@ class _Output:
         items = [self.message_item(message["content"], "completed")] if message.get("content") else []
         return items + [self.call_item(call) for call in message.get("tool_calls") or []]
 
-    def response(self, status: str, output: list[dict], usage: dict | None = None, finish_reason: str | None = None,
-                 error: dict | None = None) -> dict:
+    def response(self, status: str, output: list[dict], usage: dict | None = None, error: dict | None = None) -> dict:
         b = self.body
         return {"id": self.id, "object": "response", "created_at": self.created_at, "model": self.model,
                 "status": status, "error": error,
@@ -250,7 +247,7 @@ class _Events:
     def __call__(self, kind: str, **fields) -> bytes:
         payload = {"type": kind, "sequence_number": self.sequence_number, **fields}
         self.sequence_number += 1
-        return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
+        return wire.sse(payload, event=kind)
 
 
 async def _event_stream(out: _Output, reply: Reply, firsts) -> AsyncIterator[bytes]:
@@ -260,17 +257,20 @@ async def _event_stream(out: _Output, reply: Reply, firsts) -> AsyncIterator[byt
     try:
         yield event("response.created", response=out.response("in_progress", []))
         yield event("response.in_progress", response=out.response("in_progress", []))
+        def open_message(index: int) -> list[bytes]:
+            return [event("response.output_item.added", output_index=index, item=out.message_item("", "in_progress")),
+                    event("response.content_part.added", item_id=out.message_id, output_index=index, content_index=0,
+                          part=_text_part(""))]
+
         opened = False
         async with interleaved(reply.runs, firsts) as pieces:
-            async for _, piece, finish_reason in pieces:
+            async for _, piece, _ in pieces:
                 if holds_calls or not piece.text:
                     continue
                 if not opened:
                     opened = True
-                    yield event("response.output_item.added", output_index=0,
-                                item=out.message_item("", "in_progress"))
-                    yield event("response.content_part.added", item_id=out.message_id, output_index=0,
-                                content_index=0, part=_text_part(""))
+                    for chunk in open_message(0):
+                        yield chunk
                 yield event("response.output_text.delta", item_id=out.message_id, output_index=0, content_index=0,
                             delta=piece.text, logprobs=[])
         if run.finish_reason == "error":
@@ -282,10 +282,8 @@ async def _event_stream(out: _Output, reply: Reply, firsts) -> AsyncIterator[byt
             if item["type"] == "message":
                 text = item["content"][0]["text"]
                 if not opened:
-                    yield event("response.output_item.added", output_index=index,
-                                item=out.message_item("", "in_progress"))
-                    yield event("response.content_part.added", item_id=item["id"], output_index=index,
-                                content_index=0, part=_text_part(""))
+                    for chunk in open_message(index):
+                        yield chunk
                     yield event("response.output_text.delta", item_id=item["id"], output_index=index,
                                 content_index=0, delta=text, logprobs=[])
                 yield event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,

@@ -184,22 +184,22 @@ class RouterService:
                              f"max_model_len {max_model_len}")
 
     async def _forward(self, identity: bytes, rid: str, prompt: list[int], params: SamplingParams) -> None:
-        sent = {"any": False, "finished": False}
+        any_sent = finished = False
 
         def on_delta(delta: TokenDelta) -> None:  # called by the router as it makes each delta
-            self._queue(identity, rid, delta, first=not sent["any"])
-            sent["any"] = True
-            sent["finished"] = delta.finished
+            nonlocal any_sent, finished
+            self._queue(identity, rid, delta, first=not any_sent)
+            any_sent, finished = True, delta.finished
 
         try:
             await self.router.deliver(rid, prompt, params, on_delta)
-            if not sent["any"]:
+            if not any_sent:
                 self._send(identity, Refused(rid, "the router ended the request before admitting it", 503,
                                              "server_error"))
-            elif not sent["finished"]:
+            elif not finished:
                 self._queue_error(identity, rid, "the router ended the request without a final status")
         except RouterError as e:
-            if sent["any"]:  # not the contract (refusals come before any delta), but the process must hear the end
+            if any_sent:  # not the contract (refusals come before any delta), but the process must hear the end
                 self._queue_error(identity, rid, f"router refused the request after streaming it: {e}")
             else:
                 self._send(identity, Refused(rid, str(e), e.status, e.kind))
@@ -207,7 +207,7 @@ class RouterService:
             raise
         except Exception as e:  # noqa: BLE001 - the process still gets its request's end
             log.exception("request %s failed in the router", rid)
-            if not sent["finished"]:
+            if not finished:
                 self._queue_error(identity, rid, f"router failed: {e!r}")
         finally:
             self._streams.pop(rid, None)
