@@ -21,6 +21,8 @@ def add_generate_parser(sub) -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--lora", default=None, metavar="NAME",
+                     help="generate with this adapter of --lora-modules (default: the base model)")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt, one per line")
     gen.set_defaults(func=generate_main)
     return gen
@@ -37,6 +39,7 @@ def generate_main(args: argparse.Namespace) -> int:
         seed=args.sampling_seed,
         stop=args.stop or [],
         ignore_eos=args.ignore_eos,
+        lora_name=args.lora,
     )
     engine = LLMEngine.from_config(engine_config_from_args(args))
     prompts = args.prompt

@@ -58,13 +58,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "costs 2.9x in prefill; see README)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--cache-dir", default="", help="where converted models live (default ~/.cache/pdcluster)")
+    g.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT directories) served beside the base model; a request picks one by its "
+                        "name in the API's 'model' field. Every worker loads them all")
+    g.add_argument("--max-lora-rank", type=int, default=64, help="refuse adapters of a higher rank")
 
 
 # Flags whose dest is the EngineConfig field of the same name (the others are mapped by hand below).
 SAME_NAMED_FLAGS = (
     "model", "dtype", "device", "max_model_len", "block_size", "num_kv_blocks", "kv_cache_memory_gib",
     "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "kv_offload_host_gib", "kv_offload_disk_dir",
-    "kv_offload_disk_gib", "mtp_checkpoint", "num_threads", "seed", "cache_dir",
+    "kv_offload_disk_gib", "mtp_checkpoint", "num_threads", "seed", "cache_dir", "max_lora_rank",
 )
 
 
@@ -80,5 +84,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         async_scheduling=args.async_scheduling,
         spec_method=args.spec,
         num_spec_tokens=num_spec,
+        lora_modules=tuple(getattr(args, "lora_modules", None) or ()),
         **({} if getattr(args, "deterministic", None) is None else {"deterministic": args.deterministic}),
     )

@@ -134,7 +134,7 @@ class Cluster:
         self.router = ClusterRouter(
             {}, {}, self.tokenizer, spec.served_model_name or spec.engine.model,
             max_model_len=engine.max_model_len or min(arch.max_position_embeddings, 4096),
-            block_size=engine.block_size,
+            block_size=engine.block_size, lora_names=tuple(engine.lora_paths()),
             config=RouterConfig(policy=spec.policy, mode=spec.mode, num_spec_tokens=engine.num_spec_steps,
                                 conditional_prefill_tokens=spec.conditional_prefill_tokens,
                                 busy_prefill_tokens=spec.busy_prefill_tokens, request_timeout_s=spec.request_timeout_s,

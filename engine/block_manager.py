@@ -28,6 +28,16 @@ class Block:
     token_ids: tuple[int, ...] = ()  # kept to rule out hash collisions on a hit
 
 
+def lora_hash_root(lora_name: str | None) -> int | None:
+    """The parent hash of a request's first block: None for the base model, else a digest of its LoRA
+    adapter's name (engine/lora/). An adapter changes the KV a prompt makes, so its blocks hash apart from the
+    base model's and other adapters' in the prefix cache, the offload tiers and the router's KV index."""
+    if lora_name is None:
+        return None
+    digest = hashlib.blake2b(b"lora\0" + lora_name.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
+
+
 def chained_block_hashes(token_ids: list[int], block_size: int, parent: int | None = None) -> list[int]:
     """Hash of every *full* block of ``token_ids``; each hash covers the whole prefix up to its end.
 
@@ -95,7 +105,8 @@ class BlockManager:
         step that follows produces logits. None without prefix caching (nothing is hashed then)."""
         if not self.enable_prefix_caching:
             return []
-        return chained_block_hashes(request.all_token_ids[: request.num_tokens - 1], self.block_size)
+        return chained_block_hashes(request.all_token_ids[: request.num_tokens - 1], self.block_size,
+                                    lora_hash_root(request.sampling_params.lora_name))
 
     def find_cached_prefix(self, request: Request, block_hashes: list[int] | None = None) -> list[int]:
         """Block ids of the longest cached prefix of the request's committed tokens (at least one token is
@@ -172,7 +183,7 @@ class BlockManager:
         if num_full <= len(known):
             return
         token_ids = request.all_token_ids
-        parent = known[-1] if known else None
+        parent = known[-1] if known else lora_hash_root(request.sampling_params.lora_name)
         start_block = len(known)
         new_hashes = chained_block_hashes(
             token_ids[start_block * self.block_size : num_full * self.block_size], self.block_size, parent

@@ -28,6 +28,21 @@ def cpu_has_fast_bf16() -> bool:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
 SPEC_METHODS = ("none", "ngram", "mtp")
+
+
+def parse_lora_modules(specs: tuple[str, ...] | list[str]) -> dict[str, str]:
+    """``name=path`` strings (vLLM's ``--lora-modules`` form) as {name: path}; a malformed one or a
+    repeated name is a ValueError saying which."""
+    out: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = str(spec).partition("=")
+        name, path = name.strip(), path.strip()
+        if not sep or not name or not path:
+            raise ValueError(f"lora_modules: {spec!r} is not of the form name=path")
+        if name in out:
+            raise ValueError(f"lora_modules: the name {name!r} is given twice")
+        out[name] = path
+    return out
 DETERMINISTIC_ENV = "PDCLUSTER_DETERMINISTIC"  # "0"/"1": the default of EngineConfig.deterministic
 
 
@@ -99,6 +114,11 @@ class EngineConfig:
     deterministic: bool | None = None
     seed: int = 0
     cache_dir: str = ""
+    # LoRA adapters served beside the base model (engine/lora/), as ``name=path`` (a PEFT directory); a
+    # request picks one by name (SamplingParams.lora_name, the API's ``model`` field). Every adapter is loaded
+    # at start-up and kept; ``max_lora_rank`` refuses larger ones (vLLM's --max-lora-rank).
+    lora_modules: tuple[str, ...] = ()
+    max_lora_rank: int = 64
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -135,8 +155,19 @@ class EngineConfig:
         if self.offload_config().enabled and not self.enable_prefix_caching:
             raise ConfigError("kv_offload_*: the offload tiers keep prefix-cache blocks; turn prefix caching on "
                               "(drop --no-prefix-caching) or the tiers off")
+        if not isinstance(self.max_lora_rank, int) or self.max_lora_rank <= 0:
+            raise ConfigError(f"max_lora_rank: must be a positive integer, got {self.max_lora_rank!r}")
+        self.lora_modules = tuple(self.lora_modules)
+        try:
+            self.lora_paths()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ConfigError(f"ngram_min/ngram_max: need 1 <= min <= max, got {self.ngram_min}, {self.ngram_max}")
+
+    def lora_paths(self) -> dict[str, str]:
+        """``lora_modules`` as {adapter name: directory}."""
+        return parse_lora_modules(self.lora_modules)
 
     def offload_config(self) -> OffloadConfig:
         return OffloadConfig(self.kv_offload_host_gib, self.kv_offload_disk_dir, self.kv_offload_disk_gib)

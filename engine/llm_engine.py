@@ -133,6 +133,7 @@ class LLMEngine:
         leading prompt blocks this worker's prefix cache already holds (the producer skips those), or
         None when the pool cannot hold it now (the router then tries another worker).
         The connector reports its KV's arrival (``poll_kv``); ``abort_request`` gives it up."""
+        self.check_lora(params)
         self.prepare_grammar(params)
         request = Request(request_id, list(prompt_token_ids), params, arrival_time=time.monotonic())
         return self.scheduler.add_remote_request(request)
@@ -181,11 +182,22 @@ class LLMEngine:
         if validate:
             self.validate(prompt_token_ids, params)
         params = self.assign_seed(params)
+        self.check_lora(params)
         self.prepare_grammar(params)
         request_id = request_id or f"req-{next(self._ids)}"
         request = Request(request_id, prompt_token_ids, params, arrival_time=time.monotonic())
         self.scheduler.add_request(request, follow=follow)
         return request_id
+
+    @property
+    def lora_names(self) -> tuple[str, ...]:
+        """The LoRA adapters a request may name (EngineConfig.lora_modules)."""
+        return self.model.lora.names if self.model.lora is not None else ()
+
+    def check_lora(self, params: SamplingParams) -> None:
+        if params.lora_name is not None and params.lora_name not in self.lora_names:
+            have = ", ".join(self.lora_names) or "none (start with --lora-modules name=path)"
+            raise InvalidRequestError(f"lora_name: no LoRA adapter {params.lora_name!r} is loaded; loaded: {have}")
 
     def prepare_grammar(self, params: SamplingParams) -> None:
         """Compile a structured-output spec now (cached per spec), so a spec the grammar engine refuses

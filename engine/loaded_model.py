@@ -87,6 +87,10 @@ class LoadedModel:
         config = replace(config, deterministic=deterministic)
         model = load_model(model_dir, dtype, max_model_len + config.num_spec_steps + 1, config.device,
                            deterministic=deterministic)
+        if config.lora_modules:
+            from pdcluster.engine.lora import install
+
+            install(model, config.lora_paths(), config.max_lora_rank)
         num_draft_layers = proposer_draft_layers(config, arch)  # MTP: its layers after the target's (S2)
         probe = KVCacheSpec(arch.num_layers + num_draft_layers, num_draft_layers, 1, config.block_size,
                             arch.num_kv_heads, arch.head_dim, dtype)

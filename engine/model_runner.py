@@ -17,6 +17,8 @@ outputs (S4).
 
 from __future__ import annotations
 
+import contextlib
+
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -129,6 +131,8 @@ class ModelRunner:
                                              1 + self.num_spec_steps, kv_cache.device)
         self.num_state_blocks = num_state_blocks
         self.num_state_blocks_out = num_state_blocks if self.connector.is_producer else 0
+        # Per request slot: the index of its LoRA adapter in model.lora, -1 for the base model (engine/lora/).
+        self._lora_index_np = np.full(self.states.client_prompt_len_np.shape[0], -1, dtype=np.int32)
         self.graphs: DecodeGraphs | None = None
         if config.cuda_graphs and self.device.type == "cuda":
             self.use_decode_graphs()
@@ -232,6 +236,8 @@ class ModelRunner:
         grammar (replayed over the outputs the request already has: after preemption, on the decode
         worker after the prefill worker's first token, after a recovery), prompt logprobs restarted."""
         params = s.sampling_params
+        if self.model.lora is not None:
+            self._lora_index_np[idx] = -1 if params.lora_name is None else self.model.lora.index[params.lora_name]
         num_client_prompt = s.num_prompt_tokens - params.output_position_offset
         self.states.client_prompt_len_np[idx] = num_client_prompt
         self._prompt_logprobs.pop(s.request_id, None)
@@ -262,16 +268,26 @@ class ModelRunner:
         kind, meta = batch.batch_kind, batch.attn_metadata
         self.last_batch_kind = kind
         self.connector.pre_forward(sched)
-        hidden = None
-        if self.graphs is not None and kind == BatchKind.UNIFORM_DECODE and not self.connector.wants_layers():
-            hidden = self.graphs.run(batch.input_ids, batch.positions, meta)
-        if hidden is None:
-            hidden = self.model.forward(batch.input_ids, batch.positions, self.kv_cache, meta,
-                                        self.connector.save_layer)
+        with self._lora_rows(idx_mapping, batch.query_start_loc_np) as lora_rows:
+            hidden = None
+            # The graphs hold the base model only: a step with adapter rows runs eagerly.
+            if (self.graphs is not None and kind == BatchKind.UNIFORM_DECODE and not self.connector.wants_layers()
+                    and not lora_rows):
+                hidden = self.graphs.run(batch.input_ids, batch.positions, meta)
+            if hidden is None:
+                hidden = self.model.forward(batch.input_ids, batch.positions, self.kv_cache, meta,
+                                            self.connector.save_layer)
         self._state = ExecuteModelState(
             sched, req_ids, idx_mapping, kind, hidden, batch.logits_start_np, batch.logits_count_np,
             batch.logits_indices, set(sched.finished_req_ids), rows, batch.query_start_loc_np,
         )
+
+    def _lora_rows(self, idx_mapping: np.ndarray, query_start_loc_np: np.ndarray):
+        """The step's LoRA rows for the model's adapters (engine/lora/) over one forward; yields whether any."""
+        lora = self.model.lora
+        if lora is None:
+            return contextlib.nullcontext(False)
+        return lora.step(self._lora_index_np[idx_mapping], query_start_loc_np, self.device)
 
     @torch.inference_mode()
     def sample_tokens(self) -> tuple[ModelRunnerOutput, KVConnectorOutput]:

@@ -46,6 +46,8 @@ class SamplingParams:
     # Output tokens produced before this request started (a request resumed elsewhere after a worker
     # died carries them in its prompt): random draws stay keyed by the *original* output position.
     output_position_offset: int = 0
+    # The LoRA adapter to run with (a name from EngineConfig.lora_modules); None: the base model.
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:

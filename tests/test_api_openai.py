@@ -254,6 +254,7 @@ class Script:
 
 class ScriptedRouter:
     model_name, max_model_len = "scripted", 512
+    lora_names = ()
 
     def __init__(self, tokenizer, script: Script):
         self.tokenizer, self.script = tokenizer, script

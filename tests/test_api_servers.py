@@ -180,6 +180,7 @@ class _DeafRouter:
     this stand-in holds it open. It records the streams closed on it (what frees a request there)."""
 
     model_name, max_model_len = "deaf", 256
+    lora_names = ()
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer

@@ -20,7 +20,7 @@ from pdcluster.cluster.api.responses import ResponsesRequest, serve_response
 from pdcluster.cluster.api.serving import serve_request
 from pdcluster.cluster.api.tokenize_routes import install_tokenize_routes
 from pdcluster.cluster.api.tool_parsers import select_parser
-from pdcluster.cluster.api.validation import prepare
+from pdcluster.cluster.api.validation import check_model, prepare
 from pdcluster.cluster.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -63,20 +63,21 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
     async def responses(body: ResponsesRequest, request: Request):
         return await serve_response(body, request, router, served_model_name, metrics, strings, tool_parser)
 
-    def model_card() -> dict:
-        return {"id": served_model_name, "object": "model", "created": started, "owned_by": "pdcluster",
-                "root": router.model_name, "max_model_len": router.max_model_len}
+    def model_card(model_id: str) -> dict:
+        card = {"id": model_id, "object": "model", "created": started, "owned_by": "pdcluster",
+                "root": router.model_name, "parent": None, "max_model_len": router.max_model_len}
+        if model_id != served_model_name:  # a LoRA adapter over the base model (vLLM's card: parent = the base)
+            card.update(root=model_id, parent=served_model_name)
+        return card
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(m) for m in (served_model_name, *router.lora_names)]}
 
     @app.get("/v1/models/{model_id:path}")  # OpenAI's retrieve (client.models.retrieve)
     async def model(model_id: str):
-        if model_id != served_model_name:
-            return error_response(404, f"the model {model_id!r} does not exist; this server serves "
-                                       f"{served_model_name!r}", code="model_not_found", param="model")
-        return model_card()
+        check_model(model_id, served_model_name, router.lora_names)  # 404 model_not_found for another name
+        return model_card(model_id)
 
     @app.get("/health")
     async def health():

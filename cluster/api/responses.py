@@ -314,7 +314,7 @@ async def serve_response(body: ResponsesRequest, request: Request, router, serve
         prep = await prepare(to_chat(body), router, served_model_name, tool_parser)
     except APIError as e:
         raise in_responses_terms(e) from e
-    out = _Output(body, served_model_name)
+    out = _Output(body, prep.model)
 
     def json_body(reply: Reply) -> dict:
         run = reply.runs[0]

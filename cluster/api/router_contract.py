@@ -50,6 +50,7 @@ class TokenDelta:
 class Router(Protocol):
     model_name: str
     max_model_len: int
+    lora_names: tuple[str, ...]  # the LoRA adapters every worker serves (a request names one in ``params.lora_name``)
     tokenizer: object  # pdcluster.engine.tokenizer.Tokenizer
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:

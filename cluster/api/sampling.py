@@ -32,6 +32,7 @@ class Extras:
     logprobs: int | None = None  # top-k per sampled token, None = no logprobs
     prompt_logprobs: int | None = None
     structured_output: str | None = None
+    lora_name: str | None = None  # the LoRA adapter the request's ``model`` names (None: the base model)
 
 
 def sampling_params(body: SamplingFields, max_tokens: int, vocab_size: int, extras: Extras) -> SamplingParams:
@@ -58,7 +59,7 @@ def sampling_params(body: SamplingFields, max_tokens: int, vocab_size: int, extr
                                                                 vocab_size),
             ignore_eos=bool(body.ignore_eos), min_tokens=min_tokens, **_penalties(body, vocab_size),
             logprobs=extras.logprobs, prompt_logprobs=extras.prompt_logprobs,
-            structured_output=extras.structured_output)
+            structured_output=extras.structured_output, lora_name=extras.lora_name)
     except ValueError as e:
         raise APIError(400, str(e)) from e
 

@@ -53,8 +53,8 @@ def install_tokenize_routes(app: FastAPI, router, served_model_name: str) -> Non
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
-        if body.model is not None:
-            check_model(body.model, served_model_name)
+        if body.model is not None:  # an adapter shares the base model's tokenizer
+            check_model(body.model, served_model_name, router.lora_names)
         ids = await anyio.to_thread.run_sync(_tokenize, body, tokenizer)
         strs = [tokenizer.id_to_token(t) for t in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": router.max_model_len, "tokens": ids, "token_strs": strs}
@@ -62,7 +62,7 @@ def install_tokenize_routes(app: FastAPI, router, served_model_name: str) -> Non
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         if body.model is not None:
-            check_model(body.model, served_model_name)
+            check_model(body.model, served_model_name, router.lora_names)
         vocab_size = tokenizer.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab_size]
         if bad:

@@ -76,7 +76,7 @@ def _bad(param: str, message: str) -> APIError:
 async def prepare(body: SamplingFields, router, served_model_name: str,
                   tool_parser: ToolParser | None = None) -> Prepared:
     """``tool_parser``: the model's tool-call format (tool_choice "auto", tools in the prompt)."""
-    check_model(body.model, served_model_name)
+    lora_name = check_model(body.model, served_model_name, router.lora_names)
     n = _check_n(body)
     _reject_unsupported(body)
     is_chat = isinstance(body, ChatCompletionRequest)
@@ -84,7 +84,8 @@ async def prepare(body: SamplingFields, router, served_model_name: str,
     tokenizer = router.tokenizer
     # Checking a schema and tokenising long prompts take a while: keep them off the event loop.
     spec, tool_calls = await anyio.to_thread.run_sync(structured_request, body, tool_parser)
-    output, extras = replace(output, tool_calls=tool_calls), replace(extras, structured_output=spec)
+    output = replace(output, tool_calls=tool_calls)
+    extras = replace(extras, structured_output=spec, lora_name=lora_name)
     if is_chat:
         tools = [t.model_dump(exclude_none=True) for t in body.tools or []] if body.tool_choice != "none" else []
         ids = await anyio.to_thread.run_sync(
@@ -99,14 +100,21 @@ async def prepare(body: SamplingFields, router, served_model_name: str,
         inputs.append(PromptInput(ids, sampling_params(body, max_tokens, tokenizer.vocab_size, extras), text))
     prefix, kind = ("chatcmpl", CHAT_COMPLETION) if is_chat else ("cmpl", TEXT_COMPLETION)
     include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
-    return Prepared(f"{prefix}-{uuid.uuid4().hex}", kind, served_model_name, inputs, n, output,
+    # Answers name the model asked for: the adapter's name for an adapter (as vLLM).
+    return Prepared(f"{prefix}-{uuid.uuid4().hex}", kind, body.model, inputs, n, output,
                     bool(body.stream), include_usage)
 
 
-def check_model(model: str | None, served_model_name: str) -> None:
-    if model != served_model_name:
-        raise APIError(404, f"The model {model!r} does not exist: this server serves {served_model_name!r}",
-                       param="model", code="model_not_found")
+def check_model(model: str | None, served_model_name: str, lora_names: tuple[str, ...] = ()) -> str | None:
+    """The LoRA adapter ``model`` names (None: the base model, ``served_model_name``); any other name is a
+    404, as OpenAI answers an unknown model."""
+    if model == served_model_name:
+        return None
+    if model in lora_names:
+        return model
+    served = ", ".join(repr(m) for m in (served_model_name, *lora_names))
+    raise APIError(404, f"The model {model!r} does not exist: this server serves {served}",
+                   param="model", code="model_not_found")
 
 
 def _check_n(body: SamplingFields) -> int:

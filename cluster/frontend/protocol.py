@@ -48,6 +48,7 @@ class Welcome(Record):
     model_name: str
     max_model_len: int
     tokenizer_dir: str
+    lora_names: list[str] = field(default_factory=list)  # the router's LoRA adapters (Router.lora_names)
 
 
 @dataclass(frozen=True)

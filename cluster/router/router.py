@@ -40,12 +40,13 @@ log = logging.getLogger(__name__)
 
 class ClusterRouter:
     def __init__(self, prefill: dict, decode: dict, tokenizer, model_name: str, max_model_len: int,
-                 block_size: int, config: RouterConfig | None = None):
+                 block_size: int, config: RouterConfig | None = None, lora_names: tuple[str, ...] = ()):
         self.prefill = prefill  # worker id -> Ray actor handle
         self.decode = decode
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
+        self.lora_names = tuple(lora_names)  # the workers' --lora-modules, which the API lets requests name
         self.block_size = block_size
         self.config = config or RouterConfig()
         # Which worker holds which prompt block, in which tier: fed by every worker's KVEvents, read by

@@ -33,6 +33,7 @@ def load_weights(model_dir: Path, dtype: torch.dtype, device: str | torch.device
 
 class CausalLM:
     arch_class: ClassVar[type]  # ModelArch or HybridArch: ``from_dir`` reads the checkpoint's config.json
+    lora = None  # the LoRA adapters installed on it (engine/lora/: a LoraSet), if any
 
     def __init__(self, arch, dtype: torch.dtype, deterministic: bool, embed_tokens: torch.Tensor,
                  lm_head: torch.Tensor):

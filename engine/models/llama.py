@@ -141,6 +141,9 @@ MLP_CHUNK_TOKENS_CUDA = 16384
 class DecoderLayer:
     """One Llama block; holds plain tensors (no nn.Module machinery on the hot path)."""
 
+    # False: the MLP runs over all of a step's tokens at once (LoRA: an adapter's rows index the whole step).
+    chunked_mlp = True
+
     def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], prefix: str, deterministic: bool = False,
                  layer_index: int | None = None):
         """``layer_index``: this layer's index in the model, for the MoE layout (None: a dense MLP, as the
@@ -231,7 +234,7 @@ class DecoderLayer:
         hidden = self.o_proj(o.reshape(-1, self.q_size))
         x = ops.rms_norm(hidden, self.post_norm, a.rms_norm_eps, residual=residual)
         chunk = MLP_CHUNK_TOKENS_CUDA if x.is_cuda else MLP_CHUNK_TOKENS
-        if x.shape[0] <= chunk:
+        if x.shape[0] <= chunk or not self.chunked_mlp:
             return self.mlp(x), residual
         # A long prefill runs the MLP in token chunks: its 2 x intermediate-wide buffers stay small
         # enough to be reused from the heap (engine/memory.py) and warm in cache.

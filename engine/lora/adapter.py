@@ -1,0 +1,147 @@
+"""A LoRA adapter read from a PEFT directory (``adapter_config.json`` + ``adapter_model.safetensors``, what
+``PeftModel.save_pretrained`` writes), checked against the base model it will run on.
+
+What is served: LoRA (not DoRA) on the decoder layers' seven projections (q/k/v/o, gate/up/down) of a Llama-family
+or Qwen3 model, any rank up to the engine's ``max_lora_rank`` (PEFT's ``rank_pattern`` too: each module's rank is
+its tensors'), scaled by lora_alpha / r (rsLoRA: lora_alpha / sqrt(r)). What an adapter may carry that we do not
+run is refused by name when it loads, never silently dropped: embedding or LM-head adapters, modules_to_save,
+biases, DoRA, per-module alphas, fan_in_fan_out weights, experts of an MoE layer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+# The projections an adapter may target, by Hugging Face module name, and the fused matmul each lands in
+# (engine/models/llama.py fuses q/k/v and gate/up at load time).
+TARGETS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "o_proj": "o_proj",
+           "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+
+
+class LoraAdapterError(ValueError):
+    """An adapter that cannot be served here; the message names the adapter, the file and what is wrong."""
+
+
+@dataclass(frozen=True)
+class LoraWeights:
+    """One projection's low-rank update: ``delta(x) = scale * (x @ a.T) @ b.T``."""
+
+    a: torch.Tensor  # [rank, in_features]
+    b: torch.Tensor  # [out_features, rank]
+    scale: float
+
+    @property
+    def rank(self) -> int:
+        return self.a.shape[0]
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    name: str
+    path: str
+    # (layer index, HF module name: "q_proj", ...) -> its update
+    modules: dict[tuple[int, str], LoraWeights]
+
+    @property
+    def max_rank(self) -> int:
+        return max(w.rank for w in self.modules.values())
+
+
+def _refuse(name: str, path: Path, what: str) -> LoraAdapterError:
+    return LoraAdapterError(f"LoRA adapter {name!r} ({path}): {what}")
+
+
+def read_adapter_config(name: str, path: Path) -> dict:
+    cfg_file = path / "adapter_config.json"
+    if not cfg_file.is_file():
+        raise _refuse(name, path, "no adapter_config.json (expected a PEFT adapter directory, as "
+                                  "PeftModel.save_pretrained writes)")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise _refuse(name, path, f"adapter_config.json is not JSON: {e}") from None
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise _refuse(name, path, f"peft_type {cfg.get('peft_type')!r} is not LORA")
+    unsupported = {
+        "use_dora": "DoRA adapters (use_dora) are not supported",
+        "modules_to_save": "modules_to_save (fully trained extra modules) is not supported",
+        "alpha_pattern": "per-module lora_alpha (alpha_pattern) is not supported",
+        "fan_in_fan_out": "fan_in_fan_out (Conv1D-style weights) is not supported",
+        "layer_replication": "layer_replication is not supported",
+    }
+    for key, why in unsupported.items():
+        if cfg.get(key):
+            raise _refuse(name, path, why)
+    if cfg.get("bias", "none") != "none":
+        raise _refuse(name, path, f"bias={cfg['bias']!r}: adapters with biases are not supported (only 'none')")
+    if not isinstance(cfg.get("r"), int) or cfg["r"] <= 0 or not isinstance(cfg.get("lora_alpha", 8), (int, float)):
+        raise _refuse(name, path, f"adapter_config.json needs a positive integer r and a numeric lora_alpha, got "
+                                  f"r={cfg.get('r')!r}, lora_alpha={cfg.get('lora_alpha')!r}")
+    return cfg
+
+
+def load_adapter(name: str, path: str | Path, arch, max_rank: int) -> LoraAdapter:
+    """The adapter at ``path`` as float32 tensors on the CPU, every module checked against ``arch`` (the
+    base model's ModelArch): its layer exists, its shapes are the projection's, its rank is at most
+    ``max_rank``."""
+    path = Path(path)
+    if not path.is_dir():
+        raise _refuse(name, path, "no such directory")
+    cfg = read_adapter_config(name, path)
+    weights_file = path / "adapter_model.safetensors"
+    if not weights_file.is_file():
+        bin_hint = " (adapter_model.bin: resave it with safe_serialization=True)" if (
+            path / "adapter_model.bin").exists() else ""
+        raise _refuse(name, path, f"no adapter_model.safetensors{bin_hint}")
+    tensors = load_file(str(weights_file))
+    alpha = float(cfg.get("lora_alpha", 8))
+    rslora = bool(cfg.get("use_rslora"))
+    dims = _projection_dims(arch)
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        m = _KEY.search(key)
+        if m is None or m.group(2) not in TARGETS:
+            raise _refuse(name, path, f"tensor {key!r} is not a LoRA A/B weight of a decoder layer's q/k/v/o or "
+                                      "gate/up/down projection (embedding, LM-head, expert and DoRA adapters are "
+                                      "not supported)")
+        layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
+        if layer >= arch.num_layers:
+            raise _refuse(name, path, f"{key!r}: layer {layer} but the base model has {arch.num_layers} layers")
+        pairs.setdefault((layer, module), {})[ab] = tensor.float()
+    if not pairs:
+        raise _refuse(name, path, "adapter_model.safetensors holds no LoRA weights")
+    modules: dict[tuple[int, str], LoraWeights] = {}
+    for (layer, module), ab in sorted(pairs.items()):
+        where = f"layer {layer} {module}"
+        if set(ab) != {"A", "B"}:
+            raise _refuse(name, path, f"{where}: has lora_{''.join(ab)} without its pair")
+        a, b = ab["A"], ab["B"]
+        out_features, in_features = dims[module]
+        rank = a.shape[0]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_features or b.shape != (out_features, rank):
+            raise _refuse(name, path, f"{where}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the "
+                                      f"base model's projection [{out_features}, {in_features}] (an adapter trained "
+                                      "for another model?)")
+        if rank > max_rank:
+            raise _refuse(name, path, f"{where}: rank {rank} exceeds max_lora_rank {max_rank} (raise "
+                                      "--max-lora-rank)")
+        scale = alpha / (math.sqrt(rank) if rslora else rank)
+        modules[(layer, module)] = LoraWeights(a.contiguous(), b.contiguous(), scale)
+    return LoraAdapter(name, str(path), modules)
+
+
+def _projection_dims(arch) -> dict[str, tuple[int, int]]:
+    """[out_features, in_features] of each targetable projection of one decoder layer."""
+    hidden, inter = arch.hidden_size, arch.intermediate_size
+    q_size, kv_size = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    return {"q_proj": (q_size, hidden), "k_proj": (kv_size, hidden), "v_proj": (kv_size, hidden),
+            "o_proj": (hidden, q_size), "gate_proj": (inter, hidden), "up_proj": (inter, hidden),
+            "down_proj": (hidden, inter)}
