@@ -284,7 +284,8 @@ def _oracle(model_dir: Path, prompts: list[list[int]], num_new: int, device: str
     return out
 
 
-def _ours(model_dir: Path, prompts, num_new: int, device: str, **cfg) -> tuple[list[list[int]], dict]:
+def _ours(model_dir: Path, prompts, num_new: int, device: str, lora_names=None, **cfg) -> tuple[list[list[int]], dict]:
+    """``lora_names``: per prompt, the adapter of ``cfg["lora_modules"]`` it runs with (None: the base model)."""
     from pdcluster.engine.config import EngineConfig
     from pdcluster.engine.llm_engine import LLMEngine
     from pdcluster.engine.sampling_params import SamplingParams
@@ -293,7 +294,9 @@ def _ours(model_dir: Path, prompts, num_new: int, device: str, **cfg) -> tuple[l
                 max_num_seqs=16)
     base.update(cfg)
     engine = LLMEngine.from_config(EngineConfig(**base), progress=False)
-    outs = engine.generate(prompts, SamplingParams(max_tokens=num_new, temperature=0.0, ignore_eos=True))
+    names = lora_names or [None] * len(prompts)
+    outs = engine.generate(prompts, [SamplingParams(max_tokens=num_new, temperature=0.0, ignore_eos=True, lora_name=n)
+                                     for n in names])
     stats = {"num_preemptions": engine.scheduler.num_preemptions_total,
              "num_draft_tokens": sum(o.num_draft_tokens for o in outs),
              "num_accepted_tokens": sum(o.num_accepted_tokens for o in outs),
@@ -301,6 +304,51 @@ def _ours(model_dir: Path, prompts, num_new: int, device: str, **cfg) -> tuple[l
              # Decode steps replayed through CUDA graphs (hybrids too: their Mamba updates in the graph).
              "graph_replays": engine.runner.graphs.num_replays if engine.runner.graphs is not None else 0}
     return [o.token_ids for o in outs], stats
+
+
+def write_random_adapter(model_dir: Path, out: Path, rank: int = 8, seed: int = 7) -> tuple[Path, Path]:
+    """A random LoRA adapter for the Llama model in ``model_dir`` on all seven projections, in PEFT's format
+    (the GPU machine has no peft), and the model with it merged (W + alpha / r * B @ A: transformers' oracle for
+    the adapter). Returns (adapter dir, merged model dir)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    weights = load_file(str(model_dir / "model.safetensors"))
+    gen = torch.Generator().manual_seed(seed)
+    alpha, adapter = 2.0 * rank, {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for part, module in [("self_attn", m) for m in ("q_proj", "k_proj", "v_proj", "o_proj")] + \
+                            [("mlp", m) for m in ("gate_proj", "up_proj", "down_proj")]:
+            name = f"model.layers.{layer}.{part}.{module}"
+            w = weights[f"{name}.weight"]
+            a = torch.randn(rank, w.shape[1], generator=gen) / w.shape[1] ** 0.5
+            b = torch.randn(w.shape[0], rank, generator=gen) * 0.2
+            adapter[f"base_model.model.{name}.lora_A.weight"], adapter[f"base_model.model.{name}.lora_B.weight"] = a, b
+            weights[f"{name}.weight"] = (w.float() + alpha / rank * b @ a).to(w.dtype)
+    lora_dir, merged_dir = out / "adapter", out / "merged"
+    lora_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(model_dir, merged_dir, dirs_exist_ok=True)
+    save_file(adapter, str(lora_dir / "adapter_model.safetensors"))
+    (lora_dir / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": ["q_proj", "k_proj", "v_proj",
+         "o_proj", "gate_proj", "up_proj", "down_proj"], "bias": "none"}))
+    save_file(weights, str(merged_dir / "model.safetensors"), metadata={"format": "pt"})
+    return lora_dir, merged_dir
+
+
+def lora_check(model_dir: Path, prompts, expected_base, num_new: int, device: str, work: Path) -> dict:
+    """A batch of base and adapter requests (engine/lora/) equals transformers on the base and on the merged
+    model; in fp32 on the device, then with CUDA graphs (on by default: adapter steps run eagerly)."""
+    lora_dir, merged_dir = write_random_adapter(model_dir, work / "lora")
+    expected_lora = _oracle(merged_dir, prompts, num_new, device)
+    names = ["a" if i % 2 else None for i in range(len(prompts))]
+    expected = [e_lora if n else e_base for n, e_base, e_lora in zip(names, expected_base, expected_lora)]
+    got, stats = _ours(model_dir, prompts, num_new, device, lora_names=names, lora_modules=(f"a={lora_dir}",))
+    return {"ok": got == expected and stats["blocks_leaked"] == 0 and expected_lora != expected_base,
+            "adapter_changes_output": expected_lora != expected_base, **stats,
+            "first_diff": next(({"prompt": i, "lora": n, "got": g, "expected": e}
+                                for i, (n, g, e) in enumerate(zip(names, got, expected)) if g != e), None)}
 
 
 def correctness_section(entry: dict, device: str, work: Path, quick: bool) -> None:
@@ -351,6 +399,13 @@ def correctness_section(entry: dict, device: str, work: Path, quick: bool) -> No
                 result[vname] = {"ok": False, "error": f"{type(e).__name__}: {e}",
                                  "traceback": traceback.format_exc()[-1500:]}
             all_ok = all_ok and result[vname]["ok"]
+        if name == "tiny-random":
+            try:
+                result["lora"] = lora_check(model_dir, prompts, expected, num_new, device, work)
+            except Exception as e:  # noqa: BLE001
+                result["lora"] = {"ok": False, "error": f"{type(e).__name__}: {e}",
+                                  "traceback": traceback.format_exc()[-1500:]}
+            all_ok = all_ok and result["lora"]["ok"]
         entry[name] = result
     entry["ok"] = all_ok and entry.get("nemotron-h-random", {}).get("ok", True)
 

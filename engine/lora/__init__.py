@@ -49,10 +49,10 @@ def install(model, lora_modules: dict[str, str], max_rank: int) -> LoraSet:
                 if base is None:  # an MoE layer has experts, not gate_up_proj / down_proj
                     raise LoraAdapterError(f"LoRA adapter {adapter.name!r} ({adapter.path}): layer {layer_index} "
                                            "is a mixture-of-experts layer; adapters on experts are not supported")
-                updates[adapter_index] = fused_update(slices, base.out_features, model.dtype, model.device,
-                                                      model.deterministic)
+                updates[adapter_index] = fused_update(slices, base.out_features)
             if updates:
-                setattr(layer, attr, LoraLinear(getattr(layer, attr), lora, updates))
+                setattr(layer, attr, LoraLinear(getattr(layer, attr), lora, updates, model.dtype, model.device,
+                                                model.deterministic))
         # The MLP runs over the step's rows at once: the adapter rows index the whole step.
         layer.chunked_mlp = False
     model.lora = lora

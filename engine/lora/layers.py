@@ -1,14 +1,19 @@
 """Serving many LoRA adapters from one copy of the base weights: each projection of a decoder layer that some
-adapter targets is wrapped in a ``LoraLinear``, which runs the base matmul for the whole batch and then, for
-each adapter in the step, adds that adapter's low-rank update to its rows only (``LoraSet.step`` says which
-rows). The base weights are never merged, so requests of different adapters and of the base model share
-one batch (vLLM's and S-LoRA's multi-LoRA batching), and a step without adapter rows costs nothing more.
+adapter targets is wrapped in a ``LoraLinear``, which runs the base matmul for the whole batch and then adds each
+row's adapter update to that row only (``LoraSet.step`` says which rows have which adapter). The base weights are
+never merged, so requests of different adapters and of the base model share one batch (vLLM's and S-LoRA's
+multi-LoRA batching), and a step without adapter rows costs nothing more.
 
 A fused projection (q/k/v, gate/up: engine/models/llama.py) gets one update per adapter whose A stacks the
-targeted modules' A matrices and whose B is block-diagonal over their output slices, with the
-lora_alpha / r scale folded in: two matmuls per adapter whatever the number of targeted modules. Both are
-``Linear``s like the base's, so in deterministic mode (EngineConfig.deterministic) each row's update, like its
-base output, is a function of that row alone: an adapter request's tokens do not depend on its batch.
+targeted modules' A matrices and whose B is block-diagonal over their output slices, with the lora_alpha / r scale
+folded in: two matmuls per adapter whatever the number of targeted modules.
+
+Two ways to run the updates:
+- grouped (CPU with the C kernels): the adapter rows sorted by adapter, then two grouped GEMMs over every
+  adapter's stacked A and B (kernels/cpu_grouped_mm.py, punica's SGMV shape): four calls per projection
+  whatever the number of adapters in the step, and an adapter with no rows is not read. Those GEMMs are the
+  batch-invariant ones, so a row's update is a function of that row alone;
+- per adapter (CUDA, or without the C kernels): each adapter's two ``Linear``s on its rows.
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ import torch
 
 from pdcluster.engine.linear import Linear
 from pdcluster.engine.lora.adapter import LoraAdapter, LoraWeights
+from pdcluster.kernels import cpu_grouped_mm
 
-# A step's rows per adapter: (adapter index, the rows as a slice when they are one run, else an index tensor).
+# Token rows: a slice when they are one run of the step's tokens, else an index tensor.
 Rows = slice | torch.Tensor
 
 
@@ -32,7 +38,10 @@ class LoraSet:
     def __init__(self, adapters: Sequence[LoraAdapter]):
         self.adapters = list(adapters)
         self.index = {a.name: i for i, a in enumerate(self.adapters)}
-        self.groups: list[tuple[int, Rows]] = []  # empty outside a forward with adapter rows
+        # Set by ``step`` for one forward, empty / None outside it:
+        self.groups: list[tuple[int, Rows]] = []  # (adapter index, its rows), for the per-adapter way
+        self.sorted_rows: Rows | None = None  # every adapter row, sorted by adapter (the grouped way) ...
+        self.offs: torch.Tensor | None = None  # ... adapter e's are sorted_rows[offs[e]:offs[e + 1]]
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -53,27 +62,58 @@ class LoraSet:
                     spans[-1] = (spans[-1][0], end)
                 else:
                     spans.append((start, end))
-        self.groups = [(i, _rows(spans, device)) for i, spans in runs.items()]
+        if runs:
+            self.groups = [(i, _rows(spans, device)) for i, spans in runs.items()]
+            in_order = [span for i in sorted(runs) for span in runs[i]]
+            self.sorted_rows = _rows(in_order, device)
+            counts = np.zeros(len(self.adapters) + 1, dtype=np.int64)
+            for i, spans in runs.items():
+                counts[i + 1] = sum(e - s for s, e in spans)
+            self.offs = torch.from_numpy(np.cumsum(counts))
         try:
-            yield bool(self.groups)
+            yield bool(runs)
         finally:
-            self.groups = []
+            self.groups, self.sorted_rows, self.offs = [], None, None
 
 
 def _rows(spans: list[tuple[int, int]], device: torch.device) -> Rows:
-    if len(spans) == 1:
-        return slice(*spans[0])
-    return torch.cat([torch.arange(s, e, dtype=torch.int64) for s, e in spans]).to(device)
+    merged = [spans[0]]
+    for s, e in spans[1:]:
+        if merged[-1][1] == s:
+            merged[-1] = (merged[-1][0], e)
+        else:
+            merged.append((s, e))
+    if len(merged) == 1:
+        return slice(*merged[0])
+    return torch.cat([torch.arange(s, e, dtype=torch.int64) for s, e in merged]).to(device)
+
+
+def _take(x: torch.Tensor, rows: Rows) -> torch.Tensor:
+    return x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
+
+
+def _add(y: torch.Tensor, rows: Rows, update: torch.Tensor) -> None:
+    if isinstance(rows, slice):
+        y[rows] += update
+    else:
+        y.index_add_(0, rows, update)
 
 
 class LoraLinear:
-    """A base ``Linear`` plus, for the rows of each adapter in the step, ``b(a(x))`` (scale in b)."""
+    """A base ``Linear`` plus, for each adapter row of the step, its adapter's ``b(a(x))`` (scale in b)."""
 
-    def __init__(self, base: Linear, lora: LoraSet, updates: dict[int, tuple[Linear, Linear]]):
+    def __init__(self, base: Linear, lora: LoraSet, updates: dict[int, tuple[torch.Tensor, torch.Tensor]],
+                 dtype: torch.dtype, device: torch.device, deterministic: bool):
+        """``updates``: adapter index -> (a [rank, in], b [out, rank]) float32, for the adapters that target
+        this projection."""
         self.base = base
         self.lora = lora
-        self.updates = updates  # adapter index -> (a: [rank, in], b: [out, rank]); adapters that target it only
         self.out_features, self.in_features = base.out_features, base.in_features
+        self.grouped = _pack_grouped(updates, len(lora.adapters), dtype, device)
+        self.updates: dict[int, tuple[Linear, Linear]] = {}
+        if self.grouped is None:
+            make = lambda t: Linear(t.to(dtype).to(device).contiguous(), deterministic=deterministic)  # noqa: E731
+            self.updates = {i: (make(a), make(b)) for i, (a, b) in updates.items()}
 
     @property
     def weight(self):  # what other code reads of the base (the MTP head, the profiler's byte counts)
@@ -85,22 +125,43 @@ class LoraLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        for index, rows in self.lora.groups:
+        lora = self.lora
+        if lora.offs is None:
+            return y
+        if self.grouped is not None:
+            a, b = self.grouped
+            rows = lora.sorted_rows
+            xa = cpu_grouped_mm.grouped_linear_bi(_take(x, rows).to(a.dtype), a, lora.offs)
+            _add(y, rows, cpu_grouped_mm.grouped_linear_bi(xa, b, lora.offs).to(y.dtype))
+            return y
+        for index, rows in lora.groups:
             update = self.updates.get(index)
-            if update is None:
-                continue
-            a, b = update
-            if isinstance(rows, slice):
-                y[rows] += b(a(x[rows])).to(y.dtype)
-            else:
-                y.index_add_(0, rows, b(a(x.index_select(0, rows))).to(y.dtype))
+            if update is not None:
+                a, b = update
+                _add(y, rows, b(a(_take(x, rows))).to(y.dtype))
         return y
 
 
-def fused_update(slices: Sequence[tuple[int, int, LoraWeights | None]], out_features: int,
-                 dtype: torch.dtype, device: torch.device, deterministic: bool) -> tuple[Linear, Linear]:
-    """One adapter's update of a fused projection: ``slices`` are (output offset, width, that module's weights
-    or None where the adapter leaves it alone)."""
+def _pack_grouped(updates: dict[int, tuple[torch.Tensor, torch.Tensor]], num_adapters: int, dtype: torch.dtype,
+                  device: torch.device) -> tuple[cpu_grouped_mm.PackedExperts, cpu_grouped_mm.PackedExperts] | None:
+    """Every adapter's a and b stacked for the grouped GEMM, ranks zero-padded to the largest (an adapter that
+    leaves this projection alone: all zeros); None where that GEMM does not run (not the CPU, no C kernels)."""
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32) or not cpu_grouped_mm.available():
+        return None
+    (a0, b0), rank = next(iter(updates.values())), max(a.shape[0] for a, _ in updates.values())
+    a_stack = torch.zeros(num_adapters, rank, a0.shape[1])
+    b_stack = torch.zeros(num_adapters, b0.shape[0], rank)
+    for i, (a, b) in updates.items():
+        a_stack[i, : a.shape[0]] = a
+        b_stack[i, :, : b.shape[1]] = b
+    a_packed, b_packed = cpu_grouped_mm.pack_experts(a_stack.to(dtype)), cpu_grouped_mm.pack_experts(b_stack.to(dtype))
+    return None if a_packed is None or b_packed is None else (a_packed, b_packed)
+
+
+def fused_update(slices: Sequence[tuple[int, int, LoraWeights | None]], out_features: int) -> tuple[torch.Tensor,
+                                                                                                    torch.Tensor]:
+    """One adapter's update of a fused projection, float32 (a [rank, in], b [out, rank], the scale in b):
+    ``slices`` are (output offset, width, that module's weights or None where the adapter leaves it alone)."""
     present = [(offset, width, w) for offset, width, w in slices if w is not None]
     a = torch.cat([w.a for _, _, w in present])
     b = torch.zeros(out_features, a.shape[0], dtype=torch.float32)
@@ -108,5 +169,4 @@ def fused_update(slices: Sequence[tuple[int, int, LoraWeights | None]], out_feat
     for offset, width, w in present:
         b[offset : offset + width, col : col + w.rank] = w.b * w.scale
         col += w.rank
-    make = lambda t: Linear(t.to(dtype).to(device).contiguous(), deterministic=deterministic)  # noqa: E731
-    return make(a), make(b)
+    return a, b
