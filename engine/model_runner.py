@@ -18,7 +18,6 @@ outputs (S4).
 from __future__ import annotations
 
 import contextlib
-
 from collections import deque
 from dataclasses import dataclass, field
 

@@ -55,9 +55,13 @@ GROUPED_GEMM_BI_SIGNATURES = {  # kernels/csrc/grouped_gemm_bi.c: the MoE's grou
     "pd_grouped_gemm_bi": [_c_int, _ptr, _c_i64, _ptr, _c_i64, _ptr, _c_i64, _c_i64, _ptr, _c_i64, _c_int, _c_int,
                            _c_int],
 }
+LORA_BI_SIGNATURES = {  # kernels/csrc/lora_bi.c: multi-LoRA updates (kernels/cpu_lora.py)
+    "pd_lora_bi": [_c_int, _ptr, _c_i64, _ptr, _ptr, _c_i64, _ptr, _c_i64, _ptr, _c_i64, _c_i64, _ptr, _c_i64, _c_int,
+                   _c_int],
+}
 # source -> the functions it defines; the first is required, the others optional (see the docstring)
 SOURCES = {SOURCE: CORE_SIGNATURES, CSRC / "gemm_bi.c": GEMM_BI_SIGNATURES,
-           CSRC / "grouped_gemm_bi.c": GROUPED_GEMM_BI_SIGNATURES}
+           CSRC / "grouped_gemm_bi.c": GROUPED_GEMM_BI_SIGNATURES, CSRC / "lora_bi.c": LORA_BI_SIGNATURES}
 SIGNATURES = {name: argtypes for signatures in SOURCES.values() for name, argtypes in signatures.items()}
 
 

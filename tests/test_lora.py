@@ -80,8 +80,17 @@ def _params(name, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True, lora_name=name, **kw)
 
 
-def test_adapters_match_peft_in_one_batch_float32(adapters, references):
+@pytest.mark.parametrize("way", ["grouped", "per_adapter"])
+def test_adapters_match_peft_in_one_batch_float32(adapters, references, way, monkeypatch):
+    """Both ways of running the updates (engine/lora/layers.py): the C kernel's (CPU) and each adapter's own
+    matmuls (what CUDA runs; here with the C kernel made unavailable)."""
+    from pdcluster.engine.lora import layers
+
+    if way == "per_adapter":
+        monkeypatch.setattr(layers.cpu_lora, "available", lambda: False)
     engine = make_engine(MODEL, dtype="float32", lora_modules=_modules(adapters))
+    wrapped = engine.model.layers[0].qkv_proj
+    assert (wrapped.grouped is not None) == (way == "grouped") and bool(wrapped.updates) == (way == "per_adapter")
     jobs = [(name, i) for i in range(len(PROMPTS)) for name in (None, "a1", "a2")]
     outs = engine.generate([PROMPTS[i] for _, i in jobs], [_params(name) for name, _ in jobs])
     for (name, i), out in zip(jobs, outs):
@@ -97,10 +106,15 @@ def _run_alone_and_together(engine, jobs):
     return alone, together
 
 
-def test_mixed_batch_is_bitwise_each_request_alone_bf16(adapters):
+@pytest.mark.parametrize("way", ["grouped", "per_adapter"])
+def test_mixed_batch_is_bitwise_each_request_alone_bf16(adapters, way, monkeypatch):
     """Deterministic bf16, prefix caching off (every run computes every token): a batch of base, a1 and a2
     requests, chunked prefills beside decodes, gives each request exactly its tokens alone. A row that got
     another row's adapter, or none, would differ (the rows are found by the step's token offsets)."""
+    from pdcluster.engine.lora import layers
+
+    if way == "per_adapter":
+        monkeypatch.setattr(layers.cpu_lora, "available", lambda: False)
     engine = make_engine(MODEL, dtype="bfloat16", deterministic=True, enable_prefix_caching=False,
                          prefill_chunk_size=16, lora_modules=_modules(adapters))
     jobs = [(PROMPTS[i % 3], _params(name)) for i, name in enumerate(["a1", None, "a2", "a1", "a2", None, "a1"])]

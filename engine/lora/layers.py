@@ -9,10 +9,10 @@ targeted modules' A matrices and whose B is block-diagonal over their output sli
 folded in: two matmuls per adapter whatever the number of targeted modules.
 
 Two ways to run the updates:
-- grouped (CPU with the C kernels): the adapter rows sorted by adapter, then two grouped GEMMs over every
-  adapter's stacked A and B (kernels/cpu_grouped_mm.py, punica's SGMV shape): four calls per projection
-  whatever the number of adapters in the step, and an adapter with no rows is not read. Those GEMMs are the
-  batch-invariant ones, so a row's update is a function of that row alone;
+- grouped (CPU with the C kernels): one call per projection whatever the number of adapters in the step
+  (kernels/cpu_lora.py: the rows sorted by adapter, punica's SGMV shape, over every adapter's stacked A and B),
+  an adapter with no rows not read. Its GEMMs are the batch-invariant ones, so a row's update is a function of
+  that row alone;
 - per adapter (CUDA, or without the C kernels): each adapter's two ``Linear``s on its rows.
 """
 
@@ -26,7 +26,7 @@ import torch
 
 from pdcluster.engine.linear import Linear
 from pdcluster.engine.lora.adapter import LoraAdapter, LoraWeights
-from pdcluster.kernels import cpu_grouped_mm
+from pdcluster.kernels import cpu_grouped_mm, cpu_lora
 
 # Token rows: a slice when they are one run of the step's tokens, else an index tensor.
 Rows = slice | torch.Tensor
@@ -40,8 +40,7 @@ class LoraSet:
         self.index = {a.name: i for i, a in enumerate(self.adapters)}
         # Set by ``step`` for one forward, empty / None outside it:
         self.groups: list[tuple[int, Rows]] = []  # (adapter index, its rows), for the per-adapter way
-        self.sorted_rows: Rows | None = None  # every adapter row, sorted by adapter (the grouped way) ...
-        self.offs: torch.Tensor | None = None  # ... adapter e's are sorted_rows[offs[e]:offs[e + 1]]
+        self.sorted_rows: cpu_lora.LoraRows | None = None  # every adapter row, sorted by adapter (the grouped way)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -64,16 +63,17 @@ class LoraSet:
                     spans.append((start, end))
         if runs:
             self.groups = [(i, _rows(spans, device)) for i, spans in runs.items()]
-            in_order = [span for i in sorted(runs) for span in runs[i]]
-            self.sorted_rows = _rows(in_order, device)
             counts = np.zeros(len(self.adapters) + 1, dtype=np.int64)
             for i, spans in runs.items():
                 counts[i + 1] = sum(e - s for s, e in spans)
-            self.offs = torch.from_numpy(np.cumsum(counts))
+            self.sorted_rows = cpu_lora.LoraRows.of(
+                torch.from_numpy(np.concatenate([np.arange(s, e, dtype=np.int64) for i in sorted(runs)
+                                                 for s, e in runs[i]])),
+                torch.from_numpy(np.cumsum(counts)), int(query_start_loc_np[len(adapter_of_row)]))
         try:
             yield bool(runs)
         finally:
-            self.groups, self.sorted_rows, self.offs = [], None, None
+            self.groups, self.sorted_rows = [], None
 
 
 def _rows(spans: list[tuple[int, int]], device: torch.device) -> Rows:
@@ -126,13 +126,12 @@ class LoraLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         lora = self.lora
-        if lora.offs is None:
+        if not lora.groups:
             return y
         if self.grouped is not None:
-            a, b = self.grouped
-            rows = lora.sorted_rows
-            xa = cpu_grouped_mm.grouped_linear_bi(_take(x, rows).to(a.dtype), a, lora.offs)
-            _add(y, rows, cpu_grouped_mm.grouped_linear_bi(xa, b, lora.offs).to(y.dtype))
+            if not cpu_lora.lora_update_bi(y, x, lora.sorted_rows, *self.grouped):  # never silently without it
+                raise RuntimeError(f"LoRA update refused for x {tuple(x.shape)} {x.dtype} -> y {tuple(y.shape)} "
+                                   f"{y.dtype} over {lora.sorted_rows.num_rows} step rows")
             return y
         for index, rows in lora.groups:
             update = self.updates.get(index)
@@ -146,7 +145,7 @@ def _pack_grouped(updates: dict[int, tuple[torch.Tensor, torch.Tensor]], num_ada
                   device: torch.device) -> tuple[cpu_grouped_mm.PackedExperts, cpu_grouped_mm.PackedExperts] | None:
     """Every adapter's a and b stacked for the grouped GEMM, ranks zero-padded to the largest (an adapter that
     leaves this projection alone: all zeros); None where that GEMM does not run (not the CPU, no C kernels)."""
-    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32) or not cpu_grouped_mm.available():
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32) or not cpu_lora.available():
         return None
     (a0, b0), rank = next(iter(updates.values())), max(a.shape[0] for a, _ in updates.values())
     a_stack = torch.zeros(num_adapters, rank, a0.shape[1])
