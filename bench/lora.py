@@ -79,8 +79,8 @@ def ours(spec: dict, model: str, threads: int) -> dict:
         return run
 
     result = measure_scenarios(runner(served), spec["prompts"], spec["scenarios"], spec["output_len"], spec["repeats"])
-    alone = measure_scenarios(runner(plain), spec["prompts"], {"no_adapters_loaded": spec["scenarios"]["base_requests"]},
-                              spec["output_len"], spec["repeats"])
+    unused = {"no_adapters_loaded": spec["scenarios"]["base_requests"]}
+    alone = measure_scenarios(runner(plain), spec["prompts"], unused, spec["output_len"], spec["repeats"])
     result["scenarios"]["no_adapters_loaded"] = alone["scenarios"]["no_adapters_loaded"]
     result["dtype"], result["deterministic"] = served.dtype_name, served.deterministic
     return result

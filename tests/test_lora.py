@@ -167,6 +167,34 @@ def test_unknown_adapter_name_is_refused(adapters):
     assert not engine.has_unfinished() and not bare.has_unfinished()
 
 
+def test_an_adapter_changed_under_its_name_is_another_fingerprint(adapters, tmp_path):
+    """Workers compare the model fingerprint before they exchange KV (kv_transfer/protocol.py check_compatible),
+    and the disk tier keeps its blocks under a namespace: both cover each adapter's content, so a prefill and a
+    decode worker with different files under one name do not pair, and KV kept on disk is not read back after
+    the adapter changed."""
+    from pdcluster.engine.kv_offload.events import layout_namespace
+    from pdcluster.node.endpoint import endpoint_config
+    from pdcluster.kv_transfer.config import TransferConfig
+
+    class NoTransport:
+        def local_descriptor(self):
+            return {}
+
+    def identity(path: str) -> tuple[str, str]:
+        loaded = _load(path)
+        fp = endpoint_config("w", loaded, TransferConfig(), NoTransport()).model_fingerprint
+        lora_fingerprint = loaded.model.lora.fingerprint
+        return fp, layout_namespace(str(loaded.model_dir), loaded.dtype_name, loaded.kv_cache, lora_fingerprint)
+
+    same = _copy(adapters["a1"], tmp_path / "same")
+    doubled = lambda w: {**w, _first(w, "v_proj.lora_B.weight"): w[_first(w, "v_proj.lora_B.weight")] * 2}  # noqa: E731
+    changed = _copy(adapters["a1"], tmp_path / "changed", tensors=doubled)
+    first = identity(adapters["a1"])
+    assert identity(same) == first
+    changed_fp, changed_ns = identity(changed)
+    assert changed_fp != first[0] and changed_ns != first[1]
+
+
 # ------------------------------------------------------------------------------ refused adapters
 
 

@@ -41,16 +41,19 @@ class KVEventLog:
         return events
 
 
-def layout_namespace(model_dir: str, dtype_name: str, kv_cache: torch.Tensor) -> str:
-    """The disk tier's folder for this KV layout: another model's or shape's blocks are never read as ours."""
+def layout_namespace(model_dir: str, dtype_name: str, kv_cache: torch.Tensor, lora_fingerprint: str = "") -> str:
+    """The disk tier's folder for this KV layout: another model's or shape's blocks are never read as ours, nor
+    blocks made by other LoRA adapters (a changed adapter file) under a name we serve."""
     key = f"{model_dir}|{dtype_name}|{tuple(kv_cache.shape[:2])}|{tuple(kv_cache.shape[3:])}"
+    if lora_fingerprint:
+        key += f"|lora:{lora_fingerprint}"
     return hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
 
 
 def make_offload_manager(config: EngineConfig, kv_cache: torch.Tensor, model_dir: str, dtype_name: str,
-                         events: KVEventLog) -> OffloadManager | None:
+                         events: KVEventLog, lora_fingerprint: str = "") -> OffloadManager | None:
     offload = config.offload_config()
     if not offload.enabled:
         return None
-    return OffloadManager(offload, kv_cache, layout_namespace(model_dir, dtype_name, kv_cache),
+    return OffloadManager(offload, kv_cache, layout_namespace(model_dir, dtype_name, kv_cache, lora_fingerprint),
                           on_event=events.on_offload_event)

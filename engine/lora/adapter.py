@@ -10,6 +10,7 @@ biases, DoRA, per-module alphas, fan_in_fan_out weights, experts of an MoE layer
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load
 
 # The projections an adapter may target, by Hugging Face module name, and the fused matmul each lands in
 # (engine/models/llama.py fuses q/k/v and gate/up at load time).
@@ -49,6 +50,9 @@ class LoraAdapter:
     path: str
     # (layer index, HF module name: "q_proj", ...) -> its update
     modules: dict[tuple[int, str], LoraWeights]
+    # Of its files' contents: workers that exchange KV must hold the same adapter under each name, and KV
+    # kept on disk must not outlive a change of it (engine/lora/__init__.py fingerprint).
+    digest: str = ""
 
     @property
     def max_rank(self) -> int:
@@ -101,7 +105,9 @@ def load_adapter(name: str, path: str | Path, arch, max_rank: int) -> LoraAdapte
         bin_hint = " (adapter_model.bin: resave it with safe_serialization=True)" if (
             path / "adapter_model.bin").exists() else ""
         raise _refuse(name, path, f"no adapter_model.safetensors{bin_hint}")
-    tensors = load_file(str(weights_file))
+    weights_bytes = weights_file.read_bytes()
+    tensors = load(weights_bytes)
+    digest = hashlib.sha256((path / "adapter_config.json").read_bytes() + weights_bytes).hexdigest()[:16]
     alpha = float(cfg.get("lora_alpha", 8))
     rslora = bool(cfg.get("use_rslora"))
     dims = _projection_dims(arch)
@@ -135,7 +141,7 @@ def load_adapter(name: str, path: str | Path, arch, max_rank: int) -> LoraAdapte
                                       "--max-lora-rank)")
         scale = alpha / (math.sqrt(rank) if rslora else rank)
         modules[(layer, module)] = LoraWeights(a.contiguous(), b.contiguous(), scale)
-    return LoraAdapter(name, str(path), modules)
+    return LoraAdapter(name, str(path), modules, digest)
 
 
 def _projection_dims(arch) -> dict[str, tuple[int, int]]:

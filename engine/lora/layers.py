@@ -46,6 +46,12 @@ class LoraSet:
     def names(self) -> tuple[str, ...]:
         return tuple(self.index)
 
+    @property
+    def fingerprint(self) -> str:
+        """Each adapter's name and content digest: part of the model fingerprint two workers compare before
+        they exchange KV, and of the disk tier's namespace."""
+        return ",".join(f"{a.name}:{a.digest}" for a in self.adapters)
+
     @contextmanager
     def step(self, adapter_of_row: np.ndarray, query_start_loc_np: np.ndarray,
              device: torch.device) -> Iterator[bool]:
