@@ -81,6 +81,10 @@ class Metrics:
         self.prompt_tokens_cached = {tier: cached.labels(model_name, tier) for tier in CACHE_TIERS}
         self._success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
                                 m + ["finished_reason"], registry=r)
+        self._lora_requests = Counter(PREFIX + "lora_requests", "Finished requests that ran with a LoRA adapter, by "
+                                      "adapter.", m + ["lora_name"], registry=r)
+        self._lora_tokens = Counter(PREFIX + "lora_generation_tokens", "Tokens generated with a LoRA adapter, by "
+                                    "adapter.", m + ["lora_name"], registry=r)
         self.spec_draft = model_counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
         self.spec_accepted = model_counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
         self._kv_bytes = Counter(PREFIX + "kv_transfer_bytes", "KV cache bytes moved from prefill to decode.",
@@ -120,9 +124,10 @@ class Metrics:
 
     def on_finish(self, e2e_s: float, num_prompt_tokens: int, num_output_tokens: int, finish_reason: str,
                   num_draft_tokens: int = 0, num_accepted_tokens: int = 0, num_cached_tokens: int = 0,
-                  num_offloaded_tokens: int = 0) -> None:
+                  num_offloaded_tokens: int = 0, lora_name: str | None = None) -> None:
         """``num_cached_tokens``: of the prompt's, served from a cache; ``num_offloaded_tokens``: of those,
-        loaded back from an offload tier (the rest were in the device pool)."""
+        loaded back from an offload tier (the rest were in the device pool); ``lora_name``: the request's LoRA
+        adapter (None: the base model)."""
         self.e2e.observe(e2e_s)
         self.prompt_tokens.observe(num_prompt_tokens)
         self.generation_tokens.observe(num_output_tokens)
@@ -132,6 +137,9 @@ class Metrics:
         self.prompt_tokens_cached["offload"].inc(offloaded)
         self.generation_tokens_total.inc(num_output_tokens)
         self._success.labels(self.model_name, finish_reason or "unknown").inc()
+        if lora_name is not None:
+            self._lora_requests.labels(self.model_name, lora_name).inc()
+            self._lora_tokens.labels(self.model_name, lora_name).inc(num_output_tokens)
         if num_draft_tokens:
             self.spec_draft.inc(num_draft_tokens)
             self.spec_accepted.inc(num_accepted_tokens)

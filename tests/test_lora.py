@@ -272,6 +272,7 @@ def test_rank_limit_missing_files_and_other_models_are_refused(adapters, tmp_pat
 
 
 def test_openai_model_field_picks_the_adapter(adapters, references):
+    import httpx
     import openai
 
     from pdcluster.cluster.api.app import build_app
@@ -290,6 +291,13 @@ def test_openai_model_field_picks_the_adapter(adapters, references):
                 assert resp.model == name
                 assert resp.choices[0].text == tokenizer.decode(want)
                 assert resp.usage.completion_tokens == NUM_TOKENS
+            # Per-adapter counters on /metrics: one request of NUM_TOKENS tokens each.
+            metrics = httpx.get(base_url + "/metrics").text
+            for name in ("a1", "a2"):
+                assert f'pdcluster:lora_requests_total{{lora_name="{name}",model_name="{MODEL}"}} 1.0' in metrics
+                assert (f'pdcluster:lora_generation_tokens_total{{lora_name="{name}",model_name="{MODEL}"}} '
+                        f'{float(NUM_TOKENS)}') in metrics
+            assert f'lora_name="{MODEL}"' not in metrics
             cards = {m.id: m for m in client.models.list().data}
             assert list(cards) == [MODEL, "a1", "a2"]
             assert cards["a1"].parent == MODEL and cards[MODEL].parent is None

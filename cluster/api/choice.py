@@ -157,4 +157,4 @@ class ChoiceRun:
             if self._started:  # a request refused at admission is no finished request
                 self.metrics.on_finish(time.monotonic() - self.prep.arrival, len(self.request.prompt.token_ids),
                                        self.num_output, self.finish_reason, self.num_draft, self.num_accepted,
-                                       self.num_cached, self.num_offloaded)
+                                       self.num_cached, self.num_offloaded, self.request.params.lora_name)
