@@ -100,6 +100,22 @@ def test_adapters_match_peft_in_one_batch_float32(adapters, references, way, mon
         assert references[("a1", i)] != references[(None, i)] and references[("a2", i)] != references[(None, i)]
 
 
+@pytest.mark.parametrize("variant", ["chunked+preemption", "async_scheduling"])
+def test_adapters_through_preemption_and_async_scheduling(adapters, references, variant):
+    """A pool too small for the batch (requests preempted and recomputed, with their adapter) and chunked
+    prefills; async scheduling (steps launched ahead, CUDA's default): every request still gets peft's tokens."""
+    kw = (dict(num_kv_blocks=8, prefill_chunk_size=7, max_num_batched_tokens=32) if variant == "chunked+preemption"
+          else dict(async_scheduling=True))
+    engine = make_engine(MODEL, dtype="float32", lora_modules=_modules(adapters), **kw)
+    jobs = [(name, i) for i in range(len(PROMPTS)) for name in ("a1", None, "a2")]
+    outs = engine.generate([PROMPTS[i] for _, i in jobs], [_params(name) for name, _ in jobs])
+    assert [o.token_ids for o in outs] == [references[job] for job in jobs]
+    if variant == "chunked+preemption":
+        assert engine.scheduler.num_preemptions_total > 0
+    else:
+        assert engine.num_steps_launched_ahead > 0
+
+
 def _run_alone_and_together(engine, jobs):
     alone = [engine.generate([p], [sp])[0].token_ids for p, sp in jobs]
     together = [o.token_ids for o in engine.generate([p for p, _ in jobs], [sp for _, sp in jobs])]
