@@ -56,8 +56,8 @@ GROUPED_GEMM_BI_SIGNATURES = {  # kernels/csrc/grouped_gemm_bi.c: the MoE's grou
                            _c_int],
 }
 LORA_BI_SIGNATURES = {  # kernels/csrc/lora_bi.c: multi-LoRA updates (kernels/cpu_lora.py)
-    "pd_lora_bi": [_c_int, _ptr, _c_i64, _ptr, _ptr, _c_i64, _ptr, _c_i64, _ptr, _c_i64, _c_i64, _ptr, _c_i64, _c_int,
-                   _c_int],
+    "pd_lora_bi": [_c_int, _ptr, _c_i64, _ptr, _ptr, _c_i64, _ptr, _c_i64, _c_i64, _c_i64, _ptr, _ptr, _ptr, _c_i64,
+                   _c_int, _c_int],
 }
 # source -> the functions it defines; the first is required, the others optional (see the docstring)
 SOURCES = {SOURCE: CORE_SIGNATURES, CSRC / "gemm_bi.c": GEMM_BI_SIGNATURES,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 
 from pdcluster.engine.lora.adapter import TARGETS, LoraAdapter, LoraAdapterError, load_adapter
-from pdcluster.engine.lora.layers import LoraLinear, LoraSet, fused_update
+from pdcluster.engine.lora.layers import LoraLinear, LoraSet, slice_updates
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def install(model, lora_modules: dict[str, str], max_rank: int) -> LoraSet:
                 if base is None:  # an MoE layer has experts, not gate_up_proj / down_proj
                     raise LoraAdapterError(f"LoRA adapter {adapter.name!r} ({adapter.path}): layer {layer_index} "
                                            "is a mixture-of-experts layer; adapters on experts are not supported")
-                updates[adapter_index] = fused_update(slices, base.out_features)
+                updates[adapter_index] = slice_updates(slices)
             if updates:
                 setattr(layer, attr, LoraLinear(getattr(layer, attr), lora, updates, model.dtype, model.device,
                                                 model.deterministic))

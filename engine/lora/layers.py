@@ -4,16 +4,17 @@ row's adapter update to that row only (``LoraSet.step`` says which rows have whi
 never merged, so requests of different adapters and of the base model share one batch (vLLM's and S-LoRA's
 multi-LoRA batching), and a step without adapter rows costs nothing more.
 
-A fused projection (q/k/v, gate/up: engine/models/llama.py) gets one update per adapter whose A stacks the
-targeted modules' A matrices and whose B is block-diagonal over their output slices, with the lora_alpha / r scale
-folded in: two matmuls per adapter whatever the number of targeted modules.
+A fused projection (q/k/v, gate/up: engine/models/llama.py) has one update per adapter: its targeted modules' A
+matrices stacked (one low-rank product for all of them) and each module's B on its slice of the output, with the
+lora_alpha / r scale folded in.
 
 Two ways to run the updates:
 - grouped (CPU with the C kernels): one call per projection whatever the number of adapters in the step
   (kernels/cpu_lora.py: the rows sorted by adapter, punica's SGMV shape, over every adapter's stacked A and B),
   an adapter with no rows not read. Its GEMMs are the batch-invariant ones, so a row's update is a function of
   that row alone;
-- per adapter (CUDA, or without the C kernels): each adapter's two ``Linear``s on its rows.
+- per adapter (CUDA, or without the C kernels): each adapter's two ``Linear``s on its rows (B block-diagonal
+  over the slices: two matmuls whatever the number of targeted modules).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 
 from pdcluster.engine.linear import Linear
 from pdcluster.engine.lora.adapter import LoraAdapter, LoraWeights
-from pdcluster.kernels import cpu_grouped_mm, cpu_lora
+from pdcluster.kernels import cpu_lora
 
 # Token rows: a slice when they are one run of the step's tokens, else an index tensor.
 Rows = slice | torch.Tensor
@@ -105,21 +106,29 @@ def _add(y: torch.Tensor, rows: Rows, update: torch.Tensor) -> None:
         y.index_add_(0, rows, update)
 
 
-class LoraLinear:
-    """A base ``Linear`` plus, for each adapter row of the step, its adapter's ``b(a(x))`` (scale in b)."""
+# One adapter's update of one projection: per output slice (offset, width, a [rank, in] or None, b [width, rank]
+# with the scale folded in, or None), float32; the slices are q, k, v of a fused qkv, gate and up, or one.
+SliceUpdates = list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]]
 
-    def __init__(self, base: Linear, lora: LoraSet, updates: dict[int, tuple[torch.Tensor, torch.Tensor]],
-                 dtype: torch.dtype, device: torch.device, deterministic: bool):
-        """``updates``: adapter index -> (a [rank, in], b [out, rank]) float32, for the adapters that target
-        this projection."""
+
+class LoraLinear:
+    """A base ``Linear`` plus, for each adapter row of the step, its adapter's update."""
+
+    def __init__(self, base: Linear, lora: LoraSet, updates: dict[int, SliceUpdates], dtype: torch.dtype,
+                 device: torch.device, deterministic: bool):
+        """``updates``: adapter index -> its update, for the adapters that target this projection."""
         self.base = base
         self.lora = lora
         self.out_features, self.in_features = base.out_features, base.in_features
-        self.grouped = _pack_grouped(updates, len(lora.adapters), dtype, device)
+        self.grouped = None
+        if device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and cpu_lora.available():
+            self.grouped = cpu_lora.pack_lora(updates, len(lora.adapters), self.out_features, dtype)
         self.updates: dict[int, tuple[Linear, Linear]] = {}
         if self.grouped is None:
             make = lambda t: Linear(t.to(dtype).to(device).contiguous(), deterministic=deterministic)  # noqa: E731
-            self.updates = {i: (make(a), make(b)) for i, (a, b) in updates.items()}
+            for i, slices in updates.items():
+                a, b = _block_diagonal(slices, self.out_features)
+                self.updates[i] = (make(a), make(b))
 
     @property
     def weight(self):  # what other code reads of the base (the MTP head, the profiler's byte counts)
@@ -135,7 +144,7 @@ class LoraLinear:
         if not lora.groups:
             return y
         if self.grouped is not None:
-            if not cpu_lora.lora_update_bi(y, x, lora.sorted_rows, *self.grouped):  # never silently without it
+            if not cpu_lora.lora_update_bi(y, x, lora.sorted_rows, self.grouped):  # never silently without it
                 raise RuntimeError(f"LoRA update refused for x {tuple(x.shape)} {x.dtype} -> y {tuple(y.shape)} "
                                    f"{y.dtype} over {lora.sorted_rows.num_rows} step rows")
             return y
@@ -147,31 +156,21 @@ class LoraLinear:
         return y
 
 
-def _pack_grouped(updates: dict[int, tuple[torch.Tensor, torch.Tensor]], num_adapters: int, dtype: torch.dtype,
-                  device: torch.device) -> tuple[cpu_grouped_mm.PackedExperts, cpu_grouped_mm.PackedExperts] | None:
-    """Every adapter's a and b stacked for the grouped GEMM, ranks zero-padded to the largest (an adapter that
-    leaves this projection alone: all zeros); None where that GEMM does not run (not the CPU, no C kernels)."""
-    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32) or not cpu_lora.available():
-        return None
-    (a0, b0), rank = next(iter(updates.values())), max(a.shape[0] for a, _ in updates.values())
-    a_stack = torch.zeros(num_adapters, rank, a0.shape[1])
-    b_stack = torch.zeros(num_adapters, b0.shape[0], rank)
-    for i, (a, b) in updates.items():
-        a_stack[i, : a.shape[0]] = a
-        b_stack[i, :, : b.shape[1]] = b
-    a_packed, b_packed = cpu_grouped_mm.pack_experts(a_stack.to(dtype)), cpu_grouped_mm.pack_experts(b_stack.to(dtype))
-    return None if a_packed is None or b_packed is None else (a_packed, b_packed)
-
-
-def fused_update(slices: Sequence[tuple[int, int, LoraWeights | None]], out_features: int) -> tuple[torch.Tensor,
-                                                                                                    torch.Tensor]:
-    """One adapter's update of a fused projection, float32 (a [rank, in], b [out, rank], the scale in b):
-    ``slices`` are (output offset, width, that module's weights or None where the adapter leaves it alone)."""
-    present = [(offset, width, w) for offset, width, w in slices if w is not None]
-    a = torch.cat([w.a for _, _, w in present])
+def _block_diagonal(slices: SliceUpdates, out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The update as two matrices (the per-adapter way): a [rank, in] the slices' A stacked, b [out, rank]
+    block-diagonal over the slices' outputs."""
+    present = [(offset, width, a, b) for offset, width, a, b in slices if a is not None]
+    a = torch.cat([a for _, _, a, _ in present])
     b = torch.zeros(out_features, a.shape[0], dtype=torch.float32)
     col = 0
-    for offset, width, w in present:
-        b[offset : offset + width, col : col + w.rank] = w.b * w.scale
-        col += w.rank
+    for offset, width, a_s, b_s in present:
+        b[offset : offset + width, col : col + a_s.shape[0]] = b_s
+        col += a_s.shape[0]
     return a, b
+
+
+def slice_updates(slices: Sequence[tuple[int, int, LoraWeights | None]]) -> SliceUpdates:
+    """One adapter's update of a projection from its modules' weights: ``slices`` are (output offset, width,
+    that module's weights or None where the adapter leaves it alone)."""
+    return [(offset, width, None, None) if w is None else (offset, width, w.a, w.b * w.scale)
+            for offset, width, w in slices]
