@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from pdcluster.engine.lora.adapter import TARGETS, LoraAdapter, LoraAdapterError, load_adapter
+from pdcluster.engine.lora.adapter import LoraAdapter, LoraAdapterError, load_adapter
 from pdcluster.engine.lora.layers import LoraLinear, LoraSet, slice_updates
 
 log = logging.getLogger(__name__)
@@ -20,41 +20,41 @@ __all__ = ["LoraAdapter", "LoraAdapterError", "LoraSet", "install"]
 
 
 def install(model, lora_modules: dict[str, str], max_rank: int) -> LoraSet:
-    """Load every adapter of ``lora_modules`` ({name: path}) and wrap the projections they target on
-    ``model`` (a LlamaModel: Llama family, Qwen3); sets and returns ``model.lora``."""
-    from pdcluster.engine.models.llama import LlamaModel
-
-    if not isinstance(model, LlamaModel):
-        raise LoraAdapterError(f"LoRA adapters run on Llama-family and Qwen3 models; {type(model).__name__} "
-                               "is not one (drop --lora-modules)")
-    adapters = [load_adapter(name, path, model.arch, max_rank) for name, path in lora_modules.items()]
+    """Load every adapter of ``lora_modules`` ({name: path}), check each against ``model`` (its layers, its
+    projections' shapes: ``model.lora_targets()``), and wrap the projections they target; sets and returns
+    ``model.lora``."""
+    targets = model.lora_targets()
+    if targets is None:
+        raise LoraAdapterError(f"LoRA adapters run on Llama-family, Qwen3 and NemotronH models; "
+                               f"{type(model).__name__} is not one (drop --lora-modules)")
+    adapters = [load_adapter(name, path, max_rank) for name, path in lora_modules.items()]
+    where = {(layer, name): (offset, width, getattr(owner, attr).in_features)
+             for layer, owner, attr, slices in targets for name, offset, width in slices}
+    num_layers = len(model.layers)
+    for adapter in adapters:
+        for (layer, module), w in adapter.modules.items():
+            refuse = f"LoRA adapter {adapter.name!r} ({adapter.path}): layer {layer} {module}: "
+            if layer >= num_layers:
+                raise LoraAdapterError(f"{refuse}layer {layer} but the base model has {num_layers} layers")
+            if (layer, module) not in where:
+                raise LoraAdapterError(f"{refuse}this layer has no such projection that takes adapters (a "
+                                       "mixture-of-experts layer, or another kind of layer)")
+            _, width, in_features = where[(layer, module)]
+            if w.a.shape[1] != in_features or w.b.shape[0] != width:
+                raise LoraAdapterError(f"{refuse}lora_A {tuple(w.a.shape)} / lora_B {tuple(w.b.shape)} do not fit "
+                                       f"the base model's projection [{width}, {in_features}] (an adapter trained "
+                                       "for another model?)")
     lora = LoraSet(adapters)
-    arch = model.arch
-    q_size, kv_size = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-    inter = arch.intermediate_size
-    # Each fused projection's modules as (HF name, output offset, width).
-    layout = {"qkv_proj": (("q_proj", 0, q_size), ("k_proj", q_size, kv_size), ("v_proj", q_size + kv_size, kv_size)),
-              "o_proj": (("o_proj", 0, arch.hidden_size),),
-              "gate_up_proj": (("gate_proj", 0, inter), ("up_proj", inter, inter)),
-              "down_proj": (("down_proj", 0, arch.hidden_size),)}
-    assert set(TARGETS.values()) == set(layout)
-    for layer_index, layer in enumerate(model.layers):
-        for attr, modules in layout.items():
-            updates = {}
-            for adapter_index, adapter in enumerate(adapters):
-                slices = [(offset, width, adapter.modules.get((layer_index, name))) for name, offset, width in modules]
-                if all(w is None for _, _, w in slices):
-                    continue
-                base = getattr(layer, attr, None)
-                if base is None:  # an MoE layer has experts, not gate_up_proj / down_proj
-                    raise LoraAdapterError(f"LoRA adapter {adapter.name!r} ({adapter.path}): layer {layer_index} "
-                                           "is a mixture-of-experts layer; adapters on experts are not supported")
-                updates[adapter_index] = slice_updates(slices)
-            if updates:
-                setattr(layer, attr, LoraLinear(getattr(layer, attr), lora, updates, model.dtype, model.device,
-                                                model.deterministic))
-        # The MLP runs over the step's rows at once: the adapter rows index the whole step.
-        layer.chunked_mlp = False
+    for layer, owner, attr, slices in targets:
+        updates = {}
+        for adapter_index, adapter in enumerate(adapters):
+            modules = [(offset, width, adapter.modules.get((layer, name))) for name, offset, width in slices]
+            if any(w is not None for _, _, w in modules):
+                updates[adapter_index] = slice_updates(modules)
+        if updates:
+            setattr(owner, attr, LoraLinear(getattr(owner, attr), lora, updates, model.dtype, model.device,
+                                            model.deterministic))
+    model.run_unchunked()  # the adapter rows index the whole step
     model.lora = lora
     log.info("LoRA adapters: %s", ", ".join(f"{a.name} (rank {a.max_rank}, {len(a.modules)} modules)"
                                             for a in adapters))

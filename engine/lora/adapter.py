@@ -1,11 +1,13 @@
 """A LoRA adapter read from a PEFT directory (``adapter_config.json`` + ``adapter_model.safetensors``, what
 ``PeftModel.save_pretrained`` writes), checked against the base model it will run on.
 
-What is served: LoRA (not DoRA) on the decoder layers' seven projections (q/k/v/o, gate/up/down) of a Llama-family
-or Qwen3 model, any rank up to the engine's ``max_lora_rank`` (PEFT's ``rank_pattern`` too: each module's rank is
-its tensors'), scaled by lora_alpha / r (rsLoRA: lora_alpha / sqrt(r)). What an adapter may carry that we do not
-run is refused by name when it loads, never silently dropped: embedding or LM-head adapters, modules_to_save,
-biases, DoRA, per-module alphas, fan_in_fan_out weights, experts of an MoE layer.
+What is served: LoRA (not DoRA) on a decoder layer's projections: q/k/v/o and gate/up/down of a Llama-family or
+Qwen3 model; q/k/v/o, up/down and the Mamba in_proj of a NemotronH; any rank up to the engine's
+``max_lora_rank`` (PEFT's ``rank_pattern`` too: each module's rank is its tensors'), scaled by lora_alpha / r
+(rsLoRA: lora_alpha / sqrt(r)). What an adapter may carry that we do not run is refused by name when it loads,
+never silently dropped: embedding or LM-head adapters, modules_to_save, biases, DoRA, per-module alphas,
+fan_in_fan_out weights, experts of an MoE layer. This file reads and checks the adapter itself; engine/lora/
+__init__.py checks it against the model.
 """
 
 from __future__ import annotations
@@ -20,11 +22,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load
 
-# The projections an adapter may target, by Hugging Face module name, and the fused matmul each lands in
-# (engine/models/llama.py fuses q/k/v and gate/up at load time).
-TARGETS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "o_proj": "o_proj",
-           "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
-_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+# The projections an adapter may target, by Hugging Face module name (which of them a model has, and where:
+# its ``lora_targets``, engine/models/).
+MODULES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "in_proj"})
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp|mixer)\.(\w+)\.lora_([AB])\.weight$")
 
 
 class LoraAdapterError(ValueError):
@@ -92,10 +93,9 @@ def read_adapter_config(name: str, path: Path) -> dict:
     return cfg
 
 
-def load_adapter(name: str, path: str | Path, arch, max_rank: int) -> LoraAdapter:
-    """The adapter at ``path`` as float32 tensors on the CPU, every module checked against ``arch`` (the
-    base model's ModelArch): its layer exists, its shapes are the projection's, its rank is at most
-    ``max_rank``."""
+def load_adapter(name: str, path: str | Path, max_rank: int) -> LoraAdapter:
+    """The adapter at ``path`` as float32 tensors on the CPU, each module's A and B paired and of one rank, at
+    most ``max_rank`` (its fit to the model: engine/lora/__init__.py ``install``)."""
     path = Path(path)
     if not path.is_dir():
         raise _refuse(name, path, "no such directory")
@@ -110,18 +110,13 @@ def load_adapter(name: str, path: str | Path, arch, max_rank: int) -> LoraAdapte
     digest = hashlib.sha256((path / "adapter_config.json").read_bytes() + weights_bytes).hexdigest()[:16]
     alpha = float(cfg.get("lora_alpha", 8))
     rslora = bool(cfg.get("use_rslora"))
-    dims = _projection_dims(arch)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         m = _KEY.search(key)
-        if m is None or m.group(2) not in TARGETS:
-            raise _refuse(name, path, f"tensor {key!r} is not a LoRA A/B weight of a decoder layer's q/k/v/o or "
-                                      "gate/up/down projection (embedding, LM-head, expert and DoRA adapters are "
-                                      "not supported)")
-        layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
-        if layer >= arch.num_layers:
-            raise _refuse(name, path, f"{key!r}: layer {layer} but the base model has {arch.num_layers} layers")
-        pairs.setdefault((layer, module), {})[ab] = tensor.float()
+        if m is None or m.group(2) not in MODULES:
+            raise _refuse(name, path, f"tensor {key!r} is not a LoRA A/B weight of a decoder layer's projection "
+                                      "(embedding, LM-head, expert and DoRA adapters are not supported)")
+        pairs.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = tensor.float()
     if not pairs:
         raise _refuse(name, path, "adapter_model.safetensors holds no LoRA weights")
     modules: dict[tuple[int, str], LoraWeights] = {}
@@ -130,24 +125,13 @@ def load_adapter(name: str, path: str | Path, arch, max_rank: int) -> LoraAdapte
         if set(ab) != {"A", "B"}:
             raise _refuse(name, path, f"{where}: has lora_{''.join(ab)} without its pair")
         a, b = ab["A"], ab["B"]
-        out_features, in_features = dims[module]
+        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0]:
+            raise _refuse(name, path, f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} are not a "
+                                      "[rank, in] / [out, rank] pair")
         rank = a.shape[0]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_features or b.shape != (out_features, rank):
-            raise _refuse(name, path, f"{where}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the "
-                                      f"base model's projection [{out_features}, {in_features}] (an adapter trained "
-                                      "for another model?)")
         if rank > max_rank:
             raise _refuse(name, path, f"{where}: rank {rank} exceeds max_lora_rank {max_rank} (raise "
                                       "--max-lora-rank)")
         scale = alpha / (math.sqrt(rank) if rslora else rank)
         modules[(layer, module)] = LoraWeights(a.contiguous(), b.contiguous(), scale)
     return LoraAdapter(name, str(path), modules, digest)
-
-
-def _projection_dims(arch) -> dict[str, tuple[int, int]]:
-    """[out_features, in_features] of each targetable projection of one decoder layer."""
-    hidden, inter = arch.hidden_size, arch.intermediate_size
-    q_size, kv_size = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-    return {"q_proj": (q_size, hidden), "k_proj": (kv_size, hidden), "v_proj": (kv_size, hidden),
-            "o_proj": (hidden, q_size), "gate_proj": (inter, hidden), "up_proj": (inter, hidden),
-            "down_proj": (hidden, inter)}

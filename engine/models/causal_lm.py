@@ -57,6 +57,16 @@ class CausalLM:
     def device(self) -> torch.device:
         return self.embed_tokens.device
 
+    def lora_targets(self) -> list[tuple[int, object, str, tuple[tuple[str, int, int], ...]]] | None:
+        """Where LoRA adapters (engine/lora/) may add to this model: (layer index, the object holding the
+        projection, its attribute, its output slices as (Hugging Face module name, offset, width)); None: this
+        model takes no adapters."""
+        return None
+
+    def run_unchunked(self) -> None:
+        """Run every per-token part over a step's tokens at once from now on (with LoRA adapters: their rows
+        index the whole step)."""
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [n, vocab] float32, for the rows to sample only (the runner passes those)."""
         return self.lm_head_proj(hidden).float()

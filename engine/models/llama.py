@@ -277,6 +277,24 @@ class LlamaModel(CausalLM):
         self.rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, max_positions, dtype, self.embed_tokens.device)
         self.scale = arch.head_dim**-0.5
 
+    def lora_targets(self) -> list[tuple[int, object, str, tuple[tuple[str, int, int], ...]]]:
+        a = self.arch
+        q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        targets = []
+        for i, layer in enumerate(self.layers):
+            targets += [(i, layer, "qkv_proj", (("q_proj", 0, q_size), ("k_proj", q_size, kv_size),
+                                                ("v_proj", q_size + kv_size, kv_size))),
+                        (i, layer, "o_proj", (("o_proj", 0, a.hidden_size),))]
+            if layer.moe is None:  # a sparse layer's experts take no adapters
+                targets += [(i, layer, "gate_up_proj", (("gate_proj", 0, a.intermediate_size),
+                                                        ("up_proj", a.intermediate_size, a.intermediate_size))),
+                            (i, layer, "down_proj", (("down_proj", 0, a.hidden_size),))]
+        return targets
+
+    def run_unchunked(self) -> None:
+        for layer in self.layers:
+            layer.chunked_mlp = False
+
     def forward(
         self,
         input_ids: torch.Tensor,  # int64 [num_tokens]

@@ -74,9 +74,10 @@ class TokenChunked:
 
     def __init__(self, mixer: Callable[[torch.Tensor], torch.Tensor]):
         self.mixer = mixer
+        self.chunked = True  # False: one call over all tokens (LoRA: an adapter's rows index the whole step)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= MLP_CHUNK_TOKENS:
+        if x.shape[0] <= MLP_CHUNK_TOKENS or not self.chunked:
             return self.mixer(x)
         out = torch.empty_like(x)
         for start in range(0, x.shape[0], MLP_CHUNK_TOKENS):

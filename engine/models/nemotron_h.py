@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from pdcluster.engine.attention import AttentionMetadata
 from pdcluster.engine.models.causal_lm import CausalLM
 from pdcluster.engine.models.mamba_mixer import MambaStepPlan
-from pdcluster.engine.models.nemotron_blocks import (ATTENTION, MAMBA, MLP, MOE, TYPE_NAMES, build_blocks,
-                                                     run_blocks)
+from pdcluster.engine.models.nemotron_blocks import (ATTENTION, MAMBA, MLP, MOE, TYPE_NAMES, TokenChunked,
+                                                     build_blocks, run_blocks)
 from pdcluster.engine.models.nemotron_moe import NemotronMoeArch
 from pdcluster.engine.mamba_state import MambaStateShape
 from pdcluster.engine.models.llama import RotaryEmbedding
@@ -253,6 +253,30 @@ class NemotronHModel(CausalLM):
         self.layers = build_blocks(arch, arch.layer_types, "model.layers", weights, take, deterministic)
         self.rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, max_positions, dtype, self.embed_tokens.device)
         self.scale = arch.head_dim**-0.5
+
+    def lora_targets(self) -> list[tuple[int, object, str, tuple[tuple[str, int, int], ...]]]:
+        """Attention (q/k/v fused, o), MLP (up, down) and Mamba in_proj (what peft adapts in a Mamba layer: it
+        refuses out_proj there); MoE layers take none."""
+        a = self.arch
+        q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        targets = []
+        for i, block in enumerate(self.layers):
+            if block.kind == ATTENTION:
+                targets += [(i, block.mixer, "qkv_proj", (("q_proj", 0, q_size), ("k_proj", q_size, kv_size),
+                                                          ("v_proj", q_size + kv_size, kv_size))),
+                            (i, block.mixer, "o_proj", (("o_proj", 0, block.mixer.o_proj.out_features),))]
+            elif block.kind == MLP:
+                mlp = block.mixer.mixer  # inside its TokenChunked
+                targets += [(i, mlp, name, ((name, 0, getattr(mlp, name).out_features),))
+                            for name in ("up_proj", "down_proj")]
+            elif block.kind == MAMBA:
+                targets.append((i, block.mixer, "in_proj", (("in_proj", 0, block.mixer.in_proj.out_features),)))
+        return targets
+
+    def run_unchunked(self) -> None:
+        for block in self.layers:
+            if isinstance(block.mixer, TokenChunked):
+                block.mixer.chunked = False
 
     def forward(
         self,
