@@ -266,3 +266,43 @@ def test_speculative_decoding_is_lossless(dirs, reference, name):
     for spec in (dict(spec_method="mtp", mtp_checkpoint="random", num_spec_tokens=2),
                  dict(spec_method="ngram", num_spec_tokens=3)):
         assert _run(_engine(dirs[name], **spec), prompts) == expected, spec
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_lora_adapter_equals_peft(dirs, name, tmp_path):
+    """A peft LoRA adapter (engine/lora/) on Qwen3 (q/k/v/o, whose q and k heads are normed after it, and the
+    MLP) and on Qwen3-MoE's attention: peft's greedy, beside base-model requests in one batch. On Qwen3-MoE
+    peft turns gate/up/down into adapters of the experts' stacked parameters, which are refused."""
+    from pdcluster.engine.lora import LoraAdapterError
+
+    peft = pytest.importorskip("peft")
+    attention = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    mlp = ["gate_proj", "up_proj", "down_proj"]
+
+    def make(modules: list[str], out: Path):
+        torch.manual_seed(1)
+        adapted = peft.get_peft_model(_hf_model(dirs[name], CONFIGS[name][1]), peft.LoraConfig(
+            r=4, lora_alpha=8, init_lora_weights=False, target_modules=modules)).eval()
+        adapted.save_pretrained(out)
+        return adapted
+
+    if name == "qwen3-moe":
+        make(attention + mlp, tmp_path / "experts")
+        with pytest.raises(LoraAdapterError, match="LoRA adapter 'a'"):
+            _engine(dirs[name], lora_modules=(f"a={tmp_path / 'experts'}",))
+    model = make(attention + (mlp if name == "qwen3" else []), tmp_path / "adapter")
+    prompts = PROMPTS[:3]
+
+    def greedy(p: list[int]) -> list[int]:
+        ids = list(p)
+        for _ in range(NUM_NEW):
+            ids.append(int(_hf_logits(model, ids)[-1].argmax()))
+        return ids[len(p):]
+
+    want = [greedy(p) for p in prompts]
+    with model.disable_adapter():
+        assert [greedy(p) for p in prompts] != want  # the adapter changes the answers
+    engine = _engine(dirs[name], lora_modules=(f"a={tmp_path / 'adapter'}",))
+    params = [SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True, lora_name=n) for n in ("a", None)]
+    outs = engine.generate([p for p in prompts for _ in params], [sp for _ in prompts for sp in params])
+    assert [o.token_ids for o in outs[::2]] == want
