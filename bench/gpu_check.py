@@ -306,33 +306,46 @@ def _ours(model_dir: Path, prompts, num_new: int, device: str, lora_names=None, 
     return [o.token_ids for o in outs], stats
 
 
-def write_random_adapter(model_dir: Path, out: Path, rank: int = 8, seed: int = 7) -> tuple[Path, Path]:
+def write_random_adapter(model_dir: Path, out: Path, rank: int = 8, seed: int = 7,
+                         merged: bool = True) -> tuple[Path, Path | None]:
     """A random LoRA adapter for the Llama model in ``model_dir`` on all seven projections, in PEFT's format
-    (the GPU machine has no peft), and the model with it merged (W + alpha / r * B @ A: transformers' oracle for
-    the adapter). Returns (adapter dir, merged model dir)."""
+    (the GPU machine has no peft), and (``merged``) the model with it merged (W + alpha / r * B @ A:
+    transformers' oracle for the adapter). Returns (adapter dir, merged model dir or None)."""
     import torch
+    from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    cfg = json.loads((model_dir / "config.json").read_text())
-    weights = load_file(str(model_dir / "model.safetensors"))
+    files = sorted(model_dir.glob("*.safetensors"))
+    shapes = {}
+    for f in files:
+        with safe_open(str(f), "pt") as st:
+            shapes.update({k: st.get_slice(k).get_shape() for k in st.keys()})
+    weights = {k: v for f in files for k, v in load_file(str(f)).items()} if merged else {}
     gen = torch.Generator().manual_seed(seed)
     alpha, adapter = 2.0 * rank, {}
-    for layer in range(cfg["num_hidden_layers"]):
+    for layer in range(json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]):
         for part, module in [("self_attn", m) for m in ("q_proj", "k_proj", "v_proj", "o_proj")] + \
                             [("mlp", m) for m in ("gate_proj", "up_proj", "down_proj")]:
             name = f"model.layers.{layer}.{part}.{module}"
-            w = weights[f"{name}.weight"]
-            a = torch.randn(rank, w.shape[1], generator=gen) / w.shape[1] ** 0.5
-            b = torch.randn(w.shape[0], rank, generator=gen) * 0.2
+            out_features, in_features = shapes[f"{name}.weight"]
+            a = torch.randn(rank, in_features, generator=gen) / in_features ** 0.5
+            b = torch.randn(out_features, rank, generator=gen) * 0.2
             adapter[f"base_model.model.{name}.lora_A.weight"], adapter[f"base_model.model.{name}.lora_B.weight"] = a, b
-            weights[f"{name}.weight"] = (w.float() + alpha / rank * b @ a).to(w.dtype)
-    lora_dir, merged_dir = out / "adapter", out / "merged"
+            if merged:
+                w = weights[f"{name}.weight"]
+                weights[f"{name}.weight"] = (w.float() + alpha / rank * b @ a).to(w.dtype)
+    lora_dir = out / "adapter"
     lora_dir.mkdir(parents=True, exist_ok=True)
-    shutil.copytree(model_dir, merged_dir, dirs_exist_ok=True)
     save_file(adapter, str(lora_dir / "adapter_model.safetensors"))
     (lora_dir / "adapter_config.json").write_text(json.dumps(
         {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": ["q_proj", "k_proj", "v_proj",
          "o_proj", "gate_proj", "up_proj", "down_proj"], "bias": "none"}))
+    if not merged:
+        return lora_dir, None
+    merged_dir = out / "merged"
+    shutil.copytree(model_dir, merged_dir, dirs_exist_ok=True)
+    for f in merged_dir.glob("*.safetensors"):
+        f.unlink()
     save_file(weights, str(merged_dir / "model.safetensors"), metadata={"format": "pt"})
     return lora_dir, merged_dir
 
@@ -524,15 +537,17 @@ def _gpu_idle(prof, num_steps: int, device_type=None) -> dict:
 
 
 def _decode_step_ms(engine, batch: int, prompt_len: int, num_steps: int, device: str,
-                    profile_into: dict | None = None, synced_into: dict | None = None) -> float:
+                    profile_into: dict | None = None, synced_into: dict | None = None,
+                    lora_name: str | None = None) -> float:
     """Decode step time at ``batch`` in the steady state: ``num_steps`` steps back to back, the device
     synchronised only before the first and after the last (with async scheduling a step is launched
     while the one before it runs; a sync before each step would drain that pipeline and time every step
     as if alone). ``synced_into[str(batch)]``, if given, gets the median of steps timed one at a time
-    after a sync (the figure this check reported until launch-ahead)."""
+    after a sync (the figure this check reported until launch-ahead). ``lora_name``: every request runs with
+    that adapter (engine/lora/)."""
     from pdcluster.engine.sampling_params import SamplingParams
 
-    params = SamplingParams(max_tokens=2 * num_steps + 24, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=2 * num_steps + 24, temperature=0.0, ignore_eos=True, lora_name=lora_name)
     for i in range(batch):
         engine.add_request([5 + (i * 7 + j) % 20000 for j in range(prompt_len)], params)
     started = set()
@@ -592,21 +607,26 @@ def speed_section(entry: dict, device: str, work: Path, quick: bool, report: Rep
     # The fast mode (CUDA's default: cuBLAS, the fast attention tiles) and deterministic mode (the
     # batch-invariant Triton matmul and fixed attention tiles); async scheduling (CUDA's default) but in
     # "cuda_graphs+sync".
-    for mode, graphs, async_sched, det in (("cuda_graphs", True, None, False), ("cuda_graphs+sync", True, False, False),
-                                           ("deterministic+cuda_graphs", True, None, True), ("eager", False, None, False)):
+    # "lora": every request with one rank-16 adapter on all seven projections (engine/lora/: such steps run
+    # outside the CUDA graphs).
+    adapter_dir, _ = write_random_adapter(model_dir, work / "llama-1b-lora", rank=16, merged=False)
+    modes = (("cuda_graphs", True, None, False), ("cuda_graphs+sync", True, False, False),
+             ("deterministic+cuda_graphs", True, None, True), ("eager", False, None, False), ("lora", True, None, False))
+    for mode, graphs, async_sched, det in modes:
+        lora = dict(lora_modules=(f"a={adapter_dir}",), max_lora_rank=16) if mode == "lora" else {}
         engine = LLMEngine.from_config(EngineConfig(model=str(model_dir), device=device, dtype="bfloat16", max_model_len=4096,
                                         max_num_seqs=max(batches), max_num_batched_tokens=8192,
                                         prefill_chunk_size=2048, kv_cache_memory_gib=0.25 if quick else 8.0,
                                         enable_prefix_caching=False, cuda_graphs=graphs,
-                                        async_scheduling=async_sched, deterministic=det), progress=False)
+                                        async_scheduling=async_sched, deterministic=det, **lora), progress=False)
         if graphs and device == "cpu":
             engine.runner.use_decode_graphs(emulate=True)  # the dry run: the same path, nothing captured
         decode[mode] = {"used": engine.runner.graphs is not None, "deterministic": engine.deterministic}
         for b in batches:
             synced: dict = {}
             ms = _decode_step_ms(engine, b, prompt_len, num_steps, device,
-                                 profile_into=profiles.setdefault(mode, {}) if mode != "eager" else None,
-                                 synced_into=synced)
+                                 profile_into=profiles.setdefault(mode, {}) if mode not in ("eager", "lora") else None,
+                                 synced_into=synced, lora_name="a" if mode == "lora" else None)
             kv_bytes = b * (prompt_len + num_steps // 2) * shape["num_hidden_layers"] * 2 \
                 * shape["num_key_value_heads"] * (shape["hidden_size"] // shape["num_attention_heads"]) * 2
             floor = (weight_bytes + kv_bytes) / (bw * 1e9) * 1e3
