@@ -92,7 +92,10 @@ def _rows(spans: list[tuple[int, int]], device: torch.device) -> Rows:
             merged.append((s, e))
     if len(merged) == 1:
         return slice(*merged[0])
-    return torch.cat([torch.arange(s, e, dtype=torch.int64) for s, e in merged]).to(device)
+    rows = torch.cat([torch.arange(s, e, dtype=torch.int64) for s, e in merged])
+    if device.type == "cuda":  # from pinned memory, without waiting for the work queued before it
+        return rows.pin_memory().to(device, non_blocking=True)
+    return rows.to(device)
 
 
 def _take(x: torch.Tensor, rows: Rows) -> torch.Tensor:
