@@ -320,6 +320,36 @@ def test_rank_limit_missing_files_and_other_models_are_refused(adapters, tmp_pat
             engine_config(MODEL, lora_modules=bad)
 
 
+# ------------------------------------------------------------------------------ the CLI
+
+
+@pytest.mark.timeout(300)
+def test_generate_cli_with_an_adapter(adapters):
+    """``pdcluster generate --lora-modules NAME=PATH --lora NAME`` (a real subprocess): the engine's tokens with
+    that adapter; an unknown adapter or a malformed --lora-modules is one line and exit status 2."""
+    import os
+    import subprocess
+    import sys
+
+    def run(*args):
+        cmd = [sys.executable, "-m", "pdcluster.cli", "generate", "--model", MODEL, "--dtype", "float32",
+               "--num-kv-blocks", "64", "--prompt", "The capital of France is", "--max-tokens", str(NUM_TOKENS),
+               "--ignore-eos", "--json", *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=os.environ.copy())
+
+    r = run("--lora-modules", *_modules(adapters), "--lora", "a2")
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.strip().splitlines()[-1])["token_ids"]
+    engine = make_engine(MODEL, dtype="float32", lora_modules=_modules(adapters))
+    prompt = engine.tokenize("The capital of France is")
+    with_adapter, base = (engine.generate([prompt], [_params(name)])[0].token_ids for name in ("a2", None))
+    assert got == with_adapter != base
+    for args, message in ((("--lora-modules", *_modules(adapters), "--lora", "a9"), "no LoRA adapter 'a9'"),
+                          (("--lora-modules", "a1"), "'a1' is not of the form name=path")):
+        r = run(*args)
+        assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, (r.returncode, r.stderr)
+
+
 # ------------------------------------------------------------------------------ served
 
 
