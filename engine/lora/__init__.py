@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 
 from pdcluster.engine.lora.adapter import LoraAdapter, LoraAdapterError, load_adapter
-from pdcluster.engine.lora.layers import LoraLinear, LoraSet, slice_updates
+from pdcluster.engine.lora.layers import LoraLinear, LoraSet, grouped_way, slice_updates
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def install(model, lora_modules: dict[str, str], max_rank: int) -> LoraSet:
                 raise LoraAdapterError(f"{refuse}lora_A {tuple(w.a.shape)} / lora_B {tuple(w.b.shape)} do not fit "
                                        f"the base model's projection [{width}, {in_features}] (an adapter trained "
                                        "for another model?)")
-    lora = LoraSet(adapters)
+    lora = LoraSet(adapters, grouped_way(model.device, model.dtype))
     for layer, owner, attr, slices in targets:
         updates = {}
         for adapter_index, adapter in enumerate(adapters):

@@ -33,12 +33,19 @@ from pdcluster.kernels import cpu_lora
 Rows = slice | torch.Tensor
 
 
+def grouped_way(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the updates run the grouped way (the C kernel) for a model on ``device`` in ``dtype``."""
+    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and cpu_lora.available()
+
+
 class LoraSet:
     """The adapters installed on one model, by name, and the running step's rows of each."""
 
-    def __init__(self, adapters: Sequence[LoraAdapter]):
+    def __init__(self, adapters: Sequence[LoraAdapter], grouped: bool):
+        """``grouped``: the updates run the grouped way (``grouped_way``), else the per-adapter way."""
         self.adapters = list(adapters)
         self.index = {a.name: i for i, a in enumerate(self.adapters)}
+        self.grouped = grouped
         # Set by ``step`` for one forward, empty / None outside it:
         self.groups: list[tuple[int, Rows]] = []  # (adapter index, its rows), for the per-adapter way
         self.sorted_rows: cpu_lora.LoraRows | None = None  # every adapter row, sorted by adapter (the grouped way)
@@ -68,8 +75,9 @@ class LoraSet:
                     spans[-1] = (spans[-1][0], end)
                 else:
                     spans.append((start, end))
-        if runs:
+        if runs and not self.grouped:
             self.groups = [(i, _rows(spans, device)) for i, spans in runs.items()]
+        elif runs:
             counts = np.zeros(len(self.adapters) + 1, dtype=np.int64)
             for i, spans in runs.items():
                 counts[i + 1] = sum(e - s for s, e in spans)
@@ -124,8 +132,10 @@ class LoraLinear:
         self.lora = lora
         self.out_features, self.in_features = base.out_features, base.in_features
         self.grouped = None
-        if device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and cpu_lora.available():
+        if lora.grouped:
             self.grouped = cpu_lora.pack_lora(updates, len(lora.adapters), self.out_features, dtype)
+            if self.grouped is None:
+                raise ValueError(f"LoRA: the grouped layout refused {dtype} (expected bfloat16 or float32)")
         self.updates: dict[int, tuple[Linear, Linear]] = {}
         if self.grouped is None:
             make = lambda t: Linear(t.to(dtype).to(device).contiguous(), deterministic=deterministic)  # noqa: E731
@@ -144,9 +154,9 @@ class LoraLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         lora = self.lora
-        if not lora.groups:
-            return y
         if self.grouped is not None:
+            if lora.sorted_rows is None:
+                return y
             if not cpu_lora.lora_update_bi(y, x, lora.sorted_rows, self.grouped):  # never silently without it
                 raise RuntimeError(f"LoRA update refused for x {tuple(x.shape)} {x.dtype} -> y {tuple(y.shape)} "
                                    f"{y.dtype} over {lora.sorted_rows.num_rows} step rows")
