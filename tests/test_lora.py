@@ -380,6 +380,13 @@ def test_openai_model_field_picks_the_adapter(adapters, references):
                 assert (f'pdcluster:lora_generation_tokens_total{{lora_name="{name}",model_name="{MODEL}"}} '
                         f'{float(NUM_TOKENS)}') in metrics
             assert f'lora_name="{MODEL}"' not in metrics
+            # Chat and the Responses API pick the adapter the same way (the same conversation, the same answer).
+            chat = {name: client.chat.completions.create(model=name, messages=[{"role": "user", "content": "Hi"}],
+                                                         max_tokens=8, temperature=0) for name in (MODEL, "a1")}
+            response = client.responses.create(model="a1", input="Hi", max_output_tokens=8, temperature=0)
+            assert chat["a1"].model == response.model == "a1"
+            answer = {name: c.choices[0].message.content for name, c in chat.items()}
+            assert response.output_text == answer["a1"] != answer[MODEL]
             cards = {m.id: m for m in client.models.list().data}
             assert list(cards) == [MODEL, "a1", "a2"]
             assert cards["a1"].parent == MODEL and cards[MODEL].parent is None
