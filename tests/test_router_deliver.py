@@ -20,18 +20,24 @@ PROMPT = [5, 6, 7]
 
 class _ScriptedDecode:
     """A decode worker's actor handle as the router uses it: ``submit`` admits at once (an Admission on
-    the event stream), ``abort`` is recorded; the test sends the tokens."""
+    the event stream), ``abort`` is recorded; the test sends the tokens. ``after_admission``: awaited after
+    the Admission is sent, inside the submit call (it may raise: the actor died after admitting)."""
 
-    def __init__(self, event_address: str):
+    def __init__(self, event_address: str, worker_id: str = "d0", after_admission=None):
         self.pusher = EventPusher(event_address)
+        self.worker_id = worker_id
         self.aborted: list[str] = []
+        self.submitted: list[str] = []
         outer = self
 
         class submit:  # noqa: N801 - Ray's handle.method.remote(...) shape
             @staticmethod
             def remote(wid, prompt, params, prefill_id):
                 async def admit():
-                    outer.pusher(Admission(wid, "d0", ADMITTED))
+                    outer.submitted.append(wid)
+                    outer.pusher(Admission(wid, outer.worker_id, ADMITTED))
+                    if after_admission is not None:
+                        await after_admission()
                 return admit()
 
         class abort:  # noqa: N801
@@ -45,14 +51,14 @@ class _ScriptedDecode:
         """One decode step's columnar event: each request's new tokens."""
         wids = list(rows)
         n = len(wids)
-        self.pusher(StepTokens(worker_id="d0", request_ids=wids, num_new_tokens=[len(rows[w]) for w in wids],
+        self.pusher(StepTokens(worker_id=self.worker_id, request_ids=wids, num_new_tokens=[len(rows[w]) for w in wids],
                                new_token_ids=[t for w in wids for t in rows[w]],
                                num_computed_tokens=[len(PROMPT) + num_output_tokens] * n,
                                num_output_tokens=[num_output_tokens] * n, num_draft_tokens=[0] * n,
                                num_accepted_tokens=[0] * n, num_cached_tokens=[0] * n, num_offloaded_tokens=[0] * n))
 
     def last(self, wid: str, token: int, num_output_tokens: int) -> None:
-        self.pusher(Tokens(request_id=wid, worker_id="d0", new_token_ids=[token],
+        self.pusher(Tokens(request_id=wid, worker_id=self.worker_id, new_token_ids=[token],
                            num_computed_tokens=len(PROMPT) + num_output_tokens, num_output_tokens=num_output_tokens,
                            finished=True, finish_reason="length"))
 
@@ -159,3 +165,45 @@ def test_a_request_that_cannot_be_placed_raises_before_any_delta(cluster):
 
     asyncio.run(main())
     assert got == []
+
+
+def test_a_worker_that_dies_after_admitting_is_recovered_once():
+    """The decode worker admits (its Admission is handled: the request is its), then dies before the submit
+    call returns (Ray raises ActorDiedError there). The router marks it down, and that recovery places the
+    request again: the placing loop that made the failed call must not place it a second time beside it.
+    Two placements would both stream; the router routes one, and the other's stays in its table for good
+    (test_soak saw ``num_placements == 1`` after every request ended)."""
+    router = ClusterRouter({}, {}, None, "m", max_model_len=128, block_size=16,
+                           config=RouterConfig(health_interval_s=3600))
+    got: list[TokenDelta] = []
+    spare = _ScriptedDecode(router.event_address, "d1")
+
+    async def die_after_admitting():
+        await _until(lambda: "a" in router.requests and router.requests["a"].attempt is not None)
+        router.decode["d1"] = spare  # a healthy worker to recover onto, from now on
+        router.membership.add("d1", "decode", spare, 64, 16, incarnation="i1")
+        raise RuntimeError("ActorDiedError: the actor died unexpectedly")
+
+    dying = _ScriptedDecode(router.event_address, "d0", after_admission=die_after_admitting)
+    router.decode["d0"] = dying
+    router.membership.add("d0", "decode", dying, 64, 16, incarnation="i0")
+
+    async def main():
+        task = asyncio.ensure_future(router.deliver("a", PROMPT, SamplingParams(max_tokens=2), got.append))
+        await _until(lambda: spare.submitted)
+        await asyncio.sleep(0.3)  # a second placement, if any, is made by now
+        assert len(spare.submitted) == 1, f"placed twice on the spare: {spare.submitted}"
+        assert router.streams.num_placements == 1
+        wid = spare.submitted[0]
+        spare.step({wid: [11]}, 1)
+        spare.last(wid, 12, 2)
+        await asyncio.wait_for(task, 10)
+
+    try:
+        asyncio.run(main())
+    finally:
+        dying.pusher.close()
+        spare.pusher.close()
+        router.close()
+    assert [t for d in got for t in d.new_token_ids] == [11, 12] and got[-1].finished
+    assert not router.requests and router.streams.num_placements == 0

@@ -101,6 +101,7 @@ class Submitter:
     async def _try(self, r: RequestState, prompt: list[int], params: SamplingParams, d, p) -> bool:
         """One submit to decode worker ``d`` (prefill from ``p``, or locally when None): admitted?"""
         r.num_submits += 1
+        recovering_before = r.recovering
         a = Attempt(r.request_id, r.num_submits, d.worker_id, p.worker_id if p is not None else None, len(prompt),
                     asyncio.get_running_loop().create_future())
         self.streams.expect(r, a)
@@ -125,7 +126,11 @@ class Submitter:
             return False
         except Exception as e:  # noqa: BLE001 - the actor is gone: recover what it held, next
             self._mark_down(d.worker_id, f"submit failed: {type(e).__name__}")
-            return False
+            # The worker may have admitted the request (its Admission handled: the request was its) before
+            # it died under the call: then marking it down started a recovery, which places the request
+            # again. This loop stops here, or the request would get a second live placement, one of them
+            # never forgotten (test_router_deliver.py: a worker that dies after admitting).
+            return r.recovering and not recovering_before
         finally:
             if verdict is None or verdict.verdict != ADMITTED:
                 self.streams.forget(a)
