@@ -167,31 +167,36 @@ def test_a_request_that_cannot_be_placed_raises_before_any_delta(cluster):
     assert got == []
 
 
-def test_a_worker_that_dies_after_admitting_is_recovered_once():
-    """The decode worker admits (its Admission is handled: the request is its), then dies before the submit
-    call returns (Ray raises ActorDiedError there). The router marks it down, and that recovery places the
-    request again: the placing loop that made the failed call must not place it a second time beside it.
-    Two placements would both stream; the router routes one, and the other's stays in its table for good
-    (test_soak saw ``num_placements == 1`` after every request ended)."""
+@pytest.mark.parametrize("how", ["dies", "hangs"])
+def test_a_worker_that_fails_after_admitting_is_placed_once(how):
+    """The decode worker admits (its Admission is handled: the request is its), then, under the submit call,
+    dies (Ray raises ActorDiedError there) or hangs past the admission timeout (then a probe finds it dead).
+    Marking it down recovers what it held, and the placing loop that made the failed call goes on placing:
+    between them the request must be placed once. Two placements would both stream; the router routes one,
+    and the other's stays in its table for good (test_soak saw ``num_placements == 1`` after every request
+    ended). Fails without submit.py's return after a recovery ("dies") or its clearing of the attempt
+    ("hangs")."""
     router = ClusterRouter({}, {}, None, "m", max_model_len=128, block_size=16,
-                           config=RouterConfig(health_interval_s=3600))
+                           config=RouterConfig(health_interval_s=3600, admission_timeout_s=0.5))
     got: list[TokenDelta] = []
     spare = _ScriptedDecode(router.event_address, "d1")
 
-    async def die_after_admitting():
+    async def fail_after_admitting():
         await _until(lambda: "a" in router.requests and router.requests["a"].attempt is not None)
-        router.decode["d1"] = spare  # a healthy worker to recover onto, from now on
+        router.decode["d1"] = spare  # a healthy worker to place on, from now on
         router.membership.add("d1", "decode", spare, 64, 16, incarnation="i1")
+        if how == "hangs":
+            await asyncio.sleep(30)  # past the admission timeout; the probe's ping then fails (no ping here)
         raise RuntimeError("ActorDiedError: the actor died unexpectedly")
 
-    dying = _ScriptedDecode(router.event_address, "d0", after_admission=die_after_admitting)
-    router.decode["d0"] = dying
-    router.membership.add("d0", "decode", dying, 64, 16, incarnation="i0")
+    failing = _ScriptedDecode(router.event_address, "d0", after_admission=fail_after_admitting)
+    router.decode["d0"] = failing
+    router.membership.add("d0", "decode", failing, 64, 16, incarnation="i0")
 
     async def main():
         task = asyncio.ensure_future(router.deliver("a", PROMPT, SamplingParams(max_tokens=2), got.append))
         await _until(lambda: spare.submitted)
-        await asyncio.sleep(0.3)  # a second placement, if any, is made by now
+        await asyncio.sleep(0.5)  # a second placement, if any, is made by now
         assert len(spare.submitted) == 1, f"placed twice on the spare: {spare.submitted}"
         assert router.streams.num_placements == 1
         wid = spare.submitted[0]
@@ -202,7 +207,7 @@ def test_a_worker_that_dies_after_admitting_is_recovered_once():
     try:
         asyncio.run(main())
     finally:
-        dying.pusher.close()
+        failing.pusher.close()
         spare.pusher.close()
         router.close()
     assert [t for d in got for t in d.new_token_ids] == [11, 12] and got[-1].finished

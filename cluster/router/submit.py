@@ -134,6 +134,8 @@ class Submitter:
         finally:
             if verdict is None or verdict.verdict != ADMITTED:
                 self.streams.forget(a)
+                if r.attempt is a:  # admitted before the call failed or timed out (and aborted above): not the
+                    r.attempt = None  # request's placement, or a later worker_down would recover it beside this loop
         if verdict.verdict == INVALID:
             raise RouterError(verdict.reason, status=400, kind="invalid_request_error")
         if verdict.verdict == FULL:
