@@ -84,6 +84,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         async_scheduling=args.async_scheduling,
         spec_method=args.spec,
         num_spec_tokens=num_spec,
-        lora_modules=tuple(getattr(args, "lora_modules", None) or ()),
+        lora_modules=tuple(args.lora_modules),
         **({} if getattr(args, "deterministic", None) is None else {"deterministic": args.deterministic}),
     )

@@ -234,8 +234,8 @@ def test_an_adapter_changed_under_its_name_is_another_fingerprint(adapters, tmp_
     def identity(path: str) -> tuple[str, str]:
         loaded = _load(path)
         fp = endpoint_config("w", loaded, TransferConfig(), NoTransport()).model_fingerprint
-        lora_fingerprint = loaded.model.lora.fingerprint
-        return fp, layout_namespace(str(loaded.model_dir), loaded.dtype_name, loaded.kv_cache, lora_fingerprint)
+        return fp, layout_namespace(str(loaded.model_dir), loaded.dtype_name, loaded.kv_cache,
+                                    loaded.model.lora_fingerprint)
 
     same = _copy(adapters["a1"], tmp_path / "same")
     doubled = lambda w: {**w, _first(w, "v_proj.lora_B.weight"): w[_first(w, "v_proj.lora_B.weight")] * 2}  # noqa: E731

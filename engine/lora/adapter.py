@@ -64,13 +64,15 @@ def _refuse(name: str, path: Path, what: str) -> LoraAdapterError:
     return LoraAdapterError(f"LoRA adapter {name!r} ({path}): {what}")
 
 
-def read_adapter_config(name: str, path: Path) -> dict:
+def read_adapter_config(name: str, path: Path) -> tuple[dict, bytes]:
+    """adapter_config.json checked for what we cannot run, and its bytes (the adapter's digest covers them)."""
     cfg_file = path / "adapter_config.json"
     if not cfg_file.is_file():
         raise _refuse(name, path, "no adapter_config.json (expected a PEFT adapter directory, as "
                                   "PeftModel.save_pretrained writes)")
+    raw = cfg_file.read_bytes()
     try:
-        cfg = json.loads(cfg_file.read_text())
+        cfg = json.loads(raw)
     except json.JSONDecodeError as e:
         raise _refuse(name, path, f"adapter_config.json is not JSON: {e}") from None
     if cfg.get("peft_type", "LORA") != "LORA":
@@ -90,7 +92,7 @@ def read_adapter_config(name: str, path: Path) -> dict:
     if not isinstance(cfg.get("r"), int) or cfg["r"] <= 0 or not isinstance(cfg.get("lora_alpha", 8), (int, float)):
         raise _refuse(name, path, f"adapter_config.json needs a positive integer r and a numeric lora_alpha, got "
                                   f"r={cfg.get('r')!r}, lora_alpha={cfg.get('lora_alpha')!r}")
-    return cfg
+    return cfg, raw
 
 
 def load_adapter(name: str, path: str | Path, max_rank: int) -> LoraAdapter:
@@ -99,7 +101,7 @@ def load_adapter(name: str, path: str | Path, max_rank: int) -> LoraAdapter:
     path = Path(path)
     if not path.is_dir():
         raise _refuse(name, path, "no such directory")
-    cfg = read_adapter_config(name, path)
+    cfg, cfg_bytes = read_adapter_config(name, path)
     weights_file = path / "adapter_model.safetensors"
     if not weights_file.is_file():
         bin_hint = " (adapter_model.bin: resave it with safe_serialization=True)" if (
@@ -107,7 +109,7 @@ def load_adapter(name: str, path: str | Path, max_rank: int) -> LoraAdapter:
         raise _refuse(name, path, f"no adapter_model.safetensors{bin_hint}")
     weights_bytes = weights_file.read_bytes()
     tensors = load(weights_bytes)
-    digest = hashlib.sha256((path / "adapter_config.json").read_bytes() + weights_bytes).hexdigest()[:16]
+    digest = hashlib.sha256(cfg_bytes + weights_bytes).hexdigest()[:16]
     alpha = float(cfg.get("lora_alpha", 8))
     rslora = bool(cfg.get("use_rslora"))
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}

@@ -143,14 +143,6 @@ class LoraLinear:
                 a, b = _block_diagonal(slices, self.out_features)
                 self.updates[i] = (make(a), make(b))
 
-    @property
-    def weight(self):  # what other code reads of the base (the MTP head, the profiler's byte counts)
-        return self.base.weight
-
-    @property
-    def deterministic(self) -> bool:
-        return self.base.deterministic
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         lora = self.lora

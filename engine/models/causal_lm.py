@@ -57,6 +57,11 @@ class CausalLM:
     def device(self) -> torch.device:
         return self.embed_tokens.device
 
+    @property
+    def lora_fingerprint(self) -> str:
+        """Its LoRA adapters' names and contents (LoraSet.fingerprint); "" without adapters."""
+        return self.lora.fingerprint if self.lora is not None else ""
+
     def lora_targets(self) -> list[tuple[int, object, str, tuple[tuple[str, int, int], ...]]] | None:
         """Where LoRA adapters (engine/lora/) may add to this model: (layer index, the object holding the
         projection, its attribute, its output slices as (Hugging Face module name, offset, width)); None: this
