@@ -32,7 +32,7 @@ from pdcluster.cluster.metrics import Metrics
 from pdcluster.cluster.router import ClusterRouter, RouterConfig
 from pdcluster.decode_node.actor import DecodeActor
 from pdcluster.engine.config import EngineConfig
-from pdcluster.engine.models.architectures import arch_from_dir
+from pdcluster.engine.models.architectures import arch_from_dir, max_model_len_for
 from pdcluster.engine.models.registry import resolve_model
 from pdcluster.engine.tokenizer import Tokenizer
 from pdcluster.kv_transfer.config import TransferConfig
@@ -133,7 +133,7 @@ class Cluster:
             transfer = TransferConfig(**{**asdict(transfer), "host": "auto"})
         self.router = ClusterRouter(
             {}, {}, self.tokenizer, spec.served_model_name or spec.engine.model,
-            max_model_len=engine.max_model_len or min(arch.max_position_embeddings, 4096),
+            max_model_len=max_model_len_for(arch, engine.max_model_len),
             block_size=engine.block_size, lora_names=tuple(engine.lora_paths()),
             config=RouterConfig(policy=spec.policy, mode=spec.mode, num_spec_tokens=engine.num_spec_steps,
                                 conditional_prefill_tokens=spec.conditional_prefill_tokens,

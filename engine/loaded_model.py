@@ -20,7 +20,7 @@ from pdcluster.engine.linear import DeterministicUnavailable, check_deterministi
 from pdcluster.engine.mamba_state import MambaStateShape
 from pdcluster.engine.mamba_state_blocks import num_state_blocks
 from pdcluster.engine.memory import keep_freed_memory
-from pdcluster.engine.models.architectures import arch_from_dir, is_hybrid, load_model
+from pdcluster.engine.models.architectures import arch_from_dir, is_hybrid, load_model, max_model_len_for
 from pdcluster.engine.models.registry import resolve_model
 from pdcluster.engine.proposers import num_draft_layers as proposer_draft_layers
 from pdcluster.engine.tokenizer import Tokenizer
@@ -73,12 +73,7 @@ class LoadedModel:
             log.info("prefix caching is off for hybrid model %s (no recurrent state at block boundaries)",
                      config.model)
             config = replace(config, enable_prefix_caching=False)
-        max_model_len = config.max_model_len or min(arch.max_position_embeddings, 4096)
-        if max_model_len > arch.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len: {max_model_len} exceeds the model's max_position_embeddings "
-                f"({arch.max_position_embeddings})"
-            )
+        max_model_len = max_model_len_for(arch, config.max_model_len)
         dtype_name = config.resolve_dtype(json.loads((model_dir / "config.json").read_text()))
         dtype = DTYPES[dtype_name]
         # Deterministic mode (issue 24): batch-invariant kernels on CPU. CUDA has none yet (cuBLAS and the

@@ -229,8 +229,9 @@ def test_moe_every_token_routed_to_different_experts(hf_models, backend, norm_to
 def test_unsupported_configs_refused_in_one_line(dirs, tmp_path):
     import json
 
-    cases = {"use_sliding_window": True, "attention_bias": True, "shared_expert_intermediate_size": 64,
-             "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}}
+    cases = {"use_sliding_window": True, "mlp_bias": True, "shared_expert_intermediate_size": 64,
+             "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0},
+             "partial_rotary_factor": 0.5}
     for key, value in cases.items():
         d = tmp_path / key
         d.mkdir()

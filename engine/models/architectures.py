@@ -1,6 +1,7 @@
 """Which model class serves a Hugging Face directory: dispatch on config.json ``architectures[0]``.
 
     LlamaForCausalLM, MistralForCausalLM -> engine.models.llama.ModelArch / LlamaModel
+    Qwen2ForCausalLM                     -> the same (q/k/v biases)
     Qwen3ForCausalLM, Qwen3MoeForCausalLM -> the same (q/k norm; MoE MLPs in engine/models/moe.py)
     NemotronHForCausalLM                 -> engine.models.nemotron_h.HybridArch / NemotronHModel
                                             (MoE layers in engine/models/nemotron_moe.py)
@@ -24,6 +25,7 @@ from pdcluster.engine.models.nemotron_h import HybridArch, NemotronHModel
 ARCHITECTURES = {
     "LlamaForCausalLM": (ModelArch, LlamaModel),
     "MistralForCausalLM": (ModelArch, LlamaModel),
+    "Qwen2ForCausalLM": (ModelArch, LlamaModel),
     "Qwen3ForCausalLM": (ModelArch, LlamaModel),
     "Qwen3MoeForCausalLM": (ModelArch, LlamaModel),
     "NemotronHForCausalLM": (HybridArch, NemotronHModel),
@@ -65,6 +67,16 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, max_positions: int,
     """The model's weights loaded onto ``device`` into the engine's model class for its architecture;
     ``deterministic``: batch-invariant kernels throughout (EngineConfig.deterministic)."""
     return _classes(model_dir)[1].load(Path(model_dir), dtype, max_positions, device, deterministic)
+
+
+def max_model_len_for(arch, requested: int = 0) -> int:
+    """The engine's max_model_len: ``requested``, or (0) the model's limit capped at 4096; ValueError naming
+    the limit when ``requested`` passes it (max_position_embeddings, or Mistral's sliding window)."""
+    limit, why = getattr(arch, "max_model_len_limit", None) or (
+        arch.max_position_embeddings, f"the model's max_position_embeddings ({arch.max_position_embeddings})")
+    if requested > limit:
+        raise ValueError(f"max_model_len: {requested} exceeds {why}")
+    return requested or min(limit, 4096)
 
 
 def is_hybrid(arch) -> bool:

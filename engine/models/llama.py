@@ -21,11 +21,15 @@ from pdcluster.engine.attention import AttentionMetadata, attend
 from pdcluster.engine.linear import Linear
 from pdcluster.engine.models.causal_lm import CausalLM
 from pdcluster.engine.models.moe import MoeArch, SparseMoe, take_expert_weights
+from pdcluster.engine.models.rope import RopeScaling, inv_freq_and_scale, rope_from_config
 from pdcluster.kernels import ops
 
 LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM")
+# Qwen2 / Qwen2.5: Llama plus biases on q, k and v.
+QWEN2 = ("Qwen2ForCausalLM",)
 # Qwen3: Llama plus RMSNorm over each q and k head before RoPE; Qwen3-MoE: and sparse MoE MLPs (engine/models/moe.py).
 QWEN3 = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+SUPPORTED = LLAMA_FAMILY + QWEN2 + QWEN3
 
 
 @dataclass(frozen=True)
@@ -45,22 +49,30 @@ class ModelArch:
     eos_token_ids: tuple[int, ...]
     qk_norm: bool = False  # Qwen3: q_norm / k_norm [head_dim] on every head before RoPE
     moe: MoeArch | None = None  # Qwen3-MoE: which layers are sparse, and their experts
+    rope_scaling: RopeScaling | None = None  # None: default RoPE (engine/models/rope.py)
+    qkv_bias: bool = False  # Qwen2, and ``attention_bias`` in Llama / Mistral / Qwen3 configs
+    o_bias: bool = False  # ``attention_bias``: o_proj has one too (Qwen2's has not)
+    # Mistral: each token attends to the last ``sliding_window`` positions. Sliding-window attention is not
+    # built, so a model with a window serves sequences up to the window, where it equals full attention
+    # (max_model_len_limit).
+    sliding_window: int | None = None
+
+    @property
+    def max_model_len_limit(self) -> tuple[int, str]:
+        """The longest sequence served, and what sets it (for the error asking past it)."""
+        if self.sliding_window is not None and self.sliding_window < self.max_position_embeddings:
+            return self.sliding_window, (f"the model's sliding_window ({self.sliding_window}): past it sliding-window "
+                                         "attention would differ from the full attention served here")
+        return self.max_position_embeddings, f"the model's max_position_embeddings ({self.max_position_embeddings})"
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> "ModelArch":
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
         arch = cfg.get("architectures") or ["LlamaForCausalLM"]
-        if arch[0] not in LLAMA_FAMILY + QWEN3:
-            raise ValueError(f"{model_dir}: architecture {arch[0]!r} is not supported here "
-                             f"({', '.join(LLAMA_FAMILY + QWEN3)})")
-        if cfg.get("rope_scaling"):
-            raise ValueError(f"{model_dir}: rope_scaling {cfg['rope_scaling']!r} is not supported yet")
-        # transformers 5 writes rope_parameters {rope_type, rope_theta} instead of rope_theta / rope_scaling.
-        rope = cfg.get("rope_parameters") or {}
-        if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"{model_dir}: rope_parameters.rope_type {rope['rope_type']!r} is not supported "
-                             "(only 'default')")
-        for key, supported in (("attention_bias", False), ("use_sliding_window", False), ("hidden_act", "silu")):
+        if arch[0] not in SUPPORTED:
+            raise ValueError(f"{model_dir}: architecture {arch[0]!r} is not supported here ({', '.join(SUPPORTED)})")
+        rope_theta, rope_scaling = rope_from_config(cfg, str(model_dir))
+        for key, supported in (("mlp_bias", False), ("use_sliding_window", False), ("hidden_act", "silu")):
             if cfg.get(key, supported) != supported:
                 raise ValueError(f"{model_dir}: {key} {cfg[key]!r} is not supported (only {supported!r})")
         sliding = sorted({t for t in cfg.get("layer_types") or [] if t != "full_attention"})
@@ -69,6 +81,9 @@ class ModelArch:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         num_heads = cfg["num_attention_heads"]
+        attention_bias = bool(cfg.get("attention_bias", False))
+        # Only Mistral's window is live whenever set; Qwen2 / Qwen3 keep theirs behind use_sliding_window.
+        window = cfg.get("sliding_window") if arch[0] == "MistralForCausalLM" else None
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -78,7 +93,7 @@ class ModelArch:
             num_kv_heads=cfg.get("num_key_value_heads", num_heads),
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0,
+            rope_theta=rope_theta,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             bos_token_id=cfg.get("bos_token_id"),
@@ -86,6 +101,10 @@ class ModelArch:
             qk_norm=arch[0] in QWEN3,
             moe=(MoeArch.from_config(cfg, cfg["num_hidden_layers"], str(model_dir))
                  if arch[0] == "Qwen3MoeForCausalLM" else None),
+            rope_scaling=None if rope_scaling.rope_type == "default" else rope_scaling,
+            qkv_bias=attention_bias or arch[0] in QWEN2,
+            o_bias=attention_bias,
+            sliding_window=int(window) if window else None,
         )
 
 
@@ -105,14 +124,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 class RotaryEmbedding:
     def __init__(self, head_dim: int, theta: float, max_positions: int, dtype: torch.dtype,
-                 device: str | torch.device = "cpu"):
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+                 device: str | torch.device = "cpu", scaling: RopeScaling | None = None):
+        """``scaling``: the checkpoint's RoPE variant (engine/models/rope.py); its attention factor (yarn)
+        multiplies cos and sin, as transformers applies it, so every kernel reading the table gets it."""
+        inv_freq, scale = inv_freq_and_scale(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(dtype).to(device)
-        self.sin = emb.sin().to(dtype).to(device)
+        cos, sin = emb.cos(), emb.sin()
+        if scale != 1.0:
+            cos, sin = cos * scale, sin * scale
+        self.cos = cos.to(dtype).to(device)
+        self.sin = sin.to(dtype).to(device)
         # float32 [max_positions, head_dim]: cos of each frequency, then sin (what ops.rotary reads).
-        self.cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).contiguous().to(device)
+        half = head_dim // 2
+        self.cos_sin = torch.cat((cos[:, :half], sin[:, :half]), dim=-1).contiguous().to(device)
 
     def rotate_(self, x: torch.Tensor, positions: torch.Tensor) -> None:
         """In place on [num_tokens, num_heads, head_dim] (heads may be a strided view)."""
@@ -160,6 +185,11 @@ class DecoderLayer:
         self.qkv_proj = Linear(torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"),
                                           w("self_attn.v_proj.weight")]), **det)
         self.o_proj = Linear(w("self_attn.o_proj.weight"), **det)
+        # Biases are added after the matmul (the batch-invariant GEMMs take none); an adapter's update
+        # (engine/lora) lands before them, an fp rounding order of no consequence.
+        self.qkv_bias = (torch.cat([w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"), w("self_attn.v_proj.bias")])
+                         if getattr(arch, "qkv_bias", False) else None)
+        self.o_bias = w("self_attn.o_proj.bias") if getattr(arch, "o_bias", False) else None
         self.q_norm = weights.pop(f"{prefix}.self_attn.q_norm.weight", None)
         self.k_norm = weights.pop(f"{prefix}.self_attn.k_norm.weight", None)
         self.moe = None
@@ -176,7 +206,10 @@ class DecoderLayer:
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         """The qkv matmul's output as [num_tokens, heads, head_dim]: q's heads, then k's, then v's."""
         a = self.arch
-        return self.qkv_proj(x).view(-1, a.num_heads + 2 * a.num_kv_heads, a.head_dim)
+        qkv = self.qkv_proj(x)
+        if self.qkv_bias is not None:
+            qkv += self.qkv_bias
+        return qkv.view(-1, a.num_heads + 2 * a.num_kv_heads, a.head_dim)
 
     def _split(self, qkv: torch.Tensor):
         """q, k, v views of ``_heads``' output."""
@@ -232,6 +265,8 @@ class DecoderLayer:
             (q, k, v), kv_written = self.qkv(x, positions, rope), False
         o = attend(q, k, v, layer_cache, meta, batch_invariant=self.deterministic, kv_written=kv_written)
         hidden = self.o_proj(o.reshape(-1, self.q_size))
+        if self.o_bias is not None:
+            hidden += self.o_bias
         x = ops.rms_norm(hidden, self.post_norm, a.rms_norm_eps, residual=residual)
         chunk = MLP_CHUNK_TOKENS_CUDA if x.is_cuda else MLP_CHUNK_TOKENS
         if x.shape[0] <= chunk or not self.chunked_mlp:
@@ -274,7 +309,8 @@ class LlamaModel(CausalLM):
                        for i in range(arch.num_layers)]
         if arch.qk_norm and any(layer.q_norm is None or layer.k_norm is None for layer in self.layers):
             raise ValueError("Qwen3 weights lack self_attn.q_norm.weight / k_norm.weight in some layer")
-        self.rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, max_positions, dtype, self.embed_tokens.device)
+        self.rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, max_positions, dtype, self.embed_tokens.device,
+                                    arch.rope_scaling)
         self.scale = arch.head_dim**-0.5
 
     def lora_targets(self) -> list[tuple[int, object, str, tuple[tuple[str, int, int], ...]]]:

@@ -1,0 +1,292 @@
+"""The checkpoint shapes most served today, made by transformers (random weights) and served by LLMEngine from
+their directories, with transformers (fp32, eager attention, repeated full forwards) as the oracle:
+
+- Llama 3.1 / 3.2 / 3.3: RoPE ``llama3`` (low frequencies divided by the factor, a ramp to the high ones);
+- Qwen2 / Qwen2.5: biases on q, k and v; here with YaRN RoPE (Qwen2.5's long-context setting: interpolated
+  frequencies and cos / sin scaled by the attention factor);
+- Mistral: a sliding window (served up to the window, where it equals full attention), here with ``linear``
+  RoPE in transformers 4's ``rope_scaling`` form;
+- Llama with ``attention_bias`` (q, k, v and o biases).
+Each variant matters: transformers' own greedy with the variant turned off differs (test_each_variant_matters),
+so equality below fails if the engine drops it. Prompts run past each config's original context.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import engine_config
+from test_hybrid_engine import _prompts
+from test_kv_transfer_e2e import run_on_pair
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.llm_engine import LLMEngine
+from pdcluster.engine.models.architectures import arch_from_dir, max_model_len_for
+from pdcluster.engine.models.llama import RotaryEmbedding
+from pdcluster.engine.models.registry import resolve_model
+from pdcluster.engine.models.rope import RopeScaling, inv_freq_and_scale, rope_from_config
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.kv_transfer.config import TransferConfig
+
+transformers = pytest.importorskip("transformers")
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread_per_module")]
+
+NUM_NEW = 12
+VOCAB = 512
+PROMPTS = [[3 + t % (VOCAB - 3) for t in p] for p in _prompts(16, seed=3)]  # 3..70 tokens
+
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+              num_hidden_layers=3, rms_norm_eps=1e-6, max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}
+# name -> (config class, model class, config kwargs, the config.json keys that undo the variant)
+CONFIGS = {
+    "llama3": ("LlamaConfig", "LlamaForCausalLM", dict(COMMON, rope_parameters=LLAMA3_ROPE, tie_word_embeddings=True),
+               {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+    "qwen2-yarn": ("Qwen2Config", "Qwen2ForCausalLM", dict(COMMON, rope_parameters=YARN_ROPE),
+                   {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+    "mistral-linear": ("MistralConfig", "MistralForCausalLM", dict(COMMON, sliding_window=128, head_dim=32),
+                       {"rope_scaling": None, "rope_parameters": None}),
+    "llama-bias": ("LlamaConfig", "LlamaForCausalLM", dict(COMMON, attention_bias=True), None),
+}
+NAMES = list(CONFIGS)
+
+
+def _redraw(model, seed: int = 0) -> None:
+    """Weights at a scale where every block (and every bias) moves the logits."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(0.8 + 0.4 * torch.rand(p.shape, generator=gen))
+            elif name.endswith("embed_tokens.weight"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+            elif name.endswith(".bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+            else:
+                gain = 3.0 if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.5
+                p.copy_(torch.randn(p.shape, generator=gen) * gain / p.shape[-1] ** 0.5)
+
+
+def _edit_config(src: Path, dst: Path, **changes) -> Path:
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory) -> dict[str, Path]:
+    tokenizer = resolve_model("tiny-random", progress=False) / "tokenizer.json"
+    out = {}
+    for name, (config_cls, model_cls, kwargs, _) in CONFIGS.items():
+        d = tmp_path_factory.mktemp(name)
+        torch.manual_seed(0)
+        model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs))
+        _redraw(model)
+        model.save_pretrained(str(d))
+        shutil.copy(tokenizer, d / "tokenizer.json")
+        out[name] = d
+    # Mistral's RoPE in transformers 4's form (rope_scaling {"type": ...} beside rope_theta), as older
+    # checkpoints carry it: transformers 5 reads it too.
+    cfg = json.loads((out["mistral-linear"] / "config.json").read_text())
+    cfg.pop("rope_parameters", None)
+    cfg.update(rope_theta=10000.0, rope_scaling={"type": "linear", "factor": 2.0})
+    (out["mistral-linear"] / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def _hf_model(model_dir: Path):
+    cls = json.loads((model_dir / "config.json").read_text())["architectures"][0]
+    return getattr(transformers, cls).from_pretrained(str(model_dir), dtype=torch.float32,
+                                                      attn_implementation="eager").eval()
+
+
+def _hf_greedy(hf, prompts) -> list[list[int]]:
+    out = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = list(p)
+            for _ in range(NUM_NEW):
+                ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+            out.append(ids[len(p):])
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(dirs) -> dict[str, list[list[int]]]:
+    return {name: _hf_greedy(_hf_model(dirs[name]), PROMPTS) for name in NAMES}
+
+
+def _engine(model_dir: Path, **overrides) -> LLMEngine:
+    cfg = dict(model=str(model_dir), dtype="float32", max_model_len=128, num_kv_blocks=256, block_size=16,
+               max_num_seqs=16)
+    cfg.update(overrides)
+    return LLMEngine.from_config(EngineConfig(**cfg), progress=False)
+
+
+def _run(engine: LLMEngine, prompts) -> list[list[int]]:
+    params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+    return [o.token_ids for o in engine.generate(prompts, params)]
+
+
+def test_configs_read(dirs):
+    llama3 = arch_from_dir(dirs["llama3"])
+    assert llama3.rope_scaling == RopeScaling("llama3", 8.0, 32, 1.0, 4.0)
+    assert not llama3.qkv_bias and llama3.sliding_window is None
+    qwen2 = arch_from_dir(dirs["qwen2-yarn"])
+    assert qwen2.rope_scaling.rope_type == "yarn" and qwen2.qkv_bias and not qwen2.o_bias
+    mistral = arch_from_dir(dirs["mistral-linear"])
+    assert mistral.rope_scaling.rope_type == "linear" and mistral.rope_scaling.factor == 2.0
+    assert mistral.sliding_window == 128
+    bias = arch_from_dir(dirs["llama-bias"])
+    assert bias.qkv_bias and bias.o_bias and bias.rope_scaling is None
+
+
+def test_reference_is_not_degenerate(reference):
+    for outs in reference.values():
+        assert len({tuple(o) for o in outs}) > len(outs) // 2
+        assert sum(len(set(o)) > 2 for o in outs) > len(outs) // 2
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_batched_and_alone_equal_transformers(dirs, reference, name):
+    engine = _engine(dirs[name])
+    assert _run(engine, PROMPTS) == reference[name]
+    assert _run(engine, PROMPTS[:1]) == reference[name][:1]
+    assert engine.scheduler.block_manager.num_free_blocks == engine.kv_spec.num_blocks
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen2-yarn", "mistral-linear"])
+def test_each_variant_matters(dirs, reference, name, tmp_path):
+    """transformers' greedy with the RoPE variant undone differs from the reference, so the equality above
+    holds only if the engine computes the variant."""
+    undone = _edit_config(dirs[name], tmp_path / "undone", **CONFIGS[name][3])
+    assert arch_from_dir(undone).rope_scaling is None
+    plain = _hf_greedy(_hf_model(undone), PROMPTS[:6])
+    assert sum(a != b for a, b in zip(plain, reference[name][:6])) >= 3
+
+
+def test_biases_matter(dirs, reference):
+    hf = _hf_model(dirs["llama-bias"])
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.self_attn.o_proj.bias.zero_()
+    without_o = _hf_greedy(hf, PROMPTS[:6])
+    assert sum(a != b for a, b in zip(without_o, reference["llama-bias"][:6])) >= 3
+
+
+def test_chunked_prefill_and_preemption(dirs, reference):
+    name = "qwen2-yarn"
+    # Chunks of 5 tokens; 24 blocks of 16 for 16 requests of up to 82 tokens force preemption.
+    engine = _engine(dirs[name], prefill_chunk_size=5, max_num_batched_tokens=40, num_kv_blocks=24)
+    assert _run(engine, PROMPTS) == reference[name]
+    assert engine.scheduler.num_preemptions_total > 0
+    assert engine.scheduler.block_manager.num_free_blocks == engine.kv_spec.num_blocks
+
+
+def test_speculative_ngram_is_lossless(dirs, reference):
+    name = "llama3"
+    engine = _engine(dirs[name], spec_method="ngram", num_spec_tokens=3)
+    assert _run(engine, PROMPTS) == reference[name]
+
+
+def test_bf16_deterministic_batch_invariant_with_biases(dirs):
+    """bf16 in deterministic mode (the CPU default): a request's tokens in a batch are its tokens alone, with
+    q/k/v biases and YaRN (the bias add is per row)."""
+    engine = _engine(dirs["qwen2-yarn"], dtype="bfloat16", deterministic=True)
+    batched = _run(engine, PROMPTS)
+    assert [_run(engine, [p])[0] for p in PROMPTS[:5]] == batched[:5]
+
+
+def test_disagg_equals_colocated(dirs, reference):
+    """A prefill and a decode worker over tcp: the KV made with biases and YaRN decodes to the same tokens."""
+    name = "qwen2-yarn"
+    cfg = engine_config(str(dirs[name]), dtype="float32", max_model_len=128, num_kv_blocks=128, block_size=16)
+    params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+    run = run_on_pair(cfg, TransferConfig(transport="tcp", secret="s3cret"), PROMPTS[:6], params, 128)
+    assert run.tokens == reference[name][:6]
+
+
+def test_sliding_window_caps_max_model_len(dirs):
+    arch = arch_from_dir(dirs["mistral-linear"])
+    assert max_model_len_for(arch) == 128  # the window, below max_position_embeddings and 4096
+    assert max_model_len_for(arch, 100) == 100
+    with pytest.raises(ValueError, match=r"max_model_len: 200 exceeds the model's sliding_window \(128\)"):
+        max_model_len_for(arch, 200)
+    with pytest.raises(ValueError, match="sliding_window"):
+        _engine(dirs["mistral-linear"], max_model_len=200)
+    assert _engine(dirs["mistral-linear"], max_model_len=0).max_model_len == 128
+    # A window at least max_position_embeddings long is full attention: no cap.
+    wide = arch_from_dir(_edit_config(dirs["mistral-linear"], dirs["mistral-linear"].parent / "wide",
+                                      sliding_window=4096))
+    assert max_model_len_for(wide) == 256
+
+
+def test_legacy_and_new_rope_forms_agree():
+    new = {"max_position_embeddings": 4096,
+           "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 8192}}
+    legacy = {"max_position_embeddings": 4096, "rope_theta": 500000.0,
+              "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+    assert rope_from_config(new, "x") == rope_from_config(legacy, "x")
+    theta, s = rope_from_config(legacy, "x")
+    assert theta == 500000.0 and s.rope_type == "llama3"
+    # transformers' own frequencies for Llama 3.2's config (128-dim heads)
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf_cfg = transformers.LlamaConfig(hidden_size=4096, num_attention_heads=32, **new)
+    hf_inv, hf_scale = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")
+    ours, scale = inv_freq_and_scale(128, theta, s)
+    assert torch.equal(ours, hf_inv) and scale == hf_scale == 1.0
+
+
+@pytest.mark.parametrize("params", [
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+    {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0,
+     "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "attention_factor": 1.2,
+     "truncate": False},
+    {"rope_type": "linear", "factor": 4.0},
+])
+def test_rope_tables_equal_transformers(params):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = {"max_position_embeddings": 131072, "rope_parameters": {"rope_theta": 1000000.0, **params}}
+    theta, s = rope_from_config(cfg, "x")
+    hf_cfg = transformers.Qwen2Config(hidden_size=1024, num_attention_heads=8, **cfg)
+    hf_inv, hf_scale = ROPE_INIT_FUNCTIONS[params["rope_type"]](hf_cfg, "cpu")
+    ours, scale = inv_freq_and_scale(128, theta, s)
+    torch.testing.assert_close(ours, hf_inv, rtol=0, atol=0)
+    assert scale == pytest.approx(hf_scale, rel=1e-12)
+    # The table every kernel reads: cos and sin scaled by the attention factor.
+    rope = RotaryEmbedding(128, theta, 64, torch.float32, scaling=s)
+    assert rope.cos_sin[5, 0].item() == pytest.approx(scale * float(torch.cos(torch.tensor(5.0) * ours[0])), abs=1e-6)
+
+
+@pytest.mark.parametrize("change,words", [
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}, "'dynamic'"),
+    ({"rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}}, "'longrope'"),
+    ({"rope_scaling": {"type": "llama3", "factor": 8.0}}, "low_freq_factor"),
+    ({"rope_scaling": {"type": "linear"}}, "'factor'"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ({"mlp_bias": True}, "mlp_bias"),
+    ({"architectures": ["Qwen2MoeForCausalLM"]}, "Qwen2MoeForCausalLM"),
+])
+def test_unsupported_configs_refused_in_one_line(dirs, tmp_path, change, words):
+    d = _edit_config(dirs["llama3"], tmp_path / "bad", **{"rope_parameters": None, **change})
+    with pytest.raises(ValueError) as err:
+        arch_from_dir(d)
+    assert words in str(err.value) and "\n" not in str(err.value)
