@@ -28,13 +28,20 @@ class Block:
     token_ids: tuple[int, ...] = ()  # kept to rule out hash collisions on a hit
 
 
-def lora_hash_root(lora_name: str | None) -> int | None:
-    """The parent hash of a request's first block: None for the base model, else a digest of its LoRA
-    adapter's name (engine/lora/). An adapter changes the KV a prompt makes, so its blocks hash apart from the
-    base model's and other adapters' in the prefix cache, the offload tiers and the router's KV index."""
-    if lora_name is None:
+def block_hash_root(params) -> int | None:
+    """The parent hash of a request's first block (``params``: its SamplingParams): None for the base model
+    without a cache salt, else a digest of its LoRA adapter's name and its ``cache_salt``. An adapter changes
+    the KV a prompt makes, and a salt keeps one tenant's cached prompts from another's (vLLM's cache_salt:
+    a hit's speed would tell a guessed prompt), so such blocks hash apart in the prefix cache, the offload
+    tiers and the router's KV index."""
+    lora_name, salt = params.lora_name, getattr(params, "cache_salt", None)
+    if lora_name is None and salt is None:
         return None
-    digest = hashlib.blake2b(b"lora\0" + lora_name.encode(), digest_size=8).digest()
+    if salt is None:
+        digest = hashlib.blake2b(b"lora\0" + lora_name.encode(), digest_size=8).digest()
+    else:
+        digest = hashlib.blake2b(b"salt\0" + salt.encode() + b"\0lora\0" + (lora_name or "").encode()
+                                 + (b"\1" if lora_name is not None else b"\0"), digest_size=8).digest()
     return int.from_bytes(digest, "little", signed=True)
 
 
@@ -106,7 +113,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         return chained_block_hashes(request.all_token_ids[: request.num_tokens - 1], self.block_size,
-                                    lora_hash_root(request.sampling_params.lora_name))
+                                    block_hash_root(request.sampling_params))
 
     def find_cached_prefix(self, request: Request, block_hashes: list[int] | None = None) -> list[int]:
         """Block ids of the longest cached prefix of the request's committed tokens (at least one token is
@@ -183,7 +190,7 @@ class BlockManager:
         if num_full <= len(known):
             return
         token_ids = request.all_token_ids
-        parent = known[-1] if known else lora_hash_root(request.sampling_params.lora_name)
+        parent = known[-1] if known else block_hash_root(request.sampling_params)
         start_block = len(known)
         new_hashes = chained_block_hashes(
             token_ids[start_block * self.block_size : num_full * self.block_size], self.block_size, parent

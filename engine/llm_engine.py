@@ -278,7 +278,8 @@ class LLMEngine:
         text cut before it, as the HTTP API does (the same Detokenizer)."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
-        detoks = {i: Detokenizer(self.tokenizer, sp.stop) for i, sp in zip(ids, params_list)}
+        detoks = {i: Detokenizer(self.tokenizer, sp.stop, sp.skip_special_tokens, sp.include_stop_str_in_output)
+                  for i, sp in zip(ids, params_list)}
         logprobs: dict[str, list[TokenLogprobs]] = {i: [] for i in ids}
         prompt_logprobs: dict[str, list[TokenLogprobs] | None] = {}
         done: dict[str, RequestOutput] = {}

@@ -1,12 +1,13 @@
-"""What changes the logits before sampling: logit bias, min_tokens, repetition / frequency / presence
-penalties (as vLLM applies them), and the grammar of structured output (engine/structured_output.py).
+"""What changes the logits before sampling: logit bias, min_tokens, allowed_token_ids, bad words,
+repetition / frequency / presence penalties (as vLLM applies them), and the grammar of structured output
+(engine/structured_output.py).
 
 The same function serves a plain sampling step and a verification step of speculative decoding: each
 row is one output position and carries the output tokens *before* that position (for a verification
 row j: the committed outputs plus drafts[:j]). The rejection sampler then compares drafts against the
 processed distribution, so speculation stays lossless with penalties on.
 
-Order (vLLM v1): logit bias and min_tokens first, then repetition (divides positive logits, multiplies
+Order (vLLM v1): allowed_token_ids, bad words, logit bias and min_tokens first, then repetition (divides positive logits, multiplies
 negative ones, over prompt and output tokens), frequency (minus ``f * count`` over output tokens) and
 presence (minus ``p`` once a token appeared in the output).
 """
@@ -48,6 +49,27 @@ def apply_penalties(logits: torch.Tensor, rows: list[RowContext], eos_token_ids:
 
     def in_vocab(ids) -> list[int]:
         return [int(t) for t in ids if 0 <= int(t) < vocab]
+
+    # Masks: every token outside allowed_token_ids, and each bad word's last token where the output so far
+    # ends with the rest of it.
+    allowed = [i for i in active if rows[i].params.allowed_token_ids is not None]
+    if allowed:
+        keep = torch.ones(num_rows, vocab, dtype=torch.bool, device=dev)
+        keep[allowed] = False
+        keep_rows = [i for i in allowed for _ in in_vocab(rows[i].params.allowed_token_ids)]
+        keep_ids = [t for i in allowed for t in in_vocab(rows[i].params.allowed_token_ids)]
+        if keep_rows:
+            keep[torch.tensor(keep_rows, device=dev), torch.tensor(keep_ids, device=dev)] = True
+        logits.masked_fill_(~keep, float("-inf"))
+    banned_rows, banned_ids = [], []
+    for i in active:
+        out = rows[i].output_token_ids
+        for seq in rows[i].params.bad_words_token_ids:
+            prefix = len(seq) - 1
+            if prefix <= len(out) and (prefix == 0 or out[len(out) - prefix:] == seq[:-1]) and 0 <= seq[-1] < vocab:
+                banned_rows.append(i), banned_ids.append(seq[-1])
+    if banned_rows:
+        logits[torch.tensor(banned_rows, device=dev), torch.tensor(banned_ids, device=dev)] = float("-inf")
 
     # Additive: logit bias, and -inf on stop tokens while min_tokens is not reached.
     bias_rows, bias_ids, bias_values, stop_rows, stop_ids = [], [], [], [], []

@@ -1,4 +1,4 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with position-keyed randomness, batched.
+"""Token sampling: greedy, temperature, min-p, top-k, top-p, with position-keyed randomness, batched.
 
 The random draw for a request's output position ``n`` is one uniform number derived from
 ``(seed, n)`` only (splitmix64), so a seeded request samples the same tokens whatever the batch it runs
@@ -80,10 +80,21 @@ def _apply_top_p(logits: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
     return logits
 
 
+def _apply_min_p(logits: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
+    """Mask each row's tokens whose probability is below min_p times the row's highest (vLLM's min_p)."""
+    if not any(min_ps):
+        return logits
+    probs = logits.softmax(-1)
+    floor = _to_device(min_ps, torch.float32, logits.device).unsqueeze(1) * probs.amax(-1, keepdim=True)
+    return logits.masked_fill(probs < floor, float("-inf"))
+
+
 def batch_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Sampling distributions [R, V] float32 after temperature, top-k and top-p (non-greedy rows)."""
+    """Sampling distributions [R, V] float32 after temperature, min-p, top-k and top-p (non-greedy rows), in
+    vLLM's order."""
     temps = _to_device([p.temperature for p in params], torch.float32, logits.device).unsqueeze(1)
     scaled = logits.float() / temps
+    scaled = _apply_min_p(scaled, [p.min_p for p in params])
     scaled = _apply_top_k(scaled, [p.top_k for p in params])
     scaled = _apply_top_p(scaled, [p.top_p for p in params])
     return scaled.softmax(-1)

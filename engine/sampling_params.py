@@ -48,6 +48,20 @@ class SamplingParams:
     output_position_offset: int = 0
     # The LoRA adapter to run with (a name from EngineConfig.lora_modules); None: the base model.
     lora_name: str | None = None
+    # vLLM's extensions, with its meanings:
+    # min_p: tokens below min_p x the most likely token's probability are not sampled (after temperature).
+    min_p: float = 0.0
+    # Only these tokens may be generated (None: any); EOS is not added for you, as in vLLM.
+    allowed_token_ids: list[int] | None = None
+    # Token sequences that must not be generated: a sequence's last token is masked where the output so far
+    # ends with the rest of it (the API tokenizes vLLM's ``bad_words`` with and without a leading space).
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # Salts the prefix cache: the request's block hashes start from it, so requests with another salt (or
+    # none) never share its cached KV (vLLM's cache_salt against prompt-guessing across tenants).
+    cache_salt: str | None = None
+    # Detokenization (engine/tokenizer.Detokenizer): special tokens shown or not; the stop string kept.
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -70,6 +84,17 @@ class SamplingParams:
         if self.structured_output is not None and self.ignore_eos:
             raise ValueError("ignore_eos cannot be combined with structured output: the grammar's end is the "
                              "end-of-sequence token")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty (leave it out to allow every token)")
+            self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
+        self.bad_words_token_ids = [[int(t) for t in seq] for seq in self.bad_words_token_ids]
+        if any(not seq for seq in self.bad_words_token_ids):
+            raise ValueError("bad_words_token_ids: every sequence needs at least one token")
+        if self.cache_salt is not None and not self.cache_salt:
+            raise ValueError("cache_salt must be a non-empty string")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if any(not s for s in self.stop):
@@ -83,4 +108,5 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         """Anything that changes the logits before sampling (engine/logits_processors.py)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens)
+                    or self.logit_bias or self.min_tokens or self.allowed_token_ids is not None
+                    or self.bad_words_token_ids)

@@ -94,9 +94,21 @@ def _to_grammar(spec_json: str):
             if not isinstance(pattern, str):
                 raise StructuredOutputError(f'regex spec needs "pattern": a string, got {type(pattern).__name__}')
             return xgr.Grammar.from_regex(pattern)
+        if kind == "grammar":  # EBNF (GBNF) in xgrammar's dialect, from rule "root"
+            grammar = spec.get("grammar")
+            if not isinstance(grammar, str) or not grammar.strip():
+                raise StructuredOutputError(f'grammar spec needs "grammar": EBNF text, got {type(grammar).__name__}')
+            return xgr.Grammar.from_ebnf(grammar)
+        if kind == "choice":  # exactly one of the strings
+            choices = spec.get("choices")
+            if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+                raise StructuredOutputError('choice spec needs "choices": a list of non-empty strings')
+            # JSON string literals are valid EBNF string literals (escapes included).
+            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in choices))
     except (RuntimeError, RecursionError) as exc:  # xgrammar's conversion errors are RuntimeErrors
         raise StructuredOutputError(f"{kind} spec cannot be compiled: {_xgrammar_message(exc)}") from None
-    raise StructuredOutputError(f"unknown structured output type {kind!r}: use json_object, json_schema or regex")
+    raise StructuredOutputError(f"unknown structured output type {kind!r}: use json_object, json_schema, regex, "
+                                "grammar or choice")
 
 
 def check_spec(spec_json: str) -> None:
@@ -104,6 +116,8 @@ def check_spec(spec_json: str) -> None:
     {"type": "json_object"}                    any JSON object
     {"type": "json_schema", "schema": {...}}   JSON valid against the schema
     {"type": "regex", "pattern": "..."}        text matching the regular expression
+    {"type": "grammar", "grammar": "root ::= ..."}  text of the EBNF grammar (xgrammar's dialect)
+    {"type": "choice", "choices": ["a", "b"]}  exactly one of the strings
     """
     _to_grammar(spec_json)
 

@@ -198,15 +198,22 @@ class Tokenizer:
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template of {str(self.model_dir)!r} does not compile: {exc}") from exc
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text for `messages` ([{"role": ..., "content": ...}, ...])."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, **template_kwargs) -> str:
+        """The prompt text for `messages` ([{"role": ..., "content": ...}, ...]); ``tools`` (OpenAI function
+        tools) for templates that render them, ``template_kwargs`` more variables (vLLM's
+        chat_template_kwargs, e.g. Qwen3's enable_thinking)."""
         import jinja2
 
         try:
             # Templates are untrusted code: they see plain JSON data only, never caller objects.
-            plain_messages = json.loads(json.dumps(messages))
+            plain = json.loads(json.dumps({"messages": messages, "tools": tools, "kwargs": template_kwargs}))
+            extra = plain["kwargs"]
+            if plain["tools"] is not None:
+                extra["tools"] = plain["tools"]
             return self._compiled_template.render(
-                messages=plain_messages,
+                **extra,
+                messages=plain["messages"],
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
@@ -268,8 +275,12 @@ class Detokenizer:
     logprobs with the text by them).
     """
 
-    def __init__(self, tokenizer: Tokenizer, stops: list[str] | tuple[str, ...] = ()):
+    def __init__(self, tokenizer: Tokenizer, stops: list[str] | tuple[str, ...] = (), skip_special_tokens: bool = True,
+                 include_stop: bool = False):
+        """``skip_special_tokens``: special tokens' text left out (the default, as vLLM); ``include_stop``: the
+        text ends after the stop string rather than before it (vLLM's include_stop_str_in_output)."""
         self.tokenizer, self.stops = tokenizer, list(stops)
+        self.skip_special_tokens, self.include_stop = skip_special_tokens, include_stop
         self.token_ids: list[int] = []
         self.text = ""
         self.num_sent = 0  # characters of ``text`` already handed out
@@ -296,16 +307,16 @@ class Detokenizer:
         searched = max(0, len(self.text.rstrip("\ufffd")) - self._max_stop_len + 1)
         for token_id in token_ids:
             self.token_ids.append(token_id)
-            text = self._step() if self._incremental else self.tokenizer.decode(self.token_ids)
+            text = self._step() if self._incremental else self._decode(self.token_ids)
             complete = not text.endswith("\ufffd")
             end = len(text) if complete else len(text.rstrip("\ufffd"))
             self.token_ends.append(max(end, self.token_ends[-1] if self.token_ends else 0))
             self.token_complete.append(complete)
         if final:  # exactly decode()'s text (an output may end inside a character)
-            text, searched = self.tokenizer.decode(self.token_ids), 0
+            text, searched = self._decode(self.token_ids), 0
         found = find_stop(text, self.stops, searched) if self.stops and token_ids else None
         if found is not None:
-            text, self.stop = text[: found[0]], found[1]
+            text, self.stop = text[: found[0] + (len(found[1]) if self.include_stop else 0)], found[1]
             final = True
         if token_ids or final:
             self.text = text
@@ -320,10 +331,13 @@ class Detokenizer:
         new, self.num_sent = text[self.num_sent : end], end
         return new
 
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
     def _step(self) -> str:
         """The output's text after the newest token (a partial character at its end shows as U+FFFD),
         decoding only the tokens since the last character boundary, after their left context."""
-        decode = self.tokenizer.decode
+        decode = self._decode
         ids = self.token_ids
         context_text = decode(ids[self._context : self._read]) if self._read > self._context else ""
         window_text = decode(ids[self._context :])

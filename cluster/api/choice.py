@@ -47,8 +47,10 @@ class ChoiceRun:
         out = prep.output
         self.track_tokens = out.num_logprobs is not None
         echo_text = request.prompt.text if out.echo else None
-        self.aligned = AlignedText(router.tokenizer, request.params.stop, self.track_tokens,
-                                   base_offset=len(echo_text or ""))
+        params = request.params
+        self.aligned = AlignedText(router.tokenizer, params.stop, self.track_tokens, base_offset=len(echo_text or ""),
+                                   skip_special_tokens=params.skip_special_tokens,
+                                   include_stop=params.include_stop_str_in_output)
         self._echo_text = echo_text
         self.stream: AsyncIterator[TokenDelta] | None = None
         self.num_output = self.num_draft = self.num_accepted = self.num_cached = self.num_offloaded = 0

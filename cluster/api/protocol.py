@@ -64,8 +64,26 @@ class ResponseFormat(StrictModel):
     json_schema: JsonSchemaFormat | None = None
 
 
+class StructuredOutputs(StrictModel):
+    """vLLM's ``structured_outputs`` (one constraint of: json, regex, choice, grammar, json_object)."""
+
+    json_: dict | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+    disable_fallback: bool | None = None
+    whitespace_pattern: str | None = None
+
+
 class SamplingFields(StrictModel):
     """What completions and chat completions share."""
+
+    # Fields no model here declares are kept (not dropped unseen): the API logs them as ignored, as vLLM does.
+    model_config = ConfigDict(extra="allow")
 
     model: str
     max_tokens: int | None = None
@@ -87,6 +105,29 @@ class SamplingFields(StrictModel):
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     stop_token_ids: list[int] | None = None
+    min_p: float | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    skip_special_tokens: bool | None = True
+    spaces_between_special_tokens: bool | None = True  # only true (tokenizers' decode has no such switch)
+    include_stop_str_in_output: bool | None = False
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: max_model_len
+    cache_salt: str | None = None
+    # Structured output, vLLM's two spellings (cluster/api/structured.py):
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # accepted: xgrammar serves every kind here
+    guided_whitespace_pattern: str | None = None
+    # vLLM fields served only at their defaults (anything else is a 400 naming the field):
+    use_beam_search: bool | None = False
+    length_penalty: float | None = 1.0
+    prompt_logprobs: int | None = None
+    return_tokens_as_token_ids: bool | None = False
+    priority: int | None = 0
+    logits_processors: list | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -154,6 +195,15 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: ToolChoice = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool | None = True  # extension (as vLLM)
+    # vLLM's chat extensions: extra variables for the chat template (e.g. Qwen3's enable_thinking), special
+    # tokens added when tokenizing the rendered text (the template writes its own by default).
+    chat_template_kwargs: dict | None = None
+    add_special_tokens: bool | None = False
+    # ... and those served only at their defaults:
+    chat_template: str | None = None
+    continue_final_message: bool | None = False
+    documents: list | None = None
+    echo: bool | None = False
 
 
 # ================================================================================== response bodies

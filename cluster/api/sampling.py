@@ -3,7 +3,8 @@
 logprobs wanted and the grammar; this file checks and maps the rest).
 
 Limits are OpenAI's (penalties in [-2, 2], logit_bias in [-100, 100]) and vLLM's for its extensions
-(repetition_penalty > 0, min_tokens <= max_tokens, stop_token_ids within the vocabulary).
+(repetition_penalty > 0, min_tokens <= max_tokens, min_p in [0, 1], stop_token_ids and allowed_token_ids
+within the vocabulary).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class Extras:
     prompt_logprobs: int | None = None
     structured_output: str | None = None
     lora_name: str | None = None  # the LoRA adapter the request's ``model`` names (None: the base model)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # ``bad_words`` tokenized (bad_words_token_ids)
 
 
 def sampling_params(body: SamplingFields, max_tokens: int, vocab_size: int, extras: Extras) -> SamplingParams:
@@ -52,6 +54,14 @@ def sampling_params(body: SamplingFields, max_tokens: int, vocab_size: int, extr
     min_tokens = body.min_tokens or 0
     if not 0 <= min_tokens <= max_tokens:
         raise _bad("min_tokens", f"must be in [0, max_tokens={max_tokens}], got {min_tokens}")
+    min_p = body.min_p or 0.0
+    if not 0.0 <= min_p <= 1.0:
+        raise _bad("min_p", f"must be in [0, 1] (0 = off), got {min_p!r}")
+    allowed = body.allowed_token_ids
+    if allowed is not None and not allowed:
+        raise _bad("allowed_token_ids", "must not be empty (leave it out to allow every token)")
+    if body.cache_salt is not None and not body.cache_salt:
+        raise _bad("cache_salt", "must be a non-empty string (leave it out for no salt)")
     try:  # every value is checked here; SamplingParams' own checks are the engine's guard
         return SamplingParams(
             max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=body.seed,
@@ -59,9 +69,28 @@ def sampling_params(body: SamplingFields, max_tokens: int, vocab_size: int, extr
                                                                 vocab_size),
             ignore_eos=bool(body.ignore_eos), min_tokens=min_tokens, **_penalties(body, vocab_size),
             logprobs=extras.logprobs, prompt_logprobs=extras.prompt_logprobs,
-            structured_output=extras.structured_output, lora_name=extras.lora_name)
+            structured_output=extras.structured_output, lora_name=extras.lora_name, min_p=min_p,
+            allowed_token_ids=(None if allowed is None else _token_ids("allowed_token_ids", allowed, vocab_size)),
+            bad_words_token_ids=[list(seq) for seq in extras.bad_words_token_ids], cache_salt=body.cache_salt,
+            skip_special_tokens=body.skip_special_tokens is not False,
+            include_stop_str_in_output=bool(body.include_stop_str_in_output))
     except ValueError as e:
         raise APIError(400, str(e)) from e
+
+
+def bad_words_token_ids(words: list[str], tokenizer) -> tuple[tuple[int, ...], ...]:
+    """vLLM's tokenization of ``bad_words``: each word as it would start the text, and (where that gives
+    other tokens of the same count) after a space, as in the middle of text."""
+    out: list[tuple[int, ...]] = []
+    for i, word in enumerate(words):
+        if not word.strip():
+            raise _bad("bad_words", f"bad_words[{i}] is empty")
+        plain = tuple(tokenizer.encode(word.lstrip()))
+        out.append(plain)
+        spaced = tuple(tokenizer.encode(" " + word.lstrip()))
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return tuple(out)
 
 
 def _stop_strings(body: SamplingFields) -> list[str]:

@@ -14,6 +14,10 @@ As vLLM:
   for the model's format (``pdcluster serve --tool-call-parser``; ``auto`` picks it from the chat
   template): the model answers in text or calls tools. With no parser for the model, refused with a 400.
 - ``tool_choice`` "none" -> the tools are ignored.
+- vLLM's ``structured_outputs`` {"json" | "regex" | "choice" | "grammar" | "json_object"} and its older
+  ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` (EBNF in xgrammar's dialect):
+  the same constraints; one constraint a request (two, or one with response_format or a forced tool, is a
+  400 naming both).
 Every tool choice streams: calls come as OpenAI ``delta.tool_calls`` (cluster/api/tool_parsers/stream.py).
 """
 
@@ -23,7 +27,7 @@ import json
 from dataclasses import dataclass
 
 from pdcluster.cluster.api.middleware import APIError
-from pdcluster.cluster.api.protocol import NamedToolChoice, SamplingFields
+from pdcluster.cluster.api.protocol import NamedToolChoice, SamplingFields, short
 from pdcluster.cluster.api.tool_parsers import NamedParser, RequiredParser, ToolParser
 
 _EMPTY_OBJECT = {"type": "object", "properties": {}}
@@ -56,14 +60,65 @@ def structured_request(body: SamplingFields, tool_parser: ToolParser | None = No
     """The grammar spec (a JSON string, or None for free text) and how to read the output.
     ``tool_parser``: the server's parser for tool_choice "auto" (None: the model has none)."""
     tool_spec, tool_calls = _tools_spec(body, tool_parser)
-    format_spec = _response_format_spec(body)
-    if tool_spec is not None and format_spec is not None:
-        raise _bad("response_format", "cannot be combined with tool_choice 'required' or a named function "
-                                      "(both constrain the output): send one of them")
-    spec = tool_spec or format_spec
-    if spec is not None:
-        check_spec(spec, "tools" if tool_spec else "response_format")
+    specs = [(param, spec) for param, spec in (("tools", tool_spec), ("response_format", _response_format_spec(body)),
+                                               *_vllm_specs(body)) if spec is not None]
+    if len(specs) > 1:
+        names = [("tool_choice 'required' or a named function" if p == "tools" else p) for p, _ in specs]
+        raise _bad(specs[1][0], f"cannot be combined with {names[0]} (each constrains the output): send one of "
+                                "them")
+    if not specs:
+        return None, tool_calls
+    param, spec = specs[0]
+    check_spec(spec, param)
     return spec, tool_calls
+
+
+def _vllm_specs(body: SamplingFields) -> list[tuple[str, str | None]]:
+    """vLLM's structured-output fields as (field, spec): ``structured_outputs`` {json | regex | choice | grammar |
+    json_object} and the older ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``."""
+    so = body.structured_outputs
+    out = []
+    if so is not None:
+        for key in ("structural_tag", "whitespace_pattern"):
+            if getattr(so, key) is not None:
+                raise _bad(f"structured_outputs.{key}", "is not supported (leave it out)")
+        kinds = [(k, v) for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                     ("grammar", so.grammar), ("json_object", so.json_object or None))
+                 if v is not None]
+        if len(kinds) > 1:
+            raise _bad("structured_outputs", f"give one constraint, got {[k for k, _ in kinds]}")
+        if kinds:
+            key, value = kinds[0]
+            out.append((f"structured_outputs.{key}", _constraint_spec(f"structured_outputs.{key}", key, value)))
+    if body.guided_whitespace_pattern is not None:
+        raise _bad("guided_whitespace_pattern", "is not supported (leave it out): JSON is generated compact")
+    for key in ("json", "regex", "choice", "grammar"):
+        value = getattr(body, f"guided_{key}")
+        if value is not None:
+            out.append((f"guided_{key}", _constraint_spec(f"guided_{key}", key, value)))
+    return out
+
+
+def _constraint_spec(param: str, kind: str, value) -> str:
+    if kind == "json_object":
+        return json.dumps({"type": "json_object"})
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise _bad(param, f"a schema given as a string must be JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise _bad(param, f"must be a JSON schema object, got {short(value)}")
+        _check_depth(value, param)
+        return json.dumps({"type": "json_schema", "schema": value})
+    if kind == "regex":
+        return json.dumps({"type": "regex", "pattern": value})
+    if kind == "grammar":
+        return json.dumps({"type": "grammar", "grammar": value})
+    if not value or not all(value):  # choice
+        raise _bad(param, f"must be a non-empty list of non-empty strings, got {short(value)}")
+    return json.dumps({"type": "choice", "choices": value})
 
 
 def _response_format_spec(body: SamplingFields) -> str | None:

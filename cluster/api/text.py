@@ -34,9 +34,10 @@ class Piece:
 class AlignedText:
     """One choice's output: ``add`` returns the text now safe to show and the tokens it completes."""
 
-    def __init__(self, tokenizer, stops: list[str], track_tokens: bool, base_offset: int = 0):
+    def __init__(self, tokenizer, stops: list[str], track_tokens: bool, base_offset: int = 0,
+                 skip_special_tokens: bool = True, include_stop: bool = False):
         self.tokenizer, self.track_tokens, self.base_offset = tokenizer, track_tokens, base_offset
-        self.detok = Detokenizer(tokenizer, stops)
+        self.detok = Detokenizer(tokenizer, stops, skip_special_tokens, include_stop)
         # Per output token (the Detokenizer's): characters of output text up to and including it, and
         # whether its text ends on a character boundary.
         self._ends, self._complete = self.detok.token_ends, self.detok.token_complete

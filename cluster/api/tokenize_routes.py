@@ -17,7 +17,7 @@ import anyio
 from fastapi import FastAPI
 from pdcluster.cluster.api.middleware import APIError
 from pdcluster.cluster.api.protocol import ChatMessage, one_of, StrictModel, short
-from pdcluster.cluster.api.validation import chat_prompt_text, check_model
+from pdcluster.cluster.api.validation import chat_prompt_text, chat_template_kwargs, check_model
 
 
 class TokenizeRequest(StrictModel):
@@ -28,6 +28,7 @@ class TokenizeRequest(StrictModel):
     continue_final_message: bool | None = False
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (as vLLM)
     return_token_strs: bool | None = False
+    chat_template_kwargs: dict | None = None
 
 
 class DetokenizeRequest(StrictModel):
@@ -43,7 +44,8 @@ def _tokenize(body: TokenizeRequest, tokenizer) -> list[int]:
                        param="continue_final_message", code="unsupported_parameter")
     if body.prompt is not None:
         return tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
-    text = chat_prompt_text(body.messages, body.add_generation_prompt is not False, tokenizer)
+    text = chat_prompt_text(body.messages, body.add_generation_prompt is not False, tokenizer,
+                            template_kwargs=chat_template_kwargs(body.chat_template_kwargs))
     # The template spells its own special tokens: by default none are added (as chat completions).
     return tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
 

@@ -13,6 +13,7 @@ know (request ids in use, the size of a worker's KV pool).
 from __future__ import annotations
 
 import inspect
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -22,11 +23,13 @@ import anyio
 from pdcluster.cluster.api.middleware import APIError
 from pdcluster.cluster.api.protocol import (CHAT_COMPLETION, TEXT_COMPLETION, ChatCompletionRequest,
                                             ChatMessage, CompletionRequest, SamplingFields, short)
-from pdcluster.cluster.api.sampling import INT64_MAX, Extras, sampling_params
+from pdcluster.cluster.api.sampling import INT64_MAX, Extras, bad_words_token_ids, sampling_params
 from pdcluster.cluster.api.structured import ToolCalls, structured_request
 from pdcluster.cluster.api.tool_parsers import ToolParser
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.engine.tokenizer import ChatTemplateError
+
+log = logging.getLogger(__name__)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: up to the context's end)
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI (chat) and vLLM's default max_logprobs
@@ -85,14 +88,18 @@ async def prepare(body: SamplingFields, router, served_model_name: str,
     # Checking a schema and tokenising long prompts take a while: keep them off the event loop.
     spec, tool_calls = await anyio.to_thread.run_sync(structured_request, body, tool_parser)
     output = replace(output, tool_calls=tool_calls)
-    extras = replace(extras, structured_output=spec, lora_name=lora_name)
+    bad_words = bad_words_token_ids(body.bad_words, tokenizer) if body.bad_words else ()
+    extras = replace(extras, structured_output=spec, lora_name=lora_name, bad_words_token_ids=bad_words)
     if is_chat:
         tools = [t.model_dump(exclude_none=True) for t in body.tools or []] if body.tool_choice != "none" else []
+        template_kwargs = chat_template_kwargs(body.chat_template_kwargs)
         ids = await anyio.to_thread.run_sync(
-            chat_prompt_ids, body.messages, body.add_generation_prompt is not False, tokenizer, tools, tool_parser)
+            lambda: chat_prompt_ids(body.messages, body.add_generation_prompt is not False, tokenizer, tools,
+                                    tool_parser, template_kwargs, bool(body.add_special_tokens)))
         prompts = [(ids, None)]
     else:
         prompts = await anyio.to_thread.run_sync(_completion_prompts, body, n, output.echo, tokenizer)
+    prompts = _truncate_prompts(body.truncate_prompt_tokens, prompts, router.max_model_len, tokenizer)
     inputs = []
     for i, (ids, text) in enumerate(prompts):
         label = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
@@ -127,9 +134,39 @@ def _check_n(body: SamplingFields) -> int:
     return n
 
 
+# vLLM's fields served only at their defaults: field -> (default, what to do instead).
+_VLLM_DEFAULTS_ONLY = {
+    "use_beam_search": (False, "beam search is not served: sample with n and pick a choice (logprobs score them)"),
+    "length_penalty": (1.0, "it applies to beam search, which is not served"),
+    "prompt_logprobs": (None, "send echo=true with logprobs (completions) to get the prompt's logprobs"),
+    "return_tokens_as_token_ids": (False, "logprobs name tokens by their text"),
+    "priority": (0, "requests are served first come, first served"),
+    "logits_processors": (None, "custom logits processors are not loaded"),
+    "spaces_between_special_tokens": (True, "special tokens are decoded as the tokenizer joins them"),
+    "chat_template": (None, "the model's own chat template is used (a request's template would run as code "
+                            "on the server)"),
+    "continue_final_message": (False, "the chat ends with the generation prompt"),
+    "documents": (None, "put the documents in the messages"),
+}
+# Variables the chat template gets from the server, which chat_template_kwargs cannot replace.
+_TEMPLATE_RESERVED = frozenset({"messages", "add_generation_prompt", "tools", "bos_token", "eos_token",
+                                "raise_exception", "strftime_now"})
+
+
 def _reject_unsupported(body: SamplingFields) -> None:
     def no(param: str, what: str) -> None:
         raise APIError(400, f"{param}: {what}", param=param, code="unsupported_parameter")
+
+    for param, (default, instead) in _VLLM_DEFAULTS_ONLY.items():
+        value = getattr(body, param, default)
+        if value is not None and value != default:
+            no(param, f"only {default!r} is supported, got {short(value)}: {instead}")
+    if isinstance(body, ChatCompletionRequest) and body.echo:
+        no("echo", "echo is not served for chat completions (the messages are the client's own)")
+    if body.model_extra:
+        # As vLLM: a field nothing here reads is ignored, and said so in the log (a client's typo shows).
+        log.warning("request fields ignored (not OpenAI's or vLLM's, or not read here): %s",
+                    ", ".join(sorted(body.model_extra)[:20]))
 
     if isinstance(body, CompletionRequest):
         if body.best_of not in (None, 1):
@@ -186,8 +223,32 @@ def _completion_prompts(body: CompletionRequest, n: int, echo: bool, tokenizer) 
     return out
 
 
+def chat_template_kwargs(kwargs: dict | None) -> dict:
+    kwargs = kwargs or {}
+    reserved = sorted(_TEMPLATE_RESERVED & set(kwargs))
+    if reserved:
+        raise _bad("chat_template_kwargs", f"{reserved} are set by the server; other variables are passed to the "
+                                           "chat template")
+    return kwargs
+
+
+def _truncate_prompts(keep: int | None, prompts: list[tuple[list[int], str | None]], max_model_len: int,
+                      tokenizer) -> list[tuple[list[int], str | None]]:
+    """vLLM's truncate_prompt_tokens: each prompt's last ``keep`` tokens (-1: max_model_len); echo then shows
+    the tokens kept."""
+    if keep is None:
+        return prompts
+    if keep == -1:
+        keep = max_model_len
+    if keep < 1:
+        raise _bad("truncate_prompt_tokens", f"must be >= 1 (or -1 for max_model_len), got {keep}")
+    return [(ids[-keep:], None if text is None or len(ids) <= keep else tokenizer.decode(ids[-keep:]))
+            for ids, text in prompts]
+
+
 def chat_prompt_text(messages: list[ChatMessage], add_generation_prompt: bool, tokenizer,
-                     tools: list[dict] | None = None, tool_parser: ToolParser | None = None) -> str:
+                     tools: list[dict] | None = None, tool_parser: ToolParser | None = None,
+                     template_kwargs: dict | None = None) -> str:
     """``messages`` rendered by the model's chat template (also /tokenize's).
 
     With ``tools`` and a ``tool_parser``: a template that renders ``tools`` itself gets them (when the
@@ -208,7 +269,7 @@ def chat_prompt_text(messages: list[ChatMessage], add_generation_prompt: bool, t
         if inject and m.role == "assistant" and m.tool_calls:
             message["content"] = "\n".join(x for x in (message["content"], tool_parser.render_calls(m.tool_calls)) if x)
         rendered.append(message)
-    kwargs = {}
+    kwargs = dict(template_kwargs or {})
     if inject:
         prompt = tool_parser.system_prompt(tools)
         if rendered[0]["role"] in ("system", "developer"):
@@ -230,8 +291,11 @@ def _template_takes_tools(tokenizer) -> bool:
 
 
 def chat_prompt_ids(messages: list[ChatMessage], add_generation_prompt: bool, tokenizer,
-                    tools: list[dict] | None = None, tool_parser: ToolParser | None = None) -> list[int]:
-    ids = tokenizer.encode(chat_prompt_text(messages, add_generation_prompt, tokenizer, tools, tool_parser))
+                    tools: list[dict] | None = None, tool_parser: ToolParser | None = None,
+                    template_kwargs: dict | None = None, add_special_tokens: bool = False) -> list[int]:
+    text = chat_prompt_text(messages, add_generation_prompt, tokenizer, tools, tool_parser, template_kwargs)
+    # The template writes its own special tokens: none are added unless asked for (vLLM's add_special_tokens).
+    ids = tokenizer.encode(text, add_special_tokens=True) if add_special_tokens else tokenizer.encode(text)
     if not ids:
         raise APIError(400, "messages render to an empty prompt", param="messages")
     return ids

@@ -3,7 +3,7 @@
 PEFT directory; layers.py wraps the targeted projections; ``install`` puts them on a loaded model.
 
 An adapter changes the KV a prompt makes, so its blocks hash apart from the base model's and other adapters'
-(engine/block_manager.py ``lora_hash_root``: the root of the chained block hashes), in every worker's prefix
+(engine/block_manager.py ``block_hash_root``: the root of the chained block hashes), in every worker's prefix
 cache, the offload tiers and the router's KV index alike.
 """
 

@@ -1,0 +1,316 @@
+"""vLLM's request extensions at the HTTP API (what vLLM users send in ``extra_body``): each is served with
+vLLM's meaning or refused with a 400 naming it; none is silently dropped (a field nothing reads is logged).
+
+The real stack: a LocalRouter on tiny-random behind a real uvicorn server, the `openai` client, and a
+recording router that keeps the SamplingParams and prompt ids the API sent and every token it got back.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+
+import jsonschema
+import openai
+import pytest
+
+from pdcluster.cluster.api.app import build_app
+from pdcluster.cluster.api.tool_parsers import HermesParser
+from pdcluster.cluster.api.validation import chat_prompt_text
+from pdcluster.cluster.api.protocol import ChatMessage
+from pdcluster.cluster.local_router import LocalRouter
+from pdcluster.cluster.metrics import Metrics
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.tokenizer import Tokenizer
+from test_api import API_KEY, MAX_MODEL_LEN, MODEL, NUM_BLOCKS, Stack, serving
+from test_api_openai import Recording
+
+pytestmark = pytest.mark.timeout(180)
+
+PROMPT = "The capital of France is"
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
+                                           "ok": {"type": "boolean"}},
+          "required": ["city", "ok"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_dir):
+    local = LocalRouter(EngineConfig(model=MODEL, num_kv_blocks=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN),
+                        request_timeout_s=30)
+    recording = Recording(local)
+    app = build_app(recording, MODEL, api_key=API_KEY, metrics=Metrics(MODEL))
+    try:
+        with serving(app) as base_url:
+            s = Stack(local, Metrics(MODEL), base_url)
+            s.recording = recording
+            yield s
+    finally:
+        local.close()
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_dir):
+    return Tokenizer(tiny_dir)
+
+
+def _complete(stack, prompt=PROMPT, **extra):
+    plain = {k: extra.pop(k) for k in ("max_tokens", "temperature", "seed", "stop", "n") if k in extra}
+    plain.setdefault("max_tokens", 12)
+    plain.setdefault("temperature", 0.0)
+    return stack.client.completions.create(model=MODEL, prompt=prompt, extra_body=extra, **plain)
+
+
+def _bad_request(fn, *words):
+    with pytest.raises(openai.BadRequestError) as err:
+        fn()
+    message = err.value.body["message"] if isinstance(err.value.body, dict) else str(err.value)
+    for w in words:
+        assert w in message, message
+    return message
+
+
+def _last_request(stack):
+    rid = list(stack.recording.params)[-1]
+    return rid, stack.recording.params[rid]
+
+
+# ================================================================================== structured output
+
+
+@pytest.mark.parametrize("form", ["guided_choice", "structured_outputs"])
+def test_choice(stack, form):
+    choices = ["yes", "no", "maybe \"so\""]
+    body = {"guided_choice": choices} if form == "guided_choice" else {"structured_outputs": {"choice": choices}}
+    for seed in range(4):
+        r = _complete(stack, temperature=1.0, seed=seed, max_tokens=16, **body)
+        assert r.choices[0].text in choices and r.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("form", ["guided_regex", "structured_outputs"])
+def test_regex(stack, form):
+    pattern = r"[0-9]{3}-[a-z]{2}"
+    body = {"guided_regex": pattern} if form == "guided_regex" else {"structured_outputs": {"regex": pattern}}
+    for seed in range(3):
+        assert re.fullmatch(pattern, _complete(stack, temperature=1.0, seed=seed, max_tokens=16, **body).choices[0].text)
+
+
+@pytest.mark.parametrize("body", [{"guided_json": SCHEMA}, {"guided_json": json.dumps(SCHEMA)},
+                                  {"structured_outputs": {"json": SCHEMA}}])
+def test_json_schema(stack, body):
+    text = _complete(stack, temperature=1.0, seed=1, max_tokens=40, **body).choices[0].text
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_json_object(stack):
+    # A random model's keys run long: the answers that end (finish_reason "stop") are whole JSON objects.
+    done = [r.choices[0].text for r in (_complete(stack, temperature=1.0, seed=s, max_tokens=100,
+                                                  structured_outputs={"json_object": True}) for s in range(4))
+            if r.choices[0].finish_reason == "stop"]
+    assert done and all(isinstance(json.loads(t), dict) for t in done)
+
+
+@pytest.mark.parametrize("form", ["guided_grammar", "structured_outputs"])
+def test_grammar(stack, form):
+    grammar = 'root ::= ("yes" | "no") "!" [0-9]'
+    body = {"guided_grammar": grammar} if form == "guided_grammar" else {"structured_outputs": {"grammar": grammar}}
+    for seed in range(3):
+        assert re.fullmatch(r"(yes|no)![0-9]", _complete(stack, temperature=1.0, seed=seed, **body).choices[0].text)
+
+
+def test_chat_guided_choice(stack):
+    r = stack.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Yes or no?"}],
+                                             max_tokens=8, temperature=0, extra_body={"guided_choice": ["Yes", "No"]})
+    assert r.choices[0].message.content in ("Yes", "No")
+
+
+def test_structured_refusals(stack):
+    _bad_request(lambda: _complete(stack, guided_choice=["a"], guided_regex="b"), "guided_regex", "guided_choice")
+    _bad_request(lambda: _complete(stack, guided_json=SCHEMA, response_format={"type": "json_object"}),
+                 "guided_json", "response_format")
+    _bad_request(lambda: _complete(stack, structured_outputs={"choice": ["a"], "regex": "b"}),
+                 "structured_outputs", "one constraint")
+    _bad_request(lambda: _complete(stack, guided_grammar="root ::= foo"), "guided_grammar", "not defined")
+    _bad_request(lambda: _complete(stack, guided_choice=[]), "guided_choice", "non-empty")
+    _bad_request(lambda: _complete(stack, guided_choice=["a", ""]), "guided_choice")
+    _bad_request(lambda: _complete(stack, guided_json="{not json"), "guided_json", "JSON")
+    _bad_request(lambda: _complete(stack, guided_whitespace_pattern=r"\s*"), "guided_whitespace_pattern")
+    _bad_request(lambda: _complete(stack, structured_outputs={"structural_tag": "{}"}), "structural_tag")
+    # The backend is xgrammar whatever is asked for: accepted.
+    assert _complete(stack, guided_choice=["ok"], guided_decoding_backend="outlines").choices[0].text == "ok"
+
+
+# ================================================================================== sampling
+
+
+def test_min_p_one_keeps_only_the_most_likely(stack):
+    """min_p 1: only tokens as likely as the best survive, so a sampled request gives the greedy tokens;
+    without it the same seeds sample other tokens (tiny-random's distributions are flat)."""
+    greedy = _complete(stack, max_tokens=10).choices[0].text
+    for seed in range(3):
+        assert _complete(stack, temperature=1.0, seed=seed, max_tokens=10, min_p=1.0).choices[0].text == greedy
+        assert _last_request(stack)[1].min_p == 1.0
+    assert any(_complete(stack, temperature=1.0, seed=s, max_tokens=10).choices[0].text != greedy for s in range(3))
+
+
+def test_allowed_token_ids(stack, tok):
+    allowed = [tok.encode(w)[0] for w in (" a", " b", " c", ",")]
+    r = _complete(stack, temperature=1.0, seed=3, max_tokens=10, allowed_token_ids=allowed, ignore_eos=True)
+    rid, params = _last_request(stack)
+    assert params.allowed_token_ids == allowed
+    out = stack.recording.output_ids(rid)
+    assert len(out) == 10 and set(out) <= set(allowed), out
+    assert r.usage.completion_tokens == 10
+
+
+def test_bad_words(stack, tok):
+    """vLLM's rule: a word is banned as it starts the text and, where that gives as many tokens, after a space.
+    A token of the greedy output that is such a word never appears once the word is banned."""
+    _complete(stack, max_tokens=12)
+    base_ids = stack.recording.output_ids(_last_request(stack)[0])
+
+    def variants(word):
+        plain, spaced = tok.encode(word), tok.encode(" " + word)
+        return [plain] + ([spaced] if spaced[0] != plain[0] and len(spaced) == len(plain) else [])
+
+    token = next(t for t in base_ids if tok.decode([t]).strip() and [t] in variants(tok.decode([t]).strip()))
+    word = tok.decode([token]).strip()
+    _complete(stack, max_tokens=12, bad_words=[word])
+    rid, params = _last_request(stack)
+    assert params.bad_words_token_ids == variants(word)
+    out = stack.recording.output_ids(rid)
+    assert token not in out and out != base_ids
+    for seq in params.bad_words_token_ids:
+        assert not any(out[i : i + len(seq)] == seq for i in range(len(out))), (seq, out)
+
+
+def test_skip_special_tokens(stack, tok):
+    eos = tok.eos_token_id
+    body = dict(max_tokens=3, allowed_token_ids=[eos], ignore_eos=True)
+    assert _complete(stack, **body).choices[0].text == ""
+    assert _complete(stack, skip_special_tokens=False, **body).choices[0].text == tok.id_to_token(eos) * 3
+
+
+def test_include_stop_str_in_output(stack):
+    full = _complete(stack, max_tokens=16).choices[0].text
+    stop = full[6:9]
+    assert stop and full.find(stop) == 6
+    assert _complete(stack, max_tokens=16, stop=[stop]).choices[0].text == full[:6]
+    assert _complete(stack, max_tokens=16, stop=[stop], include_stop_str_in_output=True).choices[0].text == full[:9]
+    for chunk_text in ("".join(c.choices[0].text for c in stack.client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop], stream=True,
+            extra_body={"include_stop_str_in_output": True})),):
+        assert chunk_text == full[:9]
+
+
+def test_truncate_prompt_tokens(stack, tok):
+    ids = tok.encode(PROMPT)
+    r = _complete(stack, truncate_prompt_tokens=3)
+    rid = _last_request(stack)[0]
+    assert stack.recording.prompts[rid] == ids[-3:] and r.usage.prompt_tokens == 3
+    assert r.choices[0].text == _complete(stack, prompt=ids[-3:]).choices[0].text
+    _complete(stack, truncate_prompt_tokens=-1)  # max_model_len: the whole prompt
+    assert stack.recording.prompts[_last_request(stack)[0]] == ids
+    _bad_request(lambda: _complete(stack, truncate_prompt_tokens=0), "truncate_prompt_tokens")
+
+
+def test_cache_salt_separates_prefix_cache(stack):
+    prompt = "Salted prompt " + "one two three four five six seven eight nine ten " * 6  # several blocks
+
+    def cached(**extra):
+        return _complete(stack, prompt=prompt, max_tokens=2, **extra).usage.prompt_tokens_details.cached_tokens
+
+    assert cached(cache_salt="tenant-a") == 0
+    assert cached(cache_salt="tenant-a") > 16  # the same salt hits
+    assert cached(cache_salt="tenant-b") == 0  # another salt does not
+    assert cached() == 0  # nor no salt
+    assert cached() > 16
+    assert _last_request(stack)[1].cache_salt is None
+
+
+def test_sampling_refusals(stack):
+    _bad_request(lambda: _complete(stack, min_p=1.5), "min_p")
+    _bad_request(lambda: _complete(stack, allowed_token_ids=[]), "allowed_token_ids")
+    _bad_request(lambda: _complete(stack, allowed_token_ids=[10**9]), "allowed_token_ids", "out of range")
+    _bad_request(lambda: _complete(stack, bad_words=["  "]), "bad_words")
+    _bad_request(lambda: _complete(stack, cache_salt=""), "cache_salt")
+
+
+@pytest.mark.parametrize("field,value", [
+    ("use_beam_search", True), ("length_penalty", 2.0), ("prompt_logprobs", 1), ("return_tokens_as_token_ids", True),
+    ("priority", 1), ("logits_processors", ["x"]), ("spaces_between_special_tokens", False)])
+def test_fields_served_only_at_defaults(stack, field, value):
+    _bad_request(lambda: _complete(stack, **{field: value}), field, "only")
+    _complete(stack, max_tokens=2, **{field: {"use_beam_search": False, "length_penalty": 1.0, "prompt_logprobs": None,
+                                              "return_tokens_as_token_ids": False, "priority": 0,
+                                              "logits_processors": None,
+                                              "spaces_between_special_tokens": True}[field]})
+
+
+def test_chat_fields_served_only_at_defaults(stack):
+    def chat(**extra):
+        return stack.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                    max_tokens=2, extra_body=extra)
+
+    for field, value in (("chat_template", "{{ messages }}"), ("continue_final_message", True),
+                         ("documents", [{"text": "x"}]), ("echo", True)):
+        _bad_request(lambda: chat(**{field: value}), field)
+    _bad_request(lambda: chat(chat_template_kwargs={"messages": []}), "chat_template_kwargs", "messages")
+    with_special = chat(add_special_tokens=True).usage.prompt_tokens
+    assert with_special >= chat().usage.prompt_tokens
+
+
+def test_unknown_fields_are_logged(stack, caplog):
+    with caplog.at_level(logging.WARNING, logger="pdcluster.cluster.api.validation"):
+        _complete(stack, max_tokens=2, frobnicate=3, top_a=0.5)
+    assert any("frobnicate" in r.getMessage() and "top_a" in r.getMessage() for r in caplog.records)
+
+
+# ================================================================================== chat template variables
+
+
+TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+            "{% if tools %}<tools>{{ tools | tojson }}</tools>\n{% endif %}"
+            "{% if enable_thinking is defined and not enable_thinking %}<no_think>\n{% endif %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def templated_dir(tiny_dir, tmp_path_factory):
+    d = tmp_path_factory.mktemp("templated") / "model"
+    shutil.copytree(tiny_dir, d)
+    cfg_path = d / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+    cfg["chat_template"] = TEMPLATE
+    cfg_path.write_text(json.dumps(cfg))
+    return d
+
+
+def test_chat_template_kwargs(templated_dir):
+    local = LocalRouter(EngineConfig(model=str(templated_dir), num_kv_blocks=64, max_model_len=256),
+                        request_timeout_s=30)
+    name = "templated"
+    try:
+        with serving(build_app(local, name, api_key=API_KEY, metrics=Metrics(name))) as base_url:
+            s = Stack(local, Metrics(name), base_url)
+            messages = [{"role": "user", "content": "Hi"}]
+            plain = s.http.post("/tokenize", json={"model": name, "messages": messages}).json()["tokens"]
+            off = s.http.post("/tokenize", json={"model": name, "messages": messages,
+                                                 "chat_template_kwargs": {"enable_thinking": False}}).json()["tokens"]
+            tok = Tokenizer(templated_dir)
+            assert tok.decode(off, skip_special_tokens=False).endswith("<no_think>\n<|assistant|>")
+            assert len(off) > len(plain)
+            r = s.client.chat.completions.create(model=name, messages=messages, max_tokens=2,
+                                                 extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+            assert r.usage.prompt_tokens == len(off)
+    finally:
+        local.close()
+
+
+def test_template_that_renders_tools_gets_them(templated_dir):
+    """A chat template that renders ``tools`` itself gets them (not a system prompt of the parser's format)."""
+    tok = Tokenizer(templated_dir)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    text = chat_prompt_text([ChatMessage(role="user", content="Hi")], True, tok, tools, HermesParser())
+    assert text.startswith("<|user|>Hi\n<tools>") and '"name": "f"' in text
