@@ -6,7 +6,8 @@ their directories, with transformers (fp32, eager attention, repeated full forwa
   frequencies and cos / sin scaled by the attention factor);
 - Mistral: a sliding window (served up to the window, where it equals full attention), here with ``linear``
   RoPE in transformers 4's ``rope_scaling`` form;
-- Llama with ``attention_bias`` (q, k, v and o biases).
+- Llama with ``attention_bias`` (q, k, v and o biases);
+- Phi-3 / Phi-4: q/k/v and gate/up stored fused (``qkv_proj``, ``gate_up_proj``), and LoRA adapters on them.
 Each variant matters: transformers' own greedy with the variant turned off differs (test_each_variant_matters),
 so equality below fails if the engine drops it. Prompts run past each config's original context.
 """
@@ -53,6 +54,7 @@ CONFIGS = {
     "mistral-linear": ("MistralConfig", "MistralForCausalLM", dict(COMMON, sliding_window=128, head_dim=32),
                        {"rope_scaling": None, "rope_parameters": None}),
     "llama-bias": ("LlamaConfig", "LlamaForCausalLM", dict(COMMON, attention_bias=True), None),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(COMMON, pad_token_id=0), None),
 }
 NAMES = list(CONFIGS)
 
@@ -151,6 +153,14 @@ def test_configs_read(dirs):
     assert mistral.sliding_window == 128
     bias = arch_from_dir(dirs["llama-bias"])
     assert bias.qkv_bias and bias.o_bias and bias.rope_scaling is None
+    phi3 = arch_from_dir(dirs["phi3"])
+    assert phi3.fused_checkpoint and not llama3.fused_checkpoint and phi3.sliding_window is None
+
+
+def test_phi3_window_is_live(dirs, tmp_path):
+    """Phi-3 mini's sliding_window (2047 of 4096) caps the context as Mistral's does."""
+    windowed = arch_from_dir(_edit_config(dirs["phi3"], tmp_path / "w", sliding_window=64))
+    assert windowed.sliding_window == 64 and max_model_len_for(windowed) == 64
 
 
 def test_reference_is_not_degenerate(reference):
@@ -290,3 +300,21 @@ def test_unsupported_configs_refused_in_one_line(dirs, tmp_path, change, words):
     with pytest.raises(ValueError) as err:
         arch_from_dir(d)
     assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_phi3_lora_on_fused_projections_equals_peft(dirs, reference, tmp_path):
+    """peft adapts Phi-3's fused qkv_proj and gate_up_proj as they are: the adapter loads onto them and the
+    engine gives peft's greedy, beside base-model requests in one batch."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(1)
+    model = peft.get_peft_model(_hf_model(dirs["phi3"]), peft.LoraConfig(
+        r=4, lora_alpha=8, init_lora_weights=False,
+        target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])).eval()
+    model.save_pretrained(tmp_path / "adapter")
+    want = _hf_greedy(model, PROMPTS[:3])
+    assert want != reference["phi3"][:3]
+    engine = _engine(dirs["phi3"], lora_modules=(f"a={tmp_path / 'adapter'}",))
+    params = [SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True, lora_name=n) for n in ("a", None)]
+    outs = engine.generate([p for p in PROMPTS[:3] for _ in params], [sp for _ in PROMPTS[:3] for sp in params])
+    assert [o.token_ids for o in outs[::2]] == want
+    assert [o.token_ids for o in outs[1::2]] == reference["phi3"][:3]

@@ -24,7 +24,8 @@ from safetensors.torch import load
 
 # The projections an adapter may target, by Hugging Face module name (which of them a model has, and where:
 # its ``lora_targets``, engine/models/).
-MODULES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "in_proj"})
+MODULES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "in_proj",
+                     "qkv_proj", "gate_up_proj"})  # the last two: checkpoints that store them fused (Phi-3)
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp|mixer)\.(\w+)\.lora_([AB])\.weight$")
 
 

@@ -2,6 +2,7 @@
 
     LlamaForCausalLM, MistralForCausalLM -> engine.models.llama.ModelArch / LlamaModel
     Qwen2ForCausalLM                     -> the same (q/k/v biases)
+    Phi3ForCausalLM                      -> the same (fused qkv_proj / gate_up_proj in the checkpoint)
     Qwen3ForCausalLM, Qwen3MoeForCausalLM -> the same (q/k norm; MoE MLPs in engine/models/moe.py)
     NemotronHForCausalLM                 -> engine.models.nemotron_h.HybridArch / NemotronHModel
                                             (MoE layers in engine/models/nemotron_moe.py)
@@ -26,6 +27,7 @@ ARCHITECTURES = {
     "LlamaForCausalLM": (ModelArch, LlamaModel),
     "MistralForCausalLM": (ModelArch, LlamaModel),
     "Qwen2ForCausalLM": (ModelArch, LlamaModel),
+    "Phi3ForCausalLM": (ModelArch, LlamaModel),
     "Qwen3ForCausalLM": (ModelArch, LlamaModel),
     "Qwen3MoeForCausalLM": (ModelArch, LlamaModel),
     "NemotronHForCausalLM": (HybridArch, NemotronHModel),

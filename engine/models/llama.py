@@ -27,9 +27,11 @@ from pdcluster.kernels import ops
 LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM")
 # Qwen2 / Qwen2.5: Llama plus biases on q, k and v.
 QWEN2 = ("Qwen2ForCausalLM",)
+# Phi-3 / Phi-4: Llama with q/k/v and gate/up stored fused in the checkpoint (qkv_proj, gate_up_proj).
+PHI3 = ("Phi3ForCausalLM",)
 # Qwen3: Llama plus RMSNorm over each q and k head before RoPE; Qwen3-MoE: and sparse MoE MLPs (engine/models/moe.py).
 QWEN3 = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-SUPPORTED = LLAMA_FAMILY + QWEN2 + QWEN3
+SUPPORTED = LLAMA_FAMILY + QWEN2 + PHI3 + QWEN3
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ class ModelArch:
     # built, so a model with a window serves sequences up to the window, where it equals full attention
     # (max_model_len_limit).
     sliding_window: int | None = None
+    fused_checkpoint: bool = False  # Phi-3: qkv_proj / gate_up_proj in the checkpoint (and adapters name them)
 
     @property
     def max_model_len_limit(self) -> tuple[int, str]:
@@ -82,8 +85,8 @@ class ModelArch:
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         num_heads = cfg["num_attention_heads"]
         attention_bias = bool(cfg.get("attention_bias", False))
-        # Only Mistral's window is live whenever set; Qwen2 / Qwen3 keep theirs behind use_sliding_window.
-        window = cfg.get("sliding_window") if arch[0] == "MistralForCausalLM" else None
+        # Mistral's and Phi-3's windows are live whenever set; Qwen2 / Qwen3 keep theirs behind use_sliding_window.
+        window = cfg.get("sliding_window") if arch[0] in ("MistralForCausalLM", *PHI3) else None
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -105,6 +108,7 @@ class ModelArch:
             qkv_bias=attention_bias or arch[0] in QWEN2,
             o_bias=attention_bias,
             sliding_window=int(window) if window else None,
+            fused_checkpoint=arch[0] in PHI3,
         )
 
 
@@ -182,8 +186,9 @@ class DecoderLayer:
         self.post_norm = w("post_attention_layernorm.weight")
         det = {"deterministic": deterministic}  # engine/linear.py: the batch-invariant GEMM (issue 24)
         self.deterministic = deterministic  # ... and the fixed attention tiles (kernels/triton_paged_attention.py)
-        self.qkv_proj = Linear(torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"),
-                                          w("self_attn.v_proj.weight")]), **det)
+        fused = getattr(arch, "fused_checkpoint", False)
+        self.qkv_proj = Linear(w("self_attn.qkv_proj.weight") if fused else torch.cat(
+            [w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")]), **det)
         self.o_proj = Linear(w("self_attn.o_proj.weight"), **det)
         # Biases are added after the matmul (the batch-invariant GEMMs take none); an adapter's update
         # (engine/lora) lands before them, an fp rounding order of no consequence.
@@ -198,7 +203,8 @@ class DecoderLayer:
             gate_up, down = take_expert_weights(weights, f"{prefix}.mlp", moe, arch.hidden_size)
             self.moe = SparseMoe(moe, w("mlp.gate.weight"), gate_up, down, deterministic)
         else:
-            self.gate_up_proj = Linear(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]), **det)
+            self.gate_up_proj = Linear(w("mlp.gate_up_proj.weight") if fused else torch.cat(
+                [w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]), **det)
             self.down_proj = Linear(w("mlp.down_proj.weight"), **det)
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
@@ -316,14 +322,16 @@ class LlamaModel(CausalLM):
     def lora_targets(self) -> list[tuple[int, object, str, tuple[tuple[str, int, int], ...]]]:
         a = self.arch
         q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        # A fused checkpoint's adapters name the fused modules (peft adapts the Linear the model has).
+        qkv = ((("qkv_proj", 0, q_size + 2 * kv_size),) if a.fused_checkpoint else
+               (("q_proj", 0, q_size), ("k_proj", q_size, kv_size), ("v_proj", q_size + kv_size, kv_size)))
+        gate_up = ((("gate_up_proj", 0, 2 * a.intermediate_size),) if a.fused_checkpoint else
+                   (("gate_proj", 0, a.intermediate_size), ("up_proj", a.intermediate_size, a.intermediate_size)))
         targets = []
         for i, layer in enumerate(self.layers):
-            targets += [(i, layer, "qkv_proj", (("q_proj", 0, q_size), ("k_proj", q_size, kv_size),
-                                                ("v_proj", q_size + kv_size, kv_size))),
-                        (i, layer, "o_proj", (("o_proj", 0, a.hidden_size),))]
+            targets += [(i, layer, "qkv_proj", qkv), (i, layer, "o_proj", (("o_proj", 0, a.hidden_size),))]
             if layer.moe is None:  # a sparse layer's experts take no adapters
-                targets += [(i, layer, "gate_up_proj", (("gate_proj", 0, a.intermediate_size),
-                                                        ("up_proj", a.intermediate_size, a.intermediate_size))),
+                targets += [(i, layer, "gate_up_proj", gate_up),
                             (i, layer, "down_proj", (("down_proj", 0, a.hidden_size),))]
         return targets
 
