@@ -49,11 +49,13 @@ def paged_attention(
     seq_lens: torch.Tensor,  # int32 [num_reqs]: context length including this step's tokens
     query_start_loc: torch.Tensor,  # int32 [num_reqs + 1]: cumulative query lengths
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """Causal attention of each request's new query tokens over its paged context.
 
     Query token ``i`` of request ``r`` (with ``q_len`` new tokens) sits at position
-    ``seq_lens[r] - q_len + i`` and attends to context positions ``0 ..= that position``. This one
+    ``seq_lens[r] - q_len + i`` and attends to context positions ``0 ..= that position``; with a sliding
+    ``window`` > 0, to its last ``window`` positions (``that position - window + 1 ..= that position``). This one
     function serves prefill (q_len = chunk), decode (q_len = 1) and speculative verification
     (q_len = 1 + k). The K/V of the new tokens must already be written into the cache.
     """
@@ -75,6 +77,8 @@ def paged_attention(
         q_pos = torch.arange(context_len - q_len, context_len, device=query.device).unsqueeze(1)
         k_pos = torch.arange(context_len, device=query.device).unsqueeze(0)
         mask = k_pos <= q_pos  # [q_len, L]
+        if window > 0:
+            mask &= k_pos > q_pos - window
         o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
         out[q_start:q_end] = o.transpose(0, 1)
     return out

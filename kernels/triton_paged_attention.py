@@ -117,17 +117,20 @@ def _merge(m, l, acc, m_p, l_p, acc_p):
 
 
 @triton.jit
-def _partition_state(q, q_pos, row_valid, kv_lo, kv_hi, table_row_ptr, cache_ptr, kv_head, block_size,
-                     qk_scale_log2, dims, dim_valid, stride_cache_kv, stride_cache_block, stride_cache_slot,
-                     stride_cache_head, stride_cache_dim, stride_table_entry,
+def _partition_state(q, q_pos, row_valid, kv_lo, kv_hi, win_lo, window, table_row_ptr, cache_ptr, kv_head,
+                     block_size, qk_scale_log2, dims, dim_valid, stride_cache_kv, stride_cache_block,
+                     stride_cache_slot, stride_cache_head, stride_cache_dim, stride_table_entry,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                      DOT_PRECISION: tl.constexpr, NATIVE_DOT: tl.constexpr):
-    """Online softmax over context positions [kv_lo, kv_hi) from a fresh state: (m, l, acc)."""
+    """Online softmax over context positions [kv_lo, kv_hi) from a fresh state: (m, l, acc). Rows see keys
+    after q_pos - window (sliding window; ``window`` is huge without one); key tiles wholly before
+    ``win_lo`` (the tile's first visible key) are skipped: for every row they would be exact no-ops."""
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: -inf - -inf would be NaN
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     cols = tl.arange(0, BLOCK_N)
-    for kv_start in range(kv_lo, kv_hi, BLOCK_N):
+    first_tile = kv_lo + tl.maximum(win_lo - kv_lo, 0) // BLOCK_N * BLOCK_N  # tiles stay where they were
+    for kv_start in range(first_tile, kv_hi, BLOCK_N):
         k_pos = kv_start + cols
         k_valid = k_pos < kv_hi
         block_ids = tl.load(table_row_ptr + (k_pos // block_size) * stride_table_entry, mask=k_valid, other=0)
@@ -145,7 +148,7 @@ def _partition_state(q, q_pos, row_valid, kv_lo, kv_hi, table_row_ptr, cache_ptr
             scores = tl.dot(q, k_t) * qk_scale_log2
         else:
             scores = tl.dot(q, k_t.to(tl.float32), input_precision=DOT_PRECISION) * qk_scale_log2
-        causal = (k_pos[None, :] <= q_pos[:, None]) & row_valid[:, None]
+        causal = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window) & row_valid[:, None]
         scores = tl.where(causal, scores, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -172,6 +175,7 @@ def _paged_attention_kernel(
     part_l_ptr,
     part_acc_ptr,  # SPLIT: [num_tokens, num_q_heads, max_parts, HEAD_DIM_PAD] fp32
     qk_scale_log2,  # softmax scale * log2(e): the softmax runs on exp2
+    window,  # sliding window: a row sees positions after q_pos - window (NO_WINDOW: all)
     num_reqs,
     block_size,
     head_dim,
@@ -238,6 +242,8 @@ def _paged_attention_kernel(
     last_q_in_tile = tl.minimum(tile_in_req * BLOCK_Q + BLOCK_Q, q_len) - 1
     kv_end = first_q_pos + last_q_in_tile + 1
     num_parts = tl.cdiv(kv_end, PARTITION_SIZE)
+    # The first key any row of the tile sees (its first token's window start).
+    win_lo = tl.maximum(first_q_pos + tile_in_req * BLOCK_Q - window + 1, 0)
     table_row_ptr = block_tables_ptr + req.to(tl.int64) * stride_table_req
     if SPLIT:
         state_row = q_token * num_q_heads + q_head  # [BLOCK_M]
@@ -252,8 +258,8 @@ def _paged_attention_kernel(
         for part in range(tl.program_id(2), parts_end, tl.num_programs(2)):
             kv_lo = part * part_len
             m_p, l_p, acc_p = _partition_state(
-                q, q_pos, row_valid, kv_lo, tl.minimum(kv_lo + part_len, kv_end), table_row_ptr, cache_ptr,
-                kv_head, block_size, qk_scale_log2, dims, dim_valid, stride_cache_kv, stride_cache_block,
+                q, q_pos, row_valid, kv_lo, tl.minimum(kv_lo + part_len, kv_end), win_lo, window, table_row_ptr,
+                cache_ptr, kv_head, block_size, qk_scale_log2, dims, dim_valid, stride_cache_kv, stride_cache_block,
                 stride_cache_slot, stride_cache_head, stride_cache_dim, stride_table_entry,
                 BLOCK_M, BLOCK_N, HEAD_DIM_PAD, DOT_PRECISION, NATIVE_DOT)
             at = state_row * max_parts + part  # max_parts == NUM_SEGMENTS with segments (launch)
@@ -264,11 +270,12 @@ def _paged_attention_kernel(
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-        for part in range(0, num_parts):
+        # Partitions wholly before the window hold nothing for any row (an empty state merges as a no-op).
+        for part in range(win_lo // PARTITION_SIZE, num_parts):
             kv_lo = part * PARTITION_SIZE
             m_p, l_p, acc_p = _partition_state(
-                q, q_pos, row_valid, kv_lo, tl.minimum(kv_lo + PARTITION_SIZE, kv_end), table_row_ptr, cache_ptr,
-                kv_head, block_size, qk_scale_log2, dims, dim_valid, stride_cache_kv, stride_cache_block,
+                q, q_pos, row_valid, kv_lo, tl.minimum(kv_lo + PARTITION_SIZE, kv_end), win_lo, window,
+                table_row_ptr, cache_ptr, kv_head, block_size, qk_scale_log2, dims, dim_valid, stride_cache_kv, stride_cache_block,
                 stride_cache_slot, stride_cache_head, stride_cache_dim, stride_table_entry,
                 BLOCK_M, BLOCK_N, HEAD_DIM_PAD, DOT_PRECISION, NATIVE_DOT)
             m_i, l_i, acc = _merge(m_i, l_i, acc, m_p, l_p, acc_p)
@@ -381,11 +388,12 @@ def block_q_for(group_pad: int, rows: int = TILE_ROWS) -> int:
 
 def paged_attention_triton(
     query: Tensor, layer_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, scale: float,
-    batch_invariant: bool = True,
+    batch_invariant: bool = True, window: int = 0,
 ) -> Tensor:
     """Causal attention of each request's new query tokens over its paged context (see module doc;
     arguments and shapes as in :func:`pdcluster.kernels.reference.paged_attention`).
 
+    ``window`` > 0: sliding-window attention (each row sees its last ``window`` positions).
     ``batch_invariant`` (deterministic mode): the fixed tiles. Otherwise (the fast mode) prefill chunks
     get 128-row query tiles, keys come in tiles of 64 and 16-bit operands go to the dots as they are.
     The K/V of the new tokens must already be written into the cache. Rows of the output past
@@ -407,13 +415,13 @@ def paged_attention_triton(
     group_pad = triton.next_power_of_2(num_q_heads // num_kv_heads)
     if batch_invariant:
         return launch(query, layer_cache, block_tables, seq_lens, query_start_loc, scale, out,
-                      block_q_for(group_pad), KV_TILE_TOKENS)
+                      block_q_for(group_pad), KV_TILE_TOKENS, window=window)
     # Fast mode: prefill-sized calls (more than a few query tokens a request) get the big row tile.
     prefill = num_tokens > 4 * num_reqs
     native = query.dtype in (torch.bfloat16, torch.float16) and not INTERPRETED
     if prefill:
         return launch(query, layer_cache, block_tables, seq_lens, query_start_loc, scale, out,
-                      block_q_for(group_pad, FAST_PREFILL_ROWS), FAST_PREFILL_KV_TILE, native_dot=native,
+                      block_q_for(group_pad, FAST_PREFILL_ROWS), FAST_PREFILL_KV_TILE, native_dot=native, window=window,
                       partition=fast_whole_context(block_tables, block_size), num_warps=4, num_stages=3)
     # Decode and verification: a few requests split their context in segments (flash-decoding), many
     # (enough programs to fill the GPU) walk it whole in one program each, as one partition: one key
@@ -423,10 +431,10 @@ def paged_attention_triton(
     num_q_tiles = num_tokens // block_q + num_reqs
     if FAST_DECODE_BY_SEGMENTS and too_few_programs(num_q_tiles, num_kv_heads):
         return launch(query, layer_cache, block_tables, seq_lens, query_start_loc, scale, out, block_q,
-                      FAST_DECODE_KV_TILE, split=True, native_dot=native,
+                      FAST_DECODE_KV_TILE, split=True, native_dot=native, window=window,
                       segments=fast_decode_segments(num_q_tiles, num_kv_heads), num_warps=4, num_stages=3)
     return launch(query, layer_cache, block_tables, seq_lens, query_start_loc, scale, out, block_q,
-                  FAST_KV_TILE_TOKENS, native_dot=native, partition=fast_whole_context(block_tables, block_size),
+                  FAST_KV_TILE_TOKENS, native_dot=native, window=window, partition=fast_whole_context(block_tables, block_size),
                   num_warps=4, num_stages=3)
 
 
@@ -459,10 +467,14 @@ def fast_whole_context(block_tables: Tensor, block_size: int) -> int:
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+# A window no context reaches: the kernel's "no sliding window" (q_pos - NO_WINDOW stays an int32).
+NO_WINDOW = 1 << 30
+
+
 def launch(query: Tensor, layer_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
            scale: float, out: Tensor, block_q: int, block_n: int, split: bool | None = None,
            native_dot: bool = False, partition: int | None = None, num_warps: int | None = None,
-           num_stages: int | None = None, segments: int = 0) -> Tensor:
+           num_stages: int | None = None, segments: int = 0, window: int = 0) -> Tensor:
     """Run the kernel with the given tiles (checked arguments; :func:`paged_attention_triton` passes the
     fixed ones, tests pass batch-dependent ones to show the invariance tests catch them). ``split``:
     merge the partitions in a second kernel (None: when the launch has too few programs, module doc).
@@ -507,6 +519,7 @@ def launch(query: Tensor, layer_cache: Tensor, block_tables: Tensor, seq_lens: T
         part_l,
         part_acc,
         scale / math.log(2.0),
+        window if window > 0 else NO_WINDOW,
         num_reqs,
         block_size,
         head_dim,

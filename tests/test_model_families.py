@@ -4,8 +4,8 @@ their directories, with transformers (fp32, eager attention, repeated full forwa
 - Llama 3.1 / 3.2 / 3.3: RoPE ``llama3`` (low frequencies divided by the factor, a ramp to the high ones);
 - Qwen2 / Qwen2.5: biases on q, k and v; here with YaRN RoPE (Qwen2.5's long-context setting: interpolated
   frequencies and cos / sin scaled by the attention factor);
-- Mistral: a sliding window (served up to the window, where it equals full attention), here with ``linear``
-  RoPE in transformers 4's ``rope_scaling`` form;
+- Mistral: a sliding window on every layer (prompts run past it), here with ``linear`` RoPE in transformers 4's
+  ``rope_scaling`` form; Qwen2 with ``use_sliding_window`` on the layers from ``max_window_layers`` on;
 - Llama with ``attention_bias`` (q, k, v and o biases);
 - Phi-3 / Phi-4: q/k/v and gate/up stored fused (``qkv_proj``, ``gate_up_proj``), and LoRA adapters on them.
 Each variant matters: transformers' own greedy with the variant turned off differs (test_each_variant_matters),
@@ -51,8 +51,11 @@ CONFIGS = {
                {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
     "qwen2-yarn": ("Qwen2Config", "Qwen2ForCausalLM", dict(COMMON, rope_parameters=YARN_ROPE),
                    {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
-    "mistral-linear": ("MistralConfig", "MistralForCausalLM", dict(COMMON, sliding_window=128, head_dim=32),
+    "mistral-linear": ("MistralConfig", "MistralForCausalLM", dict(COMMON, sliding_window=24, head_dim=32),
                        {"rope_scaling": None, "rope_parameters": None}),
+    "qwen2-swa": ("Qwen2Config", "Qwen2ForCausalLM",
+                  dict(COMMON, use_sliding_window=True, sliding_window=20, max_window_layers=1),
+                  {"use_sliding_window": False, "layer_types": None}),
     "llama-bias": ("LlamaConfig", "LlamaForCausalLM", dict(COMMON, attention_bias=True), None),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(COMMON, pad_token_id=0), None),
 }
@@ -150,7 +153,9 @@ def test_configs_read(dirs):
     assert qwen2.rope_scaling.rope_type == "yarn" and qwen2.qkv_bias and not qwen2.o_bias
     mistral = arch_from_dir(dirs["mistral-linear"])
     assert mistral.rope_scaling.rope_type == "linear" and mistral.rope_scaling.factor == 2.0
-    assert mistral.sliding_window == 128
+    assert mistral.sliding_window == 24 and mistral.window_of(0) == mistral.window_of(2) == 24
+    swa = arch_from_dir(dirs["qwen2-swa"])
+    assert swa.sliding_layers == (False, True, True) and [swa.window_of(i) for i in range(3)] == [0, 20, 20]
     bias = arch_from_dir(dirs["llama-bias"])
     assert bias.qkv_bias and bias.o_bias and bias.rope_scaling is None
     phi3 = arch_from_dir(dirs["phi3"])
@@ -158,9 +163,19 @@ def test_configs_read(dirs):
 
 
 def test_phi3_window_is_live(dirs, tmp_path):
-    """Phi-3 mini's sliding_window (2047 of 4096) caps the context as Mistral's does."""
+    """Phi-3 mini's sliding_window (2047 of 4096) slides every layer, as Mistral's."""
     windowed = arch_from_dir(_edit_config(dirs["phi3"], tmp_path / "w", sliding_window=64))
-    assert windowed.sliding_window == 64 and max_model_len_for(windowed) == 64
+    assert windowed.sliding_window == 64 and windowed.window_of(0) == 64 and max_model_len_for(windowed) == 256
+
+
+@pytest.mark.parametrize("change,words", [
+    ({"layer_types": ["chunked_attention"] * 3}, "chunked_attention"),
+    ({"use_sliding_window": True, "sliding_window": None}, "needs a sliding_window"),
+    ({"layer_types": ["full_attention"] * 2}, "2 entries for 3 layers"),
+])
+def test_bad_window_configs_refused(dirs, tmp_path, change, words):
+    with pytest.raises(ValueError, match=words):
+        arch_from_dir(_edit_config(dirs["qwen2-swa"], tmp_path / "bad", **change))
 
 
 def test_reference_is_not_degenerate(reference):
@@ -177,12 +192,12 @@ def test_greedy_batched_and_alone_equal_transformers(dirs, reference, name):
     assert engine.scheduler.block_manager.num_free_blocks == engine.kv_spec.num_blocks
 
 
-@pytest.mark.parametrize("name", ["llama3", "qwen2-yarn", "mistral-linear"])
+@pytest.mark.parametrize("name", ["llama3", "qwen2-yarn", "mistral-linear", "qwen2-swa"])
 def test_each_variant_matters(dirs, reference, name, tmp_path):
-    """transformers' greedy with the RoPE variant undone differs from the reference, so the equality above
-    holds only if the engine computes the variant."""
+    """transformers' greedy with the RoPE variant (or the sliding window) undone differs from the reference,
+    so the equality above holds only if the engine computes the variant."""
     undone = _edit_config(dirs[name], tmp_path / "undone", **CONFIGS[name][3])
-    assert arch_from_dir(undone).rope_scaling is None
+    assert arch_from_dir(undone) != arch_from_dir(dirs[name])
     plain = _hf_greedy(_hf_model(undone), PROMPTS[:6])
     assert sum(a != b for a, b in zip(plain, reference[name][:6])) >= 3
 
@@ -228,19 +243,20 @@ def test_disagg_equals_colocated(dirs, reference):
     assert run.tokens == reference[name][:6]
 
 
-def test_sliding_window_caps_max_model_len(dirs):
+def test_sliding_window_served_past_the_window(dirs, reference):
+    """Sliding windows no longer cap the context: a decode step far past the window (chunked prefill, a
+    prompt over 5x the window) equals transformers."""
     arch = arch_from_dir(dirs["mistral-linear"])
-    assert max_model_len_for(arch) == 128  # the window, below max_position_embeddings and 4096
-    assert max_model_len_for(arch, 100) == 100
-    with pytest.raises(ValueError, match=r"max_model_len: 200 exceeds the model's sliding_window \(128\)"):
-        max_model_len_for(arch, 200)
-    with pytest.raises(ValueError, match="sliding_window"):
-        _engine(dirs["mistral-linear"], max_model_len=200)
-    assert _engine(dirs["mistral-linear"], max_model_len=0).max_model_len == 128
-    # A window at least max_position_embeddings long is full attention: no cap.
-    wide = arch_from_dir(_edit_config(dirs["mistral-linear"], dirs["mistral-linear"].parent / "wide",
-                                      sliding_window=4096))
-    assert max_model_len_for(wide) == 256
+    assert max_model_len_for(arch) == 256 and max_model_len_for(arch, 200) == 200
+    with pytest.raises(ValueError, match=r"max_model_len: 300 exceeds the model's max_position_embeddings \(256\)"):
+        max_model_len_for(arch, 300)
+    long_prompt = [3 + (7 * i) % 500 for i in range(130)]
+    for name in ("mistral-linear", "qwen2-swa"):
+        want = _hf_greedy(_hf_model(dirs[name]), [long_prompt])
+        assert _run(_engine(dirs[name], max_model_len=256, prefill_chunk_size=48), [long_prompt]) == want
+        if name == "mistral-linear":  # the window matters: without it transformers answers otherwise
+            wide = _edit_config(dirs[name], dirs[name].parent / "wide", sliding_window=4096)
+            assert _hf_greedy(_hf_model(wide), [long_prompt]) != want
 
 
 def test_legacy_and_new_rope_forms_agree():

@@ -422,9 +422,9 @@ def test_attention_tiles_are_constants_of_the_model(monkeypatch):
     launched = set()
     real_launch = attention.launch
 
-    def recording(*args):
+    def recording(*args, **kwargs):
         launched.add(args[-2:])  # (block_q, block_n)
-        return real_launch(*args)
+        return real_launch(*args, **kwargs)
 
     monkeypatch.setattr(attention, "launch", recording)
     ctx = PagedContext(4, 2, torch.float32, "cpu")

@@ -72,12 +72,11 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, max_positions: int,
 
 
 def max_model_len_for(arch, requested: int = 0) -> int:
-    """The engine's max_model_len: ``requested``, or (0) the model's limit capped at 4096; ValueError naming
-    the limit when ``requested`` passes it (max_position_embeddings, or Mistral's sliding window)."""
-    limit, why = getattr(arch, "max_model_len_limit", None) or (
-        arch.max_position_embeddings, f"the model's max_position_embeddings ({arch.max_position_embeddings})")
+    """The engine's max_model_len: ``requested``, or (0) the model's max_position_embeddings capped at 4096;
+    ValueError naming the limit when ``requested`` passes it."""
+    limit = arch.max_position_embeddings
     if requested > limit:
-        raise ValueError(f"max_model_len: {requested} exceeds {why}")
+        raise ValueError(f"max_model_len: {requested} exceeds the model's max_position_embeddings ({limit})")
     return requested or min(limit, 4096)
 
 

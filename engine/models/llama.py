@@ -54,19 +54,21 @@ class ModelArch:
     rope_scaling: RopeScaling | None = None  # None: default RoPE (engine/models/rope.py)
     qkv_bias: bool = False  # Qwen2, and ``attention_bias`` in Llama / Mistral / Qwen3 configs
     o_bias: bool = False  # ``attention_bias``: o_proj has one too (Qwen2's has not)
-    # Mistral: each token attends to the last ``sliding_window`` positions. Sliding-window attention is not
-    # built, so a model with a window serves sequences up to the window, where it equals full attention
-    # (max_model_len_limit).
+    # Sliding-window attention: a token of a sliding layer attends to its last ``sliding_window`` positions
+    # (Mistral and Phi-3: every layer; Qwen2 / Qwen3 with use_sliding_window: the layers their layer_types
+    # name, ``sliding_layers``; empty = every layer).
     sliding_window: int | None = None
+    sliding_layers: tuple[bool, ...] = ()
     fused_checkpoint: bool = False  # Phi-3: qkv_proj / gate_up_proj in the checkpoint (and adapters name them)
 
-    @property
-    def max_model_len_limit(self) -> tuple[int, str]:
-        """The longest sequence served, and what sets it (for the error asking past it)."""
-        if self.sliding_window is not None and self.sliding_window < self.max_position_embeddings:
-            return self.sliding_window, (f"the model's sliding_window ({self.sliding_window}): past it sliding-window "
-                                         "attention would differ from the full attention served here")
-        return self.max_position_embeddings, f"the model's max_position_embeddings ({self.max_position_embeddings})"
+    def window_of(self, layer_index: int | None) -> int:
+        """The attention window of a layer (0: full causal attention). ``None``: a layer outside the stack
+        (the MTP head's), which slides when every layer does."""
+        if self.sliding_window is None:
+            return 0
+        if not self.sliding_layers:
+            return self.sliding_window
+        return self.sliding_window if layer_index is not None and self.sliding_layers[layer_index] else 0
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> "ModelArch":
@@ -75,18 +77,14 @@ class ModelArch:
         if arch[0] not in SUPPORTED:
             raise ValueError(f"{model_dir}: architecture {arch[0]!r} is not supported here ({', '.join(SUPPORTED)})")
         rope_theta, rope_scaling = rope_from_config(cfg, str(model_dir))
-        for key, supported in (("mlp_bias", False), ("use_sliding_window", False), ("hidden_act", "silu")):
+        for key, supported in (("mlp_bias", False), ("hidden_act", "silu")):
             if cfg.get(key, supported) != supported:
                 raise ValueError(f"{model_dir}: {key} {cfg[key]!r} is not supported (only {supported!r})")
-        sliding = sorted({t for t in cfg.get("layer_types") or [] if t != "full_attention"})
-        if sliding:
-            raise ValueError(f"{model_dir}: layer_types {sliding} are not supported (only 'full_attention')")
+        window, sliding_layers = _sliding_window(cfg, arch[0], str(model_dir))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         num_heads = cfg["num_attention_heads"]
         attention_bias = bool(cfg.get("attention_bias", False))
-        # Mistral's and Phi-3's windows are live whenever set; Qwen2 / Qwen3 keep theirs behind use_sliding_window.
-        window = cfg.get("sliding_window") if arch[0] in ("MistralForCausalLM", *PHI3) else None
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -107,9 +105,37 @@ class ModelArch:
             rope_scaling=None if rope_scaling.rope_type == "default" else rope_scaling,
             qkv_bias=attention_bias or arch[0] in QWEN2,
             o_bias=attention_bias,
-            sliding_window=int(window) if window else None,
+            sliding_window=window,
+            sliding_layers=sliding_layers,
             fused_checkpoint=arch[0] in PHI3,
         )
+
+
+def _sliding_window(cfg: dict, architecture: str, where: str) -> tuple[int | None, tuple[bool, ...]]:
+    """(window, which layers slide) as transformers reads the config: Mistral's and Phi-3's window is live
+    whenever set, on every layer; Qwen2's and Qwen3's only with use_sliding_window, on the layers layer_types
+    names "sliding_attention" (or, without layer_types, those from max_window_layers on)."""
+    num_layers = cfg["num_hidden_layers"]
+    layer_types = list(cfg.get("layer_types") or [])
+    unknown = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
+    if unknown:
+        raise ValueError(f"{where}: layer_types {unknown} are not supported (only 'full_attention', "
+                         "'sliding_attention')")
+    if layer_types and len(layer_types) != num_layers:
+        raise ValueError(f"{where}: layer_types has {len(layer_types)} entries for {num_layers} layers")
+    window = cfg.get("sliding_window")
+    if architecture in ("MistralForCausalLM", *PHI3):
+        return (int(window), ()) if window else (None, ())
+    if architecture in QWEN2 + QWEN3 and cfg.get("use_sliding_window"):
+        if not window:
+            raise ValueError(f"{where}: use_sliding_window needs a sliding_window")
+        if not layer_types:
+            first = cfg.get("max_window_layers", num_layers)
+            layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+        return int(window), tuple(t == "sliding_attention" for t in layer_types)
+    if "sliding_attention" in layer_types:
+        raise ValueError(f"{where}: layer_types name sliding layers but sliding_window is not in use")
+    return None, ()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -208,6 +234,8 @@ class DecoderLayer:
             self.down_proj = Linear(w("mlp.down_proj.weight"), **det)
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
+        window_of = getattr(arch, "window_of", None)  # an MTP layer on a hybrid target: HybridArch has none
+        self.window = window_of(layer_index) if window_of is not None else 0
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         """The qkv matmul's output as [num_tokens, heads, head_dim]: q's heads, then k's, then v's."""
@@ -269,7 +297,8 @@ class DecoderLayer:
                 rope.rotate_(qkv[:, : a.num_heads + a.num_kv_heads], positions)
         else:
             (q, k, v), kv_written = self.qkv(x, positions, rope), False
-        o = attend(q, k, v, layer_cache, meta, batch_invariant=self.deterministic, kv_written=kv_written)
+        o = attend(q, k, v, layer_cache, meta, batch_invariant=self.deterministic, kv_written=kv_written,
+                   window=self.window)
         hidden = self.o_proj(o.reshape(-1, self.q_size))
         if self.o_bias is not None:
             hidden += self.o_bias

@@ -77,7 +77,10 @@ static inline float exp_nonpos(float x) {
 /* ---- paged attention ------------------------------------------------------------------------
  * Causal attention of each request's new query tokens over its paged context (K/V of the new
  * tokens already written). Query i of request r (q_len new tokens, context seq_len) sits at
- * position seq_len - q_len + i and sees keys 0 ..= that position. One work item is (request, chunk
+ * position p = seq_len - q_len + i and sees keys 0 ..= p, or with a sliding window (window > 0)
+ * keys p - window + 1 ..= p (Mistral's, Gemma's local layers). Blocks wholly before a query's window
+ * are skipped for it and the rest walked in the same order, so its bits stay those of its own window
+ * in any item (batch invariance). One work item is (request, chunk
  * of query tokens) with every head: a cache row holds all kv heads of a token, so an item reads
  * whole rows (sequential memory) and widens each K/V block once for all its queries. Online softmax
  * (flash style) block by block.
@@ -109,7 +112,7 @@ static inline void attend_item(const AttnItem item, const int head_dim, int dtyp
                                const void *v_cache, int64_t cache_blk_stride, int64_t cache_tok_stride,
                                int64_t cache_head_stride, const int32_t *block_tables, int64_t bt_stride,
                                const int32_t *seq_lens, const int32_t *query_start_loc, int num_q_heads,
-                               int num_kv_heads, const int block_size, float scale, void *out,
+                               int num_kv_heads, const int block_size, float scale, int window, void *out,
                                int64_t out_tok_stride, int64_t out_head_stride) {
     const int group = num_q_heads / num_kv_heads;
     const int r = item.req;
@@ -147,7 +150,9 @@ static inline void attend_item(const AttnItem item, const int head_dim, int dtyp
     const int last_pos = first_pos + item.q_end - 1;
     const int num_blocks = last_pos / block_size + 1;
     const int32_t *table = block_tables + (int64_t)r * bt_stride;
-    for (int b = 0; b < num_blocks; b++) {
+    /* The first key any query of the item sees: blocks before it hold nothing for the item. */
+    const int first_key = window > 0 && first_pos + item.q_begin - window + 1 > 0 ? first_pos + item.q_begin - window + 1 : 0;
+    for (int b = first_key / block_size; b < num_blocks; b++) {
         const int64_t base = (int64_t)table[b] * cache_blk_stride;
         const int block_start = b * block_size;
         int n_valid = last_pos + 1 - block_start;
@@ -201,21 +206,24 @@ static inline void attend_item(const AttnItem item, const int head_dim, int dtyp
             }
         }
         for (int t = 0; t < nq_tok; t++) {
-            int nk = first_pos + item.q_begin + t + 1 - block_start; /* keys of this block it sees */
+            const int pos = first_pos + item.q_begin + t;
+            int nk = pos + 1 - block_start; /* keys of this block it sees: j0 ..< nk */
             if (nk <= 0) continue;
             if (nk > n_valid) nk = n_valid;
+            const int j0 = window > 0 && pos - window + 1 > block_start ? pos - window + 1 - block_start : 0;
+            if (j0 >= nk) continue; /* the block ends before this query's window */
             for (int h = 0; h < num_q_heads; h++) {
                 const int qi = t * num_q_heads + h;
                 const int kvh = h / group;
                 const float *q = qf[qi];
                 float block_max = -FLT_MAX;
                 if (transposed) {
-                    for (int j = 0; j < nk; j++) {
+                    for (int j = j0; j < nk; j++) {
                         s[j] = scores[qi][j];
                         block_max = s[j] > block_max ? s[j] : block_max;
                     }
                 } else {
-                    for (int j = 0; j < nk; j++) {
+                    for (int j = j0; j < nk; j++) {
                         const float *k = kf[kvh][j];
                         float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
@@ -228,7 +236,7 @@ static inline void attend_item(const AttnItem item, const int head_dim, int dtyp
                 const float alpha = exp_nonpos(m[qi] - m_new);
                 float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-                for (int j = 0; j < nk; j++) {
+                for (int j = j0; j < nk; j++) {
                     s[j] = exp_nonpos(s[j] - m_new);
                     sum += s[j];
                 }
@@ -237,7 +245,7 @@ static inline void attend_item(const AttnItem item, const int head_dim, int dtyp
                 float *a = acc[qi];
 #pragma omp simd
                 for (int d = 0; d < head_dim; d++) a[d] *= alpha;
-                for (int j = 0; j < nk; j++) {
+                for (int j = j0; j < nk; j++) {
                     const float p = s[j];
                     const float *v = vf[kvh][j];
 #pragma omp simd
@@ -299,7 +307,7 @@ static inline void attend_item_bf16(const AttnItem item, const int HD, const uin
                                     int64_t cache_blk_stride, int64_t cache_tok_stride, int64_t cache_head_stride,
                                     const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                                     const int32_t *query_start_loc, int num_q_heads, int num_kv_heads, float scale,
-                                    uint16_t *out, int64_t out_tok_stride, int64_t out_head_stride) {
+                                    int window, uint16_t *out, int64_t out_tok_stride, int64_t out_head_stride) {
     enum { BS = 16 };
     const int group = num_q_heads / num_kv_heads;
     const int r = item.req;
@@ -324,7 +332,8 @@ static inline void attend_item_bf16(const AttnItem item, const int HD, const uin
     const int last_pos = first_pos + item.q_end - 1;
     const int num_blocks = last_pos / BS + 1;
     const int32_t *table = block_tables + (int64_t)r * bt_stride;
-    for (int b = 0; b < num_blocks; b++) {
+    const int first_key = window > 0 && first_pos + item.q_begin - window + 1 > 0 ? first_pos + item.q_begin - window + 1 : 0;
+    for (int b = first_key / BS; b < num_blocks; b++) {
         const int64_t base = (int64_t)table[b] * cache_blk_stride;
         /* Decode is bound by fetching blocks from memory: while this block's rows are laid out,
          * ask for the same row of the next block's K and V (each row: every kv head), so the next
@@ -371,10 +380,13 @@ static inline void attend_item_bf16(const AttnItem item, const int HD, const uin
                     for (int d2 = 0; d2 < HD / 2; d2++) kp[h][d2][j] = j < n_valid ? k[d2] : 0u;
                 }
         for (int t = 0; t < nq_tok; t++) {
-            int nk = first_pos + item.q_begin + t + 1 - block_start;
+            const int pos = first_pos + item.q_begin + t;
+            int nk = pos + 1 - block_start;
             if (nk <= 0) continue;
             if (nk > n_valid) nk = n_valid;
-            const __mmask16 valid = (__mmask16)((1u << nk) - 1u);
+            const int j0 = window > 0 && pos - window + 1 > block_start ? pos - window + 1 - block_start : 0;
+            if (j0 >= nk) continue; /* the block ends before this query's window */
+            const __mmask16 valid = (__mmask16)(((1u << nk) - 1u) & ~((1u << j0) - 1u));
             const int64_t tok = query_start_loc[r] + item.q_begin + t;
             for (int h = 0; h < num_q_heads; h++) {
                 const int qi = t * num_q_heads + h;
@@ -448,7 +460,7 @@ int pd_paged_attention(int dtype, const void *query, int64_t q_tok_stride, int64
                        int64_t cache_tok_stride, int64_t cache_head_stride, const int32_t *block_tables,
                        int64_t bt_stride, const int32_t *seq_lens, const int32_t *query_start_loc,
                        int num_reqs, int num_q_heads, int num_kv_heads, int head_dim, int block_size,
-                       float scale, void *out, int64_t out_tok_stride, int64_t out_head_stride,
+                       float scale, int window, void *out, int64_t out_tok_stride, int64_t out_head_stride,
                        int num_threads) {
     if (num_kv_heads <= 0 || num_q_heads % num_kv_heads) return -2;
     /* Working set of one item lives on the thread's stack: keep it well under a worker's stack. */
@@ -485,13 +497,13 @@ int pd_paged_attention(int dtype, const void *query, int64_t q_tok_stride, int64
 #define PD_ATTEND(HD, BS)                                                                                   \
     attend_item(items[it], HD, dtype, query, q_tok_stride, q_head_stride, k_cache, v_cache, cache_blk_stride, \
                 cache_tok_stride, cache_head_stride, block_tables, bt_stride, seq_lens, query_start_loc,     \
-                num_q_heads, num_kv_heads, BS, scale, out, out_tok_stride, out_head_stride)
+                num_q_heads, num_kv_heads, BS, scale, window, out, out_tok_stride, out_head_stride)
 #ifdef PD_HAVE_BF16_FAST_PATH
 #define PD_ATTEND_BF16(HD)                                                                                       \
     attend_item_bf16(items[it], HD, (const uint16_t *)query, q_tok_stride, q_head_stride, (const uint16_t *)k_cache, \
                      (const uint16_t *)v_cache, cache_blk_stride, cache_tok_stride, cache_head_stride, block_tables, \
-                     bt_stride, seq_lens, query_start_loc, num_q_heads, num_kv_heads, scale, (uint16_t *)out,        \
-                     out_tok_stride, out_head_stride)
+                     bt_stride, seq_lens, query_start_loc, num_q_heads, num_kv_heads, scale, window,                 \
+                     (uint16_t *)out, out_tok_stride, out_head_stride)
         if (fast_bf16 && head_dim == 64) PD_ATTEND_BF16(64);
         else if (fast_bf16 && head_dim == 128) PD_ATTEND_BF16(128);
         else if (fast_bf16) PD_ATTEND_BF16(head_dim);

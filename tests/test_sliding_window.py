@@ -1,0 +1,133 @@
+"""Sliding-window attention (each query sees its last ``window`` positions) in every attention kernel: the torch
+reference against dense masked attention, the C kernel (generic and avx512_bf16 paths) and the Triton kernel
+(interpreted; every launch shape: fixed tiles, fast prefill, split decode) against the reference; batch
+invariance of a query's bits; and a model with a window served past it (Mistral) equal to transformers.
+
+Batches come from test_kernels.make_batch: NaN in every cache slot a request must not read, so a kernel that
+reads outside a request's blocks fails; windows reach back across block and key-tile boundaries.
+"""
+
+from __future__ import annotations
+
+import torch
+import pytest
+
+from pdcluster.kernels import cpu_ops, reference
+from pdcluster.kernels import triton_paged_attention as attention
+from test_kernels import HEAD_DIM, SCALE, make_batch, triton_next_pow2
+
+CASES = [
+    pytest.param([1, 1, 1], [13, 4, 40], id="decode"),
+    pytest.param([3, 3], [9, 30], id="verify"),
+    pytest.param([10, 1, 0, 4], [37, 13, 5, 4], id="mixed"),
+    pytest.param([23], [23], id="prefill-fresh"),
+    pytest.param([17, 6], [70, 6], id="prefill-chunk-with-prefix"),
+]
+WINDOWS = [1, 3, 8, 17]
+
+
+def _dense(batch, q_lens, window):
+    """Plain softmax attention per query over its window, from the dense K/V the batch was made from."""
+    out = torch.empty_like(batch.query, dtype=torch.float32)
+    starts = batch.query_start_loc.tolist()
+    group = batch.query.shape[1] // batch.dense_kv[0][0].shape[1]
+    for r, (k, v) in enumerate(batch.dense_kv):
+        seq_len = k.shape[0]
+        for i in range(q_lens[r]):
+            pos = seq_len - q_lens[r] + i
+            lo = max(0, pos - window + 1) if window > 0 else 0
+            kk = k[lo : pos + 1].float().repeat_interleave(group, 1)  # [n, Hq, D]
+            vv = v[lo : pos + 1].float().repeat_interleave(group, 1)
+            q = batch.query[starts[r] + i].float()  # [Hq, D]
+            weights = (torch.einsum("hd,nhd->hn", q, kk) * SCALE).softmax(-1)
+            out[starts[r] + i] = torch.einsum("hn,nhd->hd", weights, vv)
+    return out
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("q_lens, seq_lens", CASES)
+def test_reference_equals_dense(q_lens, seq_lens, window):
+    batch = make_batch(q_lens, seq_lens, 4, 2)
+    got = reference.paged_attention(*batch.args(), window)
+    torch.testing.assert_close(got, _dense(batch, q_lens, window), rtol=1e-5, atol=1e-5)
+    # A window as long as the context is plain causal attention.
+    torch.testing.assert_close(reference.paged_attention(*batch.args(), max(seq_lens)),
+                               reference.paged_attention(*batch.args()), rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("q_lens, seq_lens", CASES)
+def test_c_kernel_equals_reference(q_lens, seq_lens, window, dtype):
+    batch = make_batch(q_lens, seq_lens, 6, 2, dtype=dtype)
+    got = cpu_ops.paged_attention(*batch.args(), window=window)
+    assert got is not None and not got.isnan().any()
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got.float(), reference.paged_attention(*batch.args(), window).float(), **tol)
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler")
+@pytest.mark.parametrize("path", ["vector", "generic"])
+@pytest.mark.parametrize("window", [5, 16, 33])
+def test_c_bf16_paths_equal_reference(window, path, monkeypatch):
+    """bf16, block size 16, head_dim 64: the avx512_bf16 path where the CPU has it (window masks within a
+    16-key vector), the generic loop otherwise."""
+    if path == "generic":
+        monkeypatch.setenv("PDCLUSTER_ATTN_GENERIC", "1")
+    q_lens, seq_lens = [1, 9, 20], [70, 50, 20]
+    batch = make_batch(q_lens, seq_lens, 9, 3, dtype=torch.bfloat16, block_size=16, head_dim=64)
+    args = (*batch.args()[:5], 64**-0.5)
+    got = cpu_ops.paged_attention(*args, window=window)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got.float(), reference.paged_attention(*args, window).float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler")
+@pytest.mark.parametrize("dtype,block_size,head_dim", [(torch.float32, 4, HEAD_DIM), (torch.bfloat16, 16, 64)])
+def test_c_kernel_is_batch_invariant(dtype, block_size, head_dim):
+    """A query's bits are the same in a prefill chunk, in a decode step, alone or beside other requests."""
+    window = 11
+    batch = make_batch([20, 1], [45, 30], 4, 2, dtype=dtype, block_size=block_size, head_dim=head_dim)
+    args = (batch.layer_cache,)
+    chunk = cpu_ops.paged_attention(batch.query, *args, batch.block_tables, batch.seq_lens, batch.query_start_loc,
+                                    SCALE, window=window)
+    for i in (0, 7, 19):  # query i of request 0 alone, as a decode step at its position
+        one = cpu_ops.paged_attention(batch.query[i : i + 1], *args, batch.block_tables[:1],
+                                      torch.tensor([45 - 20 + i + 1], dtype=torch.int32),
+                                      torch.tensor([0, 1], dtype=torch.int32), SCALE, window=window)
+        assert torch.equal(one[0], chunk[i])
+
+
+@pytest.mark.parametrize("window", [1, 8, 40])
+@pytest.mark.parametrize("mode", ["deterministic", "fast"])
+def test_triton_equals_reference(window, mode):
+    q_lens, seq_lens = [1, 10, 0, 4, 1], [13, 170, 5, 4, 300]
+    batch = make_batch(q_lens, seq_lens, 4, 2)
+    got = attention.paged_attention_triton(*batch.args(), batch_invariant=mode == "deterministic", window=window)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, reference.paged_attention(*batch.args(), window), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("split,segments", [(True, 0), (True, 4), (False, 0)], ids=["partitions", "segments", "one"])
+def test_triton_launch_shapes_equal_reference(split, segments):
+    """Each launch shape (partitions merged by a second kernel, segments, merged in the program) with windows
+    that start partitions and key tiles past the first."""
+    q_lens, seq_lens = [1, 3, 1], [150, 300, 40]
+    batch = make_batch(q_lens, seq_lens, 6, 2, block_size=8)
+    for window in (5, 64, 130):
+        out = torch.full_like(batch.query, float("nan"))
+        attention.launch(*batch.args(), out, attention.block_q_for(triton_next_pow2(3)), 16, split=split,
+                         segments=segments, window=window)
+        torch.testing.assert_close(out, reference.paged_attention(*batch.args(), window), rtol=1e-5, atol=1e-5)
+
+
+def test_triton_deterministic_is_batch_invariant():
+    window = 37
+    batch = make_batch([20, 1], [200, 30], 4, 2, block_size=8)
+    chunk = attention.paged_attention_triton(*batch.args(), window=window)
+    for i in (0, 19):
+        one = attention.paged_attention_triton(batch.query[i : i + 1], batch.layer_cache, batch.block_tables[:1],
+                                               torch.tensor([200 - 20 + i + 1], dtype=torch.int32),
+                                               torch.tensor([0, 1], dtype=torch.int32), SCALE, window=window)
+        assert torch.equal(one[0], chunk[i])
