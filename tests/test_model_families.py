@@ -7,7 +7,9 @@ their directories, with transformers (fp32, eager attention, repeated full forwa
 - Mistral: a sliding window on every layer (prompts run past it), here with ``linear`` RoPE in transformers 4's
   ``rope_scaling`` form; Qwen2 with ``use_sliding_window`` on the layers from ``max_window_layers`` on;
 - Llama with ``attention_bias`` (q, k, v and o biases);
-- Phi-3 / Phi-4: q/k/v and gate/up stored fused (``qkv_proj``, ``gate_up_proj``), and LoRA adapters on them.
+- Phi-3 / Phi-4: q/k/v and gate/up stored fused (``qkv_proj``, ``gate_up_proj``), and LoRA adapters on them;
+- Gemma 3 (text): (1 + w) norms, four a layer, q/k head norms, GeGLU, a scaled embedding, its own attention
+  scale, local sliding layers with their own RoPE beside global ones, final logit soft-capping.
 Each variant matters: transformers' own greedy with the variant turned off differs (test_each_variant_matters),
 so equality below fails if the engine drops it. Prompts run past each config's original context.
 """
@@ -58,6 +60,14 @@ CONFIGS = {
                   {"use_sliding_window": False, "layer_types": None}),
     "llama-bias": ("LlamaConfig", "LlamaForCausalLM", dict(COMMON, attention_bias=True), None),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(COMMON, pad_token_id=0), None),
+    # Gemma 3: a local (sliding, default RoPE) layer around a global one (linear-scaled RoPE of another theta).
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               dict(COMMON, head_dim=32, pad_token_id=0, sliding_window=20, query_pre_attn_scalar=24,
+                    tie_word_embeddings=False, final_logit_softcapping=30.0,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0},
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+               {"layer_types": ["full_attention"] * 3}),
 }
 NAMES = list(CONFIGS)
 
@@ -192,7 +202,7 @@ def test_greedy_batched_and_alone_equal_transformers(dirs, reference, name):
     assert engine.scheduler.block_manager.num_free_blocks == engine.kv_spec.num_blocks
 
 
-@pytest.mark.parametrize("name", ["llama3", "qwen2-yarn", "mistral-linear", "qwen2-swa"])
+@pytest.mark.parametrize("name", ["llama3", "qwen2-yarn", "mistral-linear", "qwen2-swa", "gemma3"])
 def test_each_variant_matters(dirs, reference, name, tmp_path):
     """transformers' greedy with the RoPE variant (or the sliding window) undone differs from the reference,
     so the equality above holds only if the engine computes the variant."""
@@ -211,8 +221,8 @@ def test_biases_matter(dirs, reference):
     assert sum(a != b for a, b in zip(without_o, reference["llama-bias"][:6])) >= 3
 
 
-def test_chunked_prefill_and_preemption(dirs, reference):
-    name = "qwen2-yarn"
+@pytest.mark.parametrize("name", ["qwen2-yarn", "mistral-linear", "gemma3"])
+def test_chunked_prefill_and_preemption(dirs, reference, name):
     # Chunks of 5 tokens; 24 blocks of 16 for 16 requests of up to 82 tokens force preemption.
     engine = _engine(dirs[name], prefill_chunk_size=5, max_num_batched_tokens=40, num_kv_blocks=24)
     assert _run(engine, PROMPTS) == reference[name]
@@ -226,17 +236,19 @@ def test_speculative_ngram_is_lossless(dirs, reference):
     assert _run(engine, PROMPTS) == reference[name]
 
 
-def test_bf16_deterministic_batch_invariant_with_biases(dirs):
+@pytest.mark.parametrize("name", ["qwen2-yarn", "gemma3"])
+def test_bf16_deterministic_batch_invariant(dirs, name):
     """bf16 in deterministic mode (the CPU default): a request's tokens in a batch are its tokens alone, with
-    q/k/v biases and YaRN (the bias add is per row)."""
-    engine = _engine(dirs["qwen2-yarn"], dtype="bfloat16", deterministic=True)
+    q/k/v biases and YaRN (the bias add is per row), and with Gemma's norms and sliding layers."""
+    engine = _engine(dirs[name], dtype="bfloat16", deterministic=True)
     batched = _run(engine, PROMPTS)
     assert [_run(engine, [p])[0] for p in PROMPTS[:5]] == batched[:5]
 
 
-def test_disagg_equals_colocated(dirs, reference):
-    """A prefill and a decode worker over tcp: the KV made with biases and YaRN decodes to the same tokens."""
-    name = "qwen2-yarn"
+@pytest.mark.parametrize("name", ["qwen2-yarn", "gemma3"])
+def test_disagg_equals_colocated(dirs, reference, name):
+    """A prefill and a decode worker over tcp: the KV made with biases and YaRN, or by Gemma's local and global
+    layers, decodes to the same tokens."""
     cfg = engine_config(str(dirs[name]), dtype="float32", max_model_len=128, num_kv_blocks=128, block_size=16)
     params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
     run = run_on_pair(cfg, TransferConfig(transport="tcp", secret="s3cret"), PROMPTS[:6], params, 128)
@@ -334,3 +346,34 @@ def test_phi3_lora_on_fused_projections_equals_peft(dirs, reference, tmp_path):
     outs = engine.generate([p for p in PROMPTS[:3] for _ in params], [sp for _ in PROMPTS[:3] for sp in params])
     assert [o.token_ids for o in outs[::2]] == want
     assert [o.token_ids for o in outs[1::2]] == reference["phi3"][:3]
+
+
+def test_gemma3_logits_equal_transformers(dirs, tmp_path):
+    """Gemma 3's prompt logits (soft-capped) equal transformers' in fp32: every norm, the scaled embedding, both
+    RoPE tables and the window; a prompt past the window."""
+    from pdcluster.engine.attention import AttentionMetadata
+    from pdcluster.engine.models.architectures import load_model
+
+    model = load_model(dirs["gemma3"], torch.float32, 256)
+    assert model.arch.sliding_layers == (True, False, True) and model.arch.local_rope_theta == 10000.0
+    tokens = [3 + (11 * i) % 500 for i in range(70)]
+    n, bs = len(tokens), 16
+    cache = torch.zeros((3, 2, -(-n // bs), bs, model.arch.num_kv_heads, model.arch.head_dim))
+    pos = torch.arange(n)
+    meta = AttentionMetadata(pos.clone(), torch.arange(-(-n // bs), dtype=torch.int32)[None],
+                             torch.tensor([n], dtype=torch.int32), torch.tensor([0, n], dtype=torch.int32), None,
+                             model.scale)
+    with torch.inference_mode():
+        ours = model.compute_logits(model.forward(torch.tensor(tokens), pos, cache, meta))
+        expected = _hf_model(dirs["gemma3"])(torch.tensor([tokens])).logits[0]
+    assert expected.abs().max() > 5 and expected.abs().max() <= 30.0  # capped
+    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-4)
+    # The local layers matter: with every layer global (full attention, the global RoPE) the logits move far.
+    undone = _edit_config(dirs["gemma3"], tmp_path / "undone", **CONFIGS["gemma3"][3])
+    with torch.inference_mode():
+        assert (_hf_model(undone)(torch.tensor([tokens])).logits[0] - expected).abs().max() > 1.0
+
+
+def test_gemma2_attention_softcapping_refused(dirs, tmp_path):
+    with pytest.raises(ValueError, match="attn_logit_softcapping"):
+        arch_from_dir(_edit_config(dirs["gemma3"], tmp_path / "g2", attn_logit_softcapping=50.0))

@@ -3,6 +3,7 @@
     LlamaForCausalLM, MistralForCausalLM -> engine.models.llama.ModelArch / LlamaModel
     Qwen2ForCausalLM                     -> the same (q/k/v biases)
     Phi3ForCausalLM                      -> the same (fused qkv_proj / gate_up_proj in the checkpoint)
+    Gemma3ForCausalLM                    -> engine.models.gemma3 (Gemma's norms, GeGLU, local/global layers)
     Qwen3ForCausalLM, Qwen3MoeForCausalLM -> the same (q/k norm; MoE MLPs in engine/models/moe.py)
     NemotronHForCausalLM                 -> engine.models.nemotron_h.HybridArch / NemotronHModel
                                             (MoE layers in engine/models/nemotron_moe.py)
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from pdcluster.engine.models.gemma3 import Gemma3Arch, Gemma3Model
 from pdcluster.engine.models.llama import LlamaModel, ModelArch
 from pdcluster.engine.models.registry import UnknownModelError
 from pdcluster.engine.models.nemotron_h import HybridArch, NemotronHModel
@@ -30,6 +32,7 @@ ARCHITECTURES = {
     "Phi3ForCausalLM": (ModelArch, LlamaModel),
     "Qwen3ForCausalLM": (ModelArch, LlamaModel),
     "Qwen3MoeForCausalLM": (ModelArch, LlamaModel),
+    "Gemma3ForCausalLM": (Gemma3Arch, Gemma3Model),
     "NemotronHForCausalLM": (HybridArch, NemotronHModel),
 }
 REQUIRED_FILES = ("config.json", "tokenizer.json")

@@ -1,0 +1,188 @@
+"""Gemma 3 (text: ``Gemma3ForCausalLM``) over the Llama path's pieces, with what Gemma changes:
+
+- RMSNorm scales by (1 + weight), in float32 before the cast (``gemma_rms_norm``; transformers' Gemma3RMSNorm);
+- four norms a layer: input, post-attention (on the attention's output, before the residual add),
+  pre-feedforward, post-feedforward (on the MLP's output);
+- RMSNorm over each q and k head before RoPE (as Qwen3, with Gemma's norm);
+- GeGLU: down(gelu_tanh(gate) * up);
+- the embedding is scaled by sqrt(hidden_size) (the scale rounded to the weights' dtype, as transformers);
+- attention scale query_pre_attn_scalar ** -0.5;
+- sliding layers (``layer_types``, or every ``sliding_window_pattern``-th layer full) attend to their last
+  ``sliding_window`` positions with the local RoPE table (``rope_local_base_freq`` / the "sliding_attention"
+  parameters), full layers to everything with the global one (its own theta and scaling);
+- optional final logit soft-capping (cap * tanh(logits / cap)).
+Gemma 2's attention soft-capping (``attn_logit_softcapping``) is refused: the attention kernels do not cap scores.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from pdcluster.engine.attention import AttentionMetadata, attend
+from pdcluster.engine.models.llama import DecoderLayer, LlamaModel, ModelArch, RotaryEmbedding
+from pdcluster.engine.models.rope import RopeScaling, rope_from_config
+
+GEMMA3 = ("Gemma3ForCausalLM",)
+
+
+@dataclass(frozen=True)
+class Gemma3Arch(ModelArch):
+    query_pre_attn_scalar: float = 256.0
+    local_rope_theta: float = 10000.0
+    local_rope_scaling: RopeScaling | None = None
+    final_logit_softcapping: float | None = None
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> "Gemma3Arch":
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        where = str(model_dir)
+        arch = (cfg.get("architectures") or ["Gemma3ForCausalLM"])[0]
+        if arch not in GEMMA3:
+            raise ValueError(f"{where}: architecture {arch!r} is not supported here ({', '.join(GEMMA3)})")
+        for key, supported in (("attn_logit_softcapping", None), ("use_bidirectional_attention", False),
+                               ("attention_bias", False)):
+            if cfg.get(key, supported) not in (supported,):
+                raise ValueError(f"{where}: {key} {cfg[key]!r} is not supported (only {supported!r})")
+        if cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+            raise ValueError(f"{where}: hidden_activation {cfg['hidden_activation']!r} is not supported "
+                             "(only 'gelu_pytorch_tanh')")
+        num_layers = cfg["num_hidden_layers"]
+        layer_types = cfg.get("layer_types") or [
+            "sliding_attention" if (i + 1) % cfg.get("sliding_window_pattern", 6) else "full_attention"
+            for i in range(num_layers)]
+        if len(layer_types) != num_layers or set(layer_types) - {"sliding_attention", "full_attention"}:
+            raise ValueError(f"{where}: layer_types must name 'sliding_attention' or 'full_attention' for each of "
+                             f"the {num_layers} layers")
+        global_theta, global_scaling, local_theta, local_scaling = _ropes(cfg, where)
+        num_heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id", 1)
+        window = cfg.get("sliding_window")
+        if "sliding_attention" in layer_types and not window:
+            raise ValueError(f"{where}: sliding layers need a sliding_window")
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads", num_heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=global_theta,
+            max_position_embeddings=cfg.get("max_position_embeddings", 131072),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", True),
+            bos_token_id=cfg.get("bos_token_id", 2),
+            eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
+            qk_norm=True,
+            rope_scaling=global_scaling,
+            sliding_window=int(window) if window else None,
+            sliding_layers=tuple(t == "sliding_attention" for t in layer_types),
+            query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
+            local_rope_theta=local_theta,
+            local_rope_scaling=local_scaling,
+            final_logit_softcapping=cfg.get("final_logit_softcapping"),
+        )
+
+
+def _ropes(cfg: dict, where: str) -> tuple[float, RopeScaling | None, float, RopeScaling | None]:
+    """(global theta, scaling, local theta, scaling): transformers 5's rope_parameters per layer type, or
+    transformers 4's rope_theta + rope_scaling (global) and rope_local_base_freq (local, default RoPE)."""
+    params = cfg.get("rope_parameters") or {}
+    plain = {k: v for k, v in cfg.items() if k not in ("rope_parameters", "rope_scaling", "rope_theta")}
+    if "full_attention" in params or "sliding_attention" in params:
+        full = rope_from_config({**plain, "rope_parameters": {"rope_theta": 1_000_000.0,
+                                                              **(params.get("full_attention") or {})}}, where)
+        local = rope_from_config({**plain, "rope_parameters": {"rope_theta": 10_000.0,
+                                                               **(params.get("sliding_attention") or {})}}, where)
+    else:
+        full = rope_from_config({**plain, "rope_theta": cfg.get("rope_theta", 1_000_000.0),
+                                 "rope_scaling": cfg.get("rope_scaling"), "rope_parameters": params or None}, where)
+        local = (float(cfg.get("rope_local_base_freq", 10_000.0)), RopeScaling())
+    scaled = lambda s: None if s.rope_type == "default" else s  # noqa: E731
+    return full[0], scaled(full[1]), local[0], scaled(local[1])
+
+
+def gemma_rms_norm(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: normalise and scale by (1 + weight) in float32 (``weight_plus_one``, kept float32),
+    then cast back. Over the last dim."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight_plus_one).to(x.dtype)
+
+
+class Gemma3Layer(DecoderLayer):
+    chunked_mlp = False  # the MLP is a few torch ops around two Linears: no chunking
+
+    def __init__(self, arch: Gemma3Arch, weights: dict[str, torch.Tensor], prefix: str, deterministic: bool,
+                 layer_index: int):
+        super().__init__(arch, weights, prefix, deterministic, layer_index=layer_index)
+        plus_one = lambda t: 1.0 + t.float()  # noqa: E731
+        self.input_norm, self.post_norm = plus_one(self.input_norm), plus_one(self.post_norm)
+        self.pre_ff_norm = plus_one(weights.pop(f"{prefix}.pre_feedforward_layernorm.weight"))
+        self.post_ff_norm = plus_one(weights.pop(f"{prefix}.post_feedforward_layernorm.weight"))
+        self.q_norm, self.k_norm = plus_one(self.q_norm), plus_one(self.k_norm)
+        self.local = arch.sliding_layers[layer_index]
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                layer_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The residual stream after this block (Gemma norms each sublayer's output before adding it)."""
+        a = self.arch
+        eps = a.rms_norm_eps
+        x = gemma_rms_norm(hidden, self.input_norm, eps)
+        qkv = self._heads(x)
+        q = gemma_rms_norm(qkv[:, : a.num_heads], self.q_norm, eps)
+        k = gemma_rms_norm(qkv[:, a.num_heads : a.num_heads + a.num_kv_heads], self.k_norm, eps)
+        v = qkv[:, a.num_heads + a.num_kv_heads :]
+        rope.rotate_(q, positions)
+        rope.rotate_(k, positions)
+        o = attend(q, k, v, layer_cache, meta, batch_invariant=self.deterministic, window=self.window)
+        attn = self.o_proj(o.reshape(-1, self.q_size))
+        hidden = hidden + gemma_rms_norm(attn, self.post_norm, eps)
+        mlp = self.mlp(gemma_rms_norm(hidden, self.pre_ff_norm, eps))
+        return hidden + gemma_rms_norm(mlp, self.post_ff_norm, eps)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+class Gemma3Model(LlamaModel):
+    arch_class = Gemma3Arch
+
+    def __init__(self, arch: Gemma3Arch, weights: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int,
+                 deterministic: bool = False):
+        embed_tokens = weights["model.embed_tokens.weight"]
+        lm_head = embed_tokens if arch.tie_word_embeddings else weights["lm_head.weight"]
+        super(LlamaModel, self).__init__(arch, dtype, deterministic, embed_tokens, lm_head)
+        self.norm = 1.0 + weights["model.norm.weight"].float()
+        self.layers = [Gemma3Layer(arch, weights, f"model.layers.{i}", deterministic, i)
+                       for i in range(arch.num_layers)]
+        if any(layer.q_norm is None or layer.k_norm is None for layer in self.layers):
+            raise ValueError("Gemma 3 weights lack self_attn.q_norm.weight / k_norm.weight in some layer")
+        device = self.embed_tokens.device
+        self.rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, max_positions, dtype, device, arch.rope_scaling)
+        self.local_rope = RotaryEmbedding(arch.head_dim, arch.local_rope_theta, max_positions, dtype, device,
+                                          arch.local_rope_scaling)
+        self.scale = arch.query_pre_attn_scalar**-0.5
+        # transformers multiplies by the scale rounded to the weights' dtype.
+        self.embed_scale = torch.tensor(arch.hidden_size**0.5).to(dtype).item()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+        hidden = F.embedding(input_ids, self.embed_tokens) * self.embed_scale
+        for i, layer in enumerate(self.layers):
+            hidden = layer.forward(hidden, positions, self.local_rope if layer.local else self.rope, kv_cache[i], meta)
+            if on_layer_done is not None:
+                on_layer_done(i)
+        return gemma_rms_norm(hidden, self.norm, self.arch.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)
+        cap = self.arch.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
