@@ -175,6 +175,12 @@ class Tokenizer:
         jinja_file = self.model_dir / "chat_template.jinja"  # newer HF directories keep it separately
         if template is None and jinja_file.is_file():
             template = jinja_file.read_text(encoding="utf-8")
+        json_file = self.model_dir / "chat_template.json"  # multimodal checkpoints: the processor's template
+        if template is None and json_file.is_file():
+            try:
+                template = json.loads(json_file.read_text(encoding="utf-8")).get("chat_template")
+            except (ValueError, AttributeError):
+                template = None
         return template
 
     @cached_property

@@ -377,3 +377,48 @@ def test_gemma3_logits_equal_transformers(dirs, tmp_path):
 def test_gemma2_attention_softcapping_refused(dirs, tmp_path):
     with pytest.raises(ValueError, match="attn_logit_softcapping"):
         arch_from_dir(_edit_config(dirs["gemma3"], tmp_path / "g2", attn_logit_softcapping=50.0))
+
+
+def test_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path):
+    """Gemma 3 4B and up ship as Gemma3ForConditionalGeneration: its language model (text_config over
+    Gemma3TextConfig's defaults, weights under language_model.model.*) serves text with transformers' logits and
+    greedy tokens; the processor's chat_template.json is the chat template."""
+    text = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+                num_hidden_layers=2, head_dim=32, sliding_window=20, query_pre_attn_scalar=24,
+                max_position_embeddings=256, layer_types=["sliding_attention", "full_attention"])
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=500, boi_token_index=498,
+        eoi_token_index=499))
+    _redraw(model)
+    d = tmp_path / "gemma3-mm"
+    model.save_pretrained(str(d))
+    shutil.copy(resolve_model("tiny-random", progress=False) / "tokenizer.json", d / "tokenizer.json")
+    (d / "chat_template.json").write_text(json.dumps({"chat_template": "{% for m in messages %}<{{ m.role }}>"
+                                                                        "{{ m.content }}{% endfor %}"}))
+    hf = transformers.Gemma3ForConditionalGeneration.from_pretrained(str(d), dtype=torch.float32,
+                                                                    attn_implementation="eager").eval()
+    want = _hf_greedy(hf, PROMPTS[:4])
+    engine = _engine(d)
+    assert engine.arch.num_layers == 2 and engine.arch.vocab_size == VOCAB and engine.arch.sliding_layers == (True, False)
+    assert _run(engine, PROMPTS[:4]) == want
+    assert engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == "<user>hi"
+
+
+def test_gemma3_lora_equals_peft(dirs, reference, tmp_path):
+    """A peft adapter on Gemma 3's attention and GeGLU projections: peft's greedy, beside base requests."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(1)
+    model = peft.get_peft_model(_hf_model(dirs["gemma3"]), peft.LoraConfig(
+        r=4, lora_alpha=8, init_lora_weights=False,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])).eval()
+    model.save_pretrained(tmp_path / "adapter")
+    want = _hf_greedy(model, PROMPTS[:3])
+    assert want != reference["gemma3"][:3]
+    engine = _engine(dirs["gemma3"], lora_modules=(f"a={tmp_path / 'adapter'}",))
+    params = [SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True, lora_name=n) for n in ("a", None)]
+    outs = engine.generate([p for p in PROMPTS[:3] for _ in params], [sp for _ in PROMPTS[:3] for sp in params])
+    assert [o.token_ids for o in outs[::2]] == want
+    assert [o.token_ids for o in outs[1::2]] == reference["gemma3"][:3]

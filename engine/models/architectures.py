@@ -33,6 +33,7 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": (ModelArch, LlamaModel),
     "Qwen3MoeForCausalLM": (ModelArch, LlamaModel),
     "Gemma3ForCausalLM": (Gemma3Arch, Gemma3Model),
+    "Gemma3ForConditionalGeneration": (Gemma3Arch, Gemma3Model),  # its language model, for text
     "NemotronHForCausalLM": (HybridArch, NemotronHModel),
 }
 REQUIRED_FILES = ("config.json", "tokenizer.json")

@@ -1,4 +1,6 @@
-"""Gemma 3 (text: ``Gemma3ForCausalLM``) over the Llama path's pieces, with what Gemma changes:
+"""Gemma 3 over the Llama path's pieces: ``Gemma3ForCausalLM`` (1B, and text-only checkpoints) and the language
+model of ``Gemma3ForConditionalGeneration`` (4B and up; served for text, its vision tower left unloaded). What
+Gemma changes:
 
 - RMSNorm scales by (1 + weight), in float32 before the cast (``gemma_rms_norm``; transformers' Gemma3RMSNorm);
 - four norms a layer: input, post-attention (on the attention's output, before the residual add),
@@ -25,10 +27,19 @@ import torch
 import torch.nn.functional as F
 
 from pdcluster.engine.attention import AttentionMetadata, attend
+from pdcluster.engine.models.causal_lm import load_weights
 from pdcluster.engine.models.llama import DecoderLayer, LlamaModel, ModelArch, RotaryEmbedding
 from pdcluster.engine.models.rope import RopeScaling, rope_from_config
 
-GEMMA3 = ("Gemma3ForCausalLM",)
+GEMMA3 = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+# Gemma3TextConfig's defaults: a multimodal checkpoint's text_config lists only what differs from them.
+TEXT_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                 "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131_072,
+                 "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256, "sliding_window": 4096, "rope_theta": 1_000_000.0,
+                 "rope_local_base_freq": 10_000.0, "bos_token_id": 2, "eos_token_id": 1}
+# Where a multimodal checkpoint keeps the language model (transformers 4 and 5 spell it differently).
+_TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
+                  "language_model.lm_head.": "lm_head."}
 
 
 @dataclass(frozen=True)
@@ -45,6 +56,9 @@ class Gemma3Arch(ModelArch):
         arch = (cfg.get("architectures") or ["Gemma3ForCausalLM"])[0]
         if arch not in GEMMA3:
             raise ValueError(f"{where}: architecture {arch!r} is not supported here ({', '.join(GEMMA3)})")
+        if arch == "Gemma3ForConditionalGeneration":  # Gemma 3 4B and up: its language model, for text
+            tie = cfg.get("tie_word_embeddings", True)
+            cfg = {**TEXT_DEFAULTS, "tie_word_embeddings": tie, **(cfg.get("text_config") or {})}
         for key, supported in (("attn_logit_softcapping", None), ("use_bidirectional_attention", False),
                                ("attention_bias", False)):
             if cfg.get(key, supported) not in (supported,):
@@ -153,6 +167,21 @@ class Gemma3Layer(DecoderLayer):
 
 class Gemma3Model(LlamaModel):
     arch_class = Gemma3Arch
+
+    @classmethod
+    def load(cls, model_dir: Path, dtype: torch.dtype, max_positions: int,
+             device: str | torch.device = "cpu", deterministic: bool = False) -> "Gemma3Model":
+        """A multimodal checkpoint's language model under the text model's names; its vision tower and
+        projector are dropped (image inputs are refused at the API)."""
+        weights = {}
+        for name, tensor in load_weights(model_dir, dtype, device).items():
+            prefix = next((p for p in _TEXT_PREFIXES if name.startswith(p)), None)
+            if prefix is not None:
+                weights[_TEXT_PREFIXES[prefix] + name[len(prefix):]] = tensor
+            elif name.startswith(("model.", "lm_head.")) and not name.startswith(("model.vision_tower.",
+                                                                                   "model.multi_modal_projector.")):
+                weights[name] = tensor
+        return cls(cls.arch_class.from_dir(model_dir), weights, dtype, max_positions, deterministic)
 
     def __init__(self, arch: Gemma3Arch, weights: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int,
                  deterministic: bool = False):
