@@ -20,7 +20,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=0, help="0 = the model's limit, capped at 4096")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=0, help="0 = size the pool from --kv-cache-memory-gib")
-    g.add_argument("--kv-cache-memory-gib", type=float, default=1.0)
+    g.add_argument("--kv-cache-memory-gib", type=float, default=0.0,
+                   help="KV pool size per worker; 0 = automatic: on a GPU what --gpu-memory-utilization leaves after "
+                        "the weights and a step's activations, on a CPU 1 GiB")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of the GPU's memory a worker may use in all (workers sharing one GPU split it)")
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--prefill-chunk-size", type=int, default=512)
@@ -67,6 +71,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 # Flags whose dest is the EngineConfig field of the same name (the others are mapped by hand below).
 SAME_NAMED_FLAGS = (
     "model", "dtype", "device", "max_model_len", "block_size", "num_kv_blocks", "kv_cache_memory_gib",
+    "gpu_memory_utilization",
     "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "kv_offload_host_gib", "kv_offload_disk_dir",
     "kv_offload_disk_gib", "mtp_checkpoint", "num_threads", "seed", "cache_dir", "max_lora_rank",
 )

@@ -73,6 +73,14 @@ class ClusterSpec:
                              f"(got num_prefill={self.num_prefill}, num_decode={self.num_decode})")
 
 
+def engine_for_gpu_share(engine: EngineConfig, gpu_share: float) -> EngineConfig:
+    """Workers sharing a GPU (a share below 1) split the memory they may use: each sizes its KV pool from its
+    part of gpu_memory_utilization."""
+    if 0 < gpu_share < 1:
+        return replace(engine, gpu_memory_utilization=engine.gpu_memory_utilization * gpu_share)
+    return engine
+
+
 def gpu_share_per_worker(num_gpus: float, num_workers: int) -> float:
     """The GPU each worker asks Ray for: a whole one where there are enough, else an equal share of
     what there is (1 GPU, 1 prefill + 1 decode: 0.5 each). Shares are rounded down to hundredths so
@@ -119,7 +127,7 @@ class Cluster:
         # the workers share them, each asking Ray for its fraction (Ray then gives them the same device).
         gpu_share = gpu_share_per_worker(num_gpus, num_workers) if use_gpu else 0.0
         event_host = "127.0.0.1" if not spec.address else ray.util.get_node_ip_address()
-        engine = spec.engine
+        engine = engine_for_gpu_share(spec.engine, gpu_share)
         if not engine.num_threads and not use_gpu and not spec.address:
             # Share this machine's cores between the workers (each worker is its own "device").
             engine = EngineConfig(**{**asdict(engine), "num_threads": max(1, (os.cpu_count() or 1) // num_workers)})

@@ -74,9 +74,12 @@ class EngineConfig:
     # 0 = the model's max_position_embeddings, capped at 4096.
     max_model_len: int = 0
     block_size: int = 16
-    # Size of the paged KV pool: an explicit block count wins over the memory budget.
+    # Size of the paged KV pool: an explicit block count wins over a memory budget, a budget in GiB over the
+    # automatic one (0): on a GPU what gpu_memory_utilization of it leaves after the weights and a step's
+    # activations (engine/kv_budget.py, as vLLM sizes it), on a CPU 1 GiB.
     num_kv_blocks: int = 0
-    kv_cache_memory_gib: float = 1.0
+    kv_cache_memory_gib: float = 0.0
+    gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 64
     # Token budget of one step (all requests together).
     max_num_batched_tokens: int = 2048
@@ -139,8 +142,11 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{name}: must be a non-negative integer, got {value!r}")
-        if self.kv_cache_memory_gib <= 0:
-            raise ConfigError(f"kv_cache_memory_gib: must be > 0, got {self.kv_cache_memory_gib!r}")
+        if self.kv_cache_memory_gib < 0:
+            raise ConfigError(f"kv_cache_memory_gib: must be >= 0 (0 = sized automatically), got "
+                              f"{self.kv_cache_memory_gib!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.spec_method == "none" and self.num_spec_tokens:
             raise ConfigError(
                 f"num_spec_tokens: {self.num_spec_tokens} given but spec_method is 'none'; "

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.kv_budget import CPU_DEFAULT_GIB, cuda_kv_pool_bytes
 from pdcluster.engine.kv_cache import KVCacheSpec, allocate_kv_cache, num_blocks_for_budget
 from pdcluster.engine.linear import DeterministicUnavailable, check_deterministic_available
 from pdcluster.engine.mamba_state import MambaStateShape
@@ -89,7 +90,7 @@ class LoadedModel:
         num_draft_layers = proposer_draft_layers(config, arch)  # MTP: its layers after the target's (S2)
         probe = KVCacheSpec(arch.num_layers + num_draft_layers, num_draft_layers, 1, config.block_size,
                             arch.num_kv_heads, arch.head_dim, dtype)
-        num_blocks = config.num_kv_blocks or num_blocks_for_budget(probe.bytes_per_block, config.kv_cache_memory_gib)
+        num_blocks = config.num_kv_blocks or _num_kv_blocks(model, config, probe.bytes_per_block, hybrid)
         kv_spec = replace(probe, num_blocks=num_blocks)
         allocate = kv_cache_allocator or (lambda shape, dtype, device: allocate_kv_cache(kv_spec, device))
         kv_cache = allocate(kv_spec.shape, kv_spec.dtype, config.device)
@@ -101,6 +102,17 @@ class LoadedModel:
             num_state_blocks=num_state_blocks(state_shape, kv_spec.bytes_per_block) if hybrid else 0,
             eos_token_ids=frozenset(arch.eos_token_ids) | frozenset(tokenizer.stop_token_ids),
         )
+
+
+def _num_kv_blocks(model, config: EngineConfig, bytes_per_block: int, hybrid: bool) -> int:
+    """Blocks of the KV pool: kv_cache_memory_gib's, or (0, auto) on a GPU what gpu_memory_utilization leaves
+    (engine/kv_budget.py), on a CPU 1 GiB's."""
+    if config.kv_cache_memory_gib:
+        return num_blocks_for_budget(bytes_per_block, config.kv_cache_memory_gib)
+    device = torch.device(config.device)
+    if device.type != "cuda":
+        return num_blocks_for_budget(bytes_per_block, CPU_DEFAULT_GIB)
+    return max(1, cuda_kv_pool_bytes(model, config, hybrid, device) // bytes_per_block)
 
 
 def _resolve_deterministic(config: EngineConfig) -> bool:
