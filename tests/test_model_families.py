@@ -25,6 +25,7 @@ import torch
 
 from conftest import engine_config
 from test_hybrid_engine import _prompts
+from test_qwen3 import _redraw_weights  # weights at a scale where every block (and bias) matters
 from test_kv_transfer_e2e import run_on_pair
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.llm_engine import LLMEngine
@@ -72,22 +73,6 @@ CONFIGS = {
 NAMES = list(CONFIGS)
 
 
-def _redraw(model, seed: int = 0) -> None:
-    """Weights at a scale where every block (and every bias) moves the logits."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(0.8 + 0.4 * torch.rand(p.shape, generator=gen))
-            elif name.endswith("embed_tokens.weight"):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-            elif name.endswith(".bias"):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-            else:
-                gain = 3.0 if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.5
-                p.copy_(torch.randn(p.shape, generator=gen) * gain / p.shape[-1] ** 0.5)
-
-
 def _edit_config(src: Path, dst: Path, **changes) -> Path:
     shutil.copytree(src, dst)
     cfg = json.loads((dst / "config.json").read_text())
@@ -108,7 +93,7 @@ def dirs(tmp_path_factory) -> dict[str, Path]:
         d = tmp_path_factory.mktemp(name)
         torch.manual_seed(0)
         model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs))
-        _redraw(model)
+        _redraw_weights(model)
         model.save_pretrained(str(d))
         shutil.copy(tokenizer, d / "tokenizer.json")
         out[name] = d
@@ -392,7 +377,7 @@ def test_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path):
     model = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
         text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=500, boi_token_index=498,
         eoi_token_index=499))
-    _redraw(model)
+    _redraw_weights(model)
     d = tmp_path / "gemma3-mm"
     model.save_pretrained(str(d))
     shutil.copy(resolve_model("tiny-random", progress=False) / "tokenizer.json", d / "tokenizer.json")

@@ -57,7 +57,7 @@ def _redraw_weights(model, seed: int = 0) -> None:
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(0.8 + 0.4 * torch.rand(p.shape, generator=gen))
-            elif name.endswith("embed_tokens.weight"):
+            elif name.endswith("embed_tokens.weight") or name.endswith(".bias"):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
             else:  # [out, in] or an expert stack [E, out, in]
                 gain = 3.0 if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")) else 1.5
