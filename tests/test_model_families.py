@@ -7,6 +7,7 @@ their directories, with transformers (fp32, eager attention, repeated full forwa
 - Mistral: a sliding window on every layer (prompts run past it), here with ``linear`` RoPE in transformers 4's
   ``rope_scaling`` form; Qwen2 with ``use_sliding_window`` on the layers from ``max_window_layers`` on;
 - Llama with ``attention_bias`` (q, k, v and o biases);
+- Mixtral: Mistral with a sparse MoE in every layer (the fused MoE core);
 - Phi-3 / Phi-4: q/k/v and gate/up stored fused (``qkv_proj``, ``gate_up_proj``), and LoRA adapters on them;
 - Gemma 3 (text): (1 + w) norms, four a layer, q/k head norms, GeGLU, a scaled embedding, its own attention
   scale, local sliding layers with their own RoPE beside global ones, final logit soft-capping.
@@ -61,6 +62,10 @@ CONFIGS = {
                   {"use_sliding_window": False, "layer_types": None}),
     "llama-bias": ("LlamaConfig", "LlamaForCausalLM", dict(COMMON, attention_bias=True), None),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(COMMON, pad_token_id=0), None),
+    # Mixtral: 4 experts, top 2 renormalised, in the checkpoint layout transformers writes
+    # (block_sparse_moe.experts.{e}.w1 / w3 / w2), with a sliding window.
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(COMMON, num_local_experts=4, num_experts_per_tok=2, sliding_window=40), None),
     # Gemma 3: a local (sliding, default RoPE) layer around a global one (linear-scaled RoPE of another theta).
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
                dict(COMMON, head_dim=32, pad_token_id=0, sliding_window=20, query_pre_attn_scalar=24,
@@ -153,6 +158,9 @@ def test_configs_read(dirs):
     assert swa.sliding_layers == (False, True, True) and [swa.window_of(i) for i in range(3)] == [0, 20, 20]
     bias = arch_from_dir(dirs["llama-bias"])
     assert bias.qkv_bias and bias.o_bias and bias.rope_scaling is None
+    mixtral = arch_from_dir(dirs["mixtral"])
+    assert mixtral.moe.layout == "mixtral" and mixtral.moe.sparse_layers == (True,) * 3 and mixtral.moe.top_k == 2
+    assert mixtral.moe.intermediate_size == 96 and mixtral.sliding_window == 40
     phi3 = arch_from_dir(dirs["phi3"])
     assert phi3.fused_checkpoint and not llama3.fused_checkpoint and phi3.sliding_window is None
 
@@ -206,7 +214,7 @@ def test_biases_matter(dirs, reference):
     assert sum(a != b for a, b in zip(without_o, reference["llama-bias"][:6])) >= 3
 
 
-@pytest.mark.parametrize("name", ["qwen2-yarn", "mistral-linear", "gemma3"])
+@pytest.mark.parametrize("name", ["qwen2-yarn", "mistral-linear", "gemma3", "mixtral"])
 def test_chunked_prefill_and_preemption(dirs, reference, name):
     # Chunks of 5 tokens; 24 blocks of 16 for 16 requests of up to 82 tokens force preemption.
     engine = _engine(dirs[name], prefill_chunk_size=5, max_num_batched_tokens=40, num_kv_blocks=24)
@@ -221,7 +229,7 @@ def test_speculative_ngram_is_lossless(dirs, reference):
     assert _run(engine, PROMPTS) == reference[name]
 
 
-@pytest.mark.parametrize("name", ["qwen2-yarn", "gemma3"])
+@pytest.mark.parametrize("name", ["qwen2-yarn", "gemma3", "mixtral"])
 def test_bf16_deterministic_batch_invariant(dirs, name):
     """bf16 in deterministic mode (the CPU default): a request's tokens in a batch are its tokens alone, with
     q/k/v biases and YaRN (the bias add is per row), and with Gemma's norms and sliding layers."""

@@ -1,6 +1,7 @@
 """Which model class serves a Hugging Face directory: dispatch on config.json ``architectures[0]``.
 
     LlamaForCausalLM, MistralForCausalLM -> engine.models.llama.ModelArch / LlamaModel
+    MixtralForCausalLM                   -> the same (MoE MLPs in engine/models/moe.py)
     Qwen2ForCausalLM                     -> the same (q/k/v biases)
     Phi3ForCausalLM                      -> the same (fused qkv_proj / gate_up_proj in the checkpoint)
     Gemma3ForCausalLM                    -> engine.models.gemma3 (Gemma's norms, GeGLU, local/global layers)
@@ -28,6 +29,7 @@ from pdcluster.engine.models.nemotron_h import HybridArch, NemotronHModel
 ARCHITECTURES = {
     "LlamaForCausalLM": (ModelArch, LlamaModel),
     "MistralForCausalLM": (ModelArch, LlamaModel),
+    "MixtralForCausalLM": (ModelArch, LlamaModel),
     "Qwen2ForCausalLM": (ModelArch, LlamaModel),
     "Phi3ForCausalLM": (ModelArch, LlamaModel),
     "Qwen3ForCausalLM": (ModelArch, LlamaModel),

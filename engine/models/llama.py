@@ -29,9 +29,11 @@ LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM")
 QWEN2 = ("Qwen2ForCausalLM",)
 # Phi-3 / Phi-4: Llama with q/k/v and gate/up stored fused in the checkpoint (qkv_proj, gate_up_proj).
 PHI3 = ("Phi3ForCausalLM",)
+# Mixtral: Mistral with a sparse MoE in every layer (engine/models/moe.py).
+MIXTRAL = ("MixtralForCausalLM",)
 # Qwen3: Llama plus RMSNorm over each q and k head before RoPE; Qwen3-MoE: and sparse MoE MLPs (engine/models/moe.py).
 QWEN3 = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-SUPPORTED = LLAMA_FAMILY + QWEN2 + PHI3 + QWEN3
+SUPPORTED = LLAMA_FAMILY + MIXTRAL + QWEN2 + PHI3 + QWEN3
 
 
 @dataclass(frozen=True)
@@ -100,8 +102,8 @@ class ModelArch:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             qk_norm=arch[0] in QWEN3,
-            moe=(MoeArch.from_config(cfg, cfg["num_hidden_layers"], str(model_dir))
-                 if arch[0] == "Qwen3MoeForCausalLM" else None),
+            moe=(MoeArch.from_config(cfg, cfg["num_hidden_layers"], str(model_dir)) if arch[0] == "Qwen3MoeForCausalLM"
+                 else MoeArch.mixtral(cfg, cfg["num_hidden_layers"], str(model_dir)) if arch[0] in MIXTRAL else None),
             rope_scaling=None if rope_scaling.rope_type == "default" else rope_scaling,
             qkv_bias=attention_bias or arch[0] in QWEN2,
             o_bias=attention_bias,
@@ -124,7 +126,7 @@ def _sliding_window(cfg: dict, architecture: str, where: str) -> tuple[int | Non
     if layer_types and len(layer_types) != num_layers:
         raise ValueError(f"{where}: layer_types has {len(layer_types)} entries for {num_layers} layers")
     window = cfg.get("sliding_window")
-    if architecture in ("MistralForCausalLM", *PHI3):
+    if architecture in ("MistralForCausalLM", *MIXTRAL, *PHI3):
         return (int(window), ()) if window else (None, ())
     if architecture in QWEN2 + QWEN3 and cfg.get("use_sliding_window"):
         if not window:
@@ -226,8 +228,8 @@ class DecoderLayer:
         self.moe = None
         moe = getattr(arch, "moe", None)  # an MTP layer on a hybrid target gets a HybridArch (no .moe)
         if moe is not None and layer_index is not None and moe.sparse_layers[layer_index]:
-            gate_up, down = take_expert_weights(weights, f"{prefix}.mlp", moe, arch.hidden_size)
-            self.moe = SparseMoe(moe, w("mlp.gate.weight"), gate_up, down, deterministic)
+            gate_up, down = take_expert_weights(weights, f"{prefix}.{moe.block}", moe, arch.hidden_size)
+            self.moe = SparseMoe(moe, w(f"{moe.block}.gate.weight"), gate_up, down, deterministic)
         else:
             self.gate_up_proj = Linear(w("mlp.gate_up_proj.weight") if fused else torch.cat(
                 [w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]), **det)

@@ -1,4 +1,5 @@
-"""The fused mixture-of-experts core, and Qwen3-MoE's sparse MLP (transformers' ``Qwen3MoeSparseMoeBlock``) on it.
+"""The fused mixture-of-experts core, and Qwen3-MoE's and Mixtral's sparse MLP (transformers'
+``Qwen3MoeSparseMoeBlock``, ``MixtralSparseMoeBlock``) on it.
 NemotronH's MoE (sigmoid group routing, relu2 experts, latent projection, shared expert) is
 engine/models/nemotron_moe.py, on the same core.
 
@@ -167,6 +168,24 @@ class MoeArch:
     intermediate_size: int  # moe_intermediate_size (each expert's width)
     norm_topk_prob: bool
     sparse_layers: tuple[bool, ...]  # per layer: MoE (True) or the dense MLP of width intermediate_size
+    # "qwen3": mlp.gate + mlp.experts.{e}.gate_proj/up_proj/down_proj, routing weights rounded to the model dtype;
+    # "mixtral": block_sparse_moe.gate + block_sparse_moe.experts.{e}.w1/w3/w2, weights kept float32 (as
+    # transformers' MixtralExperts multiplies).
+    layout: str = "qwen3"
+
+    @classmethod
+    def mixtral(cls, cfg: dict, num_layers: int, where: str = "config") -> "MoeArch":
+        """Mixtral's MoE: every layer sparse, experts of width intermediate_size, top-k always renormalised."""
+        num_experts, top_k = cfg.get("num_local_experts", 8), cfg.get("num_experts_per_tok", 2)
+        if not 1 <= top_k <= max(num_experts, 1):
+            raise ValueError(f"{where}: num_experts_per_tok {top_k} must be in 1..num_local_experts ({num_experts})")
+        return cls(num_experts=num_experts, top_k=top_k, intermediate_size=cfg["intermediate_size"],
+                   norm_topk_prob=True, sparse_layers=(True,) * num_layers, layout="mixtral")
+
+    @property
+    def block(self) -> str:
+        """The MoE block's name under a layer."""
+        return "block_sparse_moe" if self.layout == "mixtral" else "mlp"
 
     @classmethod
     def from_config(cls, cfg: dict, num_layers: int, where: str = "config") -> "MoeArch":
@@ -192,10 +211,12 @@ class MoeArch:
 
 def take_expert_weights(weights: dict[str, torch.Tensor], prefix: str, moe: MoeArch,
                         hidden_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen3-MoE's (gate_up [E, 2I, H], down [E, H, I]) popped from ``weights`` under ``{prefix}.experts.``."""
+    """(gate_up [E, 2I, H], down [E, H, I]) popped from ``weights`` under ``{prefix}.experts.``, in the
+    checkpoint's layout (Qwen3's gate_proj / up_proj / down_proj, Mixtral's w1 / w3 / w2)."""
     E, I, H = moe.num_experts, moe.intermediate_size, hidden_size
-    gate_up = take_stacked_experts(weights, prefix, "gate_up_proj", ("gate_proj", "up_proj"), E)
-    down = take_stacked_experts(weights, prefix, "down_proj", ("down_proj",), E)
+    gate, up, down_name = ("w1", "w3", "w2") if moe.layout == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    gate_up = take_stacked_experts(weights, prefix, "gate_up_proj", (gate, up), E)
+    down = take_stacked_experts(weights, prefix, "down_proj", (down_name,), E)
     fields = "num_experts, moe_intermediate_size, hidden_size"
     check_shape(f"{prefix}.experts gate_up", gate_up, (E, 2 * I, H), fields)
     check_shape(f"{prefix}.experts down", down, (E, H, I), fields)
@@ -217,7 +238,7 @@ class SparseMoe:
         weights, experts = torch.topk(probs, self.moe.top_k, dim=-1)
         if self.moe.norm_topk_prob:
             weights /= weights.sum(dim=-1, keepdim=True)
-        return weights.to(x.dtype), experts
+        return (weights if self.moe.layout == "mixtral" else weights.to(x.dtype)), experts
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.experts(x, *self.route(x))
