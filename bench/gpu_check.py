@@ -137,6 +137,49 @@ def build_random_nemotron_h(out: Path) -> Path:
     return out
 
 
+# Model families made by transformers with random weights (tests/test_model_families.py's shapes): what their
+# kernels do on CUDA (sliding windows in the Triton attention, two RoPE tables, Gemma's norms, Mixtral's MoE).
+_FAMILY_COMMON = dict(vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=96, num_hidden_layers=3, rms_norm_eps=1e-6, max_position_embeddings=256,
+                      bos_token_id=1, eos_token_id=2)
+FAMILIES = {
+    "qwen2-yarn-swa": ("Qwen2Config", "Qwen2ForCausalLM", dict(
+        _FAMILY_COMMON, use_sliding_window=True, sliding_window=20, max_window_layers=1,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 32})),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        _FAMILY_COMMON, head_dim=32, pad_token_id=0, sliding_window=20, query_pre_attn_scalar=24,
+        tie_word_embeddings=False, final_logit_softcapping=30.0,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(_FAMILY_COMMON, num_local_experts=4,
+                                                            num_experts_per_tok=2, sliding_window=40)),
+}
+
+
+def build_family(name: str, out: Path) -> Path:
+    import torch
+    import transformers
+
+    config_cls, model_cls, kwargs = FAMILIES[name]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # weights at a scale where every block matters (tests/test_qwen3.py's redraw)
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.copy_(0.8 + 0.4 * torch.rand(p.shape, generator=gen))
+            elif pname.endswith(("embed_tokens.weight", ".bias")):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+            else:
+                gain = 3.0 if pname.endswith(("o_proj.weight", "down_proj.weight")) else 1.5
+                p.copy_(torch.randn(p.shape, generator=gen) * gain / p.shape[-1] ** 0.5)
+    model.save_pretrained(str(out))
+    shutil.copy(ASSETS / "tokenizer.json", out / "tokenizer.json")
+    return out
+
+
 # ------------------------------------------------------------------------------------------ report
 
 
@@ -372,6 +415,11 @@ def correctness_section(entry: dict, device: str, work: Path, quick: bool) -> No
         models["nemotron-h-random"] = build_random_nemotron_h(work / "nemotron-h-random")
     except Exception as e:  # noqa: BLE001 - transformers without NemotronH: say so, check the rest
         entry["nemotron-h-random"] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    for family in FAMILIES:
+        try:
+            models[family] = build_family(family, work / family)
+        except Exception as e:  # noqa: BLE001 - a transformers without the class: say so, check the rest
+            entry[family] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
     variants = {
         "alone": dict(prompts=slice(0, 1)),
         "batch": {},
@@ -396,6 +444,8 @@ def correctness_section(entry: dict, device: str, work: Path, quick: bool) -> No
         for vname, cfg in variants.items():
             if quick and vname in ("other_scheduling", "other_scheduling+mtp", "ngram"):
                 continue
+            if name in FAMILIES and vname not in ("batch", "chunked+preemption", "other_mode"):
+                continue  # the families check their own kernels; speculation and scheduling are the same code
             cfg = dict(cfg)
             sel = cfg.pop("prompts", slice(None))
             try:
@@ -420,7 +470,7 @@ def correctness_section(entry: dict, device: str, work: Path, quick: bool) -> No
                                   "traceback": traceback.format_exc()[-1500:]}
             all_ok = all_ok and result["lora"]["ok"]
         entry[name] = result
-    entry["ok"] = all_ok and entry.get("nemotron-h-random", {}).get("ok", True)
+    entry["ok"] = all_ok and all(entry.get(m, {}).get("ok", True) for m in ("nemotron-h-random", *FAMILIES))
 
 
 def _copy_bandwidth_gbps(device: str) -> float:

@@ -50,12 +50,14 @@ def paged_attention(
     query_start_loc: torch.Tensor,  # int32 [num_reqs + 1]: cumulative query lengths
     scale: float,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of each request's new query tokens over its paged context.
 
     Query token ``i`` of request ``r`` (with ``q_len`` new tokens) sits at position
     ``seq_lens[r] - q_len + i`` and attends to context positions ``0 ..= that position``; with a sliding
-    ``window`` > 0, to its last ``window`` positions (``that position - window + 1 ..= that position``). This one
+    ``window`` > 0, to its last ``window`` positions (``that position - window + 1 ..= that position``); with
+    ``softcap`` > 0 each scaled score s is softcap * tanh(s / softcap) (Gemma 2). This one
     function serves prefill (q_len = chunk), decode (q_len = 1) and speculative verification
     (q_len = 1 + k). The K/V of the new tokens must already be written into the cache.
     """
@@ -79,7 +81,12 @@ def paged_attention(
         mask = k_pos <= q_pos  # [q_len, L]
         if window > 0:
             mask &= k_pos > q_pos - window
-        o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
+        if softcap > 0:
+            scores = torch.matmul(q.float(), k.float().transpose(1, 2)) * scale
+            scores = (softcap * torch.tanh(scores / softcap)).masked_fill(~mask, float("-inf"))
+            o = torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
+        else:
+            o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
         out[q_start:q_end] = o.transpose(0, 1)
     return out
 

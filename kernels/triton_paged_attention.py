@@ -117,11 +117,11 @@ def _merge(m, l, acc, m_p, l_p, acc_p):
 
 
 @triton.jit
-def _partition_state(q, q_pos, row_valid, kv_lo, kv_hi, win_lo, window, table_row_ptr, cache_ptr, kv_head,
+def _partition_state(q, q_pos, row_valid, kv_lo, kv_hi, win_lo, window, softcap, table_row_ptr, cache_ptr, kv_head,
                      block_size, qk_scale_log2, dims, dim_valid, stride_cache_kv, stride_cache_block,
                      stride_cache_slot, stride_cache_head, stride_cache_dim, stride_table_entry,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr, NATIVE_DOT: tl.constexpr):
+                     DOT_PRECISION: tl.constexpr, NATIVE_DOT: tl.constexpr, SOFTCAP: tl.constexpr):
     """Online softmax over context positions [kv_lo, kv_hi) from a fresh state: (m, l, acc). Rows see keys
     after q_pos - window (sliding window; ``window`` is huge without one); key tiles wholly before
     ``win_lo`` (the tile's first visible key) are skipped: for every row they would be exact no-ops."""
@@ -148,6 +148,9 @@ def _partition_state(q, q_pos, row_valid, kv_lo, kv_hi, win_lo, window, table_ro
             scores = tl.dot(q, k_t) * qk_scale_log2
         else:
             scores = tl.dot(q, k_t.to(tl.float32), input_precision=DOT_PRECISION) * qk_scale_log2
+        if SOFTCAP:  # Gemma 2: softcap * tanh(s / softcap) on the natural-log score, tanh(x) = 2 sigmoid(2x) - 1
+            x = scores * (0.6931471805599453 / softcap)
+            scores = softcap * (2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0) * 1.4426950408889634
         causal = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window) & row_valid[:, None]
         scores = tl.where(causal, scores, float("-inf"))
 
@@ -176,6 +179,7 @@ def _paged_attention_kernel(
     part_acc_ptr,  # SPLIT: [num_tokens, num_q_heads, max_parts, HEAD_DIM_PAD] fp32
     qk_scale_log2,  # softmax scale * log2(e): the softmax runs on exp2
     window,  # sliding window: a row sees positions after q_pos - window (NO_WINDOW: all)
+    softcap,  # SOFTCAP: scores become softcap * tanh(score / softcap)
     num_reqs,
     block_size,
     head_dim,
@@ -205,6 +209,7 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr,  # write partition states to scratch (program_id(2) picks partitions) vs merge here
     NATIVE_DOT: tl.constexpr,  # 16-bit operands straight into tl.dot (fast mode on a GPU)
     NUM_SEGMENTS: tl.constexpr = 0,  # SPLIT by segments (fast_decode_segments; max_parts == it), not partitions
+    SOFTCAP: tl.constexpr = False,  # Gemma 2's attention logit soft-capping
 ):
     q_tile_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -258,10 +263,10 @@ def _paged_attention_kernel(
         for part in range(tl.program_id(2), parts_end, tl.num_programs(2)):
             kv_lo = part * part_len
             m_p, l_p, acc_p = _partition_state(
-                q, q_pos, row_valid, kv_lo, tl.minimum(kv_lo + part_len, kv_end), win_lo, window, table_row_ptr,
-                cache_ptr, kv_head, block_size, qk_scale_log2, dims, dim_valid, stride_cache_kv, stride_cache_block,
-                stride_cache_slot, stride_cache_head, stride_cache_dim, stride_table_entry,
-                BLOCK_M, BLOCK_N, HEAD_DIM_PAD, DOT_PRECISION, NATIVE_DOT)
+                q, q_pos, row_valid, kv_lo, tl.minimum(kv_lo + part_len, kv_end), win_lo, window, softcap,
+                table_row_ptr, cache_ptr, kv_head, block_size, qk_scale_log2, dims, dim_valid, stride_cache_kv,
+                stride_cache_block, stride_cache_slot, stride_cache_head, stride_cache_dim, stride_table_entry,
+                BLOCK_M, BLOCK_N, HEAD_DIM_PAD, DOT_PRECISION, NATIVE_DOT, SOFTCAP)
             at = state_row * max_parts + part  # max_parts == NUM_SEGMENTS with segments (launch)
             tl.store(part_m_ptr + at, m_p, mask=row_valid)
             tl.store(part_l_ptr + at, l_p, mask=row_valid)
@@ -274,10 +279,10 @@ def _paged_attention_kernel(
         for part in range(win_lo // PARTITION_SIZE, num_parts):
             kv_lo = part * PARTITION_SIZE
             m_p, l_p, acc_p = _partition_state(
-                q, q_pos, row_valid, kv_lo, tl.minimum(kv_lo + PARTITION_SIZE, kv_end), win_lo, window,
-                table_row_ptr, cache_ptr, kv_head, block_size, qk_scale_log2, dims, dim_valid, stride_cache_kv, stride_cache_block,
-                stride_cache_slot, stride_cache_head, stride_cache_dim, stride_table_entry,
-                BLOCK_M, BLOCK_N, HEAD_DIM_PAD, DOT_PRECISION, NATIVE_DOT)
+                q, q_pos, row_valid, kv_lo, tl.minimum(kv_lo + PARTITION_SIZE, kv_end), win_lo, window, softcap,
+                table_row_ptr, cache_ptr, kv_head, block_size, qk_scale_log2, dims, dim_valid, stride_cache_kv,
+                stride_cache_block, stride_cache_slot, stride_cache_head, stride_cache_dim, stride_table_entry,
+                BLOCK_M, BLOCK_N, HEAD_DIM_PAD, DOT_PRECISION, NATIVE_DOT, SOFTCAP)
             m_i, l_i, acc = _merge(m_i, l_i, acc, m_p, l_p, acc_p)
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # padding rows: never stored, but keep them NaN-free
         out = acc / l_safe[:, None]
@@ -388,7 +393,7 @@ def block_q_for(group_pad: int, rows: int = TILE_ROWS) -> int:
 
 def paged_attention_triton(
     query: Tensor, layer_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, scale: float,
-    batch_invariant: bool = True, window: int = 0,
+    batch_invariant: bool = True, window: int = 0, softcap: float = 0.0,
 ) -> Tensor:
     """Causal attention of each request's new query tokens over its paged context (see module doc;
     arguments and shapes as in :func:`pdcluster.kernels.reference.paged_attention`).
@@ -415,13 +420,14 @@ def paged_attention_triton(
     group_pad = triton.next_power_of_2(num_q_heads // num_kv_heads)
     if batch_invariant:
         return launch(query, layer_cache, block_tables, seq_lens, query_start_loc, scale, out,
-                      block_q_for(group_pad), KV_TILE_TOKENS, window=window)
+                      block_q_for(group_pad), KV_TILE_TOKENS, window=window, softcap=softcap)
     # Fast mode: prefill-sized calls (more than a few query tokens a request) get the big row tile.
     prefill = num_tokens > 4 * num_reqs
     native = query.dtype in (torch.bfloat16, torch.float16) and not INTERPRETED
     if prefill:
         return launch(query, layer_cache, block_tables, seq_lens, query_start_loc, scale, out,
                       block_q_for(group_pad, FAST_PREFILL_ROWS), FAST_PREFILL_KV_TILE, native_dot=native, window=window,
+                      softcap=softcap,
                       partition=fast_whole_context(block_tables, block_size), num_warps=4, num_stages=3)
     # Decode and verification: a few requests split their context in segments (flash-decoding), many
     # (enough programs to fill the GPU) walk it whole in one program each, as one partition: one key
@@ -431,10 +437,11 @@ def paged_attention_triton(
     num_q_tiles = num_tokens // block_q + num_reqs
     if FAST_DECODE_BY_SEGMENTS and too_few_programs(num_q_tiles, num_kv_heads):
         return launch(query, layer_cache, block_tables, seq_lens, query_start_loc, scale, out, block_q,
-                      FAST_DECODE_KV_TILE, split=True, native_dot=native, window=window,
+                      FAST_DECODE_KV_TILE, split=True, native_dot=native, window=window, softcap=softcap,
                       segments=fast_decode_segments(num_q_tiles, num_kv_heads), num_warps=4, num_stages=3)
     return launch(query, layer_cache, block_tables, seq_lens, query_start_loc, scale, out, block_q,
-                  FAST_KV_TILE_TOKENS, native_dot=native, window=window, partition=fast_whole_context(block_tables, block_size),
+                  FAST_KV_TILE_TOKENS, native_dot=native, window=window, softcap=softcap,
+                  partition=fast_whole_context(block_tables, block_size),
                   num_warps=4, num_stages=3)
 
 
@@ -474,7 +481,7 @@ NO_WINDOW = 1 << 30
 def launch(query: Tensor, layer_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
            scale: float, out: Tensor, block_q: int, block_n: int, split: bool | None = None,
            native_dot: bool = False, partition: int | None = None, num_warps: int | None = None,
-           num_stages: int | None = None, segments: int = 0, window: int = 0) -> Tensor:
+           num_stages: int | None = None, segments: int = 0, window: int = 0, softcap: float = 0.0) -> Tensor:
     """Run the kernel with the given tiles (checked arguments; :func:`paged_attention_triton` passes the
     fixed ones, tests pass batch-dependent ones to show the invariance tests catch them). ``split``:
     merge the partitions in a second kernel (None: when the launch has too few programs, module doc).
@@ -520,6 +527,7 @@ def launch(query: Tensor, layer_cache: Tensor, block_tables: Tensor, seq_lens: T
         part_acc,
         scale / math.log(2.0),
         window if window > 0 else NO_WINDOW,
+        float(softcap) if softcap > 0 else 1.0,
         num_reqs,
         block_size,
         head_dim,
@@ -540,6 +548,7 @@ def launch(query: Tensor, layer_cache: Tensor, block_tables: Tensor, seq_lens: T
         SPLIT=split,
         NATIVE_DOT=native_dot,
         NUM_SEGMENTS=segments,
+        SOFTCAP=softcap > 0,
         num_warps=num_warps or (8 if prefill_rows else 4),
         **({"num_stages": num_stages} if num_stages else {}),
     )

@@ -462,11 +462,12 @@ for dtype, precision, split in (("fp32", "ieee", False), ("bf16", "tf32", False)
         _paged_attention_kernel,
         {"out_ptr": "*" + dtype, "query_ptr": "*" + dtype, "cache_ptr": "*" + dtype,
          "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
-         "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32", "qk_scale_log2": "fp32"},
+         "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32", "qk_scale_log2": "fp32",
+         "softcap": "fp32"},
         # num_reqs == 1 and unit strides: Triton specializes such ints into constants at launch.
         dict(num_reqs=1, stride_q_dim=1, stride_cache_dim=1, GROUP=4, GROUP_PAD=4, BLOCK_Q=4,
              BLOCK_M=16, BLOCK_N=32, HEAD_DIM_PAD=128, DOT_PRECISION=precision, PARTITION_SIZE=128,
-             SPLIT=split, NATIVE_DOT=False),
+             SPLIT=split, NATIVE_DOT=False, SOFTCAP=dtype == "bf16"),  # Gemma 2's soft-capped scores too
     )
 build(_paged_attention_kernel,
       {"out_ptr": "*bf16", "query_ptr": "*bf16", "cache_ptr": "*bf16", "block_tables_ptr": "*i32",

@@ -9,6 +9,7 @@ their directories, with transformers (fp32, eager attention, repeated full forwa
 - Llama with ``attention_bias`` (q, k, v and o biases);
 - Mixtral: Mistral with a sparse MoE in every layer (the fused MoE core);
 - Phi-3 / Phi-4: q/k/v and gate/up stored fused (``qkv_proj``, ``gate_up_proj``), and LoRA adapters on them;
+- Gemma 2: soft-capped attention scores (in the attention kernels) and logits, every other layer sliding;
 - Gemma 3 (text): (1 + w) norms, four a layer, q/k head norms, GeGLU, a scaled embedding, its own attention
   scale, local sliding layers with their own RoPE beside global ones, final logit soft-capping.
 Each variant matters: transformers' own greedy with the variant turned off differs (test_each_variant_matters),
@@ -62,6 +63,11 @@ CONFIGS = {
                   {"use_sliding_window": False, "layer_types": None}),
     "llama-bias": ("LlamaConfig", "LlamaForCausalLM", dict(COMMON, attention_bias=True), None),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(COMMON, pad_token_id=0), None),
+    # Gemma 2: soft-capped attention scores and logits, every other layer sliding.
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               dict(COMMON, head_dim=32, pad_token_id=0, sliding_window=20, query_pre_attn_scalar=24,
+                    tie_word_embeddings=False, attn_logit_softcapping=2.0, final_logit_softcapping=30.0),
+               {"attn_logit_softcapping": None}),
     # Mixtral: 4 experts, top 2 renormalised, in the checkpoint layout transformers writes
     # (block_sparse_moe.experts.{e}.w1 / w3 / w2), with a sliding window.
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
@@ -195,7 +201,7 @@ def test_greedy_batched_and_alone_equal_transformers(dirs, reference, name):
     assert engine.scheduler.block_manager.num_free_blocks == engine.kv_spec.num_blocks
 
 
-@pytest.mark.parametrize("name", ["llama3", "qwen2-yarn", "mistral-linear", "qwen2-swa", "gemma3"])
+@pytest.mark.parametrize("name", ["llama3", "qwen2-yarn", "mistral-linear", "qwen2-swa", "gemma3", "gemma2"])
 def test_each_variant_matters(dirs, reference, name, tmp_path):
     """transformers' greedy with the RoPE variant (or the sliding window) undone differs from the reference,
     so the equality above holds only if the engine computes the variant."""
@@ -214,7 +220,7 @@ def test_biases_matter(dirs, reference):
     assert sum(a != b for a, b in zip(without_o, reference["llama-bias"][:6])) >= 3
 
 
-@pytest.mark.parametrize("name", ["qwen2-yarn", "mistral-linear", "gemma3", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen2-yarn", "mistral-linear", "gemma3", "gemma2", "mixtral"])
 def test_chunked_prefill_and_preemption(dirs, reference, name):
     # Chunks of 5 tokens; 24 blocks of 16 for 16 requests of up to 82 tokens force preemption.
     engine = _engine(dirs[name], prefill_chunk_size=5, max_num_batched_tokens=40, num_kv_blocks=24)
@@ -367,9 +373,10 @@ def test_gemma3_logits_equal_transformers(dirs, tmp_path):
         assert (_hf_model(undone)(torch.tensor([tokens])).logits[0] - expected).abs().max() > 1.0
 
 
-def test_gemma2_attention_softcapping_refused(dirs, tmp_path):
-    with pytest.raises(ValueError, match="attn_logit_softcapping"):
-        arch_from_dir(_edit_config(dirs["gemma3"], tmp_path / "g2", attn_logit_softcapping=50.0))
+def test_gemma2_reads_its_config(dirs):
+    arch = arch_from_dir(dirs["gemma2"])
+    assert arch.attn_logit_softcapping == 2.0 and arch.final_logit_softcapping == 30.0 and not arch.qk_norm
+    assert arch.sliding_layers == (True, False, True) and arch.local_rope_theta == arch.rope_theta
 
 
 def test_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path):

@@ -4,7 +4,7 @@
     MixtralForCausalLM                   -> the same (MoE MLPs in engine/models/moe.py)
     Qwen2ForCausalLM                     -> the same (q/k/v biases)
     Phi3ForCausalLM                      -> the same (fused qkv_proj / gate_up_proj in the checkpoint)
-    Gemma3ForCausalLM                    -> engine.models.gemma3 (Gemma's norms, GeGLU, local/global layers)
+    Gemma2ForCausalLM, Gemma3ForCausalLM -> engine.models.gemma (Gemma's norms, GeGLU, local/global layers)
     Qwen3ForCausalLM, Qwen3MoeForCausalLM -> the same (q/k norm; MoE MLPs in engine/models/moe.py)
     NemotronHForCausalLM                 -> engine.models.nemotron_h.HybridArch / NemotronHModel
                                             (MoE layers in engine/models/nemotron_moe.py)
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from pdcluster.engine.models.gemma3 import Gemma3Arch, Gemma3Model
+from pdcluster.engine.models.gemma import GemmaArch, GemmaModel
 from pdcluster.engine.models.llama import LlamaModel, ModelArch
 from pdcluster.engine.models.registry import UnknownModelError
 from pdcluster.engine.models.nemotron_h import HybridArch, NemotronHModel
@@ -34,8 +34,9 @@ ARCHITECTURES = {
     "Phi3ForCausalLM": (ModelArch, LlamaModel),
     "Qwen3ForCausalLM": (ModelArch, LlamaModel),
     "Qwen3MoeForCausalLM": (ModelArch, LlamaModel),
-    "Gemma3ForCausalLM": (Gemma3Arch, Gemma3Model),
-    "Gemma3ForConditionalGeneration": (Gemma3Arch, Gemma3Model),  # its language model, for text
+    "Gemma2ForCausalLM": (GemmaArch, GemmaModel),
+    "Gemma3ForCausalLM": (GemmaArch, GemmaModel),
+    "Gemma3ForConditionalGeneration": (GemmaArch, GemmaModel),  # its language model, for text
     "NemotronHForCausalLM": (HybridArch, NemotronHModel),
 }
 REQUIRED_FILES = ("config.json", "tokenizer.json")

@@ -80,7 +80,8 @@ static inline float exp_nonpos(float x) {
  * position p = seq_len - q_len + i and sees keys 0 ..= p, or with a sliding window (window > 0)
  * keys p - window + 1 ..= p (Mistral's, Gemma's local layers). Blocks wholly before a query's window
  * are skipped for it and the rest walked in the same order, so its bits stay those of its own window
- * in any item (batch invariance). One work item is (request, chunk
+ * in any item (batch invariance). With softcap > 0 (Gemma 2) each scaled score s becomes
+ * softcap * tanh(s / softcap) before the softmax; the avx512_bf16 path leaves those to the generic one. One work item is (request, chunk
  * of query tokens) with every head: a cache row holds all kv heads of a token, so an item reads
  * whole rows (sequential memory) and widens each K/V block once for all its queries. Online softmax
  * (flash style) block by block.
@@ -112,7 +113,8 @@ static inline void attend_item(const AttnItem item, const int head_dim, int dtyp
                                const void *v_cache, int64_t cache_blk_stride, int64_t cache_tok_stride,
                                int64_t cache_head_stride, const int32_t *block_tables, int64_t bt_stride,
                                const int32_t *seq_lens, const int32_t *query_start_loc, int num_q_heads,
-                               int num_kv_heads, const int block_size, float scale, int window, void *out,
+                               int num_kv_heads, const int block_size, float scale, int window, float softcap,
+                               void *out,
                                int64_t out_tok_stride, int64_t out_head_stride) {
     const int group = num_q_heads / num_kv_heads;
     const int r = item.req;
@@ -219,7 +221,7 @@ static inline void attend_item(const AttnItem item, const int head_dim, int dtyp
                 float block_max = -FLT_MAX;
                 if (transposed) {
                     for (int j = j0; j < nk; j++) {
-                        s[j] = scores[qi][j];
+                        s[j] = softcap > 0.0f ? softcap * tanhf(scores[qi][j] / softcap) : scores[qi][j];
                         block_max = s[j] > block_max ? s[j] : block_max;
                     }
                 } else {
@@ -228,8 +230,8 @@ static inline void attend_item(const AttnItem item, const int head_dim, int dtyp
                         float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
                         for (int d = 0; d < head_dim; d++) dot += q[d] * k[d];
-                        s[j] = dot;
-                        block_max = dot > block_max ? dot : block_max;
+                        s[j] = softcap > 0.0f ? softcap * tanhf(dot / softcap) : dot;
+                        block_max = s[j] > block_max ? s[j] : block_max;
                     }
                 }
                 const float m_new = block_max > m[qi] ? block_max : m[qi];
@@ -460,7 +462,8 @@ int pd_paged_attention(int dtype, const void *query, int64_t q_tok_stride, int64
                        int64_t cache_tok_stride, int64_t cache_head_stride, const int32_t *block_tables,
                        int64_t bt_stride, const int32_t *seq_lens, const int32_t *query_start_loc,
                        int num_reqs, int num_q_heads, int num_kv_heads, int head_dim, int block_size,
-                       float scale, int window, void *out, int64_t out_tok_stride, int64_t out_head_stride,
+                       float scale, int window, float softcap, void *out, int64_t out_tok_stride,
+                       int64_t out_head_stride,
                        int num_threads) {
     if (num_kv_heads <= 0 || num_q_heads % num_kv_heads) return -2;
     /* Working set of one item lives on the thread's stack: keep it well under a worker's stack. */
@@ -490,14 +493,14 @@ int pd_paged_attention(int dtype, const void *query, int64_t q_tok_stride, int64
     /* The vector path reads q and K rows as whole 32-element bf16 vectors. */
     const int fast_bf16 = dtype == 1 && block_size == 16 && head_dim % 32 == 0 && cache_head_stride == head_dim &&
                           cache_tok_stride == (int64_t)num_kv_heads * head_dim &&
-                          getenv("PDCLUSTER_ATTN_GENERIC") == NULL;
+                          softcap <= 0.0f && getenv("PDCLUSTER_ATTN_GENERIC") == NULL;
     (void)fast_bf16;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t it = 0; it < num_items; it++) {
 #define PD_ATTEND(HD, BS)                                                                                   \
     attend_item(items[it], HD, dtype, query, q_tok_stride, q_head_stride, k_cache, v_cache, cache_blk_stride, \
                 cache_tok_stride, cache_head_stride, block_tables, bt_stride, seq_lens, query_start_loc,     \
-                num_q_heads, num_kv_heads, BS, scale, window, out, out_tok_stride, out_head_stride)
+                num_q_heads, num_kv_heads, BS, scale, window, softcap, out, out_tok_stride, out_head_stride)
 #ifdef PD_HAVE_BF16_FAST_PATH
 #define PD_ATTEND_BF16(HD)                                                                                       \
     attend_item_bf16(items[it], HD, (const uint16_t *)query, q_tok_stride, q_head_stride, (const uint16_t *)k_cache, \

@@ -1,7 +1,8 @@
-"""Sliding-window attention (each query sees its last ``window`` positions) in every attention kernel: the torch
-reference against dense masked attention, the C kernel (generic and avx512_bf16 paths) and the Triton kernel
-(interpreted; every launch shape: fixed tiles, fast prefill, split decode) against the reference; batch
-invariance of a query's bits; and a model with a window served past it (Mistral) equal to transformers.
+"""Sliding-window attention (each query sees its last ``window`` positions) and Gemma 2's soft-capped scores
+(softcap * tanh(s / softcap)) in every attention kernel: the torch reference against dense attention, the C kernel
+(generic and avx512_bf16 paths) and the Triton kernel (interpreted; every launch shape: fixed tiles, fast
+prefill, split decode) against the reference; batch invariance of a query's bits. Models with windows and caps
+served past them equal transformers in tests/test_model_families.py.
 
 Batches come from test_kernels.make_batch: NaN in every cache slot a request must not read, so a kernel that
 reads outside a request's blocks fails; windows reach back across block and key-tile boundaries.
@@ -26,7 +27,7 @@ CASES = [
 WINDOWS = [1, 3, 8, 17]
 
 
-def _dense(batch, q_lens, window):
+def _dense(batch, q_lens, window, softcap=0.0):
     """Plain softmax attention per query over its window, from the dense K/V the batch was made from."""
     out = torch.empty_like(batch.query, dtype=torch.float32)
     starts = batch.query_start_loc.tolist()
@@ -39,7 +40,10 @@ def _dense(batch, q_lens, window):
             kk = k[lo : pos + 1].float().repeat_interleave(group, 1)  # [n, Hq, D]
             vv = v[lo : pos + 1].float().repeat_interleave(group, 1)
             q = batch.query[starts[r] + i].float()  # [Hq, D]
-            weights = (torch.einsum("hd,nhd->hn", q, kk) * SCALE).softmax(-1)
+            scores = torch.einsum("hd,nhd->hn", q, kk) * SCALE
+            if softcap > 0:
+                scores = softcap * torch.tanh(scores / softcap)
+            weights = scores.softmax(-1)
             out[starts[r] + i] = torch.einsum("hn,nhd->hd", weights, vv)
     return out
 
@@ -131,3 +135,38 @@ def test_triton_deterministic_is_batch_invariant():
                                                torch.tensor([200 - 20 + i + 1], dtype=torch.int32),
                                                torch.tensor([0, 1], dtype=torch.int32), SCALE, window=window)
         assert torch.equal(one[0], chunk[i])
+
+
+# ---- soft-capped scores (Gemma 2) -------------------------------------------------------------------------
+
+CAP = 1.5  # below the scores' spread (|s| up to ~4 here), so the cap changes the weights
+
+
+@pytest.mark.parametrize("window", [0, 8])
+@pytest.mark.parametrize("q_lens, seq_lens", CASES)
+def test_softcap_reference_equals_dense(q_lens, seq_lens, window):
+    batch = make_batch(q_lens, seq_lens, 4, 2)
+    got = reference.paged_attention(*batch.args(), window, CAP)
+    torch.testing.assert_close(got, _dense(batch, q_lens, window, CAP), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got, reference.paged_attention(*batch.args(), window), atol=1e-3)  # the cap bites
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler")
+@pytest.mark.parametrize("dtype,block_size,head_dim", [(torch.float32, 4, HEAD_DIM), (torch.bfloat16, 16, 64)])
+@pytest.mark.parametrize("window", [0, 8])
+def test_softcap_c_kernel_equals_reference(dtype, block_size, head_dim, window):
+    """bf16 at block 16 / head_dim 64 would take the avx512_bf16 path: soft-capped layers take the generic one."""
+    batch = make_batch([1, 10, 4], [40, 37, 4], 6, 2, dtype=dtype, block_size=block_size, head_dim=head_dim)
+    got = cpu_ops.paged_attention(*batch.args(), window=window, softcap=CAP)
+    expected = reference.paged_attention(*batch.args(), window, CAP)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got.float(), expected.float(), **tol)
+
+
+@pytest.mark.parametrize("mode", ["deterministic", "fast"])
+def test_softcap_triton_equals_reference(mode):
+    batch = make_batch([1, 10, 0, 4, 1], [13, 170, 5, 4, 300], 4, 2)
+    for window in (0, 40):
+        got = attention.paged_attention_triton(*batch.args(), batch_invariant=mode == "deterministic", window=window,
+                                               softcap=CAP)
+        torch.testing.assert_close(got, reference.paged_attention(*batch.args(), window, CAP), rtol=1e-5, atol=1e-5)

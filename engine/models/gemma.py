@@ -1,19 +1,19 @@
-"""Gemma 3 over the Llama path's pieces: ``Gemma3ForCausalLM`` (1B, and text-only checkpoints) and the language
-model of ``Gemma3ForConditionalGeneration`` (4B and up; served for text, its vision tower left unloaded). What
-Gemma changes:
+"""Gemma 2 and Gemma 3 over the Llama path's pieces: ``Gemma2ForCausalLM``, ``Gemma3ForCausalLM`` (1B, and
+text-only checkpoints) and the language model of ``Gemma3ForConditionalGeneration`` (Gemma 3 4B and up; served
+for text, its vision tower left unloaded). What Gemma changes:
 
 - RMSNorm scales by (1 + weight), in float32 before the cast (``gemma_rms_norm``; transformers' Gemma3RMSNorm);
 - four norms a layer: input, post-attention (on the attention's output, before the residual add),
   pre-feedforward, post-feedforward (on the MLP's output);
-- RMSNorm over each q and k head before RoPE (as Qwen3, with Gemma's norm);
+- Gemma 3: RMSNorm over each q and k head before RoPE (as Qwen3, with Gemma's norm);
 - GeGLU: down(gelu_tanh(gate) * up);
 - the embedding is scaled by sqrt(hidden_size) (the scale rounded to the weights' dtype, as transformers);
 - attention scale query_pre_attn_scalar ** -0.5;
-- sliding layers (``layer_types``, or every ``sliding_window_pattern``-th layer full) attend to their last
-  ``sliding_window`` positions with the local RoPE table (``rope_local_base_freq`` / the "sliding_attention"
-  parameters), full layers to everything with the global one (its own theta and scaling);
-- optional final logit soft-capping (cap * tanh(logits / cap)).
-Gemma 2's attention soft-capping (``attn_logit_softcapping``) is refused: the attention kernels do not cap scores.
+- sliding layers (``layer_types``; else Gemma 2's every other layer, Gemma 3's all but every
+  ``sliding_window_pattern``-th) attend to their last ``sliding_window`` positions; Gemma 3's use a local RoPE
+  table (``rope_local_base_freq`` / the "sliding_attention" parameters), its full layers the global one;
+- Gemma 2: attention scores soft-capped, softcap * tanh(s / softcap), in the attention kernels;
+- final logit soft-capping (cap * tanh(logits / cap)).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from pdcluster.engine.models.causal_lm import load_weights
 from pdcluster.engine.models.llama import DecoderLayer, LlamaModel, ModelArch, RotaryEmbedding
 from pdcluster.engine.models.rope import RopeScaling, rope_from_config
 
+GEMMA2 = ("Gemma2ForCausalLM",)
 GEMMA3 = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 # Gemma3TextConfig's defaults: a multimodal checkpoint's text_config lists only what differs from them.
 TEXT_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
@@ -43,37 +44,45 @@ _TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "m
 
 
 @dataclass(frozen=True)
-class Gemma3Arch(ModelArch):
+class GemmaArch(ModelArch):
     query_pre_attn_scalar: float = 256.0
     local_rope_theta: float = 10000.0
     local_rope_scaling: RopeScaling | None = None
     final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None  # Gemma 2
 
     @classmethod
-    def from_dir(cls, model_dir: Path) -> "Gemma3Arch":
+    def from_dir(cls, model_dir: Path) -> "GemmaArch":
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
         where = str(model_dir)
         arch = (cfg.get("architectures") or ["Gemma3ForCausalLM"])[0]
-        if arch not in GEMMA3:
-            raise ValueError(f"{where}: architecture {arch!r} is not supported here ({', '.join(GEMMA3)})")
+        if arch not in GEMMA2 + GEMMA3:
+            raise ValueError(f"{where}: architecture {arch!r} is not supported here ({', '.join(GEMMA2 + GEMMA3)})")
+        gemma2 = arch in GEMMA2
         if arch == "Gemma3ForConditionalGeneration":  # Gemma 3 4B and up: its language model, for text
             tie = cfg.get("tie_word_embeddings", True)
             cfg = {**TEXT_DEFAULTS, "tie_word_embeddings": tie, **(cfg.get("text_config") or {})}
-        for key, supported in (("attn_logit_softcapping", None), ("use_bidirectional_attention", False),
-                               ("attention_bias", False)):
-            if cfg.get(key, supported) not in (supported,):
+        for key, supported in (("use_bidirectional_attention", False), ("attention_bias", False)):
+            if cfg.get(key) not in (None, supported):
                 raise ValueError(f"{where}: {key} {cfg[key]!r} is not supported (only {supported!r})")
         if cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
             raise ValueError(f"{where}: hidden_activation {cfg['hidden_activation']!r} is not supported "
                              "(only 'gelu_pytorch_tanh')")
         num_layers = cfg["num_hidden_layers"]
+        # transformers' rules when the config does not list them: Gemma 2 slides on even layers, Gemma 3 on all but
+        # every sliding_window_pattern-th.
+        pattern = 2 if gemma2 else cfg.get("sliding_window_pattern", 6)
         layer_types = cfg.get("layer_types") or [
-            "sliding_attention" if (i + 1) % cfg.get("sliding_window_pattern", 6) else "full_attention"
-            for i in range(num_layers)]
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
         if len(layer_types) != num_layers or set(layer_types) - {"sliding_attention", "full_attention"}:
             raise ValueError(f"{where}: layer_types must name 'sliding_attention' or 'full_attention' for each of "
                              f"the {num_layers} layers")
-        global_theta, global_scaling, local_theta, local_scaling = _ropes(cfg, where)
+        if gemma2:  # one RoPE table for every layer
+            global_theta, global_scaling = rope_from_config(cfg, where)
+            global_scaling = None if global_scaling.rope_type == "default" else global_scaling
+            local_theta, local_scaling = global_theta, global_scaling
+        else:
+            global_theta, global_scaling, local_theta, local_scaling = _ropes(cfg, where)
         num_heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id", 1)
         window = cfg.get("sliding_window")
@@ -93,14 +102,16 @@ class Gemma3Arch(ModelArch):
             tie_word_embeddings=cfg.get("tie_word_embeddings", True),
             bos_token_id=cfg.get("bos_token_id", 2),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
-            qk_norm=True,
+            qk_norm=not gemma2,
             rope_scaling=global_scaling,
             sliding_window=int(window) if window else None,
             sliding_layers=tuple(t == "sliding_attention" for t in layer_types),
             query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
             local_rope_theta=local_theta,
             local_rope_scaling=local_scaling,
-            final_logit_softcapping=cfg.get("final_logit_softcapping"),
+            # Gemma2Config's defaults (50 and 30) where a config leaves them out; Gemma 3 has neither.
+            final_logit_softcapping=cfg.get("final_logit_softcapping", 30.0 if gemma2 else None),
+            attn_logit_softcapping=cfg.get("attn_logit_softcapping", 50.0 if gemma2 else None),
         )
 
 
@@ -129,18 +140,20 @@ def gemma_rms_norm(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float) -
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight_plus_one).to(x.dtype)
 
 
-class Gemma3Layer(DecoderLayer):
+class GemmaLayer(DecoderLayer):
     chunked_mlp = False  # the MLP is a few torch ops around two Linears: no chunking
 
-    def __init__(self, arch: Gemma3Arch, weights: dict[str, torch.Tensor], prefix: str, deterministic: bool,
+    def __init__(self, arch: GemmaArch, weights: dict[str, torch.Tensor], prefix: str, deterministic: bool,
                  layer_index: int):
         super().__init__(arch, weights, prefix, deterministic, layer_index=layer_index)
         plus_one = lambda t: 1.0 + t.float()  # noqa: E731
         self.input_norm, self.post_norm = plus_one(self.input_norm), plus_one(self.post_norm)
         self.pre_ff_norm = plus_one(weights.pop(f"{prefix}.pre_feedforward_layernorm.weight"))
         self.post_ff_norm = plus_one(weights.pop(f"{prefix}.post_feedforward_layernorm.weight"))
-        self.q_norm, self.k_norm = plus_one(self.q_norm), plus_one(self.k_norm)
+        if arch.qk_norm:
+            self.q_norm, self.k_norm = plus_one(self.q_norm), plus_one(self.k_norm)
         self.local = arch.sliding_layers[layer_index]
+        self.softcap = arch.attn_logit_softcapping or 0.0
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 layer_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -149,12 +162,13 @@ class Gemma3Layer(DecoderLayer):
         eps = a.rms_norm_eps
         x = gemma_rms_norm(hidden, self.input_norm, eps)
         qkv = self._heads(x)
-        q = gemma_rms_norm(qkv[:, : a.num_heads], self.q_norm, eps)
-        k = gemma_rms_norm(qkv[:, a.num_heads : a.num_heads + a.num_kv_heads], self.k_norm, eps)
-        v = qkv[:, a.num_heads + a.num_kv_heads :]
+        q, k, v = self._split(qkv)
+        if self.q_norm is not None:  # Gemma 3
+            q, k = gemma_rms_norm(q, self.q_norm, eps), gemma_rms_norm(k, self.k_norm, eps)
         rope.rotate_(q, positions)
         rope.rotate_(k, positions)
-        o = attend(q, k, v, layer_cache, meta, batch_invariant=self.deterministic, window=self.window)
+        o = attend(q, k, v, layer_cache, meta, batch_invariant=self.deterministic, window=self.window,
+                   softcap=self.softcap)
         attn = self.o_proj(o.reshape(-1, self.q_size))
         hidden = hidden + gemma_rms_norm(attn, self.post_norm, eps)
         mlp = self.mlp(gemma_rms_norm(hidden, self.pre_ff_norm, eps))
@@ -165,12 +179,12 @@ class Gemma3Layer(DecoderLayer):
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
-class Gemma3Model(LlamaModel):
-    arch_class = Gemma3Arch
+class GemmaModel(LlamaModel):
+    arch_class = GemmaArch
 
     @classmethod
     def load(cls, model_dir: Path, dtype: torch.dtype, max_positions: int,
-             device: str | torch.device = "cpu", deterministic: bool = False) -> "Gemma3Model":
+             device: str | torch.device = "cpu", deterministic: bool = False) -> "GemmaModel":
         """A multimodal checkpoint's language model under the text model's names; its vision tower and
         projector are dropped (image inputs are refused at the API)."""
         weights = {}
@@ -183,15 +197,15 @@ class Gemma3Model(LlamaModel):
                 weights[name] = tensor
         return cls(cls.arch_class.from_dir(model_dir), weights, dtype, max_positions, deterministic)
 
-    def __init__(self, arch: Gemma3Arch, weights: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int,
+    def __init__(self, arch: GemmaArch, weights: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int,
                  deterministic: bool = False):
         embed_tokens = weights["model.embed_tokens.weight"]
         lm_head = embed_tokens if arch.tie_word_embeddings else weights["lm_head.weight"]
         super(LlamaModel, self).__init__(arch, dtype, deterministic, embed_tokens, lm_head)
         self.norm = 1.0 + weights["model.norm.weight"].float()
-        self.layers = [Gemma3Layer(arch, weights, f"model.layers.{i}", deterministic, i)
+        self.layers = [GemmaLayer(arch, weights, f"model.layers.{i}", deterministic, i)
                        for i in range(arch.num_layers)]
-        if any(layer.q_norm is None or layer.k_norm is None for layer in self.layers):
+        if arch.qk_norm and any(layer.q_norm is None or layer.k_norm is None for layer in self.layers):
             raise ValueError("Gemma 3 weights lack self_attn.q_norm.weight / k_norm.weight in some layer")
         device = self.embed_tokens.device
         self.rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, max_positions, dtype, device, arch.rope_scaling)
