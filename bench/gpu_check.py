@@ -138,7 +138,8 @@ def build_random_nemotron_h(out: Path) -> Path:
 
 
 # Model families made by transformers with random weights (tests/test_model_families.py's shapes): what their
-# kernels do on CUDA (sliding windows in the Triton attention, two RoPE tables, Gemma's norms, Mixtral's MoE).
+# kernels do on CUDA (sliding windows and soft-capped scores in the Triton attention, two RoPE tables, Gemma's norms,
+# Mixtral's MoE).
 _FAMILY_COMMON = dict(vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                       intermediate_size=96, num_hidden_layers=3, rms_norm_eps=1e-6, max_position_embeddings=256,
                       bos_token_id=1, eos_token_id=2)
@@ -153,6 +154,9 @@ FAMILIES = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        _FAMILY_COMMON, head_dim=32, pad_token_id=0, sliding_window=20, query_pre_attn_scalar=24,
+        tie_word_embeddings=False, attn_logit_softcapping=2.0, final_logit_softcapping=30.0)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(_FAMILY_COMMON, num_local_experts=4,
                                                             num_experts_per_tok=2, sliding_window=40)),
 }
