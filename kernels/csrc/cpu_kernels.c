@@ -219,11 +219,16 @@ static inline void attend_item(const AttnItem item, const int head_dim, int dtyp
                 const int kvh = h / group;
                 const float *q = qf[qi];
                 float block_max = -FLT_MAX;
-                if (transposed) {
-                    for (int j = j0; j < nk; j++) s[j] = scores[qi][j];
-                    if (softcap > 0.0f) /* outside the copy: the common uncapped loop stays branch-free */
-                        for (int j = j0; j < nk; j++) s[j] = softcap * tanhf(s[j] / softcap);
-                    for (int j = j0; j < nk; j++) block_max = s[j] > block_max ? s[j] : block_max;
+                if (transposed && softcap > 0.0f) { /* apart: the common uncapped loop stays as it was */
+                    for (int j = j0; j < nk; j++) {
+                        s[j] = softcap * tanhf(scores[qi][j] / softcap);
+                        block_max = s[j] > block_max ? s[j] : block_max;
+                    }
+                } else if (transposed) {
+                    for (int j = j0; j < nk; j++) {
+                        s[j] = scores[qi][j];
+                        block_max = s[j] > block_max ? s[j] : block_max;
+                    }
                 } else {
                     for (int j = j0; j < nk; j++) {
                         const float *k = kf[kvh][j];
