@@ -79,7 +79,6 @@ class GemmaArch(ModelArch):
                              f"the {num_layers} layers")
         if gemma2:  # one RoPE table for every layer
             global_theta, global_scaling = rope_from_config(cfg, where)
-            global_scaling = None if global_scaling.rope_type == "default" else global_scaling
             local_theta, local_scaling = global_theta, global_scaling
         else:
             global_theta, global_scaling, local_theta, local_scaling = _ropes(cfg, where)
@@ -128,9 +127,8 @@ def _ropes(cfg: dict, where: str) -> tuple[float, RopeScaling | None, float, Rop
     else:
         full = rope_from_config({**plain, "rope_theta": cfg.get("rope_theta", 1_000_000.0),
                                  "rope_scaling": cfg.get("rope_scaling"), "rope_parameters": params or None}, where)
-        local = (float(cfg.get("rope_local_base_freq", 10_000.0)), RopeScaling())
-    scaled = lambda s: None if s.rope_type == "default" else s  # noqa: E731
-    return full[0], scaled(full[1]), local[0], scaled(local[1])
+        local = (float(cfg.get("rope_local_base_freq", 10_000.0)), None)
+    return (*full, *local)
 
 
 def gemma_rms_norm(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float) -> torch.Tensor:

@@ -104,7 +104,7 @@ class ModelArch:
             qk_norm=arch[0] in QWEN3,
             moe=(MoeArch.from_config(cfg, cfg["num_hidden_layers"], str(model_dir)) if arch[0] == "Qwen3MoeForCausalLM"
                  else MoeArch.mixtral(cfg, cfg["num_hidden_layers"], str(model_dir)) if arch[0] in MIXTRAL else None),
-            rope_scaling=None if rope_scaling.rope_type == "default" else rope_scaling,
+            rope_scaling=rope_scaling,
             qkv_bias=attention_bias or arch[0] in QWEN2,
             o_bias=attention_bias,
             sliding_window=window,

@@ -44,8 +44,9 @@ class RopeScaling:
     truncate: bool = True  # yarn: round the correction range to whole dimensions
 
 
-def rope_from_config(cfg: dict, where: str) -> tuple[float, RopeScaling]:
-    """(theta, scaling) from a Hugging Face config dict; ValueError naming the field for what is not served."""
+def rope_from_config(cfg: dict, where: str) -> tuple[float, RopeScaling | None]:
+    """(theta, scaling) from a Hugging Face config dict, scaling None for default RoPE; ValueError naming the field
+    for what is not served."""
     params, legacy = cfg.get("rope_parameters") or {}, cfg.get("rope_scaling") or {}
     if not isinstance(params, dict) or not isinstance(legacy, dict):
         raise ValueError(f"{where}: rope_scaling / rope_parameters must be an object")
@@ -78,6 +79,8 @@ def rope_from_config(cfg: dict, where: str) -> tuple[float, RopeScaling]:
         if float(params["high_freq_factor"]) <= float(params["low_freq_factor"]):
             raise ValueError(f"{where}: {field} rope type 'llama3' needs high_freq_factor > low_freq_factor")
     opt = lambda key, default: default if params.get(key) is None else float(params[key])  # noqa: E731
+    if rope_type == "default":
+        return theta, None
     return theta, RopeScaling(
         rope_type=rope_type,
         factor=float(factor) if factor is not None else 1.0,
