@@ -34,7 +34,7 @@ def block_hash_root(params) -> int | None:
     the KV a prompt makes, and a salt keeps one tenant's cached prompts from another's (vLLM's cache_salt:
     a hit's speed would tell a guessed prompt), so such blocks hash apart in the prefix cache, the offload
     tiers and the router's KV index."""
-    lora_name, salt = params.lora_name, getattr(params, "cache_salt", None)
+    lora_name, salt = params.lora_name, params.cache_salt
     if lora_name is None and salt is None:
         return None
     if salt is None:
