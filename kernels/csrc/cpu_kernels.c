@@ -90,6 +90,11 @@ typedef struct {
     int32_t req, q_begin, q_end;
 } AttnItem;
 
+/* The first key position a query at ``pos`` sees: 0, or with a sliding window its window's start. */
+static inline int window_start(int pos, int window) {
+    return window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+}
+
 /* The epilogue of an item: divides each query row's accumulator (row qi = t * num_q_heads + h of
  * acc, head_dim floats each) by its softmax sum l[qi] and stores it as that query's output row. */
 static inline void store_item_output(const AttnItem item, const int head_dim, int dtype,
@@ -153,7 +158,7 @@ static inline void attend_item(const AttnItem item, const int head_dim, int dtyp
     const int num_blocks = last_pos / block_size + 1;
     const int32_t *table = block_tables + (int64_t)r * bt_stride;
     /* The first key any query of the item sees: blocks before it hold nothing for the item. */
-    const int first_key = window > 0 && first_pos + item.q_begin - window + 1 > 0 ? first_pos + item.q_begin - window + 1 : 0;
+    const int first_key = window_start(first_pos + item.q_begin, window);
     for (int b = first_key / block_size; b < num_blocks; b++) {
         const int64_t base = (int64_t)table[b] * cache_blk_stride;
         const int block_start = b * block_size;
@@ -212,7 +217,7 @@ static inline void attend_item(const AttnItem item, const int head_dim, int dtyp
             int nk = pos + 1 - block_start; /* keys of this block it sees: j0 ..< nk */
             if (nk <= 0) continue;
             if (nk > n_valid) nk = n_valid;
-            const int j0 = window > 0 && pos - window + 1 > block_start ? pos - window + 1 - block_start : 0;
+            const int j0 = window_start(pos, window) > block_start ? window_start(pos, window) - block_start : 0;
             if (j0 >= nk) continue; /* the block ends before this query's window */
             for (int h = 0; h < num_q_heads; h++) {
                 const int qi = t * num_q_heads + h;
@@ -339,7 +344,7 @@ static inline void attend_item_bf16(const AttnItem item, const int HD, const uin
     const int last_pos = first_pos + item.q_end - 1;
     const int num_blocks = last_pos / BS + 1;
     const int32_t *table = block_tables + (int64_t)r * bt_stride;
-    const int first_key = window > 0 && first_pos + item.q_begin - window + 1 > 0 ? first_pos + item.q_begin - window + 1 : 0;
+    const int first_key = window_start(first_pos + item.q_begin, window);
     for (int b = first_key / BS; b < num_blocks; b++) {
         const int64_t base = (int64_t)table[b] * cache_blk_stride;
         /* Decode is bound by fetching blocks from memory: while this block's rows are laid out,
@@ -391,7 +396,7 @@ static inline void attend_item_bf16(const AttnItem item, const int HD, const uin
             int nk = pos + 1 - block_start;
             if (nk <= 0) continue;
             if (nk > n_valid) nk = n_valid;
-            const int j0 = window > 0 && pos - window + 1 > block_start ? pos - window + 1 - block_start : 0;
+            const int j0 = window_start(pos, window) > block_start ? window_start(pos, window) - block_start : 0;
             if (j0 >= nk) continue; /* the block ends before this query's window */
             const __mmask16 valid = (__mmask16)(((1u << nk) - 1u) & ~((1u << j0) - 1u));
             const int64_t tok = query_start_loc[r] + item.q_begin + t;
