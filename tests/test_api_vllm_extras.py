@@ -24,8 +24,8 @@ from pdcluster.cluster.local_router import LocalRouter
 from pdcluster.cluster.metrics import Metrics
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.tokenizer import Tokenizer
-from test_api import API_KEY, MAX_MODEL_LEN, MODEL, NUM_BLOCKS, Stack, serving
-from test_api_openai import Recording
+from test_api import API_KEY, MODEL, Stack, serving
+from test_api_openai import stack  # noqa: F401 - fixture: LocalRouter on tiny-random, recording, real server
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -33,21 +33,6 @@ PROMPT = "The capital of France is"
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
                                            "ok": {"type": "boolean"}},
           "required": ["city", "ok"], "additionalProperties": False}
-
-
-@pytest.fixture(scope="module")
-def stack(tiny_dir):
-    local = LocalRouter(EngineConfig(model=MODEL, num_kv_blocks=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN),
-                        request_timeout_s=30)
-    recording = Recording(local)
-    app = build_app(recording, MODEL, api_key=API_KEY, metrics=Metrics(MODEL))
-    try:
-        with serving(app) as base_url:
-            s = Stack(local, Metrics(MODEL), base_url)
-            s.recording = recording
-            yield s
-    finally:
-        local.close()
 
 
 @pytest.fixture(scope="module")
