@@ -23,9 +23,10 @@ from pdcluster.cluster.api.protocol import ChatMessage
 from pdcluster.cluster.local_router import LocalRouter
 from pdcluster.cluster.metrics import Metrics
 from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.engine.tokenizer import Tokenizer
 from test_api import API_KEY, MODEL, Stack, serving
-from test_api_openai import stack  # noqa: F401 - fixture: LocalRouter on tiny-random, recording, real server
+from test_api_openai import engine, stack  # noqa: F401 - fixtures: the engine; LocalRouter on tiny-random, recording, real server
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -223,11 +224,11 @@ def test_sampling_refusals(stack):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("use_beam_search", True), ("length_penalty", 2.0), ("prompt_logprobs", 1), ("return_tokens_as_token_ids", True),
+    ("use_beam_search", True), ("length_penalty", 2.0), ("return_tokens_as_token_ids", True),
     ("priority", 1), ("logits_processors", ["x"]), ("spaces_between_special_tokens", False)])
 def test_fields_served_only_at_defaults(stack, field, value):
     _bad_request(lambda: _complete(stack, **{field: value}), field, "only")
-    _complete(stack, max_tokens=2, **{field: {"use_beam_search": False, "length_penalty": 1.0, "prompt_logprobs": None,
+    _complete(stack, max_tokens=2, **{field: {"use_beam_search": False, "length_penalty": 1.0,
                                               "return_tokens_as_token_ids": False, "priority": 0,
                                               "logits_processors": None,
                                               "spaces_between_special_tokens": True}[field]})
@@ -250,6 +251,88 @@ def test_unknown_fields_are_logged(stack, caplog):
     with caplog.at_level(logging.WARNING, logger="pdcluster.cluster.api.validation"):
         _complete(stack, max_tokens=2, frobnicate=3, top_a=0.5)
     assert any("frobnicate" in r.getMessage() and "top_a" in r.getMessage() for r in caplog.records)
+
+
+# ================================================================================== vLLM's prompt_logprobs
+
+
+def _reference_prompt_logprobs(engine, prompt_ids, k):
+    """The engine's own prompt records, straight from LLMEngine.generate (no API in between)."""
+    return engine.generate([prompt_ids], SamplingParams(max_tokens=1, prompt_logprobs=k))[0].prompt_logprobs
+
+
+def _check_vllm_layout(entries, prompt_ids, records, k, tok):
+    """vLLM's layout: None, then {token_id: {logprob, rank, decoded_token}} with the prompt token first
+    and the k most likely (ranks 1..k), numbers equal to the engine's records."""
+    assert len(entries) == len(prompt_ids) and entries[0] is None
+    for entry, token_id, rec in zip(entries[1:], prompt_ids[1:], records):
+        ids = [int(t) for t in entry]  # JSON keys are strings
+        assert ids[0] == token_id == rec.token_id
+        top = rec.top_token_ids[:k]
+        assert ids[1:] == [t for t in top if t != token_id], (ids, top)  # at most k alternatives
+        first = entry[str(token_id)]
+        assert first["logprob"] == pytest.approx(rec.logprob, abs=1e-4) and first["rank"] == rec.rank >= 1
+        assert first["decoded_token"] == tok.decode([token_id], skip_special_tokens=False)
+        for rank, (t, lp) in enumerate(zip(top, rec.top_logprobs), start=1):
+            assert entry[str(t)]["rank"] == rank and entry[str(t)]["logprob"] == pytest.approx(lp, abs=1e-4)
+        assert (str(token_id) in {str(t) for t in top}) == (rec.rank <= k)
+
+
+def test_prompt_logprobs_completions(stack, engine, tok):
+    long_prompt = " ".join(["the quick brown fox jumps over the lazy dog"] * 6)
+    r = _complete(stack, prompt=[PROMPT, long_prompt], max_tokens=1, n=2, prompt_logprobs=3)
+    assert len(r.choices) == 4
+    for choice in r.choices:
+        prompt_ids = stack.recording.prompts[f"{r.id}-{choice.index}"]
+        refs = _reference_prompt_logprobs(engine, prompt_ids, 3)
+        _check_vllm_layout(choice.prompt_logprobs, prompt_ids, refs, 3, tok)
+    assert len(r.choices[2].prompt_logprobs) > 48  # the long prompt's choices have its positions
+    # A second time (the prompt's KV now cached): every position still has its numbers (no cache for them).
+    again = _complete(stack, prompt=long_prompt, max_tokens=1, prompt_logprobs=0)
+    first = [next(iter(e.items())) for e in r.choices[2].prompt_logprobs[1:]]
+    assert [list(e.items()) for e in again.choices[0].prompt_logprobs[1:]] == \
+        [[(t, {**v, "logprob": pytest.approx(v["logprob"], abs=1e-4)})] for t, v in first]
+    plain = _complete(stack, max_tokens=1)
+    assert getattr(plain.choices[0], "prompt_logprobs", None) is None
+
+
+def test_prompt_logprobs_with_echo_cut_each_view(stack, engine, tok):
+    """echo + logprobs=1 and prompt_logprobs=4: the engine computes 4 alternatives once; each view shows its own."""
+    r = _complete(stack, max_tokens=1, echo=True, logprobs=1, prompt_logprobs=4)
+    rid, params = _last_request(stack)
+    assert params.prompt_logprobs == 4 and params.logprobs == 1
+    prompt_ids = stack.recording.prompts[rid]
+    _check_vllm_layout(r.choices[0].prompt_logprobs, prompt_ids, _reference_prompt_logprobs(engine, prompt_ids, 4),
+                       4, tok)
+    assert all(top is None or len(top) <= 2 for top in r.choices[0].logprobs.top_logprobs)
+    # The other way round: echo's 5 alternatives computed, prompt_logprobs shows 2.
+    r = _complete(stack, max_tokens=1, echo=True, logprobs=5, prompt_logprobs=2)
+    assert _last_request(stack)[1].prompt_logprobs == 5
+    _check_vllm_layout(r.choices[0].prompt_logprobs, prompt_ids, _reference_prompt_logprobs(engine, prompt_ids, 5),
+                       2, tok)
+    assert max(len(top) for top in r.choices[0].logprobs.top_logprobs[1:]) >= 5
+
+
+def test_prompt_logprobs_chat(stack, engine, tok):
+    r = stack.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi there"}],
+                                             max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 1})
+    rid, _ = _last_request(stack)
+    prompt_ids = stack.recording.prompts[rid]
+    assert len(prompt_ids) == r.usage.prompt_tokens
+    _check_vllm_layout(r.prompt_logprobs, prompt_ids, _reference_prompt_logprobs(engine, prompt_ids, 1), 1, tok)
+
+
+def test_prompt_logprobs_refusals(stack):
+    _bad_request(lambda: _complete(stack, prompt_logprobs=-1), "prompt_logprobs", "whole vocabulary")
+    _bad_request(lambda: _complete(stack, prompt_logprobs=21), "prompt_logprobs", "[0, 20]")
+    _bad_request(lambda: list(stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, stream=True,
+                                                              extra_body={"prompt_logprobs": 1})),
+                 "prompt_logprobs", "stream")
+    # 0 in a stream is accepted and shows nothing (as vLLM): the engine is not asked for them.
+    chunks = list(stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, stream=True,
+                                                  extra_body={"prompt_logprobs": 0}))
+    assert chunks and all(getattr(c.choices[0], "prompt_logprobs", None) is None for c in chunks if c.choices)
+    assert _last_request(stack)[1].prompt_logprobs is None
 
 
 # ================================================================================== chat template variables

@@ -22,6 +22,7 @@ from pdcluster.cluster.api.text import AlignedText, Piece, prompt_positions
 from pdcluster.cluster.api.validation import Prepared, PromptInput
 from pdcluster.cluster.metrics import Metrics
 from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.wire.logprobs import TokenLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,8 @@ class ChoiceRun:
         # Everything shown so far (a JSON response shows it at once).
         self.text = ""
         self.positions = Positions.empty() if self.track_tokens else None
+        # vLLM's prompt_logprobs: the first delta's records (one per prompt token after the first).
+        self.prompt_records: list[TokenLogprobs] | None = None
         self._last_token_at: float | None = None
         self._num_deltas = 0
         self._started = False  # the router admitted it and sent a first delta
@@ -99,6 +102,8 @@ class ChoiceRun:
             piece = self.aligned.add(delta.new_token_ids, delta.logprobs, delta.finished)
         if first and self._echo_text is not None:
             piece = self._with_prompt(piece, delta)
+        if first and self.prep.output.num_prompt_logprobs is not None:
+            self.prompt_records = list(delta.prompt_logprobs or [])
         if delta.finished and delta.finish_reason == "error":
             self.finish_reason, self.error = "error", delta.error
         elif self.aligned.hit_stop:  # the text reached a stop string: the request ends here (close aborts it)

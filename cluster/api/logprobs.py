@@ -13,6 +13,9 @@ vLLM: ``bytes`` are the token's own bytes (Tokenizer.token_bytes), so the bytes 
 join into its text's UTF-8 even where a character spans tokens (vLLM gives the UTF-8 of the U+FFFD).
 A position without a record (the first prompt token, which has no logprob) has logprob and
 top_logprobs null.
+- vLLM's ``prompt_logprobs``: one entry per prompt token, null for the first, else
+  ``{token_id: {"logprob", "rank", "decoded_token"}}`` with the prompt token first (its rank in the
+  distribution) and then the N most likely (ranks 1..N); a prompt token among those appears once.
 """
 
 from __future__ import annotations
@@ -102,3 +105,24 @@ def chat_logprobs(pos: Positions, num_top: int, strings: TokenStrings) -> dict:
             _chat_entry(t, lp, strings) for t, lp in zip(record.top_token_ids[:num_top], record.top_logprobs)]
         content.append(entry)
     return {"content": content}
+
+
+def vllm_prompt_logprobs(token_ids: list[int], records: list[TokenLogprobs], num_top: int,
+                         strings: TokenStrings) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs`` of a prompt: ``records`` hold its tokens after the first (the engine may
+    have computed more alternatives than ``num_top`` for echo: those are cut here)."""
+    if len(records) != max(len(token_ids) - 1, 0):
+        raise ValueError(f"prompt logprobs: {len(records)} records for a prompt of {len(token_ids)} tokens")
+    out: list[dict | None] = [None] if token_ids else []
+    for token_id, record in zip(token_ids[1:], records):
+        if record.token_id != token_id:
+            raise ValueError(f"prompt logprobs: a record of token {record.token_id} at a position of token {token_id}")
+        entry = {token_id: _vllm_logprob(record.logprob, record.rank, token_id, strings)}
+        for rank, (top_id, logprob) in enumerate(zip(record.top_token_ids[:num_top], record.top_logprobs), start=1):
+            entry.setdefault(top_id, _vllm_logprob(logprob, rank, top_id, strings))
+        out.append(entry)
+    return out
+
+
+def _vllm_logprob(logprob: float, rank: int, token_id: int, strings: TokenStrings) -> dict:
+    return {"logprob": _finite(logprob), "rank": rank, "decoded_token": strings(token_id)}

@@ -121,10 +121,12 @@ class SamplingFields(StrictModel):
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None  # accepted: xgrammar serves every kind here
     guided_whitespace_pattern: str | None = None
+    # vLLM's per-position prompt logprobs: the prompt token's and the N most likely at each position
+    # (``prompt_logprobs`` of a completion choice, of a chat response); not streamed (as vLLM).
+    prompt_logprobs: int | None = None
     # vLLM fields served only at their defaults (anything else is a 400 naming the field):
     use_beam_search: bool | None = False
     length_penalty: float | None = 1.0
-    prompt_logprobs: int | None = None
     return_tokens_as_token_ids: bool | None = False
     priority: int | None = 0
     logits_processors: list | None = None

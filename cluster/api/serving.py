@@ -23,7 +23,8 @@ from starlette.background import BackgroundTask
 from pdcluster.cluster.api import protocol as wire
 from pdcluster.cluster.api.choice import ChoiceRun
 from pdcluster.cluster.api.fanout import choice_requests, collect_all, interleaved, start_all
-from pdcluster.cluster.api.logprobs import Positions, TokenStrings, chat_logprobs, completion_logprobs
+from pdcluster.cluster.api.logprobs import (Positions, TokenStrings, chat_logprobs, completion_logprobs,
+                                            vllm_prompt_logprobs)
 from pdcluster.cluster.api.middleware import APIError
 from pdcluster.cluster.api.router_contract import RouterError
 from pdcluster.cluster.api.tool_parsers import ToolCallStream
@@ -91,11 +92,26 @@ class Reply:
             cached[i] = min(cached.get(i, run.num_cached), run.num_cached)
         return wire.usage(num_prompt, num_output, sum(cached.values()))
 
+    def prompt_logprobs(self, run: ChoiceRun) -> list[dict | None]:
+        """vLLM's ``prompt_logprobs`` of ``run``'s prompt (asked for: ``prep.output.num_prompt_logprobs``)."""
+        return vllm_prompt_logprobs(run.request.prompt.token_ids, run.prompt_records or [],
+                                    self.prep.output.num_prompt_logprobs, self.strings)
+
+    def json_extras(self) -> dict:
+        """Response-level fields beside the choices: a chat response's ``prompt_logprobs`` (vLLM puts them
+        there: every choice has the one prompt)."""
+        if self.prep.object_kind != wire.CHAT_COMPLETION or self.prep.output.num_prompt_logprobs is None:
+            return {}
+        return {"prompt_logprobs": self.prompt_logprobs(self.runs[0])}
+
     def choice(self, run: ChoiceRun) -> dict:
         """A choice of the JSON response."""
         logprobs = self.logprobs(run.positions)
         if self.prep.object_kind == wire.TEXT_COMPLETION:
-            return wire.completion_choice(run.index, run.text, logprobs, run.finish_reason)
+            choice = wire.completion_choice(run.index, run.text, logprobs, run.finish_reason)
+            if self.prep.output.num_prompt_logprobs is not None:
+                choice["prompt_logprobs"] = self.prompt_logprobs(run)
+            return choice
         mode = self.prep.output.tool_calls
         if mode is None:
             return wire.chat_choice(run.index, run.text, logprobs, run.finish_reason)
@@ -176,7 +192,8 @@ async def _sse_stream(resp: Reply, firsts) -> AsyncIterator[bytes]:
 async def serve_request(prep: Prepared, request: Request, router, metrics: Metrics,
                         strings: TokenStrings) -> Response:
     def json_body(resp: Reply) -> dict:
-        return {**resp.header(False), "choices": [resp.choice(run) for run in resp.runs], "usage": resp.usage()}
+        return {**resp.header(False), "choices": [resp.choice(run) for run in resp.runs], "usage": resp.usage(),
+                **resp.json_extras()}
 
     return await serve_runs(prep, request, router, metrics, strings, _sse_stream, json_body)
 

@@ -52,6 +52,7 @@ class Output:
 
     num_logprobs: int | None = None  # top alternatives per token; None = no logprobs
     echo: bool = False  # the prompt (and its logprobs) first
+    num_prompt_logprobs: int | None = None  # vLLM's ``prompt_logprobs``: alternatives per prompt position
     drop_output: bool = False  # max_tokens 0 with echo (scoring): the one token generated is not shown
     tool_calls: ToolCalls | None = None  # the text is tool calls (cluster/api/structured.py)
 
@@ -138,7 +139,6 @@ def _check_n(body: SamplingFields) -> int:
 _VLLM_DEFAULTS_ONLY = {
     "use_beam_search": (False, "beam search is not served: sample with n and pick a choice (logprobs score them)"),
     "length_penalty": (1.0, "it applies to beam search, which is not served"),
-    "prompt_logprobs": (None, "send echo=true with logprobs (completions) to get the prompt's logprobs"),
     "return_tokens_as_token_ids": (False, "logprobs name tokens by their text"),
     "priority": (0, "requests are served first come, first served"),
     "logits_processors": (None, "custom logits processors are not loaded"),
@@ -182,16 +182,39 @@ def _output_and_extras(body: SamplingFields) -> tuple[Output, Extras]:
             raise _bad(param, f"must be in [0, {MAX_LOGPROBS}], got {value}")
         return value
 
+    num_prompt = _num_prompt_logprobs(body)
     if isinstance(body, ChatCompletionRequest):
         if body.top_logprobs is not None and not body.logprobs:
             raise _bad("top_logprobs", f"needs logprobs=true, got top_logprobs={body.top_logprobs} with "
                                        f"logprobs={body.logprobs}")
         num = in_range("top_logprobs", body.top_logprobs or 0) if body.logprobs else None
-        return Output(num_logprobs=num), Extras(logprobs=num)
+        return (Output(num_logprobs=num, num_prompt_logprobs=num_prompt),
+                Extras(logprobs=num, prompt_logprobs=num_prompt))
     num = None if body.logprobs is None else in_range("logprobs", body.logprobs)
     echo = bool(body.echo)
-    output = Output(num_logprobs=num, echo=echo, drop_output=echo and body.max_tokens == 0)
-    return output, Extras(logprobs=num, prompt_logprobs=num if echo else None)
+    output = Output(num_logprobs=num, echo=echo, drop_output=echo and body.max_tokens == 0,
+                    num_prompt_logprobs=num_prompt)
+    # The engine computes the prompt's records once, for the most alternatives either view shows.
+    wanted = [k for k in (num if echo else None, num_prompt) if k is not None]
+    return output, Extras(logprobs=num, prompt_logprobs=max(wanted) if wanted else None)
+
+
+def _num_prompt_logprobs(body: SamplingFields) -> int | None:
+    """vLLM's ``prompt_logprobs``, checked as vLLM checks it: at most MAX_LOGPROBS alternatives (vLLM's
+    -1, the whole vocabulary, exceeds its default max_logprobs too), none in a stream (stream chunks have
+    no field for them; 0 is accepted there and shows nothing, as vLLM)."""
+    value = body.prompt_logprobs
+    if value is None:
+        return None
+    if not 0 <= value <= MAX_LOGPROBS:
+        whole = " (-1, the whole vocabulary, is not served)" if value == -1 else ""
+        raise _bad("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {value}{whole}")
+    if body.stream:
+        if value > 0:
+            raise _bad("prompt_logprobs", "prompt_logprobs are not available when stream=true (send the request "
+                                          "without streaming)")
+        return None
+    return value
 
 
 def _completion_prompts(body: CompletionRequest, n: int, echo: bool, tokenizer) -> list[tuple[list[int], str | None]]:
