@@ -224,12 +224,11 @@ def test_sampling_refusals(stack):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("use_beam_search", True), ("length_penalty", 2.0), ("return_tokens_as_token_ids", True),
+    ("use_beam_search", True), ("length_penalty", 2.0),
     ("priority", 1), ("logits_processors", ["x"]), ("spaces_between_special_tokens", False)])
 def test_fields_served_only_at_defaults(stack, field, value):
     _bad_request(lambda: _complete(stack, **{field: value}), field, "only")
-    _complete(stack, max_tokens=2, **{field: {"use_beam_search": False, "length_penalty": 1.0,
-                                              "return_tokens_as_token_ids": False, "priority": 0,
+    _complete(stack, max_tokens=2, **{field: {"use_beam_search": False, "length_penalty": 1.0, "priority": 0,
                                               "logits_processors": None,
                                               "spaces_between_special_tokens": True}[field]})
 
@@ -333,6 +332,64 @@ def test_prompt_logprobs_refusals(stack):
                                                   extra_body={"prompt_logprobs": 0}))
     assert chunks and all(getattr(c.choices[0], "prompt_logprobs", None) is None for c in chunks if c.choices)
     assert _last_request(stack)[1].prompt_logprobs is None
+
+
+# ================================================================================== vLLM's token-id views
+
+
+def test_return_token_ids_completions(stack, tok):
+    r = _complete(stack, prompt=[PROMPT, "1, 2, 3,"], max_tokens=6, n=2, return_token_ids=True)
+    for choice in r.choices:
+        rid = f"{r.id}-{choice.index}"
+        assert choice.prompt_token_ids == stack.recording.prompts[rid]
+        assert choice.token_ids == stack.recording.output_ids(rid) and len(choice.token_ids) == 6
+        assert tok.decode(choice.token_ids) == choice.text
+    # Streamed: the prompt's ids on each choice's first chunk, then each chunk's own tokens.
+    chunks = list(stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0,
+                                                  stream=True, extra_body={"return_token_ids": True}))
+    assert chunks[0].choices[0].prompt_token_ids == r.choices[0].prompt_token_ids
+    streamed = [t for c in chunks if c.choices for t in c.choices[0].token_ids]
+    assert streamed == r.choices[0].token_ids
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+    # With echo (vLLM's layout): the choice's ids are the prompt's then the output's, as its text.
+    e = _complete(stack, max_tokens=3, echo=True, return_token_ids=True)
+    assert e.choices[0].token_ids == e.choices[0].prompt_token_ids + stack.recording.output_ids(_last_request(stack)[0])
+    plain = _complete(stack, max_tokens=2)
+    assert getattr(plain.choices[0], "token_ids", None) is None
+
+
+def test_return_token_ids_cut_at_stop_string(stack, tok):
+    full = _complete(stack, max_tokens=8, return_token_ids=True)
+    stop = tok.decode(full.choices[0].token_ids[3:5]).strip()
+    assert stop, full.choices[0].text
+    cut = _complete(stack, max_tokens=8, return_token_ids=True, stop=[stop])
+    # The shown text's tokens only (a token that straddles the stop string is kept, as its text shows).
+    assert cut.choices[0].token_ids == full.choices[0].token_ids[:len(cut.choices[0].token_ids)]
+    assert len(cut.choices[0].token_ids) < 8 and tok.decode(cut.choices[0].token_ids).startswith(cut.choices[0].text)
+
+
+def test_return_token_ids_chat(stack):
+    body = dict(model=MODEL, messages=[{"role": "user", "content": "Hi there"}], max_tokens=5, temperature=0)
+    r = stack.client.chat.completions.create(**body, extra_body={"return_token_ids": True})
+    rid, _ = _last_request(stack)
+    assert r.prompt_token_ids == stack.recording.prompts[rid]
+    assert r.choices[0].token_ids == stack.recording.output_ids(rid)
+    chunks = list(stack.client.chat.completions.create(**body, stream=True, extra_body={"return_token_ids": True}))
+    assert chunks[0].prompt_token_ids == r.prompt_token_ids
+    assert [t for c in chunks if c.choices for t in c.choices[0].token_ids] == r.choices[0].token_ids
+
+
+def test_return_tokens_as_token_ids(stack):
+    ids = _complete(stack, max_tokens=4, logprobs=2, return_tokens_as_token_ids=True, return_token_ids=True).choices[0]
+    assert ids.logprobs.tokens == [f"token_id:{t}" for t in ids.token_ids]
+    assert all(k.startswith("token_id:") for top in ids.logprobs.top_logprobs for k in top)
+    text = _complete(stack, max_tokens=4, logprobs=2).choices[0]
+    assert text.logprobs.token_logprobs == ids.logprobs.token_logprobs and text.text == ids.text
+    chat = stack.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0, logprobs=True,
+        top_logprobs=2, extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True}).choices[0]
+    assert [c.token for c in chat.logprobs.content] == [f"token_id:{t}" for t in chat.token_ids]
+    assert all(t.token.startswith("token_id:") for c in chat.logprobs.content for t in c.top_logprobs)
 
 
 # ================================================================================== chat template variables

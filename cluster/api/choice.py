@@ -46,7 +46,8 @@ class ChoiceRun:
         self.prep, self.request, self.router, self.metrics = prep, request, router, metrics
         self.index = request.index
         out = prep.output
-        self.track_tokens = out.num_logprobs is not None
+        # Tokens are kept aligned with the text for logprobs and for return_token_ids.
+        self.track_tokens = out.num_logprobs is not None or out.return_token_ids
         echo_text = request.prompt.text if out.echo else None
         params = request.params
         self.aligned = AlignedText(router.tokenizer, params.stop, self.track_tokens, base_offset=len(echo_text or ""),

@@ -124,10 +124,13 @@ class SamplingFields(StrictModel):
     # vLLM's per-position prompt logprobs: the prompt token's and the N most likely at each position
     # (``prompt_logprobs`` of a completion choice, of a chat response); not streamed (as vLLM).
     prompt_logprobs: int | None = None
+    # vLLM's token-id views (what RL and evaluation frameworks read): ``return_token_ids`` adds the prompt's
+    # and each choice's token ids; ``return_tokens_as_token_ids`` names logprob tokens "token_id:<id>".
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = False
     # vLLM fields served only at their defaults (anything else is a 400 naming the field):
     use_beam_search: bool | None = False
     length_penalty: float | None = 1.0
-    return_tokens_as_token_ids: bool | None = False
     priority: int | None = 0
     logits_processors: list | None = None
 

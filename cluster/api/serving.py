@@ -23,8 +23,8 @@ from starlette.background import BackgroundTask
 from pdcluster.cluster.api import protocol as wire
 from pdcluster.cluster.api.choice import ChoiceRun
 from pdcluster.cluster.api.fanout import choice_requests, collect_all, interleaved, start_all
-from pdcluster.cluster.api.logprobs import (Positions, TokenStrings, chat_logprobs, completion_logprobs,
-                                            vllm_prompt_logprobs)
+from pdcluster.cluster.api.logprobs import (Positions, TokenIdStrings, TokenStrings, chat_logprobs,
+                                            completion_logprobs, vllm_prompt_logprobs)
 from pdcluster.cluster.api.middleware import APIError
 from pdcluster.cluster.api.router_contract import RouterError
 from pdcluster.cluster.api.tool_parsers import ToolCallStream
@@ -65,7 +65,8 @@ class Reply:
     """What every part of one response shares: the request, its runs, the token strings."""
 
     def __init__(self, prep: Prepared, runs: list[ChoiceRun], strings: TokenStrings):
-        self.prep, self.runs, self.strings = prep, runs, strings
+        self.prep, self.runs = prep, runs
+        self.strings = TokenIdStrings(strings) if prep.output.tokens_as_ids else strings
         mode = prep.output.tool_calls if prep.object_kind == wire.CHAT_COMPLETION else None
         # Per choice index, the parser of its stream (only for a request whose text may hold tool calls).
         self.tool_streams = {} if mode is None else {
@@ -76,9 +77,9 @@ class Reply:
         return wire.header(p.request_id, p.object_kind, p.created, p.model, chunk)
 
     def logprobs(self, positions: Positions | None) -> dict | None:
-        if positions is None:
-            return None
         num_top = self.prep.output.num_logprobs
+        if positions is None or num_top is None:  # tokens tracked for return_token_ids only
+            return None
         if self.prep.object_kind == wire.TEXT_COMPLETION:
             return completion_logprobs(positions, num_top, self.strings)
         return chat_logprobs(positions, num_top, self.strings)
@@ -98,14 +99,32 @@ class Reply:
                                     self.prep.output.num_prompt_logprobs, self.strings)
 
     def json_extras(self) -> dict:
-        """Response-level fields beside the choices: a chat response's ``prompt_logprobs`` (vLLM puts them
-        there: every choice has the one prompt)."""
-        if self.prep.object_kind != wire.CHAT_COMPLETION or self.prep.output.num_prompt_logprobs is None:
+        """Response-level fields beside a chat response's choices (vLLM puts them there: every choice has
+        the one prompt): ``prompt_logprobs``, ``prompt_token_ids``."""
+        out = self.prep.output
+        if self.prep.object_kind != wire.CHAT_COMPLETION:
             return {}
-        return {"prompt_logprobs": self.prompt_logprobs(self.runs[0])}
+        extras: dict = {}
+        if out.num_prompt_logprobs is not None:
+            extras["prompt_logprobs"] = self.prompt_logprobs(self.runs[0])
+        if out.return_token_ids:
+            extras["prompt_token_ids"] = list(self.runs[0].request.prompt.token_ids)
+        return extras
+
+    def _with_ids(self, choice: dict, run: ChoiceRun, positions: Positions | None, first: bool = False) -> dict:
+        """``choice`` with vLLM's ``token_ids`` (the tokens of its text: with echo the prompt's too, as vLLM)
+        and, on a completion's first, ``prompt_token_ids``."""
+        if self.prep.output.return_token_ids:
+            choice["token_ids"] = list(positions.token_ids) if positions is not None else []
+            if first and self.prep.object_kind == wire.TEXT_COMPLETION:
+                choice["prompt_token_ids"] = list(run.request.prompt.token_ids)
+        return choice
 
     def choice(self, run: ChoiceRun) -> dict:
         """A choice of the JSON response."""
+        return self._with_ids(self._choice(run), run, run.positions, first=True)
+
+    def _choice(self, run: ChoiceRun) -> dict:
         logprobs = self.logprobs(run.positions)
         if self.prep.object_kind == wire.TEXT_COMPLETION:
             choice = wire.completion_choice(run.index, run.text, logprobs, run.finish_reason)
@@ -120,14 +139,24 @@ class Reply:
             return wire.chat_choice(run.index, content or None, logprobs, "tool_calls", calls)
         return wire.chat_choice(run.index, content, logprobs, run.finish_reason)
 
-    def chunk(self, run: ChoiceRun, text: str, positions: Positions | None, finish_reason: str | None,
-              first: bool = False) -> bytes:
+    def opening(self, run: ChoiceRun) -> bytes | None:
+        """A choice's first stream chunk, before its text: chat's role chunk (with the response-level
+        ``prompt_token_ids`` when asked), a completion's ``prompt_token_ids`` chunk when asked; else None."""
+        if self.prep.object_kind == wire.CHAT_COMPLETION:
+            ids = self.prep.output.return_token_ids
+            extra = {"prompt_token_ids": list(run.request.prompt.token_ids)} if ids else {}
+            return self._sse(self._with_ids(wire.chat_chunk_choice(run.index, "", None, None, True), run, None), extra)
+        if not self.prep.output.return_token_ids:
+            return None
+        return self._sse(self._with_ids(wire.completion_choice(run.index, "", None, None), run, None, first=True))
+
+    def chunk(self, run: ChoiceRun, text: str, positions: Positions | None, finish_reason: str | None) -> bytes:
         logprobs = self.logprobs(positions)
         if self.prep.object_kind == wire.TEXT_COMPLETION:
             choice = wire.completion_choice(run.index, text, logprobs, finish_reason)
         else:
-            choice = wire.chat_chunk_choice(run.index, text, logprobs, finish_reason, first)
-        return self._sse(choice)
+            choice = wire.chat_chunk_choice(run.index, text, logprobs, finish_reason)
+        return self._sse(self._with_ids(choice, run, positions))
 
     def chunks(self, run: ChoiceRun, text: str, positions: Positions | None, finish_reason: str | None) -> list[bytes]:
         """The chunks for a piece of a choice: one, or with tool calls one per delta of its parser (the
@@ -146,12 +175,13 @@ class Reply:
         for i, delta in enumerate(deltas):
             logprobs = self.logprobs(positions) if i == 0 else None
             reason = finish_reason if i == len(deltas) - 1 else None
-            out.append(self._sse(wire.chat_delta_choice(run.index, delta, logprobs, reason)))
+            choice = wire.chat_delta_choice(run.index, delta, logprobs, reason)
+            out.append(self._sse(self._with_ids(choice, run, positions if i == 0 else None)))
         return out
 
-    def _sse(self, choice: dict) -> bytes:
+    def _sse(self, choice: dict, extra: dict | None = None) -> bytes:
         usage_field = {"usage": None} if self.prep.include_usage else {}
-        return wire.sse({**self.header(True), "choices": [choice], **usage_field})
+        return wire.sse({**self.header(True), "choices": [choice], **usage_field, **(extra or {})})
 
 
 async def close_all(runs: list[ChoiceRun]) -> None:
@@ -161,9 +191,10 @@ async def close_all(runs: list[ChoiceRun]) -> None:
 async def _sse_stream(resp: Reply, firsts) -> AsyncIterator[bytes]:
     prep, runs = resp.prep, resp.runs
     try:
-        if prep.object_kind == wire.CHAT_COMPLETION:
-            for run in runs:
-                yield resp.chunk(run, "", None, None, first=True)
+        for run in runs:
+            opening = resp.opening(run)
+            if opening is not None:
+                yield opening
         failed = None
         async with interleaved(runs, firsts) as pieces:
             async for run, piece, finish_reason in pieces:

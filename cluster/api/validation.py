@@ -53,6 +53,8 @@ class Output:
     num_logprobs: int | None = None  # top alternatives per token; None = no logprobs
     echo: bool = False  # the prompt (and its logprobs) first
     num_prompt_logprobs: int | None = None  # vLLM's ``prompt_logprobs``: alternatives per prompt position
+    return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids beside the text
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens as "token_id:<id>"
     drop_output: bool = False  # max_tokens 0 with echo (scoring): the one token generated is not shown
     tool_calls: ToolCalls | None = None  # the text is tool calls (cluster/api/structured.py)
 
@@ -85,6 +87,8 @@ async def prepare(body: SamplingFields, router, served_model_name: str,
     _reject_unsupported(body)
     is_chat = isinstance(body, ChatCompletionRequest)
     output, extras = _output_and_extras(body)
+    output = replace(output, return_token_ids=bool(body.return_token_ids),
+                     tokens_as_ids=bool(body.return_tokens_as_token_ids))
     tokenizer = router.tokenizer
     # Checking a schema and tokenising long prompts take a while: keep them off the event loop.
     spec, tool_calls = await anyio.to_thread.run_sync(structured_request, body, tool_parser)
@@ -139,7 +143,6 @@ def _check_n(body: SamplingFields) -> int:
 _VLLM_DEFAULTS_ONLY = {
     "use_beam_search": (False, "beam search is not served: sample with n and pick a choice (logprobs score them)"),
     "length_penalty": (1.0, "it applies to beam search, which is not served"),
-    "return_tokens_as_token_ids": (False, "logprobs name tokens by their text"),
     "priority": (0, "requests are served first come, first served"),
     "logits_processors": (None, "custom logits processors are not loaded"),
     "spaces_between_special_tokens": (True, "special tokens are decoded as the tokenizer joins them"),
