@@ -62,6 +62,9 @@ class SamplingParams:
     # Detokenization (engine/tokenizer.Detokenizer): special tokens shown or not; the stop string kept.
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Scheduling priority (vLLM's): a lower value is admitted first and preempted last; equal values are
+    # served first come, first served (engine/waiting_queue.py).
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -84,6 +87,8 @@ class SamplingParams:
         if self.structured_output is not None and self.ignore_eos:
             raise ValueError("ignore_eos cannot be combined with structured output: the grammar's end is the "
                              "end-of-sequence token")
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
+            raise ValueError(f"priority must be an integer, got {self.priority!r}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.allowed_token_ids is not None:

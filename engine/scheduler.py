@@ -14,7 +14,6 @@ status WAITING_FOR_REMOTE_KV, in no queue, until the KV connector reports it lan
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Callable
 from dataclasses import dataclass, field
 
@@ -27,6 +26,7 @@ from pdcluster.engine.mamba_state_blocks import tokens_with_state
 from pdcluster.engine.remote_admission import RemoteReservation, reservation_after_load, reserve_remote
 from pdcluster.engine.request import Request, RequestStatus
 from pdcluster.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pdcluster.engine.waiting_queue import WaitingQueue, priority_of
 from pdcluster.wire.kv_connector import KVConnectorOutput, LoadedKV, SchedulerConnector
 from pdcluster.wire.logprobs import TokenLogprobs
 
@@ -70,7 +70,7 @@ class Scheduler:
             num_blocks, config.block_size, config.enable_prefix_caching,
             on_evict=offload.on_evict if offload is not None else None,
             on_event=(lambda kind, hashes: on_kv_event(kind, "device", hashes)) if on_kv_event else None)
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue()  # by priority, first come first served within one
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_req_ids: set[str] = set()
@@ -218,6 +218,9 @@ class Scheduler:
 
         # The running rows: one pass, its calls bound once (a decode step does this for every row).
         running, chunk_size, allocate = self.running, cfg.prefill_chunk_size, self.block_manager.allocate_slots
+        # Most urgent first (stable: admission order within a priority; linear on an already sorted list):
+        # the budget goes to them, and running.pop() below preempts the least urgent.
+        running.sort(key=priority_of)
         num_new_tokens, scheduled_row, num_slots = self._num_new_tokens, self._scheduled, self._num_slots
         i = 0
         while i < len(running) and budget > 0:

@@ -224,11 +224,10 @@ def test_sampling_refusals(stack):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("use_beam_search", True), ("length_penalty", 2.0),
-    ("priority", 1), ("logits_processors", ["x"]), ("spaces_between_special_tokens", False)])
+    ("use_beam_search", True), ("length_penalty", 2.0), ("logits_processors", ["x"]), ("spaces_between_special_tokens", False)])
 def test_fields_served_only_at_defaults(stack, field, value):
     _bad_request(lambda: _complete(stack, **{field: value}), field, "only")
-    _complete(stack, max_tokens=2, **{field: {"use_beam_search": False, "length_penalty": 1.0, "priority": 0,
+    _complete(stack, max_tokens=2, **{field: {"use_beam_search": False, "length_penalty": 1.0,
                                               "logits_processors": None,
                                               "spaces_between_special_tokens": True}[field]})
 
@@ -390,6 +389,14 @@ def test_return_tokens_as_token_ids(stack):
         top_logprobs=2, extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True}).choices[0]
     assert [c.token for c in chat.logprobs.content] == [f"token_id:{t}" for t in chat.token_ids]
     assert all(t.token.startswith("token_id:") for c in chat.logprobs.content for t in c.top_logprobs)
+
+
+def test_priority_reaches_the_engine(stack):
+    _complete(stack, max_tokens=2, priority=-3)
+    assert _last_request(stack)[1].priority == -3
+    _complete(stack, max_tokens=2)
+    assert _last_request(stack)[1].priority == 0
+    _bad_request(lambda: _complete(stack, max_tokens=2, priority=1 << 64), "priority", "64-bit")
 
 
 # ================================================================================== chat template variables

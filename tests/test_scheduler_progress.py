@@ -27,7 +27,9 @@ def test_head_blocked_by_landed_prompts_behind_it(tiny_dir):
     assert scheduler.num_free_blocks == 1 and [r.request_id for r in scheduler.waiting] == ["landed-b", "landed-c"]
     # A request back at the head of the queue (as a preempted one is) that needs 3 blocks of its own.
     head = engine.add_request(list(range(300, 340)), params)
-    scheduler.waiting.rotate(1)
+    request = scheduler.requests[head]
+    scheduler.waiting.remove(request)
+    scheduler.waiting.appendleft(request)
     assert scheduler.waiting[0].request_id == head
 
     finished = {}

@@ -128,10 +128,10 @@ class SamplingFields(StrictModel):
     # and each choice's token ids; ``return_tokens_as_token_ids`` names logprob tokens "token_id:<id>".
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = False
+    priority: int | None = 0  # lower first (engine/waiting_queue.py)
     # vLLM fields served only at their defaults (anything else is a 400 naming the field):
     use_beam_search: bool | None = False
     length_penalty: float | None = 1.0
-    priority: int | None = 0
     logits_processors: list | None = None
 
 

@@ -73,7 +73,7 @@ def sampling_params(body: SamplingFields, max_tokens: int, vocab_size: int, extr
             allowed_token_ids=(None if allowed is None else _token_ids("allowed_token_ids", allowed, vocab_size)),
             bad_words_token_ids=[list(seq) for seq in extras.bad_words_token_ids], cache_salt=body.cache_salt,
             skip_special_tokens=body.skip_special_tokens is not False,
-            include_stop_str_in_output=bool(body.include_stop_str_in_output))
+            include_stop_str_in_output=bool(body.include_stop_str_in_output), priority=_priority(body))
     except ValueError as e:
         raise APIError(400, str(e)) from e
 
@@ -91,6 +91,13 @@ def bad_words_token_ids(words: list[str], tokenizer) -> tuple[tuple[int, ...], .
         if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
             out.append(spaced)
     return tuple(out)
+
+
+def _priority(body: SamplingFields) -> int:
+    priority = body.priority or 0
+    if not INT64_MIN <= priority <= INT64_MAX:  # it crosses msgpack to the workers
+        raise _bad("priority", f"must fit in a signed 64-bit integer, got {short(priority)}")
+    return priority
 
 
 def _stop_strings(body: SamplingFields) -> list[str]:

@@ -143,7 +143,6 @@ def _check_n(body: SamplingFields) -> int:
 _VLLM_DEFAULTS_ONLY = {
     "use_beam_search": (False, "beam search is not served: sample with n and pick a choice (logprobs score them)"),
     "length_penalty": (1.0, "it applies to beam search, which is not served"),
-    "priority": (0, "requests are served first come, first served"),
     "logits_processors": (None, "custom logits processors are not loaded"),
     "spaces_between_special_tokens": (True, "special tokens are decoded as the tokenizer joins them"),
     "chat_template": (None, "the model's own chat template is used (a request's template would run as code "
