@@ -139,7 +139,7 @@ def build_random_nemotron_h(out: Path) -> Path:
 
 # Model families made by transformers with random weights (tests/test_model_families.py's shapes): what their
 # kernels do on CUDA (sliding windows and soft-capped scores in the Triton attention, two RoPE tables, Gemma's norms,
-# Mixtral's MoE).
+# Mixtral's MoE, Qwen2-MoE's shared expert).
 _FAMILY_COMMON = dict(vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                       intermediate_size=96, num_hidden_layers=3, rms_norm_eps=1e-6, max_position_embeddings=256,
                       bos_token_id=1, eos_token_id=2)
@@ -159,6 +159,10 @@ FAMILIES = {
         tie_word_embeddings=False, attn_logit_softcapping=2.0, final_logit_softcapping=30.0)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(_FAMILY_COMMON, num_local_experts=4,
                                                             num_experts_per_tok=2, sliding_window=40)),
+    "qwen2-moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        _FAMILY_COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+        shared_expert_intermediate_size=80, mlp_only_layers=[1], use_sliding_window=True, sliding_window=20,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention"])),
 }
 
 

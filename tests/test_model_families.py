@@ -8,6 +8,8 @@ their directories, with transformers (fp32, eager attention, repeated full forwa
   ``rope_scaling`` form; Qwen2 with ``use_sliding_window`` on the layers from ``max_window_layers`` on;
 - Llama with ``attention_bias`` (q, k, v and o biases);
 - Mixtral: Mistral with a sparse MoE in every layer (the fused MoE core);
+- Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2's biased attention, sparse layers whose MoE adds a shared expert
+  scaled by its sigmoid gate to the routed experts' output, a dense layer (``mlp_only_layers``), sliding layers;
 - Phi-3 / Phi-4: q/k/v and gate/up stored fused (``qkv_proj``, ``gate_up_proj``), and LoRA adapters on them;
 - Gemma 2: soft-capped attention scores (in the attention kernels) and logits, every other layer sliding;
 - Gemma 3 (text): (1 + w) norms, four a layer, q/k head norms, GeGLU, a scaled embedding, its own attention
@@ -33,6 +35,7 @@ from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.llm_engine import LLMEngine
 from pdcluster.engine.models.architectures import arch_from_dir, max_model_len_for
 from pdcluster.engine.models.llama import RotaryEmbedding
+from pdcluster.engine.models.moe import MoeArch
 from pdcluster.engine.models.registry import resolve_model
 from pdcluster.engine.models.rope import RopeScaling, inv_freq_and_scale, rope_from_config
 from pdcluster.engine.sampling_params import SamplingParams
@@ -72,6 +75,13 @@ CONFIGS = {
     # (block_sparse_moe.experts.{e}.w1 / w3 / w2), with a sliding window.
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
                 dict(COMMON, num_local_experts=4, num_experts_per_tok=2, sliding_window=40), None),
+    # Qwen2-MoE: 4 experts of width 48, top 2 not renormalised (its default), a shared expert of width 80, layer 1
+    # dense (mlp_only_layers: width 96), q/k/v biases, layers 1 and 2 sliding (layer_types, as transformers 5 saves).
+    "qwen2-moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                       shared_expert_intermediate_size=80, mlp_only_layers=[1], use_sliding_window=True,
+                       sliding_window=20, layer_types=["full_attention", "sliding_attention", "sliding_attention"]),
+                  {"use_sliding_window": False, "layer_types": None}),
     # Gemma 3: a local (sliding, default RoPE) layer around a global one (linear-scaled RoPE of another theta).
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
                dict(COMMON, head_dim=32, pad_token_id=0, sliding_window=20, query_pre_attn_scalar=24,
@@ -171,6 +181,44 @@ def test_configs_read(dirs):
     assert phi3.fused_checkpoint and not llama3.fused_checkpoint and phi3.sliding_window is None
 
 
+def test_qwen2_moe_reads_its_config(dirs, tmp_path):
+    arch = arch_from_dir(dirs["qwen2-moe"])
+    assert arch.moe == MoeArch(num_experts=4, top_k=2, intermediate_size=48, norm_topk_prob=False,
+                               sparse_layers=(True, False, True), layout="qwen2_moe",
+                               shared_expert_intermediate_size=80)
+    assert arch.moe.block == "mlp" and arch.intermediate_size == 96  # layer 1's dense MLP
+    assert arch.qkv_bias and not arch.o_bias and not arch.qk_norm
+    assert arch.sliding_layers == (False, True, True) and [arch.window_of(i) for i in range(3)] == [0, 20, 20]
+    # Keys a config.json may omit (Qwen1.5-MoE's predates qkv_bias) read as transformers' defaults.
+    moe_keys = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+                "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "qkv_bias")
+    bare = arch_from_dir(_edit_config(dirs["qwen2-moe"], tmp_path / "bare", **dict.fromkeys(moe_keys)))
+    hf = transformers.Qwen2MoeConfig(num_hidden_layers=3)
+    assert bare.moe == MoeArch(num_experts=hf.num_experts, top_k=hf.num_experts_per_tok,
+                               intermediate_size=hf.moe_intermediate_size, norm_topk_prob=hf.norm_topk_prob,
+                               sparse_layers=(True,) * 3, layout="qwen2_moe",
+                               shared_expert_intermediate_size=hf.shared_expert_intermediate_size)
+    assert bare.qkv_bias == hf.qkv_bias is True
+    unbiased = arch_from_dir(_edit_config(dirs["qwen2-moe"], tmp_path / "unbiased", qkv_bias=False))
+    assert not unbiased.qkv_bias
+    every_other = arch_from_dir(_edit_config(dirs["qwen2-moe"], tmp_path / "step", mlp_only_layers=[],
+                                             decoder_sparse_step=2))
+    assert every_other.moe.sparse_layers == (False, True, False)
+
+
+@pytest.mark.parametrize("change,words", [
+    ({"n_group": 2, "topk_group": 1}, "n_group"),
+    ({"routed_scaling_factor": 2.5}, "routed_scaling_factor"),
+    ({"shared_expert_intermediate_size": 0}, "shared_expert_intermediate_size"),
+    ({"num_experts_per_tok": 5}, "num_experts_per_tok"),
+    ({"layer_types": None}, "layer_types"),  # use_sliding_window alone: which layers slide is ambiguous
+])
+def test_qwen2_moe_unsupported_configs_refused_in_one_line(dirs, tmp_path, change, words):
+    with pytest.raises(ValueError) as err:
+        arch_from_dir(_edit_config(dirs["qwen2-moe"], tmp_path / "bad", **change))
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
 def test_phi3_window_is_live(dirs, tmp_path):
     """Phi-3 mini's sliding_window (2047 of 4096) slides every layer, as Mistral's."""
     windowed = arch_from_dir(_edit_config(dirs["phi3"], tmp_path / "w", sliding_window=64))
@@ -201,7 +249,8 @@ def test_greedy_batched_and_alone_equal_transformers(dirs, reference, name):
     assert engine.scheduler.block_manager.num_free_blocks == engine.kv_spec.num_blocks
 
 
-@pytest.mark.parametrize("name", ["llama3", "qwen2-yarn", "mistral-linear", "qwen2-swa", "gemma3", "gemma2"])
+@pytest.mark.parametrize("name", ["llama3", "qwen2-yarn", "mistral-linear", "qwen2-swa", "gemma3", "gemma2",
+                                  "qwen2-moe"])
 def test_each_variant_matters(dirs, reference, name, tmp_path):
     """transformers' greedy with the RoPE variant (or the sliding window) undone differs from the reference,
     so the equality above holds only if the engine computes the variant."""
@@ -209,6 +258,31 @@ def test_each_variant_matters(dirs, reference, name, tmp_path):
     assert arch_from_dir(undone) != arch_from_dir(dirs[name])
     plain = _hf_greedy(_hf_model(undone), PROMPTS[:6])
     assert sum(a != b for a, b in zip(plain, reference[name][:6])) >= 3
+
+
+def test_qwen2_moe_shared_expert_matters(dirs, reference):
+    """transformers' greedy without the shared expert, or with its gate stuck at sigmoid(0) = 0.5, differs from the
+    reference: the equality above holds only if the engine runs the shared expert behind its gate."""
+    for undo in ("shared_expert.down_proj", "shared_expert_gate"):
+        hf = _hf_model(dirs["qwen2-moe"])
+        with torch.no_grad():
+            for i in (0, 2):  # the sparse layers
+                hf.model.layers[i].mlp.get_submodule(undo).weight.zero_()
+        undone = _hf_greedy(hf, PROMPTS[:6])
+        assert sum(a != b for a, b in zip(undone, reference["qwen2-moe"][:6])) >= 3, undo
+
+
+def test_qwen2_moe_block_is_batch_invariant(dirs):
+    """Deterministic mode: a token's MoE output (router, experts, shared expert and its sigmoid gate) is bit for bit
+    the same alone as among 64 others. torch.sigmoid would break it on CPU: its vector and tail paths round apart."""
+    from pdcluster.engine.models.architectures import load_model
+
+    model = load_model(dirs["qwen2-moe"], torch.float32, 256, deterministic=True)
+    moe = model.layers[0].moe
+    assert moe.shared is not None and model.layers[1].moe is None
+    x = torch.randn(65, 64, generator=torch.Generator().manual_seed(8))
+    with torch.inference_mode():
+        assert torch.equal(moe(x), torch.cat([moe(x[i : i + 1]) for i in range(len(x))]))
 
 
 def test_biases_matter(dirs, reference):
@@ -220,7 +294,7 @@ def test_biases_matter(dirs, reference):
     assert sum(a != b for a, b in zip(without_o, reference["llama-bias"][:6])) >= 3
 
 
-@pytest.mark.parametrize("name", ["qwen2-yarn", "mistral-linear", "gemma3", "gemma2", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen2-yarn", "mistral-linear", "gemma3", "gemma2", "mixtral", "qwen2-moe"])
 def test_chunked_prefill_and_preemption(dirs, reference, name):
     # Chunks of 5 tokens; 24 blocks of 16 for 16 requests of up to 82 tokens force preemption.
     engine = _engine(dirs[name], prefill_chunk_size=5, max_num_batched_tokens=40, num_kv_blocks=24)
@@ -229,16 +303,17 @@ def test_chunked_prefill_and_preemption(dirs, reference, name):
     assert engine.scheduler.block_manager.num_free_blocks == engine.kv_spec.num_blocks
 
 
-def test_speculative_ngram_is_lossless(dirs, reference):
-    name = "llama3"
+@pytest.mark.parametrize("name", ["llama3", "qwen2-moe"])
+def test_speculative_ngram_is_lossless(dirs, reference, name):
     engine = _engine(dirs[name], spec_method="ngram", num_spec_tokens=3)
     assert _run(engine, PROMPTS) == reference[name]
 
 
-@pytest.mark.parametrize("name", ["qwen2-yarn", "gemma3", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen2-yarn", "gemma3", "mixtral", "qwen2-moe"])
 def test_bf16_deterministic_batch_invariant(dirs, name):
     """bf16 in deterministic mode (the CPU default): a request's tokens in a batch are its tokens alone, with
-    q/k/v biases and YaRN (the bias add is per row), and with Gemma's norms and sliding layers."""
+    q/k/v biases and YaRN (the bias add is per row), with Gemma's norms and sliding layers, and with MoE (Qwen2-MoE's
+    shared-expert gate: a sigmoid whose bits do not depend on the row's place in the batch)."""
     engine = _engine(dirs[name], dtype="bfloat16", deterministic=True)
     batched = _run(engine, PROMPTS)
     assert [_run(engine, [p])[0] for p in PROMPTS[:5]] == batched[:5]
@@ -320,7 +395,7 @@ def test_rope_tables_equal_transformers(params):
     ({"rope_scaling": {"type": "linear"}}, "'factor'"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
     ({"mlp_bias": True}, "mlp_bias"),
-    ({"architectures": ["Qwen2MoeForCausalLM"]}, "Qwen2MoeForCausalLM"),
+    ({"architectures": ["DeepseekV3ForCausalLM"]}, "DeepseekV3ForCausalLM"),
 ])
 def test_unsupported_configs_refused_in_one_line(dirs, tmp_path, change, words):
     d = _edit_config(dirs["llama3"], tmp_path / "bad", **{"rope_parameters": None, **change})
@@ -345,6 +420,33 @@ def test_phi3_lora_on_fused_projections_equals_peft(dirs, reference, tmp_path):
     outs = engine.generate([p for p in PROMPTS[:3] for _ in params], [sp for _ in PROMPTS[:3] for sp in params])
     assert [o.token_ids for o in outs[::2]] == want
     assert [o.token_ids for o in outs[1::2]] == reference["phi3"][:3]
+
+
+def test_qwen2_moe_lora_on_attention_equals_peft(dirs, reference, tmp_path):
+    """A peft adapter on Qwen2-MoE's attention: peft's greedy, beside base-model requests. On the MLP peft adapts the
+    shared expert's projections, which (as Qwen3-MoE's experts) take no adapters: that adapter is refused by name."""
+    from pdcluster.engine.lora import LoraAdapterError
+
+    peft = pytest.importorskip("peft")
+    attention, mlp = ["q_proj", "k_proj", "v_proj", "o_proj"], ["gate_proj", "up_proj", "down_proj"]
+
+    def make(modules: list[str], out: Path):
+        torch.manual_seed(1)
+        adapted = peft.get_peft_model(_hf_model(dirs["qwen2-moe"]), peft.LoraConfig(
+            r=4, lora_alpha=8, init_lora_weights=False, target_modules=modules)).eval()
+        adapted.save_pretrained(out)
+        return adapted
+
+    make(attention + mlp, tmp_path / "mlp")
+    with pytest.raises(LoraAdapterError, match="shared_expert"):
+        _engine(dirs["qwen2-moe"], lora_modules=(f"a={tmp_path / 'mlp'}",))
+    want = _hf_greedy(make(attention, tmp_path / "adapter"), PROMPTS[:3])
+    assert want != reference["qwen2-moe"][:3]
+    engine = _engine(dirs["qwen2-moe"], lora_modules=(f"a={tmp_path / 'adapter'}",))
+    params = [SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True, lora_name=n) for n in ("a", None)]
+    outs = engine.generate([p for p in PROMPTS[:3] for _ in params], [sp for _ in PROMPTS[:3] for sp in params])
+    assert [o.token_ids for o in outs[::2]] == want
+    assert [o.token_ids for o in outs[1::2]] == reference["qwen2-moe"][:3]
 
 
 def test_gemma3_logits_equal_transformers(dirs, tmp_path):

@@ -6,6 +6,7 @@
     Phi3ForCausalLM                      -> the same (fused qkv_proj / gate_up_proj in the checkpoint)
     Gemma2ForCausalLM, Gemma3ForCausalLM -> engine.models.gemma (Gemma's norms, GeGLU, local/global layers)
     Qwen3ForCausalLM, Qwen3MoeForCausalLM -> the same (q/k norm; MoE MLPs in engine/models/moe.py)
+    Qwen2MoeForCausalLM                  -> the same (q/k/v biases; MoE MLPs with a shared expert in moe.py)
     NemotronHForCausalLM                 -> engine.models.nemotron_h.HybridArch / NemotronHModel
                                             (MoE layers in engine/models/nemotron_moe.py)
 
@@ -34,6 +35,7 @@ ARCHITECTURES = {
     "Phi3ForCausalLM": (ModelArch, LlamaModel),
     "Qwen3ForCausalLM": (ModelArch, LlamaModel),
     "Qwen3MoeForCausalLM": (ModelArch, LlamaModel),
+    "Qwen2MoeForCausalLM": (ModelArch, LlamaModel),
     "Gemma2ForCausalLM": (GemmaArch, GemmaModel),
     "Gemma3ForCausalLM": (GemmaArch, GemmaModel),
     "Gemma3ForConditionalGeneration": (GemmaArch, GemmaModel),  # its language model, for text

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from pdcluster.engine.attention import AttentionMetadata, attend
 from pdcluster.engine.linear import Linear
 from pdcluster.engine.models.causal_lm import CausalLM
-from pdcluster.engine.models.moe import MoeArch, SparseMoe, take_expert_weights
+from pdcluster.engine.models.moe import MoeArch, SparseMoe, take_expert_weights, take_shared_expert
 from pdcluster.engine.models.rope import RopeScaling, inv_freq_and_scale, rope_from_config
 from pdcluster.kernels import ops
 
@@ -33,7 +33,9 @@ PHI3 = ("Phi3ForCausalLM",)
 MIXTRAL = ("MixtralForCausalLM",)
 # Qwen3: Llama plus RMSNorm over each q and k head before RoPE; Qwen3-MoE: and sparse MoE MLPs (engine/models/moe.py).
 QWEN3 = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-SUPPORTED = LLAMA_FAMILY + MIXTRAL + QWEN2 + PHI3 + QWEN3
+# Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2's attention, sparse MoE MLPs with a gated shared expert.
+QWEN2_MOE = ("Qwen2MoeForCausalLM",)
+SUPPORTED = LLAMA_FAMILY + MIXTRAL + QWEN2 + PHI3 + QWEN3 + QWEN2_MOE
 
 
 @dataclass(frozen=True)
@@ -52,9 +54,9 @@ class ModelArch:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     qk_norm: bool = False  # Qwen3: q_norm / k_norm [head_dim] on every head before RoPE
-    moe: MoeArch | None = None  # Qwen3-MoE: which layers are sparse, and their experts
+    moe: MoeArch | None = None  # Qwen3-MoE, Qwen2-MoE, Mixtral: which layers are sparse, and their experts
     rope_scaling: RopeScaling | None = None  # None: default RoPE (engine/models/rope.py)
-    qkv_bias: bool = False  # Qwen2, and ``attention_bias`` in Llama / Mistral / Qwen3 configs
+    qkv_bias: bool = False  # Qwen2, Qwen2-MoE (its ``qkv_bias``), ``attention_bias`` in Llama / Mistral / Qwen3
     o_bias: bool = False  # ``attention_bias``: o_proj has one too (Qwen2's has not)
     # Sliding-window attention: a token of a sliding layer attends to its last ``sliding_window`` positions
     # (Mistral and Phi-3: every layer; Qwen2 / Qwen3 with use_sliding_window: the layers their layer_types
@@ -102,10 +104,10 @@ class ModelArch:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             qk_norm=arch[0] in QWEN3,
-            moe=(MoeArch.from_config(cfg, cfg["num_hidden_layers"], str(model_dir)) if arch[0] == "Qwen3MoeForCausalLM"
-                 else MoeArch.mixtral(cfg, cfg["num_hidden_layers"], str(model_dir)) if arch[0] in MIXTRAL else None),
+            moe=_moe(cfg, arch[0], str(model_dir)),
             rope_scaling=rope_scaling,
-            qkv_bias=attention_bias or arch[0] in QWEN2,
+            # Qwen2MoeConfig.qkv_bias defaults to True (Qwen1.5-MoE's config.json predates the key).
+            qkv_bias=attention_bias or arch[0] in QWEN2 or (arch[0] in QWEN2_MOE and cfg.get("qkv_bias", True)),
             o_bias=attention_bias,
             sliding_window=window,
             sliding_layers=sliding_layers,
@@ -113,10 +115,21 @@ class ModelArch:
         )
 
 
+def _moe(cfg: dict, architecture: str, where: str) -> MoeArch | None:
+    """The MoE layout of a sparse architecture (None: dense MLPs)."""
+    num_layers = cfg["num_hidden_layers"]
+    if architecture == "Qwen3MoeForCausalLM":
+        return MoeArch.from_config(cfg, num_layers, where)
+    if architecture in QWEN2_MOE:
+        return MoeArch.from_config(cfg, num_layers, where, layout="qwen2_moe")
+    return MoeArch.mixtral(cfg, num_layers, where) if architecture in MIXTRAL else None
+
+
 def _sliding_window(cfg: dict, architecture: str, where: str) -> tuple[int | None, tuple[bool, ...]]:
     """(window, which layers slide) as transformers reads the config: Mistral's and Phi-3's window is live
     whenever set, on every layer; Qwen2's and Qwen3's only with use_sliding_window, on the layers layer_types
-    names "sliding_attention" (or, without layer_types, those from max_window_layers on)."""
+    names "sliding_attention" (or, without layer_types, those from max_window_layers on). Qwen2-MoE's as Qwen2's
+    when layer_types is given; without it the layers that slide are ambiguous (below), so that is refused."""
     num_layers = cfg["num_hidden_layers"]
     layer_types = list(cfg.get("layer_types") or [])
     unknown = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
@@ -128,9 +141,16 @@ def _sliding_window(cfg: dict, architecture: str, where: str) -> tuple[int | Non
     window = cfg.get("sliding_window")
     if architecture in ("MistralForCausalLM", *MIXTRAL, *PHI3):
         return (int(window), ()) if window else (None, ())
-    if architecture in QWEN2 + QWEN3 and cfg.get("use_sliding_window"):
+    if architecture in QWEN2 + QWEN3 + QWEN2_MOE and cfg.get("use_sliding_window"):
         if not window:
             raise ValueError(f"{where}: use_sliding_window needs a sliding_window")
+        if not layer_types and architecture in QWEN2_MOE:
+            # Without layer_types transformers 5's Qwen2MoeConfig slides the even layers below max_window_layers,
+            # Qwen2's rule the layers from max_window_layers on: which the checkpoint meant is unknown (configs that
+            # transformers 5 saves list layer_types; Qwen's own checkpoints have use_sliding_window false).
+            raise ValueError(f"{where}: use_sliding_window without layer_types is not supported for Qwen2-MoE "
+                             "(transformers' Qwen2-MoE and Qwen2 rules disagree on which layers slide); list them "
+                             "in layer_types")
         if not layer_types:
             first = cfg.get("max_window_layers", num_layers)
             layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
@@ -228,8 +248,11 @@ class DecoderLayer:
         self.moe = None
         moe = getattr(arch, "moe", None)  # an MTP layer on a hybrid target gets a HybridArch (no .moe)
         if moe is not None and layer_index is not None and moe.sparse_layers[layer_index]:
-            gate_up, down = take_expert_weights(weights, f"{prefix}.{moe.block}", moe, arch.hidden_size)
-            self.moe = SparseMoe(moe, w(f"{moe.block}.gate.weight"), gate_up, down, deterministic)
+            block = f"{prefix}.{moe.block}"
+            gate_up, down = take_expert_weights(weights, block, moe, arch.hidden_size)
+            shared = (take_shared_expert(weights, block, moe, arch.hidden_size, deterministic)
+                      if moe.shared_expert_intermediate_size else None)
+            self.moe = SparseMoe(moe, w(f"{moe.block}.gate.weight"), gate_up, down, deterministic, shared=shared)
         else:
             self.gate_up_proj = Linear(w("mlp.gate_up_proj.weight") if fused else torch.cat(
                 [w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]), **det)
@@ -361,7 +384,7 @@ class LlamaModel(CausalLM):
         targets = []
         for i, layer in enumerate(self.layers):
             targets += [(i, layer, "qkv_proj", qkv), (i, layer, "o_proj", (("o_proj", 0, a.hidden_size),))]
-            if layer.moe is None:  # a sparse layer's experts take no adapters
+            if layer.moe is None:  # a sparse layer's experts (and Qwen2-MoE's shared expert) take no adapters
                 targets += [(i, layer, "gate_up_proj", gate_up),
                             (i, layer, "down_proj", (("down_proj", 0, a.hidden_size),))]
         return targets

@@ -1,5 +1,5 @@
-"""The fused mixture-of-experts core, and Qwen3-MoE's and Mixtral's sparse MLP (transformers'
-``Qwen3MoeSparseMoeBlock``, ``MixtralSparseMoeBlock``) on it.
+"""The fused mixture-of-experts core, and Qwen3-MoE's, Qwen2-MoE's and Mixtral's sparse MLP (transformers'
+``Qwen3MoeSparseMoeBlock``, ``Qwen2MoeSparseMoeBlock``, ``MixtralSparseMoeBlock``) on it.
 NemotronH's MoE (sigmoid group routing, relu2 experts, latent projection, shared expert) is
 engine/models/nemotron_moe.py, on the same core.
 
@@ -25,6 +25,11 @@ probabilities (divided by their sum when ``norm_topk_prob``), experts ``down(sil
 weights are stacked at load into ``gate_up`` [E, 2I, H] (gate rows, then up rows) and ``down`` [E, H, I] from
 either layout a checkpoint has: per expert (``mlp.experts.{e}.gate_proj.weight``, ..., what Qwen's checkpoints
 and transformers 5's ``save_pretrained`` write) or fused (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``).
+
+Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): Qwen3-MoE's router and experts (other config defaults), plus a
+shared expert every token runs: a dense SwiGLU MLP of width ``shared_expert_intermediate_size``
+(``mlp.shared_expert.gate_proj/up_proj/down_proj``) times ``sigmoid(x @ mlp.shared_expert_gate.weight.T)``, one
+scalar per token, added to the routed output in the model dtype (transformers' order: routed + gated shared).
 """
 
 from __future__ import annotations
@@ -38,9 +43,15 @@ import torch
 from pdcluster.engine.linear import DeterministicUnavailable, Linear, check_deterministic_available
 from pdcluster.kernels import cpu_grouped_mm, ops
 
-# Config keys of Qwen3-MoE variants this block does not implement: a truthy value is refused at load.
-_UNSUPPORTED_KEYS = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts", "n_group",
-                     "topk_group", "routed_scaling_factor")
+# Config keys of Qwen-MoE variants this block does not implement: a truthy value is refused at load
+# (shared_expert_intermediate_size is Qwen2-MoE's own, refused on Qwen3-MoE only).
+_UNSUPPORTED_KEYS = ("n_shared_experts", "num_shared_experts", "n_group", "topk_group", "routed_scaling_factor")
+# transformers' defaults for the keys a config may omit (Qwen3MoeConfig, Qwen2MoeConfig).
+_DEFAULTS = {
+    "qwen3": dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
+    "qwen2_moe": dict(num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408,
+                      shared_expert_intermediate_size=5632),
+}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -158,7 +169,7 @@ class FusedExperts:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Qwen3-MoE
+# Qwen3-MoE, Qwen2-MoE, Mixtral
 
 
 @dataclass(frozen=True)
@@ -169,9 +180,11 @@ class MoeArch:
     norm_topk_prob: bool
     sparse_layers: tuple[bool, ...]  # per layer: MoE (True) or the dense MLP of width intermediate_size
     # "qwen3": mlp.gate + mlp.experts.{e}.gate_proj/up_proj/down_proj, routing weights rounded to the model dtype;
+    # "qwen2_moe": the same, and the gated shared expert (module docstring);
     # "mixtral": block_sparse_moe.gate + block_sparse_moe.experts.{e}.w1/w3/w2, weights kept float32 (as
     # transformers' MixtralExperts multiplies).
     layout: str = "qwen3"
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: the shared expert's width (0: no shared expert)
 
     @classmethod
     def mixtral(cls, cfg: dict, num_layers: int, where: str = "config") -> "MoeArch":
@@ -188,25 +201,34 @@ class MoeArch:
         return "block_sparse_moe" if self.layout == "mixtral" else "mlp"
 
     @classmethod
-    def from_config(cls, cfg: dict, num_layers: int, where: str = "config") -> "MoeArch":
-        """Qwen3-MoE's fields (transformers' defaults where a key is absent); ValueError, one line naming
-        the field, for what is not supported."""
-        for key in _UNSUPPORTED_KEYS:
+    def from_config(cls, cfg: dict, num_layers: int, where: str = "config", layout: str = "qwen3") -> "MoeArch":
+        """Qwen3-MoE's (``layout="qwen3"``) or Qwen2-MoE's (``"qwen2_moe"``) fields, transformers' defaults where a
+        key is absent; ValueError, one line naming the field, for what is not supported."""
+        defaults = _DEFAULTS[layout]
+        refused = _UNSUPPORTED_KEYS + (() if layout == "qwen2_moe" else ("shared_expert_intermediate_size",))
+        for key in refused:
             if cfg.get(key):
-                raise ValueError(f"{where}: {key} {cfg[key]!r} is not supported (MoE without shared experts or "
-                                 "group-limited routing only)")
-        num_experts = cfg.get("num_experts", cfg.get("num_local_experts", 128))
-        top_k = cfg.get("num_experts_per_tok", 8)
+                raise ValueError(f"{where}: {key} {cfg[key]!r} is not supported (MoE without group-limited routing, "
+                                 "and with a shared expert on Qwen2-MoE only)")
+        num_experts = cfg.get("num_experts", cfg.get("num_local_experts", defaults["num_experts"]))
+        top_k = cfg.get("num_experts_per_tok", defaults["num_experts_per_tok"])
         if not 1 <= top_k <= max(num_experts, 1):
             raise ValueError(f"{where}: num_experts_per_tok {top_k} must be in 1..num_experts ({num_experts})")
         step = cfg.get("decoder_sparse_step", 1)
         if step < 1:
             raise ValueError(f"{where}: decoder_sparse_step {step} must be >= 1")
         dense = set(cfg.get("mlp_only_layers") or [])
-        # Qwen3MoeDecoderLayer's rule, verbatim.
+        # Qwen3MoeDecoderLayer's rule, verbatim (Qwen2MoeDecoderLayer's is the same).
         sparse = tuple(i not in dense and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
-        return cls(num_experts=num_experts, top_k=top_k, intermediate_size=cfg.get("moe_intermediate_size", 768),
-                   norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), sparse_layers=sparse)
+        shared = 0
+        if layout == "qwen2_moe":
+            shared = cfg.get("shared_expert_intermediate_size", defaults["shared_expert_intermediate_size"])
+            if not shared or shared < 1:
+                raise ValueError(f"{where}: shared_expert_intermediate_size {shared!r} must be >= 1")
+        return cls(num_experts=num_experts, top_k=top_k,
+                   intermediate_size=cfg.get("moe_intermediate_size", defaults["moe_intermediate_size"]),
+                   norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), sparse_layers=sparse, layout=layout,
+                   shared_expert_intermediate_size=shared)
 
 
 def take_expert_weights(weights: dict[str, torch.Tensor], prefix: str, moe: MoeArch,
@@ -223,14 +245,54 @@ def take_expert_weights(weights: dict[str, torch.Tensor], prefix: str, moe: MoeA
     return gate_up, down
 
 
+def batch_invariant_sigmoid(logits: torch.Tensor) -> torch.Tensor:
+    """sigmoid in float32 as ``1 / (1 + exp(-x))``: an element's bits do not depend on where it sits in the tensor.
+    torch.sigmoid on CPU runs whole vectors and the tail of a tensor through code that rounds differently
+    (kernels/mamba_reference.py), so a token's gate would change with the batch; exp, + and / agree on both paths."""
+    return torch.reciprocal(torch.exp(-logits.float()).add_(1.0))
+
+
+class SharedExpert:
+    """Qwen2-MoE's shared expert (module docstring): ``sigmoid(x @ gate.T) * down(silu(gate_proj(x)) * up(x))``."""
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, gate: torch.Tensor, deterministic: bool = False):
+        det = {"deterministic": deterministic}
+        self.gate_up_proj = Linear(gate_up, **det)  # [2S, H]: gate rows, then up rows
+        self.down_proj = Linear(down, **det)  # [H, S]
+        self.gate = Linear(gate, **det)  # [1, H]: one gate logit per token
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        # transformers: F.sigmoid on the model-dtype logit (computed in float32, rounded once), then the product.
+        return out.mul_(batch_invariant_sigmoid(self.gate(x)).to(x.dtype))
+
+
+def take_shared_expert(weights: dict[str, torch.Tensor], prefix: str, moe: MoeArch, hidden_size: int,
+                       deterministic: bool = False) -> SharedExpert:
+    """The shared expert popped from ``weights`` under ``{prefix}.shared_expert.`` / ``{prefix}.shared_expert_gate``."""
+    def pop(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        key = f"{prefix}.{name}.weight"
+        if key not in weights:
+            raise ValueError(f"MoE weights lack {key!r}")
+        check_shape(key, weights[key], shape, "shared_expert_intermediate_size, hidden_size")
+        return weights.pop(key)
+
+    S, H = moe.shared_expert_intermediate_size, hidden_size
+    gate_up = torch.cat([pop("shared_expert.gate_proj", (S, H)), pop("shared_expert.up_proj", (S, H))])
+    return SharedExpert(gate_up, pop("shared_expert.down_proj", (H, S)), pop("shared_expert_gate", (1, H)),
+                        deterministic)
+
+
 class SparseMoe:
-    """The MoE MLP of one Qwen3-MoE layer (module docstring); plain tensors, like DecoderLayer."""
+    """The MoE MLP of one Qwen3-MoE / Qwen2-MoE / Mixtral layer (module docstring); plain tensors, like DecoderLayer.
+    ``shared``: Qwen2-MoE's shared expert, added to the routed output."""
 
     def __init__(self, moe: MoeArch, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                 deterministic: bool = False, backend: str = "auto"):
+                 deterministic: bool = False, backend: str = "auto", shared: SharedExpert | None = None):
         self.moe = moe
         self.router = Linear(router, deterministic=deterministic)  # [E, H]
         self.experts = FusedExperts(gate_up, down, ops.silu_and_mul, deterministic, backend)
+        self.shared = shared
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, expert ids [T, k]) as Qwen3MoeTopKRouter computes them."""
@@ -241,4 +303,5 @@ class SparseMoe:
         return (weights if self.moe.layout == "mixtral" else weights.to(x.dtype)), experts
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.experts(x, *self.route(x))
+        out = self.experts(x, *self.route(x))
+        return out if self.shared is None else out.add_(self.shared(x))
