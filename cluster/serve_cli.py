@@ -12,6 +12,7 @@ import argparse
 import os
 import sys
 
+from pdcluster.cluster.api.reasoning import PARSERS as REASONING_PARSERS
 from pdcluster.cluster.api.tool_parsers import PARSER_CHOICES
 from pdcluster.cluster.autoscale import AutoscaleConfig
 from pdcluster.cluster.engine_args import add_engine_args, engine_config_from_args
@@ -57,6 +58,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="the model's tool-call format, read for tool_choice 'auto': hermes (<tool_call> JSON "
                         "blocks), llama3_json, pythonic ([f(a=1)]); auto (default): from the chat template "
                         "(<tool_call> or ChatML -> hermes, Llama 3 -> llama3_json; otherwise 'auto' is refused)")
+    g.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="give a thinking model's reasoning (<think>...</think>) apart from its chat answer, as "
+                        "message.reasoning / reasoning_content: qwen3 (Qwen3, QwQ: only an output that opens "
+                        "<think>) or deepseek_r1 (DeepSeek-R1: reasoning until </think>); default: the text as written")
     c = p.add_argument_group("cluster")
     c.add_argument("--mode", choices=MODES, default="auto",
                    help="disagg: prefill and decode workers; colocated: both in one worker; local: no Ray; "
@@ -182,11 +187,13 @@ def _serve_local(args: argparse.Namespace) -> int:
             servers = ApiServers(args.api_servers, sock, args.host)
             try:
                 return servers.run(router, args.served_model_name, api_key=args.api_key,
-                                   max_body_bytes=args.max_body_bytes, tool_call_parser=args.tool_call_parser)
+                                   max_body_bytes=args.max_body_bytes, tool_call_parser=args.tool_call_parser,
+                                   reasoning_parser=args.reasoning_parser)
             finally:
                 servers.close()
         app = build_app(router, args.served_model_name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                        metrics=Metrics(args.served_model_name), tool_call_parser=args.tool_call_parser)
+                        metrics=Metrics(args.served_model_name), tool_call_parser=args.tool_call_parser,
+                        reasoning_parser=args.reasoning_parser)
         return run_server(app, args.host, args.port, args.served_model_name, sock=sock)
     finally:
         router.close()

@@ -19,6 +19,7 @@ from pdcluster.cluster.api.protocol import ChatCompletionRequest, CompletionRequ
 from pdcluster.cluster.api.responses import ResponsesRequest, serve_response
 from pdcluster.cluster.api.serving import serve_request
 from pdcluster.cluster.api.tokenize_routes import install_tokenize_routes
+from pdcluster.cluster.api.reasoning import check_reasoning_parser
 from pdcluster.cluster.api.tool_parsers import select_parser
 from pdcluster.cluster.api.validation import check_model, prepare
 from pdcluster.cluster.metrics import Metrics
@@ -35,13 +36,16 @@ def package_version() -> str:
 
 
 def build_app(router, served_model_name: str, api_key: str | None = None, max_body_bytes: int = 1 << 20,
-              metrics: Metrics | None = None, tool_call_parser: str = "auto") -> FastAPI:
+              metrics: Metrics | None = None, tool_call_parser: str = "auto",
+              reasoning_parser: str | None = None) -> FastAPI:
     """``tool_call_parser``: the model's tool-call format for tool_choice "auto" (cluster/api/tool_parsers/:
     hermes, llama3_json, pythonic; ``auto`` reads it off the chat template, and without one "auto" is
-    refused)."""
+    refused). ``reasoning_parser``: qwen3 or deepseek_r1 to give chat answers' reasoning apart
+    (cluster/api/reasoning.py); None: the text as the model wrote it."""
     if max_body_bytes <= 0:
         raise ValueError(f"max_body_bytes must be > 0, got {max_body_bytes!r}")
     tool_parser = select_parser(tool_call_parser, getattr(router.tokenizer, "chat_template", None))
+    check_reasoning_parser(reasoning_parser)
     metrics = metrics or Metrics(served_model_name)
     app = FastAPI(title="pdcluster", description="OpenAI-compatible API of a disaggregated prefill/decode cluster")
     app.state.router, app.state.metrics = router, metrics
@@ -56,12 +60,13 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        prep = await prepare(body, router, served_model_name, tool_parser)
+        prep = await prepare(body, router, served_model_name, tool_parser, reasoning_parser)
         return await serve_request(prep, request, router, metrics, strings)
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request):
-        return await serve_response(body, request, router, served_model_name, metrics, strings, tool_parser)
+        return await serve_response(body, request, router, served_model_name, metrics, strings, tool_parser,
+                                    reasoning_parser)
 
     def model_card(model_id: str) -> dict:
         card = {"id": model_id, "object": "model", "created": started, "owned_by": "pdcluster",

@@ -162,6 +162,10 @@ class ChatMessage(StrictModel):
     # A conversation that already holds tool calls: handed to the chat template as they are.
     tool_calls: list[dict] | None = None
     tool_call_id: str | None = None
+    # An earlier answer's reasoning (what --reasoning-parser gave back, under either of vLLM's names): handed to
+    # the chat template as reasoning_content, the name thinking models' templates read (Qwen3's, DeepSeek's).
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class FunctionDefinition(StrictModel):

@@ -206,8 +206,15 @@ class _Output:
 
     def items(self, reply: Reply, run: ChoiceRun) -> list[dict]:
         message = reply.choice(run)["message"]
-        items = [self.message_item(message["content"], "completed")] if message.get("content") else []
+        items = [self.reasoning_item(message["reasoning"])] if message.get("reasoning") else []
+        items += [self.message_item(message["content"], "completed")] if message.get("content") else []
         return items + [self.call_item(call) for call in message.get("tool_calls") or []]
+
+    @staticmethod
+    def reasoning_item(text: str) -> dict:
+        """The chain of thought (serve --reasoning-parser), as vLLM's Responses API gives it."""
+        return {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [],
+                "content": [{"type": "reasoning_text", "text": text}], "status": "completed"}
 
     def response(self, status: str, output: list[dict], usage: dict | None = None, error: dict | None = None) -> dict:
         b = self.body
@@ -253,7 +260,9 @@ class _Events:
 async def _event_stream(out: _Output, reply: Reply, firsts) -> AsyncIterator[bytes]:
     run = reply.runs[0]
     event = _Events()
-    holds_calls = bool(reply.tool_streams)  # its text is a call or not only once whole
+    # Its text is a call or not only once whole; with a reasoning parser, the answer is what follows the
+    # reasoning: both go out as items at the end.
+    holds_calls = bool(reply.tool_streams) or bool(reply.reasoning_streams)
     try:
         yield event("response.created", response=out.response("in_progress", []))
         yield event("response.in_progress", response=out.response("in_progress", []))
@@ -279,7 +288,9 @@ async def _event_stream(out: _Output, reply: Reply, firsts) -> AsyncIterator[byt
             return
         items = out.items(reply, run)
         for index, item in enumerate(items):
-            if item["type"] == "message":
+            if item["type"] == "reasoning":
+                yield event("response.output_item.added", output_index=index, item={**item, "status": "in_progress"})
+            elif item["type"] == "message":
                 text = item["content"][0]["text"]
                 if not opened:
                     for chunk in open_message(index):
@@ -309,9 +320,9 @@ async def _event_stream(out: _Output, reply: Reply, firsts) -> AsyncIterator[byt
 
 
 async def serve_response(body: ResponsesRequest, request: Request, router, served_model_name: str, metrics,
-                         strings, tool_parser) -> Response:
+                         strings, tool_parser, reasoning_parser: str | None = None) -> Response:
     try:
-        prep = await prepare(to_chat(body), router, served_model_name, tool_parser)
+        prep = await prepare(to_chat(body), router, served_model_name, tool_parser, reasoning_parser)
     except APIError as e:
         raise in_responses_terms(e) from e
     out = _Output(body, prep.model)

@@ -26,6 +26,7 @@ from pdcluster.cluster.api.fanout import choice_requests, collect_all, interleav
 from pdcluster.cluster.api.logprobs import (Positions, TokenIdStrings, TokenStrings, chat_logprobs,
                                             completion_logprobs, vllm_prompt_logprobs)
 from pdcluster.cluster.api.middleware import APIError
+from pdcluster.cluster.api.reasoning import ReasoningStream, reasoning_fields, split_reasoning
 from pdcluster.cluster.api.router_contract import RouterError
 from pdcluster.cluster.api.tool_parsers import ToolCallStream
 from pdcluster.cluster.api.validation import Prepared
@@ -71,6 +72,9 @@ class Reply:
         # Per choice index, the parser of its stream (only for a request whose text may hold tool calls).
         self.tool_streams = {} if mode is None else {
             run.index: ToolCallStream(mode.reader(), mode.max_calls) for run in runs}
+        # Per choice index, its reasoning parser's stream (chat with --reasoning-parser: cluster/api/reasoning.py).
+        parser = prep.output.reasoning_parser
+        self.reasoning_streams = {} if parser is None else {run.index: ReasoningStream(parser) for run in runs}
 
     def header(self, chunk: bool) -> dict:
         p = self.prep
@@ -131,10 +135,22 @@ class Reply:
             if self.prep.output.num_prompt_logprobs is not None:
                 choice["prompt_logprobs"] = self.prompt_logprobs(run)
             return choice
+        text, reasoning = run.text, None
+        if self.prep.output.reasoning_parser is not None:  # the answer is what follows the reasoning
+            split = split_reasoning(self.prep.output.reasoning_parser, text)
+            text, reasoning = split.content, split.reasoning or None
+        choice = self._chat_choice(run, text, logprobs)
+        if self.prep.output.reasoning_parser is not None:
+            message = choice["message"]
+            message["content"] = message["content"] or None  # as vLLM: no answer yet is null
+            message.update(reasoning_fields(reasoning))
+        return choice
+
+    def _chat_choice(self, run: ChoiceRun, text: str, logprobs: dict | None) -> dict:
         mode = self.prep.output.tool_calls
         if mode is None:
-            return wire.chat_choice(run.index, run.text, logprobs, run.finish_reason)
-        content, calls = mode.reader().parse(run.text, mode.max_calls)
+            return wire.chat_choice(run.index, text, logprobs, run.finish_reason)
+        content, calls = mode.reader().parse(text, mode.max_calls)
         if calls:
             return wire.chat_choice(run.index, content or None, logprobs, "tool_calls", calls)
         return wire.chat_choice(run.index, content, logprobs, run.finish_reason)
@@ -159,15 +175,27 @@ class Reply:
         return self._sse(self._with_ids(choice, run, positions))
 
     def chunks(self, run: ChoiceRun, text: str, positions: Positions | None, finish_reason: str | None) -> list[bytes]:
-        """The chunks for a piece of a choice: one, or with tool calls one per delta of its parser (the
-        piece's logprobs on the first, the finish reason on the last)."""
+        """The chunks for a piece of a choice: one, or with reasoning or tool calls one per delta of their
+        parsers (the piece's reasoning first; its logprobs on the first, the finish reason on the last)."""
         stream = self.tool_streams.get(run.index)
-        if stream is None:
+        reasoning_stream = self.reasoning_streams.get(run.index)
+        if stream is None and reasoning_stream is None:
             return [self.chunk(run, text, positions, finish_reason)]
-        deltas = stream.feed(text)
-        if finish_reason is not None and finish_reason != "error":
-            deltas += stream.finish()
-            finish_reason = "tool_calls" if stream.num_final_calls else finish_reason
+        deltas = []
+        if reasoning_stream is not None:
+            split = reasoning_stream.feed(text)
+            if finish_reason is not None:
+                split = split + reasoning_stream.finish()
+            text = split.content
+            if split.reasoning:
+                deltas.append(reasoning_fields(split.reasoning))
+        if stream is None:
+            deltas += [{"content": text}] if text else []
+        else:
+            deltas += stream.feed(text)
+            if finish_reason is not None and finish_reason != "error":
+                deltas += stream.finish()
+                finish_reason = "tool_calls" if stream.num_final_calls else finish_reason
         has_tokens = positions is not None and bool(positions.token_ids)
         if not deltas and (has_tokens or finish_reason is not None):
             deltas = [{}]  # held-back text: its logprobs still go out, and so does the finish reason

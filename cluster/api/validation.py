@@ -57,6 +57,7 @@ class Output:
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens as "token_id:<id>"
     drop_output: bool = False  # max_tokens 0 with echo (scoring): the one token generated is not shown
     tool_calls: ToolCalls | None = None  # the text is tool calls (cluster/api/structured.py)
+    reasoning_parser: str | None = None  # chat: the reasoning comes apart from the answer (cluster/api/reasoning.py)
 
 
 @dataclass
@@ -80,8 +81,9 @@ def _bad(param: str, message: str) -> APIError:
 
 
 async def prepare(body: SamplingFields, router, served_model_name: str,
-                  tool_parser: ToolParser | None = None) -> Prepared:
-    """``tool_parser``: the model's tool-call format (tool_choice "auto", tools in the prompt)."""
+                  tool_parser: ToolParser | None = None, reasoning_parser: str | None = None) -> Prepared:
+    """``tool_parser``: the model's tool-call format (tool_choice "auto", tools in the prompt);
+    ``reasoning_parser``: the model's reasoning format (cluster/api/reasoning.py), for chat."""
     lora_name = check_model(body.model, served_model_name, router.lora_names)
     n = _check_n(body)
     _reject_unsupported(body)
@@ -93,6 +95,11 @@ async def prepare(body: SamplingFields, router, served_model_name: str,
     # Checking a schema and tokenising long prompts take a while: keep them off the event loop.
     spec, tool_calls = await anyio.to_thread.run_sync(structured_request, body, tool_parser)
     output = replace(output, tool_calls=tool_calls)
+    # A grammar forces the output from its first token (structured output, a required or named tool): it
+    # holds no reasoning. Tool calls read by a parser ("auto") are free text, reasoning first.
+    forced = spec is not None
+    if is_chat and reasoning_parser is not None and not forced:
+        output = replace(output, reasoning_parser=reasoning_parser)
     bad_words = bad_words_token_ids(body.bad_words, tokenizer) if body.bad_words else ()
     extras = replace(extras, structured_output=spec, lora_name=lora_name, bad_words_token_ids=bad_words)
     if is_chat:
@@ -291,6 +298,9 @@ def chat_prompt_text(messages: list[ChatMessage], add_generation_prompt: bool, t
         for key in ("name", "tool_calls", "tool_call_id"):
             if getattr(m, key):
                 message[key] = getattr(m, key)
+        reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
         if inject and m.role == "assistant" and m.tool_calls:
             message["content"] = "\n".join(x for x in (message["content"], tool_parser.render_calls(m.tool_calls)) if x)
         rendered.append(message)

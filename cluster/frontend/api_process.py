@@ -25,6 +25,7 @@ class ApiConfig:
     api_key: str | None
     max_body_bytes: int
     tool_call_parser: str
+    reasoning_parser: str | None = None
 
 
 def router_endpoint(socket_dir: str) -> str:
@@ -48,7 +49,7 @@ def main(config: ApiConfig, index: int, sock: socket.socket) -> int:
     router = RemoteRouter(endpoint, reply_endpoint, index, handshake(endpoint, index, HANDSHAKE_TIMEOUT_S))
     app = build_app(router, config.served_model_name, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
                     metrics=Metrics(config.served_model_name, multiprocess_dir=config.metrics_dir),
-                    tool_call_parser=config.tool_call_parser)
+                    tool_call_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser)
 
     install_admin_proxy(app, router)
     try:

@@ -50,11 +50,11 @@ class ApiServers:
         self._procs: list[multiprocessing.Process] = []
 
     def run(self, router, served_model_name: str, *, api_key: str | None, max_body_bytes: int,
-            tool_call_parser: str, admin_app=None, on_ready=None) -> int:
+            tool_call_parser: str, reasoning_parser: str | None = None, admin_app=None, on_ready=None) -> int:
         """Serve until SIGINT/SIGTERM (0) or an API process's death (1). ``admin_app``: an ASGI app whose
         /admin/* routes answer the API processes' admin calls. ``on_ready(loop)``: as run_server's."""
         config = ApiConfig(self.dir, self.metrics_dir, self.host, self.port, served_model_name, api_key,
-                           max_body_bytes, tool_call_parser)
+                           max_body_bytes, tool_call_parser, reasoning_parser)
         return run_serving_loop(self._serve(router, config, admin_app, on_ready))
 
     async def _serve(self, router, config: ApiConfig, admin_app, on_ready) -> int:

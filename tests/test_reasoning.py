@@ -1,0 +1,182 @@
+"""Reasoning output (serve --reasoning-parser, cluster/api/reasoning.py): a thinking model's
+``<think>...</think>`` comes back as ``message.reasoning`` / ``reasoning_content`` beside its answer, whole and
+streamed (the stream's pieces join into the whole answer's fields, a tag cut anywhere between tokens), with
+tool calls read from the answer, structured output left alone, the Responses API's reasoning item, and an
+earlier turn's reasoning handed back to the chat template.
+
+The parser on every cut of the text; the API through a real server and the `openai` client, over the
+scripted router of test_api_openai (one token a delta, so tags arrive in pieces: "<", "think", ">").
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import httpx
+import openai
+import pytest
+
+from pdcluster.cluster.api.app import build_app
+from pdcluster.cluster.api.protocol import ChatMessage
+from pdcluster.cluster.api.reasoning import ReasoningStream, split_reasoning
+from pdcluster.cluster.api.validation import chat_prompt_text
+from pdcluster.engine.tokenizer import Tokenizer
+from test_api import serving
+from test_api_openai import Script, ScriptedRouter, _sse_events
+
+pytestmark = pytest.mark.timeout(120)
+
+CASES = [
+    # parser, text, reasoning, content
+    ("qwen3", "<think>Paris is in France.</think>\n\nParis.", "Paris is in France.", "\n\nParis."),
+    ("qwen3", "Paris.", "", "Paris."),  # enable_thinking false: no tags, all answer
+    ("qwen3", "<think>still thinking", "still thinking", ""),  # cut by max_tokens inside the reasoning
+    ("qwen3", "<thin", "", "<thin"),  # not the tag after all
+    ("qwen3", "a <think>b</think>", "", "a <think>b</think>"),  # only an opening tag opens it
+    ("qwen3", "<think></think>Hi", "", "Hi"),
+    ("qwen3", "<think>a</th", "a</th", ""),
+    ("deepseek_r1", "First, 2+2.</think>\n4", "First, 2+2.", "\n4"),  # <think> was in the prompt
+    ("deepseek_r1", "<think>First.</think>4", "First.", "4"),
+    ("deepseek_r1", "no end yet", "no end yet", ""),
+    ("deepseek_r1", "x</think>", "x", ""),
+]
+
+
+@pytest.mark.parametrize("parser,text,reasoning,content", CASES)
+def test_split_and_every_stream_cut_agree(parser, text, reasoning, content):
+    whole = split_reasoning(parser, text)
+    assert (whole.reasoning, whole.content) == (reasoning, content)
+    for cut in range(len(text) + 1):  # two pieces, anywhere (inside a tag too)
+        stream = ReasoningStream(parser)
+        parts = stream.feed(text[:cut]) + stream.feed(text[cut:]) + stream.finish()
+        assert (parts.reasoning, parts.content) == (reasoning, content), cut
+    stream = ReasoningStream(parser)  # one character at a time
+    parts = [stream.feed(ch) for ch in text] + [stream.finish()]
+    parts = sum(parts[1:], parts[0])
+    assert (parts.reasoning, parts.content) == (reasoning, content)
+
+
+@contextlib.contextmanager
+def _server(tiny_dir, texts: dict[int, str], parser: str | None):
+    router = ScriptedRouter(Tokenizer(tiny_dir), Script(texts))
+    with serving(build_app(router, "scripted", reasoning_parser=parser)) as base_url:
+        yield router, httpx.Client(base_url=base_url, timeout=30), \
+            openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0)
+
+
+CHAT = dict(model="scripted", messages=[{"role": "user", "content": "Capital of France?"}], max_tokens=100)
+THOUGHT = "<think>The user asks for the capital. It is Paris.</think>\n\nParis."
+
+
+def test_chat_reasoning_whole_and_streamed(tiny_dir):
+    with _server(tiny_dir, {0: THOUGHT}, "qwen3") as (router, http, client):
+        m = client.chat.completions.create(**CHAT).choices[0].message
+        assert m.reasoning == m.reasoning_content == "The user asks for the capital. It is Paris."
+        assert m.content == "\n\nParis."
+        events = _sse_events(http, "/v1/chat/completions", {**CHAT, "logprobs": True})
+        deltas = [e["choices"][0] for e in events if e["choices"]]
+        reasoning = "".join(d["delta"].get("reasoning") or "" for d in deltas)
+        assert reasoning == "".join(d["delta"].get("reasoning_content") or "" for d in deltas) == m.reasoning
+        assert "".join(d["delta"].get("content") or "" for d in deltas) == m.content
+        assert not any("think>" in (d["delta"].get("content") or "") + (d["delta"].get("reasoning") or "")
+                       for d in deltas)
+        # Every token's logprob still goes out once, and the stream ends with its finish reason.
+        assert sum(len((d.get("logprobs") or {}).get("content") or []) for d in deltas) == \
+            len(router.tokenizer.encode(THOUGHT))
+        assert deltas[-1]["finish_reason"] == "length"
+
+
+def test_without_the_flag_or_the_tag_the_text_is_the_answer(tiny_dir):
+    with _server(tiny_dir, {0: THOUGHT}, None) as (_, _, client):
+        m = client.chat.completions.create(**CHAT).choices[0].message
+        assert m.content == THOUGHT and getattr(m, "reasoning", None) is None
+    with _server(tiny_dir, {0: "Paris."}, "qwen3") as (_, http, client):
+        m = client.chat.completions.create(**CHAT).choices[0].message
+        assert m.content == "Paris." and m.reasoning is None
+        events = _sse_events(http, "/v1/chat/completions", CHAT)
+        assert not any(e["choices"][0]["delta"].get("reasoning") for e in events if e["choices"])
+    # Completions are the raw text: the parser is for chat answers.
+    with _server(tiny_dir, {0: THOUGHT}, "qwen3") as (_, _, client):
+        assert client.completions.create(model="scripted", prompt="Hi", max_tokens=100).choices[0].text == THOUGHT
+
+
+def test_deepseek_r1_reasoning_until_the_end_tag(tiny_dir):
+    with _server(tiny_dir, {0: "Two and two.</think>4", 1: "Still going"}, "deepseek_r1") as (_, _, client):
+        choices = client.chat.completions.create(**CHAT, n=2).choices
+        assert (choices[0].message.reasoning, choices[0].message.content) == ("Two and two.", "4")
+        assert (choices[1].message.reasoning, choices[1].message.content) == ("Still going", None)
+
+
+def test_tool_calls_are_read_from_the_answer(tiny_dir):
+    text = ('<think>I need the weather.</think>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+            '\n</tool_call>')
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    with _server(tiny_dir, {0: text}, "qwen3") as (_, http, client):
+        choice = client.chat.completions.create(**CHAT, tools=tools).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.reasoning == "I need the weather."
+        assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == \
+            [("get_weather", '{"city": "Paris"}')]
+        events = _sse_events(http, "/v1/chat/completions", {**CHAT, "tools": tools})
+        deltas = [e["choices"][0] for e in events if e["choices"]]
+        assert "".join(d["delta"].get("reasoning") or "" for d in deltas) == "I need the weather."
+        calls = [c for d in deltas for c in d["delta"].get("tool_calls") or []]
+        assert calls and calls[0]["function"]["name"] == "get_weather"
+        assert deltas[-1]["finish_reason"] == "tool_calls"
+
+
+def test_structured_output_is_not_parsed(tiny_dir):
+    text = '<think>x</think>{"a": 1}'
+    with _server(tiny_dir, {0: text}, "qwen3") as (_, _, client):
+        m = client.chat.completions.create(**CHAT, response_format={"type": "json_object"}).choices[0].message
+        assert m.content == text and getattr(m, "reasoning", None) is None
+
+
+def test_responses_api_gives_a_reasoning_item(tiny_dir):
+    with _server(tiny_dir, {0: THOUGHT}, "qwen3") as (_, http, client):
+        r = client.responses.create(model="scripted", input="Capital of France?", max_output_tokens=100)
+        assert [item.type for item in r.output] == ["reasoning", "message"]
+        assert r.output[0].content[0].text == "The user asks for the capital. It is Paris."
+        assert r.output_text == "\n\nParis."
+        with http.stream("POST", "/v1/responses", json={"model": "scripted", "input": "Hi", "max_output_tokens": 100,
+                                                         "stream": True}) as resp:
+            body = "".join(resp.iter_text())
+        events = [line.removeprefix("event: ") for line in body.splitlines() if line.startswith("event: ")]
+        # The scripted router ends on "length": the response is incomplete, its two items whole.
+        assert events[2:5] == ["response.output_item.added", "response.output_item.done", "response.output_item.added"]
+        assert events[-1] == "response.incomplete" and "<think>" not in body and '"type":"reasoning"' in body
+
+
+class _RecordingTemplate:
+    """A tokenizer stand-in that keeps the messages the chat template gets."""
+
+    chat_template = "{{ messages }}"
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, **kwargs):
+        self.messages = messages
+        return "rendered"
+
+
+def test_earlier_reasoning_goes_back_to_the_template():
+    tok = _RecordingTemplate()
+    messages = [ChatMessage(role="user", content="Hi"),
+                ChatMessage(role="assistant", content="Hello", reasoning="Greet back."),
+                ChatMessage(role="assistant", content="Again", reasoning_content="Older name."),
+                ChatMessage(role="user", content="Bye")]
+    chat_prompt_text(messages, True, tok)
+    assert [m.get("reasoning_content") for m in tok.messages] == [None, "Greet back.", "Older name.", None]
+
+
+def test_reasoning_parser_flag():
+    import argparse
+
+    from pdcluster.cluster.serve_cli import add_serve_parser
+
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    assert parser.parse_args(["serve"]).reasoning_parser is None
+    assert parser.parse_args(["serve", "--reasoning-parser", "deepseek_r1"]).reasoning_parser == "deepseek_r1"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--reasoning-parser", "gpt"])
+    with pytest.raises(ValueError, match="reasoning parser 'gpt'"):
+        build_app(ScriptedRouter(None, Script({0: ""})), "x", reasoning_parser="gpt")
