@@ -56,8 +56,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     g.add_argument("--tool-call-parser", choices=PARSER_CHOICES, default="auto",
                    help="the model's tool-call format, read for tool_choice 'auto': hermes (<tool_call> JSON "
-                        "blocks), llama3_json, pythonic ([f(a=1)]); auto (default): from the chat template "
-                        "(<tool_call> or ChatML -> hermes, Llama 3 -> llama3_json; otherwise 'auto' is refused)")
+                        "blocks), llama3_json, pythonic ([f(a=1)]), mistral ([TOOL_CALLS]), qwen3_coder "
+                        "(<function=...> XML); auto (default): from the chat template (<function= -> qwen3_coder, "
+                        "[TOOL_CALLS] -> mistral, <tool_call> or ChatML -> hermes, Llama 3 -> llama3_json; "
+                        "otherwise 'auto' is refused)")
     g.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="give a thinking model's reasoning (<think>...</think>) apart from its chat answer, as "
                         "message.reasoning / reasoning_content: qwen3 (Qwen3, QwQ: only an output that opens "

@@ -15,6 +15,7 @@ streamed tool calls for every tool choice.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 
@@ -27,7 +28,9 @@ from pdcluster.cluster.api.tool_parsers import (NamedParser, RequiredParser, Too
                                             select_parser)
 from pdcluster.cluster.api.tool_parsers.hermes import HermesParser
 from pdcluster.cluster.api.tool_parsers.llama3_json import Llama3JsonParser
+from pdcluster.cluster.api.tool_parsers.mistral import MistralParser
 from pdcluster.cluster.api.tool_parsers.pythonic import PythonicParser
+from pdcluster.cluster.api.tool_parsers.qwen3_coder import Qwen3CoderParser
 from pdcluster.cluster.api.validation import chat_prompt_text
 from pdcluster.cluster.local_router import LocalRouter
 from pdcluster.engine.config import EngineConfig
@@ -38,6 +41,10 @@ from test_api_openai import CHAT, TIME_TOOL, WEATHER_TOOL, Script, ScriptedRoute
 pytestmark = pytest.mark.timeout(120)
 
 TOOLS = [WEATHER_TOOL, TIME_TOOL]
+ALARM_TOOL = {"type": "function", "function": {"name": "set_alarm", "parameters": {"type": "object", "properties": {
+    "hour": {"type": "integer"}, "loud": {"type": "boolean"}, "tags": {"type": "array"}, "note": {"type": "string"},
+    "ratio": {"type": "number"}}}}}
+QWEN3_CODER = Qwen3CoderParser().for_tools(TOOLS + [ALARM_TOOL])
 PARIS, CET = ("get_weather", {"city": "Paris"}), ("get_time", {"zone": "CET"})
 
 # (parser, text, expected content, expected calls as (name, arguments object))
@@ -76,6 +83,32 @@ CASES = [
                                                                               "c": "x, y)"})]),
     (PythonicParser(), "[1, 2, 3]", "[1, 2, 3]", []),
     (PythonicParser(), "[f(x=open('a'))]", "[f(x=open('a'))]", []),
+    # mistral: [TOOL_CALLS] then a JSON array (v0.3 tokenizers) or name[ARGS]{...} per call (v11 on)
+    (MistralParser(), "Paris is the capital.", "Paris is the capital.", []),
+    (MistralParser(), '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]', "", [PARIS]),
+    (MistralParser(), 'Let me look. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                      '{"name": "get_time", "arguments": {"zone": "CET"}}]', "Let me look.", [PARIS, CET]),
+    (MistralParser(), '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{"zone": "CET"}', "",
+     [PARIS, CET]),
+    (MistralParser(), "[TOOL_CALLS] not a call", "[TOOL_CALLS] not a call", []),
+    (MistralParser(), "I write [TOOL tags", "I write [TOOL tags", []),
+    (MistralParser(), '[TOOL_CALLS]f[ARGS]"x"', '[TOOL_CALLS]f[ARGS]"x"', []),
+    # qwen3_coder: XML blocks, values typed by the request's tools
+    (QWEN3_CODER, "Paris is the capital.", "Paris is the capital.", []),
+    (QWEN3_CODER, "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
+                  "</tool_call>", "", [PARIS]),
+    (QWEN3_CODER, "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                  "</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n<parameter=zone>\nCET\n"
+                  "</parameter>\n</function>\n</tool_call>", "Checking.", [PARIS, CET]),
+    (QWEN3_CODER, "<tool_call>\n<function=set_alarm>\n<parameter=hour>\n7\n</parameter>\n<parameter=loud>\n"
+                  "true\n</parameter>\n<parameter=tags>\n[\"a\", 2]\n</parameter>\n<parameter=note>\n5\n"
+                  "</parameter>\n<parameter=ratio>\n0.5\n</parameter>\n<parameter=extra>\nline one\nline two\n"
+                  "</parameter>\n</function>\n</tool_call>", "",
+     [("set_alarm", {"hour": 7, "loud": True, "tags": ["a", 2], "note": "5", "ratio": 0.5,
+                     "extra": "line one\nline two"})]),
+    (QWEN3_CODER, "<tool_call>\n<function=set_alarm>\n<parameter=hour>\nseven\n</parameter>\n</function>\n"
+                  "</tool_call>", "", [("set_alarm", {"hour": "seven"})]),  # not an integer: the text, as vLLM
+    (QWEN3_CODER, "x <tool_call>\nhello\n</tool_call> y", "x <tool_call>\nhello\n</tool_call> y", []),
     # forced outputs (grammar-made): "required" and a named function
     (RequiredParser(), '[{"name":"get_weather","parameters":{"city":"Paris"}},{"name":"get_time","parameters":'
                        '{"zone":"CET"}}]', "", [PARIS, CET]),
@@ -164,6 +197,9 @@ def test_parser_picked_from_the_chat_template(tiny_dir):
     assert parser_for_template(None) is None
     assert isinstance(select_parser("pythonic", smollm2_template), PythonicParser)
     assert select_parser("auto", "[INST]") is None
+    assert parser_for_template("{{ bos_token }}[AVAILABLE_TOOLS]...[TOOL_CALLS]{{ calls }}") == "mistral"
+    assert parser_for_template("<tool_call>\n<function={{ name }}>\n<parameter={{ k }}>") == "qwen3_coder"
+    assert isinstance(select_parser("mistral", None), MistralParser)
     with pytest.raises(ValueError, match="'xml'"):
         select_parser("xml", smollm2_template)
 
@@ -207,6 +243,38 @@ def _chat_stream(client, **kw) -> tuple[str | None, list, str, list]:
 def _whole(r) -> tuple[str | None, list, str]:
     msg = r.choices[0].message
     return msg.content, [(c.function.name, c.function.arguments) for c in msg.tool_calls or []], r.choices[0].finish_reason
+
+
+@contextlib.contextmanager
+def _scripted_with(tiny_dir, script: Script, tool_call_parser: str):
+    router = ScriptedRouter(Tokenizer(tiny_dir), script)
+    with serving(build_app(router, "scripted", tool_call_parser=tool_call_parser)) as base_url:
+        yield router, openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0)
+
+
+def test_mistral_calls_keep_special_tokens(tiny_dir):
+    """[TOOL_CALLS] is a special token in Mistral's vocabulary: a request the mistral parser reads keeps special
+    tokens in its text (else the marker would vanish and the call read as text)."""
+    answer = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+    with _scripted_with(tiny_dir, Script({0: answer}), "mistral") as (router, client):
+        r = client.chat.completions.create(model="scripted", messages=CHAT, tools=TOOLS, max_tokens=100)
+        content, calls, finish = _whole(r)
+        assert (content, finish) == (None, "tool_calls") and [(n, json.loads(a)) for n, a in calls] == [PARIS]
+        assert router.params[r.id + "-0"].skip_special_tokens is False
+        client.chat.completions.create(model="scripted", messages=CHAT, max_tokens=5)  # no tools: as asked
+        assert list(router.params.values())[-1].skip_special_tokens is True
+
+
+def test_qwen3_coder_types_values_by_the_request_tools(tiny_dir):
+    answer = ("<tool_call>\n<function=set_alarm>\n<parameter=hour>\n7\n</parameter>\n<parameter=note>\n5\n"
+              "</parameter>\n</function>\n</tool_call>")
+    with _scripted_with(tiny_dir, Script({0: answer}, delay_s=0.001), "qwen3_coder") as (_, client):
+        kw = dict(model="scripted", messages=CHAT, tools=TOOLS + [ALARM_TOOL], max_tokens=100)
+        content, calls, finish = _whole(client.chat.completions.create(**kw))
+        assert finish == "tool_calls" and [(n, json.loads(a)) for n, a in calls] == [("set_alarm", {"hour": 7,
+                                                                                                    "note": "5"})]
+        s_content, s_calls, s_finish, _ = _chat_stream(client, **kw)
+        assert (s_finish, [(n, a) for _, n, a in s_calls]) == (finish, calls)
 
 
 HERMES_ANSWER = ('I will look both up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'

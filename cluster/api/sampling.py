@@ -35,6 +35,7 @@ class Extras:
     structured_output: str | None = None
     lora_name: str | None = None  # the LoRA adapter the request's ``model`` names (None: the base model)
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # ``bad_words`` tokenized (bad_words_token_ids)
+    keep_special_tokens: bool = False  # the tool-call parser reads special tokens (Mistral's [TOOL_CALLS])
 
 
 def sampling_params(body: SamplingFields, max_tokens: int, vocab_size: int, extras: Extras) -> SamplingParams:
@@ -72,7 +73,7 @@ def sampling_params(body: SamplingFields, max_tokens: int, vocab_size: int, extr
             structured_output=extras.structured_output, lora_name=extras.lora_name, min_p=min_p,
             allowed_token_ids=(None if allowed is None else _token_ids("allowed_token_ids", allowed, vocab_size)),
             bad_words_token_ids=[list(seq) for seq in extras.bad_words_token_ids], cache_salt=body.cache_salt,
-            skip_special_tokens=body.skip_special_tokens is not False,
+            skip_special_tokens=body.skip_special_tokens is not False and not extras.keep_special_tokens,
             include_stop_str_in_output=bool(body.include_stop_str_in_output), priority=_priority(body))
     except ValueError as e:
         raise APIError(400, str(e)) from e

@@ -154,11 +154,12 @@ def _tools_spec(body: SamplingFields, tool_parser: ToolParser | None) -> tuple[s
         if tool_parser is None:
             raise _bad("tool_choice", "'auto' (the default when tools are given) needs a tool-call parser, and "
                                       "this model's chat template does not show its format: start the server "
-                                      "with --tool-call-parser hermes, llama3_json or pythonic, or send "
+                                      "with --tool-call-parser hermes, llama3_json, pythonic, mistral or "
+                                      "qwen3_coder, or send "
                                       "tool_choice 'required' or {\"type\": \"function\", \"function\": "
                                       "{\"name\": ...}} (or 'none')")
         single = 1 if getattr(body, "parallel_tool_calls", None) is False else None
-        return None, ToolCalls(None, tool_parser, single)
+        return None, ToolCalls(None, tool_parser.for_tools([t.model_dump(exclude_none=True) for t in tools]), single)
     if isinstance(choice, NamedToolChoice):
         name = choice.function.name
         if name not in names:

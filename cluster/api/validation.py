@@ -101,7 +101,9 @@ async def prepare(body: SamplingFields, router, served_model_name: str,
     if is_chat and reasoning_parser is not None and not forced:
         output = replace(output, reasoning_parser=reasoning_parser)
     bad_words = bad_words_token_ids(body.bad_words, tokenizer) if body.bad_words else ()
-    extras = replace(extras, structured_output=spec, lora_name=lora_name, bad_words_token_ids=bad_words)
+    keep_special = tool_calls is not None and tool_calls.parser is not None and tool_calls.parser.needs_special_tokens
+    extras = replace(extras, structured_output=spec, lora_name=lora_name, bad_words_token_ids=bad_words,
+                     keep_special_tokens=keep_special)
     if is_chat:
         tools = [t.model_dump(exclude_none=True) for t in body.tools or []] if body.tool_choice != "none" else []
         template_kwargs = chat_template_kwargs(body.chat_template_kwargs)

@@ -1,0 +1,149 @@
+"""Qwen3-Coder's XML calls (vLLM's ``qwen3_coder``)::
+
+    <tool_call>
+    <function=get_weather>
+    <parameter=city>
+    Paris
+    </parameter>
+    </function>
+    </tool_call>
+
+one block a call, text around them. A parameter's value is raw text (one newline after its opening tag and
+before its closing tag is layout, not value), typed by the request's tool schema as vLLM types it: strings
+stay strings, integers / numbers / booleans / null are converted, objects and arrays read as JSON; a
+parameter the schema does not name (or a value that does not convert) stays a string. The arguments object
+grows a whole parameter at a time, so a stream never sends a value it would later change.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from pdcluster.cluster.api.tool_parsers.base import (CallSnapshot, Snapshot, ToolParser, call_arguments,
+                                                 held_prefix_len, tools_system_prompt)
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>")
+_PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>")
+PARAM_CLOSE, FUNCTION_CLOSE = "</parameter>", "</function>"
+
+
+def _typed(raw: str, schema: dict | None):
+    """A parameter's raw text as its schema's type (vLLM's conversions); the text itself when the schema
+    says string, names no type, or the text does not convert."""
+    kind = (schema or {}).get("type")
+    kinds = kind if isinstance(kind, list) else [kind]
+    text = raw.strip()
+    if text.lower() == "null" and "string" not in kinds:
+        return None
+    for k in kinds:
+        try:
+            if k in ("integer", "int"):
+                return int(text)
+            if k in ("number", "float"):
+                value = float(text)
+                return int(value) if value.is_integer() and "." not in text and "e" not in text.lower() else value
+            if k == "boolean" and text.lower() in ("true", "false"):
+                return text.lower() == "true"
+            if k in ("object", "array"):
+                return json.loads(text)
+        except ValueError:
+            continue
+    return raw
+
+
+class Qwen3CoderParser(ToolParser):
+    name = "qwen3_coder"
+
+    def __init__(self, schemas: dict[str, dict] | None = None):
+        self.schemas = schemas or {}  # function name -> its parameters' properties
+
+    def for_tools(self, tools: list[dict]) -> ToolParser:
+        schemas = {}
+        for tool in tools:
+            fn = tool.get("function", {})
+            schemas[fn.get("name")] = (fn.get("parameters") or {}).get("properties") or {}
+        return Qwen3CoderParser(schemas)
+
+    def snapshot(self, text: str, final: bool) -> Snapshot:
+        parts: list = []
+        pending, pos, after_block = "", 0, False
+        while True:
+            start = text.find(OPEN, pos)
+            if start < 0:
+                pending += text[pos:]
+                break
+            body = start + len(OPEN)
+            block = self._block(text, body, final)
+            if block is None:  # not a call: the tag is text
+                pending, pos = pending + text[pos:body], body
+                continue
+            call, end = block
+            before = pending + text[pos:start]
+            parts.append((before.lstrip() if after_block else before).rstrip())
+            parts.append(call)
+            if end is None:  # still being written: nothing after it yet
+                return Snapshot(parts)
+            pending, pos, after_block = "", end, True
+        tail = pending.lstrip() if after_block else pending
+        if not final:  # what may still become a block's tag, or whitespace before one, waits
+            tail = tail[: len(tail) - held_prefix_len(tail, OPEN)].rstrip()
+        parts.append(tail)
+        return Snapshot(parts)
+
+    def _block(self, text: str, body: int, final: bool) -> tuple[CallSnapshot, int | None] | None:
+        m = _FUNCTION.match(text, body)
+        if m is None:
+            rest = text[body:].lstrip()
+            return None if final or not "<function=".startswith(rest[:10]) else (CallSnapshot(None, ""), None)
+        name = m.group(1).strip()
+        schema = self.schemas.get(name, {})
+        args: dict = {}
+        pos = m.end()
+        while True:
+            p = _PARAMETER.match(text, pos)
+            if p is None:
+                rest = text[pos:].lstrip()
+                if rest.startswith(FUNCTION_CLOSE):
+                    after = text.find(CLOSE, pos)
+                    between = text[pos:after] if after >= 0 else text[pos:]
+                    arguments = json.dumps(args, ensure_ascii=False)
+                    if after >= 0 and between.strip() == FUNCTION_CLOSE:
+                        return CallSnapshot(name, arguments, done=True), after + len(CLOSE)
+                    if final:  # the closing tag never came: the block ends with its function
+                        return CallSnapshot(name, arguments, done=True), len(text)
+                    return CallSnapshot(name, self._open_arguments(args)), None
+                if final or not ("<parameter=".startswith(rest[:11]) or FUNCTION_CLOSE.startswith(rest)):
+                    return None
+                return CallSnapshot(name, self._open_arguments(args)), None
+            value_start = p.end() + (1 if text.startswith("\n", p.end()) else 0)
+            close = text.find(PARAM_CLOSE, value_start)
+            if close < 0:
+                if final:
+                    return None
+                return CallSnapshot(name, self._open_arguments(args)), None
+            raw = text[value_start:close]
+            raw = raw[:-1] if raw.endswith("\n") else raw
+            key = p.group(1).strip()
+            args[key] = _typed(raw, schema.get(key))
+            pos = close + len(PARAM_CLOSE)
+
+    @staticmethod
+    def _open_arguments(args: dict) -> str:
+        """The arguments object so far: its finished parameters, the object still open."""
+        return json.dumps(args, ensure_ascii=False)[:-1] if args else ""
+
+    def system_prompt(self, tools: list[dict]) -> str:
+        how_to_call = ("To call a function, answer with a block in this format:\n"
+                       "<tool_call>\n<function=FUNCTION_NAME>\n<parameter=PARAMETER_NAME>\nvalue\n</parameter>\n"
+                       "</function>\n</tool_call>\nOne block a call. If no function is needed, answer in plain text.")
+        return tools_system_prompt(tools, how_to_call, "<tools>", "</tools>")
+
+    def render_calls(self, calls: list[dict]) -> str:
+        blocks = []
+        for c in calls:
+            params = "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}\n"
+                             f"</parameter>\n" for k, v in call_arguments(c).items())
+            blocks.append(f"{OPEN}\n<function={c['function']['name']}>\n{params}{FUNCTION_CLOSE}\n{CLOSE}")
+        return "\n".join(blocks)
