@@ -399,6 +399,25 @@ def test_priority_reaches_the_engine(stack):
     _bad_request(lambda: _complete(stack, max_tokens=2, priority=1 << 64), "priority", "64-bit")
 
 
+def test_continuous_usage_stats(stack):
+    chunks = list(stack.client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, n=2, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    usages = [c.usage for c in chunks]
+    assert all(u is not None for u in usages)  # every chunk, as vLLM
+    final = usages[-1]
+    assert not chunks[-1].choices and final.completion_tokens == 12
+    assert [u.completion_tokens for u in usages] == sorted(u.completion_tokens for u in usages)
+    assert all(u.prompt_tokens == final.prompt_tokens and u.total_tokens == u.prompt_tokens + u.completion_tokens
+               for u in usages)
+    plain = list(stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage.completion_tokens == 3
+    _bad_request(lambda: stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3,
+                                                         stream_options={"include_usage": True}),
+                 "stream_options", "stream=true")
+
+
 # ================================================================================== chat template variables
 
 

@@ -50,6 +50,7 @@ class StrictModel(BaseModel):
 
 class StreamOptions(StrictModel):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's: with include_usage, the usage so far on every chunk
 
 
 class JsonSchemaFormat(StrictModel):

@@ -208,7 +208,10 @@ class Reply:
         return out
 
     def _sse(self, choice: dict, extra: dict | None = None) -> bytes:
-        usage_field = {"usage": None} if self.prep.include_usage else {}
+        if self.prep.continuous_usage:
+            usage_field = {"usage": self.usage()}  # so far: every prompt's tokens, the tokens shown until now
+        else:
+            usage_field = {"usage": None} if self.prep.include_usage else {}
         return wire.sse({**self.header(True), "choices": [choice], **usage_field, **(extra or {})})
 
 

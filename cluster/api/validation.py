@@ -72,6 +72,7 @@ class Prepared:
     output: Output
     stream: bool
     include_usage: bool
+    continuous_usage: bool = False  # every chunk carries the usage so far (vLLM's continuous_usage_stats)
     created: int = field(default_factory=lambda: int(time.time()))
     arrival: float = field(default_factory=time.monotonic)
 
@@ -120,10 +121,14 @@ async def prepare(body: SamplingFields, router, served_model_name: str,
         max_tokens = _max_tokens(body, len(ids), router.max_model_len, label, output)
         inputs.append(PromptInput(ids, sampling_params(body, max_tokens, tokenizer.vocab_size, extras), text))
     prefix, kind = ("chatcmpl", CHAT_COMPLETION) if is_chat else ("cmpl", TEXT_COMPLETION)
-    include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
+    options = body.stream_options
+    if options is not None and not body.stream and (options.include_usage or options.continuous_usage_stats):
+        raise _bad("stream_options", "stream_options are for streamed responses: set stream=true or leave them out")
+    include_usage = bool(body.stream and options and options.include_usage)
     # Answers name the model asked for: the adapter's name for an adapter (as vLLM).
+    continuous = include_usage and bool(options.continuous_usage_stats)
     return Prepared(f"{prefix}-{uuid.uuid4().hex}", kind, body.model, inputs, n, output,
-                    bool(body.stream), include_usage)
+                    bool(body.stream), include_usage, continuous_usage=continuous)
 
 
 def check_model(model: str | None, served_model_name: str, lora_names: tuple[str, ...] = ()) -> str | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass
+from typing import Callable
 
 
 @dataclass
@@ -94,6 +95,39 @@ def call_arguments(call: dict) -> dict:
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}
+
+
+def tagged_blocks_snapshot(text: str, final: bool, open_tag: str,
+                           read_block: Callable[[str, int, bool], tuple[list[CallSnapshot], int | None] | None]
+                           ) -> Snapshot:
+    """The snapshot of a format whose calls are blocks opened by ``open_tag`` with text around them (hermes,
+    qwen3_coder). ``read_block(text, body, final)``: the calls of the block whose body starts at ``body`` and
+    where it ends (None: still open), or None if it is no call block (its tag is text). Whitespace next to a
+    block is not content; before ``final``, what may still become a tag (and whitespace before it) waits."""
+    parts: list = []
+    pending, pos, after_block = "", 0, False
+    while True:
+        start = text.find(open_tag, pos)
+        if start < 0:
+            pending += text[pos:]
+            break
+        body = start + len(open_tag)
+        block = read_block(text, body, final)
+        if block is None:  # not a call: the tag is text
+            pending, pos = pending + text[pos:body], body
+            continue
+        calls, end = block
+        before = pending + text[pos:start]
+        parts.append((before.lstrip() if after_block else before).rstrip())
+        parts.extend(calls)
+        if end is None:  # still being written: nothing after it yet
+            return Snapshot(parts)
+        pending, pos, after_block = "", end, True
+    tail = pending.lstrip() if after_block else pending
+    if not final:
+        tail = tail[: len(tail) - held_prefix_len(tail, open_tag)].rstrip()
+    parts.append(tail)
+    return Snapshot(parts)
 
 
 def held_prefix_len(text: str, marker: str) -> int:

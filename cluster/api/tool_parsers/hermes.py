@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 from pdcluster.cluster.api.tool_parsers.base import (CallSnapshot, Snapshot, ToolParser, call_arguments,
-                                                 held_prefix_len, tools_system_prompt)
+                                                 tagged_blocks_snapshot, tools_system_prompt)
 from pdcluster.cluster.api.tool_parsers.json_scan import SequenceScan, scan_array, scan_call, skip_ws
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -20,31 +20,7 @@ class HermesParser(ToolParser):
     name = "hermes"
 
     def snapshot(self, text: str, final: bool) -> Snapshot:
-        parts: list = []
-        pending, pos, after_block = "", 0, False
-        while True:
-            start = text.find(OPEN, pos)
-            if start < 0:
-                pending += text[pos:]
-                break
-            body = start + len(OPEN)
-            block = self._block(text, body, final)
-            if block is None:  # not a call: the tag is text
-                pending, pos = pending + text[pos:body], body
-                continue
-            calls, end = block
-            before = pending + text[pos:start]
-            parts.append(before.lstrip() if after_block else before)
-            parts[-1] = parts[-1].rstrip()
-            parts.extend(calls)
-            if end is None:  # still being written: nothing after it yet
-                return Snapshot(parts)
-            pending, pos, after_block = "", end, True
-        tail = pending.lstrip() if after_block else pending
-        if not final:  # what may still become a block's tag, or whitespace before one, waits
-            tail = tail[: len(tail) - held_prefix_len(tail, OPEN)].rstrip()
-        parts.append(tail)
-        return Snapshot(parts)
+        return tagged_blocks_snapshot(text, final, OPEN, self._block)
 
     def _block(self, text: str, body: int, final: bool) -> tuple[list[CallSnapshot], int | None] | None:
         """The calls of the block whose body starts at ``body`` and where it ends (None: open), or None

@@ -21,7 +21,7 @@ import json
 import re
 
 from pdcluster.cluster.api.tool_parsers.base import (CallSnapshot, Snapshot, ToolParser, call_arguments,
-                                                 held_prefix_len, tools_system_prompt)
+                                                 tagged_blocks_snapshot, tools_system_prompt)
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>")
@@ -67,36 +67,14 @@ class Qwen3CoderParser(ToolParser):
         return Qwen3CoderParser(schemas)
 
     def snapshot(self, text: str, final: bool) -> Snapshot:
-        parts: list = []
-        pending, pos, after_block = "", 0, False
-        while True:
-            start = text.find(OPEN, pos)
-            if start < 0:
-                pending += text[pos:]
-                break
-            body = start + len(OPEN)
-            block = self._block(text, body, final)
-            if block is None:  # not a call: the tag is text
-                pending, pos = pending + text[pos:body], body
-                continue
-            call, end = block
-            before = pending + text[pos:start]
-            parts.append((before.lstrip() if after_block else before).rstrip())
-            parts.append(call)
-            if end is None:  # still being written: nothing after it yet
-                return Snapshot(parts)
-            pending, pos, after_block = "", end, True
-        tail = pending.lstrip() if after_block else pending
-        if not final:  # what may still become a block's tag, or whitespace before one, waits
-            tail = tail[: len(tail) - held_prefix_len(tail, OPEN)].rstrip()
-        parts.append(tail)
-        return Snapshot(parts)
+        return tagged_blocks_snapshot(text, final, OPEN, self._block)
 
-    def _block(self, text: str, body: int, final: bool) -> tuple[CallSnapshot, int | None] | None:
+    def _block(self, text: str, body: int, final: bool) -> tuple[list[CallSnapshot], int | None] | None:
+        """The block's call (one) and where the block ends (None: still open), or None: no call block."""
         m = _FUNCTION.match(text, body)
         if m is None:
             rest = text[body:].lstrip()
-            return None if final or not "<function=".startswith(rest[:10]) else (CallSnapshot(None, ""), None)
+            return None if final or not "<function=".startswith(rest[:10]) else ([CallSnapshot(None, "")], None)
         name = m.group(1).strip()
         schema = self.schemas.get(name, {})
         args: dict = {}
@@ -110,19 +88,19 @@ class Qwen3CoderParser(ToolParser):
                     between = text[pos:after] if after >= 0 else text[pos:]
                     arguments = json.dumps(args, ensure_ascii=False)
                     if after >= 0 and between.strip() == FUNCTION_CLOSE:
-                        return CallSnapshot(name, arguments, done=True), after + len(CLOSE)
+                        return [CallSnapshot(name, arguments, done=True)], after + len(CLOSE)
                     if final:  # the closing tag never came: the block ends with its function
-                        return CallSnapshot(name, arguments, done=True), len(text)
-                    return CallSnapshot(name, self._open_arguments(args)), None
+                        return [CallSnapshot(name, arguments, done=True)], len(text)
+                    return [CallSnapshot(name, self._open_arguments(args))], None
                 if final or not ("<parameter=".startswith(rest[:11]) or FUNCTION_CLOSE.startswith(rest)):
                     return None
-                return CallSnapshot(name, self._open_arguments(args)), None
+                return [CallSnapshot(name, self._open_arguments(args))], None
             value_start = p.end() + (1 if text.startswith("\n", p.end()) else 0)
             close = text.find(PARAM_CLOSE, value_start)
             if close < 0:
                 if final:
                     return None
-                return CallSnapshot(name, self._open_arguments(args)), None
+                return [CallSnapshot(name, self._open_arguments(args))], None
             raw = text[value_start:close]
             raw = raw[:-1] if raw.endswith("\n") else raw
             key = p.group(1).strip()
