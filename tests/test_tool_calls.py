@@ -109,6 +109,8 @@ CASES = [
     (QWEN3_CODER, "<tool_call>\n<function=set_alarm>\n<parameter=hour>\nseven\n</parameter>\n</function>\n"
                   "</tool_call>", "", [("set_alarm", {"hour": "seven"})]),  # not an integer: the text, as vLLM
     (QWEN3_CODER, "x <tool_call>\nhello\n</tool_call> y", "x <tool_call>\nhello\n</tool_call> y", []),
+    (QWEN3_CODER, "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\nDone.",
+     "Done.", [PARIS]),  # no closing tag: the block ends with its function, the text after it is content
     # forced outputs (grammar-made): "required" and a named function
     (RequiredParser(), '[{"name":"get_weather","parameters":{"city":"Paris"}},{"name":"get_time","parameters":'
                        '{"zone":"CET"}}]', "", [PARIS, CET]),

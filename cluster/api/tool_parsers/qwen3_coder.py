@@ -84,14 +84,14 @@ class Qwen3CoderParser(ToolParser):
             if p is None:
                 rest = text[pos:].lstrip()
                 if rest.startswith(FUNCTION_CLOSE):
-                    after = text.find(CLOSE, pos)
-                    between = text[pos:after] if after >= 0 else text[pos:]
-                    arguments = json.dumps(args, ensure_ascii=False)
-                    if after >= 0 and between.strip() == FUNCTION_CLOSE:
-                        return [CallSnapshot(name, arguments, done=True)], after + len(CLOSE)
-                    if final:  # the closing tag never came: the block ends with its function
-                        return [CallSnapshot(name, arguments, done=True)], len(text)
-                    return [CallSnapshot(name, self._open_arguments(args))], None
+                    function_end = text.find(FUNCTION_CLOSE, pos) + len(FUNCTION_CLOSE)
+                    j = function_end + len(text[function_end:]) - len(text[function_end:].lstrip())
+                    done = [CallSnapshot(name, json.dumps(args, ensure_ascii=False), done=True)]
+                    if text.startswith(CLOSE, j):
+                        return done, j + len(CLOSE)
+                    if not final and CLOSE.startswith(text[j:]):  # the closing tag is coming
+                        return [CallSnapshot(name, self._open_arguments(args))], None
+                    return done, function_end  # no closing tag: the block ends with its function
                 if final or not ("<parameter=".startswith(rest[:11]) or FUNCTION_CLOSE.startswith(rest)):
                     return None
                 return [CallSnapshot(name, self._open_arguments(args))], None
