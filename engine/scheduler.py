@@ -219,8 +219,10 @@ class Scheduler:
         # The running rows: one pass, its calls bound once (a decode step does this for every row).
         running, chunk_size, allocate = self.running, cfg.prefill_chunk_size, self.block_manager.allocate_slots
         # Most urgent first (stable: admission order within a priority; linear on an already sorted list):
-        # the budget goes to them, and running.pop() below preempts the least urgent.
-        running.sort(key=priority_of)
+        # the budget goes to them, and running.pop() below preempts the least urgent. Every running request
+        # came through the waiting queue, which says whether any had a priority other than 0.
+        if self.waiting.prioritized:
+            running.sort(key=priority_of)
         num_new_tokens, scheduled_row, num_slots = self._num_new_tokens, self._scheduled, self._num_slots
         i = 0
         while i < len(running) and budget > 0:

@@ -30,10 +30,14 @@ class WaitingQueue:
         self._bands: dict[int, deque[Request]] = {}
         self._order: list[int] = []  # the priorities present, ascending
         self._len = 0
+        # Whether any request with a priority other than 0 ever entered: until one does, nothing needs
+        # ordering by priority (the scheduler skips sorting its running requests, a per-step cost).
+        self.prioritized = False
 
     def _band(self, priority: int) -> deque[Request]:
         band = self._bands.get(priority)
         if band is None:
+            self.prioritized = self.prioritized or priority != 0
             band = self._bands[priority] = deque()
             self._order.append(priority)
             self._order.sort()
