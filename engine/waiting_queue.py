@@ -28,8 +28,7 @@ class WaitingQueue:
 
     def __init__(self) -> None:
         self._bands: dict[int, deque[Request]] = {}
-        self._order: list[int] = []  # the priorities present, ascending
-        self._len = 0
+        self._order: list[int] = []  # the priorities with waiting requests, ascending (empty bands are dropped)
         # Whether any request with a priority other than 0 ever entered: until one does, nothing needs
         # ordering by priority (the scheduler skips sorting its running requests, a per-step cost).
         self.prioritized = False
@@ -50,11 +49,9 @@ class WaitingQueue:
 
     def append(self, request: Request) -> None:
         self._band(priority_of(request)).append(request)
-        self._len += 1
 
     def appendleft(self, request: Request) -> None:
         self._band(priority_of(request)).appendleft(request)
-        self._len += 1
 
     def extendleft(self, requests: Iterable[Request]) -> None:
         """As deque.extendleft: each goes to the front of its priority in turn (pass them reversed to keep
@@ -63,12 +60,11 @@ class WaitingQueue:
             self.appendleft(request)
 
     def popleft(self) -> Request:
-        if not self._len:
+        if not self._order:
             raise IndexError("pop from an empty waiting queue")
         priority = self._order[0]
         request = self._bands[priority].popleft()
         self._drop_if_empty(priority)
-        self._len -= 1
         return request
 
     def remove(self, request: Request) -> None:
@@ -78,12 +74,11 @@ class WaitingQueue:
             raise ValueError(f"request {request.request_id!r} is not waiting")
         band.remove(request)
         self._drop_if_empty(priority)
-        self._len -= 1
 
     def __getitem__(self, index: int) -> Request:
         if index != 0:
             raise IndexError("only the head of the waiting queue is read (index 0)")
-        if not self._len:
+        if not self._order:
             raise IndexError("the waiting queue is empty")
         return self._bands[self._order[0]][0]
 
@@ -96,8 +91,8 @@ class WaitingQueue:
             yield from reversed(self._bands[priority])
 
     def __len__(self) -> int:
-        return self._len
+        return sum(len(self._bands[p]) for p in self._order)
 
     def __bool__(self) -> bool:
-        return self._len > 0
+        return bool(self._order)
 
