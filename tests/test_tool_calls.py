@@ -23,7 +23,7 @@ import openai
 import pytest
 
 from pdcluster.cluster.api.app import build_app
-from pdcluster.cluster.api.protocol import ChatMessage
+from pdcluster.cluster.api.protocol import ChatMessage, Tool
 from pdcluster.cluster.api.tool_parsers import (NamedParser, RequiredParser, ToolCallStream, parser_for_template,
                                             select_parser)
 from pdcluster.cluster.api.tool_parsers.hermes import HermesParser
@@ -44,7 +44,7 @@ TOOLS = [WEATHER_TOOL, TIME_TOOL]
 ALARM_TOOL = {"type": "function", "function": {"name": "set_alarm", "parameters": {"type": "object", "properties": {
     "hour": {"type": "integer"}, "loud": {"type": "boolean"}, "tags": {"type": "array"}, "note": {"type": "string"},
     "ratio": {"type": "number"}}}}}
-QWEN3_CODER = Qwen3CoderParser().for_tools(TOOLS + [ALARM_TOOL])
+QWEN3_CODER = Qwen3CoderParser().for_tools([Tool.model_validate(t) for t in TOOLS + [ALARM_TOOL]])
 PARIS, CET = ("get_weather", {"city": "Paris"}), ("get_time", {"zone": "CET"})
 
 # (parser, text, expected content, expected calls as (name, arguments object))

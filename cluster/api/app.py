@@ -16,10 +16,10 @@ from fastapi.responses import JSONResponse, Response
 from pdcluster.cluster.api.logprobs import TokenStrings
 from pdcluster.cluster.api.middleware import error_response, install_error_handlers, install_middleware
 from pdcluster.cluster.api.protocol import ChatCompletionRequest, CompletionRequest
+from pdcluster.cluster.api.reasoning import check_reasoning_parser
 from pdcluster.cluster.api.responses import ResponsesRequest, serve_response
 from pdcluster.cluster.api.serving import serve_request
 from pdcluster.cluster.api.tokenize_routes import install_tokenize_routes
-from pdcluster.cluster.api.reasoning import check_reasoning_parser
 from pdcluster.cluster.api.tool_parsers import select_parser
 from pdcluster.cluster.api.validation import check_model, prepare
 from pdcluster.cluster.metrics import Metrics

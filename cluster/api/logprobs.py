@@ -49,13 +49,15 @@ class TokenStrings:
         return list(self._bytes(int(token_id)))
 
 
-class TokenIdStrings(TokenStrings):
+class TokenIdStrings:
     """vLLM's ``return_tokens_as_token_ids``: a token shown as ``token_id:<id>`` (a client that works in
-    ids never has to map text back to tokens); its bytes stay the token's own."""
+    ids never has to map text back to tokens); its bytes stay the token's own (``strings``')."""
 
     def __init__(self, strings: TokenStrings):
-        self._bytes = strings._bytes
-        self._string = lambda token_id: f"token_id:{token_id}"
+        self.bytes = strings.bytes
+
+    def __call__(self, token_id: int) -> str:
+        return f"token_id:{int(token_id)}"
 
 
 @dataclass

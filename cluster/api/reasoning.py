@@ -59,10 +59,6 @@ class ReasoningStream:
         self._state = "start"  # start -> reasoning -> content (or start -> content)
         self._held = ""
 
-    @property
-    def in_reasoning(self) -> bool:
-        return self._state in ("start", "reasoning")
-
     def feed(self, text: str) -> Split:
         self._held += text
         out = Split()

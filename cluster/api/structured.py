@@ -159,7 +159,7 @@ def _tools_spec(body: SamplingFields, tool_parser: ToolParser | None) -> tuple[s
                                       "tool_choice 'required' or {\"type\": \"function\", \"function\": "
                                       "{\"name\": ...}} (or 'none')")
         single = 1 if getattr(body, "parallel_tool_calls", None) is False else None
-        return None, ToolCalls(None, tool_parser.for_tools([t.model_dump(exclude_none=True) for t in tools]), single)
+        return None, ToolCalls(None, tool_parser.for_tools(tools), single)
     if isinstance(choice, NamedToolChoice):
         name = choice.function.name
         if name not in names:

@@ -90,16 +90,13 @@ async def prepare(body: SamplingFields, router, served_model_name: str,
     _reject_unsupported(body)
     is_chat = isinstance(body, ChatCompletionRequest)
     output, extras = _output_and_extras(body)
-    output = replace(output, return_token_ids=bool(body.return_token_ids),
-                     tokens_as_ids=bool(body.return_tokens_as_token_ids))
     tokenizer = router.tokenizer
     # Checking a schema and tokenising long prompts take a while: keep them off the event loop.
     spec, tool_calls = await anyio.to_thread.run_sync(structured_request, body, tool_parser)
     output = replace(output, tool_calls=tool_calls)
     # A grammar forces the output from its first token (structured output, a required or named tool): it
     # holds no reasoning. Tool calls read by a parser ("auto") are free text, reasoning first.
-    forced = spec is not None
-    if is_chat and reasoning_parser is not None and not forced:
+    if is_chat and reasoning_parser is not None and spec is None:
         output = replace(output, reasoning_parser=reasoning_parser)
     bad_words = bad_words_token_ids(body.bad_words, tokenizer) if body.bad_words else ()
     keep_special = tool_calls is not None and tool_calls.parser is not None and tool_calls.parser.needs_special_tokens
@@ -125,8 +122,8 @@ async def prepare(body: SamplingFields, router, served_model_name: str,
     if options is not None and not body.stream and (options.include_usage or options.continuous_usage_stats):
         raise _bad("stream_options", "stream_options are for streamed responses: set stream=true or leave them out")
     include_usage = bool(body.stream and options and options.include_usage)
-    # Answers name the model asked for: the adapter's name for an adapter (as vLLM).
     continuous = include_usage and bool(options.continuous_usage_stats)
+    # Answers name the model asked for: the adapter's name for an adapter (as vLLM).
     return Prepared(f"{prefix}-{uuid.uuid4().hex}", kind, body.model, inputs, n, output,
                     bool(body.stream), include_usage, continuous_usage=continuous)
 
@@ -192,24 +189,25 @@ def _reject_unsupported(body: SamplingFields) -> None:
             no("suffix", "suffix (insertion) is not supported (leave it out)")
 
 
-def _output_and_extras(body: SamplingFields) -> tuple[Output, Extras]:
-    def in_range(param: str, value: int) -> int:
-        if not 0 <= value <= MAX_LOGPROBS:
-            raise _bad(param, f"must be in [0, {MAX_LOGPROBS}], got {value}")
-        return value
+def _num_logprobs_in_range(param: str, value: int, note: str = "") -> int:
+    if not 0 <= value <= MAX_LOGPROBS:
+        raise _bad(param, f"must be in [0, {MAX_LOGPROBS}], got {value}{note}")
+    return value
 
+
+def _output_and_extras(body: SamplingFields) -> tuple[Output, Extras]:
     num_prompt = _num_prompt_logprobs(body)
+    ids = dict(num_prompt_logprobs=num_prompt, return_token_ids=bool(body.return_token_ids),
+               tokens_as_ids=bool(body.return_tokens_as_token_ids))
     if isinstance(body, ChatCompletionRequest):
         if body.top_logprobs is not None and not body.logprobs:
             raise _bad("top_logprobs", f"needs logprobs=true, got top_logprobs={body.top_logprobs} with "
                                        f"logprobs={body.logprobs}")
-        num = in_range("top_logprobs", body.top_logprobs or 0) if body.logprobs else None
-        return (Output(num_logprobs=num, num_prompt_logprobs=num_prompt),
-                Extras(logprobs=num, prompt_logprobs=num_prompt))
-    num = None if body.logprobs is None else in_range("logprobs", body.logprobs)
+        num = _num_logprobs_in_range("top_logprobs", body.top_logprobs or 0) if body.logprobs else None
+        return Output(num_logprobs=num, **ids), Extras(logprobs=num, prompt_logprobs=num_prompt)
+    num = None if body.logprobs is None else _num_logprobs_in_range("logprobs", body.logprobs)
     echo = bool(body.echo)
-    output = Output(num_logprobs=num, echo=echo, drop_output=echo and body.max_tokens == 0,
-                    num_prompt_logprobs=num_prompt)
+    output = Output(num_logprobs=num, echo=echo, drop_output=echo and body.max_tokens == 0, **ids)
     # The engine computes the prompt's records once, for the most alternatives either view shows.
     wanted = [k for k in (num if echo else None, num_prompt) if k is not None]
     return output, Extras(logprobs=num, prompt_logprobs=max(wanted) if wanted else None)
@@ -222,9 +220,8 @@ def _num_prompt_logprobs(body: SamplingFields) -> int | None:
     value = body.prompt_logprobs
     if value is None:
         return None
-    if not 0 <= value <= MAX_LOGPROBS:
-        whole = " (-1, the whole vocabulary, is not served)" if value == -1 else ""
-        raise _bad("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {value}{whole}")
+    _num_logprobs_in_range("prompt_logprobs", value,
+                           " (-1, the whole vocabulary, is not served)" if value == -1 else "")
     if body.stream:
         if value > 0:
             raise _bad("prompt_logprobs", "prompt_logprobs are not available when stream=true (send the request "

@@ -1,7 +1,8 @@
 """Tool-call parsers: a model's free text -> content and OpenAI ``tool_calls``, whole or streamed.
 
-One format a file (``hermes``, ``llama3_json``, ``pythonic``, ``mistral``, ``qwen3_coder``; ``forced`` reads the grammar-constrained
-outputs of tool_choice "required" and a named function), all behind base.py's ``ToolParser``;
+One format a file (``hermes``, ``llama3_json``, ``pythonic``, ``mistral``, ``qwen3_coder``; ``forced`` reads
+the grammar-constrained outputs of tool_choice "required" and a named function), all behind base.py's
+``ToolParser``;
 stream.py turns any of them into OpenAI stream deltas. ``pdcluster serve --tool-call-parser NAME``
 picks one for tool_choice "auto"; ``auto`` (the default) picks from the chat template, see
 ``parser_for_template``.

@@ -63,9 +63,10 @@ class ToolParser:
     # Its markers are special tokens (Mistral's [TOOL_CALLS]): a request it reads keeps them in its text.
     needs_special_tokens = False
 
-    def for_tools(self, tools: list[dict]) -> ToolParser:
-        """The parser for one request's ``tools`` (OpenAI's layout): a format whose values are typed by the
-        tools' schemas (Qwen3-Coder's XML) reads them; the others are the same for every request."""
+    def for_tools(self, tools: list) -> ToolParser:
+        """The parser for one request's ``tools`` (cluster/api/protocol.py ``Tool``s): a format whose values
+        are typed by the tools' schemas (Qwen3-Coder's XML) reads them; the others are the same for every
+        request."""
         return self
 
     def snapshot(self, text: str, final: bool) -> Snapshot:

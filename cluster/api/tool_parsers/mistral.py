@@ -39,8 +39,8 @@ class MistralParser(ToolParser):
         return Snapshot([text[:start].rstrip(), *calls])
 
     def _calls(self, text: str, start: int, final: bool) -> list[CallSnapshot] | None:
-        """The calls from the marker at ``start`` on; None if the text there cannot be calls (then, before
-        ``final``, it may still be coming: the caller holds it back)."""
+        """The calls from the marker at ``start`` on, so far (a call still being written last, unfinished);
+        None if the text there cannot be calls (the caller then shows it as text)."""
         i = skip_ws(text, start + len(TOOL_CALLS))
         if i >= len(text):
             return None if final else []

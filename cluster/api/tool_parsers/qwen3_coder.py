@@ -59,12 +59,9 @@ class Qwen3CoderParser(ToolParser):
     def __init__(self, schemas: dict[str, dict] | None = None):
         self.schemas = schemas or {}  # function name -> its parameters' properties
 
-    def for_tools(self, tools: list[dict]) -> ToolParser:
-        schemas = {}
-        for tool in tools:
-            fn = tool.get("function", {})
-            schemas[fn.get("name")] = (fn.get("parameters") or {}).get("properties") or {}
-        return Qwen3CoderParser(schemas)
+    def for_tools(self, tools: list) -> ToolParser:
+        return Qwen3CoderParser({t.function.name: (t.function.parameters or {}).get("properties") or {}
+                                 for t in tools})
 
     def snapshot(self, text: str, final: bool) -> Snapshot:
         return tagged_blocks_snapshot(text, final, OPEN, self._block)
