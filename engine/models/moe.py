@@ -246,10 +246,11 @@ def take_expert_weights(weights: dict[str, torch.Tensor], prefix: str, moe: MoeA
 
 
 def batch_invariant_sigmoid(logits: torch.Tensor) -> torch.Tensor:
-    """sigmoid in float32 as ``1 / (1 + exp(-x))``: an element's bits do not depend on where it sits in the tensor.
-    torch.sigmoid on CPU runs whole vectors and the tail of a tensor through code that rounds differently
-    (kernels/mamba_reference.py), so a token's gate would change with the batch; exp, + and / agree on both paths."""
-    return torch.reciprocal(torch.exp(-logits.float()).add_(1.0))
+    """sigmoid(x) as softmax over (x, 0): within an ulp of torch.sigmoid, and batch-invariant. torch.sigmoid on
+    CPU runs the vectorised part of a tensor and its tail through code that rounds differently, so a token's
+    value would depend on how many tokens share the tensor; softmax over the last dim runs each row alike.
+    NemotronH's router scores and Qwen2-MoE's shared-expert gate."""
+    return torch.softmax(torch.stack([logits, torch.zeros_like(logits)], dim=-1), dim=-1)[..., 0]
 
 
 class SharedExpert:
@@ -264,7 +265,7 @@ class SharedExpert:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
         # transformers: F.sigmoid on the model-dtype logit (computed in float32, rounded once), then the product.
-        return out.mul_(batch_invariant_sigmoid(self.gate(x)).to(x.dtype))
+        return out.mul_(batch_invariant_sigmoid(self.gate(x).float()).to(x.dtype))
 
 
 def take_shared_expert(weights: dict[str, torch.Tensor], prefix: str, moe: MoeArch, hidden_size: int,

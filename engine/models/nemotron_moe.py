@@ -27,7 +27,8 @@ from typing import Callable
 import torch
 
 from pdcluster.engine.linear import Linear
-from pdcluster.engine.models.moe import FusedExperts, check_shape, relu2, take_stacked_experts
+from pdcluster.engine.models.moe import (FusedExperts, batch_invariant_sigmoid, check_shape, relu2,
+                                         take_stacked_experts)
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ class SigmoidGroupRouter:
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         m = self.moe
-        scores = _sigmoid_by_rows(self.proj(x.float()))
+        scores = batch_invariant_sigmoid(self.proj(x.float()))
         choice = scores + self.bias
         if m.topk_group < m.n_group:  # all groups kept otherwise: the mask would change nothing
             groups = choice.view(-1, m.n_group, m.num_experts // m.n_group)
@@ -101,13 +102,6 @@ class SigmoidGroupRouter:
         if m.norm_topk_prob:
             weights /= weights.sum(dim=-1, keepdim=True) + 1e-20
         return weights * m.routed_scaling_factor, experts
-
-
-def _sigmoid_by_rows(logits: torch.Tensor) -> torch.Tensor:
-    """sigmoid(x) as softmax over (x, 0): within an ulp of torch.sigmoid, and batch-invariant. torch.sigmoid on
-    CPU runs the vectorised part of a tensor and its tail through code that rounds differently, so a token's
-    scores would depend on how many tokens share the tensor; softmax over the last dim runs each row alike."""
-    return torch.softmax(torch.stack([logits, torch.zeros_like(logits)], dim=-1), dim=-1)[..., 0]
 
 
 class NemotronHMoE:
