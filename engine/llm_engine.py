@@ -85,7 +85,7 @@ class LLMEngine:
         # KV events (block stored / removed, by tier) for the router's global index, drained by the worker.
         self.kv_events = KVEventLog()
         self.offload = make_offload_manager(config, self.kv_cache, str(self.model_dir), self.dtype_name,
-                                            self.kv_events, self.model.lora_fingerprint)
+                                            self.kv_events, self.model.kv_fingerprint)
         scheduler_cls = AsyncScheduler if config.async_scheduling else Scheduler
         self.scheduler = scheduler_cls(config, num_blocks, self.max_model_len, set(loaded.eos_token_ids),
                                        self.connector, self.num_state_blocks, self.offload, self.kv_events.record)

@@ -82,7 +82,8 @@ class LoadedModel:
         deterministic = _resolve_deterministic(config)
         config = replace(config, deterministic=deterministic)
         model = load_model(model_dir, dtype, max_model_len + config.num_spec_steps + 1, config.device,
-                           deterministic=deterministic)
+                           deterministic=deterministic, max_model_len=max_model_len)
+        arch = model.arch  # as this engine serves it (longrope's table follows max_model_len)
         if config.lora_modules:
             from pdcluster.engine.lora import install
 

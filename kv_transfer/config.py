@@ -27,14 +27,15 @@ class TransferConfig:
         return TransportConfig(timeout_s=self.transfer_timeout_s, host=self.host, secret=self.secret)
 
 
-def model_fingerprint(model_dir: str | Path, lora_fingerprint: str = "") -> str:
-    """Hash of the model's config and weight file names/sizes, and of its LoRA adapters' names and contents
-    (engine/lora/ LoraSet.fingerprint): two workers serving different models (or different conversions, or
-    different adapters under one name) must not exchange KV."""
+def model_fingerprint(model_dir: str | Path, kv_fingerprint: str = "") -> str:
+    """Hash of the model's config and weight file names/sizes, and of what else decides its KV (CausalLM.
+    kv_fingerprint: its LoRA adapters' names and contents, longrope's table): two workers serving different models
+    (or different conversions, different adapters under one name, or one longrope model at max_model_lens either
+    side of its original context) must not exchange KV."""
     model_dir = Path(model_dir)
     h = hashlib.sha256((model_dir / "config.json").read_bytes())
-    if lora_fingerprint:
-        h.update(f"lora:{lora_fingerprint}".encode())
+    if kv_fingerprint:
+        h.update(f"kv:{kv_fingerprint}".encode())
     for f in sorted(model_dir.glob("*.safetensors")):
         h.update(f"{f.name}:{f.stat().st_size}".encode())
     return h.hexdigest()[:24]

@@ -12,7 +12,7 @@ def endpoint_config(worker_id: str, model: LoadedModel, transfer: TransferConfig
     return EndpointConfig(
         worker_id=worker_id,
         layout=kv_layout(model.kv_spec, model.state_shape, model.num_state_blocks),
-        model_fingerprint=model_fingerprint(model.model_dir, model.model.lora_fingerprint),
+        model_fingerprint=model_fingerprint(model.model_dir, model.model.kv_fingerprint),
         transport=transfer.transport,
         transport_descriptor=transport.local_descriptor(),
         secret=transfer.secret,

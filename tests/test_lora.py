@@ -235,7 +235,7 @@ def test_an_adapter_changed_under_its_name_is_another_fingerprint(adapters, tmp_
         loaded = _load(path)
         fp = endpoint_config("w", loaded, TransferConfig(), NoTransport()).model_fingerprint
         return fp, layout_namespace(str(loaded.model_dir), loaded.dtype_name, loaded.kv_cache,
-                                    loaded.model.lora_fingerprint)
+                                    loaded.model.kv_fingerprint)
 
     same = _copy(adapters["a1"], tmp_path / "same")
     doubled = lambda w: {**w, _first(w, "v_proj.lora_B.weight"): w[_first(w, "v_proj.lora_B.weight")] * 2}  # noqa: E731

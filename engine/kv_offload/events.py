@@ -41,19 +41,20 @@ class KVEventLog:
         return events
 
 
-def layout_namespace(model_dir: str, dtype_name: str, kv_cache: torch.Tensor, lora_fingerprint: str = "") -> str:
+def layout_namespace(model_dir: str, dtype_name: str, kv_cache: torch.Tensor, kv_fingerprint: str = "") -> str:
     """The disk tier's folder for this KV layout: another model's or shape's blocks are never read as ours, nor
-    blocks made by other LoRA adapters (a changed adapter file) under a name we serve."""
+    blocks made by other LoRA adapters (a changed adapter file) under a name we serve, nor blocks of another RoPE
+    table (``kv_fingerprint``: CausalLM.kv_fingerprint)."""
     key = f"{model_dir}|{dtype_name}|{tuple(kv_cache.shape[:2])}|{tuple(kv_cache.shape[3:])}"
-    if lora_fingerprint:
-        key += f"|lora:{lora_fingerprint}"
+    if kv_fingerprint:
+        key += f"|kv:{kv_fingerprint}"
     return hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
 
 
 def make_offload_manager(config: EngineConfig, kv_cache: torch.Tensor, model_dir: str, dtype_name: str,
-                         events: KVEventLog, lora_fingerprint: str = "") -> OffloadManager | None:
+                         events: KVEventLog, kv_fingerprint: str = "") -> OffloadManager | None:
     offload = config.offload_config()
     if not offload.enabled:
         return None
-    return OffloadManager(offload, kv_cache, layout_namespace(model_dir, dtype_name, kv_cache, lora_fingerprint),
+    return OffloadManager(offload, kv_cache, layout_namespace(model_dir, dtype_name, kv_cache, kv_fingerprint),
                           on_event=events.on_offload_event)

@@ -10,8 +10,9 @@ cache, the offload tiers and the router's KV index alike.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
-from pdcluster.engine.lora.adapter import LoraAdapter, LoraAdapterError, load_adapter
+from pdcluster.engine.lora.adapter import LoraAdapter, LoraAdapterError, LoraWeights, load_adapter
 from pdcluster.engine.lora.layers import LoraLinear, LoraSet, grouped_way, slice_updates
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,8 @@ def install(model, lora_modules: dict[str, str], max_rank: int) -> LoraSet:
     for layer, owner, attr, slices in targets:
         updates = {}
         for adapter_index, adapter in enumerate(adapters):
-            modules = [(offset, width, adapter.modules.get((layer, name))) for name, offset, width in slices]
+            modules = [(offset, width, _in_layout(model, attr, offset, width, adapter.modules.get((layer, name))))
+                       for name, offset, width in slices]
             if any(w is not None for _, _, w in modules):
                 updates[adapter_index] = slice_updates(modules)
         if updates:
@@ -59,3 +61,10 @@ def install(model, lora_modules: dict[str, str], max_rank: int) -> LoraSet:
     log.info("LoRA adapters: %s", ", ".join(f"{a.name} (rank {a.max_rank}, {len(a.modules)} modules)"
                                             for a in adapters))
     return lora
+
+
+def _in_layout(model, attr: str, offset: int, width: int, weights: LoraWeights | None) -> LoraWeights | None:
+    """An adapter's update of one output slice with its B rows in the order the model keeps that slice's
+    outputs (partial rotary: q and k head dimensions permuted at load, CausalLM.lora_output_rows)."""
+    rows = model.lora_output_rows(attr, offset, width) if weights is not None else None
+    return weights if rows is None else replace(weights, b=weights.b[rows])

@@ -74,10 +74,13 @@ def arch_from_dir(model_dir: str | Path) -> ModelArch | HybridArch:
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, max_positions: int,
-               device: str | torch.device = "cpu", deterministic: bool = False) -> LlamaModel | NemotronHModel:
+               device: str | torch.device = "cpu", deterministic: bool = False,
+               max_model_len: int | None = None) -> LlamaModel | NemotronHModel:
     """The model's weights loaded onto ``device`` into the engine's model class for its architecture;
-    ``deterministic``: batch-invariant kernels throughout (EngineConfig.deterministic)."""
-    return _classes(model_dir)[1].load(Path(model_dir), dtype, max_positions, device, deterministic)
+    ``deterministic``: batch-invariant kernels throughout (EngineConfig.deterministic); ``max_model_len``: the
+    engine's, which picks longrope's table (None: ``max_positions``)."""
+    return _classes(model_dir)[1].load(Path(model_dir), dtype, max_positions, device, deterministic,
+                                       max_model_len=max_model_len)
 
 
 def max_model_len_for(arch, requested: int = 0) -> int:

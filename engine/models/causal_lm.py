@@ -49,9 +49,13 @@ class CausalLM:
 
     @classmethod
     def load(cls, model_dir: Path, dtype: torch.dtype, max_positions: int,
-             device: str | torch.device = "cpu", deterministic: bool = False) -> "CausalLM":
-        return cls(cls.arch_class.from_dir(model_dir), load_weights(model_dir, dtype, device), dtype, max_positions,
-                   deterministic)
+             device: str | torch.device = "cpu", deterministic: bool = False,
+             max_model_len: int | None = None) -> "CausalLM":
+        """``max_model_len``: the engine's (None: ``max_positions``), where the arch depends on it (longrope)."""
+        arch = cls.arch_class.from_dir(model_dir)
+        if hasattr(arch, "for_context"):
+            arch = arch.for_context(max_positions if max_model_len is None else max_model_len)
+        return cls(arch, load_weights(model_dir, dtype, device), dtype, max_positions, deterministic)
 
     @property
     def device(self) -> torch.device:
@@ -62,10 +66,24 @@ class CausalLM:
         """Its LoRA adapters' names and contents (LoraSet.fingerprint); "" without adapters."""
         return self.lora.fingerprint if self.lora is not None else ""
 
+    @property
+    def kv_fingerprint(self) -> str:
+        """What besides the checkpoint decides the KV it writes: its LoRA adapters, and the RoPE table chosen for
+        the engine's max_model_len (longrope: engine/models/rope.py). Two workers exchange KV, and the offload
+        tiers keep it, only under equal fingerprints; "" for the plain model."""
+        scaling = getattr(self.arch, "rope_scaling", None)
+        rope = "rope:long" if scaling is not None and scaling.use_long else ""
+        return "|".join(part for part in (self.lora_fingerprint, rope) if part)
+
     def lora_targets(self) -> list[tuple[int, object, str, tuple[tuple[str, int, int], ...]]] | None:
         """Where LoRA adapters (engine/lora/) may add to this model: (layer index, the object holding the
         projection, its attribute, its output slices as (Hugging Face module name, offset, width)); None: this
         model takes no adapters."""
+        return None
+
+    def lora_output_rows(self, attr: str, offset: int, width: int) -> torch.Tensor | None:
+        """Which checkpoint output row each of the projection ``attr``'s rows offset .. offset + width holds, where
+        the loader reordered them (an adapter's B rows follow); None: in the checkpoint's order."""
         return None
 
     def run_unchunked(self) -> None:

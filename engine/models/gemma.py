@@ -182,9 +182,11 @@ class GemmaModel(LlamaModel):
 
     @classmethod
     def load(cls, model_dir: Path, dtype: torch.dtype, max_positions: int,
-             device: str | torch.device = "cpu", deterministic: bool = False) -> "GemmaModel":
+             device: str | torch.device = "cpu", deterministic: bool = False,
+             max_model_len: int | None = None) -> "GemmaModel":
         """A multimodal checkpoint's language model under the text model's names; its vision tower and
-        projector are dropped (image inputs are refused at the API)."""
+        projector are dropped (image inputs are refused at the API). ``max_model_len`` picks nothing here
+        (Gemma's RoPE variants are static)."""
         weights = {}
         for name, tensor in load_weights(model_dir, dtype, device).items():
             prefix = next((p for p in _TEXT_PREFIXES if name.startswith(p)), None)

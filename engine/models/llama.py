@@ -10,7 +10,7 @@ SiLU-and-mul. On CPU those are C kernels; on CUDA, Triton attention and torch fo
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -21,7 +21,8 @@ from pdcluster.engine.attention import AttentionMetadata, attend
 from pdcluster.engine.linear import Linear
 from pdcluster.engine.models.causal_lm import CausalLM
 from pdcluster.engine.models.moe import MoeArch, SparseMoe, take_expert_weights, take_shared_expert
-from pdcluster.engine.models.rope import RopeScaling, inv_freq_and_scale, rope_from_config
+from pdcluster.engine.models.rope import (RopeScaling, for_context, inv_freq_and_scale, partial_rotary_order,
+                                          rope_from_config, rotary_dim_of)
 from pdcluster.kernels import ops
 
 LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM")
@@ -64,6 +65,9 @@ class ModelArch:
     sliding_window: int | None = None
     sliding_layers: tuple[bool, ...] = ()
     fused_checkpoint: bool = False  # Phi-3: qkv_proj / gate_up_proj in the checkpoint (and adapters name them)
+    # Partial rotary (Phi-4-mini): RoPE rotates this many of a head's dimensions (0: all); engine/models/rope.py
+    # says how the loader lays them out for the kernels.
+    rotary_dim: int = 0
 
     def window_of(self, layer_index: int | None) -> int:
         """The attention window of a layer (0: full causal attention). ``None``: a layer outside the stack
@@ -80,7 +84,7 @@ class ModelArch:
         arch = cfg.get("architectures") or ["LlamaForCausalLM"]
         if arch[0] not in SUPPORTED:
             raise ValueError(f"{model_dir}: architecture {arch[0]!r} is not supported here ({', '.join(SUPPORTED)})")
-        rope_theta, rope_scaling = rope_from_config(cfg, str(model_dir))
+        rope_theta, rope_scaling = rope_from_config(cfg, str(model_dir), phi3=arch[0] in PHI3)
         for key, supported in (("mlp_bias", False), ("hidden_act", "silu")):
             if cfg.get(key, supported) != supported:
                 raise ValueError(f"{model_dir}: {key} {cfg[key]!r} is not supported (only {supported!r})")
@@ -88,6 +92,8 @@ class ModelArch:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         num_heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        rotary_dim = rotary_dim_of(cfg, head_dim, rope_scaling, str(model_dir))
         attention_bias = bool(cfg.get("attention_bias", False))
         return cls(
             vocab_size=cfg["vocab_size"],
@@ -96,7 +102,7 @@ class ModelArch:
             num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads", num_heads),
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
@@ -112,7 +118,17 @@ class ModelArch:
             sliding_window=window,
             sliding_layers=sliding_layers,
             fused_checkpoint=arch[0] in PHI3,
+            rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
         )
+
+    def for_context(self, max_model_len: int) -> "ModelArch":
+        """This arch as an engine of ``max_model_len`` serves it (longrope's table: engine/models/rope.py)."""
+        return replace(self, rope_scaling=for_context(self.rope_scaling, max_model_len))
+
+    def qk_order(self) -> torch.Tensor | None:
+        """With partial rotary, which checkpoint dimension each position of a q or k head holds in the kernels'
+        layout (the loader permutes q and k by it); None when RoPE rotates whole heads."""
+        return partial_rotary_order(self.head_dim, self.rotary_dim) if self.rotary_dim else None
 
 
 def _moe(cfg: dict, architecture: str, where: str) -> MoeArch | None:
@@ -176,20 +192,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 class RotaryEmbedding:
     def __init__(self, head_dim: int, theta: float, max_positions: int, dtype: torch.dtype,
-                 device: str | torch.device = "cpu", scaling: RopeScaling | None = None):
-        """``scaling``: the checkpoint's RoPE variant (engine/models/rope.py); its attention factor (yarn)
-        multiplies cos and sin, as transformers applies it, so every kernel reading the table gets it."""
-        inv_freq, scale = inv_freq_and_scale(head_dim, theta, scaling)
+                 device: str | torch.device = "cpu", scaling: RopeScaling | None = None, rotary_dim: int = 0):
+        """``scaling``: the checkpoint's RoPE variant (engine/models/rope.py); its attention factor (yarn,
+        longrope) multiplies cos and sin, as transformers applies it, so every kernel reading the table gets it.
+        ``rotary_dim`` (0: head_dim): partial rotary, the table in the permuted layout the loader gives q and k
+        (ModelArch.qk_order): the pairs past the rotated ones get cos 1 and sin 0, which leave them as they are."""
+        rotary_dim = rotary_dim or head_dim
+        inv_freq, scale = inv_freq_and_scale(rotary_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin = freqs.cos(), freqs.sin()
         if scale != 1.0:
             cos, sin = cos * scale, sin * scale
-        self.cos = cos.to(dtype).to(device)
-        self.sin = sin.to(dtype).to(device)
+        passed = (head_dim - rotary_dim) // 2
+        if passed:
+            cos = torch.cat((cos, torch.ones(max_positions, passed)), dim=-1)
+            sin = torch.cat((sin, torch.zeros(max_positions, passed)), dim=-1)
+        # [max_positions, head_dim], HF's rotate_half layout (the torch path below, the MTP head's training).
+        self.cos = torch.cat((cos, cos), dim=-1).to(dtype).to(device)
+        self.sin = torch.cat((sin, sin), dim=-1).to(dtype).to(device)
         # float32 [max_positions, head_dim]: cos of each frequency, then sin (what ops.rotary reads).
-        half = head_dim // 2
-        self.cos_sin = torch.cat((cos[:, :half], sin[:, :half]), dim=-1).contiguous().to(device)
+        self.cos_sin = torch.cat((cos, sin), dim=-1).contiguous().to(device)
 
     def rotate_(self, x: torch.Tensor, positions: torch.Tensor) -> None:
         """In place on [num_tokens, num_heads, head_dim] (heads may be a strided view)."""
@@ -207,6 +229,16 @@ class RotaryEmbedding:
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
+
+
+def permute_qk_rows(rows: torch.Tensor, arch: ModelArch, qk_order: torch.Tensor | None) -> torch.Tensor:
+    """A fused q/k/v projection's output rows (weight [out, in], bias [out] or a LoRA B [out, rank]) with each q
+    and k head's dimensions in the kernels' partial-rotary layout (ModelArch.qk_order); v's rows as they are."""
+    if qk_order is None:
+        return rows
+    num_qk_rows = (arch.num_heads + arch.num_kv_heads) * arch.head_dim
+    qk = rows[:num_qk_rows].reshape(arch.num_heads + arch.num_kv_heads, arch.head_dim, *rows.shape[1:])
+    return torch.cat((qk[:, qk_order].reshape(num_qk_rows, *rows.shape[1:]), rows[num_qk_rows:]))
 
 
 MLP_CHUNK_TOKENS = 1024
@@ -235,16 +267,21 @@ class DecoderLayer:
         det = {"deterministic": deterministic}  # engine/linear.py: the batch-invariant GEMM (issue 24)
         self.deterministic = deterministic  # ... and the fixed attention tiles (kernels/triton_paged_attention.py)
         fused = getattr(arch, "fused_checkpoint", False)
-        self.qkv_proj = Linear(w("self_attn.qkv_proj.weight") if fused else torch.cat(
-            [w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")]), **det)
+        qkv_weight = w("self_attn.qkv_proj.weight") if fused else torch.cat(
+            [w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")])
+        qk_order = arch.qk_order() if hasattr(arch, "qk_order") else None  # an MTP layer's HybridArch: none
+        self.qkv_proj = Linear(permute_qk_rows(qkv_weight, arch, qk_order), **det)
         self.o_proj = Linear(w("self_attn.o_proj.weight"), **det)
         # Biases are added after the matmul (the batch-invariant GEMMs take none); an adapter's update
         # (engine/lora) lands before them, an fp rounding order of no consequence.
-        self.qkv_bias = (torch.cat([w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"), w("self_attn.v_proj.bias")])
+        self.qkv_bias = (permute_qk_rows(torch.cat([w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"),
+                                                    w("self_attn.v_proj.bias")]), arch, qk_order)
                          if getattr(arch, "qkv_bias", False) else None)
         self.o_bias = w("self_attn.o_proj.bias") if getattr(arch, "o_bias", False) else None
         self.q_norm = weights.pop(f"{prefix}.self_attn.q_norm.weight", None)
         self.k_norm = weights.pop(f"{prefix}.self_attn.k_norm.weight", None)
+        if qk_order is not None and self.q_norm is not None:
+            self.q_norm, self.k_norm = self.q_norm[qk_order], self.k_norm[qk_order]
         self.moe = None
         moe = getattr(arch, "moe", None)  # an MTP layer on a hybrid target gets a HybridArch (no .moe)
         if moe is not None and layer_index is not None and moe.sparse_layers[layer_index]:
@@ -370,7 +407,7 @@ class LlamaModel(CausalLM):
         if arch.qk_norm and any(layer.q_norm is None or layer.k_norm is None for layer in self.layers):
             raise ValueError("Qwen3 weights lack self_attn.q_norm.weight / k_norm.weight in some layer")
         self.rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, max_positions, dtype, self.embed_tokens.device,
-                                    arch.rope_scaling)
+                                    arch.rope_scaling, arch.rotary_dim)
         self.scale = arch.head_dim**-0.5
 
     def lora_targets(self) -> list[tuple[int, object, str, tuple[tuple[str, int, int], ...]]]:
@@ -388,6 +425,14 @@ class LlamaModel(CausalLM):
                 targets += [(i, layer, "gate_up_proj", gate_up),
                             (i, layer, "down_proj", (("down_proj", 0, a.hidden_size),))]
         return targets
+
+    def lora_output_rows(self, attr: str, offset: int, width: int) -> torch.Tensor | None:
+        order = self.arch.qk_order()
+        if attr != "qkv_proj" or order is None:
+            return None
+        a = self.arch
+        rows = permute_qk_rows(torch.arange((a.num_heads + 2 * a.num_kv_heads) * a.head_dim), a, order)
+        return rows[offset : offset + width] - offset  # q's and k's rows stay within their slices
 
     def run_unchunked(self) -> None:
         for layer in self.layers:
