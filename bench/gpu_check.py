@@ -139,7 +139,7 @@ def build_random_nemotron_h(out: Path) -> Path:
 
 # Model families made by transformers with random weights (tests/test_model_families.py's shapes): what their
 # kernels do on CUDA (sliding windows and soft-capped scores in the Triton attention, two RoPE tables, Gemma's norms,
-# Mixtral's MoE, Qwen2-MoE's shared expert, Phi-4-mini's partial rotary and longrope).
+# Mixtral's MoE, Qwen2-MoE's shared expert, Phi-4-mini's partial rotary and longrope, Granite's multipliers).
 _FAMILY_COMMON = dict(vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                       intermediate_size=96, num_hidden_layers=3, rms_norm_eps=1e-6, max_position_embeddings=256,
                       bos_token_id=1, eos_token_id=2)
@@ -172,6 +172,10 @@ FAMILIES = {
         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
                          "original_max_position_embeddings": 4, "short_factor": [1.0, 1.01, 1.02, 1.03, 1.04, 1.05],
                          "long_factor": [1.5, 2.5, 4.0, 6.0, 8.0, 9.0]})),
+    # GraniteMoe: Granite's multipliers around a sparse MoE whose router softmaxes the top-k logits.
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", dict(
+        _FAMILY_COMMON, num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=12.0,
+        attention_multiplier=0.0625, residual_multiplier=0.22, logits_scaling=16.0)),
 }
 
 

@@ -11,6 +11,8 @@ their directories, with transformers (fp32, eager attention, repeated full forwa
 - Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2's biased attention, sparse layers whose MoE adds a shared expert
   scaled by its sigmoid gate to the routed experts' output, a dense layer (``mlp_only_layers``), sliding layers;
 - Phi-3 / Phi-4: q/k/v and gate/up stored fused (``qkv_proj``, ``gate_up_proj``), and LoRA adapters on them;
+- Granite 3.x: the embedding, attention scores and each residual branch multiplied, the logits divided; GraniteMoe:
+  and a sparse MoE in every layer whose router softmaxes the top-k logits;
 - Gemma 2: soft-capped attention scores (in the attention kernels) and logits, every other layer sliding;
 - Gemma 3 (text): (1 + w) norms, four a layer, q/k head norms, GeGLU, a scaled embedding, its own attention
   scale, local sliding layers with their own RoPE beside global ones, final logit soft-capping.
@@ -66,6 +68,17 @@ CONFIGS = {
                   {"use_sliding_window": False, "layer_types": None}),
     "llama-bias": ("LlamaConfig", "LlamaForCausalLM", dict(COMMON, attention_bias=True), None),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(COMMON, pad_token_id=0), None),
+    # Granite 3.x: Llama with its four multipliers (granite-3.x-8b's values but the attention scale, 1 / head_dim).
+    "granite": ("GraniteConfig", "GraniteForCausalLM",
+                dict(COMMON, embedding_multiplier=12.0, attention_multiplier=0.0625, residual_multiplier=0.22,
+                     logits_scaling=16.0),
+                dict.fromkeys(("embedding_multiplier", "attention_multiplier", "residual_multiplier",
+                               "logits_scaling"))),
+    # GraniteMoe (granite-3.x-1b-a400m, 3b-a800m): Granite with 4 experts, top 2 (softmax over the top-k logits), in
+    # the checkpoint layout (block_sparse_moe.router.layer, input_linear / output_linear stacked).
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM",
+                   dict(COMMON, num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=12.0,
+                        attention_multiplier=0.0625, residual_multiplier=0.22, logits_scaling=16.0), None),
     # Gemma 2: soft-capped attention scores and logits, every other layer sliding.
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
                dict(COMMON, head_dim=32, pad_token_id=0, sliding_window=20, query_pre_attn_scalar=24,
@@ -179,6 +192,10 @@ def test_configs_read(dirs):
     assert mixtral.moe.intermediate_size == 96 and mixtral.sliding_window == 40
     phi3 = arch_from_dir(dirs["phi3"])
     assert phi3.fused_checkpoint and not llama3.fused_checkpoint and phi3.sliding_window is None
+    granitemoe = arch_from_dir(dirs["granitemoe"])
+    assert granitemoe.moe == MoeArch(num_experts=4, top_k=2, intermediate_size=96, norm_topk_prob=True,
+                                     sparse_layers=(True,) * 3, layout="granitemoe")
+    assert granitemoe.moe.block == "block_sparse_moe" and granitemoe.residual_multiplier == 0.22
 
 
 def test_qwen2_moe_reads_its_config(dirs, tmp_path):
@@ -250,7 +267,7 @@ def test_greedy_batched_and_alone_equal_transformers(dirs, reference, name):
 
 
 @pytest.mark.parametrize("name", ["llama3", "qwen2-yarn", "mistral-linear", "qwen2-swa", "gemma3", "gemma2",
-                                  "qwen2-moe"])
+                                  "qwen2-moe", "granite"])
 def test_each_variant_matters(dirs, reference, name, tmp_path):
     """transformers' greedy with the RoPE variant (or the sliding window) undone differs from the reference,
     so the equality above holds only if the engine computes the variant."""
@@ -270,6 +287,27 @@ def test_qwen2_moe_shared_expert_matters(dirs, reference):
                 hf.model.layers[i].mlp.get_submodule(undo).weight.zero_()
         undone = _hf_greedy(hf, PROMPTS[:6])
         assert sum(a != b for a, b in zip(undone, reference["qwen2-moe"][:6])) >= 3, undo
+
+
+def test_granitemoe_router_softmaxes_the_top_k_logits(dirs, reference):
+    """GraniteMoe's routing weights are a softmax over the top-k logits, in the model dtype: transformers' greedy
+    with the router's rows scrambled differs from the reference, and the engine's route equals transformers'."""
+    from pdcluster.engine.models.architectures import load_model
+
+    hf = _hf_model(dirs["granitemoe"])
+    model = load_model(dirs["granitemoe"], torch.float32, 256)
+    x = torch.randn(33, 64, generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        _, want_weights, want_experts = hf.model.layers[0].block_sparse_moe.router(x)
+        weights, experts = model.layers[0].moe.route(x)
+    assert torch.equal(experts, want_experts)
+    torch.testing.assert_close(weights, want_weights, rtol=0, atol=1e-6)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            router = layer.block_sparse_moe.router
+            router.weight.copy_(router.weight.flip(0))
+    scrambled = _hf_greedy(hf, PROMPTS[:6])
+    assert sum(a != b for a, b in zip(scrambled, reference["granitemoe"][:6])) >= 3
 
 
 def test_qwen2_moe_block_is_batch_invariant(dirs):
@@ -294,7 +332,8 @@ def test_biases_matter(dirs, reference):
     assert sum(a != b for a, b in zip(without_o, reference["llama-bias"][:6])) >= 3
 
 
-@pytest.mark.parametrize("name", ["qwen2-yarn", "mistral-linear", "gemma3", "gemma2", "mixtral", "qwen2-moe"])
+@pytest.mark.parametrize("name", ["qwen2-yarn", "mistral-linear", "gemma3", "gemma2", "mixtral", "qwen2-moe",
+                                  "granite", "granitemoe"])
 def test_chunked_prefill_and_preemption(dirs, reference, name):
     # Chunks of 5 tokens; 24 blocks of 16 for 16 requests of up to 82 tokens force preemption.
     engine = _engine(dirs[name], prefill_chunk_size=5, max_num_batched_tokens=40, num_kv_blocks=24)
@@ -309,7 +348,7 @@ def test_speculative_ngram_is_lossless(dirs, reference, name):
     assert _run(engine, PROMPTS) == reference[name]
 
 
-@pytest.mark.parametrize("name", ["qwen2-yarn", "gemma3", "mixtral", "qwen2-moe"])
+@pytest.mark.parametrize("name", ["qwen2-yarn", "gemma3", "mixtral", "qwen2-moe", "granitemoe"])
 def test_bf16_deterministic_batch_invariant(dirs, name):
     """bf16 in deterministic mode (the CPU default): a request's tokens in a batch are its tokens alone, with
     q/k/v biases and YaRN (the bias add is per row), with Gemma's norms and sliding layers, and with MoE (Qwen2-MoE's
@@ -452,20 +491,13 @@ def test_qwen2_moe_lora_on_attention_equals_peft(dirs, reference, tmp_path):
 def test_gemma3_logits_equal_transformers(dirs, tmp_path):
     """Gemma 3's prompt logits (soft-capped) equal transformers' in fp32: every norm, the scaled embedding, both
     RoPE tables and the window; a prompt past the window."""
-    from pdcluster.engine.attention import AttentionMetadata
     from pdcluster.engine.models.architectures import load_model
 
     model = load_model(dirs["gemma3"], torch.float32, 256)
     assert model.arch.sliding_layers == (True, False, True) and model.arch.local_rope_theta == 10000.0
     tokens = [3 + (11 * i) % 500 for i in range(70)]
-    n, bs = len(tokens), 16
-    cache = torch.zeros((3, 2, -(-n // bs), bs, model.arch.num_kv_heads, model.arch.head_dim))
-    pos = torch.arange(n)
-    meta = AttentionMetadata(pos.clone(), torch.arange(-(-n // bs), dtype=torch.int32)[None],
-                             torch.tensor([n], dtype=torch.int32), torch.tensor([0, n], dtype=torch.int32), None,
-                             model.scale)
     with torch.inference_mode():
-        ours = model.compute_logits(model.forward(torch.tensor(tokens), pos, cache, meta))
+        ours = model.compute_logits(_prompt_hidden(model, tokens))
         expected = _hf_model(dirs["gemma3"])(torch.tensor([tokens])).logits[0]
     assert expected.abs().max() > 5 and expected.abs().max() <= 30.0  # capped
     torch.testing.assert_close(ours, expected, rtol=0, atol=1e-4)
@@ -473,6 +505,46 @@ def test_gemma3_logits_equal_transformers(dirs, tmp_path):
     undone = _edit_config(dirs["gemma3"], tmp_path / "undone", **CONFIGS["gemma3"][3])
     with torch.inference_mode():
         assert (_hf_model(undone)(torch.tensor([tokens])).logits[0] - expected).abs().max() > 1.0
+
+
+def _prompt_hidden(model, tokens: list[int], block_size: int = 16) -> torch.Tensor:
+    """The model's final hidden states over one prompt, through a scratch paged cache."""
+    from pdcluster.engine.attention import AttentionMetadata
+
+    n, num_blocks = len(tokens), -(-len(tokens) // block_size)
+    cache = torch.zeros((model.arch.num_layers, 2, num_blocks, block_size, model.arch.num_kv_heads,
+                         model.arch.head_dim))
+    pos = torch.arange(n)
+    meta = AttentionMetadata(pos.clone(), torch.arange(num_blocks, dtype=torch.int32)[None],
+                             torch.tensor([n], dtype=torch.int32), torch.tensor([0, n], dtype=torch.int32), None,
+                             model.scale)
+    return model.forward(torch.tensor(tokens), pos, cache, meta)
+
+
+def test_granite_reads_its_multipliers_and_its_logits_equal_transformers(dirs, tmp_path):
+    """Granite's prompt logits (divided by logits_scaling, which greedy tokens cannot see) equal transformers' in
+    fp32; a config without the multipliers reads transformers' defaults (1.0 each, the attention scale too)."""
+    from pdcluster.engine.models.architectures import load_model
+
+    arch = arch_from_dir(dirs["granite"])
+    assert (arch.embedding_multiplier, arch.attention_multiplier, arch.residual_multiplier, arch.logits_scaling) == \
+        (12.0, 0.0625, 0.22, 16.0)
+    bare = arch_from_dir(_edit_config(dirs["granite"], tmp_path / "bare", **CONFIGS["granite"][3]))
+    hf = transformers.GraniteConfig()
+    assert (bare.embedding_multiplier, bare.attention_multiplier, bare.residual_multiplier, bare.logits_scaling) == \
+        (hf.embedding_multiplier, hf.attention_multiplier, hf.residual_multiplier, hf.logits_scaling) == (1.0,) * 4
+    assert arch_from_dir(dirs["llama3"]).attention_multiplier is None  # Llama: head_dim ** -0.5
+    model = load_model(dirs["granite"], torch.float32, 256)
+    tokens = [3 + (11 * i) % 500 for i in range(40)]
+    with torch.inference_mode():
+        hidden = _prompt_hidden(model, tokens)
+        ours = model.compute_logits(hidden)
+        expected = _hf_model(dirs["granite"])(torch.tensor([tokens])).logits[0]
+    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)
+    with torch.inference_mode():
+        unscaled = model.lm_head_proj(hidden).float()
+    torch.testing.assert_close(unscaled / 16.0, expected, rtol=0, atol=1e-5)
+    assert (unscaled - expected).abs().max() > 1.0  # the division matters
 
 
 def test_gemma2_reads_its_config(dirs):

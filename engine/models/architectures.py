@@ -7,6 +7,8 @@
     Gemma2ForCausalLM, Gemma3ForCausalLM -> engine.models.gemma (Gemma's norms, GeGLU, local/global layers)
     Qwen3ForCausalLM, Qwen3MoeForCausalLM -> the same (q/k norm; MoE MLPs in engine/models/moe.py)
     Qwen2MoeForCausalLM                  -> the same (q/k/v biases; MoE MLPs with a shared expert in moe.py)
+    GraniteForCausalLM, GraniteMoeForCausalLM -> the same (embedding, attention, residual and logits
+                                            multipliers; MoE MLPs in engine/models/moe.py)
     NemotronHForCausalLM                 -> engine.models.nemotron_h.HybridArch / NemotronHModel
                                             (MoE layers in engine/models/nemotron_moe.py)
 
@@ -36,6 +38,8 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": (ModelArch, LlamaModel),
     "Qwen3MoeForCausalLM": (ModelArch, LlamaModel),
     "Qwen2MoeForCausalLM": (ModelArch, LlamaModel),
+    "GraniteForCausalLM": (ModelArch, LlamaModel),
+    "GraniteMoeForCausalLM": (ModelArch, LlamaModel),
     "Gemma2ForCausalLM": (GemmaArch, GemmaModel),
     "Gemma3ForCausalLM": (GemmaArch, GemmaModel),
     "Gemma3ForConditionalGeneration": (GemmaArch, GemmaModel),  # its language model, for text

@@ -36,7 +36,10 @@ MIXTRAL = ("MixtralForCausalLM",)
 QWEN3 = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2's attention, sparse MoE MLPs with a gated shared expert.
 QWEN2_MOE = ("Qwen2MoeForCausalLM",)
-SUPPORTED = LLAMA_FAMILY + MIXTRAL + QWEN2 + PHI3 + QWEN3 + QWEN2_MOE
+# Granite 3.x (IBM): Llama with four multipliers (embedding, attention scale, residual branches, logits);
+# GraniteMoe: and a sparse MoE in every layer (engine/models/moe.py).
+GRANITE = ("GraniteForCausalLM", "GraniteMoeForCausalLM")
+SUPPORTED = LLAMA_FAMILY + MIXTRAL + QWEN2 + PHI3 + QWEN3 + QWEN2_MOE + GRANITE
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,13 @@ class ModelArch:
     # Partial rotary (Phi-4-mini): RoPE rotates this many of a head's dimensions (0: all); engine/models/rope.py
     # says how the loader lays them out for the kernels.
     rotary_dim: int = 0
+    # Granite: the embedding times embedding_multiplier, attention scores times attention_multiplier (instead of
+    # head_dim ** -0.5; None: that default), each sublayer's output times residual_multiplier before its residual
+    # add, the logits divided by logits_scaling.
+    embedding_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
 
     def window_of(self, layer_index: int | None) -> int:
         """The attention window of a layer (0: full causal attention). ``None``: a layer outside the stack
@@ -119,6 +129,7 @@ class ModelArch:
             sliding_layers=sliding_layers,
             fused_checkpoint=arch[0] in PHI3,
             rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
+            **_granite_multipliers(cfg, arch[0]),
         )
 
     def for_context(self, max_model_len: int) -> "ModelArch":
@@ -131,6 +142,15 @@ class ModelArch:
         return partial_rotary_order(self.head_dim, self.rotary_dim) if self.rotary_dim else None
 
 
+def _granite_multipliers(cfg: dict, architecture: str) -> dict:
+    """Granite's multipliers as GraniteConfig reads them (its defaults: 1.0, no change)."""
+    if architecture not in GRANITE:
+        return {}
+    get = lambda key: float(cfg.get(key) if cfg.get(key) is not None else 1.0)  # noqa: E731
+    return dict(embedding_multiplier=get("embedding_multiplier"), attention_multiplier=get("attention_multiplier"),
+                residual_multiplier=get("residual_multiplier"), logits_scaling=get("logits_scaling"))
+
+
 def _moe(cfg: dict, architecture: str, where: str) -> MoeArch | None:
     """The MoE layout of a sparse architecture (None: dense MLPs)."""
     num_layers = cfg["num_hidden_layers"]
@@ -138,6 +158,8 @@ def _moe(cfg: dict, architecture: str, where: str) -> MoeArch | None:
         return MoeArch.from_config(cfg, num_layers, where)
     if architecture in QWEN2_MOE:
         return MoeArch.from_config(cfg, num_layers, where, layout="qwen2_moe")
+    if architecture == "GraniteMoeForCausalLM":
+        return MoeArch.granitemoe(cfg, num_layers, where)
     return MoeArch.mixtral(cfg, num_layers, where) if architecture in MIXTRAL else None
 
 
@@ -289,7 +311,8 @@ class DecoderLayer:
             gate_up, down = take_expert_weights(weights, block, moe, arch.hidden_size)
             shared = (take_shared_expert(weights, block, moe, arch.hidden_size, deterministic)
                       if moe.shared_expert_intermediate_size else None)
-            self.moe = SparseMoe(moe, w(f"{moe.block}.gate.weight"), gate_up, down, deterministic, shared=shared)
+            self.moe = SparseMoe(moe, w(f"{moe.block}.{moe.router_weight}"), gate_up, down, deterministic,
+                                 shared=shared)
         else:
             self.gate_up_proj = Linear(w("mlp.gate_up_proj.weight") if fused else torch.cat(
                 [w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]), **det)
@@ -297,6 +320,7 @@ class DecoderLayer:
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
         window_of = getattr(arch, "window_of", None)  # an MTP layer on a hybrid target: HybridArch has none
+        self.residual_multiplier = getattr(arch, "residual_multiplier", 1.0)
         self.window = window_of(layer_index) if window_of is not None else 0
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
@@ -364,6 +388,8 @@ class DecoderLayer:
         hidden = self.o_proj(o.reshape(-1, self.q_size))
         if self.o_bias is not None:
             hidden += self.o_bias
+        if self.residual_multiplier != 1.0:
+            hidden.mul_(self.residual_multiplier)
         x = ops.rms_norm(hidden, self.post_norm, a.rms_norm_eps, residual=residual)
         chunk = MLP_CHUNK_TOKENS_CUDA if x.is_cuda else MLP_CHUNK_TOKENS
         if x.shape[0] <= chunk or not self.chunked_mlp:
@@ -376,9 +402,10 @@ class DecoderLayer:
         return out, residual
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        if self.moe is not None:
-            return self.moe(x)
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        out = self.moe(x) if self.moe is not None else self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        if self.residual_multiplier != 1.0:
+            out.mul_(self.residual_multiplier)
+        return out
 
     def __call__(
         self,
@@ -408,7 +435,7 @@ class LlamaModel(CausalLM):
             raise ValueError("Qwen3 weights lack self_attn.q_norm.weight / k_norm.weight in some layer")
         self.rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, max_positions, dtype, self.embed_tokens.device,
                                     arch.rope_scaling, arch.rotary_dim)
-        self.scale = arch.head_dim**-0.5
+        self.scale = arch.head_dim**-0.5 if arch.attention_multiplier is None else arch.attention_multiplier
 
     def lora_targets(self) -> list[tuple[int, object, str, tuple[tuple[str, int, int], ...]]]:
         a = self.arch
@@ -425,6 +452,10 @@ class LlamaModel(CausalLM):
                 targets += [(i, layer, "gate_up_proj", gate_up),
                             (i, layer, "down_proj", (("down_proj", 0, a.hidden_size),))]
         return targets
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)
+        return logits if self.arch.logits_scaling == 1.0 else logits.div_(self.arch.logits_scaling)
 
     def lora_output_rows(self, attr: str, offset: int, width: int) -> torch.Tensor | None:
         order = self.arch.qk_order()
@@ -449,6 +480,8 @@ class LlamaModel(CausalLM):
         """Hidden states after the final norm, [num_tokens, hidden]. ``on_layer_done(i)`` runs as soon
         as layer i's KV is in the cache, so a KV connector can start sending it mid-forward."""
         hidden = F.embedding(input_ids, self.embed_tokens)
+        if self.arch.embedding_multiplier != 1.0:
+            hidden.mul_(self.arch.embedding_multiplier)
         residual = None
         for i, layer in enumerate(self.layers):
             hidden, residual = layer.forward(hidden, residual, positions, self.rope, kv_cache[i], meta)

@@ -30,6 +30,10 @@ Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): Qwen3-MoE's router and experts (o
 shared expert every token runs: a dense SwiGLU MLP of width ``shared_expert_intermediate_size``
 (``mlp.shared_expert.gate_proj/up_proj/down_proj``) times ``sigmoid(x @ mlp.shared_expert_gate.weight.T)``, one
 scalar per token, added to the routed output in the model dtype (transformers' order: routed + gated shared).
+
+GraniteMoe (granite-3.x-1b-a400m, 3b-a800m): router logits ``x @ block_sparse_moe.router.layer.weight.T`` (model
+dtype, then float32), the top ``num_experts_per_tok`` logits, softmax over those (rounded to the model dtype);
+experts stored stacked as ``input_linear`` [E, 2I, H] (gate rows, then up rows) and ``output_linear`` [E, H, I].
 """
 
 from __future__ import annotations
@@ -182,7 +186,8 @@ class MoeArch:
     # "qwen3": mlp.gate + mlp.experts.{e}.gate_proj/up_proj/down_proj, routing weights rounded to the model dtype;
     # "qwen2_moe": the same, and the gated shared expert (module docstring);
     # "mixtral": block_sparse_moe.gate + block_sparse_moe.experts.{e}.w1/w3/w2, weights kept float32 (as
-    # transformers' MixtralExperts multiplies).
+    # transformers' MixtralExperts multiplies);
+    # "granitemoe": block_sparse_moe.router.layer + input_linear / output_linear, softmax over the top-k logits.
     layout: str = "qwen3"
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: the shared expert's width (0: no shared expert)
 
@@ -195,10 +200,24 @@ class MoeArch:
         return cls(num_experts=num_experts, top_k=top_k, intermediate_size=cfg["intermediate_size"],
                    norm_topk_prob=True, sparse_layers=(True,) * num_layers, layout="mixtral")
 
+    @classmethod
+    def granitemoe(cls, cfg: dict, num_layers: int, where: str = "config") -> "MoeArch":
+        """GraniteMoe's: every layer sparse, experts of width intermediate_size (GraniteMoeConfig's defaults)."""
+        num_experts, top_k = cfg.get("num_local_experts") or 8, cfg.get("num_experts_per_tok") or 2
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"{where}: num_experts_per_tok {top_k} must be in 1..num_local_experts ({num_experts})")
+        return cls(num_experts=num_experts, top_k=top_k, intermediate_size=cfg["intermediate_size"],
+                   norm_topk_prob=True, sparse_layers=(True,) * num_layers, layout="granitemoe")
+
     @property
     def block(self) -> str:
         """The MoE block's name under a layer."""
-        return "block_sparse_moe" if self.layout == "mixtral" else "mlp"
+        return "block_sparse_moe" if self.layout in ("mixtral", "granitemoe") else "mlp"
+
+    @property
+    def router_weight(self) -> str:
+        """The router's weight under the MoE block."""
+        return "router.layer.weight" if self.layout == "granitemoe" else "gate.weight"
 
     @classmethod
     def from_config(cls, cfg: dict, num_layers: int, where: str = "config", layout: str = "qwen3") -> "MoeArch":
@@ -236,9 +255,15 @@ def take_expert_weights(weights: dict[str, torch.Tensor], prefix: str, moe: MoeA
     """(gate_up [E, 2I, H], down [E, H, I]) popped from ``weights`` under ``{prefix}.experts.``, in the
     checkpoint's layout (Qwen3's gate_proj / up_proj / down_proj, Mixtral's w1 / w3 / w2)."""
     E, I, H = moe.num_experts, moe.intermediate_size, hidden_size
-    gate, up, down_name = ("w1", "w3", "w2") if moe.layout == "mixtral" else ("gate_proj", "up_proj", "down_proj")
-    gate_up = take_stacked_experts(weights, prefix, "gate_up_proj", (gate, up), E)
-    down = take_stacked_experts(weights, prefix, "down_proj", (down_name,), E)
+    if moe.layout == "granitemoe":  # stacked in the checkpoint, beside the experts (not under .experts)
+        for name in ("input_linear", "output_linear"):
+            if f"{prefix}.{name}.weight" not in weights:
+                raise ValueError(f"MoE weights lack {prefix}.{name}.weight")
+        gate_up, down = weights.pop(f"{prefix}.input_linear.weight"), weights.pop(f"{prefix}.output_linear.weight")
+    else:
+        gate, up, down_name = ("w1", "w3", "w2") if moe.layout == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+        gate_up = take_stacked_experts(weights, prefix, "gate_up_proj", (gate, up), E)
+        down = take_stacked_experts(weights, prefix, "down_proj", (down_name,), E)
     fields = "num_experts, moe_intermediate_size, hidden_size"
     check_shape(f"{prefix}.experts gate_up", gate_up, (E, 2 * I, H), fields)
     check_shape(f"{prefix}.experts down", down, (E, H, I), fields)
@@ -296,7 +321,11 @@ class SparseMoe:
         self.shared = shared
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k] in x's dtype, expert ids [T, k]) as Qwen3MoeTopKRouter computes them."""
+        """(weights [T, k] in x's dtype, expert ids [T, k]) as Qwen3MoeTopKRouter computes them (GraniteMoe's
+        GraniteMoeTopKRouter: softmax over the top-k logits)."""
+        if self.moe.layout == "granitemoe":
+            logits, experts = torch.topk(self.router(x).float(), self.moe.top_k, dim=-1)
+            return torch.softmax(logits, dim=-1).to(x.dtype), experts
         probs = torch.softmax(self.router(x), dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.moe.top_k, dim=-1)
         if self.moe.norm_topk_prob:
