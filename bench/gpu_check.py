@@ -139,7 +139,8 @@ def build_random_nemotron_h(out: Path) -> Path:
 
 # Model families made by transformers with random weights (tests/test_model_families.py's shapes): what their
 # kernels do on CUDA (sliding windows and soft-capped scores in the Triton attention, two RoPE tables, Gemma's norms,
-# Mixtral's MoE, Qwen2-MoE's shared expert, Phi-4-mini's partial rotary and longrope, Granite's multipliers).
+# Mixtral's MoE, Qwen2-MoE's shared expert, Phi-4-mini's partial rotary and longrope, Granite's multipliers, the
+# Granite 4.0-H hybrid).
 _FAMILY_COMMON = dict(vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                       intermediate_size=96, num_hidden_layers=3, rms_norm_eps=1e-6, max_position_embeddings=256,
                       bos_token_id=1, eos_token_id=2)
@@ -176,6 +177,13 @@ FAMILIES = {
     "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", dict(
         _FAMILY_COMMON, num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=12.0,
         attention_multiplier=0.0625, residual_multiplier=0.22, logits_scaling=16.0)),
+    # Granite 4.0-H: Mamba2 and attention layers (no positional encoding), each with Granite's MoE and shared MLP,
+    # on NemotronH's blocks (engine/models/granite_hybrid.py).
+    "granite-4.0-h": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(
+        _FAMILY_COMMON, intermediate_size=48, layer_types=["mamba", "attention", "mamba"], mamba_n_heads=8,
+        mamba_d_head=16, mamba_d_state=12, mamba_n_groups=2, mamba_d_conv=3, mamba_chunk_size=8, mamba_expand=2,
+        num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=40, embedding_multiplier=12.0,
+        attention_multiplier=0.0625, residual_multiplier=0.22, logits_scaling=16.0)),
 }
 
 
@@ -183,9 +191,27 @@ def build_family(name: str, out: Path) -> Path:
     import torch
     import transformers
 
+    from pdcluster.engine.models.random_weights import redraw_nemotron_h
+
     config_cls, model_cls, kwargs = FAMILIES[name]
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs))
+    if "mamba_n_heads" in kwargs:  # a hybrid: Mamba's A_log and dt_bias keep transformers' init
+        redraw_nemotron_h(model)
+    else:
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():  # weights at a scale where every block matters (tests/test_qwen3.py's redraw)
+            for pname, p in model.named_parameters():
+                if "norm" in pname:
+                    p.copy_(0.8 + 0.4 * torch.rand(p.shape, generator=gen))
+                elif pname.endswith(("embed_tokens.weight", ".bias")):
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+                else:
+                    gain = 3.0 if pname.endswith(("o_proj.weight", "down_proj.weight")) else 1.5
+                    p.copy_(torch.randn(p.shape, generator=gen) * gain / p.shape[-1] ** 0.5)
+    model.save_pretrained(str(out))
+    shutil.copy(ASSETS / "tokenizer.json", out / "tokenizer.json")
+    return out
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():  # weights at a scale where every block matters (tests/test_qwen3.py's redraw)
         for pname, p in model.named_parameters():

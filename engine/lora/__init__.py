@@ -26,8 +26,8 @@ def install(model, lora_modules: dict[str, str], max_rank: int) -> LoraSet:
     ``model.lora``."""
     targets = model.lora_targets()
     if targets is None:
-        raise LoraAdapterError(f"LoRA adapters run on Llama-family, Qwen3 and NemotronH models; "
-                               f"{type(model).__name__} is not one (drop --lora-modules)")
+        raise LoraAdapterError(f"LoRA adapters are not served on {model.architecture_name} models "
+                               "(drop --lora-modules)")
     adapters = [load_adapter(name, path, max_rank) for name, path in lora_modules.items()]
     where = {(layer, name): (offset, width, getattr(owner, attr).in_features)
              for layer, owner, attr, slices in targets for name, offset, width in slices}

@@ -11,6 +11,8 @@
                                             multipliers; MoE MLPs in engine/models/moe.py)
     NemotronHForCausalLM                 -> engine.models.nemotron_h.HybridArch / NemotronHModel
                                             (MoE layers in engine/models/nemotron_moe.py)
+    GraniteMoeHybridForCausalLM          -> the same (engine/models/granite_hybrid.py: Granite's layers as
+                                            NemotronH blocks)
 
 Errors are one line naming what is wrong (a missing file, an unsupported architecture) and what is
 supported; they are ValueErrors (UnknownModelError), which the CLI reports without a traceback.
@@ -44,6 +46,7 @@ ARCHITECTURES = {
     "Gemma3ForCausalLM": (GemmaArch, GemmaModel),
     "Gemma3ForConditionalGeneration": (GemmaArch, GemmaModel),  # its language model, for text
     "NemotronHForCausalLM": (HybridArch, NemotronHModel),
+    "GraniteMoeHybridForCausalLM": (HybridArch, NemotronHModel),
 }
 REQUIRED_FILES = ("config.json", "tokenizer.json")
 

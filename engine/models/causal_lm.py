@@ -58,6 +58,11 @@ class CausalLM:
         return cls(arch, load_weights(model_dir, dtype, device), dtype, max_positions, deterministic)
 
     @property
+    def architecture_name(self) -> str:
+        """What the model is, for messages."""
+        return type(self).__name__
+
+    @property
     def device(self) -> torch.device:
         return self.embed_tokens.device
 

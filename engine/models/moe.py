@@ -206,7 +206,7 @@ class MoeArch:
         num_experts, top_k = cfg.get("num_local_experts") or 8, cfg.get("num_experts_per_tok") or 2
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"{where}: num_experts_per_tok {top_k} must be in 1..num_local_experts ({num_experts})")
-        return cls(num_experts=num_experts, top_k=top_k, intermediate_size=cfg["intermediate_size"],
+        return cls(num_experts=num_experts, top_k=top_k, intermediate_size=cfg.get("intermediate_size") or 11008,
                    norm_topk_prob=True, sparse_layers=(True,) * num_layers, layout="granitemoe")
 
     @property

@@ -29,6 +29,8 @@ import torch.nn.functional as F
 
 from pdcluster.engine.attention import AttentionMetadata
 from pdcluster.engine.models.causal_lm import CausalLM
+from pdcluster.engine.models.granite_hybrid import ARCHITECTURE as GRANITE_HYBRID
+from pdcluster.engine.models.granite_hybrid import GraniteHybrid, granite_fields, nemotron_names
 from pdcluster.engine.models.mamba_mixer import MambaStepPlan
 from pdcluster.engine.models.nemotron_blocks import (ATTENTION, MAMBA, MLP, MOE, TYPE_NAMES, TokenChunked,
                                                      build_blocks, run_blocks)
@@ -120,6 +122,8 @@ class HybridArch:
     # pattern, () without. Their weights (``mtp.*``) are the MTP proposer's, never loaded with the model.
     num_nextn_predict_layers: int = 0
     mtp_layer_types: tuple[str, ...] = ()
+    # A Granite 4.0 hybrid (engine/models/granite_hybrid.py): its multipliers, MoE and RoPE; None for NemotronH.
+    granite: GraniteHybrid | None = None
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> "HybridArch":
@@ -128,6 +132,8 @@ class HybridArch:
 
     @classmethod
     def from_config(cls, cfg: dict, where: str = "config") -> "HybridArch":
+        if (cfg.get("architectures") or [None])[0] == GRANITE_HYBRID:
+            return cls(**granite_fields(cfg, where))
         def get(key: str):
             legacy = _LEGACY_KEYS.get(key)
             if legacy is not None and legacy in cfg:
@@ -238,7 +244,7 @@ class NemotronHModel(CausalLM):
     def __init__(self, arch: HybridArch, weights: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int,
                  deterministic: bool = False):
         # Taken out of the dict as they are used: once fused and packed, loaded tensors are freed.
-        weights = _canonical_names(weights)
+        weights = _canonical_names(nemotron_names(weights) if arch.granite is not None else weights)
 
         def take(key: str, layer_kind: str | None = None) -> torch.Tensor:
             if key not in weights:
@@ -251,13 +257,24 @@ class NemotronHModel(CausalLM):
         super().__init__(arch, dtype, deterministic, embed_tokens, lm_head)
         self.norm = take("model.norm_f.weight")
         self.layers = build_blocks(arch, arch.layer_types, "model.layers", weights, take, deterministic)
-        self.rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, max_positions, dtype, self.embed_tokens.device)
-        self.scale = arch.head_dim**-0.5
+        granite = arch.granite
+        self.rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, max_positions, dtype, self.embed_tokens.device,
+                                    granite.rope_scaling if granite is not None else None)
+        self.scale = arch.head_dim**-0.5 if granite is None else granite.attention_multiplier
+        # Granite's attention takes RoPE when its config asks; NemotronH's never (the table is the MTP head's).
+        self.block_rope = self.rope if granite is not None and granite.rope else None
 
-    def lora_targets(self) -> list[tuple[int, object, str, tuple[tuple[str, int, int], ...]]]:
+    @property
+    def architecture_name(self) -> str:
+        return GRANITE_HYBRID if self.arch.granite is not None else "NemotronHForCausalLM"
+
+    def lora_targets(self) -> list[tuple[int, object, str, tuple[tuple[str, int, int], ...]]] | None:
         """Attention (q/k/v fused, o), MLP (up, down) and Mamba in_proj (what peft adapts in a Mamba layer: it
-        refuses out_proj there); MoE layers take none."""
+        refuses out_proj there); MoE layers take none. None for a Granite hybrid (its adapters name Granite's layers,
+        two blocks each here)."""
         a = self.arch
+        if a.granite is not None:
+            return None
         q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         targets = []
         for i, block in enumerate(self.layers):
@@ -292,5 +309,14 @@ class NemotronHModel(CausalLM):
         if meta.mamba is not None and self.arch.num_mamba_layers:
             plan = meta.mamba.plan or MambaStepPlan.build(meta.mamba, input_ids.device,
                                                           recurrent_prefill=self.deterministic)
-        return run_blocks(self.layers, F.embedding(input_ids, self.embed_tokens), kv_cache, meta, self.norm,
-                          self.arch.rms_norm_eps, plan, on_layer_done)
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        granite = self.arch.granite
+        if granite is not None and granite.embedding_multiplier != 1.0:
+            hidden.mul_(granite.embedding_multiplier)
+        return run_blocks(self.layers, hidden, kv_cache, meta, self.norm, self.arch.rms_norm_eps, plan, on_layer_done,
+                          positions, self.block_rope)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)
+        granite = self.arch.granite
+        return logits if granite is None or granite.logits_scaling == 1.0 else logits.div_(granite.logits_scaling)

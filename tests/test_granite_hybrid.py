@@ -1,0 +1,189 @@
+"""Granite 4.0 (transformers ``GraniteMoeHybridForCausalLM``) on NemotronH's blocks (engine/models/granite_hybrid.py),
+made by transformers with random weights and served by LLMEngine, transformers (fp32, eager attention, repeated full
+forwards) the oracle:
+
+- "h": granite-4.0-h's shape: Mamba2 and attention layers without positional encoding, each followed by Granite's
+  sparse MoE (softmax over the top-k logits) plus a shared SwiGLU MLP, and Granite's four multipliers;
+- "rope": the same with RoPE on the attention layers (``position_embedding_type`` "rope");
+- "dense": no routed experts (``num_local_experts`` 0), the shared MLP alone;
+- "micro": granite-4.0-micro's shape: attention layers only, RoPE, dense (a hybrid class with no Mamba layer).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import engine_config
+from test_kv_transfer_e2e import run_on_pair
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.llm_engine import LLMEngine
+from pdcluster.engine.models.architectures import arch_from_dir, load_model
+from pdcluster.engine.models.random_weights import redraw_nemotron_h
+from pdcluster.engine.models.registry import resolve_model
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.kv_transfer.config import TransferConfig
+
+transformers = pytest.importorskip("transformers")
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread_per_module")]
+
+NUM_NEW = 10
+PROMPTS = [[3 + (7 * i + 13 * j) % 500 for j in range(5 + 7 * i)] for i in range(7)]  # 5..47 tokens
+BASE = dict(vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
+            num_hidden_layers=4, rms_norm_eps=1e-6, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+            pad_token_id=0, layer_types=["mamba", "attention", "mamba", "mamba"], mamba_n_heads=8, mamba_d_head=16,
+            mamba_d_state=12, mamba_n_groups=2, mamba_d_conv=3, mamba_chunk_size=8, mamba_expand=2,
+            num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=40, embedding_multiplier=12.0,
+            attention_multiplier=0.0625, residual_multiplier=0.22, logits_scaling=16.0)
+SHAPES = {
+    "h": {},
+    "rope": dict(position_embedding_type="rope"),
+    "dense": dict(num_local_experts=0),
+    "micro": dict(layer_types=["attention"] * 3, num_hidden_layers=3, position_embedding_type="rope",
+                  num_local_experts=0),
+}
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory) -> dict[str, Path]:
+    tokenizer = resolve_model("tiny-random", progress=False) / "tokenizer.json"
+    out = {}
+    for name, change in SHAPES.items():
+        d = tmp_path_factory.mktemp(name)
+        torch.manual_seed(0)
+        model = transformers.GraniteMoeHybridForCausalLM(transformers.GraniteMoeHybridConfig(**{**BASE, **change}))
+        redraw_nemotron_h(model)  # weights at a scale where every block matters (A_log and dt_bias as initialised)
+        model.save_pretrained(str(d))
+        shutil.copy(tokenizer, d / "tokenizer.json")
+        out[name] = d
+    return out
+
+
+def _hf_model(model_dir: Path):
+    return transformers.GraniteMoeHybridForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
+                                                                    attn_implementation="eager").eval()
+
+
+def _hf_greedy(hf, prompts) -> list[list[int]]:
+    out = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = list(p)
+            for _ in range(NUM_NEW):
+                ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+            out.append(ids[len(p):])
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(dirs) -> dict[str, list[list[int]]]:
+    return {name: _hf_greedy(_hf_model(d), PROMPTS) for name, d in dirs.items()}
+
+
+def _engine(model_dir: Path, **overrides) -> LLMEngine:
+    cfg = dict(model=str(model_dir), dtype="float32", max_model_len=128, num_kv_blocks=64, block_size=16,
+               max_num_seqs=16)
+    cfg.update(overrides)
+    return LLMEngine.from_config(EngineConfig(**cfg), progress=False)
+
+
+def _run(engine: LLMEngine, prompts) -> list[list[int]]:
+    params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+    return [o.token_ids for o in engine.generate(prompts, params)]
+
+
+def test_configs_read(dirs, tmp_path):
+    h = arch_from_dir(dirs["h"])
+    assert h.layer_types == ("M", "G", "*", "G", "M", "G", "M", "G") and h.num_layers == 1
+    assert h.num_mamba_layers == 3 and h.mamba_head_dim == 16 and h.n_groups == 2 and h.time_step_min == 0.0
+    g = h.granite
+    assert (g.embedding_multiplier, g.attention_multiplier, g.residual_multiplier, g.logits_scaling) == \
+        (12.0, 0.0625, 0.22, 16.0)
+    assert g.moe.layout == "granitemoe" and g.moe.num_experts == 4 and g.moe.intermediate_size == 48 and not g.rope
+    assert arch_from_dir(dirs["rope"]).granite.rope and arch_from_dir(dirs["dense"]).granite.moe is None
+    assert arch_from_dir(dirs["micro"]).num_mamba_layers == 0
+    # The published checkpoints' form: layers_block_type "mamba" / "attention", "nope", infinity as a JSON literal.
+    cfg = json.loads((dirs["h"] / "config.json").read_text())
+    cfg.pop("layer_types")
+    cfg.update(layers_block_type=["mamba", "attention", "mamba", "mamba"], position_embedding_type="nope")
+    (tmp_path / "config.json").write_text(json.dumps(cfg).replace('{"__float__": "Infinity"}', "Infinity"))
+    shutil.copy(dirs["h"] / "tokenizer.json", tmp_path / "tokenizer.json")
+    assert arch_from_dir(tmp_path) == h
+
+
+@pytest.mark.parametrize("change,words", [
+    ({"time_step_limit": [0.0, 10.0]}, "time_step_limit"),
+    ({"layer_types": ["mamba", "moe", "mamba", "mamba"]}, "layer_types"),
+    ({"position_embedding_type": "alibi"}, "position_embedding_type"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+])
+def test_unservable_configs_refused_in_one_line(dirs, tmp_path, change, words):
+    shutil.copytree(dirs["h"], tmp_path / "bad")
+    cfg = json.loads((tmp_path / "bad" / "config.json").read_text())
+    (tmp_path / "bad" / "config.json").write_text(json.dumps({**cfg, **change}))
+    with pytest.raises(ValueError) as err:
+        arch_from_dir(tmp_path / "bad")
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_reference_is_not_degenerate_and_the_multipliers_matter(dirs, reference, tmp_path):
+    for outs in reference.values():
+        assert len({tuple(o) for o in outs}) > len(outs) // 2
+    shutil.copytree(dirs["h"], tmp_path / "plain")
+    cfg = json.loads((tmp_path / "plain" / "config.json").read_text())
+    (tmp_path / "plain" / "config.json").write_text(json.dumps({**cfg, "residual_multiplier": 1.0,
+                                                                "embedding_multiplier": 1.0}))
+    plain = _hf_greedy(_hf_model(tmp_path / "plain"), PROMPTS)
+    assert sum(a != b for a, b in zip(plain, reference["h"])) >= 3
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_greedy_batched_and_alone_equal_transformers(dirs, reference, name):
+    engine = _engine(dirs[name])
+    assert _run(engine, PROMPTS) == reference[name]
+    assert _run(engine, PROMPTS[:1]) == reference[name][:1]
+    assert engine.scheduler.block_manager.num_free_blocks == engine.kv_spec.num_blocks
+
+
+def test_logits_are_divided_by_logits_scaling(dirs):
+    model = load_model(dirs["h"], torch.float32, 64)
+    hidden = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        raw = model.lm_head_proj(hidden).float()
+        assert torch.equal(model.compute_logits(hidden), raw / 16.0)
+
+
+def test_chunked_prefill_preemption_and_ngram_are_exact(dirs, reference):
+    engine = _engine(dirs["h"], prefill_chunk_size=5, max_num_batched_tokens=24, num_kv_blocks=12)
+    assert _run(engine, PROMPTS) == reference["h"]
+    assert engine.scheduler.num_preemptions_total > 0
+    assert engine.scheduler.block_manager.num_free_blocks == engine.kv_spec.num_blocks
+    assert _run(_engine(dirs["rope"], spec_method="ngram", num_spec_tokens=3), PROMPTS) == reference["rope"]
+
+
+def test_bf16_deterministic_batch_invariant(dirs):
+    engine = _engine(dirs["h"], dtype="bfloat16", deterministic=True)
+    batched = _run(engine, PROMPTS)
+    assert [_run(engine, [p])[0] for p in PROMPTS[:4]] == batched[:4]
+
+
+def test_disagg_equals_transformers(dirs, reference):
+    """A prefill and a decode worker over tcp: the attention KV and every Mamba layer's state travel, and the
+    decode worker's tokens are transformers'."""
+    cfg = engine_config(str(dirs["h"]), dtype="float32", max_model_len=128, num_kv_blocks=64, block_size=16,
+                        prefill_chunk_size=16)
+    params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+    run = run_on_pair(cfg, TransferConfig(transport="tcp", secret="s3cret"), PROMPTS, params, 64)
+    assert run.tokens == reference["h"]
+
+
+def test_lora_is_refused_in_one_line(dirs):
+    from pdcluster.engine.lora import LoraAdapterError
+
+    with pytest.raises(LoraAdapterError) as err:
+        _engine(dirs["h"], lora_modules=(f"a={dirs['h']}",))
+    assert "GraniteMoeHybrid" in str(err.value) and "\n" not in str(err.value)
