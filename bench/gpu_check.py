@@ -212,19 +212,6 @@ def build_family(name: str, out: Path) -> Path:
     model.save_pretrained(str(out))
     shutil.copy(ASSETS / "tokenizer.json", out / "tokenizer.json")
     return out
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # weights at a scale where every block matters (tests/test_qwen3.py's redraw)
-        for pname, p in model.named_parameters():
-            if "norm" in pname:
-                p.copy_(0.8 + 0.4 * torch.rand(p.shape, generator=gen))
-            elif pname.endswith(("embed_tokens.weight", ".bias")):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-            else:
-                gain = 3.0 if pname.endswith(("o_proj.weight", "down_proj.weight")) else 1.5
-                p.copy_(torch.randn(p.shape, generator=gen) * gain / p.shape[-1] ** 0.5)
-    model.save_pretrained(str(out))
-    shutil.copy(ASSETS / "tokenizer.json", out / "tokenizer.json")
-    return out
 
 
 # ------------------------------------------------------------------------------------------ report

@@ -20,8 +20,7 @@ import torch
 
 from conftest import engine_config
 from test_kv_transfer_e2e import run_on_pair
-from pdcluster.engine.config import EngineConfig
-from pdcluster.engine.llm_engine import LLMEngine
+from test_model_families import NUM_NEW, _engine, _hf_greedy, _run
 from pdcluster.engine.models.architectures import arch_from_dir, load_model
 from pdcluster.engine.models.random_weights import redraw_nemotron_h
 from pdcluster.engine.models.registry import resolve_model
@@ -31,7 +30,6 @@ from pdcluster.kv_transfer.config import TransferConfig
 transformers = pytest.importorskip("transformers")
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread_per_module")]
 
-NUM_NEW = 10
 PROMPTS = [[3 + (7 * i + 13 * j) % 500 for j in range(5 + 7 * i)] for i in range(7)]  # 5..47 tokens
 BASE = dict(vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
             num_hidden_layers=4, rms_norm_eps=1e-6, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
@@ -68,32 +66,9 @@ def _hf_model(model_dir: Path):
                                                                     attn_implementation="eager").eval()
 
 
-def _hf_greedy(hf, prompts) -> list[list[int]]:
-    out = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = list(p)
-            for _ in range(NUM_NEW):
-                ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-            out.append(ids[len(p):])
-    return out
-
-
 @pytest.fixture(scope="module")
 def reference(dirs) -> dict[str, list[list[int]]]:
     return {name: _hf_greedy(_hf_model(d), PROMPTS) for name, d in dirs.items()}
-
-
-def _engine(model_dir: Path, **overrides) -> LLMEngine:
-    cfg = dict(model=str(model_dir), dtype="float32", max_model_len=128, num_kv_blocks=64, block_size=16,
-               max_num_seqs=16)
-    cfg.update(overrides)
-    return LLMEngine.from_config(EngineConfig(**cfg), progress=False)
-
-
-def _run(engine: LLMEngine, prompts) -> list[list[int]]:
-    params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
-    return [o.token_ids for o in engine.generate(prompts, params)]
 
 
 def test_configs_read(dirs, tmp_path):
@@ -143,7 +118,7 @@ def test_reference_is_not_degenerate_and_the_multipliers_matter(dirs, reference,
 
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_greedy_batched_and_alone_equal_transformers(dirs, reference, name):
-    engine = _engine(dirs[name])
+    engine = _engine(dirs[name], num_kv_blocks=64)
     assert _run(engine, PROMPTS) == reference[name]
     assert _run(engine, PROMPTS[:1]) == reference[name][:1]
     assert engine.scheduler.block_manager.num_free_blocks == engine.kv_spec.num_blocks
@@ -162,11 +137,12 @@ def test_chunked_prefill_preemption_and_ngram_are_exact(dirs, reference):
     assert _run(engine, PROMPTS) == reference["h"]
     assert engine.scheduler.num_preemptions_total > 0
     assert engine.scheduler.block_manager.num_free_blocks == engine.kv_spec.num_blocks
-    assert _run(_engine(dirs["rope"], spec_method="ngram", num_spec_tokens=3), PROMPTS) == reference["rope"]
+    ngram = _engine(dirs["rope"], spec_method="ngram", num_spec_tokens=3, num_kv_blocks=64)
+    assert _run(ngram, PROMPTS) == reference["rope"]
 
 
 def test_bf16_deterministic_batch_invariant(dirs):
-    engine = _engine(dirs["h"], dtype="bfloat16", deterministic=True)
+    engine = _engine(dirs["h"], dtype="bfloat16", deterministic=True, num_kv_blocks=64)
     batched = _run(engine, PROMPTS)
     assert [_run(engine, [p])[0] for p in PROMPTS[:4]] == batched[:4]
 
