@@ -139,8 +139,8 @@ def build_random_nemotron_h(out: Path) -> Path:
 
 # Model families made by transformers with random weights (tests/test_model_families.py's shapes): what their
 # kernels do on CUDA (sliding windows and soft-capped scores in the Triton attention, two RoPE tables, Gemma's norms,
-# Mixtral's MoE, Qwen2-MoE's shared expert, Phi-4-mini's partial rotary and longrope, Granite's multipliers, the
-# Granite 4.0-H hybrid).
+# Mixtral's MoE, Qwen2-MoE's shared expert, Phi-4-mini's partial rotary and longrope, Granite's multipliers, OLMo 3's
+# post-norms, the Granite 4.0-H hybrid).
 _FAMILY_COMMON = dict(vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                       intermediate_size=96, num_hidden_layers=3, rms_norm_eps=1e-6, max_position_embeddings=256,
                       bos_token_id=1, eos_token_id=2)
@@ -177,6 +177,12 @@ FAMILIES = {
     "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", dict(
         _FAMILY_COMMON, num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=12.0,
         attention_multiplier=0.0625, residual_multiplier=0.22, logits_scaling=16.0)),
+    # OLMo 3: post-norms, q/k norms over all heads, three sliding layers of four with their own RoPE beside YaRN.
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", dict(
+        _FAMILY_COMMON, pad_token_id=0, num_hidden_layers=4, sliding_window=20,
+        rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                            "original_max_position_embeddings": 32},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
     # Granite 4.0-H: Mamba2 and attention layers (no positional encoding), each with Granite's MoE and shared MLP,
     # on NemotronH's blocks (engine/models/granite_hybrid.py).
     "granite-4.0-h": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(

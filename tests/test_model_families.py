@@ -11,6 +11,8 @@ their directories, with transformers (fp32, eager attention, repeated full forwa
 - Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2's biased attention, sparse layers whose MoE adds a shared expert
   scaled by its sigmoid gate to the routed experts' output, a dense layer (``mlp_only_layers``), sliding layers;
 - Phi-3 / Phi-4: q/k/v and gate/up stored fused (``qkv_proj``, ``gate_up_proj``), and LoRA adapters on them;
+- OLMo 2 / OLMo 3: norms after attention and the MLP (none before), q/k norms over all heads at once; OLMo 3's sliding
+  layers (three of four) with their own RoPE table beside the full layers' YaRN;
 - Granite 3.x: the embedding, attention scores and each residual branch multiplied, the logits divided; GraniteMoe:
   and a sparse MoE in every layer whose router softmaxes the top-k logits;
 - Gemma 2: soft-capped attention scores (in the attention kernels) and logits, every other layer sliding;
@@ -74,6 +76,15 @@ CONFIGS = {
                      logits_scaling=16.0),
                 dict.fromkeys(("embedding_multiplier", "attention_multiplier", "residual_multiplier",
                                "logits_scaling"))),
+    # OLMo 2: norms after each sublayer, q/k norms over all heads; OLMo 3: and three sliding layers of four (the
+    # last layer full), the full layers on YaRN, the sliding ones on default RoPE.
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(COMMON, pad_token_id=0), None),
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM",
+              dict(COMMON, pad_token_id=0, num_hidden_layers=4, sliding_window=20,
+                   rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                                       "original_max_position_embeddings": 32},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+              {"layer_types": ["full_attention"] * 4}),
     # GraniteMoe (granite-3.x-1b-a400m, 3b-a800m): Granite with 4 experts, top 2 (softmax over the top-k logits), in
     # the checkpoint layout (block_sparse_moe.router.layer, input_linear / output_linear stacked).
     "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM",
@@ -192,6 +203,10 @@ def test_configs_read(dirs):
     assert mixtral.moe.intermediate_size == 96 and mixtral.sliding_window == 40
     phi3 = arch_from_dir(dirs["phi3"])
     assert phi3.fused_checkpoint and not llama3.fused_checkpoint and phi3.sliding_window is None
+    olmo2, olmo3 = arch_from_dir(dirs["olmo2"]), arch_from_dir(dirs["olmo3"])
+    assert olmo2.post_norms and olmo2.qk_norm and olmo2.sliding_window is None and olmo2.sliding_rope is None
+    assert olmo3.sliding_layers == (True, True, True, False) and olmo3.sliding_window == 20
+    assert olmo3.rope_scaling.rope_type == "yarn" and olmo3.sliding_rope == (10000.0, None)
     granitemoe = arch_from_dir(dirs["granitemoe"])
     assert granitemoe.moe == MoeArch(num_experts=4, top_k=2, intermediate_size=96, norm_topk_prob=True,
                                      sparse_layers=(True,) * 3, layout="granitemoe")
@@ -267,7 +282,7 @@ def test_greedy_batched_and_alone_equal_transformers(dirs, reference, name):
 
 
 @pytest.mark.parametrize("name", ["llama3", "qwen2-yarn", "mistral-linear", "qwen2-swa", "gemma3", "gemma2",
-                                  "qwen2-moe", "granite"])
+                                  "qwen2-moe", "granite", "olmo3"])
 def test_each_variant_matters(dirs, reference, name, tmp_path):
     """transformers' greedy with the RoPE variant (or the sliding window) undone differs from the reference,
     so the equality above holds only if the engine computes the variant."""
@@ -310,6 +325,19 @@ def test_granitemoe_router_softmaxes_the_top_k_logits(dirs, reference):
     assert sum(a != b for a, b in zip(scrambled, reference["granitemoe"][:6])) >= 3
 
 
+def test_olmo3_legacy_config_reads_its_ropes(dirs, tmp_path):
+    """OLMo 3's published configs (transformers 4) carry one ``rope_scaling`` beside ``rope_theta``: it is the full
+    layers' (Olmo3Config), the sliding layers keep default RoPE at that theta. Without a window a config that names
+    sliding layers is refused."""
+    legacy = _edit_config(dirs["olmo3"], tmp_path / "legacy", rope_parameters=None, rope_theta=10000.0,
+                          rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32})
+    assert arch_from_dir(legacy) == arch_from_dir(dirs["olmo3"])
+    plain = _edit_config(dirs["olmo3"], tmp_path / "plain", rope_parameters=None, rope_theta=10000.0)
+    assert arch_from_dir(plain).sliding_rope is None and arch_from_dir(plain).rope_scaling is None
+    with pytest.raises(ValueError, match="sliding_window is not set"):
+        arch_from_dir(_edit_config(dirs["olmo3"], tmp_path / "bad", sliding_window=None))
+
+
 def test_qwen2_moe_block_is_batch_invariant(dirs):
     """Deterministic mode: a token's MoE output (router, experts, shared expert and its sigmoid gate) is bit for bit
     the same alone as among 64 others. torch.sigmoid would break it on CPU: its vector and tail paths round apart."""
@@ -333,7 +361,7 @@ def test_biases_matter(dirs, reference):
 
 
 @pytest.mark.parametrize("name", ["qwen2-yarn", "mistral-linear", "gemma3", "gemma2", "mixtral", "qwen2-moe",
-                                  "granite", "granitemoe"])
+                                  "granite", "granitemoe", "olmo2", "olmo3"])
 def test_chunked_prefill_and_preemption(dirs, reference, name):
     # Chunks of 5 tokens; 24 blocks of 16 for 16 requests of up to 82 tokens force preemption.
     engine = _engine(dirs[name], prefill_chunk_size=5, max_num_batched_tokens=40, num_kv_blocks=24)
@@ -348,7 +376,7 @@ def test_speculative_ngram_is_lossless(dirs, reference, name):
     assert _run(engine, PROMPTS) == reference[name]
 
 
-@pytest.mark.parametrize("name", ["qwen2-yarn", "gemma3", "mixtral", "qwen2-moe", "granitemoe"])
+@pytest.mark.parametrize("name", ["qwen2-yarn", "gemma3", "mixtral", "qwen2-moe", "granitemoe", "olmo3"])
 def test_bf16_deterministic_batch_invariant(dirs, name):
     """bf16 in deterministic mode (the CPU default): a request's tokens in a batch are its tokens alone, with
     q/k/v biases and YaRN (the bias add is per row), with Gemma's norms and sliding layers, and with MoE (Qwen2-MoE's

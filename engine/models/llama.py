@@ -39,7 +39,10 @@ QWEN2_MOE = ("Qwen2MoeForCausalLM",)
 # Granite 3.x (IBM): Llama with four multipliers (embedding, attention scale, residual branches, logits);
 # GraniteMoe: and a sparse MoE in every layer (engine/models/moe.py).
 GRANITE = ("GraniteForCausalLM", "GraniteMoeForCausalLM")
-SUPPORTED = LLAMA_FAMILY + MIXTRAL + QWEN2 + PHI3 + QWEN3 + QWEN2_MOE + GRANITE
+# OLMo 2 / OLMo 3 (AI2): norms after attention and the MLP instead of before, q/k RMSNorm over all heads at once;
+# OLMo 3 slides three layers of four, each layer type with its own RoPE table.
+OLMO = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
+SUPPORTED = LLAMA_FAMILY + MIXTRAL + QWEN2 + PHI3 + QWEN3 + QWEN2_MOE + GRANITE + OLMO
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,7 @@ class ModelArch:
     tie_word_embeddings: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
-    qk_norm: bool = False  # Qwen3: q_norm / k_norm [head_dim] on every head before RoPE
+    qk_norm: bool = False  # q_norm / k_norm before RoPE: Qwen3's [head_dim] on each head, OLMo 2's over all heads
     moe: MoeArch | None = None  # Qwen3-MoE, Qwen2-MoE, Mixtral: which layers are sparse, and their experts
     rope_scaling: RopeScaling | None = None  # None: default RoPE (engine/models/rope.py)
     qkv_bias: bool = False  # Qwen2, Qwen2-MoE (its ``qkv_bias``), ``attention_bias`` in Llama / Mistral / Qwen3
@@ -78,6 +81,11 @@ class ModelArch:
     attention_multiplier: float | None = None
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    # OLMo 2: each sublayer's output is normed before its residual add (post_attention_layernorm,
+    # post_feedforward_layernorm) and its input is not; q_norm / k_norm span all of q's / k's heads.
+    post_norms: bool = False
+    # OLMo 3: the sliding layers' own RoPE (theta, variant) when it differs from the full layers' (None: one table).
+    sliding_rope: tuple[float, RopeScaling | None] | None = None
 
     def window_of(self, layer_index: int | None) -> int:
         """The attention window of a layer (0: full causal attention). ``None``: a layer outside the stack
@@ -94,7 +102,7 @@ class ModelArch:
         arch = cfg.get("architectures") or ["LlamaForCausalLM"]
         if arch[0] not in SUPPORTED:
             raise ValueError(f"{model_dir}: architecture {arch[0]!r} is not supported here ({', '.join(SUPPORTED)})")
-        rope_theta, rope_scaling = rope_from_config(cfg, str(model_dir), phi3=arch[0] in PHI3)
+        rope_theta, rope_scaling, sliding_rope = _ropes(cfg, arch[0], str(model_dir))
         for key, supported in (("mlp_bias", False), ("hidden_act", "silu")):
             if cfg.get(key, supported) != supported:
                 raise ValueError(f"{model_dir}: {key} {cfg[key]!r} is not supported (only {supported!r})")
@@ -119,7 +127,7 @@ class ModelArch:
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            qk_norm=arch[0] in QWEN3,
+            qk_norm=arch[0] in QWEN3 + OLMO,
             moe=_moe(cfg, arch[0], str(model_dir)),
             rope_scaling=rope_scaling,
             # Qwen2MoeConfig.qkv_bias defaults to True (Qwen1.5-MoE's config.json predates the key).
@@ -130,6 +138,8 @@ class ModelArch:
             fused_checkpoint=arch[0] in PHI3,
             rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
             **_granite_multipliers(cfg, arch[0]),
+            post_norms=arch[0] in OLMO,
+            sliding_rope=sliding_rope,
         )
 
     def for_context(self, max_model_len: int) -> "ModelArch":
@@ -140,6 +150,24 @@ class ModelArch:
         """With partial rotary, which checkpoint dimension each position of a q or k head holds in the kernels'
         layout (the loader permutes q and k by it); None when RoPE rotates whole heads."""
         return partial_rotary_order(self.head_dim, self.rotary_dim) if self.rotary_dim else None
+
+
+def _ropes(cfg: dict, architecture: str, where: str) -> tuple[float, RopeScaling | None, tuple | None]:
+    """(theta, variant) of the model's RoPE, and the sliding layers' own when they have another (OLMo 3: transformers
+    5 writes ``rope_parameters`` per layer type; an older config's ``rope_scaling`` is the full layers', its sliding
+    layers default RoPE at the same theta)."""
+    if architecture != "Olmo3ForCausalLM":
+        return (*rope_from_config(cfg, where, phi3=architecture in PHI3), None)
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and any(isinstance(v, dict) for v in params.values()):
+        theta = cfg.get("rope_theta") or 500000.0  # Olmo3Config's default_theta
+        full, sliding = (rope_from_config({**cfg, "rope_scaling": None, "rope_theta": theta,
+                                           "rope_parameters": params.get(kind) or {}}, where)
+                         for kind in ("full_attention", "sliding_attention"))
+    else:
+        full = rope_from_config({**cfg, "rope_theta": cfg.get("rope_theta") or 500000.0}, where)
+        sliding = (full[0], None)
+    return (*full, None if sliding == full else sliding)
 
 
 def _granite_multipliers(cfg: dict, architecture: str) -> dict:
@@ -179,6 +207,14 @@ def _sliding_window(cfg: dict, architecture: str, where: str) -> tuple[int | Non
     window = cfg.get("sliding_window")
     if architecture in ("MistralForCausalLM", *MIXTRAL, *PHI3):
         return (int(window), ()) if window else (None, ())
+    if architecture == "Olmo3ForCausalLM":
+        if not layer_types:  # Olmo3Config's default: three sliding layers, then a full one
+            layer_types = ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(num_layers)]
+        if "sliding_attention" not in layer_types:
+            return None, ()
+        if not window:
+            raise ValueError(f"{where}: layer_types name sliding layers but sliding_window is not set")
+        return int(window), tuple(t == "sliding_attention" for t in layer_types)
     if architecture in QWEN2 + QWEN3 + QWEN2_MOE and cfg.get("use_sliding_window"):
         if not window:
             raise ValueError(f"{where}: use_sliding_window needs a sliding_window")
@@ -284,8 +320,10 @@ class DecoderLayer:
         # (peak memory at load ~ one copy of the weights, not three).
         w = lambda name: weights.pop(f"{prefix}.{name}")  # noqa: E731
         self.arch = arch
-        self.input_norm = w("input_layernorm.weight")
+        post_norms = getattr(arch, "post_norms", False)  # OLMo 2: no input norm, one after each sublayer
+        self.input_norm = None if post_norms else w("input_layernorm.weight")
         self.post_norm = w("post_attention_layernorm.weight")
+        self.ff_norm = w("post_feedforward_layernorm.weight") if post_norms else None
         det = {"deterministic": deterministic}  # engine/linear.py: the batch-invariant GEMM (issue 24)
         self.deterministic = deterministic  # ... and the fixed attention tiles (kernels/triton_paged_attention.py)
         fused = getattr(arch, "fused_checkpoint", False)
@@ -344,7 +382,8 @@ class DecoderLayer:
         if self.q_norm is None:
             rope.rotate_(qkv[:, : a.num_heads + a.num_kv_heads], positions)
             return self._split(qkv)
-        # Qwen3: RMSNorm over each head's head_dim (the norm kernel's last dim), then RoPE on the result.
+        # Qwen3: RMSNorm over each head's head_dim (the norm kernel's last dim), OLMo 2 over all of q's (k's) heads
+        # at once; then RoPE on the result.
         q = self._head_norm(qkv[:, : a.num_heads], self.q_norm)
         k = self._head_norm(qkv[:, a.num_heads : a.num_heads + a.num_kv_heads], self.k_norm)
         rope.rotate_(q, positions)
@@ -352,8 +391,9 @@ class DecoderLayer:
         return q, k, qkv[:, a.num_heads + a.num_kv_heads :]
 
     def _head_norm(self, heads: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """[tokens, heads, head_dim] normalised per head, as a new contiguous tensor."""
-        rows = heads.reshape(-1, heads.shape[-1])  # a copy: the heads are a strided view of qkv
+        """[tokens, heads, head_dim] normalised over ``weight``'s width (one head, or all of a token's heads), as a
+        new contiguous tensor."""
+        rows = heads.reshape(-1, weight.shape[0])  # a copy: the heads are a strided view of qkv
         return ops.rms_norm(rows, weight, self.arch.rms_norm_eps).view(heads.shape)
 
     def forward(
@@ -368,6 +408,8 @@ class DecoderLayer:
         """Pre-norm block with the skip connection carried separately (vLLM's convention): returns
         (this block's output, residual); the next norm adds them. ``residual`` is updated in place."""
         a = self.arch
+        if self.input_norm is None:
+            return self._forward_post_norms(hidden, residual, positions, rope, layer_cache, meta)
         if residual is None:
             residual = hidden.clone()
             x = ops.rms_norm(hidden, self.input_norm, a.rms_norm_eps)
@@ -391,15 +433,30 @@ class DecoderLayer:
         if self.residual_multiplier != 1.0:
             hidden.mul_(self.residual_multiplier)
         x = ops.rms_norm(hidden, self.post_norm, a.rms_norm_eps, residual=residual)
+        return self._chunked_mlp(x), residual
+
+    def _forward_post_norms(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                            rope: RotaryEmbedding, layer_cache: torch.Tensor,
+                            meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """OLMo 2's block, ``h = x + norm(attention(x))``, ``x' = h + norm(mlp(h))``, in forward's convention: returns
+        (norm(mlp(h)), h), which the next layer (or the final norm) adds."""
+        a = self.arch
+        x = hidden if residual is None else hidden.add_(residual)
+        q, k, v = self.qkv(x, positions, rope)
+        o = attend(q, k, v, layer_cache, meta, batch_invariant=self.deterministic, window=self.window)
+        h = x.add_(ops.rms_norm(self.o_proj(o.reshape(-1, self.q_size)), self.post_norm, a.rms_norm_eps))
+        return ops.rms_norm(self._chunked_mlp(h), self.ff_norm, a.rms_norm_eps), h
+
+    def _chunked_mlp(self, x: torch.Tensor) -> torch.Tensor:
         chunk = MLP_CHUNK_TOKENS_CUDA if x.is_cuda else MLP_CHUNK_TOKENS
         if x.shape[0] <= chunk or not self.chunked_mlp:
-            return self.mlp(x), residual
+            return self.mlp(x)
         # A long prefill runs the MLP in token chunks: its 2 x intermediate-wide buffers stay small
         # enough to be reused from the heap (engine/memory.py) and warm in cache.
         out = torch.empty_like(x)
         for start in range(0, x.shape[0], chunk):
             out[start : start + chunk] = self.mlp(x[start : start + chunk])
-        return out, residual
+        return out
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         out = self.moe(x) if self.moe is not None else self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
@@ -432,9 +489,14 @@ class LlamaModel(CausalLM):
         self.layers = [DecoderLayer(arch, weights, f"model.layers.{i}", deterministic, layer_index=i)
                        for i in range(arch.num_layers)]
         if arch.qk_norm and any(layer.q_norm is None or layer.k_norm is None for layer in self.layers):
-            raise ValueError("Qwen3 weights lack self_attn.q_norm.weight / k_norm.weight in some layer")
+            raise ValueError("weights lack self_attn.q_norm.weight / k_norm.weight in some layer (Qwen3 and OLMo 2 have "
+                             "them in every layer)")
         self.rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, max_positions, dtype, self.embed_tokens.device,
                                     arch.rope_scaling, arch.rotary_dim)
+        # OLMo 3: the sliding layers' own table (None: every layer reads self.rope).
+        self.sliding_rope = None if arch.sliding_rope is None else RotaryEmbedding(
+            arch.head_dim, *arch.sliding_rope[:1], max_positions, dtype, self.embed_tokens.device, arch.sliding_rope[1],
+            arch.rotary_dim)
         self.scale = arch.head_dim**-0.5 if arch.attention_multiplier is None else arch.attention_multiplier
 
     def lora_targets(self) -> list[tuple[int, object, str, tuple[tuple[str, int, int], ...]]]:
@@ -484,7 +546,8 @@ class LlamaModel(CausalLM):
             hidden.mul_(self.arch.embedding_multiplier)
         residual = None
         for i, layer in enumerate(self.layers):
-            hidden, residual = layer.forward(hidden, residual, positions, self.rope, kv_cache[i], meta)
+            rope = self.sliding_rope if self.sliding_rope is not None and layer.window else self.rope
+            hidden, residual = layer.forward(hidden, residual, positions, rope, kv_cache[i], meta)
             if on_layer_done is not None:
                 on_layer_done(i)
         return ops.rms_norm(hidden, self.norm, self.arch.rms_norm_eps, residual=residual)
