@@ -11,6 +11,7 @@ their directories, with transformers (fp32, eager attention, repeated full forwa
 - Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2's biased attention, sparse layers whose MoE adds a shared expert
   scaled by its sigmoid gate to the routed experts' output, a dense layer (``mlp_only_layers``), sliding layers;
 - Phi-3 / Phi-4: q/k/v and gate/up stored fused (``qkv_proj``, ``gate_up_proj``), and LoRA adapters on them;
+- SmolLM3: every fourth layer without RoPE;
 - OLMo 2 / OLMo 3: norms after attention and the MLP (none before), q/k norms over all heads at once; OLMo 3's sliding
   layers (three of four) with their own RoPE table beside the full layers' YaRN;
 - Granite 3.x: the embedding, attention scores and each residual branch multiplied, the logits divided; GraniteMoe:
@@ -76,6 +77,9 @@ CONFIGS = {
                      logits_scaling=16.0),
                 dict.fromkeys(("embedding_multiplier", "attention_multiplier", "residual_multiplier",
                                "logits_scaling"))),
+    # SmolLM3: no RoPE on every fourth layer (here layer 1 of 3: no_rope_layer_interval 2).
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(COMMON, pad_token_id=0, no_rope_layer_interval=2),
+                {"no_rope_layers": [1, 1, 1]}),
     # OLMo 2: norms after each sublayer, q/k norms over all heads; OLMo 3: and three sliding layers of four (the
     # last layer full), the full layers on YaRN, the sliding ones on default RoPE.
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(COMMON, pad_token_id=0), None),
@@ -203,6 +207,7 @@ def test_configs_read(dirs):
     assert mixtral.moe.intermediate_size == 96 and mixtral.sliding_window == 40
     phi3 = arch_from_dir(dirs["phi3"])
     assert phi3.fused_checkpoint and not llama3.fused_checkpoint and phi3.sliding_window is None
+    assert arch_from_dir(dirs["smollm3"]).nope_layers == (False, True, False)
     olmo2, olmo3 = arch_from_dir(dirs["olmo2"]), arch_from_dir(dirs["olmo3"])
     assert olmo2.post_norms and olmo2.qk_norm and olmo2.sliding_window is None and olmo2.sliding_rope is None
     assert olmo3.sliding_layers == (True, True, True, False) and olmo3.sliding_window == 20
@@ -282,7 +287,7 @@ def test_greedy_batched_and_alone_equal_transformers(dirs, reference, name):
 
 
 @pytest.mark.parametrize("name", ["llama3", "qwen2-yarn", "mistral-linear", "qwen2-swa", "gemma3", "gemma2",
-                                  "qwen2-moe", "granite", "olmo3"])
+                                  "qwen2-moe", "granite", "olmo3", "smollm3"])
 def test_each_variant_matters(dirs, reference, name, tmp_path):
     """transformers' greedy with the RoPE variant (or the sliding window) undone differs from the reference,
     so the equality above holds only if the engine computes the variant."""
@@ -325,6 +330,16 @@ def test_granitemoe_router_softmaxes_the_top_k_logits(dirs, reference):
     assert sum(a != b for a, b in zip(scrambled, reference["granitemoe"][:6])) >= 3
 
 
+def test_smollm3_sliding_layers_are_its_nope_layers(dirs, tmp_path):
+    """SmolLM3 with use_sliding_window and no layer_types slides the layers without RoPE, as SmolLM3Config does."""
+    windowed = _edit_config(dirs["smollm3"], tmp_path / "w", use_sliding_window=True, sliding_window=20,
+                            layer_types=None)
+    hf = transformers.SmolLM3Config(**{**CONFIGS["smollm3"][2], "use_sliding_window": True, "sliding_window": 20})
+    arch = arch_from_dir(windowed)
+    assert arch.sliding_layers == tuple(t == "sliding_attention" for t in hf.layer_types) == (False, True, False)
+    assert [arch.window_of(i) for i in range(3)] == [0, 20, 0]
+
+
 def test_olmo3_legacy_config_reads_its_ropes(dirs, tmp_path):
     """OLMo 3's published configs (transformers 4) carry one ``rope_scaling`` beside ``rope_theta``: it is the full
     layers' (Olmo3Config), the sliding layers keep default RoPE at that theta. Without a window a config that names
@@ -361,7 +376,7 @@ def test_biases_matter(dirs, reference):
 
 
 @pytest.mark.parametrize("name", ["qwen2-yarn", "mistral-linear", "gemma3", "gemma2", "mixtral", "qwen2-moe",
-                                  "granite", "granitemoe", "olmo2", "olmo3"])
+                                  "granite", "granitemoe", "olmo2", "olmo3", "smollm3"])
 def test_chunked_prefill_and_preemption(dirs, reference, name):
     # Chunks of 5 tokens; 24 blocks of 16 for 16 requests of up to 82 tokens force preemption.
     engine = _engine(dirs[name], prefill_chunk_size=5, max_num_batched_tokens=40, num_kv_blocks=24)

@@ -42,7 +42,9 @@ GRANITE = ("GraniteForCausalLM", "GraniteMoeForCausalLM")
 # OLMo 2 / OLMo 3 (AI2): norms after attention and the MLP instead of before, q/k RMSNorm over all heads at once;
 # OLMo 3 slides three layers of four, each layer type with its own RoPE table.
 OLMO = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
-SUPPORTED = LLAMA_FAMILY + MIXTRAL + QWEN2 + PHI3 + QWEN3 + QWEN2_MOE + GRANITE + OLMO
+# SmolLM3: Llama whose every fourth layer (``no_rope_layers``) takes no RoPE.
+SMOLLM3 = ("SmolLM3ForCausalLM",)
+SUPPORTED = LLAMA_FAMILY + MIXTRAL + QWEN2 + PHI3 + QWEN3 + QWEN2_MOE + GRANITE + OLMO + SMOLLM3
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,8 @@ class ModelArch:
     post_norms: bool = False
     # OLMo 3: the sliding layers' own RoPE (theta, variant) when it differs from the full layers' (None: one table).
     sliding_rope: tuple[float, RopeScaling | None] | None = None
+    # SmolLM3: per layer, True where the layer takes no RoPE (empty: every layer takes it).
+    nope_layers: tuple[bool, ...] = ()
 
     def window_of(self, layer_index: int | None) -> int:
         """The attention window of a layer (0: full causal attention). ``None``: a layer outside the stack
@@ -140,6 +144,7 @@ class ModelArch:
             **_granite_multipliers(cfg, arch[0]),
             post_norms=arch[0] in OLMO,
             sliding_rope=sliding_rope,
+            nope_layers=_nope_layers(cfg, arch[0], str(model_dir)),
         )
 
     def for_context(self, max_model_len: int) -> "ModelArch":
@@ -168,6 +173,21 @@ def _ropes(cfg: dict, architecture: str, where: str) -> tuple[float, RopeScaling
         full = rope_from_config({**cfg, "rope_theta": cfg.get("rope_theta") or 500000.0}, where)
         sliding = (full[0], None)
     return (*full, None if sliding == full else sliding)
+
+
+def _nope_layers(cfg: dict, architecture: str, where: str) -> tuple[bool, ...]:
+    """SmolLM3's layers without RoPE: ``no_rope_layers`` (1: RoPE, 0: none), or one in every
+    ``no_rope_layer_interval`` (SmolLM3Config's rule); () for the other architectures."""
+    if architecture not in SMOLLM3:
+        return ()
+    num_layers = cfg["num_hidden_layers"]
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        interval = cfg.get("no_rope_layer_interval") or 4
+        flags = [int((i + 1) % interval != 0) for i in range(num_layers)]
+    if len(flags) != num_layers:
+        raise ValueError(f"{where}: no_rope_layers has {len(flags)} entries for {num_layers} layers")
+    return tuple(not flag for flag in flags)
 
 
 def _granite_multipliers(cfg: dict, architecture: str) -> dict:
@@ -215,7 +235,11 @@ def _sliding_window(cfg: dict, architecture: str, where: str) -> tuple[int | Non
         if not window:
             raise ValueError(f"{where}: layer_types name sliding layers but sliding_window is not set")
         return int(window), tuple(t == "sliding_attention" for t in layer_types)
-    if architecture in QWEN2 + QWEN3 + QWEN2_MOE and cfg.get("use_sliding_window"):
+    if architecture in SMOLLM3 and cfg.get("use_sliding_window") and window and not layer_types:
+        # SmolLM3Config's rule: the layers without RoPE slide.
+        layer_types = ["sliding_attention" if nope else "full_attention" for nope in _nope_layers(cfg, architecture,
+                                                                                                   where)]
+    if architecture in QWEN2 + QWEN3 + QWEN2_MOE + SMOLLM3 and cfg.get("use_sliding_window"):
         if not window:
             raise ValueError(f"{where}: use_sliding_window needs a sliding_window")
         if not layer_types and architecture in QWEN2_MOE:
@@ -359,6 +383,8 @@ class DecoderLayer:
         self.kv_size = arch.num_kv_heads * arch.head_dim
         window_of = getattr(arch, "window_of", None)  # an MTP layer on a hybrid target: HybridArch has none
         self.residual_multiplier = getattr(arch, "residual_multiplier", 1.0)
+        nope_layers = getattr(arch, "nope_layers", ())
+        self.rope_on = not (layer_index is not None and nope_layers and nope_layers[layer_index])  # SmolLM3's NoPE
         self.window = window_of(layer_index) if window_of is not None else 0
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
@@ -415,7 +441,9 @@ class DecoderLayer:
             x = ops.rms_norm(hidden, self.input_norm, a.rms_norm_eps)
         else:
             x = ops.rms_norm(hidden, self.input_norm, a.rms_norm_eps, residual=residual)
-        if self.q_norm is None:
+        if not self.rope_on:  # a NoPE layer: attend writes K and V as they are
+            (q, k, v), kv_written = self._split(self._heads(x)), False
+        elif self.q_norm is None:
             qkv = self._heads(x)
             q, k, v = self._split(qkv)
             # On CUDA one kernel rotates q and k and writes K and V into the cache; elsewhere apart.
