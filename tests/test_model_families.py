@@ -11,7 +11,7 @@ their directories, with transformers (fp32, eager attention, repeated full forwa
 - Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2's biased attention, sparse layers whose MoE adds a shared expert
   scaled by its sigmoid gate to the routed experts' output, a dense layer (``mlp_only_layers``), sliding layers;
 - Phi-3 / Phi-4: q/k/v and gate/up stored fused (``qkv_proj``, ``gate_up_proj``), and LoRA adapters on them;
-- SmolLM3: every fourth layer without RoPE;
+- SmolLM3: every fourth layer without RoPE; OLMoE: OLMo 2's q/k norms and Qwen3-MoE's MoE in every layer;
 - OLMo 2 / OLMo 3: norms after attention and the MLP (none before), q/k norms over all heads at once; OLMo 3's sliding
   layers (three of four) with their own RoPE table beside the full layers' YaRN;
 - Granite 3.x: the embedding, attention scores and each residual branch multiplied, the logits divided; GraniteMoe:
@@ -77,6 +77,9 @@ CONFIGS = {
                      logits_scaling=16.0),
                 dict.fromkeys(("embedding_multiplier", "attention_multiplier", "residual_multiplier",
                                "logits_scaling"))),
+    # OLMoE: q/k norms over all heads, 4 experts of width 96 (intermediate_size), top 2 not renormalised.
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(COMMON, pad_token_id=0, num_experts=4, num_experts_per_tok=2),
+              None),
     # SmolLM3: no RoPE on every fourth layer (here layer 1 of 3: no_rope_layer_interval 2).
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(COMMON, pad_token_id=0, no_rope_layer_interval=2),
                 {"no_rope_layers": [1, 1, 1]}),
@@ -208,6 +211,9 @@ def test_configs_read(dirs):
     phi3 = arch_from_dir(dirs["phi3"])
     assert phi3.fused_checkpoint and not llama3.fused_checkpoint and phi3.sliding_window is None
     assert arch_from_dir(dirs["smollm3"]).nope_layers == (False, True, False)
+    olmoe = arch_from_dir(dirs["olmoe"])
+    assert olmoe.qk_norm and olmoe.moe == MoeArch(num_experts=4, top_k=2, intermediate_size=96, norm_topk_prob=False,
+                                                  sparse_layers=(True,) * 3)
     olmo2, olmo3 = arch_from_dir(dirs["olmo2"]), arch_from_dir(dirs["olmo3"])
     assert olmo2.post_norms and olmo2.qk_norm and olmo2.sliding_window is None and olmo2.sliding_rope is None
     assert olmo3.sliding_layers == (True, True, True, False) and olmo3.sliding_window == 20
@@ -376,7 +382,7 @@ def test_biases_matter(dirs, reference):
 
 
 @pytest.mark.parametrize("name", ["qwen2-yarn", "mistral-linear", "gemma3", "gemma2", "mixtral", "qwen2-moe",
-                                  "granite", "granitemoe", "olmo2", "olmo3", "smollm3"])
+                                  "granite", "granitemoe", "olmo2", "olmo3", "smollm3", "olmoe"])
 def test_chunked_prefill_and_preemption(dirs, reference, name):
     # Chunks of 5 tokens; 24 blocks of 16 for 16 requests of up to 82 tokens force preemption.
     engine = _engine(dirs[name], prefill_chunk_size=5, max_num_batched_tokens=40, num_kv_blocks=24)
@@ -477,6 +483,7 @@ def test_rope_tables_equal_transformers(params):
     ({"rope_scaling": {"type": "linear"}}, "'factor'"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
     ({"mlp_bias": True}, "mlp_bias"),
+    ({"clip_qkv": 8.0}, "clip_qkv"),
     ({"architectures": ["DeepseekV3ForCausalLM"]}, "DeepseekV3ForCausalLM"),
 ])
 def test_unsupported_configs_refused_in_one_line(dirs, tmp_path, change, words):

@@ -8,6 +8,7 @@
     Qwen3ForCausalLM, Qwen3MoeForCausalLM -> the same (q/k norm; MoE MLPs in engine/models/moe.py)
     Qwen2MoeForCausalLM                  -> the same (q/k/v biases; MoE MLPs with a shared expert in moe.py)
     SmolLM3ForCausalLM                   -> the same (no RoPE on every fourth layer)
+    OlmoeForCausalLM                     -> the same (q/k norms over all heads; MoE MLPs in moe.py)
     Olmo2ForCausalLM, Olmo3ForCausalLM   -> the same (norms after each sublayer, q/k norms over all heads)
     GraniteForCausalLM, GraniteMoeForCausalLM -> the same (embedding, attention, residual and logits
                                             multipliers; MoE MLPs in engine/models/moe.py)
@@ -47,6 +48,7 @@ ARCHITECTURES = {
     "Olmo2ForCausalLM": (ModelArch, LlamaModel),
     "Olmo3ForCausalLM": (ModelArch, LlamaModel),
     "SmolLM3ForCausalLM": (ModelArch, LlamaModel),
+    "OlmoeForCausalLM": (ModelArch, LlamaModel),
     "Gemma2ForCausalLM": (GemmaArch, GemmaModel),
     "Gemma3ForCausalLM": (GemmaArch, GemmaModel),
     "Gemma3ForConditionalGeneration": (GemmaArch, GemmaModel),  # its language model, for text

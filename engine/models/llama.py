@@ -44,7 +44,9 @@ GRANITE = ("GraniteForCausalLM", "GraniteMoeForCausalLM")
 OLMO = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
 # SmolLM3: Llama whose every fourth layer (``no_rope_layers``) takes no RoPE.
 SMOLLM3 = ("SmolLM3ForCausalLM",)
-SUPPORTED = LLAMA_FAMILY + MIXTRAL + QWEN2 + PHI3 + QWEN3 + QWEN2_MOE + GRANITE + OLMO + SMOLLM3
+# OLMoE: Llama with OLMo 2's q/k norms over all heads and Qwen3-MoE's router and experts in every layer.
+OLMOE = ("OlmoeForCausalLM",)
+SUPPORTED = LLAMA_FAMILY + MIXTRAL + QWEN2 + PHI3 + QWEN3 + QWEN2_MOE + GRANITE + OLMO + SMOLLM3 + OLMOE
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,7 @@ class ModelArch:
         if arch[0] not in SUPPORTED:
             raise ValueError(f"{model_dir}: architecture {arch[0]!r} is not supported here ({', '.join(SUPPORTED)})")
         rope_theta, rope_scaling, sliding_rope = _ropes(cfg, arch[0], str(model_dir))
-        for key, supported in (("mlp_bias", False), ("hidden_act", "silu")):
+        for key, supported in (("mlp_bias", False), ("hidden_act", "silu"), ("clip_qkv", None)):
             if cfg.get(key, supported) != supported:
                 raise ValueError(f"{model_dir}: {key} {cfg[key]!r} is not supported (only {supported!r})")
         window, sliding_layers = _sliding_window(cfg, arch[0], str(model_dir))
@@ -131,7 +133,7 @@ class ModelArch:
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            qk_norm=arch[0] in QWEN3 + OLMO,
+            qk_norm=arch[0] in QWEN3 + OLMO + OLMOE,
             moe=_moe(cfg, arch[0], str(model_dir)),
             rope_scaling=rope_scaling,
             # Qwen2MoeConfig.qkv_bias defaults to True (Qwen1.5-MoE's config.json predates the key).
@@ -208,6 +210,10 @@ def _moe(cfg: dict, architecture: str, where: str) -> MoeArch | None:
         return MoeArch.from_config(cfg, num_layers, where, layout="qwen2_moe")
     if architecture == "GraniteMoeForCausalLM":
         return MoeArch.granitemoe(cfg, num_layers, where)
+    if architecture in OLMOE:  # Qwen3-MoE's MoE, the experts intermediate_size wide (OlmoeConfig's defaults)
+        return MoeArch.from_config({**cfg, "moe_intermediate_size": cfg.get("intermediate_size") or 2048,
+                                    "num_experts": cfg.get("num_experts") or 64,
+                                    "num_experts_per_tok": cfg.get("num_experts_per_tok") or 8}, num_layers, where)
     return MoeArch.mixtral(cfg, num_layers, where) if architecture in MIXTRAL else None
 
 
