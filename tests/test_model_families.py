@@ -11,6 +11,7 @@ their directories, with transformers (fp32, eager attention, repeated full forwa
 - Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2's biased attention, sparse layers whose MoE adds a shared expert
   scaled by its sigmoid gate to the routed experts' output, a dense layer (``mlp_only_layers``), sliding layers;
 - Phi-3 / Phi-4: q/k/v and gate/up stored fused (``qkv_proj``, ``gate_up_proj``), and LoRA adapters on them;
+- GLM-4: four norms a layer, half of each head rotated in interleaved pairs, q/k/v biases, gate/up fused;
 - SmolLM3: every fourth layer without RoPE; OLMoE: OLMo 2's q/k norms and Qwen3-MoE's MoE in every layer;
 - OLMo 2 / OLMo 3: norms after attention and the MLP (none before), q/k norms over all heads at once; OLMo 3's sliding
   layers (three of four) with their own RoPE table beside the full layers' YaRN;
@@ -77,6 +78,8 @@ CONFIGS = {
                      logits_scaling=16.0),
                 dict.fromkeys(("embedding_multiplier", "attention_multiplier", "residual_multiplier",
                                "logits_scaling"))),
+    # GLM-4: sandwich norms, half of each head rotated in interleaved pairs, q/k/v biases, gate/up fused.
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(COMMON, pad_token_id=0, head_dim=32), None),
     # OLMoE: q/k norms over all heads, 4 experts of width 96 (intermediate_size), top 2 not renormalised.
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(COMMON, pad_token_id=0, num_experts=4, num_experts_per_tok=2),
               None),
@@ -210,12 +213,15 @@ def test_configs_read(dirs):
     assert mixtral.moe.intermediate_size == 96 and mixtral.sliding_window == 40
     phi3 = arch_from_dir(dirs["phi3"])
     assert phi3.fused_checkpoint and not llama3.fused_checkpoint and phi3.sliding_window is None
+    glm4 = arch_from_dir(dirs["glm4"])
+    assert glm4.norm_layout == "sandwich" and glm4.rope_interleaved and glm4.rotary_dim == 16  # Glm4Config: 0.5
+    assert glm4.qkv_bias and not glm4.o_bias and glm4.fused_gate_up and not glm4.fused_checkpoint
     assert arch_from_dir(dirs["smollm3"]).nope_layers == (False, True, False)
     olmoe = arch_from_dir(dirs["olmoe"])
     assert olmoe.qk_norm and olmoe.moe == MoeArch(num_experts=4, top_k=2, intermediate_size=96, norm_topk_prob=False,
                                                   sparse_layers=(True,) * 3)
     olmo2, olmo3 = arch_from_dir(dirs["olmo2"]), arch_from_dir(dirs["olmo3"])
-    assert olmo2.post_norms and olmo2.qk_norm and olmo2.sliding_window is None and olmo2.sliding_rope is None
+    assert olmo2.norm_layout == "post" and olmo2.qk_norm and olmo2.sliding_window is None and olmo2.sliding_rope is None
     assert olmo3.sliding_layers == (True, True, True, False) and olmo3.sliding_window == 20
     assert olmo3.rope_scaling.rope_type == "yarn" and olmo3.sliding_rope == (10000.0, None)
     granitemoe = arch_from_dir(dirs["granitemoe"])
@@ -382,7 +388,7 @@ def test_biases_matter(dirs, reference):
 
 
 @pytest.mark.parametrize("name", ["qwen2-yarn", "mistral-linear", "gemma3", "gemma2", "mixtral", "qwen2-moe",
-                                  "granite", "granitemoe", "olmo2", "olmo3", "smollm3", "olmoe"])
+                                  "granite", "granitemoe", "olmo2", "olmo3", "smollm3", "olmoe", "glm4"])
 def test_chunked_prefill_and_preemption(dirs, reference, name):
     # Chunks of 5 tokens; 24 blocks of 16 for 16 requests of up to 82 tokens force preemption.
     engine = _engine(dirs[name], prefill_chunk_size=5, max_num_batched_tokens=40, num_kv_blocks=24)
@@ -397,7 +403,7 @@ def test_speculative_ngram_is_lossless(dirs, reference, name):
     assert _run(engine, PROMPTS) == reference[name]
 
 
-@pytest.mark.parametrize("name", ["qwen2-yarn", "gemma3", "mixtral", "qwen2-moe", "granitemoe", "olmo3"])
+@pytest.mark.parametrize("name", ["qwen2-yarn", "gemma3", "mixtral", "qwen2-moe", "granitemoe", "olmo3", "glm4"])
 def test_bf16_deterministic_batch_invariant(dirs, name):
     """bf16 in deterministic mode (the CPU default): a request's tokens in a batch are its tokens alone, with
     q/k/v biases and YaRN (the bias add is per row), with Gemma's norms and sliding layers, and with MoE (Qwen2-MoE's
@@ -493,22 +499,48 @@ def test_unsupported_configs_refused_in_one_line(dirs, tmp_path, change, words):
     assert words in str(err.value) and "\n" not in str(err.value)
 
 
-def test_phi3_lora_on_fused_projections_equals_peft(dirs, reference, tmp_path):
-    """peft adapts Phi-3's fused qkv_proj and gate_up_proj as they are: the adapter loads onto them and the
-    engine gives peft's greedy, beside base-model requests in one batch."""
+def _lora_equals_peft(dirs, reference, name: str, modules: list[str], tmp_path: Path) -> None:
+    """A peft adapter (random, rank 4) on ``modules`` of ``name``: the engine gives peft's greedy for its requests and
+    the reference for base-model requests in the same batch."""
     peft = pytest.importorskip("peft")
     torch.manual_seed(1)
-    model = peft.get_peft_model(_hf_model(dirs["phi3"]), peft.LoraConfig(
-        r=4, lora_alpha=8, init_lora_weights=False,
-        target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])).eval()
+    model = peft.get_peft_model(_hf_model(dirs[name]), peft.LoraConfig(
+        r=4, lora_alpha=8, init_lora_weights=False, target_modules=modules)).eval()
     model.save_pretrained(tmp_path / "adapter")
     want = _hf_greedy(model, PROMPTS[:3])
-    assert want != reference["phi3"][:3]
-    engine = _engine(dirs["phi3"], lora_modules=(f"a={tmp_path / 'adapter'}",))
+    assert want != reference[name][:3]
+    engine = _engine(dirs[name], lora_modules=(f"a={tmp_path / 'adapter'}",))
     params = [SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True, lora_name=n) for n in ("a", None)]
     outs = engine.generate([p for p in PROMPTS[:3] for _ in params], [sp for _ in PROMPTS[:3] for sp in params])
     assert [o.token_ids for o in outs[::2]] == want
-    assert [o.token_ids for o in outs[1::2]] == reference["phi3"][:3]
+    assert [o.token_ids for o in outs[1::2]] == reference[name][:3]
+
+
+def test_phi3_lora_on_fused_projections_equals_peft(dirs, reference, tmp_path):
+    """peft adapts Phi-3's fused qkv_proj and gate_up_proj as they are: the adapter loads onto them and the
+    engine gives peft's greedy, beside base-model requests in one batch."""
+    _lora_equals_peft(dirs, reference, "phi3", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], tmp_path)
+
+
+def test_glm4_rotation_and_lora_equal_transformers(dirs, reference, tmp_path):
+    """GLM-4's interleaved partial rotation, served by permuting q/k head dimensions, is Glm4's apply_rotary_pos_emb
+    permuted alike; a peft adapter on q/k/v (its B rows permuted the same way), o and the fused gate_up gives peft's
+    greedy beside base requests."""
+    from transformers.models.glm4.modeling_glm4 import apply_rotary_pos_emb
+
+    from pdcluster.engine.models.rope import partial_rotary_order
+
+    head_dim, rotary_dim = 32, 16
+    order = partial_rotary_order(head_dim, rotary_dim, interleaved=True)
+    positions = torch.tensor([0, 3, 50, 200])
+    q = torch.randn(len(positions), 2, head_dim, generator=torch.Generator().manual_seed(0))
+    inv_freq, _ = inv_freq_and_scale(rotary_dim, 10000.0, None)
+    emb = torch.cat([torch.outer(positions.float(), inv_freq)] * 2, dim=-1)
+    want, _ = apply_rotary_pos_emb(q.transpose(0, 1), q.transpose(0, 1), emb.cos(), emb.sin(), unsqueeze_dim=0)
+    ours = q[:, :, order].contiguous()
+    RotaryEmbedding(head_dim, 10000.0, 256, torch.float32, rotary_dim=rotary_dim).rotate_(ours, positions)
+    torch.testing.assert_close(ours, want.transpose(0, 1)[:, :, order], rtol=1e-6, atol=1e-6)
+    _lora_equals_peft(dirs, reference, "glm4", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj"], tmp_path)
 
 
 def test_qwen2_moe_lora_on_attention_equals_peft(dirs, reference, tmp_path):

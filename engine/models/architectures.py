@@ -9,6 +9,7 @@
     Qwen2MoeForCausalLM                  -> the same (q/k/v biases; MoE MLPs with a shared expert in moe.py)
     SmolLM3ForCausalLM                   -> the same (no RoPE on every fourth layer)
     OlmoeForCausalLM                     -> the same (q/k norms over all heads; MoE MLPs in moe.py)
+    Glm4ForCausalLM                      -> the same (sandwich norms, interleaved partial RoPE)
     Olmo2ForCausalLM, Olmo3ForCausalLM   -> the same (norms after each sublayer, q/k norms over all heads)
     GraniteForCausalLM, GraniteMoeForCausalLM -> the same (embedding, attention, residual and logits
                                             multipliers; MoE MLPs in engine/models/moe.py)
@@ -49,6 +50,7 @@ ARCHITECTURES = {
     "Olmo3ForCausalLM": (ModelArch, LlamaModel),
     "SmolLM3ForCausalLM": (ModelArch, LlamaModel),
     "OlmoeForCausalLM": (ModelArch, LlamaModel),
+    "Glm4ForCausalLM": (ModelArch, LlamaModel),
     "Gemma2ForCausalLM": (GemmaArch, GemmaModel),
     "Gemma3ForCausalLM": (GemmaArch, GemmaModel),
     "Gemma3ForConditionalGeneration": (GemmaArch, GemmaModel),  # its language model, for text

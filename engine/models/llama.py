@@ -46,7 +46,10 @@ OLMO = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
 SMOLLM3 = ("SmolLM3ForCausalLM",)
 # OLMoE: Llama with OLMo 2's q/k norms over all heads and Qwen3-MoE's router and experts in every layer.
 OLMOE = ("OlmoeForCausalLM",)
-SUPPORTED = LLAMA_FAMILY + MIXTRAL + QWEN2 + PHI3 + QWEN3 + QWEN2_MOE + GRANITE + OLMO + SMOLLM3 + OLMOE
+# GLM-4 (GLM-4-9B-0414, GLM-4-32B-0414, GLM-Z1): four norms a layer (each sublayer's input and output), half of
+# each head rotated in interleaved pairs, q/k/v biases, gate/up stored fused.
+GLM4 = ("Glm4ForCausalLM",)
+SUPPORTED = LLAMA_FAMILY + MIXTRAL + QWEN2 + PHI3 + QWEN3 + QWEN2_MOE + GRANITE + OLMO + SMOLLM3 + OLMOE + GLM4
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,7 @@ class ModelArch:
     sliding_window: int | None = None
     sliding_layers: tuple[bool, ...] = ()
     fused_checkpoint: bool = False  # Phi-3: qkv_proj / gate_up_proj in the checkpoint (and adapters name them)
+    fused_gate_up: bool = False  # GLM-4: gate_up_proj alone fused in the checkpoint
     # Partial rotary (Phi-4-mini): RoPE rotates this many of a head's dimensions (0: all); engine/models/rope.py
     # says how the loader lays them out for the kernels.
     rotary_dim: int = 0
@@ -85,9 +89,11 @@ class ModelArch:
     attention_multiplier: float | None = None
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
-    # OLMo 2: each sublayer's output is normed before its residual add (post_attention_layernorm,
-    # post_feedforward_layernorm) and its input is not; q_norm / k_norm span all of q's / k's heads.
-    post_norms: bool = False
+    # Where a layer's norms sit: "pre" (Llama: before each sublayer), "post" (OLMo 2: after each sublayer's output,
+    # before its residual add, post_attention_layernorm / post_feedforward_layernorm; its q_norm / k_norm span all of
+    # q's / k's heads) or "sandwich" (GLM-4: before and after each sublayer).
+    norm_layout: str = "pre"
+    rope_interleaved: bool = False  # GLM-4: RoPE pairs (2j, 2j + 1) (ModelArch.qk_order lays them out for the kernels)
     # OLMo 3: the sliding layers' own RoPE (theta, variant) when it differs from the full layers' (None: one table).
     sliding_rope: tuple[float, RopeScaling | None] | None = None
     # SmolLM3: per layer, True where the layer takes no RoPE (empty: every layer takes it).
@@ -117,7 +123,7 @@ class ModelArch:
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
-        rotary_dim = rotary_dim_of(cfg, head_dim, rope_scaling, str(model_dir))
+        rotary_dim = rotary_dim_of(cfg, head_dim, rope_scaling, str(model_dir), 0.5 if arch[0] in GLM4 else 1.0)
         attention_bias = bool(cfg.get("attention_bias", False))
         return cls(
             vocab_size=cfg["vocab_size"],
@@ -137,14 +143,17 @@ class ModelArch:
             moe=_moe(cfg, arch[0], str(model_dir)),
             rope_scaling=rope_scaling,
             # Qwen2MoeConfig.qkv_bias defaults to True (Qwen1.5-MoE's config.json predates the key).
-            qkv_bias=attention_bias or arch[0] in QWEN2 or (arch[0] in QWEN2_MOE and cfg.get("qkv_bias", True)),
-            o_bias=attention_bias,
+            qkv_bias=(attention_bias or arch[0] in QWEN2 or (arch[0] in QWEN2_MOE and cfg.get("qkv_bias", True))
+                      or (arch[0] in GLM4 and cfg.get("attention_bias", True))),  # Glm4Config's default: True
+            o_bias=attention_bias and arch[0] not in GLM4,  # GLM-4's o_proj never has one
             sliding_window=window,
             sliding_layers=sliding_layers,
             fused_checkpoint=arch[0] in PHI3,
             rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
             **_granite_multipliers(cfg, arch[0]),
-            post_norms=arch[0] in OLMO,
+            norm_layout="post" if arch[0] in OLMO else "sandwich" if arch[0] in GLM4 else "pre",
+            fused_gate_up=arch[0] in GLM4,
+            rope_interleaved=arch[0] in GLM4,
             sliding_rope=sliding_rope,
             nope_layers=_nope_layers(cfg, arch[0], str(model_dir)),
         )
@@ -156,7 +165,9 @@ class ModelArch:
     def qk_order(self) -> torch.Tensor | None:
         """With partial rotary, which checkpoint dimension each position of a q or k head holds in the kernels'
         layout (the loader permutes q and k by it); None when RoPE rotates whole heads."""
-        return partial_rotary_order(self.head_dim, self.rotary_dim) if self.rotary_dim else None
+        if not self.rotary_dim and not self.rope_interleaved:
+            return None
+        return partial_rotary_order(self.head_dim, self.rotary_dim or self.head_dim, self.rope_interleaved)
 
 
 def _ropes(cfg: dict, architecture: str, where: str) -> tuple[float, RopeScaling | None, tuple | None]:
@@ -164,7 +175,7 @@ def _ropes(cfg: dict, architecture: str, where: str) -> tuple[float, RopeScaling
     5 writes ``rope_parameters`` per layer type; an older config's ``rope_scaling`` is the full layers', its sliding
     layers default RoPE at the same theta)."""
     if architecture != "Olmo3ForCausalLM":
-        return (*rope_from_config(cfg, where, phi3=architecture in PHI3), None)
+        return (*rope_from_config(cfg, where, phi3=architecture in PHI3, partial_ok=architecture in GLM4), None)
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and any(isinstance(v, dict) for v in params.values()):
         theta = cfg.get("rope_theta") or 500000.0  # Olmo3Config's default_theta
@@ -350,13 +361,22 @@ class DecoderLayer:
         # (peak memory at load ~ one copy of the weights, not three).
         w = lambda name: weights.pop(f"{prefix}.{name}")  # noqa: E731
         self.arch = arch
-        post_norms = getattr(arch, "post_norms", False)  # OLMo 2: no input norm, one after each sublayer
-        self.input_norm = None if post_norms else w("input_layernorm.weight")
-        self.post_norm = w("post_attention_layernorm.weight")
-        self.ff_norm = w("post_feedforward_layernorm.weight") if post_norms else None
+        layout = getattr(arch, "norm_layout", "pre")  # an MTP layer's HybridArch: pre
+        # "pre": input_norm before attention, post_norm before the MLP. "post" (OLMo 2): attn_out_norm after
+        # attention, ff_norm after the MLP, none before. "sandwich" (GLM-4): all four.
+        if layout == "post":
+            self.input_norm = self.post_norm = None
+            self.attn_out_norm = w("post_attention_layernorm.weight")
+            self.ff_norm = w("post_feedforward_layernorm.weight")
+        else:
+            self.input_norm, self.post_norm = w("input_layernorm.weight"), w("post_attention_layernorm.weight")
+            sandwich = layout == "sandwich"
+            self.attn_out_norm = w("post_self_attn_layernorm.weight") if sandwich else None
+            self.ff_norm = w("post_mlp_layernorm.weight") if sandwich else None
         det = {"deterministic": deterministic}  # engine/linear.py: the batch-invariant GEMM (issue 24)
         self.deterministic = deterministic  # ... and the fixed attention tiles (kernels/triton_paged_attention.py)
         fused = getattr(arch, "fused_checkpoint", False)
+        fused_gate_up = fused or getattr(arch, "fused_gate_up", False)
         qkv_weight = w("self_attn.qkv_proj.weight") if fused else torch.cat(
             [w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")])
         qk_order = arch.qk_order() if hasattr(arch, "qk_order") else None  # an MTP layer's HybridArch: none
@@ -382,7 +402,7 @@ class DecoderLayer:
             self.moe = SparseMoe(moe, w(f"{moe.block}.{moe.router_weight}"), gate_up, down, deterministic,
                                  shared=shared)
         else:
-            self.gate_up_proj = Linear(w("mlp.gate_up_proj.weight") if fused else torch.cat(
+            self.gate_up_proj = Linear(w("mlp.gate_up_proj.weight") if fused_gate_up else torch.cat(
                 [w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]), **det)
             self.down_proj = Linear(w("mlp.down_proj.weight"), **det)
         self.q_size = arch.num_heads * arch.head_dim
@@ -440,7 +460,7 @@ class DecoderLayer:
         """Pre-norm block with the skip connection carried separately (vLLM's convention): returns
         (this block's output, residual); the next norm adds them. ``residual`` is updated in place."""
         a = self.arch
-        if self.input_norm is None:
+        if self.ff_norm is not None:
             return self._forward_post_norms(hidden, residual, positions, rope, layer_cache, meta)
         if residual is None:
             residual = hidden.clone()
@@ -472,14 +492,20 @@ class DecoderLayer:
     def _forward_post_norms(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                             rope: RotaryEmbedding, layer_cache: torch.Tensor,
                             meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """OLMo 2's block, ``h = x + norm(attention(x))``, ``x' = h + norm(mlp(h))``, in forward's convention: returns
-        (norm(mlp(h)), h), which the next layer (or the final norm) adds."""
+        """A block whose sublayer outputs are normed before their residual adds: OLMo 2's ``h = x + n1(attn(x))``,
+        ``x' = h + n2(mlp(h))``, GLM-4's with the inputs normed too (``attn(n0(x))``, ``mlp(n(h))``); in forward's
+        convention: returns (the MLP's normed output, h), which the next layer (or the final norm) adds."""
         a = self.arch
         x = hidden if residual is None else hidden.add_(residual)
-        q, k, v = self.qkv(x, positions, rope)
+        x_in = x if self.input_norm is None else ops.rms_norm(x, self.input_norm, a.rms_norm_eps)
+        q, k, v = self.qkv(x_in, positions, rope)
         o = attend(q, k, v, layer_cache, meta, batch_invariant=self.deterministic, window=self.window)
-        h = x.add_(ops.rms_norm(self.o_proj(o.reshape(-1, self.q_size)), self.post_norm, a.rms_norm_eps))
-        return ops.rms_norm(self._chunked_mlp(h), self.ff_norm, a.rms_norm_eps), h
+        attn = self.o_proj(o.reshape(-1, self.q_size))
+        if self.o_bias is not None:
+            attn += self.o_bias
+        h = x.add_(ops.rms_norm(attn, self.attn_out_norm, a.rms_norm_eps))
+        h_in = h if self.post_norm is None else ops.rms_norm(h, self.post_norm, a.rms_norm_eps)
+        return ops.rms_norm(self._chunked_mlp(h_in), self.ff_norm, a.rms_norm_eps), h
 
     def _chunked_mlp(self, x: torch.Tensor) -> torch.Tensor:
         chunk = MLP_CHUNK_TOKENS_CUDA if x.is_cuda else MLP_CHUNK_TOKENS
@@ -539,7 +565,7 @@ class LlamaModel(CausalLM):
         # A fused checkpoint's adapters name the fused modules (peft adapts the Linear the model has).
         qkv = ((("qkv_proj", 0, q_size + 2 * kv_size),) if a.fused_checkpoint else
                (("q_proj", 0, q_size), ("k_proj", q_size, kv_size), ("v_proj", q_size + kv_size, kv_size)))
-        gate_up = ((("gate_up_proj", 0, 2 * a.intermediate_size),) if a.fused_checkpoint else
+        gate_up = ((("gate_up_proj", 0, 2 * a.intermediate_size),) if a.fused_checkpoint or a.fused_gate_up else
                    (("gate_proj", 0, a.intermediate_size), ("up_proj", a.intermediate_size, a.intermediate_size)))
         targets = []
         for i, layer in enumerate(self.layers):

@@ -19,8 +19,8 @@ cannot follow a switch, so an engine picks one table for every request from its 
 the short one when max_model_len fits the original context (transformers' answers for every request), else
 the long one (transformers' answers for prompts past the original context) -- ``for_context``.
 
-Partial rotary (Phi-4-mini: 0.75 of each head) rotates the first ``rotary_dim`` dimensions of q and k in pairs
-(j, j + rotary_dim / 2) and passes the rest through. The kernels rotate pairs (j, j + head_dim / 2) of the whole
+Partial rotary (Phi-4-mini: 0.75 of each head; GLM-4: half, in interleaved pairs (2j, 2j + 1)) rotates the first
+``rotary_dim`` dimensions of q and k in pairs (j, j + rotary_dim / 2) and passes the rest through. The kernels rotate pairs (j, j + head_dim / 2) of the whole
 head, so the loader permutes each q and k head's dimensions (``partial_rotary_order``: the rotated pairs and
 the passed-through dimensions each split across the two halves) and the table gives the passed-through pairs
 cos 1 and sin 0. q . k is the same under one permutation of both, and V is not permuted.
@@ -59,10 +59,12 @@ class RopeScaling:
     use_long: bool = False  # longrope: the table this engine serves every request with (``for_context``)
 
 
-def rope_from_config(cfg: dict, where: str, phi3: bool = False) -> tuple[float, RopeScaling | None]:
+def rope_from_config(cfg: dict, where: str, phi3: bool = False,
+                     partial_ok: bool = False) -> tuple[float, RopeScaling | None]:
     """(theta, scaling) from a Hugging Face config dict, scaling None for default RoPE; ValueError naming the field
     for what is not served. ``phi3``: a Phi-3 family config, which may ask for ``longrope`` (Phi3Config reads its
-    legacy ``su`` and ``yarn`` as longrope) and partial rotary (``partial_rotary_factor``)."""
+    legacy ``su`` and ``yarn`` as longrope) and partial rotary (``partial_rotary_factor``); ``partial_ok``: another
+    architecture served with partial rotary (GLM-4)."""
     params, legacy = cfg.get("rope_parameters") or {}, cfg.get("rope_scaling") or {}
     if not isinstance(params, dict) or not isinstance(legacy, dict):
         raise ValueError(f"{where}: rope_scaling / rope_parameters must be an object")
@@ -74,9 +76,9 @@ def rope_from_config(cfg: dict, where: str, phi3: bool = False) -> tuple[float, 
     if phi3 and rope_type in ("su", "yarn"):
         rope_type = "longrope"
     partial = partial_rotary_factor(cfg)
-    if partial != 1.0 and not phi3:
+    if partial != 1.0 and not (phi3 or partial_ok):
         raise ValueError(f"{where}: partial_rotary_factor {partial!r} is not supported (only 1.0; partial rotary "
-                         "is served for Phi3ForCausalLM)")
+                         "is served for Phi3ForCausalLM and Glm4ForCausalLM)")
     field = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
     if rope_type == "longrope" and not phi3:
         raise ValueError(f"{where}: {field} rope type 'longrope' is served for Phi3ForCausalLM only")
@@ -124,17 +126,18 @@ def rope_from_config(cfg: dict, where: str, phi3: bool = False) -> tuple[float, 
     )
 
 
-def partial_rotary_factor(cfg: dict) -> float:
-    """The fraction of each head that RoPE rotates (``rope_parameters`` or the config's top level; 1.0: all)."""
+def partial_rotary_factor(cfg: dict, default: float = 1.0) -> float:
+    """The fraction of each head that RoPE rotates (``rope_parameters`` or the config's top level; ``default`` when
+    neither says: 1.0, all, except for GLM-4, whose config class assumes 0.5)."""
     params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
     partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
-    return 1.0 if partial is None else float(partial)
+    return default if partial is None else float(partial)
 
 
-def rotary_dim_of(cfg: dict, head_dim: int, scaling: RopeScaling | None, where: str) -> int:
+def rotary_dim_of(cfg: dict, head_dim: int, scaling: RopeScaling | None, where: str, default: float = 1.0) -> int:
     """How many of a head's dimensions RoPE rotates (transformers: int(head_dim * partial_rotary_factor)); a
     ValueError when the kernels cannot serve it, or when longrope's factor lists do not fit it."""
-    partial = partial_rotary_factor(cfg)
+    partial = partial_rotary_factor(cfg, default)
     rotary_dim = int(head_dim * partial)
     if not 0 < partial <= 1 or rotary_dim % 2 or (head_dim - rotary_dim) % 2:
         raise ValueError(f"{where}: partial_rotary_factor {partial!r} of head_dim {head_dim} gives {rotary_dim} "
@@ -155,13 +158,16 @@ def for_context(scaling: RopeScaling | None, max_model_len: int) -> RopeScaling 
     return replace(scaling, use_long=max_model_len > scaling.original_max_position_embeddings)
 
 
-def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+def partial_rotary_order(head_dim: int, rotary_dim: int, interleaved: bool = False) -> torch.Tensor:
     """int64 [head_dim]: which of a checkpoint's head dimensions each position of the kernels' layout holds. The
     kernels pair position j with j + head_dim / 2: the first half holds the rotated pairs' first members, then half
-    of the passed-through dimensions; the second half their partners, then the other passed-through half."""
+    of the passed-through dimensions; the second half their partners, then the other passed-through half. A rotated
+    pair is (j, j + rotary_dim / 2), or with ``interleaved`` (GLM-4) (2j, 2j + 1)."""
     half_rot, half_pass = rotary_dim // 2, (head_dim - rotary_dim) // 2
-    first = [*range(half_rot), *range(rotary_dim, rotary_dim + half_pass)]
-    second = [*range(half_rot, rotary_dim), *range(rotary_dim + half_pass, head_dim)]
+    firsts, partners = ((range(0, rotary_dim, 2), range(1, rotary_dim, 2)) if interleaved
+                        else (range(half_rot), range(half_rot, rotary_dim)))
+    first = [*firsts, *range(rotary_dim, rotary_dim + half_pass)]
+    second = [*partners, *range(rotary_dim + half_pass, head_dim)]
     return torch.tensor(first + second, dtype=torch.int64)
 
 
