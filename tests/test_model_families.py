@@ -11,7 +11,8 @@ their directories, with transformers (fp32, eager attention, repeated full forwa
 - Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2's biased attention, sparse layers whose MoE adds a shared expert
   scaled by its sigmoid gate to the routed experts' output, a dense layer (``mlp_only_layers``), sliding layers;
 - Phi-3 / Phi-4: q/k/v and gate/up stored fused (``qkv_proj``, ``gate_up_proj``), and LoRA adapters on them;
-- GLM-4: four norms a layer, half of each head rotated in interleaved pairs, q/k/v biases, gate/up fused;
+- GLM-4: four norms a layer, half of each head rotated in interleaved pairs, q/k/v biases, gate/up fused; GLM-4.5:
+  DeepSeek-V3-routed MoE (sigmoid scores, a correction bias, group-limited top-k, scaled) with a shared expert;
 - SmolLM3: every fourth layer without RoPE; OLMoE: OLMo 2's q/k norms and Qwen3-MoE's MoE in every layer;
 - OLMo 2 / OLMo 3: norms after attention and the MLP (none before), q/k norms over all heads at once; OLMo 3's sliding
   layers (three of four) with their own RoPE table beside the full layers' YaRN;
@@ -80,6 +81,12 @@ CONFIGS = {
                                "logits_scaling"))),
     # GLM-4: sandwich norms, half of each head rotated in interleaved pairs, q/k/v biases, gate/up fused.
     "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(COMMON, pad_token_id=0, head_dim=32), None),
+    # GLM-4.5: 8 experts of width 32 in 4 groups (the best 2 kept), top 2, renormalised and scaled by 2.5, one shared
+    # expert, layer 0 dense (first_k_dense_replace), q/k/v biases, per-head q/k norms, half of each head rotated.
+    "glm4-moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",
+                 dict(COMMON, pad_token_id=0, head_dim=32, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+                      topk_group=2, moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+                      routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True, attention_bias=True), None),
     # OLMoE: q/k norms over all heads, 4 experts of width 96 (intermediate_size), top 2 not renormalised.
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(COMMON, pad_token_id=0, num_experts=4, num_experts_per_tok=2),
               None),
@@ -149,6 +156,11 @@ def dirs(tmp_path_factory) -> dict[str, Path]:
         torch.manual_seed(0)
         model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs))
         _redraw_weights(model)
+        if name == "glm4-moe":  # the router's correction bias is a buffer (not redrawn): big enough to matter
+            gen = torch.Generator().manual_seed(1)
+            with torch.no_grad():
+                for layer in model.model.layers[1:]:
+                    layer.mlp.gate.e_score_correction_bias.copy_(0.3 * torch.randn(8, generator=gen))
         model.save_pretrained(str(d))
         shutil.copy(tokenizer, d / "tokenizer.json")
         out[name] = d
@@ -213,6 +225,10 @@ def test_configs_read(dirs):
     assert mixtral.moe.intermediate_size == 96 and mixtral.sliding_window == 40
     phi3 = arch_from_dir(dirs["phi3"])
     assert phi3.fused_checkpoint and not llama3.fused_checkpoint and phi3.sliding_window is None
+    glm4_moe = arch_from_dir(dirs["glm4-moe"])
+    assert glm4_moe.moe.layout == "glm4_moe" and glm4_moe.moe.sparse_layers == (False, True, True)
+    assert glm4_moe.group_router.n_group == 4 and glm4_moe.group_router.routed_scaling_factor == 2.5
+    assert glm4_moe.rotary_dim == 16 and not glm4_moe.rope_interleaved and glm4_moe.qk_norm and not glm4_moe.o_bias
     glm4 = arch_from_dir(dirs["glm4"])
     assert glm4.norm_layout == "sandwich" and glm4.rope_interleaved and glm4.rotary_dim == 16  # Glm4Config: 0.5
     assert glm4.qkv_bias and not glm4.o_bias and glm4.fused_gate_up and not glm4.fused_checkpoint
@@ -388,7 +404,7 @@ def test_biases_matter(dirs, reference):
 
 
 @pytest.mark.parametrize("name", ["qwen2-yarn", "mistral-linear", "gemma3", "gemma2", "mixtral", "qwen2-moe",
-                                  "granite", "granitemoe", "olmo2", "olmo3", "smollm3", "olmoe", "glm4"])
+                                  "granite", "granitemoe", "olmo2", "olmo3", "smollm3", "olmoe", "glm4", "glm4-moe"])
 def test_chunked_prefill_and_preemption(dirs, reference, name):
     # Chunks of 5 tokens; 24 blocks of 16 for 16 requests of up to 82 tokens force preemption.
     engine = _engine(dirs[name], prefill_chunk_size=5, max_num_batched_tokens=40, num_kv_blocks=24)
@@ -403,7 +419,8 @@ def test_speculative_ngram_is_lossless(dirs, reference, name):
     assert _run(engine, PROMPTS) == reference[name]
 
 
-@pytest.mark.parametrize("name", ["qwen2-yarn", "gemma3", "mixtral", "qwen2-moe", "granitemoe", "olmo3", "glm4"])
+@pytest.mark.parametrize("name", ["qwen2-yarn", "gemma3", "mixtral", "qwen2-moe", "granitemoe", "olmo3", "glm4",
+                                  "glm4-moe"])
 def test_bf16_deterministic_batch_invariant(dirs, name):
     """bf16 in deterministic mode (the CPU default): a request's tokens in a batch are its tokens alone, with
     q/k/v biases and YaRN (the bias add is per row), with Gemma's norms and sliding layers, and with MoE (Qwen2-MoE's

@@ -10,6 +10,7 @@
     SmolLM3ForCausalLM                   -> the same (no RoPE on every fourth layer)
     OlmoeForCausalLM                     -> the same (q/k norms over all heads; MoE MLPs in moe.py)
     Glm4ForCausalLM                      -> the same (sandwich norms, interleaved partial RoPE)
+    Glm4MoeForCausalLM                   -> the same (MoE MLPs in engine/models/glm4_moe.py)
     Olmo2ForCausalLM, Olmo3ForCausalLM   -> the same (norms after each sublayer, q/k norms over all heads)
     GraniteForCausalLM, GraniteMoeForCausalLM -> the same (embedding, attention, residual and logits
                                             multipliers; MoE MLPs in engine/models/moe.py)
@@ -51,6 +52,7 @@ ARCHITECTURES = {
     "SmolLM3ForCausalLM": (ModelArch, LlamaModel),
     "OlmoeForCausalLM": (ModelArch, LlamaModel),
     "Glm4ForCausalLM": (ModelArch, LlamaModel),
+    "Glm4MoeForCausalLM": (ModelArch, LlamaModel),
     "Gemma2ForCausalLM": (GemmaArch, GemmaModel),
     "Gemma3ForCausalLM": (GemmaArch, GemmaModel),
     "Gemma3ForConditionalGeneration": (GemmaArch, GemmaModel),  # its language model, for text

@@ -20,7 +20,10 @@ import torch.nn.functional as F
 from pdcluster.engine.attention import AttentionMetadata, attend
 from pdcluster.engine.linear import Linear
 from pdcluster.engine.models.causal_lm import CausalLM
+from pdcluster.engine.models.glm4_moe import ARCHITECTURE as GLM4_MOE_ARCHITECTURE
+from pdcluster.engine.models.glm4_moe import Glm4Moe, glm4_moe_arch
 from pdcluster.engine.models.moe import MoeArch, SparseMoe, take_expert_weights, take_shared_expert
+from pdcluster.engine.models.nemotron_moe import NemotronMoeArch
 from pdcluster.engine.models.rope import (RopeScaling, for_context, inv_freq_and_scale, partial_rotary_order,
                                           rope_from_config, rotary_dim_of)
 from pdcluster.kernels import ops
@@ -49,7 +52,11 @@ OLMOE = ("OlmoeForCausalLM",)
 # GLM-4 (GLM-4-9B-0414, GLM-4-32B-0414, GLM-Z1): four norms a layer (each sublayer's input and output), half of
 # each head rotated in interleaved pairs, q/k/v biases, gate/up stored fused.
 GLM4 = ("Glm4ForCausalLM",)
-SUPPORTED = LLAMA_FAMILY + MIXTRAL + QWEN2 + PHI3 + QWEN3 + QWEN2_MOE + GRANITE + OLMO + SMOLLM3 + OLMOE + GLM4
+# GLM-4.5 / 4.6: Llama-shaped layers (half of each head rotated NeoX-style), DeepSeek-V3-routed MoE MLPs with shared
+# experts after the first dense ones (engine/models/glm4_moe.py).
+GLM4_MOE = (GLM4_MOE_ARCHITECTURE,)
+SUPPORTED = (LLAMA_FAMILY + MIXTRAL + QWEN2 + PHI3 + QWEN3 + QWEN2_MOE + GRANITE + OLMO + SMOLLM3 + OLMOE + GLM4
+             + GLM4_MOE)
 
 
 @dataclass(frozen=True)
@@ -69,6 +76,7 @@ class ModelArch:
     eos_token_ids: tuple[int, ...]
     qk_norm: bool = False  # q_norm / k_norm before RoPE: Qwen3's [head_dim] on each head, OLMo 2's over all heads
     moe: MoeArch | None = None  # Qwen3-MoE, Qwen2-MoE, Mixtral: which layers are sparse, and their experts
+    group_router: NemotronMoeArch | None = None  # GLM-4.5: its MoE's DeepSeek-V3 router (engine/models/glm4_moe.py)
     rope_scaling: RopeScaling | None = None  # None: default RoPE (engine/models/rope.py)
     qkv_bias: bool = False  # Qwen2, Qwen2-MoE (its ``qkv_bias``), ``attention_bias`` in Llama / Mistral / Qwen3
     o_bias: bool = False  # ``attention_bias``: o_proj has one too (Qwen2's has not)
@@ -123,7 +131,10 @@ class ModelArch:
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
-        rotary_dim = rotary_dim_of(cfg, head_dim, rope_scaling, str(model_dir), 0.5 if arch[0] in GLM4 else 1.0)
+        glm = arch[0] in GLM4 + GLM4_MOE
+        rotary_dim = rotary_dim_of(cfg, head_dim, rope_scaling, str(model_dir), 0.5 if glm else 1.0)
+        moe, group_router = (glm4_moe_arch(cfg, cfg["num_hidden_layers"], str(model_dir)) if arch[0] in GLM4_MOE
+                             else (_moe(cfg, arch[0], str(model_dir)), None))
         attention_bias = bool(cfg.get("attention_bias", False))
         return cls(
             vocab_size=cfg["vocab_size"],
@@ -139,13 +150,14 @@ class ModelArch:
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            qk_norm=arch[0] in QWEN3 + OLMO + OLMOE,
-            moe=_moe(cfg, arch[0], str(model_dir)),
+            qk_norm=arch[0] in QWEN3 + OLMO + OLMOE or (arch[0] in GLM4_MOE and bool(cfg.get("use_qk_norm"))),
+            moe=moe,
+            group_router=group_router,
             rope_scaling=rope_scaling,
             # Qwen2MoeConfig.qkv_bias defaults to True (Qwen1.5-MoE's config.json predates the key).
             qkv_bias=(attention_bias or arch[0] in QWEN2 or (arch[0] in QWEN2_MOE and cfg.get("qkv_bias", True))
                       or (arch[0] in GLM4 and cfg.get("attention_bias", True))),  # Glm4Config's default: True
-            o_bias=attention_bias and arch[0] not in GLM4,  # GLM-4's o_proj never has one
+            o_bias=attention_bias and not glm,  # GLM's o_proj never has one
             sliding_window=window,
             sliding_layers=sliding_layers,
             fused_checkpoint=arch[0] in PHI3,
@@ -175,7 +187,8 @@ def _ropes(cfg: dict, architecture: str, where: str) -> tuple[float, RopeScaling
     5 writes ``rope_parameters`` per layer type; an older config's ``rope_scaling`` is the full layers', its sliding
     layers default RoPE at the same theta)."""
     if architecture != "Olmo3ForCausalLM":
-        return (*rope_from_config(cfg, where, phi3=architecture in PHI3, partial_ok=architecture in GLM4), None)
+        return (*rope_from_config(cfg, where, phi3=architecture in PHI3, partial_ok=architecture in GLM4 + GLM4_MOE),
+                None)
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and any(isinstance(v, dict) for v in params.values()):
         theta = cfg.get("rope_theta") or 500000.0  # Olmo3Config's default_theta
@@ -394,7 +407,9 @@ class DecoderLayer:
             self.q_norm, self.k_norm = self.q_norm[qk_order], self.k_norm[qk_order]
         self.moe = None
         moe = getattr(arch, "moe", None)  # an MTP layer on a hybrid target gets a HybridArch (no .moe)
-        if moe is not None and layer_index is not None and moe.sparse_layers[layer_index]:
+        if moe is not None and layer_index is not None and moe.sparse_layers[layer_index] and moe.layout == "glm4_moe":
+            self.moe = Glm4Moe(moe, arch.group_router, weights, f"{prefix}.mlp", arch.hidden_size, deterministic)
+        elif moe is not None and layer_index is not None and moe.sparse_layers[layer_index]:
             block = f"{prefix}.{moe.block}"
             gate_up, down = take_expert_weights(weights, block, moe, arch.hidden_size)
             shared = (take_shared_expert(weights, block, moe, arch.hidden_size, deterministic)

@@ -78,7 +78,7 @@ def rope_from_config(cfg: dict, where: str, phi3: bool = False,
     partial = partial_rotary_factor(cfg)
     if partial != 1.0 and not (phi3 or partial_ok):
         raise ValueError(f"{where}: partial_rotary_factor {partial!r} is not supported (only 1.0; partial rotary "
-                         "is served for Phi3ForCausalLM and Glm4ForCausalLM)")
+                         "is served for Phi3ForCausalLM, Glm4ForCausalLM and Glm4MoeForCausalLM)")
     field = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
     if rope_type == "longrope" and not phi3:
         raise ValueError(f"{where}: {field} rope type 'longrope' is served for Phi3ForCausalLM only")
