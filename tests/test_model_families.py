@@ -11,6 +11,7 @@ their directories, with transformers (fp32, eager attention, repeated full forwa
 - Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2's biased attention, sparse layers whose MoE adds a shared expert
   scaled by its sigmoid gate to the routed experts' output, a dense layer (``mlp_only_layers``), sliding layers;
 - Phi-3 / Phi-4: q/k/v and gate/up stored fused (``qkv_proj``, ``gate_up_proj``), and LoRA adapters on them;
+- multimodal checkpoints served for text: Mistral Small 3.x, Qwen2.5-VL, Qwen3-VL (M-RoPE is plain RoPE for text);
 - GLM-4: four norms a layer, half of each head rotated in interleaved pairs, q/k/v biases, gate/up fused; GLM-4.5:
   DeepSeek-V3-routed MoE (sigmoid scores, a correction bias, group-limited top-k, scaled) with a shared expert;
 - SmolLM3: every fourth layer without RoPE; OLMoE: OLMo 2's q/k norms and Qwen3-MoE's MoE in every layer;
@@ -81,6 +82,24 @@ CONFIGS = {
                                "logits_scaling"))),
     # GLM-4: sandwich norms, half of each head rotated in interleaved pairs, q/k/v biases, gate/up fused.
     "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(COMMON, pad_token_id=0, head_dim=32), None),
+    # Multimodal checkpoints served for text (their language model; the vision tower and projector are not loaded):
+    # Mistral Small 3.x (Mistral3ForConditionalGeneration, weights under language_model.*), Qwen2.5-VL (text at the
+    # top level, M-RoPE) and Qwen3-VL (model.language_model.*, interleaved M-RoPE). Their towers are tiny.
+    "mistral3": ("Mistral3Config", "Mistral3ForConditionalGeneration",
+                 dict(text_config=dict(COMMON, model_type="mistral", sliding_window=None), tie_word_embeddings=False,
+                      vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, head_dim=16, image_size=32, patch_size=16)), None),
+    "qwen2.5-vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration",
+                   dict(text_config=dict(COMMON, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                  "mrope_section": [2, 3, 3]}),
+                        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                           out_hidden_size=64)), None),
+    "qwen3-vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration",
+                 dict(text_config=dict(COMMON, head_dim=16, rope_parameters={
+                     "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                     "mrope_interleaved": True}),
+                      vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                         out_hidden_size=64, deepstack_visual_indexes=[])), None),
     # GLM-4.5: 8 experts of width 32 in 4 groups (the best 2 kept), top 2, renormalised and scaled by 2.5, one shared
     # expert, layer 0 dense (first_k_dense_replace), q/k/v biases, per-head q/k norms, half of each head rotated.
     "glm4-moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",
@@ -358,6 +377,21 @@ def test_granitemoe_router_softmaxes_the_top_k_logits(dirs, reference):
     assert sum(a != b for a, b in zip(scrambled, reference["granitemoe"][:6])) >= 3
 
 
+def test_multimodal_checkpoints_read_their_language_model(dirs, tmp_path):
+    """A multimodal checkpoint is read as its text model; an older Qwen2.5-VL config (the text fields at the top level,
+    ``rope_scaling`` {"type": "mrope"}) reads the same arch as transformers 5's."""
+    mistral3, qwen25 = arch_from_dir(dirs["mistral3"]), arch_from_dir(dirs["qwen2.5-vl"])
+    assert mistral3.num_layers == 3 and mistral3.sliding_window is None and not mistral3.tie_word_embeddings
+    assert qwen25.qkv_bias and qwen25.rope_scaling is None and arch_from_dir(dirs["qwen3-vl"]).qk_norm
+    cfg = json.loads((dirs["qwen2.5-vl"] / "config.json").read_text())
+    text = cfg.pop("text_config")
+    text.pop("rope_parameters")
+    legacy = {**cfg, **text, "rope_theta": 10000.0, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}
+    shutil.copytree(dirs["qwen2.5-vl"], tmp_path / "legacy")
+    (tmp_path / "legacy" / "config.json").write_text(json.dumps(legacy))
+    assert arch_from_dir(tmp_path / "legacy") == qwen25
+
+
 def test_smollm3_sliding_layers_are_its_nope_layers(dirs, tmp_path):
     """SmolLM3 with use_sliding_window and no layer_types slides the layers without RoPE, as SmolLM3Config does."""
     windowed = _edit_config(dirs["smollm3"], tmp_path / "w", use_sliding_window=True, sliding_window=20,
@@ -404,7 +438,8 @@ def test_biases_matter(dirs, reference):
 
 
 @pytest.mark.parametrize("name", ["qwen2-yarn", "mistral-linear", "gemma3", "gemma2", "mixtral", "qwen2-moe",
-                                  "granite", "granitemoe", "olmo2", "olmo3", "smollm3", "olmoe", "glm4", "glm4-moe"])
+                                  "granite", "granitemoe", "olmo2", "olmo3", "smollm3", "olmoe", "glm4", "glm4-moe",
+                                  "qwen3-vl"])
 def test_chunked_prefill_and_preemption(dirs, reference, name):
     # Chunks of 5 tokens; 24 blocks of 16 for 16 requests of up to 82 tokens force preemption.
     engine = _engine(dirs[name], prefill_chunk_size=5, max_num_batched_tokens=40, num_kv_blocks=24)

@@ -11,6 +11,8 @@
     OlmoeForCausalLM                     -> the same (q/k norms over all heads; MoE MLPs in moe.py)
     Glm4ForCausalLM                      -> the same (sandwich norms, interleaved partial RoPE)
     Glm4MoeForCausalLM                   -> the same (MoE MLPs in engine/models/glm4_moe.py)
+    Mistral3ForConditionalGeneration, Qwen2VL / Qwen2_5_VL / Qwen3VLForConditionalGeneration
+                                         -> the same, their language model for text
     Olmo2ForCausalLM, Olmo3ForCausalLM   -> the same (norms after each sublayer, q/k norms over all heads)
     GraniteForCausalLM, GraniteMoeForCausalLM -> the same (embedding, attention, residual and logits
                                             multipliers; MoE MLPs in engine/models/moe.py)
@@ -53,6 +55,11 @@ ARCHITECTURES = {
     "OlmoeForCausalLM": (ModelArch, LlamaModel),
     "Glm4ForCausalLM": (ModelArch, LlamaModel),
     "Glm4MoeForCausalLM": (ModelArch, LlamaModel),
+    # Multimodal checkpoints: their language model, for text (llama.py MULTIMODAL_TEXT)
+    "Mistral3ForConditionalGeneration": (ModelArch, LlamaModel),
+    "Qwen2VLForConditionalGeneration": (ModelArch, LlamaModel),
+    "Qwen2_5_VLForConditionalGeneration": (ModelArch, LlamaModel),
+    "Qwen3VLForConditionalGeneration": (ModelArch, LlamaModel),
     "Gemma2ForCausalLM": (GemmaArch, GemmaModel),
     "Gemma3ForCausalLM": (GemmaArch, GemmaModel),
     "Gemma3ForConditionalGeneration": (GemmaArch, GemmaModel),  # its language model, for text

@@ -31,6 +31,26 @@ def load_weights(model_dir: Path, dtype: torch.dtype, device: str | torch.device
     return weights
 
 
+# Where a multimodal checkpoint keeps its language model (transformers 4 and 5 spell it differently), and what is not
+# the language model (vision towers, projectors): served for text, those are dropped.
+_TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
+                  "language_model.lm_head.": "lm_head."}
+_VISION_PREFIXES = ("visual.", "vision_tower.", "multi_modal_projector.", "model.visual.", "model.vision_tower.",
+                    "model.multi_modal_projector.")
+
+
+def text_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A checkpoint's language-model tensors under a text model's names (a text checkpoint's as they are)."""
+    out = {}
+    for name, tensor in weights.items():
+        prefix = next((p for p in _TEXT_PREFIXES if name.startswith(p)), None)
+        if prefix is not None:
+            out[_TEXT_PREFIXES[prefix] + name[len(prefix):]] = tensor
+        elif not name.startswith(_VISION_PREFIXES):
+            out[name] = tensor
+    return out
+
+
 class CausalLM:
     arch_class: ClassVar[type]  # ModelArch or HybridArch: ``from_dir`` reads the checkpoint's config.json
     lora = None  # the LoRA adapters installed on it (engine/lora/: a LoraSet), if any
@@ -55,7 +75,7 @@ class CausalLM:
         arch = cls.arch_class.from_dir(model_dir)
         if hasattr(arch, "for_context"):
             arch = arch.for_context(max_positions if max_model_len is None else max_model_len)
-        return cls(arch, load_weights(model_dir, dtype, device), dtype, max_positions, deterministic)
+        return cls(arch, text_weights(load_weights(model_dir, dtype, device)), dtype, max_positions, deterministic)
 
     @property
     def architecture_name(self) -> str:

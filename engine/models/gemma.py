@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from pdcluster.engine.attention import AttentionMetadata, attend
-from pdcluster.engine.models.causal_lm import load_weights
+from pdcluster.engine.models.causal_lm import load_weights, text_weights
 from pdcluster.engine.models.llama import DecoderLayer, LlamaModel, ModelArch, RotaryEmbedding
 from pdcluster.engine.models.rope import RopeScaling, rope_from_config
 
@@ -38,9 +38,6 @@ TEXT_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size"
                  "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131_072,
                  "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256, "sliding_window": 4096, "rope_theta": 1_000_000.0,
                  "rope_local_base_freq": 10_000.0, "bos_token_id": 2, "eos_token_id": 1}
-# Where a multimodal checkpoint keeps the language model (transformers 4 and 5 spell it differently).
-_TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
-                  "language_model.lm_head.": "lm_head."}
 
 
 @dataclass(frozen=True)
@@ -187,15 +184,8 @@ class GemmaModel(LlamaModel):
         """A multimodal checkpoint's language model under the text model's names; its vision tower and
         projector are dropped (image inputs are refused at the API). ``max_model_len`` picks nothing here
         (Gemma's RoPE variants are static)."""
-        weights = {}
-        for name, tensor in load_weights(model_dir, dtype, device).items():
-            prefix = next((p for p in _TEXT_PREFIXES if name.startswith(p)), None)
-            if prefix is not None:
-                weights[_TEXT_PREFIXES[prefix] + name[len(prefix):]] = tensor
-            elif name.startswith(("model.", "lm_head.")) and not name.startswith(("model.vision_tower.",
-                                                                                   "model.multi_modal_projector.")):
-                weights[name] = tensor
-        return cls(cls.arch_class.from_dir(model_dir), weights, dtype, max_positions, deterministic)
+        return cls(cls.arch_class.from_dir(model_dir), text_weights(load_weights(model_dir, dtype, device)), dtype,
+                   max_positions, deterministic)
 
     def __init__(self, arch: GemmaArch, weights: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int,
                  deterministic: bool = False):

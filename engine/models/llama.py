@@ -55,8 +55,14 @@ GLM4 = ("Glm4ForCausalLM",)
 # GLM-4.5 / 4.6: Llama-shaped layers (half of each head rotated NeoX-style), DeepSeek-V3-routed MoE MLPs with shared
 # experts after the first dense ones (engine/models/glm4_moe.py).
 GLM4_MOE = (GLM4_MOE_ARCHITECTURE,)
+# Multimodal checkpoints whose language model is served for text (image content is refused at the API): the
+# architecture their text_config is, as transformers builds it.
+MULTIMODAL_TEXT = {"Mistral3ForConditionalGeneration": "MistralForCausalLM",  # Mistral Small 3.1 / 3.2, Magistral
+                   "Qwen2VLForConditionalGeneration": "Qwen2ForCausalLM",
+                   "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",
+                   "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM"}
 SUPPORTED = (LLAMA_FAMILY + MIXTRAL + QWEN2 + PHI3 + QWEN3 + QWEN2_MOE + GRANITE + OLMO + SMOLLM3 + OLMOE + GLM4
-             + GLM4_MOE)
+             + GLM4_MOE + tuple(MULTIMODAL_TEXT))
 
 
 @dataclass(frozen=True)
@@ -122,6 +128,8 @@ class ModelArch:
         arch = cfg.get("architectures") or ["LlamaForCausalLM"]
         if arch[0] not in SUPPORTED:
             raise ValueError(f"{model_dir}: architecture {arch[0]!r} is not supported here ({', '.join(SUPPORTED)})")
+        if arch[0] in MULTIMODAL_TEXT:
+            cfg, arch = _text_config(cfg, arch[0]), [MULTIMODAL_TEXT[arch[0]]]
         rope_theta, rope_scaling, sliding_rope = _ropes(cfg, arch[0], str(model_dir))
         for key, supported in (("mlp_bias", False), ("hidden_act", "silu"), ("clip_qkv", None)):
             if cfg.get(key, supported) != supported:
@@ -180,6 +188,22 @@ class ModelArch:
         if not self.rotary_dim and not self.rope_interleaved:
             return None
         return partial_rotary_order(self.head_dim, self.rotary_dim or self.head_dim, self.rope_interleaved)
+
+
+def _text_config(cfg: dict, architecture: str) -> dict:
+    """A multimodal config's language model: ``text_config`` over the top level (older Qwen2-VL / Qwen2.5-VL configs
+    keep the text fields there), its M-RoPE read as the plain RoPE it is for text (every section at one position)."""
+    text = {**{k: v for k, v in cfg.items() if k not in ("text_config", "vision_config")},
+            **(cfg.get("text_config") or {})}
+    if "tie_word_embeddings" in cfg:  # the top level's, as transformers ties a multimodal model's head
+        text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+    for key in ("rope_scaling", "rope_parameters"):
+        params = text.get(key)
+        if isinstance(params, dict) and "mrope_section" in params:
+            kind = params.get("rope_type") or params.get("type")
+            params = {k: v for k, v in params.items() if k not in ("mrope_section", "mrope_interleaved", "type")}
+            text[key] = {**params, "rope_type": "default" if kind in (None, "mrope", "default") else kind}
+    return text
 
 
 def _ropes(cfg: dict, architecture: str, where: str) -> tuple[float, RopeScaling | None, tuple | None]:
