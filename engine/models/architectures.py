@@ -1,6 +1,6 @@
 """Which model class serves a Hugging Face directory: dispatch on config.json ``architectures[0]``.
 
-    LlamaForCausalLM, MistralForCausalLM -> engine.models.llama.ModelArch / LlamaModel
+    LlamaForCausalLM, MistralForCausalLM -> engine.models.llama_arch.ModelArch / llama.LlamaModel
     MixtralForCausalLM                   -> the same (MoE MLPs in engine/models/moe.py)
     Qwen2ForCausalLM                     -> the same (q/k/v biases)
     Phi3ForCausalLM                      -> the same (fused qkv_proj / gate_up_proj in the checkpoint)
@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 
 from pdcluster.engine.models.gemma import GemmaArch, GemmaModel
-from pdcluster.engine.models.llama import LlamaModel, ModelArch
+from pdcluster.engine.models.llama import LlamaModel
+from pdcluster.engine.models.llama_arch import ModelArch
 from pdcluster.engine.models.registry import UnknownModelError
 from pdcluster.engine.models.nemotron_h import HybridArch, NemotronHModel
 

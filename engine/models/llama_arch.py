@@ -1,0 +1,303 @@
+"""What a Llama-family checkpoint's config.json says about its shape, read as transformers reads it: ``ModelArch``,
+one frozen dataclass per model (hashable: workers compare it), and the per-family rules that fill it (RoPE variants and
+tables, sliding layers, MoE layouts, norm placement, multipliers, multimodal checkpoints served for text). The forward
+that runs it is engine/models/llama.py.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from pdcluster.engine.models.glm4_moe import ARCHITECTURE as GLM4_MOE_ARCHITECTURE
+from pdcluster.engine.models.glm4_moe import glm4_moe_arch
+from pdcluster.engine.models.moe import MoeArch
+from pdcluster.engine.models.nemotron_moe import NemotronMoeArch
+from pdcluster.engine.models.rope import (RopeScaling, for_context, partial_rotary_order, rope_from_config,
+                                          rotary_dim_of)
+
+LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM")
+# Qwen2 / Qwen2.5: Llama plus biases on q, k and v.
+QWEN2 = ("Qwen2ForCausalLM",)
+# Phi-3 / Phi-4: Llama with q/k/v and gate/up stored fused in the checkpoint (qkv_proj, gate_up_proj).
+PHI3 = ("Phi3ForCausalLM",)
+# Mixtral: Mistral with a sparse MoE in every layer (engine/models/moe.py).
+MIXTRAL = ("MixtralForCausalLM",)
+# Qwen3: Llama plus RMSNorm over each q and k head before RoPE; Qwen3-MoE: and sparse MoE MLPs (engine/models/moe.py).
+QWEN3 = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+# Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2's attention, sparse MoE MLPs with a gated shared expert.
+QWEN2_MOE = ("Qwen2MoeForCausalLM",)
+# Granite 3.x (IBM): Llama with four multipliers (embedding, attention scale, residual branches, logits);
+# GraniteMoe: and a sparse MoE in every layer (engine/models/moe.py).
+GRANITE = ("GraniteForCausalLM", "GraniteMoeForCausalLM")
+# OLMo 2 / OLMo 3 (AI2): norms after attention and the MLP instead of before, q/k RMSNorm over all heads at once;
+# OLMo 3 slides three layers of four, each layer type with its own RoPE table.
+OLMO = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
+# SmolLM3: Llama whose every fourth layer (``no_rope_layers``) takes no RoPE.
+SMOLLM3 = ("SmolLM3ForCausalLM",)
+# OLMoE: Llama with OLMo 2's q/k norms over all heads and Qwen3-MoE's router and experts in every layer.
+OLMOE = ("OlmoeForCausalLM",)
+# GLM-4 (GLM-4-9B-0414, GLM-4-32B-0414, GLM-Z1): four norms a layer (each sublayer's input and output), half of
+# each head rotated in interleaved pairs, q/k/v biases, gate/up stored fused.
+GLM4 = ("Glm4ForCausalLM",)
+# GLM-4.5 / 4.6: Llama-shaped layers (half of each head rotated NeoX-style), DeepSeek-V3-routed MoE MLPs with shared
+# experts after the first dense ones (engine/models/glm4_moe.py).
+GLM4_MOE = (GLM4_MOE_ARCHITECTURE,)
+# Multimodal checkpoints whose language model is served for text (image content is refused at the API): the
+# architecture their text_config is, as transformers builds it.
+MULTIMODAL_TEXT = {"Mistral3ForConditionalGeneration": "MistralForCausalLM",  # Mistral Small 3.1 / 3.2, Magistral
+                   "Qwen2VLForConditionalGeneration": "Qwen2ForCausalLM",
+                   "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",
+                   "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM"}
+SUPPORTED = (LLAMA_FAMILY + MIXTRAL + QWEN2 + PHI3 + QWEN3 + QWEN2_MOE + GRANITE + OLMO + SMOLLM3 + OLMOE + GLM4
+             + GLM4_MOE + tuple(MULTIMODAL_TEXT))
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    qk_norm: bool = False  # q_norm / k_norm before RoPE: Qwen3's [head_dim] on each head, OLMo 2's over all heads
+    moe: MoeArch | None = None  # Qwen3-MoE, Qwen2-MoE, Mixtral: which layers are sparse, and their experts
+    group_router: NemotronMoeArch | None = None  # GLM-4.5: its MoE's DeepSeek-V3 router (engine/models/glm4_moe.py)
+    rope_scaling: RopeScaling | None = None  # None: default RoPE (engine/models/rope.py)
+    qkv_bias: bool = False  # Qwen2, Qwen2-MoE (its ``qkv_bias``), ``attention_bias`` in Llama / Mistral / Qwen3
+    o_bias: bool = False  # ``attention_bias``: o_proj has one too (Qwen2's has not)
+    # Sliding-window attention: a token of a sliding layer attends to its last ``sliding_window`` positions
+    # (Mistral and Phi-3: every layer; Qwen2 / Qwen3 with use_sliding_window: the layers their layer_types
+    # name, ``sliding_layers``; empty = every layer).
+    sliding_window: int | None = None
+    sliding_layers: tuple[bool, ...] = ()
+    fused_checkpoint: bool = False  # Phi-3: qkv_proj / gate_up_proj in the checkpoint (and adapters name them)
+    fused_gate_up: bool = False  # GLM-4: gate_up_proj alone fused in the checkpoint
+    # Partial rotary (Phi-4-mini): RoPE rotates this many of a head's dimensions (0: all); engine/models/rope.py
+    # says how the loader lays them out for the kernels.
+    rotary_dim: int = 0
+    # Granite: the embedding times embedding_multiplier, attention scores times attention_multiplier (instead of
+    # head_dim ** -0.5; None: that default), each sublayer's output times residual_multiplier before its residual
+    # add, the logits divided by logits_scaling.
+    embedding_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    # Where a layer's norms sit: "pre" (Llama: before each sublayer), "post" (OLMo 2: after each sublayer's output,
+    # before its residual add, post_attention_layernorm / post_feedforward_layernorm; its q_norm / k_norm span all of
+    # q's / k's heads) or "sandwich" (GLM-4: before and after each sublayer).
+    norm_layout: str = "pre"
+    rope_interleaved: bool = False  # GLM-4: RoPE pairs (2j, 2j + 1) (ModelArch.qk_order lays them out for the kernels)
+    # OLMo 3: the sliding layers' own RoPE (theta, variant) when it differs from the full layers' (None: one table).
+    sliding_rope: tuple[float, RopeScaling | None] | None = None
+    # SmolLM3: per layer, True where the layer takes no RoPE (empty: every layer takes it).
+    nope_layers: tuple[bool, ...] = ()
+
+    def window_of(self, layer_index: int | None) -> int:
+        """The attention window of a layer (0: full causal attention). ``None``: a layer outside the stack
+        (the MTP head's), which slides when every layer does."""
+        if self.sliding_window is None:
+            return 0
+        if not self.sliding_layers:
+            return self.sliding_window
+        return self.sliding_window if layer_index is not None and self.sliding_layers[layer_index] else 0
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> "ModelArch":
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        arch = cfg.get("architectures") or ["LlamaForCausalLM"]
+        if arch[0] not in SUPPORTED:
+            raise ValueError(f"{model_dir}: architecture {arch[0]!r} is not supported here ({', '.join(SUPPORTED)})")
+        if arch[0] in MULTIMODAL_TEXT:
+            cfg, arch = _text_config(cfg, arch[0]), [MULTIMODAL_TEXT[arch[0]]]
+        rope_theta, rope_scaling, sliding_rope = _ropes(cfg, arch[0], str(model_dir))
+        for key, supported in (("mlp_bias", False), ("hidden_act", "silu"), ("clip_qkv", None)):
+            if cfg.get(key, supported) != supported:
+                raise ValueError(f"{model_dir}: {key} {cfg[key]!r} is not supported (only {supported!r})")
+        window, sliding_layers = _sliding_window(cfg, arch[0], str(model_dir))
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        num_heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        glm = arch[0] in GLM4 + GLM4_MOE
+        rotary_dim = rotary_dim_of(cfg, head_dim, rope_scaling, str(model_dir), 0.5 if glm else 1.0)
+        moe, group_router = (glm4_moe_arch(cfg, cfg["num_hidden_layers"], str(model_dir)) if arch[0] in GLM4_MOE
+                             else (_moe(cfg, arch[0], str(model_dir)), None))
+        attention_bias = bool(cfg.get("attention_bias", False))
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads", num_heads),
+            head_dim=head_dim,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            qk_norm=arch[0] in QWEN3 + OLMO + OLMOE or (arch[0] in GLM4_MOE and bool(cfg.get("use_qk_norm"))),
+            moe=moe,
+            group_router=group_router,
+            rope_scaling=rope_scaling,
+            # Qwen2MoeConfig.qkv_bias defaults to True (Qwen1.5-MoE's config.json predates the key).
+            qkv_bias=(attention_bias or arch[0] in QWEN2 or (arch[0] in QWEN2_MOE and cfg.get("qkv_bias", True))
+                      or (arch[0] in GLM4 and cfg.get("attention_bias", True))),  # Glm4Config's default: True
+            o_bias=attention_bias and not glm,  # GLM's o_proj never has one
+            sliding_window=window,
+            sliding_layers=sliding_layers,
+            fused_checkpoint=arch[0] in PHI3,
+            rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
+            **_granite_multipliers(cfg, arch[0]),
+            norm_layout="post" if arch[0] in OLMO else "sandwich" if arch[0] in GLM4 else "pre",
+            fused_gate_up=arch[0] in GLM4,
+            rope_interleaved=arch[0] in GLM4,
+            sliding_rope=sliding_rope,
+            nope_layers=_nope_layers(cfg, arch[0], str(model_dir)),
+        )
+
+    def for_context(self, max_model_len: int) -> "ModelArch":
+        """This arch as an engine of ``max_model_len`` serves it (longrope's table: engine/models/rope.py)."""
+        return replace(self, rope_scaling=for_context(self.rope_scaling, max_model_len))
+
+    def qk_order(self) -> torch.Tensor | None:
+        """With partial rotary, which checkpoint dimension each position of a q or k head holds in the kernels'
+        layout (the loader permutes q and k by it); None when RoPE rotates whole heads."""
+        if not self.rotary_dim and not self.rope_interleaved:
+            return None
+        return partial_rotary_order(self.head_dim, self.rotary_dim or self.head_dim, self.rope_interleaved)
+
+
+def _text_config(cfg: dict, architecture: str) -> dict:
+    """A multimodal config's language model: ``text_config`` over the top level (older Qwen2-VL / Qwen2.5-VL configs
+    keep the text fields there), its M-RoPE read as the plain RoPE it is for text (every section at one position)."""
+    text = {**{k: v for k, v in cfg.items() if k not in ("text_config", "vision_config")},
+            **(cfg.get("text_config") or {})}
+    if "tie_word_embeddings" in cfg:  # the top level's, as transformers ties a multimodal model's head
+        text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+    for key in ("rope_scaling", "rope_parameters"):
+        params = text.get(key)
+        if isinstance(params, dict) and "mrope_section" in params:
+            kind = params.get("rope_type") or params.get("type")
+            params = {k: v for k, v in params.items() if k not in ("mrope_section", "mrope_interleaved", "type")}
+            text[key] = {**params, "rope_type": "default" if kind in (None, "mrope", "default") else kind}
+    return text
+
+
+def _ropes(cfg: dict, architecture: str, where: str) -> tuple[float, RopeScaling | None, tuple | None]:
+    """(theta, variant) of the model's RoPE, and the sliding layers' own when they have another (OLMo 3: transformers
+    5 writes ``rope_parameters`` per layer type; an older config's ``rope_scaling`` is the full layers', its sliding
+    layers default RoPE at the same theta)."""
+    if architecture != "Olmo3ForCausalLM":
+        return (*rope_from_config(cfg, where, phi3=architecture in PHI3, partial_ok=architecture in GLM4 + GLM4_MOE),
+                None)
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and any(isinstance(v, dict) for v in params.values()):
+        theta = cfg.get("rope_theta") or 500000.0  # Olmo3Config's default_theta
+        full, sliding = (rope_from_config({**cfg, "rope_scaling": None, "rope_theta": theta,
+                                           "rope_parameters": params.get(kind) or {}}, where)
+                         for kind in ("full_attention", "sliding_attention"))
+    else:
+        full = rope_from_config({**cfg, "rope_theta": cfg.get("rope_theta") or 500000.0}, where)
+        sliding = (full[0], None)
+    return (*full, None if sliding == full else sliding)
+
+
+def _nope_layers(cfg: dict, architecture: str, where: str) -> tuple[bool, ...]:
+    """SmolLM3's layers without RoPE: ``no_rope_layers`` (1: RoPE, 0: none), or one in every
+    ``no_rope_layer_interval`` (SmolLM3Config's rule); () for the other architectures."""
+    if architecture not in SMOLLM3:
+        return ()
+    num_layers = cfg["num_hidden_layers"]
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        interval = cfg.get("no_rope_layer_interval") or 4
+        flags = [int((i + 1) % interval != 0) for i in range(num_layers)]
+    if len(flags) != num_layers:
+        raise ValueError(f"{where}: no_rope_layers has {len(flags)} entries for {num_layers} layers")
+    return tuple(not flag for flag in flags)
+
+
+def _granite_multipliers(cfg: dict, architecture: str) -> dict:
+    """Granite's multipliers as GraniteConfig reads them (its defaults: 1.0, no change)."""
+    if architecture not in GRANITE:
+        return {}
+    get = lambda key: float(cfg.get(key) if cfg.get(key) is not None else 1.0)  # noqa: E731
+    return dict(embedding_multiplier=get("embedding_multiplier"), attention_multiplier=get("attention_multiplier"),
+                residual_multiplier=get("residual_multiplier"), logits_scaling=get("logits_scaling"))
+
+
+def _moe(cfg: dict, architecture: str, where: str) -> MoeArch | None:
+    """The MoE layout of a sparse architecture (None: dense MLPs)."""
+    num_layers = cfg["num_hidden_layers"]
+    if architecture == "Qwen3MoeForCausalLM":
+        return MoeArch.from_config(cfg, num_layers, where)
+    if architecture in QWEN2_MOE:
+        return MoeArch.from_config(cfg, num_layers, where, layout="qwen2_moe")
+    if architecture == "GraniteMoeForCausalLM":
+        return MoeArch.granitemoe(cfg, num_layers, where)
+    if architecture in OLMOE:  # Qwen3-MoE's MoE, the experts intermediate_size wide (OlmoeConfig's defaults)
+        return MoeArch.from_config({**cfg, "moe_intermediate_size": cfg.get("intermediate_size") or 2048,
+                                    "num_experts": cfg.get("num_experts") or 64,
+                                    "num_experts_per_tok": cfg.get("num_experts_per_tok") or 8}, num_layers, where)
+    return MoeArch.mixtral(cfg, num_layers, where) if architecture in MIXTRAL else None
+
+
+def _sliding_window(cfg: dict, architecture: str, where: str) -> tuple[int | None, tuple[bool, ...]]:
+    """(window, which layers slide) as transformers reads the config: Mistral's and Phi-3's window is live
+    whenever set, on every layer; Qwen2's and Qwen3's only with use_sliding_window, on the layers layer_types
+    names "sliding_attention" (or, without layer_types, those from max_window_layers on). Qwen2-MoE's as Qwen2's
+    when layer_types is given; without it the layers that slide are ambiguous (below), so that is refused."""
+    num_layers = cfg["num_hidden_layers"]
+    layer_types = list(cfg.get("layer_types") or [])
+    unknown = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
+    if unknown:
+        raise ValueError(f"{where}: layer_types {unknown} are not supported (only 'full_attention', "
+                         "'sliding_attention')")
+    if layer_types and len(layer_types) != num_layers:
+        raise ValueError(f"{where}: layer_types has {len(layer_types)} entries for {num_layers} layers")
+    window = cfg.get("sliding_window")
+    if architecture in ("MistralForCausalLM", *MIXTRAL, *PHI3):
+        return (int(window), ()) if window else (None, ())
+    if architecture == "Olmo3ForCausalLM":
+        if not layer_types:  # Olmo3Config's default: three sliding layers, then a full one
+            layer_types = ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(num_layers)]
+        if "sliding_attention" not in layer_types:
+            return None, ()
+        if not window:
+            raise ValueError(f"{where}: layer_types name sliding layers but sliding_window is not set")
+        return int(window), tuple(t == "sliding_attention" for t in layer_types)
+    if architecture in SMOLLM3 and cfg.get("use_sliding_window") and window and not layer_types:
+        # SmolLM3Config's rule: the layers without RoPE slide.
+        layer_types = ["sliding_attention" if nope else "full_attention" for nope in _nope_layers(cfg, architecture,
+                                                                                                   where)]
+    if architecture in QWEN2 + QWEN3 + QWEN2_MOE + SMOLLM3 and cfg.get("use_sliding_window"):
+        if not window:
+            raise ValueError(f"{where}: use_sliding_window needs a sliding_window")
+        if not layer_types and architecture in QWEN2_MOE:
+            # Without layer_types transformers 5's Qwen2MoeConfig slides the even layers below max_window_layers,
+            # Qwen2's rule the layers from max_window_layers on: which the checkpoint meant is unknown (configs that
+            # transformers 5 saves list layer_types; Qwen's own checkpoints have use_sliding_window false).
+            raise ValueError(f"{where}: use_sliding_window without layer_types is not supported for Qwen2-MoE "
+                             "(transformers' Qwen2-MoE and Qwen2 rules disagree on which layers slide); list them "
+                             "in layer_types")
+        if not layer_types:
+            first = cfg.get("max_window_layers", num_layers)
+            layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+        return int(window), tuple(t == "sliding_attention" for t in layer_types)
+    if "sliding_attention" in layer_types:
+        raise ValueError(f"{where}: layer_types name sliding layers but sliding_window is not in use")
+    return None, ()
