@@ -140,7 +140,8 @@ def build_random_nemotron_h(out: Path) -> Path:
 # Model families made by transformers with random weights (tests/test_model_families.py's shapes): what their
 # kernels do on CUDA (sliding windows and soft-capped scores in the Triton attention, two RoPE tables, Gemma's norms,
 # Mixtral's MoE, Qwen2-MoE's shared expert, Phi-4-mini's partial rotary and longrope, Granite's multipliers, OLMo 3's
-# post-norms, GLM-4's interleaved partial rotary, GLM-4.5's MoE, SmolLM3's NoPE layers, the Granite 4.0-H hybrid).
+# post-norms, GLM-4's interleaved partial rotary, GLM-4.5's MoE, Cohere2's parallel LayerNorm blocks, SmolLM3's NoPE
+# layers, the Granite 4.0-H hybrid).
 _FAMILY_COMMON = dict(vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                       intermediate_size=96, num_hidden_layers=3, rms_norm_eps=1e-6, max_position_embeddings=256,
                       bos_token_id=1, eos_token_id=2)
@@ -184,6 +185,9 @@ FAMILIES = {
         _FAMILY_COMMON, pad_token_id=0, head_dim=32, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
         topk_group=2, moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
         routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True)),
+    # Cohere2: LayerNorm, parallel blocks, interleaved RoPE on the sliding layers, NoPE full layers, scaled logits.
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", dict(_FAMILY_COMMON, pad_token_id=0, num_hidden_layers=4,
+                                                            sliding_window=20, logit_scale=0.5)),
     # SmolLM3: a layer without RoPE (its K and V written by the attention kernel, not the fused rotary one).
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(_FAMILY_COMMON, pad_token_id=0,
                                                             no_rope_layer_interval=2)),

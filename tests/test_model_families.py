@@ -11,6 +11,8 @@ their directories, with transformers (fp32, eager attention, repeated full forwa
 - Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2's biased attention, sparse layers whose MoE adds a shared expert
   scaled by its sigmoid gate to the routed experts' output, a dense layer (``mlp_only_layers``), sliding layers;
 - Phi-3 / Phi-4: q/k/v and gate/up stored fused (``qkv_proj``, ``gate_up_proj``), and LoRA adapters on them;
+- Cohere / Cohere2: LayerNorm, attention and the MLP in parallel, interleaved RoPE, per-head q/k LayerNorms, scaled
+  logits; Cohere2's sliding layers beside NoPE full ones;
 - multimodal checkpoints served for text: Mistral Small 3.x, Qwen2.5-VL, Qwen3-VL (M-RoPE is plain RoPE for text);
 - GLM-4: four norms a layer, half of each head rotated in interleaved pairs, q/k/v biases, gate/up fused; GLM-4.5:
   DeepSeek-V3-routed MoE (sigmoid scores, a correction bias, group-limited top-k, scaled) with a shared expert;
@@ -82,6 +84,13 @@ CONFIGS = {
                                "logits_scaling"))),
     # GLM-4: sandwich norms, half of each head rotated in interleaved pairs, q/k/v biases, gate/up fused.
     "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(COMMON, pad_token_id=0, head_dim=32), None),
+    # Cohere (Command R): LayerNorm, parallel attention and MLP, interleaved RoPE, per-head q/k LayerNorms (R+),
+    # logits times logit_scale; Cohere2 (Command R7B, Command A): three sliding layers of four, the full one NoPE.
+    "cohere": ("CohereConfig", "CohereForCausalLM", dict(COMMON, pad_token_id=0, use_qk_norm=True, logit_scale=0.5),
+               None),
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM",
+                dict(COMMON, pad_token_id=0, num_hidden_layers=4, sliding_window=20, logit_scale=0.5),
+                {"layer_types": ["full_attention"] * 4}),
     # Multimodal checkpoints served for text (their language model; the vision tower and projector are not loaded):
     # Mistral Small 3.x (Mistral3ForConditionalGeneration, weights under language_model.*), Qwen2.5-VL (text at the
     # top level, M-RoPE) and Qwen3-VL (model.language_model.*, interleaved M-RoPE). Their towers are tiny.
@@ -334,7 +343,7 @@ def test_greedy_batched_and_alone_equal_transformers(dirs, reference, name):
 
 
 @pytest.mark.parametrize("name", ["llama3", "qwen2-yarn", "mistral-linear", "qwen2-swa", "gemma3", "gemma2",
-                                  "qwen2-moe", "granite", "olmo3", "smollm3"])
+                                  "qwen2-moe", "granite", "olmo3", "smollm3", "cohere2"])
 def test_each_variant_matters(dirs, reference, name, tmp_path):
     """transformers' greedy with the RoPE variant (or the sliding window) undone differs from the reference,
     so the equality above holds only if the engine computes the variant."""
@@ -375,6 +384,18 @@ def test_granitemoe_router_softmaxes_the_top_k_logits(dirs, reference):
             router.weight.copy_(router.weight.flip(0))
     scrambled = _hf_greedy(hf, PROMPTS[:6])
     assert sum(a != b for a, b in zip(scrambled, reference["granitemoe"][:6])) >= 3
+
+
+def test_cohere_reads_its_config_and_its_logits_equal_transformers(dirs):
+    """Command R's prompt logits (times logit_scale, which greedy tokens cannot see) equal transformers' in fp32:
+    LayerNorms, per-head q/k LayerNorms, the parallel block, interleaved RoPE."""
+    cohere, cohere2 = arch_from_dir(dirs["cohere"]), arch_from_dir(dirs["cohere2"])
+    assert cohere.norm_layout == "parallel" and cohere.layer_norm and cohere.rope_interleaved and cohere.qk_norm
+    assert cohere.logit_scale == 0.5 and cohere.sliding_window is None and cohere.rms_norm_eps == 1e-5
+    assert cohere2.sliding_layers == (True, True, True, False) and cohere2.nope_layers == (False, False, False, True)
+    ours, expected, unscaled = _logits_and_transformers(dirs, "cohere")
+    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)
+    assert (unscaled - expected).abs().max() > 0.5  # the scale matters
 
 
 def test_multimodal_checkpoints_read_their_language_model(dirs, tmp_path):
@@ -439,7 +460,7 @@ def test_biases_matter(dirs, reference):
 
 @pytest.mark.parametrize("name", ["qwen2-yarn", "mistral-linear", "gemma3", "gemma2", "mixtral", "qwen2-moe",
                                   "granite", "granitemoe", "olmo2", "olmo3", "smollm3", "olmoe", "glm4", "glm4-moe",
-                                  "qwen3-vl"])
+                                  "qwen3-vl", "cohere", "cohere2"])
 def test_chunked_prefill_and_preemption(dirs, reference, name):
     # Chunks of 5 tokens; 24 blocks of 16 for 16 requests of up to 82 tokens force preemption.
     engine = _engine(dirs[name], prefill_chunk_size=5, max_num_batched_tokens=40, num_kv_blocks=24)
@@ -455,7 +476,7 @@ def test_speculative_ngram_is_lossless(dirs, reference, name):
 
 
 @pytest.mark.parametrize("name", ["qwen2-yarn", "gemma3", "mixtral", "qwen2-moe", "granitemoe", "olmo3", "glm4",
-                                  "glm4-moe"])
+                                  "glm4-moe", "cohere", "cohere2"])
 def test_bf16_deterministic_batch_invariant(dirs, name):
     """bf16 in deterministic mode (the CPU default): a request's tokens in a batch are its tokens alone, with
     q/k/v biases and YaRN (the bias add is per row), with Gemma's norms and sliding layers, and with MoE (Qwen2-MoE's
@@ -655,11 +676,21 @@ def _prompt_hidden(model, tokens: list[int], block_size: int = 16) -> torch.Tens
     return model.forward(torch.tensor(tokens), pos, cache, meta)
 
 
+def _logits_and_transformers(dirs, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(our logits, transformers', our LM head's output before the model's logit scaling) over one 40-token prompt."""
+    from pdcluster.engine.models.architectures import load_model
+
+    model = load_model(dirs[name], torch.float32, 256)
+    tokens = [3 + (11 * i) % 500 for i in range(40)]
+    with torch.inference_mode():
+        hidden = _prompt_hidden(model, tokens)
+        return (model.compute_logits(hidden), _hf_model(dirs[name])(torch.tensor([tokens])).logits[0],
+                model.lm_head_proj(hidden).float())
+
+
 def test_granite_reads_its_multipliers_and_its_logits_equal_transformers(dirs, tmp_path):
     """Granite's prompt logits (divided by logits_scaling, which greedy tokens cannot see) equal transformers' in
     fp32; a config without the multipliers reads transformers' defaults (1.0 each, the attention scale too)."""
-    from pdcluster.engine.models.architectures import load_model
-
     arch = arch_from_dir(dirs["granite"])
     assert (arch.embedding_multiplier, arch.attention_multiplier, arch.residual_multiplier, arch.logits_scaling) == \
         (12.0, 0.0625, 0.22, 16.0)
@@ -668,15 +699,8 @@ def test_granite_reads_its_multipliers_and_its_logits_equal_transformers(dirs, t
     assert (bare.embedding_multiplier, bare.attention_multiplier, bare.residual_multiplier, bare.logits_scaling) == \
         (hf.embedding_multiplier, hf.attention_multiplier, hf.residual_multiplier, hf.logits_scaling) == (1.0,) * 4
     assert arch_from_dir(dirs["llama3"]).attention_multiplier is None  # Llama: head_dim ** -0.5
-    model = load_model(dirs["granite"], torch.float32, 256)
-    tokens = [3 + (11 * i) % 500 for i in range(40)]
-    with torch.inference_mode():
-        hidden = _prompt_hidden(model, tokens)
-        ours = model.compute_logits(hidden)
-        expected = _hf_model(dirs["granite"])(torch.tensor([tokens])).logits[0]
+    ours, expected, unscaled = _logits_and_transformers(dirs, "granite")
     torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)
-    with torch.inference_mode():
-        unscaled = model.lm_head_proj(hidden).float()
     torch.testing.assert_close(unscaled / 16.0, expected, rtol=0, atol=1e-5)
     assert (unscaled - expected).abs().max() > 1.0  # the division matters
 

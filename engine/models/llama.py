@@ -26,6 +26,17 @@ from pdcluster.kernels import ops
 
 __all__ = ["DecoderLayer", "LlamaModel", "ModelArch", "RotaryEmbedding", "rms_norm"]
 
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Cohere's LayerNorm over the last dim (mean-centred, no bias), in float32 as transformers' CohereLayerNorm;
+    ``weight`` [..., D] broadcasts (a per-head q/k norm's is [heads, D]). torch's row means on a CPU reduce each row
+    on one thread alike whatever the row count (below 32,768 elements a row), so a row's bits do not depend on its
+    batch; on CUDA deterministic mode does not cover this norm yet."""
+    x32 = x.float()
+    centred = x32 - x32.mean(-1, keepdim=True)
+    normed = centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * normed).to(x.dtype)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Same op order as HF's LlamaRMSNorm (normalise in fp32, cast back, then scale) so fp32 runs
     # match it bit for bit where possible.
@@ -115,10 +126,13 @@ class DecoderLayer:
         layout = getattr(arch, "norm_layout", "pre")  # an MTP layer's HybridArch: pre
         # "pre": input_norm before attention, post_norm before the MLP. "post" (OLMo 2): attn_out_norm after
         # attention, ff_norm after the MLP, none before. "sandwich" (GLM-4): all four.
+        self.norm_layout = layout
         if layout == "post":
             self.input_norm = self.post_norm = None
             self.attn_out_norm = w("post_attention_layernorm.weight")
             self.ff_norm = w("post_feedforward_layernorm.weight")
+        elif layout == "parallel":  # Cohere: one norm, attention and the MLP both read it
+            self.input_norm, self.post_norm, self.attn_out_norm, self.ff_norm = w("input_layernorm.weight"), None, None, None
         else:
             self.input_norm, self.post_norm = w("input_layernorm.weight"), w("post_attention_layernorm.weight")
             sandwich = layout == "sandwich"
@@ -141,8 +155,8 @@ class DecoderLayer:
         self.o_bias = w("self_attn.o_proj.bias") if getattr(arch, "o_bias", False) else None
         self.q_norm = weights.pop(f"{prefix}.self_attn.q_norm.weight", None)
         self.k_norm = weights.pop(f"{prefix}.self_attn.k_norm.weight", None)
-        if qk_order is not None and self.q_norm is not None:
-            self.q_norm, self.k_norm = self.q_norm[qk_order], self.k_norm[qk_order]
+        if qk_order is not None and self.q_norm is not None:  # per-head norms ([D] or Cohere's [heads, D]) follow
+            self.q_norm, self.k_norm = self.q_norm[..., qk_order], self.k_norm[..., qk_order]
         self.moe = None
         moe = getattr(arch, "moe", None)  # an MTP layer on a hybrid target gets a HybridArch (no .moe)
         if moe is not None and layer_index is not None and moe.sparse_layers[layer_index] and moe.layout == "glm4_moe":
@@ -185,19 +199,23 @@ class DecoderLayer:
         a = self.arch
         qkv = self._heads(x)
         if self.q_norm is None:
-            rope.rotate_(qkv[:, : a.num_heads + a.num_kv_heads], positions)
+            if self.rope_on:
+                rope.rotate_(qkv[:, : a.num_heads + a.num_kv_heads], positions)
             return self._split(qkv)
         # Qwen3: RMSNorm over each head's head_dim (the norm kernel's last dim), OLMo 2 over all of q's (k's) heads
         # at once; then RoPE on the result.
         q = self._head_norm(qkv[:, : a.num_heads], self.q_norm)
         k = self._head_norm(qkv[:, a.num_heads : a.num_heads + a.num_kv_heads], self.k_norm)
-        rope.rotate_(q, positions)
-        rope.rotate_(k, positions)
+        if self.rope_on:
+            rope.rotate_(q, positions)
+            rope.rotate_(k, positions)
         return q, k, qkv[:, a.num_heads + a.num_kv_heads :]
 
     def _head_norm(self, heads: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """[tokens, heads, head_dim] normalised over ``weight``'s width (one head, or all of a token's heads), as a
-        new contiguous tensor."""
+        """[tokens, heads, head_dim] normalised over ``weight``'s width (one head, or all of a token's heads; Cohere:
+        a LayerNorm per head with its own weights), as a new contiguous tensor."""
+        if self.arch.layer_norm:
+            return layer_norm(heads, weight, self.arch.rms_norm_eps).contiguous()
         rows = heads.reshape(-1, weight.shape[0])  # a copy: the heads are a strided view of qkv
         return ops.rms_norm(rows, weight, self.arch.rms_norm_eps).view(heads.shape)
 
@@ -213,6 +231,8 @@ class DecoderLayer:
         """Pre-norm block with the skip connection carried separately (vLLM's convention): returns
         (this block's output, residual); the next norm adds them. ``residual`` is updated in place."""
         a = self.arch
+        if self.norm_layout == "parallel":
+            return self._forward_parallel(hidden, residual, positions, rope, layer_cache, meta)
         if self.ff_norm is not None:
             return self._forward_post_norms(hidden, residual, positions, rope, layer_cache, meta)
         if residual is None:
@@ -259,6 +279,21 @@ class DecoderLayer:
         h = x.add_(ops.rms_norm(attn, self.attn_out_norm, a.rms_norm_eps))
         h_in = h if self.post_norm is None else ops.rms_norm(h, self.post_norm, a.rms_norm_eps)
         return ops.rms_norm(self._chunked_mlp(h_in), self.ff_norm, a.rms_norm_eps), h
+
+    def _forward_parallel(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                          rope: RotaryEmbedding, layer_cache: torch.Tensor,
+                          meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cohere's block, ``x' = (x + attention(n(x))) + mlp(n(x))`` with n its LayerNorm, in forward's convention:
+        returns (the MLP's output, x + attention), whose sum the next layer (or the final norm) takes in that order."""
+        a = self.arch
+        x = hidden if residual is None else hidden.add_(residual)
+        h = layer_norm(x, self.input_norm, a.rms_norm_eps)
+        o = attend(*self.qkv(h, positions, rope), layer_cache, meta, batch_invariant=self.deterministic,
+                   window=self.window)
+        attn = self.o_proj(o.reshape(-1, self.q_size))
+        if self.o_bias is not None:
+            attn += self.o_bias
+        return self._chunked_mlp(h), x.add_(attn)
 
     def _chunked_mlp(self, x: torch.Tensor) -> torch.Tensor:
         chunk = MLP_CHUNK_TOKENS_CUDA if x.is_cuda else MLP_CHUNK_TOKENS
@@ -330,6 +365,8 @@ class LlamaModel(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)
+        if self.arch.logit_scale != 1.0:  # Cohere
+            logits.mul_(self.arch.logit_scale)
         return logits if self.arch.logits_scaling == 1.0 else logits.div_(self.arch.logits_scaling)
 
     def lora_output_rows(self, attr: str, offset: int, width: int) -> torch.Tensor | None:
@@ -363,4 +400,6 @@ class LlamaModel(CausalLM):
             hidden, residual = layer.forward(hidden, residual, positions, rope, kv_cache[i], meta)
             if on_layer_done is not None:
                 on_layer_done(i)
+        if self.arch.layer_norm:  # Cohere
+            return layer_norm(hidden.add_(residual), self.norm, self.arch.rms_norm_eps)
         return ops.rms_norm(hidden, self.norm, self.arch.rms_norm_eps, residual=residual)

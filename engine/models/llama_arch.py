@@ -52,8 +52,12 @@ MULTIMODAL_TEXT = {"Mistral3ForConditionalGeneration": "MistralForCausalLM",  # 
                    "Qwen2VLForConditionalGeneration": "Qwen2ForCausalLM",
                    "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",
                    "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM"}
+# Cohere Command R / R+ / Aya, and Cohere2 (Command R7B, Command A): LayerNorm (no bias) instead of RMSNorm, attention
+# and the MLP in parallel on one normed input, RoPE in interleaved pairs, the logits times logit_scale; Cohere2 slides
+# three layers of four and gives its full layers no RoPE.
+COHERE = ("CohereForCausalLM", "Cohere2ForCausalLM")
 SUPPORTED = (LLAMA_FAMILY + MIXTRAL + QWEN2 + PHI3 + QWEN3 + QWEN2_MOE + GRANITE + OLMO + SMOLLM3 + OLMOE + GLM4
-             + GLM4_MOE + tuple(MULTIMODAL_TEXT))
+             + GLM4_MOE + COHERE + tuple(MULTIMODAL_TEXT))
 
 
 @dataclass(frozen=True)
@@ -96,8 +100,11 @@ class ModelArch:
     logits_scaling: float = 1.0
     # Where a layer's norms sit: "pre" (Llama: before each sublayer), "post" (OLMo 2: after each sublayer's output,
     # before its residual add, post_attention_layernorm / post_feedforward_layernorm; its q_norm / k_norm span all of
-    # q's / k's heads) or "sandwich" (GLM-4: before and after each sublayer).
+    # q's / k's heads), "sandwich" (GLM-4: before and after each sublayer) or "parallel" (Cohere: one input norm,
+    # attention and the MLP both on it, their outputs added to the residual).
     norm_layout: str = "pre"
+    layer_norm: bool = False  # Cohere: LayerNorm (mean-centred, no bias) wherever the others have RMSNorm
+    logit_scale: float = 1.0  # Cohere: the logits times this
     rope_interleaved: bool = False  # GLM-4: RoPE pairs (2j, 2j + 1) (ModelArch.qk_order lays them out for the kernels)
     # OLMo 3: the sliding layers' own RoPE (theta, variant) when it differs from the full layers' (None: one table).
     sliding_rope: tuple[float, RopeScaling | None] | None = None
@@ -143,13 +150,13 @@ class ModelArch:
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads", num_heads),
             head_dim=head_dim,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rms_norm_eps=cfg.get("layer_norm_eps", 1e-5) if arch[0] in COHERE else cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            qk_norm=arch[0] in QWEN3 + OLMO + OLMOE or (arch[0] in GLM4_MOE and bool(cfg.get("use_qk_norm"))),
+            qk_norm=arch[0] in QWEN3 + OLMO + OLMOE or (arch[0] in GLM4_MOE + COHERE and bool(cfg.get("use_qk_norm"))),
             moe=moe,
             group_router=group_router,
             rope_scaling=rope_scaling,
@@ -162,9 +169,12 @@ class ModelArch:
             fused_checkpoint=arch[0] in PHI3,
             rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
             **_granite_multipliers(cfg, arch[0]),
-            norm_layout="post" if arch[0] in OLMO else "sandwich" if arch[0] in GLM4 else "pre",
+            norm_layout=("post" if arch[0] in OLMO else "sandwich" if arch[0] in GLM4 else
+                         "parallel" if arch[0] in COHERE else "pre"),
             fused_gate_up=arch[0] in GLM4,
-            rope_interleaved=arch[0] in GLM4,
+            rope_interleaved=arch[0] in GLM4 + COHERE,
+            layer_norm=arch[0] in COHERE,
+            logit_scale=float(cfg.get("logit_scale", 0.0625)) if arch[0] in COHERE else 1.0,
             sliding_rope=sliding_rope,
             nope_layers=_nope_layers(cfg, arch[0], str(model_dir)),
         )
@@ -216,9 +226,18 @@ def _ropes(cfg: dict, architecture: str, where: str) -> tuple[float, RopeScaling
     return (*full, None if sliding == full else sliding)
 
 
+def _cohere2_layer_types(cfg: dict) -> list[str]:
+    """Cohere2's layer_types, or Cohere2Config's rule without them: every ``sliding_window_pattern``-th layer full."""
+    pattern = cfg.get("sliding_window_pattern") or 4
+    return list(cfg.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                           for i in range(cfg["num_hidden_layers"])])
+
+
 def _nope_layers(cfg: dict, architecture: str, where: str) -> tuple[bool, ...]:
     """SmolLM3's layers without RoPE: ``no_rope_layers`` (1: RoPE, 0: none), or one in every
-    ``no_rope_layer_interval`` (SmolLM3Config's rule); () for the other architectures."""
+    ``no_rope_layer_interval`` (SmolLM3Config's rule); Cohere2's full layers; () for the other architectures."""
+    if architecture == "Cohere2ForCausalLM":
+        return tuple(t == "full_attention" for t in _cohere2_layer_types(cfg))
     if architecture not in SMOLLM3:
         return ()
     num_layers = cfg["num_hidden_layers"]
@@ -272,9 +291,9 @@ def _sliding_window(cfg: dict, architecture: str, where: str) -> tuple[int | Non
     window = cfg.get("sliding_window")
     if architecture in ("MistralForCausalLM", *MIXTRAL, *PHI3):
         return (int(window), ()) if window else (None, ())
-    if architecture == "Olmo3ForCausalLM":
-        if not layer_types:  # Olmo3Config's default: three sliding layers, then a full one
-            layer_types = ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(num_layers)]
+    if architecture in ("Olmo3ForCausalLM", "Cohere2ForCausalLM"):
+        if not layer_types:  # Olmo3Config's and Cohere2Config's default: three sliding layers, then a full one
+            layer_types = _cohere2_layer_types(cfg)
         if "sliding_attention" not in layer_types:
             return None, ()
         if not window:
