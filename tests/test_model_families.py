@@ -11,6 +11,7 @@ their directories, with transformers (fp32, eager attention, repeated full forwa
 - Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2's biased attention, sparse layers whose MoE adds a shared expert
   scaled by its sigmoid gate to the routed experts' output, a dense layer (``mlp_only_layers``), sliding layers;
 - Phi-3 / Phi-4: q/k/v and gate/up stored fused (``qkv_proj``, ``gate_up_proj``), and LoRA adapters on them;
+- EXAONE 4.0: post-norms, per-head q/k norms, sliding layers beside NoPE full ones;
 - Cohere / Cohere2: LayerNorm, attention and the MLP in parallel, interleaved RoPE, per-head q/k LayerNorms, scaled
   logits; Cohere2's sliding layers beside NoPE full ones;
 - multimodal checkpoints served for text: Mistral Small 3.x, Qwen2.5-VL, Qwen3-VL (M-RoPE is plain RoPE for text);
@@ -91,6 +92,10 @@ CONFIGS = {
     "cohere2": ("Cohere2Config", "Cohere2ForCausalLM",
                 dict(COMMON, pad_token_id=0, num_hidden_layers=4, sliding_window=20, logit_scale=0.5),
                 {"layer_types": ["full_attention"] * 4}),
+    # EXAONE 4.0: post-norms, per-head q/k norms, two sliding layers then a full one without RoPE.
+    "exaone4": ("Exaone4Config", "Exaone4ForCausalLM",
+                dict(COMMON, pad_token_id=0, sliding_window=20, sliding_window_pattern=3),
+                {"sliding_window": None, "layer_types": ["full_attention"] * 3}),
     # Multimodal checkpoints served for text (their language model; the vision tower and projector are not loaded):
     # Mistral Small 3.x (Mistral3ForConditionalGeneration, weights under language_model.*), Qwen2.5-VL (text at the
     # top level, M-RoPE) and Qwen3-VL (model.language_model.*, interleaved M-RoPE). Their towers are tiny.
@@ -343,7 +348,7 @@ def test_greedy_batched_and_alone_equal_transformers(dirs, reference, name):
 
 
 @pytest.mark.parametrize("name", ["llama3", "qwen2-yarn", "mistral-linear", "qwen2-swa", "gemma3", "gemma2",
-                                  "qwen2-moe", "granite", "olmo3", "smollm3", "cohere2"])
+                                  "qwen2-moe", "granite", "olmo3", "smollm3", "cohere2", "exaone4"])
 def test_each_variant_matters(dirs, reference, name, tmp_path):
     """transformers' greedy with the RoPE variant (or the sliding window) undone differs from the reference,
     so the equality above holds only if the engine computes the variant."""
@@ -393,6 +398,15 @@ def test_cohere_reads_its_config_and_its_logits_equal_transformers(dirs):
     assert cohere.norm_layout == "parallel" and cohere.layer_norm and cohere.rope_interleaved and cohere.qk_norm
     assert cohere.logit_scale == 0.5 and cohere.sliding_window is None and cohere.rms_norm_eps == 1e-5
     assert cohere2.sliding_layers == (True, True, True, False) and cohere2.nope_layers == (False, False, False, True)
+    exaone4 = arch_from_dir(dirs["exaone4"])
+    assert exaone4.sliding_layers == (True, True, False) and exaone4.nope_layers == (False, False, True)
+    assert exaone4.norm_layout == "post" and exaone4.qk_norm
+    # The published configs' string pattern ("LLLG": three sliding layers, then a full one), without layer_types.
+    cfg = {**json.loads((dirs["exaone4"] / "config.json").read_text()), "num_hidden_layers": 8,
+           "sliding_window_pattern": "LLLG"}
+    from pdcluster.engine.models.llama_arch import _exaone4_layer_types
+
+    assert _exaone4_layer_types({**cfg, "layer_types": None}) == (["sliding_attention"] * 3 + ["full_attention"]) * 2
     ours, expected, unscaled = _logits_and_transformers(dirs, "cohere")
     torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)
     assert (unscaled - expected).abs().max() > 0.5  # the scale matters
@@ -460,7 +474,7 @@ def test_biases_matter(dirs, reference):
 
 @pytest.mark.parametrize("name", ["qwen2-yarn", "mistral-linear", "gemma3", "gemma2", "mixtral", "qwen2-moe",
                                   "granite", "granitemoe", "olmo2", "olmo3", "smollm3", "olmoe", "glm4", "glm4-moe",
-                                  "qwen3-vl", "cohere", "cohere2"])
+                                  "qwen3-vl", "cohere", "cohere2", "exaone4"])
 def test_chunked_prefill_and_preemption(dirs, reference, name):
     # Chunks of 5 tokens; 24 blocks of 16 for 16 requests of up to 82 tokens force preemption.
     engine = _engine(dirs[name], prefill_chunk_size=5, max_num_batched_tokens=40, num_kv_blocks=24)

@@ -12,6 +12,7 @@
     Glm4ForCausalLM                      -> the same (sandwich norms, interleaved partial RoPE)
     Glm4MoeForCausalLM                   -> the same (MoE MLPs in engine/models/glm4_moe.py)
     CohereForCausalLM, Cohere2ForCausalLM -> the same (LayerNorm, parallel blocks, interleaved RoPE)
+    Exaone4ForCausalLM                   -> the same (post-norms, per-head q/k norms, NoPE full layers)
     Mistral3ForConditionalGeneration, Qwen2VL / Qwen2_5_VL / Qwen3VLForConditionalGeneration
                                          -> the same, their language model for text
     Olmo2ForCausalLM, Olmo3ForCausalLM   -> the same (norms after each sublayer, q/k norms over all heads)
@@ -59,6 +60,7 @@ ARCHITECTURES = {
     "Glm4MoeForCausalLM": (ModelArch, LlamaModel),
     "CohereForCausalLM": (ModelArch, LlamaModel),
     "Cohere2ForCausalLM": (ModelArch, LlamaModel),
+    "Exaone4ForCausalLM": (ModelArch, LlamaModel),
     # Multimodal checkpoints: their language model, for text (llama.py MULTIMODAL_TEXT)
     "Mistral3ForConditionalGeneration": (ModelArch, LlamaModel),
     "Qwen2VLForConditionalGeneration": (ModelArch, LlamaModel),

@@ -56,8 +56,11 @@ MULTIMODAL_TEXT = {"Mistral3ForConditionalGeneration": "MistralForCausalLM",  # 
 # and the MLP in parallel on one normed input, RoPE in interleaved pairs, the logits times logit_scale; Cohere2 slides
 # three layers of four and gives its full layers no RoPE.
 COHERE = ("CohereForCausalLM", "Cohere2ForCausalLM")
+# EXAONE 4.0 (LG): OLMo 2's post-norms with Qwen3's per-head q/k norms; with a sliding window, three sliding layers of
+# four (or its sliding_window_pattern) and no RoPE on the full ones.
+EXAONE4 = ("Exaone4ForCausalLM",)
 SUPPORTED = (LLAMA_FAMILY + MIXTRAL + QWEN2 + PHI3 + QWEN3 + QWEN2_MOE + GRANITE + OLMO + SMOLLM3 + OLMOE + GLM4
-             + GLM4_MOE + COHERE + tuple(MULTIMODAL_TEXT))
+             + GLM4_MOE + COHERE + EXAONE4 + tuple(MULTIMODAL_TEXT))
 
 
 @dataclass(frozen=True)
@@ -156,7 +159,7 @@ class ModelArch:
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            qk_norm=arch[0] in QWEN3 + OLMO + OLMOE or (arch[0] in GLM4_MOE + COHERE and bool(cfg.get("use_qk_norm"))),
+            qk_norm=arch[0] in QWEN3 + OLMO + OLMOE + EXAONE4 or (arch[0] in GLM4_MOE + COHERE and bool(cfg.get("use_qk_norm"))),
             moe=moe,
             group_router=group_router,
             rope_scaling=rope_scaling,
@@ -169,7 +172,7 @@ class ModelArch:
             fused_checkpoint=arch[0] in PHI3,
             rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
             **_granite_multipliers(cfg, arch[0]),
-            norm_layout=("post" if arch[0] in OLMO else "sandwich" if arch[0] in GLM4 else
+            norm_layout=("post" if arch[0] in OLMO + EXAONE4 else "sandwich" if arch[0] in GLM4 else
                          "parallel" if arch[0] in COHERE else "pre"),
             fused_gate_up=arch[0] in GLM4,
             rope_interleaved=arch[0] in GLM4 + COHERE,
@@ -233,11 +236,27 @@ def _cohere2_layer_types(cfg: dict) -> list[str]:
                                            for i in range(cfg["num_hidden_layers"])])
 
 
+def _exaone4_layer_types(cfg: dict) -> list[str]:
+    """EXAONE 4's layer_types, or without them its sliding_window_pattern: a string of "L" (sliding) and "G" (full)
+    repeated from layer 0, or an int n (every n-th layer full), as Exaone4Config reads it; all full without a window."""
+    num_layers, pattern = cfg["num_hidden_layers"], cfg.get("sliding_window_pattern") or 4
+    if cfg.get("layer_types"):
+        return list(cfg["layer_types"])
+    if not cfg.get("sliding_window"):
+        return ["full_attention"] * num_layers
+    if isinstance(pattern, str):
+        return ["sliding_attention" if pattern[i % len(pattern)] == "L" else "full_attention" for i in range(num_layers)]
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+
+
 def _nope_layers(cfg: dict, architecture: str, where: str) -> tuple[bool, ...]:
     """SmolLM3's layers without RoPE: ``no_rope_layers`` (1: RoPE, 0: none), or one in every
-    ``no_rope_layer_interval`` (SmolLM3Config's rule); Cohere2's full layers; () for the other architectures."""
+    ``no_rope_layer_interval`` (SmolLM3Config's rule); Cohere2's full layers, and EXAONE 4's when it has a window;
+    () for the other architectures."""
     if architecture == "Cohere2ForCausalLM":
         return tuple(t == "full_attention" for t in _cohere2_layer_types(cfg))
+    if architecture in EXAONE4:
+        return tuple(bool(cfg.get("sliding_window")) and t == "full_attention" for t in _exaone4_layer_types(cfg))
     if architecture not in SMOLLM3:
         return ()
     num_layers = cfg["num_hidden_layers"]
@@ -291,6 +310,11 @@ def _sliding_window(cfg: dict, architecture: str, where: str) -> tuple[int | Non
     window = cfg.get("sliding_window")
     if architecture in ("MistralForCausalLM", *MIXTRAL, *PHI3):
         return (int(window), ()) if window else (None, ())
+    if architecture in EXAONE4:
+        layer_types = _exaone4_layer_types(cfg)
+        if "sliding_attention" not in layer_types or not window:
+            return None, ()
+        return int(window), tuple(t == "sliding_attention" for t in layer_types)
     if architecture in ("Olmo3ForCausalLM", "Cohere2ForCausalLM"):
         if not layer_types:  # Olmo3Config's and Cohere2Config's default: three sliding layers, then a full one
             layer_types = _cohere2_layer_types(cfg)
