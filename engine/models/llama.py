@@ -132,7 +132,8 @@ class DecoderLayer:
             self.attn_out_norm = w("post_attention_layernorm.weight")
             self.ff_norm = w("post_feedforward_layernorm.weight")
         elif layout == "parallel":  # Cohere: one norm, attention and the MLP both read it
-            self.input_norm, self.post_norm, self.attn_out_norm, self.ff_norm = w("input_layernorm.weight"), None, None, None
+            self.input_norm = w("input_layernorm.weight")
+            self.post_norm = self.attn_out_norm = self.ff_norm = None
         else:
             self.input_norm, self.post_norm = w("input_layernorm.weight"), w("post_attention_layernorm.weight")
             sandwich = layout == "sandwich"
@@ -337,8 +338,8 @@ class LlamaModel(CausalLM):
         self.layers = [DecoderLayer(arch, weights, f"model.layers.{i}", deterministic, layer_index=i)
                        for i in range(arch.num_layers)]
         if arch.qk_norm and any(layer.q_norm is None or layer.k_norm is None for layer in self.layers):
-            raise ValueError("weights lack self_attn.q_norm.weight / k_norm.weight in some layer (Qwen3 and OLMo 2 have "
-                             "them in every layer)")
+            raise ValueError("weights lack self_attn.q_norm.weight / k_norm.weight in some layer (the config asks for "
+                             "q/k norms in every layer)")
         self.rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, max_positions, dtype, self.embed_tokens.device,
                                     arch.rope_scaling, arch.rotary_dim)
         # OLMo 3: the sliding layers' own table (None: every layer reads self.rope).

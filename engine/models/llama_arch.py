@@ -78,7 +78,9 @@ class ModelArch:
     tie_word_embeddings: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
-    qk_norm: bool = False  # q_norm / k_norm before RoPE: Qwen3's [head_dim] on each head, OLMo 2's over all heads
+    # q_norm / k_norm before RoPE: Qwen3's (EXAONE 4's, GLM-4.5's) RMSNorm [head_dim] on each head, OLMo 2's over all
+    # heads at once, Cohere's LayerNorm [heads, head_dim] per head.
+    qk_norm: bool = False
     moe: MoeArch | None = None  # Qwen3-MoE, Qwen2-MoE, Mixtral: which layers are sparse, and their experts
     group_router: NemotronMoeArch | None = None  # GLM-4.5: its MoE's DeepSeek-V3 router (engine/models/glm4_moe.py)
     rope_scaling: RopeScaling | None = None  # None: default RoPE (engine/models/rope.py)
@@ -91,8 +93,8 @@ class ModelArch:
     sliding_layers: tuple[bool, ...] = ()
     fused_checkpoint: bool = False  # Phi-3: qkv_proj / gate_up_proj in the checkpoint (and adapters name them)
     fused_gate_up: bool = False  # GLM-4: gate_up_proj alone fused in the checkpoint
-    # Partial rotary (Phi-4-mini): RoPE rotates this many of a head's dimensions (0: all); engine/models/rope.py
-    # says how the loader lays them out for the kernels.
+    # Partial rotary (Phi-4-mini, GLM-4): RoPE rotates this many of a head's dimensions (0: all);
+    # engine/models/rope.py says how the loader lays them out for the kernels.
     rotary_dim: int = 0
     # Granite: the embedding times embedding_multiplier, attention scores times attention_multiplier (instead of
     # head_dim ** -0.5; None: that default), each sublayer's output times residual_multiplier before its residual
@@ -108,10 +110,10 @@ class ModelArch:
     norm_layout: str = "pre"
     layer_norm: bool = False  # Cohere: LayerNorm (mean-centred, no bias) wherever the others have RMSNorm
     logit_scale: float = 1.0  # Cohere: the logits times this
-    rope_interleaved: bool = False  # GLM-4: RoPE pairs (2j, 2j + 1) (ModelArch.qk_order lays them out for the kernels)
+    rope_interleaved: bool = False  # GLM-4, Cohere: RoPE pairs (2j, 2j + 1) (qk_order lays them out for the kernels)
     # OLMo 3: the sliding layers' own RoPE (theta, variant) when it differs from the full layers' (None: one table).
     sliding_rope: tuple[float, RopeScaling | None] | None = None
-    # SmolLM3: per layer, True where the layer takes no RoPE (empty: every layer takes it).
+    # Per layer, True where the layer takes no RoPE (SmolLM3's, Cohere2's and EXAONE 4's; empty: every layer takes it).
     nope_layers: tuple[bool, ...] = ()
 
     def window_of(self, layer_index: int | None) -> int:
@@ -159,7 +161,8 @@ class ModelArch:
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            qk_norm=arch[0] in QWEN3 + OLMO + OLMOE + EXAONE4 or (arch[0] in GLM4_MOE + COHERE and bool(cfg.get("use_qk_norm"))),
+            qk_norm=(arch[0] in QWEN3 + OLMO + OLMOE + EXAONE4
+                     or (arch[0] in GLM4_MOE + COHERE and bool(cfg.get("use_qk_norm")))),
             moe=moe,
             group_router=group_router,
             rope_scaling=rope_scaling,
@@ -187,8 +190,8 @@ class ModelArch:
         return replace(self, rope_scaling=for_context(self.rope_scaling, max_model_len))
 
     def qk_order(self) -> torch.Tensor | None:
-        """With partial rotary, which checkpoint dimension each position of a q or k head holds in the kernels'
-        layout (the loader permutes q and k by it); None when RoPE rotates whole heads."""
+        """With partial or interleaved rotary, which checkpoint dimension each position of a q or k head holds in the
+        kernels' layout (the loader permutes q and k by it); None when RoPE rotates whole heads NeoX-style."""
         if not self.rotary_dim and not self.rope_interleaved:
             return None
         return partial_rotary_order(self.head_dim, self.rotary_dim or self.head_dim, self.rope_interleaved)
@@ -245,7 +248,8 @@ def _exaone4_layer_types(cfg: dict) -> list[str]:
     if not cfg.get("sliding_window"):
         return ["full_attention"] * num_layers
     if isinstance(pattern, str):
-        return ["sliding_attention" if pattern[i % len(pattern)] == "L" else "full_attention" for i in range(num_layers)]
+        return ["sliding_attention" if pattern[i % len(pattern)] == "L" else "full_attention"
+                for i in range(num_layers)]
     return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
 
 

@@ -20,10 +20,11 @@ the short one when max_model_len fits the original context (transformers' answer
 the long one (transformers' answers for prompts past the original context) -- ``for_context``.
 
 Partial rotary (Phi-4-mini: 0.75 of each head; GLM-4: half, in interleaved pairs (2j, 2j + 1)) rotates the first
-``rotary_dim`` dimensions of q and k in pairs (j, j + rotary_dim / 2) and passes the rest through. The kernels rotate pairs (j, j + head_dim / 2) of the whole
-head, so the loader permutes each q and k head's dimensions (``partial_rotary_order``: the rotated pairs and
-the passed-through dimensions each split across the two halves) and the table gives the passed-through pairs
-cos 1 and sin 0. q . k is the same under one permutation of both, and V is not permuted.
+``rotary_dim`` dimensions of q and k in pairs (j, j + rotary_dim / 2) and passes the rest through. The kernels
+rotate pairs (j, j + head_dim / 2) of the whole head, so the loader permutes each q and k head's dimensions
+(``partial_rotary_order``: the rotated pairs and the passed-through dimensions each split across the two halves)
+and the table gives the passed-through pairs cos 1 and sin 0. q . k is the same under one permutation of both, and
+V is not permuted.
 
 A config says which variant in one of two forms: ``rope_scaling`` {"type" or "rope_type", ...} beside
 ``rope_theta`` (transformers 4), or ``rope_parameters`` {"rope_type", "rope_theta", ...} (transformers 5).
