@@ -11,6 +11,7 @@ their directories, with transformers (fp32, eager attention, repeated full forwa
 - Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2's biased attention, sparse layers whose MoE adds a shared expert
   scaled by its sigmoid gate to the routed experts' output, a dense layer (``mlp_only_layers``), sliding layers;
 - Phi-3 / Phi-4: q/k/v and gate/up stored fused (``qkv_proj``, ``gate_up_proj``), and LoRA adapters on them;
+- Ministral 3: YaRN and queries scaled by position past the original context; Seed-OSS: q/k/v and o biases;
 - EXAONE 4.0: post-norms, per-head q/k norms, sliding layers beside NoPE full ones;
 - Cohere / Cohere2: LayerNorm, attention and the MLP in parallel, interleaved RoPE, per-head q/k LayerNorms, scaled
   logits; Cohere2's sliding layers beside NoPE full ones;
@@ -96,6 +97,15 @@ CONFIGS = {
     "exaone4": ("Exaone4Config", "Exaone4ForCausalLM",
                 dict(COMMON, pad_token_id=0, sliding_window=20, sliding_window_pattern=3),
                 {"sliding_window": None, "layer_types": ["full_attention"] * 3}),
+    # Ministral 3: YaRN and queries scaled past the original context (32 here: every prompt runs past it).
+    "ministral3": ("Ministral3Config", "Ministral3ForCausalLM",
+                   dict(COMMON, pad_token_id=0, rope_parameters={
+                       "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                       "original_max_position_embeddings": 32, "max_position_embeddings": 256, "beta_fast": 32.0,
+                       "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.5}), None),
+    # Seed-OSS: q/k/v biases and o_proj's own.
+    "seed-oss": ("SeedOssConfig", "SeedOssForCausalLM",
+                 dict(COMMON, pad_token_id=0, attention_bias=True, attention_out_bias=True), None),
     # Multimodal checkpoints served for text (their language model; the vision tower and projector are not loaded):
     # Mistral Small 3.x (Mistral3ForConditionalGeneration, weights under language_model.*), Qwen2.5-VL (text at the
     # top level, M-RoPE) and Qwen3-VL (model.language_model.*, interleaved M-RoPE). Their towers are tiny.
@@ -401,6 +411,9 @@ def test_cohere_reads_its_config_and_its_logits_equal_transformers(dirs):
     exaone4 = arch_from_dir(dirs["exaone4"])
     assert exaone4.sliding_layers == (True, True, False) and exaone4.nope_layers == (False, False, True)
     assert exaone4.norm_layout == "post" and exaone4.qk_norm
+    ministral3, seed = arch_from_dir(dirs["ministral3"]), arch_from_dir(dirs["seed-oss"])
+    assert (ministral3.query_scale_beta, ministral3.query_scale_context) == (0.5, 32)
+    assert ministral3.rope_scaling.rope_type == "yarn" and seed.qkv_bias and seed.o_bias
     # The published configs' string pattern ("LLLG": three sliding layers, then a full one), without layer_types.
     cfg = {**json.loads((dirs["exaone4"] / "config.json").read_text()), "num_hidden_layers": 8,
            "sliding_window_pattern": "LLLG"}
@@ -425,6 +438,13 @@ def test_multimodal_checkpoints_read_their_language_model(dirs, tmp_path):
     shutil.copytree(dirs["qwen2.5-vl"], tmp_path / "legacy")
     (tmp_path / "legacy" / "config.json").write_text(json.dumps(legacy))
     assert arch_from_dir(tmp_path / "legacy") == qwen25
+    # Mistral3's language model by its model_type: one not served is refused in one line, not read as Mistral.
+    cfg = json.loads((dirs["mistral3"] / "config.json").read_text())
+    cfg["text_config"]["model_type"] = "ministral"
+    shutil.copytree(dirs["mistral3"], tmp_path / "other")
+    (tmp_path / "other" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="text model is 'ministral' is not supported"):
+        arch_from_dir(tmp_path / "other")
 
 
 def test_smollm3_sliding_layers_are_its_nope_layers(dirs, tmp_path):
@@ -474,7 +494,7 @@ def test_biases_matter(dirs, reference):
 
 @pytest.mark.parametrize("name", ["qwen2-yarn", "mistral-linear", "gemma3", "gemma2", "mixtral", "qwen2-moe",
                                   "granite", "granitemoe", "olmo2", "olmo3", "smollm3", "olmoe", "glm4", "glm4-moe",
-                                  "qwen3-vl", "cohere", "cohere2", "exaone4"])
+                                  "qwen3-vl", "cohere", "cohere2", "exaone4", "ministral3"])
 def test_chunked_prefill_and_preemption(dirs, reference, name):
     # Chunks of 5 tokens; 24 blocks of 16 for 16 requests of up to 82 tokens force preemption.
     engine = _engine(dirs[name], prefill_chunk_size=5, max_num_batched_tokens=40, num_kv_blocks=24)

@@ -13,6 +13,7 @@
     Glm4MoeForCausalLM                   -> the same (MoE MLPs in engine/models/glm4_moe.py)
     CohereForCausalLM, Cohere2ForCausalLM -> the same (LayerNorm, parallel blocks, interleaved RoPE)
     Exaone4ForCausalLM                   -> the same (post-norms, per-head q/k norms, NoPE full layers)
+    Ministral3ForCausalLM, SeedOssForCausalLM -> the same (a position-dependent query scale; biases)
     Mistral3ForConditionalGeneration, Qwen2VL / Qwen2_5_VL / Qwen3VLForConditionalGeneration
                                          -> the same, their language model for text
     Olmo2ForCausalLM, Olmo3ForCausalLM   -> the same (norms after each sublayer, q/k norms over all heads)
@@ -61,6 +62,8 @@ ARCHITECTURES = {
     "CohereForCausalLM": (ModelArch, LlamaModel),
     "Cohere2ForCausalLM": (ModelArch, LlamaModel),
     "Exaone4ForCausalLM": (ModelArch, LlamaModel),
+    "Ministral3ForCausalLM": (ModelArch, LlamaModel),
+    "SeedOssForCausalLM": (ModelArch, LlamaModel),
     # Multimodal checkpoints: their language model, for text (llama.py MULTIMODAL_TEXT)
     "Mistral3ForConditionalGeneration": (ModelArch, LlamaModel),
     "Qwen2VLForConditionalGeneration": (ModelArch, LlamaModel),

@@ -253,6 +253,8 @@ class DecoderLayer:
                 rope.rotate_(qkv[:, : a.num_heads + a.num_kv_heads], positions)
         else:
             (q, k, v), kv_written = self.qkv(x, positions, rope), False
+        if a.query_scale_beta:  # Ministral 3: after RoPE, on the queries alone (K is cached unscaled)
+            q.mul_(self._query_scale(positions, q.dtype))
         o = attend(q, k, v, layer_cache, meta, batch_invariant=self.deterministic, kv_written=kv_written,
                    window=self.window)
         hidden = self.o_proj(o.reshape(-1, self.q_size))
@@ -262,6 +264,13 @@ class DecoderLayer:
             hidden.mul_(self.residual_multiplier)
         x = ops.rms_norm(hidden, self.post_norm, a.rms_norm_eps, residual=residual)
         return self._chunked_mlp(x), residual
+
+    def _query_scale(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[tokens, 1, 1]: 1 + beta * ln(1 + floor(position / context)), in float32 and then ``dtype``, as
+        transformers' get_llama_4_attn_scale."""
+        a = self.arch
+        scale = 1 + a.query_scale_beta * torch.log(1 + torch.floor(positions / a.query_scale_context))
+        return scale.to(dtype)[:, None, None]
 
     def _forward_post_norms(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                             rope: RotaryEmbedding, layer_cache: torch.Tensor,

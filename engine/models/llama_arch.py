@@ -59,8 +59,15 @@ COHERE = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # EXAONE 4.0 (LG): OLMo 2's post-norms with Qwen3's per-head q/k norms; with a sliding window, three sliding layers of
 # four (or its sliding_window_pattern) and no RoPE on the full ones.
 EXAONE4 = ("Exaone4ForCausalLM",)
+# Ministral 3 (3B / 8B / 14B, Dec 2025): Mistral with YaRN and each query scaled by 1 + beta * ln(1 + floor(position /
+# original context)) after RoPE (``llama_4_scaling_beta``; 1 within the original context).
+MINISTRAL3 = ("Ministral3ForCausalLM",)
+# Seed-OSS (ByteDance): Llama with q/k/v biases (attention_bias) and an o_proj bias of its own (attention_out_bias).
+SEED_OSS = ("SeedOssForCausalLM",)
 SUPPORTED = (LLAMA_FAMILY + MIXTRAL + QWEN2 + PHI3 + QWEN3 + QWEN2_MOE + GRANITE + OLMO + SMOLLM3 + OLMOE + GLM4
-             + GLM4_MOE + COHERE + EXAONE4 + tuple(MULTIMODAL_TEXT))
+             + GLM4_MOE + COHERE + EXAONE4 + MINISTRAL3 + SEED_OSS + tuple(MULTIMODAL_TEXT))
+# Mistral3ForConditionalGeneration's language models by text_config.model_type.
+_MISTRAL3_TEXT = {"mistral": "MistralForCausalLM", "ministral3": "Ministral3ForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -115,6 +122,9 @@ class ModelArch:
     sliding_rope: tuple[float, RopeScaling | None] | None = None
     # Per layer, True where the layer takes no RoPE (SmolLM3's, Cohere2's and EXAONE 4's; empty: every layer takes it).
     nope_layers: tuple[bool, ...] = ()
+    # Ministral 3: queries times 1 + beta * ln(1 + floor(position / query_scale_context)) after RoPE (beta 0: none).
+    query_scale_beta: float = 0.0
+    query_scale_context: int = 0
 
     def window_of(self, layer_index: int | None) -> int:
         """The attention window of a layer (0: full causal attention). ``None``: a layer outside the stack
@@ -132,7 +142,8 @@ class ModelArch:
         if arch[0] not in SUPPORTED:
             raise ValueError(f"{model_dir}: architecture {arch[0]!r} is not supported here ({', '.join(SUPPORTED)})")
         if arch[0] in MULTIMODAL_TEXT:
-            cfg, arch = _text_config(cfg, arch[0]), [MULTIMODAL_TEXT[arch[0]]]
+            arch = [_text_architecture(cfg, arch[0], str(model_dir))]
+            cfg = _text_config(cfg, arch[0])
         rope_theta, rope_scaling, sliding_rope = _ropes(cfg, arch[0], str(model_dir))
         for key, supported in (("mlp_bias", False), ("hidden_act", "silu"), ("clip_qkv", None)):
             if cfg.get(key, supported) != supported:
@@ -169,7 +180,8 @@ class ModelArch:
             # Qwen2MoeConfig.qkv_bias defaults to True (Qwen1.5-MoE's config.json predates the key).
             qkv_bias=(attention_bias or arch[0] in QWEN2 or (arch[0] in QWEN2_MOE and cfg.get("qkv_bias", True))
                       or (arch[0] in GLM4 and cfg.get("attention_bias", True))),  # Glm4Config's default: True
-            o_bias=attention_bias and not glm,  # GLM's o_proj never has one
+            # GLM's o_proj never has one; Seed-OSS says apart (attention_out_bias).
+            o_bias=bool(cfg.get("attention_out_bias")) if arch[0] in SEED_OSS else attention_bias and not glm,
             sliding_window=window,
             sliding_layers=sliding_layers,
             fused_checkpoint=arch[0] in PHI3,
@@ -183,6 +195,7 @@ class ModelArch:
             logit_scale=float(cfg.get("logit_scale", 0.0625)) if arch[0] in COHERE else 1.0,
             sliding_rope=sliding_rope,
             nope_layers=_nope_layers(cfg, arch[0], str(model_dir)),
+            **_query_scaling(cfg, arch[0]),
         )
 
     def for_context(self, max_model_len: int) -> "ModelArch":
@@ -195,6 +208,17 @@ class ModelArch:
         if not self.rotary_dim and not self.rope_interleaved:
             return None
         return partial_rotary_order(self.head_dim, self.rotary_dim or self.head_dim, self.rope_interleaved)
+
+
+def _text_architecture(cfg: dict, architecture: str, where: str) -> str:
+    """The architecture a multimodal checkpoint's language model is (Mistral3's by its text model_type)."""
+    if architecture != "Mistral3ForConditionalGeneration":
+        return MULTIMODAL_TEXT[architecture]
+    model_type = (cfg.get("text_config") or {}).get("model_type", "mistral")
+    if model_type not in _MISTRAL3_TEXT:
+        raise ValueError(f"{where}: a Mistral3 checkpoint whose text model is {model_type!r} is not supported "
+                         f"({', '.join(_MISTRAL3_TEXT)})")
+    return _MISTRAL3_TEXT[model_type]
 
 
 def _text_config(cfg: dict, architecture: str) -> dict:
@@ -230,6 +254,18 @@ def _ropes(cfg: dict, architecture: str, where: str) -> tuple[float, RopeScaling
         full = rope_from_config({**cfg, "rope_theta": cfg.get("rope_theta") or 500000.0}, where)
         sliding = (full[0], None)
     return (*full, None if sliding == full else sliding)
+
+
+def _query_scaling(cfg: dict, architecture: str) -> dict:
+    """Ministral 3's position-dependent query scale (``llama_4_scaling_beta`` beside its RoPE parameters)."""
+    if architecture not in MINISTRAL3:
+        return {}
+    params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    beta = params.get("llama_4_scaling_beta")
+    if not beta:
+        return {}
+    context = params.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 2048)
+    return dict(query_scale_beta=float(beta), query_scale_context=int(context))
 
 
 def _cohere2_layer_types(cfg: dict) -> list[str]:
@@ -312,7 +348,7 @@ def _sliding_window(cfg: dict, architecture: str, where: str) -> tuple[int | Non
     if layer_types and len(layer_types) != num_layers:
         raise ValueError(f"{where}: layer_types has {len(layer_types)} entries for {num_layers} layers")
     window = cfg.get("sliding_window")
-    if architecture in ("MistralForCausalLM", *MIXTRAL, *PHI3):
+    if architecture in ("MistralForCausalLM", *MIXTRAL, *PHI3, *MINISTRAL3):
         return (int(window), ()) if window else (None, ())
     if architecture in EXAONE4:
         layer_types = _exaone4_layer_types(cfg)
