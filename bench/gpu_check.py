@@ -141,7 +141,7 @@ def build_random_nemotron_h(out: Path) -> Path:
 # kernels do on CUDA (sliding windows and soft-capped scores in the Triton attention, two RoPE tables, Gemma's norms,
 # Mixtral's MoE, Qwen2-MoE's shared expert, Phi-4-mini's partial rotary and longrope, Granite's multipliers, OLMo 3's
 # post-norms, GLM-4's interleaved partial rotary, GLM-4.5's MoE, Cohere2's parallel LayerNorm blocks, SmolLM3's NoPE
-# layers, the Granite 4.0-H hybrid).
+# layers, Ministral 3's query scale, the Granite 4.0-H hybrid).
 _FAMILY_COMMON = dict(vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                       intermediate_size=96, num_hidden_layers=3, rms_norm_eps=1e-6, max_position_embeddings=256,
                       bos_token_id=1, eos_token_id=2)
@@ -188,6 +188,12 @@ FAMILIES = {
     # Cohere2: LayerNorm, parallel blocks, interleaved RoPE on the sliding layers, NoPE full layers, scaled logits.
     "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", dict(_FAMILY_COMMON, pad_token_id=0, num_hidden_layers=4,
                                                             sliding_window=20, logit_scale=0.5)),
+    # Ministral 3: YaRN and the position-dependent query scale past a 32-token original context.
+    "ministral3": ("Ministral3Config", "Ministral3ForCausalLM", dict(
+        _FAMILY_COMMON, pad_token_id=0, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+            "max_position_embeddings": 256, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
+            "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.5})),
     # SmolLM3: a layer without RoPE (its K and V written by the attention kernel, not the fused rotary one).
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(_FAMILY_COMMON, pad_token_id=0,
                                                             no_rope_layer_interval=2)),

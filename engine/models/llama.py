@@ -176,7 +176,9 @@ class DecoderLayer:
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
         window_of = getattr(arch, "window_of", None)  # an MTP layer on a hybrid target: HybridArch has none
+        # Fields a Llama arch has and an MTP layer's HybridArch (a NemotronH target) has not.
         self.residual_multiplier = getattr(arch, "residual_multiplier", 1.0)
+        self.query_scale_beta = getattr(arch, "query_scale_beta", 0.0)
         nope_layers = getattr(arch, "nope_layers", ())
         self.rope_on = not (layer_index is not None and nope_layers and nope_layers[layer_index])  # SmolLM3's NoPE
         self.window = window_of(layer_index) if window_of is not None else 0
@@ -253,7 +255,7 @@ class DecoderLayer:
                 rope.rotate_(qkv[:, : a.num_heads + a.num_kv_heads], positions)
         else:
             (q, k, v), kv_written = self.qkv(x, positions, rope), False
-        if a.query_scale_beta:  # Ministral 3: after RoPE, on the queries alone (K is cached unscaled)
+        if self.query_scale_beta:  # Ministral 3: after RoPE, on the queries alone (K is cached unscaled)
             q.mul_(self._query_scale(positions, q.dtype))
         o = attend(q, k, v, layer_cache, meta, batch_invariant=self.deterministic, kv_written=kv_written,
                    window=self.window)
