@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from pdcluster.engine.linear import Linear
-from pdcluster.engine.models.moe import FusedExperts, MoeArch, take_expert_weights
+from pdcluster.engine.models.moe import FusedExperts, MoeArch, SwiGLU, take_expert_weights
 from pdcluster.engine.models.nemotron_moe import NemotronMoeArch, SigmoidGroupRouter
 from pdcluster.kernels import ops
 
@@ -61,12 +60,9 @@ class Glm4Moe:
                                          weights.pop(f"{prefix}.gate.e_score_correction_bias", None), deterministic)
         gate_up, down = take_expert_weights(weights, prefix, layout, hidden_size)
         self.experts = FusedExperts(gate_up, down, ops.silu_and_mul, deterministic)
-        det = {"deterministic": deterministic}
-        self.shared_gate_up = Linear(torch.cat([pop("shared_experts.gate_proj.weight"),
-                                                pop("shared_experts.up_proj.weight")]), **det)
-        self.shared_down = Linear(pop("shared_experts.down_proj.weight"), **det)
+        self.shared = SwiGLU(torch.cat([pop("shared_experts.gate_proj.weight"), pop("shared_experts.up_proj.weight")]),
+                             pop("shared_experts.down_proj.weight"), deterministic)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.router(x)
-        routed = self.experts(x, weights, experts)
-        return routed.add_(self.shared_down(ops.silu_and_mul(self.shared_gate_up(x))))
+        return self.experts(x, weights, experts).add_(self.shared(x))

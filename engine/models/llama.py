@@ -160,9 +160,10 @@ class DecoderLayer:
             self.q_norm, self.k_norm = self.q_norm[..., qk_order], self.k_norm[..., qk_order]
         self.moe = None
         moe = getattr(arch, "moe", None)  # an MTP layer on a hybrid target gets a HybridArch (no .moe)
-        if moe is not None and layer_index is not None and moe.sparse_layers[layer_index] and moe.layout == "glm4_moe":
+        sparse = moe is not None and layer_index is not None and moe.sparse_layers[layer_index]
+        if sparse and moe.layout == "glm4_moe":
             self.moe = Glm4Moe(moe, arch.group_router, weights, f"{prefix}.mlp", arch.hidden_size, deterministic)
-        elif moe is not None and layer_index is not None and moe.sparse_layers[layer_index]:
+        elif sparse:
             block = f"{prefix}.{moe.block}"
             gate_up, down = take_expert_weights(weights, block, moe, arch.hidden_size)
             shared = (take_shared_expert(weights, block, moe, arch.hidden_size, deterministic)
@@ -259,9 +260,7 @@ class DecoderLayer:
             q.mul_(self._query_scale(positions, q.dtype))
         o = attend(q, k, v, layer_cache, meta, batch_invariant=self.deterministic, kv_written=kv_written,
                    window=self.window)
-        hidden = self.o_proj(o.reshape(-1, self.q_size))
-        if self.o_bias is not None:
-            hidden += self.o_bias
+        hidden = self._attention_output(o)
         if self.residual_multiplier != 1.0:
             hidden.mul_(self.residual_multiplier)
         x = ops.rms_norm(hidden, self.post_norm, a.rms_norm_eps, residual=residual)
@@ -285,10 +284,7 @@ class DecoderLayer:
         x_in = x if self.input_norm is None else ops.rms_norm(x, self.input_norm, a.rms_norm_eps)
         q, k, v = self.qkv(x_in, positions, rope)
         o = attend(q, k, v, layer_cache, meta, batch_invariant=self.deterministic, window=self.window)
-        attn = self.o_proj(o.reshape(-1, self.q_size))
-        if self.o_bias is not None:
-            attn += self.o_bias
-        h = x.add_(ops.rms_norm(attn, self.attn_out_norm, a.rms_norm_eps))
+        h = x.add_(ops.rms_norm(self._attention_output(o), self.attn_out_norm, a.rms_norm_eps))
         h_in = h if self.post_norm is None else ops.rms_norm(h, self.post_norm, a.rms_norm_eps)
         return ops.rms_norm(self._chunked_mlp(h_in), self.ff_norm, a.rms_norm_eps), h
 
@@ -302,10 +298,14 @@ class DecoderLayer:
         h = layer_norm(x, self.input_norm, a.rms_norm_eps)
         o = attend(*self.qkv(h, positions, rope), layer_cache, meta, batch_invariant=self.deterministic,
                    window=self.window)
-        attn = self.o_proj(o.reshape(-1, self.q_size))
+        return self._chunked_mlp(h), x.add_(self._attention_output(o))
+
+    def _attention_output(self, o: torch.Tensor) -> torch.Tensor:
+        """o_proj (and its bias) over the attention output [tokens, heads, head_dim]."""
+        out = self.o_proj(o.reshape(-1, self.q_size))
         if self.o_bias is not None:
-            attn += self.o_bias
-        return self._chunked_mlp(h), x.add_(attn)
+            out += self.o_bias
+        return out
 
     def _chunked_mlp(self, x: torch.Tensor) -> torch.Tensor:
         chunk = MLP_CHUNK_TOKENS_CUDA if x.is_cuda else MLP_CHUNK_TOKENS
@@ -354,9 +354,11 @@ class LlamaModel(CausalLM):
         self.rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, max_positions, dtype, self.embed_tokens.device,
                                     arch.rope_scaling, arch.rotary_dim)
         # OLMo 3: the sliding layers' own table (None: every layer reads self.rope).
-        self.sliding_rope = None if arch.sliding_rope is None else RotaryEmbedding(
-            arch.head_dim, *arch.sliding_rope[:1], max_positions, dtype, self.embed_tokens.device, arch.sliding_rope[1],
-            arch.rotary_dim)
+        self.sliding_rope = None
+        if arch.sliding_rope is not None:
+            theta, scaling = arch.sliding_rope
+            self.sliding_rope = RotaryEmbedding(arch.head_dim, theta, max_positions, dtype, self.embed_tokens.device,
+                                                scaling, arch.rotary_dim)
         self.scale = arch.head_dim**-0.5 if arch.attention_multiplier is None else arch.attention_multiplier
 
     def lora_targets(self) -> list[tuple[int, object, str, tuple[tuple[str, int, int], ...]]]:

@@ -268,8 +268,9 @@ def _query_scaling(cfg: dict, architecture: str) -> dict:
     return dict(query_scale_beta=float(beta), query_scale_context=int(context))
 
 
-def _cohere2_layer_types(cfg: dict) -> list[str]:
-    """Cohere2's layer_types, or Cohere2Config's rule without them: every ``sliding_window_pattern``-th layer full."""
+def _every_nth_full_layer_types(cfg: dict) -> list[str]:
+    """layer_types, or without them Cohere2Config's and Olmo3Config's rule: every ``sliding_window_pattern``-th (4th)
+    layer full, the others sliding."""
     pattern = cfg.get("sliding_window_pattern") or 4
     return list(cfg.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
                                            for i in range(cfg["num_hidden_layers"])])
@@ -294,7 +295,7 @@ def _nope_layers(cfg: dict, architecture: str, where: str) -> tuple[bool, ...]:
     ``no_rope_layer_interval`` (SmolLM3Config's rule); Cohere2's full layers, and EXAONE 4's when it has a window;
     () for the other architectures."""
     if architecture == "Cohere2ForCausalLM":
-        return tuple(t == "full_attention" for t in _cohere2_layer_types(cfg))
+        return tuple(t == "full_attention" for t in _every_nth_full_layer_types(cfg))
     if architecture in EXAONE4:
         return tuple(bool(cfg.get("sliding_window")) and t == "full_attention" for t in _exaone4_layer_types(cfg))
     if architecture not in SMOLLM3:
@@ -357,7 +358,7 @@ def _sliding_window(cfg: dict, architecture: str, where: str) -> tuple[int | Non
         return int(window), tuple(t == "sliding_attention" for t in layer_types)
     if architecture in ("Olmo3ForCausalLM", "Cohere2ForCausalLM"):
         if not layer_types:  # Olmo3Config's and Cohere2Config's default: three sliding layers, then a full one
-            layer_types = _cohere2_layer_types(cfg)
+            layer_types = _every_nth_full_layer_types(cfg)
         if "sliding_attention" not in layer_types:
             return None, ()
         if not window:

@@ -278,17 +278,27 @@ def batch_invariant_sigmoid(logits: torch.Tensor) -> torch.Tensor:
     return torch.softmax(torch.stack([logits, torch.zeros_like(logits)], dim=-1), dim=-1)[..., 0]
 
 
-class SharedExpert:
+class SwiGLU:
+    """``down(silu(gate(x)) * up(x))`` with gate and up stored as one projection: the shared experts beside routed
+    ones (Qwen2-MoE's, GLM-4.5's, Granite 4.0's shared MLP)."""
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, deterministic: bool = False):
+        self.gate_up_proj = Linear(gate_up, deterministic=deterministic)  # [2S, H]: gate rows, then up rows
+        self.down_proj = Linear(down, deterministic=deterministic)  # [H, S]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class SharedExpert(SwiGLU):
     """Qwen2-MoE's shared expert (module docstring): ``sigmoid(x @ gate.T) * down(silu(gate_proj(x)) * up(x))``."""
 
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, gate: torch.Tensor, deterministic: bool = False):
-        det = {"deterministic": deterministic}
-        self.gate_up_proj = Linear(gate_up, **det)  # [2S, H]: gate rows, then up rows
-        self.down_proj = Linear(down, **det)  # [H, S]
-        self.gate = Linear(gate, **det)  # [1, H]: one gate logit per token
+        super().__init__(gate_up, down, deterministic)
+        self.gate = Linear(gate, deterministic=deterministic)  # [1, H]: one gate logit per token
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        out = super().__call__(x)
         # transformers: F.sigmoid on the model-dtype logit (computed in float32, rounded once), then the product.
         return out.mul_(batch_invariant_sigmoid(self.gate(x).float()).to(x.dtype))
 

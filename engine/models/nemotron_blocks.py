@@ -18,7 +18,7 @@ import torch
 from pdcluster.engine.attention import AttentionMetadata, attend
 from pdcluster.engine.linear import Linear
 from pdcluster.engine.models.mamba_mixer import Mamba2Mixer, MambaStepPlan
-from pdcluster.engine.models.moe import SparseMoe, take_expert_weights
+from pdcluster.engine.models.moe import SparseMoe, SwiGLU, take_expert_weights
 from pdcluster.engine.models.nemotron_moe import NemotronHMoE
 from pdcluster.kernels import ops
 
@@ -104,11 +104,10 @@ class GraniteMlp:
 
     def __init__(self, moe: SparseMoe | None, w: Callable[[str], torch.Tensor], deterministic: bool = False):
         self.moe = moe
-        self.input_linear = Linear(w("shared_mlp.input_linear.weight"), deterministic=deterministic)
-        self.output_linear = Linear(w("shared_mlp.output_linear.weight"), deterministic=deterministic)
+        self.shared = SwiGLU(w("shared_mlp.input_linear.weight"), w("shared_mlp.output_linear.weight"), deterministic)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        shared = self.output_linear(ops.silu_and_mul(self.input_linear(x)))
+        shared = self.shared(x)
         return shared if self.moe is None else self.moe(x).add_(shared)
 
 
