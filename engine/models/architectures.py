@@ -19,6 +19,8 @@
     Olmo2ForCausalLM, Olmo3ForCausalLM   -> the same (norms after each sublayer, q/k norms over all heads)
     GraniteForCausalLM, GraniteMoeForCausalLM -> the same (embedding, attention, residual and logits
                                             multipliers; MoE MLPs in engine/models/moe.py)
+    DeepseekV2ForCausalLM, DeepseekV3ForCausalLM -> engine.models.deepseek.DeepseekArch / DeepseekModel
+                                            (Multi-head Latent Attention over a cache of latents; DeepSeek's MoE)
     NemotronHForCausalLM                 -> engine.models.nemotron_h.HybridArch / NemotronHModel
                                             (MoE layers in engine/models/nemotron_moe.py)
     GraniteMoeHybridForCausalLM          -> the same (engine/models/granite_hybrid.py: Granite's layers as
@@ -35,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from pdcluster.engine.models.deepseek import DeepseekArch, DeepseekModel
 from pdcluster.engine.models.gemma import GemmaArch, GemmaModel
 from pdcluster.engine.models.llama import LlamaModel
 from pdcluster.engine.models.llama_arch import ModelArch
@@ -72,6 +75,8 @@ ARCHITECTURES = {
     "Gemma2ForCausalLM": (GemmaArch, GemmaModel),
     "Gemma3ForCausalLM": (GemmaArch, GemmaModel),
     "Gemma3ForConditionalGeneration": (GemmaArch, GemmaModel),  # its language model, for text
+    "DeepseekV2ForCausalLM": (DeepseekArch, DeepseekModel),
+    "DeepseekV3ForCausalLM": (DeepseekArch, DeepseekModel),
     "NemotronHForCausalLM": (HybridArch, NemotronHModel),
     "GraniteMoeHybridForCausalLM": (HybridArch, NemotronHModel),
 }
@@ -99,6 +104,13 @@ def _classes(model_dir: str | Path):
     if name not in ARCHITECTURES:
         raise ValueError(f"{model_dir}: architecture {name!r} is not supported; supported: "
                          f"{', '.join(ARCHITECTURES)}")
+    quantization = json.loads((Path(model_dir) / "config.json").read_text()).get("quantization_config")
+    if quantization:
+        # The loader casts every tensor to the serving dtype: fp8 / int4 weights without their scales would load
+        # and answer garbage. Refused instead, in one line.
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
+        raise ValueError(f"{model_dir}: quantized weights ({method}, config.json quantization_config) are not "
+                         "served; serve the checkpoint's bf16 release or a bf16 conversion of it")
     return ARCHITECTURES[name]
 
 

@@ -49,15 +49,17 @@ def glm4_moe_arch(cfg: dict, num_layers: int, where: str) -> tuple[MoeArch, Nemo
 class Glm4Moe:
     """One sparse MLP (module docstring); plain tensors, like DecoderLayer."""
 
-    def __init__(self, layout: MoeArch, router: NemotronMoeArch, weights: dict[str, torch.Tensor], prefix: str,
-                 hidden_size: int, deterministic: bool = False):
+    def __init__(self, layout: MoeArch, router_arch: NemotronMoeArch, weights: dict[str, torch.Tensor], prefix: str,
+                 hidden_size: int, deterministic: bool = False, router=None):
+        """``router``: another router over the same experts (DeepSeek-V2's softmax one), which then owns
+        ``gate.weight``; None: DeepSeek-V3's sigmoid router, built from ``router_arch``."""
         def pop(name: str) -> torch.Tensor:
             if f"{prefix}.{name}" not in weights:
                 raise ValueError(f"GLM-4 MoE weights lack {prefix}.{name}")
             return weights.pop(f"{prefix}.{name}")
 
-        self.router = SigmoidGroupRouter(router, pop("gate.weight"),
-                                         weights.pop(f"{prefix}.gate.e_score_correction_bias", None), deterministic)
+        self.router = router if router is not None else SigmoidGroupRouter(
+            router_arch, pop("gate.weight"), weights.pop(f"{prefix}.gate.e_score_correction_bias", None), deterministic)
         gate_up, down = take_expert_weights(weights, prefix, layout, hidden_size)
         self.experts = FusedExperts(gate_up, down, ops.silu_and_mul, deterministic)
         self.shared = SwiGLU(torch.cat([pop("shared_experts.gate_proj.weight"), pop("shared_experts.up_proj.weight")]),

@@ -16,7 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define MAX_HEAD_DIM 256
+#define MAX_HEAD_DIM 576 /* MLA: a latent of 512 and a rotated part of 64 (engine/models/deepseek.py) */
 #define MAX_BLOCK_SIZE 128
 #define MAX_QUERIES 144 /* queries (token x head) of one work item */
 

@@ -1,0 +1,275 @@
+"""DeepSeek-V2 and DeepSeek-V3 (transformers ``DeepseekV2ForCausalLM``: DeepSeek-V2 / V2-Lite / V2.5,
+DeepSeek-Coder-V2; ``DeepseekV3ForCausalLM``: DeepSeek-V3 / V3.1 / R1, Kimi K2, Moonlight): Multi-head Latent
+Attention (MLA) over a paged cache of latents, and DeepSeek's MoE.
+
+MLA, per token x (the layer's normed input), as transformers computes it:
+- q = q_b(rms(q_a(x))) (``q_lora_rank``; V2-Lite: q_proj(x)), per head a no-RoPE part q_n (``qk_nope_head_dim``)
+  and a rotated part q_r (``qk_rope_head_dim``);
+- [c, k_r] = kv_a_proj_with_mqa(x): the latent c (``kv_lora_rank``) normed by kv_a_layernorm, and one rotated key
+  part k_r shared by every head;
+- per head h: k_h = [W_k[h] c, k_r], v_h = W_v[h] c, with kv_b_proj = [W_k; W_v] per head; scores
+  (q_n . W_k[h] c + q_r . k_r) * scale, scale = (nope + rope)^-0.5 times YaRN's mscale(factor, mscale_all_dim)^2.
+
+Served "absorbed", as vLLM and SGLang decode it: q_n . W_k[h] c = (W_k[h]^T q_n) . c, so each head's query becomes
+[W_k[h]^T q_n, q_r] and every head attends to one cached vector per token, [c, k_r] (kv_lora_rank + rope wide: 576
+for V2 / V3), through the same paged kernels as grouped-query attention with one KV head. The values are the latents
+themselves: the kernels are handed that vector as V too, and the output's first kv_lora_rank dims are the attention
+over c, which W_v[h] then expands per head. A token's KV is 576 numbers a layer instead of 128 heads x (192 + 128):
+the cache, and what a KV transfer moves, shrink by that much (here still twice 576: the cache keeps its K and V
+halves, both the latent; module docstring of engine/kv_cache.py).
+
+The per-head products W_k[h]^T q_n and W_v[h] o run as a grouped matmul with one group per head (the MoE's:
+batch-invariant in deterministic mode). RoPE: V2's rotation is on interleaved pairs (complex multiply), V3's too
+unless ``rope_interleave`` is false; the loader reorders those rows of q_b / q_proj and kv_a so the kernels' NeoX
+pairs are the checkpoint's (the dot products, all that reads them, are unchanged).
+
+MoE (``first_k_dense_replace`` dense layers first): V3's router is GLM-4.5's (engine/models/glm4_moe.py: sigmoid
+scores, correction bias, group-limited top-k, scaled); V2's softmaxes the logits and takes the top k, among the best
+``topk_group`` groups by their best expert for ``group_limited_greedy``; both add shared experts. The checkpoint's MTP
+layers (V3's ``num_nextn_predict_layers``) are not loaded.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pdcluster.engine.attention import AttentionMetadata, attend
+from pdcluster.engine.linear import Linear
+from pdcluster.engine.models.causal_lm import CausalLM
+from pdcluster.engine.models.glm4_moe import Glm4Moe, glm4_moe_arch
+from pdcluster.engine.models.llama import DecoderLayer, LlamaModel, RotaryEmbedding
+from pdcluster.engine.models.llama_arch import ModelArch
+from pdcluster.engine.models.moe import GroupedLinear, SwiGLU
+from pdcluster.engine.models.nemotron_moe import NemotronMoeArch
+from pdcluster.engine.models.rope import _yarn_mscale, partial_rotary_order, rope_from_config
+from pdcluster.kernels import ops
+
+V2, V3 = "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"
+ARCHITECTURES = (V2, V3)
+
+
+@dataclass(frozen=True)
+class MlaShape:
+    q_lora_rank: int  # 0: q_proj straight from the hidden state (V2-Lite)
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleaved: bool
+
+    @property
+    def latent_width(self) -> int:
+        """A cached token's width a layer: the latent and the shared rotated key part."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class DeepseekArch(ModelArch):
+    """ModelArch's cache fields describe the latent cache: one KV "head" of ``mla.latent_width``."""
+
+    mla: MlaShape | None = None
+    softmax_router: bool = False  # V2's router (module docstring); V3's: the sigmoid one (group_router)
+    attention_scale: float = 1.0
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> "DeepseekArch":
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        where = str(model_dir)
+        name = (cfg.get("architectures") or [V3])[0]
+        if name not in ARCHITECTURES:
+            raise ValueError(f"{where}: architecture {name!r} is not supported here ({', '.join(ARCHITECTURES)})")
+        v3 = name == V3
+        get = lambda key, default: default if cfg.get(key) is None else cfg[key]  # noqa: E731
+        for key, supported in (("hidden_act", "silu"), ("attention_bias", False), ("moe_layer_freq", 1),
+                               ("mlp_bias", False)):
+            if get(key, supported) != supported:
+                raise ValueError(f"{where}: {key} {cfg[key]!r} is not supported (only {supported!r})")
+        scoring, method = get("scoring_func", "sigmoid" if v3 else "softmax"), get("topk_method",
+                                                                                 "noaux_tc" if v3 else "greedy")
+        routers = ({("sigmoid", "noaux_tc")} if v3 else {("softmax", "greedy"), ("softmax", "group_limited_greedy")})
+        if (scoring, method) not in routers:
+            raise ValueError(f"{where}: scoring_func {scoring!r} with topk_method {method!r} is not supported for "
+                             f"{name} (only {', '.join(f'{s}/{m}' for s, m in sorted(routers))})")
+        num_layers, num_heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
+        mla = MlaShape(q_lora_rank=int(cfg.get("q_lora_rank") or 0), kv_lora_rank=get("kv_lora_rank", 512),
+                       qk_nope_head_dim=get("qk_nope_head_dim", 128), qk_rope_head_dim=get("qk_rope_head_dim", 64),
+                       v_head_dim=get("v_head_dim", 128),
+                       rope_interleaved=bool(get("rope_interleave", True)) if v3 else True)
+        rope_theta, rope_scaling = rope_from_config(cfg, where)
+        scale = (mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5
+        if rope_scaling is not None and rope_scaling.rope_type != "default" and rope_scaling.mscale_all_dim:
+            scale *= _yarn_mscale(rope_scaling.factor, rope_scaling.mscale_all_dim) ** 2  # transformers' rule
+        moe, group_router = None, None
+        if cfg.get("n_routed_experts") is not None:
+            moe, group_router = glm4_moe_arch(
+                {**cfg, "first_k_dense_replace": get("first_k_dense_replace", 3 if v3 else 0),
+                 "n_shared_experts": get("n_shared_experts", 1 if v3 else 2),
+                 # transformers' V2 router never renormalises (DeepSeek's V2 configs say false); V3's default: true
+                 "norm_topk_prob": bool(get("norm_topk_prob", v3)) and v3,
+                 "routed_scaling_factor": get("routed_scaling_factor", 2.5 if v3 else 1.0),
+                 "n_group": get("n_group", 1) if v3 or method == "group_limited_greedy" else 1,
+                 "topk_group": get("topk_group", 1) if v3 or method == "group_limited_greedy" else 1},
+                num_layers, where)
+        eos = cfg.get("eos_token_id")
+        return cls(
+            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+            num_layers=num_layers, num_heads=num_heads, num_kv_heads=1, head_dim=mla.latent_width,
+            rms_norm_eps=get("rms_norm_eps", 1e-6), rope_theta=rope_theta,
+            max_position_embeddings=get("max_position_embeddings", 163840 if v3 else 2048),
+            tie_word_embeddings=bool(get("tie_word_embeddings", False)), bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
+            moe=moe, group_router=group_router, rope_scaling=rope_scaling, mla=mla,
+            softmax_router=not v3, attention_scale=scale,
+        )
+
+    def qk_order(self) -> None:
+        return None  # the MLA loader orders its own rows (MlaAttention)
+
+
+class SoftmaxGroupRouter:
+    """DeepSeek-V2's router (transformers' ``DeepseekV2TopkRouter``): (weights float32 [T, k], expert ids [T, k])."""
+
+    def __init__(self, moe: NemotronMoeArch, weight: torch.Tensor, deterministic: bool = False):
+        self.moe = moe
+        self.proj = Linear(weight.float(), deterministic=deterministic)  # [E, H], float32 as transformers keeps it
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        m = self.moe
+        scores = self.proj(x.float()).softmax(dim=-1)
+        if m.topk_group < m.n_group:  # group_limited_greedy: experts outside the best groups score 0
+            groups = scores.view(-1, m.n_group, m.num_experts // m.n_group)
+            keep = torch.zeros(groups.shape[:2], dtype=torch.bool, device=x.device)
+            keep.scatter_(1, groups.amax(dim=-1).topk(m.topk_group, dim=-1, sorted=False).indices, True)
+            scores = groups.masked_fill(~keep.unsqueeze(-1), 0.0).view(-1, m.num_experts)
+        weights, experts = scores.topk(m.top_k, dim=-1, sorted=False)
+        return weights * m.routed_scaling_factor, experts
+
+
+def _rope_rows_last(rows: torch.Tensor, num_heads: int, nope: int, order: torch.Tensor | None) -> torch.Tensor:
+    """A projection's output rows [num_heads * (nope + rope), ...] with each head's rotated rows in the kernels'
+    order (``order``: None keeps them)."""
+    if order is None:
+        return rows
+    heads = rows.reshape(num_heads, -1, *rows.shape[1:])
+    return torch.cat((heads[:, :nope], heads[:, nope:][:, order]), dim=1).reshape(rows.shape)
+
+
+class MlaAttention:
+    """One layer's MLA (module docstring); plain tensors, like DecoderLayer."""
+
+    def __init__(self, arch: DeepseekArch, weights: dict[str, torch.Tensor], prefix: str, deterministic: bool):
+        def pop(name: str) -> torch.Tensor:
+            if f"{prefix}.{name}" not in weights:
+                raise ValueError(f"DeepSeek weights lack {prefix}.{name}")
+            return weights.pop(f"{prefix}.{name}")
+
+        m, num_heads = arch.mla, arch.num_heads
+        self.arch, self.mla, self.deterministic = arch, m, deterministic
+        det = {"deterministic": deterministic}
+        order = partial_rotary_order(m.qk_rope_head_dim, m.qk_rope_head_dim, True) if m.rope_interleaved else None
+        nope = m.qk_nope_head_dim
+        if m.q_lora_rank:
+            self.q_a = Linear(pop("q_a_proj.weight"), **det)
+            self.q_a_norm = pop("q_a_layernorm.weight")
+            self.q_b = Linear(_rope_rows_last(pop("q_b_proj.weight"), num_heads, nope, order), **det)
+        else:
+            self.q_a = self.q_a_norm = None
+            self.q_b = Linear(_rope_rows_last(pop("q_proj.weight"), num_heads, nope, order), **det)
+        kv_a = pop("kv_a_proj_with_mqa.weight")  # [latent + rope, hidden]: the rope rows form one "head"
+        self.kv_a = Linear(_rope_rows_last(kv_a, 1, m.kv_lora_rank, order), **det)
+        self.kv_a_norm = pop("kv_a_layernorm.weight")
+        kv_b = pop("kv_b_proj.weight").view(num_heads, nope + m.v_head_dim, m.kv_lora_rank)
+        # q_n [nope] -> W_k[h]^T q_n [latent]: group h's weight [latent, nope]; o [latent] -> W_v[h] o [v].
+        self.absorb_k = GroupedLinear(kv_b[:, :nope].transpose(1, 2).contiguous(), deterministic)
+        self.expand_v = GroupedLinear(kv_b[:, nope:].contiguous(), deterministic)
+        self.o_proj = Linear(pop("o_proj.weight"), **det)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, layer_cache: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        m, num_heads, eps = self.mla, self.arch.num_heads, self.arch.rms_norm_eps
+        num_tokens, latent, nope = x.shape[0], m.kv_lora_rank, m.qk_nope_head_dim
+        q_in = x if self.q_a is None else ops.rms_norm(self.q_a(x), self.q_a_norm, eps)
+        q = self.q_b(q_in).view(num_tokens, num_heads, nope + m.qk_rope_head_dim)
+        kv = self.kv_a(x)
+        # The cached vector [c, k_r] and each head's query [W_k^T q_n, q_r], both rotated in their last dims.
+        key = torch.empty(num_tokens, 1, m.latent_width, dtype=x.dtype, device=x.device)
+        key[:, 0, :latent] = ops.rms_norm(kv[:, :latent].contiguous(), self.kv_a_norm, eps)
+        key[:, 0, latent:] = kv[:, latent:]
+        query = torch.empty(num_tokens, num_heads, m.latent_width, dtype=x.dtype, device=x.device)
+        query[:, :, latent:] = q[:, :, nope:]
+        rope.rotate_(query[:, :, latent:], positions)
+        rope.rotate_(key[:, :, latent:], positions)
+        # Head-major rows: group h is rows h * T .. (h + 1) * T.
+        offs = torch.arange(0, (num_heads + 1) * num_tokens, num_tokens, dtype=torch.int64, device=x.device)
+        q_nope = q[:, :, :nope].transpose(0, 1).reshape(num_heads * num_tokens, nope)
+        query[:, :, :latent] = self.absorb_k(q_nope, offs).view(num_heads, num_tokens, latent).transpose(0, 1)
+        out = attend(query, key, key, layer_cache, meta, batch_invariant=self.deterministic)  # V = the latents
+        o_latent = out[:, :, :latent].transpose(0, 1).reshape(num_heads * num_tokens, latent)
+        o = self.expand_v(o_latent, offs).view(num_heads, num_tokens, m.v_head_dim).transpose(0, 1)
+        return self.o_proj(o.reshape(num_tokens, num_heads * m.v_head_dim))
+
+
+class DeepseekLayer:
+    """One pre-norm block: MLA, then a dense SwiGLU or the MoE; ``forward`` in DecoderLayer's convention."""
+
+    chunked_mlp = True
+    window = 0  # no sliding layers (LlamaModel.forward asks)
+    _chunked_mlp = DecoderLayer._chunked_mlp
+
+    def __init__(self, arch: DeepseekArch, weights: dict[str, torch.Tensor], prefix: str, deterministic: bool,
+                 layer_index: int):
+        def pop(name: str) -> torch.Tensor:
+            if f"{prefix}.{name}" not in weights:
+                raise ValueError(f"DeepSeek weights lack {prefix}.{name}")
+            return weights.pop(f"{prefix}.{name}")
+
+        self.arch = arch
+        self.input_norm, self.post_norm = pop("input_layernorm.weight"), pop("post_attention_layernorm.weight")
+        self.attention = MlaAttention(arch, weights, f"{prefix}.self_attn", deterministic)
+        if arch.moe is not None and arch.moe.sparse_layers[layer_index]:
+            router = (SoftmaxGroupRouter(arch.group_router, pop("mlp.gate.weight"), deterministic)
+                      if arch.softmax_router else None)
+            self.mlp = Glm4Moe(arch.moe, arch.group_router, weights, f"{prefix}.mlp", arch.hidden_size, deterministic,
+                               router=router)
+        else:
+            self.mlp = SwiGLU(torch.cat([pop("mlp.gate_proj.weight"), pop("mlp.up_proj.weight")]),
+                              pop("mlp.down_proj.weight"), deterministic)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                rope: RotaryEmbedding, layer_cache: torch.Tensor,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        eps = self.arch.rms_norm_eps
+        if residual is None:
+            residual = hidden.clone()
+            x = ops.rms_norm(hidden, self.input_norm, eps)
+        else:
+            x = ops.rms_norm(hidden, self.input_norm, eps, residual=residual)
+        attn = self.attention(x, positions, rope, layer_cache, meta)
+        return self._chunked_mlp(ops.rms_norm(attn, self.post_norm, eps, residual=residual)), residual
+
+
+class DeepseekModel(LlamaModel):
+    arch_class = DeepseekArch
+
+    def __init__(self, arch: DeepseekArch, weights: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int,
+                 deterministic: bool = False):
+        embed_tokens = weights["model.embed_tokens.weight"]
+        lm_head = embed_tokens if arch.tie_word_embeddings else weights["lm_head.weight"]
+        CausalLM.__init__(self, arch, dtype, deterministic, embed_tokens, lm_head)
+        self.norm = weights["model.norm.weight"]
+        self.layers = [DeepseekLayer(arch, weights, f"model.layers.{i}", deterministic, i)
+                       for i in range(arch.num_layers)]
+        self.rope = RotaryEmbedding(arch.mla.qk_rope_head_dim, arch.rope_theta, max_positions, dtype,
+                                    self.embed_tokens.device, arch.rope_scaling)
+        self.sliding_rope = None
+        self.scale = arch.attention_scale
+
+    def lora_targets(self) -> None:
+        return None  # adapters on MLA's projections are not served
+
+    def lora_output_rows(self, attr: str, offset: int, width: int) -> None:
+        return None
