@@ -141,7 +141,7 @@ def build_random_nemotron_h(out: Path) -> Path:
 # kernels do on CUDA (sliding windows and soft-capped scores in the Triton attention, two RoPE tables, Gemma's norms,
 # Mixtral's MoE, Qwen2-MoE's shared expert, Phi-4-mini's partial rotary and longrope, Granite's multipliers, OLMo 3's
 # post-norms, GLM-4's interleaved partial rotary, GLM-4.5's MoE, Cohere2's parallel LayerNorm blocks, SmolLM3's NoPE
-# layers, Ministral 3's query scale, the Granite 4.0-H hybrid).
+# layers, Ministral 3's query scale, the Granite 4.0-H hybrid, DeepSeek's latent attention).
 _FAMILY_COMMON = dict(vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                       intermediate_size=96, num_hidden_layers=3, rms_norm_eps=1e-6, max_position_embeddings=256,
                       bos_token_id=1, eos_token_id=2)
@@ -210,6 +210,19 @@ FAMILIES = {
         mamba_d_head=16, mamba_d_state=12, mamba_n_groups=2, mamba_d_conv=3, mamba_chunk_size=8, mamba_expand=2,
         num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=40, embedding_multiplier=12.0,
         attention_multiplier=0.0625, residual_multiplier=0.22, logits_scaling=16.0)),
+    # DeepSeek-V3's MLA (one 40-wide latent KV head for 4 query heads, absorbed; interleaved RoPE, YaRN mscale) and
+    # its sigmoid group router; DeepSeek-V2's q_proj and softmax group-limited router.
+    "deepseek-v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        _FAMILY_COMMON, num_key_value_heads=4, pad_token_id=0, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+        moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 32, "mscale": 0.707, "mscale_all_dim": 0.707})),
+    "deepseek-v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+        _FAMILY_COMMON, num_key_value_heads=4, pad_token_id=0, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=1,
+        topk_method="group_limited_greedy", moe_intermediate_size=32, n_shared_experts=2, first_k_dense_replace=1,
+        routed_scaling_factor=1.5, norm_topk_prob=False)),
 }
 
 

@@ -1,0 +1,174 @@
+"""DeepSeek-V2 and DeepSeek-V3 (engine/models/deepseek.py), made by transformers with random weights and served by
+LLMEngine from their directories, with transformers (fp32, eager attention, repeated full forwards) as the oracle:
+
+- V3 (DeepSeek-V3 / R1, Kimi K2): q through a low-rank q_a / q_b with its norm, the latent KV with its norm and a
+  shared rotated key part, interleaved RoPE, YaRN with mscale (cos / sin and the attention scale), a dense first
+  layer, then MoE with the sigmoid group router (correction bias, 2 of 4 groups) and a shared expert;
+- V3 without ``rope_interleave`` and with default RoPE (Moonlight's shape), every group kept;
+- V2 (DeepSeek-V2 / V2-Lite): q_proj straight from the hidden state, complex-multiply (interleaved) RoPE, the
+  softmax router limited to the best group (``group_limited_greedy``: both experts from it), two shared experts.
+Served absorbed: every head attends to one cached latent vector per token, so the cache holds one KV head of
+kv_lora_rank + qk_rope_head_dim.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import engine_config
+from test_kv_transfer_e2e import run_on_pair
+from test_model_families import COMMON, NUM_NEW, PROMPTS, _edit_config, _engine, _hf_greedy, _hf_model, _run
+from test_qwen3 import _redraw_weights
+from pdcluster.engine.models.architectures import arch_from_dir, load_model
+from pdcluster.engine.models.registry import resolve_model
+from pdcluster.engine.lora import LoraAdapterError, install
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.kv_transfer.config import TransferConfig
+
+transformers = pytest.importorskip("transformers")
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread_per_module")]
+
+MLA = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, num_key_value_heads=4,
+           pad_token_id=0, moe_intermediate_size=32, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2)
+YARN_MSCALE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+               "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32.0, "beta_slow": 1.0}
+CONFIGS = {
+    "v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+           dict(COMMON, **MLA, q_lora_rank=48, n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5,
+                norm_topk_prob=True, rope_parameters=YARN_MSCALE)),
+    "v3-neox": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                dict(COMMON, **MLA, q_lora_rank=48, n_group=1, topk_group=1, n_shared_experts=1,
+                     routed_scaling_factor=1.5, norm_topk_prob=True, rope_interleave=False,
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    "v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM",
+           dict(COMMON, **MLA, q_lora_rank=None, n_group=4, topk_group=1, topk_method="group_limited_greedy",
+                n_shared_experts=2, routed_scaling_factor=1.5, norm_topk_prob=False, rope_parameters=YARN_MSCALE)),
+}
+NAMES = list(CONFIGS)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory) -> dict[str, Path]:
+    tokenizer = resolve_model("tiny-random", progress=False) / "tokenizer.json"
+    out = {}
+    for name, (config_cls, model_cls, kwargs) in CONFIGS.items():
+        d = tmp_path_factory.mktemp(name)
+        torch.manual_seed(0)
+        model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs))
+        _redraw_weights(model)
+        if model_cls == "DeepseekV3ForCausalLM":  # the correction bias is a buffer (not redrawn): make it matter
+            gen = torch.Generator().manual_seed(1)
+            with torch.no_grad():
+                for layer in model.model.layers[1:]:
+                    layer.mlp.gate.e_score_correction_bias.copy_(0.3 * torch.randn(8, generator=gen))
+        model.save_pretrained(str(d))
+        (d / "tokenizer.json").write_bytes(tokenizer.read_bytes())
+        out[name] = d
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(dirs) -> dict[str, list[list[int]]]:
+    return {name: _hf_greedy(_hf_model(dirs[name]), PROMPTS) for name in NAMES}
+
+
+def test_configs_read(dirs):
+    v3, v2 = arch_from_dir(dirs["v3"]), arch_from_dir(dirs["v2"])
+    # The cache's shape: one KV head of latent + rope (32 + 8), whatever the query heads.
+    assert (v3.num_kv_heads, v3.head_dim, v3.num_heads) == (1, 40, 4)
+    assert v3.mla.q_lora_rank == 48 and v2.mla.q_lora_rank == 0
+    assert v3.mla.rope_interleaved and v2.mla.rope_interleaved and not arch_from_dir(dirs["v3-neox"]).mla.rope_interleaved
+    # (nope + rope)^-0.5 times mscale(4, 0.707)^2, as transformers' yarn_apply_mscale.
+    mscale = 0.1 * 0.707 * torch.log(torch.tensor(4.0)).item() + 1.0
+    assert v3.attention_scale == pytest.approx(24**-0.5 * mscale**2)
+    assert arch_from_dir(dirs["v3-neox"]).attention_scale == pytest.approx(24**-0.5)
+    assert v3.moe.sparse_layers == (False, True, True) and not v3.softmax_router and v2.softmax_router
+    assert (v3.group_router.n_group, v3.group_router.topk_group, v3.group_router.routed_scaling_factor) == (4, 2, 2.5)
+
+
+def test_reference_is_not_degenerate(reference):
+    for name in NAMES:
+        assert len({tuple(t) for t in reference[name]}) == len(PROMPTS), name
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_batched_and_alone_equal_transformers(dirs, reference, name):
+    engine = _engine(dirs[name])
+    assert _run(engine, PROMPTS) == reference[name]
+    assert [_run(engine, [p])[0] for p in PROMPTS[:3]] == reference[name][:3]
+    spec = engine.kv_spec  # the latent cache: one head of 40 per token and layer
+    assert (spec.num_kv_heads, spec.head_dim) == (1, 40)
+
+
+@pytest.mark.parametrize("name,change", [
+    ("v3", {"rope_interleave": False}),  # the loader's reordering of the rotated rows
+    ("v3", {"rope_parameters": dict(YARN_MSCALE, mscale_all_dim=0.0)}),  # the attention scale's mscale^2
+])
+def test_each_variant_matters(dirs, reference, name, change, tmp_path):
+    """transformers' own greedy with the variant changed differs, so equality above fails if the engine drops it."""
+    changed = _edit_config(dirs[name], tmp_path / "changed", **change)
+    assert _hf_greedy(_hf_model(changed), PROMPTS[:8]) != reference[name][:8]
+
+
+@pytest.mark.parametrize("name", ["v3", "v2"])
+def test_chunked_prefill_and_preemption(dirs, reference, name):
+    engine = _engine(dirs[name], prefill_chunk_size=5, max_num_batched_tokens=40, num_kv_blocks=24)
+    assert _run(engine, PROMPTS) == reference[name]
+    assert engine.scheduler.num_preemptions_total > 0
+    assert engine.scheduler.block_manager.num_free_blocks == engine.kv_spec.num_blocks
+
+
+def test_speculative_ngram_is_lossless(dirs, reference):
+    engine = _engine(dirs["v3"], spec_method="ngram", num_spec_tokens=3)
+    assert _run(engine, PROMPTS) == reference["v3"]
+
+
+@pytest.mark.parametrize("name", ["v3", "v2"])
+def test_bf16_deterministic_batch_invariant(dirs, name):
+    """bf16 in deterministic mode: the per-head absorption runs on the batch-invariant grouped matmul, so a
+    request's tokens in a batch are its tokens alone."""
+    engine = _engine(dirs[name], dtype="bfloat16", deterministic=True)
+    batched = _run(engine, PROMPTS)
+    assert [_run(engine, [p])[0] for p in PROMPTS[:5]] == batched[:5]
+
+
+def test_disagg_equals_colocated(dirs, reference):
+    """The latent KV made by a prefill worker decodes to the same tokens on a decode worker (tcp)."""
+    cfg = engine_config(str(dirs["v3"]), dtype="float32", max_model_len=128, num_kv_blocks=128, block_size=16)
+    params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+    run = run_on_pair(cfg, TransferConfig(transport="tcp", secret="s3cret"), PROMPTS[:6], params, 128)
+    assert run.tokens == reference["v3"][:6]
+
+
+@pytest.mark.parametrize("change,words", [
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, "quantized weights (fp8"),
+    ({"scoring_func": "softmax"}, "scoring_func 'softmax'"),
+    ({"topk_method": "greedy"}, "topk_method 'greedy'"),
+    ({"attention_bias": True}, "attention_bias True"),
+    ({"moe_layer_freq": 2}, "moe_layer_freq 2"),
+])
+def test_unsupported_configs_refused_in_one_line(dirs, tmp_path, change, words):
+    bad = _edit_config(dirs["v3"], tmp_path / "bad", **change)
+    with pytest.raises(ValueError, match=None) as e:
+        arch_from_dir(bad)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_lora_refused_in_one_line(dirs):
+    model = load_model(dirs["v2"], torch.float32, 64)
+    with pytest.raises(LoraAdapterError, match="not served on DeepseekModel"):
+        install(model, {"a": "/nonexistent"}, 8)
+
+
+def test_quantized_checkpoints_refused_for_every_family(tmp_path):
+    """Any family: fp8 / int4 weights would be cast without their scales; refused before loading."""
+    src = resolve_model("tiny-random", progress=False)
+    bad = _edit_config(src, tmp_path / "q", quantization_config={"quant_method": "awq", "bits": 4})
+    with pytest.raises(ValueError, match=r"quantized weights \(awq"):
+        arch_from_dir(bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"]
