@@ -2,9 +2,10 @@
 
 Layout (shared with kernels/reference.py and every transport):
 
-    kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache: [num_layers, num_planes, num_blocks, block_size, num_kv_heads, head_dim]
 
-``num_layers`` counts the target model's layers followed by the draft (MTP) layers, so a request's
+``num_planes`` is 2 (K, then V), or 1 where the values are the keys themselves: MLA caches one latent vector per
+token (engine/models/deepseek.py), and its attention reads that plane as both (``layer_planes``). ``num_layers`` counts the target model's layers followed by the draft (MTP) layers, so a request's
 draft-layer KV lives in the same blocks and travels with the target's in a KV transfer (S2).
 """
 
@@ -25,19 +26,26 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    num_planes: int = 2
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return (self.num_layers, self.num_planes, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
     @property
     def bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+        return self.num_layers * self.num_planes * self.block_size * self.num_kv_heads * self.head_dim * elem
 
     @property
     def bytes_per_token(self) -> int:
         return self.bytes_per_block // self.block_size
+
+
+def layer_planes(layer_cache: torch.Tensor) -> torch.Tensor:
+    """A layer's cache as the attention kernels take it, [2, num_blocks, block_size, num_kv_heads, head_dim]: a
+    one-plane cache (MLA) as its plane twice, a view (stride 0), so writing K and V writes the one vector."""
+    return layer_cache if layer_cache.shape[0] == 2 else layer_cache.expand(2, *layer_cache.shape[1:])
 
 
 def num_blocks_for_budget(bytes_per_block: int, memory_gib: float) -> int:

@@ -40,11 +40,12 @@ def _copy_blocks_kernel(
     stride_dst_block,
     INDEX_SRC: tl.constexpr,  # True: gather (read block_ids[i], write i); False: scatter
     CHUNK: tl.constexpr,
+    NUM_PLANES: tl.constexpr,  # K and V: 2; MLA's latent cache: 1
 ):
     entry = tl.program_id(0)
     layer_kv = tl.program_id(1)
-    layer = (layer_kv // 2).to(tl.int64)
-    kv = (layer_kv % 2).to(tl.int64)
+    layer = (layer_kv // NUM_PLANES).to(tl.int64)
+    kv = (layer_kv % NUM_PLANES).to(tl.int64)
     # int64: a whole-model cache easily exceeds 2**31 elements.
     block_id = tl.load(block_ids_ptr + entry).to(tl.int64)
     if INDEX_SRC:
@@ -80,7 +81,7 @@ def _launch(src: Tensor, dst: Tensor, block_ids: Tensor, index_src: bool) -> Non
     _check_inner_contiguous("src", src)
     _check_inner_contiguous("dst", dst)
     block_elems = src.shape[3] * src.shape[4] * src.shape[5]
-    _copy_blocks_kernel[(num_entries, num_layers * 2)](
+    _copy_blocks_kernel[(num_entries, num_layers * src.shape[1])](
         src,
         dst,
         block_ids,
@@ -92,14 +93,15 @@ def _launch(src: Tensor, dst: Tensor, block_ids: Tensor, index_src: bool) -> Non
         dst.stride(1),
         dst.stride(2),
         INDEX_SRC=index_src,
+        NUM_PLANES=src.shape[1],
         CHUNK=min(triton.next_power_of_2(block_elems), _MAX_CHUNK_ELEMS),
     )
 
 
 def gather_blocks_triton(kv_cache: Tensor, block_ids: Tensor, out: Tensor | None = None) -> Tensor:
     """Copy the listed blocks (all layers, K and V) into one contiguous buffer, in list order."""
-    num_layers, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-    expected = (num_layers, 2, block_ids.shape[0], block_size, num_kv_heads, head_dim)
+    num_layers, num_planes, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    expected = (num_layers, num_planes, block_ids.shape[0], block_size, num_kv_heads, head_dim)
     if out is None:
         out = torch.empty(expected, dtype=kv_cache.dtype, device=kv_cache.device)
     elif tuple(out.shape) != expected:
@@ -110,8 +112,8 @@ def gather_blocks_triton(kv_cache: Tensor, block_ids: Tensor, out: Tensor | None
 
 def scatter_blocks_triton(buffer: Tensor, kv_cache: Tensor, block_ids: Tensor) -> None:
     """Inverse of :func:`gather_blocks_triton`: write buffer entry ``i`` into block ``block_ids[i]``."""
-    num_layers, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-    expected = (num_layers, 2, block_ids.shape[0], block_size, num_kv_heads, head_dim)
+    num_layers, num_planes, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    expected = (num_layers, num_planes, block_ids.shape[0], block_size, num_kv_heads, head_dim)
     if tuple(buffer.shape) != expected:
         raise ValueError(f"buffer has shape {tuple(buffer.shape)}, expected {expected}")
     _launch(buffer, kv_cache, block_ids, index_src=False)

@@ -56,6 +56,7 @@ def kv_layout(kv_spec, state_shape=None, num_state_blocks: int = 0) -> KVLayout:
         num_kv_heads=kv_spec.num_kv_heads,
         head_dim=kv_spec.head_dim,
         dtype=str(kv_spec.dtype).removeprefix("torch."),
+        num_planes=kv_spec.num_planes,
     )
 
 

@@ -73,6 +73,7 @@ class KVLayout(Record):
     state_num_heads: int = 0
     state_head_dim: int = 0
     state_size: int = 0
+    num_planes: int = 2  # K and V; 1 where V is K (MLA's latent cache)
 
     def _check_values(self, path: str) -> None:
         for name in ("num_layers", "block_size", "num_kv_heads", "head_dim"):

@@ -100,8 +100,9 @@ def test_greedy_batched_and_alone_equal_transformers(dirs, reference, name):
     engine = _engine(dirs[name])
     assert _run(engine, PROMPTS) == reference[name]
     assert [_run(engine, [p])[0] for p in PROMPTS[:3]] == reference[name][:3]
-    spec = engine.kv_spec  # the latent cache: one head of 40 per token and layer
-    assert (spec.num_kv_heads, spec.head_dim) == (1, 40)
+    spec = engine.kv_spec  # the latent cache: one plane of one head of 40 per token and layer
+    assert (spec.num_planes, spec.num_kv_heads, spec.head_dim) == (1, 1, 40)
+    assert spec.bytes_per_token == 3 * 1 * 40 * 4 and engine.kv_cache.shape[1] == 1
 
 
 @pytest.mark.parametrize("name,change", [
@@ -136,12 +137,44 @@ def test_bf16_deterministic_batch_invariant(dirs, name):
     assert [_run(engine, [p])[0] for p in PROMPTS[:5]] == batched[:5]
 
 
-def test_disagg_equals_colocated(dirs, reference):
-    """The latent KV made by a prefill worker decodes to the same tokens on a decode worker (tcp)."""
+@pytest.mark.parametrize("transport", ["tcp", "shm", "ucx"])
+def test_disagg_equals_colocated(dirs, reference, transport):
+    """The latent KV made by a prefill worker decodes to the same tokens on a decode worker: one plane a layer moved
+    (tcp and ucx: rows; shm: copied straight into the decode worker's mapped cache)."""
+    if transport == "ucx":
+        pytest.importorskip("ucxx")
     cfg = engine_config(str(dirs["v3"]), dtype="float32", max_model_len=128, num_kv_blocks=128, block_size=16)
     params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
-    run = run_on_pair(cfg, TransferConfig(transport="tcp", secret="s3cret"), PROMPTS[:6], params, 128)
+    run = run_on_pair(cfg, TransferConfig(transport=transport, secret="s3cret"), PROMPTS[:6], params, 128)
     assert run.tokens == reference["v3"][:6]
+    assert run.prefill_engine.kv_cache.shape[1] == 1 and run.decode_engine.kv_cache.shape[1] == 1
+
+
+def test_evicted_prefix_comes_back_from_the_offload_tiers(dirs, tmp_path):
+    """Prefix caching with host and disk tiers: a prompt whose latent blocks the device pool evicted loads them back
+    (one plane a block) and answers the tokens of an engine that recomputed it."""
+    gen = torch.Generator().manual_seed(5)
+    a, b, c = ([3 + int(t) for t in torch.randint(0, 500, (100,), generator=gen)] for _ in range(3))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    def run(engine):
+        return [engine.generate([p], params)[0] for p in (a, b, c, a)]
+
+    # 10 blocks of 16: two 100-token prompts (7 blocks each) do not fit together, so a's blocks are evicted.
+    expected = [o.token_ids for o in run(_engine(dirs["v3"], num_kv_blocks=10, enable_prefix_caching=True))]
+    engine = _engine(dirs["v3"], num_kv_blocks=10, enable_prefix_caching=True, kv_offload_host_gib=0.0001,
+                     kv_offload_disk_dir=str(tmp_path), kv_offload_disk_gib=0.01)
+    outputs = run(engine)
+    assert [o.token_ids for o in outputs] == expected
+    assert outputs[3].num_offloaded_tokens >= 2 * 16, outputs[3]
+    assert engine.scheduler.num_free_blocks == 10
+    engine.offload.close()
+
+
+def test_mtp_refused_in_one_line(dirs):
+    with pytest.raises(ValueError, match="'mtp' is not served for DeepseekArch models") as e:
+        _engine(dirs["v3"], spec_method="mtp", num_spec_tokens=2)
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("change,words", [

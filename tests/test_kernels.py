@@ -285,6 +285,19 @@ def test_scatter_blocks_triton_matches_reference(dtype):
     assert torch.equal(kv_cache, expected)
 
 
+def test_block_copy_triton_one_plane():
+    """MLA's latent cache has one plane a layer, not K and V: gather and scatter move that plane only."""
+    kv_cache = torch.randn(3, 1, 7, BLOCK_SIZE, 1, 40)
+    block_ids = torch.tensor([5, 1, 3])
+    expected = reference.gather_blocks(kv_cache, block_ids)
+    gathered = gather_blocks_triton(kv_cache, block_ids)
+    assert gathered.shape[1] == 1 and torch.equal(gathered, expected)
+    expected_cache = kv_cache.clone()
+    reference.scatter_blocks(gathered * 2, expected_cache, block_ids)
+    scatter_blocks_triton(gathered * 2, kv_cache, block_ids)
+    assert torch.equal(kv_cache, expected_cache)
+
+
 def test_block_copy_triton_multi_chunk():
     """A block of 8 * 3 * 48 = 1152 elements is copied in two chunks (1024 + a masked tail of 128)."""
     kv_cache = torch.randn(1, 2, 4, 8, 3, 48)
@@ -511,7 +524,7 @@ build(_merge_partitions_kernel, {"out_ptr": "*bf16", "seq_lens_ptr": "*i32", "qu
 build(_write_kv_kernel, {"key_ptr": "*fp32", "value_ptr": "*fp32", "cache_ptr": "*bf16",
       "slot_mapping_ptr": "*i64"}, dict(HEADS_PAD=8, HEAD_DIM_PAD=128))
 build(_copy_blocks_kernel, {"src_ptr": "*bf16", "dst_ptr": "*bf16", "block_ids_ptr": "*i64"},
-      dict(INDEX_SRC=True, CHUNK=1024))
+      dict(INDEX_SRC=True, CHUNK=1024, NUM_PLANES=1))  # MLA's one-plane cache
 for dtype in ("fp32", "bf16"):
     for has_residual in (False, True):
         build(_rms_norm_kernel, {"out_ptr": "*" + dtype, "x_ptr": "*" + dtype, "residual_ptr": "*" + dtype,

@@ -26,7 +26,8 @@ from pdcluster.kv_transfer.transports import (
     transport_names,
 )
 from pdcluster.kv_transfer.transports.base import ShmOptions
-from pdcluster.kv_transfer.transports.common.block_copy import copy_blocks, gather_rows, rows_view, scatter_rows
+from pdcluster.kv_transfer.transports.common.block_copy import (blocks_view, copy_blocks, gather_rows, rows_view,
+                                                              scatter_rows)
 from pdcluster.kv_transfer.transports.common.layout import KVLayout
 from pdcluster.kv_transfer.transports.common.tracking import ReceiveTracker, SendTracker
 from pdcluster.kv_transfer.transports.shm.ring import RingAllocator
@@ -327,19 +328,22 @@ def test_registry_names_and_errors():
         assert reason is None or isinstance(reason, str), name
 
 
-def test_row_copies_match_the_reference_kernels():
+@pytest.mark.parametrize("num_planes", [2, 1], ids=["kv", "latent"])
+def test_row_copies_match_the_reference_kernels(num_planes):
     # The data plane moves rows of bytes; the payload order must be gather_blocks' order so the
-    # two agree on what "blocks [3, 9] of layers [1, 2]" means.
-    cache = pattern(5, torch.bfloat16)
+    # two agree on what "blocks [3, 9] of layers [1, 2]" means. One plane: MLA's latent cache.
+    planes = lambda t: t[:, :num_planes].contiguous()  # noqa: E731
+    cache = planes(pattern(5, torch.bfloat16))
     layout = KVLayout.of(cache)
+    assert layout.num_planes == num_planes and layout.num_rows == NUM_LAYERS * num_planes * NUM_BLOCKS
     layers, blocks = [1, 2], np.array([9, 3, 40])
     rows = rows_view(cache, layout.block_bytes)
-    out = np.empty((len(layers) * 2 * len(blocks), layout.block_bytes), dtype=np.uint8)
+    out = np.empty((len(layers) * num_planes * len(blocks), layout.block_bytes), dtype=np.uint8)
     gather_rows(rows, layout.row_ids(layers, blocks), out)
     ref = gather_blocks(cache[layers], torch.from_numpy(blocks))
     assert torch.equal(torch.from_numpy(out).view(-1), ref.contiguous().view(torch.uint8).view(-1))
 
-    dst = pattern(6, torch.bfloat16)
+    dst = planes(pattern(6, torch.bfloat16))
     want = dst.clone()
     dst_blocks = np.array([0, 63, 7])
     scatter_rows(out, rows_view(dst, layout.block_bytes), layout.row_ids(layers, dst_blocks))
@@ -348,10 +352,19 @@ def test_row_copies_match_the_reference_kernels():
     want[layers] = sub
     assert torch.equal(dst.view(torch.uint8), want.view(torch.uint8))
 
-    direct = pattern(6, torch.bfloat16)
-    as_blocks = lambda t: rows_view(t, layout.block_bytes).reshape(NUM_LAYERS * 2, NUM_BLOCKS, -1)  # noqa: E731
-    copy_blocks(as_blocks(cache), blocks, as_blocks(direct), dst_blocks, layers)
+    direct = planes(pattern(6, torch.bfloat16))
+    as_blocks = lambda t: blocks_view(rows_view(t, layout.block_bytes), layout)  # noqa: E731
+    copy_blocks(as_blocks(cache), blocks, as_blocks(direct), dst_blocks, layers, num_planes)
     assert torch.equal(direct.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_layouts_with_other_planes_do_not_pair():
+    kv = KVLayout.of(pattern(5, torch.bfloat16))
+    latent = KVLayout.of(pattern(5, torch.bfloat16)[:, :1].contiguous())
+    assert KVLayout.from_dict(latent.to_dict()) == latent
+    assert KVLayout.from_dict({k: v for k, v in kv.to_dict().items() if k != "num_planes"}) == kv  # an older peer
+    with pytest.raises(ValueError, match="x 2 planes, peer bfloat16 .* x 1 planes"):
+        kv.check_peer(latent)
 
 
 def test_send_tracker_reports_at_poll_time_once():

@@ -597,7 +597,7 @@ def test_rope_tables_equal_transformers(params):
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
     ({"mlp_bias": True}, "mlp_bias"),
     ({"clip_qkv": 8.0}, "clip_qkv"),
-    ({"architectures": ["DeepseekV3ForCausalLM"]}, "DeepseekV3ForCausalLM"),
+    ({"architectures": ["GptOssForCausalLM"]}, "GptOssForCausalLM"),
 ])
 def test_unsupported_configs_refused_in_one_line(dirs, tmp_path, change, words):
     d = _edit_config(dirs["llama3"], tmp_path / "bad", **{"rope_parameters": None, **change})

@@ -14,9 +14,9 @@ Served "absorbed", as vLLM and SGLang decode it: q_n . W_k[h] c = (W_k[h]^T q_n)
 [W_k[h]^T q_n, q_r] and every head attends to one cached vector per token, [c, k_r] (kv_lora_rank + rope wide: 576
 for V2 / V3), through the same paged kernels as grouped-query attention with one KV head. The values are the latents
 themselves: the kernels are handed that vector as V too, and the output's first kv_lora_rank dims are the attention
-over c, which W_v[h] then expands per head. A token's KV is 576 numbers a layer instead of 128 heads x (192 + 128):
-the cache, and what a KV transfer moves, shrink by that much (here still twice 576: the cache keeps its K and V
-halves, both the latent; module docstring of engine/kv_cache.py).
+over c, which W_v[h] then expands per head. The cache keeps one plane instead of K and V (engine/kv_cache.py): a
+token's KV is 576 numbers a layer instead of 128 heads x (192 + 128) keys and values, and a KV transfer or an offload
+tier moves those 576.
 
 The per-head products W_k[h]^T q_n and W_v[h] o run as a grouped matmul with one group per head (the MoE's:
 batch-invariant in deterministic mode). RoPE: V2's rotation is on interleaved pairs (complex multiply), V3's too
@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from pdcluster.engine.attention import AttentionMetadata, attend
+from pdcluster.engine.kv_cache import layer_planes
 from pdcluster.engine.linear import Linear
 from pdcluster.engine.models.causal_lm import CausalLM
 from pdcluster.engine.models.glm4_moe import Glm4Moe, glm4_moe_arch
@@ -126,6 +127,11 @@ class DeepseekArch(ModelArch):
             softmax_router=not v3, attention_scale=scale,
         )
 
+    @property
+    def kv_planes(self) -> int:
+        """The cache keeps one plane: each token's latent serves as its key and its value (engine/kv_cache.py)."""
+        return 1
+
     def qk_order(self) -> None:
         return None  # the MLA loader orders its own rows (MlaAttention)
 
@@ -207,7 +213,7 @@ class MlaAttention:
         offs = torch.arange(0, (num_heads + 1) * num_tokens, num_tokens, dtype=torch.int64, device=x.device)
         q_nope = q[:, :, :nope].transpose(0, 1).reshape(num_heads * num_tokens, nope)
         query[:, :, :latent] = self.absorb_k(q_nope, offs).view(num_heads, num_tokens, latent).transpose(0, 1)
-        out = attend(query, key, key, layer_cache, meta, batch_invariant=self.deterministic)  # V = the latents
+        out = attend(query, key, key, layer_planes(layer_cache), meta, batch_invariant=self.deterministic)  # V: c, k_r
         o_latent = out[:, :, :latent].transpose(0, 1).reshape(num_heads * num_tokens, latent)
         o = self.expand_v(o_latent, offs).view(num_heads, num_tokens, m.v_head_dim).transpose(0, 1)
         return self.o_proj(o.reshape(num_tokens, num_heads * m.v_head_dim))

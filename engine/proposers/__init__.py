@@ -21,6 +21,11 @@ def num_draft_layers(config: EngineConfig, arch=None) -> int:
     block of a NemotronH's own MTP layers (``arch``: the model's)."""
     if config.spec_method != "mtp":
         return 0
+    if getattr(arch, "kv_planes", 2) != 2:
+        # Our MTP head is a Llama layer (separate K and V planes); the checkpoint's own MLA MTP layers are not
+        # loaded yet.
+        raise ValueError(f"spec_method 'mtp' is not served for {type(arch).__name__} models (latent attention): "
+                         "their own MTP layers are not loaded yet; use --spec ngram")
     if uses_own_mtp_layers(config.mtp_checkpoint, arch):
         return arch.mtp_layer_types.count(ATTENTION)
     return 1

@@ -200,7 +200,7 @@ class PrefillKVConnector(KVConnector):
 
     def _bytes_per_block_layer(self) -> int:
         kv = self.transport.kv_cache
-        return 2 * kv.shape[3] * kv.shape[4] * kv.shape[5] * kv.element_size()
+        return kv.shape[1] * kv.shape[3] * kv.shape[4] * kv.shape[5] * kv.element_size()  # planes x block
 
     def _flush(self, task: SendTask) -> None:
         num_blocks = -(-task.num_prompt_tokens // self.block_size)

@@ -8,8 +8,9 @@ with the receiver's dict.
 Contract (the same for every transport):
 
 * ``kv_cache`` is the worker's whole paged cache, contiguous,
-  ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``. Sender and receiver must agree
-  on dtype and ``(block_size, num_kv_heads, head_dim)``; ``num_blocks`` may differ.
+  ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` (1 plane instead of 2 where V is K:
+  MLA). Sender and receiver must agree on dtype, planes and ``(block_size, num_kv_heads, head_dim)``;
+  ``num_blocks`` may differ.
 * ``send`` never blocks on the network. The listed source blocks must stay unchanged until
   ``poll_sent`` reports the transfer (a transport may read them lazily, as RDMA would).
 * ``poll_sent`` returns ``(delivered, failed)``. A transfer id is *delivered* when every ``send`` for
@@ -143,9 +144,9 @@ class KVTransport(ABC):
     def __init__(self, kv_cache: torch.Tensor, role: Role, config: TransportConfig | None = None) -> None:
         if role not in ("sender", "receiver"):
             raise ValueError(f"role must be 'sender' or 'receiver', got {role!r}")
-        if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
+        if kv_cache.dim() != 6 or kv_cache.shape[1] not in (1, 2):
             raise ValueError(
-                "kv_cache must be [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], "
+                "kv_cache must be [num_layers, 2 (or 1: MLA), num_blocks, block_size, num_kv_heads, head_dim], "
                 f"got shape {tuple(kv_cache.shape)}"
             )
         if not kv_cache.is_contiguous():

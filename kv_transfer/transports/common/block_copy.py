@@ -24,8 +24,8 @@ def rows_view(kv_cache: torch.Tensor, block_bytes: int) -> Rows:
 
 
 def blocks_view(rows: np.ndarray, layout: KVLayout) -> np.ndarray:
-    """A CPU cache's rows as ``[num_layers * 2, num_blocks, block_bytes]``: copy_blocks' view."""
-    return rows.reshape(layout.num_layers * 2, layout.num_blocks, -1)
+    """A CPU cache's rows as ``[num_layers * num_planes, num_blocks, block_bytes]``: copy_blocks' view."""
+    return rows.reshape(layout.num_layers * layout.num_planes, layout.num_blocks, -1)
 
 
 def buffer_rows(buf: np.ndarray | torch.Tensor, block_bytes: int) -> Rows:
@@ -74,8 +74,9 @@ def copy_blocks(
     dst: np.ndarray,
     dst_blocks: np.ndarray,
     layer_ids: list[int],
+    num_planes: int = 2,
 ) -> None:
-    """Copy blocks between two CPU caches seen as ``[num_layers * 2, num_blocks, block_bytes]``
+    """Copy blocks between two CPU caches seen as ``[num_layers * num_planes, num_blocks, block_bytes]``
     (e.g. into a peer's cache mapped from shared memory): one pass over the bytes.
 
     One ``np.copyto`` per block and run of consecutive layers moves all of that run's K and V rows
@@ -83,6 +84,6 @@ def copy_blocks(
     0.85x memcpy against 0.6x for gather-then-scatter through a temporary (two passes)."""
     s_list, d_list = src_blocks.tolist(), dst_blocks.tolist()
     for lo, hi in layer_runs(layer_ids):
-        s_run, d_run = src[2 * lo : 2 * hi], dst[2 * lo : 2 * hi]
+        s_run, d_run = src[num_planes * lo : num_planes * hi], dst[num_planes * lo : num_planes * hi]
         for s, d in zip(s_list, d_list):
             np.copyto(d_run[:, d], s_run[:, s])

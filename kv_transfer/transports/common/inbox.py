@@ -42,7 +42,7 @@ class _Sender:
     nonce: bytes  # the sender's incarnation: its notices must be sealed by it, acks are sealed to it
     layout: KVLayout
     ring: np.ndarray | None  # the sender's staging ring as bytes
-    blocks: np.ndarray | None  # the sender's cache [layers * 2, blocks, bytes] when shared
+    blocks: np.ndarray | None  # the sender's cache [layers * planes, blocks, bytes] when shared
     mappings: list[mmap.mmap]
     # Sealed messages waiting for room in the socket (a sender that stopped reading): acks, grants
     # and revokes are never dropped, a revoke least of all.
@@ -142,7 +142,7 @@ class ShmInbox:
             if info["kv_bytes"]:
                 mapping, blocks = map_cache(
                     fds.pop(0), info["kv_offset"], info["kv_bytes"],
-                    layout.num_layers, layout.num_blocks, layout.block_bytes,
+                    layout.num_layers * layout.num_planes, layout.num_blocks, layout.block_bytes,
                 )  # fmt: skip
                 mappings.append(mapping)
         finally:
@@ -279,7 +279,8 @@ class ShmInbox:
                 return "pull chunk with a layer the sender does not have"
             with self._admission.gate(header.transfer_id, header.dst_block_ids) as refusal:
                 if refusal is None:
-                    copy_blocks(sender.blocks, src, self._blocks, header.dst_block_ids, header.layer_ids)
+                    copy_blocks(sender.blocks, src, self._blocks, header.dst_block_ids, header.layer_ids,
+                                self._layout.num_planes)
                 return refusal
         if sender.ring is None:
             return "ring chunk from a sender without a ring"

@@ -1,8 +1,9 @@
 """Geometry of a paged KV cache as the data plane sees it: rows of bytes.
 
-The cache ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` is, byte for byte, a
-table of ``num_layers * 2 * num_blocks`` rows of ``block_bytes`` each; row
-``(layer * 2 + kv) * num_blocks + block`` is one layer's K (kv=0) or V (kv=1) slice of one block.
+The cache ``[num_layers, num_planes, num_blocks, block_size, num_kv_heads, head_dim]`` is, byte for byte, a
+table of ``num_layers * num_planes * num_blocks`` rows of ``block_bytes`` each; row
+``(layer * num_planes + plane) * num_blocks + block`` is one layer's K (plane 0) or V (plane 1) slice of one block.
+``num_planes`` is 2, or 1 where V is K (MLA's latents, engine/models/deepseek.py: one plane, moved once).
 Transports move rows, so they are dtype-agnostic (bfloat16 has no numpy dtype) and a send of any
 layers and blocks becomes one index array.
 
@@ -26,11 +27,13 @@ class KVLayout:
     block_shape: tuple[int, int, int]  # (block_size, num_kv_heads, head_dim)
     dtype: str  # torch dtype name, e.g. "bfloat16"
     element_bytes: int
+    num_planes: int = 2  # K and V; 1: one plane serves as both (MLA)
 
     @classmethod
     def of(cls, kv_cache: torch.Tensor) -> KVLayout:
-        num_layers, _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+        num_layers, num_planes, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
         return cls(
+            num_planes=int(num_planes),
             num_layers=int(num_layers),
             num_blocks=int(num_blocks),
             block_shape=(int(block_size), int(num_kv_heads), int(head_dim)),
@@ -40,13 +43,13 @@ class KVLayout:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one row: one layer's K or V slice of one block."""
+        """Bytes of one row: one layer's K or V (plane) slice of one block."""
         block_size, num_kv_heads, head_dim = self.block_shape
         return block_size * num_kv_heads * head_dim * self.element_bytes
 
     @property
     def num_rows(self) -> int:
-        return self.num_layers * 2 * self.num_blocks
+        return self.num_layers * self.num_planes * self.num_blocks
 
     def to_dict(self) -> dict:
         return {
@@ -55,6 +58,7 @@ class KVLayout:
             "block_shape": list(self.block_shape),
             "dtype": self.dtype,
             "element_bytes": self.element_bytes,
+            "num_planes": self.num_planes,
         }
 
     @classmethod
@@ -65,24 +69,26 @@ class KVLayout:
             block_shape=tuple(int(x) for x in d["block_shape"]),  # type: ignore[arg-type]
             dtype=str(d["dtype"]),
             element_bytes=int(d["element_bytes"]),
+            num_planes=int(d.get("num_planes", 2)),
         )
 
     def check_peer(self, peer: KVLayout) -> None:
         """Blocks must mean the same bytes on both sides; cache sizes may differ."""
-        if peer.dtype != self.dtype or peer.block_shape != self.block_shape:
+        if (peer.dtype, peer.block_shape, peer.num_planes) != (self.dtype, self.block_shape, self.num_planes):
             raise ValueError(
-                f"incompatible KV layouts: local {self.dtype} blocks {self.block_shape}, "
-                f"peer {peer.dtype} blocks {peer.block_shape}"
+                f"incompatible KV layouts: local {self.dtype} blocks {self.block_shape} x {self.num_planes} planes, "
+                f"peer {peer.dtype} blocks {peer.block_shape} x {peer.num_planes} planes"
             )
 
     def row_ids(self, layer_ids: Sequence[int], block_ids: np.ndarray) -> np.ndarray:
-        """Row indices (int64) of ``layer_ids`` x {K, V} x ``block_ids``, payload order."""
+        """Row indices (int64) of ``layer_ids`` x planes (K, V) x ``block_ids``, payload order."""
         layers = np.asarray(layer_ids, dtype=np.int64)
-        kv_rows = (layers[:, None] * 2 + np.arange(2, dtype=np.int64)[None, :]) * self.num_blocks
+        planes = self.num_planes
+        kv_rows = (layers[:, None] * planes + np.arange(planes, dtype=np.int64)[None, :]) * self.num_blocks
         return (kv_rows[:, :, None] + np.asarray(block_ids, dtype=np.int64)[None, None, :]).reshape(-1)
 
     def payload_bytes(self, num_layers: int, num_blocks: int) -> int:
-        return num_layers * 2 * num_blocks * self.block_bytes
+        return num_layers * self.num_planes * num_blocks * self.block_bytes
 
 
 def check_layers(layout: KVLayout, layer_ids: Sequence[int] | range) -> list[int]:

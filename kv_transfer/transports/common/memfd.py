@@ -78,9 +78,9 @@ def find_segment(tensor: torch.Tensor) -> tuple[Segment, int] | None:
     return None
 
 
-def map_cache(fd: int, offset: int, nbytes: int, num_layers: int, num_blocks: int, block_bytes: int) -> tuple[mmap.mmap, np.ndarray]:
-    """Map a peer's shared cache (received as ``fd``) as ``[num_layers * 2, num_blocks, block_bytes]``
-    bytes. Returns the mapping too: it must outlive the array."""
+def map_cache(fd: int, offset: int, nbytes: int, num_rows: int, num_blocks: int, block_bytes: int) -> tuple[mmap.mmap, np.ndarray]:
+    """Map a peer's shared cache (received as ``fd``) as ``[num_rows, num_blocks, block_bytes]`` bytes, ``num_rows``
+    its layers times its planes (K, V). Returns the mapping too: it must outlive the array."""
     mapping = map_fd(fd, offset + nbytes)
     flat = np.frombuffer(mapping, dtype=np.uint8)[offset : offset + nbytes]
-    return mapping, flat.reshape(num_layers * 2, num_blocks, block_bytes)
+    return mapping, flat.reshape(num_rows, num_blocks, block_bytes)

@@ -46,11 +46,11 @@ class SendJob:
 
 
 def split_blocks(
-    num_layers: int, src: np.ndarray, dst: np.ndarray, block_bytes: int, chunk_bytes: int
+    num_layers: int, src: np.ndarray, dst: np.ndarray, block_bytes: int, chunk_bytes: int, num_planes: int = 2
 ) -> list[Chunk]:
     """Chunks of whole blocks (all listed layers each), at most ``chunk_bytes`` of payload unless a
     single block is larger."""
-    per_block = num_layers * 2 * block_bytes
+    per_block = num_layers * num_planes * block_bytes
     blocks_per_chunk = max(1, chunk_bytes // per_block)
     return [
         Chunk(i, src[start : start + blocks_per_chunk], dst[start : start + blocks_per_chunk])
@@ -80,6 +80,6 @@ def prepare_send(
         raise ValueError(f"{len(src)} source blocks but {len(dst)} destination blocks")
     if len(src) == 0:
         raise ValueError("no blocks to send")
-    chunks = split_blocks(len(layers), src, dst, layout.block_bytes, chunk_bytes)
+    chunks = split_blocks(len(layers), src, dst, layout.block_bytes, chunk_bytes, layout.num_planes)
     seq = tracker.begin(transfer_id, peer_id, len(chunks), timeout_s)
     return SendJob(seq=seq, peer_id=peer_id, transfer_id=transfer_id, layer_ids=layers, chunks=chunks)

@@ -337,7 +337,7 @@ def open_handle(handle: object, layout: KVLayout) -> torch.Tensor:
 
 def check_cache(tensor: object, layout: KVLayout) -> None:
     """The rebuilt tensor must be the whole cache the peer's layout describes, contiguous."""
-    want = (layout.num_layers, 2, layout.num_blocks, *layout.block_shape)
+    want = (layout.num_layers, layout.num_planes, layout.num_blocks, *layout.block_shape)
     if not isinstance(tensor, torch.Tensor):
         raise HandleError(f"the handle rebuilt a {type(tensor).__name__}, not a tensor")
     dtype = str(tensor.dtype).removeprefix("torch.")

@@ -66,7 +66,7 @@ from .ring import RingAllocator
 class _Peer(PushPeer):
     """Sender side: one receiver."""
 
-    blocks: np.ndarray | None = None  # the receiver's cache [layers * 2, blocks, bytes] when shared
+    blocks: np.ndarray | None = None  # the receiver's cache [layers * planes, blocks, bytes] when shared
     mapping: mmap.mmap | None = None
     pulls: bool = False  # the receiver mapped our cache and copies pull chunks itself
 
@@ -149,7 +149,7 @@ class ShmTransport(MappedPushTransport):
                 os.close(fd_left)
         peer.mapping, peer.blocks = map_cache(
             fd, reply["kv_offset"], reply["kv_bytes"],
-            peer_layout.num_layers, peer_layout.num_blocks, peer_layout.block_bytes,
+            peer_layout.num_layers * peer_layout.num_planes, peer_layout.num_blocks, peer_layout.block_bytes,
         )  # fmt: skip
         return peer
 
@@ -225,7 +225,8 @@ class ShmTransport(MappedPushTransport):
     def _push(self, job: SendJob, chunk: Chunk, peer: _Peer) -> None:
         """A CPU copy: every byte is in the receiver's memory when it returns."""
         assert peer.blocks is not None
-        copy_blocks(self._blocks, chunk.src_block_ids, peer.blocks, chunk.dst_block_ids, job.layer_ids)
+        copy_blocks(self._blocks, chunk.src_block_ids, peer.blocks, chunk.dst_block_ids, job.layer_ids,
+                    self._layout.num_planes)
 
     def _on_ack(self, ack: ChunkAck) -> None:
         span = self._ring_spans.pop((ack.send_seq, ack.chunk_index), None)
