@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import pdcluster.kernels as kernels_pkg
+from pdcluster.engine.kv_cache import layer_planes
 from pdcluster.kernels import cpu_ops, ops, reference
 from pdcluster.kernels.triton_block_copy import gather_blocks_triton, scatter_blocks_triton
 from pdcluster.kernels.triton_paged_attention import paged_attention_triton
@@ -186,11 +187,18 @@ def test_paged_attention_latent_shape_matches_reference():
     batch = make_batch(MIXED_Q_LENS, MIXED_SEQ_LENS, 16, 1, head_dim=576)
     batch.layer_cache[1] = batch.layer_cache[0]
     expected = reference.paged_attention(*batch.args())
+    # The engine's one-plane cache, handed to the kernels as that plane twice (a stride-0 view).
+    batch.layer_cache = layer_planes(batch.layer_cache[:1].clone())
+    assert batch.layer_cache.stride(0) == 0
     assert not expected.isnan().any()
     torch.testing.assert_close(paged_attention_triton(*batch.args()), expected, rtol=1e-5, atol=1e-5)
     got_c = cpu_ops.paged_attention(*batch.args())
     if got_c is not None:  # None: no C compiler here. Its sums over 576 dims run in another order: 1e-4.
         torch.testing.assert_close(got_c, expected, rtol=1e-4, atol=1e-4)
+    # Writing a token's K and V through the view writes its one vector.
+    latent = torch.randn(3, 1, 576)
+    write_kv_triton(latent, latent, batch.layer_cache, torch.tensor([0, 17, 40]))
+    assert torch.equal(batch.layer_cache[0].reshape(-1, 576)[[0, 17, 40]], latent[:, 0])
 
 
 @pytest.mark.parametrize("segments, block_n", [(4, 16), (16, 32)], ids=["4x16", "16x32"])
