@@ -25,8 +25,8 @@ pairs are the checkpoint's (the dot products, all that reads them, are unchanged
 
 MoE (``first_k_dense_replace`` dense layers first): V3's router is GLM-4.5's (engine/models/glm4_moe.py: sigmoid
 scores, correction bias, group-limited top-k, scaled); V2's softmaxes the logits and takes the top k, among the best
-``topk_group`` groups by their best expert for ``group_limited_greedy``; both add shared experts. The checkpoint's MTP
-layers (V3's ``num_nextn_predict_layers``) are not loaded.
+``topk_group`` groups by their best expert for ``group_limited_greedy``; both add shared experts. V3's own MTP layer
+(``num_nextn_predict_layers``) drafts for ``--spec mtp``: engine/models/deepseek_mtp.py.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from pdcluster.engine.models.glm4_moe import Glm4Moe, glm4_moe_arch
 from pdcluster.engine.models.llama import DecoderLayer, LlamaModel, RotaryEmbedding
 from pdcluster.engine.models.llama_arch import ModelArch
 from pdcluster.engine.models.moe import GroupedLinear, SwiGLU
+from pdcluster.engine.models.nemotron_blocks import ATTENTION
 from pdcluster.engine.models.nemotron_moe import NemotronMoeArch
 from pdcluster.engine.models.rope import _yarn_mscale, partial_rotary_order, rope_from_config
 from pdcluster.kernels import ops
@@ -75,11 +76,14 @@ class DeepseekArch(ModelArch):
     mla: MlaShape | None = None
     softmax_router: bool = False  # V2's router (module docstring); V3's: the sigmoid one (group_router)
     attention_scale: float = 1.0
+    num_nextn_predict_layers: int = 0  # V3's own MTP layers (engine/models/deepseek_mtp.py)
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> "DeepseekArch":
-        cfg = json.loads((Path(model_dir) / "config.json").read_text())
-        where = str(model_dir)
+        return cls.from_config(json.loads((Path(model_dir) / "config.json").read_text()), str(model_dir))
+
+    @classmethod
+    def from_config(cls, cfg: dict, where: str = "config") -> "DeepseekArch":
         name = (cfg.get("architectures") or [V3])[0]
         if name not in ARCHITECTURES:
             raise ValueError(f"{where}: architecture {name!r} is not supported here ({', '.join(ARCHITECTURES)})")
@@ -125,7 +129,14 @@ class DeepseekArch(ModelArch):
             eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
             moe=moe, group_router=group_router, rope_scaling=rope_scaling, mla=mla,
             softmax_router=not v3, attention_scale=scale,
+            num_nextn_predict_layers=int(get("num_nextn_predict_layers", 0)) if v3 else 0,
         )
+
+    @property
+    def mtp_layer_types(self) -> str:
+        """The own MTP layers' blocks in NemotronH's notation (engine/models/nemotron_blocks.py), which the MTP code
+        counts draft layers by: each DeepSeek MTP layer holds one attention (MLA) block."""
+        return ATTENTION * self.num_nextn_predict_layers
 
     @property
     def kv_planes(self) -> int:
@@ -227,7 +238,9 @@ class DeepseekLayer:
     _chunked_mlp = DecoderLayer._chunked_mlp
 
     def __init__(self, arch: DeepseekArch, weights: dict[str, torch.Tensor], prefix: str, deterministic: bool,
-                 layer_index: int):
+                 layer_index: int | None = None, sparse: bool | None = None):
+        """``sparse``: an MoE MLP (None: as ``first_k_dense_replace`` places layer ``layer_index``; the MTP layer,
+        past the stack, passes it)."""
         def pop(name: str) -> torch.Tensor:
             if f"{prefix}.{name}" not in weights:
                 raise ValueError(f"DeepSeek weights lack {prefix}.{name}")
@@ -236,7 +249,9 @@ class DeepseekLayer:
         self.arch = arch
         self.input_norm, self.post_norm = pop("input_layernorm.weight"), pop("post_attention_layernorm.weight")
         self.attention = MlaAttention(arch, weights, f"{prefix}.self_attn", deterministic)
-        if arch.moe is not None and arch.moe.sparse_layers[layer_index]:
+        if sparse is None:
+            sparse = arch.moe is not None and arch.moe.sparse_layers[layer_index]
+        if sparse:
             router = (SoftmaxGroupRouter(arch.group_router, pop("mlp.gate.weight"), deterministic)
                       if arch.softmax_router else None)
             self.mlp = Glm4Moe(arch.moe, arch.group_router, weights, f"{prefix}.mlp", arch.hidden_size, deterministic,

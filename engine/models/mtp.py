@@ -40,7 +40,9 @@ from pdcluster.engine.config import ConfigError
 from pdcluster.engine.linear import Linear
 from pdcluster.engine.models.llama import DecoderLayer, LlamaModel, ModelArch, rms_norm
 from pdcluster.engine.models.nemotron_h import HybridArch
-from pdcluster.engine.models.nemotron_mtp import load_own_mtp_weights, own_mtp_problem, own_mtp_weight_names
+from pdcluster.engine.models import deepseek_mtp, nemotron_mtp
+from pdcluster.engine.models.deepseek import ARCHITECTURES as DEEPSEEK_ARCHITECTURES
+from pdcluster.engine.models.deepseek import DeepseekArch
 from pdcluster.engine.models.registry import BUILTIN_MODELS, builtin_config, resolve_model
 
 MTP_DIR = "mtp"
@@ -82,6 +84,11 @@ def missing_head_message(model_name: str, default: Path, hybrid: bool = False) -
             "untrained head: lossless but slower)")
 
 
+def _own_mtp(arch):
+    """The module serving the arch's own MTP layers: DeepSeek's (engine/models/deepseek_mtp.py) or NemotronH's."""
+    return deepseek_mtp if isinstance(arch, DeepseekArch) else nemotron_mtp
+
+
 def uses_own_mtp_layers(checkpoint: str, arch) -> bool:
     """The one rule (KV-cache layers, proposer, start-up check): with no --mtp-checkpoint, a model that declares
     MTP layers of its own drafts with them."""
@@ -96,7 +103,10 @@ def declared_arch(model_name: str):
     else:
         path = Path(model_name) / "config.json"
         config = json.loads(path.read_text()) if path.is_file() else None
-    if config is None or (config.get("architectures") or [""])[0] != "NemotronHForCausalLM":
+    name = (config.get("architectures") or [""])[0] if config is not None else ""
+    if name in DEEPSEEK_ARCHITECTURES:
+        return DeepseekArch.from_config(config, where=model_name)
+    if name != "NemotronHForCausalLM":
         return None
     return HybridArch.from_config(config, where=model_name)
 
@@ -113,13 +123,15 @@ def find_mtp_checkpoint(checkpoint: str, cache_dir: str | os.PathLike, model_nam
         return MTPSource("file", Path(checkpoint))
     arch = arch if arch is not None else declared_arch(model_name)
     if uses_own_mtp_layers(checkpoint, arch):
-        problem = own_mtp_problem(arch)
+        own = _own_mtp(arch)
+        problem = own.own_mtp_problem(arch)
         if problem is not None:
             raise ConfigError(f"--spec mtp: {model_name}: {problem}")
         model_dir = None if model_name in BUILTIN_MODELS else Path(model_name)  # a built-in has them
-        if model_dir is not None and not own_mtp_weight_names(model_dir):
+        if model_dir is not None and not own.own_mtp_weight_names(model_dir, arch):
+            where = f"{deepseek_mtp.mtp_prefix(arch)}.*" if own is deepseek_mtp else "mtp.*"
             raise MTPHeadMissing(f"--spec mtp: {model_dir}/config.json declares num_nextn_predict_layers "
-                                 f"{arch.num_nextn_predict_layers} but its weights have no mtp.* tensors "
+                                 f"{arch.num_nextn_predict_layers} but its weights have no {where} tensors "
                                  "(transformers' save_pretrained drops them); pass --mtp-checkpoint PATH or use "
                                  "--spec ngram")
         return MTPSource("own", model_dir)
@@ -203,8 +215,8 @@ def resolve_mtp_weights(checkpoint: str, cache_dir: str | os.PathLike, model_nam
         return random_mtp_weights(arch, seed), f"random(seed={seed})"
     if source.kind == "own":
         model_dir = resolve_model(model_name, cache_dir=cache_dir, progress=False)
-        weights = load_own_mtp_weights(model_dir)
-        return weights, f"{model_dir}: its own MTP layers ({len(weights)} mtp.* tensors)"
+        weights = _own_mtp(arch).load_own_mtp_weights(model_dir, arch)
+        return weights, f"{model_dir}: its own MTP layers ({len(weights)} tensors)"
     return load_mtp_weights(source.path, arch), str(source.path)
 
 

@@ -55,7 +55,7 @@ def is_own_mtp_weights(weights: dict) -> bool:
     return f"{PREFIX}.0.eh_proj.weight" in weights
 
 
-def own_mtp_weight_names(model_dir: str | Path) -> list[str]:
+def own_mtp_weight_names(model_dir: str | Path, arch=None) -> list[str]:
     """The ``mtp.*`` tensor names in the directory's safetensors files (headers only: nothing is read)."""
     from safetensors import safe_open
 
@@ -63,7 +63,7 @@ def own_mtp_weight_names(model_dir: str | Path) -> list[str]:
                   for name in safe_open(str(f), "pt").keys() if name.startswith("mtp."))
 
 
-def load_own_mtp_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
+def load_own_mtp_weights(model_dir: str | Path, arch=None) -> dict[str, torch.Tensor]:
     """The directory's ``mtp.*`` tensors as stored (on the host; NemotronMTP casts them to the model's dtype),
     read from only the files that hold them."""
     from safetensors import safe_open

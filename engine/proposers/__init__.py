@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 
 from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.models.deepseek_mtp import DeepseekMTP
+from pdcluster.engine.models.deepseek_mtp import is_own_mtp_weights as is_own_deepseek_mtp_weights
 from pdcluster.engine.models.mtp import MTPHead, random_mtp_weights, uses_own_mtp_layers
 from pdcluster.engine.models.nemotron_blocks import ATTENTION
 from pdcluster.engine.models.nemotron_mtp import NemotronMTP, is_own_mtp_weights
@@ -21,13 +23,13 @@ def num_draft_layers(config: EngineConfig, arch=None) -> int:
     block of a NemotronH's own MTP layers (``arch``: the model's)."""
     if config.spec_method != "mtp":
         return 0
-    if getattr(arch, "kv_planes", 2) != 2:
-        # Our MTP head is a Llama layer (separate K and V planes); the checkpoint's own MLA MTP layers are not
-        # loaded yet.
-        raise ValueError(f"spec_method 'mtp' is not served for {type(arch).__name__} models (latent attention): "
-                         "their own MTP layers are not loaded yet; use --spec ngram")
     if uses_own_mtp_layers(config.mtp_checkpoint, arch):
         return arch.mtp_layer_types.count(ATTENTION)
+    if getattr(arch, "kv_planes", 2) != 2:
+        # Our MTP head is a Llama layer (separate K and V planes): latent-attention models draft with their own.
+        raise ValueError(f"spec_method 'mtp' with mtp_checkpoint {config.mtp_checkpoint!r}: {type(arch).__name__} "
+                         "models (latent attention) draft with their own MTP layers only (num_nextn_predict_layers, "
+                         "no --mtp-checkpoint); use --spec ngram")
     return 1
 
 
@@ -41,6 +43,8 @@ def make_proposer(config: EngineConfig, model, kv_cache: torch.Tensor, mtp_weigh
     if config.spec_method == "mtp":
         if mtp_weights is not None and is_own_mtp_weights(mtp_weights):
             return MTPProposer(NemotronMTP(model, mtp_weights), kv_cache, config.block_size)
+        if mtp_weights is not None and is_own_deepseek_mtp_weights(mtp_weights, model.arch):
+            return MTPProposer(DeepseekMTP(model, mtp_weights), kv_cache, config.block_size)
         weights = mtp_weights if mtp_weights is not None else random_mtp_weights(model.arch, config.seed)
         return MTPProposer(MTPHead(model, weights), kv_cache, config.block_size)
     raise ValueError(f"spec_method: {config.spec_method!r} has no proposer")

@@ -1,7 +1,8 @@
 """MTP proposer: completes the MTP layers' KV for every position the target verified this step, then
 chains the head k times to draft k tokens. The head is our DeepSeek-style MTPHead (engine/models/mtp.py, one draft
-layer) or a NemotronH checkpoint's own MTP layers (engine/models/nemotron_mtp.py, one draft layer per attention
-block); both write their KV in the draft layers of the paged cache, right after the target's.
+layer), a NemotronH checkpoint's own MTP layers (engine/models/nemotron_mtp.py, one draft layer per attention
+block) or a DeepSeek-V3 checkpoint's own MTP layer (engine/models/deepseek_mtp.py, its MLA latents one draft layer);
+all write their KV in the draft layers of the paged cache, right after the target's.
 
 Pass 1 (varlen, one row per request with verified positions): entry ``p`` for each verified position
 ``p`` of the step, from the target's hidden ``h_p`` and the committed token ``t_{p+1}`` (the next prompt
