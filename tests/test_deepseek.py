@@ -22,7 +22,7 @@ import torch
 from conftest import engine_config
 from test_kv_transfer_e2e import run_on_pair
 from test_model_families import COMMON, NUM_NEW, PROMPTS, _edit_config, _engine, _hf_greedy, _hf_model, _run
-from test_qwen3 import _redraw_weights
+from test_qwen3 import save_random_models
 from pdcluster.engine.models.architectures import arch_from_dir, load_model
 from pdcluster.engine.models.registry import resolve_model
 from pdcluster.engine.lora import LoraAdapterError, install
@@ -51,24 +51,18 @@ CONFIGS = {
 NAMES = list(CONFIGS)
 
 
+def _redraw_correction_bias(name: str, model) -> None:
+    """V3's router correction bias is a buffer (not redrawn): big enough to matter."""
+    if isinstance(model, transformers.DeepseekV3ForCausalLM):
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for layer in model.model.layers[1:]:
+                layer.mlp.gate.e_score_correction_bias.copy_(0.3 * torch.randn(8, generator=gen))
+
+
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory) -> dict[str, Path]:
-    tokenizer = resolve_model("tiny-random", progress=False) / "tokenizer.json"
-    out = {}
-    for name, (config_cls, model_cls, kwargs) in CONFIGS.items():
-        d = tmp_path_factory.mktemp(name)
-        torch.manual_seed(0)
-        model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs))
-        _redraw_weights(model)
-        if model_cls == "DeepseekV3ForCausalLM":  # the correction bias is a buffer (not redrawn): make it matter
-            gen = torch.Generator().manual_seed(1)
-            with torch.no_grad():
-                for layer in model.model.layers[1:]:
-                    layer.mlp.gate.e_score_correction_bias.copy_(0.3 * torch.randn(8, generator=gen))
-        model.save_pretrained(str(d))
-        (d / "tokenizer.json").write_bytes(tokenizer.read_bytes())
-        out[name] = d
-    return out
+    return save_random_models(tmp_path_factory, CONFIGS, _redraw_correction_bias)
 
 
 @pytest.fixture(scope="module")

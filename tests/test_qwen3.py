@@ -69,19 +69,27 @@ def _hf_model(model_dir: Path, cls: str):
                                                       attn_implementation="eager").eval()
 
 
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory) -> dict[str, Path]:
+def save_random_models(tmp_path_factory, configs: dict, tweak=None) -> dict[str, Path]:
+    """Each ``configs`` entry (config class, model class, kwargs, ...) made by transformers with seeded weights,
+    redrawn (``tweak(name, model)`` after that), saved with tiny-random's tokenizer: {name: directory}."""
     tokenizer = resolve_model("tiny-random", progress=False) / "tokenizer.json"
     out = {}
-    for name, (config_cls, model_cls, kwargs) in CONFIGS.items():
+    for name, (config_cls, model_cls, kwargs, *_) in configs.items():
         d = tmp_path_factory.mktemp(name)
         torch.manual_seed(0)
         model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs))
         _redraw_weights(model)
+        if tweak is not None:
+            tweak(name, model)
         model.save_pretrained(str(d))
         shutil.copy(tokenizer, d / "tokenizer.json")
         out[name] = d
     return out
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory) -> dict[str, Path]:
+    return save_random_models(tmp_path_factory, CONFIGS)
 
 
 @pytest.fixture(scope="module")
