@@ -18,6 +18,7 @@ outputs (S4).
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -42,7 +43,9 @@ from pdcluster.engine.request_slots import RequestStates
 from pdcluster.engine.step_inputs import StepInputs, to_host_async
 from pdcluster.wire.kv_connector import KVConnector, KVConnectorOutput
 from pdcluster.wire.logprobs import TokenLogprobs
+from pdcluster.kernels import ops
 
+log = logging.getLogger(__name__)
 
 _PROMPT_LOGPROBS_CHUNK = 256  # prompt positions per logits matrix (256 x 49k x 4 B = 50 MB)
 
@@ -134,7 +137,11 @@ class ModelRunner:
         self._lora_index_np = np.full(self.states.client_prompt_len_np.shape[0], -1, dtype=np.int32)
         self.graphs: DecodeGraphs | None = None
         if config.cuda_graphs and self.device.type == "cuda":
-            self.use_decode_graphs()
+            if ops.triton_attention_takes(model.arch.head_dim):
+                self.use_decode_graphs()
+            else:  # the torch attention these heads take reads lengths on the host: not capturable
+                log.info("CUDA graphs off: %d-wide attention heads run the torch attention (kernels/ops.py)",
+                         model.arch.head_dim)
 
     def use_decode_graphs(self, emulate: bool = False) -> None:
         """Run uniform decode batches through per-bucket CUDA graphs (engine/cuda_graphs.py); ``emulate``

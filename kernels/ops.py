@@ -25,6 +25,16 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+# The Triton attention tiles hold heads of up to 256 dims (accumulators in registers, K and V tiles in shared
+# memory). Wider heads, MLA's 576-wide latents (engine/models/deepseek.py), take the torch reference on CUDA until a
+# latent-attention kernel lands; its host reads keep such models out of CUDA graphs (engine/model_runner.py).
+TRITON_MAX_HEAD_DIM = 256
+
+
+def triton_attention_takes(head_dim: int) -> bool:
+    return head_dim <= TRITON_MAX_HEAD_DIM
+
+
 def _use_triton(*tensors: Tensor) -> bool:
     """Triton only when every tensor is on a CUDA device: the compiled kernels address device memory,
     and on CPU the reference is the engine's path (the interpreter is for tests only)."""
@@ -49,7 +59,8 @@ def paged_attention(
     a query's bits independent of its batch (the CPU kernel always; on CUDA the fixed tiles, else the
     fast ones). ``window`` > 0: sliding-window attention (each query sees its last ``window`` positions);
     ``softcap`` > 0: scores capped by softcap * tanh(s / softcap) (Gemma 2)."""
-    if _use_triton(query, layer_cache, block_tables, seq_lens, query_start_loc):
+    if _use_triton(query, layer_cache, block_tables, seq_lens, query_start_loc) and triton_attention_takes(
+            query.shape[-1]):
         from pdcluster.kernels.triton_paged_attention import paged_attention_triton
 
         # The kernel takes the query's strides: the model's q is a strided view of its qkv projection, and
@@ -77,7 +88,7 @@ def paged_attention_uniform(
         if out is not None:
             return out
     query = query.contiguous()  # the torch and Triton paths take a packed query
-    if _use_triton(query, layer_cache, block_tables, seq_lens):
+    if _use_triton(query, layer_cache, block_tables, seq_lens) and triton_attention_takes(query.shape[-1]):
         from pdcluster.kernels.triton_paged_attention import paged_attention_triton
 
         # The varlen kernel already handles this case; a uniform batch is just evenly spaced starts

@@ -47,8 +47,14 @@ CONFIGS = {
     "v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM",
            dict(COMMON, **MLA, q_lora_rank=None, n_group=4, topk_group=1, topk_method="group_limited_greedy",
                 n_shared_experts=2, routed_scaling_factor=1.5, norm_topk_prob=False, rope_parameters=YARN_MSCALE)),
+    # The published latent width (512 + 64: the C kernel's widest head; on CUDA the torch attention, no graphs).
+    "v2-wide": ("DeepseekV2Config", "DeepseekV2ForCausalLM",
+                dict(COMMON, **dict(MLA, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32),
+                     q_lora_rank=None, n_shared_experts=2, routed_scaling_factor=1.0, norm_topk_prob=False,
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
 }
 NAMES = list(CONFIGS)
+WIDTH = {"v3": 40, "v3-neox": 40, "v2": 40, "v2-wide": 576}  # the cached latent's width a token and layer
 
 
 def _redraw_correction_bias(name: str, model) -> None:
@@ -94,9 +100,20 @@ def test_greedy_batched_and_alone_equal_transformers(dirs, reference, name):
     engine = _engine(dirs[name])
     assert _run(engine, PROMPTS) == reference[name]
     assert [_run(engine, [p])[0] for p in PROMPTS[:3]] == reference[name][:3]
-    spec = engine.kv_spec  # the latent cache: one plane of one head of 40 per token and layer
-    assert (spec.num_planes, spec.num_kv_heads, spec.head_dim) == (1, 1, 40)
-    assert spec.bytes_per_token == 3 * 1 * 40 * 4 and engine.kv_cache.shape[1] == 1
+    spec = engine.kv_spec  # the latent cache: one plane of one head per token and layer
+    assert (spec.num_planes, spec.num_kv_heads, spec.head_dim) == (1, 1, WIDTH[name])
+    assert spec.bytes_per_token == 3 * 1 * WIDTH[name] * 4 and engine.kv_cache.shape[1] == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["v3", "v2-wide"])
+def test_greedy_on_cuda_equals_transformers(dirs, reference, name):
+    """On CUDA in fp32: the 40-wide latents through the Triton attention inside CUDA graphs, the 576-wide ones
+    through the torch attention, eager."""
+    engine = _engine(dirs[name], device="cuda")
+    assert _run(engine, PROMPTS) == reference[name]
+    assert (engine.runner.graphs is not None) == (name == "v3")
 
 
 @pytest.mark.parametrize("name,change", [
