@@ -32,7 +32,7 @@ from pdcluster.engine.attention import AttentionMetadata
 from pdcluster.engine.config import ConfigError
 from pdcluster.engine.models.architectures import arch_from_dir, load_model
 from pdcluster.engine.models.deepseek_mtp import DeepseekMTP, load_own_mtp_weights
-from pdcluster.engine.models.mtp import MTPHeadMissing
+from pdcluster.engine.models.mtp import MTPHeadMissing, find_mtp_checkpoint
 from pdcluster.engine.models.registry import resolve_model
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kv_transfer.config import TransferConfig
@@ -204,11 +204,16 @@ def test_refusals_are_one_line(model_dir, tmp_path):
     """V2 has no MTP layer; our Llama-shaped head does not fit latent attention; a V3 whose weights lack the layer
     (transformers' save_pretrained drops it) says where it looked."""
     v2 = _build_plain(tmp_path / "v2", "v2")
-    with pytest.raises(ValueError, match="draft with their own MTP layers only") as e:
+    with pytest.raises(ConfigError, match="without MTP layers of its own: DeepSeek models .* own MTP layer only") as e:
         _engine(v2, **OWN)
     assert "\n" not in str(e.value)
-    with pytest.raises(ValueError, match="draft with their own MTP layers only"):
+    with pytest.raises(ConfigError, match="with --mtp-checkpoint 'random': DeepSeek models"):
         _engine(model_dir, **{**OWN, "mtp_checkpoint": "random"})
+    # serve's start-up check (before any worker) says the same, not "train a head with bench/train_mtp.py"
+    for checkpoint, model in (("", v2), ("random", model_dir)):
+        with pytest.raises(ConfigError, match="DeepSeek models .* use --spec ngram"):
+            find_mtp_checkpoint(checkpoint, tmp_path / "cache", str(model))
+    assert find_mtp_checkpoint("", tmp_path / "cache", str(model_dir)).kind == "own"
     v3 = _build_plain(tmp_path / "v3", "v3")
     with pytest.raises(MTPHeadMissing, match=r"no model\.layers\.3\.\* tensors") as e:
         _engine(v3, **OWN)

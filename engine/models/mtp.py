@@ -89,6 +89,13 @@ def _own_mtp(arch):
     return deepseek_mtp if isinstance(arch, DeepseekArch) else nemotron_mtp
 
 
+def latent_attention_refusal(checkpoint: str) -> str:
+    """Why our MTP head (a Llama layer, separate K and V planes) cannot draft for a latent-attention model."""
+    what = f"with --mtp-checkpoint {checkpoint!r}" if checkpoint else "without MTP layers of its own"
+    return (f"--spec mtp {what}: DeepSeek models (latent attention) draft with their own MTP layer only "
+            "(num_nextn_predict_layers, no --mtp-checkpoint); use --spec ngram")
+
+
 def uses_own_mtp_layers(checkpoint: str, arch) -> bool:
     """The one rule (KV-cache layers, proposer, start-up check): with no --mtp-checkpoint, a model that declares
     MTP layers of its own drafts with them."""
@@ -114,6 +121,9 @@ def declared_arch(model_name: str):
 def find_mtp_checkpoint(checkpoint: str, cache_dir: str | os.PathLike, model_name: str, arch=None) -> MTPSource:
     """What the engine will draft with for ``checkpoint``, checked without reading weights, so a server can
     refuse in one line before it starts any worker. ``arch``: the model's (looked up from its config if None)."""
+    arch = arch if arch is not None else declared_arch(model_name)
+    if isinstance(arch, DeepseekArch) and not uses_own_mtp_layers(checkpoint, arch):
+        raise ConfigError(f"--spec mtp: {model_name}: {latent_attention_refusal(checkpoint)}")
     if checkpoint == RANDOM_HEAD:
         return MTPSource("random")
     if checkpoint:
@@ -121,7 +131,6 @@ def find_mtp_checkpoint(checkpoint: str, cache_dir: str | os.PathLike, model_nam
             raise MTPHeadMissing(f"mtp_checkpoint (--mtp-checkpoint): {checkpoint!r} does not exist; train one "
                                  "with bench/train_mtp.py")
         return MTPSource("file", Path(checkpoint))
-    arch = arch if arch is not None else declared_arch(model_name)
     if uses_own_mtp_layers(checkpoint, arch):
         own = _own_mtp(arch)
         problem = own.own_mtp_problem(arch)

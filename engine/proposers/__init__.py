@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.config import ConfigError, EngineConfig
 from pdcluster.engine.models.deepseek_mtp import DeepseekMTP
 from pdcluster.engine.models.deepseek_mtp import is_own_mtp_weights as is_own_deepseek_mtp_weights
-from pdcluster.engine.models.mtp import MTPHead, random_mtp_weights, uses_own_mtp_layers
+from pdcluster.engine.models.mtp import MTPHead, latent_attention_refusal, random_mtp_weights, uses_own_mtp_layers
 from pdcluster.engine.models.nemotron_blocks import ATTENTION
 from pdcluster.engine.models.nemotron_mtp import NemotronMTP, is_own_mtp_weights
 from pdcluster.engine.proposers.base import ProposeBatch, Proposer
@@ -27,9 +27,7 @@ def num_draft_layers(config: EngineConfig, arch=None) -> int:
         return arch.mtp_layer_types.count(ATTENTION)
     if getattr(arch, "kv_planes", 2) != 2:
         # Our MTP head is a Llama layer (separate K and V planes): latent-attention models draft with their own.
-        raise ValueError(f"spec_method 'mtp' with mtp_checkpoint {config.mtp_checkpoint!r}: {type(arch).__name__} "
-                         "models (latent attention) draft with their own MTP layers only (num_nextn_predict_layers, "
-                         "no --mtp-checkpoint); use --spec ngram")
+        raise ConfigError(latent_attention_refusal(config.mtp_checkpoint))
     return 1
 
 
