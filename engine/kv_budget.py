@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pdcluster.engine.kv_cache import KVCacheSpec, kv_planes
+
 log = logging.getLogger(__name__)
 
 GIB = 1 << 30
@@ -84,8 +86,9 @@ def profile_activation_peak(model, num_tokens: int, num_logit_rows: int, block_s
     reset, peak, allocated = measure
     a = model.arch
     num_blocks = -(-num_tokens // block_size)
-    cache = torch.zeros((a.num_layers, getattr(a, "kv_planes", 2), num_blocks, block_size, a.num_kv_heads, a.head_dim),
-                        dtype=model.dtype, device=device)
+    spec = KVCacheSpec(a.num_layers, 0, num_blocks, block_size, a.num_kv_heads, a.head_dim, model.dtype,
+                       num_planes=kv_planes(a))
+    cache = torch.zeros(spec.shape, dtype=model.dtype, device=device)
     positions = torch.arange(num_tokens, device=device)
     meta = AttentionMetadata(
         slot_mapping=positions.clone(), block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None],

@@ -42,6 +42,11 @@ class KVCacheSpec:
         return self.bytes_per_block // self.block_size
 
 
+def kv_planes(arch) -> int:
+    """The planes an arch's cache keeps: its ``kv_planes`` (DeepSeek's latents: 1), else K and V."""
+    return getattr(arch, "kv_planes", 2)
+
+
 def layer_planes(layer_cache: torch.Tensor) -> torch.Tensor:
     """A layer's cache as the attention kernels take it, [2, num_blocks, block_size, num_kv_heads, head_dim]: a
     one-plane cache (MLA) as its plane twice, a view (stride 0), so writing K and V writes the one vector."""

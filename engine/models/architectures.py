@@ -95,6 +95,13 @@ def architecture_of(model_dir: str | Path) -> str:
         cfg = json.loads((model_dir / "config.json").read_text())
     except ValueError as e:
         raise UnknownModelError(f"{model_dir}/config.json is not valid JSON: {e}") from None
+    quantization = cfg.get("quantization_config")
+    if quantization:
+        # The loader casts every tensor to the serving dtype: fp8 / int4 weights without their scales would load
+        # and answer garbage. Refused instead, in one line.
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
+        raise ValueError(f"{model_dir}: quantized weights ({method}, config.json quantization_config) are not "
+                         "served; serve the checkpoint's bf16 release or a bf16 conversion of it")
     names = cfg.get("architectures") or ["LlamaForCausalLM"]
     return names[0]
 
@@ -104,13 +111,6 @@ def _classes(model_dir: str | Path):
     if name not in ARCHITECTURES:
         raise ValueError(f"{model_dir}: architecture {name!r} is not supported; supported: "
                          f"{', '.join(ARCHITECTURES)}")
-    quantization = json.loads((Path(model_dir) / "config.json").read_text()).get("quantization_config")
-    if quantization:
-        # The loader casts every tensor to the serving dtype: fp8 / int4 weights without their scales would load
-        # and answer garbage. Refused instead, in one line.
-        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
-        raise ValueError(f"{model_dir}: quantized weights ({method}, config.json quantization_config) are not "
-                         "served; serve the checkpoint's bf16 release or a bf16 conversion of it")
     return ARCHITECTURES[name]
 
 

@@ -51,6 +51,12 @@ def text_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def embedding_and_lm_head(arch, weights: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(embed_tokens, lm_head) of a Llama-style checkpoint: the LM head is the embedding where it is tied."""
+    embed_tokens = weights["model.embed_tokens.weight"]
+    return embed_tokens, embed_tokens if arch.tie_word_embeddings else weights["lm_head.weight"]
+
+
 class CausalLM:
     arch_class: ClassVar[type]  # ModelArch or HybridArch: ``from_dir`` reads the checkpoint's config.json
     lora = None  # the LoRA adapters installed on it (engine/lora/: a LoraSet), if any

@@ -40,7 +40,7 @@ import torch
 from pdcluster.engine.attention import AttentionMetadata, attend
 from pdcluster.engine.kv_cache import layer_planes
 from pdcluster.engine.linear import Linear
-from pdcluster.engine.models.causal_lm import CausalLM
+from pdcluster.engine.models.causal_lm import CausalLM, embedding_and_lm_head
 from pdcluster.engine.models.glm4_moe import Glm4Moe, glm4_moe_arch
 from pdcluster.engine.models.llama import DecoderLayer, LlamaModel, RotaryEmbedding
 from pdcluster.engine.models.llama_arch import ModelArch
@@ -166,6 +166,14 @@ class SoftmaxGroupRouter:
         return weights * m.routed_scaling_factor, experts
 
 
+def take_weight(weights: dict[str, torch.Tensor], prefix: str, name: str) -> torch.Tensor:
+    """``{prefix}.{name}`` popped from ``weights`` (freed with the dict once packed), or a one-line ValueError."""
+    key = f"{prefix}.{name}"
+    if key not in weights:
+        raise ValueError(f"DeepSeek weights lack {key}")
+    return weights.pop(key)
+
+
 def _rope_rows_last(rows: torch.Tensor, num_heads: int, nope: int, order: torch.Tensor | None) -> torch.Tensor:
     """A projection's output rows [num_heads * (nope + rope), ...] with each head's rotated rows in the kernels'
     order (``order``: None keeps them)."""
@@ -179,11 +187,7 @@ class MlaAttention:
     """One layer's MLA (module docstring); plain tensors, like DecoderLayer."""
 
     def __init__(self, arch: DeepseekArch, weights: dict[str, torch.Tensor], prefix: str, deterministic: bool):
-        def pop(name: str) -> torch.Tensor:
-            if f"{prefix}.{name}" not in weights:
-                raise ValueError(f"DeepSeek weights lack {prefix}.{name}")
-            return weights.pop(f"{prefix}.{name}")
-
+        pop = lambda name: take_weight(weights, prefix, name)  # noqa: E731
         m, num_heads = arch.mla, arch.num_heads
         self.arch, self.mla, self.deterministic = arch, m, deterministic
         det = {"deterministic": deterministic}
@@ -241,11 +245,7 @@ class DeepseekLayer:
                  layer_index: int | None = None, sparse: bool | None = None):
         """``sparse``: an MoE MLP (None: as ``first_k_dense_replace`` places layer ``layer_index``; the MTP layer,
         past the stack, passes it)."""
-        def pop(name: str) -> torch.Tensor:
-            if f"{prefix}.{name}" not in weights:
-                raise ValueError(f"DeepSeek weights lack {prefix}.{name}")
-            return weights.pop(f"{prefix}.{name}")
-
+        pop = lambda name: take_weight(weights, prefix, name)  # noqa: E731
         self.arch = arch
         self.input_norm, self.post_norm = pop("input_layernorm.weight"), pop("post_attention_layernorm.weight")
         self.attention = MlaAttention(arch, weights, f"{prefix}.self_attn", deterministic)
@@ -278,8 +278,7 @@ class DeepseekModel(LlamaModel):
 
     def __init__(self, arch: DeepseekArch, weights: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int,
                  deterministic: bool = False):
-        embed_tokens = weights["model.embed_tokens.weight"]
-        lm_head = embed_tokens if arch.tie_word_embeddings else weights["lm_head.weight"]
+        embed_tokens, lm_head = embedding_and_lm_head(arch, weights)
         CausalLM.__init__(self, arch, dtype, deterministic, embed_tokens, lm_head)
         self.norm = weights["model.norm.weight"]
         self.layers = [DeepseekLayer(arch, weights, f"model.layers.{i}", deterministic, i)

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from pdcluster.engine.attention import AttentionMetadata
 from pdcluster.engine.linear import Linear
-from pdcluster.engine.models.deepseek import DeepseekArch, DeepseekLayer
+from pdcluster.engine.models.deepseek import DeepseekArch, DeepseekLayer, take_weight
 from pdcluster.kernels import ops
 
 
@@ -86,11 +86,7 @@ class DeepseekMTP:
         prefix = mtp_prefix(arch)
         weights = {n: t.to(target.device, target.dtype) for n, t in weights.items() if n.startswith(prefix + ".")}
 
-        def take(name: str) -> torch.Tensor:
-            if f"{prefix}.{name}" not in weights:
-                raise ValueError(f"DeepSeek MTP weights lack {prefix}.{name}")
-            return weights.pop(f"{prefix}.{name}")
-
+        take = lambda name: take_weight(weights, prefix, name)  # noqa: E731
         det = target.deterministic
         self.target, self.eps = target, arch.rms_norm_eps
         self.enorm, self.hnorm = take("enorm.weight"), take("hnorm.weight")

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from pdcluster.engine.attention import AttentionMetadata, attend
-from pdcluster.engine.models.causal_lm import load_weights, text_weights
+from pdcluster.engine.models.causal_lm import embedding_and_lm_head, load_weights, text_weights
 from pdcluster.engine.models.llama import DecoderLayer, LlamaModel, ModelArch, RotaryEmbedding
 from pdcluster.engine.models.rope import RopeScaling, rope_from_config
 
@@ -189,8 +189,7 @@ class GemmaModel(LlamaModel):
 
     def __init__(self, arch: GemmaArch, weights: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int,
                  deterministic: bool = False):
-        embed_tokens = weights["model.embed_tokens.weight"]
-        lm_head = embed_tokens if arch.tie_word_embeddings else weights["lm_head.weight"]
+        embed_tokens, lm_head = embedding_and_lm_head(arch, weights)
         super(LlamaModel, self).__init__(arch, dtype, deterministic, embed_tokens, lm_head)
         self.norm = 1.0 + weights["model.norm.weight"].float()
         self.layers = [GemmaLayer(arch, weights, f"model.layers.{i}", deterministic, i)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from pdcluster.engine.attention import AttentionMetadata, attend
 from pdcluster.engine.linear import Linear
-from pdcluster.engine.models.causal_lm import CausalLM
+from pdcluster.engine.models.causal_lm import CausalLM, embedding_and_lm_head
 from pdcluster.engine.models.glm4_moe import Glm4Moe
 from pdcluster.engine.models.llama_arch import ModelArch
 from pdcluster.engine.models.moe import SparseMoe, take_expert_weights, take_shared_expert
@@ -342,8 +342,7 @@ class LlamaModel(CausalLM):
 
     def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int,
                  deterministic: bool = False):
-        embed_tokens = weights["model.embed_tokens.weight"]
-        lm_head = embed_tokens if arch.tie_word_embeddings else weights["lm_head.weight"]
+        embed_tokens, lm_head = embedding_and_lm_head(arch, weights)
         super().__init__(arch, dtype, deterministic, embed_tokens, lm_head)
         self.norm = weights["model.norm.weight"]
         self.layers = [DecoderLayer(arch, weights, f"model.layers.{i}", deterministic, layer_index=i)

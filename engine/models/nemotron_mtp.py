@@ -50,6 +50,11 @@ def own_mtp_problem(arch) -> str | None:
     return None
 
 
+def mtp_prefix(arch=None) -> str:
+    """Where the checkpoint keeps its MTP layers (``arch``: for the interface DeepSeek's module shares)."""
+    return "mtp"
+
+
 def is_own_mtp_weights(weights: dict) -> bool:
     """Whether ``weights`` are a NemotronH checkpoint's MTP layers (and not our Llama-style head's ``mtp.layer.*``)."""
     return f"{PREFIX}.0.eh_proj.weight" in weights

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from pdcluster.engine.config import ConfigError, EngineConfig
+from pdcluster.engine.kv_cache import kv_planes
 from pdcluster.engine.models.deepseek_mtp import DeepseekMTP
 from pdcluster.engine.models.deepseek_mtp import is_own_mtp_weights as is_own_deepseek_mtp_weights
 from pdcluster.engine.models.mtp import MTPHead, latent_attention_refusal, random_mtp_weights, uses_own_mtp_layers
@@ -25,7 +26,7 @@ def num_draft_layers(config: EngineConfig, arch=None) -> int:
         return 0
     if uses_own_mtp_layers(config.mtp_checkpoint, arch):
         return arch.mtp_layer_types.count(ATTENTION)
-    if getattr(arch, "kv_planes", 2) != 2:
+    if kv_planes(arch) != 2:
         # Our MTP head is a Llama layer (separate K and V planes): latent-attention models draft with their own.
         raise ConfigError(latent_attention_refusal(config.mtp_checkpoint))
     return 1
