@@ -223,7 +223,7 @@ FAMILIES = {
         qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=1,
         topk_method="group_limited_greedy", moe_intermediate_size=32, n_shared_experts=2, first_k_dense_replace=1,
         routed_scaling_factor=1.5, norm_topk_prob=False)),
-    # The published latent width (512 + 64): on CUDA the torch attention, eager (kernels/ops.py).
+    # The published latent width (512 + 64): on CUDA the latent-attention kernel at its real tile width.
     "deepseek-v2-wide": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
         _FAMILY_COMMON, num_key_value_heads=4, pad_token_id=0, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=32,
         qk_rope_head_dim=64, v_head_dim=32, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,

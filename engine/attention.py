@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pdcluster.engine.kv_cache import layer_planes
 from pdcluster.engine.mamba_state import MambaMetadata  # noqa: F401 (annotation)
 
 from pdcluster.kernels import flash_prefill, ops
@@ -62,3 +63,18 @@ def attend(
         query, layer_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.scale,
         batch_invariant=batch_invariant, window=window, softcap=softcap,
     )
+
+
+def attend_latent(
+    query: torch.Tensor,  # [num_tokens, num_heads, latent_dim + rope_dim]
+    key: torch.Tensor,  # [num_tokens, 1, latent_dim + rope_dim]: the token's cached vector [c, k_r]
+    layer_cache: torch.Tensor,  # the layer's one-plane cache [1, num_blocks, block_size, 1, latent_dim + rope_dim]
+    meta: AttentionMetadata,
+    latent_dim: int,
+    batch_invariant: bool = True,
+) -> torch.Tensor:
+    """Absorbed multi-head latent attention (engine/models/deepseek.py): writes each token's vector into its slot,
+    then every head attends over the cached vectors with the latents as values. [num_tokens, num_heads, latent_dim]."""
+    ops.write_kv(key, key, layer_planes(layer_cache), meta.slot_mapping)  # both planes are the one vector (a stride-0 view)
+    return ops.latent_attention(query, layer_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.scale,
+                                latent_dim, batch_invariant=batch_invariant)

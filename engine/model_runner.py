@@ -137,7 +137,8 @@ class ModelRunner:
         self._lora_index_np = np.full(self.states.client_prompt_len_np.shape[0], -1, dtype=np.int32)
         self.graphs: DecodeGraphs | None = None
         if config.cuda_graphs and self.device.type == "cuda":
-            if ops.triton_attention_takes(model.arch.head_dim):
+            # MLA's latents (DeepSeek) have their own kernel (ops.latent_attention), any width.
+            if ops.triton_attention_takes(model.arch.head_dim) or getattr(model.arch, "mla", None) is not None:
                 self.use_decode_graphs()
             else:  # the torch attention these heads take reads lengths on the host: not capturable
                 log.info("CUDA graphs off: %d-wide attention heads run the torch attention (kernels/ops.py)",

@@ -25,9 +25,9 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-# The Triton attention tiles hold heads of up to 256 dims (accumulators in registers, K and V tiles in shared
-# memory). Wider heads, MLA's 576-wide latents (engine/models/deepseek.py), take the torch reference on CUDA until a
-# latent-attention kernel lands; its host reads keep such models out of CUDA graphs (engine/model_runner.py).
+# The Triton paged-attention tiles hold heads of up to 256 dims (accumulators in registers, K and V tiles in shared
+# memory). Wider heads take the torch reference on CUDA, whose host reads keep such models out of CUDA graphs
+# (engine/model_runner.py); MLA's 576-wide latents have a kernel of their own (latent_attention).
 TRITON_MAX_HEAD_DIM = 256
 
 
@@ -74,6 +74,23 @@ def paged_attention(
         return out
     return reference.paged_attention(query, layer_cache, block_tables, seq_lens, query_start_loc, scale, window,
                                      softcap)
+
+
+def latent_attention(query: Tensor, layer_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
+                     query_start_loc: Tensor, scale: float, latent_dim: int, batch_invariant: bool = True) -> Tensor:
+    """Absorbed MLA over the one-plane latent cache (reference.latent_attention): [num_tokens, num_heads,
+    latent_dim]. CUDA: the latent kernel (kernels/triton_mla_attention.py: any width, capturable in CUDA graphs);
+    CPU: the C paged kernel over the plane as K and V (a stride-0 view), keeping the latent dims."""
+    if _use_triton(query, layer_cache, block_tables, seq_lens, query_start_loc):
+        from pdcluster.kernels.triton_mla_attention import mla_attention_triton
+
+        return mla_attention_triton(query, layer_cache, block_tables, seq_lens, query_start_loc, scale, latent_dim,
+                                    batch_invariant=batch_invariant)
+    planes = layer_cache if layer_cache.shape[0] == 2 else layer_cache.expand(2, *layer_cache.shape[1:])
+    out = cpu_ops.paged_attention(query, planes, block_tables, seq_lens, query_start_loc, scale)
+    if out is not None:
+        return out[:, :, :latent_dim]
+    return reference.latent_attention(query, layer_cache, block_tables, seq_lens, query_start_loc, scale, latent_dim)
 
 
 def paged_attention_uniform(

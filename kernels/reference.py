@@ -91,6 +91,22 @@ def paged_attention(
     return out
 
 
+def latent_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, latent_dim + rope_dim]: [W_k^T q_nope, q_rope] per head
+    layer_cache: torch.Tensor,  # [1, num_blocks, block_size, 1, latent_dim + rope_dim] (or K and V planes over it)
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    latent_dim: int,
+) -> torch.Tensor:
+    """Absorbed multi-head latent attention (DeepSeek's MLA): :func:`paged_attention` of every head over one
+    cached vector a token, [c, k_r], whose first ``latent_dim`` dims (the latent c) are also the values.
+    Returns [num_tokens, num_heads, latent_dim]."""
+    planes = layer_cache if layer_cache.shape[0] == 2 else layer_cache.expand(2, *layer_cache.shape[1:])
+    return paged_attention(query, planes, block_tables, seq_lens, query_start_loc, scale)[:, :, :latent_dim]
+
+
 def paged_attention_uniform(
     query: torch.Tensor,  # [num_reqs * q_len, num_q_heads, head_dim]
     layer_cache: torch.Tensor,

@@ -14,6 +14,7 @@ kv_lora_rank + qk_rope_head_dim.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ from pdcluster.engine.models.architectures import arch_from_dir, load_model
 from pdcluster.engine.models.registry import resolve_model
 from pdcluster.engine.lora import LoraAdapterError, install
 from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.kernels import ops
 from pdcluster.kv_transfer.config import TransferConfig
 
 transformers = pytest.importorskip("transformers")
@@ -47,7 +49,7 @@ CONFIGS = {
     "v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM",
            dict(COMMON, **MLA, q_lora_rank=None, n_group=4, topk_group=1, topk_method="group_limited_greedy",
                 n_shared_experts=2, routed_scaling_factor=1.5, norm_topk_prob=False, rope_parameters=YARN_MSCALE)),
-    # The published latent width (512 + 64: the C kernel's widest head; on CUDA the torch attention, no graphs).
+    # The published latent width (512 + 64: the C kernel's widest head; on CUDA the latent kernel's tile width).
     "v2-wide": ("DeepseekV2Config", "DeepseekV2ForCausalLM",
                 dict(COMMON, **dict(MLA, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32),
                      q_lora_rank=None, n_shared_experts=2, routed_scaling_factor=1.0, norm_topk_prob=False,
@@ -109,11 +111,43 @@ def test_greedy_batched_and_alone_equal_transformers(dirs, reference, name):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("name", ["v3", "v2-wide"])
 def test_greedy_on_cuda_equals_transformers(dirs, reference, name):
-    """On CUDA in fp32: the 40-wide latents through the Triton attention inside CUDA graphs, the 576-wide ones
-    through the torch attention, eager."""
+    """On CUDA in fp32: the latents (40 and the published 576 wide) through the latent-attention kernel
+    (kernels/triton_mla_attention.py), decode steps replayed in CUDA graphs."""
     engine = _engine(dirs[name], device="cuda")
     assert _run(engine, PROMPTS) == reference[name]
-    assert (engine.runner.graphs is not None) == (name == "v3")
+    assert engine.runner.graphs is not None and engine.runner.graphs.num_replays > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_bf16_deterministic_batch_invariant_on_cuda(dirs):
+    """bf16 on CUDA in deterministic mode: the latent kernel's fixed tiles and the grouped matmul's, so a request's
+    tokens in a batch are its tokens alone, graphs or not."""
+    engine = _engine(dirs["v2-wide"], device="cuda", dtype="bfloat16", deterministic=True)
+    batched = _run(engine, PROMPTS)
+    assert [_run(engine, [p])[0] for p in PROMPTS[:5]] == batched[:5]
+    assert engine.runner.graphs is not None and engine.runner.graphs.num_replays > 0
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
+def test_the_latent_kernel_serves_the_model(dirs, reference, monkeypatch):
+    """The engine with every MLA layer's attention on the Triton latent kernel (interpreted on these CPU tensors, as
+    CUDA runs it compiled), decode steps through the CUDA graphs' static-buffer path (emulated): transformers'
+    greedy, for the published latent width. The query layout, the latent slice, the scale and the graph buffers
+    the GPU path hands the kernel are the engine's own."""
+    from pdcluster.kernels.triton_mla_attention import mla_attention_triton
+
+    calls = []
+
+    def on_the_kernel(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return mla_attention_triton(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "latent_attention", on_the_kernel)
+    engine = _engine(dirs["v2-wide"])
+    engine.runner.use_decode_graphs(emulate=True)
+    assert _run(engine, PROMPTS[:2]) == reference["v2-wide"][:2]
+    assert engine.runner.graphs.num_replays > 0 and len(calls) > 0
 
 
 @pytest.mark.parametrize("name,change", [

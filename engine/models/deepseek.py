@@ -12,9 +12,11 @@ MLA, per token x (the layer's normed input), as transformers computes it:
 
 Served "absorbed", as vLLM and SGLang decode it: q_n . W_k[h] c = (W_k[h]^T q_n) . c, so each head's query becomes
 [W_k[h]^T q_n, q_r] and every head attends to one cached vector per token, [c, k_r] (kv_lora_rank + rope wide: 576
-for V2 / V3), through the same paged kernels as grouped-query attention with one KV head. The values are the latents
-themselves: the kernels are handed that vector as V too, and the output's first kv_lora_rank dims are the attention
-over c, which W_v[h] then expands per head. The cache keeps one plane instead of K and V (engine/kv_cache.py): a
+for V2 / V3), as multi-query attention over one KV head. The values are the latents themselves, so the attention
+(engine/attention.attend_latent) returns kv_lora_rank dims a head, the attention over c, which W_v[h] then expands
+per head: on CUDA a latent kernel of its own (kernels/triton_mla_attention.py: the latent and rotary parts scored
+in two dots, one key tile serving as the value tile, heads as a tile's rows), on CPU the paged C kernel over the
+plane as K and V. The cache keeps one plane instead of K and V (engine/kv_cache.py): a
 token's KV is 576 numbers a layer instead of 128 heads x (192 + 128) keys and values, and a KV transfer or an offload
 tier moves those 576.
 
@@ -37,8 +39,7 @@ from pathlib import Path
 
 import torch
 
-from pdcluster.engine.attention import AttentionMetadata, attend
-from pdcluster.engine.kv_cache import layer_planes
+from pdcluster.engine.attention import AttentionMetadata, attend_latent
 from pdcluster.engine.linear import Linear
 from pdcluster.engine.models.causal_lm import CausalLM, embedding_and_lm_head
 from pdcluster.engine.models.glm4_moe import Glm4Moe, glm4_moe_arch
@@ -228,8 +229,8 @@ class MlaAttention:
         offs = torch.arange(0, (num_heads + 1) * num_tokens, num_tokens, dtype=torch.int64, device=x.device)
         q_nope = q[:, :, :nope].transpose(0, 1).reshape(num_heads * num_tokens, nope)
         query[:, :, :latent] = self.absorb_k(q_nope, offs).view(num_heads, num_tokens, latent).transpose(0, 1)
-        out = attend(query, key, key, layer_planes(layer_cache), meta, batch_invariant=self.deterministic)  # V: c, k_r
-        o_latent = out[:, :, :latent].transpose(0, 1).reshape(num_heads * num_tokens, latent)
+        out = attend_latent(query, key, layer_cache, meta, latent, batch_invariant=self.deterministic)  # V: the c's
+        o_latent = out.transpose(0, 1).reshape(num_heads * num_tokens, latent)
         o = self.expand_v(o_latent, offs).view(num_heads, num_tokens, m.v_head_dim).transpose(0, 1)
         return self.o_proj(o.reshape(num_tokens, num_heads * m.v_head_dim))
 
