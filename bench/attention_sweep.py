@@ -1,10 +1,12 @@
 """Paged attention launch configurations on a GPU: the fast mode's prefill (16 x 2,048 tokens, 32 query
 and 4 KV heads of 64, bf16), a decode batch (128 x 512), decode steps of a few requests (the partition
 split against the segment split) and of many (unsplit, the whole context one partition, against 256-
-position partitions and 2-16 segments), each configuration checked against the torch reference and timed
-with triton.testing.do_bench_cudagraph (launch overhead out, as in the engine's replayed steps). Prints JSON (and writes it with --out).
+position partitions and 2-16 segments), and (``mla``) DeepSeek's latent attention (kernels/triton_mla_attention.py:
+V3's 128 and V2-Lite's 16 heads over 512 + 64 latents; heads a tile, key tile, warps, stages, split), each
+configuration checked against the torch reference and timed with triton.testing.do_bench_cudagraph (launch overhead
+out, as in the engine's replayed steps). Prints JSON (and writes it with --out).
 
-    python bench/attention_sweep.py [--sections prefill,decode,decode_few,decode_many] [--out bench/results/attention_sweep_h100.json]
+    python bench/attention_sweep.py [--sections prefill,decode,decode_few,decode_many,mla] [--out bench/results/attention_sweep_h100.json]
 """
 
 from __future__ import annotations
@@ -109,6 +111,8 @@ def main() -> int:
         result["decode_few"] = decode_few(dev, args.quick, do_bench)
     if "decode_many" in wanted:
         result["decode_many"] = decode_few(dev, args.quick, do_bench, many=True)
+    if "mla" in wanted:
+        result["mla"] = mla_decode(dev, args.quick, do_bench)
     emit_json(result, args.out, indent=2)
     return 0
 
@@ -177,6 +181,77 @@ def decode_few(dev: str, quick: bool, do_bench, many: bool = False) -> dict:
             print(f"decode_{'many' if many else 'few'} {num_seqs}x{seq_len}", entry, file=sys.stderr, flush=True)
         ranked = sorted((e for e in entries if e.get("ok")), key=lambda e: e["us"])
         out[f"{num_seqs}x{seq_len}"] = {"configs": entries, "best": ranked[0] if ranked else None}
+    return out
+
+
+def latent_case(num_seqs: int, seq_len: int, num_heads: int, device: str, block_size: int = 16,
+                latent: int = 512, rope: int = 64):
+    """A decode step of DeepSeek's absorbed MLA: ``num_heads`` queries a token over one cached latent vector a
+    position, in a one-plane bf16 cache with scattered blocks."""
+    import torch
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    blocks_per_seq = -(-seq_len // block_size)
+    num_blocks = num_seqs * blocks_per_seq + 1
+    cache = torch.randn(1, num_blocks, block_size, 1, latent + rope, generator=g).to(torch.bfloat16).to(device)
+    perm = torch.randperm(num_blocks - 1, generator=g) + 1
+    tables = perm[: num_seqs * blocks_per_seq].view(num_seqs, blocks_per_seq).to(torch.int32).to(device)
+    seq_lens = torch.full((num_seqs,), seq_len, dtype=torch.int32, device=device)
+    qsl = torch.arange(0, num_seqs + 1, dtype=torch.int32, device=device)
+    query = torch.randn(num_seqs, num_heads, latent + rope, generator=g).to(torch.bfloat16).to(device)
+    return query, cache, tables, seq_lens, qsl, (128 + rope) ** -0.5
+
+
+def mla_decode(dev: str, quick: bool, do_bench) -> dict:
+    """The latent kernel's decode steps: production (fast mode: native dots; and deterministic mode's fp32 dots)
+    against other heads a tile, key tiles, warps, stages and the split, each checked against the reference on a few
+    rows. ``latent_tb_per_s``: the latents' bytes (read once) over the time: the kernel's share of HBM bandwidth."""
+    import torch
+
+    from pdcluster.kernels import reference
+    from pdcluster.kernels import triton_mla_attention as mla
+
+    latent = 512 if not quick else 32
+    rope = 64 if not quick else 16
+    cases = [(1, 4096, 128), (32, 2048, 128), (128, 1024, 128), (128, 1024, 16)] if not quick else [(2, 40, 16)]
+    native = dev == "cuda"
+    out: dict = {}
+    for num_seqs, seq_len, heads in cases:
+        query, cache, tables, seq_lens, qsl, scale = latent_case(num_seqs, seq_len, heads, dev, latent=latent, rope=rope)
+        n_check = min(2, num_seqs)
+        want = reference.latent_attention(query[:n_check].float(), cache.float(), tables[:n_check], seq_lens[:n_check],
+                                          qsl[: n_check + 1], scale, latent)
+        configs = [("production", {}), ("deterministic", {})] + [
+            ("launch", dict(heads_block=hb, block_n=bn, num_warps=w, num_stages=st))
+            for hb, bn, w, st in itertools.product((16, 32, 64), (32, 64), (4, 8), (1, 2))]
+        if quick:
+            configs = configs[:4]
+        entries = []
+        for kind, kw in configs:
+            if kind == "production":
+                def run():
+                    return mla.mla_attention_triton(query, cache, tables, seq_lens, qsl, scale, latent,
+                                                    batch_invariant=False)
+            elif kind == "deterministic":
+                def run():
+                    return mla.mla_attention_triton(query, cache, tables, seq_lens, qsl, scale, latent)
+            else:
+                def run(kw=kw):
+                    return mla.launch(query, cache, tables, seq_lens, qsl, scale, latent, native_dot=native, **kw)
+            entry = {"kind": kind, **kw}
+            try:
+                got = run()[:n_check].float()
+                entry["max_abs_err"] = float((got - want).abs().max())
+                entry["ok"] = entry["max_abs_err"] < 3e-2
+                entry["us"] = round(do_bench(run, warmup=5, rep=30) * 1e3, 2)
+                latent_bytes = num_seqs * seq_len * (latent + rope) * cache.element_size()
+                entry["latent_tb_per_s"] = round(latent_bytes / entry["us"] / 1e6, 3)
+            except Exception as e:  # noqa: BLE001 - a configuration that does not compile (registers, shared memory)
+                entry["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            entries.append(entry)
+            print(f"mla {num_seqs}x{seq_len}x{heads}h", entry, file=sys.stderr, flush=True)
+        ranked = sorted((e for e in entries if e.get("ok")), key=lambda e: e["us"])
+        out[f"{num_seqs}x{seq_len}x{heads}h"] = {"configs": entries, "best": ranked[0] if ranked else None}
     return out
 
 

@@ -3,7 +3,10 @@ what a token costs in the KV cache (and in a KV transfer) for the published V2-L
 on a random-weight model of DeepSeek-V2-Lite's layer shape (2 layers: one dense, one MoE), beside transformers'
 ``generate`` on the same model and prompts. Prints JSON (and writes it with --out).
 
-    python bench/deepseek_mla.py [--dtype float32] [--batches 1 8] [--out bench/results/deepseek_mla.json]
+    python bench/deepseek_mla.py [--dtype float32] [--batches 1 8] [--device cpu|cuda] [--out bench/results/deepseek_mla.json]
+
+On CUDA (``--device cuda --dtype bfloat16``) the engine runs the latent kernel (kernels/triton_mla_attention.py) with
+decode in CUDA graphs, and transformers runs on the same GPU in the same dtype.
 """
 
 from __future__ import annotations
@@ -72,16 +75,20 @@ def _build(out: Path) -> Path:
     return out
 
 
-def engine_speed(model_dir: Path, dtype: str, batches: list[int], prompt_len: int, new_tokens: int) -> dict:
+def engine_speed(model_dir: Path, dtype: str, batches: list[int], prompt_len: int, new_tokens: int,
+                 device: str = "cpu") -> dict:
     from pdcluster.engine.config import EngineConfig
     from pdcluster.engine.llm_engine import LLMEngine
     from pdcluster.engine.sampling_params import SamplingParams
 
-    engine = LLMEngine.from_config(EngineConfig(model=str(model_dir), dtype=dtype, num_kv_blocks=512,
-                                                max_num_batched_tokens=4096, max_model_len=1024,
-                                                enable_prefix_caching=False), progress=False)
+    num_kv_blocks = 512 if device == "cpu" else 16 * (max(batches) * 2 + 8)
+    engine = LLMEngine.from_config(EngineConfig(model=str(model_dir), dtype=dtype, num_kv_blocks=num_kv_blocks,
+                                                max_num_batched_tokens=4096, max_model_len=1024, device=device,
+                                                max_num_seqs=max(max(batches), 8), enable_prefix_caching=False),
+                                   progress=False)
     gen = torch.Generator().manual_seed(1)
-    out = {"deterministic": engine.config.deterministic}
+    out = {"deterministic": engine.config.deterministic,
+           "cuda_graphs": engine.runner.graphs is not None}
     engine.generate([[5] * 8], SamplingParams(max_tokens=2))  # warm
     for batch in batches:
         prompts = [torch.randint(3, 32000, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
@@ -98,11 +105,12 @@ def engine_speed(model_dir: Path, dtype: str, batches: list[int], prompt_len: in
     return out
 
 
-def transformers_speed(model_dir: Path, batch: int, prompt_len: int, new_tokens: int) -> dict:
+def transformers_speed(model_dir: Path, batch: int, prompt_len: int, new_tokens: int, device: str = "cpu",
+                       dtype: str = "float32") -> dict:
     import transformers
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    ids = torch.randint(3, 32000, (batch, prompt_len), generator=torch.Generator().manual_seed(1))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).to(device).eval()
+    ids = torch.randint(3, 32000, (batch, prompt_len), generator=torch.Generator().manual_seed(1)).to(device)
     with torch.inference_mode():
         hf.generate(ids[:, :8], max_new_tokens=2, do_sample=False)  # warm
         t0 = time.perf_counter()
@@ -121,16 +129,21 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--device", default="cpu")
     p.add_argument("--out", default="")
     args = p.parse_args()
-    result = {"kv_cache": kv_cost(), "threads": torch.get_num_threads()}
+    result = {"kv_cache": kv_cost(), "threads": torch.get_num_threads(), "device": args.device}
+    if args.device.startswith("cuda"):
+        result["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = _build(Path(tmp) / "v2-lite-2layers")
         result["engine"] = {"model": "random DeepSeek-V2-Lite layer shape, 2 layers (1 dense, 1 MoE of 16 experts)",
                             "dtype": args.dtype, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                            **engine_speed(model_dir, args.dtype, args.batches, args.prompt_len, args.new_tokens)}
+                            **engine_speed(model_dir, args.dtype, args.batches, args.prompt_len, args.new_tokens,
+                                           args.device)}
         result["transformers_generate"] = {f"batch_{b}": transformers_speed(model_dir, b, args.prompt_len,
-                                                                            args.new_tokens) for b in args.batches}
+                                                                            args.new_tokens, args.device, args.dtype)
+                                           for b in args.batches}
     for b in args.batches:
         ours, theirs = result["engine"][f"batch_{b}"], result["transformers_generate"][f"batch_{b}"]
         ours["decode_over_transformers"] = round(ours["decode_tok_s"] / theirs["decode_tok_s"], 2)

@@ -1,7 +1,8 @@
 #!/bin/bash
 # One device call for a GPU session (bench/gpu_check.py, bench/prefill_attention.py, with GPU_SERVE=1 the served
 # throughput by --api-servers (bench/gpu_serve.py; GPU_SERVE_ONLY=1: that alone, ~3 minutes), and with GPU_SWEEP=1 or
-# GPU_SWEEP=<sections> bench/attention_sweep.py, with GPU_GEMM=1 bench/gemm_sweep.py, with GPU_PROFILE=1 a quick
+# GPU_SWEEP=<sections> bench/attention_sweep.py, with GPU_MLA=1 DeepSeek's latent attention (its kernel's sweep and
+# bench/deepseek_mla.py on CUDA), with GPU_GEMM=1 bench/gemm_sweep.py, with GPU_PROFILE=1 a quick
 # `pdcluster profile --device cuda`, and the host's Python speed: bench/host_overhead.py and
 # bench/event_codec.py), within one
 # command's 10 minutes: results go to $OUT (what comes back) and their logs' tails to the output.
@@ -73,6 +74,17 @@ if [ -n "${GPU_SWEEP:-}" ]; then  # the Triton kernels' tile sweeps (bench/resul
     sweep_sections=$([ "$GPU_SWEEP" = 1 ] && echo decode,decode_many || echo "$GPU_SWEEP")
     timeout 200 python3 bench/attention_sweep.py --sections "$sweep_sections" --out "$OUT/attention_sweep.json" > "$OUT/attention_sweep.log" 2>&1
     echo "attention_sweep rc=$?"
+fi
+if [ -n "${GPU_MLA:-}" ]; then  # DeepSeek's latent attention: the kernel's tile sweep and a V2-Lite-shaped engine
+    timeout 150 python3 bench/attention_sweep.py --sections mla --out "$OUT/mla_sweep.json" > "$OUT/mla_sweep.log" 2>&1
+    echo "mla_sweep rc=$?"
+    grep -A12 '"best"' "$OUT/mla_sweep.json" | grep -E '"(kind|heads_block|block_n|num_warps|num_stages|us|latent_tb_per_s)"' | tr -s ' \n' ' '
+    echo
+    with_tiny_models 150 "sys.argv = ['deepseek_mla.py', *sys.argv[1:]]
+import deepseek_mla
+deepseek_mla.main()" --device cuda --dtype bfloat16 --batches 1 32 128 --prompt-len 512 --new-tokens 64 \
+        --out "$OUT/deepseek_mla_gpu.json" > "$OUT/deepseek_mla.log" 2>&1
+    echo "deepseek_mla rc=$?: $(grep -E '"(decode_step_ms|decode_over_transformers|cuda_graphs)"' "$OUT/deepseek_mla_gpu.json" | tr -s ' \n' ' ')"
 fi
 if [ -n "${GPU_GEMM:-}" ]; then  # decode-sized GEMMs: F.linear against a pre-transposed weight and cuBLASLt
     timeout 120 python3 bench/gemm_sweep.py --out "$OUT/gemm_sweep.json" > "$OUT/gemm_sweep.log" 2>&1
