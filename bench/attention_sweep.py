@@ -204,10 +204,9 @@ def latent_case(num_seqs: int, seq_len: int, num_heads: int, device: str, block_
 
 def mla_decode(dev: str, quick: bool, do_bench) -> dict:
     """The latent kernel's decode steps: production (fast mode: native dots; and deterministic mode's fp32 dots)
-    against other heads a tile, key tiles, warps, stages and the split, each checked against the reference on a few
-    rows. ``latent_tb_per_s``: the latents' bytes (read once) over the time: the kernel's share of HBM bandwidth."""
-    import torch
-
+    against other heads a tile, key tiles, warps and stages (the split by the launch's rule), each checked against the
+    reference on a few rows. ``latent_tb_per_s``: the latents' bytes (read once) over the time: the kernel's share of
+    HBM bandwidth."""
     from pdcluster.kernels import reference
     from pdcluster.kernels import triton_mla_attention as mla
 
