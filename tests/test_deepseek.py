@@ -150,6 +150,21 @@ def test_the_latent_kernel_serves_the_model(dirs, reference, monkeypatch):
     assert engine.runner.graphs.num_replays > 0 and len(calls) > 0
 
 
+def test_per_head_products_batched_equal_grouped():
+    """The fast mode's batched GEMM for the per-head products (CUDA; forced here) computes what the grouped matmul
+    with one group a head does, for strided inputs as MlaAttention hands them."""
+    from pdcluster.engine.models.deepseek import PerHeadLinear
+
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(4, 24, 16, generator=gen)
+    x = torch.randn(7, 4, 20, generator=gen)[:, :, 2:18].transpose(0, 1)  # [heads, tokens, in], not contiguous
+    batched, grouped = PerHeadLinear(weight, False, batched=True), PerHeadLinear(weight, True)
+    assert batched.batched and not grouped.batched
+    expected = torch.einsum("hti,hoi->hto", x, weight)
+    torch.testing.assert_close(batched(x), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grouped(x), expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("name,change", [
     ("v3", {"rope_interleave": False}),  # the loader's reordering of the rotated rows
     ("v3", {"rope_parameters": dict(YARN_MSCALE, mscale_all_dim=0.0)}),  # the attention scale's mscale^2

@@ -158,6 +158,18 @@ def test_own_mtp_is_lossless_and_mostly_accepted(model_dir, reference, use_async
     assert accepted / drafted > 0.5
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_own_mtp_on_cuda_is_lossless_with_graphs(model_dir, reference):
+    """On CUDA in fp32: the target's and the MTP layer's latents through the latent kernel, verification steps
+    (1 + k tokens a request) replayed in CUDA graphs, async by default: transformers' greedy, drafts accepted."""
+    engine = _engine(model_dir, device="cuda", **OWN)
+    outs = engine.generate(PROMPTS, GREEDY)
+    assert _tokens(outs) == reference
+    assert sum(o.num_accepted_tokens for o in outs) / sum(o.num_draft_tokens for o in outs) > 0.5
+    assert engine.runner.graphs is not None and engine.runner.graphs.num_replays > 0
+
+
 def test_own_mtp_chunked_preempted_is_lossless(model_dir, reference):
     engine = _engine(model_dir, prefill_chunk_size=5, max_num_batched_tokens=40, num_kv_blocks=24, **OWN)
     outs = engine.generate(PROMPTS, GREEDY)

@@ -21,7 +21,7 @@ token's KV is 576 numbers a layer instead of 128 heads x (192 + 128) keys and va
 tier moves those 576.
 
 The per-head products W_k[h]^T q_n and W_v[h] o run as a grouped matmul with one group per head (the MoE's:
-batch-invariant in deterministic mode). RoPE: V2's rotation is on interleaved pairs (complex multiply), V3's too
+batch-invariant in deterministic mode), or, in the fast mode on CUDA, as one batched GEMM (PerHeadLinear). RoPE: V2's rotation is on interleaved pairs (complex multiply), V3's too
 unless ``rope_interleave`` is false; the loader reorders those rows of q_b / q_proj and kv_a so the kernels' NeoX
 pairs are the checkpoint's (the dot products, all that reads them, are unchanged).
 
@@ -184,6 +184,28 @@ def _rope_rows_last(rows: torch.Tensor, num_heads: int, nope: int, order: torch.
     return torch.cat((heads[:, :nope], heads[:, nope:][:, order]), dim=1).reshape(rows.shape)
 
 
+class PerHeadLinear:
+    """``y[h] = x[h] @ weight[h]^T`` for each head h of x [num_heads, num_tokens, in]: [num_heads, num_tokens, out].
+    Every head has the same rows, so in the fast mode on CUDA it is one batched GEMM (cuBLAS: one kernel, where the
+    grouped matmul's tile table costs a few small ones a call, twice a layer); otherwise the MoE's grouped matmul
+    with one group a head, whose row tiles do not depend on the batch (deterministic mode; the C kernel on CPU)."""
+
+    def __init__(self, weight: torch.Tensor, deterministic: bool, batched: bool | None = None):
+        self.batched = (weight.is_cuda and not deterministic) if batched is None else batched
+        if self.batched:
+            self.weight_t = weight.transpose(1, 2).contiguous()  # [heads, in, out]
+        else:
+            self.grouped = GroupedLinear(weight, deterministic)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batched:
+            return torch.bmm(x, self.weight_t)
+        num_heads, num_tokens = x.shape[:2]
+        # Head-major rows: group h is rows h * T .. (h + 1) * T.
+        offs = torch.arange(0, (num_heads + 1) * num_tokens, num_tokens, dtype=torch.int64, device=x.device)
+        return self.grouped(x.reshape(num_heads * num_tokens, -1), offs).view(num_heads, num_tokens, -1)
+
+
 class MlaAttention:
     """One layer's MLA (module docstring); plain tensors, like DecoderLayer."""
 
@@ -206,8 +228,8 @@ class MlaAttention:
         self.kv_a_norm = pop("kv_a_layernorm.weight")
         kv_b = pop("kv_b_proj.weight").view(num_heads, nope + m.v_head_dim, m.kv_lora_rank)
         # q_n [nope] -> W_k[h]^T q_n [latent]: group h's weight [latent, nope]; o [latent] -> W_v[h] o [v].
-        self.absorb_k = GroupedLinear(kv_b[:, :nope].transpose(1, 2).contiguous(), deterministic)
-        self.expand_v = GroupedLinear(kv_b[:, nope:].contiguous(), deterministic)
+        self.absorb_k = PerHeadLinear(kv_b[:, :nope].transpose(1, 2).contiguous(), deterministic)
+        self.expand_v = PerHeadLinear(kv_b[:, nope:].contiguous(), deterministic)
         self.o_proj = Linear(pop("o_proj.weight"), **det)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, layer_cache: torch.Tensor,
@@ -225,13 +247,9 @@ class MlaAttention:
         query[:, :, latent:] = q[:, :, nope:]
         rope.rotate_(query[:, :, latent:], positions)
         rope.rotate_(key[:, :, latent:], positions)
-        # Head-major rows: group h is rows h * T .. (h + 1) * T.
-        offs = torch.arange(0, (num_heads + 1) * num_tokens, num_tokens, dtype=torch.int64, device=x.device)
-        q_nope = q[:, :, :nope].transpose(0, 1).reshape(num_heads * num_tokens, nope)
-        query[:, :, :latent] = self.absorb_k(q_nope, offs).view(num_heads, num_tokens, latent).transpose(0, 1)
+        query[:, :, :latent] = self.absorb_k(q[:, :, :nope].transpose(0, 1)).transpose(0, 1)
         out = attend_latent(query, key, layer_cache, meta, latent, batch_invariant=self.deterministic)  # V: the c's
-        o_latent = out.transpose(0, 1).reshape(num_heads * num_tokens, latent)
-        o = self.expand_v(o_latent, offs).view(num_heads, num_tokens, m.v_head_dim).transpose(0, 1)
+        o = self.expand_v(out.transpose(0, 1)).transpose(0, 1)
         return self.o_proj(o.reshape(num_tokens, num_heads * m.v_head_dim))
 
 
