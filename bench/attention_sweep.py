@@ -168,20 +168,27 @@ def decode_few(dev: str, quick: bool, do_bench, many: bool = False) -> dict:
                                        block_n, split=True, native_dot=dev == "cuda", num_warps=4, num_stages=3,
                                        partition=None if segments else attn.FAST_PARTITION, segments=segments)
             entry = {"kind": kind, "block_n": block_n, "segments": segments}
-            try:
-                got = run()[:n_check].float()
-                entry["max_abs_err"] = float((got - want).abs().max())
-                entry["ok"] = entry["max_abs_err"] < 3e-2
-                entry["us"] = round(do_bench(run, warmup=5, rep=30) * 1e3, 2)
-                kv_bytes = num_seqs * seq_len * 2 * cache.shape[3] * cache.shape[4] * cache.element_size()
-                entry["kv_tb_per_s"] = round(kv_bytes / entry["us"] / 1e6, 3)  # K and V read once
-            except Exception as e:  # noqa: BLE001 - a configuration that does not compile
-                entry["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            entries.append(entry)
-            print(f"decode_{'many' if many else 'few'} {num_seqs}x{seq_len}", entry, file=sys.stderr, flush=True)
+            kv_bytes = num_seqs * seq_len * 2 * cache.shape[3] * cache.shape[4] * cache.element_size()
+            entries.append(timed_decode(entry, run, want, n_check, do_bench, kv_bytes, "kv_tb_per_s"))  # K, V once
+            print(f"decode_{'many' if many else 'few'} {num_seqs}x{seq_len}", entries[-1], file=sys.stderr, flush=True)
         ranked = sorted((e for e in entries if e.get("ok")), key=lambda e: e["us"])
         out[f"{num_seqs}x{seq_len}"] = {"configs": entries, "best": ranked[0] if ranked else None}
     return out
+
+
+def timed_decode(entry: dict, run, want, n_check: int, do_bench, bytes_read: int, rate_key: str) -> dict:
+    """``entry`` with one configuration's error on the first ``n_check`` rows against ``want``, its time (us) and
+    ``bytes_read`` over that time (TB/s, under ``rate_key``); or the error of a configuration that does not
+    compile (registers, shared memory) or run."""
+    try:
+        got = run()[:n_check].float()
+        entry["max_abs_err"] = float((got - want).abs().max())
+        entry["ok"] = entry["max_abs_err"] < 3e-2
+        entry["us"] = round(do_bench(run, warmup=5, rep=30) * 1e3, 2)
+        entry[rate_key] = round(bytes_read / entry["us"] / 1e6, 3)
+    except Exception as e:  # noqa: BLE001
+        entry["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    return entry
 
 
 def latent_case(num_seqs: int, seq_len: int, num_heads: int, device: str, block_size: int = 16,
@@ -237,18 +244,10 @@ def mla_decode(dev: str, quick: bool, do_bench) -> dict:
             else:
                 def run(kw=kw):
                     return mla.launch(query, cache, tables, seq_lens, qsl, scale, latent, native_dot=native, **kw)
-            entry = {"kind": kind, **kw}
-            try:
-                got = run()[:n_check].float()
-                entry["max_abs_err"] = float((got - want).abs().max())
-                entry["ok"] = entry["max_abs_err"] < 3e-2
-                entry["us"] = round(do_bench(run, warmup=5, rep=30) * 1e3, 2)
-                latent_bytes = num_seqs * seq_len * (latent + rope) * cache.element_size()
-                entry["latent_tb_per_s"] = round(latent_bytes / entry["us"] / 1e6, 3)
-            except Exception as e:  # noqa: BLE001 - a configuration that does not compile (registers, shared memory)
-                entry["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            entries.append(entry)
-            print(f"mla {num_seqs}x{seq_len}x{heads}h", entry, file=sys.stderr, flush=True)
+            latent_bytes = num_seqs * seq_len * (latent + rope) * cache.element_size()
+            entries.append(timed_decode({"kind": kind, **kw}, run, want, n_check, do_bench, latent_bytes,
+                                        "latent_tb_per_s"))
+            print(f"mla {num_seqs}x{seq_len}x{heads}h", entries[-1], file=sys.stderr, flush=True)
         ranked = sorted((e for e in entries if e.get("ok")), key=lambda e: e["us"])
         out[f"{num_seqs}x{seq_len}x{heads}h"] = {"configs": entries, "best": ranked[0] if ranked else None}
     return out

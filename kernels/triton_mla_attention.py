@@ -37,7 +37,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from pdcluster.kernels.triton_paged_attention import INTERPRETED, SPLIT_BELOW_PROGRAMS, _find_request, _merge
+from pdcluster.kernels.triton_paged_attention import (INTERPRETED, SPLIT_BELOW_PROGRAMS, _find_request, _merge,
+                                                      _token_position)
 
 # Rows (query tokens x heads) a tile, in every batch: tl.dot's minimum, and one token's 16 heads for the published
 # models (16 heads in DeepSeek-V2-Lite, 128 in V3: 1 or 8 head blocks a token).
@@ -234,21 +235,9 @@ def _mla_merge_kernel(
     """One program per (query token, MERGE_HEADS_ heads): fold their partition states in order (``_merge``, the
     fold the unsplit kernel runs, so the same bits) and write the output rows."""
     token = tl.program_id(0)
-    lo: tl.int32 = 0
-    hi = num_reqs
-    while lo < hi:  # the request of this token: largest r with query_start_loc[r] <= token
-        mid = (lo + hi) // 2
-        if tl.load(query_start_loc_ptr + mid) <= token:
-            lo = mid + 1
-        else:
-            hi = mid
-    req = lo - 1
-    if req >= num_reqs:
-        return
-    q_end = tl.load(query_start_loc_ptr + req + 1)
-    if token >= q_end:
+    q_pos = _token_position(query_start_loc_ptr, seq_lens_ptr, token, num_reqs)
+    if q_pos < 0:
         return  # batch padding past the last request
-    q_pos = tl.load(seq_lens_ptr + req) - (q_end - token)
     num_parts = tl.cdiv(q_pos + 1, PARTITION_SIZE)
     heads = tl.program_id(1) * MERGE_HEADS_ + tl.arange(0, MERGE_HEADS_)
     dims = tl.arange(0, LATENT_PAD)

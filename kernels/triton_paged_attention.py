@@ -106,6 +106,23 @@ def _find_request(query_start_loc_ptr, q_tile_idx, num_reqs, BLOCK_Q: tl.constex
 
 
 @triton.jit
+def _token_position(query_start_loc_ptr, seq_lens_ptr, token, num_reqs):
+    """The context position of query token ``token`` (its request found by binary search: the largest r with
+    query_start_loc[r] <= token), or -1 for a row past the last request's tokens (batch padding)."""
+    lo: tl.int32 = 0
+    hi = num_reqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(query_start_loc_ptr + mid) <= token:
+            lo = mid + 1
+        else:
+            hi = mid
+    req = tl.minimum(lo - 1, num_reqs - 1)
+    q_end = tl.load(query_start_loc_ptr + req + 1)
+    return tl.where(token < q_end, tl.load(seq_lens_ptr + req) - (q_end - token), -1)
+
+
+@triton.jit
 def _merge(m, l, acc, m_p, l_p, acc_p):
     """Fold one partition's softmax state into the running one (rows x dims). A partition that saw no
     key (m_p = -1e30, l_p = 0, acc_p = 0) is an exact no-op; so is the first real one on the empty start."""
@@ -316,21 +333,9 @@ def _merge_partitions_kernel(
     """One program per query token: merge each of its heads' partition states in order (``_merge``, the
     same fold the unsplit kernel runs) and write the output row."""
     token = tl.program_id(0)
-    lo: tl.int32 = 0
-    hi = num_reqs
-    while lo < hi:  # the request of this token: largest r with query_start_loc[r] <= token
-        mid = (lo + hi) // 2
-        if tl.load(query_start_loc_ptr + mid) <= token:
-            lo = mid + 1
-        else:
-            hi = mid
-    req = lo - 1
-    if req >= num_reqs:
-        return
-    q_end = tl.load(query_start_loc_ptr + req + 1)
-    if token >= q_end:
+    q_pos = _token_position(query_start_loc_ptr, seq_lens_ptr, token, num_reqs)
+    if q_pos < 0:
         return  # batch padding past the last request
-    q_pos = tl.load(seq_lens_ptr + req) - (q_end - token)
     num_parts = tl.cdiv(q_pos + 1, PARTITION_SIZE)
     heads = tl.arange(0, HEADS_PAD)
     dims = tl.arange(0, HEAD_DIM_PAD)
