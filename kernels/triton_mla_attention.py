@@ -37,8 +37,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from pdcluster.kernels.triton_paged_attention import (INTERPRETED, SPLIT_BELOW_PROGRAMS, _find_request, _merge,
-                                                      _token_position)
+from pdcluster.kernels.triton_paged_attention import (INTERPRETED, SPLIT_BELOW_PROGRAMS, _merge,
+                                                      _merge_partitions_kernel, _query_tile)
 
 # Rows (query tokens x heads) a tile, in every batch: tl.dot's minimum, and one token's 16 heads for the published
 # models (16 heads in DeepSeek-V2-Lite, 128 in V3: 1 or 8 head blocks a token).
@@ -50,7 +50,7 @@ KV_TILE_TOKENS = 16
 NATIVE_KV_TILE_TOKENS = 32
 # Context positions a partition (a multiple of both key tiles): where a row's softmax states are merged.
 PARTITION = 128
-# Heads a program of the merge kernel folds (any: the merge is elementwise per row).
+# Heads a program of the merge kernel folds (any: the merge is elementwise per row; a power of two).
 MERGE_HEADS = 4
 
 
@@ -146,10 +146,7 @@ def _mla_attention_kernel(
     q_tile_idx = tl.program_id(0)
     head_block = tl.program_id(1)
 
-    req = _find_request(query_start_loc_ptr, q_tile_idx, num_reqs, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + req)
-    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
-    tile_in_req = q_tile_idx - (q_start // BLOCK_Q + req)
+    req, q_start, q_len, tile_in_req = _query_tile(query_start_loc_ptr, q_tile_idx, num_reqs, BLOCK_Q)
     if tile_in_req * BLOCK_Q >= q_len:
         return  # a gap left by the "+ r" tile numbering, or past the last request
     first_q_pos = tl.load(seq_lens_ptr + req) - q_len
@@ -211,51 +208,6 @@ def _mla_attention_kernel(
             + lat_dims[None, :] * stride_out_dim
         tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty),
                  mask=row_valid[:, None] & lat_valid[None, :])
-
-
-@triton.jit(do_not_specialize=["num_reqs"])
-def _mla_merge_kernel(
-    out_ptr,
-    seq_lens_ptr,
-    query_start_loc_ptr,
-    part_m_ptr,
-    part_l_ptr,
-    part_acc_ptr,
-    num_reqs,
-    num_heads,
-    max_parts,
-    stride_out_token,
-    stride_out_head,
-    stride_out_dim,
-    LATENT: tl.constexpr,
-    LATENT_PAD: tl.constexpr,
-    MERGE_HEADS_: tl.constexpr,
-    PARTITION_SIZE: tl.constexpr,
-):
-    """One program per (query token, MERGE_HEADS_ heads): fold their partition states in order (``_merge``, the
-    fold the unsplit kernel runs, so the same bits) and write the output rows."""
-    token = tl.program_id(0)
-    q_pos = _token_position(query_start_loc_ptr, seq_lens_ptr, token, num_reqs)
-    if q_pos < 0:
-        return  # batch padding past the last request
-    num_parts = tl.cdiv(q_pos + 1, PARTITION_SIZE)
-    heads = tl.program_id(1) * MERGE_HEADS_ + tl.arange(0, MERGE_HEADS_)
-    dims = tl.arange(0, LATENT_PAD)
-    head_valid = heads < num_heads
-    state_row = token.to(tl.int64) * num_heads + heads
-    m_i = tl.full([MERGE_HEADS_], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([MERGE_HEADS_], dtype=tl.float32)
-    acc = tl.zeros([MERGE_HEADS_, LATENT_PAD], dtype=tl.float32)
-    for part in range(0, num_parts):
-        at = state_row * max_parts + part
-        m_p = tl.load(part_m_ptr + at, mask=head_valid, other=-1.0e30)
-        l_p = tl.load(part_l_ptr + at, mask=head_valid, other=0.0)
-        acc_p = tl.load(part_acc_ptr + at[:, None] * LATENT_PAD + dims[None, :], mask=head_valid[:, None], other=0.0)
-        m_i, l_i, acc = _merge(m_i, l_i, acc, m_p, l_p, acc_p)
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    out = acc / l_safe[:, None]
-    offsets = token.to(tl.int64) * stride_out_token + heads[:, None] * stride_out_head + dims[None, :] * stride_out_dim
-    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=head_valid[:, None] & (dims[None, :] < LATENT))
 
 
 def mla_attention_triton(query: Tensor, layer_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
@@ -322,8 +274,9 @@ def launch(query: Tensor, layer_cache: Tensor, block_tables: Tensor, seq_lens: T
         NATIVE_DOT=native_dot, num_warps=num_warps or 8, **({"num_stages": num_stages} if num_stages else {}),
     )
     if split:
-        _mla_merge_kernel[(num_tokens, -(-num_heads // MERGE_HEADS))](
-            out, seq_lens, query_start_loc, part_m, part_l, part_acc, num_reqs, num_heads, max_parts, *out.stride(),
-            LATENT=latent_dim, LATENT_PAD=latent_pad, MERGE_HEADS_=MERGE_HEADS, PARTITION_SIZE=PARTITION,
+        # The paged kernel's merge, MERGE_HEADS heads a program (all of V3's 128 x 512 in one would not fit).
+        _merge_partitions_kernel[(num_tokens, -(-num_heads // MERGE_HEADS))](
+            out, seq_lens, query_start_loc, part_m, part_l, part_acc, num_reqs, num_heads, latent_dim, max_parts,
+            *out.stride(), HEADS_PAD=MERGE_HEADS, HEAD_DIM_PAD=latent_pad, PARTITION_SIZE=PARTITION,
         )
     return out

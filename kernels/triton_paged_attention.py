@@ -106,6 +106,17 @@ def _find_request(query_start_loc_ptr, q_tile_idx, num_reqs, BLOCK_Q: tl.constex
 
 
 @triton.jit
+def _query_tile(query_start_loc_ptr, q_tile_idx, num_reqs, BLOCK_Q: tl.constexpr):
+    """Query tile ``q_tile_idx``'s request (module doc: the "+ r" numbering), that request's first query token and
+    query length, and the tile's index within the request; a tile with ``tile_in_req * BLOCK_Q >= q_len`` is a gap
+    (or past the last request): its program has nothing to do."""
+    req = _find_request(query_start_loc_ptr, q_tile_idx, num_reqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    return req, q_start, q_len, q_tile_idx - (q_start // BLOCK_Q + req)
+
+
+@triton.jit
 def _token_position(query_start_loc_ptr, seq_lens_ptr, token, num_reqs):
     """The context position of query token ``token`` (its request found by binary search: the largest r with
     query_start_loc[r] <= token), or -1 for a row past the last request's tokens (batch padding)."""
@@ -231,10 +242,7 @@ def _paged_attention_kernel(
     q_tile_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
 
-    req = _find_request(query_start_loc_ptr, q_tile_idx, num_reqs, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + req)
-    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
-    tile_in_req = q_tile_idx - (q_start // BLOCK_Q + req)
+    req, q_start, q_len, tile_in_req = _query_tile(query_start_loc_ptr, q_tile_idx, num_reqs, BLOCK_Q)
     if tile_in_req * BLOCK_Q >= q_len:
         return  # a gap left by the "+ r" tile numbering, or past the last request
     context_len = tl.load(seq_lens_ptr + req)
@@ -330,14 +338,15 @@ def _merge_partitions_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     PARTITION_SIZE: tl.constexpr,
 ):
-    """One program per query token: merge each of its heads' partition states in order (``_merge``, the
-    same fold the unsplit kernel runs) and write the output row."""
+    """One program per query token and HEADS_PAD of its heads (program_id(1): which; the paged kernel's launch
+    takes every head in one, the latent kernel's a few: kernels/triton_mla_attention.py): merge each head's
+    partition states in order (``_merge``, the same fold the unsplit kernel runs) and write the output rows."""
     token = tl.program_id(0)
     q_pos = _token_position(query_start_loc_ptr, seq_lens_ptr, token, num_reqs)
     if q_pos < 0:
         return  # batch padding past the last request
     num_parts = tl.cdiv(q_pos + 1, PARTITION_SIZE)
-    heads = tl.arange(0, HEADS_PAD)
+    heads = tl.program_id(1) * HEADS_PAD + tl.arange(0, HEADS_PAD)
     dims = tl.arange(0, HEAD_DIM_PAD)
     head_valid = heads < num_q_heads
     state_row = token.to(tl.int64) * num_q_heads + heads
