@@ -7,10 +7,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pdcluster.engine.kv_cache import layer_planes
 from pdcluster.engine.mamba_state import MambaMetadata  # noqa: F401 (annotation)
 
-from pdcluster.kernels import flash_prefill, ops
+from pdcluster.kernels import flash_prefill, ops, reference
 
 
 @dataclass
@@ -75,6 +74,6 @@ def attend_latent(
 ) -> torch.Tensor:
     """Absorbed multi-head latent attention (engine/models/deepseek.py): writes each token's vector into its slot,
     then every head attends over the cached vectors with the latents as values. [num_tokens, num_heads, latent_dim]."""
-    ops.write_kv(key, key, layer_planes(layer_cache), meta.slot_mapping)  # both planes are the one vector (a stride-0 view)
+    ops.write_kv(key, key, reference.layer_planes(layer_cache), meta.slot_mapping)  # both planes: the one vector
     return ops.latent_attention(query, layer_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.scale,
                                 latent_dim, batch_invariant=batch_invariant)

@@ -5,7 +5,7 @@ Layout (shared with kernels/reference.py and every transport):
     kv_cache: [num_layers, num_planes, num_blocks, block_size, num_kv_heads, head_dim]
 
 ``num_planes`` is 2 (K, then V), or 1 where the values are the keys themselves: MLA caches one latent vector per
-token (engine/models/deepseek.py), and its attention reads that plane as both (``layer_planes``). ``num_layers`` counts the target model's layers followed by the draft (MTP) layers, so a request's
+token (engine/models/deepseek.py), and its attention reads that plane as both (kernels/reference.py ``layer_planes``). ``num_layers`` counts the target model's layers followed by the draft (MTP) layers, so a request's
 draft-layer KV lives in the same blocks and travels with the target's in a KV transfer (S2).
 """
 
@@ -45,12 +45,6 @@ class KVCacheSpec:
 def kv_planes(arch) -> int:
     """The planes an arch's cache keeps: its ``kv_planes`` (DeepSeek's latents: 1), else K and V."""
     return getattr(arch, "kv_planes", 2)
-
-
-def layer_planes(layer_cache: torch.Tensor) -> torch.Tensor:
-    """A layer's cache as the attention kernels take it, [2, num_blocks, block_size, num_kv_heads, head_dim]: a
-    one-plane cache (MLA) as its plane twice, a view (stride 0), so writing K and V writes the one vector."""
-    return layer_cache if layer_cache.shape[0] == 2 else layer_cache.expand(2, *layer_cache.shape[1:])
 
 
 def num_blocks_for_budget(bytes_per_block: int, memory_gib: float) -> int:

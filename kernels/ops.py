@@ -86,8 +86,8 @@ def latent_attention(query: Tensor, layer_cache: Tensor, block_tables: Tensor, s
 
         return mla_attention_triton(query, layer_cache, block_tables, seq_lens, query_start_loc, scale, latent_dim,
                                     batch_invariant=batch_invariant)
-    planes = layer_cache if layer_cache.shape[0] == 2 else layer_cache.expand(2, *layer_cache.shape[1:])
-    out = cpu_ops.paged_attention(query, planes, block_tables, seq_lens, query_start_loc, scale)
+    out = cpu_ops.paged_attention(query, reference.layer_planes(layer_cache), block_tables, seq_lens, query_start_loc,
+                                  scale)
     if out is not None:
         return out[:, :, :latent_dim]
     return reference.latent_attention(query, layer_cache, block_tables, seq_lens, query_start_loc, scale, latent_dim)

@@ -91,6 +91,13 @@ def paged_attention(
     return out
 
 
+def layer_planes(layer_cache: torch.Tensor) -> torch.Tensor:
+    """A layer's cache as the attention kernels take it, [2, num_blocks, block_size, num_kv_heads, head_dim]: a
+    one-plane cache (MLA: engine/kv_cache.py) as its plane twice, a view (stride 0), so writing K and V writes the
+    one vector."""
+    return layer_cache if layer_cache.shape[0] == 2 else layer_cache.expand(2, *layer_cache.shape[1:])
+
+
 def latent_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, latent_dim + rope_dim]: [W_k^T q_nope, q_rope] per head
     layer_cache: torch.Tensor,  # [1, num_blocks, block_size, 1, latent_dim + rope_dim] (or K and V planes over it)
@@ -103,8 +110,7 @@ def latent_attention(
     """Absorbed multi-head latent attention (DeepSeek's MLA): :func:`paged_attention` of every head over one
     cached vector a token, [c, k_r], whose first ``latent_dim`` dims (the latent c) are also the values.
     Returns [num_tokens, num_heads, latent_dim]."""
-    planes = layer_cache if layer_cache.shape[0] == 2 else layer_cache.expand(2, *layer_cache.shape[1:])
-    return paged_attention(query, planes, block_tables, seq_lens, query_start_loc, scale)[:, :, :latent_dim]
+    return paged_attention(query, layer_planes(layer_cache), block_tables, seq_lens, query_start_loc, scale)[:, :, :latent_dim]
 
 
 def paged_attention_uniform(

@@ -38,7 +38,7 @@ import triton.language as tl
 from torch import Tensor
 
 from pdcluster.kernels.triton_paged_attention import (INTERPRETED, SPLIT_BELOW_PROGRAMS, _merge,
-                                                      _merge_partitions_kernel, _query_tile)
+                                                      _merge_partitions_kernel, _query_tile, _softmax_step)
 
 # Rows (query tokens x heads) a tile, in every batch: tl.dot's minimum, and one token's 16 heads for the published
 # models (16 heads in DeepSeek-V2-Lite, 128 in V3: 1 or 8 head blocks a token).
@@ -90,16 +90,8 @@ def _latent_partition_state(q_lat, q_rope, q_pos, row_valid, kv_lo, kv_hi, table
         causal = (k_pos[None, :] <= q_pos[:, None]) & row_valid[:, None]
         scores = tl.where(causal, scores, float("-inf"))
 
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)  # rescales what was accumulated under the old max
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.trans(c_t)  # [BLOCK_N, LATENT_PAD]: the values are the latents
-        if NATIVE_DOT:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        # The values are the latents: the latent tile's transpose, [BLOCK_N, LATENT_PAD].
+        m_i, l_i, acc = _softmax_step(m_i, l_i, acc, scores, tl.trans(c_t), DOT_PRECISION, NATIVE_DOT)
     return m_i, l_i, acc
 
 
@@ -177,31 +169,26 @@ def _mla_attention_kernel(
     kv_end = first_q_pos + last_q_in_tile + 1
     num_parts = tl.cdiv(kv_end, PARTITION_SIZE)
     table_row_ptr = block_tables_ptr + req.to(tl.int64) * stride_table_req
-    if SPLIT:
-        state_row = q_token * num_heads + head
-        for part in range(tl.program_id(2), num_parts, tl.num_programs(2)):
-            kv_lo = part * PARTITION_SIZE
-            m_p, l_p, acc_p = _latent_partition_state(
-                q_lat, q_rope, q_pos, row_valid, kv_lo, tl.minimum(kv_lo + PARTITION_SIZE, kv_end), table_row_ptr,
-                cache_ptr, block_size, qk_scale_log2, lat_dims, lat_valid, rope_dims, rope_valid, stride_cache_block,
-                stride_cache_slot, stride_cache_dim, stride_table_entry, LATENT, BLOCK_M, BLOCK_N, LATENT_PAD,
-                DOT_PRECISION, NATIVE_DOT)
+    # Unsplit, the grid has one program on axis 2: this program walks every partition and merges them here.
+    state_row = q_token * num_heads + head
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, LATENT_PAD], dtype=tl.float32)
+    for part in range(tl.program_id(2), num_parts, tl.num_programs(2)):
+        kv_lo = part * PARTITION_SIZE
+        m_p, l_p, acc_p = _latent_partition_state(
+            q_lat, q_rope, q_pos, row_valid, kv_lo, tl.minimum(kv_lo + PARTITION_SIZE, kv_end), table_row_ptr,
+            cache_ptr, block_size, qk_scale_log2, lat_dims, lat_valid, rope_dims, rope_valid, stride_cache_block,
+            stride_cache_slot, stride_cache_dim, stride_table_entry, LATENT, BLOCK_M, BLOCK_N, LATENT_PAD,
+            DOT_PRECISION, NATIVE_DOT)
+        if SPLIT:
             at = state_row * max_parts + part
             tl.store(part_m_ptr + at, m_p, mask=row_valid)
             tl.store(part_l_ptr + at, l_p, mask=row_valid)
             tl.store(part_acc_ptr + at[:, None] * LATENT_PAD + lat_dims[None, :], acc_p, mask=row_valid[:, None])
-    else:
-        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, LATENT_PAD], dtype=tl.float32)
-        for part in range(0, num_parts):
-            kv_lo = part * PARTITION_SIZE
-            m_p, l_p, acc_p = _latent_partition_state(
-                q_lat, q_rope, q_pos, row_valid, kv_lo, tl.minimum(kv_lo + PARTITION_SIZE, kv_end), table_row_ptr,
-                cache_ptr, block_size, qk_scale_log2, lat_dims, lat_valid, rope_dims, rope_valid, stride_cache_block,
-                stride_cache_slot, stride_cache_dim, stride_table_entry, LATENT, BLOCK_M, BLOCK_N, LATENT_PAD,
-                DOT_PRECISION, NATIVE_DOT)
+        else:
             m_i, l_i, acc = _merge(m_i, l_i, acc, m_p, l_p, acc_p)
+    if not SPLIT:
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # padding rows: never stored, but keep them NaN-free
         out = acc / l_safe[:, None]
         out_offsets = q_token[:, None] * stride_out_token + head[:, None] * stride_out_head \

@@ -128,9 +128,24 @@ def _token_position(query_start_loc_ptr, seq_lens_ptr, token, num_reqs):
             lo = mid + 1
         else:
             hi = mid
-    req = tl.minimum(lo - 1, num_reqs - 1)
+    req = lo - 1  # <= num_reqs - 1: lo stays within [0, num_reqs]
     q_end = tl.load(query_start_loc_ptr + req + 1)
     return tl.where(token < q_end, tl.load(seq_lens_ptr + req) - (q_end - token), -1)
+
+
+@triton.jit
+def _softmax_step(m_i, l_i, acc, scores, v, DOT_PRECISION: tl.constexpr, NATIVE_DOT: tl.constexpr):
+    """One key tile's online-softmax update of the running state (m, l, acc) from its masked log2-scaled
+    ``scores`` [rows, keys] and value tile ``v`` [keys, dims] (16-bit into the dot with NATIVE_DOT, else fp32)."""
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp2(m_i - m_new)  # rescales what was accumulated under the old max
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if NATIVE_DOT:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -182,15 +197,7 @@ def _partition_state(q, q_pos, row_valid, kv_lo, kv_hi, win_lo, window, softcap,
         causal = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window) & row_valid[:, None]
         scores = tl.where(causal, scores, float("-inf"))
 
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)  # rescales what was accumulated under the old max
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if NATIVE_DOT:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_step(m_i, l_i, acc, scores, v, DOT_PRECISION, NATIVE_DOT)
     return m_i, l_i, acc
 
 

@@ -20,7 +20,6 @@ import pytest
 import torch
 
 import pdcluster.kernels as kernels_pkg
-from pdcluster.engine.kv_cache import layer_planes
 from pdcluster.kernels import cpu_ops, ops, reference
 from pdcluster.kernels.triton_block_copy import gather_blocks_triton, scatter_blocks_triton
 from pdcluster.kernels.triton_paged_attention import paged_attention_triton
@@ -188,7 +187,7 @@ def test_paged_attention_latent_shape_matches_reference():
     batch.layer_cache[1] = batch.layer_cache[0]
     expected = reference.paged_attention(*batch.args())
     # The engine's one-plane cache, handed to the kernels as that plane twice (a stride-0 view).
-    batch.layer_cache = layer_planes(batch.layer_cache[:1].clone())
+    batch.layer_cache = reference.layer_planes(batch.layer_cache[:1].clone())
     assert batch.layer_cache.stride(0) == 0
     assert not expected.isnan().any()
     torch.testing.assert_close(paged_attention_triton(*batch.args()), expected, rtol=1e-5, atol=1e-5)

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from pdcluster.kernels import reference, triton_matmul_bi
 from pdcluster.kernels import triton_paged_attention as attention
 from pdcluster.kernels.triton_matmul_bi import matmul_bi, tiles_for
+from attention_contexts import TargetContext, invariance_failures
 from triton_compile_helpers import compile_for_cuda
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -248,52 +249,13 @@ TARGET_POSITIONS = (30, 44)  # in the first and in the second key tile
 OTHER_CONTEXTS = (13, 37, 9, 21, 17, 40)
 
 
-class PagedContext:
+class PagedContext(TargetContext):
     """Request 0 (the target) and the OTHER_CONTEXTS requests, their K/V in a paged cache with scattered
     blocks; the target's query vector for each position is fixed, the others' are drawn per call."""
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, dtype: torch.dtype, device: str):
-        gen = torch.Generator().manual_seed(7)
-        lens = (CONTEXT,) + OTHER_CONTEXTS
-        blocks = [-(-n // BLOCK_SIZE) for n in lens]
-        num_blocks = sum(blocks) + 2
-        pool = torch.randperm(num_blocks, generator=gen)
-        # Unused slots hold NaN: a kernel that reads past a request's context turns its output NaN.
-        self.cache = torch.full((2, num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM), float("nan"), dtype=dtype)
-        self.tables = torch.full((len(lens), max(blocks) + 1), int(pool[-1]), dtype=torch.int32)
-        start = 0
-        for r, (n, b) in enumerate(zip(lens, blocks)):
-            ids = pool[start : start + b]
-            start += b
-            self.tables[r, :b] = ids.to(torch.int32)
-            pos = torch.arange(n)
-            slots = ids[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
-            k = torch.randn(n, num_kv_heads, HEAD_DIM, generator=gen).to(dtype)
-            v = torch.randn(n, num_kv_heads, HEAD_DIM, generator=gen).to(dtype)
-            reference.write_kv(k, v, self.cache, slots)
-        self.target_q = torch.randn(CONTEXT, num_q_heads, HEAD_DIM, generator=gen).to(dtype)
-        self.num_q_heads, self.dtype, self.device = num_q_heads, dtype, device
-        self.cache, self.tables = self.cache.to(device), self.tables.to(device)
-
-    def run(self, launch, rows: list[tuple[int, int, int]]) -> dict[int, torch.Tensor]:
-        """``rows``: (request, first position, number of query tokens) per request of one call. Returns
-        the target's output row for each of its query positions."""
-        gen = torch.Generator().manual_seed(11)
-        queries, starts, seq_lens, target_at = [], [0], [], {}
-        for req, first, q_len in rows:
-            if req == 0:
-                q = self.target_q[first : first + q_len]
-                target_at.update({first + i: starts[-1] + i for i in range(q_len)})
-            else:
-                q = torch.randn(q_len, self.num_q_heads, HEAD_DIM, generator=gen).to(self.dtype)
-            queries.append(q)
-            starts.append(starts[-1] + q_len)
-            seq_lens.append(first + q_len)
-        order = [req for req, _, _ in rows]
-        out = launch(torch.cat(queries).to(self.device), self.cache, self.tables[order],
-                     torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
-                     torch.tensor(starts, dtype=torch.int32, device=self.device), HEAD_DIM**-0.5)
-        return {pos: out[i] for pos, i in target_at.items()}
+        super().__init__((CONTEXT,) + OTHER_CONTEXTS, BLOCK_SIZE, 2, num_q_heads, num_kv_heads, HEAD_DIM, dtype, device,
+                         seed=7)
 
 
 def _fixed_tiles(query, cache, tables, seq_lens, qsl, scale):
@@ -313,13 +275,7 @@ SCENARIOS = [
 
 def attention_invariance_failures(launch, ctx: PagedContext) -> list[str]:
     """Where the target's row for a position differs bitwise from the same query as a decode step alone."""
-    alone = {pos: ctx.run(launch, [(0, pos, 1)])[pos] for pos in TARGET_POSITIONS}
-    failures = []
-    for name, rows in SCENARIOS:
-        for pos, row in ctx.run(launch, rows).items():
-            if pos in alone and not torch.equal(row, alone[pos]):
-                failures.append(f"{name}: position {pos}")
-    return failures
+    return invariance_failures(launch, ctx, SCENARIOS, TARGET_POSITIONS)
 
 
 def assert_decode_row_is_attention(out: torch.Tensor, ctx: PagedContext, dtype: torch.dtype) -> None:

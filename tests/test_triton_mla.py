@@ -16,6 +16,7 @@ import torch
 
 from pdcluster.kernels import ops, reference
 from pdcluster.kernels import triton_mla_attention as mla
+from attention_contexts import TargetContext, invariance_failures
 from triton_compile_helpers import compile_for_cuda
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -39,59 +40,16 @@ def _short_partitions(monkeypatch):
     monkeypatch.setattr(mla, "PARTITION", PARTITION)
 
 
-class LatentContext:
-    """Request 0 (the target) and the OTHER_CONTEXTS requests, their latent vectors in a one-plane paged cache
-    with scattered blocks (unused slots NaN: a kernel reading past a context turns its rows NaN); the target's
-    query for each position is fixed, the others' are drawn per call."""
+class LatentContext(TargetContext):
+    """Request 0 (the target) and the OTHER_CONTEXTS requests, their latent vectors in a one-plane paged cache;
+    ``run`` hands the launch the latent's width after the call's arguments."""
 
     def __init__(self, num_heads: int, latent: int, rope: int, dtype: torch.dtype, device: str):
-        gen = torch.Generator().manual_seed(5)
-        lens = (CONTEXT,) + OTHER_CONTEXTS
-        blocks = [-(-n // BLOCK_SIZE) for n in lens]
-        num_blocks = sum(blocks) + 2
-        pool = torch.randperm(num_blocks, generator=gen)
-        width = latent + rope
-        self.cache = torch.full((1, num_blocks, BLOCK_SIZE, 1, width), float("nan"), dtype=dtype)
-        self.tables = torch.full((len(lens), max(blocks) + 1), int(pool[-1]), dtype=torch.int32)
-        start = 0
-        for r, (n, b) in enumerate(zip(lens, blocks)):
-            ids = pool[start : start + b]
-            start += b
-            self.tables[r, :b] = ids.to(torch.int32)
-            pos = torch.arange(n)
-            slots = ids[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
-            vec = torch.randn(n, 1, width, generator=gen).to(dtype)
-            self.cache[0].view(-1, 1, width)[slots] = vec
-        self.target_q = torch.randn(CONTEXT, num_heads, width, generator=gen).to(dtype)
-        self.num_heads, self.latent, self.width, self.dtype = num_heads, latent, width, dtype
-        self.scale = width**-0.5
-        self.device = device
-        self.cache, self.tables = self.cache.to(device), self.tables.to(device)
-
-    def batch(self, rows: list[tuple[int, int, int]]):
-        """``rows``: (request, first position, number of query tokens) a request. Returns the call's arguments
-        and, for the target's query positions, their row in the output."""
-        gen = torch.Generator().manual_seed(11)
-        queries, starts, seq_lens, target_at = [], [0], [], {}
-        for req, first, q_len in rows:
-            if req == 0:
-                q = self.target_q[first : first + q_len]
-                target_at.update({first + i: starts[-1] + i for i in range(q_len)})
-            else:
-                q = torch.randn(q_len, self.num_heads, self.width, generator=gen).to(self.dtype)
-            queries.append(q)
-            starts.append(starts[-1] + q_len)
-            seq_lens.append(first + q_len)
-        order = [req for req, _, _ in rows]
-        args = (torch.cat(queries).to(self.device), self.cache, self.tables[order],
-                torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
-                torch.tensor(starts, dtype=torch.int32, device=self.device), self.scale)
-        return args, target_at
+        super().__init__((CONTEXT,) + OTHER_CONTEXTS, BLOCK_SIZE, 1, num_heads, 1, latent + rope, dtype, device, seed=5)
+        self.num_heads, self.latent = num_heads, latent
 
     def run(self, launch, rows) -> dict[int, torch.Tensor]:
-        args, target_at = self.batch(rows)
-        out = launch(*args, self.latent)
-        return {pos: out[i] for pos, i in target_at.items()}
+        return super().run(launch, rows, self.latent)
 
 
 def fixed_tiles(query, cache, tables, seq_lens, qsl, scale, latent):
@@ -107,15 +65,9 @@ SCENARIOS = [
 ]
 
 
-def invariance_failures(launch, ctx: LatentContext) -> list[str]:
+def latent_invariance_failures(launch, ctx: LatentContext) -> list[str]:
     """Where the target's row for a position differs bitwise from the same query as a decode step alone."""
-    alone = {pos: ctx.run(launch, [(0, pos, 1)])[pos] for pos in TARGET_POSITIONS}
-    failures = []
-    for name, rows in SCENARIOS:
-        for pos, row in ctx.run(launch, rows).items():
-            if pos in alone and not torch.equal(row, alone[pos]):
-                failures.append(f"{name}: position {pos}")
-    return failures
+    return invariance_failures(launch, ctx, SCENARIOS, TARGET_POSITIONS)
 
 
 def assert_matches_reference(out: torch.Tensor, args, latent: int, dtype: torch.dtype) -> None:
@@ -166,7 +118,7 @@ def test_latent_attention_rows_are_batch_invariant(device, dtype, num_heads):
     """A query's row has the same bits as a decode step alone, in a prefill chunk, among verification rows and
     in decode batches, and whether the partitions merge in the program or in the second kernel."""
     ctx = LatentContext(num_heads, 32, 16, dtype, device)
-    assert invariance_failures(fixed_tiles, ctx) == []
+    assert latent_invariance_failures(fixed_tiles, ctx) == []
     alone = {pos: ctx.run(fixed_tiles, [(0, pos, 1)])[pos] for pos in TARGET_POSITIONS}
     for split in (True, False):
         def launch(*args, split=split):
@@ -188,7 +140,7 @@ def test_the_latent_check_catches_a_key_tile_chosen_from_the_batch(device):
         block_n = 32 if query.shape[0] > 8 else mla.KV_TILE_TOKENS
         return mla.launch(query, cache, tables, seq_lens, qsl, scale, latent, block_n)
 
-    failures = invariance_failures(keyed_on_batch, LatentContext(4, 32, 16, torch.float32, device))
+    failures = latent_invariance_failures(keyed_on_batch, LatentContext(4, 32, 16, torch.float32, device))
     assert any(f.startswith("prefill chunk") for f in failures), failures
     assert not any(f.startswith("decode batch") for f in failures), failures  # 5 tokens: the fixed tile
 

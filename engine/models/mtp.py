@@ -139,8 +139,7 @@ def find_mtp_checkpoint(checkpoint: str, cache_dir: str | os.PathLike, model_nam
         model_dir = None if model_name in BUILTIN_MODELS else Path(model_name)  # a built-in has them
         if model_dir is not None and not own.own_mtp_weight_names(model_dir, arch):
             raise MTPHeadMissing(f"--spec mtp: {model_dir}/config.json declares num_nextn_predict_layers "
-                                 f"{arch.num_nextn_predict_layers} but its weights have no {own.mtp_prefix(arch)}.* "
-                                 "tensors "
+                                 f"{arch.num_nextn_predict_layers} but its weights have no {own.mtp_prefix(arch)}.* tensors "
                                  "(transformers' save_pretrained drops them); pass --mtp-checkpoint PATH or use "
                                  "--spec ngram")
         return MTPSource("own", model_dir)
