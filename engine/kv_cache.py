@@ -5,7 +5,8 @@ Layout (shared with kernels/reference.py and every transport):
     kv_cache: [num_layers, num_planes, num_blocks, block_size, num_kv_heads, head_dim]
 
 ``num_planes`` is 2 (K, then V), or 1 where the values are the keys themselves: MLA caches one latent vector per
-token (engine/models/deepseek.py), and its attention reads that plane as both (kernels/reference.py ``layer_planes``). ``num_layers`` counts the target model's layers followed by the draft (MTP) layers, so a request's
+token (engine/models/deepseek.py), and its attention reads that plane as both (kernels/reference.py
+``layer_planes``). ``num_layers`` counts the target model's layers followed by the draft (MTP) layers, so a request's
 draft-layer KV lives in the same blocks and travels with the target's in a KV transfer (S2).
 """
 

@@ -110,7 +110,8 @@ def latent_attention(
     """Absorbed multi-head latent attention (DeepSeek's MLA): :func:`paged_attention` of every head over one
     cached vector a token, [c, k_r], whose first ``latent_dim`` dims (the latent c) are also the values.
     Returns [num_tokens, num_heads, latent_dim]."""
-    return paged_attention(query, layer_planes(layer_cache), block_tables, seq_lens, query_start_loc, scale)[:, :, :latent_dim]
+    out = paged_attention(query, layer_planes(layer_cache), block_tables, seq_lens, query_start_loc, scale)
+    return out[:, :, :latent_dim]
 
 
 def paged_attention_uniform(

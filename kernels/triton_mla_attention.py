@@ -198,7 +198,8 @@ def _mla_attention_kernel(
 
 
 def mla_attention_triton(query: Tensor, layer_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
-                         query_start_loc: Tensor, scale: float, latent_dim: int, batch_invariant: bool = True) -> Tensor:
+                         query_start_loc: Tensor, scale: float, latent_dim: int,
+                         batch_invariant: bool = True) -> Tensor:
     """Absorbed MLA (module doc; shapes as :func:`pdcluster.kernels.reference.latent_attention`): ``layer_cache``
     is the layer's one-plane cache [1, num_blocks, block_size, 1, latent_dim + rope] (or a view with K and V
     planes over it: only plane 0 is read), ``query`` [num_tokens, num_heads, latent_dim + rope] (any strides).
