@@ -87,7 +87,9 @@ def test_bad_serve_flags_are_one_line_before_anything_starts(args, message):
 
 @pytest.mark.parametrize("command", [["generate", "--prompt", "hi", "--num-kv-blocks", "64"],
                                      ["serve", "--port", "0", "--mode", "local"],
-                                     ["serve", "--port", "0", "--mode", "colocated"]])
+                                     # the same check before serve's workers, whichever the mode: slow
+                                     pytest.param(["serve", "--port", "0", "--mode", "colocated"],
+                                                  marks=pytest.mark.slow)])
 @pytest.mark.timeout(300)
 def test_spec_mtp_without_a_trained_head_is_refused_in_one_line(tiny_dir, tmp_path, command):
     """A random MTP head drafts nothing the target accepts (0 of 261 on SmolLM2) and decodes slower than

@@ -9,12 +9,11 @@ import time
 
 import pytest
 
-from conftest import engine_config, make_engine, settled_worker_stats, usable_transports
+from conftest import engine_config, make_engine, settled_worker_stats, transport_params
 from pdcluster.cluster.launcher import Cluster, ClusterSpec
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kv_transfer.config import TransferConfig
 
-TRANSPORTS = usable_transports()
 NUM_BLOCKS = 256
 
 _config = functools.partial(engine_config, num_kv_blocks=NUM_BLOCKS, max_model_len=1024, prefill_chunk_size=32)
@@ -65,7 +64,7 @@ def expected_greedy(tiny_dir):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", transport_params())
 def test_disagg_equals_engine(ray_session, expected_greedy, transport):
     prompts, params, expected = expected_greedy
     spec = ClusterSpec(engine=_config(), transfer=TransferConfig(transport=transport, secret="k"), mode="disagg")

@@ -178,6 +178,7 @@ def _prompt_vs_decode_differences(model: str, chunk: int = 512, **engine_kwargs)
     return [i for i, (a, b) in enumerate(zip(tail, out.logprobs)) if a != b]
 
 
+@pytest.mark.slow  # the mutation check that deterministic mode matters; the default suite checks the mode itself
 def test_fast_mode_varies_on_smollm2():
     """The detector bites: with the fast kernels prefill and decode disagree, where deterministic mode in the same
     dtype agrees. In bf16 where oneDNN's bf16 GEMM switches with the row count (CPUs with avx512_bf16 or AMX);

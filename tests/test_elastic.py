@@ -27,7 +27,9 @@ def expected():
     return [o.token_ids for o in make_engine("tiny-random", num_kv_blocks=NUM_BLOCKS).generate(PROMPTS, PARAMS)]
 
 
-@pytest.fixture(params=[t for t in ("tcp", "shm") if t in usable_transports()])
+# tcp (the default transport) in the default suite, shm in the slow pass.
+@pytest.fixture(params=[t if t == "tcp" else pytest.param(t, marks=pytest.mark.slow)
+                        for t in ("tcp", "shm") if t in usable_transports()])
 def transport(request) -> str:
     return request.param
 

@@ -37,7 +37,8 @@ def test_generate_tiny_hybrid(hybrid_dir):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("command", ["generate", "serve"])
+# One model-dir check behind both commands: serve's (before any worker) in the slow pass.
+@pytest.mark.parametrize("command", ["generate", pytest.param("serve", marks=pytest.mark.slow)])
 def test_unservable_model_dirs_are_one_line(hybrid_dir, tmp_path, command):
     cases = {
         "GPT2LMHeadModel": _copy_with_config(hybrid_dir, tmp_path / "gpt2", architectures=["GPT2LMHeadModel"]),

@@ -158,7 +158,9 @@ def test_paged_attention_triton_matches_reference_bf16():
     torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("batch_invariant", [True, False], ids=["deterministic", "fast"])
+# The fast mode's tiles differ, the strided loads are the same: the fast one in the slow pass.
+@pytest.mark.parametrize("batch_invariant", [True, pytest.param(False, marks=pytest.mark.slow)],
+                         ids=["deterministic", "fast"])
 def test_paged_attention_triton_takes_a_strided_query(batch_invariant):
     """The model's q is a view of its qkv projection (rows strided past the K and V heads): the kernel
     reads it in place, with the same bits as a packed copy, and writes a packed output."""

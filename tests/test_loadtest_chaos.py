@@ -396,6 +396,7 @@ def test_loopback_only():
 # ================================================================================ a real run
 
 
+@pytest.mark.slow  # ~45 s; the kills themselves are the default suite's test_recovery.py
 @pytest.mark.timeout(420)
 def test_chaos_run_kills_and_stops_workers_and_every_request_in_flight_completes(tiny_dir, tmp_path):
     server = ServeProcess(["--mode", "disagg", "--model", "tiny-random", "--num-decode", "2",

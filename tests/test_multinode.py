@@ -95,6 +95,7 @@ def _assert_all_blocks_back(cluster) -> None:
         assert s.get("num_reserved", 0) == 0 and s.get("num_transfers", 0) == 0, (wid, s)
 
 
+@pytest.mark.slow  # the planner adding and draining under load: test_autoscale.py in the default suite
 @pytest.mark.timeout(300)
 def test_load_rises_adds_a_worker_on_another_node_load_falls_drains_one(ray_nodes, expected):
     with ray_nodes.node(decode_slot=1):  # a second decode slot: where the added worker can go
@@ -146,7 +147,7 @@ def test_load_rises_adds_a_worker_on_another_node_load_falls_drains_one(ray_node
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("transport", transport_params())
+@pytest.mark.parametrize("transport", transport_params(fast=("tcp",)))  # the wire between nodes
 def test_node_drain_with_transfers_in_flight_loses_nothing(ray_nodes, expected, transport):
     with ray_nodes.node(prefill_slot=1, decode_slot=1) as (leaving_node, leaving_ip):
         # 2P2D over three nodes: one prefill and one decode worker on the leaving node (its slots and

@@ -13,7 +13,7 @@ import json
 import jsonschema
 import pytest
 
-from conftest import engine_config, make_engine, settled_worker_stats, usable_transports
+from conftest import engine_config, make_engine, settled_worker_stats, transport_params
 from pdcluster.cluster.launcher import Cluster, ClusterSpec
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kv_transfer.config import TransferConfig
@@ -89,7 +89,7 @@ def _check_cluster(spec, reference) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("transport", usable_transports())
+@pytest.mark.parametrize("transport", transport_params())
 def test_disagg_logprobs_and_penalties_equal_the_engine(ray_session, reference, transport):
     spec = ClusterSpec(engine=_config(), transfer=TransferConfig(transport=transport, secret="k"), mode="disagg")
     _check_cluster(spec, reference)
@@ -124,6 +124,7 @@ def test_structured_output_validates_on_50_prompts_in_disagg(ray_session, smollm
         cluster.shutdown()
 
 
+@pytest.mark.slow  # recovery's exactness is test_recovery.py's, structured output's test_structured_generation.py's
 @pytest.mark.timeout(300)
 def test_recovery_mid_json_yields_the_same_valid_json(ray_session, smollm2_dir):
     from test_recovery import _stream_and_kill

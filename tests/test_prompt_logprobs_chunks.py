@@ -138,8 +138,9 @@ def _run_to_completion(engine, prompts, params) -> dict[str, list]:
     dict(enable_prefix_caching=True, max_num_batched_tokens=100, num_kv_blocks=20),
     # Async scheduling (the next chunk is scheduled while one runs) with n-gram speculation.
     dict(async_scheduling=True, spec_method="ngram", num_spec_tokens=3, enable_prefix_caching=False),
-    # MTP (a random head: drafts never change logprobs) with the prefix cache on.
-    dict(spec_method="mtp", num_spec_tokens=2),
+    # MTP (a random head: drafts never change logprobs) with the prefix cache on: in the slow pass, which also
+    # runs MTP across the disaggregated cluster at the real sizes.
+    pytest.param(dict(spec_method="mtp", num_spec_tokens=2), marks=pytest.mark.slow),
 ], ids=["prefix-cache-budget-preemption", "async-ngram", "mtp"])
 def test_engine_prompt_logprobs_come_with_the_first_token(smollm2_dir, oracle, kw):
     kw = {"num_kv_blocks": 128, **kw}

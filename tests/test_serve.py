@@ -79,7 +79,8 @@ def test_serve_modes_match_engine(expected, flags):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("transport", transport_params())
+# tcp, serve's default, is also test_serve_modes_match_engine's disagg run: here shm, the others slow.
+@pytest.mark.parametrize("transport", transport_params(fast=("shm",)))
 def test_serve_disagg_every_transport(expected, transport):
     import httpx
 

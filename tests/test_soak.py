@@ -208,6 +208,7 @@ def test_soak_long(ray_session):
     _soak(ray_session, num_requests=int(os.environ.get("PDCLUSTER_SOAK_REQUESTS", "2000")), rate_per_s=15.0)
 
 
+@pytest.mark.slow  # the 200-request run without offload stays in the default suite
 @pytest.mark.soak
 @pytest.mark.timeout(600)
 def test_soak_offload(ray_session, tmp_path):

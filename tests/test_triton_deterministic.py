@@ -317,7 +317,8 @@ def test_the_attention_check_catches_a_key_tile_chosen_from_the_query_count(devi
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow)],
+                         ids=["fp32", "bf16"])  # the same launch logic in either dtype: one in the default suite
 def test_attention_split_and_merged_in_kernel_give_the_same_rows(device, dtype, monkeypatch):
     """The context's fixed partitions merged by a second kernel (flash-decoding, chosen for launches with
     few programs) or inside the program give every row the same bits: partitions of 32 positions (two
@@ -345,7 +346,8 @@ def test_attention_split_and_merged_in_kernel_give_the_same_rows(device, dtype, 
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=pytest.mark.slow), torch.bfloat16],
+                         ids=["fp32", "bf16"])  # the fast mode serves bf16 on GPUs: that one in the default suite
 def test_fast_mode_attention_matches_the_reference(device, dtype):
     """batch_invariant=False (the fast mode): 128-row query tiles for prefill-sized calls, 64-key tiles,
     native 16-bit dots on a GPU; every scenario's target rows match the reference."""

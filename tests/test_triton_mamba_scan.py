@@ -260,6 +260,7 @@ print("compiled")
 """
 
 
+@pytest.mark.slow  # ~25 s of compiling; the one-token kernels' compile is test_kernels.py's, in the default suite
 def test_prefill_kernels_compile_for_cuda(tmp_path):
     assert "compiled" in compile_for_cuda(_AOT_COMPILE, tmp_path)
 
