@@ -10,8 +10,9 @@ smaller than the prompts' working set, prompts repeated), blocks move down the t
 during the run; at the end, beyond the checks above, every live worker's tiers pass their audit
 (engine/kv_offload/audit.py: host slots used + free = capacity, the disk tier's files are its index, no
 temporary file, no write queued, no load in flight, no request waiting for one) and hold no more than
-their capacity, and /metrics shows every tier's usage. The default offload run sends 800 requests (about
-a minute on 2 cores). Mutations each fail it by the audit: a host slot leaked on eviction, the disk
+their capacity, and /metrics shows every tier's usage. The shorter offload run sends 800 requests (about
+a minute on 2 cores); both offload runs are in the slow pass (the tiers' own audits run in the default suite:
+tests/test_kv_offload*.py). Mutations each fail it by the audit: a host slot leaked on eviction, the disk
 writer's evicted file left behind, a write's temporary file left behind."""
 
 import asyncio
