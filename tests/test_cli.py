@@ -48,6 +48,16 @@ def test_bad_input_is_a_clear_error(tiny_dir, args, message):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("args", [["--max-tokens", "0"], ["--top-p", "1.5"], ["--device", "tpu"]])
+def test_bad_generate_flags_are_answered_before_torch_is_imported(args):
+    """Sampling and engine flags are checked before the engine (and torch, 2-3 s) is imported."""
+    argv = ["generate", "--model", "tiny-random", "--prompt", "hi", *args]
+    code = f"import sys; from pdcluster.cli.main import main; rc = main({argv!r}); print(rc, 'torch' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.stdout.split() == ["2", "False"], (r.stdout, r.stderr)
+    assert "error:" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_dtype_auto_takes_the_checkpoints_dtype(monkeypatch):
     """`--dtype auto` (the CLI default) runs a model in the dtype its config.json names, as vLLM does:
     smollm2's checkpoint is bf16 (the fast CPU path where the CPU has bf16 instructions); fp16
