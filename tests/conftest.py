@@ -138,11 +138,22 @@ def run_with_router(router, scenario):
     return asyncio.run(main())
 
 
+def slow_params(values, slow) -> list:
+    """``values`` as pytest parameters, the ones in ``slow`` marked slow (.ci/run runs them after the default
+    run). A value may already be a ``pytest.param`` (its marks are kept; its first value is the one compared)."""
+    out = []
+    for v in values:
+        p = v if isinstance(v, type(pytest.param(None))) else pytest.param(v)
+        out.append(pytest.param(*p.values, id=p.id, marks=[*p.marks, pytest.mark.slow]) if p.values[0] in slow else v)
+    return out
+
+
 def transport_params(fast: tuple[str, ...] = ("tcp", "shm")) -> list:
     """usable_transports() as pytest parameters for whole-cluster tests: the ``fast`` ones in the default
     run, the others marked slow (.ci/run runs them after it; every transport is covered at the worker
     level by test_kv_transfer_e2e.py in the default run)."""
-    return [t if t in fast else pytest.param(t, marks=pytest.mark.slow) for t in usable_transports()]
+    transports = usable_transports()
+    return slow_params(transports, [t for t in transports if t not in fast])
 
 
 def usable_transports() -> list[str]:

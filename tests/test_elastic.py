@@ -9,7 +9,7 @@ import functools
 import pytest
 
 from conftest import (assert_all_blocks_free, assert_drained_cleanly, engine_config, make_engine, router_generate,
-                      run_with_router, usable_transports)
+                      run_with_router, slow_params, usable_transports)
 from pdcluster.cluster.launcher import Cluster, ClusterSpec
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kv_transfer.config import TransferConfig
@@ -28,8 +28,7 @@ def expected():
 
 
 # tcp (the default transport) in the default suite, shm in the slow pass.
-@pytest.fixture(params=[t if t == "tcp" else pytest.param(t, marks=pytest.mark.slow)
-                        for t in ("tcp", "shm") if t in usable_transports()])
+@pytest.fixture(params=slow_params([t for t in ("tcp", "shm") if t in usable_transports()], slow=("shm",)))
 def transport(request) -> str:
     return request.param
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from conftest import make_engine
+from conftest import make_engine, slow_params
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.tools.server_process import ServeProcess
 from test_serve import CHAT, MAX_TOKENS, PROMPTS, _metric
@@ -54,8 +54,7 @@ def expected():
 
 
 # colocated is local's engine behind disagg's Ray plumbing: in the slow pass (.ci/run runs it after).
-@pytest.fixture(scope="module", params=[pytest.param(m, marks=pytest.mark.slow) if m == "colocated" else m
-                                        for m in MODES])
+@pytest.fixture(scope="module", params=slow_params(MODES, slow=("colocated",)))
 def server(request):
     s = ServeProcess([*SERVER_FLAGS, *MODES[request.param]], timeout_s=180, stop_timeout_s=20)
     s.mode = request.param

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import slow_params
 from transport_helpers import wait_sent
 from pdcluster.kv_transfer.transports import (
     TransportConfig,
@@ -481,8 +482,7 @@ def test_shm_modes(pool, plain_senders, plain_receivers, mode):
 
 # ucx's (13 s) in the slow pass: a killed ucx receiver is test_ucx_peer_death.py's in the default suite.
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("name", [pytest.param(*p.values, marks=[*p.marks, pytest.mark.slow]) if p.values[0] == "ucx"
-                                  else p for p in TRANSPORTS])
+@pytest.mark.parametrize("name", slow_params(TRANSPORTS, slow=("ucx",)))
 def test_killed_receiver_surfaces_error(pool, name):
     receiver, sender = pool.take(2)
     receiver.run(receiver_role, name, torch.float32, 1, ["before-kill"])
