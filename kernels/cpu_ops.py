@@ -65,12 +65,16 @@ def paged_attention(
     out: torch.Tensor | None = None,
     window: int = 0,  # > 0: each query sees its last ``window`` positions (sliding-window attention)
     softcap: float = 0.0,  # > 0: scores become softcap * tanh(score / softcap) (Gemma 2)
+    sinks: torch.Tensor | None = None,  # float32 [num_q_heads]: attention sinks (gpt-oss; reference.paged_attention)
 ) -> torch.Tensor | None:
     lib = cpu_build.load()
     code = _code(query, layer_cache)
     if (lib is None or code is None or query.stride(-1) != 1 or layer_cache.stride(-1) != 1
-            or not _on_cpu(block_tables, seq_lens, query_start_loc, out)):
+            or not _on_cpu(block_tables, seq_lens, query_start_loc, out, sinks)):
         return None
+    if sinks is not None:
+        sinks = sinks.float().contiguous()
+        assert sinks.shape == (query.shape[1],), f"sinks {tuple(sinks.shape)} for {query.shape[1]} query heads"
     assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32 and query_start_loc.dtype == torch.int32
     block_tables = block_tables.contiguous()
     seq_lens = seq_lens.contiguous()
@@ -85,7 +89,7 @@ def paged_attention(
         k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
         block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), query_start_loc.data_ptr(),
         seq_lens.shape[0], num_q_heads, num_kv_heads, head_dim, block_size, scale, window, softcap,
-        out.data_ptr(), out.stride(0), out.stride(1), _threads(),
+        None if sinks is None else sinks.data_ptr(), out.data_ptr(), out.stride(0), out.stride(1), _threads(),
     )
     if rc != 0:
         raise ValueError(f"pd_paged_attention: unsupported shape (code {rc}): heads {num_q_heads}/{num_kv_heads}, "

@@ -51,13 +51,16 @@ def paged_attention(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,  # float32 [num_q_heads]: one extra logit per head (gpt-oss), no value
 ) -> torch.Tensor:
     """Causal attention of each request's new query tokens over its paged context.
 
     Query token ``i`` of request ``r`` (with ``q_len`` new tokens) sits at position
     ``seq_lens[r] - q_len + i`` and attends to context positions ``0 ..= that position``; with a sliding
     ``window`` > 0, to its last ``window`` positions (``that position - window + 1 ..= that position``); with
-    ``softcap`` > 0 each scaled score s is softcap * tanh(s / softcap) (Gemma 2). This one
+    ``softcap`` > 0 each scaled score s is softcap * tanh(s / softcap) (Gemma 2); with ``sinks`` (gpt-oss's attention
+    sinks) head h's softmax has one more logit, ``sinks[h]``, whose value is zero: it takes part of the weight
+    (``exp(sinks[h])`` in the denominator) and adds nothing to the output. This one
     function serves prefill (q_len = chunk), decode (q_len = 1) and speculative verification
     (q_len = 1 + k). The K/V of the new tokens must already be written into the cache.
     """
@@ -81,10 +84,17 @@ def paged_attention(
         mask = k_pos <= q_pos  # [q_len, L]
         if window > 0:
             mask &= k_pos > q_pos - window
-        if softcap > 0:
+        if softcap > 0 or sinks is not None:
             scores = torch.matmul(q.float(), k.float().transpose(1, 2)) * scale
-            scores = (softcap * torch.tanh(scores / softcap)).masked_fill(~mask, float("-inf"))
-            o = torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
+            if softcap > 0:
+                scores = softcap * torch.tanh(scores / softcap)
+            scores = scores.masked_fill(~mask, float("-inf"))
+            if sinks is not None:  # the sink's column joins the softmax, then is dropped (transformers' order)
+                sink_col = sinks.float().view(-1, 1, 1).expand(-1, q_len, 1)
+                probs = torch.cat([scores, sink_col], dim=-1).softmax(-1)[..., :-1]
+            else:
+                probs = scores.softmax(-1)
+            o = torch.matmul(probs, v.float()).to(q.dtype)
         else:
             o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
         out[q_start:q_end] = o.transpose(0, 1)

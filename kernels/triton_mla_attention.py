@@ -264,7 +264,7 @@ def launch(query: Tensor, layer_cache: Tensor, block_tables: Tensor, seq_lens: T
     if split:
         # The paged kernel's merge, MERGE_HEADS heads a program (all of V3's 128 x 512 in one would not fit).
         _merge_partitions_kernel[(num_tokens, -(-num_heads // MERGE_HEADS))](
-            out, seq_lens, query_start_loc, part_m, part_l, part_acc, num_reqs, num_heads, latent_dim, max_parts,
+            out, seq_lens, query_start_loc, part_m, part_l, part_acc, out, num_reqs, num_heads, latent_dim, max_parts,
             *out.stride(), HEADS_PAD=MERGE_HEADS, HEAD_DIM_PAD=latent_pad, PARTITION_SIZE=PARTITION,
         )
     return out

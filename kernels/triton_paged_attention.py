@@ -160,6 +160,16 @@ def _merge(m, l, acc, m_p, l_p, acc_p):
 
 
 @triton.jit
+def _fold_sink(m, l, acc, sink):
+    """Attention sinks (gpt-oss): fold each row's sink logit ``sink`` (log2-scaled, [rows]) into its final
+    softmax state as one more key whose value is zero: the sum gains exp2(sink - m'), the accumulator is
+    rescaled to the new max m' = max(m, sink). Applied once, where a row's state is final (every key seen)."""
+    m_new = tl.maximum(m, sink)
+    a = tl.exp2(m - m_new)
+    return tl.fma(l, a, tl.exp2(sink - m_new)), acc * a[:, None]
+
+
+@triton.jit
 def _partition_state(q, q_pos, row_valid, kv_lo, kv_hi, win_lo, window, softcap, table_row_ptr, cache_ptr, kv_head,
                      block_size, qk_scale_log2, dims, dim_valid, stride_cache_kv, stride_cache_block,
                      stride_cache_slot, stride_cache_head, stride_cache_dim, stride_table_entry,
@@ -212,6 +222,7 @@ def _paged_attention_kernel(
     part_m_ptr,  # SPLIT: [num_tokens, num_q_heads, max_parts] fp32 partition states (else unused)
     part_l_ptr,
     part_acc_ptr,  # SPLIT: [num_tokens, num_q_heads, max_parts, HEAD_DIM_PAD] fp32
+    sinks_ptr,  # HAS_SINKS: fp32 [num_q_heads] attention-sink logits (natural-log scale)
     qk_scale_log2,  # softmax scale * log2(e): the softmax runs on exp2
     window,  # sliding window: a row sees positions after q_pos - window (NO_WINDOW: all)
     softcap,  # SOFTCAP: scores become softcap * tanh(score / softcap)
@@ -245,6 +256,7 @@ def _paged_attention_kernel(
     NATIVE_DOT: tl.constexpr,  # 16-bit operands straight into tl.dot (fast mode on a GPU)
     NUM_SEGMENTS: tl.constexpr = 0,  # SPLIT by segments (fast_decode_segments; max_parts == it), not partitions
     SOFTCAP: tl.constexpr = False,  # Gemma 2's attention logit soft-capping
+    HAS_SINKS: tl.constexpr = False,  # gpt-oss's attention sinks (folded in where a row's state is final)
 ):
     q_tile_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -316,6 +328,9 @@ def _paged_attention_kernel(
                 stride_cache_block, stride_cache_slot, stride_cache_head, stride_cache_dim, stride_table_entry,
                 BLOCK_M, BLOCK_N, HEAD_DIM_PAD, DOT_PRECISION, NATIVE_DOT, SOFTCAP)
             m_i, l_i, acc = _merge(m_i, l_i, acc, m_p, l_p, acc_p)
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + q_head, mask=row_valid, other=0.0) * 1.4426950408889634
+            l_i, acc = _fold_sink(m_i, l_i, acc, sink)
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # padding rows: never stored, but keep them NaN-free
         out = acc / l_safe[:, None]
         out_offsets = (
@@ -334,6 +349,7 @@ def _merge_partitions_kernel(
     part_m_ptr,
     part_l_ptr,
     part_acc_ptr,
+    sinks_ptr,  # HAS_SINKS: fp32 [num_q_heads] (natural-log scale)
     num_reqs,
     num_q_heads,
     head_dim,
@@ -344,6 +360,7 @@ def _merge_partitions_kernel(
     HEADS_PAD: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     PARTITION_SIZE: tl.constexpr,
+    HAS_SINKS: tl.constexpr = False,
 ):
     """One program per query token and HEADS_PAD of its heads (program_id(1): which; the paged kernel's launch
     takes every head in one, the latent kernel's a few: kernels/triton_mla_attention.py): merge each head's
@@ -366,6 +383,9 @@ def _merge_partitions_kernel(
         l_p = tl.load(part_l_ptr + at, mask=head_valid, other=0.0)
         acc_p = tl.load(part_acc_ptr + at[:, None] * HEAD_DIM_PAD + dims[None, :], mask=head_valid[:, None], other=0.0)
         m_i, l_i, acc = _merge(m_i, l_i, acc, m_p, l_p, acc_p)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + heads, mask=head_valid, other=0.0) * 1.4426950408889634
+        l_i, acc = _fold_sink(m_i, l_i, acc, sink)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
     offsets = token.to(tl.int64) * stride_out_token + heads[:, None] * stride_out_head + dims[None, :] * stride_out_dim
@@ -379,6 +399,7 @@ def _merge_segments_kernel(
     part_m_ptr,  # [num_tokens, num_q_heads, NUM_SEGMENTS] fp32
     part_l_ptr,
     part_acc_ptr,  # [num_tokens, num_q_heads, NUM_SEGMENTS, HEAD_DIM_PAD] fp32
+    sinks_ptr,  # HAS_SINKS: fp32 [num_q_heads] (natural-log scale)
     num_reqs,
     num_q_heads,
     head_dim,
@@ -387,6 +408,7 @@ def _merge_segments_kernel(
     stride_out_dim,
     NUM_SEGMENTS: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    HAS_SINKS: tl.constexpr = False,
 ):
     """One program per (query token, head): every segment's state in one load, merged at once (the fast
     mode's decode split; the sum's order is the compiler's, so its bits are not batch invariant)."""
@@ -400,8 +422,14 @@ def _merge_segments_kernel(
     m = tl.load(part_m_ptr + at)
     l = tl.load(part_l_ptr + at)
     acc = tl.load(part_acc_ptr + at[:, None] * HEAD_DIM_PAD + dims[None, :])
-    weight = tl.exp2(m - tl.max(m, 0))  # an empty segment (m = -1e30) weighs 0
+    top = tl.max(m, 0)
+    if HAS_SINKS:  # the sink: one more value-less key in the sum (natural-log logit, to log2)
+        sink = tl.load(sinks_ptr + head) * 1.4426950408889634
+        top = tl.maximum(top, sink)
+    weight = tl.exp2(m - top)  # an empty segment (m = -1e30) weighs 0
     total = tl.sum(l * weight, 0)
+    if HAS_SINKS:
+        total += tl.exp2(sink - top)
     out = tl.sum(acc * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
     offsets = token.to(tl.int64) * stride_out_token + head * stride_out_head + dims * stride_out_dim
     tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
@@ -414,12 +442,13 @@ def block_q_for(group_pad: int, rows: int = TILE_ROWS) -> int:
 
 def paged_attention_triton(
     query: Tensor, layer_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, scale: float,
-    batch_invariant: bool = True, window: int = 0, softcap: float = 0.0,
+    batch_invariant: bool = True, window: int = 0, softcap: float = 0.0, sinks: Tensor | None = None,
 ) -> Tensor:
     """Causal attention of each request's new query tokens over its paged context (see module doc;
     arguments and shapes as in :func:`pdcluster.kernels.reference.paged_attention`).
 
-    ``window`` > 0: sliding-window attention (each row sees its last ``window`` positions).
+    ``window`` > 0: sliding-window attention (each row sees its last ``window`` positions). ``sinks``: float32
+    [num_q_heads] attention-sink logits (gpt-oss), folded into each row's final softmax state.
     ``batch_invariant`` (deterministic mode): the fixed tiles. Otherwise (the fast mode) prefill chunks
     get 128-row query tiles, keys come in tiles of 64 and 16-bit operands go to the dots as they are.
     The K/V of the new tokens must already be written into the cache. Rows of the output past
@@ -441,14 +470,14 @@ def paged_attention_triton(
     group_pad = triton.next_power_of_2(num_q_heads // num_kv_heads)
     if batch_invariant:
         return launch(query, layer_cache, block_tables, seq_lens, query_start_loc, scale, out,
-                      block_q_for(group_pad), KV_TILE_TOKENS, window=window, softcap=softcap)
+                      block_q_for(group_pad), KV_TILE_TOKENS, window=window, softcap=softcap, sinks=sinks)
     # Fast mode: prefill-sized calls (more than a few query tokens a request) get the big row tile.
     prefill = num_tokens > 4 * num_reqs
     native = query.dtype in (torch.bfloat16, torch.float16) and not INTERPRETED
     if prefill:
         return launch(query, layer_cache, block_tables, seq_lens, query_start_loc, scale, out,
                       block_q_for(group_pad, FAST_PREFILL_ROWS), FAST_PREFILL_KV_TILE, native_dot=native, window=window,
-                      softcap=softcap,
+                      softcap=softcap, sinks=sinks,
                       partition=fast_whole_context(block_tables, block_size), num_warps=4, num_stages=3)
     # Decode and verification: a few requests split their context in segments (flash-decoding), many
     # (enough programs to fill the GPU) walk it whole in one program each, as one partition: one key
@@ -458,10 +487,10 @@ def paged_attention_triton(
     num_q_tiles = num_tokens // block_q + num_reqs
     if FAST_DECODE_BY_SEGMENTS and too_few_programs(num_q_tiles, num_kv_heads):
         return launch(query, layer_cache, block_tables, seq_lens, query_start_loc, scale, out, block_q,
-                      FAST_DECODE_KV_TILE, split=True, native_dot=native, window=window, softcap=softcap,
+                      FAST_DECODE_KV_TILE, split=True, native_dot=native, window=window, softcap=softcap, sinks=sinks,
                       segments=fast_decode_segments(num_q_tiles, num_kv_heads), num_warps=4, num_stages=3)
     return launch(query, layer_cache, block_tables, seq_lens, query_start_loc, scale, out, block_q,
-                  FAST_KV_TILE_TOKENS, native_dot=native, window=window, softcap=softcap,
+                  FAST_KV_TILE_TOKENS, native_dot=native, window=window, softcap=softcap, sinks=sinks,
                   partition=fast_whole_context(block_tables, block_size),
                   num_warps=4, num_stages=3)
 
@@ -502,7 +531,8 @@ NO_WINDOW = 1 << 30
 def launch(query: Tensor, layer_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
            scale: float, out: Tensor, block_q: int, block_n: int, split: bool | None = None,
            native_dot: bool = False, partition: int | None = None, num_warps: int | None = None,
-           num_stages: int | None = None, segments: int = 0, window: int = 0, softcap: float = 0.0) -> Tensor:
+           num_stages: int | None = None, segments: int = 0, window: int = 0, softcap: float = 0.0,
+           sinks: Tensor | None = None) -> Tensor:
     """Run the kernel with the given tiles (checked arguments; :func:`paged_attention_triton` passes the
     fixed ones, tests pass batch-dependent ones to show the invariance tests catch them). ``split``:
     merge the partitions in a second kernel (None: when the launch has too few programs, module doc).
@@ -535,6 +565,11 @@ def launch(query: Tensor, layer_cache: Tensor, block_tables: Tensor, seq_lens: T
                                device=query.device)
     else:
         part_m = part_l = part_acc = out  # never touched
+    if sinks is not None:
+        if sinks.shape != (num_q_heads,):
+            raise ValueError(f"sinks has shape {tuple(sinks.shape)} for {num_q_heads} query heads")
+        sinks = sinks.to(device=query.device, dtype=torch.float32).contiguous()
+    sinks_arg = out if sinks is None else sinks  # never read without HAS_SINKS
     prefill_rows = block_q * group_pad >= 64
     _paged_attention_kernel[(num_q_tiles, num_kv_heads, num_splits)](
         out,
@@ -546,6 +581,7 @@ def launch(query: Tensor, layer_cache: Tensor, block_tables: Tensor, seq_lens: T
         part_m,
         part_l,
         part_acc,
+        sinks_arg,
         scale / math.log(2.0),
         window if window > 0 else NO_WINDOW,
         float(softcap) if softcap > 0 else 1.0,
@@ -570,18 +606,19 @@ def launch(query: Tensor, layer_cache: Tensor, block_tables: Tensor, seq_lens: T
         NATIVE_DOT=native_dot,
         NUM_SEGMENTS=segments,
         SOFTCAP=softcap > 0,
+        HAS_SINKS=sinks is not None,
         num_warps=num_warps or (8 if prefill_rows else 4),
         **({"num_stages": num_stages} if num_stages else {}),
     )
     if segments:
         _merge_segments_kernel[(num_tokens, num_q_heads)](
-            out, query_start_loc, part_m, part_l, part_acc, num_reqs, num_q_heads, head_dim, *out.stride(),
-            NUM_SEGMENTS=segments, HEAD_DIM_PAD=head_dim_pad,
+            out, query_start_loc, part_m, part_l, part_acc, sinks_arg, num_reqs, num_q_heads, head_dim, *out.stride(),
+            NUM_SEGMENTS=segments, HEAD_DIM_PAD=head_dim_pad, HAS_SINKS=sinks is not None,
         )
     elif split:
         _merge_partitions_kernel[(num_tokens,)](
-            out, seq_lens, query_start_loc, part_m, part_l, part_acc, num_reqs, num_q_heads, head_dim, max_parts,
-            *out.stride(), HEADS_PAD=triton.next_power_of_2(num_q_heads), HEAD_DIM_PAD=head_dim_pad,
-            PARTITION_SIZE=partition,
+            out, seq_lens, query_start_loc, part_m, part_l, part_acc, sinks_arg, num_reqs, num_q_heads, head_dim,
+            max_parts, *out.stride(), HEADS_PAD=triton.next_power_of_2(num_q_heads), HEAD_DIM_PAD=head_dim_pad,
+            PARTITION_SIZE=partition, HAS_SINKS=sinks is not None,
         )
     return out

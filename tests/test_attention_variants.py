@@ -1,5 +1,5 @@
-"""Sliding-window attention (each query sees its last ``window`` positions) and Gemma 2's soft-capped scores
-(softcap * tanh(s / softcap)) in every attention kernel: the torch reference against dense attention, the C kernel
+"""Sliding-window attention (each query sees its last ``window`` positions), Gemma 2's soft-capped scores
+(softcap * tanh(s / softcap)) and gpt-oss's attention sinks (one value-less logit per head) in every attention kernel: the torch reference against dense attention, the C kernel
 (generic and avx512_bf16 paths) and the Triton kernel (interpreted; every launch shape: fixed tiles, fast
 prefill, split decode) against the reference; batch invariance of a query's bits. Models with windows and caps
 served past them equal transformers in tests/test_model_families.py.
@@ -27,8 +27,9 @@ CASES = [
 WINDOWS = [1, 3, 8, 17]
 
 
-def _dense(batch, q_lens, window, softcap=0.0):
-    """Plain softmax attention per query over its window, from the dense K/V the batch was made from."""
+def _dense(batch, q_lens, window, softcap=0.0, sinks=None):
+    """Plain softmax attention per query over its window, from the dense K/V the batch was made from (with
+    ``sinks``: each head's sink logit one more column of the softmax, dropped before the values)."""
     out = torch.empty_like(batch.query, dtype=torch.float32)
     starts = batch.query_start_loc.tolist()
     group = batch.query.shape[1] // batch.dense_kv[0][0].shape[1]
@@ -43,7 +44,10 @@ def _dense(batch, q_lens, window, softcap=0.0):
             scores = torch.einsum("hd,nhd->hn", q, kk) * SCALE
             if softcap > 0:
                 scores = softcap * torch.tanh(scores / softcap)
-            weights = scores.softmax(-1)
+            if sinks is not None:
+                weights = torch.cat([scores, sinks.float()[:, None]], dim=-1).softmax(-1)[:, :-1]
+            else:
+                weights = scores.softmax(-1)
             out[starts[r] + i] = torch.einsum("hn,nhd->hd", weights, vv)
     return out
 
@@ -172,3 +176,73 @@ def test_softcap_triton_equals_reference(mode):
         got = attention.paged_attention_triton(*batch.args(), batch_invariant=mode == "deterministic", window=window,
                                                softcap=CAP)
         torch.testing.assert_close(got, reference.paged_attention(*batch.args(), window, CAP), rtol=1e-5, atol=1e-5)
+
+
+# ---- attention sinks (gpt-oss) ------------------------------------------------------------------------------
+
+
+def _sinks(num_q_heads: int) -> torch.Tensor:
+    """Sink logits at the scores' scale, one far above them (that head's rows are mostly sink: the fold's
+    new-max branch) and one far below (a no-op head)."""
+    sinks = 2.0 * torch.randn(num_q_heads, generator=torch.Generator().manual_seed(7))
+    sinks[0], sinks[-1] = 9.0, -30.0
+    return sinks
+
+
+@pytest.mark.parametrize("window", [0, 8])
+@pytest.mark.parametrize("q_lens, seq_lens", CASES)
+def test_sinks_reference_equals_dense(q_lens, seq_lens, window):
+    batch = make_batch(q_lens, seq_lens, 4, 2)
+    sinks = _sinks(4)
+    got = reference.paged_attention(*batch.args(), window, 0.0, sinks)
+    torch.testing.assert_close(got, _dense(batch, q_lens, window, sinks=sinks), rtol=1e-5, atol=1e-5)
+    plain = reference.paged_attention(*batch.args(), window)
+    assert not torch.allclose(got[:, 0], plain[:, 0], atol=1e-3)  # the sinks bite
+    torch.testing.assert_close(got[:, -1], plain[:, -1], rtol=1e-5, atol=1e-6)  # a sink of -30 weighs nothing
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler")
+@pytest.mark.parametrize("dtype,block_size,head_dim", [(torch.float32, 4, HEAD_DIM), (torch.bfloat16, 16, 64)])
+@pytest.mark.parametrize("window", [0, 8])
+def test_sinks_c_kernel_equals_reference_and_is_batch_invariant(dtype, block_size, head_dim, window):
+    """bf16 at block 16 / head_dim 64 would take the avx512_bf16 path: layers with sinks take the generic one.
+    A query's bits are the same in a prefill chunk and as a decode step alone (the sink folds in per row)."""
+    batch = make_batch([1, 10, 4], [40, 37, 4], 6, 2, dtype=dtype, block_size=block_size, head_dim=head_dim)
+    sinks = _sinks(6)
+    got = cpu_ops.paged_attention(*batch.args(), window=window, sinks=sinks)
+    expected = reference.paged_attention(*batch.args(), window, 0.0, sinks)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got.float(), expected.float(), **tol)
+    for i in (0, 6):  # token i of request 1 (10 new tokens over 27 cached) alone, as a decode step
+        one = cpu_ops.paged_attention(batch.query[1 + i : 2 + i], batch.layer_cache, batch.block_tables[1:2],
+                                      torch.tensor([37 - 10 + i + 1], dtype=torch.int32),
+                                      torch.tensor([0, 1], dtype=torch.int32), batch.args()[5], window=window,
+                                      sinks=sinks)
+        assert torch.equal(one[0], got[1 + i])
+
+
+@pytest.mark.parametrize("split,segments", [(True, 0), (True, 4), (False, 0)], ids=["partitions", "segments", "one"])
+def test_sinks_triton_launch_shapes_equal_reference(split, segments):
+    """The sink folds in wherever a row's state ends: in the program (one), in the partition merge, in the
+    segment merge; with a window and without."""
+    q_lens, seq_lens = [1, 3, 1], [150, 300, 40]
+    batch = make_batch(q_lens, seq_lens, 6, 2, block_size=8)
+    sinks = _sinks(6)
+    for window in (0, 64):
+        out = torch.full_like(batch.query, float("nan"))
+        attention.launch(*batch.args(), out, attention.block_q_for(triton_next_pow2(3)), 16, split=split,
+                         segments=segments, window=window, sinks=sinks)
+        torch.testing.assert_close(out, reference.paged_attention(*batch.args(), window, 0.0, sinks), rtol=1e-5,
+                                   atol=1e-5)
+
+
+def test_sinks_triton_deterministic_equals_reference_and_is_batch_invariant():
+    batch = make_batch([1, 10, 0, 4, 1], [13, 170, 5, 4, 300], 4, 2)
+    sinks = _sinks(4)
+    got = attention.paged_attention_triton(*batch.args(), sinks=sinks)
+    torch.testing.assert_close(got, reference.paged_attention(*batch.args(), 0, 0.0, sinks), rtol=1e-5, atol=1e-5)
+    for i in (0, 9):  # token i of request 1 alone, as a decode step at its position
+        one = attention.paged_attention_triton(batch.query[1 + i : 2 + i], batch.layer_cache, batch.block_tables[1:2],
+                                               torch.tensor([170 - 10 + i + 1], dtype=torch.int32),
+                                               torch.tensor([0, 1], dtype=torch.int32), SCALE, sinks=sinks)
+        assert torch.equal(one[0], got[1 + i])

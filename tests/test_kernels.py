@@ -498,38 +498,42 @@ for dtype, precision, split in (("fp32", "ieee", False), ("bf16", "tf32", False)
         _paged_attention_kernel,
         {"out_ptr": "*" + dtype, "query_ptr": "*" + dtype, "cache_ptr": "*" + dtype,
          "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
-         "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32", "qk_scale_log2": "fp32",
-         "softcap": "fp32"},
+         "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32", "sinks_ptr": "*fp32",
+         "qk_scale_log2": "fp32", "softcap": "fp32"},
         # num_reqs == 1 and unit strides: Triton specializes such ints into constants at launch.
         dict(num_reqs=1, stride_q_dim=1, stride_cache_dim=1, GROUP=4, GROUP_PAD=4, BLOCK_Q=4,
              BLOCK_M=16, BLOCK_N=32, HEAD_DIM_PAD=128, DOT_PRECISION=precision, PARTITION_SIZE=128,
-             SPLIT=split, NATIVE_DOT=False, SOFTCAP=dtype == "bf16"),  # Gemma 2's soft-capped scores too
+             SPLIT=split, NATIVE_DOT=False, SOFTCAP=dtype == "bf16",  # Gemma 2's soft-capped scores too
+             HAS_SINKS=dtype == "fp32"),  # gpt-oss's attention sinks, folded in this kernel when unsplit
     )
 build(_paged_attention_kernel,
       {"out_ptr": "*bf16", "query_ptr": "*bf16", "cache_ptr": "*bf16", "block_tables_ptr": "*i32",
        "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
        "part_acc_ptr": "*fp32", "qk_scale_log2": "fp32"},
       dict(stride_q_dim=1, stride_cache_dim=1, GROUP=8, GROUP_PAD=8, BLOCK_Q=16, BLOCK_M=128, BLOCK_N=64,
-           HEAD_DIM_PAD=64, DOT_PRECISION="tf32", PARTITION_SIZE=256, SPLIT=False, NATIVE_DOT=True))  # fast prefill
+           HEAD_DIM_PAD=64, DOT_PRECISION="tf32", PARTITION_SIZE=256, SPLIT=False, NATIVE_DOT=True,
+           HAS_SINKS=False))  # fast prefill
 build(_paged_attention_kernel,
       {"out_ptr": "*bf16", "query_ptr": "*bf16", "cache_ptr": "*bf16", "block_tables_ptr": "*i32",
        "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
        "part_acc_ptr": "*fp32", "qk_scale_log2": "fp32"},
       dict(stride_q_dim=1, stride_cache_dim=1, GROUP=8, GROUP_PAD=8, BLOCK_Q=2, BLOCK_M=16, BLOCK_N=32,
            HEAD_DIM_PAD=64, DOT_PRECISION="tf32", PARTITION_SIZE=256, SPLIT=True, NATIVE_DOT=True,
-           NUM_SEGMENTS=16))  # fast decode, split in segments
+           NUM_SEGMENTS=16, HAS_SINKS=True))  # fast decode, split in segments (gpt-oss's sinks: in the merge)
 build(_paged_attention_kernel,
       {"out_ptr": "*bf16", "query_ptr": "*bf16", "cache_ptr": "*bf16", "block_tables_ptr": "*i32",
        "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
        "part_acc_ptr": "*fp32", "qk_scale_log2": "fp32"},
       dict(stride_q_dim=1, stride_cache_dim=1, GROUP=8, GROUP_PAD=8, BLOCK_Q=2, BLOCK_M=16, BLOCK_N=64,
            HEAD_DIM_PAD=64, DOT_PRECISION="tf32", PARTITION_SIZE=4096, SPLIT=False,
-           NATIVE_DOT=True))  # fast decode of many requests: the whole context one partition
-build(_merge_segments_kernel, {"out_ptr": "*bf16", "query_start_loc_ptr": "*i32", "part_m_ptr": "*fp32",
-      "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32"}, dict(stride_out_dim=1, NUM_SEGMENTS=16, HEAD_DIM_PAD=64))
-build(_merge_partitions_kernel, {"out_ptr": "*bf16", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
-      "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32"},
-      dict(stride_out_dim=1, HEADS_PAD=32, HEAD_DIM_PAD=64, PARTITION_SIZE=128))
+           NATIVE_DOT=True, HAS_SINKS=False))  # fast decode of many requests: the whole context one partition
+for sinks in (False, True):  # the merges fold gpt-oss's sinks when the paged kernel split
+    build(_merge_segments_kernel, {"out_ptr": "*bf16", "query_start_loc_ptr": "*i32", "part_m_ptr": "*fp32",
+          "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32", "sinks_ptr": "*fp32"},
+          dict(stride_out_dim=1, NUM_SEGMENTS=16, HEAD_DIM_PAD=64, HAS_SINKS=sinks))
+    build(_merge_partitions_kernel, {"out_ptr": "*bf16", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
+          "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32", "sinks_ptr": "*fp32"},
+          dict(stride_out_dim=1, HEADS_PAD=32, HEAD_DIM_PAD=64, PARTITION_SIZE=128, HAS_SINKS=sinks))
 build(_write_kv_kernel, {"key_ptr": "*fp32", "value_ptr": "*fp32", "cache_ptr": "*bf16",
       "slot_mapping_ptr": "*i64"}, dict(HEADS_PAD=8, HEAD_DIM_PAD=128))
 build(_copy_blocks_kernel, {"src_ptr": "*bf16", "dst_ptr": "*bf16", "block_ids_ptr": "*i64"},

@@ -106,6 +106,15 @@ CONFIGS = {
     # Seed-OSS: q/k/v biases and o_proj's own.
     "seed-oss": ("SeedOssConfig", "SeedOssForCausalLM",
                  dict(COMMON, pad_token_id=0, attention_bias=True, attention_out_bias=True), None),
+    # gpt-oss: attention sinks, layers 0 and 2 sliding, q/k/v and o biases, YaRN (truncate false), 4 experts of width
+    # 96, top 2 (softmax over the top-2 biased logits), expert biases, the clamped SwiGLU (limit 1.0 here, so the
+    # clamp bites on these weights; the release's 7.0 rarely would).
+    "gpt-oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(COMMON, head_dim=16, pad_token_id=0, num_local_experts=4, num_experts_per_tok=2,
+                     sliding_window=20, swiglu_limit=1.0,
+                     rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+                                      "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 32}),
+                {"layer_types": ["full_attention"] * 3}),
     # Multimodal checkpoints served for text (their language model; the vision tower and projector are not loaded):
     # Mistral Small 3.x (Mistral3ForConditionalGeneration, weights under language_model.*), Qwen2.5-VL (text at the
     # top level, M-RoPE) and Qwen3-VL (model.language_model.*, interleaved M-RoPE). Their towers are tiny.
@@ -199,6 +208,10 @@ def dirs(tmp_path_factory) -> dict[str, Path]:
         torch.manual_seed(0)
         model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs))
         _redraw_weights(model)
+        if name == "gpt-oss":  # sinks at the scores' scale, so they take a real share of each softmax
+            with torch.no_grad():
+                for layer in model.model.layers:
+                    layer.self_attn.sinks.copy_(2.0 * torch.randn(4, generator=torch.Generator().manual_seed(2)))
         if name == "glm4-moe":  # the router's correction bias is a buffer (not redrawn): big enough to matter
             gen = torch.Generator().manual_seed(1)
             with torch.no_grad():
@@ -358,7 +371,7 @@ def test_greedy_batched_and_alone_equal_transformers(dirs, reference, name):
 
 
 @pytest.mark.parametrize("name", ["llama3", "qwen2-yarn", "mistral-linear", "qwen2-swa", "gemma3", "gemma2",
-                                  "qwen2-moe", "granite", "olmo3", "smollm3", "cohere2", "exaone4"])
+                                  "qwen2-moe", "granite", "olmo3", "smollm3", "cohere2", "exaone4", "gpt-oss"])
 def test_each_variant_matters(dirs, reference, name, tmp_path):
     """transformers' greedy with the RoPE variant (or the sliding window) undone differs from the reference,
     so the equality above holds only if the engine computes the variant."""
@@ -483,6 +496,69 @@ def test_qwen2_moe_block_is_batch_invariant(dirs):
         assert torch.equal(moe(x), torch.cat([moe(x[i : i + 1]) for i in range(len(x))]))
 
 
+def test_gpt_oss_reads_its_config_and_each_of_its_parts_matters(dirs, reference):
+    """gpt-oss's config as read, and transformers' greedy without each of its own parts (the attention sinks, the
+    SwiGLU clamp, the expert and router biases) differs from the reference the engine equals."""
+    arch = arch_from_dir(dirs["gpt-oss"])
+    assert arch.attention_sinks and arch.qkv_bias and arch.o_bias
+    assert arch.sliding_window == 20 and arch.sliding_layers == (True, False, True)
+    assert arch.rope_scaling.rope_type == "yarn" and arch.rope_scaling.truncate is False
+    assert arch.moe == MoeArch(num_experts=4, top_k=2, intermediate_size=96, norm_topk_prob=True,
+                               sparse_layers=(True,) * 3, layout="gpt_oss", swiglu_alpha=1.702, swiglu_limit=1.0)
+    undo = {"sinks": lambda layer: layer.self_attn.sinks.fill_(-1e4),  # a sink no softmax weighs
+            "clamp": lambda layer: setattr(layer.mlp.experts, "limit", 1e4),
+            "expert biases": lambda layer: (layer.mlp.experts.gate_up_proj_bias.zero_(),
+                                            layer.mlp.experts.down_proj_bias.zero_()),
+            "router bias": lambda layer: layer.mlp.router.bias.zero_()}
+    for part, undo_it in undo.items():
+        hf = _hf_model(dirs["gpt-oss"])
+        with torch.no_grad():
+            for layer in hf.model.layers:
+                undo_it(layer)
+        without = _hf_greedy(hf, PROMPTS[:6])
+        assert sum(a != b for a, b in zip(without, reference["gpt-oss"][:6])) >= 3, part
+
+
+def test_gpt_oss_mxfp4_release_equals_transformers_on_its_dequantized_weights(dirs, tmp_path):
+    """A gpt-oss directory as OpenAI releases it (experts as MXFP4 blocks and scales, quantization_config mxfp4)
+    serves the tokens transformers computes from those experts dequantized; MXFP4 on another architecture, and
+    other quantization methods on gpt-oss, are still refused in one line."""
+    from safetensors.torch import load_file, save_file
+
+    from pdcluster.engine.models.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+
+    hf = _hf_model(dirs["gpt-oss"])
+    packed = {}
+    with torch.no_grad():
+        for i, layer in enumerate(hf.model.layers):
+            for name in ("gate_up_proj", "down_proj"):
+                weight = getattr(layer.mlp.experts, name)  # [E, in, out]
+                blocks, scales = quantize_mxfp4(weight.transpose(1, 2).contiguous())  # rows: out, groups of in
+                packed[f"model.layers.{i}.mlp.experts.{name}"] = (blocks, scales)
+                weight.copy_(dequantize_mxfp4(blocks, scales, torch.float32).transpose(1, 2))
+    want = _hf_greedy(hf, PROMPTS[:6])
+    assert want != [o[:NUM_NEW] for o in _hf_greedy(_hf_model(dirs["gpt-oss"]), PROMPTS[:6])]  # FP4 changed them
+    release = tmp_path / "mxfp4"
+    shutil.copytree(dirs["gpt-oss"], release)
+    tensors = load_file(str(release / "model.safetensors"))
+    for name, (blocks, scales) in packed.items():
+        del tensors[name]
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+    save_file(tensors, str(release / "model.safetensors"))
+    cfg = json.loads((release / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4",
+                                  "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                             "model.embed_tokens", "lm_head"]}
+    (release / "config.json").write_text(json.dumps(cfg))
+    assert _run(_engine(release), PROMPTS[:6]) == want
+    fp8 = _edit_config(release, tmp_path / "fp8", quantization_config={"quant_method": "fp8"})
+    with pytest.raises(ValueError, match=r"quantized weights \(fp8"):
+        _engine(fp8)
+    llama = _edit_config(dirs["llama3"], tmp_path / "llama-mxfp4", quantization_config={"quant_method": "mxfp4"})
+    with pytest.raises(ValueError, match=r"quantized weights \(mxfp4"):
+        _engine(llama)
+
+
 def test_biases_matter(dirs, reference):
     hf = _hf_model(dirs["llama-bias"])
     with torch.no_grad():
@@ -494,7 +570,7 @@ def test_biases_matter(dirs, reference):
 
 @pytest.mark.parametrize("name", ["qwen2-yarn", "mistral-linear", "gemma3", "gemma2", "mixtral", "qwen2-moe",
                                   "granite", "granitemoe", "olmo2", "olmo3", "smollm3", "olmoe", "glm4", "glm4-moe",
-                                  "qwen3-vl", "cohere", "cohere2", "exaone4", "ministral3"])
+                                  "qwen3-vl", "cohere", "cohere2", "exaone4", "ministral3", "gpt-oss"])
 def test_chunked_prefill_and_preemption(dirs, reference, name):
     # Chunks of 5 tokens; 24 blocks of 16 for 16 requests of up to 82 tokens force preemption.
     engine = _engine(dirs[name], prefill_chunk_size=5, max_num_batched_tokens=40, num_kv_blocks=24)
@@ -510,7 +586,7 @@ def test_speculative_ngram_is_lossless(dirs, reference, name):
 
 
 @pytest.mark.parametrize("name", ["qwen2-yarn", "gemma3", "mixtral", "qwen2-moe", "granitemoe", "olmo3", "glm4",
-                                  "glm4-moe", "cohere", "cohere2"])
+                                  "glm4-moe", "cohere", "cohere2", "gpt-oss"])
 def test_bf16_deterministic_batch_invariant(dirs, name):
     """bf16 in deterministic mode (the CPU default): a request's tokens in a batch are its tokens alone, with
     q/k/v biases and YaRN (the bias add is per row), with Gemma's norms and sliding layers, and with MoE (Qwen2-MoE's
@@ -597,7 +673,7 @@ def test_rope_tables_equal_transformers(params):
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
     ({"mlp_bias": True}, "mlp_bias"),
     ({"clip_qkv": 8.0}, "clip_qkv"),
-    ({"architectures": ["GptOssForCausalLM"]}, "GptOssForCausalLM"),
+    ({"architectures": ["Llama4ForCausalLM"]}, "Llama4ForCausalLM"),
 ])
 def test_unsupported_configs_refused_in_one_line(dirs, tmp_path, change, words):
     d = _edit_config(dirs["llama3"], tmp_path / "bad", **{"rope_parameters": None, **change})

@@ -17,6 +17,8 @@
     Mistral3ForConditionalGeneration, Qwen2VL / Qwen2_5_VL / Qwen3VLForConditionalGeneration
                                          -> the same, their language model for text
     Olmo2ForCausalLM, Olmo3ForCausalLM   -> the same (norms after each sublayer, q/k norms over all heads)
+    GptOssForCausalLM                    -> the same (attention sinks, every other layer sliding, MoE MLPs with
+                                            biased experts in moe.py; MXFP4 experts dequantized by mxfp4.py)
     GraniteForCausalLM, GraniteMoeForCausalLM -> the same (embedding, attention, residual and logits
                                             multipliers; MoE MLPs in engine/models/moe.py)
     DeepseekV2ForCausalLM, DeepseekV3ForCausalLM -> engine.models.deepseek.DeepseekArch / DeepseekModel
@@ -41,6 +43,7 @@ from pdcluster.engine.models.deepseek import DeepseekArch, DeepseekModel
 from pdcluster.engine.models.gemma import GemmaArch, GemmaModel
 from pdcluster.engine.models.llama import LlamaModel
 from pdcluster.engine.models.llama_arch import ModelArch
+from pdcluster.engine.models.mxfp4 import is_mxfp4
 from pdcluster.engine.models.registry import UnknownModelError
 from pdcluster.engine.models.nemotron_h import HybridArch, NemotronHModel
 
@@ -67,6 +70,7 @@ ARCHITECTURES = {
     "Exaone4ForCausalLM": (ModelArch, LlamaModel),
     "Ministral3ForCausalLM": (ModelArch, LlamaModel),
     "SeedOssForCausalLM": (ModelArch, LlamaModel),
+    "GptOssForCausalLM": (ModelArch, LlamaModel),
     # Multimodal checkpoints: their language model, for text (llama.py MULTIMODAL_TEXT)
     "Mistral3ForConditionalGeneration": (ModelArch, LlamaModel),
     "Qwen2VLForConditionalGeneration": (ModelArch, LlamaModel),
@@ -81,6 +85,9 @@ ARCHITECTURES = {
     "GraniteMoeHybridForCausalLM": (HybridArch, NemotronHModel),
 }
 REQUIRED_FILES = ("config.json", "tokenizer.json")
+# Quantized releases served by dequantizing at load: gpt-oss's MXFP4 experts (engine/models/mxfp4.py), to the
+# serving dtype (bf16 on a GPU: 2 bytes a weight, where vLLM keeps them in 4 bits).
+MXFP4_ARCHITECTURES = ("GptOssForCausalLM",)
 
 
 def architecture_of(model_dir: str | Path) -> str:
@@ -95,14 +102,15 @@ def architecture_of(model_dir: str | Path) -> str:
         cfg = json.loads((model_dir / "config.json").read_text())
     except ValueError as e:
         raise UnknownModelError(f"{model_dir}/config.json is not valid JSON: {e}") from None
+    names = cfg.get("architectures") or ["LlamaForCausalLM"]
     quantization = cfg.get("quantization_config")
-    if quantization:
+    if quantization and not (is_mxfp4(cfg) and names[0] in MXFP4_ARCHITECTURES):
         # The loader casts every tensor to the serving dtype: fp8 / int4 weights without their scales would load
         # and answer garbage. Refused instead, in one line.
         method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
         raise ValueError(f"{model_dir}: quantized weights ({method}, config.json quantization_config) are not "
-                         "served; serve the checkpoint's bf16 release or a bf16 conversion of it")
-    names = cfg.get("architectures") or ["LlamaForCausalLM"]
+                         "served (only gpt-oss's MXFP4 experts, dequantized at load); serve the checkpoint's bf16 "
+                         "release or a bf16 conversion of it")
     return names[0]
 
 

@@ -9,6 +9,7 @@ with ``arch`` read by its ``arch_class``, which is how ``load`` builds it.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import ClassVar
 
@@ -16,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from pdcluster.engine.linear import Linear
+from pdcluster.engine.models.mxfp4 import dequantize_checkpoint, is_mxfp4
 
 
 def load_weights(model_dir: Path, dtype: torch.dtype, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
@@ -24,9 +26,14 @@ def load_weights(model_dir: Path, dtype: torch.dtype, device: str | torch.device
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{model_dir}: no *.safetensors weight files")
+    config = Path(model_dir) / "config.json"
+    mxfp4 = config.is_file() and is_mxfp4(json.loads(config.read_text()))
     weights: dict[str, torch.Tensor] = {}
     for f in files:
-        for name, tensor in load_file(str(f)).items():
+        tensors = load_file(str(f))
+        if mxfp4:  # gpt-oss's releases: expert matrices as packed FP4 codes and scales, dequantized file by file
+            tensors = dequantize_checkpoint(tensors, dtype)
+        for name, tensor in tensors.items():
             weights[name] = tensor.to(dtype).to(device)
     return weights
 

@@ -20,7 +20,7 @@ from pdcluster.engine.linear import Linear
 from pdcluster.engine.models.causal_lm import CausalLM, embedding_and_lm_head
 from pdcluster.engine.models.glm4_moe import Glm4Moe
 from pdcluster.engine.models.llama_arch import ModelArch
-from pdcluster.engine.models.moe import SparseMoe, take_expert_weights, take_shared_expert
+from pdcluster.engine.models.moe import SparseMoe, take_expert_biases, take_expert_weights, take_shared_expert
 from pdcluster.engine.models.rope import RopeScaling, inv_freq_and_scale
 from pdcluster.kernels import ops
 
@@ -154,6 +154,8 @@ class DecoderLayer:
                                                     w("self_attn.v_proj.bias")]), arch, qk_order)
                          if getattr(arch, "qkv_bias", False) else None)
         self.o_bias = w("self_attn.o_proj.bias") if getattr(arch, "o_bias", False) else None
+        # gpt-oss's attention sinks: float32 for the kernels' softmax (which runs in float32).
+        self.sinks = w("self_attn.sinks").float() if getattr(arch, "attention_sinks", False) else None
         self.q_norm = weights.pop(f"{prefix}.self_attn.q_norm.weight", None)
         self.k_norm = weights.pop(f"{prefix}.self_attn.k_norm.weight", None)
         if qk_order is not None and self.q_norm is not None:  # per-head norms ([D] or Cohere's [heads, D]) follow
@@ -168,8 +170,11 @@ class DecoderLayer:
             gate_up, down = take_expert_weights(weights, block, moe, arch.hidden_size)
             shared = (take_shared_expert(weights, block, moe, arch.hidden_size, deterministic)
                       if moe.shared_expert_intermediate_size else None)
+            gpt_oss = moe.layout == "gpt_oss"  # biases on the router and the experts
             self.moe = SparseMoe(moe, w(f"{moe.block}.{moe.router_weight}"), gate_up, down, deterministic,
-                                 shared=shared)
+                                 shared=shared, router_bias=w(f"{moe.block}.router.bias") if gpt_oss else None,
+                                 expert_biases=take_expert_biases(weights, block, moe, arch.hidden_size)
+                                 if gpt_oss else None)
         else:
             self.gate_up_proj = Linear(w("mlp.gate_up_proj.weight") if fused_gate_up else torch.cat(
                 [w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]), **det)
@@ -259,7 +264,7 @@ class DecoderLayer:
         if self.query_scale_beta:  # Ministral 3: after RoPE, on the queries alone (K is cached unscaled)
             q.mul_(self._query_scale(positions, q.dtype))
         o = attend(q, k, v, layer_cache, meta, batch_invariant=self.deterministic, kv_written=kv_written,
-                   window=self.window)
+                   window=self.window, sinks=self.sinks)
         hidden = self._attention_output(o)
         if self.residual_multiplier != 1.0:
             hidden.mul_(self.residual_multiplier)
@@ -283,7 +288,8 @@ class DecoderLayer:
         x = hidden if residual is None else hidden.add_(residual)
         x_in = x if self.input_norm is None else ops.rms_norm(x, self.input_norm, a.rms_norm_eps)
         q, k, v = self.qkv(x_in, positions, rope)
-        o = attend(q, k, v, layer_cache, meta, batch_invariant=self.deterministic, window=self.window)
+        o = attend(q, k, v, layer_cache, meta, batch_invariant=self.deterministic, window=self.window,
+                   sinks=self.sinks)
         h = x.add_(ops.rms_norm(self._attention_output(o), self.attn_out_norm, a.rms_norm_eps))
         h_in = h if self.post_norm is None else ops.rms_norm(h, self.post_norm, a.rms_norm_eps)
         return ops.rms_norm(self._chunked_mlp(h_in), self.ff_norm, a.rms_norm_eps), h
@@ -297,7 +303,7 @@ class DecoderLayer:
         x = hidden if residual is None else hidden.add_(residual)
         h = layer_norm(x, self.input_norm, a.rms_norm_eps)
         o = attend(*self.qkv(h, positions, rope), layer_cache, meta, batch_invariant=self.deterministic,
-                   window=self.window)
+                   window=self.window, sinks=self.sinks)
         return self._chunked_mlp(h), x.add_(self._attention_output(o))
 
     def _attention_output(self, o: torch.Tensor) -> torch.Tensor:

@@ -64,8 +64,15 @@ EXAONE4 = ("Exaone4ForCausalLM",)
 MINISTRAL3 = ("Ministral3ForCausalLM",)
 # Seed-OSS (ByteDance): Llama with q/k/v biases (attention_bias) and an o_proj bias of its own (attention_out_bias).
 SEED_OSS = ("SeedOssForCausalLM",)
+# gpt-oss (OpenAI, gpt-oss-20b / -120b): every other layer sliding (128 positions), attention sinks (one learned
+# logit per head in each softmax), q/k/v and o biases, YaRN, and a MoE in every layer whose experts have biases and
+# a clamped SwiGLU (engine/models/moe.py); its releases' experts are MXFP4 (engine/models/mxfp4.py).
+GPT_OSS = ("GptOssForCausalLM",)
+# GptOssConfig's RoPE when a config gives none (YaRN over a 4,096-position original context, theta 150,000).
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096}
 SUPPORTED = (LLAMA_FAMILY + MIXTRAL + QWEN2 + PHI3 + QWEN3 + QWEN2_MOE + GRANITE + OLMO + SMOLLM3 + OLMOE + GLM4
-             + GLM4_MOE + COHERE + EXAONE4 + MINISTRAL3 + SEED_OSS + tuple(MULTIMODAL_TEXT))
+             + GLM4_MOE + COHERE + EXAONE4 + MINISTRAL3 + SEED_OSS + GPT_OSS + tuple(MULTIMODAL_TEXT))
 # Mistral3ForConditionalGeneration's language models by text_config.model_type.
 _MISTRAL3_TEXT = {"mistral": "MistralForCausalLM", "ministral3": "Ministral3ForCausalLM"}
 
@@ -125,6 +132,8 @@ class ModelArch:
     # Ministral 3: queries times 1 + beta * ln(1 + floor(position / query_scale_context)) after RoPE (beta 0: none).
     query_scale_beta: float = 0.0
     query_scale_context: int = 0
+    # gpt-oss: each attention layer's ``self_attn.sinks`` [num_heads], one value-less logit per head in each softmax.
+    attention_sinks: bool = False
 
     def window_of(self, layer_index: int | None) -> int:
         """The attention window of a layer (0: full causal attention). ``None``: a layer outside the stack
@@ -157,7 +166,7 @@ class ModelArch:
         rotary_dim = rotary_dim_of(cfg, head_dim, rope_scaling, str(model_dir), 0.5 if glm else 1.0)
         moe, group_router = (glm4_moe_arch(cfg, cfg["num_hidden_layers"], str(model_dir)) if arch[0] in GLM4_MOE
                              else (_moe(cfg, arch[0], str(model_dir)), None))
-        attention_bias = bool(cfg.get("attention_bias", False))
+        attention_bias = bool(cfg.get("attention_bias", arch[0] in GPT_OSS))  # GptOssConfig's default: True
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -196,6 +205,7 @@ class ModelArch:
             sliding_rope=sliding_rope,
             nope_layers=_nope_layers(cfg, arch[0], str(model_dir)),
             **_query_scaling(cfg, arch[0]),
+            attention_sinks=arch[0] in GPT_OSS,
         )
 
     def for_context(self, max_model_len: int) -> "ModelArch":
@@ -241,6 +251,10 @@ def _ropes(cfg: dict, architecture: str, where: str) -> tuple[float, RopeScaling
     """(theta, variant) of the model's RoPE, and the sliding layers' own when they have another (OLMo 3: transformers
     5 writes ``rope_parameters`` per layer type; an older config's ``rope_scaling`` is the full layers', its sliding
     layers default RoPE at the same theta)."""
+    if architecture in GPT_OSS:
+        if not cfg.get("rope_parameters") and not cfg.get("rope_scaling"):
+            cfg = {**cfg, "rope_parameters": _GPT_OSS_ROPE}
+        cfg = {**cfg, "rope_theta": cfg.get("rope_theta") or 150000.0}  # GptOssConfig's default_theta
     if architecture != "Olmo3ForCausalLM":
         return (*rope_from_config(cfg, where, phi3=architecture in PHI3, partial_ok=architecture in GLM4 + GLM4_MOE),
                 None)
@@ -332,6 +346,8 @@ def _moe(cfg: dict, architecture: str, where: str) -> MoeArch | None:
         return MoeArch.from_config({**cfg, "moe_intermediate_size": cfg.get("intermediate_size") or 2048,
                                     "num_experts": cfg.get("num_experts") or 64,
                                     "num_experts_per_tok": cfg.get("num_experts_per_tok") or 8}, num_layers, where)
+    if architecture in GPT_OSS:
+        return MoeArch.gpt_oss(cfg, num_layers, where)
     return MoeArch.mixtral(cfg, num_layers, where) if architecture in MIXTRAL else None
 
 
@@ -356,9 +372,11 @@ def _sliding_window(cfg: dict, architecture: str, where: str) -> tuple[int | Non
         if "sliding_attention" not in layer_types or not window:
             return None, ()
         return int(window), tuple(t == "sliding_attention" for t in layer_types)
-    if architecture in ("Olmo3ForCausalLM", "Cohere2ForCausalLM"):
-        if not layer_types:  # Olmo3Config's and Cohere2Config's default: three sliding layers, then a full one
-            layer_types = _every_nth_full_layer_types(cfg)
+    if architecture in ("Olmo3ForCausalLM", "Cohere2ForCausalLM", *GPT_OSS):
+        if not layer_types:  # Olmo3Config's and Cohere2Config's default: three sliding layers, then a full one;
+            # GptOssConfig's: every other one, from layer 0
+            layer_types = (_every_nth_full_layer_types({**cfg, "sliding_window_pattern": 2}) if architecture in GPT_OSS
+                           else _every_nth_full_layer_types(cfg))
         if "sliding_attention" not in layer_types:
             return None, ()
         if not window:

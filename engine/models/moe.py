@@ -31,6 +31,14 @@ shared expert every token runs: a dense SwiGLU MLP of width ``shared_expert_inte
 (``mlp.shared_expert.gate_proj/up_proj/down_proj``) times ``sigmoid(x @ mlp.shared_expert_gate.weight.T)``, one
 scalar per token, added to the routed output in the model dtype (transformers' order: routed + gated shared).
 
+gpt-oss (openai/gpt-oss-20b, -120b): router logits ``x @ mlp.router.weight.T + mlp.router.bias`` (model dtype), the
+top ``num_experts_per_tok`` logits, softmax over those (model dtype); experts with biases on both projections and
+a clamped SwiGLU, ``(clamp(up, -L, L) + 1) * g * sigmoid(alpha * g)`` with ``g = clamp(gate, max=L)`` (alpha 1.702,
+L 7.0: ``swiglu_alpha`` / ``swiglu_limit``). The checkpoint stores them as transformers' GptOssExperts parameters:
+``mlp.experts.gate_up_proj`` [E, H, 2I] with gate and up columns interleaved (gate at even ones), its bias [E, 2I]
+alike, ``down_proj`` [E, I, H] and its bias [E, H] (MXFP4 releases: engine/models/mxfp4.py dequantizes them to
+that first). The loader transposes them to [E, out, in] and puts the gate rows first.
+
 GraniteMoe (granite-3.x-1b-a400m, 3b-a800m): router logits ``x @ block_sparse_moe.router.layer.weight.T`` (model
 dtype, then float32), the top ``num_experts_per_tok`` logits, softmax over those (rounded to the model dtype);
 experts stored stacked as ``input_linear`` [E, 2I, H] (gate rows, then up rows) and ``output_linear`` [E, H, I].
@@ -150,11 +158,15 @@ class FusedExperts:
     """E experts ``down(act(up(x)))`` applied to routed tokens (module docstring, steps 1-3)."""
 
     def __init__(self, up: torch.Tensor, down: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor],
-                 deterministic: bool = False, backend: str = "auto"):
+                 deterministic: bool = False, backend: str = "auto", up_bias: torch.Tensor | None = None,
+                 down_bias: torch.Tensor | None = None):
+        """``up_bias`` [E, I or 2I] / ``down_bias`` [E, H]: per-expert biases (gpt-oss), added to each routed row
+        after its projection (the grouped matmuls take none)."""
         self.num_experts = up.shape[0]
         self.up = GroupedLinear(up, deterministic, backend)  # [E, I or 2I, H]
         self.down = GroupedLinear(down, deterministic, backend)  # [E, H, I]
         self.activation = activation
+        self.up_bias, self.down_bias = up_bias, down_bias
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """``x`` [T, H]; ``weights`` [T, k] (float32, or the dtype the products are rounded to); ``experts``
@@ -165,7 +177,12 @@ class FusedExperts:
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat))
         offs = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-        rows = self.down(self.activation(self.up(x[order // k], offs)), offs)
+        if self.up_bias is None:
+            rows = self.down(self.activation(self.up(x[order // k], offs)), offs)
+        else:  # each row's expert, in the sorted order: its bias row
+            row_experts = flat[order]
+            hidden = self.activation(self.up(x[order // k], offs).add_(self.up_bias[row_experts]))
+            rows = self.down(hidden, offs).add_(self.down_bias[row_experts])
         rows = rows * weights.reshape(-1)[order].unsqueeze(-1)
         by_slot = torch.empty_like(rows)
         by_slot[order] = rows  # back to (token, slot) order: the k rows of a token are adjacent
@@ -187,27 +204,42 @@ class MoeArch:
     # "qwen2_moe": the same, and the gated shared expert (module docstring);
     # "mixtral": block_sparse_moe.gate + block_sparse_moe.experts.{e}.w1/w3/w2, weights kept float32 (as
     # transformers' MixtralExperts multiplies);
-    # "granitemoe": block_sparse_moe.router.layer + input_linear / output_linear, softmax over the top-k logits.
+    # "granitemoe": block_sparse_moe.router.layer + input_linear / output_linear, softmax over the top-k logits;
+    # "gpt_oss": mlp.router (weight and bias) + mlp.experts' stacked parameters with biases, softmax over the top-k
+    # logits, the clamped SwiGLU (module docstring).
     layout: str = "qwen3"
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: the shared expert's width (0: no shared expert)
+    swiglu_alpha: float = 0.0  # gpt-oss: the clamped SwiGLU's sigmoid gain and clamp (module docstring)
+    swiglu_limit: float = 0.0
+
+    @classmethod
+    def _every_layer_sparse(cls, num_layers: int, where: str, layout: str, num_experts: int, top_k: int,
+                            intermediate_size: int, **extra) -> "MoeArch":
+        """A MoE in every layer, its top-k weights a distribution (renormalised, or a softmax over the top k)."""
+        if not 1 <= top_k <= max(num_experts, 1):
+            raise ValueError(f"{where}: num_experts_per_tok {top_k} must be in 1..num_local_experts ({num_experts})")
+        return cls(num_experts=num_experts, top_k=top_k, intermediate_size=intermediate_size, norm_topk_prob=True,
+                   sparse_layers=(True,) * num_layers, layout=layout, **extra)
+
+    @classmethod
+    def gpt_oss(cls, cfg: dict, num_layers: int, where: str = "config") -> "MoeArch":
+        """gpt-oss's: every layer sparse, experts of width intermediate_size (GptOssConfig's defaults)."""
+        return cls._every_layer_sparse(num_layers, where, "gpt_oss", cfg.get("num_local_experts") or 128,
+                                       cfg.get("num_experts_per_tok") or 4, cfg.get("intermediate_size") or 2880,
+                                       swiglu_alpha=float(cfg.get("swiglu_alpha") or 1.702),
+                                       swiglu_limit=float(cfg.get("swiglu_limit") or 7.0))
 
     @classmethod
     def mixtral(cls, cfg: dict, num_layers: int, where: str = "config") -> "MoeArch":
         """Mixtral's MoE: every layer sparse, experts of width intermediate_size, top-k always renormalised."""
-        num_experts, top_k = cfg.get("num_local_experts", 8), cfg.get("num_experts_per_tok", 2)
-        if not 1 <= top_k <= max(num_experts, 1):
-            raise ValueError(f"{where}: num_experts_per_tok {top_k} must be in 1..num_local_experts ({num_experts})")
-        return cls(num_experts=num_experts, top_k=top_k, intermediate_size=cfg["intermediate_size"],
-                   norm_topk_prob=True, sparse_layers=(True,) * num_layers, layout="mixtral")
+        return cls._every_layer_sparse(num_layers, where, "mixtral", cfg.get("num_local_experts", 8),
+                                       cfg.get("num_experts_per_tok", 2), cfg["intermediate_size"])
 
     @classmethod
     def granitemoe(cls, cfg: dict, num_layers: int, where: str = "config") -> "MoeArch":
         """GraniteMoe's: every layer sparse, experts of width intermediate_size (GraniteMoeConfig's defaults)."""
-        num_experts, top_k = cfg.get("num_local_experts") or 8, cfg.get("num_experts_per_tok") or 2
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"{where}: num_experts_per_tok {top_k} must be in 1..num_local_experts ({num_experts})")
-        return cls(num_experts=num_experts, top_k=top_k, intermediate_size=cfg.get("intermediate_size") or 11008,
-                   norm_topk_prob=True, sparse_layers=(True,) * num_layers, layout="granitemoe")
+        return cls._every_layer_sparse(num_layers, where, "granitemoe", cfg.get("num_local_experts") or 8,
+                                       cfg.get("num_experts_per_tok") or 2, cfg.get("intermediate_size") or 11008)
 
     @property
     def block(self) -> str:
@@ -217,7 +249,7 @@ class MoeArch:
     @property
     def router_weight(self) -> str:
         """The router's weight under the MoE block."""
-        return "router.layer.weight" if self.layout == "granitemoe" else "gate.weight"
+        return {"granitemoe": "router.layer.weight", "gpt_oss": "router.weight"}.get(self.layout, "gate.weight")
 
     @classmethod
     def from_config(cls, cfg: dict, num_layers: int, where: str = "config", layout: str = "qwen3") -> "MoeArch":
@@ -255,7 +287,13 @@ def take_expert_weights(weights: dict[str, torch.Tensor], prefix: str, moe: MoeA
     """(gate_up [E, 2I, H], down [E, H, I]) popped from ``weights`` under ``{prefix}.experts.``, in the
     checkpoint's layout (Qwen3's gate_proj / up_proj / down_proj, Mixtral's w1 / w3 / w2)."""
     E, I, H = moe.num_experts, moe.intermediate_size, hidden_size
-    if moe.layout == "granitemoe":  # stacked in the checkpoint, beside the experts (not under .experts)
+    if moe.layout == "gpt_oss":
+        gate_up, down = (_pop(weights, f"{prefix}.experts.{name}") for name in ("gate_up_proj", "down_proj"))
+        check_shape(f"{prefix}.experts.gate_up_proj", gate_up, (E, H, 2 * I), "num_local_experts, hidden_size, "
+                    "intermediate_size")
+        check_shape(f"{prefix}.experts.down_proj", down, (E, I, H), "num_local_experts, intermediate_size, hidden_size")
+        gate_up, down = gate_first(gate_up.transpose(1, 2)), down.transpose(1, 2).contiguous()
+    elif moe.layout == "granitemoe":  # stacked in the checkpoint, beside the experts (not under .experts)
         for name in ("input_linear", "output_linear"):
             if f"{prefix}.{name}.weight" not in weights:
                 raise ValueError(f"MoE weights lack {prefix}.{name}.weight")
@@ -268,6 +306,40 @@ def take_expert_weights(weights: dict[str, torch.Tensor], prefix: str, moe: MoeA
     check_shape(f"{prefix}.experts gate_up", gate_up, (E, 2 * I, H), fields)
     check_shape(f"{prefix}.experts down", down, (E, H, I), fields)
     return gate_up, down
+
+
+def _pop(weights: dict[str, torch.Tensor], key: str) -> torch.Tensor:
+    if key not in weights:
+        raise ValueError(f"MoE weights lack {key!r}")
+    return weights.pop(key)
+
+
+def gate_first(interleaved: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's gate/up rows (dim 1 of [E, 2I, ...]) interleaved, gate at even indices, as [E, 2I, ...] with the
+    I gate rows first, then the up rows: the layout FusedExperts' activations split in halves."""
+    return torch.cat([interleaved[:, 0::2], interleaved[:, 1::2]], dim=1).contiguous()
+
+
+def take_expert_biases(weights: dict[str, torch.Tensor], prefix: str, moe: MoeArch,
+                       hidden_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss's expert biases (gate_up [E, 2I] gate first, down [E, H]) popped from under ``{prefix}.experts.``."""
+    E, I = moe.num_experts, moe.intermediate_size
+    gate_up = _pop(weights, f"{prefix}.experts.gate_up_proj_bias")
+    down = _pop(weights, f"{prefix}.experts.down_proj_bias")
+    check_shape(f"{prefix}.experts.gate_up_proj_bias", gate_up, (E, 2 * I), "num_local_experts, intermediate_size")
+    check_shape(f"{prefix}.experts.down_proj_bias", down, (E, hidden_size), "num_local_experts, hidden_size")
+    return gate_first(gate_up), down
+
+
+def clamped_swiglu(alpha: float, limit: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    """gpt-oss's activation over [rows, 2I] (gate half, then up half): ``(clamp(up, -L, L) + 1) * g * sigmoid(alpha
+    * g)``, ``g = clamp(gate, max=L)``, in transformers' op order. Elementwise, so a row's bits never depend on its
+    batch; torch ops, so CUDA graphs capture it."""
+    def activation(x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        gate = gate.clamp(max=limit)
+        return (up.clamp(-limit, limit) + 1) * (gate * torch.sigmoid(gate * alpha))
+    return activation
 
 
 def batch_invariant_sigmoid(logits: torch.Tensor) -> torch.Tensor:
@@ -324,10 +396,17 @@ class SparseMoe:
     ``shared``: Qwen2-MoE's shared expert, added to the routed output."""
 
     def __init__(self, moe: MoeArch, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                 deterministic: bool = False, backend: str = "auto", shared: SharedExpert | None = None):
+                 deterministic: bool = False, backend: str = "auto", shared: SharedExpert | None = None,
+                 router_bias: torch.Tensor | None = None,
+                 expert_biases: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """``router_bias`` [E] and ``expert_biases`` (gate_up [E, 2I], down [E, H]): gpt-oss's."""
         self.moe = moe
         self.router = Linear(router, deterministic=deterministic)  # [E, H]
-        self.experts = FusedExperts(gate_up, down, ops.silu_and_mul, deterministic, backend)
+        self.router_bias = router_bias
+        activation = (clamped_swiglu(moe.swiglu_alpha, moe.swiglu_limit) if moe.layout == "gpt_oss"
+                      else ops.silu_and_mul)
+        up_bias, down_bias = expert_biases or (None, None)
+        self.experts = FusedExperts(gate_up, down, activation, deterministic, backend, up_bias, down_bias)
         self.shared = shared
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -336,6 +415,9 @@ class SparseMoe:
         if self.moe.layout == "granitemoe":
             logits, experts = torch.topk(self.router(x).float(), self.moe.top_k, dim=-1)
             return torch.softmax(logits, dim=-1).to(x.dtype), experts
+        if self.moe.layout == "gpt_oss":  # GptOssTopKRouter: biased logits, softmax over the top k in the model dtype
+            logits, experts = torch.topk(self.router(x).add_(self.router_bias), self.moe.top_k, dim=-1)
+            return torch.softmax(logits, dim=-1), experts
         probs = torch.softmax(self.router(x), dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.moe.top_k, dim=-1)
         if self.moe.norm_topk_prob:

@@ -81,7 +81,8 @@ static inline float exp_nonpos(float x) {
  * keys p - window + 1 ..= p (Mistral's, Gemma's local layers). Blocks wholly before a query's window
  * are skipped for it and the rest walked in the same order, so its bits stay those of its own window
  * in any item (batch invariance). With softcap > 0 (Gemma 2) each scaled score s becomes
- * softcap * tanh(s / softcap) before the softmax; the avx512_bf16 path leaves those to the generic one. One work item is (request, chunk
+ * softcap * tanh(s / softcap) before the softmax; with sinks (gpt-oss) each head's sink logit joins the
+ * softmax in the epilogue (store_item_output); the avx512_bf16 path leaves both to the generic one. One work item is (request, chunk
  * of query tokens) with every head: a cache row holds all kv heads of a token, so an item reads
  * whole rows (sequential memory) and widens each K/V block once for all its queries. Online softmax
  * (flash style) block by block.
@@ -96,17 +97,26 @@ static inline int window_start(int pos, int window) {
 }
 
 /* The epilogue of an item: divides each query row's accumulator (row qi = t * num_q_heads + h of
- * acc, head_dim floats each) by its softmax sum l[qi] and stores it as that query's output row. */
+ * acc, head_dim floats each) by its softmax sum l[qi] and stores it as that query's output row.
+ * With attention sinks (gpt-oss; NULL: none) head h's sink logit sinks[h] joins the softmax here,
+ * once, as one more key with a zero value: the sum becomes l * exp(m - m') + exp(sink - m') under
+ * the larger max m' = max(m, sink), and the accumulator (kept under m) is rescaled by exp(m - m'). */
 static inline void store_item_output(const AttnItem item, const int head_dim, int dtype,
-                                     const int32_t *query_start_loc, int num_q_heads, float *acc, const float *l,
-                                     void *out, int64_t out_tok_stride, int64_t out_head_stride) {
+                                     const int32_t *query_start_loc, int num_q_heads, float *acc, const float *m,
+                                     const float *l, const float *sinks, void *out, int64_t out_tok_stride,
+                                     int64_t out_head_stride) {
     const int nq_tok = item.q_end - item.q_begin;
     for (int t = 0; t < nq_tok; t++) {
         const int64_t tok = query_start_loc[item.req] + item.q_begin + t;
         for (int h = 0; h < num_q_heads; h++) {
             const int qi = t * num_q_heads + h;
             float *row = acc + (int64_t)qi * head_dim;
-            const float inv = 1.0f / l[qi];
+            float inv = 1.0f / l[qi];
+            if (sinks) {
+                const float top = m[qi] > sinks[h] ? m[qi] : sinks[h];
+                const float rescale = exp_nonpos(m[qi] - top);
+                inv = rescale / (l[qi] * rescale + exp_nonpos(sinks[h] - top));
+            }
             for (int d = 0; d < head_dim; d++) row[d] *= inv;
             store_row(out, dtype, tok * out_tok_stride + h * out_head_stride, row, head_dim);
         }
@@ -119,7 +129,7 @@ static inline void attend_item(const AttnItem item, const int head_dim, int dtyp
                                int64_t cache_head_stride, const int32_t *block_tables, int64_t bt_stride,
                                const int32_t *seq_lens, const int32_t *query_start_loc, int num_q_heads,
                                int num_kv_heads, const int block_size, float scale, int window, float softcap,
-                               void *out,
+                               const float *sinks, void *out,
                                int64_t out_tok_stride, int64_t out_head_stride) {
     const int group = num_q_heads / num_kv_heads;
     const int r = item.req;
@@ -266,7 +276,8 @@ static inline void attend_item(const AttnItem item, const int head_dim, int dtyp
             }
         }
     }
-    store_item_output(item, head_dim, dtype, query_start_loc, num_q_heads, (float *)acc, l, out, out_tok_stride,
+    store_item_output(item, head_dim, dtype, query_start_loc, num_q_heads, (float *)acc, m, l, sinks, out,
+                      out_tok_stride,
                       out_head_stride);
 }
 
@@ -462,7 +473,7 @@ static inline void attend_item_bf16(const AttnItem item, const int HD, const uin
             }
         }
     }
-    store_item_output(item, HD, 1, query_start_loc, num_q_heads, (float *)acc, l, out, out_tok_stride,
+    store_item_output(item, HD, 1, query_start_loc, num_q_heads, (float *)acc, m, l, NULL, out, out_tok_stride,
                       out_head_stride);
 }
 #endif
@@ -472,7 +483,7 @@ int pd_paged_attention(int dtype, const void *query, int64_t q_tok_stride, int64
                        int64_t cache_tok_stride, int64_t cache_head_stride, const int32_t *block_tables,
                        int64_t bt_stride, const int32_t *seq_lens, const int32_t *query_start_loc,
                        int num_reqs, int num_q_heads, int num_kv_heads, int head_dim, int block_size,
-                       float scale, int window, float softcap, void *out, int64_t out_tok_stride,
+                       float scale, int window, float softcap, const float *sinks, void *out, int64_t out_tok_stride,
                        int64_t out_head_stride,
                        int num_threads) {
     if (num_kv_heads <= 0 || num_q_heads % num_kv_heads) return -2;
@@ -503,14 +514,14 @@ int pd_paged_attention(int dtype, const void *query, int64_t q_tok_stride, int64
     /* The vector path reads q and K rows as whole 32-element bf16 vectors. */
     const int fast_bf16 = dtype == 1 && block_size == 16 && head_dim % 32 == 0 && cache_head_stride == head_dim &&
                           cache_tok_stride == (int64_t)num_kv_heads * head_dim &&
-                          softcap <= 0.0f && getenv("PDCLUSTER_ATTN_GENERIC") == NULL;
+                          softcap <= 0.0f && sinks == NULL && getenv("PDCLUSTER_ATTN_GENERIC") == NULL;
     (void)fast_bf16;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t it = 0; it < num_items; it++) {
 #define PD_ATTEND(HD, BS)                                                                                   \
     attend_item(items[it], HD, dtype, query, q_tok_stride, q_head_stride, k_cache, v_cache, cache_blk_stride, \
                 cache_tok_stride, cache_head_stride, block_tables, bt_stride, seq_lens, query_start_loc,     \
-                num_q_heads, num_kv_heads, BS, scale, window, softcap, out, out_tok_stride, out_head_stride)
+                num_q_heads, num_kv_heads, BS, scale, window, softcap, sinks, out, out_tok_stride, out_head_stride)
 #ifdef PD_HAVE_BF16_FAST_PATH
 #define PD_ATTEND_BF16(HD)                                                                                       \
     attend_item_bf16(items[it], HD, (const uint16_t *)query, q_tok_stride, q_head_stride, (const uint16_t *)k_cache, \
