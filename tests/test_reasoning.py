@@ -18,7 +18,7 @@ import pytest
 
 from pdcluster.cluster.api.app import build_app
 from pdcluster.cluster.api.protocol import ChatMessage
-from pdcluster.cluster.api.reasoning import ReasoningStream, split_reasoning
+from pdcluster.cluster.api.reasoning import ReasoningStream, reasoning_stream, split_reasoning
 from pdcluster.cluster.api.validation import chat_prompt_text
 from pdcluster.engine.tokenizer import Tokenizer
 from test_api import serving
@@ -39,6 +39,20 @@ CASES = [
     ("deepseek_r1", "<think>First.</think>4", "First.", "4"),
     ("deepseek_r1", "no end yet", "no end yet", ""),
     ("deepseek_r1", "x</think>", "x", ""),
+    # gpt-oss's harmony channels: analysis is reasoning, final (and commentary) content, markers never shown
+    ("openai_gptoss", "<|channel|>analysis<|message|>It is Paris.<|end|><|start|>assistant<|channel|>final"
+                      "<|message|>Paris.", "It is Paris.", "Paris."),
+    ("openai_gptoss", "<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>final<|message|>b"
+                      "<|return|>", "a", "b"),
+    ("openai_gptoss", "<|channel|>analysis<|message|>still thinking", "still thinking", ""),  # cut by max_tokens
+    ("openai_gptoss", "<|channel|>analysis<|message|>a < b, x <|e", "a < b, x <|e", ""),  # not a marker after all
+    ("openai_gptoss", "<|channel|>final<|message|>Hi", "", "Hi"),  # reasoning effort low: straight to the answer
+    ("openai_gptoss", "<|channel|>analysis<|message|>x<|end|><|start|>assistant<|channel|>commentary<|message|>"
+                      "Let me check.<|end|><|start|>assistant<|channel|>final<|message|>Done.", "x",
+     "Let me check.Done."),
+    ("openai_gptoss", "<|channel|>analysis<|message|>x<|end|><|start|>assistant<|chan", "x", ""),  # a header cut
+    ("openai_gptoss", "Plain text.", "", "Plain text."),  # no harmony at all: all answer
+    ("openai_gptoss", "<|cha", "", "<|cha"),
 ]
 
 
@@ -47,10 +61,10 @@ def test_split_and_every_stream_cut_agree(parser, text, reasoning, content):
     whole = split_reasoning(parser, text)
     assert (whole.reasoning, whole.content) == (reasoning, content)
     for cut in range(len(text) + 1):  # two pieces, anywhere (inside a tag too)
-        stream = ReasoningStream(parser)
+        stream = reasoning_stream(parser)
         parts = stream.feed(text[:cut]) + stream.feed(text[cut:]) + stream.finish()
         assert (parts.reasoning, parts.content) == (reasoning, content), cut
-    stream = ReasoningStream(parser)  # one character at a time
+    stream = reasoning_stream(parser)  # one character at a time
     parts = [stream.feed(ch) for ch in text] + [stream.finish()]
     parts = sum(parts[1:], parts[0])
     assert (parts.reasoning, parts.content) == (reasoning, content)
@@ -165,6 +179,48 @@ def test_earlier_reasoning_goes_back_to_the_template():
                 ChatMessage(role="user", content="Bye")]
     chat_prompt_text(messages, True, tok)
     assert [m.get("reasoning_content") for m in tok.messages] == [None, "Greet back.", "Older name.", None]
+    assert [m.get("thinking") for m in tok.messages] == [None, "Greet back.", "Older name.", None]  # gpt-oss's key
+
+
+HARMONY_MARKERS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"]
+HARMONY_TEXT = ("<|channel|>analysis<|message|>The user asks for the capital. It is Paris.<|end|><|start|>assistant"
+                "<|channel|>final<|message|>Paris.")
+
+
+@pytest.fixture(scope="module")
+def harmony_dir(tiny_dir, tmp_path_factory):
+    """tiny-random's tokenizer with gpt-oss's harmony markers added as special tokens (as o200k_harmony has them)."""
+    import shutil
+
+    from tokenizers import Tokenizer as HFTokenizer
+
+    out = tmp_path_factory.mktemp("harmony")
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json", "generation_config.json"):
+        shutil.copy(tiny_dir / name, out / name)
+    tok = HFTokenizer.from_file(str(out / "tokenizer.json"))
+    tok.add_special_tokens(HARMONY_MARKERS)
+    tok.save(str(out / "tokenizer.json"))
+    return out
+
+
+def test_gpt_oss_channels_whole_and_streamed(harmony_dir):
+    """The markers are special tokens: the parser gets them only because its requests keep special tokens in their
+    text; without the parser they are skipped as usual (and the channel names run into the answer)."""
+    assert all(len(Tokenizer(harmony_dir).encode(m)) == 1 for m in HARMONY_MARKERS)
+    with _server(harmony_dir, {0: HARMONY_TEXT}, "openai_gptoss") as (_, http, client):
+        m = client.chat.completions.create(**CHAT).choices[0].message
+        assert (m.reasoning, m.reasoning_content, m.content) == (
+            "The user asks for the capital. It is Paris.", "The user asks for the capital. It is Paris.", "Paris.")
+        events = _sse_events(http, "/v1/chat/completions", CHAT)
+        deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+        assert "".join(d.get("reasoning") or "" for d in deltas) == m.reasoning
+        assert "".join(d.get("content") or "" for d in deltas) == "Paris."
+        assert not any("<|" in (d.get("content") or "") + (d.get("reasoning") or "") for d in deltas)
+        r = client.responses.create(model="scripted", input="Capital of France?", max_output_tokens=100)
+        assert [item.type for item in r.output] == ["reasoning", "message"] and r.output_text == "Paris."
+    with _server(harmony_dir, {0: HARMONY_TEXT}, None) as (_, _, client):
+        assert client.chat.completions.create(**CHAT).choices[0].message.content == (
+            "analysisThe user asks for the capital. It is Paris.assistantfinalParis.")
 
 
 def test_reasoning_parser_flag():
@@ -176,6 +232,7 @@ def test_reasoning_parser_flag():
     add_serve_parser(parser.add_subparsers(dest="command"))
     assert parser.parse_args(["serve"]).reasoning_parser is None
     assert parser.parse_args(["serve", "--reasoning-parser", "deepseek_r1"]).reasoning_parser == "deepseek_r1"
+    assert parser.parse_args(["serve", "--reasoning-parser", "openai_gptoss"]).reasoning_parser == "openai_gptoss"
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--reasoning-parser", "gpt"])
     with pytest.raises(ValueError, match="reasoning parser 'gpt'"):

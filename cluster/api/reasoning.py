@@ -3,7 +3,7 @@
 ``reasoning_content``, its older name, which clients still read) beside ``message.content``; streamed, as
 ``delta.reasoning`` / ``delta.reasoning_content`` pieces before the content's. The tags are not shown.
 
-Two parsers, vLLM's names and rules:
+Two <think> tag parsers, vLLM's names and rules:
 - ``qwen3`` (Qwen3, QwQ): the output is reasoning only when it opens with ``<think>``; it ends at
   ``</think>``. An output without the tag (Qwen3 with ``enable_thinking: false``, whose template writes an
   empty think block into the prompt) is all content.
@@ -12,6 +12,8 @@ Two parsers, vLLM's names and rules:
   ``</think>``; an output that never closes it is all reasoning.
 Text after ``</think>`` is the content as written (vLLM does not strip it either). A request whose output a
 grammar forces (``response_format``, a required or named tool) has no reasoning: it is not parsed.
+
+A third, ``openai_gptoss`` (gpt-oss), reads the channels of OpenAI's harmony format instead: cluster/api/harmony.py.
 
 One state machine serves the whole text and the stream, so both always agree: text that may be the start
 of a tag is held back until the next piece says what it is (at most ``len("</think>") - 1`` characters).
@@ -22,7 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 START, END = "<think>", "</think>"
-PARSERS = ("qwen3", "deepseek_r1")
+THINK_TAG_PARSERS = ("qwen3", "deepseek_r1")
+# gpt-oss's channels (cluster/api/harmony.py); its markers are special tokens, kept in its detokenized text.
+HARMONY = "openai_gptoss"
+PARSERS = (*THINK_TAG_PARSERS, HARMONY)
 
 
 def check_reasoning_parser(name: str | None) -> str | None:
@@ -55,7 +60,9 @@ class ReasoningStream:
     content; ``finish`` flushes what was held back."""
 
     def __init__(self, parser: str):
-        self.parser = check_reasoning_parser(parser)
+        if parser not in THINK_TAG_PARSERS:
+            raise ValueError(f"{parser!r} is not a <think> tag parser ({', '.join(THINK_TAG_PARSERS)})")
+        self.parser = parser
         self._state = "start"  # start -> reasoning -> content (or start -> content)
         self._held = ""
 
@@ -90,9 +97,23 @@ class ReasoningStream:
         return Split(reasoning=held) if self._state == "reasoning" else Split(content=held)
 
 
+def reasoning_stream(parser: str):
+    """The stream parser of ``parser``'s format: ReasoningStream, or gpt-oss's HarmonyStream (same interface)."""
+    if check_reasoning_parser(parser) == HARMONY:
+        from pdcluster.cluster.api.harmony import HarmonyStream  # here: harmony.py builds on this module
+
+        return HarmonyStream()
+    return ReasoningStream(parser)
+
+
+def needs_special_tokens(parser: str | None) -> bool:
+    """Whether ``parser`` reads markers that are special tokens (kept in the request's detokenized text)."""
+    return parser == HARMONY
+
+
 def split_reasoning(parser: str, text: str) -> Split:
     """A whole output's reasoning and content (the stream's rules, at once)."""
-    stream = ReasoningStream(parser)
+    stream = reasoning_stream(parser)
     return stream.feed(text) + stream.finish()
 
 

@@ -26,7 +26,7 @@ from pdcluster.cluster.api.fanout import choice_requests, collect_all, interleav
 from pdcluster.cluster.api.logprobs import (Positions, TokenIdStrings, TokenStrings, chat_logprobs,
                                             completion_logprobs, vllm_prompt_logprobs)
 from pdcluster.cluster.api.middleware import APIError
-from pdcluster.cluster.api.reasoning import ReasoningStream, reasoning_fields, split_reasoning
+from pdcluster.cluster.api.reasoning import reasoning_fields, reasoning_stream, split_reasoning
 from pdcluster.cluster.api.router_contract import RouterError
 from pdcluster.cluster.api.tool_parsers import ToolCallStream
 from pdcluster.cluster.api.validation import Prepared
@@ -74,7 +74,7 @@ class Reply:
             run.index: ToolCallStream(mode.reader(), mode.max_calls) for run in runs}
         # Per choice index, its reasoning parser's stream (chat with --reasoning-parser: cluster/api/reasoning.py).
         parser = prep.output.reasoning_parser
-        self.reasoning_streams = {} if parser is None else {run.index: ReasoningStream(parser) for run in runs}
+        self.reasoning_streams = {} if parser is None else {run.index: reasoning_stream(parser) for run in runs}
 
     def header(self, chunk: bool) -> dict:
         p = self.prep

@@ -23,6 +23,7 @@ import anyio
 from pdcluster.cluster.api.middleware import APIError
 from pdcluster.cluster.api.protocol import (CHAT_COMPLETION, TEXT_COMPLETION, ChatCompletionRequest,
                                             ChatMessage, CompletionRequest, SamplingFields, short)
+from pdcluster.cluster.api.reasoning import needs_special_tokens
 from pdcluster.cluster.api.sampling import INT64_MAX, Extras, bad_words_token_ids, sampling_params
 from pdcluster.cluster.api.structured import ToolCalls, structured_request
 from pdcluster.cluster.api.tool_parsers import ToolParser
@@ -99,7 +100,8 @@ async def prepare(body: SamplingFields, router, served_model_name: str,
     if is_chat and reasoning_parser is not None and spec is None:
         output = replace(output, reasoning_parser=reasoning_parser)
     bad_words = bad_words_token_ids(body.bad_words, tokenizer) if body.bad_words else ()
-    keep_special = tool_calls is not None and tool_calls.parser is not None and tool_calls.parser.needs_special_tokens
+    keep_special = ((tool_calls is not None and tool_calls.parser is not None and tool_calls.parser.needs_special_tokens)
+                    or needs_special_tokens(output.reasoning_parser))
     extras = replace(extras, structured_output=spec, lora_name=lora_name, bad_words_token_ids=bad_words,
                      keep_special_tokens=keep_special)
     if is_chat:
@@ -303,8 +305,8 @@ def chat_prompt_text(messages: list[ChatMessage], add_generation_prompt: bool, t
             if getattr(m, key):
                 message[key] = getattr(m, key)
         reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
-        if reasoning is not None:
-            message["reasoning_content"] = reasoning
+        if reasoning is not None:  # gpt-oss's template reads it as ``thinking``
+            message["reasoning_content"] = message["thinking"] = reasoning
         if inject and m.role == "assistant" and m.tool_calls:
             message["content"] = "\n".join(x for x in (message["content"], tool_parser.render_calls(m.tool_calls)) if x)
         rendered.append(message)
