@@ -52,6 +52,10 @@ CASES = [
      "Let me check.Done."),
     ("openai_gptoss", "<|channel|>analysis<|message|>x<|end|><|start|>assistant<|chan", "x", ""),  # a header cut
     ("openai_gptoss", "Plain text.", "", "Plain text."),  # no harmony at all: all answer
+    # a call (a message with a recipient) goes to the content whole, for the tool-call parser
+    ("openai_gptoss", "<|channel|>analysis<|message|>x<|end|><|start|>assistant<|channel|>commentary "
+                      "to=functions.f<|message|>{}<|call|>", "x",
+     "<|start|>assistant<|channel|>commentary to=functions.f<|message|>{}<|call|>"),
     ("openai_gptoss", "<|cha", "", "<|cha"),
 ]
 
@@ -221,6 +225,33 @@ def test_gpt_oss_channels_whole_and_streamed(harmony_dir):
     with _server(harmony_dir, {0: HARMONY_TEXT}, None) as (_, _, client):
         assert client.chat.completions.create(**CHAT).choices[0].message.content == (
             "analysisThe user asks for the capital. It is Paris.assistantfinalParis.")
+
+
+def test_gpt_oss_tool_call_after_its_reasoning(harmony_dir):
+    """gpt-oss with both of vLLM's gpt-oss parsers: the analysis is the reasoning, the message to functions.* a
+    tool call (whole and streamed), the call's markers in neither."""
+    text = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+            'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>')
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    router = ScriptedRouter(Tokenizer(harmony_dir), Script({0: text}))
+    app = build_app(router, "scripted", tool_call_parser="openai", reasoning_parser="openai_gptoss")
+    with serving(app) as base_url:
+        http = httpx.Client(base_url=base_url, timeout=30)
+        client = openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0)
+        choice = client.chat.completions.create(**CHAT, tools=tools).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.reasoning == "Need the weather."
+        assert choice.message.content is None
+        assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == \
+            [("get_weather", '{"city": "Paris"}')]
+        events = _sse_events(http, "/v1/chat/completions", {**CHAT, "tools": tools})
+        deltas = [e["choices"][0] for e in events if e["choices"]]
+        assert "".join(d["delta"].get("reasoning") or "" for d in deltas) == "Need the weather."
+        assert not "".join(d["delta"].get("content") or "" for d in deltas)
+        calls = [c for d in deltas for c in d["delta"].get("tool_calls") or []]
+        assert calls[0]["function"]["name"] == "get_weather"
+        assert "".join(c["function"].get("arguments") or "" for c in calls) == '{"city": "Paris"}'
+        assert deltas[-1]["finish_reason"] == "tool_calls"
 
 
 def test_reasoning_parser_flag():

@@ -29,6 +29,7 @@ from pdcluster.cluster.api.tool_parsers import (NamedParser, RequiredParser, Too
 from pdcluster.cluster.api.tool_parsers.hermes import HermesParser
 from pdcluster.cluster.api.tool_parsers.llama3_json import Llama3JsonParser
 from pdcluster.cluster.api.tool_parsers.mistral import MistralParser
+from pdcluster.cluster.api.tool_parsers.openai_harmony import OpenAIHarmonyParser
 from pdcluster.cluster.api.tool_parsers.pythonic import PythonicParser
 from pdcluster.cluster.api.tool_parsers.qwen3_coder import Qwen3CoderParser
 from pdcluster.cluster.api.validation import chat_prompt_text
@@ -118,6 +119,17 @@ CASES = [
     (RequiredParser(), "[]", "[]", []),
     (NamedParser("get_weather"), '{"city":"Paris"}', "", [PARIS]),
     (NamedParser("get_weather"), '{"city":"Par', '{"city":"Par', []),
+    # openai (gpt-oss's harmony): a message to functions.NAME is a call, its recipient after the channel or the role;
+    # other messages are content as they are (the reasoning parser takes their markers off first)
+    (OpenAIHarmonyParser(), '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json'
+                            '<|message|>{"city": "Paris"}<|call|>', "", [PARIS]),
+    (OpenAIHarmonyParser(), 'Let me look.<|start|>assistant to=functions.get_weather<|channel|>commentary json'
+                            '<|message|>{"city": "Paris"}<|call|><|start|>assistant<|channel|>commentary '
+                            'to=functions.get_time<|message|>{"zone": "CET"}<|call|>', "Let me look.", [PARIS, CET]),
+    (OpenAIHarmonyParser(), "<|channel|>final<|message|>Paris.", "<|channel|>final<|message|>Paris.", []),
+    (OpenAIHarmonyParser(), "a < b <|start|>assistant", "a < b <|start|>assistant", []),
+    (OpenAIHarmonyParser(), '<|channel|>commentary to=functions.get_weather<|message|>{"city":"Par',
+     '<|channel|>commentary to=functions.get_weather<|message|>{"city":"Par', []),  # cut short: text
 ]
 
 
@@ -147,7 +159,8 @@ def _stream(parser, text: str, sizes) -> list[dict]:
 
 # Malformed only after the call went out (its name and the start of its arguments): a stream cannot take
 # it back, so it shows the call (as vLLM); the whole answer shows the text.
-STREAM_KEEPS_CALL = {'{"name": "f", "parameters": {"x": 1}} and more', '{"city":"Par'}
+STREAM_KEEPS_CALL = {'{"name": "f", "parameters": {"x": 1}} and more', '{"city":"Par',
+                     '<|channel|>commentary to=functions.get_weather<|message|>{"city":"Par'}
 
 
 @pytest.mark.parametrize("parser, text, content, calls", CASES,
@@ -202,6 +215,8 @@ def test_parser_picked_from_the_chat_template(tiny_dir):
     assert parser_for_template("{{ bos_token }}[AVAILABLE_TOOLS]...[TOOL_CALLS]{{ calls }}") == "mistral"
     assert parser_for_template("<tool_call>\n<function={{ name }}>\n<parameter={{ k }}>") == "qwen3_coder"
     assert isinstance(select_parser("mistral", None), MistralParser)
+    gpt_oss = "{{- '<|start|>assistant<|channel|>commentary to=functions.' + tool_call.name + '<|message|>' }}"
+    assert parser_for_template(gpt_oss) == "openai" and isinstance(select_parser("openai", None), OpenAIHarmonyParser)
     with pytest.raises(ValueError, match="'xml'"):
         select_parser("xml", smollm2_template)
 

@@ -14,8 +14,9 @@ The markers are special tokens: a request with this parser is detokenized with t
 vLLM keeps them for gpt-oss. An output with no marker at its start is all content (a model that does not
 write harmony).
 
-Tool calls (a ``commentary`` message to ``functions.*``) are given as the content they are; reading them into
-``tool_calls`` is not done here.
+A tool call (a message whose header names a recipient, ``to=functions.get_weather``) goes to the content as the
+harmony it is, header, body and ``<|call|>``: the tool-call parser ``openai`` (tool_parsers/openai_harmony.py)
+reads it from there into ``tool_calls``.
 
 The same interface as reasoning.ReasoningStream (``feed`` / ``finish``, a Split per piece), so the whole text and
 the stream always agree: text that may be the start of a marker is held back until the next piece says.
@@ -29,6 +30,7 @@ START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 BODY_ENDS = ("<|end|>", "<|return|>", "<|call|>")
 MARKERS = (START, CHANNEL, MESSAGE, "<|constrain|>", *BODY_ENDS)
 REASONING_CHANNELS = ("analysis",)
+CALL_MESSAGE = "to="  # the channel of a message with a recipient (a tool call), whatever its channel says
 
 
 def _held_marker_len(text: str) -> int:
@@ -75,14 +77,17 @@ class HarmonyStream:
                 at = self._held.find(MESSAGE)
                 if at < 0:
                     return out  # the header is shown nowhere: keep it until its body starts
-                self._channel = _channel(self._held[:at])
+                header = self._held[:at]
+                self._channel = CALL_MESSAGE if "to=" in header else _channel(header)
+                if self._channel == CALL_MESSAGE:  # passed through whole, for the tool-call parser
+                    out.content += header + MESSAGE
                 self._held = self._held[at + len(MESSAGE):]
                 self._state = "body"
             # body: up to the first end marker, else all but a possible marker's start
             ends = [(at, m) for m in BODY_ENDS if (at := self._held.find(m)) >= 0]
             if ends:
                 at, marker = min(ends)
-                self._emit(out, self._held[:at])
+                self._emit(out, self._held[:at] + (marker if self._channel == CALL_MESSAGE else ""))
                 self._held = self._held[at + len(marker):]
                 self._state = "header"
                 continue

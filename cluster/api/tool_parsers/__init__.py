@@ -1,6 +1,7 @@
 """Tool-call parsers: a model's free text -> content and OpenAI ``tool_calls``, whole or streamed.
 
-One format a file (``hermes``, ``llama3_json``, ``pythonic``, ``mistral``, ``qwen3_coder``; ``forced`` reads
+One format a file (``hermes``, ``llama3_json``, ``pythonic``, ``mistral``, ``qwen3_coder``, ``openai`` (gpt-oss's
+harmony); ``forced`` reads
 the grammar-constrained outputs of tool_choice "required" and a named function), all behind base.py's
 ``ToolParser``;
 stream.py turns any of them into OpenAI stream deltas. ``pdcluster serve --tool-call-parser NAME``
@@ -15,12 +16,13 @@ from pdcluster.cluster.api.tool_parsers.forced import NamedParser, RequiredParse
 from pdcluster.cluster.api.tool_parsers.hermes import HermesParser
 from pdcluster.cluster.api.tool_parsers.llama3_json import Llama3JsonParser
 from pdcluster.cluster.api.tool_parsers.mistral import MistralParser
+from pdcluster.cluster.api.tool_parsers.openai_harmony import OpenAIHarmonyParser
 from pdcluster.cluster.api.tool_parsers.pythonic import PythonicParser
 from pdcluster.cluster.api.tool_parsers.qwen3_coder import Qwen3CoderParser
 from pdcluster.cluster.api.tool_parsers.stream import ToolCallStream
 
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, PythonicParser,
-                                                             MistralParser, Qwen3CoderParser)}
+                                                             MistralParser, Qwen3CoderParser, OpenAIHarmonyParser)}
 PARSER_CHOICES = ("auto", *PARSERS)
 
 __all__ = ["PARSERS", "PARSER_CHOICES", "NamedParser", "RequiredParser", "Snapshot", "ToolCallStream",
@@ -31,6 +33,7 @@ def parser_for_template(template: str | None) -> str | None:
     """The format a chat template shows, where that is unambiguous; None otherwise.
 
     - it writes Qwen3-Coder's ``<function=`` blocks -> qwen3_coder;
+    - it writes harmony's ``<|channel|>`` and addresses ``functions.`` (gpt-oss) -> openai;
     - it mentions ``[TOOL_CALLS]`` (Mistral's) -> mistral;
     - it mentions ``<tool_call>`` -> hermes;
     - it mentions ``<|python_tag|>``, or is a Llama 3 template (``<|start_header_id|>``) that asks for
@@ -45,6 +48,8 @@ def parser_for_template(template: str | None) -> str | None:
         return None
     if "<function=" in template and "<parameter=" in template:
         return "qwen3_coder"
+    if "<|channel|>" in template and "functions." in template:
+        return "openai"
     if "[TOOL_CALLS]" in template:
         return "mistral"
     if "<tool_call>" in template:
