@@ -254,6 +254,32 @@ def test_gpt_oss_tool_call_after_its_reasoning(harmony_dir):
         assert deltas[-1]["finish_reason"] == "tool_calls"
 
 
+def test_reasoning_effort_reaches_the_chat_template(harmony_dir, tmp_path):
+    """OpenAI's reasoning_effort is a template variable (gpt-oss's template writes "Reasoning: high"); a bad value
+    is a 400 naming the field."""
+    import json
+    import shutil
+
+    model_dir = tmp_path / "effort"
+    shutil.copytree(harmony_dir, model_dir)
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("Reasoning: {{ reasoning_effort | default('medium') }}\n{% for m in messages %}"
+                               "{{ m.content }}{% endfor %}")
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = Tokenizer(model_dir)
+    with _server(model_dir, {0: "Paris."}, "openai_gptoss") as (_, http, client):
+        def prompt_tokens(**kw) -> int:
+            return client.chat.completions.create(**CHAT, **kw).usage.prompt_tokens
+        for effort in ("low", "medium", "high"):
+            want = len(tokenizer.encode(f"Reasoning: {effort}\nCapital of France?"))
+            assert prompt_tokens(reasoning_effort=effort) == want
+        assert prompt_tokens() == prompt_tokens(reasoning_effort="medium")
+        assert prompt_tokens(reasoning_effort="low", extra_body={"chat_template_kwargs": {
+            "reasoning_effort": "high"}}) == prompt_tokens(reasoning_effort="high")
+        r = http.post("/v1/chat/completions", json={**CHAT, "reasoning_effort": "extreme"})
+        assert r.status_code == 400 and "reasoning_effort" in r.text
+
+
 def test_reasoning_parser_flag():
     import argparse
 

@@ -209,6 +209,9 @@ class ChatCompletionRequest(SamplingFields):
     # tokens added when tokenizing the rendered text (the template writes its own by default).
     chat_template_kwargs: dict | None = None
     add_special_tokens: bool | None = False
+    # OpenAI's: how hard a reasoning model thinks; reaches the chat template as ``reasoning_effort`` (gpt-oss's
+    # template writes it into its system message), unless chat_template_kwargs names it.
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
     # ... and those served only at their defaults:
     chat_template: str | None = None
     continue_final_message: bool | None = False

@@ -107,6 +107,8 @@ async def prepare(body: SamplingFields, router, served_model_name: str,
     if is_chat:
         tools = [t.model_dump(exclude_none=True) for t in body.tools or []] if body.tool_choice != "none" else []
         template_kwargs = chat_template_kwargs(body.chat_template_kwargs)
+        if body.reasoning_effort is not None:
+            template_kwargs = {"reasoning_effort": body.reasoning_effort, **template_kwargs}
         ids = await anyio.to_thread.run_sync(
             lambda: chat_prompt_ids(body.messages, body.add_generation_prompt is not False, tokenizer, tools,
                                     tool_parser, template_kwargs, bool(body.add_special_tokens)))
