@@ -579,7 +579,7 @@ def test_chunked_prefill_and_preemption(dirs, reference, name):
     assert engine.scheduler.block_manager.num_free_blocks == engine.kv_spec.num_blocks
 
 
-@pytest.mark.parametrize("name", ["llama3", "qwen2-moe"])
+@pytest.mark.parametrize("name", ["llama3", "qwen2-moe", "gpt-oss"])
 def test_speculative_ngram_is_lossless(dirs, reference, name):
     engine = _engine(dirs[name], spec_method="ngram", num_spec_tokens=3)
     assert _run(engine, PROMPTS) == reference[name]
@@ -596,10 +596,10 @@ def test_bf16_deterministic_batch_invariant(dirs, name):
     assert [_run(engine, [p])[0] for p in PROMPTS[:5]] == batched[:5]
 
 
-@pytest.mark.parametrize("name", ["qwen2-yarn", "gemma3"])
+@pytest.mark.parametrize("name", ["qwen2-yarn", "gemma3", "gpt-oss"])
 def test_disagg_equals_colocated(dirs, reference, name):
-    """A prefill and a decode worker over tcp: the KV made with biases and YaRN, or by Gemma's local and global
-    layers, decodes to the same tokens."""
+    """A prefill and a decode worker over tcp: the KV made with biases and YaRN, by Gemma's local and global
+    layers, or by gpt-oss's layers with sinks, decodes to the same tokens."""
     cfg = engine_config(str(dirs[name]), dtype="float32", max_model_len=128, num_kv_blocks=128, block_size=16)
     params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
     run = run_on_pair(cfg, TransferConfig(transport="tcp", secret="s3cret"), PROMPTS[:6], params, 128)
