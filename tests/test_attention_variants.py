@@ -1,8 +1,9 @@
 """Sliding-window attention (each query sees its last ``window`` positions), Gemma 2's soft-capped scores
-(softcap * tanh(s / softcap)) and gpt-oss's attention sinks (one value-less logit per head) in every attention kernel: the torch reference against dense attention, the C kernel
-(generic and avx512_bf16 paths) and the Triton kernel (interpreted; every launch shape: fixed tiles, fast
-prefill, split decode) against the reference; batch invariance of a query's bits. Models with windows and caps
-served past them equal transformers in tests/test_model_families.py.
+(softcap * tanh(s / softcap)) and gpt-oss's attention sinks (one value-less logit per head) in every attention
+kernel: the torch reference against dense attention, the C kernel (generic and avx512_bf16 paths) and the Triton
+kernel (interpreted; every launch shape: fixed tiles, fast prefill, split decode) against the reference; batch
+invariance of a query's bits. Models with windows, caps and sinks served past them equal transformers in
+tests/test_model_families.py.
 
 Batches come from test_kernels.make_batch: NaN in every cache slot a request must not read, so a kernel that
 reads outside a request's blocks fails; windows reach back across block and key-tile boundaries.

@@ -232,8 +232,51 @@ def test_evicted_prefix_comes_back_from_the_offload_tiers(dirs, tmp_path):
 
 
 
+def fp8_release(src: Path, out: Path, block: tuple[int, int] = (16, 32)) -> tuple[Path, Path]:
+    """``src`` as DeepSeek releases its weights: every linear weight of the layers (attention, experts, shared
+    experts, dense MLP, the MTP layer's) block-wise FP8 with float32 scale_inv, routers, norms, embeddings and the
+    LM head as they are. (The FP8 directory, a directory of the dequantized weights in float32.)"""
+    from safetensors.torch import load_file, save_file
+
+    from pdcluster.engine.models.quantized import quantize_fp8_block
+
+    tensors = load_file(str(src / "model.safetensors"))
+    fp8, dequantized = {}, {}
+    for name, t in tensors.items():
+        if not (name.startswith("model.layers.") and t.dim() >= 2 and "norm" not in name
+                and not name.endswith("mlp.gate.weight")):
+            fp8[name] = dequantized[name] = t
+            continue
+        q, scale_inv = quantize_fp8_block(t, block)
+        fp8[name], fp8[name + "_scale_inv"] = q, scale_inv
+        # Written out here, not with the loader's function: each block's scale over its rows and columns.
+        scale = scale_inv.repeat_interleave(block[0], -2)[..., : t.shape[-2], :].repeat_interleave(block[1], -1)
+        dequantized[name] = q.float() * scale[..., : t.shape[-1]]
+    assert sum(name.endswith("_scale_inv") for name in fp8) >= 10
+    plain = _edit_config(src, out / "dequantized")
+    save_file(dequantized, str(plain / "model.safetensors"))
+    release = _edit_config(src, out / "fp8", quantization_config={
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)})
+    save_file(fp8, str(release / "model.safetensors"))
+    return release, plain
+
+
+def test_block_fp8_release_equals_transformers_on_its_dequantized_weights(dirs, tmp_path):
+    """DeepSeek-V3 as DeepSeek releases it (fp8_release), served dequantized at load: the tokens transformers
+    computes from the dequantized weights (blocks of 16 x 32 here: several a weight, edge blocks cut short). A
+    malformed block size is refused in one line."""
+    release, plain = fp8_release(dirs["v3"], tmp_path)
+    want = _hf_greedy(_hf_model(plain), PROMPTS[:6])
+    assert want != _hf_greedy(_hf_model(dirs["v3"]), PROMPTS[:6])  # FP8 changed the weights enough to matter
+    assert _run(_engine(release), PROMPTS[:6]) == want
+    bad = _edit_config(release, tmp_path / "bad",
+                       quantization_config={"quant_method": "fp8", "weight_block_size": [128]})
+    with pytest.raises(ValueError, match=r"quantized weights \(fp8"):
+        arch_from_dir(bad)
+
+
 @pytest.mark.parametrize("change,words", [
-    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, "quantized weights (fp8"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [0, 128]}}, "quantized weights (fp8"),
     ({"scoring_func": "softmax"}, "scoring_func 'softmax'"),
     ({"topk_method": "greedy"}, "topk_method 'greedy'"),
     ({"attention_bias": True}, "attention_bias True"),

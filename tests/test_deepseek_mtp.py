@@ -212,6 +212,23 @@ def test_own_mtp_disagg_equals_colocated(model_dir, reference, colocated, transp
     assert run.stats[0]["bytes_sent"] == expected
 
 
+def test_own_mtp_of_an_fp8_release_is_lossless(model_dir, tmp_path):
+    """DeepSeek's FP8 release quantizes the MTP layer too: its loader dequantizes it (no scale left, the dequantized
+    values), and speculation with it gives transformers' tokens on the dequantized target."""
+    from test_deepseek import fp8_release
+
+    release, plain = fp8_release(model_dir, tmp_path)
+    arch = arch_from_dir(release)
+    weights = load_own_mtp_weights(release, arch)
+    assert weights and not any(name.endswith("_scale_inv") for name in weights)
+    torch.testing.assert_close(weights[f"model.layers.{arch.num_layers}.eh_proj.weight"],
+                               load_own_mtp_weights(plain, arch)[f"model.layers.{arch.num_layers}.eh_proj.weight"],
+                               rtol=0, atol=0)
+    outs = _engine(release, **OWN).generate(PROMPTS[:6], GREEDY)
+    assert _tokens(outs) == _hf_greedy(_hf_model(plain), PROMPTS[:6])
+    assert sum(o.num_accepted_tokens for o in outs) > 0
+
+
 def test_refusals_are_one_line(model_dir, tmp_path):
     """V2 has no MTP layer; our Llama-shaped head does not fit latent attention; a V3 whose weights lack the layer
     (transformers' save_pretrained drops it) says where it looked."""

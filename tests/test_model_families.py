@@ -522,7 +522,7 @@ def test_gpt_oss_reads_its_config_and_each_of_its_parts_matters(dirs, reference)
 def test_gpt_oss_mxfp4_release_equals_transformers_on_its_dequantized_weights(dirs, tmp_path):
     """A gpt-oss directory as OpenAI releases it (experts as MXFP4 blocks and scales, quantization_config mxfp4)
     serves the tokens transformers computes from those experts dequantized; MXFP4 on another architecture, and
-    other quantization methods on gpt-oss, are still refused in one line."""
+    4-bit methods other than its own on gpt-oss, are still refused in one line."""
     from safetensors.torch import load_file, save_file
 
     from pdcluster.engine.models.mxfp4 import dequantize_mxfp4, quantize_mxfp4
@@ -551,12 +551,84 @@ def test_gpt_oss_mxfp4_release_equals_transformers_on_its_dequantized_weights(di
                                                              "model.embed_tokens", "lm_head"]}
     (release / "config.json").write_text(json.dumps(cfg))
     assert _run(_engine(release), PROMPTS[:6]) == want
-    fp8 = _edit_config(release, tmp_path / "fp8", quantization_config={"quant_method": "fp8"})
-    with pytest.raises(ValueError, match=r"quantized weights \(fp8"):
-        _engine(fp8)
+    awq = _edit_config(release, tmp_path / "awq", quantization_config={"quant_method": "awq", "bits": 4})
+    with pytest.raises(ValueError, match=r"quantized weights \(awq"):
+        _engine(awq)
     llama = _edit_config(dirs["llama3"], tmp_path / "llama-mxfp4", quantization_config={"quant_method": "mxfp4"})
     with pytest.raises(ValueError, match=r"quantized weights \(mxfp4"):
         _engine(llama)
+
+
+def _ct_config(fmt: str, kind: str, symmetric: bool = True) -> dict:
+    """A compressed-tensors quantization_config of 8-bit channel-wise weights (RedHatAI's W8 checkpoints')."""
+    return {"quant_method": "compressed-tensors", "format": fmt, "ignore": ["lm_head"], "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": kind, "strategy": "channel", "symmetric": symmetric,
+                                           "dynamic": False},
+        "input_activations": {"num_bits": 8, "type": kind, "strategy": "token", "dynamic": True}}}}
+
+
+def test_quantized_configs_read():
+    """Which quantization_configs the loader dequantizes, with which scales, and which it refuses (None)."""
+    from pdcluster.engine.models.quantized import ScaledWeights, scaled_weights_of
+
+    block_group = _ct_config("float-quantized", "float")
+    block_group["config_groups"]["group_0"]["weights"].update(strategy="block", block_structure=[128, 128])
+    assert scaled_weights_of({"quantization_config": block_group}) == ScaledWeights("_scale", (128, 128))
+    assert scaled_weights_of({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 64]}}) == \
+        ScaledWeights("_scale_inv", (128, 64))
+    assert scaled_weights_of({"quantization_config": {"quant_method": "fp8"}}) == ScaledWeights("_scale")
+    four_bit = _ct_config("int-quantized", "int")
+    four_bit["config_groups"]["group_0"]["weights"]["num_bits"] = 4
+    for config in ({}, {"quantization_config": {"quant_method": "awq", "bits": 4}}, {"quantization_config": four_bit},
+                   {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128]}}):
+        assert scaled_weights_of(config) is None
+
+
+@pytest.mark.parametrize("layout", ["fp8-per-tensor", "ct-fp8-channel", "ct-int8-channel-asymmetric"])
+def test_8bit_weights_with_scales_equal_transformers_on_their_dequantized_weights(dirs, tmp_path, layout):
+    """Per-tensor FP8 (AutoFP8 / vLLM's fp8, with static input scales the engine drops) and compressed-tensors' 8-bit
+    channel-wise weights (FP8; INT8 with zero points), every linear weight of the layers quantized: served
+    dequantized at load, the tokens transformers computes from the dequantized weights. compressed-tensors' packed
+    4-bit weights are refused in one line."""
+    from safetensors.torch import load_file, save_file
+
+    from pdcluster.engine.models.quantized import quantize_int8_channel
+
+    tensors = load_file(str(dirs["llama3"] / "model.safetensors"))
+    stored, dequantized = {}, {}
+    for name, t in tensors.items():
+        if not (name.startswith("model.layers.") and name.endswith("proj.weight")):
+            stored[name] = dequantized[name] = t
+            continue
+        zero_point = None
+        if layout == "fp8-per-tensor":
+            scale = t.abs().amax().reshape(1) / 448
+            q = (t / scale).to(torch.float8_e4m3fn)
+            stored[name[: -len("weight")] + "input_scale"] = torch.tensor([0.02])
+        elif layout == "ct-fp8-channel":
+            scale = t.abs().amax(dim=1, keepdim=True) / 448
+            q = (t / scale).to(torch.float8_e4m3fn)
+        else:
+            q, scale = quantize_int8_channel(t)
+            zero_point = torch.randint(-3, 4, scale.shape, dtype=torch.int8)
+            q = (q.int() + zero_point).clamp(-128, 127).to(torch.int8)
+            stored[name + "_zero_point"] = zero_point
+        stored[name], stored[name + "_scale"] = q, scale
+        # Written out here, not with the loader's function: (weight - zero point) * scale, broadcast over rows.
+        dequantized[name] = (q.float() - (0 if zero_point is None else zero_point.float())) * scale.float()
+    plain = _edit_config(dirs["llama3"], tmp_path / "dequantized")
+    save_file(dequantized, str(plain / "model.safetensors"))
+    config = {"fp8-per-tensor": {"quant_method": "fp8", "activation_scheme": "static"},
+              "ct-fp8-channel": _ct_config("float-quantized", "float"),
+              "ct-int8-channel-asymmetric": _ct_config("int-quantized", "int", symmetric=False)}[layout]
+    release = _edit_config(dirs["llama3"], tmp_path / "release", quantization_config=config)
+    save_file(stored, str(release / "model.safetensors"))
+    want = _hf_greedy(_hf_model(plain), PROMPTS[:6])
+    assert _run(_engine(release), PROMPTS[:6]) == want
+    packed = _edit_config(release, tmp_path / "packed", quantization_config={
+        **_ct_config("pack-quantized", "int"), "format": "pack-quantized"})
+    with pytest.raises(ValueError, match=r"quantized weights \(compressed-tensors"):
+        arch_from_dir(packed)
 
 
 def test_biases_matter(dirs, reference):

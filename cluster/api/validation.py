@@ -100,8 +100,9 @@ async def prepare(body: SamplingFields, router, served_model_name: str,
     if is_chat and reasoning_parser is not None and spec is None:
         output = replace(output, reasoning_parser=reasoning_parser)
     bad_words = bad_words_token_ids(body.bad_words, tokenizer) if body.bad_words else ()
-    keep_special = ((tool_calls is not None and tool_calls.parser is not None and tool_calls.parser.needs_special_tokens)
-                    or needs_special_tokens(output.reasoning_parser))
+    tool_parser_reads_special = (tool_calls is not None and tool_calls.parser is not None
+                                 and tool_calls.parser.needs_special_tokens)
+    keep_special = tool_parser_reads_special or needs_special_tokens(output.reasoning_parser)
     extras = replace(extras, structured_output=spec, lora_name=lora_name, bad_words_token_ids=bad_words,
                      keep_special_tokens=keep_special)
     if is_chat:

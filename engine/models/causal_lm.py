@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from pdcluster.engine.linear import Linear
+from pdcluster.engine.models.quantized import dequantize_weights, scaled_weights_of
 from pdcluster.engine.models.mxfp4 import dequantize_checkpoint, is_mxfp4
 
 
@@ -26,15 +27,20 @@ def load_weights(model_dir: Path, dtype: torch.dtype, device: str | torch.device
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{model_dir}: no *.safetensors weight files")
-    config = Path(model_dir) / "config.json"
-    mxfp4 = config.is_file() and is_mxfp4(json.loads(config.read_text()))
+    config_file = Path(model_dir) / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    scaled = scaled_weights_of(config)
     weights: dict[str, torch.Tensor] = {}
     for f in files:
         tensors = load_file(str(f))
-        if mxfp4:  # gpt-oss's releases: expert matrices as packed FP4 codes and scales, dequantized file by file
+        if is_mxfp4(config):  # gpt-oss's releases: expert matrices as packed FP4 codes and scales, file by file
             tensors = dequantize_checkpoint(tensors, dtype)
         for name, tensor in tensors.items():
-            weights[name] = tensor.to(dtype).to(device)
+            # FP8 / INT8 scales stay float32 (rounding them would change every weight they scale).
+            keep = scaled is not None and scaled.is_side_tensor(name)
+            weights[name] = tensor.to(torch.float32 if keep else dtype).to(device)
+    if scaled is not None:  # a weight and its scale may be in different shards: paired once all are read
+        dequantize_weights(weights, scaled, dtype)
     return weights
 
 

@@ -23,6 +23,7 @@ checkpoint's).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 from pdcluster.engine.attention import AttentionMetadata
 from pdcluster.engine.linear import Linear
 from pdcluster.engine.models.deepseek import DeepseekArch, DeepseekLayer, take_weight
+from pdcluster.engine.models.quantized import dequantize_weights, scaled_weights_of
 from pdcluster.kernels import ops
 
 
@@ -70,6 +72,9 @@ def load_own_mtp_weights(model_dir: str | Path, arch: DeepseekArch) -> dict[str,
             for name in st.keys():
                 if name.startswith(prefix):
                     weights[name] = st.get_tensor(name)
+    scaled = scaled_weights_of(json.loads((Path(model_dir) / "config.json").read_text()))
+    if scaled is not None:  # DeepSeek's own FP8 release quantizes the MTP layer too: float32 here, cast by the head
+        dequantize_weights(weights, scaled, torch.float32)
     return weights
 
 
