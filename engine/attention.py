@@ -44,17 +44,19 @@ def attend(
     window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    chunk: int = 0,
 ) -> torch.Tensor:
     """``batch_invariant`` (deterministic mode): a query's result is the same in any batch (on CUDA the
     fixed attention tiles; the CPU kernel always is). ``kv_written``: the caller already put this step's
     K and V into the cache (ops.rotary_write_kv). ``window`` > 0: sliding-window attention (each query sees
     its last ``window`` positions; the paged kernels serve it, FlashAttention's prefill path is skipped);
     ``softcap`` > 0: scores capped by softcap * tanh(s / softcap) (Gemma 2; paged kernels too); ``sinks`` (float32
-    [num_q_heads]): gpt-oss's attention sinks, one value-less logit per head in each softmax (paged kernels)."""
+    [num_q_heads]): gpt-oss's attention sinks, one value-less logit per head in each softmax (paged kernels); ``chunk``
+    > 0: chunked attention, each query sees its own chunk of ``chunk`` positions (Llama 4's local layers)."""
     if not kv_written:
         ops.write_kv(key, value, layer_cache, meta.slot_mapping)
     if meta.no_context_max_query_len is not None and not batch_invariant and window <= 0 and softcap <= 0 \
-            and sinks is None and flash_prefill.usable(query, key.shape[1]):
+            and sinks is None and chunk <= 0 and flash_prefill.usable(query, key.shape[1]):
         out = flash_prefill.flash_prefill(query, key, value, meta.query_start_loc, meta.no_context_max_query_len,
                                           meta.scale, meta.no_context_query_lens_np)
         if out is not None:
@@ -62,7 +64,7 @@ def attend(
     # One varlen kernel serves every batch shape (CPU and CUDA); query_start_loc is already on the device.
     return ops.paged_attention(
         query, layer_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.scale,
-        batch_invariant=batch_invariant, window=window, softcap=softcap, sinks=sinks,
+        batch_invariant=batch_invariant, window=window, softcap=softcap, sinks=sinks, chunk=chunk,
     )
 
 

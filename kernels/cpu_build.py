@@ -39,8 +39,8 @@ FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-fPIC", "-st
 _c_int, _c_i64, _c_f32, _ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 CORE_SIGNATURES = {
     "pd_paged_attention": [_c_int, _ptr, _c_i64, _c_i64, _ptr, _ptr, _c_i64, _c_i64, _c_i64, _ptr, _c_i64, _ptr,
-                           _ptr, _c_int, _c_int, _c_int, _c_int, _c_int, _c_f32, _c_int, _c_f32, _ptr, _ptr, _c_i64,
-                           _c_i64, _c_int],
+                           _ptr, _c_int, _c_int, _c_int, _c_int, _c_int, _c_f32, _c_int, _c_int, _c_f32, _ptr, _ptr,
+                           _c_i64, _c_i64, _c_int],
     "pd_rms_norm": [_c_int, _ptr, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_f32, _c_int],
     "pd_rotary": [_c_int, _ptr, _c_i64, _c_i64, _c_i64, _c_int, _c_int, _ptr, _ptr, _c_int],
     "pd_silu_and_mul": [_c_int, _ptr, _ptr, _c_i64, _c_int, _c_int],

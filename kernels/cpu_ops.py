@@ -66,6 +66,7 @@ def paged_attention(
     window: int = 0,  # > 0: each query sees its last ``window`` positions (sliding-window attention)
     softcap: float = 0.0,  # > 0: scores become softcap * tanh(score / softcap) (Gemma 2)
     sinks: torch.Tensor | None = None,  # float32 [num_q_heads]: attention sinks (gpt-oss; reference.paged_attention)
+    chunk: int = 0,  # > 0: chunked attention, each query sees its chunk's keys (Llama 4's local layers)
 ) -> torch.Tensor | None:
     lib = cpu_build.load()
     code = _code(query, layer_cache)
@@ -88,7 +89,7 @@ def paged_attention(
         code, query.data_ptr(), query.stride(0), query.stride(1),
         k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
         block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), query_start_loc.data_ptr(),
-        seq_lens.shape[0], num_q_heads, num_kv_heads, head_dim, block_size, scale, window, softcap,
+        seq_lens.shape[0], num_q_heads, num_kv_heads, head_dim, block_size, scale, window, chunk, softcap,
         None if sinks is None else sinks.data_ptr(), out.data_ptr(), out.stride(0), out.stride(1), _threads(),
     )
     if rc != 0:

@@ -54,12 +54,14 @@ def write_kv(key: Tensor, value: Tensor, layer_cache: Tensor, slot_mapping: Tens
 def paged_attention(
     query: Tensor, layer_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, scale: float,
     batch_invariant: bool = True, window: int = 0, softcap: float = 0.0, sinks: Tensor | None = None,
+    chunk: int = 0,
 ) -> Tensor:
     """Causal attention of each request's new query tokens over its paged context. ``batch_invariant``:
     a query's bits independent of its batch (the CPU kernel always; on CUDA the fixed tiles, else the
     fast ones). ``window`` > 0: sliding-window attention (each query sees its last ``window`` positions);
     ``softcap`` > 0: scores capped by softcap * tanh(s / softcap) (Gemma 2); ``sinks`` (float32 [num_q_heads]):
-    gpt-oss's attention sinks, one value-less logit per head in each softmax."""
+    gpt-oss's attention sinks, one value-less logit per head in each softmax; ``chunk`` > 0: chunked attention (each
+    query sees the keys of its own chunk of ``chunk`` positions: Llama 4's local layers)."""
     if _use_triton(query, layer_cache, block_tables, seq_lens, query_start_loc) and triton_attention_takes(
             query.shape[-1]):
         from pdcluster.kernels.triton_paged_attention import paged_attention_triton
@@ -68,13 +70,14 @@ def paged_attention(
         # packing it first was a copy kernel a layer (on the H100: 0.055 ms of a 5.2 ms batch-128 decode
         # step, 3.8 ms of the 16 x 2,048 prefill).
         return paged_attention_triton(query, layer_cache, block_tables, seq_lens, query_start_loc, scale,
-                                      batch_invariant=batch_invariant, window=window, softcap=softcap, sinks=sinks)
+                                      batch_invariant=batch_invariant, window=window, softcap=softcap, sinks=sinks,
+                                      chunk=chunk)
     out = cpu_ops.paged_attention(query, layer_cache, block_tables, seq_lens, query_start_loc, scale, window=window,
-                                  softcap=softcap, sinks=sinks)
+                                  softcap=softcap, sinks=sinks, chunk=chunk)
     if out is not None:
         return out
     return reference.paged_attention(query, layer_cache, block_tables, seq_lens, query_start_loc, scale, window,
-                                     softcap, sinks)
+                                     softcap, sinks, chunk)
 
 
 def latent_attention(query: Tensor, layer_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,

@@ -52,6 +52,7 @@ def paged_attention(
     window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,  # float32 [num_q_heads]: one extra logit per head (gpt-oss), no value
+    chunk: int = 0,  # > 0: chunked attention (Llama 4's local layers)
 ) -> torch.Tensor:
     """Causal attention of each request's new query tokens over its paged context.
 
@@ -60,7 +61,8 @@ def paged_attention(
     ``window`` > 0, to its last ``window`` positions (``that position - window + 1 ..= that position``); with
     ``softcap`` > 0 each scaled score s is softcap * tanh(s / softcap) (Gemma 2); with ``sinks`` (gpt-oss's attention
     sinks) head h's softmax has one more logit, ``sinks[h]``, whose value is zero: it takes part of the weight
-    (``exp(sinks[h])`` in the denominator) and adds nothing to the output. This one
+    (``exp(sinks[h])`` in the denominator) and adds nothing to the output; with ``chunk`` > 0 a query sees only the
+    keys of its own chunk of ``chunk`` positions (``that position // chunk * chunk ..= that position``). This one
     function serves prefill (q_len = chunk), decode (q_len = 1) and speculative verification
     (q_len = 1 + k). The K/V of the new tokens must already be written into the cache.
     """
@@ -84,6 +86,8 @@ def paged_attention(
         mask = k_pos <= q_pos  # [q_len, L]
         if window > 0:
             mask &= k_pos > q_pos - window
+        if chunk > 0:
+            mask &= k_pos >= q_pos // chunk * chunk
         if softcap > 0 or sinks is not None:
             scores = torch.matmul(q.float(), k.float().transpose(1, 2)) * scale
             if softcap > 0:

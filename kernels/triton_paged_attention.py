@@ -170,13 +170,15 @@ def _fold_sink(m, l, acc, sink):
 
 
 @triton.jit
-def _partition_state(q, q_pos, row_valid, kv_lo, kv_hi, win_lo, window, softcap, table_row_ptr, cache_ptr, kv_head,
+def _partition_state(q, q_pos, row_valid, kv_lo, kv_hi, win_lo, window, chunk, softcap, table_row_ptr, cache_ptr,
+                     kv_head,
                      block_size, qk_scale_log2, dims, dim_valid, stride_cache_kv, stride_cache_block,
                      stride_cache_slot, stride_cache_head, stride_cache_dim, stride_table_entry,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                      DOT_PRECISION: tl.constexpr, NATIVE_DOT: tl.constexpr, SOFTCAP: tl.constexpr):
     """Online softmax over context positions [kv_lo, kv_hi) from a fresh state: (m, l, acc). Rows see keys
-    after q_pos - window (sliding window; ``window`` is huge without one); key tiles wholly before
+    after q_pos - window (sliding window; ``window`` is huge without one) and from their chunk's start on (chunked
+    attention; ``chunk`` is huge without it, so every chunk starts at 0); key tiles wholly before
     ``win_lo`` (the tile's first visible key) are skipped: for every row they would be exact no-ops."""
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: -inf - -inf would be NaN
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -204,7 +206,8 @@ def _partition_state(q, q_pos, row_valid, kv_lo, kv_hi, win_lo, window, softcap,
         if SOFTCAP:  # Gemma 2: softcap * tanh(s / softcap) on the natural-log score, tanh(x) = 2 sigmoid(2x) - 1
             x = scores * (0.6931471805599453 / softcap)
             scores = softcap * (2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0) * 1.4426950408889634
-        causal = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window) & row_valid[:, None]
+        causal = ((k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
+                  & (k_pos[None, :] >= q_pos[:, None] // chunk * chunk) & row_valid[:, None])
         scores = tl.where(causal, scores, float("-inf"))
 
         m_i, l_i, acc = _softmax_step(m_i, l_i, acc, scores, v, DOT_PRECISION, NATIVE_DOT)
@@ -225,6 +228,7 @@ def _paged_attention_kernel(
     sinks_ptr,  # HAS_SINKS: fp32 [num_q_heads] attention-sink logits (natural-log scale)
     qk_scale_log2,  # softmax scale * log2(e): the softmax runs on exp2
     window,  # sliding window: a row sees positions after q_pos - window (NO_WINDOW: all)
+    chunk,  # chunked attention: a row sees positions from q_pos // chunk * chunk on (NO_WINDOW: all)
     softcap,  # SOFTCAP: scores become softcap * tanh(score / softcap)
     num_reqs,
     block_size,
@@ -291,8 +295,9 @@ def _paged_attention_kernel(
     last_q_in_tile = tl.minimum(tile_in_req * BLOCK_Q + BLOCK_Q, q_len) - 1
     kv_end = first_q_pos + last_q_in_tile + 1
     num_parts = tl.cdiv(kv_end, PARTITION_SIZE)
-    # The first key any row of the tile sees (its first token's window start).
-    win_lo = tl.maximum(first_q_pos + tile_in_req * BLOCK_Q - window + 1, 0)
+    # The first key any row of the tile sees (its first token's window or chunk start: later tokens' are later).
+    first_pos_in_tile = first_q_pos + tile_in_req * BLOCK_Q
+    win_lo = tl.maximum(tl.maximum(first_pos_in_tile - window + 1, 0), first_pos_in_tile // chunk * chunk)
     table_row_ptr = block_tables_ptr + req.to(tl.int64) * stride_table_req
     if SPLIT:
         state_row = q_token * num_q_heads + q_head  # [BLOCK_M]
@@ -307,7 +312,7 @@ def _paged_attention_kernel(
         for part in range(tl.program_id(2), parts_end, tl.num_programs(2)):
             kv_lo = part * part_len
             m_p, l_p, acc_p = _partition_state(
-                q, q_pos, row_valid, kv_lo, tl.minimum(kv_lo + part_len, kv_end), win_lo, window, softcap,
+                q, q_pos, row_valid, kv_lo, tl.minimum(kv_lo + part_len, kv_end), win_lo, window, chunk, softcap,
                 table_row_ptr, cache_ptr, kv_head, block_size, qk_scale_log2, dims, dim_valid, stride_cache_kv,
                 stride_cache_block, stride_cache_slot, stride_cache_head, stride_cache_dim, stride_table_entry,
                 BLOCK_M, BLOCK_N, HEAD_DIM_PAD, DOT_PRECISION, NATIVE_DOT, SOFTCAP)
@@ -323,7 +328,8 @@ def _paged_attention_kernel(
         for part in range(win_lo // PARTITION_SIZE, num_parts):
             kv_lo = part * PARTITION_SIZE
             m_p, l_p, acc_p = _partition_state(
-                q, q_pos, row_valid, kv_lo, tl.minimum(kv_lo + PARTITION_SIZE, kv_end), win_lo, window, softcap,
+                q, q_pos, row_valid, kv_lo, tl.minimum(kv_lo + PARTITION_SIZE, kv_end), win_lo, window, chunk,
+                softcap,
                 table_row_ptr, cache_ptr, kv_head, block_size, qk_scale_log2, dims, dim_valid, stride_cache_kv,
                 stride_cache_block, stride_cache_slot, stride_cache_head, stride_cache_dim, stride_table_entry,
                 BLOCK_M, BLOCK_N, HEAD_DIM_PAD, DOT_PRECISION, NATIVE_DOT, SOFTCAP)
@@ -442,13 +448,14 @@ def block_q_for(group_pad: int, rows: int = TILE_ROWS) -> int:
 
 def paged_attention_triton(
     query: Tensor, layer_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, scale: float,
-    batch_invariant: bool = True, window: int = 0, softcap: float = 0.0, sinks: Tensor | None = None,
+    batch_invariant: bool = True, window: int = 0, softcap: float = 0.0, sinks: Tensor | None = None, chunk: int = 0,
 ) -> Tensor:
     """Causal attention of each request's new query tokens over its paged context (see module doc;
     arguments and shapes as in :func:`pdcluster.kernels.reference.paged_attention`).
 
     ``window`` > 0: sliding-window attention (each row sees its last ``window`` positions). ``sinks``: float32
-    [num_q_heads] attention-sink logits (gpt-oss), folded into each row's final softmax state.
+    [num_q_heads] attention-sink logits (gpt-oss), folded into each row's final softmax state. ``chunk`` > 0:
+    chunked attention (each row sees its own chunk of ``chunk`` positions: Llama 4's local layers).
     ``batch_invariant`` (deterministic mode): the fixed tiles. Otherwise (the fast mode) prefill chunks
     get 128-row query tiles, keys come in tiles of 64 and 16-bit operands go to the dots as they are.
     The K/V of the new tokens must already be written into the cache. Rows of the output past
@@ -470,14 +477,15 @@ def paged_attention_triton(
     group_pad = triton.next_power_of_2(num_q_heads // num_kv_heads)
     if batch_invariant:
         return launch(query, layer_cache, block_tables, seq_lens, query_start_loc, scale, out,
-                      block_q_for(group_pad), KV_TILE_TOKENS, window=window, softcap=softcap, sinks=sinks)
+                      block_q_for(group_pad), KV_TILE_TOKENS, window=window, softcap=softcap, sinks=sinks,
+                      chunk=chunk)
     # Fast mode: prefill-sized calls (more than a few query tokens a request) get the big row tile.
     prefill = num_tokens > 4 * num_reqs
     native = query.dtype in (torch.bfloat16, torch.float16) and not INTERPRETED
     if prefill:
         return launch(query, layer_cache, block_tables, seq_lens, query_start_loc, scale, out,
                       block_q_for(group_pad, FAST_PREFILL_ROWS), FAST_PREFILL_KV_TILE, native_dot=native, window=window,
-                      softcap=softcap, sinks=sinks,
+                      softcap=softcap, sinks=sinks, chunk=chunk,
                       partition=fast_whole_context(block_tables, block_size), num_warps=4, num_stages=3)
     # Decode and verification: a few requests split their context in segments (flash-decoding), many
     # (enough programs to fill the GPU) walk it whole in one program each, as one partition: one key
@@ -488,10 +496,11 @@ def paged_attention_triton(
     if FAST_DECODE_BY_SEGMENTS and too_few_programs(num_q_tiles, num_kv_heads):
         return launch(query, layer_cache, block_tables, seq_lens, query_start_loc, scale, out, block_q,
                       FAST_DECODE_KV_TILE, split=True, native_dot=native, window=window, softcap=softcap, sinks=sinks,
+                      chunk=chunk,
                       segments=fast_decode_segments(num_q_tiles, num_kv_heads), num_warps=4, num_stages=3)
     return launch(query, layer_cache, block_tables, seq_lens, query_start_loc, scale, out, block_q,
                   FAST_KV_TILE_TOKENS, native_dot=native, window=window, softcap=softcap, sinks=sinks,
-                  partition=fast_whole_context(block_tables, block_size),
+                  chunk=chunk, partition=fast_whole_context(block_tables, block_size),
                   num_warps=4, num_stages=3)
 
 
@@ -532,7 +541,7 @@ def launch(query: Tensor, layer_cache: Tensor, block_tables: Tensor, seq_lens: T
            scale: float, out: Tensor, block_q: int, block_n: int, split: bool | None = None,
            native_dot: bool = False, partition: int | None = None, num_warps: int | None = None,
            num_stages: int | None = None, segments: int = 0, window: int = 0, softcap: float = 0.0,
-           sinks: Tensor | None = None) -> Tensor:
+           sinks: Tensor | None = None, chunk: int = 0) -> Tensor:
     """Run the kernel with the given tiles (checked arguments; :func:`paged_attention_triton` passes the
     fixed ones, tests pass batch-dependent ones to show the invariance tests catch them). ``split``:
     merge the partitions in a second kernel (None: when the launch has too few programs, module doc).
@@ -584,6 +593,7 @@ def launch(query: Tensor, layer_cache: Tensor, block_tables: Tensor, seq_lens: T
         sinks_arg,
         scale / math.log(2.0),
         window if window > 0 else NO_WINDOW,
+        chunk if chunk > 0 else NO_WINDOW,
         float(softcap) if softcap > 0 else 1.0,
         num_reqs,
         block_size,

@@ -1,6 +1,6 @@
 """Sliding-window attention (each query sees its last ``window`` positions), Gemma 2's soft-capped scores
-(softcap * tanh(s / softcap)) and gpt-oss's attention sinks (one value-less logit per head) in every attention
-kernel: the torch reference against dense attention, the C kernel (generic and avx512_bf16 paths) and the Triton
+(softcap * tanh(s / softcap)), gpt-oss's attention sinks (one value-less logit per head) and Llama 4's chunked
+attention (each query sees its own chunk of positions) in every attention kernel: the torch reference against dense attention, the C kernel (generic and avx512_bf16 paths) and the Triton
 kernel (interpreted; every launch shape: fixed tiles, fast prefill, split decode) against the reference; batch
 invariance of a query's bits. Models with windows, caps and sinks served past them equal transformers in
 tests/test_model_families.py.
@@ -28,7 +28,7 @@ CASES = [
 WINDOWS = [1, 3, 8, 17]
 
 
-def _dense(batch, q_lens, window, softcap=0.0, sinks=None):
+def _dense(batch, q_lens, window, softcap=0.0, sinks=None, chunk=0):
     """Plain softmax attention per query over its window, from the dense K/V the batch was made from (with
     ``sinks``: each head's sink logit one more column of the softmax, dropped before the values)."""
     out = torch.empty_like(batch.query, dtype=torch.float32)
@@ -39,6 +39,8 @@ def _dense(batch, q_lens, window, softcap=0.0, sinks=None):
         for i in range(q_lens[r]):
             pos = seq_len - q_lens[r] + i
             lo = max(0, pos - window + 1) if window > 0 else 0
+            if chunk > 0:  # Llama 4's chunked attention: the query's own chunk only
+                lo = max(lo, pos // chunk * chunk)
             kk = k[lo : pos + 1].float().repeat_interleave(group, 1)  # [n, Hq, D]
             vv = v[lo : pos + 1].float().repeat_interleave(group, 1)
             q = batch.query[starts[r] + i].float()  # [Hq, D]
@@ -246,4 +248,63 @@ def test_sinks_triton_deterministic_equals_reference_and_is_batch_invariant():
         one = attention.paged_attention_triton(batch.query[1 + i : 2 + i], batch.layer_cache, batch.block_tables[1:2],
                                                torch.tensor([170 - 10 + i + 1], dtype=torch.int32),
                                                torch.tensor([0, 1], dtype=torch.int32), SCALE, sinks=sinks)
+        assert torch.equal(one[0], got[1 + i])
+
+
+# ---- chunked attention (Llama 4's local layers) -----------------------------------------------------------------
+
+CHUNKS = [4, 16, 40]  # inside a block, a block's size, across blocks and key tiles
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize("q_lens, seq_lens", CASES)
+def test_chunked_reference_equals_dense(q_lens, seq_lens, chunk):
+    batch = make_batch(q_lens, seq_lens, 4, 2)
+    got = reference.paged_attention(*batch.args(), 0, 0.0, None, chunk)
+    torch.testing.assert_close(got, _dense(batch, q_lens, 0, chunk=chunk), rtol=1e-5, atol=1e-5)
+    # A chunk as long as the context is plain causal attention; a window and a chunk: the later start wins.
+    torch.testing.assert_close(reference.paged_attention(*batch.args(), 0, 0.0, None, max(seq_lens)),
+                               reference.paged_attention(*batch.args()), rtol=0, atol=0)
+    torch.testing.assert_close(reference.paged_attention(*batch.args(), 7, 0.0, None, chunk),
+                               _dense(batch, q_lens, 7, chunk=chunk), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler")
+@pytest.mark.parametrize("dtype,block_size,head_dim", [(torch.float32, 4, HEAD_DIM), (torch.bfloat16, 16, 64)])
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_chunked_c_kernel_equals_reference_and_is_batch_invariant(dtype, block_size, head_dim, chunk):
+    """bf16 at block 16 / head_dim 64: the avx512_bf16 path where the CPU has it."""
+    batch = make_batch([1, 10, 4], [40, 37, 4], 6, 2, dtype=dtype, block_size=block_size, head_dim=head_dim)
+    got = cpu_ops.paged_attention(*batch.args(), chunk=chunk)
+    expected = reference.paged_attention(*batch.args(), 0, 0.0, None, chunk)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got.float(), expected.float(), **tol)
+    for i in (0, 6):  # token i of request 1 (10 new tokens over 27 cached) alone, as a decode step
+        one = cpu_ops.paged_attention(batch.query[1 + i : 2 + i], batch.layer_cache, batch.block_tables[1:2],
+                                      torch.tensor([37 - 10 + i + 1], dtype=torch.int32),
+                                      torch.tensor([0, 1], dtype=torch.int32), batch.args()[5], chunk=chunk)
+        assert torch.equal(one[0], got[1 + i])
+
+
+@pytest.mark.parametrize("split,segments", [(True, 0), (True, 4), (False, 0)], ids=["partitions", "segments", "one"])
+def test_chunked_triton_launch_shapes_equal_reference(split, segments):
+    """Chunks that start partitions and key tiles past the first (tiles before a chunk are skipped)."""
+    q_lens, seq_lens = [1, 3, 1], [150, 300, 40]
+    batch = make_batch(q_lens, seq_lens, 6, 2, block_size=8)
+    for chunk in (16, 100, 256):
+        out = torch.full_like(batch.query, float("nan"))
+        attention.launch(*batch.args(), out, attention.block_q_for(triton_next_pow2(3)), 16, split=split,
+                         segments=segments, chunk=chunk)
+        torch.testing.assert_close(out, reference.paged_attention(*batch.args(), 0, 0.0, None, chunk), rtol=1e-5,
+                                   atol=1e-5)
+
+
+def test_chunked_triton_deterministic_equals_reference_and_is_batch_invariant():
+    batch = make_batch([1, 10, 0, 4, 1], [13, 170, 5, 4, 300], 4, 2)
+    got = attention.paged_attention_triton(*batch.args(), chunk=64)
+    torch.testing.assert_close(got, reference.paged_attention(*batch.args(), 0, 0.0, None, 64), rtol=1e-5, atol=1e-5)
+    for i in (0, 9):  # token i of request 1 alone, as a decode step at its position
+        one = attention.paged_attention_triton(batch.query[1 + i : 2 + i], batch.layer_cache, batch.block_tables[1:2],
+                                               torch.tensor([170 - 10 + i + 1], dtype=torch.int32),
+                                               torch.tensor([0, 1], dtype=torch.int32), SCALE, chunk=64)
         assert torch.equal(one[0], got[1 + i])

@@ -78,7 +78,8 @@ static inline float exp_nonpos(float x) {
  * Causal attention of each request's new query tokens over its paged context (K/V of the new
  * tokens already written). Query i of request r (q_len new tokens, context seq_len) sits at
  * position p = seq_len - q_len + i and sees keys 0 ..= p, or with a sliding window (window > 0)
- * keys p - window + 1 ..= p (Mistral's, Gemma's local layers). Blocks wholly before a query's window
+ * keys p - window + 1 ..= p (Mistral's, Gemma's local layers), or with chunked attention (chunk > 0, Llama 4's
+ * local layers) keys from p's chunk's start (p / chunk * chunk) on. Blocks wholly before a query's window
  * are skipped for it and the rest walked in the same order, so its bits stay those of its own window
  * in any item (batch invariance). With softcap > 0 (Gemma 2) each scaled score s becomes
  * softcap * tanh(s / softcap) before the softmax; with sinks (gpt-oss) each head's sink logit joins the
@@ -91,9 +92,12 @@ typedef struct {
     int32_t req, q_begin, q_end;
 } AttnItem;
 
-/* The first key position a query at ``pos`` sees: 0, or with a sliding window its window's start. */
-static inline int window_start(int pos, int window) {
-    return window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+/* The first key position a query at ``pos`` sees: 0, or with a sliding window its window's start, or with
+ * chunked attention (chunk > 0: Llama 4's local layers) its chunk's start, whichever is later. */
+static inline int window_start(int pos, int window, int chunk) {
+    int start = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+    if (chunk > 0 && pos / chunk * chunk > start) start = pos / chunk * chunk;
+    return start;
 }
 
 /* The epilogue of an item: divides each query row's accumulator (row qi = t * num_q_heads + h of
@@ -128,7 +132,8 @@ static inline void attend_item(const AttnItem item, const int head_dim, int dtyp
                                const void *v_cache, int64_t cache_blk_stride, int64_t cache_tok_stride,
                                int64_t cache_head_stride, const int32_t *block_tables, int64_t bt_stride,
                                const int32_t *seq_lens, const int32_t *query_start_loc, int num_q_heads,
-                               int num_kv_heads, const int block_size, float scale, int window, float softcap,
+                               int num_kv_heads, const int block_size, float scale, int window, int chunk,
+                               float softcap,
                                const float *sinks, void *out,
                                int64_t out_tok_stride, int64_t out_head_stride) {
     const int group = num_q_heads / num_kv_heads;
@@ -168,7 +173,7 @@ static inline void attend_item(const AttnItem item, const int head_dim, int dtyp
     const int num_blocks = last_pos / block_size + 1;
     const int32_t *table = block_tables + (int64_t)r * bt_stride;
     /* The first key any query of the item sees: blocks before it hold nothing for the item. */
-    const int first_key = window_start(first_pos + item.q_begin, window);
+    const int first_key = window_start(first_pos + item.q_begin, window, chunk);
     for (int b = first_key / block_size; b < num_blocks; b++) {
         const int64_t base = (int64_t)table[b] * cache_blk_stride;
         const int block_start = b * block_size;
@@ -227,7 +232,8 @@ static inline void attend_item(const AttnItem item, const int head_dim, int dtyp
             int nk = pos + 1 - block_start; /* keys of this block it sees: j0 ..< nk */
             if (nk <= 0) continue;
             if (nk > n_valid) nk = n_valid;
-            const int j0 = window_start(pos, window) > block_start ? window_start(pos, window) - block_start : 0;
+            const int j0 = window_start(pos, window, chunk) > block_start ? window_start(pos, window, chunk) - block_start
+                                                                          : 0;
             if (j0 >= nk) continue; /* the block ends before this query's window */
             for (int h = 0; h < num_q_heads; h++) {
                 const int qi = t * num_q_heads + h;
@@ -330,7 +336,8 @@ static inline void attend_item_bf16(const AttnItem item, const int HD, const uin
                                     int64_t cache_blk_stride, int64_t cache_tok_stride, int64_t cache_head_stride,
                                     const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                                     const int32_t *query_start_loc, int num_q_heads, int num_kv_heads, float scale,
-                                    int window, uint16_t *out, int64_t out_tok_stride, int64_t out_head_stride) {
+                                    int window, int chunk, uint16_t *out, int64_t out_tok_stride,
+                                    int64_t out_head_stride) {
     enum { BS = 16 };
     const int group = num_q_heads / num_kv_heads;
     const int r = item.req;
@@ -355,7 +362,7 @@ static inline void attend_item_bf16(const AttnItem item, const int HD, const uin
     const int last_pos = first_pos + item.q_end - 1;
     const int num_blocks = last_pos / BS + 1;
     const int32_t *table = block_tables + (int64_t)r * bt_stride;
-    const int first_key = window_start(first_pos + item.q_begin, window);
+    const int first_key = window_start(first_pos + item.q_begin, window, chunk);
     for (int b = first_key / BS; b < num_blocks; b++) {
         const int64_t base = (int64_t)table[b] * cache_blk_stride;
         /* Decode is bound by fetching blocks from memory: while this block's rows are laid out,
@@ -407,7 +414,8 @@ static inline void attend_item_bf16(const AttnItem item, const int HD, const uin
             int nk = pos + 1 - block_start;
             if (nk <= 0) continue;
             if (nk > n_valid) nk = n_valid;
-            const int j0 = window_start(pos, window) > block_start ? window_start(pos, window) - block_start : 0;
+            const int j0 = window_start(pos, window, chunk) > block_start ? window_start(pos, window, chunk) - block_start
+                                                                          : 0;
             if (j0 >= nk) continue; /* the block ends before this query's window */
             const __mmask16 valid = (__mmask16)(((1u << nk) - 1u) & ~((1u << j0) - 1u));
             const int64_t tok = query_start_loc[r] + item.q_begin + t;
@@ -483,7 +491,8 @@ int pd_paged_attention(int dtype, const void *query, int64_t q_tok_stride, int64
                        int64_t cache_tok_stride, int64_t cache_head_stride, const int32_t *block_tables,
                        int64_t bt_stride, const int32_t *seq_lens, const int32_t *query_start_loc,
                        int num_reqs, int num_q_heads, int num_kv_heads, int head_dim, int block_size,
-                       float scale, int window, float softcap, const float *sinks, void *out, int64_t out_tok_stride,
+                       float scale, int window, int chunk, float softcap, const float *sinks, void *out,
+                       int64_t out_tok_stride,
                        int64_t out_head_stride,
                        int num_threads) {
     if (num_kv_heads <= 0 || num_q_heads % num_kv_heads) return -2;
@@ -521,12 +530,13 @@ int pd_paged_attention(int dtype, const void *query, int64_t q_tok_stride, int64
 #define PD_ATTEND(HD, BS)                                                                                   \
     attend_item(items[it], HD, dtype, query, q_tok_stride, q_head_stride, k_cache, v_cache, cache_blk_stride, \
                 cache_tok_stride, cache_head_stride, block_tables, bt_stride, seq_lens, query_start_loc,     \
-                num_q_heads, num_kv_heads, BS, scale, window, softcap, sinks, out, out_tok_stride, out_head_stride)
+                num_q_heads, num_kv_heads, BS, scale, window, chunk, softcap, sinks, out, out_tok_stride,         \
+                out_head_stride)
 #ifdef PD_HAVE_BF16_FAST_PATH
 #define PD_ATTEND_BF16(HD)                                                                                       \
     attend_item_bf16(items[it], HD, (const uint16_t *)query, q_tok_stride, q_head_stride, (const uint16_t *)k_cache, \
                      (const uint16_t *)v_cache, cache_blk_stride, cache_tok_stride, cache_head_stride, block_tables, \
-                     bt_stride, seq_lens, query_start_loc, num_q_heads, num_kv_heads, scale, window,                 \
+                     bt_stride, seq_lens, query_start_loc, num_q_heads, num_kv_heads, scale, window, chunk,          \
                      (uint16_t *)out, out_tok_stride, out_head_stride)
         if (fast_bf16 && head_dim == 64) PD_ATTEND_BF16(64);
         else if (fast_bf16 && head_dim == 128) PD_ATTEND_BF16(128);
