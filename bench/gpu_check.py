@@ -141,7 +141,8 @@ def build_random_nemotron_h(out: Path) -> Path:
 # kernels do on CUDA (sliding windows and soft-capped scores in the Triton attention, two RoPE tables, Gemma's norms,
 # Mixtral's MoE, Qwen2-MoE's shared expert, Phi-4-mini's partial rotary and longrope, Granite's multipliers, OLMo 3's
 # post-norms, GLM-4's interleaved partial rotary, GLM-4.5's MoE, Cohere2's parallel LayerNorm blocks, SmolLM3's NoPE
-# layers, Ministral 3's query scale, the Granite 4.0-H hybrid, gpt-oss's attention sinks, DeepSeek's latent attention).
+# layers, Ministral 3's query scale, the Granite 4.0-H hybrid, gpt-oss's attention sinks, Llama 4's chunked attention,
+# DeepSeek's latent attention).
 _FAMILY_COMMON = dict(vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                       intermediate_size=96, num_hidden_layers=3, rms_norm_eps=1e-6, max_position_embeddings=256,
                       bos_token_id=1, eos_token_id=2)
@@ -217,6 +218,12 @@ FAMILIES = {
         swiglu_limit=1.0, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                            "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                                            "original_max_position_embeddings": 32})),
+    # Llama 4: chunked attention (16 positions) with q/k L2 norms beside NoPE full layers with the query temperature,
+    # MoE layers with sigmoid-scaled expert inputs and a shared expert.
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM", dict(
+        _FAMILY_COMMON, head_dim=16, pad_token_id=0, num_hidden_layers=4, intermediate_size=32,
+        intermediate_size_mlp=96, num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2,
+        no_rope_layer_interval=2, attention_chunk_size=16, floor_scale=8, attn_scale=0.1)),
     # DeepSeek-V3's MLA (one 40-wide latent KV head for 4 query heads, absorbed; interleaved RoPE, YaRN mscale) and
     # its sigmoid group router; DeepSeek-V2's q_proj and softmax group-limited router.
     "deepseek-v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(

@@ -115,6 +115,14 @@ CONFIGS = {
                      rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
                                       "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 32}),
                 {"layer_types": ["full_attention"] * 3}),
+    # Llama 4: layers 0 and 2 chunked (16 positions: every prompt runs past a chunk) with interleaved RoPE and q/k
+    # L2 norms, layers 1 and 3 NoPE and full with the query temperature (floor_scale 8: it bites from position 7),
+    # layers 1 and 3 MoE (4 experts of width 32, top 1, sigmoid-scaled inputs, a shared expert), 0 and 2 dense (96).
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM",
+               dict(COMMON, head_dim=16, pad_token_id=0, num_hidden_layers=4, intermediate_size=32,
+                    intermediate_size_mlp=96, num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2,
+                    no_rope_layer_interval=2, attention_chunk_size=16, floor_scale=8, attn_scale=0.1),
+               {"layer_types": ["full_attention"] * 4}),
     # Multimodal checkpoints served for text (their language model; the vision tower and projector are not loaded):
     # Mistral Small 3.x (Mistral3ForConditionalGeneration, weights under language_model.*), Qwen2.5-VL (text at the
     # top level, M-RoPE) and Qwen3-VL (model.language_model.*, interleaved M-RoPE). Their towers are tiny.
@@ -371,7 +379,8 @@ def test_greedy_batched_and_alone_equal_transformers(dirs, reference, name):
 
 
 @pytest.mark.parametrize("name", ["llama3", "qwen2-yarn", "mistral-linear", "qwen2-swa", "gemma3", "gemma2",
-                                  "qwen2-moe", "granite", "olmo3", "smollm3", "cohere2", "exaone4", "gpt-oss"])
+                                  "qwen2-moe", "granite", "olmo3", "smollm3", "cohere2", "exaone4", "gpt-oss",
+                                  "llama4"])
 def test_each_variant_matters(dirs, reference, name, tmp_path):
     """transformers' greedy with the RoPE variant (or the sliding window) undone differs from the reference,
     so the equality above holds only if the engine computes the variant."""
@@ -496,6 +505,18 @@ def test_qwen2_moe_block_is_batch_invariant(dirs):
         assert torch.equal(moe(x), torch.cat([moe(x[i : i + 1]) for i in range(len(x))]))
 
 
+def _each_part_matters(dirs, reference, name: str, undo: dict) -> None:
+    """For each part, transformers' greedy with ``undo[part](layer)`` done to every layer differs from the reference
+    in at least 3 of 6 prompts."""
+    for part, undo_it in undo.items():
+        hf = _hf_model(dirs[name])
+        with torch.no_grad():
+            for layer in hf.model.layers:
+                undo_it(layer)
+        without = _hf_greedy(hf, PROMPTS[:6])
+        assert sum(a != b for a, b in zip(without, reference[name][:6])) >= 3, part
+
+
 def test_gpt_oss_reads_its_config_and_each_of_its_parts_matters(dirs, reference):
     """gpt-oss's config as read, and transformers' greedy without each of its own parts (the attention sinks, the
     SwiGLU clamp, the expert and router biases) differs from the reference the engine equals."""
@@ -510,13 +531,30 @@ def test_gpt_oss_reads_its_config_and_each_of_its_parts_matters(dirs, reference)
             "expert biases": lambda layer: (layer.mlp.experts.gate_up_proj_bias.zero_(),
                                             layer.mlp.experts.down_proj_bias.zero_()),
             "router bias": lambda layer: layer.mlp.router.bias.zero_()}
-    for part, undo_it in undo.items():
-        hf = _hf_model(dirs["gpt-oss"])
-        with torch.no_grad():
-            for layer in hf.model.layers:
-                undo_it(layer)
-        without = _hf_greedy(hf, PROMPTS[:6])
-        assert sum(a != b for a, b in zip(without, reference["gpt-oss"][:6])) >= 3, part
+    _each_part_matters(dirs, reference, "gpt-oss", undo)
+
+
+def test_llama4_reads_its_config_and_each_of_its_parts_matters(dirs, reference, tmp_path):
+    """Llama 4's config as read; transformers' greedy without each of its own parts (the chunks, the q/k L2 norms,
+    the NoPE layers' query temperature, the shared expert) differs from the reference the engine equals; its
+    multimodal checkpoint's language model is read as the text model."""
+    arch = arch_from_dir(dirs["llama4"])
+    assert arch.attention_chunk_size == 16 and arch.chunked_layers == (True, False, True, False)
+    assert arch.nope_layers == (False, True, False, True) and arch.rope_interleaved and arch.qk_l2_norm
+    assert arch.query_temperature == (0.1, 8.0) and arch.intermediate_size == 96 and arch.sliding_window is None
+    assert arch.moe == MoeArch(num_experts=4, top_k=1, intermediate_size=32, norm_topk_prob=True,
+                               sparse_layers=(False, True, False, True), layout="llama4",
+                               shared_expert_intermediate_size=32)
+    undo = {"qk norm": lambda layer: delattr(layer.self_attn, "qk_norm") if hasattr(layer.self_attn, "qk_norm")
+            else None,
+            "temperature": lambda layer: setattr(layer.self_attn, "attn_temperature_tuning", False),
+            "shared expert": lambda layer: layer.feed_forward.shared_expert.down_proj.weight.zero_()
+            if layer.is_moe_layer else None}
+    _each_part_matters(dirs, reference, "llama4", undo)
+    cfg = json.loads((dirs["llama4"] / "config.json").read_text())
+    multimodal = _edit_config(dirs["llama4"], tmp_path / "multimodal", architectures=["Llama4ForConditionalGeneration"],
+                              text_config=cfg, vision_config={"hidden_size": 32})
+    assert arch_from_dir(multimodal) == arch
 
 
 def test_gpt_oss_mxfp4_release_equals_transformers_on_its_dequantized_weights(dirs, tmp_path):
@@ -642,7 +680,7 @@ def test_biases_matter(dirs, reference):
 
 @pytest.mark.parametrize("name", ["qwen2-yarn", "mistral-linear", "gemma3", "gemma2", "mixtral", "qwen2-moe",
                                   "granite", "granitemoe", "olmo2", "olmo3", "smollm3", "olmoe", "glm4", "glm4-moe",
-                                  "qwen3-vl", "cohere", "cohere2", "exaone4", "ministral3", "gpt-oss"])
+                                  "qwen3-vl", "cohere", "cohere2", "exaone4", "ministral3", "gpt-oss", "llama4"])
 def test_chunked_prefill_and_preemption(dirs, reference, name):
     # Chunks of 5 tokens; 24 blocks of 16 for 16 requests of up to 82 tokens force preemption.
     engine = _engine(dirs[name], prefill_chunk_size=5, max_num_batched_tokens=40, num_kv_blocks=24)
@@ -658,7 +696,7 @@ def test_speculative_ngram_is_lossless(dirs, reference, name):
 
 
 @pytest.mark.parametrize("name", ["qwen2-yarn", "gemma3", "mixtral", "qwen2-moe", "granitemoe", "olmo3", "glm4",
-                                  "glm4-moe", "cohere", "cohere2", "gpt-oss"])
+                                  "glm4-moe", "cohere", "cohere2", "gpt-oss", "llama4"])
 def test_bf16_deterministic_batch_invariant(dirs, name):
     """bf16 in deterministic mode (the CPU default): a request's tokens in a batch are its tokens alone, with
     q/k/v biases and YaRN (the bias add is per row), with Gemma's norms and sliding layers, and with MoE (Qwen2-MoE's
@@ -668,7 +706,7 @@ def test_bf16_deterministic_batch_invariant(dirs, name):
     assert [_run(engine, [p])[0] for p in PROMPTS[:5]] == batched[:5]
 
 
-@pytest.mark.parametrize("name", ["qwen2-yarn", "gemma3", "gpt-oss"])
+@pytest.mark.parametrize("name", ["qwen2-yarn", "gemma3", "gpt-oss", "llama4"])
 def test_disagg_equals_colocated(dirs, reference, name):
     """A prefill and a decode worker over tcp: the KV made with biases and YaRN, by Gemma's local and global
     layers, or by gpt-oss's layers with sinks, decodes to the same tokens."""
@@ -745,7 +783,7 @@ def test_rope_tables_equal_transformers(params):
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
     ({"mlp_bias": True}, "mlp_bias"),
     ({"clip_qkv": 8.0}, "clip_qkv"),
-    ({"architectures": ["Llama4ForCausalLM"]}, "Llama4ForCausalLM"),
+    ({"architectures": ["Qwen3NextForCausalLM"]}, "Qwen3NextForCausalLM"),
 ])
 def test_unsupported_configs_refused_in_one_line(dirs, tmp_path, change, words):
     d = _edit_config(dirs["llama3"], tmp_path / "bad", **{"rope_parameters": None, **change})

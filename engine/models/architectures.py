@@ -19,6 +19,8 @@
     Olmo2ForCausalLM, Olmo3ForCausalLM   -> the same (norms after each sublayer, q/k norms over all heads)
     GptOssForCausalLM                    -> the same (attention sinks, every other layer sliding, MoE MLPs with
                                             biased experts in moe.py; MXFP4 experts dequantized by mxfp4.py)
+    Llama4ForCausalLM, Llama4ForConditionalGeneration -> the same (chunked attention, q/k L2 norms, NoPE layers with
+                                            a query temperature; MoE MLPs with sigmoid-scaled inputs in moe.py)
     GraniteForCausalLM, GraniteMoeForCausalLM -> the same (embedding, attention, residual and logits
                                             multipliers; MoE MLPs in engine/models/moe.py)
     DeepseekV2ForCausalLM, DeepseekV3ForCausalLM -> engine.models.deepseek.DeepseekArch / DeepseekModel
@@ -72,6 +74,8 @@ ARCHITECTURES = {
     "Ministral3ForCausalLM": (ModelArch, LlamaModel),
     "SeedOssForCausalLM": (ModelArch, LlamaModel),
     "GptOssForCausalLM": (ModelArch, LlamaModel),
+    "Llama4ForCausalLM": (ModelArch, LlamaModel),
+    "Llama4ForConditionalGeneration": (ModelArch, LlamaModel),  # its language model, for text
     # Multimodal checkpoints: their language model, for text (llama.py MULTIMODAL_TEXT)
     "Mistral3ForConditionalGeneration": (ModelArch, LlamaModel),
     "Qwen2VLForConditionalGeneration": (ModelArch, LlamaModel),

@@ -49,7 +49,7 @@ def load_weights(model_dir: Path, dtype: torch.dtype, device: str | torch.device
 _TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
                   "language_model.lm_head.": "lm_head."}
 _VISION_PREFIXES = ("visual.", "vision_tower.", "multi_modal_projector.", "model.visual.", "model.vision_tower.",
-                    "model.multi_modal_projector.")
+                    "model.multi_modal_projector.", "vision_model.", "model.vision_model.")
 
 
 def text_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

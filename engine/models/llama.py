@@ -188,6 +188,12 @@ class DecoderLayer:
         nope_layers = getattr(arch, "nope_layers", ())
         self.rope_on = not (layer_index is not None and nope_layers and nope_layers[layer_index])  # SmolLM3's NoPE
         self.window = window_of(layer_index) if window_of is not None else 0
+        # Llama 4: chunked attention, q/k L2-normed after RoPE (RoPE layers), the NoPE layers' query temperature.
+        self.chunk = arch.chunk_of(layer_index) if hasattr(arch, "chunk_of") else 0
+        self.l2_weight = (torch.ones(arch.head_dim, dtype=qkv_weight.dtype, device=qkv_weight.device)
+                          if getattr(arch, "qk_l2_norm", False) and self.rope_on else None)  # RMSNorm with no weight
+        temperature = getattr(arch, "query_temperature", None)
+        self.query_temperature = temperature if not self.rope_on else None
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         """The qkv matmul's output as [num_tokens, heads, head_dim]: q's heads, then k's, then v's."""
@@ -251,6 +257,11 @@ class DecoderLayer:
             x = ops.rms_norm(hidden, self.input_norm, a.rms_norm_eps, residual=residual)
         if not self.rope_on:  # a NoPE layer: attend writes K and V as they are
             (q, k, v), kv_written = self._split(self._heads(x)), False
+        elif self.l2_weight is not None:  # Llama 4: RoPE, then the L2 norm (K is cached normed)
+            qkv = self._heads(x)
+            rope.rotate_(qkv[:, : a.num_heads + a.num_kv_heads], positions)
+            q, k, v = self._split(qkv)
+            q, k, kv_written = self._head_norm(q, self.l2_weight), self._head_norm(k, self.l2_weight), False
         elif self.q_norm is None:
             qkv = self._heads(x)
             q, k, v = self._split(qkv)
@@ -263,8 +274,12 @@ class DecoderLayer:
             (q, k, v), kv_written = self.qkv(x, positions, rope), False
         if self.query_scale_beta:  # Ministral 3: after RoPE, on the queries alone (K is cached unscaled)
             q.mul_(self._query_scale(positions, q.dtype))
+        if self.query_temperature is not None:  # Llama 4's NoPE layers: in float32, rounded once (transformers')
+            attn_scale, floor_scale = self.query_temperature
+            temperature = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+            q = (q.float() * temperature[:, None, None]).to(q.dtype)
         o = attend(q, k, v, layer_cache, meta, batch_invariant=self.deterministic, kv_written=kv_written,
-                   window=self.window, sinks=self.sinks)
+                   window=self.window, sinks=self.sinks, chunk=self.chunk)
         hidden = self._attention_output(o)
         if self.residual_multiplier != 1.0:
             hidden.mul_(self.residual_multiplier)
@@ -289,7 +304,7 @@ class DecoderLayer:
         x_in = x if self.input_norm is None else ops.rms_norm(x, self.input_norm, a.rms_norm_eps)
         q, k, v = self.qkv(x_in, positions, rope)
         o = attend(q, k, v, layer_cache, meta, batch_invariant=self.deterministic, window=self.window,
-                   sinks=self.sinks)
+                   sinks=self.sinks, chunk=self.chunk)
         h = x.add_(ops.rms_norm(self._attention_output(o), self.attn_out_norm, a.rms_norm_eps))
         h_in = h if self.post_norm is None else ops.rms_norm(h, self.post_norm, a.rms_norm_eps)
         return ops.rms_norm(self._chunked_mlp(h_in), self.ff_norm, a.rms_norm_eps), h
@@ -303,7 +318,7 @@ class DecoderLayer:
         x = hidden if residual is None else hidden.add_(residual)
         h = layer_norm(x, self.input_norm, a.rms_norm_eps)
         o = attend(*self.qkv(h, positions, rope), layer_cache, meta, batch_invariant=self.deterministic,
-                   window=self.window, sinks=self.sinks)
+                   window=self.window, sinks=self.sinks, chunk=self.chunk)
         return self._chunked_mlp(h), x.add_(self._attention_output(o))
 
     def _attention_output(self, o: torch.Tensor) -> torch.Tensor:
@@ -348,6 +363,8 @@ class LlamaModel(CausalLM):
 
     def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int,
                  deterministic: bool = False):
+        if arch.moe is not None and arch.moe.layout == "llama4":  # its checkpoints' name for the MLP
+            weights = {name.replace(".feed_forward.", ".mlp."): t for name, t in weights.items()}
         embed_tokens, lm_head = embedding_and_lm_head(arch, weights)
         super().__init__(arch, dtype, deterministic, embed_tokens, lm_head)
         self.norm = weights["model.norm.weight"]

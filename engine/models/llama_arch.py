@@ -51,7 +51,8 @@ GLM4_MOE = (GLM4_MOE_ARCHITECTURE,)
 MULTIMODAL_TEXT = {"Mistral3ForConditionalGeneration": "MistralForCausalLM",  # Mistral Small 3.1 / 3.2, Magistral
                    "Qwen2VLForConditionalGeneration": "Qwen2ForCausalLM",
                    "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",
-                   "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM"}
+                   "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",
+                   "Llama4ForConditionalGeneration": "Llama4ForCausalLM"}
 # Cohere Command R / R+ / Aya, and Cohere2 (Command R7B, Command A): LayerNorm (no bias) instead of RMSNorm, attention
 # and the MLP in parallel on one normed input, RoPE in interleaved pairs, the logits times logit_scale; Cohere2 slides
 # three layers of four and gives its full layers no RoPE.
@@ -71,8 +72,14 @@ GPT_OSS = ("GptOssForCausalLM",)
 # GptOssConfig's RoPE when a config gives none (YaRN over a 4,096-position original context, theta 150,000).
 _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                  "original_max_position_embeddings": 4096}
+# Llama 4 (Scout, Maverick; text): three layers of four with RoPE in interleaved pairs, chunked attention (8,192
+# positions) and a weightless L2 norm on q and k after RoPE; the fourth without RoPE, full attention, its queries
+# scaled up with position (temperature tuning); MoE layers (every one, or every other: interleave_moe_layer_step)
+# whose router picks the top k by logit and scales each expert's input by the sigmoid of it, beside a shared expert,
+# dense layers intermediate_size_mlp wide (engine/models/moe.py). The multimodal checkpoint's language model too.
+LLAMA4 = ("Llama4ForCausalLM",)
 SUPPORTED = (LLAMA_FAMILY + MIXTRAL + QWEN2 + PHI3 + QWEN3 + QWEN2_MOE + GRANITE + OLMO + SMOLLM3 + OLMOE + GLM4
-             + GLM4_MOE + COHERE + EXAONE4 + MINISTRAL3 + SEED_OSS + GPT_OSS + tuple(MULTIMODAL_TEXT))
+             + GLM4_MOE + COHERE + EXAONE4 + MINISTRAL3 + SEED_OSS + GPT_OSS + LLAMA4 + tuple(MULTIMODAL_TEXT))
 # Mistral3ForConditionalGeneration's language models by text_config.model_type.
 _MISTRAL3_TEXT = {"mistral": "MistralForCausalLM", "ministral3": "Ministral3ForCausalLM"}
 
@@ -134,6 +141,19 @@ class ModelArch:
     query_scale_context: int = 0
     # gpt-oss: each attention layer's ``self_attn.sinks`` [num_heads], one value-less logit per head in each softmax.
     attention_sinks: bool = False
+    # Llama 4: chunked attention on the layers ``chunked_layers`` names (a token sees its own chunk of
+    # ``attention_chunk_size`` positions); q and k L2-normed (no weight) after RoPE on RoPE layers; on NoPE layers
+    # queries times 1 + attn_scale * log(1 + floor((position + 1) / floor_scale)) (``query_temperature``).
+    attention_chunk_size: int = 0
+    chunked_layers: tuple[bool, ...] = ()
+    qk_l2_norm: bool = False
+    query_temperature: tuple[float, float] | None = None  # (attn_scale, floor_scale)
+
+    def chunk_of(self, layer_index: int | None) -> int:
+        """The attention chunk of a layer (0: none)."""
+        if not self.attention_chunk_size or layer_index is None or not self.chunked_layers[layer_index]:
+            return 0
+        return self.attention_chunk_size
 
     def window_of(self, layer_index: int | None) -> int:
         """The attention window of a layer (0: full causal attention). ``None``: a layer outside the stack
@@ -166,11 +186,13 @@ class ModelArch:
         rotary_dim = rotary_dim_of(cfg, head_dim, rope_scaling, str(model_dir), 0.5 if glm else 1.0)
         moe, group_router = (glm4_moe_arch(cfg, cfg["num_hidden_layers"], str(model_dir)) if arch[0] in GLM4_MOE
                              else (_moe(cfg, arch[0], str(model_dir)), None))
+        llama4 = arch[0] in LLAMA4
         attention_bias = bool(cfg.get("attention_bias", arch[0] in GPT_OSS))  # GptOssConfig's default: True
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
+            # Llama 4: the dense layers' width (its intermediate_size is the experts')
+            intermediate_size=cfg.get("intermediate_size_mlp") or 16384 if llama4 else cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads", num_heads),
@@ -199,13 +221,14 @@ class ModelArch:
             norm_layout=("post" if arch[0] in OLMO + EXAONE4 else "sandwich" if arch[0] in GLM4 else
                          "parallel" if arch[0] in COHERE else "pre"),
             fused_gate_up=arch[0] in GLM4,
-            rope_interleaved=arch[0] in GLM4 + COHERE,
+            rope_interleaved=arch[0] in GLM4 + COHERE + LLAMA4,
             layer_norm=arch[0] in COHERE,
             logit_scale=float(cfg.get("logit_scale", 0.0625)) if arch[0] in COHERE else 1.0,
             sliding_rope=sliding_rope,
             nope_layers=_nope_layers(cfg, arch[0], str(model_dir)),
             **_query_scaling(cfg, arch[0]),
             attention_sinks=arch[0] in GPT_OSS,
+            **(_llama4_attention(cfg, str(model_dir)) if llama4 else {}),
         )
 
     def for_context(self, max_model_len: int) -> "ModelArch":
@@ -270,6 +293,26 @@ def _ropes(cfg: dict, architecture: str, where: str) -> tuple[float, RopeScaling
     return (*full, None if sliding == full else sliding)
 
 
+def _llama4_attention(cfg: dict, where: str) -> dict:
+    """Llama 4's chunked layers, q/k L2 norm and NoPE-layer temperature as Llama4TextConfig reads them."""
+    num_layers, chunk = cfg["num_hidden_layers"], cfg.get("attention_chunk_size", 8192)
+    nope = _nope_layers(cfg, "Llama4ForCausalLM", where)
+    layer_types = cfg.get("layer_types") or ["chunked_attention" if not no_rope and chunk else "full_attention"
+                                             for no_rope in nope]
+    unknown = sorted({t for t in layer_types if t not in ("full_attention", "chunked_attention")})
+    if unknown or len(layer_types) != num_layers:
+        raise ValueError(f"{where}: layer_types {layer_types} (Llama 4: one of 'full_attention', "
+                         f"'chunked_attention' for each of {num_layers} layers)")
+    chunked = tuple(t == "chunked_attention" for t in layer_types)
+    if any(chunked) and not chunk:
+        raise ValueError(f"{where}: layer_types name chunked layers but attention_chunk_size is not set")
+    tuning = cfg.get("attn_temperature_tuning", True)
+    return dict(attention_chunk_size=int(chunk or 0) if any(chunked) else 0, chunked_layers=chunked,
+                qk_l2_norm=bool(cfg.get("use_qk_norm", True)),
+                query_temperature=(float(cfg.get("attn_scale", 0.1)), float(cfg.get("floor_scale", 8192)))
+                if tuning else None)
+
+
 def _query_scaling(cfg: dict, architecture: str) -> dict:
     """Ministral 3's position-dependent query scale (``llama_4_scaling_beta`` beside its RoPE parameters)."""
     if architecture not in MINISTRAL3:
@@ -305,18 +348,18 @@ def _exaone4_layer_types(cfg: dict) -> list[str]:
 
 
 def _nope_layers(cfg: dict, architecture: str, where: str) -> tuple[bool, ...]:
-    """SmolLM3's layers without RoPE: ``no_rope_layers`` (1: RoPE, 0: none), or one in every
-    ``no_rope_layer_interval`` (SmolLM3Config's rule); Cohere2's full layers, and EXAONE 4's when it has a window;
+    """SmolLM3's and Llama 4's layers without RoPE: ``no_rope_layers`` (1: RoPE, 0: none), or one in every
+    ``no_rope_layer_interval`` (SmolLM3Config's and Llama4TextConfig's rule); Cohere2's full layers, and EXAONE 4's when it has a window;
     () for the other architectures."""
     if architecture == "Cohere2ForCausalLM":
         return tuple(t == "full_attention" for t in _every_nth_full_layer_types(cfg))
     if architecture in EXAONE4:
         return tuple(bool(cfg.get("sliding_window")) and t == "full_attention" for t in _exaone4_layer_types(cfg))
-    if architecture not in SMOLLM3:
+    if architecture not in SMOLLM3 + LLAMA4:
         return ()
     num_layers = cfg["num_hidden_layers"]
     flags = cfg.get("no_rope_layers")
-    if flags is None:
+    if not flags:  # absent (or, as Llama4TextConfig reads it, empty): one layer in every interval without RoPE
         interval = cfg.get("no_rope_layer_interval") or 4
         flags = [int((i + 1) % interval != 0) for i in range(num_layers)]
     if len(flags) != num_layers:
@@ -348,6 +391,8 @@ def _moe(cfg: dict, architecture: str, where: str) -> MoeArch | None:
                                     "num_experts_per_tok": cfg.get("num_experts_per_tok") or 8}, num_layers, where)
     if architecture in GPT_OSS:
         return MoeArch.gpt_oss(cfg, num_layers, where)
+    if architecture in LLAMA4:
+        return MoeArch.llama4(cfg, num_layers, where)
     return MoeArch.mixtral(cfg, num_layers, where) if architecture in MIXTRAL else None
 
 
@@ -357,6 +402,8 @@ def _sliding_window(cfg: dict, architecture: str, where: str) -> tuple[int | Non
     names "sliding_attention" (or, without layer_types, those from max_window_layers on). Qwen2-MoE's as Qwen2's
     when layer_types is given; without it the layers that slide are ambiguous (below), so that is refused."""
     num_layers = cfg["num_hidden_layers"]
+    if architecture in LLAMA4:  # no sliding layers: its local layers are chunked (_llama4_attention)
+        return None, ()
     layer_types = list(cfg.get("layer_types") or [])
     unknown = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
     if unknown:

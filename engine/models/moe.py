@@ -39,6 +39,12 @@ L 7.0: ``swiglu_alpha`` / ``swiglu_limit``). The checkpoint stores them as trans
 alike, ``down_proj`` [E, I, H] and its bias [E, H] (MXFP4 releases: engine/models/mxfp4.py dequantizes them to
 that first). The loader transposes them to [E, out, in] and puts the gate rows first.
 
+Llama 4 (Scout, Maverick): router logits ``x @ feed_forward.router.weight.T`` (model dtype), the top
+``num_experts_per_tok`` (1) logits, each token's input to an expert scaled by the sigmoid of its logit (the input,
+not the output: ``down(silu(gate(s x)) * up(s x))``), beside a shared SwiGLU expert of the experts' width every token
+runs; experts stored as transformers' Llama4TextExperts parameters, ``gate_up_proj`` [E, H, 2I] (gate columns, then
+up) and ``down_proj`` [E, I, H]. Its checkpoints say ``feed_forward`` where the others say ``mlp``.
+
 GraniteMoe (granite-3.x-1b-a400m, 3b-a800m): router logits ``x @ block_sparse_moe.router.layer.weight.T`` (model
 dtype, then float32), the top ``num_experts_per_tok`` logits, softmax over those (rounded to the model dtype);
 experts stored stacked as ``input_linear`` [E, 2I, H] (gate rows, then up rows) and ``output_linear`` [E, H, I].
@@ -47,7 +53,7 @@ experts stored stacked as ``input_linear`` [E, 2I, H] (gate rows, then up rows) 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -159,14 +165,16 @@ class FusedExperts:
 
     def __init__(self, up: torch.Tensor, down: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor],
                  deterministic: bool = False, backend: str = "auto", up_bias: torch.Tensor | None = None,
-                 down_bias: torch.Tensor | None = None):
+                 down_bias: torch.Tensor | None = None, scale_inputs: bool = False):
         """``up_bias`` [E, I or 2I] / ``down_bias`` [E, H]: per-expert biases (gpt-oss), added to each routed row
-        after its projection (the grouped matmuls take none)."""
+        after its projection (the grouped matmuls take none). ``scale_inputs`` (Llama 4): the routing weight scales
+        each routed row before the experts instead of after."""
         self.num_experts = up.shape[0]
         self.up = GroupedLinear(up, deterministic, backend)  # [E, I or 2I, H]
         self.down = GroupedLinear(down, deterministic, backend)  # [E, H, I]
         self.activation = activation
         self.up_bias, self.down_bias = up_bias, down_bias
+        self.scale_inputs = scale_inputs
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """``x`` [T, H]; ``weights`` [T, k] (float32, or the dtype the products are rounded to); ``experts``
@@ -177,13 +185,17 @@ class FusedExperts:
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat))
         offs = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+        rows_in = x[order // k]
+        if self.scale_inputs:
+            rows_in = rows_in * weights.reshape(-1)[order].unsqueeze(-1)
         if self.up_bias is None:
-            rows = self.down(self.activation(self.up(x[order // k], offs)), offs)
+            rows = self.down(self.activation(self.up(rows_in, offs)), offs)
         else:  # each row's expert, in the sorted order: its bias row
             row_experts = flat[order]
-            hidden = self.activation(self.up(x[order // k], offs).add_(self.up_bias[row_experts]))
+            hidden = self.activation(self.up(rows_in, offs).add_(self.up_bias[row_experts]))
             rows = self.down(hidden, offs).add_(self.down_bias[row_experts])
-        rows = rows * weights.reshape(-1)[order].unsqueeze(-1)
+        if not self.scale_inputs:
+            rows = rows * weights.reshape(-1)[order].unsqueeze(-1)
         by_slot = torch.empty_like(rows)
         by_slot[order] = rows  # back to (token, slot) order: the k rows of a token are adjacent
         return by_slot.view(num_tokens, k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
@@ -230,6 +242,19 @@ class MoeArch:
                                        swiglu_limit=float(cfg.get("swiglu_limit") or 7.0))
 
     @classmethod
+    def llama4(cls, cfg: dict, num_layers: int, where: str = "config") -> "MoeArch":
+        """Llama 4's: the layers ``moe_layers`` names (default: every ``interleave_moe_layer_step``-th), experts and
+        the shared expert of width intermediate_size (Llama4TextConfig's defaults)."""
+        step = cfg.get("interleave_moe_layer_step") or 1
+        moe_layers = cfg.get("moe_layers")
+        moe_layers = set(range(step - 1, num_layers, step) if moe_layers is None else moe_layers)
+        width = cfg.get("intermediate_size") or 8192
+        arch = cls._every_layer_sparse(num_layers, where, "llama4", cfg.get("num_local_experts") or 16,
+                                       cfg.get("num_experts_per_tok") or 1, width,
+                                       shared_expert_intermediate_size=width)
+        return replace(arch, sparse_layers=tuple(i in moe_layers for i in range(num_layers)))
+
+    @classmethod
     def mixtral(cls, cfg: dict, num_layers: int, where: str = "config") -> "MoeArch":
         """Mixtral's MoE: every layer sparse, experts of width intermediate_size, top-k always renormalised."""
         return cls._every_layer_sparse(num_layers, where, "mixtral", cfg.get("num_local_experts", 8),
@@ -249,7 +274,8 @@ class MoeArch:
     @property
     def router_weight(self) -> str:
         """The router's weight under the MoE block."""
-        return {"granitemoe": "router.layer.weight", "gpt_oss": "router.weight"}.get(self.layout, "gate.weight")
+        return {"granitemoe": "router.layer.weight", "gpt_oss": "router.weight",
+                "llama4": "router.weight"}.get(self.layout, "gate.weight")
 
     @classmethod
     def from_config(cls, cfg: dict, num_layers: int, where: str = "config", layout: str = "qwen3") -> "MoeArch":
@@ -287,12 +313,14 @@ def take_expert_weights(weights: dict[str, torch.Tensor], prefix: str, moe: MoeA
     """(gate_up [E, 2I, H], down [E, H, I]) popped from ``weights`` under ``{prefix}.experts.``, in the
     checkpoint's layout (Qwen3's gate_proj / up_proj / down_proj, Mixtral's w1 / w3 / w2)."""
     E, I, H = moe.num_experts, moe.intermediate_size, hidden_size
-    if moe.layout == "gpt_oss":
+    if moe.layout in ("gpt_oss", "llama4"):  # transformers' [E, in, out] parameters
         gate_up, down = (_pop(weights, f"{prefix}.experts.{name}") for name in ("gate_up_proj", "down_proj"))
         check_shape(f"{prefix}.experts.gate_up_proj", gate_up, (E, H, 2 * I), "num_local_experts, hidden_size, "
                     "intermediate_size")
         check_shape(f"{prefix}.experts.down_proj", down, (E, I, H), "num_local_experts, intermediate_size, hidden_size")
-        gate_up, down = gate_first(gate_up.transpose(1, 2)), down.transpose(1, 2).contiguous()
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2).contiguous()
+        # gpt-oss interleaves gate and up columns; Llama 4 has its gate columns first already
+        gate_up = gate_first(gate_up) if moe.layout == "gpt_oss" else gate_up.contiguous()
     elif moe.layout == "granitemoe":  # stacked in the checkpoint, beside the experts (not under .experts)
         for name in ("input_linear", "output_linear"):
             if f"{prefix}.{name}.weight" not in weights:
@@ -376,8 +404,9 @@ class SharedExpert(SwiGLU):
 
 
 def take_shared_expert(weights: dict[str, torch.Tensor], prefix: str, moe: MoeArch, hidden_size: int,
-                       deterministic: bool = False) -> SharedExpert:
-    """The shared expert popped from ``weights`` under ``{prefix}.shared_expert.`` / ``{prefix}.shared_expert_gate``."""
+                       deterministic: bool = False) -> SwiGLU:
+    """The shared expert popped from ``weights`` under ``{prefix}.shared_expert.`` / ``{prefix}.shared_expert_gate``
+    (Llama 4's has no gate: a plain SwiGLU)."""
     def pop(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         key = f"{prefix}.{name}.weight"
         if key not in weights:
@@ -387,6 +416,8 @@ def take_shared_expert(weights: dict[str, torch.Tensor], prefix: str, moe: MoeAr
 
     S, H = moe.shared_expert_intermediate_size, hidden_size
     gate_up = torch.cat([pop("shared_expert.gate_proj", (S, H)), pop("shared_expert.up_proj", (S, H))])
+    if moe.layout == "llama4":
+        return SwiGLU(gate_up, pop("shared_expert.down_proj", (H, S)), deterministic)
     return SharedExpert(gate_up, pop("shared_expert.down_proj", (H, S)), pop("shared_expert_gate", (1, H)),
                         deterministic)
 
@@ -396,7 +427,7 @@ class SparseMoe:
     ``shared``: Qwen2-MoE's shared expert, added to the routed output."""
 
     def __init__(self, moe: MoeArch, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                 deterministic: bool = False, backend: str = "auto", shared: SharedExpert | None = None,
+                 deterministic: bool = False, backend: str = "auto", shared: SwiGLU | None = None,
                  router_bias: torch.Tensor | None = None,
                  expert_biases: tuple[torch.Tensor, torch.Tensor] | None = None):
         """``router_bias`` [E] and ``expert_biases`` (gate_up [E, 2I], down [E, H]): gpt-oss's."""
@@ -406,7 +437,8 @@ class SparseMoe:
         activation = (clamped_swiglu(moe.swiglu_alpha, moe.swiglu_limit) if moe.layout == "gpt_oss"
                       else ops.silu_and_mul)
         up_bias, down_bias = expert_biases or (None, None)
-        self.experts = FusedExperts(gate_up, down, activation, deterministic, backend, up_bias, down_bias)
+        self.experts = FusedExperts(gate_up, down, activation, deterministic, backend, up_bias, down_bias,
+                                    scale_inputs=moe.layout == "llama4")
         self.shared = shared
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -418,6 +450,9 @@ class SparseMoe:
         if self.moe.layout == "gpt_oss":  # GptOssTopKRouter: biased logits, softmax over the top k in the model dtype
             logits, experts = torch.topk(self.router(x).add_(self.router_bias), self.moe.top_k, dim=-1)
             return torch.softmax(logits, dim=-1), experts
+        if self.moe.layout == "llama4":  # Llama4Router: the sigmoid of each top-k logit, in float32, then the dtype
+            logits, experts = torch.topk(self.router(x), self.moe.top_k, dim=-1)
+            return batch_invariant_sigmoid(logits.float()).to(x.dtype), experts
         probs = torch.softmax(self.router(x), dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.moe.top_k, dim=-1)
         if self.moe.norm_topk_prob:
