@@ -296,10 +296,15 @@ def test_lora_refused_in_one_line(dirs):
 
 
 def test_quantized_checkpoints_refused_for_every_family(tmp_path):
-    """Any family: fp8 / int4 weights would be cast without their scales; refused before loading."""
+    """Any family: a quantization the loader does not dequantize (bitsandbytes' 4-bit, AWQ's GEMV layout) would be
+    cast as it is stored; refused before loading."""
     src = resolve_model("tiny-random", progress=False)
-    bad = _edit_config(src, tmp_path / "q", quantization_config={"quant_method": "awq", "bits": 4})
+    gemv = _edit_config(src, tmp_path / "gemv", quantization_config={"quant_method": "awq", "bits": 4,
+                                                                      "group_size": 128, "version": "gemv"})
     with pytest.raises(ValueError, match=r"quantized weights \(awq"):
+        arch_from_dir(gemv)
+    bad = _edit_config(src, tmp_path / "q", quantization_config={"quant_method": "bitsandbytes", "load_in_4bit": True})
+    with pytest.raises(ValueError, match=r"quantized weights \(bitsandbytes"):
         arch_from_dir(bad)
     cfg = json.loads((bad / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"]

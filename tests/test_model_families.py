@@ -589,9 +589,9 @@ def test_gpt_oss_mxfp4_release_equals_transformers_on_its_dequantized_weights(di
                                                              "model.embed_tokens", "lm_head"]}
     (release / "config.json").write_text(json.dumps(cfg))
     assert _run(_engine(release), PROMPTS[:6]) == want
-    awq = _edit_config(release, tmp_path / "awq", quantization_config={"quant_method": "awq", "bits": 4})
-    with pytest.raises(ValueError, match=r"quantized weights \(awq"):
-        _engine(awq)
+    bnb = _edit_config(release, tmp_path / "bnb", quantization_config={"quant_method": "bitsandbytes"})
+    with pytest.raises(ValueError, match=r"quantized weights \(bitsandbytes"):
+        _engine(bnb)
     llama = _edit_config(dirs["llama3"], tmp_path / "llama-mxfp4", quantization_config={"quant_method": "mxfp4"})
     with pytest.raises(ValueError, match=r"quantized weights \(mxfp4"):
         _engine(llama)
@@ -617,9 +617,29 @@ def test_quantized_configs_read():
     assert scaled_weights_of({"quantization_config": {"quant_method": "fp8"}}) == ScaledWeights("_scale")
     four_bit = _ct_config("int-quantized", "int")
     four_bit["config_groups"]["group_0"]["weights"]["num_bits"] = 4
-    for config in ({}, {"quantization_config": {"quant_method": "awq", "bits": 4}}, {"quantization_config": four_bit},
+    for config in ({}, {"quantization_config": {"quant_method": "bitsandbytes"}}, {"quantization_config": four_bit},
                    {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128]}}):
         assert scaled_weights_of(config) is None
+
+
+def _quantized_release(src: Path, out: Path, config: dict, quantize) -> tuple[Path, Path]:
+    """``src`` with every linear weight of its layers stored as ``quantize(name, weight)`` gives it ({name: tensor}
+    to store, the weight those stand for in float32), under quantization_config ``config``: (that directory, a
+    directory of the weights they stand for)."""
+    from safetensors.torch import load_file, save_file
+
+    stored, dequantized = {}, {}
+    for name, t in load_file(str(src / "model.safetensors")).items():
+        if not (name.startswith("model.layers.") and name.endswith("proj.weight")):
+            stored[name] = dequantized[name] = t
+            continue
+        parts, dequantized[name] = quantize(name, t)
+        stored.update(parts)
+    plain = _edit_config(src, out / "dequantized")
+    save_file(dequantized, str(plain / "model.safetensors"))
+    release = _edit_config(src, out / "release", quantization_config=config)
+    save_file(stored, str(release / "model.safetensors"))
+    return release, plain
 
 
 @pytest.mark.parametrize("layout", ["fp8-per-tensor", "ct-fp8-channel", "ct-int8-channel-asymmetric"])
@@ -628,21 +648,14 @@ def test_8bit_weights_with_scales_equal_transformers_on_their_dequantized_weight
     channel-wise weights (FP8; INT8 with zero points), every linear weight of the layers quantized: served
     dequantized at load, the tokens transformers computes from the dequantized weights. compressed-tensors' packed
     4-bit weights are refused in one line."""
-    from safetensors.torch import load_file, save_file
-
     from pdcluster.engine.models.quantized import quantize_int8_channel
 
-    tensors = load_file(str(dirs["llama3"] / "model.safetensors"))
-    stored, dequantized = {}, {}
-    for name, t in tensors.items():
-        if not (name.startswith("model.layers.") and name.endswith("proj.weight")):
-            stored[name] = dequantized[name] = t
-            continue
-        zero_point = None
+    def quantize(name: str, t: torch.Tensor):
+        parts, zero_point = {}, None
         if layout == "fp8-per-tensor":
             scale = t.abs().amax().reshape(1) / 448
             q = (t / scale).to(torch.float8_e4m3fn)
-            stored[name[: -len("weight")] + "input_scale"] = torch.tensor([0.02])
+            parts[name[: -len("weight")] + "input_scale"] = torch.tensor([0.02])
         elif layout == "ct-fp8-channel":
             scale = t.abs().amax(dim=1, keepdim=True) / 448
             q = (t / scale).to(torch.float8_e4m3fn)
@@ -650,23 +663,90 @@ def test_8bit_weights_with_scales_equal_transformers_on_their_dequantized_weight
             q, scale = quantize_int8_channel(t)
             zero_point = torch.randint(-3, 4, scale.shape, dtype=torch.int8)
             q = (q.int() + zero_point).clamp(-128, 127).to(torch.int8)
-            stored[name + "_zero_point"] = zero_point
-        stored[name], stored[name + "_scale"] = q, scale
+            parts[name + "_zero_point"] = zero_point
+        parts[name], parts[name + "_scale"] = q, scale
         # Written out here, not with the loader's function: (weight - zero point) * scale, broadcast over rows.
-        dequantized[name] = (q.float() - (0 if zero_point is None else zero_point.float())) * scale.float()
-    plain = _edit_config(dirs["llama3"], tmp_path / "dequantized")
-    save_file(dequantized, str(plain / "model.safetensors"))
+        return parts, (q.float() - (0 if zero_point is None else zero_point.float())) * scale.float()
+
     config = {"fp8-per-tensor": {"quant_method": "fp8", "activation_scheme": "static"},
               "ct-fp8-channel": _ct_config("float-quantized", "float"),
               "ct-int8-channel-asymmetric": _ct_config("int-quantized", "int", symmetric=False)}[layout]
-    release = _edit_config(dirs["llama3"], tmp_path / "release", quantization_config=config)
-    save_file(stored, str(release / "model.safetensors"))
-    want = _hf_greedy(_hf_model(plain), PROMPTS[:6])
-    assert _run(_engine(release), PROMPTS[:6]) == want
+    release, plain = _quantized_release(dirs["llama3"], tmp_path, config, quantize)
+    assert _run(_engine(release), PROMPTS[:6]) == _hf_greedy(_hf_model(plain), PROMPTS[:6])
     packed = _edit_config(release, tmp_path / "packed", quantization_config={
         **_ct_config("pack-quantized", "int"), "format": "pack-quantized"})
     with pytest.raises(ValueError, match=r"quantized weights \(compressed-tensors"):
         arch_from_dir(packed)
+
+
+def test_packed_ints_are_the_words_vllm_packs():
+    """AWQ's and GPTQ's int32 words for known values equal what vLLM's awq_pack / gptq_pack / pack_cols wrote for
+    them (quant_utils, recorded here), and AWQ's dequantized weight is (q - zero) * scale, which vLLM's AWQ
+    dequantize kernel (awq_triton) gave for the same words."""
+    from pdcluster.engine.models.packed_int import PackedInts, awq_nibbles, dequantize_one, pack
+
+    K, N, G = 64, 16, 32
+    k, n = torch.arange(K)[:, None], torch.arange(N)[None, :]
+    q = ((k * 5 + n * 3 + k * n) % 16).to(torch.int32)  # [K, N]
+    zeros = ((torch.arange(K // G)[:, None] * 3 + n * 7 + 1) % 16).to(torch.int32)
+    assert pack(awq_nibbles(q), 4, dim=1)[0].tolist() == [1603480672, -686054168]
+    assert pack(awq_nibbles(zeros), 4, dim=1).tolist() == [[610844145, -1394592391], [1469833252, -552376148]]
+    assert pack(q, 4, dim=0)[0].tolist() == [1049950800, -686071917, 1888662742, 421075225, -1299153316, 1528288159,
+                                             -190957358, -1659527915, 916255320, -552380517, 2023406814, 286331153,
+                                             -1164413356, 1394596759, -57265958, -1793223395]
+    assert pack(zeros, 4, dim=1).tolist() == [[726495105, -1547311351], [1584435892, -688383428]]
+    scales = ((torch.arange(K // G * N, dtype=torch.float16).reshape(K // G, N) + 1) / 64)
+    want = ((q - zeros.repeat_interleave(G, 0)).to(torch.float16) * scales.repeat_interleave(G, 0)).float().t()
+    got = dequantize_one(pack(awq_nibbles(q), 4, 1), pack(awq_nibbles(zeros), 4, 1), scales, PackedInts("awq", 4, G),
+                         torch.float32)
+    assert torch.equal(got, want)
+
+
+def _int_quantize(weight: torch.Tensor, bits: int, groups: torch.Tensor, num_groups: int):
+    """(q [K, N], zeros [G, N], scales [G, N] float16) of ``weight`` [N, K]: asymmetric, per input group and output
+    column; ``groups`` [K] each input's group."""
+    w = weight.t().float()  # [K, N]
+    top = (1 << bits) - 1
+    lo = torch.stack([w[groups == g].amin(0) for g in range(num_groups)]).clamp(max=0)
+    hi = torch.stack([w[groups == g].amax(0) for g in range(num_groups)]).clamp(min=0)
+    scales = ((hi - lo) / top).clamp_min(1e-6).to(torch.float16)
+    zeros = torch.round(-lo / scales.float()).clamp(1, top).to(torch.int32)  # >= 1: GPTQ v1 stores zero - 1
+    q = (torch.round(w / scales.float()[groups]) + zeros[groups]).clamp(0, top).to(torch.int32)
+    return q, zeros, scales
+
+
+@pytest.mark.parametrize("layout", ["awq", "gptq-act-order", "gptq-8bit-v2"])
+def test_awq_and_gptq_equal_transformers_on_their_dequantized_weights(dirs, tmp_path, layout):
+    """AWQ (GEMM) and GPTQ checkpoints (4-bit with act-order g_idx in AutoGPTQ's original zero-minus-one format;
+    8-bit gptq_v2), every linear weight of the layers packed: served dequantized at load, the tokens transformers
+    computes from the weights (q - zero) * scale."""
+    from pdcluster.engine.models.packed_int import awq_nibbles, pack
+
+    bits, group = (8, 32) if layout == "gptq-8bit-v2" else (4, 32)
+    gen = torch.Generator().manual_seed(3)
+
+    def quantize(name: str, t: torch.Tensor):
+        num_inputs = t.shape[1]
+        groups = torch.arange(num_inputs) // group
+        if layout == "gptq-act-order":  # each input's group as its act-order permutation left it
+            groups = groups[torch.randperm(num_inputs, generator=gen)]
+        q, zeros, scales = _int_quantize(t, bits, groups, num_inputs // group)
+        base = name[: -len(".weight")]
+        if layout == "awq":
+            parts = {base + ".qweight": pack(awq_nibbles(q), 4, 1), base + ".qzeros": pack(awq_nibbles(zeros), 4, 1)}
+        else:
+            parts = {base + ".qweight": pack(q, bits, 0), base + ".g_idx": groups.to(torch.int32),
+                     base + ".qzeros": pack(zeros - (1 if layout == "gptq-act-order" else 0), bits, 1)}
+        parts[base + ".scales"] = scales
+        return parts, ((q - zeros[groups]).float() * scales.float()[groups]).t().contiguous()
+
+    config = {"awq": {"quant_method": "awq", "bits": 4, "group_size": group, "version": "gemm", "zero_point": True},
+              "gptq-act-order": {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": True,
+                                 "sym": False},
+              "gptq-8bit-v2": {"quant_method": "gptq", "bits": 8, "group_size": group, "sym": False,
+                               "checkpoint_format": "gptq_v2"}}[layout]
+    release, plain = _quantized_release(dirs["llama3"], tmp_path, config, quantize)
+    assert _run(_engine(release), PROMPTS[:6]) == _hf_greedy(_hf_model(plain), PROMPTS[:6])
 
 
 def test_biases_matter(dirs, reference):

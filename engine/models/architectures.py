@@ -45,6 +45,7 @@ from pdcluster.engine.models.deepseek import DeepseekArch, DeepseekModel
 from pdcluster.engine.models.gemma import GemmaArch, GemmaModel
 from pdcluster.engine.models.llama import LlamaModel
 from pdcluster.engine.models.llama_arch import ModelArch
+from pdcluster.engine.models.packed_int import packed_ints_of
 from pdcluster.engine.models.quantized import scaled_weights_of
 from pdcluster.engine.models.mxfp4 import is_mxfp4
 from pdcluster.engine.models.registry import UnknownModelError
@@ -91,8 +92,9 @@ ARCHITECTURES = {
 }
 REQUIRED_FILES = ("config.json", "tokenizer.json")
 # Quantized releases served by dequantizing at load, to the serving dtype (bf16 on a GPU: 2 bytes a weight, where
-# vLLM computes in the checkpoint's format): 8-bit FP8 / INT8 weights with their scales for every architecture
-# (engine/models/quantized.py), and gpt-oss's MXFP4 experts (engine/models/mxfp4.py).
+# vLLM computes in the checkpoint's format): 8-bit FP8 / INT8 weights with their scales (engine/models/quantized.py)
+# and AWQ / GPTQ's packed integers (engine/models/packed_int.py) for every architecture, and gpt-oss's MXFP4 experts
+# (engine/models/mxfp4.py).
 MXFP4_ARCHITECTURES = ("GptOssForCausalLM",)
 
 
@@ -110,13 +112,15 @@ def architecture_of(model_dir: str | Path) -> str:
         raise UnknownModelError(f"{model_dir}/config.json is not valid JSON: {e}") from None
     names = cfg.get("architectures") or ["LlamaForCausalLM"]
     quantization = cfg.get("quantization_config")
-    if quantization and not (is_mxfp4(cfg) and names[0] in MXFP4_ARCHITECTURES) and scaled_weights_of(cfg) is None:
+    if quantization and not (is_mxfp4(cfg) and names[0] in MXFP4_ARCHITECTURES) and scaled_weights_of(cfg) is None \
+            and packed_ints_of(cfg) is None:
         # The loader casts every tensor to the serving dtype: fp8 / int4 weights without their scales would load
         # and answer garbage. Refused instead, in one line.
         method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
         raise ValueError(f"{model_dir}: quantized weights ({method}, config.json quantization_config) are not "
-                         "served (only 8-bit FP8 / INT8 weights with their scales, and gpt-oss's MXFP4 experts, "
-                         "dequantized at load); serve the checkpoint's bf16 release or a bf16 conversion of it")
+                         "served (only FP8 / INT8 weights with their scales, AWQ GEMM and GPTQ, and gpt-oss's MXFP4 "
+                         "experts, dequantized at load); serve the checkpoint's bf16 release or a bf16 conversion of "
+                         "it")
     return names[0]
 
 

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from pdcluster.engine.linear import Linear
+from pdcluster.engine.models.packed_int import dequantize_packed, packed_ints_of
 from pdcluster.engine.models.quantized import dequantize_weights, scaled_weights_of
 from pdcluster.engine.models.mxfp4 import dequantize_checkpoint, is_mxfp4
 
@@ -29,18 +30,23 @@ def load_weights(model_dir: Path, dtype: torch.dtype, device: str | torch.device
         raise FileNotFoundError(f"{model_dir}: no *.safetensors weight files")
     config_file = Path(model_dir) / "config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-    scaled = scaled_weights_of(config)
+    scaled, packed = scaled_weights_of(config), packed_ints_of(config)
     weights: dict[str, torch.Tensor] = {}
     for f in files:
         tensors = load_file(str(f))
         if is_mxfp4(config):  # gpt-oss's releases: expert matrices as packed FP4 codes and scales, file by file
             tensors = dequantize_checkpoint(tensors, dtype)
         for name, tensor in tensors.items():
-            # FP8 / INT8 scales stay float32 (rounding them would change every weight they scale).
-            keep = scaled is not None and scaled.is_side_tensor(name)
-            weights[name] = tensor.to(torch.float32 if keep else dtype).to(device)
+            side = (scaled is not None and scaled.is_side_tensor(name)) or (packed is not None
+                                                                           and packed.is_side_tensor(name))
+            # A quantized weight's scales stay float32 (rounding them would change every weight they scale), its
+            # packed integers as they are; the weight itself is dequantized below.
+            stored = (tensor.dtype if not tensor.is_floating_point() else torch.float32) if side else dtype
+            weights[name] = tensor.to(stored).to(device)
     if scaled is not None:  # a weight and its scale may be in different shards: paired once all are read
         dequantize_weights(weights, scaled, dtype)
+    if packed is not None:
+        dequantize_packed(weights, packed, dtype)
     return weights
 
 
