@@ -24,7 +24,8 @@ the stream always agree: text that may be the start of a marker is held back unt
 
 from __future__ import annotations
 
-from pdcluster.cluster.api.reasoning import Split, _partial_tag_len
+from pdcluster.cluster.api.reasoning_split import Split
+from pdcluster.cluster.api.tool_parsers.base import held_prefix_len
 
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 BODY_ENDS = ("<|end|>", "<|return|>", "<|call|>")
@@ -35,7 +36,7 @@ CALL_MESSAGE = "to="  # the channel of a message with a recipient (a tool call),
 
 def _held_marker_len(text: str) -> int:
     """How much of the end of ``text`` may be the start of a marker."""
-    return max(_partial_tag_len(text, marker) for marker in MARKERS)
+    return max(held_prefix_len(text, marker) for marker in MARKERS)
 
 
 def _channel(header: str) -> str:

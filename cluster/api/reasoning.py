@@ -21,7 +21,9 @@ of a tag is held back until the next piece says what it is (at most ``len("</thi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from pdcluster.cluster.api.harmony import HarmonyStream
+from pdcluster.cluster.api.reasoning_split import Split
+from pdcluster.cluster.api.tool_parsers.base import held_prefix_len
 
 START, END = "<think>", "</think>"
 THINK_TAG_PARSERS = ("qwen3", "deepseek_r1")
@@ -34,25 +36,6 @@ def check_reasoning_parser(name: str | None) -> str | None:
     if name is not None and name not in PARSERS:
         raise ValueError(f"reasoning parser {name!r} is not one of {', '.join(PARSERS)}")
     return name
-
-
-@dataclass
-class Split:
-    """A piece of output: its reasoning and its content (either may be empty)."""
-
-    reasoning: str = ""
-    content: str = ""
-
-    def __add__(self, other: Split) -> Split:
-        return Split(self.reasoning + other.reasoning, self.content + other.content)
-
-
-def _partial_tag_len(text: str, tag: str) -> int:
-    """The length of the longest end of ``text`` that begins ``tag`` (a tag cut between two pieces)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
 
 
 class ReasoningStream:
@@ -80,7 +63,7 @@ class ReasoningStream:
         if self._state == "reasoning":
             at = self._held.find(END)
             if at < 0:
-                keep = _partial_tag_len(self._held, END)
+                keep = held_prefix_len(self._held, END)
                 out.reasoning, self._held = self._held[: len(self._held) - keep], self._held[len(self._held) - keep:]
                 return out
             out.reasoning = self._held[:at]
@@ -100,8 +83,6 @@ class ReasoningStream:
 def reasoning_stream(parser: str):
     """The stream parser of ``parser``'s format: ReasoningStream, or gpt-oss's HarmonyStream (same interface)."""
     if check_reasoning_parser(parser) == HARMONY:
-        from pdcluster.cluster.api.harmony import HarmonyStream  # here: harmony.py builds on this module
-
         return HarmonyStream()
     return ReasoningStream(parser)
 
