@@ -127,6 +127,9 @@ CASES = [
                             '<|message|>{"city": "Paris"}<|call|><|start|>assistant<|channel|>commentary '
                             'to=functions.get_time<|message|>{"zone": "CET"}<|call|>', "Let me look.", [PARIS, CET]),
     (OpenAIHarmonyParser(), "<|channel|>final<|message|>Paris.", "<|channel|>final<|message|>Paris.", []),
+    # the output stopped on <|call|> (an end-of-turn token), which the text does not show
+    (OpenAIHarmonyParser(), '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+                            '{"city": "Paris"}', "", [PARIS]),
     (OpenAIHarmonyParser(), "a < b <|start|>assistant", "a < b <|start|>assistant", []),
     (OpenAIHarmonyParser(), '<|channel|>commentary to=functions.get_weather<|message|>{"city":"Par',
      '<|channel|>commentary to=functions.get_weather<|message|>{"city":"Par', []),  # cut short: text

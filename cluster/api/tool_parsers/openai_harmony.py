@@ -4,7 +4,9 @@ recipient in the header, its arguments the body, ended by ``<|call|>``::
     <|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>
 
 (the recipient may also follow the role: ``<|start|>assistant to=functions.get_weather<|channel|>commentary``).
-Everything else is content as it is. With ``--reasoning-parser openai_gptoss`` (cluster/api/harmony.py) the content
+Everything else is content as it is. ``<|call|>`` is one of gpt-oss's end-of-turn tokens, so a served output usually
+stops on it without showing it: a call whose body runs to the end of a finished output is whole when the body is
+complete JSON (cut by max_tokens, it is not, and is shown as text). With ``--reasoning-parser openai_gptoss`` (cluster/api/harmony.py) the content
 this parser reads is the answer's channels, call messages passed through in this form. The markers are special
 tokens: a request it reads keeps them in its text (``needs_special_tokens``).
 """
@@ -34,6 +36,14 @@ def _held_header_start(text: str) -> int:
     return min(held, len(text) - max(held_prefix_len(text, m) for m in (START, CHANNEL)))
 
 
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
 class OpenAIHarmonyParser(ToolParser):
     name = "openai"
     needs_special_tokens = True
@@ -49,6 +59,9 @@ class OpenAIHarmonyParser(ToolParser):
             args_at = header.end()
             end = text.find(CALL, args_at)
             if end < 0:
+                if final and _is_json(text[args_at:]):  # <|call|> is an end-of-turn token: the stop took it
+                    parts.append(CallSnapshot(header["name"], text[args_at:], done=True))
+                    return Snapshot(parts)
                 if final:  # a call the output never finished (max_tokens): shown as the text it is
                     parts.append(text[header.start():])
                     return Snapshot(parts)
