@@ -555,6 +555,16 @@ def test_llama4_reads_its_config_and_each_of_its_parts_matters(dirs, reference, 
     multimodal = _edit_config(dirs["llama4"], tmp_path / "multimodal", architectures=["Llama4ForConditionalGeneration"],
                               text_config=cfg, vision_config={"hidden_size": 32})
     assert arch_from_dir(multimodal) == arch
+    # Scout's own config keys: llama3 RoPE with equal low / high factors, an empty no_rope_layers (the default
+    # interval), attn_temperature_tuning 4 (truthy), no layer_types.
+    scout = arch_from_dir(_edit_config(dirs["llama4"], tmp_path / "scout", no_rope_layers=[], layer_types=None,
+                                       attn_temperature_tuning=4, rope_parameters={
+                                           "rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0,
+                                           "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+                                           "original_max_position_embeddings": 8192}))
+    assert scout.rope_scaling.rope_type == "llama3" and scout.rope_scaling.factor == 16.0
+    assert scout.nope_layers == arch.nope_layers and scout.chunked_layers == arch.chunked_layers
+    assert scout.query_temperature == arch.query_temperature
 
 
 def test_gpt_oss_mxfp4_release_equals_transformers_on_its_dequantized_weights(dirs, tmp_path):
@@ -839,6 +849,9 @@ def test_legacy_and_new_rope_forms_agree():
     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "attention_factor": 1.2,
      "truncate": False},
     {"rope_type": "linear", "factor": 4.0},
+    # Llama 4 Scout's: llama3 with equal low and high frequency factors (a step, no ramp)
+    {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+     "original_max_position_embeddings": 8192},
 ])
 def test_rope_tables_equal_transformers(params):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

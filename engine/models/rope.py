@@ -99,8 +99,9 @@ def rope_from_config(cfg: dict, where: str, phi3: bool = False,
         for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
             if params.get(key) is None:
                 raise ValueError(f"{where}: {field} rope type 'llama3' needs {key!r}")
-        if float(params["high_freq_factor"]) <= float(params["low_freq_factor"]):
-            raise ValueError(f"{where}: {field} rope type 'llama3' needs high_freq_factor > low_freq_factor")
+        # Equal factors are served (Llama 4 Scout's 1.0 / 1.0: no ramp, a step at the original context).
+        if float(params["high_freq_factor"]) < float(params["low_freq_factor"]):
+            raise ValueError(f"{where}: {field} rope type 'llama3' needs high_freq_factor >= low_freq_factor")
     factors = {}
     if rope_type == "longrope":
         for key in ("short_factor", "long_factor"):
@@ -196,6 +197,8 @@ def _llama3(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     high_freq_wavelen = old_context / s.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    if s.high_freq_factor == s.low_freq_factor:  # no ramp between the bands (transformers' 0 / 0 would be NaN there)
+        return scaled
     smooth = (old_context / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
     smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
     medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
