@@ -471,7 +471,9 @@ def test_ops_imports_without_triton(monkeypatch):
 # an sm_80 target, as a GPU launch would; no GPU needed. Subprocess: this one must not interpret.
 
 _AOT_COMPILE = """
+import inspect
 import sys
+
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -487,6 +489,10 @@ from pdcluster.kernels.triton_write_kv import _write_kv_kernel
 
 
 def build(fn, pointer_types, constexprs):
+    # A constexpr the build leaves out takes its default, as a launch would (else it would be compiled as a
+    # runtime int and its branches, e.g. HAS_SINKS's loads, compiled in).
+    constexprs = {**{p.name: p.default for p in fn.params
+                     if p.is_constexpr and p.default is not inspect.Parameter.empty}, **constexprs}
     names = fn.arg_names
     signature = {n: "constexpr" if n in constexprs else pointer_types.get(n, "i32") for n in names}
     constants = {(names.index(n),): v for n, v in constexprs.items()}

@@ -396,6 +396,7 @@ def test_attention_tiles_are_constants_of_the_model(monkeypatch):
 # sm_80 (mma) and an sm_90 (wgmma) target, as a launch would, without a GPU. Subprocess: not interpreted.
 
 _AOT_COMPILE = """
+import inspect
 import sys
 
 import torch
@@ -410,6 +411,10 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def build(fn, pointer_types, constexprs, arch):
+    # A constexpr the build leaves out takes its default, as a launch would (else it would be compiled as a
+    # runtime int and its branches, e.g. HAS_SINKS's loads, compiled in).
+    constexprs = {**{p.name: p.default for p in fn.params
+                     if p.is_constexpr and p.default is not inspect.Parameter.empty}, **constexprs}
     names = fn.arg_names
     signature = {n: "constexpr" if n in constexprs else pointer_types.get(n, "i32") for n in names}
     constants = {(names.index(n),): v for n, v in constexprs.items()}
