@@ -125,13 +125,18 @@ def test_triton_equals_reference(mode, window):
 def test_triton_launch_shapes_equal_reference(split, segments):
     """Each launch shape (partitions merged by a second kernel, segments, merged in the program) with windows
     that start partitions and key tiles past the first."""
-    q_lens, seq_lens = [1, 3, 1], [150, 300, 40]
-    batch = make_batch(q_lens, seq_lens, 6, 2, block_size=8)
-    for window in (5, 64, 130):
+    _launch_shapes_equal_reference(split, segments, [dict(window=window) for window in (5, 64, 130)])
+
+
+def _launch_shapes_equal_reference(split: bool, segments: int, variants: list[dict]) -> None:
+    """One launch shape of the Triton kernel against the reference for each of ``variants`` (the attention's
+    window / softcap / sinks / chunk keywords), on requests whose contexts span several partitions."""
+    batch = make_batch([1, 3, 1], [150, 300, 40], 6, 2, block_size=8)
+    for variant in variants:
         out = torch.full_like(batch.query, float("nan"))
         attention.launch(*batch.args(), out, attention.block_q_for(triton_next_pow2(3)), 16, split=split,
-                         segments=segments, window=window)
-        torch.testing.assert_close(out, reference.paged_attention(*batch.args(), window), rtol=1e-5, atol=1e-5)
+                         segments=segments, **variant)
+        torch.testing.assert_close(out, reference.paged_attention(*batch.args(), **variant), rtol=1e-5, atol=1e-5)
 
 
 def test_triton_deterministic_is_batch_invariant():
@@ -228,15 +233,7 @@ def test_sinks_c_kernel_equals_reference_and_is_batch_invariant(dtype, block_siz
 def test_sinks_triton_launch_shapes_equal_reference(split, segments):
     """The sink folds in wherever a row's state ends: in the program (one), in the partition merge, in the
     segment merge; with a window and without."""
-    q_lens, seq_lens = [1, 3, 1], [150, 300, 40]
-    batch = make_batch(q_lens, seq_lens, 6, 2, block_size=8)
-    sinks = _sinks(6)
-    for window in (0, 64):
-        out = torch.full_like(batch.query, float("nan"))
-        attention.launch(*batch.args(), out, attention.block_q_for(triton_next_pow2(3)), 16, split=split,
-                         segments=segments, window=window, sinks=sinks)
-        torch.testing.assert_close(out, reference.paged_attention(*batch.args(), window, 0.0, sinks), rtol=1e-5,
-                                   atol=1e-5)
+    _launch_shapes_equal_reference(split, segments, [dict(window=window, sinks=_sinks(6)) for window in (0, 64)])
 
 
 def test_sinks_triton_deterministic_equals_reference_and_is_batch_invariant():
@@ -289,14 +286,7 @@ def test_chunked_c_kernel_equals_reference_and_is_batch_invariant(dtype, block_s
 @pytest.mark.parametrize("split,segments", [(True, 0), (True, 4), (False, 0)], ids=["partitions", "segments", "one"])
 def test_chunked_triton_launch_shapes_equal_reference(split, segments):
     """Chunks that start partitions and key tiles past the first (tiles before a chunk are skipped)."""
-    q_lens, seq_lens = [1, 3, 1], [150, 300, 40]
-    batch = make_batch(q_lens, seq_lens, 6, 2, block_size=8)
-    for chunk in (16, 100, 256):
-        out = torch.full_like(batch.query, float("nan"))
-        attention.launch(*batch.args(), out, attention.block_q_for(triton_next_pow2(3)), 16, split=split,
-                         segments=segments, chunk=chunk)
-        torch.testing.assert_close(out, reference.paged_attention(*batch.args(), 0, 0.0, None, chunk), rtol=1e-5,
-                                   atol=1e-5)
+    _launch_shapes_equal_reference(split, segments, [dict(chunk=chunk) for chunk in (16, 100, 256)])
 
 
 def test_chunked_triton_deterministic_equals_reference_and_is_batch_invariant():

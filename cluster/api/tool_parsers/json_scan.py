@@ -71,15 +71,15 @@ def value_end(text: str, pos: int) -> int | None:
                 depth -= 1
                 if depth == 0:
                     end = m.end()
-                    return end if _is_json(text[pos:end]) else -1
+                    return end if is_json(text[pos:end]) else -1
         return None
     m = _SCALAR_END.search(text, pos)
     if m is None:
         return None  # a number or literal may go on
-    return m.start() if m.start() > pos and _is_json(text[pos:m.start()]) else -1
+    return m.start() if m.start() > pos and is_json(text[pos:m.start()]) else -1
 
 
-def _is_json(raw: str) -> bool:
+def is_json(raw: str) -> bool:
     try:
         json.loads(raw)
     except ValueError:
@@ -146,7 +146,7 @@ def scan_call(text: str, pos: int, args_keys: tuple[str, ...], require_args: boo
                 return out
             i, expect = i + 1, "key"
     out.end = i + 1
-    if out.name is None or (require_args and out.args_start is None) or not _is_json(text[pos:out.end]):
+    if out.name is None or (require_args and out.args_start is None) or not is_json(text[pos:out.end]):
         out.bad = True
     return out
 

@@ -18,6 +18,7 @@ import re
 
 from pdcluster.cluster.api.tool_parsers.base import (CallSnapshot, Snapshot, ToolParser, call_arguments,
                                                  held_prefix_len, tools_system_prompt)
+from pdcluster.cluster.api.tool_parsers.json_scan import is_json
 
 START, CHANNEL, MESSAGE, CALL = "<|start|>", "<|channel|>", "<|message|>", "<|call|>"
 # A whole header (from its <|start|> or <|channel|>) that names a function as its recipient, up to <|message|>.
@@ -36,14 +37,6 @@ def _held_header_start(text: str) -> int:
     return min(held, len(text) - max(held_prefix_len(text, m) for m in (START, CHANNEL)))
 
 
-def _is_json(text: str) -> bool:
-    try:
-        json.loads(text)
-    except ValueError:
-        return False
-    return True
-
-
 class OpenAIHarmonyParser(ToolParser):
     name = "openai"
     needs_special_tokens = True
@@ -59,7 +52,7 @@ class OpenAIHarmonyParser(ToolParser):
             args_at = header.end()
             end = text.find(CALL, args_at)
             if end < 0:
-                if final and _is_json(text[args_at:]):  # <|call|> is an end-of-turn token: the stop took it
+                if final and is_json(text[args_at:]):  # <|call|> is an end-of-turn token: the stop took it
                     parts.append(CallSnapshot(header["name"], text[args_at:], done=True))
                     return Snapshot(parts)
                 if final:  # a call the output never finished (max_tokens): shown as the text it is
