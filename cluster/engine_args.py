@@ -5,6 +5,7 @@ rebuilds the config from the parsed `serve` flags."""
 from __future__ import annotations
 
 import argparse
+import os
 
 from pdcluster.engine.config import DTYPES, SPEC_METHODS, EngineConfig
 
@@ -66,6 +67,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="LoRA adapters (PEFT directories) served beside the base model; a request picks one by its "
                         "name in the API's 'model' field. Every worker loads them all")
     g.add_argument("--max-lora-rank", type=int, default=64, help="refuse adapters of a higher rank")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="adapters may also be loaded and unloaded while serving (POST /v1/load_lora_adapter and "
+                        "/v1/unload_lora_adapter, vLLM's routes; on with VLLM_ALLOW_RUNTIME_LORA_UPDATING=true too)")
+    g.add_argument("--max-loras", type=int, default=16, help="how many LoRA adapters are held at once")
 
 
 # Flags whose dest is the EngineConfig field of the same name (the others are mapped by hand below).
@@ -74,7 +79,13 @@ SAME_NAMED_FLAGS = (
     "gpu_memory_utilization",
     "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "kv_offload_host_gib", "kv_offload_disk_dir",
     "kv_offload_disk_gib", "mtp_checkpoint", "num_threads", "seed", "cache_dir", "max_lora_rank",
+    "enable_lora", "max_loras",
 )
+
+
+def runtime_lora_env() -> bool:
+    """vLLM's switch for its runtime LoRA routes, honoured as --enable-lora (a vLLM deployment's env carries it)."""
+    return os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true", "yes")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -82,7 +93,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     if args.spec != "none" and num_spec == 0:
         num_spec = 3
     return EngineConfig(
-        **{name: getattr(args, name) for name in SAME_NAMED_FLAGS},
+        **{name: getattr(args, name) for name in SAME_NAMED_FLAGS if name != "enable_lora"},
+        enable_lora=args.enable_lora or runtime_lora_env(),
         enable_prefix_caching=not args.no_prefix_caching,
         decode_prefix_reuse=not args.no_decode_prefix_reuse,
         cuda_graphs=not args.no_cuda_graphs,

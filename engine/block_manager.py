@@ -30,13 +30,15 @@ class Block:
 
 def block_hash_root(params) -> int | None:
     """The parent hash of a request's first block (``params``: its SamplingParams): None for the base model
-    without a cache salt, else a digest of its LoRA adapter's name and its ``cache_salt``. An adapter changes
-    the KV a prompt makes, and a salt keeps one tenant's cached prompts from another's (vLLM's cache_salt:
+    without a cache salt, else a digest of its LoRA adapter's name and content digest and its ``cache_salt``.
+    An adapter changes the KV a prompt makes, and a salt keeps one tenant's cached prompts from another's (vLLM's cache_salt:
     a hit's speed would tell a guessed prompt), so such blocks hash apart in the prefix cache, the offload
     tiers and the router's KV index."""
     lora_name, salt = params.lora_name, params.cache_salt
     if lora_name is None and salt is None:
         return None
+    if lora_name is not None and params.lora_digest is not None:  # an adapter reloaded under its name: new KV
+        lora_name = f"{lora_name}\0{params.lora_digest}"
     if salt is None:
         digest = hashlib.blake2b(b"lora\0" + lora_name.encode(), digest_size=8).digest()
     else:

@@ -122,6 +122,11 @@ class EngineConfig:
     # at start-up and kept; ``max_lora_rank`` refuses larger ones (vLLM's --max-lora-rank).
     lora_modules: tuple[str, ...] = ()
     max_lora_rank: int = 64
+    # Adapters may also be loaded and unloaded while serving (vLLM's --enable-lora with runtime updating:
+    # LLMEngine.load_lora / unload_lora, POST /v1/load_lora_adapter): every projection an adapter may target is
+    # wrapped from the start. ``max_loras``: how many adapters are held at once (all of them can share a batch).
+    enable_lora: bool = False
+    max_loras: int = 16
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -163,11 +168,16 @@ class EngineConfig:
                               "(drop --no-prefix-caching) or the tiers off")
         if not isinstance(self.max_lora_rank, int) or self.max_lora_rank <= 0:
             raise ConfigError(f"max_lora_rank: must be a positive integer, got {self.max_lora_rank!r}")
+        if not isinstance(self.max_loras, int) or self.max_loras <= 0:
+            raise ConfigError(f"max_loras: must be a positive integer, got {self.max_loras!r}")
         self.lora_modules = tuple(self.lora_modules)
         try:
-            self.lora_paths()
+            num_adapters = len(self.lora_paths())
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if num_adapters > self.max_loras:
+            raise ConfigError(f"lora_modules: {num_adapters} adapters but max_loras is {self.max_loras} (raise "
+                              "--max-loras)")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ConfigError(f"ngram_min/ngram_max: need 1 <= min <= max, got {self.ngram_min}, {self.ngram_max}")
 

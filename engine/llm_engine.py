@@ -13,6 +13,7 @@ from pdcluster.engine.async_scheduler import AsyncScheduler, AsyncStepper
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.kv_offload.events import KVEventLog, make_offload_manager
 from pdcluster.engine.loaded_model import LoadedModel
+from pdcluster.engine.lora.runtime import RuntimeLora
 from pdcluster.engine.model_runner import ModelRunner
 from pdcluster.engine.proposers import make_proposer
 from pdcluster.engine.remote_admission import RemoteReservation
@@ -107,6 +108,7 @@ class LLMEngine:
         self.warmup_batch_kinds = warmup(self.runner, num_blocks=num_blocks)
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
+        self.runtime_lora = RuntimeLora(self.model, self.scheduler, config)
 
     @classmethod
     def from_config(cls, config: EngineConfig, connector: KVConnector | None = None,
@@ -133,7 +135,7 @@ class LLMEngine:
         leading prompt blocks this worker's prefix cache already holds (the producer skips those), or
         None when the pool cannot hold it now (the router then tries another worker).
         The connector reports its KV's arrival (``poll_kv``); ``abort_request`` gives it up."""
-        self.check_lora(params)
+        params = self.bind_lora(params)
         self.prepare_grammar(params)
         request = Request(request_id, list(prompt_token_ids), params, arrival_time=time.monotonic())
         return self.scheduler.add_remote_request(request)
@@ -182,7 +184,7 @@ class LLMEngine:
         if validate:
             self.validate(prompt_token_ids, params)
         params = self.assign_seed(params)
-        self.check_lora(params)
+        params = self.bind_lora(params)
         self.prepare_grammar(params)
         request_id = request_id or f"req-{next(self._ids)}"
         request = Request(request_id, prompt_token_ids, params, arrival_time=time.monotonic())
@@ -191,13 +193,45 @@ class LLMEngine:
 
     @property
     def lora_names(self) -> tuple[str, ...]:
-        """The LoRA adapters a request may name (EngineConfig.lora_modules)."""
+        """The LoRA adapters a request may name (EngineConfig.lora_modules, and those loaded since)."""
         return self.model.lora.names if self.model.lora is not None else ()
 
-    def check_lora(self, params: SamplingParams) -> None:
-        if params.lora_name is not None and params.lora_name not in self.lora_names:
-            have = ", ".join(self.lora_names) or "none (start with --lora-modules name=path)"
-            raise InvalidRequestError(f"lora_name: no LoRA adapter {params.lora_name!r} is loaded; loaded: {have}")
+    @property
+    def lora_adapters(self) -> dict[str, str]:
+        """{adapter name: its content digest} for every adapter a request may name."""
+        lora = self.model.lora
+        return {} if lora is None else {name: lora.adapters[slot].digest for name, slot in lora.index.items()}
+
+    def bind_lora(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with the content digest of the adapter it names (its block hashes start from it), checked
+        against the one this engine holds under that name: a request placed with other files under the name
+        (the adapter was reloaded meanwhile) is refused, never run with the wrong weights."""
+        name = params.lora_name
+        if name is None:
+            return params
+        lora = self.model.lora
+        slot = lora.index.get(name) if lora is not None else None
+        if slot is None:
+            have = ", ".join(self.lora_names) or "none (start with --lora-modules name=path, or --enable-lora)"
+            raise InvalidRequestError(f"lora_name: no LoRA adapter {name!r} is loaded; loaded: {have}")
+        digest = lora.adapters[slot].digest
+        if params.lora_digest is None:
+            return replace(params, lora_digest=digest)
+        if params.lora_digest != digest:
+            raise InvalidRequestError(f"lora_name: LoRA adapter {name!r} here has content {digest}, not the "
+                                      f"{params.lora_digest} the request was placed with (it was reloaded meanwhile): "
+                                      "send it again")
+        return params
+
+    def load_lora(self, name: str, path: str) -> str:
+        """Load the PEFT adapter at ``path`` as ``name`` while serving (EngineConfig.enable_lora); returns its
+        content digest. LoraAdapterError with the reason otherwise (engine/lora/runtime.py)."""
+        return self.runtime_lora.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """New requests naming ``name`` are refused from now on; those running with it finish with it
+        (engine/lora/runtime.py). KeyError if no adapter has that name."""
+        self.runtime_lora.unload(name)
 
     def prepare_grammar(self, params: SamplingParams) -> None:
         """Compile a structured-output spec now (cached per spec), so a spec the grammar engine refuses
@@ -246,6 +280,8 @@ class LLMEngine:
             self.step_trace.record(sched, time.perf_counter() - started)
         # post_forward reports sends only (wire/kv_connector.py); what a consumer receives comes by poll_kv.
         self.scheduler.free_held(kv_output.finished_sending | kv_output.failed)
+        if self.runtime_lora.retiring:
+            self.runtime_lora.release()
         output = self._output
         return [output(r.request, r.finished, r.new_token_ids, r.new_logprobs, r.prompt_logprobs) for r in step_results]
 

@@ -84,10 +84,10 @@ class LoadedModel:
         model = load_model(model_dir, dtype, max_model_len + config.num_spec_steps + 1, config.device,
                            deterministic=deterministic, max_model_len=max_model_len)
         arch = model.arch  # as this engine serves it (longrope's table follows max_model_len)
-        if config.lora_modules:
+        if config.lora_modules or config.enable_lora:
             from pdcluster.engine.lora import install
 
-            install(model, config.lora_paths(), config.max_lora_rank)
+            install(model, config.lora_paths(), config.max_lora_rank, runtime=config.enable_lora)
         num_draft_layers = proposer_draft_layers(config, arch)  # MTP: its layers after the target's (S2)
         probe = KVCacheSpec(arch.num_layers + num_draft_layers, num_draft_layers, 1, config.block_size,
                             arch.num_kv_heads, arch.head_dim, dtype, num_planes=kv_planes(arch))

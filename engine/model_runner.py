@@ -244,7 +244,7 @@ class ModelRunner:
         worker after the prefill worker's first token, after a recovery), prompt logprobs restarted."""
         params = s.sampling_params
         if self.model.lora is not None:
-            self._lora_index_np[idx] = -1 if params.lora_name is None else self.model.lora.index[params.lora_name]
+            self._lora_index_np[idx] = -1 if params.lora_name is None else self._lora_slot(params)
         num_client_prompt = s.num_prompt_tokens - params.output_position_offset
         self.states.client_prompt_len_np[idx] = num_client_prompt
         self._prompt_logprobs.pop(s.request_id, None)
@@ -288,6 +288,14 @@ class ModelRunner:
             sched, req_ids, idx_mapping, kind, hidden, batch.logits_start_np, batch.logits_count_np,
             batch.logits_indices, set(sched.finished_req_ids), rows, batch.query_start_loc_np,
         )
+
+    def _lora_slot(self, params) -> int:
+        """The slot of the adapter a request runs with: by name and content (an adapter unloaded meanwhile is
+        held until its requests end; another may hold the name by then: LLMEngine.unload_lora)."""
+        slot = self.model.lora.slot_of(params.lora_name, params.lora_digest)
+        if slot is None:  # bind_lora checked it at entry and unloading keeps it: a broken invariant
+            raise RuntimeError(f"LoRA adapter {params.lora_name!r} ({params.lora_digest}) is not held")
+        return slot
 
     def _lora_rows(self, idx_mapping: np.ndarray, query_start_loc_np: np.ndarray):
         """The step's LoRA rows for the model's adapters (engine/lora/) over one forward; yields whether any."""

@@ -48,6 +48,9 @@ class SamplingParams:
     output_position_offset: int = 0
     # The LoRA adapter to run with (a name from EngineConfig.lora_modules); None: the base model.
     lora_name: str | None = None
+    # The content digest of that adapter (LoraAdapter.digest), set where the request enters (the router, the
+    # engine): its block hashes start from it, and a worker holding other files under that name refuses it.
+    lora_digest: str | None = None
     # vLLM's extensions, with its meanings:
     # min_p: tokens below min_p x the most likely token's probability are not sampled (after temperature).
     min_p: float = 0.0

@@ -17,50 +17,100 @@ from pdcluster.engine.lora.layers import LoraLinear, LoraSet, grouped_way, slice
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LoraAdapter", "LoraAdapterError", "LoraSet", "install"]
+__all__ = ["LoraAdapter", "LoraAdapterError", "LoraSet", "add", "check_fits", "install", "load_adapter", "remove"]
 
 
-def install(model, lora_modules: dict[str, str], max_rank: int) -> LoraSet:
+def install(model, lora_modules: dict[str, str], max_rank: int, runtime: bool = False) -> LoraSet:
     """Load every adapter of ``lora_modules`` ({name: path}), check each against ``model`` (its layers, its
     projections' shapes: ``model.lora_targets()``), and wrap the projections they target; sets and returns
-    ``model.lora``."""
+    ``model.lora``. ``runtime``: adapters will also come and go while serving (``add`` / ``remove``), so every
+    projection an adapter may target is wrapped now, whether or not one of these targets it."""
     targets = model.lora_targets()
     if targets is None:
         raise LoraAdapterError(f"LoRA adapters are not served on {model.architecture_name} models "
-                               "(drop --lora-modules)")
+                               "(drop --lora-modules / --enable-lora)")
     adapters = [load_adapter(name, path, max_rank) for name, path in lora_modules.items()]
-    where = {(layer, name): (offset, width, getattr(owner, attr).in_features)
-             for layer, owner, attr, slices in targets for name, offset, width in slices}
-    num_layers = len(model.layers)
     for adapter in adapters:
-        for (layer, module), w in adapter.modules.items():
-            refuse = f"LoRA adapter {adapter.name!r} ({adapter.path}): layer {layer} {module}: "
-            if layer >= num_layers:
-                raise LoraAdapterError(f"{refuse}layer {layer} but the base model has {num_layers} layers")
-            if (layer, module) not in where:
-                raise LoraAdapterError(f"{refuse}this layer has no such projection that takes adapters (a "
-                                       "mixture-of-experts layer, or another kind of layer)")
-            _, width, in_features = where[(layer, module)]
-            if w.a.shape[1] != in_features or w.b.shape[0] != width:
-                raise LoraAdapterError(f"{refuse}lora_A {tuple(w.a.shape)} / lora_B {tuple(w.b.shape)} do not fit "
-                                       f"the base model's projection [{width}, {in_features}] (an adapter trained "
-                                       "for another model?)")
+        check_fits(model, adapter)
     lora = LoraSet(adapters, grouped_way(model.device, model.dtype))
+    lora.runtime = runtime
     for layer, owner, attr, slices in targets:
         updates = {}
-        for adapter_index, adapter in enumerate(adapters):
-            modules = [(offset, width, _in_layout(model, attr, offset, width, adapter.modules.get((layer, name))))
-                       for name, offset, width in slices]
-            if any(w is not None for _, _, w in modules):
-                updates[adapter_index] = slice_updates(modules)
-        if updates:
+        for slot, adapter in enumerate(adapters):
+            update = _update_of(model, adapter, layer, attr, slices)
+            if update is not None:
+                updates[slot] = update
+        if updates or runtime:
             setattr(owner, attr, LoraLinear(getattr(owner, attr), lora, updates, model.dtype, model.device,
                                             model.deterministic))
     model.run_unchunked()  # the adapter rows index the whole step
     model.lora = lora
-    log.info("LoRA adapters: %s", ", ".join(f"{a.name} (rank {a.max_rank}, {len(a.modules)} modules)"
-                                            for a in adapters))
+    if adapters:
+        log.info("LoRA adapters: %s", ", ".join(f"{a.name} (rank {a.max_rank}, {len(a.modules)} modules)"
+                                                for a in adapters))
     return lora
+
+
+def check_fits(model, adapter: LoraAdapter) -> None:
+    """Refuse (LoraAdapterError, naming the module) an adapter whose modules the model does not have or whose
+    shapes differ from the model's projections."""
+    where = {(layer, name): (offset, width, getattr(owner, attr).in_features)
+             for layer, owner, attr, slices in model.lora_targets() for name, offset, width in slices}
+    num_layers = len(model.layers)
+    for (layer, module), w in adapter.modules.items():
+        refuse = f"LoRA adapter {adapter.name!r} ({adapter.path}): layer {layer} {module}: "
+        if layer >= num_layers:
+            raise LoraAdapterError(f"{refuse}layer {layer} but the base model has {num_layers} layers")
+        if (layer, module) not in where:
+            raise LoraAdapterError(f"{refuse}this layer has no such projection that takes adapters (a "
+                                   "mixture-of-experts layer, or another kind of layer)")
+        _, width, in_features = where[(layer, module)]
+        if w.a.shape[1] != in_features or w.b.shape[0] != width:
+            raise LoraAdapterError(f"{refuse}lora_A {tuple(w.a.shape)} / lora_B {tuple(w.b.shape)} do not fit "
+                                   f"the base model's projection [{width}, {in_features}] (an adapter trained "
+                                   "for another model?)")
+
+
+def _update_of(model, adapter: LoraAdapter, layer: int, attr: str, slices):
+    """``adapter``'s update of one (possibly fused) projection, None where it targets none of its modules."""
+    modules = [(offset, width, _in_layout(model, attr, offset, width, adapter.modules.get((layer, name))))
+               for name, offset, width in slices]
+    return slice_updates(modules) if any(w is not None for _, _, w in modules) else None
+
+
+def add(model, adapter: LoraAdapter) -> int:
+    """Hold ``adapter`` (checked: ``check_fits``) on a model installed with ``runtime``, under its name; returns
+    its slot. Called between steps. The caller has made sure no other adapter has its name."""
+    lora = model.lora
+    check_fits(model, adapter)
+    slot = lora.free_slot()
+    grows = slot == lora.num_slots
+    lora.put(slot, adapter)
+    by_projection = {(owner, attr): (layer, slices) for layer, owner, attr, slices in model.lora_targets()}
+    for (owner, attr), (layer, slices) in by_projection.items():
+        wrapped = getattr(owner, attr)
+        if not isinstance(wrapped, LoraLinear):
+            continue
+        update = _update_of(model, adapter, layer, attr, slices)
+        if update is not None:
+            wrapped.set_update(slot, update)
+        elif grows and wrapped.slice_updates:
+            wrapped._build()  # the grouped layout has a place per slot: one more now
+    lora.index[adapter.name] = slot
+    log.info("LoRA adapter %s loaded (rank %d, %d modules, slot %d)", adapter.name, adapter.max_rank,
+             len(adapter.modules), slot)
+    return slot
+
+
+def remove(model, slot: int) -> None:
+    """Empty ``slot`` (no request runs with it any more); called between steps."""
+    lora = model.lora
+    adapter = lora.adapters[slot]
+    for layer in lora.layers:
+        layer.set_update(slot, None)
+    lora.put(slot, None)
+    if adapter is not None and lora.index.get(adapter.name) == slot:
+        del lora.index[adapter.name]
 
 
 def _in_layout(model, attr: str, offset: int, width: int, weights: LoraWeights | None) -> LoraWeights | None:

@@ -39,13 +39,21 @@ def grouped_way(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class LoraSet:
-    """The adapters installed on one model, by name, and the running step's rows of each."""
+    """The adapters installed on one model, by slot, and the running step's rows of each.
+
+    A slot is an adapter's index in every ``LoraLinear``'s updates. Adapters come and go while serving
+    (``add`` / ``remove``): a removed adapter's slot is empty (None) until a later one takes it, so the
+    slots of the adapters still held never move under the requests that run with them."""
 
     def __init__(self, adapters: Sequence[LoraAdapter], grouped: bool):
         """``grouped``: the updates run the grouped way (``grouped_way``), else the per-adapter way."""
-        self.adapters = list(adapters)
-        self.index = {a.name: i for i, a in enumerate(self.adapters)}
+        self.adapters: list[LoraAdapter | None] = list(adapters)
+        self.index = {a.name: i for i, a in enumerate(self.adapters)}  # the adapters requests may name now
         self.grouped = grouped
+        # Adapters come and go while serving (EngineConfig.enable_lora): workers then check each request's adapter
+        # content (SamplingParams.lora_digest) instead of comparing a fixed set in the fingerprint.
+        self.runtime = False
+        self.layers: list[LoraLinear] = []  # every wrapped projection (each takes updates when an adapter comes)
         # Set by ``step`` for one forward, empty / None outside it:
         self.groups: list[tuple[int, Rows]] = []  # (adapter index, its rows), for the per-adapter way
         self.sorted_rows: cpu_lora.LoraRows | None = None  # every adapter row, sorted by adapter (the grouped way)
@@ -55,10 +63,36 @@ class LoraSet:
         return tuple(self.index)
 
     @property
+    def num_slots(self) -> int:
+        return len(self.adapters)
+
+    def slot_of(self, name: str, digest: str | None = None) -> int | None:
+        """The slot holding adapter ``name`` (with content ``digest`` when given), named or already removed
+        from the names but still held for the requests that run with it; None if no slot holds it."""
+        for i, a in enumerate(self.adapters):
+            if a is not None and a.name == name and (digest is None or a.digest == digest):
+                return i
+        return None
+
+    def free_slot(self) -> int:
+        """The slot a new adapter takes: the first empty one, else a new one at the end."""
+        return next((i for i, a in enumerate(self.adapters) if a is None), len(self.adapters))
+
+    def put(self, slot: int, adapter: LoraAdapter | None) -> None:
+        """Hold ``adapter`` in ``slot`` (None: empty it); the caller updates the layers and ``index``."""
+        if slot == len(self.adapters):
+            self.adapters.append(adapter)
+        else:
+            self.adapters[slot] = adapter
+
+    @property
     def fingerprint(self) -> str:
         """Each adapter's name and content digest: part of the model fingerprint two workers compare before
-        they exchange KV, and of the disk tier's namespace."""
-        return ",".join(f"{a.name}:{a.digest}" for a in self.adapters)
+        they exchange KV, and of the disk tier's namespace. With adapters loaded while serving: "runtime" (the
+        set changes; each request's block hashes and admission carry its adapter's digest instead)."""
+        if self.runtime:
+            return "runtime"
+        return ",".join(f"{a.name}:{a.digest}" for a in self.adapters if a is not None)
 
     @contextmanager
     def step(self, adapter_of_row: np.ndarray, query_start_loc_np: np.ndarray,
@@ -78,7 +112,7 @@ class LoraSet:
         if runs and not self.grouped:
             self.groups = [(i, _rows(spans, device)) for i, spans in runs.items()]
         elif runs:
-            counts = np.zeros(len(self.adapters) + 1, dtype=np.int64)
+            counts = np.zeros(self.num_slots + 1, dtype=np.int64)
             for i, spans in runs.items():
                 counts[i + 1] = sum(e - s for s, e in spans)
             self.sorted_rows = cpu_lora.LoraRows.of(
@@ -127,21 +161,42 @@ class LoraLinear:
 
     def __init__(self, base: Linear, lora: LoraSet, updates: dict[int, SliceUpdates], dtype: torch.dtype,
                  device: torch.device, deterministic: bool):
-        """``updates``: adapter index -> its update, for the adapters that target this projection."""
+        """``updates``: adapter index -> its update, for the adapters that target this projection (none yet:
+        a projection wrapped for adapters loaded later)."""
         self.base = base
         self.lora = lora
         self.out_features, self.in_features = base.out_features, base.in_features
+        self.dtype, self.device, self.deterministic = dtype, device, deterministic
+        self.slice_updates: dict[int, SliceUpdates] = dict(updates)  # float32, on the CPU: what ``_build`` packs
         self.grouped = None
-        if lora.grouped:
-            self.grouped = cpu_lora.pack_lora(updates, len(lora.adapters), self.out_features, dtype)
-            if self.grouped is None:
-                raise ValueError(f"LoRA: the grouped layout refused {dtype} (expected bfloat16 or float32)")
         self.updates: dict[int, tuple[Linear, Linear]] = {}
-        if self.grouped is None:
-            make = lambda t: Linear(t.to(dtype).to(device).contiguous(), deterministic=deterministic)  # noqa: E731
-            for i, slices in updates.items():
-                a, b = _block_diagonal(slices, self.out_features)
-                self.updates[i] = (make(a), make(b))
+        self._build()
+        lora.layers.append(self)
+
+    def set_update(self, slot: int, update: SliceUpdates | None) -> None:
+        """Adapter ``slot``'s update of this projection from now on (None: it has none); called between steps."""
+        if update is None and slot not in self.slice_updates:
+            return
+        if update is None:
+            del self.slice_updates[slot]
+        else:
+            self.slice_updates[slot] = update
+        self._build()
+
+    def _build(self) -> None:
+        self.grouped, self.updates = None, {}
+        if not self.slice_updates:
+            return
+        if self.lora.grouped:
+            self.grouped = cpu_lora.pack_lora(self.slice_updates, self.lora.num_slots, self.out_features, self.dtype)
+            if self.grouped is None:
+                raise ValueError(f"LoRA: the grouped layout refused {self.dtype} (expected bfloat16 or float32)")
+            return
+        make = lambda t: Linear(t.to(self.dtype).to(self.device).contiguous(),  # noqa: E731
+                                deterministic=self.deterministic)
+        for i, slices in self.slice_updates.items():
+            a, b = _block_diagonal(slices, self.out_features)
+            self.updates[i] = (make(a), make(b))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
