@@ -179,6 +179,8 @@ class Cluster:
         num_blocks = {wid: engine.num_kv_blocks for wid in self.prefill_handles}
         num_blocks.update({wid: st["num_blocks"] for wid, st in zip(self.decode_handles, stats)})
         state_blocks = {wid: st.get("num_state_blocks", 0) for wid, st in zip(self.decode_handles, stats)}
+        if engine.lora_modules:  # their digests stamp requests (cluster/router/lora.py): one worker says them
+            self.router.lora.learn(ray.get(next(iter(self.decode_handles.values())).lora_adapters.remote(), timeout=60))
         for wid, handle in handles.items():  # the same path as add_worker
             role = "prefill" if wid in self.prefill_handles else "decode"
             ping = pings[wid]
@@ -226,6 +228,8 @@ class Cluster:
             self.router.views[worker_id].num_blocks = st["num_blocks"]
         # The router forgot what it held (health.py); its offload tiers' disk files outlived the process.
         handle = self.prefill_handles.get(worker_id) or self.decode_handles.get(worker_id)
+        async with self.router.lora.lock:  # the adapters loaded while serving: not in its config
+            await self.router.lora.sync(worker_id, handle)
         await asyncio.wait_for(handle.announce_kv.remote(), timeout_s)
 
     async def add_worker(self, role: str, timeout_s: float = 300.0) -> str:
@@ -258,8 +262,10 @@ class Cluster:
             st = await call(handle.stats.remote())
             num_blocks, num_state_blocks = st["num_blocks"], st.get("num_state_blocks", 0)
         ping = await call(handle.ping.remote())
-        self.router.membership.add(wid, role, handle, num_blocks, self._engine.block_size, ping.incarnation, ping.pid,
-                                   num_state_blocks)
+        async with self.router.lora.lock:  # no adapter load between its sync and its joining
+            await self.router.lora.sync(wid, handle)
+            self.router.membership.add(wid, role, handle, num_blocks, self._engine.block_size, ping.incarnation,
+                                       ping.pid, num_state_blocks)
         log.info("worker %s added and in rotation", wid)
         return wid
 
@@ -375,10 +381,11 @@ def run_cluster(args) -> int:
             install_admin_routes(admin_app, cluster, args.admin_key)
             return servers.run(cluster.router, cluster.router.model_name, api_key=args.api_key,
                                max_body_bytes=args.max_body_bytes, tool_call_parser=tool_call_parser,
-                               reasoning_parser=reasoning_parser, admin_app=admin_app, on_ready=on_ready)
+                               reasoning_parser=reasoning_parser, admin_app=admin_app, on_ready=on_ready,
+                               runtime_lora=cluster.spec.engine.enable_lora)
         app = build_app(cluster.router, cluster.router.model_name, api_key=args.api_key,
                         max_body_bytes=args.max_body_bytes, metrics=metrics, tool_call_parser=tool_call_parser,
-                        reasoning_parser=reasoning_parser)
+                        reasoning_parser=reasoning_parser, runtime_lora=cluster.spec.engine.enable_lora)
         install_admin_routes(app, cluster, args.admin_key)  # /admin/drain: `pdcluster drain`, preStop hooks
         return run_server(app, args.host, args.port, cluster.router.model_name, on_ready=on_ready)
     finally:

@@ -22,7 +22,9 @@ from pdcluster.cluster.delta_queue import DeltaQueue
 from pdcluster.cluster.token_deltas import is_first_token, is_progress_report, token_delta
 from pdcluster.decode_node.worker import DecodeWorker
 from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.lora.adapter import LoraAdapterError
 from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.node.actor import LORA_LOAD_TIMEOUT_S
 from pdcluster.node.events import ADMITTED, Admission, Failed, KVEvents, StepTokens, Tokens, WorkerError
 
 class _Aborted:
@@ -256,6 +258,33 @@ class LocalRouter:
         async with contextlib.aclosing(self.generate(request_id, prompt_token_ids, params)) as stream:
             async for delta in stream:
                 on_delta(delta)
+
+    async def load_lora(self, name: str, path: str) -> str:
+        """Load a LoRA adapter while serving (--enable-lora; LLMEngine.load_lora): its digest."""
+        if name in self.lora_names:
+            raise RouterError(f"The lora adapter '{name}' has already been loaded.", status=400,
+                              kind="invalid_request_error")
+        engine = self.worker.engine
+
+        def load() -> tuple[str, tuple[str, ...]]:
+            return engine.load_lora(name, path), engine.lora_names
+
+        try:
+            digest, self.lora_names = await asyncio.to_thread(self.worker.call, load, timeout_s=LORA_LOAD_TIMEOUT_S)
+        except LoraAdapterError as e:
+            raise RouterError(str(e), status=400, kind="invalid_request_error") from None
+        return digest
+
+    async def unload_lora(self, name: str) -> None:
+        if name not in self.lora_names:
+            raise RouterError(f"The lora adapter '{name}' cannot be found.", status=404, kind="model_not_found")
+        engine = self.worker.engine
+
+        def unload() -> tuple[str, ...]:
+            engine.unload_lora(name)
+            return engine.lora_names
+
+        self.lora_names = await asyncio.to_thread(self.worker.call, unload)
 
     async def abort(self, request_id: str) -> None:
         stream = self._streams.get(request_id)

@@ -178,7 +178,8 @@ def _serve_local(args: argparse.Namespace) -> int:
 
     sock = listen(args.host, args.port)  # before loading the model: a busy port fails at once
     try:
-        router = LocalRouter(engine_config_from_args(args), request_timeout_s=args.request_timeout_s)
+        engine_config = engine_config_from_args(args)
+        router = LocalRouter(engine_config, request_timeout_s=args.request_timeout_s)
     except BaseException:
         sock.close()
         raise
@@ -190,12 +191,12 @@ def _serve_local(args: argparse.Namespace) -> int:
             try:
                 return servers.run(router, args.served_model_name, api_key=args.api_key,
                                    max_body_bytes=args.max_body_bytes, tool_call_parser=args.tool_call_parser,
-                                   reasoning_parser=args.reasoning_parser)
+                                   reasoning_parser=args.reasoning_parser, runtime_lora=engine_config.enable_lora)
             finally:
                 servers.close()
         app = build_app(router, args.served_model_name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                         metrics=Metrics(args.served_model_name), tool_call_parser=args.tool_call_parser,
-                        reasoning_parser=args.reasoning_parser)
+                        reasoning_parser=args.reasoning_parser, runtime_lora=engine_config.enable_lora)
         return run_server(app, args.host, args.port, args.served_model_name, sock=sock)
     finally:
         router.close()

@@ -42,6 +42,9 @@ def worker_engine_config(engine_config: EngineConfig, worker_id: str) -> EngineC
                                kv_offload_disk_dir=os.path.join(engine_config.kv_offload_disk_dir, worker_id))
 
 
+LORA_LOAD_TIMEOUT_S = 300.0  # reading an adapter's files and packing them, on the engine thread
+
+
 class WorkerActor:
     """Subclasses say which worker they run (``make_worker``) and add their role's methods."""
 
@@ -84,6 +87,17 @@ class WorkerActor:
 
     def stats(self) -> dict:
         return self.worker.stats()
+
+    def load_lora(self, name: str, path: str) -> str:
+        """Load a LoRA adapter while serving (LLMEngine.load_lora): its content digest."""
+        return self.worker.call(self.worker.engine.load_lora, name, path, timeout_s=LORA_LOAD_TIMEOUT_S)
+
+    def unload_lora(self, name: str) -> None:
+        self.worker.call(self.worker.engine.unload_lora, name)
+
+    def lora_adapters(self) -> dict[str, str]:
+        """{adapter name: content digest} of the adapters requests may name here."""
+        return self.worker.call(lambda: self.worker.engine.lora_adapters)
 
     def announce_kv(self) -> int:
         """Publish every KV block this worker holds, by tier (after a restart: node/worker_loop.py)."""

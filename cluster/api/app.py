@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pdcluster.cluster.api.logprobs import TokenStrings
+from pdcluster.cluster.api.lora_routes import install_lora_routes
 from pdcluster.cluster.api.middleware import error_response, install_error_handlers, install_middleware
 from pdcluster.cluster.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdcluster.cluster.api.reasoning import check_reasoning_parser
@@ -37,8 +38,9 @@ def package_version() -> str:
 
 def build_app(router, served_model_name: str, api_key: str | None = None, max_body_bytes: int = 1 << 20,
               metrics: Metrics | None = None, tool_call_parser: str = "auto",
-              reasoning_parser: str | None = None) -> FastAPI:
-    """``tool_call_parser``: the model's tool-call format for tool_choice "auto" (cluster/api/tool_parsers/:
+              reasoning_parser: str | None = None, runtime_lora: bool = False) -> FastAPI:
+    """``runtime_lora``: serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (cluster/api/lora_routes.py;
+    the workers must run with EngineConfig.enable_lora). ``tool_call_parser``: the model's tool-call format for tool_choice "auto" (cluster/api/tool_parsers/:
     hermes, llama3_json, pythonic; ``auto`` reads it off the chat template, and without one "auto" is
     refused). ``reasoning_parser``: qwen3 or deepseek_r1 to give chat answers' reasoning apart
     (cluster/api/reasoning.py); None: the text as the model wrote it."""
@@ -113,5 +115,7 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
         return Response(metrics.render(), media_type=metrics.content_type)
 
     install_tokenize_routes(app, router, served_model_name)
+    if runtime_lora:
+        install_lora_routes(app, router, served_model_name)
     install_middleware(app, max_body_bytes, api_key)
     return app

@@ -26,6 +26,7 @@ class ApiConfig:
     max_body_bytes: int
     tool_call_parser: str
     reasoning_parser: str | None = None
+    runtime_lora: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter, answered by the router process
 
 
 def router_endpoint(socket_dir: str) -> str:
@@ -49,7 +50,8 @@ def main(config: ApiConfig, index: int, sock: socket.socket) -> int:
     router = RemoteRouter(endpoint, reply_endpoint, index, handshake(endpoint, index, HANDSHAKE_TIMEOUT_S))
     app = build_app(router, config.served_model_name, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
                     metrics=Metrics(config.served_model_name, multiprocess_dir=config.metrics_dir),
-                    tool_call_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser)
+                    tool_call_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser,
+                    runtime_lora=config.runtime_lora)
 
     install_admin_proxy(app, router)
     try:

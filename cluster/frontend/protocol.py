@@ -124,7 +124,10 @@ class Refused(Record):
 
 @dataclass(frozen=True)
 class Stats(Record):
-    stats: dict[str, Any]
+    stats: dict[str, Any]  # with the router's LoRA adapter names under LORA_NAMES_KEY (they change with --enable-lora)
+
+
+LORA_NAMES_KEY = "lora_names"
 
 
 @dataclass(frozen=True)

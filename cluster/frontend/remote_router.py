@@ -12,6 +12,7 @@ finish_reason "error" and new requests get 503 until it speaks again.
 from __future__ import annotations
 
 import asyncio
+import json
 import itertools
 import logging
 import time
@@ -24,7 +25,7 @@ from pdcluster.cluster.api.router_contract import RouterError, TokenDelta
 from pdcluster.cluster.delta_queue import DeltaQueue
 from pdcluster.cluster.frontend.protocol import (FRONTEND_CODEC, MAX_FRONTEND_BYTES, SILENCE_LIMIT_S, Abort,
                                                  AdminCall, AdminReply, Deltas, Generate, Hello, Refused, Stats,
-                                                 Welcome, from_delta, sampling_map)
+                                                 LORA_NAMES_KEY, Welcome, from_delta, sampling_map)
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.engine.tokenizer import Tokenizer
 from pdcluster.wire.records import ProtocolError
@@ -139,6 +140,27 @@ class RemoteRouter:
         finally:
             self._admin_calls.pop(call_id, None)
 
+    async def load_lora(self, name: str, path: str) -> str:
+        """vLLM's runtime LoRA load, done by the router process (its /v1/load_lora_adapter beside the admin
+        routes); this process names the adapter at once, the others from the next Stats."""
+        await self._lora_call("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+        self.lora_names = (*self.lora_names, name) if name not in self.lora_names else self.lora_names
+        return ""
+
+    async def unload_lora(self, name: str) -> None:
+        await self._lora_call("/v1/unload_lora_adapter", {"lora_name": name})
+        self.lora_names = tuple(n for n in self.lora_names if n != name)
+
+    async def _lora_call(self, path: str, body: dict) -> None:
+        reply = await self.admin("POST", path, [("content-type", "application/json")], json.dumps(body).encode())
+        if reply.status != 200:
+            try:
+                error = json.loads(reply.body)["error"]
+                message, kind = error["message"], error.get("type", "invalid_request_error")
+            except (ValueError, KeyError, TypeError):
+                message, kind = reply.body.decode(errors="replace"), "server_error"
+            raise RouterError(message, status=reply.status, kind=kind)
+
     def announce_ready(self) -> None:
         """The HTTP server listens (the supervisor prints the serving line once every process did)."""
         self._start()
@@ -204,7 +226,9 @@ class RemoteRouter:
                 if queue is not None:
                     queue.put_nowait(delta)
         elif isinstance(msg, Stats):
-            self._stats = msg.stats
+            stats = dict(msg.stats)
+            self.lora_names = tuple(stats.pop(LORA_NAMES_KEY, self.lora_names))
+            self._stats = stats
         elif isinstance(msg, Refused):
             queue = self._queues.get(msg.request_id)
             if queue is not None:

@@ -23,7 +23,7 @@ import zmq.asyncio
 from pdcluster.cluster.api.router_contract import RouterError, TokenDelta
 from pdcluster.cluster.frontend.protocol import (FRONTEND_CODEC, MAX_FRONTEND_BYTES, STATS_INTERVAL_S, Abort,
                                                  AdminCall, AdminReply, Deltas, Generate, Hello, Refused, Stats,
-                                                 Welcome, is_plain, to_delta)
+                                                 LORA_NAMES_KEY, Welcome, is_plain, to_delta)
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.wire.records import ProtocolError
 
@@ -261,7 +261,8 @@ class RouterService:
                 stats = self.router.stats()
             except Exception as e:  # noqa: BLE001 - /health then says why
                 stats = {"healthy": False, "error": f"router stats failed: {e!r}"}
-            message = Stats(_plain(stats))
+            # The adapters requests may name change while serving (--enable-lora): each process learns them here.
+            message = Stats(_plain({**stats, LORA_NAMES_KEY: list(self.router.lora_names)}))
             for identity in list(self._pushes):
                 self._send(identity, message)
             await asyncio.sleep(STATS_INTERVAL_S)

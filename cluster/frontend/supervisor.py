@@ -50,11 +50,24 @@ class ApiServers:
         self._procs: list[multiprocessing.Process] = []
 
     def run(self, router, served_model_name: str, *, api_key: str | None, max_body_bytes: int,
-            tool_call_parser: str, reasoning_parser: str | None = None, admin_app=None, on_ready=None) -> int:
+            tool_call_parser: str, reasoning_parser: str | None = None, admin_app=None, on_ready=None,
+            runtime_lora: bool = False) -> int:
         """Serve until SIGINT/SIGTERM (0) or an API process's death (1). ``admin_app``: an ASGI app whose
-        /admin/* routes answer the API processes' admin calls. ``on_ready(loop)``: as run_server's."""
+        /admin/* routes answer the API processes' admin calls. ``on_ready(loop)``: as run_server's.
+        ``runtime_lora``: the API processes serve vLLM's runtime LoRA routes, answered here, on ``router``,
+        beside the admin routes (cluster/api/lora_routes.py)."""
         config = ApiConfig(self.dir, self.metrics_dir, self.host, self.port, served_model_name, api_key,
-                           max_body_bytes, tool_call_parser, reasoning_parser)
+                           max_body_bytes, tool_call_parser, reasoning_parser, runtime_lora)
+        if runtime_lora:
+            from fastapi import FastAPI
+
+            from pdcluster.cluster.api.lora_routes import install_lora_routes
+            from pdcluster.cluster.api.middleware import install_error_handlers
+
+            if admin_app is None:
+                admin_app = FastAPI()
+                install_error_handlers(admin_app)
+            install_lora_routes(admin_app, router, served_model_name)
         return run_serving_loop(self._serve(router, config, admin_app, on_ready))
 
     async def _serve(self, router, config: ApiConfig, admin_app, on_ready) -> int:

@@ -25,6 +25,7 @@ from pdcluster.cluster.router.config import RouterConfig
 from pdcluster.cluster.router.events import EventReceiver
 from pdcluster.cluster.router.health import HealthMonitor
 from pdcluster.cluster.router.kv_index import KVIndex
+from pdcluster.cluster.router.lora import LoraRegistry
 from pdcluster.cluster.router.membership import Membership
 from pdcluster.cluster.router.placement import PairPlacement
 from pdcluster.cluster.router.recorder import DecisionRecorder
@@ -46,7 +47,8 @@ class ClusterRouter:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
-        self.lora_names = tuple(lora_names)  # the workers' --lora-modules, which the API lets requests name
+        # The LoRA adapters requests may name (the workers' --lora-modules, and those loaded while serving).
+        self.lora = LoraRegistry(tuple(lora_names))
         self.block_size = block_size
         self.config = config or RouterConfig()
         # Which worker holds which prompt block, in which tier: fed by every worker's KVEvents, read by
@@ -81,6 +83,19 @@ class ClusterRouter:
     @property
     def requests(self) -> dict[str, RequestState]:
         return self.streams.requests
+
+    @property
+    def lora_names(self) -> tuple[str, ...]:
+        return self.lora.names
+
+    async def load_lora(self, name: str, path: str) -> str:
+        """Load a LoRA adapter on every worker while serving (cluster/router/lora.py); its digest."""
+        views = self.placement.views
+        return await self.lora.load(name, path, {**self.prefill, **self.decode},
+                                    lambda wid: wid in views and views[wid].healthy)
+
+    async def unload_lora(self, name: str) -> None:
+        await self.lora.unload(name, {**self.prefill, **self.decode})
 
     @property
     def views(self):
@@ -316,6 +331,7 @@ class ClusterRouter:
         loop = asyncio.get_running_loop()
         self.start(loop)
         self._check(request_id, prompt_token_ids)
+        params = self.lora.stamp(params)
         if params.seed is None:
             # Prefill and decode must draw from the same per-position streams.
             params = replace(params, seed=self._rng.randrange(1 << 31))
