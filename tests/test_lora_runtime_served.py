@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from conftest import engine_config, settled_worker_stats
+from conftest import engine_config, make_engine, settled_worker_stats
 from pdcluster.cluster.api.router_contract import RouterError
 from pdcluster.engine.sampling_params import SamplingParams
 from test_lora import MODEL, NUM_TOKENS, PROMPTS, _copy, _params, adapters, references  # noqa: F401
@@ -258,3 +258,47 @@ def test_disagg_cluster_loads_on_every_worker(ray_session, adapters, references,
             assert st["num_free_blocks"] == st["num_blocks"], f"{wid} leaked blocks: {st}"
     finally:
         cluster.shutdown()
+
+
+@pytest.mark.timeout(600)
+def test_serve_with_two_api_processes_and_vllms_variable(adapters, references, monkeypatch):  # noqa: F811
+    """`pdcluster serve --api-servers 2` (real processes) with VLLM_ALLOW_RUNTIME_LORA_UPDATING=true in its
+    environment, as a vLLM deployment sets it: a load through either API process serves the adapter through
+    both, and an unload takes it away from both."""
+    from test_serve import Server
+
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "true")
+    want = make_engine(MODEL, num_kv_blocks=64).tokenizer.decode(references[("a1", 0)])
+    server = Server("--mode", "local", "--api-servers", "2", "--dtype", "float32")
+    try:
+        r = httpx.post(f"{server.base_url}/v1/load_lora_adapter", timeout=120,
+                       json={"lora_name": "a1", "lora_path": adapters["a1"]})
+        assert r.status_code == 200, r.text
+
+        def models() -> set[tuple[str, ...]]:  # what each API process lists (new connections spread over both)
+            return {tuple(m["id"] for m in httpx.get(f"{server.base_url}/v1/models", timeout=10).json()["data"])
+                    for _ in range(12)}
+
+        deadline = time.monotonic() + 20
+        while models() != {(MODEL, "a1")}:
+            assert time.monotonic() < deadline, models()
+            time.sleep(0.2)
+        for _ in range(6):
+            with httpx.Client(base_url=server.base_url, timeout=120) as http:  # a new connection each time
+                r = http.post("/v1/completions", json={"model": "a1", "prompt": PROMPTS[0], "max_tokens": NUM_TOKENS,
+                                                       "temperature": 0, "ignore_eos": True})
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["text"] == want
+        assert r.json()["usage"]["completion_tokens"] == NUM_TOKENS
+        r = httpx.post(f"{server.base_url}/v1/unload_lora_adapter", json={"lora_name": "a1"}, timeout=60)
+        assert r.status_code == 200, r.text
+        deadline = time.monotonic() + 20
+        while models() != {(MODEL,)}:
+            assert time.monotonic() < deadline, models()
+            time.sleep(0.2)
+        r = httpx.post(f"{server.base_url}/v1/completions", json={"model": "a1", "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 404
+        status = server.interrupt(timeout_s=60)
+        assert status == 0 and "Traceback" not in server.output(), server.output()[-3000:]
+    finally:
+        server.close()
