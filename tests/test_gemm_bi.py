@@ -17,7 +17,8 @@ pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="no C compiler:
 DTYPES = [torch.float32, torch.bfloat16]
 # (N, K): K odd and not a multiple of any block, N not a multiple of the 16-column strip or a tile
 SHAPES = [(83, 37), (1000, 577)]
-ROWS = list(range(1, 71)) + [97, 513]
+# 513 and 1030: two and three row blocks (gemm_bi.c's MC), split evenly; 97: one block, not a whole number of tiles
+ROWS = list(range(1, 71)) + [97, 513, 1030]
 
 
 def _isas(dtype: torch.dtype) -> list[int]:
@@ -25,7 +26,7 @@ def _isas(dtype: torch.dtype) -> list[int]:
     return list(range(1, best + 1))
 
 
-def _data(n: int, k: int, dtype: torch.dtype, rows: int = 513, seed: int = 0):
+def _data(n: int, k: int, dtype: torch.dtype, rows: int = 1030, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
     x = torch.randn(rows, k, generator=g).to(dtype)

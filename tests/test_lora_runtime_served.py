@@ -302,3 +302,41 @@ def test_serve_with_two_api_processes_and_vllms_variable(adapters, references, m
         assert status == 0 and "Traceback" not in server.output(), server.output()[-3000:]
     finally:
         server.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_restarted_worker_is_given_the_runtime_adapters(ray_session, adapters, references):  # noqa: F811
+    """A decode worker that crashes (SIGKILL) is restarted by Ray from its start-up config, which has no runtime
+    adapters: the router's re-wiring gives it a1 again before it takes requests, so an a1 request placed on it
+    after the restart decodes with a1."""
+    import os
+    import signal
+
+    from pdcluster.cluster.launcher import Cluster, ClusterSpec
+    from pdcluster.kv_transfer.config import TransferConfig
+
+    cluster = Cluster(ClusterSpec(engine=engine_config(MODEL, dtype="float32", enable_lora=True),
+                                  transfer=TransferConfig(transport="tcp"), mode="disagg", max_worker_restarts=1,
+                                  request_timeout_s=240))
+    router = cluster.router
+    router.config.health_interval_s = 0.3
+    router.config.admission_wait_s = 120.0  # the only decode worker is coming back: wait for it
+    (decode_id, decode), = cluster.decode_handles.items()
+
+    async def main():
+        router.start(asyncio.get_running_loop())
+        digest = await router.load_lora("a1", adapters["a1"])
+        old = router.health.incarnations[decode_id]
+        os.kill(await decode.pid.remote(), signal.SIGKILL)
+        deadline = time.monotonic() + 180
+        while not (router.views[decode_id].healthy and router.health.incarnations.get(decode_id) not in (None, old)):
+            assert time.monotonic() < deadline, f"{decode_id} did not rejoin"
+            await asyncio.sleep(0.1)
+        assert await decode.lora_adapters.remote() == {"a1": digest}
+        return await _drain(router.generate("after", PROMPTS[1], _params("a1")))
+
+    try:
+        assert asyncio.run(main()) == references[("a1", 1)]
+    finally:
+        cluster.shutdown()
