@@ -15,6 +15,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h> /* the attention score tiles (attend_item) */
+#endif
 
 #define MAX_HEAD_DIM 576 /* MLA: a latent of 512 and a rotated part of 64 (engine/models/deepseek.py) */
 #define MAX_BLOCK_SIZE 128
@@ -199,6 +202,20 @@ static inline void attend_item(const AttnItem item, const int head_dim, int dtyp
                 for (int c = 0; c < cnt; c += 8) {
                     const float *qrow[8];
                     for (int u = 0; u < 8; u++) qrow[u] = c + u < cnt ? qf[idx[c + u]] : zero_q;
+#ifdef __AVX512F__
+                    if (block_size == 16) {
+                        /* The same fma chain per (query, key), its 8 x 16 accumulators held in registers (the
+                         * generic loop below keeps them in memory: a store per fma). */
+                        __m512 a8[8];
+                        for (int u = 0; u < 8; u++) a8[u] = _mm512_setzero_ps();
+                        for (int d = 0; d < head_dim; d++) {
+                            const __m512 k = _mm512_loadu_ps(kt[h][d]);
+                            for (int u = 0; u < 8; u++) a8[u] = _mm512_fmadd_ps(_mm512_set1_ps(qrow[u][d]), k, a8[u]);
+                        }
+                        for (int u = 0; u < 8 && c + u < cnt; u++) _mm512_storeu_ps(scores[idx[c + u]], a8[u]);
+                        continue;
+                    }
+#endif
                     float acc8[8][block_size];
                     for (int u = 0; u < 8; u++)
                         for (int j = 0; j < block_size; j++) acc8[u][j] = 0.0f;
@@ -262,11 +279,30 @@ static inline void attend_item(const AttnItem item, const int head_dim, int dtyp
                 }
                 const float m_new = block_max > m[qi] ? block_max : m[qi];
                 const float alpha = exp_nonpos(m[qi] - m_new);
-                float sum = 0.0f;
+                float sum;
+                if (transposed && (block_size & (block_size - 1)) == 0) {
+                    /* All the block's lanes at once (the keys this query does not see: 0), summed as a fixed
+                     * pairwise tree: vector work, where a sum in key order is a chain of dependent scalar adds
+                     * (the scores' lanes were already computed for every key, transposed). */
+                    float e[block_size];
+#pragma omp simd
+                    for (int j = 0; j < block_size; j++) {
+                        const float x = exp_nonpos(s[j < j0 || j >= nk ? j0 : j] - m_new);
+                        e[j] = j < j0 || j >= nk ? 0.0f : x;
+                    }
+#pragma omp simd
+                    for (int j = 0; j < block_size; j++) s[j] = e[j];
+                    for (int w = block_size / 2; w > 0; w /= 2)
+#pragma omp simd
+                        for (int j = 0; j < w; j++) e[j] += e[j + w];
+                    sum = e[0];
+                } else {
+                    sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-                for (int j = j0; j < nk; j++) {
-                    s[j] = exp_nonpos(s[j] - m_new);
-                    sum += s[j];
+                    for (int j = j0; j < nk; j++) {
+                        s[j] = exp_nonpos(s[j] - m_new);
+                        sum += s[j];
+                    }
                 }
                 l[qi] = l[qi] * alpha + sum;
                 m[qi] = m_new;
