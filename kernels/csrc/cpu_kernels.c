@@ -17,6 +17,43 @@
 #include <string.h>
 #ifdef __AVX512F__
 #include <immintrin.h> /* the attention score tiles (attend_item) */
+
+/* Scores of NU queries over a 16-key block: scores[idx[u]][j] = the fma chain over d of qrow[u][d] * kt[d][j],
+ * d in order (kt: the block's K as [d][16 keys]). NU is a constant at each call: NU registers of accumulators. */
+static inline __attribute__((always_inline)) void score_tile16(const float *const *qrow, const float *kt, int head_dim,
+                                                               float (*scores)[16], const int *idx, const int NU) {
+    __m512 a[8];
+    for (int u = 0; u < NU; u++) a[u] = _mm512_setzero_ps();
+    for (int d = 0; d < head_dim; d++) {
+        const __m512 k = _mm512_loadu_ps(kt + 16 * d);
+        for (int u = 0; u < NU; u++) a[u] = _mm512_fmadd_ps(_mm512_set1_ps(qrow[u][d]), k, a[u]);
+    }
+    for (int u = 0; u < NU; u++) _mm512_storeu_ps(scores[idx[u]], a[u]);
+}
+
+/* rows[j] (16 floats each) becomes column j: rows[c][j] = the old rows[j][c]. Shuffles only. */
+static inline void transpose16x16(__m512 rows[16]) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(rows[2 * i], rows[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(rows[2 * i], rows[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* u[4i + c], 128-bit lane k: column 4k + c of rows 4i .. 4i + 3 */
+        u[4 * i + 0] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int c = 0; c < 4; c++) {
+        const __m512 x0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88), x1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xDD);
+        const __m512 y0 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
+        const __m512 y1 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xDD);
+        rows[c] = _mm512_shuffle_f32x4(x0, y0, 0x88);
+        rows[4 + c] = _mm512_shuffle_f32x4(x1, y1, 0x88);
+        rows[8 + c] = _mm512_shuffle_f32x4(x0, y0, 0xDD);
+        rows[12 + c] = _mm512_shuffle_f32x4(x1, y1, 0xDD);
+    }
+}
 #endif
 
 #define MAX_HEAD_DIM 576 /* MLA: a latent of 512 and a rotated part of 64 (engine/models/deepseek.py) */
@@ -182,18 +219,40 @@ static inline void attend_item(const AttnItem item, const int head_dim, int dtyp
         const int block_start = b * block_size;
         int n_valid = last_pos + 1 - block_start;
         if (n_valid > block_size) n_valid = block_size;
+#ifdef __AVX512F__
+        /* float32, 16-key blocks: K goes from the cache straight into kt, 16 x 16 at a time (the same values
+         * as the widened copy and the scalar transpose below: data movement only). */
+        const int direct_kt = transposed && dtype == 0 && block_size == 16 && head_dim % 16 == 0;
+#else
+        const int direct_kt = 0;
+#endif
         for (int j = 0; j < n_valid; j++)
             for (int h = 0; h < num_kv_heads; h++) {
                 const int64_t off = base + j * cache_tok_stride + h * cache_head_stride;
-                load_row(k_cache, dtype, off, kf[h][j], head_dim);
+                if (!direct_kt) load_row(k_cache, dtype, off, kf[h][j], head_dim);
                 load_row(v_cache, dtype, off, vf[h][j], head_dim);
             }
-        if (transposed) {
+#ifdef __AVX512F__
+        if (direct_kt)
+            for (int h = 0; h < num_kv_heads; h++)
+                for (int d0 = 0; d0 < head_dim; d0 += 16) {
+                    __m512 rows[16];
+                    for (int j = 0; j < 16; j++)
+                        rows[j] = j < n_valid ? _mm512_loadu_ps((const float *)k_cache + base + j * cache_tok_stride +
+                                                                h * cache_head_stride + d0)
+                                              : _mm512_setzero_ps();
+                    transpose16x16(rows);
+                    for (int c = 0; c < 16; c++) _mm512_storeu_ps(kt[h][d0 + c], rows[c]);
+                }
+#endif
+        if (transposed && !direct_kt) {
             /* K as [head][d][key]: a query's scores for the whole block are FMAs over d without
              * reductions; 8 queries at a time keep 8 independent accumulator chains in flight. */
             for (int h = 0; h < num_kv_heads; h++)
                 for (int j = 0; j < block_size; j++)
                     for (int d = 0; d < head_dim; d++) kt[h][d][j] = j < n_valid ? kf[h][j][d] : 0.0f;
+        }
+        if (transposed) {
             for (int h = 0; h < num_kv_heads; h++) {
                 int idx[MAX_QUERIES + 8], cnt = 0;
                 for (int t = 0; t < nq_tok; t++)
@@ -204,15 +263,14 @@ static inline void attend_item(const AttnItem item, const int head_dim, int dtyp
                     for (int u = 0; u < 8; u++) qrow[u] = c + u < cnt ? qf[idx[c + u]] : zero_q;
 #ifdef __AVX512F__
                     if (block_size == 16) {
-                        /* The same fma chain per (query, key), its 8 x 16 accumulators held in registers (the
-                         * generic loop below keeps them in memory: a store per fma). */
-                        __m512 a8[8];
-                        for (int u = 0; u < 8; u++) a8[u] = _mm512_setzero_ps();
-                        for (int d = 0; d < head_dim; d++) {
-                            const __m512 k = _mm512_loadu_ps(kt[h][d]);
-                            for (int u = 0; u < 8; u++) a8[u] = _mm512_fmadd_ps(_mm512_set1_ps(qrow[u][d]), k, a8[u]);
+                        /* The same fma chain per (query, key), its accumulators held in registers (the generic
+                         * loop below keeps them in memory: a store per fma); as many as there are queries. */
+                        switch (cnt - c < 8 ? cnt - c : 8) {
+#define PD_SCORES(NU) case NU: score_tile16(qrow, &kt[h][0][0], head_dim, (float(*)[16])scores, idx + c, NU); break;
+                            PD_SCORES(1) PD_SCORES(2) PD_SCORES(3) PD_SCORES(4)
+                            PD_SCORES(5) PD_SCORES(6) PD_SCORES(7) PD_SCORES(8)
+#undef PD_SCORES
                         }
-                        for (int u = 0; u < 8 && c + u < cnt; u++) _mm512_storeu_ps(scores[idx[c + u]], a8[u]);
                         continue;
                     }
 #endif
