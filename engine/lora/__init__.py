@@ -1,10 +1,11 @@
-"""Multi-LoRA serving: adapters named at start-up (``--lora-modules name=path``), picked per request by name
-(the API's ``model`` field), batched together with the base model's requests. adapter.py reads and checks a
-PEFT directory; layers.py wraps the targeted projections; ``install`` puts them on a loaded model.
+"""Multi-LoRA serving: adapters named at start-up (``--lora-modules name=path``) or loaded while serving
+(``--enable-lora``: runtime.py), picked per request by name (the API's ``model`` field), batched together with
+the base model's requests. adapter.py reads and checks a PEFT directory; layers.py wraps the targeted
+projections; ``install`` puts them on a loaded model, ``add`` / ``remove`` put one in a slot or empty it.
 
 An adapter changes the KV a prompt makes, so its blocks hash apart from the base model's and other adapters'
-(engine/block_manager.py ``block_hash_root``: the root of the chained block hashes), in every worker's prefix
-cache, the offload tiers and the router's KV index alike.
+(engine/block_manager.py ``block_hash_root``: the root of the chained block hashes, from the adapter's name
+and content digest), in every worker's prefix cache, the offload tiers and the router's KV index alike.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def add(model, adapter: LoraAdapter) -> int:
         if update is not None:
             wrapped.set_update(slot, update)
         elif grows and wrapped.slice_updates:
-            wrapped._build()  # the grouped layout has a place per slot: one more now
+            wrapped.rebuild()  # the grouped layout has a place per slot: one more now
     lora.index[adapter.name] = slot
     log.info("LoRA adapter %s loaded (rank %d, %d modules, slot %d)", adapter.name, adapter.max_rank,
              len(adapter.modules), slot)

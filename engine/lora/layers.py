@@ -167,10 +167,10 @@ class LoraLinear:
         self.lora = lora
         self.out_features, self.in_features = base.out_features, base.in_features
         self.dtype, self.device, self.deterministic = dtype, device, deterministic
-        self.slice_updates: dict[int, SliceUpdates] = dict(updates)  # float32, on the CPU: what ``_build`` packs
+        self.slice_updates: dict[int, SliceUpdates] = dict(updates)  # float32, on the CPU: what ``rebuild`` packs
         self.grouped = None
         self.updates: dict[int, tuple[Linear, Linear]] = {}
-        self._build()
+        self.rebuild()
         lora.layers.append(self)
 
     def set_update(self, slot: int, update: SliceUpdates | None) -> None:
@@ -181,9 +181,10 @@ class LoraLinear:
             del self.slice_updates[slot]
         else:
             self.slice_updates[slot] = update
-        self._build()
+        self.rebuild()
 
-    def _build(self) -> None:
+    def rebuild(self) -> None:
+        """Pack (or make the per-adapter matmuls of) every slot's update, for the current number of slots."""
         self.grouped, self.updates = None, {}
         if not self.slice_updates:
             return
