@@ -224,7 +224,7 @@ def test_sampling_refusals(stack):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("use_beam_search", True), ("length_penalty", 2.0), ("logits_processors", ["x"]), ("spaces_between_special_tokens", False)])
+    ("length_penalty", 2.0), ("logits_processors", ["x"]), ("spaces_between_special_tokens", False)])
 def test_fields_served_only_at_defaults(stack, field, value):
     _bad_request(lambda: _complete(stack, **{field: value}), field, "only")
     _complete(stack, max_tokens=2, **{field: {"use_beam_search": False, "length_penalty": 1.0,

@@ -13,6 +13,7 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from pdcluster.cluster.api.beam import serve_beam_search
 from pdcluster.cluster.api.logprobs import TokenStrings
 from pdcluster.cluster.api.lora_routes import install_lora_routes
 from pdcluster.cluster.api.middleware import error_response, install_error_handlers, install_middleware
@@ -58,11 +59,15 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         prep = await prepare(body, router, served_model_name)
+        if prep.beam is not None:
+            return await serve_beam_search(prep, request, router)
         return await serve_request(prep, request, router, metrics, strings)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         prep = await prepare(body, router, served_model_name, tool_parser, reasoning_parser)
+        if prep.beam is not None:
+            return await serve_beam_search(prep, request, router)
         return await serve_request(prep, request, router, metrics, strings)
 
     @app.post("/v1/responses")

@@ -130,9 +130,11 @@ class SamplingFields(StrictModel):
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = False
     priority: int | None = 0  # lower first (engine/waiting_queue.py)
-    # vLLM fields served only at their defaults (anything else is a 400 naming the field):
+    # vLLM's beam search (cluster/api/beam.py): n is the beam width; the score divides the cumulative
+    # logprob by (prompt + output tokens) ** length_penalty.
     use_beam_search: bool | None = False
     length_penalty: float | None = 1.0
+    # vLLM fields served only at their defaults (anything else is a 400 naming the field):
     logits_processors: list | None = None
 
 

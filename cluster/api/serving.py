@@ -37,12 +37,12 @@ log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.25
 
 
-class _ClientGone(Exception):
+class ClientGone(Exception):
     pass
 
 
-async def _unless_disconnected(awaitable, request: Request):
-    """Await ``awaitable``; raise _ClientGone (cancelling it) if the client goes away first."""
+async def unless_disconnected(awaitable, request: Request):
+    """Await ``awaitable``; raise ClientGone (cancelling it) if the client goes away first."""
     task = asyncio.ensure_future(awaitable)
 
     async def watch() -> None:
@@ -54,7 +54,7 @@ async def _unless_disconnected(awaitable, request: Request):
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if task.done():
             return task.result()
-        raise _ClientGone()
+        raise ClientGone()
     finally:
         watcher.cancel()
         if not task.done():
@@ -271,7 +271,7 @@ async def serve_runs(prep: Prepared, request: Request, router, metrics: Metrics,
     handed_off = False
     try:
         try:
-            firsts = await _unless_disconnected(start_all(runs), request)
+            firsts = await unless_disconnected(start_all(runs), request)
         except RouterError as e:
             raise APIError(e.status, str(e), kind=e.kind) from e
         if prep.stream:
@@ -281,12 +281,12 @@ async def serve_runs(prep: Prepared, request: Request, router, metrics: Metrics,
             return StreamingResponse(stream_body(resp, firsts), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                                      background=BackgroundTask(close_all, runs))
-        await _unless_disconnected(collect_all(runs, firsts), request)
+        await unless_disconnected(collect_all(runs, firsts), request)
         failed = next((run for run in runs if run.finish_reason == "error"), None)
         if failed is not None:
             raise APIError(503, f"generation failed: {failed.error}", kind="server_error")
         return JSONResponse(json_body(resp))
-    except _ClientGone:
+    except ClientGone:
         return Response(status_code=499)  # nobody reads it; the requests are aborted in close()
     finally:
         if not handed_off:

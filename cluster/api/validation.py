@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -27,6 +28,7 @@ from pdcluster.cluster.api.reasoning import needs_special_tokens
 from pdcluster.cluster.api.sampling import INT64_MAX, Extras, bad_words_token_ids, sampling_params
 from pdcluster.cluster.api.structured import ToolCalls, structured_request
 from pdcluster.cluster.api.tool_parsers import ToolParser
+from pdcluster.engine.beam_search import BeamSearchParams
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.engine.tokenizer import ChatTemplateError
 
@@ -74,6 +76,7 @@ class Prepared:
     stream: bool
     include_usage: bool
     continuous_usage: bool = False  # every chunk carries the usage so far (vLLM's continuous_usage_stats)
+    beam: BeamSearchParams | None = None  # use_beam_search: n is the beam width (cluster/api/beam.py)
     created: int = field(default_factory=lambda: int(time.time()))
     arrival: float = field(default_factory=time.monotonic)
 
@@ -128,9 +131,43 @@ async def prepare(body: SamplingFields, router, served_model_name: str,
         raise _bad("stream_options", "stream_options are for streamed responses: set stream=true or leave them out")
     include_usage = bool(body.stream and options and options.include_usage)
     continuous = include_usage and bool(options.continuous_usage_stats)
+    beam = _beam_search(body, n, output, inputs) if body.use_beam_search else None
+    if body.length_penalty not in (None, 1.0) and beam is None:
+        raise _bad("length_penalty", f"applies to beam search only: set use_beam_search=true or leave it out, "
+                                     f"got {body.length_penalty}")
     # Answers name the model asked for: the adapter's name for an adapter (as vLLM).
     return Prepared(f"{prefix}-{uuid.uuid4().hex}", kind, body.model, inputs, n, output,
-                    bool(body.stream), include_usage, continuous_usage=continuous)
+                    bool(body.stream), include_usage, continuous_usage=continuous, beam=beam)
+
+
+def _beam_search(body: SamplingFields, n: int, output: Output, inputs: list[PromptInput]) -> BeamSearchParams:
+    """The search's parameters, or a 400 for what it does not combine with: it returns whole beams, scored by
+    their log-probabilities, ending at end tokens (vLLM's beam search ignores the sampling filters)."""
+    def no(param: str, what: str) -> None:
+        raise APIError(400, f"{param}: {what} with use_beam_search", param=param, code="unsupported_parameter")
+
+    if n > MAX_LOGPROBS // 2:
+        raise _bad("n", f"is the beam width with use_beam_search, at most {MAX_LOGPROBS // 2} (each step asks for "
+                        f"2 x n alternatives, at most {MAX_LOGPROBS}), got {n}")
+    if body.stream:
+        no("stream", "beams are returned whole, not streamed: set stream=false")
+    if output.num_logprobs is not None or output.num_prompt_logprobs is not None:
+        no("logprobs", "logprobs are not returned")
+    if output.echo:
+        no("echo", "the prompt is not echoed")
+    if output.return_token_ids:
+        no("return_token_ids", "token ids are not returned")
+    if output.tool_calls is not None or inputs[0].params.structured_output is not None:
+        no("response_format", "the output is not constrained (no structured output, no tool calls)")
+    if inputs[0].params.stop:
+        no("stop", "beams end at end tokens only (no stop strings)")
+    params = inputs[0].params
+    length_penalty = 1.0 if body.length_penalty is None else float(body.length_penalty)
+    if not math.isfinite(length_penalty):
+        raise _bad("length_penalty", f"must be a finite number, got {body.length_penalty}")
+    return BeamSearchParams(beam_width=n, max_tokens=max(p.params.max_tokens for p in inputs),  # per prompt: beam.py
+                            ignore_eos=params.ignore_eos, temperature=params.temperature,
+                            length_penalty=length_penalty)
 
 
 def check_model(model: str | None, served_model_name: str, lora_names: tuple[str, ...] = ()) -> str | None:
@@ -157,8 +194,6 @@ def _check_n(body: SamplingFields) -> int:
 
 # vLLM's fields served only at their defaults: field -> (default, what to do instead).
 _VLLM_DEFAULTS_ONLY = {
-    "use_beam_search": (False, "beam search is not served: sample with n and pick a choice (logprobs score them)"),
-    "length_penalty": (1.0, "it applies to beam search, which is not served"),
     "logits_processors": (None, "custom logits processors are not loaded"),
     "spaces_between_special_tokens": (True, "special tokens are decoded as the tokenizer joins them"),
     "chat_template": (None, "the model's own chat template is used (a request's template would run as code "

@@ -1,0 +1,100 @@
+"""vLLM's ``use_beam_search`` for completions and chat: the search of engine/beam_search.py, its model
+steps run through the router (each live beam of each prompt one router request of one token, all of a
+step at once, so the router spreads them over the workers and the prefix cache serves what beams share).
+
+The answer is one JSON response: per prompt its ``n`` (the beam width) best beams, best first, as choices
+``prompt * n + rank`` with their text and finish reason ("stop" at an end token, else "length"). A step
+request the router refuses fails the response with the router's status; a client that goes away stops
+the search (the step's requests are aborted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from pdcluster.cluster.api import protocol as wire
+from pdcluster.cluster.api.middleware import APIError
+from pdcluster.cluster.api.router_contract import RouterError
+from pdcluster.cluster.api.serving import ClientGone, unless_disconnected
+from pdcluster.cluster.api.validation import Prepared
+from pdcluster.engine.beam_search import Beam, BeamSearch
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.wire.logprobs import TokenLogprobs
+
+
+async def _one_step(router, request_id: str, token_ids: list[int], params: SamplingParams) -> TokenLogprobs:
+    """One token after ``token_ids`` and its logprob record; the request is aborted if this is cancelled."""
+    finished = False
+    records: list[TokenLogprobs] = []
+    try:
+        async for delta in router.generate(request_id, token_ids, params):
+            records += delta.logprobs
+            if delta.finished:
+                finished = True
+                if delta.finish_reason in ("error", "abort"):
+                    raise APIError(503, f"beam search step failed: {delta.error or delta.finish_reason}",
+                                   kind="server_error")
+                break
+    except RouterError as e:
+        finished = True  # refused at admission: nothing to abort
+        raise APIError(e.status, str(e), kind=e.kind) from e
+    finally:
+        if not finished:
+            await asyncio.shield(router.abort(request_id))
+    if not records:
+        raise APIError(503, "beam search step failed: the router sent no token", kind="server_error")
+    return records[0]
+
+
+async def _search(prep: Prepared, router) -> list[list[Beam]]:
+    end_ids = frozenset(router.tokenizer.stop_token_ids)
+    # Each prompt searches up to its own max_tokens (a default one fills what its context leaves).
+    searches = [BeamSearch(p.token_ids, replace(prep.beam, max_tokens=p.params.max_tokens), end_ids)
+                for p in prep.prompts]
+    step_params = [prep.beam.step_params(p.params) for p in prep.prompts]
+    for step in range(prep.beam.max_tokens):
+        jobs = [(i, tokens) for i, search in enumerate(searches) for tokens in search.pending()]
+        if not jobs:
+            break
+        tasks = [asyncio.ensure_future(_one_step(router, f"{prep.request_id}-s{step}-{k}", tokens, step_params[i]))
+                 for k, (i, tokens) in enumerate(jobs)]
+        try:
+            records = await asyncio.gather(*tasks)
+        finally:  # one step failed or the search was cancelled: the others are aborted
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for i, search in enumerate(searches):
+            mine = [record for (owner, _), record in zip(jobs, records) if owner == i]
+            if mine:
+                search.advance(mine)
+    results = [search.best() for search in searches]
+    for beams in results:
+        for beam in beams:
+            beam.text = router.tokenizer.decode(beam.output_token_ids,
+                                                skip_special_tokens=prep.prompts[0].params.skip_special_tokens)
+    return results
+
+
+async def serve_beam_search(prep: Prepared, request: Request, router) -> Response:
+    try:
+        results = await unless_disconnected(_search(prep, router), request)
+    except ClientGone:
+        return Response(status_code=499)
+    choices = []
+    for i, beams in enumerate(results):
+        for rank, beam in enumerate(beams):
+            index = i * prep.n + rank
+            if prep.object_kind == wire.TEXT_COMPLETION:
+                choices.append(wire.completion_choice(index, beam.text, None, beam.finish_reason))
+            else:
+                choices.append(wire.chat_choice(index, beam.text, None, beam.finish_reason))
+    num_prompt = sum(len(p.token_ids) for p in prep.prompts)
+    num_output = sum(len(beam.output_token_ids) for beams in results for beam in beams)
+    body = {**wire.header(prep.request_id, prep.object_kind, prep.created, prep.model, False),
+            "choices": choices, "usage": wire.usage(num_prompt, num_output, 0)}
+    return JSONResponse(body)
