@@ -228,3 +228,40 @@ def test_length_penalty_without_beam_search_is_a_400(client):
     api, _ = client
     with pytest.raises(openai.BadRequestError, match="use_beam_search"):
         api.completions.create(model="smollm2", prompt=PROMPTS[0], max_tokens=2, extra_body={"length_penalty": 2.0})
+
+
+def test_disagg_cluster_serves_the_offline_beams(ray_session, engine):
+    """Through the Ray cluster's router, prefill and decode on two workers (KV over tcp): the same beams,
+    and every worker has all its blocks back."""
+    import asyncio
+
+    import httpx
+
+    from conftest import engine_config, settled_worker_stats
+    from pdcluster.cluster.launcher import Cluster, ClusterSpec
+    from pdcluster.kv_transfer.config import TransferConfig
+    from test_admin_api import serving as async_serving
+
+    width, max_tokens = 2, 5
+    offline = engine.beam_search(PROMPTS, BeamSearchParams(beam_width=width, max_tokens=max_tokens))
+    cluster = Cluster(ClusterSpec(engine=engine_config("smollm2", dtype="float32", num_kv_blocks=NUM_BLOCKS),
+                                  transfer=TransferConfig(transport="tcp", secret="k"), mode="disagg"))
+
+    async def main():
+        cluster.router.start(asyncio.get_running_loop())
+        async with async_serving(build_app(cluster.router, "smollm2", api_key=API_KEY)) as url:
+            async with httpx.AsyncClient(base_url=url, timeout=240,
+                                         headers={"Authorization": f"Bearer {API_KEY}"}) as http:
+                r = await http.post("/v1/completions", json={
+                    "model": "smollm2", "prompt": PROMPTS, "n": width, "max_tokens": max_tokens,
+                    "temperature": 0.0, "use_beam_search": True})
+                assert r.status_code == 200, r.text
+                return r.json()
+
+    try:
+        body = asyncio.run(main())
+        assert [c["text"] for c in body["choices"]] == [b.text for beams in offline for b in beams]
+        for wid, st in settled_worker_stats(cluster, 10).items():
+            assert st["num_free_blocks"] == st["num_blocks"], f"{wid} leaked blocks: {st}"
+    finally:
+        cluster.shutdown()
