@@ -170,19 +170,28 @@ def test_beams_equal_a_reference_search_over_transformers(engine, hf_model, leng
 def client(smollm2_dir):
     router = LocalRouter(EngineConfig(model="smollm2", dtype="float32", num_kv_blocks=NUM_BLOCKS),
                          request_timeout_s=60)
-    app = build_app(router, "smollm2", api_key=API_KEY, metrics=Metrics("smollm2"))
+    metrics = Metrics("smollm2")
+    app = build_app(router, "smollm2", api_key=API_KEY, metrics=metrics)
     try:
         with serving(app) as base_url:
-            yield openai.OpenAI(base_url=base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120), router
+            yield openai.OpenAI(base_url=base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120), router, metrics
     finally:
         router.close()
 
 
+def success_count(metrics: Metrics, reason: str) -> float:
+    for line in metrics.render().decode().splitlines():
+        if line.startswith("pdcluster:request_success_total{") and f'finished_reason="{reason}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def test_served_completions_equal_offline_beams(client, engine):
-    api, router = client
+    api, router, metrics = client
     width, max_tokens = 3, 8
     offline = engine.beam_search(PROMPTS, BeamSearchParams(beam_width=width, max_tokens=max_tokens,
                                                            length_penalty=0.5))
+    before = {reason: success_count(metrics, reason) for reason in ("length", "stop")}
     r = api.completions.create(model="smollm2", prompt=PROMPTS, n=width, max_tokens=max_tokens, temperature=0.0,
                                extra_body={"use_beam_search": True, "length_penalty": 0.5})
     assert [c.index for c in r.choices] == list(range(len(PROMPTS) * width))
@@ -194,10 +203,14 @@ def test_served_completions_equal_offline_beams(client, engine):
     assert r.usage.completion_tokens == sum(len(b.output_token_ids) for beams in offline for b in beams)
     stats = router.worker.stats()
     assert stats["num_free_blocks"] == NUM_BLOCKS and stats["num_running"] == 0
+    # /metrics: each returned beam is a finished request, its output tokens generated tokens.
+    reasons = [b.finish_reason for beams in offline for b in beams]
+    assert success_count(metrics, "length") - before["length"] == reasons.count("length")
+    assert success_count(metrics, "stop") - before["stop"] == reasons.count("stop")
 
 
 def test_served_chat_beam_search(client, engine):
-    api, _ = client
+    api, _, _ = client
     content = "Name a fruit."
     r = api.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": content}], n=2,
                                     max_tokens=6, temperature=0.0, extra_body={"use_beam_search": True})
@@ -213,7 +226,7 @@ def test_served_chat_beam_search(client, engine):
     ({"stop": ["."]}, "stop"), ({"n": 11}, "n"), ({"return_token_ids": True}, "return_token_ids"),
     ({"response_format": {"type": "json_object"}}, "response_format")])
 def test_what_beam_search_does_not_combine_with_is_a_400(client, extra, field):
-    api, _ = client
+    api, _, _ = client
     body = {"model": "smollm2", "prompt": PROMPTS[0], "max_tokens": 4, "n": 2, **extra}
     with pytest.raises(openai.BadRequestError) as err:
         api.completions.create(**{k: v for k, v in body.items() if k in ("model", "prompt", "max_tokens", "n",
@@ -225,7 +238,7 @@ def test_what_beam_search_does_not_combine_with_is_a_400(client, extra, field):
 
 
 def test_length_penalty_without_beam_search_is_a_400(client):
-    api, _ = client
+    api, _, _ = client
     with pytest.raises(openai.BadRequestError, match="use_beam_search"):
         api.completions.create(model="smollm2", prompt=PROMPTS[0], max_tokens=2, extra_body={"length_penalty": 2.0})
 

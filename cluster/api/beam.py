@@ -5,12 +5,13 @@ step at once, so the router spreads them over the workers and the prefix cache s
 The answer is one JSON response: per prompt its ``n`` (the beam width) best beams, best first, as choices
 ``prompt * n + rank`` with their text and finish reason ("stop" at an end token, else "length"). A step
 request the router refuses fails the response with the router's status; a client that goes away stops
-the search (the step's requests are aborted).
+the search (the step's requests are aborted). In /metrics each returned beam is one finished request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import replace
 
 from fastapi import Request
@@ -21,6 +22,7 @@ from pdcluster.cluster.api.middleware import APIError
 from pdcluster.cluster.api.router_contract import RouterError
 from pdcluster.cluster.api.serving import ClientGone, unless_disconnected
 from pdcluster.cluster.api.validation import Prepared
+from pdcluster.cluster.metrics import Metrics
 from pdcluster.engine.beam_search import Beam, BeamSearch
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.wire.logprobs import TokenLogprobs
@@ -80,11 +82,18 @@ async def _search(prep: Prepared, router) -> list[list[Beam]]:
     return results
 
 
-async def serve_beam_search(prep: Prepared, request: Request, router) -> Response:
+async def serve_beam_search(prep: Prepared, request: Request, router, metrics: Metrics) -> Response:
     try:
         results = await unless_disconnected(_search(prep, router), request)
     except ClientGone:
         return Response(status_code=499)
+    # Each returned beam counts as a finished request in /metrics (its output tokens as generated ones); the
+    # step requests behind them are the search's own business.
+    e2e_s = time.monotonic() - prep.arrival
+    for prompt, beams in zip(prep.prompts, results):
+        for beam in beams:
+            metrics.on_finish(e2e_s, len(prompt.token_ids), len(beam.output_token_ids), beam.finish_reason,
+                              lora_name=prompt.params.lora_name)
     choices = []
     for i, beams in enumerate(results):
         for rank, beam in enumerate(beams):
