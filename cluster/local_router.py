@@ -19,6 +19,7 @@ from typing import AsyncIterator, Callable
 
 from pdcluster.cluster.api.router_contract import RouterError, TokenDelta
 from pdcluster.cluster.delta_queue import DeltaQueue
+from pdcluster.cluster.router.lora import already_loaded, not_found
 from pdcluster.cluster.token_deltas import is_first_token, is_progress_report, token_delta
 from pdcluster.decode_node.worker import DecodeWorker
 from pdcluster.engine.config import EngineConfig
@@ -262,8 +263,7 @@ class LocalRouter:
     async def load_lora(self, name: str, path: str) -> str:
         """Load a LoRA adapter while serving (--enable-lora; LLMEngine.load_lora): its digest."""
         if name in self.lora_names:
-            raise RouterError(f"The lora adapter '{name}' has already been loaded.", status=400,
-                              kind="invalid_request_error")
+            raise already_loaded(name)
         engine = self.worker.engine
 
         def load() -> tuple[str, tuple[str, ...]]:
@@ -277,7 +277,7 @@ class LocalRouter:
 
     async def unload_lora(self, name: str) -> None:
         if name not in self.lora_names:
-            raise RouterError(f"The lora adapter '{name}' cannot be found.", status=404, kind="model_not_found")
+            raise not_found(name)
         engine = self.worker.engine
 
         def unload() -> tuple[str, ...]:

@@ -28,6 +28,16 @@ log = logging.getLogger(__name__)
 LOAD_TIMEOUT_S = 300.0  # reading an adapter's files on every worker
 
 
+def already_loaded(name: str) -> RouterError:
+    """vLLM's answer to loading a name that is loaded (400), word for word: clients match on it."""
+    return RouterError(f"The lora adapter '{name}' has already been loaded.", status=400, kind="invalid_request_error")
+
+
+def not_found(name: str) -> RouterError:
+    """vLLM's answer to unloading a name that is not loaded (404), word for word."""
+    return RouterError(f"The lora adapter '{name}' cannot be found.", status=404, kind="model_not_found")
+
+
 def _reason(e: BaseException) -> str:
     """The worker's own message (a Ray task error wraps it in its traceback)."""
     cause = getattr(e, "cause", None) or e
@@ -72,8 +82,7 @@ class LoraRegistry:
         (``sync``)."""
         async with self.lock:
             if name in self.digests:
-                raise RouterError(f"The lora adapter '{name}' has already been loaded.", status=400,
-                                  kind="invalid_request_error")
+                raise already_loaded(name)
             if not handles:
                 raise RouterError("no worker is running to load the adapter on", status=503)
             ids = list(handles)
@@ -103,8 +112,7 @@ class LoraRegistry:
         requests with it end. RouterError 404 for a name not loaded."""
         async with self.lock:
             if name not in self.digests:
-                raise RouterError(f"The lora adapter '{name}' cannot be found.", status=404,
-                                  kind="model_not_found")
+                raise not_found(name)
             del self.digests[name]
             self.runtime_paths.pop(name, None)
             await self._unload_on(name, handles)

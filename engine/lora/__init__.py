@@ -87,8 +87,7 @@ def add(model, adapter: LoraAdapter) -> int:
     slot = lora.free_slot()
     grows = slot == lora.num_slots
     lora.put(slot, adapter)
-    by_projection = {(owner, attr): (layer, slices) for layer, owner, attr, slices in model.lora_targets()}
-    for (owner, attr), (layer, slices) in by_projection.items():
+    for layer, owner, attr, slices in model.lora_targets():
         wrapped = getattr(owner, attr)
         if not isinstance(wrapped, LoraLinear):
             continue
