@@ -415,8 +415,11 @@ def test_serve_with_two_api_processes(expected):  # noqa: F811 - the fixture
 
 
 # Requests whose answers use every part of a delta: n choices with seeds, logprobs, prompt logprobs
-# (echo), stop strings, streamed and not, completions and chat.
+# (echo), stop strings, streamed and not, completions and chat; and beam search (whole answers only), whose
+# steps are many short requests from the API process.
 RICH = [
+    ("completions", {"prompt": [PROMPTS[0], PROMPTS[1]], "max_tokens": 6, "n": 3, "temperature": 0,
+                     "use_beam_search": True, "length_penalty": 0.5}),
     ("completions", {"prompt": PROMPTS[1], "max_tokens": 12, "n": 3, "seed": 7, "temperature": 0.9, "logprobs": 2}),
     ("completions", {"prompt": PROMPTS[0], "max_tokens": 6, "echo": True, "logprobs": 1, "temperature": 0}),
     ("completions", {"prompt": [PROMPTS[2], PROMPTS[0]], "max_tokens": 8, "temperature": 0, "stop": [" the"]}),
@@ -434,6 +437,8 @@ def _answers(server) -> list:
             r = http.post(f"/{path}", json=body)
             assert r.status_code == 200, r.text
             out.append((r.json()["choices"], r.json()["usage"]))
+            if body.get("use_beam_search"):
+                continue
             pieces: dict = {}
             with http.stream("POST", f"/{path}", json={**body, "stream": True}) as response:
                 for line in response.iter_lines():
@@ -456,9 +461,11 @@ def test_two_api_processes_answer_as_one(tiny_dir):
             answers[num] = _answers(server)
         finally:
             server.close()
-    first_choices, _ = answers["1"][0]
+    beams, _ = answers["1"][0]
+    assert len(beams) == 6 and len({c["text"] for c in beams[:3]}) == 3  # 3 distinct beams a prompt
+    first_choices, _ = answers["1"][1]
     assert len(first_choices) == 3 and all(c["logprobs"]["top_logprobs"] for c in first_choices)
-    echo_choices, _ = answers["1"][2]
+    echo_choices, _ = answers["1"][3]
     assert echo_choices[0]["logprobs"]["token_logprobs"][0] is None  # the echoed prompt's first token
     assert len(echo_choices[0]["logprobs"]["tokens"]) > 6  # prompt positions and the 6 generated
     assert answers["2"] == answers["1"]
