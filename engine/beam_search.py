@@ -31,6 +31,9 @@ class BeamSearchParams:
     ignore_eos: bool = False
     temperature: float = 0.0
     length_penalty: float = 1.0
+    # Alternatives each returned token's record holds (the API's logprobs); the search itself always looks at
+    # the 2 x beam_width most likely, so this never changes which beams win.
+    num_logprobs: int = 0
 
     def __post_init__(self) -> None:
         if self.beam_width < 1:
@@ -39,6 +42,8 @@ class BeamSearchParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if self.num_logprobs < 0:
+            raise ValueError(f"num_logprobs must be >= 0, got {self.num_logprobs!r}")
 
     def step_params(self, request: SamplingParams | None = None) -> SamplingParams:
         """One model step of one beam: a token and the 2 x beam_width most likely continuations. From the
@@ -47,8 +52,8 @@ class BeamSearchParams:
         keep = {} if request is None else dict(lora_name=request.lora_name, lora_digest=request.lora_digest,
                                                 cache_salt=request.cache_salt, priority=request.priority,
                                                 seed=request.seed)
-        return SamplingParams(max_tokens=1, temperature=self.temperature, logprobs=2 * self.beam_width,
-                              ignore_eos=True, **keep)
+        return SamplingParams(max_tokens=1, temperature=self.temperature,
+                              logprobs=max(2 * self.beam_width, self.num_logprobs), ignore_eos=True, **keep)
 
 
 @dataclass
@@ -73,10 +78,10 @@ def beam_score(beam: Beam, end_token_ids: frozenset[int], length_penalty: float)
     return beam.cum_logprob / (seq_len ** length_penalty)
 
 
-def continuations(record: TokenLogprobs) -> list[tuple[int, float]]:
-    """(token, logprob) of the step's sampled token and its top alternatives, each token once (vLLM's logprobs
-    dict: the top-k and the sampled token, which at a temperature may be outside them)."""
-    seen: dict[int, float] = dict(zip(record.top_token_ids, record.top_logprobs))
+def continuations(record: TokenLogprobs, num_top: int) -> list[tuple[int, float]]:
+    """(token, logprob) of the step's sampled token and its ``num_top`` most likely alternatives, each token once
+    (vLLM's logprobs dict: the top-k and the sampled token, which at a temperature may be outside them)."""
+    seen: dict[int, float] = dict(zip(record.top_token_ids[:num_top], record.top_logprobs[:num_top]))
     seen.setdefault(record.token_id, record.logprob)
     return list(seen.items())
 
@@ -105,7 +110,7 @@ class BeamSearch:
             raise ValueError(f"beam search: {len(records)} step results for {len(self.beams)} beams")
         candidates: list[Beam] = []
         for beam, record in zip(self.beams, records):
-            for token_id, logprob in continuations(record):
+            for token_id, logprob in continuations(record, 2 * self.params.beam_width):
                 picked = TokenLogprobs(token_id, logprob, _rank(record, token_id), record.top_token_ids,
                                        record.top_logprobs)
                 child = Beam(beam.tokens + [token_id], beam.num_prompt_tokens, beam.cum_logprob + logprob,

@@ -89,6 +89,19 @@ def test_sampled_token_outside_the_top_is_a_candidate_too():
     assert [b.logprobs[0].rank for b in search.best()] == [1, 2, 3]
 
 
+def test_more_logprobs_asked_never_change_the_candidates():
+    """A step's record may hold more alternatives than the 2 x width the search looks at (the API asked for more
+    logprobs): the others are shown, never searched. With a negative length penalty a completed beam ranks above
+    longer ones, so an end token third in the list would win here were it a candidate."""
+    params = BeamSearchParams(beam_width=1, max_tokens=1, length_penalty=-1.0, num_logprobs=3)
+    assert params.step_params().logprobs == 3
+    search = BeamSearch([3], params, frozenset({EOS}))
+    search.advance([record((4, -1.0), (5, -1.1), (EOS, -1.2))])
+    (best,) = search.best()
+    assert best.output_token_ids == [4] and search.completed == []
+    assert best.logprobs[0].top_token_ids == [4, 5, EOS]  # shown as they came
+
+
 def test_step_params_keep_where_a_request_runs_not_its_sampling_filters():
     request = SamplingParams(max_tokens=50, temperature=0.7, top_k=3, stop=["."], cache_salt="tenant-a", priority=-2,
                              seed=5, presence_penalty=1.0)
@@ -221,8 +234,30 @@ def test_served_chat_beam_search(client, engine):
     assert r.usage.prompt_tokens == len(prompt_ids)
 
 
+def test_served_beams_carry_their_logprobs_when_asked(client, engine):
+    api, _, _ = client
+    width, max_tokens = 2, 6
+    offline = engine.beam_search(PROMPTS[:1], BeamSearchParams(beam_width=width, max_tokens=max_tokens))[0]
+    r = api.completions.create(model="smollm2", prompt=PROMPTS[0], n=width, max_tokens=max_tokens, temperature=0.0,
+                               logprobs=5, extra_body={"use_beam_search": True})
+    for choice, beam in zip(r.choices, offline, strict=True):
+        assert choice.text == beam.text
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(beam.output_token_ids) == len(lp.token_logprobs) == len(lp.text_offset)
+        assert sum(lp.token_logprobs) == pytest.approx(beam.cum_logprob, abs=1e-4)  # the score's own numbers
+        assert all(len(top) >= 5 for top in lp.top_logprobs)  # 5 asked for, more than the 2 x 2 searched
+        assert "".join(lp.tokens).startswith(choice.text)  # and an end token's own string, as every choice shows
+    chat = api.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}], n=width,
+                                       max_tokens=4, temperature=0.0, logprobs=True, top_logprobs=2,
+                                       extra_body={"use_beam_search": True})
+    for choice in chat.choices:
+        content = choice.logprobs.content
+        assert content and "".join(e.token for e in content).startswith(choice.message.content)
+        assert all(len(e.top_logprobs) == 2 for e in content)
+
+
 @pytest.mark.parametrize("extra,field", [
-    ({"stream": True}, "stream"), ({"logprobs": 2}, "logprobs"), ({"echo": True}, "echo"),
+    ({"stream": True}, "stream"), ({"prompt_logprobs": 2}, "prompt_logprobs"), ({"echo": True}, "echo"),
     ({"stop": ["."]}, "stop"), ({"n": 11}, "n"), ({"return_token_ids": True}, "return_token_ids"),
     ({"response_format": {"type": "json_object"}}, "response_format")])
 def test_what_beam_search_does_not_combine_with_is_a_400(client, extra, field):
@@ -233,7 +268,7 @@ def test_what_beam_search_does_not_combine_with_is_a_400(client, extra, field):
                                                                          "stream", "logprobs", "echo", "stop")},
                                extra_body={"use_beam_search": True,
                                            **{k: v for k, v in extra.items()
-                                              if k in ("return_token_ids", "response_format")}})
+                                              if k in ("return_token_ids", "response_format", "prompt_logprobs")}})
     assert field in str(err.value)
 
 

@@ -60,14 +60,14 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
     async def completions(body: CompletionRequest, request: Request):
         prep = await prepare(body, router, served_model_name)
         if prep.beam is not None:
-            return await serve_beam_search(prep, request, router, metrics)
+            return await serve_beam_search(prep, request, router, metrics, strings)
         return await serve_request(prep, request, router, metrics, strings)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         prep = await prepare(body, router, served_model_name, tool_parser, reasoning_parser)
         if prep.beam is not None:
-            return await serve_beam_search(prep, request, router, metrics)
+            return await serve_beam_search(prep, request, router, metrics, strings)
         return await serve_request(prep, request, router, metrics, strings)
 
     @app.post("/v1/responses")

@@ -3,7 +3,8 @@ steps run through the router (each live beam of each prompt one router request o
 step at once, so the router spreads them over the workers and the prefix cache serves what beams share).
 
 The answer is one JSON response: per prompt its ``n`` (the beam width) best beams, best first, as choices
-``prompt * n + rank`` with their text and finish reason ("stop" at an end token, else "length"). A step
+``prompt * n + rank`` with their text, finish reason ("stop" at an end token, else "length") and, when asked,
+their tokens' logprobs (the model's raw log-probabilities the search scored them by). A step
 request the router refuses fails the response with the router's status; a client that goes away stops
 the search (the step's requests are aborted). In /metrics each returned beam is one finished request.
 """
@@ -18,9 +19,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pdcluster.cluster.api import protocol as wire
+from pdcluster.cluster.api.logprobs import TokenIdStrings, TokenStrings, chat_logprobs, completion_logprobs
 from pdcluster.cluster.api.middleware import APIError
 from pdcluster.cluster.api.router_contract import RouterError
 from pdcluster.cluster.api.serving import ClientGone, unless_disconnected
+from pdcluster.cluster.api.text import AlignedText
 from pdcluster.cluster.api.validation import Prepared
 from pdcluster.cluster.metrics import Metrics
 from pdcluster.engine.beam_search import Beam, BeamSearch
@@ -82,7 +85,22 @@ async def _search(prep: Prepared, router) -> list[list[Beam]]:
     return results
 
 
-async def serve_beam_search(prep: Prepared, request: Request, router, metrics: Metrics) -> Response:
+def _logprobs(prep: Prepared, router, beam: Beam, strings: TokenStrings) -> dict | None:
+    """The beam's tokens' logprobs as a choice shows them (asked for: ``prep.output.num_logprobs``), each with its
+    text offset, read as a streamed choice's are (cluster/api/text.py)."""
+    num_top = prep.output.num_logprobs
+    if num_top is None:
+        return None
+    strings = TokenIdStrings(strings) if prep.output.tokens_as_ids else strings
+    aligned = AlignedText(router.tokenizer, [], True, skip_special_tokens=prep.prompts[0].params.skip_special_tokens)
+    positions = aligned.add(beam.output_token_ids, beam.logprobs, True).positions
+    if prep.object_kind == wire.TEXT_COMPLETION:
+        return completion_logprobs(positions, num_top, strings)
+    return chat_logprobs(positions, num_top, strings)
+
+
+async def serve_beam_search(prep: Prepared, request: Request, router, metrics: Metrics,
+                            strings: TokenStrings) -> Response:
     try:
         results = await unless_disconnected(_search(prep, router), request)
     except ClientGone:
@@ -98,10 +116,11 @@ async def serve_beam_search(prep: Prepared, request: Request, router, metrics: M
     for i, beams in enumerate(results):
         for rank, beam in enumerate(beams):
             index = i * prep.n + rank
+            logprobs = _logprobs(prep, router, beam, strings)
             if prep.object_kind == wire.TEXT_COMPLETION:
-                choices.append(wire.completion_choice(index, beam.text, None, beam.finish_reason))
+                choices.append(wire.completion_choice(index, beam.text, logprobs, beam.finish_reason))
             else:
-                choices.append(wire.chat_choice(index, beam.text, None, beam.finish_reason))
+                choices.append(wire.chat_choice(index, beam.text, logprobs, beam.finish_reason))
     num_prompt = sum(len(p.token_ids) for p in prep.prompts)
     num_output = sum(len(beam.output_token_ids) for beams in results for beam in beams)
     body = {**wire.header(prep.request_id, prep.object_kind, prep.created, prep.model, False),

@@ -141,8 +141,9 @@ async def prepare(body: SamplingFields, router, served_model_name: str,
 
 
 def _beam_search(body: SamplingFields, n: int, output: Output, inputs: list[PromptInput]) -> BeamSearchParams:
-    """The search's parameters, or a 400 for what it does not combine with: it returns whole beams, scored by
-    their log-probabilities, ending at end tokens (vLLM's beam search ignores the sampling filters)."""
+    """The search's parameters, or a 400 for what it does not combine with: it returns whole beams (with their
+    tokens' logprobs when asked), scored by their log-probabilities, ending at end tokens (vLLM's beam search
+    ignores the sampling filters)."""
     def no(param: str, what: str) -> None:
         raise APIError(400, f"{param}: {what} with use_beam_search", param=param, code="unsupported_parameter")
 
@@ -151,8 +152,8 @@ def _beam_search(body: SamplingFields, n: int, output: Output, inputs: list[Prom
                         f"2 x n alternatives, at most {MAX_LOGPROBS}), got {n}")
     if body.stream:
         no("stream", "beams are returned whole, not streamed: set stream=false")
-    if output.num_logprobs is not None or output.num_prompt_logprobs is not None:
-        no("logprobs", "logprobs are not returned")
+    if output.num_prompt_logprobs is not None:
+        no("prompt_logprobs", "the prompt's logprobs are not returned")
     if output.echo:
         no("echo", "the prompt is not echoed")
     if output.return_token_ids:
@@ -167,7 +168,7 @@ def _beam_search(body: SamplingFields, n: int, output: Output, inputs: list[Prom
         raise _bad("length_penalty", f"must be a finite number, got {body.length_penalty}")
     return BeamSearchParams(beam_width=n, max_tokens=max(p.params.max_tokens for p in inputs),  # per prompt: beam.py
                             ignore_eos=params.ignore_eos, temperature=params.temperature,
-                            length_penalty=length_penalty)
+                            length_penalty=length_penalty, num_logprobs=output.num_logprobs or 0)
 
 
 def check_model(model: str | None, served_model_name: str, lora_names: tuple[str, ...] = ()) -> str | None:
