@@ -10,8 +10,10 @@ token is complete, and the ``beam_width`` best of the others are the next step's
 is not counted. The model steps are whole requests (prompt + beam so far, one new token), so the prefix
 cache serves what beams share; the scores are the model's raw log-probabilities (engine/logprobs.py).
 
-The search is a state machine, so a synchronous and an asynchronous driver share it:
-``while search.live: search.advance([run(tokens) for tokens in search.pending()])``, then ``search.best()``.
+The search is a state machine, so a synchronous and an asynchronous driver share it; ``BeamSearches`` runs
+several prompts' searches as one batch a step:
+``while batch := searches.pending(): searches.advance([run(tokens) for _, tokens in batch])``, then
+``searches.best(decode)``.
 """
 
 from __future__ import annotations
@@ -132,6 +134,39 @@ class BeamSearch:
 
     def _key(self, beam: Beam) -> float:
         return beam_score(beam, self.end_token_ids, self.params.length_penalty)
+
+
+class BeamSearches:
+    """The searches of several prompts run together: a step's pending sequences of all of them as one batch
+    (``pending``), its records handed back in that order (``advance``)."""
+
+    def __init__(self, searches: list[BeamSearch]):
+        self.searches = searches
+        self._counts: list[int] = []
+
+    def pending(self) -> list[tuple[int, list[int]]]:
+        """(the search's index, a sequence to run one step on) for every live beam of every search."""
+        batches = [search.pending() for search in self.searches]
+        self._counts = [len(batch) for batch in batches]
+        return [(i, tokens) for i, batch in enumerate(batches) for tokens in batch]
+
+    def advance(self, records: list[TokenLogprobs]) -> None:
+        """``records``: one per sequence of the last ``pending()``, in its order."""
+        if len(records) != sum(self._counts):
+            raise ValueError(f"beam search: {len(records)} step results for {sum(self._counts)} beams")
+        start = 0
+        for search, count in zip(self.searches, self._counts):
+            if count:
+                search.advance(records[start:start + count])
+            start += count
+
+    def best(self, decode) -> list[list[Beam]]:
+        """Per search, its answer (``BeamSearch.best``), each beam's text ``decode(output token ids)``."""
+        results = [search.best() for search in self.searches]
+        for beams in results:
+            for beam in beams:
+                beam.text = decode(beam.output_token_ids)
+        return results
 
 
 def _rank(record: TokenLogprobs, token_id: int) -> int:

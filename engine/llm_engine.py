@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from pdcluster.engine.async_scheduler import AsyncScheduler, AsyncStepper
-from pdcluster.engine.beam_search import Beam, BeamSearch, BeamSearchParams
+from pdcluster.engine.beam_search import Beam, BeamSearch, BeamSearches, BeamSearchParams
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.kv_offload.events import KVEventLog, make_offload_manager
 from pdcluster.engine.loaded_model import LoadedModel
@@ -356,23 +356,16 @@ class LLMEngine:
         best first, each with its output tokens, text, cumulative logprob and finish reason. Every step
         runs the live beams of all prompts as one batch. ``request``: where and how the steps run (its
         adapter, cache salt, priority, seed: ``BeamSearchParams.step_params``)."""
-        searches = [BeamSearch(self.tokenize(p), params,
-                               frozenset(self.tokenizer.stop_token_ids)) for p in prompts]
+        end_ids = frozenset(self.tokenizer.stop_token_ids)
+        searches = BeamSearches([BeamSearch(self.tokenize(p), params, end_ids) for p in prompts])
         step_params = params.step_params(request)
         for _ in range(params.max_tokens):
-            pending = [(search, tokens) for search in searches for tokens in search.pending()]
-            if not pending:
+            batch = searches.pending()
+            if not batch:
                 break
-            outputs = self.generate([tokens for _, tokens in pending], step_params)
-            for search in searches:
-                records = [out.logprobs[0] for (owner, _), out in zip(pending, outputs) if owner is search]
-                if records:
-                    search.advance(records)
-        results = [search.best() for search in searches]
-        for beams in results:
-            for beam in beams:
-                beam.text = self.tokenizer.decode(beam.output_token_ids)
-        return results
+            outputs = self.generate([tokens for _, tokens in batch], step_params)
+            searches.advance([out.logprobs[0] for out in outputs])
+        return searches.best(self.tokenizer.decode)
 
     def _stop_at_string(self, request_id: str, stop: str) -> Request | None:
         """End a request whose text reached the stop string ``stop`` (frees its blocks once)."""

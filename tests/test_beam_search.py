@@ -20,7 +20,7 @@ from pdcluster.cluster.api.protocol import ChatMessage
 from pdcluster.cluster.api.validation import chat_prompt_ids
 from pdcluster.cluster.local_router import LocalRouter
 from pdcluster.cluster.metrics import Metrics
-from pdcluster.engine.beam_search import Beam, BeamSearch, BeamSearchParams, beam_score
+from pdcluster.engine.beam_search import Beam, BeamSearch, BeamSearches, BeamSearchParams, beam_score
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.wire.logprobs import TokenLogprobs
@@ -109,6 +109,20 @@ def test_step_params_keep_where_a_request_runs_not_its_sampling_filters():
     assert (step.max_tokens, step.logprobs, step.temperature, step.ignore_eos) == (1, 8, 0.7, True)
     assert (step.cache_salt, step.priority, step.seed) == ("tenant-a", -2, 5)
     assert (step.top_k, step.stop, step.presence_penalty) == (0, [], 0.0)
+
+
+def test_several_searches_run_as_one_batch():
+    params = BeamSearchParams(beam_width=2, max_tokens=2)
+    searches = BeamSearches([BeamSearch([3], params, frozenset({EOS})), BeamSearch([7, 8], params, frozenset({EOS}))])
+    assert searches.pending() == [(0, [3]), (1, [7, 8])]
+    searches.advance([record((4, -0.1), (5, -0.2)), record((9, -0.3), (6, -0.4))])
+    assert searches.pending() == [(0, [3, 4]), (0, [3, 5]), (1, [7, 8, 9]), (1, [7, 8, 6])]
+    with pytest.raises(ValueError, match="3 step results for 4 beams"):
+        searches.advance([record((1, -0.1))] * 3)
+    searches.advance([record((1, -0.1))] * 4)
+    assert searches.pending() == []
+    best = searches.best(lambda ids: "-".join(map(str, ids)))
+    assert [[b.text for b in beams] for beams in best] == [["4-1", "5-1"], ["9-1", "6-1"]]
 
 
 def test_bad_inputs_are_refused():

@@ -26,7 +26,7 @@ from pdcluster.cluster.api.serving import ClientGone, unless_disconnected
 from pdcluster.cluster.api.text import AlignedText
 from pdcluster.cluster.api.validation import Prepared
 from pdcluster.cluster.metrics import Metrics
-from pdcluster.engine.beam_search import Beam, BeamSearch
+from pdcluster.engine.beam_search import Beam, BeamSearch, BeamSearches
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.wire.logprobs import TokenLogprobs
 
@@ -58,31 +58,24 @@ async def _one_step(router, request_id: str, token_ids: list[int], params: Sampl
 async def _search(prep: Prepared, router) -> list[list[Beam]]:
     end_ids = frozenset(router.tokenizer.stop_token_ids)
     # Each prompt searches up to its own max_tokens (a default one fills what its context leaves).
-    searches = [BeamSearch(p.token_ids, replace(prep.beam, max_tokens=p.params.max_tokens), end_ids)
-                for p in prep.prompts]
+    searches = BeamSearches([BeamSearch(p.token_ids, replace(prep.beam, max_tokens=p.params.max_tokens), end_ids)
+                             for p in prep.prompts])
     step_params = [prep.beam.step_params(p.params) for p in prep.prompts]
     for step in range(prep.beam.max_tokens):
-        jobs = [(i, tokens) for i, search in enumerate(searches) for tokens in search.pending()]
-        if not jobs:
+        batch = searches.pending()
+        if not batch:
             break
         tasks = [asyncio.ensure_future(_one_step(router, f"{prep.request_id}-s{step}-{k}", tokens, step_params[i]))
-                 for k, (i, tokens) in enumerate(jobs)]
+                 for k, (i, tokens) in enumerate(batch)]
         try:
             records = await asyncio.gather(*tasks)
         finally:  # one step failed or the search was cancelled: the others are aborted
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-        for i, search in enumerate(searches):
-            mine = [record for (owner, _), record in zip(jobs, records) if owner == i]
-            if mine:
-                search.advance(mine)
-    results = [search.best() for search in searches]
-    for beams in results:
-        for beam in beams:
-            beam.text = router.tokenizer.decode(beam.output_token_ids,
-                                                skip_special_tokens=prep.prompts[0].params.skip_special_tokens)
-    return results
+        searches.advance(records)
+    skip_special = prep.prompts[0].params.skip_special_tokens
+    return searches.best(lambda ids: router.tokenizer.decode(ids, skip_special_tokens=skip_special))
 
 
 def _logprobs(prep: Prepared, router, beam: Beam, strings: TokenStrings) -> dict | None:
