@@ -7,8 +7,11 @@ non-blocking copy (``put_many``), so preparing a step never blocks on the GPU, n
 launches one copy instead of one per array (each a host call of ~10 us on the H100 machine):
 
 - two pinned host arenas, alternating per step: the host may fill step n + 1's inputs while the GPU
-  may still be reading step n's out of pinned memory (the step's one synchronisation, on the sampled
-  ids, happens before step n + 2 reuses an arena);
+  may still be reading step n's out of pinned memory. Step n + 2 reuses step n's arena only once an
+  event recorded behind step n's last copy has passed: a step that samples nothing (a prompt's middle
+  chunk) has no synchronisation of its own, and under async scheduling the host was seen on an H200
+  refilling an arena whose copy had not run (the kernels then read another step's slots and block
+  tables: an illegal address);
 - within a step each ``put_many`` takes the arenas' next free bytes: a later put (the sampler's
   logprob rows) never overwrites pinned bytes whose copy may not have run yet;
 - one device arena: a copy into it is queued on the stream behind the previous step's kernels, so it
@@ -46,13 +49,19 @@ class StepInputs:
         self._host: list[torch.Tensor | None] = [None, None]  # uint8 arenas, one per alternating step
         self._dev: torch.Tensor | None = None  # uint8 arena
         self._set = 0
+        # Per host arena: an event behind the last copy out of it (CUDA), waited for before it is refilled.
+        self._copied: list[torch.cuda.Event | None] = [None, None]
         self._cursor = 0  # first free byte of this step's arenas
         self.num_copies = 0  # host-to-device copies launched (one per put_many)
 
     def begin_step(self) -> None:
-        """Switch to the other host arena (call once per step, before the first put)."""
+        """Switch to the other host arena (call once per step, before the first put); waits until the
+        copies out of it two steps ago have run (at once, unless the GPU is that far behind)."""
         self._set ^= 1
         self._cursor = 0
+        copied, self._copied[self._set] = self._copied[self._set], None
+        if copied is not None:
+            copied.synchronize()
 
     def put(self, name: str, array_np: np.ndarray) -> torch.Tensor:
         """``array_np`` as a tensor on the device (same shape and dtype)."""
@@ -75,6 +84,10 @@ class StepInputs:
         if end > start:
             dev[start:end].copy_(host[start:end], non_blocking=True)
             self.num_copies += 1
+            if self._pin:
+                if self._copied[self._set] is None:
+                    self._copied[self._set] = torch.cuda.Event()
+                self._copied[self._set].record(torch.cuda.current_stream(self.device))
         self._cursor = end
         out = {}
         for name, a in arrays.items():

@@ -111,3 +111,19 @@ def test_put_many_on_cuda_through_pinned_memory():
         for name, a in arrays.items():
             assert got[name].is_cuda and np.array_equal(got[name].cpu().numpy(), a), (step, name)
     assert inputs.num_copies == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_an_arena_is_refilled_only_after_its_copy_ran():
+    """Three steps' puts with the GPU held busy and no synchronisation between them (steps that sample
+    nothing, launched ahead): step 2 refills step 0's host arena, which must wait for step 0's copy; refilled
+    at once, step 0's device inputs would be step 2's values (on an H200: another step's block tables)."""
+    inputs = StepInputs("cuda")
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of spinning queued ahead of the copies
+    got = []
+    for step in range(3):
+        inputs.begin_step()
+        got.append(inputs.put("x", np.full(4096, step, dtype=np.int64)).clone())  # queued behind the copy
+    torch.cuda.synchronize()
+    assert [t.unique().tolist() for t in got] == [[0], [1], [2]]
