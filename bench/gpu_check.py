@@ -44,7 +44,8 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ASSETS = ROOT / "bench" / "gpu_assets"
+# The carried tokenizer files (PDCLUSTER_GPU_ASSETS: elsewhere, as the dry-run test keeps them out of the checkout)
+ASSETS = Path(os.environ.get("PDCLUSTER_GPU_ASSETS", ROOT / "bench" / "gpu_assets"))
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 GPU_BOX_MISSING = ("ray", "zmq", "fastapi", "uvicorn", "pydantic", "gguf", "xgrammar", "openai", "ucxx", "starlette")
 PACKAGES = tuple(sorted(d.name for d in ROOT.iterdir() if (d / "__init__.py").is_file()))  # pdcluster.<name>
@@ -245,6 +246,28 @@ FAMILIES = {
 }
 
 
+def family_kwargs_for_installed_transformers(name: str, kwargs: dict) -> dict:
+    """``kwargs`` with a family's shape moved off what an older transformers (the GPU machine's 5.17) computes
+    otherwise than the model is defined (and than our engine, vLLM and transformers 5.24 compute), so that its
+    greedy stays the oracle there: 5.17's gpt-oss clamps its SwiGLU at 7.0 whatever swiglu_limit says, and its
+    Granite 4.0-H normalises the gated Mamba output over all groups at once instead of each group (equal with
+    one group, as the published checkpoints have)."""
+    import inspect
+
+    if name == "gpt-oss":
+        from transformers.models.gpt_oss import modeling_gpt_oss
+
+        if "config.swiglu_limit" not in inspect.getsource(modeling_gpt_oss.GptOssExperts.__init__):
+            return dict(kwargs, swiglu_limit=7.0)
+    if name == "granite-4.0-h":
+        from transformers.models.granitemoehybrid import modeling_granitemoehybrid
+
+        norm = modeling_granitemoehybrid.GraniteMoeHybridRMSNormGated
+        if "group_size" not in inspect.signature(norm.__init__).parameters:
+            return dict(kwargs, mamba_n_groups=1)
+    return kwargs
+
+
 def build_family(name: str, out: Path) -> Path:
     import torch
     import transformers
@@ -252,6 +275,7 @@ def build_family(name: str, out: Path) -> Path:
     from pdcluster.engine.models.random_weights import redraw_nemotron_h
 
     config_cls, model_cls, kwargs = FAMILIES[name]
+    kwargs = family_kwargs_for_installed_transformers(name, kwargs)
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs))
     if "mamba_n_heads" in kwargs:  # a hybrid: Mamba's A_log and dt_bias keep transformers' init
@@ -408,11 +432,6 @@ def _oracle(model_dir: Path, prompts: list[list[int]], num_new: int, device: str
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
                                                            attn_implementation="eager").to(device).eval()
-    # Its per-expert loop, the reference on every device: on an H200 (transformers 5.17) the default grouped_mm
-    # experts gave gpt-oss and Granite 4.0-H other tokens than that loop gives on CUDA and on the CPU.
-    set_experts = getattr(hf, "set_experts_implementation", None)
-    if set_experts is not None:
-        set_experts("eager")
     out = []
     with torch.inference_mode():
         for p in prompts:
@@ -504,8 +523,24 @@ def lora_check(model_dir: Path, prompts, expected_base, num_new: int, device: st
                                 for i, (n, g, e) in enumerate(zip(names, got, expected)) if g != e), None)}
 
 
-def correctness_section(entry: dict, device: str, work: Path, quick: bool, only: set[str] | None = None) -> None:
-    """``only``: the model names to check (a rerun of the ones that failed), default all."""
+CORRECTNESS_MODELS = ("tiny-random", "tiny-hybrid", "nemotron-h-random", *FAMILIES)
+
+
+class DeviceFault(RuntimeError):
+    """A CUDA error that poisons the process's context (an illegal address): every later launch fails too."""
+
+
+def _is_device_fault(e: BaseException) -> bool:
+    import torch
+
+    return isinstance(e, getattr(torch, "AcceleratorError", ())) or "CUDA error" in str(e)
+
+
+def correctness_section(entry: dict, device: str, work: Path, quick: bool, only: set[str] | None = None,
+                        on_progress=lambda: None) -> None:
+    """``only``: the model names to check (a rerun of the ones that failed), default all. ``on_progress``:
+    called as each model starts (``entry["in_progress"]`` names it) and ends, to write the report. A device
+    fault ends the section after the model that met it (DeviceFault): the process's CUDA context is lost."""
     num_new = 8 if quick else 16
     wanted = lambda name: only is None or name in only  # noqa: E731
     models = {name: build_tiny(name, work / name) for name in ("tiny-random", "tiny-hybrid") if wanted(name)}
@@ -536,7 +571,10 @@ def correctness_section(entry: dict, device: str, work: Path, quick: bool, only:
                                        mtp_checkpoint="random"),
     }
     all_ok = True
+    fault = None
     for name, model_dir in models.items():
+        entry["in_progress"] = name
+        on_progress()
         prompts = _prompts(json.loads((model_dir / "config.json").read_text())["vocab_size"])
         expected = _oracle(model_dir, prompts, num_new, device)
         result: dict = {"not_degenerate": len({tuple(e) for e in expected}) > 1}
@@ -560,8 +598,11 @@ def correctness_section(entry: dict, device: str, work: Path, quick: bool, only:
             except Exception as e:  # noqa: BLE001
                 result[vname] = {"ok": False, "error": f"{type(e).__name__}: {e}",
                                  "traceback": traceback.format_exc()[-1500:]}
+                if device == "cuda" and _is_device_fault(e):
+                    fault = f"{name} {vname}: {type(e).__name__}"
+                    break
             all_ok = all_ok and result[vname]["ok"]
-        if name == "tiny-random":
+        if name == "tiny-random" and fault is None:
             try:
                 result["lora"] = lora_check(model_dir, prompts, expected, num_new, device, work)
             except Exception as e:  # noqa: BLE001
@@ -569,7 +610,58 @@ def correctness_section(entry: dict, device: str, work: Path, quick: bool, only:
                                   "traceback": traceback.format_exc()[-1500:]}
             all_ok = all_ok and result["lora"]["ok"]
         entry[name] = result
+        del entry["in_progress"]
+        on_progress()
+        if fault is not None:
+            raise DeviceFault(fault)
     entry["ok"] = all_ok and all(entry.get(m, {}).get("ok", True) for m in ("nemotron-h-random", *FAMILIES))
+
+
+def isolated_correctness(entry: dict, args, report: "Report") -> None:
+    """The correctness section in child processes: a device fault (an illegal address poisons a CUDA context)
+    costs the model that met it, not the models after it or the speed section, which run in fresh processes.
+    A child that dies or faults mid-model leaves that model marked failed; the next child takes the rest."""
+    names = [n for n in CORRECTNESS_MODELS if not args.models or n in args.models.split(",")]
+    child_out = Path(tempfile.mkdtemp(prefix="pdcluster-gpu-check-child-")) / "correctness.json"
+    entry["processes"] = 0
+    while names and entry["processes"] < len(CORRECTNESS_MODELS):
+        if entry["processes"] and report.left_s() < 30:
+            entry["not_run"] = names  # the budget went on the earlier processes
+            break
+        # The child's own budget is unbounded: it checks every model it is given (this process's budget decides
+        # whether another child starts).
+        cmd = [sys.executable, __file__, "--device", args.device, "--sections", "correctness", "--in-process",
+               "--models", ",".join(names), "--out", str(child_out), "--budget-s", "1e9"]
+        cmd += ["--quick"] * args.quick + ["--simulate-gpu-box"] * args.simulate_gpu_box
+        if args.crash_in and entry["processes"] == 0:
+            cmd += ["--crash-in", args.crash_in]
+        child_out.unlink(missing_ok=True)
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=sys.stderr, stderr=subprocess.STDOUT,
+                              timeout=max(60.0, report.left_s() + 120))
+        entry["processes"] += 1
+        got = json.loads(child_out.read_text())["sections"].get("correctness", {}) if child_out.exists() else {}
+        for name in names:
+            if name in got:
+                entry[name] = got[name]
+        crashed = got.get("in_progress")
+        if crashed is not None:  # the child died inside it
+            entry[crashed] = {"ok": False, "error": f"the check's process ended with status {proc.returncode} "
+                                                    "inside this model"}
+        if "error" in got:
+            entry.setdefault("device_faults", []).append(got["error"])
+        done = [n for n in names if n in entry]
+        if not done and crashed is None:  # it died before any model (an import, a build): no progress to make
+            entry["error"] = f"the correctness process ended with status {proc.returncode} before any model"
+            break
+        names = [n for n in names if n not in entry]
+        report.write()
+    wanted = [n for n in CORRECTNESS_MODELS if not args.models or n in args.models.split(",")]
+    entry["ok"] = "error" not in entry and all(_model_ok(entry.get(n, {"ok": False})) for n in wanted)
+
+
+def _model_ok(result: dict) -> bool:
+    """A model's correctness: its own ok (a build or a process that failed), else every variant's."""
+    return result.get("ok", all(v.get("ok", False) for v in result.values() if isinstance(v, dict)))
 
 
 def _copy_bandwidth_gbps(device: str) -> float:
@@ -916,6 +1008,10 @@ def main() -> int:
     p.add_argument("--simulate-gpu-box", action="store_true", help="refuse the modules the GPU machine lacks")
     p.add_argument("--prepare-assets", action="store_true", help="copy the tokenizer files and exit")
     p.add_argument("--sections", default="env,kernel_tests,correctness,deterministic,speed")
+    p.add_argument("--in-process", action="store_true",
+                   help="correctness in this process (a child of the isolated run) instead of child processes")
+    p.add_argument("--crash-in", default=None, metavar="MODEL",
+                   help="the dry run of the isolation: the first correctness process dies as MODEL starts")
     p.add_argument("--models", default=None,
                    help="correctness: these models only (comma list: tiny-random, tiny-hybrid, nemotron-h-random "
                         "or a family), default all")
@@ -949,8 +1045,16 @@ def main() -> int:
     if "correctness" in wanted:
         with report.section("correctness", 60) as entry:
             if entry is not None:
-                correctness_section(entry, args.device, work, args.quick,
-                                    set(args.models.split(",")) if args.models else None)
+                if args.in_process:
+                    def progress() -> None:
+                        report.write()
+                        if args.crash_in and entry.get("in_progress") == args.crash_in:
+                            os._exit(134)  # as a process that aborts on a CUDA error does
+
+                    correctness_section(entry, args.device, work, args.quick,
+                                        set(args.models.split(",")) if args.models else None, progress)
+                else:
+                    isolated_correctness(entry, args, report)
     if kernel_tests is not None:  # done before the timings: they must have the GPU to themselves
         with report.section("kernel_tests", 0) as entry:
             if entry is not None:

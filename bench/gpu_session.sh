@@ -12,13 +12,14 @@
 #   python bench/gpu_check.py --prepare-assets
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 -d .whl pyzmq==27.3.0          # .whl/ in .git/info/exclude
-#   # GPU_SERVE only: the serving stack, at the versions the tests run (9.6 MB with pyzmq)
+#   # GPU_SERVE only: the serving stack, at the versions the tests run (9.7 MB with pyzmq)
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
 #       fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 httptools==0.9.0 uvloop==0.23.0 prometheus_client==0.26.0 \
 #       httpx==0.28.1 httpcore==1.0.9 Jinja2==3.1.6 MarkupSafe==3.0.4 pydantic==2.14.4 pydantic_core==2.50.5 \
 #       anyio==4.16.0 idna==3.20 sniffio==1.3.1 typing_extensions==4.16.0 annotated-types==0.8.0 \
-#       typing-inspection==0.4.5 click==8.5.1 h11==0.16.0 certifi==2026.10.19.post1
+#       typing-inspection==0.4.5 click==8.5.1 h11==0.16.0 certifi==2026.10.19.post1 \
+#       opentelemetry-api==1.45.2   # fastapi 0.165 imports it (the H200 machine of s51 lacked it)
 #   python bench/gpu_check.py --device cpu --quick --simulate-gpu-box   # the dry run
 #   python bench/gpu_serve.py --device cpu --quick --api-servers 1,2 --num-prompts 32 --concurrency 16 --output-len 16
 # Then the device call: command `bash bench/gpu_session.sh`, carry ["bench/gpu_assets", ".whl"], timeout_s 590.

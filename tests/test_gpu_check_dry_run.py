@@ -1,0 +1,46 @@
+"""bench/gpu_check.py's dry run here (``--device cpu --quick --simulate-gpu-box``): the one device check a GPU
+session runs must work before it travels. Its correctness section runs in child processes so that a CUDA fault
+(on an H200 an illegal address poisoned the context: every later family and the speed section failed with it)
+costs only the model that met it; ``--crash-in`` makes the first child die there as such a process does."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def _dry_run(tmp_path: Path, *flags: str) -> dict:
+    out = tmp_path / "gpu_check.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PDCLUSTER_GPU_ASSETS"] = str(tmp_path / "assets")  # the tokenizer files the GPU machine is carried
+    subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--prepare-assets"], cwd=ROOT, env=env,
+                   check=True, timeout=300, capture_output=True)
+    subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device", "cpu", "--quick",
+                    "--simulate-gpu-box", "--sections", "env,correctness", "--out", str(out), *flags],
+                   cwd=ROOT, env=env, check=False, timeout=540, capture_output=True)
+    return json.loads(out.read_text())["sections"]["correctness"]
+
+
+def test_a_process_that_dies_in_one_model_costs_only_that_model(tmp_path):
+    got = _dry_run(tmp_path, "--models", "tiny-random,gemma2,mixtral", "--crash-in", "gemma2")
+    assert got["processes"] == 2
+    assert got["gemma2"] == {"ok": False, "error": "the check's process ended with status 134 inside this model"}
+    for name in ("tiny-random", "mixtral"):  # before the crash, in the first process; after it, in the second
+        variants = {k: v for k, v in got[name].items() if isinstance(v, dict)}
+        assert variants and all(v["ok"] for v in variants.values()), (name, got[name])
+    assert got["ok"] is False
+
+
+def test_every_model_in_one_process_when_none_dies(tmp_path):
+    got = _dry_run(tmp_path, "--models", "tiny-hybrid,gemma2")
+    assert got["processes"] == 1 and got["ok"] is True
+    assert set(got) >= {"tiny-hybrid", "gemma2"}
