@@ -511,7 +511,7 @@ def write_random_adapter(model_dir: Path, out: Path, rank: int = 8, seed: int = 
 
 def lora_check(model_dir: Path, prompts, expected_base, num_new: int, device: str, work: Path) -> dict:
     """A batch of base and adapter requests (engine/lora/) equals transformers on the base and on the merged
-    model; in fp32 on the device, then with CUDA graphs (on by default: adapter steps run eagerly)."""
+    model; in fp32 on the device, with CUDA graphs (on by default: decode steps with adapter rows replay too)."""
     lora_dir, merged_dir = write_random_adapter(model_dir, work / "lora")
     expected_lora = _oracle(merged_dir, prompts, num_new, device)
     names = ["a" if i % 2 else None for i in range(len(prompts))]
@@ -848,8 +848,8 @@ def speed_section(entry: dict, device: str, work: Path, quick: bool, report: Rep
     # The fast mode (CUDA's default: cuBLAS, the fast attention tiles) and deterministic mode (the
     # batch-invariant Triton matmul and fixed attention tiles); async scheduling (CUDA's default) but in
     # "cuda_graphs+sync".
-    # "lora": every request with one rank-16 adapter on all seven projections (engine/lora/: such steps run
-    # outside the CUDA graphs).
+    # "lora": every request with one rank-16 adapter on all seven projections (engine/lora/: the stacked updates
+    # inside the CUDA graphs; on the H200 of s51, before they were, such steps ran eagerly at 17-21 ms).
     adapter_dir, _ = write_random_adapter(model_dir, work / "llama-1b-lora", rank=16, merged=False)
     modes = (("cuda_graphs", True, None, False), ("cuda_graphs+sync", True, False, False),
              ("deterministic+cuda_graphs", True, None, True), ("eager", False, None, False), ("lora", True, None, False))

@@ -20,6 +20,9 @@ slots; with speculation every row keeps its per-position states), so the one-tok
 updates replay inside the graph. Padded rows update a scratch state slot no request owns (the pool has
 one slot more than ``max_num_seqs``). A batch with a row starting from token 0 (a one-token prompt
 looks like decode) runs eager: its state must start from zeros.
+LoRA (the stacked way, engine/lora/layers.py): each token's adapter slot is a static buffer too (-1 for the
+base model and padded rows), so decode steps with adapter rows replay like the others; an adapter loaded or
+dropped changes the stacked updates' shapes, and the buckets are captured again at their next use.
 Not captured: batches with prefill rows, and steps whose KV connector sends layers as they finish (a
 prefill worker's layer callbacks run Python between layers).
 
@@ -51,8 +54,9 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
                  device: torch.device, max_num_seqs: int, q_len: int, max_blocks_per_req: int, scale: float,
-                 emulate: bool = False, mamba_pool: MambaStatePool | None = None):
-        """``mamba_pool``: a hybrid's state pool, with a scratch slot past ``max_num_seqs`` rows'."""
+                 emulate: bool = False, mamba_pool: MambaStatePool | None = None, lora=None):
+        """``mamba_pool``: a hybrid's state pool, with a scratch slot past ``max_num_seqs`` rows'. ``lora``: the
+        model's LoraSet when its updates run the stacked way (the graphs then take steps with adapter rows)."""
         self.forward = forward  # (input_ids, positions, meta) -> hidden [num_tokens, H]
         self.device, self.q_len, self.scale, self.emulate = device, q_len, scale, emulate
         self.mamba_pool = mamba_pool
@@ -70,12 +74,17 @@ class DecodeGraphs:
                                  f"{max_rows} rows' ({mamba_pool.num_slots} slots)")
             self.pad_state_slot = mamba_pool.num_slots - 1
             self.state_slots = torch.full((max_rows,), self.pad_state_slot, dtype=torch.int64, device=device)
+        self.lora = lora
+        if lora is not None:
+            self.lora_token_slot = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
+            self._lora_version = lora.version
         self._mamba_meta: dict[int, MambaMetadata] = {}  # bucket -> its static row plan
         self._graphs: dict[int, object] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self._pool = None
         self._failed: set[int] = set()  # buckets whose capture raised: eager from then on
         self.num_replays = 0
+        self.num_captures = 0
 
     def bucket(self, num_rows: int) -> int | None:
         return next((b for b in self.buckets if b >= num_rows), None)
@@ -103,6 +112,15 @@ class DecodeGraphs:
         self.block_tables[num_rows:bucket].zero_()
         self.seq_lens[:num_rows].copy_(meta.seq_lens)
         self.seq_lens[num_rows:bucket].fill_(1)
+        if self.lora is not None:
+            if self.lora.version != self._lora_version:  # the stacked updates the graphs read were replaced
+                self._drop_captures()
+                self._lora_version = self.lora.version
+            if self.lora.token_slot is not None:
+                self.lora_token_slot[:n].copy_(self.lora.token_slot)
+            else:
+                self.lora_token_slot[:n].fill_(-1)
+            self.lora_token_slot[n : bucket * self.q_len].fill_(-1)
         if bucket not in self._outputs:
             try:
                 self._capture_on_scratch(bucket)
@@ -121,13 +139,25 @@ class DecodeGraphs:
         self.num_replays += 1
         return self._outputs[bucket][:n]
 
+    def _drop_captures(self) -> None:
+        self._graphs.clear()
+        self._outputs.clear()
+        self._failed.clear()
+        self._pool = None
+
     def _call(self, bucket: int) -> torch.Tensor:
         tokens = bucket * self.q_len
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:tokens], block_tables=self.block_tables[:bucket],
             seq_lens=self.seq_lens[:bucket], query_start_loc=self.query_start_loc[: bucket + 1],
             uniform_q_len=self.q_len, scale=self.scale, mamba=self._bucket_mamba(bucket))
-        return self.forward(self.input_ids[:tokens], self.positions[:tokens], meta)
+        if self.lora is None:
+            return self.forward(self.input_ids[:tokens], self.positions[:tokens], meta)
+        step_token_slot, self.lora.token_slot = self.lora.token_slot, self.lora_token_slot[:tokens]
+        try:  # the adapter layers read the static slots (a capture records that buffer, not the step's)
+            return self.forward(self.input_ids[:tokens], self.positions[:tokens], meta)
+        finally:
+            self.lora.token_slot = step_token_slot
 
     def _bucket_mamba(self, bucket: int) -> MambaMetadata | None:
         """A hybrid bucket's Mamba rows over the static slots: position j of row r is packed token
@@ -162,6 +192,7 @@ class DecodeGraphs:
             self.state_slots[:bucket].copy_(real_slots)
 
     def _capture(self, bucket: int) -> None:
+        self.num_captures += 1
         if self.emulate:
             self._outputs[bucket] = self._call(bucket)
             return

@@ -150,7 +150,8 @@ class ModelRunner:
         self.graphs = DecodeGraphs(
             lambda ids, pos, meta: self.model.forward(ids, pos, self.kv_cache, meta, None), self.device,
             self.config.max_num_seqs, uniform_decode_query_len(self.num_spec_steps),
-            self.states.block_table_np.shape[1], self.model.scale, emulate=emulate, mamba_pool=self.mamba_pool)
+            self.states.block_table_np.shape[1], self.model.scale, emulate=emulate, mamba_pool=self.mamba_pool,
+            lora=self.model.lora if self.model.lora is not None and not self.model.lora.grouped else None)
 
     # ---- state -----------------------------------------------------------------------------------
     def update_requests(self, sched: SchedulerOutput) -> np.ndarray:
@@ -277,9 +278,9 @@ class ModelRunner:
         self.connector.pre_forward(sched)
         with self._lora_rows(idx_mapping, batch.query_start_loc_np) as lora_rows:
             hidden = None
-            # The graphs hold the base model only: a step with adapter rows runs eagerly.
+            # A step with adapter rows replays only where the graphs hold the updates (the stacked way).
             if (self.graphs is not None and kind == BatchKind.UNIFORM_DECODE and not self.connector.wants_layers()
-                    and not lora_rows):
+                    and (not lora_rows or self.graphs.lora is not None)):
                 hidden = self.graphs.run(batch.input_ids, batch.positions, meta)
             if hidden is None:
                 hidden = self.model.forward(batch.input_ids, batch.positions, self.kv_cache, meta,

@@ -80,17 +80,18 @@ def _params(name, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True, lora_name=name, **kw)
 
 
-@pytest.mark.parametrize("way", ["grouped", "per_adapter"])
+@pytest.mark.parametrize("way", ["grouped", "stacked"])
 def test_adapters_match_peft_in_one_batch_float32(adapters, references, way, monkeypatch):
-    """Both ways of running the updates (engine/lora/layers.py): the C kernel's (CPU) and each adapter's own
-    matmuls (what CUDA runs; here with the C kernel made unavailable)."""
+    """Both ways of running the updates (engine/lora/layers.py): the C kernel's (CPU) and every adapter's
+    stacked matmuls with each token's own columns kept (what CUDA runs; here with the C kernel made
+    unavailable)."""
     from pdcluster.engine.lora import layers
 
-    if way == "per_adapter":
+    if way == "stacked":
         monkeypatch.setattr(layers.cpu_lora, "available", lambda: False)
     engine = make_engine(MODEL, dtype="float32", lora_modules=_modules(adapters))
     wrapped = engine.model.layers[0].qkv_proj
-    assert (wrapped.grouped is not None) == (way == "grouped") and bool(wrapped.updates) == (way == "per_adapter")
+    assert (wrapped.grouped is not None) == (way == "grouped") and (wrapped.stacked is not None) == (way == "stacked")
     jobs = [(name, i) for i in range(len(PROMPTS)) for name in (None, "a1", "a2")]
     outs = engine.generate([PROMPTS[i] for _, i in jobs], [_params(name) for name, _ in jobs])
     for (name, i), out in zip(jobs, outs):
@@ -98,6 +99,61 @@ def test_adapters_match_peft_in_one_batch_float32(adapters, references, way, mon
     # The adapters change what the model says (else the equalities above prove nothing).
     for i in range(len(PROMPTS)):
         assert references[("a1", i)] != references[(None, i)] and references[("a2", i)] != references[(None, i)]
+
+
+def _stacked_engine(monkeypatch, **kw):
+    """An engine whose updates run the stacked way (CUDA's; the C kernel made unavailable), decode steps through
+    the emulated CUDA graphs."""
+    from pdcluster.engine.lora import layers
+
+    monkeypatch.setattr(layers.cpu_lora, "available", lambda: False)
+    engine = make_engine(MODEL, max_num_seqs=12, **kw)
+    engine.runner.use_decode_graphs(emulate=True)
+    assert engine.runner.graphs.lora is engine.model.lora
+    return engine
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_decode_steps_with_adapter_rows_replay_through_the_graphs(adapters, references, monkeypatch, deterministic):
+    """The stacked updates inside the CUDA graphs (emulated): each token's adapter slot is a static buffer, so
+    decode steps with a1, a2 and base rows replay (padded rows past the batch take no adapter) and every
+    request gets peft's tokens; steps with prefill rows run eagerly beside them."""
+    engine = _stacked_engine(monkeypatch, dtype="float32", deterministic=deterministic,
+                             lora_modules=_modules(adapters))
+    jobs = [(name, i) for i in range(len(PROMPTS)) for name in ("a1", None, "a2")]
+    outs = engine.generate([PROMPTS[i] for _, i in jobs], [_params(name) for name, _ in jobs])
+    assert [o.token_ids for o in outs] == [references[job] for job in jobs]
+    assert engine.runner.graphs.num_replays >= NUM_TOKENS - 2
+
+
+def test_graphs_are_captured_again_when_an_adapter_comes(adapters, references, monkeypatch):
+    """An adapter loaded while serving changes the stacked updates the graphs were captured over: the buckets
+    are captured again (on a GPU the old graphs would read the old, freed updates), and the new adapter's
+    requests replay with their own tokens."""
+    engine = _stacked_engine(monkeypatch, dtype="float32", enable_lora=True)
+    graphs = engine.runner.graphs
+    first = engine.generate([PROMPTS[0]] * 2, [_params(None), _params(None)])
+    assert [o.token_ids for o in first] == [references[(None, 0)]] * 2
+    captures = graphs.num_captures
+    assert captures > 0
+    engine.load_lora("a1", adapters["a1"])
+    replays = graphs.num_replays
+    outs = engine.generate([PROMPTS[0], PROMPTS[2]], [_params("a1"), _params(None)])
+    assert [o.token_ids for o in outs] == [references[("a1", 0)], references[(None, 2)]]
+    assert graphs.num_captures > captures and graphs.num_replays > replays
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_adapter_rows_in_real_cuda_graphs_match_peft(adapters, references):
+    """On a GPU (fp32): decode steps with adapter rows replay through captured graphs with peft's tokens."""
+    engine = make_engine(MODEL, device="cuda", dtype="float32", lora_modules=_modules(adapters))
+    graphs = engine.runner.graphs
+    assert graphs is not None and graphs.lora is engine.model.lora
+    jobs = [(name, i) for i in range(len(PROMPTS)) for name in ("a1", None, "a2")]
+    outs = engine.generate([PROMPTS[i] for _, i in jobs], [_params(name) for name, _ in jobs])
+    assert [o.token_ids for o in outs] == [references[job] for job in jobs]
+    assert graphs.num_replays > 0
 
 
 @pytest.mark.parametrize("variant", ["chunked+preemption", "async_scheduling"])
@@ -157,14 +213,14 @@ def _run_alone_and_together(engine, jobs):
     return alone, together
 
 
-@pytest.mark.parametrize("way", ["grouped", "per_adapter"])
+@pytest.mark.parametrize("way", ["grouped", "stacked"])
 def test_mixed_batch_is_bitwise_each_request_alone_bf16(adapters, way, monkeypatch):
     """Deterministic bf16, prefix caching off (every run computes every token): a batch of base, a1 and a2
     requests, chunked prefills beside decodes, gives each request exactly its tokens alone. A row that got
     another row's adapter, or none, would differ (the rows are found by the step's token offsets)."""
     from pdcluster.engine.lora import layers
 
-    if way == "per_adapter":
+    if way == "stacked":
         monkeypatch.setattr(layers.cpu_lora, "available", lambda: False)
     engine = make_engine(MODEL, dtype="bfloat16", deterministic=True, enable_prefix_caching=False,
                          prefill_chunk_size=16, lora_modules=_modules(adapters))

@@ -41,13 +41,13 @@ def _slots(engine) -> list[str | None]:
     return [a.name if a is not None else None for a in engine.model.lora.adapters]
 
 
-@pytest.mark.parametrize("way", ["grouped", "per_adapter"])
+@pytest.mark.parametrize("way", ["grouped", "stacked"])
 def test_adapters_loaded_between_steps_match_peft(adapters, references, way, monkeypatch):  # noqa: F811
     """A base request decodes; a1 is loaded and its request joins the running batch; then a2: every request
     gets peft's tokens, whichever way the updates run."""
     from pdcluster.engine.lora import layers
 
-    if way == "per_adapter":
+    if way == "stacked":
         monkeypatch.setattr(layers.cpu_lora, "available", lambda: False)
     engine = _runtime_engine()
     engine.cumulative_outputs = False
@@ -100,7 +100,8 @@ def test_unload_refuses_new_requests_and_lets_running_ones_finish(adapters, refe
     _step_until(engine, lambda t: not engine.has_unfinished(), tokens)
     assert tokens[running] == references[("a1", 1)] and tokens[waiting] == references[("a1", 2)]
     assert _slots(engine) == [None], "the weights outlived the last request that ran with them"
-    assert all(layer.slice_updates == {} and layer.grouped is None for layer in engine.model.lora.layers)
+    assert all(layer.slice_updates == {} and layer.grouped is None and layer.stacked is None
+               for layer in engine.model.lora.layers)
     # Its slot is the next adapter's; the base model still gives its own tokens.
     engine.load_lora("a2", adapters["a2"])
     assert _slots(engine) == ["a2"]
