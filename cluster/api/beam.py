@@ -12,6 +12,7 @@ the search (the step's requests are aborted). In /metrics each returned beam is 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import replace
 
@@ -36,14 +37,16 @@ async def _one_step(router, request_id: str, token_ids: list[int], params: Sampl
     finished = False
     records: list[TokenLogprobs] = []
     try:
-        async for delta in router.generate(request_id, token_ids, params):
-            records += delta.logprobs
-            if delta.finished:
-                finished = True
-                if delta.finish_reason in ("error", "abort"):
-                    raise APIError(503, f"beam search step failed: {delta.error or delta.finish_reason}",
-                                   kind="server_error")
-                break
+        # aclosing: the stream is closed here when the loop leaves it, not whenever its finalizer runs.
+        async with contextlib.aclosing(router.generate(request_id, token_ids, params)) as deltas:
+            async for delta in deltas:
+                records += delta.logprobs
+                if delta.finished:
+                    finished = True
+                    if delta.finish_reason in ("error", "abort"):
+                        raise APIError(503, f"beam search step failed: {delta.error or delta.finish_reason}",
+                                       kind="server_error")
+                    break
     except RouterError as e:
         finished = True  # refused at admission: nothing to abort
         raise APIError(e.status, str(e), kind=e.kind) from e
