@@ -15,7 +15,7 @@ from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kv_transfer.config import TransferConfig
 from pdcluster.kv_transfer.connector.decode import DecodeKVConnector
 from pdcluster.kv_transfer.control_plane import DecodeEndpoint
-from pdcluster.kv_transfer.protocol import FirstToken, Message, TransferRequest
+from pdcluster.kv_transfer.protocol import AbortTransfer, FirstToken, Message, TransferRequest
 from pdcluster.node.endpoint import endpoint_config
 from pdcluster.wire.kv_connector import KVConnector
 
@@ -27,6 +27,7 @@ class UnreachablePrefill(ConnectionError):
 class NoRemoteKV:
     transport_name = ""
     num_quarantined = 0
+    transfer_timeout_s = 0.0
 
     def __init__(self) -> None:
         self.connector = KVConnector()
@@ -34,6 +35,16 @@ class NoRemoteKV:
     def request_kv(self, request_id: str, prefill_id: str, prompt_token_ids: list[int], params: SamplingParams,
                    block_ids: list[int], num_reused_blocks: int = 0) -> None:
         raise UnreachablePrefill("this decode worker runs colocated: it has no KV transfer configured")
+
+    def ask_first_token(self, request_id: str, prefill_id: str, prompt_token_ids: list[int],
+                        params: SamplingParams) -> None:
+        raise UnreachablePrefill("this decode worker runs colocated: it has no KV transfer configured")
+
+    def give_up_first_token(self, request_id: str, prefill_id: str, reason: str) -> None:
+        pass
+
+    def dead_peers(self) -> set[str]:
+        return set()
 
     def connect(self, address: str) -> str:
         raise RuntimeError("this decode worker runs colocated: it has no KV transfer configured")
@@ -63,6 +74,7 @@ class RemoteKV(NoRemoteKV):
     def __init__(self, worker_id: str, model: LoadedModel, transfer: TransferConfig, transport_cls,
                  on_first_token: Callable[[str, FirstToken], None]):
         self.transfer = transfer
+        self.transfer_timeout_s = transfer.transfer_timeout_s
         self.transport_name = transfer.transport
         self.transport = transport_cls(model.kv_cache, "receiver", transfer.transport_config())
         self._on_first_token = on_first_token
@@ -98,6 +110,32 @@ class RemoteKV(NoRemoteKV):
         except Exception as e:  # lost since the check above: give the admission back (revoke) and say so
             self.connector.abort(request_id, "prefill worker unreachable")
             raise UnreachablePrefill(f"prefill worker {prefill_id!r}: {e}") from e
+
+    def ask_first_token(self, request_id: str, prefill_id: str, prompt_token_ids: list[int],
+                        params: SamplingParams) -> None:
+        """Ask the prefill worker for the request's first token alone (it ends the request): no blocks are
+        admitted on the transport, none named to the sender."""
+        if prefill_id not in self.endpoint.peers():
+            raise UnreachablePrefill(f"prefill worker {prefill_id!r} is not connected to this decode worker")
+        ask = TransferRequest(request_id=request_id, dst_block_ids=[], num_tokens=len(prompt_token_ids),
+                              deadline_unix_s=time.time() + self.transfer.transfer_timeout_s,
+                              prompt_token_ids=list(prompt_token_ids), sampling=dataclasses.asdict(params),
+                              first_token_only=True)
+        try:
+            self.endpoint.send(prefill_id, ask)
+        except Exception as e:  # lost since the check above
+            raise UnreachablePrefill(f"prefill worker {prefill_id!r}: {e}") from e
+
+    def give_up_first_token(self, request_id: str, prefill_id: str, reason: str) -> None:
+        """Tell the prefill worker to stop computing a first-token-only ask (best effort: a peer that is
+        gone has dropped it)."""
+        try:
+            self.endpoint.send(prefill_id, AbortTransfer(request_id=request_id, reason=reason[:200]))
+        except Exception:  # noqa: BLE001
+            pass
+
+    def dead_peers(self) -> set[str]:
+        return self.endpoint.dead_peers()
 
     def connect(self, address: str) -> str:
         return self.endpoint.connect(address).worker_id

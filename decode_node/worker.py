@@ -4,14 +4,17 @@ WAITING_FOR_REMOTE_KV; the worker asks that prefill worker for the KV (remote_kv
 the control plane), streams the first token as soon as the prefill worker sends it, and the engine
 decodes once its connector reports the KV landed (or ends the request when it failed), with
 continuous batching and speculative decoding. It also runs requests start to finish itself (colocated
-mode, or conditional disaggregation for short prompts). Every event of a request goes to the router
-on this worker's one typed stream (node/events.py), in order.
+mode, or conditional disaggregation for short prompts). A request its first token ends (max_tokens 1:
+scoring, classification, a beam search's step) never enters this worker's engine: it asks the prefill
+worker for the first token only, no blocks reserved and no KV moved, and that token is its answer. Every
+event of a request goes to the router on this worker's one typed stream (node/events.py), in order.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 from pdcluster.engine.config import EngineConfig
@@ -20,7 +23,7 @@ from pdcluster.engine.loaded_model import LoadedModel
 from pdcluster.engine.remote_admission import RemoteReservation
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kv_transfer.config import TransferConfig
-from pdcluster.kv_transfer.protocol import FirstToken, TransferDone
+from pdcluster.kv_transfer.protocol import AbortTransfer, FirstToken, TransferDone
 from pdcluster.kv_transfer.transports import get_transport_class
 from pdcluster.node.events import (ADMITTED, FULL, INVALID, UNREACHABLE, Admission, Failed, KVReady, StepTokens,
                                    Tokens)
@@ -39,9 +42,16 @@ class _FirstTokenStream:
     prefill_id: str
     num_prompt_tokens: int
     first_token_sent: bool = False
+    # A first-token-only ask (the token ends the request, which is not in the engine): its parameters (for
+    # the finish reason) and when it is given up (time.monotonic()).
+    ends_request: SamplingParams | None = None
+    deadline: float = 0.0
 
 
 class DecodeWorker(WorkerLoop):
+    # Requests their first token ends ask for it alone (bench/first_token_only.py turns it off for its A/B).
+    ask_first_token_only = True
+
     def __init__(self, worker_id: str, engine_config: EngineConfig, transfer: TransferConfig | None = None):
         super().__init__(f"decode-{worker_id}")
         self.worker_id = worker_id
@@ -54,6 +64,7 @@ class DecodeWorker(WorkerLoop):
                    if transfer is not None else NoRemoteKV())
         self.engine = LLMEngine(model, self.kv.connector, cumulative_outputs=False)  # streams new tokens
         self._first_tokens: dict[str, _FirstTokenStream] = {}
+        self._first_token_only: dict[str, _FirstTokenStream] = {}  # of those, the asks whose token ends them
         # Admitted requests loading their prefix from the offload tiers -> the prefill worker to ask once
         # the load ends (prompt and parameters are the engine's Request's). Engine thread only.
         self._asks_after_load: dict[str, str] = {}
@@ -123,6 +134,9 @@ class DecodeWorker(WorkerLoop):
                 self.emit(KVReady(request_id=request_id, worker_id=self.worker_id, transport="fork",
                                   num_bytes=0, seconds=0.0))
             return
+        if params.max_tokens == 1 and params.fork_group is None and self.ask_first_token_only:
+            self._ask_first_token_only(request_id, prefill_id, prompt_token_ids, params)
+            return
         try:
             reserved = self.engine.add_remote_request(request_id, prompt_token_ids, params)
         except ValueError as e:  # the id is in use here (a caller bug), or a grammar refused: said clearly
@@ -163,6 +177,40 @@ class DecodeWorker(WorkerLoop):
             if not admitted:
                 self._admission(request_id, ADMITTED)
 
+    def _ask_first_token_only(self, request_id: str, prefill_id: str, prompt_token_ids: list[int],
+                              params: SamplingParams) -> None:
+        """The prefill worker's first token is the whole answer: ask for it alone (no blocks, no KV)."""
+        if request_id in self._first_tokens or request_id in self.engine.scheduler.requests:
+            self._admission(request_id, INVALID, f"request id {request_id!r} is in use on this worker")
+            return
+        deadline = time.monotonic() + self.kv.transfer_timeout_s
+        with self._first_token_lock:  # its FirstToken (I/O thread) goes out after the Admission
+            stream = _FirstTokenStream(prefill_id, len(prompt_token_ids), ends_request=params, deadline=deadline)
+            self._first_tokens[request_id] = self._first_token_only[request_id] = stream
+            try:
+                self.kv.ask_first_token(request_id, prefill_id, prompt_token_ids, params)
+            except UnreachablePrefill as e:
+                self._end_first_token_stream(request_id)
+                self._admission(request_id, UNREACHABLE, str(e))
+                return
+            self._admission(request_id, ADMITTED)
+
+    def _expire_first_token_only(self, aborted: dict[str, str]) -> None:
+        """First-token-only asks that cannot be answered any more fail (the router places them again):
+        ``aborted`` ({request id: reason}) refused by their prefill worker, the others whose prefill worker
+        stopped answering or was left, or whose deadline passed (that one is told to stop)."""
+        dead = self.kv.dead_peers()
+        now = time.monotonic()
+        for request_id, stream in list(self._first_token_only.items()):
+            reason = aborted.get(request_id)
+            if reason is None and stream.prefill_id in dead:
+                reason = f"prefill worker {stream.prefill_id} stopped answering"
+            elif reason is None and now > stream.deadline:
+                reason = "first token deadline passed"
+                self.kv.give_up_first_token(request_id, stream.prefill_id, reason)
+            if reason is not None and self._end_first_token_stream(request_id):
+                self.emit(Failed(request_id=request_id, worker_id=self.worker_id, reason=reason[:2000]))
+
     def _fork_leader(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> str | None:
         """The live sibling this request follows, or None (then it leads its group from now on)."""
         group = params.fork_group
@@ -179,15 +227,22 @@ class DecodeWorker(WorkerLoop):
         return None
 
     def _abort(self, request_id: str) -> None:
+        stream = self._first_token_only.get(request_id)
+        if stream is not None:  # not in the engine: the prefill worker is told to stop computing it
+            if self._end_first_token_stream(request_id):
+                self.kv.give_up_first_token(request_id, stream.prefill_id, "aborted by the router")
+            return
         self._asks_after_load.pop(request_id, None)
         # Waiting for its KV or not: the engine ends it, its connector revokes the transfer, tells the
         # prefill worker and keeps the blocks only while a sender may still write them.
         self._end_first_token_stream(request_id)
         self.engine.abort_request(request_id)
 
-    def _end_first_token_stream(self, request_id: str) -> None:
+    def _end_first_token_stream(self, request_id: str) -> bool:
+        """Whether the request still had a stream here (a first-token-only ask: it was still open)."""
         with self._first_token_lock:  # after this, a late FirstToken finds nothing to stream
-            self._first_tokens.pop(request_id, None)
+            self._first_token_only.pop(request_id, None)
+            return self._first_tokens.pop(request_id, None) is not None
 
     def _stats(self) -> dict:
         sched = self.engine.scheduler
@@ -200,6 +255,8 @@ class DecodeWorker(WorkerLoop):
             "num_quarantined": self.kv.num_quarantined,
             "num_prompt_tokens_computed": self.engine.scheduler.num_prompt_tokens_computed,
             "num_prompt_tokens_reused": sched.num_prompt_tokens_reused,  # held here, not transferred
+            # Asks for a first token alone (max_tokens 1) not yet answered: no block held for them.
+            "num_first_token_only": len(self._first_token_only),
         }
 
     def _on_first_token(self, peer_id: str, msg: FirstToken) -> None:
@@ -215,17 +272,29 @@ class DecodeWorker(WorkerLoop):
             if stream is None or stream.first_token_sent or prefill_id != stream.prefill_id:
                 return
             stream.first_token_sent = True
+            params, finish_reason = stream.ends_request, ""
+            if params is not None:  # the answer: the request ends with it, here
+                finish_reason = "stop" if self.engine.scheduler.stops_on(params, token_id) else "length"
+                del self._first_tokens[request_id], self._first_token_only[request_id]
             self.emit(Tokens(request_id=request_id, worker_id=self.worker_id, new_token_ids=[token_id],
                              num_computed_tokens=stream.num_prompt_tokens, num_output_tokens=1,
+                             finished=params is not None, finish_reason=finish_reason,
                              num_cached_tokens=msg.num_cached_tokens,
                              num_offloaded_tokens=msg.num_offloaded_tokens, logprobs=list(msg.logprobs),
                              prompt_logprobs=list(msg.prompt_logprobs)))
 
     def _poll_kv(self) -> None:
+        refused: dict[str, str] = {}  # first-token-only asks their prefill worker refused
         for peer_id, msg in self.kv.poll_messages():
+            stream = self._first_token_only.get(msg.request_id) if isinstance(msg, AbortTransfer) else None
+            if stream is not None and stream.prefill_id == peer_id:
+                refused[msg.request_id] = f"prefill worker {peer_id}: {msg.reason}"
+                continue
             if isinstance(msg, TransferDone) and msg.ok:
                 self._first_token(msg, peer_id)  # it overtook FirstToken: the first token goes first
             self.kv.handle_message(peer_id, msg)
+        if self._first_token_only:
+            self._expire_first_token_only(refused)
         polled = self.engine.poll_kv()  # the connector's news, applied by the engine's scheduler
         for request_id, reserved in polled.ready_to_ask.items():
             prefill_id = self._asks_after_load.pop(request_id, None)

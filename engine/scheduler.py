@@ -409,9 +409,13 @@ class Scheduler:
         ) - 1
         return list(drafts[: max(room, 0)])
 
+    def stops_on(self, params, token_id: int) -> bool:
+        """Whether ``token_id`` ends a request with ``params`` as a stop (finish_reason "stop")."""
+        return token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids)
+
     def _check_stop(self, request: Request, token_id: int) -> bool:
         params = request.sampling_params
-        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+        if self.stops_on(params, token_id):
             request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token_id
             return True
         num_output_tokens = len(request.output_token_ids)

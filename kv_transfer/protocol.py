@@ -20,6 +20,10 @@ A request's transfer, D = decode (which owns the request), P = prefill:
     P -> D  FirstToken(request, token)       as soon as P sampled it (TTFT does not wait for the KV)
     P -> D  TransferDone(request, ok, ...)   from post_forward, once D acked every chunk (S2)
     either  AbortTransfer(request, reason)   stop; each side frees its blocks
+
+A request its first token ends (max_tokens 1: scoring, classification, a beam search's step) asks with
+``first_token_only``: no blocks reserved on D, no KV sent; P's FirstToken is the whole answer, and P sends
+nothing after it (D abandons the ask with AbortTransfer when it is given up first).
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from pdcluster.wire.records import (  # noqa: F401 - re-exported: the control pl
     to_wire,
 )
 
-# Fields added with a default (TransferRequest.prompt_token_ids, .sampling, .num_reused_blocks;
+# Fields added with a default (TransferRequest.prompt_token_ids, .sampling, .num_reused_blocks, .first_token_only;
 # TransferDone.num_bytes, .seconds, .num_offloaded_tokens; FirstToken.num_offloaded_tokens) and new message types do not change the version; a changed meaning would.
 PROTOCOL_VERSION = 1
 ROLES = ("prefill", "decode")
@@ -139,7 +143,9 @@ class TransferRequest(Record):
     ``num_reused_blocks``: leading prompt blocks the decode worker already holds (its own prefix cache:
     engine/remote_admission.py). The prefill worker still computes the whole prompt but sends only the
     blocks from that one on; ``dst_block_ids[0]`` is where prompt block ``num_reused_blocks`` lands.
-    A peer that does not send the field asks for every block (0)."""
+    A peer that does not send the field asks for every block (0).
+
+    ``first_token_only``: the first token ends the request; no blocks (``dst_block_ids`` empty), no KV."""
 
     request_id: str
     dst_block_ids: list[int]
@@ -148,10 +154,13 @@ class TransferRequest(Record):
     prompt_token_ids: list[int] = dataclasses.field(default_factory=list)
     sampling: dict[str, Any] = dataclasses.field(default_factory=dict)
     num_reused_blocks: int = 0
+    first_token_only: bool = False
 
     def _check_values(self, path: str) -> None:
         _require(self.num_tokens >= 0, f"{path}.num_tokens", "must be >= 0", self.num_tokens)
         _require(self.num_reused_blocks >= 0, f"{path}.num_reused_blocks", "must be >= 0", self.num_reused_blocks)
+        _require(not (self.first_token_only and self.dst_block_ids), f"{path}.dst_block_ids",
+                 "must be empty when first_token_only (no KV is sent)", len(self.dst_block_ids))
         if self.dst_block_ids:
             low = min(self.dst_block_ids)
             _require(low >= 0, f"{path}.dst_block_ids", "block ids must be >= 0", low)

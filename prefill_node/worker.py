@@ -5,7 +5,8 @@ runs the draft proposer, and streams the KV into those blocks; the last sends go
 (S2), and ``TransferDone`` as soon as the decode side has acknowledged them: the ack is looked for at
 the end of each step, between steps (``tick``), and while a step runs (the ack poller thread), so it
 does not wait for the next step. Failures go back to that decode worker as ``AbortTransfer``; it
-tells the router.
+tells the router. A first-token-only ask (max_tokens 1) gets its ``FirstToken`` and nothing else: no KV
+leaves this worker for a request that will never decode.
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ class PrefillWorker(WorkerLoop):
         )
         self.engine = LLMEngine(model, self.connector, cumulative_outputs=False)  # reads new tokens only
         self._connected: dict[str, dict] = {}  # decode peer id -> the transport descriptor we connected to
+        # First-token-only asks (max_tokens 1: no KV goes out) -> the decode worker that owns each; until the
+        # first token is sent or the owner gives the ask up.
+        self._first_token_only: dict[str, str] = {}
         self._ack_poller = threading.Thread(target=self._poll_acks, name=f"prefill-{worker_id}-acks", daemon=True)
         self.start()
         self._ack_poller.start()
@@ -90,6 +94,9 @@ class PrefillWorker(WorkerLoop):
             # Checked here (add_request validates) because it came from another process: a bad token id
             # must fail this request, not the engine thread.
             self.engine.add_request(list(msg.prompt_token_ids), replace(params, max_tokens=1), request_id=request_id)
+            if msg.first_token_only:  # the first token is the answer: no transfer, the blocks go back at its end
+                self._first_token_only[request_id] = decode_id
+                return
             timeout_s = min(self.transfer.transfer_timeout_s, max(0.0, msg.deadline_unix_s - time.time()))
             self.connector.add_transfer(request_id, decode_id, msg.dst_block_ids, msg.num_tokens, timeout_s,
                                         num_reused_blocks=msg.num_reused_blocks)  # those the decode side holds
@@ -126,6 +133,9 @@ class PrefillWorker(WorkerLoop):
         for peer_id, msg in self.endpoint.poll(0.0):
             if isinstance(msg, TransferRequest):
                 self._on_transfer_request(peer_id, msg)
+            elif isinstance(msg, AbortTransfer) and self._first_token_only.get(msg.request_id) == peer_id:
+                del self._first_token_only[msg.request_id]  # its owner gave it up: stop computing it
+                self.engine.abort_request(msg.request_id)
             else:
                 self.connector.handle_message(peer_id, msg)
         # Between steps (or idle): acks that came in since the last step send their TransferDone now,
@@ -141,7 +151,17 @@ class PrefillWorker(WorkerLoop):
             return False
         for out in self.engine.step():
             task = self.connector.tasks.get(out.request_id)
-            if out.new_token_ids and task is not None:
+            owner = self._first_token_only.pop(out.request_id, None) if out.new_token_ids or out.finished else None
+            if owner is not None and out.new_token_ids:  # the whole answer; nothing follows it
+                self._send(owner, FirstToken(request_id=out.request_id, token_id=out.new_token_ids[0],
+                                             num_cached_tokens=out.num_cached_tokens,
+                                             num_offloaded_tokens=out.num_offloaded_tokens,
+                                             logprobs=list(out.new_logprobs),
+                                             prompt_logprobs=list(out.prompt_logprobs or [])))
+            elif owner is not None:  # ended here without a token (an error): its owner fails it
+                self._send(owner, AbortTransfer(request_id=out.request_id,
+                                                reason=f"prefill ended it: {out.finish_reason}"[:200]))
+            elif out.new_token_ids and task is not None:
                 # Kept on the task too: TransferDone repeats them in case it overtakes FirstToken.
                 task.logprobs, task.prompt_logprobs = list(out.new_logprobs), list(out.prompt_logprobs or [])
                 self._send(task.decode_id, FirstToken(request_id=out.request_id, token_id=out.new_token_ids[0],
