@@ -621,7 +621,8 @@ def isolated_correctness(entry: dict, args, report: "Report") -> None:
     """The correctness section in child processes: a device fault (an illegal address poisons a CUDA context)
     costs the model that met it, not the models after it or the speed section, which run in fresh processes.
     A child that dies or faults mid-model leaves that model marked failed; the next child takes the rest."""
-    names = [n for n in CORRECTNESS_MODELS if not args.models or n in args.models.split(",")]
+    wanted = [n for n in CORRECTNESS_MODELS if not args.models or n in args.models.split(",")]
+    names = list(wanted)  # those still to check
     child_out = Path(tempfile.mkdtemp(prefix="pdcluster-gpu-check-child-")) / "correctness.json"
     entry["processes"] = 0
     while names and entry["processes"] < len(CORRECTNESS_MODELS):
@@ -655,7 +656,6 @@ def isolated_correctness(entry: dict, args, report: "Report") -> None:
             break
         names = [n for n in names if n not in entry]
         report.write()
-    wanted = [n for n in CORRECTNESS_MODELS if not args.models or n in args.models.split(",")]
     entry["ok"] = "error" not in entry and all(_model_ok(entry.get(n, {"ok": False})) for n in wanted)
 
 

@@ -118,9 +118,9 @@ class DecodeGraphs:
                 self._lora_version = self.lora.version
             if self.lora.token_slot is not None:
                 self.lora_token_slot[:n].copy_(self.lora.token_slot)
-            else:
-                self.lora_token_slot[:n].fill_(-1)
-            self.lora_token_slot[n : bucket * self.q_len].fill_(-1)
+                self.lora_token_slot[n : bucket * self.q_len].fill_(-1)
+            else:  # no adapter row: every token of the bucket takes the base model
+                self.lora_token_slot[: bucket * self.q_len].fill_(-1)
         if bucket not in self._outputs:
             try:
                 self._capture_on_scratch(bucket)

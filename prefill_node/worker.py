@@ -153,19 +153,20 @@ class PrefillWorker(WorkerLoop):
             task = self.connector.tasks.get(out.request_id)
             owner = self._first_token_only.pop(out.request_id, None) if out.new_token_ids or out.finished else None
             if owner is not None and out.new_token_ids:  # the whole answer; nothing follows it
-                self._send(owner, FirstToken(request_id=out.request_id, token_id=out.new_token_ids[0],
-                                             num_cached_tokens=out.num_cached_tokens,
-                                             num_offloaded_tokens=out.num_offloaded_tokens,
-                                             logprobs=list(out.new_logprobs),
-                                             prompt_logprobs=list(out.prompt_logprobs or [])))
+                self._send(owner, _first_token(out))
             elif owner is not None:  # ended here without a token (an error): its owner fails it
                 self._send(owner, AbortTransfer(request_id=out.request_id,
                                                 reason=f"prefill ended it: {out.finish_reason}"[:200]))
             elif out.new_token_ids and task is not None:
+                first = _first_token(out)
                 # Kept on the task too: TransferDone repeats them in case it overtakes FirstToken.
-                task.logprobs, task.prompt_logprobs = list(out.new_logprobs), list(out.prompt_logprobs or [])
-                self._send(task.decode_id, FirstToken(request_id=out.request_id, token_id=out.new_token_ids[0],
-                                                      num_cached_tokens=out.num_cached_tokens,
-                                                      num_offloaded_tokens=out.num_offloaded_tokens,
-                                                      logprobs=task.logprobs, prompt_logprobs=task.prompt_logprobs))
+                task.logprobs, task.prompt_logprobs = first.logprobs, first.prompt_logprobs
+                self._send(task.decode_id, first)
         return True
+
+
+def _first_token(out) -> FirstToken:
+    """The FirstToken of a step output that sampled the request's first token."""
+    return FirstToken(request_id=out.request_id, token_id=out.new_token_ids[0], num_cached_tokens=out.num_cached_tokens,
+                      num_offloaded_tokens=out.num_offloaded_tokens, logprobs=list(out.new_logprobs),
+                      prompt_logprobs=list(out.prompt_logprobs or []))
