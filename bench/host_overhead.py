@@ -27,7 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def stubbed_engine(batch: int, context: int, steps: int, async_scheduling: bool = False, streaming: bool = False):
+def stubbed_engine(batch: int, context: int, steps: int, async_scheduling: bool = False, streaming: bool = False,
+                   graph_path: bool = False):
     """The tiny-random engine with its forward and LM head stubbed (zeros; a 256-id head), ``batch``
     requests of ``context`` prompt tokens past their prefill, each with room for 2 x ``steps`` more
     decode steps: a decode step is then the engine's own host work."""
@@ -52,6 +53,11 @@ def stubbed_engine(batch: int, context: int, steps: int, async_scheduling: bool 
     hidden_size = model.embed_tokens.shape[1]
     model.forward = lambda ids, *args, **kwargs: torch.zeros(ids.shape[0], hidden_size)
     model.compute_logits = lambda hidden: torch.zeros(hidden.shape[0], 256)
+    if graph_path:  # a GPU's decode path: inputs staged through the arenas, steps through the (emulated) graphs
+        from pdcluster.engine.step_inputs import StepInputs
+
+        engine.runner.inputs = StepInputs("cpu", staged=True)
+        engine.runner.use_decode_graphs(emulate=True)
     for i in range(batch):
         engine.add_request([5 + (i * 7 + j) % 200 for j in range(context)], params)
     for _ in range(10_000):  # prefill done: every request running with a token out
@@ -63,8 +69,8 @@ def stubbed_engine(batch: int, context: int, steps: int, async_scheduling: bool 
 
 
 def host_step_ms(batch: int, context: int, steps: int, profile: str | None = None, async_scheduling: bool = False,
-                 streaming: bool = False) -> dict:
-    engine = stubbed_engine(batch, context, steps, async_scheduling, streaming)
+                 streaming: bool = False, graph_path: bool = False) -> dict:
+    engine = stubbed_engine(batch, context, steps, async_scheduling, streaming, graph_path)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -99,6 +105,9 @@ def main() -> int:
     ap.add_argument("--streaming-outputs", action="store_true",
                     help="outputs carry each step's new tokens only (the serving workers' setting), not every "
                          "request's whole output (LLMEngine's default)")
+    ap.add_argument("--graph-path", action="store_true",
+                    help="the GPU's decode path: step inputs staged through the host/device arenas and decode steps "
+                         "through CUDA graphs, emulated (the graph's forward is the stub)")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT / "bench"))
     from gpu_check import import_pdcluster
@@ -109,9 +118,9 @@ def main() -> int:
 
     torch.set_num_threads(1)
     result = {"context_tokens": args.context, "steps": args.steps, "async_scheduling": args.async_scheduling,
-              "streaming_outputs": args.streaming_outputs,
+              "streaming_outputs": args.streaming_outputs, "graph_path": args.graph_path,
               "batches": {b: host_step_ms(int(b), args.context, args.steps, args.profile, args.async_scheduling,
-                                          args.streaming_outputs)
+                                          args.streaming_outputs, args.graph_path)
                           for b in args.batches.split(",")}}
     emit_json(result, args.out, indent=2)
     return 0

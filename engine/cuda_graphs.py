@@ -7,9 +7,12 @@ How (vLLM's recipe):
 - buckets of batch sizes (1, 2, 4, 8, then every 16 up to ``max_num_seqs``); a batch runs in the
   smallest bucket that holds it, the rows past it padded;
 - every input lives in a static buffer the graph was captured over (token ids, positions, slot
-  mapping, block tables at full width, context lengths); a step copies its inputs into them (device to
-  device) and replays. Padded rows write no KV (slot -1: the write kernels skip it), have context
-  length 1 and block table row 0: they read one cache slot, and their outputs are dropped;
+  mapping, block tables at full width, context lengths). The runner's step stages its per-token and
+  per-row host arrays straight into them, padded, with one host-to-device copy (``stage``); the block
+  table (a width per step) is one device copy in ``run``, which replays. Padded rows write no KV (slot
+  -1: the write kernels skip it), have context length 1 and block table row 0: they read one cache slot,
+  and their outputs are dropped. (``run`` also takes a step's inputs as device tensors and copies them
+  in: direct callers);
 - the hidden states come out of the bucket's static output, sliced to the batch; logits, sampling
   and the proposer run outside the graph (they depend on the rows' sampling parameters);
 - captured lazily, at a bucket's first use (warm-up runs every bucket once, see engine/warmup.py), in
@@ -41,6 +44,7 @@ import torch
 from pdcluster.engine.attention import AttentionMetadata
 from pdcluster.engine.mamba_state import MambaMetadata, MambaStatePool
 from pdcluster.engine.models.mamba_mixer import MambaStepPlan
+from pdcluster.engine.step_inputs import StepInputs
 
 PAD_SLOT = -1  # write kernels skip negative slots
 log = logging.getLogger(__name__)
@@ -62,18 +66,34 @@ class DecodeGraphs:
         self.mamba_pool = mamba_pool
         self.buckets = batch_buckets(max_num_seqs)
         max_rows, max_tokens = self.buckets[-1], self.buckets[-1] * q_len
-        self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((max_tokens,), PAD_SLOT, dtype=torch.int64, device=device)
+        # The per-token and per-row inputs live in one device arena, so a step's host arrays land in them with one
+        # copy (``stage``); each region is sized for the largest bucket, a bucket's graph reads its prefixes.
+        self._offsets: dict[str, int] = {}
+        num_bytes = 0
+        for name, count, dtype in (("input_ids", max_tokens, torch.int64), ("positions", max_tokens, torch.int64),
+                                   ("slot_mapping", max_tokens, torch.int64), ("state_slots", max_rows, torch.int64),
+                                   ("ahead_dst", max_rows, torch.int64), ("ahead_src", max_rows, torch.int64),
+                                   ("seq_lens", max_rows, torch.int32)):
+            self._offsets[name] = num_bytes
+            num_bytes += count * dtype.itemsize
+        self._static = torch.zeros(num_bytes, dtype=torch.uint8, device=device)
+        self.input_ids = self._region("input_ids", max_tokens, torch.int64)
+        self.positions = self._region("positions", max_tokens, torch.int64)
+        self.slot_mapping = self._region("slot_mapping", max_tokens, torch.int64).fill_(PAD_SLOT)
+        self.ahead_dst = self._region("ahead_dst", max_rows, torch.int64)
+        self.ahead_src = self._region("ahead_src", max_rows, torch.int64)
+        self.seq_lens = self._region("seq_lens", max_rows, torch.int32).fill_(1)
+        self._staged_views: dict[int, tuple[torch.Tensor, ...]] = {}  # num_rows -> its prefixes (see ``stage``)
+        self.num_staged = 0  # steps whose inputs were staged straight into the static buffers
+        self.num_copied = 0  # steps whose inputs ``run`` copied into them (device to device)
         self.block_tables = torch.zeros(max_rows, max_blocks_per_req, dtype=torch.int32, device=device)
-        self.seq_lens = torch.ones(max_rows, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(0, (max_rows + 1) * q_len, q_len, dtype=torch.int32, device=device)
         if mamba_pool is not None:
             if mamba_pool.num_slots <= max_rows:
                 raise ValueError(f"CUDA graphs for a hybrid: the state pool needs a scratch slot past the "
                                  f"{max_rows} rows' ({mamba_pool.num_slots} slots)")
             self.pad_state_slot = mamba_pool.num_slots - 1
-            self.state_slots = torch.full((max_rows,), self.pad_state_slot, dtype=torch.int64, device=device)
+            self.state_slots = self._region("state_slots", max_rows, torch.int64).fill_(self.pad_state_slot)
         self.lora = lora
         if lora is not None:
             self.lora_token_slot = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
@@ -86,8 +106,56 @@ class DecodeGraphs:
         self.num_replays = 0
         self.num_captures = 0
 
+    def _region(self, name: str, count: int, dtype: torch.dtype) -> torch.Tensor:
+        offset = self._offsets[name]
+        return self._static[offset : offset + count * dtype.itemsize].view(dtype)
+
     def bucket(self, num_rows: int) -> int | None:
         return next((b for b in self.buckets if b >= num_rows), None)
+
+    def stage(self, inputs: StepInputs, host: dict[str, np.ndarray]) -> dict[str, torch.Tensor] | None:
+        """A uniform decode step's per-token and per-row host arrays (``input_ids``, ``positions``,
+        ``slot_mapping``, ``seq_lens``; ``state_slots`` for a hybrid; ``ahead_dst`` and ``ahead_src`` for
+        launch-ahead rows) straight into the static buffers, padded for the step's bucket, in one copy:
+        ``run`` then replays without copying them again (on the H200 the seven device copies and fills were
+        ~10% of a batch-1 step's host time). Returns the step's prefixes of those buffers, or None where no
+        graph would take the step (``run`` could not either): no bucket holds it, its bucket's capture
+        failed, or its block table is wider than the static one."""
+        num_rows = host["seq_lens"].shape[0]
+        bucket = self.bucket(num_rows)
+        if bucket is None or bucket in self._failed or host["block_tables"].shape[1] > self.block_tables.shape[1]:
+            return None
+        n, padded = num_rows * self.q_len, bucket * self.q_len
+        off = self._offsets
+
+        def pad(a: np.ndarray, length: int, value: int) -> np.ndarray:
+            if a.shape[0] == length:
+                return a
+            out = np.full(length, value, dtype=a.dtype)
+            out[: a.shape[0]] = a
+            return out
+
+        # Every byte of the bucket's prefixes is written (the copy carries the host arena's stale bytes between
+        # parts): padded rows take token 0 at position 0, slot -1 (no KV write) and length 1.
+        parts = [(off["input_ids"], pad(host["input_ids"], padded, 0)), (off["positions"], pad(host["positions"], padded, 0)),
+                 (off["slot_mapping"], pad(host["slot_mapping"], padded, PAD_SLOT)),
+                 (off["seq_lens"], pad(host["seq_lens"], bucket, 1))]
+        if self.mamba_pool is not None:
+            parts.append((off["state_slots"], pad(host["state_slots"], bucket, self.pad_state_slot)))
+        num_ahead = host["ahead_dst"].shape[0] if "ahead_dst" in host else 0
+        if num_ahead:
+            parts += [(off["ahead_dst"], host["ahead_dst"]), (off["ahead_src"], host["ahead_src"])]
+        inputs.put_into(self._static, parts)
+        self.num_staged += 1
+        views = self._staged_views.get(num_rows)
+        if views is None:  # slicing is a torch call each (host time): once per batch size
+            views = self._staged_views[num_rows] = (
+                self.input_ids[:n], self.positions[:n], self.slot_mapping[:n], self.seq_lens[:num_rows],
+                self.state_slots[:num_rows] if self.mamba_pool is not None else None)
+        out = dict(zip(("input_ids", "positions", "slot_mapping", "seq_lens", "state_slots"), views))
+        if num_ahead:
+            out["ahead_dst"], out["ahead_src"] = self.ahead_dst[:num_ahead], self.ahead_src[:num_ahead]
+        return out
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
         """The hidden states of this uniform batch through its bucket's graph (None: no bucket fits, or
@@ -99,26 +167,31 @@ class DecodeGraphs:
         if self.mamba_pool is not None:
             if meta.mamba is None or meta.mamba.state_slots is None or not meta.mamba.has_initial_state_np.all():
                 return None
-            self.state_slots[:num_rows].copy_(meta.mamba.state_slots)
-            self.state_slots[num_rows:bucket].fill_(self.pad_state_slot)
         n = num_rows * self.q_len
-        # Inputs into the static buffers (device to device; padded rows reset to their padding values).
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(meta.slot_mapping)
-        self.slot_mapping[n : bucket * self.q_len].fill_(PAD_SLOT)
-        width = meta.block_tables.shape[1]
-        self.block_tables[:num_rows, :width].copy_(meta.block_tables)
-        self.block_tables[num_rows:bucket].zero_()
-        self.seq_lens[:num_rows].copy_(meta.seq_lens)
-        self.seq_lens[num_rows:bucket].fill_(1)
+        # Staged (``stage``): the step's inputs already are the static buffers' prefixes, padded.
+        if input_ids.data_ptr() != self.input_ids.data_ptr():
+            # Inputs into the static buffers (device to device; padded rows reset to their padding values).
+            self.num_copied += 1
+            if self.mamba_pool is not None:
+                self.state_slots[:num_rows].copy_(meta.mamba.state_slots)
+                self.state_slots[num_rows:bucket].fill_(self.pad_state_slot)
+            self.input_ids[:n].copy_(input_ids)
+            self.positions[:n].copy_(positions)
+            self.slot_mapping[:n].copy_(meta.slot_mapping)
+            self.slot_mapping[n : bucket * self.q_len].fill_(PAD_SLOT)
+            self.seq_lens[:num_rows].copy_(meta.seq_lens)
+            self.seq_lens[num_rows:bucket].fill_(1)
+        self.block_tables[:num_rows, : meta.block_tables.shape[1]].copy_(meta.block_tables)
+        if num_rows < bucket:  # padded rows read block 0 (a torch call even over no rows: skipped then)
+            self.block_tables[num_rows:bucket].zero_()
         if self.lora is not None:
             if self.lora.version != self._lora_version:  # the stacked updates the graphs read were replaced
                 self._drop_captures()
                 self._lora_version = self.lora.version
             if self.lora.token_slot is not None:
                 self.lora_token_slot[:n].copy_(self.lora.token_slot)
-                self.lora_token_slot[n : bucket * self.q_len].fill_(-1)
+                if num_rows < bucket:
+                    self.lora_token_slot[n : bucket * self.q_len].fill_(-1)
             else:  # no adapter row: every token of the bucket takes the base model
                 self.lora_token_slot[: bucket * self.q_len].fill_(-1)
         if bucket not in self._outputs:

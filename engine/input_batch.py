@@ -15,6 +15,7 @@ import torch
 from pdcluster.engine.async_scheduler import LaunchedTokens, PrevStepOutput, fill_ahead_rows, fill_placeholder_rows
 from pdcluster.engine.attention import AttentionMetadata
 from pdcluster.engine.batch_classifier import BatchKind, classify_batch, uniform_decode_query_len
+from pdcluster.engine.cuda_graphs import DecodeGraphs
 from pdcluster.engine.mamba_state import MambaMetadata, MambaStatePool
 from pdcluster.engine.request_slots import RequestStates
 from pdcluster.engine.scheduler_output import SchedulerOutput
@@ -51,6 +52,8 @@ class InputBatch:
     logits_count_np: np.ndarray
     logits_indices: torch.Tensor
     query_start_loc_np: np.ndarray  # [num_rows + 1]: each row's tokens in the packed batch
+    # Every token is a logits row (decode rows; verification rows): the hidden states need no gather.
+    logits_all_tokens: bool = False
 
 
 def step_rows(sched: SchedulerOutput, idx_mapping: np.ndarray, states: RequestStates,
@@ -83,9 +86,12 @@ def step_rows(sched: SchedulerOutput, idx_mapping: np.ndarray, states: RequestSt
 
 
 def prepare_inputs(rows: StepRows, idx_mapping: np.ndarray, states: RequestStates, inputs: StepInputs,
-                   block_size: int, num_spec_steps: int, scale: float, mamba_pool: MambaStatePool | None) -> InputBatch:
+                   block_size: int, num_spec_steps: int, scale: float, mamba_pool: MambaStatePool | None,
+                   graphs: DecodeGraphs | None = None) -> InputBatch:
     """Pack ``rows`` (requests at slots ``idx_mapping``) into one batch; ``inputs`` moves the host arrays to
-    the device, ``scale`` is the attention scale, ``mamba_pool`` the hybrid's state pool (None if none)."""
+    the device, ``scale`` is the attention scale, ``mamba_pool`` the hybrid's state pool (None if none).
+    ``graphs``: the CUDA graphs the runner would replay a uniform decode batch of this step through; such a
+    batch's per-token inputs then go straight into their static buffers (``DecodeGraphs.stage``)."""
     q_lens = rows.q_lens_np
     starts = rows.starts_np
     query_start_loc = np.zeros(len(q_lens) + 1, dtype=np.int64)
@@ -123,7 +129,15 @@ def prepare_inputs(rows: StepRows, idx_mapping: np.ndarray, states: RequestState
         host["ahead_dst"] = query_start_loc[rows.ahead_rows_np]
         host["ahead_src"] = rows.ahead_src_np.astype(np.int64)
     inputs.begin_step()
-    dev = inputs.put_many(host)
+    staged = None
+    # A hybrid's row starting from token 0 needs zeroed state: such a batch runs eager (engine/cuda_graphs.py).
+    if graphs is not None and kind == BatchKind.UNIFORM_DECODE and (mamba_pool is None or starts.all()):
+        staged = graphs.stage(inputs, host)
+    if staged is not None:
+        dev = inputs.put_many({name: host[name] for name in ("block_tables", "query_start_loc", "logits_indices")})
+        dev.update(staged)
+    else:
+        dev = inputs.put_many(host)
     no_context = len(q_lens) > 0 and not starts.any()  # every request starts at position 0
     meta = AttentionMetadata(
         slot_mapping=dev["slot_mapping"],
@@ -159,4 +173,5 @@ def prepare_inputs(rows: StepRows, idx_mapping: np.ndarray, states: RequestState
         logits_count_np=logits_count,
         logits_indices=dev["logits_indices"],
         query_start_loc_np=query_start_loc,
+        logits_all_tokens=logits_indices.shape[0] == input_ids.shape[0],
     )

@@ -64,6 +64,11 @@ class ExecuteModelState:
     finished_req_ids: set[str] = field(default_factory=set)
     rows: StepRows | None = None
     query_start_loc_np: np.ndarray | None = None  # [num_rows + 1]: each row's tokens in hidden_states
+    logits_all_tokens: bool = False  # logits_indices is every token in order
+
+    def logits_hidden(self) -> torch.Tensor:
+        """The hidden states of the logits rows (no gather where every token is one: a device op saved)."""
+        return self.hidden_states if self.logits_all_tokens else self.hidden_states[self.logits_indices]
 
 
 @dataclass
@@ -271,23 +276,25 @@ class ModelRunner:
             )
             return
         rows = step_rows(sched, idx_mapping, self.states, self._prev, ahead)
+        # A step with adapter rows replays only where the graphs hold the updates (the stacked way).
+        graphs = self.graphs if (self.graphs is not None and not self.connector.wants_layers() and (
+            self.graphs.lora is not None or not self._has_lora_rows(idx_mapping))) else None
         batch = prepare_inputs(rows, idx_mapping, self.states, self.inputs, self.block_size, self.num_spec_steps,
-                               self.model.scale, self.mamba_pool)
+                               self.model.scale, self.mamba_pool, graphs)
         kind, meta = batch.batch_kind, batch.attn_metadata
         self.last_batch_kind = kind
         self.connector.pre_forward(sched)
-        with self._lora_rows(idx_mapping, batch.query_start_loc_np) as lora_rows:
+        with self._lora_rows(idx_mapping, batch.query_start_loc_np):
             hidden = None
-            # A step with adapter rows replays only where the graphs hold the updates (the stacked way).
-            if (self.graphs is not None and kind == BatchKind.UNIFORM_DECODE and not self.connector.wants_layers()
-                    and (not lora_rows or self.graphs.lora is not None)):
-                hidden = self.graphs.run(batch.input_ids, batch.positions, meta)
+            if graphs is not None and kind == BatchKind.UNIFORM_DECODE:
+                hidden = graphs.run(batch.input_ids, batch.positions, meta)
             if hidden is None:
                 hidden = self.model.forward(batch.input_ids, batch.positions, self.kv_cache, meta,
                                             self.connector.save_layer)
         self._state = ExecuteModelState(
             sched, req_ids, idx_mapping, kind, hidden, batch.logits_start_np, batch.logits_count_np,
             batch.logits_indices, set(sched.finished_req_ids), rows, batch.query_start_loc_np,
+            batch.logits_all_tokens,
         )
 
     def _lora_slot(self, params) -> int:
@@ -297,6 +304,9 @@ class ModelRunner:
         if slot is None:  # bind_lora checked it at entry and unloading keeps it: a broken invariant
             raise RuntimeError(f"LoRA adapter {params.lora_name!r} ({params.lora_digest}) is not held")
         return slot
+
+    def _has_lora_rows(self, idx_mapping: np.ndarray) -> bool:
+        return self.model.lora is not None and bool((self._lora_index_np[idx_mapping] >= 0).any())
 
     def _lora_rows(self, idx_mapping: np.ndarray, query_start_loc_np: np.ndarray):
         """The step's LoRA rows for the model's adapters (engine/lora/) over one forward; yields whether any."""
@@ -356,7 +366,7 @@ class ModelRunner:
         if not launched.rows:
             return launched
         # One logits row per sampling row, in order (no drafts: every count is 1).
-        raw_logits = self.model.compute_logits(state.hidden_states[state.logits_indices])
+        raw_logits = self.model.compute_logits(state.logits_hidden())
         params = [st.sampling_params[state.idx_mapping_np[i]] for i in launched.rows]
         logits = self._process_logits(state, raw_logits, launched.rows, params, [[] for _ in launched.rows])
         positions = state.rows.num_output_np[rows].tolist()
@@ -475,7 +485,7 @@ class ModelRunner:
         rows = [i for i in range(len(state.req_ids)) if state.logits_count_np[i] > 0]
         if not rows:
             return sampled, logprobs
-        raw_logits = self.model.compute_logits(state.hidden_states[state.logits_indices])
+        raw_logits = self.model.compute_logits(state.logits_hidden())
         step_rows = state.rows
         params = [st.sampling_params[state.idx_mapping_np[i]] for i in rows]
         seeds = [p.seed for p in params]

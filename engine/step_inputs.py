@@ -27,6 +27,11 @@ import torch
 
 ALIGN_BYTES = 16  # every array starts 16-byte aligned: any dtype's view, vector loads
 MIN_ARENA_BYTES = 1 << 16
+MAX_CACHED_VIEWS = 512  # device-arena views kept for reuse (a steady decode batch asks the same ones each step)
+_TORCH_DTYPE = {np.dtype(d): t for d, t in ((np.int64, torch.int64), (np.int32, torch.int32), (np.int16, torch.int16),
+                                            (np.int8, torch.int8), (np.uint8, torch.uint8), (np.bool_, torch.bool),
+                                            (np.float64, torch.float64), (np.float32, torch.float32),
+                                            (np.float16, torch.float16))}
 
 
 def to_host_async(x: torch.Tensor) -> torch.Tensor:
@@ -47,12 +52,16 @@ class StepInputs:
         self.staged = self.device.type != "cpu" if staged is None else staged
         self._pin = self.device.type == "cuda"
         self._host: list[torch.Tensor | None] = [None, None]  # uint8 arenas, one per alternating step
+        self._host_np: list[np.ndarray | None] = [None, None]  # their numpy views (``.numpy()`` is 4 torch calls)
         self._dev: torch.Tensor | None = None  # uint8 arena
         self._set = 0
         # Per host arena: an event behind the last copy out of it (CUDA), waited for before it is refilled.
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._cursor = 0  # first free byte of this step's arenas
         self.num_copies = 0  # host-to-device copies launched (one per put_many)
+        # (offset, dtype, shape) -> that view of the device arena: each view is three torch calls (~10 us of host
+        # time a step on a GPU machine), and a steady decode batch asks the same ones step after step.
+        self._views: dict[tuple, torch.Tensor] = {}
 
     def begin_step(self) -> None:
         """Switch to the other host arena (call once per step, before the first put); waits until the
@@ -78,32 +87,69 @@ class StepInputs:
             end += -(-a.nbytes // ALIGN_BYTES) * ALIGN_BYTES
         host, dev = self._arenas(end)
         start = self._cursor
-        host_np = host.numpy()
+        host_np = self._host_np[self._set]
         for name, a in arrays.items():
             host_np[offsets[name] : offsets[name] + a.nbytes] = a.reshape(-1).view(np.uint8)
         if end > start:
-            dev[start:end].copy_(host[start:end], non_blocking=True)
+            dev[start:end].copy_(host[start:end], non_blocking=True)  # hence the one copy per put_many
             self.num_copies += 1
-            if self._pin:
-                if self._copied[self._set] is None:
-                    self._copied[self._set] = torch.cuda.Event()
-                self._copied[self._set].record(torch.cuda.current_stream(self.device))
+            self._record_copy()
         self._cursor = end
-        out = {}
-        for name, a in arrays.items():
-            dtype = torch.from_numpy(a[:0]).dtype
-            out[name] = dev[offsets[name] : offsets[name] + a.nbytes].view(dtype).view(a.shape)
-        return out
+        return {name: self._view(dev, offsets[name], a) for name, a in arrays.items()}
+
+    def _view(self, dev: torch.Tensor, offset: int, a: np.ndarray) -> torch.Tensor:
+        key = (offset, a.dtype, a.shape)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) >= MAX_CACHED_VIEWS:
+                self._views.clear()
+            dtype = _TORCH_DTYPE.get(a.dtype) or torch.from_numpy(a[:0]).dtype
+            view = self._views[key] = dev[offset : offset + a.nbytes].view(dtype).view(a.shape)
+        return view
+
+    def put_into(self, dst: torch.Tensor, parts: list[tuple[int, np.ndarray]]) -> None:
+        """Each array of ``parts`` at its byte offset of ``dst`` (a persistent uint8 tensor on the device: a CUDA
+        graph's static inputs), in one copy of the bytes from the first part's start to the last one's end. Bytes
+        between the parts get whatever the host arena held: the caller's layout leaves only unread bytes there."""
+        parts = [(offset, np.ascontiguousarray(a).reshape(-1).view(np.uint8)) for offset, a in parts]
+        lo = min(offset for offset, _ in parts)
+        hi = max(offset + a.nbytes for offset, a in parts)
+        if not self.staged:  # dst is host memory: written in place
+            dst_np = dst.numpy()
+            for offset, a in parts:
+                dst_np[offset : offset + a.nbytes] = a
+            return
+        start = self._cursor
+        end = start + -(-(hi - lo) // ALIGN_BYTES) * ALIGN_BYTES
+        host = self._host_arena(end)
+        host_np = self._host_np[self._set]
+        for offset, a in parts:
+            host_np[start + offset - lo : start + offset - lo + a.nbytes] = a
+        dst[lo:hi].copy_(host[start : start + hi - lo], non_blocking=True)
+        self.num_copies += 1
+        self._record_copy()
+        self._cursor = end
+
+    def _record_copy(self) -> None:
+        if self._pin:
+            if self._copied[self._set] is None:
+                self._copied[self._set] = torch.cuda.Event()
+            self._copied[self._set].record(torch.cuda.current_stream(self.device))
 
     def _arenas(self, num_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This step's host arena and the device arena, at least ``num_bytes`` each. Growing keeps this
         step's earlier bytes: a copy of them may still be pending (host) or their tensors in use
         (device), so the new arenas start empty below the cursor and only later puts land there."""
+        if self._dev is None or self._dev.numel() < num_bytes:
+            size = max(MIN_ARENA_BYTES, num_bytes, 2 * (self._dev.numel() if self._dev is not None else 0))
+            self._dev = torch.empty(size, dtype=torch.uint8, device=self.device)
+            self._views.clear()  # views of the old arena
+        return self._host_arena(num_bytes), self._dev
+
+    def _host_arena(self, num_bytes: int) -> torch.Tensor:
         host = self._host[self._set]
         if host is None or host.numel() < num_bytes:
             size = max(MIN_ARENA_BYTES, num_bytes, 2 * (host.numel() if host is not None else 0))
             host = self._host[self._set] = torch.empty(size, dtype=torch.uint8, pin_memory=self._pin)
-        if self._dev is None or self._dev.numel() < num_bytes:
-            size = max(MIN_ARENA_BYTES, num_bytes, 2 * (self._dev.numel() if self._dev is not None else 0))
-            self._dev = torch.empty(size, dtype=torch.uint8, device=self.device)
-        return host, self._dev
+            self._host_np[self._set] = host.numpy()
+        return host

@@ -40,7 +40,10 @@ def test_emulated_graphs_give_the_eager_tokens(tiny_dir, spec):
     eager = _generate(make_engine("tiny-random", **cfg), graphs=False)
     engine = make_engine("tiny-random", **cfg)
     graphed = _generate(engine, graphs=True)
-    assert engine.runner.graphs.num_replays > 0
+    graphs = engine.runner.graphs
+    assert graphs.num_replays > 0
+    # Every replayed step's inputs were staged straight into the static buffers: none copied there by run().
+    assert graphs.num_staged == graphs.num_replays and graphs.num_copied == 0
     assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
     for g, e in zip(graphed, eager):  # the padded batch is other GEMM shapes: equal within fp32 noise
         np.testing.assert_allclose([x.logprob for x in g.logprobs], [x.logprob for x in e.logprobs], atol=1e-4)
@@ -83,6 +86,84 @@ def test_padded_rows_write_no_kv_and_read_nothing_they_keep(tiny_dir):
     graphs.run(ids, pos, meta)
     assert graphs.slot_mapping[3].item() == PAD_SLOT and graphs.seq_lens[3].item() == 1
     assert graphs.block_tables[3].tolist() == [0, 0, 0, 0]
+
+
+def _staged_step(graphs, inputs, rows: list[tuple[int, int, list[int]]], block_size: int = 16) -> dict:
+    """Stage a decode step of rows (input id, position, block ids) as prepare_inputs does; its device tensors."""
+    positions = np.array([p for _, p, _ in rows], dtype=np.int64)
+    width = max(len(b) for _, _, b in rows)
+    tables = np.array([b + [0] * (width - len(b)) for _, _, b in rows], dtype=np.int32)
+    host = {"input_ids": np.array([t for t, _, _ in rows], dtype=np.int64), "positions": positions,
+            "slot_mapping": tables[np.arange(len(rows)), positions // block_size].astype(np.int64) * block_size
+            + positions % block_size,
+            "seq_lens": (positions + 1).astype(np.int32), "block_tables": tables}
+    inputs.begin_step()
+    dev = graphs.stage(inputs, host)
+    dev["block_tables"] = inputs.put("block_tables", tables)
+    return dev
+
+
+@pytest.mark.parametrize("staged", [True, False], ids=["pinned-arena", "in-place"])
+def test_a_staged_step_pads_its_bucket_and_writes_no_kv_for_padded_rows(tiny_dir, staged):
+    """A step staged into the static buffers (one host-to-device copy) pads its bucket itself: after a full
+    bucket, a smaller step's padded row is back to slot -1 and length 1, writes no KV, and the real rows'
+    hidden states are the eager ones."""
+    from pdcluster.engine.step_inputs import StepInputs
+
+    engine = make_engine("tiny-random", max_num_seqs=8, num_kv_blocks=32)
+    runner = engine.runner
+    inputs = StepInputs("cpu", staged=staged)
+    graphs = DecodeGraphs(lambda ids, pos, meta: runner.model.forward(ids, pos, runner.kv_cache, meta, None),
+                          runner.device, 8, 1, 4, runner.model.scale, emulate=True)
+    torch.manual_seed(0)
+    runner.kv_cache.normal_()
+
+    def run(rows):
+        dev = _staged_step(graphs, inputs, rows)
+        meta = AttentionMetadata(slot_mapping=dev["slot_mapping"], block_tables=dev["block_tables"],
+                                 seq_lens=dev["seq_lens"], query_start_loc=torch.arange(len(rows) + 1, dtype=torch.int32),
+                                 uniform_q_len=1, scale=runner.model.scale)
+        assert dev["input_ids"].data_ptr() == graphs.input_ids.data_ptr()  # the static buffer itself
+        return graphs.run(dev["input_ids"], dev["positions"], meta), meta, dev
+
+    four = [(11, 5, [1]), (12, 9, [2]), (13, 17, [3, 4]), (14, 0, [5])]
+    run(four)
+    assert graphs.slot_mapping[3].item() == 5 * 16 and graphs.seq_lens[3].item() == 1 and graphs.input_ids[3] == 14
+    runner.kv_cache.normal_()  # fresh values: the next step's writes show
+    before = runner.kv_cache.clone()
+    hidden, meta, dev = run(four[:3])  # bucket 4 again: row 3 is padding now
+    assert graphs.num_staged == 2 and graphs.num_copied == 0 and graphs.num_replays == 2
+    assert hidden.shape[0] == 3
+    assert graphs.slot_mapping[3].item() == PAD_SLOT and graphs.seq_lens[3].item() == 1
+    assert graphs.block_tables[3].tolist() == [0, 0, 0, 0]
+    changed = (runner.kv_cache != before).flatten(4).any(-1)
+    written = {(int(b), int(o)) for b, o in changed.any(0).any(0).nonzero().tolist()}
+    assert written == {(1, 5), (2, 9), (4, 1)}
+    runner.kv_cache.copy_(before)
+    eager = runner.model.forward(dev["input_ids"].clone(), dev["positions"].clone(), runner.kv_cache, meta, None)
+    torch.testing.assert_close(hidden, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_a_staged_step_whose_capture_fails_runs_eager_on_its_staged_inputs(tiny_dir, caplog):
+    """The runner stages a uniform decode step before the graph is captured: if that capture fails, the step
+    runs eager over the static buffers it was staged into, with the same tokens."""
+    cfg = dict(max_num_seqs=10, num_kv_blocks=128, async_scheduling=True)
+    eager = _generate(make_engine("tiny-random", **cfg), graphs=False)
+    engine = make_engine("tiny-random", **cfg)
+    engine.runner.use_decode_graphs(emulate=True)
+    graphs = engine.runner.graphs
+    capture = graphs._capture
+
+    def failing(bucket):
+        if bucket == 8:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        capture(bucket)
+
+    graphs._capture = failing
+    with caplog.at_level("WARNING"):
+        graphed = _generate(engine, graphs=False)
+    assert "bucket 8 failed" in caplog.text and 8 in graphs._failed and graphs.num_replays > 0
+    assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
 
 
 # Hybrids: the Mamba layers' one-token updates replay inside the graph over static state slots.

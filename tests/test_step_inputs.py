@@ -75,6 +75,37 @@ def test_steps_alternate_host_arenas():
     assert inputs._host[inputs._set] is arena_n  # step n + 2: reused (behind step n's synchronisation)
 
 
+def test_a_steady_batch_gets_the_same_views_with_this_steps_values():
+    """Views of the device arena are made once per layout (each is three torch calls); a later step with the
+    same layout gets the same tensors, holding its own values."""
+    inputs = StepInputs("cpu", staged=True)
+    inputs.begin_step()
+    first = inputs.put_many({"a": np.arange(4, dtype=np.int64), "b": np.arange(3, dtype=np.int32)})
+    inputs.begin_step()
+    second = inputs.put_many({"a": np.arange(4, 8, dtype=np.int64), "b": np.arange(3, 6, dtype=np.int32)})
+    assert second["a"] is first["a"] and second["b"] is first["b"]
+    assert second["a"].tolist() == [4, 5, 6, 7] and second["b"].tolist() == [3, 4, 5]
+    inputs.begin_step()
+    other = inputs.put_many({"a": np.arange(5, dtype=np.int64)})  # another shape: another view
+    assert other["a"] is not first["a"] and other["a"].tolist() == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("staged", [True, False])
+def test_put_into_writes_each_part_at_its_offset_in_one_copy(staged):
+    """A CUDA graph's static inputs take a step's arrays at fixed offsets; bytes outside the parts' span are
+    never written."""
+    inputs = StepInputs("cpu", staged=staged)
+    dst = torch.full((96,), 0xAB, dtype=torch.uint8)
+    inputs.begin_step()
+    inputs.put_into(dst, [(16, np.array([1, 2], dtype=np.int64)), (64, np.array([7, 8, 9], dtype=np.int32))])
+    assert dst[16:32].view(torch.int64).tolist() == [1, 2]
+    assert dst[64:76].view(torch.int32).tolist() == [7, 8, 9]
+    assert (dst[:16] == 0xAB).all() and (dst[76:] == 0xAB).all()
+    assert inputs.num_copies == (1 if staged else 0)
+    later = inputs.put("x", np.arange(3, dtype=np.int64))  # the step's next put takes the arena's next bytes
+    assert later.tolist() == [0, 1, 2] and dst[16:32].view(torch.int64).tolist() == [1, 2]
+
+
 def _greedy(engine) -> list[list[int]]:
     prompts = [[5 + (i * 11 + j) % 200 for j in range(6 + 9 * i)] for i in range(5)]
     params = [SamplingParams(max_tokens=12 + 3 * i, temperature=0.0, ignore_eos=True, logprobs=1 if i % 2 else None)
