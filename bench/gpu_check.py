@@ -453,6 +453,8 @@ def _ours(model_dir: Path, prompts, num_new: int, device: str, lora_names=None, 
                 max_num_seqs=16)
     base.update(cfg)
     engine = LLMEngine.from_config(EngineConfig(**base), progress=False)
+    if base.get("mixed_cuda_graph_tokens") and device == "cpu":
+        engine.runner.use_mixed_graphs(base["mixed_cuda_graph_tokens"], emulate=True)  # the dry run's pieces
     names = lora_names or [None] * len(prompts)
     outs = engine.generate(prompts, [SamplingParams(max_tokens=num_new, temperature=0.0, ignore_eos=True, lora_name=n)
                                      for n in names])
@@ -461,7 +463,9 @@ def _ours(model_dir: Path, prompts, num_new: int, device: str, lora_names=None, 
              "num_accepted_tokens": sum(o.num_accepted_tokens for o in outs),
              "blocks_leaked": engine.kv_spec.num_blocks - engine.scheduler.block_manager.num_free_blocks,
              # Decode steps replayed through CUDA graphs (hybrids too: their Mamba updates in the graph).
-             "graph_replays": engine.runner.graphs.num_replays if engine.runner.graphs is not None else 0}
+             "graph_replays": engine.runner.graphs.num_replays if engine.runner.graphs is not None else 0,
+             # Prefill / mixed steps replayed through piecewise CUDA graphs (0 where the model is not split).
+             "piecewise_replays": engine.runner.mixed_graphs.num_replays if engine.runner.mixed_graphs else 0}
     return [o.token_ids for o in outs], stats
 
 
@@ -558,6 +562,8 @@ def correctness_section(entry: dict, device: str, work: Path, quick: bool, only:
         "alone": dict(prompts=slice(0, 1)),
         "batch": {},
         "chunked+preemption": dict(prefill_chunk_size=7, max_num_batched_tokens=32, num_kv_blocks=8),
+        # Prefill and mixed steps through piecewise CUDA graphs (engine/piecewise_graphs.py; off by default).
+        "chunked+piecewise": dict(prefill_chunk_size=7, max_num_batched_tokens=32, mixed_cuda_graph_tokens=32),
         "ngram": dict(spec_method="ngram", num_spec_tokens=3),
         "mtp": dict(spec_method="mtp", num_spec_tokens=2, mtp_checkpoint="random"),
         # The other scheduling than the device's default (CUDA: async, CPU: synchronous), asked for.
@@ -581,8 +587,10 @@ def correctness_section(entry: dict, device: str, work: Path, quick: bool, only:
         for vname, cfg in variants.items():
             if quick and vname in ("other_scheduling", "other_scheduling+mtp", "ngram"):
                 continue
-            if name in FAMILIES and vname not in ("batch", "chunked+preemption", "other_mode"):
+            if name in FAMILIES and vname not in ("batch", "chunked+preemption", "chunked+piecewise", "other_mode"):
                 continue  # the families check their own kernels; speculation and scheduling are the same code
+            if vname == "chunked+piecewise" and name in ("tiny-hybrid", "nemotron-h-random"):
+                continue  # hybrids are not split into pieces (engine/piecewise_graphs.py): the eager path again
             cfg = dict(cfg)
             sel = cfg.pop("prompts", slice(None))
             try:
@@ -590,6 +598,8 @@ def correctness_section(entry: dict, device: str, work: Path, quick: bool, only:
                 ok = got == expected[sel] and stats["blocks_leaked"] == 0
                 if vname == "chunked+preemption":
                     ok = ok and stats["num_preemptions"] > 0
+                if vname == "chunked+piecewise" and name == "tiny-random":  # the plain Llama is always split
+                    ok = ok and stats["piecewise_replays"] > 0
                 result[vname] = {"ok": ok, **stats}
                 if not ok:
                     result[vname]["first_diff"] = next(
@@ -825,6 +835,66 @@ def _decode_step_ms(engine, batch: int, prompt_len: int, num_steps: int, device:
     return step_ms
 
 
+def _mixed_step_ms(engine, num_decoding: int, prompt_len: int, repeats: int, device: str) -> float:
+    """Median time of a mixed step: ``num_decoding`` requests decoding and a new prompt of ``prompt_len`` tokens
+    prefilled in the same step (it finishes there: max_tokens 1), timed one step at a time after a sync (the
+    engine schedules synchronously here, so a step is one forward)."""
+    from pdcluster.engine.batch_classifier import BatchKind
+    from pdcluster.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=4 * repeats + 64, temperature=0.0, ignore_eos=True)
+    rids = [engine.add_request([5 + (i * 7 + j) % 20000 for j in range(64)], params) for i in range(num_decoding)]
+    for _ in range(10_000):
+        engine.step()
+        if all(r.output_token_ids for r in engine.scheduler.running) and len(engine.scheduler.running) == num_decoding:
+            break
+    times = []
+    for r in range(repeats + 1):  # the first: the bucket's warm-up and capture
+        engine.add_request([7 + (r * 11 + j) % 20000 for j in range(prompt_len)], SamplingParams(max_tokens=1))
+        _sync(device)
+        t0 = time.perf_counter()
+        engine.step()
+        _sync(device)
+        if engine.runner.last_batch_kind != BatchKind.PREFILL_OR_MIXED:
+            raise RuntimeError("the timed step was not a mixed one")
+        times.append(time.perf_counter() - t0)
+    for rid in rids:
+        engine.abort_request(rid)
+    while engine.has_unfinished():
+        engine.step()
+    return statistics.median(times[1:]) * 1e3
+
+
+def mixed_steps(model_dir: Path, device: str, quick: bool) -> dict:
+    """Prefill/mixed steps eager against piecewise CUDA graphs (engine/piecewise_graphs.py): decode rows beside a
+    new prompt's tokens, the step's tokens a bucket's size."""
+    from pdcluster.engine.config import EngineConfig
+    from pdcluster.engine.llm_engine import LLMEngine
+
+    cases = ((1, 63), (32, 224)) if not quick else ((1, 15), (4, 28))
+    repeats = 3 if quick else 12
+    out: dict = {}
+    for mode, tokens in (("eager", 0), ("piecewise", 512)):
+        engine = LLMEngine.from_config(EngineConfig(
+            model=str(model_dir), device=device, dtype="bfloat16", max_model_len=4096, max_num_seqs=64,
+            max_num_batched_tokens=2048, kv_cache_memory_gib=0.25 if quick else 4.0, enable_prefix_caching=False,
+            async_scheduling=False, mixed_cuda_graph_tokens=tokens), progress=False)
+        if tokens and device == "cpu":
+            engine.runner.use_mixed_graphs(tokens, emulate=True)  # the dry run: the same path, nothing captured
+        pieces = engine.runner.mixed_graphs
+        out[mode] = {"used": pieces is not None}
+        for num_decoding, prompt_len in cases:
+            ms = _mixed_step_ms(engine, num_decoding, prompt_len, repeats, device)
+            out[mode][f"{num_decoding}+{prompt_len}"] = {"step_ms": round(ms, 3), "num_tokens": num_decoding + prompt_len}
+        if pieces is not None:
+            out[mode]["num_replays"], out[mode]["num_captures"] = pieces.num_replays, pieces.num_captures
+        del engine
+    for case in out["eager"]:
+        if case != "used" and case in out["piecewise"]:
+            out["piecewise"][case]["speedup"] = round(out["eager"][case]["step_ms"] / out["piecewise"][case]["step_ms"], 2)
+    return out
+
+
 def speed_section(entry: dict, device: str, work: Path, quick: bool, report: Report) -> None:
     import torch
     import transformers
@@ -882,6 +952,11 @@ def speed_section(entry: dict, device: str, work: Path, quick: bool, report: Rep
         del engine
     entry["decode"] = {"context_tokens": prompt_len, **decode}
     entry["decode_profiles"] = profiles
+    try:
+        entry["mixed_steps"] = mixed_steps(model_dir, device, quick)
+    except Exception as e:  # noqa: BLE001 - a new measurement: never lose the section for it
+        entry["mixed_steps"] = {"error": f"{type(e).__name__}: {e}"}
+    report.write()
 
     # Prefill: 16 x 2,048 (quick: 4 x 256) in one step, the fast mode (CUDA's default) and deterministic mode.
     from pdcluster.engine.sampling_params import SamplingParams

@@ -49,6 +49,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "trained for --model in the cache dir; refused when there is none), or 'random'")
     g.add_argument("--no-cuda-graphs", action="store_true",
                    help="on a GPU, run decode steps eagerly instead of through CUDA graphs (vLLM's --enforce-eager)")
+    g.add_argument("--mixed-cuda-graph-tokens", type=int, default=0, metavar="N",
+                   help="on a GPU, prefill and mixed steps of up to N tokens through piecewise CUDA graphs (the "
+                        "forward between attention calls captured per token-count bucket, attention eager between; "
+                        "dense attention models). Default 0: such steps run eagerly (not yet measured on a GPU)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule step n+1 while step n runs and, without speculation, penalties or grammars, queue "
                         "it on the device before step n's tokens are read (vLLM's --async-scheduling). In a "
@@ -79,7 +83,7 @@ SAME_NAMED_FLAGS = (
     "gpu_memory_utilization",
     "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "kv_offload_host_gib", "kv_offload_disk_dir",
     "kv_offload_disk_gib", "mtp_checkpoint", "num_threads", "seed", "cache_dir", "max_lora_rank",
-    "enable_lora", "max_loras",
+    "enable_lora", "max_loras", "mixed_cuda_graph_tokens",
 )
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,7 +36,35 @@ class AttentionMetadata:
     no_context_query_lens_np: np.ndarray | None = None
 
 
-def attend(
+class _Breaks(threading.local):
+    recorder = None  # engine/piecewise_graphs.py's recorder of the forward this thread is running, or None
+
+
+_breaks = _Breaks()
+
+
+@contextlib.contextmanager
+def attention_breaks(recorder) -> Iterator[None]:
+    """Within it, this thread's ``attend`` calls go to ``recorder.attention(query, key, value, layer_cache,
+    kwargs)`` (piecewise CUDA graphs: the forward is captured in pieces between attention calls)."""
+    previous, _breaks.recorder = _breaks.recorder, recorder
+    try:
+        yield
+    finally:
+        _breaks.recorder = previous
+
+
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_cache: torch.Tensor,
+           meta: AttentionMetadata, **kwargs) -> torch.Tensor:
+    """A layer's attention (``attend_now``, with its keyword arguments), or a break between captured pieces
+    where a recorder is active (``attention_breaks``)."""
+    recorder = _breaks.recorder
+    if recorder is not None:
+        return recorder.attention(query, key, value, layer_cache, kwargs)
+    return attend_now(query, key, value, layer_cache, meta, **kwargs)
+
+
+def attend_now(
     query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     value: torch.Tensor,

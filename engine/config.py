@@ -109,6 +109,10 @@ class EngineConfig:
     # CUDA graphs for uniform decode batches on a GPU (engine/cuda_graphs.py); False = eager (vLLM's
     # --enforce-eager).
     cuda_graphs: bool = True
+    # Prefill and mixed steps of up to this many tokens through piecewise CUDA graphs (engine/piecewise_graphs.py:
+    # the forward between attention calls captured per token-count bucket, attention eager between); 0 = eager.
+    # Off by default until it has run on a GPU: the H200 run of s51 had such steps at ~10.7 ms of host time.
+    mixed_cuda_graph_tokens: int = 0
     num_threads: int = 0  # torch intra-op threads; 0 = torch's default
     # Batch-invariant kernels (issue 24): each request's tokens and logprobs are bitwise the same whatever
     # the batch, the prefill chunking, speculation, placement or a recovery re-prefill (CPU: the C GEMM;
@@ -143,7 +147,7 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
-        for name in ("max_model_len", "num_kv_blocks", "num_spec_tokens", "num_threads"):
+        for name in ("max_model_len", "num_kv_blocks", "num_spec_tokens", "num_threads", "mixed_cuda_graph_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{name}: must be a non-negative integer, got {value!r}")

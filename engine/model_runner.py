@@ -29,6 +29,7 @@ from pdcluster.engine.async_scheduler import PLACEHOLDER, LaunchedTokens, PrevSt
 from pdcluster.engine.batch_classifier import BatchKind, uniform_decode_query_len
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.cuda_graphs import DecodeGraphs
+from pdcluster.engine.piecewise_graphs import PiecewiseGraphs, takes_model
 from pdcluster.engine.input_batch import StepRows, prepare_inputs, step_rows
 from pdcluster.engine.logits_processors import RowContext, apply_penalties
 from pdcluster.engine.logprobs import PendingLogprobs, launch_token_logprobs, token_logprobs
@@ -141,13 +142,27 @@ class ModelRunner:
         # Per request slot: the index of its LoRA adapter in model.lora, -1 for the base model (engine/lora/).
         self._lora_index_np = np.full(self.states.client_prompt_len_np.shape[0], -1, dtype=np.int32)
         self.graphs: DecodeGraphs | None = None
+        self.mixed_graphs: PiecewiseGraphs | None = None
         if config.cuda_graphs and self.device.type == "cuda":
             # MLA's latents (DeepSeek) have their own kernel (ops.latent_attention), any width.
             if ops.triton_attention_takes(model.arch.head_dim) or getattr(model.arch, "mla", None) is not None:
                 self.use_decode_graphs()
+                if config.mixed_cuda_graph_tokens > 0:
+                    self.use_mixed_graphs(config.mixed_cuda_graph_tokens)
             else:  # the torch attention these heads take reads lengths on the host: not capturable
                 log.info("CUDA graphs off: %d-wide attention heads run the torch attention (kernels/ops.py)",
                          model.arch.head_dim)
+
+    def use_mixed_graphs(self, max_tokens: int, emulate: bool = False) -> None:
+        """Run prefill and mixed steps of up to ``max_tokens`` tokens through piecewise CUDA graphs
+        (engine/piecewise_graphs.py) where the model's forward can be split; ``emulate``: as use_decode_graphs."""
+        why = takes_model(self.model)
+        if why is not None:
+            log.info("piecewise CUDA graphs off: %s", why)
+            return
+        self.mixed_graphs = PiecewiseGraphs(
+            lambda ids, pos, meta: self.model.forward(ids, pos, self.kv_cache, meta, None), self.device,
+            min(max_tokens, self.config.max_num_batched_tokens), self.model.scale, emulate=emulate)
 
     def use_decode_graphs(self, emulate: bool = False) -> None:
         """Run uniform decode batches through per-bucket CUDA graphs (engine/cuda_graphs.py); ``emulate``
@@ -288,6 +303,10 @@ class ModelRunner:
             hidden = None
             if graphs is not None and kind == BatchKind.UNIFORM_DECODE:
                 hidden = graphs.run(batch.input_ids, batch.positions, meta)
+            # The pieces read no adapter slots: steps run them only while no adapter is held.
+            if (hidden is None and self.mixed_graphs is not None and self.model.lora is None
+                    and not self.connector.wants_layers()):
+                hidden = self.mixed_graphs.run(batch.input_ids, batch.positions, meta)
             if hidden is None:
                 hidden = self.model.forward(batch.input_ids, batch.positions, self.kv_cache, meta,
                                             self.connector.save_layer)
