@@ -8,7 +8,8 @@ CPU). Prints JSON.
 The GPU machine has no Ray (local mode needs none) and no FastAPI stack: bench/gpu_session.sh installs
 the carried wheels (its header says which) before running this with GPU_SERVE=1.
 
-    python bench/gpu_serve.py [--device cuda] [--quick] [--api-servers 1,2,4] [--num-prompts 512] [--out FILE]
+    python bench/gpu_serve.py [--device cuda] [--quick] [--api-servers 1,2,4] [--mixed-cuda-graph-tokens 0,512]
+                              [--num-prompts 512] [--out FILE]
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ def main() -> int:
     ap.add_argument("--num-prompts", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--kv-cache-memory-gib", type=float, default=None, help="default: 8 (0.5 with --quick)")
+    ap.add_argument("--mixed-cuda-graph-tokens", default="0",
+                    help="comma list: each --api-servers value runs once per value (0: prefill and mixed steps eager; "
+                         "N: through piecewise CUDA graphs up to N tokens, engine/piecewise_graphs.py)")
     ap.add_argument("--start-timeout", type=float, default=240.0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -60,17 +64,21 @@ def main() -> int:
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
         runs = {}
-        for num in [int(n) for n in args.api_servers.split(",")]:
-            run_args = argparse.Namespace(mode="local", model=str(model_dir), concurrency=args.concurrency,
-                                          num_prompts=args.num_prompts, output_len=args.output_len, api_servers=num,
-                                          start_timeout=args.start_timeout)
-            engine_flags = ("--device", args.device, "--dtype", "bfloat16",
-                            "--kv-cache-memory-gib", str(args.kv_cache_memory_gib or (0.5 if args.quick else 8.0)))
-            try:
-                runs[str(num)] = run_once(run_args, engine_flags, tokenizer=str(model_dir))
-            except Exception as e:  # noqa: BLE001 - the next value still runs; the report says why
-                runs[str(num)] = {"error": f"{type(e).__name__}: {str(e)[-2000:]}"}
-            print(f"--api-servers {num}: {runs[str(num)]}", file=sys.stderr, flush=True)
+        for mixed in [int(n) for n in args.mixed_cuda_graph_tokens.split(",")]:
+            for num in [int(n) for n in args.api_servers.split(",")]:
+                run_args = argparse.Namespace(mode="local", model=str(model_dir), concurrency=args.concurrency,
+                                              num_prompts=args.num_prompts, output_len=args.output_len,
+                                              api_servers=num, start_timeout=args.start_timeout)
+                engine_flags = ("--device", args.device, "--dtype", "bfloat16", "--kv-cache-memory-gib",
+                                str(args.kv_cache_memory_gib or (0.5 if args.quick else 8.0)),
+                                "--mixed-cuda-graph-tokens", str(mixed))
+                key = str(num) if not mixed else f"{num}+piecewise{mixed}"
+                try:
+                    runs[key] = run_once(run_args, engine_flags, tokenizer=str(model_dir))
+                except Exception as e:  # noqa: BLE001 - the next value still runs; the report says why
+                    runs[key] = {"error": f"{type(e).__name__}: {str(e)[-2000:]}"}
+                print(f"--api-servers {num} --mixed-cuda-graph-tokens {mixed}: {runs[key]}", file=sys.stderr,
+                      flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"

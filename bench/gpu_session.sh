@@ -46,8 +46,9 @@ $code" "$@"
 }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 if [ -n "${GPU_SERVE:-}${GPU_SERVE_ONLY:-}" ]; then  # served tok/s and CPU per token by --api-servers
+    # GPU_SERVE_MIXED=0,512: each count once eager and once with prefill/mixed steps in piecewise CUDA graphs
     timeout 330 python3 bench/gpu_serve.py --device cuda --api-servers "${GPU_SERVE_COUNTS:-1,2,4}" --num-prompts 384 \
-        --out "$OUT/gpu_serve.json" > "$OUT/gpu_serve.log" 2>&1
+        --mixed-cuda-graph-tokens "${GPU_SERVE_MIXED:-0}" --out "$OUT/gpu_serve.json" > "$OUT/gpu_serve.log" 2>&1
     echo "gpu_serve rc=$?"
     grep -E '"(output_throughput|us_per_output_token|api_processes_us_per_output_token|median_tpot_ms|error)"' "$OUT/gpu_serve.json"
     tail -3 "$OUT/gpu_serve.log"
