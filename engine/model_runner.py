@@ -29,12 +29,12 @@ from pdcluster.engine.async_scheduler import PLACEHOLDER, LaunchedTokens, PrevSt
 from pdcluster.engine.batch_classifier import BatchKind, uniform_decode_query_len
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.cuda_graphs import DecodeGraphs
-from pdcluster.engine.piecewise_graphs import PiecewiseGraphs, takes_model
 from pdcluster.engine.input_batch import StepRows, prepare_inputs, step_rows
 from pdcluster.engine.logits_processors import RowContext, apply_penalties
 from pdcluster.engine.logprobs import PendingLogprobs, launch_token_logprobs, token_logprobs
 from pdcluster.engine.mamba_state import MambaStatePool
 from pdcluster.engine.models.llama import LlamaModel
+from pdcluster.engine.piecewise_graphs import PiecewiseGraphs, takes_model
 from pdcluster.engine.proposers import ProposeBatch, Proposer, make_proposer
 from pdcluster.engine.rejection_sampler import num_valid_tokens, rejection_sample
 from pdcluster.engine.sampler import sample, sample_on_device
