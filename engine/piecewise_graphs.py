@@ -212,16 +212,19 @@ class PiecewiseGraphs:
 
     def _capture(self, bucket: int, n: int, meta: AttentionMetadata) -> None:
         """Run the bucket live once (kernels warmed, output shapes known; its KV writes are this step's own,
-        written again by the replay after), then capture its pieces (on a CUDA device)."""
+        written again by the replay after), then capture its pieces (on a CUDA device). Both on a side stream,
+        as engine/cuda_graphs.py warms its buckets: lazily made per-stream state (cuBLAS workspaces) exists
+        before the capture."""
         self.num_captures += 1
-        self._outputs[bucket] = self._live(bucket, n, meta)
         if self.emulate:
+            self._outputs[bucket] = self._live(bucket, n, meta)
             return
-        torch.cuda.synchronize(self.device)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         recorder = _Recorder(self, bucket, "capture")
         with torch.cuda.stream(stream):
+            self._live(bucket, n, meta)
+            stream.synchronize()
             recorder.current = self.begin_piece()
             try:
                 out = self._call(bucket, recorder)
