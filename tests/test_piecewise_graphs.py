@@ -43,7 +43,9 @@ def _assert_same(graphed, eager):
                                    [x.logprob for x in e.prompt_logprobs[1:]], atol=1e-4)
 
 
-@pytest.mark.parametrize("cfg", [{}, dict(async_scheduling=True), dict(spec_method="ngram", num_spec_tokens=2)],
+# The default run takes the synchronous case; async and n-gram scheduling go through the same pieces (slow run).
+@pytest.mark.parametrize("cfg", [{}, pytest.param(dict(async_scheduling=True), marks=pytest.mark.slow),
+                                 pytest.param(dict(spec_method="ngram", num_spec_tokens=2), marks=pytest.mark.slow)],
                          ids=["sync", "async", "ngram"])
 def test_emulated_pieces_give_the_eager_tokens(tiny_dir, cfg):
     eager = _generate(make_engine("tiny-random", **CFG, **cfg), emulate=False)
