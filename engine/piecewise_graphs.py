@@ -31,7 +31,6 @@ every buffer, padding, metadata and output path runs; only the CUDA capture does
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -100,17 +99,19 @@ class _Recorder:
         k.copy_(key)
         v.copy_(value)
         if self.mode == "live":
-            call = AttentionCall(q, k, v, layer_cache, kwargs, None)
             n = self.num_tokens
-            o = attend_now(q[:n], k[:n], v[:n], layer_cache, self.meta, **kwargs)
-            g.out_specs.setdefault(i, (o.shape[1:], o.dtype))
-            call.out = g.buffer("out", o)[:t]
-            call.out[:n].copy_(o)
+            if i not in g.out_specs:  # the first run of all: the output's shape from the call itself
+                o = attend_now(q[:n], k[:n], v[:n], layer_cache, self.meta, **kwargs)
+                g.out_specs[i] = (o.shape[1:], o.dtype)
+                call = AttentionCall(q, k, v, layer_cache, kwargs, g.out_buffer(i)[:t])
+                call.out[:n].copy_(o)
+            else:  # as a replay runs it
+                call = AttentionCall(q, k, v, layer_cache, kwargs, g.out_buffer(i)[:t])
+                call.run(n, self.meta)
         else:
             self.current.capture_end()
             self.pieces.append(self.current)
-            shape, dtype = g.out_specs[i]
-            call = AttentionCall(q, k, v, layer_cache, kwargs, g.buffer("out", torch.empty(0, *shape, dtype=dtype))[:t])
+            call = AttentionCall(q, k, v, layer_cache, kwargs, g.out_buffer(i)[:t])
             self.current = g.begin_piece()
         self.calls.append(call)
         return call.out
@@ -133,7 +134,6 @@ class PiecewiseGraphs:
         self._outputs: dict[int, torch.Tensor] = {}
         self._failed: set[int] = set()
         self._pool = None
-        self._local = threading.local()
         self.num_replays = 0
         self.num_captures = 0
 
@@ -153,6 +153,11 @@ class PiecewiseGraphs:
             buf = self._buffers[key] = torch.zeros((self.buckets[-1], *like.shape[1:]), dtype=like.dtype,
                                                    device=self.device)
         return buf
+
+    def out_buffer(self, call: int) -> torch.Tensor:
+        """The static output of attention call ``call`` (its shape recorded by the first live run)."""
+        shape, dtype = self.out_specs[call]
+        return self.buffer("out", torch.empty(0, *shape, dtype=dtype))
 
     def begin_piece(self):
         graph = torch.cuda.CUDAGraph()
