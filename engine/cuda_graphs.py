@@ -113,6 +113,14 @@ class DecodeGraphs:
     def bucket(self, num_rows: int) -> int | None:
         return next((b for b in self.buckets if b >= num_rows), None)
 
+    def _taking_bucket(self, num_rows: int, table_width: int) -> int | None:
+        """The bucket whose graph takes a batch of ``num_rows`` rows with block tables ``table_width`` wide (None:
+        no bucket holds it, its capture failed, or the table is wider than the static one)."""
+        bucket = self.bucket(num_rows)
+        if bucket is None or bucket in self._failed or table_width > self.block_tables.shape[1]:
+            return None
+        return bucket
+
     def stage(self, inputs: StepInputs, host: dict[str, np.ndarray]) -> dict[str, torch.Tensor] | None:
         """A uniform decode step's per-token and per-row host arrays (``input_ids``, ``positions``,
         ``slot_mapping``, ``seq_lens``; ``state_slots`` for a hybrid; ``ahead_dst`` and ``ahead_src`` for
@@ -122,8 +130,8 @@ class DecodeGraphs:
         graph would take the step (``run`` could not either): no bucket holds it, its bucket's capture
         failed, or its block table is wider than the static one."""
         num_rows = host["seq_lens"].shape[0]
-        bucket = self.bucket(num_rows)
-        if bucket is None or bucket in self._failed or host["block_tables"].shape[1] > self.block_tables.shape[1]:
+        bucket = self._taking_bucket(num_rows, host["block_tables"].shape[1])
+        if bucket is None:
             return None
         n, padded = num_rows * self.q_len, bucket * self.q_len
         off = self._offsets
@@ -161,8 +169,8 @@ class DecodeGraphs:
         """The hidden states of this uniform batch through its bucket's graph (None: no bucket fits, or
         a hybrid's row starts from token 0)."""
         num_rows = meta.seq_lens.shape[0]
-        bucket = self.bucket(num_rows)
-        if bucket is None or bucket in self._failed or meta.block_tables.shape[1] > self.block_tables.shape[1]:
+        bucket = self._taking_bucket(num_rows, meta.block_tables.shape[1])
+        if bucket is None:
             return None
         if self.mamba_pool is not None:
             if meta.mamba is None or meta.mamba.state_slots is None or not meta.mamba.has_initial_state_np.all():

@@ -291,8 +291,9 @@ class ModelRunner:
             )
             return
         rows = step_rows(sched, idx_mapping, self.states, self._prev, ahead)
+        sends_layers = self.connector.wants_layers()  # layer callbacks run Python mid-forward: no graph then
         # A step with adapter rows replays only where the graphs hold the updates (the stacked way).
-        graphs = self.graphs if (self.graphs is not None and not self.connector.wants_layers() and (
+        graphs = self.graphs if (self.graphs is not None and not sends_layers and (
             self.graphs.lora is not None or not self._has_lora_rows(idx_mapping))) else None
         batch = prepare_inputs(rows, idx_mapping, self.states, self.inputs, self.block_size, self.num_spec_steps,
                                self.model.scale, self.mamba_pool, graphs)
@@ -304,8 +305,7 @@ class ModelRunner:
             if graphs is not None and kind == BatchKind.UNIFORM_DECODE:
                 hidden = graphs.run(batch.input_ids, batch.positions, meta)
             # The pieces read no adapter slots: steps run them only while no adapter is held.
-            if (hidden is None and self.mixed_graphs is not None and self.model.lora is None
-                    and not self.connector.wants_layers()):
+            if hidden is None and self.mixed_graphs is not None and self.model.lora is None and not sends_layers:
                 hidden = self.mixed_graphs.run(batch.input_ids, batch.positions, meta)
             if hidden is None:
                 hidden = self.model.forward(batch.input_ids, batch.positions, self.kv_cache, meta,

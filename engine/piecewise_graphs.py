@@ -37,8 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdcluster.engine.attention import AttentionMetadata, attend_now, attention_breaks
-
-PAD_SLOT = -1
+from pdcluster.engine.cuda_graphs import PAD_SLOT
 log = logging.getLogger(__name__)
 
 
@@ -98,20 +97,19 @@ class _Recorder:
         q.copy_(query)
         k.copy_(key)
         v.copy_(value)
-        if self.mode == "live":
-            n = self.num_tokens
-            if i not in g.out_specs:  # the first run of all: the output's shape from the call itself
-                o = attend_now(q[:n], k[:n], v[:n], layer_cache, self.meta, **kwargs)
-                g.out_specs[i] = (o.shape[1:], o.dtype)
-                call = AttentionCall(q, k, v, layer_cache, kwargs, g.out_buffer(i)[:t])
-                call.out[:n].copy_(o)
-            else:  # as a replay runs it
-                call = AttentionCall(q, k, v, layer_cache, kwargs, g.out_buffer(i)[:t])
-                call.run(n, self.meta)
-        else:
+        n, first = self.num_tokens, None
+        if self.mode == "live" and i not in g.out_specs:  # the first run of all: the output's shape from the call
+            first = attend_now(q[:n], k[:n], v[:n], layer_cache, self.meta, **kwargs)
+            g.out_specs[i] = (first.shape[1:], first.dtype)
+        elif self.mode == "capture":
             self.current.capture_end()
             self.pieces.append(self.current)
-            call = AttentionCall(q, k, v, layer_cache, kwargs, g.out_buffer(i)[:t])
+        call = AttentionCall(q, k, v, layer_cache, kwargs, g.out_buffer(i)[:t])
+        if first is not None:
+            call.out[:n].copy_(first)
+        elif self.mode == "live":  # as a replay runs it
+            call.run(n, self.meta)
+        else:
             self.current = g.begin_piece()
         self.calls.append(call)
         return call.out
