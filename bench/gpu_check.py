@@ -895,6 +895,9 @@ def mixed_steps(model_dir: Path, device: str, quick: bool) -> dict:
     return out
 
 
+PROFILED_MODES = ("cuda_graphs", "cuda_graphs+sync", "deterministic+cuda_graphs")
+
+
 def speed_section(entry: dict, device: str, work: Path, quick: bool, report: Report) -> None:
     import torch
     import transformers
@@ -921,22 +924,26 @@ def speed_section(entry: dict, device: str, work: Path, quick: bool, report: Rep
     # "lora": every request with one rank-16 adapter on all seven projections (engine/lora/: the stacked updates
     # inside the CUDA graphs; on the H200 of s51, before they were, such steps ran eagerly at 17-21 ms).
     adapter_dir, _ = write_random_adapter(model_dir, work / "llama-1b-lora", rank=16, merged=False)
-    modes = (("cuda_graphs", True, None, False), ("cuda_graphs+sync", True, False, False),
-             ("deterministic+cuda_graphs", True, None, True), ("eager", False, None, False), ("lora", True, None, False))
+    # "cuda_graphs+cublas": as "cuda_graphs" with every matmul on cuBLAS (--no-skinny-gemm), the A/B of the
+    # few-row Triton matmul (engine/skinny_linear.py), whose per-shape choices land in ``skinny_choices``.
+    modes = (("cuda_graphs", True, None, False), ("cuda_graphs+cublas", True, None, False),
+             ("cuda_graphs+sync", True, False, False), ("deterministic+cuda_graphs", True, None, True),
+             ("eager", False, None, False), ("lora", True, None, False))
     for mode, graphs, async_sched, det in modes:
         lora = dict(lora_modules=(f"a={adapter_dir}",), max_lora_rank=16) if mode == "lora" else {}
         engine = LLMEngine.from_config(EngineConfig(model=str(model_dir), device=device, dtype="bfloat16", max_model_len=4096,
                                         max_num_seqs=max(batches), max_num_batched_tokens=8192,
                                         prefill_chunk_size=2048, kv_cache_memory_gib=0.25 if quick else 8.0,
                                         enable_prefix_caching=False, cuda_graphs=graphs,
-                                        async_scheduling=async_sched, deterministic=det, **lora), progress=False)
+                                        async_scheduling=async_sched, deterministic=det,
+                                        skinny_gemm=mode != "cuda_graphs+cublas", **lora), progress=False)
         if graphs and device == "cpu":
             engine.runner.use_decode_graphs(emulate=True)  # the dry run: the same path, nothing captured
         decode[mode] = {"used": engine.runner.graphs is not None, "deterministic": engine.deterministic}
         for b in batches:
             synced: dict = {}
             ms = _decode_step_ms(engine, b, prompt_len, num_steps, device,
-                                 profile_into=profiles.setdefault(mode, {}) if mode not in ("eager", "lora") else None,
+                                 profile_into=profiles.setdefault(mode, {}) if mode in PROFILED_MODES else None,
                                  synced_into=synced, lora_name="a" if mode == "lora" else None)
             kv_bytes = b * (prompt_len + num_steps // 2) * shape["num_hidden_layers"] * 2 \
                 * shape["num_key_value_heads"] * (shape["hidden_size"] // shape["num_attention_heads"]) * 2
@@ -952,6 +959,9 @@ def speed_section(entry: dict, device: str, work: Path, quick: bool, report: Rep
         del engine
     entry["decode"] = {"context_tokens": prompt_len, **decode}
     entry["decode_profiles"] = profiles
+    from pdcluster.engine import skinny_linear
+
+    entry["skinny_choices"] = skinny_linear.choices()
     try:
         entry["mixed_steps"] = mixed_steps(model_dir, device, quick)
     except Exception as e:  # noqa: BLE001 - a new measurement: never lose the section for it

@@ -59,6 +59,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "cluster the decode workers launch ahead; prefill workers finish each step first (their KV "
                         "sends run inside the step). Default: on where the engine runs on CUDA, off on a CPU, where "
                         "both threads share the cores")
+    g.add_argument("--no-skinny-gemm", action="store_true",
+                   help="CUDA: keep cuBLAS for decode steps of one to four rows instead of the weight-streaming "
+                        "Triton matmul, which is otherwise used for the shapes where it measured faster at start-up")
     g.add_argument("--num-threads", type=int, default=0)
     g.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
                    help="batch-invariant kernels: a request's tokens and logprobs are bitwise the same whatever the "
@@ -102,6 +105,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching,
         decode_prefix_reuse=not args.no_decode_prefix_reuse,
         cuda_graphs=not args.no_cuda_graphs,
+        skinny_gemm=not getattr(args, "no_skinny_gemm", False),
         async_scheduling=args.async_scheduling,
         spec_method=args.spec,
         num_spec_tokens=num_spec,

@@ -22,7 +22,9 @@ bf16 GEMM varies with M at K=1536 here; MKL's fp32 GEMM and the small-M kernel s
 the C library that mode is refused (DeterministicUnavailable), never silently dropped. On CUDA that mode
 runs every call through the fixed-tile Triton matmul (kernels/triton_matmul_bi.py: no split-K, tiles from
 the weight's shape only) on the plain weight; the fast mode keeps ``F.linear`` (cuBLAS, whose kernel and
-split-K choice follow the number of rows).
+split-K choice follow the number of rows), except that one to four rows of a 16-bit weight may run the
+weight-streaming Triton kernel where it measured faster on the GPU at hand (engine/skinny_linear.py; the MLP's
+down projection then takes the SiLU-and-mul in the same kernel: ``after_silu_and_mul``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from pdcluster.engine import skinny_linear
 from pdcluster.kernels import cpu_gemm, cpu_ops, ops
 
 
@@ -94,6 +97,8 @@ class Linear:
         self._packed_f32 = None  # beside the plain weight: up to PACKED_F32_MAX_ROWS rows
         self._packed_bi = None  # deterministic: the batch-invariant GEMM's layout (the only path then)
         self._cuda_bi = None  # deterministic on CUDA: kernels/triton_matmul_bi.matmul_bi on the plain weight
+        # Fast mode on CUDA, 16-bit: rows -> tiles of the skinny kernel, or None for cuBLAS (engine/skinny_linear.py).
+        self._skinny: dict[tuple[int, bool], object] | None = None
         on_cpu = prepack and weight.device.type == "cpu"
         if deterministic and weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float32):
             check_deterministic_available()
@@ -111,12 +116,45 @@ class Linear:
                 self.weight = None
         elif on_cpu and pack_float32 and weight.dtype == torch.float32 and _can_prepack(torch.float32):
             self._packed_f32 = torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_F32_ROWS_HINT)
+        elif skinny_linear.takes(weight):
+            skinny_linear.register(weight)
+            self._skinny = {}
 
     @property
     def deterministic(self) -> bool:
         return self._packed_bi is not None or self._cuda_bi is not None
 
+    def _skinny_tiles(self, x: torch.Tensor, silu_and_mul: bool):
+        """The skinny kernel's tiles for ``x`` (None: cuBLAS), looked up here first (a dict of this weight's)."""
+        if self._skinny is None or x.dim() != 2 or x.shape[0] > skinny_linear.MAX_ROWS or x.stride(-1) != 1 \
+                or x.dtype is not self.weight.dtype or x.shape[0] == 0:
+            return None
+        key = (x.shape[0], silu_and_mul)
+        tiles = self._skinny.get(key, False)
+        if tiles is False:
+            tiles = skinny_linear.choose(self.weight, x.shape[0], silu_and_mul)
+            if not skinny_linear.capturing(x):  # a capture's None means "not measured yet"
+                self._skinny[key] = tiles
+        return tiles
+
+    def after_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``self(silu(x[:, :d]) * x[:, d:])`` for the fused gate/up projection's output ``x``: one kernel where
+        the skinny kernel was chosen for this many rows (the activation computed as the weight streams)."""
+        tiles = self._skinny_tiles(x, True) if self._skinny is not None else None
+        if tiles is not None:
+            from pdcluster.kernels.triton_skinny_gemm import skinny_gemm
+
+            return skinny_gemm(x, self.weight, tiles, silu_and_mul=True)
+        return self(ops.silu_and_mul(x))
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._skinny is not None:
+            tiles = self._skinny_tiles(x, False)
+            if tiles is not None:
+                from pdcluster.kernels.triton_skinny_gemm import skinny_gemm
+
+                return skinny_gemm(x, self.weight, tiles)
+            return F.linear(x, self.weight)
         if self._cuda_bi is not None:
             return self._cuda_bi(x if x.dtype is self.weight.dtype else x.to(self.weight.dtype), self.weight)
         if self._packed_bi is not None:

@@ -38,6 +38,7 @@ from pdcluster.engine.piecewise_graphs import PiecewiseGraphs, takes_model
 from pdcluster.engine.proposers import ProposeBatch, Proposer, make_proposer
 from pdcluster.engine.rejection_sampler import num_valid_tokens, rejection_sample
 from pdcluster.engine.sampler import sample, sample_on_device
+from pdcluster.engine import skinny_linear
 from pdcluster.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pdcluster.engine.mamba_state_blocks import pack_state, state_block_ids, unpack_state
 from pdcluster.engine.request_slots import RequestStates
@@ -107,6 +108,7 @@ class ModelRunner:
         self.config = config
         self.model = model
         self.kv_cache = kv_cache
+        skinny_linear.set_enabled(config.skinny_gemm)  # before the first forward (warm-up) measures anything
         self.device = kv_cache.device
         self.inputs = StepInputs(self.device)  # host numpy -> device, through pinned buffers on a GPU
         self.block_size = config.block_size

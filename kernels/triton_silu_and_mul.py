@@ -5,8 +5,9 @@ Same semantics as :func:`pdcluster.kernels.reference.silu_and_mul`:
     x:   [num_tokens, 2 * d]: gate = x[:, :d], up = x[:, d:] (rows may be strided; unit stride along d)
     out: [num_tokens, d] = silu(gate) * up, in x's dtype
 
-One program per token row walks the row in chunks of BLOCK columns (a power of two, masked tail), so
-any intermediate size fits. Math is in fp32; like the reference (``F.silu(gate) * up`` in the tensor
+One program per (token row, chunk of BLOCK columns) (a power of two, masked tail), so any intermediate
+size fits and a decode step of a few rows still spreads over the SMs (one program a row walked a 5,632-wide
+row alone: 3.2 us a layer for a single row on an H200, bench/results/gpu_check_h200.json). Math is in fp32; like the reference (``F.silu(gate) * up`` in the tensor
 dtype), silu(gate) is rounded to x's dtype before the multiply, and the product is rounded once more.
 """
 
@@ -33,14 +34,12 @@ def _silu_and_mul_kernel(
     x_row_ptr = x_ptr + token_idx * stride_x_token
     out_row_ptr = out_ptr + token_idx * stride_out_token
     dtype = out_ptr.dtype.element_ty
-    cols = tl.arange(0, BLOCK)
-    for start in range(0, d, BLOCK):
-        offsets = start + cols
-        mask = offsets < d
-        gate = tl.load(x_row_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(x_row_ptr + d + offsets, mask=mask, other=0.0).to(tl.float32)
-        silu = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-        tl.store(out_row_ptr + offsets, (silu * up).to(dtype), mask=mask)
+    offsets = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < d
+    gate = tl.load(x_row_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_row_ptr + d + offsets, mask=mask, other=0.0).to(tl.float32)
+    silu = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+    tl.store(out_row_ptr + offsets, (silu * up).to(dtype), mask=mask)
 
 
 def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * d] -> [num_tokens, d]
@@ -56,12 +55,13 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * d]
     if x_rows.stride(-1) != 1:
         x_rows = x_rows.contiguous()
     out_rows = out.view(-1, d)
-    _silu_and_mul_kernel[(num_tokens,)](
+    block = min(triton.next_power_of_2(d), _MAX_BLOCK)
+    _silu_and_mul_kernel[(num_tokens, triton.cdiv(d, block))](
         out_rows,
         x_rows,
         d,
         x_rows.stride(0),
         out_rows.stride(0),
-        BLOCK=min(triton.next_power_of_2(d), _MAX_BLOCK),
+        BLOCK=block,
     )
     return out

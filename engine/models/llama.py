@@ -340,7 +340,12 @@ class DecoderLayer:
         return out
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.moe(x) if self.moe is not None else self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        if self.moe is not None:
+            out = self.moe(x)
+        elif isinstance(self.down_proj, Linear):  # one kernel for the activation and the matmul where that was faster
+            out = self.down_proj.after_silu_and_mul(self.gate_up_proj(x))
+        else:  # an adapter's projection (engine/lora)
+            out = self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
         if self.residual_multiplier != 1.0:
             out.mul_(self.residual_multiplier)
         return out

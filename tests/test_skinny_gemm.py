@@ -1,0 +1,291 @@
+"""The few-row matmul kernel (kernels/triton_skinny_gemm.py) and its per-shape choice against cuBLAS
+(engine/skinny_linear.py). Here the kernel runs interpreted (TRITON_INTERPRET=1, conftest.py), and its GPU
+build is compiled for sm_90 without a GPU; the ``gpu`` tests run it and the CUDA-graph timing for real."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import make_engine
+from pdcluster.engine import skinny_linear
+from pdcluster.engine.linear import Linear
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.kernels import triton_skinny_gemm as sk
+from pdcluster.kernels.triton_silu_and_mul import silu_and_mul_triton
+
+TILES = (sk.SkinnyTiles(16, 64, 1), sk.SkinnyTiles(8, 32, 3), sk.SkinnyTiles(32, 32, 2))
+
+
+def _within_16bit(out: torch.Tensor, exact: torch.Tensor, dtype: torch.dtype) -> bool:
+    # The interpreter truncates float32 -> bf16 where a GPU rounds to nearest (tests/test_kernels.py): one ulp.
+    ulp = 2.0 ** -7 if dtype is torch.bfloat16 else 2.0 ** -10
+    return bool(((out.float() - exact).abs() <= exact.abs() * ulp + 1e-4).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("tiles", TILES, ids=lambda t: f"n{t.block_n}k{t.block_k}s{t.split}")
+def test_skinny_gemm_equals_the_exact_product(dtype, rows, tiles):
+    """Odd N and K (masked column band and K tail), K split in 1 to 3 runs."""
+    gen = torch.Generator().manual_seed(rows)
+    n, k = 37, 160
+    a = torch.randn(rows, k, generator=gen).to(dtype)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    exact = a.double() @ w.double().T
+    out = sk.skinny_gemm(a, w, tiles)
+    assert out.shape == (rows, n) and out.dtype == dtype
+    if dtype is torch.float32:
+        torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-4)
+    else:
+        assert _within_16bit(out, exact.float(), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tiles", TILES[:2], ids=lambda t: f"n{t.block_n}k{t.block_k}s{t.split}")
+def test_fused_silu_and_mul_reads_what_the_unfused_kernel_writes(dtype, tiles):
+    """The activation computed as the weight streams is rounded as the SiLU-and-mul kernel rounds it: the fused
+    matmul equals that kernel followed by the plain one, bit for bit."""
+    gen = torch.Generator().manual_seed(7)
+    k = 96
+    gate_up = (3 * torch.randn(3, 2 * k, generator=gen)).to(dtype)
+    w = torch.randn(40, k, generator=gen).to(dtype)
+    fused = sk.skinny_gemm(gate_up, w, tiles, silu_and_mul=True)
+    assert torch.equal(fused, sk.skinny_gemm(silu_and_mul_triton(gate_up), w, tiles))
+
+
+def test_skinny_gemm_writes_into_a_strided_output_row():
+    a, w = torch.randn(2, 64), torch.randn(24, 64)
+    out = torch.full((2, 40), 7.0)[:, 8:32]
+    sk.skinny_gemm(a, w, TILES[0], out=out)
+    torch.testing.assert_close(out, a @ w.T, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="packed-row"):
+        sk.skinny_gemm(a, w, TILES[0], out=torch.empty(2, 24).T.contiguous().T)
+
+
+@pytest.mark.parametrize("a_shape, w_shape, silu, match", [
+    ((5, 64), (8, 64), False, "1 to 4 rows"),
+    ((0, 64), (8, 64), False, "1 to 4 rows"),
+    ((2, 64), (8, 32), False, "does not fit"),
+    ((2, 64), (8, 64), True, r"silu_and_mul: a is \[M, 2K\]"),
+    ((2, 4, 16), (8, 64), False, "2-d"),
+])
+def test_skinny_gemm_refuses_what_it_cannot_take(a_shape, w_shape, silu, match):
+    with pytest.raises(ValueError, match=match):
+        sk.skinny_gemm(torch.zeros(a_shape), torch.zeros(w_shape), TILES[0], silu_and_mul=silu)
+    with pytest.raises(ValueError, match="unit stride"):
+        sk.skinny_gemm(torch.zeros(64, 2).T, torch.zeros(8, 64), TILES[0])
+    with pytest.raises(ValueError, match="float32, weight torch.bfloat16"):
+        sk.skinny_gemm(torch.zeros(2, 64), torch.zeros(8, 64, dtype=torch.bfloat16), TILES[0])
+
+
+# ---- the choice against cuBLAS (engine/skinny_linear.py), on CPU tensors through the interpreter ----------------
+
+@pytest.fixture
+def cpu_skinny(monkeypatch):
+    """Let CPU float32 weights of at most 1,024 rows take the kernel (the LM head's 49,152 would be slow
+    interpreted), and forget every choice before and after."""
+    skinny_linear.reset()
+    monkeypatch.setattr(skinny_linear, "takes", lambda w: w.dim() == 2 and w.shape[0] <= 1024)
+    skinny_linear.set_enabled(True)
+    yield
+    skinny_linear.reset()
+    skinny_linear.set_enabled(True)
+
+
+def _timer_by_tiles(times: dict):
+    """A stand-in for the CUDA-graph timer: cuBLAS's time under None, each candidate's under its tiles."""
+    def timer(fn, weights):
+        tiles = fn.__defaults__[0] if fn.__defaults__ else None
+        return times.get(tiles, 1e9 if tiles is not None else times[None])
+    return timer
+
+
+def test_tuning_takes_the_fastest_candidate_only_past_the_margin(cpu_skinny, monkeypatch):
+    monkeypatch.setattr(sk, "CANDIDATE_TILES", TILES)
+    w = torch.randn(48, 64)
+    skinny_linear.register(w)
+    # 10 against cuBLAS's 10.2: inside the margin, cuBLAS stays.
+    assert skinny_linear._tune(w, 1, False, timer=_timer_by_tiles({None: 10.2, TILES[0]: 10.0})) is None
+    # Two candidates past the margin: the faster wins.
+    picked = skinny_linear._tune(w, 2, False, timer=_timer_by_tiles({None: 10.0, TILES[0]: 9.0, TILES[2]: 6.0}))
+    assert picked == TILES[2]
+    record = skinny_linear.choices()[-1]
+    assert record["rows"] == 2 and record["cublas_us"] == 10.0 and record["chosen_us"] == 6.0
+    assert record["chosen"]["block_n"] == 32 and len(record["candidates"]) == len(TILES)
+
+
+def test_a_candidate_that_disagrees_with_cublas_or_raises_is_never_chosen(cpu_skinny, monkeypatch):
+    monkeypatch.setattr(sk, "CANDIDATE_TILES", TILES)
+    real = sk.skinny_gemm
+
+    def broken(a, w, tiles, silu_and_mul=False, out=None):
+        if tiles == TILES[1]:
+            return real(a, w, tiles, silu_and_mul) + 1.0  # a miscompiled kernel
+        if tiles == TILES[2]:
+            raise RuntimeError("out of resources")  # a configuration this GPU cannot build
+        return real(a, w, tiles, silu_and_mul)
+
+    monkeypatch.setattr(sk, "skinny_gemm", broken)
+    w = torch.randn(48, 64)
+    times = {None: 10.0, TILES[0]: 8.0, TILES[1]: 1.0, TILES[2]: 1.0}
+    assert skinny_linear._tune(w, 1, True, timer=_timer_by_tiles(times)) == TILES[0]
+    entries = skinny_linear.choices()[-1]["candidates"]
+    assert entries[1].get("wrong") and "us" not in entries[1]
+    assert "out of resources" in entries[2]["error"]
+
+
+def test_tuning_that_fails_leaves_cublas(cpu_skinny):
+    def timer(fn, weights):
+        raise RuntimeError("capture failed")
+
+    assert skinny_linear._tune(torch.randn(48, 64), 1, False, timer=timer) is None
+    assert "capture failed" in skinny_linear.choices()[-1]["error"]
+
+
+def test_linear_runs_the_chosen_kernel_and_cublas_elsewhere(cpu_skinny, monkeypatch):
+    calls = []
+
+    def choose(weight, rows, silu_and_mul):
+        calls.append((rows, silu_and_mul))
+        return TILES[0] if rows <= 2 else None
+
+    monkeypatch.setattr(skinny_linear, "choose", choose)
+    ran = []
+    real = sk.skinny_gemm
+    monkeypatch.setattr(sk, "skinny_gemm", lambda *a, **kw: ran.append(a[0].shape[0]) or real(*a, **kw))
+    w = torch.randn(40, 64)
+    lin = Linear(w, prepack=False)
+    for rows in (1, 2, 3, 5, 1, 2):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(lin(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert ran == [1, 2, 1, 2]  # 3 rows: cuBLAS chosen; 5: over MAX_ROWS
+    assert calls == [(1, False), (2, False), (3, False)]  # asked once a row count, then kept on the Linear
+    gate_up = torch.randn(2, 128)
+    torch.testing.assert_close(lin.after_silu_and_mul(gate_up),
+                               F.linear(F.silu(gate_up[:, :64]) * gate_up[:, 64:], w), rtol=1e-5, atol=1e-5)
+    assert calls[-1] == (2, True) and ran[-1] == 2
+
+
+def test_disabled_or_too_many_rows_never_measures(cpu_skinny, monkeypatch):
+    monkeypatch.setattr(skinny_linear, "_tune", lambda *a, **kw: pytest.fail("measured"))
+    w = torch.randn(40, 64)
+    assert skinny_linear.choose(w, 5, False) is None
+    skinny_linear.set_enabled(False)
+    assert skinny_linear.choose(w, 1, False) is None
+
+
+def test_a_model_with_the_kernel_in_its_matmuls_gives_the_cublas_tokens(tiny_dir, cpu_skinny, monkeypatch):
+    """tiny-random (float32) with every one-to-four-row matmul but the LM head through the kernel, the MLP's
+    SiLU-and-mul fused into its down projection: the same greedy tokens as the library matmuls, and the fused
+    path did run."""
+    prompts = [[5 + (7 * i + 3 * j) % 300 for j in range(6 + 5 * i)] for i in range(3)]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    monkeypatch.setattr(skinny_linear, "takes", lambda w: False)
+    cfg = dict(max_num_seqs=4, dtype="float32", deterministic=False, cuda_graphs=False)
+    expected = [o.token_ids for o in make_engine("tiny-random", **cfg).generate(prompts, params)]
+    monkeypatch.setattr(skinny_linear, "takes", lambda w: w.dim() == 2 and w.shape[0] <= 1024)
+    fused = []
+    monkeypatch.setattr(skinny_linear, "choose", lambda w, rows, act: fused.append(act) or TILES[0])
+    engine = make_engine("tiny-random", **cfg)
+    assert [o.token_ids for o in engine.generate(prompts, params)] == expected
+    assert True in fused and False in fused
+
+
+# ---- the GPU build, compiled for sm_90 (H100 / H200) without a GPU -------------------------------------------
+
+_COMPILE = r"""
+import json, os, re, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from pdcluster.kernels import triton_skinny_gemm as sk
+ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+sig = {"out_ptr": "*bf16", "a_ptr": "*bf16", "w_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
+       "k_per_split": "i32", "stride_am": "i32", "stride_wn": "i32", "stride_om": "i32", "ROWS_PAD": "constexpr",
+       "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "PARTIAL": "constexpr", "SILU_AND_MUL": "constexpr"}
+out = []
+for spec in json.loads(sys.argv[1]):
+    tiles = sk.CANDIDATE_TILES[spec["tiles"]]
+    s = dict(sig, out_ptr="*fp32" if spec["partial"] else "*bf16")
+    c = dict(ROWS_PAD=sk.rows_pad_for(spec["rows"]), BLOCK_N=tiles.block_n, BLOCK_K=sk.block_k_for(tiles, spec["rows"]),
+             PARTIAL=spec["partial"], SILU_AND_MUL=spec["silu"])
+    k = triton.compile(ASTSource(sk._skinny_gemm_kernel, s, constexprs=c), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": tiles.num_warps, "num_stages": tiles.num_stages})
+    spill = None
+    if os.path.exists(ptxas):
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+            f.write(k.asm["ptx"])
+        info = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
+        spill = sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", info.stderr))
+    out.append({**spec, "spill_bytes": spill})
+s = dict(out_ptr="*bf16", part_ptr="*fp32", M="i32", N="i32", stride_om="i32", SPLIT="constexpr", BLOCK="constexpr")
+triton.compile(ASTSource(sk._sum_splits_kernel, s, constexprs=dict(SPLIT=4, BLOCK=1024)), target=GPUTarget("cuda", 90, 32))
+print(json.dumps(out))
+"""
+
+
+def _compile_for_sm90(specs: list[dict]) -> list[dict]:
+    import json
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(specs)], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_gpu_build_compiles_for_sm90_without_spilling():
+    """The batch-1 tiles a 1B model's decode step would take, plain and fused, whole and split."""
+    specs = [dict(tiles=0, rows=1, silu=False, partial=False), dict(tiles=1, rows=1, silu=True, partial=True),
+             dict(tiles=3, rows=4, silu=True, partial=False)]
+    for got in _compile_for_sm90(specs):
+        assert got["spill_bytes"] in (0, None), got
+
+
+@pytest.mark.slow
+def test_every_candidate_compiles_for_sm90_without_spilling():
+    specs = [dict(tiles=i, rows=r, silu=s, partial=p) for i, t in enumerate(sk.CANDIDATE_TILES) for r in (1, 2, 4)
+             for s in (False, True) for p in ((False, True) if t.split > 1 else (False,))]
+    for got in _compile_for_sm90(specs):
+        assert got["spill_bytes"] in (0, None), got
+
+
+# ---- on a GPU ----------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("n, k, silu", [(2048, 2048, False), (2560, 2048, False), (2048, 5632, True),
+                                        (11264, 2048, False)])
+def test_gpu_every_candidate_agrees_with_cublas(n, k, silu):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    for rows in (1, 2, 3, 4):
+        a = torch.randn(rows, 2 * k if silu else k, device="cuda", generator=gen).to(torch.bfloat16)
+        ref = F.linear(silu_and_mul_triton(a) if silu else a, w).float()
+        for tiles in sk.CANDIDATE_TILES:
+            out = sk.skinny_gemm(a, w, tiles, silu_and_mul=silu).float()
+            assert skinny_linear._agrees(out, ref), (rows, tiles, (out - ref).abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_tuning_times_in_cuda_graphs_and_records_the_choice():
+    skinny_linear.reset()
+    w = (torch.randn(2048, 2048, device="cuda") * 0.02).to(torch.bfloat16)
+    others = [w.clone() for _ in range(7)]
+    for x in [w, *others]:
+        skinny_linear.register(x)
+    skinny_linear.choose(w, 1, False)
+    record = skinny_linear.choices()[-1]
+    assert record["cublas_us"] > 0 and "error" not in record
+    assert all(("us" in c and c["us"] > 0) for c in record["candidates"]), record
+    lin = Linear(w)
+    x = torch.randn(1, 2048, device="cuda").to(torch.bfloat16)
+    assert skinny_linear._agrees(lin(x).float(), F.linear(x, w).float())
+    skinny_linear.reset()
