@@ -60,8 +60,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "sends run inside the step). Default: on where the engine runs on CUDA, off on a CPU, where "
                         "both threads share the cores")
     g.add_argument("--no-skinny-gemm", action="store_true",
-                   help="CUDA: keep cuBLAS for decode steps of one to four rows instead of the weight-streaming "
-                        "Triton matmul, which is otherwise used for the shapes where it measured faster at start-up")
+                   help="CUDA: keep cuBLAS for decode steps of up to 16 rows instead of the weight-streaming "
+                        "Triton matmuls, which is otherwise used for the shapes where it measured faster at start-up")
     g.add_argument("--num-threads", type=int, default=0)
     g.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
                    help="batch-invariant kernels: a request's tokens and logprobs are bitwise the same whatever the "

@@ -1,7 +1,7 @@
-"""Which kernel runs a decode step's few-row matmul on CUDA: cuBLAS, or the weight-streaming Triton kernel
+"""Which kernel runs a decode step's few-row matmul (1 to 16 rows) on CUDA: cuBLAS, or the weight-streaming Triton kernel
 (kernels/triton_skinny_gemm.py) with one of its tile configurations, chosen by timing both on the GPU at hand.
 
-A one-to-four-row matmul is bound by reading its weight; cuBLAS tiles some of a 1B model's shapes too coarsely
+A matmul of a few rows is bound by reading its weight; cuBLAS tiles some of a 1B model's shapes too coarsely
 to keep an H200's SMs busy there (the kernel's module doc has the profile). Whether the Triton kernel does better
 depends on the GPU, the shape and the number of rows, so nothing is assumed: the first time a (weight shape,
 dtype, rows, fused SiLU-and-mul) is met outside a CUDA-graph capture (a decode bucket's warm-up runs before its
@@ -32,7 +32,7 @@ from pdcluster.kernels import ops
 
 log = logging.getLogger(__name__)
 
-MAX_ROWS = 4  # kernels/triton_skinny_gemm.MAX_ROWS (not imported: triton loads only where CUDA is)
+MAX_ROWS = 16  # kernels/triton_skinny_gemm.MAX_ROWS (not imported: triton loads only where CUDA is)
 MARGIN = 0.95  # a candidate must take at most this fraction of cuBLAS's time
 TUNING_BUDGET_S = 90.0
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -125,7 +125,7 @@ def _tune(weight: torch.Tensor, rows: int, silu_and_mul: bool, timer=None):
         best_us = base_us = timer(cublas, weights)
         record["cublas_us"] = round(base_us, 2)
         timed = []
-        for tiles in sk.CANDIDATE_TILES:
+        for tiles in (t for t in sk.CANDIDATE_TILES if t.takes(rows)):
             def run(w: torch.Tensor, tiles=tiles) -> torch.Tensor:
                 return sk.skinny_gemm(a, w, tiles, silu_and_mul=silu_and_mul)
 

@@ -1,62 +1,83 @@
-"""Triton kernel: a decode step's matmul of one to four rows, ``out = a @ weight.T``, as a weight stream.
+"""Triton kernels: a decode step's matmul of a few rows, ``out = a @ weight.T``, as a stream of the weight.
 
     a:      [M, K] (1 <= M <= MAX_ROWS; unit stride along K), or with ``silu_and_mul`` [M, 2K]: the fused
-            gate/up projection's output, a = silu(gate) * up computed as it is loaded (the MLP's down
-            projection then needs no SiLU-and-mul kernel of its own)
+            gate/up projection's output, a = silu(gate) * up (the MLP's down projection)
     weight: [N, K] (F.linear's layout, unit stride along K), a's dtype
     out:    [M, N] in a's dtype (unit stride along N), every element accumulated in float32
 
 Why (bench/results/gpu_check_h200.json, the 1.1B Llama's batch-1 decode step profiled on an H200): a one-row
-matmul reads its weight once and does nothing else, so it should run at the copy bandwidth. cuBLAS tiles N in
+matmul reads its weight once and does little else, so it should run at the copy bandwidth. cuBLAS tiles N in
 64 columns there: the 2,048 x 2,048 output projection gets 32 tiles for 132 SMs, the 2,560-row qkv 40, and
 those matmuls ran at ~1.6 TB/s of the H200's 4 TB/s; the 5,632-deep down projection took a split-K kernel
 plus a reduction kernel (2.2 TB/s). The batch-1 step spent 0.74 ms in the layers' matmuls against 0.52 ms of
 weight bytes at the copy bandwidth.
 
-Here one program streams BLOCK_N weight rows (contiguous along K: coalesced loads) over its share of K:
-``SPLIT`` programs per column band when the bands alone would leave SMs idle, each writing float32 partial
-sums that ``_sum_splits_kernel`` adds in split order (fixed, so a step's bits do not depend on timing). No
-tensor cores: the products accumulate elementwise in a [rows, BLOCK_N, BLOCK_K] float32 tile reduced over K
-once at the end, so each loaded weight element costs a convert and ``rows`` FMAs. Whether this beats cuBLAS
-for a given shape and row count is measured on the GPU at hand, inside CUDA graphs (engine/skinny_linear.py),
-never assumed.
+Both kernels give each program BLOCK_N weight rows (contiguous along K: coalesced loads) over its share of K:
+``split`` programs per column band when the bands alone would leave SMs idle, each writing float32 partial
+sums that ``_sum_splits_kernel`` adds in split order (fixed: a step's bits never depend on timing).
+- The elementwise kernel (``_skinny_gemm_kernel``, 1 to FMA_MAX_ROWS rows): no tensor cores; the products
+  accumulate in a [rows, BLOCK_N, BLOCK_K] float32 tile reduced over K once at the end, so a loaded weight
+  element costs a convert and ``rows`` FMAs. The weight tile lands in registers. With ``silu_and_mul`` the
+  activation is computed as it is loaded, so the MLP needs no SiLU-and-mul kernel.
+- The dot kernel (``_skinny_dot_kernel``, 1 to DOT_ROWS rows): ``tl.dot`` of the weight tile with the rows
+  padded to 16, which lets Triton's software pipeline bring the weight through shared memory ``num_stages``
+  tiles ahead. Its ``silu_and_mul`` runs the SiLU-and-mul kernel first (a pipelined operand is loaded, not
+  computed).
+Which (if either) beats cuBLAS for a shape and row count is measured on the GPU at hand, inside CUDA graphs
+(engine/skinny_linear.py), never assumed.
 
-Numerics: float32 products of the 16-bit inputs (exact) summed in float32 in a different order than cuBLAS's:
-the result differs from F.linear's by float32 rounding before the final cast. With ``silu_and_mul`` the
-activation is rounded as kernels/triton_silu_and_mul.py rounds it (silu to a's dtype, then the product), so
-the fused matmul reads exactly the values the unfused one would.
+Numerics: float32 sums of exact products of the 16-bit inputs, in another order than cuBLAS's: the result
+differs from F.linear's by float32 rounding before the final cast. The fused activation is rounded as
+kernels/triton_silu_and_mul.py rounds it (silu to a's dtype, then the product), so the fused matmul reads
+exactly the values the unfused one would.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-MAX_ROWS = 4  # rows a launch takes; more go to cuBLAS (tensor cores pay off there)
+# The interpreter multiplies 16-bit dot operands as raw bit patterns (kernels/triton_paged_attention.py): the dot
+# kernel widens them to float32 there; products of 16-bit values are exact in float32 either way.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+MAX_ROWS = 16  # rows a launch takes (the dot kernel's tile); more go to cuBLAS
+FMA_MAX_ROWS = 4  # the elementwise kernel's limit: its accumulator grows with the rows
+DOT_ROWS = 16  # the dot kernel's rows, padded: tl.dot's smallest tile side
 # float32 accumulator elements a program holds (rows x BLOCK_N x BLOCK_K): with 4 warps, 64 registers a thread.
 ACC_ELEMENTS = 8192
 
 
 @dataclass(frozen=True)
 class SkinnyTiles:
-    """One launch configuration. ``block_k`` is for one row; a launch of ``rows`` rows walks K in
-    ``block_k // rows_pad`` steps so the accumulator stays ACC_ELEMENTS (see :func:`block_k_for`)."""
+    """One launch configuration. The elementwise kernel (``dot`` False): ``block_k`` is for one row; a launch of
+    ``rows`` rows walks K in ``block_k // rows_pad`` steps so the accumulator stays ACC_ELEMENTS
+    (:func:`block_k_for`). The dot kernel: tiles of BLOCK_N weight rows x BLOCK_K, the rows padded to DOT_ROWS."""
 
     block_n: int
     block_k: int
     split: int  # programs per column band (K cut in this many even runs)
     num_warps: int = 4
     num_stages: int = 3
+    dot: bool = False
+
+    def takes(self, rows: int) -> bool:
+        return 1 <= rows <= (MAX_ROWS if self.dot else FMA_MAX_ROWS)
 
 
-# What engine/skinny_linear.py times against cuBLAS, per shape and row count.
+# What engine/skinny_linear.py times against cuBLAS, per shape and row count. The elementwise kernel holds
+# its weight tile in registers (as many bytes in flight as the registers allow); the dot kernel lets Triton's
+# software pipeline stream the weight through shared memory num_stages tiles ahead (tensor cores, rows padded).
 CANDIDATE_TILES = (
     SkinnyTiles(16, 512, 1), SkinnyTiles(16, 512, 2), SkinnyTiles(16, 512, 4),
     SkinnyTiles(8, 1024, 1), SkinnyTiles(8, 1024, 2),
     SkinnyTiles(32, 256, 1), SkinnyTiles(32, 256, 2),
+    SkinnyTiles(64, 128, 1, 4, 4, dot=True), SkinnyTiles(32, 256, 1, 4, 4, dot=True),
+    SkinnyTiles(32, 128, 2, 4, 5, dot=True), SkinnyTiles(16, 256, 2, 4, 5, dot=True),
+    SkinnyTiles(16, 512, 1, 4, 3, dot=True), SkinnyTiles(64, 64, 4, 4, 6, dot=True),
 )
 
 
@@ -69,7 +90,7 @@ def block_k_for(tiles: SkinnyTiles, rows: int) -> int:
     return max(16, min(tiles.block_k, ACC_ELEMENTS // (rows_pad_for(rows) * tiles.block_n)))
 
 
-@triton.jit(do_not_specialize=["k_per_split"])
+@triton.jit(do_not_specialize=["steps_per_split"])
 def _skinny_gemm_kernel(
     out_ptr,  # [M, N] (SPLIT == 1) or float32 [SPLIT, M, N] partial sums
     a_ptr,
@@ -77,7 +98,7 @@ def _skinny_gemm_kernel(
     M,
     N,
     K,
-    k_per_split,  # K positions a split walks: a multiple of BLOCK_K
+    steps_per_split,  # BLOCK_K steps a split walks (its K positions: a multiple of BLOCK_K the compiler can see)
     stride_am,
     stride_wn,
     stride_om,
@@ -97,12 +118,11 @@ def _skinny_gemm_kernel(
     dtype = a_ptr.dtype.element_ty
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
     a_rows = a_ptr + rows.to(tl.int64)[:, None] * stride_am
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
+    k_lo = pid_k * steps_per_split * BLOCK_K
     acc = tl.zeros([ROWS_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    for k0 in range(k_lo, k_lo + steps_per_split * BLOCK_K, BLOCK_K):
         k = k0 + ks
-        k_valid = k < k_hi
+        k_valid = k < K  # the splits tile K; only the last runs past it
         w = tl.load(w_rows + k[None, :], mask=col_valid[:, None] & k_valid[None, :], other=0.0).to(tl.float32)
         a_mask = row_valid[:, None] & k_valid[None, :]
         if SILU_AND_MUL:  # a = silu(gate) * up, rounded as the SiLU-and-mul kernel rounds it
@@ -121,6 +141,55 @@ def _skinny_gemm_kernel(
     else:
         at = rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
         tl.store(out_ptr + at, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["steps_per_split"])
+def _skinny_dot_kernel(
+    out_ptr,  # [M, N] (not PARTIAL) or float32 [splits, M, N] partial sums
+    a_ptr,
+    w_ptr,
+    M,
+    N,
+    K,
+    steps_per_split,  # BLOCK_K steps a split walks (its K positions: a multiple of BLOCK_K the compiler can see)
+    stride_am,
+    stride_wn,
+    stride_om,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PARTIAL: tl.constexpr,
+    NATIVE_DOT: tl.constexpr,  # 16-bit operands into the dot as they are (a GPU); else float32 (the interpreter)
+):
+    """out^T [BLOCK_N, DOT_ROWS] = weight tile @ a^T tile, the rows past M masked to zero."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = tl.arange(0, 16)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    row_valid = rows < M
+    col_valid = cols < N
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
+    a_cols = a_ptr + rows.to(tl.int64)[None, :] * stride_am
+    # The loop's bounds and the loads' offsets are multiples of BLOCK_K the compiler can see (a bound clipped
+    # to K with tl.minimum, or a split length passed as is, kept it from vectorising and pipelining the loads).
+    k_lo = pid_k * steps_per_split * BLOCK_K
+    acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    for k0 in range(k_lo, k_lo + steps_per_split * BLOCK_K, BLOCK_K):
+        k = k0 + ks
+        k_valid = k < K  # the splits tile K; only the last runs past it
+        w = tl.load(w_rows + k[None, :], mask=col_valid[:, None] & k_valid[None, :], other=0.0)
+        a_t = tl.load(a_cols + k[:, None], mask=k_valid[:, None] & row_valid[None, :], other=0.0)
+        if NATIVE_DOT:
+            acc = tl.dot(w, a_t, acc)
+        else:
+            acc = tl.dot(w.to(tl.float32), a_t.to(tl.float32), acc, input_precision="ieee")
+    mask = col_valid[:, None] & row_valid[None, :]
+    if PARTIAL:
+        at = (pid_k * M + rows.to(tl.int64))[None, :] * N + cols[:, None]
+        tl.store(out_ptr + at, acc, mask=mask)
+    else:
+        at = rows.to(tl.int64)[None, :] * stride_om + cols[:, None]
+        tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -154,24 +223,39 @@ def check_operands(a: torch.Tensor, weight: torch.Tensor, silu_and_mul: bool) ->
 
 def skinny_gemm(a: torch.Tensor, weight: torch.Tensor, tiles: SkinnyTiles, silu_and_mul: bool = False,
                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """``a @ weight.T`` (``silu_and_mul``: ``silu(a[:, :K]) * a[:, K:]`` first) for 1 to MAX_ROWS rows."""
+    """``a @ weight.T`` (``silu_and_mul``: ``silu(a[:, :K]) * a[:, K:]`` first) for the rows ``tiles`` takes (the
+    dot kernel runs the activation as the SiLU-and-mul kernel first: its operand is streamed, not computed)."""
     k = check_operands(a, weight, silu_and_mul)
     m, n = a.shape[0], weight.shape[0]
+    if not tiles.takes(m):
+        raise ValueError(f"{tiles} takes at most {FMA_MAX_ROWS} rows, got {m}")
+    if silu_and_mul and tiles.dot:
+        from pdcluster.kernels.triton_silu_and_mul import silu_and_mul_triton
+
+        a, silu_and_mul = silu_and_mul_triton(a), False
     if out is None:
         out = torch.empty(m, n, dtype=a.dtype, device=a.device)
     elif out.shape != (m, n) or out.stride(1) != 1 or out.dtype != a.dtype:
         raise ValueError(f"out {tuple(out.shape)} {out.dtype} is not a packed-row [{m}, {n}] {a.dtype} tensor")
-    block_k = block_k_for(tiles, m)
-    # Each split walks whole K steps (its share rounded up to one); the last may walk fewer or none.
-    split = max(1, min(tiles.split, triton.cdiv(k, block_k)))
-    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-    split = triton.cdiv(k, k_per_split)
+    block_k = tiles.block_k if tiles.dot else block_k_for(tiles, m)
+    # Each split walks whole K steps (its share rounded up to one); the last may run past K (masked).
+    num_steps = triton.cdiv(k, block_k)
+    steps_per_split = triton.cdiv(num_steps, max(1, min(tiles.split, num_steps)))
+    split = triton.cdiv(num_steps, steps_per_split)
     target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=a.device)
-    _skinny_gemm_kernel[(triton.cdiv(n, tiles.block_n), split)](
-        target, a, weight, m, n, k, k_per_split, a.stride(0), weight.stride(0), out.stride(0),
-        ROWS_PAD=rows_pad_for(m), BLOCK_N=tiles.block_n, BLOCK_K=block_k, PARTIAL=split > 1, SILU_AND_MUL=silu_and_mul,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-    )
+    grid = (triton.cdiv(n, tiles.block_n), split)
+    if tiles.dot:
+        _skinny_dot_kernel[grid](
+            target, a, weight, m, n, k, steps_per_split, a.stride(0), weight.stride(0), out.stride(0),
+            BLOCK_N=tiles.block_n, BLOCK_K=block_k, PARTIAL=split > 1, NATIVE_DOT=a.dtype != torch.float32
+            and not INTERPRETED, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        )
+    else:
+        _skinny_gemm_kernel[grid](
+            target, a, weight, m, n, k, steps_per_split, a.stride(0), weight.stride(0), out.stride(0),
+            ROWS_PAD=rows_pad_for(m), BLOCK_N=tiles.block_n, BLOCK_K=block_k, PARTIAL=split > 1,
+            SILU_AND_MUL=silu_and_mul, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        )
     if split > 1:
         block = min(1024, triton.next_power_of_2(n))
         _sum_splits_kernel[(triton.cdiv(n, block), m)](out, target, m, n, out.stride(0), SPLIT=split, BLOCK=block)

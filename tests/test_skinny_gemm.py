@@ -19,6 +19,7 @@ from pdcluster.kernels import triton_skinny_gemm as sk
 from pdcluster.kernels.triton_silu_and_mul import silu_and_mul_triton
 
 TILES = (sk.SkinnyTiles(16, 64, 1), sk.SkinnyTiles(8, 32, 3), sk.SkinnyTiles(32, 32, 2))
+DOT_TILES = (sk.SkinnyTiles(16, 32, 1, dot=True), sk.SkinnyTiles(32, 64, 3, dot=True))
 
 
 def _within_16bit(out: torch.Tensor, exact: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -27,11 +28,19 @@ def _within_16bit(out: torch.Tensor, exact: torch.Tensor, dtype: torch.dtype) ->
     return bool(((out.float() - exact).abs() <= exact.abs() * ulp + 1e-4).all())
 
 
+def _ids(t: sk.SkinnyTiles) -> str:
+    return f"{'dot' if t.dot else 'fma'}-n{t.block_n}k{t.block_k}s{t.split}"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
-@pytest.mark.parametrize("tiles", TILES, ids=lambda t: f"n{t.block_n}k{t.block_k}s{t.split}")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 16])
+@pytest.mark.parametrize("tiles", TILES + DOT_TILES, ids=_ids)
 def test_skinny_gemm_equals_the_exact_product(dtype, rows, tiles):
     """Odd N and K (masked column band and K tail), K split in 1 to 3 runs."""
+    if not tiles.takes(rows):
+        with pytest.raises(ValueError, match="takes at most 4 rows"):
+            sk.skinny_gemm(torch.zeros(rows, 32, dtype=dtype), torch.zeros(8, 32, dtype=dtype), tiles)
+        return
     gen = torch.Generator().manual_seed(rows)
     n, k = 37, 160
     a = torch.randn(rows, k, generator=gen).to(dtype)
@@ -46,7 +55,7 @@ def test_skinny_gemm_equals_the_exact_product(dtype, rows, tiles):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tiles", TILES[:2], ids=lambda t: f"n{t.block_n}k{t.block_k}s{t.split}")
+@pytest.mark.parametrize("tiles", TILES[:2] + DOT_TILES[:1], ids=_ids)
 def test_fused_silu_and_mul_reads_what_the_unfused_kernel_writes(dtype, tiles):
     """The activation computed as the weight streams is rounded as the SiLU-and-mul kernel rounds it: the fused
     matmul equals that kernel followed by the plain one, bit for bit."""
@@ -68,8 +77,8 @@ def test_skinny_gemm_writes_into_a_strided_output_row():
 
 
 @pytest.mark.parametrize("a_shape, w_shape, silu, match", [
-    ((5, 64), (8, 64), False, "1 to 4 rows"),
-    ((0, 64), (8, 64), False, "1 to 4 rows"),
+    ((17, 64), (8, 64), False, "1 to 16 rows"),
+    ((0, 64), (8, 64), False, "1 to 16 rows"),
     ((2, 64), (8, 32), False, "does not fit"),
     ((2, 64), (8, 64), True, r"silu_and_mul: a is \[M, 2K\]"),
     ((2, 4, 16), (8, 64), False, "2-d"),
@@ -119,6 +128,15 @@ def test_tuning_takes_the_fastest_candidate_only_past_the_margin(cpu_skinny, mon
     assert record["chosen"]["block_n"] == 32 and len(record["candidates"]) == len(TILES)
 
 
+def test_tuning_times_only_the_kernels_that_take_the_rows(cpu_skinny, monkeypatch):
+    monkeypatch.setattr(sk, "CANDIDATE_TILES", TILES + DOT_TILES)
+    w = torch.randn(48, 64)
+    times = {None: 10.0, TILES[0]: 1.0, DOT_TILES[1]: 5.0}
+    assert skinny_linear._tune(w, 8, False, timer=_timer_by_tiles(times)) == DOT_TILES[1]
+    assert [c["dot"] for c in skinny_linear.choices()[-1]["candidates"]] == [True, True]
+    assert skinny_linear._tune(w, 4, False, timer=_timer_by_tiles(times)) == TILES[0]
+
+
 def test_a_candidate_that_disagrees_with_cublas_or_raises_is_never_chosen(cpu_skinny, monkeypatch):
     monkeypatch.setattr(sk, "CANDIDATE_TILES", TILES)
     real = sk.skinny_gemm
@@ -160,10 +178,10 @@ def test_linear_runs_the_chosen_kernel_and_cublas_elsewhere(cpu_skinny, monkeypa
     monkeypatch.setattr(sk, "skinny_gemm", lambda *a, **kw: ran.append(a[0].shape[0]) or real(*a, **kw))
     w = torch.randn(40, 64)
     lin = Linear(w, prepack=False)
-    for rows in (1, 2, 3, 5, 1, 2):
+    for rows in (1, 2, 3, 17, 1, 2):
         x = torch.randn(rows, 64)
         torch.testing.assert_close(lin(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
-    assert ran == [1, 2, 1, 2]  # 3 rows: cuBLAS chosen; 5: over MAX_ROWS
+    assert ran == [1, 2, 1, 2]  # 3 rows: cuBLAS chosen; 17: over MAX_ROWS
     assert calls == [(1, False), (2, False), (3, False)]  # asked once a row count, then kept on the Linear
     gate_up = torch.randn(2, 128)
     torch.testing.assert_close(lin.after_silu_and_mul(gate_up),
@@ -174,7 +192,7 @@ def test_linear_runs_the_chosen_kernel_and_cublas_elsewhere(cpu_skinny, monkeypa
 def test_disabled_or_too_many_rows_never_measures(cpu_skinny, monkeypatch):
     monkeypatch.setattr(skinny_linear, "_tune", lambda *a, **kw: pytest.fail("measured"))
     w = torch.randn(40, 64)
-    assert skinny_linear.choose(w, 5, False) is None
+    assert skinny_linear.choose(w, 17, False) is None
     skinny_linear.set_enabled(False)
     assert skinny_linear.choose(w, 1, False) is None
 
@@ -190,7 +208,8 @@ def test_a_model_with_the_kernel_in_its_matmuls_gives_the_cublas_tokens(tiny_dir
     expected = [o.token_ids for o in make_engine("tiny-random", **cfg).generate(prompts, params)]
     monkeypatch.setattr(skinny_linear, "takes", lambda w: w.dim() == 2 and w.shape[0] <= 1024)
     fused = []
-    monkeypatch.setattr(skinny_linear, "choose", lambda w, rows, act: fused.append(act) or TILES[0])
+    monkeypatch.setattr(skinny_linear, "choose",
+                        lambda w, rows, act: fused.append(act) or (TILES[0] if rows <= 4 else DOT_TILES[0]))
     engine = make_engine("tiny-random", **cfg)
     assert [o.token_ids for o in engine.generate(prompts, params)] == expected
     assert True in fused and False in fused
@@ -206,15 +225,26 @@ from triton.compiler import ASTSource
 from pdcluster.kernels import triton_skinny_gemm as sk
 ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 sig = {"out_ptr": "*bf16", "a_ptr": "*bf16", "w_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
-       "k_per_split": "i32", "stride_am": "i32", "stride_wn": "i32", "stride_om": "i32", "ROWS_PAD": "constexpr",
+       "steps_per_split": "i32", "stride_am": "i32", "stride_wn": "i32", "stride_om": "i32", "ROWS_PAD": "constexpr",
        "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "PARTIAL": "constexpr", "SILU_AND_MUL": "constexpr"}
+dot_sig = {k: v for k, v in sig.items() if k not in ("ROWS_PAD", "SILU_AND_MUL")} | {"NATIVE_DOT": "constexpr"}
 out = []
 for spec in json.loads(sys.argv[1]):
     tiles = sk.CANDIDATE_TILES[spec["tiles"]]
-    s = dict(sig, out_ptr="*fp32" if spec["partial"] else "*bf16")
-    c = dict(ROWS_PAD=sk.rows_pad_for(spec["rows"]), BLOCK_N=tiles.block_n, BLOCK_K=sk.block_k_for(tiles, spec["rows"]),
-             PARTIAL=spec["partial"], SILU_AND_MUL=spec["silu"])
-    k = triton.compile(ASTSource(sk._skinny_gemm_kernel, s, constexprs=c), target=GPUTarget("cuda", 90, 32),
+    if tiles.dot:
+        s = dict(dot_sig, out_ptr="*fp32" if spec["partial"] else "*bf16")
+        c = dict(BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PARTIAL=spec["partial"], NATIVE_DOT=True)
+        fn = sk._skinny_dot_kernel
+    else:
+        s = dict(sig, out_ptr="*fp32" if spec["partial"] else "*bf16")
+        c = dict(ROWS_PAD=sk.rows_pad_for(spec["rows"]), BLOCK_N=tiles.block_n,
+                 BLOCK_K=sk.block_k_for(tiles, spec["rows"]), PARTIAL=spec["partial"], SILU_AND_MUL=spec["silu"])
+        fn = sk._skinny_gemm_kernel
+    # As a launch specialises them (pointers 16-byte aligned, a 2,048-wide model's N, K and strides multiples
+    # of 16): without these the compiler cannot vectorise the loads, and nothing is pipelined.
+    aligned = ("out_ptr", "a_ptr", "w_ptr", "N", "K", "stride_am", "stride_wn", "stride_om")
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    k = triton.compile(ASTSource(fn, s, constexprs=c, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": tiles.num_warps, "num_stages": tiles.num_stages})
     spill = None
     if os.path.exists(ptxas):
@@ -222,7 +252,7 @@ for spec in json.loads(sys.argv[1]):
             f.write(k.asm["ptx"])
         info = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
         spill = sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", info.stderr))
-    out.append({**spec, "spill_bytes": spill})
+    out.append({**spec, "spill_bytes": spill, "shared_bytes": k.metadata.shared})
 s = dict(out_ptr="*bf16", part_ptr="*fp32", M="i32", N="i32", stride_om="i32", SPLIT="constexpr", BLOCK="constexpr")
 triton.compile(ASTSource(sk._sum_splits_kernel, s, constexprs=dict(SPLIT=4, BLOCK=1024)), target=GPUTarget("cuda", 90, 32))
 print(json.dumps(out))
@@ -241,19 +271,31 @@ def _compile_for_sm90(specs: list[dict]) -> list[dict]:
 
 
 def test_the_gpu_build_compiles_for_sm90_without_spilling():
-    """The batch-1 tiles a 1B model's decode step would take, plain and fused, whole and split."""
+    """A few of each kernel's tiles, plain and fused, whole and split; the dot kernel's weight really goes
+    through shared memory (the software pipeline it is there for) within an H100's 227 KiB."""
+    dot = [i for i, t in enumerate(sk.CANDIDATE_TILES) if t.dot]
     specs = [dict(tiles=0, rows=1, silu=False, partial=False), dict(tiles=1, rows=1, silu=True, partial=True),
-             dict(tiles=3, rows=4, silu=True, partial=False)]
+             dict(tiles=3, rows=4, silu=True, partial=False), dict(tiles=dot[0], rows=16, silu=False, partial=False),
+             dict(tiles=dot[2], rows=16, silu=False, partial=True)]
     for got in _compile_for_sm90(specs):
         assert got["spill_bytes"] in (0, None), got
+        tiles = sk.CANDIDATE_TILES[got["tiles"]]
+        if tiles.dot:  # at least num_stages - 1 weight and operand tiles in flight
+            stage_bytes = (tiles.block_n + 16) * tiles.block_k * 2
+            assert (tiles.num_stages - 1) * stage_bytes <= got["shared_bytes"] <= 227 * 1024, got
 
 
 @pytest.mark.slow
 def test_every_candidate_compiles_for_sm90_without_spilling():
-    specs = [dict(tiles=i, rows=r, silu=s, partial=p) for i, t in enumerate(sk.CANDIDATE_TILES) for r in (1, 2, 4)
-             for s in (False, True) for p in ((False, True) if t.split > 1 else (False,))]
+    specs = [dict(tiles=i, rows=r, silu=s, partial=p) for i, t in enumerate(sk.CANDIDATE_TILES)
+             for r in ((16,) if t.dot else (1, 2, 4)) for s in ((False,) if t.dot else (False, True))
+             for p in ((False, True) if t.split > 1 else (False,))]
     for got in _compile_for_sm90(specs):
         assert got["spill_bytes"] in (0, None), got
+        tiles = sk.CANDIDATE_TILES[got["tiles"]]
+        if tiles.dot:
+            stage_bytes = (tiles.block_n + 16) * tiles.block_k * 2
+            assert (tiles.num_stages - 1) * stage_bytes <= got["shared_bytes"] <= 227 * 1024, got
 
 
 # ---- on a GPU ----------------------------------------------------------------------------------------------
@@ -265,10 +307,10 @@ def test_every_candidate_compiles_for_sm90_without_spilling():
 def test_gpu_every_candidate_agrees_with_cublas(n, k, silu):
     gen = torch.Generator(device="cuda").manual_seed(0)
     w = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
-    for rows in (1, 2, 3, 4):
+    for rows in (1, 2, 3, 4, 8, 16):
         a = torch.randn(rows, 2 * k if silu else k, device="cuda", generator=gen).to(torch.bfloat16)
         ref = F.linear(silu_and_mul_triton(a) if silu else a, w).float()
-        for tiles in sk.CANDIDATE_TILES:
+        for tiles in (t for t in sk.CANDIDATE_TILES if t.takes(rows)):
             out = sk.skinny_gemm(a, w, tiles, silu_and_mul=silu).float()
             assert skinny_linear._agrees(out, ref), (rows, tiles, (out - ref).abs().max().item())
 
