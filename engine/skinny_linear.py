@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 MAX_ROWS = 16  # kernels/triton_skinny_gemm.MAX_ROWS (not imported: triton loads only where CUDA is)
 MARGIN = 0.95  # a candidate must take at most this fraction of cuBLAS's time
-TUNING_BUDGET_S = 90.0
+TUNING_BUDGET_S = 45.0
 _DTYPES = (torch.bfloat16, torch.float16)
 
 _enabled = True
