@@ -42,7 +42,7 @@ from pdcluster.engine import skinny_linear
 from pdcluster.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pdcluster.engine.mamba_state_blocks import pack_state, state_block_ids, unpack_state
 from pdcluster.engine.request_slots import RequestStates
-from pdcluster.engine.step_inputs import StepInputs, to_host_async
+from pdcluster.engine.step_inputs import HostCopyRing, StepInputs
 from pdcluster.wire.kv_connector import KVConnector, KVConnectorOutput
 from pdcluster.wire.logprobs import TokenLogprobs
 from pdcluster.kernels import ops
@@ -111,6 +111,7 @@ class ModelRunner:
         skinny_linear.set_enabled(config.skinny_gemm)  # before the first forward (warm-up) measures anything
         self.device = kv_cache.device
         self.inputs = StepInputs(self.device)  # host numpy -> device, through pinned buffers on a GPU
+        self._sampled_ids_host = HostCopyRing()  # device -> host: the sampled ids' pinned buffers and events
         self.block_size = config.block_size
         self.num_spec_steps = config.num_spec_steps
         self.max_model_len = max_model_len
@@ -402,11 +403,8 @@ class ModelRunner:
                 lp_logits, lp_ids = raw_logits[sel], tokens_dev[sel]
             launched.logprobs = launch_token_logprobs(lp_logits, lp_ids, [params[j].logprobs for j in want])
             launched.logprob_rows = want
-        launched.tokens_host = to_host_async(tokens_dev)  # the step's one synchronisation, deferred to finish()
-        if tokens_dev.is_cuda:
-            launched.copied = torch.cuda.Event()
-            # On the ids' device's stream: the runner's thread may have another current device (cuda:N).
-            launched.copied.record(torch.cuda.current_stream(tokens_dev.device))
+        # The step's one synchronisation, deferred to finish().
+        launched.tokens_host, launched.copied = self._sampled_ids_host.copy(tokens_dev)
         return launched
 
     def _finish(self, launched: LaunchedStep, check_slots: bool = False) -> tuple[ModelRunnerOutput, KVConnectorOutput]:

@@ -44,6 +44,48 @@ def to_host_async(x: torch.Tensor) -> torch.Tensor:
     return host
 
 
+class HostCopyRing:
+    """The sampled ids' device-to-host copy, a step's one synchronisation, into pinned buffers reused round-robin,
+    each with its CUDA event: a fresh pinned tensor and event a step cost ~25 us of host time on the H200
+    (``torch.empty`` in bench/results/gpu_check_h200.json's decode profile). A slot is refilled NUM_SLOTS copies
+    later, when the step that read it is long finished (at most two are in flight: launch-ahead); its event is
+    waited for first all the same. On a CPU the tensor is returned as it is."""
+
+    NUM_SLOTS = 4
+
+    def __init__(self):
+        self._buffers: list[torch.Tensor | None] = [None] * self.NUM_SLOTS
+        self._events: list[torch.cuda.Event | None] = [None] * self.NUM_SLOTS
+        self._views: list[dict] = [{} for _ in range(self.NUM_SLOTS)]  # (shape) -> view of the slot's buffer
+        self._next = 0
+        self.num_allocations = 0
+
+    def copy(self, x: torch.Tensor) -> tuple[torch.Tensor, object]:
+        """(``x`` on the host, the event behind its copy): read the host tensor after ``event.synchronize()``.
+        (``x``, None) on a CPU."""
+        if x.device.type == "cpu":
+            return x, None
+        slot = self._next
+        self._next = (slot + 1) % self.NUM_SLOTS
+        event = self._events[slot]
+        if event is not None:
+            event.synchronize()  # landed long ago: NUM_SLOTS steps back
+        buffer = self._buffers[slot]
+        if buffer is None or buffer.dtype != x.dtype or buffer.numel() < x.numel():
+            buffer = self._buffers[slot] = torch.empty(max(x.numel(), 256), dtype=x.dtype, pin_memory=True)
+            self._views[slot].clear()
+            self.num_allocations += 1
+        host = self._views[slot].get(x.shape)
+        if host is None:
+            host = self._views[slot][x.shape] = buffer[: x.numel()].view(x.shape)
+        host.copy_(x, non_blocking=True)
+        if event is None:
+            event = self._events[slot] = torch.cuda.Event()
+        # On x's device's stream: the runner's thread may have another current device (cuda:N).
+        event.record(torch.cuda.current_stream(x.device))
+        return host, event
+
+
 class StepInputs:
     def __init__(self, device: str | torch.device, staged: bool | None = None):
         """``staged``: pack into arenas and copy (default: on any device but the CPU; the CPU tests

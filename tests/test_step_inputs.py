@@ -10,7 +10,7 @@ import torch
 from conftest import make_engine
 from pdcluster.engine import step_inputs
 from pdcluster.engine.sampling_params import SamplingParams
-from pdcluster.engine.step_inputs import ALIGN_BYTES, StepInputs
+from pdcluster.engine.step_inputs import ALIGN_BYTES, HostCopyRing, StepInputs
 
 
 def _arrays(rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -158,3 +158,27 @@ def test_an_arena_is_refilled_only_after_its_copy_ran():
         got.append(inputs.put("x", np.full(4096, step, dtype=np.int64)).clone())  # queued behind the copy
     torch.cuda.synchronize()
     assert [t.unique().tolist() for t in got] == [[0], [1], [2]]
+
+
+def test_host_copy_ring_returns_a_cpu_tensor_as_it_is():
+    x = torch.arange(5)
+    host, event = HostCopyRing().copy(x)
+    assert host is x and event is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_host_copy_ring_reuses_its_pinned_buffers_and_never_returns_stale_ids():
+    """Ten steps' sampled ids copied with the GPU held busy (each copy queued behind the spin): every host tensor,
+    read after its own event, holds its own step's ids, though the ring allocated only its slots' buffers."""
+    ring = HostCopyRing()
+    torch.cuda._sleep(100_000_000)
+    pending = [(step, *ring.copy(torch.full((3,), step, dtype=torch.int64, device="cuda"))) for step in range(3)]
+    for step, host, event in pending:
+        event.synchronize()
+        assert host.is_pinned() and host.tolist() == [step] * 3
+    for step in range(3, 10):  # slots refilled: each waits for its previous copy
+        host, event = ring.copy(torch.full((step % 4 + 1,), step, dtype=torch.int64, device="cuda"))
+        event.synchronize()
+        assert host.tolist() == [step] * (step % 4 + 1)
+    assert ring.num_allocations == HostCopyRing.NUM_SLOTS
