@@ -16,7 +16,8 @@ skipped once the time budget is spent:
   time at batch 1 and 32, and a request's greedy tokens and logprobs alone == among 15 others, bitwise;
 - ``speed``: a random-weight 1.1B Llama (TinyLlama's shape, bf16): copy bandwidth and the HBM floor,
   decode step time at batch 1, 32 and 128 (steps back to back, the steady state; ``step_ms_synced``:
-  each step alone after a device sync), prefill tok/s at 16 x 2,048 and its MFU, transformers'
+  each step alone after a device sync; ``cuda_graphs+cublas``: every matmul on cuBLAS, against the few-row
+  Triton matmuls chosen per shape, whose measurements are ``skinny_choices``), prefill tok/s at 16 x 2,048 and its MFU, transformers'
   ``generate`` on the same GPU.
 
 The GPU machine has torch, triton, transformers, safetensors, tokenizers, msgpack and numpy but no

@@ -8,8 +8,8 @@ dtype, rows, fused SiLU-and-mul) is met outside a CUDA-graph capture (a decode b
 capture: engine/cuda_graphs.py), each candidate and cuBLAS are timed the way a decode step runs them:
 
 - inside a CUDA graph (launches back to back, no Python between them, as in a replayed step);
-- round-robin over every weight of that shape the process holds (the model's layers), so each read comes from
-  memory as it does in a step, not from the L2 a repeated read of one matrix would hit;
+- round-robin over every weight of that shape the process holds (the model's layers; copies added up to twice
+  the L2), so each read comes from memory as it does in a step, not from the L2 a repeated read would hit;
 - after checking the candidate's result against F.linear on the GPU (a kernel that miscompiles is never used).
 
 A candidate is taken only when it is at least MARGIN faster than cuBLAS; the choice is kept for the process
@@ -114,7 +114,7 @@ def _tune(weight: torch.Tensor, rows: int, silu_and_mul: bool, timer=None):
     record = {"n": n, "k": k, "rows": rows, "silu_and_mul": silu_and_mul, "dtype": str(weight.dtype).split(".")[-1]}
     best = None
     try:
-        weights = [w for w in (r() for r in _weights.get(_shape_key(weight), [])) if w is not None] or [weight]
+        weights = _cold_set(weight)
         gen = torch.Generator(device=weight.device).manual_seed(0)
         a = torch.randn(rows, 2 * k if silu_and_mul else k, device=weight.device, generator=gen).to(weight.dtype)
 
@@ -155,6 +155,24 @@ def _tune(weight: torch.Tensor, rows: int, silu_and_mul: bool, timer=None):
         log.info("skinny GEMM for [%d, %d] x %d rows%s: %s, %.1f us against cuBLAS's %.1f us", n, k, rows,
                  " (SiLU-and-mul fused)" if silu_and_mul else "", best, record["chosen_us"], record["cublas_us"])
     return best
+
+
+def _cold_set(weight: torch.Tensor) -> list[torch.Tensor]:
+    """The weights a timing reads in turn: every held weight of ``weight``'s shape (the model's layers), and on a
+    GPU temporary copies until together they are twice its L2 (a 4-layer model's 8 MB matrices would otherwise be
+    read from L2, which no step of a real model does); fewer where memory is short."""
+    weights = [w for w in (r() for r in _weights.get(_shape_key(weight), [])) if w is not None] or [weight]
+    if not weight.is_cuda:
+        return weights
+    want_bytes = 2 * torch.cuda.get_device_properties(weight.device).L2_cache_size
+    nbytes = weight.numel() * weight.element_size()
+    copies = []
+    while (len(weights) + len(copies)) * nbytes < want_bytes and len(copies) < 64:
+        try:
+            copies.append(torch.empty_like(weight).copy_(weight))
+        except torch.cuda.OutOfMemoryError:
+            break
+    return weights + copies
 
 
 def _agrees(out: torch.Tensor, reference: torch.Tensor) -> bool:
