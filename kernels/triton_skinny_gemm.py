@@ -91,7 +91,7 @@ def block_k_for(tiles: SkinnyTiles, rows: int) -> int:
 
 @triton.jit(do_not_specialize=["steps_per_split"])
 def _skinny_gemm_kernel(
-    out_ptr,  # [M, N] (SPLIT == 1) or float32 [SPLIT, M, N] partial sums
+    out_ptr,  # [M, N] (not PARTIAL) or float32 [splits, M, N] partial sums
     a_ptr,
     w_ptr,
     M,
