@@ -7,6 +7,7 @@ them again), and an ask given up stops the prefill worker's work."""
 from __future__ import annotations
 
 import functools
+import threading
 import time
 
 import pytest
@@ -83,13 +84,21 @@ def test_an_ask_the_prefill_worker_refuses_fails(tiny_dir):
         _wait_free(p, NUM_BLOCKS, 5)
 
 
+def _hold(worker, seconds: float) -> None:
+    """Keep ``worker``'s engine thread busy for ``seconds``, returning once it is: posted alone, the sleep could
+    start after a turn that had already taken the next ask in and computed it (seen on a loaded 2-core CI box)."""
+    started = threading.Event()
+    worker.post(lambda: (started.set(), time.sleep(seconds)))
+    assert started.wait(10), "the engine thread never took the posted sleep"
+
+
 def test_an_ask_past_its_deadline_fails_and_the_prefill_worker_drops_it(tiny_dir):
     """The prefill worker is held (its engine thread busy) past the ask's deadline: the decode worker fails the
     request and tells the prefill worker, which drops it when it wakes instead of computing it."""
     events = Events()
     tc = TransferConfig(transport="tcp", secret="s3cret", transfer_timeout_s=0.5)
     with connected_pair(_engine_config(), tc, events) as (p, d):
-        p.post(time.sleep, 2.0)  # the prefill worker's engine thread is busy for 2 s
+        _hold(p, 2.0)  # the prefill worker's engine thread is busy for 2 s
         d.submit("late", PROMPTS[1], SamplingParams(max_tokens=1), "p0")
         failed = events.wait_for(lambda e: isinstance(e, Failed) and e.request_id == "late", 10)
         assert failed is not None and "deadline" in failed.reason
@@ -103,7 +112,7 @@ def test_an_ask_past_its_deadline_fails_and_the_prefill_worker_drops_it(tiny_dir
 def test_an_ask_the_router_aborts_is_withdrawn(tiny_dir):
     events = Events()
     with connected_pair(_engine_config(), TransferConfig(transport="tcp", secret="s3cret"), events) as (p, d):
-        p.post(time.sleep, 1.0)  # the ask and its withdrawal both wait for the prefill worker
+        _hold(p, 1.0)  # the ask and its withdrawal both wait for the prefill worker
         d.submit("gone", PROMPTS[2], SamplingParams(max_tokens=1), "p0")
         d.abort("gone")
         time.sleep(1.5)
