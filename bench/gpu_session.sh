@@ -88,8 +88,8 @@ deepseek_mla.main()" --device cuda --dtype bfloat16 --batches 1 32 128 --prompt-
         --out "$OUT/deepseek_mla_gpu.json" > "$OUT/deepseek_mla.log" 2>&1
     echo "deepseek_mla rc=$?: $(grep -E '"(decode_step_ms|decode_over_transformers|cuda_graphs)"' "$OUT/deepseek_mla_gpu.json" | tr -s ' \n' ' ')"
 fi
-if [ -n "${GPU_GEMM:-}" ]; then  # decode-sized GEMMs: F.linear against a pre-transposed weight and cuBLASLt
-    timeout 120 python3 bench/gemm_sweep.py --out "$OUT/gemm_sweep.json" > "$OUT/gemm_sweep.log" 2>&1
+if [ -n "${GPU_GEMM:-}" ]; then  # decode-sized GEMMs: cuBLAS, cuBLASLt, pre-transposed, the skinny Triton tiles
+    timeout 180 python3 bench/gemm_sweep.py --out "$OUT/gemm_sweep.json" > "$OUT/gemm_sweep.log" 2>&1
     echo "gemm_sweep rc=$?"
     grep -E '"best"' "$OUT/gemm_sweep.json" | sort | uniq -c
 fi
