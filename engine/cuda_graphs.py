@@ -41,6 +41,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from pdcluster.engine import skinny_linear
 from pdcluster.engine.attention import AttentionMetadata
 from pdcluster.engine.mamba_state import MambaMetadata, MambaStatePool
 from pdcluster.engine.models.mamba_mixer import MambaStepPlan
@@ -227,6 +228,12 @@ class DecodeGraphs:
         self._pool = None
 
     def _call(self, bucket: int) -> torch.Tensor:
+        """The forward over the bucket's static buffers: its warm-up, its capture, and (emulated) its replay; the
+        few-row matmuls in it may take the skinny Triton kernel (engine/skinny_linear.py)."""
+        with skinny_linear.graph_region():
+            return self._forward_bucket(bucket)
+
+    def _forward_bucket(self, bucket: int) -> torch.Tensor:
         tokens = bucket * self.q_len
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:tokens], block_tables=self.block_tables[:bucket],

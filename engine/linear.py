@@ -22,8 +22,8 @@ bf16 GEMM varies with M at K=1536 here; MKL's fp32 GEMM and the small-M kernel s
 the C library that mode is refused (DeterministicUnavailable), never silently dropped. On CUDA that mode
 runs every call through the fixed-tile Triton matmul (kernels/triton_matmul_bi.py: no split-K, tiles from
 the weight's shape only) on the plain weight; the fast mode keeps ``F.linear`` (cuBLAS, whose kernel and
-split-K choice follow the number of rows), except that up to 16 rows of a 16-bit weight may run a
-weight-streaming Triton kernel where it measured faster on the GPU at hand (engine/skinny_linear.py; the MLP's
+split-K choice follow the number of rows), except that inside a CUDA graph's forward up to 16 rows of a
+16-bit weight may run a weight-streaming Triton kernel where it measured faster on the GPU at hand (engine/skinny_linear.py; the MLP's
 down projection then takes the SiLU-and-mul in the same kernel: ``after_silu_and_mul``).
 """
 
@@ -125,9 +125,11 @@ class Linear:
         return self._packed_bi is not None or self._cuda_bi is not None
 
     def _skinny_tiles(self, x: torch.Tensor, silu_and_mul: bool):
-        """The skinny kernel's tiles for ``x`` (None: cuBLAS), looked up here first (a dict of this weight's)."""
-        if self._skinny is None or x.dim() != 2 or x.shape[0] > skinny_linear.MAX_ROWS or x.stride(-1) != 1 \
-                or x.dtype is not self.weight.dtype or x.shape[0] == 0:
+        """The skinny kernel's tiles for ``x`` (None: cuBLAS), looked up here first (a dict of this weight's). Only
+        inside a CUDA graph's forward (skinny_linear.graph_region)."""
+        if self._skinny is None or not skinny_linear.in_graph_region() or x.dim() != 2 \
+                or x.shape[0] > skinny_linear.MAX_ROWS or x.stride(-1) != 1 or x.dtype is not self.weight.dtype \
+                or x.shape[0] == 0:
             return None
         key = (x.shape[0], silu_and_mul)
         tiles = self._skinny.get(key, False)

@@ -178,15 +178,21 @@ def test_linear_runs_the_chosen_kernel_and_cublas_elsewhere(cpu_skinny, monkeypa
     monkeypatch.setattr(sk, "skinny_gemm", lambda *a, **kw: ran.append(a[0].shape[0]) or real(*a, **kw))
     w = torch.randn(40, 64)
     lin = Linear(w, prepack=False)
-    for rows in (1, 2, 3, 17, 1, 2):
-        x = torch.randn(rows, 64)
-        torch.testing.assert_close(lin(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
-    assert ran == [1, 2, 1, 2]  # 3 rows: cuBLAS chosen; 17: over MAX_ROWS
-    assert calls == [(1, False), (2, False), (3, False)]  # asked once a row count, then kept on the Linear
-    gate_up = torch.randn(2, 128)
-    torch.testing.assert_close(lin.after_silu_and_mul(gate_up),
-                               F.linear(F.silu(gate_up[:, :64]) * gate_up[:, 64:], w), rtol=1e-5, atol=1e-5)
-    assert calls[-1] == (2, True) and ran[-1] == 2
+    x = torch.randn(1, 64)
+    torch.testing.assert_close(lin(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert ran == [] and calls == []  # eager (outside a CUDA graph's forward): cuBLAS, nothing measured
+    with skinny_linear.graph_region():
+        for rows in (1, 2, 3, 17, 1, 2):
+            x = torch.randn(rows, 64)
+            torch.testing.assert_close(lin(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
+        assert ran == [1, 2, 1, 2]  # 3 rows: cuBLAS chosen; 17: over MAX_ROWS
+        assert calls == [(1, False), (2, False), (3, False)]  # asked once a row count, then kept on the Linear
+        gate_up = torch.randn(2, 128)
+        torch.testing.assert_close(lin.after_silu_and_mul(gate_up),
+                                   F.linear(F.silu(gate_up[:, :64]) * gate_up[:, 64:], w), rtol=1e-5, atol=1e-5)
+        assert calls[-1] == (2, True) and ran[-1] == 2
+    lin(torch.randn(1, 64))
+    assert len(ran) == 5  # out of the region again: cuBLAS
 
 
 def test_disabled_or_too_many_rows_never_measures(cpu_skinny, monkeypatch):
@@ -197,22 +203,28 @@ def test_disabled_or_too_many_rows_never_measures(cpu_skinny, monkeypatch):
     assert skinny_linear.choose(w, 1, False) is None
 
 
-def test_a_model_with_the_kernel_in_its_matmuls_gives_the_cublas_tokens(tiny_dir, cpu_skinny, monkeypatch):
-    """tiny-random (float32) with every one-to-four-row matmul but the LM head through the kernel, the MLP's
-    SiLU-and-mul fused into its down projection: the same greedy tokens as the library matmuls, and the fused
-    path did run."""
+def test_a_model_with_the_kernel_in_its_graphed_matmuls_gives_the_cublas_tokens(tiny_dir, cpu_skinny, monkeypatch):
+    """tiny-random (float32) with its decode steps through emulated CUDA graphs (engine/cuda_graphs.py): every
+    matmul of those steps but the LM head's (over 1,024 rows) through the kernel, the MLP's SiLU-and-mul fused
+    into its down projection, gives the library matmuls' greedy tokens; the prefill steps (eager) never ask."""
     prompts = [[5 + (7 * i + 3 * j) % 300 for j in range(6 + 5 * i)] for i in range(3)]
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     monkeypatch.setattr(skinny_linear, "takes", lambda w: False)
-    cfg = dict(max_num_seqs=4, dtype="float32", deterministic=False, cuda_graphs=False)
+    cfg = dict(max_num_seqs=4, dtype="float32", deterministic=False)
     expected = [o.token_ids for o in make_engine("tiny-random", **cfg).generate(prompts, params)]
     monkeypatch.setattr(skinny_linear, "takes", lambda w: w.dim() == 2 and w.shape[0] <= 1024)
-    fused = []
+    asked = []
     monkeypatch.setattr(skinny_linear, "choose",
-                        lambda w, rows, act: fused.append(act) or (TILES[0] if rows <= 4 else DOT_TILES[0]))
+                        lambda w, rows, act: asked.append((rows, act)) or (TILES[0] if rows <= 4 else DOT_TILES[0]))
+    ran = []
+    real = sk.skinny_gemm
+    monkeypatch.setattr(sk, "skinny_gemm", lambda a, *args, **kw: ran.append(kw.get("silu_and_mul", False))
+                        or real(a, *args, **kw))
     engine = make_engine("tiny-random", **cfg)
+    engine.runner.use_decode_graphs(emulate=True)
     assert [o.token_ids for o in engine.generate(prompts, params)] == expected
-    assert True in fused and False in fused
+    assert engine.runner.graphs.num_replays > 0
+    assert {rows for rows, _ in asked} <= {1, 2, 4} and True in ran and False in ran  # decode buckets only
 
 
 # ---- the GPU build, compiled for sm_90 (H100 / H200) without a GPU -------------------------------------------
