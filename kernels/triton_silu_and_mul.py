@@ -22,6 +22,16 @@ _MAX_BLOCK = 1024
 
 
 @triton.jit
+def silu_and_mul_values(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up in float32, rounded as the reference rounds it: silu(gate) to ``dtype`` before the multiply,
+    the product once more (the caller stores it, or as kernels/triton_skinny_gemm.py does, reads it as a matmul's
+    operand: both then see the same values)."""
+    gate = gate.to(tl.float32)
+    silu = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+    return (silu * up.to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     out_ptr,
     x_ptr,
@@ -36,10 +46,9 @@ def _silu_and_mul_kernel(
     dtype = out_ptr.dtype.element_ty
     offsets = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < d
-    gate = tl.load(x_row_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_row_ptr + d + offsets, mask=mask, other=0.0).to(tl.float32)
-    silu = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-    tl.store(out_row_ptr + offsets, (silu * up).to(dtype), mask=mask)
+    gate = tl.load(x_row_ptr + offsets, mask=mask, other=0.0)
+    up = tl.load(x_row_ptr + d + offsets, mask=mask, other=0.0)
+    tl.store(out_row_ptr + offsets, silu_and_mul_values(gate, up, dtype), mask=mask)
 
 
 def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * d] -> [num_tokens, d]

@@ -41,6 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pdcluster.kernels.triton_silu_and_mul import silu_and_mul_triton, silu_and_mul_values
+
 # The interpreter multiplies 16-bit dot operands as raw bit patterns (kernels/triton_paged_attention.py): the dot
 # kernel widens them to float32 there; products of 16-bit values are exact in float32 either way.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -89,6 +91,19 @@ def block_k_for(tiles: SkinnyTiles, rows: int) -> int:
     return max(16, min(tiles.block_k, ACC_ELEMENTS // (rows_pad_for(rows) * tiles.block_n)))
 
 
+@triton.jit
+def _store(out_ptr, total, rows, cols, pid_k, M, N, stride_om, PARTIAL: tl.constexpr):
+    """Both kernels' epilogue: ``total`` (float32) at output rows ``rows`` and columns ``cols``, two index tensors
+    broadcasting to its shape (either orientation); PARTIAL: as split ``pid_k``'s partial sums ([splits, M, N]
+    float32), else cast into out [M, N]."""
+    rows = rows.to(tl.int64)
+    mask = (rows < M) & (cols < N)
+    if PARTIAL:
+        tl.store(out_ptr + (pid_k * M + rows) * N + cols, total, mask=mask)
+    else:
+        tl.store(out_ptr + rows * stride_om + cols, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 @triton.jit(do_not_specialize=["steps_per_split"])
 def _skinny_gemm_kernel(
     out_ptr,  # [M, N] (not PARTIAL) or float32 [splits, M, N] partial sums
@@ -125,21 +140,13 @@ def _skinny_gemm_kernel(
         w = tl.load(w_rows + k[None, :], mask=col_valid[:, None] & k_valid[None, :], other=0.0).to(tl.float32)
         a_mask = row_valid[:, None] & k_valid[None, :]
         if SILU_AND_MUL:  # a = silu(gate) * up, rounded as the SiLU-and-mul kernel rounds it
-            gate = tl.load(a_rows + k[None, :], mask=a_mask, other=0.0).to(tl.float32)
-            up = tl.load(a_rows + K + k[None, :], mask=a_mask, other=0.0).to(tl.float32)
-            silu = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-            a = (silu * up).to(dtype).to(tl.float32)
+            gate = tl.load(a_rows + k[None, :], mask=a_mask, other=0.0)
+            up = tl.load(a_rows + K + k[None, :], mask=a_mask, other=0.0)
+            a = silu_and_mul_values(gate, up, dtype).to(tl.float32)
         else:
             a = tl.load(a_rows + k[None, :], mask=a_mask, other=0.0).to(tl.float32)
         acc += a[:, None, :] * w[None, :, :]
-    total = tl.sum(acc, axis=2)  # [ROWS_PAD, BLOCK_N]
-    mask = row_valid[:, None] & col_valid[None, :]
-    if PARTIAL:
-        at = (pid_k * M + rows.to(tl.int64))[:, None] * N + cols[None, :]
-        tl.store(out_ptr + at, total, mask=mask)
-    else:
-        at = rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
-        tl.store(out_ptr + at, total.to(out_ptr.dtype.element_ty), mask=mask)
+    _store(out_ptr, tl.sum(acc, axis=2), rows[:, None], cols[None, :], pid_k, M, N, stride_om, PARTIAL)
 
 
 @triton.jit(do_not_specialize=["steps_per_split"])
@@ -182,13 +189,7 @@ def _skinny_dot_kernel(
             acc = tl.dot(w, a_t, acc)
         else:
             acc = tl.dot(w.to(tl.float32), a_t.to(tl.float32), acc, input_precision="ieee")
-    mask = col_valid[:, None] & row_valid[None, :]
-    if PARTIAL:
-        at = (pid_k * M + rows.to(tl.int64))[None, :] * N + cols[:, None]
-        tl.store(out_ptr + at, acc, mask=mask)
-    else:
-        at = rows.to(tl.int64)[None, :] * stride_om + cols[:, None]
-        tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    _store(out_ptr, acc, rows[None, :], cols[:, None], pid_k, M, N, stride_om, PARTIAL)  # acc is out^T
 
 
 @triton.jit
@@ -229,8 +230,6 @@ def skinny_gemm(a: torch.Tensor, weight: torch.Tensor, tiles: SkinnyTiles, silu_
     if not tiles.takes(m):
         raise ValueError(f"{tiles} takes at most {FMA_MAX_ROWS} rows, got {m}")
     if silu_and_mul and tiles.dot:
-        from pdcluster.kernels.triton_silu_and_mul import silu_and_mul_triton
-
         a, silu_and_mul = silu_and_mul_triton(a), False
     if out is None:
         out = torch.empty(m, n, dtype=a.dtype, device=a.device)
