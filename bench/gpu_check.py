@@ -903,6 +903,7 @@ def speed_section(entry: dict, device: str, work: Path, quick: bool, report: Rep
     import torch
     import transformers
 
+    from pdcluster.engine import skinny_linear
     from pdcluster.engine.config import EngineConfig
     from pdcluster.engine.llm_engine import LLMEngine
 
@@ -960,8 +961,6 @@ def speed_section(entry: dict, device: str, work: Path, quick: bool, report: Rep
         del engine
     entry["decode"] = {"context_tokens": prompt_len, **decode}
     entry["decode_profiles"] = profiles
-    from pdcluster.engine import skinny_linear
-
     entry["skinny_choices"] = skinny_linear.choices()
     try:
         entry["mixed_steps"] = mixed_steps(model_dir, device, quick)

@@ -105,7 +105,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching,
         decode_prefix_reuse=not args.no_decode_prefix_reuse,
         cuda_graphs=not args.no_cuda_graphs,
-        skinny_gemm=not getattr(args, "no_skinny_gemm", False),
+        skinny_gemm=not args.no_skinny_gemm,
         async_scheduling=args.async_scheduling,
         spec_method=args.spec,
         num_spec_tokens=num_spec,

@@ -97,8 +97,8 @@ class Linear:
         self._packed_f32 = None  # beside the plain weight: up to PACKED_F32_MAX_ROWS rows
         self._packed_bi = None  # deterministic: the batch-invariant GEMM's layout (the only path then)
         self._cuda_bi = None  # deterministic on CUDA: kernels/triton_matmul_bi.matmul_bi on the plain weight
-        # Fast mode on CUDA, 16-bit: rows -> tiles of the skinny kernel, or None for cuBLAS (engine/skinny_linear.py).
-        self._skinny: dict[tuple[int, bool], object] | None = None
+        # Fast mode on CUDA, 16-bit: few-row calls in a CUDA graph may take the skinny kernel (engine/skinny_linear.py).
+        self._skinny = False
         on_cpu = prepack and weight.device.type == "cpu"
         if deterministic and weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float32):
             check_deterministic_available()
@@ -118,31 +118,24 @@ class Linear:
             self._packed_f32 = torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_F32_ROWS_HINT)
         elif skinny_linear.takes(weight):
             skinny_linear.register(weight)
-            self._skinny = {}
+            self._skinny = True
 
     @property
     def deterministic(self) -> bool:
         return self._packed_bi is not None or self._cuda_bi is not None
 
     def _skinny_tiles(self, x: torch.Tensor, silu_and_mul: bool):
-        """The skinny kernel's tiles for ``x`` (None: cuBLAS), looked up here first (a dict of this weight's). Only
-        inside a CUDA graph's forward (skinny_linear.graph_region)."""
-        if self._skinny is None or not skinny_linear.in_graph_region() or x.dim() != 2 \
-                or x.shape[0] > skinny_linear.MAX_ROWS or x.stride(-1) != 1 or x.dtype is not self.weight.dtype \
-                or x.shape[0] == 0:
+        """The skinny kernel's tiles for ``x`` (None: cuBLAS; skinny_linear.choose measures once a shape and row
+        count, and keeps the answer). Only inside a CUDA graph's forward (skinny_linear.graph_region)."""
+        if not self._skinny or not skinny_linear.in_graph_region() or x.dim() != 2 or x.shape[0] == 0 \
+                or x.shape[0] > skinny_linear.MAX_ROWS or x.stride(-1) != 1 or x.dtype is not self.weight.dtype:
             return None
-        key = (x.shape[0], silu_and_mul)
-        tiles = self._skinny.get(key, False)
-        if tiles is False:
-            tiles = skinny_linear.choose(self.weight, x.shape[0], silu_and_mul)
-            if not skinny_linear.capturing(x):  # a capture's None means "not measured yet"
-                self._skinny[key] = tiles
-        return tiles
+        return skinny_linear.choose(self.weight, x.shape[0], silu_and_mul)
 
     def after_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``self(silu(x[:, :d]) * x[:, d:])`` for the fused gate/up projection's output ``x``: one kernel where
         the skinny kernel was chosen for this many rows (the activation computed as the weight streams)."""
-        tiles = self._skinny_tiles(x, True) if self._skinny is not None else None
+        tiles = self._skinny_tiles(x, True)
         if tiles is not None:
             from pdcluster.kernels.triton_skinny_gemm import skinny_gemm
 
@@ -150,7 +143,7 @@ class Linear:
         return self(ops.silu_and_mul(x))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._skinny is not None:
+        if self._skinny:
             tiles = self._skinny_tiles(x, False)
             if tiles is not None:
                 from pdcluster.kernels.triton_skinny_gemm import skinny_gemm

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pdcluster.engine import skinny_linear
 from pdcluster.engine.async_scheduler import PLACEHOLDER, LaunchedTokens, PrevStepOutput
 from pdcluster.engine.batch_classifier import BatchKind, uniform_decode_query_len
 from pdcluster.engine.config import EngineConfig
@@ -38,7 +39,6 @@ from pdcluster.engine.piecewise_graphs import PiecewiseGraphs, takes_model
 from pdcluster.engine.proposers import ProposeBatch, Proposer, make_proposer
 from pdcluster.engine.rejection_sampler import num_valid_tokens, rejection_sample
 from pdcluster.engine.sampler import sample, sample_on_device
-from pdcluster.engine import skinny_linear
 from pdcluster.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pdcluster.engine.mamba_state_blocks import pack_state, state_block_ids, unpack_state
 from pdcluster.engine.request_slots import RequestStates

@@ -168,11 +168,11 @@ def test_tuning_that_fails_leaves_cublas(cpu_skinny):
 def test_linear_runs_the_chosen_kernel_and_cublas_elsewhere(cpu_skinny, monkeypatch):
     calls = []
 
-    def choose(weight, rows, silu_and_mul):
+    def tune(weight, rows, silu_and_mul):  # the measurement behind skinny_linear.choose
         calls.append((rows, silu_and_mul))
         return TILES[0] if rows <= 2 else None
 
-    monkeypatch.setattr(skinny_linear, "choose", choose)
+    monkeypatch.setattr(skinny_linear, "_tune", tune)
     ran = []
     real = sk.skinny_gemm
     monkeypatch.setattr(sk, "skinny_gemm", lambda *a, **kw: ran.append(a[0].shape[0]) or real(*a, **kw))
@@ -186,13 +186,29 @@ def test_linear_runs_the_chosen_kernel_and_cublas_elsewhere(cpu_skinny, monkeypa
             x = torch.randn(rows, 64)
             torch.testing.assert_close(lin(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
         assert ran == [1, 2, 1, 2]  # 3 rows: cuBLAS chosen; 17: over MAX_ROWS
-        assert calls == [(1, False), (2, False), (3, False)]  # asked once a row count, then kept on the Linear
+        assert calls == [(1, False), (2, False), (3, False)]  # measured once a row count, then kept
         gate_up = torch.randn(2, 128)
         torch.testing.assert_close(lin.after_silu_and_mul(gate_up),
                                    F.linear(F.silu(gate_up[:, :64]) * gate_up[:, 64:], w), rtol=1e-5, atol=1e-5)
         assert calls[-1] == (2, True) and ran[-1] == 2
     lin(torch.randn(1, 64))
     assert len(ran) == 5  # out of the region again: cuBLAS
+
+
+def test_the_flag_reaches_the_engine_and_turns_the_choice_off(tiny_dir, cpu_skinny, monkeypatch):
+    """generate and serve take --no-skinny-gemm; the engine built from it measures nothing (cuBLAS everywhere)."""
+    from pdcluster.cli.main import build_parser
+    from pdcluster.cluster.engine_args import engine_config_from_args
+
+    for command in (["generate", "--prompt", "x"], ["serve"]):
+        parse = lambda *a: engine_config_from_args(build_parser().parse_args([*command, *a]))  # noqa: E731
+        assert parse().skinny_gemm is True
+        assert parse("--no-skinny-gemm").skinny_gemm is False
+    monkeypatch.setattr(skinny_linear, "_tune", lambda *a, **kw: pytest.fail("measured"))
+    engine = make_engine("tiny-random", max_num_seqs=4, dtype="float32", deterministic=False, skinny_gemm=False)
+    engine.runner.use_decode_graphs(emulate=True)
+    engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert engine.runner.graphs.num_replays > 0
 
 
 def test_disabled_or_too_many_rows_never_measures(cpu_skinny, monkeypatch):
