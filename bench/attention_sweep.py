@@ -150,6 +150,10 @@ def decode_few(dev: str, quick: bool, do_bench, many: bool = False) -> dict:
             for block_n in (32, 64)]
         if many:  # unsplit in 256-position partitions: production until the whole context became one
             configs.insert(1, ("unsplit_partitions", 64, None))
+            # The engine's decode steps (uniform: one program a request, as AttentionMetadata.uniform_q_len gives),
+            # and the whole context unsplit by pipeline stages: K/V tiles in flight = (stages - 1) // 2.
+            configs[1:1] = [("production_uniform", None, None)] + [
+                ("unsplit_stages", block_n, stages) for block_n in (32, 64) for stages in (3, 5, 7)]
         if quick:
             configs = configs[:3]
         entries = []
@@ -157,6 +161,15 @@ def decode_few(dev: str, quick: bool, do_bench, many: bool = False) -> dict:
             if kind == "production":
                 def run():
                     return attn.paged_attention_triton(query, cache, wide, seq_lens, qsl, scale, batch_invariant=False)
+            elif kind == "production_uniform":
+                def run():
+                    return attn.paged_attention_triton(query, cache, wide, seq_lens, qsl, scale, batch_invariant=False,
+                                                       uniform_q_len=1)
+            elif kind == "unsplit_stages":
+                def run(block_n=block_n, stages=segments):
+                    return attn.launch(query, cache, wide, seq_lens, qsl, scale, torch.empty_like(query), block_q,
+                                       block_n, split=False, native_dot=dev == "cuda", num_warps=4, num_stages=stages,
+                                       partition=attn.fast_whole_context(wide, cache.shape[2]), uniform_q=1)
             elif kind == "unsplit_partitions":
                 def run(block_n=block_n):
                     return attn.launch(query, cache, wide, seq_lens, qsl, scale, torch.empty_like(query), block_q,
@@ -167,7 +180,8 @@ def decode_few(dev: str, quick: bool, do_bench, many: bool = False) -> dict:
                     return attn.launch(query, cache, wide, seq_lens, qsl, scale, torch.empty_like(query), block_q,
                                        block_n, split=True, native_dot=dev == "cuda", num_warps=4, num_stages=3,
                                        partition=None if segments else attn.FAST_PARTITION, segments=segments)
-            entry = {"kind": kind, "block_n": block_n, "segments": segments}
+            entry = {"kind": kind, "block_n": block_n,
+                     **({"num_stages": segments} if kind == "unsplit_stages" else {"segments": segments})}
             kv_bytes = num_seqs * seq_len * 2 * cache.shape[3] * cache.shape[4] * cache.element_size()
             entries.append(timed_decode(entry, run, want, n_check, do_bench, kv_bytes, "kv_tb_per_s"))  # K, V once
             print(f"decode_{'many' if many else 'few'} {num_seqs}x{seq_len}", entries[-1], file=sys.stderr, flush=True)

@@ -17,8 +17,9 @@ skipped once the time budget is spent:
 - ``speed``: a random-weight 1.1B Llama (TinyLlama's shape, bf16): copy bandwidth and the HBM floor,
   decode step time at batch 1, 32 and 128 (steps back to back, the steady state; ``step_ms_synced``:
   each step alone after a device sync; ``cuda_graphs+cublas``: every matmul on cuBLAS, against the few-row
-  Triton matmuls chosen per shape, whose measurements are ``skinny_choices``), prefill tok/s at 16 x 2,048 and its MFU, transformers'
-  ``generate`` on the same GPU.
+  Triton matmuls chosen per shape, whose measurements are ``skinny_choices``; ``cuda_graphs-pdl``: plain launches,
+  against programmatic dependent launch), prefill tok/s at 16 x 2,048 and its MFU, transformers' ``generate`` on
+  the same GPU.
 
 The GPU machine has torch, triton, transformers, safetensors, tokenizers, msgpack and numpy but no
 Ray, pyzmq, FastAPI, gguf or xgrammar, and nothing downloads there: the engine runs without them
@@ -928,8 +929,10 @@ def speed_section(entry: dict, device: str, work: Path, quick: bool, report: Rep
     adapter_dir, _ = write_random_adapter(model_dir, work / "llama-1b-lora", rank=16, merged=False)
     # "cuda_graphs+cublas": as "cuda_graphs" with every matmul on cuBLAS (--no-skinny-gemm), the A/B of the
     # few-row Triton matmul (engine/skinny_linear.py), whose per-shape choices land in ``skinny_choices``.
+    # "cuda_graphs-pdl": as "cuda_graphs" with plain launches (--no-pdl), the A/B of programmatic dependent launch
+    # (kernels/launch_pdl.py). With PDL a kernel's profiled time includes its wait for the one before it.
     modes = (("cuda_graphs", True, None, False), ("cuda_graphs+cublas", True, None, False),
-             ("cuda_graphs+sync", True, False, False), ("deterministic+cuda_graphs", True, None, True),
+             ("cuda_graphs-pdl", True, None, False), ("cuda_graphs+sync", True, False, False), ("deterministic+cuda_graphs", True, None, True),
              ("eager", False, None, False), ("lora", True, None, False))
     for mode, graphs, async_sched, det in modes:
         lora = dict(lora_modules=(f"a={adapter_dir}",), max_lora_rank=16) if mode == "lora" else {}
@@ -938,7 +941,8 @@ def speed_section(entry: dict, device: str, work: Path, quick: bool, report: Rep
                                         prefill_chunk_size=2048, kv_cache_memory_gib=0.25 if quick else 8.0,
                                         enable_prefix_caching=False, cuda_graphs=graphs,
                                         async_scheduling=async_sched, deterministic=det,
-                                        skinny_gemm=mode != "cuda_graphs+cublas", **lora), progress=False)
+                                        skinny_gemm=mode != "cuda_graphs+cublas", pdl=mode != "cuda_graphs-pdl",
+                                        **lora), progress=False)
         if graphs and device == "cpu":
             engine.runner.use_decode_graphs(emulate=True)  # the dry run: the same path, nothing captured
         decode[mode] = {"used": engine.runner.graphs is not None, "deterministic": engine.deterministic}

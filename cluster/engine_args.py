@@ -62,6 +62,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-skinny-gemm", action="store_true",
                    help="CUDA: keep cuBLAS for decode steps of up to 16 rows instead of the weight-streaming "
                         "Triton matmuls, which is otherwise used for the shapes where it measured faster at start-up")
+    g.add_argument("--no-pdl", action="store_true",
+                   help="CUDA (Hopper and later): launch the decode graphs' Triton kernels one after another instead "
+                        "of with programmatic dependent launch (each placed, and loading its weights, while the one "
+                        "before it finishes)")
     g.add_argument("--num-threads", type=int, default=0)
     g.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
                    help="batch-invariant kernels: a request's tokens and logprobs are bitwise the same whatever the "
@@ -106,6 +110,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         decode_prefix_reuse=not args.no_decode_prefix_reuse,
         cuda_graphs=not args.no_cuda_graphs,
         skinny_gemm=not args.no_skinny_gemm,
+        pdl=not args.no_pdl,
         async_scheduling=args.async_scheduling,
         spec_method=args.spec,
         num_spec_tokens=num_spec,

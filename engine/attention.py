@@ -96,6 +96,7 @@ def attend_now(
     return ops.paged_attention(
         query, layer_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.scale,
         batch_invariant=batch_invariant, window=window, softcap=softcap, sinks=sinks, chunk=chunk,
+        uniform_q_len=meta.uniform_q_len,
     )
 
 

@@ -116,6 +116,9 @@ class EngineConfig:
     # Up to 16 rows of a 16-bit matmul in a CUDA graph may run a weight-streaming Triton kernel where it measured
     # faster than cuBLAS on this GPU (engine/skinny_linear.py: timed at a decode bucket's warm-up); False: cuBLAS.
     skinny_gemm: bool = True
+    # A CUDA graph's Triton kernels launch with programmatic dependent launch on Hopper and later GPUs: each may be
+    # placed and load its weights while the kernel before it finishes (kernels/launch_pdl.py); False: plain launches.
+    pdl: bool = True
     num_threads: int = 0  # torch intra-op threads; 0 = torch's default
     # Batch-invariant kernels (issue 24): each request's tokens and logprobs are bitwise the same whatever
     # the batch, the prefill chunking, speculation, placement or a recovery re-prefill (CPU: the C GEMM;

@@ -41,7 +41,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from pdcluster.engine import skinny_linear
+from pdcluster.kernels.graph_region import graph_region
 from pdcluster.engine.attention import AttentionMetadata
 from pdcluster.engine.mamba_state import MambaMetadata, MambaStatePool
 from pdcluster.engine.models.mamba_mixer import MambaStepPlan
@@ -229,8 +229,9 @@ class DecodeGraphs:
 
     def _call(self, bucket: int) -> torch.Tensor:
         """The forward over the bucket's static buffers: its warm-up, its capture, and (emulated) its replay; the
-        few-row matmuls in it may take the skinny Triton kernel (engine/skinny_linear.py)."""
-        with skinny_linear.graph_region():
+        few-row matmuls in it may take the skinny Triton kernel and its Triton kernels launch with PDL
+        (kernels/graph_region.py)."""
+        with graph_region():
             return self._forward_bucket(bucket)
 
     def _forward_bucket(self, bucket: int) -> torch.Tensor:

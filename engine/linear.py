@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from pdcluster.engine import skinny_linear
 from pdcluster.kernels import cpu_gemm, cpu_ops, ops
+from pdcluster.kernels.graph_region import in_graph_region
 
 
 PACKED_F32_ROWS_HINT = 32  # the batch size oneDNN lays the float32 copy out for
@@ -126,8 +127,8 @@ class Linear:
 
     def _skinny_tiles(self, x: torch.Tensor, silu_and_mul: bool):
         """The skinny kernel's tiles for ``x`` (None: cuBLAS; skinny_linear.choose measures once a shape and row
-        count, and keeps the answer). Only inside a CUDA graph's forward (skinny_linear.graph_region)."""
-        if not self._skinny or not skinny_linear.in_graph_region() or x.dim() != 2 or x.shape[0] == 0 \
+        count, and keeps the answer). Only inside a CUDA graph's forward (kernels/graph_region.py)."""
+        if not self._skinny or not in_graph_region() or x.dim() != 2 or x.shape[0] == 0 \
                 or x.shape[0] > skinny_linear.MAX_ROWS or x.stride(-1) != 1 or x.dtype is not self.weight.dtype:
             return None
         return skinny_linear.choose(self.weight, x.shape[0], silu_and_mul)

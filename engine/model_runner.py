@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from pdcluster.engine import skinny_linear
+from pdcluster.kernels import launch_pdl
 from pdcluster.engine.async_scheduler import PLACEHOLDER, LaunchedTokens, PrevStepOutput
 from pdcluster.engine.batch_classifier import BatchKind, uniform_decode_query_len
 from pdcluster.engine.config import EngineConfig
@@ -109,6 +110,7 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         skinny_linear.set_enabled(config.skinny_gemm)  # before the first forward (warm-up) measures anything
+        launch_pdl.set_enabled(config.pdl)
         self.device = kv_cache.device
         self.inputs = StepInputs(self.device)  # host numpy -> device, through pinned buffers on a GPU
         self._sampled_ids_host = HostCopyRing()  # device -> host: the sampled ids' pinned buffers and events

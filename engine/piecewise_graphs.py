@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdcluster.engine import skinny_linear
+from pdcluster.kernels.graph_region import graph_region
 from pdcluster.engine.attention import AttentionMetadata, attend_now, attention_breaks
 from pdcluster.engine.cuda_graphs import PAD_SLOT
 log = logging.getLogger(__name__)
@@ -205,7 +205,7 @@ class PiecewiseGraphs:
     def _call(self, bucket: int, recorder: _Recorder) -> torch.Tensor:
         meta = AttentionMetadata(slot_mapping=self.slot_mapping[:bucket], block_tables=None, seq_lens=None,
                                  query_start_loc=None, uniform_q_len=None, scale=self.scale)
-        with attention_breaks(recorder), skinny_linear.graph_region():  # a bucket of 16 may take the skinny kernel
+        with attention_breaks(recorder), graph_region():  # a bucket of 16 may take the skinny kernel
             return self.forward(self.input_ids[:bucket], self.positions[:bucket], meta)
 
     def _live(self, bucket: int, n: int, meta: AttentionMetadata) -> torch.Tensor:

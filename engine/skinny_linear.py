@@ -12,7 +12,7 @@ capture: engine/cuda_graphs.py), each candidate and cuBLAS are timed the way a d
   the L2), so each read comes from memory as it does in a step, not from the L2 a repeated read would hit;
 - after checking the candidate's result against F.linear on the GPU (a kernel that miscompiles is never used).
 
-Only calls inside a CUDA graph take the kernel (``graph_region``: a decode bucket's warm-up, capture and, on a
+Only calls inside a CUDA graph take the kernel (kernels/graph_region.py: a decode bucket's warm-up, capture and, on a
 CPU, emulated replay); eager calls stay on cuBLAS, whose launch costs the host less.
 A candidate is taken only when it is at least MARGIN faster than cuBLAS; the choice is kept for the process
 (``choices()`` lists them: bench/gpu_check.py reports them). Off: EngineConfig.skinny_gemm=False
@@ -22,9 +22,7 @@ CPUs. The search spends at most TUNING_BUDGET_S seconds a process; shapes met af
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import threading
 import time
 import weakref
 from dataclasses import asdict
@@ -49,26 +47,6 @@ _weights: dict[tuple, list[weakref.ref]] = {}
 _chosen: dict[tuple, object] = {}
 _records: list[dict] = []
 
-
-_region = threading.local()
-
-
-@contextlib.contextmanager
-def graph_region():
-    """Calls made inside are a CUDA graph's (its warm-up, capture or emulated replay: engine/cuda_graphs.py and
-    engine/piecewise_graphs.py wrap their forward in it). Only there does a Linear take the skinny kernel: an
-    eager call would pay Triton's launch from Python (and a second launch for split-K's sum), host time a
-    decode step of a few rows has less of than GPU time to spare; inside a graph the launches are free."""
-    depth = getattr(_region, "depth", 0)
-    _region.depth = depth + 1
-    try:
-        yield
-    finally:
-        _region.depth = depth
-
-
-def in_graph_region() -> bool:
-    return getattr(_region, "depth", 0) > 0
 
 
 def set_enabled(enabled: bool) -> None:

@@ -54,7 +54,7 @@ def write_kv(key: Tensor, value: Tensor, layer_cache: Tensor, slot_mapping: Tens
 def paged_attention(
     query: Tensor, layer_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, scale: float,
     batch_invariant: bool = True, window: int = 0, softcap: float = 0.0, sinks: Tensor | None = None,
-    chunk: int = 0,
+    chunk: int = 0, uniform_q_len: int | None = None,
 ) -> Tensor:
     """Causal attention of each request's new query tokens over its paged context. ``batch_invariant``:
     a query's bits independent of its batch (the CPU kernel always; on CUDA the fixed tiles, else the
@@ -71,7 +71,7 @@ def paged_attention(
         # step, 3.8 ms of the 16 x 2,048 prefill).
         return paged_attention_triton(query, layer_cache, block_tables, seq_lens, query_start_loc, scale,
                                       batch_invariant=batch_invariant, window=window, softcap=softcap, sinks=sinks,
-                                      chunk=chunk)
+                                      chunk=chunk, uniform_q_len=uniform_q_len)
     out = cpu_ops.paged_attention(query, layer_cache, block_tables, seq_lens, query_start_loc, scale, window=window,
                                   softcap=softcap, sinks=sinks, chunk=chunk)
     if out is not None:

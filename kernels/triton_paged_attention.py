@@ -40,7 +40,11 @@ runs the same compiled kernel as a batch.
 Programs find their request without a host sync: request r owns query tiles starting at index
 ``query_start_loc[r] // BLOCK_Q + r`` (the "+ r" leaves room for every request's partial last
 tile), so the grid ``num_tokens // BLOCK_Q + num_reqs`` always suffices, a program binary-searches
-query_start_loc for its request, and programs that land in a gap exit at once.
+query_start_loc for its request, and programs that land in a gap exit at once. A uniform step (every request
+with the same number of query tokens, at most BLOCK_Q: a decode step, a short verification step; the engine
+knows it as AttentionMetadata.uniform_q_len) needs neither: program r is request r, whose tokens start at
+r * q_len. At batch 128 that spares each program the search's ~7 dependent loads before its first key, and
+the GPU a third of its programs; the tiles, and so the bits, are the same.
 
 Numerics: the dots run on fp32 operands (``ieee`` for fp32 inputs; ``tf32`` for 16-bit inputs, which
 is exact for bf16/fp16 operands since tf32 keeps 10 mantissa bits). Why not native bf16 dots: the
@@ -58,6 +62,9 @@ import torch
 import triton
 from torch import Tensor
 import triton.language as tl
+
+from pdcluster.kernels import launch_pdl
+from pdcluster.kernels.triton_pdl import wait_then_release
 
 # Key positions per inner-loop step. >= 16 because tl.dot needs every dim >= 16 on GPU. A constant: the
 # context's split into tiles fixes the order of a query's softmax reduction (module doc).
@@ -85,6 +92,12 @@ FAST_DECODE_BY_SEGMENTS = True
 FAST_DECODE_TARGET_PROGRAMS = 1024
 FAST_DECODE_MIN_SEGMENTS, FAST_DECODE_MAX_SEGMENTS = 8, 32
 FAST_DECODE_KV_TILE = 32
+# Software-pipeline stages of the fast mode's unsplit decode (many requests, each walking its whole context). Its
+# key tiles' addresses come from a block-table load, and Triton's pipeliner splits the stages between the two: K/V
+# tiles in flight = (stages - 1) // 2 (the sm_90 build: tests/test_attention_pipeline.py). 3 kept one in flight,
+# and batch 128 x 512 took ~31 us a layer on an H100 and on an H200 alike (latency, not bandwidth: 2.1 TB/s on the
+# H200's 4.8); 5 keeps two, at 37 KiB of shared memory a program.
+FAST_DECODE_STAGES = 5
 # Split a launch's context across programs when it has fewer (query tile, KV head) programs than this
 # (about two waves of an H100's 132 SMs).
 SPLIT_BELOW_PROGRAMS = 256
@@ -261,13 +274,22 @@ def _paged_attention_kernel(
     NUM_SEGMENTS: tl.constexpr = 0,  # SPLIT by segments (fast_decode_segments; max_parts == it), not partitions
     SOFTCAP: tl.constexpr = False,  # Gemma 2's attention logit soft-capping
     HAS_SINKS: tl.constexpr = False,  # gpt-oss's attention sinks (folded in where a row's state is final)
+    USE_PDL: tl.constexpr = False,  # kernels/launch_pdl.py
+    UNIFORM_Q: tl.constexpr = 0,  # every request has this many query tokens (<= BLOCK_Q): program r is request r
 ):
+    wait_then_release(USE_PDL)
     q_tile_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
 
-    req, q_start, q_len, tile_in_req = _query_tile(query_start_loc_ptr, q_tile_idx, num_reqs, BLOCK_Q)
-    if tile_in_req * BLOCK_Q >= q_len:
-        return  # a gap left by the "+ r" tile numbering, or past the last request
+    if UNIFORM_Q > 0:  # a uniform decode or verification step: no search, no gap programs (module doc)
+        req = q_tile_idx
+        q_start = req * UNIFORM_Q
+        q_len = UNIFORM_Q
+        tile_in_req = 0
+    else:
+        req, q_start, q_len, tile_in_req = _query_tile(query_start_loc_ptr, q_tile_idx, num_reqs, BLOCK_Q)
+        if tile_in_req * BLOCK_Q >= q_len:
+            return  # a gap left by the "+ r" tile numbering, or past the last request
     context_len = tl.load(seq_lens_ptr + req)
     first_q_pos = context_len - q_len  # position of the request's first new token
 
@@ -367,10 +389,12 @@ def _merge_partitions_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     PARTITION_SIZE: tl.constexpr,
     HAS_SINKS: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,  # kernels/launch_pdl.py
 ):
     """One program per query token and HEADS_PAD of its heads (program_id(1): which; the paged kernel's launch
     takes every head in one, the latent kernel's a few: kernels/triton_mla_attention.py): merge each head's
     partition states in order (``_merge``, the same fold the unsplit kernel runs) and write the output rows."""
+    wait_then_release(USE_PDL)
     token = tl.program_id(0)
     q_pos = _token_position(query_start_loc_ptr, seq_lens_ptr, token, num_reqs)
     if q_pos < 0:
@@ -415,9 +439,11 @@ def _merge_segments_kernel(
     NUM_SEGMENTS: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     HAS_SINKS: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,  # kernels/launch_pdl.py
 ):
     """One program per (query token, head): every segment's state in one load, merged at once (the fast
     mode's decode split; the sum's order is the compiler's, so its bits are not batch invariant)."""
+    wait_then_release(USE_PDL)
     token = tl.program_id(0)
     head = tl.program_id(1)
     if token >= tl.load(query_start_loc_ptr + num_reqs):
@@ -449,6 +475,7 @@ def block_q_for(group_pad: int, rows: int = TILE_ROWS) -> int:
 def paged_attention_triton(
     query: Tensor, layer_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, scale: float,
     batch_invariant: bool = True, window: int = 0, softcap: float = 0.0, sinks: Tensor | None = None, chunk: int = 0,
+    uniform_q_len: int | None = None,
 ) -> Tensor:
     """Causal attention of each request's new query tokens over its paged context (see module doc;
     arguments and shapes as in :func:`pdcluster.kernels.reference.paged_attention`).
@@ -459,7 +486,9 @@ def paged_attention_triton(
     ``batch_invariant`` (deterministic mode): the fixed tiles. Otherwise (the fast mode) prefill chunks
     get 128-row query tiles, keys come in tiles of 64 and 16-bit operands go to the dots as they are.
     The K/V of the new tokens must already be written into the cache. Rows of the output past
-    ``query_start_loc[-1]`` (batch padding) are left unwritten, as in the reference.
+    ``query_start_loc[-1]`` (batch padding) are left unwritten, as in the reference. ``uniform_q_len``: every
+    request has that many query tokens (query_start_loc is r * uniform_q_len): one program per request where a
+    request fits one query tile (module doc).
     """
     num_tokens, num_q_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, cache_head_dim = layer_cache.shape
@@ -475,17 +504,22 @@ def paged_attention_triton(
         return out
 
     group_pad = triton.next_power_of_2(num_q_heads // num_kv_heads)
+
+    def uniform(block_q: int) -> int:
+        fits = uniform_q_len is not None and 0 < uniform_q_len <= block_q and num_tokens == num_reqs * uniform_q_len
+        return uniform_q_len if fits else 0
+
     if batch_invariant:
         return launch(query, layer_cache, block_tables, seq_lens, query_start_loc, scale, out,
                       block_q_for(group_pad), KV_TILE_TOKENS, window=window, softcap=softcap, sinks=sinks,
-                      chunk=chunk)
+                      chunk=chunk, uniform_q=uniform(block_q_for(group_pad)))
     # Fast mode: prefill-sized calls (more than a few query tokens a request) get the big row tile.
     prefill = num_tokens > 4 * num_reqs
     native = query.dtype in (torch.bfloat16, torch.float16) and not INTERPRETED
     if prefill:
         return launch(query, layer_cache, block_tables, seq_lens, query_start_loc, scale, out,
                       block_q_for(group_pad, FAST_PREFILL_ROWS), FAST_PREFILL_KV_TILE, native_dot=native, window=window,
-                      softcap=softcap, sinks=sinks, chunk=chunk,
+                      softcap=softcap, sinks=sinks, chunk=chunk, uniform_q=uniform(block_q_for(group_pad, FAST_PREFILL_ROWS)),
                       partition=fast_whole_context(block_tables, block_size), num_warps=4, num_stages=3)
     # Decode and verification: a few requests split their context in segments (flash-decoding), many
     # (enough programs to fill the GPU) walk it whole in one program each, as one partition: one key
@@ -496,12 +530,12 @@ def paged_attention_triton(
     if FAST_DECODE_BY_SEGMENTS and too_few_programs(num_q_tiles, num_kv_heads):
         return launch(query, layer_cache, block_tables, seq_lens, query_start_loc, scale, out, block_q,
                       FAST_DECODE_KV_TILE, split=True, native_dot=native, window=window, softcap=softcap, sinks=sinks,
-                      chunk=chunk,
+                      chunk=chunk, uniform_q=uniform(block_q),
                       segments=fast_decode_segments(num_q_tiles, num_kv_heads), num_warps=4, num_stages=3)
     return launch(query, layer_cache, block_tables, seq_lens, query_start_loc, scale, out, block_q,
                   FAST_KV_TILE_TOKENS, native_dot=native, window=window, softcap=softcap, sinks=sinks,
-                  chunk=chunk, partition=fast_whole_context(block_tables, block_size),
-                  num_warps=4, num_stages=3)
+                  chunk=chunk, partition=fast_whole_context(block_tables, block_size), uniform_q=uniform(block_q),
+                  num_warps=4, num_stages=FAST_DECODE_STAGES)
 
 
 def too_few_programs(num_q_tiles: int, num_kv_heads: int) -> bool:
@@ -541,12 +575,13 @@ def launch(query: Tensor, layer_cache: Tensor, block_tables: Tensor, seq_lens: T
            scale: float, out: Tensor, block_q: int, block_n: int, split: bool | None = None,
            native_dot: bool = False, partition: int | None = None, num_warps: int | None = None,
            num_stages: int | None = None, segments: int = 0, window: int = 0, softcap: float = 0.0,
-           sinks: Tensor | None = None, chunk: int = 0) -> Tensor:
+           sinks: Tensor | None = None, chunk: int = 0, uniform_q: int = 0) -> Tensor:
     """Run the kernel with the given tiles (checked arguments; :func:`paged_attention_triton` passes the
     fixed ones, tests pass batch-dependent ones to show the invariance tests catch them). ``split``:
     merge the partitions in a second kernel (None: when the launch has too few programs, module doc).
     ``segments`` (with ``split``): split each row's key tiles in that many even runs instead of
-    partitions (the fast mode's decode split, fast_decode_segments; a power of two)."""
+    partitions (the fast mode's decode split, fast_decode_segments; a power of two). ``uniform_q``: every request
+    has this many query tokens, at most ``block_q``: one program per request (module doc)."""
     num_tokens, num_q_heads, head_dim = query.shape
     block_size, num_kv_heads = layer_cache.shape[2], layer_cache.shape[3]
     num_reqs = seq_lens.shape[0]
@@ -558,6 +593,8 @@ def launch(query: Tensor, layer_cache: Tensor, block_tables: Tensor, seq_lens: T
     head_dim_pad = max(triton.next_power_of_2(head_dim), 16)
     # The "+ num_reqs" covers each request's partial last tile (see the module doc).
     num_q_tiles = num_tokens // block_q + num_reqs
+    if uniform_q and (uniform_q > block_q or num_tokens != num_reqs * uniform_q):
+        raise ValueError(f"uniform_q={uniform_q}: {num_tokens} tokens for {num_reqs} requests, query tiles of {block_q}")
     # The longest context this call can have, from shapes alone (no host sync): the block table's width.
     max_parts = -(-block_tables.shape[1] * block_size // partition)
     if split is None:
@@ -579,8 +616,10 @@ def launch(query: Tensor, layer_cache: Tensor, block_tables: Tensor, seq_lens: T
             raise ValueError(f"sinks has shape {tuple(sinks.shape)} for {num_q_heads} query heads")
         sinks = sinks.to(device=query.device, dtype=torch.float32).contiguous()
     sinks_arg = out if sinks is None else sinks  # never read without HAS_SINKS
+    pdl = launch_pdl.options(query)
     prefill_rows = block_q * group_pad >= 64
-    _paged_attention_kernel[(num_q_tiles, num_kv_heads, num_splits)](
+    # The split is decided from num_q_tiles whatever the grid (the same choice with and without uniform_q).
+    _paged_attention_kernel[(num_reqs if uniform_q else num_q_tiles, num_kv_heads, num_splits)](
         out,
         query,
         layer_cache,
@@ -617,18 +656,20 @@ def launch(query: Tensor, layer_cache: Tensor, block_tables: Tensor, seq_lens: T
         NUM_SEGMENTS=segments,
         SOFTCAP=softcap > 0,
         HAS_SINKS=sinks is not None,
+        UNIFORM_Q=uniform_q,
         num_warps=num_warps or (8 if prefill_rows else 4),
         **({"num_stages": num_stages} if num_stages else {}),
+        **pdl,
     )
     if segments:
         _merge_segments_kernel[(num_tokens, num_q_heads)](
             out, query_start_loc, part_m, part_l, part_acc, sinks_arg, num_reqs, num_q_heads, head_dim, *out.stride(),
-            NUM_SEGMENTS=segments, HEAD_DIM_PAD=head_dim_pad, HAS_SINKS=sinks is not None,
+            NUM_SEGMENTS=segments, HEAD_DIM_PAD=head_dim_pad, HAS_SINKS=sinks is not None, **pdl,
         )
     elif split:
         _merge_partitions_kernel[(num_tokens,)](
             out, seq_lens, query_start_loc, part_m, part_l, part_acc, sinks_arg, num_reqs, num_q_heads, head_dim,
             max_parts, *out.stride(), HEADS_PAD=triton.next_power_of_2(num_q_heads), HEAD_DIM_PAD=head_dim_pad,
-            PARTITION_SIZE=partition, HAS_SINKS=sinks is not None,
+            PARTITION_SIZE=partition, HAS_SINKS=sinks is not None, **pdl,
         )
     return out

@@ -27,6 +27,9 @@ import triton
 from torch import Tensor
 import triton.language as tl
 
+from pdcluster.kernels import launch_pdl
+from pdcluster.kernels.triton_pdl import wait_then_release
+
 # A row longer than this does not fit one program's registers comfortably; Llama-family hidden sizes
 # (<= 16384) are well under it.
 _MAX_HIDDEN = 65536
@@ -45,10 +48,13 @@ def _rms_norm_kernel(
     stride_residual_token,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,  # hidden rounded up to a power of two
+    USE_PDL: tl.constexpr = False,  # kernels/launch_pdl.py
 ):
     token_idx = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: before the wait
+    wait_then_release(USE_PDL)
 
     row = tl.load(x_ptr + token_idx * stride_x_token + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
@@ -65,7 +71,6 @@ def _rms_norm_kernel(
     # Masked lanes are 0 and add nothing; the mean divides by the true hidden size.
     mean_square = tl.sum(row * row, axis=0) / hidden
     normed = (row * tl.rsqrt(mean_square + eps)).to(row_dtype).to(tl.float32)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     out = normed * weight
     tl.store(out_ptr + token_idx * stride_out_token + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -121,6 +126,7 @@ def rms_norm_triton(x: Tensor, weight: Tensor, eps: float, residual: Tensor | No
         HAS_RESIDUAL=residual_rows is not None,
         BLOCK=block,
         num_warps=min(max(block // 256, 1), 16),
+        **launch_pdl.options(x),
     )
     if write_back:
         residual.copy_(residual_rows.view(residual.shape))

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pdcluster.kernels import launch_pdl
+from pdcluster.kernels.triton_pdl import wait_then_release
 from pdcluster.kernels.triton_rotary import _cos_sin, _rotate_heads
 
 
@@ -49,7 +51,9 @@ def _rotary_write_kv_kernel(
     Q_HEADS_PAD: tl.constexpr,
     KV_HEADS_PAD: tl.constexpr,
     HALF_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # kernels/launch_pdl.py
 ):
+    wait_then_release(USE_PDL)
     token_idx = tl.program_id(0).to(tl.int64)
     cos, sin, dims, dim_mask = _cos_sin(positions_ptr, token_idx, cos_sin_ptr, half, stride_cos_sin_pos,
                                         stride_cos_sin_dim, HALF_PAD)
@@ -109,4 +113,5 @@ def rotary_write_kv_triton(
         Q_HEADS_PAD=triton.next_power_of_2(num_q_heads),
         KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HALF_PAD=triton.next_power_of_2(head_dim // 2),
+        **launch_pdl.options(query),
     )

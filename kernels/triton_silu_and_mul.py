@@ -17,6 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pdcluster.kernels import launch_pdl
+from pdcluster.kernels.triton_pdl import wait_then_release
+
 # Columns per chunk: wide loads on a GPU, small enough to stay in registers.
 _MAX_BLOCK = 1024
 
@@ -39,7 +42,9 @@ def _silu_and_mul_kernel(
     stride_x_token,
     stride_out_token,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # kernels/launch_pdl.py
 ):
+    wait_then_release(USE_PDL)
     token_idx = tl.program_id(0).to(tl.int64)
     x_row_ptr = x_ptr + token_idx * stride_x_token
     out_row_ptr = out_ptr + token_idx * stride_out_token
@@ -72,5 +77,6 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * d]
         x_rows.stride(0),
         out_rows.stride(0),
         BLOCK=block,
+        **launch_pdl.options(x),
     )
     return out

@@ -41,6 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pdcluster.kernels import launch_pdl
+from pdcluster.kernels.triton_pdl import wait_then_release
 from pdcluster.kernels.triton_silu_and_mul import silu_and_mul_triton, silu_and_mul_values
 
 # The interpreter multiplies 16-bit dot operands as raw bit patterns (kernels/triton_paged_attention.py): the dot
@@ -104,6 +106,19 @@ def _store(out_ptr, total, rows, cols, pid_k, M, N, stride_om, PARTIAL: tl.const
         tl.store(out_ptr + rows * stride_om + cols, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _fma_step(acc, w, a_rows, k, k_valid, row_valid, K, dtype: tl.constexpr, SILU_AND_MUL: tl.constexpr):
+    """acc += a[:, k] (x) w: one K step of the elementwise kernel, ``w`` its weight tile already loaded."""
+    a_mask = row_valid[:, None] & k_valid[None, :]
+    if SILU_AND_MUL:  # a = silu(gate) * up, rounded as the SiLU-and-mul kernel rounds it
+        gate = tl.load(a_rows + k[None, :], mask=a_mask, other=0.0)
+        up = tl.load(a_rows + K + k[None, :], mask=a_mask, other=0.0)
+        a = silu_and_mul_values(gate, up, dtype).to(tl.float32)
+    else:
+        a = tl.load(a_rows + k[None, :], mask=a_mask, other=0.0).to(tl.float32)
+    return acc + a[:, None, :] * w[None, :, :]
+
+
 @triton.jit(do_not_specialize=["steps_per_split"])
 def _skinny_gemm_kernel(
     out_ptr,  # [M, N] (not PARTIAL) or float32 [splits, M, N] partial sums
@@ -121,6 +136,7 @@ def _skinny_gemm_kernel(
     BLOCK_K: tl.constexpr,
     PARTIAL: tl.constexpr,  # K is split: write float32 partial sums (out_ptr: [splits, M, N])
     SILU_AND_MUL: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # kernels/launch_pdl.py
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -133,20 +149,30 @@ def _skinny_gemm_kernel(
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
     a_rows = a_ptr + rows.to(tl.int64)[:, None] * stride_am
     k_lo = pid_k * steps_per_split * BLOCK_K
-    acc = tl.zeros([ROWS_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(k_lo, k_lo + steps_per_split * BLOCK_K, BLOCK_K):
+    # The first K step's weight tile is loaded before the wait (a weight: launch_pdl.py), so with PDL it comes
+    # in while the previous kernel finishes; the step itself is peeled off the loop (the same sums in the same
+    # order, with or without PDL).
+    k = k_lo + ks
+    k_valid = k < K  # the splits tile K; only the last runs past it
+    w = tl.load(w_rows + k[None, :], mask=col_valid[:, None] & k_valid[None, :], other=0.0).to(tl.float32)
+    wait_then_release(USE_PDL)
+    acc = _fma_step(tl.zeros([ROWS_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32), w, a_rows, k, k_valid, row_valid, K,
+                    dtype, SILU_AND_MUL)
+    for k0 in range(k_lo + BLOCK_K, k_lo + steps_per_split * BLOCK_K, BLOCK_K):
         k = k0 + ks
-        k_valid = k < K  # the splits tile K; only the last runs past it
+        k_valid = k < K
         w = tl.load(w_rows + k[None, :], mask=col_valid[:, None] & k_valid[None, :], other=0.0).to(tl.float32)
-        a_mask = row_valid[:, None] & k_valid[None, :]
-        if SILU_AND_MUL:  # a = silu(gate) * up, rounded as the SiLU-and-mul kernel rounds it
-            gate = tl.load(a_rows + k[None, :], mask=a_mask, other=0.0)
-            up = tl.load(a_rows + K + k[None, :], mask=a_mask, other=0.0)
-            a = silu_and_mul_values(gate, up, dtype).to(tl.float32)
-        else:
-            a = tl.load(a_rows + k[None, :], mask=a_mask, other=0.0).to(tl.float32)
-        acc += a[:, None, :] * w[None, :, :]
+        acc = _fma_step(acc, w, a_rows, k, k_valid, row_valid, K, dtype, SILU_AND_MUL)
     _store(out_ptr, tl.sum(acc, axis=2), rows[:, None], cols[None, :], pid_k, M, N, stride_om, PARTIAL)
+
+
+@triton.jit
+def _dot_step(acc, w, a_cols, k, k_valid, row_valid, NATIVE_DOT: tl.constexpr):
+    """acc += w @ a[:, k]^T: one K step of the dot kernel, ``w`` its weight tile already loaded."""
+    a_t = tl.load(a_cols + k[:, None], mask=k_valid[:, None] & row_valid[None, :], other=0.0)
+    if NATIVE_DOT:
+        return tl.dot(w, a_t, acc)
+    return tl.dot(w.to(tl.float32), a_t.to(tl.float32), acc, input_precision="ieee")
 
 
 @triton.jit(do_not_specialize=["steps_per_split"])
@@ -165,6 +191,7 @@ def _skinny_dot_kernel(
     BLOCK_K: tl.constexpr,
     PARTIAL: tl.constexpr,
     NATIVE_DOT: tl.constexpr,  # 16-bit operands into the dot as they are (a GPU); else float32 (the interpreter)
+    USE_PDL: tl.constexpr = False,  # kernels/launch_pdl.py
 ):
     """out^T [BLOCK_N, DOT_ROWS] = weight tile @ a^T tile, the rows past M masked to zero."""
     pid_n = tl.program_id(0)
@@ -179,22 +206,25 @@ def _skinny_dot_kernel(
     # The loop's bounds and the loads' offsets are multiples of BLOCK_K the compiler can see (a bound clipped
     # to K with tl.minimum, or a split length passed as is, kept it from vectorising and pipelining the loads).
     k_lo = pid_k * steps_per_split * BLOCK_K
-    acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-    for k0 in range(k_lo, k_lo + steps_per_split * BLOCK_K, BLOCK_K):
+    # As in the elementwise kernel: the first step's weight tile before the wait, the step peeled off the loop.
+    k = k_lo + ks
+    k_valid = k < K  # the splits tile K; only the last runs past it
+    w = tl.load(w_rows + k[None, :], mask=col_valid[:, None] & k_valid[None, :], other=0.0)
+    wait_then_release(USE_PDL)
+    acc = _dot_step(tl.zeros([BLOCK_N, 16], dtype=tl.float32), w, a_cols, k, k_valid, row_valid, NATIVE_DOT)
+    for k0 in range(k_lo + BLOCK_K, k_lo + steps_per_split * BLOCK_K, BLOCK_K):
         k = k0 + ks
-        k_valid = k < K  # the splits tile K; only the last runs past it
+        k_valid = k < K
         w = tl.load(w_rows + k[None, :], mask=col_valid[:, None] & k_valid[None, :], other=0.0)
-        a_t = tl.load(a_cols + k[:, None], mask=k_valid[:, None] & row_valid[None, :], other=0.0)
-        if NATIVE_DOT:
-            acc = tl.dot(w, a_t, acc)
-        else:
-            acc = tl.dot(w.to(tl.float32), a_t.to(tl.float32), acc, input_precision="ieee")
+        acc = _dot_step(acc, w, a_cols, k, k_valid, row_valid, NATIVE_DOT)
     _store(out_ptr, acc, rows[None, :], cols[:, None], pid_k, M, N, stride_om, PARTIAL)  # acc is out^T
 
 
 @triton.jit
-def _sum_splits_kernel(out_ptr, part_ptr, M, N, stride_om, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_splits_kernel(out_ptr, part_ptr, M, N, stride_om, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+                       USE_PDL: tl.constexpr = False):
     """out[m, n] = the SPLIT partial sums of (m, n), added in split order."""
+    wait_then_release(USE_PDL)
     row = tl.program_id(1)
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     valid = cols < N
@@ -242,19 +272,21 @@ def skinny_gemm(a: torch.Tensor, weight: torch.Tensor, tiles: SkinnyTiles, silu_
     split = triton.cdiv(num_steps, steps_per_split)
     target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=a.device)
     grid = (triton.cdiv(n, tiles.block_n), split)
+    pdl = launch_pdl.options(a)
     if tiles.dot:
         _skinny_dot_kernel[grid](
             target, a, weight, m, n, k, steps_per_split, a.stride(0), weight.stride(0), out.stride(0),
             BLOCK_N=tiles.block_n, BLOCK_K=block_k, PARTIAL=split > 1, NATIVE_DOT=a.dtype != torch.float32
-            and not INTERPRETED, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+            and not INTERPRETED, num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl,
         )
     else:
         _skinny_gemm_kernel[grid](
             target, a, weight, m, n, k, steps_per_split, a.stride(0), weight.stride(0), out.stride(0),
             ROWS_PAD=rows_pad_for(m), BLOCK_N=tiles.block_n, BLOCK_K=block_k, PARTIAL=split > 1,
-            SILU_AND_MUL=silu_and_mul, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+            SILU_AND_MUL=silu_and_mul, num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl,
         )
     if split > 1:
         block = min(1024, triton.next_power_of_2(n))
-        _sum_splits_kernel[(triton.cdiv(n, block), m)](out, target, m, n, out.stride(0), SPLIT=split, BLOCK=block)
+        _sum_splits_kernel[(triton.cdiv(n, block), m)](out, target, m, n, out.stride(0), SPLIT=split, BLOCK=block,
+                                                        **pdl)
     return out

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from conftest import make_engine
 from pdcluster.engine import skinny_linear
 from pdcluster.engine.linear import Linear
+from pdcluster.kernels.graph_region import graph_region
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kernels import triton_skinny_gemm as sk
 from pdcluster.kernels.triton_silu_and_mul import silu_and_mul_triton
@@ -181,7 +182,7 @@ def test_linear_runs_the_chosen_kernel_and_cublas_elsewhere(cpu_skinny, monkeypa
     x = torch.randn(1, 64)
     torch.testing.assert_close(lin(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
     assert ran == [] and calls == []  # eager (outside a CUDA graph's forward): cuBLAS, nothing measured
-    with skinny_linear.graph_region():
+    with graph_region():
         for rows in (1, 2, 3, 17, 1, 2):
             x = torch.randn(rows, 64)
             torch.testing.assert_close(lin(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
@@ -254,19 +255,21 @@ from pdcluster.kernels import triton_skinny_gemm as sk
 ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 sig = {"out_ptr": "*bf16", "a_ptr": "*bf16", "w_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
        "steps_per_split": "i32", "stride_am": "i32", "stride_wn": "i32", "stride_om": "i32", "ROWS_PAD": "constexpr",
-       "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "PARTIAL": "constexpr", "SILU_AND_MUL": "constexpr"}
+       "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "PARTIAL": "constexpr", "SILU_AND_MUL": "constexpr",
+       "USE_PDL": "constexpr"}
 dot_sig = {k: v for k, v in sig.items() if k not in ("ROWS_PAD", "SILU_AND_MUL")} | {"NATIVE_DOT": "constexpr"}
 out = []
 for spec in json.loads(sys.argv[1]):
     tiles = sk.CANDIDATE_TILES[spec["tiles"]]
     if tiles.dot:
         s = dict(dot_sig, out_ptr="*fp32" if spec["partial"] else "*bf16")
-        c = dict(BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PARTIAL=spec["partial"], NATIVE_DOT=True)
+        c = dict(BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PARTIAL=spec["partial"], NATIVE_DOT=True, USE_PDL=False)
         fn = sk._skinny_dot_kernel
     else:
         s = dict(sig, out_ptr="*fp32" if spec["partial"] else "*bf16")
         c = dict(ROWS_PAD=sk.rows_pad_for(spec["rows"]), BLOCK_N=tiles.block_n,
-                 BLOCK_K=sk.block_k_for(tiles, spec["rows"]), PARTIAL=spec["partial"], SILU_AND_MUL=spec["silu"])
+                 BLOCK_K=sk.block_k_for(tiles, spec["rows"]), PARTIAL=spec["partial"], SILU_AND_MUL=spec["silu"],
+                 USE_PDL=False)
         fn = sk._skinny_gemm_kernel
     # As a launch specialises them (pointers 16-byte aligned, a 2,048-wide model's N, K and strides multiples
     # of 16): without these the compiler cannot vectorise the loads, and nothing is pipelined.
@@ -281,8 +284,10 @@ for spec in json.loads(sys.argv[1]):
         info = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
         spill = sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", info.stderr))
     out.append({**spec, "spill_bytes": spill, "shared_bytes": k.metadata.shared})
-s = dict(out_ptr="*bf16", part_ptr="*fp32", M="i32", N="i32", stride_om="i32", SPLIT="constexpr", BLOCK="constexpr")
-triton.compile(ASTSource(sk._sum_splits_kernel, s, constexprs=dict(SPLIT=4, BLOCK=1024)), target=GPUTarget("cuda", 90, 32))
+s = dict(out_ptr="*bf16", part_ptr="*fp32", M="i32", N="i32", stride_om="i32", SPLIT="constexpr", BLOCK="constexpr",
+         USE_PDL="constexpr")
+triton.compile(ASTSource(sk._sum_splits_kernel, s, constexprs=dict(SPLIT=4, BLOCK=1024, USE_PDL=False)),
+               target=GPUTarget("cuda", 90, 32))
 print(json.dumps(out))
 """
 
