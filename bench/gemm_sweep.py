@@ -3,7 +3,7 @@ have to run them, timed as a decode step runs them and reported as weight bandwi
 these row counts a projection only streams its weight).
 
 The ways: ``F.linear`` on the [out, in] weight (cuBLAS, engine/linear.py's fast mode), the weight pre-transposed
-to [in, out] for ``torch.mm``, cuBLASLt as torch's preferred BLAS library, and up to 16 rows every candidate
+to [in, out] for ``torch.mm``, cuBLASLt as torch's preferred BLAS library, and up to 128 rows every candidate
 tile configuration of the weight-streaming Triton matmuls (kernels/triton_skinny_gemm.py; ``skinny:...``; the
 engine picks among these and cuBLAS per shape and row count at start-up, engine/skinny_linear.py).
 

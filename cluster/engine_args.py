@@ -60,7 +60,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "sends run inside the step). Default: on where the engine runs on CUDA, off on a CPU, where "
                         "both threads share the cores")
     g.add_argument("--no-skinny-gemm", action="store_true",
-                   help="CUDA: keep cuBLAS for decode steps of up to 16 rows instead of the weight-streaming "
+                   help="CUDA: keep cuBLAS for decode steps of up to 128 rows instead of the weight-streaming "
                         "Triton matmuls, which is otherwise used for the shapes where it measured faster at start-up")
     g.add_argument("--no-pdl", action="store_true",
                    help="CUDA (Hopper and later): launch the decode graphs' Triton kernels one after another instead "

@@ -113,7 +113,7 @@ class EngineConfig:
     # the forward between attention calls captured per token-count bucket, attention eager between); 0 = eager.
     # Off by default until it has run on a GPU: the H200 run of s51 had such steps at ~10.7 ms of host time.
     mixed_cuda_graph_tokens: int = 0
-    # Up to 16 rows of a 16-bit matmul in a CUDA graph may run a weight-streaming Triton kernel where it measured
+    # Up to 128 rows of a 16-bit matmul in a CUDA graph may run a weight-streaming Triton kernel where it measured
     # faster than cuBLAS on this GPU (engine/skinny_linear.py: timed at a decode bucket's warm-up); False: cuBLAS.
     skinny_gemm: bool = True
     # A CUDA graph's Triton kernels launch with programmatic dependent launch on Hopper and later GPUs: each may be

@@ -22,7 +22,7 @@ bf16 GEMM varies with M at K=1536 here; MKL's fp32 GEMM and the small-M kernel s
 the C library that mode is refused (DeterministicUnavailable), never silently dropped. On CUDA that mode
 runs every call through the fixed-tile Triton matmul (kernels/triton_matmul_bi.py: no split-K, tiles from
 the weight's shape only) on the plain weight; the fast mode keeps ``F.linear`` (cuBLAS, whose kernel and
-split-K choice follow the number of rows), except that inside a CUDA graph's forward up to 16 rows of a
+split-K choice follow the number of rows), except that inside a CUDA graph's forward up to 128 rows of a
 16-bit weight may run a weight-streaming Triton kernel where it measured faster on the GPU at hand (engine/skinny_linear.py; the MLP's
 down projection then takes the SiLU-and-mul in the same kernel: ``after_silu_and_mul``).
 """

@@ -1,4 +1,4 @@
-"""Which kernel runs a decode step's few-row matmul (1 to 16 rows) on CUDA: cuBLAS, or the weight-streaming Triton kernel
+"""Which kernel runs a decode step's few-row matmul (1 to 128 rows) on CUDA: cuBLAS, or the weight-streaming Triton kernel
 (kernels/triton_skinny_gemm.py) with one of its tile configurations, chosen by timing both on the GPU at hand.
 
 A matmul of a few rows is bound by reading its weight; cuBLAS tiles some of a 1B model's shapes too coarsely
@@ -34,7 +34,8 @@ from pdcluster.kernels import ops
 
 log = logging.getLogger(__name__)
 
-MAX_ROWS = 16  # kernels/triton_skinny_gemm.MAX_ROWS (not imported: triton loads only where CUDA is)
+MAX_ROWS = 128  # kernels/triton_skinny_gemm.MAX_ROWS (not imported: triton loads only where CUDA is)
+FMA_MAX_ROWS = 4  # kernels/triton_skinny_gemm.FMA_MAX_ROWS
 MARGIN = 0.95  # a candidate must take at most this fraction of cuBLAS's time
 TUNING_BUDGET_S = 45.0
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -77,6 +78,7 @@ def choose(weight: torch.Tensor, rows: int, silu_and_mul: bool):
     """The tiles to run ``rows`` rows over ``weight`` with (None: cuBLAS), measured once per key (module doc)."""
     if not _enabled or rows > MAX_ROWS:
         return None
+    rows = measured_rows(rows)
     key = _shape_key(weight) + (rows, silu_and_mul)
     if key in _chosen:
         return _chosen[key]
@@ -84,6 +86,13 @@ def choose(weight: torch.Tensor, rows: int, silu_and_mul: bool):
         return None  # not now: a capture cannot time (the bucket's warm-up before it did, or will)
     _chosen[key] = _tune(weight, rows, silu_and_mul)
     return _chosen[key]
+
+
+def measured_rows(rows: int) -> int:
+    """The row count a choice for ``rows`` rows is measured at: exact for the elementwise kernel's few, else the
+    power of two the dot kernel pads them to (a decode bucket of 48 rows takes the choice measured at 64), so a
+    process measures each shape at most at 1, 2, 3, 4, 8, 16, 32, 64 and 128 rows."""
+    return rows if rows <= FMA_MAX_ROWS else 1 << (rows - 1).bit_length()
 
 
 def capturing(t: torch.Tensor) -> bool:

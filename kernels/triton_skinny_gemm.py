@@ -19,10 +19,12 @@ sums that ``_sum_splits_kernel`` adds in split order (fixed: a step's bits never
   accumulate in a [rows, BLOCK_N, BLOCK_K] float32 tile reduced over K once at the end, so a loaded weight
   element costs a convert and ``rows`` FMAs. The weight tile lands in registers. With ``silu_and_mul`` the
   activation is computed as it is loaded, so the MLP needs no SiLU-and-mul kernel.
-- The dot kernel (``_skinny_dot_kernel``, 1 to DOT_ROWS rows): ``tl.dot`` of the weight tile with the rows
-  padded to 16, which lets Triton's software pipeline bring the weight through shared memory ``num_stages``
-  tiles ahead. Its ``silu_and_mul`` runs the SiLU-and-mul kernel first (a pipelined operand is loaded, not
-  computed).
+- The dot kernel (``_skinny_dot_kernel``, 1 to MAX_ROWS rows): ``tl.dot`` of the weight tile with the rows
+  padded to a power of two (16 to 128: the tensor-core tile's N side, the weight rows its M side), which lets
+  Triton's software pipeline bring the weight through shared memory ``num_stages`` tiles ahead. Its
+  ``silu_and_mul`` runs the SiLU-and-mul kernel first (a pipelined operand is loaded, not computed). Up to 128
+  rows because cuBLAS did no better at batch 128: the H200 profile's 2,048-wide projections ran at 1.3-1.5 TB/s
+  there, with 48- and 56-wide tiles.
 Which (if either) beats cuBLAS for a shape and row count is measured on the GPU at hand, inside CUDA graphs
 (engine/skinny_linear.py), never assumed.
 
@@ -48,9 +50,13 @@ from pdcluster.kernels.triton_silu_and_mul import silu_and_mul_triton, silu_and_
 # The interpreter multiplies 16-bit dot operands as raw bit patterns (kernels/triton_paged_attention.py): the dot
 # kernel widens them to float32 there; products of 16-bit values are exact in float32 either way.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-MAX_ROWS = 16  # rows a launch takes (the dot kernel's tile); more go to cuBLAS
+MAX_ROWS = 128  # rows a launch takes (the dot kernel's widest tile); more go to cuBLAS
 FMA_MAX_ROWS = 4  # the elementwise kernel's limit: its accumulator grows with the rows
-DOT_ROWS = 16  # the dot kernel's rows, padded: tl.dot's smallest tile side
+MIN_DOT_ROWS = 16  # the dot kernel's rows are padded to a power of two, at least tl.dot's smallest tile side
+# Shared memory a dot tiling may count on, at num_stages weight and operand tiles: the sm_90 builds took 3 to 7 such
+# tiles' worth (the pipeline's num_stages - 1, the dot's operand staging, the transposed store), and every tiling
+# this admits builds within the H100's and H200's 227 KiB a block (tests/test_skinny_gemm.py).
+DOT_SHARED_BYTES = 180 * 1024
 # float32 accumulator elements a program holds (rows x BLOCK_N x BLOCK_K): with 4 warps, 64 registers a thread.
 ACC_ELEMENTS = 8192
 
@@ -59,7 +65,8 @@ ACC_ELEMENTS = 8192
 class SkinnyTiles:
     """One launch configuration. The elementwise kernel (``dot`` False): ``block_k`` is for one row; a launch of
     ``rows`` rows walks K in ``block_k // rows_pad`` steps so the accumulator stays ACC_ELEMENTS
-    (:func:`block_k_for`). The dot kernel: tiles of BLOCK_N weight rows x BLOCK_K, the rows padded to DOT_ROWS."""
+    (:func:`block_k_for`). The dot kernel: tiles of BLOCK_N weight rows x BLOCK_K, the rows padded
+    (:func:`dot_rows_for`), for as many rows as its pipeline's tiles fit DOT_SHARED_BYTES."""
 
     block_n: int
     block_k: int
@@ -67,9 +74,15 @@ class SkinnyTiles:
     num_warps: int = 4
     num_stages: int = 3
     dot: bool = False
+    min_rows: int = 1  # a tiling for wide launches only (not timed below this many rows)
 
     def takes(self, rows: int) -> bool:
-        return 1 <= rows <= (MAX_ROWS if self.dot else FMA_MAX_ROWS)
+        if rows < self.min_rows:
+            return False
+        if not self.dot:
+            return 1 <= rows <= FMA_MAX_ROWS
+        stage_bytes = (self.block_n + dot_rows_for(rows)) * self.block_k * 2  # 16-bit weight and operand tiles
+        return 1 <= rows <= MAX_ROWS and self.num_stages * stage_bytes <= DOT_SHARED_BYTES
 
 
 # What engine/skinny_linear.py times against cuBLAS, per shape and row count. The elementwise kernel holds
@@ -81,11 +94,18 @@ CANDIDATE_TILES = (
     SkinnyTiles(16, 512, 1), SkinnyTiles(16, 512, 2), SkinnyTiles(8, 1024, 2),
     SkinnyTiles(64, 128, 1, 4, 4, dot=True), SkinnyTiles(32, 256, 1, 4, 4, dot=True),
     SkinnyTiles(16, 256, 2, 4, 5, dot=True), SkinnyTiles(64, 64, 4, 4, 6, dot=True),
+    # From 32 rows: 128 weight rows a program (a 128-row tensor-core tile over 8 warps), K split in two.
+    SkinnyTiles(128, 64, 2, 8, 4, dot=True, min_rows=32),
 )
 
 
 def rows_pad_for(rows: int) -> int:
     return triton.next_power_of_2(rows)
+
+
+def dot_rows_for(rows: int) -> int:
+    """The dot kernel's padded rows (the N side of its tensor-core tile: 16 to 128)."""
+    return max(MIN_DOT_ROWS, triton.next_power_of_2(rows))
 
 
 def block_k_for(tiles: SkinnyTiles, rows: int) -> int:
@@ -192,11 +212,12 @@ def _skinny_dot_kernel(
     PARTIAL: tl.constexpr,
     NATIVE_DOT: tl.constexpr,  # 16-bit operands into the dot as they are (a GPU); else float32 (the interpreter)
     USE_PDL: tl.constexpr = False,  # kernels/launch_pdl.py
+    ROWS: tl.constexpr = 16,  # M padded (dot_rows_for)
 ):
-    """out^T [BLOCK_N, DOT_ROWS] = weight tile @ a^T tile, the rows past M masked to zero."""
+    """out^T [BLOCK_N, ROWS] = weight tile @ a^T tile, the rows past M masked to zero."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    rows = tl.arange(0, 16)
+    rows = tl.arange(0, ROWS)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     row_valid = rows < M
@@ -211,7 +232,7 @@ def _skinny_dot_kernel(
     k_valid = k < K  # the splits tile K; only the last runs past it
     w = tl.load(w_rows + k[None, :], mask=col_valid[:, None] & k_valid[None, :], other=0.0)
     wait_then_release(USE_PDL)
-    acc = _dot_step(tl.zeros([BLOCK_N, 16], dtype=tl.float32), w, a_cols, k, k_valid, row_valid, NATIVE_DOT)
+    acc = _dot_step(tl.zeros([BLOCK_N, ROWS], dtype=tl.float32), w, a_cols, k, k_valid, row_valid, NATIVE_DOT)
     for k0 in range(k_lo + BLOCK_K, k_lo + steps_per_split * BLOCK_K, BLOCK_K):
         k = k0 + ks
         k_valid = k < K
@@ -258,7 +279,8 @@ def skinny_gemm(a: torch.Tensor, weight: torch.Tensor, tiles: SkinnyTiles, silu_
     k = check_operands(a, weight, silu_and_mul)
     m, n = a.shape[0], weight.shape[0]
     if not tiles.takes(m):
-        raise ValueError(f"{tiles} takes at most {FMA_MAX_ROWS} rows, got {m}")
+        raise ValueError(f"{tiles} does not take {m} rows (the elementwise kernel takes at most {FMA_MAX_ROWS}, the dot "
+                         f"kernel's pipeline must fit {DOT_SHARED_BYTES} bytes of shared memory)")
     if silu_and_mul and tiles.dot:
         a, silu_and_mul = silu_and_mul_triton(a), False
     if out is None:
@@ -277,7 +299,7 @@ def skinny_gemm(a: torch.Tensor, weight: torch.Tensor, tiles: SkinnyTiles, silu_
         _skinny_dot_kernel[grid](
             target, a, weight, m, n, k, steps_per_split, a.stride(0), weight.stride(0), out.stride(0),
             BLOCK_N=tiles.block_n, BLOCK_K=block_k, PARTIAL=split > 1, NATIVE_DOT=a.dtype != torch.float32
-            and not INTERPRETED, num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl,
+            and not INTERPRETED, ROWS=dot_rows_for(m), num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl,
         )
     else:
         _skinny_gemm_kernel[grid](

@@ -34,12 +34,13 @@ def _ids(t: sk.SkinnyTiles) -> str:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 16, 17, 40, 128])
 @pytest.mark.parametrize("tiles", TILES + DOT_TILES, ids=_ids)
 def test_skinny_gemm_equals_the_exact_product(dtype, rows, tiles):
-    """Odd N and K (masked column band and K tail), K split in 1 to 3 runs."""
+    """Odd N and K (masked column band and K tail), K split in 1 to 3 runs; the dot kernel's rows padded to 16, 32,
+    64 and 128."""
     if not tiles.takes(rows):
-        with pytest.raises(ValueError, match="takes at most 4 rows"):
+        with pytest.raises(ValueError, match="the elementwise kernel takes at most 4"):
             sk.skinny_gemm(torch.zeros(rows, 32, dtype=dtype), torch.zeros(8, 32, dtype=dtype), tiles)
         return
     gen = torch.Generator().manual_seed(rows)
@@ -78,8 +79,8 @@ def test_skinny_gemm_writes_into_a_strided_output_row():
 
 
 @pytest.mark.parametrize("a_shape, w_shape, silu, match", [
-    ((17, 64), (8, 64), False, "1 to 16 rows"),
-    ((0, 64), (8, 64), False, "1 to 16 rows"),
+    ((129, 64), (8, 64), False, "1 to 128 rows"),
+    ((0, 64), (8, 64), False, "1 to 128 rows"),
     ((2, 64), (8, 32), False, "does not fit"),
     ((2, 64), (8, 64), True, r"silu_and_mul: a is \[M, 2K\]"),
     ((2, 4, 16), (8, 64), False, "2-d"),
@@ -183,11 +184,12 @@ def test_linear_runs_the_chosen_kernel_and_cublas_elsewhere(cpu_skinny, monkeypa
     torch.testing.assert_close(lin(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
     assert ran == [] and calls == []  # eager (outside a CUDA graph's forward): cuBLAS, nothing measured
     with graph_region():
-        for rows in (1, 2, 3, 17, 1, 2):
+        for rows in (1, 2, 3, 20, 30, 129, 1, 2):
             x = torch.randn(rows, 64)
             torch.testing.assert_close(lin(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
-        assert ran == [1, 2, 1, 2]  # 3 rows: cuBLAS chosen; 17: over MAX_ROWS
-        assert calls == [(1, False), (2, False), (3, False)]  # measured once a row count, then kept
+        assert ran == [1, 2, 1, 2]  # 3 and 20-30 rows: cuBLAS chosen; 129: over MAX_ROWS
+        # measured once a row count, then kept; 20 and 30 rows at the 32 the dot kernel pads them to
+        assert calls == [(1, False), (2, False), (3, False), (32, False)]
         gate_up = torch.randn(2, 128)
         torch.testing.assert_close(lin.after_silu_and_mul(gate_up),
                                    F.linear(F.silu(gate_up[:, :64]) * gate_up[:, 64:], w), rtol=1e-5, atol=1e-5)
@@ -215,7 +217,7 @@ def test_the_flag_reaches_the_engine_and_turns_the_choice_off(tiny_dir, cpu_skin
 def test_disabled_or_too_many_rows_never_measures(cpu_skinny, monkeypatch):
     monkeypatch.setattr(skinny_linear, "_tune", lambda *a, **kw: pytest.fail("measured"))
     w = torch.randn(40, 64)
-    assert skinny_linear.choose(w, 17, False) is None
+    assert skinny_linear.choose(w, 129, False) is None
     skinny_linear.set_enabled(False)
     assert skinny_linear.choose(w, 1, False) is None
 
@@ -257,13 +259,15 @@ sig = {"out_ptr": "*bf16", "a_ptr": "*bf16", "w_ptr": "*bf16", "M": "i32", "N": 
        "steps_per_split": "i32", "stride_am": "i32", "stride_wn": "i32", "stride_om": "i32", "ROWS_PAD": "constexpr",
        "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "PARTIAL": "constexpr", "SILU_AND_MUL": "constexpr",
        "USE_PDL": "constexpr"}
-dot_sig = {k: v for k, v in sig.items() if k not in ("ROWS_PAD", "SILU_AND_MUL")} | {"NATIVE_DOT": "constexpr"}
+dot_sig = {k: v for k, v in sig.items() if k not in ("ROWS_PAD", "SILU_AND_MUL")} | {"NATIVE_DOT": "constexpr",
+                                                                                    "ROWS": "constexpr"}
 out = []
 for spec in json.loads(sys.argv[1]):
     tiles = sk.CANDIDATE_TILES[spec["tiles"]]
     if tiles.dot:
         s = dict(dot_sig, out_ptr="*fp32" if spec["partial"] else "*bf16")
-        c = dict(BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PARTIAL=spec["partial"], NATIVE_DOT=True, USE_PDL=False)
+        c = dict(BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PARTIAL=spec["partial"], NATIVE_DOT=True, USE_PDL=False,
+                 ROWS=sk.dot_rows_for(spec["rows"]))
         fn = sk._skinny_dot_kernel
     else:
         s = dict(sig, out_ptr="*fp32" if spec["partial"] else "*bf16")
@@ -309,26 +313,45 @@ def test_the_gpu_build_compiles_for_sm90_without_spilling():
     dot = [i for i, t in enumerate(sk.CANDIDATE_TILES) if t.dot]
     specs = [dict(tiles=0, rows=1, silu=False, partial=False), dict(tiles=1, rows=1, silu=True, partial=True),
              dict(tiles=2, rows=4, silu=True, partial=True), dict(tiles=dot[0], rows=16, silu=False, partial=False),
-             dict(tiles=dot[2], rows=16, silu=False, partial=True)]
+             dict(tiles=dot[2], rows=16, silu=False, partial=True), dict(tiles=dot[0], rows=64, silu=False,
+                                                                         partial=False),
+             dict(tiles=dot[-2], rows=128, silu=False, partial=True),
+             dict(tiles=dot[-1], rows=64, silu=False, partial=True)]
     for got in _compile_for_sm90(specs):
-        assert got["spill_bytes"] in (0, None), got
-        tiles = sk.CANDIDATE_TILES[got["tiles"]]
-        if tiles.dot:  # at least num_stages - 1 weight and operand tiles in flight
-            stage_bytes = (tiles.block_n + 16) * tiles.block_k * 2
-            assert (tiles.num_stages - 1) * stage_bytes <= got["shared_bytes"] <= 227 * 1024, got
+        _assert_built_as_meant(got)
+
+
+def _assert_built_as_meant(got: dict) -> None:
+    assert got["spill_bytes"] in (0, None), got
+    tiles = sk.CANDIDATE_TILES[got["tiles"]]
+    if tiles.dot:  # at least num_stages - 1 weight and operand tiles in flight, within what takes() allowed
+        stage_bytes = (tiles.block_n + sk.dot_rows_for(got["rows"])) * tiles.block_k * 2
+        assert (tiles.num_stages - 1) * stage_bytes <= got["shared_bytes"] <= 227 * 1024, got
 
 
 @pytest.mark.slow
 def test_every_candidate_compiles_for_sm90_without_spilling():
     specs = [dict(tiles=i, rows=r, silu=s, partial=p) for i, t in enumerate(sk.CANDIDATE_TILES)
-             for r in ((16,) if t.dot else (1, 2, 4)) for s in ((False,) if t.dot else (False, True))
+             for r in ((16, 32, 64, 128) if t.dot else (1, 2, 4)) if t.takes(r)
+             for s in ((False,) if t.dot else (False, True))
              for p in ((False, True) if t.split > 1 else (False,))]
     for got in _compile_for_sm90(specs):
-        assert got["spill_bytes"] in (0, None), got
-        tiles = sk.CANDIDATE_TILES[got["tiles"]]
-        if tiles.dot:
-            stage_bytes = (tiles.block_n + 16) * tiles.block_k * 2
-            assert (tiles.num_stages - 1) * stage_bytes <= got["shared_bytes"] <= 227 * 1024, got
+        _assert_built_as_meant(got)
+
+
+def test_a_dot_tiling_takes_the_rows_its_pipeline_fits():
+    wide = sk.SkinnyTiles(32, 256, 1, 4, 4, dot=True)  # 4 stages of (32 + rows) x 256 16-bit tiles
+    assert wide.takes(1) and wide.takes(32) and not wide.takes(64) and not wide.takes(129)
+    assert not sk.SkinnyTiles(128, 64, 2, 8, 4, dot=True, min_rows=32).takes(16)
+    for rows in (1, 4, 16, 32, 64, 128):  # every row count up to MAX_ROWS has candidates to time
+        assert any(t.takes(rows) for t in sk.CANDIDATE_TILES if t.dot), rows
+    with pytest.raises(ValueError, match="shared memory"):
+        sk.skinny_gemm(torch.zeros(128, 64), torch.zeros(8, 64), wide)
+
+
+def test_the_choice_is_measured_at_the_padded_row_count():
+    assert [skinny_linear.measured_rows(r) for r in (1, 3, 4, 5, 8, 9, 16, 17, 48, 64, 65, 128)] == \
+        [1, 3, 4, 8, 8, 16, 16, 32, 64, 64, 128, 128]
 
 
 # ---- on a GPU ----------------------------------------------------------------------------------------------
@@ -340,7 +363,7 @@ def test_every_candidate_compiles_for_sm90_without_spilling():
 def test_gpu_every_candidate_agrees_with_cublas(n, k, silu):
     gen = torch.Generator(device="cuda").manual_seed(0)
     w = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
-    for rows in (1, 2, 3, 4, 8, 16):
+    for rows in (1, 2, 3, 4, 8, 16, 32, 48, 128):
         a = torch.randn(rows, 2 * k if silu else k, device="cuda", generator=gen).to(torch.bfloat16)
         ref = F.linear(silu_and_mul_triton(a) if silu else a, w).float()
         for tiles in (t for t in sk.CANDIDATE_TILES if t.takes(rows)):
