@@ -76,6 +76,10 @@ if [ -n "${GPU_SWEEP:-}" ]; then  # the Triton kernels' tile sweeps (bench/resul
     sweep_sections=$([ "$GPU_SWEEP" = 1 ] && echo decode,decode_many || echo "$GPU_SWEEP")
     timeout 200 python3 bench/attention_sweep.py --sections "$sweep_sections" --out "$OUT/attention_sweep.json" > "$OUT/attention_sweep.log" 2>&1
     echo "attention_sweep rc=$?"
+    # each case's production time and its best (decode_many: the uniform launch and the pipeline stages too)
+    grep -E '^decode_(few|many) ' "$OUT/attention_sweep.log" | grep -E "'(production|production_uniform)'" | cut -c1-160
+    grep -A8 '"best"' "$OUT/attention_sweep.json" | grep -E '"(kind|block_n|segments|num_stages|us)"' | tr -s ' \n' ' '
+    echo
 fi
 if [ -n "${GPU_MLA:-}" ]; then  # DeepSeek's latent attention: the kernel's tile sweep and a V2-Lite-shaped engine
     timeout 150 python3 bench/attention_sweep.py --sections mla --out "$OUT/mla_sweep.json" > "$OUT/mla_sweep.log" 2>&1
