@@ -35,7 +35,6 @@ buffers: every buffer, padding and slicing path runs; only the CUDA capture itse
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 
 import numpy as np
@@ -43,12 +42,12 @@ import torch
 
 from pdcluster.kernels.graph_region import graph_region
 from pdcluster.engine.attention import AttentionMetadata
+from pdcluster.engine.graph_capture import capture_or_eager
 from pdcluster.engine.mamba_state import MambaMetadata, MambaStatePool
 from pdcluster.engine.models.mamba_mixer import MambaStepPlan
 from pdcluster.engine.step_inputs import StepInputs
 
 PAD_SLOT = -1  # write kernels skip negative slots
-log = logging.getLogger(__name__)
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -203,23 +202,26 @@ class DecodeGraphs:
                     self.lora_token_slot[n : bucket * self.q_len].fill_(-1)
             else:  # no adapter row: every token of the bucket takes the base model
                 self.lora_token_slot[: bucket * self.q_len].fill_(-1)
-        if bucket not in self._outputs:
-            try:
-                self._capture_on_scratch(bucket)
-            except Exception as e:  # noqa: BLE001 - a model whose forward cannot be captured runs eager
-                # (e.g. a host synchronisation inside it: an MoE's expert loop without grouped GEMMs).
-                log.warning("CUDA graph capture for batch bucket %d failed (%s: %s): that bucket runs eager",
-                            bucket, type(e).__name__, e)
-                self._failed.add(bucket)
-                self._outputs.pop(bucket, None)
-                self._pool = None  # a capture that raised may leave its pool marked as recording
-                return None
+        if bucket not in self._outputs and not self._capture_or_eager(bucket):
+            return None
         if self.emulate:
             self._outputs[bucket] = self._call(bucket)
         else:
             self._graphs[bucket].replay()
         self.num_replays += 1
         return self._outputs[bucket][:n]
+
+    def _capture_or_eager(self, bucket: int) -> bool:
+        """Capture ``bucket``; False: it runs eager from now on (engine/graph_capture.py)."""
+
+        def undo() -> None:
+            self._outputs.pop(bucket, None)
+            self._pool = None  # a capture that raised may leave its pool marked as recording
+
+        if capture_or_eager(self.device, lambda: self._capture_on_scratch(bucket), undo, f"batch bucket {bucket}"):
+            return True
+        self._failed.add(bucket)
+        return False
 
     def _drop_captures(self) -> None:
         self._graphs.clear()

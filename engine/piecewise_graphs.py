@@ -30,7 +30,6 @@ every buffer, padding, metadata and output path runs; only the CUDA capture does
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -38,8 +37,8 @@ import torch
 
 from pdcluster.kernels.graph_region import graph_region
 from pdcluster.engine.attention import AttentionMetadata, attend_now, attention_breaks
+from pdcluster.engine.graph_capture import capture_or_eager
 from pdcluster.engine.cuda_graphs import PAD_SLOT
-log = logging.getLogger(__name__)
 
 
 def token_buckets(max_tokens: int) -> list[int]:
@@ -180,17 +179,8 @@ class PiecewiseGraphs:
             self.input_ids[n:bucket].zero_()
             self.positions[n:bucket].zero_()
             self.slot_mapping[n:bucket].fill_(PAD_SLOT)
-        if bucket not in self._outputs:
-            try:
-                self._capture(bucket, n, meta)
-            except Exception as e:  # noqa: BLE001 - a forward that cannot be captured runs eager
-                log.warning("piecewise CUDA graph capture for %d tokens failed (%s: %s): that bucket runs eager",
-                            bucket, type(e).__name__, e)
-                self._failed.add(bucket)
-                for d in (self._pieces, self._calls, self._outputs):
-                    d.pop(bucket, None)
-                self._pool = None
-                return None
+        if bucket not in self._outputs and not self._capture_or_eager(bucket, n, meta):
+            return None
         if self.emulate:
             self._outputs[bucket] = self._live(bucket, n, meta)
         else:
@@ -213,6 +203,20 @@ class PiecewiseGraphs:
         out = self._call(bucket, recorder)
         self._calls[bucket] = recorder.calls
         return out
+
+    def _capture_or_eager(self, bucket: int, n: int, meta: AttentionMetadata) -> bool:
+        """Capture ``bucket``'s pieces; False: it runs eager from then on (engine/graph_capture.py)."""
+
+        def undo() -> None:
+            for d in (self._pieces, self._calls, self._outputs):
+                d.pop(bucket, None)
+            self._pool = None
+
+        what = f"the pieces for {bucket} tokens"
+        if capture_or_eager(self.device, lambda: self._capture(bucket, n, meta), undo, what):
+            return True
+        self._failed.add(bucket)
+        return False
 
     def _capture(self, bucket: int, n: int, meta: AttentionMetadata) -> None:
         """Run the bucket live once (kernels warmed, output shapes known; its KV writes are this step's own,

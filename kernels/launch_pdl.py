@@ -50,6 +50,11 @@ def supported(device: torch.device) -> bool:
     return _capability[index][0] >= 9
 
 
+def active_on(device: torch.device) -> bool:
+    """Whether a CUDA graph's Triton kernels on ``device`` launch with PDL."""
+    return _enabled and supported(device)
+
+
 def wanted(t: torch.Tensor) -> bool:
     """Whether a kernel over ``t`` launched now uses PDL."""
     return _enabled and in_graph_region() and supported(t.device)

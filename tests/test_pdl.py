@@ -248,6 +248,38 @@ def test_the_engine_flag_and_the_graphs_region(tiny_dir, monkeypatch):
     assert True in seen and False in seen  # graph steps inside, the prefill outside
 
 
+def test_a_capture_that_fails_with_pdl_is_retried_with_plain_launches(tiny_dir, monkeypatch, caplog):
+    """A driver that cannot capture a PDL launch costs PDL, not the graph: the bucket is captured again with plain
+    launches (PDL then off), and replays."""
+    from pdcluster.engine.attention import AttentionMetadata
+    from pdcluster.engine.cuda_graphs import DecodeGraphs
+
+    engine = make_engine("tiny-random", max_num_seqs=4, num_kv_blocks=64)
+    runner = engine.runner
+    monkeypatch.setattr(launch_pdl, "supported", lambda device: True)
+    launch_pdl.set_enabled(True)
+    calls = []
+
+    def forward(ids, pos, meta):
+        calls.append(launch_pdl.enabled())
+        if launch_pdl.enabled():
+            raise RuntimeError("operation not supported when stream is capturing")
+        return torch.zeros(ids.shape[0], 8)
+
+    graphs = DecodeGraphs(forward, runner.device, 4, 1, 4, runner.model.scale, emulate=True)
+    meta = AttentionMetadata(slot_mapping=torch.tensor([5]), block_tables=torch.tensor([[0]], dtype=torch.int32),
+                             seq_lens=torch.tensor([6], dtype=torch.int32),
+                             query_start_loc=torch.arange(2, dtype=torch.int32), uniform_q_len=1,
+                             scale=runner.model.scale)
+    try:
+        with caplog.at_level("WARNING"):
+            assert graphs.run(torch.tensor([7]), torch.tensor([5]), meta) is not None
+        assert calls[:2] == [True, False] and not launch_pdl.enabled() and not graphs._failed
+        assert "with programmatic dependent launch" in caplog.text and graphs.num_replays == 1
+    finally:
+        launch_pdl.set_enabled(True)
+
+
 # ---- on a GPU ----------------------------------------------------------------------------------------------
 
 _ON_HOPPER = pytest.mark.skipif(
