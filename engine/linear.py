@@ -125,13 +125,28 @@ class Linear:
     def deterministic(self) -> bool:
         return self._packed_bi is not None or self._cuda_bi is not None
 
-    def _skinny_tiles(self, x: torch.Tensor, silu_and_mul: bool):
+    def _skinny_tiles(self, x: torch.Tensor, silu_and_mul: bool, gated: bool = False):
         """The skinny kernel's tiles for ``x`` (None: cuBLAS; skinny_linear.choose measures once a shape and row
         count, and keeps the answer). Only inside a CUDA graph's forward (kernels/graph_region.py)."""
         if not self._skinny or not in_graph_region() or x.dim() != 2 or x.shape[0] == 0 \
                 or x.shape[0] > skinny_linear.MAX_ROWS or x.stride(-1) != 1 or x.dtype is not self.weight.dtype:
             return None
-        return skinny_linear.choose(self.weight, x.shape[0], silu_and_mul)
+        return skinny_linear.choose(self.weight, x.shape[0], silu_and_mul, gated)
+
+    def silu_and_mul_after(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``ops.silu_and_mul(self(x))`` for the fused gate/up projection, in one kernel (the activation in the matmul's
+        epilogue) where the skinny dot kernel was chosen for this many rows; None where it was not (the caller runs
+        the matmul and the activation apart, or fuses the activation into the down projection). Above
+        skinny_linear.FMA_MAX_ROWS rows only: below, the down projection's elementwise kernel takes the activation
+        as it reads its input."""
+        if x.dim() != 2 or x.shape[0] <= skinny_linear.FMA_MAX_ROWS:
+            return None
+        tiles = self._skinny_tiles(x, False, gated=True)
+        if tiles is None:
+            return None
+        from pdcluster.kernels.triton_skinny_gemm import skinny_gemm
+
+        return skinny_gemm(x, self.weight, tiles, gated=True)
 
     def after_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``self(silu(x[:, :d]) * x[:, d:])`` for the fused gate/up projection's output ``x``: one kernel where

@@ -74,17 +74,20 @@ def _shape_key(weight: torch.Tensor) -> tuple:
     return (weight.device.index, weight.dtype, weight.shape[0], weight.shape[1])
 
 
-def choose(weight: torch.Tensor, rows: int, silu_and_mul: bool):
-    """The tiles to run ``rows`` rows over ``weight`` with (None: cuBLAS), measured once per key (module doc)."""
+def choose(weight: torch.Tensor, rows: int, silu_and_mul: bool, gated: bool = False):
+    """The tiles to run ``rows`` rows over ``weight`` with (None: cuBLAS), measured once per key (module doc).
+    ``silu_and_mul``: the input is the gate/up output, activated as it is read (the down projection); ``gated``: the
+    weight is the gate/up projection's and the output is activated in the matmul's epilogue (None: cuBLAS and the
+    SiLU-and-mul kernel)."""
     if not _enabled or rows > MAX_ROWS:
         return None
     rows = measured_rows(rows)
-    key = _shape_key(weight) + (rows, silu_and_mul)
+    key = _shape_key(weight) + (rows, silu_and_mul, gated)
     if key in _chosen:
         return _chosen[key]
     if capturing(weight) or _spent_s > TUNING_BUDGET_S:
         return None  # not now: a capture cannot time (the bucket's warm-up before it did, or will)
-    _chosen[key] = _tune(weight, rows, silu_and_mul)
+    _chosen[key] = _tune(weight, rows, silu_and_mul, gated=gated)
     return _chosen[key]
 
 
@@ -113,17 +116,19 @@ def reset() -> None:
     _spent_s = 0.0
 
 
-def _tune(weight: torch.Tensor, rows: int, silu_and_mul: bool, timer=None):
+def _tune(weight: torch.Tensor, rows: int, silu_and_mul: bool, timer=None, gated: bool = False):
     """Time cuBLAS and every candidate (``timer(fn, weights)`` -> microseconds a call; the CUDA-graph timing by
     default), record the measurement, and return the fastest candidate at least MARGIN faster than cuBLAS
-    (None: cuBLAS). A candidate that raises or disagrees with cuBLAS is skipped."""
+    (None: cuBLAS). A candidate that raises or disagrees with cuBLAS is skipped. ``gated``: cuBLAS's time includes
+    the SiLU-and-mul kernel after it, which the candidates compute in their epilogue."""
     global _spent_s
     from pdcluster.kernels import triton_skinny_gemm as sk
 
     timer = timer or _graph_time_us
     t0 = time.perf_counter()
     n, k = weight.shape
-    record = {"n": n, "k": k, "rows": rows, "silu_and_mul": silu_and_mul, "dtype": str(weight.dtype).split(".")[-1]}
+    record = {"n": n, "k": k, "rows": rows, "silu_and_mul": silu_and_mul, "gated": gated,
+              "dtype": str(weight.dtype).split(".")[-1]}
     best = None
     try:
         weights = _cold_set(weight)
@@ -131,15 +136,16 @@ def _tune(weight: torch.Tensor, rows: int, silu_and_mul: bool, timer=None):
         a = torch.randn(rows, 2 * k if silu_and_mul else k, device=weight.device, generator=gen).to(weight.dtype)
 
         def cublas(w: torch.Tensor) -> torch.Tensor:
-            return F.linear(ops.silu_and_mul(a) if silu_and_mul else a, w)
+            out = F.linear(ops.silu_and_mul(a) if silu_and_mul else a, w)
+            return ops.silu_and_mul(out) if gated else out
 
         reference = cublas(weight).float()
         best_us = base_us = timer(cublas, weights)
         record["cublas_us"] = round(base_us, 2)
         timed = []
-        for tiles in (t for t in sk.CANDIDATE_TILES if t.takes(rows)):
+        for tiles in (t for t in sk.CANDIDATE_TILES if t.takes(rows, gated)):
             def run(w: torch.Tensor, tiles=tiles) -> torch.Tensor:
-                return sk.skinny_gemm(a, w, tiles, silu_and_mul=silu_and_mul)
+                return sk.skinny_gemm(a, w, tiles, silu_and_mul=silu_and_mul, gated=gated)
 
             entry = asdict(tiles)
             timed.append(entry)

@@ -76,12 +76,15 @@ class SkinnyTiles:
     dot: bool = False
     min_rows: int = 1  # a tiling for wide launches only (not timed below this many rows)
 
-    def takes(self, rows: int) -> bool:
+    def takes(self, rows: int, gated: bool = False) -> bool:
+        """Whether a launch of ``rows`` rows may use this tiling (``gated``: the dot kernel's gate/up epilogue, two
+        weight tiles a step)."""
         if rows < self.min_rows:
             return False
         if not self.dot:
-            return 1 <= rows <= FMA_MAX_ROWS
-        stage_bytes = (self.block_n + dot_rows_for(rows)) * self.block_k * 2  # 16-bit weight and operand tiles
+            return not gated and 1 <= rows <= FMA_MAX_ROWS
+        weight_rows = self.block_n * (2 if gated else 1)
+        stage_bytes = (weight_rows + dot_rows_for(rows)) * self.block_k * 2  # 16-bit weight and operand tiles
         return 1 <= rows <= MAX_ROWS and self.num_stages * stage_bytes <= DOT_SHARED_BYTES
 
 
@@ -94,8 +97,9 @@ CANDIDATE_TILES = (
     SkinnyTiles(16, 512, 1), SkinnyTiles(16, 512, 2), SkinnyTiles(8, 1024, 2),
     SkinnyTiles(64, 128, 1, 4, 4, dot=True), SkinnyTiles(32, 256, 1, 4, 4, dot=True),
     SkinnyTiles(16, 256, 2, 4, 5, dot=True), SkinnyTiles(64, 64, 4, 4, 6, dot=True),
-    # From 32 rows: 128 weight rows a program (a 128-row tensor-core tile over 8 warps), K split in two.
-    SkinnyTiles(128, 64, 2, 8, 4, dot=True, min_rows=32),
+    # From 32 rows: 128 weight rows a program (a 128-row tensor-core tile over 8 warps), K split in two; 3 stages, so
+    # that its gated form (two weight tiles a step) takes 128 rows too.
+    SkinnyTiles(128, 64, 2, 8, 3, dot=True, min_rows=32),
 )
 
 
@@ -187,9 +191,8 @@ def _skinny_gemm_kernel(
 
 
 @triton.jit
-def _dot_step(acc, w, a_cols, k, k_valid, row_valid, NATIVE_DOT: tl.constexpr):
-    """acc += w @ a[:, k]^T: one K step of the dot kernel, ``w`` its weight tile already loaded."""
-    a_t = tl.load(a_cols + k[:, None], mask=k_valid[:, None] & row_valid[None, :], other=0.0)
+def _dot(acc, w, a_t, NATIVE_DOT: tl.constexpr):
+    """acc += w @ a_t (the dot kernel's step, its operands loaded)."""
     if NATIVE_DOT:
         return tl.dot(w, a_t, acc)
     return tl.dot(w.to(tl.float32), a_t.to(tl.float32), acc, input_precision="ieee")
@@ -213,6 +216,7 @@ def _skinny_dot_kernel(
     NATIVE_DOT: tl.constexpr,  # 16-bit operands into the dot as they are (a GPU); else float32 (the interpreter)
     USE_PDL: tl.constexpr = False,  # kernels/launch_pdl.py
     ROWS: tl.constexpr = 16,  # M padded (dot_rows_for)
+    GATED: tl.constexpr = False,  # the weight is [2N, K], gate rows then up rows: out = silu(gate) * up (module doc)
 ):
     """out^T [BLOCK_N, ROWS] = weight tile @ a^T tile, the rows past M masked to zero."""
     pid_n = tl.program_id(0)
@@ -223,36 +227,77 @@ def _skinny_dot_kernel(
     row_valid = rows < M
     col_valid = cols < N
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
+    up_rows = w_ptr + (cols + N).to(tl.int64)[:, None] * stride_wn  # GATED: the up rows of the same columns
     a_cols = a_ptr + rows.to(tl.int64)[None, :] * stride_am
     # The loop's bounds and the loads' offsets are multiples of BLOCK_K the compiler can see (a bound clipped
     # to K with tl.minimum, or a split length passed as is, kept it from vectorising and pipelining the loads).
     k_lo = pid_k * steps_per_split * BLOCK_K
-    # As in the elementwise kernel: the first step's weight tile before the wait, the step peeled off the loop.
+    # As in the elementwise kernel: the first step's weight tiles before the wait, the step peeled off the loop.
     k = k_lo + ks
     k_valid = k < K  # the splits tile K; only the last runs past it
-    w = tl.load(w_rows + k[None, :], mask=col_valid[:, None] & k_valid[None, :], other=0.0)
+    w_mask = col_valid[:, None] & k_valid[None, :]
+    w = tl.load(w_rows + k[None, :], mask=w_mask, other=0.0)
+    if GATED:
+        w_up = tl.load(up_rows + k[None, :], mask=w_mask, other=0.0)
     wait_then_release(USE_PDL)
-    acc = _dot_step(tl.zeros([BLOCK_N, ROWS], dtype=tl.float32), w, a_cols, k, k_valid, row_valid, NATIVE_DOT)
+    a_t = tl.load(a_cols + k[:, None], mask=k_valid[:, None] & row_valid[None, :], other=0.0)
+    acc = _dot(tl.zeros([BLOCK_N, ROWS], dtype=tl.float32), w, a_t, NATIVE_DOT)
+    acc_up = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
+    if GATED:
+        acc_up = _dot(acc_up, w_up, a_t, NATIVE_DOT)
     for k0 in range(k_lo + BLOCK_K, k_lo + steps_per_split * BLOCK_K, BLOCK_K):
         k = k0 + ks
         k_valid = k < K
-        w = tl.load(w_rows + k[None, :], mask=col_valid[:, None] & k_valid[None, :], other=0.0)
-        acc = _dot_step(acc, w, a_cols, k, k_valid, row_valid, NATIVE_DOT)
-    _store(out_ptr, acc, rows[None, :], cols[:, None], pid_k, M, N, stride_om, PARTIAL)  # acc is out^T
+        w_mask = col_valid[:, None] & k_valid[None, :]
+        a_t = tl.load(a_cols + k[:, None], mask=k_valid[:, None] & row_valid[None, :], other=0.0)
+        acc = _dot(acc, tl.load(w_rows + k[None, :], mask=w_mask, other=0.0), a_t, NATIVE_DOT)
+        if GATED:
+            acc_up = _dot(acc_up, tl.load(up_rows + k[None, :], mask=w_mask, other=0.0), a_t, NATIVE_DOT)
+    if GATED:
+        _store_gated(out_ptr, acc, acc_up, rows[None, :], cols[:, None], pid_k, M, N, stride_om, PARTIAL)
+    else:
+        _store(out_ptr, acc, rows[None, :], cols[:, None], pid_k, M, N, stride_om, PARTIAL)  # acc is out^T
+
+
+@triton.jit
+def _store_gated(out_ptr, gate, up, rows, cols, pid_k, M, N, stride_om, PARTIAL: tl.constexpr):
+    """The gated dot kernel's epilogue: PARTIAL, both sums as split ``pid_k``'s partials ([splits, M, 2N] float32,
+    gate columns then up columns); else silu(gate) * up into out [M, N], each rounded to out's dtype first as the
+    gate/up projection's output is before the SiLU-and-mul kernel reads it."""
+    rows = rows.to(tl.int64)
+    mask = (rows < M) & (cols < N)
+    if PARTIAL:
+        at = out_ptr + (pid_k * M + rows) * (2 * N) + cols
+        tl.store(at, gate, mask=mask)
+        tl.store(at + N, up, mask=mask)
+    else:
+        dtype = out_ptr.dtype.element_ty
+        tl.store(out_ptr + rows * stride_om + cols, silu_and_mul_values(gate.to(dtype), up.to(dtype), dtype), mask=mask)
 
 
 @triton.jit
 def _sum_splits_kernel(out_ptr, part_ptr, M, N, stride_om, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
-                       USE_PDL: tl.constexpr = False):
-    """out[m, n] = the SPLIT partial sums of (m, n), added in split order."""
+                       USE_PDL: tl.constexpr = False, GATED: tl.constexpr = False):
+    """out[m, n] = the SPLIT partial sums of (m, n), added in split order (GATED: silu(gate) * up of the gate and up
+    sums, the partials [splits, M, 2N]; each sum rounded to out's dtype first, as _store_gated does)."""
     wait_then_release(USE_PDL)
     row = tl.program_id(1)
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     valid = cols < N
+    width = 2 * N if GATED else N
     total = tl.zeros([BLOCK], dtype=tl.float32)
+    up = tl.zeros([BLOCK], dtype=tl.float32)
     for s in tl.static_range(SPLIT):
-        total += tl.load(part_ptr + (s * M + row).to(tl.int64) * N + cols, mask=valid, other=0.0)
-    tl.store(out_ptr + row.to(tl.int64) * stride_om + cols, total.to(out_ptr.dtype.element_ty), mask=valid)
+        at = part_ptr + (s * M + row).to(tl.int64) * width + cols
+        total += tl.load(at, mask=valid, other=0.0)
+        if GATED:
+            up += tl.load(at + N, mask=valid, other=0.0)
+    dtype = out_ptr.dtype.element_ty
+    if GATED:
+        out = silu_and_mul_values(total.to(dtype), up.to(dtype), dtype)
+    else:
+        out = total.to(dtype)
+    tl.store(out_ptr + row.to(tl.int64) * stride_om + cols, out, mask=valid)
 
 
 def check_operands(a: torch.Tensor, weight: torch.Tensor, silu_and_mul: bool) -> int:
@@ -273,14 +318,21 @@ def check_operands(a: torch.Tensor, weight: torch.Tensor, silu_and_mul: bool) ->
 
 
 def skinny_gemm(a: torch.Tensor, weight: torch.Tensor, tiles: SkinnyTiles, silu_and_mul: bool = False,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
     """``a @ weight.T`` (``silu_and_mul``: ``silu(a[:, :K]) * a[:, K:]`` first) for the rows ``tiles`` takes (the
-    dot kernel runs the activation as the SiLU-and-mul kernel first: its operand is streamed, not computed)."""
+    dot kernel runs the activation as the SiLU-and-mul kernel first: its operand is streamed, not computed).
+    ``gated`` (dot tilings): ``weight`` is the fused gate/up projection [2N, K] and the result is
+    ``silu(gate) * up`` [M, N], computed in the matmul's epilogue: the bits of the plain matmul followed by the
+    SiLU-and-mul kernel, without the [M, 2N] round trip or that kernel."""
     k = check_operands(a, weight, silu_and_mul)
     m, n = a.shape[0], weight.shape[0]
-    if not tiles.takes(m):
+    if gated and (silu_and_mul or n % 2 or not tiles.dot):
+        raise ValueError("gated takes a dot tiling and an even-rowed gate/up weight, without silu_and_mul")
+    if not tiles.takes(m, gated):
         raise ValueError(f"{tiles} does not take {m} rows (the elementwise kernel takes at most {FMA_MAX_ROWS}, the dot "
                          f"kernel's pipeline must fit {DOT_SHARED_BYTES} bytes of shared memory)")
+    if gated:
+        n //= 2  # the output's columns: each program computes its gate and its up columns
     if silu_and_mul and tiles.dot:
         a, silu_and_mul = silu_and_mul_triton(a), False
     if out is None:
@@ -292,14 +344,15 @@ def skinny_gemm(a: torch.Tensor, weight: torch.Tensor, tiles: SkinnyTiles, silu_
     num_steps = triton.cdiv(k, block_k)
     steps_per_split = triton.cdiv(num_steps, max(1, min(tiles.split, num_steps)))
     split = triton.cdiv(num_steps, steps_per_split)
-    target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=a.device)
+    target = out if split == 1 else torch.empty(split, m, 2 * n if gated else n, dtype=torch.float32, device=a.device)
     grid = (triton.cdiv(n, tiles.block_n), split)
     pdl = launch_pdl.options(a)
     if tiles.dot:
         _skinny_dot_kernel[grid](
             target, a, weight, m, n, k, steps_per_split, a.stride(0), weight.stride(0), out.stride(0),
             BLOCK_N=tiles.block_n, BLOCK_K=block_k, PARTIAL=split > 1, NATIVE_DOT=a.dtype != torch.float32
-            and not INTERPRETED, ROWS=dot_rows_for(m), num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl,
+            and not INTERPRETED, ROWS=dot_rows_for(m), GATED=gated, num_warps=tiles.num_warps,
+            num_stages=tiles.num_stages, **pdl,
         )
     else:
         _skinny_gemm_kernel[grid](
@@ -310,5 +363,5 @@ def skinny_gemm(a: torch.Tensor, weight: torch.Tensor, tiles: SkinnyTiles, silu_
     if split > 1:
         block = min(1024, triton.next_power_of_2(n))
         _sum_splits_kernel[(triton.cdiv(n, block), m)](out, target, m, n, out.stride(0), SPLIT=split, BLOCK=block,
-                                                        **pdl)
+                                                        GATED=gated, **pdl)
     return out

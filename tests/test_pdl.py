@@ -80,6 +80,8 @@ for silu in (False, True):
           dict(ROWS_PAD=1, BLOCK_N=16, BLOCK_K=512, PARTIAL=True, SILU_AND_MUL=silu))
 build("skinny_dot", sk._skinny_dot_kernel, gemm, dict(BLOCK_N=64, BLOCK_K=128, PARTIAL=False, NATIVE_DOT=True),
       num_stages=4)
+build("skinny_dot gated", sk._skinny_dot_kernel, gemm, dict(BLOCK_N=64, BLOCK_K=64, PARTIAL=False, NATIVE_DOT=True,
+                                                             ROWS=64, GATED=True), num_stages=4)
 build("sum_splits", sk._sum_splits_kernel, {"out_ptr": "*bf16", "part_ptr": "*fp32"}, dict(SPLIT=4, BLOCK=1024))
 print(json.dumps(out))
 """
@@ -102,7 +104,7 @@ def pdl_builds(tmp_path_factory) -> dict:
 
 
 def test_every_pdl_kernel_waits_before_it_writes_or_reads_anything_but_weights(pdl_builds):
-    assert len(pdl_builds) == 12
+    assert len(pdl_builds) == 13
     for name, build in pdl_builds.items():
         report = pre_wait(build["ptx"])
         assert not report.problems and not report.writes, (name, report)

@@ -69,6 +69,28 @@ def test_fused_silu_and_mul_reads_what_the_unfused_kernel_writes(dtype, tiles):
     assert torch.equal(fused, sk.skinny_gemm(silu_and_mul_triton(gate_up), w, tiles))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [5, 16, 40])
+@pytest.mark.parametrize("tiles", DOT_TILES, ids=_ids)
+def test_the_gated_epilogue_writes_what_the_silu_kernel_would(dtype, rows, tiles):
+    """The gate/up projection with its SiLU-and-mul in the epilogue (whole, and K in 3 splits summed by the split
+    kernel) equals the plain matmul followed by the SiLU-and-mul kernel, bit for bit."""
+    gen = torch.Generator().manual_seed(rows)
+    a = torch.randn(rows, 160, generator=gen).to(dtype)
+    w = torch.randn(2 * 37, 160, generator=gen).to(dtype)
+    fused = sk.skinny_gemm(a, w, tiles, gated=True)
+    assert fused.shape == (rows, 37) and torch.equal(fused, silu_and_mul_triton(sk.skinny_gemm(a, w, tiles)))
+
+
+def test_the_gated_epilogue_refuses_what_it_cannot_take():
+    a = torch.zeros(8, 64)
+    with pytest.raises(ValueError, match="gated takes a dot tiling"):
+        sk.skinny_gemm(a, torch.zeros(16, 64), TILES[0], gated=True)
+    with pytest.raises(ValueError, match="even-rowed"):
+        sk.skinny_gemm(a, torch.zeros(15, 64), DOT_TILES[0], gated=True)
+    assert not sk.SkinnyTiles(64, 128, 1, 4, 4, dot=True).takes(128, gated=True)  # two weight tiles a stage
+
+
 def test_skinny_gemm_writes_into_a_strided_output_row():
     a, w = torch.randn(2, 64), torch.randn(24, 64)
     out = torch.full((2, 40), 7.0)[:, 8:32]
@@ -143,7 +165,7 @@ def test_a_candidate_that_disagrees_with_cublas_or_raises_is_never_chosen(cpu_sk
     monkeypatch.setattr(sk, "CANDIDATE_TILES", TILES)
     real = sk.skinny_gemm
 
-    def broken(a, w, tiles, silu_and_mul=False, out=None):
+    def broken(a, w, tiles, silu_and_mul=False, out=None, gated=False):
         if tiles == TILES[1]:
             return real(a, w, tiles, silu_and_mul) + 1.0  # a miscompiled kernel
         if tiles == TILES[2]:
@@ -170,9 +192,9 @@ def test_tuning_that_fails_leaves_cublas(cpu_skinny):
 def test_linear_runs_the_chosen_kernel_and_cublas_elsewhere(cpu_skinny, monkeypatch):
     calls = []
 
-    def tune(weight, rows, silu_and_mul):  # the measurement behind skinny_linear.choose
-        calls.append((rows, silu_and_mul))
-        return TILES[0] if rows <= 2 else None
+    def tune(weight, rows, silu_and_mul, gated=False):  # the measurement behind skinny_linear.choose
+        calls.append((rows, "gated" if gated else silu_and_mul))
+        return DOT_TILES[0] if gated and rows == 8 else TILES[0] if rows <= 2 and not gated else None
 
     monkeypatch.setattr(skinny_linear, "_tune", tune)
     ran = []
@@ -194,8 +216,16 @@ def test_linear_runs_the_chosen_kernel_and_cublas_elsewhere(cpu_skinny, monkeypa
         torch.testing.assert_close(lin.after_silu_and_mul(gate_up),
                                    F.linear(F.silu(gate_up[:, :64]) * gate_up[:, 64:], w), rtol=1e-5, atol=1e-5)
         assert calls[-1] == (2, True) and ran[-1] == 2
+        # the gate/up projection with its activation in the epilogue: asked above 4 rows only, None where cuBLAS
+        gate_up_lin = Linear(torch.randn(80, 64), prepack=False)
+        x8 = torch.randn(8, 64)
+        torch.testing.assert_close(gate_up_lin.silu_and_mul_after(x8), silu_and_mul_triton(F.linear(x8, gate_up_lin.weight)),
+                                   rtol=1e-5, atol=1e-5)
+        assert calls[-1] == (8, "gated") and ran[-1] == 8
+        assert gate_up_lin.silu_and_mul_after(torch.randn(32, 64)) is None and calls[-1] == (32, "gated")
+        assert gate_up_lin.silu_and_mul_after(torch.randn(4, 64)) is None and calls[-1] == (32, "gated")
     lin(torch.randn(1, 64))
-    assert len(ran) == 5  # out of the region again: cuBLAS
+    assert len(ran) == 6  # out of the region again: cuBLAS
 
 
 def test_the_flag_reaches_the_engine_and_turns_the_choice_off(tiny_dir, cpu_skinny, monkeypatch):
@@ -222,28 +252,52 @@ def test_disabled_or_too_many_rows_never_measures(cpu_skinny, monkeypatch):
     assert skinny_linear.choose(w, 1, False) is None
 
 
-def test_a_model_with_the_kernel_in_its_graphed_matmuls_gives_the_cublas_tokens(tiny_dir, cpu_skinny, monkeypatch):
-    """tiny-random (float32) with its decode steps through emulated CUDA graphs (engine/cuda_graphs.py): every
-    matmul of those steps but the LM head's (over 1,024 rows) through the kernel, the MLP's SiLU-and-mul fused
-    into its down projection, gives the library matmuls' greedy tokens; the prefill steps (eager) never ask."""
-    prompts = [[5 + (7 * i + 3 * j) % 300 for j in range(6 + 5 * i)] for i in range(3)]
-    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+def _graphed_tokens(monkeypatch, prompts, params, cfg, choose) -> tuple[list, list, list]:
+    """tiny-random's greedy tokens with every matmul on the library (expected), then with the few-row matmuls of its
+    emulated CUDA-graph decode steps (engine/cuda_graphs.py) choosing by ``choose`` (every weight but the LM head's:
+    over 1,024 rows): (expected, got, the skinny_gemm calls as (rows, keyword arguments))."""
     monkeypatch.setattr(skinny_linear, "takes", lambda w: False)
-    cfg = dict(max_num_seqs=4, dtype="float32", deterministic=False)
     expected = [o.token_ids for o in make_engine("tiny-random", **cfg).generate(prompts, params)]
     monkeypatch.setattr(skinny_linear, "takes", lambda w: w.dim() == 2 and w.shape[0] <= 1024)
-    asked = []
-    monkeypatch.setattr(skinny_linear, "choose",
-                        lambda w, rows, act: asked.append((rows, act)) or (TILES[0] if rows <= 4 else DOT_TILES[0]))
+    monkeypatch.setattr(skinny_linear, "choose", choose)
     ran = []
     real = sk.skinny_gemm
-    monkeypatch.setattr(sk, "skinny_gemm", lambda a, *args, **kw: ran.append(kw.get("silu_and_mul", False))
-                        or real(a, *args, **kw))
+    monkeypatch.setattr(sk, "skinny_gemm", lambda a, *args, **kw: ran.append((a.shape[0], kw)) or real(a, *args, **kw))
     engine = make_engine("tiny-random", **cfg)
     engine.runner.use_decode_graphs(emulate=True)
-    assert [o.token_ids for o in engine.generate(prompts, params)] == expected
+    got = [o.token_ids for o in engine.generate(prompts, params)]
     assert engine.runner.graphs.num_replays > 0
-    assert {rows for rows, _ in asked} <= {1, 2, 4} and True in ran and False in ran  # decode buckets only
+    return expected, got, ran
+
+
+def test_a_model_with_the_kernel_in_its_graphed_matmuls_gives_the_cublas_tokens(tiny_dir, cpu_skinny, monkeypatch):
+    """tiny-random (float32) with its decode steps through emulated CUDA graphs: every matmul of those steps but the
+    LM head's through the kernel, the MLP's SiLU-and-mul fused into its down projection, gives the library matmuls'
+    greedy tokens; the prefill steps (eager) never ask."""
+    prompts = [[5 + (7 * i + 3 * j) % 300 for j in range(6 + 5 * i)] for i in range(3)]
+    asked = []
+    expected, got, ran = _graphed_tokens(
+        monkeypatch, prompts, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+        dict(max_num_seqs=4, dtype="float32", deterministic=False),
+        lambda w, rows, act, gated=False: asked.append((rows, act)) or (TILES[0] if rows <= 4 else DOT_TILES[0]))
+    assert got == expected
+    fused = [kw.get("silu_and_mul", False) for _, kw in ran]
+    assert {rows for rows, _ in asked} <= {1, 2, 4} and True in fused and False in fused  # decode buckets only
+
+
+def test_a_model_with_the_activation_in_the_gate_up_epilogue_gives_the_cublas_tokens(tiny_dir, cpu_skinny,
+                                                                                    monkeypatch):
+    """A decode bucket of 8 rows takes the gate/up projection with the SiLU-and-mul in its epilogue, and the down
+    projection plain: the library's greedy tokens."""
+    prompts = [[5 + (7 * i + 3 * j) % 300 for j in range(4 + 3 * i)] for i in range(6)]
+    expected, got, ran = _graphed_tokens(
+        monkeypatch, prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+        dict(max_num_seqs=8, dtype="float32", deterministic=False),
+        lambda w, rows, act, gated=False: (DOT_TILES[1] if gated else DOT_TILES[0]) if rows > 4
+        else (None if gated else TILES[0]))
+    assert got == expected
+    calls = {(rows, kw.get("gated", False)) for rows, kw in ran}
+    assert (8, True) in calls and (8, False) in calls  # gate/up with its activation, then the down projection plain
 
 
 # ---- the GPU build, compiled for sm_90 (H100 / H200) without a GPU -------------------------------------------
@@ -260,14 +314,15 @@ sig = {"out_ptr": "*bf16", "a_ptr": "*bf16", "w_ptr": "*bf16", "M": "i32", "N": 
        "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "PARTIAL": "constexpr", "SILU_AND_MUL": "constexpr",
        "USE_PDL": "constexpr"}
 dot_sig = {k: v for k, v in sig.items() if k not in ("ROWS_PAD", "SILU_AND_MUL")} | {"NATIVE_DOT": "constexpr",
-                                                                                    "ROWS": "constexpr"}
+                                                                                    "ROWS": "constexpr",
+                                                                                    "GATED": "constexpr"}
 out = []
 for spec in json.loads(sys.argv[1]):
     tiles = sk.CANDIDATE_TILES[spec["tiles"]]
     if tiles.dot:
         s = dict(dot_sig, out_ptr="*fp32" if spec["partial"] else "*bf16")
         c = dict(BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PARTIAL=spec["partial"], NATIVE_DOT=True, USE_PDL=False,
-                 ROWS=sk.dot_rows_for(spec["rows"]))
+                 ROWS=sk.dot_rows_for(spec["rows"]), GATED=spec.get("gated", False))
         fn = sk._skinny_dot_kernel
     else:
         s = dict(sig, out_ptr="*fp32" if spec["partial"] else "*bf16")
@@ -289,9 +344,10 @@ for spec in json.loads(sys.argv[1]):
         spill = sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", info.stderr))
     out.append({**spec, "spill_bytes": spill, "shared_bytes": k.metadata.shared})
 s = dict(out_ptr="*bf16", part_ptr="*fp32", M="i32", N="i32", stride_om="i32", SPLIT="constexpr", BLOCK="constexpr",
-         USE_PDL="constexpr")
-triton.compile(ASTSource(sk._sum_splits_kernel, s, constexprs=dict(SPLIT=4, BLOCK=1024, USE_PDL=False)),
-               target=GPUTarget("cuda", 90, 32))
+         USE_PDL="constexpr", GATED="constexpr")
+for gated in (False, True):
+    triton.compile(ASTSource(sk._sum_splits_kernel, s, constexprs=dict(SPLIT=4, BLOCK=1024, USE_PDL=False, GATED=gated)),
+                   target=GPUTarget("cuda", 90, 32))
 print(json.dumps(out))
 """
 
@@ -316,6 +372,8 @@ def test_the_gpu_build_compiles_for_sm90_without_spilling():
              dict(tiles=dot[2], rows=16, silu=False, partial=True), dict(tiles=dot[0], rows=64, silu=False,
                                                                          partial=False),
              dict(tiles=dot[-2], rows=128, silu=False, partial=True),
+             dict(tiles=dot[0], rows=32, silu=False, partial=False, gated=True),
+             dict(tiles=dot[-1], rows=128, silu=False, partial=True, gated=True),
              dict(tiles=dot[-1], rows=64, silu=False, partial=True)]
     for got in _compile_for_sm90(specs):
         _assert_built_as_meant(got)
@@ -325,7 +383,8 @@ def _assert_built_as_meant(got: dict) -> None:
     assert got["spill_bytes"] in (0, None), got
     tiles = sk.CANDIDATE_TILES[got["tiles"]]
     if tiles.dot:  # at least num_stages - 1 weight and operand tiles in flight, within what takes() allowed
-        stage_bytes = (tiles.block_n + sk.dot_rows_for(got["rows"])) * tiles.block_k * 2
+        weight_rows = tiles.block_n * (2 if got.get("gated") else 1)
+        stage_bytes = (weight_rows + sk.dot_rows_for(got["rows"])) * tiles.block_k * 2
         assert (tiles.num_stages - 1) * stage_bytes <= got["shared_bytes"] <= 227 * 1024, got
 
 
@@ -335,6 +394,8 @@ def test_every_candidate_compiles_for_sm90_without_spilling():
              for r in ((16, 32, 64, 128) if t.dot else (1, 2, 4)) if t.takes(r)
              for s in ((False,) if t.dot else (False, True))
              for p in ((False, True) if t.split > 1 else (False,))]
+    specs += [dict(tiles=i, rows=r, silu=False, partial=t.split > 1, gated=True) for i, t in enumerate(sk.CANDIDATE_TILES)
+              for r in (16, 32, 64, 128) if t.takes(r, gated=True)]
     for got in _compile_for_sm90(specs):
         _assert_built_as_meant(got)
 

@@ -342,8 +342,12 @@ class DecoderLayer:
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         if self.moe is not None:
             out = self.moe(x)
-        elif isinstance(self.down_proj, Linear):  # one kernel for the activation and the matmul where that was faster
-            out = self.down_proj.after_silu_and_mul(self.gate_up_proj(x))
+        elif isinstance(self.down_proj, Linear):  # one kernel for the activation and a matmul where that was faster
+            gated = self.gate_up_proj.silu_and_mul_after(x) if isinstance(self.gate_up_proj, Linear) else None
+            if gated is not None:  # in the gate/up projection's epilogue (5 to 128 rows)
+                out = self.down_proj(gated)
+            else:  # or as the down projection reads it (1 to 4 rows), else apart
+                out = self.down_proj.after_silu_and_mul(self.gate_up_proj(x))
         else:  # an adapter's projection (engine/lora)
             out = self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
         if self.residual_multiplier != 1.0:
