@@ -92,6 +92,8 @@ def main() -> int:
                     torch.backends.cuda.preferred_blas_library(default_blas)
             timed = {k: e["us"] for k, e in entry.items() if isinstance(e, dict) and e.get("ok")}
             entry["best"] = min(timed, key=timed.get) if timed else None
+            if name == "gate_up" and rows > sk.FMA_MAX_ROWS:  # the SiLU-and-mul after it, or in the epilogue
+                entry["gated"] = _gated(x, weight, weights, rows, timed_us, weight_bytes)
             per_rows[str(rows)] = entry
             print(name, rows, entry.get("best"), {k: v for k, v in timed.items()}, file=sys.stderr, flush=True)
         result["shapes"][name] = {"out_features": out_features, "in_features": in_features,
@@ -99,6 +101,25 @@ def main() -> int:
         del weights, weights_t, by_id
     emit_json(result, args.out, indent=2)
     return 0
+
+
+def _gated(x, weight, weights, rows: int, timed_us, weight_bytes: int) -> dict:
+    """The gate/up projection and its SiLU-and-mul: cuBLAS then the SiLU kernel, against each dot tiling with the
+    activation in its epilogue (what engine/skinny_linear.py weighs for 5 to 128 rows)."""
+    import torch.nn.functional as F
+
+    from pdcluster.kernels import ops
+    from pdcluster.kernels import triton_skinny_gemm as sk
+
+    want = ops.silu_and_mul(F.linear(x, weight)).float()
+    candidates = {"linear+silu_and_mul": lambda w: ops.silu_and_mul(F.linear(x, w))}
+    for tiles in (t for t in sk.CANDIDATE_TILES if t.takes(rows, gated=True)):
+        key = f"skinny_gated:n{tiles.block_n}-k{tiles.block_k}-s{tiles.split}"
+        candidates[key] = lambda w, tiles=tiles: sk.skinny_gemm(x, w, tiles, gated=True)
+    entry = {cand: _measure(fn, weights, want, timed_us, weight_bytes) for cand, fn in candidates.items()}
+    timed = {k: e["us"] for k, e in entry.items() if e.get("ok")}
+    entry["best"] = min(timed, key=timed.get) if timed else None
+    return entry
 
 
 def _measure(fn, weights, want, timed_us, weight_bytes: int) -> dict:
