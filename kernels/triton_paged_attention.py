@@ -94,7 +94,7 @@ FAST_DECODE_MIN_SEGMENTS, FAST_DECODE_MAX_SEGMENTS = 8, 32
 FAST_DECODE_KV_TILE = 32
 # Software-pipeline stages of the fast mode's unsplit decode (many requests, each walking its whole context). Its
 # key tiles' addresses come from a block-table load, and Triton's pipeliner splits the stages between the two: K/V
-# tiles in flight = (stages - 1) // 2 (the sm_90 build: tests/test_attention_pipeline.py). 3 kept one in flight,
+# tiles in flight = (stages - 1) // 2 (the sm_90 build: tests/test_attention_uniform.py). 3 kept one in flight,
 # and batch 128 x 512 took ~31 us a layer on an H100 and on an H200 alike (latency, not bandwidth: 2.1 TB/s on the
 # H200's 4.8); 5 keeps two, at 37 KiB of shared memory a program.
 FAST_DECODE_STAGES = 5
@@ -519,7 +519,8 @@ def paged_attention_triton(
     if prefill:
         return launch(query, layer_cache, block_tables, seq_lens, query_start_loc, scale, out,
                       block_q_for(group_pad, FAST_PREFILL_ROWS), FAST_PREFILL_KV_TILE, native_dot=native, window=window,
-                      softcap=softcap, sinks=sinks, chunk=chunk, uniform_q=uniform(block_q_for(group_pad, FAST_PREFILL_ROWS)),
+                      softcap=softcap, sinks=sinks, chunk=chunk,
+                      uniform_q=uniform(block_q_for(group_pad, FAST_PREFILL_ROWS)),
                       partition=fast_whole_context(block_tables, block_size), num_warps=4, num_stages=3)
     # Decode and verification: a few requests split their context in segments (flash-decoding), many
     # (enough programs to fill the GPU) walk it whole in one program each, as one partition: one key
