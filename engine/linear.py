@@ -139,7 +139,7 @@ class Linear:
         the matmul and the activation apart, or fuses the activation into the down projection). Above
         skinny_linear.FMA_MAX_ROWS rows only: below, the down projection's elementwise kernel takes the activation
         as it reads its input."""
-        if x.dim() != 2 or x.shape[0] <= skinny_linear.FMA_MAX_ROWS:
+        if x.shape[0] <= skinny_linear.FMA_MAX_ROWS:
             return None
         tiles = self._skinny_tiles(x, False, gated=True)
         if tiles is None:

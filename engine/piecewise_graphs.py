@@ -195,7 +195,7 @@ class PiecewiseGraphs:
     def _call(self, bucket: int, recorder: _Recorder) -> torch.Tensor:
         meta = AttentionMetadata(slot_mapping=self.slot_mapping[:bucket], block_tables=None, seq_lens=None,
                                  query_start_loc=None, uniform_q_len=None, scale=self.scale)
-        with attention_breaks(recorder), graph_region():  # a bucket of 16 may take the skinny kernel
+        with attention_breaks(recorder), graph_region():  # buckets of up to 128 tokens may take the skinny kernel
             return self.forward(self.input_ids[:bucket], self.positions[:bucket], meta)
 
     def _live(self, bucket: int, n: int, meta: AttentionMetadata) -> torch.Tensor:

@@ -28,6 +28,8 @@ from pdcluster.kernels.graph_region import in_graph_region
 
 _enabled = True
 _capability: dict[int, tuple[int, int]] = {}
+# Read once, as the kernels' modules read it: options() runs at every launch of a forward's Triton kernels.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def set_enabled(enabled: bool) -> None:
@@ -42,7 +44,7 @@ def enabled() -> bool:
 
 def supported(device: torch.device) -> bool:
     """A CUDA device that has PDL (compute capability 9.0 or later), with compiled (not interpreted) Triton."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    if device.type != "cuda" or _INTERPRETED:
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _capability:
@@ -56,8 +58,8 @@ def active_on(device: torch.device) -> bool:
 
 
 def wanted(t: torch.Tensor) -> bool:
-    """Whether a kernel over ``t`` launched now uses PDL."""
-    return _enabled and in_graph_region() and supported(t.device)
+    """Whether a kernel over ``t`` launched now uses PDL (the thread-local region first: eager launches stop there)."""
+    return in_graph_region() and active_on(t.device)
 
 
 def options(t: torch.Tensor) -> dict:

@@ -194,7 +194,7 @@ class _FakeCuda:
 @pytest.fixture
 def hopper(monkeypatch):
     """A CUDA device of compute capability 9.0 and compiled Triton, as launch_pdl sees them."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(launch_pdl, "_INTERPRETED", False)
     monkeypatch.setitem(launch_pdl._capability, 0, (9, 0))
     launch_pdl.set_enabled(True)
     yield
@@ -216,7 +216,7 @@ def test_pdl_only_inside_a_graph_region_on_hopper_when_enabled(hopper, monkeypat
         monkeypatch.setitem(launch_pdl._capability, 0, (8, 0))  # an A100: no PDL
         assert launch_pdl.options(t) == {}
         monkeypatch.setitem(launch_pdl._capability, 0, (9, 0))
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        monkeypatch.setattr(launch_pdl, "_INTERPRETED", True)
         assert launch_pdl.options(t) == {}
     assert not in_graph_region()
 
