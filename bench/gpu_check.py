@@ -18,7 +18,8 @@ skipped once the time budget is spent:
   decode step time at batch 1, 32 and 128 (steps back to back, the steady state; ``step_ms_synced``:
   each step alone after a device sync; ``cuda_graphs+cublas``: every matmul on cuBLAS, against the few-row
   Triton matmuls chosen per shape, whose measurements are ``skinny_choices``; ``cuda_graphs-pdl``: plain launches,
-  against programmatic dependent launch), prefill tok/s at 16 x 2,048 and its MFU, transformers' ``generate`` on
+  against programmatic dependent launch; ``cuda_graphs-epilogues``: the rotary and norms after those matmuls as
+  kernels of their own, against kernels/triton_skinny_epilogues.py), prefill tok/s at 16 x 2,048 and its MFU, transformers' ``generate`` on
   the same GPU.
 
 The GPU machine has torch, triton, transformers, safetensors, tokenizers, msgpack and numpy but no
@@ -931,8 +932,11 @@ def speed_section(entry: dict, device: str, work: Path, quick: bool, report: Rep
     # few-row Triton matmul (engine/skinny_linear.py), whose per-shape choices land in ``skinny_choices``.
     # "cuda_graphs-pdl": as "cuda_graphs" with plain launches (--no-pdl), the A/B of programmatic dependent launch
     # (kernels/launch_pdl.py). With PDL a kernel's profiled time includes its wait for the one before it.
+    # "cuda_graphs-epilogues": as "cuda_graphs" with the rotary + KV write and the norms after the skinny matmuls as
+    # kernels of their own (--no-skinny-epilogues), the A/B of kernels/triton_skinny_epilogues.py.
     modes = (("cuda_graphs", True, None, False), ("cuda_graphs+cublas", True, None, False),
-             ("cuda_graphs-pdl", True, None, False), ("cuda_graphs+sync", True, False, False), ("deterministic+cuda_graphs", True, None, True),
+             ("cuda_graphs-pdl", True, None, False), ("cuda_graphs-epilogues", True, None, False),
+             ("cuda_graphs+sync", True, False, False), ("deterministic+cuda_graphs", True, None, True),
              ("eager", False, None, False), ("lora", True, None, False))
     for mode, graphs, async_sched, det in modes:
         lora = dict(lora_modules=(f"a={adapter_dir}",), max_lora_rank=16) if mode == "lora" else {}
@@ -942,6 +946,7 @@ def speed_section(entry: dict, device: str, work: Path, quick: bool, report: Rep
                                         enable_prefix_caching=False, cuda_graphs=graphs,
                                         async_scheduling=async_sched, deterministic=det,
                                         skinny_gemm=mode != "cuda_graphs+cublas", pdl=mode != "cuda_graphs-pdl",
+                                        skinny_epilogues=mode != "cuda_graphs-epilogues",
                                         **lora), progress=False)
         if graphs and device == "cpu":
             engine.runner.use_decode_graphs(emulate=True)  # the dry run: the same path, nothing captured

@@ -62,6 +62,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-skinny-gemm", action="store_true",
                    help="CUDA: keep cuBLAS for decode steps of up to 128 rows instead of the weight-streaming "
                         "Triton matmuls, which is otherwise used for the shapes where it measured faster at start-up")
+    g.add_argument("--no-skinny-epilogues", action="store_true",
+                   help="CUDA: run the rotary embedding, KV write and RMSNorms after the weight-streaming matmuls as "
+                        "kernels of their own instead of in the kernel that sums the matmul's partial results")
     g.add_argument("--no-pdl", action="store_true",
                    help="CUDA (Hopper and later): launch the decode graphs' Triton kernels one after another instead "
                         "of with programmatic dependent launch (each placed, and loading its weights, while the one "
@@ -111,6 +114,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         cuda_graphs=not args.no_cuda_graphs,
         skinny_gemm=not args.no_skinny_gemm,
         pdl=not args.no_pdl,
+        skinny_epilogues=not args.no_skinny_epilogues,
         async_scheduling=args.async_scheduling,
         spec_method=args.spec,
         num_spec_tokens=num_spec,

@@ -119,6 +119,10 @@ class EngineConfig:
     # A CUDA graph's Triton kernels launch with programmatic dependent launch on Hopper and later GPUs: each may be
     # placed and load its weights while the kernel before it finishes (kernels/launch_pdl.py); False: plain launches.
     pdl: bool = True
+    # Where the weight-streaming kernel runs a Llama block's qkv, output or down projection, what follows it (the
+    # rotary embedding and KV write, the residual add and next RMSNorm) runs in the kernel that adds its partial
+    # sums (kernels/triton_skinny_epilogues.py): three kernels a layer fewer; False: those kernels apart.
+    skinny_epilogues: bool = True
     num_threads: int = 0  # torch intra-op threads; 0 = torch's default
     # Batch-invariant kernels (issue 24): each request's tokens and logprobs are bitwise the same whatever
     # the batch, the prefill chunking, speculation, placement or a recovery re-prefill (CPU: the C GEMM;

@@ -111,6 +111,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         skinny_linear.set_enabled(config.skinny_gemm)  # before the first forward (warm-up) measures anything
         launch_pdl.set_enabled(config.pdl)
+        skinny_linear.set_epilogues(config.skinny_epilogues)
         self.device = kv_cache.device
         self.inputs = StepInputs(self.device)  # host numpy -> device, through pinned buffers on a GPU
         self._sampled_ids_host = HostCopyRing()  # device -> host: the sampled ids' pinned buffers and events

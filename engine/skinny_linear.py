@@ -41,6 +41,7 @@ TUNING_BUDGET_S = 45.0
 _DTYPES = (torch.bfloat16, torch.float16)
 
 _enabled = True
+_epilogues = True
 _spent_s = 0.0
 # (device index, dtype, N, K) -> weak references to the weights of that shape (the timing's round robin).
 _weights: dict[tuple, list[weakref.ref]] = {}
@@ -54,6 +55,17 @@ def set_enabled(enabled: bool) -> None:
     """The engine's EngineConfig.skinny_gemm (process-wide: the engine being built decides)."""
     global _enabled
     _enabled = bool(enabled)
+
+
+def set_epilogues(enabled: bool) -> None:
+    """The engine's EngineConfig.skinny_epilogues (process-wide, as set_enabled)."""
+    global _epilogues
+    _epilogues = bool(enabled)
+
+
+def epilogues() -> bool:
+    """Whether a chosen kernel may run what follows its matmul (kernels/triton_skinny_epilogues.py)."""
+    return _epilogues
 
 
 def takes(weight: torch.Tensor) -> bool:

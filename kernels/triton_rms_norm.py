@@ -57,22 +57,32 @@ def _rms_norm_kernel(
     wait_then_release(USE_PDL)
 
     row = tl.load(x_ptr + token_idx * stride_x_token + cols, mask=mask, other=0.0).to(tl.float32)
+    rms_norm_row(out_ptr + token_idx * stride_out_token, row, residual_ptr + token_idx * stride_residual_token,
+                 weight, cols, mask, hidden, eps, HAS_RESIDUAL, x_ptr.dtype.element_ty)
+
+
+@triton.jit
+def rms_norm_row(out_row_ptr, row, residual_row_ptr, weight, cols, mask, hidden, eps, HAS_RESIDUAL: tl.constexpr,
+                 row_dtype: tl.constexpr):
+    """One row's residual add and RMSNorm (the module doc's numerics): ``row`` float32 [BLOCK] holding values of
+    ``row_dtype`` (masked lanes 0) at columns ``cols`` (``mask``: those under ``hidden``), ``weight`` float32
+    [BLOCK]; stores the sum at ``residual_row_ptr`` (HAS_RESIDUAL) and the normalised row at ``out_row_ptr``. Shared with the skinny matmul's norm epilogue
+    (kernels/triton_skinny_epilogues.py), so both round the same math the same way."""
     if HAS_RESIDUAL:
-        residual_row_ptr = residual_ptr + token_idx * stride_residual_token + cols
-        residual_dtype = residual_ptr.dtype.element_ty
-        summed = tl.load(residual_row_ptr, mask=mask, other=0.0).to(tl.float32) + row
+        residual_dtype = residual_row_ptr.dtype.element_ty
+        summed = tl.load(residual_row_ptr + cols, mask=mask, other=0.0).to(tl.float32) + row
         summed = summed.to(residual_dtype)  # the reference adds in place, in the residual's dtype
-        tl.store(residual_row_ptr, summed, mask=mask)
+        tl.store(residual_row_ptr + cols, summed, mask=mask)
         row = summed.to(tl.float32)
-        row_dtype = residual_dtype
+        normed_dtype = residual_dtype
     else:
-        row_dtype = x_ptr.dtype.element_ty
+        normed_dtype = row_dtype
 
     # Masked lanes are 0 and add nothing; the mean divides by the true hidden size.
     mean_square = tl.sum(row * row, axis=0) / hidden
-    normed = (row * tl.rsqrt(mean_square + eps)).to(row_dtype).to(tl.float32)
+    normed = (row * tl.rsqrt(mean_square + eps)).to(normed_dtype).to(tl.float32)
     out = normed * weight
-    tl.store(out_ptr + token_idx * stride_out_token + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_row_ptr + cols, out.to(out_row_ptr.dtype.element_ty), mask=mask)
 
 
 def _row_view(t: Tensor, hidden: int) -> Tensor | None:

@@ -68,13 +68,20 @@ def _rotate_heads(row_ptr, num_heads, half, stride_head, stride_dim, cos, sin, d
     second_ptrs = first_ptrs + half * stride_dim
     x1 = tl.load(first_ptrs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(second_ptrs, mask=mask, other=0.0).to(tl.float32)
-    out1 = x1 * cos[None, :] - x2 * sin[None, :]
-    out2 = x2 * cos[None, :] + x1 * sin[None, :]
-    x_dtype = row_ptr.dtype.element_ty
-    out1, out2 = out1.to(x_dtype), out2.to(x_dtype)
+    out1, out2 = rotate_values(x1, x2, cos, sin, row_ptr.dtype.element_ty)
     tl.store(first_ptrs, out1, mask=mask)
     tl.store(second_ptrs, out2, mask=mask)
     return out1, out2
+
+
+@triton.jit
+def rotate_values(x1, x2, cos, sin, dtype: tl.constexpr):
+    """The rotation of heads' two halves (float32 [HEADS_PAD, HALF_PAD]) by a token's cos and sin rows, rounded to
+    ``dtype``; shared by every kernel that rotates (here, kernels/triton_rotary_kv.py and the skinny matmul's rotary
+    epilogue, kernels/triton_skinny_epilogues.py)."""
+    out1 = x1 * cos[None, :] - x2 * sin[None, :]
+    out2 = x2 * cos[None, :] + x1 * sin[None, :]
+    return out1.to(dtype), out2.to(dtype)
 
 
 def rotary_triton(

@@ -62,11 +62,24 @@ def _rotary_write_kv_kernel(
     k1, k2 = _rotate_heads(k_ptr + token_idx * stride_k_token, num_kv_heads, half, stride_k_head, stride_k_dim,
                            cos, sin, dims, dim_mask, KV_HEADS_PAD)
 
-    # int64: slot * stride overflows int32 on caches of a few GiB.
-    slot = tl.load(slot_mapping_ptr + token_idx).to(tl.int64)
-    if slot >= 0:  # a negative slot is batch padding: rotated above, written nowhere
-        heads = tl.arange(0, KV_HEADS_PAD)
-        mask = (heads < num_kv_heads)[:, None] & dim_mask[None, :]
+    heads = tl.arange(0, KV_HEADS_PAD)
+    mask = (heads < num_kv_heads)[:, None] & dim_mask[None, :]
+    v_first = v_ptr + token_idx * stride_v_token + heads[:, None] * stride_v_head + dims[None, :] * stride_v_dim
+    v1 = tl.load(v_first, mask=mask)
+    v2 = tl.load(v_first + half * stride_v_dim, mask=mask)
+    write_token_kv(cache_ptr, tl.load(slot_mapping_ptr + token_idx), k1, k2, v1, v2, heads, dims, mask, half,
+                   block_size, stride_cache_kv, stride_cache_block, stride_cache_slot, stride_cache_head,
+                   stride_cache_dim)
+
+
+@triton.jit
+def write_token_kv(cache_ptr, slot, k1, k2, v1, v2, heads, dims, mask, half, block_size, stride_cache_kv,
+                   stride_cache_block, stride_cache_slot, stride_cache_head, stride_cache_dim):
+    """A token's K and V heads (two halves each, [KV_HEADS_PAD, HALF_PAD]) into its ``slot`` of the layer cache;
+    a negative slot (batch padding) writes nothing. Shared with the skinny matmul's rotary epilogue
+    (kernels/triton_skinny_epilogues.py)."""
+    slot = slot.to(tl.int64)  # int64: slot * stride overflows int32 on caches of a few GiB
+    if slot >= 0:
         first = (cache_ptr + (slot // block_size) * stride_cache_block + (slot % block_size) * stride_cache_slot
                  + heads[:, None] * stride_cache_head + dims[None, :] * stride_cache_dim)
         second = first + half * stride_cache_dim
@@ -74,10 +87,8 @@ def _rotary_write_kv_kernel(
         # Index 0 of the layer cache is K, index 1 is V.
         tl.store(first, k1.to(cache_dtype), mask=mask)
         tl.store(second, k2.to(cache_dtype), mask=mask)
-        v_first = v_ptr + token_idx * stride_v_token + heads[:, None] * stride_v_head + dims[None, :] * stride_v_dim
-        tl.store(first + stride_cache_kv, tl.load(v_first, mask=mask).to(cache_dtype), mask=mask)
-        tl.store(second + stride_cache_kv, tl.load(v_first + half * stride_v_dim, mask=mask).to(cache_dtype),
-                 mask=mask)
+        tl.store(first + stride_cache_kv, v1.to(cache_dtype), mask=mask)
+        tl.store(second + stride_cache_kv, v2.to(cache_dtype), mask=mask)
 
 
 def rotary_write_kv_triton(

@@ -318,12 +318,15 @@ def check_operands(a: torch.Tensor, weight: torch.Tensor, silu_and_mul: bool) ->
 
 
 def skinny_gemm(a: torch.Tensor, weight: torch.Tensor, tiles: SkinnyTiles, silu_and_mul: bool = False,
-                out: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+                out: torch.Tensor | None = None, gated: bool = False, epilogue=None) -> torch.Tensor:
     """``a @ weight.T`` (``silu_and_mul``: ``silu(a[:, :K]) * a[:, K:]`` first) for the rows ``tiles`` takes (the
     dot kernel runs the activation as the SiLU-and-mul kernel first: its operand is streamed, not computed).
     ``gated`` (dot tilings): ``weight`` is the fused gate/up projection [2N, K] and the result is
     ``silu(gate) * up`` [M, N], computed in the matmul's epilogue: the bits of the plain matmul followed by the
-    SiLU-and-mul kernel, without the [M, 2N] round trip or that kernel."""
+    SiLU-and-mul kernel, without the [M, 2N] round trip or that kernel. ``epilogue``
+    (kernels/triton_skinny_epilogues.py: an RmsNormEpilogue or RotaryKvEpilogue, not with ``gated``): what follows the
+    matmul, run by the kernel that adds the partial sums (the matmul writes them even unsplit); the result is the
+    epilogue's."""
     k = check_operands(a, weight, silu_and_mul)
     m, n = a.shape[0], weight.shape[0]
     if gated and (silu_and_mul or n % 2 or not tiles.dot):
@@ -331,8 +334,12 @@ def skinny_gemm(a: torch.Tensor, weight: torch.Tensor, tiles: SkinnyTiles, silu_
     if not tiles.takes(m, gated):
         raise ValueError(f"{tiles} does not take {m} rows (the elementwise kernel takes at most {FMA_MAX_ROWS}, the dot "
                          f"kernel's pipeline must fit {DOT_SHARED_BYTES} bytes of shared memory)")
+    if gated and epilogue is not None:
+        raise ValueError("gated takes no epilogue")
     if gated:
         n //= 2  # the output's columns: each program computes its gate and its up columns
+    if epilogue is not None:
+        epilogue.check(m, n, a.dtype)
     if silu_and_mul and tiles.dot:
         a, silu_and_mul = silu_and_mul_triton(a), False
     if out is None:
@@ -344,23 +351,26 @@ def skinny_gemm(a: torch.Tensor, weight: torch.Tensor, tiles: SkinnyTiles, silu_
     num_steps = triton.cdiv(k, block_k)
     steps_per_split = triton.cdiv(num_steps, max(1, min(tiles.split, num_steps)))
     split = triton.cdiv(num_steps, steps_per_split)
-    target = out if split == 1 else torch.empty(split, m, 2 * n if gated else n, dtype=torch.float32, device=a.device)
+    partial = split > 1 or epilogue is not None
+    target = torch.empty(split, m, 2 * n if gated else n, dtype=torch.float32, device=a.device) if partial else out
     grid = (triton.cdiv(n, tiles.block_n), split)
     pdl = launch_pdl.options(a)
     if tiles.dot:
         _skinny_dot_kernel[grid](
             target, a, weight, m, n, k, steps_per_split, a.stride(0), weight.stride(0), out.stride(0),
-            BLOCK_N=tiles.block_n, BLOCK_K=block_k, PARTIAL=split > 1, NATIVE_DOT=a.dtype != torch.float32
+            BLOCK_N=tiles.block_n, BLOCK_K=block_k, PARTIAL=partial, NATIVE_DOT=a.dtype != torch.float32
             and not INTERPRETED, ROWS=dot_rows_for(m), GATED=gated, num_warps=tiles.num_warps,
             num_stages=tiles.num_stages, **pdl,
         )
     else:
         _skinny_gemm_kernel[grid](
             target, a, weight, m, n, k, steps_per_split, a.stride(0), weight.stride(0), out.stride(0),
-            ROWS_PAD=rows_pad_for(m), BLOCK_N=tiles.block_n, BLOCK_K=block_k, PARTIAL=split > 1,
+            ROWS_PAD=rows_pad_for(m), BLOCK_N=tiles.block_n, BLOCK_K=block_k, PARTIAL=partial,
             SILU_AND_MUL=silu_and_mul, num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl,
         )
-    if split > 1:
+    if epilogue is not None:
+        epilogue.launch(out, target, pdl)
+    elif split > 1:
         block = min(1024, triton.next_power_of_2(n))
         _sum_splits_kernel[(triton.cdiv(n, block), m)](out, target, m, n, out.stride(0), SPLIT=split, BLOCK=block,
                                                         GATED=gated, **pdl)

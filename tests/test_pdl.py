@@ -29,6 +29,7 @@ from pdcluster.kernels import triton_paged_attention as pa, triton_skinny_gemm a
 from pdcluster.kernels.triton_rms_norm import _rms_norm_kernel
 from pdcluster.kernels.triton_rotary_kv import _rotary_write_kv_kernel
 from pdcluster.kernels.triton_silu_and_mul import _silu_and_mul_kernel
+from pdcluster.kernels import triton_skinny_epilogues as ep
 
 use_pdl = sys.argv[1] == "1"
 out = {}
@@ -83,11 +84,18 @@ build("skinny_dot", sk._skinny_dot_kernel, gemm, dict(BLOCK_N=64, BLOCK_K=128, P
 build("skinny_dot gated", sk._skinny_dot_kernel, gemm, dict(BLOCK_N=64, BLOCK_K=64, PARTIAL=False, NATIVE_DOT=True,
                                                              ROWS=64, GATED=True), num_stages=4)
 build("sum_splits", sk._sum_splits_kernel, {"out_ptr": "*bf16", "part_ptr": "*fp32"}, dict(SPLIT=4, BLOCK=1024))
+build("sum_rms_norm", ep._sum_rms_norm_kernel,
+      {"out_ptr": "*bf16", "part_ptr": "*fp32", "residual_ptr": "*bf16", "norm_w_ptr": "*bf16", "eps": "fp32"},
+      dict(SPLIT=2, BLOCK=2048), num_warps=8)
+build("sum_rotary_kv", ep._sum_rotary_kv_kernel,
+      {"out_ptr": "*bf16", "part_ptr": "*fp32", "positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "cache_ptr": "*bf16",
+       "slot_mapping_ptr": "*i64"},
+      dict(stride_cos_sin_dim=1, stride_cache_dim=1, SPLIT=2, Q_HEADS_PAD=32, KV_HEADS_PAD=4, HALF_PAD=32))
 print(json.dumps(out))
 """
 
 # What each kernel may read before its wait: model weights, which no kernel of a forward writes.
-_WEIGHTS = {"rms_norm": {"weight_ptr"}, "skinny_gemm": {"w_ptr"}, "skinny_dot": {"w_ptr"}}
+_WEIGHTS = {"rms_norm": {"weight_ptr"}, "skinny_gemm": {"w_ptr"}, "skinny_dot": {"w_ptr"}, "sum_rms_norm": {"norm_w_ptr"}}
 
 
 def _pointers_read(build: dict, report) -> set[str]:
@@ -104,7 +112,7 @@ def pdl_builds(tmp_path_factory) -> dict:
 
 
 def test_every_pdl_kernel_waits_before_it_writes_or_reads_anything_but_weights(pdl_builds):
-    assert len(pdl_builds) == 13
+    assert len(pdl_builds) == 15
     for name, build in pdl_builds.items():
         report = pre_wait(build["ptx"])
         assert not report.problems and not report.writes, (name, report)

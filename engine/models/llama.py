@@ -255,6 +255,30 @@ class DecoderLayer:
             x = ops.rms_norm(hidden, self.input_norm, a.rms_norm_eps)
         else:
             x = ops.rms_norm(hidden, self.input_norm, a.rms_norm_eps, residual=residual)
+        return self._chunked_mlp(self._attention_block(x, residual, positions, rope, layer_cache, meta)), residual
+
+    def fuses_norms(self) -> bool:
+        """Whether this block may run as :meth:`forward_normed` (a pre-norm block whose output projections feed the
+        residual adds directly: Llama's)."""
+        return (type(self) is DecoderLayer and self.norm_layout == "pre" and self.ff_norm is None
+                and self.attn_out_norm is None and self.residual_multiplier == 1.0 and self.o_bias is None
+                and not getattr(self.arch, "layer_norm", False))
+
+    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                       layer_cache: torch.Tensor, meta: AttentionMetadata,
+                       next_norm: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` cut at the norms instead of the residual adds (LlamaModel.forward, for blocks that
+        ``fuses_norms``): from this block's normed input ``x`` to the next block's, ``rms_norm(residual + out,
+        next_norm)`` (or the final norm's), ``residual`` updated in place. The same operations in the same order;
+        each norm then follows the matmul before it, whose skinny kernel may run it (Linear.then_rms_norm)."""
+        x = self._attention_block(x, residual, positions, rope, layer_cache, meta)
+        return self._chunked_mlp(x, next_norm=next_norm, residual=residual)
+
+    def _attention_block(self, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
+                         rope: RotaryEmbedding, layer_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """A pre-norm block's attention half: from the normed input to the MLP's normed input (``residual`` updated
+        in place)."""
+        a = self.arch
         if not self.rope_on:  # a NoPE layer: attend writes K and V as they are
             (q, k, v), kv_written = self._split(self._heads(x)), False
         elif self.l2_weight is not None:  # Llama 4: RoPE, then the L2 norm (K is cached normed)
@@ -262,6 +286,8 @@ class DecoderLayer:
             rope.rotate_(qkv[:, : a.num_heads + a.num_kv_heads], positions)
             q, k, v = self._split(qkv)
             q, k, kv_written = self._head_norm(q, self.l2_weight), self._head_norm(k, self.l2_weight), False
+        elif self.q_norm is None and (qkv := self._rotated_heads(x, positions, rope, layer_cache, meta)) is not None:
+            (q, k, v), kv_written = self._split(qkv), True  # rotated and written in the qkv matmul's epilogue
         elif self.q_norm is None:
             qkv = self._heads(x)
             q, k, v = self._split(qkv)
@@ -280,11 +306,26 @@ class DecoderLayer:
             q = (q.float() * temperature[:, None, None]).to(q.dtype)
         o = attend(q, k, v, layer_cache, meta, batch_invariant=self.deterministic, kv_written=kv_written,
                    window=self.window, sinks=self.sinks, chunk=self.chunk)
+        if self.o_bias is None and self.residual_multiplier == 1.0 and isinstance(self.o_proj, Linear):
+            # The residual add and the MLP's norm in the output projection's epilogue where its skinny kernel runs.
+            x = self.o_proj.then_rms_norm(o.reshape(-1, self.q_size), self.post_norm, a.rms_norm_eps, residual)
+            if x is not None:
+                return x
         hidden = self._attention_output(o)
         if self.residual_multiplier != 1.0:
             hidden.mul_(self.residual_multiplier)
-        x = ops.rms_norm(hidden, self.post_norm, a.rms_norm_eps, residual=residual)
-        return self._chunked_mlp(x), residual
+        return ops.rms_norm(hidden, self.post_norm, a.rms_norm_eps, residual=residual)
+
+    def _rotated_heads(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                       layer_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+        """``_heads(x)`` with q and k rotated and K and V in the cache, all in the qkv matmul's skinny kernel
+        (Linear.then_rotary_write_kv); None where that kernel does not run, having done nothing."""
+        if self.qkv_bias is not None or not isinstance(self.qkv_proj, Linear):
+            return None
+        a = self.arch
+        qkv = self.qkv_proj.then_rotary_write_kv(x, a.num_heads, a.num_kv_heads, positions, rope.cos_sin_on(x.device),
+                                                 layer_cache, meta.slot_mapping)
+        return None if qkv is None else qkv.view(-1, a.num_heads + 2 * a.num_kv_heads, a.head_dim)
 
     def _query_scale(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """[tokens, 1, 1]: 1 + beta * ln(1 + floor(position / context)), in float32 and then ``dtype``, as
@@ -328,10 +369,15 @@ class DecoderLayer:
             out += self.o_bias
         return out
 
-    def _chunked_mlp(self, x: torch.Tensor) -> torch.Tensor:
+    def _chunked_mlp(self, x: torch.Tensor, next_norm: torch.Tensor | None = None,
+                     residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The MLP (``next_norm``: then ``rms_norm(residual + out, next_norm)``, as :meth:`mlp`)."""
         chunk = MLP_CHUNK_TOKENS_CUDA if x.is_cuda else MLP_CHUNK_TOKENS
         if x.shape[0] <= chunk or not self.chunked_mlp:
-            return self.mlp(x)
+            # DeepseekLayer borrows this method with an MLP module of its own, called with x alone.
+            return self.mlp(x) if next_norm is None else self.mlp(x, next_norm, residual)
+        if next_norm is not None:
+            return ops.rms_norm(self._chunked_mlp(x), next_norm, self.arch.rms_norm_eps, residual=residual)
         # A long prefill runs the MLP in token chunks: its 2 x intermediate-wide buffers stay small
         # enough to be reused from the heap (engine/memory.py) and warm in cache.
         out = torch.empty_like(x)
@@ -339,20 +385,31 @@ class DecoderLayer:
             out[start : start + chunk] = self.mlp(x[start : start + chunk])
         return out
 
-    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+    def mlp(self, x: torch.Tensor, next_norm: torch.Tensor | None = None,
+            residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The MLP's output; with ``next_norm`` (forward_normed) ``rms_norm(residual + out, next_norm)``, ``residual``
+        updated in place: in the down projection's epilogue where its skinny kernel runs."""
+        eps = self.arch.rms_norm_eps if next_norm is not None else 0.0
+        fuse_norm = next_norm is not None and self.residual_multiplier == 1.0
         if self.moe is not None:
             out = self.moe(x)
         elif isinstance(self.down_proj, Linear):  # one kernel for the activation and a matmul where that was faster
             gated = self.gate_up_proj.silu_and_mul_after(x) if isinstance(self.gate_up_proj, Linear) else None
             if gated is not None:  # in the gate/up projection's epilogue (5 to 128 rows)
-                out = self.down_proj(gated)
+                normed = self.down_proj.then_rms_norm(gated, next_norm, eps, residual) if fuse_norm else None
+                out = self.down_proj(gated) if normed is None else None
             else:  # or as the down projection reads it (1 to 4 rows), else apart
-                out = self.down_proj.after_silu_and_mul(self.gate_up_proj(x))
+                gate_up = self.gate_up_proj(x)
+                normed = (self.down_proj.then_rms_norm(gate_up, next_norm, eps, residual, silu_and_mul=True)
+                          if fuse_norm else None)
+                out = self.down_proj.after_silu_and_mul(gate_up) if normed is None else None
+            if normed is not None:
+                return normed
         else:  # an adapter's projection (engine/lora)
             out = self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
         if self.residual_multiplier != 1.0:
             out.mul_(self.residual_multiplier)
-        return out
+        return out if next_norm is None else ops.rms_norm(out, next_norm, eps, residual=residual)
 
     def __call__(
         self,
@@ -439,6 +496,8 @@ class LlamaModel(CausalLM):
         hidden = F.embedding(input_ids, self.embed_tokens)
         if self.arch.embedding_multiplier != 1.0:
             hidden.mul_(self.arch.embedding_multiplier)
+        if self._fuses_norms():
+            return self._forward_normed(hidden, positions, kv_cache, meta, on_layer_done)
         residual = None
         for i, layer in enumerate(self.layers):
             rope = self.sliding_rope if self.sliding_rope is not None and layer.window else self.rope
@@ -448,3 +507,27 @@ class LlamaModel(CausalLM):
         if self.arch.layer_norm:  # Cohere
             return layer_norm(hidden.add_(residual), self.norm, self.arch.rms_norm_eps)
         return ops.rms_norm(hidden, self.norm, self.arch.rms_norm_eps, residual=residual)
+
+    def _fuses_norms(self) -> bool:
+        """Whether every block runs cut at its norms (DecoderLayer.fuses_norms; kept once known: blocks stay)."""
+        fuses = self.__dict__.get("_fuses_norms_known")
+        if fuses is None:
+            fuses = self._fuses_norms_known = bool(self.layers) and all(
+                isinstance(layer, DecoderLayer) and layer.fuses_norms() for layer in self.layers)
+        return fuses
+
+    def _forward_normed(self, hidden: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                        meta: AttentionMetadata, on_layer_done: Callable[[int], None] | None) -> torch.Tensor:
+        """forward's loop with each block from its normed input to the next block's (DecoderLayer.forward_normed):
+        every norm right after the matmul whose output it adds, so that matmul's kernel may run it."""
+        eps = self.arch.rms_norm_eps
+        residual = hidden  # the embedding's own buffer: the first norm reads it, the blocks add to it in place
+        x = ops.rms_norm(hidden, self.layers[0].input_norm, eps)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            rope = self.sliding_rope if self.sliding_rope is not None and layer.window else self.rope
+            next_norm = self.norm if i == last else self.layers[i + 1].input_norm
+            x = layer.forward_normed(x, residual, positions, rope, kv_cache[i], meta, next_norm)
+            if on_layer_done is not None:
+                on_layer_done(i)
+        return x
