@@ -154,7 +154,7 @@ class Linear:
         ``self.after_silu_and_mul(x)``) with the residual add and the norm in the skinny kernel's epilogue, where that
         kernel was chosen for this many rows; None where it was not, having done nothing (the caller runs them apart).
         """
-        tiles = self._skinny_tiles(x, silu_and_mul) if skinny_linear.epilogues() else None
+        tiles = self._skinny_tiles(x, silu_and_mul) if self._skinny and skinny_linear.epilogues() else None
         if tiles is None or norm_weight.dtype is not x.dtype or residual.dtype is not x.dtype \
                 or residual.dim() != 2 or residual.stride(1) != 1:
             return None
@@ -170,7 +170,7 @@ class Linear:
         """The qkv projection's output [M, (num_q_heads + 2 num_kv_heads) * head_dim] with q and k rotated and K and
         V written into the cache (``ops.rotary_write_kv`` on its views), those in the skinny kernel's epilogue where
         that kernel was chosen for this many rows; None where it was not, having done nothing."""
-        tiles = self._skinny_tiles(x, False) if skinny_linear.epilogues() else None
+        tiles = self._skinny_tiles(x, False) if self._skinny and skinny_linear.epilogues() else None
         if tiles is None:
             return None
         from pdcluster.kernels.triton_skinny_epilogues import RotaryKvEpilogue
