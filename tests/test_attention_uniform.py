@@ -80,37 +80,29 @@ def test_the_engine_passes_its_uniform_decode_steps(monkeypatch, tiny_dir):
 # ---- the sm_90 build of the fast decode -----------------------------------------------------------------------
 
 _BUILD = r"""
-import inspect, json, re, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import json, re, sys
+from sm90_build import build
 from pdcluster.kernels import triton_paged_attention as pa
 
-fn = pa._paged_attention_kernel
 ptrs = {"out_ptr": "*bf16", "query_ptr": "*bf16", "cache_ptr": "*bf16", "block_tables_ptr": "*i32",
         "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
         "part_acc_ptr": "*fp32", "sinks_ptr": "*fp32", "qk_scale_log2": "fp32", "softcap": "fp32"}
 # TinyLlama's attention (32 query / 4 KV heads of 64), a decode step of many requests, as the fast mode launches it.
-c = {p.name: p.default for p in fn.params if p.is_constexpr and p.default is not inspect.Parameter.empty}
 group_pad = 8
-c.update(stride_q_dim=1, stride_cache_dim=1, GROUP=8, GROUP_PAD=group_pad, BLOCK_Q=pa.block_q_for(group_pad),
+c = dict(stride_q_dim=1, stride_cache_dim=1, GROUP=8, GROUP_PAD=group_pad, BLOCK_Q=pa.block_q_for(group_pad),
          BLOCK_M=pa.block_q_for(group_pad) * group_pad, BLOCK_N=pa.FAST_KV_TILE_TOKENS, HEAD_DIM_PAD=64,
          DOT_PRECISION="tf32", PARTITION_SIZE=4096, SPLIT=False, NATIVE_DOT=True, UNIFORM_Q=1)
-names = fn.arg_names
-sig = {n: "constexpr" if n in c else ptrs.get(n, "i32") for n in names}
-# As a launch specialises them: pointers 16-byte aligned, the shapes and strides of such a model multiples of 16.
-aligned = [n for n in names if sig[n].startswith("*")] + [
-    "stride_cache_kv", "stride_cache_block", "stride_cache_slot", "stride_cache_head", "stride_q_token",
-    "stride_q_head", "stride_out_token", "stride_out_head", "stride_table_req", "head_dim", "block_size", "num_q_heads"]
-attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned if sig[n] != "constexpr"}
+# Such a model's shapes and strides are multiples of 16, as a launch specialises them.
+aligned = ("stride_cache_kv", "stride_cache_block", "stride_cache_slot", "stride_cache_head", "stride_q_token",
+           "stride_q_head", "stride_out_token", "stride_out_head", "stride_table_req", "head_dim", "block_size",
+           "num_q_heads")
 out = {}
 for stages in json.loads(sys.argv[1]):
-    k = triton.compile(ASTSource(fn, sig, constexprs={(names.index(n),): v for n, v in c.items()}, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": stages})
+    k = build(pa._paged_attention_kernel, ptrs, c, aligned=aligned, num_stages=stages)
     # The key and value tiles' shared-memory buffers: [depth x] 64 x BLOCK_N or BLOCK_N x 64 bf16.
-    tiles = re.findall(r"ttg\.local_alloc[^\n]*?!ttg\.memdesc<(?:(\d+)x)?(\d+)x(\d+)xbf16", k.asm["ttgir"])
+    tiles = re.findall(r"ttg\.local_alloc[^\n]*?!ttg\.memdesc<(?:(\d+)x)?(\d+)x(\d+)xbf16", k["ttgir"])
     kv = [int(d or 1) for d, a, b in tiles if {int(a), int(b)} == {64, pa.FAST_KV_TILE_TOKENS}]
-    out[stages] = {"kv_buffers": kv, "shared": k.metadata.shared, "async_copies": k.asm["ptx"].count("cp.async.cg")}
+    out[stages] = {"kv_buffers": kv, "shared": k["shared_bytes"], "async_copies": k["ptx"].count("cp.async.cg")}
 print(json.dumps(out))
 """
 

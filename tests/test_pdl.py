@@ -21,10 +21,8 @@ from triton_compile_helpers import compile_for_cuda
 # ---- the sm_90 build ---------------------------------------------------------------------------------------
 
 _BUILD = r"""
-import inspect, json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import json, sys
+from sm90_build import build as build_sm90
 from pdcluster.kernels import triton_paged_attention as pa, triton_skinny_gemm as sk
 from pdcluster.kernels.triton_rms_norm import _rms_norm_kernel
 from pdcluster.kernels.triton_rotary_kv import _rotary_write_kv_kernel
@@ -36,19 +34,9 @@ out = {}
 
 
 def build(name, fn, pointer_types, constexprs, num_warps=4, num_stages=3):
-    # As a launch specialises them: constexprs left out take their defaults; pointers 16-byte aligned.
-    constexprs = {**{p.name: p.default for p in fn.params
-                     if p.is_constexpr and p.default is not inspect.Parameter.empty}, **constexprs,
-                  "USE_PDL": use_pdl}
-    names = fn.arg_names
-    pointer_types = {n: t for n, t in pointer_types.items() if n in names}
-    signature = {n: "constexpr" if n in constexprs else pointer_types.get(n, "i32") for n in names}
-    constants = {(names.index(n),): v for n, v in constexprs.items()}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in pointer_types if pointer_types[n].startswith("*")}
-    k = triton.compile(ASTSource(fn, signature, constexprs=constants, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": num_warps, "num_stages": num_stages, "launch_pdl": use_pdl})
-    out[name] = {"ptx": k.asm["ptx"], "params": [n for n in names if signature[n] != "constexpr"],
-                 "pointers": [n for n in names if signature[n].startswith("*")]}
+    got = build_sm90(fn, pointer_types, {**constexprs, "USE_PDL": use_pdl}, num_warps=num_warps,
+                     num_stages=num_stages, launch_pdl=use_pdl)
+    out[name] = {k: got[k] for k in ("ptx", "params", "pointers")}
 
 
 for residual in (False, True):

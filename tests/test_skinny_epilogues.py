@@ -5,10 +5,13 @@ them; the ``gpu`` test runs the compiled kernels."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from conftest import make_engine
+from triton_compile_helpers import compile_for_cuda
 from pdcluster.engine import skinny_linear
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kernels import ops
@@ -199,6 +202,35 @@ def test_a_model_with_some_projections_on_cublas_runs_their_followers_apart(tiny
     tokens, _, calls = _decode(monkeypatch, choose, "float32")
     assert tokens == expected
     assert calls.count("RmsNormEpilogue") == calls.count("RotaryKvEpilogue") > 0  # the down projections' only
+
+
+# ---- the GPU build, compiled for sm_90 (H100 / H200) without a GPU -------------------------------------------------
+
+_BUILD = r"""
+import json
+from sm90_build import build
+from pdcluster.kernels import triton_skinny_epilogues as ep
+out = {}
+# TinyLlama's shapes: 2,048-wide rows (8 warps, as launched), 32 query / 4 KV heads of 64; K in 4 splits.
+for pdl in (False, True):
+    out[f"sum_rms_norm pdl={pdl}"] = build(
+        ep._sum_rms_norm_kernel, {"out_ptr": "*bf16", "part_ptr": "*fp32", "residual_ptr": "*bf16",
+                                  "norm_w_ptr": "*bf16", "eps": "fp32"},
+        dict(SPLIT=4, BLOCK=2048, USE_PDL=pdl), aligned=("N", "stride_om", "stride_rm"), num_warps=8, launch_pdl=pdl,
+        spills=True)["spill_bytes"]
+    out[f"sum_rotary_kv pdl={pdl}"] = build(
+        ep._sum_rotary_kv_kernel, {"out_ptr": "*bf16", "part_ptr": "*fp32", "positions_ptr": "*i64",
+                                   "cos_sin_ptr": "*fp32", "cache_ptr": "*bf16", "slot_mapping_ptr": "*i64"},
+        dict(stride_cos_sin_dim=1, stride_cache_dim=1, SPLIT=4, Q_HEADS_PAD=32, KV_HEADS_PAD=4, HALF_PAD=32,
+             USE_PDL=pdl), aligned=("N", "stride_om", "stride_cache_kv", "stride_cache_block", "stride_cache_slot"),
+        launch_pdl=pdl, spills=True)["spill_bytes"]
+print(json.dumps(out))
+"""
+
+
+def test_the_epilogue_kernels_compile_for_sm90_without_spilling(tmp_path):
+    got = json.loads(compile_for_cuda(_BUILD, tmp_path).strip().splitlines()[-1])
+    assert len(got) == 4 and all(spill in (0, None) for spill in got.values()), got
 
 
 # ---- on a GPU ----------------------------------------------------------------------------------------------------

@@ -4,14 +4,14 @@ build is compiled for sm_90 without a GPU; the ``gpu`` tests run it and the CUDA
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import json
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from conftest import make_engine
+from triton_compile_helpers import compile_for_cuda
 from pdcluster.engine import skinny_linear
 from pdcluster.engine.linear import Linear
 from pdcluster.kernels.graph_region import graph_region
@@ -303,46 +303,30 @@ def test_a_model_with_the_activation_in_the_gate_up_epilogue_gives_the_cublas_to
 # ---- the GPU build, compiled for sm_90 (H100 / H200) without a GPU -------------------------------------------
 
 _COMPILE = r"""
-import json, os, re, subprocess, sys, tempfile
+import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from sm90_build import build
 from pdcluster.kernels import triton_skinny_gemm as sk
-ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-sig = {"out_ptr": "*bf16", "a_ptr": "*bf16", "w_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
-       "steps_per_split": "i32", "stride_am": "i32", "stride_wn": "i32", "stride_om": "i32", "ROWS_PAD": "constexpr",
-       "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "PARTIAL": "constexpr", "SILU_AND_MUL": "constexpr",
-       "USE_PDL": "constexpr"}
-dot_sig = {k: v for k, v in sig.items() if k not in ("ROWS_PAD", "SILU_AND_MUL")} | {"NATIVE_DOT": "constexpr",
-                                                                                    "ROWS": "constexpr",
-                                                                                    "GATED": "constexpr"}
+pointers = {"out_ptr": "*bf16", "a_ptr": "*bf16", "w_ptr": "*bf16"}
+# A 2,048-wide model's N, K and strides are multiples of 16 (sm90_build.py: what a launch specialises).
+aligned = ("N", "K", "stride_am", "stride_wn", "stride_om")
 out = []
 for spec in json.loads(sys.argv[1]):
     tiles = sk.CANDIDATE_TILES[spec["tiles"]]
     if tiles.dot:
-        s = dict(dot_sig, out_ptr="*fp32" if spec["partial"] else "*bf16")
         c = dict(BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PARTIAL=spec["partial"], NATIVE_DOT=True, USE_PDL=False,
                  ROWS=sk.dot_rows_for(spec["rows"]), GATED=spec.get("gated", False))
         fn = sk._skinny_dot_kernel
     else:
-        s = dict(sig, out_ptr="*fp32" if spec["partial"] else "*bf16")
         c = dict(ROWS_PAD=sk.rows_pad_for(spec["rows"]), BLOCK_N=tiles.block_n,
                  BLOCK_K=sk.block_k_for(tiles, spec["rows"]), PARTIAL=spec["partial"], SILU_AND_MUL=spec["silu"],
                  USE_PDL=False)
         fn = sk._skinny_gemm_kernel
-    # As a launch specialises them (pointers 16-byte aligned, a 2,048-wide model's N, K and strides multiples
-    # of 16): without these the compiler cannot vectorise the loads, and nothing is pipelined.
-    aligned = ("out_ptr", "a_ptr", "w_ptr", "N", "K", "stride_am", "stride_wn", "stride_om")
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    k = triton.compile(ASTSource(fn, s, constexprs=c, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": tiles.num_warps, "num_stages": tiles.num_stages})
-    spill = None
-    if os.path.exists(ptxas):
-        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-            f.write(k.asm["ptx"])
-        info = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
-        spill = sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", info.stderr))
-    out.append({**spec, "spill_bytes": spill, "shared_bytes": k.metadata.shared})
+    got = build(fn, dict(pointers, out_ptr="*fp32" if spec["partial"] else "*bf16"), c, aligned=aligned,
+                num_warps=tiles.num_warps, num_stages=tiles.num_stages, spills=True)
+    out.append({**spec, "spill_bytes": got["spill_bytes"], "shared_bytes": got["shared_bytes"]})
 s = dict(out_ptr="*bf16", part_ptr="*fp32", M="i32", N="i32", stride_om="i32", SPLIT="constexpr", BLOCK="constexpr",
          USE_PDL="constexpr", GATED="constexpr")
 for gated in (False, True):
@@ -352,18 +336,11 @@ print(json.dumps(out))
 """
 
 
-def _compile_for_sm90(specs: list[dict]) -> list[dict]:
-    import json
-    import os
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(specs)], capture_output=True, text=True,
-                          env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+def _compile_for_sm90(specs: list[dict], tmp_path) -> list[dict]:
+    return json.loads(compile_for_cuda(_COMPILE, tmp_path, [json.dumps(specs)], timeout_s=600).strip().splitlines()[-1])
 
 
-def test_the_gpu_build_compiles_for_sm90_without_spilling():
+def test_the_gpu_build_compiles_for_sm90_without_spilling(tmp_path):
     """A few of each kernel's tiles, plain and fused, whole and split; the dot kernel's weight really goes
     through shared memory (the software pipeline it is there for) within an H100's 227 KiB."""
     dot = [i for i, t in enumerate(sk.CANDIDATE_TILES) if t.dot]
@@ -375,7 +352,7 @@ def test_the_gpu_build_compiles_for_sm90_without_spilling():
              dict(tiles=dot[0], rows=32, silu=False, partial=False, gated=True),
              dict(tiles=dot[-1], rows=128, silu=False, partial=True, gated=True),
              dict(tiles=dot[-1], rows=64, silu=False, partial=True)]
-    for got in _compile_for_sm90(specs):
+    for got in _compile_for_sm90(specs, tmp_path):
         _assert_built_as_meant(got)
 
 
@@ -389,14 +366,14 @@ def _assert_built_as_meant(got: dict) -> None:
 
 
 @pytest.mark.slow
-def test_every_candidate_compiles_for_sm90_without_spilling():
+def test_every_candidate_compiles_for_sm90_without_spilling(tmp_path):
     specs = [dict(tiles=i, rows=r, silu=s, partial=p) for i, t in enumerate(sk.CANDIDATE_TILES)
              for r in ((16, 32, 64, 128) if t.dot else (1, 2, 4)) if t.takes(r)
              for s in ((False,) if t.dot else (False, True))
              for p in ((False, True) if t.split > 1 else (False,))]
     specs += [dict(tiles=i, rows=r, silu=False, partial=t.split > 1, gated=True) for i, t in enumerate(sk.CANDIDATE_TILES)
               for r in (16, 32, 64, 128) if t.takes(r, gated=True)]
-    for got in _compile_for_sm90(specs):
+    for got in _compile_for_sm90(specs, tmp_path):
         _assert_built_as_meant(got)
 
 
