@@ -907,6 +907,7 @@ def speed_section(entry: dict, device: str, work: Path, quick: bool, report: Rep
 
     from pdcluster.engine import skinny_linear
     from pdcluster.engine.config import EngineConfig
+    from pdcluster.engine.gc_heap import frozen
     from pdcluster.engine.llm_engine import LLMEngine
 
     shape = LLAMA_QUICK if quick else LLAMA_1B
@@ -951,24 +952,26 @@ def speed_section(entry: dict, device: str, work: Path, quick: bool, report: Rep
         if graphs and device == "cpu":
             engine.runner.use_decode_graphs(emulate=True)  # the dry run: the same path, nothing captured
         decode[mode] = {"used": engine.runner.graphs is not None, "deterministic": engine.deterministic}
-        for b in batches:
-            synced: dict = {}
-            ms = _decode_step_ms(engine, b, prompt_len, num_steps, device,
-                                 profile_into=profiles.setdefault(mode, {}) if mode in PROFILED_MODES else None,
-                                 synced_into=synced, lora_name="a" if mode == "lora" else None)
-            kv_bytes = b * (prompt_len + num_steps // 2) * shape["num_hidden_layers"] * 2 \
-                * shape["num_key_value_heads"] * (shape["hidden_size"] // shape["num_attention_heads"]) * 2
-            floor = (weight_bytes + kv_bytes) / (bw * 1e9) * 1e3
-            decode[mode][str(b)] = {"step_ms": round(ms, 3), "floor_ms": round(floor, 3),
-                                    "x_floor": round(ms / floor, 2), "tokens_per_s": round(b / ms * 1e3, 1),
-                                    "step_ms_synced": synced[str(b)]}
-            report.write()
+        # Timed as a worker process runs its engine: the start-up objects frozen (engine/gc_heap.py).
+        with frozen():
+            for b in batches:
+                synced: dict = {}
+                ms = _decode_step_ms(engine, b, prompt_len, num_steps, device,
+                                     profile_into=profiles.setdefault(mode, {}) if mode in PROFILED_MODES else None,
+                                     synced_into=synced, lora_name="a" if mode == "lora" else None)
+                kv_bytes = b * (prompt_len + num_steps // 2) * shape["num_hidden_layers"] * 2 \
+                    * shape["num_key_value_heads"] * (shape["hidden_size"] // shape["num_attention_heads"]) * 2
+                floor = (weight_bytes + kv_bytes) / (bw * 1e9) * 1e3
+                decode[mode][str(b)] = {"step_ms": round(ms, 3), "floor_ms": round(floor, 3),
+                                        "x_floor": round(ms / floor, 2), "tokens_per_s": round(b / ms * 1e3, 1),
+                                        "step_ms_synced": synced[str(b)]}
+                report.write()
         if graphs and engine.runner.graphs is not None:
             decode[mode]["num_replays"] = engine.runner.graphs.num_replays
         if engine._stepper is not None:  # async scheduling: steps launched before the previous one finished
             decode[mode]["steps_launched_ahead"] = engine.num_steps_launched_ahead
         del engine
-    entry["decode"] = {"context_tokens": prompt_len, **decode}
+    entry["decode"] = {"context_tokens": prompt_len, "gc_frozen": True, **decode}
     entry["decode_profiles"] = profiles
     entry["skinny_choices"] = skinny_linear.choices()
     try:

@@ -43,7 +43,10 @@ def generate_main(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     from pdcluster.engine.llm_engine import LLMEngine  # torch: when generating, not at `pdcluster --help`
 
+    from pdcluster.engine.gc_heap import freeze_startup_objects
+
     engine = LLMEngine.from_config(config)
+    freeze_startup_objects()  # one engine for the process's life (engine/gc_heap.py)
     prompts = args.prompt
     if args.chat:
         prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import importlib.util
 import signal
 import socket
@@ -16,6 +15,7 @@ import threading
 import uvicorn
 
 from pdcluster.engine.config import ConfigError
+from pdcluster.engine.gc_heap import freeze_startup_objects
 
 
 def run_server(app, host: str, port: int, model_name: str, sock: socket.socket | None = None,
@@ -66,21 +66,14 @@ def run_server(app, host: str, port: int, model_name: str, sock: socket.socket |
 
 def run_serving_loop(main):
     """Run the coroutine ``main`` as a serving process's event loop (uvloop where installed; Windows has
-    none) after ``freeze_startup_objects``; its result."""
+    none) after ``freeze_startup_objects`` (engine/gc_heap.py: Ray's, FastAPI's and the routes' objects); its
+    result."""
     freeze_startup_objects()
     if _has("uvloop"):
         import uvloop
 
         return uvloop.run(main)
     return asyncio.run(main)
-
-
-def freeze_startup_objects() -> None:
-    """Everything made at start-up (the model's modules, Ray, FastAPI's routes: hundreds of thousands of
-    objects) moves out of the garbage collector's sight: otherwise every full collection, which the
-    per-token garbage of streaming triggers again and again, walks all of it (vLLM freezes too)."""
-    gc.collect()
-    gc.freeze()
 
 
 def announce_serving(model_name: str, host: str, port: int) -> None:

@@ -12,6 +12,7 @@ import uuid
 import torch
 
 from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.gc_heap import freeze_startup_objects
 from pdcluster.kv_transfer.config import TransferConfig
 from pdcluster.node.event_pusher import EventPusher
 from pdcluster.node.worker_loop import kv_tier_usage
@@ -65,6 +66,9 @@ class WorkerActor:
             # them now, its events having a listener from here on.
             self.worker.post(self.worker.announce_kv_blocks)
         self.incarnation = uuid.uuid4().hex[:12]
+        # The process holds this one engine for its life: its start-up objects leave the collector's sight
+        # (engine/gc_heap.py: a batch-128 decode step's host time 20% lower on average).
+        freeze_startup_objects()
 
     def make_worker(self, worker_id: str, engine_config: EngineConfig, transfer: TransferConfig | None):
         raise NotImplementedError
