@@ -229,18 +229,21 @@ class AsyncScheduler(Scheduler):
             samples = request.num_computed_tokens + num_new >= request.num_tokens
         else:
             num_prompt_tokens, num_output_tokens = len(request.prompt_token_ids), len(request.output_token_ids)
-            s = ScheduledRequest(
-                request_id=request_id,
-                is_new=False,
-                num_computed_tokens=request.num_computed_tokens,
-                num_scheduled_tokens=num_new,
-                input_token_ids=[PLACEHOLDER] * num_new,
-                block_ids=request.block_table(),
-                num_prompt_tokens=num_prompt_tokens,
-                num_tokens=num_prompt_tokens + num_output_tokens,
-                spec_token_ids=[PLACEHOLDER] * (num_new - 1) if num_new > 1 else [],
-                num_output_tokens=num_output_tokens,
-                placeholder_inputs=True,
+            s = ScheduledRequest(  # positional, in field order (per request per step: half the keyword call's cost)
+                request_id,
+                False,  # is_new
+                request.num_computed_tokens,
+                num_new,  # num_scheduled_tokens
+                [PLACEHOLDER] * num_new,  # input_token_ids
+                request.block_table(),
+                num_prompt_tokens,
+                num_prompt_tokens + num_output_tokens,  # num_tokens
+                [PLACEHOLDER] * (num_new - 1) if num_new > 1 else [],  # spec_token_ids
+                None,  # all_token_ids
+                None,  # sampling_params
+                # As ScheduledRequest.of: a resumed request's draws stay keyed by its original output positions.
+                num_output_tokens + request.sampling_params.output_position_offset,
+                True,  # placeholder_inputs
             )
             samples = True
         # Optimistic: as if every draft were accepted. _commit_computed takes the rejected back.

@@ -476,8 +476,11 @@ class ModelRunner:
         # Verified inputs: up to (excluding) the newest committed token for a row that sampled; the
         # whole chunk for a prefill still in progress.
         num_verified = np.where(num_sampled > 0, new_num_tokens - 1 - rows.starts_np, rows.q_lens_np)
-        max_tokens = np.array([st.sampling_params[i].max_tokens for i in idx], dtype=np.int64)
-        room = np.minimum(self.max_model_len - new_num_tokens, max_tokens - rows.num_output_np - num_sampled) - 1
+        # num_output_np is an output *position*: a resumed request's counts from its original start
+        # (output_position_offset), its max_tokens from where it resumed.
+        params = [st.sampling_params[i] for i in idx]
+        last_position = np.array([p.max_tokens + p.output_position_offset for p in params], dtype=np.int64)
+        room = np.minimum(self.max_model_len - new_num_tokens, last_position - rows.num_output_np - num_sampled) - 1
         num_drafts = np.where(num_sampled > 0, np.clip(room, 0, self.num_spec_steps), 0)
         batch = ProposeBatch(idx, rows.starts_np, state.query_start_loc_np, num_verified, num_drafts,
                              state.hidden_states, st)

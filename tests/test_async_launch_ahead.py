@@ -221,3 +221,22 @@ def test_a_hybrid_launches_ahead_and_equals_sync(graphs):
     assert [o.token_ids for o in engine.generate(prompts, params)] == expected
     assert engine.num_steps_launched_ahead >= 20
     assert not graphs or engine.runner.graphs.num_replays >= 20
+
+
+@pytest.mark.parametrize("spec", [None, "ngram"])
+def test_a_resumed_request_keeps_its_seeded_draws_under_async_scheduling(tiny_dir, spec):
+    """A request resumed elsewhere (its earlier outputs in its prompt, ``output_position_offset`` = how many: the
+    router's recovery) draws by its original output positions, also in the steps scheduled behind an in-flight one
+    (their placeholder rows): its tokens continue the uninterrupted request's exactly. Launched ahead without
+    speculation; with n-gram drafts the placeholder rows are filled from the finished step."""
+    cfg = dict(async_scheduling=True, **({"spec_method": spec, "num_spec_tokens": 3} if spec else {}))
+    engine = make_engine("tiny-random", **cfg)
+    prompt = [5 + j for j in range(12)]
+    params = SamplingParams(max_tokens=14, temperature=1.0, seed=1234, ignore_eos=True)
+    full = engine.generate([prompt], params)[0].token_ids
+    k = 4
+    resumed = SamplingParams(max_tokens=14 - k, temperature=1.0, seed=1234, ignore_eos=True, output_position_offset=k)
+    launched_before = engine.num_steps_launched_ahead
+    assert engine.generate([prompt + full[:k]], resumed)[0].token_ids == full[k:]
+    if spec is None:
+        assert engine.num_steps_launched_ahead - launched_before >= 5  # the placeholder rows were exercised
