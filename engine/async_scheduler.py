@@ -189,6 +189,10 @@ class AsyncScheduler(Scheduler):
         # now may still be written by the newest of them (BlockManager's fences).
         self.num_scheduled_steps = 0
         self.num_finished_steps = 0
+        # Requests whose rows need the previous step's token on the host (penalties, grammars): noted when a
+        # request is scheduled outside a flight (its first row since admission or preemption, and its prompt
+        # chunks), so AsyncStepper._can_launch_ahead need not ask every row's parameters every step.
+        self.needs_host_tokens: set[str] = set()
 
     def schedule(self) -> SchedulerOutput:
         sched = super().schedule()
@@ -227,6 +231,9 @@ class AsyncScheduler(Scheduler):
         if flight is None:
             s = super()._scheduled(request, num_new)
             samples = request.num_computed_tokens + num_new >= request.num_tokens
+            params = request.sampling_params
+            if params.has_penalties or params.structured_output is not None:
+                self.needs_host_tokens.add(request_id)
         else:
             num_prompt_tokens, num_output_tokens = len(request.prompt_token_ids), len(request.output_token_ids)
             s = ScheduledRequest(  # positional, in field order (per request per step: half the keyword call's cost)
@@ -295,11 +302,13 @@ class AsyncScheduler(Scheduler):
     def _preempt(self, request: Request) -> None:
         self._in_flight.pop(request.request_id, None)  # its in-flight output is dropped on arrival
         self._unreported.pop(request.request_id, None)
+        self.needs_host_tokens.discard(request.request_id)
         super()._preempt(request)
 
     def _finish(self, request: Request, status) -> None:
         self._in_flight.pop(request.request_id, None)
         self._unreported.pop(request.request_id, None)
+        self.needs_host_tokens.discard(request.request_id)
         super()._finish(request, status)
 
 
@@ -388,14 +397,8 @@ class AsyncStepper:
             return False
         if runner.connector.has_step_hooks:
             return False
-        for s in sched.scheduled:
-            request = self.scheduler.requests.get(s.request_id)
-            if request is None:
-                continue
-            params = request.sampling_params
-            if params.has_penalties or params.structured_output is not None:
-                return False
-        return True
+        needs = self.scheduler.needs_host_tokens  # every row of sched was scheduled outside a flight first
+        return not needs or not any(s.request_id in needs for s in sched.scheduled)
 
     def step(self) -> tuple[list[StepResult], KVConnectorOutput]:
         if self._pending is None:

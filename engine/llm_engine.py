@@ -290,21 +290,22 @@ class LLMEngine:
                 new_logprobs: list[TokenLogprobs] | None = None,
                 prompt_logprobs: list[TokenLogprobs] | None = None) -> RequestOutput:
         output = request.output_token_ids
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            token_ids=list(output) if finished or self.cumulative_outputs else [],
-            num_output_tokens=len(output),
-            finished=finished,
-            finish_reason=request.status.value if finished else None,
-            new_token_ids=new_token_ids,
-            num_draft_tokens=request.num_draft_tokens,
-            num_accepted_tokens=request.num_accepted_tokens,
-            num_cached_tokens=request.num_cached_tokens,
-            num_offloaded_tokens=request.num_offloaded_tokens,
-            num_computed_tokens=request.num_computed_tokens,
-            new_logprobs=list(new_logprobs) if new_logprobs else [],
-            prompt_logprobs=prompt_logprobs,
+        return RequestOutput(  # positional, in field order (per request per step: keywords cost twice as much)
+            request.request_id,
+            request.prompt_token_ids,
+            list(output) if finished or self.cumulative_outputs else [],  # token_ids
+            finished,
+            request.status.value if finished else None,  # finish_reason
+            new_token_ids,
+            "",  # text
+            request.num_draft_tokens,
+            request.num_accepted_tokens,
+            request.num_cached_tokens,
+            request.num_offloaded_tokens,
+            request.num_computed_tokens,
+            len(output),  # num_output_tokens
+            list(new_logprobs) if new_logprobs else [],
+            prompt_logprobs,
         )
 
     def generate(

@@ -392,7 +392,8 @@ class ModelRunner:
             return launched
         # One logits row per sampling row, in order (no drafts: every count is 1).
         raw_logits = self.model.compute_logits(state.logits_hidden())
-        params = [st.sampling_params[state.idx_mapping_np[i]] for i in launched.rows]
+        slot_params = st.sampling_params
+        params = [slot_params[idx] for idx in state.idx_mapping_np[rows].tolist()]
         logits = self._process_logits(state, raw_logits, launched.rows, params, [[] for _ in launched.rows])
         positions = state.rows.num_output_np[rows].tolist()
         tokens_dev = sample_on_device(logits, params, [p.seed for p in params], positions).to(torch.int64)
@@ -598,10 +599,12 @@ class ModelRunner:
         kept per request until its prompt is complete; returns the completed ones, in the step that
         samples the first token: they travel with it (a chunk before it reports no tokens)."""
         st, rows, done = self.states, state.rows, {}
-        for i, req_id in enumerate(state.req_ids):
+        # Rows still in their prompt only (a decode batch has none: no Python per row there).
+        for i in np.flatnonzero(rows.num_output_np == 0).tolist():
+            req_id = state.req_ids[i]
             idx = int(state.idx_mapping_np[i])
             params = st.sampling_params[idx]
-            if params is None or params.prompt_logprobs is None or rows.num_output_np[i] > 0:
+            if params is None or params.prompt_logprobs is None:
                 continue
             start, q_len = int(rows.starts_np[i]), int(rows.q_lens_np[i])
             num_prompt = int(st.client_prompt_len_np[idx])

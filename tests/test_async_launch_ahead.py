@@ -95,10 +95,13 @@ def test_a_cuda_engine_launches_ahead_by_default_and_equals_sync(tiny_dir):
     assert engine.scheduler.block_manager.num_free_blocks == CFG["num_kv_blocks"]
 
 
-def test_penalties_fall_back_to_finishing_first(reference, tiny_dir):
-    """A batch with a penalty needs step n's token on the host before step n+1 is launched: those steps are not
-    launched ahead, and the tokens are the synchronous engine's."""
-    params = [SamplingParams(max_tokens=12, ignore_eos=True, repetition_penalty=1.3),
+@pytest.mark.parametrize("needs", ["penalty", "grammar"])
+def test_penalties_fall_back_to_finishing_first(reference, tiny_dir, needs):
+    """A batch with a penalty (or a grammar) needs step n's token on the host before step n+1 is launched: those
+    steps are not launched ahead, and the tokens are the synchronous engine's."""
+    host_tokens = (dict(repetition_penalty=1.3, ignore_eos=True) if needs == "penalty" else
+                   dict(structured_output='{"type": "regex", "pattern": "[a-z]{5,11}"}'))  # ends at its EOS
+    params = [SamplingParams(max_tokens=12, **host_tokens),
               SamplingParams(max_tokens=20, ignore_eos=True)]
     prompts = PROMPTS[:2]
     expected = [o.token_ids for o in make_engine("tiny-random", **CFG).generate(prompts, params)]
@@ -113,9 +116,9 @@ def test_penalties_fall_back_to_finishing_first(reference, tiny_dir):
 
     engine.runner.launch = watched
     assert [o.token_ids for o in engine.generate(prompts, params)] == expected
-    # Launched ahead only once the penalised request had finished.
+    # Launched ahead only once the penalised (constrained) request had finished.
     assert stepper.num_launched_ahead > 0 and ahead_rows
-    assert not any(p.has_penalties for p in ahead_rows)
+    assert not any(p.has_penalties or p.structured_output is not None for p in ahead_rows)
 
 
 def test_finished_step_appends_only_to_slots_still_held(tiny_dir):

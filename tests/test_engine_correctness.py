@@ -124,3 +124,22 @@ def test_generate_stop_string_ends_the_output_there(engine):
     assert stop in engine.tokenizer.decode(out.token_ids) and stop not in engine.tokenizer.decode(out.token_ids[:-1])
     assert engine.cumulative_outputs is True
     assert engine.scheduler.num_free_blocks == engine.kv_spec.num_blocks
+
+
+def test_an_output_carries_each_count_in_its_own_field(tiny_dir):
+    """LLMEngine._output builds RequestOutput positionally (per request per step): every field gets its own value."""
+    from pdcluster.engine.llm_engine import RequestOutput
+    from pdcluster.engine.request import Request, RequestStatus
+    from pdcluster.wire.logprobs import TokenLogprobs
+
+    engine = make_engine("tiny-random")
+    request = Request("r-7", [1, 2, 3], SamplingParams(), output_token_ids=[4, 5], num_computed_tokens=11,
+                      status=RequestStatus.FINISHED_LENGTH, num_cached_tokens=13, num_offloaded_tokens=17,
+                      num_draft_tokens=19, num_accepted_tokens=23)
+    record, prompt_record = TokenLogprobs(5, -0.5, 1, [], []), [TokenLogprobs(2, -1.5, 1, [], [])]
+    got = engine._output(request, True, [5], [record], prompt_record)
+    assert got == RequestOutput(
+        request_id="r-7", prompt_token_ids=[1, 2, 3], token_ids=[4, 5], finished=True, finish_reason="length",
+        new_token_ids=[5], num_draft_tokens=19, num_accepted_tokens=23, num_cached_tokens=13,
+        num_offloaded_tokens=17, num_computed_tokens=11, num_output_tokens=2, new_logprobs=[record],
+        prompt_logprobs=prompt_record)
