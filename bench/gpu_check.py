@@ -16,11 +16,12 @@ skipped once the time budget is spent:
   time at batch 1 and 32, and a request's greedy tokens and logprobs alone == among 15 others, bitwise;
 - ``speed``: a random-weight 1.1B Llama (TinyLlama's shape, bf16): copy bandwidth and the HBM floor,
   decode step time at batch 1, 32 and 128 (steps back to back, the steady state; ``step_ms_synced``:
-  each step alone after a device sync; ``cuda_graphs+cublas``: every matmul on cuBLAS, against the few-row
+  each step alone after a device sync, which under async scheduling launches the next step and returns the
+  finished one: the host's time a step, the floor of the steady state; ``cuda_graphs+cublas``: every matmul on cuBLAS, against the few-row
   Triton matmuls chosen per shape, whose measurements are ``skinny_choices``; ``cuda_graphs-pdl``: plain launches,
   against programmatic dependent launch; ``cuda_graphs-epilogues``: the rotary and norms after those matmuls as
-  kernels of their own, against kernels/triton_skinny_epilogues.py), prefill tok/s at 16 x 2,048 and its MFU, transformers' ``generate`` on
-  the same GPU.
+  kernels of their own, against kernels/triton_skinny_epilogues.py), prefill tok/s at 16 x 2,048 and its MFU,
+  transformers' ``generate`` on the same GPU.
 
 The GPU machine has torch, triton, transformers, safetensors, tokenizers, msgpack and numpy but no
 Ray, pyzmq, FastAPI, gguf or xgrammar, and nothing downloads there: the engine runs without them

@@ -66,8 +66,9 @@ def rms_norm_row(out_row_ptr, row, residual_row_ptr, weight, cols, mask, hidden,
                  row_dtype: tl.constexpr):
     """One row's residual add and RMSNorm (the module doc's numerics): ``row`` float32 [BLOCK] holding values of
     ``row_dtype`` (masked lanes 0) at columns ``cols`` (``mask``: those under ``hidden``), ``weight`` float32
-    [BLOCK]; stores the sum at ``residual_row_ptr`` (HAS_RESIDUAL) and the normalised row at ``out_row_ptr``. Shared with the skinny matmul's norm epilogue
-    (kernels/triton_skinny_epilogues.py), so both round the same math the same way."""
+    [BLOCK]; stores the sum at ``residual_row_ptr`` (HAS_RESIDUAL) and the normalised row at ``out_row_ptr``.
+    Shared with the skinny matmul's norm epilogue (kernels/triton_skinny_epilogues.py), so both round the same math
+    the same way."""
     if HAS_RESIDUAL:
         residual_dtype = residual_row_ptr.dtype.element_ty
         summed = tl.load(residual_row_ptr + cols, mask=mask, other=0.0).to(tl.float32) + row

@@ -83,7 +83,8 @@ print(json.dumps(out))
 """
 
 # What each kernel may read before its wait: model weights, which no kernel of a forward writes.
-_WEIGHTS = {"rms_norm": {"weight_ptr"}, "skinny_gemm": {"w_ptr"}, "skinny_dot": {"w_ptr"}, "sum_rms_norm": {"norm_w_ptr"}}
+_WEIGHTS = {"rms_norm": {"weight_ptr"}, "skinny_gemm": {"w_ptr"}, "skinny_dot": {"w_ptr"},
+            "sum_rms_norm": {"norm_w_ptr"}}
 
 
 def _pointers_read(build: dict, report) -> set[str]:

@@ -91,7 +91,8 @@ def _rotary_case(rows: int, dtype: torch.dtype, gen: torch.Generator):
 def test_the_rotary_epilogue_writes_what_the_matmul_and_the_rotary_kv_kernel_would(dtype, tiles, rows):
     """The qkv output with q and k rotated, and K and V in the cache (a padding token's slot left alone): bit for
     bit the matmul, then the fused rotary + KV-write kernel on its q, k and v views."""
-    a, w, num_q, num_kv, positions, cos_sin, cache, slots = _rotary_case(rows, dtype, torch.Generator().manual_seed(rows))
+    gen = torch.Generator().manual_seed(rows)
+    a, w, num_q, num_kv, positions, cos_sin, cache, slots = _rotary_case(rows, dtype, gen)
     d = cos_sin.shape[1]
     expected = sk.skinny_gemm(a, w, tiles)
     heads = expected.view(rows, -1, d)
