@@ -34,7 +34,7 @@ def run_server(app, host: str, port: int, model_name: str, sock: socket.socket |
             if threading.current_thread() is not threading.main_thread():
                 yield
                 return
-            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in signals_to_capture()}
             try:
                 yield
             finally:
@@ -62,6 +62,14 @@ def run_server(app, host: str, port: int, model_name: str, sock: socket.socket |
     finally:
         sock.close()
     return 0 if server.started else 1
+
+
+def signals_to_capture() -> list[int]:
+    """SIGINT and SIGTERM, but not one the process ignores: an API process of several ignores Ctrl-C's SIGINT
+    (cluster/frontend/api_process.py: its supervisor stops it with SIGTERM). Taking that SIGINT too made the
+    supervisor's SIGTERM a second signal, which uvicorn treats as "force exit": its lifespan task was cancelled
+    mid-shutdown (a traceback on Ctrl-C)."""
+    return [sig for sig in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(sig) is not signal.SIG_IGN]
 
 
 def run_serving_loop(main):

@@ -524,3 +524,19 @@ def test_ray_cluster_behind_two_api_processes(expected):  # noqa: F811 - the fix
             time.sleep(0.2)
     finally:
         server.close()
+
+
+def test_an_api_process_takes_only_the_signals_it_does_not_ignore():
+    """An API process of several ignores Ctrl-C's SIGINT (its supervisor stops it with SIGTERM): uvicorn must not take
+    that SIGINT back, or the supervisor's SIGTERM arrives as a second signal and forces the exit mid-shutdown."""
+    import signal
+
+    from pdcluster.cluster.http_server import signals_to_capture
+
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        assert signals_to_capture() == [signal.SIGINT, signal.SIGTERM]
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        assert signals_to_capture() == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGINT, previous)
