@@ -45,7 +45,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from pdcluster.engine.request import Request, RequestStatus
+from pdcluster.engine.request import Request
 from pdcluster.engine.scheduler import Scheduler, StepResult
 from pdcluster.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pdcluster.wire.kv_connector import KVConnectorOutput
@@ -56,6 +56,8 @@ PLACEHOLDER = -1
 # ---- per-request values across a reordered batch ---------------------------------------------------
 def prev_positions(req_ids: list[str], prev_req_ids: list[str]) -> np.ndarray:
     """For each request of this batch, its row in the previous step's batch, or -1 if it was not there."""
+    if req_ids == prev_req_ids:  # a steady batch (most decode steps): the same requests in the same order
+        return np.arange(len(req_ids), dtype=np.int64)
     prev_index = {req_id: i for i, req_id in enumerate(prev_req_ids)}
     return np.array([prev_index.get(req_id, -1) for req_id in req_ids], dtype=np.int64)
 
@@ -150,14 +152,21 @@ def fill_ahead_rows(
     is ``num_computed + 1``, with the in-flight token), and the input token is left to the device.
     Returns those rows and where each one's token lies in ``prev.tokens_dev`` (S4: by request id,
     never by row position)."""
-    rows = np.flatnonzero([s.placeholder_inputs for s in scheduled])
-    prev_pos = prev_positions([req_ids[r] for r in rows], prev.req_ids)
+    placeholder = [s.placeholder_inputs for s in scheduled]
+    if all(placeholder):  # a steady decode batch: every row
+        rows = np.arange(len(scheduled))
+        prev_pos = prev_positions(req_ids, prev.req_ids)
+    else:
+        rows = np.flatnonzero(placeholder)
+        prev_pos = prev_positions([req_ids[r] for r in rows], prev.req_ids)
     is_new = np.array([scheduled[r].is_new for r in rows], dtype=bool)
     src = np.where((prev_pos >= 0) & ~is_new, prev.sample_index_np[np.maximum(prev_pos, 0)], -1)
-    for r, j in zip(rows.tolist(), src.tolist()):
-        if j < 0 or scheduled[r].num_scheduled_tokens != 1:
-            raise RuntimeError(f"request {req_ids[r]!r} has placeholder inputs but no token sampled by the "
-                               f"step before it, or {scheduled[r].num_scheduled_tokens} inputs")
+    num_inputs = np.array([scheduled[r].num_scheduled_tokens for r in rows], dtype=np.int64)
+    bad = np.flatnonzero((src < 0) | (num_inputs != 1))
+    if len(bad):
+        r = int(rows[bad[0]])
+        raise RuntimeError(f"request {req_ids[r]!r} has placeholder inputs but no token sampled by the "
+                           f"step before it, or {scheduled[r].num_scheduled_tokens} inputs")
     committed = starts_np[rows] + 1
     num_output_np[rows] += committed - num_tokens_np[rows]
     num_tokens_np[rows] = committed
@@ -175,16 +184,21 @@ def merge_kv_outputs(a: KVConnectorOutput, b: KVConnectorOutput) -> KVConnectorO
 
 
 # ---- the scheduler half ------------------------------------------------------------------------------
+@dataclass(slots=True)  # one per request with a step in flight, updated in place every step
+class _Flight:
+    num_sampling: int  # sampling steps scheduled whose output is not back yet
+    num_drafts: int  # drafts in the newest of them
+    unreported: deque  # tokens scheduled per step whose output is not back yet, oldest first
+
+
 class AsyncScheduler(Scheduler):
     """Schedules a request behind its own in-flight step (see the module docstring)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.num_spec_tokens = self.config.num_spec_steps
-        # request id -> [sampling steps scheduled whose output is not back yet, drafts in the newest]
-        self._in_flight: dict[str, list[int]] = {}
-        # request id -> tokens scheduled per step whose output is not back yet, oldest first
-        self._unreported: dict[str, deque[int]] = {}
+        # request id -> its steps not reported yet (a prompt chunk's included: it samples nothing)
+        self._flights: dict[str, _Flight] = {}
         # Steps scheduled and steps finished so far: the ones between are in flight, and a block freed
         # now may still be written by the newest of them (BlockManager's fences).
         self.num_scheduled_steps = 0
@@ -211,8 +225,8 @@ class AsyncScheduler(Scheduler):
         return self.num_scheduled_steps if in_flight else None
 
     def _num_new_tokens(self, request: Request) -> int:
-        flight = self._in_flight.get(request.request_id)
-        if flight is None:
+        flight = self._flights.get(request.request_id)
+        if flight is None or not flight.num_sampling:
             return super()._num_new_tokens(request)
         params = request.sampling_params
         num_out = len(request.output_token_ids)
@@ -221,14 +235,14 @@ class AsyncScheduler(Scheduler):
             return 0  # the in-flight step's first token already ends it
         if not self.num_spec_tokens:
             return 1
-        most = 1 + flight[1]  # what the in-flight step may emit: room is counted from that upper bound
+        most = 1 + flight.num_drafts  # what the in-flight step may emit: room is counted from that upper bound
         room = min(self.max_model_len - (num_tokens + most), params.max_tokens - (num_out + most)) - 1
         return 1 + max(0, min(self.num_spec_tokens, room))
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         request_id = request.request_id
-        flight = self._in_flight.get(request_id)
-        if flight is None:
+        flight = self._flights.get(request_id)
+        if flight is None or not flight.num_sampling:
             s = super()._scheduled(request, num_new)
             samples = request.num_computed_tokens + num_new >= request.num_tokens
             params = request.sampling_params
@@ -236,13 +250,18 @@ class AsyncScheduler(Scheduler):
                 self.needs_host_tokens.add(request_id)
         else:
             num_prompt_tokens, num_output_tokens = len(request.prompt_token_ids), len(request.output_token_ids)
+            # Request.block_table() inlined (per request per step): the snapshot holds while the table neither
+            # grew nor was replaced.
+            block_table = request._block_table
+            if request._block_table_of is not request.block_ids or len(block_table) != len(request.block_ids):
+                block_table = request.block_table()
             s = ScheduledRequest(  # positional, in field order (per request per step: half the keyword call's cost)
                 request_id,
                 False,  # is_new
                 request.num_computed_tokens,
                 num_new,  # num_scheduled_tokens
                 [PLACEHOLDER] * num_new,  # input_token_ids
-                request.block_table(),
+                block_table,
                 num_prompt_tokens,
                 num_prompt_tokens + num_output_tokens,  # num_tokens
                 [PLACEHOLDER] * (num_new - 1) if num_new > 1 else [],  # spec_token_ids
@@ -255,59 +274,48 @@ class AsyncScheduler(Scheduler):
             samples = True
         # Optimistic: as if every draft were accepted. _commit_computed takes the rejected back.
         request.num_computed_tokens += num_new
-        queue = self._unreported.get(request_id)
-        if queue is None:
-            self._unreported[request_id] = deque((num_new,))
-        else:
-            queue.append(num_new)
-        if samples:
-            self._in_flight[request_id] = [(flight[0] if flight else 0) + 1, len(s.spec_token_ids)]
+        if flight is None:
+            self._flights[request_id] = _Flight(int(samples), len(s.spec_token_ids), deque((num_new,)))
+        else:  # in place: one record per request in flight, not one per step
+            flight.unreported.append(num_new)
+            if samples:
+                flight.num_sampling += 1
+                flight.num_drafts = len(s.spec_token_ids)
         return s
 
     def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[StepResult]:
-        """The base update with exact counts: while it commits step n (and registers computed blocks in
-        the prefix cache), ``num_computed_tokens`` must not include step n+1, already scheduled, whose
-        KV is not written yet (and never will be if the request ends now, e.g. on a stop token)."""
         self.retire(sched)
-        ahead: list[tuple[Request, int]] = []
-        unreported, requests, running = self._unreported, self.requests, RequestStatus.RUNNING
-        for s in sched.scheduled:
-            queue = unreported.get(s.request_id)
-            if not queue:
-                continue
-            queue.popleft()  # this step's
-            if queue:
-                request = requests.get(s.request_id)
-                if request is not None and request.status is running:
-                    num = queue[0] if len(queue) == 1 else sum(queue)
-                    request.num_computed_tokens -= num
-                    ahead.append((request, num))
-        results = super().update_from_output(sched, out)
-        for request, num in ahead:
-            if requests.get(request.request_id) is request and not request.is_finished:
-                request.num_computed_tokens += num  # the optimistic count again, for scheduling
-        return results
+        return super().update_from_output(sched, out)
 
-    def _commit_computed(self, request: Request, s: ScheduledRequest, num_rejected: int, sampled: bool) -> None:
-        request.num_computed_tokens -= num_rejected
+    def _commit_computed(self, request: Request, s: ScheduledRequest, num_rejected: int, sampled: bool) -> int:
+        """The optimistic count loses this step's rejected drafts. The count returned, for the base update to
+        commit step n with (registering its computed blocks in the prefix cache, ending the request), leaves out
+        step n+1, already scheduled, whose KV is not written yet (and never will be if the request ends now,
+        e.g. on a stop token)."""
+        num = request.num_computed_tokens = request.num_computed_tokens - num_rejected
+        flight = self._flights.get(request.request_id)
+        if flight is None:
+            return num
         if sampled:
-            flight = self._in_flight[request.request_id]
-            flight[0] -= 1
-            if flight[0] == 0:
-                del self._in_flight[request.request_id]
+            flight.num_sampling -= 1
+        queue = flight.unreported
+        if queue:
+            queue.popleft()  # this step's
+        if not queue:
+            del self._flights[request.request_id]
+            return num
+        return num - (queue[0] if len(queue) == 1 else sum(queue))
 
     def _take_drafts(self, request: Request, drafts: list[int]) -> None:
         pass  # the next step is already scheduled with placeholders; the runner keeps the drafts
 
     def _preempt(self, request: Request) -> None:
-        self._in_flight.pop(request.request_id, None)  # its in-flight output is dropped on arrival
-        self._unreported.pop(request.request_id, None)
+        self._flights.pop(request.request_id, None)  # its in-flight output is dropped on arrival
         self.needs_host_tokens.discard(request.request_id)
         super()._preempt(request)
 
     def _finish(self, request: Request, status) -> None:
-        self._in_flight.pop(request.request_id, None)
-        self._unreported.pop(request.request_id, None)
+        self._flights.pop(request.request_id, None)
         self.needs_host_tokens.discard(request.request_id)
         super()._finish(request, status)
 

@@ -183,11 +183,14 @@ class BlockManager:
         return self.allocate_slots(request, num_tokens - len(cached_block_ids) * self.block_size, cached_block_ids,
                                    out_of_stream=True)
 
-    def cache_full_blocks(self, request: Request) -> None:
-        """Register the request's full, computed blocks in the prefix cache."""
+    def cache_full_blocks(self, request: Request, num_computed_tokens: int | None = None) -> None:
+        """Register the request's full, computed blocks in the prefix cache. ``num_computed_tokens``: the
+        tokens whose KV is written (default the request's count, which async scheduling runs ahead of)."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
+        if num_computed_tokens is None:
+            num_computed_tokens = request.num_computed_tokens
+        num_full = min(num_computed_tokens, request.num_tokens) // self.block_size
         known = self._req_hashes.setdefault(request.request_id, [])
         if num_full <= len(known):
             return

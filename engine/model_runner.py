@@ -39,7 +39,7 @@ from pdcluster.engine.models.llama import LlamaModel
 from pdcluster.engine.piecewise_graphs import PiecewiseGraphs, takes_model
 from pdcluster.engine.proposers import ProposeBatch, Proposer, make_proposer
 from pdcluster.engine.rejection_sampler import num_valid_tokens, rejection_sample
-from pdcluster.engine.sampler import sample, sample_on_device
+from pdcluster.engine.sampler import sample, sample_draw_rows
 from pdcluster.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pdcluster.engine.mamba_state_blocks import pack_state, state_block_ids, unpack_state
 from pdcluster.engine.request_slots import RequestStates
@@ -392,20 +392,27 @@ class ModelRunner:
             return launched
         # One logits row per sampling row, in order (no drafts: every count is 1).
         raw_logits = self.model.compute_logits(state.logits_hidden())
-        slot_params = st.sampling_params
-        params = [slot_params[idx] for idx in state.idx_mapping_np[rows].tolist()]
-        logits = self._process_logits(state, raw_logits, launched.rows, params, [[] for _ in launched.rows])
-        positions = state.rows.num_output_np[rows].tolist()
-        tokens_dev = sample_on_device(logits, params, [p.seed for p in params], positions).to(torch.int64)
+        # What the rows ask of the sampler, from the slots' flags: a greedy batch without penalties, grammars
+        # or logprobs reads no row's parameters.
+        slots, slot_params = state.idx_mapping_np[rows], st.sampling_params
+        logits = raw_logits
+        if self.grammars or st.has_penalties_np[slots].any():
+            params = [slot_params[idx] for idx in slots.tolist()]
+            logits = self._process_logits(state, raw_logits, launched.rows, params, [[] for _ in launched.rows])
+        draw = np.flatnonzero(st.draws_np[slots])
+        draw_params = [slot_params[idx] for idx in slots[draw].tolist()]
+        tokens_dev = sample_draw_rows(logits, draw.tolist(), draw_params, [p.seed for p in draw_params],
+                                      state.rows.num_output_np[rows[draw]].tolist()).to(torch.int64)
         launched.tokens = LaunchedTokens(list(state.req_ids), sample_index_np, tokens_dev)
-        want = [j for j, p in enumerate(params) if p.logprobs is not None]
+        want = np.flatnonzero(st.wants_logprobs_np[slots]).tolist()
         if want:  # on the device too, their host copies behind the same event
-            if len(want) == len(params):
+            if len(want) == len(rows):
                 lp_logits, lp_ids = raw_logits, tokens_dev
             else:
                 sel = self.inputs.put("logprob_rows", np.asarray(want, dtype=np.int64))
                 lp_logits, lp_ids = raw_logits[sel], tokens_dev[sel]
-            launched.logprobs = launch_token_logprobs(lp_logits, lp_ids, [params[j].logprobs for j in want])
+            launched.logprobs = launch_token_logprobs(lp_logits, lp_ids,
+                                                      [slot_params[idx].logprobs for idx in slots[want].tolist()])
             launched.logprob_rows = want
         # The step's one synchronisation, deferred to finish().
         launched.tokens_host, launched.copied = self._sampled_ids_host.copy(tokens_dev)
@@ -420,21 +427,27 @@ class ModelRunner:
         if state.hidden_states is None:
             self._prev = PrevStepOutput.empty(self.num_spec_steps)
             return ModelRunnerOutput([], []), self.connector.no_forward(state.scheduler_output)
-        st, rows = self.states, launched.rows
-        sampled: list[list[int]] = [[] for _ in state.req_ids]
-        logprobs: list[list[TokenLogprobs]] = [[] for _ in state.req_ids]
+        st, rows, num_rows = self.states, launched.rows, len(state.req_ids)
+        sampled: list[list[int]] = []
+        # Empty when no row asked for logprobs (ModelRunnerOutput's "none"), else one list per row.
+        logprobs: list[list[TokenLogprobs]] = []
         if rows:
             if launched.copied is not None:
                 launched.copied.synchronize()
             per_req = [[t] for t in launched.tokens_host.tolist()]
-            for i, tokens in zip(rows, per_req):
-                sampled[i] = tokens
+            if len(rows) == num_rows:  # a decode batch: every row sampled
+                sampled = per_req
+            else:
+                sampled = [[] for _ in state.req_ids]
+                for i, tokens in zip(rows, per_req):
+                    sampled[i] = tokens
             # A step launched ahead of this one may have dropped a request (finished, preempted) and
             # given its slot to another: only slots the same request has held since launch take tokens.
             idx, appended = state.idx_mapping_np[rows], per_req
             if check_slots:
                 held = st.epoch_np[idx] == launched.epochs_np[rows]
-                held &= np.array([st.index_to_req_id[j] == state.req_ids[i] for i, j in zip(rows, idx.tolist())])
+                index_to_req_id, req_ids = st.index_to_req_id, state.req_ids
+                held &= np.array([index_to_req_id[j] == req_ids[i] for i, j in zip(rows, idx.tolist())])
                 if not held.all():
                     idx, appended = idx[held], [t for t, h in zip(per_req, held) if h]
             st.append_sampled(idx, appended)
@@ -444,15 +457,19 @@ class ModelRunner:
                     if grammar is not None:
                         grammar.accept(tokens)
             if launched.logprobs is not None:
+                logprobs = [[] for _ in state.req_ids]
                 records = launched.logprobs.records([per_req[j][0] for j in launched.logprob_rows])
                 for j, record in zip(launched.logprob_rows, records):
                     logprobs[rows[j]] = [record]
-        drafts: list[list[int]] = [[] for _ in sampled]
+        else:
+            sampled = [[] for _ in state.req_ids]
         if self.num_state_blocks_out:
             self._pack_states(state, sampled)
-        self._prev = self._step_output(state, sampled, drafts)
+        # No speculation here (a speculative step finished at launch): nothing rejected, no drafts.
+        self._prev = PrevStepOutput(list(state.req_ids), np.zeros(num_rows, dtype=np.int64),
+                                    np.full((num_rows, self.num_spec_steps), PLACEHOLDER, dtype=np.int64))
         kv_output = self.connector.post_forward(state.finished_req_ids)  # last: S2
-        return ModelRunnerOutput(state.req_ids, sampled, drafts, logprobs, launched.prompt_logprobs), kv_output
+        return ModelRunnerOutput(state.req_ids, sampled, [], logprobs, launched.prompt_logprobs), kv_output
 
     def _sample_and_propose(self, state: ExecuteModelState) -> tuple[ModelRunnerOutput, KVConnectorOutput]:
         """A speculative step's second half, all at once: verify, propose from the verified tokens,

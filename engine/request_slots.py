@@ -33,6 +33,12 @@ class RequestStates:
         self.num_blocks_np = np.zeros(max_num_reqs, dtype=np.int32)
         self.seed_np = np.zeros(max_num_reqs, dtype=np.int64)
         self.sampling_params: list[SamplingParams | None] = [None] * max_num_reqs
+        # Per slot, what its parameters ask of the sampler, asked of a whole batch at once (a decode step would
+        # otherwise call a property per row for each): a draw rather than the argmax, logits processors
+        # (penalties, bias, min_tokens, allowed/bad words), logprobs of the sampled tokens.
+        self.draws_np = np.zeros(max_num_reqs, dtype=bool)
+        self.has_penalties_np = np.zeros(max_num_reqs, dtype=bool)
+        self.wants_logprobs_np = np.zeros(max_num_reqs, dtype=bool)
         # Bumped whenever a slot is taken: a step finished after the next one was launched (async
         # scheduling) appends its tokens only to slots still held by the same request since its launch.
         self.epoch_np = np.zeros(max_num_reqs, dtype=np.int64)
@@ -57,6 +63,9 @@ class RequestStates:
         self.num_blocks_np[idx] = 0
         self.seed_np[idx] = seed
         self.sampling_params[idx] = params
+        self.draws_np[idx] = not params.greedy
+        self.has_penalties_np[idx] = params.has_penalties
+        self.wants_logprobs_np[idx] = params.logprobs is not None
         self.epoch_np[idx] += 1
         return idx
 

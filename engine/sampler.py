@@ -141,10 +141,23 @@ def sample_on_device(
 ) -> torch.Tensor:
     """:func:`sample` as an int64 tensor on the logits' device, without waiting for it (top-p rows
     excepted: their nucleus size is read on the host)."""
-    tokens = ops.argmax_rows(logits)  # C on CPU: ~6x torch.argmax over a 49k vocabulary
     rows = [i for i, p in enumerate(params) if not p.greedy]
-    if rows:
-        probs = batch_probs(logits[rows], [params[i] for i in rows])
-        drawn = _draw(probs, [position_uniform(seeds[i], positions[i]) for i in rows])
-        tokens[_to_device(rows, torch.int64, tokens.device)] = drawn
+    return sample_draw_rows(logits, rows, [params[i] for i in rows], [seeds[i] for i in rows],
+                            [positions[i] for i in rows])
+
+
+def sample_draw_rows(
+    logits: torch.Tensor,  # float32 [num_rows, vocab]
+    draw_rows: list[int],  # the rows that draw (not greedy); the others take the argmax
+    params: list[SamplingParams],  # of draw_rows, as seeds and positions
+    seeds: list[int],
+    positions: list[int],
+) -> torch.Tensor:
+    """:func:`sample_on_device` where the caller knows which rows draw (the runner's per-slot flags): a greedy
+    batch asks nothing of each row's parameters."""
+    tokens = ops.argmax_rows(logits)  # C on CPU: ~6x torch.argmax over a 49k vocabulary
+    if draw_rows:
+        probs = batch_probs(logits[draw_rows], params)
+        drawn = _draw(probs, [position_uniform(seed, position) for seed, position in zip(seeds, positions)])
+        tokens[_to_device(draw_rows, torch.int64, tokens.device)] = drawn
     return tokens

@@ -224,6 +224,9 @@ class Scheduler:
         if self.waiting.prioritized:
             running.sort(key=priority_of)
         num_new_tokens, scheduled_row, num_slots = self._num_new_tokens, self._scheduled, self._num_slots
+        # A row's slots are its tokens and MTP's lookahead (a hybrid producer's last prompt chunk adds state blocks).
+        lookahead, block_size = self.num_lookahead_tokens, cfg.block_size
+        plain_slots = not self._num_state_blocks_out
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
@@ -231,14 +234,16 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            while not allocate(request, num_slots(request, request.num_computed_tokens, num_new)):
-                victim = running.pop()
-                self._preempt(victim)
-                preempted.add(victim.request_id)
-                if victim is request:
+            # Most rows of most steps stay inside their last block: BlockManager.allocate_slots' first check, here.
+            if not (plain_slots and len(request.block_ids) * block_size >= request.num_computed_tokens + num_new + lookahead):
+                while not allocate(request, num_slots(request, request.num_computed_tokens, num_new)):
+                    victim = running.pop()
+                    self._preempt(victim)
+                    preempted.add(victim.request_id)
+                    if victim is request:
+                        break
+                if preempted and request.request_id in preempted:
                     break
-            if preempted and request.request_id in preempted:
-                break
             scheduled.append(scheduled_row(request, num_new))
             budget -= num_new
             i += 1
@@ -315,6 +320,7 @@ class Scheduler:
         # The runner answers in the schedule's order; a dict only if it ever did not.
         index = None if len(req_ids) == len(sched.scheduled) else {req_id: i for i, req_id in enumerate(req_ids)}
         commit, check_stop, cache_full_blocks = self._commit_computed, self._check_stop, self.block_manager.cache_full_blocks
+        eos_token_ids, max_model_len = self.eos_token_ids, self.max_model_len
         num_prompt_tokens_computed = 0
         for row, s in enumerate(sched.scheduled):
             request = requests.get(s.request_id)
@@ -326,8 +332,9 @@ class Scheduler:
             sampled = out.sampled_token_ids[i]
             spec = s.spec_token_ids
             num_rejected = len(spec) + 1 - len(sampled) if sampled and spec else 0
-            # S1: the count moves by what was verified, here and only here.
-            commit(request, s, num_rejected, bool(sampled))
+            # S1: the count moves by what was verified, here and only here. ``num_computed``: the tokens whose
+            # KV is written once this step is (async scheduling's own count runs ahead, over steps in flight).
+            num_computed = commit(request, s, num_rejected, bool(sampled))
             if spec:
                 request.num_draft_tokens += len(spec)
             request.spec_token_ids = []
@@ -335,8 +342,14 @@ class Scheduler:
             if len(sampled) == 1:  # a decode row's one token (most rows of most steps)
                 token_id = sampled[0]
                 new_tokens = [token_id]
-                request.output_token_ids.append(token_id)
-                finished = check_stop(request, token_id)
+                output = request.output_token_ids
+                output.append(token_id)
+                # _check_stop's tests inlined (per request per step); it runs for a row that ends, to say why.
+                params = request.sampling_params
+                if (token_id in params.stop_token_ids or (token_id in eos_token_ids and not params.ignore_eos)
+                        or len(output) >= params.max_tokens
+                        or len(request.prompt_token_ids) + len(output) >= max_model_len):
+                    finished = check_stop(request, token_id)
             else:
                 new_tokens = []
                 for token_id in sampled:
@@ -351,13 +364,16 @@ class Scheduler:
                 request.num_accepted_tokens += len(new_tokens) - 1
             # Register computed full blocks even when the request ends now: a finished request's
             # prefix is exactly what the next request with the same prompt wants to hit.
-            cache_full_blocks(request)
+            cache_full_blocks(request, num_computed)
             if s.num_computed_tokens < s.num_prompt_tokens:  # a prompt chunk
                 num_prompt_tokens_computed += min(s.num_computed_tokens + s.num_scheduled_tokens,
                                                   s.num_prompt_tokens) - s.num_computed_tokens
-            if not request.prompt_cached and request.num_computed_tokens >= len(request.prompt_token_ids):
+            if not request.prompt_cached and num_computed >= len(request.prompt_token_ids):
                 request.prompt_cached = True
             if finished:
+                # A step scheduled behind this one (async) never counts now: its row is dropped, or its
+                # output is on arrival (the request is finished).
+                request.num_computed_tokens = num_computed
                 self.running.remove(request)
                 # Drafts proposed from this step's output travel with a KV transfer (prefill side).
                 request.spec_token_ids = list(out.spec_token_ids[i]) if out.spec_token_ids and sampled else []
@@ -386,8 +402,11 @@ class Scheduler:
         return (len(request.prompt_token_ids) + len(request.output_token_ids) + len(request.spec_token_ids)
                 - request.num_computed_tokens)  # num_tokens_with_spec, without its two property calls
 
-    def _commit_computed(self, request: Request, s: ScheduledRequest, num_rejected: int, sampled: bool) -> None:
-        request.num_computed_tokens = s.num_computed_tokens + s.num_scheduled_tokens - num_rejected
+    def _commit_computed(self, request: Request, s: ScheduledRequest, num_rejected: int, sampled: bool) -> int:
+        """Move the request's count past step ``s`` (its rejected drafts taken back); returns the tokens whose KV
+        is written once that step is."""
+        request.num_computed_tokens = num = s.num_computed_tokens + s.num_scheduled_tokens - num_rejected
+        return num
 
     def _take_drafts(self, request: Request, drafts: list[int]) -> None:
         request.spec_token_ids = self._cap_drafts(request, drafts)
