@@ -146,22 +146,26 @@ def fill_ahead_rows(
     starts_np: np.ndarray,
     num_tokens_np: np.ndarray,
     num_output_np: np.ndarray,
+    placeholder_np: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Placeholder rows of a step launched before the previous one is finished (no speculation, so one
     input token a row and nothing rejected): the counts are made exact in place (the committed length
     is ``num_computed + 1``, with the in-flight token), and the input token is left to the device.
     Returns those rows and where each one's token lies in ``prev.tokens_dev`` (S4: by request id,
-    never by row position)."""
-    placeholder = [s.placeholder_inputs for s in scheduled]
-    if all(placeholder):  # a steady decode batch: every row
+    never by row position). ``placeholder_np``: which rows have placeholder inputs, where the caller has them."""
+    if placeholder_np is None:
+        placeholder_np = np.array([s.placeholder_inputs for s in scheduled], dtype=bool)
+    if placeholder_np.all():  # a steady decode batch: every row
         rows = np.arange(len(scheduled))
         prev_pos = prev_positions(req_ids, prev.req_ids)
     else:
-        rows = np.flatnonzero(placeholder)
-        prev_pos = prev_positions([req_ids[r] for r in rows], prev.req_ids)
-    is_new = np.array([scheduled[r].is_new for r in rows], dtype=bool)
+        rows = np.flatnonzero(placeholder_np)
+        prev_pos = prev_positions([req_ids[r] for r in rows.tolist()], prev.req_ids)
+    # A placeholder row is never one the runner (re)adds (the scheduler makes those outside a flight); if it
+    # were, its token would not carry over.
+    is_new = np.array([scheduled[r].is_new for r in rows.tolist()], dtype=bool)
     src = np.where((prev_pos >= 0) & ~is_new, prev.sample_index_np[np.maximum(prev_pos, 0)], -1)
-    num_inputs = np.array([scheduled[r].num_scheduled_tokens for r in rows], dtype=np.int64)
+    num_inputs = np.array([scheduled[r].num_scheduled_tokens for r in rows.tolist()], dtype=np.int64)
     bad = np.flatnonzero((src < 0) | (num_inputs != 1))
     if len(bad):
         r = int(rows[bad[0]])

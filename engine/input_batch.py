@@ -61,25 +61,25 @@ def step_rows(sched: SchedulerOutput, idx_mapping: np.ndarray, states: RequestSt
     """The scheduler's rows, with ``num_computed_tokens`` from the runner's mirror (the scheduler's, S1)
     and placeholder rows (async scheduling) made exact from the previous step's outputs (S4): from
     ``prev`` once that step is finished, else (launched ahead of it) from ``ahead``, its ids on the device."""
-    scheduled = sched.scheduled
+    scheduled, columns = sched.scheduled, sched.columns()
     rows = StepRows(
         starts_np=states.num_computed_tokens_np[idx_mapping].astype(np.int64),  # the scheduler's (S1)
-        q_lens_np=np.array([s.num_scheduled_tokens for s in scheduled], dtype=np.int64),
-        num_tokens_np=np.array([s.num_tokens for s in scheduled], dtype=np.int64),
-        num_output_np=np.array([s.num_output_tokens for s in scheduled], dtype=np.int64),
+        q_lens_np=columns.q_lens_np.astype(np.int64),
+        num_tokens_np=columns.num_tokens_np.astype(np.int64),
+        num_output_np=columns.num_output_np.copy(),  # the placeholder rows' are made exact below
         input_token_ids=[s.input_token_ids for s in scheduled],
         draft_token_ids=[s.spec_token_ids for s in scheduled],
     )
-    if not any(s.placeholder_inputs for s in scheduled):
+    if not columns.placeholder_np.any():
         return rows
     if ahead is not None:
         rows.ahead_rows_np, rows.ahead_src_np = fill_ahead_rows(
-            [s.request_id for s in scheduled], scheduled, ahead, rows.starts_np, rows.num_tokens_np,
-            rows.num_output_np)
+            columns.req_ids, scheduled, ahead, rows.starts_np, rows.num_tokens_np, rows.num_output_np,
+            columns.placeholder_np)
         rows.ahead_tokens_dev = ahead.tokens_dev
     else:
         fill_placeholder_rows(
-            [s.request_id for s in scheduled], scheduled, idx_mapping, prev, states,
+            columns.req_ids, scheduled, idx_mapping, prev, states,
             rows.starts_np, rows.num_tokens_np, rows.num_output_np, rows.input_token_ids, rows.draft_token_ids,
         )
     return rows

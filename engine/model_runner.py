@@ -189,56 +189,38 @@ class ModelRunner:
             self._prompt_logprobs.pop(req_id, None)
         st = self.states
         scheduled = sched.scheduled
-        num_rows = len(scheduled)
-        # Per row, as Python lists (a numpy element write costs more than an append): made arrays below.
-        idx_list: list[int] = []
-        num_computed_list: list[int] = []
-        num_tokens_list: list[int] = []
-        placeholder_rows: list[int] = []
-        # One committed input token (a decode row): written together after the loop.
-        one_rows: list[int] = []
-        one_tokens: list[int] = []
+        # Requests (re)added to the runner first, in row order (a decode step has none); then every row's
+        # values in one column pass each (a comprehension per field costs a fraction of a loop's appends).
+        for s in [s for s in scheduled if s.is_new]:
+            st.remove_request(s.request_id)  # resumed after preemption
+            idx = st.add_request(s.request_id, s.all_token_ids, s.sampling_params, s.sampling_params.seed)
+            self._add_request_extras(s, idx)
+            if self.mamba_pool is not None:
+                self._init_state(s, idx)
+        columns = sched.columns()
         req_id_to_index = st.req_id_to_index
-        for i, s in enumerate(scheduled):
-            if s.is_new:
-                st.remove_request(s.request_id)  # resumed after preemption
-                idx = st.add_request(s.request_id, s.all_token_ids, s.sampling_params, s.sampling_params.seed)
-                self._add_request_extras(s, idx)
-                if self.mamba_pool is not None:
-                    self._init_state(s, idx)
-            else:
-                idx = req_id_to_index[s.request_id]
-            idx_list.append(idx)
-            start, num_tokens_i = s.num_computed_tokens, s.num_tokens
-            num_computed_list.append(start)
-            num_tokens_list.append(num_tokens_i)
-            if s.placeholder_inputs:  # the scheduler's count lags the in-flight step's tokens
-                placeholder_rows.append(i)
-            # Committed tokens come from the scheduler too; drafts never enter token_ids_np.
-            num_committed_inputs = min(s.num_scheduled_tokens, num_tokens_i - start)
-            if num_committed_inputs == 1:
-                one_rows.append(i)
-                one_tokens.append(s.input_token_ids[0])
-            elif num_committed_inputs > 0:
-                st.token_ids_np[idx, start : start + num_committed_inputs] = s.input_token_ids[:num_committed_inputs]
+        idx_list = [req_id_to_index[req_id] for req_id in columns.req_ids]
         idx_mapping = np.array(idx_list, dtype=np.int32)
-        num_computed = np.array(num_computed_list, dtype=np.int32)
-        num_tokens = np.array(num_tokens_list, dtype=np.int32)
+        num_computed, num_tokens = columns.num_computed_np, columns.num_tokens_np
+        q_lens, placeholder = columns.q_lens_np, columns.placeholder_np
         # Block tables: only the rows whose table grew since the slot's last write (a decode step: few).
-        num_blocks = np.fromiter((len(s.block_ids) for s in scheduled), dtype=np.int64, count=num_rows)
+        num_blocks = np.array([len(s.block_ids) for s in scheduled], dtype=np.int32)
         for r in np.flatnonzero(num_blocks != st.num_blocks_np[idx_mapping]).tolist():
             st.set_block_ids(idx_list[r], scheduled[r].block_ids)
         # The mirror overwritten from the scheduler (S1), every scheduled row at once.
         st.refresh_counts(idx_mapping, num_computed)
-        if len(one_rows) == num_rows:  # a decode batch
-            st.token_ids_np[idx_mapping, num_computed] = one_tokens
-        elif one_rows:
-            rows = np.asarray(one_rows)
-            st.token_ids_np[idx_mapping[rows], num_computed[rows]] = one_tokens
-        if placeholder_rows:
-            counted = np.ones(num_rows, dtype=bool)
-            counted[placeholder_rows] = False
-            st.num_tokens_np[idx_mapping[counted]] = num_tokens[counted]
+        # Committed tokens come from the scheduler too; drafts never enter token_ids_np. A placeholder row's
+        # inputs are all past its committed tokens (the in-flight step's).
+        num_committed_inputs = np.minimum(q_lens, num_tokens - num_computed)
+        one_rows = np.flatnonzero(num_committed_inputs == 1)
+        if len(one_rows):  # one committed input: a decode row's token, written together
+            tokens = [scheduled[r].input_token_ids[0] for r in one_rows.tolist()]
+            st.token_ids_np[idx_mapping[one_rows], num_computed[one_rows]] = tokens
+        for r in np.flatnonzero(num_committed_inputs > 1).tolist():  # prompt chunks
+            start, n = int(num_computed[r]), int(num_committed_inputs[r])
+            st.token_ids_np[idx_list[r], start : start + n] = scheduled[r].input_token_ids[:n]
+        if placeholder.any():  # the scheduler's count lags the in-flight step's tokens: the runner's stays
+            st.num_tokens_np[idx_mapping[~placeholder]] = num_tokens[~placeholder]
         else:
             st.num_tokens_np[idx_mapping] = num_tokens
         return idx_mapping
@@ -289,7 +271,7 @@ class ModelRunner:
         """``ahead``: the previous step, launched and not yet finished (its sampled ids still on the
         device): this step's placeholder rows read their input token from it there."""
         idx_mapping = self.update_requests(sched)
-        req_ids = [s.request_id for s in sched.scheduled]
+        req_ids = sched.columns().req_ids
         if sched.is_empty:
             self._state = ExecuteModelState(
                 sched, req_ids, idx_mapping, None, None, np.zeros(0, np.int32), np.zeros(0, np.int32),

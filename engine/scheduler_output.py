@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pdcluster.wire.logprobs import TokenLogprobs
 
 
@@ -57,6 +59,30 @@ class ScheduledRequest:
         )
 
 
+@dataclass(slots=True)
+class ScheduledColumns:
+    """The rows' per-request values as arrays (one comprehension per field, once per step): what the runner's
+    mirror update and its step inputs both read."""
+
+    req_ids: list[str]
+    num_computed_np: np.ndarray  # int32 [num_rows]
+    num_tokens_np: np.ndarray  # int32
+    q_lens_np: np.ndarray  # int32: num_scheduled_tokens
+    num_output_np: np.ndarray  # int64
+    placeholder_np: np.ndarray  # bool: placeholder_inputs
+
+    @classmethod
+    def of(cls, scheduled: list[ScheduledRequest]) -> "ScheduledColumns":
+        return cls(
+            [s.request_id for s in scheduled],
+            np.array([s.num_computed_tokens for s in scheduled], dtype=np.int32),
+            np.array([s.num_tokens for s in scheduled], dtype=np.int32),
+            np.array([s.num_scheduled_tokens for s in scheduled], dtype=np.int32),
+            np.array([s.num_output_tokens for s in scheduled], dtype=np.int64),
+            np.array([s.placeholder_inputs for s in scheduled], dtype=bool),
+        )
+
+
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
@@ -67,10 +93,18 @@ class SchedulerOutput:
     # Async scheduling numbers its steps from 1 (AsyncScheduler): blocks freed while step n may still
     # write them are fenced until step n finished (BlockManager.lift_fences). 0: not numbered.
     step_index: int = 0
+    # columns()'s arrays, built on first use (not an init field: dataclasses.replace builds them anew)
+    _columns: ScheduledColumns | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    def columns(self) -> ScheduledColumns:
+        """The rows as arrays, built once (``scheduled`` is not changed after the scheduler returns it)."""
+        if self._columns is None:
+            self._columns = ScheduledColumns.of(self.scheduled)
+        return self._columns
 
 
 @dataclass
