@@ -319,7 +319,9 @@ class Scheduler:
         req_ids, requests, running_status = out.req_ids, self.requests, RequestStatus.RUNNING
         # The runner answers in the schedule's order; a dict only if it ever did not.
         index = None if len(req_ids) == len(sched.scheduled) else {req_id: i for i, req_id in enumerate(req_ids)}
-        commit, check_stop, cache_full_blocks = self._commit_computed, self._check_stop, self.block_manager.cache_full_blocks
+        commit, check_stop = self._commit_computed, self._check_stop
+        # Without prefix caching there is nothing to register (a call per row saved).
+        cache_full_blocks = self.block_manager.cache_full_blocks if self.block_manager.enable_prefix_caching else None
         eos_token_ids, max_model_len = self.eos_token_ids, self.max_model_len
         num_prompt_tokens_computed = 0
         for row, s in enumerate(sched.scheduled):
@@ -337,11 +339,12 @@ class Scheduler:
             num_computed = commit(request, s, num_rejected, bool(sampled))
             if spec:
                 request.num_draft_tokens += len(spec)
-            request.spec_token_ids = []
+            if request.spec_token_ids:
+                request.spec_token_ids = []
             finished = False
             if len(sampled) == 1:  # a decode row's one token (most rows of most steps)
                 token_id = sampled[0]
-                new_tokens = [token_id]
+                new_tokens = sampled  # the runner's list of this row, read-only from here on
                 output = request.output_token_ids
                 output.append(token_id)
                 # _check_stop's tests inlined (per request per step); it runs for a row that ends, to say why.
@@ -364,7 +367,8 @@ class Scheduler:
                 request.num_accepted_tokens += len(new_tokens) - 1
             # Register computed full blocks even when the request ends now: a finished request's
             # prefix is exactly what the next request with the same prompt wants to hit.
-            cache_full_blocks(request, num_computed)
+            if cache_full_blocks is not None:
+                cache_full_blocks(request, num_computed)
             if s.num_computed_tokens < s.num_prompt_tokens:  # a prompt chunk
                 num_prompt_tokens_computed += min(s.num_computed_tokens + s.num_scheduled_tokens,
                                                   s.num_prompt_tokens) - s.num_computed_tokens
