@@ -154,15 +154,12 @@ class Linear:
         ``self.after_silu_and_mul(x)``) with the residual add and the norm in the skinny kernel's epilogue, where that
         kernel was chosen for this many rows; None where it was not, having done nothing (the caller runs them apart).
         """
-        tiles = self._skinny_tiles(x, silu_and_mul) if self._skinny and skinny_linear.epilogues() else None
-        if tiles is None or norm_weight.dtype is not x.dtype or residual.dtype is not x.dtype \
-                or residual.dim() != 2 or residual.stride(1) != 1:
+        if norm_weight.dtype is not x.dtype or residual.dtype is not x.dtype or residual.dim() != 2 \
+                or residual.stride(1) != 1:
             return None
         from pdcluster.kernels.triton_skinny_epilogues import RmsNormEpilogue
-        from pdcluster.kernels.triton_skinny_gemm import skinny_gemm
 
-        return skinny_gemm(x, self.weight, tiles, silu_and_mul=silu_and_mul,
-                           epilogue=RmsNormEpilogue(norm_weight, eps, residual))
+        return self._with_epilogue(x, silu_and_mul, lambda: RmsNormEpilogue(norm_weight, eps, residual))
 
     def then_rotary_write_kv(self, x: torch.Tensor, num_q_heads: int, num_kv_heads: int, positions: torch.Tensor,
                              cos_sin: torch.Tensor, layer_cache: torch.Tensor,
@@ -170,14 +167,20 @@ class Linear:
         """The qkv projection's output [M, (num_q_heads + 2 num_kv_heads) * head_dim] with q and k rotated and K and
         V written into the cache (``ops.rotary_write_kv`` on its views), those in the skinny kernel's epilogue where
         that kernel was chosen for this many rows; None where it was not, having done nothing."""
-        tiles = self._skinny_tiles(x, False) if self._skinny and skinny_linear.epilogues() else None
+        from pdcluster.kernels.triton_skinny_epilogues import RotaryKvEpilogue
+
+        return self._with_epilogue(x, False, lambda: RotaryKvEpilogue(num_q_heads, num_kv_heads, positions, cos_sin,
+                                                                     layer_cache, slot_mapping))
+
+    def _with_epilogue(self, x: torch.Tensor, silu_and_mul: bool, epilogue) -> torch.Tensor | None:
+        """The skinny kernel with ``epilogue()`` (built only then) where that kernel and its epilogues are on and it was
+        chosen for this many rows; None, having done nothing, where not: the gate both ``then_*`` share."""
+        tiles = self._skinny_tiles(x, silu_and_mul) if self._skinny and skinny_linear.epilogues() else None
         if tiles is None:
             return None
-        from pdcluster.kernels.triton_skinny_epilogues import RotaryKvEpilogue
         from pdcluster.kernels.triton_skinny_gemm import skinny_gemm
 
-        return skinny_gemm(x, self.weight, tiles, epilogue=RotaryKvEpilogue(num_q_heads, num_kv_heads, positions,
-                                                                          cos_sin, layer_cache, slot_mapping))
+        return skinny_gemm(x, self.weight, tiles, silu_and_mul=silu_and_mul, epilogue=epilogue())
 
     def after_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``self(silu(x[:, :d]) * x[:, d:])`` for the fused gate/up projection's output ``x``: one kernel where
