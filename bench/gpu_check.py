@@ -793,16 +793,17 @@ def _gpu_idle(prof, num_steps: int, device_type=None) -> dict:
 
 def _decode_step_ms(engine, batch: int, prompt_len: int, num_steps: int, device: str,
                     profile_into: dict | None = None, synced_into: dict | None = None,
-                    lora_name: str | None = None) -> float:
+                    lora_name: str | None = None, phases_into: dict | None = None) -> float:
     """Decode step time at ``batch`` in the steady state: ``num_steps`` steps back to back, the device
     synchronised only before the first and after the last (with async scheduling a step is launched
     while the one before it runs; a sync before each step would drain that pipeline and time every step
     as if alone). ``synced_into[str(batch)]``, if given, gets the median of steps timed one at a time
     after a sync (the figure this check reported until launch-ahead). ``lora_name``: every request runs with
-    that adapter (engine/lora/)."""
+    that adapter (engine/lora/). ``phases_into[str(batch)]``, if given, gets those synced steps' host time phase by
+    phase and the torch calls of a step (bench/host_phases.py: host_overhead's breakdown, on this device)."""
     from pdcluster.engine.sampling_params import SamplingParams
 
-    params = SamplingParams(max_tokens=2 * num_steps + 24, temperature=0.0, ignore_eos=True, lora_name=lora_name)
+    params = SamplingParams(max_tokens=4 * num_steps + 24, temperature=0.0, ignore_eos=True, lora_name=lora_name)
     for i in range(batch):
         engine.add_request([5 + (i * 7 + j) % 20000 for j in range(prompt_len)], params)
     started = set()
@@ -827,6 +828,15 @@ def _decode_step_ms(engine, batch: int, prompt_len: int, num_steps: int, device:
             engine.step()
             times.append(time.perf_counter() - t1)
         synced_into[str(batch)] = round(statistics.median(times) * 1e3, 3)
+    if phases_into is not None:
+        try:
+            from host_phases import host_phases, torch_calls_per_step
+
+            phases = host_phases(engine, num_steps, lambda: _sync(device))
+            phases["torch_calls"] = torch_calls_per_step(engine, 3)
+            phases_into[str(batch)] = phases
+        except Exception as e:  # noqa: BLE001 - a diagnostic: never fail the timing for it
+            phases_into[str(batch)] = {"error": f"{type(e).__name__}: {e}"}
     if profile_into is not None:
         try:
             profile_into[str(batch)] = _profile_steps(engine, device)
@@ -924,6 +934,7 @@ def speed_section(entry: dict, device: str, work: Path, quick: bool, report: Rep
     batches = (1, 4) if quick else (1, 32, 128)
     decode: dict = {}
     profiles: dict = {}
+    host_phases_ms: dict = {}  # "cuda_graphs": where a step's host time goes (bench/host_phases.py)
     # The fast mode (CUDA's default: cuBLAS, the fast attention tiles) and deterministic mode (the
     # batch-invariant Triton matmul and fixed attention tiles); async scheduling (CUDA's default) but in
     # "cuda_graphs+sync".
@@ -959,7 +970,8 @@ def speed_section(entry: dict, device: str, work: Path, quick: bool, report: Rep
                 synced: dict = {}
                 ms = _decode_step_ms(engine, b, prompt_len, num_steps, device,
                                      profile_into=profiles.setdefault(mode, {}) if mode in PROFILED_MODES else None,
-                                     synced_into=synced, lora_name="a" if mode == "lora" else None)
+                                     synced_into=synced, lora_name="a" if mode == "lora" else None,
+                                     phases_into=host_phases_ms if mode == "cuda_graphs" else None)
                 kv_bytes = b * (prompt_len + num_steps // 2) * shape["num_hidden_layers"] * 2 \
                     * shape["num_key_value_heads"] * (shape["hidden_size"] // shape["num_attention_heads"]) * 2
                 floor = (weight_bytes + kv_bytes) / (bw * 1e9) * 1e3
@@ -974,6 +986,7 @@ def speed_section(entry: dict, device: str, work: Path, quick: bool, report: Rep
         del engine
     entry["decode"] = {"context_tokens": prompt_len, "gc_frozen": True, **decode}
     entry["decode_profiles"] = profiles
+    entry["decode_host_phases"] = host_phases_ms
     entry["skinny_choices"] = skinny_linear.choices()
     try:
         entry["mixed_steps"] = mixed_steps(model_dir, device, quick)

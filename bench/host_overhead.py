@@ -40,7 +40,7 @@ def stubbed_engine(batch: int, context: int, steps: int, async_scheduling: bool 
     from pdcluster.engine.sampling_params import SamplingParams
 
     prefill_steps = batch * context // max(2048, batch) + 8  # the first requests decode meanwhile
-    max_tokens = 2 * steps + 32 + prefill_steps  # the timed and the profiled steps
+    max_tokens = 3 * steps + 32 + prefill_steps  # the timed, the profiled and the phase-timed steps
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     max_model_len = context + max_tokens + 16
     engine = LLMEngine.from_config(EngineConfig(
@@ -69,17 +69,17 @@ def stubbed_engine(batch: int, context: int, steps: int, async_scheduling: bool 
 
 
 def host_step_ms(batch: int, context: int, steps: int, profile: str | None = None, async_scheduling: bool = False,
-                 streaming: bool = False, graph_path: bool = False, gc_freeze: bool = True) -> dict:
+                 streaming: bool = False, graph_path: bool = False, gc_freeze: bool = True, phases: bool = False) -> dict:
     from pdcluster.engine.gc_heap import frozen
 
     engine = stubbed_engine(batch, context, steps, async_scheduling, streaming, graph_path)
     if not gc_freeze:
-        return _timed_steps(engine, batch, steps, profile)
+        return _timed_steps(engine, batch, steps, profile, phases)
     with frozen():  # as a serving process does once its engine is built (engine/gc_heap.py)
-        return _timed_steps(engine, batch, steps, profile)
+        return _timed_steps(engine, batch, steps, profile, phases)
 
 
-def _timed_steps(engine, batch: int, steps: int, profile: str | None) -> dict:
+def _timed_steps(engine, batch: int, steps: int, profile: str | None, phases: bool = False) -> dict:
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -95,6 +95,12 @@ def _timed_steps(engine, batch: int, steps: int, profile: str | None) -> dict:
             engine.step()
         prof.disable()
         pstats.Stats(prof, stream=sys.stderr).sort_stats(profile).print_stats(30)
+    breakdown = None
+    if phases:  # bench/host_phases.py: the same breakdown gpu_check takes on the GPU machine
+        from host_phases import host_phases, torch_calls_per_step
+
+        breakdown = host_phases(engine, steps, lambda: None)
+        breakdown["torch_calls"] = torch_calls_per_step(engine, 5)
     assert len(engine.scheduler.running) == batch, "requests finished during the timing"
     # The mean too: a collection's pause lands in a few steps, which the median leaves out and a decode's
     # throughput does not.
@@ -102,6 +108,8 @@ def _timed_steps(engine, batch: int, steps: int, profile: str | None) -> dict:
            "us_per_request": round(statistics.median(times) * 1e6 / batch, 2)}
     if engine._stepper is not None:
         out["steps_launched_ahead"] = engine.num_steps_launched_ahead
+    if breakdown is not None:
+        out["host_phases"] = breakdown
     return out
 
 
@@ -123,6 +131,8 @@ def main() -> int:
     ap.add_argument("--graph-path", action="store_true",
                     help="the GPU's decode path: step inputs staged through the host/device arenas and decode steps "
                          "through CUDA graphs, emulated (the graph's forward is the stub)")
+    ap.add_argument("--phases", action="store_true",
+                    help="then time the steps phase by phase and count their torch calls (bench/host_phases.py)")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT / "bench"))
     from gpu_check import import_pdcluster
@@ -136,7 +146,8 @@ def main() -> int:
               "streaming_outputs": args.streaming_outputs, "graph_path": args.graph_path,
               "gc_freeze": not args.no_gc_freeze,
               "batches": {b: host_step_ms(int(b), args.context, args.steps, args.profile, args.async_scheduling,
-                                          args.streaming_outputs, args.graph_path, not args.no_gc_freeze)
+                                          args.streaming_outputs, args.graph_path, not args.no_gc_freeze,
+                                          args.phases)
                           for b in args.batches.split(",")}}
     emit_json(result, args.out, indent=2)
     return 0
