@@ -87,6 +87,15 @@ class DecodeGraphs:
         self.num_staged = 0  # steps whose inputs were staged straight into the static buffers
         self.num_copied = 0  # steps whose inputs ``run`` copied into them (device to device)
         self.block_tables = torch.zeros(max_rows, max_blocks_per_req, dtype=torch.int32, device=device)
+        self._table_width = max_blocks_per_req
+        # Rows of block_tables written since they were last zeroed: a padded row reads block 0, so rows past a
+        # step's are zeroed, but only those an earlier, larger step wrote (a launch saved on most steps).
+        self._num_table_rows_written = 0
+        # Slices each step asks for again (a torch call each, host time): (rows, width) -> block_tables' window,
+        # num_ahead -> the launch-ahead index prefixes, (bucket, tokens) -> the graph output's prefix.
+        self._table_views: dict[tuple[int, int], torch.Tensor] = {}
+        self._ahead_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._output_views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.query_start_loc = torch.arange(0, (max_rows + 1) * q_len, q_len, dtype=torch.int32, device=device)
         if mamba_pool is not None:
             if mamba_pool.num_slots <= max_rows:
@@ -117,7 +126,7 @@ class DecodeGraphs:
         """The bucket whose graph takes a batch of ``num_rows`` rows with block tables ``table_width`` wide (None:
         no bucket holds it, its capture failed, or the table is wider than the static one)."""
         bucket = self.bucket(num_rows)
-        if bucket is None or bucket in self._failed or table_width > self.block_tables.shape[1]:
+        if bucket is None or bucket in self._failed or table_width > self._table_width:
             return None
         return bucket
 
@@ -162,7 +171,10 @@ class DecodeGraphs:
                 self.state_slots[:num_rows] if self.mamba_pool is not None else None)
         out = dict(zip(("input_ids", "positions", "slot_mapping", "seq_lens", "state_slots"), views))
         if num_ahead:
-            out["ahead_dst"], out["ahead_src"] = self.ahead_dst[:num_ahead], self.ahead_src[:num_ahead]
+            ahead = self._ahead_views.get(num_ahead)
+            if ahead is None:
+                ahead = self._ahead_views[num_ahead] = (self.ahead_dst[:num_ahead], self.ahead_src[:num_ahead])
+            out["ahead_dst"], out["ahead_src"] = ahead
         return out
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
@@ -189,9 +201,20 @@ class DecodeGraphs:
             self.slot_mapping[n : bucket * self.q_len].fill_(PAD_SLOT)
             self.seq_lens[:num_rows].copy_(meta.seq_lens)
             self.seq_lens[num_rows:bucket].fill_(1)
-        self.block_tables[:num_rows, : meta.block_tables.shape[1]].copy_(meta.block_tables)
-        if num_rows < bucket:  # padded rows read block 0 (a torch call even over no rows: skipped then)
-            self.block_tables[num_rows:bucket].zero_()
+        width = meta.block_tables.shape[1]
+        table = self._table_views.get((num_rows, width))
+        if table is None:
+            if len(self._table_views) >= 512:
+                self._table_views.clear()
+            table = self._table_views[(num_rows, width)] = self.block_tables[:num_rows, :width]
+        table.copy_(meta.block_tables)
+        # Padded rows read block 0: zeroed where an earlier step wrote them (a torch call even over no rows).
+        if num_rows < bucket and self._num_table_rows_written > num_rows:
+            self.block_tables[num_rows : min(bucket, self._num_table_rows_written)].zero_()
+            self._num_table_rows_written = max(num_rows, self._num_table_rows_written if
+                                               self._num_table_rows_written > bucket else num_rows)
+        else:
+            self._num_table_rows_written = max(self._num_table_rows_written, num_rows)
         if self.lora is not None:
             if self.lora.version != self._lora_version:  # the stacked updates the graphs read were replaced
                 self._drop_captures()
@@ -209,7 +232,11 @@ class DecodeGraphs:
         else:
             self._graphs[bucket].replay()
         self.num_replays += 1
-        return self._outputs[bucket][:n]
+        output = self._outputs[bucket]
+        hit = self._output_views.get((bucket, n))
+        if hit is None or hit[0] is not output:  # a bucket captured anew (or emulated) has a new output
+            hit = self._output_views[(bucket, n)] = (output, output[:n])
+        return hit[1]
 
     def _capture_or_eager(self, bucket: int) -> bool:
         """Capture ``bucket``; False: it runs eager from now on (engine/graph_capture.py)."""

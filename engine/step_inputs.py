@@ -104,6 +104,20 @@ class StepInputs:
         # (offset, dtype, shape) -> that view of the device arena: each view is three torch calls (~10 us of host
         # time a step on a GPU machine), and a steady decode batch asks the same ones step after step.
         self._views: dict[tuple, torch.Tensor] = {}
+        # (tensor id, lo, hi) -> (the tensor, its [lo:hi]): the byte ranges each step's copies go between, the same
+        # ones step after step in a steady batch (a slice is a torch call of host time). The tensor is held, so its
+        # id is not reused while cached; cleared when an arena is replaced.
+        self._ranges: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _range(self, t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """``t[lo:hi]``, cached."""
+        key = (id(t), lo, hi)
+        hit = self._ranges.get(key)
+        if hit is None:
+            if len(self._ranges) >= MAX_CACHED_VIEWS:
+                self._ranges.clear()
+            hit = self._ranges[key] = (t, t[lo:hi])
+        return hit[1]
 
     def begin_step(self) -> None:
         """Switch to the other host arena (call once per step, before the first put); waits until the
@@ -133,7 +147,7 @@ class StepInputs:
         for name, a in arrays.items():
             host_np[offsets[name] : offsets[name] + a.nbytes] = a.reshape(-1).view(np.uint8)
         if end > start:
-            dev[start:end].copy_(host[start:end], non_blocking=True)  # hence the one copy per put_many
+            self._range(dev, start, end).copy_(self._range(host, start, end), non_blocking=True)  # the one copy
             self.num_copies += 1
             self._record_copy()
         self._cursor = end
@@ -167,7 +181,7 @@ class StepInputs:
         host_np = self._host_np[self._set]
         for offset, a in parts:
             host_np[start + offset - lo : start + offset - lo + a.nbytes] = a
-        dst[lo:hi].copy_(host[start : start + hi - lo], non_blocking=True)
+        self._range(dst, lo, hi).copy_(self._range(host, start, start + hi - lo), non_blocking=True)
         self.num_copies += 1
         self._record_copy()
         self._cursor = end
@@ -186,6 +200,7 @@ class StepInputs:
             size = max(MIN_ARENA_BYTES, num_bytes, 2 * (self._dev.numel() if self._dev is not None else 0))
             self._dev = torch.empty(size, dtype=torch.uint8, device=self.device)
             self._views.clear()  # views of the old arena
+            self._ranges.clear()
         return self._host_arena(num_bytes), self._dev
 
     def _host_arena(self, num_bytes: int) -> torch.Tensor:
@@ -194,4 +209,5 @@ class StepInputs:
             size = max(MIN_ARENA_BYTES, num_bytes, 2 * (host.numel() if host is not None else 0))
             host = self._host[self._set] = torch.empty(size, dtype=torch.uint8, pin_memory=self._pin)
             self._host_np[self._set] = host.numpy()
+            self._ranges.clear()  # ranges of the old arena (held there: freed now)
         return host

@@ -88,6 +88,29 @@ def test_padded_rows_write_no_kv_and_read_nothing_they_keep(tiny_dir):
     assert graphs.block_tables[3].tolist() == [0, 0, 0, 0]
 
 
+def test_padded_rows_read_block_0_after_steps_of_any_size(tiny_dir):
+    """A padded row's table is zeroed only where an earlier step wrote it (engine/cuda_graphs.py counts the rows
+    written): after a full bucket of 8, a step of 3 (bucket 4) and then one of 5 (bucket 8) still pad with zeros."""
+    engine = make_engine("tiny-random", max_num_seqs=8, num_kv_blocks=32)
+    runner = engine.runner
+    graphs = DecodeGraphs(lambda ids, pos, meta: runner.model.forward(ids, pos, runner.kv_cache, meta, None),
+                          runner.device, 8, 1, 4, runner.model.scale, emulate=True)
+
+    def step(num_rows: int) -> None:
+        tables = torch.tensor([[1 + r, 9 + r] for r in range(num_rows)], dtype=torch.int32)
+        meta = AttentionMetadata(slot_mapping=torch.tensor([(1 + r) * 16 for r in range(num_rows)]),
+                                 block_tables=tables, seq_lens=torch.ones(num_rows, dtype=torch.int32),
+                                 query_start_loc=torch.arange(num_rows + 1, dtype=torch.int32), uniform_q_len=1,
+                                 scale=runner.model.scale)
+        graphs.run(torch.full((num_rows,), 7), torch.zeros(num_rows, dtype=torch.int64), meta)
+        bucket = graphs.bucket(num_rows)
+        assert graphs.block_tables[:num_rows, :2].tolist() == tables.tolist()
+        assert not graphs.block_tables[num_rows:bucket].any(), (num_rows, graphs.block_tables[:bucket].tolist())
+
+    for num_rows in (8, 3, 5, 2, 8, 7, 1, 4):
+        step(num_rows)
+
+
 def _staged_step(graphs, inputs, rows: list[tuple[int, int, list[int]]], block_size: int = 16) -> dict:
     """Stage a decode step of rows (input id, position, block ids) as prepare_inputs does; its device tensors."""
     positions = np.array([p for _, p, _ in rows], dtype=np.int64)
