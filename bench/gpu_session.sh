@@ -104,8 +104,9 @@ sys.exit(main(['profile', '--model', 'tiny-random', '--quick', '--device', os.en
     echo "profile rc=$?: $(tail -1 "$OUT/profile.log" | cut -c1-300)"
 fi
 # The host's own speed (the GPU machines' hosts differed 2-4x in one session): the engine's Python per decode
-# step with the model stubbed (bench/host_overhead.py), synchronous and async, beside this machine's figures.
-for flag in "" "--async-scheduling"; do
+# step with the model stubbed (bench/host_overhead.py), synchronous and async, beside this machine's figures; the
+# async run on the GPU decode path's Python as the CPU sessions measure it, split into phases (bench/host_phases.py).
+for flag in "" "--async-scheduling --graph-path --streaming-outputs --phases"; do
     with_tiny_models 90 "sys.argv = ['host_overhead.py', *sys.argv[1:]]
 import host_overhead
 sys.exit(host_overhead.main())" --batches 1,128 --steps 100 $flag --out "$OUT/host_overhead${flag:+_async}.json" \
