@@ -50,7 +50,10 @@ def _run(engine, params, shuffle_seed=None, join_every=2):
             if out.finished:
                 done[out.request_id] = out
         step += 1
-    return [(done[r].token_ids, done[r].finish_reason, logprobs.get(r, [])) for r in order]
+    # num_computed_tokens too: a request that stops while its next step is launched reports the tokens whose KV
+    # was written (its last token's never is), as the synchronous engine does, not the count run ahead.
+    return [(done[r].token_ids, done[r].finish_reason, logprobs.get(r, []), done[r].num_computed_tokens)
+            for r in order]
 
 
 @pytest.fixture(scope="module")
