@@ -72,8 +72,8 @@ def host_phases(engine, num_steps: int, sync) -> dict:
             u()
     total = sum(step_times)
     phases = {p: round(totals[p] / num_steps * 1e3, 4) for p in PHASES if p in totals}
-    # Phases nest (launch_sampling and finish may call nothing timed; none of the timed ones call each other
-    # except through the runner's launch): "other" is the step's remainder.
+    # The timed methods never call one another (each is a leaf of the step), so their times add up: "other" is
+    # the rest of the step (the stepper, the engine's loop, the wrappers' own bookkeeping).
     phases["other"] = round((total - sum(totals.values())) / num_steps * 1e3, 4)
     return {"step_ms_median": round(statistics.median(step_times) * 1e3, 4),
             "step_ms_mean": round(total / num_steps * 1e3, 4), "phases_ms": phases}

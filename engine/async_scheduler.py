@@ -254,18 +254,13 @@ class AsyncScheduler(Scheduler):
                 self.needs_host_tokens.add(request_id)
         else:
             num_prompt_tokens, num_output_tokens = len(request.prompt_token_ids), len(request.output_token_ids)
-            # Request.block_table() inlined (per request per step): the snapshot holds while the table neither
-            # grew nor was replaced.
-            block_table = request._block_table
-            if request._block_table_of is not request.block_ids or len(block_table) != len(request.block_ids):
-                block_table = request.block_table()
             s = ScheduledRequest(  # positional, in field order (per request per step: half the keyword call's cost)
                 request_id,
                 False,  # is_new
                 request.num_computed_tokens,
                 num_new,  # num_scheduled_tokens
                 [PLACEHOLDER] * num_new,  # input_token_ids
-                block_table,
+                request.block_table(),
                 num_prompt_tokens,
                 num_prompt_tokens + num_output_tokens,  # num_tokens
                 [PLACEHOLDER] * (num_new - 1) if num_new > 1 else [],  # spec_token_ids

@@ -45,7 +45,7 @@ from pdcluster.engine.attention import AttentionMetadata
 from pdcluster.engine.graph_capture import capture_or_eager
 from pdcluster.engine.mamba_state import MambaMetadata, MambaStatePool
 from pdcluster.engine.models.mamba_mixer import MambaStepPlan
-from pdcluster.engine.step_inputs import StepInputs
+from pdcluster.engine.step_inputs import MAX_CACHED_VIEWS, StepInputs
 
 PAD_SLOT = -1  # write kernels skip negative slots
 
@@ -204,15 +204,15 @@ class DecodeGraphs:
         width = meta.block_tables.shape[1]
         table = self._table_views.get((num_rows, width))
         if table is None:
-            if len(self._table_views) >= 512:
+            if len(self._table_views) >= MAX_CACHED_VIEWS:
                 self._table_views.clear()
             table = self._table_views[(num_rows, width)] = self.block_tables[:num_rows, :width]
         table.copy_(meta.block_tables)
         # Padded rows read block 0: zeroed where an earlier step wrote them (a torch call even over no rows).
         if num_rows < bucket and self._num_table_rows_written > num_rows:
             self.block_tables[num_rows : min(bucket, self._num_table_rows_written)].zero_()
-            self._num_table_rows_written = max(num_rows, self._num_table_rows_written if
-                                               self._num_table_rows_written > bucket else num_rows)
+            if self._num_table_rows_written <= bucket:  # else rows past the bucket stay written
+                self._num_table_rows_written = num_rows
         else:
             self._num_table_rows_written = max(self._num_table_rows_written, num_rows)
         if self.lora is not None:

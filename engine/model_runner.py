@@ -447,9 +447,7 @@ class ModelRunner:
             sampled = [[] for _ in state.req_ids]
         if self.num_state_blocks_out:
             self._pack_states(state, sampled)
-        # No speculation here (a speculative step finished at launch): nothing rejected, no drafts.
-        self._prev = PrevStepOutput(list(state.req_ids), np.zeros(num_rows, dtype=np.int64),
-                                    np.full((num_rows, self.num_spec_steps), PLACEHOLDER, dtype=np.int64))
+        self._prev = self._step_output(state, sampled, [])  # no speculation here: a speculative step finished at launch
         kv_output = self.connector.post_forward(state.finished_req_ids)  # last: S2
         return ModelRunnerOutput(state.req_ids, sampled, [], logprobs, launched.prompt_logprobs), kv_output
 
@@ -492,15 +490,17 @@ class ModelRunner:
         return drafts
 
     def _step_output(self, state: ExecuteModelState, sampled: list[list[int]], drafts: list[list[int]]) -> PrevStepOutput:
-        """This step's per-row values, in this batch's order, for the next step (S4)."""
-        k = self.num_spec_steps
+        """This step's per-row values, in this batch's order, for the next step (S4). Without speculation nothing
+        is rejected and there are no drafts (``drafts`` may then be empty): no pass over the rows."""
+        k, num_rows = self.num_spec_steps, len(state.req_ids)
+        draft_np = np.full((num_rows, k), PLACEHOLDER, dtype=np.int64)
+        if not k:
+            return PrevStepOutput(list(state.req_ids), np.zeros(num_rows, dtype=np.int64), draft_np)
         num_rejected = np.array(
             [len(state.rows.draft_token_ids[i]) + 1 - len(t) if t else 0 for i, t in enumerate(sampled)], dtype=np.int64
         )
-        draft_np = np.full((len(sampled), k), PLACEHOLDER, dtype=np.int64)
-        if k:  # without speculation every row's drafts are [] (a numpy call per row for nothing)
-            for i, d in enumerate(drafts):
-                draft_np[i, : len(d)] = d[:k]
+        for i, d in enumerate(drafts):
+            draft_np[i, : len(d)] = d[:k]
         return PrevStepOutput(list(state.req_ids), num_rejected, draft_np)
 
     def _sample(self, state: ExecuteModelState) -> tuple[list[list[int]], list[list[TokenLogprobs]]]:
