@@ -32,9 +32,10 @@ def run_once(args, engine_flags: tuple[str, ...] = ("--num-kv-blocks", "4096"), 
     from vs_vllm import read_proc
 
     workers = ["--num-prefill", "1", "--num-decode", "1"] if args.mode == "disagg" else []
+    entry = [sys.executable, str(ROOT / "bench" / "serve_stubbed.py")] if getattr(args, "stub_model", False) else None
     server = ServeProcess(["--mode", args.mode, "--model", args.model, *workers, "--max-num-seqs", str(args.concurrency),
                            "--max-model-len", "1024", "--api-servers", str(args.api_servers), *engine_flags],
-                          timeout_s=args.start_timeout)
+                          timeout_s=args.start_timeout, entry=entry)
     try:
         with tempfile.TemporaryDirectory() as tmp:
             result_path = Path(tmp) / "result.json"
@@ -88,13 +89,16 @@ def main() -> int:
     ap.add_argument("--api-servers", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--start-timeout", type=float, default=180.0)
+    ap.add_argument("--stub-model", action="store_true",
+                    help="the engines' model stubbed (bench/serve_stubbed.py): a step costs what a GPU's short one "
+                         "leaves to the host, so the serving path's own cost bounds the throughput")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT / "bench"))
     from json_report import emit_json
 
     runs = [run_once(args) for _ in range(args.repeats)]
-    emit_json({"mode": args.mode, "model": args.model, "concurrency": args.concurrency, "api_servers": args.api_servers,
+    emit_json({"mode": args.mode, "model": args.model, "stub_model": args.stub_model, "concurrency": args.concurrency, "api_servers": args.api_servers,
                "num_prompts": args.num_prompts, "output_len": args.output_len, "runs": runs,
                "median_us_per_output_token": sorted(r["us_per_output_token"] for r in runs)[len(runs) // 2]},
               args.out, indent=2)

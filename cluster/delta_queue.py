@@ -43,6 +43,14 @@ class DeltaQueue:
                     self._waiter = None
         return items.popleft()
 
+    def peek(self):
+        """The next item without taking it (the queue must not be empty)."""
+        return self._items[0]
+
+    def get_nowait(self):
+        """The next item (the queue must not be empty): a consumer taking what is already there."""
+        return self._items.popleft()
+
     def empty(self) -> bool:
         return not self._items
 

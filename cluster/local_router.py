@@ -20,7 +20,7 @@ from typing import AsyncIterator, Callable
 from pdcluster.cluster.api.router_contract import RouterError, TokenDelta
 from pdcluster.cluster.delta_queue import DeltaQueue
 from pdcluster.cluster.router.lora import already_loaded, not_found
-from pdcluster.cluster.token_deltas import is_first_token, is_progress_report, token_delta
+from pdcluster.cluster.token_deltas import is_first_token, is_progress_report, merged, token_delta
 from pdcluster.decode_node.worker import DecodeWorker
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.lora.adapter import LoraAdapterError
@@ -59,6 +59,11 @@ class _Watchdog:
             self._timer = self._loop.call_later(left if left > 0 else self._timeout_s, self._fire)
         else:
             self._on_expiry()
+
+
+def _plain_tokens(event) -> bool:
+    """A queued worker event that only adds tokens: it may join the delta before it."""
+    return isinstance(event, Tokens) and not is_progress_report(event)
 
 
 def _put_each(items: list[tuple[DeltaQueue, Tokens]]) -> None:
@@ -210,6 +215,16 @@ class LocalRouter:
         watchdog = _Watchdog(loop, self.request_timeout_s, lambda: queue.put_nowait(_TimedOut()),
                              pending=lambda: not queue.empty())
         num_prompt = len(prompt_token_ids)
+        wants_prompt_logprobs = params.prompt_logprobs is not None
+
+        def to_delta(event: Tokens, seen_first_token: bool) -> TokenDelta:
+            first = is_first_token(event, seen_first_token)
+            return token_delta(event, num_prompt_tokens=num_prompt, num_output_tokens=event.num_output_tokens,
+                               num_cached_tokens=event.num_cached_tokens, first=first,
+                               prompt_logprobs=wants_prompt_logprobs,
+                               ttft_breakdown={"queue": event.queue_s, "prefill": event.prefill_s} if first else None,
+                               num_offloaded_tokens=event.num_offloaded_tokens)
+
         done = False
         try:
             self.worker.submit(request_id, prompt_token_ids, params)
@@ -235,13 +250,11 @@ class LocalRouter:
                     continue
                 if is_progress_report(event):
                     continue  # a prefill chunk's progress report: nothing for the client yet
-                first = is_first_token(event, seen_first_token)
-                delta = token_delta(event, num_prompt_tokens=num_prompt, num_output_tokens=event.num_output_tokens,
-                                    num_cached_tokens=event.num_cached_tokens, first=first,
-                                    prompt_logprobs=params.prompt_logprobs is not None,
-                                    ttft_breakdown={"queue": event.queue_s, "prefill": event.prefill_s} if first else None,
-                                    num_offloaded_tokens=event.num_offloaded_tokens)
-                seen_first_token = seen_first_token or first
+                delta = to_delta(event, seen_first_token)
+                seen_first_token = True
+                # Tokens that came while the consumer was busy go out as one delta (one chunk to the client).
+                while not delta.finished and not queue.empty() and _plain_tokens(queue.peek()):
+                    delta = merged(delta, to_delta(queue.get_nowait(), True))
                 done = delta.finished
                 yield delta
                 if done:

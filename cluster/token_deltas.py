@@ -46,3 +46,24 @@ def token_delta(event: Tokens, *, num_prompt_tokens: int, num_output_tokens: int
             delta.prompt_logprobs = list(event.prompt_logprobs)
         delta.ttft_breakdown = dict(ttft_breakdown or {})
     return delta
+
+
+def merged(a: TokenDelta, b: TokenDelta) -> TokenDelta:
+    """``a`` then ``b`` (of one request; ``a`` not its last) as one delta: what a consumer that fell behind
+    streams as one chunk (vLLM's output collector merges the same way). Tokens and logprobs in order; the counts
+    so far and the end are ``b``'s; the first delta's own fields (prompt logprobs, TTFT parts) are kept."""
+    return TokenDelta(
+        a.new_token_ids + b.new_token_ids,
+        finished=b.finished,
+        finish_reason=b.finish_reason,
+        num_prompt_tokens=max(a.num_prompt_tokens, b.num_prompt_tokens),
+        num_output_tokens=max(a.num_output_tokens, b.num_output_tokens),
+        num_draft_tokens=max(a.num_draft_tokens, b.num_draft_tokens),
+        num_accepted_tokens=max(a.num_accepted_tokens, b.num_accepted_tokens),
+        num_cached_tokens=max(a.num_cached_tokens, b.num_cached_tokens),
+        num_offloaded_tokens=max(a.num_offloaded_tokens, b.num_offloaded_tokens),
+        error=b.error,
+        logprobs=a.logprobs + b.logprobs,
+        prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
+        ttft_breakdown={**b.ttft_breakdown, **a.ttft_breakdown},
+    )

@@ -334,6 +334,60 @@ def test_16_concurrent_streams_complete_and_free_everything(stack, engine):
     assert end["num_free_blocks"] == start["num_free_blocks"] == NUM_BLOCKS
 
 
+def test_local_router_merges_the_deltas_a_slow_consumer_left_queued(stack, engine):
+    """Tokens that reach a request's stream while its consumer is busy go out as one delta (one SSE chunk), as
+    vLLM's output collector merges them: a consumer that reads the first token, then reads again only after the
+    engine finished the request, gets everything else in one final delta: the same tokens and logprobs in order,
+    the final counts, the first token's TTFT parts kept."""
+    prompt = PROMPTS[1]
+    ref = _reference(engine, prompt, max_tokens=16, temperature=0.0, logprobs=2, ignore_eos=True)
+    prompt_ids = ref.prompt_token_ids
+    stack.settled()
+
+    async def run():
+        stream = stack.router.generate("merge-1", prompt_ids, SamplingParams(max_tokens=16, temperature=0.0,
+                                                                             logprobs=2, ignore_eos=True))
+        deltas = [await stream.__anext__()]
+        _, queue = stack.router._streams["merge-1"]
+        deadline = time.monotonic() + 30
+        # The engine ends the request meanwhile: its events are queued, the last one finished.
+        while queue.empty() or not queue._items[-1].finished:
+            assert time.monotonic() < deadline, "the request did not finish on the worker"
+            await asyncio.sleep(0.02)
+        deltas += [d async for d in stream]
+        return deltas
+
+    deltas = asyncio.run(run())
+    assert len(deltas) == 2, [len(d.new_token_ids) for d in deltas]
+    first, rest = deltas
+    assert first.new_token_ids == ref.token_ids[:1] and first.ttft_breakdown.keys() >= {"queue", "prefill"}
+    assert rest.new_token_ids == ref.token_ids[1:]
+    assert [lp.token_id for lp in first.logprobs + rest.logprobs] == ref.token_ids
+    assert [lp.top_token_ids for lp in first.logprobs + rest.logprobs] == [lp.top_token_ids for lp in ref.logprobs]
+    assert (rest.finished, rest.finish_reason, rest.num_output_tokens) == (True, "length", 16)
+    assert rest.num_prompt_tokens == len(prompt_ids) and not rest.ttft_breakdown
+    stack.settled()
+
+
+def test_merged_token_deltas_keep_order_counts_and_the_first_deltas_fields():
+    from pdcluster.cluster.token_deltas import merged
+    from pdcluster.wire.logprobs import TokenLogprobs
+
+    lp = [TokenLogprobs(token_id=t, logprob=-0.5 * t, rank=1) for t in (5, 6, 7)]
+    a = TokenDelta([5], num_prompt_tokens=9, num_output_tokens=1, num_cached_tokens=4, logprobs=lp[:1],
+                   prompt_logprobs=[], ttft_breakdown={"queue": 0.1, "prefill": 0.2})
+    b = TokenDelta([6, 7], num_prompt_tokens=9, num_output_tokens=3, num_draft_tokens=4, num_accepted_tokens=1,
+                   num_cached_tokens=4, logprobs=lp[1:], ttft_breakdown={"kv_transfer": 0.3})
+    m = merged(a, b)
+    assert m.new_token_ids == [5, 6, 7] and m.logprobs == lp
+    assert (m.num_prompt_tokens, m.num_output_tokens, m.num_draft_tokens, m.num_accepted_tokens,
+            m.num_cached_tokens) == (9, 3, 4, 1, 4)
+    assert m.prompt_logprobs == [] and m.ttft_breakdown == {"queue": 0.1, "prefill": 0.2, "kv_transfer": 0.3}
+    assert not m.finished and a.new_token_ids == [5] and b.new_token_ids == [6, 7]  # inputs left as they were
+    end = merged(m, TokenDelta([], finished=True, finish_reason="stop", num_output_tokens=3))
+    assert (end.finished, end.finish_reason, end.new_token_ids) == (True, "stop", [5, 6, 7])
+
+
 def test_client_disconnect_aborts_and_frees(stack):
     stack.settled()
     before = _metric_samples(stack.http.get("/metrics").text)

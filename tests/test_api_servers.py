@@ -124,6 +124,28 @@ def test_remote_router_streams_the_routers_own_tokens(local_router, socket_dir):
     _run_with_service(local_router, socket_dir, body)
 
 
+def test_remote_router_merges_the_rows_a_slow_consumer_left_queued(local_router, socket_dir):
+    """An API process that falls behind streams the rows queued meanwhile as one delta (one SSE chunk): a
+    consumer that reads again only once the request ended in the router gets its tokens in at most two more
+    deltas (the merged rows, the final one), the same tokens in order."""
+    async def body(service):
+        want, _ = await _tokens(local_router.generate("direct-slow", PROMPT, GREEDY))
+        remote = await _remote(socket_dir, 0)
+        try:
+            stream = remote.generate("slow", PROMPT, GREEDY)
+            deltas = [await stream.__anext__()]
+            queue = remote._queues["slow"]  # the request ends meanwhile: its final delta is queued last
+            await _until(lambda: not queue.empty() and type(queue._items[-1]) is not tuple and queue._items[-1].finished)
+            deltas += [d async for d in stream]
+        finally:
+            remote.close()
+        assert [t for d in deltas for t in d.new_token_ids] == want
+        assert len(deltas) <= 3, [len(d.new_token_ids) for d in deltas]
+        assert deltas[-1].finished and deltas[-1].num_output_tokens == len(want)
+
+    _run_with_service(local_router, socket_dir, body)
+
+
 def test_refusals_are_router_errors_with_their_status(local_router, socket_dir):
     async def body(service):
         a, b = await _remote(socket_dir, 0), await _remote(socket_dir, 1)

@@ -111,6 +111,30 @@ def test_deliver_streams_each_delta_to_the_callback_and_returns_after_the_last(c
     assert "a" not in router.requests and not worker.aborted
 
 
+def test_generate_merges_the_deltas_a_slow_consumer_left_queued(cluster):
+    """The pull form: deltas that arrived while the consumer was busy come out as one (one SSE chunk to the
+    client), tokens in order, the last one's counts and end, the first delta's TTFT parts kept."""
+    router, worker = cluster
+
+    async def main():
+        stream = router.generate("a", PROMPT, SamplingParams(max_tokens=5))
+        first = asyncio.ensure_future(stream.__anext__())
+        await _until(lambda: "a" in router.requests and router.requests["a"].attempt is not None)
+        worker.step({"a#1": [11]}, 1)
+        deltas = [await asyncio.wait_for(first, 10)]
+        for n, token in enumerate((12, 13, 14), start=2):
+            worker.step({"a#1": [token]}, n)
+        worker.last("a#1", 15, 5)
+        await _until(lambda: "a" not in router.requests)  # every delta is in the stream's queue
+        deltas += [d async for d in stream]
+        return deltas
+
+    deltas = asyncio.run(main())
+    assert [d.new_token_ids for d in deltas] == [[11], [12, 13, 14, 15]]
+    assert deltas[-1].finished and deltas[-1].finish_reason == "length" and deltas[-1].num_output_tokens == 5
+    assert deltas[0].ttft_breakdown and not worker.aborted
+
+
 def test_a_callback_that_fails_costs_only_its_own_request(cluster):
     """Deltas are made inside the event handler: a callback that raises must not stop the other rows of
     the same step. Its own request ends (deliver raises it, the worker is told to abort)."""

@@ -26,6 +26,7 @@ from pdcluster.cluster.delta_queue import DeltaQueue
 from pdcluster.cluster.frontend.protocol import (FRONTEND_CODEC, MAX_FRONTEND_BYTES, SILENCE_LIMIT_S, Abort,
                                                  AdminCall, AdminReply, Deltas, Generate, Hello, Refused, Stats,
                                                  LORA_NAMES_KEY, Welcome, from_delta, sampling_map)
+from pdcluster.cluster.token_deltas import merged
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.engine.tokenizer import Tokenizer
 from pdcluster.wire.records import ProtocolError
@@ -88,13 +89,20 @@ class RemoteRouter:
         self._send(Generate(request_id, list(prompt_token_ids), sampling_map(params)))
         finished = False
         num_prompt = num_cached = num_offloaded = 0  # from the first delta; rows do not repeat them
+        def row_delta(row: tuple) -> TokenDelta:  # a plain row: (token ids, output, draft, accepted tokens)
+            return TokenDelta(row[0], num_prompt_tokens=num_prompt, num_output_tokens=row[1], num_draft_tokens=row[2],
+                              num_accepted_tokens=row[3], num_cached_tokens=num_cached,
+                              num_offloaded_tokens=num_offloaded)
+
         try:
             while not finished:
                 item = await queue.get()
-                if type(item) is tuple:  # a plain row: (token ids, output, draft, accepted tokens)
-                    yield TokenDelta(item[0], num_prompt_tokens=num_prompt, num_output_tokens=item[1],
-                                     num_draft_tokens=item[2], num_accepted_tokens=item[3],
-                                     num_cached_tokens=num_cached, num_offloaded_tokens=num_offloaded)
+                if type(item) is tuple:
+                    delta = row_delta(item)
+                    # Rows that came while the consumer was busy go out as one delta (one chunk to the client).
+                    while not queue.empty() and type(queue.peek()) is tuple:
+                        delta = merged(delta, row_delta(queue.get_nowait()))
+                    yield delta
                     continue
                 if isinstance(item, Refused):
                     finished = True  # nothing was placed: nothing to abort
