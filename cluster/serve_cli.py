@@ -27,6 +27,10 @@ MODES = ("auto", "disagg", "colocated", "local")
 # each: "auto" serves colocated there (measured on 2 cores, 2 req/s: TTFT 304 ms colocated vs 733 ms
 # disaggregated; vLLM on its one engine core: 598 ms).
 MIN_CORES_FOR_DISAGG = 4
+# --api-servers auto: a GPU's decode steps outrun one process streaming every token (bench/results/
+# served_merged_deltas_s57.json: 1.47x the tokens/s with 2 on a GPU-like engine); a CPU's cores go to the model.
+GPU_API_SERVERS = 2
+MIN_CORES_FOR_API_SERVERS = 4
 TRANSPORTS = ("ucx", "nccl", "tcp", "shm", "cuda_ipc")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -47,10 +51,12 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="enable /admin/drain and /admin/workers (`pdcluster drain`) for 'Authorization: Bearer KEY' "
                         "(default: $PDCLUSTER_ADMIN_KEY; none = those routes answer 403). Not the API key: API "
                         "clients must not be able to take workers away")
-    g.add_argument("--api-servers", "--api-server-count", type=int, default=1, dest="api_servers",
+    g.add_argument("--api-servers", "--api-server-count", type=_api_servers, default="auto", dest="api_servers",
                    help="HTTP server processes sharing the port (vLLM's --api-server-count): each parses, "
                         "tokenizes, detokenizes and streams its own requests over one router; more than one "
-                        "when a GPU's output outruns one process (about 15k streamed tokens/s each)")
+                        "when a GPU's output outruns one process (about 15k streamed tokens/s each). auto "
+                        f"(default): {GPU_API_SERVERS} where this machine serves from a GPU and has at least "
+                        f"{MIN_CORES_FOR_API_SERVERS} cores, else 1")
     g.add_argument("--request-timeout-s", type=float, default=300.0,
                    help="abort a request that makes no progress for this long")
     g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
@@ -102,6 +108,31 @@ def _port(value: str) -> int:
         raise argparse.ArgumentTypeError(f"want a port number (from --port or $PDCLUSTER_PORT), got {value!r}") from None
 
 
+def _api_servers(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want a number of processes or auto, got {value!r}") from None
+
+
+def resolve_api_servers(num_cpus: int, serves_from_gpu: bool) -> int:
+    """--api-servers auto: more than one HTTP process where a GPU's steps make tokens faster than one process
+    streams them and the machine has cores to spare; one on a CPU (the model needs the cores)."""
+    return GPU_API_SERVERS if serves_from_gpu and num_cpus >= MIN_CORES_FOR_API_SERVERS else 1
+
+
+def _serves_from_gpu(args: argparse.Namespace) -> bool:
+    """Whether this machine's engines run on a GPU: --device cuda, or auto with a GPU here. A serve process joining
+    a cluster (--address) counts its own machine only (its GPUs may be elsewhere: set --api-servers there)."""
+    if args.device == "cpu":
+        return False
+    import torch  # 1.5 s: only when a server starts
+
+    return torch.cuda.is_available() and torch.cuda.device_count() > 0
+
+
 def _check_args(args: argparse.Namespace) -> None:
     """Resolve the env defaults and refuse impossible values, naming the flag."""
     args.api_key = args.api_key or os.environ.get("PDCLUSTER_API_KEY") or None
@@ -110,6 +141,10 @@ def _check_args(args: argparse.Namespace) -> None:
     args.served_model_name = args.served_model_name or args.model
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port: must be in 0..65535, got {args.port}")
+    if args.api_servers == "auto":
+        args.api_servers = resolve_api_servers(os.cpu_count() or 1, _serves_from_gpu(args))
+        if args.api_servers > 1:
+            print(f"pdcluster serve: --api-servers auto -> {args.api_servers}", file=sys.stderr, flush=True)
     for flag, value in (("--num-prefill", args.num_prefill), ("--num-decode", args.num_decode),
                         ("--max-body-bytes", args.max_body_bytes), ("--api-servers", args.api_servers)):
         if value < 1:

@@ -149,7 +149,19 @@ def test_serve_api_servers_flag():
         _check_args(args)
         return args.api_servers
 
-    assert api_servers() == 1
+    assert api_servers("--device", "cpu") == 1 and api_servers("--device", "cpu", "--api-servers", "auto") == 1
     assert api_servers("--api-servers", "3") == 3 and api_servers("--api-server-count", "2") == 2
     with pytest.raises(ConfigError, match="--api-servers: must be at least 1, got 0"):
         api_servers("--api-servers", "0")
+    with pytest.raises(SystemExit):
+        api_servers("--api-servers", "many")
+
+
+def test_api_servers_auto_streams_from_two_processes_only_on_a_gpu_machine_with_cores():
+    """auto: a GPU's steps outrun one process streaming every token; a CPU's cores go to the model."""
+    from pdcluster.cluster.serve_cli import GPU_API_SERVERS, resolve_api_servers
+
+    assert GPU_API_SERVERS == 2
+    assert resolve_api_servers(16, serves_from_gpu=True) == 2
+    assert resolve_api_servers(2, serves_from_gpu=True) == 1  # no core to spare for a second process
+    assert resolve_api_servers(64, serves_from_gpu=False) == 1
