@@ -12,7 +12,6 @@ which frees its blocks exactly once.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from dataclasses import replace
 from typing import AsyncIterator, Callable
@@ -214,64 +213,64 @@ class LocalRouter:
         self._streams[request_id] = (loop, queue)
         watchdog = _Watchdog(loop, self.request_timeout_s, lambda: queue.put_nowait(_TimedOut()),
                              pending=lambda: not queue.empty())
-        num_prompt = len(prompt_token_ids)
-        wants_prompt_logprobs = params.prompt_logprobs is not None
-
-        def to_delta(event: Tokens, seen_first_token: bool) -> TokenDelta:
-            first = is_first_token(event, seen_first_token)
-            return token_delta(event, num_prompt_tokens=num_prompt, num_output_tokens=event.num_output_tokens,
-                               num_cached_tokens=event.num_cached_tokens, first=first,
-                               prompt_logprobs=wants_prompt_logprobs,
-                               ttft_breakdown={"queue": event.queue_s, "prefill": event.prefill_s} if first else None,
-                               num_offloaded_tokens=event.num_offloaded_tokens)
-
-        done = False
+        deltas = _Deltas(request_id, len(prompt_token_ids), params, self.request_timeout_s)
         try:
             self.worker.submit(request_id, prompt_token_ids, params)
-            seen_first_token = False
             while True:
                 event = await queue.get()
-                if isinstance(event, _TimedOut):
-                    yield _error_delta(num_prompt, f"request {request_id} made no progress for "
-                                                   f"{self.request_timeout_s:g} s and was aborted")
-                    return  # the finally aborts it on the worker
-                watchdog.kick()
-                if isinstance(event, _Aborted):
-                    done = True
-                    yield TokenDelta([], finished=True, finish_reason="abort", num_prompt_tokens=num_prompt)
-                    return
-                if isinstance(event, Failed):
-                    yield _error_delta(num_prompt, event.reason or "request failed")
-                    return
-                if isinstance(event, Admission) and event.verdict != ADMITTED:
-                    yield _error_delta(num_prompt, f"not admitted ({event.verdict}): {event.reason}")
-                    return
-                if not isinstance(event, Tokens):
+                if not isinstance(event, _TimedOut):
+                    watchdog.kick()
+                delta = deltas.of(event)
+                if delta is None:
                     continue
-                if is_progress_report(event):
-                    continue  # a prefill chunk's progress report: nothing for the client yet
-                delta = to_delta(event, seen_first_token)
-                seen_first_token = True
                 # Tokens that came while the consumer was busy go out as one delta (one chunk to the client).
                 while not delta.finished and not queue.empty() and _plain_tokens(queue.peek()):
-                    delta = merged(delta, to_delta(queue.get_nowait(), True))
-                done = delta.finished
+                    delta = merged(delta, deltas.of(queue.get_nowait()))
                 yield delta
-                if done:
+                if delta.finished:
                     return
         finally:
             watchdog.cancel()
             self._streams.pop(request_id, None)
-            if not done:
+            if not deltas.ended_on_worker:
                 self.worker.abort(request_id)  # idempotent; frees the blocks on the engine thread
 
     async def deliver(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       on_delta: Callable[[TokenDelta], None]) -> None:
-        """The contract's push form, over generate: here the consumer's side makes the deltas (events
-        from the engine thread reach the loop as they are)."""
-        async with contextlib.aclosing(self.generate(request_id, prompt_token_ids, params)) as stream:
-            async for delta in stream:
+        """The contract's push form (a router process behind API processes streams every token through it): each
+        event's delta goes to ``on_delta`` from the loop's hand-over of the engine's step, with no queue, waiter
+        or generator per request in between (as ClusterRouter.deliver)."""
+        self._admit(request_id, prompt_token_ids, params)
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        deltas = _Deltas(request_id, len(prompt_token_ids), params, self.request_timeout_s)
+
+        def on_event(event) -> None:
+            if done.done():  # ended (or cancelled): the rest is not the caller's
+                return
+            if not isinstance(event, _TimedOut):
+                watchdog.kick()
+            delta = deltas.of(event)
+            if delta is None:
+                return
+            try:
                 on_delta(delta)
+            except Exception as e:  # noqa: BLE001 - raised from deliver(); the step's other rows go on
+                done.set_exception(e)
+                return
+            if delta.finished:
+                done.set_result(None)
+
+        self._streams[request_id] = (loop, _Push(on_event))
+        watchdog = _Watchdog(loop, self.request_timeout_s, lambda: on_event(_TimedOut()))
+        try:
+            self.worker.submit(request_id, prompt_token_ids, params)
+            await done
+        finally:
+            watchdog.cancel()
+            self._streams.pop(request_id, None)
+            if not deltas.ended_on_worker:
+                self.worker.abort(request_id)  # idempotent; frees the blocks on the engine thread
 
     async def load_lora(self, name: str, path: str) -> str:
         """Load a LoRA adapter while serving (--enable-lora; LLMEngine.load_lora): its digest."""
@@ -331,6 +330,56 @@ class LocalRouter:
         for loop, queue in list(self._streams.values()):
             self._deliver(loop, queue, Failed(request_id="", worker_id="", reason="router is shutting down"))
         self.worker.close()
+
+
+class _Push:
+    """A stream's consumer in the push form (LocalRouter.deliver): events are handed to ``on_event`` as they come,
+    on the stream's loop (where the pull form's DeltaQueue takes them)."""
+
+    __slots__ = ("put_nowait",)
+
+    def __init__(self, on_event):
+        self.put_nowait = on_event
+
+    @staticmethod
+    def empty() -> bool:
+        return True
+
+
+class _Deltas:
+    """One request's worker events as the client's deltas: None for what the client is not told (a prefill chunk's
+    progress, an admission), a final error delta for a failure, a refusal or silence. ``ended_on_worker``: the
+    worker (or an abort already sent to it) ended the request, so leaving the stream must not abort it again."""
+
+    def __init__(self, request_id: str, num_prompt_tokens: int, params: SamplingParams, timeout_s: float):
+        self.request_id, self.num_prompt, self.timeout_s = request_id, num_prompt_tokens, timeout_s
+        self.wants_prompt_logprobs = params.prompt_logprobs is not None
+        self.seen_first_token = False
+        self.ended_on_worker = False
+
+    def of(self, event) -> TokenDelta | None:
+        if isinstance(event, Tokens):
+            if is_progress_report(event):
+                return None  # a prefill chunk's progress report: nothing for the client yet
+            first = is_first_token(event, self.seen_first_token)
+            self.seen_first_token = self.seen_first_token or first
+            self.ended_on_worker = event.finished
+            return token_delta(event, num_prompt_tokens=self.num_prompt, num_output_tokens=event.num_output_tokens,
+                               num_cached_tokens=event.num_cached_tokens, first=first,
+                               prompt_logprobs=self.wants_prompt_logprobs,
+                               ttft_breakdown={"queue": event.queue_s, "prefill": event.prefill_s} if first else None,
+                               num_offloaded_tokens=event.num_offloaded_tokens)
+        if isinstance(event, _TimedOut):  # leaving the stream aborts it on the worker
+            return _error_delta(self.num_prompt, f"request {self.request_id} made no progress for "
+                                                 f"{self.timeout_s:g} s and was aborted")
+        if isinstance(event, _Aborted):
+            self.ended_on_worker = True  # LocalRouter.abort told the worker
+            return TokenDelta([], finished=True, finish_reason="abort", num_prompt_tokens=self.num_prompt)
+        if isinstance(event, Failed):
+            return _error_delta(self.num_prompt, event.reason or "request failed")
+        if isinstance(event, Admission) and event.verdict != ADMITTED:
+            return _error_delta(self.num_prompt, f"not admitted ({event.verdict}): {event.reason}")
+        return None
 
 
 def _error_delta(num_prompt_tokens: int, message: str) -> TokenDelta:

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 
 import httpx
 import openai
@@ -37,6 +38,7 @@ from pdcluster.cluster.metrics import Metrics
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.engine.tokenizer import Detokenizer
+from pdcluster.node.events import Tokens
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -367,6 +369,50 @@ def test_local_router_merges_the_deltas_a_slow_consumer_left_queued(stack, engin
     assert (rest.finished, rest.finish_reason, rest.num_output_tokens) == (True, "length", 16)
     assert rest.num_prompt_tokens == len(prompt_ids) and not rest.ttft_breakdown
     stack.settled()
+
+
+def test_local_router_deliver_pushes_each_delta_and_frees_a_failed_consumers_request(stack, engine):
+    """The push form (API processes' router service): every delta reaches the callback as the engine makes it,
+    deliver returns after the last; a callback that raises ends deliver with its error and the request is
+    aborted on the worker (its blocks freed); cancelling deliver aborts too."""
+    ref = _reference(engine, PROMPTS[0], max_tokens=12, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    stack.settled()
+    got: list[TokenDelta] = []
+
+    def broken(delta):
+        if delta.new_token_ids:
+            raise RuntimeError("consumer broke")
+
+    async def run():
+        await stack.router.deliver("push-1", ref.prompt_token_ids, params, got.append)
+        with pytest.raises(RuntimeError, match="consumer broke"):
+            await stack.router.deliver("push-2", ref.prompt_token_ids, replace(params, max_tokens=1000), broken)
+        task = asyncio.ensure_future(stack.router.deliver("push-3", ref.prompt_token_ids,
+                                                          replace(params, max_tokens=1000), lambda d: None))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    ended_by_length = []  # the worker's final events: an aborted request never reaches its max_tokens
+    worker, listener = stack.router.worker, stack.router.worker.on_event
+
+    def record(event):
+        if isinstance(event, Tokens) and event.finished and event.finish_reason == "length":
+            ended_by_length.append(event.request_id)
+        listener(event)
+
+    worker.on_event = record
+    try:
+        asyncio.run(run())
+        stack.settled(timeout_s=30.0)
+    finally:
+        worker.on_event = listener
+    assert [t for d in got for t in d.new_token_ids] == ref.token_ids
+    assert got[-1].finished and got[-1].finish_reason == "length" and not any(d.finished for d in got[:-1])
+    assert got[0].ttft_breakdown.keys() >= {"queue", "prefill"}
+    assert ended_by_length == ["push-1"]  # push-2 and push-3 were aborted on the worker
 
 
 def test_merged_token_deltas_keep_order_counts_and_the_first_deltas_fields():
