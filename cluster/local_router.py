@@ -19,7 +19,7 @@ from typing import AsyncIterator, Callable
 from pdcluster.cluster.api.router_contract import RouterError, TokenDelta
 from pdcluster.cluster.delta_queue import DeltaQueue
 from pdcluster.cluster.router.lora import already_loaded, not_found
-from pdcluster.cluster.token_deltas import is_first_token, is_progress_report, merged, token_delta
+from pdcluster.cluster.token_deltas import can_merge, is_first_token, is_progress_report, merged, token_delta
 from pdcluster.decode_node.worker import DecodeWorker
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.lora.adapter import LoraAdapterError
@@ -214,6 +214,7 @@ class LocalRouter:
         watchdog = _Watchdog(loop, self.request_timeout_s, lambda: queue.put_nowait(_TimedOut()),
                              pending=lambda: not queue.empty())
         deltas = _Deltas(request_id, len(prompt_token_ids), params, self.request_timeout_s)
+        merge = can_merge(params)
         try:
             self.worker.submit(request_id, prompt_token_ids, params)
             while True:
@@ -224,7 +225,7 @@ class LocalRouter:
                 if delta is None:
                     continue
                 # Tokens that came while the consumer was busy go out as one delta (one chunk to the client).
-                while not delta.finished and not queue.empty() and _plain_tokens(queue.peek()):
+                while merge and not delta.finished and not queue.empty() and _plain_tokens(queue.peek()):
                     delta = merged(delta, deltas.of(queue.get_nowait()))
                 yield delta
                 if delta.finished:

@@ -48,6 +48,13 @@ def token_delta(event: Tokens, *, num_prompt_tokens: int, num_output_tokens: int
     return delta
 
 
+def can_merge(params) -> bool:
+    """Whether a request's queued deltas may go out as one. Not with stop strings: the API ends such a request at
+    the delta whose text reaches one and counts its tokens through that delta, as the offline engine and vLLM count
+    them through the step that reached it; a delta merged from several steps would count later steps' tokens."""
+    return not params.stop
+
+
 def merged(a: TokenDelta, b: TokenDelta) -> TokenDelta:
     """``a`` then ``b`` (of one request; ``a`` not its last) as one delta: what a consumer that fell behind
     streams as one chunk (vLLM's output collector merges the same way). Tokens and logprobs in order; the counts

@@ -346,11 +346,11 @@ def test_local_router_merges_the_deltas_a_slow_consumer_left_queued(stack, engin
     prompt_ids = ref.prompt_token_ids
     stack.settled()
 
-    async def run():
-        stream = stack.router.generate("merge-1", prompt_ids, SamplingParams(max_tokens=16, temperature=0.0,
-                                                                             logprobs=2, ignore_eos=True))
+    async def run(request_id: str = "merge-1", **extra):
+        stream = stack.router.generate(request_id, prompt_ids, SamplingParams(max_tokens=16, temperature=0.0,
+                                                                              logprobs=2, ignore_eos=True, **extra))
         deltas = [await stream.__anext__()]
-        _, queue = stack.router._streams["merge-1"]
+        _, queue = stack.router._streams[request_id]
         deadline = time.monotonic() + 30
         # The engine ends the request meanwhile: its events are queued, the last one finished.
         while queue.empty() or not queue._items[-1].finished:
@@ -368,6 +368,12 @@ def test_local_router_merges_the_deltas_a_slow_consumer_left_queued(stack, engin
     assert [lp.top_token_ids for lp in first.logprobs + rest.logprobs] == [lp.top_token_ids for lp in ref.logprobs]
     assert (rest.finished, rest.finish_reason, rest.num_output_tokens) == (True, "length", 16)
     assert rest.num_prompt_tokens == len(prompt_ids) and not rest.ttft_breakdown
+    stack.settled()
+    # With stop strings nothing merges: the API counts a request's tokens through the delta whose text reached
+    # one, which must be one step's (as offline generate and vLLM count them).
+    stopped = asyncio.run(run("merge-2", stop=["never appears"]))
+    assert [len(d.new_token_ids) for d in stopped] == [1] * 16
+    assert [t for d in stopped for t in d.new_token_ids] == ref.token_ids
     stack.settled()
 
 

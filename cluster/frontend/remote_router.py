@@ -26,7 +26,7 @@ from pdcluster.cluster.delta_queue import DeltaQueue
 from pdcluster.cluster.frontend.protocol import (FRONTEND_CODEC, MAX_FRONTEND_BYTES, SILENCE_LIMIT_S, Abort,
                                                  AdminCall, AdminReply, Deltas, Generate, Hello, Refused, Stats,
                                                  LORA_NAMES_KEY, Welcome, from_delta, sampling_map)
-from pdcluster.cluster.token_deltas import merged
+from pdcluster.cluster.token_deltas import can_merge, merged
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.engine.tokenizer import Tokenizer
 from pdcluster.wire.records import ProtocolError
@@ -88,6 +88,7 @@ class RemoteRouter:
         self._queues[request_id] = queue
         self._send(Generate(request_id, list(prompt_token_ids), sampling_map(params)))
         finished = False
+        merge = can_merge(params)
         num_prompt = num_cached = num_offloaded = 0  # from the first delta; rows do not repeat them
         def row_delta(row: tuple) -> TokenDelta:  # a plain row: (token ids, output, draft, accepted tokens)
             return TokenDelta(row[0], num_prompt_tokens=num_prompt, num_output_tokens=row[1], num_draft_tokens=row[2],
@@ -100,7 +101,7 @@ class RemoteRouter:
                 if type(item) is tuple:
                     delta = row_delta(item)
                     # Rows that came while the consumer was busy go out as one delta (one chunk to the client).
-                    while not queue.empty() and type(queue.peek()) is tuple:
+                    while merge and not queue.empty() and type(queue.peek()) is tuple:
                         delta = merged(delta, row_delta(queue.get_nowait()))
                     yield delta
                     continue

@@ -32,7 +32,7 @@ from pdcluster.cluster.router.recorder import DecisionRecorder
 from pdcluster.cluster.router.state import RequestState
 from pdcluster.cluster.router.stream import RequestStreams
 from pdcluster.cluster.router.submit import Submitter
-from pdcluster.cluster.token_deltas import merged
+from pdcluster.cluster.token_deltas import can_merge, merged
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.node.events import (ADMITTED, UNREACHABLE, Admission, Event, Failed, KVEvents, KVReady, StepTokens,
                                    Tokens, WorkerError)
@@ -296,11 +296,12 @@ class ClusterRouter:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
         queue = DeltaQueue()
+        merge = can_merge(params)
         async with self._placed(request_id, prompt_token_ids, params, queue.put_nowait):
             while True:  # one generator between the queue and the consumer: every token passes here
                 delta = await queue.get()
                 # Deltas that came while the consumer was busy go out as one (one chunk to the client).
-                while not delta.finished and not queue.empty():
+                while merge and not delta.finished and not queue.empty():
                     delta = merged(delta, queue.get_nowait())
                 yield delta
                 if delta.finished:
