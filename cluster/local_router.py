@@ -19,7 +19,7 @@ from typing import AsyncIterator, Callable
 from pdcluster.cluster.api.router_contract import RouterError, TokenDelta
 from pdcluster.cluster.delta_queue import DeltaQueue
 from pdcluster.cluster.router.lora import already_loaded, not_found
-from pdcluster.cluster.token_deltas import can_merge, is_first_token, is_progress_report, merged, token_delta
+from pdcluster.cluster.token_deltas import can_merge, is_first_token, is_progress_report, merge_queued, token_delta
 from pdcluster.decode_node.worker import DecodeWorker
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.lora.adapter import LoraAdapterError
@@ -224,9 +224,8 @@ class LocalRouter:
                 delta = deltas.of(event)
                 if delta is None:
                     continue
-                # Tokens that came while the consumer was busy go out as one delta (one chunk to the client).
-                while merge and not delta.finished and not queue.empty() and _plain_tokens(queue.peek()):
-                    delta = merged(delta, deltas.of(queue.get_nowait()))
+                if merge:  # tokens that came while the consumer was busy go out as one delta (one chunk to the client)
+                    delta = merge_queued(delta, queue, _plain_tokens, deltas.of)
                 yield delta
                 if delta.finished:
                     return
@@ -341,10 +340,6 @@ class _Push:
 
     def __init__(self, on_event):
         self.put_nowait = on_event
-
-    @staticmethod
-    def empty() -> bool:
-        return True
 
 
 class _Deltas:

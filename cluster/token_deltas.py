@@ -74,3 +74,13 @@ def merged(a: TokenDelta, b: TokenDelta) -> TokenDelta:
         prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
         ttft_breakdown={**b.ttft_breakdown, **a.ttft_breakdown},
     )
+
+
+def merge_queued(delta: TokenDelta, queue, joins=None, to_delta=None) -> TokenDelta:
+    """``delta`` merged with the items already waiting in ``queue`` (a DeltaQueue) after it: while the request has
+    not ended and the next item ``joins`` (default: any), it is taken and merged as ``to_delta(item)`` (default:
+    the item is a TokenDelta). The one loop behind every router's merging."""
+    while not delta.finished and not queue.empty() and (joins is None or joins(queue.peek())):
+        item = queue.get_nowait()
+        delta = merged(delta, item if to_delta is None else to_delta(item))
+    return delta

@@ -26,7 +26,7 @@ from pdcluster.cluster.delta_queue import DeltaQueue
 from pdcluster.cluster.frontend.protocol import (FRONTEND_CODEC, MAX_FRONTEND_BYTES, SILENCE_LIMIT_S, Abort,
                                                  AdminCall, AdminReply, Deltas, Generate, Hello, Refused, Stats,
                                                  LORA_NAMES_KEY, Welcome, from_delta, sampling_map)
-from pdcluster.cluster.token_deltas import can_merge, merged
+from pdcluster.cluster.token_deltas import can_merge, merge_queued
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.engine.tokenizer import Tokenizer
 from pdcluster.wire.records import ProtocolError
@@ -56,6 +56,11 @@ def handshake(endpoint: str, index: int, timeout_s: float) -> Welcome:
         raise RouterError(f"the router process did not answer at {endpoint} within {timeout_s:.0f} s")
     finally:
         sock.close(0)
+
+
+def _is_row(item) -> bool:
+    """A queued plain row (token ids, output, draft, accepted tokens): it may join the delta before it."""
+    return type(item) is tuple
 
 
 class RemoteRouter:
@@ -90,6 +95,7 @@ class RemoteRouter:
         finished = False
         merge = can_merge(params)
         num_prompt = num_cached = num_offloaded = 0  # from the first delta; rows do not repeat them
+
         def row_delta(row: tuple) -> TokenDelta:  # a plain row: (token ids, output, draft, accepted tokens)
             return TokenDelta(row[0], num_prompt_tokens=num_prompt, num_output_tokens=row[1], num_draft_tokens=row[2],
                               num_accepted_tokens=row[3], num_cached_tokens=num_cached,
@@ -100,9 +106,8 @@ class RemoteRouter:
                 item = await queue.get()
                 if type(item) is tuple:
                     delta = row_delta(item)
-                    # Rows that came while the consumer was busy go out as one delta (one chunk to the client).
-                    while merge and not queue.empty() and type(queue.peek()) is tuple:
-                        delta = merged(delta, row_delta(queue.get_nowait()))
+                    if merge:  # rows that came while the consumer was busy go out as one delta (one chunk)
+                        delta = merge_queued(delta, queue, _is_row, row_delta)
                     yield delta
                     continue
                 if isinstance(item, Refused):

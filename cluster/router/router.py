@@ -32,7 +32,7 @@ from pdcluster.cluster.router.recorder import DecisionRecorder
 from pdcluster.cluster.router.state import RequestState
 from pdcluster.cluster.router.stream import RequestStreams
 from pdcluster.cluster.router.submit import Submitter
-from pdcluster.cluster.token_deltas import can_merge, merged
+from pdcluster.cluster.token_deltas import can_merge, merge_queued
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.node.events import (ADMITTED, UNREACHABLE, Admission, Event, Failed, KVEvents, KVReady, StepTokens,
                                    Tokens, WorkerError)
@@ -300,9 +300,8 @@ class ClusterRouter:
         async with self._placed(request_id, prompt_token_ids, params, queue.put_nowait):
             while True:  # one generator between the queue and the consumer: every token passes here
                 delta = await queue.get()
-                # Deltas that came while the consumer was busy go out as one (one chunk to the client).
-                while merge and not delta.finished and not queue.empty():
-                    delta = merged(delta, queue.get_nowait())
+                if merge:  # deltas that came while the consumer was busy go out as one (one chunk to the client)
+                    delta = merge_queued(delta, queue)
                 yield delta
                 if delta.finished:
                     return
