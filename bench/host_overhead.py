@@ -69,21 +69,48 @@ def stubbed_engine(batch: int, context: int, steps: int, async_scheduling: bool 
 
 
 def host_step_ms(batch: int, context: int, steps: int, profile: str | None = None, async_scheduling: bool = False,
-                 streaming: bool = False, graph_path: bool = False, gc_freeze: bool = True, phases: bool = False) -> dict:
+                 streaming: bool = False, graph_path: bool = False, gc_freeze: bool = True, phases: bool = False,
+                 worker_events: bool = False) -> dict:
     from pdcluster.engine.gc_heap import frozen
 
     engine = stubbed_engine(batch, context, steps, async_scheduling, streaming, graph_path)
+    step = _with_worker_events(engine) if worker_events else engine.step
     if not gc_freeze:
-        return _timed_steps(engine, batch, steps, profile, phases)
+        return _timed_steps(engine, batch, steps, profile, phases, step)
     with frozen():  # as a serving process does once its engine is built (engine/gc_heap.py)
-        return _timed_steps(engine, batch, steps, profile, phases)
+        return _timed_steps(engine, batch, steps, profile, phases, step)
 
 
-def _timed_steps(engine, batch: int, steps: int, profile: str | None, phases: bool = False) -> dict:
+def _with_worker_events(engine):
+    """A step as a decode worker's engine thread takes it in a Ray cluster: the engine's step, then the step's
+    events built from its outputs (``DecodeWorker._emit_step``) and encoded for the router's socket
+    (``EventPusher``; the send itself left out)."""
+    from pdcluster.decode_node.worker import DecodeWorker
+    from pdcluster.node.events import EVENT_CODEC
+
+    class _Worker:  # what _emit_step reads of its worker
+        worker_id = "decode-0-3c6414"
+
+        def emit(self, event) -> None:
+            EVENT_CODEC.encode(event)
+
+        def _emit_tokens(self, out) -> None:
+            DecodeWorker._emit_tokens(self, out)
+
+    worker = _Worker()
+
+    def step():
+        DecodeWorker._emit_step(worker, engine.step())
+
+    return step
+
+
+def _timed_steps(engine, batch: int, steps: int, profile: str | None, phases: bool = False, step=None) -> dict:
+    step = step or engine.step
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        engine.step()
+        step()
         times.append(time.perf_counter() - t0)
     if profile:
         import cProfile
@@ -92,7 +119,7 @@ def _timed_steps(engine, batch: int, steps: int, profile: str | None, phases: bo
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(steps):
-            engine.step()
+            step()
         prof.disable()
         pstats.Stats(prof, stream=sys.stderr).sort_stats(profile).print_stats(30)
     breakdown = None
@@ -131,6 +158,9 @@ def main() -> int:
     ap.add_argument("--graph-path", action="store_true",
                     help="the GPU's decode path: step inputs staged through the host/device arenas and decode steps "
                          "through CUDA graphs, emulated (the graph's forward is the stub)")
+    ap.add_argument("--worker-events", action="store_true",
+                    help="each step also builds the decode worker's events from its outputs and encodes them for the "
+                         "router (a Ray decode worker's engine thread does that between steps)")
     ap.add_argument("--phases", action="store_true",
                     help="then time the steps phase by phase and count their torch calls (bench/host_phases.py)")
     args = ap.parse_args()
@@ -144,10 +174,10 @@ def main() -> int:
     torch.set_num_threads(1)
     result = {"context_tokens": args.context, "steps": args.steps, "async_scheduling": args.async_scheduling,
               "streaming_outputs": args.streaming_outputs, "graph_path": args.graph_path,
-              "gc_freeze": not args.no_gc_freeze,
+              "gc_freeze": not args.no_gc_freeze, "worker_events": args.worker_events,
               "batches": {b: host_step_ms(int(b), args.context, args.steps, args.profile, args.async_scheduling,
                                           args.streaming_outputs, args.graph_path, not args.no_gc_freeze,
-                                          args.phases)
+                                          args.phases, args.worker_events)
                           for b in args.batches.split(",")}}
     emit_json(result, args.out, indent=2)
     return 0

@@ -338,8 +338,8 @@ class DecodeWorker(WorkerLoop):
             cached.append(out.num_cached_tokens)
             offloaded.append(out.num_offloaded_tokens)
         if ids:
-            self.emit(StepTokens(self.worker_id, ids, num_new, token_ids, computed, output, draft, accepted, cached,
-                                 offloaded))
+            self.emit(StepTokens.of_engine_columns(self.worker_id, ids, num_new, token_ids, computed, output, draft,
+                                                   accepted, cached, offloaded))
 
     def _emit_tokens(self, out: RequestOutput) -> None:
         self.emit(Tokens(

@@ -19,7 +19,7 @@ the overlap it would have seen, never correctness.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Union
 
 from pdcluster.wire.logprobs import TokenLogprobs
@@ -94,6 +94,14 @@ class StepTokens(Record):
     def _check_values(self, path: str) -> None:
         require_token_columns(self, path, len(self.request_ids), _STEP_COUNT_COLUMNS)
 
+    @classmethod
+    def of_engine_columns(cls, worker_id: str, *columns: list) -> "StepTokens":
+        """A step's record from the columns the decode worker gathered from its engine's outputs (plain ints
+        and the engine's request ids, in field order), without the field checks of a record built from
+        anything else: those cost ~75 us a step at batch 128, ~7% of the engine thread's host time per step,
+        and a record that leaves the process is checked as it is encoded (Codec.encode) anyway."""
+        return assemble(cls, dict(zip(_STEP_FIELDS, (worker_id, *columns))))
+
     def rows(self) -> list[Tokens]:
         """Each row as the ``Tokens`` event it stands for (built from this checked record's values)."""
         rows, start, worker_id, token_ids = [], 0, self.worker_id, self.new_token_ids
@@ -108,6 +116,9 @@ class StepTokens(Record):
                 "logprobs": [], "prompt_logprobs": []}))
             start += n
         return rows
+
+
+_STEP_FIELDS = tuple(f.name for f in fields(StepTokens))
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,18 @@ def test_rows_are_the_tokens_each_request_would_have_sent(rows):
     assert all(a.new_token_ids is not b.new_token_ids for a, b in zip(rows_a, rows_b))  # no shared lists
 
 
+def test_of_engine_columns_is_the_checked_record_and_encoding_still_checks_it():
+    """The decode worker's per-step record skips the construction checks (its columns are its engine's
+    ints); it equals the checked record, and one that left a bad value is still refused when encoded for the
+    wire."""
+    body = _body()
+    fast = StepTokens.of_engine_columns(*body.values())
+    assert fast == StepTokens(**body) and fast.rows() == StepTokens(**body).rows()
+    bad = StepTokens.of_engine_columns(*_body(num_cached_tokens=[0, "1"]).values())
+    with pytest.raises(ProtocolError, match=re.escape("StepTokens.num_cached_tokens[1]: expected int")):
+        EVENT_CODEC.encode(bad)
+
+
 def test_expand_leaves_other_events_alone():
     ev = Tokens(request_id="r", worker_id="w", new_token_ids=[1], num_computed_tokens=3, num_output_tokens=1)
     assert expand(ev) == [ev]
@@ -121,6 +133,13 @@ def test_decode_worker_sends_one_event_a_step_and_the_stream_equals_the_engine()
     assert steps and max(len(s.request_ids) for s in steps) == 4, "the plain rows of a step travel together"
     assert all("r4" not in s.request_ids for s in steps), "a request with logprobs keeps its own Tokens"
     assert all(len(set(s.request_ids)) == len(s.request_ids) for s in steps)
+    for step in steps:  # built unchecked (of_engine_columns): exactly the record a checked build makes
+        body = {f.name: getattr(step, f.name) for f in dataclasses.fields(StepTokens)}
+        assert StepTokens(**body) == step
+        assert all(type(x) is int for name, column in body.items() if name not in ("worker_id", "request_ids")
+                   for x in column), "plain ints, as the codec packs them"
+        assert all(type(x) is str for x in step.request_ids)
+        assert EVENT_CODEC.decode(EVENT_CODEC.encode(step), MAX_EVENT_BYTES) == step
     for rid in prompts:
         mine = [e for ev in raw for e in expand(ev) if isinstance(e, Tokens) and e.request_id == rid]
         assert [t for e in mine for t in e.new_token_ids] == expected[rid], rid
