@@ -10,6 +10,7 @@ of an API process stops the server with status 1.
 """
 
 import asyncio
+import dataclasses
 import concurrent.futures
 import json
 import logging
@@ -339,6 +340,8 @@ def test_a_batch_never_puts_a_row_after_its_requests_full_delta():
     assert [(d.request_id, d.new_token_ids) for d in record.full] == [("a", [1]), ("a", [2]), ("b", [8])]
     decoded = FRONTEND_CODEC.decode(FRONTEND_CODEC.encode(record), MAX_FRONTEND_BYTES)
     assert decoded == record
+    # Built unchecked (its encoding checks it): exactly the record a checked build makes.
+    assert Deltas(**{f.name: getattr(record, f.name) for f in dataclasses.fields(Deltas)}) == record
 
 
 def test_a_malformed_batch_is_refused():

@@ -298,8 +298,9 @@ def _build(cls: type, body: Any, path: str) -> Any:
 def assemble(cls: type, values: dict[str, Any]) -> Any:
     """A record of ``cls`` from field values that were checked already, as fields of another record
     (``StepTokens.rows``: each row of a checked columnar event as the ``Tokens`` it stands for), or that this
-    process's engine made (``StepTokens.of_engine_columns``: checked by ``Codec.encode`` if it leaves the
-    process): every field given, no check. Never for values from anywhere else (a peer, a client)."""
+    process made of such values or of its engine's (``StepTokens.of_engine_columns``, the router's ``Deltas``
+    batches: checked by ``Codec.encode`` as they leave the process): every field given, no check. Never for
+    values from anywhere else (a peer, a client)."""
     record = cls.__new__(cls)
     record.__dict__.update(values)  # frozen: its __setattr__ refuses, the instance dict does not
     return record

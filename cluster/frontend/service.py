@@ -25,7 +25,7 @@ from pdcluster.cluster.frontend.protocol import (FRONTEND_CODEC, MAX_FRONTEND_BY
                                                  AdminCall, AdminReply, Deltas, Generate, Hello, Refused, Stats,
                                                  LORA_NAMES_KEY, Welcome, is_plain, to_delta)
 from pdcluster.engine.sampling_params import SamplingParams
-from pdcluster.wire.records import ProtocolError
+from pdcluster.wire.records import ProtocolError, assemble
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +60,13 @@ class _Outbox:
         self.num_accepted_tokens.append(delta.num_accepted_tokens)
 
     def record(self) -> Deltas:
-        return Deltas(self.request_ids, self.num_new_tokens, self.new_token_ids, self.num_output_tokens,
-                      self.num_draft_tokens, self.num_accepted_tokens, self.full)
+        """Built without the construction checks: the rows are the router's own (its request ids; tokens and
+        counts of worker events checked as they were decoded, or of the in-process engine) and ``full`` holds
+        checked records. ``_send`` encodes it, which checks it (~35 us less a batch of 64 rows)."""
+        return assemble(Deltas, {"request_ids": self.request_ids, "num_new_tokens": self.num_new_tokens,
+                                 "new_token_ids": self.new_token_ids, "num_output_tokens": self.num_output_tokens,
+                                 "num_draft_tokens": self.num_draft_tokens,
+                                 "num_accepted_tokens": self.num_accepted_tokens, "full": self.full})
 
 
 class RouterService:
