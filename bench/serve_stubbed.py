@@ -2,7 +2,8 @@
 per sampled position over the first VOCAB_USED ids, so each step costs the host's own work and the requests still
 get varied, ordinary tokens to detokenize and stream. On a GPU a decode step is ~1-2 ms and the serving path (HTTP,
 SSE, router, detokenizing) is what bounds the served throughput; on a CPU the real model's steps hide that path, so
-bench/serve_cpu.py ``--stub-model`` serves through this entry point to measure it.
+bench/serve_cpu.py ``--stub-model`` serves through this entry point to measure it. Ray's worker processes
+(colocated, disagg) stub theirs through bench/stub_site/sitecustomize.py, from the environment they inherit.
 
     python bench/serve_stubbed.py serve --mode local --model tiny-random ...   (any `pdcluster serve` flags)
 """
@@ -47,17 +48,30 @@ def _stub(engine) -> None:
     model.compute_logits = compute_logits
 
 
-def main(argv: list[str]) -> int:
-    from pdcluster.cli.main import main as pdcluster_main
-    from pdcluster.engine.llm_engine import LLMEngine
-
-    original_init = LLMEngine.__init__
+def stub_engines(engine_cls) -> None:
+    """Every ``engine_cls`` built from now on has its model stubbed once its warm-up (the real model) ran."""
+    original_init = engine_cls.__init__
 
     def init(self, *args, **kwargs):
         original_init(self, *args, **kwargs)
-        _stub(self)  # after warm-up: that ran the real model
+        _stub(self)
 
-    LLMEngine.__init__ = init
+    engine_cls.__init__ = init
+
+
+def main(argv: list[str]) -> int:
+    import os
+
+    from pdcluster.cli.main import main as pdcluster_main
+    from pdcluster.engine.llm_engine import LLMEngine
+
+    stub_engines(LLMEngine)  # this process's (local mode)
+    # Ray's worker processes (colocated, disagg): bench/stub_site/sitecustomize.py stubs theirs as they import
+    # the engine, from the environment they inherit.
+    bench = os.path.dirname(os.path.abspath(__file__))
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [os.path.join(bench, "stub_site"), bench, *filter(None, [os.environ.get("PYTHONPATH")])])
+    os.environ["PDCLUSTER_BENCH_STUB_MODEL"] = "1"
     return pdcluster_main(argv)
 
 
