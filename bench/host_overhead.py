@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def stubbed_engine(batch: int, context: int, steps: int, async_scheduling: bool = False, streaming: bool = False,
-                   graph_path: bool = False):
+                   graph_path: bool = False, prefix_caching: bool = False):
     """The tiny-random engine with its forward and LM head stubbed (zeros; a 256-id head), ``batch``
     requests of ``context`` prompt tokens past their prefill, each with room for 2 x ``steps`` more
     decode steps: a decode step is then the engine's own host work."""
@@ -46,7 +46,8 @@ def stubbed_engine(batch: int, context: int, steps: int, async_scheduling: bool 
     engine = LLMEngine.from_config(EngineConfig(
         model=str(resolve_model("tiny-random", progress=False)), device="cpu", dtype="float32", max_num_seqs=batch,
         num_kv_blocks=batch * (-(-max_model_len // 16)) + 16, max_model_len=max_model_len,
-        max_num_batched_tokens=max(2048, batch), enable_prefix_caching=False, async_scheduling=async_scheduling),
+        max_num_batched_tokens=max(2048, batch), enable_prefix_caching=prefix_caching,
+        async_scheduling=async_scheduling),
         progress=False)
     engine.cumulative_outputs = not streaming  # streaming: new tokens only, as the serving workers ask
     model = engine.runner.model
@@ -73,7 +74,8 @@ def host_step_ms(batch: int, context: int, steps: int, profile: str | None = Non
                  worker_events: bool = False) -> dict:
     from pdcluster.engine.gc_heap import frozen
 
-    engine = stubbed_engine(batch, context, steps, async_scheduling, streaming, graph_path)
+    engine = stubbed_engine(batch, context, steps, async_scheduling, streaming, graph_path,
+                            prefix_caching=worker_events)  # as `serve` runs its workers
     step = _with_worker_events(engine) if worker_events else engine.step
     if not gc_freeze:
         return _timed_steps(engine, batch, steps, profile, phases, step)
@@ -82,11 +84,11 @@ def host_step_ms(batch: int, context: int, steps: int, profile: str | None = Non
 
 
 def _with_worker_events(engine):
-    """A step as a decode worker's engine thread takes it in a Ray cluster: the engine's step, then the step's
-    events built from its outputs (``DecodeWorker._emit_step``) and encoded for the router's socket
-    (``EventPusher``; the send itself left out)."""
+    """A turn of a decode worker's engine thread in a Ray cluster: the engine's step, then the step's events built
+    from its outputs (``DecodeWorker._emit_step``) and the turn's KV events (``WorkerLoop.publish_kv_events``),
+    each encoded for the router's socket (``EventPusher``; the send itself left out)."""
     from pdcluster.decode_node.worker import DecodeWorker
-    from pdcluster.node.events import EVENT_CODEC
+    from pdcluster.node.events import EVENT_CODEC, kv_event_records
 
     class _Worker:  # what _emit_step reads of its worker
         worker_id = "decode-0-3c6414"
@@ -101,6 +103,8 @@ def _with_worker_events(engine):
 
     def step():
         DecodeWorker._emit_step(worker, engine.step())
+        for record in kv_event_records(worker.worker_id, engine.kv_events.drain()):
+            worker.emit(record)
 
     return step
 
@@ -159,8 +163,9 @@ def main() -> int:
                     help="the GPU's decode path: step inputs staged through the host/device arenas and decode steps "
                          "through CUDA graphs, emulated (the graph's forward is the stub)")
     ap.add_argument("--worker-events", action="store_true",
-                    help="each step also builds the decode worker's events from its outputs and encodes them for the "
-                         "router (a Ray decode worker's engine thread does that between steps)")
+                    help="each step also builds the decode worker's events from its outputs and the turn's KV events, "
+                         "and encodes them for the router (a Ray decode worker's engine thread does that between "
+                         "steps); prefix caching on, as `serve` runs its workers")
     ap.add_argument("--phases", action="store_true",
                     help="then time the steps phase by phase and count their torch calls (bench/host_phases.py)")
     args = ap.parse_args()

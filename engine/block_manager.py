@@ -190,8 +190,14 @@ class BlockManager:
             return
         if num_computed_tokens is None:
             num_computed_tokens = request.num_computed_tokens
+        known = self._req_hashes.get(request.request_id)
+        # Called for every row of every step, and most steps complete no block: that answer first, without the
+        # request's num_tokens (a property) or a list for a request with none yet (num_full <= this bound).
+        if num_computed_tokens // self.block_size <= (len(known) if known is not None else 0):
+            return
         num_full = min(num_computed_tokens, request.num_tokens) // self.block_size
-        known = self._req_hashes.setdefault(request.request_id, [])
+        if known is None:
+            known = self._req_hashes[request.request_id] = []
         if num_full <= len(known):
             return
         token_ids = request.all_token_ids

@@ -167,10 +167,18 @@ class KVEvents(Record):
 
 def kv_event_records(worker_id: str, drained: list[tuple[str, str, list[int]]]) -> list[KVEvents]:
     """``engine.kv_events.drain()`` as KVEvents records, in order: one, unless it holds more than
-    MAX_KV_EVENT_HASHES hashes (then each record but the last holds exactly that many)."""
-    records, batch, room = [], [], MAX_KV_EVENT_HASHES
+    MAX_KV_EVENT_HASHES hashes (then each record but the last holds exactly that many). Neighbouring entries of
+    the same kind and tier travel as one KVEvent (the same changes in the same order): the block manager reports
+    each evicted block and each request's new full blocks on their own, ~16 entries a decode step at batch 128,
+    whose records cost ~100 us a step to build and encode, ~20 us as the two events they are."""
+    merged: list[tuple[str, str, list[int]]] = []
     for kind, tier, hashes in drained:
-        hashes = list(hashes)
+        if merged and merged[-1][0] == kind and merged[-1][1] == tier:
+            merged[-1][2].extend(hashes)
+        else:
+            merged.append((kind, tier, list(hashes)))
+    records, batch, room = [], [], MAX_KV_EVENT_HASHES
+    for kind, tier, hashes in merged:
         while hashes:
             part, hashes = hashes[:room], hashes[room:]
             batch.append(KVEvent(kind, tier, part))

@@ -44,6 +44,21 @@ def test_a_drain_is_one_record_in_order_and_a_burst_is_split():
     assert kv_event_records("d0", []) == []
 
 
+def test_neighbouring_entries_of_one_kind_and_tier_travel_as_one_event_in_order():
+    """A decode step's drain: each evicted block and each request's new full blocks reported on their own. Runs of
+    the same kind and tier become one event with their hashes in order; a change of kind or tier starts another,
+    so a block stored, removed and stored again keeps that order. The drained lists are left as they were."""
+    drained = [("removed", "device", [1]), ("removed", "device", [2]), ("stored", "device", [3, 4]),
+               ("stored", "device", [5]), ("stored", "host", [3]), ("removed", "device", [3]),
+               ("stored", "device", [3])]
+    before = [(k, t, list(h)) for k, t, h in drained]
+    (record,) = kv_event_records("d0", drained)
+    assert [(e.kind, e.tier, e.block_hashes) for e in record.events] == [
+        ("removed", "device", [1, 2]), ("stored", "device", [3, 4, 5]), ("stored", "host", [3]),
+        ("removed", "device", [3]), ("stored", "device", [3])]
+    assert drained == before
+
+
 def test_the_tiers_are_the_index_tiers_and_bad_values_are_refused():
     assert set(KV_TIERS) == set(TIER_WEIGHTS)
     with pytest.raises(ProtocolError, match="tier"):
