@@ -69,6 +69,38 @@ def test_of_engine_columns_is_the_checked_record_and_encoding_still_checks_it():
         EVENT_CODEC.encode(bad)
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("model, overrides", [
+    ("tiny-random", {}),
+    ("tiny-random", {"async_scheduling": True}),
+    ("tiny-random", {"spec_method": "ngram", "num_spec_tokens": 2}),
+    ("tiny-random", {"spec_method": "ngram", "num_spec_tokens": 2, "async_scheduling": True}),
+    ("tiny-hybrid", {}),
+])
+def test_the_fields_a_step_tokens_row_carries_are_plain_values(model, overrides):
+    """The decode worker builds its StepTokens unchecked from the engine's outputs (of_engine_columns), so those
+    outputs must already be what a checked build would make of them: plain ints (never numpy's, which the codec's
+    check would convert and in-process consumers such as JSON would refuse) and a str id, under speculation, async
+    scheduling and a hybrid model, greedy and seeded rows alike."""
+    engine = make_engine(model, **overrides)
+    engine.cumulative_outputs = False  # the decode worker's setting
+    for i in range(4):
+        engine.add_request([5 + (7 * i + 3 * j) % 300 for j in range(20 + 5 * i)],
+                           SamplingParams(max_tokens=12, temperature=0.8 if i % 2 else 0.0, seed=i, ignore_eos=True))
+    counts = ("num_computed_tokens", "num_output_tokens", "num_draft_tokens", "num_accepted_tokens",
+              "num_cached_tokens", "num_offloaded_tokens")
+    num_rows = 0
+    for _ in range(200):
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            num_rows += 1
+            assert type(out.request_id) is str
+            assert all(type(getattr(out, name)) is int for name in counts), out
+            assert all(type(t) is int for t in out.new_token_ids), out.new_token_ids
+    assert not engine.has_unfinished() and num_rows >= 4 * 12 // 3
+
+
 def test_expand_leaves_other_events_alone():
     ev = Tokens(request_id="r", worker_id="w", new_token_ids=[1], num_computed_tokens=3, num_output_tokens=1)
     assert expand(ev) == [ev]
