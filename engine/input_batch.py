@@ -101,7 +101,7 @@ def pack_decode_rows(rows: StepRows, idx_mapping: np.ndarray, states: RequestSta
     num_rows = len(starts)
     arange = np.arange(num_rows + 1, dtype=np.int64)
     table = states.block_table_np
-    slot_mapping = table[idx_mapping, starts // block_size].astype(np.int64) * block_size + starts % block_size 
+    slot_mapping = table[idx_mapping, starts // block_size].astype(np.int64) * block_size + starts % block_size
     input_ids = np.fromiter(itertools.chain.from_iterable(rows.input_token_ids), dtype=np.int64, count=num_rows)
     seq_lens = (starts + 1).astype(np.int32)
     block_tables = table[idx_mapping, : -(-int(seq_lens.max()) // block_size)]
@@ -113,7 +113,6 @@ def pack_any_rows(rows: StepRows, idx_mapping: np.ndarray, states: RequestStates
     """``pack_rows`` for any mix of prompt chunks, decode and verification rows."""
     q_lens, starts, num_tokens = rows.q_lens_np, rows.starts_np, rows.num_tokens_np
     num_rows = len(q_lens)
-
     query_start_loc = np.zeros(num_rows + 1, dtype=np.int64)
     np.cumsum(q_lens, out=query_start_loc[1:])
     # positions: for each request, start .. start + q_len
