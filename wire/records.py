@@ -1,5 +1,7 @@
 """Typed records over msgpack: frozen dataclasses whose fields are checked against their annotations
-when built locally and when decoded, and a versioned codec for a family of them.
+when built locally, when encoded and when decoded, and a versioned codec for a family of them. The
+per-step records a process makes of its own values (a decode step's ``StepTokens``, the router's
+``Deltas`` batches) skip the first of those (``assemble``): they are checked once, as they are encoded.
 
 Used by the KV-transfer control plane (kv_transfer/protocol.py: worker <-> worker), by the worker ->
 router event stream (node/events.py), and by the records both carry (logprobs.py). On the wire a
