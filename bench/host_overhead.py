@@ -88,10 +88,14 @@ def _with_worker_events(engine):
     from its outputs (``DecodeWorker._emit_step``) and the turn's KV events (``WorkerLoop.publish_kv_events``),
     each encoded for the router's socket (``EventPusher``; the send itself left out)."""
     from pdcluster.decode_node.worker import DecodeWorker
-    from pdcluster.node.events import EVENT_CODEC, kv_event_records
+    from pdcluster.node.events import EVENT_CODEC
+    from pdcluster.node.worker_loop import WorkerLoop
 
-    class _Worker:  # what _emit_step reads of its worker
+    class _Worker:  # what _emit_step and publish_kv_events read of their worker
         worker_id = "decode-0-3c6414"
+
+        def __init__(self):
+            self.engine = engine
 
         def emit(self, event) -> None:
             EVENT_CODEC.encode(event)
@@ -103,8 +107,7 @@ def _with_worker_events(engine):
 
     def step():
         DecodeWorker._emit_step(worker, engine.step())
-        for record in kv_event_records(worker.worker_id, engine.kv_events.drain()):
-            worker.emit(record)
+        WorkerLoop.publish_kv_events(worker)
 
     return step
 

@@ -104,7 +104,7 @@ class RemoteRouter:
         try:
             while not finished:
                 item = await queue.get()
-                if type(item) is tuple:
+                if _is_row(item):
                     delta = row_delta(item)
                     if merge:  # rows that came while the consumer was busy go out as one delta (one chunk)
                         delta = merge_queued(delta, queue, _is_row, row_delta)
