@@ -339,7 +339,12 @@ class AsyncStepper:
     def __init__(self, scheduler: AsyncScheduler, runner):
         self.scheduler = scheduler
         self.runner = runner
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdcluster-runner")
+        device = getattr(runner, "device", None)
+        # Triton launches on the thread's current CUDA device: the worker thread's is the runner's.
+        on_cuda = device is not None and device.type == "cuda"
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdcluster-runner",
+                                        initializer=torch.cuda.set_device if on_cuda else None,
+                                        initargs=(device,) if on_cuda else ())
         self._last_job = None  # the pool's Future of the newest job queued on the worker thread
         # The newest launched step and the Future its outputs arrive on once the worker finished it.
         self._pending: tuple[SchedulerOutput, Future] | None = None

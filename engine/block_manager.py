@@ -64,12 +64,13 @@ def chained_block_hashes(token_ids: list[int], block_size: int, parent: int | No
 
 
 class BlockManager:
-    """``on_evict(block_id, block_hash)`` runs when a cached block is handed to a new owner, while its KV
-    is still in place (the offload tiers copy it out: engine/kv_offload/). ``on_event(kind, hashes)``
+    """``on_evict(block_id, block_hash, out_of_stream)`` runs when a cached block is handed to a new owner, while
+    its KV is still in place (the offload tiers copy it out: engine/kv_offload/); ``out_of_stream``: the new owner
+    writes it outside the steps' queue (allocate_slots). ``on_event(kind, hashes)``
     reports blocks entering ("stored") and leaving ("removed") the prefix cache, for KV events."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 on_evict: Callable[[int, int], None] | None = None,
+                 on_evict: Callable[[int, int, bool], None] | None = None,
                  on_event: Callable[[str, list[int]], None] | None = None) -> None:
         assert num_blocks > 0 and block_size > 0
         self.on_evict = on_evict
@@ -282,7 +283,7 @@ class BlockManager:
             if self._hash_to_block_id.get(block.block_hash) == block_id:
                 del self._hash_to_block_id[block.block_hash]
                 if self.on_evict is not None:
-                    self.on_evict(block_id, block.block_hash)
+                    self.on_evict(block_id, block.block_hash, out_of_stream)
                 if self.on_event is not None:
                     self.on_event("removed", [block.block_hash])
             block.block_hash, block.token_ids = NO_HASH, ()

@@ -57,6 +57,10 @@ class LoadedModel:
         if config.device != (device := config.resolve_device()):
             config = replace(config, device=device)
         config = replace(config, async_scheduling=config.resolve_async_scheduling(config.device))
+        if torch.device(config.device).index is not None:
+            # Triton launches on torch's current device, not its tensors': an engine on cuda:1 makes it current
+            # (the runner's worker thread does the same, engine/async_scheduler.py).
+            torch.cuda.set_device(torch.device(config.device))
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         if config.device == "cpu":

@@ -82,6 +82,7 @@ def reserve_remote(block_manager: BlockManager, config: EngineConfig, request: R
         return None
     if not block_manager.reserve(request, num_tokens, cached):
         return None
+    offload.settle_evictions()  # the reserved blocks' old KV copied out before a sender writes them
     reservation = RemoteReservation.for_request(request, len(cached), bs)
     if num_lower:
         offload.start_remote(request, len(cached), hashes[len(cached): len(cached) + num_lower])

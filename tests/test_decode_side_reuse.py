@@ -122,7 +122,10 @@ class _LowerTiers:
         self.loads, self._done = [], []
         self.holding = False
 
-    def on_evict(self, block_id, block_hash):
+    def on_evict(self, block_id, block_hash, out_of_stream):
+        pass
+
+    def settle_evictions(self):
         pass
 
     def match(self, block_hashes):

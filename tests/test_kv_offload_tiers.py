@@ -4,6 +4,7 @@ blocks, events for every store and removal."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pdcluster.engine.block_manager import chained_block_hashes
@@ -172,3 +173,78 @@ def test_a_failed_disk_write_is_announced_removed_and_leaves_no_temporary_file(t
     tiers.offload(8, _block(2))
     assert events == []
     tiers.close()
+
+
+def test_the_eviction_hook_says_whether_the_new_owner_writes_outside_the_steps():
+    """A block taken by a step's allocation and one taken for a load or a transfer (out of stream) are told apart:
+    the offload manager copies the second kind out on its own stream (see the gpu test below)."""
+    from pdcluster.engine.block_manager import BlockManager
+    from pdcluster.engine.request import Request
+    from pdcluster.engine.sampling_params import SamplingParams
+
+    evicted = []
+    bm = BlockManager(1, 4, on_evict=lambda block_id, block_hash, out_of_stream: evicted.append(out_of_stream))
+    for name, take in (("a", lambda r: bm.allocate_slots(r, 4)), ("b", lambda r: bm.reserve(r, 4)),
+                       ("c", lambda r: bm.allocate_slots(r, 4, out_of_stream=True)), ("d", None)):
+        request = Request(name, list(range(4)), SamplingParams(max_tokens=1))
+        if take is None:
+            assert bm.allocate_slots(request, 4)
+            break
+        assert take(request)
+        request.num_computed_tokens = 4
+        bm.cache_full_blocks(request)
+        bm.free(request)
+    assert evicted == [True, True, False]  # b's, c's and d's allocations each evicted the one cached block
+
+
+def _sleep_compute_stream(seconds: float) -> None:
+    """A step still running on the compute stream: a kernel that spins for about ``seconds``."""
+    torch.cuda._sleep(int(seconds * torch.cuda.get_device_properties(0).clock_rate * 1000))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("writer", ["loader", "transfer"])
+def test_a_block_taken_for_an_out_of_stream_writer_keeps_its_old_kv_in_the_host_tier(writer):
+    """With a step still queued on the compute stream, a cached block taken for the loader (or reserved for a KV
+    transfer, whose landing writes on a stream of its own) is copied out before that writer's bytes land: the
+    host tier keeps the block's old KV under its hash. Queued behind the step, the copy would read the new bytes."""
+    from pdcluster.engine.block_manager import BlockManager
+    from pdcluster.engine.kv_offload.manager import LoadJob, OffloadManager
+    from pdcluster.engine.request import Request
+    from pdcluster.engine.sampling_params import SamplingParams
+
+    kv_cache = torch.randn((2, 2, 1, 4, 1, 8), device="cuda").to(torch.bfloat16)
+    manager = OffloadManager(OffloadConfig(host_gib=4 * 2 * 2 * 4 * 8 * 2 / (1 << 30)), kv_cache, "ns")
+    bm = BlockManager(1, 4, on_evict=manager.on_evict)
+    first = Request("a", list(range(4)), SamplingParams(max_tokens=1))
+    assert bm.allocate_slots(first, 4)
+    first.num_computed_tokens = 4
+    bm.cache_full_blocks(first)
+    (old_hash,) = bm._req_hashes["a"]
+    old_kv = kv_cache[:, :, 0].clone()
+    bm.free(first)
+    new_kv = torch.full_like(old_kv, 7.0)
+    manager.tiers.offload(12345, new_kv)  # what the loader will bring in
+    torch.cuda.synchronize()
+    _sleep_compute_stream(0.2)
+    second = Request("b", list(range(100, 104)), SamplingParams(max_tokens=1))
+    if writer == "loader":
+        assert bm.allocate_slots(second, 4, out_of_stream=True)  # evicts a's block
+        manager.start_load(LoadJob("b", [12345], list(second.block_ids)))
+        (job,) = manager.wait_all()
+        assert job.num_loaded == 1
+    else:
+        assert bm.reserve(second, 4)
+        manager.settle_evictions()
+        landing = torch.cuda.Stream()
+        with torch.cuda.stream(landing):
+            kv_cache[:, :, second.block_ids[0]] = new_kv
+        landing.synchronize()
+    torch.cuda.synchronize()
+    assert torch.equal(kv_cache[:, :, second.block_ids[0]], new_kv)
+    back = torch.empty_like(old_kv)
+    assert manager.tiers.load(old_hash, back)
+    torch.cuda.synchronize()
+    assert torch.equal(back, old_kv)
+    manager.close()

@@ -60,6 +60,9 @@ class NoOffload:
     def forget(self, request_id: str) -> None:
         pass
 
+    def settle_evictions(self) -> None:
+        """Blocks just taken for a writer outside the steps' queue may be named to it (OffloadManager's)."""
+
 
 class OffloadGate(NoOffload):
     def __init__(self, manager: OffloadManager, block_size: int) -> None:
@@ -139,3 +142,6 @@ class OffloadGate(NoOffload):
 
     def forget(self, request_id: str) -> None:
         self._num_loads.pop(request_id, None)
+
+    def settle_evictions(self) -> None:
+        self.manager.settle_evictions()

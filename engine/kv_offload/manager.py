@@ -3,9 +3,15 @@ into fresh device blocks on a loader thread while the engine keeps stepping.
 
 ``on_evict`` is the block manager's eviction hook: the block's KV is still in place (nobody writes a
 free block), so it is copied out before the block is handed to its next owner. On a GPU the copy is
-queued on the compute stream, which orders it before any later write to the block, and the engine
-thread does not wait for it: each tier records a CUDA event after the copy and its readers wait for
-that (host_tier.py, and the disk tier's writer).
+queued on the compute stream, which orders it before any later write to the block by a step, and the
+engine thread does not wait for it: each tier records a CUDA event after the copy and its readers wait
+for that (host_tier.py, and the disk tier's writer). A block whose next owner writes it *outside* the
+steps' queue (a load on the loader's stream, a KV transfer's landing stream, a peer's CUDA IPC copy) is
+copied out on a stream of its own instead: queued behind the step in flight, the copy would run after
+that writer and keep the new bytes under the old hash. The block's KV is final when it is taken that
+way (out-of-stream allocations skip blocks that steps in flight may still write, BlockManager's
+fences), so the copy runs at once; the loader's stream waits for it on the device, and a transfer's
+reservation waits for it on the host (``settle_evictions``) before its blocks are named to a sender.
 
 ``start_load`` hands a request's lower-tier blocks to the loader thread; ``poll`` returns the loads
 that ended, each with how many of its blocks arrived intact *from the first*: a block that could not be
@@ -45,12 +51,26 @@ class OffloadManager:
         self._done: queue.Queue = queue.Queue()
         self.num_loading = 0
         self._stream = torch.cuda.Stream(kv_cache.device) if self.on_gpu else None
+        self._evict_stream = torch.cuda.Stream(kv_cache.device) if self.on_gpu else None
+        self._unsettled = False  # copies queued on _evict_stream since the last settle_evictions
         self._thread = threading.Thread(target=self._load_loop, name="kv-offload-loader", daemon=True)
         self._thread.start()
 
     # ---- eviction (engine thread) -----------------------------------------------------------
-    def on_evict(self, block_id: int, block_hash: int) -> None:
-        self.tiers.offload(block_hash, self.kv_cache[:, :, block_id])
+    def on_evict(self, block_id: int, block_hash: int, out_of_stream: bool = False) -> None:
+        if out_of_stream and self._evict_stream is not None:
+            with torch.cuda.stream(self._evict_stream):
+                self.tiers.offload(block_hash, self.kv_cache[:, :, block_id])
+            self._unsettled = True
+        else:
+            self.tiers.offload(block_hash, self.kv_cache[:, :, block_id])
+
+    def settle_evictions(self) -> None:
+        """Return once the copies out of blocks taken for writers outside the steps' queue have run (a few
+        blocks on an idle stream: microseconds), so such a writer may be told the blocks."""
+        if self._unsettled:
+            self._evict_stream.synchronize()
+            self._unsettled = False
 
     # ---- matching and loading ----------------------------------------------------------------
     def match(self, block_hashes: list[int]) -> int:
@@ -100,6 +120,10 @@ class OffloadManager:
             self._done.put(job)
 
     def _load(self, job: LoadJob) -> None:
+        if self._stream is not None:
+            # The job's blocks were copied out (evicted) when the engine thread took them, before it queued the
+            # job: the writes below come after those copies.
+            self._stream.wait_stream(self._evict_stream)
         for block_hash, block_id in zip(job.block_hashes, job.block_ids):
             if self._stream is not None:
                 with torch.cuda.stream(self._stream):

@@ -201,11 +201,13 @@ class CudaIpcTransport(MappedPushTransport):
             with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
                 gather_rows(self._src_rows, self._layout.row_ids(job.layer_ids, chunk.src_block_ids), stage)
                 scatter_rows(stage, peer.rows, peer.layout.row_ids(job.layer_ids, chunk.dst_block_ids))
+        finally:
+            # Before the buffer goes back to the pool, whether the copies ran or one of them raised: a copy still
+            # queued on it would read what the next chunk stages there.
             if self._stream is not None:
                 self._stream.synchronize()
-            if peer.rows.is_cuda and peer.rows.device != self._device:  # another GPU: its stream ran the scatter
-                torch.cuda.current_stream(peer.rows.device).synchronize()
-        finally:
+            if peer.rows is not None and peer.rows.is_cuda and peer.rows.device != self._device:
+                torch.cuda.current_stream(peer.rows.device).synchronize()  # another GPU: its stream ran the scatter
             self._pool.give(stage)
 
     def _peer_gone(self, peer_id: str, peer: _Peer) -> None:
