@@ -109,6 +109,9 @@ class EngineConfig:
     # CUDA graphs for uniform decode batches on a GPU (engine/cuda_graphs.py); False = eager (vLLM's
     # --enforce-eager).
     cuda_graphs: bool = True
+    # Capture every decode bucket at start-up (vLLM does), so no first step at a new batch size while serving stalls
+    # on its capture; False: each bucket at its first use (a faster start, for benchmarks that build many engines).
+    cuda_graph_capture_at_start: bool = True
     # Prefill and mixed steps of up to this many tokens through piecewise CUDA graphs (engine/piecewise_graphs.py:
     # the forward between attention calls captured per token-count bucket, attention eager between); 0 = eager.
     # Off by default until it has run on a GPU: the H200 run of s51 had such steps at ~10.7 ms of host time.

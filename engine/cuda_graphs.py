@@ -15,8 +15,10 @@ How (vLLM's recipe):
   in: direct callers);
 - the hidden states come out of the bucket's static output, sliced to the batch; logits, sampling
   and the proposer run outside the graph (they depend on the rows' sampling parameters);
-- captured lazily, at a bucket's first use (warm-up runs every bucket once, see engine/warmup.py), in
-  one memory pool shared by all buckets.
+- captured at start-up, every bucket over padded rows only (``capture_all``, from engine/warmup.py, as vLLM
+  captures its sizes), so a bucket's first step while serving replays instead of stalling on its capture (a
+  device sync, two warm-up forwards, the skinny GEMM's timing); a bucket not captured then (a prefill worker's,
+  or after its LoRA adapters changed) is captured at its first use. One memory pool serves all buckets.
 Hybrids (Mamba layers): the rows' state slots are a static buffer too, and the layers take a row plan
 built once per bucket over it (``MambaMetadata.plan``: position j of every row, its packed tokens and
 slots; with speculation every row keeps its per-position states), so the one-token conv and SSM
@@ -249,6 +251,27 @@ class DecodeGraphs:
             return True
         self._failed.add(bucket)
         return False
+
+    def capture_all(self) -> int:
+        """Capture every bucket not captured yet, each over padded rows only: slot -1 (no KV written), context
+        length 1 over block 0, the scratch state slot, the base model. Returns the number captured (a bucket whose
+        capture fails runs eager, as at its first use)."""
+        rows, tokens = self.buckets[-1], self.buckets[-1] * self.q_len
+        self.input_ids[:tokens].zero_()
+        self.positions[:tokens].zero_()
+        self.slot_mapping[:tokens].fill_(PAD_SLOT)
+        self.seq_lens[:rows].fill_(1)
+        self.block_tables.zero_()
+        self._num_table_rows_written = 0
+        if self.mamba_pool is not None:
+            self.state_slots[:rows].fill_(self.pad_state_slot)
+        if self.lora is not None:
+            self.lora_token_slot.fill_(-1)
+        before = self.num_captures
+        for bucket in self.buckets:
+            if bucket not in self._outputs and bucket not in self._failed:
+                self._capture_or_eager(bucket)
+        return self.num_captures - before
 
     def _drop_captures(self) -> None:
         self._graphs.clear()

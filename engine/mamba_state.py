@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pdcluster.engine.step_inputs import host_to_device
+
 
 @dataclass(frozen=True)
 class MambaStateShape:
@@ -74,8 +76,8 @@ class MambaStatePool:
         if position_index.min() < 0 or position_index.max() >= self.max_positions_per_step:
             raise ValueError(f"state position index out of range [0, {self.max_positions_per_step}): {position_index}")
         device = self.conv[0].device if self.conv else torch.device("cpu")
-        slots_t = torch.from_numpy(np.asarray(slots, dtype=np.int64)).to(device)
-        pos_t = torch.from_numpy(np.asarray(position_index, dtype=np.int64)).to(device)
+        slots_t = host_to_device(np.asarray(slots, dtype=np.int64), device)
+        pos_t = host_to_device(np.asarray(position_index, dtype=np.int64), device)
         for main, spec in zip(self.conv + self.ssm, self.spec_conv + self.spec_ssm):
             main[slots_t] = spec[slots_t, pos_t]
 

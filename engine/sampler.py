@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.engine.step_inputs import host_to_device
 from pdcluster.kernels import ops
 
 _MASK64 = (1 << 64) - 1
@@ -40,10 +41,7 @@ def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.
     """A small host list on ``device`` without waiting for the device: through pinned memory, copied
     non-blocking (a plain ``torch.tensor(..., device=cuda)`` synchronises the stream, which would wait
     for a step launched ahead, engine/async_scheduler.py)."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type == "cpu":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
+    return host_to_device(torch.tensor(values, dtype=dtype), device)
 
 
 def _apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:

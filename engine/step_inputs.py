@@ -28,6 +28,18 @@ import torch
 ALIGN_BYTES = 16  # every array starts 16-byte aligned: any dtype's view, vector loads
 MIN_ARENA_BYTES = 1 << 16
 MAX_CACHED_VIEWS = 512  # device-arena views kept for reuse (a steady decode batch asks the same ones each step)
+
+
+def host_to_device(host: torch.Tensor | np.ndarray, device: torch.device | str) -> torch.Tensor:
+    """A small host array on ``device`` without waiting for the work queued there, for inputs outside a step's arena
+    (the Mamba row plan, verification's state selection, MTP's metadata, LoRA rows): copied from pinned memory,
+    non-blocking. From pageable memory a copy to a GPU waits for the stream, so for a step launched ahead too. The
+    pinned block stays the allocator's until its copy ran. On a CPU: the array itself (numpy's as a tensor)."""
+    tensor = torch.from_numpy(np.ascontiguousarray(host)) if isinstance(host, np.ndarray) else host
+    device = torch.device(device)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 _TORCH_DTYPE = {np.dtype(d): t for d, t in ((np.int64, torch.int64), (np.int32, torch.int32), (np.int16, torch.int16),
                                             (np.int8, torch.int8), (np.uint8, torch.uint8), (np.bool_, torch.bool),
                                             (np.float64, torch.float64), (np.float32, torch.float32),

@@ -1,4 +1,6 @@
-"""Warmup: one prefill step, then one decode step, through the real runner (invariant S0).
+"""Warmup: one prefill step, then one decode step, through the real runner (invariant S0); then, with CUDA
+graphs, the capture of every decode bucket (engine/cuda_graphs.py) unless the engine is a KV producer (a
+prefill worker sends layers mid-forward: its steps never replay).
 
 The prefill batch uses ``2 + num_spec_steps`` prompt tokens per request: strictly longer than the
 decode query length ``1 + num_spec_steps``, so the batch classifier labels it prefill/mixed and the
@@ -65,4 +67,6 @@ def warmup(runner, max_num_reqs: int = 4, num_blocks: int | None = None) -> list
     # An empty step that retires the dummy requests (runner state and connector both see them finish).
     runner.execute_model(SchedulerOutput(scheduled=[], total_num_scheduled_tokens=0, finished_req_ids=set(req_ids)))
     runner.sample_tokens()
+    if runner.graphs is not None and runner.config.cuda_graph_capture_at_start and not runner.connector.has_step_hooks:
+        runner.graphs.capture_all()
     return kinds

@@ -325,3 +325,61 @@ def test_a_bucket_whose_capture_fails_runs_eager(tiny_dir, caplog):
         assert graphs.run(torch.tensor([7]), torch.tensor([5]), meta) is None
         assert graphs.run(torch.tensor([7]), torch.tensor([5]), meta) is None
     assert calls["n"] == 1 and "bucket 1 failed" in caplog.text  # tried once, then eager without retrying
+
+
+@pytest.mark.parametrize("model", ["tiny-random", "tiny-hybrid"])
+def test_start_up_captures_every_bucket_over_padded_rows_and_serving_captures_none(model):
+    """Warm-up captures every decode bucket (as vLLM captures its sizes at start-up) over padded rows only: no KV
+    written, no request's Mamba state touched (the scratch slot only). Serving then replays at every batch size
+    without a capture, and gives the eager tokens."""
+    from pdcluster.engine.warmup import warmup
+
+    cfg = dict(max_num_seqs=10, num_kv_blocks=128, max_model_len=512)
+    eager = _generate(make_engine(model, **cfg), graphs=False)
+    engine = make_engine(model, **cfg)
+    runner = engine.runner
+    runner.use_decode_graphs(emulate=True)  # on a GPU the runner makes them before its warm-up
+    graphs, pool = runner.graphs, runner.mamba_pool
+    torch.manual_seed(0)
+    runner.kv_cache.normal_()
+    states = [t.normal_().clone() for t in pool.conv + pool.ssm] if pool is not None else []
+    kv = runner.kv_cache.clone()
+    # What an earlier step left in the static buffers (warm-up's decode step stages real rows there).
+    graphs.slot_mapping.fill_(3)
+    graphs.seq_lens.fill_(5)
+    graphs.block_tables.fill_(1)
+    if pool is not None:
+        graphs.state_slots.fill_(2)
+    assert graphs.capture_all() == len(graphs.buckets) == 5  # 1, 2, 4, 8, 10
+    assert torch.equal(runner.kv_cache, kv)
+    if pool is not None:
+        changed = {s for s in range(pool.num_slots)
+                   if any(not torch.equal(t[s], b[s]) for t, b in zip(pool.conv + pool.ssm, states))}
+        assert changed == {graphs.pad_state_slot}
+    assert graphs.capture_all() == 0
+    warmup(runner)  # the engine's own warm-up: every bucket is held already
+    assert graphs.num_captures == 5
+    graphed = _generate(engine, graphs=False)
+    assert graphs.num_captures == 5 and graphs.num_replays > 0
+    assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
+
+
+def test_a_producers_warm_up_leaves_the_buckets_to_their_first_use(tiny_dir):
+    """A prefill worker (its connector acts inside steps, sending layers mid-forward) never replays: its warm-up
+    captures only the bucket of the warm-up's own decode step, not every bucket."""
+    from pdcluster.engine.warmup import warmup
+    from pdcluster.wire.kv_connector import KVConnector
+
+    class Producer(KVConnector):
+        def post_forward(self, finished_req_ids):
+            return super().post_forward(finished_req_ids)
+
+    engine = make_engine("tiny-random", max_num_seqs=10, num_kv_blocks=128)
+    runner = engine.runner
+    runner.use_decode_graphs(emulate=True)
+    runner.connector = Producer()
+    warmup(runner)
+    assert runner.graphs.num_captures == 1 and list(runner.graphs._outputs) == [4]  # warm-up's 4 rows
+    runner.connector = KVConnector()
+    warmup(runner)
+    assert runner.graphs.num_captures == 5

@@ -182,3 +182,33 @@ def test_host_copy_ring_reuses_its_pinned_buffers_and_never_returns_stale_ids():
         event.synchronize()
         assert host.tolist() == [step] * (step % 4 + 1)
     assert ring.num_allocations == HostCopyRing.NUM_SLOTS
+
+
+def test_host_to_device_on_a_cpu_is_the_array_itself():
+    from pdcluster.engine.step_inputs import host_to_device
+
+    a = np.arange(6, dtype=np.int64)
+    t = host_to_device(a, "cpu")
+    assert t.dtype == torch.int64 and t.tolist() == a.tolist() and t.data_ptr() == a.ctypes.data  # no copy
+    x = torch.arange(3)
+    assert host_to_device(x, torch.device("cpu")) is x
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_host_to_device_does_not_wait_for_the_queued_work():
+    """The Mamba row plan, MTP's metadata and LoRA rows go to the GPU while a step launched ahead runs: the copy
+    returns at once (a pageable copy would wait for the spin), and lands the values once the stream gets there."""
+    import time
+
+    from pdcluster.engine.step_inputs import host_to_device
+
+    torch.cuda.synchronize()
+    torch.cuda._sleep(400_000_000)  # ~0.2 s of spinning queued ahead of the copy
+    t0 = time.perf_counter()
+    got = [host_to_device(np.full(64, i, dtype=np.int64), "cuda") for i in range(4)]
+    waited_s = time.perf_counter() - t0
+    busy = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    assert busy, f"the copies waited for the queued work ({waited_s:.3f} s)"
+    assert [t.unique().tolist() for t in got] == [[0], [1], [2], [3]]

@@ -34,6 +34,7 @@ import torch
 
 from pdcluster.engine.linear import Linear
 from pdcluster.engine.lora.adapter import LoraAdapter, LoraWeights
+from pdcluster.engine.step_inputs import host_to_device
 from pdcluster.kernels import cpu_lora
 
 def grouped_way(device: torch.device, dtype: torch.dtype) -> bool:
@@ -120,7 +121,7 @@ class LoraSet:
             for i, spans in runs.items():
                 for start, end in spans:
                     token_slot_np[start:end] = i
-            self.token_slot = _to_device(token_slot_np, device)
+            self.token_slot = host_to_device(token_slot_np, device)  # without waiting for the queued work
         elif runs:
             counts = np.zeros(self.num_slots + 1, dtype=np.int64)
             for i, spans in runs.items():
@@ -137,13 +138,6 @@ class LoraSet:
     def changed(self) -> None:
         """A projection's updates changed (called by its ``rebuild``)."""
         self.version += 1
-
-
-def _to_device(array_np: np.ndarray, device: torch.device) -> torch.Tensor:
-    tensor = torch.from_numpy(array_np)
-    if device.type == "cuda":  # from pinned memory, without waiting for the work queued before it
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
 
 
 # One adapter's update of one projection: per output slice (offset, width, a [rank, in] or None, b [width, rank]

@@ -32,6 +32,7 @@ import torch
 
 from pdcluster.engine.linear import Linear
 from pdcluster.engine.mamba_state import MambaMetadata
+from pdcluster.engine.step_inputs import host_to_device
 from pdcluster.kernels import mamba_ops, mamba_reference, ops
 
 
@@ -177,7 +178,7 @@ class MambaStepPlan:
         assert len(np.unique(slots_np)) == len(slots_np), f"a state slot appears twice in one step: {slots_np}"
 
         def tensor(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
+            return host_to_device(np.asarray(a, dtype=np.int64), device)
 
         fresh = slots_np[~has_initial]
         recurrent = ((q_lens == 1) | keep | recurrent_prefill) & (q_lens > 0)

@@ -26,6 +26,7 @@ from pdcluster.engine.attention import AttentionMetadata
 from pdcluster.engine.models.mtp import MTPHead
 from pdcluster.engine.models.nemotron_mtp import NemotronMTP
 from pdcluster.engine.proposers.base import ProposeBatch, Proposer
+from pdcluster.engine.step_inputs import host_to_device
 
 
 class MTPProposer(Proposer):
@@ -58,8 +59,7 @@ class MTPProposer(Proposer):
 
     def _t(self, array_np: np.ndarray) -> torch.Tensor:
         """A host array on the cache's device (as is on the CPU)."""
-        t = torch.from_numpy(np.ascontiguousarray(array_np))
-        return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
+        return host_to_device(array_np, self.device)
 
     def _meta(self, states, idx_rows: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
               query_start_loc: np.ndarray, uniform_q_len: int | None) -> AttentionMetadata:
