@@ -248,3 +248,22 @@ def test_a_block_taken_for_an_out_of_stream_writer_keeps_its_old_kv_in_the_host_
     torch.cuda.synchronize()
     assert torch.equal(back, old_kv)
     manager.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_host_tier_pins_exactly_its_size_and_copies_both_ways():
+    """A GPU's host tier is pinned at its own size (torch's pinned allocator would round 96 MiB up to 128), takes
+    non-blocking copies in and out, and lets its pinning go when closed."""
+    block_shape = (2, 2, 16, 8, 128)  # 64 KiB a block in bf16
+    capacity = 96 * 1024 * 1024 // (2 * 2 * 16 * 8 * 128 * 2)
+    before = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    host = HostTier(capacity, block_shape, torch.bfloat16, pin_memory=True)
+    assert host.data.is_pinned()
+    assert torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) - before < 1 << 20  # not torch's allocator
+    block = torch.randn(block_shape, device="cuda").to(torch.bfloat16)
+    host.store(7, block)
+    out = torch.empty_like(block)
+    assert host.load(7, out) and torch.equal(out, block)
+    host.close()
+    assert not host.data.is_pinned()

@@ -11,9 +11,36 @@ an old slot to disk on the host (by then its copy has almost always ended)."""
 
 from __future__ import annotations
 
+import logging
+import weakref
 from collections import OrderedDict
 
 import torch
+
+log = logging.getLogger(__name__)
+
+
+def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Pinned host memory of exactly this size. torch's pinned allocator rounds every allocation up to a power of
+    two (a 40 GiB tier would pin 64, a 70 GiB one all of a 128 GiB host), so this is ordinary memory registered with
+    CUDA; ``unpin`` unregisters it. Where registering fails: torch's pinned allocation, said once."""
+    data = torch.empty(shape, dtype=dtype)
+    num_bytes = data.numel() * data.element_size()
+    error = torch.cuda.cudart().cudaHostRegister(data.data_ptr(), num_bytes, 0)
+    if int(error) == 0:
+        return data
+    log.warning("KV offload: registering %d bytes of host memory with CUDA failed (%s); pinning through torch's "
+                "allocator, which rounds the size up to a power of two", num_bytes, error)
+    return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+
+def unpin(data: torch.Tensor) -> None:
+    """Undo ``pinned_empty``'s registration once nothing on the device may still copy to or from ``data``."""
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaHostUnregister(data.data_ptr())  # an error for torch's own pinned memory: ignored
+    except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone; the process frees the memory anyway
+        pass
 
 
 class HostTier:
@@ -23,7 +50,10 @@ class HostTier:
         if capacity_blocks <= 0:
             raise ValueError(f"host tier capacity must be at least one block, got {capacity_blocks}")
         self.capacity_blocks = capacity_blocks
-        self.data = torch.empty((capacity_blocks, *block_shape), dtype=dtype, pin_memory=pin_memory)
+        shape = (capacity_blocks, *block_shape)
+        self.data = pinned_empty(shape, dtype) if pin_memory else torch.empty(shape, dtype=dtype)
+        # Unregistered when the tier is closed or collected (the finalizer holds the tensor until then).
+        self._unpin = weakref.finalize(self, unpin, self.data) if pin_memory else None
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # block hash -> slot; order = LRU first
         self._free_slots = list(range(capacity_blocks - 1, -1, -1))
         self._copied: dict[int, torch.cuda.Event] = {}  # slot -> recorded after its queued copy in (GPU)
@@ -83,6 +113,10 @@ class HostTier:
             torch.cuda.current_stream(out.device).synchronize()
         self.touch(block_hash)
         return True
+
+    def close(self) -> None:
+        if self._unpin is not None:
+            self._unpin()
 
     def drop(self, block_hash: int) -> bool:
         slot = self._slot_of.pop(block_hash, None)

@@ -131,6 +131,8 @@ class OffloadTiers:
     def close(self) -> None:
         if self.disk is not None:
             self.disk.close()
+        if self.host is not None:
+            self.host.close()
 
     def _stored(self, tier: str, block_hash: int) -> None:
         self.counters[tier].stored += 1
