@@ -360,6 +360,8 @@ class TorchDistTransport(ThreadedTransport):
         deadline = time.monotonic() + self.config.timeout_s
         buf = self._pool.take(header.payload_bytes)
         try:
+            # With a timeout, wait() blocks this thread until the receive has completed (torch's WorkNCCL::wait), not
+            # only the current stream: the landing scatters on a stream of its own, which nothing else orders after it.
             data.recv([buf], 0, _TAG_PAYLOAD).wait(_td(deadline - time.monotonic()))
             problem = chunk_problem(layout, header.layer_ids, header.dst_block_ids, buf.numel())
             # Through the admission gate: a revoke() waits for it, on whichever pair's thread it runs.
