@@ -229,6 +229,13 @@ class ZmqTransport(IOThreadTransport):
         if problem:
             return problem
         src = data.reshape(-1, self._layout.block_bytes)
-        if self._device.type == "cuda":
-            src = torch.from_numpy(src.copy())  # zmq's frame is read-only; torch wants writable memory
-        return self._landing.scatter(header, src)
+        if self._device.type != "cuda":
+            return self._landing.scatter(header, src)
+        # Through a pinned staging buffer (zmq's frame is read-only and pageable): the copy to the device is then
+        # a DMA, not a staged pageable copy. The landing has synchronised its stream when it returns.
+        staged = self._pool.take(data.size)
+        try:
+            staged.numpy()[:] = data
+            return self._landing.scatter(header, staged.view(-1, self._layout.block_bytes))
+        finally:
+            self._pool.give(staged)
