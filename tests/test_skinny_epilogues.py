@@ -162,6 +162,9 @@ def _always(w, rows, silu_and_mul, gated=False):
 SKINNY = sk.SkinnyTiles(16, 64, 3)
 
 
+# The slow pass (25 s on CI, the default suite's longest): each epilogue's bits are the kernel tests' above, the
+# routing around them test_a_model_with_some_projections_on_cublas_runs_their_followers_apart's below.
+@pytest.mark.slow
 def test_a_model_with_its_norms_and_rotary_in_the_matmul_epilogues_gives_the_unfused_bits(tiny_dir, cpu_skinny,
                                                                                          monkeypatch):
     """tiny-random decoding through the skinny kernel with every qkv projection's rotary and KV write and every norm

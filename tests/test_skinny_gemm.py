@@ -270,6 +270,9 @@ def _graphed_tokens(monkeypatch, prompts, params, cfg, choose) -> tuple[list, li
     return expected, got, ran
 
 
+# The two model tests in the slow pass (8-9 s each on CI): the kernel's products and the fused activation are the
+# kernel tests' above; the engine's way to the kernel test_linear_runs_the_chosen_kernel_and_cublas_elsewhere's.
+@pytest.mark.slow
 def test_a_model_with_the_kernel_in_its_graphed_matmuls_gives_the_cublas_tokens(tiny_dir, cpu_skinny, monkeypatch):
     """tiny-random (float32) with its decode steps through emulated CUDA graphs: every matmul of those steps but the
     LM head's through the kernel, the MLP's SiLU-and-mul fused into its down projection, gives the library matmuls'
@@ -285,6 +288,7 @@ def test_a_model_with_the_kernel_in_its_graphed_matmuls_gives_the_cublas_tokens(
     assert {rows for rows, _ in asked} <= {1, 2, 4} and True in fused and False in fused  # decode buckets only
 
 
+@pytest.mark.slow
 def test_a_model_with_the_activation_in_the_gate_up_epilogue_gives_the_cublas_tokens(tiny_dir, cpu_skinny,
                                                                                     monkeypatch):
     """A decode bucket of 8 rows takes the gate/up projection with the SiLU-and-mul in its epilogue, and the down
