@@ -197,9 +197,9 @@ def test_the_eviction_hook_says_whether_the_new_owner_writes_outside_the_steps()
     assert evicted == [True, True, False]  # b's, c's and d's allocations each evicted the one cached block
 
 
-def _sleep_compute_stream(seconds: float) -> None:
-    """A step still running on the compute stream: a kernel that spins for about ``seconds``."""
-    torch.cuda._sleep(int(seconds * torch.cuda.get_device_properties(0).clock_rate * 1000))
+def _sleep_compute_stream() -> None:
+    """A step still running on the compute stream: a kernel that spins ~0.2 s (4e8 cycles at ~2 GHz)."""
+    torch.cuda._sleep(400_000_000)
 
 
 @pytest.mark.gpu
@@ -227,7 +227,7 @@ def test_a_block_taken_for_an_out_of_stream_writer_keeps_its_old_kv_in_the_host_
     new_kv = torch.full_like(old_kv, 7.0)
     manager.tiers.offload(12345, new_kv)  # what the loader will bring in
     torch.cuda.synchronize()
-    _sleep_compute_stream(0.2)
+    _sleep_compute_stream()
     second = Request("b", list(range(100, 104)), SamplingParams(max_tokens=1))
     if writer == "loader":
         assert bm.allocate_slots(second, 4, out_of_stream=True)  # evicts a's block
