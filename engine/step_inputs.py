@@ -40,6 +40,8 @@ def host_to_device(host: torch.Tensor | np.ndarray, device: torch.device | str) 
     if device.type != "cuda":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
 _TORCH_DTYPE = {np.dtype(d): t for d, t in ((np.int64, torch.int64), (np.int32, torch.int32), (np.int16, torch.int16),
                                             (np.int8, torch.int8), (np.uint8, torch.uint8), (np.bool_, torch.bool),
                                             (np.float64, torch.float64), (np.float32, torch.float32),

@@ -19,6 +19,7 @@ read (deleted or corrupt disk file) ends the prefix there, and the tokens from i
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -52,25 +53,20 @@ class OffloadManager:
         self.num_loading = 0
         self._stream = torch.cuda.Stream(kv_cache.device) if self.on_gpu else None
         self._evict_stream = torch.cuda.Stream(kv_cache.device) if self.on_gpu else None
-        self._unsettled = False  # copies queued on _evict_stream since the last settle_evictions
         self._thread = threading.Thread(target=self._load_loop, name="kv-offload-loader", daemon=True)
         self._thread.start()
 
     # ---- eviction (engine thread) -----------------------------------------------------------
     def on_evict(self, block_id: int, block_hash: int, out_of_stream: bool = False) -> None:
-        if out_of_stream and self._evict_stream is not None:
-            with torch.cuda.stream(self._evict_stream):
-                self.tiers.offload(block_hash, self.kv_cache[:, :, block_id])
-            self._unsettled = True
-        else:
+        apart = out_of_stream and self._evict_stream is not None
+        with torch.cuda.stream(self._evict_stream) if apart else contextlib.nullcontext():
             self.tiers.offload(block_hash, self.kv_cache[:, :, block_id])
 
     def settle_evictions(self) -> None:
         """Return once the copies out of blocks taken for writers outside the steps' queue have run (a few
         blocks on an idle stream: microseconds), so such a writer may be told the blocks."""
-        if self._unsettled:
+        if self._evict_stream is not None:
             self._evict_stream.synchronize()
-            self._unsettled = False
 
     # ---- matching and loading ----------------------------------------------------------------
     def match(self, block_hashes: list[int]) -> int:
