@@ -236,7 +236,8 @@ class LocalRouter:
                 self.worker.abort(request_id)  # idempotent; frees the blocks on the engine thread
 
     async def deliver(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      on_delta: Callable[[TokenDelta], None]) -> None:
+                      on_delta: Callable[[TokenDelta], None],
+                      on_row: Callable[[list[int], int, int, int], bool] | None = None) -> None:
         """The contract's push form (a router process behind API processes streams every token through it): each
         event's delta goes to ``on_delta`` from the loop's hand-over of the engine's step, with no queue, waiter
         or generator per request in between (as ClusterRouter.deliver)."""

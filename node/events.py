@@ -104,18 +104,22 @@ class StepTokens(Record):
 
     def rows(self) -> list[Tokens]:
         """Each row as the ``Tokens`` event it stands for (built from this checked record's values)."""
-        rows, start, worker_id, token_ids = [], 0, self.worker_id, self.new_token_ids
-        for request_id, n, computed, output, draft, accepted, cached, offloaded in zip(
-                self.request_ids, self.num_new_tokens, self.num_computed_tokens, self.num_output_tokens,
-                self.num_draft_tokens, self.num_accepted_tokens, self.num_cached_tokens, self.num_offloaded_tokens):
-            rows.append(assemble(Tokens, {
-                "request_id": request_id, "worker_id": worker_id, "new_token_ids": token_ids[start:start + n],
-                "num_computed_tokens": computed, "num_output_tokens": output, "finished": False,
-                "finish_reason": "", "num_draft_tokens": draft, "num_accepted_tokens": accepted,
-                "num_cached_tokens": cached, "num_offloaded_tokens": offloaded, "queue_s": 0.0, "prefill_s": 0.0,
-                "logprobs": [], "prompt_logprobs": []}))
+        rows, start = [], 0
+        for i, n in enumerate(self.num_new_tokens):
+            rows.append(self.row(i, start))
             start += n
         return rows
+
+    def row(self, i: int, start: int) -> Tokens:
+        """Row ``i``, whose tokens start at ``new_token_ids[start]``, as the ``Tokens`` event it stands for."""
+        return assemble(Tokens, {
+            "request_id": self.request_ids[i], "worker_id": self.worker_id,
+            "new_token_ids": self.new_token_ids[start:start + self.num_new_tokens[i]],
+            "num_computed_tokens": self.num_computed_tokens[i], "num_output_tokens": self.num_output_tokens[i],
+            "finished": False, "finish_reason": "", "num_draft_tokens": self.num_draft_tokens[i],
+            "num_accepted_tokens": self.num_accepted_tokens[i], "num_cached_tokens": self.num_cached_tokens[i],
+            "num_offloaded_tokens": self.num_offloaded_tokens[i], "queue_s": 0.0, "prefill_s": 0.0, "logprobs": [],
+            "prompt_logprobs": []})
 
 
 _STEP_FIELDS = tuple(f.name for f in fields(StepTokens))

@@ -210,7 +210,7 @@ class _DeafRouter:
         self.tokenizer = tokenizer
         self.closed: list[str] = []
 
-    async def deliver(self, request_id, prompt_token_ids, params, on_delta):
+    async def deliver(self, request_id, prompt_token_ids, params, on_delta, on_row=None):
         try:
             await asyncio.sleep(3600)
             on_delta(TokenDelta([]))
@@ -333,7 +333,8 @@ def test_a_batch_never_puts_a_row_after_its_requests_full_delta():
     box = _Outbox()
     box.add("a", TokenDelta([1], num_output_tokens=1, ttft_breakdown={"queue": 0.0}), first=True)
     box.add("a", TokenDelta([2], num_output_tokens=2), first=False)  # plain, but after a's full one
-    box.add("b", TokenDelta([7], num_output_tokens=5), first=False)
+    assert not box.add_row("a", [3], 3, 0, 0)  # the router's row form: declined (it sends a delta instead)
+    assert box.add_row("b", [7], 5, 0, 0)
     box.add("b", TokenDelta([8], finished=True, finish_reason="length", num_output_tokens=6), first=False)
     record = box.record()
     assert record.request_ids == ["b"] and record.new_token_ids == [7] and record.num_output_tokens == [5]

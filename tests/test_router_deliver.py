@@ -135,6 +135,66 @@ def test_generate_merges_the_deltas_a_slow_consumer_left_queued(cluster):
     assert deltas[0].ttft_breakdown and not worker.aborted
 
 
+def test_rows_of_a_stream_under_way_reach_on_row_as_the_deltas_they_stand_for(cluster):
+    """With ``on_row`` (the router process's frontend service), a step's row of a request whose first token went out
+    is handed over as its parts, without a TokenDelta; the first and the last delta still come to ``on_delta``. What
+    the consumer gets, the router's S1 mirror, its recorder's reports and the tokens it keeps for a recovery equal
+    those of a request streamed by deltas alone, over the same steps. A row ``on_row`` declines (False) comes to
+    ``on_delta`` as the same delta."""
+    router, worker = cluster
+    recorder = router.record()
+    deltas: dict[str, list] = {"rows": [], "deltas": [], "declined": []}
+    rows: dict[str, list] = {"rows": [], "deltas": [], "declined": []}
+
+    def on_row(rid, accept=True):
+        def take(token_ids, num_output_tokens, num_draft_tokens, num_accepted_tokens):
+            rows[rid].append((list(token_ids), num_output_tokens, num_draft_tokens, num_accepted_tokens))
+            return accept
+        return take
+
+    mirrors: dict[str, list[int]] = {rid: [] for rid in deltas}
+    emitted: dict[str, list[int]] = {}
+
+    async def main():
+        tasks = {}
+        for rid, take in (("rows", on_row("rows")), ("deltas", None), ("declined", on_row("declined", False))):
+            tasks[rid] = asyncio.ensure_future(router.deliver(rid, PROMPT, SamplingParams(max_tokens=4),
+                                                              deltas[rid].append, take))
+            await _until(lambda: rid in router.requests and router.requests[rid].attempt is not None)
+        for n, tokens in enumerate(([11], [12, 13], [14]), start=1):
+            num_output = sum(len(t) for t in ([11], [12, 13], [14])[:n])
+            worker.step({f"{rid}#1": tokens for rid in deltas}, num_output)
+            await _until(lambda: all(len(deltas[r]) + len(rows[r]) >= n for r in ("rows", "deltas")))
+            for rid in deltas:
+                mirrors[rid].append(router.requests[rid].attempt.num_computed_tokens)
+                emitted[rid] = list(router.requests[rid].emitted)
+        for rid in deltas:
+            worker.last(f"{rid}#1", 15, 5)
+        await asyncio.wait_for(asyncio.gather(*tasks.values()), 10)
+
+    asyncio.run(main())
+
+    def as_parts(d: TokenDelta):
+        return (d.new_token_ids, d.num_output_tokens, d.num_draft_tokens, d.num_accepted_tokens)
+
+    assert [as_parts(d) for d in deltas["deltas"]] == [([11], 1, 0, 0), ([12, 13], 3, 0, 0), ([14], 4, 0, 0),
+                                                      ([15], 5, 0, 0)]
+    assert [d.new_token_ids for d in deltas["rows"]] == [[11], [15]] and deltas["rows"][-1].finished
+    assert deltas["rows"][0].ttft_breakdown  # the first delta: its TTFT parts, its prompt count
+    assert rows["rows"] == [as_parts(d) for d in deltas["deltas"][1:3]]
+    assert [as_parts(d) + (d.finished,) for d in deltas["declined"]] == [
+        as_parts(d) + (d.finished,) for d in deltas["deltas"]]
+    assert rows["declined"] == rows["rows"]  # offered, and declined: they came as deltas
+    assert deltas["rows"][0].num_prompt_tokens == deltas["deltas"][0].num_prompt_tokens == len(PROMPT)
+    assert mirrors["rows"] == mirrors["deltas"] == [len(PROMPT) + 1, len(PROMPT) + 3, len(PROMPT) + 4]  # S1
+    assert emitted["rows"] == emitted["deltas"] == [11, 12, 13, 14]  # what a recovery would re-prefill
+    assert len(recorder.reports) == 3 * 4  # one per row and per last event, whichever path took the row
+    assert sorted(rep.reported_computed_tokens for rep in recorder.reports) == sorted(
+        [len(PROMPT) + n for n in (1, 3, 4, 5)] * 3)
+    assert all(rep.reported_computed_tokens == rep.mirrored_computed_tokens for rep in recorder.reports)
+    assert not router.requests and not worker.aborted
+
+
 def test_a_callback_that_fails_costs_only_its_own_request(cluster):
     """Deltas are made inside the event handler: a callback that raises must not stop the other rows of
     the same step. Its own request ends (deliver raises it, the worker is told to abort)."""

@@ -119,6 +119,8 @@ def _body(**overrides) -> dict:
     ({"num_new_tokens": [-1, 4]}, "StepTokens.num_new_tokens: expected counts >= 0"),
     ({"new_token_ids": [5, 6]}, "StepTokens.new_token_ids: expected 3 tokens"),
     ({"num_cached_tokens": [0, "1"]}, "StepTokens.num_cached_tokens[1]: expected int"),
+    ({"request_ids": ["a", 7]}, "StepTokens.request_ids[1]: expected str, got int 7"),
+    ({"request_ids": "ab"}, "StepTokens.request_ids: expected list of str"),
 ])
 def test_malformed_columns_are_refused_built_and_decoded(overrides, says):
     body = _body(**overrides)

@@ -123,7 +123,12 @@ def _check_float_list(value: Any, path: str) -> list[float]:
 def _check_str_list(value: Any, path: str) -> list[str]:
     if not isinstance(value, (list, tuple)):
         raise ProtocolError(f"{path}: expected list of str, got {type(value).__name__} {_short(value)}")
-    return [_check_str(x, f"{path}[{i}]") for i, x in enumerate(value)]
+    # A step's request ids are checked per event: one pass when every element is a plain str (a call per element
+    # cost ~6x as much at 128 rows), else element by element, which names the first bad one.
+    for x in value:
+        if type(x) is not str:
+            return [_check_str(x, f"{path}[{i}]") for i, x in enumerate(value)]
+    return list(value)
 
 
 def _check_plain(value: Any, path: str, depth: int) -> Any:

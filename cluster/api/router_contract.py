@@ -65,11 +65,17 @@ class Router(Protocol):
         ...
 
     async def deliver(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      on_delta: Callable[[TokenDelta], None]) -> None:
+                      on_delta: Callable[[TokenDelta], None],
+                      on_row: Callable[[list[int], int, int, int], bool] | None = None) -> None:
         """``generate`` in push form: ``on_delta`` gets each delta on the loop, the final one last, and
         this returns once the final one was given (RouterError, before any delta, as generate). Cancelling
         it aborts the request, and no delta comes after. For a consumer that only forwards deltas (the
-        router process behind API processes, cluster/frontend/service.py): no queue between."""
+        router process behind API processes, cluster/frontend/service.py): no queue between.
+
+        ``on_row``, where given, may be offered a plain delta (not the first, not the last; tokens and counts
+        only, with the first delta's prompt, cached and offloaded counts) as its parts: new token ids, output
+        tokens so far, draft and accepted tokens. It answers True once it took it, or False, and then the same
+        delta comes to ``on_delta``. A router may never offer one."""
         ...
 
     async def abort(self, request_id: str) -> None:

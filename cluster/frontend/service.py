@@ -48,16 +48,24 @@ class _Outbox:
         self.full, self.full_ids = [], set()
 
     def add(self, rid: str, delta: TokenDelta, first: bool) -> None:
-        if first or rid in self.full_ids or not is_plain(delta):  # a row may not follow its request's full one
+        if first or not is_plain(delta) or not self.add_row(rid, delta.new_token_ids, delta.num_output_tokens,
+                                                              delta.num_draft_tokens, delta.num_accepted_tokens):
             self.full.append(to_delta(rid, delta))
             self.full_ids.add(rid)
-            return
+
+    def add_row(self, rid: str, token_ids: list[int], num_output_tokens: int, num_draft_tokens: int,
+                num_accepted_tokens: int) -> bool:
+        """A plain delta as a row; False when it must go as a full one (a row may not follow its request's full
+        one in a message: rows are read first)."""
+        if rid in self.full_ids:
+            return False
         self.request_ids.append(rid)
-        self.num_new_tokens.append(len(delta.new_token_ids))
-        self.new_token_ids.extend(delta.new_token_ids)
-        self.num_output_tokens.append(delta.num_output_tokens)
-        self.num_draft_tokens.append(delta.num_draft_tokens)
-        self.num_accepted_tokens.append(delta.num_accepted_tokens)
+        self.num_new_tokens.append(len(token_ids))
+        self.new_token_ids.extend(token_ids)
+        self.num_output_tokens.append(num_output_tokens)
+        self.num_draft_tokens.append(num_draft_tokens)
+        self.num_accepted_tokens.append(num_accepted_tokens)
+        return True
 
     def record(self) -> Deltas:
         """Built without the construction checks: the rows are the router's own (its request ids; tokens and
@@ -197,8 +205,16 @@ class RouterService:
             self._queue(identity, rid, delta, first=not any_sent)
             any_sent, finished = True, delta.finished
 
+        def on_row(token_ids: list[int], num_output_tokens: int, num_draft_tokens: int, num_accepted_tokens: int) -> bool:
+            # Called only once the request's first delta went out (RequestStreams.on_step_tokens).
+            taken = self._outbox(identity).add_row(rid, token_ids, num_output_tokens, num_draft_tokens,
+                                                   num_accepted_tokens)
+            if taken:
+                self._schedule_flush()
+            return taken
+
         try:
-            await self.router.deliver(rid, prompt, params, on_delta)
+            await self.router.deliver(rid, prompt, params, on_delta, on_row)
             if not any_sent:
                 self._send(identity, Refused(rid, "the router ended the request before admitting it", 503,
                                              "server_error"))
@@ -233,10 +249,16 @@ class RouterService:
         self._queue(identity, rid, TokenDelta([], finished=True, finish_reason="error", error=error))
 
     def _queue(self, identity: bytes, rid: str, delta: TokenDelta, first: bool = False) -> None:
+        self._outbox(identity).add(rid, delta, first)
+        self._schedule_flush()
+
+    def _outbox(self, identity: bytes) -> _Outbox:
         box = self._outboxes.get(identity)
         if box is None:
             box = self._outboxes[identity] = _Outbox()
-        box.add(rid, delta, first)
+        return box
+
+    def _schedule_flush(self) -> None:
         if not self._flush_scheduled:  # after every task that woke this turn has queued its delta
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)

@@ -218,8 +218,7 @@ class ClusterRouter:
             self.streams.on_kv_ready(*found, ev)
 
     def _on_step_tokens(self, ev: StepTokens) -> None:
-        for row in ev.rows():
-            self._on_tokens(row)
+        self.streams.on_step_tokens(ev)  # the checks of _on_tokens, per row
 
     def _on_tokens(self, ev: Tokens) -> None:
         found = self.streams.lookup(ev.request_id, ev.worker_id)
@@ -307,10 +306,12 @@ class ClusterRouter:
                     return
 
     async def deliver(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      on_delta: Callable[[TokenDelta], None]) -> None:
+                      on_delta: Callable[[TokenDelta], None],
+                      on_row: Callable[[list[int], int, int, int], bool] | None = None) -> None:
         """The contract's push form (router_contract.py): ``on_delta`` is called from the event handler
         that made each delta, with no queue or task wake-up between (a router process behind API
-        processes streams every token of every request through here)."""
+        processes streams every token of every request through here); ``on_row`` takes plain deltas as
+        their parts (RequestStreams.on_step_tokens)."""
         done = asyncio.get_running_loop().create_future()
 
         def put(delta: TokenDelta) -> None:
@@ -324,12 +325,23 @@ class ClusterRouter:
             if delta.finished:
                 done.set_result(None)
 
-        async with self._placed(request_id, prompt_token_ids, params, put):
+        def put_row(token_ids: list[int], num_output_tokens: int, num_draft_tokens: int,
+                    num_accepted_tokens: int) -> bool:
+            if done.done():  # as put: nothing reaches a cancelled caller
+                return True
+            try:
+                return on_row(token_ids, num_output_tokens, num_draft_tokens, num_accepted_tokens)
+            except Exception as e:  # noqa: BLE001 - as put
+                done.set_exception(e)
+                return True
+
+        async with self._placed(request_id, prompt_token_ids, params, put, put_row if on_row is not None else None):
             await done
 
     @contextlib.asynccontextmanager
     async def _placed(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      deliver: Callable[[TokenDelta], None]):
+                      deliver: Callable[[TokenDelta], None],
+                      deliver_row: Callable[[list[int], int, int, int], bool] | None = None):
         """Place the request (RouterError if it cannot be), its deltas going to ``deliver``; leaving the
         block before its final delta (client disconnect, cancellation) aborts it."""
         loop = asyncio.get_running_loop()
@@ -339,7 +351,7 @@ class ClusterRouter:
         if params.seed is None:
             # Prefill and decode must draw from the same per-position streams.
             params = replace(params, seed=self._rng.randrange(1 << 31))
-        r = RequestState(request_id, list(prompt_token_ids), params, deliver)
+        r = RequestState(request_id, list(prompt_token_ids), params, deliver, deliver_row)
         timer = None
         try:
             await self.submitter.place(r, list(prompt_token_ids), params)

@@ -66,6 +66,9 @@ class RequestState:
     # Where the request's deltas go, the final one last, on the loop: the generate() consumer's queue, or
     # (ClusterRouter.deliver) a callback such as the frontend service's outbox.
     deliver: Callable[[TokenDelta], None]
+    # Optional: takes a plain delta as its parts (token ids, output tokens so far, draft and accepted tokens),
+    # True once taken; False sends it through ``deliver`` as a TokenDelta (RequestStreams.on_step_tokens).
+    deliver_row: Callable[[list[int], int, int, int], bool] | None = None
     emitted: list[int] = field(default_factory=list)  # tokens already streamed to the client
     attempt: Attempt | None = None  # the placement that streams now (None while placing)
     num_submits: int = 0  # placements asked for, full answers included (numbers the worker-side ids)
