@@ -28,8 +28,9 @@ import zmq.asyncio
 
 from conftest import engine_config
 from pdcluster.cluster.api.router_contract import RouterError
-from pdcluster.cluster.frontend.protocol import (FRONTEND_CODEC, MAX_FRONTEND_BYTES, Deltas, Generate, Hello,
-                                                 Refused, TokenDelta, is_plain)
+from pdcluster.cluster.delta_queue import DeltaQueue
+from pdcluster.cluster.frontend.protocol import (FRONTEND_CODEC, FRONTEND_VERSION, MAX_FRONTEND_BYTES, Delta, Deltas,
+                                                 Generate, Hello, Refused, TokenDelta, is_plain)
 from pdcluster.cluster.frontend.remote_router import RemoteRouter, handshake
 from pdcluster.cluster.frontend.service import RouterService
 from pdcluster.cluster.local_router import LocalRouter
@@ -258,10 +259,10 @@ def test_malformed_and_unexpected_messages_are_dropped_and_logged(local_router, 
         try:
             with caplog.at_level(logging.WARNING, logger="pdcluster.cluster.frontend.service"):
                 await raw.send(b"\xc1 not msgpack")
-                await raw.send(msgpack.packb({"v": 1, "t": "Generate", "b": {"request_id": 7}}))
+                await raw.send(msgpack.packb({"v": FRONTEND_VERSION, "t": "Generate", "b": {"request_id": 7}}))
                 await raw.send(FRONTEND_CODEC.encode(Generate("early", PROMPT, {"max_tokens": 200, "ignore_eos": True})))
                 await raw.send(FRONTEND_CODEC.encode(Hello(9, f"ipc://{socket_dir}/raw")))
-                await raw.send(FRONTEND_CODEC.encode(Deltas([], [], [], [], [], [], [])))
+                await raw.send(FRONTEND_CODEC.encode(Deltas([], [], [], [], [], [], [], [])))
                 await raw.send(FRONTEND_CODEC.encode(Generate("bad", PROMPT, {"max_tokens": -1})))
                 await raw.send(FRONTEND_CODEC.encode(Generate("odd", PROMPT, {"no_such_field": 1})))
                 refusals = {}
@@ -325,33 +326,60 @@ def test_handshake_with_no_router_process_is_a_clear_error(socket_dir):
     assert time.monotonic() - started < 5
 
 
-def test_a_batch_never_puts_a_row_after_its_requests_full_delta():
-    """The API process applies a batch's rows before its full deltas: a request's plain delta that
-    follows its full one in the same batch must travel full too, or its tokens would come out of order."""
+def test_a_batch_keeps_each_requests_order(tiny_dir):
+    """A router that fell behind drains many steps at once: a request's first (full) delta and the rows right
+    behind it share a batch. Each full delta keeps its place among the rows, and the API process queues every
+    request's deltas in the order the router made them."""
+    from pdcluster.cluster.frontend.protocol import Welcome
     from pdcluster.cluster.frontend.service import _Outbox
 
     box = _Outbox()
+    box.add("b", TokenDelta([7], num_output_tokens=5), first=False)
     box.add("a", TokenDelta([1], num_output_tokens=1, ttft_breakdown={"queue": 0.0}), first=True)
-    box.add("a", TokenDelta([2], num_output_tokens=2), first=False)  # plain, but after a's full one
-    assert not box.add_row("a", [3], 3, 0, 0)  # the router's row form: declined (it sends a delta instead)
-    assert box.add_row("b", [7], 5, 0, 0)
+    box.add("a", TokenDelta([2], num_output_tokens=2), first=False)  # plain, right after a's full one
+    box.add_row("a", [3, 4], 4, 2, 1)  # the router's row form
     box.add("b", TokenDelta([8], finished=True, finish_reason="length", num_output_tokens=6), first=False)
     record = box.record()
-    assert record.request_ids == ["b"] and record.new_token_ids == [7] and record.num_output_tokens == [5]
-    assert [(d.request_id, d.new_token_ids) for d in record.full] == [("a", [1]), ("a", [2]), ("b", [8])]
+    assert record.request_ids == ["b", "a", "a"] and record.new_token_ids == [7, 2, 3, 4]
+    assert [(d.request_id, d.new_token_ids) for d in record.full] == [("a", [1]), ("b", [8])]
+    assert record.full_positions == [1, 3]
     decoded = FRONTEND_CODEC.decode(FRONTEND_CODEC.encode(record), MAX_FRONTEND_BYTES)
     assert decoded == record
     # Built unchecked (its encoding checks it): exactly the record a checked build makes.
     assert Deltas(**{f.name: getattr(record, f.name) for f in dataclasses.fields(Deltas)}) == record
+
+    router = RemoteRouter("ipc:///nowhere", "ipc:///nowhere-either", 0, Welcome("m", 64, str(tiny_dir)))
+
+    async def applied() -> dict[str, list]:  # what each request's stream queue holds, in order
+        queues = router._queues = {"a": DeltaQueue(), "b": DeltaQueue()}
+        router._on_message(decoded)
+        out = {}
+        for rid, queue in queues.items():
+            out[rid] = []
+            while not queue.empty():
+                item = queue.get_nowait()
+                out[rid].append(item if type(item) is tuple else (item.new_token_ids, item.num_output_tokens,
+                                                                  item.finished))
+        return out
+
+    assert asyncio.run(applied()) == {"a": [([1], 1, False), ([2], 2, 0, 0), ([3, 4], 4, 2, 1)],
+                                      "b": [([7], 5, 0, 0), ([8], 6, True)]}
 
 
 def test_a_malformed_batch_is_refused():
     from pdcluster.wire.records import ProtocolError
 
     with pytest.raises(ProtocolError, match="num_output_tokens: expected 1 values"):
-        Deltas(["a"], [1], [5], [], [0], [0], [])
+        Deltas(["a"], [1], [5], [], [0], [0], [], [])
     with pytest.raises(ProtocolError, match="new_token_ids: expected 2 tokens"):
-        Deltas(["a"], [2], [5], [1], [0], [0], [])
+        Deltas(["a"], [2], [5], [1], [0], [0], [], [])
+    full = [Delta("a", [1])]
+    with pytest.raises(ProtocolError, match="full_positions: expected 1 values"):
+        Deltas([], [], [], [], [], [], full, [])
+    with pytest.raises(ProtocolError, match=r"full_positions: expected non-decreasing row positions in 0..0"):
+        Deltas([], [], [], [], [], [], full, [1])
+    with pytest.raises(ProtocolError, match=r"full_positions: expected non-decreasing row positions in 0..1"):
+        Deltas(["a"], [1], [5], [1], [0], [0], full * 2, [1, 0])
 
 
 def test_plain_deltas_are_the_ones_rows_can_carry():

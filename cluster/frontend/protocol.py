@@ -26,9 +26,9 @@ from typing import Any
 
 from pdcluster.cluster.api.router_contract import TokenDelta
 from pdcluster.wire.logprobs import TokenLogprobs
-from pdcluster.wire.records import Codec, Record, require_token_columns
+from pdcluster.wire.records import Codec, Record, _require, require_token_columns
 
-FRONTEND_VERSION = 1
+FRONTEND_VERSION = 2  # 2: Deltas.full_positions
 # A Generate carries a prompt (up to max_model_len ids, ~5 bytes each) and a Deltas batch a step's
 # tokens for every request of a process; 64 MiB is far above both.
 MAX_FRONTEND_BYTES = 64 << 20
@@ -91,10 +91,12 @@ _ROW_COUNT_COLUMNS = ("num_new_tokens", "num_output_tokens", "num_draft_tokens",
 
 @dataclass(frozen=True)
 class Deltas(Record):
-    """A batch for one API process. Rows: plain deltas (not a request's first or last, no logprobs, no
-    error), whose other fields the process knows from the request's first delta; at batch 128 a decode
-    step costs one record, not 128 (as the workers' StepTokens). Then ``full``: every other delta, applied
-    after the rows; the sender never puts a request's plain delta after one of its full ones in a batch."""
+    """A batch for one API process, in the order the router made its deltas. Rows: plain deltas (not a
+    request's first or last, no logprobs, no error), whose other fields the process knows from the request's
+    first delta; at batch 128 a decode step costs one record, not 128 (as the workers' StepTokens). ``full``:
+    every other delta, ``full[j]`` applied before row ``full_positions[j]`` (after every row when that is the
+    number of rows; positions never decrease). A router that fell behind drains many steps' events at once:
+    a request's first delta and the rows right behind it then share a batch."""
 
     request_ids: list[str]
     num_new_tokens: list[int]  # row i's tokens: new_token_ids[sum(num_new_tokens[:i]):][:num_new_tokens[i]]
@@ -103,9 +105,16 @@ class Deltas(Record):
     num_draft_tokens: list[int]
     num_accepted_tokens: list[int]
     full: list[Delta]
+    full_positions: list[int]
 
     def _check_values(self, path: str) -> None:
-        require_token_columns(self, path, len(self.request_ids), _ROW_COUNT_COLUMNS)
+        num_rows = len(self.request_ids)
+        require_token_columns(self, path, num_rows, _ROW_COUNT_COLUMNS)
+        positions = self.full_positions
+        _require(len(positions) == len(self.full), f"{path}.full_positions",
+                 f"expected {len(self.full)} values (one a full delta)", f"{len(positions)} values")
+        _require(all(0 <= a <= b for a, b in zip(positions, positions[1:] + [num_rows])), f"{path}.full_positions",
+                 f"expected non-decreasing row positions in 0..{num_rows}", positions)
 
 
 def is_plain(delta: TokenDelta) -> bool:

@@ -227,18 +227,22 @@ class RemoteRouter:
                 log.exception("router message %s failed", type(msg).__name__)
 
     def _on_message(self, msg) -> None:
-        if isinstance(msg, Deltas):  # rows first (Deltas says why that keeps each request's order)
+        if isinstance(msg, Deltas):  # in the router's order: each full delta before the row at its position
             queues, start, token_ids = self._queues, 0, msg.new_token_ids
-            for rid, n, output, draft, accepted in zip(msg.request_ids, msg.num_new_tokens, msg.num_output_tokens,
-                                                      msg.num_draft_tokens, msg.num_accepted_tokens):
+            full, positions = msg.full, msg.full_positions
+            j, num_full = 0, len(full)
+            for i, (rid, n, output, draft, accepted) in enumerate(zip(
+                    msg.request_ids, msg.num_new_tokens, msg.num_output_tokens, msg.num_draft_tokens,
+                    msg.num_accepted_tokens)):
+                while j < num_full and positions[j] <= i:
+                    self._put_full(full[j])
+                    j += 1
                 queue = queues.get(rid)
                 if queue is not None:  # else its stream already ended (aborted, consumer gone)
                     queue.put_nowait((token_ids[start:start + n], output, draft, accepted))
                 start += n
-            for delta in msg.full:
-                queue = queues.get(delta.request_id)
-                if queue is not None:
-                    queue.put_nowait(delta)
+            for delta in full[j:]:
+                self._put_full(delta)
         elif isinstance(msg, Stats):
             stats = dict(msg.stats)
             self.lora_names = tuple(stats.pop(LORA_NAMES_KEY, self.lora_names))
@@ -253,6 +257,11 @@ class RemoteRouter:
                 future.set_result(msg)
         elif not isinstance(msg, Welcome):
             log.warning("dropping a %s from the router process: not a message it sends", type(msg).__name__)
+
+    def _put_full(self, delta) -> None:
+        queue = self._queues.get(delta.request_id)
+        if queue is not None:
+            queue.put_nowait(delta)
 
     async def _watch_silence(self) -> None:
         while True:

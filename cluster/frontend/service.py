@@ -37,35 +37,33 @@ ABORT_GRACE_S = 1.0
 
 
 class _Outbox:
-    """One process's deltas since the last send (the fields of a Deltas record)."""
+    """One process's deltas since the last send, in order (the fields of a Deltas record)."""
 
     __slots__ = ("request_ids", "num_new_tokens", "new_token_ids", "num_output_tokens", "num_draft_tokens",
-                 "num_accepted_tokens", "full", "full_ids")
+                 "num_accepted_tokens", "full", "full_positions")
 
     def __init__(self):
         self.request_ids, self.num_new_tokens, self.new_token_ids = [], [], []
         self.num_output_tokens, self.num_draft_tokens, self.num_accepted_tokens = [], [], []
-        self.full, self.full_ids = [], set()
+        self.full, self.full_positions = [], []
 
     def add(self, rid: str, delta: TokenDelta, first: bool) -> None:
-        if first or not is_plain(delta) or not self.add_row(rid, delta.new_token_ids, delta.num_output_tokens,
-                                                              delta.num_draft_tokens, delta.num_accepted_tokens):
+        if first or not is_plain(delta):
             self.full.append(to_delta(rid, delta))
-            self.full_ids.add(rid)
+            self.full_positions.append(len(self.request_ids))  # before the rows that come after it
+        else:
+            self.add_row(rid, delta.new_token_ids, delta.num_output_tokens, delta.num_draft_tokens,
+                         delta.num_accepted_tokens)
 
     def add_row(self, rid: str, token_ids: list[int], num_output_tokens: int, num_draft_tokens: int,
-                num_accepted_tokens: int) -> bool:
-        """A plain delta as a row; False when it must go as a full one (a row may not follow its request's full
-        one in a message: rows are read first)."""
-        if rid in self.full_ids:
-            return False
+                num_accepted_tokens: int) -> None:
+        """A plain delta as a row."""
         self.request_ids.append(rid)
         self.num_new_tokens.append(len(token_ids))
         self.new_token_ids.extend(token_ids)
         self.num_output_tokens.append(num_output_tokens)
         self.num_draft_tokens.append(num_draft_tokens)
         self.num_accepted_tokens.append(num_accepted_tokens)
-        return True
 
     def record(self) -> Deltas:
         """Built without the construction checks: the rows are the router's own (its request ids; tokens and
@@ -74,7 +72,8 @@ class _Outbox:
         return assemble(Deltas, {"request_ids": self.request_ids, "num_new_tokens": self.num_new_tokens,
                                  "new_token_ids": self.new_token_ids, "num_output_tokens": self.num_output_tokens,
                                  "num_draft_tokens": self.num_draft_tokens,
-                                 "num_accepted_tokens": self.num_accepted_tokens, "full": self.full})
+                                 "num_accepted_tokens": self.num_accepted_tokens, "full": self.full,
+                                 "full_positions": self.full_positions})
 
 
 class RouterService:
@@ -207,11 +206,9 @@ class RouterService:
 
         def on_row(token_ids: list[int], num_output_tokens: int, num_draft_tokens: int, num_accepted_tokens: int) -> bool:
             # Called only once the request's first delta went out (RequestStreams.on_step_tokens).
-            taken = self._outbox(identity).add_row(rid, token_ids, num_output_tokens, num_draft_tokens,
-                                                   num_accepted_tokens)
-            if taken:
-                self._schedule_flush()
-            return taken
+            self._outbox(identity).add_row(rid, token_ids, num_output_tokens, num_draft_tokens, num_accepted_tokens)
+            self._schedule_flush()
+            return True
 
         try:
             await self.router.deliver(rid, prompt, params, on_delta, on_row)
