@@ -218,16 +218,16 @@ class ClusterRouter:
             self.streams.on_kv_ready(*found, ev)
 
     def _on_step_tokens(self, ev: StepTokens) -> None:
-        self.streams.on_step_tokens(ev)  # the checks of _on_tokens, per row
+        self.streams.on_step_tokens(ev)  # each row for the request's current placement only, as _on_tokens
 
     def _on_tokens(self, ev: Tokens) -> None:
-        found = self.streams.lookup(ev.request_id, ev.worker_id)
-        if found is not None and not found[0].recovering and found[0].attempt is found[1]:
+        found = self.streams.current(ev.request_id, ev.worker_id)
+        if found is not None:
             self.streams.on_tokens(*found, ev)
 
     def _on_failed(self, ev: Failed) -> None:
-        found = self.streams.lookup(ev.request_id, ev.worker_id)
-        if found is None or found[0].recovering or found[0].attempt is not found[1]:
+        found = self.streams.current(ev.request_id, ev.worker_id)
+        if found is None:
             return
         r, a = found
         breaker = self.placement.breaker(*a.pair)

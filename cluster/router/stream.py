@@ -72,6 +72,17 @@ class RequestStreams:
             return None
         return found
 
+    def current(self, wid: str, worker_id: str) -> tuple[RequestState, Attempt] | None:
+        """As ``lookup``, and only while ``wid`` is the request's placement now (not one a recovery left behind,
+        nor while it is being placed again): whose tokens and failures count."""
+        found = self._by_wid.get(wid)
+        if found is None:
+            return None
+        r, a = found
+        if worker_id != a.decode_id or r.finished or r.recovering or r.attempt is not a:
+            return None
+        return found
+
     @property
     def num_placements(self) -> int:
         """Placements whose events are still routed (zero once every request has ended)."""
@@ -97,28 +108,25 @@ class RequestStreams:
         the tokens streamed, then the row; no Tokens event or TokenDelta is made for it. At batch 128 that was
         about a third of the router process's CPU per streamed token. Every other row goes through ``on_tokens``
         as the Tokens it stands for, so both paths give the consumer the same tokens and counts."""
-        by_wid, worker_id, token_ids = self._by_wid, ev.worker_id, ev.new_token_ids
+        current, worker_id, token_ids = self.current, ev.worker_id, ev.new_token_ids
         recorder = self._recorder()
         start = 0
         for i, (wid, n, computed, output, draft, accepted) in enumerate(zip(
                 ev.request_ids, ev.num_new_tokens, ev.num_computed_tokens, ev.num_output_tokens, ev.num_draft_tokens,
                 ev.num_accepted_tokens)):
-            end = start + n
-            found = by_wid.get(wid)
+            found = current(wid, worker_id)
             if found is not None:
                 r, a = found
-                if a.decode_id == worker_id and not r.finished and not r.recovering and r.attempt is a:
-                    emitted = r.emitted
-                    if not (n and a.t_first_token and (a.t_first_decode or not a.t_kv_ready)
-                            and r.deliver_row is not None
-                            and r.deliver_row(token_ids[start:end], len(emitted) + n, draft, accepted)):
-                        self.on_tokens(r, a, ev.row(i, start))
-                    else:
-                        a.num_computed_tokens = computed  # S1: overwrite from the report; never count steps
-                        if recorder is not None:
-                            recorder.reports.append(Report(computed, computed, r.num_prompt_tokens, output, False))
-                        emitted.extend(token_ids[start:end])
-            start = end
+                ids = token_ids[start:start + n]
+                if not (n and a.t_first_token and (a.t_first_decode or not a.t_kv_ready)
+                        and r.deliver_row is not None and r.deliver_row(ids, len(r.emitted) + n, draft, accepted)):
+                    self.on_tokens(r, a, ev.row(i, start))
+                else:
+                    a.num_computed_tokens = computed  # S1: overwrite from the report; never count steps
+                    if recorder is not None:
+                        recorder.reports.append(Report(computed, computed, r.num_prompt_tokens, output, False))
+                    r.emitted.extend(ids)
+            start += n
 
     def on_tokens(self, r: RequestState, a: Attempt, ev: Tokens) -> None:
         now = time.monotonic()
