@@ -65,9 +65,11 @@ def _plain_tokens(event) -> bool:
     return isinstance(event, Tokens) and not is_progress_report(event)
 
 
-def _put_each(items: list[tuple[DeltaQueue, Tokens]]) -> None:
-    for queue, event in items:
-        queue.put_nowait(event)
+def _hand_over_each(items: list[tuple]) -> None:
+    """A step's items for one loop, on it: (a stream's ``put_nowait``, (an event,)) or (its ``put_row``, a row's
+    parts)."""
+    for fn, args in items:
+        fn(*args)
 
 
 class _TimedDecodeWorker(DecodeWorker):
@@ -81,7 +83,8 @@ class _TimedDecodeWorker(DecodeWorker):
         self._tick_started = time.monotonic()
         self._submitted_at: dict[str, float] = {}  # request id -> when submit() was called
         self._scheduled_at: dict[str, float] = {}  # request id -> first schedule, until its first event
-        self._first_sent: set[str] = set()  # requests whose first Tokens event went out
+        # Requests whose first Tokens event went out: written on the engine thread only, read by the router there.
+        self.first_sent: set[str] = set()
         self.snapshot: dict | None = None
         super().__init__(worker_id, engine_config, transfer=None)  # starts the engine thread
 
@@ -96,7 +99,7 @@ class _TimedDecodeWorker(DecodeWorker):
         self._tick_started = time.monotonic()  # a step schedules at its start
         busy = super().tick()
         for request in self.engine.scheduler.running:
-            if request.request_id not in self._first_sent:
+            if request.request_id not in self.first_sent:
                 self._scheduled_at.setdefault(request.request_id, self._tick_started)
         self.snapshot = self._stats()  # one reference swap: readers see a whole dict
         return busy
@@ -115,9 +118,9 @@ class _TimedDecodeWorker(DecodeWorker):
         event, not the first event: a prompt longer than one prefill chunk reports each chunk before it
         (Tokens without tokens: the scheduler's count, S1)."""
         request_id = event.request_id
-        if not event.new_token_ids or request_id in self._first_sent:
+        if not event.new_token_ids or request_id in self.first_sent:
             return event
-        self._first_sent.add(request_id)
+        self.first_sent.add(request_id)
         scheduled = self._scheduled_at.pop(request_id, self._tick_started)
         submitted = self._submitted_at.pop(request_id, scheduled)
         return replace(event, queue_s=max(scheduled - submitted, 0.0), prefill_s=max(time.monotonic() - scheduled, 0.0))
@@ -129,7 +132,7 @@ class _TimedDecodeWorker(DecodeWorker):
     def _forget(self, request_id: str | None) -> None:
         self._submitted_at.pop(request_id, None)
         self._scheduled_at.pop(request_id, None)
-        self._first_sent.discard(request_id)
+        self.first_sent.discard(request_id)
 
 
 class LocalRouter:
@@ -160,18 +163,34 @@ class LocalRouter:
                 self._deliver(loop, queue, failure)
             return
         if isinstance(event, StepTokens):
-            # One hand-over per event loop for the whole step (each call_soon_threadsafe wakes the loop).
-            by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-            for row in event.rows():
-                stream = self._streams.get(row.request_id)
-                if stream is not None:
-                    by_loop.setdefault(stream[0], []).append((stream[1], self.worker.timed(row)))
-            for loop, items in by_loop.items():
-                self._call_on(loop, _put_each, items)
+            self._on_step_tokens(event)
             return
         stream = self._streams.get(event.request_id)
         if stream is not None:
             self._deliver(*stream, event)
+
+    def _on_step_tokens(self, event: StepTokens) -> None:
+        """A step's plain rows, with one hand-over per event loop for the whole step (each call_soon_threadsafe
+        wakes the loop). A row that only adds tokens to a stream under way (its first token went out: events of
+        one stream reach its loop in order, so the consumer has had it) whose consumer takes rows (``deliver``'s
+        ``on_row``) goes as its parts; no ``Tokens`` event or ``TokenDelta`` is made for it (as the cluster
+        router's RequestStreams.on_step_tokens). Every other row goes as the ``Tokens`` it stands for."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        streams, first_sent, token_ids = self._streams, self.worker.first_sent, event.new_token_ids
+        start = 0
+        for i, (request_id, n) in enumerate(zip(event.request_ids, event.num_new_tokens)):
+            stream = streams.get(request_id)
+            if stream is not None:
+                loop, consumer = stream
+                if n and type(consumer) is _Push and consumer.put_row is not None and request_id in first_sent:
+                    item = (consumer.put_row, (token_ids[start:start + n], event.num_output_tokens[i],
+                                               event.num_draft_tokens[i], event.num_accepted_tokens[i], event, i, start))
+                else:
+                    item = (consumer.put_nowait, (self.worker.timed(event.row(i, start)),))
+                by_loop.setdefault(loop, []).append(item)
+            start += n
+        for loop, items in by_loop.items():
+            self._call_on(loop, _hand_over_each, items)
 
     @property
     def num_open_streams(self) -> int:
@@ -240,7 +259,8 @@ class LocalRouter:
                       on_row: Callable[[list[int], int, int, int], bool] | None = None) -> None:
         """The contract's push form (a router process behind API processes streams every token through it): each
         event's delta goes to ``on_delta`` from the loop's hand-over of the engine's step, with no queue, waiter
-        or generator per request in between (as ClusterRouter.deliver)."""
+        or generator per request in between (as ClusterRouter.deliver). With ``on_row``, a step's row of a stream
+        under way goes to it as its parts (_on_step_tokens); one it declines comes to ``on_delta`` as its delta."""
         self._admit(request_id, prompt_token_ids, params)
         loop = asyncio.get_running_loop()
         done = loop.create_future()
@@ -262,7 +282,20 @@ class LocalRouter:
             if delta.finished:
                 done.set_result(None)
 
-        self._streams[request_id] = (loop, _Push(on_event))
+        def on_row_parts(token_ids: list[int], num_output_tokens: int, num_draft_tokens: int,
+                         num_accepted_tokens: int, step: StepTokens, i: int, start: int) -> None:
+            if done.done():
+                return
+            watchdog.kick()
+            try:
+                taken = on_row(token_ids, num_output_tokens, num_draft_tokens, num_accepted_tokens)
+            except Exception as e:  # noqa: BLE001 - as on_event's
+                done.set_exception(e)
+                return
+            if not taken:  # declined: the same row as the delta it stands for
+                on_event(step.row(i, start))
+
+        self._streams[request_id] = (loop, _Push(on_event, on_row_parts if on_row is not None else None))
         watchdog = _Watchdog(loop, self.request_timeout_s, lambda: on_event(_TimedOut()))
         try:
             self.worker.submit(request_id, prompt_token_ids, params)
@@ -335,12 +368,13 @@ class LocalRouter:
 
 class _Push:
     """A stream's consumer in the push form (LocalRouter.deliver): events are handed to ``on_event`` as they come,
-    on the stream's loop (where the pull form's DeltaQueue takes them)."""
+    on the stream's loop (where the pull form's DeltaQueue takes them); with ``on_row_parts``, the rows of a stream
+    under way as their parts (LocalRouter._on_step_tokens)."""
 
-    __slots__ = ("put_nowait",)
+    __slots__ = ("put_nowait", "put_row")
 
-    def __init__(self, on_event):
-        self.put_nowait = on_event
+    def __init__(self, on_event, on_row_parts=None):
+        self.put_nowait, self.put_row = on_event, on_row_parts
 
 
 class _Deltas:

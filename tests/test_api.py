@@ -421,6 +421,73 @@ def test_local_router_deliver_pushes_each_delta_and_frees_a_failed_consumers_req
     assert ended_by_length == ["push-1"]  # push-2 and push-3 were aborted on the worker
 
 
+def test_local_router_hands_rows_of_a_stream_under_way_to_on_row(stack, engine):
+    """With ``on_row`` (the router process's frontend service), the local router hands a step's row of a stream whose
+    first token went out to it as its parts, without a ``Tokens`` event or TokenDelta; the first and the last delta
+    still come to ``on_delta``. Over the same prompt, what a consumer gets equals what one streamed by deltas alone
+    gets, part for part and in order. A row ``on_row`` declines (False) comes to ``on_delta`` as the same delta; an
+    ``on_row`` that raises ends deliver with its error and frees the request."""
+    max_tokens = 10
+    ref = _reference(engine, PROMPTS[1], max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    stack.settled()
+    got: dict[str, list] = {"rows": [], "deltas": [], "declined": []}  # ("delta" | "row", parts, finished), in order
+
+    def parts(delta: TokenDelta):
+        return ("delta", (delta.new_token_ids, delta.num_output_tokens, delta.num_draft_tokens,
+                          delta.num_accepted_tokens), delta.finished)
+
+    def on_delta(rid):
+        return lambda delta: got[rid].append(parts(delta))
+
+    def on_row(rid, accept=True):
+        def take(token_ids, num_output_tokens, num_draft_tokens, num_accepted_tokens):
+            got[rid].append(("row", (list(token_ids), num_output_tokens, num_draft_tokens, num_accepted_tokens),
+                             False))
+            return accept
+        return take
+
+    def broken(*_):
+        raise RuntimeError("row consumer broke")
+
+    async def run():
+        await asyncio.gather(*(stack.router.deliver(rid, ref.prompt_token_ids, params, on_delta(rid), take)
+                               for rid, take in (("rows", on_row("rows")), ("deltas", None),
+                                                 ("declined", on_row("declined", False)))))
+        with pytest.raises(RuntimeError, match="row consumer broke"):
+            await asyncio.wait_for(stack.router.deliver("row-broken", ref.prompt_token_ids,
+                                                        replace(params, max_tokens=1000), lambda d: None, broken), 30)
+
+    async def long_rows():
+        # Rows keep the request's watchdog quiet, as deltas do: a stream of rows outlives request_timeout_s.
+        rows: list = []
+        stack.router.request_timeout_s = 0.3
+        try:
+            started = time.monotonic()
+            await asyncio.wait_for(stack.router.deliver("row-long", ref.prompt_token_ids,
+                                                        replace(params, max_tokens=1000), got["long"].append,
+                                                        lambda *row: rows.append(row) or True), 60)
+            return rows, time.monotonic() - started
+        finally:
+            stack.router.request_timeout_s = 30
+
+    asyncio.run(run())
+    got["long"] = []
+    long_rows_got, long_s = asyncio.run(long_rows())
+    assert got["long"][-1].finish_reason == "length", (got["long"][-1], long_s)
+    assert len(long_rows_got) == 1000 - 2
+    stack.settled(timeout_s=30.0)  # the broken consumer's request was aborted, its blocks freed
+    as_deltas = [("delta", p, f) for _, p, f in got["rows"]]
+    assert as_deltas == got["deltas"]  # the same parts, in the same order, whichever way they came
+    assert [t for _, (ids, *_), _ in got["deltas"] for t in ids] == ref.token_ids
+    assert [kind for kind, _, _ in got["rows"]] == ["delta"] + ["row"] * (max_tokens - 2) + ["delta"]
+    assert got["deltas"][-1][2] and not any(f for _, _, f in got["deltas"][:-1])
+    # Declined: each row offered, then the same delta.
+    offered = [entry for entry in got["declined"] if entry[0] == "row"]
+    assert offered == [entry for entry in got["rows"] if entry[0] == "row"]
+    assert [entry for entry in got["declined"] if entry[0] == "delta"] == got["deltas"]
+
+
 def test_merged_token_deltas_keep_order_counts_and_the_first_deltas_fields():
     from pdcluster.cluster.token_deltas import merged
     from pdcluster.wire.logprobs import TokenLogprobs
