@@ -46,7 +46,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-spec-tokens", type=int, default=0, help="draft tokens per step (k)")
     g.add_argument("--mtp-checkpoint", default="",
                    help="MTP head for --spec mtp: a safetensors file from bench/train_mtp.py (default: the one "
-                        "trained for --model in the cache dir; refused when there is none), or 'random'")
+                        "trained for --model in the cache dir; refused when there is none), an EAGLE draft's "
+                        "directory (EAGLE-1 or HASS, as vLLM's method eagle), or 'random'")
     g.add_argument("--no-cuda-graphs", action="store_true",
                    help="on a GPU, run decode steps eagerly instead of through CUDA graphs (vLLM's --enforce-eager)")
     g.add_argument("--mixed-cuda-graph-tokens", type=int, default=0, metavar="N",

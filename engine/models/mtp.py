@@ -40,7 +40,7 @@ from pdcluster.engine.config import ConfigError
 from pdcluster.engine.linear import Linear
 from pdcluster.engine.models.llama import DecoderLayer, LlamaModel, ModelArch, rms_norm
 from pdcluster.engine.models.nemotron_h import HybridArch
-from pdcluster.engine.models import deepseek_mtp, nemotron_mtp
+from pdcluster.engine.models import deepseek_mtp, eagle, nemotron_mtp
 from pdcluster.engine.models.deepseek import ARCHITECTURES as DEEPSEEK_ARCHITECTURES
 from pdcluster.engine.models.deepseek import DeepseekArch
 from pdcluster.engine.models.registry import BUILTIN_MODELS, builtin_config, resolve_model
@@ -65,8 +65,9 @@ class MTPHeadMissing(ConfigError):
 @dataclass(frozen=True)
 class MTPSource:
     """What ``--spec mtp`` drafts with: ``kind`` "own" (the checkpoint's own MTP layers: a NemotronH with
-    ``num_nextn_predict_layers``, engine/models/nemotron_mtp.py), "file" (a trained head at ``path``) or "random"
-    (the seeded random head, asked for by name)."""
+    ``num_nextn_predict_layers``, engine/models/nemotron_mtp.py), "file" (a trained head at ``path``), "eagle" (an
+    EAGLE draft's checkpoint at ``path``, engine/models/eagle.py) or "random" (the seeded random head, asked for by
+    name)."""
 
     kind: str
     path: Path | None = None
@@ -126,6 +127,8 @@ def find_mtp_checkpoint(checkpoint: str, cache_dir: str | os.PathLike, model_nam
         raise ConfigError(f"--spec mtp: {model_name}: {latent_attention_refusal(checkpoint)}")
     if checkpoint == RANDOM_HEAD:
         return MTPSource("random")
+    if checkpoint and eagle.is_eagle_checkpoint(checkpoint):  # a directory (or file) of EAGLE's draft
+        return MTPSource("eagle", Path(checkpoint))
     if checkpoint:
         if not Path(checkpoint).is_file():
             raise MTPHeadMissing(f"mtp_checkpoint (--mtp-checkpoint): {checkpoint!r} does not exist; train one "
@@ -221,6 +224,9 @@ def resolve_mtp_weights(checkpoint: str, cache_dir: str | os.PathLike, model_nam
     source = find_mtp_checkpoint(checkpoint, cache_dir, model_name, arch)
     if source.kind == "random":
         return random_mtp_weights(arch, seed), f"random(seed={seed})"
+    if source.kind == "eagle":
+        weights = eagle.load_eagle_weights(source.path, arch)
+        return weights, f"{source.path}: an EAGLE draft"
     if source.kind == "own":
         model_dir = resolve_model(model_name, cache_dir=cache_dir, progress=False)
         weights = _own_mtp(arch).load_own_mtp_weights(model_dir, arch)

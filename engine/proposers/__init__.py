@@ -9,7 +9,9 @@ from pdcluster.engine.config import ConfigError, EngineConfig
 from pdcluster.engine.kv_cache import kv_planes
 from pdcluster.engine.models.deepseek_mtp import DeepseekMTP
 from pdcluster.engine.models.deepseek_mtp import is_own_mtp_weights as is_own_deepseek_mtp_weights
-from pdcluster.engine.models.mtp import MTPHead, latent_attention_refusal, random_mtp_weights, uses_own_mtp_layers
+from pdcluster.engine.models.eagle import EagleHead, is_eagle_weights
+from pdcluster.engine.models.mtp import (DRAFT_VOCAB_SIZE, MTPHead, latent_attention_refusal, random_mtp_weights,
+                                         uses_own_mtp_layers)
 from pdcluster.engine.models.nemotron_blocks import ATTENTION
 from pdcluster.engine.models.nemotron_mtp import NemotronMTP, is_own_mtp_weights
 from pdcluster.engine.proposers.base import ProposeBatch, Proposer
@@ -33,8 +35,9 @@ def num_draft_layers(config: EngineConfig, arch=None) -> int:
 
 
 def make_proposer(config: EngineConfig, model, kv_cache: torch.Tensor, mtp_weights: dict | None = None) -> Proposer:
-    """The proposer for ``config.spec_method``. For MTP: a NemotronH's own MTP layers when ``mtp_weights`` are
-    those (engine/models/mtp.py resolve_mtp_weights), our MTP head otherwise (seeded random without weights)."""
+    """The proposer for ``config.spec_method``. For MTP: a NemotronH's (DeepSeek's) own MTP layers when
+    ``mtp_weights`` are those (engine/models/mtp.py resolve_mtp_weights), an EAGLE draft when they are its
+    (engine/models/eagle.py), our MTP head otherwise (seeded random without weights)."""
     if config.spec_method == "none":
         return Proposer()
     if config.spec_method == "ngram":
@@ -42,6 +45,8 @@ def make_proposer(config: EngineConfig, model, kv_cache: torch.Tensor, mtp_weigh
     if config.spec_method == "mtp":
         if mtp_weights is not None and is_own_mtp_weights(mtp_weights):
             return MTPProposer(NemotronMTP(model, mtp_weights), kv_cache, config.block_size)
+        if mtp_weights is not None and is_eagle_weights(mtp_weights):
+            return MTPProposer(EagleHead(model, mtp_weights, DRAFT_VOCAB_SIZE), kv_cache, config.block_size)
         if mtp_weights is not None and is_own_deepseek_mtp_weights(mtp_weights, model.arch):
             return MTPProposer(DeepseekMTP(model, mtp_weights), kv_cache, config.block_size)
         weights = mtp_weights if mtp_weights is not None else random_mtp_weights(model.arch, config.seed)

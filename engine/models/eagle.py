@@ -1,0 +1,214 @@
+"""EAGLE draft heads (EAGLE-1, and HASS, its variant with two input norms) for ``--spec mtp``: the checkpoints vLLM
+serves as ``method: eagle`` (e.g. yuhuili/EAGLE-LLaMA3-Instruct-8B), given as ``--mtp-checkpoint DIR`` (or one
+weights file).
+
+One draft step at position ``i`` takes the target's final hidden state ``h_i`` (after its final norm: the vector its
+lm_head reads) and the embedding of the next token ``t_{i+1}``::
+
+    x   = fc([embed(t_{i+1}); h_i])            # 2H -> H (HASS: each half RMS-normed first)
+    g_i = decoder_layer(x, position i)         # one Llama block WITHOUT its input norm; no final norm
+    t   = argmax(lm_head(g_i))                 # the target's lm_head (the draft's own where it ships one)
+
+and the chain feeds ``g`` back as the next step's hidden, as the MTP head does (engine/proposers/mtp.py runs both:
+the same inputs, positions and draft KV layer, so the KV transfer, lookahead slots and prefix-cache rule of MTP hold
+unchanged). The block is the EAGLE reference's (SafeAILab/EAGLE cnets.py): the first layer has no input norm, and
+the output is the block's residual stream. The draft embeds with the target's embedding (EAGLE trains with it
+frozen; a copy in the checkpoint is not read).
+
+Refused with a clear message: EAGLE-3 checkpoints (their draft reads three of the target's layers, not its final
+hidden), drafts of more than one layer, and tensors whose shapes do not fit the target.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from pdcluster.engine.attention import AttentionMetadata
+from pdcluster.engine.linear import Linear
+from pdcluster.engine.models.llama import DecoderLayer, LlamaModel, rms_norm
+
+PREFIX = "eagle."
+_LAYER = "layers.0."
+# The draft block's tensors (EAGLE's first layer has no input_layernorm).
+_LAYER_NAMES = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                "self_attn.o_proj.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
+                "mlp.up_proj.weight", "mlp.down_proj.weight")
+# Read when present: fc's bias (EAGLE's ``bias`` config), HASS's norms, the draft's own lm_head.
+_OPTIONAL = ("fc.bias", "embedding_layernorm.weight", "hidden_states_layernorm.weight", "lm_head.weight")
+# In a checkpoint, not read: the target's own embedding (and, as vLLM does, an input norm of the first layer).
+_IGNORED = ("embed_tokens.weight", _LAYER + "input_layernorm.weight")
+
+
+class EagleCheckpointError(ValueError):
+    """An EAGLE checkpoint that cannot draft for the target (another kind of draft, wrong shapes)."""
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The weight files of an EAGLE checkpoint at ``path`` (a directory or one file); [] when there are none."""
+    if path.is_file():
+        return [path] if path.suffix in (".safetensors", ".bin", ".pt") else []
+    if not path.is_dir():
+        return []
+    files = sorted(path.glob("*.safetensors"))
+    return files or sorted(path.glob("pytorch_model*.bin"))
+
+
+def _tensor_names(file: Path) -> list[str]:
+    if file.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(file), "pt") as f:
+            return list(f.keys())
+    return list(_load_file(file))
+
+
+def _load_file(file: Path) -> dict[str, torch.Tensor]:
+    if file.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(file))
+    state = torch.load(str(file), map_location="cpu", weights_only=True)  # EAGLE's own releases: pytorch_model.bin
+    if not isinstance(state, dict):
+        raise EagleCheckpointError(f"{file}: not a state dict of tensors")
+    return state
+
+
+def _plain(name: str) -> str:
+    """A tensor name without the ``model.`` prefix some conversions add."""
+    return name[len("model."):] if name.startswith("model.") else name
+
+
+def is_eagle_checkpoint(path: str | Path) -> bool:
+    """Whether ``path`` holds an EAGLE draft: its weights name an ``fc`` fusing the embedding with the hidden state
+    (EAGLE-3's are recognised too, to be refused by name when loaded)."""
+    files = weight_files(Path(path))
+    try:
+        names = {_plain(n) for f in files for n in _tensor_names(f)}
+    except Exception:  # noqa: BLE001 - unreadable: not one (the MTP loader then says what is wrong)
+        return False
+    return "fc.weight" in names or "midlayer.self_attn.q_proj.weight" in names
+
+
+def load_eagle_weights(path: str | Path, arch) -> dict[str, torch.Tensor]:
+    """The draft's tensors, named ``eagle.*``, checked against the target's ``arch``."""
+    path = Path(path)
+    files = weight_files(path)
+    if not files:
+        raise EagleCheckpointError(f"EAGLE checkpoint {str(path)!r}: no *.safetensors or pytorch_model*.bin")
+    found: dict[str, torch.Tensor] = {}
+    for file in files:
+        found.update({_plain(n): t for n, t in _load_file(file).items()})
+    if "midlayer.self_attn.q_proj.weight" in found or "d2t" in found:
+        raise EagleCheckpointError(f"EAGLE checkpoint {str(path)!r} is an EAGLE-3 draft (it reads three of the "
+                                   "target's layers); only EAGLE-1 drafts (and HASS) are served: use --spec ngram")
+    config = path / "config.json" if path.is_dir() else None
+    num_layers = json.loads(config.read_text()).get("num_hidden_layers", 1) if config and config.is_file() else 1
+    if num_layers != 1 or any(n.startswith("layers.") and not n.startswith(_LAYER) for n in found):
+        raise EagleCheckpointError(f"EAGLE checkpoint {str(path)!r} has {num_layers} layers; drafts of one layer "
+                                   "are served (EAGLE's own releases have one)")
+    h, q, kv = arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    gate = found.get(_LAYER + "mlp.gate_proj.weight")
+    inter = gate.shape[0] if gate is not None and gate.dim() == 2 else -1
+    expected = {"fc.weight": (h, 2 * h), _LAYER + "self_attn.q_proj.weight": (q, h),
+                _LAYER + "self_attn.k_proj.weight": (kv, h), _LAYER + "self_attn.v_proj.weight": (kv, h),
+                _LAYER + "self_attn.o_proj.weight": (h, q), _LAYER + "post_attention_layernorm.weight": (h,),
+                _LAYER + "mlp.gate_proj.weight": (inter, h), _LAYER + "mlp.up_proj.weight": (inter, h),
+                _LAYER + "mlp.down_proj.weight": (h, inter)}
+    optional = {"fc.bias": (h,), "embedding_layernorm.weight": (h,), "hidden_states_layernorm.weight": (h,),
+                "lm_head.weight": (arch.vocab_size, h)}
+    missing = sorted(set(expected) - set(found))
+    if missing:
+        raise EagleCheckpointError(f"EAGLE checkpoint {str(path)!r} lacks {', '.join(missing)}")
+    shapes = {**expected, **{n: s for n, s in optional.items() if n in found}}
+    wrong = [f"{n}: {tuple(found[n].shape)} != {s}" for n, s in shapes.items() if tuple(found[n].shape) != s]
+    if wrong:
+        raise EagleCheckpointError(f"EAGLE checkpoint {str(path)!r} was trained for another model "
+                                   f"({'; '.join(wrong[:3])})")
+    if ("embedding_layernorm.weight" in found) != ("hidden_states_layernorm.weight" in found):
+        raise EagleCheckpointError(f"EAGLE checkpoint {str(path)!r}: HASS's embedding_layernorm and "
+                                   "hidden_states_layernorm come together; it has one")
+    unknown = sorted(set(found) - set(shapes) - set(_IGNORED))
+    if unknown:
+        raise EagleCheckpointError(f"EAGLE checkpoint {str(path)!r}: unexpected tensors {', '.join(unknown[:3])}")
+    out = {PREFIX + n.replace(_LAYER, "layer."): found[n].float() for n in shapes}
+    return out
+
+
+def is_eagle_weights(weights: dict) -> bool:
+    """Whether resolved draft weights (engine/models/mtp.py resolve_mtp_weights) are an EAGLE draft's."""
+    return PREFIX + "fc.weight" in weights
+
+
+def random_eagle_weights(arch, seed: int = 0, hass: bool = False) -> dict[str, torch.Tensor]:
+    """A seeded random EAGLE draft in checkpoint names (float32; tests): norms at one, matrices variance-preserving."""
+    gen = torch.Generator().manual_seed(seed)
+    h, q, kv = arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    inter = arch.intermediate_size
+    shapes = {"fc.weight": (h, 2 * h), "fc.bias": (h,), _LAYER + "self_attn.q_proj.weight": (q, h),
+              _LAYER + "self_attn.k_proj.weight": (kv, h), _LAYER + "self_attn.v_proj.weight": (kv, h),
+              _LAYER + "self_attn.o_proj.weight": (h, q), _LAYER + "post_attention_layernorm.weight": (h,),
+              _LAYER + "mlp.gate_proj.weight": (inter, h), _LAYER + "mlp.up_proj.weight": (inter, h),
+              _LAYER + "mlp.down_proj.weight": (h, inter)}
+    if hass:
+        shapes.update({"embedding_layernorm.weight": (h,), "hidden_states_layernorm.weight": (h,)})
+    weights = {}
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            weights[name] = 1.0 + 0.1 * torch.randn(shape, generator=gen) if "norm" in name else \
+                0.1 * torch.randn(shape, generator=gen)
+        else:
+            weights[name] = torch.randn(shape, generator=gen) / shape[1] ** 0.5
+    return weights
+
+
+class EagleHead:
+    """Inference form, with MTPHead's interface (engine/proposers/mtp.py): the target's own DecoderLayer code on the
+    paged cache, in the draft layer after the target's."""
+
+    #: Draft layers in the paged KV cache.
+    num_draft_layers = 1
+
+    def __init__(self, target: LlamaModel, weights: dict[str, torch.Tensor], draft_vocab_size: int):
+        arch = target.arch
+        w = {n: t.to(target.device, target.dtype) for n, t in weights.items() if n.startswith(PREFIX)}
+        det = getattr(target, "deterministic", False)  # batch-invariant GEMMs in deterministic mode, as MTPHead
+        self.target, self.eps = target, arch.rms_norm_eps
+        self.fc = Linear(w.pop(PREFIX + "fc.weight"), deterministic=det)
+        self.fc_bias = w.pop(PREFIX + "fc.bias", None)
+        self.embedding_norm = w.pop(PREFIX + "embedding_layernorm.weight", None)
+        self.hidden_norm = w.pop(PREFIX + "hidden_states_layernorm.weight", None)
+        lm_head = w.pop(PREFIX + "lm_head.weight", None)
+        lm_head = target.lm_head if lm_head is None else lm_head
+        # DecoderLayer takes an input norm; EAGLE's block has none, and forward() never applies this one.
+        w[PREFIX + "layer.input_layernorm.weight"] = torch.ones(arch.hidden_size, dtype=target.dtype,
+                                                                 device=target.device)
+        self.layer = DecoderLayer(arch, w, PREFIX + "layer", det)
+        self.draft_lm_head = Linear(lm_head[: min(draft_vocab_size, arch.vocab_size)].contiguous(), deterministic=det)
+
+    def draft_cache(self, kv_cache: torch.Tensor, first_layer: int) -> torch.Tensor:
+        return kv_cache[first_layer]
+
+    def fuse(self, hidden: torch.Tensor, next_token_ids: torch.Tensor) -> torch.Tensor:
+        emb = F.embedding(next_token_ids, self.target.embed_tokens)
+        if self.embedding_norm is not None:  # HASS
+            emb, hidden = rms_norm(emb, self.embedding_norm, self.eps), rms_norm(hidden, self.hidden_norm, self.eps)
+        x = self.fc(torch.cat([emb, hidden], dim=-1))
+        return x + self.fc_bias if self.fc_bias is not None else x
+
+    def forward(self, hidden: torch.Tensor, next_token_ids: torch.Tensor, positions: torch.Tensor,
+                layer_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Writes the draft layer's KV at ``meta.slot_mapping`` and returns ``g`` [n, H] (the block's residual
+        stream: what the lm_head reads and the next draft step takes as its hidden)."""
+        x = self.fuse(hidden, next_token_ids)
+        residual = x.clone()  # no input norm: attention reads the fused vector itself
+        layer = self.layer
+        out = layer._chunked_mlp(layer._attention_block(x, residual, positions, self.target.rope, layer_cache, meta))
+        return residual.add_(out)
+
+    def draft_tokens(self, g: torch.Tensor) -> torch.Tensor:
+        """Greedy drafts over the first ``draft_vocab_size`` ids (engine/models/mtp.py DRAFT_VOCAB_SIZE)."""
+        return self.draft_lm_head(g).argmax(dim=-1)

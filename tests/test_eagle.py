@@ -1,0 +1,160 @@
+"""EAGLE drafts (engine/models/eagle.py) behind ``--spec mtp --mtp-checkpoint DIR``.
+
+The head on the paged cache equals a reference built from transformers' own LlamaDecoderLayer (the input norm
+removed, as EAGLE's cnets.py and vLLM's llama_eagle.py do), for EAGLE-1 and HASS; a checkpoint in EAGLE's own
+format (pytorch_model.bin, ``model.`` prefixes) loads as its safetensors form does; generation with an EAGLE draft
+is lossless (greedy output equals no speculation, synchronous and async, drafts proposed); and checkpoints that
+cannot draft for the target (EAGLE-3, two layers, another model's shapes) are refused with a clear message.
+"""
+
+import json
+
+import pytest
+import torch
+
+from conftest import make_engine
+from pdcluster.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PROMPTS = ["The capital of France is", "one two three one two three one two", "def add(a, b):\n    return a + b\n"]
+MAX_TOKENS = [24, 31, 17]
+
+
+def _save(directory, weights: dict, arch, num_layers: int = 1, fmt: str = "safetensors", prefix: str = ""):
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": arch.hidden_size, "num_hidden_layers": num_layers,
+        "num_attention_heads": arch.num_heads, "num_key_value_heads": arch.num_kv_heads}))
+    named = {prefix + n: t.contiguous() for n, t in weights.items()}
+    if fmt == "safetensors":
+        save_file(named, str(directory / "model.safetensors"))
+    else:
+        torch.save(named, str(directory / "pytorch_model.bin"))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_engine("tiny-random", num_kv_blocks=64).model
+
+
+@pytest.mark.parametrize("hass", [False, True], ids=["eagle", "hass"])
+def test_eagle_head_equals_a_transformers_layer_without_its_input_norm(target, tiny_dir, tmp_path, hass):
+    """The paged head, run in two chunks as a chunked prefill runs it, equals fc([embed(t); h]) (each half normed
+    first for HASS) through transformers' LlamaDecoderLayer with its input norm an identity, causal over the whole
+    sequence; its K and V land in the draft layer's cache slots."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    from pdcluster.engine.attention import AttentionMetadata
+    from pdcluster.engine.models.eagle import EagleHead, load_eagle_weights, random_eagle_weights
+    from pdcluster.engine.models.llama import rms_norm
+
+    arch = target.arch
+    raw = random_eagle_weights(arch, seed=5, hass=hass)
+    head = EagleHead(target, load_eagle_weights(_save(tmp_path / "eagle", raw, arch), arch), draft_vocab_size=10**9)
+    length, bs = 37, 16
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(length, arch.hidden_size, generator=gen)
+    next_ids = torch.randint(0, arch.vocab_size, (length,), generator=gen)
+    cache = torch.zeros((2, 8, bs, arch.num_kv_heads, arch.head_dim))
+    table = torch.tensor([[3, 1, 5, 0, 2, 4, 6, 7]], dtype=torch.int32)
+    pos = torch.arange(length)
+    outs = []
+    for lo, hi in ((0, 20), (20, length)):
+        p = pos[lo:hi]
+        slots = table[0, p // bs].long() * bs + p % bs
+        meta = AttentionMetadata(slots, table, torch.tensor([hi], dtype=torch.int32),
+                                 torch.tensor([0, hi - lo], dtype=torch.int32), None, target.scale)
+        outs.append(head.forward(hidden[lo:hi], next_ids[lo:hi], p, cache, meta))
+    paged = torch.cat(outs)
+
+    config = LlamaConfig.from_pretrained(str(tiny_dir))
+    config._attn_implementation = "sdpa"
+    layer = LlamaDecoderLayer(config, layer_idx=0).float().eval()
+    layer.load_state_dict({n[len("layers.0."):]: t for n, t in raw.items() if n.startswith("layers.0.")},
+                          strict=False)
+    layer.input_layernorm = torch.nn.Identity()
+    emb = torch.nn.functional.embedding(next_ids, target.embed_tokens.float())
+    h = hidden
+    if hass:
+        eps = arch.rms_norm_eps
+        emb, h = rms_norm(emb, raw["embedding_layernorm.weight"], eps), rms_norm(h, raw["hidden_states_layernorm.weight"], eps)
+    x = torch.nn.functional.linear(torch.cat([emb, h], -1), raw["fc.weight"], raw["fc.bias"])[None]
+    rotary = LlamaRotaryEmbedding(config)
+    with torch.no_grad():
+        out = layer(x, attention_mask=None, position_ids=pos[None], position_embeddings=rotary(x, pos[None]))
+    reference = (out[0] if isinstance(out, tuple) else out)[0]
+    torch.testing.assert_close(paged, reference, atol=2e-4, rtol=1e-4)
+    written = cache.view(2, -1, arch.num_kv_heads, arch.head_dim)[0, table[0, pos // bs].long() * bs + pos % bs]
+    assert written.abs().sum() > 0  # the draft layer's keys are in its cache layer
+
+
+@pytest.fixture(scope="module")
+def reference_tokens():
+    engine = make_engine("tiny-random", num_kv_blocks=256, prefill_chunk_size=32)
+    return [o.token_ids for o in engine.generate(PROMPTS, [SamplingParams(max_tokens=n, temperature=0.0,
+                                                                         ignore_eos=True) for n in MAX_TOKENS])]
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+def test_generation_with_an_eagle_draft_is_lossless(target, reference_tokens, tmp_path, use_async):
+    """``--spec mtp --mtp-checkpoint DIR`` with an EAGLE directory drafts with the EAGLE head (chunked prefill, k 3):
+    the greedy tokens equal those without speculation, and drafts were proposed and counted."""
+    from pdcluster.engine.models.eagle import EagleHead, random_eagle_weights
+
+    directory = _save(tmp_path / "eagle", random_eagle_weights(target.arch, seed=2), target.arch)
+    engine = make_engine("tiny-random", num_kv_blocks=256, prefill_chunk_size=32, spec_method="mtp",
+                         num_spec_tokens=3, mtp_checkpoint=str(directory), async_scheduling=use_async)
+    assert isinstance(engine.runner.proposer.head, EagleHead)
+    assert "EAGLE" in engine.mtp_source
+    outs = engine.generate(PROMPTS, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+                                     for n in MAX_TOKENS])
+    assert [o.token_ids for o in outs] == reference_tokens
+    assert sum(o.num_draft_tokens for o in outs) > 0
+    assert all(0 <= o.num_accepted_tokens <= o.num_draft_tokens for o in outs)
+
+
+def test_eagles_own_format_loads_as_its_safetensors_form(target, tmp_path):
+    """EAGLE's releases: pytorch_model.bin, possibly with ``model.`` prefixes and a copy of the embedding (not read)."""
+    from pdcluster.engine.models.eagle import is_eagle_checkpoint, load_eagle_weights, random_eagle_weights
+
+    arch = target.arch
+    raw = random_eagle_weights(arch, seed=7)
+    plain = load_eagle_weights(_save(tmp_path / "st", raw, arch), arch)
+    with_embedding = {**raw, "embed_tokens.weight": torch.zeros(arch.vocab_size, arch.hidden_size)}
+    own = _save(tmp_path / "bin", with_embedding, arch, fmt="bin", prefix="model.")
+    assert is_eagle_checkpoint(own) and is_eagle_checkpoint(own / "pytorch_model.bin")
+    loaded = load_eagle_weights(own, arch)
+    assert loaded.keys() == plain.keys() and all(torch.equal(loaded[n], plain[n]) for n in plain)
+    assert "eagle.embed_tokens.weight" not in loaded
+
+
+def test_checkpoints_that_cannot_draft_are_refused_by_name(target, tmp_path):
+    from pdcluster.engine.config import ConfigError
+    from pdcluster.engine.models.eagle import EagleCheckpointError, load_eagle_weights, random_eagle_weights
+    from pdcluster.engine.models.mtp import find_mtp_checkpoint
+
+    arch = target.arch
+    raw = random_eagle_weights(arch, seed=1)
+    eagle3 = {"midlayer.self_attn.q_proj.weight": torch.zeros(4, 4), "fc.weight": raw["fc.weight"],
+              "d2t": torch.zeros(4, dtype=torch.int64)}
+    with pytest.raises(EagleCheckpointError, match="EAGLE-3"):
+        load_eagle_weights(_save(tmp_path / "e3", eagle3, arch), arch)
+    two = {**raw, **{n.replace("layers.0.", "layers.1."): t.clone() for n, t in raw.items() if n.startswith("layers.0.")}}
+    with pytest.raises(EagleCheckpointError, match="2 layers"):
+        load_eagle_weights(_save(tmp_path / "two", two, arch, num_layers=2), arch)
+    wide = {**raw, "fc.weight": torch.zeros(arch.hidden_size + 8, 2 * arch.hidden_size)}
+    with pytest.raises(EagleCheckpointError, match="another model.*fc.weight"):
+        load_eagle_weights(_save(tmp_path / "wide", wide, arch), arch)
+    missing = {n: t for n, t in raw.items() if n != "layers.0.mlp.down_proj.weight"}
+    with pytest.raises(EagleCheckpointError, match="lacks layers.0.mlp.down_proj.weight"):
+        load_eagle_weights(_save(tmp_path / "missing", missing, arch), arch)
+    # A path that is neither an EAGLE draft nor a file: the MTP loader's own refusal, before any engine starts.
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="does not exist"):
+        find_mtp_checkpoint(str(tmp_path / "empty"), tmp_path, "tiny-random", arch)
+    assert find_mtp_checkpoint(str(_save(tmp_path / "ok", raw, arch)), tmp_path, "tiny-random", arch).kind == "eagle"
