@@ -7,7 +7,8 @@ it equals a from-scratch reference for every position below the scheduler's new 
 And a transfer taken at post_forward (all layers, draft layer included) lets a second engine continue
 with exactly the drafts, acceptance and tokens of the colocated run.
 
-The same for a NemotronH's own MTP layers (tiny-hybrid-moe: attention + latent MoE), order and completeness.
+The same for a NemotronH's own MTP layers (tiny-hybrid-moe: attention + latent MoE), order and completeness, and
+for an EAGLE draft (engine/models/eagle.py), completeness and the transfer.
 
 Putting the seed's bug back (post_forward before the proposer) fails the order test, the completeness
 test (both heads) and the transfer test.
@@ -158,9 +159,25 @@ def _draft_kv_checker(engine, reference, checked: list):
     return check
 
 
-def test_S2_draft_layer_kv_complete_at_post_forward(tiny_dir):
+@pytest.fixture(scope="module")
+def eagle_dir(tmp_path_factory, tiny_dir):
+    """A seeded random EAGLE draft for tiny-random (engine/models/eagle.py), as a checkpoint directory."""
+    from safetensors.torch import save_file
+
+    from pdcluster.engine.models.eagle import random_eagle_weights
+    from pdcluster.engine.models.llama_arch import ModelArch
+
+    directory = tmp_path_factory.mktemp("eagle")
+    weights = random_eagle_weights(ModelArch.from_dir(tiny_dir), seed=4)
+    save_file({n: t.contiguous() for n, t in weights.items()}, str(directory / "model.safetensors"))
+    return str(directory)
+
+
+@pytest.mark.parametrize("draft", ["mtp-head", "eagle"])
+def test_S2_draft_layer_kv_complete_at_post_forward(tiny_dir, eagle_dir, draft):
     connector = RecordingConnector()
-    engine = _engine(connector)
+    engine = _engine(connector, **({"mtp_checkpoint": eagle_dir} if draft == "eagle" else {}))
+    assert (type(engine.runner.proposer.head).__name__ == "EagleHead") == (draft == "eagle")
     checked = []
     check = _draft_kv_checker(engine, _reference_mtp_kv, checked)
     connector.on_post_forward = check
@@ -237,10 +254,13 @@ def _drafts_recorder(engine):
     return drafts
 
 
-def test_S2_draft_kv_transferred_at_post_forward_gives_colocated_drafts(tiny_dir):
+@pytest.mark.parametrize("draft", ["mtp-head", "eagle"])
+def test_S2_draft_kv_transferred_at_post_forward_gives_colocated_drafts(tiny_dir, eagle_dir, draft):
     prompt = PROMPTS[1]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     cfg = dict(max_num_batched_tokens=256, prefill_chunk_size=256)
+    if draft == "eagle":
+        cfg["mtp_checkpoint"] = eagle_dir
 
     colocated = _engine(RecordingConnector(), **cfg)
     colocated_drafts = _drafts_recorder(colocated)

@@ -209,6 +209,11 @@ class EagleHead:
         out = layer._chunked_mlp(layer._attention_block(x, residual, positions, self.target.rope, layer_cache, meta))
         return residual.add_(out)
 
+    def reference_kv(self, hidden: torch.Tensor, next_token_ids: torch.Tensor, positions: torch.Tensor):
+        """K (after RoPE) and V [n, Hkv, D] the layer writes for these inputs, without a cache (tests)."""
+        _, k, v = self.layer.qkv(self.fuse(hidden, next_token_ids), positions, self.target.rope)
+        return k.contiguous(), v.contiguous()
+
     def draft_tokens(self, g: torch.Tensor) -> torch.Tensor:
         """Greedy drafts over the first ``draft_vocab_size`` ids (engine/models/mtp.py DRAFT_VOCAB_SIZE)."""
         return self.draft_lm_head(g).argmax(dim=-1)
