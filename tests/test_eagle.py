@@ -50,7 +50,7 @@ def test_eagle_head_equals_a_transformers_layer_without_its_input_norm(target, t
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
     from pdcluster.engine.attention import AttentionMetadata
-    from pdcluster.engine.models.eagle import EagleHead, load_eagle_weights, random_eagle_weights
+    from pdcluster.engine.models.eagle import EagleHead, EagleTrainModule, load_eagle_weights, random_eagle_weights
     from pdcluster.engine.models.llama import rms_norm
 
     arch = target.arch
@@ -89,6 +89,9 @@ def test_eagle_head_equals_a_transformers_layer_without_its_input_norm(target, t
         out = layer(x, attention_mask=None, position_ids=pos[None], position_embeddings=rotary(x, pos[None]))
     reference = (out[0] if isinstance(out, tuple) else out)[0]
     torch.testing.assert_close(paged, reference, atol=2e-4, rtol=1e-4)
+    # The training form (bench/train_mtp.py --head eagle) computes the same, densely.
+    dense = EagleTrainModule(target, raw)(hidden[None], next_ids[None])[0]
+    torch.testing.assert_close(dense, reference, atol=2e-4, rtol=1e-4)
     written = cache.view(2, -1, arch.num_kv_heads, arch.head_dim)[0, table[0, pos // bs].long() * bs + pos % bs]
     assert written.abs().sum() > 0  # the draft layer's keys are in its cache layer
 
@@ -158,3 +161,66 @@ def test_checkpoints_that_cannot_draft_are_refused_by_name(target, tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         find_mtp_checkpoint(str(tmp_path / "empty"), tmp_path, "tiny-random", arch)
     assert find_mtp_checkpoint(str(_save(tmp_path / "ok", raw, arch)), tmp_path, "tiny-random", arch).kind == "eagle"
+
+
+def test_the_training_script_starts_both_heads_from_the_targets_first_layer(target, tiny_dir):
+    """bench/train_mtp.py's starting points read the target's first layer from its checkpoint (the engine's packed
+    layers keep no plain weights) and run in their training forms; EAGLE's starts as that layer (its input norm
+    folded into q, k and v) over the embedding of the next token."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from train_mtp import first_layer_weights, initial_eagle_weights, initial_weights
+
+    from pdcluster.engine.models.eagle import EagleTrainModule
+    from pdcluster.engine.models.mtp import MTPTrainModule
+
+    first = first_layer_weights(tiny_dir)
+    assert "self_attn.q_proj.weight" in first and "mlp.down_proj.weight" in first
+    hidden = torch.randn(2, 9, target.arch.hidden_size)
+    next_ids = torch.randint(0, target.arch.vocab_size, (2, 9))
+    for module in (MTPTrainModule(target, initial_weights(target, 0, first)),
+                   EagleTrainModule(target, initial_eagle_weights(target, 0, first))):
+        logits = module.compute_logits(module(hidden, next_ids))
+        assert logits.shape == (2, 9, target.arch.vocab_size) and torch.isfinite(logits).all()
+    eagle = initial_eagle_weights(target, 0, first)
+    torch.testing.assert_close(eagle["layers.0.mlp.down_proj.weight"], first["mlp.down_proj.weight"])
+    fc = eagle["fc.weight"][:, : target.arch.hidden_size]
+    torch.testing.assert_close(fc, torch.eye(target.arch.hidden_size))  # the embedding passes through
+
+
+def test_vllms_speculative_config_flag(target, tmp_path, capsys):
+    """``--speculative-config`` (vLLM's JSON) sets the same fields as --spec / --num-spec-tokens / --mtp-checkpoint,
+    for ``pdcluster generate`` as users run it; what the engine cannot draft with is refused by name (exit 2)."""
+    import argparse
+    import subprocess
+    import sys
+
+    from pdcluster.cluster.engine_args import add_engine_args, engine_config_from_args
+    from pdcluster.engine.models.eagle import random_eagle_weights
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    ngram = engine_config_from_args(parser.parse_args(["--speculative-config", json.dumps(
+        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5})]))
+    assert (ngram.spec_method, ngram.num_spec_tokens, ngram.ngram_min, ngram.ngram_max) == ("ngram", 4, 2, 5)
+    own = engine_config_from_args(parser.parse_args(["--speculative-config", '{"method": "deepseek_mtp"}']))
+    assert (own.spec_method, own.num_spec_tokens, own.mtp_checkpoint) == ("mtp", 3, "")  # k: --spec's default
+    for bad, why in (('{"method": "eagle3", "model": "x"}', "method 'eagle3' is not served"),
+                     ('{"method": "eagle"}', "needs \"model\""),
+                     ('{"method": "ngram", "draft_tensor_parallel_size": 1}', "unknown key"),
+                     ('{"method": "ngram", "num_speculative_tokens": -1}', "non-negative"),
+                     ("eagle", "not JSON")):
+        with pytest.raises(SystemExit) as exit_info:
+            parser.parse_args(["--speculative-config", bad])
+        assert exit_info.value.code == 2 and why in capsys.readouterr().err
+
+    directory = _save(tmp_path / "eagle", random_eagle_weights(target.arch, seed=3), target.arch)
+    spec = json.dumps({"method": "eagle", "model": str(directory), "num_speculative_tokens": 2})
+    run = subprocess.run([sys.executable, "-m", "pdcluster.cli.main", "generate", "--model", "tiny-random",
+                          "--prompt", "one two three one two three", "--max-tokens", "12", "--temperature", "0",
+                          "--speculative-config", spec, "--json"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(out["token_ids"]) == 12 and out["num_draft_tokens"] > 0

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from pdcluster.engine.attention import AttentionMetadata
 from pdcluster.engine.linear import Linear
@@ -217,3 +218,64 @@ class EagleHead:
     def draft_tokens(self, g: torch.Tensor) -> torch.Tensor:
         """Greedy drafts over the first ``draft_vocab_size`` ids (engine/models/mtp.py DRAFT_VOCAB_SIZE)."""
         return self.draft_lm_head(g).argmax(dim=-1)
+
+
+def save_eagle_checkpoint(directory: str | Path, weights: dict[str, torch.Tensor], arch, metadata: dict[str, str]) -> Path:
+    """``weights`` in checkpoint names as an EAGLE directory (config.json + model.safetensors) the engine loads."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    inter = weights[_LAYER + "mlp.gate_proj.weight"].shape[0]
+    (directory / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": arch.hidden_size,
+        "intermediate_size": inter, "num_hidden_layers": 1, "num_attention_heads": arch.num_heads,
+        "num_key_value_heads": arch.num_kv_heads, "head_dim": arch.head_dim, "rms_norm_eps": arch.rms_norm_eps,
+        "vocab_size": arch.vocab_size, "bias": "fc.bias" in weights}, indent=1))
+    save_file({n: t.detach().float().contiguous() for n, t in weights.items()}, str(directory / "model.safetensors"),
+              metadata=metadata)
+    return directory
+
+
+class EagleTrainModule(nn.Module):
+    """Training form (bench/train_mtp.py --head eagle): EagleHead's math with dense causal attention over whole
+    sequences, its tensors trainable (checkpoint names), the target's embedding, RoPE and lm_head frozen."""
+
+    def __init__(self, target: LlamaModel, weights: dict[str, torch.Tensor]):
+        super().__init__()
+        self.arch, self.target = target.arch, target
+        self.names = list(weights)
+        self.params = nn.ParameterList([nn.Parameter(weights[n].detach().float().clone()) for n in self.names])
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in zip(self.names, self.params)}
+
+    def _w(self, name: str) -> torch.Tensor | None:
+        return self.params[self.names.index(name)] if name in self.names else None
+
+    def forward(self, hidden: torch.Tensor, next_token_ids: torch.Tensor) -> torch.Tensor:
+        """hidden [B, L, H] (the target's final hidden at 0..L-1), next_token_ids [B, L] (tokens at 1..L) -> g."""
+        from pdcluster.engine.models.mtp import _rope
+
+        a, w, p = self.arch, self._w, _LAYER
+        b, length, _ = hidden.shape
+        emb = F.embedding(next_token_ids, self.target.embed_tokens.float())
+        if w("embedding_layernorm.weight") is not None:
+            emb = rms_norm(emb, w("embedding_layernorm.weight"), a.rms_norm_eps)
+            hidden = rms_norm(hidden, w("hidden_states_layernorm.weight"), a.rms_norm_eps)
+        x = F.linear(torch.cat([emb, hidden], -1), w("fc.weight"), w("fc.bias"))
+        q = F.linear(x, w(p + "self_attn.q_proj.weight")).view(b, length, a.num_heads, a.head_dim)
+        k = F.linear(x, w(p + "self_attn.k_proj.weight")).view(b, length, a.num_kv_heads, a.head_dim)
+        v = F.linear(x, w(p + "self_attn.v_proj.weight")).view(b, length, a.num_kv_heads, a.head_dim)
+        positions = torch.arange(length)
+        rope = self.target.rope
+        cos, sin = rope.cos[positions].float()[:, None, :], rope.sin[positions].float()[:, None, :]
+        o = F.scaled_dot_product_attention(_rope(q, cos, sin).transpose(1, 2), _rope(k, cos, sin).transpose(1, 2),
+                                           v.transpose(1, 2), is_causal=True, scale=a.head_dim**-0.5, enable_gqa=True)
+        x = x + F.linear(o.transpose(1, 2).reshape(b, length, -1), w(p + "self_attn.o_proj.weight"))
+        y = rms_norm(x, w(p + "post_attention_layernorm.weight"), a.rms_norm_eps)
+        gate, up = F.linear(y, w(p + "mlp.gate_proj.weight")), F.linear(y, w(p + "mlp.up_proj.weight"))
+        return x + F.linear(F.silu(gate) * up, w(p + "mlp.down_proj.weight"))
+
+    def compute_logits(self, g: torch.Tensor) -> torch.Tensor:
+        return F.linear(g, self.target.lm_head.float())
