@@ -141,10 +141,12 @@ def bench(args) -> dict:
     from pdcluster.engine.llm_engine import LLMEngine
 
     def engine_for(method: str, async_scheduling: bool):
+        # eagle: the MTP proposer with an EAGLE draft's directory (engine/models/eagle.py).
+        checkpoint = args.eagle_checkpoint if method == "eagle" else args.mtp_checkpoint
         return LLMEngine.from_config(EngineConfig(
-            model=args.model, num_kv_blocks=512, max_model_len=1024, spec_method=method,
+            model=args.model, num_kv_blocks=512, max_model_len=1024, spec_method="mtp" if method == "eagle" else method,
             num_spec_tokens=0 if method == "none" else args.k, async_scheduling=async_scheduling,
-            mtp_checkpoint=args.mtp_checkpoint, num_threads=args.num_threads,
+            mtp_checkpoint=checkpoint, num_threads=args.num_threads,
         ), progress=False)
 
     base = engine_for("none", False)
@@ -161,8 +163,8 @@ def bench(args) -> dict:
     for method, use_async in configs:
         name = method + ("+async" if use_async else "")
         engines[name] = base if (method, use_async) == ("none", False) else engine_for(method, use_async)
-        if method == "mtp":
-            result["mtp_head"] = engines[name].mtp_source
+        if method in ("mtp", "eagle"):
+            result[f"{method}_head"] = engines[name].mtp_source
     reference = {}
     for dataset, prompts in datasets.items():
         for name, engine in engines.items():
@@ -186,7 +188,10 @@ def main(argv=None) -> int:
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--k", type=int, default=3, help="draft tokens per step")
-    p.add_argument("--methods", nargs="+", default=["none", "ngram", "mtp"], choices=["none", "ngram", "mtp"])
+    p.add_argument("--methods", nargs="+", default=["none", "ngram", "mtp"], choices=["none", "ngram", "mtp", "eagle"])
+    p.add_argument("--eagle-checkpoint", default="",
+                   help="the EAGLE draft's directory for --methods eagle (default: <cache>/mtp/<model>-eagle, what "
+                        "bench/train_mtp.py --head eagle writes)")
     p.add_argument("--async-scheduling", action="store_true", help="also run every method with async scheduling")
     p.add_argument("--mtp-checkpoint", default="", help='"" = the trained head in the cache (refused without one), or "random"')
     p.add_argument("--num-threads", type=int, default=1,
@@ -194,6 +199,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if "none" not in args.methods:
         args.methods = ["none"] + args.methods
+    if "eagle" in args.methods and not args.eagle_checkpoint:
+        from pdcluster.engine.models.mtp import default_mtp_checkpoint
+        from pdcluster.engine.models.registry import default_cache_dir
+
+        default = default_mtp_checkpoint(default_cache_dir(), args.model)
+        args.eagle_checkpoint = str(default.with_name(f"{Path(args.model).name}-eagle"))
     t0 = time.perf_counter()
     result = bench(args)
     result["bench_seconds"] = round(time.perf_counter() - t0, 1)

@@ -203,8 +203,8 @@ def initial_eagle_weights(model, seed: int, first: dict[str, torch.Tensor]) -> d
     scale = (first["input_layernorm.weight"] / emb_rms)[None, :]
     for name, t in first.items():
         if name != "input_layernorm.weight":
-            weights["layers.0." + name] = t * scale if name.startswith("self_attn.") and name != "self_attn.o_proj.weight" \
-                else t.clone()
+            folds = name.startswith("self_attn.") and name != "self_attn.o_proj.weight"  # q, k, v read the input
+            weights["layers.0." + name] = t * scale if folds else t.clone()
     gen = torch.Generator().manual_seed(seed)
     fc = torch.zeros(h, 2 * h)
     fc[:, :h] = torch.eye(h)  # EAGLE concatenates [embedding; hidden]

@@ -183,8 +183,9 @@ class LocalRouter:
             if stream is not None:
                 loop, consumer = stream
                 if n and type(consumer) is _Push and consumer.put_row is not None and request_id in first_sent:
-                    item = (consumer.put_row, (token_ids[start:start + n], event.num_output_tokens[i],
-                                               event.num_draft_tokens[i], event.num_accepted_tokens[i], event, i, start))
+                    parts = (token_ids[start:start + n], event.num_output_tokens[i], event.num_draft_tokens[i],
+                             event.num_accepted_tokens[i], event, i, start)
+                    item = (consumer.put_row, parts)
                 else:
                     item = (consumer.put_nowait, (self.worker.timed(event.row(i, start)),))
                 by_loop.setdefault(loop, []).append(item)

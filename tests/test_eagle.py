@@ -82,7 +82,8 @@ def test_eagle_head_equals_a_transformers_layer_without_its_input_norm(target, t
     h = hidden
     if hass:
         eps = arch.rms_norm_eps
-        emb, h = rms_norm(emb, raw["embedding_layernorm.weight"], eps), rms_norm(h, raw["hidden_states_layernorm.weight"], eps)
+        emb = rms_norm(emb, raw["embedding_layernorm.weight"], eps)
+        h = rms_norm(h, raw["hidden_states_layernorm.weight"], eps)
     x = torch.nn.functional.linear(torch.cat([emb, h], -1), raw["fc.weight"], raw["fc.bias"])[None]
     rotary = LlamaRotaryEmbedding(config)
     with torch.no_grad():
@@ -147,7 +148,8 @@ def test_checkpoints_that_cannot_draft_are_refused_by_name(target, tmp_path):
               "d2t": torch.zeros(4, dtype=torch.int64)}
     with pytest.raises(EagleCheckpointError, match="EAGLE-3"):
         load_eagle_weights(_save(tmp_path / "e3", eagle3, arch), arch)
-    two = {**raw, **{n.replace("layers.0.", "layers.1."): t.clone() for n, t in raw.items() if n.startswith("layers.0.")}}
+    two = {**raw, **{n.replace("layers.0.", "layers.1."): t.clone() for n, t in raw.items()
+                     if n.startswith("layers.0.")}}
     with pytest.raises(EagleCheckpointError, match="2 layers"):
         load_eagle_weights(_save(tmp_path / "two", two, arch, num_layers=2), arch)
     wide = {**raw, "fc.weight": torch.zeros(arch.hidden_size + 8, 2 * arch.hidden_size)}

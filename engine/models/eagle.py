@@ -30,7 +30,7 @@ from torch import nn
 
 from pdcluster.engine.attention import AttentionMetadata
 from pdcluster.engine.linear import Linear
-from pdcluster.engine.models.llama import DecoderLayer, LlamaModel, rms_norm
+from pdcluster.engine.models.llama import DecoderLayer, LlamaModel, rms_norm, rope_dense
 
 PREFIX = "eagle."
 _LAYER = "layers.0."
@@ -220,7 +220,8 @@ class EagleHead:
         return self.draft_lm_head(g).argmax(dim=-1)
 
 
-def save_eagle_checkpoint(directory: str | Path, weights: dict[str, torch.Tensor], arch, metadata: dict[str, str]) -> Path:
+def save_eagle_checkpoint(directory: str | Path, weights: dict[str, torch.Tensor], arch,
+                          metadata: dict[str, str]) -> Path:
     """``weights`` in checkpoint names as an EAGLE directory (config.json + model.safetensors) the engine loads."""
     from safetensors.torch import save_file
 
@@ -255,8 +256,6 @@ class EagleTrainModule(nn.Module):
 
     def forward(self, hidden: torch.Tensor, next_token_ids: torch.Tensor) -> torch.Tensor:
         """hidden [B, L, H] (the target's final hidden at 0..L-1), next_token_ids [B, L] (tokens at 1..L) -> g."""
-        from pdcluster.engine.models.mtp import _rope
-
         a, w, p = self.arch, self._w, _LAYER
         b, length, _ = hidden.shape
         emb = F.embedding(next_token_ids, self.target.embed_tokens.float())
@@ -270,7 +269,8 @@ class EagleTrainModule(nn.Module):
         positions = torch.arange(length)
         rope = self.target.rope
         cos, sin = rope.cos[positions].float()[:, None, :], rope.sin[positions].float()[:, None, :]
-        o = F.scaled_dot_product_attention(_rope(q, cos, sin).transpose(1, 2), _rope(k, cos, sin).transpose(1, 2),
+        q, k = rope_dense(q, cos, sin), rope_dense(k, cos, sin)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                            v.transpose(1, 2), is_causal=True, scale=a.head_dim**-0.5, enable_gqa=True)
         x = x + F.linear(o.transpose(1, 2).reshape(b, length, -1), w(p + "self_attn.o_proj.weight"))
         y = rms_norm(x, w(p + "post_attention_layernorm.weight"), a.rms_norm_eps)

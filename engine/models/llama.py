@@ -92,6 +92,13 @@ class RotaryEmbedding:
         return x * cos + rotated * sin
 
 
+def rope_dense(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's rotate-half RoPE on a dense [..., head_dim] tensor with ``cos`` / ``sin`` broadcast to it (the draft
+    heads' training forms)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
 def permute_qk_rows(rows: torch.Tensor, arch: ModelArch, qk_order: torch.Tensor | None) -> torch.Tensor:
     """A fused q/k/v projection's output rows (weight [out, in], bias [out] or a LoRA B [out, rank]) with each q
     and k head's dimensions in the kernels' partial-rotary layout (ModelArch.qk_order); v's rows as they are."""

@@ -38,7 +38,7 @@ from torch import nn
 from pdcluster.engine.attention import AttentionMetadata
 from pdcluster.engine.config import ConfigError
 from pdcluster.engine.linear import Linear
-from pdcluster.engine.models.llama import DecoderLayer, LlamaModel, ModelArch, rms_norm
+from pdcluster.engine.models.llama import DecoderLayer, LlamaModel, ModelArch, rms_norm, rope_dense
 from pdcluster.engine.models.nemotron_h import HybridArch
 from pdcluster.engine.models import deepseek_mtp, eagle, nemotron_mtp
 from pdcluster.engine.models.deepseek import ARCHITECTURES as DEEPSEEK_ARCHITECTURES
@@ -325,7 +325,7 @@ class MTPTrainModule(nn.Module):
         v = F.linear(y, w(p + "self_attn.v_proj.weight")).view(b, length, a.num_kv_heads, a.head_dim)
         rope = self.target.rope
         cos, sin = rope.cos[positions].float()[:, None, :], rope.sin[positions].float()[:, None, :]
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        q, k = rope_dense(q, cos, sin), rope_dense(k, cos, sin)
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
             scale=a.head_dim**-0.5, enable_gqa=True,
@@ -338,8 +338,3 @@ class MTPTrainModule(nn.Module):
 
     def compute_logits(self, g: torch.Tensor) -> torch.Tensor:
         return F.linear(g, self.target.lm_head.float())
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
