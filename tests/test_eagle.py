@@ -115,6 +115,7 @@ def test_generation_with_an_eagle_draft_is_lossless(target, reference_tokens, tm
                          num_spec_tokens=3, mtp_checkpoint=str(directory), async_scheduling=use_async)
     assert isinstance(engine.runner.proposer.head, EagleHead)
     assert "EAGLE" in engine.mtp_source
+    assert engine.runner.proposer.head.draft_lm_head.out_features == 16384  # on a CPU: DRAFT_VOCAB_SIZE
     outs = engine.generate(PROMPTS, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
                                      for n in MAX_TOKENS])
     assert [o.token_ids for o in outs] == reference_tokens
@@ -226,3 +227,50 @@ def test_vllms_speculative_config_flag(target, tmp_path, capsys):
     assert run.returncode == 0, run.stderr[-2000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert len(out["token_ids"]) == 12 and out["num_draft_tokens"] > 0
+
+
+def test_a_qwen2_targets_draft_carries_its_qkv_biases(target, tmp_path):
+    """A target whose attention has q/k/v biases (Qwen2) needs them in the draft block; a target of another layout
+    (fused checkpoints, sinks, post-norm blocks) is refused by name rather than failing inside the layer."""
+    import dataclasses
+
+    from pdcluster.engine.models.eagle import EagleCheckpointError, EagleHead, load_eagle_weights, random_eagle_weights
+
+    arch = dataclasses.replace(target.arch, qkv_bias=True)
+    raw = random_eagle_weights(arch, seed=6)
+    with pytest.raises(EagleCheckpointError, match="lacks layers.0.self_attn.k_proj.bias"):
+        load_eagle_weights(_save(tmp_path / "no-bias", raw, arch), arch)
+    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    biases = {f"layers.0.self_attn.{n}_proj.bias": torch.randn(size) for n, size in (("q", q), ("k", kv), ("v", kv))}
+    weights = load_eagle_weights(_save(tmp_path / "bias", {**raw, **biases}, arch), arch)
+    assert torch.equal(weights["eagle.layer.self_attn.v_proj.bias"], biases["layers.0.self_attn.v_proj.bias"])
+    real_arch = target.arch
+    try:
+        target.arch = arch  # the head builds its block from the target's arch: with biases, which it takes
+        head = EagleHead(target, weights, draft_vocab_size=1000)
+    finally:
+        target.arch = real_arch
+    assert head.layer.qkv_bias is not None and head.layer.qkv_bias.shape == (q + 2 * kv,)
+    for field in ("fused_checkpoint", "attention_sinks"):
+        with pytest.raises(EagleCheckpointError, match="Llama-layout targets"):
+            load_eagle_weights(tmp_path / "bias", dataclasses.replace(target.arch, **{field: True}))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_an_eagle_draft_on_cuda_is_lossless_and_drafts_over_the_whole_vocabulary(tmp_path, tiny_dir):
+    """On CUDA (deterministic mode: bitwise the tokens of no speculation) the EAGLE head drafts over every token id."""
+    from pdcluster.engine.models.eagle import EagleHead, random_eagle_weights
+    from pdcluster.engine.models.llama_arch import ModelArch
+
+    arch = ModelArch.from_dir(tiny_dir)
+    directory = _save(tmp_path / "eagle", random_eagle_weights(arch, seed=2), arch)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_TOKENS]
+    cfg = dict(device="cuda", deterministic=True, num_kv_blocks=256, prefill_chunk_size=32)
+    expected = [o.token_ids for o in make_engine("tiny-random", **cfg).generate(PROMPTS, params)]
+    engine = make_engine("tiny-random", spec_method="mtp", num_spec_tokens=3, mtp_checkpoint=str(directory), **cfg)
+    head = engine.runner.proposer.head
+    assert isinstance(head, EagleHead) and head.draft_lm_head.out_features == arch.vocab_size
+    outs = engine.generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == expected
+    assert sum(o.num_draft_tokens for o in outs) > 0

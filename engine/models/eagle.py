@@ -34,12 +34,6 @@ from pdcluster.engine.models.llama import DecoderLayer, LlamaModel, rms_norm, ro
 
 PREFIX = "eagle."
 _LAYER = "layers.0."
-# The draft block's tensors (EAGLE's first layer has no input_layernorm).
-_LAYER_NAMES = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                "self_attn.o_proj.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
-                "mlp.up_proj.weight", "mlp.down_proj.weight")
-# Read when present: fc's bias (EAGLE's ``bias`` config), HASS's norms, the draft's own lm_head.
-_OPTIONAL = ("fc.bias", "embedding_layernorm.weight", "hidden_states_layernorm.weight", "lm_head.weight")
 # In a checkpoint, not read: the target's own embedding (and, as vLLM does, an input norm of the first layer).
 _IGNORED = ("embed_tokens.weight", _LAYER + "input_layernorm.weight")
 
@@ -111,6 +105,13 @@ def load_eagle_weights(path: str | Path, arch) -> dict[str, torch.Tensor]:
     if num_layers != 1 or any(n.startswith("layers.") and not n.startswith(_LAYER) for n in found):
         raise EagleCheckpointError(f"EAGLE checkpoint {str(path)!r} has {num_layers} layers; drafts of one layer "
                                    "are served (EAGLE's own releases have one)")
+    unlike = [what for what, yes in (("fused q/k/v checkpoints", getattr(arch, "fused_checkpoint", False)),
+                                     ("attention sinks", getattr(arch, "attention_sinks", False)),
+                                     ("its norm layout", getattr(arch, "norm_layout", "pre") != "pre"),
+                                     ("latent attention", not hasattr(arch, "num_kv_heads"))) if yes]
+    if unlike:
+        raise EagleCheckpointError(f"EAGLE checkpoint {str(path)!r}: EAGLE drafts are served for Llama-layout "
+                                   f"targets (Llama, Mistral, Mixtral, Qwen2/3, ...), not one with {unlike[0]}")
     h, q, kv = arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     gate = found.get(_LAYER + "mlp.gate_proj.weight")
     inter = gate.shape[0] if gate is not None and gate.dim() == 2 else -1
@@ -119,8 +120,14 @@ def load_eagle_weights(path: str | Path, arch) -> dict[str, torch.Tensor]:
                 _LAYER + "self_attn.o_proj.weight": (h, q), _LAYER + "post_attention_layernorm.weight": (h,),
                 _LAYER + "mlp.gate_proj.weight": (inter, h), _LAYER + "mlp.up_proj.weight": (inter, h),
                 _LAYER + "mlp.down_proj.weight": (h, inter)}
+    if getattr(arch, "qkv_bias", False):  # a Qwen2 target's draft block has its q/k/v biases (and o's, if it has)
+        expected.update({_LAYER + "self_attn.q_proj.bias": (q,), _LAYER + "self_attn.k_proj.bias": (kv,),
+                         _LAYER + "self_attn.v_proj.bias": (kv,)})
+    if getattr(arch, "o_bias", False):
+        expected[_LAYER + "self_attn.o_proj.bias"] = (h,)
     optional = {"fc.bias": (h,), "embedding_layernorm.weight": (h,), "hidden_states_layernorm.weight": (h,),
-                "lm_head.weight": (arch.vocab_size, h)}
+                "lm_head.weight": (arch.vocab_size, h), _LAYER + "self_attn.q_norm.weight": (arch.head_dim,),
+                _LAYER + "self_attn.k_norm.weight": (arch.head_dim,)}  # Qwen3's per-head norms
     missing = sorted(set(expected) - set(found))
     if missing:
         raise EagleCheckpointError(f"EAGLE checkpoint {str(path)!r} lacks {', '.join(missing)}")
@@ -129,9 +136,11 @@ def load_eagle_weights(path: str | Path, arch) -> dict[str, torch.Tensor]:
     if wrong:
         raise EagleCheckpointError(f"EAGLE checkpoint {str(path)!r} was trained for another model "
                                    f"({'; '.join(wrong[:3])})")
-    if ("embedding_layernorm.weight" in found) != ("hidden_states_layernorm.weight" in found):
-        raise EagleCheckpointError(f"EAGLE checkpoint {str(path)!r}: HASS's embedding_layernorm and "
-                                   "hidden_states_layernorm come together; it has one")
+    for pair in (("embedding_layernorm.weight", "hidden_states_layernorm.weight"),
+                 (_LAYER + "self_attn.q_norm.weight", _LAYER + "self_attn.k_norm.weight")):
+        if (pair[0] in found) != (pair[1] in found):
+            raise EagleCheckpointError(f"EAGLE checkpoint {str(path)!r}: {pair[0]} and {pair[1]} come together; "
+                                       "it has one")
     unknown = sorted(set(found) - set(shapes) - set(_IGNORED))
     if unknown:
         raise EagleCheckpointError(f"EAGLE checkpoint {str(path)!r}: unexpected tensors {', '.join(unknown[:3])}")

@@ -50,7 +50,8 @@ RANDOM_HEAD = "random"  # EngineConfig.mtp_checkpoint value that forces the seed
 # Drafts come from the first DRAFT_VOCAB_SIZE token ids only: BPE ids are in merge order, roughly by
 # frequency, and on a CPU the full lm_head is most of a draft step's cost (SmolLM2: 28M of its 32M
 # multiply-adds). Measured: 5.7% of SmolLM2's greedy tokens on ShareGPT lie past 16384, so at most that
-# share of drafts is lost; verification keeps the output exact whatever the drafts.
+# share of drafts is lost; verification keeps the output exact whatever the drafts. On a GPU drafts cover the whole
+# vocabulary (engine/proposers/__init__.py).
 DRAFT_VOCAB_SIZE = 16384
 
 

@@ -45,10 +45,13 @@ def make_proposer(config: EngineConfig, model, kv_cache: torch.Tensor, mtp_weigh
     if config.spec_method == "mtp":
         if mtp_weights is not None and is_own_mtp_weights(mtp_weights):
             return MTPProposer(NemotronMTP(model, mtp_weights), kv_cache, config.block_size)
+        # Drafts over the first DRAFT_VOCAB_SIZE ids on a CPU, where the lm_head is most of a draft step; on a GPU
+        # the whole vocabulary (a Llama 3's common tokens lie far past 16k, and its lm_head costs a draft little).
+        draft_vocab = DRAFT_VOCAB_SIZE if kv_cache.device.type == "cpu" else model.arch.vocab_size
         if mtp_weights is not None and is_eagle_weights(mtp_weights):
-            return MTPProposer(EagleHead(model, mtp_weights, DRAFT_VOCAB_SIZE), kv_cache, config.block_size)
+            return MTPProposer(EagleHead(model, mtp_weights, draft_vocab), kv_cache, config.block_size)
         if mtp_weights is not None and is_own_deepseek_mtp_weights(mtp_weights, model.arch):
             return MTPProposer(DeepseekMTP(model, mtp_weights), kv_cache, config.block_size)
         weights = mtp_weights if mtp_weights is not None else random_mtp_weights(model.arch, config.seed)
-        return MTPProposer(MTPHead(model, weights), kv_cache, config.block_size)
+        return MTPProposer(MTPHead(model, weights, draft_vocab), kv_cache, config.block_size)
     raise ValueError(f"spec_method: {config.spec_method!r} has no proposer")
