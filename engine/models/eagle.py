@@ -253,6 +253,8 @@ class EagleTrainModule(nn.Module):
 
     def __init__(self, target: LlamaModel, weights: dict[str, torch.Tensor]):
         super().__init__()
+        if getattr(target.arch, "qkv_bias", False) or getattr(target.arch, "qk_norm", False):
+            raise ValueError("EagleTrainModule trains drafts for Llama targets (no q/k/v biases or q/k norms)")
         self.arch, self.target = target.arch, target
         self.names = list(weights)
         self.params = nn.ParameterList([nn.Parameter(weights[n].detach().float().clone()) for n in self.names])
