@@ -50,8 +50,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "directory (EAGLE-1 or HASS, as vLLM's method eagle), or 'random'")
     g.add_argument("--speculative-config", action=SpeculativeConfig, metavar="JSON",
                    help="vLLM's form of the three flags above, e.g. '{\"method\": \"eagle\", \"model\": DIR, "
-                        "\"num_speculative_tokens\": 3}': method ngram (prompt_lookup_min / _max), eagle (model: the "
-                        "draft's directory), mtp or deepseek_mtp (the model's own MTP layers, or model: a head)")
+                        "\"num_speculative_tokens\": 3}': method ngram (prompt_lookup_min / _max), eagle or eagle3 "
+                        "(model: the draft's directory), mtp or deepseek_mtp (the model's own MTP layers, or model: "
+                        "a head)")
     g.add_argument("--no-cuda-graphs", action="store_true",
                    help="on a GPU, run decode steps eagerly instead of through CUDA graphs (vLLM's --enforce-eager)")
     g.add_argument("--mixed-cuda-graph-tokens", type=int, default=0, metavar="N",
@@ -95,9 +96,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 class SpeculativeConfig(argparse.Action):
     """``--speculative-config JSON`` (vLLM's flag), set as --spec, --num-spec-tokens and --mtp-checkpoint (and the
     n-gram lookup's bounds) as it is parsed, so every command reads one set of fields. What this engine does not
-    draft with (eagle3, draft_model, medusa, ...) and keys it does not know are refused by name (exit 2)."""
+    draft with (draft_model, medusa, suffix, ...) and keys it does not know are refused by name (exit 2)."""
 
-    METHODS = {"ngram": "ngram", "eagle": "mtp", "mtp": "mtp", "deepseek_mtp": "mtp"}
+    METHODS = {"ngram": "ngram", "eagle": "mtp", "eagle3": "mtp", "mtp": "mtp", "deepseek_mtp": "mtp"}
     KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
 
     def __call__(self, parser, namespace, values, option_string=None):
@@ -115,9 +116,9 @@ class SpeculativeConfig(argparse.Action):
         method = config.get("method")
         if method not in self.METHODS:
             parser.error(f"{option_string}: method {method!r} is not served (use one of "
-                         f"{', '.join(self.METHODS)}; EAGLE-3 and separate draft models are not)")
+                         f"{', '.join(self.METHODS)}; separate draft models are not)")
         model = config.get("model") or ""
-        if not isinstance(model, str) or (method == "eagle" and not model):
+        if not isinstance(model, str) or (method in ("eagle", "eagle3") and not model):
             parser.error(f"{option_string}: method {method!r} needs \"model\": the draft's directory")
         if method == "ngram" and model:
             parser.error(f"{option_string}: method 'ngram' drafts from the prompt; it takes no \"model\"")

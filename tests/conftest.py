@@ -79,6 +79,45 @@ def engine_config(model: str = "tiny-random", **kwargs):
     return EngineConfig(model=model, **kwargs)
 
 
+def forward_from_scratch(model, token_ids: list[int]):
+    """``model``'s final hidden states over ``token_ids`` from position 0, in a paged cache of its own (one block
+    table, 16-token blocks): the from-scratch reference the draft-head and model tests compare against."""
+    import torch
+
+    from pdcluster.engine.attention import AttentionMetadata
+
+    a, bs, n = model.arch, 16, len(token_ids)
+    num_blocks = -(-n // bs)
+    cache = torch.zeros((a.num_layers, 2, num_blocks, bs, a.num_kv_heads, a.head_dim))
+    pos = torch.arange(n)
+    meta = AttentionMetadata(pos.clone(), torch.arange(num_blocks, dtype=torch.int32)[None],
+                             torch.tensor([n], dtype=torch.int32), torch.tensor([0, n], dtype=torch.int32), None,
+                             model.scale)
+    return model.forward(torch.tensor(token_ids), pos, cache, meta)
+
+
+def paged_in_chunks(forward, arch, scale: float, length: int, split: int = 20):
+    """``forward(rows, positions, layer_cache, meta)`` over positions 0..length-1 of one request in two chunks (as a
+    chunked prefill runs a draft head) on a one-layer paged cache with a shuffled block table; returns (the outputs
+    concatenated, the cache, the slots of the positions)."""
+    import torch
+
+    from pdcluster.engine.attention import AttentionMetadata
+
+    bs = 16
+    cache = torch.zeros((2, 8, bs, arch.num_kv_heads, arch.head_dim))
+    table = torch.tensor([[3, 1, 5, 0, 2, 4, 6, 7]], dtype=torch.int32)
+    pos = torch.arange(length)
+    outs = []
+    for lo, hi in ((0, split), (split, length)):
+        p = pos[lo:hi]
+        slots = table[0, p // bs].long() * bs + p % bs
+        meta = AttentionMetadata(slots, table, torch.tensor([hi], dtype=torch.int32),
+                                 torch.tensor([0, hi - lo], dtype=torch.int32), None, scale)
+        outs.append(forward(slice(lo, hi), p, cache, meta))
+    return torch.cat(outs), cache, table[0, pos // bs].long() * bs + pos % bs
+
+
 def make_engine(model: str = "tiny-random", **kwargs):
     """An LLMEngine on :func:`engine_config` (the same defaults and overrides)."""
     from pdcluster.engine.llm_engine import LLMEngine

@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from conftest import make_engine
+from conftest import make_engine, paged_in_chunks
 from pdcluster.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -49,28 +49,19 @@ def test_eagle_head_equals_a_transformers_layer_without_its_input_norm(target, t
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-    from pdcluster.engine.attention import AttentionMetadata
     from pdcluster.engine.models.eagle import EagleHead, EagleTrainModule, load_eagle_weights, random_eagle_weights
     from pdcluster.engine.models.llama import rms_norm
 
     arch = target.arch
     raw = random_eagle_weights(arch, seed=5, hass=hass)
     head = EagleHead(target, load_eagle_weights(_save(tmp_path / "eagle", raw, arch), arch), draft_vocab_size=10**9)
-    length, bs = 37, 16
+    length = 37
     gen = torch.Generator().manual_seed(1)
     hidden = torch.randn(length, arch.hidden_size, generator=gen)
     next_ids = torch.randint(0, arch.vocab_size, (length,), generator=gen)
-    cache = torch.zeros((2, 8, bs, arch.num_kv_heads, arch.head_dim))
-    table = torch.tensor([[3, 1, 5, 0, 2, 4, 6, 7]], dtype=torch.int32)
     pos = torch.arange(length)
-    outs = []
-    for lo, hi in ((0, 20), (20, length)):
-        p = pos[lo:hi]
-        slots = table[0, p // bs].long() * bs + p % bs
-        meta = AttentionMetadata(slots, table, torch.tensor([hi], dtype=torch.int32),
-                                 torch.tensor([0, hi - lo], dtype=torch.int32), None, target.scale)
-        outs.append(head.forward(hidden[lo:hi], next_ids[lo:hi], p, cache, meta))
-    paged = torch.cat(outs)
+    paged, cache, slots = paged_in_chunks(lambda rows, p, cache, meta: head.forward(
+        hidden[rows], next_ids[rows], p, cache, meta), arch, target.scale, length)
 
     config = LlamaConfig.from_pretrained(str(tiny_dir))
     config._attn_implementation = "sdpa"
@@ -93,7 +84,7 @@ def test_eagle_head_equals_a_transformers_layer_without_its_input_norm(target, t
     # The training form (bench/train_mtp.py --head eagle) computes the same, densely.
     dense = EagleTrainModule(target, raw)(hidden[None], next_ids[None])[0]
     torch.testing.assert_close(dense, reference, atol=2e-4, rtol=1e-4)
-    written = cache.view(2, -1, arch.num_kv_heads, arch.head_dim)[0, table[0, pos // bs].long() * bs + pos % bs]
+    written = cache.view(2, -1, arch.num_kv_heads, arch.head_dim)[0, slots]
     assert written.abs().sum() > 0  # the draft layer's keys are in its cache layer
 
 
@@ -210,7 +201,10 @@ def test_vllms_speculative_config_flag(target, tmp_path, capsys):
     assert (ngram.spec_method, ngram.num_spec_tokens, ngram.ngram_min, ngram.ngram_max) == ("ngram", 4, 2, 5)
     own = engine_config_from_args(parser.parse_args(["--speculative-config", '{"method": "deepseek_mtp"}']))
     assert (own.spec_method, own.num_spec_tokens, own.mtp_checkpoint) == ("mtp", 3, "")  # k: --spec's default
-    for bad, why in (('{"method": "eagle3", "model": "x"}', "method 'eagle3' is not served"),
+    eagle3 = engine_config_from_args(parser.parse_args(["--speculative-config", '{"method": "eagle3", "model": "d"}']))
+    assert (eagle3.spec_method, eagle3.mtp_checkpoint) == ("mtp", "d")
+    for bad, why in (('{"method": "draft_model", "model": "x"}', "method 'draft_model' is not served"),
+                     ('{"method": "eagle3"}', "needs \"model\""),
                      ('{"method": "eagle"}', "needs \"model\""),
                      ('{"method": "ngram", "draft_tensor_parallel_size": 1}', "unknown key"),
                      ('{"method": "ngram", "num_speculative_tokens": -1}', "non-negative"),

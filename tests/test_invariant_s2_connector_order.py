@@ -8,7 +8,7 @@ And a transfer taken at post_forward (all layers, draft layer included) lets a s
 with exactly the drafts, acceptance and tokens of the colocated run.
 
 The same for a NemotronH's own MTP layers (tiny-hybrid-moe: attention + latent MoE), order and completeness, and
-for an EAGLE draft (engine/models/eagle.py), completeness and the transfer.
+for EAGLE and EAGLE-3 drafts (engine/models/eagle.py, eagle3.py), completeness and the transfer.
 
 Putting the seed's bug back (post_forward before the proposer) fails the order test, the completeness
 test (both heads) and the transfer test.
@@ -114,7 +114,10 @@ def _reference_mtp_kv(engine, token_ids: list[int], n: int):
     meta = AttentionMetadata(pos.clone(), table, torch.tensor([n], dtype=torch.int32),
                              torch.tensor([0, n], dtype=torch.int32), None, model.scale)
     hidden = model.forward(torch.tensor(token_ids[:n]), pos, cache, meta)
-    return engine.runner.proposer.head.reference_kv(hidden, torch.tensor(token_ids[1 : n + 1]), pos)
+    head = engine.runner.proposer.head
+    take = getattr(head, "target_hidden", None)  # EAGLE-3: pass 1 reads the aux hidden states the forward copied out
+    hidden = hidden if take is None else take(hidden, pos)
+    return head.reference_kv(hidden, torch.tensor(token_ids[1 : n + 1]), pos)
 
 
 def _reference_own_mtp_kv(engine, token_ids: list[int], n: int):
@@ -173,11 +176,30 @@ def eagle_dir(tmp_path_factory, tiny_dir):
     return str(directory)
 
 
-@pytest.mark.parametrize("draft", ["mtp-head", "eagle"])
-def test_S2_draft_layer_kv_complete_at_post_forward(tiny_dir, eagle_dir, draft):
+@pytest.fixture(scope="module")
+def eagle3_dir(tmp_path_factory, tiny_dir):
+    """A seeded random EAGLE-3 draft for tiny-random (engine/models/eagle3.py), reading layers 1, 2 and 3."""
+    from safetensors.torch import save_file
+
+    from pdcluster.engine.models.eagle3 import random_eagle3_weights
+    from pdcluster.engine.models.llama_arch import ModelArch
+
+    directory = tmp_path_factory.mktemp("eagle3")
+    weights = random_eagle3_weights(ModelArch.from_dir(tiny_dir), 4096, seed=4)
+    save_file({n: t.contiguous() for n, t in weights.items()}, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text('{"num_hidden_layers": 1, "eagle_aux_hidden_state_layer_ids": [1, 2, 3]}')
+    return str(directory)
+
+
+HEADS = {"mtp-head": "MTPHead", "eagle": "EagleHead", "eagle3": "Eagle3Head"}
+
+
+@pytest.mark.parametrize("draft", list(HEADS))
+def test_S2_draft_layer_kv_complete_at_post_forward(tiny_dir, eagle_dir, eagle3_dir, draft):
     connector = RecordingConnector()
-    engine = _engine(connector, **({"mtp_checkpoint": eagle_dir} if draft == "eagle" else {}))
-    assert (type(engine.runner.proposer.head).__name__ == "EagleHead") == (draft == "eagle")
+    checkpoint = {"eagle": eagle_dir, "eagle3": eagle3_dir}.get(draft)
+    engine = _engine(connector, **({"mtp_checkpoint": checkpoint} if checkpoint else {}))
+    assert type(engine.runner.proposer.head).__name__ == HEADS[draft]
     checked = []
     check = _draft_kv_checker(engine, _reference_mtp_kv, checked)
     connector.on_post_forward = check
@@ -254,13 +276,14 @@ def _drafts_recorder(engine):
     return drafts
 
 
-@pytest.mark.parametrize("draft", ["mtp-head", "eagle"])
-def test_S2_draft_kv_transferred_at_post_forward_gives_colocated_drafts(tiny_dir, eagle_dir, draft):
+@pytest.mark.parametrize("draft", list(HEADS))
+def test_S2_draft_kv_transferred_at_post_forward_gives_colocated_drafts(tiny_dir, eagle_dir, eagle3_dir, draft):
     prompt = PROMPTS[1]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     cfg = dict(max_num_batched_tokens=256, prefill_chunk_size=256)
-    if draft == "eagle":
-        cfg["mtp_checkpoint"] = eagle_dir
+    checkpoint = {"eagle": eagle_dir, "eagle3": eagle3_dir}.get(draft)
+    if checkpoint:
+        cfg["mtp_checkpoint"] = checkpoint
 
     colocated = _engine(RecordingConnector(), **cfg)
     colocated_drafts = _drafts_recorder(colocated)

@@ -22,12 +22,12 @@ import pytest
 import torch
 
 from pdcluster.engine.models.architectures import arch_from_dir, load_model
-from pdcluster.engine.attention import AttentionMetadata
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.llm_engine import LLMEngine
 from pdcluster.engine.models.registry import resolve_model
 from pdcluster.engine.models.moe import MoeArch, SparseMoe
 from pdcluster.engine.sampling_params import SamplingParams
+from conftest import forward_from_scratch
 from test_hybrid_engine import _prompts
 
 transformers = pytest.importorskip("transformers")
@@ -130,15 +130,8 @@ def _run(engine: LLMEngine, prompts) -> list[list[int]]:
 
 def _prefill_logits(model, tokens: list[int]) -> torch.Tensor:
     """Our model alone over a fresh paged cache: logits of every prompt token."""
-    a, bs, n = model.arch, 16, len(tokens)
-    num_blocks = -(-n // bs)
-    cache = torch.zeros((a.num_layers, 2, num_blocks, bs, a.num_kv_heads, a.head_dim))
-    pos = torch.arange(n)
-    meta = AttentionMetadata(pos.clone(), torch.arange(num_blocks, dtype=torch.int32)[None],
-                             torch.tensor([n], dtype=torch.int32), torch.tensor([0, n], dtype=torch.int32), None,
-                             model.scale)
     with torch.inference_mode():
-        return model.compute_logits(model.forward(torch.tensor(tokens), pos, cache, meta))
+        return model.compute_logits(forward_from_scratch(model, tokens))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -15,8 +15,8 @@ unchanged). The block is the EAGLE reference's (SafeAILab/EAGLE cnets.py): the f
 the output is the block's residual stream. The draft embeds with the target's embedding (EAGLE trains with it
 frozen; a copy in the checkpoint is not read).
 
-Refused with a clear message: EAGLE-3 checkpoints (their draft reads three of the target's layers, not its final
-hidden), drafts of more than one layer, and tensors whose shapes do not fit the target.
+EAGLE-3 drafts (which read three of the target's layers, not its final hidden state) are engine/models/eagle3.py's.
+Refused with a clear message: drafts of more than one layer, and tensors whose shapes do not fit the target.
 """
 
 from __future__ import annotations
@@ -88,18 +88,24 @@ def is_eagle_checkpoint(path: str | Path) -> bool:
     return "fc.weight" in names or "midlayer.self_attn.q_proj.weight" in names
 
 
-def load_eagle_weights(path: str | Path, arch) -> dict[str, torch.Tensor]:
-    """The draft's tensors, named ``eagle.*``, checked against the target's ``arch``."""
-    path = Path(path)
+def read_checkpoint(path: Path, what: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint at ``path`` (a directory or one file), named without a ``model.`` prefix."""
     files = weight_files(path)
     if not files:
-        raise EagleCheckpointError(f"EAGLE checkpoint {str(path)!r}: no *.safetensors or pytorch_model*.bin")
+        raise EagleCheckpointError(f"{what} checkpoint {str(path)!r}: no *.safetensors or pytorch_model*.bin")
     found: dict[str, torch.Tensor] = {}
     for file in files:
         found.update({_plain(n): t for n, t in _load_file(file).items()})
+    return found
+
+
+def load_eagle_weights(path: str | Path, arch) -> dict[str, torch.Tensor]:
+    """The draft's tensors, named ``eagle.*``, checked against the target's ``arch``."""
+    path = Path(path)
+    found = read_checkpoint(path, "EAGLE")
     if "midlayer.self_attn.q_proj.weight" in found or "d2t" in found:
         raise EagleCheckpointError(f"EAGLE checkpoint {str(path)!r} is an EAGLE-3 draft (it reads three of the "
-                                   "target's layers); only EAGLE-1 drafts (and HASS) are served: use --spec ngram")
+                                   "target's layers): engine/models/eagle3.py loads it")
     config = path / "config.json" if path.is_dir() else None
     num_layers = json.loads(config.read_text()).get("num_hidden_layers", 1) if config and config.is_file() else 1
     if num_layers != 1 or any(n.startswith("layers.") and not n.startswith(_LAYER) for n in found):

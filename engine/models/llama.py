@@ -490,6 +490,30 @@ class LlamaModel(CausalLM):
         for layer in self.layers:
             layer.chunked_mlp = False
 
+    #: Layers whose input (the residual stream before them) each forward copies into ``aux_hidden`` (EAGLE-3's
+    #: draft reads three, engine/models/eagle3.py); empty: none, and the forward pays nothing for it.
+    aux_layers: tuple[int, ...] = ()
+    aux_hidden: torch.Tensor | None = None
+
+    def capture_aux_hidden(self, layers: tuple[int, ...], max_tokens: int) -> None:
+        """From now on each forward copies the residual stream before each of ``layers`` into ``aux_hidden``
+        [tokens, len(layers) * hidden], in that order (vLLM's and SGLang's aux hidden states). One buffer for the
+        engine's life, so CUDA graphs captured later write the same memory as eager steps."""
+        if not all(0 < i < self.arch.num_layers for i in layers):
+            raise ValueError(f"aux hidden state layers {layers} outside 1..{self.arch.num_layers - 1}")
+        self.aux_layers = tuple(layers)
+        self.aux_hidden = torch.zeros(max_tokens, len(layers) * self.arch.hidden_size, dtype=self.dtype,
+                                      device=self.embed_tokens.device)
+
+    def _store_aux(self, layer_index: int, stream: torch.Tensor) -> None:
+        h, n = self.arch.hidden_size, stream.shape[0]
+        for j, i in enumerate(self.aux_layers):
+            if i == layer_index:
+                if n > self.aux_hidden.shape[0]:
+                    raise RuntimeError(f"a step of {n} tokens: the aux hidden state buffer holds "
+                                       f"{self.aux_hidden.shape[0]}")
+                self.aux_hidden[:n, j * h:(j + 1) * h].copy_(stream)
+
     def forward(
         self,
         input_ids: torch.Tensor,  # int64 [num_tokens]
@@ -506,8 +530,11 @@ class LlamaModel(CausalLM):
         if self._fuses_norms():
             return self._forward_normed(hidden, positions, kv_cache, meta, on_layer_done)
         residual = None
+        aux = self.aux_layers
         for i, layer in enumerate(self.layers):
             rope = self.sliding_rope if self.sliding_rope is not None and layer.window else self.rope
+            if aux and i in aux:
+                self._store_aux(i, hidden if residual is None else hidden + residual)
             hidden, residual = layer.forward(hidden, residual, positions, rope, kv_cache[i], meta)
             if on_layer_done is not None:
                 on_layer_done(i)
@@ -531,8 +558,11 @@ class LlamaModel(CausalLM):
         residual = hidden  # the embedding's own buffer: the first norm reads it, the blocks add to it in place
         x = ops.rms_norm(hidden, self.layers[0].input_norm, eps)
         last = len(self.layers) - 1
+        aux = self.aux_layers
         for i, layer in enumerate(self.layers):
             rope = self.sliding_rope if self.sliding_rope is not None and layer.window else self.rope
+            if aux and i in aux:
+                self._store_aux(i, residual)  # the stream before layer i: the blocks add to it in place
             next_norm = self.norm if i == last else self.layers[i + 1].input_norm
             x = layer.forward_normed(x, residual, positions, rope, kv_cache[i], meta, next_norm)
             if on_layer_done is not None:

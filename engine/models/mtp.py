@@ -40,7 +40,7 @@ from pdcluster.engine.config import ConfigError
 from pdcluster.engine.linear import Linear
 from pdcluster.engine.models.llama import DecoderLayer, LlamaModel, ModelArch, rms_norm, rope_dense
 from pdcluster.engine.models.nemotron_h import HybridArch
-from pdcluster.engine.models import deepseek_mtp, eagle, nemotron_mtp
+from pdcluster.engine.models import deepseek_mtp, eagle, eagle3, nemotron_mtp
 from pdcluster.engine.models.deepseek import ARCHITECTURES as DEEPSEEK_ARCHITECTURES
 from pdcluster.engine.models.deepseek import DeepseekArch
 from pdcluster.engine.models.registry import BUILTIN_MODELS, builtin_config, resolve_model
@@ -226,8 +226,9 @@ def resolve_mtp_weights(checkpoint: str, cache_dir: str | os.PathLike, model_nam
     if source.kind == "random":
         return random_mtp_weights(arch, seed), f"random(seed={seed})"
     if source.kind == "eagle":
-        weights = eagle.load_eagle_weights(source.path, arch)
-        return weights, f"{source.path}: an EAGLE draft"
+        if eagle3.is_eagle3_checkpoint(source.path):
+            return eagle3.load_eagle3_weights(source.path, arch, arch.num_layers), f"{source.path}: an EAGLE-3 draft"
+        return eagle.load_eagle_weights(source.path, arch), f"{source.path}: an EAGLE draft"
     if source.kind == "own":
         model_dir = resolve_model(model_name, cache_dir=cache_dir, progress=False)
         weights = _own_mtp(arch).load_own_mtp_weights(model_dir, arch)

@@ -95,9 +95,11 @@ class MTPProposer(Proposer):
         hidden_rows = batch.query_start_loc_np[rows][row_of] + offset
         seq_lens = starts + n
         meta = self._meta(st, idx, self._slots(st, idx[row_of], positions), seq_lens, qsl, None)
-        g = self.head.forward(
-            batch.hidden_states[self._t(hidden_rows)], self._t(next_ids), self._t(positions), self.layer_cache, meta,
-        )
+        rows_t = self._t(hidden_rows)
+        # EAGLE-3 reads the target's aux hidden states there (Eagle3Head.target_hidden), the others its final ones.
+        take = getattr(self.head, "target_hidden", None)
+        hidden = batch.hidden_states[rows_t] if take is None else take(batch.hidden_states, rows_t)
+        g = self.head.forward(hidden, self._t(next_ids), self._t(positions), self.layer_cache, meta)
 
         # ---- chain: k drafts per proposing row ---------------------------------------------------
         k_rows = batch.num_drafts_np[rows]
