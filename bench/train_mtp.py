@@ -229,13 +229,13 @@ def top1(module, examples, generated_only: bool = False) -> float:
 
 
 def train(model, model_dir, examples, heldout, seconds: float, lr: float, batch_tokens: int, seed: int, log,
-          vocab: torch.Tensor | None = None, head: str = "mtp") -> tuple:
+          vocab: torch.Tensor | None = None, kind: str = "mtp") -> tuple:
     from pdcluster.engine.models.eagle import EagleTrainModule
     from pdcluster.engine.models.mtp import MTPTrainModule
 
     torch.manual_seed(seed)
     first = first_layer_weights(model_dir)
-    module = (EagleTrainModule(model, initial_eagle_weights(model, seed, first)) if head == "eagle"
+    module = (EagleTrainModule(model, initial_eagle_weights(model, seed, first)) if kind == "eagle"
               else MTPTrainModule(model, initial_weights(model, seed, first)))
     opt = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     if vocab is not None:  # labels re-indexed into the candidate set; its rows of the (frozen) lm_head
@@ -262,7 +262,7 @@ def train(model, model_dir, examples, heldout, seconds: float, lr: float, batch_
                 logits = F.linear(g, head)
                 labels = torch.where(labels >= 0, remap[labels.clamp_min(0)], labels)
             loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), ignore_index=-100)
-            if head == "eagle":  # EAGLE's objective: regress the next feature, plus 0.1 of the token loss
+            if kind == "eagle":  # EAGLE's objective: regress the next feature, plus 0.1 of the token loss
                 keep = labels >= 0
                 loss = F.smooth_l1_loss(g[keep], feats[keep]) + 0.1 * loss
             opt.zero_grad(set_to_none=True)
