@@ -116,14 +116,15 @@ def test_generation_with_an_eagle_draft_is_lossless(target, reference_tokens, tm
 
 def test_eagles_own_format_loads_as_its_safetensors_form(target, tmp_path):
     """EAGLE's releases: pytorch_model.bin, possibly with ``model.`` prefixes and a copy of the embedding (not read)."""
-    from pdcluster.engine.models.eagle import is_eagle_checkpoint, load_eagle_weights, random_eagle_weights
+    from pdcluster.engine.models.eagle import load_eagle_weights, random_eagle_weights
+    from pdcluster.engine.models.eagle3 import draft_kind
 
     arch = target.arch
     raw = random_eagle_weights(arch, seed=7)
     plain = load_eagle_weights(_save(tmp_path / "st", raw, arch), arch)
     with_embedding = {**raw, "embed_tokens.weight": torch.zeros(arch.vocab_size, arch.hidden_size)}
     own = _save(tmp_path / "bin", with_embedding, arch, fmt="bin", prefix="model.")
-    assert is_eagle_checkpoint(own) and is_eagle_checkpoint(own / "pytorch_model.bin")
+    assert draft_kind(own) == draft_kind(own / "pytorch_model.bin") == "eagle"
     loaded = load_eagle_weights(own, arch)
     assert loaded.keys() == plain.keys() and all(torch.equal(loaded[n], plain[n]) for n in plain)
     assert "eagle.embed_tokens.weight" not in loaded

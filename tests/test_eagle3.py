@@ -160,12 +160,12 @@ def test_an_eagle3_draft_through_emulated_decode_graphs_gives_the_eager_tokens(e
 
 def test_eagle3_checkpoints_that_cannot_draft_are_refused_by_name(target, tmp_path):
     from pdcluster.engine.models.eagle import EagleCheckpointError
-    from pdcluster.engine.models.eagle3 import is_eagle3_checkpoint, load_eagle3_weights, random_eagle3_weights
+    from pdcluster.engine.models.eagle3 import draft_kind, load_eagle3_weights, random_eagle3_weights
 
     arch = target.arch
     raw = random_eagle3_weights(arch, DRAFT_VOCAB, seed=1)
     ok = _save(tmp_path / "ok", raw, {"eagle_aux_hidden_state_layer_ids": [1, 2, 3]})
-    assert is_eagle3_checkpoint(ok)
+    assert draft_kind(ok) == "eagle3"
     # speculators' form: the block as layers.0, the aux layers under eagle_config
     renamed = {n.replace("midlayer.", "layers.0."): t for n, t in raw.items()}
     spec = _save(tmp_path / "spec", renamed, {"architectures": ["Eagle3Speculator"],

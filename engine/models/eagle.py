@@ -58,7 +58,10 @@ def _tensor_names(file: Path) -> list[str]:
 
         with safe_open(str(file), "pt") as f:
             return list(f.keys())
-    return list(_load_file(file))
+    try:  # names only: mapped, not read (torch.save's zip format; an older file is read whole)
+        return list(torch.load(str(file), map_location="cpu", weights_only=True, mmap=True))
+    except RuntimeError:
+        return list(_load_file(file))
 
 
 def _load_file(file: Path) -> dict[str, torch.Tensor]:
@@ -77,15 +80,10 @@ def _plain(name: str) -> str:
     return name[len("model."):] if name.startswith("model.") else name
 
 
-def is_eagle_checkpoint(path: str | Path) -> bool:
-    """Whether ``path`` holds an EAGLE draft: its weights name an ``fc`` fusing the embedding with the hidden state
-    (EAGLE-3's are recognised too, to be refused by name when loaded)."""
-    files = weight_files(Path(path))
-    try:
-        names = {_plain(n) for f in files for n in _tensor_names(f)}
-    except Exception:  # noqa: BLE001 - unreadable: not one (the MTP loader then says what is wrong)
-        return False
-    return "fc.weight" in names or "midlayer.self_attn.q_proj.weight" in names
+def tensor_names(path: Path) -> set[str]:
+    """The names of every tensor of the checkpoint at ``path`` (a directory or one file), without a ``model.``
+    prefix, read without the tensors ({} when there are no weight files)."""
+    return {_plain(n) for f in weight_files(path) for n in _tensor_names(f)}
 
 
 def read_checkpoint(path: Path, what: str) -> dict[str, torch.Tensor]:

@@ -27,27 +27,31 @@ import torch.nn.functional as F
 
 from pdcluster.engine.attention import AttentionMetadata
 from pdcluster.engine.linear import Linear
-from pdcluster.engine.models.eagle import EagleCheckpointError, read_checkpoint, weight_files
+from pdcluster.engine.models.eagle import EagleCheckpointError, read_checkpoint, tensor_names, weight_files
 from pdcluster.engine.models.llama import DecoderLayer, LlamaModel, rms_norm
 
 PREFIX = "eagle3."
 _LAYER_PREFIXES = ("midlayer.", "layers.0.")  # EAGLE-3's own releases, speculators' conversions
 
 
-def is_eagle3_checkpoint(path: str | Path) -> bool:
-    """An EAGLE-3 draft: a ``d2t`` map or a ``midlayer`` block, or a config naming the algorithm."""
+def draft_kind(path: str | Path) -> str | None:
+    """What the checkpoint at ``path`` drafts as, its tensor names read once: "eagle3" (a ``d2t`` map, a
+    ``midlayer`` block, or a config naming the algorithm), "eagle" (an ``fc`` fusing the embedding with the hidden
+    state: engine/models/eagle.py), or None (neither, or unreadable: the MTP loader then says what is wrong)."""
     path = Path(path)
-    config = _config(path)
+    if not weight_files(path):
+        return None
+    config = _config(path) if path.is_dir() else {}
     if "eagle3" in json.dumps(config.get("architectures", [])).lower() or \
             (config.get("speculators_config") or {}).get("algorithm") == "eagle3":
-        return True
-    from pdcluster.engine.models.eagle import _tensor_names  # names only: cheap for safetensors
-
+        return "eagle3"
     try:
-        names = {n for f in weight_files(path) for n in _tensor_names(f)}
-    except Exception:  # noqa: BLE001 - unreadable: not one
-        return False
-    return any(n.split(".")[-1] == "d2t" or "midlayer." in n for n in names)
+        names = tensor_names(path)
+    except Exception:  # noqa: BLE001 - unreadable: not a draft we know
+        return None
+    if any(n.split(".")[-1] == "d2t" or "midlayer." in n for n in names):
+        return "eagle3"
+    return "eagle" if "fc.weight" in names else None
 
 
 def _config(path: Path) -> dict:

@@ -66,9 +66,9 @@ class MTPHeadMissing(ConfigError):
 @dataclass(frozen=True)
 class MTPSource:
     """What ``--spec mtp`` drafts with: ``kind`` "own" (the checkpoint's own MTP layers: a NemotronH with
-    ``num_nextn_predict_layers``, engine/models/nemotron_mtp.py), "file" (a trained head at ``path``), "eagle" (an
-    EAGLE draft's checkpoint at ``path``, engine/models/eagle.py) or "random" (the seeded random head, asked for by
-    name)."""
+    ``num_nextn_predict_layers``, engine/models/nemotron_mtp.py), "file" (a trained head at ``path``), "eagle" or
+    "eagle3" (an EAGLE / EAGLE-3 draft's checkpoint at ``path``, engine/models/eagle.py, eagle3.py) or "random" (the
+    seeded random head, asked for by name)."""
 
     kind: str
     path: Path | None = None
@@ -128,8 +128,9 @@ def find_mtp_checkpoint(checkpoint: str, cache_dir: str | os.PathLike, model_nam
         raise ConfigError(f"--spec mtp: {model_name}: {latent_attention_refusal(checkpoint)}")
     if checkpoint == RANDOM_HEAD:
         return MTPSource("random")
-    if checkpoint and eagle.is_eagle_checkpoint(checkpoint):  # a directory (or file) of EAGLE's draft
-        return MTPSource("eagle", Path(checkpoint))
+    kind = eagle3.draft_kind(checkpoint) if checkpoint else None  # a directory (or file) of an EAGLE draft
+    if kind is not None:
+        return MTPSource(kind, Path(checkpoint))
     if checkpoint:
         if not Path(checkpoint).is_file():
             raise MTPHeadMissing(f"mtp_checkpoint (--mtp-checkpoint): {checkpoint!r} does not exist; train one "
@@ -225,9 +226,9 @@ def resolve_mtp_weights(checkpoint: str, cache_dir: str | os.PathLike, model_nam
     source = find_mtp_checkpoint(checkpoint, cache_dir, model_name, arch)
     if source.kind == "random":
         return random_mtp_weights(arch, seed), f"random(seed={seed})"
+    if source.kind == "eagle3":
+        return eagle3.load_eagle3_weights(source.path, arch, arch.num_layers), f"{source.path}: an EAGLE-3 draft"
     if source.kind == "eagle":
-        if eagle3.is_eagle3_checkpoint(source.path):
-            return eagle3.load_eagle3_weights(source.path, arch, arch.num_layers), f"{source.path}: an EAGLE-3 draft"
         return eagle.load_eagle_weights(source.path, arch), f"{source.path}: an EAGLE draft"
     if source.kind == "own":
         model_dir = resolve_model(model_name, cache_dir=cache_dir, progress=False)
