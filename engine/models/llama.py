@@ -85,16 +85,12 @@ class RotaryEmbedding:
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, num_heads, head_dim]; HF's rotate_half convention.
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        return rope_dense(x, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
 
 
 def rope_dense(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """HF's rotate-half RoPE on a dense [..., head_dim] tensor with ``cos`` / ``sin`` broadcast to it (the draft
-    heads' training forms)."""
+    """HF's rotate-half RoPE on a dense [..., head_dim] tensor with ``cos`` / ``sin`` broadcast to it
+    (RotaryEmbedding's reference form, the draft heads' training forms)."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 

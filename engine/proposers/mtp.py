@@ -40,6 +40,9 @@ class MTPProposer(Proposer):
                 f"{self.num_draft_layers}"
             )
         self.head = head
+        # Pass 1's hidden: EAGLE-3 reads the target's aux hidden states (Eagle3Head.target_hidden), the others the
+        # target's final ones (None).
+        self._target_hidden = getattr(head, "target_hidden", None)
         self.layer_index = num_target_layers  # the draft layers sit right after the target's
         self.layer_cache = head.draft_cache(kv_cache, num_target_layers)
         self.device = kv_cache.device
@@ -96,8 +99,7 @@ class MTPProposer(Proposer):
         seq_lens = starts + n
         meta = self._meta(st, idx, self._slots(st, idx[row_of], positions), seq_lens, qsl, None)
         rows_t = self._t(hidden_rows)
-        # EAGLE-3 reads the target's aux hidden states there (Eagle3Head.target_hidden), the others its final ones.
-        take = getattr(self.head, "target_hidden", None)
+        take = self._target_hidden
         hidden = batch.hidden_states[rows_t] if take is None else take(batch.hidden_states, rows_t)
         g = self.head.forward(hidden, self._t(next_ids), self._t(positions), self.layer_cache, meta)
 
