@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from pdcluster.engine.config import DTYPES, SPEC_METHODS, EngineConfig
+from pdcluster.engine.config import DTYPES, KV_CACHE_DTYPES, SPEC_METHODS, EngineConfig
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -18,6 +18,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "or cuda:N")
     g.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="auto = the checkpoint's dtype (bfloat16 for smollm2: prepacked bf16 GEMMs on CPU)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="the KV cache's element type: auto = the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2 halve a "
+                        "16-bit cache's bytes a token: twice the tokens in the pool, half the bytes a KV transfer moves")
     g.add_argument("--max-model-len", type=int, default=0, help="0 = the model's limit, capped at 4096")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=0, help="0 = size the pool from --kv-cache-memory-gib")
@@ -135,7 +138,7 @@ class SpeculativeConfig(argparse.Action):
 
 # Flags whose dest is the EngineConfig field of the same name (the others are mapped by hand below).
 SAME_NAMED_FLAGS = (
-    "model", "dtype", "device", "max_model_len", "block_size", "num_kv_blocks", "kv_cache_memory_gib",
+    "model", "dtype", "kv_cache_dtype", "device", "max_model_len", "block_size", "num_kv_blocks", "kv_cache_memory_gib",
     "gpu_memory_utilization",
     "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "kv_offload_host_gib", "kv_offload_disk_dir",
     "kv_offload_disk_gib", "mtp_checkpoint", "num_threads", "seed", "cache_dir", "max_lora_rank",

@@ -88,6 +88,11 @@ def attend_now(
         ops.write_kv(key, value, layer_cache, meta.slot_mapping)
     if meta.no_context_max_query_len is not None and not batch_invariant and window <= 0 and softcap <= 0 \
             and sinks is None and chunk <= 0 and flash_prefill.usable(query, key.shape[1]):
+        if layer_cache.dtype in reference.FP8_MAX:
+            # The step's own K and V as the paged kernels read them back from an fp8 cache, so a prompt's bits do
+            # not depend on which kernel ran it (chunked or whole, prefill worker or decode worker).
+            key = reference.to_cache_dtype(key, layer_cache.dtype).to(key.dtype)
+            value = reference.to_cache_dtype(value, layer_cache.dtype).to(value.dtype)
         out = flash_prefill.flash_prefill(query, key, value, meta.query_start_loc, meta.no_context_max_query_len,
                                           meta.scale, meta.no_context_query_lens_np)
         if out is not None:

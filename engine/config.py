@@ -15,6 +15,9 @@ class ConfigError(ValueError):
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The KV cache's element type (vLLM's --kv-cache-dtype): "auto" = the model's dtype; "fp8" = "fp8_e4m3" (float8_e4m3fn:
+# half the bytes of a 16-bit cache a token, so twice the tokens in the pool and half on the wire), "fp8_e5m2".
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 DEVICES = ("auto", "cpu", "cuda")  # "cuda:N" too: one GPU of several
 
 
@@ -69,6 +72,7 @@ class EngineConfig:
     model: str = "smollm2"
     # "auto": the model's own dtype (config.json torch_dtype), as vLLM does; see resolve_dtype().
     dtype: str = "float32"
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
     # "auto": CUDA when torch sees a GPU (in a Ray actor: the one Ray gave it), else the CPU.
     device: str = "cpu"
     # 0 = the model's max_position_embeddings, capped at 4096.
@@ -148,6 +152,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype: {self.dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype: {self.kv_cache_dtype!r} is not supported; choose one of "
+                              f"{', '.join(KV_CACHE_DTYPES)}")
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
             raise ConfigError(f"device: {self.device!r} is not supported; choose one of {', '.join(DEVICES)} "
                               "(or cuda:N)")

@@ -16,7 +16,7 @@ import torch
 
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.kv_budget import CPU_DEFAULT_GIB, cuda_kv_pool_bytes
-from pdcluster.engine.kv_cache import KVCacheSpec, allocate_kv_cache, kv_planes, num_blocks_for_budget
+from pdcluster.engine.kv_cache import KVCacheSpec, allocate_kv_cache, kv_cache_dtype, kv_planes, num_blocks_for_budget
 from pdcluster.engine.linear import DeterministicUnavailable, check_deterministic_available
 from pdcluster.engine.mamba_state import MambaStateShape
 from pdcluster.engine.mamba_state_blocks import num_state_blocks
@@ -94,7 +94,8 @@ class LoadedModel:
             install(model, config.lora_paths(), config.max_lora_rank, runtime=config.enable_lora)
         num_draft_layers = proposer_draft_layers(config, arch)  # MTP: its layers after the target's (S2)
         probe = KVCacheSpec(arch.num_layers + num_draft_layers, num_draft_layers, 1, config.block_size,
-                            arch.num_kv_heads, arch.head_dim, dtype, num_planes=kv_planes(arch))
+                            arch.num_kv_heads, arch.head_dim, kv_cache_dtype(config.kv_cache_dtype, dtype, arch),
+                            num_planes=kv_planes(arch))
         num_blocks = config.num_kv_blocks or _num_kv_blocks(model, config, probe.bytes_per_block, hybrid)
         kv_spec = replace(probe, num_blocks=num_blocks)
         allocate = kv_cache_allocator or (lambda shape, dtype, device: allocate_kv_cache(kv_spec, device))

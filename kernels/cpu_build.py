@@ -38,7 +38,7 @@ FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-fPIC", "-st
 
 _c_int, _c_i64, _c_f32, _ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 CORE_SIGNATURES = {
-    "pd_paged_attention": [_c_int, _ptr, _c_i64, _c_i64, _ptr, _ptr, _c_i64, _c_i64, _c_i64, _ptr, _c_i64, _ptr,
+    "pd_paged_attention": [_c_int, _c_int, _ptr, _c_i64, _c_i64, _ptr, _ptr, _c_i64, _c_i64, _c_i64, _ptr, _c_i64, _ptr,
                            _ptr, _c_int, _c_int, _c_int, _c_int, _c_int, _c_f32, _c_int, _c_int, _c_f32, _ptr, _ptr,
                            _c_i64, _c_i64, _c_int],
     "pd_rms_norm": [_c_int, _ptr, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_f32, _c_int],
@@ -46,7 +46,8 @@ CORE_SIGNATURES = {
     "pd_silu_and_mul": [_c_int, _ptr, _ptr, _c_i64, _c_int, _c_int],
     "pd_argmax_rows": [_c_int, _ptr, _c_i64, _c_i64, _c_i64, _ptr, _c_int],
     "pd_linear_small_m": [_ptr, _c_i64, _c_i64, _ptr, _c_i64, _c_i64, _ptr, _c_i64, _c_int],
-    "pd_write_kv": [_ptr, _ptr, _c_i64, _c_i64, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_int, _c_int, _c_int],
+    "pd_write_kv": [_ptr, _ptr, _c_i64, _c_i64, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_int, _c_int, _c_int, _c_int,
+                    _c_int],
 }
 GEMM_BI_SIGNATURES = {  # kernels/csrc/gemm_bi.c: the batch-invariant linear (kernels/cpu_gemm.py)
     "pd_gemm_bi": [_c_int, _ptr, _c_i64, _c_i64, _ptr, _c_i64, _c_i64, _ptr, _c_i64, _c_int, _c_int, _c_int],

@@ -2,7 +2,8 @@
 here, raw pointers and strides to C. Same signatures as kernels/reference.py; ops.py picks one.
 
 Each wrapper returns False (nothing done) when the library is unavailable or the inputs are outside
-what the C code handles (dtype other than float32/bfloat16, non-contiguous head dim), so the caller
+what the C code handles (activations other than float32/bfloat16, caches other than those or fp8, non-contiguous
+head dim), so the caller
 falls back to the reference. Every tensor whose pointer reaches C must be in host memory: one CUDA (or
 any non-CPU) tensor among them and the wrapper refuses, where C would write through a device pointer.
 """
@@ -14,6 +15,8 @@ import torch
 from pdcluster.kernels import cpu_build
 
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
+# A KV cache may also hold fp8 (--kv-cache-dtype fp8): widened on load, converted (saturating) on store.
+_CACHE_DTYPE_CODE = {**_DTYPE_CODE, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
 
 
 def available() -> bool:
@@ -44,15 +47,17 @@ def write_kv(
     slot_mapping: torch.Tensor,  # int64 [num_tokens]
 ) -> bool:
     lib = cpu_build.load()
-    if (lib is None or not _on_cpu(key, value, layer_cache, slot_mapping) or key.dtype != layer_cache.dtype or value.dtype != key.dtype
+    src_code, cache_code = _DTYPE_CODE.get(key.dtype), _CACHE_DTYPE_CODE.get(layer_cache.dtype)
+    if (lib is None or not _on_cpu(key, value, layer_cache, slot_mapping) or value.dtype != key.dtype
+            or src_code is None or cache_code is None or (cache_code < 2 and key.dtype != layer_cache.dtype)
             or key.stride() != value.stride() or key.stride(-1) != 1 or not layer_cache.is_contiguous()
             or slot_mapping.dtype != torch.int64):
         return False
     slot_mapping = slot_mapping.contiguous()
-    lib.pd_write_kv(key.data_ptr(), value.data_ptr(), key.stride(0), key.stride(1), layer_cache[0].data_ptr(),
-                    layer_cache[1].data_ptr(), slot_mapping.data_ptr(), key.shape[0], key.shape[1], key.shape[2],
-                    key.element_size(), _threads())
-    return True
+    rc = lib.pd_write_kv(key.data_ptr(), value.data_ptr(), key.stride(0), key.stride(1), layer_cache[0].data_ptr(),
+                         layer_cache[1].data_ptr(), slot_mapping.data_ptr(), key.shape[0], key.shape[1], key.shape[2],
+                         key.element_size(), src_code, cache_code, _threads())
+    return rc == 0
 
 
 def paged_attention(
@@ -69,8 +74,11 @@ def paged_attention(
     chunk: int = 0,  # > 0: chunked attention, each query sees its chunk's keys (Llama 4's local layers)
 ) -> torch.Tensor | None:
     lib = cpu_build.load()
-    code = _code(query, layer_cache)
-    if (lib is None or code is None or query.stride(-1) != 1 or layer_cache.stride(-1) != 1
+    code = _code(query)
+    cache_code = code if layer_cache.dtype is query.dtype else _CACHE_DTYPE_CODE.get(layer_cache.dtype)
+    if cache_code is not None and cache_code < 2 and cache_code != code:
+        cache_code = None  # 16- and 32-bit caches are read in the query's dtype only
+    if (lib is None or code is None or cache_code is None or not _on_cpu(layer_cache) or query.stride(-1) != 1 or layer_cache.stride(-1) != 1
             or not _on_cpu(block_tables, seq_lens, query_start_loc, out, sinks)):
         return None
     if sinks is not None:
@@ -86,7 +94,7 @@ def paged_attention(
     _, _, block_size, num_kv_heads, _ = layer_cache.shape
     k, v = layer_cache[0], layer_cache[1]
     rc = lib.pd_paged_attention(
-        code, query.data_ptr(), query.stride(0), query.stride(1),
+        code, cache_code, query.data_ptr(), query.stride(0), query.stride(1),
         k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
         block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), query_start_loc.data_ptr(),
         seq_lens.shape[0], num_q_heads, num_kv_heads, head_dim, block_size, scale, window, chunk, softcap,

@@ -16,6 +16,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# The largest finite value of each fp8 format a KV cache may hold (--kv-cache-dtype fp8, fp8_e5m2).
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as the cache stores it: cast, and for fp8 first clamped to the format's finite range, so a value past
+    it saturates (as vLLM's CUDA conversion and our kernels do) instead of becoming NaN or inf. Per-tensor scale
+    1.0, vLLM's default without calibrated scales."""
+    limit = FP8_MAX.get(dtype)
+    if limit is None:
+        return x.to(dtype)
+    return x.float().clamp(-limit, limit).to(dtype)
+
 
 def write_kv(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -26,8 +39,11 @@ def write_kv(
     """Write each token's K and V into its slot of the paged cache (in place)."""
     _, num_blocks, block_size, num_kv_heads, head_dim = layer_cache.shape
     flat = layer_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-    flat[0].index_copy_(0, slot_mapping, key.to(layer_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, value.to(layer_cache.dtype))
+    key, value = to_cache_dtype(key, layer_cache.dtype), to_cache_dtype(value, layer_cache.dtype)
+    if layer_cache.dtype in FP8_MAX:  # torch has no index_copy_ for fp8: the same bytes through uint8 views
+        flat, key, value = flat.view(torch.uint8), key.view(torch.uint8), value.view(torch.uint8)
+    flat[0].index_copy_(0, slot_mapping, key)
+    flat[1].index_copy_(0, slot_mapping, value)
 
 
 def _gather_context(
@@ -39,6 +55,8 @@ def _gather_context(
     blocks = block_table_row[:num_blocks].long()
     k = layer_cache[0].index_select(0, blocks).flatten(0, 1)[:context_len]
     v = layer_cache[1].index_select(0, blocks).flatten(0, 1)[:context_len]
+    if layer_cache.dtype in FP8_MAX:  # widened here (exactly: every fp8 value is a bfloat16 and a float16 value)
+        k, v = k.float(), v.float()
     return k, v
 
 
@@ -175,6 +193,9 @@ def scatter_blocks(
     block_ids: torch.Tensor,  # int64 [n]: destination block of each buffer entry
 ) -> None:
     """Inverse of :func:`gather_blocks`: write buffer entry ``i`` into block ``block_ids[i]``."""
+    if kv_cache.dtype in FP8_MAX:  # torch has no index_copy_ for fp8: the same bytes through uint8 views
+        kv_cache.view(torch.uint8).index_copy_(2, block_ids, buffer.to(kv_cache.dtype).view(torch.uint8))
+        return
     kv_cache.index_copy_(2, block_ids, buffer.to(kv_cache.dtype))
 
 

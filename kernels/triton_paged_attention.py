@@ -208,10 +208,12 @@ def _partition_state(q, q_pos, row_valid, kv_lo, kv_hi, win_lo, window, chunk, s
             + kv_head * stride_cache_head
         )
         # K is loaded transposed, [HEAD_DIM_PAD, BLOCK_N], ready for q @ k.
+        # An fp8 cache (--kv-cache-dtype) is widened to the query's dtype as it loads: exact, and the dots then
+        # run as they do over a 16-bit cache.
         k_t = tl.load(cache_ptr + slot_offsets[None, :] + dims[:, None] * stride_cache_dim,
-                      mask=dim_valid[:, None] & k_valid[None, :], other=0.0)
+                      mask=dim_valid[:, None] & k_valid[None, :], other=0.0).to(q.dtype)
         v = tl.load(cache_ptr + stride_cache_kv + slot_offsets[:, None] + dims[None, :] * stride_cache_dim,
-                    mask=k_valid[:, None] & dim_valid[None, :], other=0.0)
+                    mask=k_valid[:, None] & dim_valid[None, :], other=0.0).to(q.dtype)
         if NATIVE_DOT:
             scores = tl.dot(q, k_t) * qk_scale_log2
         else:

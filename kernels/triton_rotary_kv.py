@@ -17,6 +17,7 @@ import triton.language as tl
 from pdcluster.kernels import launch_pdl
 from pdcluster.kernels.triton_pdl import wait_then_release
 from pdcluster.kernels.triton_rotary import _cos_sin, _rotate_heads
+from pdcluster.kernels.triton_write_kv import to_cache_dtype
 
 
 @triton.jit
@@ -85,10 +86,10 @@ def write_token_kv(cache_ptr, slot, k1, k2, v1, v2, heads, dims, mask, half, blo
         second = first + half * stride_cache_dim
         cache_dtype = cache_ptr.dtype.element_ty
         # Index 0 of the layer cache is K, index 1 is V.
-        tl.store(first, k1.to(cache_dtype), mask=mask)
-        tl.store(second, k2.to(cache_dtype), mask=mask)
-        tl.store(first + stride_cache_kv, v1.to(cache_dtype), mask=mask)
-        tl.store(second + stride_cache_kv, v2.to(cache_dtype), mask=mask)
+        tl.store(first, to_cache_dtype(k1, cache_dtype), mask=mask)
+        tl.store(second, to_cache_dtype(k2, cache_dtype), mask=mask)
+        tl.store(first + stride_cache_kv, to_cache_dtype(v1, cache_dtype), mask=mask)
+        tl.store(second + stride_cache_kv, to_cache_dtype(v2, cache_dtype), mask=mask)
 
 
 def rotary_write_kv_triton(

@@ -20,6 +20,37 @@ import triton.language as tl
 
 
 @triton.jit
+def _fp8_bits(x, MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_FINITE: tl.constexpr):
+    """The fp8 code (int32 in [0, 255]) of ``x`` in the format with MBITS mantissa bits and exponent bias BIAS: rounded
+    to nearest even, saturating at MAX_FINITE (the C kernel's f32_to_fp8, torch's clamp-then-cast). Written out, not
+    ``x.to(fp8)``: Triton's interpreter rounds fp8 wrongly (500 -> 256 in e5m2, carries into the exponent lost), and
+    GPUs before sm_89 convert in software; this is the same bits everywhere."""
+    x = x.to(tl.float32)
+    sign = (x.to(tl.int32, bitcast=True) >> 24) & 0x80
+    a = tl.minimum(tl.abs(x), MAX_FINITE)
+    # The quantum a rounds to: 2^(e - MBITS) for a in [2^e, 2^(e + 1)), the subnormals' below the smallest normal.
+    e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, 1 - BIAS)
+    magic = ((e - MBITS + 23 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(e - MBITS + 23): its ulp is the quantum
+    r = (a + magic) - magic  # the float32 add rounds a to a multiple of the quantum, ties to even; exact after
+    normal = (r.to(tl.int32, bitcast=True) >> (23 - MBITS)) - ((127 - BIAS) << MBITS)
+    # r is a whole number of subnormal quanta where it is below the smallest normal (elsewhere unused: kept in range)
+    subnormal = (tl.minimum(r, 2.0 ** (1 - BIAS)) * (2.0 ** (BIAS - 1 + MBITS))).to(tl.int32)
+    return tl.where(r >= 2.0 ** (1 - BIAS), normal, subnormal) | sign
+
+
+@triton.jit
+def to_cache_dtype(x, cache_dtype: tl.constexpr):
+    """``x`` as the cache stores it (reference.to_cache_dtype): an fp8 cache (--kv-cache-dtype) takes it rounded to
+    nearest even and saturating at the format's largest finite value instead of becoming NaN (_fp8_bits)."""
+    if cache_dtype.is_fp8e4nv():
+        return _fp8_bits(x, 3, 7, 448.0).to(tl.uint8).to(cache_dtype, bitcast=True)
+    elif cache_dtype.is_fp8e5():
+        return _fp8_bits(x, 2, 15, 57344.0).to(tl.uint8).to(cache_dtype, bitcast=True)
+    else:
+        return x.to(cache_dtype)
+
+
+@triton.jit
 def _write_kv_kernel(
     key_ptr,
     value_ptr,
@@ -70,8 +101,8 @@ def _write_kv_kernel(
     key = tl.load(key_ptr + key_offsets, mask=mask)
     value = tl.load(value_ptr + value_offsets, mask=mask)
     # Index 0 of the layer cache is K, index 1 is V.
-    tl.store(cache_ptr + cache_offsets, key.to(cache_dtype), mask=mask)
-    tl.store(cache_ptr + stride_cache_kv + cache_offsets, value.to(cache_dtype), mask=mask)
+    tl.store(cache_ptr + cache_offsets, to_cache_dtype(key, cache_dtype), mask=mask)
+    tl.store(cache_ptr + stride_cache_kv + cache_offsets, to_cache_dtype(value, cache_dtype), mask=mask)
 
 
 def write_kv_triton(

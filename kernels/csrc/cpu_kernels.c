@@ -4,8 +4,10 @@
  * no torch headers (seconds, not minutes). Each function has a torch reference in kernels/reference.py
  * that tests compare it with.
  *
- * dtype codes: 0 = float32, 1 = bfloat16. Math is float32 throughout; bf16 inputs are widened on load
- * and outputs rounded to nearest even on store (what torch does).
+ * dtype codes: 0 = float32, 1 = bfloat16, and for the KV cache only 2 = float8_e4m3fn, 3 = float8_e5m2
+ * (--kv-cache-dtype fp8). Math is float32 throughout; 16- and 8-bit inputs are widened on load and outputs
+ * rounded to nearest even on store (what torch does), fp8 stores saturating at the format's largest finite
+ * value (what vLLM's CUDA conversion does; torch's own cast makes NaN or inf there).
  *
  * OpenMP: linked against the libgomp torch already loaded (same soname), so torch's threads and ours
  * are one pool; every parallel region takes its thread count from the caller (torch.get_num_threads).
@@ -75,11 +77,61 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* fp8 -> float32 for every byte of both formats (codes 2 and 3), built when the library loads: a load is then
+ * one table lookup per element. */
+static float fp8_table[2][256];
+
+static float fp8_decode(uint8_t b, int code) {
+    const int mbits = code == 2 ? 3 : 2, bias = code == 2 ? 7 : 15, emax = code == 2 ? 15 : 31;
+    const int e = (b & 0x7f) >> mbits, m = b & ((1 << mbits) - 1);
+    float v;
+    if (code == 2 && e == emax && m == (1 << mbits) - 1) v = NAN; /* e4m3fn: no infinities, one NaN */
+    else if (code == 3 && e == emax) v = m ? NAN : INFINITY;
+    else if (e == 0) v = ldexpf((float)m, 1 - bias - mbits); /* subnormal */
+    else v = ldexpf((float)((1 << mbits) + m), e - bias - mbits);
+    return (b & 0x80) ? -v : v;
+}
+
+__attribute__((constructor)) static void fp8_build_tables(void) {
+    for (int b = 0; b < 256; b++) {
+        fp8_table[0][b] = fp8_decode((uint8_t)b, 2);
+        fp8_table[1][b] = fp8_decode((uint8_t)b, 3);
+    }
+}
+
+/* float32 -> fp8 (code 2 or 3), round to nearest even, saturating: |f| at or past the largest finite value
+ * (448, 57344) becomes it. Equals torch's f.clamp(-max, max).to(float8_*) on every finite float. */
+static inline uint8_t f32_to_fp8(float f, int code) {
+    const int mbits = code == 2 ? 3 : 2, bias = code == 2 ? 7 : 15;
+    const float max_finite = code == 2 ? 448.0f : 57344.0f;
+    const uint8_t max_code = code == 2 ? 0x7e : 0x7b;
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80);
+    if (f != f) return (uint8_t)(sign | 0x7f); /* NaN stays NaN (0x7f is NaN in both formats) */
+    const float a = fabsf(f);
+    if (a >= max_finite) return (uint8_t)(sign | max_code);
+    int e = (int)((u >> 23) & 0xff) - 127; /* a < max_finite: a normal float32 or zero / a float32 subnormal */
+    if (e < 1 - bias) { /* fp8 subnormal: multiples of 2^(1 - bias - mbits), the count rounded to even */
+        return (uint8_t)(sign | (uint8_t)rintf(ldexpf(a, bias - 1 + mbits)));
+    }
+    int n = (int)rintf(ldexpf(a, mbits - e)); /* in [2^mbits, 2^(mbits + 1)] */
+    if (n == 2 << mbits) {
+        n = 1 << mbits;
+        e++;
+    }
+    return (uint8_t)(sign | ((e + bias) << mbits) | (n - (1 << mbits)));
+}
+
 static inline void load_row(const void *src, int dtype, int64_t offset, float *dst, int n) {
     if (dtype == 1) {
         const uint16_t *s = (const uint16_t *)src + offset;
 #pragma omp simd
         for (int i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
+    } else if (dtype >= 2) {
+        const uint8_t *s = (const uint8_t *)src + offset;
+        const float *table = fp8_table[dtype - 2];
+        for (int i = 0; i < n; i++) dst[i] = table[s[i]];
     } else {
         memcpy(dst, (const float *)src + offset, (size_t)n * sizeof(float));
     }
@@ -90,6 +142,9 @@ static inline void store_row(void *dst, int dtype, int64_t offset, const float *
         uint16_t *d = (uint16_t *)dst + offset;
 #pragma omp simd
         for (int i = 0; i < n; i++) d[i] = f32_to_bf16(src[i]);
+    } else if (dtype >= 2) {
+        uint8_t *d = (uint8_t *)dst + offset;
+        for (int i = 0; i < n; i++) d[i] = f32_to_fp8(src[i], dtype);
     } else {
         memcpy((float *)dst + offset, src, (size_t)n * sizeof(float));
     }
@@ -167,7 +222,7 @@ static inline void store_item_output(const AttnItem item, const int head_dim, in
     }
 }
 
-static inline void attend_item(const AttnItem item, const int head_dim, int dtype, const void *query,
+static inline void attend_item(const AttnItem item, const int head_dim, int dtype, int kv_dtype, const void *query,
                                int64_t q_tok_stride, int64_t q_head_stride, const void *k_cache,
                                const void *v_cache, int64_t cache_blk_stride, int64_t cache_tok_stride,
                                int64_t cache_head_stride, const int32_t *block_tables, int64_t bt_stride,
@@ -222,15 +277,15 @@ static inline void attend_item(const AttnItem item, const int head_dim, int dtyp
 #ifdef __AVX512F__
         /* float32, 16-key blocks: K goes from the cache straight into kt, 16 x 16 at a time (the same values
          * as the widened copy and the scalar transpose below: data movement only). */
-        const int direct_kt = transposed && dtype == 0 && block_size == 16 && head_dim % 16 == 0;
+        const int direct_kt = transposed && kv_dtype == 0 && block_size == 16 && head_dim % 16 == 0;
 #else
         const int direct_kt = 0;
 #endif
         for (int j = 0; j < n_valid; j++)
             for (int h = 0; h < num_kv_heads; h++) {
                 const int64_t off = base + j * cache_tok_stride + h * cache_head_stride;
-                if (!direct_kt) load_row(k_cache, dtype, off, kf[h][j], head_dim);
-                load_row(v_cache, dtype, off, vf[h][j], head_dim);
+                if (!direct_kt) load_row(k_cache, kv_dtype, off, kf[h][j], head_dim);
+                load_row(v_cache, kv_dtype, off, vf[h][j], head_dim);
             }
 #ifdef __AVX512F__
         if (direct_kt)
@@ -580,7 +635,7 @@ static inline void attend_item_bf16(const AttnItem item, const int HD, const uin
 }
 #endif
 
-int pd_paged_attention(int dtype, const void *query, int64_t q_tok_stride, int64_t q_head_stride,
+int pd_paged_attention(int dtype, int kv_dtype, const void *query, int64_t q_tok_stride, int64_t q_head_stride,
                        const void *k_cache, const void *v_cache, int64_t cache_blk_stride,
                        int64_t cache_tok_stride, int64_t cache_head_stride, const int32_t *block_tables,
                        int64_t bt_stride, const int32_t *seq_lens, const int32_t *query_start_loc,
@@ -615,14 +670,14 @@ int pd_paged_attention(int dtype, const void *query, int64_t q_tok_stride, int64
     }
 
     /* The vector path reads q and K rows as whole 32-element bf16 vectors. */
-    const int fast_bf16 = dtype == 1 && block_size == 16 && head_dim % 32 == 0 && cache_head_stride == head_dim &&
+    const int fast_bf16 = dtype == 1 && kv_dtype == 1 && block_size == 16 && head_dim % 32 == 0 && cache_head_stride == head_dim &&
                           cache_tok_stride == (int64_t)num_kv_heads * head_dim &&
                           softcap <= 0.0f && sinks == NULL && getenv("PDCLUSTER_ATTN_GENERIC") == NULL;
     (void)fast_bf16;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t it = 0; it < num_items; it++) {
 #define PD_ATTEND(HD, BS)                                                                                   \
-    attend_item(items[it], HD, dtype, query, q_tok_stride, q_head_stride, k_cache, v_cache, cache_blk_stride, \
+    attend_item(items[it], HD, dtype, kv_dtype, query, q_tok_stride, q_head_stride, k_cache, v_cache, cache_blk_stride, \
                 cache_tok_stride, cache_head_stride, block_tables, bt_stride, seq_lens, query_start_loc,     \
                 num_q_heads, num_kv_heads, BS, scale, window, chunk, softcap, sinks, out, out_tok_stride,         \
                 out_head_stride)
@@ -801,20 +856,32 @@ int pd_silu_and_mul(int dtype, const void *x, void *out, int64_t num_tokens, int
 /* ---- KV write: each token's K and V rows into its cache slot -----------------------------------
  * key/value: [num_tokens, num_kv_heads, head_dim] with token and head strides (views of the qkv
  * matmul's output); cache halves: [num_slots, num_kv_heads, head_dim] contiguous. Negative slots are
- * skipped (padding). Same dtype on both sides (elem_bytes each). */
+ * skipped (padding). The same dtype on both sides is copied (elem_bytes each); an fp8 cache (cache_dtype 2
+ * or 3) takes each row converted from src_dtype. */
 int pd_write_kv(const void *key, const void *value, int64_t kv_tok_stride, int64_t kv_head_stride,
                 void *k_cache, void *v_cache, const int64_t *slot_mapping, int64_t num_tokens, int num_kv_heads,
-                int head_dim, int elem_bytes, int num_threads) {
+                int head_dim, int elem_bytes, int src_dtype, int cache_dtype, int num_threads) {
     const int64_t row = (int64_t)num_kv_heads * head_dim;
+    if (head_dim > MAX_HEAD_DIM) return -1;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_tokens > 256)
     for (int64_t t = 0; t < num_tokens; t++) {
         const int64_t slot = slot_mapping[t];
         if (slot < 0) continue;
         for (int h = 0; h < num_kv_heads; h++) {
-            const int64_t src = (t * kv_tok_stride + h * kv_head_stride) * elem_bytes;
-            const int64_t dst = (slot * row + (int64_t)h * head_dim) * elem_bytes;
-            memcpy((char *)k_cache + dst, (const char *)key + src, (size_t)head_dim * elem_bytes);
-            memcpy((char *)v_cache + dst, (const char *)value + src, (size_t)head_dim * elem_bytes);
+            const int64_t src = t * kv_tok_stride + h * kv_head_stride;
+            const int64_t dst = slot * row + (int64_t)h * head_dim;
+            if (src_dtype == cache_dtype) {
+                memcpy((char *)k_cache + dst * elem_bytes, (const char *)key + src * elem_bytes,
+                       (size_t)head_dim * elem_bytes);
+                memcpy((char *)v_cache + dst * elem_bytes, (const char *)value + src * elem_bytes,
+                       (size_t)head_dim * elem_bytes);
+            } else {
+                float buf[MAX_HEAD_DIM];
+                load_row(key, src_dtype, src, buf, head_dim);
+                store_row(k_cache, cache_dtype, dst, buf, head_dim);
+                load_row(value, src_dtype, src, buf, head_dim);
+                store_row(v_cache, cache_dtype, dst, buf, head_dim);
+            }
         }
     }
     return 0;
