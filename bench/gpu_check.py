@@ -20,7 +20,8 @@ skipped once the time budget is spent:
   finished one: the host's time a step, the floor of the steady state; ``cuda_graphs+cublas``: every matmul on cuBLAS, against the few-row
   Triton matmuls chosen per shape, whose measurements are ``skinny_choices``; ``cuda_graphs-pdl``: plain launches,
   against programmatic dependent launch; ``cuda_graphs-epilogues``: the rotary and norms after those matmuls as
-  kernels of their own, against kernels/triton_skinny_epilogues.py), prefill tok/s at 16 x 2,048 and its MFU,
+  kernels of their own, against kernels/triton_skinny_epilogues.py; ``cuda_graphs+fp8_kv``: an fp8 KV cache, its
+  floor counting the KV at one byte an element), prefill tok/s at 16 x 2,048 and its MFU,
   transformers' ``generate`` on the same GPU.
 
 The GPU machine has torch, triton, transformers, safetensors, tokenizers, msgpack and numpy but no
@@ -909,7 +910,7 @@ def mixed_steps(model_dir: Path, device: str, quick: bool) -> dict:
     return out
 
 
-PROFILED_MODES = ("cuda_graphs", "cuda_graphs+sync", "deterministic+cuda_graphs")
+PROFILED_MODES = ("cuda_graphs", "cuda_graphs+fp8_kv", "cuda_graphs+sync", "deterministic+cuda_graphs")
 
 
 def speed_section(entry: dict, device: str, work: Path, quick: bool, report: Report) -> None:
@@ -947,11 +948,15 @@ def speed_section(entry: dict, device: str, work: Path, quick: bool, report: Rep
     # (kernels/launch_pdl.py). With PDL a kernel's profiled time includes its wait for the one before it.
     # "cuda_graphs-epilogues": as "cuda_graphs" with the rotary + KV write and the norms after the skinny matmuls as
     # kernels of their own (--no-skinny-epilogues), the A/B of kernels/triton_skinny_epilogues.py.
-    modes = (("cuda_graphs", True, None, False), ("cuda_graphs+cublas", True, None, False),
+    # "cuda_graphs+fp8_kv": as "cuda_graphs" over an fp8 (e4m3) KV cache (--kv-cache-dtype fp8): half the KV bytes a
+    # step reads, so its floor counts them at one byte an element.
+    modes = (("cuda_graphs", True, None, False), ("cuda_graphs+fp8_kv", True, None, False),
+             ("cuda_graphs+cublas", True, None, False),
              ("cuda_graphs-pdl", True, None, False), ("cuda_graphs-epilogues", True, None, False),
              ("cuda_graphs+sync", True, False, False), ("deterministic+cuda_graphs", True, None, True),
              ("eager", False, None, False), ("lora", True, None, False))
     for mode, graphs, async_sched, det in modes:
+        kv_elem_bytes = 1 if mode == "cuda_graphs+fp8_kv" else 2
         lora = dict(lora_modules=(f"a={adapter_dir}",), max_lora_rank=16) if mode == "lora" else {}
         # Every bucket captured at start-up (the default) in the first mode only, timed: the others capture at first
         # use, as before, which keeps the section's time (the step times do not depend on when a bucket was captured).
@@ -964,7 +969,9 @@ def speed_section(entry: dict, device: str, work: Path, quick: bool, report: Rep
                                         async_scheduling=async_sched, deterministic=det,
                                         skinny_gemm=mode != "cuda_graphs+cublas", pdl=mode != "cuda_graphs-pdl",
                                         skinny_epilogues=mode != "cuda_graphs-epilogues",
-                                        cuda_graph_capture_at_start=capture_at_start, **lora), progress=False)
+                                        cuda_graph_capture_at_start=capture_at_start,
+                                        kv_cache_dtype="fp8" if kv_elem_bytes == 1 else "auto", **lora),
+                                       progress=False)
         if graphs and device == "cpu":
             engine.runner.use_decode_graphs(emulate=True)  # the dry run: the same path, nothing captured
             if capture_at_start:
@@ -982,7 +989,8 @@ def speed_section(entry: dict, device: str, work: Path, quick: bool, report: Rep
                                      synced_into=synced, lora_name="a" if mode == "lora" else None,
                                      phases_into=host_phases_ms if mode == "cuda_graphs" else None)
                 kv_bytes = b * (prompt_len + num_steps // 2) * shape["num_hidden_layers"] * 2 \
-                    * shape["num_key_value_heads"] * (shape["hidden_size"] // shape["num_attention_heads"]) * 2
+                    * shape["num_key_value_heads"] * (shape["hidden_size"] // shape["num_attention_heads"]) \
+                    * kv_elem_bytes
                 floor = (weight_bytes + kv_bytes) / (bw * 1e9) * 1e3
                 decode[mode][str(b)] = {"step_ms": round(ms, 3), "floor_ms": round(floor, 3),
                                         "x_floor": round(ms / floor, 2), "tokens_per_s": round(b / ms * 1e3, 1),

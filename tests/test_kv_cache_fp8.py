@@ -13,7 +13,7 @@ the engine, KV transfer and configuration around it.
 
 from __future__ import annotations
 
-import functools
+import os
 
 import pytest
 import torch
@@ -280,7 +280,11 @@ def test_the_pool_holds_twice_a_16_bit_caches_tokens(tiny_dir, name):
 
 # ---- disaggregation ----------------------------------------------------------------------------------------------
 
-TRANSPORT = usable_transports()[0]
+def _transport() -> str:
+    transports = usable_transports()
+    if not transports:
+        pytest.skip("no KV transport works on this machine")
+    return transports[0]
 
 
 def test_disagg_over_fp8_equals_colocated_and_moves_a_quarter_of_the_bytes(tiny_dir):
@@ -296,7 +300,7 @@ def test_disagg_over_fp8_equals_colocated_and_moves_a_quarter_of_the_bytes(tiny_
         cfg = engine_config(num_kv_blocks=num_blocks, max_model_len=512, prefill_chunk_size=16, kv_cache_dtype=kv)
         expected = [o.token_ids for o in make_engine("tiny-random", num_kv_blocks=num_blocks,
                                                      kv_cache_dtype=kv).generate(prompts, params)]
-        run = run_on_pair(cfg, TransferConfig(transport=TRANSPORT, secret="s3cret"), prompts, params, num_blocks)
+        run = run_on_pair(cfg, TransferConfig(transport=_transport(), secret="s3cret"), prompts, params, num_blocks)
         assert run.tokens == expected, kv
         assert run.decode_engine.kv_cache.dtype is (torch.float8_e4m3fn if kv == "fp8" else torch.float32)
         sent[kv] = run.stats[0]["bytes_sent"]
@@ -308,7 +312,7 @@ def test_a_pair_whose_caches_differ_in_dtype_is_refused_by_name(tiny_dir):
     from pdcluster.kv_transfer.config import TransferConfig
     from pdcluster.prefill_node.worker import PrefillWorker
 
-    tc = TransferConfig(transport=TRANSPORT, secret="s3cret")
+    tc = TransferConfig(transport=_transport(), secret="s3cret")
     p = PrefillWorker("p0", engine_config(num_kv_blocks=32, kv_cache_dtype="fp8"), tc)
     d = DecodeWorker("d0", engine_config(num_kv_blocks=32), tc)
     try:
@@ -348,3 +352,140 @@ def test_a_latent_mla_cache_refuses_fp8_by_name():
     assert kv_cache_dtype("fp8", torch.bfloat16, SimpleNamespace()) is torch.float8_e4m3fn
     with pytest.raises(ValueError, match="MLA"):
         kv_cache_dtype("fp8", torch.bfloat16, SimpleNamespace(kv_planes=1))
+
+
+# ---- with the other features that touch the cache ----------------------------------------------------------------
+
+def test_fp8_blocks_come_back_from_host_and_disk_tiers_token_exact(tiny_dir, tmp_path):
+    """Evicted fp8 blocks go down to host memory and disk and come back as the same bytes (same tokens as an fp8
+    engine that recomputes them)."""
+    import random
+
+    rng = random.Random(1)
+    a, b, c = ([rng.randrange(10, 40000) for _ in range(160)] for _ in range(3))
+    prompts, params = [a, b, c, a, b], SamplingParams(max_tokens=8, temperature=0.0)
+    kw = dict(num_kv_blocks=24, dtype="bfloat16", kv_cache_dtype="fp8")
+    plain = make_engine(**kw)
+    expected = [plain.generate([p], params)[0].token_ids for p in prompts]
+    tiered = make_engine(**kw, kv_offload_host_gib=0.0001, kv_offload_disk_dir=str(tmp_path), kv_offload_disk_gib=0.05)
+    outs = [tiered.generate([p], params)[0] for p in prompts]
+    assert [o.token_ids for o in outs] == expected
+    assert outs[3].num_offloaded_tokens >= 4 * 16, outs[3]
+    tiered.offload.close()
+
+
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_speculation_over_fp8_is_lossless(smollm2_dir, method):
+    """Drafts (and the MTP layer's KV, in the same fp8 blocks) change nothing in the greedy tokens. n-gram drafts on
+    SmolLM2 (it continues a repeating list), MTP with a random head on the tiny model (every step drafts)."""
+    if method == "ngram":
+        model, prompts, extra = "smollm2", ["1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3,", "a b c d a b c d a b"], {}
+    else:
+        model, prompts, extra = "tiny-random", [list(range(100, 140)), [3, 4] * 12], {"mtp_checkpoint": "random"}
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    base = make_engine(model, kv_cache_dtype="fp8").generate(prompts, params)
+    spec = make_engine(model, kv_cache_dtype="fp8", spec_method=method, num_spec_tokens=2, **extra)
+    outs = spec.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+    assert spec.kv_cache.dtype is torch.float8_e4m3fn and spec.kv_spec.num_draft_layers == (method == "mtp")
+    assert sum(o.num_draft_tokens for o in outs) > 0
+    if method == "ngram":
+        assert sum(o.num_accepted_tokens for o in outs) > 0
+
+
+def test_a_hybrid_keeps_its_mamba_state_in_fp8_blocks(tiny_dir):
+    """A hybrid's recurrent state rides in KV blocks as bytes: with an fp8 cache it takes more of them, and chunked
+    prefill still equals the whole prompt."""
+    prompts = [list(range(20, 20 + n)) for n in (5, 40, 70)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    whole = make_engine("tiny-hybrid", kv_cache_dtype="fp8", max_model_len=256, num_kv_blocks=128)
+    chunked = make_engine("tiny-hybrid", kv_cache_dtype="fp8", max_model_len=256, num_kv_blocks=128,
+                          prefill_chunk_size=16)
+    auto = make_engine("tiny-hybrid", max_model_len=256, num_kv_blocks=128)
+    assert whole.num_state_blocks >= 2 * auto.num_state_blocks - 1
+    expected = [o.token_ids for o in whole.generate(prompts, params)]
+    assert [o.token_ids for o in chunked.generate(prompts, params)] == expected
+
+
+def test_flash_prefill_over_an_fp8_cache_sees_k_and_v_as_the_cache_holds_them(monkeypatch):
+    """A prompt with no context goes to FlashAttention on CUDA with its K/V straight from the projection; over an fp8
+    cache they are first rounded as the paged kernels would read them back (the op is stood in for here)."""
+    from pdcluster.engine.attention import AttentionMetadata, attend_now
+    from pdcluster.kernels import flash_prefill
+
+    seen = {}
+
+    def fake_flash(query, key, value, query_start_loc, max_query_len, scale, query_lens_np=None):
+        seen["key"], seen["value"] = key.clone(), value.clone()
+        return torch.zeros_like(query)
+
+    monkeypatch.setattr(flash_prefill, "usable", lambda query, num_kv_heads: True)
+    monkeypatch.setattr(flash_prefill, "flash_prefill", fake_flash)
+    g = torch.Generator().manual_seed(5)
+    n = 20
+    query = torch.randn(n, 4, 64, generator=g).to(torch.bfloat16)
+    key = (torch.randn(n, 2, 64, generator=g) * 300).to(torch.bfloat16)
+    value = torch.randn(n, 2, 64, generator=g).to(torch.bfloat16)
+    meta = AttentionMetadata(torch.arange(n), torch.tensor([[0, 1]], dtype=torch.int32),
+                             torch.tensor([n], dtype=torch.int32), torch.tensor([0, n], dtype=torch.int32), None, 0.125,
+                             no_context_max_query_len=n)
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        cache = _cache_for(32, 2, 64, dtype)
+        attend_now(query, key, value, cache, meta, batch_invariant=False)
+        stored = cache[0].view(-1, 2, 64)[:n].to(torch.bfloat16)
+        assert torch.equal(seen["key"], stored) and torch.equal(seen["value"], cache[1].view(-1, 2, 64)[:n].to(torch.bfloat16))
+        assert torch.equal(seen["key"], key) == (dtype is torch.bfloat16)
+
+
+# ---- on a GPU ----------------------------------------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                                reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("name", list(FP8))
+def test_on_cuda_stores_round_and_reads_widen_as_the_reference(name):
+    from pdcluster.kernels.triton_paged_attention import paged_attention_triton
+    from pdcluster.kernels.triton_write_kv import write_kv_triton
+
+    fp8 = FP8[name]
+    key = _every_finite_bf16(num_heads=16, head_dim=128)
+    value = key.flip(0).contiguous()
+    slots = torch.randperm(key.shape[0], generator=torch.Generator().manual_seed(2))
+    ref = _cache_for(key.shape[0], 16, 128, fp8)
+    reference.write_kv(key, value, ref, slots)
+    got = _cache_for(key.shape[0], 16, 128, fp8).cuda()
+    write_kv_triton(key.cuda(), value.cuda(), got, slots.cuda())
+    assert torch.equal(_bits(got).cpu(), _bits(ref))
+
+    query, cache, widened, tables, lens, starts = _paged_batch(torch.bfloat16, fp8)
+    args = [t.cuda() for t in (tables, lens, starts)]
+    want = reference.paged_attention(query, cache, tables, lens, starts, 0.125)
+    for batch_invariant in (True, False):
+        out = paged_attention_triton(query.cuda(), cache.cuda(), *args, 0.125, batch_invariant=batch_invariant)
+        same = paged_attention_triton(query.cuda(), widened.cuda(), *args, 0.125, batch_invariant=batch_invariant)
+        assert torch.equal(out, same)
+        torch.testing.assert_close(out.cpu().float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_on_cuda_an_fp8_engine_equals_transformers_with_fp8_rounded_kv(tiny_dir):
+    """float32 on the GPU, CUDA graphs on: the engine's greedy tokens are transformers' when its cache rounds K and V
+    through e4m3 too."""
+    from transformers import AutoModelForCausalLM
+
+    engine = make_engine("tiny-random", device="cuda", kv_cache_dtype="fp8", num_kv_blocks=256, deterministic=True)
+    assert engine.kv_cache.dtype is torch.float8_e4m3fn and engine.kv_cache.is_cuda
+    prompts = [list(range(100 + i, 100 + i + n)) for i, n in enumerate([5, 40, 77])]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).cuda().eval()
+    for out in outs:
+        ids = torch.tensor([out.prompt_token_ids], device="cuda")
+        with torch.no_grad():
+            ref = model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                                 attention_mask=torch.ones_like(ids),
+                                 past_key_values=_fp8_rounding_cache(torch.float8_e4m3fn))
+        assert out.token_ids == ref[0, ids.shape[1]:].tolist(), out.prompt_token_ids
