@@ -147,11 +147,14 @@ def _paged_batch(dtype: torch.dtype, fp8: torch.dtype, num_q_heads=4, num_kv_hea
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_c_attention_reads_fp8_as_its_widened_values(name, dtype, monkeypatch):
     query, cache, widened, tables, lens, starts = _paged_batch(dtype, FP8[name])
-    out = cpu_ops.paged_attention(query, cache, tables, lens, starts, 0.125)
-    assert out is not None, "the C kernel declined an fp8 cache"
-    # The same (generic) kernel over the widened cache: a bf16 cache would otherwise take the avx512_bf16 path.
-    monkeypatch.setenv("PDCLUSTER_ATTN_GENERIC", "1")
-    assert torch.equal(out, cpu_ops.paged_attention(query, widened, tables, lens, starts, 0.125))
+    # The kernel's path for each (bf16 on avx512_bf16 machines: the vector path, fp8 blocks widened on the way in)
+    # and its generic path, each against itself over the widened cache.
+    for generic in (False, True):
+        if generic:
+            monkeypatch.setenv("PDCLUSTER_ATTN_GENERIC", "1")
+        out = cpu_ops.paged_attention(query, cache, tables, lens, starts, 0.125)
+        assert out is not None, "the C kernel declined an fp8 cache"
+        assert torch.equal(out, cpu_ops.paged_attention(query, widened, tables, lens, starts, 0.125)), generic
     monkeypatch.delenv("PDCLUSTER_ATTN_GENERIC")
     ref = reference.paged_attention(query, cache, tables, lens, starts, 0.125)
     assert torch.equal(ref, reference.paged_attention(query, widened, tables, lens, starts, 0.125))

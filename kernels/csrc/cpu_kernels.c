@@ -436,7 +436,7 @@ static inline void attend_item(const AttnItem item, const int head_dim, int dtyp
                       out_head_stride);
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define PD_HAVE_BF16_FAST_PATH 1
 
@@ -476,12 +476,39 @@ static inline __m512 bf16x16_to_f32(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
+/* 32 fp8 values (code 2: e4m3fn, 3: e5m2) as the 32 bfloat16 values they are, exactly: a normal's exponent and
+ * mantissa move up into bf16's fields, rebiased (e4m3: << 4, + 120 << 7; e5m2: << 5, + 112 << 7); the few
+ * subnormals (exponent field 0) come from a table. NaN and inf are never stored (writes saturate). */
+static inline void fp8x32_to_bf16(const uint8_t *src, uint16_t *dst, int code) {
+    const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)src));
+    const __m512i em = _mm512_and_si512(x, _mm512_set1_epi16(0x7f));
+    const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(x, _mm512_set1_epi16(0x80)), 8);
+    __m512i normal, sub;
+    __mmask32 is_sub;
+    if (code == 2) {
+        normal = _mm512_add_epi16(_mm512_slli_epi16(em, 4), _mm512_set1_epi16(0x3C00));
+        /* m * 2^-9 for m = 0..7 */
+        sub = _mm512_permutexvar_epi16(em, _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                            0, 0, 0, 0, 0, 0x3C60, 0x3C40, 0x3C20, 0x3C00, 0x3BC0,
+                                                            0x3B80, 0x3B00, 0));
+        is_sub = _mm512_cmplt_epu16_mask(em, _mm512_set1_epi16(8));
+    } else {
+        normal = _mm512_add_epi16(_mm512_slli_epi16(em, 5), _mm512_set1_epi16(0x3800));
+        /* m * 2^-16 for m = 0..3 */
+        sub = _mm512_permutexvar_epi16(em, _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                            0, 0, 0, 0, 0, 0, 0, 0, 0, 0x3840, 0x3800, 0x3780, 0));
+        is_sub = _mm512_cmplt_epu16_mask(em, _mm512_set1_epi16(4));
+    }
+    _mm512_storeu_si512(dst, _mm512_or_si512(_mm512_mask_blend_epi16(is_sub, normal, sub), sign));
+}
+
 /* The bf16 / block size 16 / head_dim multiple of 32 path of attend_item: scores with the
  * avx512_bf16 dot-product instruction straight from the cache (no widening of K), 16 keys per
  * reduce16, softmax on whole vectors, V widened once per block and shared by every query. Unpermuted
  * lanes of reduce16 are in key order: lane j of v[j]'s sum is key j. */
-static inline void attend_item_bf16(const AttnItem item, const int HD, const uint16_t *query, int64_t q_tok_stride,
-                                    int64_t q_head_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+static inline void attend_item_bf16(const AttnItem item, const int HD, int kv_dtype, const uint16_t *query,
+                                    int64_t q_tok_stride, int64_t q_head_stride, const void *k_cache_raw,
+                                    const void *v_cache_raw,
                                     int64_t cache_blk_stride, int64_t cache_tok_stride, int64_t cache_head_stride,
                                     const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                                     const int32_t *query_start_loc, int num_q_heads, int num_kv_heads, float scale,
@@ -502,6 +529,14 @@ static inline void attend_item_bf16(const AttnItem item, const int HD, const uin
     /* Several query tokens share each block (prefill): re-laying K once per block pays for itself. */
     const int pair_scores = nq_tok >= 4;
     uint32_t kp[pair_scores ? num_kv_heads : 1][HD / 2][BS] __attribute__((aligned(64)));
+    /* An fp8 cache: each block's rows widened to bf16 here first (fp8x32_to_bf16), the rest reads them as a bf16
+     * cache's; rows are then row_elems apart. */
+    const int fp8 = kv_dtype >= 2;
+    const int row_elems_all = num_kv_heads * HD;
+    uint16_t kst[fp8 ? BS : 1][fp8 ? row_elems_all : 1] __attribute__((aligned(64)));
+    uint16_t vst[fp8 ? BS : 1][fp8 ? row_elems_all : 1] __attribute__((aligned(64)));
+    const uint16_t *k_cache = (const uint16_t *)k_cache_raw, *v_cache = (const uint16_t *)v_cache_raw;
+    const uint8_t *k_cache8 = (const uint8_t *)k_cache_raw, *v_cache8 = (const uint8_t *)v_cache_raw;
     for (int qi = 0; qi < nq; qi++) {
         for (int d = 0; d < HD; d++) acc[qi][d] = 0.0f;
         m[qi] = -FLT_MAX;
@@ -528,22 +563,42 @@ static inline void attend_item_bf16(const AttnItem item, const int HD, const uin
         const int block_start = b * BS;
         int n_valid = last_pos + 1 - block_start;
         if (n_valid > BS) n_valid = BS;
-        for (int j = 0; j < BS; j++) {
-            if (next >= 0)
-                for (int e = 0; e < row_elems; e += 32) { /* 32 bf16 = one 64-byte line */
-                    __builtin_prefetch(k_cache + next + j * cache_tok_stride + e, 0, 3);
-                    __builtin_prefetch(v_cache + next + j * cache_tok_stride + e, 0, 3);
+        /* This block's rows: the cache's own (bf16), or their widened copies (fp8), tok_stride apart. */
+        const uint16_t *kb = k_cache + base, *vb = v_cache + base;
+        int64_t tok_stride = cache_tok_stride;
+        if (fp8) {
+            for (int j = 0; j < n_valid; j++)
+                for (int e = 0; e < row_elems; e += 32) {
+                    fp8x32_to_bf16(k_cache8 + base + j * cache_tok_stride + e, &kst[j][e], kv_dtype);
+                    fp8x32_to_bf16(v_cache8 + base + j * cache_tok_stride + e, &vst[j][e], kv_dtype);
                 }
+            kb = &kst[0][0];
+            vb = &vst[0][0];
+            tok_stride = row_elems;
+        }
+        for (int j = 0; j < BS; j++) {
+            if (next >= 0) {
+                if (fp8)
+                    for (int e = 0; e < row_elems; e += 64) { /* 64 fp8 = one 64-byte line */
+                        __builtin_prefetch(k_cache8 + next + j * cache_tok_stride + e, 0, 3);
+                        __builtin_prefetch(v_cache8 + next + j * cache_tok_stride + e, 0, 3);
+                    }
+                else
+                    for (int e = 0; e < row_elems; e += 32) { /* 32 bf16 = one 64-byte line */
+                        __builtin_prefetch(k_cache + next + j * cache_tok_stride + e, 0, 3);
+                        __builtin_prefetch(v_cache + next + j * cache_tok_stride + e, 0, 3);
+                    }
+            }
             if (!pair_scores && j < n_valid) /* this block's K rows, swept in memory order into L1 */
                 for (int e = 0; e < row_elems; e += 32)
-                    _mm512_store_si512(&kc[j][e], _mm512_loadu_si512(k_cache + base + j * cache_tok_stride + e));
+                    _mm512_store_si512(&kc[j][e], _mm512_loadu_si512(kb + j * tok_stride + e));
             if ((j & 1) && j - 1 < n_valid)
                 /* V as bf16 pairs of consecutive keys: lane d of pair j/2 holds (v[j-1][d], v[j][d]),
                  * so one dpbf16 adds two keys' weighted rows. A key past the block's end is zero
                  * (never read: unused slots may hold anything, NaN included). */
                 for (int h = 0; h < num_kv_heads; h++) {
-                    const uint16_t *v0 = v_cache + base + (j - 1) * cache_tok_stride + h * cache_head_stride;
-                    const uint16_t *v1 = v0 + cache_tok_stride;
+                    const uint16_t *v0 = vb + (j - 1) * tok_stride + h * cache_head_stride;
+                    const uint16_t *v1 = v0 + tok_stride;
                     for (int c = 0; c < nc; c++) {
                         const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v0 + 16 * c)));
                         const __m512i hi = j < n_valid ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v1 + 16 * c)))
@@ -555,7 +610,7 @@ static inline void attend_item_bf16(const AttnItem item, const int HD, const uin
         if (pair_scores) /* K as [head][dim pair][key]: bf16 pairs, so one dpbf16 covers 16 keys */
             for (int h = 0; h < num_kv_heads; h++)
                 for (int j = 0; j < BS; j++) {
-                    const uint32_t *k = (const uint32_t *)(k_cache + base + j * cache_tok_stride + h * cache_head_stride);
+                    const uint32_t *k = (const uint32_t *)(kb + j * tok_stride + h * cache_head_stride);
                     for (int d2 = 0; d2 < HD / 2; d2++) kp[h][d2][j] = j < n_valid ? k[d2] : 0u;
                 }
         for (int t = 0; t < nq_tok; t++) {
@@ -670,7 +725,9 @@ int pd_paged_attention(int dtype, int kv_dtype, const void *query, int64_t q_tok
     }
 
     /* The vector path reads q and K rows as whole 32-element bf16 vectors. */
-    const int fast_bf16 = dtype == 1 && kv_dtype == 1 && block_size == 16 && head_dim % 32 == 0 && cache_head_stride == head_dim &&
+    /* An fp8 cache takes it too (its blocks widened to bf16 on the way in), where its staging fits the stack. */
+    const int fast_kv = kv_dtype == 1 || (kv_dtype >= 2 && num_kv_heads * head_dim * 16 * 2 * 2 <= (256 << 10));
+    const int fast_bf16 = dtype == 1 && fast_kv && block_size == 16 && head_dim % 32 == 0 && cache_head_stride == head_dim &&
                           cache_tok_stride == (int64_t)num_kv_heads * head_dim &&
                           softcap <= 0.0f && sinks == NULL && getenv("PDCLUSTER_ATTN_GENERIC") == NULL;
     (void)fast_bf16;
@@ -683,8 +740,8 @@ int pd_paged_attention(int dtype, int kv_dtype, const void *query, int64_t q_tok
                 out_head_stride)
 #ifdef PD_HAVE_BF16_FAST_PATH
 #define PD_ATTEND_BF16(HD)                                                                                       \
-    attend_item_bf16(items[it], HD, (const uint16_t *)query, q_tok_stride, q_head_stride, (const uint16_t *)k_cache, \
-                     (const uint16_t *)v_cache, cache_blk_stride, cache_tok_stride, cache_head_stride, block_tables, \
+    attend_item_bf16(items[it], HD, kv_dtype, (const uint16_t *)query, q_tok_stride, q_head_stride, k_cache, v_cache, \
+                     cache_blk_stride, cache_tok_stride, cache_head_stride, block_tables, \
                      bt_stride, seq_lens, query_start_loc, num_q_heads, num_kv_heads, scale, window, chunk,          \
                      (uint16_t *)out, out_tok_stride, out_head_stride)
         if (fast_bf16 && head_dim == 64) PD_ATTEND_BF16(64);
