@@ -290,24 +290,34 @@ def _transport() -> str:
     return transports[0]
 
 
-def test_disagg_over_fp8_equals_colocated_and_moves_a_quarter_of_the_bytes(tiny_dir):
+_DISAGG_PROMPTS = [list(range(300 + i, 300 + i + n)) for i, n in enumerate([3, 16, 17, 45, 100])]
+_DISAGG_PARAMS = SamplingParams(max_tokens=10, ignore_eos=True, seed=3)
+_DISAGG_BLOCKS = 96
+
+
+def _disagg_run(kv: str, transport: str):
     from test_kv_transfer_e2e import run_on_pair
 
     from pdcluster.kv_transfer.config import TransferConfig
 
-    num_blocks = 96
-    prompts = [list(range(300 + i, 300 + i + n)) for i, n in enumerate([3, 16, 17, 45, 100])]
-    params = SamplingParams(max_tokens=10, ignore_eos=True, seed=3)
-    sent = {}
-    for kv in ("auto", "fp8"):
-        cfg = engine_config(num_kv_blocks=num_blocks, max_model_len=512, prefill_chunk_size=16, kv_cache_dtype=kv)
-        expected = [o.token_ids for o in make_engine("tiny-random", num_kv_blocks=num_blocks,
-                                                     kv_cache_dtype=kv).generate(prompts, params)]
-        run = run_on_pair(cfg, TransferConfig(transport=_transport(), secret="s3cret"), prompts, params, num_blocks)
-        assert run.tokens == expected, kv
-        assert run.decode_engine.kv_cache.dtype is (torch.float8_e4m3fn if kv == "fp8" else torch.float32)
-        sent[kv] = run.stats[0]["bytes_sent"]
-    assert sent["fp8"] * 4 == sent["auto"], sent  # float32 -> fp8: the same blocks in a quarter of the bytes
+    cfg = engine_config(num_kv_blocks=_DISAGG_BLOCKS, max_model_len=512, prefill_chunk_size=16, kv_cache_dtype=kv)
+    expected = [o.token_ids for o in make_engine("tiny-random", num_kv_blocks=_DISAGG_BLOCKS,
+                                                 kv_cache_dtype=kv).generate(_DISAGG_PROMPTS, _DISAGG_PARAMS)]
+    run = run_on_pair(cfg, TransferConfig(transport=transport, secret="s3cret"), _DISAGG_PROMPTS, _DISAGG_PARAMS,
+                      _DISAGG_BLOCKS)
+    assert run.tokens == expected, (kv, transport)
+    assert run.decode_engine.kv_cache.dtype is (torch.float8_e4m3fn if kv == "fp8" else torch.float32)
+    return run.stats[0]["bytes_sent"]
+
+
+@pytest.mark.parametrize("transport", usable_transports())
+def test_disagg_over_fp8_equals_colocated(tiny_dir, transport):
+    assert _disagg_run("fp8", transport) > 0
+
+
+def test_an_fp8_transfer_moves_a_quarter_of_float32s_bytes(tiny_dir):
+    transport = _transport()
+    assert _disagg_run("fp8", transport) * 4 == _disagg_run("auto", transport)
 
 
 def test_a_pair_whose_caches_differ_in_dtype_is_refused_by_name(tiny_dir):
