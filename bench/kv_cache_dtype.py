@@ -89,7 +89,8 @@ def quality(args, kv_names: list[str]) -> dict:
             first = next((i for i, (a, b) in enumerate(zip(ref_out.token_ids, o.token_ids)) if a != b), args.num_new)
             divergence.append(first)
         out[kv] = {"top1_agreement": round(sum(top1) / len(top1), 4),
-                   "mean_abs_logprob_diff": round(statistics.fmean(diffs), 5), "max_abs_logprob_diff": round(max(diffs), 4),
+                   "mean_abs_logprob_diff": round(statistics.fmean(diffs), 5),
+                   "max_abs_logprob_diff": round(max(diffs), 4),
                    "identical_outputs": sum(d == args.num_new for d in divergence), "of": len(prompts),
                    "mean_first_divergence": round(statistics.fmean(divergence), 1)}
         del engine
@@ -119,7 +120,8 @@ def main() -> int:
     pool = {}
     for kv in ["auto", *args.kv]:
         e = _engine(args, kv, num_kv_blocks=16)
-        pool[kv] = {"cache_dtype": str(e.kv_cache.dtype).removeprefix("torch."), "bytes_per_token": e.kv_spec.bytes_per_token,
+        pool[kv] = {"cache_dtype": str(e.kv_cache.dtype).removeprefix("torch."),
+                    "bytes_per_token": e.kv_spec.bytes_per_token,
                     "tokens_per_gib": (1 << 30) // e.kv_spec.bytes_per_token}
         del e
     result["pool"] = pool

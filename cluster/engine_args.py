@@ -20,7 +20,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto = the checkpoint's dtype (bfloat16 for smollm2: prepacked bf16 GEMMs on CPU)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="the KV cache's element type: auto = the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2 halve a "
-                        "16-bit cache's bytes a token: twice the tokens in the pool, half the bytes a KV transfer moves")
+                        "16-bit cache's bytes a token: twice the tokens in the pool, half the bytes a KV transfer "
+                        "moves")
     g.add_argument("--max-model-len", type=int, default=0, help="0 = the model's limit, capped at 4096")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=0, help="0 = size the pool from --kv-cache-memory-gib")

@@ -78,8 +78,8 @@ def paged_attention(
     cache_code = code if layer_cache.dtype is query.dtype else _CACHE_DTYPE_CODE.get(layer_cache.dtype)
     if cache_code is not None and cache_code < 2 and cache_code != code:
         cache_code = None  # 16- and 32-bit caches are read in the query's dtype only
-    if (lib is None or code is None or cache_code is None or not _on_cpu(layer_cache) or query.stride(-1) != 1 or layer_cache.stride(-1) != 1
-            or not _on_cpu(block_tables, seq_lens, query_start_loc, out, sinks)):
+    if (lib is None or code is None or cache_code is None or query.stride(-1) != 1 or layer_cache.stride(-1) != 1
+            or not _on_cpu(layer_cache, block_tables, seq_lens, query_start_loc, out, sinks)):
         return None
     if sinks is not None:
         sinks = sinks.float().contiguous()

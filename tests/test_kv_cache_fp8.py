@@ -446,7 +446,8 @@ def test_flash_prefill_over_an_fp8_cache_sees_k_and_v_as_the_cache_holds_them(mo
         cache = _cache_for(32, 2, 64, dtype)
         attend_now(query, key, value, cache, meta, batch_invariant=False)
         stored = cache[0].view(-1, 2, 64)[:n].to(torch.bfloat16)
-        assert torch.equal(seen["key"], stored) and torch.equal(seen["value"], cache[1].view(-1, 2, 64)[:n].to(torch.bfloat16))
+        stored_v = cache[1].view(-1, 2, 64)[:n].to(torch.bfloat16)
+        assert torch.equal(seen["key"], stored) and torch.equal(seen["value"], stored_v)
         assert torch.equal(seen["key"], key) == (dtype is torch.bfloat16)
 
 

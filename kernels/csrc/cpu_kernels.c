@@ -727,15 +727,16 @@ int pd_paged_attention(int dtype, int kv_dtype, const void *query, int64_t q_tok
     /* The vector path reads q and K rows as whole 32-element bf16 vectors. */
     /* An fp8 cache takes it too (its blocks widened to bf16 on the way in), where its staging fits the stack. */
     const int fast_kv = kv_dtype == 1 || (kv_dtype >= 2 && num_kv_heads * head_dim * 16 * 2 * 2 <= (256 << 10));
-    const int fast_bf16 = dtype == 1 && fast_kv && block_size == 16 && head_dim % 32 == 0 && cache_head_stride == head_dim &&
-                          cache_tok_stride == (int64_t)num_kv_heads * head_dim &&
+    const int fast_bf16 = dtype == 1 && fast_kv && block_size == 16 && head_dim % 32 == 0 &&
+                          cache_head_stride == head_dim && cache_tok_stride == (int64_t)num_kv_heads * head_dim &&
                           softcap <= 0.0f && sinks == NULL && getenv("PDCLUSTER_ATTN_GENERIC") == NULL;
     (void)fast_bf16;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t it = 0; it < num_items; it++) {
 #define PD_ATTEND(HD, BS)                                                                                   \
-    attend_item(items[it], HD, dtype, kv_dtype, query, q_tok_stride, q_head_stride, k_cache, v_cache, cache_blk_stride, \
-                cache_tok_stride, cache_head_stride, block_tables, bt_stride, seq_lens, query_start_loc,     \
+    attend_item(items[it], HD, dtype, kv_dtype, query, q_tok_stride, q_head_stride, k_cache, v_cache,             \
+                cache_blk_stride, cache_tok_stride, cache_head_stride, block_tables, bt_stride, seq_lens,            \
+                query_start_loc,                                                                                  \
                 num_q_heads, num_kv_heads, BS, scale, window, chunk, softcap, sinks, out, out_tok_stride,         \
                 out_head_stride)
 #ifdef PD_HAVE_BF16_FAST_PATH
