@@ -112,6 +112,7 @@ def main() -> int:
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=model_dir, dtype=spec.get("dtype", "bfloat16"), enable_prefix_caching=False, max_num_seqs=64,
+              kv_cache_dtype=spec.get("kv_cache_dtype", "auto"),
               max_model_len=1024, max_num_batched_tokens=8192, seed=0)
 
     def run(batch, max_tokens):

@@ -3,6 +3,7 @@
     python bench/vs_vllm.py [--vllm-python /work/vllmenv/bin/python] [--threads N]
                             [--threads-ours N] [--threads-vllm N] [--out FILE]
                             [--served [--served-modes colocated disagg local] [--no-offline]]
+                            [--kv-cache-dtype auto|fp8|fp8_e5m2]   (both engines' KV cache)
 
 Without --vllm-python only pdcluster's figures are printed (and --served is refused).
 
@@ -183,6 +184,7 @@ def ours_child(spec_file: str, threads: int) -> int:
 
     spec = json.loads(Path(spec_file).read_text())
     config = EngineConfig(model="smollm2", dtype=spec.get("dtype", "bfloat16"), enable_prefix_caching=False,
+                          kv_cache_dtype=spec.get("kv_cache_dtype", "auto"),
                           num_threads=threads,
                           max_num_batched_tokens=8192, max_num_seqs=64, num_kv_blocks=4096, seed=0)
     engine = LLMEngine.from_config(config, progress=False)
@@ -240,7 +242,8 @@ def offline(args, model_dir: Path) -> dict:
     result: dict = {"num_prompts": args.num_prompts, "prompt_len": args.prompt_len, "output_len": args.output_len,
                     "threads_requested": {"pdcluster": threads_ours, "vllm": threads_vllm}}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump({"prompts": prompts, "output_len": args.output_len, "dtype": args.dtype}, f)
+        json.dump({"prompts": prompts, "output_len": args.output_len, "dtype": args.dtype,
+                   "kv_cache_dtype": args.kv_cache_dtype}, f)
     try:
         result["pdcluster"] = ours = run_child(
             [sys.executable, str(Path(__file__).resolve()), "--_ours", f.name, "--threads", str(threads_ours)],
@@ -401,7 +404,7 @@ def served(args, model_dir: Path) -> dict:
         port = free_port()
         vllm_cmd = [args.vllm_python, "-c", VLLM_CLI, "serve", str(model_dir), "--host", "127.0.0.1",
                     "--port", str(port), "--dtype", args.dtype, "--served-model-name", "smollm2",
-                    "--no-enable-prefix-caching", "--max-model-len", "1024"]
+                    "--no-enable-prefix-caching", "--max-model-len", "1024", "--kv-cache-dtype", args.kv_cache_dtype]
         try:
             out["vllm"] = serve_one(args, model_dir, "vllm", vllm_cmd, {**VLLM_ENV, **vllm_bind(args.served_threads)},
                                     port, work)
@@ -411,7 +414,7 @@ def served(args, model_dir: Path) -> dict:
             port = free_port()
             cmd = [pd_bin, "serve", "--mode", mode, "--host", "127.0.0.1", "--port", str(port),
                    "--dtype", args.dtype, "--no-prefix-caching", "--served-model-name", "smollm2",
-                   "--num-threads", str(args.served_threads)]
+                   "--num-threads", str(args.served_threads), "--kv-cache-dtype", args.kv_cache_dtype]
             try:
                 out[f"pdcluster_{mode}"] = ours = serve_one(args, model_dir, mode, cmd, {}, port, work)
             except Exception as e:  # noqa: BLE001
@@ -429,6 +432,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=1, help="cores for each engine offline (0 = engine default)")
     ap.add_argument("--threads-ours", type=int, default=None, help="override --threads for pdcluster")
     ap.add_argument("--threads-vllm", type=int, default=None, help="override --threads for vLLM")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                    help="both engines' KV cache element type (vLLM's flag and ours)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="both engines (float32 on a CPU without avx512_bf16, where bf16 matmuls are emulated)")
     ap.add_argument("--num-prompts", type=int, default=32)
@@ -459,6 +464,7 @@ def main() -> int:
 
     model_dir = Path(resolve_model("smollm2", progress=False))
     result: dict = {"ratio_definition": RATIO_DEFINITION, "model_dir": str(model_dir), "dtype": args.dtype,
+                    "kv_cache_dtype": args.kv_cache_dtype,
                     "machine": {"cpus": os.cpu_count(), "load_avg_1min_at_start": os.getloadavg()[0]}}
     if not args.no_offline:
         result["offline"] = offline(args, model_dir)
