@@ -100,6 +100,9 @@ class LoadedModel:
         kv_spec = replace(probe, num_blocks=num_blocks)
         allocate = kv_cache_allocator or (lambda shape, dtype, device: allocate_kv_cache(kv_spec, device))
         kv_cache = allocate(kv_spec.shape, kv_spec.dtype, config.device)
+        log.info("KV cache: %d blocks of %d tokens (%d tokens), %s, %.2f GiB on %s", num_blocks, kv_spec.block_size,
+                 num_blocks * kv_spec.block_size, str(kv_spec.dtype).removeprefix("torch."),
+                 num_blocks * kv_spec.bytes_per_block / (1 << 30), config.device)
         state_shape = arch.mamba_state_shape() if hybrid else None
         return cls(
             config=config, model_dir=model_dir, tokenizer=tokenizer, arch=arch, is_hybrid=hybrid,

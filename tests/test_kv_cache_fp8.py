@@ -268,11 +268,18 @@ def test_fp8_keeps_tokens_under_chunking_batching_and_prefix_hits(fp8_engine):
 
 
 @pytest.mark.parametrize("name", list(FP8))
-def test_the_pool_holds_twice_a_16_bit_caches_tokens(tiny_dir, name):
+def test_the_pool_holds_twice_a_16_bit_caches_tokens(tiny_dir, name, caplog):
+    import logging
+
     sizes = {}
     for kv in ("auto", name):
-        e = make_engine("tiny-random", dtype="bfloat16", num_kv_blocks=0, kv_cache_memory_gib=0.01,
-                        kv_cache_dtype=kv)
+        with caplog.at_level(logging.INFO, logger="pdcluster.engine.loaded_model"):
+            e = make_engine("tiny-random", dtype="bfloat16", num_kv_blocks=0, kv_cache_memory_gib=0.01,
+                            kv_cache_dtype=kv)
+        # What the engine tells its user at start-up: the pool's blocks, tokens and element type.
+        logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache:")][-1]
+        dtype_name = str(e.kv_cache.dtype).removeprefix("torch.")
+        assert f"{e.kv_spec.num_blocks} blocks of 16 tokens" in logged and dtype_name in logged, logged
         sizes[kv] = (e.kv_spec.bytes_per_block, e.kv_spec.num_blocks, e.kv_cache.dtype)
         out = e.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
         assert len(out[0].token_ids) == 6

@@ -222,19 +222,21 @@ for pdl in (False, True):
                                   "norm_w_ptr": "*bf16", "eps": "fp32"},
         dict(SPLIT=4, BLOCK=2048, USE_PDL=pdl), aligned=("N", "stride_om", "stride_rm"), num_warps=8, launch_pdl=pdl,
         spills=True)["spill_bytes"]
-    out[f"sum_rotary_kv pdl={pdl}"] = build(
-        ep._sum_rotary_kv_kernel, {"out_ptr": "*bf16", "part_ptr": "*fp32", "positions_ptr": "*i64",
-                                   "cos_sin_ptr": "*fp32", "cache_ptr": "*bf16", "slot_mapping_ptr": "*i64"},
-        dict(stride_cos_sin_dim=1, stride_cache_dim=1, SPLIT=4, Q_HEADS_PAD=32, KV_HEADS_PAD=4, HALF_PAD=32,
-             USE_PDL=pdl), aligned=("N", "stride_om", "stride_cache_kv", "stride_cache_block", "stride_cache_slot"),
-        launch_pdl=pdl, spills=True)["spill_bytes"]
+    # The rotary + KV write over a bf16 cache, and over an fp8 one (--kv-cache-dtype: the written-out conversion).
+    for cache in ("bf16", "fp8e4nv"):
+        out[f"sum_rotary_kv pdl={pdl} cache={cache}"] = build(
+            ep._sum_rotary_kv_kernel, {"out_ptr": "*bf16", "part_ptr": "*fp32", "positions_ptr": "*i64",
+                                       "cos_sin_ptr": "*fp32", "cache_ptr": "*" + cache, "slot_mapping_ptr": "*i64"},
+            dict(stride_cos_sin_dim=1, stride_cache_dim=1, SPLIT=4, Q_HEADS_PAD=32, KV_HEADS_PAD=4, HALF_PAD=32,
+                 USE_PDL=pdl), aligned=("N", "stride_om", "stride_cache_kv", "stride_cache_block", "stride_cache_slot"),
+            launch_pdl=pdl, spills=True)["spill_bytes"]
 print(json.dumps(out))
 """
 
 
 def test_the_epilogue_kernels_compile_for_sm90_without_spilling(tmp_path):
     got = json.loads(compile_for_cuda(_BUILD, tmp_path).strip().splitlines()[-1])
-    assert len(got) == 4 and all(spill in (0, None) for spill in got.values()), got
+    assert len(got) == 6 and all(spill in (0, None) for spill in got.values()), got
 
 
 # ---- on a GPU ----------------------------------------------------------------------------------------------------

@@ -916,6 +916,43 @@ int pd_silu_and_mul(int dtype, const void *x, void *out, int64_t num_tokens, int
  * matmul's output); cache halves: [num_slots, num_kv_heads, head_dim] contiguous. Negative slots are
  * skipped (padding). The same dtype on both sides is copied (elem_bytes each); an fp8 cache (cache_dtype 2
  * or 3) takes each row converted from src_dtype. */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define PD_HAVE_FP8_STORE 1
+/* f32_to_fp8 on 16 lanes, the same bits: the float32 add of 2^(e - mbits + 23) rounds |x| to the format's quantum
+ * (ties to even), exact after subtracting it again; fp8 subnormals are whole counts of the smallest quantum. */
+static inline __m128i f32x16_to_fp8(__m512 x, int code) {
+    const int mbits = code == 2 ? 3 : 2, bias = code == 2 ? 7 : 15;
+    const __m512 max_finite = _mm512_set1_ps(code == 2 ? 448.0f : 57344.0f);
+    const __m512 min_normal = _mm512_set1_ps(ldexpf(1.0f, 1 - bias));
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(x), 24), _mm512_set1_epi32(0x80));
+    const __m512 a = _mm512_min_ps(_mm512_abs_ps(x), max_finite);
+    __m512i e = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_castps_si512(a), 23), _mm512_set1_epi32(127));
+    e = _mm512_max_epi32(e, _mm512_set1_epi32(1 - bias));
+    const __m512 magic = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(e, _mm512_set1_epi32(23 + 127 - mbits)), 23));
+    const __m512 r = _mm512_sub_ps(_mm512_add_ps(a, magic), magic);
+    const __m512i normal = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_castps_si512(r), 23 - mbits),
+                                            _mm512_set1_epi32((127 - bias) << mbits));
+    const __m512i sub = _mm512_cvttps_epi32(_mm512_mul_ps(_mm512_min_ps(r, min_normal),
+                                                          _mm512_set1_ps(ldexpf(1.0f, bias - 1 + mbits))));
+    __m512i bits = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(r, min_normal, _CMP_GE_OQ), sub, normal);
+    bits = _mm512_mask_mov_epi32(bits, nan, _mm512_set1_epi32(0x7f));
+    return _mm512_cvtepi32_epi8(_mm512_or_si512(bits, sign));
+}
+
+/* One head row of head_dim (a multiple of 16) elements of src_dtype (0 or 1) into fp8 bytes. */
+static inline void store_row_fp8x16(const void *src, int src_dtype, int64_t src_off, uint8_t *dst, int head_dim,
+                                    int code) {
+    for (int d = 0; d < head_dim; d += 16) {
+        const __m512 x = src_dtype == 1
+            ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                  _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)src + src_off + d))), 16))
+            : _mm512_loadu_ps((const float *)src + src_off + d);
+        _mm_storeu_si128((__m128i *)(dst + d), f32x16_to_fp8(x, code));
+    }
+}
+#endif
+
 int pd_write_kv(const void *key, const void *value, int64_t kv_tok_stride, int64_t kv_head_stride,
                 void *k_cache, void *v_cache, const int64_t *slot_mapping, int64_t num_tokens, int num_kv_heads,
                 int head_dim, int elem_bytes, int src_dtype, int cache_dtype, int num_threads) {
@@ -934,6 +971,13 @@ int pd_write_kv(const void *key, const void *value, int64_t kv_tok_stride, int64
                 memcpy((char *)v_cache + dst * elem_bytes, (const char *)value + src * elem_bytes,
                        (size_t)head_dim * elem_bytes);
             } else {
+#ifdef PD_HAVE_FP8_STORE
+                if (cache_dtype >= 2 && head_dim % 16 == 0) {
+                    store_row_fp8x16(key, src_dtype, src, (uint8_t *)k_cache + dst, head_dim, cache_dtype);
+                    store_row_fp8x16(value, src_dtype, src, (uint8_t *)v_cache + dst, head_dim, cache_dtype);
+                    continue;
+                }
+#endif
                 float buf[MAX_HEAD_DIM];
                 load_row(key, src_dtype, src, buf, head_dim);
                 store_row(k_cache, cache_dtype, dst, buf, head_dim);
