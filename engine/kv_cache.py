@@ -50,11 +50,10 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype, arch=None) -> torch.dtyp
     """The cache's element type for EngineConfig.kv_cache_dtype ``name``: the model's dtype for "auto", else the fp8
     format. fp8 entries are the K and V values themselves (per-tensor scale 1.0, as vLLM without calibrated
     scales), written saturating and widened exactly to the model's dtype as attention reads them. A latent (MLA)
-    cache stays in the model's dtype: asking for fp8 there is an error naming it."""
+    cache stays in the model's dtype: asking for fp8 there is an error naming it. ``name`` is one EngineConfig
+    validated (config.KV_CACHE_DTYPES)."""
     if name == "auto":
         return model_dtype
-    if name not in FP8_KV_DTYPES:
-        raise ValueError(f"kv_cache_dtype: {name!r} is not one of auto, {', '.join(FP8_KV_DTYPES)}")
     if arch is not None and kv_planes(arch) != 2:
         raise ValueError(f"kv_cache_dtype {name}: this model caches one latent vector a token (MLA); that cache is "
                          "kept in the model's dtype only: drop --kv-cache-dtype")
