@@ -375,6 +375,7 @@ def run_cluster(args) -> int:
 
         tool_call_parser = getattr(args, "tool_call_parser", "auto")
         reasoning_parser = getattr(args, "reasoning_parser", None)
+        pooler = getattr(args, "pooler_config", None)
         if servers is not None:
             admin_app = FastAPI()  # /admin/* of every API process is answered here, beside the cluster
             install_error_handlers(admin_app)
@@ -382,10 +383,10 @@ def run_cluster(args) -> int:
             return servers.run(cluster.router, cluster.router.model_name, api_key=args.api_key,
                                max_body_bytes=args.max_body_bytes, tool_call_parser=tool_call_parser,
                                reasoning_parser=reasoning_parser, admin_app=admin_app, on_ready=on_ready,
-                               runtime_lora=cluster.spec.engine.enable_lora)
+                               runtime_lora=cluster.spec.engine.enable_lora, pooler=pooler)
         app = build_app(cluster.router, cluster.router.model_name, api_key=args.api_key,
                         max_body_bytes=args.max_body_bytes, metrics=metrics, tool_call_parser=tool_call_parser,
-                        reasoning_parser=reasoning_parser, runtime_lora=cluster.spec.engine.enable_lora)
+                        reasoning_parser=reasoning_parser, runtime_lora=cluster.spec.engine.enable_lora, pooler=pooler)
         install_admin_routes(app, cluster, args.admin_key)  # /admin/drain: `pdcluster drain`, preStop hooks
         return run_server(app, args.host, args.port, cluster.router.model_name, on_ready=on_ready)
     finally:

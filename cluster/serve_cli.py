@@ -70,6 +70,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="give a thinking model's reasoning (<think>...</think>) apart from its chat answer, as "
                         "message.reasoning / reasoning_content: qwen3 (Qwen3, QwQ: only an output that opens "
                         "<think>) or deepseek_r1 (DeepSeek-R1: reasoning until </think>); default: the text as written")
+    g.add_argument("--pooler-config", default=None, metavar="JSON",
+                   help="how /v1/embeddings pools the prompt's final hidden states (vLLM's flag): "
+                        "'{\"pooling_type\": \"LAST\" | \"MEAN\", \"normalize\": true | false}'; default: a "
+                        "sentence-transformers model directory's own pooling, else the last token, normalised")
     c = p.add_argument_group("cluster")
     c.add_argument("--mode", choices=MODES, default="auto",
                    help="disagg: prefill and decode workers; colocated: both in one worker; local: no Ray; "
@@ -170,6 +174,13 @@ def _check_args(args: argparse.Namespace) -> None:
         from pdcluster.engine.models.mtp import find_mtp_checkpoint  # torch: when asked for, not at --help
 
         find_mtp_checkpoint(args.mtp_checkpoint, args.cache_dir or default_cache_dir(), args.model)
+    if args.pooler_config is not None:  # a bad value fails here, naming the flag, not in every API process
+        from pdcluster.cluster.api.embeddings import pooler_config
+
+        try:
+            pooler_config(None, args.pooler_config)
+        except ValueError as e:  # json.JSONDecodeError is one
+            raise ConfigError(f"--pooler-config: {e}") from e
     if args.max_worker_restarts < 0:
         raise ConfigError(f"--max-worker-restarts: must be >= 0, got {args.max_worker_restarts}")
     if not args.request_timeout_s > 0:
@@ -226,12 +237,14 @@ def _serve_local(args: argparse.Namespace) -> int:
             try:
                 return servers.run(router, args.served_model_name, api_key=args.api_key,
                                    max_body_bytes=args.max_body_bytes, tool_call_parser=args.tool_call_parser,
-                                   reasoning_parser=args.reasoning_parser, runtime_lora=engine_config.enable_lora)
+                                   reasoning_parser=args.reasoning_parser, runtime_lora=engine_config.enable_lora,
+                                   pooler=args.pooler_config)
             finally:
                 servers.close()
         app = build_app(router, args.served_model_name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                         metrics=Metrics(args.served_model_name), tool_call_parser=args.tool_call_parser,
-                        reasoning_parser=args.reasoning_parser, runtime_lora=engine_config.enable_lora)
+                        reasoning_parser=args.reasoning_parser, runtime_lora=engine_config.enable_lora,
+                        pooler=args.pooler_config)
         return run_server(app, args.host, args.port, args.served_model_name, sock=sock)
     finally:
         router.close()

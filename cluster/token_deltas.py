@@ -45,6 +45,7 @@ def token_delta(event: Tokens, *, num_prompt_tokens: int, num_output_tokens: int
         if prompt_logprobs:
             delta.prompt_logprobs = list(event.prompt_logprobs)
         delta.ttft_breakdown = dict(ttft_breakdown or {})
+        delta.pooled = event.pooled or None
     return delta
 
 
@@ -73,6 +74,7 @@ def merged(a: TokenDelta, b: TokenDelta) -> TokenDelta:
         logprobs=a.logprobs + b.logprobs,
         prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
         ttft_breakdown={**b.ttft_breakdown, **a.ttft_breakdown},
+        pooled=a.pooled if a.pooled is not None else b.pooled,
     )
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.llm_engine import LLMEngine, RequestOutput
 from pdcluster.engine.loaded_model import LoadedModel
+from pdcluster.engine.pooling import pooled_bytes
 from pdcluster.engine.remote_admission import RemoteReservation
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kv_transfer.config import TransferConfig
@@ -134,7 +135,9 @@ class DecodeWorker(WorkerLoop):
                 self.emit(KVReady(request_id=request_id, worker_id=self.worker_id, transport="fork",
                                   num_bytes=0, seconds=0.0))
             return
-        if params.max_tokens == 1 and params.fork_group is None and self.ask_first_token_only:
+        # An embedding is always one: its vector is computed where the prompt is, and nothing follows it.
+        if params.pooling is not None or (params.max_tokens == 1 and params.fork_group is None
+                                          and self.ask_first_token_only):
             self._ask_first_token_only(request_id, prefill_id, prompt_token_ids, params)
             return
         try:
@@ -281,7 +284,7 @@ class DecodeWorker(WorkerLoop):
                              finished=params is not None, finish_reason=finish_reason,
                              num_cached_tokens=msg.num_cached_tokens,
                              num_offloaded_tokens=msg.num_offloaded_tokens, logprobs=list(msg.logprobs),
-                             prompt_logprobs=list(msg.prompt_logprobs)))
+                             prompt_logprobs=list(msg.prompt_logprobs), pooled=getattr(msg, "pooled", b"")))
 
     def _poll_kv(self) -> None:
         refused: dict[str, str] = {}  # first-token-only asks their prefill worker refused
@@ -356,4 +359,5 @@ class DecodeWorker(WorkerLoop):
             num_offloaded_tokens=out.num_offloaded_tokens,
             logprobs=list(out.new_logprobs),
             prompt_logprobs=list(out.prompt_logprobs or []),
+            pooled=pooled_bytes(out.pooled),
         ))

@@ -9,6 +9,8 @@ import random
 import time
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 from pdcluster.engine.async_scheduler import AsyncScheduler, AsyncStepper
 from pdcluster.engine.beam_search import Beam, BeamSearch, BeamSearches, BeamSearchParams
 from pdcluster.engine.config import EngineConfig
@@ -16,6 +18,7 @@ from pdcluster.engine.kv_offload.events import KVEventLog, make_offload_manager
 from pdcluster.engine.loaded_model import LoadedModel
 from pdcluster.engine.lora.runtime import RuntimeLora
 from pdcluster.engine.model_runner import ModelRunner
+from pdcluster.engine.pooling import finish_embedding
 from pdcluster.engine.proposers import make_proposer
 from pdcluster.engine.remote_admission import RemoteReservation
 from pdcluster.engine.request import Request, RequestStatus
@@ -55,6 +58,8 @@ class RequestOutput:
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs] | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # With params.pooling: the prompt's pooled final hidden state (float32, not normalised), with the first token.
+    pooled: np.ndarray | None = None
 
 
 @dataclass
@@ -284,11 +289,12 @@ class LLMEngine:
         if self.runtime_lora.retiring:
             self.runtime_lora.release()
         output = self._output
-        return [output(r.request, r.finished, r.new_token_ids, r.new_logprobs, r.prompt_logprobs) for r in step_results]
+        return [output(r.request, r.finished, r.new_token_ids, r.new_logprobs, r.prompt_logprobs, r.pooled)
+                for r in step_results]
 
     def _output(self, request: Request, finished: bool, new_token_ids: list[int],
                 new_logprobs: list[TokenLogprobs] | None = None,
-                prompt_logprobs: list[TokenLogprobs] | None = None) -> RequestOutput:
+                prompt_logprobs: list[TokenLogprobs] | None = None, pooled: np.ndarray | None = None) -> RequestOutput:
         output = request.output_token_ids
         return RequestOutput(  # positional, in field order (per request per step: keywords cost twice as much)
             request.request_id,
@@ -306,6 +312,8 @@ class LLMEngine:
             len(output),  # num_output_tokens
             list(new_logprobs) if new_logprobs else [],
             prompt_logprobs,
+            [],  # logprobs
+            pooled,
         )
 
     def generate(
@@ -350,6 +358,15 @@ class LLMEngine:
         finally:
             self.cumulative_outputs = cumulative
         return [done[i] for i in ids]
+
+    def embed(self, prompts: list[str | list[int]], pooling: str = "last", normalize: bool = True,
+              request: SamplingParams | None = None) -> list[np.ndarray]:
+        """vLLM's ``LLM.embed``: one float32 vector per prompt, the prompt's final hidden states pooled
+        (``pooling``: "last" or "mean") and scaled to unit length where ``normalize``. ``request``: where and how
+        the prompts run (adapter, cache salt, priority); its sampling fields do not matter."""
+        params = replace(request or SamplingParams(), max_tokens=1, pooling=pooling, temperature=0.0,
+                         logprobs=None, prompt_logprobs=None, structured_output=None, stop=[], stop_token_ids=[])
+        return [finish_embedding(out.pooled, normalize) for out in self.generate(prompts, params)]
 
     def beam_search(self, prompts: list[str | list[int]], params: BeamSearchParams,
                     request: SamplingParams | None = None) -> list[list[Beam]]:

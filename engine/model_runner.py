@@ -81,6 +81,7 @@ class LaunchedStep:
     state: ExecuteModelState
     output: tuple[ModelRunnerOutput, KVConnectorOutput] | None = None  # complete already (speculation)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    pooled: dict[str, torch.Tensor] = field(default_factory=dict)  # pooling requests' vectors, on the device
     rows: list[int] = field(default_factory=list)  # rows that sample
     logprobs: PendingLogprobs | None = None  # of the sampled tokens, for the rows in ``logprob_rows``
     logprob_rows: list[int] = field(default_factory=list)  # indices into ``rows``
@@ -133,6 +134,8 @@ class ModelRunner:
         self.grammars: dict[str, object] = {}  # request id -> GrammarState (engine/structured_output.py)
         # Prompt logprobs of requests whose prompt is still being prefilled (chunk by chunk).
         self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
+        # Mean pooling's running sum (float32, on the device) of a prompt still being prefilled.
+        self._pooling_sums: dict[str, torch.Tensor] = {}
         self.last_batch_kind: BatchKind | None = None
         self._state: ExecuteModelState | None = None
         self._launched: deque[LaunchedStep] = deque()  # launched, not yet finished: oldest first
@@ -187,6 +190,7 @@ class ModelRunner:
             self.states.remove_request(req_id)
             self.grammars.pop(req_id, None)
             self._prompt_logprobs.pop(req_id, None)
+            self._pooling_sums.pop(req_id, None)
         st = self.states
         scheduled = sched.scheduled
         # Requests (re)added to the runner first, in row order (a decode step has none); then every row's
@@ -257,6 +261,7 @@ class ModelRunner:
         num_client_prompt = s.num_prompt_tokens - params.output_position_offset
         self.states.client_prompt_len_np[idx] = num_client_prompt
         self._prompt_logprobs.pop(s.request_id, None)
+        self._pooling_sums.pop(s.request_id, None)  # recomputed from its first token (no prefix hit for "mean")
         self.grammars.pop(s.request_id, None)
         if params.structured_output is not None:
             from pdcluster.engine.structured_output import GrammarState
@@ -364,11 +369,12 @@ class ModelRunner:
         if self.num_spec_steps:
             return LaunchedStep(state, output=self._sample_and_propose(state))
         prompt_logprobs = self._prompt_logprobs_step(state)
+        pooled = self._pooling_step(state) if self._has_pooling_rows(state) else {}
         st, n = self.states, len(state.req_ids)
         rows = np.flatnonzero(state.logits_count_np > 0)
         sample_index_np = np.full(n, -1, dtype=np.int64)
         sample_index_np[rows] = np.arange(len(rows))
-        launched = LaunchedStep(state, prompt_logprobs=prompt_logprobs, rows=rows.tolist(),
+        launched = LaunchedStep(state, prompt_logprobs=prompt_logprobs, pooled=pooled, rows=rows.tolist(),
                                 epochs_np=st.epoch_np[state.idx_mapping_np])
         if not launched.rows:
             return launched
@@ -449,12 +455,14 @@ class ModelRunner:
             self._pack_states(state, sampled)
         self._prev = self._step_output(state, sampled, [])  # no speculation here: a speculative step finished at launch
         kv_output = self.connector.post_forward(state.finished_req_ids)  # last: S2
-        return ModelRunnerOutput(state.req_ids, sampled, [], logprobs, launched.prompt_logprobs), kv_output
+        pooled = {req_id: v.cpu().numpy() for req_id, v in launched.pooled.items()}  # after the sync above
+        return ModelRunnerOutput(state.req_ids, sampled, [], logprobs, launched.prompt_logprobs, pooled), kv_output
 
     def _sample_and_propose(self, state: ExecuteModelState) -> tuple[ModelRunnerOutput, KVConnectorOutput]:
         """A speculative step's second half, all at once: verify, propose from the verified tokens,
         finalise (S2)."""
         prompt_logprobs = self._prompt_logprobs_step(state)
+        pooled = self._pooling_step(state) if self._has_pooling_rows(state) else {}
         sampled, logprobs = self._sample(state)
         # The proposer runs after verification and before post_forward: MTP writes its draft layer's KV
         # for this step's verified positions here, and the connector may only finalise complete KV (S2).
@@ -463,7 +471,8 @@ class ModelRunner:
             self._pack_states(state, sampled)
         self._prev = self._step_output(state, sampled, drafts)
         kv_output = self.connector.post_forward(state.finished_req_ids)  # last: S2
-        return ModelRunnerOutput(state.req_ids, sampled, drafts, logprobs, prompt_logprobs), kv_output
+        pooled_np = {req_id: v.cpu().numpy() for req_id, v in pooled.items()}
+        return ModelRunnerOutput(state.req_ids, sampled, drafts, logprobs, prompt_logprobs, pooled_np), kv_output
 
     def _propose(self, state: ExecuteModelState, sampled: list[list[int]]) -> list[list[int]]:
         if self.num_spec_steps == 0:
@@ -592,6 +601,33 @@ class ModelRunner:
         for r in want:
             out[rows[r]] = records[k : k + len(per_req[r])]
             k += len(per_req[r])
+
+    def _has_pooling_rows(self, state: ExecuteModelState) -> bool:
+        """Whether a row of this step is a pooling request's prompt (a flag per slot: no Python per row)."""
+        return bool(self.states.pools_np[state.idx_mapping_np].any())
+
+    def _pooling_step(self, state: ExecuteModelState) -> dict[str, torch.Tensor]:
+        """The pooled vectors (float32, on the device) of the pooling requests whose prompt this step completes:
+        the last prompt position's final hidden state ("last"), or the mean over the prompt's ("mean", summed
+        chunk by chunk: such a request takes no prefix-cache hit, so every position passes here)."""
+        st, rows, done = self.states, state.rows, {}
+        for i in np.flatnonzero(st.pools_np[state.idx_mapping_np] & (rows.num_output_np == 0)).tolist():
+            req_id, idx = state.req_ids[i], int(state.idx_mapping_np[i])
+            pooling = st.sampling_params[idx].pooling
+            first, q_len = int(state.query_start_loc_np[i]), int(rows.q_lens_np[i])
+            completes = state.logits_count_np[i] > 0  # the row samples: its prompt ends in this chunk
+            if pooling == "last":
+                if completes:  # a copy: the hidden states may be a CUDA graph's buffer, which the next step rewrites
+                    done[req_id] = state.hidden_states[first + q_len - 1].to(torch.float32, copy=True)
+                continue
+            chunk_sum = state.hidden_states[first : first + q_len].float().sum(0)
+            total = self._pooling_sums.pop(req_id, None)
+            total = chunk_sum if total is None else total + chunk_sum
+            if completes:
+                done[req_id] = total / float(st.client_prompt_len_np[idx])
+            else:
+                self._pooling_sums[req_id] = total
+        return done
 
     def _prompt_logprobs_step(self, state: ExecuteModelState) -> dict[str, list[TokenLogprobs]]:
         """Logprobs of the prompt tokens this step's chunks predict (position p scores token p + 1),

@@ -39,6 +39,7 @@ class RequestStates:
         self.draws_np = np.zeros(max_num_reqs, dtype=bool)
         self.has_penalties_np = np.zeros(max_num_reqs, dtype=bool)
         self.wants_logprobs_np = np.zeros(max_num_reqs, dtype=bool)
+        self.pools_np = np.zeros(max_num_reqs, dtype=bool)  # an embedding: its prompt's hidden states pooled
         # Bumped whenever a slot is taken: a step finished after the next one was launched (async
         # scheduling) appends its tokens only to slots still held by the same request since its launch.
         self.epoch_np = np.zeros(max_num_reqs, dtype=np.int64)
@@ -66,6 +67,7 @@ class RequestStates:
         self.draws_np[idx] = not params.greedy
         self.has_penalties_np[idx] = params.has_penalties
         self.wants_logprobs_np[idx] = params.logprobs is not None
+        self.pools_np[idx] = params.pooling is not None
         self.epoch_np[idx] += 1
         return idx
 

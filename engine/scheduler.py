@@ -17,6 +17,8 @@ from __future__ import annotations
 from typing import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pdcluster.engine.block_manager import BlockManager
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.forks import ForkGate
@@ -42,6 +44,7 @@ class StepResult:
     finished: bool
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs] | None = None
+    pooled: np.ndarray | None = None  # a pooling request's vector, with its one token
 
 
 class Scheduler:
@@ -270,8 +273,11 @@ class Scheduler:
         cfg = self.config
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             request = self.waiting[0]
-            # Prompt logprobs need every prompt position's logits: such a request computes its prompt.
-            use_cache = request.num_computed_tokens == 0 and request.sampling_params.prompt_logprobs is None
+            # Prompt logprobs need every prompt position's logits, mean pooling every position's hidden state:
+            # such a request computes its prompt.
+            params = request.sampling_params
+            use_cache = (request.num_computed_tokens == 0 and params.prompt_logprobs is None
+                         and params.pooling != "mean")
             # Hashed once here: the device lookup and the lower tiers' both walk them.
             hashes = self.block_manager.usable_block_hashes(request) if use_cache else []
             cached = self.block_manager.find_cached_prefix(request, hashes) if use_cache else []
@@ -386,7 +392,8 @@ class Scheduler:
                 self._take_drafts(request, out.spec_token_ids[i])
             new_logprobs = out.logprobs[i][: len(new_tokens)] if out.logprobs else []
             results.append(StepResult(request, new_tokens, finished, new_logprobs,
-                                      out.prompt_logprobs.get(s.request_id) if out.prompt_logprobs else None))
+                                      out.prompt_logprobs.get(s.request_id) if out.prompt_logprobs else None,
+                                      out.pooled.get(s.request_id) if out.pooled else None))
         self.num_prompt_tokens_computed += num_prompt_tokens_computed
         return results
 

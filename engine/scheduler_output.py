@@ -119,3 +119,5 @@ class ModelRunnerOutput:
     logprobs: list[list[TokenLogprobs]] = field(default_factory=list)
     # Requests with ``params.prompt_logprobs`` whose prompt was completed this step: all positions.
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Requests with ``params.pooling`` whose prompt was completed this step: the pooled vector (float32).
+    pooled: dict[str, np.ndarray] = field(default_factory=dict)

@@ -45,7 +45,7 @@ from pdcluster.wire.records import (  # noqa: F401 - re-exported: the control pl
 )
 
 # Fields added with a default (TransferRequest.prompt_token_ids, .sampling, .num_reused_blocks, .first_token_only;
-# TransferDone.num_bytes, .seconds, .num_offloaded_tokens; FirstToken.num_offloaded_tokens) and new message types do not change the version; a changed meaning would.
+# TransferDone.num_bytes, .seconds, .num_offloaded_tokens; FirstToken.num_offloaded_tokens, .pooled) and new message types do not change the version; a changed meaning would.
 PROTOCOL_VERSION = 1
 ROLES = ("prefill", "decode")
 
@@ -199,6 +199,8 @@ class FirstToken(Record):
     logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)  # the first token's, if asked
     prompt_logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)  # if asked
     num_offloaded_tokens: int = 0  # of num_cached_tokens, loaded back from its offload tiers (host, disk)
+    # An embedding request's vector (SamplingParams.pooling), float32 little-endian (engine/pooling.py); b"": none.
+    pooled: bytes = b""
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,9 @@ class Tokens(Record):
     # the first token (a prompt prefilled here in chunks reports each chunk before it, without tokens).
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # An embedding request's vector (SamplingParams.pooling), on the Tokens that ends it: float32 little-endian
+    # (engine/pooling.py pooled_bytes); b"": none.
+    pooled: bytes = b""
 
 
 # StepTokens' per-row columns, each a list[int] with one value per request.
@@ -119,7 +122,7 @@ class StepTokens(Record):
             "finished": False, "finish_reason": "", "num_draft_tokens": self.num_draft_tokens[i],
             "num_accepted_tokens": self.num_accepted_tokens[i], "num_cached_tokens": self.num_cached_tokens[i],
             "num_offloaded_tokens": self.num_offloaded_tokens[i], "queue_s": 0.0, "prefill_s": 0.0, "logprobs": [],
-            "prompt_logprobs": []})
+            "prompt_logprobs": [], "pooled": b""})
 
 
 _STEP_FIELDS = tuple(f.name for f in fields(StepTokens))

@@ -19,6 +19,7 @@ from dataclasses import replace
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.llm_engine import LLMEngine
 from pdcluster.engine.loaded_model import LoadedModel
+from pdcluster.engine.pooling import pooled_bytes
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kv_transfer.config import TransferConfig
 from pdcluster.kv_transfer.connector.prefill import PrefillKVConnector
@@ -169,4 +170,4 @@ def _first_token(out) -> FirstToken:
     """The FirstToken of a step output that sampled the request's first token."""
     return FirstToken(request_id=out.request_id, token_id=out.new_token_ids[0], num_cached_tokens=out.num_cached_tokens,
                       num_offloaded_tokens=out.num_offloaded_tokens, logprobs=list(out.new_logprobs),
-                      prompt_logprobs=list(out.prompt_logprobs or []))
+                      prompt_logprobs=list(out.prompt_logprobs or []), pooled=pooled_bytes(out.pooled))

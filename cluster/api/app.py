@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pdcluster.cluster.api.beam import serve_beam_search
+from pdcluster.cluster.api.embeddings import EmbeddingRequest, PoolerConfig, pooler_config, serve_embeddings
 from pdcluster.cluster.api.logprobs import TokenStrings
 from pdcluster.cluster.api.lora_routes import install_lora_routes
 from pdcluster.cluster.api.middleware import error_response, install_error_handlers, install_middleware
@@ -39,16 +40,21 @@ def package_version() -> str:
 
 def build_app(router, served_model_name: str, api_key: str | None = None, max_body_bytes: int = 1 << 20,
               metrics: Metrics | None = None, tool_call_parser: str = "auto",
-              reasoning_parser: str | None = None, runtime_lora: bool = False) -> FastAPI:
+              reasoning_parser: str | None = None, runtime_lora: bool = False,
+              pooler: PoolerConfig | str | None = None) -> FastAPI:
     """``runtime_lora``: serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (cluster/api/lora_routes.py;
     the workers must run with EngineConfig.enable_lora). ``tool_call_parser``: the model's tool-call format for tool_choice "auto" (cluster/api/tool_parsers/:
     hermes, llama3_json, pythonic; ``auto`` reads it off the chat template, and without one "auto" is
     refused). ``reasoning_parser``: qwen3 or deepseek_r1 to give chat answers' reasoning apart
-    (cluster/api/reasoning.py); None: the text as the model wrote it."""
+    (cluster/api/reasoning.py); None: the text as the model wrote it. ``pooler``: how /v1/embeddings pools
+    (cluster/api/embeddings.py), or the JSON of ``serve --pooler-config`` over what the model's directory says (None:
+    that alone; without one, the last token, normalised)."""
     if max_body_bytes <= 0:
         raise ValueError(f"max_body_bytes must be > 0, got {max_body_bytes!r}")
     tool_parser = select_parser(tool_call_parser, getattr(router.tokenizer, "chat_template", None))
     check_reasoning_parser(reasoning_parser)
+    if not isinstance(pooler, PoolerConfig):
+        pooler = pooler_config(getattr(router.tokenizer, "model_dir", None), pooler)
     metrics = metrics or Metrics(served_model_name)
     app = FastAPI(title="pdcluster", description="OpenAI-compatible API of a disaggregated prefill/decode cluster")
     app.state.router, app.state.metrics = router, metrics
@@ -74,6 +80,10 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
     async def responses(body: ResponsesRequest, request: Request):
         return await serve_response(body, request, router, served_model_name, metrics, strings, tool_parser,
                                     reasoning_parser)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request):
+        return await serve_embeddings(body, request, router, served_model_name, pooler, metrics)
 
     def model_card(model_id: str) -> dict:
         card = {"id": model_id, "object": "model", "created": started, "owned_by": "pdcluster",

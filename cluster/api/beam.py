@@ -12,7 +12,6 @@ the search (the step's requests are aborted). In /metrics each returned beam is 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from dataclasses import replace
 
@@ -22,10 +21,10 @@ from fastapi.responses import JSONResponse, Response
 from pdcluster.cluster.api import protocol as wire
 from pdcluster.cluster.api.logprobs import TokenIdStrings, TokenStrings, chat_logprobs, completion_logprobs
 from pdcluster.cluster.api.middleware import APIError
-from pdcluster.cluster.api.router_contract import RouterError
 from pdcluster.cluster.api.serving import ClientGone, unless_disconnected
 from pdcluster.cluster.api.text import AlignedText
 from pdcluster.cluster.api.validation import Prepared
+from pdcluster.cluster.api.whole_request import whole_request
 from pdcluster.cluster.metrics import Metrics
 from pdcluster.engine.beam_search import Beam, BeamSearch, BeamSearches
 from pdcluster.engine.sampling_params import SamplingParams
@@ -34,25 +33,8 @@ from pdcluster.wire.logprobs import TokenLogprobs
 
 async def _one_step(router, request_id: str, token_ids: list[int], params: SamplingParams) -> TokenLogprobs:
     """One token after ``token_ids`` and its logprob record; the request is aborted if this is cancelled."""
-    finished = False
-    records: list[TokenLogprobs] = []
-    try:
-        # aclosing: the stream is closed here when the loop leaves it, not whenever its finalizer runs.
-        async with contextlib.aclosing(router.generate(request_id, token_ids, params)) as deltas:
-            async for delta in deltas:
-                records += delta.logprobs
-                if delta.finished:
-                    finished = True
-                    if delta.finish_reason in ("error", "abort"):
-                        raise APIError(503, f"beam search step failed: {delta.error or delta.finish_reason}",
-                                       kind="server_error")
-                    break
-    except RouterError as e:
-        finished = True  # refused at admission: nothing to abort
-        raise APIError(e.status, str(e), kind=e.kind) from e
-    finally:
-        if not finished:
-            await asyncio.shield(router.abort(request_id))
+    deltas = await whole_request(router, request_id, token_ids, params, "beam search step")
+    records = [record for delta in deltas for record in delta.logprobs]
     if not records:
         raise APIError(503, "beam search step failed: the router sent no token", kind="server_error")
     return records[0]

@@ -45,6 +45,8 @@ class TokenDelta:
     prompt_logprobs: list[TokenLogprobs] | None = None
     # Seconds, set on the first delta: queue, prefill, kv_transfer, first_decode (where known).
     ttft_breakdown: dict[str, float] = field(default_factory=dict)
+    # An embedding request's vector (params.pooling), on its one delta: float32 little-endian (engine/pooling.py).
+    pooled: bytes | None = None
 
 
 class Router(Protocol):

@@ -27,6 +27,7 @@ class ApiConfig:
     tool_call_parser: str
     reasoning_parser: str | None = None
     runtime_lora: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter, answered by the router process
+    pooler_config: str | None = None  # serve --pooler-config (JSON), over the model directory's own pooler
 
 
 def router_endpoint(socket_dir: str) -> str:
@@ -51,7 +52,7 @@ def main(config: ApiConfig, index: int, sock: socket.socket) -> int:
     app = build_app(router, config.served_model_name, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
                     metrics=Metrics(config.served_model_name, multiprocess_dir=config.metrics_dir),
                     tool_call_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser,
-                    runtime_lora=config.runtime_lora)
+                    runtime_lora=config.runtime_lora, pooler=config.pooler_config)
 
     install_admin_proxy(app, router)
     try:

@@ -83,6 +83,7 @@ class Delta(Record):
     has_prompt_logprobs: bool = False
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     ttft_breakdown: dict[str, Any] = field(default_factory=dict)
+    pooled: bytes = b""  # an embedding's vector, float32 little-endian; b"": none
 
 
 # Deltas' per-row columns, each a list[int] with one value per plain row.
@@ -120,7 +121,7 @@ class Deltas(Record):
 def is_plain(delta: TokenDelta) -> bool:
     """A delta that can travel as a Deltas row (given it is not its request's first)."""
     return not (delta.finished or delta.logprobs or delta.prompt_logprobs is not None or delta.error
-                or delta.ttft_breakdown)
+                or delta.ttft_breakdown or delta.pooled is not None)
 
 
 @dataclass(frozen=True)
@@ -166,7 +167,8 @@ def to_delta(request_id: str, delta: TokenDelta) -> Delta:
     return Delta(request_id, list(delta.new_token_ids), delta.finished, delta.finish_reason or "",
                  delta.num_prompt_tokens, delta.num_output_tokens, delta.num_draft_tokens, delta.num_accepted_tokens,
                  delta.num_cached_tokens, delta.num_offloaded_tokens, delta.error or "", list(delta.logprobs),
-                 delta.prompt_logprobs is not None, list(delta.prompt_logprobs or ()), dict(delta.ttft_breakdown))
+                 delta.prompt_logprobs is not None, list(delta.prompt_logprobs or ()), dict(delta.ttft_breakdown),
+                 delta.pooled or b"")
 
 
 def from_delta(d: Delta) -> TokenDelta:
@@ -176,7 +178,7 @@ def from_delta(d: Delta) -> TokenDelta:
                       num_cached_tokens=d.num_cached_tokens, num_offloaded_tokens=d.num_offloaded_tokens,
                       error=d.error or None, logprobs=list(d.logprobs),
                       prompt_logprobs=list(d.prompt_logprobs) if d.has_prompt_logprobs else None,
-                      ttft_breakdown={k: float(v) for k, v in d.ttft_breakdown.items()})
+                      ttft_breakdown={k: float(v) for k, v in d.ttft_breakdown.items()}, pooled=d.pooled or None)
 
 
 def sampling_map(params) -> dict[str, Any]:

@@ -51,13 +51,13 @@ class ApiServers:
 
     def run(self, router, served_model_name: str, *, api_key: str | None, max_body_bytes: int,
             tool_call_parser: str, reasoning_parser: str | None = None, admin_app=None, on_ready=None,
-            runtime_lora: bool = False) -> int:
+            runtime_lora: bool = False, pooler: str | None = None) -> int:
         """Serve until SIGINT/SIGTERM (0) or an API process's death (1). ``admin_app``: an ASGI app whose
         /admin/* routes answer the API processes' admin calls. ``on_ready(loop)``: as run_server's.
         ``runtime_lora``: the API processes serve vLLM's runtime LoRA routes, answered here, on ``router``,
         beside the admin routes (cluster/api/lora_routes.py)."""
         config = ApiConfig(self.dir, self.metrics_dir, self.host, self.port, served_model_name, api_key,
-                           max_body_bytes, tool_call_parser, reasoning_parser, runtime_lora)
+                           max_body_bytes, tool_call_parser, reasoning_parser, runtime_lora, pooler)
         if runtime_lora:
             from fastapi import FastAPI
 

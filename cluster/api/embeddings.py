@@ -1,0 +1,223 @@
+"""POST /v1/embeddings, as OpenAI and vLLM serve it, from the generative model the server runs.
+
+``{"model"?, "input": str | [str] | [int] | [[int]], "encoding_format"?: "float" | "base64", "dimensions"?,
+"user"?}`` and vLLM's extras (``truncate_prompt_tokens``, ``add_special_tokens``, ``normalize``, ``priority``,
+``messages`` in place of ``input`` for one chat rendered by the template) -> ``{"object": "list", "data":
+[{"object": "embedding", "index", "embedding"}], "model", "usage": {"prompt_tokens", "total_tokens"}}``.
+
+Each input is one router request of one token with ``SamplingParams.pooling``: computed where its prompt is (a
+prefill worker asked for the first token alone, or a colocated worker), no decode-side block reserved, no KV moved.
+vLLM serves embeddings only from an instance started as a pooling model; here the same workers serve both.
+
+The pooler (``PoolerConfig``): a sentence-transformers directory's own (``modules.json``: its Pooling module's mode,
+and whether a Normalize module follows), else the last token, normalised (vLLM's default for a decoder model);
+``serve --pooler-config`` overrides either. ``dimensions`` cuts a matryoshka model's vector (its config's
+``is_matryoshka`` / ``matryoshka_dimensions``) before normalising; any other model refuses it, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import anyio
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from pdcluster.cluster.api.middleware import APIError
+from pdcluster.cluster.api.protocol import ChatMessage, Prompt, StrictModel, short
+from pdcluster.cluster.api.serving import ClientGone, unless_disconnected
+from pdcluster.cluster.api.validation import MAX_PROMPTS, chat_prompt_ids, chat_template_kwargs, check_model
+from pdcluster.cluster.api.whole_request import whole_request
+from pdcluster.cluster.metrics import Metrics
+from pdcluster.engine.pooling import finish_embedding, pooled_vector
+from pdcluster.engine.sampling_params import POOLING_TYPES, SamplingParams
+
+# sentence-transformers' Pooling modes -> ours (the ones a decoder model's embedding checkpoints use).
+_ST_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean"}
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    pooling_type: str = "last"  # one of engine/sampling_params.POOLING_TYPES
+    normalize: bool = True
+    # None: the model has no matryoshka training and ``dimensions`` is refused; () any width; else the widths.
+    matryoshka_dimensions: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}")
+
+
+def pooler_config(model_dir: str | Path | None, override: str | dict | None = None) -> PoolerConfig:
+    """The server's pooler: ``override`` (vLLM's ``--pooler-config`` JSON: ``pooling_type`` LAST | MEAN,
+    ``normalize``) over what the model directory says, over the default (last token, normalised)."""
+    pooling, normalize = "last", True
+    matryoshka: tuple[int, ...] | None = None
+    root = Path(model_dir) if model_dir is not None else None
+    if root is not None and (root / "modules.json").is_file():
+        modules = json.loads((root / "modules.json").read_text())
+        types = [str(m.get("type", "")) for m in modules]
+        normalize = any(t.endswith("Normalize") for t in types)
+        for m in modules:
+            if str(m.get("type", "")).endswith("Pooling") and (root / m.get("path", "") / "config.json").is_file():
+                cfg = json.loads((root / m["path"] / "config.json").read_text())
+                modes = [ours for key, ours in _ST_MODES.items() if cfg.get(key)]
+                if len(modes) != 1 or sum(bool(v) for k, v in cfg.items() if k.startswith("pooling_mode_")) != 1:
+                    raise ValueError(f"{root}: its sentence-transformers Pooling config asks for a mode served here "
+                                     f"only alone ({', '.join(_ST_MODES)}): {cfg}")
+                pooling = modes[0]
+    if root is not None and (root / "config.json").is_file():
+        hf = json.loads((root / "config.json").read_text())
+        if hf.get("matryoshka_dimensions"):
+            matryoshka = tuple(int(d) for d in hf["matryoshka_dimensions"])
+        elif hf.get("is_matryoshka"):
+            matryoshka = ()
+    if override:
+        values = json.loads(override) if isinstance(override, str) else dict(override)
+        unknown = sorted(set(values) - {"pooling_type", "normalize"})
+        if unknown:
+            raise ValueError(f"--pooler-config: unknown keys {unknown} (known: pooling_type, normalize)")
+        if "pooling_type" in values:
+            pooling = str(values["pooling_type"]).lower()
+        if "normalize" in values:
+            if not isinstance(values["normalize"], bool):
+                raise ValueError(f"--pooler-config: normalize must be true or false, got {values['normalize']!r}")
+            normalize = values["normalize"]
+    return PoolerConfig(pooling, normalize, matryoshka)
+
+
+class EmbeddingRequest(StrictModel):
+    model: str | None = None
+    input: Prompt | None = None
+    messages: list[ChatMessage] | None = None  # vLLM's chat embeddings: one conversation, templated
+    encoding_format: Literal["float", "base64"] | None = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    # vLLM's extras:
+    truncate_prompt_tokens: int | None = None
+    add_special_tokens: bool | None = None  # default: true for input, false for messages (the template's own)
+    add_generation_prompt: bool | None = False
+    chat_template_kwargs: dict | None = None
+    normalize: bool | None = None  # default: the server's pooler
+    priority: int | None = 0  # lower first (engine/waiting_queue.py)
+
+
+@dataclass
+class _Prepared:
+    request_id: str
+    prompts: list[list[int]]
+    params: SamplingParams
+    normalize: bool
+    dimensions: int | None
+
+
+def _prompts(body: EmbeddingRequest, tokenizer) -> list[list[int]]:
+    if (body.input is None) == (body.messages is None):
+        raise APIError(400, "give exactly one of input (text or token ids) or messages (a chat)", param="input")
+    if body.messages is not None:
+        return [chat_prompt_ids(body.messages, bool(body.add_generation_prompt), tokenizer,
+                                template_kwargs=chat_template_kwargs(body.chat_template_kwargs),
+                                add_special_tokens=bool(body.add_special_tokens))]
+    one = body.input
+    batch = one if isinstance(one, list) and one and isinstance(one[0], (str, list)) else [one]
+    if len(batch) > MAX_PROMPTS:
+        raise APIError(400, f"input: a batch of at most {MAX_PROMPTS} inputs is supported, got {len(batch)}: "
+                            "split it over several requests", param="input")
+    out = []
+    for i, item in enumerate(batch):
+        label = "input" if len(batch) == 1 else f"input[{i}]"
+        if isinstance(item, str):
+            ids = tokenizer.encode(item, add_special_tokens=body.add_special_tokens is not False)
+        else:
+            ids = list(item)
+            bad = [t for t in ids if not 0 <= t < tokenizer.vocab_size]
+            if bad:
+                raise APIError(400, f"{label}: token ids out of range [0, {tokenizer.vocab_size}): {short(bad[:5])}",
+                               param="input")
+        if not ids:
+            raise APIError(400, f"{label} is empty: give at least one token of text", param="input")
+        out.append(ids)
+    return out
+
+
+async def _prepare(body: EmbeddingRequest, router, served_model_name: str, pooler: PoolerConfig) -> _Prepared:
+    lora_name = check_model(body.model, served_model_name, router.lora_names) if body.model is not None else None
+    dimensions = body.dimensions
+    if dimensions is not None:
+        if pooler.matryoshka_dimensions is None:
+            raise APIError(400, f"dimensions: the model {served_model_name!r} was not trained for shorter embeddings "
+                                "(matryoshka): leave dimensions out", param="dimensions",
+                           code="unsupported_parameter")
+        if dimensions < 1 or (pooler.matryoshka_dimensions and dimensions not in pooler.matryoshka_dimensions):
+            allowed = (f"one of {list(pooler.matryoshka_dimensions)}" if pooler.matryoshka_dimensions
+                       else ">= 1")
+            raise APIError(400, f"dimensions must be {allowed}, got {dimensions}", param="dimensions")
+    prompts = await anyio.to_thread.run_sync(_prompts, body, router.tokenizer)
+    keep = body.truncate_prompt_tokens
+    if keep is not None:
+        keep = router.max_model_len - 1 if keep == -1 else keep
+        if keep < 1:
+            raise APIError(400, f"truncate_prompt_tokens must be >= 1 (or -1 for the context), got "
+                                f"{body.truncate_prompt_tokens}", param="truncate_prompt_tokens")
+        prompts = [ids[-keep:] for ids in prompts]
+    limit = router.max_model_len - 1  # the one token a pooling request samples
+    for i, ids in enumerate(prompts):
+        if len(ids) > limit:
+            label = "input" if len(prompts) == 1 else f"input[{i}]"
+            raise APIError(400, f"{label} has {len(ids)} tokens; this server embeds at most {limit} (max_model_len "
+                                f"{router.max_model_len} less one): shorten it or set truncate_prompt_tokens",
+                           param="input")
+    priority = 0 if body.priority is None else body.priority
+    params = SamplingParams(max_tokens=1, pooling=pooler.pooling_type, lora_name=lora_name, priority=priority,
+                            skip_special_tokens=True)
+    normalize = pooler.normalize if body.normalize is None else body.normalize
+    return _Prepared(f"embd-{uuid.uuid4().hex}", prompts, params, normalize, dimensions)
+
+
+async def _embed_one(router, request_id: str, token_ids: list[int], params: SamplingParams) -> bytes:
+    """The pooled vector of one prompt (float32 bytes); the request is aborted if this is cancelled."""
+    pooled = (await whole_request(router, request_id, token_ids, params, "embedding"))[-1].pooled
+    if not pooled:
+        raise APIError(503, "embedding failed: the answer carried no vector", kind="server_error")
+    return pooled
+
+
+async def _embed_all(prep: _Prepared, router) -> list[bytes]:
+    tasks = [asyncio.ensure_future(_embed_one(router, f"{prep.request_id}-{i}", ids, prep.params))
+             for i, ids in enumerate(prep.prompts)]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:  # one failed or the client left: the others are aborted
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def serve_embeddings(body: EmbeddingRequest, request: Request, router, served_model_name: str,
+                           pooler: PoolerConfig, metrics: Metrics) -> Response:
+    prep = await _prepare(body, router, served_model_name, pooler)
+    started = time.monotonic()
+    try:
+        pooled = await unless_disconnected(_embed_all(prep, router), request)
+    except ClientGone:
+        return Response(status_code=499)
+    e2e_s = time.monotonic() - started
+    data = []
+    for i, raw in enumerate(pooled):
+        vec = finish_embedding(pooled_vector(raw), prep.normalize, prep.dimensions)
+        embedding = (base64.b64encode(vec.astype("<f4").tobytes()).decode("ascii")
+                     if body.encoding_format == "base64" else vec.tolist())
+        data.append({"object": "embedding", "index": i, "embedding": embedding})
+        # In /metrics an embedding is a finished request with its prompt and no generated token.
+        metrics.on_finish(e2e_s, len(prep.prompts[i]), 0, "length", lora_name=prep.params.lora_name)
+    num_prompt = sum(len(ids) for ids in prep.prompts)
+    return JSONResponse({"id": prep.request_id, "object": "list", "created": int(time.time()),
+                         "model": body.model or served_model_name, "data": data,
+                         "usage": {"prompt_tokens": num_prompt, "total_tokens": num_prompt}})
