@@ -390,3 +390,33 @@ def test_the_vector_reaches_an_api_process(tiny_dir):
     finally:
         router.close()
         shutil.rmtree(socket_dir, ignore_errors=True)
+
+
+# ---- on a GPU -----------------------------------------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or __import__("os").environ.get("TRITON_INTERPRET") == "1",
+                                reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("mixed_graph_tokens", [0, 512], ids=["eager_prefill", "piecewise_graphs"])
+def test_on_cuda_embeddings_equal_transformers(tiny_dir, mixed_graph_tokens):
+    """float32 on the GPU, decode CUDA graphs on (and prefill in piecewise graphs, whose hidden states are a static
+    buffer the next step rewrites), async scheduling, generations beside: the vectors are transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    engine = make_engine("tiny-random", device="cuda", num_kv_blocks=256, prefill_chunk_size=32,
+                         mixed_cuda_graph_tokens=mixed_graph_tokens, async_scheduling=True)
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).cuda().eval()
+    prompts = [list(range(100 + i, 100 + i + n)) for i, n in enumerate([5, 40, 77])]
+    for pooling in ("last", "mean"):
+        engine.add_request(list(range(600, 630)), SamplingParams(max_tokens=16, ignore_eos=True))
+        got = engine.embed(prompts, pooling=pooling)
+        while engine.has_unfinished():
+            engine.step()
+        for prompt, vec in zip(prompts, got):
+            with torch.no_grad():
+                hidden = model.model(torch.tensor([prompt], device="cuda")).last_hidden_state[0].cpu()
+            ref = _reference(hidden, pooling)
+            assert np.abs(vec - ref).max() < 1e-4, (pooling, len(prompt), float(np.abs(vec - ref).max()))
