@@ -455,6 +455,38 @@ def test_openai_model_field_picks_the_adapter(adapters, references):
         router.close()
 
 
+def test_embeddings_with_an_adapter_match_peft(adapters, tiny_dir):
+    """/v1/embeddings with ``model`` naming an adapter: the vector is peft's final hidden state (last token,
+    normalised), not the base model's."""
+    import httpx
+
+    from pdcluster.cluster.api.app import build_app
+    from pdcluster.cluster.local_router import LocalRouter
+    from test_api import serving
+
+    router = LocalRouter(engine_config(MODEL, dtype="float32", lora_modules=_modules(adapters)), request_timeout_s=30)
+    try:
+        with serving(build_app(router, MODEL)) as base_url:
+            for name in (MODEL, "a1", "a2"):
+                r = httpx.post(base_url + "/v1/embeddings", json={"model": name, "input": PROMPTS[1]}, timeout=60)
+                assert r.status_code == 200 and r.json()["model"] == name, r.text
+                got = torch.tensor(r.json()["data"][0]["embedding"])
+                model = _hf(tiny_dir)
+                if name != MODEL:
+                    model = peft.PeftModel.from_pretrained(model, adapters[name]).eval().base_model.model
+                with torch.no_grad():
+                    hidden = model.model(torch.tensor([PROMPTS[1]])).last_hidden_state[0, -1]
+                want = torch.nn.functional.normalize(hidden, dim=0)
+                assert (got - want).abs().max() < 2e-5, name
+                base = want if name == MODEL else base
+                if name != MODEL:
+                    assert (want - base).abs().max() > 1e-3  # the adapter changes the vector
+        stats = router.worker.stats()
+        assert stats["num_free_blocks"] == stats["num_blocks"]
+    finally:
+        router.close()
+
+
 def test_api_processes_learn_the_adapters_and_route_them(adapters, references):
     """Behind ``--api-servers N`` each API process learns the adapter names in its handshake (Welcome) and
     its requests carry the adapter to the router process (RouterService over real zmq ipc)."""
