@@ -36,7 +36,7 @@ from pdcluster.cluster.frontend.service import RouterService
 from pdcluster.cluster.local_router import LocalRouter
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.tools.loadtest.server_metrics import parse_by_label, parse_prometheus
-from test_serve import MAX_TOKENS, PROMPTS, Server, _check_server, expected  # noqa: F401 - a fixture
+from test_serve import MAX_TOKENS, MEAN_POOLER, PROMPTS, Server, _check_embeddings, _check_server, expected  # noqa: F401 - a fixture
 
 openai = pytest.importorskip("openai")
 psutil = pytest.importorskip("psutil")
@@ -421,7 +421,7 @@ def _scrape(server) -> dict:
 
 @pytest.mark.timeout(600)
 def test_serve_with_two_api_processes(expected):  # noqa: F811 - the fixture
-    server = Server("--mode", "local", "--api-servers", "2")
+    server = Server("--mode", "local", "--api-servers", "2", *MEAN_POOLER)
     try:
         assert len(_api_processes(server)) == 2
         _check_server(server, expected)  # 9 requests finish (two more are refused)
@@ -442,6 +442,7 @@ def test_serve_with_two_api_processes(expected):  # noqa: F811 - the fixture
             assert metrics.get("pdcluster:request_success_total") == 25, metrics
             assert metrics.get("pdcluster:e2e_request_latency_seconds_count") == 25
         _until_idle(server)  # (the router's gauges reach the API processes every 0.5 s)
+        _check_embeddings(server, "mean")  # --pooler-config reaches the API processes
 
         # A client that leaves mid-stream: its request is aborted and its blocks freed.
         with httpx.stream("POST", f"{server.base_url}/v1/completions", timeout=60,

@@ -63,6 +63,19 @@ def _check_server(server, expected):
     assert r.choices[0].text == completions[0]
 
 
+MEAN_POOLER = ["--pooler-config", '{"pooling_type": "MEAN"}']
+
+
+def _check_embeddings(server, pooling: str) -> None:
+    """/v1/embeddings through the openai client: the engine's vectors (``pooling``, as --pooler-config set it)."""
+    import numpy as np
+
+    want = make_engine("tiny-random", num_kv_blocks=256).embed(PROMPTS, pooling=pooling)
+    got = server.client.embeddings.create(model="tiny-random", input=PROMPTS)
+    for d, ref in zip(got.data, want):
+        assert np.abs(np.array(d.embedding, dtype=np.float32) - ref).max() < 1e-5
+
+
 def _metric(text, name):
     return parse_prometheus(text).get(name)
 
@@ -71,9 +84,10 @@ def _metric(text, name):
 @pytest.mark.parametrize("flags", [["--mode", "colocated"], ["--mode", "disagg", "--spec", "ngram", "--num-spec-tokens", "3"]],
                          ids=["colocated", "disagg-ngram"])
 def test_serve_modes_match_engine(expected, flags):
-    server = Server(*flags)
+    server = Server(*flags, *MEAN_POOLER)
     try:
         _check_server(server, expected)
+        _check_embeddings(server, "mean")
     finally:
         server.close()
 
