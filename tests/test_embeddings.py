@@ -261,6 +261,87 @@ def test_bad_input_is_a_clear_4xx(served, body, status, param):
     assert stats["num_free_blocks"] == stats["num_blocks"]
 
 
+def _cos(a, b) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def test_score_and_rerank_are_the_cosines_of_the_embeddings(served, engine):
+    """vLLM's /score (1:N, N:N, its four spellings) and /rerank (best first, top_n): a pair's score is the cosine of
+    its two texts' vectors (the server's pooler: mean here)."""
+    import httpx
+
+    url, router = served
+    vec = dict(zip(TEXTS, engine.embed(TEXTS, pooling="mean")))
+    query, docs = TEXTS[3], TEXTS[:3]
+    one_to_n = httpx.post(f"{url}/score", json={"text_1": query, "text_2": docs}, timeout=60).json()
+    assert [d["index"] for d in one_to_n["data"]] == [0, 1, 2] and one_to_n["object"] == "list"
+    for d, doc in zip(one_to_n["data"], docs):
+        assert d["object"] == "score" and abs(d["score"] - _cos(vec[query], vec[doc])) < 1e-5
+    tokens = sum(len(engine.tokenize(t)) for t in [query, *docs])
+    assert one_to_n["usage"]["prompt_tokens"] == tokens
+    for first, second in (("queries", "documents"), ("queries", "items"), ("data_1", "data_2")):
+        again = httpx.post(f"{url}/v1/score", json={first: query, second: docs}, timeout=60).json()
+        assert [round(d["score"], 5) for d in again["data"]] == [round(d["score"], 5) for d in one_to_n["data"]]
+    pairwise = httpx.post(f"{url}/score", json={"text_1": TEXTS[:2], "text_2": TEXTS[2:]}, timeout=60).json()
+    assert [round(d["score"], 5) for d in pairwise["data"]] == [round(_cos(vec[a], vec[b]), 5)
+                                                                for a, b in zip(TEXTS[:2], TEXTS[2:])]
+    want = sorted(range(3), key=lambda i: _cos(vec[query], vec[docs[i]]), reverse=True)
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        ranked = httpx.post(f"{url}{path}", json={"query": query, "documents": docs}, timeout=60).json()
+        assert [r["index"] for r in ranked["results"]] == want
+        assert [r["document"]["text"] for r in ranked["results"]] == [docs[i] for i in want]
+        assert ranked["usage"]["total_tokens"] == tokens
+    top = httpx.post(f"{url}/rerank", json={"query": query, "documents": docs, "top_n": 1}, timeout=60).json()
+    assert [r["index"] for r in top["results"]] == want[:1]
+    assert abs(top["results"][0]["relevance_score"] - _cos(vec[query], vec[docs[want[0]]])) < 1e-5
+    stats = router.worker.stats()
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_2"),
+    ("/score", {"text_1": "a"}, "text_1"),
+    ("/score", {"text_1": [], "text_2": ["c"]}, "text_2"),
+    ("/score", {"text_1": "a", "text_2": ""}, "text_2"),
+    ("/score", {"text_1": "a", "text_2": "b", "queries": "a", "documents": "b"}, "text_1"),
+    ("/score", {"text_1": "a", "text_2": ["b"] * 128}, "text_2"),
+    ("/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, "top_n"),
+    ("/rerank", {"query": "", "documents": ["b"]}, "query"),
+    ("/rerank", {"query": "a", "documents": ["b " * 300]}, "documents"),
+    ("/rerank", {"query": "a", "documents": ["b"], "model": "gpt-4"}, "model"),
+])
+def test_bad_scoring_input_is_a_clear_4xx(served, path, body, param):
+    import httpx
+
+    url, router = served
+    r = httpx.post(f"{url}{path}", json=body, timeout=60)
+    assert 400 <= r.status_code < 500, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+    stats = router.worker.stats()
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+def test_scoring_routes_need_the_api_key(smollm2_dir):
+    import httpx
+
+    from pdcluster.cluster.api.app import build_app
+    from pdcluster.cluster.local_router import LocalRouter
+    from test_api import serving
+
+    router = LocalRouter(engine_config(num_kv_blocks=64), request_timeout_s=30)
+    try:
+        with serving(build_app(router, "tiny-random", api_key="k-1")) as url:
+            for path, body in (("/v1/embeddings", {"input": "a"}), ("/score", {"text_1": "a", "text_2": "b"}),
+                               ("/rerank", {"query": "a", "documents": ["b"]}),
+                               ("/v2/rerank", {"query": "a", "documents": ["b"]})):
+                assert httpx.post(f"{url}{path}", json=body, timeout=30).status_code == 401, path
+                ok = httpx.post(f"{url}{path}", json=body, headers={"Authorization": "Bearer k-1"}, timeout=30)
+                assert ok.status_code == 200, (path, ok.text)
+    finally:
+        router.close()
+
+
 # ---- the wire ----------------------------------------------------------------------------------------------------
 
 def test_the_vector_crosses_worker_events_and_the_frontend_codec():

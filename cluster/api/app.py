@@ -21,6 +21,7 @@ from pdcluster.cluster.api.middleware import error_response, install_error_handl
 from pdcluster.cluster.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdcluster.cluster.api.reasoning import check_reasoning_parser
 from pdcluster.cluster.api.responses import ResponsesRequest, serve_response
+from pdcluster.cluster.api.scoring import RerankRequest, ScoreRequest, serve_rerank, serve_score
 from pdcluster.cluster.api.serving import serve_request
 from pdcluster.cluster.api.tokenize_routes import install_tokenize_routes
 from pdcluster.cluster.api.tool_parsers import select_parser
@@ -84,6 +85,19 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request):
         return await serve_embeddings(body, request, router, served_model_name, pooler, metrics)
+
+    # vLLM's scoring routes for an embedding model: /score beside /v1 (and its older /v1/score), /rerank as Jina's and
+    # Cohere's clients call it (/v1/rerank, /v2/rerank): cluster/api/scoring.py.
+    async def score(body: ScoreRequest, request: Request):
+        return await serve_score(body, request, router, served_model_name, pooler, metrics)
+
+    async def rerank(body: RerankRequest, request: Request):
+        return await serve_rerank(body, request, router, served_model_name, pooler, metrics)
+
+    for path in ("/score", "/v1/score"):
+        app.add_api_route(path, score, methods=["POST"])
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        app.add_api_route(path, rerank, methods=["POST"])
 
     def model_card(model_id: str) -> dict:
         card = {"id": model_id, "object": "model", "created": started, "owned_by": "pdcluster",

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Literal
 
 import anyio
+import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
@@ -147,6 +148,31 @@ def _prompts(body: EmbeddingRequest, tokenizer) -> list[list[int]]:
     return out
 
 
+def check_lengths(prompts: list[list[int]], truncate_prompt_tokens: int | None, max_model_len: int,
+                  param: str = "input") -> list[list[int]]:
+    """vLLM's ``truncate_prompt_tokens`` (each prompt's last k tokens; -1: as many as fit) applied, then every prompt
+    within what a pooling request may hold: ``max_model_len`` less the one token it samples."""
+    limit = max_model_len - 1
+    keep = truncate_prompt_tokens
+    if keep is not None:
+        keep = limit if keep == -1 else keep
+        if keep < 1:
+            raise APIError(400, f"truncate_prompt_tokens must be >= 1 (or -1 for the context), got "
+                                f"{truncate_prompt_tokens}", param="truncate_prompt_tokens")
+        prompts = [ids[-keep:] for ids in prompts]
+    for i, ids in enumerate(prompts):
+        if len(ids) > limit:
+            label = param if len(prompts) == 1 else f"{param}[{i}]"
+            raise APIError(400, f"{label} has {len(ids)} tokens; this server embeds at most {limit} (max_model_len "
+                                f"{max_model_len} less one): shorten it or set truncate_prompt_tokens", param=param)
+    return prompts
+
+
+def pooling_params(pooler: PoolerConfig, lora_name: str | None, priority: int | None) -> SamplingParams:
+    return SamplingParams(max_tokens=1, pooling=pooler.pooling_type, lora_name=lora_name,
+                          priority=0 if priority is None else priority)
+
+
 async def _prepare(body: EmbeddingRequest, router, served_model_name: str, pooler: PoolerConfig) -> _Prepared:
     lora_name = check_model(body.model, served_model_name, router.lora_names) if body.model is not None else None
     dimensions = body.dimensions
@@ -160,25 +186,10 @@ async def _prepare(body: EmbeddingRequest, router, served_model_name: str, poole
                        else ">= 1")
             raise APIError(400, f"dimensions must be {allowed}, got {dimensions}", param="dimensions")
     prompts = await anyio.to_thread.run_sync(_prompts, body, router.tokenizer)
-    keep = body.truncate_prompt_tokens
-    if keep is not None:
-        keep = router.max_model_len - 1 if keep == -1 else keep
-        if keep < 1:
-            raise APIError(400, f"truncate_prompt_tokens must be >= 1 (or -1 for the context), got "
-                                f"{body.truncate_prompt_tokens}", param="truncate_prompt_tokens")
-        prompts = [ids[-keep:] for ids in prompts]
-    limit = router.max_model_len - 1  # the one token a pooling request samples
-    for i, ids in enumerate(prompts):
-        if len(ids) > limit:
-            label = "input" if len(prompts) == 1 else f"input[{i}]"
-            raise APIError(400, f"{label} has {len(ids)} tokens; this server embeds at most {limit} (max_model_len "
-                                f"{router.max_model_len} less one): shorten it or set truncate_prompt_tokens",
-                           param="input")
-    priority = 0 if body.priority is None else body.priority
-    params = SamplingParams(max_tokens=1, pooling=pooler.pooling_type, lora_name=lora_name, priority=priority,
-                            skip_special_tokens=True)
+    prompts = check_lengths(prompts, body.truncate_prompt_tokens, router.max_model_len)
     normalize = pooler.normalize if body.normalize is None else body.normalize
-    return _Prepared(f"embd-{uuid.uuid4().hex}", prompts, params, normalize, dimensions)
+    return _Prepared(f"embd-{uuid.uuid4().hex}", prompts, pooling_params(pooler, lora_name, body.priority),
+                     normalize, dimensions)
 
 
 async def _embed_one(router, request_id: str, token_ids: list[int], params: SamplingParams) -> bytes:
@@ -189,15 +200,24 @@ async def _embed_one(router, request_id: str, token_ids: list[int], params: Samp
     return pooled
 
 
-async def _embed_all(prep: _Prepared, router) -> list[bytes]:
-    tasks = [asyncio.ensure_future(_embed_one(router, f"{prep.request_id}-{i}", ids, prep.params))
-             for i, ids in enumerate(prep.prompts)]
+async def embed_all(router, request_id: str, prompts: list[list[int]], params: SamplingParams) -> list[np.ndarray]:
+    """Each prompt's pooled vector (float32, not normalised), all as router requests at once; one failing or this
+    being cancelled (the client left) aborts the others."""
+    tasks = [asyncio.ensure_future(_embed_one(router, f"{request_id}-{i}", ids, params))
+             for i, ids in enumerate(prompts)]
     try:
-        return list(await asyncio.gather(*tasks))
-    finally:  # one failed or the client left: the others are aborted
+        return [pooled_vector(raw) for raw in await asyncio.gather(*tasks)]
+    finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def observe(metrics: Metrics, started: float, prompts: list[list[int]], params: SamplingParams) -> None:
+    """In /metrics each embedded prompt is a finished request with its prompt tokens and none generated."""
+    e2e_s = time.monotonic() - started
+    for ids in prompts:
+        metrics.on_finish(e2e_s, len(ids), 0, "length", lora_name=params.lora_name)
 
 
 async def serve_embeddings(body: EmbeddingRequest, request: Request, router, served_model_name: str,
@@ -205,18 +225,16 @@ async def serve_embeddings(body: EmbeddingRequest, request: Request, router, ser
     prep = await _prepare(body, router, served_model_name, pooler)
     started = time.monotonic()
     try:
-        pooled = await unless_disconnected(_embed_all(prep, router), request)
+        pooled = await unless_disconnected(embed_all(router, prep.request_id, prep.prompts, prep.params), request)
     except ClientGone:
         return Response(status_code=499)
-    e2e_s = time.monotonic() - started
+    observe(metrics, started, prep.prompts, prep.params)
     data = []
     for i, raw in enumerate(pooled):
-        vec = finish_embedding(pooled_vector(raw), prep.normalize, prep.dimensions)
+        vec = finish_embedding(raw, prep.normalize, prep.dimensions)
         embedding = (base64.b64encode(vec.astype("<f4").tobytes()).decode("ascii")
                      if body.encoding_format == "base64" else vec.tolist())
         data.append({"object": "embedding", "index": i, "embedding": embedding})
-        # In /metrics an embedding is a finished request with its prompt and no generated token.
-        metrics.on_finish(e2e_s, len(prep.prompts[i]), 0, "length", lora_name=prep.params.lora_name)
     num_prompt = sum(len(ids) for ids in prep.prompts)
     return JSONResponse({"id": prep.request_id, "object": "list", "created": int(time.time()),
                          "model": body.model or served_model_name, "data": data,

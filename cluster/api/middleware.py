@@ -164,11 +164,12 @@ class BodyLimitMiddleware:
         await self.app(scope, limited_receive, send)
 
 
-PROTECTED_PATHS = ("/tokenize", "/detokenize")  # besides /v1/*: they cost CPU like any API call
+# Besides /v1/*: they cost CPU (and a model's time) like any API call.
+PROTECTED_PATHS = ("/tokenize", "/detokenize", "/score", "/rerank", "/v2/rerank")
 
 
 class ApiKeyMiddleware:
-    """``Authorization: Bearer <key>`` on /v1/*, /tokenize and /detokenize; /health, /metrics and the
+    """``Authorization: Bearer <key>`` on /v1/* and PROTECTED_PATHS; /health, /metrics and the
     docs stay open."""
 
     def __init__(self, app, api_key: str):

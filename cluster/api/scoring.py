@@ -1,0 +1,147 @@
+"""POST /score (and /v1/score) and POST /rerank (and /v1/rerank, /v2/rerank), as vLLM serves them for an embedding
+model: each text embedded (cluster/api/embeddings.py: the server's pooler), a pair's score the cosine similarity of
+its two vectors (vLLM's bi-encoder scoring; a cross-encoder's or a reranker's head is not served here).
+
+/score: ``{"model"?, "text_1", "text_2"}`` (or vLLM's other spellings of the pair: ``queries`` with ``documents`` or
+``items``, ``data_1`` with ``data_2``), each a string or a list of strings, paired 1:1, 1:N or N:N ->
+``{"id", "object": "list", "created", "model", "data": [{"index", "object": "score", "score"}], "usage"}``.
+/rerank (Jina's and Cohere's shape): ``{"model"?, "query", "documents", "top_n"?: 0}`` -> ``{"id", "model", "usage",
+"results": [{"index", "document": {"text"}, "relevance_score"}]}``, best first, the ``top_n`` best (0: all).
+Both take vLLM's ``truncate_prompt_tokens`` (each text's last k tokens) and ``priority``; ``usage`` counts the tokens
+of every text embedded.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import anyio
+import numpy as np
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from pdcluster.cluster.api.embeddings import PoolerConfig, check_lengths, embed_all, observe, pooling_params
+from pdcluster.cluster.api.middleware import APIError
+from pdcluster.cluster.api.protocol import StrictModel
+from pdcluster.cluster.api.serving import ClientGone, unless_disconnected
+from pdcluster.cluster.api.validation import MAX_CHOICES, check_model
+from pdcluster.cluster.metrics import Metrics
+from pdcluster.engine.pooling import finish_embedding
+
+Texts = str | list[str]
+# vLLM's spellings of a score request's two sides, first and second.
+_PAIR_NAMES = (("text_1", "text_2"), ("queries", "documents"), ("queries", "items"), ("data_1", "data_2"))
+
+
+class _ScoringFields(StrictModel):
+    model: str | None = None
+    truncate_prompt_tokens: int | None = None
+    priority: int | None = 0  # lower first (engine/waiting_queue.py)
+
+
+class ScoreRequest(_ScoringFields):
+    text_1: Texts | None = None
+    text_2: Texts | None = None
+    queries: Texts | None = None
+    documents: Texts | None = None
+    items: Texts | None = None
+    data_1: Texts | None = None
+    data_2: Texts | None = None
+
+    def sides(self) -> tuple[list[str], list[str], str, str]:
+        """The two sides as lists, and their names (for messages)."""
+        given = [(a, b) for a, b in _PAIR_NAMES if getattr(self, a) is not None and getattr(self, b) is not None]
+        if len(given) != 1:
+            raise APIError(400, "give one pair of texts to score: text_1 and text_2 (or queries with documents or "
+                                "items, or data_1 and data_2)", param="text_1")
+        first, second = given[0]
+        return _as_list(getattr(self, first)), _as_list(getattr(self, second)), first, second
+
+
+class RerankRequest(_ScoringFields):
+    query: str
+    documents: Texts
+    top_n: int | None = 0
+
+
+def _as_list(texts: Texts) -> list[str]:
+    return [texts] if isinstance(texts, str) else list(texts)
+
+
+def _tokenize(texts: list[str], tokenizer, param: str) -> list[list[int]]:
+    out = []
+    for i, text in enumerate(texts):
+        ids = tokenizer.encode(text)
+        if not ids:
+            label = param if len(texts) == 1 else f"{param}[{i}]"
+            raise APIError(400, f"{label} is empty: give at least one token of text", param=param)
+        out.append(ids)
+    return out
+
+
+async def _similarities(router, served_model_name: str, pooler: PoolerConfig, metrics: Metrics, request: Request,
+                        body: _ScoringFields, firsts: list[str], seconds: list[str], first_name: str,
+                        second_name: str, prefix: str) -> tuple[list[float], int] | None:
+    """Cosine similarity of each pair (the one first text against every second, or pair by pair) and the tokens
+    embedded; None when the client left."""
+    lora_name = check_model(body.model, served_model_name, router.lora_names) if body.model is not None else None
+    if not firsts or not seconds:
+        raise APIError(400, "at least one text is needed on each side", param=second_name)
+    if len(firsts) > 1 and len(firsts) != len(seconds):
+        raise APIError(400, f"input lengths must be 1:1, 1:N or N:N, got {len(firsts)}:{len(seconds)}",
+                       param=second_name)
+    if len(firsts) + len(seconds) > MAX_CHOICES:
+        raise APIError(400, f"at most {MAX_CHOICES} texts a request, got {len(firsts) + len(seconds)}: split it",
+                       param=second_name)
+    tokenizer = router.tokenizer
+    prompts = await anyio.to_thread.run_sync(
+        lambda: _tokenize(firsts, tokenizer, first_name) + _tokenize(seconds, tokenizer, second_name))
+    prompts = check_lengths(prompts, body.truncate_prompt_tokens, router.max_model_len, param=second_name)
+    params = pooling_params(pooler, lora_name, body.priority)
+    started = time.monotonic()
+    try:
+        pooled = await unless_disconnected(embed_all(router, f"{prefix}-{uuid.uuid4().hex}", prompts, params), request)
+    except ClientGone:
+        return None
+    observe(metrics, started, prompts, params)
+    vectors = [finish_embedding(v, normalize=True) for v in pooled]  # unit length: a dot product is the cosine
+    queries, documents = vectors[: len(firsts)], vectors[len(firsts):]
+    if len(queries) == 1:
+        queries = queries * len(documents)
+    scores = [float(np.dot(q, d)) for q, d in zip(queries, documents)]
+    return scores, sum(len(ids) for ids in prompts)
+
+
+async def serve_score(body: ScoreRequest, request: Request, router, served_model_name: str, pooler: PoolerConfig,
+                      metrics: Metrics) -> Response:
+    firsts, seconds, first_name, second_name = body.sides()
+    result = await _similarities(router, served_model_name, pooler, metrics, request, body, firsts, seconds,
+                                 first_name, second_name, "score")
+    if result is None:
+        return Response(status_code=499)
+    scores, num_tokens = result
+    return JSONResponse({"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                         "model": body.model or served_model_name,
+                         "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
+                         "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0}})
+
+
+async def serve_rerank(body: RerankRequest, request: Request, router, served_model_name: str, pooler: PoolerConfig,
+                       metrics: Metrics) -> Response:
+    documents = _as_list(body.documents)
+    top_n = body.top_n or 0
+    if top_n < 0:
+        raise APIError(400, f"top_n must be >= 0 (0: every document), got {top_n}", param="top_n")
+    result = await _similarities(router, served_model_name, pooler, metrics, request, body, [body.query], documents,
+                                 "query", "documents", "rerank")
+    if result is None:
+        return Response(status_code=499)
+    scores, num_tokens = result
+    ranked = sorted(range(len(documents)), key=lambda i: scores[i], reverse=True)
+    if top_n:
+        ranked = ranked[:top_n]
+    return JSONResponse({"id": f"rerank-{uuid.uuid4().hex}", "model": body.model or served_model_name,
+                         "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
+                         "results": [{"index": i, "document": {"text": documents[i]}, "relevance_score": scores[i]}
+                                     for i in ranked]})
