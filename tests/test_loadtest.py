@@ -146,6 +146,24 @@ def test_run_writes_every_field_and_agrees_with_server_metrics(server, tmp_path)
 
 
 @pytest.mark.timeout(240)
+def test_embeddings_endpoint_is_timed_as_one_answer(server, tmp_path):
+    """--endpoint embeddings: each request one JSON answer (TTFT = E2E, no output tokens), counted by the server."""
+    num_prompts, input_len = 12, 24
+    before = server.metrics()
+    rc = _loadtest("--base-url", server.base_url, "--model", MODEL, "--endpoint", "embeddings",
+                   "--random-input-len", str(input_len), "--num-prompts", str(num_prompts), "--request-rate", "inf",
+                   "--num-warmups", "0", "--result-json", str(tmp_path / "e.json"))
+    assert rc == 0
+    result = json.loads((tmp_path / "e.json").read_text())
+    assert result["completed"] == num_prompts and result["failed"] == 0
+    assert result["input_lens"] == [input_len] * num_prompts and result["total_output_tokens"] == 0
+    assert result["ttfts"] == result["e2els"] and result["mean_ttft_ms"] > 0 and result["tpots"] == []
+    served = _sample(server.metrics(), "pdcluster:request_success_total") - \
+        _sample(before, "pdcluster:request_success_total")
+    assert served == num_prompts
+
+
+@pytest.mark.timeout(240)
 def test_sweep_over_two_rates_writes_both_runs_and_a_sweep_plot(server, tmp_path):
     before = server.metrics()
     rc = _loadtest("--base-url", server.base_url, "--model", MODEL, "--random-input-len", "16",

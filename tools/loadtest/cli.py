@@ -59,7 +59,8 @@ def add_loadtest_parser(subparsers) -> argparse.ArgumentParser:
     t = p.add_argument_group("target")
     t.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, e.g. http://127.0.0.1:8000")
     t.add_argument("--endpoint", choices=tuple(ENDPOINTS), default="completions",
-                   help="completions: /v1/completions; chat: /v1/chat/completions")
+                   help="completions: /v1/completions; chat: /v1/chat/completions; embeddings: /v1/embeddings "
+                        "(one JSON answer: TTFT = E2E, no output tokens)")
     t.add_argument("--model", help="the served model name (required unless --compare)")
     t.add_argument("--tokenizer", default=None,
                    help="tokenizer for exact prompt lengths: a pdcluster built-in model or a directory with "

@@ -9,6 +9,9 @@ the last such chunk, and the output token count comes from the server's ``usage`
 Failures are recorded by kind, never raised: ``http_<status>``, ``timeout`` (the whole request, not one
 read, exceeded ``timeout_s``), ``connection``, ``stream_error`` (an error event inside the stream),
 ``incomplete`` (the stream ended before a finish) and ``no_output``.
+
+``embeddings`` (/v1/embeddings) is one JSON answer, not a stream: its TTFT and E2E are both the time to the whole
+answer, and it has no output tokens (``no_output``: an answer without a vector).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import httpx
 
 from pdcluster.tools.loadtest.datasets import SampleRequest
 
-ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "embeddings": "/v1/embeddings"}
 ERROR_TEXT_LIMIT = 300
 
 
@@ -45,6 +48,8 @@ class Target:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def payload(self, sample: SampleRequest) -> dict:
+        if self.endpoint == "embeddings":  # text or token ids: /v1/embeddings takes either as input
+            return {"model": self.model, "input": sample.prompt}
         body = {"model": self.model, "max_tokens": sample.output_len, "temperature": self.temperature,
                 "stream": True, "stream_options": {"include_usage": True}}
         if self.ignore_eos:
@@ -103,8 +108,10 @@ async def send_request(http: httpx.AsyncClient, target: Target, sample: SampleRe
     record = RequestRecord(sample.prompt_len, sample.output_len)
     payload = target.payload(sample)
     record.send_time_s = time.perf_counter()
+    exchange = _embed(http, target, payload, record) if target.endpoint == "embeddings" else \
+        _stream(http, target, payload, record, tokenizer)
     try:
-        await asyncio.wait_for(_stream(http, target, payload, record, tokenizer), timeout=target.timeout_s)
+        await asyncio.wait_for(exchange, timeout=target.timeout_s)
     except asyncio.TimeoutError:
         record.fail("timeout", f"no complete answer within {target.timeout_s:g} s")
     except httpx.TimeoutException as e:
@@ -168,6 +175,30 @@ async def _stream(http: httpx.AsyncClient, target: Target, payload: dict, record
     else:
         record.output_len = len(record.chunk_times_s)
     if usage and isinstance(usage.get("prompt_tokens"), int):
+        record.server_prompt_len = usage["prompt_tokens"]
+    record.ok = True
+
+
+async def _embed(http: httpx.AsyncClient, target: Target, payload: dict, record: RequestRecord) -> None:
+    response = await http.post(target.url, json=payload, headers=target.headers)
+    elapsed_s = time.perf_counter() - record.send_time_s
+    if response.status_code != 200:
+        record.fail(f"http_{response.status_code}", _error_message(response.text))
+        return
+    try:
+        answer = response.json()
+        vector = answer["data"][0]["embedding"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        record.fail("no_output", f"no embedding in the answer: {response.text[:100]!r}")
+        return
+    if not vector:
+        record.fail("no_output", "the answer's embedding is empty")
+        return
+    record.chunk_times_s = [elapsed_s]
+    record.ttft_s = record.e2e_s = elapsed_s
+    record.finish_reason = "stop"
+    usage = answer.get("usage") or {}
+    if isinstance(usage.get("prompt_tokens"), int):
         record.server_prompt_len = usage["prompt_tokens"]
     record.ok = True
 
