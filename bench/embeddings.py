@@ -3,6 +3,7 @@
 
     python bench/embeddings.py [--vllm-python /work/vllmenv/bin/python] [--threads 1] [--dtype bfloat16]
                                [--num-prompts 32] [--prompt-len 200] [--out FILE]
+                               [--served [--served-modes colocated local disagg] [--no-offline]]
 
 SmolLM2-135M, last-token pooling, normalised (vLLM's default for a decoder model), prefix caching off in both. vLLM
 needs an instance started as a pooling model for this; pdcluster embeds with the engine that generates.
@@ -11,6 +12,9 @@ needs an instance started as a pooling model for this; pdcluster embeds with the
   single ms        one prompt's embed call (median of 5, and best)
   agreement        cosine similarity of the two engines' vectors, prompt by prompt (min and mean): both pool the
                    same hidden state, so it shows the two engines' bf16 rounding, not a different definition
+Served (``--served``): ``vllm serve --runner pooling`` and ``pdcluster serve --mode M``, each alone on the box, each
+server's default threading, prefix caching off, driven by the same client, ``pdcluster loadtest --endpoint
+embeddings`` (random 256-token prompts, 64 at 2 req/s): requests/s, E2E latency, the server tree's peak RSS.
 Ratios: ours / vLLM for throughputs, vLLM / ours for latencies: > 1.0 means pdcluster is better. Each engine runs in a
 process of its own, warmed up first, with ``--threads`` threads (vLLM pinned to cores 0..N-1). "other_processes_cpu_s"
 is the noise gauge (the CPU the rest of the machine used meanwhile: ~0 on a quiet box).
@@ -30,7 +34,7 @@ from pathlib import Path
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 from json_report import emit_json  # noqa: E402
-from vs_vllm import VLLM_ENV, make_prompts, run_child, vllm_bind  # noqa: E402
+from vs_vllm import VLLM_CLI, VLLM_ENV, free_port, make_prompts, run_child, serve_one, vllm_bind  # noqa: E402
 
 NUM_VECTORS_KEPT = 8  # per engine, for the agreement
 
@@ -75,6 +79,54 @@ def ours_child(spec_file: str) -> int:
     return 0
 
 
+# ---- served ---------------------------------------------------------------------------------------------------
+SERVED_KEYS = ("completed", "failed", "duration", "request_throughput", "total_input_tokens", "mean_e2el_ms",
+               "median_e2el_ms", "p90_e2el_ms", "p99_e2el_ms")
+
+
+def drive_loadtest(args, model_dir: Path, port: int, work: Path, label: str) -> dict:
+    """``pdcluster loadtest --endpoint embeddings`` against the server on ``port`` (the same client for both)."""
+    import subprocess
+
+    out = work / f"{label}.json"
+    cmd = [str(Path(sys.executable).parent / "pdcluster"), "loadtest", "--no-progress", "--no-server-metrics",
+           "--base-url", f"http://127.0.0.1:{port}", "--model", "smollm2", "--tokenizer", str(model_dir),
+           "--endpoint", "embeddings", "--dataset", "random", "--random-input-len", str(args.served_input_len),
+           "--num-prompts", str(args.served_prompts), "--request-rate", str(args.request_rate), "--seed", "0",
+           "--num-warmups", "2", "--result-json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"pdcluster loadtest failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    raw = json.loads(out.read_text())
+    return {k: raw.get(k) for k in SERVED_KEYS}
+
+
+def served(args, model_dir: Path) -> dict:
+    out: dict = {"settings": {"input_len": args.served_input_len, "num_prompts": args.served_prompts,
+                              "request_rate": args.request_rate, "threads": "each server's default",
+                              "client": "pdcluster loadtest --endpoint embeddings"}}
+    with tempfile.TemporaryDirectory(prefix="embeddings_served_") as tmp:
+        work = Path(tmp)
+        port = free_port()
+        vllm_cmd = [args.vllm_python, "-c", VLLM_CLI, "serve", str(model_dir), "--runner", "pooling",
+                    "--host", "127.0.0.1", "--port", str(port), "--dtype", args.dtype, "--served-model-name",
+                    "smollm2", "--no-enable-prefix-caching", "--max-model-len", "1024"]
+        out["vllm"] = serve_one(args, model_dir, "vllm", vllm_cmd, VLLM_ENV, port, work, drive=drive_loadtest)
+        for mode in args.served_modes:
+            port = free_port()
+            cmd = [str(Path(sys.executable).parent / "pdcluster"), "serve", "--mode", mode, "--host", "127.0.0.1",
+                   "--port", str(port), "--dtype", args.dtype, "--no-prefix-caching", "--served-model-name",
+                   "smollm2"]
+            out[f"pdcluster_{mode}"] = ours = serve_one(args, model_dir, mode, cmd, {}, port, work,
+                                                        drive=drive_loadtest)
+            theirs = out["vllm"]
+            out[f"ratios_{mode}"] = {
+                "request_throughput": ours["request_throughput"] / theirs["request_throughput"],
+                **{k: theirs[k] / ours[k] for k in ("mean_e2el_ms", "median_e2el_ms", "p99_e2el_ms",
+                                                     "peak_rss_mib")}}
+    return out
+
+
 def agreement(a: list[list[float]], b: list[list[float]]) -> dict:
     import numpy as np
 
@@ -90,6 +142,14 @@ def main() -> int:
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=200)
     p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--served", action="store_true", help="also serve both (vllm serve --runner pooling against "
+                   "pdcluster serve) and drive them with pdcluster loadtest --endpoint embeddings")
+    p.add_argument("--served-modes", nargs="+", default=["colocated"], choices=["colocated", "local", "disagg"])
+    p.add_argument("--served-prompts", type=int, default=64)
+    p.add_argument("--served-input-len", type=int, default=256)
+    p.add_argument("--request-rate", type=float, default=2.0)
+    p.add_argument("--server-start-timeout", type=float, default=600)
+    p.add_argument("--no-offline", action="store_true")
     p.add_argument("--out", default=None)
     p.add_argument("--_ours", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -102,6 +162,13 @@ def main() -> int:
     prompts = make_prompts(Tokenizer(model_dir), args.num_prompts, args.prompt_len)
     result: dict = {"model": "smollm2", "dtype": args.dtype, "threads": args.threads, "num_prompts": args.num_prompts,
                     "prompt_len": args.prompt_len, "pooling": "last, normalised", "prefix_caching": False}
+    if args.served and not args.vllm_python:
+        p.error("--served needs --vllm-python")
+    if args.served:
+        result["served"] = served(args, model_dir)
+    if args.no_offline:
+        emit_json(result, args.out)
+        return 0
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({"prompts": prompts, "dtype": args.dtype, "threads": args.threads}, f)
     try:

@@ -363,8 +363,10 @@ def bench_serve(args, model_dir: Path, port: int, result_dir: Path, label: str) 
     return {k: raw.get(k) for k in keys}
 
 
-def serve_one(args, model_dir: Path, label: str, cmd: list[str], env: dict, port: int, work: Path) -> dict:
-    """Start one server in its own process group, benchmark it, stop it; its figures and memory."""
+def serve_one(args, model_dir: Path, label: str, cmd: list[str], env: dict, port: int, work: Path,
+              drive=None) -> dict:
+    """Start one server in its own process group, benchmark it with ``drive(args, model_dir, port, work, label)``
+    (default: bench_serve), stop it; its figures and memory."""
     log = work / f"{label}.log"
     with open(log, "w") as log_file:
         proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=log_file, stderr=subprocess.STDOUT,
@@ -376,7 +378,7 @@ def serve_one(args, model_dir: Path, label: str, cmd: list[str], env: dict, port
         sampler.mark_ready()
         figures = {"startup_s": round(time.monotonic() - t0, 1)}
         busy0, client0 = busy_cpu_s(), children_cpu_s()
-        figures.update(bench_serve(args, model_dir, port, work, label))
+        figures.update((drive or bench_serve)(args, model_dir, port, work, label))
         busy, client = busy_cpu_s() - busy0, children_cpu_s() - client0
         figures.update(sampler.stop())
         # Noise gauge: CPU the rest of the machine used meanwhile (neither this server nor the client).

@@ -235,6 +235,29 @@ def test_token_ids_chat_truncation_normalize_and_dimensions(served, engine):
     assert np.abs(np.array(chat["data"][0]["embedding"]) - np.array(by_chat_ids)).max() < TOL
 
 
+def test_a_client_that_leaves_aborts_every_input(served, engine):
+    """64 long inputs, the client gone after 0.5 s: every input's request is aborted (the prompts computed fall far
+    short of all of them) and every block comes back."""
+    import time
+
+    import httpx
+
+    url, router = served
+    before = router.worker.stats()["num_prompt_tokens_computed"]
+    inputs = [[300 + (7 * i + j) % 4000 for j in range(250)] for i in range(64)]
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{url}/v1/embeddings", json={"input": inputs}, timeout=0.5)
+    left_at = time.monotonic()
+    while True:
+        stats = router.worker.stats()
+        if (stats["num_running"], stats["num_waiting"], stats["num_free_blocks"]) == (0, 0, stats["num_blocks"]) \
+                and router.num_open_streams == 0:
+            break
+        assert time.monotonic() - left_at < 10, f"not settled 10 s after the client left: {stats}"
+        time.sleep(0.05)
+    assert stats["num_prompt_tokens_computed"] - before < 64 * 250 // 2, "the inputs were not aborted"
+
+
 @pytest.mark.parametrize("body, status, param", [
     ({"input": ""}, 400, "input"),
     ({"input": []}, 400, "input"),
