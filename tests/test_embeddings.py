@@ -160,11 +160,33 @@ def test_pooler_config_reads_sentence_transformers_and_overrides(tmp_path):
         pooler_config(st, {"pooling_type": "cls"})
 
 
-def test_a_pooling_mode_not_served_is_refused(tmp_path):
-    from pdcluster.cluster.api.embeddings import pooler_config
+def test_a_pooling_mode_not_served_turns_the_routes_off_not_the_server(tmp_path):
+    """A directory asking for CLS pooling still serves generation; its embeddings, score and rerank answer 400 naming
+    the reason, unless --pooler-config chooses a pooling."""
+    import httpx
 
-    with pytest.raises(ValueError, match="Pooling config"):
-        pooler_config(_st_dir(tmp_path, "pooling_mode_cls_token", normalize=True))
+    from pdcluster.cluster.api.app import build_app
+    from pdcluster.cluster.api.embeddings import pooler_config
+    from pdcluster.cluster.local_router import LocalRouter
+    from test_api import serving
+
+    st = _st_dir(tmp_path, "pooling_mode_cls_token", normalize=True)
+    assert "Pooling config asks for a mode not served" in pooler_config(st).unavailable
+    assert pooler_config(st, '{"pooling_type": "MEAN"}').unavailable is None
+    with pytest.raises(ValueError, match="a JSON object is expected"):
+        pooler_config(st, "5")
+    router = LocalRouter(engine_config(num_kv_blocks=64), request_timeout_s=30)
+    try:
+        with serving(build_app(router, "tiny-random", pooler=pooler_config(st))) as url:
+            for path, body in (("/v1/embeddings", {"input": "a"}), ("/score", {"text_1": "a", "text_2": "b"}),
+                               ("/rerank", {"query": "a", "documents": ["b"]})):
+                r = httpx.post(f"{url}{path}", json=body, timeout=30)
+                assert r.status_code == 400 and "this server embeds nothing" in r.text, (path, r.text)
+            r = httpx.post(f"{url}/v1/completions", json={"model": "tiny-random", "prompt": "a", "max_tokens": 2},
+                           timeout=30)
+            assert r.status_code == 200
+    finally:
+        router.close()
 
 
 # ---- the HTTP API (the openai client, one in-process engine) ------------------------------------------------------

@@ -50,9 +50,11 @@ class PoolerConfig:
     normalize: bool = True
     # None: the model has no matryoshka training and ``dimensions`` is refused; () any width; else the widths.
     matryoshka_dimensions: tuple[int, ...] | None = None
+    # Why this server embeds nothing (its directory asks for a pooling not served here): the routes answer 400 with it.
+    unavailable: str | None = None
 
     def __post_init__(self) -> None:
-        if self.pooling_type not in POOLING_TYPES:
+        if self.unavailable is None and self.pooling_type not in POOLING_TYPES:
             raise ValueError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}")
 
 
@@ -61,6 +63,7 @@ def pooler_config(model_dir: str | Path | None, override: str | dict | None = No
     ``normalize``) over what the model directory says, over the default (last token, normalised)."""
     pooling, normalize = "last", True
     matryoshka: tuple[int, ...] | None = None
+    unavailable = None
     root = Path(model_dir) if model_dir is not None else None
     if root is not None and (root / "modules.json").is_file():
         modules = json.loads((root / "modules.json").read_text())
@@ -71,9 +74,10 @@ def pooler_config(model_dir: str | Path | None, override: str | dict | None = No
                 cfg = json.loads((root / m["path"] / "config.json").read_text())
                 modes = [ours for key, ours in _ST_MODES.items() if cfg.get(key)]
                 if len(modes) != 1 or sum(bool(v) for k, v in cfg.items() if k.startswith("pooling_mode_")) != 1:
-                    raise ValueError(f"{root}: its sentence-transformers Pooling config asks for a mode served here "
-                                     f"only alone ({', '.join(_ST_MODES)}): {cfg}")
-                pooling = modes[0]
+                    unavailable = (f"the model's sentence-transformers Pooling config asks for a mode not served "
+                                   f"here (only {', '.join(_ST_MODES)}, alone): {cfg}; serve --pooler-config chooses one")
+                else:
+                    pooling = modes[0]
     if root is not None and (root / "config.json").is_file():
         hf = json.loads((root / "config.json").read_text())
         if hf.get("matryoshka_dimensions"):
@@ -81,17 +85,24 @@ def pooler_config(model_dir: str | Path | None, override: str | dict | None = No
         elif hf.get("is_matryoshka"):
             matryoshka = ()
     if override:
-        values = json.loads(override) if isinstance(override, str) else dict(override)
+        values = json.loads(override) if isinstance(override, str) else override
+        if not isinstance(values, dict):
+            raise ValueError(f"a JSON object is expected, got {override!r}")
         unknown = sorted(set(values) - {"pooling_type", "normalize"})
         if unknown:
-            raise ValueError(f"--pooler-config: unknown keys {unknown} (known: pooling_type, normalize)")
+            raise ValueError(f"unknown keys {unknown} (known: pooling_type, normalize)")
         if "pooling_type" in values:
-            pooling = str(values["pooling_type"]).lower()
+            pooling, unavailable = str(values["pooling_type"]).lower(), None
         if "normalize" in values:
             if not isinstance(values["normalize"], bool):
-                raise ValueError(f"--pooler-config: normalize must be true or false, got {values['normalize']!r}")
+                raise ValueError(f"normalize must be true or false, got {values['normalize']!r}")
             normalize = values["normalize"]
-    return PoolerConfig(pooling, normalize, matryoshka)
+    return PoolerConfig(pooling, normalize, matryoshka, unavailable)
+
+
+def check_available(pooler: PoolerConfig) -> None:
+    if pooler.unavailable is not None:
+        raise APIError(400, f"this server embeds nothing: {pooler.unavailable}", code="unsupported_model")
 
 
 class EmbeddingRequest(StrictModel):
@@ -174,6 +185,7 @@ def pooling_params(pooler: PoolerConfig, lora_name: str | None, priority: int | 
 
 
 async def _prepare(body: EmbeddingRequest, router, served_model_name: str, pooler: PoolerConfig) -> _Prepared:
+    check_available(pooler)
     lora_name = check_model(body.model, served_model_name, router.lora_names) if body.model is not None else None
     dimensions = body.dimensions
     if dimensions is not None:

@@ -21,7 +21,8 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pdcluster.cluster.api.embeddings import PoolerConfig, check_lengths, embed_all, observe, pooling_params
+from pdcluster.cluster.api.embeddings import (PoolerConfig, check_available, check_lengths, embed_all, observe,
+                                              pooling_params)
 from pdcluster.cluster.api.middleware import APIError
 from pdcluster.cluster.api.protocol import StrictModel
 from pdcluster.cluster.api.serving import ClientGone, unless_disconnected
@@ -85,6 +86,7 @@ async def _similarities(router, served_model_name: str, pooler: PoolerConfig, me
                         second_name: str, prefix: str) -> tuple[list[float], int] | None:
     """Cosine similarity of each pair (the one first text against every second, or pair by pair) and the tokens
     embedded; None when the client left."""
+    check_available(pooler)
     lora_name = check_model(body.model, served_model_name, router.lora_names) if body.model is not None else None
     if not firsts or not seconds:
         raise APIError(400, "at least one text is needed on each side", param=second_name)
