@@ -603,8 +603,10 @@ class ModelRunner:
             k += len(per_req[r])
 
     def _has_pooling_rows(self, state: ExecuteModelState) -> bool:
-        """Whether a row of this step is a pooling request's prompt (a flag per slot: no Python per row)."""
-        return bool(self.states.pools_np[state.idx_mapping_np].any())
+        """Whether a row of this step is a pooling request's prompt (a flag per slot: no Python per row; nothing
+        at all while no slot holds one)."""
+        st = self.states
+        return st.num_pooling > 0 and bool(st.pools_np[state.idx_mapping_np].any())
 
     def _pooling_step(self, state: ExecuteModelState) -> dict[str, torch.Tensor]:
         """The pooled vectors (float32, on the device) of the pooling requests whose prompt this step completes:

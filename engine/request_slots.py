@@ -40,6 +40,7 @@ class RequestStates:
         self.has_penalties_np = np.zeros(max_num_reqs, dtype=bool)
         self.wants_logprobs_np = np.zeros(max_num_reqs, dtype=bool)
         self.pools_np = np.zeros(max_num_reqs, dtype=bool)  # an embedding: its prompt's hidden states pooled
+        self.num_pooling = 0  # slots with pools_np set: a step with none looks no further (the decode hot path)
         # Bumped whenever a slot is taken: a step finished after the next one was launched (async
         # scheduling) appends its tokens only to slots still held by the same request since its launch.
         self.epoch_np = np.zeros(max_num_reqs, dtype=np.int64)
@@ -67,7 +68,8 @@ class RequestStates:
         self.draws_np[idx] = not params.greedy
         self.has_penalties_np[idx] = params.has_penalties
         self.wants_logprobs_np[idx] = params.logprobs is not None
-        self.pools_np[idx] = params.pooling is not None
+        self.pools_np[idx] = pools = params.pooling is not None
+        self.num_pooling += pools
         self.epoch_np[idx] += 1
         return idx
 
@@ -77,6 +79,9 @@ class RequestStates:
             return
         self.index_to_req_id[idx] = None
         self.sampling_params[idx] = None
+        if self.pools_np[idx]:
+            self.pools_np[idx] = False
+            self.num_pooling -= 1
         self._free_indices.append(idx)
 
     def set_block_ids(self, idx: int, block_ids: list[int] | tuple[int, ...]) -> None:
