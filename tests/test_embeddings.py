@@ -175,6 +175,8 @@ def test_a_pooling_mode_not_served_turns_the_routes_off_not_the_server(tmp_path)
     assert pooler_config(st, '{"pooling_type": "MEAN"}').unavailable is None
     with pytest.raises(ValueError, match="a JSON object is expected"):
         pooler_config(st, "5")
+    with pytest.raises(ValueError, match="Expecting property name"):  # JSONDecodeError: serve says it in one line
+        pooler_config(st, "{mean}")
     router = LocalRouter(engine_config(num_kv_blocks=64), request_timeout_s=30)
     try:
         with serving(build_app(router, "tiny-random", pooler=pooler_config(st))) as url:
@@ -446,10 +448,11 @@ def test_the_prefill_worker_computes_it_and_no_kv_moves(tiny_dir, monkeypatch):
         _wait_free(p, num_blocks, 5)
 
 
+@pytest.mark.slow  # the default suite serves embeddings disaggregated through `pdcluster serve` (tests/test_serve.py)
 @pytest.mark.timeout(300)
 def test_disaggregated_cluster_serves_the_colocated_vectors(ray_session, engine):
-    """The Ray cluster, --mode disagg over tcp, behind the HTTP API: SmolLM2's vectors equal the engine's, and every
-    worker's blocks are back."""
+    """The Ray cluster, --mode disagg over tcp, behind the HTTP API: SmolLM2's vectors equal the engine's, no decode
+    worker computed a prompt token, and every worker's blocks are back."""
     import asyncio
 
     import httpx
