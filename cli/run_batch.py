@@ -35,6 +35,8 @@ def add_run_batch_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("-o", "--output-file", required=True, help="where the answers go (JSONL), or - for stdout")
     p.add_argument("--served-model-name", default=None, help="the name bodies give as model (default: --model)")
     p.add_argument("--max-concurrency", type=int, default=256, help="requests in flight at once")
+    p.add_argument("--request-timeout-s", type=float, default=3600.0,
+                   help="abort a request that makes no progress for this long (queued ones wait their turn)")
     p.add_argument("--pooler-config", default=None, metavar="JSON", help="as serve's: how embeddings pool")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=run_batch_main)
@@ -111,6 +113,8 @@ async def _run(app, requests: list[tuple[int, dict]], outputs: list, max_concurr
 def run_batch_main(args: argparse.Namespace) -> int:
     if args.max_concurrency < 1:
         raise ConfigError(f"--max-concurrency: must be at least 1, got {args.max_concurrency}")
+    if not args.request_timeout_s > 0:
+        raise ConfigError(f"--request-timeout-s: must be > 0, got {args.request_timeout_s}")
     if args.pooler_config is not None:  # checked before the model loads
         from pdcluster.cluster.api.embeddings import pooler_config
 
@@ -135,7 +139,7 @@ def run_batch_main(args: argparse.Namespace) -> int:
     from pdcluster.cluster.api.app import build_app  # torch and the engine: when running, not at --help
     from pdcluster.cluster.local_router import LocalRouter
 
-    router = LocalRouter(config)
+    router = LocalRouter(config, request_timeout_s=args.request_timeout_s)
     try:
         app = build_app(router, args.served_model_name or args.model, pooler=args.pooler_config)
         with tqdm(total=len(requests), desc="run-batch", unit="req", disable=args.no_progress, file=sys.stderr) as bar:

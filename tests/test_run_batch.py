@@ -90,6 +90,7 @@ def test_bad_files_and_flags_are_one_line(tiny_dir, tmp_path, capsys):
     assert rc == 2 and "--input-file: cannot read" in capsys.readouterr().err
     (tmp_path / "in.jsonl").write_text("")
     for flags, says in ((["--max-concurrency", "0"], "--max-concurrency: must be at least 1"),
+                        (["--request-timeout-s", "0"], "--request-timeout-s: must be > 0"),
                         (["--pooler-config", "{x"], "--pooler-config:")):
         rc = main(["run-batch", "--model", MODEL, "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "o"), *flags])
         assert rc == 2 and says in capsys.readouterr().err
