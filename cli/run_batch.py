@@ -2,7 +2,7 @@
 
 Each input line: ``{"custom_id": "...", "method": "POST", "url": URL, "body": {...}}`` with URL one of
 ``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``, ``/v1/responses``, ``/score`` (``/v1/score``),
-``/rerank`` (``/v1/rerank``, ``/v2/rerank``). Each output line, in the input's order:
+``/rerank`` (``/v1/rerank``, ``/v2/rerank``), ``/classify`` (``/v1/classify``). Each output line, in the input's order:
 ``{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}``: the answer the HTTP API gives
 that body (the same app, called in process: the same validation, defaults and errors), ``error`` null for a 200 and
 the answer's ``error`` object otherwise. A line that cannot be read (not JSON, no ``custom_id``, a ``custom_id``
@@ -24,7 +24,7 @@ from pdcluster.cluster.engine_args import add_engine_args, engine_config_from_ar
 from pdcluster.engine.config import ConfigError
 
 URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/score", "/v1/score",
-        "/rerank", "/v1/rerank", "/v2/rerank")
+        "/rerank", "/v1/rerank", "/v2/rerank", "/classify", "/v1/classify")
 
 
 def add_run_batch_parser(sub) -> argparse.ArgumentParser:
@@ -115,13 +115,10 @@ def run_batch_main(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-concurrency: must be at least 1, got {args.max_concurrency}")
     if not args.request_timeout_s > 0:
         raise ConfigError(f"--request-timeout-s: must be > 0, got {args.request_timeout_s}")
-    if args.pooler_config is not None:  # checked before the model loads
-        from pdcluster.cluster.api.embeddings import pooler_config
+    if args.pooler_config is not None:  # fastapi and the API modules: only when the flag is given
+        from pdcluster.cluster.api.embeddings import check_pooler_flag
 
-        try:
-            pooler_config(None, args.pooler_config)
-        except ValueError as e:
-            raise ConfigError(f"--pooler-config: {e}") from e
+        check_pooler_flag(args.pooler_config)
     lines = _read_lines(args.input_file)
     config = engine_config_from_args(args)
     outputs: list = [None] * len(lines)

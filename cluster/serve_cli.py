@@ -174,13 +174,10 @@ def _check_args(args: argparse.Namespace) -> None:
         from pdcluster.engine.models.mtp import find_mtp_checkpoint  # torch: when asked for, not at --help
 
         find_mtp_checkpoint(args.mtp_checkpoint, args.cache_dir or default_cache_dir(), args.model)
-    if args.pooler_config is not None:  # a bad value fails here, naming the flag, not in every API process
-        from pdcluster.cluster.api.embeddings import pooler_config
+    if args.pooler_config is not None:  # fastapi and the API modules: only when the flag is given
+        from pdcluster.cluster.api.embeddings import check_pooler_flag
 
-        try:
-            pooler_config(None, args.pooler_config)
-        except ValueError as e:  # json.JSONDecodeError is one
-            raise ConfigError(f"--pooler-config: {e}") from e
+        check_pooler_flag(args.pooler_config)
     if args.max_worker_restarts < 0:
         raise ConfigError(f"--max-worker-restarts: must be >= 0, got {args.max_worker_restarts}")
     if not args.request_timeout_s > 0:

@@ -141,6 +141,7 @@ class LLMEngine:
         leading prompt blocks this worker's prefix cache already holds (the producer skips those), or
         None when the pool cannot hold it now (the router then tries another worker).
         The connector reports its KV's arrival (``poll_kv``); ``abort_request`` gives it up."""
+        self.check_task(params)
         params = self.bind_lora(params)
         self.prepare_grammar(params)
         request = Request(request_id, list(prompt_token_ids), params, arrival_time=time.monotonic())
@@ -181,6 +182,18 @@ class LLMEngine:
                 f"prompt needs {need} KV blocks but the pool holds {self.kv_spec.num_blocks}"
             )
 
+    def check_task(self, params: SamplingParams) -> None:
+        """A sequence classifier (engine/models/classifier.py) pools and classifies and does not generate; another
+        model does not classify. Checked on every worker whatever the edge validated: a request the model cannot
+        run is an error for that request, not a failed step."""
+        classifier = self.model.classifier
+        if params.pooling == "classify" and classifier is None:
+            raise InvalidRequestError(f"this model ({self.model.architecture_name}) has no classification head: "
+                                      "serve a *ForSequenceClassification checkpoint to classify")
+        if classifier is not None and params.pooling is None:
+            raise InvalidRequestError(f"this model is a sequence classifier ({classifier.spec.num_labels} labels): it "
+                                      "does not generate; classify, score or embed with it")
+
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     validate: bool = True, follow: str | None = None) -> str:
         """``validate=False``: the caller's edge validated the request already (a served request is
@@ -189,6 +202,7 @@ class LLMEngine:
         prompt_token_ids = self.tokenize(prompt)
         if validate:
             self.validate(prompt_token_ids, params)
+        self.check_task(params)
         params = self.assign_seed(params)
         params = self.bind_lora(params)
         self.prepare_grammar(params)
@@ -367,6 +381,20 @@ class LLMEngine:
         params = replace(request or SamplingParams(), max_tokens=1, pooling=pooling, temperature=0.0,
                          logprobs=None, prompt_logprobs=None, structured_output=None, stop=[], stop_token_ids=[])
         return [finish_embedding(out.pooled, normalize) for out in self.generate(prompts, params)]
+
+    def classify(self, prompts: list[str | list[int]], activation: bool = True,
+                 request: SamplingParams | None = None) -> list[np.ndarray]:
+        """vLLM's ``LLM.classify`` for a sequence classifier (engine/models/classifier.py): one float32 vector per
+        prompt, its class probabilities (softmax over several labels, a sigmoid for one, as the config's
+        problem_type says), or the raw logits where not ``activation``. ``request``: where and how the prompts run."""
+        classifier = self.model.classifier
+        if classifier is None:
+            raise InvalidRequestError(f"this model ({self.model.architecture_name}) has no classification head: "
+                                      "serve a *ForSequenceClassification checkpoint to classify")
+        params = replace(request or SamplingParams(), max_tokens=1, pooling="classify", temperature=0.0,
+                         logprobs=None, prompt_logprobs=None, structured_output=None, stop=[], stop_token_ids=[])
+        logits = [np.asarray(out.pooled, dtype=np.float32) for out in self.generate(prompts, params)]
+        return [classifier.spec.activate(x) if activation else x for x in logits]
 
     def beam_search(self, prompts: list[str | list[int]], params: BeamSearchParams,
                     request: SamplingParams | None = None) -> list[list[Beam]]:

@@ -611,7 +611,8 @@ class ModelRunner:
     def _pooling_step(self, state: ExecuteModelState) -> dict[str, torch.Tensor]:
         """The pooled vectors (float32, on the device) of the pooling requests whose prompt this step completes:
         the last prompt position's final hidden state ("last"), or the mean over the prompt's ("mean", summed
-        chunk by chunk: such a request takes no prefix-cache hit, so every position passes here)."""
+        chunk by chunk: such a request takes no prefix-cache hit, so every position passes here), or a classifier's
+        logits from the last one ("classify")."""
         st, rows, done = self.states, state.rows, {}
         for i in np.flatnonzero(st.pools_np[state.idx_mapping_np] & (rows.num_output_np == 0)).tolist():
             req_id, idx = state.req_ids[i], int(state.idx_mapping_np[i])
@@ -621,6 +622,10 @@ class ModelRunner:
             if pooling == "last":
                 if completes:  # a copy: the hidden states may be a CUDA graph's buffer, which the next step rewrites
                     done[req_id] = state.hidden_states[first + q_len - 1].to(torch.float32, copy=True)
+                continue
+            if pooling == "classify":  # a sequence classifier's logits (engine/models/classifier.py): a new tensor
+                if completes:
+                    done[req_id] = self.model.classifier.logits(state.hidden_states[first + q_len - 1])
                 continue
             chunk_sum = state.hidden_states[first : first + q_len].float().sum(0)
             total = self._pooling_sums.pop(req_id, None)

@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 # How an embedding request (/v1/embeddings) pools its prompt's final hidden states into one vector: "last" the
 # last position's (vLLM's default for a decoder model), "mean" their average over the prompt.
 POOLING_TYPES = ("last", "mean")
+# A request's pooling: an embedding's, or "classify" (a sequence classifier's score head on the last position's
+# hidden state: its logits; engine/models/classifier.py).
+REQUEST_POOLINGS = (*POOLING_TYPES, "classify")
 
 
 @dataclass
@@ -72,9 +75,9 @@ class SamplingParams:
     # Scheduling priority (vLLM's): a lower value is admitted first and preempted last; equal values are
     # served first come, first served (engine/waiting_queue.py).
     priority: int = 0
-    # An embedding: the prompt's final hidden states pooled (one of POOLING_TYPES), returned with the one token
-    # such a request samples (RequestOutput.pooled; max_tokens 1: it is computed where the prompt is). None: a
-    # generation.
+    # An embedding: the prompt's final hidden states pooled (one of POOLING_TYPES), or a classifier's logits
+    # ("classify"), returned with the one token such a request samples (RequestOutput.pooled; max_tokens 1: it is
+    # computed where the prompt is). None: a generation.
     pooling: str | None = None
 
     def __post_init__(self) -> None:
@@ -116,8 +119,8 @@ class SamplingParams:
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         if self.pooling is not None:
-            if self.pooling not in POOLING_TYPES:
-                raise ValueError(f"pooling must be one of {', '.join(POOLING_TYPES)}, got {self.pooling!r}")
+            if self.pooling not in REQUEST_POOLINGS:
+                raise ValueError(f"pooling must be one of {', '.join(REQUEST_POOLINGS)}, got {self.pooling!r}")
             if self.max_tokens != 1:
                 raise ValueError(f"a pooling request samples one token (max_tokens 1), got max_tokens={self.max_tokens}")
 

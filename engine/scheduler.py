@@ -14,10 +14,8 @@ status WAITING_FOR_REMOTE_KV, in no queue, until the KV connector reports it lan
 
 from __future__ import annotations
 
-from typing import Callable
 from dataclasses import dataclass, field
-
-import numpy as np
+from typing import TYPE_CHECKING, Callable
 
 from pdcluster.engine.block_manager import BlockManager
 from pdcluster.engine.config import EngineConfig
@@ -31,6 +29,9 @@ from pdcluster.engine.scheduler_output import ModelRunnerOutput, ScheduledReques
 from pdcluster.engine.waiting_queue import WaitingQueue, priority_of
 from pdcluster.wire.kv_connector import KVConnectorOutput, LoadedKV, SchedulerConnector
 from pdcluster.wire.logprobs import TokenLogprobs
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 # Requests the scheduler holds in no queue: their KV is on its way (another worker, a lower tier).

@@ -78,6 +78,11 @@ class Tokenizer:
         as in transformers; `add_special_tokens` adds what the tokenizer's post-processor adds (BOS)."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_pair(self, text: str, pair: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of two texts as one input, as transformers' ``tokenizer(text, text_pair)`` gives them (the
+        post-processor's pair template where ``add_special_tokens``: what a cross-encoder reads)."""
+        return self._tok.encode(text, pair, add_special_tokens=add_special_tokens).ids
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         text = self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return _clean_up_tokenization(text) if self._clean_up_spaces else text

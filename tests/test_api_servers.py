@@ -87,6 +87,29 @@ def _run_with_service(router, socket_dir: str, body) -> None:
     asyncio.run(main())
 
 
+def with_one_api_process(router, body) -> None:
+    """``body(remote)`` against one API process's RemoteRouter handshaken with a RouterService over ``router`` on
+    real zmq ipc sockets in a fresh directory; the remote, the service, the router and the directory are closed
+    after (other files' tests of what crosses the frontend codec)."""
+    import shutil
+    import tempfile
+
+    socket_dir = tempfile.mkdtemp(prefix="pdc-")  # short: an ipc path must fit in sockaddr_un
+
+    async def with_remote(service):
+        remote = await _remote(socket_dir, 0)
+        try:
+            await body(remote)
+        finally:
+            remote.close()
+
+    try:
+        _run_with_service(router, socket_dir, with_remote)
+    finally:
+        router.close()
+        shutil.rmtree(socket_dir, ignore_errors=True)
+
+
 def _idle(router) -> bool:
     stats = router.stats()
     worker = stats["workers"][0]

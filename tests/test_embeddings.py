@@ -492,33 +492,20 @@ def test_disaggregated_cluster_serves_the_colocated_vectors(ray_session, engine)
 
 def test_the_vector_reaches_an_api_process(tiny_dir):
     """Behind --api-servers N the API process's RemoteRouter gets the router process's vector (frontend codec)."""
-    import shutil
-    import tempfile
-
+    from pdcluster.cluster.api.embeddings import _embed_one
     from pdcluster.cluster.local_router import LocalRouter
-    from test_api_servers import _remote, _run_with_service
+    from pdcluster.engine.pooling import finish_embedding, pooled_vector
+    from test_api_servers import with_one_api_process
 
     prompt = list(range(300, 340))
     want = make_engine("tiny-random", num_kv_blocks=64).embed([prompt])[0]
     router = LocalRouter(engine_config(num_kv_blocks=64), request_timeout_s=60)
-    socket_dir = tempfile.mkdtemp(prefix="pdc-")  # short: an ipc path must fit in sockaddr_un
 
-    async def body(service):
-        from pdcluster.cluster.api.embeddings import _embed_one
-        from pdcluster.engine.pooling import finish_embedding, pooled_vector
+    async def body(remote):
+        raw = await _embed_one(remote, "e1", prompt, SamplingParams(max_tokens=1, pooling="last"))
+        assert np.abs(finish_embedding(pooled_vector(raw)) - want).max() < 1e-5
 
-        remote = await _remote(socket_dir, 0)
-        try:
-            raw = await _embed_one(remote, "e1", prompt, SamplingParams(max_tokens=1, pooling="last"))
-            assert np.abs(finish_embedding(pooled_vector(raw)) - want).max() < 1e-5
-        finally:
-            remote.close()
-
-    try:
-        _run_with_service(router, socket_dir, body)
-    finally:
-        router.close()
-        shutil.rmtree(socket_dir, ignore_errors=True)
+    with_one_api_process(router, body)
 
 
 # ---- on a GPU -----------------------------------------------------------------------------------------------------

@@ -490,29 +490,18 @@ def test_embeddings_with_an_adapter_match_peft(adapters, tiny_dir):
 def test_api_processes_learn_the_adapters_and_route_them(adapters, references):
     """Behind ``--api-servers N`` each API process learns the adapter names in its handshake (Welcome) and
     its requests carry the adapter to the router process (RouterService over real zmq ipc)."""
-    import tempfile
-
     from pdcluster.cluster.local_router import LocalRouter
-    from test_api_servers import _remote, _run_with_service, _tokens
+    from test_api_servers import _tokens, with_one_api_process
 
     router = LocalRouter(engine_config(MODEL, dtype="float32", lora_modules=_modules(adapters)), request_timeout_s=30)
-    socket_dir = tempfile.mkdtemp(prefix="pdc-")  # short: an ipc path must fit in sockaddr_un
 
-    async def body(service):
-        remote = await _remote(socket_dir, 0)
-        try:
-            assert remote.lora_names == ("a1", "a2")
-            for name in ("a2", None):
-                tokens, _ = await _tokens(remote.generate(f"r-{name}", PROMPTS[2], _params(name)))
-                assert tokens == references[(name, 2)], name
-        finally:
-            remote.close()
+    async def body(remote):
+        assert remote.lora_names == ("a1", "a2")
+        for name in ("a2", None):
+            tokens, _ = await _tokens(remote.generate(f"r-{name}", PROMPTS[2], _params(name)))
+            assert tokens == references[(name, 2)], name
 
-    try:
-        _run_with_service(router, socket_dir, body)
-    finally:
-        router.close()
-        shutil.rmtree(socket_dir, ignore_errors=True)
+    with_one_api_process(router, body)
 
 
 @pytest.mark.timeout(300)

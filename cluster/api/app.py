@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pdcluster.cluster.api.beam import serve_beam_search
+from pdcluster.cluster.api.classify import ClassifyRequest, check_generates, serve_classify
 from pdcluster.cluster.api.embeddings import EmbeddingRequest, PoolerConfig, pooler_config, serve_embeddings
 from pdcluster.cluster.api.logprobs import TokenStrings
 from pdcluster.cluster.api.lora_routes import install_lora_routes
@@ -65,6 +66,7 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        check_generates(pooler, served_model_name)
         prep = await prepare(body, router, served_model_name)
         if prep.beam is not None:
             return await serve_beam_search(prep, request, router, metrics, strings)
@@ -72,6 +74,7 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_generates(pooler, served_model_name)
         prep = await prepare(body, router, served_model_name, tool_parser, reasoning_parser)
         if prep.beam is not None:
             return await serve_beam_search(prep, request, router, metrics, strings)
@@ -79,6 +82,7 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request):
+        check_generates(pooler, served_model_name)
         return await serve_response(body, request, router, served_model_name, metrics, strings, tool_parser,
                                     reasoning_parser)
 
@@ -94,6 +98,11 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
     async def rerank(body: RerankRequest, request: Request):
         return await serve_rerank(body, request, router, served_model_name, pooler, metrics)
 
+    async def classify(body: ClassifyRequest, request: Request):  # vLLM's, for a sequence classifier
+        return await serve_classify(body, request, router, served_model_name, pooler, metrics)
+
+    for path in ("/classify", "/v1/classify"):
+        app.add_api_route(path, classify, methods=["POST"])
     for path in ("/score", "/v1/score"):
         app.add_api_route(path, score, methods=["POST"])
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):

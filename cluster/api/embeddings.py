@@ -37,6 +37,7 @@ from pdcluster.cluster.api.serving import ClientGone, unless_disconnected
 from pdcluster.cluster.api.validation import MAX_PROMPTS, chat_prompt_ids, chat_template_kwargs, check_model
 from pdcluster.cluster.api.whole_request import whole_request
 from pdcluster.cluster.metrics import Metrics
+from pdcluster.engine.models.classifier import ClassifierSpec, classifier_spec_of_dir
 from pdcluster.engine.pooling import finish_embedding, pooled_vector
 from pdcluster.engine.sampling_params import POOLING_TYPES, SamplingParams
 
@@ -52,10 +53,26 @@ class PoolerConfig:
     matryoshka_dimensions: tuple[int, ...] | None = None
     # Why this server embeds nothing (its directory asks for a pooling not served here): the routes answer 400 with it.
     unavailable: str | None = None
+    # A sequence classifier's labels (engine/models/classifier.py), from its config.json: /classify serves it, a
+    # one-label one scores /score and /rerank as a cross-encoder, and it does not generate. None: a causal model.
+    classifier: ClassifierSpec | None = None
 
     def __post_init__(self) -> None:
         if self.unavailable is None and self.pooling_type not in POOLING_TYPES:
             raise ValueError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}")
+
+
+def check_pooler_flag(value: str | None) -> None:
+    """``--pooler-config`` (serve's, run-batch's) checked before any model loads: a bad value is one line naming
+    the flag, not a traceback from every API process."""
+    if value is None:
+        return
+    from pdcluster.engine.config import ConfigError
+
+    try:
+        pooler_config(None, value)
+    except ValueError as e:  # json.JSONDecodeError is one
+        raise ConfigError(f"--pooler-config: {e}") from e
 
 
 def pooler_config(model_dir: str | Path | None, override: str | dict | None = None) -> PoolerConfig:
@@ -97,7 +114,7 @@ def pooler_config(model_dir: str | Path | None, override: str | dict | None = No
             if not isinstance(values["normalize"], bool):
                 raise ValueError(f"normalize must be true or false, got {values['normalize']!r}")
             normalize = values["normalize"]
-    return PoolerConfig(pooling, normalize, matryoshka, unavailable)
+    return PoolerConfig(pooling, normalize, matryoshka, unavailable, classifier_spec_of_dir(root))
 
 
 def check_available(pooler: PoolerConfig) -> None:

@@ -1,14 +1,15 @@
-"""POST /score (and /v1/score) and POST /rerank (and /v1/rerank, /v2/rerank), as vLLM serves them for an embedding
-model: each text embedded (cluster/api/embeddings.py: the server's pooler), a pair's score the cosine similarity of
-its two vectors (vLLM's bi-encoder scoring; a cross-encoder's or a reranker's head is not served here).
+"""POST /score (and /v1/score) and POST /rerank (and /v1/rerank, /v2/rerank), as vLLM serves them: for an embedding
+model each text embedded (cluster/api/embeddings.py: the server's pooler), a pair's score the cosine similarity of
+its two vectors (vLLM's bi-encoder scoring); for a one-label sequence classifier (a cross-encoder reranker,
+cluster/api/classify.py) each pair read as one input and scored by the head, sigmoid-activated as vLLM does.
 
 /score: ``{"model"?, "text_1", "text_2"}`` (or vLLM's other spellings of the pair: ``queries`` with ``documents`` or
 ``items``, ``data_1`` with ``data_2``), each a string or a list of strings, paired 1:1, 1:N or N:N ->
 ``{"id", "object": "list", "created", "model", "data": [{"index", "object": "score", "score"}], "usage"}``.
 /rerank (Jina's and Cohere's shape): ``{"model"?, "query", "documents", "top_n"?: 0}`` -> ``{"id", "model", "usage",
 "results": [{"index", "document": {"text"}, "relevance_score"}]}``, best first, the ``top_n`` best (0: all).
-Both take vLLM's ``truncate_prompt_tokens`` (each text's last k tokens) and ``priority``; ``usage`` counts the tokens
-of every text embedded.
+Both take vLLM's ``truncate_prompt_tokens`` (each text's last k tokens, each pair's for a cross-encoder) and
+``priority``; ``usage`` counts the tokens of every input read.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from pdcluster.cluster.api.classify import classify_params
 from pdcluster.cluster.api.embeddings import (PoolerConfig, check_available, check_lengths, embed_all, observe,
                                               pooling_params)
 from pdcluster.cluster.api.middleware import APIError
@@ -84,9 +86,16 @@ def _tokenize(texts: list[str], tokenizer, param: str) -> list[list[int]]:
 async def _similarities(router, served_model_name: str, pooler: PoolerConfig, metrics: Metrics, request: Request,
                         body: _ScoringFields, firsts: list[str], seconds: list[str], first_name: str,
                         second_name: str, prefix: str) -> tuple[list[float], int] | None:
-    """Cosine similarity of each pair (the one first text against every second, or pair by pair) and the tokens
-    embedded; None when the client left."""
-    check_available(pooler)
+    """Each pair's score (the one first text against every second, or pair by pair) and the tokens read; None when
+    the client left. An embedding model's score is the cosine of the two texts' vectors; a one-label classifier's
+    (a cross-encoder) is its head's on the pair read as one input."""
+    cross = pooler.classifier is not None
+    if cross and pooler.classifier.num_labels != 1:
+        raise APIError(400, f"the model {served_model_name!r} is a classifier of {pooler.classifier.num_labels} "
+                            "labels: only a one-label classifier (a cross-encoder) scores pairs; POST /classify",
+                       code="unsupported_model")
+    if not cross:
+        check_available(pooler)
     lora_name = check_model(body.model, served_model_name, router.lora_names) if body.model is not None else None
     if not firsts or not seconds:
         raise APIError(400, "at least one text is needed on each side", param=second_name)
@@ -97,22 +106,40 @@ async def _similarities(router, served_model_name: str, pooler: PoolerConfig, me
         raise APIError(400, f"at most {MAX_CHOICES} texts a request, got {len(firsts) + len(seconds)}: split it",
                        param=second_name)
     tokenizer = router.tokenizer
-    prompts = await anyio.to_thread.run_sync(
-        lambda: _tokenize(firsts, tokenizer, first_name) + _tokenize(seconds, tokenizer, second_name))
+    if cross:
+        pairs = list(zip(firsts * len(seconds) if len(firsts) == 1 else firsts, seconds))
+        prompts = await anyio.to_thread.run_sync(lambda: _tokenize_pairs(pairs, tokenizer, second_name))
+        params = classify_params(lora_name, body.priority)
+    else:
+        prompts = await anyio.to_thread.run_sync(
+            lambda: _tokenize(firsts, tokenizer, first_name) + _tokenize(seconds, tokenizer, second_name))
+        params = pooling_params(pooler, lora_name, body.priority)
     prompts = check_lengths(prompts, body.truncate_prompt_tokens, router.max_model_len, param=second_name)
-    params = pooling_params(pooler, lora_name, body.priority)
     started = time.monotonic()
     try:
         pooled = await unless_disconnected(embed_all(router, f"{prefix}-{uuid.uuid4().hex}", prompts, params), request)
     except ClientGone:
         return None
     observe(metrics, started, prompts, params)
+    num_tokens = sum(len(ids) for ids in prompts)
+    if cross:
+        return [float(pooler.classifier.activate(logits)[0]) for logits in pooled], num_tokens
     vectors = [finish_embedding(v, normalize=True) for v in pooled]  # unit length: a dot product is the cosine
     queries, documents = vectors[: len(firsts)], vectors[len(firsts):]
     if len(queries) == 1:
         queries = queries * len(documents)
-    scores = [float(np.dot(q, d)) for q, d in zip(queries, documents)]
-    return scores, sum(len(ids) for ids in prompts)
+    return [float(np.dot(q, d)) for q, d in zip(queries, documents)], num_tokens
+
+
+def _tokenize_pairs(pairs: list[tuple[str, str]], tokenizer, param: str) -> list[list[int]]:
+    """Each (first, second) as one cross-encoder input: the tokenizer's pair template, as transformers' and vLLM's."""
+    out = []
+    for i, (first, second) in enumerate(pairs):
+        if not first or not second:
+            raise APIError(400, f"pair {i} has an empty text: give at least one token of text on each side",
+                           param=param)
+        out.append(tokenizer.encode_pair(first, second))
+    return out
 
 
 async def serve_score(body: ScoreRequest, request: Request, router, served_model_name: str, pooler: PoolerConfig,

@@ -29,6 +29,8 @@
                                             (MoE layers in engine/models/nemotron_moe.py)
     GraniteMoeHybridForCausalLM          -> the same (engine/models/granite_hybrid.py: Granite's layers as
                                             NemotronH blocks)
+    <Family>ForSequenceClassification    -> the Llama family's causal model above with a score head
+                                            (engine/models/classifier.py: reward models, classifiers, rerankers)
 
 Errors are one line naming what is wrong (a missing file, an unsupported architecture) and what is
 supported; they are ValueErrors (UnknownModelError), which the CLI reports without a traceback.
@@ -41,6 +43,8 @@ from pathlib import Path
 
 import torch
 
+from pdcluster.engine.models.classifier import SUFFIX as CLASSIFIER_SUFFIX
+from pdcluster.engine.models.classifier import causal_architecture
 from pdcluster.engine.models.deepseek import DeepseekArch, DeepseekModel
 from pdcluster.engine.models.gemma import GemmaArch, GemmaModel
 from pdcluster.engine.models.llama import LlamaModel
@@ -126,6 +130,13 @@ def architecture_of(model_dir: str | Path) -> str:
 
 def _classes(model_dir: str | Path):
     name = architecture_of(model_dir)
+    if name.endswith(CLASSIFIER_SUFFIX):  # a causal model with a score head (engine/models/classifier.py)
+        base = causal_architecture(name)
+        if ARCHITECTURES.get(base, (None,))[0] is not ModelArch:
+            raise ValueError(f"{model_dir}: architecture {name!r} is not supported; sequence classifiers are served "
+                             f"for the Llama family's architectures: "
+                             f"{', '.join(n.replace('ForCausalLM', CLASSIFIER_SUFFIX) for n, (a, _) in ARCHITECTURES.items() if a is ModelArch and n.endswith('ForCausalLM'))}")
+        return ARCHITECTURES[base]
     if name not in ARCHITECTURES:
         raise ValueError(f"{model_dir}: architecture {name!r} is not supported; supported: "
                          f"{', '.join(ARCHITECTURES)}")

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from pdcluster.engine.linear import Linear
+from pdcluster.engine.models.classifier import ClassifierHead, classifier_spec_of_dir, take_classifier_head
 from pdcluster.engine.models.packed_int import dequantize_packed, packed_ints_of
 from pdcluster.engine.models.quantized import dequantize_weights, scaled_weights_of
 from pdcluster.engine.models.mxfp4 import dequantize_checkpoint, is_mxfp4
@@ -79,6 +80,9 @@ def embedding_and_lm_head(arch, weights: dict[str, torch.Tensor]) -> tuple[torch
 class CausalLM:
     arch_class: ClassVar[type]  # ModelArch or HybridArch: ``from_dir`` reads the checkpoint's config.json
     lora = None  # the LoRA adapters installed on it (engine/lora/: a LoraSet), if any
+    # A *ForSequenceClassification checkpoint's score head (engine/models/classifier.py); such a model does not
+    # generate (its LM head is a stand-in).
+    classifier: ClassifierHead | None = None
 
     def __init__(self, arch, dtype: torch.dtype, deterministic: bool, embed_tokens: torch.Tensor,
                  lm_head: torch.Tensor):
@@ -100,7 +104,12 @@ class CausalLM:
         arch = cls.arch_class.from_dir(model_dir)
         if hasattr(arch, "for_context"):
             arch = arch.for_context(max_positions if max_model_len is None else max_model_len)
-        return cls(arch, text_weights(load_weights(model_dir, dtype, device)), dtype, max_positions, deterministic)
+        weights = text_weights(load_weights(model_dir, dtype, device))
+        spec = classifier_spec_of_dir(model_dir)
+        head = take_classifier_head(weights, spec, arch.hidden_size) if spec is not None else None
+        model = cls(arch, weights, dtype, max_positions, deterministic)
+        model.classifier = head
+        return model
 
     @property
     def architecture_name(self) -> str:

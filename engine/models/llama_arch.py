@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from pdcluster.engine.models.classifier import causal_architecture
 from pdcluster.engine.models.glm4_moe import ARCHITECTURE as GLM4_MOE_ARCHITECTURE
 from pdcluster.engine.models.glm4_moe import glm4_moe_arch
 from pdcluster.engine.models.moe import MoeArch
@@ -167,7 +168,9 @@ class ModelArch:
     @classmethod
     def from_dir(cls, model_dir: Path) -> "ModelArch":
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
-        arch = cfg.get("architectures") or ["LlamaForCausalLM"]
+        # A *ForSequenceClassification checkpoint is its family's causal model with a score head
+        # (engine/models/classifier.py).
+        arch = [causal_architecture(name) for name in cfg.get("architectures") or ["LlamaForCausalLM"]]
         if arch[0] not in SUPPORTED:
             raise ValueError(f"{model_dir}: architecture {arch[0]!r} is not supported here ({', '.join(SUPPORTED)})")
         if arch[0] in MULTIMODAL_TEXT:

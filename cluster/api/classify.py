@@ -1,0 +1,107 @@
+"""POST /classify (and /v1/classify), as vLLM serves it for a sequence classifier, and what else such a model changes.
+
+``{"model"?, "input": str | [str] | [int] | [[int]]}`` (or ``messages``: one chat rendered by the template) and vLLM's
+extras (``truncate_prompt_tokens``, ``add_special_tokens``, ``priority``, ``activation`` / ``use_activation``) ->
+``{"id", "object": "list", "created", "model", "data": [{"index", "label", "probs", "num_classes"}], "usage"}``.
+
+Each input is one router request with ``SamplingParams.pooling == "classify"``: the worker applies the checkpoint's
+score head to the last position's final hidden state (engine/models/classifier.py) where the prompt is computed, and
+the logits come back as an embedding's vector does (no decode-side block, no KV moved). ``probs`` are the logits
+activated as vLLM does (softmax over several labels, a sigmoid for one, or as config.json's ``problem_type`` says;
+the raw logits where ``activation`` is false); ``label`` names the highest.
+
+A one-label classifier is a cross-encoder: /score and /rerank (cluster/api/scoring.py) read each pair as one input
+(``tokenizer(text_1, text_2)``'s pair template) and score it by the head. A classifier does not generate: the
+completion, chat and responses routes answer 400 (``check_generates``).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import anyio
+import numpy as np
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from pdcluster.cluster.api.embeddings import PoolerConfig, _prompts, check_lengths, embed_all, observe
+from pdcluster.cluster.api.middleware import APIError
+from pdcluster.cluster.api.protocol import ChatMessage, Prompt, StrictModel
+from pdcluster.cluster.api.serving import ClientGone, unless_disconnected
+from pdcluster.cluster.api.validation import check_model
+from pdcluster.cluster.metrics import Metrics
+from pdcluster.engine.models.classifier import ClassifierSpec
+from pdcluster.engine.sampling_params import SamplingParams
+
+
+class ClassifyRequest(StrictModel):
+    model: str | None = None
+    input: Prompt | None = None
+    messages: list[ChatMessage] | None = None  # vLLM's chat classification: one conversation, templated
+    user: str | None = None
+    # vLLM's extras:
+    truncate_prompt_tokens: int | None = None
+    add_special_tokens: bool | None = None  # default: true for input, false for messages (the template's own)
+    add_generation_prompt: bool | None = False
+    chat_template_kwargs: dict | None = None
+    priority: int | None = 0  # lower first (engine/waiting_queue.py)
+    activation: bool | None = None  # vLLM's older name of use_activation
+    use_activation: bool | None = None  # false: the raw logits
+
+
+def check_classifier(pooler: PoolerConfig, served_model_name: str) -> ClassifierSpec:
+    if pooler.classifier is None:
+        raise APIError(400, f"the model {served_model_name!r} has no classification head: /classify needs a "
+                            "*ForSequenceClassification checkpoint", code="unsupported_model")
+    return pooler.classifier
+
+
+def check_generates(pooler: PoolerConfig, served_model_name: str) -> None:
+    """A classifier's checkpoint has no LM head: generation routes refuse it, in one line naming what it serves."""
+    if pooler.classifier is not None:
+        raise APIError(400, f"the model {served_model_name!r} is a sequence classifier "
+                            f"({pooler.classifier.num_labels} labels): it does not generate; POST /classify, /score, "
+                            "/rerank or /v1/embeddings", code="unsupported_model")
+
+
+def classify_params(lora_name: str | None, priority: int | None) -> SamplingParams:
+    return SamplingParams(max_tokens=1, pooling="classify", lora_name=lora_name,
+                          priority=0 if priority is None else priority)
+
+
+async def classify_all(router, request_id: str, prompts: list[list[int]], params: SamplingParams) -> list[np.ndarray]:
+    """Each prompt's logits (float32 [num_labels]), all as router requests at once (an embedding's path)."""
+    return await embed_all(router, request_id, prompts, params)
+
+
+async def serve_classify(body: ClassifyRequest, request: Request, router, served_model_name: str,
+                         pooler: PoolerConfig, metrics: Metrics) -> Response:
+    spec = check_classifier(pooler, served_model_name)
+    lora_name = check_model(body.model, served_model_name, router.lora_names) if body.model is not None else None
+    if body.activation is not None and body.use_activation is not None and body.activation != body.use_activation:
+        raise APIError(400, "activation and use_activation disagree: give one", param="use_activation")
+    activate = next((v for v in (body.use_activation, body.activation) if v is not None), True)
+    prompts = await anyio.to_thread.run_sync(_prompts, body, router.tokenizer)
+    prompts = check_lengths(prompts, body.truncate_prompt_tokens, router.max_model_len)
+    params = classify_params(lora_name, body.priority)
+    request_id = f"classify-{uuid.uuid4().hex}"
+    started = time.monotonic()
+    try:
+        logits = await unless_disconnected(classify_all(router, request_id, prompts, params), request)
+    except ClientGone:
+        return Response(status_code=499)
+    observe(metrics, started, prompts, params)
+    data = []
+    for i, raw in enumerate(logits):
+        if raw.shape != (spec.num_labels,):
+            raise APIError(503, f"classification failed: {raw.shape[0]} logits for {spec.num_labels} labels",
+                           kind="server_error")
+        probs = spec.activate(raw) if activate else raw
+        data.append({"index": i, "label": spec.labels[int(np.argmax(raw))], "probs": probs.tolist(),
+                     "num_classes": spec.num_labels})
+    num_prompt = sum(len(ids) for ids in prompts)
+    return JSONResponse({"id": request_id, "object": "list", "created": int(time.time()),
+                         "model": body.model or served_model_name, "data": data,
+                         "usage": {"prompt_tokens": num_prompt, "total_tokens": num_prompt, "completion_tokens": 0,
+                                   "prompt_tokens_details": None}})
