@@ -22,6 +22,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="the KV cache's element type: auto = the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2 halve a "
                         "16-bit cache's bytes a token: twice the tokens in the pool, half the bytes a KV transfer "
                         "moves")
+    g.add_argument("--hf-overrides", default="", metavar="JSON",
+                   help="keys set over the model's config.json, as vLLM's (e.g. '{\"architectures\": "
+                        "[\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": [\"no\", \"yes\"], "
+                        "\"method\": \"from_2_way_softmax\"}' serves Qwen3-Reranker as a cross-encoder)")
     g.add_argument("--max-model-len", type=int, default=0, help="0 = the model's limit, capped at 4096")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=0, help="0 = size the pool from --kv-cache-memory-gib")
@@ -143,7 +147,7 @@ SAME_NAMED_FLAGS = (
     "gpu_memory_utilization",
     "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "kv_offload_host_gib", "kv_offload_disk_dir",
     "kv_offload_disk_gib", "mtp_checkpoint", "num_threads", "seed", "cache_dir", "max_lora_rank",
-    "enable_lora", "max_loras", "mixed_cuda_graph_tokens",
+    "enable_lora", "max_loras", "mixed_cuda_graph_tokens", "hf_overrides",
 )
 
 

@@ -108,7 +108,8 @@ class Cluster:
         self._ray = ray
         num_prefill = spec.num_prefill if spec.mode == "disagg" else 0
         num_workers = num_prefill + spec.num_decode
-        self.model_dir = resolve_model(spec.engine.model, cache_dir=spec.engine.cache_dir or None)
+        self.model_dir = resolve_model(spec.engine.model, cache_dir=spec.engine.cache_dir or None,
+                                       hf_overrides=spec.engine.hf_overrides)
         self.tokenizer = Tokenizer(self.model_dir)
         arch = arch_from_dir(self.model_dir)
         self._started_ray = False

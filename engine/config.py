@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from pdcluster.engine.kv_offload.config import OffloadConfig
+from pdcluster.engine.models.hf_overrides import parse_hf_overrides
 
 
 class ConfigError(ValueError):
@@ -138,6 +139,9 @@ class EngineConfig:
     deterministic: bool | None = None
     seed: int = 0
     cache_dir: str = ""
+    # vLLM's --hf-overrides: JSON keys set over the model's config.json (engine/models/hf_overrides.py: an overlay
+    # directory), e.g. a causal reranker served as a classifier; "" for none.
+    hf_overrides: str = ""
     # LoRA adapters served beside the base model (engine/lora/), as ``name=path`` (a PEFT directory); a
     # request picks one by name (SamplingParams.lora_name, the API's ``model`` field). Every adapter is loaded
     # at start-up and kept; ``max_lora_rank`` refuses larger ones (vLLM's --max-lora-rank).
@@ -190,6 +194,10 @@ class EngineConfig:
         if self.offload_config().enabled and not self.enable_prefix_caching:
             raise ConfigError("kv_offload_*: the offload tiers keep prefix-cache blocks; turn prefix caching on "
                               "(drop --no-prefix-caching) or the tiers off")
+        try:
+            parse_hf_overrides(self.hf_overrides)
+        except ValueError as e:  # json.JSONDecodeError is one
+            raise ConfigError(f"hf_overrides: {e}") from None
         if not isinstance(self.max_lora_rank, int) or self.max_lora_rank <= 0:
             raise ConfigError(f"max_lora_rank: must be a positive integer, got {self.max_lora_rank!r}")
         if not isinstance(self.max_loras, int) or self.max_loras <= 0:

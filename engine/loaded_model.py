@@ -65,7 +65,8 @@ class LoadedModel:
             torch.set_num_threads(config.num_threads)
         if config.device == "cpu":
             keep_freed_memory()
-        model_dir: Path = resolve_model(config.model, cache_dir=config.cache_dir or None, progress=progress)
+        model_dir: Path = resolve_model(config.model, cache_dir=config.cache_dir or None, progress=progress,
+                                       hf_overrides=config.hf_overrides)
         tokenizer = Tokenizer(model_dir)
         arch = arch_from_dir(model_dir)
         hybrid = is_hybrid(arch)

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from conftest import engine_config, make_engine
+from pdcluster.engine.llm_engine import InvalidRequestError
 from pdcluster.engine.sampling_params import SamplingParams
 
 LABELS = {0: "negative", 1: "neutral", 2: "positive"}
@@ -57,6 +58,13 @@ def _build(tiny_dir, out, num_labels: int, tied: bool):
                                        "special_tokens": {sep: {"id": sep, "ids": [0], "tokens": [sep]}}}
         (out / "tokenizer.json").write_text(json.dumps(tokenizer))
     return model
+
+
+@pytest.fixture(scope="module")
+def hf_tiny(tiny_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +121,6 @@ def test_batched_beside_embeddings_keeps_the_logits(three_labels):
 
 
 def test_a_classifier_does_not_generate_and_a_causal_model_does_not_classify(three_labels):
-    from pdcluster.engine.llm_engine import InvalidRequestError
-
     path, _ = three_labels
     engine = make_engine(str(path), num_kv_blocks=64, max_model_len=256)
     with pytest.raises(InvalidRequestError, match="sequence classifier .3 labels.: it does not generate"):
@@ -167,6 +173,57 @@ def test_a_broken_checkpoint_is_refused_in_one_line(three_labels, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["GemmaForSequenceClassification"]}))
     with pytest.raises(ValueError, match="sequence classifiers are served for the Llama family"):
         load_model(tmp_path, torch.float32, 256)
+
+
+RERANKER = {"architectures": ["LlamaForSequenceClassification"], "method": "from_2_way_softmax",
+            "classifier_from_token": ["no", "yes"]}
+
+
+def test_a_causal_reranker_is_served_by_its_yes_and_no_rows(tiny_dir, hf_tiny):
+    """vLLM's conversion of a causal reranker (Qwen3-Reranker) by ``--hf-overrides``: the LM head's "yes" row less its
+    "no" row is a one-label head, whose sigmoid is the two-way softmax of the causal model's yes / no logits; with
+    no_post_processing each token's row is a label. The checkpoint is not edited: an overlay directory is."""
+    config = json.loads((tiny_dir / "config.json").read_text())
+    engine = make_engine("tiny-random", num_kv_blocks=64, max_model_len=256, hf_overrides=json.dumps(RERANKER))
+    assert json.loads((tiny_dir / "config.json").read_text()) == config  # the checkpoint as it was
+    assert engine.model.classifier.spec.labels == ("yes",)
+    no, yes = engine.tokenizer.token_to_id("no"), engine.tokenizer.token_to_id("yes")
+    for ids, got in zip(PROMPTS, engine.classify(PROMPTS)):
+        with torch.no_grad():
+            logits = hf_tiny(torch.tensor([ids])).logits[0, -1].double()
+        want = torch.softmax(logits[[no, yes]], dim=0)[1].item()
+        assert got.shape == (1,) and abs(float(got[0]) - want) < 1e-5, (got, want)
+    both = make_engine("tiny-random", num_kv_blocks=64, max_model_len=256,
+                       hf_overrides=json.dumps({**RERANKER, "method": "no_post_processing"}))
+    raw = both.classify(PROMPTS[:1], activation=False)[0]
+    with torch.no_grad():
+        logits = hf_tiny(torch.tensor([PROMPTS[0]])).logits[0, -1]
+    assert raw.shape == (2,) and np.abs(raw - logits[[no, yes]].numpy()).max() < TOL
+    with pytest.raises(InvalidRequestError, match="does not generate"):
+        engine.generate([PROMPTS[0]], SamplingParams(max_tokens=2))
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    ("[1]", "a JSON object is expected"),
+    ("{oops", "hf_overrides: Expecting property name"),
+    (json.dumps({**RERANKER, "method": "mean"}), "method must be one of from_2_way_softmax, no_post_processing"),
+    (json.dumps({**RERANKER, "classifier_from_token": ["yes"]}), "takes two tokens"),
+    (json.dumps({**RERANKER, "classifier_from_token": ["no", "not-a-token-of-it"]}), "is not one token"),
+])
+def test_bad_overrides_are_one_line(tiny_dir, overrides, needle):
+    with pytest.raises(ValueError, match=needle):
+        make_engine("tiny-random", num_kv_blocks=64, max_model_len=256, hf_overrides=overrides)
+
+
+def test_hf_overrides_flag_reaches_the_engine_config():
+    import argparse
+
+    from pdcluster.cluster.engine_args import add_engine_args, engine_config_from_args
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    args = p.parse_args(["--hf-overrides", json.dumps(RERANKER)])
+    assert json.loads(engine_config_from_args(args).hf_overrides) == RERANKER
 
 
 # ---- the HTTP API -------------------------------------------------------------------------------------------------

@@ -106,7 +106,7 @@ class CausalLM:
             arch = arch.for_context(max_positions if max_model_len is None else max_model_len)
         weights = text_weights(load_weights(model_dir, dtype, device))
         spec = classifier_spec_of_dir(model_dir)
-        head = take_classifier_head(weights, spec, arch.hidden_size) if spec is not None else None
+        head = take_classifier_head(weights, spec, arch.hidden_size, model_dir) if spec is not None else None
         model = cls(arch, weights, dtype, max_positions, deterministic)
         model.classifier = head
         return model

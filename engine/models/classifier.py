@@ -35,12 +35,22 @@ def causal_architecture(name: str) -> str:
     return name[: -len(SUFFIX)] + "ForCausalLM" if name.endswith(SUFFIX) else name
 
 
+# vLLM's conversions of a causal reranker's LM head into a score head (config.json ``method`` with
+# ``classifier_from_token``): "from_2_way_softmax" (Qwen3-Reranker, mxbai-rerank-v2: two tokens [false, true], one
+# label whose logit is their difference, so its sigmoid is the two-way softmax's "true"), "no_post_processing" (one
+# label a token, its LM-head row).
+FROM_TOKEN_METHODS = ("from_2_way_softmax", "no_post_processing")
+
+
 @dataclass(frozen=True)
 class ClassifierSpec:
     """What config.json says about a classifier's labels, readable without its weights (the API process)."""
 
     labels: tuple[str, ...]  # id2label in id order
     problem_type: str = ""  # transformers' problem_type; "" for none given
+    # The head made from LM-head rows of these tokens by ``method`` (FROM_TOKEN_METHODS); () for a score.weight.
+    from_tokens: tuple[str, ...] = ()
+    method: str = ""
 
     @property
     def num_labels(self) -> int:
@@ -71,6 +81,20 @@ def classifier_spec(config: dict) -> ClassifierSpec | None:
     names = config.get("architectures") or []
     if not names or not str(names[0]).endswith(SUFFIX):
         return None
+    method, tokens = config.get("method"), config.get("classifier_from_token")
+    if method is not None or tokens is not None:
+        if method not in FROM_TOKEN_METHODS:
+            raise ValueError(f"config.json method must be one of {', '.join(FROM_TOKEN_METHODS)} (with "
+                             f"classifier_from_token), got {method!r}")
+        if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) and t for t in tokens):
+            raise ValueError(f"config.json classifier_from_token must be a list of token strings, got {tokens!r}")
+        if method == "from_2_way_softmax":
+            if len(tokens) != 2:
+                raise ValueError(f"method from_2_way_softmax takes two tokens [false, true], got {tokens!r}")
+            labels = (tokens[1],)
+        else:
+            labels = tuple(tokens)
+        return ClassifierSpec(labels, str(config.get("problem_type") or ""), tuple(tokens), method)
     id2label = config.get("id2label")
     if isinstance(id2label, dict) and id2label:
         try:
@@ -107,9 +131,13 @@ class ClassifierHead:
         return hidden.float() @ self.weight.T
 
 
-def take_classifier_head(weights: dict[str, torch.Tensor], spec: ClassifierSpec, hidden_size: int) -> ClassifierHead:
-    """The checkpoint's ``score.weight`` popped from ``weights`` and checked against the labels; where the checkpoint
-    has no LM head, the token embedding stands in for it (``standin_lm_head``)."""
+def take_classifier_head(weights: dict[str, torch.Tensor], spec: ClassifierSpec, hidden_size: int,
+                         model_dir: str | Path | None = None) -> ClassifierHead:
+    """The checkpoint's ``score.weight`` popped from ``weights`` and checked against the labels, or (``from_tokens``)
+    made from the LM head's rows of those tokens, read in ``model_dir``'s tokenizer; where the checkpoint has no LM
+    head, the token embedding stands in for it (``standin_lm_head``)."""
+    if spec.from_tokens:
+        return ClassifierHead(spec, _head_from_tokens(weights, spec, model_dir))
     weight = weights.pop("score.weight", None)
     if weight is None:
         raise ValueError("a *ForSequenceClassification checkpoint needs score.weight (its classification head); "
@@ -127,3 +155,25 @@ def standin_lm_head(weights: dict[str, torch.Tensor]) -> None:
     embedding serves as the head, a tied model's own."""
     if "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+
+
+def _head_from_tokens(weights: dict[str, torch.Tensor], spec: ClassifierSpec, model_dir: str | Path | None):
+    from tokenizers import Tokenizer
+
+    if model_dir is None or not (Path(model_dir) / "tokenizer.json").is_file():
+        raise ValueError("classifier_from_token needs the model's tokenizer.json to find its tokens")
+    tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    ids = []
+    for token in spec.from_tokens:
+        token_id = tokenizer.token_to_id(token)
+        if token_id is None:  # a word the tokenizer splits has no one row (vLLM takes the token's id alike)
+            pieces = tokenizer.encode(token, add_special_tokens=False).ids
+            if len(pieces) != 1:
+                raise ValueError(f"classifier_from_token: {token!r} is not one token of this tokenizer ({pieces})")
+            token_id = pieces[0]
+        ids.append(token_id)
+    lm_head = weights.get("lm_head.weight", weights.get("model.embed_tokens.weight"))
+    if lm_head is None:
+        raise ValueError("classifier_from_token needs the checkpoint's LM head (lm_head.weight, or a tied embedding)")
+    rows = lm_head[ids].float()
+    return (rows[1] - rows[0]).unsqueeze(0) if spec.method == "from_2_way_softmax" else rows

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from . import gguf_convert, tiny_hybrid, tiny_hybrid_moe, tiny_random
+from .hf_overrides import overlay_dir, parse_hf_overrides
 
 CACHE_ENV = "PDCLUSTER_CACHE_DIR"
 STAMP_FILE = ".pdcluster-build.json"
@@ -80,20 +81,24 @@ def default_cache_dir() -> Path:
 
 
 def resolve_model(
-    name_or_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None, progress: bool = True
+    name_or_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None, progress: bool = True,
+    hf_overrides: str | dict | None = None,
 ) -> Path:
-    """The HF directory for a built-in model name (built on first use) or an existing model directory.
+    """The HF directory for a built-in model name (built on first use) or an existing model directory; with
+    ``hf_overrides`` (vLLM's, JSON or a dict) an overlay of it whose config.json has them set
+    (engine/models/hf_overrides.py).
 
     A built-in name wins over a same-named folder in the working directory.
     """
     name = os.fspath(name_or_path)
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    overrides = parse_hf_overrides(hf_overrides)
     if name in BUILTIN_MODELS:
-        cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-        return _ensure_built(name, cache / "models", progress)
+        return overlay_dir(_ensure_built(name, cache / "models", progress), overrides, cache)
     path = Path(name).expanduser()
     problem = _hf_dir_problem(path)
     if problem is None:
-        return path.resolve()
+        return overlay_dir(path.resolve(), overrides, cache)
     raise UnknownModelError(
         f"unknown model {name!r}: {problem}; give a built-in name ({', '.join(sorted(BUILTIN_MODELS))}) "
         "or a Hugging Face model directory with config.json, *.safetensors and tokenizer.json"

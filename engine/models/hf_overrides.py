@@ -1,0 +1,81 @@
+"""vLLM's ``--hf-overrides``: keys set over a model's config.json without editing the checkpoint (e.g. a causal
+reranker served as a classifier: ``{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token":
+["no", "yes"], "method": "from_2_way_softmax"}``).
+
+Every part of the engine and the API reads config.json from the model directory, so the override is a directory: an
+overlay in the cache (``<cache>/overrides/<digest>/``) holding links to every file of the model and its own
+config.json, the original with the overrides merged in (nested objects merged key by key, as vLLM updates a config).
+The overlay is named by the model directory and the overrides, built once in a temp directory and renamed into place,
+so processes that resolve it together (Ray workers) share one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+
+def parse_hf_overrides(text: str | dict | None) -> dict:
+    """The overrides as a dict ({} for none); ValueError naming what is wrong."""
+    if not text:
+        return {}
+    values = json.loads(text) if isinstance(text, str) else text
+    if not isinstance(values, dict):
+        raise ValueError(f"hf_overrides: a JSON object is expected, got {text!r}")
+    return values
+
+
+def merged_config(config: dict, overrides: dict) -> dict:
+    """``config`` with ``overrides`` set over it, nested objects merged key by key."""
+    out = dict(config)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merged_config(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def overlay_dir(model_dir: Path, overrides: dict, cache_dir: Path) -> Path:
+    """A directory that is ``model_dir`` with ``overrides`` over its config.json (``model_dir`` itself for none)."""
+    if not overrides:
+        return model_dir
+    model_dir = Path(model_dir).resolve()
+    key = json.dumps({"model": str(model_dir), "overrides": overrides}, sort_keys=True)
+    target = Path(cache_dir) / "overrides" / hashlib.sha256(key.encode()).hexdigest()[:24]
+    config = json.loads((model_dir / "config.json").read_text())
+    want = merged_config(config, overrides)
+    if target.is_dir() and _config_of(target) == want:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        for f in model_dir.iterdir():
+            if f.name != "config.json":
+                os.symlink(f, tmp / f.name)
+        (tmp / "config.json").write_text(json.dumps(want, indent=2) + "\n")
+        os.chmod(tmp, 0o755)
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process placed it first (a non-empty target): theirs serves
+            shutil.rmtree(tmp, ignore_errors=True)
+            if _config_of(target) != want:  # a stale overlay of an edited checkpoint: replace it
+                stale = target.with_name(f".{target.name}.stale-{os.getpid()}")
+                os.rename(target, stale)
+                shutil.rmtree(stale, ignore_errors=True)
+                return overlay_dir(model_dir, overrides, cache_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def _config_of(folder: Path) -> dict | None:
+    try:
+        return json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
