@@ -2,8 +2,13 @@
 .embed``), same model, same token-id prompts, same machine, one after the other. Prints JSON.
 
     python bench/embeddings.py [--vllm-python /work/vllmenv/bin/python] [--threads 1] [--dtype bfloat16]
-                               [--num-prompts 32] [--prompt-len 200] [--out FILE]
+                               [--num-prompts 32] [--prompt-len 200] [--task embed|classify] [--out FILE]
                                [--served [--served-modes colocated local disagg] [--no-offline]]
+
+``--task classify``: the same model served as a cross-encoder by both (``hf_overrides`` RERANKER_OVERRIDES: vLLM's
+conversion of a causal reranker, the LM head's "yes" row less its "no" row), ``LLMEngine.classify`` against vLLM's
+``LLM.classify``; "emb" in the figures is then one classification, and the agreement the largest difference of
+the two engines' probabilities.
 
 SmolLM2-135M, last-token pooling, normalised (vLLM's default for a decoder model), prefix caching off in both. vLLM
 needs an instance started as a pooling model for this; pdcluster embeds with the engine that generates.
@@ -37,6 +42,9 @@ from json_report import emit_json  # noqa: E402
 from vs_vllm import VLLM_CLI, VLLM_ENV, free_port, make_prompts, run_child, serve_one, vllm_bind  # noqa: E402
 
 NUM_VECTORS_KEPT = 8  # per engine, for the agreement
+# --task classify: SmolLM2 as a one-label cross-encoder, the same overrides on both sides.
+RERANKER_OVERRIDES = {"architectures": ["LlamaForSequenceClassification"], "classifier_from_token": ["no", "yes"],
+                      "method": "from_2_way_softmax"}
 
 
 def timed_embed(embed, prompts: list[list[int]], batch_repeats: int = 3, single_repeats: int = 5) -> dict:
@@ -70,10 +78,13 @@ def ours_child(spec_file: str) -> int:
     from pdcluster.engine.llm_engine import LLMEngine
 
     spec = json.loads(Path(spec_file).read_text())
+    classify = spec.get("task") == "classify"
     config = EngineConfig(model="smollm2", dtype=spec["dtype"], enable_prefix_caching=False, num_threads=spec["threads"],
-                          max_num_batched_tokens=8192, max_num_seqs=64, num_kv_blocks=2048, seed=0)
+                          max_num_batched_tokens=8192, max_num_seqs=64, num_kv_blocks=2048, seed=0,
+                          hf_overrides=json.dumps(RERANKER_OVERRIDES) if classify else "")
     engine = LLMEngine.from_config(config, progress=False)
-    result = timed_embed(lambda batch: engine.embed(batch, pooling="last"), spec["prompts"])
+    run = (lambda batch: engine.classify(batch)) if classify else (lambda batch: engine.embed(batch, pooling="last"))
+    result = timed_embed(run, spec["prompts"])
     result["torch_threads"] = torch.get_num_threads()
     print("OURS_RESULT " + json.dumps(result), flush=True)
     return 0
@@ -127,9 +138,12 @@ def served(args, model_dir: Path) -> dict:
     return out
 
 
-def agreement(a: list[list[float]], b: list[list[float]]) -> dict:
+def agreement(a: list[list[float]], b: list[list[float]], task: str = "embed") -> dict:
     import numpy as np
 
+    if task == "classify":
+        diff = [float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in zip(a, b)]
+        return {"probs_max_abs_diff": max(diff), "probs_mean_abs_diff": sum(diff) / len(diff), "num_prompts": len(diff)}
     cos = [float(np.dot(x, y) / (np.linalg.norm(x) * np.linalg.norm(y))) for x, y in zip(a, b)]
     return {"cosine_min": min(cos), "cosine_mean": sum(cos) / len(cos), "num_prompts": len(cos)}
 
@@ -141,6 +155,7 @@ def main() -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=200)
+    p.add_argument("--task", default="embed", choices=["embed", "classify"])
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--served", action="store_true", help="also serve both (vllm serve --runner pooling against "
                    "pdcluster serve) and drive them with pdcluster loadtest --endpoint embeddings")
@@ -161,16 +176,21 @@ def main() -> int:
     model_dir = resolve_model("smollm2", progress=False)
     prompts = make_prompts(Tokenizer(model_dir), args.num_prompts, args.prompt_len)
     result: dict = {"model": "smollm2", "dtype": args.dtype, "threads": args.threads, "num_prompts": args.num_prompts,
-                    "prompt_len": args.prompt_len, "pooling": "last, normalised", "prefix_caching": False}
+                    "prompt_len": args.prompt_len, "task": args.task, "prefix_caching": False,
+                    **({"hf_overrides": RERANKER_OVERRIDES} if args.task == "classify"
+                       else {"pooling": "last, normalised"})}
     if args.served and not args.vllm_python:
         p.error("--served needs --vllm-python")
+    if args.served and args.task != "embed":
+        p.error("--served measures embeddings only")
     if args.served:
         result["served"] = served(args, model_dir)
     if args.no_offline:
         emit_json(result, args.out)
         return 0
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump({"prompts": prompts, "dtype": args.dtype, "threads": args.threads}, f)
+        json.dump({"prompts": prompts, "dtype": args.dtype, "threads": args.threads, "task": args.task,
+                   "hf_overrides": RERANKER_OVERRIDES if args.task == "classify" else None}, f)
     try:
         result["pdcluster"] = ours = run_child([sys.executable, str(Path(__file__).resolve()), "--_ours", f.name],
                                                "OURS_RESULT", {}, args.timeout)
@@ -182,7 +202,7 @@ def main() -> int:
                 pick: {"batch_emb_s": ours[pick]["batch_emb_s"] / theirs[pick]["batch_emb_s"],
                        "single_ms": theirs[pick]["single_ms"] / ours[pick]["single_ms"]}
                 for pick in ("median", "best")}
-            result["agreement"] = agreement(ours["vectors"], theirs["vectors"])
+            result["agreement"] = agreement(ours["vectors"], theirs["vectors"], args.task)
             theirs.pop("vectors")
         ours.pop("vectors")
     finally:

