@@ -278,6 +278,15 @@ def test_classify_route_answers_transformers_probabilities(served, three_labels)
     assert r.status_code == 200, r.text
     want = _softmax(_logits(hf, tok.encode(tok.apply_chat_template(messages, add_generation_prompt=False))))
     assert np.abs(np.array(r.json()["data"][0]["probs"]) - want).max() < 1e-5
+    # vLLM's /pooling: the same probabilities, as pooling items (base64 float32 where asked).
+    r = _post(url, "/pooling", {"input": texts, "messages": None})
+    assert r.status_code == 200, r.text
+    for item, classified in zip(r.json()["data"], body["data"]):
+        assert item["object"] == "pooling"
+        assert np.abs(np.array(item["data"]) - np.array(classified["probs"])).max() < 1e-6
+    r = _post(url, "/pooling", {"messages": messages, "encoding_format": "base64"})
+    got = np.frombuffer(__import__("base64").b64decode(r.json()["data"][0]["data"]), dtype="<f4")
+    assert np.abs(got - want).max() < 1e-5
     stats = router.stats()["workers"][0]
     assert stats["num_free_blocks"] == stats["num_blocks"]
 
@@ -293,6 +302,7 @@ def test_classify_route_answers_transformers_probabilities(served, three_labels)
     ("/classify", {"input": "a", "activation": True, "use_activation": False}, 400, "disagree"),
     ("/classify", {"input": "a", "model": "other"}, 404, "other"),
     ("/classify", {"input": "a " * 400}, 400, "this server embeds at most 255"),
+    ("/pooling", {"input": "a", "dimensions": 2}, 400, "leave dimensions out"),
 ])
 def test_what_a_classifier_does_not_do_is_a_clear_4xx(served, path, body, status, needle):
     url, router = served

@@ -231,6 +231,13 @@ def test_openai_client_gets_the_engine_vectors(served, engine):
     b64 = _post(url, {"input": TEXTS[0], "encoding_format": "base64"}).json()
     vec = np.frombuffer(base64.b64decode(b64["data"][0]["embedding"]), dtype="<f4")
     assert np.array_equal(vec, np.array(got.data[0].embedding, dtype=np.float32))
+    # vLLM's /pooling answers the same vectors as pooling items.
+    import httpx
+
+    pooled = httpx.post(f"{url}/pooling", json={"input": TEXTS[:2]}, timeout=60).json()["data"]
+    assert [(d["index"], d["object"]) for d in pooled] == [(0, "pooling"), (1, "pooling")]
+    for d, ref in zip(pooled, got.data):
+        assert np.abs(np.array(d["data"], dtype=np.float32) - np.array(ref.embedding, dtype=np.float32)).max() < 1e-6
     stats = router.worker.stats()
     assert stats["num_free_blocks"] == stats["num_blocks"]
 

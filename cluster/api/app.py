@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pdcluster.cluster.api.beam import serve_beam_search
-from pdcluster.cluster.api.classify import ClassifyRequest, check_generates, serve_classify
+from pdcluster.cluster.api.classify import ClassifyRequest, check_generates, serve_classify, serve_pooling
 from pdcluster.cluster.api.embeddings import EmbeddingRequest, PoolerConfig, pooler_config, serve_embeddings
 from pdcluster.cluster.api.logprobs import TokenStrings
 from pdcluster.cluster.api.lora_routes import install_lora_routes
@@ -103,6 +103,11 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
 
     for path in ("/classify", "/v1/classify"):
         app.add_api_route(path, classify, methods=["POST"])
+
+    @app.post("/pooling")  # vLLM's generic route: an embedding model's vectors or a classifier's probabilities
+    async def pooling(body: EmbeddingRequest, request: Request):
+        return await serve_pooling(body, request, router, served_model_name, pooler, metrics)
+
     for path in ("/score", "/v1/score"):
         app.add_api_route(path, score, methods=["POST"])
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):

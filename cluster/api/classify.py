@@ -10,6 +10,9 @@ the logits come back as an embedding's vector does (no decode-side block, no KV 
 activated as vLLM does (softmax over several labels, a sigmoid for one, or as config.json's ``problem_type`` says;
 the raw logits where ``activation`` is false); ``label`` names the highest.
 
+POST /pooling (vLLM's generic pooling route, an embeddings body): ``data: [{"index", "object": "pooling", "data"}]``
+with an embedding model's vectors or a classifier's probabilities (``serve_pooling``).
+
 A one-label classifier is a cross-encoder: /score and /rerank (cluster/api/scoring.py) read each pair as one input
 (``tokenizer(text_1, text_2)``'s pair template) and score it by the head. A classifier does not generate: the
 completion, chat and responses routes answer 400 (``check_generates``).
@@ -17,6 +20,7 @@ completion, chat and responses routes answer 400 (``check_generates``).
 
 from __future__ import annotations
 
+import base64
 import time
 import uuid
 
@@ -25,7 +29,8 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pdcluster.cluster.api.embeddings import PoolerConfig, _prompts, check_lengths, embed_all, observe
+from pdcluster.cluster.api.embeddings import (EmbeddingRequest, PoolerConfig, _prompts, check_lengths, embed_all,
+                                              observe, serve_embeddings)
 from pdcluster.cluster.api.middleware import APIError
 from pdcluster.cluster.api.protocol import ChatMessage, Prompt, StrictModel
 from pdcluster.cluster.api.serving import ClientGone, unless_disconnected
@@ -75,8 +80,25 @@ async def classify_all(router, request_id: str, prompts: list[list[int]], params
     return await embed_all(router, request_id, prompts, params)
 
 
+async def serve_pooling(body: EmbeddingRequest, request: Request, router, served_model_name: str,
+                        pooler: PoolerConfig, metrics: Metrics) -> Response:
+    """vLLM's /pooling: what the model pools, as ``data: [{"index", "object": "pooling", "data"}]``: an embedding
+    model's vectors (as /v1/embeddings makes them), a classifier's probabilities (as /classify)."""
+    if pooler.classifier is None:
+        return await serve_embeddings(body, request, router, served_model_name, pooler, metrics, as_pooling=True)
+    if body.dimensions is not None:
+        raise APIError(400, "dimensions: a classifier's output has one entry a label: leave dimensions out",
+                       param="dimensions")
+    common = set(ClassifyRequest.model_fields) & set(EmbeddingRequest.model_fields)  # validated already
+    return await serve_classify(ClassifyRequest.model_construct(**{k: getattr(body, k) for k in common}), request, router, served_model_name, pooler, metrics,
+                                as_pooling=True, encoding_format=body.encoding_format)
+
+
 async def serve_classify(body: ClassifyRequest, request: Request, router, served_model_name: str,
-                         pooler: PoolerConfig, metrics: Metrics) -> Response:
+                         pooler: PoolerConfig, metrics: Metrics, as_pooling: bool = False,
+                         encoding_format: str | None = "float") -> Response:
+    """``as_pooling``: vLLM's /pooling answer for a classifier (each item ``{"index", "object": "pooling", "data"}``,
+    the probabilities, base64 float32 where ``encoding_format`` says)."""
     spec = check_classifier(pooler, served_model_name)
     lora_name = check_model(body.model, served_model_name, router.lora_names) if body.model is not None else None
     if body.activation is not None and body.use_activation is not None and body.activation != body.use_activation:
@@ -98,6 +120,11 @@ async def serve_classify(body: ClassifyRequest, request: Request, router, served
             raise APIError(503, f"classification failed: {raw.shape[0]} logits for {spec.num_labels} labels",
                            kind="server_error")
         probs = spec.activate(raw) if activate else raw
+        if as_pooling:
+            data.append({"index": i, "object": "pooling",
+                         "data": base64.b64encode(probs.astype("<f4").tobytes()).decode("ascii")
+                         if encoding_format == "base64" else probs.tolist()})
+            continue
         data.append({"index": i, "label": spec.labels[int(np.argmax(raw))], "probs": probs.tolist(),
                      "num_classes": spec.num_labels})
     num_prompt = sum(len(ids) for ids in prompts)

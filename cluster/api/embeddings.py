@@ -250,7 +250,8 @@ def observe(metrics: Metrics, started: float, prompts: list[list[int]], params: 
 
 
 async def serve_embeddings(body: EmbeddingRequest, request: Request, router, served_model_name: str,
-                           pooler: PoolerConfig, metrics: Metrics) -> Response:
+                           pooler: PoolerConfig, metrics: Metrics, as_pooling: bool = False) -> Response:
+    """``as_pooling``: vLLM's /pooling answer (each item ``{"index", "object": "pooling", "data"}``)."""
     prep = await _prepare(body, router, served_model_name, pooler)
     started = time.monotonic()
     try:
@@ -263,7 +264,8 @@ async def serve_embeddings(body: EmbeddingRequest, request: Request, router, ser
         vec = finish_embedding(raw, prep.normalize, prep.dimensions)
         embedding = (base64.b64encode(vec.astype("<f4").tobytes()).decode("ascii")
                      if body.encoding_format == "base64" else vec.tolist())
-        data.append({"object": "embedding", "index": i, "embedding": embedding})
+        data.append({"index": i, "object": "pooling", "data": embedding} if as_pooling else
+                    {"object": "embedding", "index": i, "embedding": embedding})
     num_prompt = sum(len(ids) for ids in prep.prompts)
     return JSONResponse({"id": prep.request_id, "object": "list", "created": int(time.time()),
                          "model": body.model or served_model_name, "data": data,

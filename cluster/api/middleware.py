@@ -165,7 +165,7 @@ class BodyLimitMiddleware:
 
 
 # Besides /v1/*: they cost CPU (and a model's time) like any API call.
-PROTECTED_PATHS = ("/tokenize", "/detokenize", "/score", "/rerank", "/v2/rerank", "/classify")
+PROTECTED_PATHS = ("/tokenize", "/detokenize", "/score", "/rerank", "/v2/rerank", "/classify", "/pooling")
 
 
 class ApiKeyMiddleware:
