@@ -387,6 +387,16 @@ def test_run_batch_classifies(three_labels, tmp_path):
     assert "does not generate" in out[1]["error"]["message"]
 
 
+def test_generate_cli_on_a_classifier_is_one_line(three_labels, capsys):
+    from pdcluster.cli.main import main
+
+    path, _ = three_labels
+    assert main(["generate", "--model", str(path), "--prompt", "hi", "--num-kv-blocks", "64",
+                 "--max-model-len", "256"]) == 2
+    err = capsys.readouterr().err
+    assert "does not generate" in err and "Traceback" not in err
+
+
 # ---- disaggregated ------------------------------------------------------------------------------------------------
 
 def test_the_prefill_worker_classifies_and_no_kv_moves(three_labels):
