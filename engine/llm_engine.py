@@ -396,6 +396,29 @@ class LLMEngine:
         logits = [np.asarray(out.pooled, dtype=np.float32) for out in self.generate(prompts, params)]
         return [classifier.spec.activate(x) if activation else x for x in logits]
 
+    def score(self, text_1: str | list[str], text_2: str | list[str], pooling: str = "last",
+              request: SamplingParams | None = None) -> list[float]:
+        """vLLM's ``LLM.score``: one score a pair, the texts paired 1:1, 1:N or N:N. A one-label classifier (a
+        cross-encoder) reads each pair as one input (the tokenizer's pair template) and scores it by its head,
+        activated (a sigmoid); another model embeds each text (``pooling``) and scores a pair by the cosine of the
+        two vectors."""
+        firsts = [text_1] if isinstance(text_1, str) else list(text_1)
+        seconds = [text_2] if isinstance(text_2, str) else list(text_2)
+        if not firsts or not seconds or (len(firsts) > 1 and len(firsts) != len(seconds)):
+            raise InvalidRequestError(f"score: texts pair 1:1, 1:N or N:N, got {len(firsts)}:{len(seconds)}")
+        if len(firsts) == 1:
+            firsts = firsts * len(seconds)
+        classifier = self.model.classifier
+        if classifier is not None:
+            if classifier.spec.num_labels != 1:
+                raise InvalidRequestError(f"score: a classifier of {classifier.spec.num_labels} labels does not score "
+                                          "pairs (a cross-encoder has one label); classify instead")
+            pairs = [self.tokenizer.encode_pair(a, b) for a, b in zip(firsts, seconds)]
+            return [float(p[0]) for p in self.classify(pairs, request=request)]
+        vectors = self.embed(firsts + seconds, pooling=pooling, request=request)
+        queries, documents = vectors[: len(firsts)], vectors[len(firsts):]
+        return [float(np.dot(q, d)) for q, d in zip(queries, documents)]
+
     def beam_search(self, prompts: list[str | list[int]], params: BeamSearchParams,
                     request: SamplingParams | None = None) -> list[list[Beam]]:
         """vLLM's ``LLM.beam_search`` (engine/beam_search.py): per prompt, its ``beam_width`` best beams,

@@ -365,6 +365,24 @@ def test_a_cross_encoder_scores_and_reranks_pairs_by_its_head(cross_encoder):
             assert r.status_code == 200 and r.json()["data"][0]["num_classes"] == 1
     finally:
         router.close()
+    # Offline, vLLM's LLM.score: the same scores, pair by pair and 1:N.
+    engine = make_engine(str(path), max_model_len=256, num_kv_blocks=64)
+    got = engine.score([q for q, _ in PAIRS], [d for _, d in PAIRS])
+    assert np.abs(np.array(got) - np.array(want)).max() < 1e-5
+    assert np.abs(np.array(engine.score(PAIRS[0][0], docs)) - np.array(want[:2])).max() < 1e-5
+    with pytest.raises(InvalidRequestError, match="1:1, 1:N or N:N"):
+        engine.score(["a", "b"], ["c", "d", "e"])
+
+
+def test_engine_score_of_an_embedding_model_is_the_cosine(three_labels):
+    """LLM.score on a model without a one-label head: the cosine of the two texts' embeddings; a classifier of several
+    labels refuses to score."""
+    engine = make_engine("tiny-random", num_kv_blocks=64, max_model_len=256)
+    docs = ["a cat sat", "the stock market fell"]
+    a, b, c = engine.embed(["a cat", *docs])
+    assert np.abs(np.array(engine.score("a cat", docs)) - np.array([a @ b, a @ c])).max() < 1e-6
+    with pytest.raises(InvalidRequestError, match="a classifier of 3 labels does not score pairs"):
+        make_engine(str(three_labels[0]), num_kv_blocks=64, max_model_len=256).score("a", "b")
 
 
 def test_run_batch_classifies(three_labels, tmp_path):
