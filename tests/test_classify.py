@@ -280,7 +280,7 @@ def test_classify_route_answers_transformers_probabilities(served, three_labels)
     assert np.abs(np.array(r.json()["data"][0]["probs"]) - want).max() < 1e-5
     # vLLM's /pooling: the same probabilities, as pooling items (base64 float32 where asked).
     r = _post(url, "/pooling", {"input": texts, "messages": None})
-    assert r.status_code == 200, r.text
+    assert r.status_code == 200 and r.json()["id"].startswith("pool-"), r.text
     for item, classified in zip(r.json()["data"], body["data"]):
         assert item["object"] == "pooling"
         assert np.abs(np.array(item["data"]) - np.array(classified["probs"])).max() < 1e-6

@@ -234,7 +234,9 @@ def test_openai_client_gets_the_engine_vectors(served, engine):
     # vLLM's /pooling answers the same vectors as pooling items.
     import httpx
 
-    pooled = httpx.post(f"{url}/pooling", json={"input": TEXTS[:2]}, timeout=60).json()["data"]
+    answer = httpx.post(f"{url}/pooling", json={"input": TEXTS[:2]}, timeout=60).json()
+    assert answer["id"].startswith("pool-")
+    pooled = answer["data"]
     assert [(d["index"], d["object"]) for d in pooled] == [(0, "pooling"), (1, "pooling")]
     for d, ref in zip(pooled, got.data):
         assert np.abs(np.array(d["data"], dtype=np.float32) - np.array(ref.embedding, dtype=np.float32)).max() < 1e-6

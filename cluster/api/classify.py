@@ -107,7 +107,7 @@ async def serve_classify(body: ClassifyRequest, request: Request, router, served
     prompts = await anyio.to_thread.run_sync(_prompts, body, router.tokenizer)
     prompts = check_lengths(prompts, body.truncate_prompt_tokens, router.max_model_len)
     params = classify_params(lora_name, body.priority)
-    request_id = f"classify-{uuid.uuid4().hex}"
+    request_id = f"{'pool' if as_pooling else 'classify'}-{uuid.uuid4().hex}"  # vLLM's id prefixes
     started = time.monotonic()
     try:
         logits = await unless_disconnected(classify_all(router, request_id, prompts, params), request)

@@ -267,6 +267,7 @@ async def serve_embeddings(body: EmbeddingRequest, request: Request, router, ser
         data.append({"index": i, "object": "pooling", "data": embedding} if as_pooling else
                     {"object": "embedding", "index": i, "embedding": embedding})
     num_prompt = sum(len(ids) for ids in prep.prompts)
-    return JSONResponse({"id": prep.request_id, "object": "list", "created": int(time.time()),
+    response_id = prep.request_id.replace("embd-", "pool-", 1) if as_pooling else prep.request_id  # vLLM's prefixes
+    return JSONResponse({"id": response_id, "object": "list", "created": int(time.time()),
                          "model": body.model or served_model_name, "data": data,
                          "usage": {"prompt_tokens": num_prompt, "total_tokens": num_prompt}})
