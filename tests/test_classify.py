@@ -136,6 +136,27 @@ def test_a_classifier_does_not_generate_and_a_causal_model_does_not_classify(thr
     assert engine.classify([PROMPTS[1]])[0].shape == (3,)
 
 
+@pytest.mark.parametrize("family", ["qwen2-yarn", "gemma2", "phi3"])
+def test_other_families_classify_as_transformers_does(family, tiny_dir, tmp_path):
+    """A classifier of another family (Qwen2 with YaRN, Gemma 2's norms and soft-capped attention, Phi-3's fused
+    checkpoint) made by transformers from the families' test configs: its logits are transformers'."""
+    import transformers
+
+    from test_model_families import CONFIGS, _redraw_weights
+
+    config_cls, model_cls, kwargs, _ = CONFIGS[family]
+    cfg = getattr(transformers, config_cls)(**kwargs, num_labels=2)
+    torch.manual_seed(0)
+    hf = getattr(transformers, model_cls.replace("ForCausalLM", "ForSequenceClassification"))(cfg).eval()
+    _redraw_weights(hf)
+    hf.save_pretrained(str(tmp_path))
+    shutil.copy(tiny_dir / "tokenizer.json", tmp_path)
+    engine = make_engine(str(tmp_path), num_kv_blocks=64, max_model_len=128, prefill_chunk_size=16)
+    prompts = [list(range(5, 45)), list(range(100, 107))]
+    for ids, got in zip(prompts, engine.classify(prompts, activation=False)):
+        assert np.abs(got - _logits(hf, ids)).max() < TOL, (family, got, _logits(hf, ids))
+
+
 def test_labels_and_activation_read_from_the_config():
     from pdcluster.engine.models.classifier import classifier_spec
 
@@ -171,7 +192,7 @@ def test_a_broken_checkpoint_is_refused_in_one_line(three_labels, tmp_path):
     with pytest.raises(ValueError, match=r"score.weight has shape \(3, 128\), expected \(2, 128\)"):
         load_model(tmp_path, torch.float32, 256)
     (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["GemmaForSequenceClassification"]}))
-    with pytest.raises(ValueError, match="sequence classifiers are served for the Llama family"):
+    with pytest.raises(ValueError, match="sequence classifiers are served for the Llama family and Gemma 2"):
         load_model(tmp_path, torch.float32, 256)
 
 

@@ -29,7 +29,7 @@
                                             (MoE layers in engine/models/nemotron_moe.py)
     GraniteMoeHybridForCausalLM          -> the same (engine/models/granite_hybrid.py: Granite's layers as
                                             NemotronH blocks)
-    <Family>ForSequenceClassification    -> the Llama family's causal model above with a score head
+    <Family>ForSequenceClassification    -> the Llama family's or Gemma's causal model above with a score head
                                             (engine/models/classifier.py: reward models, classifiers, rerankers)
 
 Errors are one line naming what is wrong (a missing file, an unsupported architecture) and what is
@@ -95,6 +95,11 @@ ARCHITECTURES = {
     "GraniteMoeHybridForCausalLM": (HybridArch, NemotronHModel),
 }
 REQUIRED_FILES = ("config.json", "tokenizer.json")
+# The causal architectures whose *ForSequenceClassification checkpoint (a flat text config with a score head) is
+# served: their loader attaches the head (CausalLM.build_with_head). transformers' Gemma 3 classifier wraps the
+# multimodal model's nested config: not among them.
+CLASSIFIER_BASES = tuple(n for n, (a, _) in ARCHITECTURES.items()
+                         if n.endswith("ForCausalLM") and (a is ModelArch or n == "Gemma2ForCausalLM"))
 # Quantized releases served by dequantizing at load, to the serving dtype (bf16 on a GPU: 2 bytes a weight, where
 # vLLM computes in the checkpoint's format): 8-bit FP8 / INT8 weights with their scales (engine/models/quantized.py)
 # and AWQ / GPTQ's packed integers (engine/models/packed_int.py) for every architecture, and gpt-oss's MXFP4 experts
@@ -132,10 +137,10 @@ def _classes(model_dir: str | Path):
     name = architecture_of(model_dir)
     if name.endswith(CLASSIFIER_SUFFIX):  # a causal model with a score head (engine/models/classifier.py)
         base = causal_architecture(name)
-        if ARCHITECTURES.get(base, (None,))[0] is not ModelArch:
+        if base not in CLASSIFIER_BASES:
+            served = [n.replace("ForCausalLM", CLASSIFIER_SUFFIX) for n in CLASSIFIER_BASES]
             raise ValueError(f"{model_dir}: architecture {name!r} is not supported; sequence classifiers are served "
-                             f"for the Llama family's architectures: "
-                             f"{', '.join(n.replace('ForCausalLM', CLASSIFIER_SUFFIX) for n, (a, _) in ARCHITECTURES.items() if a is ModelArch and n.endswith('ForCausalLM'))}")
+                             f"for the Llama family and Gemma 2: {', '.join(served)}")
         return ARCHITECTURES[base]
     if name not in ARCHITECTURES:
         raise ValueError(f"{model_dir}: architecture {name!r} is not supported; supported: "

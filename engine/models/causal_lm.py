@@ -104,7 +104,14 @@ class CausalLM:
         arch = cls.arch_class.from_dir(model_dir)
         if hasattr(arch, "for_context"):
             arch = arch.for_context(max_positions if max_model_len is None else max_model_len)
-        weights = text_weights(load_weights(model_dir, dtype, device))
+        return cls.build_with_head(model_dir, arch, text_weights(load_weights(model_dir, dtype, device)), dtype,
+                                   max_positions, deterministic)
+
+    @classmethod
+    def build_with_head(cls, model_dir: Path, arch, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                        max_positions: int, deterministic: bool) -> "CausalLM":
+        """``cls(arch, weights, ...)``, and a sequence classifier's score head where config.json names one
+        (engine/models/classifier.py: taken out of ``weights`` first)."""
         spec = classifier_spec_of_dir(model_dir)
         head = take_classifier_head(weights, spec, arch.hidden_size, model_dir) if spec is not None else None
         model = cls(arch, weights, dtype, max_positions, deterministic)

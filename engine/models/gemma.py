@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from pdcluster.engine.attention import AttentionMetadata, attend
 from pdcluster.engine.models.causal_lm import embedding_and_lm_head, load_weights, text_weights
+from pdcluster.engine.models.classifier import causal_architecture
 from pdcluster.engine.models.llama import DecoderLayer, LlamaModel, ModelArch, RotaryEmbedding
 from pdcluster.engine.models.rope import RopeScaling, rope_from_config
 
@@ -52,7 +53,7 @@ class GemmaArch(ModelArch):
     def from_dir(cls, model_dir: Path) -> "GemmaArch":
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
         where = str(model_dir)
-        arch = (cfg.get("architectures") or ["Gemma3ForCausalLM"])[0]
+        arch = causal_architecture((cfg.get("architectures") or ["Gemma3ForCausalLM"])[0])  # a classifier's too
         if arch not in GEMMA2 + GEMMA3:
             raise ValueError(f"{where}: architecture {arch!r} is not supported here ({', '.join(GEMMA2 + GEMMA3)})")
         gemma2 = arch in GEMMA2
@@ -184,8 +185,9 @@ class GemmaModel(LlamaModel):
         """A multimodal checkpoint's language model under the text model's names; its vision tower and
         projector are dropped (image inputs are refused at the API). ``max_model_len`` picks nothing here
         (Gemma's RoPE variants are static)."""
-        return cls(cls.arch_class.from_dir(model_dir), text_weights(load_weights(model_dir, dtype, device)), dtype,
-                   max_positions, deterministic)
+        return cls.build_with_head(model_dir, cls.arch_class.from_dir(model_dir),
+                                   text_weights(load_weights(model_dir, dtype, device)), dtype, max_positions,
+                                   deterministic)
 
     def __init__(self, arch: GemmaArch, weights: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int,
                  deterministic: bool = False):
