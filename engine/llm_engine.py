@@ -378,23 +378,18 @@ class LLMEngine:
         """vLLM's ``LLM.embed``: one float32 vector per prompt, the prompt's final hidden states pooled
         (``pooling``: "last" or "mean") and scaled to unit length where ``normalize``. ``request``: where and how
         the prompts run (adapter, cache salt, priority); its sampling fields do not matter."""
-        params = replace(request or SamplingParams(), max_tokens=1, pooling=pooling, temperature=0.0,
-                         logprobs=None, prompt_logprobs=None, structured_output=None, stop=[], stop_token_ids=[])
-        return [finish_embedding(out.pooled, normalize) for out in self.generate(prompts, params)]
+        return [finish_embedding(out.pooled, normalize)
+                for out in self.generate(prompts, _pooling_params(request, pooling))]
 
     def classify(self, prompts: list[str | list[int]], activation: bool = True,
                  request: SamplingParams | None = None) -> list[np.ndarray]:
         """vLLM's ``LLM.classify`` for a sequence classifier (engine/models/classifier.py): one float32 vector per
         prompt, its class probabilities (softmax over several labels, a sigmoid for one, as the config's
         problem_type says), or the raw logits where not ``activation``. ``request``: where and how the prompts run."""
-        classifier = self.model.classifier
-        if classifier is None:
-            raise InvalidRequestError(f"this model ({self.model.architecture_name}) has no classification head: "
-                                      "serve a *ForSequenceClassification checkpoint to classify")
-        params = replace(request or SamplingParams(), max_tokens=1, pooling="classify", temperature=0.0,
-                         logprobs=None, prompt_logprobs=None, structured_output=None, stop=[], stop_token_ids=[])
-        logits = [np.asarray(out.pooled, dtype=np.float32) for out in self.generate(prompts, params)]
-        return [classifier.spec.activate(x) if activation else x for x in logits]
+        # A model without a head is refused by add_request (check_task) before any step.
+        outputs = self.generate(prompts, _pooling_params(request, "classify"))
+        logits = [np.asarray(out.pooled, dtype=np.float32) for out in outputs]
+        return [self.model.classifier.spec.activate(x) if activation else x for x in logits]
 
     def score(self, text_1: str | list[str], text_2: str | list[str], pooling: str = "last",
               request: SamplingParams | None = None) -> list[float]:
@@ -442,3 +437,10 @@ class LLMEngine:
         if request is not None:
             request.stop_reason = stop
         return request
+
+
+def _pooling_params(request: SamplingParams | None, pooling: str) -> SamplingParams:
+    """A pooling request's parameters (embed, classify): ``request``'s placement (adapter, cache salt, priority) with
+    one greedy token and nothing else asked of the sampler."""
+    return replace(request or SamplingParams(), max_tokens=1, pooling=pooling, temperature=0.0, logprobs=None,
+                   prompt_logprobs=None, structured_output=None, stop=[], stop_token_ids=[])

@@ -12,7 +12,9 @@ label, untied, a cross-encoder), so the oracle is transformers' own ``ForSequenc
 
 from __future__ import annotations
 
+import base64
 import json
+import os
 import shutil
 
 import numpy as np
@@ -306,7 +308,7 @@ def test_classify_route_answers_transformers_probabilities(served, three_labels)
         assert item["object"] == "pooling"
         assert np.abs(np.array(item["data"]) - np.array(classified["probs"])).max() < 1e-6
     r = _post(url, "/pooling", {"messages": messages, "encoding_format": "base64"})
-    got = np.frombuffer(__import__("base64").b64decode(r.json()["data"][0]["data"]), dtype="<f4")
+    got = np.frombuffer(base64.b64decode(r.json()["data"][0]["data"]), dtype="<f4")
     assert np.abs(got - want).max() < 1e-5
     stats = router.stats()["workers"][0]
     assert stats["num_free_blocks"] == stats["num_blocks"]
@@ -469,7 +471,7 @@ def test_the_prefill_worker_classifies_and_no_kv_moves(three_labels):
 
 # ---- on a GPU -----------------------------------------------------------------------------------------------------
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or __import__("os").environ.get("TRITON_INTERPRET") == "1",
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
                                 reason="needs a CUDA device")
 
 

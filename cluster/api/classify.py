@@ -30,14 +30,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pdcluster.cluster.api.embeddings import (EmbeddingRequest, PoolerConfig, _prompts, check_lengths, embed_all,
-                                              observe, serve_embeddings)
+                                              observe, pooling_params, serve_embeddings)
 from pdcluster.cluster.api.middleware import APIError
 from pdcluster.cluster.api.protocol import ChatMessage, Prompt, StrictModel
 from pdcluster.cluster.api.serving import ClientGone, unless_disconnected
 from pdcluster.cluster.api.validation import check_model
 from pdcluster.cluster.metrics import Metrics
 from pdcluster.engine.models.classifier import ClassifierSpec
-from pdcluster.engine.sampling_params import SamplingParams
 
 
 class ClassifyRequest(StrictModel):
@@ -70,16 +69,6 @@ def check_generates(pooler: PoolerConfig, served_model_name: str) -> None:
                             "/rerank or /v1/embeddings", code="unsupported_model")
 
 
-def classify_params(lora_name: str | None, priority: int | None) -> SamplingParams:
-    return SamplingParams(max_tokens=1, pooling="classify", lora_name=lora_name,
-                          priority=0 if priority is None else priority)
-
-
-async def classify_all(router, request_id: str, prompts: list[list[int]], params: SamplingParams) -> list[np.ndarray]:
-    """Each prompt's logits (float32 [num_labels]), all as router requests at once (an embedding's path)."""
-    return await embed_all(router, request_id, prompts, params)
-
-
 async def serve_pooling(body: EmbeddingRequest, request: Request, router, served_model_name: str,
                         pooler: PoolerConfig, metrics: Metrics) -> Response:
     """vLLM's /pooling: what the model pools, as ``data: [{"index", "object": "pooling", "data"}]``: an embedding
@@ -89,9 +78,10 @@ async def serve_pooling(body: EmbeddingRequest, request: Request, router, served
     if body.dimensions is not None:
         raise APIError(400, "dimensions: a classifier's output has one entry a label: leave dimensions out",
                        param="dimensions")
-    common = set(ClassifyRequest.model_fields) & set(EmbeddingRequest.model_fields)  # validated already
-    return await serve_classify(ClassifyRequest.model_construct(**{k: getattr(body, k) for k in common}), request, router, served_model_name, pooler, metrics,
-                                as_pooling=True, encoding_format=body.encoding_format)
+    common = set(ClassifyRequest.model_fields) & set(EmbeddingRequest.model_fields)
+    as_classify = ClassifyRequest.model_construct(**{k: getattr(body, k) for k in common})  # validated already
+    return await serve_classify(as_classify, request, router, served_model_name, pooler, metrics, as_pooling=True,
+                                encoding_format=body.encoding_format)
 
 
 async def serve_classify(body: ClassifyRequest, request: Request, router, served_model_name: str,
@@ -106,11 +96,12 @@ async def serve_classify(body: ClassifyRequest, request: Request, router, served
     activate = next((v for v in (body.use_activation, body.activation) if v is not None), True)
     prompts = await anyio.to_thread.run_sync(_prompts, body, router.tokenizer)
     prompts = check_lengths(prompts, body.truncate_prompt_tokens, router.max_model_len)
-    params = classify_params(lora_name, body.priority)
+    params = pooling_params("classify", lora_name, body.priority)
     request_id = f"{'pool' if as_pooling else 'classify'}-{uuid.uuid4().hex}"  # vLLM's id prefixes
     started = time.monotonic()
     try:
-        logits = await unless_disconnected(classify_all(router, request_id, prompts, params), request)
+        # Each prompt's logits (float32 [num_labels]) come back as an embedding's vector does.
+        logits = await unless_disconnected(embed_all(router, request_id, prompts, params), request)
     except ClientGone:
         return Response(status_code=499)
     observe(metrics, started, prompts, params)

@@ -62,11 +62,9 @@ class PoolerConfig:
             raise ValueError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}")
 
 
-def check_pooler_flag(value: str | None) -> None:
+def check_pooler_flag(value: str) -> None:
     """``--pooler-config`` (serve's, run-batch's) checked before any model loads: a bad value is one line naming
     the flag, not a traceback from every API process."""
-    if value is None:
-        return
     from pdcluster.engine.config import ConfigError
 
     try:
@@ -196,12 +194,14 @@ def check_lengths(prompts: list[list[int]], truncate_prompt_tokens: int | None, 
     return prompts
 
 
-def pooling_params(pooler: PoolerConfig, lora_name: str | None, priority: int | None) -> SamplingParams:
-    return SamplingParams(max_tokens=1, pooling=pooler.pooling_type, lora_name=lora_name,
+def pooling_params(pooling: str, lora_name: str | None, priority: int | None) -> SamplingParams:
+    """A pooling request of one token: an embedding's (the server's pooler's type) or a classification's."""
+    return SamplingParams(max_tokens=1, pooling=pooling, lora_name=lora_name,
                           priority=0 if priority is None else priority)
 
 
-async def _prepare(body: EmbeddingRequest, router, served_model_name: str, pooler: PoolerConfig) -> _Prepared:
+async def _prepare(body: EmbeddingRequest, router, served_model_name: str, pooler: PoolerConfig,
+                   id_prefix: str = "embd") -> _Prepared:
     check_available(pooler)
     lora_name = check_model(body.model, served_model_name, router.lora_names) if body.model is not None else None
     dimensions = body.dimensions
@@ -217,7 +217,7 @@ async def _prepare(body: EmbeddingRequest, router, served_model_name: str, poole
     prompts = await anyio.to_thread.run_sync(_prompts, body, router.tokenizer)
     prompts = check_lengths(prompts, body.truncate_prompt_tokens, router.max_model_len)
     normalize = pooler.normalize if body.normalize is None else body.normalize
-    return _Prepared(f"embd-{uuid.uuid4().hex}", prompts, pooling_params(pooler, lora_name, body.priority),
+    return _Prepared(f"{id_prefix}-{uuid.uuid4().hex}", prompts, pooling_params(pooler.pooling_type, lora_name, body.priority),
                      normalize, dimensions)
 
 
@@ -252,7 +252,7 @@ def observe(metrics: Metrics, started: float, prompts: list[list[int]], params: 
 async def serve_embeddings(body: EmbeddingRequest, request: Request, router, served_model_name: str,
                            pooler: PoolerConfig, metrics: Metrics, as_pooling: bool = False) -> Response:
     """``as_pooling``: vLLM's /pooling answer (each item ``{"index", "object": "pooling", "data"}``)."""
-    prep = await _prepare(body, router, served_model_name, pooler)
+    prep = await _prepare(body, router, served_model_name, pooler, "pool" if as_pooling else "embd")  # vLLM's ids
     started = time.monotonic()
     try:
         pooled = await unless_disconnected(embed_all(router, prep.request_id, prep.prompts, prep.params), request)
@@ -267,7 +267,6 @@ async def serve_embeddings(body: EmbeddingRequest, request: Request, router, ser
         data.append({"index": i, "object": "pooling", "data": embedding} if as_pooling else
                     {"object": "embedding", "index": i, "embedding": embedding})
     num_prompt = sum(len(ids) for ids in prep.prompts)
-    response_id = prep.request_id.replace("embd-", "pool-", 1) if as_pooling else prep.request_id  # vLLM's prefixes
-    return JSONResponse({"id": response_id, "object": "list", "created": int(time.time()),
+    return JSONResponse({"id": prep.request_id, "object": "list", "created": int(time.time()),
                          "model": body.model or served_model_name, "data": data,
                          "usage": {"prompt_tokens": num_prompt, "total_tokens": num_prompt}})

@@ -22,7 +22,6 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pdcluster.cluster.api.classify import classify_params
 from pdcluster.cluster.api.embeddings import (PoolerConfig, check_available, check_lengths, embed_all, observe,
                                               pooling_params)
 from pdcluster.cluster.api.middleware import APIError
@@ -109,11 +108,11 @@ async def _similarities(router, served_model_name: str, pooler: PoolerConfig, me
     if cross:
         pairs = list(zip(firsts * len(seconds) if len(firsts) == 1 else firsts, seconds))
         prompts = await anyio.to_thread.run_sync(lambda: _tokenize_pairs(pairs, tokenizer, second_name))
-        params = classify_params(lora_name, body.priority)
+        params = pooling_params("classify", lora_name, body.priority)
     else:
         prompts = await anyio.to_thread.run_sync(
             lambda: _tokenize(firsts, tokenizer, first_name) + _tokenize(seconds, tokenizer, second_name))
-        params = pooling_params(pooler, lora_name, body.priority)
+        params = pooling_params(pooler.pooling_type, lora_name, body.priority)
     prompts = check_lengths(prompts, body.truncate_prompt_tokens, router.max_model_len, param=second_name)
     started = time.monotonic()
     try:

@@ -158,16 +158,16 @@ def standin_lm_head(weights: dict[str, torch.Tensor]) -> None:
 
 
 def _head_from_tokens(weights: dict[str, torch.Tensor], spec: ClassifierSpec, model_dir: str | Path | None):
-    from tokenizers import Tokenizer
+    from pdcluster.engine.tokenizer import Tokenizer
 
     if model_dir is None or not (Path(model_dir) / "tokenizer.json").is_file():
         raise ValueError("classifier_from_token needs the model's tokenizer.json to find its tokens")
-    tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    tokenizer = Tokenizer(model_dir)
     ids = []
     for token in spec.from_tokens:
         token_id = tokenizer.token_to_id(token)
         if token_id is None:  # a word the tokenizer splits has no one row (vLLM takes the token's id alike)
-            pieces = tokenizer.encode(token, add_special_tokens=False).ids
+            pieces = tokenizer.encode(token)
             if len(pieces) != 1:
                 raise ValueError(f"classifier_from_token: {token!r} is not one token of this tokenizer ({pieces})")
             token_id = pieces[0]

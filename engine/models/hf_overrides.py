@@ -49,8 +49,12 @@ def overlay_dir(model_dir: Path, overrides: dict, cache_dir: Path) -> Path:
     target = Path(cache_dir) / "overrides" / hashlib.sha256(key.encode()).hexdigest()[:24]
     config = json.loads((model_dir / "config.json").read_text())
     want = merged_config(config, overrides)
-    if target.is_dir() and _config_of(target) == want:
-        return target
+    if target.is_dir():
+        if _config_of(target) == want:
+            return target
+        stale = target.with_name(f".{target.name}.stale-{os.getpid()}")  # the checkpoint's config.json was edited
+        os.rename(target, stale)
+        shutil.rmtree(stale, ignore_errors=True)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
@@ -59,15 +63,11 @@ def overlay_dir(model_dir: Path, overrides: dict, cache_dir: Path) -> Path:
                 os.symlink(f, tmp / f.name)
         (tmp / "config.json").write_text(json.dumps(want, indent=2) + "\n")
         os.chmod(tmp, 0o755)
-        try:
-            os.rename(tmp, target)
-        except OSError:  # another process placed it first (a non-empty target): theirs serves
-            shutil.rmtree(tmp, ignore_errors=True)
-            if _config_of(target) != want:  # a stale overlay of an edited checkpoint: replace it
-                stale = target.with_name(f".{target.name}.stale-{os.getpid()}")
-                os.rename(target, stale)
-                shutil.rmtree(stale, ignore_errors=True)
-                return overlay_dir(model_dir, overrides, cache_dir)
+        os.rename(tmp, target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if _config_of(target) != want:  # not another process's same overlay placed first
+            raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
