@@ -23,8 +23,9 @@ class ProfileGrid:
 
     @classmethod
     def quick(cls) -> "ProfileGrid":
-        """A small grid (tests, tiny models): seconds, not minutes."""
-        return cls(prefill_sizes=(16, 64, 128), prefill_batches=((2, 64),), decode_contexts=(64, 256),
+        """A small grid (tests, tiny models): seconds, not minutes. Five prompt sizes over a 16x spread: with three, a
+        busy box's timing noise could hand the whole prefill cost to the attention term (a token coefficient of 0)."""
+        return cls(prefill_sizes=(16, 32, 64, 128, 256), prefill_batches=((2, 64),), decode_contexts=(64, 256),
                    decode_batches=(1, 4, 8), decode_steps=2, mixed=((4, 64, 64),), transfer_blocks=(8, 2),
                    reps=2, corun=False, served=False)
 
