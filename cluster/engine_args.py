@@ -83,7 +83,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="CUDA (Hopper and later): launch the decode graphs' Triton kernels one after another instead "
                         "of with programmatic dependent launch (each placed, and loading its weights, while the one "
                         "before it finishes)")
-    g.add_argument("--num-threads", type=int, default=0)
+    g.add_argument("--num-threads", type=int, default=0,
+                   help="torch threads of each worker (of each rank with tensor parallelism); 0: a share of the cores")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over this many ranks (GPUs cuda:0..n-1 of a worker, or processes sharing its "
+                        "CPU cores), vLLM's tensor parallelism: the Llama family's dense models")
     g.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
                    help="batch-invariant kernels: a request's tokens and logprobs are bitwise the same whatever the "
                         "batch, chunking, speculation, placement or recovery (on by default on CPU, --no-deterministic for the "
@@ -147,7 +151,7 @@ SAME_NAMED_FLAGS = (
     "gpu_memory_utilization",
     "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "kv_offload_host_gib", "kv_offload_disk_dir",
     "kv_offload_disk_gib", "mtp_checkpoint", "num_threads", "seed", "cache_dir", "max_lora_rank",
-    "enable_lora", "max_loras", "mixed_cuda_graph_tokens", "hf_overrides",
+    "enable_lora", "max_loras", "mixed_cuda_graph_tokens", "hf_overrides", "tensor_parallel_size",
 )
 
 

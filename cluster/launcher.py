@@ -71,6 +71,9 @@ class ClusterSpec:
         if self.num_decode < 1 or (self.mode == "disagg" and self.num_prefill < 1):
             raise ValueError(f"need at least one decode worker and, in disagg mode, one prefill worker "
                              f"(got num_prefill={self.num_prefill}, num_decode={self.num_decode})")
+        if self.mode == "disagg" and self.engine.tensor_parallel_size > 1:
+            raise ValueError(f"tensor_parallel_size {self.engine.tensor_parallel_size}: KV transfer between sharded "
+                             "caches is not served yet; serve tensor-parallel workers colocated")
 
 
 def engine_for_gpu_share(engine: EngineConfig, gpu_share: float) -> EngineConfig:
@@ -127,11 +130,19 @@ class Cluster:
         # A worker per GPU where there are enough; fewer GPUs than workers (disagg on a one-GPU machine):
         # the workers share them, each asking Ray for its fraction (Ray then gives them the same device).
         gpu_share = gpu_share_per_worker(num_gpus, num_workers) if use_gpu else 0.0
+        tp = spec.engine.tensor_parallel_size
+        if use_gpu and tp > 1:  # a worker's ranks each take a whole GPU of the worker's (cuda:0 .. tp-1)
+            if num_gpus < num_workers * tp:
+                raise ValueError(f"tensor_parallel_size {tp}: {num_workers} worker(s) need {num_workers * tp} GPUs, "
+                                 f"the cluster has {num_gpus:g}")
+            gpu_share = float(tp)
         event_host = "127.0.0.1" if not spec.address else ray.util.get_node_ip_address()
         engine = engine_for_gpu_share(spec.engine, gpu_share)
         if not engine.num_threads and not use_gpu and not spec.address:
             # Share this machine's cores between the workers (each worker is its own "device").
-            engine = EngineConfig(**{**asdict(engine), "num_threads": max(1, (os.cpu_count() or 1) // num_workers)})
+            # ... and a tensor-parallel worker's share between its ranks.
+            engine = EngineConfig(**{**asdict(engine),
+                                     "num_threads": max(1, (os.cpu_count() or 1) // (num_workers * tp))})
         transfer = spec.transfer
         if transfer.secret is None:
             # Secure by default: the workers of this cluster share a fresh random secret, so nothing

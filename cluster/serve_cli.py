@@ -189,15 +189,22 @@ def _check_args(args: argparse.Namespace) -> None:
         import torch  # 1.5 s: only when a server starts
 
         args.mode = resolve_auto_mode(args.address, os.cpu_count() or 1,
-                                      torch.cuda.device_count() if torch.cuda.is_available() else 0)
+                                      torch.cuda.device_count() if torch.cuda.is_available() else 0,
+                                      args.tensor_parallel_size)
         print(f"pdcluster serve: --mode auto -> {args.mode}", file=sys.stderr, flush=True)
+    if args.mode == "disagg" and args.tensor_parallel_size > 1:
+        raise ConfigError(f"--tensor-parallel-size {args.tensor_parallel_size}: KV transfer between sharded caches is "
+                          "not served yet; serve tensor-parallel workers with --mode colocated (or local)")
 
 
-def resolve_auto_mode(address: str | None, num_cpus: int, num_gpus: int) -> str:
+def resolve_auto_mode(address: str | None, num_cpus: int, num_gpus: int, tensor_parallel_size: int = 1) -> str:
     """Disaggregate when each role can have its own device: a cluster to join, two GPUs or more, or
     (without a GPU) enough cores here. One GPU serves colocated by default: prefill and decode would
     share it (``--mode disagg`` does that, each worker asking Ray for half), and one worker batching
-    both serves faster there; on a small CPU box one colocated worker with every core serves faster."""
+    both serves faster there; on a small CPU box one colocated worker with every core serves faster.
+    Tensor-parallel workers serve colocated (their sharded caches are not transferred yet)."""
+    if tensor_parallel_size > 1:
+        return "colocated"
     if address or num_gpus >= 2 or (not num_gpus and num_cpus >= MIN_CORES_FOR_DISAGG):
         return "disagg"
     return "colocated"

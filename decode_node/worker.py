@@ -108,6 +108,7 @@ class DecodeWorker(WorkerLoop):
         self.stop()
         self.close_kv_offload()
         self.kv.close()
+        self.engine.close()  # a tensor-parallel model's other ranks
 
     # ---- engine thread --------------------------------------------------------------------------------
     def _admission(self, request_id: str, verdict: str, reason: str = "") -> None:

@@ -132,6 +132,10 @@ class EngineConfig:
     # sums (kernels/triton_skinny_epilogues.py): three kernels a layer fewer; False: those kernels apart.
     skinny_epilogues: bool = True
     num_threads: int = 0  # torch intra-op threads; 0 = torch's default
+    # Tensor parallelism (vLLM's --tensor-parallel-size): the model split over this many ranks, each a process with its
+    # slice of every layer and of the KV cache, on its own GPU (cuda:0 .. n-1) or its share of the CPU cores
+    # (engine/tensor_parallel/). 1: the whole model in this process.
+    tensor_parallel_size: int = 1
     # Batch-invariant kernels (issue 24): each request's tokens and logprobs are bitwise the same whatever
     # the batch, the prefill chunking, speculation, placement or a recovery re-prefill (CPU: the C GEMM;
     # CUDA: the Triton matmul and fixed-tile attention, bitwise among workers with the same GPU model; see README).
@@ -166,7 +170,8 @@ class EngineConfig:
             raise ConfigError(
                 f"spec_method: {self.spec_method!r} is unknown; choose one of {', '.join(SPEC_METHODS)}"
             )
-        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size")
+        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size",
+                    "tensor_parallel_size")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:

@@ -88,6 +88,11 @@ class LLMEngine:
         self.kv_spec, self.kv_cache = loaded.kv_spec, loaded.kv_cache
         self.state_shape, self.num_state_blocks = loaded.state_shape, loaded.num_state_blocks
         self.connector = connector or KVConnector()
+        if self.model.tp_driver is not None and type(self.connector) is not KVConnector:
+            self.model.tp_driver.close()
+            raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size}: KV transfer with tensor parallelism "
+                             "is not served yet (each rank holds a slice of the KV); run disaggregated workers with "
+                             "--tensor-parallel-size 1, or colocated")
         num_blocks = self.kv_spec.num_blocks
         # KV events (block stored / removed, by tier) for the router's global index, drained by the worker.
         self.kv_events = KVEventLog()
@@ -121,6 +126,12 @@ class LLMEngine:
                     progress: bool = True) -> LLMEngine:
         """All stages at once, for a connector that does not need the KV cache (the null one by default)."""
         return cls(LoadedModel.load(config, progress=progress), connector)
+
+    def close(self) -> None:
+        """Stops what the engine started outside this process (a tensor-parallel model's other ranks); the engine
+        takes no steps after it. Idempotent; an engine dropped without it stops them when collected."""
+        if self.model.tp_driver is not None:
+            self.model.tp_driver.close()
 
     def assign_seed(self, params: SamplingParams) -> SamplingParams:
         if params.seed is None:

@@ -14,16 +14,19 @@ from pathlib import Path
 
 import torch
 
-from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.config import ConfigError, EngineConfig
 from pdcluster.engine.kv_budget import CPU_DEFAULT_GIB, cuda_kv_pool_bytes
 from pdcluster.engine.kv_cache import KVCacheSpec, allocate_kv_cache, kv_cache_dtype, kv_planes, num_blocks_for_budget
 from pdcluster.engine.linear import DeterministicUnavailable, check_deterministic_available
 from pdcluster.engine.mamba_state import MambaStateShape
 from pdcluster.engine.mamba_state_blocks import num_state_blocks
 from pdcluster.engine.memory import keep_freed_memory
-from pdcluster.engine.models.architectures import arch_from_dir, is_hybrid, load_model, max_model_len_for
+from pdcluster.engine.models.architectures import (arch_from_dir, is_hybrid, load_model, max_model_len_for,
+                                                   model_class_of)
 from pdcluster.engine.models.registry import resolve_model
 from pdcluster.engine.proposers import num_draft_layers as proposer_draft_layers
+from pdcluster.engine.tensor_parallel.driver import TensorParallelDriver, check_engine_config
+from pdcluster.engine.tensor_parallel.shard import Shard, check_shardable
 from pdcluster.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -61,6 +64,7 @@ class LoadedModel:
             # Triton launches on torch's current device, not its tensors': an engine on cuda:1 makes it current
             # (the runner's worker thread does the same, engine/async_scheduler.py).
             torch.cuda.set_device(torch.device(config.device))
+        config = check_engine_config(config)  # tensor parallelism's limits and per-rank threads (no-op for 1)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         if config.device == "cpu":
@@ -86,8 +90,23 @@ class LoadedModel:
         # Triton kernels keep their batch-dependent choices): said once, not refused.
         deterministic = _resolve_deterministic(config)
         config = replace(config, deterministic=deterministic)
-        model = load_model(model_dir, dtype, max_model_len + config.num_spec_steps + 1, config.device,
-                           deterministic=deterministic, max_model_len=max_model_len)
+        max_positions = max_model_len + config.num_spec_steps + 1
+        driver = shard = None
+        if config.tensor_parallel_size > 1:  # the other ranks load their slices while this one loads its own
+            check_shardable(model_class_of(model_dir), arch, config.tensor_parallel_size)
+            if kv_cache_allocator is not None:
+                raise ConfigError(f"tensor_parallel_size {config.tensor_parallel_size}: a KV transport's cache holds "
+                                  "one rank's slice; KV transfer with tensor parallelism is not served yet")
+            driver = TensorParallelDriver.start(config, str(model_dir), dtype_name, max_positions, max_model_len,
+                                                deterministic)
+            shard = Shard(0, config.tensor_parallel_size)
+        try:
+            model = load_model(model_dir, dtype, max_positions, config.device, deterministic=deterministic,
+                               max_model_len=max_model_len, shard=shard, group=driver and driver.group)
+        except BaseException:
+            if driver is not None:
+                driver.close()
+            raise
         arch = model.arch  # as this engine serves it (longrope's table follows max_model_len)
         if config.lora_modules or config.enable_lora:
             from pdcluster.engine.lora import install
@@ -101,6 +120,13 @@ class LoadedModel:
         kv_spec = replace(probe, num_blocks=num_blocks)
         allocate = kv_cache_allocator or (lambda shape, dtype, device: allocate_kv_cache(kv_spec, device))
         kv_cache = allocate(kv_spec.shape, kv_spec.dtype, config.device)
+        if driver is not None:
+            try:
+                driver.allocate_cache(kv_spec)
+            except BaseException:
+                driver.close()
+                raise
+            model.tp_driver = driver
         log.info("KV cache: %d blocks of %d tokens (%d tokens), %s, %.2f GiB on %s", num_blocks, kv_spec.block_size,
                  num_blocks * kv_spec.block_size, str(kv_spec.dtype).removeprefix("torch."),
                  num_blocks * kv_spec.bytes_per_block / (1 << 30), config.device)

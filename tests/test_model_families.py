@@ -1067,3 +1067,29 @@ def test_gemma3_lora_equals_peft(dirs, reference, tmp_path):
     outs = engine.generate([p for p in PROMPTS[:3] for _ in params], [sp for _ in PROMPTS[:3] for sp in params])
     assert [o.token_ids for o in outs[::2]] == want
     assert [o.token_ids for o in outs[1::2]] == reference["gemma3"][:3]
+
+
+TP_SPLITS = ["llama3", "qwen2-yarn", "mistral-linear", "qwen2-swa", "llama-bias", "phi3", "granite", "glm4", "cohere",
+             "cohere2", "exaone4", "ministral3", "seed-oss", "smollm3", "mistral3", "qwen2.5-vl", "qwen3-vl"]
+TP_QUICK = ("llama-bias", "phi3", "glm4", "cohere", "exaone4", "granite", "qwen3-vl")
+
+
+@pytest.mark.parametrize("name", [n if n in TP_QUICK else pytest.param(n, marks=pytest.mark.slow) for n in TP_SPLITS])
+def test_tensor_parallel_two_ranks_equal_transformers(dirs, reference, name):
+    """The Llama family split over two ranks (engine/tensor_parallel/): o_proj's bias once after the sum (Llama with
+    attention_bias, Seed-OSS), Phi-3's fused q/k/v and gate/up cut by part, GLM-4's sandwich norms and half-rotated
+    interleaved heads, Cohere's per-head q/k LayerNorms cut by head and its parallel block, EXAONE's post-norms,
+    Granite's multipliers around the sums, multimodal checkpoints' language models."""
+    engine = _engine(dirs[name], tensor_parallel_size=2)
+    try:
+        assert _run(engine, PROMPTS) == reference[name]
+        assert engine.scheduler.block_manager.num_free_blocks == engine.kv_spec.num_blocks
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("name,words", [("olmo2", "OLMo 2"), ("olmo3", "OLMo 2"), ("mixtral", "MoE"),
+                                        ("gemma2", "GemmaModel")])
+def test_tensor_parallel_refuses_what_does_not_split(dirs, name, words):
+    with pytest.raises(ValueError, match=words):
+        _engine(dirs[name], tensor_parallel_size=2)

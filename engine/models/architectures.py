@@ -155,12 +155,18 @@ def arch_from_dir(model_dir: str | Path) -> ModelArch | HybridArch:
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, max_positions: int,
                device: str | torch.device = "cpu", deterministic: bool = False,
-               max_model_len: int | None = None) -> LlamaModel | NemotronHModel:
+               max_model_len: int | None = None, shard=None, group=None) -> LlamaModel | NemotronHModel:
     """The model's weights loaded onto ``device`` into the engine's model class for its architecture;
     ``deterministic``: batch-invariant kernels throughout (EngineConfig.deterministic); ``max_model_len``: the
-    engine's, which picks longrope's table (None: ``max_positions``)."""
+    engine's, which picks longrope's table (None: ``max_positions``); ``shard`` and ``group``: one rank's slice of a
+    tensor-parallel model (engine/tensor_parallel/), None for the whole model."""
     return _classes(model_dir)[1].load(Path(model_dir), dtype, max_positions, device, deterministic,
-                                       max_model_len=max_model_len)
+                                       max_model_len=max_model_len, shard=shard, group=group)
+
+
+def model_class_of(model_dir: str | Path) -> type:
+    """The engine's model class for the directory's architecture."""
+    return _classes(model_dir)[1]
 
 
 def max_model_len_for(arch, requested: int = 0) -> int:

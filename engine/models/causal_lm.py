@@ -83,6 +83,9 @@ class CausalLM:
     # A *ForSequenceClassification checkpoint's score head (engine/models/classifier.py); such a model does not
     # generate (its LM head is a stand-in).
     classifier: ClassifierHead | None = None
+    # Rank 0 of a tensor-parallel model (engine/tensor_parallel/driver.py): each forward's inputs go to the other
+    # ranks first. None: the whole model is here (or this is one of the other ranks).
+    tp_driver = None
 
     def __init__(self, arch, dtype: torch.dtype, deterministic: bool, embed_tokens: torch.Tensor,
                  lm_head: torch.Tensor):
@@ -99,13 +102,26 @@ class CausalLM:
     @classmethod
     def load(cls, model_dir: Path, dtype: torch.dtype, max_positions: int,
              device: str | torch.device = "cpu", deterministic: bool = False,
-             max_model_len: int | None = None) -> "CausalLM":
-        """``max_model_len``: the engine's (None: ``max_positions``), where the arch depends on it (longrope)."""
+             max_model_len: int | None = None, shard=None, group=None) -> "CausalLM":
+        """``max_model_len``: the engine's (None: ``max_positions``), where the arch depends on it (longrope).
+        ``shard`` (engine/tensor_parallel/shard.py): this rank's slice of each layer, cut on the host before it moves
+        to ``device``, its output projections summed over ``group``."""
         arch = cls.arch_class.from_dir(model_dir)
         if hasattr(arch, "for_context"):
             arch = arch.for_context(max_positions if max_model_len is None else max_model_len)
-        return cls.build_with_head(model_dir, arch, text_weights(load_weights(model_dir, dtype, device)), dtype,
-                                   max_positions, deterministic)
+        if shard is None or shard.world_size == 1:
+            return cls.build_with_head(model_dir, arch, text_weights(load_weights(model_dir, dtype, device)), dtype,
+                                       max_positions, deterministic)
+        from pdcluster.engine.tensor_parallel.shard import check_shardable, shard_arch, shard_weights, split_rows
+
+        check_shardable(cls, arch, shard.world_size)
+        weights = text_weights(load_weights(model_dir, dtype, "cpu"))
+        shard_weights(weights, arch, shard)
+        weights = {name: t.to(device) for name, t in weights.items()}
+        model = cls.build_with_head(model_dir, shard_arch(arch, shard.world_size), weights, dtype, max_positions,
+                                    deterministic)
+        split_rows(model, group)
+        return model
 
     @classmethod
     def build_with_head(cls, model_dir: Path, arch, weights: dict[str, torch.Tensor], dtype: torch.dtype,

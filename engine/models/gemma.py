@@ -181,10 +181,14 @@ class GemmaModel(LlamaModel):
     @classmethod
     def load(cls, model_dir: Path, dtype: torch.dtype, max_positions: int,
              device: str | torch.device = "cpu", deterministic: bool = False,
-             max_model_len: int | None = None) -> "GemmaModel":
+             max_model_len: int | None = None, shard=None, group=None) -> "GemmaModel":
         """A multimodal checkpoint's language model under the text model's names; its vision tower and
         projector are dropped (image inputs are refused at the API). ``max_model_len`` picks nothing here
-        (Gemma's RoPE variants are static)."""
+        (Gemma's RoPE variants are static). ``shard``: Gemma does not split (tensor_parallel.check_shardable)."""
+        if shard is not None:
+            from pdcluster.engine.tensor_parallel.shard import check_shardable
+
+            check_shardable(cls, cls.arch_class.from_dir(model_dir), shard.world_size)
         return cls.build_with_head(model_dir, cls.arch_class.from_dir(model_dir),
                                    text_weights(load_weights(model_dir, dtype, device)), dtype, max_positions,
                                    deterministic)

@@ -1,0 +1,182 @@
+"""Rank 0 of a tensor-parallel engine: starts ranks 1 .. n-1 (engine/tensor_parallel/worker.py, spawned processes),
+joins their group, and hands each forward's inputs to them before running its own slice of it (LlamaModel.forward).
+
+Everything else stays on rank 0: the scheduler, sampling, logits, the API. The other ranks' KV caches mirror rank 0's
+block for block (the same block tables reach every rank with each forward), so nothing outside a forward touches the
+cache: KV transfer, offload tiers and Mamba state are refused with tensor parallelism (check_engine_config)."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import pickle
+import time
+import weakref
+from dataclasses import replace
+
+import torch
+
+from pdcluster.engine.config import ConfigError, EngineConfig
+from pdcluster.engine.kv_cache import KVCacheSpec
+from pdcluster.engine.tensor_parallel.group import TPGroup, open_store
+from pdcluster.engine.tensor_parallel.messages import AllocateCache, Forward, Stop, WorkerSpec, on_host
+from pdcluster.engine.tensor_parallel.worker import worker_main
+
+log = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 600.0  # a rank loading its slice of a large checkpoint from a slow disk
+STOP_TIMEOUT_S = 10.0
+
+
+def check_engine_config(config: EngineConfig) -> EngineConfig:
+    """``config`` (device resolved) for a tensor-parallel engine, or ConfigError naming what does not combine with
+    it. CUDA graphs are turned off: a captured graph would replay this rank's kernels without handing the other ranks
+    their inputs. On a CPU each rank takes an equal share of the cores unless num_threads says otherwise."""
+    n = config.tensor_parallel_size
+    if n == 1:
+        return config
+    if config.spec_method not in ("none", "ngram"):
+        raise ConfigError(f"tensor_parallel_size {n}: speculative decoding by {config.spec_method} runs a draft model, "
+                          "which does not split yet; use n-gram speculation or --tensor-parallel-size 1")
+    if config.lora_modules or config.enable_lora:
+        raise ConfigError(f"tensor_parallel_size {n}: LoRA adapters are not sharded yet; serve them with "
+                          "--tensor-parallel-size 1")
+    if config.offload_config().enabled:
+        raise ConfigError(f"tensor_parallel_size {n}: the KV offload tiers read rank 0's cache alone; drop the "
+                          "--kv-offload-* flags")
+    if config.device.startswith("cuda"):
+        if config.device != "cuda":
+            raise ConfigError(f"tensor_parallel_size {n}: device {config.device!r}; with tensor parallelism rank r "
+                              "runs on cuda:r of the visible GPUs: use --device cuda (CUDA_VISIBLE_DEVICES picks them)")
+        if torch.cuda.device_count() < n:
+            raise ConfigError(f"tensor_parallel_size {n} needs {n} GPUs; {torch.cuda.device_count()} visible")
+        if config.cuda_graphs:
+            log.info("tensor parallelism: CUDA graphs off (each forward hands the other ranks their inputs)")
+            config = replace(config, cuda_graphs=False)
+    elif not config.num_threads:
+        cores = len(_cores())
+        config = replace(config, num_threads=max(1, cores // n))
+    return config
+
+
+def _cores() -> set[int]:
+    try:
+        return os.sched_getaffinity(0)
+    except AttributeError:  # not Linux
+        return set(range(os.cpu_count() or 1))
+
+
+class TensorParallelDriver:
+    """Rank 0's handle on the other ranks."""
+
+    def __init__(self, processes: list, conns: list, group: TPGroup) -> None:
+        self.processes, self.conns, self.group = processes, conns, group
+        self.closed = False
+        group.on_failure = self.why_failed
+        # An engine dropped without close() still stops its ranks (and at interpreter exit: daemon processes).
+        self._finalizer = weakref.finalize(self, _stop, list(processes), list(conns))
+
+    @property
+    def world_size(self) -> int:
+        return self.group.world_size
+
+    @classmethod
+    def start(cls, config: EngineConfig, model_dir: str, dtype_name: str, max_positions: int, max_model_len: int,
+              deterministic: bool) -> "TensorParallelDriver":
+        """Spawns ranks 1 .. n-1 (each starts loading its slice at once) and joins their group as rank 0."""
+        n = config.tensor_parallel_size
+        store = open_store(n)
+        ctx = multiprocessing.get_context("spawn")  # CUDA and a Ray actor's threads rule out fork
+        processes, conns = [], []
+        for rank in range(1, n):
+            device = f"cuda:{rank}" if config.device == "cuda" else config.device
+            spec = WorkerSpec(rank, n, store.port, str(model_dir), dtype_name, max_positions, max_model_len, device,
+                              deterministic, config.num_threads)
+            ours, theirs = ctx.Pipe()
+            process = ctx.Process(target=worker_main, args=(theirs, spec), name=f"pdcluster-tp{rank}", daemon=True)
+            process.start()
+            theirs.close()
+            processes.append(process)
+            conns.append(ours)
+        device = torch.device("cuda:0" if config.device == "cuda" else config.device)
+        try:
+            group = TPGroup.join(0, n, device, deterministic, store=store)
+        except Exception as e:
+            _stop(processes, conns)
+            raise RuntimeError(f"tensor parallelism: the {n} ranks did not meet: {e}") from None
+        return cls(processes, conns, group)
+
+    def wait(self, what: str) -> None:
+        """Blocks until every rank reports ``what`` ("loaded", "ready"); RuntimeError with a rank's own error."""
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        for rank, (process, conn) in enumerate(zip(self.processes, self.conns), start=1):
+            while not conn.poll(0.2):
+                if not process.is_alive():
+                    raise RuntimeError(f"tensor-parallel rank {rank} exited (code {process.exitcode}) before "
+                                       f"it was {what}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"tensor-parallel rank {rank} not {what} after {READY_TIMEOUT_S:.0f} s")
+            status, detail = conn.recv()
+            if status == "error":
+                raise RuntimeError(detail)
+            if status != what:
+                raise RuntimeError(f"tensor-parallel rank {rank}: expected {what!r}, got {status!r}")
+
+    def allocate_cache(self, kv_spec: KVCacheSpec) -> None:
+        """Every rank makes its cache like rank 0's (after every rank loaded its slice); returns once all have."""
+        self.wait("loaded")
+        self._send(AllocateCache(kv_spec))
+        self.wait("ready")
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> None:
+        """Hands a forward's inputs to the other ranks, which start it at once (rank 0 runs its own next)."""
+        self._send(Forward(on_host(input_ids), on_host(positions), on_host(meta)))
+
+    def _send(self, message) -> None:
+        if self.closed:
+            raise RuntimeError("tensor parallelism: the engine's other ranks were stopped (engine closed)")
+        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, conn in enumerate(self.conns, start=1):
+            try:
+                conn.send_bytes(payload)
+            except OSError:
+                raise RuntimeError(f"tensor-parallel rank {rank} is gone: {self.why_failed()}") from None
+
+    def why_failed(self) -> str:
+        """What the other ranks said or how they ended (for an error on rank 0's side of a collective)."""
+        said = []
+        for rank, (process, conn) in enumerate(zip(self.processes, self.conns), start=1):
+            try:
+                while conn.poll(0):
+                    status, detail = conn.recv()
+                    if status == "error":
+                        said.append(detail.strip())
+            except (EOFError, OSError):
+                pass
+            if not process.is_alive():
+                said.append(f"rank {rank} exited with code {process.exitcode}")
+        return "; ".join(said) or "every rank is alive"
+
+    def close(self) -> None:
+        """Stops the other ranks (idempotent)."""
+        if not self.closed:
+            self.closed = True
+            self._finalizer()
+
+
+def _stop(processes: list, conns: list) -> None:
+    payload = pickle.dumps(Stop())
+    for conn in conns:
+        try:
+            conn.send_bytes(payload)
+        except OSError:
+            pass
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.terminate()
+            process.join(1.0)
+    for conn in conns:
+        conn.close()

@@ -1,0 +1,73 @@
+"""Ranks 1 .. n-1 of a tensor-parallel engine, each in its own process: join the group, load this rank's slice, make
+this rank's KV cache, then run one forward per message from rank 0 until it says stop (or its pipe closes: rank 0 is
+gone). The forward's hidden states are dropped: rank 0 computes the logits; the point is this rank's share of each
+all-reduce, and its part of the KV written into its cache."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import traceback
+
+import torch
+
+from pdcluster.engine.tensor_parallel.messages import AllocateCache, Forward, Stop, WorkerSpec, on_device
+
+log = logging.getLogger(__name__)
+
+
+def worker_main(conn, spec: WorkerSpec) -> None:
+    """The process's entry (multiprocessing, spawned). Reports ("loaded" | "ready" | "error", detail) on ``conn``."""
+    logging.basicConfig(level=os.environ.get("PDCLUSTER_LOG_LEVEL", "WARNING"),
+                        format=f"%(asctime)s tp{spec.rank} %(name)s %(levelname)s %(message)s")
+    try:
+        _serve(conn, spec)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # rank 0 went away: nothing left to serve
+    except BaseException:  # noqa: BLE001 - told to rank 0, whatever it was
+        try:
+            conn.send(("error", f"tensor-parallel rank {spec.rank}: {traceback.format_exc(limit=8)}"))
+        except OSError:
+            pass
+        raise SystemExit(1) from None
+
+
+def _serve(conn, spec: WorkerSpec) -> None:
+    from pdcluster.engine.kv_cache import allocate_kv_cache
+    from pdcluster.engine.loaded_model import DTYPES
+    from pdcluster.engine.memory import keep_freed_memory
+    from pdcluster.engine.models.architectures import load_model
+    from pdcluster.engine.tensor_parallel.group import TPGroup
+    from pdcluster.engine.tensor_parallel.shard import Shard
+
+    device = torch.device(spec.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        keep_freed_memory()
+    if spec.num_threads:
+        torch.set_num_threads(spec.num_threads)
+    group = TPGroup.join(spec.rank, spec.world_size, device, spec.deterministic, port=spec.port)
+    with torch.inference_mode():
+        model = load_model(spec.model_dir, DTYPES[spec.dtype_name], spec.max_positions, device,
+                           deterministic=spec.deterministic, max_model_len=spec.max_model_len,
+                           shard=Shard(spec.rank, spec.world_size), group=group)
+    model.lm_head = None  # rank 0 alone computes logits (a tied head is the embedding, still held)
+    conn.send(("loaded", None))
+    message = pickle.loads(conn.recv_bytes())
+    if isinstance(message, Stop):
+        return
+    if not isinstance(message, AllocateCache):
+        raise RuntimeError(f"expected the KV cache's spec, got {type(message).__name__}")
+    kv_cache = allocate_kv_cache(message.kv_spec, device)
+    conn.send(("ready", None))
+    while True:
+        message = pickle.loads(conn.recv_bytes())
+        if isinstance(message, Stop):
+            return
+        if not isinstance(message, Forward):
+            raise RuntimeError(f"unexpected message {type(message).__name__}")
+        with torch.inference_mode():
+            model.forward(message.input_ids.to(device), message.positions.to(device), kv_cache,
+                          on_device(message.meta, device))

@@ -1,0 +1,224 @@
+"""Tensor parallelism (engine/tensor_parallel/): one engine's model split over ranks that are real processes meeting
+over gloo on loopback, each with its slice of every layer and of the KV cache.
+
+The split model must compute what the whole one does: in float32 its greedy tokens equal the unsplit engine's on the
+real SmolLM2 (3 ranks: its 9 heads and 3 KV heads) and on tiny-random (2 ranks) with n-gram speculation, async
+scheduling, chunked prefill, preemption and pooling requests; tests/test_model_families.py checks the Llama family's
+variants against transformers. What does not split is refused in one line before any rank starts; a rank that dies
+fails the step with its story instead of hanging the engine, and close() leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from conftest import engine_config, make_engine
+from pdcluster.engine.config import ConfigError
+from pdcluster.engine.llm_engine import LLMEngine
+from pdcluster.engine.models.llama_arch import ModelArch
+from pdcluster.engine.models.registry import resolve_model
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.engine.tensor_parallel.driver import check_engine_config
+from pdcluster.engine.tensor_parallel.shard import Shard, check_shardable, shard_arch, shard_weights
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread_per_module")]
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away, there lived"]
+
+
+def _greedy(engine: LLMEngine, prompts, max_tokens: int = 24) -> list[list[int]]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return [o.token_ids for o in engine.generate(prompts, params)]
+
+
+def _ranks_of(engine: LLMEngine) -> list:
+    return list(engine.model.tp_driver.processes)
+
+
+def test_smollm2_on_three_ranks_equals_the_whole_model_in_fp32():
+    whole = make_engine("smollm2")
+    expected = _greedy(whole, PROMPTS)
+    split = make_engine("smollm2", tensor_parallel_size=3)
+    try:
+        assert split.model.arch.num_heads == 3 and split.model.arch.num_kv_heads == 1  # a third of 9 and 3
+        assert split.kv_cache.shape[-2] == 1  # each rank caches its own KV head
+        assert len(_ranks_of(split)) == 2 and all(p.is_alive() for p in _ranks_of(split))
+        assert _greedy(split, PROMPTS) == expected
+    finally:
+        split.close()
+
+
+def test_tiny_on_two_ranks_equals_the_whole_model_through_the_engine_paths():
+    """Chunked prefill over a small step budget, preemption in a small pool, n-gram speculation (1 + k verification
+    rows), a pooling request's hidden state and prompt logprobs past a chunk: all on rank 0's side of the split."""
+    prompts = [[(7 * i + 3 * j) % 500 + 3 for j in range(30 + 20 * i)] for i in range(4)]
+    common = dict(max_num_batched_tokens=64, prefill_chunk_size=32, num_kv_blocks=24, spec_method="ngram",
+                  num_spec_tokens=3)
+    whole, split = make_engine(**common), make_engine(tensor_parallel_size=2, **common)
+    try:
+        assert _greedy(split, prompts, 40) == _greedy(whole, prompts, 40)
+        embed = SamplingParams(max_tokens=1, pooling="mean")
+        a, b = whole.generate(prompts[:2], embed), split.generate(prompts[:2], embed)
+        for x, y in zip(a, b):
+            assert torch.allclose(torch.from_numpy(x.pooled), torch.from_numpy(y.pooled), atol=1e-5)
+        lp = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1)
+        a, b = whole.generate(prompts[2:3], lp)[0], split.generate(prompts[2:3], lp)[0]
+        assert len(b.prompt_logprobs) == len(prompts[2]) - 1  # every position past the first, over 3 chunks
+        assert [r.top_token_ids for r in b.prompt_logprobs] == [r.top_token_ids for r in a.prompt_logprobs]
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(a.prompt_logprobs, b.prompt_logprobs)) < 1e-4
+    finally:
+        split.close()
+
+
+def test_async_scheduling_on_two_ranks_equals_the_whole_model():
+    prompts = [[(11 * i + j) % 400 + 5 for j in range(12 + 9 * i)] for i in range(3)]
+    expected = _greedy(make_engine(), prompts, 30)
+    split = make_engine(tensor_parallel_size=2, async_scheduling=True)
+    try:
+        assert _greedy(split, prompts, 30) == expected
+    finally:
+        split.close()
+
+
+def test_bf16_deterministic_mode_stays_batch_invariant_on_two_ranks():
+    """Deterministic mode (the CPU default) over a split model: each rank's partial sums are batch-invariant and two
+    ranks' sum is one addition, so a request's bf16 tokens alone equal its tokens in a batch."""
+    prompts = [[(13 * i + 5 * j) % 450 + 4 for j in range(10 + 11 * i)] for i in range(5)]
+    engine = make_engine(tensor_parallel_size=2, dtype="bfloat16", deterministic=True)
+    try:
+        assert engine.deterministic
+        batched = _greedy(engine, prompts, 24)
+        assert [_greedy(engine, [p], 24)[0] for p in prompts] == batched
+    finally:
+        engine.close()
+
+
+def test_close_stops_every_rank_and_refuses_later_steps():
+    engine = make_engine(tensor_parallel_size=2)
+    ranks = _ranks_of(engine)
+    engine.close()
+    assert not any(p.is_alive() for p in ranks)
+    engine.close()  # idempotent
+    with pytest.raises(RuntimeError, match="stopped"):
+        _greedy(engine, ["hello"], 2)
+
+
+def test_a_rank_that_dies_fails_the_step_with_its_story_and_no_hang():
+    engine = make_engine(tensor_parallel_size=2)
+    try:
+        assert _greedy(engine, ["hello there"], 4)
+        (rank,) = _ranks_of(engine)
+        os.kill(rank.pid, signal.SIGKILL)
+        rank.join(10)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"rank 1 (is gone|exited)"):
+            _greedy(engine, ["hello again"], 4)
+        assert time.monotonic() - start < 30
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("model,size,words", [
+    ("smollm2", 2, "9 attention heads do not split 2 ways"),
+    ("tiny-random", 3, "4 attention heads do not split 3 ways"),
+    ("tiny-hybrid", 2, "NemotronHModel runs with --tensor-parallel-size 1"),
+])
+def test_models_that_do_not_split_are_refused_before_any_rank_starts(model, size, words):
+    children = set(_children())
+    with pytest.raises(ValueError, match=words):
+        make_engine(model, tensor_parallel_size=size)
+    assert set(_children()) <= children
+
+
+@pytest.mark.parametrize("change,words", [
+    (dict(spec_method="mtp", num_spec_tokens=1), "draft model"),
+    (dict(enable_lora=True), "LoRA"),
+    (dict(kv_offload_host_gib=0.1), "offload"),
+    (dict(device="cuda:1"), "rank r runs on cuda:r"),
+])
+def test_settings_that_do_not_combine_are_refused_in_one_line(change, words):
+    with pytest.raises(ConfigError, match=words):
+        check_engine_config(engine_config(tensor_parallel_size=2, **change))
+
+
+def test_a_kv_transfer_connector_is_refused_and_the_ranks_stop():
+    from pdcluster.engine.loaded_model import LoadedModel
+    from pdcluster.wire.kv_connector import KVConnector
+
+    class Producer(KVConnector):
+        pass
+
+    loaded = LoadedModel.load(engine_config(tensor_parallel_size=2), progress=False)
+    ranks = list(loaded.model.tp_driver.processes)
+    with pytest.raises(ValueError, match="KV transfer with tensor parallelism"):
+        LLMEngine(loaded, Producer())
+    assert not any(p.is_alive() for p in ranks)
+
+
+def test_cpu_ranks_share_the_cores_and_cuda_graphs_are_off():
+    config = check_engine_config(engine_config(tensor_parallel_size=2))
+    assert config.num_threads == max(1, len(os.sched_getaffinity(0)) // 2)
+    assert check_engine_config(engine_config(tensor_parallel_size=2, num_threads=3)).num_threads == 3
+    assert check_engine_config(engine_config()) == engine_config()
+
+
+def test_the_slices_of_each_rank_put_back_together_are_the_checkpoint():
+    """Every cut tensor, its ranks' slices concatenated along the cut, is the checkpoint's (q/k/v rows by head,
+    fused q/k/v and gate/up by part, o_proj and down_proj columns, per-head norms by head); others stay whole."""
+    arch = ModelArch.from_dir(resolve_model("tiny-random", progress=False))
+    h, kv, d, inter, hidden = arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.intermediate_size, arch.hidden_size
+    gen = torch.Generator().manual_seed(0)
+    full = {
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(h * d, hidden, generator=gen),
+        "model.layers.0.self_attn.q_proj.bias": torch.randn(h * d, generator=gen),
+        "model.layers.0.self_attn.k_proj.weight": torch.randn(kv * d, hidden, generator=gen),
+        "model.layers.0.self_attn.v_proj.bias": torch.randn(kv * d, generator=gen),
+        "model.layers.0.self_attn.o_proj.weight": torch.randn(hidden, h * d, generator=gen),
+        "model.layers.0.self_attn.o_proj.bias": torch.randn(hidden, generator=gen),
+        "model.layers.0.self_attn.q_norm.weight": torch.randn(h, d, generator=gen),  # Cohere's per head
+        "model.layers.0.self_attn.k_norm.weight": torch.randn(d, generator=gen),  # Qwen3's, shared
+        "model.layers.1.self_attn.qkv_proj.weight": torch.randn((h + 2 * kv) * d, hidden, generator=gen),
+        "model.layers.1.mlp.gate_up_proj.weight": torch.randn(2 * inter, hidden, generator=gen),
+        "model.layers.1.mlp.down_proj.weight": torch.randn(hidden, inter, generator=gen),
+        "model.layers.1.input_layernorm.weight": torch.randn(hidden, generator=gen),
+        "model.embed_tokens.weight": torch.randn(10, hidden, generator=gen),
+    }
+    parts = []
+    for rank in range(2):
+        w = dict(full)
+        shard_weights(w, arch, Shard(rank, 2))
+        parts.append(w)
+    cat = lambda name, dim=0: torch.cat([p[name] for p in parts], dim)  # noqa: E731
+    for name in ("q_proj.weight", "q_proj.bias", "k_proj.weight", "v_proj.bias", "q_norm.weight"):
+        assert torch.equal(cat(f"model.layers.0.self_attn.{name}"), full[f"model.layers.0.self_attn.{name}"])
+    assert torch.equal(cat("model.layers.0.self_attn.o_proj.weight", 1), full["model.layers.0.self_attn.o_proj.weight"])
+    assert torch.equal(cat("model.layers.1.mlp.down_proj.weight", 1), full["model.layers.1.mlp.down_proj.weight"])
+    for name in ("model.layers.0.self_attn.o_proj.bias", "model.layers.0.self_attn.k_norm.weight",
+                 "model.layers.1.input_layernorm.weight", "model.embed_tokens.weight"):
+        assert all(torch.equal(p[name], full[name]) for p in parts)  # whole on every rank (o's bias: after the sum)
+    q, k, v = full["model.layers.1.self_attn.qkv_proj.weight"].split([h * d, kv * d, kv * d])
+    for rank, p in enumerate(parts):
+        rq, rk, rv = p["model.layers.1.self_attn.qkv_proj.weight"].split([h // 2 * d, kv // 2 * d, kv // 2 * d])
+        assert torch.equal(rq, q.chunk(2)[rank]) and torch.equal(rk, k.chunk(2)[rank]) and torch.equal(rv, v.chunk(2)[rank])
+        gate, up = p["model.layers.1.mlp.gate_up_proj.weight"].chunk(2)
+        full_gate, full_up = full["model.layers.1.mlp.gate_up_proj.weight"].chunk(2)
+        assert torch.equal(gate, full_gate.chunk(2)[rank]) and torch.equal(up, full_up.chunk(2)[rank])
+    ranked = shard_arch(arch, 2)
+    assert (ranked.num_heads, ranked.num_kv_heads, ranked.intermediate_size) == (h // 2, kv // 2, inter // 2)
+    with pytest.raises(ValueError, match="OLMo 2"):  # a norm over all heads at once
+        shard_weights({"model.layers.0.self_attn.q_norm.weight": torch.ones(h * d)}, arch, Shard(0, 2))
+    check_shardable(type(None), arch, 1)  # one rank: anything goes
+
+
+def _children() -> list[int]:
+    """This process's child pids (Linux /proc)."""
+    try:
+        with open(f"/proc/{os.getpid()}/task/{os.getpid()}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        return []
