@@ -84,6 +84,7 @@ def test_dtype_auto_takes_the_checkpoints_dtype(monkeypatch):
         (["--mode", "disagg", "--autoscale", "--min-decode", "3", "--max-decode", "2"], "--min-decode/--max-decode"),
         (["--mode", "disagg", "--autoscale", "--slo-ttft-ms", "0"], "--slo-ttft-ms"),
         (["--mode", "local", "--pooler-config", '{"pooling_type": "CLS"}'], "--pooler-config: pooling_type must be"),
+        (["--mode", "disagg", "--tensor-parallel-size", "2"], "--tensor-parallel-size 2: KV transfer between sharded"),
         pytest.param(["--mode", "disagg", "--device", "cuda"], "sees no CUDA device",
                      marks=pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is here")),
     ],
@@ -94,6 +95,18 @@ def test_bad_serve_flags_are_one_line_before_anything_starts(args, message):
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
     assert message in r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.timeout(300)
+def test_generate_with_tensor_parallelism_prints_what_the_whole_model_does(tiny_dir):
+    common = ("generate", "--model", "tiny-random", "--dtype", "float32", "--num-kv-blocks", "64", "--max-tokens", "12",
+              "--prompt", "The quick brown fox")
+    whole, split = _run(*common), _run(*common, "-tp", "2")
+    assert whole.returncode == 0 and split.returncode == 0, (whole.stderr, split.stderr)
+    assert split.stdout == whole.stdout and whole.stdout.strip()
+    refused = _run(*common, "--tensor-parallel-size", "3")
+    assert refused.returncode == 2 and "4 attention heads do not split 3 ways" in refused.stderr
+    assert "Traceback" not in refused.stderr
 
 
 @pytest.mark.parametrize("command", [["generate", "--prompt", "hi", "--num-kv-blocks", "64"],

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -90,6 +91,29 @@ def test_serve_modes_match_engine(expected, flags):
         _check_embeddings(server, "mean")
     finally:
         server.close()
+
+
+@pytest.mark.timeout(600)
+def test_serve_tensor_parallel_colocated_matches_engine(expected):
+    """A colocated worker whose model is split over two ranks (engine/tensor_parallel/: the Ray actor is rank 0 and
+    starts the other) serves what the whole model computes; the server's stop takes the other rank with it."""
+    before = set(_tp_ranks())
+    server = Server("--mode", "colocated", "--tensor-parallel-size", "2")
+    try:
+        _check_server(server, expected)
+        assert len(set(_tp_ranks()) - before) == 1  # rank 1 (rank 0 is the worker actor itself)
+    finally:
+        server.close()
+    deadline = time.monotonic() + 30
+    while set(_tp_ranks()) - before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not set(_tp_ranks()) - before
+
+
+def _tp_ranks() -> list[str]:
+    """Live processes running a tensor-parallel rank's entry (engine/tensor_parallel/worker.py)."""
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if "multiprocessing.spawn" in line and "defunct" not in line]
 
 
 @pytest.mark.timeout(900)
