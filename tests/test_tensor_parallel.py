@@ -222,3 +222,81 @@ def _children() -> list[int]:
             return [int(x) for x in f.read().split()]
     except OSError:
         return []
+
+
+def _shm_rank(path: str, rank: int, world_size: int, dtype_name: str, numel: int, rounds: int, queue) -> None:
+    from pdcluster.engine.tensor_parallel.shm_allreduce import ShmAllReduce
+
+    reducer = ShmAllReduce(path, rank, world_size, timeout_s=60)
+    results = []
+    for i in range(rounds):
+        x = _shm_input(rank, i, numel, getattr(torch, dtype_name))
+        reducer.all_reduce_(x)
+        results.append(x.view(torch.uint8).numpy().tobytes())  # bytes: a tensor's pickle would outlive no process
+    queue.put((rank, results))
+
+
+def _shm_input(rank: int, round_index: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 * round_index + rank)
+    return torch.randn(numel, generator=gen).to(dtype)
+
+
+@pytest.mark.parametrize("world_size,dtype_name,numel", [
+    (2, "float32", 7 * 576), (3, "bfloat16", 5 * 576),
+    (2, "float32", (8 << 20) // 4 + 1000),  # past one slot: two chunks
+])
+def test_shared_memory_all_reduce_is_the_rank_order_float32_sum_on_every_rank(world_size, dtype_name, numel):
+    """Every rank gets the same bits: the float32 sum of the ranks' inputs in rank order, rounded once to the dtype,
+    round after round (a slot is not overwritten before every rank has read it)."""
+    import multiprocessing
+
+    from pdcluster.engine.tensor_parallel.shm_allreduce import create_segment, remove_segment
+
+    path = create_segment(world_size)
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    rounds = 6
+    procs = [ctx.Process(target=_shm_rank, args=(path, r, world_size, dtype_name, numel, rounds, queue))
+             for r in range(world_size)]
+    try:
+        for p in procs:
+            p.start()
+        got = dict(queue.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(30)
+        remove_segment(path)
+    dtype = getattr(torch, dtype_name)
+    for i in range(rounds):
+        want = sum((_shm_input(r, i, numel, dtype).float() for r in range(1, world_size)),
+                   _shm_input(0, i, numel, dtype).float()).to(dtype)
+        for r in range(world_size):
+            assert got[r][i] == want.view(torch.uint8).numpy().tobytes(), (r, i)
+
+
+# ---- on GPUs: rank r on cuda:r, the all-reduce over NCCL ---------------------------------------------------------
+
+needs_two_gpus = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2 or os.environ.get("TRITON_INTERPRET") == "1",
+    reason="needs two CUDA devices")
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+def test_on_two_gpus_greedy_equals_one_gpu_in_fp32():
+    prompts = [[(7 * i + 3 * j) % 500 + 3 for j in range(20 + 15 * i)] for i in range(4)]
+    whole = make_engine(device="cuda", async_scheduling=True)
+    expected = _greedy(whole, prompts, 32)
+    split = make_engine(device="cuda", tensor_parallel_size=2, async_scheduling=True)
+    try:
+        assert split.kv_cache.device == torch.device("cuda:0") and split.kv_cache.shape[-2] == 1
+        assert _greedy(split, prompts, 32) == expected
+    finally:
+        split.close()
+
+
+def test_cuda_ranks_need_a_gpu_each():
+    if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has the GPUs")
+    with pytest.raises(ConfigError, match="needs 2 GPUs"):
+        check_engine_config(engine_config(tensor_parallel_size=2, device="cuda"))

@@ -21,6 +21,7 @@ from pdcluster.engine.config import ConfigError, EngineConfig
 from pdcluster.engine.kv_cache import KVCacheSpec
 from pdcluster.engine.tensor_parallel.group import TPGroup, open_store
 from pdcluster.engine.tensor_parallel.messages import AllocateCache, Forward, Stop, WorkerSpec, on_host
+from pdcluster.engine.tensor_parallel.shm_allreduce import create_segment, remove_segment
 from pdcluster.engine.tensor_parallel.worker import worker_main
 
 log = logging.getLogger(__name__)
@@ -70,12 +71,13 @@ def _cores() -> set[int]:
 class TensorParallelDriver:
     """Rank 0's handle on the other ranks."""
 
-    def __init__(self, processes: list, conns: list, group: TPGroup) -> None:
-        self.processes, self.conns, self.group = processes, conns, group
+    def __init__(self, processes: list, conns: list, group: TPGroup, shm_path: str = "") -> None:
+        self.processes, self.conns, self.group, self.shm_path = processes, conns, group, shm_path
         self.closed = False
-        group.on_failure = self.why_failed
+        if group.shm is not None:
+            group.shm.check_peers = self.check_alive
         # An engine dropped without close() still stops its ranks (and at interpreter exit: daemon processes).
-        self._finalizer = weakref.finalize(self, _stop, list(processes), list(conns))
+        self._finalizer = weakref.finalize(self, _stop, list(processes), list(conns), shm_path)
 
     @property
     def world_size(self) -> int:
@@ -86,26 +88,28 @@ class TensorParallelDriver:
               deterministic: bool) -> "TensorParallelDriver":
         """Spawns ranks 1 .. n-1 (each starts loading its slice at once) and joins their group as rank 0."""
         n = config.tensor_parallel_size
-        store = open_store(n)
+        on_gpu = config.device == "cuda"
+        store = open_store(n) if on_gpu else None
+        shm_path = "" if on_gpu else create_segment(n)
         ctx = multiprocessing.get_context("spawn")  # CUDA and a Ray actor's threads rule out fork
         processes, conns = [], []
         for rank in range(1, n):
-            device = f"cuda:{rank}" if config.device == "cuda" else config.device
-            spec = WorkerSpec(rank, n, store.port, str(model_dir), dtype_name, max_positions, max_model_len, device,
-                              deterministic, config.num_threads)
+            device = f"cuda:{rank}" if on_gpu else config.device
+            spec = WorkerSpec(rank, n, store.port if on_gpu else 0, shm_path, str(model_dir), dtype_name,
+                              max_positions, max_model_len, device, deterministic, config.num_threads)
             ours, theirs = ctx.Pipe()
             process = ctx.Process(target=worker_main, args=(theirs, spec), name=f"pdcluster-tp{rank}", daemon=True)
             process.start()
             theirs.close()
             processes.append(process)
             conns.append(ours)
-        device = torch.device("cuda:0" if config.device == "cuda" else config.device)
+        device = torch.device("cuda:0" if on_gpu else config.device)
         try:
-            group = TPGroup.join(0, n, device, deterministic, store=store)
+            group = TPGroup.join(0, n, device, shm_path=shm_path, store=store)
         except Exception as e:
-            _stop(processes, conns)
+            _stop(processes, conns, shm_path)
             raise RuntimeError(f"tensor parallelism: the {n} ranks did not meet: {e}") from None
-        return cls(processes, conns, group)
+        return cls(processes, conns, group, shm_path)
 
     def wait(self, what: str) -> None:
         """Blocks until every rank reports ``what`` ("loaded", "ready"); RuntimeError with a rank's own error."""
@@ -126,6 +130,8 @@ class TensorParallelDriver:
     def allocate_cache(self, kv_spec: KVCacheSpec) -> None:
         """Every rank makes its cache like rank 0's (after every rank loaded its slice); returns once all have."""
         self.wait("loaded")
+        if self.shm_path:  # every rank mapped it when it joined: the name can go (no file outlives a crash)
+            remove_segment(self.shm_path)
         self._send(AllocateCache(kv_spec))
         self.wait("ready")
 
@@ -142,6 +148,12 @@ class TensorParallelDriver:
                 conn.send_bytes(payload)
             except OSError:
                 raise RuntimeError(f"tensor-parallel rank {rank} is gone: {self.why_failed()}") from None
+
+    def check_alive(self) -> None:
+        """RuntimeError naming a rank that is gone (asked while rank 0 waits in a collective)."""
+        for rank, process in enumerate(self.processes, start=1):
+            if not process.is_alive():
+                raise RuntimeError(f"tensor-parallel rank {rank} exited mid-forward: {self.why_failed()}")
 
     def why_failed(self) -> str:
         """What the other ranks said or how they ended (for an error on rank 0's side of a collective)."""
@@ -165,7 +177,9 @@ class TensorParallelDriver:
             self._finalizer()
 
 
-def _stop(processes: list, conns: list) -> None:
+def _stop(processes: list, conns: list, shm_path: str = "") -> None:
+    if shm_path:
+        remove_segment(shm_path)
     payload = pickle.dumps(Stop())
     for conn in conns:
         try:

@@ -17,7 +17,8 @@ class WorkerSpec:
 
     rank: int
     world_size: int
-    port: int
+    port: int  # GPU ranks: rank 0's TCP store (the NCCL rendezvous)
+    shm_path: str  # CPU ranks: the all-reduce segment (shm_allreduce.py)
     model_dir: str
     dtype_name: str
     max_positions: int

@@ -33,6 +33,14 @@ def worker_main(conn, spec: WorkerSpec) -> None:
         raise SystemExit(1) from None
 
 
+def _parent_alive(parent_pid: int):
+    """A check for a CPU rank waiting in an all-reduce: rank 0 (its parent) gone means no forward will end."""
+    def check() -> None:
+        if os.getppid() != parent_pid:
+            raise EOFError("rank 0 is gone")
+    return check
+
+
 def _serve(conn, spec: WorkerSpec) -> None:
     from pdcluster.engine.kv_cache import allocate_kv_cache
     from pdcluster.engine.loaded_model import DTYPES
@@ -48,7 +56,9 @@ def _serve(conn, spec: WorkerSpec) -> None:
         keep_freed_memory()
     if spec.num_threads:
         torch.set_num_threads(spec.num_threads)
-    group = TPGroup.join(spec.rank, spec.world_size, device, spec.deterministic, port=spec.port)
+    group = TPGroup.join(spec.rank, spec.world_size, device, shm_path=spec.shm_path, port=spec.port)
+    if group.shm is not None:
+        group.shm.check_peers = _parent_alive(os.getppid())
     with torch.inference_mode():
         model = load_model(spec.model_dir, DTYPES[spec.dtype_name], spec.max_positions, device,
                            deterministic=spec.deterministic, max_model_len=spec.max_model_len,
