@@ -35,22 +35,38 @@ def check_shardable(model_class: type, arch, world_size: int) -> None:
         raise ValueError(f"tensor_parallel_size {world_size}: tensor parallelism splits the Llama family's dense "
                          f"models (Llama, Mistral, Qwen2/3, Phi-3, Granite, ...); {name} runs with "
                          "--tensor-parallel-size 1")
-    if arch.moe is not None or arch.group_router is not None:
-        raise ValueError(f"tensor_parallel_size {world_size}: this model's MoE layers do not split yet (experts are "
-                         "not sharded); run it with --tensor-parallel-size 1")
-    for what, count in (("attention heads", arch.num_heads), ("KV heads", arch.num_kv_heads),
-                        ("MLP intermediate_size", arch.intermediate_size)):
+    moe = arch.moe
+    if arch.group_router is not None or (moe is not None and moe.layout not in SPLIT_MOE_LAYOUTS):
+        raise ValueError(f"tensor_parallel_size {world_size}: this model's MoE layers ({moe.layout if moe else 'glm4_moe'}"
+                         f") do not split yet (Mixtral, Qwen2/3-MoE and GraniteMoe's do); run it with "
+                         "--tensor-parallel-size 1")
+    counts = [("attention heads", arch.num_heads), ("KV heads", arch.num_kv_heads),
+              ("MLP intermediate_size", arch.intermediate_size)]
+    if moe is not None:
+        counts += [("experts' moe_intermediate_size", moe.intermediate_size),
+                   ("shared_expert_intermediate_size", moe.shared_expert_intermediate_size)]
+    for what, count in counts:
         if count % world_size:
             raise ValueError(f"tensor_parallel_size {world_size}: the model's {count} {what} do not split "
                              f"{world_size} ways; choose a size that divides {count}")
 
 
+# MoE layouts whose experts split (each expert's intermediate rows, as vLLM's tensor-parallel MoE): the router stays
+# whole, so every rank routes a token to the same experts and the layer's output is a sum like a dense MLP's. gpt-oss
+# (expert biases), Llama 4 (experts stacked [E, in, out]) and GLM-4.5 (its own MoE module) do not yet.
+SPLIT_MOE_LAYOUTS = ("qwen3", "qwen2_moe", "mixtral", "granitemoe")
+
+
 def shard_arch(arch, world_size: int):
-    """The arch one rank runs: its heads and MLP width (what its layers, kernels and KV cache are sized by)."""
+    """The arch one rank runs: its heads and MLP widths (what its layers, kernels and KV cache are sized by)."""
     if world_size == 1:
         return arch
+    moe = arch.moe
+    if moe is not None:
+        moe = replace(moe, intermediate_size=moe.intermediate_size // world_size,
+                      shared_expert_intermediate_size=moe.shared_expert_intermediate_size // world_size)
     return replace(arch, num_heads=arch.num_heads // world_size, num_kv_heads=arch.num_kv_heads // world_size,
-                   intermediate_size=arch.intermediate_size // world_size)
+                   intermediate_size=arch.intermediate_size // world_size, moe=moe)
 
 
 def shard_weights(weights: dict[str, torch.Tensor], arch, shard: Shard) -> None:
@@ -84,9 +100,29 @@ def shard_weights(weights: dict[str, torch.Tensor], arch, shard: Shard) -> None:
             t = t[shard.part(num_heads)]
         elif leaf in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
             t = _head_norm_part(t, shard, num_heads if leaf.startswith("self_attn.q") else num_kv_heads, head_dim)
+        elif _is_expert(leaf) and leaf.endswith(EXPERT_IN):  # an expert's (or the shared one's) [I, H]
+            t = t[shard.part(t.shape[0])]
+        elif _is_expert(leaf) and leaf.endswith(EXPERT_OUT):  # [H, I]
+            t = t[:, shard.part(t.shape[1])]
+        elif leaf in ("block_sparse_moe.input_linear.weight", "mlp.experts.gate_up_proj"):
+            # Stacked [E, 2I, H] (GraniteMoe's, a fused Qwen MoE checkpoint's): gate rows, then up rows
+            gate, up = t.chunk(2, dim=1)
+            t = torch.cat([gate[:, shard.part(gate.shape[1])], up[:, shard.part(up.shape[1])]], dim=1)
+        elif leaf in ("block_sparse_moe.output_linear.weight", "mlp.experts.down_proj"):  # [E, H, I]
+            t = t[:, :, shard.part(t.shape[2])]
         else:
             continue
         weights[name] = t.contiguous()
+
+
+EXPERT_IN = (".gate_proj.weight", ".up_proj.weight", ".w1.weight", ".w3.weight")
+EXPERT_OUT = (".down_proj.weight", ".w2.weight")
+
+
+def _is_expert(leaf: str) -> bool:
+    """A routed expert's or the shared expert's projection (Qwen's mlp.experts.<e>.*, mlp.shared_expert.*; Mixtral's
+    block_sparse_moe.experts.<e>.w1/w2/w3); the shared expert's gate [1, H] stays whole."""
+    return ".experts." in leaf or ".shared_expert." in leaf
 
 
 def _rows(heads: slice, head_dim: int) -> slice:
@@ -117,8 +153,25 @@ class RowParallelLinear:
         return self.group.all_reduce_(self.linear(x))
 
 
+class SummedMoe:
+    """A sparse layer whose experts hold this rank's slice of their rows: its output (routed plus shared, each a
+    linear function of the experts' partial sums) summed over the ranks. Everything else is the layer's own."""
+
+    def __init__(self, moe, group) -> None:
+        self.inner, self.group = moe, group
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce_(self.inner(x))
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
 def split_rows(model, group) -> None:
-    """Makes each layer's o_proj and down_proj of a sharded model row-parallel over ``group``."""
+    """Makes each layer's o_proj and down_proj (a sparse layer's MoE) of a sharded model row-parallel over ``group``."""
     for layer in model.layers:
         layer.o_proj = RowParallelLinear(layer.o_proj, group)
-        layer.down_proj = RowParallelLinear(layer.down_proj, group)
+        if layer.moe is not None:
+            layer.moe = SummedMoe(layer.moe, group)
+        else:
+            layer.down_proj = RowParallelLinear(layer.down_proj, group)
