@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from pdcluster.engine.linear import Linear
@@ -23,15 +24,28 @@ from pdcluster.engine.models.quantized import dequantize_weights, scaled_weights
 from pdcluster.engine.models.mxfp4 import dequantize_checkpoint, is_mxfp4
 
 
-def load_weights(model_dir: Path, dtype: torch.dtype, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+def load_weights(model_dir: Path, dtype: torch.dtype, device: str | torch.device = "cpu",
+                 cut: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of the directory's *.safetensors files, by Hugging Face name, in ``dtype`` on
-    ``device`` (read on the host, cast there, then moved: one device copy per tensor)."""
+    ``device`` (read on the host, cast there, then moved: one device copy per tensor). ``cut(name, tensor)``: what of
+    each tensor to keep (a tensor-parallel rank's slice, engine/tensor_parallel/shard.py), applied to each tensor as it
+    is read, so the host never holds the whole checkpoint; a quantized checkpoint's after it is dequantized."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{model_dir}: no *.safetensors weight files")
     config_file = Path(model_dir) / "config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
     scaled, packed = scaled_weights_of(config), packed_ints_of(config)
+    if cut is not None and scaled is None and packed is None and not is_mxfp4(config):
+        weights = {}
+        for f in files:
+            with safe_open(str(f), framework="pt") as tensors:
+                for name in tensors.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    weights[name] = cut(name, tensors.get_tensor(name)).to(dtype).to(device)
+        return weights
+    if cut is not None:
+        weights = load_weights(model_dir, dtype, "cpu")
+        return {name: cut(name, t).to(device) for name, t in weights.items()}
     weights: dict[str, torch.Tensor] = {}
     for f in files:
         tensors = load_file(str(f))
@@ -59,16 +73,17 @@ _VISION_PREFIXES = ("visual.", "vision_tower.", "multi_modal_projector.", "model
                     "model.multi_modal_projector.", "vision_model.", "model.vision_model.")
 
 
+def text_name(name: str) -> str | None:
+    """A checkpoint tensor's name in a text model (a text checkpoint's as it is); None for a vision tower's."""
+    prefix = next((p for p in _TEXT_PREFIXES if name.startswith(p)), None)
+    if prefix is not None:
+        return _TEXT_PREFIXES[prefix] + name[len(prefix):]
+    return None if name.startswith(_VISION_PREFIXES) else name
+
+
 def text_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A checkpoint's language-model tensors under a text model's names (a text checkpoint's as they are)."""
-    out = {}
-    for name, tensor in weights.items():
-        prefix = next((p for p in _TEXT_PREFIXES if name.startswith(p)), None)
-        if prefix is not None:
-            out[_TEXT_PREFIXES[prefix] + name[len(prefix):]] = tensor
-        elif not name.startswith(_VISION_PREFIXES):
-            out[name] = tensor
-    return out
+    return {text: tensor for name, tensor in weights.items() if (text := text_name(name)) is not None}
 
 
 def embedding_and_lm_head(arch, weights: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,12 +127,15 @@ class CausalLM:
         if shard is None or shard.world_size == 1:
             return cls.build_with_head(model_dir, arch, text_weights(load_weights(model_dir, dtype, device)), dtype,
                                        max_positions, deterministic)
-        from pdcluster.engine.tensor_parallel.shard import check_shardable, shard_arch, shard_weights, split_rows
+        from pdcluster.engine.tensor_parallel.shard import check_shardable, shard_arch, shard_tensor, split_rows
 
         check_shardable(cls, arch, shard.world_size)
-        weights = text_weights(load_weights(model_dir, dtype, "cpu"))
-        shard_weights(weights, arch, shard)
-        weights = {name: t.to(device) for name, t in weights.items()}
+
+        def cut(name: str, t: torch.Tensor) -> torch.Tensor:
+            text = text_name(name)
+            return t if text is None else shard_tensor(text, t, arch, shard)
+
+        weights = text_weights(load_weights(model_dir, dtype, device, cut=cut))
         model = cls.build_with_head(model_dir, shard_arch(arch, shard.world_size), weights, dtype, max_positions,
                                     deterministic)
         split_rows(model, group)

@@ -72,47 +72,57 @@ def shard_arch(arch, world_size: int):
 def shard_weights(weights: dict[str, torch.Tensor], arch, shard: Shard) -> None:
     """Cuts each layer tensor of ``weights`` (the full checkpoint's, Hugging Face names) to ``shard``'s slice, in
     place; the others stay whole. ``arch``: the full model's."""
+    for name in list(weights):
+        weights[name] = shard_tensor(name, weights[name], arch, shard)
+
+
+def shard_tensor(name: str, t: torch.Tensor, arch, shard: Shard) -> torch.Tensor:
+    """``shard``'s slice of one checkpoint tensor (text model names), a compact copy so the whole tensor can be freed
+    as soon as it is cut (the loader cuts each tensor as it reads it: no rank holds the whole checkpoint); a tensor no
+    rank splits, as it is."""
+    if not name.startswith("model.layers."):
+        return t
     num_heads, num_kv_heads, head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
     q_rows = _rows(shard.part(num_heads), head_dim)
     kv_rows = _rows(shard.part(num_kv_heads), head_dim)
-    mlp_rows = shard.part(arch.intermediate_size)
-    for name in [n for n in weights if n.startswith("model.layers.")]:
-        leaf = name.split(".", 3)[3]  # model.layers.<i>.<leaf>
-        t = weights[name]
-        if leaf in ("self_attn.q_proj.weight", "self_attn.q_proj.bias"):
-            t = t[q_rows]
-        elif leaf in ("self_attn.k_proj.weight", "self_attn.k_proj.bias", "self_attn.v_proj.weight",
-                      "self_attn.v_proj.bias"):
-            t = t[kv_rows]
-        elif leaf == "self_attn.qkv_proj.weight":  # Phi-3's fused checkpoint
-            q, k, v = t.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim])
-            t = torch.cat([q[q_rows], k[kv_rows], v[kv_rows]])
-        elif leaf == "self_attn.o_proj.weight":
-            t = t[:, q_rows]
-        elif leaf in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
-            t = t[mlp_rows]
-        elif leaf == "mlp.gate_up_proj.weight":  # Phi-3's, GLM-4's fused checkpoints
-            gate, up = t.chunk(2)
-            t = torch.cat([gate[mlp_rows], up[mlp_rows]])
-        elif leaf == "mlp.down_proj.weight":
-            t = t[:, mlp_rows]
-        elif leaf == "self_attn.sinks":
-            t = t[shard.part(num_heads)]
-        elif leaf in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
-            t = _head_norm_part(t, shard, num_heads if leaf.startswith("self_attn.q") else num_kv_heads, head_dim)
-        elif _is_expert(leaf) and leaf.endswith(EXPERT_IN):  # an expert's (or the shared one's) [I, H]
-            t = t[shard.part(t.shape[0])]
-        elif _is_expert(leaf) and leaf.endswith(EXPERT_OUT):  # [H, I]
-            t = t[:, shard.part(t.shape[1])]
-        elif leaf in ("block_sparse_moe.input_linear.weight", "mlp.experts.gate_up_proj"):
-            # Stacked [E, 2I, H] (GraniteMoe's, a fused Qwen MoE checkpoint's): gate rows, then up rows
-            gate, up = t.chunk(2, dim=1)
-            t = torch.cat([gate[:, shard.part(gate.shape[1])], up[:, shard.part(up.shape[1])]], dim=1)
-        elif leaf in ("block_sparse_moe.output_linear.weight", "mlp.experts.down_proj"):  # [E, H, I]
-            t = t[:, :, shard.part(t.shape[2])]
-        else:
-            continue
-        weights[name] = t.contiguous()
+    leaf = name.split(".", 3)[3]  # model.layers.<i>.<leaf>
+    if leaf in ("self_attn.q_proj.weight", "self_attn.q_proj.bias"):
+        t = t[q_rows]
+    elif leaf in ("self_attn.k_proj.weight", "self_attn.k_proj.bias", "self_attn.v_proj.weight",
+                  "self_attn.v_proj.bias"):
+        t = t[kv_rows]
+    elif leaf == "self_attn.qkv_proj.weight":  # Phi-3's fused checkpoint
+        q, k, v = t.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim])
+        t = torch.cat([q[q_rows], k[kv_rows], v[kv_rows]])
+    elif leaf == "self_attn.o_proj.weight":
+        t = t[:, q_rows]
+    elif leaf in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
+        t = t[shard.part(arch.intermediate_size)]
+    elif leaf == "mlp.gate_up_proj.weight":  # Phi-3's, GLM-4's fused checkpoints
+        gate, up = t.chunk(2)
+        t = torch.cat([gate[shard.part(arch.intermediate_size)], up[shard.part(arch.intermediate_size)]])
+    elif leaf == "mlp.down_proj.weight":
+        t = t[:, shard.part(arch.intermediate_size)]
+    elif leaf == "self_attn.sinks":
+        t = t[shard.part(num_heads)]
+    elif leaf in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
+        cut = _head_norm_part(t, shard, num_heads if leaf.startswith("self_attn.q") else num_kv_heads, head_dim)
+        if cut is t:
+            return t
+        t = cut
+    elif _is_expert(leaf) and leaf.endswith(EXPERT_IN):  # an expert's (or the shared one's) [I, H]
+        t = t[shard.part(t.shape[0])]
+    elif _is_expert(leaf) and leaf.endswith(EXPERT_OUT):  # [H, I]
+        t = t[:, shard.part(t.shape[1])]
+    elif leaf in ("block_sparse_moe.input_linear.weight", "mlp.experts.gate_up_proj"):
+        # Stacked [E, 2I, H] (GraniteMoe's, a fused Qwen MoE checkpoint's): gate rows, then up rows
+        gate, up = t.chunk(2, dim=1)
+        t = torch.cat([gate[:, shard.part(gate.shape[1])], up[:, shard.part(up.shape[1])]], dim=1)
+    elif leaf in ("block_sparse_moe.output_linear.weight", "mlp.experts.down_proj"):  # [E, H, I]
+        t = t[:, :, shard.part(t.shape[2])]
+    else:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 EXPERT_IN = (".gate_proj.weight", ".up_proj.weight", ".w1.weight", ".w3.weight")
