@@ -639,6 +639,7 @@ def test_serve_when_ready_waits_for_what_the_launcher_places():
     assert swr.needed_resources(base, "cpu") == {"prefill_slot": 2, "decode_slot": 3}
     assert swr.needed_resources(base, "gpu") == {"GPU": 5}
     assert swr.needed_resources(base + ["--mode", "colocated"], "cpu") == {"decode_slot": 3}
+    assert swr.needed_resources(base + ["--mode", "colocated", "-tp", "4"], "gpu") == {"GPU": 12}  # 4 GPUs a worker
     assert swr.missing_resources({"GPU": 5}, {"GPU": 4.0, "CPU": 8}) == {"GPU": 1}
     assert swr.missing_resources({"decode_slot": 3}, {"decode_slot": 3.0}) == {}
     with pytest.raises(ValueError, match="local"):

@@ -33,10 +33,11 @@ def needed_resources(serve_argv: list[str], device: str) -> dict[str, float]:
         from pdcluster.cluster.serve_cli import resolve_auto_mode
 
         # A GPU cluster gives each worker its own GPU (the chart asks for one per worker pod).
-        mode = resolve_auto_mode(args.address, os.cpu_count() or 1, 2 if device == "gpu" else 0)
+        mode = resolve_auto_mode(args.address, os.cpu_count() or 1, 2 if device == "gpu" else 0,
+                                 args.tensor_parallel_size)
     num_prefill = args.num_prefill if mode == "disagg" else 0
-    if device == "gpu":
-        return {"GPU": num_prefill + args.num_decode}
+    if device == "gpu":  # a tensor-parallel worker takes a GPU per rank
+        return {"GPU": (num_prefill + args.num_decode) * args.tensor_parallel_size}
     return {k: v for k, v in (("prefill_slot", num_prefill), ("decode_slot", args.num_decode)) if v}
 
 
