@@ -300,3 +300,32 @@ def test_cuda_ranks_need_a_gpu_each():
         pytest.skip("this machine has the GPUs")
     with pytest.raises(ConfigError, match="needs 2 GPUs"):
         check_engine_config(engine_config(tensor_parallel_size=2, device="cuda"))
+
+
+def test_rank_messages_round_trip_as_msgpack_and_garbage_is_refused():
+    """What crosses a rank's pipe is msgpack (tests/test_no_pickle.py): a forward's tensors (views of larger buffers
+    included), host arrays and plain values come back equal; a KV spec keeps its dtype; anything else is a ValueError."""
+    import numpy as np
+
+    from pdcluster.engine.attention import AttentionMetadata
+    from pdcluster.engine.kv_cache import KVCacheSpec
+    from pdcluster.engine.tensor_parallel.messages import (AllocateCache, Forward, Stop, decode, decode_status, encode,
+                                                           encode_status)
+
+    table = torch.arange(40, dtype=torch.int32).reshape(4, 10)
+    meta = AttentionMetadata(torch.arange(7), table[:2, :3], torch.tensor([5, 2], dtype=torch.int32),
+                             torch.tensor([0, 5, 7], dtype=torch.int32), None, 0.125, None, 5,
+                             np.array([5, 2], dtype=np.int64))
+    ids = torch.tensor([3, 1, 4, 1, 5, 9, 2])
+    got = decode(encode(Forward(ids, torch.arange(7), meta)))
+    assert torch.equal(got.input_ids, ids) and torch.equal(got.meta.block_tables, table[:2, :3])
+    assert got.meta.block_tables.is_contiguous() and got.meta.scale == 0.125 and got.meta.uniform_q_len is None
+    assert np.array_equal(got.meta.no_context_query_lens_np, meta.no_context_query_lens_np)
+    assert torch.equal(got.meta.seq_lens, meta.seq_lens) and got.meta.seq_lens.dtype == torch.int32
+    spec = KVCacheSpec(4, 0, 64, 16, 1, 32, torch.bfloat16)
+    assert decode(encode(AllocateCache(spec))) == AllocateCache(spec)
+    assert isinstance(decode(encode(Stop())), Stop)
+    assert decode_status(encode_status("error", "boom")) == ("error", "boom")
+    for garbage in (b"\x00\x01", encode_status("ready"), b"\x81\xa4kind\xa4exec"):
+        with pytest.raises(ValueError, match="rank message"):
+            decode(garbage)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import pickle
 import time
 import weakref
 from dataclasses import replace
@@ -20,7 +19,7 @@ import torch
 from pdcluster.engine.config import ConfigError, EngineConfig
 from pdcluster.engine.kv_cache import KVCacheSpec
 from pdcluster.engine.tensor_parallel.group import TPGroup, open_store
-from pdcluster.engine.tensor_parallel.messages import AllocateCache, Forward, Stop, WorkerSpec, on_host
+from pdcluster.engine.tensor_parallel.messages import AllocateCache, Forward, Stop, WorkerSpec, decode_status, encode
 from pdcluster.engine.tensor_parallel.shm_allreduce import create_segment, remove_segment
 from pdcluster.engine.tensor_parallel.worker import worker_main
 
@@ -121,7 +120,7 @@ class TensorParallelDriver:
                                        f"it was {what}")
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"tensor-parallel rank {rank} not {what} after {READY_TIMEOUT_S:.0f} s")
-            status, detail = conn.recv()
+            status, detail = decode_status(conn.recv_bytes())
             if status == "error":
                 raise RuntimeError(detail)
             if status != what:
@@ -137,12 +136,12 @@ class TensorParallelDriver:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> None:
         """Hands a forward's inputs to the other ranks, which start it at once (rank 0 runs its own next)."""
-        self._send(Forward(on_host(input_ids), on_host(positions), on_host(meta)))
+        self._send(Forward(input_ids, positions, meta))
 
     def _send(self, message) -> None:
         if self.closed:
             raise RuntimeError("tensor parallelism: the engine's other ranks were stopped (engine closed)")
-        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        payload = encode(message)
         for rank, conn in enumerate(self.conns, start=1):
             try:
                 conn.send_bytes(payload)
@@ -161,10 +160,10 @@ class TensorParallelDriver:
         for rank, (process, conn) in enumerate(zip(self.processes, self.conns), start=1):
             try:
                 while conn.poll(0):
-                    status, detail = conn.recv()
+                    status, detail = decode_status(conn.recv_bytes())
                     if status == "error":
                         said.append(detail.strip())
-            except (EOFError, OSError):
+            except (EOFError, OSError, ValueError):
                 pass
             if not process.is_alive():
                 said.append(f"rank {rank} exited with code {process.exitcode}")
@@ -180,7 +179,7 @@ class TensorParallelDriver:
 def _stop(processes: list, conns: list, shm_path: str = "") -> None:
     if shm_path:
         remove_segment(shm_path)
-    payload = pickle.dumps(Stop())
+    payload = encode(Stop())
     for conn in conns:
         try:
             conn.send_bytes(payload)

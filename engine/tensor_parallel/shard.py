@@ -37,9 +37,9 @@ def check_shardable(model_class: type, arch, world_size: int) -> None:
                          "--tensor-parallel-size 1")
     moe = arch.moe
     if arch.group_router is not None or (moe is not None and moe.layout not in SPLIT_MOE_LAYOUTS):
-        raise ValueError(f"tensor_parallel_size {world_size}: this model's MoE layers ({moe.layout if moe else 'glm4_moe'}"
-                         f") do not split yet (Mixtral, Qwen2/3-MoE and GraniteMoe's do); run it with "
-                         "--tensor-parallel-size 1")
+        layout = moe.layout if moe is not None else "glm4_moe"
+        raise ValueError(f"tensor_parallel_size {world_size}: this model's MoE layers ({layout}) do not split yet "
+                         "(Mixtral, Qwen2/3-MoE and GraniteMoe's do); run it with --tensor-parallel-size 1")
     counts = [("attention heads", arch.num_heads), ("KV heads", arch.num_kv_heads),
               ("MLP intermediate_size", arch.intermediate_size)]
     if moe is not None:

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import traceback
 
 import torch
 
-from pdcluster.engine.tensor_parallel.messages import AllocateCache, Forward, Stop, WorkerSpec, on_device
+from pdcluster.engine.tensor_parallel.messages import (AllocateCache, Forward, Stop, WorkerSpec, decode,
+                                                       encode_status, on_device)
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,8 @@ def worker_main(conn, spec: WorkerSpec) -> None:
         pass  # rank 0 went away: nothing left to serve
     except BaseException:  # noqa: BLE001 - told to rank 0, whatever it was
         try:
-            conn.send(("error", f"tensor-parallel rank {spec.rank}: {traceback.format_exc(limit=8)}"))
+            story = traceback.format_exc(limit=8)
+            conn.send_bytes(encode_status("error", f"tensor-parallel rank {spec.rank}: {story}"))
         except OSError:
             pass
         raise SystemExit(1) from None
@@ -64,16 +65,16 @@ def _serve(conn, spec: WorkerSpec) -> None:
                            deterministic=spec.deterministic, max_model_len=spec.max_model_len,
                            shard=Shard(spec.rank, spec.world_size), group=group)
     model.lm_head = None  # rank 0 alone computes logits (a tied head is the embedding, still held)
-    conn.send(("loaded", None))
-    message = pickle.loads(conn.recv_bytes())
+    conn.send_bytes(encode_status("loaded"))
+    message = decode(conn.recv_bytes())
     if isinstance(message, Stop):
         return
     if not isinstance(message, AllocateCache):
         raise RuntimeError(f"expected the KV cache's spec, got {type(message).__name__}")
     kv_cache = allocate_kv_cache(message.kv_spec, device)
-    conn.send(("ready", None))
+    conn.send_bytes(encode_status("ready"))
     while True:
-        message = pickle.loads(conn.recv_bytes())
+        message = decode(conn.recv_bytes())
         if isinstance(message, Stop):
             return
         if not isinstance(message, Forward):
