@@ -87,7 +87,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="torch threads of each worker (of each rank with tensor parallelism); 0: a share of the cores")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many ranks (GPUs cuda:0..n-1 of a worker, or processes sharing its "
-                        "CPU cores), vLLM's tensor parallelism: the Llama family's dense models")
+                        "CPU cores), vLLM's tensor parallelism: the Llama family and its Mixtral / Qwen-MoE / GraniteMoe models")
     g.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
                    help="batch-invariant kernels: a request's tokens and logprobs are bitwise the same whatever the "
                         "batch, chunking, speculation, placement or recovery (on by default on CPU, --no-deterministic for the "

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from pdcluster.engine.config import ConfigError, EngineConfig
+from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.kv_budget import CPU_DEFAULT_GIB, cuda_kv_pool_bytes
 from pdcluster.engine.kv_cache import KVCacheSpec, allocate_kv_cache, kv_cache_dtype, kv_planes, num_blocks_for_budget
 from pdcluster.engine.linear import DeterministicUnavailable, check_deterministic_available
@@ -94,9 +94,6 @@ class LoadedModel:
         driver = shard = None
         if config.tensor_parallel_size > 1:  # the other ranks load their slices while this one loads its own
             check_shardable(model_class_of(model_dir), arch, config.tensor_parallel_size)
-            if kv_cache_allocator is not None:
-                raise ConfigError(f"tensor_parallel_size {config.tensor_parallel_size}: a KV transport's cache holds "
-                                  "one rank's slice; KV transfer with tensor parallelism is not served yet")
             driver = TensorParallelDriver.start(config, str(model_dir), dtype_name, max_positions, max_model_len,
                                                 deterministic)
             shard = Shard(0, config.tensor_parallel_size)

@@ -185,13 +185,13 @@ class GemmaModel(LlamaModel):
         """A multimodal checkpoint's language model under the text model's names; its vision tower and
         projector are dropped (image inputs are refused at the API). ``max_model_len`` picks nothing here
         (Gemma's RoPE variants are static). ``shard``: Gemma does not split (tensor_parallel.check_shardable)."""
+        arch = cls.arch_class.from_dir(model_dir)
         if shard is not None:
             from pdcluster.engine.tensor_parallel.shard import check_shardable
 
-            check_shardable(cls, cls.arch_class.from_dir(model_dir), shard.world_size)
-        return cls.build_with_head(model_dir, cls.arch_class.from_dir(model_dir),
-                                   text_weights(load_weights(model_dir, dtype, device)), dtype, max_positions,
-                                   deterministic)
+            check_shardable(cls, arch, shard.world_size)
+        return cls.build_with_head(model_dir, arch, text_weights(load_weights(model_dir, dtype, device)), dtype,
+                                   max_positions, deterministic)
 
     def __init__(self, arch: GemmaArch, weights: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int,
                  deterministic: bool = False):

@@ -78,10 +78,6 @@ class TensorParallelDriver:
         # An engine dropped without close() still stops its ranks (and at interpreter exit: daemon processes).
         self._finalizer = weakref.finalize(self, _stop, list(processes), list(conns), shm_path)
 
-    @property
-    def world_size(self) -> int:
-        return self.group.world_size
-
     @classmethod
     def start(cls, config: EngineConfig, model_dir: str, dtype_name: str, max_positions: int, max_model_len: int,
               deterministic: bool) -> "TensorParallelDriver":

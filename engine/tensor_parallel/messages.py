@@ -4,7 +4,7 @@ tests/test_no_pickle.py): rank 0 sends where the KV cache is, then one message p
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import msgpack
 import numpy as np
@@ -160,7 +160,5 @@ def on_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetadat
     """``meta`` with its tensors on a rank's device."""
     if device.type == "cpu":
         return meta
-    from dataclasses import replace
-
     return replace(meta, **{f.name: v.to(device) for f in fields(meta)
                             if isinstance(v := getattr(meta, f.name), torch.Tensor)})

@@ -32,8 +32,8 @@ def check_shardable(model_class: type, arch, world_size: int) -> None:
 
     name = model_class.__name__
     if model_class is not LlamaModel:
-        raise ValueError(f"tensor_parallel_size {world_size}: tensor parallelism splits the Llama family's dense "
-                         f"models (Llama, Mistral, Qwen2/3, Phi-3, Granite, ...); {name} runs with "
+        raise ValueError(f"tensor_parallel_size {world_size}: tensor parallelism splits the Llama family's models "
+                         f"(Llama, Mistral, Qwen2/3, Phi-3, Granite, Mixtral, Qwen-MoE, ...); {name} runs with "
                          "--tensor-parallel-size 1")
     moe = arch.moe
     if arch.group_router is not None or (moe is not None and moe.layout not in SPLIT_MOE_LAYOUTS):

@@ -94,14 +94,6 @@ class ShmAllReduce:
                     behind = [r for r in range(self.world_size) if flags[r] < seq]
                     raise RuntimeError(f"ranks {behind} did not reach all-reduce {seq} in {self.timeout_s:.0f} s")
 
-    def close(self) -> None:
-        self._slots = []
-        self._flags = self._written = self._done = None
-        try:
-            self._map.close()
-        except BufferError:  # a view is still held somewhere: the mapping goes with the process
-            pass
-
 
 def remove_segment(path: str) -> None:
     """Once every rank has mapped it the file's name is not needed: the mappings keep the memory."""

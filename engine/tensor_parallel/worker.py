@@ -14,8 +14,6 @@ import torch
 from pdcluster.engine.tensor_parallel.messages import (AllocateCache, Forward, Stop, WorkerSpec, decode,
                                                        encode_status, on_device)
 
-log = logging.getLogger(__name__)
-
 
 def worker_main(conn, spec: WorkerSpec) -> None:
     """The process's entry (multiprocessing, spawned). Reports ("loaded" | "ready" | "error", detail) on ``conn``."""
