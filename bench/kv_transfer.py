@@ -7,7 +7,11 @@ transfer and scatter included). Also measures an in-process memcpy of the same b
 ceiling) and, where the ``nixl`` package is installed, NIXL (UCX backend, DRAM) writing the same
 scattered rows.
 
+``--ranks N`` splits each side's cache N ways by KV head, as tensor parallelism does, and moves the same bytes as N
+rank caches through one ranked transport (kv_transfer/transports/ranked.py: one transport per rank, driven as one).
+
     python bench/kv_transfer.py --out result.json
+    python bench/kv_transfer.py --transports tcp shm --ranks 2 --out result.json
 
 JSON goes to --out and stdout; everything else (including native libraries' chatter in the child
 processes) goes to stderr.
@@ -42,10 +46,12 @@ class Geometry:
     num_kv_heads: int = 8
     head_dim: int = 32  # float32: 16 * 8 * 32 * 4 B = 16 KiB per row
     send_blocks: int = 256  # 8 layers * 2 * 256 rows * 16 KiB = 64 MiB
+    ranks: int = 1  # tensor-parallel ranks per side: each cache holds num_kv_heads / ranks heads
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        """One rank's cache."""
+        return (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads // self.ranks, self.head_dim)
 
     @property
     def row_bytes(self) -> int:
@@ -108,13 +114,16 @@ def fill(cache, seed: int) -> None:
         flat[start:end] = torch.randint(0, 256, (end - start,), generator=g, dtype=torch.uint8)
 
 
-def checksum(cache, ids: np.ndarray) -> str:
+def checksum(caches, ids: np.ndarray) -> str:
     import hashlib
 
     import torch
 
-    rows = cache.view(torch.uint8).view(cache.shape[0], 2, cache.shape[2], -1)[:, :, torch.from_numpy(ids)]
-    return hashlib.sha256(rows.contiguous().numpy().tobytes()).hexdigest()
+    digest = hashlib.sha256()
+    for cache in caches:
+        rows = cache.view(torch.uint8).view(cache.shape[0], 2, cache.shape[2], -1)[:, :, torch.from_numpy(ids)]
+        digest.update(rows.contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
 # ------------------------------------------------------------------ our transports
@@ -132,19 +141,23 @@ SHM_MODES = {"push+pull": (True, True), "push": (False, True), "ring": (False, F
 
 
 def open_transport(name: str, mode: str, geom: Geometry, role: str):
-    """(cache, transport) of one side: the cache filled with its side's random bytes."""
+    """(caches, transport) of one side: a cache per rank, filled with its side's random bytes; with more than one
+    rank, a ranked transport over a transport per rank cache."""
     from pdcluster.kv_transfer.transports import TransportConfig, get_transport_class
+    from pdcluster.kv_transfer.transports.ranked import RankedTransport
 
     cls = get_transport_class(name)
     sender = role == "sender"
-    cache = allocate(cls, geom, SHM_MODES.get(mode, (False, False))[0 if sender else 1])
-    fill(cache, 2 if sender else 1)
-    return cache, cls(cache, role, TransportConfig(admit_unexpected=True))
+    caches = [allocate(cls, geom, SHM_MODES.get(mode, (False, False))[0 if sender else 1]) for _ in range(geom.ranks)]
+    for rank, cache in enumerate(caches):
+        fill(cache, (2 if sender else 1) + 10 * rank)
+    parts = [cls(cache, role, TransportConfig(admit_unexpected=True)) for cache in caches]
+    return caches, (parts[0] if len(parts) == 1 else RankedTransport(parts))
 
 
 @child_process
 def receiver_proc(name: str, mode: str, geom: Geometry, reps: int, conn) -> None:
-    cache, t = open_transport(name, mode, geom, "receiver")
+    caches, t = open_transport(name, mode, geom, "receiver")
     conn.send(t.local_descriptor())
     _, dst = block_ids(geom, 0)
     arrivals = []
@@ -160,7 +173,7 @@ def receiver_proc(name: str, mode: str, geom: Geometry, reps: int, conn) -> None
                 # for a whole switch interval (5 ms).
                 time.sleep(0.0002)
         arrivals.append(time.perf_counter())
-    conn.send(("arrivals", arrivals, checksum(cache, dst)))
+    conn.send(("arrivals", arrivals, checksum(caches, dst)))
     conn.recv()  # the sender has its acks
     t.close()
     conn.send("closed")
@@ -180,10 +193,11 @@ def timed_sends(geom: Geometry, reps: int, send) -> tuple[list[float], list[floa
 
 @child_process
 def sender_proc(name: str, mode: str, geom: Geometry, reps: int, desc: dict, conn) -> None:
-    cache, t = open_transport(name, mode, geom, "sender")
+    caches, t = open_transport(name, mode, geom, "sender")
     t.connect("decode", desc)
-    if hasattr(t, "peer_mode"):
-        assert t.peer_mode("decode") == mode, (t.peer_mode("decode"), mode)
+    for part in getattr(t, "parts", [t]):
+        if hasattr(part, "peer_mode"):
+            assert part.peer_mode("decode") == mode, (part.peer_mode("decode"), mode)
     src, dst = block_ids(geom, 0)
 
     def send(rep: int) -> None:
@@ -201,7 +215,7 @@ def sender_proc(name: str, mode: str, geom: Geometry, reps: int, desc: dict, con
             raise TimeoutError(f"{tid} not delivered")
 
     starts, memcpy_gbps = timed_sends(geom, reps, send)
-    conn.send(("starts", starts, checksum(cache, src), memcpy_gbps))
+    conn.send(("starts", starts, checksum(caches, src), memcpy_gbps))
     conn.recv()
     t.close()
     conn.send("closed")
@@ -257,6 +271,7 @@ def summarize(transport: str, mode: str, geom: Geometry, run: tuple, warmup: int
     return {
         "transport": transport,
         "mode": mode,
+        "ranks": geom.ranks,
         "bytes": geom.transfer_bytes,
         "seconds": seconds,
         "gbps": gbps,
@@ -305,7 +320,7 @@ def nixl_receiver_proc(geom: Geometry, reps: int, error_handling: str, conn) -> 
                 raise TimeoutError(f"rep{rep} never arrived")
             time.sleep(0.0002)
         arrivals.append(time.perf_counter())
-    conn.send(("arrivals", arrivals, checksum(cache, dst)))
+    conn.send(("arrivals", arrivals, checksum([cache], dst)))
     conn.recv()
     conn.send("closed")
 
@@ -355,7 +370,7 @@ def nixl_sender_proc(geom: Geometry, reps: int, error_handling: str, peer: dict,
         agent.release_xfer_handle(handle)
 
     starts, memcpy_gbps = timed_sends(geom, reps, send)
-    conn.send(("starts", starts, checksum(cache, src), memcpy_gbps))
+    conn.send(("starts", starts, checksum([cache], src), memcpy_gbps))
     conn.recv()
     conn.send("closed")
 
@@ -383,6 +398,8 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--transports", nargs="*", help="subset of transports (default: all available)")
     parser.add_argument("--no-nixl", action="store_true")
+    parser.add_argument("--ranks", type=int, default=1,
+                        help="tensor-parallel ranks per side (a ranked transport over a cache per rank); divides 8")
     args = parser.parse_args()
 
     # Loopback only, and UCX's shared-memory path (FIELD_NOTES); children inherit the environment.
@@ -391,7 +408,9 @@ def main() -> int:
 
     from pdcluster.kv_transfer.transports import available_transports
 
-    geom = Geometry()
+    geom = Geometry(ranks=args.ranks)
+    if geom.num_kv_heads % geom.ranks:
+        parser.error(f"--ranks {args.ranks}: the {geom.num_kv_heads} KV heads do not split that way")
     result: dict = {"geometry": asdict(geom), "results": [], "unavailable": {}, "errors": {}}
     # The machine is shared: the load says how much to trust the numbers.
     result["loadavg_1min"] = {"start": os.getloadavg()[0], "cpus": os.cpu_count()}
@@ -410,7 +429,7 @@ def main() -> int:
         except Exception as e:  # noqa: BLE001 - one broken transport must not hide the others
             result["errors"][f"{name}:{mode}"] = str(e)
 
-    if not args.no_nixl:
+    if not args.no_nixl and geom.ranks == 1:  # NIXL's reference moves one cache
         try:
             from importlib.metadata import version
 

@@ -71,9 +71,6 @@ class ClusterSpec:
         if self.num_decode < 1 or (self.mode == "disagg" and self.num_prefill < 1):
             raise ValueError(f"need at least one decode worker and, in disagg mode, one prefill worker "
                              f"(got num_prefill={self.num_prefill}, num_decode={self.num_decode})")
-        if self.mode == "disagg" and self.engine.tensor_parallel_size > 1:
-            raise ValueError(f"tensor_parallel_size {self.engine.tensor_parallel_size}: KV transfer between sharded "
-                             "caches is not served yet; serve tensor-parallel workers colocated")
 
 
 def engine_for_gpu_share(engine: EngineConfig, gpu_share: float) -> EngineConfig:
@@ -131,6 +128,10 @@ class Cluster:
         # the workers share them, each asking Ray for its fraction (Ray then gives them the same device).
         gpu_share = gpu_share_per_worker(num_gpus, num_workers) if use_gpu else 0.0
         tp = spec.engine.tensor_parallel_size
+        if use_gpu and tp > 1 and spec.mode == "disagg" and spec.engine.device != "cpu":
+            raise ValueError(f"tensor_parallel_size {tp}: KV transfer between split caches runs on CPUs only (a "
+                             "rank's cache on its own GPU is out of the transport's reach yet); serve tensor-parallel "
+                             "workers on GPUs colocated")
         if use_gpu and tp > 1:  # a worker's ranks each take a whole GPU of the worker's (cuda:0 .. tp-1)
             if num_gpus < num_workers * tp:
                 raise ValueError(f"tensor_parallel_size {tp}: {num_workers} worker(s) need {num_workers * tp} GPUs, "

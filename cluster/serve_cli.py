@@ -192,9 +192,13 @@ def _check_args(args: argparse.Namespace) -> None:
                                       torch.cuda.device_count() if torch.cuda.is_available() else 0,
                                       args.tensor_parallel_size)
         print(f"pdcluster serve: --mode auto -> {args.mode}", file=sys.stderr, flush=True)
-    if args.mode == "disagg" and args.tensor_parallel_size > 1:
-        raise ConfigError(f"--tensor-parallel-size {args.tensor_parallel_size}: KV transfer between sharded caches is "
-                          "not served yet; serve tensor-parallel workers with --mode colocated (or local)")
+    if args.mode == "disagg" and args.tensor_parallel_size > 1 and args.device != "cpu" and not args.address:
+        import torch
+
+        if args.device.startswith("cuda") or torch.cuda.is_available():
+            raise ConfigError(f"--tensor-parallel-size {args.tensor_parallel_size}: KV transfer between split caches "
+                              "runs on CPUs only (a rank's cache on its own GPU is out of the transport's reach "
+                              "yet); serve tensor-parallel workers on GPUs with --mode colocated (or local)")
 
 
 def resolve_auto_mode(address: str | None, num_cpus: int, num_gpus: int, tensor_parallel_size: int = 1) -> str:
@@ -202,7 +206,8 @@ def resolve_auto_mode(address: str | None, num_cpus: int, num_gpus: int, tensor_
     (without a GPU) enough cores here. One GPU serves colocated by default: prefill and decode would
     share it (``--mode disagg`` does that, each worker asking Ray for half), and one worker batching
     both serves faster there; on a small CPU box one colocated worker with every core serves faster.
-    Tensor-parallel workers serve colocated (their sharded caches are not transferred yet)."""
+    Tensor-parallel workers serve colocated (each worker's ranks take the cores or GPUs a role would have; on GPUs
+    their split caches are not transferred yet)."""
     if tensor_parallel_size > 1:
         return "colocated"
     if address or num_gpus >= 2 or (not num_gpus and num_cpus >= MIN_CORES_FOR_DISAGG):

@@ -17,6 +17,7 @@ from pdcluster.kv_transfer.connector.decode import DecodeKVConnector
 from pdcluster.kv_transfer.control_plane import DecodeEndpoint
 from pdcluster.kv_transfer.protocol import AbortTransfer, FirstToken, Message, TransferRequest
 from pdcluster.node.endpoint import endpoint_config
+from pdcluster.node.kv_transport import open_transport
 from pdcluster.wire.kv_connector import KVConnector
 
 
@@ -71,12 +72,12 @@ class RemoteKV(NoRemoteKV):
     arrives (the first token does not wait for the engine's current step); every other message waits
     in an inbox for the engine thread (``poll_messages``)."""
 
-    def __init__(self, worker_id: str, model: LoadedModel, transfer: TransferConfig, transport_cls,
+    def __init__(self, worker_id: str, model: LoadedModel, transfer: TransferConfig,
                  on_first_token: Callable[[str, FirstToken], None]):
         self.transfer = transfer
         self.transfer_timeout_s = transfer.transfer_timeout_s
         self.transport_name = transfer.transport
-        self.transport = transport_cls(model.kv_cache, "receiver", transfer.transport_config())
+        self.transport = open_transport(transfer, model, "receiver")
         self._on_first_token = on_first_token
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.endpoint = DecodeEndpoint(endpoint_config(worker_id, model, transfer, self.transport),

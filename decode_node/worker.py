@@ -60,8 +60,9 @@ class DecodeWorker(WorkerLoop):
         allocator = transport_cls.allocate_kv_cache if transport_cls is not None else None
         # In stages: the model and its cache, the transfer made on that cache, then the engine with its
         # connector.
-        model = LoadedModel.load(engine_config, progress=False, kv_cache_allocator=allocator)
-        self.kv = (RemoteKV(worker_id, model, transfer, transport_cls, self._on_first_token)
+        model = LoadedModel.load(engine_config, progress=False, kv_cache_allocator=allocator,
+                                 share_rank_caches=transfer is not None)
+        self.kv = (RemoteKV(worker_id, model, transfer, self._on_first_token)
                    if transfer is not None else NoRemoteKV())
         self.engine = LLMEngine(model, self.kv.connector, cumulative_outputs=False)  # streams new tokens
         self._first_tokens: dict[str, _FirstTokenStream] = {}

@@ -88,11 +88,10 @@ class LLMEngine:
         self.kv_spec, self.kv_cache = loaded.kv_spec, loaded.kv_cache
         self.state_shape, self.num_state_blocks = loaded.state_shape, loaded.num_state_blocks
         self.connector = connector or KVConnector()
-        if self.model.tp_driver is not None and type(self.connector) is not KVConnector:
+        if self.model.tp_driver is not None and type(self.connector) is not KVConnector and not loaded.rank_kv_caches:
             self.model.tp_driver.close()
-            raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size}: KV transfer with tensor parallelism "
-                             "is not served yet (each rank holds a slice of the KV); run disaggregated workers with "
-                             "--tensor-parallel-size 1, or colocated")
+            raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size}: a KV connector needs every rank's "
+                             "cache in reach of this process: load the model with share_rank_caches=True")
         num_blocks = self.kv_spec.num_blocks
         # KV events (block stored / removed, by tier) for the router's global index, drained by the worker.
         self.kv_events = KVEventLog()

@@ -25,7 +25,7 @@ from pdcluster.engine.models.architectures import (arch_from_dir, is_hybrid, loa
                                                    model_class_of)
 from pdcluster.engine.models.registry import resolve_model
 from pdcluster.engine.proposers import num_draft_layers as proposer_draft_layers
-from pdcluster.engine.tensor_parallel.driver import TensorParallelDriver, check_engine_config
+from pdcluster.engine.tensor_parallel.driver import TensorParallelDriver, check_engine_config, check_shared_caches
 from pdcluster.engine.tensor_parallel.shard import Shard, check_shardable
 from pdcluster.engine.tokenizer import Tokenizer
 
@@ -52,11 +52,16 @@ class LoadedModel:
     state_shape: MambaStateShape | None
     num_state_blocks: int
     eos_token_ids: frozenset[int]
+    # Tensor parallelism under a KV transport: every rank's cache, rank 0's (kv_cache) first, the others mapped here
+    # from shared memory (tensor_parallel/shared_cache.py). Empty otherwise.
+    rank_kv_caches: tuple[torch.Tensor, ...] = ()
 
     @classmethod
-    def load(cls, config: EngineConfig, progress: bool = True, kv_cache_allocator=None) -> LoadedModel:
+    def load(cls, config: EngineConfig, progress: bool = True, kv_cache_allocator=None,
+             share_rank_caches: bool = False) -> LoadedModel:
         """``kv_cache_allocator(shape, dtype, device)`` lets a KV transport provide the cache memory
-        (e.g. shared memory a same-host sender writes into directly)."""
+        (e.g. shared memory a same-host sender writes into directly). ``share_rank_caches``: a KV transport will move
+        this worker's cache; with tensor parallelism rank 0 then holds every rank's (``rank_kv_caches``)."""
         if config.device != (device := config.resolve_device()):
             config = replace(config, device=device)
         config = replace(config, async_scheduling=config.resolve_async_scheduling(config.device))
@@ -65,6 +70,9 @@ class LoadedModel:
             # (the runner's worker thread does the same, engine/async_scheduler.py).
             torch.cuda.set_device(torch.device(config.device))
         config = check_engine_config(config)  # tensor parallelism's limits and per-rank threads (no-op for 1)
+        share_rank_caches = share_rank_caches and config.tensor_parallel_size > 1
+        if share_rank_caches:
+            check_shared_caches(config)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         if config.device == "cpu":
@@ -117,9 +125,11 @@ class LoadedModel:
         kv_spec = replace(probe, num_blocks=num_blocks)
         allocate = kv_cache_allocator or (lambda shape, dtype, device: allocate_kv_cache(kv_spec, device))
         kv_cache = allocate(kv_spec.shape, kv_spec.dtype, config.device)
+        rank_kv_caches = ()
         if driver is not None:
             try:
-                driver.allocate_cache(kv_spec)
+                others = driver.allocate_cache(kv_spec, shared=share_rank_caches)
+                rank_kv_caches = (kv_cache, *others) if share_rank_caches else ()
             except BaseException:
                 driver.close()
                 raise
@@ -134,6 +144,7 @@ class LoadedModel:
             kv_spec=kv_spec, kv_cache=kv_cache, state_shape=state_shape,
             num_state_blocks=num_state_blocks(state_shape, kv_spec.bytes_per_block) if hybrid else 0,
             eos_token_ids=frozenset(arch.eos_token_ids) | frozenset(tokenizer.stop_token_ids),
+            rank_kv_caches=rank_kv_caches,
         )
 
 

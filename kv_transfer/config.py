@@ -41,8 +41,9 @@ def model_fingerprint(model_dir: str | Path, kv_fingerprint: str = "") -> str:
     return h.hexdigest()[:24]
 
 
-def kv_layout(kv_spec, state_shape=None, num_state_blocks: int = 0) -> KVLayout:
-    """``state_shape``: a hybrid model's MambaStateShape (None for attention-only models)."""
+def kv_layout(kv_spec, state_shape=None, num_state_blocks: int = 0, tensor_parallel_size: int = 1) -> KVLayout:
+    """``state_shape``: a hybrid model's MambaStateShape (None for attention-only models). ``kv_spec``: one rank's
+    cache where the model is split ``tensor_parallel_size`` ways."""
     state = {}
     if state_shape is not None:
         state = dict(num_state_blocks=num_state_blocks, state_num_layers=state_shape.num_mamba_layers,
@@ -57,6 +58,7 @@ def kv_layout(kv_spec, state_shape=None, num_state_blocks: int = 0) -> KVLayout:
         head_dim=kv_spec.head_dim,
         dtype=str(kv_spec.dtype).removeprefix("torch."),
         num_planes=kv_spec.num_planes,
+        tensor_parallel_size=tensor_parallel_size,
     )
 
 

@@ -78,9 +78,12 @@ class KVLayout(Record):
     state_head_dim: int = 0
     state_size: int = 0
     num_planes: int = 2  # K and V; 1 where V is K (MLA's latent cache)
+    # Ranks the model is split across (tensor parallelism): each holds num_kv_heads of them in its own cache, and
+    # rank r's KV goes to the peer's rank r (kv_transfer/transports/ranked.py).
+    tensor_parallel_size: int = 1
 
     def _check_values(self, path: str) -> None:
-        for name in ("num_layers", "block_size", "num_kv_heads", "head_dim"):
+        for name in ("num_layers", "block_size", "num_kv_heads", "head_dim", "tensor_parallel_size"):
             _require(getattr(self, name) > 0, f"{path}.{name}", "must be > 0", getattr(self, name))
         _require(
             0 <= self.num_draft_layers < self.num_layers,

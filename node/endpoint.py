@@ -11,7 +11,7 @@ def endpoint_config(worker_id: str, model: LoadedModel, transfer: TransferConfig
     """``model``: the worker's LoadedModel (its KV layout and model); ``transport``: its KV transport."""
     return EndpointConfig(
         worker_id=worker_id,
-        layout=kv_layout(model.kv_spec, model.state_shape, model.num_state_blocks),
+        layout=kv_layout(model.kv_spec, model.state_shape, model.num_state_blocks, model.config.tensor_parallel_size),
         model_fingerprint=model_fingerprint(model.model_dir, model.model.kv_fingerprint),
         transport=transfer.transport,
         transport_descriptor=transport.local_descriptor(),

@@ -985,7 +985,7 @@ def test_auto_mode_disaggregates_only_when_each_role_gets_a_device():
     assert resolve_auto_mode(None, 2, 2) == "disagg"  # a GPU per role
     assert resolve_auto_mode(None, 64, 1) == "colocated"  # one GPU: one worker batches both phases
     assert resolve_auto_mode("ray://head:10001", 2, False) == "disagg"
-    assert resolve_auto_mode(None, 8, 8, tensor_parallel_size=2) == "colocated"  # sharded caches are not transferred
+    assert resolve_auto_mode(None, 8, 8, tensor_parallel_size=2) == "colocated"  # GPUs' split caches do not move yet
 
 
 def test_workers_share_a_gpu_when_there_are_fewer_gpus_than_workers():

@@ -459,11 +459,13 @@ def test_handshake_succeeds_and_messages_flow(endpoints):
     [
         ({"layout": dataclasses.replace(LAYOUT, block_size=32)}, "layout.block_size differs: prefill 'p0' has 16, decode 'd0' has 32"),
         ({"layout": dataclasses.replace(LAYOUT, num_layers=4)}, "layout.num_layers differs: prefill 'p0' has 5, decode 'd0' has 4"),
+        ({"layout": dataclasses.replace(LAYOUT, tensor_parallel_size=2)},
+         "layout.tensor_parallel_size differs: prefill 'p0' has 1, decode 'd0' has 2"),
         ({"model_fingerprint": "llama-8b@ffff"}, "model_fingerprint differs: prefill 'p0' has 'smollm2-135m@abc123', decode 'd0' has 'llama-8b@ffff'"),
         ({"secret": b"not-the-cluster-secret"}, "authentication failed: decode 'd0' did not prove knowledge of the cluster secret"),
         ({"secret": None}, "authentication failed"),
     ],
-    ids=["block_size", "num_layers", "model_fingerprint", "wrong_secret", "no_secret"],
+    ids=["block_size", "num_layers", "tensor_parallel_size", "model_fingerprint", "wrong_secret", "no_secret"],
 )
 def test_incompatible_or_unauthenticated_peer_is_refused(endpoints, caplog, overrides, expected):
     caplog.set_level(logging.WARNING, logger=LOGGER)

@@ -208,15 +208,11 @@ def test_no_lower_tier_load_when_reuse_is_off():
 # ---- the producer: only the blocks after the reused ones go out --------------------------------------
 
 class _Transport:
-    class kv_cache:  # [layers, 2, blocks, block_size, heads, dim]: 1 layer, 1 head, dim 1, 4-byte elements
-        shape = (1, 2, 64, BS, 1, 1)
-
-        @staticmethod
-        def element_size():
-            return 4
-
     def __init__(self):
         self.sent = []
+
+    def block_layer_bytes(self):
+        return 2 * BS * 4  # K and V of one block: BS tokens x 1 head x dim 1 x 4 bytes
 
     def send(self, peer, request_id, layers, src, dst):
         self.sent.append((list(layers), list(src), list(dst)))

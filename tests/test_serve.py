@@ -110,6 +110,25 @@ def test_serve_tensor_parallel_colocated_matches_engine(expected):
     assert not set(_tp_ranks()) - before
 
 
+@pytest.mark.timeout(600)
+def test_serve_tensor_parallel_disagg_matches_engine(expected):
+    """Disaggregated workers each split over two ranks: rank r of the prefill worker sends its KV heads to rank r of
+    the decode worker (kv_transfer/transports/ranked.py, over the ranks' shared caches), and what is served is what the
+    whole model computes."""
+    import httpx
+
+    before = set(_tp_ranks())
+    server = Server("--mode", "disagg", "--tensor-parallel-size", "2")
+    try:
+        _check_server(server, expected)
+        assert len(set(_tp_ranks()) - before) == 2  # rank 1 of the prefill worker and rank 1 of the decode worker
+        metrics = httpx.get(f"http://127.0.0.1:{server.port}/metrics", timeout=10).text
+        assert _metric(metrics, "pdcluster:ttft_kv_transfer_seconds_count") > 0
+        assert (_metric(metrics, "pdcluster:kv_transfer_bytes_total") or 0) > 0
+    finally:
+        server.close()
+
+
 def _tp_ranks() -> list[str]:
     """Live processes running a tensor-parallel rank's entry (engine/tensor_parallel/worker.py)."""
     out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout

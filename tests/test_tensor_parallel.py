@@ -23,7 +23,7 @@ from pdcluster.engine.llm_engine import LLMEngine
 from pdcluster.engine.models.llama_arch import ModelArch
 from pdcluster.engine.models.registry import resolve_model
 from pdcluster.engine.sampling_params import SamplingParams
-from pdcluster.engine.tensor_parallel.driver import check_engine_config
+from pdcluster.engine.tensor_parallel.driver import check_engine_config, check_shared_caches
 from pdcluster.engine.tensor_parallel.shard import Shard, check_shardable, shard_arch, shard_weights
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread_per_module")]
@@ -146,7 +146,7 @@ def test_settings_that_do_not_combine_are_refused_in_one_line(change, words):
         check_engine_config(engine_config(tensor_parallel_size=2, **change))
 
 
-def test_a_kv_transfer_connector_is_refused_and_the_ranks_stop():
+def test_a_kv_transfer_connector_without_shared_rank_caches_is_refused_and_the_ranks_stop():
     from pdcluster.engine.loaded_model import LoadedModel
     from pdcluster.wire.kv_connector import KVConnector
 
@@ -154,10 +154,42 @@ def test_a_kv_transfer_connector_is_refused_and_the_ranks_stop():
         pass
 
     loaded = LoadedModel.load(engine_config(tensor_parallel_size=2), progress=False)
+    assert loaded.rank_kv_caches == ()
     ranks = list(loaded.model.tp_driver.processes)
-    with pytest.raises(ValueError, match="KV transfer with tensor parallelism"):
+    with pytest.raises(ValueError, match="every rank's cache in reach.*share_rank_caches=True"):
         LLMEngine(loaded, Producer())
     assert not any(p.is_alive() for p in ranks)
+
+
+def test_kv_transfer_between_split_caches_on_gpus_is_refused_in_one_line():
+    check_shared_caches(engine_config(tensor_parallel_size=2))
+    with pytest.raises(ConfigError, match="KV transfer between split caches runs on CPUs; on cuda each rank's cache"):
+        check_shared_caches(engine_config(tensor_parallel_size=2, device="cuda"))
+
+
+def test_shared_rank_caches_hold_each_ranks_heads_of_what_the_whole_model_caches():
+    """For a KV transport rank 0 holds every rank's cache (shared memory, tensor_parallel/shared_cache.py): after the
+    same prompts, rank r's cache holds KV heads [r * h, (r + 1) * h) of the whole model's cache, block for block."""
+    from pdcluster.engine.loaded_model import LoadedModel
+
+    prompts = [[(5 * i + 3 * j) % 400 + 7 for j in range(20 + 17 * i)] for i in range(3)]
+    whole = make_engine(num_kv_blocks=32)
+    _greedy(whole, prompts, 6)
+    loaded = LoadedModel.load(engine_config(tensor_parallel_size=2, num_kv_blocks=32), progress=False,
+                              share_rank_caches=True)
+    split = LLMEngine(loaded)
+    try:
+        assert len(loaded.rank_kv_caches) == 2 and loaded.rank_kv_caches[0] is loaded.kv_cache
+        assert _greedy(split, prompts, 6) == _greedy(make_engine(num_kv_blocks=32), prompts, 6)
+        h = loaded.kv_spec.num_kv_heads
+        assert whole.kv_cache.shape[-2] == 2 * h
+        for r, cache in enumerate(loaded.rank_kv_caches):
+            want = whole.kv_cache[..., r * h:(r + 1) * h, :]
+            assert cache.shape == want.shape
+            assert want.abs().sum() > 0  # the prompts wrote this rank's heads: the comparison is not of zeros
+            assert torch.allclose(cache, want, atol=1e-4), (r, (cache - want).abs().max())
+    finally:
+        split.close()
 
 
 def test_cpu_ranks_share_the_cores_and_cuda_graphs_are_off():

@@ -18,7 +18,7 @@ from pdcluster.cluster.api.classify import ClassifyRequest, check_generates, ser
 from pdcluster.cluster.api.embeddings import EmbeddingRequest, PoolerConfig, pooler_config, serve_embeddings
 from pdcluster.cluster.api.logprobs import TokenStrings
 from pdcluster.cluster.api.lora_routes import install_lora_routes
-from pdcluster.cluster.api.middleware import error_response, install_error_handlers, install_middleware
+from pdcluster.cluster.api.middleware import install_error_handlers, install_middleware
 from pdcluster.cluster.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdcluster.cluster.api.reasoning import check_reasoning_parser
 from pdcluster.cluster.api.responses import ResponsesRequest, serve_response

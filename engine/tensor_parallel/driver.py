@@ -3,7 +3,9 @@ joins their group, and hands each forward's inputs to them before running its ow
 
 Everything else stays on rank 0: the scheduler, sampling, logits, the API. The other ranks' KV caches mirror rank 0's
 block for block (the same block tables reach every rank with each forward), so nothing outside a forward touches the
-cache: KV transfer, offload tiers and Mamba state are refused with tensor parallelism (check_engine_config)."""
+cache but a KV transport, which reaches the other ranks' caches through shared memory on CPUs (shared_cache.py,
+kv_transfer/transports/ranked.py). Offload tiers and Mamba state are refused with tensor parallelism
+(check_engine_config)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import os
 import time
 import weakref
 from dataclasses import replace
+from multiprocessing.reduction import send_handle
 
 import torch
 
@@ -20,6 +23,7 @@ from pdcluster.engine.config import ConfigError, EngineConfig
 from pdcluster.engine.kv_cache import KVCacheSpec
 from pdcluster.engine.tensor_parallel.group import TPGroup, open_store
 from pdcluster.engine.tensor_parallel.messages import AllocateCache, Forward, Stop, WorkerSpec, decode_status, encode
+from pdcluster.engine.tensor_parallel.shared_cache import create_shared_cache
 from pdcluster.engine.tensor_parallel.shm_allreduce import create_segment, remove_segment
 from pdcluster.engine.tensor_parallel.worker import worker_main
 
@@ -58,6 +62,15 @@ def check_engine_config(config: EngineConfig) -> EngineConfig:
         cores = len(_cores())
         config = replace(config, num_threads=max(1, cores // n))
     return config
+
+
+def check_shared_caches(config: EngineConfig) -> None:
+    """ConfigError unless a KV transport can reach every rank's cache from rank 0 (shared_cache.py): CPUs only."""
+    if config.device != "cpu":
+        raise ConfigError(f"tensor_parallel_size {config.tensor_parallel_size}: KV transfer between split caches runs "
+                          f"on CPUs; on {config.device} each rank's cache is on its own GPU, out of the KV transport's "
+                          "reach yet: serve tensor-parallel workers colocated, or disaggregated with "
+                          "--tensor-parallel-size 1")
 
 
 def _cores() -> set[int]:
@@ -122,13 +135,34 @@ class TensorParallelDriver:
             if status != what:
                 raise RuntimeError(f"tensor-parallel rank {rank}: expected {what!r}, got {status!r}")
 
-    def allocate_cache(self, kv_spec: KVCacheSpec) -> None:
-        """Every rank makes its cache like rank 0's (after every rank loaded its slice); returns once all have."""
+    def allocate_cache(self, kv_spec: KVCacheSpec, shared: bool = False) -> list[torch.Tensor]:
+        """Every rank makes its cache like rank 0's (after every rank loaded its slice); returns once all have.
+        ``shared`` (CPU: a KV transport moves the caches): rank 0 makes ranks 1 .. n-1's caches in shared memory
+        and returns them, mapped here too (shared_cache.py)."""
         self.wait("loaded")
         if self.shm_path:  # every rank mapped it when it joined: the name can go (no file outlives a crash)
             remove_segment(self.shm_path)
-        self._send(AllocateCache(kv_spec))
+        if not shared:
+            self._send(AllocateCache(kv_spec))
+            self.wait("ready")
+            return []
+        caches, fds = [], []
+        try:
+            for _ in self.conns:
+                cache, fd = create_shared_cache(kv_spec)
+                caches.append(cache)
+                fds.append(fd)
+            self._send(AllocateCache(kv_spec, shared=True))
+            for rank, (process, conn, fd) in enumerate(zip(self.processes, self.conns, fds), start=1):
+                try:
+                    send_handle(conn, fd, process.pid)
+                except OSError:
+                    raise RuntimeError(f"tensor-parallel rank {rank} is gone: {self.why_failed()}") from None
+        finally:
+            for fd in fds:  # each rank holds its own descriptor (or mapping) now
+                os.close(fd)
         self.wait("ready")
+        return caches
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> None:
         """Hands a forward's inputs to the other ranks, which start it at once (rank 0 runs its own next)."""

@@ -35,6 +35,8 @@ class WorkerSpec:
 @dataclass(frozen=True)
 class AllocateCache:
     kv_spec: KVCacheSpec  # rank 0's, sized by its slice of the KV heads (every rank's is the same)
+    # The cache is a shared-memory segment rank 0 made, whose descriptor follows on the pipe (shared_cache.py).
+    shared: bool = False
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ def encode(message: AllocateCache | Forward | Stop) -> bytes:
     elif isinstance(message, AllocateCache):
         spec = message.kv_spec
         sizes = {f.name: getattr(spec, f.name) for f in fields(spec) if f.name != "dtype"}
-        body = {"kind": "allocate", "kv_spec": sizes, "dtype": _dtype_name(spec.dtype)}
+        body = {"kind": "allocate", "kv_spec": sizes, "dtype": _dtype_name(spec.dtype), "shared": message.shared}
     elif isinstance(message, Stop):
         body = {"kind": "stop"}
     else:
@@ -74,7 +76,7 @@ def decode(payload: bytes) -> AllocateCache | Forward | Stop:
         if kind == "forward":
             return Forward(_untensor(body["input_ids"]), _untensor(body["positions"]), _unmeta(body["meta"]))
         if kind == "allocate":
-            return AllocateCache(KVCacheSpec(**body["kv_spec"], dtype=_dtype(body["dtype"])))
+            return AllocateCache(KVCacheSpec(**body["kv_spec"], dtype=_dtype(body["dtype"])), bool(body["shared"]))
         if kind == "stop":
             return Stop()
     except (ValueError, KeyError, TypeError, AttributeError, msgpack.UnpackException) as e:

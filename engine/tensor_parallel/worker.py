@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import traceback
+from multiprocessing.reduction import recv_handle
 
 import torch
 
@@ -47,6 +48,7 @@ def _serve(conn, spec: WorkerSpec) -> None:
     from pdcluster.engine.models.architectures import load_model
     from pdcluster.engine.tensor_parallel.group import TPGroup
     from pdcluster.engine.tensor_parallel.shard import Shard
+    from pdcluster.engine.tensor_parallel.shared_cache import map_shared_cache
 
     device = torch.device(spec.device)
     if device.type == "cuda":
@@ -69,7 +71,10 @@ def _serve(conn, spec: WorkerSpec) -> None:
         return
     if not isinstance(message, AllocateCache):
         raise RuntimeError(f"expected the KV cache's spec, got {type(message).__name__}")
-    kv_cache = allocate_kv_cache(message.kv_spec, device)
+    if message.shared:  # rank 0's KV transport moves this cache too: compute in the segment rank 0 made
+        kv_cache = map_shared_cache(recv_handle(conn), message.kv_spec)
+    else:
+        kv_cache = allocate_kv_cache(message.kv_spec, device)
     conn.send_bytes(encode_status("ready"))
     while True:
         message = decode(conn.recv_bytes())

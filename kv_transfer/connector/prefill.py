@@ -192,15 +192,11 @@ class PrefillKVConnector(KVConnector):
             if not task.t_first_send:
                 task.t_first_send = self.clock()
             self.transport.send(task.decode_id, task.request_id, layer_ids, src, dst)
-            num_bytes = len(src) * len(layer_ids) * self._bytes_per_block_layer()
+            num_bytes = len(src) * len(layer_ids) * self.transport.block_layer_bytes()
             task.num_bytes += num_bytes
             self.bytes_sent += num_bytes
         except Exception as e:  # noqa: BLE001 - any send error fails this request only
             self._fail(task, f"send failed: {e}", notify_peer=True)
-
-    def _bytes_per_block_layer(self) -> int:
-        kv = self.transport.kv_cache
-        return kv.shape[1] * kv.shape[3] * kv.shape[4] * kv.shape[5] * kv.element_size()  # planes x block
 
     def _flush(self, task: SendTask) -> None:
         num_blocks = -(-task.num_prompt_tokens // self.block_size)

@@ -176,6 +176,11 @@ class KVTransport(ABC):
         """Authenticated chunks the receiver refused: transfer not expected, or blocks outside its set."""
         return self._admission.num_refused
 
+    def block_layer_bytes(self) -> int:
+        """Bytes one block of one layer (every plane) takes in the cache: what a send moves per block and layer."""
+        kv = self.kv_cache
+        return kv.shape[1] * kv.shape[3] * kv.shape[4] * kv.shape[5] * kv.element_size()
+
     def expect(self, transfer_id: str, dst_block_ids: np.ndarray | Sequence[int]) -> None:
         """Receiver: chunks of ``transfer_id`` may land in ``dst_block_ids`` (module docstring)."""
         self._admission.expect(transfer_id, dst_block_ids)
