@@ -58,10 +58,12 @@ class LoadedModel:
 
     @classmethod
     def load(cls, config: EngineConfig, progress: bool = True, kv_cache_allocator=None,
-             share_rank_caches: bool = False) -> LoadedModel:
+             share_rank_caches: bool = False, rank_cache_allocator=None) -> LoadedModel:
         """``kv_cache_allocator(shape, dtype, device)`` lets a KV transport provide the cache memory
         (e.g. shared memory a same-host sender writes into directly). ``share_rank_caches``: a KV transport will move
-        this worker's cache; with tensor parallelism rank 0 then holds every rank's (``rank_kv_caches``)."""
+        this worker's cache; with tensor parallelism rank 0 then holds every rank's (``rank_kv_caches``), each made by
+        ``rank_cache_allocator(kv_spec) -> (cache, descriptor for the rank)`` where given (the transport's shared
+        memory), else as tensor_parallel/shared_cache.py makes it."""
         if config.device != (device := config.resolve_device()):
             config = replace(config, device=device)
         config = replace(config, async_scheduling=config.resolve_async_scheduling(config.device))
@@ -128,7 +130,7 @@ class LoadedModel:
         rank_kv_caches = ()
         if driver is not None:
             try:
-                others = driver.allocate_cache(kv_spec, shared=share_rank_caches)
+                others = driver.allocate_cache(kv_spec, shared=share_rank_caches, allocator=rank_cache_allocator)
                 rank_kv_caches = (kv_cache, *others) if share_rank_caches else ()
             except BaseException:
                 driver.close()

@@ -3,11 +3,32 @@ with tensor parallelism one per rank's cache, driven as one (kv_transfer/transpo
 
 from __future__ import annotations
 
+import os
+
+import torch
+
 from pdcluster.engine.loaded_model import LoadedModel
 from pdcluster.kv_transfer.config import TransferConfig
 from pdcluster.kv_transfer.transports import KVTransport, get_transport_class
 from pdcluster.kv_transfer.transports.base import Role
+from pdcluster.kv_transfer.transports.common.memfd import find_segment, shared_tensor
 from pdcluster.kv_transfer.transports.ranked import RankedTransport
+
+
+def rank_cache_allocator(transfer: TransferConfig):
+    """How rank 0 makes the other ranks' caches for ``transfer``'s transport (LoadedModel.load's
+    ``rank_cache_allocator``): shm's own segments, which its peers copy into and out of directly (one copy a chunk
+    instead of two through its staging ring); None (the engine's memfd) for the others."""
+    if transfer.transport != "shm":
+        return None
+
+    def allocate(kv_spec) -> tuple[torch.Tensor, int]:
+        cache = shared_tensor(kv_spec.shape, kv_spec.dtype)
+        segment, offset = find_segment(cache)
+        assert offset == 0, "shared_tensor maps each cache at the start of its own segment"
+        return cache, os.dup(segment.fd)  # the rank's descriptor; the registry keeps its own for the transport
+
+    return allocate
 
 
 def open_transport(transfer: TransferConfig, model: LoadedModel, role: Role) -> KVTransport:

@@ -94,6 +94,33 @@ def test_disagg_equals_single_engine(tiny_dir, transport):
         assert p.stats()["bytes_sent"] > 0
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("transport", [t for t in ("tcp", "shm") if t in TRANSPORTS])
+def test_workers_split_over_two_ranks_move_each_ranks_kv_and_equal_single_engine(tiny_dir, transport):
+    """Prefill and decode workers each split over two ranks (tensor parallelism): each rank's KV heads go from the
+    prefill worker's rank to the decode worker's same rank through one transport per rank, driven as one
+    (kv_transfer/transports/ranked.py); tokens equal the unsplit engine's and every block comes back. Over shm, every
+    rank's caches are the transport's own shared memory on both sides, so each part copies once (push+pull)."""
+    cfg = _engine_config(tensor_parallel_size=2)
+    prompts = [list(range(300 + i, 300 + i + n)) for i, n in enumerate([3, 17, 45, 100])]
+    params = SamplingParams(max_tokens=10, ignore_eos=True, seed=3)
+    expected = [o.token_ids for o in make_engine("tiny-random", num_kv_blocks=NUM_BLOCKS).generate(prompts, params)]
+    events = Events()
+    with connected_pair(cfg, TransferConfig(transport=transport, secret="s3cret"), events) as (p, d):
+        assert [t.name for t in (p.transport, d.kv.transport)] == [f"{transport} x2 ranks"] * 2
+        ids = [f"r{i}" for i in range(len(prompts))]
+        for rid, prompt in zip(ids, prompts):
+            d.submit(rid, prompt, params, "p0")
+        tokens = _collect_tokens(events, ids)
+        assert [tokens[rid] for rid in ids] == expected
+        _wait_free(p, NUM_BLOCKS, 5)
+        _wait_free(d, NUM_BLOCKS, 5)
+        one_rank = p.transport.parts[0].block_layer_bytes()
+        assert p.stats()["bytes_sent"] > 0 and p.transport.block_layer_bytes() == 2 * one_rank
+        if transport == "shm":  # rank 0's prefill cache is plain memory (push); the others are shm's own
+            assert [part.peer_mode("d0") for part in p.transport.parts] == ["push", "push+pull"]
+
+
 @contextlib.contextmanager
 def connected_pair(cfg, tc: TransferConfig, events: Events):
     """A prefill worker "p0" and a decode worker "d0" (its events to ``events``), handshaken both

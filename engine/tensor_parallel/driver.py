@@ -135,10 +135,11 @@ class TensorParallelDriver:
             if status != what:
                 raise RuntimeError(f"tensor-parallel rank {rank}: expected {what!r}, got {status!r}")
 
-    def allocate_cache(self, kv_spec: KVCacheSpec, shared: bool = False) -> list[torch.Tensor]:
+    def allocate_cache(self, kv_spec: KVCacheSpec, shared: bool = False, allocator=None) -> list[torch.Tensor]:
         """Every rank makes its cache like rank 0's (after every rank loaded its slice); returns once all have.
         ``shared`` (CPU: a KV transport moves the caches): rank 0 makes ranks 1 .. n-1's caches in shared memory
-        and returns them, mapped here too (shared_cache.py)."""
+        and returns them, mapped here too (shared_cache.py). ``allocator(kv_spec) -> (cache, fd)`` makes each (the
+        transport's own shared memory, say); the default is shared_cache.create_shared_cache."""
         self.wait("loaded")
         if self.shm_path:  # every rank mapped it when it joined: the name can go (no file outlives a crash)
             remove_segment(self.shm_path)
@@ -149,7 +150,7 @@ class TensorParallelDriver:
         caches, fds = [], []
         try:
             for _ in self.conns:
-                cache, fd = create_shared_cache(kv_spec)
+                cache, fd = (allocator or create_shared_cache)(kv_spec)
                 caches.append(cache)
                 fds.append(fd)
             self._send(AllocateCache(kv_spec, shared=True))
