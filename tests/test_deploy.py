@@ -155,6 +155,7 @@ def test_helm_template_renders(rendered, values_file):
     ("serve.model=it's", "serve.model"),  # would break the head's shell quoting
     ("drain.timeoutS=0", "drain.timeoutS"),
     ("drain.timeout=60", "drain"),
+    ("serve.tensorParallelSize=0", "serve.tensorParallelSize"),
 ])
 def test_bad_values_fail_lint_and_template(helm, helm_home, setting, field):
     """Broken fixtures for values.schema.json: helm lint and helm template both refuse them."""
@@ -163,6 +164,17 @@ def test_bad_values_fail_lint_and_template(helm, helm_home, setting, field):
     template = sc.helm_template(helm, helm_home, set_values=[setting])
     assert template.returncode != 0 and field in template.stderr, template.stderr
     assert "schema" in template.stderr
+
+
+@pytest.mark.parametrize("settings, message", [
+    (["serve.mode=colocated", "prefill.replicas=0", "decode.gpusPerWorker=3", "prefill.gpusPerWorker=2",
+      "serve.tensorParallelSize=2"], "decode.gpusPerWorker 3 does not split into whole workers"),
+    (["decode.gpusPerWorker=2", "prefill.gpusPerWorker=2", "serve.tensorParallelSize=2"],
+     "with GPU pods needs serve.mode colocated"),
+])
+def test_tensor_parallel_values_that_cannot_be_served_fail_template(helm, helm_home, settings, message):
+    template = sc.helm_template(helm, helm_home, set_values=settings)
+    assert template.returncode != 0 and message in template.stderr, template.stderr
 
 
 def test_fractional_replicas_fail(helm, helm_home, tmp_path):
@@ -389,7 +401,11 @@ def test_chart_gpu_groups(rendered):
      "service": {"port": 80}},
     {"drain": {"enabled": False, "timeoutS": 600}},
     {"drain": {"enabled": True, "timeoutS": 120}, "service": {"port": 80}},
-], ids=["colocated", "two-gpus-per-pod", "existing-secret", "extra-args", "no-drain", "short-drain"])
+    {"serve": {"tensorParallelSize": 2}},
+    {"serve": {"mode": "colocated", "tensorParallelSize": 2}, "prefill": {"replicas": 0, "gpusPerWorker": 4},
+     "decode": {"replicas": 2, "gpusPerWorker": 4}},
+], ids=["colocated", "two-gpus-per-pod", "existing-secret", "extra-args", "no-drain", "short-drain",
+        "tensor-parallel-cpu", "tensor-parallel-gpu"])
 def test_chart_behaviour_follows_values(helm, helm_home, tmp_path, overrides):
     values = tmp_path / "values.yaml"
     values.write_text(yaml.safe_dump(overrides))

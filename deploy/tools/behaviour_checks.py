@@ -195,7 +195,8 @@ def check_chart(docs: list[dict], values: dict) -> None:
                          f"want {gpus}")
         if "KUBERAY_GEN_RAY_START_CMD" not in " ".join(container.get("args", [])):
             fail(where, f"group {name} must run KubeRay's generated ray start")
-        workers[name] = v["replicas"] * max(1, gpus)
+        tp = serve.get("tensorParallelSize", 1)
+        workers[name] = v["replicas"] * gpus // tp if gpus else v["replicas"]
 
     head = rc["spec"]["headGroupSpec"]
     hc = head["template"]["spec"]["containers"][0]
@@ -214,7 +215,8 @@ def check_chart(docs: list[dict], values: dict) -> None:
     _check_serve_common(args, where)
     expect = {"mode": serve["mode"], "transport": serve["transport"], "model": serve["model"], "spec": serve["spec"],
               "num_spec_tokens": serve["numSpecTokens"], "router_policy": serve["routerPolicy"],
-              "port": serve["port"], "num_decode": workers["decode"], "dtype": serve["dtype"]}
+              "port": serve["port"], "num_decode": workers["decode"], "dtype": serve["dtype"],
+              "tensor_parallel_size": serve.get("tensorParallelSize", 1)}
     if serve["mode"] == "disagg":
         expect["num_prefill"] = workers["prefill"]
     got = {k: getattr(args, k) for k in expect}

@@ -45,9 +45,27 @@ app.kubernetes.io/part-of: pdcluster
 {{- .Values.auth.existingSecret | default (printf "%s-auth" (include "pdcluster.fullname" .)) }}
 {{- end }}
 
-{{/* Workers of one group the launcher will place: one per pod on CPU (one slot each), one per GPU. */}}
+{{/* Workers of one group the launcher will place: one per pod on CPU (one slot each; a tensor-parallel worker's
+     ranks share the pod's cores), one per serve.tensorParallelSize GPUs on GPU pods. Called with (dict "group" G "tp" N). */}}
 {{- define "pdcluster.numWorkers" -}}
-{{- mul .replicas (max 1 .gpusPerWorker) }}
+{{- if gt (int .group.gpusPerWorker) 0 }}{{ div (mul .group.replicas .group.gpusPerWorker) .tp }}{{ else }}{{ .group.replicas }}{{ end }}
+{{- end }}
+
+{{/* serve.tensorParallelSize, checked against the worker groups: a worker's ranks are processes in one pod, so a GPU
+     pod's GPUs must split into whole workers; GPU workers split across ranks do not move KV yet (disagg). */}}
+{{- define "pdcluster.tensorParallelSize" -}}
+{{- $tp := int (.Values.serve.tensorParallelSize | default 1) -}}
+{{- $groups := ternary (list "prefill" "decode") (list "decode") (eq .Values.serve.mode "disagg") }}
+{{- range $name := $groups }}
+{{- $gpus := int (index $.Values $name).gpusPerWorker }}
+{{- if and (gt $gpus 0) (ne (mod $gpus $tp) 0) }}
+{{- fail (printf "serve.tensorParallelSize %d: %s.gpusPerWorker %d does not split into whole workers (a worker's ranks run in one pod)" $tp $name $gpus) }}
+{{- end }}
+{{- end }}
+{{- if and (gt $tp 1) (eq .Values.serve.mode "disagg") (gt (int .Values.decode.gpusPerWorker) 0) }}
+{{- fail (printf "serve.tensorParallelSize %d with GPU pods needs serve.mode colocated: KV transfer between split caches runs on CPUs only" $tp) }}
+{{- end }}
+{{- $tp }}
 {{- end }}
 
 {{/* "gpu" when the worker pods have GPUs: the launcher then places workers on GPUs, not slots. */}}
@@ -59,12 +77,16 @@ app.kubernetes.io/part-of: pdcluster
      forbids single quotes in these values). The API key and cluster secret come from the environment. */}}
 {{- define "pdcluster.serveArgs" -}}
 {{- $s := .Values.serve -}}
+{{- $tp := int (include "pdcluster.tensorParallelSize" .) -}}
 {{- $args := list "--address" "auto" "--host" "0.0.0.0" "--port" (toString $s.port) "--mode" $s.mode -}}
 {{- $args = concat $args (list "--transport" $s.transport "--router-policy" $s.routerPolicy) -}}
 {{- if eq $s.mode "disagg" }}
-{{- $args = concat $args (list "--num-prefill" (include "pdcluster.numWorkers" .Values.prefill)) -}}
+{{- $args = concat $args (list "--num-prefill" (include "pdcluster.numWorkers" (dict "group" .Values.prefill "tp" $tp))) -}}
 {{- end }}
-{{- $args = concat $args (list "--num-decode" (include "pdcluster.numWorkers" .Values.decode)) -}}
+{{- $args = concat $args (list "--num-decode" (include "pdcluster.numWorkers" (dict "group" .Values.decode "tp" $tp))) -}}
+{{- if gt $tp 1 }}
+{{- $args = concat $args (list "--tensor-parallel-size" (toString $tp)) -}}
+{{- end }}
 {{- $args = concat $args (list "--model" $s.model "--dtype" $s.dtype "--spec" $s.spec "--num-spec-tokens" (toString $s.numSpecTokens)) -}}
 {{- $args = concat $args $s.extraArgs -}}
 {{- range $i, $a := $args }}{{ if $i }} {{ end }}{{ $a | squote }}{{ end }}
