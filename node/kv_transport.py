@@ -37,6 +37,9 @@ def open_transport(transfer: TransferConfig, model: LoadedModel, role: Role) -> 
     config = transfer.transport_config()
     if not model.rank_kv_caches:
         return cls(model.kv_cache, role, config)
+    if transfer.transport == "cuda_ipc":
+        raise ValueError(f"tensor_parallel_size {len(model.rank_kv_caches)}: cuda_ipc moves one cache on one GPU (its "
+                         "CPU form is for tests); move the ranks' KV over tcp, shm, ucx or nccl")
     parts: list[KVTransport] = []
     try:
         for cache in model.rank_kv_caches:

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import engine_config, make_engine, usable_transports
+from conftest import engine_config, make_engine, slow_params, usable_transports
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kv_transfer.config import TransferConfig
 from pdcluster.kv_transfer.transports import available_transports
@@ -95,7 +95,8 @@ def test_disagg_equals_single_engine(tiny_dir, transport):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("transport", [t for t in ("tcp", "shm") if t in TRANSPORTS])
+@pytest.mark.parametrize("transport", slow_params([t for t in ("tcp", "shm", "ucx", "nccl") if t in TRANSPORTS],
+                                                  slow=("ucx", "nccl")))
 def test_workers_split_over_two_ranks_move_each_ranks_kv_and_equal_single_engine(tiny_dir, transport):
     """Prefill and decode workers each split over two ranks (tensor parallelism): each rank's KV heads go from the
     prefill worker's rank to the decode worker's same rank through one transport per rank, driven as one
@@ -119,6 +120,14 @@ def test_workers_split_over_two_ranks_move_each_ranks_kv_and_equal_single_engine
         assert p.stats()["bytes_sent"] > 0 and p.transport.block_layer_bytes() == 2 * one_rank
         if transport == "shm":  # rank 0's prefill cache is plain memory (push); the others are shm's own
             assert [part.peer_mode("d0") for part in p.transport.parts] == ["push", "push+pull"]
+
+
+@pytest.mark.timeout(120)
+def test_workers_split_over_ranks_refuse_cuda_ipc_in_one_line(tiny_dir):
+    from pdcluster.prefill_node.worker import PrefillWorker
+
+    with pytest.raises(ValueError, match="cuda_ipc moves one cache on one GPU.*tcp, shm, ucx or nccl"):
+        PrefillWorker("p0", _engine_config(tensor_parallel_size=2), TransferConfig(transport="cuda_ipc"))
 
 
 @contextlib.contextmanager
