@@ -192,6 +192,9 @@ def _check_args(args: argparse.Namespace) -> None:
                                       torch.cuda.device_count() if torch.cuda.is_available() else 0,
                                       args.tensor_parallel_size)
         print(f"pdcluster serve: --mode auto -> {args.mode}", file=sys.stderr, flush=True)
+    if args.mode == "disagg" and args.tensor_parallel_size > 1 and args.transport == "cuda_ipc":
+        raise ConfigError(f"--tensor-parallel-size {args.tensor_parallel_size}: cuda_ipc moves one cache on one GPU; "
+                          "move the ranks' KV with --transport tcp, shm, ucx or nccl")
     if args.mode == "disagg" and args.tensor_parallel_size > 1 and args.device != "cpu" and not args.address:
         import torch
 

@@ -28,7 +28,7 @@ from pdcluster.kv_transfer.protocol import AbortTransfer, FirstToken, TransferDo
 from pdcluster.kv_transfer.transports import get_transport_class
 from pdcluster.node.events import (ADMITTED, FULL, INVALID, UNREACHABLE, Admission, Failed, KVReady, StepTokens,
                                    Tokens)
-from pdcluster.node.kv_transport import rank_cache_allocator
+from pdcluster.node.kv_transport import check_transport, rank_cache_allocator
 from pdcluster.node.worker_loop import WorkerLoop, engine_stats
 from pdcluster.decode_node.remote_kv import NoRemoteKV, RemoteKV, UnreachablePrefill
 
@@ -61,6 +61,8 @@ class DecodeWorker(WorkerLoop):
         allocator = transport_cls.allocate_kv_cache if transport_cls is not None else None
         # In stages: the model and its cache, the transfer made on that cache, then the engine with its
         # connector.
+        if transfer is not None:
+            check_transport(transfer, engine_config)
         model = LoadedModel.load(engine_config, progress=False, kv_cache_allocator=allocator,
                                  share_rank_caches=transfer is not None,
                                  rank_cache_allocator=rank_cache_allocator(transfer) if transfer else None)
