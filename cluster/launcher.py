@@ -34,6 +34,7 @@ from pdcluster.decode_node.actor import DecodeActor
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.models.architectures import arch_from_dir, max_model_len_for
 from pdcluster.engine.models.registry import resolve_model
+from pdcluster.engine.tensor_parallel.driver import check_shared_caches
 from pdcluster.engine.tokenizer import Tokenizer
 from pdcluster.kv_transfer.config import TransferConfig
 from pdcluster.prefill_node.actor import PrefillActor
@@ -129,9 +130,7 @@ class Cluster:
         gpu_share = gpu_share_per_worker(num_gpus, num_workers) if use_gpu else 0.0
         tp = spec.engine.tensor_parallel_size
         if use_gpu and tp > 1 and spec.mode == "disagg" and spec.engine.device != "cpu":
-            raise ValueError(f"tensor_parallel_size {tp}: KV transfer between split caches runs on CPUs only (a "
-                             "rank's cache on its own GPU is out of the transport's reach yet); serve tensor-parallel "
-                             "workers on GPUs colocated")
+            check_shared_caches(replace(spec.engine, device="cuda"))  # what the workers would refuse, after loading
         if use_gpu and tp > 1:  # a worker's ranks each take a whole GPU of the worker's (cuda:0 .. tp-1)
             if num_gpus < num_workers * tp:
                 raise ValueError(f"tensor_parallel_size {tp}: {num_workers} worker(s) need {num_workers * tp} GPUs, "

@@ -192,16 +192,20 @@ def _check_args(args: argparse.Namespace) -> None:
                                       torch.cuda.device_count() if torch.cuda.is_available() else 0,
                                       args.tensor_parallel_size)
         print(f"pdcluster serve: --mode auto -> {args.mode}", file=sys.stderr, flush=True)
-    if args.mode == "disagg" and args.tensor_parallel_size > 1 and args.transport == "cuda_ipc":
-        raise ConfigError(f"--tensor-parallel-size {args.tensor_parallel_size}: cuda_ipc moves one cache on one GPU; "
-                          "move the ranks' KV with --transport tcp, shm, ucx or nccl")
-    if args.mode == "disagg" and args.tensor_parallel_size > 1 and args.device != "cpu" and not args.address:
-        import torch
+    if args.mode == "disagg" and args.tensor_parallel_size > 1:  # what the workers would refuse, before Ray starts
+        from pdcluster.kv_transfer.transports.ranked import check_rank_transport
 
-        if args.device.startswith("cuda") or torch.cuda.is_available():
-            raise ConfigError(f"--tensor-parallel-size {args.tensor_parallel_size}: KV transfer between split caches "
-                              "runs on CPUs only (a rank's cache on its own GPU is out of the transport's reach "
-                              "yet); serve tensor-parallel workers on GPUs with --mode colocated (or local)")
+        try:
+            check_rank_transport(args.transport, args.tensor_parallel_size)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if args.device != "cpu" and not args.address:
+            import torch
+
+            from pdcluster.engine.tensor_parallel.driver import check_shared_caches
+
+            if args.device.startswith("cuda") or torch.cuda.is_available():
+                check_shared_caches(EngineConfig(device="cuda", tensor_parallel_size=args.tensor_parallel_size))
 
 
 def resolve_auto_mode(address: str | None, num_cpus: int, num_gpus: int, tensor_parallel_size: int = 1) -> str:

@@ -26,9 +26,10 @@ from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kv_transfer.config import TransferConfig
 from pdcluster.kv_transfer.protocol import AbortTransfer, FirstToken, TransferDone
 from pdcluster.kv_transfer.transports import get_transport_class
+from pdcluster.kv_transfer.transports.ranked import check_rank_transport
 from pdcluster.node.events import (ADMITTED, FULL, INVALID, UNREACHABLE, Admission, Failed, KVReady, StepTokens,
                                    Tokens)
-from pdcluster.node.kv_transport import check_transport, rank_cache_allocator
+from pdcluster.node.kv_transport import rank_cache_allocator
 from pdcluster.node.worker_loop import WorkerLoop, engine_stats
 from pdcluster.decode_node.remote_kv import NoRemoteKV, RemoteKV, UnreachablePrefill
 
@@ -62,7 +63,7 @@ class DecodeWorker(WorkerLoop):
         # In stages: the model and its cache, the transfer made on that cache, then the engine with its
         # connector.
         if transfer is not None:
-            check_transport(transfer, engine_config)
+            check_rank_transport(transfer.transport, engine_config.tensor_parallel_size)
         model = LoadedModel.load(engine_config, progress=False, kv_cache_allocator=allocator,
                                  share_rank_caches=transfer is not None,
                                  rank_cache_allocator=rank_cache_allocator(transfer) if transfer else None)

@@ -7,20 +7,12 @@ import os
 
 import torch
 
-from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.loaded_model import LoadedModel
 from pdcluster.kv_transfer.config import TransferConfig
 from pdcluster.kv_transfer.transports import KVTransport, get_transport_class
 from pdcluster.kv_transfer.transports.base import Role
 from pdcluster.kv_transfer.transports.common.memfd import find_segment, shared_tensor
 from pdcluster.kv_transfer.transports.ranked import RankedTransport
-
-
-def check_transport(transfer: TransferConfig, engine_config: EngineConfig) -> None:
-    """ValueError, before the model loads, for a transport that cannot move a tensor-parallel worker's caches."""
-    if engine_config.tensor_parallel_size > 1 and transfer.transport == "cuda_ipc":
-        raise ValueError(f"tensor_parallel_size {engine_config.tensor_parallel_size}: cuda_ipc moves one cache on one "
-                         "GPU (its CPU form is for tests); move the ranks' KV over tcp, shm, ucx or nccl")
 
 
 def rank_cache_allocator(transfer: TransferConfig):

@@ -26,7 +26,8 @@ from pdcluster.kv_transfer.connector.prefill import PrefillKVConnector
 from pdcluster.kv_transfer.control_plane import PrefillEndpoint
 from pdcluster.kv_transfer.protocol import AbortTransfer, FirstToken, TransferRequest
 from pdcluster.node.endpoint import endpoint_config
-from pdcluster.node.kv_transport import check_transport, open_transport, rank_cache_allocator
+from pdcluster.kv_transfer.transports.ranked import check_rank_transport
+from pdcluster.node.kv_transport import open_transport, rank_cache_allocator
 from pdcluster.node.worker_loop import WorkerLoop, engine_stats
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ class PrefillWorker(WorkerLoop):
         self.worker_id = worker_id
         self.transfer = transfer
         # In stages: the model and its cache, the transfer made on that cache, then the engine with it.
-        check_transport(transfer, engine_config)
+        check_rank_transport(transfer.transport, engine_config.tensor_parallel_size)
         model = LoadedModel.load(engine_config, progress=False, share_rank_caches=True,
                                  rank_cache_allocator=rank_cache_allocator(transfer))
         spec = model.kv_spec

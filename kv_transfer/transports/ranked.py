@@ -26,6 +26,13 @@ from .base import KVTransport
 _FORGET_FAILED_AFTER = 4096  # failed ids kept to drop the other parts' late reports (most recent first)
 
 
+def check_rank_transport(transport: str, num_ranks: int) -> None:
+    """ValueError for a transport that cannot be one of a ranked transport's parts (asked before a model loads)."""
+    if num_ranks > 1 and transport == "cuda_ipc":
+        raise ValueError(f"tensor_parallel_size {num_ranks}: cuda_ipc moves one cache on one GPU (its CPU form is for "
+                         "tests); move the ranks' KV over tcp, shm, ucx or nccl")
+
+
 class RankedTransport(KVTransport):
     """``parts[r]`` moves rank r's cache; all are of one kind and one role (see the module docstring)."""
 
