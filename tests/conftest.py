@@ -13,6 +13,13 @@ os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Converted models are cached per machine, outside the checkout, so conversion happens once.
 os.environ.setdefault("PDCLUSTER_CACHE_DIR", "/tmp/pdcluster-test-cache")
+# Under pytest-xdist (the README runs the suite as `-n 2`) every worker process computes on one thread:
+# two workers each spinning two OpenMP (or OpenBLAS) threads on a 2-core machine oversubscribe it, and
+# spin-waiting made small ops ~10x slower (see _one_torch_thread). Subprocesses inherit the setting;
+# engine workers set their own thread count from their config either way.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 
