@@ -14,6 +14,7 @@ import time
 import pytest
 
 from conftest import engine_config, make_engine, slow_params, usable_transports
+from pdcluster.engine.llm_engine import LLMEngine
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kv_transfer.config import TransferConfig
 from pdcluster.kv_transfer.transports import available_transports
@@ -120,6 +121,31 @@ def test_workers_split_over_two_ranks_move_each_ranks_kv_and_equal_single_engine
         assert p.stats()["bytes_sent"] > 0 and p.transport.block_layer_bytes() == 2 * one_rank
         if transport == "shm":  # rank 0's prefill cache is plain memory (push); the others are shm's own
             assert [part.peer_mode("d0") for part in p.transport.parts] == ["push", "push+pull"]
+
+
+@pytest.mark.timeout(240)
+def test_workers_split_over_two_ranks_in_bf16_equal_the_split_engine(tiny_dir):
+    """bf16 in deterministic mode, what a CPU with AVX-512 BF16 serves by default: the disaggregated pair split over
+    two ranks gives the tokens of one colocated engine split the same way (two ranks' partial sums can round differently
+    from one rank's sum, so the reference is split too). The prefill side's batches differ from the colocated engine's,
+    and its KV is the bf16 bytes the decode ranks then read: any difference in either shows here."""
+    cfg = _engine_config(tensor_parallel_size=2, dtype="bfloat16", deterministic=True)
+    prompts = [[(13 * i + 5 * j) % 450 + 4 for j in range(n)] for i, n in enumerate([5, 17, 40, 90])]
+    params = SamplingParams(max_tokens=16, ignore_eos=True, seed=3)
+    split = LLMEngine.from_config(cfg, progress=False)
+    try:
+        expected = [o.token_ids for o in split.generate(prompts, params)]
+    finally:
+        split.close()
+    events = Events()
+    with connected_pair(cfg, TransferConfig(transport="shm", secret="s3cret"), events) as (p, d):
+        ids = [f"r{i}" for i in range(len(prompts))]
+        for rid, prompt in zip(ids, prompts):
+            d.submit(rid, prompt, params, "p0")
+        tokens = _collect_tokens(events, ids)
+        assert [tokens[rid] for rid in ids] == expected
+        _wait_free(p, NUM_BLOCKS, 5)
+        _wait_free(d, NUM_BLOCKS, 5)
 
 
 @pytest.mark.timeout(120)
