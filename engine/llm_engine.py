@@ -95,8 +95,9 @@ class LLMEngine:
         num_blocks = self.kv_spec.num_blocks
         # KV events (block stored / removed, by tier) for the router's global index, drained by the worker.
         self.kv_events = KVEventLog()
-        self.offload = make_offload_manager(config, self.kv_cache, str(self.model_dir), self.dtype_name,
-                                            self.kv_events, self.model.kv_fingerprint)
+        # A split model's tiers read and write every rank's cache (rank_kv_caches: offload loads it so).
+        self.offload = make_offload_manager(config, loaded.rank_kv_caches or (self.kv_cache,), str(self.model_dir),
+                                            self.dtype_name, self.kv_events, self.model.kv_fingerprint)
         scheduler_cls = AsyncScheduler if config.async_scheduling else Scheduler
         self.scheduler = scheduler_cls(config, num_blocks, self.max_model_len, set(loaded.eos_token_ids),
                                        self.connector, self.num_state_blocks, self.offload, self.kv_events.record)

@@ -52,8 +52,8 @@ class LoadedModel:
     state_shape: MambaStateShape | None
     num_state_blocks: int
     eos_token_ids: frozenset[int]
-    # Tensor parallelism under a KV transport: every rank's cache, rank 0's (kv_cache) first, the others mapped here
-    # from shared memory (tensor_parallel/shared_cache.py). Empty otherwise.
+    # Tensor parallelism under a KV transport or the KV offload tiers: every rank's cache, rank 0's (kv_cache) first,
+    # the others mapped here from shared memory (tensor_parallel/shared_cache.py). Empty otherwise.
     rank_kv_caches: tuple[torch.Tensor, ...] = ()
 
     @classmethod
@@ -72,7 +72,8 @@ class LoadedModel:
             # (the runner's worker thread does the same, engine/async_scheduler.py).
             torch.cuda.set_device(torch.device(config.device))
         config = check_engine_config(config)  # tensor parallelism's limits and per-rank threads (no-op for 1)
-        share_rank_caches = share_rank_caches and config.tensor_parallel_size > 1
+        # The KV offload tiers, too, read and write every rank's cache from rank 0 (kv_offload/block_columns.py).
+        share_rank_caches = (share_rank_caches or config.offload_config().enabled) and config.tensor_parallel_size > 1
         if share_rank_caches:
             check_shared_caches(config)
         if config.num_threads:

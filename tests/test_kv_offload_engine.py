@@ -4,6 +4,7 @@ mean recompute, never a wrong token; a request aborted while its blocks load lea
 
 from __future__ import annotations
 
+import functools
 import random
 import time
 
@@ -131,3 +132,61 @@ def test_requests_back_from_a_load_never_deadlock_a_full_pool():
     assert done == set(ids)
     assert engine.scheduler.num_free_blocks == POOL and engine.scheduler.offload.num_loading == 0
     engine.offload.close()
+
+
+@pytest.mark.parametrize("tiers", ["host", "disk"])
+def test_a_model_split_over_two_ranks_offloads_every_ranks_heads_and_loads_them_back(tiers, tmp_path):
+    """Tensor parallelism on a CPU (2 ranks): an evicted block leaves every rank's cache as one column, the unsplit
+    model's shape (the ranks' heads side by side), and comes back into every rank's cache; in bf16 the tokens are the
+    split engine's without tiers (rank 1's heads lost or misplaced on the way would change them)."""
+    prompts, expected = _split_reference()
+    kwargs = (dict(kv_offload_host_gib=0.01) if tiers == "host"
+              else dict(kv_offload_disk_dir=str(tmp_path), kv_offload_disk_gib=0.05))
+    engine = make_engine(num_kv_blocks=POOL, dtype="bfloat16", tensor_parallel_size=2, **kwargs)
+    try:
+        assert len(engine.offload.columns.caches) == 2
+        whole = make_engine(num_kv_blocks=1, dtype="bfloat16").kv_cache
+        assert engine.offload.columns.block_shape == (*whole.shape[:2], *whole.shape[3:])
+        outputs = _run(engine, prompts)
+        assert [o.token_ids for o in outputs] == expected
+        assert outputs[3].num_cached_tokens == 9 * BLOCK, outputs[3]
+        assert outputs[3].num_offloaded_tokens >= 4 * BLOCK, outputs[3]
+        assert engine.scheduler.num_free_blocks == POOL
+    finally:
+        engine.offload.close()
+        engine.close()
+
+
+@functools.cache
+def _split_reference() -> tuple[list[list[int]], list[list[int]]]:
+    """The prompts of ``reference`` on the model split over two ranks, without tiers (everything recomputed)."""
+    engine = make_engine(num_kv_blocks=POOL, dtype="bfloat16", tensor_parallel_size=2)
+    try:
+        a, b, c = _prompts(1, 3, 160)
+        return [a, b, c, a, b], [o.token_ids for o in _run(engine, [a, b, c, a, b])]
+    finally:
+        engine.close()
+
+
+def test_block_columns_of_split_caches_read_side_by_side_and_write_all_or_nothing():
+    import torch
+
+    from pdcluster.engine.kv_offload.block_columns import BlockColumns
+
+    caches = [torch.randn(3, 2, 5, 4, heads, 8) for heads in (2, 1)]
+    columns = BlockColumns(caches)
+    assert columns.block_shape == (3, 2, 4, 3, 8)
+    column = columns.read(2)
+    assert torch.equal(column[..., :2, :], caches[0][:, :, 2]) and torch.equal(column[..., 2:, :], caches[1][:, :, 2])
+    before = [c.clone() for c in caches]
+    assert not columns.write(4, lambda out: False)  # a failed load: no rank holds part of the block
+    assert all(torch.equal(c, b) for c, b in zip(caches, before))
+    assert columns.write(4, lambda out: out.copy_(column) is not None)
+    assert torch.equal(caches[0][:, :, 4], caches[0][:, :, 2]) and torch.equal(caches[1][:, :, 4], caches[1][:, :, 2])
+    from pdcluster.engine.kv_offload.events import layout_namespace
+
+    # a split model's blocks go to a disk folder of their own: another split's KV rounds differently
+    assert layout_namespace("m", "bfloat16", caches[0], "", 2) != layout_namespace("m", "bfloat16", caches[0], "", 1)
+    assert layout_namespace("m", "bfloat16", caches[0]) == layout_namespace("m", "bfloat16", caches[0], "", 1)
+    with pytest.raises(ValueError, match="differ in more than their heads"):
+        BlockColumns([torch.zeros(3, 2, 5, 4, 2, 8), torch.zeros(3, 2, 5, 4, 2, 4)])

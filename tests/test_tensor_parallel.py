@@ -138,7 +138,7 @@ def test_models_that_do_not_split_are_refused_before_any_rank_starts(model, size
 @pytest.mark.parametrize("change,words", [
     (dict(spec_method="mtp", num_spec_tokens=1), "draft model"),
     (dict(enable_lora=True), "LoRA"),
-    (dict(kv_offload_host_gib=0.1), "offload"),
+    (dict(kv_offload_host_gib=0.1, device="cuda"), "offload tiers reach a split model's rank caches on CPUs only"),
     (dict(device="cuda:1"), "rank r runs on cuda:r"),
 ])
 def test_settings_that_do_not_combine_are_refused_in_one_line(change, words):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import deque
+from typing import Sequence
 
 import torch
 
@@ -41,20 +42,26 @@ class KVEventLog:
         return events
 
 
-def layout_namespace(model_dir: str, dtype_name: str, kv_cache: torch.Tensor, kv_fingerprint: str = "") -> str:
+def layout_namespace(model_dir: str, dtype_name: str, kv_cache: torch.Tensor, kv_fingerprint: str = "",
+                     tensor_parallel_size: int = 1) -> str:
     """The disk tier's folder for this KV layout: another model's or shape's blocks are never read as ours, nor
     blocks made by other LoRA adapters (a changed adapter file) under a name we serve, nor blocks of another RoPE
-    table (``kv_fingerprint``: CausalLM.kv_fingerprint)."""
+    table (``kv_fingerprint``: CausalLM.kv_fingerprint), nor blocks of the model split another way
+    (``tensor_parallel_size``; ``kv_cache`` is then rank 0's): past the first layer a split model's KV rounds as its
+    all-reduces do, and a block from another split would break the token-exact promise."""
     key = f"{model_dir}|{dtype_name}|{tuple(kv_cache.shape[:2])}|{tuple(kv_cache.shape[3:])}"
     if kv_fingerprint:
         key += f"|kv:{kv_fingerprint}"
+    if tensor_parallel_size > 1:
+        key += f"|tp:{tensor_parallel_size}"
     return hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
 
 
-def make_offload_manager(config: EngineConfig, kv_cache: torch.Tensor, model_dir: str, dtype_name: str,
+def make_offload_manager(config: EngineConfig, kv_caches: Sequence[torch.Tensor], model_dir: str, dtype_name: str,
                          events: KVEventLog, kv_fingerprint: str = "") -> OffloadManager | None:
+    """``kv_caches``: the engine's cache, or every rank's of a split model (rank 0's first)."""
     offload = config.offload_config()
     if not offload.enabled:
         return None
-    return OffloadManager(offload, kv_cache, layout_namespace(model_dir, dtype_name, kv_cache, kv_fingerprint),
-                          on_event=events.on_offload_event)
+    namespace = layout_namespace(model_dir, dtype_name, kv_caches[0], kv_fingerprint, len(kv_caches))
+    return OffloadManager(offload, kv_caches, namespace, on_event=events.on_offload_event)

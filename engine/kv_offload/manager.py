@@ -24,9 +24,11 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
+from pdcluster.engine.kv_offload.block_columns import BlockColumns
 from pdcluster.engine.kv_offload.config import OffloadConfig
 from pdcluster.engine.kv_offload.tiers import OffloadEvent, OffloadTiers
 
@@ -42,17 +44,19 @@ class LoadJob:
 
 
 class OffloadManager:
-    def __init__(self, config: OffloadConfig, kv_cache: torch.Tensor, namespace: str, on_event=None) -> None:
-        self.kv_cache = kv_cache  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-        block_shape = (kv_cache.shape[0], kv_cache.shape[1], *kv_cache.shape[3:])
-        self.on_gpu = kv_cache.device.type == "cuda"
-        self.tiers = OffloadTiers(config, block_shape, kv_cache.dtype, namespace, pin_memory=self.on_gpu,
-                                  on_event=on_event)
+    def __init__(self, config: OffloadConfig, kv_cache: torch.Tensor | Sequence[torch.Tensor], namespace: str,
+                 on_event=None) -> None:
+        # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]; or, for a model split over
+        # tensor-parallel ranks, every rank's (rank 0's first): block_columns.py
+        self.columns = BlockColumns([kv_cache] if isinstance(kv_cache, torch.Tensor) else kv_cache)
+        self.on_gpu = self.columns.device.type == "cuda"
+        self.tiers = OffloadTiers(config, self.columns.block_shape, self.columns.dtype, namespace,
+                                  pin_memory=self.on_gpu, on_event=on_event)
         self._jobs: queue.Queue = queue.Queue()
         self._done: queue.Queue = queue.Queue()
         self.num_loading = 0
-        self._stream = torch.cuda.Stream(kv_cache.device) if self.on_gpu else None
-        self._evict_stream = torch.cuda.Stream(kv_cache.device) if self.on_gpu else None
+        self._stream = torch.cuda.Stream(self.columns.device) if self.on_gpu else None
+        self._evict_stream = torch.cuda.Stream(self.columns.device) if self.on_gpu else None
         self._thread = threading.Thread(target=self._load_loop, name="kv-offload-loader", daemon=True)
         self._thread.start()
 
@@ -60,7 +64,7 @@ class OffloadManager:
     def on_evict(self, block_id: int, block_hash: int, out_of_stream: bool = False) -> None:
         apart = out_of_stream and self._evict_stream is not None
         with torch.cuda.stream(self._evict_stream) if apart else contextlib.nullcontext():
-            self.tiers.offload(block_hash, self.kv_cache[:, :, block_id])
+            self.tiers.offload(block_hash, self.columns.read(block_id))
 
     def settle_evictions(self) -> None:
         """Return once the copies out of blocks taken for writers outside the steps' queue have run (a few
@@ -123,10 +127,10 @@ class OffloadManager:
         for block_hash, block_id in zip(job.block_hashes, job.block_ids):
             if self._stream is not None:
                 with torch.cuda.stream(self._stream):
-                    ok = self.tiers.load(block_hash, self.kv_cache[:, :, block_id])
+                    ok = self.columns.write(block_id, lambda column: self.tiers.load(block_hash, column))
                 self._stream.synchronize()
             else:
-                ok = self.tiers.load(block_hash, self.kv_cache[:, :, block_id])
+                ok = self.columns.write(block_id, lambda column: self.tiers.load(block_hash, column))
             if not ok:
                 return
             job.num_loaded += 1

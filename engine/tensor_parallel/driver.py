@@ -46,9 +46,10 @@ def check_engine_config(config: EngineConfig) -> EngineConfig:
     if config.lora_modules or config.enable_lora:
         raise ConfigError(f"tensor_parallel_size {n}: LoRA adapters are not sharded yet; serve them with "
                           "--tensor-parallel-size 1")
-    if config.offload_config().enabled:
-        raise ConfigError(f"tensor_parallel_size {n}: the KV offload tiers read rank 0's cache alone; drop the "
-                          "--kv-offload-* flags")
+    if config.offload_config().enabled and config.device != "cpu":
+        raise ConfigError(f"tensor_parallel_size {n}: the KV offload tiers reach a split model's rank caches on CPUs "
+                          f"only (shared memory); on {config.device} drop the --kv-offload-* flags or serve with "
+                          "--tensor-parallel-size 1")
     if config.device.startswith("cuda"):
         if config.device != "cuda":
             raise ConfigError(f"tensor_parallel_size {n}: device {config.device!r}; with tensor parallelism rank r "
