@@ -21,6 +21,7 @@ import functools
 
 import msgpack
 import pytest
+import torch
 
 from conftest import engine_config
 from test_kv_transfer_e2e import Events, _wait_free, connected_pair
@@ -324,7 +325,8 @@ def _conversation(params=PARAMS, cut: int | None = None, between_turns=None, **o
             if isinstance(e, Tokens):
                 first.setdefault(e.request_id, e)
         return Conversation(turns, [sent["t1"], sent["t2"]], d.stats()["num_prompt_tokens_reused"], drafts,
-                            p.engine.kv_spec.bytes_per_block, [first["t1"], first["t2"]])
+                            p.engine.kv_spec.bytes_per_block * p.engine.config.tensor_parallel_size,  # every rank's
+                            [first["t1"], first["t2"]])
 
 
 @pytest.mark.timeout(300)
@@ -371,13 +373,17 @@ def test_tokens_catch_a_decode_side_that_claims_blocks_it_does_not_hold(monkeypa
 
 def _evict_device_cache(worker) -> None:
     """Give every free block of the worker's pool a new owner once (on its engine thread): each cached
-    block leaves the device prefix cache for the offload tiers, as under memory pressure."""
+    block leaves the device prefix cache for the offload tiers, as under memory pressure. The new owner
+    then writes over every block (of every rank's cache), as a real one would: a block loaded back must hold
+    what the tiers kept, not what its memory still held."""
 
     def evict(engine):
         bm = engine.scheduler.block_manager
         num_tokens = bm.num_free_blocks * bm.block_size
         filler = Request("evict-all", [1] * num_tokens, SamplingParams())
         assert bm.allocate_slots(filler, num_tokens)
+        for cache in engine.offload.columns.caches:  # nothing else runs: every block is the filler's or free
+            cache.copy_(torch.randn(cache.shape, generator=torch.Generator().manual_seed(7)).to(cache.dtype))
         bm.free(filler)
         assert bm.find_cached_prefix(Request("probe", TURN1 + [1], SamplingParams())) == []
 
@@ -404,14 +410,16 @@ def _corrupt_disk_tier(folder):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_prefix_evicted_to_host_memory_is_loaded_back_on_both_sides(dtype):
+@pytest.mark.parametrize("dtype,tensor_parallel_size", [("float32", 1), ("bfloat16", 1), ("bfloat16", 2)])
+def test_a_prefix_evicted_to_host_memory_is_loaded_back_on_both_sides(dtype, tensor_parallel_size):
     """Both workers' device caches are emptied into their host tiers between the turns. The decode worker
     loads turn 1's 4 blocks back and asks only for the rest (as if they had stayed in its pool); the
     prefill worker loads its 3 and says so in the first token's report (FirstToken.num_offloaded_tokens).
-    Tokens equal a run with neither reuse nor tiers."""
-    plain = _conversation(dtype=dtype, decode_prefix_reuse=False, enable_prefix_caching=False)
-    tiered = _conversation(between_turns=_evict_both, dtype=dtype, kv_offload_host_gib=0.05)
+    Tokens equal a run with neither reuse nor tiers. Split over two ranks, each block goes down and comes back
+    with every rank's heads (kv_offload/block_columns.py) on both workers."""
+    split = dict(dtype=dtype, tensor_parallel_size=tensor_parallel_size)
+    plain = _conversation(**split, decode_prefix_reuse=False, enable_prefix_caching=False)
+    tiered = _conversation(between_turns=_evict_both, **split, kv_offload_host_gib=0.05)
     assert tiered.turns == plain.turns
     assert tiered.num_reused_tokens == 4 * 16  # all of them loaded back from host memory
     assert tiered.bytes_sent[1] == plain.bytes_sent[1] - 4 * tiered.bytes_per_block
