@@ -76,6 +76,18 @@ def _wait_free(worker, expected, timeout_s):
     raise AssertionError(f"{worker.worker_id}: free blocks {worker.stats()} never returned to {expected}")
 
 
+def _through_pair(p, d, events: Events, prompts, params) -> list[list[int]]:
+    """Each prompt through the pair (D reserves, asks P for the KV, streams every token): the tokens in prompt order,
+    once every block of both workers is back."""
+    ids = [f"r{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts):
+        d.submit(rid, prompt, params, "p0")
+    tokens = _collect_tokens(events, ids)
+    _wait_free(p, NUM_BLOCKS, 5)
+    _wait_free(d, NUM_BLOCKS, 5)
+    return [tokens[rid] for rid in ids]
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_disagg_equals_single_engine(tiny_dir, transport):
@@ -85,13 +97,7 @@ def test_disagg_equals_single_engine(tiny_dir, transport):
     expected = [o.token_ids for o in make_engine("tiny-random", num_kv_blocks=NUM_BLOCKS).generate(prompts, params)]
     events = Events()
     with connected_pair(cfg, TransferConfig(transport=transport, secret="s3cret"), events) as (p, d):
-        ids = [f"r{i}" for i in range(len(prompts))]
-        for rid, prompt in zip(ids, prompts):
-            d.submit(rid, prompt, params, "p0")  # D reserves, asks P for the KV, streams every token
-        tokens = _collect_tokens(events, ids)
-        assert [tokens[rid] for rid in ids] == expected
-        _wait_free(p, NUM_BLOCKS, 5)
-        _wait_free(d, NUM_BLOCKS, 5)
+        assert _through_pair(p, d, events, prompts, params) == expected
         assert p.stats()["bytes_sent"] > 0
 
 
@@ -110,13 +116,7 @@ def test_workers_split_over_two_ranks_move_each_ranks_kv_and_equal_single_engine
     events = Events()
     with connected_pair(cfg, TransferConfig(transport=transport, secret="s3cret"), events) as (p, d):
         assert [t.name for t in (p.transport, d.kv.transport)] == [f"{transport} x2 ranks"] * 2
-        ids = [f"r{i}" for i in range(len(prompts))]
-        for rid, prompt in zip(ids, prompts):
-            d.submit(rid, prompt, params, "p0")
-        tokens = _collect_tokens(events, ids)
-        assert [tokens[rid] for rid in ids] == expected
-        _wait_free(p, NUM_BLOCKS, 5)
-        _wait_free(d, NUM_BLOCKS, 5)
+        assert _through_pair(p, d, events, prompts, params) == expected
         one_rank = p.transport.parts[0].block_layer_bytes()
         assert p.stats()["bytes_sent"] > 0 and p.transport.block_layer_bytes() == 2 * one_rank
         if transport == "shm":  # rank 0's prefill cache is plain memory (push); the others are shm's own
@@ -139,13 +139,7 @@ def test_workers_split_over_two_ranks_in_bf16_equal_the_split_engine(tiny_dir):
         split.close()
     events = Events()
     with connected_pair(cfg, TransferConfig(transport="shm", secret="s3cret"), events) as (p, d):
-        ids = [f"r{i}" for i in range(len(prompts))]
-        for rid, prompt in zip(ids, prompts):
-            d.submit(rid, prompt, params, "p0")
-        tokens = _collect_tokens(events, ids)
-        assert [tokens[rid] for rid in ids] == expected
-        _wait_free(p, NUM_BLOCKS, 5)
-        _wait_free(d, NUM_BLOCKS, 5)
+        assert _through_pair(p, d, events, prompts, params) == expected
 
 
 @pytest.mark.timeout(120)
