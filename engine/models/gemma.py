@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from pdcluster.engine.attention import AttentionMetadata, attend
-from pdcluster.engine.models.causal_lm import embedding_and_lm_head, load_weights, text_weights
+from pdcluster.engine.models.causal_lm import embedding_and_lm_head
 from pdcluster.engine.models.classifier import causal_architecture
 from pdcluster.engine.models.llama import DecoderLayer, LlamaModel, ModelArch, RotaryEmbedding
 from pdcluster.engine.models.rope import RopeScaling, rope_from_config
@@ -176,22 +176,12 @@ class GemmaLayer(DecoderLayer):
 
 
 class GemmaModel(LlamaModel):
+    """Loads as the Llama family does (CausalLM.load: a multimodal checkpoint's language model under the text model's
+    names, its vision tower and projector dropped, image inputs refused at the API), and splits over tensor-parallel
+    ranks as it does: Gemma's extra norms act on whole hidden states (after o_proj's and down_proj's sums) or on one
+    head (Gemma 3's q/k norms), its soft-caps on one head's scores or on the whole logits."""
+
     arch_class = GemmaArch
-
-    @classmethod
-    def load(cls, model_dir: Path, dtype: torch.dtype, max_positions: int,
-             device: str | torch.device = "cpu", deterministic: bool = False,
-             max_model_len: int | None = None, shard=None, group=None) -> "GemmaModel":
-        """A multimodal checkpoint's language model under the text model's names; its vision tower and
-        projector are dropped (image inputs are refused at the API). ``max_model_len`` picks nothing here
-        (Gemma's RoPE variants are static). ``shard``: Gemma does not split (tensor_parallel.check_shardable)."""
-        arch = cls.arch_class.from_dir(model_dir)
-        if shard is not None:
-            from pdcluster.engine.tensor_parallel.shard import check_shardable
-
-            check_shardable(cls, arch, shard.world_size)
-        return cls.build_with_head(model_dir, arch, text_weights(load_weights(model_dir, dtype, device)), dtype,
-                                   max_positions, deterministic)
 
     def __init__(self, arch: GemmaArch, weights: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int,
                  deterministic: bool = False):
@@ -212,6 +202,8 @@ class GemmaModel(LlamaModel):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+        if self.tp_driver is not None:  # tensor parallelism: the other ranks run this forward on their slices
+            self.tp_driver.forward(input_ids, positions, meta)
         hidden = F.embedding(input_ids, self.embed_tokens) * self.embed_scale
         for i, layer in enumerate(self.layers):
             hidden = layer.forward(hidden, positions, self.local_rope if layer.local else self.rope, kv_cache[i], meta)

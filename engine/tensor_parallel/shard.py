@@ -28,13 +28,14 @@ def check_shardable(model_class: type, arch, world_size: int) -> None:
     """ValueError naming why a model does not split ``world_size`` ways (nothing for 1)."""
     if world_size == 1:
         return
+    from pdcluster.engine.models.gemma import GemmaModel
     from pdcluster.engine.models.llama import LlamaModel
 
     name = model_class.__name__
-    if model_class is not LlamaModel:
+    if model_class not in (LlamaModel, GemmaModel):  # exact classes: a subclass may compute across heads
         raise ValueError(f"tensor_parallel_size {world_size}: tensor parallelism splits the Llama family's models "
-                         f"(Llama, Mistral, Qwen2/3, Phi-3, Granite, Mixtral, Qwen-MoE, ...); {name} runs with "
-                         "--tensor-parallel-size 1")
+                         f"(Llama, Mistral, Qwen2/3, Phi-3, Granite, Mixtral, Qwen-MoE, Gemma 2/3, ...); {name} runs "
+                         "with --tensor-parallel-size 1")
     moe = arch.moe
     if arch.group_router is not None or (moe is not None and moe.layout not in SPLIT_MOE_LAYOUTS):
         layout = moe.layout if moe is not None else "glm4_moe"
