@@ -265,7 +265,11 @@ class ChaosController:
         chaos_targets.send(target, event.signal)
         ev.fired_at_s = self.now_s()
         if event.action == "stop":
-            self._stopped[self.events.index(ev)] = (ev, target)
+            key = self.events.index(ev)
+            self._stopped[key] = (ev, target)
+            # SIGCONT on its own timer: the loop's next turn may be seconds away (a /health poll of a server
+            # with a frozen worker waits up to HEALTH_TIMEOUT_S), and a 2 s stop ran 2.75 s that way.
+            asyncio.get_running_loop().call_later(ev.stop_s, self._resume_if_stopped, key)
         print(f"pdcluster loadtest: chaos: {event.signal.name} {ev.worker_id or event.role} worker pid {target.pid} "
               f"at {ev.fired_at_s:.2f} s ({ev.spec})", file=sys.stderr)
 
@@ -273,6 +277,10 @@ class ChaosController:
         for key, (ev, proc) in list(self._stopped.items()):
             if self.now_s() >= ev.fired_at_s + ev.stop_s:
                 self._resume(key)
+
+    def _resume_if_stopped(self, key: int) -> None:
+        if key in self._stopped:  # not resumed yet by the loop's check or at the end
+            self._resume(key)
 
     def _resume(self, key: int) -> None:
         ev, proc = self._stopped.pop(key)
