@@ -28,10 +28,6 @@ class BlockColumns:
         self.block_shape = (*first.shape[:2], *first.shape[3:-2], sum(self.heads_per_cache), first.shape[-1])
         self.dtype, self.device = first.dtype, first.device
 
-    @property
-    def num_caches(self) -> int:
-        return len(self.caches)
-
     def read(self, block_id: int) -> torch.Tensor:
         """The column of ``block_id``: a view of the cache where there is one, else a new tensor."""
         if len(self.caches) == 1:
