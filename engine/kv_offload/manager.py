@@ -125,12 +125,10 @@ class OffloadManager:
             # job: the writes below come after those copies.
             self._stream.wait_stream(self._evict_stream)
         for block_hash, block_id in zip(job.block_hashes, job.block_ids):
-            if self._stream is not None:
-                with torch.cuda.stream(self._stream):
-                    ok = self.columns.write(block_id, lambda column: self.tiers.load(block_hash, column))
-                self._stream.synchronize()
-            else:
+            with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
                 ok = self.columns.write(block_id, lambda column: self.tiers.load(block_hash, column))
+            if self._stream is not None:
+                self._stream.synchronize()
             if not ok:
                 return
             job.num_loaded += 1
