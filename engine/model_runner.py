@@ -557,7 +557,10 @@ class ModelRunner:
             return
         verify = [r for r in range(len(rows)) if drafts[r]]
         slots = np.array([state.idx_mapping_np[rows[r]] for r in verify], dtype=np.int64)
-        self.mamba_pool.select(slots, np.array([num_valid[r] - 1 for r in verify], dtype=np.int64))
+        position_index = np.array([num_valid[r] - 1 for r in verify], dtype=np.int64)
+        self.mamba_pool.select(slots, position_index)
+        if self.model.tp_driver is not None and len(slots):  # the other ranks hold their heads' states
+            self.model.tp_driver.keep_states(slots, position_index)
 
     def _process_logits(self, state: ExecuteModelState, logits: torch.Tensor, rows: list[int],
                         params: list, drafts: list[list[int]]) -> torch.Tensor:

@@ -141,6 +141,20 @@ def test_chunked_prefill_preemption_and_ngram_are_exact(dirs, reference):
     assert _run(ngram, PROMPTS) == reference["rope"]
 
 
+@pytest.mark.parametrize("name", ["h", "rope", "micro"])
+def test_split_over_two_ranks_equals_transformers(dirs, reference, name):
+    """engine/tensor_parallel/shard_hybrid.py on Granite's names: each rank's Mamba heads and group, attention heads
+    (RoPE per head), SwiGLU experts' and shared MLP's gate and up rows; one sum for the MoE plus the shared MLP,
+    the residual multiplier after it."""
+    engine = _engine(dirs[name], tensor_parallel_size=2, prefill_chunk_size=16, max_num_batched_tokens=48)
+    try:
+        assert engine.model.arch.granite.shared_intermediate_size == 20  # half of 40 on each rank
+        assert _run(engine, PROMPTS) == reference[name]
+        assert engine.scheduler.block_manager.num_free_blocks == engine.kv_spec.num_blocks
+    finally:
+        engine.close()
+
+
 def test_bf16_deterministic_batch_invariant(dirs):
     engine = _engine(dirs["h"], dtype="bfloat16", deterministic=True, num_kv_blocks=64)
     batched = _run(engine, PROMPTS)

@@ -126,13 +126,20 @@ def test_a_rank_that_dies_fails_the_step_with_its_story_and_no_hang():
 @pytest.mark.parametrize("model,size,words", [
     ("smollm2", 2, "9 attention heads do not split 2 ways"),
     ("tiny-random", 3, "4 attention heads do not split 3 ways"),
-    ("tiny-hybrid", 2, "NemotronHModel runs with --tensor-parallel-size 1"),
+    ("tiny-hybrid", 4, "2 Mamba groups \\(n_groups"),  # 8 Mamba heads and 4 attention heads would split
 ])
 def test_models_that_do_not_split_are_refused_before_any_rank_starts(model, size, words):
     children = set(_children())
     with pytest.raises(ValueError, match=words):
         make_engine(model, tensor_parallel_size=size)
     assert set(_children()) <= children
+
+
+def test_a_family_that_computes_across_heads_is_refused_by_its_class():
+    from pdcluster.engine.models.deepseek import DeepseekModel
+
+    with pytest.raises(ValueError, match="DeepseekModel runs with --tensor-parallel-size 1"):
+        check_shardable(DeepseekModel, None, 2)
 
 
 @pytest.mark.parametrize("change,words", [

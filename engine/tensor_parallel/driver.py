@@ -4,8 +4,8 @@ joins their group, and hands each forward's inputs to them before running its ow
 Everything else stays on rank 0: the scheduler, sampling, logits, the API. The other ranks' KV caches mirror rank 0's
 block for block (the same block tables reach every rank with each forward), so nothing outside a forward touches the
 cache but a KV transport, which reaches the other ranks' caches through shared memory on CPUs (shared_cache.py,
-kv_transfer/transports/ranked.py). Offload tiers and Mamba state are refused with tensor parallelism
-(check_engine_config)."""
+kv_transfer/transports/ranked.py). A hybrid's Mamba state is each rank's own (its heads'), advanced by the forwards
+and by the verification rows' choice of state (``keep_states``); it is not moved between split workers."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ import torch
 from pdcluster.engine.config import ConfigError, EngineConfig
 from pdcluster.engine.kv_cache import KVCacheSpec
 from pdcluster.engine.tensor_parallel.group import TPGroup, open_store
-from pdcluster.engine.tensor_parallel.messages import AllocateCache, Forward, Stop, WorkerSpec, decode_status, encode
+from pdcluster.engine.tensor_parallel.messages import (AllocateCache, Forward, KeepStates, Stop, WorkerSpec,
+                                                       decode_status, encode)
 from pdcluster.engine.tensor_parallel.shared_cache import create_shared_cache
 from pdcluster.engine.tensor_parallel.shm_allreduce import create_segment, remove_segment
 from pdcluster.engine.tensor_parallel.worker import worker_main
@@ -169,6 +170,11 @@ class TensorParallelDriver:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> None:
         """Hands a forward's inputs to the other ranks, which start it at once (rank 0 runs its own next)."""
         self._send(Forward(input_ids, positions, meta))
+
+    def keep_states(self, slots_np, position_index_np) -> None:
+        """A hybrid's verification rows keep these per-position Mamba states on every rank (MambaStatePool.select
+        there, after the forward that stored them and before the next)."""
+        self._send(KeepStates(slots_np, position_index_np))
 
     def _send(self, message) -> None:
         if self.closed:

@@ -1,6 +1,9 @@
 """What rank 0 and the other ranks say over each rank's pipe, as msgpack (no pickle on any path we decode:
-tests/test_no_pickle.py): rank 0 sends where the KV cache is, then one message per forward, then stop; a rank answers
-"loaded", "ready" or "error". Tensors travel as (dtype, shape, bytes) host copies; a rank moves them to its device."""
+tests/test_no_pickle.py): rank 0 sends where the KV cache is, then one message per forward (and, for a hybrid under
+speculation, which per-position Mamba states its verification rows keep), then stop; a rank answers "loaded", "ready"
+or "error". Tensors travel as (dtype, shape, bytes) host copies; a rank moves them to its device. A hybrid's Mamba rows
+travel without rank 0's state pool: each rank runs them on its own pool (its heads' states), of the size rank 0's has
+(``Forward.mamba_pool_size``)."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import torch
 
 from pdcluster.engine.attention import AttentionMetadata
 from pdcluster.engine.kv_cache import KVCacheSpec
+from pdcluster.engine.mamba_state import MambaMetadata
 
 
 @dataclass(frozen=True)
@@ -43,7 +47,18 @@ class AllocateCache:
 class Forward:
     input_ids: torch.Tensor
     positions: torch.Tensor
-    meta: AttentionMetadata
+    meta: AttentionMetadata  # decoded: a hybrid's ``meta.mamba.pool`` is None (the rank puts its own there)
+    # A hybrid's Mamba state pool on rank 0 as (num_slots, max_positions_per_step): what each rank's pool must be.
+    mamba_pool_size: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class KeepStates:
+    """A hybrid's verification rows keep the Mamba state after input position ``position_index_np[i]`` in slot
+    ``slots_np[i]`` (MambaStatePool.select), on every rank as on rank 0, between the same two forwards."""
+
+    slots_np: np.ndarray
+    position_index_np: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -53,10 +68,13 @@ class Stop:
 
 # ---- rank 0 -> the others -------------------------------------------------------------------------------------
 
-def encode(message: AllocateCache | Forward | Stop) -> bytes:
+def encode(message: AllocateCache | Forward | KeepStates | Stop) -> bytes:
     if isinstance(message, Forward):
         body = {"kind": "forward", "input_ids": _tensor(message.input_ids), "positions": _tensor(message.positions),
                 "meta": _meta(message.meta)}
+    elif isinstance(message, KeepStates):
+        body = {"kind": "keep_states", "slots": _array(message.slots_np),
+                "positions": _array(message.position_index_np)}
     elif isinstance(message, AllocateCache):
         spec = message.kv_spec
         sizes = {f.name: getattr(spec, f.name) for f in fields(spec) if f.name != "dtype"}
@@ -68,13 +86,16 @@ def encode(message: AllocateCache | Forward | Stop) -> bytes:
     return msgpack.packb(body, use_bin_type=True)
 
 
-def decode(payload: bytes) -> AllocateCache | Forward | Stop:
+def decode(payload: bytes) -> AllocateCache | Forward | KeepStates | Stop:
     """ValueError for anything not encode's."""
     try:
         body = msgpack.unpackb(payload, raw=False)
         kind = body["kind"]
         if kind == "forward":
-            return Forward(_untensor(body["input_ids"]), _untensor(body["positions"]), _unmeta(body["meta"]))
+            meta, pool_size = _unmeta(body["meta"])
+            return Forward(_untensor(body["input_ids"]), _untensor(body["positions"]), meta, pool_size)
+        if kind == "keep_states":
+            return KeepStates(_unarray(body["slots"]), _unarray(body["positions"]))
         if kind == "allocate":
             return AllocateCache(KVCacheSpec(**body["kv_spec"], dtype=_dtype(body["dtype"])), bool(body["shared"]))
         if kind == "stop":
@@ -131,6 +152,19 @@ def _untensor(v: dict) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
 
 
+def _array(a: np.ndarray) -> dict:
+    return _tensor(torch.from_numpy(np.ascontiguousarray(a)))
+
+
+def _unarray(v: dict) -> np.ndarray:
+    return _untensor(v).numpy()
+
+
+# A hybrid step's Mamba rows: the host arrays each rank's layers plan the step from (MambaStepPlan.build). The plan
+# and the device copy of the slots are CUDA graphs' (off with tensor parallelism): a rank builds its own plan.
+_MAMBA_ROWS = ("query_start_loc_np", "state_slots_np", "has_initial_state_np", "keep_positions_np")
+
+
 def _meta(meta: AttentionMetadata) -> dict:
     out = {}
     for f in fields(meta):
@@ -138,24 +172,33 @@ def _meta(meta: AttentionMetadata) -> dict:
         if isinstance(value, torch.Tensor):
             out[f.name] = {"tensor": _tensor(value)}
         elif isinstance(value, np.ndarray):
-            out[f.name] = {"array": _tensor(torch.from_numpy(np.ascontiguousarray(value)))}
+            out[f.name] = {"array": _array(value)}
         elif value is None or isinstance(value, (bool, int, float)):
             out[f.name] = {"value": value}
-        else:  # a hybrid's Mamba plan: hybrids do not split (shard.check_shardable)
+        elif isinstance(value, MambaMetadata):
+            pool = value.pool
+            out[f.name] = {"mamba": {name: _array(getattr(value, name)) for name in _MAMBA_ROWS},
+                           "pool_size": [pool.num_slots, pool.max_positions_per_step]}
+        else:
             raise TypeError(f"AttentionMetadata.{f.name} ({type(value).__name__}) does not travel to other ranks")
     return out
 
 
-def _unmeta(body: dict) -> AttentionMetadata:
-    values = {}
+def _unmeta(body: dict) -> tuple[AttentionMetadata, tuple[int, int] | None]:
+    values, pool_size = {}, None
     for name, v in body.items():
         if "tensor" in v:
             values[name] = _untensor(v["tensor"])
         elif "array" in v:
-            values[name] = _untensor(v["array"]).numpy()
+            values[name] = _unarray(v["array"])
+        elif "mamba" in v:
+            rows = v["mamba"]
+            values[name] = MambaMetadata(None, **{key: _unarray(rows[key]) for key in _MAMBA_ROWS})
+            slots, positions = v["pool_size"]
+            pool_size = (int(slots), int(positions))
         else:
             values[name] = v["value"]
-    return AttentionMetadata(**values)
+    return AttentionMetadata(**values), pool_size
 
 
 def on_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:

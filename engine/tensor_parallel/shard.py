@@ -4,7 +4,8 @@ every MLP (its gate/up rows, its down_proj columns); norms, the embedding and th
 o_proj and down_proj then give each rank a partial sum, which one all-reduce makes whole (RowParallelLinear).
 
 The cut is made on the checkpoint's own tensors (Hugging Face names), before the loader fuses and packs them, so the
-layer code runs unchanged over a rank's slice (its arch says how many heads it has: ``shard_arch``)."""
+layer code runs unchanged over a rank's slice (its arch says how many heads it has: ``shard_arch``). Hybrids (NemotronH,
+Granite 4.0-H) are cut by shard_hybrid.py: each function here hands their arch over to it."""
 
 from __future__ import annotations
 
@@ -30,11 +31,17 @@ def check_shardable(model_class: type, arch, world_size: int) -> None:
         return
     from pdcluster.engine.models.gemma import GemmaModel
     from pdcluster.engine.models.llama import LlamaModel
+    from pdcluster.engine.models.nemotron_h import NemotronHModel
 
     name = model_class.__name__
+    if model_class is NemotronHModel:
+        from pdcluster.engine.tensor_parallel.shard_hybrid import check_hybrid_shardable
+
+        return check_hybrid_shardable(arch, world_size)
     if model_class not in (LlamaModel, GemmaModel):  # exact classes: a subclass may compute across heads
         raise ValueError(f"tensor_parallel_size {world_size}: tensor parallelism splits the Llama family's models "
-                         f"(Llama, Mistral, Qwen2/3, Phi-3, Granite, Mixtral, Qwen-MoE, Gemma 2/3, ...); {name} runs "
+                         f"(Llama, Mistral, Qwen2/3, Phi-3, Granite, Mixtral, Qwen-MoE, Gemma 2/3, ...) and NemotronH "
+                         f"hybrids; {name} runs "
                          "with --tensor-parallel-size 1")
     moe = arch.moe
     if arch.group_router is not None or (moe is not None and moe.layout not in SPLIT_MOE_LAYOUTS):
@@ -62,6 +69,10 @@ def shard_arch(arch, world_size: int):
     """The arch one rank runs: its heads and MLP widths (what its layers, kernels and KV cache are sized by)."""
     if world_size == 1:
         return arch
+    if _is_hybrid(arch):
+        from pdcluster.engine.tensor_parallel.shard_hybrid import shard_hybrid_arch
+
+        return shard_hybrid_arch(arch, world_size)
     moe = arch.moe
     if moe is not None:
         moe = replace(moe, intermediate_size=moe.intermediate_size // world_size,
@@ -81,6 +92,10 @@ def shard_tensor(name: str, t: torch.Tensor, arch, shard: Shard) -> torch.Tensor
     """``shard``'s slice of one checkpoint tensor (text model names), a compact copy so the whole tensor can be freed
     as soon as it is cut (the loader cuts each tensor as it reads it: no rank holds the whole checkpoint); a tensor no
     rank splits, as it is."""
+    if _is_hybrid(arch):
+        from pdcluster.engine.tensor_parallel.shard_hybrid import shard_hybrid_tensor
+
+        return shard_hybrid_tensor(name, t, arch, shard)
     if not name.startswith("model.layers."):
         return t
     num_heads, num_kv_heads, head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
@@ -178,8 +193,17 @@ class SummedMoe:
         return getattr(self.inner, name)
 
 
+def _is_hybrid(arch) -> bool:
+    """A NemotronH arch (engine/tensor_parallel/shard_hybrid.py splits it), not a Llama-family ModelArch."""
+    return hasattr(arch, "mamba_num_heads")
+
+
 def split_rows(model, group) -> None:
     """Makes each layer's o_proj and down_proj (a sparse layer's MoE) of a sharded model row-parallel over ``group``."""
+    if _is_hybrid(model.arch):
+        from pdcluster.engine.tensor_parallel.shard_hybrid import split_hybrid_rows
+
+        return split_hybrid_rows(model, group)
     for layer in model.layers:
         layer.o_proj = RowParallelLinear(layer.o_proj, group)
         if layer.moe is not None:

@@ -8,11 +8,12 @@ from __future__ import annotations
 import logging
 import os
 import traceback
+from dataclasses import replace
 from multiprocessing.reduction import recv_handle
 
 import torch
 
-from pdcluster.engine.tensor_parallel.messages import (AllocateCache, Forward, Stop, WorkerSpec, decode,
+from pdcluster.engine.tensor_parallel.messages import (AllocateCache, Forward, KeepStates, Stop, WorkerSpec, decode,
                                                        encode_status, on_device)
 
 
@@ -76,12 +77,39 @@ def _serve(conn, spec: WorkerSpec) -> None:
     else:
         kv_cache = allocate_kv_cache(message.kv_spec, device)
     conn.send_bytes(encode_status("ready"))
+    states = _RankStates(model, device)
     while True:
         message = decode(conn.recv_bytes())
         if isinstance(message, Stop):
             return
+        if isinstance(message, KeepStates):
+            states.pool.select(message.slots_np, message.position_index_np)
+            continue
         if not isinstance(message, Forward):
             raise RuntimeError(f"unexpected message {type(message).__name__}")
+        meta = on_device(message.meta, device)
+        if meta.mamba is not None:
+            meta = replace(meta, mamba=replace(meta.mamba, pool=states.pool_of(message.mamba_pool_size)))
         with torch.inference_mode():
-            model.forward(message.input_ids.to(device), message.positions.to(device), kv_cache,
-                          on_device(message.meta, device))
+            model.forward(message.input_ids.to(device), message.positions.to(device), kv_cache, meta)
+
+
+class _RankStates:
+    """A hybrid rank's Mamba state pool: its heads' conv and SSM states of every slot, made at the first forward
+    with Mamba rows, as large as rank 0's (the same slots index the same requests on every rank)."""
+
+    def __init__(self, model, device: torch.device) -> None:
+        self.model, self.device = model, device
+        self.pool = None
+
+    def pool_of(self, size: tuple[int, int] | None):
+        from pdcluster.engine.mamba_state import MambaStatePool
+
+        if size is None:
+            raise RuntimeError("a forward's Mamba rows came without rank 0's state pool size")
+        if self.pool is None:
+            self.pool = MambaStatePool(self.model.arch.mamba_state_shape(), size[0], size[1], self.device)
+        elif (self.pool.num_slots, self.pool.max_positions_per_step) != tuple(size):
+            raise RuntimeError(f"rank 0's Mamba state pool changed size: {size}, this rank's is "
+                               f"{(self.pool.num_slots, self.pool.max_positions_per_step)}")
+        return self.pool
