@@ -25,7 +25,8 @@ from pdcluster.engine.models.architectures import (arch_from_dir, is_hybrid, loa
                                                    model_class_of)
 from pdcluster.engine.models.registry import resolve_model
 from pdcluster.engine.proposers import num_draft_layers as proposer_draft_layers
-from pdcluster.engine.tensor_parallel.driver import TensorParallelDriver, check_engine_config, check_shared_caches
+from pdcluster.engine.tensor_parallel.driver import (TensorParallelDriver, check_engine_config, check_shared_caches,
+                                                     check_speculation)
 from pdcluster.engine.tensor_parallel.shard import Shard, check_shardable
 from pdcluster.engine.tokenizer import Tokenizer
 
@@ -111,8 +112,9 @@ class LoadedModel:
         driver = shard = None
         if config.tensor_parallel_size > 1:  # the other ranks load their slices while this one loads its own
             check_shardable(model_class_of(model_dir), arch, config.tensor_parallel_size)
+            own_mtp = check_speculation(config, arch)
             driver = TensorParallelDriver.start(config, str(model_dir), dtype_name, max_positions, max_model_len,
-                                                deterministic)
+                                                deterministic, own_mtp=own_mtp)
             shard = Shard(0, config.tensor_parallel_size)
         try:
             model = load_model(model_dir, dtype, max_positions, config.device, deterministic=deterministic,

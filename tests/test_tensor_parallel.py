@@ -143,7 +143,6 @@ def test_a_family_that_computes_across_heads_is_refused_by_its_class():
 
 
 @pytest.mark.parametrize("change,words", [
-    (dict(spec_method="mtp", num_spec_tokens=1), "draft model"),
     (dict(enable_lora=True), "LoRA"),
     (dict(kv_offload_host_gib=0.1, device="cuda"), "offload tiers reach a split model's rank caches on CPUs only"),
     (dict(device="cuda:1"), "rank r runs on cuda:r"),
@@ -151,6 +150,15 @@ def test_a_family_that_computes_across_heads_is_refused_by_its_class():
 def test_settings_that_do_not_combine_are_refused_in_one_line(change, words):
     with pytest.raises(ConfigError, match=words):
         check_engine_config(engine_config(tensor_parallel_size=2, **change))
+
+
+@pytest.mark.parametrize("model,checkpoint", [("tiny-random", "random"), ("tiny-hybrid-moe", "random")])
+def test_a_draft_model_that_does_not_split_is_refused_before_any_rank_starts(model, checkpoint):
+    """Only a NemotronH checkpoint's own MTP layers split with the model (tests/test_tensor_parallel_hybrid.py)."""
+    children = set(_children())
+    with pytest.raises(ConfigError, match="drafts with a NemotronH checkpoint's own MTP layers only"):
+        make_engine(model, tensor_parallel_size=2, spec_method="mtp", num_spec_tokens=1, mtp_checkpoint=checkpoint)
+    assert set(_children()) <= children
 
 
 def test_a_kv_transfer_connector_without_shared_rank_caches_is_refused_and_the_ranks_stop():

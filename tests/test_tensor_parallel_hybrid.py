@@ -109,6 +109,54 @@ def test_split_hybrid_moe_equals_the_whole_through_chunks_preemption_and_specula
         split.close()
 
 
+@pytest.fixture(scope="module")
+def hidden_driven_mtp_dir(tmp_path_factory) -> Path:
+    """tiny-hybrid-moe with its MTP step's fusion turned round: tiny-hybrid-moe's step drafts mostly from the next
+    token (its eh_proj is a gain times identity on the token half), so rows of the wrong hidden states would hardly
+    change a draft. Here the hidden half carries more of the draft (x3) and the token half less (x0.3): a rank that
+    took the wrong rows of its hidden states would change drafts, and so the accepted counts."""
+    from safetensors.torch import load_file, save_file
+
+    source = resolve_model("tiny-hybrid-moe", progress=False)
+    d = tmp_path_factory.mktemp("hidden-driven-mtp")
+    for f in source.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, d / f.name)
+    weights = load_file(str(source / "model.safetensors"))
+    eh = weights["mtp.layers.0.eh_proj.weight"].clone()
+    hidden = eh.shape[0]
+    eh[:, :hidden] *= 0.3
+    eh[:, hidden:] *= 3.0
+    weights["mtp.layers.0.eh_proj.weight"] = eh
+    save_file(weights, str(d / "model.safetensors"))
+    return d
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_split_hybrid_drafts_with_its_own_mtp_layers_split_too(hidden_driven_mtp_dir, async_scheduling):
+    """A NemotronH's own MTP step (attention + latent MoE) on two ranks: each rank runs its slice of every MTP
+    forward (DraftForward) on its own rows of its own hidden states and writes its KV heads into its draft layer; the
+    drafts, and so the accepted counts, equal the unsplit engine's, and the tokens too (speculation is lossless)."""
+    prompts = [[100 + (5 * i + 7 * j) % 300 for j in range(10 + 9 * i)] for i in range(4)]
+    common = dict(dtype="float32", max_model_len=256, max_num_batched_tokens=48, prefill_chunk_size=16,
+                  num_kv_blocks=64, block_size=16, spec_method="mtp", num_spec_tokens=3, mtp_checkpoint="",
+                  async_scheduling=async_scheduling)
+    whole = make_engine(str(hidden_driven_mtp_dir), **common)
+    expected = _greedy(whole, prompts, 30)
+    split = make_engine(str(hidden_driven_mtp_dir), tensor_parallel_size=2, **common)
+    try:
+        assert split.kv_cache.shape[0] == 2 + 1  # two attention layers and the MTP step's one, a KV head each
+        assert split.kv_cache.shape[-2] == 1
+        outputs = _greedy(split, prompts, 30)
+        assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+        accepted = [o.num_accepted_tokens for o in outputs]
+        assert accepted == [o.num_accepted_tokens for o in expected]
+        assert 0 < sum(accepted) < sum(o.num_draft_tokens for o in outputs)  # drafts kept and drafts rejected
+        assert split.scheduler.block_manager.num_free_blocks == split.kv_spec.num_blocks
+    finally:
+        split.close()
+
+
 def test_mamba_rows_and_kept_states_travel_to_the_ranks():
     shape = MambaStateShape(num_mamba_layers=1, conv_dim=8, conv_width=3, num_heads=2, head_dim=2, state_size=2)
     pool = MambaStatePool(shape, num_slots=5, max_positions_per_step=4)

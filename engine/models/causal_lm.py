@@ -101,6 +101,11 @@ class CausalLM:
     # Rank 0 of a tensor-parallel model (engine/tensor_parallel/driver.py): each forward's inputs go to the other
     # ranks first. None: the whole model is here (or this is one of the other ranks).
     tp_driver = None
+    # A tensor-parallel rank's model (any rank): its Shard, the group its sums go over, and the whole model's arch
+    # (what a draft head's checkpoint tensors are cut by: engine/tensor_parallel/draft.py). None when whole.
+    tp_shard = None
+    tp_group = None
+    unsplit_arch = None
 
     def __init__(self, arch, dtype: torch.dtype, deterministic: bool, embed_tokens: torch.Tensor,
                  lm_head: torch.Tensor):
@@ -139,6 +144,7 @@ class CausalLM:
         model = cls.build_with_head(model_dir, shard_arch(arch, shard.world_size), weights, dtype, max_positions,
                                     deterministic)
         split_rows(model, group)
+        model.tp_shard, model.tp_group, model.unsplit_arch = shard, group, arch
         return model
 
     @classmethod

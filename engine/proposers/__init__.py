@@ -14,10 +14,11 @@ from pdcluster.engine.models.eagle3 import Eagle3Head, is_eagle3_weights
 from pdcluster.engine.models.mtp import (DRAFT_VOCAB_SIZE, MTPHead, latent_attention_refusal, random_mtp_weights,
                                          uses_own_mtp_layers)
 from pdcluster.engine.models.nemotron_blocks import ATTENTION
-from pdcluster.engine.models.nemotron_mtp import NemotronMTP, is_own_mtp_weights
+from pdcluster.engine.models.nemotron_mtp import is_own_mtp_weights
 from pdcluster.engine.proposers.base import ProposeBatch, Proposer
 from pdcluster.engine.proposers.mtp import MTPProposer
 from pdcluster.engine.proposers.ngram import NgramProposer
+from pdcluster.engine.tensor_parallel.draft import own_mtp_head
 
 __all__ = ["ProposeBatch", "Proposer", "make_proposer", "num_draft_layers"]
 
@@ -44,8 +45,8 @@ def make_proposer(config: EngineConfig, model, kv_cache: torch.Tensor, mtp_weigh
     if config.spec_method == "ngram":
         return NgramProposer(config.ngram_min, config.ngram_max)
     if config.spec_method == "mtp":
-        if mtp_weights is not None and is_own_mtp_weights(mtp_weights):
-            return MTPProposer(NemotronMTP(model, mtp_weights), kv_cache, config.block_size)
+        if mtp_weights is not None and is_own_mtp_weights(mtp_weights):  # sliced where the model is split
+            return MTPProposer(own_mtp_head(model, mtp_weights), kv_cache, config.block_size)
         # Drafts over the first DRAFT_VOCAB_SIZE ids on a CPU, where the lm_head is most of a draft step; on a GPU
         # the whole vocabulary (a Llama 3's common tokens lie far past 16k, and its lm_head costs a draft little).
         draft_vocab = DRAFT_VOCAB_SIZE if kv_cache.device.type == "cpu" else model.arch.vocab_size

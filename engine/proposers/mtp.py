@@ -48,6 +48,11 @@ class MTPProposer(Proposer):
         self.device = kv_cache.device
         self.block_size = block_size
         self.scale = head.target.scale
+        # A split model (engine/tensor_parallel/draft.py): each MTP forward goes to the other ranks first, naming
+        # the rows of their own hidden states it reads (only a NemotronH's own MTP step splits).
+        self.mirror = head.target.tp_driver
+        if self.mirror is not None and self._target_hidden is not None:
+            raise ValueError("an EAGLE-3 draft does not run on a split model")
 
     def _slots(self, states, idx: np.ndarray, positions: np.ndarray) -> np.ndarray:
         block_col = positions // self.block_size
@@ -101,6 +106,8 @@ class MTPProposer(Proposer):
         rows_t = self._t(hidden_rows)
         take = self._target_hidden
         hidden = batch.hidden_states[rows_t] if take is None else take(batch.hidden_states, rows_t)
+        if self.mirror is not None:
+            self.mirror.draft_forward(True, hidden_rows, next_ids, positions, meta)
         g = self.head.forward(hidden, self._t(next_ids), self._t(positions), self.layer_cache, meta)
 
         # ---- chain: k drafts per proposing row ---------------------------------------------------
@@ -108,7 +115,8 @@ class MTPProposer(Proposer):
         live = np.flatnonzero(k_rows > 0)  # indices into `rows`
         if live.size == 0:
             return drafts
-        g = g[self._t(qsl[1:][live] - 1)]
+        g_rows = qsl[1:][live] - 1  # which rows of the last MTP forward's output g holds (for the other ranks)
+        g = g[self._t(g_rows)]
         pos = seq_lens[live] - 1  # p0: the last verified position
         tokens = self.head.draft_tokens(g)
         for r, t in zip(live, tokens.tolist()):
@@ -119,10 +127,14 @@ class MTPProposer(Proposer):
                 break
             keep_t = self._t(keep)
             live, pos, g, tokens = live[keep], pos[keep] + 1, g[keep_t], tokens[keep_t]
+            g_rows = g_rows[keep]
             idx_live = idx[live]
             ones = np.arange(len(live) + 1, dtype=np.int64)
             meta = self._meta(st, idx_live, self._slots(st, idx_live, pos), pos + 1, ones, 1)
+            if self.mirror is not None:
+                self.mirror.draft_forward(False, g_rows, tokens.cpu().numpy(), pos, meta)
             g = self.head.forward(g, tokens, self._t(pos), self.layer_cache, meta)
+            g_rows = np.arange(len(live))
             tokens = self.head.draft_tokens(g)
             for r, t in zip(live, tokens.tolist()):
                 drafts[rows[r]].append(t)

@@ -22,8 +22,8 @@ import torch
 from pdcluster.engine.config import ConfigError, EngineConfig
 from pdcluster.engine.kv_cache import KVCacheSpec
 from pdcluster.engine.tensor_parallel.group import TPGroup, open_store
-from pdcluster.engine.tensor_parallel.messages import (AllocateCache, Forward, KeepStates, Stop, WorkerSpec,
-                                                       decode_status, encode)
+from pdcluster.engine.tensor_parallel.messages import (AllocateCache, DraftForward, Forward, KeepStates, Stop,
+                                                       WorkerSpec, decode_status, encode)
 from pdcluster.engine.tensor_parallel.shared_cache import create_shared_cache
 from pdcluster.engine.tensor_parallel.shm_allreduce import create_segment, remove_segment
 from pdcluster.engine.tensor_parallel.worker import worker_main
@@ -41,9 +41,6 @@ def check_engine_config(config: EngineConfig) -> EngineConfig:
     n = config.tensor_parallel_size
     if n == 1:
         return config
-    if config.spec_method not in ("none", "ngram"):
-        raise ConfigError(f"tensor_parallel_size {n}: speculative decoding by {config.spec_method} runs a draft model, "
-                          "which does not split yet; use n-gram speculation or --tensor-parallel-size 1")
     if config.lora_modules or config.enable_lora:
         raise ConfigError(f"tensor_parallel_size {n}: LoRA adapters are not sharded yet; serve them with "
                           "--tensor-parallel-size 1")
@@ -64,6 +61,21 @@ def check_engine_config(config: EngineConfig) -> EngineConfig:
         cores = len(_cores())
         config = replace(config, num_threads=max(1, cores // n))
     return config
+
+
+def check_speculation(config: EngineConfig, arch) -> bool:
+    """Whether a split engine drafts with its checkpoint's own MTP layers (NemotronH: they split with the model,
+    engine/tensor_parallel/draft.py); ConfigError for any other draft model (ours, EAGLE's): those do not split yet."""
+    from pdcluster.engine.models.mtp import uses_own_mtp_layers
+
+    if config.spec_method != "mtp":
+        return False
+    if not hasattr(arch, "mamba_num_heads") or not uses_own_mtp_layers(config.mtp_checkpoint, arch):
+        raise ConfigError(f"tensor_parallel_size {config.tensor_parallel_size}: MTP speculation on a split model "
+                          "drafts with a NemotronH checkpoint's own MTP layers only; this draft model "
+                          f"({config.mtp_checkpoint or 'our MTP head'}) does not split yet: use n-gram speculation or "
+                          "--tensor-parallel-size 1")
+    return True
 
 
 def check_shared_caches(config: EngineConfig) -> None:
@@ -95,8 +107,9 @@ class TensorParallelDriver:
 
     @classmethod
     def start(cls, config: EngineConfig, model_dir: str, dtype_name: str, max_positions: int, max_model_len: int,
-              deterministic: bool) -> "TensorParallelDriver":
-        """Spawns ranks 1 .. n-1 (each starts loading its slice at once) and joins their group as rank 0."""
+              deterministic: bool, own_mtp: bool = False) -> "TensorParallelDriver":
+        """Spawns ranks 1 .. n-1 (each starts loading its slice at once) and joins their group as rank 0.
+        ``own_mtp``: speculation by the checkpoint's own MTP layers, which every rank then loads its slice of."""
         n = config.tensor_parallel_size
         on_gpu = config.device == "cuda"
         store = open_store(n) if on_gpu else None
@@ -106,7 +119,7 @@ class TensorParallelDriver:
         for rank in range(1, n):
             device = f"cuda:{rank}" if on_gpu else config.device
             spec = WorkerSpec(rank, n, store.port if on_gpu else 0, shm_path, str(model_dir), dtype_name,
-                              max_positions, max_model_len, device, deterministic, config.num_threads)
+                              max_positions, max_model_len, device, deterministic, config.num_threads, own_mtp)
             ours, theirs = ctx.Pipe()
             process = ctx.Process(target=worker_main, args=(theirs, spec), name=f"pdcluster-tp{rank}", daemon=True)
             process.start()
@@ -170,6 +183,10 @@ class TensorParallelDriver:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> None:
         """Hands a forward's inputs to the other ranks, which start it at once (rank 0 runs its own next)."""
         self._send(Forward(input_ids, positions, meta))
+
+    def draft_forward(self, from_target: bool, rows_np, next_token_ids_np, positions_np, meta) -> None:
+        """Hands the other ranks one forward of the model's own MTP step (engine/tensor_parallel/draft.py)."""
+        self._send(DraftForward(from_target, rows_np, next_token_ids_np, positions_np, meta))
 
     def keep_states(self, slots_np, position_index_np) -> None:
         """A hybrid's verification rows keep these per-position Mamba states on every rank (MambaStatePool.select

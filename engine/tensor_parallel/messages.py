@@ -34,6 +34,8 @@ class WorkerSpec:
     device: str
     deterministic: bool
     num_threads: int
+    # Speculation by the checkpoint's own MTP layers (NemotronH): the rank loads its slice of them too.
+    own_mtp: bool = False
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,18 @@ class Forward:
 
 
 @dataclass(frozen=True)
+class DraftForward:
+    """One forward of the model's own MTP step (engine/tensor_parallel/draft.py): its input hidden states are rows
+    ``rows_np`` of the rank's own last target forward (``from_target``) or of its last MTP forward."""
+
+    from_target: bool
+    rows_np: np.ndarray  # int64
+    next_token_ids_np: np.ndarray  # int64, one per row
+    positions_np: np.ndarray  # int64, one per row
+    meta: AttentionMetadata
+
+
+@dataclass(frozen=True)
 class KeepStates:
     """A hybrid's verification rows keep the Mamba state after input position ``position_index_np[i]`` in slot
     ``slots_np[i]`` (MambaStatePool.select), on every rank as on rank 0, between the same two forwards."""
@@ -68,9 +82,13 @@ class Stop:
 
 # ---- rank 0 -> the others -------------------------------------------------------------------------------------
 
-def encode(message: AllocateCache | Forward | KeepStates | Stop) -> bytes:
+def encode(message: AllocateCache | Forward | DraftForward | KeepStates | Stop) -> bytes:
     if isinstance(message, Forward):
         body = {"kind": "forward", "input_ids": _tensor(message.input_ids), "positions": _tensor(message.positions),
+                "meta": _meta(message.meta)}
+    elif isinstance(message, DraftForward):
+        body = {"kind": "draft_forward", "from_target": bool(message.from_target), "rows": _array(message.rows_np),
+                "next_token_ids": _array(message.next_token_ids_np), "positions": _array(message.positions_np),
                 "meta": _meta(message.meta)}
     elif isinstance(message, KeepStates):
         body = {"kind": "keep_states", "slots": _array(message.slots_np),
@@ -86,7 +104,7 @@ def encode(message: AllocateCache | Forward | KeepStates | Stop) -> bytes:
     return msgpack.packb(body, use_bin_type=True)
 
 
-def decode(payload: bytes) -> AllocateCache | Forward | KeepStates | Stop:
+def decode(payload: bytes) -> AllocateCache | Forward | DraftForward | KeepStates | Stop:
     """ValueError for anything not encode's."""
     try:
         body = msgpack.unpackb(payload, raw=False)
@@ -94,6 +112,10 @@ def decode(payload: bytes) -> AllocateCache | Forward | KeepStates | Stop:
         if kind == "forward":
             meta, pool_size = _unmeta(body["meta"])
             return Forward(_untensor(body["input_ids"]), _untensor(body["positions"]), meta, pool_size)
+        if kind == "draft_forward":
+            meta, _ = _unmeta(body["meta"])
+            return DraftForward(bool(body["from_target"]), _unarray(body["rows"]), _unarray(body["next_token_ids"]),
+                                _unarray(body["positions"]), meta)
         if kind == "keep_states":
             return KeepStates(_unarray(body["slots"]), _unarray(body["positions"]))
         if kind == "allocate":

@@ -32,9 +32,9 @@ def check_hybrid_shardable(arch, world_size: int) -> None:
     """ValueError naming why a NemotronH (or Granite 4.0 hybrid) model does not split ``world_size`` ways."""
     counts = [("Mamba heads (mamba_num_heads)", arch.mamba_num_heads),
               ("Mamba groups (n_groups; each rank's heads must be whole groups: its gated norm's)", arch.n_groups)]
-    if arch.num_layers:
+    if arch.num_layers or "*" in arch.mtp_layer_types:
         counts += [("attention heads", arch.num_heads), ("KV heads", arch.num_kv_heads)]
-    if "-" in arch.layer_types:
+    if "-" in arch.layer_types + arch.mtp_layer_types:
         counts.append(("MLP intermediate_size", arch.intermediate_size))
     granite = arch.granite
     if granite is not None:
@@ -68,7 +68,7 @@ def shard_hybrid_arch(arch, world_size: int):
                    routed_experts=moe, granite=granite)
 
 
-_PREFIXES = ("backbone.layers.", "model.layers.")
+_PREFIXES = ("backbone.layers.", "model.layers.", "mtp.layers.")  # the model's blocks; its own MTP step's
 
 
 def shard_hybrid_tensor(name: str, t: torch.Tensor, arch, shard: Shard) -> torch.Tensor:
@@ -82,8 +82,8 @@ def shard_hybrid_tensor(name: str, t: torch.Tensor, arch, shard: Shard) -> torch
         return t  # the embedding, the final norm, the LM head; mtp.* (not loaded with the model)
     layer, _, leaf = name[len(prefix):].partition(".")
     if not leaf.startswith("mixer."):
-        return t  # the block's own norm (the mixer's gated norm is mixer.norm.weight)
-    kind = arch.layer_types[int(layer)]
+        return t  # the block's own norm (the mixer's gated norm is mixer.norm.weight); an MTP step's eh_proj, norms
+    kind = (arch.mtp_layer_types if prefix == "mtp.layers." else arch.layer_types)[int(layer)]
     leaf = leaf.removeprefix("mixer.")
     if kind == "M":
         cut = _mamba(leaf, t, arch, shard)
@@ -182,7 +182,12 @@ def _rows(part: slice, width: int) -> slice:
 def split_hybrid_rows(model, group) -> None:
     """Makes each block's output projection of a sharded NemotronH model row-parallel over ``group``: Mamba's
     out_proj, attention's o_proj, the MLP's down_proj, a MoE layer's whole output."""
-    for block in model.layers:
+    split_hybrid_blocks(model.layers, group)
+
+
+def split_hybrid_blocks(blocks, group) -> None:
+    """split_hybrid_rows over a list of blocks (the model's, or its own MTP step's: engine/tensor_parallel/draft.py)."""
+    for block in blocks:
         mixer = block.mixer
         if block.kind == "M":
             mixer.out_proj = RowParallelLinear(mixer.out_proj, group)

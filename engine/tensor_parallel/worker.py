@@ -13,8 +13,8 @@ from multiprocessing.reduction import recv_handle
 
 import torch
 
-from pdcluster.engine.tensor_parallel.messages import (AllocateCache, Forward, KeepStates, Stop, WorkerSpec, decode,
-                                                       encode_status, on_device)
+from pdcluster.engine.tensor_parallel.messages import (AllocateCache, DraftForward, Forward, KeepStates, Stop,
+                                                       WorkerSpec, decode, encode_status, on_device)
 
 
 def worker_main(conn, spec: WorkerSpec) -> None:
@@ -65,6 +65,7 @@ def _serve(conn, spec: WorkerSpec) -> None:
         model = load_model(spec.model_dir, DTYPES[spec.dtype_name], spec.max_positions, device,
                            deterministic=spec.deterministic, max_model_len=spec.max_model_len,
                            shard=Shard(spec.rank, spec.world_size), group=group)
+    draft = _RankDraft(model, spec) if spec.own_mtp else None
     model.lm_head = None  # rank 0 alone computes logits (a tied head is the embedding, still held)
     conn.send_bytes(encode_status("loaded"))
     message = decode(conn.recv_bytes())
@@ -78,6 +79,7 @@ def _serve(conn, spec: WorkerSpec) -> None:
         kv_cache = allocate_kv_cache(message.kv_spec, device)
     conn.send_bytes(encode_status("ready"))
     states = _RankStates(model, device)
+    last_hidden = None  # the last target forward's (the model's own MTP step reads rows of it)
     while True:
         message = decode(conn.recv_bytes())
         if isinstance(message, Stop):
@@ -85,13 +87,42 @@ def _serve(conn, spec: WorkerSpec) -> None:
         if isinstance(message, KeepStates):
             states.pool.select(message.slots_np, message.position_index_np)
             continue
+        if isinstance(message, DraftForward):
+            if draft is None:
+                raise RuntimeError("an MTP forward reached a rank that loaded no MTP layers")
+            with torch.inference_mode():
+                draft.forward(message, kv_cache, last_hidden)
+            continue
         if not isinstance(message, Forward):
             raise RuntimeError(f"unexpected message {type(message).__name__}")
         meta = on_device(message.meta, device)
         if meta.mamba is not None:
             meta = replace(meta, mamba=replace(meta.mamba, pool=states.pool_of(message.mamba_pool_size)))
         with torch.inference_mode():
-            model.forward(message.input_ids.to(device), message.positions.to(device), kv_cache, meta)
+            last_hidden = model.forward(message.input_ids.to(device), message.positions.to(device), kv_cache, meta)
+
+
+class _RankDraft:
+    """This rank's slice of the model's own MTP step and the hidden states of its last MTP forward."""
+
+    def __init__(self, model, spec: WorkerSpec) -> None:
+        from pdcluster.engine.models.nemotron_mtp import load_own_mtp_weights
+        from pdcluster.engine.tensor_parallel.draft import own_mtp_head
+
+        self.device = model.device
+        self.head = own_mtp_head(model, load_own_mtp_weights(spec.model_dir))
+        self.first_layer = model.arch.num_layers  # the draft layers sit right after the target's
+        self.last_g: torch.Tensor | None = None
+
+    def forward(self, message: DraftForward, kv_cache: torch.Tensor, target_hidden: torch.Tensor | None) -> None:
+        source = target_hidden if message.from_target else self.last_g
+        if source is None:
+            raise RuntimeError("an MTP forward came before the forward its hidden states are from")
+        rows = torch.from_numpy(message.rows_np).to(self.device)
+        self.last_g = self.head.forward(source[rows], torch.from_numpy(message.next_token_ids_np).to(self.device),
+                                        torch.from_numpy(message.positions_np).to(self.device),
+                                        self.head.draft_cache(kv_cache, self.first_layer),
+                                        on_device(message.meta, self.device))
 
 
 class _RankStates:
