@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from pdcluster.engine.config import ConfigError, EngineConfig
+from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.kv_budget import CPU_DEFAULT_GIB, cuda_kv_pool_bytes
 from pdcluster.engine.kv_cache import KVCacheSpec, allocate_kv_cache, kv_cache_dtype, kv_planes, num_blocks_for_budget
 from pdcluster.engine.linear import DeterministicUnavailable, check_deterministic_available
@@ -89,12 +89,6 @@ class LoadedModel:
         if hybrid and config.offload_config().enabled:
             raise ValueError(f"kv_offload_*: model {config.model} is a hybrid (Mamba): it has no prefix cache (no "
                              "recurrent state at block boundaries), so nothing to offload; drop the --kv-offload-* flags")
-        if hybrid and share_rank_caches:
-            # The prompt's Mamba state travels in state blocks rank 0 packs from its own pool
-            # (engine/mamba_state_blocks.py): the other ranks' heads' states would stay behind.
-            raise ConfigError(f"tensor_parallel_size {config.tensor_parallel_size}: a hybrid (Mamba) model split "
-                              "over ranks serves colocated; its state does not move between split workers yet "
-                              "(serve it with --mode colocated, or disaggregated with --tensor-parallel-size 1)")
         if hybrid and config.enable_prefix_caching:
             # A cached block holds KV but no Mamba state for its boundary: a hit would resume the
             # recurrence from nothing. Hybrids compute every prompt (vLLM's default for Mamba too).

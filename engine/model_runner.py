@@ -242,14 +242,26 @@ class ModelRunner:
                                "without a transferred state")
         blocks = state_block_ids(s.block_ids, s.num_prompt_tokens, self.block_size, self.num_state_blocks)
         unpack_state(self.kv_cache, blocks, self.mamba_pool, idx)
+        if self.model.tp_driver is not None:  # the other ranks' heads' states came in their own caches' blocks
+            self.model.tp_driver.unpack_states(np.array([idx], dtype=np.int64), np.array([blocks], dtype=np.int64),
+                                               self._pool_size())
 
     def _pack_states(self, state: ExecuteModelState, sampled: list[list[int]]) -> None:
         """Producer: the state of every prompt finished this step goes into its state blocks, after the
         proposer and before post_forward sends them (S2)."""
+        slots, all_blocks = [], []
         for i, s in enumerate(state.scheduler_output.scheduled):
             if sampled[i]:
                 blocks = state_block_ids(s.block_ids, s.num_prompt_tokens, self.block_size, self.num_state_blocks_out)
                 pack_state(self.mamba_pool, int(state.idx_mapping_np[i]), self.kv_cache, blocks)
+                slots.append(int(state.idx_mapping_np[i]))
+                all_blocks.append(blocks)
+        if slots and self.model.tp_driver is not None:  # each rank packs its heads' states into its own cache
+            self.model.tp_driver.pack_states(np.array(slots, dtype=np.int64), np.array(all_blocks, dtype=np.int64),
+                                             self._pool_size())
+
+    def _pool_size(self) -> tuple[int, int]:
+        return self.mamba_pool.num_slots, self.mamba_pool.max_positions_per_step
 
     def _add_request_extras(self, s, idx: int) -> None:
         """Per-request state beside the token arrays: the client's prompt length (penalties), the

@@ -18,10 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import OracleProposer, engine_config, make_engine
+from conftest import OracleProposer, engine_config, make_engine, usable_transports
+from test_kv_transfer_e2e import Events, _collect_tokens, _wait_free, connected_pair
 from pdcluster.engine.attention import AttentionMetadata
-from pdcluster.engine.config import ConfigError
-from pdcluster.engine.loaded_model import LoadedModel
 from pdcluster.engine.mamba_state import MambaMetadata, MambaStatePool, MambaStateShape
 from pdcluster.engine.models.architectures import arch_from_dir
 from pdcluster.engine.models.random_weights import redraw_nemotron_h
@@ -29,6 +28,7 @@ from pdcluster.engine.models.registry import resolve_model
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.engine.tensor_parallel.messages import Forward, KeepStates, decode, encode
 from pdcluster.engine.tensor_parallel.shard import Shard, check_shardable, shard_arch, shard_tensor
+from pdcluster.kv_transfer.config import TransferConfig
 
 transformers = pytest.importorskip("transformers")
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread_per_module")]
@@ -209,8 +209,26 @@ def test_what_does_not_split_is_refused_naming_the_count(changes, words):
         check_shardable(NemotronHModel, arch, 2)
 
 
-def test_a_split_hybrid_is_not_offered_to_a_kv_transport():
-    """Its Mamba state travels in state blocks rank 0 packs from its own heads' state: refused before any rank starts."""
-    with pytest.raises(ConfigError, match="a hybrid \\(Mamba\\) model split over ranks serves colocated"):
-        LoadedModel.load(engine_config("tiny-hybrid", tensor_parallel_size=2), progress=False,
-                         share_rank_caches=True)
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("transport", [t for t in ("tcp", "shm") if t in usable_transports()])
+def test_split_hybrid_workers_move_each_ranks_state_and_mtp_kv(hidden_driven_mtp_dir, transport):
+    """A prefill and a decode worker, each tiny-hybrid-moe split over two ranks with its own MTP step: each rank packs
+    its heads' Mamba state into its own cache's state blocks (MoveStates, rank 0 waiting for all before post_forward
+    sends), the transport moves every rank's attention, MTP-layer and state blocks to the same rank, and each decode
+    rank unpacks its heads' state. Tokens equal the unsplit colocated engine's."""
+    prompts = [[100 + (5 * i + 7 * j) % 300 for j in range(n)] for i, n in enumerate([4, 17, 40, 70])]
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0)
+    common = dict(dtype="float32", max_model_len=256, num_kv_blocks=96, block_size=16, prefill_chunk_size=16,
+                  spec_method="mtp", num_spec_tokens=2, mtp_checkpoint="")
+    expected = [o.token_ids for o in make_engine(str(hidden_driven_mtp_dir), **common).generate(prompts, params)]
+    events = Events()
+    cfg = engine_config(str(hidden_driven_mtp_dir), tensor_parallel_size=2, **common)
+    with connected_pair(cfg, TransferConfig(transport=transport, secret="s3cret"), events) as (p, d):
+        assert d.engine.runner.num_state_blocks > 0
+        ids = [f"r{i}" for i in range(len(prompts))]
+        for rid, prompt in zip(ids, prompts):
+            d.submit(rid, prompt, params, "p0")
+        tokens = _collect_tokens(events, ids)
+        assert [tokens[rid] for rid in ids] == expected
+        for worker in (p, d):
+            _wait_free(worker, 96, 5)

@@ -5,7 +5,8 @@ Everything else stays on rank 0: the scheduler, sampling, logits, the API. The o
 block for block (the same block tables reach every rank with each forward), so nothing outside a forward touches the
 cache but a KV transport, which reaches the other ranks' caches through shared memory on CPUs (shared_cache.py,
 kv_transfer/transports/ranked.py). A hybrid's Mamba state is each rank's own (its heads'), advanced by the forwards
-and by the verification rows' choice of state (``keep_states``); it is not moved between split workers."""
+and by the verification rows' choice of state (``keep_states``), and carried through a KV transport in each rank's
+own state blocks (``pack_states`` / ``unpack_states``)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ import torch
 from pdcluster.engine.config import ConfigError, EngineConfig
 from pdcluster.engine.kv_cache import KVCacheSpec
 from pdcluster.engine.tensor_parallel.group import TPGroup, open_store
-from pdcluster.engine.tensor_parallel.messages import (AllocateCache, DraftForward, Forward, KeepStates, Stop,
-                                                       WorkerSpec, decode_status, encode)
+from pdcluster.engine.tensor_parallel.messages import (AllocateCache, DraftForward, Forward, KeepStates, MoveStates,
+                                                       Stop, WorkerSpec, decode_status, encode)
 from pdcluster.engine.tensor_parallel.shared_cache import create_shared_cache
 from pdcluster.engine.tensor_parallel.shm_allreduce import create_segment, remove_segment
 from pdcluster.engine.tensor_parallel.worker import worker_main
@@ -187,6 +188,17 @@ class TensorParallelDriver:
     def draft_forward(self, from_target: bool, rows_np, next_token_ids_np, positions_np, meta) -> None:
         """Hands the other ranks one forward of the model's own MTP step (engine/tensor_parallel/draft.py)."""
         self._send(DraftForward(from_target, rows_np, next_token_ids_np, positions_np, meta))
+
+    def pack_states(self, slots_np, block_ids_np, pool_size: tuple[int, int]) -> None:
+        """Every other rank packs its heads' state of each slot into its own cache's state blocks; returns once all
+        have (one all-reduce they join after packing), so a KV transport may send the blocks."""
+        self._send(MoveStates(True, slots_np, block_ids_np, pool_size))
+        self.group.all_reduce_(torch.zeros(1, device=self.group.device))
+
+    def unpack_states(self, slots_np, block_ids_np, pool_size: tuple[int, int]) -> None:
+        """Every other rank reads a transferred state from its own cache's state blocks into each slot (before the
+        next forward, which may write KV into those blocks: the pipe keeps the order)."""
+        self._send(MoveStates(False, slots_np, block_ids_np, pool_size))
 
     def keep_states(self, slots_np, position_index_np) -> None:
         """A hybrid's verification rows keep these per-position Mamba states on every rank (MambaStatePool.select

@@ -67,6 +67,19 @@ class DraftForward:
 
 
 @dataclass(frozen=True)
+class MoveStates:
+    """A split hybrid on a KV transport (engine/mamba_state_blocks.py): each rank packs its heads' Mamba state of slot
+    ``slots_np[i]`` into the state blocks ``block_ids_np[i]`` of its own cache (``pack``, a prefill worker's finished
+    prompts; rank 0 then waits for every rank in one all-reduce before the blocks are sent), or unpacks a transferred
+    state from them into the slot (a decode worker's request starting)."""
+
+    pack: bool
+    slots_np: np.ndarray  # int64 [n]
+    block_ids_np: np.ndarray  # int64 [n, num_state_blocks]
+    pool_size: tuple[int, int]  # rank 0's pool (Forward.mamba_pool_size)
+
+
+@dataclass(frozen=True)
 class KeepStates:
     """A hybrid's verification rows keep the Mamba state after input position ``position_index_np[i]`` in slot
     ``slots_np[i]`` (MambaStatePool.select), on every rank as on rank 0, between the same two forwards."""
@@ -82,7 +95,7 @@ class Stop:
 
 # ---- rank 0 -> the others -------------------------------------------------------------------------------------
 
-def encode(message: AllocateCache | Forward | DraftForward | KeepStates | Stop) -> bytes:
+def encode(message: AllocateCache | Forward | DraftForward | MoveStates | KeepStates | Stop) -> bytes:
     if isinstance(message, Forward):
         body = {"kind": "forward", "input_ids": _tensor(message.input_ids), "positions": _tensor(message.positions),
                 "meta": _meta(message.meta)}
@@ -90,6 +103,9 @@ def encode(message: AllocateCache | Forward | DraftForward | KeepStates | Stop) 
         body = {"kind": "draft_forward", "from_target": bool(message.from_target), "rows": _array(message.rows_np),
                 "next_token_ids": _array(message.next_token_ids_np), "positions": _array(message.positions_np),
                 "meta": _meta(message.meta)}
+    elif isinstance(message, MoveStates):
+        body = {"kind": "move_states", "pack": bool(message.pack), "slots": _array(message.slots_np),
+                "block_ids": _array(message.block_ids_np), "pool_size": list(message.pool_size)}
     elif isinstance(message, KeepStates):
         body = {"kind": "keep_states", "slots": _array(message.slots_np),
                 "positions": _array(message.position_index_np)}
@@ -104,7 +120,7 @@ def encode(message: AllocateCache | Forward | DraftForward | KeepStates | Stop) 
     return msgpack.packb(body, use_bin_type=True)
 
 
-def decode(payload: bytes) -> AllocateCache | Forward | DraftForward | KeepStates | Stop:
+def decode(payload: bytes) -> AllocateCache | Forward | DraftForward | MoveStates | KeepStates | Stop:
     """ValueError for anything not encode's."""
     try:
         body = msgpack.unpackb(payload, raw=False)
@@ -116,6 +132,10 @@ def decode(payload: bytes) -> AllocateCache | Forward | DraftForward | KeepState
             meta, _ = _unmeta(body["meta"])
             return DraftForward(bool(body["from_target"]), _unarray(body["rows"]), _unarray(body["next_token_ids"]),
                                 _unarray(body["positions"]), meta)
+        if kind == "move_states":
+            slots, positions = body["pool_size"]
+            return MoveStates(bool(body["pack"]), _unarray(body["slots"]), _unarray(body["block_ids"]),
+                              (int(slots), int(positions)))
         if kind == "keep_states":
             return KeepStates(_unarray(body["slots"]), _unarray(body["positions"]))
         if kind == "allocate":

@@ -13,8 +13,8 @@ from multiprocessing.reduction import recv_handle
 
 import torch
 
-from pdcluster.engine.tensor_parallel.messages import (AllocateCache, DraftForward, Forward, KeepStates, Stop,
-                                                       WorkerSpec, decode, encode_status, on_device)
+from pdcluster.engine.tensor_parallel.messages import (AllocateCache, DraftForward, Forward, KeepStates, MoveStates,
+                                                       Stop, WorkerSpec, decode, encode_status, on_device)
 
 
 def worker_main(conn, spec: WorkerSpec) -> None:
@@ -87,6 +87,11 @@ def _serve(conn, spec: WorkerSpec) -> None:
         if isinstance(message, KeepStates):
             states.pool.select(message.slots_np, message.position_index_np)
             continue
+        if isinstance(message, MoveStates):
+            states.move(message, kv_cache)
+            if message.pack:  # rank 0 sends the blocks once every rank has packed (TensorParallelDriver.pack_states)
+                group.all_reduce_(torch.zeros(1, device=device))
+            continue
         if isinstance(message, DraftForward):
             if draft is None:
                 raise RuntimeError("an MTP forward reached a rank that loaded no MTP layers")
@@ -144,3 +149,15 @@ class _RankStates:
             raise RuntimeError(f"rank 0's Mamba state pool changed size: {size}, this rank's is "
                                f"{(self.pool.num_slots, self.pool.max_positions_per_step)}")
         return self.pool
+
+    def move(self, message: MoveStates, kv_cache: torch.Tensor) -> None:
+        """Packs (or unpacks) each slot's state of this rank's heads into (from) its own cache's state blocks."""
+        from pdcluster.engine.mamba_state_blocks import pack_state, unpack_state
+
+        pool = self.pool_of(message.pool_size)
+        with torch.inference_mode():
+            for slot, block_ids in zip(message.slots_np.tolist(), message.block_ids_np.tolist()):
+                if message.pack:
+                    pack_state(pool, slot, kv_cache, block_ids)
+                else:
+                    unpack_state(kv_cache, block_ids, pool, slot)
