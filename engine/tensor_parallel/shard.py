@@ -44,10 +44,9 @@ def check_shardable(model_class: type, arch, world_size: int) -> None:
                          f"hybrids; {name} runs "
                          "with --tensor-parallel-size 1")
     moe = arch.moe
-    if arch.group_router is not None or (moe is not None and moe.layout not in SPLIT_MOE_LAYOUTS):
-        layout = moe.layout if moe is not None else "glm4_moe"
-        raise ValueError(f"tensor_parallel_size {world_size}: this model's MoE layers ({layout}) do not split yet "
-                         "(Mixtral, Qwen2/3-MoE and GraniteMoe's do); run it with --tensor-parallel-size 1")
+    if moe is not None and moe.layout not in SPLIT_MOE_LAYOUTS:
+        raise ValueError(f"tensor_parallel_size {world_size}: this model's MoE layers ({moe.layout}) do not split "
+                         f"yet ({', '.join(SPLIT_MOE_LAYOUTS)} do); run it with --tensor-parallel-size 1")
     counts = [("attention heads", arch.num_heads), ("KV heads", arch.num_kv_heads),
               ("MLP intermediate_size", arch.intermediate_size)]
     if moe is not None:
@@ -60,9 +59,9 @@ def check_shardable(model_class: type, arch, world_size: int) -> None:
 
 
 # MoE layouts whose experts split (each expert's intermediate rows, as vLLM's tensor-parallel MoE): the router stays
-# whole, so every rank routes a token to the same experts and the layer's output is a sum like a dense MLP's. gpt-oss
-# (expert biases), Llama 4 (experts stacked [E, in, out]) and GLM-4.5 (its own MoE module) do not yet.
-SPLIT_MOE_LAYOUTS = ("qwen3", "qwen2_moe", "mixtral", "granitemoe")
+# whole, so every rank routes a token to the same experts and the layer's output is a sum like a dense MLP's (an
+# expert's down bias, gpt-oss's, added by rank 0 alone). Every layout engine/models/moe.py reads.
+SPLIT_MOE_LAYOUTS = ("qwen3", "qwen2_moe", "mixtral", "granitemoe", "gpt_oss", "llama4", "glm4_moe")
 
 
 def shard_arch(arch, world_size: int):
@@ -102,6 +101,10 @@ def shard_tensor(name: str, t: torch.Tensor, arch, shard: Shard) -> torch.Tensor
     q_rows = _rows(shard.part(num_heads), head_dim)
     kv_rows = _rows(shard.part(num_kv_heads), head_dim)
     leaf = name.split(".", 3)[3]  # model.layers.<i>.<leaf>
+    if leaf.startswith("feed_forward."):  # Llama 4's name for the MLP block (LlamaModel renames it after the cut)
+        leaf = "mlp." + leaf[len("feed_forward."):]
+    moe = arch.moe
+    in_out = moe is not None and moe.layout in ("gpt_oss", "llama4")  # transformers' [E, in, out] experts
     if leaf in ("self_attn.q_proj.weight", "self_attn.q_proj.bias"):
         t = t[q_rows]
     elif leaf in ("self_attn.k_proj.weight", "self_attn.k_proj.bias", "self_attn.v_proj.weight",
@@ -126,6 +129,20 @@ def shard_tensor(name: str, t: torch.Tensor, arch, shard: Shard) -> torch.Tensor
         if cut is t:
             return t
         t = cut
+    elif in_out and leaf == "mlp.experts.gate_up_proj":  # [E, H, 2I]
+        if moe.layout == "gpt_oss":  # gate and up columns interleaved: this rank's (gate, up) pairs lie side by side
+            part = shard.part(t.shape[2] // 2)
+            t = t[:, :, 2 * part.start : 2 * part.stop]
+        else:  # Llama 4: the gate columns, then the up columns
+            gate, up = t.chunk(2, dim=2)
+            t = torch.cat([gate[:, :, shard.part(gate.shape[2])], up[:, :, shard.part(up.shape[2])]], dim=2)
+    elif in_out and leaf == "mlp.experts.gate_up_proj_bias":  # gpt-oss's [E, 2I], interleaved as its weight
+        part = shard.part(t.shape[1] // 2)
+        t = t[:, 2 * part.start : 2 * part.stop]
+    elif in_out and leaf == "mlp.experts.down_proj":  # [E, I, H]
+        t = t[:, shard.part(t.shape[1])]
+    elif leaf == "mlp.experts.down_proj_bias":  # gpt-oss's [E, H], inside the MoE's one sum: rank 0 adds it
+        t = t if shard.rank == 0 else torch.zeros_like(t)
     elif _is_expert(leaf) and leaf.endswith(EXPERT_IN):  # an expert's (or the shared one's) [I, H]
         t = t[shard.part(t.shape[0])]
     elif _is_expert(leaf) and leaf.endswith(EXPERT_OUT):  # [H, I]
@@ -147,8 +164,9 @@ EXPERT_OUT = (".down_proj.weight", ".w2.weight")
 
 def _is_expert(leaf: str) -> bool:
     """A routed expert's or the shared expert's projection (Qwen's mlp.experts.<e>.*, mlp.shared_expert.*; Mixtral's
-    block_sparse_moe.experts.<e>.w1/w2/w3); the shared expert's gate [1, H] stays whole."""
-    return ".experts." in leaf or ".shared_expert." in leaf
+    block_sparse_moe.experts.<e>.w1/w2/w3; GLM-4.5's mlp.shared_experts.*; Llama 4's feed_forward.shared_expert.*); the
+    shared expert's gate [1, H] stays whole."""
+    return ".experts." in leaf or ".shared_expert." in leaf or ".shared_experts." in leaf
 
 
 def _rows(heads: slice, head_dim: int) -> slice:
