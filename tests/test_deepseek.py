@@ -197,6 +197,30 @@ def test_bf16_deterministic_batch_invariant(dirs, name):
     assert [_run(engine, [p])[0] for p in PROMPTS[:5]] == batched[:5]
 
 
+@pytest.mark.parametrize("name", ["v3", "v2"])
+def test_split_over_two_ranks_equals_transformers(dirs, reference, name):
+    """engine/tensor_parallel/shard.py's MLA split (vLLM's): each rank holds half the heads (q_b / q_proj and kv_b rows,
+    o_proj columns), the latent path whole, so each rank caches the whole latent its heads read; the dense MLP's and
+    every expert's rows split (shared experts too) under the router, whole on every rank."""
+    engine = _engine(dirs[name], tensor_parallel_size=2, prefill_chunk_size=16, max_num_batched_tokens=48)
+    try:
+        assert engine.model.arch.num_heads == 2 and engine.kv_spec.num_kv_heads == 1
+        assert engine.kv_spec.head_dim == WIDTH[name]  # the whole latent on each rank
+        assert _run(engine, PROMPTS) == reference[name]
+        assert engine.scheduler.block_manager.num_free_blocks == engine.kv_spec.num_blocks
+    finally:
+        engine.close()
+
+
+def test_split_disagg_pair_equals_transformers(dirs, reference):
+    """Both workers split over two ranks: each rank's cache holds the whole latent, and rank r's goes to rank r."""
+    cfg = engine_config(str(dirs["v3"]), dtype="float32", max_model_len=128, num_kv_blocks=128, block_size=16,
+                        tensor_parallel_size=2)
+    params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+    run = run_on_pair(cfg, TransferConfig(transport="tcp", secret="s3cret"), PROMPTS[:6], params, 128)
+    assert run.tokens == reference["v3"][:6]
+
+
 @pytest.mark.parametrize("transport", ["tcp", "shm", "ucx"])
 def test_disagg_equals_colocated(dirs, reference, transport):
     """The latent KV made by a prefill worker decodes to the same tokens on a decode worker: one plane a layer moved

@@ -29,6 +29,7 @@ def check_shardable(model_class: type, arch, world_size: int) -> None:
     """ValueError naming why a model does not split ``world_size`` ways (nothing for 1)."""
     if world_size == 1:
         return
+    from pdcluster.engine.models.deepseek import DeepseekModel
     from pdcluster.engine.models.gemma import GemmaModel
     from pdcluster.engine.models.llama import LlamaModel
     from pdcluster.engine.models.nemotron_h import NemotronHModel
@@ -38,17 +39,18 @@ def check_shardable(model_class: type, arch, world_size: int) -> None:
         from pdcluster.engine.tensor_parallel.shard_hybrid import check_hybrid_shardable
 
         return check_hybrid_shardable(arch, world_size)
-    if model_class not in (LlamaModel, GemmaModel):  # exact classes: a subclass may compute across heads
+    if model_class not in (LlamaModel, GemmaModel, DeepseekModel):  # exact: a subclass may compute across heads
         raise ValueError(f"tensor_parallel_size {world_size}: tensor parallelism splits the Llama family's models "
-                         f"(Llama, Mistral, Qwen2/3, Phi-3, Granite, Mixtral, Qwen-MoE, Gemma 2/3, ...) and NemotronH "
-                         f"hybrids; {name} runs "
+                         f"(Llama, Mistral, Qwen2/3, Phi-3, Granite, Mixtral, Qwen-MoE, Gemma 2/3, ...), DeepSeek and "
+                         f"NemotronH hybrids; {name} runs "
                          "with --tensor-parallel-size 1")
     moe = arch.moe
     if moe is not None and moe.layout not in SPLIT_MOE_LAYOUTS:
         raise ValueError(f"tensor_parallel_size {world_size}: this model's MoE layers ({moe.layout}) do not split "
                          f"yet ({', '.join(SPLIT_MOE_LAYOUTS)} do); run it with --tensor-parallel-size 1")
-    counts = [("attention heads", arch.num_heads), ("KV heads", arch.num_kv_heads),
-              ("MLP intermediate_size", arch.intermediate_size)]
+    counts = [("attention heads", arch.num_heads), ("MLP intermediate_size", arch.intermediate_size)]
+    if not _is_mla(arch):  # MLA's one latent "KV head" is every rank's whole (its heads all read it)
+        counts.append(("KV heads", arch.num_kv_heads))
     if moe is not None:
         counts += [("experts' moe_intermediate_size", moe.intermediate_size),
                    ("shared_expert_intermediate_size", moe.shared_expert_intermediate_size)]
@@ -76,7 +78,8 @@ def shard_arch(arch, world_size: int):
     if moe is not None:
         moe = replace(moe, intermediate_size=moe.intermediate_size // world_size,
                       shared_expert_intermediate_size=moe.shared_expert_intermediate_size // world_size)
-    return replace(arch, num_heads=arch.num_heads // world_size, num_kv_heads=arch.num_kv_heads // world_size,
+    kv_heads = arch.num_kv_heads if _is_mla(arch) else arch.num_kv_heads // world_size
+    return replace(arch, num_heads=arch.num_heads // world_size, num_kv_heads=kv_heads,
                    intermediate_size=arch.intermediate_size // world_size, moe=moe)
 
 
@@ -105,7 +108,12 @@ def shard_tensor(name: str, t: torch.Tensor, arch, shard: Shard) -> torch.Tensor
         leaf = "mlp." + leaf[len("feed_forward."):]
     moe = arch.moe
     in_out = moe is not None and moe.layout in ("gpt_oss", "llama4")  # transformers' [E, in, out] experts
-    if leaf in ("self_attn.q_proj.weight", "self_attn.q_proj.bias"):
+    if _is_mla(arch) and leaf.startswith("self_attn."):
+        cut = _mla_part(leaf, t, arch, shard)
+        if cut is t:
+            return t
+        t = cut
+    elif leaf in ("self_attn.q_proj.weight", "self_attn.q_proj.bias"):
         t = t[q_rows]
     elif leaf in ("self_attn.k_proj.weight", "self_attn.k_proj.bias", "self_attn.v_proj.weight",
                   "self_attn.v_proj.bias"):
@@ -211,6 +219,25 @@ class SummedMoe:
         return getattr(self.inner, name)
 
 
+def _is_mla(arch) -> bool:
+    """A DeepSeek arch (Multi-head Latent Attention, engine/models/deepseek.py)."""
+    return getattr(arch, "mla", None) is not None
+
+
+def _mla_part(leaf: str, t: torch.Tensor, arch, shard: Shard) -> torch.Tensor:
+    """This rank's heads of an MLA layer (vLLM's split): q_b_proj's (V2-Lite: q_proj's) and kv_b_proj's rows, o_proj's
+    columns. The latent path (q_a, kv_a_proj_with_mqa, their norms) is whole on every rank: each rank caches the whole
+    latent, which all its heads read."""
+    m, heads = arch.mla, shard.part(arch.num_heads)
+    if leaf in ("self_attn.q_b_proj.weight", "self_attn.q_proj.weight"):
+        return t[_rows(heads, m.qk_nope_head_dim + m.qk_rope_head_dim)]
+    if leaf == "self_attn.kv_b_proj.weight":
+        return t[_rows(heads, m.qk_nope_head_dim + m.v_head_dim)]
+    if leaf == "self_attn.o_proj.weight":
+        return t[:, _rows(heads, m.v_head_dim)]
+    return t
+
+
 def _is_hybrid(arch) -> bool:
     """A NemotronH arch (engine/tensor_parallel/shard_hybrid.py splits it), not a Llama-family ModelArch."""
     return hasattr(arch, "mamba_num_heads")
@@ -223,6 +250,10 @@ def split_rows(model, group) -> None:
 
         return split_hybrid_rows(model, group)
     for layer in model.layers:
+        if hasattr(layer, "attention"):  # DeepseekLayer: MLA, then a dense SwiGLU or the MoE, each one sum
+            layer.attention.o_proj = RowParallelLinear(layer.attention.o_proj, group)
+            layer.mlp = SummedMoe(layer.mlp, group)
+            continue
         layer.o_proj = RowParallelLinear(layer.o_proj, group)
         if layer.moe is not None:
             layer.moe = SummedMoe(layer.moe, group)
