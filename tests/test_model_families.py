@@ -1071,9 +1071,9 @@ def test_gemma3_lora_equals_peft(dirs, reference, tmp_path):
 
 TP_SPLITS = ["llama3", "qwen2-yarn", "mistral-linear", "qwen2-swa", "llama-bias", "phi3", "granite", "glm4", "cohere",
              "cohere2", "exaone4", "ministral3", "seed-oss", "smollm3", "mistral3", "qwen2.5-vl", "qwen3-vl", "mixtral",
-             "qwen2-moe", "granitemoe", "gemma2", "gemma3", "gpt-oss", "llama4", "glm4-moe"]
+             "qwen2-moe", "granitemoe", "gemma2", "gemma3", "gpt-oss", "llama4", "glm4-moe", "olmo2", "olmo3", "olmoe"]
 TP_QUICK = ("llama-bias", "phi3", "glm4", "cohere", "exaone4", "granite", "qwen3-vl", "mixtral", "qwen2-moe",
-            "gpt-oss", "llama4", "glm4-moe",
+            "gpt-oss", "llama4", "glm4-moe", "olmo2", "olmoe",
             "granitemoe", "gemma2", "gemma3")
 
 
@@ -1086,7 +1086,8 @@ def test_tensor_parallel_two_ranks_equal_transformers(dirs, reference, name):
     rows split (Mixtral's w1/w3/w2, Qwen2-MoE's experts and gated shared expert beside a dense layer, GraniteMoe's
     stacked experts, gpt-oss's [E, in, out] experts with interleaved gate/up columns and their biases (the down bias
     added once) beside per-head sinks, Llama 4's stacked experts and shared expert beside its dense layers,
-    GLM-4.5's experts and shared experts under its DeepSeek-V3 router), the router whole on every rank; Gemma 2 and 3
+    GLM-4.5's experts and shared experts under its DeepSeek-V3 router), the router whole on every rank; OLMo 2/3's
+    and OLMoE's q/k norms over all heads (each rank's channels, one all-reduce of the squares: SplitWidthNorm); Gemma 2 and 3
     (post-attention and post-feedforward norms on the sums, Gemma 3's per-head q/k norms, Gemma 2's score soft-cap per
     head, the final logit soft-cap)."""
     engine = _engine(dirs[name], tensor_parallel_size=2)
@@ -1097,7 +1098,3 @@ def test_tensor_parallel_two_ranks_equal_transformers(dirs, reference, name):
         engine.close()
 
 
-@pytest.mark.parametrize("name,words", [("olmo2", "OLMo 2"), ("olmo3", "OLMo 2")])
-def test_tensor_parallel_refuses_what_does_not_split(dirs, name, words):
-    with pytest.raises(ValueError, match=words):
-        _engine(dirs[name], tensor_parallel_size=2)

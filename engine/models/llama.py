@@ -116,6 +116,9 @@ class DecoderLayer:
 
     # False: the MLP runs over all of a step's tokens at once (LoRA: an adapter's rows index the whole step).
     chunked_mlp = True
+    # A q/k norm over all of a token's heads on a model split over ranks (OLMo 2): ``split_norm(heads, weight, eps)``
+    # sums the squares over the ranks (engine/tensor_parallel/shard.py SplitWidthNorm). None: computed here.
+    split_norm = None
 
     def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], prefix: str, deterministic: bool = False,
                  layer_index: int | None = None):
@@ -232,6 +235,8 @@ class DecoderLayer:
     def _head_norm(self, heads: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """[tokens, heads, head_dim] normalised over ``weight``'s width (one head, or all of a token's heads; Cohere:
         a LayerNorm per head with its own weights), as a new contiguous tensor."""
+        if self.split_norm is not None:  # all of a token's heads, which tensor parallelism split over ranks
+            return self.split_norm(heads, weight, self.arch.rms_norm_eps)
         if self.arch.layer_norm:
             return layer_norm(heads, weight, self.arch.rms_norm_eps).contiguous()
         rows = heads.reshape(-1, weight.shape[0])  # a copy: the heads are a strided view of qkv

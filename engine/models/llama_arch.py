@@ -103,6 +103,7 @@ class ModelArch:
     # q_norm / k_norm before RoPE: Qwen3's (EXAONE 4's, GLM-4.5's) RMSNorm [head_dim] on each head, OLMo 2's over all
     # heads at once, Cohere's LayerNorm [heads, head_dim] per head.
     qk_norm: bool = False
+    qk_norm_spans_heads: bool = False  # OLMo 2/3, OLMoE: q_norm [heads * head_dim], k_norm [kv_heads * head_dim]
     moe: MoeArch | None = None  # Qwen3-MoE, Qwen2-MoE, Mixtral: which layers are sparse, and their experts
     group_router: NemotronMoeArch | None = None  # GLM-4.5: its MoE's DeepSeek-V3 router (engine/models/glm4_moe.py)
     rope_scaling: RopeScaling | None = None  # None: default RoPE (engine/models/rope.py)
@@ -208,6 +209,7 @@ class ModelArch:
             eos_token_ids=eos_ids,
             qk_norm=(arch[0] in QWEN3 + OLMO + OLMOE + EXAONE4
                      or (arch[0] in GLM4_MOE + COHERE and bool(cfg.get("use_qk_norm")))),
+            qk_norm_spans_heads=arch[0] in OLMO + OLMOE,
             moe=moe,
             group_router=group_router,
             rope_scaling=rope_scaling,

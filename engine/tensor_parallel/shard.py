@@ -132,6 +132,9 @@ def shard_tensor(name: str, t: torch.Tensor, arch, shard: Shard) -> torch.Tensor
         t = t[:, shard.part(arch.intermediate_size)]
     elif leaf == "self_attn.sinks":
         t = t[shard.part(num_heads)]
+    elif leaf in ("self_attn.q_norm.weight", "self_attn.k_norm.weight") and arch.qk_norm_spans_heads:
+        # OLMo 2's norm over all of q's (k's) heads: this rank's heads' channels (SplitWidthNorm sums the squares)
+        t = t[_rows(shard.part(num_heads if leaf.startswith("self_attn.q") else num_kv_heads), head_dim)]
     elif leaf in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
         cut = _head_norm_part(t, shard, num_heads if leaf.startswith("self_attn.q") else num_kv_heads, head_dim)
         if cut is t:
@@ -205,6 +208,21 @@ class RowParallelLinear:
         return self.group.all_reduce_(self.linear(x))
 
 
+class SplitWidthNorm:
+    """An RMSNorm over all of a token's heads (OLMo 2's q_norm / k_norm) where each rank holds some of them: each rank
+    sums its channels' squares, one all-reduce of that [tokens, 1] float32 sum makes the whole row's, and each rank
+    scales its own channels, as the unsplit norm does (float32, then the model dtype, then the weight)."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+
+    def __call__(self, heads: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        rows = heads.reshape(heads.shape[0], -1).float()  # a copy: the heads are a strided view of qkv
+        sum_sq = self.group.all_reduce_(rows.pow(2).sum(dim=-1, keepdim=True))
+        mean_sq = sum_sq / (rows.shape[1] * self.group.world_size)
+        return (weight * (rows * torch.rsqrt(mean_sq + eps)).to(heads.dtype)).view(heads.shape)
+
+
 class SummedMoe:
     """A sparse layer whose experts hold this rank's slice of their rows: its output (routed plus shared, each a
     linear function of the experts' partial sums) summed over the ranks. Everything else is the layer's own."""
@@ -254,6 +272,8 @@ def split_rows(model, group) -> None:
             layer.attention.o_proj = RowParallelLinear(layer.attention.o_proj, group)
             layer.mlp = SummedMoe(layer.mlp, group)
             continue
+        if layer.arch.qk_norm_spans_heads:
+            layer.split_norm = SplitWidthNorm(group)
         layer.o_proj = RowParallelLinear(layer.o_proj, group)
         if layer.moe is not None:
             layer.moe = SummedMoe(layer.moe, group)
