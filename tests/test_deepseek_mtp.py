@@ -170,6 +170,21 @@ def test_own_mtp_on_cuda_is_lossless_with_graphs(model_dir, reference):
     assert engine.runner.graphs is not None and engine.runner.graphs.num_replays > 0
 
 
+def test_own_mtp_split_over_two_ranks_drafts_as_the_whole(model_dir, reference):
+    """engine/tensor_parallel/draft.py: each rank holds half the MTP layer's heads and every expert's half, runs each
+    MTP forward on its own rows of its own hidden states and caches the whole latent in its draft layer; the split
+    engine drafts and accepts exactly what the whole one does, and its tokens are transformers'."""
+    whole = _engine(model_dir, **OWN).generate(PROMPTS, GREEDY)
+    split = _engine(model_dir, tensor_parallel_size=2, prefill_chunk_size=16, max_num_batched_tokens=48, **OWN)
+    try:
+        outs = split.generate(PROMPTS, GREEDY)
+        assert _tokens(outs) == reference
+        assert [o.num_accepted_tokens for o in outs] == [o.num_accepted_tokens for o in whole]
+        assert sum(o.num_accepted_tokens for o in outs) > 0
+    finally:
+        split.close()
+
+
 def test_own_mtp_chunked_preempted_is_lossless(model_dir, reference):
     engine = _engine(model_dir, prefill_chunk_size=5, max_num_batched_tokens=40, num_kv_blocks=24, **OWN)
     outs = engine.generate(PROMPTS, GREEDY)

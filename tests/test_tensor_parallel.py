@@ -158,9 +158,9 @@ def test_settings_that_do_not_combine_are_refused_in_one_line(change, words):
 
 @pytest.mark.parametrize("model,checkpoint", [("tiny-random", "random"), ("tiny-hybrid-moe", "random")])
 def test_a_draft_model_that_does_not_split_is_refused_before_any_rank_starts(model, checkpoint):
-    """Only a NemotronH checkpoint's own MTP layers split with the model (tests/test_tensor_parallel_hybrid.py)."""
+    """Only a checkpoint's own MTP layers split with the model (tests/test_tensor_parallel_hybrid.py, test_deepseek_mtp)."""
     children = set(_children())
-    with pytest.raises(ConfigError, match="drafts with a NemotronH checkpoint's own MTP layers only"):
+    with pytest.raises(ConfigError, match="drafts with a checkpoint's own MTP layers only"):
         make_engine(model, tensor_parallel_size=2, spec_method="mtp", num_spec_tokens=1, mtp_checkpoint=checkpoint)
     assert set(_children()) <= children
 

@@ -7,7 +7,6 @@ import torch
 
 from pdcluster.engine.config import ConfigError, EngineConfig
 from pdcluster.engine.kv_cache import kv_planes
-from pdcluster.engine.models.deepseek_mtp import DeepseekMTP
 from pdcluster.engine.models.deepseek_mtp import is_own_mtp_weights as is_own_deepseek_mtp_weights
 from pdcluster.engine.models.eagle import EagleHead, is_eagle_weights
 from pdcluster.engine.models.eagle3 import Eagle3Head, is_eagle3_weights
@@ -58,7 +57,7 @@ def make_proposer(config: EngineConfig, model, kv_cache: torch.Tensor, mtp_weigh
         if mtp_weights is not None and is_eagle_weights(mtp_weights):
             return MTPProposer(EagleHead(model, mtp_weights, draft_vocab), kv_cache, config.block_size)
         if mtp_weights is not None and is_own_deepseek_mtp_weights(mtp_weights, model.arch):
-            return MTPProposer(DeepseekMTP(model, mtp_weights), kv_cache, config.block_size)
+            return MTPProposer(own_mtp_head(model, mtp_weights), kv_cache, config.block_size)
         weights = mtp_weights if mtp_weights is not None else random_mtp_weights(model.arch, config.seed)
         return MTPProposer(MTPHead(model, weights, draft_vocab), kv_cache, config.block_size)
     raise ValueError(f"spec_method: {config.spec_method!r} has no proposer")

@@ -1,6 +1,8 @@
-"""A NemotronH checkpoint's own MTP step on a split model (engine/models/nemotron_mtp.py): every rank holds its slice of
-the step's blocks, cut by the same rules as the model's (shard_hybrid.py: ``mtp.layers.*`` by
-``mtp_layer_types``), and the step's attention blocks write each rank's KV heads into its own draft layers.
+"""A checkpoint's own MTP layers on a split model: NemotronH's (engine/models/nemotron_mtp.py) and DeepSeek-V3's
+(engine/models/deepseek_mtp.py). Every rank holds its slice of the MTP step's blocks, cut by the same rules as the
+model's (shard_hybrid.py: ``mtp.layers.*`` by ``mtp_layer_types``; shard.py: DeepSeek's MTP layer, under
+``model.layers.{num_hidden_layers}``, as any DeepSeek layer), and the step's attention writes each rank's KV heads
+(DeepSeek: the whole latent) into its own draft layers.
 
 Rank 0's proposer (engine/proposers/mtp.py) runs each MTP forward after handing the other ranks the same one
 (``DraftForward``): which rows of the input hidden states to take, the next tokens, the positions and the attention
@@ -10,19 +12,40 @@ step's own from its previous MTP forward. Only rank 0 turns them into draft toke
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
+from pdcluster.engine.models.deepseek import DeepseekArch
+from pdcluster.engine.models.deepseek_mtp import DeepseekMTP
 from pdcluster.engine.models.nemotron_mtp import NemotronMTP
 
 
-def own_mtp_head(model, weights: dict[str, torch.Tensor]) -> NemotronMTP:
-    """``model``'s own MTP step from the checkpoint's ``mtp.*`` tensors: this rank's slice of it where ``model`` is
-    split (CausalLM.tp_shard), its blocks' output projections summed over the model's group."""
+def own_mtp_head(model, weights: dict[str, torch.Tensor]) -> NemotronMTP | DeepseekMTP:
+    """``model``'s own MTP step from the checkpoint's tensors: this rank's slice of it where ``model`` is split
+    (CausalLM.tp_shard), its blocks' output projections summed over the model's group."""
+    deepseek = isinstance(model.arch, DeepseekArch)
+    head_class = DeepseekMTP if deepseek else NemotronMTP
     if model.tp_shard is None:
-        return NemotronMTP(model, weights)
+        return head_class(model, weights)
+    if deepseek:
+        from pdcluster.engine.tensor_parallel.shard import shard_tensor, split_layer
+
+        head = DeepseekMTP(model, {name: shard_tensor(name, t, model.unsplit_arch, model.tp_shard)
+                                   for name, t in weights.items()})
+        split_layer(head.block, model.tp_group)
+        return head
     from pdcluster.engine.tensor_parallel.shard_hybrid import shard_hybrid_tensor, split_hybrid_blocks
 
-    cut = {name: shard_hybrid_tensor(name, t, model.unsplit_arch, model.tp_shard) for name, t in weights.items()}
-    head = NemotronMTP(model, cut)
+    head = NemotronMTP(model, {name: shard_hybrid_tensor(name, t, model.unsplit_arch, model.tp_shard)
+                               for name, t in weights.items()})
     split_hybrid_blocks(head.blocks, model.tp_group)
     return head
+
+
+def load_own_mtp_weights(model_dir: str | Path, arch) -> dict[str, torch.Tensor]:
+    """The checkpoint's own MTP tensors, as the model's family stores them (``arch``: the whole model's)."""
+    from pdcluster.engine.models import deepseek_mtp, nemotron_mtp
+
+    module = deepseek_mtp if isinstance(arch, DeepseekArch) else nemotron_mtp
+    return module.load_own_mtp_weights(model_dir, arch)

@@ -65,15 +65,18 @@ def check_engine_config(config: EngineConfig) -> EngineConfig:
 
 
 def check_speculation(config: EngineConfig, arch) -> bool:
-    """Whether a split engine drafts with its checkpoint's own MTP layers (NemotronH: they split with the model,
-    engine/tensor_parallel/draft.py); ConfigError for any other draft model (ours, EAGLE's): those do not split yet."""
+    """Whether a split engine drafts with its checkpoint's own MTP layers (NemotronH's, DeepSeek-V3's: they split with
+    the model, engine/tensor_parallel/draft.py); ConfigError for any other draft model (ours, EAGLE's): those do not
+    split yet."""
     from pdcluster.engine.models.mtp import uses_own_mtp_layers
 
     if config.spec_method != "mtp":
         return False
-    if not hasattr(arch, "mamba_num_heads") or not uses_own_mtp_layers(config.mtp_checkpoint, arch):
+    own_kind = hasattr(arch, "mamba_num_heads") or getattr(arch, "mla", None) is not None
+    if not own_kind or not uses_own_mtp_layers(config.mtp_checkpoint, arch):
         raise ConfigError(f"tensor_parallel_size {config.tensor_parallel_size}: MTP speculation on a split model "
-                          "drafts with a NemotronH checkpoint's own MTP layers only; this draft model "
+                          "drafts with a checkpoint's own MTP layers only (NemotronH's, DeepSeek-V3's); this draft "
+                          "model "
                           f"({config.mtp_checkpoint or 'our MTP head'}) does not split yet: use n-gram speculation or "
                           "--tensor-parallel-size 1")
     return True

@@ -268,14 +268,19 @@ def split_rows(model, group) -> None:
 
         return split_hybrid_rows(model, group)
     for layer in model.layers:
-        if hasattr(layer, "attention"):  # DeepseekLayer: MLA, then a dense SwiGLU or the MoE, each one sum
-            layer.attention.o_proj = RowParallelLinear(layer.attention.o_proj, group)
-            layer.mlp = SummedMoe(layer.mlp, group)
-            continue
-        if layer.arch.qk_norm_spans_heads:
-            layer.split_norm = SplitWidthNorm(group)
-        layer.o_proj = RowParallelLinear(layer.o_proj, group)
-        if layer.moe is not None:
-            layer.moe = SummedMoe(layer.moe, group)
-        else:
-            layer.down_proj = RowParallelLinear(layer.down_proj, group)
+        split_layer(layer, group)
+
+
+def split_layer(layer, group) -> None:
+    """split_rows for one layer (a model's, or a DeepSeek MTP layer's: engine/tensor_parallel/draft.py)."""
+    if hasattr(layer, "attention"):  # DeepseekLayer: MLA, then a dense SwiGLU or the MoE, each one sum
+        layer.attention.o_proj = RowParallelLinear(layer.attention.o_proj, group)
+        layer.mlp = SummedMoe(layer.mlp, group)
+        return
+    if layer.arch.qk_norm_spans_heads:
+        layer.split_norm = SplitWidthNorm(group)
+    layer.o_proj = RowParallelLinear(layer.o_proj, group)
+    if layer.moe is not None:
+        layer.moe = SummedMoe(layer.moe, group)
+    else:
+        layer.down_proj = RowParallelLinear(layer.down_proj, group)

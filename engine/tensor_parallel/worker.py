@@ -111,11 +111,10 @@ class _RankDraft:
     """This rank's slice of the model's own MTP step and the hidden states of its last MTP forward."""
 
     def __init__(self, model, spec: WorkerSpec) -> None:
-        from pdcluster.engine.models.nemotron_mtp import load_own_mtp_weights
-        from pdcluster.engine.tensor_parallel.draft import own_mtp_head
+        from pdcluster.engine.tensor_parallel.draft import load_own_mtp_weights, own_mtp_head
 
         self.device = model.device
-        self.head = own_mtp_head(model, load_own_mtp_weights(spec.model_dir))
+        self.head = own_mtp_head(model, load_own_mtp_weights(spec.model_dir, model.unsplit_arch))
         self.first_layer = model.arch.num_layers  # the draft layers sit right after the target's
         self.last_g: torch.Tensor | None = None
 
