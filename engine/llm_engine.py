@@ -107,8 +107,11 @@ class LLMEngine:
             from pdcluster.engine.models.registry import default_cache_dir
             from pdcluster.engine.models.mtp import resolve_mtp_weights
 
+            # The whole model's arch where it is split: a random head is drawn at the whole model's shapes, as every
+            # rank draws it, and each rank then cuts its slice (engine/tensor_parallel/draft.py).
             mtp_weights, self.mtp_source = resolve_mtp_weights(
-                config.mtp_checkpoint, config.cache_dir or default_cache_dir(), config.model, self.arch, config.seed
+                config.mtp_checkpoint, config.cache_dir or default_cache_dir(), config.model,
+                self.model.unsplit_arch or self.arch, config.seed
             )
         proposer = make_proposer(config, self.model, self.kv_cache, mtp_weights)
         self.runner = ModelRunner(config, self.model, self.kv_cache, self.max_model_len, self.connector, proposer,

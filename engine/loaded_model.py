@@ -106,9 +106,9 @@ class LoadedModel:
         driver = shard = None
         if config.tensor_parallel_size > 1:  # the other ranks load their slices while this one loads its own
             check_shardable(model_class_of(model_dir), arch, config.tensor_parallel_size)
-            own_mtp = check_speculation(config, arch)
+            draft = check_speculation(config, arch)
             driver = TensorParallelDriver.start(config, str(model_dir), dtype_name, max_positions, max_model_len,
-                                                deterministic, own_mtp=own_mtp)
+                                                deterministic, draft=draft)
             shard = Shard(0, config.tensor_parallel_size)
         try:
             model = load_model(model_dir, dtype, max_positions, config.device, deterministic=deterministic,

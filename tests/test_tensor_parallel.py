@@ -156,13 +156,43 @@ def test_settings_that_do_not_combine_are_refused_in_one_line(change, words):
         check_engine_config(engine_config(tensor_parallel_size=2, **change))
 
 
-@pytest.mark.parametrize("model,checkpoint", [("tiny-random", "random"), ("tiny-hybrid-moe", "random")])
-def test_a_draft_model_that_does_not_split_is_refused_before_any_rank_starts(model, checkpoint):
-    """Only a checkpoint's own MTP layers split with the model (tests/test_tensor_parallel_hybrid.py, test_deepseek_mtp)."""
+def test_our_mtp_head_on_a_split_hybrid_is_refused_before_any_rank_starts():
+    """A checkpoint's own MTP layers (tests/test_tensor_parallel_hybrid.py, test_deepseek_mtp.py) and our MTP head on
+    a Llama-family model split with it; our head on a hybrid does not yet."""
     children = set(_children())
-    with pytest.raises(ConfigError, match="drafts with a checkpoint's own MTP layers only"):
-        make_engine(model, tensor_parallel_size=2, spec_method="mtp", num_spec_tokens=1, mtp_checkpoint=checkpoint)
+    with pytest.raises(ConfigError, match="our MTP head on a hybrid \\(random\\) does not split yet"):
+        make_engine("tiny-hybrid-moe", tensor_parallel_size=2, spec_method="mtp", num_spec_tokens=1,
+                    mtp_checkpoint="random")
     assert set(_children()) <= children
+
+
+class _Recording:
+    """The engine's proposer, its drafts recorded (what the split head must draft exactly as the whole one)."""
+
+    def __init__(self, inner):
+        self.inner, self.num_draft_layers, self.drafts = inner, inner.num_draft_layers, []
+
+    def propose(self, batch):
+        drafts = self.inner.propose(batch)
+        self.drafts.append([list(d) for d in drafts])
+        return drafts
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_our_mtp_head_split_over_two_ranks_drafts_what_the_whole_head_drafts(async_scheduling):
+    """Our MTP head (the seeded random one, drawn at the whole model's shapes on every rank) split like a layer of the
+    model: every draft of every step equals the unsplit engine's, and so do the tokens."""
+    prompts = [[(7 * i + 3 * j) % 500 + 3 for j in range(12 + 15 * i)] for i in range(3)]
+    common = dict(spec_method="mtp", num_spec_tokens=3, mtp_checkpoint="random", async_scheduling=async_scheduling)
+    whole, split = make_engine(**common), make_engine(tensor_parallel_size=2, **common)
+    try:
+        whole.runner.proposer, split.runner.proposer = _Recording(whole.runner.proposer), _Recording(
+            split.runner.proposer)
+        assert _greedy(split, prompts, 20) == _greedy(whole, prompts, 20)
+        assert split.runner.proposer.drafts == whole.runner.proposer.drafts
+        assert sum(len(d) for step in split.runner.proposer.drafts for d in step) > 0
+    finally:
+        split.close()
 
 
 def test_a_kv_transfer_connector_without_shared_rank_caches_is_refused_and_the_ranks_stop():

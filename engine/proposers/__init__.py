@@ -10,14 +10,14 @@ from pdcluster.engine.kv_cache import kv_planes
 from pdcluster.engine.models.deepseek_mtp import is_own_mtp_weights as is_own_deepseek_mtp_weights
 from pdcluster.engine.models.eagle import EagleHead, is_eagle_weights
 from pdcluster.engine.models.eagle3 import Eagle3Head, is_eagle3_weights
-from pdcluster.engine.models.mtp import (DRAFT_VOCAB_SIZE, MTPHead, latent_attention_refusal, random_mtp_weights,
+from pdcluster.engine.models.mtp import (DRAFT_VOCAB_SIZE, latent_attention_refusal, random_mtp_weights,
                                          uses_own_mtp_layers)
 from pdcluster.engine.models.nemotron_blocks import ATTENTION
 from pdcluster.engine.models.nemotron_mtp import is_own_mtp_weights
 from pdcluster.engine.proposers.base import ProposeBatch, Proposer
 from pdcluster.engine.proposers.mtp import MTPProposer
 from pdcluster.engine.proposers.ngram import NgramProposer
-from pdcluster.engine.tensor_parallel.draft import own_mtp_head
+from pdcluster.engine.tensor_parallel.draft import mtp_head, own_mtp_head
 
 __all__ = ["ProposeBatch", "Proposer", "make_proposer", "num_draft_layers"]
 
@@ -58,6 +58,7 @@ def make_proposer(config: EngineConfig, model, kv_cache: torch.Tensor, mtp_weigh
             return MTPProposer(EagleHead(model, mtp_weights, draft_vocab), kv_cache, config.block_size)
         if mtp_weights is not None and is_own_deepseek_mtp_weights(mtp_weights, model.arch):
             return MTPProposer(own_mtp_head(model, mtp_weights), kv_cache, config.block_size)
-        weights = mtp_weights if mtp_weights is not None else random_mtp_weights(model.arch, config.seed)
-        return MTPProposer(MTPHead(model, weights, draft_vocab), kv_cache, config.block_size)
+        weights = (mtp_weights if mtp_weights is not None  # drawn at the whole model's shapes where it is split
+                   else random_mtp_weights(model.unsplit_arch or model.arch, config.seed))
+        return MTPProposer(mtp_head(model, weights, draft_vocab), kv_cache, config.block_size)
     raise ValueError(f"spec_method: {config.spec_method!r} has no proposer")

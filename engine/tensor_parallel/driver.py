@@ -64,22 +64,27 @@ def check_engine_config(config: EngineConfig) -> EngineConfig:
     return config
 
 
-def check_speculation(config: EngineConfig, arch) -> bool:
-    """Whether a split engine drafts with its checkpoint's own MTP layers (NemotronH's, DeepSeek-V3's: they split with
-    the model, engine/tensor_parallel/draft.py); ConfigError for any other draft model (ours, EAGLE's): those do not
-    split yet."""
-    from pdcluster.engine.models.mtp import uses_own_mtp_layers
+def check_speculation(config: EngineConfig, arch) -> str:
+    """The MTP draft a split engine's ranks load their slices of (engine/tensor_parallel/draft.py): "own" (the
+    checkpoint's own MTP layers: NemotronH's, DeepSeek-V3's), "head" (our MTP head on a Llama-family target), ""
+    without MTP speculation; ConfigError for a draft that does not split yet (EAGLE's; our head on a hybrid)."""
+    from pdcluster.engine.models.mtp import find_mtp_checkpoint, uses_own_mtp_layers
+    from pdcluster.engine.models.registry import default_cache_dir
 
     if config.spec_method != "mtp":
-        return False
+        return ""
     own_kind = hasattr(arch, "mamba_num_heads") or getattr(arch, "mla", None) is not None
-    if not own_kind or not uses_own_mtp_layers(config.mtp_checkpoint, arch):
+    if own_kind and uses_own_mtp_layers(config.mtp_checkpoint, arch):
+        return "own"
+    source = find_mtp_checkpoint(config.mtp_checkpoint, config.cache_dir or default_cache_dir(), config.model, arch)
+    if own_kind or source.kind in ("eagle", "eagle3"):
+        what = f"an {source.kind.upper().replace('EAGLE3', 'EAGLE-3')} draft" if source.kind.startswith("eagle") \
+            else "our MTP head on a hybrid"
         raise ConfigError(f"tensor_parallel_size {config.tensor_parallel_size}: MTP speculation on a split model "
-                          "drafts with a checkpoint's own MTP layers only (NemotronH's, DeepSeek-V3's); this draft "
-                          "model "
-                          f"({config.mtp_checkpoint or 'our MTP head'}) does not split yet: use n-gram speculation or "
+                          "drafts with a checkpoint's own MTP layers or our MTP head on a Llama-family model; "
+                          f"{what} ({config.mtp_checkpoint}) does not split yet: use n-gram speculation or "
                           "--tensor-parallel-size 1")
-    return True
+    return "head"
 
 
 def check_shared_caches(config: EngineConfig) -> None:
@@ -111,9 +116,11 @@ class TensorParallelDriver:
 
     @classmethod
     def start(cls, config: EngineConfig, model_dir: str, dtype_name: str, max_positions: int, max_model_len: int,
-              deterministic: bool, own_mtp: bool = False) -> "TensorParallelDriver":
+              deterministic: bool, draft: str = "") -> "TensorParallelDriver":
         """Spawns ranks 1 .. n-1 (each starts loading its slice at once) and joins their group as rank 0.
-        ``own_mtp``: speculation by the checkpoint's own MTP layers, which every rank then loads its slice of."""
+        ``draft`` (check_speculation's): the MTP draft every rank then loads its slice of too."""
+        from pdcluster.engine.models.registry import default_cache_dir
+
         n = config.tensor_parallel_size
         on_gpu = config.device == "cuda"
         store = open_store(n) if on_gpu else None
@@ -123,7 +130,9 @@ class TensorParallelDriver:
         for rank in range(1, n):
             device = f"cuda:{rank}" if on_gpu else config.device
             spec = WorkerSpec(rank, n, store.port if on_gpu else 0, shm_path, str(model_dir), dtype_name,
-                              max_positions, max_model_len, device, deterministic, config.num_threads, own_mtp)
+                              max_positions, max_model_len, device, deterministic, config.num_threads, draft,
+                              config.mtp_checkpoint, str(config.cache_dir or default_cache_dir()), config.model,
+                              config.seed)
             ours, theirs = ctx.Pipe()
             process = ctx.Process(target=worker_main, args=(theirs, spec), name=f"pdcluster-tp{rank}", daemon=True)
             process.start()

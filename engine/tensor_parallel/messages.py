@@ -34,8 +34,13 @@ class WorkerSpec:
     device: str
     deterministic: bool
     num_threads: int
-    # Speculation by the checkpoint's own MTP layers (NemotronH): the rank loads its slice of them too.
-    own_mtp: bool = False
+    # MTP speculation (TensorParallelDriver.start's ``draft``): "own" (the checkpoint's own MTP layers) or "head"
+    # (our MTP head, resolved from mtp_checkpoint as rank 0 resolves it); the rank loads its slice of it. "": none.
+    draft: str = ""
+    mtp_checkpoint: str = ""
+    mtp_cache_dir: str = ""
+    model_name: str = ""
+    seed: int = 0
 
 
 @dataclass(frozen=True)

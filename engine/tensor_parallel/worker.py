@@ -65,7 +65,7 @@ def _serve(conn, spec: WorkerSpec) -> None:
         model = load_model(spec.model_dir, DTYPES[spec.dtype_name], spec.max_positions, device,
                            deterministic=spec.deterministic, max_model_len=spec.max_model_len,
                            shard=Shard(spec.rank, spec.world_size), group=group)
-    draft = _RankDraft(model, spec) if spec.own_mtp else None
+    draft = _RankDraft(model, spec) if spec.draft else None
     model.lm_head = None  # rank 0 alone computes logits (a tied head is the embedding, still held)
     conn.send_bytes(encode_status("loaded"))
     message = decode(conn.recv_bytes())
@@ -111,10 +111,16 @@ class _RankDraft:
     """This rank's slice of the model's own MTP step and the hidden states of its last MTP forward."""
 
     def __init__(self, model, spec: WorkerSpec) -> None:
-        from pdcluster.engine.tensor_parallel.draft import load_own_mtp_weights, own_mtp_head
+        from pdcluster.engine.models.mtp import DRAFT_VOCAB_SIZE, resolve_mtp_weights
+        from pdcluster.engine.tensor_parallel.draft import load_own_mtp_weights, mtp_head, own_mtp_head
 
         self.device = model.device
-        self.head = own_mtp_head(model, load_own_mtp_weights(spec.model_dir, model.unsplit_arch))
+        if spec.draft == "own":
+            self.head = own_mtp_head(model, load_own_mtp_weights(spec.model_dir, model.unsplit_arch))
+        else:  # our MTP head, resolved as rank 0 resolved it (LLMEngine), drafting nothing here
+            weights, _ = resolve_mtp_weights(spec.mtp_checkpoint, spec.mtp_cache_dir, spec.model_name,
+                                             model.unsplit_arch, spec.seed)
+            self.head = mtp_head(model, weights, DRAFT_VOCAB_SIZE)
         self.first_layer = model.arch.num_layers  # the draft layers sit right after the target's
         self.last_g: torch.Tensor | None = None
 
