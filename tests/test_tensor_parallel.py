@@ -160,7 +160,7 @@ def test_our_mtp_head_on_a_split_hybrid_is_refused_before_any_rank_starts():
     """A checkpoint's own MTP layers (tests/test_tensor_parallel_hybrid.py, test_deepseek_mtp.py) and our MTP head on
     a Llama-family model split with it; our head on a hybrid does not yet."""
     children = set(_children())
-    with pytest.raises(ConfigError, match="our MTP head on a hybrid \\(random\\) does not split yet"):
+    with pytest.raises(ConfigError, match="a draft head \\(random\\) on it does not split yet"):
         make_engine("tiny-hybrid-moe", tensor_parallel_size=2, spec_method="mtp", num_spec_tokens=1,
                     mtp_checkpoint="random")
     assert set(_children()) <= children
@@ -178,12 +178,30 @@ class _Recording:
         return drafts
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_our_mtp_head_split_over_two_ranks_drafts_what_the_whole_head_drafts(async_scheduling):
-    """Our MTP head (the seeded random one, drawn at the whole model's shapes on every rank) split like a layer of the
-    model: every draft of every step equals the unsplit engine's, and so do the tokens."""
+@pytest.fixture(scope="module")
+def draft_dirs(tmp_path_factory) -> dict[str, str]:
+    """An EAGLE and an EAGLE-3 draft for tiny-random, seeded (tests/test_eagle.py's and test_eagle3.py's)."""
+    from pdcluster.engine.models.eagle import random_eagle_weights
+    from pdcluster.engine.models.eagle3 import random_eagle3_weights
+    from test_eagle import _save as save_eagle
+    from test_eagle3 import _save as save_eagle3
+
+    arch = ModelArch.from_dir(resolve_model("tiny-random", progress=False))
+    return {"random": "random",
+            "eagle": str(save_eagle(tmp_path_factory.mktemp("eagle"), random_eagle_weights(arch, seed=2), arch)),
+            "eagle3": str(save_eagle3(tmp_path_factory.mktemp("eagle3"), random_eagle3_weights(arch, 4096, seed=3),
+                                      {"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}))}
+
+
+@pytest.mark.parametrize("draft,async_scheduling", [("random", False), ("random", True), ("eagle", False),
+                                                    ("eagle3", False), ("eagle3", True)])
+def test_a_draft_head_split_over_two_ranks_drafts_what_the_whole_head_drafts(draft_dirs, draft, async_scheduling):
+    """Our MTP head (the seeded random one, drawn at the whole model's shapes on every rank), an EAGLE and an EAGLE-3
+    draft (each rank fusing its own aux hidden states) split like a layer of the model: every draft of every step
+    equals the unsplit engine's, and so do the tokens."""
     prompts = [[(7 * i + 3 * j) % 500 + 3 for j in range(12 + 15 * i)] for i in range(3)]
-    common = dict(spec_method="mtp", num_spec_tokens=3, mtp_checkpoint="random", async_scheduling=async_scheduling)
+    common = dict(spec_method="mtp", num_spec_tokens=3, mtp_checkpoint=draft_dirs[draft],
+                  async_scheduling=async_scheduling)
     whole, split = make_engine(**common), make_engine(tensor_parallel_size=2, **common)
     try:
         whole.runner.proposer, split.runner.proposer = _Recording(whole.runner.proposer), _Recording(

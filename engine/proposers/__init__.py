@@ -8,8 +8,6 @@ import torch
 from pdcluster.engine.config import ConfigError, EngineConfig
 from pdcluster.engine.kv_cache import kv_planes
 from pdcluster.engine.models.deepseek_mtp import is_own_mtp_weights as is_own_deepseek_mtp_weights
-from pdcluster.engine.models.eagle import EagleHead, is_eagle_weights
-from pdcluster.engine.models.eagle3 import Eagle3Head, is_eagle3_weights
 from pdcluster.engine.models.mtp import (DRAFT_VOCAB_SIZE, latent_attention_refusal, random_mtp_weights,
                                          uses_own_mtp_layers)
 from pdcluster.engine.models.nemotron_blocks import ATTENTION
@@ -17,7 +15,7 @@ from pdcluster.engine.models.nemotron_mtp import is_own_mtp_weights
 from pdcluster.engine.proposers.base import ProposeBatch, Proposer
 from pdcluster.engine.proposers.mtp import MTPProposer
 from pdcluster.engine.proposers.ngram import NgramProposer
-from pdcluster.engine.tensor_parallel.draft import mtp_head, own_mtp_head
+from pdcluster.engine.tensor_parallel.draft import draft_head, eagle3_buffer_tokens, own_mtp_head
 
 __all__ = ["ProposeBatch", "Proposer", "make_proposer", "num_draft_layers"]
 
@@ -49,16 +47,11 @@ def make_proposer(config: EngineConfig, model, kv_cache: torch.Tensor, mtp_weigh
         # Drafts over the first DRAFT_VOCAB_SIZE ids on a CPU, where the lm_head is most of a draft step; on a GPU
         # the whole vocabulary (a Llama 3's common tokens lie far past 16k, and its lm_head costs a draft little).
         draft_vocab = DRAFT_VOCAB_SIZE if kv_cache.device.type == "cpu" else model.arch.vocab_size
-        if mtp_weights is not None and is_eagle3_weights(mtp_weights):
-            # Its aux hidden state buffer holds the largest step: a prefill budget, a graph bucket of k + 1 a row.
-            max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs * (1 + config.num_spec_tokens),
-                             config.mixed_cuda_graph_tokens)
-            return MTPProposer(Eagle3Head(model, mtp_weights, max_tokens), kv_cache, config.block_size)
-        if mtp_weights is not None and is_eagle_weights(mtp_weights):
-            return MTPProposer(EagleHead(model, mtp_weights, draft_vocab), kv_cache, config.block_size)
         if mtp_weights is not None and is_own_deepseek_mtp_weights(mtp_weights, model.arch):
             return MTPProposer(own_mtp_head(model, mtp_weights), kv_cache, config.block_size)
         weights = (mtp_weights if mtp_weights is not None  # drawn at the whole model's shapes where it is split
                    else random_mtp_weights(model.unsplit_arch or model.arch, config.seed))
-        return MTPProposer(mtp_head(model, weights, draft_vocab), kv_cache, config.block_size)
+        # An EAGLE-3 draft, an EAGLE draft or our MTP head, by its weights (sliced where the model is split).
+        head = draft_head(model, weights, draft_vocab, eagle3_buffer_tokens(config))
+        return MTPProposer(head, kv_cache, config.block_size)
     raise ValueError(f"spec_method: {config.spec_method!r} has no proposer")

@@ -49,10 +49,8 @@ class MTPProposer(Proposer):
         self.block_size = block_size
         self.scale = head.target.scale
         # A split model (engine/tensor_parallel/draft.py): each MTP forward goes to the other ranks first, naming
-        # the rows of their own hidden states it reads (only a NemotronH's own MTP step splits).
+        # the rows of their own hidden states it reads (an EAGLE-3 draft: of their own aux hidden states).
         self.mirror = head.target.tp_driver
-        if self.mirror is not None and self._target_hidden is not None:
-            raise ValueError("an EAGLE-3 draft does not run on a split model")
 
     def _slots(self, states, idx: np.ndarray, positions: np.ndarray) -> np.ndarray:
         block_col = positions // self.block_size

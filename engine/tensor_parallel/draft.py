@@ -1,9 +1,11 @@
 """MTP drafts on a split model: a checkpoint's own MTP layers, NemotronH's (engine/models/nemotron_mtp.py) and
-DeepSeek-V3's (engine/models/deepseek_mtp.py), and our MTP head on a Llama-family target (engine/models/mtp.py, a
-trained one or the seeded random one). Every rank holds its slice of the MTP step's blocks, cut by the same rules as
-the model's (shard_hybrid.py: ``mtp.layers.*`` by ``mtp_layer_types``; shard.py: DeepSeek's MTP layer, under
-``model.layers.{num_hidden_layers}``, and our head's ``mtp.layer.*``, as any layer of the family), and the step's
-attention writes each rank's KV heads (DeepSeek: the whole latent) into its own draft layers.
+DeepSeek-V3's (engine/models/deepseek_mtp.py), and on a Llama-family target our MTP head (engine/models/mtp.py, a
+trained one or the seeded random one), an EAGLE or an EAGLE-3 draft (engine/models/eagle.py, eagle3.py). Every rank
+holds its slice of the MTP step's blocks, cut by the same rules as the model's (shard_hybrid.py: ``mtp.layers.*`` by
+``mtp_layer_types``; shard.py: DeepSeek's MTP layer, under ``model.layers.{num_hidden_layers}``, and a draft head's
+decoder layer, as any layer of the family), and the step's attention writes each rank's KV heads (DeepSeek: the whole
+latent) into its own draft layers. An EAGLE-3 draft reads the target's aux hidden states: every rank captures its own
+(the residual stream is whole on every rank) and fuses the same rows of them.
 
 Rank 0's proposer (engine/proposers/mtp.py) runs each MTP forward after handing the other ranks the same one
 (``DraftForward``): which rows of the input hidden states to take, the next tokens, the positions and the attention
@@ -19,10 +21,10 @@ import torch
 
 from pdcluster.engine.models.deepseek import DeepseekArch
 from pdcluster.engine.models.deepseek_mtp import DeepseekMTP
+from pdcluster.engine.models.eagle import EagleHead, is_eagle_weights
+from pdcluster.engine.models.eagle3 import Eagle3Head, is_eagle3_weights
 from pdcluster.engine.models.mtp import MTPHead
 from pdcluster.engine.models.nemotron_mtp import NemotronMTP
-
-HEAD_PREFIX = "mtp.layer."  # our MTP head's decoder layer (engine/models/mtp.py mtp_param_shapes)
 
 
 def own_mtp_head(model, weights: dict[str, torch.Tensor]) -> NemotronMTP | DeepseekMTP:
@@ -47,19 +49,37 @@ def own_mtp_head(model, weights: dict[str, torch.Tensor]) -> NemotronMTP | Deeps
     return head
 
 
-def mtp_head(model, weights: dict[str, torch.Tensor], draft_vocab_size: int) -> MTPHead:
-    """Our MTP head on ``model``: this rank's slice of its decoder layer where ``model`` is split (its q/k/v rows,
-    o_proj columns, MLP rows, cut as a layer of the model's family), the layer's sums over the model's group."""
+def draft_head(model, weights: dict[str, torch.Tensor], draft_vocab_size: int,
+               max_tokens: int) -> MTPHead | EagleHead | Eagle3Head:
+    """The draft head ``weights`` are on a Llama-family ``model``: an EAGLE-3 draft (``max_tokens``: its aux hidden
+    state buffer, eagle3_buffer_tokens), an EAGLE draft or our MTP head; this rank's slice of its decoder layer where
+    ``model`` is split (q/k/v rows, o_proj columns, MLP rows, cut as a layer of the model's family), the layer's sums
+    over the model's group."""
+    if is_eagle3_weights(weights):
+        return _split_head(model, weights, "eagle3.layer.", lambda w: Eagle3Head(model, w, max_tokens))
+    if is_eagle_weights(weights):
+        return _split_head(model, weights, "eagle.layer.", lambda w: EagleHead(model, w, draft_vocab_size))
+    return _split_head(model, weights, "mtp.layer.", lambda w: MTPHead(model, w, draft_vocab_size))
+
+
+def eagle3_buffer_tokens(config) -> int:
+    """An EAGLE-3 draft's aux hidden state buffer: the largest step (a prefill budget, a graph bucket of k + 1 a
+    row)."""
+    return max(config.max_num_batched_tokens, config.max_num_seqs * (1 + config.num_spec_tokens),
+               config.mixed_cuda_graph_tokens)
+
+
+def _split_head(model, weights: dict[str, torch.Tensor], layer_prefix: str, make):
     if model.tp_shard is None:
-        return MTPHead(model, weights, draft_vocab_size)
+        return make(weights)
     from pdcluster.engine.tensor_parallel.shard import shard_tensor, split_layer
 
     cut = {}
     for name, t in weights.items():
-        if name.startswith(HEAD_PREFIX):  # cut by the name a layer of the model has
-            t = shard_tensor("model.layers.0." + name[len(HEAD_PREFIX):], t, model.unsplit_arch, model.tp_shard)
+        if name.startswith(layer_prefix):  # cut by the name a layer of the model has
+            t = shard_tensor("model.layers.0." + name[len(layer_prefix):], t, model.unsplit_arch, model.tp_shard)
         cut[name] = t
-    head = MTPHead(model, cut, draft_vocab_size)
+    head = make(cut)
     split_layer(head.layer, model.tp_group)
     return head
 

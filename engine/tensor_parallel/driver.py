@@ -66,8 +66,9 @@ def check_engine_config(config: EngineConfig) -> EngineConfig:
 
 def check_speculation(config: EngineConfig, arch) -> str:
     """The MTP draft a split engine's ranks load their slices of (engine/tensor_parallel/draft.py): "own" (the
-    checkpoint's own MTP layers: NemotronH's, DeepSeek-V3's), "head" (our MTP head on a Llama-family target), ""
-    without MTP speculation; ConfigError for a draft that does not split yet (EAGLE's; our head on a hybrid)."""
+    checkpoint's own MTP layers: NemotronH's, DeepSeek-V3's), "head" (our MTP head, an EAGLE or EAGLE-3 draft on a
+    Llama-family target), "" without MTP speculation; ConfigError for a draft head on a hybrid or DeepSeek target
+    (those draft with their own layers)."""
     from pdcluster.engine.models.mtp import find_mtp_checkpoint, uses_own_mtp_layers
     from pdcluster.engine.models.registry import default_cache_dir
 
@@ -76,13 +77,11 @@ def check_speculation(config: EngineConfig, arch) -> str:
     own_kind = hasattr(arch, "mamba_num_heads") or getattr(arch, "mla", None) is not None
     if own_kind and uses_own_mtp_layers(config.mtp_checkpoint, arch):
         return "own"
-    source = find_mtp_checkpoint(config.mtp_checkpoint, config.cache_dir or default_cache_dir(), config.model, arch)
-    if own_kind or source.kind in ("eagle", "eagle3"):
-        what = f"an {source.kind.upper().replace('EAGLE3', 'EAGLE-3')} draft" if source.kind.startswith("eagle") \
-            else "our MTP head on a hybrid"
-        raise ConfigError(f"tensor_parallel_size {config.tensor_parallel_size}: MTP speculation on a split model "
-                          "drafts with a checkpoint's own MTP layers or our MTP head on a Llama-family model; "
-                          f"{what} ({config.mtp_checkpoint}) does not split yet: use n-gram speculation or "
+    if own_kind:
+        find_mtp_checkpoint(config.mtp_checkpoint, config.cache_dir or default_cache_dir(), config.model, arch)
+        raise ConfigError(f"tensor_parallel_size {config.tensor_parallel_size}: MTP speculation on a split hybrid or "
+                          "DeepSeek model drafts with the checkpoint's own MTP layers; a draft head "
+                          f"({config.mtp_checkpoint}) on it does not split yet: use n-gram speculation or "
                           "--tensor-parallel-size 1")
     return "head"
 
@@ -119,7 +118,9 @@ class TensorParallelDriver:
               deterministic: bool, draft: str = "") -> "TensorParallelDriver":
         """Spawns ranks 1 .. n-1 (each starts loading its slice at once) and joins their group as rank 0.
         ``draft`` (check_speculation's): the MTP draft every rank then loads its slice of too."""
+        from pdcluster.engine.models.mtp import DRAFT_VOCAB_SIZE
         from pdcluster.engine.models.registry import default_cache_dir
+        from pdcluster.engine.tensor_parallel.draft import eagle3_buffer_tokens
 
         n = config.tensor_parallel_size
         on_gpu = config.device == "cuda"
@@ -132,7 +133,7 @@ class TensorParallelDriver:
             spec = WorkerSpec(rank, n, store.port if on_gpu else 0, shm_path, str(model_dir), dtype_name,
                               max_positions, max_model_len, device, deterministic, config.num_threads, draft,
                               config.mtp_checkpoint, str(config.cache_dir or default_cache_dir()), config.model,
-                              config.seed)
+                              config.seed, DRAFT_VOCAB_SIZE, eagle3_buffer_tokens(config))
             ours, theirs = ctx.Pipe()
             process = ctx.Process(target=worker_main, args=(theirs, spec), name=f"pdcluster-tp{rank}", daemon=True)
             process.start()

@@ -41,6 +41,8 @@ class WorkerSpec:
     mtp_cache_dir: str = ""
     model_name: str = ""
     seed: int = 0
+    draft_vocab_size: int = 0  # our MTP head's and an EAGLE draft's (unused on a rank: rank 0 drafts)
+    eagle3_buffer_tokens: int = 0  # an EAGLE-3 draft's aux hidden state buffer
 
 
 @dataclass(frozen=True)

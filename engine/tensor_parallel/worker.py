@@ -111,16 +111,16 @@ class _RankDraft:
     """This rank's slice of the model's own MTP step and the hidden states of its last MTP forward."""
 
     def __init__(self, model, spec: WorkerSpec) -> None:
-        from pdcluster.engine.models.mtp import DRAFT_VOCAB_SIZE, resolve_mtp_weights
-        from pdcluster.engine.tensor_parallel.draft import load_own_mtp_weights, mtp_head, own_mtp_head
+        from pdcluster.engine.models.mtp import resolve_mtp_weights
+        from pdcluster.engine.tensor_parallel.draft import draft_head, load_own_mtp_weights, own_mtp_head
 
         self.device = model.device
         if spec.draft == "own":
             self.head = own_mtp_head(model, load_own_mtp_weights(spec.model_dir, model.unsplit_arch))
-        else:  # our MTP head, resolved as rank 0 resolved it (LLMEngine), drafting nothing here
+        else:  # a draft head, resolved as rank 0 resolved it (LLMEngine); rank 0 alone turns it into tokens
             weights, _ = resolve_mtp_weights(spec.mtp_checkpoint, spec.mtp_cache_dir, spec.model_name,
                                              model.unsplit_arch, spec.seed)
-            self.head = mtp_head(model, weights, DRAFT_VOCAB_SIZE)
+            self.head = draft_head(model, weights, spec.draft_vocab_size, spec.eagle3_buffer_tokens)
         self.first_layer = model.arch.num_layers  # the draft layers sit right after the target's
         self.last_g: torch.Tensor | None = None
 
@@ -129,7 +129,9 @@ class _RankDraft:
         if source is None:
             raise RuntimeError("an MTP forward came before the forward its hidden states are from")
         rows = torch.from_numpy(message.rows_np).to(self.device)
-        self.last_g = self.head.forward(source[rows], torch.from_numpy(message.next_token_ids_np).to(self.device),
+        fuse = getattr(self.head, "target_hidden", None) if message.from_target else None  # EAGLE-3: aux states
+        hidden = source[rows] if fuse is None else fuse(source, rows)
+        self.last_g = self.head.forward(hidden, torch.from_numpy(message.next_token_ids_np).to(self.device),
                                         torch.from_numpy(message.positions_np).to(self.device),
                                         self.head.draft_cache(kv_cache, self.first_layer),
                                         on_device(message.meta, self.device))
