@@ -58,24 +58,25 @@ CONFIGS = {
 NAMES = list(CONFIGS)
 
 
+def save_nemotron_h(d: Path, kwargs: dict) -> Path:
+    """A transformers NemotronH of config ``kwargs`` with the module docstring's weights, saved in ``d`` with
+    tiny-random's tokenizer."""
+    torch.manual_seed(0)
+    model = transformers.NemotronHForCausalLM(transformers.NemotronHConfig(**kwargs))
+    redraw_nemotron_h(model)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if layer.block_type == "moe":  # a buffer (not redrawn): big enough to change some choices
+                layer.mixer.gate.e_score_correction_bias.copy_(0.2 * torch.randn(8, generator=gen))
+    model.save_pretrained(str(d))
+    shutil.copy(resolve_model("tiny-random", progress=False) / "tokenizer.json", d / "tokenizer.json")
+    return d
+
+
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory) -> dict[str, Path]:
-    tokenizer = resolve_model("tiny-random", progress=False) / "tokenizer.json"
-    out = {}
-    for name, kwargs in CONFIGS.items():
-        d = tmp_path_factory.mktemp(name)
-        torch.manual_seed(0)
-        model = transformers.NemotronHForCausalLM(transformers.NemotronHConfig(**kwargs))
-        redraw_nemotron_h(model)
-        gen = torch.Generator().manual_seed(1)
-        with torch.no_grad():
-            for layer in model.model.layers:
-                if layer.block_type == "moe":  # a buffer (not redrawn): big enough to change some choices
-                    layer.mixer.gate.e_score_correction_bias.copy_(0.2 * torch.randn(8, generator=gen))
-        model.save_pretrained(str(d))
-        shutil.copy(tokenizer, d / "tokenizer.json")
-        out[name] = d
-    return out
+    return {name: save_nemotron_h(tmp_path_factory.mktemp(name), kwargs) for name, kwargs in CONFIGS.items()}
 
 
 def _hf_model(model_dir: Path):

@@ -20,10 +20,10 @@ import torch
 
 from conftest import OracleProposer, engine_config, make_engine, usable_transports
 from test_kv_transfer_e2e import Events, _collect_tokens, _wait_free, connected_pair
+from test_nemotron_moe import save_nemotron_h
 from pdcluster.engine.attention import AttentionMetadata
 from pdcluster.engine.mamba_state import MambaMetadata, MambaStatePool, MambaStateShape
 from pdcluster.engine.models.architectures import arch_from_dir
-from pdcluster.engine.models.random_weights import redraw_nemotron_h
 from pdcluster.engine.models.registry import resolve_model
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.engine.tensor_parallel.messages import Forward, KeepStates, decode, encode
@@ -52,18 +52,7 @@ def _greedy(engine, prompts, num_new: int):
 
 @pytest.fixture(scope="module")
 def nemotron_dir(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("nemotron-tp")
-    torch.manual_seed(0)
-    model = transformers.NemotronHForCausalLM(transformers.NemotronHConfig(**CONFIG))
-    redraw_nemotron_h(model)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            if layer.block_type == "moe":
-                layer.mixer.gate.e_score_correction_bias.copy_(0.2 * torch.randn(8, generator=gen))
-    model.save_pretrained(str(d))
-    shutil.copy(resolve_model("tiny-random", progress=False) / "tokenizer.json", d / "tokenizer.json")
-    return d
+    return save_nemotron_h(tmp_path_factory.mktemp("nemotron-tp"), CONFIG)
 
 
 def test_split_nemotron_h_with_every_bias_equals_transformers(nemotron_dir):
