@@ -1,7 +1,8 @@
 """Ranks 1 .. n-1 of a tensor-parallel engine, each in its own process: join the group, load this rank's slice, make
 this rank's KV cache, then run one forward per message from rank 0 until it says stop (or its pipe closes: rank 0 is
-gone). The forward's hidden states are dropped: rank 0 computes the logits; the point is this rank's share of each
-all-reduce, and its part of the KV written into its cache."""
+gone). Rank 0 computes the logits; the point is this rank's share of each all-reduce, and its part of the KV written
+into its cache. The last forward's hidden states are kept only for an MTP draft's next forward (engine/tensor_parallel/
+draft.py), and a hybrid's Mamba state lives here as its heads' share (its pool, KeepStates, MoveStates)."""
 
 from __future__ import annotations
 
@@ -79,7 +80,7 @@ def _serve(conn, spec: WorkerSpec) -> None:
         kv_cache = allocate_kv_cache(message.kv_spec, device)
     conn.send_bytes(encode_status("ready"))
     states = _RankStates(model, device)
-    last_hidden = None  # the last target forward's (the model's own MTP step reads rows of it)
+    last_hidden = None  # the last target forward's (an MTP draft's first forward reads rows of it)
     while True:
         message = decode(conn.recv_bytes())
         if isinstance(message, Stop):
@@ -108,7 +109,8 @@ def _serve(conn, spec: WorkerSpec) -> None:
 
 
 class _RankDraft:
-    """This rank's slice of the model's own MTP step and the hidden states of its last MTP forward."""
+    """This rank's slice of the MTP draft (the checkpoint's own MTP layers, or a draft head) and the hidden states of
+    its last MTP forward."""
 
     def __init__(self, model, spec: WorkerSpec) -> None:
         from pdcluster.engine.models.mtp import resolve_mtp_weights
