@@ -24,6 +24,23 @@ class Shard:
         size = total // self.world_size
         return slice(self.rank * size, (self.rank + 1) * size)
 
+    def rows(self, count: int, width: int) -> slice:
+        """This rank's rows of ``count`` runs of ``width`` rows each (heads of head_dim rows, Mamba groups, gpt-oss's
+        interleaved (gate, up) pairs)."""
+        part = self.part(count)
+        return slice(part.start * width, part.stop * width)
+
+    def halves(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """A gate-then-up tensor (two halves along ``dim``) cut to this rank's part of each half."""
+        gate, up = t.chunk(2, dim=dim)
+        part = self.part(gate.shape[dim])
+        return torch.cat([h.narrow(dim, part.start, part.stop - part.start) for h in (gate, up)], dim=dim)
+
+    def summed_bias(self, t: torch.Tensor) -> torch.Tensor:
+        """A bias added inside a layer's one sum over the ranks: rank 0's is the bias, the others' zeros, so the sum
+        adds it once (vLLM's RowParallelLinear adds its bias on rank 0 alone)."""
+        return t if self.rank == 0 else torch.zeros_like(t)
+
 
 def check_shardable(model_class: type, arch, world_size: int) -> None:
     """ValueError naming why a model does not split ``world_size`` ways (nothing for 1)."""
@@ -101,8 +118,7 @@ def shard_tensor(name: str, t: torch.Tensor, arch, shard: Shard) -> torch.Tensor
     if not name.startswith("model.layers."):
         return t
     num_heads, num_kv_heads, head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
-    q_rows = _rows(shard.part(num_heads), head_dim)
-    kv_rows = _rows(shard.part(num_kv_heads), head_dim)
+    q_rows, kv_rows = shard.rows(num_heads, head_dim), shard.rows(num_kv_heads, head_dim)
     leaf = name.split(".", 3)[3]  # model.layers.<i>.<leaf>
     if leaf.startswith("feed_forward."):  # Llama 4's name for the MLP block (LlamaModel renames it after the cut)
         leaf = "mlp." + leaf[len("feed_forward."):]
@@ -126,15 +142,14 @@ def shard_tensor(name: str, t: torch.Tensor, arch, shard: Shard) -> torch.Tensor
     elif leaf in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
         t = t[shard.part(arch.intermediate_size)]
     elif leaf == "mlp.gate_up_proj.weight":  # Phi-3's, GLM-4's fused checkpoints
-        gate, up = t.chunk(2)
-        t = torch.cat([gate[shard.part(arch.intermediate_size)], up[shard.part(arch.intermediate_size)]])
+        t = shard.halves(t)
     elif leaf == "mlp.down_proj.weight":
         t = t[:, shard.part(arch.intermediate_size)]
     elif leaf == "self_attn.sinks":
         t = t[shard.part(num_heads)]
     elif leaf in ("self_attn.q_norm.weight", "self_attn.k_norm.weight") and arch.qk_norm_spans_heads:
         # OLMo 2's norm over all of q's (k's) heads: this rank's heads' channels (SplitWidthNorm sums the squares)
-        t = t[_rows(shard.part(num_heads if leaf.startswith("self_attn.q") else num_kv_heads), head_dim)]
+        t = t[shard.rows(num_heads if leaf.startswith("self_attn.q") else num_kv_heads, head_dim)]
     elif leaf in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
         cut = _head_norm_part(t, shard, num_heads if leaf.startswith("self_attn.q") else num_kv_heads, head_dim)
         if cut is t:
@@ -142,26 +157,22 @@ def shard_tensor(name: str, t: torch.Tensor, arch, shard: Shard) -> torch.Tensor
         t = cut
     elif in_out and leaf == "mlp.experts.gate_up_proj":  # [E, H, 2I]
         if moe.layout == "gpt_oss":  # gate and up columns interleaved: this rank's (gate, up) pairs lie side by side
-            part = shard.part(t.shape[2] // 2)
-            t = t[:, :, 2 * part.start : 2 * part.stop]
+            t = t[:, :, shard.rows(t.shape[2] // 2, 2)]
         else:  # Llama 4: the gate columns, then the up columns
-            gate, up = t.chunk(2, dim=2)
-            t = torch.cat([gate[:, :, shard.part(gate.shape[2])], up[:, :, shard.part(up.shape[2])]], dim=2)
+            t = shard.halves(t, dim=2)
     elif in_out and leaf == "mlp.experts.gate_up_proj_bias":  # gpt-oss's [E, 2I], interleaved as its weight
-        part = shard.part(t.shape[1] // 2)
-        t = t[:, 2 * part.start : 2 * part.stop]
+        t = t[:, shard.rows(t.shape[1] // 2, 2)]
     elif in_out and leaf == "mlp.experts.down_proj":  # [E, I, H]
         t = t[:, shard.part(t.shape[1])]
-    elif leaf == "mlp.experts.down_proj_bias":  # gpt-oss's [E, H], inside the MoE's one sum: rank 0 adds it
-        t = t if shard.rank == 0 else torch.zeros_like(t)
+    elif leaf == "mlp.experts.down_proj_bias":  # gpt-oss's [E, H], inside the MoE's one sum
+        t = shard.summed_bias(t)
     elif _is_expert(leaf) and leaf.endswith(EXPERT_IN):  # an expert's (or the shared one's) [I, H]
         t = t[shard.part(t.shape[0])]
     elif _is_expert(leaf) and leaf.endswith(EXPERT_OUT):  # [H, I]
         t = t[:, shard.part(t.shape[1])]
     elif leaf in ("block_sparse_moe.input_linear.weight", "mlp.experts.gate_up_proj"):
         # Stacked [E, 2I, H] (GraniteMoe's, a fused Qwen MoE checkpoint's): gate rows, then up rows
-        gate, up = t.chunk(2, dim=1)
-        t = torch.cat([gate[:, shard.part(gate.shape[1])], up[:, shard.part(up.shape[1])]], dim=1)
+        t = shard.halves(t, dim=1)
     elif leaf in ("block_sparse_moe.output_linear.weight", "mlp.experts.down_proj"):  # [E, H, I]
         t = t[:, :, shard.part(t.shape[2])]
     else:
@@ -180,20 +191,17 @@ def _is_expert(leaf: str) -> bool:
     return ".experts." in leaf or ".shared_expert." in leaf or ".shared_experts." in leaf
 
 
-def _rows(heads: slice, head_dim: int) -> slice:
-    return slice(heads.start * head_dim, heads.stop * head_dim)
-
-
 def _head_norm_part(weight: torch.Tensor, shard: Shard, num_heads: int, head_dim: int) -> torch.Tensor:
     """A q/k norm's weight for this rank's heads: one [head_dim] shared by every head (Qwen3) stays whole, a per-head
-    [heads, head_dim] (Cohere) is cut; a norm over all heads at once (OLMo 2's [heads * head_dim]) would need the
-    other ranks' heads for its mean: refused."""
+    [heads, head_dim] (Cohere) is cut. A norm over all heads at once is cut by shard_tensor where the arch says so
+    (``qk_norm_spans_heads``: OLMo 2/3, OLMoE; SplitWidthNorm computes it); any other width is refused."""
     if weight.dim() == 2:
         return weight[shard.part(num_heads)]
     if weight.shape[0] == head_dim:
         return weight
-    raise ValueError("tensor parallelism: this model's q/k norm spans all heads at once (OLMo 2), which a rank's "
-                     "slice of the heads cannot compute alone; run it with --tensor-parallel-size 1")
+    raise ValueError(f"tensor parallelism: this model's q/k norm weight has {weight.shape[0]} channels, a norm over "
+                     "all heads at once as OLMo 2's, in a family not known to split one (OLMo 2/3 and OLMoE do); run "
+                     "it with --tensor-parallel-size 1")
 
 
 class RowParallelLinear:
@@ -246,13 +254,13 @@ def _mla_part(leaf: str, t: torch.Tensor, arch, shard: Shard) -> torch.Tensor:
     """This rank's heads of an MLA layer (vLLM's split): q_b_proj's (V2-Lite: q_proj's) and kv_b_proj's rows, o_proj's
     columns. The latent path (q_a, kv_a_proj_with_mqa, their norms) is whole on every rank: each rank caches the whole
     latent, which all its heads read."""
-    m, heads = arch.mla, shard.part(arch.num_heads)
+    m, num_heads = arch.mla, arch.num_heads
     if leaf in ("self_attn.q_b_proj.weight", "self_attn.q_proj.weight"):
-        return t[_rows(heads, m.qk_nope_head_dim + m.qk_rope_head_dim)]
+        return t[shard.rows(num_heads, m.qk_nope_head_dim + m.qk_rope_head_dim)]
     if leaf == "self_attn.kv_b_proj.weight":
-        return t[_rows(heads, m.qk_nope_head_dim + m.v_head_dim)]
+        return t[shard.rows(num_heads, m.qk_nope_head_dim + m.v_head_dim)]
     if leaf == "self_attn.o_proj.weight":
-        return t[:, _rows(heads, m.v_head_dim)]
+        return t[:, shard.rows(num_heads, m.v_head_dim)]
     return t
 
 

@@ -102,8 +102,8 @@ def shard_hybrid_tensor(name: str, t: torch.Tensor, arch, shard: Shard) -> torch
 
 def _mamba(leaf: str, t: torch.Tensor, arch, shard: Shard) -> torch.Tensor | None:
     heads = shard.part(arch.mamba_num_heads)
-    channels = _rows(heads, arch.mamba_head_dim)  # z, x, the norm weight: this rank's heads' channels
-    group_rows = _rows(shard.part(arch.n_groups), arch.ssm_state_size)
+    channels = shard.rows(arch.mamba_num_heads, arch.mamba_head_dim)  # z, x, the norm weight: its heads' channels
+    group_rows = shard.rows(arch.n_groups, arch.ssm_state_size)
     inner, gn = arch.mamba_intermediate_size, arch.n_groups * arch.ssm_state_size
     if leaf in ("in_proj.weight", "in_proj.bias"):
         z, x, B, C, dt = t.split([inner, inner, gn, gn, arch.mamba_num_heads])
@@ -121,8 +121,7 @@ def _mamba(leaf: str, t: torch.Tensor, arch, shard: Shard) -> torch.Tensor | Non
 
 
 def _attention(leaf: str, t: torch.Tensor, arch, shard: Shard) -> torch.Tensor | None:
-    q_rows = _rows(shard.part(arch.num_heads), arch.head_dim)
-    kv_rows = _rows(shard.part(arch.num_kv_heads), arch.head_dim)
+    q_rows, kv_rows = shard.rows(arch.num_heads, arch.head_dim), shard.rows(arch.num_kv_heads, arch.head_dim)
     if leaf == "q_proj.weight":
         return t[q_rows]
     if leaf in ("k_proj.weight", "v_proj.weight"):
@@ -151,11 +150,11 @@ def _moe(leaf: str, t: torch.Tensor, shard: Shard) -> torch.Tensor | None:
         return t[:, :, shard.part(t.shape[2])]
     if leaf.startswith("shared_experts."):
         leaf = leaf.removeprefix("shared_experts.")
-        if leaf == "down_proj.bias":
-            return t if shard.rank == 0 else torch.zeros_like(t)
+        if leaf == "down_proj.bias":  # inside the MoE's one sum
+            return shard.summed_bias(t)
         return _mlp(leaf, t, shard)
-    if leaf == "fc2_latent_proj.bias":  # inside the MoE's sum: rank 0 adds it
-        return t if shard.rank == 0 else torch.zeros_like(t)
+    if leaf == "fc2_latent_proj.bias":  # inside the MoE's one sum
+        return shard.summed_bias(t)
     return None  # the router, its correction bias, fc1_latent_proj, fc2_latent_proj.weight: whole
 
 
@@ -163,20 +162,14 @@ def _granite_mlp(leaf: str, t: torch.Tensor, shard: Shard) -> torch.Tensor | Non
     """A Granite layer's MLP half: stacked SwiGLU experts (input_linear [E, 2I, H]: gate rows, then up rows;
     output_linear [E, H, I]) and the shared SwiGLU MLP ([2I, H], [H, I]); the router whole."""
     if leaf == "input_linear.weight":
-        gate, up = t.chunk(2, dim=1)
-        return torch.cat([gate[:, shard.part(gate.shape[1])], up[:, shard.part(up.shape[1])]], dim=1)
+        return shard.halves(t, dim=1)
     if leaf == "output_linear.weight":
         return t[:, :, shard.part(t.shape[2])]
     if leaf == "shared_mlp.input_linear.weight":
-        gate, up = t.chunk(2)
-        return torch.cat([gate[shard.part(gate.shape[0])], up[shard.part(up.shape[0])]])
+        return shard.halves(t)
     if leaf == "shared_mlp.output_linear.weight":
         return t[:, shard.part(t.shape[1])]
     return None
-
-
-def _rows(part: slice, width: int) -> slice:
-    return slice(part.start * width, part.stop * width)
 
 
 def split_hybrid_rows(model, group) -> None:
