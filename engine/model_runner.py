@@ -252,9 +252,10 @@ class ModelRunner:
         slots, all_blocks = [], []
         for i, s in enumerate(state.scheduler_output.scheduled):
             if sampled[i]:
+                slot = int(state.idx_mapping_np[i])
                 blocks = state_block_ids(s.block_ids, s.num_prompt_tokens, self.block_size, self.num_state_blocks_out)
-                pack_state(self.mamba_pool, int(state.idx_mapping_np[i]), self.kv_cache, blocks)
-                slots.append(int(state.idx_mapping_np[i]))
+                pack_state(self.mamba_pool, slot, self.kv_cache, blocks)
+                slots.append(slot)
                 all_blocks.append(blocks)
         if slots and self.model.tp_driver is not None:  # each rank packs its heads' states into its own cache
             self.model.tp_driver.pack_states(np.array(slots, dtype=np.int64), np.array(all_blocks, dtype=np.int64),

@@ -42,13 +42,13 @@ def make_proposer(config: EngineConfig, model, kv_cache: torch.Tensor, mtp_weigh
     if config.spec_method == "ngram":
         return NgramProposer(config.ngram_min, config.ngram_max)
     if config.spec_method == "mtp":
-        if mtp_weights is not None and is_own_mtp_weights(mtp_weights):  # sliced where the model is split
+        if mtp_weights is not None and (is_own_mtp_weights(mtp_weights)
+                                        or is_own_deepseek_mtp_weights(mtp_weights, model.arch)):
+            # The checkpoint's own MTP layers (NemotronH's, DeepSeek-V3's), sliced where the model is split.
             return MTPProposer(own_mtp_head(model, mtp_weights), kv_cache, config.block_size)
         # Drafts over the first DRAFT_VOCAB_SIZE ids on a CPU, where the lm_head is most of a draft step; on a GPU
         # the whole vocabulary (a Llama 3's common tokens lie far past 16k, and its lm_head costs a draft little).
         draft_vocab = DRAFT_VOCAB_SIZE if kv_cache.device.type == "cpu" else model.arch.vocab_size
-        if mtp_weights is not None and is_own_deepseek_mtp_weights(mtp_weights, model.arch):
-            return MTPProposer(own_mtp_head(model, mtp_weights), kv_cache, config.block_size)
         weights = (mtp_weights if mtp_weights is not None  # drawn at the whole model's shapes where it is split
                    else random_mtp_weights(model.unsplit_arch or model.arch, config.seed))
         # An EAGLE-3 draft, an EAGLE draft or our MTP head, by its weights (sliced where the model is split).

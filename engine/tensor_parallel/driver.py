@@ -69,8 +69,7 @@ def check_speculation(config: EngineConfig, arch) -> str:
     checkpoint's own MTP layers: NemotronH's, DeepSeek-V3's), "head" (our MTP head, an EAGLE or EAGLE-3 draft on a
     Llama-family target), "" without MTP speculation; ConfigError for a draft head on a hybrid or DeepSeek target
     (those draft with their own layers)."""
-    from pdcluster.engine.models.mtp import find_mtp_checkpoint, uses_own_mtp_layers
-    from pdcluster.engine.models.registry import default_cache_dir
+    from pdcluster.engine.models.mtp import uses_own_mtp_layers
 
     if config.spec_method != "mtp":
         return ""
@@ -78,7 +77,6 @@ def check_speculation(config: EngineConfig, arch) -> str:
     if own_kind and uses_own_mtp_layers(config.mtp_checkpoint, arch):
         return "own"
     if own_kind:
-        find_mtp_checkpoint(config.mtp_checkpoint, config.cache_dir or default_cache_dir(), config.model, arch)
         raise ConfigError(f"tensor_parallel_size {config.tensor_parallel_size}: MTP speculation on a split hybrid or "
                           "DeepSeek model drafts with the checkpoint's own MTP layers; a draft head "
                           f"({config.mtp_checkpoint}) on it does not split yet: use n-gram speculation or "
@@ -199,7 +197,7 @@ class TensorParallelDriver:
         self._send(Forward(input_ids, positions, meta))
 
     def draft_forward(self, from_target: bool, rows_np, next_token_ids_np, positions_np, meta) -> None:
-        """Hands the other ranks one forward of the model's own MTP step (engine/tensor_parallel/draft.py)."""
+        """Hands the other ranks one forward of the MTP draft (engine/tensor_parallel/draft.py)."""
         self._send(DraftForward(from_target, rows_np, next_token_ids_np, positions_np, meta))
 
     def pack_states(self, slots_np, block_ids_np, pool_size: tuple[int, int]) -> None:

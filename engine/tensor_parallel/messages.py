@@ -63,8 +63,9 @@ class Forward:
 
 @dataclass(frozen=True)
 class DraftForward:
-    """One forward of the model's own MTP step (engine/tensor_parallel/draft.py): its input hidden states are rows
-    ``rows_np`` of the rank's own last target forward (``from_target``) or of its last MTP forward."""
+    """One forward of the MTP draft (engine/tensor_parallel/draft.py): its input hidden states are rows ``rows_np`` of
+    the rank's own last target forward (``from_target``; an EAGLE-3 draft fuses its aux states of those rows) or of
+    its last MTP forward."""
 
     from_target: bool
     rows_np: np.ndarray  # int64
