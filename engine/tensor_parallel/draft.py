@@ -34,18 +34,16 @@ def own_mtp_head(model, weights: dict[str, torch.Tensor]) -> NemotronMTP | Deeps
     head_class = DeepseekMTP if deepseek else NemotronMTP
     if model.tp_shard is None:
         return head_class(model, weights)
+    from pdcluster.engine.tensor_parallel.shard import shard_tensor, split_layer
+    from pdcluster.engine.tensor_parallel.shard_hybrid import split_hybrid_blocks
+
+    # shard_tensor cuts a hybrid's mtp.layers.* by shard_hybrid.py's rules, DeepSeek's MTP layer as any of its layers
+    head = head_class(model, {name: shard_tensor(name, t, model.unsplit_arch, model.tp_shard)
+                              for name, t in weights.items()})
     if deepseek:
-        from pdcluster.engine.tensor_parallel.shard import shard_tensor, split_layer
-
-        head = DeepseekMTP(model, {name: shard_tensor(name, t, model.unsplit_arch, model.tp_shard)
-                                   for name, t in weights.items()})
         split_layer(head.block, model.tp_group)
-        return head
-    from pdcluster.engine.tensor_parallel.shard_hybrid import shard_hybrid_tensor, split_hybrid_blocks
-
-    head = NemotronMTP(model, {name: shard_hybrid_tensor(name, t, model.unsplit_arch, model.tp_shard)
-                               for name, t in weights.items()})
-    split_hybrid_blocks(head.blocks, model.tp_group)
+    else:
+        split_hybrid_blocks(head.blocks, model.tp_group)
     return head
 
 
