@@ -190,6 +190,9 @@ def test_tuning_that_fails_leaves_cublas(cpu_skinny):
 
 
 def test_linear_runs_the_chosen_kernel_and_cublas_elsewhere(cpu_skinny, monkeypatch):
+    # Seeded: unseeded, its inputs followed whatever the worker ran before, and one draw in CI put one of 320 epilogue
+    # outputs 1.7e-5 from the reference (the interpreted Triton sum's order against torch's, at the 1e-5 bound).
+    torch.manual_seed(0)
     calls = []
 
     def tune(weight, rows, silu_and_mul, gated=False):  # the measurement behind skinny_linear.choose
