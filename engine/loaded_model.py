@@ -103,12 +103,20 @@ class LoadedModel:
         deterministic = _resolve_deterministic(config)
         config = replace(config, deterministic=deterministic)
         max_positions = max_model_len + config.num_spec_steps + 1
+        # The adapters named at start-up, read before any weight (a bad one is refused at once); the other ranks of a
+        # split model read the same files and check they hold these contents (WorkerSpec.lora_digests).
+        adapters = []
+        if config.lora_modules or config.enable_lora:
+            from pdcluster.engine.lora import install, load_adapter
+
+            adapters = [load_adapter(name, path, config.max_lora_rank) for name, path in config.lora_paths().items()]
         driver = shard = None
         if config.tensor_parallel_size > 1:  # the other ranks load their slices while this one loads its own
             check_shardable(model_class_of(model_dir), arch, config.tensor_parallel_size)
             draft = check_speculation(config, arch)
             driver = TensorParallelDriver.start(config, str(model_dir), dtype_name, max_positions, max_model_len,
-                                                deterministic, draft=draft)
+                                                deterministic, draft=draft,
+                                                lora_digests={a.name: a.digest for a in adapters})
             shard = Shard(0, config.tensor_parallel_size)
         try:
             model = load_model(model_dir, dtype, max_positions, config.device, deterministic=deterministic,
@@ -119,9 +127,12 @@ class LoadedModel:
             raise
         arch = model.arch  # as this engine serves it (longrope's table follows max_model_len)
         if config.lora_modules or config.enable_lora:
-            from pdcluster.engine.lora import install
-
-            install(model, config.lora_paths(), config.max_lora_rank, runtime=config.enable_lora)
+            try:
+                install(model, adapters, runtime=config.enable_lora)
+            except BaseException:
+                if driver is not None:
+                    driver.close()
+                raise
         num_draft_layers = proposer_draft_layers(config, arch)  # MTP: its layers after the target's (S2)
         probe = KVCacheSpec(arch.num_layers + num_draft_layers, num_draft_layers, 1, config.block_size,
                             arch.num_kv_heads, arch.head_dim, kv_cache_dtype(config.kv_cache_dtype, dtype, arch),

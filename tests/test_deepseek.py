@@ -316,7 +316,7 @@ def test_unsupported_configs_refused_in_one_line(dirs, tmp_path, change, words):
 def test_lora_refused_in_one_line(dirs):
     model = load_model(dirs["v2"], torch.float32, 64)
     with pytest.raises(LoraAdapterError, match="not served on DeepseekModel"):
-        install(model, {"a": "/nonexistent"}, 8)
+        install(model, [])
 
 
 def test_quantized_checkpoints_refused_for_every_family(tmp_path):

@@ -147,7 +147,6 @@ def test_a_model_class_not_known_to_split_is_refused_by_its_class():
 
 
 @pytest.mark.parametrize("change,words", [
-    (dict(enable_lora=True), "LoRA"),
     (dict(kv_offload_host_gib=0.1, device="cuda"), "offload tiers reach a split model's rank caches on CPUs only"),
     (dict(device="cuda:1"), "rank r runs on cuda:r"),
 ])

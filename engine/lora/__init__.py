@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from typing import Sequence
 
 from pdcluster.engine.lora.adapter import LoraAdapter, LoraAdapterError, LoraWeights, load_adapter
 from pdcluster.engine.lora.layers import LoraLinear, LoraSet, grouped_way, slice_updates
@@ -21,21 +22,21 @@ log = logging.getLogger(__name__)
 __all__ = ["LoraAdapter", "LoraAdapterError", "LoraSet", "add", "check_fits", "install", "load_adapter", "remove"]
 
 
-def install(model, lora_modules: dict[str, str], max_rank: int, runtime: bool = False) -> LoraSet:
-    """Load every adapter of ``lora_modules`` ({name: path}), check each against ``model`` (its layers, its
-    projections' shapes: ``model.lora_targets()``), and wrap the projections they target; sets and returns
-    ``model.lora``. ``runtime``: adapters will also come and go while serving (``add`` / ``remove``), so every
-    projection an adapter may target is wrapped now, whether or not one of these targets it."""
+def install(model, adapters: Sequence[LoraAdapter], runtime: bool = False) -> LoraSet:
+    """Check each of ``adapters`` (load_adapter's) against ``model`` (its layers, its projections' shapes:
+    ``model.lora_targets()``) and wrap the projections they target; sets and returns ``model.lora``. ``runtime``:
+    adapters will also come and go while serving (``add`` / ``remove``), so every projection an adapter may target
+    is wrapped now, whether or not one of these targets it. On one rank of a split model each adapter is checked
+    against the whole model's shapes, then cut to the rank's slice (engine/tensor_parallel/shard_lora.py)."""
     targets = model.lora_targets()
     if targets is None:
         raise LoraAdapterError(f"LoRA adapters are not served on {model.architecture_name} models "
                                "(drop --lora-modules / --enable-lora)")
-    adapters = [load_adapter(name, path, max_rank) for name, path in lora_modules.items()]
-    for adapter in adapters:
-        check_fits(model, adapter)
+    adapters = [_fitted(model, adapter) for adapter in adapters]
     lora = LoraSet(adapters, grouped_way(model.device, model.dtype))
     lora.runtime = runtime
     for layer, owner, attr, slices in targets:
+        owner, attr = _holder(owner, attr)
         updates = {}
         for slot, adapter in enumerate(adapters):
             update = _update_of(model, adapter, layer, attr, slices)
@@ -52,11 +53,27 @@ def install(model, lora_modules: dict[str, str], max_rank: int, runtime: bool = 
     return lora
 
 
+def _holder(owner, attr: str) -> tuple[object, str]:
+    """Where the projection ``owner.attr`` itself is held: inside a row-parallel wrapper on a split model (the
+    adapter's partial update then joins the projection's partial sum before the wrapper's all-reduce)."""
+    from pdcluster.engine.tensor_parallel.shard import RowParallelLinear
+
+    inner = getattr(owner, attr)
+    return (inner, "linear") if isinstance(inner, RowParallelLinear) else (owner, attr)
+
+
 def check_fits(model, adapter: LoraAdapter) -> None:
     """Refuse (LoraAdapterError, naming the module) an adapter whose modules the model does not have or whose
-    shapes differ from the model's projections."""
-    where = {(layer, name): (offset, width, getattr(owner, attr).in_features)
-             for layer, owner, attr, slices in model.lora_targets() for name, offset, width in slices}
+    shapes differ from the model's projections (the whole model's, on a rank of a split one)."""
+    from pdcluster.engine.tensor_parallel.shard_lora import full_shape
+
+    world_size = model.tp_shard.world_size if model.tp_shard is not None else 1
+    where = {}
+    for layer, owner, attr, slices in model.lora_targets():
+        holder, inner = _holder(owner, attr)
+        in_features = getattr(holder, inner).in_features
+        for name, offset, width in slices:
+            where[(layer, name)] = full_shape(name, width, in_features, world_size)
     num_layers = len(model.layers)
     for (layer, module), w in adapter.modules.items():
         refuse = f"LoRA adapter {adapter.name!r} ({adapter.path}): layer {layer} {module}: "
@@ -65,11 +82,23 @@ def check_fits(model, adapter: LoraAdapter) -> None:
         if (layer, module) not in where:
             raise LoraAdapterError(f"{refuse}this layer has no such projection that takes adapters (a "
                                    "mixture-of-experts layer, or another kind of layer)")
-        _, width, in_features = where[(layer, module)]
+        width, in_features = where[(layer, module)]
         if w.a.shape[1] != in_features or w.b.shape[0] != width:
             raise LoraAdapterError(f"{refuse}lora_A {tuple(w.a.shape)} / lora_B {tuple(w.b.shape)} do not fit "
                                    f"the base model's projection [{width}, {in_features}] (an adapter trained "
                                    "for another model?)")
+
+
+def _fitted(model, adapter: LoraAdapter) -> LoraAdapter:
+    """``adapter`` checked against the model (check_fits), as this model runs it: cut to its rank's slice on a
+    split model."""
+    check_fits(model, adapter)
+    shard = model.tp_shard
+    if shard is None or shard.world_size == 1:
+        return adapter
+    from pdcluster.engine.tensor_parallel.shard_lora import shard_adapter
+
+    return shard_adapter(adapter, model.unsplit_arch, shard)
 
 
 def _update_of(model, adapter: LoraAdapter, layer: int, attr: str, slices):
@@ -80,14 +109,16 @@ def _update_of(model, adapter: LoraAdapter, layer: int, attr: str, slices):
 
 
 def add(model, adapter: LoraAdapter) -> int:
-    """Hold ``adapter`` (checked: ``check_fits``) on a model installed with ``runtime``, under its name; returns
-    its slot. Called between steps. The caller has made sure no other adapter has its name."""
+    """Hold ``adapter`` (checked: ``check_fits``; a rank's slice of it on a split model) on a model installed with
+    ``runtime``, under its name; returns its slot. Called between steps. The caller has made sure no other adapter
+    has its name."""
     lora = model.lora
-    check_fits(model, adapter)
+    adapter = _fitted(model, adapter)
     slot = lora.free_slot()
     grows = slot == lora.num_slots
     lora.put(slot, adapter)
     for layer, owner, attr, slices in model.lora_targets():
+        owner, attr = _holder(owner, attr)
         wrapped = getattr(owner, attr)
         if not isinstance(wrapped, LoraLinear):
             continue

@@ -72,6 +72,11 @@ def read_adapter_config(name: str, path: Path) -> tuple[dict, bytes]:
         raise _refuse(name, path, "no adapter_config.json (expected a PEFT adapter directory, as "
                                   "PeftModel.save_pretrained writes)")
     raw = cfg_file.read_bytes()
+    return parse_adapter_config(name, path, raw), raw
+
+
+def parse_adapter_config(name: str, path: Path, raw: bytes) -> dict:
+    """adapter_config.json's bytes checked for what we cannot run."""
     try:
         cfg = json.loads(raw)
     except json.JSONDecodeError as e:
@@ -93,22 +98,34 @@ def read_adapter_config(name: str, path: Path) -> tuple[dict, bytes]:
     if not isinstance(cfg.get("r"), int) or cfg["r"] <= 0 or not isinstance(cfg.get("lora_alpha", 8), (int, float)):
         raise _refuse(name, path, f"adapter_config.json needs a positive integer r and a numeric lora_alpha, got "
                                   f"r={cfg.get('r')!r}, lora_alpha={cfg.get('lora_alpha')!r}")
-    return cfg, raw
+    return cfg
 
 
 def load_adapter(name: str, path: str | Path, max_rank: int) -> LoraAdapter:
     """The adapter at ``path`` as float32 tensors on the CPU, each module's A and B paired and of one rank, at
     most ``max_rank`` (its fit to the model: engine/lora/__init__.py ``install``)."""
+    return parse_adapter(name, path, *read_adapter_files(name, path), max_rank)
+
+
+def read_adapter_files(name: str, path: str | Path) -> tuple[bytes, bytes]:
+    """The bytes of the adapter's adapter_config.json and adapter_model.safetensors, read once (a tensor-parallel
+    engine's other ranks parse these same bytes: engine/lora/runtime.py)."""
     path = Path(path)
     if not path.is_dir():
         raise _refuse(name, path, "no such directory")
-    cfg, cfg_bytes = read_adapter_config(name, path)
+    _, cfg_bytes = read_adapter_config(name, path)
     weights_file = path / "adapter_model.safetensors"
     if not weights_file.is_file():
         bin_hint = " (adapter_model.bin: resave it with safe_serialization=True)" if (
             path / "adapter_model.bin").exists() else ""
         raise _refuse(name, path, f"no adapter_model.safetensors{bin_hint}")
-    weights_bytes = weights_file.read_bytes()
+    return cfg_bytes, weights_file.read_bytes()
+
+
+def parse_adapter(name: str, path: str | Path, cfg_bytes: bytes, weights_bytes: bytes, max_rank: int) -> LoraAdapter:
+    """load_adapter over the files' bytes (read_adapter_files's)."""
+    path = Path(path)
+    cfg = parse_adapter_config(name, path, cfg_bytes)
     tensors = load(weights_bytes)
     digest = hashlib.sha256(cfg_bytes + weights_bytes).hexdigest()[:16]
     alpha = float(cfg.get("lora_alpha", 8))

@@ -64,6 +64,9 @@ class LoraSet:
         # Set by ``step`` for one forward, None outside it:
         self.token_slot: torch.Tensor | None = None  # each token's adapter slot, -1 for none (the stacked way)
         self.sorted_rows: cpu_lora.LoraRows | None = None  # every adapter row, sorted by adapter (the grouped way)
+        # The step's own arguments while it has adapter rows: what a split model's other ranks run the step's
+        # rows with (engine/tensor_parallel/driver.py forward).
+        self.step_rows: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -130,10 +133,12 @@ class LoraSet:
                 torch.from_numpy(np.concatenate([np.arange(s, e, dtype=np.int64) for i in sorted(runs)
                                                  for s, e in runs[i]])),
                 torch.from_numpy(np.cumsum(counts)), int(query_start_loc_np[len(adapter_of_row)]))
+        if runs:
+            self.step_rows = (np.asarray(adapter_of_row), np.asarray(query_start_loc_np[: len(adapter_of_row) + 1]))
         try:
             yield bool(runs)
         finally:
-            self.token_slot, self.sorted_rows = None, None
+            self.token_slot, self.sorted_rows, self.step_rows = None, None, None
 
     def changed(self) -> None:
         """A projection's updates changed (called by its ``rebuild``)."""

@@ -5,14 +5,15 @@ it. An unload takes the name away at once (a new request naming it is refused), 
 last request running with them ends, whether it is decoding, waiting, preempted or held for a KV transfer:
 nothing that was admitted is cut short or runs with other weights. Requests carry their adapter's content
 digest (SamplingParams.lora_digest), so an adapter unloaded and loaded again under its name with other files is
-another slot and other block hashes, and the two never mix.
+another slot and other block hashes, and the two never mix. On a split model (tensor parallelism) the other ranks
+take the same step in the same order: the files' bytes as read here, cut to each rank's slice, in the same slot.
 """
 
 from __future__ import annotations
 
 import logging
 
-from pdcluster.engine.lora.adapter import LoraAdapterError, load_adapter
+from pdcluster.engine.lora.adapter import LoraAdapterError, parse_adapter, read_adapter_files
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +43,12 @@ class RuntimeLora:
                                    " unloaded ones included until their requests end): unload one, or raise --max-loras")
         from pdcluster.engine.lora import add
 
-        adapter = load_adapter(name, path, self.config.max_lora_rank)
-        add(self.model, adapter)
+        files = read_adapter_files(name, path)
+        adapter = parse_adapter(name, path, *files, self.config.max_lora_rank)
+        slot = add(self.model, adapter)
+        driver = self.model.tp_driver
+        if driver is not None:  # a split model: every other rank holds its slice of the same bytes in the same slot
+            driver.add_lora(slot, name, str(path), files, self.config.max_lora_rank)
         return adapter.digest
 
     def unload(self, name: str) -> None:
@@ -77,5 +82,7 @@ class RuntimeLora:
                 kept += 1
                 continue
             remove(self.model, slot)
+            if self.model.tp_driver is not None:
+                self.model.tp_driver.remove_lora(slot)
             log.info("LoRA adapter %s (%s) unloaded: no request runs with it any more", adapter.name, adapter.digest)
         self.retiring = kept > 0

@@ -281,11 +281,11 @@ class NemotronHModel(CausalLM):
             if block.kind == ATTENTION:
                 targets += [(i, block.mixer, "qkv_proj", (("q_proj", 0, q_size), ("k_proj", q_size, kv_size),
                                                           ("v_proj", q_size + kv_size, kv_size))),
-                            (i, block.mixer, "o_proj", (("o_proj", 0, block.mixer.o_proj.out_features),))]
+                            (i, block.mixer, "o_proj", (("o_proj", 0, a.hidden_size),))]
             elif block.kind == MLP:
                 mlp = block.mixer.mixer  # inside its TokenChunked
-                targets += [(i, mlp, name, ((name, 0, getattr(mlp, name).out_features),))
-                            for name in ("up_proj", "down_proj")]
+                targets += [(i, mlp, "up_proj", (("up_proj", 0, mlp.up_proj.out_features),)),
+                            (i, mlp, "down_proj", (("down_proj", 0, a.hidden_size),))]
             elif block.kind == MAMBA:
                 targets.append((i, block.mixer, "in_proj", (("in_proj", 0, block.mixer.in_proj.out_features),)))
         return targets
@@ -306,7 +306,7 @@ class NemotronHModel(CausalLM):
         """Hidden states after the final norm, [num_tokens, hidden]. ``on_layer_done(i)`` runs as soon
         as attention layer i's KV is in the cache (i counts attention layers only)."""
         if self.tp_driver is not None:  # tensor parallelism: the other ranks run this forward on their slices
-            self.tp_driver.forward(input_ids, positions, meta)
+            self.tp_driver.forward(input_ids, positions, meta, self.lora.step_rows if self.lora is not None else None)
         plan = None
         if meta.mamba is not None and self.arch.num_mamba_layers:
             plan = meta.mamba.plan or MambaStepPlan.build(meta.mamba, input_ids.device,

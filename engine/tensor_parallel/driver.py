@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import threading
 import time
 import weakref
 from dataclasses import replace
@@ -23,8 +24,9 @@ import torch
 from pdcluster.engine.config import ConfigError, EngineConfig
 from pdcluster.engine.kv_cache import KVCacheSpec
 from pdcluster.engine.tensor_parallel.group import TPGroup, open_store
-from pdcluster.engine.tensor_parallel.messages import (AllocateCache, DraftForward, Forward, KeepStates, MoveStates,
-                                                       Stop, WorkerSpec, decode_status, encode)
+from pdcluster.engine.tensor_parallel.messages import (AddLora, AllocateCache, DraftForward, Forward, KeepStates,
+                                                       MoveStates, RemoveLora, Stop, WorkerSpec, decode_status,
+                                                       encode)
 from pdcluster.engine.tensor_parallel.shared_cache import create_shared_cache
 from pdcluster.engine.tensor_parallel.shm_allreduce import create_segment, remove_segment
 from pdcluster.engine.tensor_parallel.worker import worker_main
@@ -42,9 +44,6 @@ def check_engine_config(config: EngineConfig) -> EngineConfig:
     n = config.tensor_parallel_size
     if n == 1:
         return config
-    if config.lora_modules or config.enable_lora:
-        raise ConfigError(f"tensor_parallel_size {n}: LoRA adapters are not sharded yet; serve them with "
-                          "--tensor-parallel-size 1")
     if config.offload_config().enabled and config.device != "cpu":
         raise ConfigError(f"tensor_parallel_size {n}: the KV offload tiers reach a split model's rank caches on CPUs "
                           f"only (shared memory); on {config.device} drop the --kv-offload-* flags or serve with "
@@ -106,6 +105,7 @@ class TensorParallelDriver:
     def __init__(self, processes: list, conns: list, group: TPGroup, shm_path: str = "") -> None:
         self.processes, self.conns, self.group, self.shm_path = processes, conns, group, shm_path
         self.closed = False
+        self._send_lock = threading.Lock()
         if group.shm is not None:
             group.shm.check_peers = self.check_alive
         # An engine dropped without close() still stops its ranks (and at interpreter exit: daemon processes).
@@ -113,9 +113,12 @@ class TensorParallelDriver:
 
     @classmethod
     def start(cls, config: EngineConfig, model_dir: str, dtype_name: str, max_positions: int, max_model_len: int,
-              deterministic: bool, draft: str = "") -> "TensorParallelDriver":
+              deterministic: bool, draft: str = "", lora_digests: dict[str, str] | None = None
+              ) -> "TensorParallelDriver":
         """Spawns ranks 1 .. n-1 (each starts loading its slice at once) and joins their group as rank 0.
-        ``draft`` (check_speculation's): the MTP draft every rank then loads its slice of too."""
+        ``draft`` (check_speculation's): the MTP draft every rank then loads its slice of too. ``lora_digests``: the
+        start-up adapters (config.lora_modules) by name, with the contents rank 0 read; each rank reads the same files
+        and refuses to start on other contents."""
         from pdcluster.engine.models.mtp import DRAFT_VOCAB_SIZE
         from pdcluster.engine.models.registry import default_cache_dir
         from pdcluster.engine.tensor_parallel.draft import eagle3_buffer_tokens
@@ -131,7 +134,8 @@ class TensorParallelDriver:
             spec = WorkerSpec(rank, n, store.port if on_gpu else 0, shm_path, str(model_dir), dtype_name,
                               max_positions, max_model_len, device, deterministic, config.num_threads, draft,
                               config.mtp_checkpoint, str(config.cache_dir or default_cache_dir()), config.model,
-                              config.seed, DRAFT_VOCAB_SIZE, eagle3_buffer_tokens(config))
+                              config.seed, DRAFT_VOCAB_SIZE, eagle3_buffer_tokens(config),
+                              config.lora_paths(), dict(lora_digests or {}), config.max_lora_rank, config.enable_lora)
             ours, theirs = ctx.Pipe()
             process = ctx.Process(target=worker_main, args=(theirs, spec), name=f"pdcluster-tp{rank}", daemon=True)
             process.start()
@@ -192,9 +196,20 @@ class TensorParallelDriver:
         self.wait("ready")
         return caches
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> None:
-        """Hands a forward's inputs to the other ranks, which start it at once (rank 0 runs its own next)."""
-        self._send(Forward(input_ids, positions, meta))
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, lora_rows=None) -> None:
+        """Hands a forward's inputs to the other ranks, which start it at once (rank 0 runs its own next).
+        ``lora_rows``: the step's adapter of each row and its rows' token offsets (LoraSet.step_rows), None without
+        adapter rows."""
+        self._send(Forward(input_ids, positions, meta, lora_rows=lora_rows))
+
+    def add_lora(self, slot: int, name: str, path: str, files: tuple[bytes, bytes], max_rank: int) -> None:
+        """Every other rank holds the adapter made of ``files`` (the bytes rank 0 parsed) in ``slot``, its slice of it,
+        before the next forward (the pipe's order)."""
+        self._send(AddLora(slot, name, path, files[0], files[1], max_rank))
+
+    def remove_lora(self, slot: int) -> None:
+        """Every other rank empties adapter slot ``slot`` (no request runs with it any more)."""
+        self._send(RemoveLora(slot))
 
     def draft_forward(self, from_target: bool, rows_np, next_token_ids_np, positions_np, meta) -> None:
         """Hands the other ranks one forward of the MTP draft (engine/tensor_parallel/draft.py)."""
@@ -220,11 +235,14 @@ class TensorParallelDriver:
         if self.closed:
             raise RuntimeError("tensor parallelism: the engine's other ranks were stopped (engine closed)")
         payload = encode(message)
-        for rank, conn in enumerate(self.conns, start=1):
-            try:
-                conn.send_bytes(payload)
-            except OSError:
-                raise RuntimeError(f"tensor-parallel rank {rank} is gone: {self.why_failed()}") from None
+        # One message at a time on each pipe: an adapter loaded while serving is sent from the engine's thread, the
+        # forwards from the runner's under async scheduling.
+        with self._send_lock:
+            for rank, conn in enumerate(self.conns, start=1):
+                try:
+                    conn.send_bytes(payload)
+                except OSError:
+                    raise RuntimeError(f"tensor-parallel rank {rank} is gone: {self.why_failed()}") from None
 
     def check_alive(self) -> None:
         """RuntimeError naming a rank that is gone (asked while rank 0 waits in a collective)."""

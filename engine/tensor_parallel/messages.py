@@ -3,11 +3,11 @@ tests/test_no_pickle.py): rank 0 sends where the KV cache is, then one message p
 speculation, which per-position Mamba states its verification rows keep), then stop; a rank answers "loaded", "ready"
 or "error". Tensors travel as (dtype, shape, bytes) host copies; a rank moves them to its device. A hybrid's Mamba rows
 travel without rank 0's state pool: each rank runs them on its own pool (its heads' states), of the size rank 0's has
-(``Forward.mamba_pool_size``)."""
+(``Forward.mamba_pool_size``). LoRA adapters loaded while serving travel as their files' bytes (``AddLora``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import msgpack
 import numpy as np
@@ -43,6 +43,12 @@ class WorkerSpec:
     seed: int = 0
     draft_vocab_size: int = 0  # our MTP head's and an EAGLE draft's (unused on a rank: rank 0 drafts)
     eagle3_buffer_tokens: int = 0  # an EAGLE-3 draft's aux hidden state buffer
+    # LoRA (engine/lora/): the start-up adapters {name: directory} and the contents rank 0 read of each {name: digest};
+    # adapters come and go while serving with enable_lora (AddLora / RemoveLora).
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    lora_digests: dict[str, str] = field(default_factory=dict)
+    max_lora_rank: int = 0
+    enable_lora: bool = False
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,9 @@ class Forward:
     meta: AttentionMetadata  # decoded: a hybrid's ``meta.mamba.pool`` is None (the rank puts its own there)
     # A hybrid's Mamba state pool on rank 0 as (num_slots, max_positions_per_step): what each rank's pool must be.
     mamba_pool_size: tuple[int, int] | None = None
+    # The step's LoRA rows (LoraSet.step's arguments): each row's adapter slot (-1: none) and the rows' token offsets;
+    # None when no row has an adapter.
+    lora_rows: tuple[np.ndarray, np.ndarray] | None = None
 
 
 @dataclass(frozen=True)
@@ -97,16 +106,44 @@ class KeepStates:
 
 
 @dataclass(frozen=True)
+class AddLora:
+    """An adapter loaded while serving (engine/lora/runtime.py): its files' bytes as rank 0 read them, so every rank
+    parses the same contents; a rank holds its slice of it in ``slot`` (rank 0's)."""
+
+    slot: int
+    name: str
+    path: str
+    config_bytes: bytes
+    weights_bytes: bytes
+    max_rank: int
+
+
+@dataclass(frozen=True)
+class RemoveLora:
+    slot: int
+
+
+@dataclass(frozen=True)
 class Stop:
     pass
 
 
 # ---- rank 0 -> the others -------------------------------------------------------------------------------------
 
-def encode(message: AllocateCache | Forward | DraftForward | MoveStates | KeepStates | Stop) -> bytes:
+Message = AllocateCache | Forward | DraftForward | MoveStates | KeepStates | AddLora | RemoveLora | Stop
+
+
+def encode(message: Message) -> bytes:
     if isinstance(message, Forward):
         body = {"kind": "forward", "input_ids": _tensor(message.input_ids), "positions": _tensor(message.positions),
                 "meta": _meta(message.meta)}
+        if message.lora_rows is not None:
+            body["lora_rows"] = [_array(a) for a in message.lora_rows]
+    elif isinstance(message, AddLora):
+        body = {"kind": "add_lora", "slot": int(message.slot), "name": message.name, "path": message.path,
+                "config": message.config_bytes, "weights": message.weights_bytes, "max_rank": int(message.max_rank)}
+    elif isinstance(message, RemoveLora):
+        body = {"kind": "remove_lora", "slot": int(message.slot)}
     elif isinstance(message, DraftForward):
         body = {"kind": "draft_forward", "from_target": bool(message.from_target), "rows": _array(message.rows_np),
                 "next_token_ids": _array(message.next_token_ids_np), "positions": _array(message.positions_np),
@@ -128,14 +165,26 @@ def encode(message: AllocateCache | Forward | DraftForward | MoveStates | KeepSt
     return msgpack.packb(body, use_bin_type=True)
 
 
-def decode(payload: bytes) -> AllocateCache | Forward | DraftForward | MoveStates | KeepStates | Stop:
+def decode(payload: bytes) -> Message:
     """ValueError for anything not encode's."""
     try:
         body = msgpack.unpackb(payload, raw=False)
         kind = body["kind"]
         if kind == "forward":
             meta, pool_size = _unmeta(body["meta"])
-            return Forward(_untensor(body["input_ids"]), _untensor(body["positions"]), meta, pool_size)
+            lora_rows = body.get("lora_rows")
+            if lora_rows is not None:
+                adapter_of_row, query_start_loc = (_unarray(a) for a in lora_rows)
+                lora_rows = (adapter_of_row, query_start_loc)
+            return Forward(_untensor(body["input_ids"]), _untensor(body["positions"]), meta, pool_size, lora_rows)
+        if kind == "add_lora":
+            config, weights = body["config"], body["weights"]
+            if not isinstance(config, bytes) or not isinstance(weights, bytes):
+                raise TypeError("an adapter's files travel as bytes")
+            return AddLora(int(body["slot"]), str(body["name"]), str(body["path"]), config, weights,
+                           int(body["max_rank"]))
+        if kind == "remove_lora":
+            return RemoveLora(int(body["slot"]))
         if kind == "draft_forward":
             meta, _ = _unmeta(body["meta"])
             return DraftForward(bool(body["from_target"]), _unarray(body["rows"]), _unarray(body["next_token_ids"]),

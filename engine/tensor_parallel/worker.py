@@ -6,6 +6,7 @@ draft.py), and a hybrid's Mamba state lives here as its heads' share (its pool, 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import traceback
@@ -14,8 +15,9 @@ from multiprocessing.reduction import recv_handle
 
 import torch
 
-from pdcluster.engine.tensor_parallel.messages import (AllocateCache, DraftForward, Forward, KeepStates, MoveStates,
-                                                       Stop, WorkerSpec, decode, encode_status, on_device)
+from pdcluster.engine.tensor_parallel.messages import (AddLora, AllocateCache, DraftForward, Forward, KeepStates,
+                                                       MoveStates, RemoveLora, Stop, WorkerSpec, decode, encode_status,
+                                                       on_device)
 
 
 def worker_main(conn, spec: WorkerSpec) -> None:
@@ -66,6 +68,8 @@ def _serve(conn, spec: WorkerSpec) -> None:
         model = load_model(spec.model_dir, DTYPES[spec.dtype_name], spec.max_positions, device,
                            deterministic=spec.deterministic, max_model_len=spec.max_model_len,
                            shard=Shard(spec.rank, spec.world_size), group=group)
+    if spec.lora_modules or spec.enable_lora:
+        _install_lora(model, spec)
     draft = _RankDraft(model, spec) if spec.draft else None
     model.lm_head = None  # rank 0 alone computes logits (a tied head is the embedding, still held)
     conn.send_bytes(encode_status("loaded"))
@@ -93,6 +97,14 @@ def _serve(conn, spec: WorkerSpec) -> None:
             if message.pack:  # rank 0 sends the blocks once every rank has packed (TensorParallelDriver.pack_states)
                 group.all_reduce_(torch.zeros(1, device=device))
             continue
+        if isinstance(message, AddLora):
+            _add_lora(model, message)
+            continue
+        if isinstance(message, RemoveLora):
+            from pdcluster.engine.lora import remove
+
+            remove(model, message.slot)
+            continue
         if isinstance(message, DraftForward):
             if draft is None:
                 raise RuntimeError("an MTP forward reached a rank that loaded no MTP layers")
@@ -104,8 +116,37 @@ def _serve(conn, spec: WorkerSpec) -> None:
         meta = on_device(message.meta, device)
         if meta.mamba is not None:
             meta = replace(meta, mamba=replace(meta.mamba, pool=states.pool_of(message.mamba_pool_size)))
-        with torch.inference_mode():
+        lora_rows = contextlib.nullcontext()
+        if message.lora_rows is not None:
+            if model.lora is None:
+                raise RuntimeError("a forward with LoRA rows reached a rank that holds no adapters")
+            lora_rows = model.lora.step(*message.lora_rows, device)
+        with torch.inference_mode(), lora_rows:
             last_hidden = model.forward(message.input_ids.to(device), message.positions.to(device), kv_cache, meta)
+
+
+def _install_lora(model, spec: WorkerSpec) -> None:
+    """The start-up adapters, this rank's slices of them, refused unless they hold what rank 0 read."""
+    from pdcluster.engine.lora import install, load_adapter
+
+    adapters = [load_adapter(name, path, spec.max_lora_rank) for name, path in spec.lora_modules.items()]
+    read = {a.name: a.digest for a in adapters}
+    if read != spec.lora_digests:
+        raise RuntimeError(f"LoRA adapters changed on disk while the ranks read them: rank 0 read {spec.lora_digests}, "
+                           f"this rank {read}")
+    install(model, adapters, runtime=spec.enable_lora)
+
+
+def _add_lora(model, message: AddLora) -> None:
+    """An adapter loaded while serving, in the slot rank 0 put it in (the slots index every rank's updates alike)."""
+    from pdcluster.engine.lora import add
+    from pdcluster.engine.lora.adapter import parse_adapter
+
+    adapter = parse_adapter(message.name, message.path, message.config_bytes, message.weights_bytes, message.max_rank)
+    if model.lora is None or model.lora.free_slot() != message.slot:
+        raise RuntimeError(f"LoRA adapter {message.name!r}: rank 0 holds it in slot {message.slot}, this rank's free "
+                           f"slot is {None if model.lora is None else model.lora.free_slot()}")
+    add(model, adapter)
 
 
 class _RankDraft:
