@@ -50,8 +50,8 @@ def test_two_adapters_and_the_base_model_on_two_ranks_match_peft_in_one_batch(ad
 
 
 def test_adapters_loaded_and_unloaded_while_a_split_engine_serves(adapters, references):
-    """Loads reach every rank as the bytes rank 0 read; an unloaded adapter's slot is emptied on every rank, and the next
-    load takes it everywhere (a rank whose free slot differed would stop the engine with the two slots named)."""
+    """Loads reach every rank as the bytes rank 0 read; an unloaded adapter's slot is emptied on every rank, and the
+    next load takes it everywhere (a rank whose free slot differed would stop the engine with the two slots named)."""
     engine = make_engine(MODEL, dtype="float32", tensor_parallel_size=2, enable_lora=True)
     try:
         engine.load_lora("a1", adapters["a1"])
@@ -137,8 +137,9 @@ def test_lora_messages_round_trip_and_malformed_ones_are_refused():
     from pdcluster.engine.attention import AttentionMetadata
     from pdcluster.engine.tensor_parallel.messages import AddLora, Forward, RemoveLora, decode, encode
 
-    meta = AttentionMetadata(torch.arange(3), torch.zeros(1, 1, dtype=torch.int32), torch.tensor([3], dtype=torch.int32),
-                             torch.tensor([0, 3], dtype=torch.int32), None, 0.5, None, 3, np.array([3]))
+    i32 = dict(dtype=torch.int32)
+    meta = AttentionMetadata(torch.arange(3), torch.zeros(1, 1, **i32), torch.tensor([3], **i32),
+                             torch.tensor([0, 3], **i32), None, 0.5, None, 3, np.array([3]))
     rows = (np.array([1, -1], dtype=np.int32), np.array([0, 2, 3], dtype=np.int32))
     got = decode(encode(Forward(torch.arange(3), torch.arange(3), meta, lora_rows=rows)))
     assert all(np.array_equal(g, w) and g.dtype == w.dtype for g, w in zip(got.lora_rows, rows))
