@@ -150,3 +150,47 @@ def test_lora_messages_round_trip_and_malformed_ones_are_refused():
     bad["weights"] = "not bytes"
     with pytest.raises(ValueError, match="malformed rank message"):
         decode(msgpack.packb(bad, use_bin_type=True))
+
+
+def test_runtime_routes_on_a_split_engine_over_http_while_a_request_streams(adapters, references):
+    """vLLM's runtime LoRA routes in front of a split engine with async scheduling (the forwards go to the ranks from
+    the runner's thread, the load from the engine's): an adapter loaded while a base request streams gives peft's
+    tokens, the streaming request its own, and an unloaded name is a 404 again."""
+    import threading
+
+    from conftest import engine_config
+    from pdcluster.cluster.api.app import build_app
+    from pdcluster.cluster.local_router import LocalRouter
+    from test_api import serving
+    from test_lora import NUM_TOKENS
+
+    httpx = pytest.importorskip("httpx")
+    openai = pytest.importorskip("openai")
+    config = engine_config(MODEL, dtype="float32", enable_lora=True, tensor_parallel_size=2, async_scheduling=True)
+    router = LocalRouter(config, request_timeout_s=60)
+    decode = router.tokenizer.decode
+    try:
+        with serving(build_app(router, MODEL, runtime_lora=True)) as base_url:
+            client = openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0, timeout=60)
+
+            def complete(model: str, prompt: int = 0, **kw) -> str:
+                return client.completions.create(model=model, prompt=PROMPTS[prompt], temperature=0,
+                                                 max_tokens=kw.pop("max_tokens", NUM_TOKENS),
+                                                 extra_body={"ignore_eos": True}, **kw).choices[0].text
+
+            streamed: list[str] = []
+            stream = threading.Thread(target=lambda: streamed.append(complete(MODEL, 1)))
+            stream.start()
+            r = httpx.post(f"{base_url}/v1/load_lora_adapter", json=dict(lora_name="a1", lora_path=adapters["a1"]),
+                           timeout=60)
+            assert r.status_code == 200, r.text
+            assert complete("a1", 2) == decode(references[("a1", 2)])
+            stream.join(60)
+            assert streamed == [decode(references[(None, 1)])]
+            r = httpx.post(f"{base_url}/v1/unload_lora_adapter", json=dict(lora_name="a1"), timeout=60)
+            assert r.status_code == 200, r.text
+            with pytest.raises(openai.NotFoundError):
+                complete("a1")
+            assert complete(MODEL) == decode(references[(None, 0)])
+    finally:
+        router.close()
