@@ -253,6 +253,8 @@ def test_refusals_are_one_line(model_dir, tmp_path):
     assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="with --mtp-checkpoint 'random': DeepSeek models"):
         _engine(model_dir, **{**OWN, "mtp_checkpoint": "random"})
+    with pytest.raises(ConfigError, match="with --mtp-checkpoint 'random': DeepSeek models"):  # split: before any rank
+        _engine(model_dir, tensor_parallel_size=2, **{**OWN, "mtp_checkpoint": "random"})
     # serve's start-up check (before any worker) says the same, not "train a head with bench/train_mtp.py"
     for checkpoint, model in (("", v2), ("random", model_dir)):
         with pytest.raises(ConfigError, match="DeepSeek models .* use --spec ngram"):

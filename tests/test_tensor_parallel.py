@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -155,14 +156,36 @@ def test_settings_that_do_not_combine_are_refused_in_one_line(change, words):
         check_engine_config(engine_config(tensor_parallel_size=2, **change))
 
 
-def test_our_mtp_head_on_a_split_hybrid_is_refused_before_any_rank_starts():
-    """A checkpoint's own MTP layers (tests/test_tensor_parallel_hybrid.py, test_deepseek_mtp.py) and our MTP head on
-    a Llama-family model split with it; our head on a hybrid does not yet."""
-    children = set(_children())
-    with pytest.raises(ConfigError, match="a draft head \\(random\\) on it does not split yet"):
-        make_engine("tiny-hybrid-moe", tensor_parallel_size=2, spec_method="mtp", num_spec_tokens=1,
-                    mtp_checkpoint="random")
-    assert set(_children()) <= children
+@pytest.mark.parametrize("model", ["tiny-hybrid", "tiny-hybrid-moe"])
+def test_our_mtp_head_on_a_split_hybrid_drafts_what_the_whole_head_drafts(model):
+    """Our MTP head (a Llama layer of the hybrid's attention heads and MLP width) on a NemotronH target split over two
+    ranks, cut by the Llama rules whatever the target's blocks are: every draft of every step equals the unsplit
+    engine's, and so do the tokens (tiny-hybrid-moe has MTP layers of its own; --mtp-checkpoint picks the head)."""
+    prompts = [[(7 * i + 3 * j) % 500 + 3 for j in range(12 + 15 * i)] for i in range(3)]
+    common = dict(spec_method="mtp", num_spec_tokens=3, mtp_checkpoint="random")
+    whole, split = make_engine(model, **common), make_engine(model, tensor_parallel_size=2, **common)
+    try:
+        whole.runner.proposer, split.runner.proposer = _Recording(whole.runner.proposer), _Recording(
+            split.runner.proposer)
+        assert _greedy(split, prompts, 20) == _greedy(whole, prompts, 20)
+        assert split.runner.proposer.drafts == whole.runner.proposer.drafts
+        assert sum(len(d) for step in split.runner.proposer.drafts for d in step) > 0
+    finally:
+        split.close()
+
+
+def test_draft_heads_that_do_not_split_are_refused_in_one_line():
+    """A head whose heads do not divide (a DeepSeek target, which drafts with its own MTP layer only whether split or
+    not: tests/test_deepseek_mtp.py)."""
+    from pdcluster.engine.models.mtp import declared_arch
+    from pdcluster.engine.tensor_parallel.driver import check_speculation
+
+    hybrid = declared_arch("tiny-hybrid")
+    config = engine_config("tiny-hybrid", tensor_parallel_size=3, spec_method="mtp", num_spec_tokens=1,
+                           mtp_checkpoint="random")
+    with pytest.raises(ConfigError, match="the MTP draft head's 4 attention heads \\(the model's\\) do not split 3"):
+        check_speculation(config, hybrid)
+    assert check_speculation(replace(config, tensor_parallel_size=2), hybrid) == "head"
 
 
 class _Recording:

@@ -49,7 +49,7 @@ def own_mtp_head(model, weights: dict[str, torch.Tensor]) -> NemotronMTP | Deeps
 
 def draft_head(model, weights: dict[str, torch.Tensor], draft_vocab_size: int,
                max_tokens: int) -> MTPHead | EagleHead | Eagle3Head:
-    """The draft head ``weights`` are on a Llama-family ``model``: an EAGLE-3 draft (``max_tokens``: its aux hidden
+    """The draft head ``weights`` are on ``model`` (a Llama-family one; our MTP head on a hybrid too): an EAGLE-3 draft (``max_tokens``: its aux hidden
     state buffer, eagle3_buffer_tokens), an EAGLE draft or our MTP head; this rank's slice of its decoder layer where
     ``model`` is split (q/k/v rows, o_proj columns, MLP rows, cut as a layer of the model's family), the layer's sums
     over the model's group."""
@@ -70,12 +70,13 @@ def eagle3_buffer_tokens(config) -> int:
 def _split_head(model, weights: dict[str, torch.Tensor], layer_prefix: str, make):
     if model.tp_shard is None:
         return make(weights)
-    from pdcluster.engine.tensor_parallel.shard import shard_tensor, split_layer
+    from pdcluster.engine.tensor_parallel.shard import shard_layer_tensor, split_layer
 
     cut = {}
     for name, t in weights.items():
-        if name.startswith(layer_prefix):  # cut by the name a layer of the model has
-            t = shard_tensor("model.layers.0." + name[len(layer_prefix):], t, model.unsplit_arch, model.tp_shard)
+        if name.startswith(layer_prefix):  # cut as a Llama layer (a hybrid target's head too) of the model's heads
+            t = shard_layer_tensor("model.layers.0." + name[len(layer_prefix):], t, model.unsplit_arch,
+                                   model.tp_shard)
         cut[name] = t
     head = make(cut)
     split_layer(head.layer, model.tp_group)

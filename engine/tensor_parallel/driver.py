@@ -65,21 +65,25 @@ def check_engine_config(config: EngineConfig) -> EngineConfig:
 
 def check_speculation(config: EngineConfig, arch) -> str:
     """The MTP draft a split engine's ranks load their slices of (engine/tensor_parallel/draft.py): "own" (the
-    checkpoint's own MTP layers: NemotronH's, DeepSeek-V3's), "head" (our MTP head, an EAGLE or EAGLE-3 draft on a
-    Llama-family target), "" without MTP speculation; ConfigError for a draft head on a hybrid or DeepSeek target
-    (those draft with their own layers)."""
-    from pdcluster.engine.models.mtp import uses_own_mtp_layers
+    checkpoint's own MTP layers: NemotronH's, DeepSeek-V3's), "head" (our MTP head, an EAGLE or EAGLE-3 draft; on a
+    hybrid, our MTP head: a Llama layer of its attention heads and MLP width), "" without MTP speculation;
+    ConfigError for a draft head on DeepSeek (latent attention drafts with its own layer only) or a head whose heads
+    or MLP width do not split."""
+    from pdcluster.engine.models.mtp import latent_attention_refusal, uses_own_mtp_layers
 
     if config.spec_method != "mtp":
         return ""
-    own_kind = hasattr(arch, "mamba_num_heads") or getattr(arch, "mla", None) is not None
-    if own_kind and uses_own_mtp_layers(config.mtp_checkpoint, arch):
+    hybrid, mla = hasattr(arch, "mamba_num_heads"), getattr(arch, "mla", None) is not None
+    if (hybrid or mla) and uses_own_mtp_layers(config.mtp_checkpoint, arch):
         return "own"
-    if own_kind:
-        raise ConfigError(f"tensor_parallel_size {config.tensor_parallel_size}: MTP speculation on a split hybrid or "
-                          "DeepSeek model drafts with the checkpoint's own MTP layers; a draft head "
-                          f"({config.mtp_checkpoint}) on it does not split yet: use n-gram speculation or "
-                          "--tensor-parallel-size 1")
+    if mla:
+        raise ConfigError(latent_attention_refusal(config.mtp_checkpoint))
+    n = config.tensor_parallel_size
+    for what, count in (("attention heads", arch.num_heads), ("KV heads", arch.num_kv_heads),
+                        ("intermediate_size", arch.intermediate_size)):
+        if count % n:
+            raise ConfigError(f"tensor_parallel_size {n}: the MTP draft head's {count} {what} (the model's) do not "
+                              f"split {n} ways; use n-gram speculation or a size that divides {count}")
     return "head"
 
 

@@ -115,6 +115,12 @@ def shard_tensor(name: str, t: torch.Tensor, arch, shard: Shard) -> torch.Tensor
         from pdcluster.engine.tensor_parallel.shard_hybrid import shard_hybrid_tensor
 
         return shard_hybrid_tensor(name, t, arch, shard)
+    return shard_layer_tensor(name, t, arch, shard)
+
+
+def shard_layer_tensor(name: str, t: torch.Tensor, arch, shard: Shard) -> torch.Tensor:
+    """shard_tensor by the Llama family's rules, whatever the arch: also a draft head's decoder layer (a Llama layer of
+    the target's heads and MLP width, engine/models/mtp.py) on a hybrid target."""
     if not name.startswith("model.layers."):
         return t
     num_heads, num_kv_heads, head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
@@ -122,7 +128,7 @@ def shard_tensor(name: str, t: torch.Tensor, arch, shard: Shard) -> torch.Tensor
     leaf = name.split(".", 3)[3]  # model.layers.<i>.<leaf>
     if leaf.startswith("feed_forward."):  # Llama 4's name for the MLP block (LlamaModel renames it after the cut)
         leaf = "mlp." + leaf[len("feed_forward."):]
-    moe = arch.moe
+    moe = getattr(arch, "moe", None)  # a hybrid's (a draft head's layer on it) is named routed_experts
     in_out = moe is not None and moe.layout in ("gpt_oss", "llama4")  # transformers' [E, in, out] experts
     if _is_mla(arch) and leaf.startswith("self_attn."):
         cut = _mla_part(leaf, t, arch, shard)
@@ -147,7 +153,7 @@ def shard_tensor(name: str, t: torch.Tensor, arch, shard: Shard) -> torch.Tensor
         t = t[:, shard.part(arch.intermediate_size)]
     elif leaf == "self_attn.sinks":
         t = t[shard.part(num_heads)]
-    elif leaf in ("self_attn.q_norm.weight", "self_attn.k_norm.weight") and arch.qk_norm_spans_heads:
+    elif leaf in ("self_attn.q_norm.weight", "self_attn.k_norm.weight") and _norm_spans_heads(arch):
         # OLMo 2's norm over all of q's (k's) heads: this rank's heads' channels (SplitWidthNorm sums the squares)
         t = t[shard.rows(num_heads if leaf.startswith("self_attn.q") else num_kv_heads, head_dim)]
     elif leaf in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
@@ -264,6 +270,11 @@ def _mla_part(leaf: str, t: torch.Tensor, arch, shard: Shard) -> torch.Tensor:
     return t
 
 
+def _norm_spans_heads(arch) -> bool:
+    """OLMo 2's q/k norm over all heads at once (ModelArch.qk_norm_spans_heads; a hybrid's draft head has none)."""
+    return getattr(arch, "qk_norm_spans_heads", False)
+
+
 def _is_hybrid(arch) -> bool:
     """A NemotronH arch (engine/tensor_parallel/shard_hybrid.py splits it), not a Llama-family ModelArch."""
     return hasattr(arch, "mamba_num_heads")
@@ -285,7 +296,7 @@ def split_layer(layer, group) -> None:
         layer.attention.o_proj = RowParallelLinear(layer.attention.o_proj, group)
         layer.mlp = SummedMoe(layer.mlp, group)
         return
-    if layer.arch.qk_norm_spans_heads:
+    if _norm_spans_heads(layer.arch):
         layer.split_norm = SplitWidthNorm(group)
     layer.o_proj = RowParallelLinear(layer.o_proj, group)
     if layer.moe is not None:
