@@ -1,6 +1,6 @@
 """MTP drafts on a split model: a checkpoint's own MTP layers, NemotronH's (engine/models/nemotron_mtp.py) and
 DeepSeek-V3's (engine/models/deepseek_mtp.py), and on a Llama-family target our MTP head (engine/models/mtp.py, a
-trained one or the seeded random one), an EAGLE or an EAGLE-3 draft (engine/models/eagle.py, eagle3.py). Every rank
+trained one or the seeded random one; on a hybrid target too), an EAGLE or an EAGLE-3 draft (engine/models/eagle.py, eagle3.py). Every rank
 holds its slice of the MTP step's blocks, cut by the same rules as the model's (shard_hybrid.py: ``mtp.layers.*`` by
 ``mtp_layer_types``; shard.py: DeepSeek's MTP layer, under ``model.layers.{num_hidden_layers}``, and a draft head's
 decoder layer, as any layer of the family), and the step's attention writes each rank's KV heads (DeepSeek: the whole
@@ -49,10 +49,10 @@ def own_mtp_head(model, weights: dict[str, torch.Tensor]) -> NemotronMTP | Deeps
 
 def draft_head(model, weights: dict[str, torch.Tensor], draft_vocab_size: int,
                max_tokens: int) -> MTPHead | EagleHead | Eagle3Head:
-    """The draft head ``weights`` are on ``model`` (a Llama-family one; our MTP head on a hybrid too): an EAGLE-3 draft (``max_tokens``: its aux hidden
-    state buffer, eagle3_buffer_tokens), an EAGLE draft or our MTP head; this rank's slice of its decoder layer where
-    ``model`` is split (q/k/v rows, o_proj columns, MLP rows, cut as a layer of the model's family), the layer's sums
-    over the model's group."""
+    """The draft head ``weights`` are on ``model`` (a Llama-family one; our MTP head on a hybrid too): an EAGLE-3
+    draft (``max_tokens``: its aux hidden state buffer, eagle3_buffer_tokens), an EAGLE draft or our MTP head; this
+    rank's slice of its decoder layer where ``model`` is split (q/k/v rows, o_proj columns, MLP rows, cut as a Llama
+    layer), the layer's sums over the model's group."""
     if is_eagle3_weights(weights):
         return _split_head(model, weights, "eagle3.layer.", lambda w: Eagle3Head(model, w, max_tokens))
     if is_eagle_weights(weights):
