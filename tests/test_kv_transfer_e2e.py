@@ -76,15 +76,16 @@ def _wait_free(worker, expected, timeout_s):
     raise AssertionError(f"{worker.worker_id}: free blocks {worker.stats()} never returned to {expected}")
 
 
-def _through_pair(p, d, events: Events, prompts, params) -> list[list[int]]:
+def _through_pair(p, d, events: Events, prompts, params, num_blocks: int = NUM_BLOCKS) -> list[list[int]]:
     """Each prompt through the pair (D reserves, asks P for the KV, streams every token): the tokens in prompt order,
-    once every block of both workers is back."""
+    once every block of both workers is back. ``params``: one SamplingParams for all, or one per prompt."""
     ids = [f"r{i}" for i in range(len(prompts))]
-    for rid, prompt in zip(ids, prompts):
-        d.submit(rid, prompt, params, "p0")
+    each = params if isinstance(params, list) else [params] * len(prompts)
+    for rid, prompt, prompt_params in zip(ids, prompts, each):
+        d.submit(rid, prompt, prompt_params, "p0")
     tokens = _collect_tokens(events, ids)
-    _wait_free(p, NUM_BLOCKS, 5)
-    _wait_free(d, NUM_BLOCKS, 5)
+    _wait_free(p, num_blocks, 5)
+    _wait_free(d, num_blocks, 5)
     return [tokens[rid] for rid in ids]
 
 

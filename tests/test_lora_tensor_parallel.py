@@ -5,7 +5,9 @@ adapter rows reach every rank with its forward, and adapters loaded while servin
 - float32: a batch mixing two adapters and the base model on two ranks gives peft's tokens (tiny-random: q/k/v, o,
   gate/up, down; rsLoRA); a NemotronH hybrid's adapter on q/k/v/o, up/down and the Mamba in_proj (cut z | x | B | C |
   dt) on two ranks equals the unsplit engine's;
-- adapters loaded and unloaded while a split engine serves: peft's tokens, the freed slot taken again on every rank;
+- adapters loaded and unloaded while a split engine serves (and behind the runtime HTTP routes, with async
+  scheduling): peft's tokens, the freed slot taken again on every rank;
+- split prefill and decode workers with adapters (tcp between rank pairs): peft's tokens;
 - an adapter that fits only a rank's slice of the model is refused with the whole model's shapes, before any rank is
   left running; a rank refuses start-up adapters whose files changed after rank 0 read them.
 """
@@ -194,3 +196,21 @@ def test_runtime_routes_on_a_split_engine_over_http_while_a_request_streams(adap
             assert complete(MODEL) == decode(references[(None, 0)])
     finally:
         router.close()
+
+
+@pytest.mark.timeout(240)
+def test_split_disaggregated_workers_with_adapters_match_peft(adapters, references):
+    """A prefill and a decode worker, each split over two ranks with both adapters: every rank computes its slice of
+    each adapter's update of the prompt (prefill) and of each token (decode), the KV of each rank's heads moves to the
+    same rank (tcp), and every request gets peft's tokens."""
+    from conftest import engine_config
+    from pdcluster.kv_transfer.config import TransferConfig
+    from test_kv_transfer_e2e import Events, _through_pair, connected_pair
+
+    cfg = engine_config(MODEL, dtype="float32", tensor_parallel_size=2, lora_modules=_modules(adapters),
+                        num_kv_blocks=128, max_model_len=1536, prefill_chunk_size=16)
+    jobs = [(name, i) for i in range(len(PROMPTS)) for name in ("a1", None, "a2")]
+    events = Events()
+    with connected_pair(cfg, TransferConfig(transport="tcp", secret="s3cret"), events) as (p, d):
+        tokens = _through_pair(p, d, events, [PROMPTS[i] for _, i in jobs], [_params(name) for name, _ in jobs])
+    assert tokens == [references[job] for job in jobs]

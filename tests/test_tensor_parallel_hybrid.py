@@ -19,9 +19,10 @@ import pytest
 import torch
 
 from conftest import OracleProposer, engine_config, make_engine, usable_transports
-from test_kv_transfer_e2e import Events, _collect_tokens, _wait_free, connected_pair
+from test_kv_transfer_e2e import Events, _collect_tokens, _through_pair, _wait_free, connected_pair
 from test_nemotron_moe import save_nemotron_h
 from pdcluster.engine.attention import AttentionMetadata
+from pdcluster.engine.llm_engine import LLMEngine
 from pdcluster.engine.mamba_state import MambaMetadata, MambaStatePool, MambaStateShape
 from pdcluster.engine.models.architectures import arch_from_dir
 from pdcluster.engine.models.registry import resolve_model
@@ -221,3 +222,24 @@ def test_split_hybrid_workers_move_each_ranks_state_and_mtp_kv(hidden_driven_mtp
         assert [tokens[rid] for rid in ids] == expected
         for worker in (p, d):
             _wait_free(worker, 96, 5)
+
+
+@pytest.mark.timeout(240)
+def test_split_hybrid_workers_in_bf16_equal_the_split_engine():
+    """bf16 in deterministic mode (the CPU default): the disaggregated tiny-hybrid-moe pair split over two ranks (shm)
+    gives the tokens of one colocated engine split the same way. Each rank's Mamba state travels as the bf16 bytes the
+    decode rank resumes from, and the prefill side's batches differ from the colocated engine's: a difference in
+    either shows here (two ranks' partial sums round apart from one rank's sum, so the reference is split too)."""
+    prompts = [[(13 * i + 5 * j) % 450 + 4 for j in range(n)] for i, n in enumerate([5, 17, 40, 90])]
+    params = SamplingParams(max_tokens=16, ignore_eos=True, seed=3)
+    cfg = engine_config("tiny-hybrid-moe", tensor_parallel_size=2, dtype="bfloat16", deterministic=True,
+                        max_model_len=256, num_kv_blocks=96, prefill_chunk_size=16)
+    split = LLMEngine.from_config(cfg, progress=False)
+    try:
+        expected = [o.token_ids for o in split.generate(prompts, params)]
+    finally:
+        split.close()
+    events = Events()
+    with connected_pair(cfg, TransferConfig(transport="shm", secret="s3cret"), events) as (p, d):
+        assert d.engine.runner.num_state_blocks > 0
+        assert _through_pair(p, d, events, prompts, params, num_blocks=96) == expected
