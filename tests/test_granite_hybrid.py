@@ -171,9 +171,59 @@ def test_disagg_equals_transformers(dirs, reference):
     assert run.tokens == reference["h"]
 
 
-def test_lora_is_refused_in_one_line(dirs):
+# What peft adapts in a Granite hybrid: attention, the Mamba mixer's in_proj and out_proj, and the shared MLP (its
+# name also matches the experts' stacked input_linear / output_linear, which peft leaves alone).
+GRANITE_LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "out_proj", "input_linear", "output_linear"]
+
+
+def save_granite_adapter(model_dir: Path, out: Path) -> Path:
+    """A random rank-4 peft adapter on every projection peft adapts in the Granite model at ``model_dir``."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(3)
+    model = peft.get_peft_model(_hf_model(model_dir), peft.LoraConfig(
+        r=4, lora_alpha=8, init_lora_weights=False, target_modules=GRANITE_LORA_MODULES)).eval()
+    model.save_pretrained(str(out))
+    return out
+
+
+@pytest.mark.parametrize("shape,ranks", [("h", 1), ("rope", 1), ("h", 2)])
+def test_an_adapter_equals_peft_beside_base_requests(dirs, reference, shape, ranks, tmp_path):
+    """Granite's layer i is blocks 2i and 2i + 1 here: the adapter's names are the checkpoint's (``mamba.``,
+    ``self_attn.``, ``shared_mlp.``); fp32 greedy equals peft's in one batch with base requests, chunked prefill. On two
+    ranks each holds its slice of the adapter (in_proj's B by z | x | B | C | dt, input_linear's by gate | up halves,
+    out_proj's and output_linear's A by columns: engine/tensor_parallel/shard_lora.py)."""
+    from safetensors.torch import load_file
+
+    peft = pytest.importorskip("peft")
+    adapter = save_granite_adapter(dirs[shape], tmp_path / "a")
+    weights = load_file(adapter / "adapter_model.safetensors")
+    saved = {k.split(".lora_")[0].split(".layers.")[1].split(".", 1)[1] for k in weights}
+    assert saved == {"mamba.in_proj", "mamba.out_proj", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                     "self_attn.o_proj", "shared_mlp.input_linear", "shared_mlp.output_linear"}
+    want = _hf_greedy(peft.PeftModel.from_pretrained(_hf_model(dirs[shape]), str(adapter)).eval(), PROMPTS[:3])
+    assert want != reference[shape][:3]
+    engine = _engine(dirs[shape], prefill_chunk_size=16, lora_modules=(f"a={adapter}",), tensor_parallel_size=ranks)
+    params = [SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True, lora_name=n) for n in ("a", None)]
+    try:
+        outs = engine.generate([p for p in PROMPTS[:3] for _ in params], [sp for _ in PROMPTS[:3] for sp in params])
+    finally:
+        engine.close()
+    assert [o.token_ids for o in outs[::2]] == want
+    assert [o.token_ids for o in outs[1::2]] == reference[shape][:3]
+
+
+def test_an_adapter_on_the_experts_is_refused_by_name(dirs, tmp_path):
+    """A Granite MoE layer's experts (block_sparse_moe.input_linear) take no adapter: refused, naming the tensor."""
+    from safetensors.torch import load_file, save_file
+
     from pdcluster.engine.lora import LoraAdapterError
 
-    with pytest.raises(LoraAdapterError) as err:
-        _engine(dirs["h"], lora_modules=(f"a={dirs['h']}",))
-    assert "GraniteMoeHybrid" in str(err.value) and "\n" not in str(err.value)
+    adapter = save_granite_adapter(dirs["h"], tmp_path / "a")
+    weights = load_file(str(adapter / "adapter_model.safetensors"))
+    key = next(k for k in weights if "shared_mlp.input_linear.lora_A" in k)
+    weights[key.replace("shared_mlp", "block_sparse_moe")] = weights[key].clone()
+    save_file(weights, str(adapter / "adapter_model.safetensors"))
+    with pytest.raises(LoraAdapterError, match=r"block_sparse_moe\.input_linear\.lora_A\.weight' is not a LoRA"):
+        _engine(dirs["h"], lora_modules=(f"a={adapter}",))
+
+

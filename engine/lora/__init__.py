@@ -74,7 +74,7 @@ def check_fits(model, adapter: LoraAdapter) -> None:
         in_features = getattr(holder, inner).in_features
         for name, offset, width in slices:
             where[(layer, name)] = full_shape(name, width, in_features, world_size)
-    num_layers = len(model.layers)
+    num_layers = model.lora_num_layers
     for (layer, module), w in adapter.modules.items():
         refuse = f"LoRA adapter {adapter.name!r} ({adapter.path}): layer {layer} {module}: "
         if layer >= num_layers:

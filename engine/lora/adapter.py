@@ -2,7 +2,8 @@
 ``PeftModel.save_pretrained`` writes), checked against the base model it will run on.
 
 What is served: LoRA (not DoRA) on a decoder layer's projections: q/k/v/o and gate/up/down of a Llama-family or
-Qwen3 model; q/k/v/o, up/down and the Mamba in_proj of a NemotronH; any rank up to the engine's
+Qwen3 model; q/k/v/o, up/down and the Mamba in_proj / out_proj of a NemotronH; q/k/v/o, the Mamba in_proj / out_proj
+and the shared MLP's input_linear / output_linear of a Granite 4.0 hybrid; any rank up to the engine's
 ``max_lora_rank`` (PEFT's ``rank_pattern`` too: each module's rank is its tensors'), scaled by lora_alpha / r
 (rsLoRA: lora_alpha / sqrt(r)). What an adapter may carry that we do not run is refused by name when it loads,
 never silently dropped: embedding or LM-head adapters, modules_to_save, biases, DoRA, per-module alphas,
@@ -24,9 +25,13 @@ from safetensors.torch import load
 
 # The projections an adapter may target, by Hugging Face module name (which of them a model has, and where:
 # its ``lora_targets``, engine/models/).
-MODULES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "in_proj",
-                     "qkv_proj", "gate_up_proj"})  # the last two: checkpoints that store them fused (Phi-3)
-_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp|mixer)\.(\w+)\.lora_([AB])\.weight$")
+MODULES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                     "in_proj", "out_proj",  # a Mamba mixer's
+                     "input_linear", "output_linear",  # a Granite hybrid's shared MLP (never its experts' stacks)
+                     "qkv_proj", "gate_up_proj"})  # checkpoints that store them fused (Phi-3)
+# Under a decoder layer's attention, MLP or mixer (NemotronH), or a Granite hybrid's mamba / shared_mlp: a Granite MoE
+# layer's experts (block_sparse_moe.input_linear) are refused by name.
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp|mixer|mamba|shared_mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
 class LoraAdapterError(ValueError):

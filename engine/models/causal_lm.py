@@ -187,6 +187,11 @@ class CausalLM:
         model takes no adapters."""
         return None
 
+    @property
+    def lora_num_layers(self) -> int:
+        """Layers an adapter's names count (the checkpoint's: a Granite hybrid's layer is two blocks here)."""
+        return len(self.layers)
+
     def lora_output_rows(self, attr: str, offset: int, width: int) -> torch.Tensor | None:
         """Which checkpoint output row each of the projection ``attr``'s rows offset .. offset + width holds, where
         the loader reordered them (an adapter's B rows follow); None: in the checkpoint's order."""

@@ -32,8 +32,8 @@ from pdcluster.engine.models.causal_lm import CausalLM
 from pdcluster.engine.models.granite_hybrid import ARCHITECTURE as GRANITE_HYBRID
 from pdcluster.engine.models.granite_hybrid import GraniteHybrid, granite_fields, nemotron_names
 from pdcluster.engine.models.mamba_mixer import MambaStepPlan
-from pdcluster.engine.models.nemotron_blocks import (ATTENTION, MAMBA, MLP, MOE, TYPE_NAMES, TokenChunked,
-                                                     build_blocks, run_blocks)
+from pdcluster.engine.models.nemotron_blocks import (ATTENTION, GRANITE_MLP, MAMBA, MLP, MOE, TYPE_NAMES,
+                                                     TokenChunked, build_blocks, run_blocks)
 from pdcluster.engine.models.nemotron_moe import NemotronMoeArch
 from pdcluster.engine.mamba_state import MambaStateShape
 from pdcluster.engine.models.llama import RotaryEmbedding
@@ -269,15 +269,15 @@ class NemotronHModel(CausalLM):
         return GRANITE_HYBRID if self.arch.granite is not None else "NemotronHForCausalLM"
 
     def lora_targets(self) -> list[tuple[int, object, str, tuple[tuple[str, int, int], ...]]] | None:
-        """Attention (q/k/v fused, o), MLP (up, down) and Mamba in_proj (what peft adapts in a Mamba layer: it
-        refuses out_proj there); MoE layers take none. None for a Granite hybrid (its adapters name Granite's layers,
-        two blocks each here)."""
+        """Attention (q/k/v fused, o), MLP (up, down) and Mamba in_proj and out_proj; MoE layers' experts take none. A
+        Granite hybrid's adapters name Granite's layers, two blocks each here (``mamba.`` / ``self_attn.``, then
+        ``shared_mlp.input_linear`` / ``output_linear``: its shared MLP beside the experts)."""
         a = self.arch
-        if a.granite is not None:
-            return None
         q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        per_layer = 2 if a.granite is not None else 1
         targets = []
-        for i, block in enumerate(self.layers):
+        for index, block in enumerate(self.layers):
+            i = index // per_layer  # the checkpoint's layer (an adapter's)
             if block.kind == ATTENTION:
                 targets += [(i, block.mixer, "qkv_proj", (("q_proj", 0, q_size), ("k_proj", q_size, kv_size),
                                                           ("v_proj", q_size + kv_size, kv_size))),
@@ -287,8 +287,17 @@ class NemotronHModel(CausalLM):
                 targets += [(i, mlp, "up_proj", (("up_proj", 0, mlp.up_proj.out_features),)),
                             (i, mlp, "down_proj", (("down_proj", 0, a.hidden_size),))]
             elif block.kind == MAMBA:
-                targets.append((i, block.mixer, "in_proj", (("in_proj", 0, block.mixer.in_proj.out_features),)))
+                targets += [(i, block.mixer, "in_proj", (("in_proj", 0, block.mixer.in_proj.out_features),)),
+                            (i, block.mixer, "out_proj", (("out_proj", 0, a.hidden_size),))]
+            elif block.kind == GRANITE_MLP:
+                shared = block.mixer.mixer.shared  # the shared SwiGLU inside its TokenChunked (and its sum when split)
+                targets += [(i, shared, "gate_up_proj", (("input_linear", 0, shared.gate_up_proj.out_features),)),
+                            (i, shared, "down_proj", (("output_linear", 0, a.hidden_size),))]
         return targets
+
+    @property
+    def lora_num_layers(self) -> int:
+        return len(self.layers) // (2 if self.arch.granite is not None else 1)
 
     def run_unchunked(self) -> None:
         for block in self.layers:

@@ -9,7 +9,8 @@ communication beyond the model's own, and each rank's update runs through the sa
 
 The rows and columns are cut by the checkpoint's own cut (shard.py ``shard_tensor``): B of a column-parallel module
 is cut as the module's weight (its rows), A of a row-parallel one as the weight (its columns), so every layout the
-weights split in (heads, fused Phi-3 projections, a hybrid's z | x | B | C | dt) holds for adapters too."""
+weights split in (heads, fused Phi-3 projections, a hybrid's z | x | B | C | dt, Granite's gate | up halves) holds for
+adapters too."""
 
 from __future__ import annotations
 
@@ -20,14 +21,18 @@ from pdcluster.engine.tensor_parallel.shard import Shard, shard_tensor
 
 # Modules whose input the ranks split (their output is a sum over the ranks); every other adaptable one is
 # split by its output rows.
-ROW_PARALLEL = frozenset({"o_proj", "down_proj"})
+ROW_PARALLEL = frozenset({"o_proj", "down_proj", "out_proj", "output_linear"})
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
 
 
 def checkpoint_name(arch, layer: int, module: str) -> str:
     """The checkpoint name of layer ``layer``'s projection ``module`` (what shard_tensor knows how to cut)."""
+    if getattr(arch, "granite", None) is not None:  # Granite 4.0 hybrid: its own names (shard_hybrid.py renames them)
+        part = "self_attn" if module in _ATTENTION else "mamba" if module in ("in_proj", "out_proj") else "shared_mlp"
+        return f"model.layers.{layer}.{part}.{module}.weight"
     if hasattr(arch, "mamba_num_heads"):  # NemotronH: every block's projections sit under its mixer
         return f"backbone.layers.{layer}.mixer.{module}.weight"
-    block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj") else "mlp"
+    block = "self_attn" if module in _ATTENTION else "mlp"
     return f"model.layers.{layer}.{block}.{module}.weight"
 
 
