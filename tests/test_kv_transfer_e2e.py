@@ -130,7 +130,12 @@ def test_workers_split_over_two_ranks_in_bf16_equal_the_split_engine(tiny_dir):
     two ranks gives the tokens of one colocated engine split the same way (two ranks' partial sums can round differently
     from one rank's sum, so the reference is split too). The prefill side's batches differ from the colocated engine's,
     and its KV is the bf16 bytes the decode ranks then read: any difference in either shows here."""
-    cfg = _engine_config(tensor_parallel_size=2, dtype="bfloat16", deterministic=True)
+    split_pair_equals_split_engine(_engine_config(tensor_parallel_size=2, dtype="bfloat16", deterministic=True))
+
+
+def split_pair_equals_split_engine(cfg, num_blocks: int = NUM_BLOCKS, check=None) -> None:
+    """Prompts through one colocated engine of ``cfg`` and through a prefill and a decode worker of ``cfg`` (shm, each
+    split as ``cfg`` says), sampled with one seed: the same tokens. ``check(p, d)`` first looks at the pair."""
     prompts = [[(13 * i + 5 * j) % 450 + 4 for j in range(n)] for i, n in enumerate([5, 17, 40, 90])]
     params = SamplingParams(max_tokens=16, ignore_eos=True, seed=3)
     split = LLMEngine.from_config(cfg, progress=False)
@@ -140,7 +145,9 @@ def test_workers_split_over_two_ranks_in_bf16_equal_the_split_engine(tiny_dir):
         split.close()
     events = Events()
     with connected_pair(cfg, TransferConfig(transport="shm", secret="s3cret"), events) as (p, d):
-        assert _through_pair(p, d, events, prompts, params) == expected
+        if check is not None:
+            check(p, d)
+        assert _through_pair(p, d, events, prompts, params, num_blocks) == expected
 
 
 @pytest.mark.timeout(120)

@@ -161,17 +161,7 @@ def test_our_mtp_head_on_a_split_hybrid_drafts_what_the_whole_head_drafts(model)
     """Our MTP head (a Llama layer of the hybrid's attention heads and MLP width) on a NemotronH target split over two
     ranks, cut by the Llama rules whatever the target's blocks are: every draft of every step equals the unsplit
     engine's, and so do the tokens (tiny-hybrid-moe has MTP layers of its own; --mtp-checkpoint picks the head)."""
-    prompts = [[(7 * i + 3 * j) % 500 + 3 for j in range(12 + 15 * i)] for i in range(3)]
-    common = dict(spec_method="mtp", num_spec_tokens=3, mtp_checkpoint="random")
-    whole, split = make_engine(model, **common), make_engine(model, tensor_parallel_size=2, **common)
-    try:
-        whole.runner.proposer, split.runner.proposer = _Recording(whole.runner.proposer), _Recording(
-            split.runner.proposer)
-        assert _greedy(split, prompts, 20) == _greedy(whole, prompts, 20)
-        assert split.runner.proposer.drafts == whole.runner.proposer.drafts
-        assert sum(len(d) for step in split.runner.proposer.drafts for d in step) > 0
-    finally:
-        split.close()
+    _split_drafts_as_whole(model, spec_method="mtp", num_spec_tokens=3, mtp_checkpoint="random")
 
 
 def test_draft_heads_that_do_not_split_are_refused_in_one_line():
@@ -200,6 +190,21 @@ class _Recording:
         return drafts
 
 
+def _split_drafts_as_whole(model: str, **common) -> None:
+    """``model`` with the draft ``common`` names, whole and split over two ranks: every draft of every step equal (and
+    some drafted), and so are the tokens."""
+    prompts = [[(7 * i + 3 * j) % 500 + 3 for j in range(12 + 15 * i)] for i in range(3)]
+    whole, split = make_engine(model, **common), make_engine(model, tensor_parallel_size=2, **common)
+    try:
+        whole.runner.proposer, split.runner.proposer = _Recording(whole.runner.proposer), _Recording(
+            split.runner.proposer)
+        assert _greedy(split, prompts, 20) == _greedy(whole, prompts, 20)
+        assert split.runner.proposer.drafts == whole.runner.proposer.drafts
+        assert sum(len(d) for step in split.runner.proposer.drafts for d in step) > 0
+    finally:
+        split.close()
+
+
 @pytest.fixture(scope="module")
 def draft_dirs(tmp_path_factory) -> dict[str, str]:
     """An EAGLE and an EAGLE-3 draft for tiny-random, seeded (tests/test_eagle.py's and test_eagle3.py's)."""
@@ -221,18 +226,8 @@ def test_a_draft_head_split_over_two_ranks_drafts_what_the_whole_head_drafts(dra
     """Our MTP head (the seeded random one, drawn at the whole model's shapes on every rank), an EAGLE and an EAGLE-3
     draft (each rank fusing its own aux hidden states) split like a layer of the model: every draft of every step
     equals the unsplit engine's, and so do the tokens."""
-    prompts = [[(7 * i + 3 * j) % 500 + 3 for j in range(12 + 15 * i)] for i in range(3)]
-    common = dict(spec_method="mtp", num_spec_tokens=3, mtp_checkpoint=draft_dirs[draft],
-                  async_scheduling=async_scheduling)
-    whole, split = make_engine(**common), make_engine(tensor_parallel_size=2, **common)
-    try:
-        whole.runner.proposer, split.runner.proposer = _Recording(whole.runner.proposer), _Recording(
-            split.runner.proposer)
-        assert _greedy(split, prompts, 20) == _greedy(whole, prompts, 20)
-        assert split.runner.proposer.drafts == whole.runner.proposer.drafts
-        assert sum(len(d) for step in split.runner.proposer.drafts for d in step) > 0
-    finally:
-        split.close()
+    _split_drafts_as_whole("tiny-random", spec_method="mtp", num_spec_tokens=3, mtp_checkpoint=draft_dirs[draft],
+                           async_scheduling=async_scheduling)
 
 
 def test_a_kv_transfer_connector_without_shared_rank_caches_is_refused_and_the_ranks_stop():

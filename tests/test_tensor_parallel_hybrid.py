@@ -19,10 +19,9 @@ import pytest
 import torch
 
 from conftest import OracleProposer, engine_config, make_engine, usable_transports
-from test_kv_transfer_e2e import Events, _collect_tokens, _through_pair, _wait_free, connected_pair
+from test_kv_transfer_e2e import Events, _collect_tokens, _wait_free, connected_pair, split_pair_equals_split_engine
 from test_nemotron_moe import save_nemotron_h
 from pdcluster.engine.attention import AttentionMetadata
-from pdcluster.engine.llm_engine import LLMEngine
 from pdcluster.engine.mamba_state import MambaMetadata, MambaStatePool, MambaStateShape
 from pdcluster.engine.models.architectures import arch_from_dir
 from pdcluster.engine.models.registry import resolve_model
@@ -230,16 +229,9 @@ def test_split_hybrid_workers_in_bf16_equal_the_split_engine():
     gives the tokens of one colocated engine split the same way. Each rank's Mamba state travels as the bf16 bytes the
     decode rank resumes from, and the prefill side's batches differ from the colocated engine's: a difference in
     either shows here (two ranks' partial sums round apart from one rank's sum, so the reference is split too)."""
-    prompts = [[(13 * i + 5 * j) % 450 + 4 for j in range(n)] for i, n in enumerate([5, 17, 40, 90])]
-    params = SamplingParams(max_tokens=16, ignore_eos=True, seed=3)
-    cfg = engine_config("tiny-hybrid-moe", tensor_parallel_size=2, dtype="bfloat16", deterministic=True,
-                        max_model_len=256, num_kv_blocks=96, prefill_chunk_size=16)
-    split = LLMEngine.from_config(cfg, progress=False)
-    try:
-        expected = [o.token_ids for o in split.generate(prompts, params)]
-    finally:
-        split.close()
-    events = Events()
-    with connected_pair(cfg, TransferConfig(transport="shm", secret="s3cret"), events) as (p, d):
+    def has_state_blocks(p, d) -> None:
         assert d.engine.runner.num_state_blocks > 0
-        assert _through_pair(p, d, events, prompts, params, num_blocks=96) == expected
+
+    split_pair_equals_split_engine(engine_config("tiny-hybrid-moe", tensor_parallel_size=2, dtype="bfloat16",
+                                                 deterministic=True, max_model_len=256, num_kv_blocks=96,
+                                                 prefill_chunk_size=16), 96, has_state_blocks)

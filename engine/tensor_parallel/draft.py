@@ -1,9 +1,9 @@
 """MTP drafts on a split model: a checkpoint's own MTP layers, NemotronH's (engine/models/nemotron_mtp.py) and
 DeepSeek-V3's (engine/models/deepseek_mtp.py), and on a Llama-family target our MTP head (engine/models/mtp.py, a
 trained one or the seeded random one; on a hybrid target too), an EAGLE or an EAGLE-3 draft (engine/models/eagle.py,
-eagle3.py). Every rank holds its slice of the MTP step's blocks, cut by the same rules as the model's (shard_hybrid.py: ``mtp.layers.*`` by
-``mtp_layer_types``; shard.py: DeepSeek's MTP layer, under ``model.layers.{num_hidden_layers}``, and a draft head's
-decoder layer, as any layer of the family), and the step's attention writes each rank's KV heads (DeepSeek: the whole
+eagle3.py). Every rank holds its slice of the MTP step's blocks, cut by the same rules as the model's
+(shard_hybrid.py: ``mtp.layers.*`` by ``mtp_layer_types``; shard.py: DeepSeek's MTP layer, under
+``model.layers.{num_hidden_layers}``, and a draft head's decoder layer, as a Llama layer), and the step's attention writes each rank's KV heads (DeepSeek: the whole
 latent) into its own draft layers. An EAGLE-3 draft reads the target's aux hidden states: every rank captures its own
 (the residual stream is whole on every rank) and fuses the same rows of them.
 
