@@ -121,18 +121,13 @@ class LoadedModel:
         try:
             model = load_model(model_dir, dtype, max_positions, config.device, deterministic=deterministic,
                                max_model_len=max_model_len, shard=shard, group=driver and driver.group)
+            if config.lora_modules or config.enable_lora:
+                install(model, adapters, runtime=config.enable_lora)
         except BaseException:
             if driver is not None:
                 driver.close()
             raise
         arch = model.arch  # as this engine serves it (longrope's table follows max_model_len)
-        if config.lora_modules or config.enable_lora:
-            try:
-                install(model, adapters, runtime=config.enable_lora)
-            except BaseException:
-                if driver is not None:
-                    driver.close()
-                raise
         num_draft_layers = proposer_draft_layers(config, arch)  # MTP: its layers after the target's (S2)
         probe = KVCacheSpec(arch.num_layers + num_draft_layers, num_draft_layers, 1, config.block_size,
                             arch.num_kv_heads, arch.head_dim, kv_cache_dtype(config.kv_cache_dtype, dtype, arch),

@@ -187,6 +187,12 @@ class CausalLM:
         model takes no adapters."""
         return None
 
+    def hand_forward_to_ranks(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> None:
+        """On rank 0 of a split model, the other ranks start this forward (with the step's LoRA rows, if any) before
+        this rank runs its own slice; nothing on a whole model."""
+        if self.tp_driver is not None:
+            self.tp_driver.forward(input_ids, positions, meta, self.lora.step_rows if self.lora is not None else None)
+
     @property
     def lora_num_layers(self) -> int:
         """Layers an adapter's names count (the checkpoint's: a Granite hybrid's layer is two blocks here)."""

@@ -202,8 +202,7 @@ class GemmaModel(LlamaModel):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
-        if self.tp_driver is not None:  # tensor parallelism: the other ranks run this forward on their slices
-            self.tp_driver.forward(input_ids, positions, meta, self.lora.step_rows if self.lora is not None else None)
+        self.hand_forward_to_ranks(input_ids, positions, meta)  # tensor parallelism: the other ranks' slices
         hidden = F.embedding(input_ids, self.embed_tokens) * self.embed_scale
         for i, layer in enumerate(self.layers):
             hidden = layer.forward(hidden, positions, self.local_rope if layer.local else self.rope, kv_cache[i], meta)

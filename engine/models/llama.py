@@ -525,8 +525,7 @@ class LlamaModel(CausalLM):
     ) -> torch.Tensor:
         """Hidden states after the final norm, [num_tokens, hidden]. ``on_layer_done(i)`` runs as soon
         as layer i's KV is in the cache, so a KV connector can start sending it mid-forward."""
-        if self.tp_driver is not None:  # tensor parallelism: the other ranks run this forward on their slices
-            self.tp_driver.forward(input_ids, positions, meta, self.lora.step_rows if self.lora is not None else None)
+        self.hand_forward_to_ranks(input_ids, positions, meta)  # tensor parallelism: the other ranks' slices
         hidden = F.embedding(input_ids, self.embed_tokens)
         if self.arch.embedding_multiplier != 1.0:
             hidden.mul_(self.arch.embedding_multiplier)

@@ -314,8 +314,7 @@ class NemotronHModel(CausalLM):
     ) -> torch.Tensor:
         """Hidden states after the final norm, [num_tokens, hidden]. ``on_layer_done(i)`` runs as soon
         as attention layer i's KV is in the cache (i counts attention layers only)."""
-        if self.tp_driver is not None:  # tensor parallelism: the other ranks run this forward on their slices
-            self.tp_driver.forward(input_ids, positions, meta, self.lora.step_rows if self.lora is not None else None)
+        self.hand_forward_to_ranks(input_ids, positions, meta)  # tensor parallelism: the other ranks' slices
         plan = None
         if meta.mamba is not None and self.arch.num_mamba_layers:
             plan = meta.mamba.plan or MambaStepPlan.build(meta.mamba, input_ids.device,

@@ -3,9 +3,10 @@ DeepSeek-V3's (engine/models/deepseek_mtp.py), and on a Llama-family target our 
 trained one or the seeded random one; on a hybrid target too), an EAGLE or an EAGLE-3 draft (engine/models/eagle.py,
 eagle3.py). Every rank holds its slice of the MTP step's blocks, cut by the same rules as the model's
 (shard_hybrid.py: ``mtp.layers.*`` by ``mtp_layer_types``; shard.py: DeepSeek's MTP layer, under
-``model.layers.{num_hidden_layers}``, and a draft head's decoder layer, as a Llama layer), and the step's attention writes each rank's KV heads (DeepSeek: the whole
-latent) into its own draft layers. An EAGLE-3 draft reads the target's aux hidden states: every rank captures its own
-(the residual stream is whole on every rank) and fuses the same rows of them.
+``model.layers.{num_hidden_layers}``, and a draft head's decoder layer, as a Llama layer), and the step's attention
+writes each rank's KV heads (DeepSeek: the whole latent) into its own draft layers. An EAGLE-3 draft reads the
+target's aux hidden states: every rank captures its own (the residual stream is whole on every rank) and fuses the
+same rows of them.
 
 Rank 0's proposer (engine/proposers/mtp.py) runs each MTP forward after handing the other ranks the same one
 (``DraftForward``): which rows of the input hidden states to take, the next tokens, the positions and the attention
