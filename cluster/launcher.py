@@ -63,12 +63,28 @@ class ClusterSpec:
     # count. A local Ray instance is started with that many device slots.
     max_prefill: int = 0
     max_decode: int = 0
+    # Ranks each prefill / decode worker splits the model across (disagg); 0 = engine.tensor_parallel_size. They may
+    # differ (heterogeneous tensor parallelism): the prefill workers lay their KV out for the decode workers' ranks
+    # (kv_transfer/transports/resplit.py).
+    prefill_tensor_parallel_size: int = 0
+    decode_tensor_parallel_size: int = 0
+
+    def role_tensor_parallel_size(self, role: str) -> int:
+        """Ranks a ``role`` ("prefill" or "decode") worker splits the model across."""
+        own = self.prefill_tensor_parallel_size if role == "prefill" else self.decode_tensor_parallel_size
+        return own or self.engine.tensor_parallel_size
 
     def __post_init__(self) -> None:
         if self.mode not in ("disagg", "colocated"):
             raise ValueError(f"mode: {self.mode!r} is not one of disagg, colocated (or local without Ray)")
         if self.max_worker_restarts < 0:
             raise ValueError(f"max_worker_restarts must be >= 0, got {self.max_worker_restarts}")
+        for role in ("prefill", "decode"):
+            if self.role_tensor_parallel_size(role) < 1:
+                raise ValueError(f"{role}_tensor_parallel_size must be >= 1 (0: engine.tensor_parallel_size), "
+                                 f"got {self.role_tensor_parallel_size(role)}")
+        if self.mode != "disagg" and self.role_tensor_parallel_size("prefill") != self.engine.tensor_parallel_size:
+            raise ValueError(f"prefill_tensor_parallel_size: {self.mode} mode has no prefill workers")
         if self.num_decode < 1 or (self.mode == "disagg" and self.num_prefill < 1):
             raise ValueError(f"need at least one decode worker and, in disagg mode, one prefill worker "
                              f"(got num_prefill={self.num_prefill}, num_decode={self.num_decode})")
@@ -128,21 +144,27 @@ class Cluster:
         # A worker per GPU where there are enough; fewer GPUs than workers (disagg on a one-GPU machine):
         # the workers share them, each asking Ray for its fraction (Ray then gives them the same device).
         gpu_share = gpu_share_per_worker(num_gpus, num_workers) if use_gpu else 0.0
-        tp = spec.engine.tensor_parallel_size
-        if use_gpu and tp > 1 and spec.mode == "disagg" and spec.engine.device != "cpu":
-            check_shared_caches(replace(spec.engine, device="cuda"))  # what the workers would refuse, after loading
-        if use_gpu and tp > 1:  # a worker's ranks each take a whole GPU of the worker's (cuda:0 .. tp-1)
-            if num_gpus < num_workers * tp:
-                raise ValueError(f"tensor_parallel_size {tp}: {num_workers} worker(s) need {num_workers * tp} GPUs, "
-                                 f"the cluster has {num_gpus:g}")
-            gpu_share = float(tp)
+        tps = {role: spec.role_tensor_parallel_size(role) for role in ("prefill", "decode")}
+        num_ranks = num_prefill * tps["prefill"] + spec.num_decode * tps["decode"]
+        split_roles = [role for role in ("prefill", "decode") if tps[role] > 1 and (role == "decode" or num_prefill)]
+        if use_gpu and split_roles and spec.mode == "disagg" and spec.engine.device != "cpu":
+            for role in split_roles:  # what the workers would refuse, after loading
+                check_shared_caches(replace(spec.engine, device="cuda", tensor_parallel_size=tps[role]))
+        gpu_shares = dict.fromkeys(tps, gpu_share)
+        if use_gpu and split_roles:  # a worker's ranks each take a whole GPU of the worker's (cuda:0 .. tp-1)
+            if num_gpus < num_ranks:
+                raise ValueError(f"tensor_parallel_size {'/'.join(str(tps[r]) for r in split_roles)}: {num_workers} "
+                                 f"worker(s) need {num_ranks} GPUs, the cluster has {num_gpus:g}")
+            gpu_shares = {role: float(tp) for role, tp in tps.items()}
         event_host = "127.0.0.1" if not spec.address else ray.util.get_node_ip_address()
-        engine = engine_for_gpu_share(spec.engine, gpu_share)
+        engine = spec.engine
         if not engine.num_threads and not use_gpu and not spec.address:
             # Share this machine's cores between the workers (each worker is its own "device").
             # ... and a tensor-parallel worker's share between its ranks.
-            engine = EngineConfig(**{**asdict(engine),
-                                     "num_threads": max(1, (os.cpu_count() or 1) // (num_workers * tp))})
+            engine = EngineConfig(**{**asdict(engine), "num_threads": max(1, (os.cpu_count() or 1) // num_ranks)})
+        engines = {role: engine_for_gpu_share(replace(engine, tensor_parallel_size=tp), gpu_shares[role])
+                   for role, tp in tps.items()}
+        engine = engines["decode"]
         transfer = spec.transfer
         if transfer.secret is None:
             # Secure by default: the workers of this cluster share a fresh random secret, so nothing
@@ -163,22 +185,22 @@ class Cluster:
         slot = {"prefill": "prefill_slot", "decode": "decode_slot"}
         # On GPU clusters the role slot still decides the node type (prefill vs decode nodes).
         role_slots = ray.cluster_resources()
-        bundles = [self._bundle(gpu_share, slot["prefill"], role_slots) for _ in range(num_prefill)]
-        bundles += [self._bundle(gpu_share, slot["decode"], role_slots) for _ in range(spec.num_decode)]
+        bundles = [self._bundle(gpu_shares["prefill"], slot["prefill"], role_slots) for _ in range(num_prefill)]
+        bundles += [self._bundle(gpu_shares["decode"], slot["decode"], role_slots) for _ in range(spec.num_decode)]
         self.placement_group = placement_group(bundles, strategy="PACK")
         ray.get(self.placement_group.ready(), timeout=120)
         env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
         tag = uuid.uuid4().hex[:6]
         self.prefill_handles, self.decode_handles = {}, {}
         for i in range(num_prefill):
-            opts = self._actor_options(PlacementGroupSchedulingStrategy(self.placement_group, i), gpu_share, slot["prefill"],
-                                       spec.max_worker_restarts)
+            opts = self._actor_options(PlacementGroupSchedulingStrategy(self.placement_group, i), gpu_shares["prefill"],
+                                       slot["prefill"], spec.max_worker_restarts)
             wid = f"prefill-{i}-{tag}"
             self.prefill_handles[wid] = ray.remote(PrefillActor).options(**opts).remote(
-                wid, engine, transfer, self.router.event_address, env)  # its KV events
+                wid, engines["prefill"], transfer, self.router.event_address, env)  # its KV events
         for j in range(spec.num_decode):
-            opts = self._actor_options(PlacementGroupSchedulingStrategy(self.placement_group, num_prefill + j), gpu_share, slot["decode"],
-                                       spec.max_worker_restarts)
+            opts = self._actor_options(PlacementGroupSchedulingStrategy(self.placement_group, num_prefill + j),
+                                       gpu_shares["decode"], slot["decode"], spec.max_worker_restarts)
             wid = f"decode-{j}-{tag}"
             self.decode_handles[wid] = ray.remote(DecodeActor).options(**opts).remote(
                 wid, engine, transfer if spec.mode == "disagg" else None, self.router.event_address, env)
@@ -200,7 +222,8 @@ class Cluster:
                                        state_blocks.get(wid, 0))
         # One set of handles: workers added or removed later (add_worker, remove_worker) show in both.
         self.prefill_handles, self.decode_handles = self.router.prefill, self.router.decode
-        self._engine, self._transfer, self._env, self._gpu_share, self._tag = engine, transfer, env, gpu_share, tag
+        self._engine, self._transfer, self._env, self._tag = engine, transfer, env, tag
+        self._engines, self._gpu_shares = engines, gpu_shares
         self._next_index = {"prefill": num_prefill, "decode": spec.num_decode}
         self.router.health.on_worker_restarted = self.rewire
         self.router.health.on_pair_lost = self.rewire_pair
@@ -254,13 +277,13 @@ class Cluster:
         ray = self._ray
         wid = f"{role}-{self._next_index[role]}-{self._tag}"
         self._next_index[role] += 1
-        opts = self._actor_options(None, self._gpu_share, f"{role}_slot", self.spec.max_worker_restarts)
+        opts = self._actor_options(None, self._gpu_shares[role], f"{role}_slot", self.spec.max_worker_restarts)
 
         async def call(ref):
             return await asyncio.wait_for(ref, timeout_s)
 
         if role == "prefill":
-            handle = ray.remote(PrefillActor).options(**opts).remote(wid, self._engine, self._transfer,
+            handle = ray.remote(PrefillActor).options(**opts).remote(wid, self._engines["prefill"], self._transfer,
                                                                     self.router.event_address, self._env)
             address = await call(handle.address.remote())
             await asyncio.gather(*(call(h.connect_prefill.remote(address)) for h in list(self.decode_handles.values())))
@@ -359,6 +382,8 @@ def spec_from_args(args) -> ClusterSpec:
         max_worker_restarts=getattr(args, "max_worker_restarts", 3),
         max_prefill=args.autoscale_config.max_prefill if getattr(args, "autoscale", False) else 0,
         max_decode=args.autoscale_config.max_decode if getattr(args, "autoscale", False) else 0,
+        prefill_tensor_parallel_size=getattr(args, "prefill_tensor_parallel_size", None) or 0,
+        decode_tensor_parallel_size=getattr(args, "decode_tensor_parallel_size", None) or 0,
     )
 
 

@@ -82,6 +82,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     c.add_argument("--transport", choices=TRANSPORTS, default="tcp", help="KV transfer transport (disagg)")
     c.add_argument("--num-prefill", type=int, default=1, help="prefill workers (disagg)")
     c.add_argument("--num-decode", type=int, default=1, help="decode workers")
+    c.add_argument("--prefill-tensor-parallel-size", type=int, default=None, metavar="N",
+                   help="ranks each prefill worker splits the model across (disagg; default: --tensor-parallel-size); "
+                        "may differ from the decode workers': the prefill side lays its KV heads out their way")
+    c.add_argument("--decode-tensor-parallel-size", type=int, default=None, metavar="N",
+                   help="ranks each decode worker splits the model across (default: --tensor-parallel-size)")
     c.add_argument("--router-policy", choices=POLICIES, default="least_loaded",
                    help="where the router places each request (disagg, colocated): kv_aware scores the prompt "
                         "prefix each worker really holds (its KV events: device pool, host and disk tiers) "
@@ -185,18 +190,24 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.mode != "local" and args.port:  # (--mode local binds before loading the model; 0 = any port)
         # Ray and the workers take a minute to start: a busy port must fail before that, in one line.
         listen(args.host, args.port).close()
+    if args.mode == "auto" and (args.prefill_tensor_parallel_size or args.decode_tensor_parallel_size):
+        args.mode = "disagg"  # a split for each role says there are workers of each role
+        print("pdcluster serve: --mode auto -> disagg (--prefill/--decode-tensor-parallel-size)", file=sys.stderr,
+              flush=True)
+    _check_role_splits(args)
     if args.mode == "auto":
         import torch  # 1.5 s: only when a server starts
 
         args.mode = resolve_auto_mode(args.address, os.cpu_count() or 1,
                                       torch.cuda.device_count() if torch.cuda.is_available() else 0,
-                                      args.tensor_parallel_size)
+                                      max(_role_splits(args)))
         print(f"pdcluster serve: --mode auto -> {args.mode}", file=sys.stderr, flush=True)
-    if args.mode == "disagg" and args.tensor_parallel_size > 1:  # what the workers would refuse, before Ray starts
+    most_ranks = max(_role_splits(args)) if args.mode == "disagg" else args.tensor_parallel_size
+    if args.mode == "disagg" and most_ranks > 1:  # what the workers would refuse, before Ray starts
         from pdcluster.kv_transfer.transports.ranked import check_rank_transport
 
         try:
-            check_rank_transport(args.transport, args.tensor_parallel_size)
+            check_rank_transport(args.transport, most_ranks)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         if args.device != "cpu" and not args.address:
@@ -205,7 +216,27 @@ def _check_args(args: argparse.Namespace) -> None:
             from pdcluster.engine.tensor_parallel.driver import check_shared_caches
 
             if args.device.startswith("cuda") or torch.cuda.is_available():
-                check_shared_caches(EngineConfig(device="cuda", tensor_parallel_size=args.tensor_parallel_size))
+                check_shared_caches(EngineConfig(device="cuda", tensor_parallel_size=most_ranks))
+
+
+def _role_splits(args: argparse.Namespace) -> tuple[int, int]:
+    """Ranks of a prefill and of a decode worker."""
+    return (args.prefill_tensor_parallel_size or args.tensor_parallel_size,
+            args.decode_tensor_parallel_size or args.tensor_parallel_size)
+
+
+def _check_role_splits(args: argparse.Namespace) -> None:
+    """--prefill/--decode-tensor-parallel-size: at least 1, and only where the mode has that role's workers."""
+    for role in ("prefill", "decode"):
+        value = getattr(args, f"{role}_tensor_parallel_size")
+        if value is None:
+            continue
+        flag = f"--{role}-tensor-parallel-size"
+        if value < 1:
+            raise ConfigError(f"{flag}: must be at least 1, got {value}")
+        if args.mode == "local" or (role == "prefill" and args.mode == "colocated"):
+            raise ConfigError(f"{flag}: --mode {args.mode} has no {role} workers of their own; use "
+                              "--tensor-parallel-size")
 
 
 def resolve_auto_mode(address: str | None, num_cpus: int, num_gpus: int, tensor_parallel_size: int = 1) -> str:

@@ -246,6 +246,28 @@ def decode(data: bytes, max_size: int) -> Message:
 # --- compatibility -----------------------------------------------------------------------------------
 
 
+# Fields that differ between workers splitting one model different ways (tensor parallelism): the prefill side
+# re-lays its KV heads out for the decode side's ranks (kv_transfer/transports/resplit.py).
+# A hybrid's per-rank state widths differ too; such a pair is refused for the split itself (_resplit_refusal).
+_SPLIT_FIELDS = ("num_kv_heads", "tensor_parallel_size", "num_state_blocks", "state_conv_dim", "state_num_heads")
+
+
+def total_kv_heads(layout: KVLayout) -> int:
+    """KV heads of the whole model: a rank's times the ranks, except MLA's latent (one plane), whole on every rank."""
+    return layout.num_kv_heads if layout.num_planes == 1 else layout.num_kv_heads * layout.tensor_parallel_size
+
+
+def _resplit_refusal(a: KVLayout, b: KVLayout) -> str:
+    """Why workers splitting one model ``a.tensor_parallel_size`` and ``b.tensor_parallel_size`` ways cannot
+    exchange KV; empty when they can."""
+    if a.state_num_layers or b.state_num_layers:
+        return ("a hybrid model's Mamba state travels packed per rank, not as KV heads: both workers need the same "
+                "--tensor-parallel-size")
+    if total_kv_heads(a) != total_kv_heads(b):
+        return f"their caches hold {total_kv_heads(a)} and {total_kv_heads(b)} KV heads in all"
+    return ""
+
+
 def check_compatible(local: Hello, peer: Hello) -> None:
     """Raise ``HandshakeError`` naming every field on which the two workers cannot be paired."""
     me, them = f"{local.role} {local.worker_id!r}", f"{peer.role} {peer.worker_id!r}"
@@ -258,8 +280,13 @@ def check_compatible(local: Hello, peer: Hello) -> None:
         differs("protocol_version", local.protocol_version, peer.protocol_version)
     if local.role == peer.role:
         problems.append(f"role: both workers are {local.role!r}; a prefill worker pairs with a decode worker")
+    resplit = local.layout.tensor_parallel_size != peer.layout.tensor_parallel_size
     for name in local.layout.diff(peer.layout):
-        differs(f"layout.{name}", getattr(local.layout, name), getattr(peer.layout, name))
+        if not (resplit and name in _SPLIT_FIELDS):
+            differs(f"layout.{name}", getattr(local.layout, name), getattr(peer.layout, name))
+    if resplit and (reason := _resplit_refusal(local.layout, peer.layout)):
+        differs("layout.tensor_parallel_size", local.layout.tensor_parallel_size, peer.layout.tensor_parallel_size)
+        problems[-1] += f" ({reason})"
     if local.model_fingerprint != peer.model_fingerprint:
         differs("model_fingerprint", local.model_fingerprint, peer.model_fingerprint)
     if local.transport != peer.transport:

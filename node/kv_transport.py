@@ -13,6 +13,7 @@ from pdcluster.kv_transfer.transports import KVTransport, get_transport_class
 from pdcluster.kv_transfer.transports.base import Role
 from pdcluster.kv_transfer.transports.common.memfd import find_segment, shared_tensor
 from pdcluster.kv_transfer.transports.ranked import RankedTransport
+from pdcluster.kv_transfer.transports.resplit import ResplitSender
 
 
 def rank_cache_allocator(transfer: TransferConfig):
@@ -32,17 +33,23 @@ def rank_cache_allocator(transfer: TransferConfig):
 
 
 def open_transport(transfer: TransferConfig, model: LoadedModel, role: Role) -> KVTransport:
-    """``model`` loaded with ``share_rank_caches=True`` where it is split across ranks."""
+    """``model`` loaded with ``share_rank_caches=True`` where it is split across ranks. A sender of an attention
+    model also reaches decode workers split another number of ways (kv_transfer/transports/resplit.py)."""
     cls = get_transport_class(transfer.transport)
     config = transfer.transport_config()
     if not model.rank_kv_caches:
-        return cls(model.kv_cache, role, config)
-    parts: list[KVTransport] = []
-    try:
-        for cache in model.rank_kv_caches:
-            parts.append(cls(cache, role, config))
-    except BaseException:
-        for part in parts:
-            part.close()
-        raise
-    return RankedTransport(parts)
+        transport = cls(model.kv_cache, role, config)
+    else:
+        parts: list[KVTransport] = []
+        try:
+            for cache in model.rank_kv_caches:
+                parts.append(cls(cache, role, config))
+        except BaseException:
+            for part in parts:
+                part.close()
+            raise
+        transport = RankedTransport(parts)
+    if role != "sender" or model.num_state_blocks:  # a hybrid's state is packed per rank: the handshake refuses
+        return transport
+    return ResplitSender(transport, model.rank_kv_caches or (model.kv_cache,),
+                         make_part=lambda cache: cls(cache, "sender", config), allocate=cls.allocate_kv_cache)

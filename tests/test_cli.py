@@ -171,6 +171,39 @@ def test_serve_api_servers_flag():
         api_servers("--api-servers", "many")
 
 
+def test_serve_role_tensor_parallel_flags(capsys):
+    """--prefill/--decode-tensor-parallel-size: each role's split (disagg), the engine's otherwise; auto with either
+    serves disaggregated; a role the mode has no workers of, or fewer than one rank, is a ConfigError naming the
+    flag. The cluster spec gives each role its own split."""
+    from pdcluster.cli.main import build_parser
+    from pdcluster.cluster.launcher import ClusterSpec, spec_from_args
+    from pdcluster.cluster.serve_cli import _check_args
+    from pdcluster.engine.config import ConfigError, EngineConfig
+
+    def checked(*argv):
+        args = build_parser().parse_args(["serve", "--port", "0", "--device", "cpu", *argv])
+        _check_args(args)
+        return args
+
+    args = checked("--mode", "auto", "--prefill-tensor-parallel-size", "2")
+    assert args.mode == "disagg" and "--mode auto -> disagg" in capsys.readouterr().err
+    spec = spec_from_args(args)
+    assert [spec.role_tensor_parallel_size(r) for r in ("prefill", "decode")] == [2, 1]
+    spec = spec_from_args(checked("--mode", "disagg", "-tp", "2", "--decode-tensor-parallel-size", "1"))
+    assert [spec.role_tensor_parallel_size(r) for r in ("prefill", "decode")] == [2, 1]
+    for argv, says in ((["--mode", "colocated", "--prefill-tensor-parallel-size", "2"],
+                        "--prefill-tensor-parallel-size: --mode colocated has no prefill workers"),
+                       (["--mode", "local", "--decode-tensor-parallel-size", "2"],
+                        "--decode-tensor-parallel-size: --mode local has no decode workers"),
+                       (["--mode", "disagg", "--decode-tensor-parallel-size", "0"],
+                        "--decode-tensor-parallel-size: must be at least 1, got 0")):
+        with pytest.raises(ConfigError, match=says):
+            checked(*argv)
+    assert checked("--mode", "colocated", "--decode-tensor-parallel-size", "2").mode == "colocated"
+    with pytest.raises(ValueError, match="colocated mode has no prefill workers"):
+        ClusterSpec(EngineConfig(), None, mode="colocated", prefill_tensor_parallel_size=2)
+
+
 def test_api_servers_auto_streams_from_two_processes_only_on_a_gpu_machine_with_cores():
     """auto: a GPU's steps outrun one process streaming every token; a CPU's cores go to the model."""
     from pdcluster.cluster.serve_cli import GPU_API_SERVERS, resolve_api_servers

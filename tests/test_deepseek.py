@@ -13,6 +13,7 @@ kv_lora_rank + qk_rope_head_dim.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -218,6 +219,18 @@ def test_split_disagg_pair_equals_transformers(dirs, reference):
                         tensor_parallel_size=2)
     params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
     run = run_on_pair(cfg, TransferConfig(transport="tcp", secret="s3cret"), PROMPTS[:6], params, 128)
+    assert run.tokens == reference["v3"][:6]
+
+
+@pytest.mark.parametrize("prefill_ranks, decode_ranks", [(2, 1), (1, 2)])
+def test_pair_split_different_ways_equals_transformers(dirs, reference, prefill_ranks, decode_ranks):
+    """Workers splitting the model different ways (kv_transfer/transports/resplit.py): every rank's cache holds the
+    whole latent, so each decode rank gets the prefill worker's rank 0 latent, whatever the two splits."""
+    cfg = functools.partial(engine_config, str(dirs["v3"]), dtype="float32", max_model_len=128, num_kv_blocks=128,
+                            block_size=16)
+    params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+    run = run_on_pair(cfg(tensor_parallel_size=prefill_ranks), TransferConfig(transport="tcp", secret="s3cret"),
+                      PROMPTS[:6], params, 128, decode_cfg=cfg(tensor_parallel_size=decode_ranks))
     assert run.tokens == reference["v3"][:6]
 
 

@@ -118,10 +118,10 @@ def test_workers_split_over_two_ranks_move_each_ranks_kv_and_equal_single_engine
     with connected_pair(cfg, TransferConfig(transport=transport, secret="s3cret"), events) as (p, d):
         assert [t.name for t in (p.transport, d.kv.transport)] == [f"{transport} x2 ranks"] * 2
         assert _through_pair(p, d, events, prompts, params) == expected
-        one_rank = p.transport.parts[0].block_layer_bytes()
+        one_rank = p.transport.inner.parts[0].block_layer_bytes()
         assert p.stats()["bytes_sent"] > 0 and p.transport.block_layer_bytes() == 2 * one_rank
         if transport == "shm":  # rank 0's prefill cache is plain memory (push); the others are shm's own
-            assert [part.peer_mode("d0") for part in p.transport.parts] == ["push", "push+pull"]
+            assert [part.peer_mode("d0") for part in p.transport.inner.parts] == ["push", "push+pull"]
 
 
 @pytest.mark.timeout(240)
@@ -159,14 +159,14 @@ def test_workers_split_over_ranks_refuse_cuda_ipc_in_one_line(tiny_dir):
 
 
 @contextlib.contextmanager
-def connected_pair(cfg, tc: TransferConfig, events: Events):
-    """A prefill worker "p0" and a decode worker "d0" (its events to ``events``), handshaken both
-    ways; closed afterwards."""
+def connected_pair(cfg, tc: TransferConfig, events: Events, decode_cfg=None):
+    """A prefill worker "p0" of ``cfg`` and a decode worker "d0" of ``decode_cfg`` (default ``cfg``; its events to
+    ``events``), handshaken both ways; closed afterwards."""
     from pdcluster.decode_node.worker import DecodeWorker
     from pdcluster.prefill_node.worker import PrefillWorker
 
     p = PrefillWorker("p0", cfg, tc)
-    d = DecodeWorker("d0", cfg, tc)
+    d = DecodeWorker("d0", decode_cfg or cfg, tc)
     d.on_event = events
     try:
         assert d.connect_prefill(p.address) == "p0"
@@ -189,11 +189,12 @@ class PairRun:
     decode_engine: object
 
 
-def run_on_pair(cfg, tc: TransferConfig, prompts, params, num_blocks: int, timeout_s: float = 120) -> PairRun:
+def run_on_pair(cfg, tc: TransferConfig, prompts, params, num_blocks: int, timeout_s: float = 120,
+                decode_cfg=None) -> PairRun:
     """Every prompt through a real prefill/decode pair (``connected_pair``), its tokens collected; waits
     (bounded) for both workers' blocks to come back before taking their stats."""
     events, ids = Events(), [f"r{i}" for i in range(len(prompts))]
-    with connected_pair(cfg, tc, events) as (p, d):
+    with connected_pair(cfg, tc, events, decode_cfg) as (p, d):
         for rid, prompt in zip(ids, prompts):
             d.submit(rid, prompt, params, "p0")
         tokens = _collect_tokens(events, ids, timeout_s=timeout_s)

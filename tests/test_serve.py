@@ -111,17 +111,22 @@ def test_serve_tensor_parallel_colocated_matches_engine(expected):
 
 
 @pytest.mark.timeout(600)
-def test_serve_tensor_parallel_disagg_matches_engine(expected):
-    """Disaggregated workers each split over two ranks: rank r of the prefill worker sends its KV heads to rank r of
-    the decode worker (kv_transfer/transports/ranked.py, over the ranks' shared caches), and what is served is what the
-    whole model computes."""
+@pytest.mark.parametrize("flags, num_other_ranks", [
+    pytest.param(["--tensor-parallel-size", "2"], 2, marks=pytest.mark.slow, id="both-2"),
+    pytest.param(["--prefill-tensor-parallel-size", "2", "--decode-tensor-parallel-size", "1"], 1, id="prefill-2-decode-1"),
+])
+def test_serve_tensor_parallel_disagg_matches_engine(expected, flags, num_other_ranks):
+    """Disaggregated workers split over ranks. Both two ways: rank r of the prefill worker sends its KV heads to rank r
+    of the decode worker (kv_transfer/transports/ranked.py, over the ranks' shared caches). Prefill two ways, decode
+    whole: the prefill worker lays both ranks' heads side by side for it (kv_transfer/transports/resplit.py). What is
+    served is what the whole model computes."""
     import httpx
 
     before = set(_tp_ranks())
-    server = Server("--mode", "disagg", "--tensor-parallel-size", "2")
+    server = Server("--mode", "auto", *flags) if num_other_ranks == 1 else Server("--mode", "disagg", *flags)
     try:
         _check_server(server, expected)
-        assert len(set(_tp_ranks()) - before) == 2  # rank 1 of the prefill worker and rank 1 of the decode worker
+        assert len(set(_tp_ranks()) - before) == num_other_ranks  # each split worker's ranks past rank 0
         metrics = httpx.get(f"http://127.0.0.1:{server.port}/metrics", timeout=10).text
         assert _metric(metrics, "pdcluster:ttft_kv_transfer_seconds_count") > 0
         assert (_metric(metrics, "pdcluster:kv_transfer_bytes_total") or 0) > 0
