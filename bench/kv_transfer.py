@@ -9,9 +9,12 @@ scattered rows.
 
 ``--ranks N`` splits each side's cache N ways by KV head, as tensor parallelism does, and moves the same bytes as N
 rank caches through one ranked transport (kv_transfer/transports/ranked.py: one transport per rank, driven as one).
+``--peer-ranks D`` splits the receiver D ways instead: the sender copies each receiver rank's heads into staging caches
+laid out its way before sending (kv_transfer/transports/resplit.py), the same bytes end to end.
 
     python bench/kv_transfer.py --out result.json
     python bench/kv_transfer.py --transports tcp shm --ranks 2 --out result.json
+    python bench/kv_transfer.py --transports tcp shm --ranks 2 --peer-ranks 4 --out result.json
 
 JSON goes to --out and stdout; everything else (including native libraries' chatter in the child
 processes) goes to stderr.
@@ -47,11 +50,19 @@ class Geometry:
     head_dim: int = 32  # float32: 16 * 8 * 32 * 4 B = 16 KiB per row
     send_blocks: int = 256  # 8 layers * 2 * 256 rows * 16 KiB = 64 MiB
     ranks: int = 1  # tensor-parallel ranks per side: each cache holds num_kv_heads / ranks heads
+    peer_ranks: int = 0  # the receiver's ranks where they differ (0: ranks): the sender re-lays its heads out
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """One rank's cache."""
-        return (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads // self.ranks, self.head_dim)
+        """One sender rank's cache."""
+        return self.shape_of(self.ranks)
+
+    def shape_of(self, ranks: int) -> tuple[int, ...]:
+        """One rank's cache where a side splits ``ranks`` ways."""
+        return (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads // ranks, self.head_dim)
+
+    def ranks_of(self, role: str) -> int:
+        return self.peer_ranks or self.ranks if role == "receiver" else self.ranks
 
     @property
     def row_bytes(self) -> int:
@@ -115,25 +126,24 @@ def fill(cache, seed: int) -> None:
 
 
 def checksum(caches, ids: np.ndarray) -> str:
+    """Hash of blocks ``ids`` of the whole cache (the ranks' heads side by side): equal however a side splits it."""
     import hashlib
 
     import torch
 
-    digest = hashlib.sha256()
-    for cache in caches:
-        rows = cache.view(torch.uint8).view(cache.shape[0], 2, cache.shape[2], -1)[:, :, torch.from_numpy(ids)]
-        digest.update(rows.contiguous().numpy().tobytes())
-    return digest.hexdigest()
+    whole = torch.cat(list(caches), dim=4)
+    rows = whole.view(torch.uint8).view(whole.shape[0], 2, whole.shape[2], -1)[:, :, torch.from_numpy(ids)]
+    return hashlib.sha256(rows.contiguous().numpy().tobytes()).hexdigest()
 
 
 # ------------------------------------------------------------------ our transports
 
 
-def allocate(cls, geom: Geometry, shared: bool):
+def allocate(cls, shape: tuple[int, ...], shared: bool):
     """The transport's own allocation (shared memory for shm) or plain memory."""
     import torch
 
-    return cls.allocate_kv_cache(geom.shape, torch.float32) if shared else torch.zeros(geom.shape, dtype=torch.float32)
+    return cls.allocate_kv_cache(shape, torch.float32) if shared else torch.zeros(shape, dtype=torch.float32)
 
 
 # shm mode -> (sender cache shared, receiver cache shared); other transports: plain memory both sides
@@ -142,17 +152,26 @@ SHM_MODES = {"push+pull": (True, True), "push": (False, True), "ring": (False, F
 
 def open_transport(name: str, mode: str, geom: Geometry, role: str):
     """(caches, transport) of one side: a cache per rank, filled with its side's random bytes; with more than one
-    rank, a ranked transport over a transport per rank cache."""
+    rank, a ranked transport over a transport per rank cache. A sender whose peer splits another way re-lays its heads
+    out for it (kv_transfer/transports/resplit.py), as a prefill worker does."""
     from pdcluster.kv_transfer.transports import TransportConfig, get_transport_class
     from pdcluster.kv_transfer.transports.ranked import RankedTransport
+    from pdcluster.kv_transfer.transports.resplit import ResplitSender
 
     cls = get_transport_class(name)
     sender = role == "sender"
-    caches = [allocate(cls, geom, SHM_MODES.get(mode, (False, False))[0 if sender else 1]) for _ in range(geom.ranks)]
+    ranks = geom.ranks_of(role)
+    shared = SHM_MODES.get(mode, (False, False))[0 if sender else 1]
+    caches = [allocate(cls, geom.shape_of(ranks), shared) for _ in range(ranks)]
     for rank, cache in enumerate(caches):
         fill(cache, (2 if sender else 1) + 10 * rank)
-    parts = [cls(cache, role, TransportConfig(admit_unexpected=True)) for cache in caches]
-    return caches, (parts[0] if len(parts) == 1 else RankedTransport(parts))
+    config = TransportConfig(admit_unexpected=True)
+    parts = [cls(cache, role, config) for cache in caches]
+    transport = parts[0] if len(parts) == 1 else RankedTransport(parts)
+    if sender and geom.ranks_of("receiver") != ranks:
+        transport = ResplitSender(transport, caches, make_part=lambda cache: cls(cache, "sender", config),
+                                  allocate=cls.allocate_kv_cache)
+    return caches, transport
 
 
 @child_process
@@ -195,7 +214,8 @@ def timed_sends(geom: Geometry, reps: int, send) -> tuple[list[float], list[floa
 def sender_proc(name: str, mode: str, geom: Geometry, reps: int, desc: dict, conn) -> None:
     caches, t = open_transport(name, mode, geom, "sender")
     t.connect("decode", desc)
-    for part in getattr(t, "parts", [t]):
+    moving = next(iter(t._splits.values())).transport if hasattr(t, "_splits") else t  # resplit: the staging's
+    for part in getattr(moving, "parts", [moving]):
         if hasattr(part, "peer_mode"):
             assert part.peer_mode("decode") == mode, (part.peer_mode("decode"), mode)
     src, dst = block_ids(geom, 0)
@@ -272,6 +292,7 @@ def summarize(transport: str, mode: str, geom: Geometry, run: tuple, warmup: int
         "transport": transport,
         "mode": mode,
         "ranks": geom.ranks,
+        "peer_ranks": geom.ranks_of("receiver"),
         "bytes": geom.transfer_bytes,
         "seconds": seconds,
         "gbps": gbps,
@@ -400,6 +421,9 @@ def main() -> int:
     parser.add_argument("--no-nixl", action="store_true")
     parser.add_argument("--ranks", type=int, default=1,
                         help="tensor-parallel ranks per side (a ranked transport over a cache per rank); divides 8")
+    parser.add_argument("--peer-ranks", type=int, default=0,
+                        help="the receiver's ranks where they differ from --ranks (heterogeneous tensor parallelism: "
+                             "the sender copies each receiver rank's heads into staging caches laid out its way)")
     args = parser.parse_args()
 
     # Loopback only, and UCX's shared-memory path (FIELD_NOTES); children inherit the environment.
@@ -408,9 +432,10 @@ def main() -> int:
 
     from pdcluster.kv_transfer.transports import available_transports
 
-    geom = Geometry(ranks=args.ranks)
-    if geom.num_kv_heads % geom.ranks:
-        parser.error(f"--ranks {args.ranks}: the {geom.num_kv_heads} KV heads do not split that way")
+    geom = Geometry(ranks=args.ranks, peer_ranks=args.peer_ranks if args.peer_ranks != args.ranks else 0)
+    for flag, ranks in (("--ranks", args.ranks), ("--peer-ranks", geom.ranks_of("receiver"))):
+        if ranks < 1 or geom.num_kv_heads % ranks:
+            parser.error(f"{flag} {ranks}: the {geom.num_kv_heads} KV heads do not split that way")
     result: dict = {"geometry": asdict(geom), "results": [], "unavailable": {}, "errors": {}}
     # The machine is shared: the load says how much to trust the numbers.
     result["loadavg_1min"] = {"start": os.getloadavg()[0], "cpus": os.cpu_count()}
@@ -421,7 +446,9 @@ def main() -> int:
         if reason is not None:
             result["unavailable"][name] = reason
             continue
-        runs += [(name, m) for m in SHM_MODES] if name == "shm" else [(name, "default")]
+        # A re-laying sender sends from staging caches shm allocates: push+pull only.
+        shm_modes = ["push+pull"] if geom.peer_ranks else list(SHM_MODES)
+        runs += [(name, m) for m in shm_modes] if name == "shm" else [(name, "default")]
     for name, mode in runs:
         print(f"benchmarking {name} ({mode})", file=sys.stderr)
         try:
@@ -429,7 +456,7 @@ def main() -> int:
         except Exception as e:  # noqa: BLE001 - one broken transport must not hide the others
             result["errors"][f"{name}:{mode}"] = str(e)
 
-    if not args.no_nixl and geom.ranks == 1:  # NIXL's reference moves one cache
+    if not args.no_nixl and geom.ranks == 1 and not geom.peer_ranks:  # NIXL's reference moves one cache
         try:
             from importlib.metadata import version
 

@@ -113,7 +113,8 @@ def test_serve_tensor_parallel_colocated_matches_engine(expected):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("flags, num_other_ranks", [
     pytest.param(["--tensor-parallel-size", "2"], 2, marks=pytest.mark.slow, id="both-2"),
-    pytest.param(["--prefill-tensor-parallel-size", "2", "--decode-tensor-parallel-size", "1"], 1, id="prefill-2-decode-1"),
+    pytest.param(["--prefill-tensor-parallel-size", "2", "--decode-tensor-parallel-size", "1"], 1,
+                 id="prefill-2-decode-1"),
 ])
 def test_serve_tensor_parallel_disagg_matches_engine(expected, flags, num_other_ranks):
     """Disaggregated workers split over ranks. Both two ways: rank r of the prefill worker sends its KV heads to rank r

@@ -75,21 +75,13 @@ class _Split:
     def stage(self, caches: Sequence[torch.Tensor], layer_ids: Sequence[int] | range, block_ids: np.ndarray) -> None:
         """Copy ``block_ids`` of ``layer_ids`` from our rank caches into the staging caches, each its heads."""
         index = torch.as_tensor(np.asarray(block_ids, dtype=np.int64), device=self.staging[0].device)
-        for layers in _layer_slices(layer_ids):
+        for layer in layer_ids:  # a layer at a time: the temporaries stay one layer's blocks (all at once: 2-6x slower)
             for staging, pieces in zip(self.staging, self.pieces):
-                for rank, ours, theirs in pieces:
-                    staging[layers, :, index, :, theirs] = caches[rank][layers, :, index, :, ours]
-
-
-def _layer_slices(layer_ids: Sequence[int] | range) -> list[slice]:
-    """``layer_ids`` as runs of consecutive layers (a prompt's sends are one layer, or a range of them)."""
-    runs: list[slice] = []
-    for layer in layer_ids:
-        if runs and runs[-1].stop == layer:
-            runs[-1] = slice(runs[-1].start, layer + 1)
-        else:
-            runs.append(slice(layer, layer + 1))
-    return runs
+                # Gather the blocks' heads into one contiguous piece (several ranks' side by side), then one
+                # index_copy_ into the staging blocks: faster than a strided index_put per piece.
+                layers = slice(layer, layer + 1)  # (a 5-d view's index_select over blocks is 3x slower here)
+                heads = [caches[rank][layers, :, :, :, ours].index_select(2, index) for rank, ours, _ in pieces]
+                staging[layers].index_copy_(2, index, heads[0] if len(heads) == 1 else torch.cat(heads, dim=4))
 
 
 class ResplitSender(KVTransport):
