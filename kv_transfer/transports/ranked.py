@@ -174,11 +174,16 @@ class RankedTransport(KVTransport):
             self._received.pop(transfer_id, None)
 
     def close(self) -> None:
-        errors = []
-        for part in self.parts:
-            try:
-                part.close()
-            except Exception as e:  # noqa: BLE001 - close the rest, then say what failed
-                errors.append(e)
-        if errors:
-            raise errors[0]
+        close_all(self.parts)
+
+
+def close_all(transports: Sequence[KVTransport]) -> None:
+    """Close every transport, then raise the first error any close raised."""
+    errors = []
+    for transport in transports:
+        try:
+            transport.close()
+        except Exception as e:  # noqa: BLE001 - close the rest, then say what failed
+            errors.append(e)
+    if errors:
+        raise errors[0]

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from .base import KVTransport
-from .ranked import RankedTransport
+from .ranked import RankedTransport, close_all
 
 HeadPiece = tuple[int, slice, slice]  # (our rank, its heads, the peer rank's heads they fill)
 
@@ -189,11 +189,4 @@ class ResplitSender(KVTransport):
         return []  # a sender receives nothing
 
     def close(self) -> None:
-        errors = []
-        for transport in [self.inner] + [s.transport for s in self._all_splits()]:
-            try:
-                transport.close()
-            except Exception as e:  # noqa: BLE001 - close the rest, then say what failed
-                errors.append(e)
-        if errors:
-            raise errors[0]
+        close_all([self.inner] + [s.transport for s in self._all_splits()])
