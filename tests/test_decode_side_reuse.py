@@ -212,7 +212,7 @@ class _Transport:
     def __init__(self):
         self.sent = []
 
-    def block_layer_bytes(self):
+    def block_layer_bytes_to(self, peer_id):
         return 2 * BS * 4  # K and V of one block: BS tokens x 1 head x dim 1 x 4 bytes
 
     def send(self, peer, request_id, layers, src, dst):

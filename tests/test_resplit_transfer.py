@@ -98,6 +98,35 @@ def test_each_decode_rank_gets_its_heads_of_the_sent_blocks_only(sides, name, ou
     received: list = []
     assert wait_until(lambda: received.extend(rx.poll_received()) or len(received) >= NUM_LAYERS + 1)
     assert len(tx._splits) == 1 and tx._splits[theirs].num_ranks == theirs
+    assert tx.block_layer_bytes_to("d0") == rx.block_layer_bytes() == tx.block_layer_bytes()  # the same heads in all
+
+
+@pytest.mark.parametrize("ours, theirs", [(2, 4), (2, 1)])
+def test_an_mla_latent_whole_on_every_rank_reaches_each_decode_rank_from_rank_0(ours, theirs):
+    """One plane, one latent "head" whole on every rank (DeepSeek split over ranks): each decode rank gets our rank 0's
+    latent, and a send counts the bytes the decode side's ranks take."""
+    cls = get_transport_class("tcp")
+    shape = (NUM_LAYERS, 1, NUM_BLOCKS, BLOCK_SIZE, 1, HEAD_DIM)
+    tx_caches = [torch.randn(shape) for _ in range(ours)]
+    rx_caches = [torch.zeros(shape) for _ in range(theirs)]
+    parts = [cls(c, "sender", _config()) for c in tx_caches]
+    rx_parts = [cls(c, "receiver", _config()) for c in rx_caches]
+    tx = ResplitSender(RankedTransport(parts), tx_caches, make_part=lambda c: cls(c, "sender", _config()),
+                       allocate=cls.allocate_kv_cache)
+    rx = RankedTransport(rx_parts) if theirs > 1 else rx_parts[0]
+    try:
+        tx.connect("d0", rx.local_descriptor())
+        rx.expect("req", [4, 5])
+        tx.send("d0", "req", range(NUM_LAYERS), np.array([9, 1]), np.array([4, 5]))
+        done, failed = wait_sent(tx, {"req"}, 10.0)
+        assert done == {"req"} and not failed
+        for cache in rx_caches:
+            assert torch.equal(cache[:, :, [4, 5]], tx_caches[0][:, :, [9, 1]])
+        assert tx.block_layer_bytes_to("d0") == theirs * BLOCK_SIZE * HEAD_DIM * 4
+        assert tx.block_layer_bytes() == ours * BLOCK_SIZE * HEAD_DIM * 4
+    finally:
+        tx.close()
+        rx.close()
 
 
 @pytest.mark.parametrize("name", [n for n in ("tcp", "shm") if n in TRANSPORTS])

@@ -192,7 +192,7 @@ class PrefillKVConnector(KVConnector):
             if not task.t_first_send:
                 task.t_first_send = self.clock()
             self.transport.send(task.decode_id, task.request_id, layer_ids, src, dst)
-            num_bytes = len(src) * len(layer_ids) * self.transport.block_layer_bytes()
+            num_bytes = len(src) * len(layer_ids) * self.transport.block_layer_bytes_to(task.decode_id)
             task.num_bytes += num_bytes
             self.bytes_sent += num_bytes
         except Exception as e:  # noqa: BLE001 - any send error fails this request only

@@ -181,6 +181,11 @@ class KVTransport(ABC):
         kv = self.kv_cache
         return kv.shape[1] * kv.shape[3] * kv.shape[4] * kv.shape[5] * kv.element_size()
 
+    def block_layer_bytes_to(self, peer_id: str) -> int:
+        """Sender: bytes a send to ``peer_id`` moves per block and layer (a re-laying sender's peers may hold MLA's
+        latent on more or fewer ranks than we do: kv_transfer/transports/resplit.py)."""
+        return self.block_layer_bytes()
+
     def expect(self, transfer_id: str, dst_block_ids: np.ndarray | Sequence[int]) -> None:
         """Receiver: chunks of ``transfer_id`` may land in ``dst_block_ids`` (module docstring)."""
         self._admission.expect(transfer_id, dst_block_ids)

@@ -120,6 +120,11 @@ class ResplitSender(KVTransport):
     def block_layer_bytes(self) -> int:
         return self.inner.block_layer_bytes()
 
+    def block_layer_bytes_to(self, peer_id: str) -> int:
+        with self._lock:
+            split = self._route.get(peer_id)
+        return (split.transport if split is not None else self.inner).block_layer_bytes()
+
     def _all_splits(self) -> list[_Split]:
         with self._lock:
             return list(self._splits.values())
