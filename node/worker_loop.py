@@ -147,6 +147,8 @@ def engine_stats(worker_id: str, engine) -> dict:
         "pid": os.getpid(),
         "num_free_blocks": sched.num_free_blocks,
         "num_blocks": engine.kv_spec.num_blocks,
+        # Ranks its model is split across (prefill and decode workers may differ: kv_transfer/transports/resplit.py).
+        "tensor_parallel_size": engine.config.tensor_parallel_size,
         # Hybrid models: blocks a disaggregated prompt's Mamba state arrives in (engine/mamba_state_blocks.py).
         "num_state_blocks": engine.num_state_blocks,
         "num_running": len(sched.running),

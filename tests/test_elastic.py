@@ -73,6 +73,26 @@ def test_added_decode_worker_takes_placements(disagg, expected):
     assert_all_blocks_free(cluster)
 
 
+@pytest.mark.slow  # ~20 s: the launch path is in the default run (tests/test_serve.py, prefill 2 / decode 1)
+def test_workers_added_to_a_cluster_split_each_role_its_own_way(disagg, expected):
+    """Prefill workers split over two ranks, decode workers whole (heterogeneous tensor parallelism): a worker added
+    while serving takes its role's split, and the tokens are the whole model's."""
+    cluster, recorder = disagg(num_prefill=1, num_decode=1, prefill_tensor_parallel_size=2)
+    router = cluster.router
+
+    async def scenario():
+        added = [await cluster.add_worker("prefill"), await cluster.add_worker("decode")]
+        outs = [await _generate(router, f"r{i}", p) for i, p in enumerate(PROMPTS)]
+        return added, outs
+
+    added, outs = run_with_router(router, scenario)
+    assert outs == expected
+    splits = {wid: st["tensor_parallel_size"] for wid, st in cluster.worker_stats().items()}
+    assert sorted(splits.values()) == [1, 1, 2, 2] and splits[added[0]] == 2 and splits[added[1]] == 1
+    assert {d.prefill_id for d in recorder.decisions} == set(cluster.prefill_handles)  # both prefill workers served
+    assert_all_blocks_free(cluster)
+
+
 def test_drain_decode_worker_mid_stream_loses_nothing(disagg, expected, transport):
     cluster, recorder = disagg(transport, num_prefill=1, num_decode=2)
     router = cluster.router
