@@ -239,6 +239,24 @@ def fp8_engine(smollm2_dir):
     return make_engine("smollm2", num_kv_blocks=512, kv_cache_dtype="fp8")
 
 
+# Transformers' top-two logit gap under which a greedy step is a tie either engine may break its own way: the two
+# compute fp8-rounded attention in different orders (torch 2.14.1's GEMMs turned "In 1969, ..." token 23's 0.0005 gap
+# the other way). The rounding itself moves a token by far more: 0.40 at "Q: What is 12 ..." token 8.
+NEAR_TIE_LOGITS = 0.05
+
+
+def _equal_until_a_near_tie(ours: list[int], ref_ids: list[int], ref_scores, prompt) -> None:
+    """``ours`` equals transformers' greedy tokens, or does up to a step where transformers' top two were within
+    NEAR_TIE_LOGITS and we took its runner-up (what follows that step is a different continuation, not compared)."""
+    for i, (a, b) in enumerate(zip(ours, ref_ids)):
+        if a != b:
+            top = torch.topk(ref_scores[i][0], 2)
+            gap = float(top.values[0] - top.values[1])
+            assert a == int(top.indices[1]) and gap < NEAR_TIE_LOGITS, (prompt, i, a, b, gap)
+            return
+    assert len(ours) == len(ref_ids), prompt
+
+
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
 def test_greedy_equals_transformers_with_fp8_rounded_kv(fp8_engine, hf_model):
     assert fp8_engine.kv_cache.dtype is torch.float8_e4m3fn
@@ -248,10 +266,12 @@ def test_greedy_equals_transformers_with_fp8_rounded_kv(fp8_engine, hf_model):
         ids = torch.tensor([out.prompt_token_ids])
         kwargs = dict(max_new_tokens=24, do_sample=False, attention_mask=torch.ones_like(ids))
         with torch.no_grad():
-            ref = hf_model.generate(ids, past_key_values=_fp8_rounding_cache(torch.float8_e4m3fn), **kwargs)
+            ref = hf_model.generate(ids, past_key_values=_fp8_rounding_cache(torch.float8_e4m3fn),
+                                    output_scores=True, return_dict_in_generate=True, **kwargs)
             plain = hf_model.generate(ids, **kwargs)
-        assert out.token_ids == ref[0, ids.shape[1]:].tolist(), out.prompt_token_ids
-        rounding_matters |= ref[0, ids.shape[1]:].tolist() != plain[0, ids.shape[1]:].tolist()
+        ref_ids = ref.sequences[0, ids.shape[1]:].tolist()
+        _equal_until_a_near_tie(out.token_ids, ref_ids, ref.scores, out.prompt_token_ids)
+        rounding_matters |= ref_ids != plain[0, ids.shape[1]:].tolist()
     # The oracle tells the caches apart: an engine that kept float32 K/V would fail on some prompt.
     assert rounding_matters
     assert fp8_engine.scheduler.num_free_blocks == fp8_engine.kv_spec.num_blocks
