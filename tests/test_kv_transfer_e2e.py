@@ -253,17 +253,20 @@ def _prefill_child(conn):
 # tcp notices the dropped connection itself; ucx notices only by keepalive (20 s), so there the
 # control-plane heartbeat is what reclaims the blocks.
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("transport, reason", [("tcp", "dropped"), ("ucx", "stopped answering")])
-def test_decode_killed_mid_transfer_prefill_reclaims_within_5s(tiny_dir, transport, reason, caplog):
+@pytest.mark.parametrize("transport, reason, prefill_ranks", [("tcp", "dropped", 1), ("ucx", "stopped answering", 1),
+                                                              ("tcp", "dropped", 2)])
+def test_decode_killed_mid_transfer_prefill_reclaims_within_5s(tiny_dir, transport, reason, prefill_ranks, caplog):
     """The prefill worker has no one to tell (the request's owner is dead): it logs why the transfer
-    failed and frees its blocks."""
+    failed and frees its blocks. Split two ways against a whole decode worker, the KV goes through the staging
+    caches laid out the decode side's way (kv_transfer/transports/resplit.py): the same."""
     from pdcluster.prefill_node.worker import PrefillWorker
 
     if transport not in TRANSPORTS:
         pytest.skip(f"{transport} is not available here: {available_transports()[transport]}")
     caplog.set_level(logging.WARNING, logger="pdcluster.kv_transfer.connector")
     # Small chunks make the prefill (and so the layer-wise transfer) long enough to be cut.
-    p = PrefillWorker("p0", _engine_config(prefill_chunk_size=8), TransferConfig(transport=transport))
+    p = PrefillWorker("p0", _engine_config(prefill_chunk_size=8, tensor_parallel_size=prefill_ranks),
+                      TransferConfig(transport=transport))
     with _peer_child(p, _decode_child, p.address, 1200, transport) as (parent, proc):
         assert parent.poll(120), "decode child did not start"
         assert parent.recv() == ADMITTED
@@ -272,6 +275,7 @@ def test_decode_killed_mid_transfer_prefill_reclaims_within_5s(tiny_dir, transpo
             time.sleep(0.005)
         assert p.stats()["bytes_sent"] > 0, "the transfer never started"
         assert p.stats()["num_transfers"] == 1, "transfer finished before the kill"
+        assert list(p.transport._splits) == ([1] if prefill_ranks > 1 else [])  # re-laid out for the whole decode
         os.kill(proc.pid, signal.SIGKILL)
         killed_at = time.monotonic()
         deadline = time.monotonic() + 10
