@@ -48,8 +48,12 @@ def _stripes(kv_cache: torch.Tensor) -> torch.Tensor:
 
 def pack_state(pool: MambaStatePool, slot: int, kv_cache: torch.Tensor, block_ids: list[int]) -> None:
     """Write slot ``slot``'s state into the stripes of ``block_ids`` (layer by layer, conv then ssm)."""
-    flat = torch.cat([t[slot].reshape(-1) for t in pool.conv + pool.ssm]).to(torch.float32)
-    payload = flat.view(torch.uint8)
+    write_state_floats(kv_cache, block_ids, torch.cat([t[slot].reshape(-1) for t in pool.conv + pool.ssm]))
+
+
+def write_state_floats(kv_cache: torch.Tensor, block_ids, flat: torch.Tensor) -> None:
+    """``flat`` (a state's floats, in pack_state's order) into the stripes of ``block_ids``, zero-padded."""
+    payload = flat.to(torch.float32).contiguous().view(torch.uint8)
     rows = _stripes(kv_cache)
     stripe_bytes = rows.shape[0] * rows.shape[2]
     buf = torch.zeros(len(block_ids) * stripe_bytes, dtype=torch.uint8, device=kv_cache.device)
@@ -58,12 +62,17 @@ def pack_state(pool: MambaStatePool, slot: int, kv_cache: torch.Tensor, block_id
     rows[:, ids, :] = buf.view(len(block_ids), rows.shape[0], rows.shape[2]).transpose(0, 1)
 
 
-def unpack_state(kv_cache: torch.Tensor, block_ids: list[int], pool: MambaStatePool, slot: int) -> None:
-    """Read the state written by :func:`pack_state` (on another worker) into slot ``slot``."""
+def read_state_floats(kv_cache: torch.Tensor, block_ids, shape: MambaStateShape) -> torch.Tensor:
+    """The state ``pack_state`` wrote into ``block_ids`` (of a cache whose state has ``shape``), as float32."""
     rows = _stripes(kv_cache)
     ids = torch.as_tensor(np.asarray(block_ids, dtype=np.int64), device=kv_cache.device)
     payload = rows[:, ids, :].transpose(0, 1).reshape(-1)
-    flat = payload[: pool.shape.bytes_per_slot].clone().view(torch.float32)
+    return payload[: shape.bytes_per_slot].clone().view(torch.float32)
+
+
+def unpack_state(kv_cache: torch.Tensor, block_ids: list[int], pool: MambaStatePool, slot: int) -> None:
+    """Read the state written by :func:`pack_state` (on another worker) into slot ``slot``."""
+    flat = read_state_floats(kv_cache, block_ids, pool.shape)
     offset = 0
     for t in pool.conv + pool.ssm:
         n = t[slot].numel()

@@ -248,8 +248,8 @@ def decode(data: bytes, max_size: int) -> Message:
 
 # Fields that differ between workers splitting one model different ways (tensor parallelism): the prefill side
 # re-lays its KV heads out for the decode side's ranks (kv_transfer/transports/resplit.py).
-# A hybrid's per-rank state widths differ too; such a pair is refused for the split itself (_resplit_refusal).
-_SPLIT_FIELDS = ("num_kv_heads", "tensor_parallel_size", "num_state_blocks", "state_conv_dim", "state_num_heads")
+# A hybrid's per-rank Mamba state widths too (its number of state blocks does not change with the split).
+_SPLIT_FIELDS = ("num_kv_heads", "tensor_parallel_size", "state_conv_dim", "state_num_heads")
 
 
 def total_kv_heads(layout: KVLayout) -> int:
@@ -260,11 +260,13 @@ def total_kv_heads(layout: KVLayout) -> int:
 def _resplit_refusal(a: KVLayout, b: KVLayout) -> str:
     """Why workers splitting one model ``a.tensor_parallel_size`` and ``b.tensor_parallel_size`` ways cannot
     exchange KV; empty when they can."""
-    if a.state_num_layers or b.state_num_layers:
-        return ("a hybrid model's Mamba state travels packed per rank, not as KV heads: both workers need the same "
-                "--tensor-parallel-size")
     if total_kv_heads(a) != total_kv_heads(b):
         return f"their caches hold {total_kv_heads(a)} and {total_kv_heads(b)} KV heads in all"
+    heads = [layout.state_num_heads * layout.tensor_parallel_size for layout in (a, b)]
+    channels = [layout.state_conv_dim * layout.tensor_parallel_size for layout in (a, b)]
+    if heads[0] != heads[1] or channels[0] != channels[1]:
+        return (f"their Mamba states hold {heads[0]} and {heads[1]} heads, {channels[0]} and {channels[1]} conv "
+                "channels in all")
     return ""
 
 

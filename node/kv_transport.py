@@ -3,11 +3,13 @@ with tensor parallelism one per rank's cache, driven as one (kv_transfer/transpo
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 
 from pdcluster.engine.loaded_model import LoadedModel
+from pdcluster.engine.mamba_state_resplit import resplit_state
 from pdcluster.kv_transfer.config import TransferConfig
 from pdcluster.kv_transfer.transports import KVTransport, get_transport_class
 from pdcluster.kv_transfer.transports.base import Role
@@ -33,8 +35,8 @@ def rank_cache_allocator(transfer: TransferConfig):
 
 
 def open_transport(transfer: TransferConfig, model: LoadedModel, role: Role) -> KVTransport:
-    """``model`` loaded with ``share_rank_caches=True`` where it is split across ranks. A sender of an attention
-    model also reaches decode workers split another number of ways (kv_transfer/transports/resplit.py)."""
+    """``model`` loaded with ``share_rank_caches=True`` where it is split across ranks. A sender also reaches decode
+    workers split another number of ways (kv_transfer/transports/resplit.py)."""
     cls = get_transport_class(transfer.transport)
     config = transfer.transport_config()
     if not model.rank_kv_caches:
@@ -49,7 +51,10 @@ def open_transport(transfer: TransferConfig, model: LoadedModel, role: Role) -> 
                 part.close()
             raise
         transport = RankedTransport(parts)
-    if role != "sender" or model.num_state_blocks:  # a hybrid's state is packed per rank: the handshake refuses
+    if role != "sender":
         return transport
+    # A hybrid's Mamba state is packed per rank: re-packed for a peer split another way.
+    relayout_state = functools.partial(resplit_state, shape=model.state_shape) if model.num_state_blocks else None
     return ResplitSender(transport, model.rank_kv_caches or (model.kv_cache,),
-                         make_part=lambda cache: cls(cache, "sender", config), allocate=cls.allocate_kv_cache)
+                         make_part=lambda cache: cls(cache, "sender", config), allocate=cls.allocate_kv_cache,
+                         relayout_state=relayout_state)

@@ -13,6 +13,9 @@ import torch
 from conftest import engine_config, make_engine, slow_params, usable_transports
 from test_kv_transfer_e2e import run_on_pair
 from transport_helpers import as_bytes, fill, wait_sent, wait_until
+from pdcluster.engine.mamba_state import MambaStateShape
+from pdcluster.engine.mamba_state_blocks import read_state_floats, write_state_floats
+from pdcluster.engine.mamba_state_resplit import resplit_state, split_shape
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kv_transfer.config import TransferConfig
 from pdcluster.kv_transfer.protocol import HandshakeError, Hello, KVLayout, check_compatible
@@ -165,6 +168,45 @@ def test_a_refused_resplit_transfer_fails_once_and_lands_nothing(sides, name):
         tx.send("nobody", "x", [0], np.array([1]), np.array([1]))
 
 
+# ---- a hybrid's Mamba state --------------------------------------------------------------------------------------
+
+WHOLE_STATE = MambaStateShape(num_mamba_layers=2, conv_dim=8 * 4 + 2 * 4 * 3, conv_width=3, num_heads=8, head_dim=4,
+                              state_size=3)  # 8 heads of 4 and 4 groups of state 3: x 32 | B 12 | C 12 channels
+
+
+def _rank_state(whole_conv, whole_ssm, rank: int, num_ranks: int) -> torch.Tensor:
+    """Rank ``rank``'s packed floats where the model splits ``num_ranks`` ways: its heads' x, its groups' B and C, its
+    heads' SSM state (engine/tensor_parallel/shard_hybrid.py's cut), conv layers then SSM layers."""
+    def part(t):
+        n = t.shape[0] // num_ranks
+        return t[rank * n:(rank + 1) * n]
+
+    conv = [torch.cat([part(c[:32]), part(c[32:44]), part(c[44:])]) for c in whole_conv]
+    return torch.cat([t.reshape(-1) for t in conv + [part(s) for s in whole_ssm]])
+
+
+@pytest.mark.parametrize("ours, theirs", [(1, 2), (2, 1), (2, 4), (4, 2), (4, 1)])
+def test_a_mamba_state_packed_by_our_ranks_is_repacked_for_each_peer_rank(ours, theirs):
+    g = torch.Generator().manual_seed(ours * 10 + theirs)
+    whole_conv = [torch.randn(WHOLE_STATE.conv_dim, 3, generator=g) for _ in range(2)]
+    whole_ssm = [torch.randn(8, 4, 3, generator=g) for _ in range(2)]
+    shape = split_shape(WHOLE_STATE, 1, ours)
+    block_ids = np.array([5, 2])  # the state's blocks: ours and the staging's (the mirror)
+    caches = [torch.zeros(NUM_LAYERS, 2, NUM_BLOCKS, BLOCK_SIZE, 4 // ours, HEAD_DIM) for _ in range(ours)]
+    peers = [torch.full((NUM_LAYERS, 2, NUM_BLOCKS, BLOCK_SIZE, 4 // theirs, HEAD_DIM), 7.0) for _ in range(theirs)]
+    for rank, cache in enumerate(caches):
+        write_state_floats(cache, block_ids, _rank_state(whole_conv, whole_ssm, rank, ours))
+    resplit_state(caches, peers, block_ids, shape=shape)
+    peer_shape = split_shape(shape, ours, theirs)
+    assert peer_shape == split_shape(WHOLE_STATE, 1, theirs)
+    for rank, peer in enumerate(peers):
+        assert torch.equal(read_state_floats(peer, block_ids, peer_shape),
+                           _rank_state(whole_conv, whole_ssm, rank, theirs))
+        untouched = torch.ones(NUM_BLOCKS, dtype=torch.bool)
+        untouched[block_ids] = False
+        assert bool((peer[:, :, untouched] == 7.0).all())  # nothing outside the state's blocks
+
+
 # ---- the handshake ----------------------------------------------------------------------------------------------
 
 LAYOUT = KVLayout(num_layers=4, num_draft_layers=0, block_size=16, num_kv_heads=2, head_dim=32, dtype="float32",
@@ -187,9 +229,15 @@ def test_the_handshake_pairs_splits_of_one_model_and_refuses_the_rest():
         check_compatible(_hello("prefill", LAYOUT), _hello("decode", dataclasses.replace(whole, num_kv_heads=2)))
     hybrid = dataclasses.replace(LAYOUT, num_state_blocks=2, state_num_layers=3, state_conv_dim=8, state_conv_width=4,
                                  state_num_heads=2, state_head_dim=4, state_size=8)
-    with pytest.raises(HandshakeError, match="Mamba state travels packed per rank.*same --tensor-parallel-size"):
-        check_compatible(_hello("prefill", hybrid),
-                         _hello("decode", dataclasses.replace(hybrid, num_kv_heads=4, tensor_parallel_size=1)))
+    whole_hybrid = dataclasses.replace(hybrid, num_kv_heads=4, tensor_parallel_size=1, state_conv_dim=16,
+                                       state_num_heads=4)
+    check_compatible(_hello("prefill", hybrid), _hello("decode", whole_hybrid))
+    with pytest.raises(HandshakeError, match=r"\(their Mamba states hold 4 and 8 heads, 16 and 16 conv channels"):
+        check_compatible(_hello("prefill", hybrid), _hello("decode", dataclasses.replace(whole_hybrid,
+                                                                                         state_num_heads=8)))
+    with pytest.raises(HandshakeError, match="layout.num_state_blocks differs"):
+        check_compatible(_hello("prefill", hybrid), _hello("decode", dataclasses.replace(whole_hybrid,
+                                                                                         num_state_blocks=3)))
     with pytest.raises(HandshakeError, match="layout.block_size differs"):  # the other fields still count
         check_compatible(_hello("prefill", LAYOUT), _hello("decode", dataclasses.replace(whole, block_size=32)))
 
@@ -218,23 +266,19 @@ def test_workers_split_different_ways_equal_the_single_engine(tiny_dir, transpor
 
 
 @pytest.mark.timeout(240)
-def test_hybrid_workers_split_different_ways_are_refused_in_the_handshake():
-    """A hybrid's Mamba state travels packed per rank: a decode worker split another way is refused with the reason,
-    in one line, and both workers live on."""
-    from pdcluster.decode_node.worker import DecodeWorker
-    from pdcluster.prefill_node.worker import PrefillWorker
-
-    cfg = dict(num_kv_blocks=64, max_model_len=256)
-    tc = TransferConfig(transport="tcp", secret="s3cret")
-    p = PrefillWorker("p0", engine_config("tiny-hybrid", tensor_parallel_size=2, **cfg), tc)
-    try:
-        d = DecodeWorker("d0", engine_config("tiny-hybrid", **cfg), tc)
-        try:
-            with pytest.raises(HandshakeError, match=r"incompatible: layout.tensor_parallel_size differs: prefill 'p0' "
-                                                     r"has 2, decode 'd0' has 1 \(a hybrid model's Mamba state"):
-                d.connect_prefill(p.address)
-            assert "d0" not in p.endpoint.peers() and p.stats()["num_free_blocks"] == 64
-        finally:
-            d.close()
-    finally:
-        p.close()
+@pytest.mark.parametrize("transport", [t for t in ("tcp", "shm") if t in TRANSPORTS])
+@pytest.mark.parametrize("model, prefill_ranks, decode_ranks", [("tiny-hybrid", 2, 1), ("tiny-hybrid", 1, 2),
+                                                                pytest.param("tiny-hybrid-moe", 2, 1,
+                                                                             marks=pytest.mark.slow)])
+def test_hybrid_workers_split_different_ways_equal_the_single_engine(model, transport, prefill_ranks, decode_ranks):
+    """A hybrid's Mamba state, packed per rank, re-packed for the decode side's ranks (engine/mamba_state_resplit.py)
+    beside its attention layers' KV heads: the tokens of the unsplit engine, every block of both back."""
+    cfg = dict(num_kv_blocks=NUM_KV_BLOCKS, max_model_len=512, prefill_chunk_size=16)
+    prompts = [[(13 * i + 5 * j) % 450 + 4 for j in range(n)] for i, n in enumerate([5, 17, 40, 90])]
+    params = SamplingParams(max_tokens=12, ignore_eos=True, seed=3)
+    expected = [o.token_ids for o in make_engine(model, **cfg).generate(prompts, params)]
+    run = run_on_pair(engine_config(model, tensor_parallel_size=prefill_ranks, **cfg),
+                      TransferConfig(transport=transport, secret="s3cret"), prompts, params, NUM_KV_BLOCKS,
+                      decode_cfg=engine_config(model, tensor_parallel_size=decode_ranks, **cfg))
+    assert run.tokens == expected
+    assert run.prefill_engine.num_state_blocks == run.decode_engine.num_state_blocks > 0

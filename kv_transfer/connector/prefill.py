@@ -187,11 +187,15 @@ class PrefillKVConnector(KVConnector):
         return self.poll()
 
     # ---- internals ---------------------------------------------------------------------------------
-    def _send(self, task: SendTask, layer_ids, src: np.ndarray, dst: np.ndarray) -> None:
+    def _send(self, task: SendTask, layer_ids, src: np.ndarray, dst: np.ndarray, state: bool = False) -> None:
+        """``state``: the blocks hold the prompt's Mamba state (all layers of them), not KV."""
         try:
             if not task.t_first_send:
                 task.t_first_send = self.clock()
-            self.transport.send(task.decode_id, task.request_id, layer_ids, src, dst)
+            if state:
+                self.transport.send_state(task.decode_id, task.request_id, src, dst)
+            else:
+                self.transport.send(task.decode_id, task.request_id, layer_ids, src, dst)
             num_bytes = len(src) * len(layer_ids) * self.transport.block_layer_bytes_to(task.decode_id)
             task.num_bytes += num_bytes
             self.bytes_sent += num_bytes
@@ -210,7 +214,8 @@ class PrefillKVConnector(KVConnector):
             self._send(task, range(self.num_target_layers, self.num_layers),
                        *task.pairs(task.num_reused_blocks, num_blocks))
         if self.num_state_blocks and task.state != SendState.FAILED:
-            self._send(task, range(0, self.num_layers), *task.pairs(num_blocks, num_blocks + self.num_state_blocks))
+            self._send(task, range(0, self.num_layers), *task.pairs(num_blocks, num_blocks + self.num_state_blocks),
+                       state=True)
         if task.state != SendState.FAILED:
             task.state = SendState.FLUSHING
             self.awaiting_acks.set()

@@ -235,6 +235,11 @@ class KVTransport(ABC):
         """Queue a copy of ``kv_cache[layer_ids, :, src_block_ids]`` into the peer's
         ``kv_cache[layer_ids, :, dst_block_ids]``. Non-blocking."""
 
+    def send_state(self, peer_id: str, transfer_id: str, src_block_ids: np.ndarray, dst_block_ids: np.ndarray) -> None:
+        """Queue a hybrid prompt's Mamba state blocks (engine/mamba_state_blocks.py): every layer of them, as ``send``
+        would; a sender that re-lays its KV out for a peer re-packs the state for it (resplit.py)."""
+        self.send(peer_id, transfer_id, range(self.kv_cache.shape[0]), src_block_ids, dst_block_ids)
+
     @abstractmethod
     def poll_sent(self) -> tuple[list[str], list[tuple[str, str]]]:
         """``(delivered transfer ids, [(transfer id, error)])``; see the module docstring."""

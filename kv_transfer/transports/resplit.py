@@ -17,9 +17,11 @@ never needs to know how we split), so the re-layout happens here, on the sender,
 
 Only the bytes each decode rank needs cross the wire (a receiver-side re-layout would move ``D / P`` times more),
 and the receiver, its admission, revocation and completion rules are those of any transport. MLA's latent cache
-(one plane) is whole on every rank: each decode rank gets rank 0's. Hybrid models are refused in the handshake
-(kv_transfer/protocol.py): their Mamba state travels packed in blocks per rank, not as heads. The cost is memory:
-one more cache of our blocks' size per distinct peer split (the prefill worker's pool holds prompts in flight only).
+(one plane) is whole on every rank: each decode rank gets rank 0's. A hybrid's Mamba state travels packed in blocks,
+each rank's own heads' (engine/mamba_state_blocks.py): ``send_state`` has the node's ``relayout_state`` read every
+rank's state from those blocks and pack each peer rank's slice into the staging caches' same blocks
+(engine/mamba_state_resplit.py). The cost is memory: one more cache of our blocks' size per distinct peer split (the
+prefill worker's pool holds prompts in flight only).
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ from .base import KVTransport
 from .ranked import RankedTransport, close_all
 
 HeadPiece = tuple[int, slice, slice]  # (our rank, its heads, the peer rank's heads they fill)
+# (our rank caches, the peer split's staging caches, block ids): re-pack a hybrid's Mamba state packed in those blocks
+# (engine/mamba_state_resplit.py; given by the node, which knows the model).
+StateRelayout = Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor], np.ndarray], None]
 
 
 def peer_num_ranks(peer_descriptor: dict) -> int:
@@ -91,13 +96,14 @@ class ResplitSender(KVTransport):
 
     def __init__(self, inner: KVTransport, rank_caches: Sequence[torch.Tensor],  # noqa: D107
                  make_part: Callable[[torch.Tensor], KVTransport],
-                 allocate: Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]) -> None:
+                 allocate: Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor],
+                 relayout_state: StateRelayout | None = None) -> None:
         if inner.role != "sender":
             raise ValueError("only a sender re-lays its KV out for its peers")
         self.inner = inner
         self.name, self.kv_cache, self.role, self.config = inner.name, inner.kv_cache, inner.role, inner.config
         self._caches = list(rank_caches)
-        self._make_part, self._allocate = make_part, allocate
+        self._make_part, self._allocate, self._relayout_state = make_part, allocate, relayout_state
         num_layers, num_planes, num_blocks, block_size, heads, head_dim = self._caches[0].shape
         self._replicated = num_planes == 1  # MLA: every rank's latent is the whole
         self._num_heads = heads if self._replicated else heads * len(self._caches)
@@ -167,20 +173,38 @@ class ResplitSender(KVTransport):
             self._splits[num_peer_ranks] = split
         return split
 
-    def send(self, peer_id: str, transfer_id: str, layer_ids: Sequence[int] | range, src_block_ids: np.ndarray,
-             dst_block_ids: np.ndarray) -> None:
+    def _split_of(self, peer_id: str) -> _Split | None:
         with self._lock:
             if peer_id not in self._route:
                 raise KeyError(f"unknown peer {peer_id!r}: connect() first")
-            split = self._route[peer_id]
-        if split is None:
-            self.inner.send(peer_id, transfer_id, layer_ids, src_block_ids, dst_block_ids)
-            return
+            return self._route[peer_id]
+
+    def _checked(self, src_block_ids: np.ndarray) -> np.ndarray:
         src = np.asarray(src_block_ids, dtype=np.int64)
         if len(src) and (src.min() < 0 or src.max() >= self.kv_cache.shape[2]):
             raise IndexError(f"source block ids must be in [0, {self.kv_cache.shape[2]}), got {src.tolist()}")
+        return src
+
+    def send(self, peer_id: str, transfer_id: str, layer_ids: Sequence[int] | range, src_block_ids: np.ndarray,
+             dst_block_ids: np.ndarray) -> None:
+        split = self._split_of(peer_id)
+        if split is None:
+            self.inner.send(peer_id, transfer_id, layer_ids, src_block_ids, dst_block_ids)
+            return
+        src = self._checked(src_block_ids)
         split.stage(self._caches, layer_ids, src)
         split.transport.send(peer_id, transfer_id, layer_ids, src, dst_block_ids)  # staging block b mirrors ours
+
+    def send_state(self, peer_id: str, transfer_id: str, src_block_ids: np.ndarray, dst_block_ids: np.ndarray) -> None:
+        split = self._split_of(peer_id)
+        if split is None:
+            self.inner.send_state(peer_id, transfer_id, src_block_ids, dst_block_ids)
+            return
+        if self._relayout_state is None:
+            raise ValueError("this sender cannot re-pack a Mamba state for a peer split another way")
+        src = self._checked(src_block_ids)
+        self._relayout_state(self._caches, split.staging, src)
+        split.transport.send(peer_id, transfer_id, range(self.kv_cache.shape[0]), src, dst_block_ids)
 
     def poll_sent(self) -> tuple[list[str], list[tuple[str, str]]]:
         delivered, failed = self.inner.poll_sent()
