@@ -200,9 +200,9 @@ def _check_args(args: argparse.Namespace) -> None:
 
         args.mode = resolve_auto_mode(args.address, os.cpu_count() or 1,
                                       torch.cuda.device_count() if torch.cuda.is_available() else 0,
-                                      max(_role_splits(args)))
+                                      max(role_splits(args)))
         print(f"pdcluster serve: --mode auto -> {args.mode}", file=sys.stderr, flush=True)
-    most_ranks = max(_role_splits(args)) if args.mode == "disagg" else args.tensor_parallel_size
+    most_ranks = max(role_splits(args)) if args.mode == "disagg" else args.tensor_parallel_size
     if args.mode == "disagg" and most_ranks > 1:  # what the workers would refuse, before Ray starts
         from pdcluster.kv_transfer.transports.ranked import check_rank_transport
 
@@ -219,7 +219,7 @@ def _check_args(args: argparse.Namespace) -> None:
                 check_shared_caches(EngineConfig(device="cuda", tensor_parallel_size=most_ranks))
 
 
-def _role_splits(args: argparse.Namespace) -> tuple[int, int]:
+def role_splits(args: argparse.Namespace) -> tuple[int, int]:
     """Ranks of a prefill and of a decode worker."""
     return (args.prefill_tensor_parallel_size or args.tensor_parallel_size,
             args.decode_tensor_parallel_size or args.tensor_parallel_size)

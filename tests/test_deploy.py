@@ -656,6 +656,9 @@ def test_serve_when_ready_waits_for_what_the_launcher_places():
     assert swr.needed_resources(base, "gpu") == {"GPU": 5}
     assert swr.needed_resources(base + ["--mode", "colocated"], "cpu") == {"decode_slot": 3}
     assert swr.needed_resources(base + ["--mode", "colocated", "-tp", "4"], "gpu") == {"GPU": 12}  # 4 GPUs a worker
+    each_its_own = base + ["--prefill-tensor-parallel-size", "1", "--decode-tensor-parallel-size", "2"]
+    assert swr.needed_resources(each_its_own, "gpu") == {"GPU": 2 * 1 + 3 * 2}  # auto -> disagg, a GPU per rank
+    assert swr.needed_resources(each_its_own, "cpu") == {"prefill_slot": 2, "decode_slot": 3}
     assert swr.missing_resources({"GPU": 5}, {"GPU": 4.0, "CPU": 8}) == {"GPU": 1}
     assert swr.missing_resources({"decode_slot": 3}, {"decode_slot": 3.0}) == {}
     with pytest.raises(ValueError, match="local"):

@@ -28,16 +28,19 @@ def needed_resources(serve_argv: list[str], device: str) -> dict[str, float]:
     if args.command != "serve" or args.mode == "local":
         raise ValueError(f"`pdcluster {args.command} --mode {args.mode}` does not run on a Ray cluster: "
                          "use `pdcluster serve --mode disagg` or `--mode colocated`")
-    mode = args.mode
-    if mode == "auto":  # what `pdcluster serve` resolves it to (serve_cli.resolve_auto_mode)
-        from pdcluster.cluster.serve_cli import resolve_auto_mode
+    from pdcluster.cluster.serve_cli import resolve_auto_mode, role_splits
 
+    mode = args.mode
+    prefill_ranks, decode_ranks = role_splits(args)
+    if mode == "auto" and (args.prefill_tensor_parallel_size or args.decode_tensor_parallel_size):
+        mode = "disagg"  # as `pdcluster serve` resolves it: a split for each role
+    elif mode == "auto":  # what `pdcluster serve` resolves it to (serve_cli.resolve_auto_mode)
         # A GPU cluster gives each worker its own GPU (the chart asks for one per worker pod).
         mode = resolve_auto_mode(args.address, os.cpu_count() or 1, 2 if device == "gpu" else 0,
-                                 args.tensor_parallel_size)
+                                 max(prefill_ranks, decode_ranks))
     num_prefill = args.num_prefill if mode == "disagg" else 0
     if device == "gpu":  # a tensor-parallel worker takes a GPU per rank
-        return {"GPU": (num_prefill + args.num_decode) * args.tensor_parallel_size}
+        return {"GPU": num_prefill * prefill_ranks + args.num_decode * decode_ranks}
     return {k: v for k, v in (("prefill_slot", num_prefill), ("decode_slot", args.num_decode)) if v}
 
 
