@@ -404,8 +404,9 @@ def test_chart_gpu_groups(rendered):
     {"serve": {"tensorParallelSize": 2}},
     {"serve": {"mode": "colocated", "tensorParallelSize": 2}, "prefill": {"replicas": 0, "gpusPerWorker": 4},
      "decode": {"replicas": 2, "gpusPerWorker": 4}},
+    {"serve": {"extraArgs": ["--prefill-tensor-parallel-size", "1", "--decode-tensor-parallel-size", "2"]}},
 ], ids=["colocated", "two-gpus-per-pod", "existing-secret", "extra-args", "no-drain", "short-drain",
-        "tensor-parallel-cpu", "tensor-parallel-gpu"])
+        "tensor-parallel-cpu", "tensor-parallel-gpu", "each-role-its-split-cpu"])
 def test_chart_behaviour_follows_values(helm, helm_home, tmp_path, overrides):
     values = tmp_path / "values.yaml"
     values.write_text(yaml.safe_dump(overrides))
