@@ -404,10 +404,11 @@ def test_profile_tiny_random_writes_a_usable_profile(tmp_path, capsys):
         fit = profile["fits"][name]
         assert fit["num_points"] >= 2 and fit["intercept"] >= 0
         assert all(c >= 0 for c in fit["coef"].values())
-    assert profile["fits"]["prefill"]["coef"]["tokens"] > 0
     assert {p["batch"] for p in profile["points"]["decode"]} >= {1, 4, 8}
     assert all(p["seconds"] > 0 for p in profile["points"]["transfer"])
     cost = CostModel.from_profile(profile)
+    # The prefill cost grows with the prompt: what the planner needs. Which term carries it (tokens or attention
+    # pairs) is timing noise's choice on a model this small: on a fast AMX box the tokens term came out 0 once.
     assert cost.prefill_s(128) > cost.prefill_s(16) > 0
     capsys.readouterr()
     assert main(["plan", "--profile", str(out), "--config", "1P1D", "--rate", "5", "--num-prompts", "20",
