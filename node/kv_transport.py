@@ -14,7 +14,7 @@ from pdcluster.kv_transfer.config import TransferConfig
 from pdcluster.kv_transfer.transports import KVTransport, get_transport_class
 from pdcluster.kv_transfer.transports.base import Role
 from pdcluster.kv_transfer.transports.common.memfd import find_segment, shared_tensor
-from pdcluster.kv_transfer.transports.ranked import RankedTransport
+from pdcluster.kv_transfer.transports.ranked import transport_over
 from pdcluster.kv_transfer.transports.resplit import ResplitSender
 
 
@@ -39,22 +39,12 @@ def open_transport(transfer: TransferConfig, model: LoadedModel, role: Role) -> 
     workers split another number of ways (kv_transfer/transports/resplit.py)."""
     cls = get_transport_class(transfer.transport)
     config = transfer.transport_config()
-    if not model.rank_kv_caches:
-        transport = cls(model.kv_cache, role, config)
-    else:
-        parts: list[KVTransport] = []
-        try:
-            for cache in model.rank_kv_caches:
-                parts.append(cls(cache, role, config))
-        except BaseException:
-            for part in parts:
-                part.close()
-            raise
-        transport = RankedTransport(parts)
+    caches = model.rank_kv_caches or (model.kv_cache,)
+    transport = transport_over(caches, lambda cache: cls(cache, role, config))
     if role != "sender":
         return transport
     # A hybrid's Mamba state is packed per rank: re-packed for a peer split another way.
     relayout_state = functools.partial(resplit_state, shape=model.state_shape) if model.num_state_blocks else None
-    return ResplitSender(transport, model.rank_kv_caches or (model.kv_cache,),
+    return ResplitSender(transport, caches,
                          make_part=lambda cache: cls(cache, "sender", config), allocate=cls.allocate_kv_cache,
                          relayout_state=relayout_state)

@@ -177,6 +177,19 @@ class RankedTransport(KVTransport):
         close_all(self.parts)
 
 
+def transport_over(caches: Sequence, make_part) -> KVTransport:
+    """``make_part(cache)`` for each cache, driven as one (a RankedTransport) where there are several; the parts
+    made so far are closed if one cannot be."""
+    parts: list[KVTransport] = []
+    try:
+        for cache in caches:
+            parts.append(make_part(cache))
+    except BaseException:
+        close_all(parts)
+        raise
+    return RankedTransport(parts) if len(parts) > 1 else parts[0]
+
+
 def close_all(transports: Sequence[KVTransport]) -> None:
     """Close every transport, then raise the first error any close raised."""
     errors = []

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from .base import KVTransport
-from .ranked import RankedTransport, close_all
+from .ranked import close_all, transport_over
 
 HeadPiece = tuple[int, slice, slice]  # (our rank, its heads, the peer rank's heads they fill)
 # (our rank caches, the peer split's staging caches, block ids): re-pack a hybrid's Mamba state packed in those blocks
@@ -159,16 +159,7 @@ class ResplitSender(KVTransport):
         shape = (*ours.shape[:4], ours.shape[4] if self._replicated else self._num_heads // num_peer_ranks,
                  ours.shape[5])
         staging = [self._allocate(shape, ours.dtype, ours.device) for _ in range(num_peer_ranks)]
-        parts: list[KVTransport] = []
-        try:
-            for cache in staging:
-                parts.append(self._make_part(cache))
-            transport = RankedTransport(parts) if num_peer_ranks > 1 else parts[0]
-        except BaseException:
-            for part in parts:
-                part.close()
-            raise
-        split = _Split(num_peer_ranks, staging, transport, pieces)
+        split = _Split(num_peer_ranks, staging, transport_over(staging, self._make_part), pieces)
         with self._lock:
             self._splits[num_peer_ranks] = split
         return split
