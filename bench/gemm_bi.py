@@ -4,7 +4,8 @@
 
 Prints JSON. ``timings``: SmolLM2's linear shapes x rows M x threads, milliseconds per call (the minimum
 over several timed batches: the box is shared) for ours in bf16 and fp32, oneDNN bf16 with the weight
-prepacked (engine/linear.py's bf16 path), and MKL fp32 (``F.linear``). ``variance`` (with --variance):
+prepacked (engine/linear.py's bf16 path), and MKL fp32 (``F.linear``); on an AMX machine also ours in bf16
+on the avx512_bf16 path (``isa=3``), the one it had before AMX. ``variance`` (with --variance):
 for each engine path, which row counts M change row 0 against M=1, and how many of the first M rows
 differ from the same row computed alone, bitwise.
 """
@@ -31,7 +32,7 @@ SHAPES = {  # name: (out_features, in_features), SmolLM2-135M
     "down": (576, 1536),
     "lm_head": (49152, 576),
 }
-ROWS = [1, 2, 4, 8, 16, 32, 64, 512]
+ROWS = [1, 2, 4, 8, 16, 32, 64, 512, 2048]
 VARIANCE_ROWS = [1, 2, 3, 8, 17, 64, 512]
 
 
@@ -56,6 +57,7 @@ def _time_ms(fns: dict, budget_s: float = 1.0, max_rounds: int = 400) -> dict:
 def timings(rows: list[int], shapes: dict) -> list[dict]:
     out = []
     torch.manual_seed(0)
+    amx = cpu_gemm.best_isa(torch.bfloat16) == 4
     for name, (n, k) in shapes.items():
         w = torch.randn(n, k) * 0.05
         x = torch.randn(max(rows), k)
@@ -67,10 +69,13 @@ def timings(rows: list[int], shapes: dict) -> list[dict]:
             for m in rows:
                 budget = 3.0 if m * n > 64 * 49152 else 1.0
                 r = {"shape": name, "n": n, "k": k, "m": m, "threads": threads}
-                r.update(_time_ms({"ours_bf16_ms": lambda: cpu_gemm.linear_bi(x16[:m], ours16),
-                                   "onednn_bf16_prepacked_ms": lambda: onednn(x16[:m]),
-                                   "ours_fp32_ms": lambda: cpu_gemm.linear_bi(x[:m], ours32),
-                                   "mkl_fp32_ms": lambda: F.linear(x[:m], w)}, budget))
+                fns = {"ours_bf16_ms": lambda: cpu_gemm.linear_bi(x16[:m], ours16),
+                       "onednn_bf16_prepacked_ms": lambda: onednn(x16[:m]),
+                       "ours_fp32_ms": lambda: cpu_gemm.linear_bi(x[:m], ours32),
+                       "mkl_fp32_ms": lambda: F.linear(x[:m], w)}
+                if amx:  # the avx512_bf16 path this machine used before it had the AMX one
+                    fns["ours_bf16_avx512_ms"] = lambda: cpu_gemm.linear_bi(x16[:m], ours16, isa=3)
+                r.update(_time_ms(fns, budget))
                 r["bf16_ratio"] = round(r["ours_bf16_ms"] / r["onednn_bf16_prepacked_ms"], 3)
                 r["fp32_ratio"] = round(r["ours_fp32_ms"] / r["mkl_fp32_ms"], 3)
                 print(json.dumps(r), flush=True, file=sys.stderr)

@@ -3,7 +3,8 @@ own input row, bit for bit, whatever the number of rows in the call and the thre
 
 The C kernel (kernels/csrc/gemm_bi.c, ``pd_gemm_bi``) gives every output element one fp32 accumulator
 updated in increasing k by one fixed operation (fma for float32; for bfloat16 ``vdpbf16ps`` on pairs of
-k where the CPU has avx512_bf16, else two fmas), so the row count, tile and thread only choose which
+k where the CPU has avx512_bf16, else two fmas; ``tdpbf16ps`` tiles over 32 k at a time where it has AMX,
+for every row count), so the row count, tile and thread only choose which
 elements are computed together, never how (invariant BI, stated in that file). Why our own: on this
 box oneDNN's bf16 GEMM changes rows with the batch at K=1536 (the MLP's down projection) and MKL's
 float32 GEMM changes them at every shape we measured (bench/gemm_bi.py --variance).
@@ -25,7 +26,7 @@ from pdcluster.kernels import cpu_build
 
 STRIP = 16  # output columns per packed strip (gemm_bi.c STRIP)
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
-ISA_NAMES = {1: "scalar", 2: "avx2", 3: "avx512"}  # bf16 "avx512" means avx512_bf16
+ISA_NAMES = {1: "scalar", 2: "avx2", 3: "avx512", 4: "amx"}  # bf16 "avx512" means avx512_bf16; "amx" bf16 only
 
 
 @dataclass(frozen=True)

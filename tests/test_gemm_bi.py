@@ -125,6 +125,45 @@ def test_leading_dims_and_strided_rows():
     assert cpu_gemm.linear_bi(x[:0], packed).shape == (0, 83)
 
 
+AMX = cpu_gemm.available() and cpu_gemm.best_isa(torch.bfloat16) == 4
+
+
+@pytest.mark.skipif(not AMX, reason="no AMX tiles on this machine (or the kernel refused them)")
+@pytest.mark.parametrize("n,k", [(100, 576), (33, 64)])
+def test_amx_reads_whole_k_steps_in_place(n, k):
+    """K a multiple of the tile's 32: rows are read where they lie (SHAPES' odd K goes through the zero-padded
+    copy), in 16-row tiles and then one shorter tile for the last rows. Rows 64 apart from the caller's wider
+    buffer, each the same as alone, on any thread count, and within fp32 rounding of the exact products."""
+    w, x = _data(n, k, torch.bfloat16, rows=97)
+    packed = cpu_gemm.pack_bi(w)
+    wide = torch.zeros(97, k + 64, dtype=torch.bfloat16)
+    wide[:, :k] = x
+    strided = wide[:, :k]
+    amx = lambda v: cpu_gemm.linear_bi(v, packed, isa=4, out_dtype=torch.float32)  # noqa: E731
+    assert rows_that_vary(amx, strided, list(range(1, 40)) + [97]) == {}
+    assert torch.equal(amx(strided), amx(x))
+    assert torch.equal(cpu_gemm.linear_bi(x, packed, isa=4, num_threads=3), cpu_gemm.linear_bi(x, packed, isa=4,
+                                                                                                num_threads=1))
+    exact = F.linear(x.double(), w.double())
+    torch.testing.assert_close(amx(x).double(), exact, rtol=1e-5, atol=1e-5 * float(exact.abs().max()))
+
+
+@pytest.mark.parametrize("k", [37, 576])
+def test_a_nan_row_stays_in_its_row(k):
+    """A row of NaN (an uninitialised padding row, say) changes no other row on any path: a tile that read
+    past its row's end into the next one would carry it there (NaN times a zero-padded weight is NaN)."""
+    w, x = _data(83, k, torch.bfloat16, rows=40)
+    packed = cpu_gemm.pack_bi(w)
+    poisoned = x.clone()
+    poisoned[16] = float("nan")
+    for isa in _isas(torch.bfloat16):
+        clean = cpu_gemm.linear_bi(x, packed, isa=isa)
+        y = cpu_gemm.linear_bi(poisoned, packed, isa=isa)
+        keep = torch.arange(40) != 16
+        assert torch.equal(y[keep], clean[keep]), cpu_gemm.ISA_NAMES[isa]
+        assert y[16].isnan().all()
+
+
 def test_refuses_what_c_does_not_handle():
     w, x = _data(83, 37, torch.bfloat16, rows=4)
     packed = cpu_gemm.pack_bi(w)
@@ -138,6 +177,8 @@ def test_refuses_what_c_does_not_handle():
     assert cpu_gemm.linear_bi(x, meta_packed) is None
     with pytest.raises(ValueError, match="refused isa"):
         cpu_gemm.linear_bi(x, packed, isa=cpu_gemm.best_isa(torch.bfloat16) + 1)
+    with pytest.raises(ValueError, match="refused isa"):  # AMX tiles here hold bfloat16 only
+        cpu_gemm.linear_bi(x.float(), cpu_gemm.pack_bi(w.float()), isa=4)
 
 
 def test_the_detector_flags_a_kernel_whose_k_split_depends_on_the_rows():

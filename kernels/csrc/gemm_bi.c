@@ -14,6 +14,11 @@
  *   bfloat16, AVX2 / scalar: acc = fma(x[2p], w[2p], acc); acc = fma(x[2p+1], w[2p+1], acc) (odd K: the
  *             missing x is +0, its weight +0). AVX2 and scalar agree bitwise; vdpbf16ps does not (it
  *             rounds differently), so a machine's bf16 results depend on its best path, never on M.
+ *   bfloat16, AMX (amx_bf16, Sapphire Rapids and later): acc = tdpbf16ps(acc, x[32 j .. 32 j + 31], w[...]) for
+ *             j = 0 .. ceil(K / 32) - 1, the rows of x and of w zero padded to a multiple of 32 (a padded pair
+ *             adds +0). One instruction sums 16 pairs inside the tile unit, so AMX does not agree bitwise
+ *             with vdpbf16ps (it is the more accurate of the two: bench/results/gemm_bi_amx_s71.json), and
+ *             it is used for every M, one row too: a decode step and a prefill give a row the same bits.
  * Output: float32, or bfloat16 rounded to nearest even from the accumulator (what torch does; NaN ->
  * 0x7fc0).
  *
@@ -24,7 +29,8 @@
  *                               vdpbf16ps operand as is.
  * A tile is MR rows x NV strips of accumulators; OpenMP threads take contiguous ranges of strips.
  *
- * isa: 0 = best available, 1 = scalar C, 2 = AVX2+FMA, 3 = AVX-512 (fp32: avx512f; bf16: avx512_bf16).
+ * isa: 0 = best available, 1 = scalar C, 2 = AVX2+FMA, 3 = AVX-512 (fp32: avx512f; bf16: avx512_bf16), 4 = AMX
+ * (bf16 only; where the compiler targets amx_bf16 and Linux grants the process the tile state).
  */
 #include <immintrin.h>
 #include <omp.h>
@@ -314,6 +320,160 @@ TILE_KERNEL(avx512bf16_tile) {
 }
 #endif
 
+
+/* ---------------------------------------------------------------- AMX (bfloat16) */
+#if defined(HAVE_AVX512BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define AMX_K 32     /* bf16 elements of k per tile step: a tile row is 64 bytes */
+#define AMX_ROWS 16  /* rows per A tile; a block is 16 or 32 rows x 1 or 2 strips */
+
+/* Linux gives a process the AMX tile state only when it asks for it (arch_prctl, once per process; every
+ * thread's later request is a no-op). A refusal (an old kernel, a VM without XTILEDATA) leaves AMX off. */
+static int amx_usable(void) {
+    static int state = -1; /* a benign race: every thread computes the same answer */
+    if (state < 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return state;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed, aligned(64))) amx_tilecfg;
+
+/* Palette 1, eight tiles: 0-3 the fp32 accumulators of a block of up to 32 x 32 (rows x 64 bytes), 4-5 two A
+ * tiles (rows x 32 k), 6-7 two B tiles (16 k pairs x one strip: the packed layout's 64-byte lines as is).
+ * rows (1 .. 16) is how many rows each A tile holds: fewer for the last rows of a call (a decode step's one
+ * row costs one row's work, not sixteen). A row's arithmetic is the same in a tile of any height: tdpbf16ps
+ * computes each row of its output from that row of A alone. Tile state is per thread: every thread that
+ * runs tiles loads this first and releases it after. */
+static void amx_configure(int rows) {
+    amx_tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = t < 6 ? (uint8_t)rows : AMX_ROWS;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* One block: 16 x (1 + R2) rows of A from x (rows ldx elements apart, zero beyond k up to a multiple of
+ * AMX_K) times 1 + S2 strips from w (strip_elems apart). Whole k steps read w directly; the last partial one
+ * reads each strip's zero-padded copy in tail (AMX_K / 2 pairs x STRIP x 2, one per strip). Every element
+ * gets the same tdpbf16ps sequence over k = 0, 32, 64, ... whichever tile holds it. */
+static inline __attribute__((always_inline)) void amx_block(const uint16_t *x, int64_t ldx, const uint16_t *w,
+                                                            int64_t strip_elems, int64_t k_steps,
+                                                            const uint16_t *tail, float *out, const int R2,
+                                                            const int S2) {
+    const int64_t lda = ldx * 2;
+    _tile_zero(0);
+    if (S2) _tile_zero(1);
+    if (R2) _tile_zero(2);
+    if (R2 && S2) _tile_zero(3);
+    for (int64_t i = 0; i < k_steps; i++) {
+        const int64_t k = i * AMX_K;
+        _tile_loadd(4, x + k, lda);
+        if (R2) _tile_loadd(5, x + AMX_ROWS * ldx + k, lda);
+        _tile_loadd(6, w + k * STRIP, 64);
+        if (S2) _tile_loadd(7, w + strip_elems + k * STRIP, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (S2) _tile_dpbf16ps(1, 4, 7);
+        if (R2) _tile_dpbf16ps(2, 5, 6);
+        if (R2 && S2) _tile_dpbf16ps(3, 5, 7);
+    }
+    if (tail != NULL) {
+        const int64_t k = k_steps * AMX_K;
+        _tile_loadd(4, x + k, lda);
+        if (R2) _tile_loadd(5, x + AMX_ROWS * ldx + k, lda);
+        _tile_loadd(6, tail, 64);
+        if (S2) _tile_loadd(7, tail + AMX_K * STRIP, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (S2) _tile_dpbf16ps(1, 4, 7);
+        if (R2) _tile_dpbf16ps(2, 5, 6);
+        if (R2 && S2) _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, out, 2 * STRIP * 4);
+    if (S2) _tile_stored(1, out + STRIP, 2 * STRIP * 4);
+    if (R2) _tile_stored(2, out + AMX_ROWS * 2 * STRIP, 2 * STRIP * 4);
+    if (R2 && S2) _tile_stored(3, out + AMX_ROWS * 2 * STRIP + STRIP, 2 * STRIP * 4);
+}
+
+/* Rows [0, m) of src (rows ld apart, readable up to a multiple of AMX_K columns) in the configured tile height
+ * (16, or m when m < 16), output rows from y_row0, strips [s_begin, s_end). */
+static void amx_rows(const gemm_args *a, const uint16_t *src, int64_t ld, int64_t m, int64_t y_row0, int64_t s_begin,
+                     int64_t s_end, uint16_t *tail) {
+    const int64_t kx = (a->k + 1) / 2 * 2, k_steps = kx / AMX_K, tail_pairs = (kx % AMX_K) / 2;
+    float out[2 * AMX_ROWS][2 * STRIP] __attribute__((aligned(64)));
+    for (int64_t s = s_begin; s < s_end; s += 2) {
+        const int two_strips = s + 1 < s_end;
+        const uint16_t *w = (const uint16_t *)a->w + s * a->strip;
+        if (tail_pairs) /* the strips' last partial k step, zero padded to a whole one */
+            for (int v = 0; v <= two_strips; v++) {
+                uint16_t *dst = tail + v * AMX_K * STRIP;
+                memset(dst, 0, AMX_K * STRIP * 2);
+                memcpy(dst, w + v * a->strip + k_steps * AMX_K * STRIP, (size_t)tail_pairs * STRIP * 2 * 2);
+            }
+        const uint16_t *t = tail_pairs ? tail : NULL;
+        for (int64_t r = 0; r < m; r += 2 * AMX_ROWS) {
+            const int two_rows = m - r > AMX_ROWS;
+            const uint16_t *x = src + r * ld;
+            if (two_rows && two_strips) amx_block(x, ld, w, a->strip, k_steps, t, &out[0][0], 1, 1);
+            else if (two_rows) amx_block(x, ld, w, a->strip, k_steps, t, &out[0][0], 1, 0);
+            else if (two_strips) amx_block(x, ld, w, a->strip, k_steps, t, &out[0][0], 0, 1);
+            else amx_block(x, ld, w, a->strip, k_steps, t, &out[0][0], 0, 0);
+            const int64_t rows = m - r < 2 * AMX_ROWS ? m - r : 2 * AMX_ROWS;
+            for (int64_t i = 0; i < rows; i++)
+                for (int v = 0; v <= two_strips; v++)
+                    avx512_store(a, y_row0 + r + i, s + v, _mm512_load_ps(&out[i][v * STRIP]));
+        }
+    }
+}
+
+/* One thread's strips [s_begin, s_end) of every row: whole 16-row tiles in row blocks of MC (as run_tiles: the
+ * weights' strips are read from memory once per block), then the last m % 16 rows in tiles that high. x is read
+ * in place when k is a whole number of tile steps, else through a copy zero padded to one, so a tile never
+ * reads another row's values (which could be NaN) nor past the caller's buffer. */
+static int amx_run(const gemm_args *a, int64_t m, int64_t s_begin, int64_t s_end) {
+    const int64_t kp = (a->k + AMX_K - 1) / AMX_K * AMX_K;
+    uint16_t *tail = aligned_alloc(64, 2 * AMX_K * STRIP * 2);
+    uint16_t *pad = kp != a->k ? aligned_alloc(64, (size_t)(m * kp * 2 + 63) / 64 * 64) : NULL;
+    if (tail == NULL || (kp != a->k && pad == NULL)) {
+        free(tail);
+        free(pad);
+        return -1;
+    }
+    const uint16_t *src = (const uint16_t *)a->x;
+    int64_t ld = a->ldx;
+    if (pad != NULL) {
+        for (int64_t r = 0; r < m; r++) {
+            memcpy(pad + r * kp, src + r * a->ldx, (size_t)a->k * 2);
+            memset(pad + r * kp + a->k, 0, (size_t)(kp - a->k) * 2);
+        }
+        src = pad;
+        ld = kp;
+    }
+    const int64_t whole = m / AMX_ROWS * AMX_ROWS;
+    if (whole) amx_configure(AMX_ROWS);
+    for (int64_t mb = 0; mb < whole; mb += MC) {
+        const int64_t rows = whole - mb < MC ? whole - mb : MC;
+        amx_rows(a, src + mb * ld, ld, rows, mb, s_begin, s_end, tail);
+    }
+    if (m > whole) {
+        amx_configure((int)(m - whole));
+        amx_rows(a, src + whole * ld, ld, m - whole, whole, s_begin, s_end, tail);
+    }
+    _tile_release();
+    free(tail);
+    free(pad);
+    return 0;
+}
+#endif
+
 /* ---------------------------------------------------------------- tiles: one function per (MR, NV) */
 #define TILE1(kern, MR, NV) \
     static void kern##_##MR##_##NV(const gemm_args *a, int64_t m0, int64_t s0) { kern##_tile(a, m0, s0, MR, NV); }
@@ -393,6 +553,9 @@ static void run_scalar(const gemm_args *a, int64_t m, int64_t s_begin, int64_t s
 }
 
 int pd_gemm_bi_isa(int dtype) {
+#ifdef HAVE_AMX
+    if (dtype == 1 && amx_usable()) return 4;
+#endif
 #ifdef HAVE_AVX512BF16
     if (dtype == 1) return 3;
 #endif
@@ -442,15 +605,20 @@ int pd_gemm_bi(int dtype, const void *x, int64_t ldx, int64_t m, const void *w_p
     int threads = num_threads < 1 ? 1 : num_threads;
     if (threads > strips) threads = (int)strips;
     if (m * n * k < (int64_t)1 << 18) threads = 1;
-#pragma omp parallel num_threads(threads)
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
         const int64_t s_begin = strips * tid / nt, s_end = strips * (tid + 1) / nt;
         if (s_begin < s_end) {
+#ifdef HAVE_AMX
+            if (isa == 4) failed |= amx_run(&a, m, s_begin, s_end) != 0;
+            else
+#endif
             if (t != NULL) run_tiles(&a, t, m, s_begin, s_end);
             else run_scalar(&a, m, s_begin, s_end, dtype == 1);
         }
     }
     free(xf);
-    return 0;
+    return failed ? -1 : 0;
 }
