@@ -15,6 +15,9 @@ keep MKL, which is faster there. Measured on this box, one thread, smollm2's 576
 7.6 -> 6.4 ms, M=8 19.7 (16.8 with the small-M kernel) -> 11.1 ms, M=32 37.1 -> 28.6 ms; M=512 MKL
 393 ms against 420 ms packed. The cost is a second copy of that one matrix (113 MB for smollm2).
 
+On a CPU with AMX (Sapphire Rapids and later) a bf16 weight goes to the batch-invariant C GEMM below in
+fast mode as well (``_amx_gemm``): its tile kernel is the faster one there.
+
 ``deterministic=True`` (issue 24, EngineConfig.deterministic): a bf16 or float32 CPU weight is packed for
 the batch-invariant C GEMM (kernels/cpu_gemm.py, kernels/csrc/gemm_bi.c) and every call goes there, so
 each output row is bit for bit a function of its own input row, whatever the number of rows (oneDNN's
@@ -53,6 +56,16 @@ def _can_prepack(dtype: torch.dtype = torch.bfloat16) -> bool:
         return torch.backends.mkldnn.is_available()
     except (RuntimeError, AttributeError):
         return False
+
+
+@functools.cache
+def _amx_gemm() -> bool:
+    """Whether fast mode's bf16 CPU linear is ours too: on an AMX CPU our tile kernel beat oneDNN's prepacked
+    bf16 GEMM 2-4x at decode's 1-64 rows and came within 0.9-1.05x of it at 512-2,048 (bench/results/
+    gemm_bi_amx_s71.json), so one path serves both modes there. PDCLUSTER_CPU_BF16_GEMM=onednn keeps oneDNN."""
+    if os.environ.get("PDCLUSTER_CPU_BF16_GEMM", "").lower() == "onednn":
+        return False
+    return cpu_gemm.available() and cpu_gemm.best_isa(torch.bfloat16) == 4
 
 
 _linear_pointwise = torch.ops.mkldnn._linear_pointwise.default if hasattr(torch.ops.mkldnn, "_linear_pointwise") else None
@@ -111,6 +124,10 @@ class Linear:
             from pdcluster.kernels.triton_matmul_bi import matmul_bi  # triton only where CUDA is
 
             self._cuda_bi = matmul_bi
+        elif on_cpu and weight.dtype == torch.bfloat16 and _amx_gemm():
+            self._packed_bi = cpu_gemm.pack_bi(weight)  # faster than oneDNN here, and batch-invariant for free
+            if not keep_weight:
+                self.weight = None
         elif on_cpu and weight.dtype == torch.bfloat16 and _can_prepack():
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
             if not keep_weight:

@@ -181,9 +181,9 @@ def _prompt_vs_decode_differences(model: str, chunk: int = 512, **engine_kwargs)
 @pytest.mark.slow  # the mutation check that deterministic mode matters; the default suite checks the mode itself
 def test_fast_mode_varies_on_smollm2():
     """The detector bites: with the fast kernels prefill and decode disagree, where deterministic mode in the same
-    dtype agrees. In bf16 where oneDNN's bf16 GEMM switches with the row count (CPUs with avx512_bf16 or AMX);
-    on a CPU without them (an AVX2 AMD EPYC here: bf16 agreed) in float32, where MKL's GEMM and the small-M
-    kernel switch with it."""
+    dtype agrees. In bf16 where oneDNN's bf16 GEMM switches with the row count (CPUs with avx512_bf16); on a CPU
+    without it (an AVX2 AMD EPYC here: bf16 agreed) or with AMX (where fast mode's bf16 linear is our batch-invariant
+    one too, engine/linear.py) in float32, where MKL's GEMM and the small-M kernel switch with it."""
     for dtype in ("bfloat16", "float32"):
         if _prompt_vs_decode_differences("smollm2", deterministic=False, dtype=dtype):
             assert not _prompt_vs_decode_differences("smollm2", dtype=dtype), f"deterministic {dtype} varied"
