@@ -41,6 +41,7 @@ CORE_SIGNATURES = {
     "pd_paged_attention": [_c_int, _c_int, _ptr, _c_i64, _c_i64, _ptr, _ptr, _c_i64, _c_i64, _c_i64, _ptr, _c_i64, _ptr,
                            _ptr, _c_int, _c_int, _c_int, _c_int, _c_int, _c_f32, _c_int, _c_int, _c_f32, _ptr, _ptr,
                            _c_i64, _c_i64, _c_int],
+    "pd_attention_amx": [],
     "pd_rms_norm": [_c_int, _ptr, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_f32, _c_int],
     "pd_rotary": [_c_int, _ptr, _c_i64, _c_i64, _c_i64, _c_int, _c_int, _ptr, _ptr, _c_int],
     "pd_silu_and_mul": [_c_int, _ptr, _ptr, _c_i64, _c_int, _c_int],
@@ -101,7 +102,9 @@ def _run_to(cmd: list[str], out: Path) -> None:
 
 def _compile(cc: str, source: Path, machine: bytes) -> Path:
     """The cached object file of one source (compiled now if missing)."""
-    key = hashlib.sha256(source.read_bytes() + machine).hexdigest()[:16]
+    # Headers (csrc/*.h) count as part of every source: they are few and small, and a changed one must rebuild.
+    headers = b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))
+    key = hashlib.sha256(source.read_bytes() + headers + machine).hexdigest()[:16]
     obj = _cache_dir() / f"{source.stem}-{key}.o"
     if not obj.exists():
         _run_to([cc, *FLAGS, "-c", str(source)], obj)

@@ -23,6 +23,13 @@ def available() -> bool:
     return cpu_build.load() is not None
 
 
+def attention_amx() -> bool:
+    """Whether bf16 paged attention runs on AMX tiles in this process (kernels/csrc/attention_amx.h): a CPU with
+    AMX-BF16 whose kernel grants the tile state, and PDCLUSTER_CPU_AMX not 0."""
+    lib = cpu_build.load()
+    return lib is not None and bool(lib.pd_attention_amx())
+
+
 def _on_cpu(*tensors: torch.Tensor | None) -> bool:
     return all(t is None or t.device.type == "cpu" for t in tensors)
 

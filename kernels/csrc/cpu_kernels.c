@@ -688,7 +688,18 @@ static inline void attend_item_bf16(const AttnItem item, const int HD, int kv_dt
     store_item_output(item, HD, 1, query_start_loc, num_q_heads, (float *)acc, m, l, NULL, out, out_tok_stride,
                       out_head_stride);
 }
+
+#include "attention_amx.h"
 #endif
+
+/* 1 where this process computes bf16 attention on AMX tiles (attention_amx.h), else 0. */
+int pd_attention_amx(void) {
+#ifdef PD_HAVE_AMX
+    return amx_usable();
+#else
+    return 0;
+#endif
+}
 
 int pd_paged_attention(int dtype, int kv_dtype, const void *query, int64_t q_tok_stride, int64_t q_head_stride,
                        const void *k_cache, const void *v_cache, int64_t cache_blk_stride,
@@ -731,7 +742,21 @@ int pd_paged_attention(int dtype, int kv_dtype, const void *query, int64_t q_tok
                           cache_head_stride == head_dim && cache_tok_stride == (int64_t)num_kv_heads * head_dim &&
                           softcap <= 0.0f && sinks == NULL && getenv("PDCLUSTER_ATTN_GENERIC") == NULL;
     (void)fast_bf16;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    int amx = 0;
+    (void)amx;
+#ifdef PD_HAVE_AMX
+    {
+        const char *env = getenv("PDCLUSTER_ATTN_AMX");
+        /* Decided by the model's shape and the process alone, never by this call's batch: the same query must
+         * take the same path in every step (batch invariance). */
+        amx = fast_bf16 && !(env && env[0] == '0') && amx_usable() &&
+              attn_amx_stack_bytes(q_chunk, num_q_heads, num_kv_heads, head_dim) <= (1 << 20);
+    }
+#endif
+#pragma omp parallel num_threads(num_threads)
+    {
+    int tile_rows = 0; /* the AMX tile configuration this thread holds (0: none) */
+#pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < num_items; it++) {
 #define PD_ATTEND(HD, BS)                                                                                   \
     attend_item(items[it], HD, dtype, kv_dtype, query, q_tok_stride, q_head_stride, k_cache, v_cache,             \
@@ -745,6 +770,18 @@ int pd_paged_attention(int dtype, int kv_dtype, const void *query, int64_t q_tok
                      cache_blk_stride, cache_tok_stride, cache_head_stride, block_tables, \
                      bt_stride, seq_lens, query_start_loc, num_q_heads, num_kv_heads, scale, window, chunk,          \
                      (uint16_t *)out, out_tok_stride, out_head_stride)
+#ifdef PD_HAVE_AMX
+#define PD_ATTEND_AMX(HD)                                                                                       \
+    attend_item_amx(items[it], HD, kv_dtype, (const uint16_t *)query, q_tok_stride, q_head_stride, k_cache, v_cache, \
+                    cache_blk_stride, cache_tok_stride, cache_head_stride, block_tables, bt_stride, seq_lens,      \
+                    query_start_loc, num_q_heads, num_kv_heads, scale, window, chunk, (uint16_t *)out,           \
+                    out_tok_stride, out_head_stride, &tile_rows)
+        if (amx && head_dim == 64) PD_ATTEND_AMX(64);
+        else if (amx && head_dim == 128) PD_ATTEND_AMX(128);
+        else if (amx) PD_ATTEND_AMX(head_dim);
+        else
+#undef PD_ATTEND_AMX
+#endif
         if (fast_bf16 && head_dim == 64) PD_ATTEND_BF16(64);
         else if (fast_bf16 && head_dim == 128) PD_ATTEND_BF16(128);
         else if (fast_bf16) PD_ATTEND_BF16(head_dim);
@@ -756,6 +793,10 @@ int pd_paged_attention(int dtype, int kv_dtype, const void *query, int64_t q_tok
         else if (head_dim == 128 && block_size == 16) PD_ATTEND(128, 16);
         else PD_ATTEND(head_dim, block_size);
 #undef PD_ATTEND
+    }
+#ifdef PD_HAVE_AMX
+    if (tile_rows) _tile_release();
+#endif
     }
     free(items);
     return 0;

@@ -322,28 +322,11 @@ TILE_KERNEL(avx512bf16_tile) {
 
 
 /* ---------------------------------------------------------------- AMX (bfloat16) */
-#if defined(HAVE_AVX512BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include "amx.h"
+#if defined(HAVE_AVX512BF16) && defined(PD_HAVE_AMX)
 #define HAVE_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 #define AMX_K 32     /* bf16 elements of k per tile step: a tile row is 64 bytes */
 #define AMX_ROWS 16  /* rows per A tile; a block is 16 or 32 rows x 1 or 2 strips */
-
-/* Linux gives a process the AMX tile state only when it asks for it (arch_prctl, once per process; every
- * thread's later request is a no-op). A refusal (an old kernel, a VM without XTILEDATA) leaves AMX off. */
-static int amx_usable(void) {
-    static int state = -1; /* a benign race: every thread computes the same answer */
-    if (state < 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    return state;
-}
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed, aligned(64))) amx_tilecfg;
 
 /* Palette 1, eight tiles: 0-3 the fp32 accumulators of a block of up to 32 x 32 (rows x 64 bytes), 4-5 two A
  * tiles (rows x 32 k), 6-7 two B tiles (16 k pairs x one strip: the packed layout's 64-byte lines as is).
@@ -359,7 +342,7 @@ static void amx_configure(int rows) {
         cfg.rows[t] = t < 6 ? (uint8_t)rows : AMX_ROWS;
         cfg.colsb[t] = 64;
     }
-    _tile_loadconfig(&cfg);
+    amx_load_tilecfg(&cfg);
 }
 
 /* One block: 16 x (1 + R2) rows of A from x (rows ldx elements apart, zero beyond k up to a multiple of

@@ -1,0 +1,258 @@
+/* Paged attention on AMX tiles: the bf16 cache, block size 16, head_dim a multiple of 32. Included by
+ * cpu_kernels.c after attend_item_bf16, whose helpers it uses (AttnItem, window_start, transpose16x16,
+ * exp512_nonpos, fp8x32_to_bf16, store_row), and taken instead of it in every call where amx_usable().
+ *
+ * A work item is what attend_item_bf16's is (a request's chunk of query tokens, every head). The queries that
+ * share a kv head -- token t, head g of its group: row r = t * group + g -- go in row groups of 16. For each
+ * 16-key block, kv head and row group:
+ *   S^T = K Q^T  on tiles: A = the block's 16 K rows read in place from the cache (32 dims a step), B = the
+ *                group's queries as bf16 pairs [dim pair][16 rows] (staged once per item), C = 16 keys x 16
+ *                rows in fp32.
+ *   softmax      on S^T's rows: a key per vector, a query row per lane, so the masks, the block max, exp and
+ *                every row's running max and sum are whole-vector operations (no horizontal reductions).
+ *   O += P V     on tiles: A = P (S^T transposed: rows x 16 keys, bf16), B = V as bf16 pairs of consecutive
+ *                keys [8][16 dims] (attend_item_bf16's layout), C = rows x 16 dims a tile; then every row's
+ *                accumulator becomes fma(acc, alpha, that row of the tile).
+ * Batch invariance (issue 24): a row's values come from that row alone, by operations that do not depend on
+ * the item's size, the row's place in a tile or the thread. tdpbf16ps computes each output element from its
+ * own A row and B column over a fixed k; the softmax is lane-wise; a block's probabilities are summed over
+ * its 16 keys in order (a masked key adds +0, which changes no sum: sums of probabilities are never -0). So a
+ * query's output has the same bits in a prefill chunk, a decode step or a verification step. They are not
+ * attend_item_bf16's bits (other summation orders), so a process takes one of the two paths for every call:
+ * amx_usable() is fixed per process. PDCLUSTER_ATTN_AMX=0 takes the avx512_bf16 path (tests compare them).
+ */
+#ifndef PD_ATTENTION_AMX_H
+#define PD_ATTENTION_AMX_H
+#include "amx.h"
+#ifdef PD_HAVE_AMX
+#include <limits.h>
+
+/* Tiles: 0 S^T (16 keys x 16 rows fp32), 1 K (16 keys x 32 dims), 2 Q^T (16 dim pairs x 16 rows), 3 and 6 two
+ * 16-dim strips of P V (rows x 16 fp32), 4 P (rows x 16 keys), 5 and 7 V (8 key pairs x 16 dims). rows is the
+ * row count of P and the P V strips: an item's queries per kv head, at most 16 (a decode step of a model with
+ * groups of 3 computes 3 rows, not 16). Tile state is per thread: each thread configures it before its first
+ * item (again when rows changes) and releases it after its last. */
+static void attn_amx_configure(int rows) {
+    amx_tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    const uint8_t tile_rows[8] = {16, 16, 16, (uint8_t)rows, (uint8_t)rows, 8, (uint8_t)rows, 8};
+    const uint16_t tile_colsb[8] = {64, 64, 64, 64, 32, 64, 64, 64};
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = tile_rows[t];
+        cfg.colsb[t] = tile_colsb[t];
+    }
+    amx_load_tilecfg(&cfg);
+}
+
+/* exp(x) for x <= 0 on 16 lanes, 0 below -87 (exp_nonpos's underflow select): a rescale by a factor that
+ * small is a rescale to zero, as in the scalar code. */
+static inline __m512 exp512_nonpos_or_zero(__m512 x) {
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ), exp512_nonpos(x));
+}
+
+/* The stack an item takes (bytes), for pd_paged_attention's limit: accumulators, Q^T, V pairs, fp8 staging. */
+static inline int64_t attn_amx_stack_bytes(int q_chunk, int num_q_heads, int num_kv_heads, int head_dim) {
+    const int64_t rows = (int64_t)q_chunk * (num_q_heads / num_kv_heads) + 15; /* per kv head, padded */
+    return (int64_t)num_kv_heads * rows * head_dim * (4 + 2) + (int64_t)num_kv_heads * 8 * head_dim * 4 +
+           (int64_t)2 * 16 * num_kv_heads * head_dim * 2;
+}
+
+static inline void attend_item_amx(const AttnItem item, const int HD, int kv_dtype, const uint16_t *query,
+                                   int64_t q_tok_stride, int64_t q_head_stride, const void *k_cache_raw,
+                                   const void *v_cache_raw, int64_t cache_blk_stride, int64_t cache_tok_stride,
+                                   int64_t cache_head_stride, const int32_t *block_tables, int64_t bt_stride,
+                                   const int32_t *seq_lens, const int32_t *query_start_loc, int num_q_heads,
+                                   int num_kv_heads, float scale, int window, int chunk, uint16_t *out,
+                                   int64_t out_tok_stride, int64_t out_head_stride, int *tile_rows) {
+    enum { BS = 16 };
+    const int group = num_q_heads / num_kv_heads;
+    const int r = item.req;
+    const int q_len = query_start_loc[r + 1] - query_start_loc[r];
+    const int first_pos = seq_lens[r] - q_len;
+    const int64_t first_tok = query_start_loc[r] + item.q_begin;
+    const int nq_tok = item.q_end - item.q_begin;
+    const int rows = nq_tok * group; /* query rows per kv head */
+    const int ngroups = (rows + 15) / 16;
+    const int R = rows < 16 ? rows : 16;
+    if (*tile_rows != R) {
+        attn_amx_configure(R);
+        *tile_rows = R;
+    }
+    const int np = HD / 2; /* dim pairs */
+    float acc[num_kv_heads][ngroups * 16][HD] __attribute__((aligned(64)));
+    float m_rows[num_kv_heads][ngroups][16] __attribute__((aligned(64)));
+    float l_rows[num_kv_heads][ngroups][16] __attribute__((aligned(64)));
+    uint32_t qt[num_kv_heads][ngroups][np][16] __attribute__((aligned(64)));
+    int32_t pos_rows[ngroups * 16] __attribute__((aligned(64))), ws_rows[ngroups * 16] __attribute__((aligned(64)));
+    uint32_t vp[num_kv_heads][BS / 2][HD] __attribute__((aligned(64)));
+    const int fp8 = kv_dtype >= 2;
+    const int row_elems = num_kv_heads * HD;
+    uint16_t kst[fp8 ? BS : 1][fp8 ? row_elems : 1] __attribute__((aligned(64)));
+    uint16_t vst[fp8 ? BS : 1][fp8 ? row_elems : 1] __attribute__((aligned(64)));
+    const uint16_t *k_cache = (const uint16_t *)k_cache_raw, *v_cache = (const uint16_t *)v_cache_raw;
+    const uint8_t *k_cache8 = (const uint8_t *)k_cache_raw, *v_cache8 = (const uint8_t *)v_cache_raw;
+
+    memset(acc, 0, sizeof acc);
+    for (int h = 0; h < num_kv_heads; h++)
+        for (int g2 = 0; g2 < ngroups; g2++) {
+            _mm512_store_ps(m_rows[h][g2], _mm512_set1_ps(-FLT_MAX));
+            _mm512_store_ps(l_rows[h][g2], _mm512_setzero_ps());
+        }
+    /* Each row sees keys ws ..= pos; padding rows (pos -1) see none. */
+    for (int row = 0; row < ngroups * 16; row++) {
+        const int pos = first_pos + item.q_begin + row / group;
+        pos_rows[row] = row < rows ? pos : -1;
+        ws_rows[row] = row < rows ? window_start(pos, window, chunk) : 0;
+    }
+    /* Q^T: 16 rows' next 16 dim pairs as 16 vectors, transposed (32-bit lanes: a pair moves whole). */
+    for (int h = 0; h < num_kv_heads; h++)
+        for (int g2 = 0; g2 < ngroups; g2++)
+            for (int p0 = 0; p0 < np; p0 += 16) {
+                __m512 x[16];
+                for (int rr = 0; rr < 16; rr++) {
+                    const int row = g2 * 16 + rr;
+                    const uint16_t *q = query + (first_tok + row / group) * q_tok_stride +
+                                        (h * group + row % group) * q_head_stride;
+                    x[rr] = row < rows ? _mm512_castsi512_ps(_mm512_loadu_si512(q + 2 * p0)) : _mm512_setzero_ps();
+                }
+                transpose16x16(x);
+                for (int i = 0; i < 16; i++) _mm512_store_ps((float *)qt[h][g2][p0 + i], x[i]);
+            }
+
+    const __m512 vscale = _mm512_set1_ps(scale), vlow = _mm512_set1_ps(-FLT_MAX);
+    const int last_pos = first_pos + item.q_end - 1;
+    const int num_blocks = last_pos / BS + 1;
+    const int32_t *table = block_tables + (int64_t)r * bt_stride;
+    const int first_key = window_start(first_pos + item.q_begin, window, chunk);
+    for (int b = first_key / BS; b < num_blocks; b++) {
+        const int64_t base = (int64_t)table[b] * cache_blk_stride;
+        /* The next block's rows are asked for while this one is computed where it is not the physically next
+         * block (the hardware prefetcher follows those): see attend_item_bf16. */
+        const int64_t next =
+            b + 1 < num_blocks && table[b + 1] != table[b] + 1 ? (int64_t)table[b + 1] * cache_blk_stride : -1;
+        const int block_start = b * BS;
+        int n_valid = last_pos + 1 - block_start;
+        if (n_valid > BS) n_valid = BS;
+        const uint16_t *kb = k_cache + base, *vb = v_cache + base;
+        int64_t tok_stride = cache_tok_stride;
+        if (fp8) { /* this block's rows widened to bf16 first; the rest reads them as a bf16 cache's */
+            for (int j = 0; j < n_valid; j++)
+                for (int e = 0; e < row_elems; e += 32) {
+                    fp8x32_to_bf16(k_cache8 + base + j * cache_tok_stride + e, &kst[j][e], kv_dtype);
+                    fp8x32_to_bf16(v_cache8 + base + j * cache_tok_stride + e, &vst[j][e], kv_dtype);
+                }
+            kb = &kst[0][0];
+            vb = &vst[0][0];
+            tok_stride = row_elems;
+        }
+        for (int j = 0; j < BS; j++) {
+            if (next >= 0)
+                for (int e = 0; e < row_elems; e += fp8 ? 64 : 32) { /* one 64-byte line a prefetch */
+                    if (fp8) {
+                        __builtin_prefetch(k_cache8 + next + j * cache_tok_stride + e, 0, 3);
+                        __builtin_prefetch(v_cache8 + next + j * cache_tok_stride + e, 0, 3);
+                    } else {
+                        __builtin_prefetch(k_cache + next + j * cache_tok_stride + e, 0, 3);
+                        __builtin_prefetch(v_cache + next + j * cache_tok_stride + e, 0, 3);
+                    }
+                }
+            if ((j & 1) && j - 1 < n_valid)
+                /* V as bf16 pairs of consecutive keys (tdpbf16ps's B layout); a key past the block's end is zero
+                 * (unused slots may hold anything, NaN included, and P's zero times NaN is NaN). */
+                for (int h = 0; h < num_kv_heads; h++) {
+                    const uint16_t *v0 = vb + (j - 1) * tok_stride + h * cache_head_stride;
+                    const uint16_t *v1 = v0 + tok_stride;
+                    for (int c = 0; c < HD; c += 16) {
+                        const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v0 + c)));
+                        const __m512i hi = j < n_valid
+                                               ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v1 + c)))
+                                               : _mm512_setzero_si512();
+                        _mm512_store_si512(&vp[h][j / 2][c], _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+                    }
+                }
+            else if ((j & 1) && j - 1 >= n_valid)
+                for (int h = 0; h < num_kv_heads; h++)
+                    for (int c = 0; c < HD; c += 16) _mm512_store_si512(&vp[h][j / 2][c], _mm512_setzero_si512());
+        }
+        for (int h = 0; h < num_kv_heads; h++) {
+            const uint16_t *kh = kb + h * cache_head_stride;
+            for (int g2 = 0; g2 < ngroups; g2++) {
+                /* K rows past n_valid are read too (the block is whole in memory); their scores are masked. */
+                float st[16][16] __attribute__((aligned(64)));
+                _tile_zero(0);
+                for (int s = 0; s < HD / 32; s++) {
+                    _tile_loadd(1, kh + 32 * s, tok_stride * 2);
+                    _tile_loadd(2, qt[h][g2][16 * s], 64);
+                    _tile_dpbf16ps(0, 1, 2);
+                }
+                _tile_stored(0, st, 64);
+                const __m512i pos_v = _mm512_load_si512(&pos_rows[g2 * 16]);
+                const __m512i ws_v = _mm512_load_si512(&ws_rows[g2 * 16]);
+                __mmask16 key_mask[BS], seen = 0;
+                __m512 p[BS], block_max = vlow;
+                for (int j = 0; j < BS; j++) {
+                    const __m512i key = _mm512_set1_epi32(block_start + j);
+                    key_mask[j] = _mm512_cmple_epi32_mask(ws_v, key) & _mm512_cmple_epi32_mask(key, pos_v);
+                    seen |= key_mask[j];
+                    p[j] = _mm512_mask_mov_ps(vlow, key_mask[j], _mm512_mul_ps(_mm512_load_ps(st[j]), vscale));
+                    block_max = _mm512_max_ps(block_max, p[j]);
+                }
+                if (!seen) continue; /* the block is outside every row's window: nothing changes */
+                const __m512 m_old = _mm512_load_ps(m_rows[h][g2]);
+                const __m512 m_new = _mm512_max_ps(m_old, block_max);
+                const __m512 alpha = exp512_nonpos_or_zero(_mm512_sub_ps(m_old, m_new));
+                __m512 sum = _mm512_setzero_ps();
+                for (int j = 0; j < BS; j++) {
+                    /* P in bf16 for the P V product; the sum adds the same rounded weights, so the output stays
+                     * a convex combination of V rows. */
+                    const __m512 e = _mm512_maskz_mov_ps(key_mask[j], exp512_nonpos(_mm512_sub_ps(p[j], m_new)));
+                    p[j] = _mm512_castsi512_ps(
+                        _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e)), 16));
+                    sum = _mm512_add_ps(sum, p[j]);
+                }
+                /* Rows that saw no key of this block keep their state (not rescaled by exp(0) = 1 and a +0
+                 * added: the same values, but skipping says so). */
+                _mm512_store_ps(m_rows[h][g2], _mm512_mask_mov_ps(m_old, seen, m_new));
+                _mm512_store_ps(l_rows[h][g2], _mm512_mask_mov_ps(_mm512_load_ps(l_rows[h][g2]), seen,
+                                                                 _mm512_fmadd_ps(_mm512_load_ps(l_rows[h][g2]),
+                                                                                 alpha, sum)));
+                float alpha_rows[16] __attribute__((aligned(64)));
+                _mm512_store_ps(alpha_rows, alpha);
+                transpose16x16(p); /* p[rr]: row rr's 16 weights (exact bf16 values) */
+                uint16_t pb[16][16] __attribute__((aligned(64)));
+                for (int rr = 0; rr < 16; rr++) _mm256_store_si256((__m256i *)pb[rr], (__m256i)_mm512_cvtneps_pbh(p[rr]));
+                _tile_loadd(4, pb, 32);
+                const int rows_here = rows - g2 * 16 < 16 ? rows - g2 * 16 : 16;
+                for (int c = 0; c < HD; c += 32) {
+                    float o[2][16][16] __attribute__((aligned(64)));
+                    _tile_zero(3);
+                    _tile_zero(6);
+                    _tile_loadd(5, &vp[h][0][c], HD * 4);
+                    _tile_dpbf16ps(3, 4, 5);
+                    _tile_loadd(7, &vp[h][0][c + 16], HD * 4);
+                    _tile_dpbf16ps(6, 4, 7);
+                    _tile_stored(3, o[0], 64);
+                    _tile_stored(6, o[1], 64);
+                    for (int rr = 0; rr < rows_here; rr++) {
+                        if (!((seen >> rr) & 1)) continue;
+                        float *a = acc[h][g2 * 16 + rr] + c;
+                        const __m512 va = _mm512_set1_ps(alpha_rows[rr]);
+                        _mm512_store_ps(a, _mm512_fmadd_ps(_mm512_load_ps(a), va, _mm512_load_ps(o[0][rr])));
+                        _mm512_store_ps(a + 16, _mm512_fmadd_ps(_mm512_load_ps(a + 16), va, _mm512_load_ps(o[1][rr])));
+                    }
+                }
+            }
+        }
+    }
+    for (int h = 0; h < num_kv_heads; h++)
+        for (int row = 0; row < rows; row++) {
+            float *a = acc[h][row];
+            const __m512 inv = _mm512_set1_ps(1.0f / l_rows[h][row / 16][row % 16]);
+            for (int d = 0; d < HD; d += 16) _mm512_store_ps(a + d, _mm512_mul_ps(_mm512_load_ps(a + d), inv));
+            const int64_t tok = first_tok + row / group;
+            store_row(out, 1, tok * out_tok_stride + (h * group + row % group) * out_head_stride, a, HD);
+        }
+}
+#endif
+#endif
