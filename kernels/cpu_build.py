@@ -40,7 +40,7 @@ _c_int, _c_i64, _c_f32, _ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_float, cty
 CORE_SIGNATURES = {
     "pd_paged_attention": [_c_int, _c_int, _ptr, _c_i64, _c_i64, _ptr, _ptr, _c_i64, _c_i64, _c_i64, _ptr, _c_i64, _ptr,
                            _ptr, _c_int, _c_int, _c_int, _c_int, _c_int, _c_f32, _c_int, _c_int, _c_f32, _ptr, _ptr,
-                           _c_i64, _c_i64, _c_int],
+                           _c_int, _c_i64, _c_i64, _c_int],
     "pd_attention_amx": [],
     "pd_rms_norm": [_c_int, _ptr, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_f32, _c_int],
     "pd_rotary": [_c_int, _ptr, _c_i64, _c_i64, _c_i64, _c_int, _c_int, _ptr, _ptr, _c_int],

@@ -74,7 +74,8 @@ def paged_attention(
     seq_lens: torch.Tensor,  # int32 [num_reqs]
     query_start_loc: torch.Tensor,  # int32 [num_reqs + 1]
     scale: float,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,  # float32 or bfloat16 (default: the query's dtype); a float32 out of a bf16
+    # query holds the kernel's float32 results unrounded (tests read a query's exact bits there)
     window: int = 0,  # > 0: each query sees its last ``window`` positions (sliding-window attention)
     softcap: float = 0.0,  # > 0: scores become softcap * tanh(score / softcap) (Gemma 2)
     sinks: torch.Tensor | None = None,  # float32 [num_q_heads]: attention sinks (gpt-oss; reference.paged_attention)
@@ -97,6 +98,10 @@ def paged_attention(
     query_start_loc = query_start_loc.contiguous()
     if out is None:
         out = torch.empty_like(query)
+    out_code = _DTYPE_CODE.get(out.dtype)
+    if out_code is None or out.shape != query.shape or out.stride(-1) != 1:
+        raise ValueError(f"paged_attention: out must be float32 or bfloat16 of the query's shape {tuple(query.shape)}"
+                         f" with unit last stride, not {out.dtype} {tuple(out.shape)}")
     num_q_heads, head_dim = query.shape[1], query.shape[2]
     _, _, block_size, num_kv_heads, _ = layer_cache.shape
     k, v = layer_cache[0], layer_cache[1]
@@ -105,7 +110,8 @@ def paged_attention(
         k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
         block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), query_start_loc.data_ptr(),
         seq_lens.shape[0], num_q_heads, num_kv_heads, head_dim, block_size, scale, window, chunk, softcap,
-        None if sinks is None else sinks.data_ptr(), out.data_ptr(), out.stride(0), out.stride(1), _threads(),
+        None if sinks is None else sinks.data_ptr(), out.data_ptr(), out_code, out.stride(0), out.stride(1),
+        _threads(),
     )
     if rc != 0:
         raise ValueError(f"pd_paged_attention: unsupported shape (code {rc}): heads {num_q_heads}/{num_kv_heads}, "

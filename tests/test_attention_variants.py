@@ -16,7 +16,7 @@ import pytest
 
 from pdcluster.kernels import cpu_ops, reference
 from pdcluster.kernels import triton_paged_attention as attention
-from test_kernels import HEAD_DIM, SCALE, make_batch, triton_next_pow2
+from test_kernels import C_BF16_PATHS, HEAD_DIM, SCALE, make_batch, triton_next_pow2, use_c_attention_path
 
 CASES = [
     pytest.param([1, 1, 1], [13, 4, 40], id="decode"),
@@ -79,13 +79,12 @@ def test_c_kernel_equals_reference(q_lens, seq_lens, window, dtype):
 
 
 @pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler")
-@pytest.mark.parametrize("path", ["vector", "generic"])
+@pytest.mark.parametrize("path", C_BF16_PATHS)
 @pytest.mark.parametrize("window", [5, 16, 33])
 def test_c_bf16_paths_equal_reference(window, path, monkeypatch):
-    """bf16, block size 16, head_dim 64: the avx512_bf16 path where the CPU has it (window masks within a
-    16-key vector), the generic loop otherwise."""
-    if path == "generic":
-        monkeypatch.setenv("PDCLUSTER_ATTN_GENERIC", "1")
+    """bf16, block size 16, head_dim 64: AMX tiles and the avx512_bf16 path where the CPU has them (window masks
+    within a 16-key block), the generic loop."""
+    use_c_attention_path(path, monkeypatch)
     q_lens, seq_lens = [1, 9, 20], [70, 50, 20]
     batch = make_batch(q_lens, seq_lens, 9, 3, dtype=torch.bfloat16, block_size=16, head_dim=64)
     args = (*batch.args()[:5], 64**-0.5)
@@ -95,9 +94,12 @@ def test_c_bf16_paths_equal_reference(window, path, monkeypatch):
 
 
 @pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler")
-@pytest.mark.parametrize("dtype,block_size,head_dim", [(torch.float32, 4, HEAD_DIM), (torch.bfloat16, 16, 64)])
-def test_c_kernel_is_batch_invariant(dtype, block_size, head_dim):
+@pytest.mark.parametrize("dtype,block_size,head_dim,path", [(torch.float32, 4, HEAD_DIM, "generic"),
+                                                             (torch.bfloat16, 16, 64, "amx"),
+                                                             (torch.bfloat16, 16, 64, "avx512")])
+def test_c_kernel_is_batch_invariant(dtype, block_size, head_dim, path, monkeypatch):
     """A query's bits are the same in a prefill chunk, in a decode step, alone or beside other requests."""
+    use_c_attention_path(path, monkeypatch)
     window = 11
     batch = make_batch([20, 1], [45, 30], 4, 2, dtype=dtype, block_size=block_size, head_dim=head_dim)
     args = (batch.layer_cache,)
@@ -267,10 +269,14 @@ def test_chunked_reference_equals_dense(q_lens, seq_lens, chunk):
 
 
 @pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler")
-@pytest.mark.parametrize("dtype,block_size,head_dim", [(torch.float32, 4, HEAD_DIM), (torch.bfloat16, 16, 64)])
+@pytest.mark.parametrize("dtype,block_size,head_dim,path", [(torch.float32, 4, HEAD_DIM, "generic"),
+                                                             (torch.bfloat16, 16, 64, "amx"),
+                                                             (torch.bfloat16, 16, 64, "avx512")])
 @pytest.mark.parametrize("chunk", CHUNKS)
-def test_chunked_c_kernel_equals_reference_and_is_batch_invariant(dtype, block_size, head_dim, chunk):
-    """bf16 at block 16 / head_dim 64: the avx512_bf16 path where the CPU has it."""
+def test_chunked_c_kernel_equals_reference_and_is_batch_invariant(dtype, block_size, head_dim, chunk, path,
+                                                                  monkeypatch):
+    """bf16 at block 16 / head_dim 64: AMX tiles and the avx512_bf16 path where the CPU has them."""
+    use_c_attention_path(path, monkeypatch)
     batch = make_batch([1, 10, 4], [40, 37, 4], 6, 2, dtype=dtype, block_size=block_size, head_dim=head_dim)
     got = cpu_ops.paged_attention(*batch.args(), chunk=chunk)
     expected = reference.paged_attention(*batch.args(), 0, 0.0, None, chunk)

@@ -11,8 +11,8 @@ import logging
 import pytest
 import torch
 
-from pdcluster.kernels import cpu_build, cpu_ops, ops, reference
-from test_kernels import HEAD_DIM, SCALE, make_batch
+from pdcluster.kernels import cpu_build, cpu_gemm, cpu_ops, ops, reference
+from test_kernels import C_BF16_PATHS, HEAD_DIM, SCALE, make_batch, use_c_attention_path
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler: the C kernels cannot be built")
 
@@ -38,20 +38,83 @@ def test_paged_attention_matches_reference(q_lens, seq_lens, num_q_heads, num_kv
     torch.testing.assert_close(got.float(), expected.float(), **TOL[dtype])
 
 
-@pytest.mark.parametrize("path", ["vector", "generic"])
+@pytest.mark.parametrize("path", C_BF16_PATHS)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("q_lens, seq_lens", ATTENTION_CASES)
 def test_bf16_vector_path_matches_reference(q_lens, seq_lens, head_dim, path, monkeypatch):
-    """bf16 with block size 16 and head_dim a multiple of 32 takes the avx512_bf16 path where the CPU
-    has it (dot products straight from the cache, 16 keys per vector); the generic loop otherwise."""
-    if path == "generic":
-        monkeypatch.setenv("PDCLUSTER_ATTN_GENERIC", "1")
+    """bf16 with block size 16 and head_dim a multiple of 32 takes AMX tiles where the CPU has them, else the
+    avx512_bf16 path where it has that (dot products straight from the cache, 16 keys per vector), else the
+    generic loop; each path here against the reference."""
+    use_c_attention_path(path, monkeypatch)
     batch = make_batch(q_lens, seq_lens, 9, 3, dtype=torch.bfloat16, block_size=16, head_dim=head_dim)
     args = (*batch.args()[:5], head_dim**-0.5)
     expected = reference.paged_attention(*args)
     got = cpu_ops.paged_attention(*args)
     assert not got.isnan().any()
     torch.testing.assert_close(got.float(), expected.float(), **TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("path", ["amx", "avx512"])
+@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim", [(9, 3, 64), (4, 2, 128), (8, 1, 64)])
+@pytest.mark.parametrize("window, chunk", [(0, 0), (11, 0), (0, 24)], ids=["causal", "window", "chunked"])
+def test_bf16_paths_are_batch_invariant(path, num_q_heads, num_kv_heads, head_dim, window, chunk, monkeypatch):
+    """A query's float32 output bits (before the rounding to bf16, which would hide most differences) in a 40-token
+    prefill chunk (after 21 cached tokens, beside a decode request) equal its bits as a decode step alone and as the
+    last token of a 3-token verification step. The AMX path puts a kv head's queries in row groups of 16 (40 tokens
+    x 3 heads: 7.5 groups; x 8: 20), so a query sits in a different tile row, or a tile of another height, in each
+    call."""
+    use_c_attention_path(path, monkeypatch)
+    batch = make_batch([40, 1], [61, 30], num_q_heads, num_kv_heads, dtype=torch.bfloat16, block_size=16,
+                       head_dim=head_dim)
+    scale = head_dim**-0.5
+    tables, cache = batch.block_tables, batch.layer_cache
+
+    def attend(query, tables, seq_lens, starts):
+        out = torch.empty(query.shape, dtype=torch.float32)
+        cpu_ops.paged_attention(query, cache, tables, torch.tensor(seq_lens, dtype=torch.int32),
+                                torch.tensor(starts, dtype=torch.int32), scale, out=out, window=window, chunk=chunk)
+        return out
+
+    together = attend(batch.query, tables, [61, 30], [0, 40, 41])
+    torch.testing.assert_close(together, reference.paged_attention(
+        batch.query, cache, tables, batch.seq_lens, batch.query_start_loc, scale, window, 0.0, None, chunk).float(),
+        **TOL[torch.bfloat16])
+    rounded = cpu_ops.paged_attention(batch.query, cache, tables, batch.seq_lens, batch.query_start_loc, scale,
+                                      window=window, chunk=chunk)
+    assert torch.equal(rounded, together.bfloat16())  # the bf16 output is the float32 one, rounded
+    for i in (0, 2, 15, 16, 23, 39):
+        pos = 21 + i
+        alone = attend(batch.query[i : i + 1], tables[:1], [pos + 1], [0, 1])
+        assert torch.equal(alone[0], together[i]), i
+        if i >= 2:
+            verify = attend(batch.query[i - 2 : i + 1], tables[:1], [pos + 1], [0, 3])
+            assert torch.equal(verify[2], together[i]), i
+
+
+@pytest.mark.parametrize("path", ["amx", "avx512"])
+def test_bf16_path_sums_a_score_in_its_own_order(path, monkeypatch):
+    """Which path ran, told by a score whose fp32 sum depends on its order: q . k = 2^30 (dims 0) + 1 (dim 2)
+    - 2^30 (dim 32). AMX adds dim pairs in order, 16 a tile step, so 2^30 + 1 rounds to 2^30 and the score is
+    0; avx512_bf16 puts pairs 0 and 16 in one lane (they cancel) and pair 1 in another: the score is 1. Every
+    other score is 0, so the output is V's mean, or weights with e on that key. (Both are valid fp32 sums: the
+    point is that a process takes one path for every call.)"""
+    use_c_attention_path(path, monkeypatch)
+    head_dim = 64
+    cache = torch.zeros(2, 2, 16, 1, head_dim)
+    cache[1] = torch.randn(2, 16, 1, head_dim, generator=torch.Generator().manual_seed(0))
+    key = cache[0, 1, 5, 0]
+    key[0], key[2], key[32] = 2.0**15, 1.0, -(2.0**15)
+    query = torch.zeros(1, 1, head_dim)
+    query[0, 0, 0], query[0, 0, 2], query[0, 0, 32] = 2.0**15, 1.0, 2.0**15
+    cache, query = cache.bfloat16(), query.bfloat16()
+    out = cpu_ops.paged_attention(query, cache, torch.tensor([[1]], dtype=torch.int32),
+                                  torch.tensor([16], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), 1.0)
+    values = cache[1, 1, :, 0].float()
+    weights = torch.ones(16)
+    if path == "avx512" and (cpu_gemm.best_isa(torch.bfloat16) or 0) >= 3:  # the CPU has avx512_bf16
+        weights[5] = torch.e
+    expected = (weights.bfloat16().float()[:, None] * values).sum(0) / weights.bfloat16().float().sum()
+    torch.testing.assert_close(out[0, 0].float(), expected, rtol=0, atol=4e-3)
 
 
 @pytest.mark.parametrize("q_lens, seq_lens", [([1, 1], [40, 23]), ([7, 20], [30, 20])])

@@ -46,6 +46,20 @@ class PagedBatch:
         return (self.query, self.layer_cache, self.block_tables, self.seq_lens, self.query_start_loc, SCALE)
 
 
+# The C kernel's bf16 attention paths (block size 16, head_dim a multiple of 32): AMX tiles, avx512_bf16 vectors,
+# the generic loop. A machine without AMX skips the first; one without avx512_bf16 runs the generic loop for the second.
+C_BF16_PATHS = ["amx", "avx512", "generic"]
+
+
+def use_c_attention_path(path: str, monkeypatch) -> None:
+    """Routes the C kernel's bf16 attention to ``path`` (one of C_BF16_PATHS) for the rest of the test."""
+    if path == "amx" and not cpu_ops.attention_amx():
+        pytest.skip("no AMX tiles on this CPU (or this process)")
+    monkeypatch.setenv("PDCLUSTER_ATTN_AMX", "1" if path == "amx" else "0")
+    if path == "generic":
+        monkeypatch.setenv("PDCLUSTER_ATTN_GENERIC", "1")
+
+
 def make_batch(
     q_lens: list[int],
     seq_lens: list[int],

@@ -147,15 +147,19 @@ def _paged_batch(dtype: torch.dtype, fp8: torch.dtype, num_q_heads=4, num_kv_hea
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_c_attention_reads_fp8_as_its_widened_values(name, dtype, monkeypatch):
     query, cache, widened, tables, lens, starts = _paged_batch(dtype, FP8[name])
-    # The kernel's path for each (bf16 on avx512_bf16 machines: the vector path, fp8 blocks widened on the way in)
-    # and its generic path, each against itself over the widened cache.
-    for generic in (False, True):
-        if generic:
+    # Each of the kernel's paths (bf16: AMX tiles, avx512_bf16 vectors where the CPU has them, fp8 blocks widened
+    # on the way in; the generic loop) against itself over the widened cache.
+    for path in ("amx", "avx512", "generic"):
+        if path == "amx" and not cpu_ops.attention_amx():
+            continue
+        monkeypatch.setenv("PDCLUSTER_ATTN_AMX", "1" if path == "amx" else "0")
+        if path == "generic":
             monkeypatch.setenv("PDCLUSTER_ATTN_GENERIC", "1")
         out = cpu_ops.paged_attention(query, cache, tables, lens, starts, 0.125)
         assert out is not None, "the C kernel declined an fp8 cache"
-        assert torch.equal(out, cpu_ops.paged_attention(query, widened, tables, lens, starts, 0.125)), generic
+        assert torch.equal(out, cpu_ops.paged_attention(query, widened, tables, lens, starts, 0.125)), path
     monkeypatch.delenv("PDCLUSTER_ATTN_GENERIC")
+    monkeypatch.delenv("PDCLUSTER_ATTN_AMX")
     ref = reference.paged_attention(query, cache, tables, lens, starts, 0.125)
     assert torch.equal(ref, reference.paged_attention(query, widened, tables, lens, starts, 0.125))
     tol = 1e-5 if dtype is torch.float32 else 2e-2

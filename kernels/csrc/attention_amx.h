@@ -63,7 +63,7 @@ static inline void attend_item_amx(const AttnItem item, const int HD, int kv_dty
                                    const void *v_cache_raw, int64_t cache_blk_stride, int64_t cache_tok_stride,
                                    int64_t cache_head_stride, const int32_t *block_tables, int64_t bt_stride,
                                    const int32_t *seq_lens, const int32_t *query_start_loc, int num_q_heads,
-                                   int num_kv_heads, float scale, int window, int chunk, uint16_t *out,
+                                   int num_kv_heads, float scale, int window, int chunk, void *out, int out_dtype,
                                    int64_t out_tok_stride, int64_t out_head_stride, int *tile_rows) {
     enum { BS = 16 };
     const int group = num_q_heads / num_kv_heads;
@@ -251,7 +251,7 @@ static inline void attend_item_amx(const AttnItem item, const int HD, int kv_dty
             const __m512 inv = _mm512_set1_ps(1.0f / l_rows[h][row / 16][row % 16]);
             for (int d = 0; d < HD; d += 16) _mm512_store_ps(a + d, _mm512_mul_ps(_mm512_load_ps(a + d), inv));
             const int64_t tok = first_tok + row / group;
-            store_row(out, 1, tok * out_tok_stride + (h * group + row % group) * out_head_stride, a, HD);
+            store_row(out, out_dtype, tok * out_tok_stride + (h * group + row % group) * out_head_stride, a, HD);
         }
 }
 #endif

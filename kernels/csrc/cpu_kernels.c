@@ -229,7 +229,7 @@ static inline void attend_item(const AttnItem item, const int head_dim, int dtyp
                                const int32_t *seq_lens, const int32_t *query_start_loc, int num_q_heads,
                                int num_kv_heads, const int block_size, float scale, int window, int chunk,
                                float softcap,
-                               const float *sinks, void *out,
+                               const float *sinks, void *out, int out_dtype,
                                int64_t out_tok_stride, int64_t out_head_stride) {
     const int group = num_q_heads / num_kv_heads;
     const int r = item.req;
@@ -431,7 +431,7 @@ static inline void attend_item(const AttnItem item, const int head_dim, int dtyp
             }
         }
     }
-    store_item_output(item, head_dim, dtype, query_start_loc, num_q_heads, (float *)acc, m, l, sinks, out,
+    store_item_output(item, head_dim, out_dtype, query_start_loc, num_q_heads, (float *)acc, m, l, sinks, out,
                       out_tok_stride,
                       out_head_stride);
 }
@@ -512,7 +512,7 @@ static inline void attend_item_bf16(const AttnItem item, const int HD, int kv_dt
                                     int64_t cache_blk_stride, int64_t cache_tok_stride, int64_t cache_head_stride,
                                     const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                                     const int32_t *query_start_loc, int num_q_heads, int num_kv_heads, float scale,
-                                    int window, int chunk, uint16_t *out, int64_t out_tok_stride,
+                                    int window, int chunk, void *out, int out_dtype, int64_t out_tok_stride,
                                     int64_t out_head_stride) {
     enum { BS = 16 };
     const int group = num_q_heads / num_kv_heads;
@@ -685,7 +685,7 @@ static inline void attend_item_bf16(const AttnItem item, const int HD, int kv_dt
             }
         }
     }
-    store_item_output(item, HD, 1, query_start_loc, num_q_heads, (float *)acc, m, l, NULL, out, out_tok_stride,
+    store_item_output(item, HD, out_dtype, query_start_loc, num_q_heads, (float *)acc, m, l, NULL, out, out_tok_stride,
                       out_head_stride);
 }
 
@@ -706,7 +706,7 @@ int pd_paged_attention(int dtype, int kv_dtype, const void *query, int64_t q_tok
                        int64_t cache_tok_stride, int64_t cache_head_stride, const int32_t *block_tables,
                        int64_t bt_stride, const int32_t *seq_lens, const int32_t *query_start_loc,
                        int num_reqs, int num_q_heads, int num_kv_heads, int head_dim, int block_size,
-                       float scale, int window, int chunk, float softcap, const float *sinks, void *out,
+                       float scale, int window, int chunk, float softcap, const float *sinks, void *out, int out_dtype,
                        int64_t out_tok_stride,
                        int64_t out_head_stride,
                        int num_threads) {
@@ -762,19 +762,19 @@ int pd_paged_attention(int dtype, int kv_dtype, const void *query, int64_t q_tok
     attend_item(items[it], HD, dtype, kv_dtype, query, q_tok_stride, q_head_stride, k_cache, v_cache,             \
                 cache_blk_stride, cache_tok_stride, cache_head_stride, block_tables, bt_stride, seq_lens,            \
                 query_start_loc,                                                                                  \
-                num_q_heads, num_kv_heads, BS, scale, window, chunk, softcap, sinks, out, out_tok_stride,         \
-                out_head_stride)
+                num_q_heads, num_kv_heads, BS, scale, window, chunk, softcap, sinks, out, out_dtype,   \
+                out_tok_stride, out_head_stride)
 #ifdef PD_HAVE_BF16_FAST_PATH
 #define PD_ATTEND_BF16(HD)                                                                                       \
     attend_item_bf16(items[it], HD, kv_dtype, (const uint16_t *)query, q_tok_stride, q_head_stride, k_cache, v_cache, \
                      cache_blk_stride, cache_tok_stride, cache_head_stride, block_tables, \
                      bt_stride, seq_lens, query_start_loc, num_q_heads, num_kv_heads, scale, window, chunk,          \
-                     (uint16_t *)out, out_tok_stride, out_head_stride)
+                     out, out_dtype, out_tok_stride, out_head_stride)
 #ifdef PD_HAVE_AMX
 #define PD_ATTEND_AMX(HD)                                                                                       \
     attend_item_amx(items[it], HD, kv_dtype, (const uint16_t *)query, q_tok_stride, q_head_stride, k_cache, v_cache, \
                     cache_blk_stride, cache_tok_stride, cache_head_stride, block_tables, bt_stride, seq_lens,      \
-                    query_start_loc, num_q_heads, num_kv_heads, scale, window, chunk, (uint16_t *)out,           \
+                    query_start_loc, num_q_heads, num_kv_heads, scale, window, chunk, out, out_dtype,           \
                     out_tok_stride, out_head_stride, &tile_rows)
         if (amx && head_dim == 64) PD_ATTEND_AMX(64);
         else if (amx && head_dim == 128) PD_ATTEND_AMX(128);
