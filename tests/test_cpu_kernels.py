@@ -57,16 +57,19 @@ def test_bf16_vector_path_matches_reference(q_lens, seq_lens, head_dim, path, mo
 @pytest.mark.parametrize("path", ["amx", "avx512"])
 @pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim", [(9, 3, 64), (4, 2, 128), (8, 1, 64)])
 @pytest.mark.parametrize("window, chunk", [(0, 0), (11, 0), (0, 24)], ids=["causal", "window", "chunked"])
-def test_bf16_paths_are_batch_invariant(path, num_q_heads, num_kv_heads, head_dim, window, chunk, monkeypatch):
+@pytest.mark.parametrize("spread", [1.0, 40.0], ids=["scores", "wide-scores"])
+def test_bf16_paths_are_batch_invariant(path, num_q_heads, num_kv_heads, head_dim, window, chunk, spread,
+                                        monkeypatch):
     """A query's float32 output bits (before the rounding to bf16, which would hide most differences) in a 40-token
     prefill chunk (after 21 cached tokens, beside a decode request) equal its bits as a decode step alone and as the
     last token of a 3-token verification step. The AMX path puts a kv head's queries in row groups of 16 (40 tokens
     x 3 heads: 7.5 groups; x 8: 20), so a query sits in a different tile row, or a tile of another height, in each
-    call."""
+    call. Wide scores (40x the usual scale) put a block's weights over many binades, where their fp32 sum depends
+    on its order: a query's sum must be the same tree whether its row is a vector or a lane."""
     use_c_attention_path(path, monkeypatch)
     batch = make_batch([40, 1], [61, 30], num_q_heads, num_kv_heads, dtype=torch.bfloat16, block_size=16,
                        head_dim=head_dim)
-    scale = head_dim**-0.5
+    scale = spread * head_dim**-0.5
     tables, cache = batch.block_tables, batch.layer_cache
 
     def attend(query, tables, seq_lens, starts):

@@ -58,6 +58,98 @@ static inline int64_t attn_amx_stack_bytes(int q_chunk, int num_q_heads, int num
            (int64_t)2 * 16 * num_kv_heads * head_dim * 2;
 }
 
+/* The sum of a block's 16 rounded weights, in one fixed tree that both softmax forms compute: p_i + p_(i+8), then
+ * 4 apart, 2 apart, 1 apart. As vectors (a key each, a row per lane) ... */
+static inline __m512 sum16_columns(const __m512 p[16]) {
+    __m512 a[8];
+    for (int i = 0; i < 8; i++) a[i] = _mm512_add_ps(p[i], p[i + 8]);
+    for (int i = 0; i < 4; i++) a[i] = _mm512_add_ps(a[i], a[i + 4]);
+    for (int i = 0; i < 2; i++) a[i] = _mm512_add_ps(a[i], a[i + 2]);
+    return _mm512_add_ps(a[0], a[1]);
+}
+
+/* ... and within one vector (a row's 16 keys). */
+static inline float sum16_row(__m512 v) {
+    const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));
+}
+
+static inline __m512 round_to_bf16(__m512 x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
+}
+
+/* The online softmax of one row group over one block, from its scores S^T (st[key][row], unscaled): updates each
+ * row's running max and sum (m_rows, l_rows), writes the factor its accumulator is to be rescaled by (alpha_rows)
+ * and its weights in bf16 (pb[row][key]); returns the rows that saw a key of the block. Two forms, the same
+ * arithmetic on every (row, key) -- the same lane-wise operations, the same sum tree -- so the same bits:
+ *   columns: a key per vector, a row per lane; for groups of many rows (prefill).
+ *   rows:    S^T transposed first, a row per vector; for a few rows (decode: a kv head's group of query heads), where
+ *            the columns form would do 16 lanes' work for each of 3 or 4. */
+#define AMX_ROW_FORM_ROWS 8
+
+static inline __mmask16 softmax_columns(const float st[16][16], int block_start, const int32_t *pos_rows,
+                                        const int32_t *ws_rows, float scale, float *m_rows, float *l_rows,
+                                        float *alpha_rows, uint16_t pb[16][16]) {
+    const __m512 vscale = _mm512_set1_ps(scale), vlow = _mm512_set1_ps(-FLT_MAX);
+    const __m512i pos_v = _mm512_load_si512(pos_rows), ws_v = _mm512_load_si512(ws_rows);
+    __mmask16 key_mask[16], seen = 0;
+    __m512 p[16], block_max = vlow;
+    for (int j = 0; j < 16; j++) {
+        const __m512i key = _mm512_set1_epi32(block_start + j);
+        key_mask[j] = _mm512_cmple_epi32_mask(ws_v, key) & _mm512_cmple_epi32_mask(key, pos_v);
+        seen |= key_mask[j];
+        p[j] = _mm512_mask_mov_ps(vlow, key_mask[j], _mm512_mul_ps(_mm512_load_ps(st[j]), vscale));
+        block_max = _mm512_max_ps(block_max, p[j]);
+    }
+    if (!seen) return 0;
+    const __m512 m_old = _mm512_load_ps(m_rows), l_old = _mm512_load_ps(l_rows);
+    const __m512 m_new = _mm512_max_ps(m_old, block_max);
+    const __m512 alpha = exp512_nonpos_or_zero(_mm512_sub_ps(m_old, m_new));
+    /* P in bf16 for the P V product; the sum adds the same rounded weights, so the output stays a convex
+     * combination of V rows. */
+    for (int j = 0; j < 16; j++)
+        p[j] = round_to_bf16(_mm512_maskz_mov_ps(key_mask[j], exp512_nonpos(_mm512_sub_ps(p[j], m_new))));
+    const __m512 sum = sum16_columns(p);
+    /* Rows that saw no key of this block keep their state. */
+    _mm512_store_ps(m_rows, _mm512_mask_mov_ps(m_old, seen, m_new));
+    _mm512_store_ps(l_rows, _mm512_mask_mov_ps(l_old, seen, _mm512_fmadd_ps(l_old, alpha, sum)));
+    _mm512_store_ps(alpha_rows, alpha);
+    transpose16x16(p); /* p[row]: the row's 16 weights (exact bf16 values) */
+    for (int r = 0; r < 16; r++) _mm256_store_si256((__m256i *)pb[r], (__m256i)_mm512_cvtneps_pbh(p[r]));
+    return seen;
+}
+
+static inline __mmask16 softmax_rows(const float st[16][16], int num_rows, int block_start, const int32_t *pos_rows,
+                                     const int32_t *ws_rows, float scale, float *m_rows, float *l_rows,
+                                     float *alpha_rows, uint16_t pb[16][16]) {
+    const __m512 vscale = _mm512_set1_ps(scale), vlow = _mm512_set1_ps(-FLT_MAX);
+    __m512 x[16];
+    for (int j = 0; j < 16; j++) x[j] = _mm512_load_ps(st[j]);
+    transpose16x16(x); /* x[row]: the row's 16 scores */
+    const __m512i keys = _mm512_add_epi32(_mm512_set1_epi32(block_start),
+                                          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    __mmask16 seen = 0;
+    for (int r = 0; r < num_rows; r++) {
+        const __mmask16 mask = _mm512_cmple_epi32_mask(_mm512_set1_epi32(ws_rows[r]), keys) &
+                               _mm512_cmple_epi32_mask(keys, _mm512_set1_epi32(pos_rows[r]));
+        if (!mask) continue;
+        seen |= (__mmask16)(1u << r);
+        const __m512 sc = _mm512_mask_mov_ps(vlow, mask, _mm512_mul_ps(x[r], vscale));
+        const float block_max = _mm512_reduce_max_ps(sc); /* a max is exact in any order */
+        const float m_old = m_rows[r];
+        const float m_new = m_old > block_max ? m_old : block_max; /* _mm512_max_ps(m_old, block_max) */
+        const float alpha = _mm512_cvtss_f32(exp512_nonpos_or_zero(_mm512_set1_ps(m_old - m_new)));
+        const __m512 p = round_to_bf16(_mm512_maskz_mov_ps(mask, exp512_nonpos(_mm512_sub_ps(sc, _mm512_set1_ps(m_new)))));
+        m_rows[r] = m_new;
+        l_rows[r] = fmaf(l_rows[r], alpha, sum16_row(p)); /* one rounding, as _mm512_fmadd_ps */
+        alpha_rows[r] = alpha;
+        _mm256_store_si256((__m256i *)pb[r], (__m256i)_mm512_cvtneps_pbh(p));
+    }
+    return seen;
+}
+
 static inline void attend_item_amx(const AttnItem item, const int HD, int kv_dtype, const uint16_t *query,
                                    int64_t q_tok_stride, int64_t q_head_stride, const void *k_cache_raw,
                                    const void *v_cache_raw, int64_t cache_blk_stride, int64_t cache_tok_stride,
@@ -120,7 +212,6 @@ static inline void attend_item_amx(const AttnItem item, const int HD, int kv_dty
                 for (int i = 0; i < 16; i++) _mm512_store_ps((float *)qt[h][g2][p0 + i], x[i]);
             }
 
-    const __m512 vscale = _mm512_set1_ps(scale), vlow = _mm512_set1_ps(-FLT_MAX);
     const int last_pos = first_pos + item.q_end - 1;
     const int num_blocks = last_pos / BS + 1;
     const int32_t *table = block_tables + (int64_t)r * bt_stride;
@@ -147,6 +238,11 @@ static inline void attend_item_amx(const AttnItem item, const int HD, int kv_dty
             tok_stride = row_elems;
         }
         for (int j = 0; j < BS; j++) {
+            /* This block's K rows are read by tile loads, a head's 16 rows at a time (strided): asked for here in
+             * memory order first, so they stream in while V is laid out (cold cache, batch 32 x 232 tokens, 30
+             * layers: 29.5 -> ?? ms). */
+            if (!fp8 && j < n_valid)
+                for (int e = 0; e < row_elems; e += 32) __builtin_prefetch(kb + j * tok_stride + e, 0, 3);
             if (next >= 0)
                 for (int e = 0; e < row_elems; e += fp8 ? 64 : 32) { /* one 64-byte line a prefetch */
                     if (fp8) {
@@ -187,43 +283,17 @@ static inline void attend_item_amx(const AttnItem item, const int HD, int kv_dty
                     _tile_dpbf16ps(0, 1, 2);
                 }
                 _tile_stored(0, st, 64);
-                const __m512i pos_v = _mm512_load_si512(&pos_rows[g2 * 16]);
-                const __m512i ws_v = _mm512_load_si512(&ws_rows[g2 * 16]);
-                __mmask16 key_mask[BS], seen = 0;
-                __m512 p[BS], block_max = vlow;
-                for (int j = 0; j < BS; j++) {
-                    const __m512i key = _mm512_set1_epi32(block_start + j);
-                    key_mask[j] = _mm512_cmple_epi32_mask(ws_v, key) & _mm512_cmple_epi32_mask(key, pos_v);
-                    seen |= key_mask[j];
-                    p[j] = _mm512_mask_mov_ps(vlow, key_mask[j], _mm512_mul_ps(_mm512_load_ps(st[j]), vscale));
-                    block_max = _mm512_max_ps(block_max, p[j]);
-                }
-                if (!seen) continue; /* the block is outside every row's window: nothing changes */
-                const __m512 m_old = _mm512_load_ps(m_rows[h][g2]);
-                const __m512 m_new = _mm512_max_ps(m_old, block_max);
-                const __m512 alpha = exp512_nonpos_or_zero(_mm512_sub_ps(m_old, m_new));
-                __m512 sum = _mm512_setzero_ps();
-                for (int j = 0; j < BS; j++) {
-                    /* P in bf16 for the P V product; the sum adds the same rounded weights, so the output stays
-                     * a convex combination of V rows. */
-                    const __m512 e = _mm512_maskz_mov_ps(key_mask[j], exp512_nonpos(_mm512_sub_ps(p[j], m_new)));
-                    p[j] = _mm512_castsi512_ps(
-                        _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e)), 16));
-                    sum = _mm512_add_ps(sum, p[j]);
-                }
-                /* Rows that saw no key of this block keep their state (not rescaled by exp(0) = 1 and a +0
-                 * added: the same values, but skipping says so). */
-                _mm512_store_ps(m_rows[h][g2], _mm512_mask_mov_ps(m_old, seen, m_new));
-                _mm512_store_ps(l_rows[h][g2], _mm512_mask_mov_ps(_mm512_load_ps(l_rows[h][g2]), seen,
-                                                                 _mm512_fmadd_ps(_mm512_load_ps(l_rows[h][g2]),
-                                                                                 alpha, sum)));
-                float alpha_rows[16] __attribute__((aligned(64)));
-                _mm512_store_ps(alpha_rows, alpha);
-                transpose16x16(p); /* p[rr]: row rr's 16 weights (exact bf16 values) */
-                uint16_t pb[16][16] __attribute__((aligned(64)));
-                for (int rr = 0; rr < 16; rr++) _mm256_store_si256((__m256i *)pb[rr], (__m256i)_mm512_cvtneps_pbh(p[rr]));
-                _tile_loadd(4, pb, 32);
                 const int rows_here = rows - g2 * 16 < 16 ? rows - g2 * 16 : 16;
+                float alpha_rows[16] __attribute__((aligned(64)));
+                uint16_t pb[16][16] __attribute__((aligned(64)));
+                const __mmask16 seen =
+                    R <= AMX_ROW_FORM_ROWS
+                        ? softmax_rows(st, rows_here, block_start, &pos_rows[g2 * 16], &ws_rows[g2 * 16], scale,
+                                       m_rows[h][g2], l_rows[h][g2], alpha_rows, pb)
+                        : softmax_columns(st, block_start, &pos_rows[g2 * 16], &ws_rows[g2 * 16], scale,
+                                          m_rows[h][g2], l_rows[h][g2], alpha_rows, pb);
+                if (!seen) continue; /* the block is outside every row's window: nothing changes */
+                _tile_loadd(4, pb, 32);
                 for (int c = 0; c < HD; c += 32) {
                     float o[2][16][16] __attribute__((aligned(64)));
                     _tile_zero(3);
