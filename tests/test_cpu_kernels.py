@@ -7,6 +7,9 @@ must not read, so reading one slot too many (or a wrong block) turns the output 
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -368,3 +371,15 @@ def test_c_kernels_refuse_tensors_outside_host_memory():
     assert cpu_ops.silu_and_mul(torch.randn(3, 8, device=meta)) is None
     assert cpu_ops.argmax_rows(torch.randn(3, 8, device=meta)) is None
     assert cpu_ops.linear_small_m(torch.randn(2, 64), torch.randn(32, 64, device=meta)) is None
+
+
+def test_cpu_amx_off_keeps_a_process_off_tiles():
+    """PDCLUSTER_CPU_AMX=0 (a fleet of AMX and older CPUs that must compute the same bits) takes both the linear
+    and attention off AMX tiles for the whole process; without it an AMX CPU uses them for both."""
+    code = ("import torch; from pdcluster.kernels import cpu_gemm, cpu_ops; "
+            "print(int(cpu_ops.attention_amx()), cpu_gemm.best_isa(torch.bfloat16))")
+    env = {**os.environ, "PDCLUSTER_CPU_AMX": "0"}
+    off = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
+    assert off.stdout.split() == ["0", str(min(cpu_gemm.best_isa(torch.bfloat16) or 0, 3))]
+    if cpu_ops.attention_amx():
+        assert cpu_gemm.best_isa(torch.bfloat16) == 4
