@@ -121,6 +121,9 @@ class Hello(Record):
     nonce: bytes
     hmac: bytes
     protocol_version: int = PROTOCOL_VERSION
+    # Which arithmetic the worker's kernels do (kernels/numerics.py; "" = not said). Not a compatibility field:
+    # workers that differ here pair, with a warning (numerics_note).
+    numerics: str = ""
 
     def _check_values(self, path: str) -> None:
         _require(bool(self.worker_id), f"{path}.worker_id", "must be non-empty", self.worker_id)
@@ -268,6 +271,17 @@ def _resplit_refusal(a: KVLayout, b: KVLayout) -> str:
         return (f"their Mamba states hold {heads[0]} and {heads[1]} heads, {channels[0]} and {channels[1]} conv "
                 "channels in all")
     return ""
+
+
+def numerics_note(local: Hello, peer: Hello) -> str:
+    """What to warn of when two paired workers compute in different arithmetic (say AMX tiles and avx512_bf16 dot
+    products: the same values to bf16 precision, summed in other orders), or "" when they do not (or either did
+    not say). A disaggregated request is then correct but not bit for bit what a colocated one gives."""
+    if not local.numerics or not peer.numerics or local.numerics == peer.numerics:
+        return ""
+    return (f"{local.role} {local.worker_id!r} computes with {local.numerics!r}, {peer.role} {peer.worker_id!r} with "
+            f"{peer.numerics!r}: requests split between them are correct but not bitwise equal to a colocated run "
+            "(deterministic mode holds within each worker); PDCLUSTER_CPU_AMX=0 on the AMX machines aligns CPUs")
 
 
 def check_compatible(local: Hello, peer: Hello) -> None:

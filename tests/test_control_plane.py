@@ -481,6 +481,31 @@ def test_incompatible_or_unauthenticated_peer_is_refused(endpoints, caplog, over
     assert prefill.peers() == {} and decode_ep.peers() == {}
 
 
+@pytest.mark.timeout(20)
+def test_workers_of_different_numerics_pair_with_a_warning_on_both_sides(endpoints, caplog):
+    """An AMX machine and an avx512_bf16 one (kernels/numerics.py) compute the same values, not the same bits: they
+    pair (nothing is refused), and each side says why a split request will not match a colocated one."""
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    prefill = endpoints(PrefillEndpoint, config("p0", numerics="cpu bfloat16 amx"))
+    decode_ep = endpoints(DecodeEndpoint, config("d0", numerics="cpu bfloat16 avx512_bf16"))
+    assert decode_ep.connect(prefill.address).numerics == "cpu bfloat16 amx"
+    wait_until(lambda: "d0" in prefill.peers(), 2.0, "the prefill side to register d0")
+    assert prefill.peers()["d0"].numerics == "cpu bfloat16 avx512_bf16"
+    wait_until(lambda: caplog.text.count("not bitwise equal to a colocated run") == 2, 2.0, "both sides' warnings")
+    assert "decode 'd0' computes with 'cpu bfloat16 avx512_bf16', prefill 'p0' with 'cpu bfloat16 amx'" in caplog.text
+    assert "prefill 'p0' computes with 'cpu bfloat16 amx', decode 'd0' with 'cpu bfloat16 avx512_bf16'" in caplog.text
+
+
+@pytest.mark.timeout(20)
+def test_workers_of_the_same_numerics_pair_without_a_warning(endpoints, caplog):
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    prefill = endpoints(PrefillEndpoint, config("p0", numerics="cpu bfloat16 amx"))
+    decode_ep = endpoints(DecodeEndpoint, config("d0", numerics="cpu bfloat16 amx"))
+    decode_ep.connect(prefill.address)
+    wait_until(lambda: "d0" in prefill.peers(), 2.0, "the prefill side to register d0")
+    assert "bitwise" not in caplog.text
+
+
 @pytest.mark.timeout(15)
 def test_no_secret_on_either_side_still_connects(endpoints):
     prefill = endpoints(PrefillEndpoint, config("p0", secret=None))

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from pdcluster.kernels import cpu_build, cpu_gemm, cpu_ops, ops, reference
+from pdcluster.kernels import cpu_build, cpu_gemm, cpu_ops, numerics, ops, reference
 from test_kernels import C_BF16_PATHS, HEAD_DIM, SCALE, make_batch, use_c_attention_path
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler: the C kernels cannot be built")
@@ -376,10 +376,15 @@ def test_c_kernels_refuse_tensors_outside_host_memory():
 def test_cpu_amx_off_keeps_a_process_off_tiles():
     """PDCLUSTER_CPU_AMX=0 (a fleet of AMX and older CPUs that must compute the same bits) takes both the linear
     and attention off AMX tiles for the whole process; without it an AMX CPU uses them for both."""
-    code = ("import torch; from pdcluster.kernels import cpu_gemm, cpu_ops; "
-            "print(int(cpu_ops.attention_amx()), cpu_gemm.best_isa(torch.bfloat16))")
+    code = ("import torch; from pdcluster.kernels import cpu_gemm, cpu_ops, numerics; "
+            "print(int(cpu_ops.attention_amx()), cpu_gemm.best_isa(torch.bfloat16), "
+            "numerics.describe('cpu', torch.bfloat16).replace(' ', '_'))")
     env = {**os.environ, "PDCLUSTER_CPU_AMX": "0"}
     off = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
-    assert off.stdout.split() == ["0", str(min(cpu_gemm.best_isa(torch.bfloat16) or 0, 3))]
+    isa = min(cpu_gemm.best_isa(torch.bfloat16) or 0, 3)
+    assert off.stdout.split() == ["0", str(isa), "cpu_bfloat16_avx512_bf16" if isa == 3 else "cpu_bfloat16_generic"]
+    # The name a worker tells its KV peers (kernels/numerics.py) follows the path this process takes.
+    assert numerics.describe("cpu", torch.float32) == "cpu float32"
     if cpu_ops.attention_amx():
         assert cpu_gemm.best_isa(torch.bfloat16) == 4
+        assert numerics.describe("cpu", torch.bfloat16) == "cpu bfloat16 amx"

@@ -24,6 +24,7 @@ class EndpointConfig:
     peer_timeout_s: float = 2.5
     handshake_timeout_s: float = 5.0
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    numerics: str = ""  # which arithmetic this worker's kernels do (kernels/numerics.py), told to peers
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval_s", "peer_timeout_s", "handshake_timeout_s", "max_message_bytes"):

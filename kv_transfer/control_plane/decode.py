@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 import zmq
 
 from .. import auth
-from ..protocol import Challenge, HandshakeError, Hello, HelloAck, Message, VersionError, encode
+from ..protocol import Challenge, HandshakeError, Hello, HelloAck, Message, VersionError, encode, numerics_note
 from ..session import Session
 from .config import EndpointConfig
 from .endpoint import Endpoint, OnMessage, OnPeerDead
@@ -188,6 +188,8 @@ class DecodeEndpoint(Endpoint):
         session = Session(self._secret, prefill_nonce=conn.peer_nonce, decode_nonce=conn.nonce, role="decode")
         self._register(Peer(hello=ack.hello, route=conn, last_seen=time.monotonic(), session=session))
         log.info("%s: connected to prefill peer %r at %s", self._name, conn.peer_id, conn.address)
+        if note := numerics_note(self._local, ack.hello):
+            log.warning("%s: %s", self._name, note)
         if not conn.future.done():
             conn.future.set_result(ack.hello)
 

@@ -52,6 +52,7 @@ class Endpoint(IOLoop):
             transport_descriptor=config.transport_descriptor,
             nonce=b"",
             hmac=b"",
+            numerics=config.numerics,
         )
         # What a refusal carries: nothing an unauthenticated stranger should learn (no descriptor).
         self._public_hello = replace(self._local, transport_descriptor={})

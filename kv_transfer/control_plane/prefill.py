@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 import zmq
 
 from .. import auth
-from ..protocol import Challenge, Hello, HelloAck, Message, VersionError, encode
+from ..protocol import Challenge, Hello, HelloAck, Message, VersionError, encode, numerics_note
 from ..session import Session
 from .config import EndpointConfig
 from .endpoint import Endpoint, OnMessage, OnPeerDead
@@ -133,6 +133,8 @@ class PrefillEndpoint(Endpoint):
         signed = auth.sign_hello(self._secret, replace(self._local, nonce=pending.nonce), hello.nonce)
         self._send_raw(routing_id, encode(HelloAck(accepted=True, reason="", hello=signed)))
         log.info("%s: accepted decode peer %r", self._name, hello.worker_id)
+        if note := numerics_note(self._local, hello):
+            log.warning("%s: %s", self._name, note)
 
     def _on_version_mismatch(self, routing_id: bytes, exc: VersionError) -> None:
         self._pending.pop(routing_id, None)
