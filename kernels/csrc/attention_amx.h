@@ -228,47 +228,18 @@ static inline void attend_item_amx(const AttnItem item, const int HD, int kv_dty
         if (n_valid > BS) n_valid = BS;
         const uint16_t *kb = k_cache + base, *vb = v_cache + base;
         int64_t tok_stride = cache_tok_stride;
-        if (fp8) { /* this block's rows widened to bf16 first; the rest reads them as a bf16 cache's */
-            for (int j = 0; j < n_valid; j++)
-                for (int e = 0; e < row_elems; e += 32) {
-                    fp8x32_to_bf16(k_cache8 + base + j * cache_tok_stride + e, &kst[j][e], kv_dtype);
-                    fp8x32_to_bf16(v_cache8 + base + j * cache_tok_stride + e, &vst[j][e], kv_dtype);
-                }
+        if (fp8) {
+            widen_fp8_block(k_cache8 + base, v_cache8 + base, cache_tok_stride, n_valid, row_elems, &kst[0][0],
+                            &vst[0][0], kv_dtype);
             kb = &kst[0][0];
             vb = &vst[0][0];
             tok_stride = row_elems;
         }
         for (int j = 0; j < BS; j++) {
-            /* This block's K rows are read by tile loads, a head's 16 rows at a time (strided): asked for here in
-             * memory order first, so they stream in while V is laid out (cold cache, batch 32 x 232 tokens, 30
-             * layers: 29.5 -> ?? ms). */
-            if (!fp8 && j < n_valid)
-                for (int e = 0; e < row_elems; e += 32) __builtin_prefetch(kb + j * tok_stride + e, 0, 3);
-            if (next >= 0)
-                for (int e = 0; e < row_elems; e += fp8 ? 64 : 32) { /* one 64-byte line a prefetch */
-                    if (fp8) {
-                        __builtin_prefetch(k_cache8 + next + j * cache_tok_stride + e, 0, 3);
-                        __builtin_prefetch(v_cache8 + next + j * cache_tok_stride + e, 0, 3);
-                    } else {
-                        __builtin_prefetch(k_cache + next + j * cache_tok_stride + e, 0, 2);
-                        __builtin_prefetch(v_cache + next + j * cache_tok_stride + e, 0, 2);
-                    }
-                }
-            if ((j & 1) && j - 1 < n_valid)
-                /* V as bf16 pairs of consecutive keys (tdpbf16ps's B layout); a key past the block's end is zero
-                 * (unused slots may hold anything, NaN included, and P's zero times NaN is NaN). */
-                for (int h = 0; h < num_kv_heads; h++) {
-                    const uint16_t *v0 = vb + (j - 1) * tok_stride + h * cache_head_stride;
-                    const uint16_t *v1 = v0 + tok_stride;
-                    for (int c = 0; c < HD; c += 16) {
-                        const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v0 + c)));
-                        const __m512i hi = j < n_valid
-                                               ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v1 + c)))
-                                               : _mm512_setzero_si512();
-                        _mm512_store_si512(&vp[h][j / 2][c], _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-                    }
-                }
-            else if ((j & 1) && j - 1 >= n_valid)
+            if (next >= 0) PD_PREFETCH_BLOCK_ROW(fp8, k_cache_raw, v_cache_raw, next, j, cache_tok_stride, row_elems, 2);
+            /* V pairs; a pair wholly past the block's end is zero (P V reads all 8) */
+            if ((j & 1) && j - 1 < n_valid) v_pairs(vb, tok_stride, j, n_valid, num_kv_heads, cache_head_stride, HD, &vp[0][0][0]);
+            else if (j & 1)
                 for (int h = 0; h < num_kv_heads; h++)
                     for (int c = 0; c < HD; c += 16) _mm512_store_si512(&vp[h][j / 2][c], _mm512_setzero_si512());
         }

@@ -502,6 +502,51 @@ static inline void fp8x32_to_bf16(const uint8_t *src, uint16_t *dst, int code) {
     _mm512_storeu_si512(dst, _mm512_or_si512(_mm512_mask_blend_epi16(is_sub, normal, sub), sign));
 }
 
+/* A block's first n_valid rows of K and V (every kv head: row_elems values) widened from fp8 to bf16 into kst and
+ * vst (row_elems apart), so the rest of a kernel reads them as a bf16 cache's. */
+static inline void widen_fp8_block(const uint8_t *k8, const uint8_t *v8, int64_t tok_stride, int n_valid,
+                                   int row_elems, uint16_t *kst, uint16_t *vst, int code) {
+    for (int j = 0; j < n_valid; j++)
+        for (int e = 0; e < row_elems; e += 32) {
+            fp8x32_to_bf16(k8 + j * tok_stride + e, kst + (int64_t)j * row_elems + e, code);
+            fp8x32_to_bf16(v8 + j * tok_stride + e, vst + (int64_t)j * row_elems + e, code);
+        }
+}
+
+/* Row j of both planes of the block at element offset ``next``, asked for a 64-byte line at a time (LOCALITY:
+ * __builtin_prefetch's, a constant). */
+#define PD_PREFETCH_BLOCK_ROW(fp8, k_cache, v_cache, next, j, cache_tok_stride, row_elems, LOCALITY)               \
+    do {                                                                                                       \
+        if (fp8)                                                                                               \
+            for (int e_ = 0; e_ < (row_elems); e_ += 64) { /* 64 fp8 = one line */                             \
+                __builtin_prefetch((const uint8_t *)(k_cache) + (next) + (j) * (cache_tok_stride) + e_, 0, LOCALITY); \
+                __builtin_prefetch((const uint8_t *)(v_cache) + (next) + (j) * (cache_tok_stride) + e_, 0, LOCALITY); \
+            }                                                                                                  \
+        else                                                                                                   \
+            for (int e_ = 0; e_ < (row_elems); e_ += 32) { /* 32 bf16 = one line */                            \
+                __builtin_prefetch((const uint16_t *)(k_cache) + (next) + (j) * (cache_tok_stride) + e_, 0, LOCALITY); \
+                __builtin_prefetch((const uint16_t *)(v_cache) + (next) + (j) * (cache_tok_stride) + e_, 0, LOCALITY); \
+            }                                                                                                  \
+    } while (0)
+
+/* V rows j - 1 and j (j odd) of every kv head as bf16 pairs of consecutive keys: lane d of pair j / 2 holds
+ * (v[j-1][d], v[j][d]), so one dpbf16 (or tdpbf16ps, whose B layout this is) adds two keys' weighted rows. Row j
+ * past the block's end (n_valid) is zero: unused slots may hold anything, NaN included. vp: [kv head][8][HD]. */
+static inline void v_pairs(const uint16_t *vb, int64_t tok_stride, int j, int n_valid, int num_kv_heads,
+                           int64_t head_stride, int HD, uint32_t *vp) {
+    for (int h = 0; h < num_kv_heads; h++) {
+        const uint16_t *v0 = vb + (j - 1) * tok_stride + h * head_stride;
+        const uint16_t *v1 = v0 + tok_stride;
+        uint32_t *dst = vp + ((int64_t)h * 8 + j / 2) * HD;
+        for (int c = 0; c < HD; c += 16) {
+            const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v0 + c)));
+            const __m512i hi = j < n_valid ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v1 + c)))
+                                           : _mm512_setzero_si512();
+            _mm512_store_si512(dst + c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+    }
+}
+
 /* The bf16 / block size 16 / head_dim multiple of 32 path of attend_item: scores with the
  * avx512_bf16 dot-product instruction straight from the cache (no widening of K), 16 keys per
  * reduce16, softmax on whole vectors, V widened once per block and shared by every query. Unpermuted
@@ -567,45 +612,19 @@ static inline void attend_item_bf16(const AttnItem item, const int HD, int kv_dt
         const uint16_t *kb = k_cache + base, *vb = v_cache + base;
         int64_t tok_stride = cache_tok_stride;
         if (fp8) {
-            for (int j = 0; j < n_valid; j++)
-                for (int e = 0; e < row_elems; e += 32) {
-                    fp8x32_to_bf16(k_cache8 + base + j * cache_tok_stride + e, &kst[j][e], kv_dtype);
-                    fp8x32_to_bf16(v_cache8 + base + j * cache_tok_stride + e, &vst[j][e], kv_dtype);
-                }
+            widen_fp8_block(k_cache8 + base, v_cache8 + base, cache_tok_stride, n_valid, row_elems, &kst[0][0],
+                            &vst[0][0], kv_dtype);
             kb = &kst[0][0];
             vb = &vst[0][0];
             tok_stride = row_elems;
         }
         for (int j = 0; j < BS; j++) {
-            if (next >= 0) {
-                if (fp8)
-                    for (int e = 0; e < row_elems; e += 64) { /* 64 fp8 = one 64-byte line */
-                        __builtin_prefetch(k_cache8 + next + j * cache_tok_stride + e, 0, 3);
-                        __builtin_prefetch(v_cache8 + next + j * cache_tok_stride + e, 0, 3);
-                    }
-                else
-                    for (int e = 0; e < row_elems; e += 32) { /* 32 bf16 = one 64-byte line */
-                        __builtin_prefetch(k_cache + next + j * cache_tok_stride + e, 0, 3);
-                        __builtin_prefetch(v_cache + next + j * cache_tok_stride + e, 0, 3);
-                    }
-            }
+            if (next >= 0) PD_PREFETCH_BLOCK_ROW(fp8, k_cache_raw, v_cache_raw, next, j, cache_tok_stride, row_elems, 3);
             if (!pair_scores && j < n_valid) /* this block's K rows, swept in memory order into L1 */
                 for (int e = 0; e < row_elems; e += 32)
                     _mm512_store_si512(&kc[j][e], _mm512_loadu_si512(kb + j * tok_stride + e));
-            if ((j & 1) && j - 1 < n_valid)
-                /* V as bf16 pairs of consecutive keys: lane d of pair j/2 holds (v[j-1][d], v[j][d]),
-                 * so one dpbf16 adds two keys' weighted rows. A key past the block's end is zero
-                 * (never read: unused slots may hold anything, NaN included). */
-                for (int h = 0; h < num_kv_heads; h++) {
-                    const uint16_t *v0 = vb + (j - 1) * tok_stride + h * cache_head_stride;
-                    const uint16_t *v1 = v0 + tok_stride;
-                    for (int c = 0; c < nc; c++) {
-                        const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v0 + 16 * c)));
-                        const __m512i hi = j < n_valid ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v1 + 16 * c)))
-                                                       : _mm512_setzero_si512();
-                        _mm512_store_si512(&vp[h][j / 2][16 * c], _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-                    }
-                }
+            /* V pairs (a pair wholly past the block's end is never read here) */
+            if ((j & 1) && j - 1 < n_valid) v_pairs(vb, tok_stride, j, n_valid, num_kv_heads, cache_head_stride, HD, &vp[0][0][0]);
         }
         if (pair_scores) /* K as [head][dim pair][key]: bf16 pairs, so one dpbf16 covers 16 keys */
             for (int h = 0; h < num_kv_heads; h++)
