@@ -102,9 +102,7 @@ def _run_to(cmd: list[str], out: Path) -> None:
 
 def _compile(cc: str, source: Path, machine: bytes) -> Path:
     """The cached object file of one source (compiled now if missing)."""
-    # Headers (csrc/*.h) count as part of every source: they are few and small, and a changed one must rebuild.
-    headers = b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))
-    key = hashlib.sha256(source.read_bytes() + headers + machine).hexdigest()[:16]
+    key = hashlib.sha256(source.read_bytes() + machine).hexdigest()[:16]
     obj = _cache_dir() / f"{source.stem}-{key}.o"
     if not obj.exists():
         _run_to([cc, *FLAGS, "-c", str(source)], obj)
@@ -133,6 +131,8 @@ def load() -> ctypes.CDLL | None:
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
         machine = " ".join(FLAGS).encode() + version.encode() + _cpu_flags().encode()
+        # Headers (csrc/*.h) count as part of every source: they are few and small, and a changed one must rebuild.
+        machine += b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))
         objects, built = [], {}
         for i, (source, signatures) in enumerate(SOURCES.items()):
             try:

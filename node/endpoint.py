@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import torch
-
-from pdcluster.engine.loaded_model import LoadedModel
+from pdcluster.engine.loaded_model import DTYPES, LoadedModel
 from pdcluster.kernels import numerics
 from pdcluster.kv_transfer.config import TransferConfig, kv_layout, model_fingerprint
 from pdcluster.kv_transfer.control_plane import EndpointConfig
@@ -21,5 +19,5 @@ def endpoint_config(worker_id: str, model: LoadedModel, transfer: TransferConfig
         secret=transfer.secret,
         heartbeat_interval_s=transfer.heartbeat_interval_s,
         peer_timeout_s=transfer.peer_timeout_s,
-        numerics=numerics.describe(model.config.device, getattr(torch, model.dtype_name)),
+        numerics=numerics.describe(model.config.device, DTYPES[model.dtype_name]),
     )

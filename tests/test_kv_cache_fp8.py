@@ -22,6 +22,7 @@ from conftest import engine_config, make_engine, usable_transports
 from pdcluster.engine.config import ConfigError, EngineConfig
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kernels import cpu_ops, reference
+from test_kernels import C_BF16_PATHS, use_c_attention_path
 from triton_compile_helpers import compile_for_cuda
 
 FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -145,21 +146,16 @@ def _paged_batch(dtype: torch.dtype, fp8: torch.dtype, num_q_heads=4, num_kv_hea
 
 @pytest.mark.parametrize("name", list(FP8))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_c_attention_reads_fp8_as_its_widened_values(name, dtype, monkeypatch):
+@pytest.mark.parametrize("path", C_BF16_PATHS)
+def test_c_attention_reads_fp8_as_its_widened_values(name, dtype, path, monkeypatch):
+    """Each of the kernel's paths (bf16: AMX tiles, avx512_bf16 vectors where the CPU has them, fp8 blocks widened
+    on the way in; the generic loop; float32 takes the generic loop whatever the path) against itself over the
+    widened cache, and against the reference."""
+    use_c_attention_path(path, monkeypatch)
     query, cache, widened, tables, lens, starts = _paged_batch(dtype, FP8[name])
-    # Each of the kernel's paths (bf16: AMX tiles, avx512_bf16 vectors where the CPU has them, fp8 blocks widened
-    # on the way in; the generic loop) against itself over the widened cache.
-    for path in ("amx", "avx512", "generic"):
-        if path == "amx" and not cpu_ops.attention_amx():
-            continue
-        monkeypatch.setenv("PDCLUSTER_ATTN_AMX", "1" if path == "amx" else "0")
-        if path == "generic":
-            monkeypatch.setenv("PDCLUSTER_ATTN_GENERIC", "1")
-        out = cpu_ops.paged_attention(query, cache, tables, lens, starts, 0.125)
-        assert out is not None, "the C kernel declined an fp8 cache"
-        assert torch.equal(out, cpu_ops.paged_attention(query, widened, tables, lens, starts, 0.125)), path
-    monkeypatch.delenv("PDCLUSTER_ATTN_GENERIC")
-    monkeypatch.delenv("PDCLUSTER_ATTN_AMX")
+    out = cpu_ops.paged_attention(query, cache, tables, lens, starts, 0.125)
+    assert out is not None, "the C kernel declined an fp8 cache"
+    assert torch.equal(out, cpu_ops.paged_attention(query, widened, tables, lens, starts, 0.125)), path
     ref = reference.paged_attention(query, cache, tables, lens, starts, 0.125)
     assert torch.equal(ref, reference.paged_attention(query, widened, tables, lens, starts, 0.125))
     tol = 1e-5 if dtype is torch.float32 else 2e-2

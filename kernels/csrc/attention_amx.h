@@ -182,8 +182,6 @@ static inline void attend_item_amx(const AttnItem item, const int HD, int kv_dty
     const int row_elems = num_kv_heads * HD;
     uint16_t kst[fp8 ? BS : 1][fp8 ? row_elems : 1] __attribute__((aligned(64)));
     uint16_t vst[fp8 ? BS : 1][fp8 ? row_elems : 1] __attribute__((aligned(64)));
-    const uint16_t *k_cache = (const uint16_t *)k_cache_raw, *v_cache = (const uint16_t *)v_cache_raw;
-    const uint8_t *k_cache8 = (const uint8_t *)k_cache_raw, *v_cache8 = (const uint8_t *)v_cache_raw;
 
     memset(acc, 0, sizeof acc);
     for (int h = 0; h < num_kv_heads; h++)
@@ -226,15 +224,9 @@ static inline void attend_item_amx(const AttnItem item, const int HD, int kv_dty
         const int block_start = b * BS;
         int n_valid = last_pos + 1 - block_start;
         if (n_valid > BS) n_valid = BS;
-        const uint16_t *kb = k_cache + base, *vb = v_cache + base;
-        int64_t tok_stride = cache_tok_stride;
-        if (fp8) {
-            widen_fp8_block(k_cache8 + base, v_cache8 + base, cache_tok_stride, n_valid, row_elems, &kst[0][0],
-                            &vst[0][0], kv_dtype);
-            kb = &kst[0][0];
-            vb = &vst[0][0];
-            tok_stride = row_elems;
-        }
+        const uint16_t *kb, *vb;
+        const int64_t tok_stride = block_rows_bf16(k_cache_raw, v_cache_raw, base, cache_tok_stride, n_valid,
+                                                   row_elems, kv_dtype, &kst[0][0], &vst[0][0], &kb, &vb);
         for (int j = 0; j < BS; j++) {
             if (next >= 0) PD_PREFETCH_BLOCK_ROW(fp8, k_cache_raw, v_cache_raw, next, j, cache_tok_stride, row_elems, 2);
             /* V pairs; a pair wholly past the block's end is zero (P V reads all 8) */

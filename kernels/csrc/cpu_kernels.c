@@ -513,6 +513,23 @@ static inline void widen_fp8_block(const uint8_t *k8, const uint8_t *v8, int64_t
         }
 }
 
+/* The rows of the block at element offset ``base`` as bf16, returned in *kb and *vb with their stride: the cache's
+ * own (a bf16 cache), or their first n_valid rows widened into kst and vst (an fp8 cache, kv_dtype >= 2). */
+static inline int64_t block_rows_bf16(const void *k_cache, const void *v_cache, int64_t base,
+                                      int64_t cache_tok_stride, int n_valid, int row_elems, int kv_dtype,
+                                      uint16_t *kst, uint16_t *vst, const uint16_t **kb, const uint16_t **vb) {
+    if (kv_dtype < 2) {
+        *kb = (const uint16_t *)k_cache + base;
+        *vb = (const uint16_t *)v_cache + base;
+        return cache_tok_stride;
+    }
+    widen_fp8_block((const uint8_t *)k_cache + base, (const uint8_t *)v_cache + base, cache_tok_stride, n_valid,
+                    row_elems, kst, vst, kv_dtype);
+    *kb = kst;
+    *vb = vst;
+    return row_elems;
+}
+
 /* Row j of both planes of the block at element offset ``next``, asked for a 64-byte line at a time (LOCALITY:
  * __builtin_prefetch's, a constant). */
 #define PD_PREFETCH_BLOCK_ROW(fp8, k_cache, v_cache, next, j, cache_tok_stride, row_elems, LOCALITY)               \
@@ -580,8 +597,6 @@ static inline void attend_item_bf16(const AttnItem item, const int HD, int kv_dt
     const int row_elems_all = num_kv_heads * HD;
     uint16_t kst[fp8 ? BS : 1][fp8 ? row_elems_all : 1] __attribute__((aligned(64)));
     uint16_t vst[fp8 ? BS : 1][fp8 ? row_elems_all : 1] __attribute__((aligned(64)));
-    const uint16_t *k_cache = (const uint16_t *)k_cache_raw, *v_cache = (const uint16_t *)v_cache_raw;
-    const uint8_t *k_cache8 = (const uint8_t *)k_cache_raw, *v_cache8 = (const uint8_t *)v_cache_raw;
     for (int qi = 0; qi < nq; qi++) {
         for (int d = 0; d < HD; d++) acc[qi][d] = 0.0f;
         m[qi] = -FLT_MAX;
@@ -608,16 +623,9 @@ static inline void attend_item_bf16(const AttnItem item, const int HD, int kv_dt
         const int block_start = b * BS;
         int n_valid = last_pos + 1 - block_start;
         if (n_valid > BS) n_valid = BS;
-        /* This block's rows: the cache's own (bf16), or their widened copies (fp8), tok_stride apart. */
-        const uint16_t *kb = k_cache + base, *vb = v_cache + base;
-        int64_t tok_stride = cache_tok_stride;
-        if (fp8) {
-            widen_fp8_block(k_cache8 + base, v_cache8 + base, cache_tok_stride, n_valid, row_elems, &kst[0][0],
-                            &vst[0][0], kv_dtype);
-            kb = &kst[0][0];
-            vb = &vst[0][0];
-            tok_stride = row_elems;
-        }
+        const uint16_t *kb, *vb;
+        const int64_t tok_stride = block_rows_bf16(k_cache_raw, v_cache_raw, base, cache_tok_stride, n_valid,
+                                                   row_elems, kv_dtype, &kst[0][0], &vst[0][0], &kb, &vb);
         for (int j = 0; j < BS; j++) {
             if (next >= 0) PD_PREFETCH_BLOCK_ROW(fp8, k_cache_raw, v_cache_raw, next, j, cache_tok_stride, row_elems, 3);
             if (!pair_scores && j < n_valid) /* this block's K rows, swept in memory order into L1 */
@@ -775,6 +783,7 @@ int pd_paged_attention(int dtype, int kv_dtype, const void *query, int64_t q_tok
 #pragma omp parallel num_threads(num_threads)
     {
     int tile_rows = 0; /* the AMX tile configuration this thread holds (0: none) */
+    (void)tile_rows;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < num_items; it++) {
 #define PD_ATTEND(HD, BS)                                                                                   \
