@@ -129,7 +129,7 @@ AMX = cpu_gemm.available() and cpu_gemm.best_isa(torch.bfloat16) == 4
 
 
 @pytest.mark.skipif(not AMX, reason="no AMX tiles on this machine (or the kernel refused them)")
-@pytest.mark.parametrize("n,k", [(100, 576), (33, 64)])
+@pytest.mark.parametrize("n,k", [(100, 576), (33, 64), (1000, 576)])  # 1000 x 576: several panels
 def test_amx_reads_whole_k_steps_in_place(n, k):
     """K a multiple of the tile's 32: rows are read where they lie (SHAPES' odd K goes through the zero-padded
     copy), in 16-row tiles and then one shorter tile for the last rows. Rows 64 apart from the caller's wider
