@@ -412,14 +412,26 @@ static inline void amx_store_row(const gemm_args *a, int64_t r, int64_t s, int t
 
 /* Strips per panel: a panel's weights stay in L2 while every row group passes over them, and a row group's
  * outputs are written as one stretch per row (strip pair after strip pair down all rows wrote 64 bytes per row
- * and page: 2,048 x 3,072 x 576 took 50% longer than oneDNN). 256 KiB leaves room in a 2 MiB L2 for the next
- * panel, fetched meanwhile, and the rows of A (1 MiB panels, whose next one evicted them, made a 200-row
- * prefill's GEMMs 1.15x slower). Even, so pairs never straddle two panels. No effect on the arithmetic. */
-#define AMX_PANEL_BYTES (256 << 10)
+ * and page: 2,048 x 3,072 x 576 took 50% longer than oneDNN). Two sizes, by whether the call's rows of A fit in
+ * L2 beside the weights:
+ * - they do (a prefill chunk of up to ~900 rows of 576): 256 KiB panels, and the later row groups of each prefetch
+ *   the next one (amx_rows), which leaves room in a 2 MiB L2 for both panels and A (1 MiB panels, whose next
+ *   one evicted A, made a 200-row prefill's GEMMs 1.15x slower);
+ * - they do not: A streams from memory once per panel, so 1 MiB panels (a quarter of the passes over A) and no
+ *   prefetch (the next panel would evict the current one); weights are a small part of such a call's traffic.
+ * Even, so pairs never straddle two panels. No effect on the arithmetic. */
+#define AMX_SMALL_PANEL_BYTES (256 << 10)
+#define AMX_LARGE_PANEL_BYTES (1 << 20)
+#define AMX_A_IN_L2_BYTES (1 << 20)
 #define AMX_PF_MAX 8 /* most lines prefetched per k step */
 
-static int64_t amx_panel_strips(const gemm_args *a, int64_t strips) {
-    int64_t most = AMX_PANEL_BYTES / (a->strip * 2) / 2 * 2;
+static int amx_prefetches(const gemm_args *a, int64_t m) {
+    return m * ((a->k + AMX_K - 1) / AMX_K * AMX_K) * 2 <= AMX_A_IN_L2_BYTES;
+}
+
+static int64_t amx_panel_strips(const gemm_args *a, int64_t m, int64_t strips) {
+    const int64_t bytes = amx_prefetches(a, m) ? AMX_SMALL_PANEL_BYTES : AMX_LARGE_PANEL_BYTES;
+    int64_t most = bytes / (a->strip * 2) / 2 * 2;
     if (most < 2) most = 2;
     const int64_t panels = (strips + most - 1) / most; /* of equal size: no narrow last panel */
     return ((strips + panels - 1) / panels + 1) / 2 * 2;
@@ -429,15 +441,15 @@ static int64_t amx_panel_strips(const gemm_args *a, int64_t strips) {
  * by panel: the whole 16-row tiles two at a time, then the last m % 16 rows in tiles that high (within the panel,
  * so its weights come from memory once, not once more for the last rows). tail: room for a panel's strips' last
  * partial k step (AMX_K / 2 pairs x STRIP x 2 each), zero padded to a whole one.
- * A panel's first row group reads its weights from memory; the later ones, reading them from L2, prefetch the
- * next panel's into L2, spread evenly over their k steps, so that memory and the tiles work at once (a 200-row
+ * A panel's first row group reads its weights from memory; where A fits in L2 (amx_prefetches) the later ones,
+ * reading them from L2, prefetch the next panel's into L2, spread evenly over their k steps, so that memory and the tiles work at once (a 200-row
  * prefill's GEMMs 1.2-1.35x faster on a Xeon that streams 13 GB/s to one core). A call of one row group (a
  * decode step) prefetches nothing: the hardware prefetchers serve it better than software ones did (M = 1:
  * 1.15x slower with the next strip pair prefetched). */
 static void amx_rows(const gemm_args *a, const uint16_t *src, int64_t ld, int64_t m, int64_t s_begin,
                      int64_t s_end, uint16_t *tail) {
     const int64_t kx = (a->k + 1) / 2 * 2, k_steps = kx / AMX_K, tail_pairs = (kx % AMX_K) / 2;
-    const int64_t panel = amx_panel_strips(a, s_end - s_begin);
+    const int64_t panel = amx_panel_strips(a, m, s_end - s_begin);
     const int64_t whole = m / AMX_ROWS * AMX_ROWS;
     const int64_t groups = (whole + 2 * AMX_ROWS - 1) / (2 * AMX_ROWS) + (m > whole);
     const char *w_bytes = (const char *)a->w;
@@ -456,7 +468,7 @@ static void amx_rows(const gemm_args *a, const uint16_t *src, int64_t ld, int64_
          * (never past its end: the last few lines, fewer than k_steps, are left to the hardware) */
         const int64_t ne = s_end - pe < panel ? s_end : pe + panel;
         const char *next = w_bytes + pe * a->strip * 2;
-        const int64_t next_lines = k_steps > 0 ? (ne - pe) * a->strip * 2 / 64 : 0;
+        const int64_t next_lines = k_steps > 0 && amx_prefetches(a, m) ? (ne - pe) * a->strip * 2 / 64 : 0;
         const int64_t later_steps = (groups - 1) * pairs * k_steps;
         int64_t next_per_step = later_steps > 0 ? (next_lines + later_steps - 1) / later_steps : 0;
         if (next_per_step > AMX_PF_MAX) next_per_step = AMX_PF_MAX;
@@ -494,7 +506,7 @@ static void amx_rows(const gemm_args *a, const uint16_t *src, int64_t ld, int64_
  * past the caller's buffer. */
 static int amx_run(const gemm_args *a, int64_t m, int64_t s_begin, int64_t s_end) {
     const int64_t kp = (a->k + AMX_K - 1) / AMX_K * AMX_K;
-    uint16_t *tail = aligned_alloc(64, (size_t)(amx_panel_strips(a, s_end - s_begin) * AMX_K * STRIP * 2));
+    uint16_t *tail = aligned_alloc(64, (size_t)(amx_panel_strips(a, m, s_end - s_begin) * AMX_K * STRIP * 2));
     uint16_t *pad = kp != a->k ? aligned_alloc(64, (size_t)(m * kp * 2 + 63) / 64 * 64) : NULL;
     if (tail == NULL || (kp != a->k && pad == NULL)) {
         free(tail);
