@@ -156,6 +156,7 @@ def test_helm_template_renders(rendered, values_file):
     ("drain.timeoutS=0", "drain.timeoutS"),
     ("drain.timeout=60", "drain"),
     ("serve.tensorParallelSize=0", "serve.tensorParallelSize"),
+    ("decode.tensorParallelSize=-1", "decode.tensorParallelSize"),
 ])
 def test_bad_values_fail_lint_and_template(helm, helm_home, setting, field):
     """Broken fixtures for values.schema.json: helm lint and helm template both refuse them."""
@@ -171,6 +172,12 @@ def test_bad_values_fail_lint_and_template(helm, helm_home, setting, field):
       "serve.tensorParallelSize=2"], "decode.gpusPerWorker 3 does not split into whole workers"),
     (["decode.gpusPerWorker=2", "prefill.gpusPerWorker=2", "serve.tensorParallelSize=2"],
      "with GPU pods needs serve.mode colocated"),
+    (["decode.gpusPerWorker=2", "prefill.gpusPerWorker=2", "decode.tensorParallelSize=2"],
+     "decode tensor parallel size 2 with GPU pods needs serve.mode colocated"),
+    (["serve.mode=colocated", "prefill.replicas=0", "decode.gpusPerWorker=4", "prefill.gpusPerWorker=4",
+      "decode.tensorParallelSize=3"], "decode.gpusPerWorker 4 does not split into whole workers"),
+    (["serve.mode=colocated", "prefill.replicas=0", "prefill.tensorParallelSize=2"],
+     "serve.mode colocated has no prefill workers"),
 ])
 def test_tensor_parallel_values_that_cannot_be_served_fail_template(helm, helm_home, settings, message):
     template = sc.helm_template(helm, helm_home, set_values=settings)
@@ -405,8 +412,13 @@ def test_chart_gpu_groups(rendered):
     {"serve": {"mode": "colocated", "tensorParallelSize": 2}, "prefill": {"replicas": 0, "gpusPerWorker": 4},
      "decode": {"replicas": 2, "gpusPerWorker": 4}},
     {"serve": {"extraArgs": ["--prefill-tensor-parallel-size", "1", "--decode-tensor-parallel-size", "2"]}},
+    {"prefill": {"tensorParallelSize": 1}, "decode": {"tensorParallelSize": 2}},
+    {"serve": {"tensorParallelSize": 2}, "prefill": {"tensorParallelSize": 4}},
+    {"serve": {"mode": "colocated"}, "prefill": {"replicas": 0, "gpusPerWorker": 4},
+     "decode": {"replicas": 2, "gpusPerWorker": 4, "tensorParallelSize": 2}},
 ], ids=["colocated", "two-gpus-per-pod", "existing-secret", "extra-args", "no-drain", "short-drain",
-        "tensor-parallel-cpu", "tensor-parallel-gpu", "each-role-its-split-cpu"])
+        "tensor-parallel-cpu", "tensor-parallel-gpu", "each-role-its-split-cpu", "each-group-its-split-values",
+        "one-group-overrides-serve", "group-split-gpu-colocated"])
 def test_chart_behaviour_follows_values(helm, helm_home, tmp_path, overrides):
     values = tmp_path / "values.yaml"
     values.write_text(yaml.safe_dump(overrides))
@@ -538,6 +550,31 @@ def test_chart_behaviour_check_fails_on_broken_fixtures(rendered, mutate, messag
     mutate(docs)
     with pytest.raises(CheckFailed, match=message):
         bc.check_chart(docs, sc.merged_values(("values-gpu.yaml",)))
+
+
+@pytest.mark.parametrize("overrides, flags", [
+    ({"prefill": {"tensorParallelSize": 1}, "decode": {"tensorParallelSize": 2}},
+     ["'--num-decode' '1' '--decode-tensor-parallel-size' '2'"]),
+    ({"serve": {"tensorParallelSize": 2}, "prefill": {"tensorParallelSize": 4}},
+     ["'--prefill-tensor-parallel-size' '4'", "'--tensor-parallel-size' '2'"]),
+    ({"serve": {"mode": "colocated"}, "prefill": {"replicas": 0, "gpusPerWorker": 4},
+      "decode": {"replicas": 2, "gpusPerWorker": 4, "tensorParallelSize": 2}},
+     ["'--num-decode' '4' '--decode-tensor-parallel-size' '2'"]),
+], ids=["decode-2", "prefill-4-of-serve-2", "gpu-colocated-decode-2"])
+def test_group_splits_reach_serve_and_the_check_sees_them_lost(helm, helm_home, tmp_path, overrides, flags):
+    """A group's tensorParallelSize becomes that role's flag (workers counted by it on GPU pods); a chart that
+    dropped the flag would serve every role one way, and the behaviour check says so."""
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump(overrides))
+    docs = sc.render(helm, helm_home, [str(values)])
+    script = "\n".join(_head(docs)["args"])
+    for flag in flags:
+        assert flag in script, script
+    for role in ("prefill", "decode"):
+        script = script.replace(f"'--{role}-tensor-parallel-size' ", "'--max-num-seqs' ")
+    _head(docs)["args"] = [script]
+    with pytest.raises(CheckFailed, match="_split"):
+        bc.check_chart(docs, sc.merged_values(overrides=overrides))
 
 
 def test_chart_serve_flags_a_user_adds_are_checked(helm, helm_home):

@@ -167,6 +167,21 @@ def _container_port(container: dict, name: str) -> int | None:
     return next((p["containerPort"] for p in container.get("ports", []) if p.get("name") == name), None)
 
 
+def role_splits(values: dict) -> dict[str, int]:
+    """Ranks each group's workers split the model across, as the values say: the group's tensorParallelSize, else
+    serve.tensorParallelSize; a --prefill/--decode-tensor-parallel-size in serve.extraArgs comes last on the command
+    line and wins (argparse keeps the last)."""
+    serve = values["serve"]
+    splits = {name: values[name].get("tensorParallelSize") or serve.get("tensorParallelSize", 1)
+              for name in ("prefill", "decode")}
+    extra = [str(a) for a in serve.get("extraArgs", [])]
+    for i, arg in enumerate(extra[:-1]):
+        for name in splits:
+            if arg == f"--{name}-tensor-parallel-size":
+                splits[name] = int(extra[i + 1])
+    return splits
+
+
 def check_chart(docs: list[dict], values: dict) -> None:
     """The rendered chart does what `values` ask, and its serve command is one pdcluster accepts."""
     rc = _one(docs, "RayCluster")
@@ -178,6 +193,7 @@ def check_chart(docs: list[dict], values: dict) -> None:
     want = ["prefill", "decode"] if serve["mode"] == "disagg" else ["decode"]
     if list(groups) != want:
         fail(where, f"worker groups {list(groups)}, want {want} for mode {serve['mode']}")
+    splits = role_splits(values)
     workers = {}
     for name, g in groups.items():
         v = values[name]
@@ -195,8 +211,7 @@ def check_chart(docs: list[dict], values: dict) -> None:
                          f"want {gpus}")
         if "KUBERAY_GEN_RAY_START_CMD" not in " ".join(container.get("args", [])):
             fail(where, f"group {name} must run KubeRay's generated ray start")
-        tp = serve.get("tensorParallelSize", 1)
-        workers[name] = v["replicas"] * gpus // tp if gpus else v["replicas"]
+        workers[name] = v["replicas"] * gpus // splits[name] if gpus else v["replicas"]
 
     head = rc["spec"]["headGroupSpec"]
     hc = head["template"]["spec"]["containers"][0]
@@ -216,10 +231,15 @@ def check_chart(docs: list[dict], values: dict) -> None:
     expect = {"mode": serve["mode"], "transport": serve["transport"], "model": serve["model"], "spec": serve["spec"],
               "num_spec_tokens": serve["numSpecTokens"], "router_policy": serve["routerPolicy"],
               "port": serve["port"], "num_decode": workers["decode"], "dtype": serve["dtype"],
-              "tensor_parallel_size": serve.get("tensorParallelSize", 1)}
+              "tensor_parallel_size": serve.get("tensorParallelSize", 1), "decode_split": splits["decode"]}
     if serve["mode"] == "disagg":
         expect["num_prefill"] = workers["prefill"]
-    got = {k: getattr(args, k) for k in expect}
+        expect["prefill_split"] = splits["prefill"]
+    got = {k: getattr(args, k, None) for k in expect}
+    # each role's ranks as the server resolves them (its own flag, else --tensor-parallel-size)
+    got["decode_split"] = args.decode_tensor_parallel_size or args.tensor_parallel_size
+    if "prefill_split" in expect:
+        got["prefill_split"] = args.prefill_tensor_parallel_size or args.tensor_parallel_size
     if got != expect:
         fail(where, f"serve flags {got} != values {expect}")
 

@@ -46,24 +46,37 @@ app.kubernetes.io/part-of: pdcluster
 {{- end }}
 
 {{/* Workers of one group the launcher will place: one per pod on CPU (one slot each; a tensor-parallel worker's
-     ranks share the pod's cores), one per serve.tensorParallelSize GPUs on GPU pods. Called with (dict "group" G "tp" N). */}}
+     ranks share the pod's cores), one per tp GPUs on GPU pods. Called with (dict "group" G "tp" N). */}}
 {{- define "pdcluster.numWorkers" -}}
 {{- if gt (int .group.gpusPerWorker) 0 }}{{ div (mul .group.replicas .group.gpusPerWorker) .tp }}{{ else }}{{ .group.replicas }}{{ end }}
 {{- end }}
 
-{{/* serve.tensorParallelSize, checked against the worker groups: a worker's ranks are processes in one pod, so a GPU
-     pod's GPUs must split into whole workers; GPU workers split across ranks do not move KV yet (disagg). */}}
+{{/* Ranks each worker of a group splits the model across: the group's tensorParallelSize, else
+     serve.tensorParallelSize. Called with (dict "root" $ "name" "prefill"|"decode"). */}}
+{{- define "pdcluster.groupTensorParallelSize" -}}
+{{- $g := index .root.Values .name -}}
+{{- int ($g.tensorParallelSize | default .root.Values.serve.tensorParallelSize | default 1) -}}
+{{- end }}
+
+{{/* serve.tensorParallelSize and the groups' own splits, checked against the worker groups: a worker's ranks are
+     processes in one pod, so a GPU pod's GPUs must split into whole workers; GPU workers split across ranks do not
+     move KV yet (disagg); colocated mode has no prefill workers to split. */}}
 {{- define "pdcluster.tensorParallelSize" -}}
 {{- $tp := int (.Values.serve.tensorParallelSize | default 1) -}}
-{{- $groups := ternary (list "prefill" "decode") (list "decode") (eq .Values.serve.mode "disagg") }}
+{{- $disagg := eq .Values.serve.mode "disagg" }}
+{{- if and (not $disagg) (gt (int (.Values.prefill.tensorParallelSize | default 0)) 0) }}
+{{- fail (printf "prefill.tensorParallelSize %d: serve.mode %s has no prefill workers (set decode.tensorParallelSize or serve.tensorParallelSize)" (int .Values.prefill.tensorParallelSize) .Values.serve.mode) }}
+{{- end }}
+{{- $groups := ternary (list "prefill" "decode") (list "decode") $disagg }}
 {{- range $name := $groups }}
+{{- $gtp := int (include "pdcluster.groupTensorParallelSize" (dict "root" $ "name" $name)) }}
 {{- $gpus := int (index $.Values $name).gpusPerWorker }}
-{{- if and (gt $gpus 0) (ne (mod $gpus $tp) 0) }}
-{{- fail (printf "serve.tensorParallelSize %d: %s.gpusPerWorker %d does not split into whole workers (a worker's ranks run in one pod)" $tp $name $gpus) }}
+{{- if and (gt $gpus 0) (ne (mod $gpus $gtp) 0) }}
+{{- fail (printf "%s tensor parallel size %d: %s.gpusPerWorker %d does not split into whole workers (a worker's ranks run in one pod)" $name $gtp $name $gpus) }}
 {{- end }}
+{{- if and (gt $gtp 1) $disagg (gt $gpus 0) }}
+{{- fail (printf "%s tensor parallel size %d with GPU pods needs serve.mode colocated: KV transfer between split caches runs on CPUs only" $name $gtp) }}
 {{- end }}
-{{- if and (gt $tp 1) (eq .Values.serve.mode "disagg") (gt (int .Values.decode.gpusPerWorker) 0) }}
-{{- fail (printf "serve.tensorParallelSize %d with GPU pods needs serve.mode colocated: KV transfer between split caches runs on CPUs only" $tp) }}
 {{- end }}
 {{- $tp }}
 {{- end }}
@@ -80,10 +93,18 @@ app.kubernetes.io/part-of: pdcluster
 {{- $tp := int (include "pdcluster.tensorParallelSize" .) -}}
 {{- $args := list "--address" "auto" "--host" "0.0.0.0" "--port" (toString $s.port) "--mode" $s.mode -}}
 {{- $args = concat $args (list "--transport" $s.transport "--router-policy" $s.routerPolicy) -}}
+{{- $decodeTp := int (include "pdcluster.groupTensorParallelSize" (dict "root" . "name" "decode")) -}}
 {{- if eq $s.mode "disagg" }}
-{{- $args = concat $args (list "--num-prefill" (include "pdcluster.numWorkers" (dict "group" .Values.prefill "tp" $tp))) -}}
+{{- $prefillTp := int (include "pdcluster.groupTensorParallelSize" (dict "root" . "name" "prefill")) -}}
+{{- $args = concat $args (list "--num-prefill" (include "pdcluster.numWorkers" (dict "group" .Values.prefill "tp" $prefillTp))) -}}
+{{- if ne $prefillTp $tp }}
+{{- $args = concat $args (list "--prefill-tensor-parallel-size" (toString $prefillTp)) -}}
 {{- end }}
-{{- $args = concat $args (list "--num-decode" (include "pdcluster.numWorkers" (dict "group" .Values.decode "tp" $tp))) -}}
+{{- end }}
+{{- $args = concat $args (list "--num-decode" (include "pdcluster.numWorkers" (dict "group" .Values.decode "tp" $decodeTp))) -}}
+{{- if ne $decodeTp $tp }}
+{{- $args = concat $args (list "--decode-tensor-parallel-size" (toString $decodeTp)) -}}
+{{- end }}
 {{- if gt $tp 1 }}
 {{- $args = concat $args (list "--tensor-parallel-size" (toString $tp)) -}}
 {{- end }}
