@@ -431,12 +431,15 @@ def _prompts(vocab: int, lengths=(5, 17, 40, 70), seed: int = 1) -> list[list[in
 
 def _oracle(model_dir: Path, prompts: list[list[int]], num_new: int, device: str) -> list[list[int]]:
     """transformers' greedy by repeated full forwards (no cache: its cached Mamba path skips the dt
-    clamp its prefill applies), fp32 on ``device``."""
+    clamp its prefill applies), fp32 on ``device``; a NemotronH's dt clamp pinned to its config's
+    time_step_limit, as ours (the GPU machine's transformers 5.17 clamps at time_step_min)."""
     import torch
     import transformers
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
-                                                           attn_implementation="eager").to(device).eval()
+    from pdcluster.engine.models.random_weights import pin_dt_limit
+
+    hf = pin_dt_limit(transformers.AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch.float32, attn_implementation="eager").to(device).eval())
     out = []
     with torch.inference_mode():
         for p in prompts:

@@ -20,9 +20,9 @@ The SSM, per head h and token t (A = -exp(A_log) < 0, so the state decays):
     S_t  = exp(dt_t * A) * S_{t-1} + dt_t * x_t (outer) B_t        [head_dim, state_size]
     y_t  = S_t @ C_t + D * x_t
 
-``dt_min`` is transformers' ``NemotronHMamba2Mixer.time_step_limit = (time_step_min, inf)``: its chunked
-(prefill) path clamps dt from below. Its one-token path does not clamp; here every path clamps, so a
-prompt computed in chunks, token by token or at once gives the same state.
+``dt_min`` is the lower end of the model config's ``time_step_limit`` (0 by default: no clamp, as mamba_ssm's and
+vLLM's Mamba2). transformers' chunked (prefill) path clamps there; its one-token path does not clamp; here every
+path clamps, so a prompt computed in chunks, token by token or at once gives the same state.
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ def reference(dirs) -> dict[str, list[list[int]]]:
 def test_configs_read(dirs, tmp_path):
     h = arch_from_dir(dirs["h"])
     assert h.layer_types == ("M", "G", "*", "G", "M", "G", "M", "G") and h.num_layers == 1
-    assert h.num_mamba_layers == 3 and h.mamba_head_dim == 16 and h.n_groups == 2 and h.time_step_min == 0.0
+    assert h.num_mamba_layers == 3 and h.mamba_head_dim == 16 and h.n_groups == 2 and h.dt_min == 0.0
     g = h.granite
     assert (g.embedding_multiplier, g.attention_multiplier, g.residual_multiplier, g.logits_scaling) == \
         (12.0, 0.0625, 0.22, 16.0)

@@ -45,7 +45,10 @@ def reference() -> dict[tuple[int, ...], list[int]]:
     """transformers' greedy continuation of every prompt (fp32, its torch Mamba2 path)."""
     from transformers import NemotronHForCausalLM
 
-    model = NemotronHForCausalLM.from_pretrained(str(resolve_model("tiny-hybrid")), torch_dtype=torch.float32)
+    from pdcluster.engine.models.random_weights import pin_dt_limit
+
+    model = pin_dt_limit(NemotronHForCausalLM.from_pretrained(str(resolve_model("tiny-hybrid")),
+                                                              dtype=torch.float32))
     model.eval()
     out = {}
     with torch.inference_mode():

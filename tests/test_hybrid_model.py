@@ -4,7 +4,7 @@
 Two models: the built-in tiny-hybrid ("M-M*M-M*", n_groups 2, conv kernel 4, chunk 16) and a
 transformers-made random NemotronH of another shape ("*M-M*M": attention first, n_groups 1, conv
 kernel 3 without bias, state size 12, chunk 8, untied head, its dt_bias from transformers' init so the
-time_step_min clamp is active on some tokens). Its weights are redrawn at a scale where the logits are
+time_step_limit (0.001, inf) clamp is active on some tokens). Its weights are redrawn at a scale where the logits are
 O(10) (transformers' std-0.02 init gives logits ~0.7, too flat for an absolute tolerance to mean much).
 
 The standalone runner (``Steps``) does what the model runner does per step: block tables and slot
@@ -26,7 +26,7 @@ from pdcluster.engine.attention import AttentionMetadata
 from pdcluster.engine.kv_cache import KVCacheSpec
 from pdcluster.engine.mamba_state import MambaMetadata, MambaStatePool
 from pdcluster.engine.models.llama import LlamaModel, ModelArch
-from pdcluster.engine.models.random_weights import redraw_nemotron_h
+from pdcluster.engine.models.random_weights import pin_dt_limit, redraw_nemotron_h
 from pdcluster.engine.models.registry import resolve_model
 from pdcluster.engine.models.nemotron_h import HybridArch, NemotronHModel
 from pdcluster.engine.models.tiny_hybrid import TINY_HYBRID_CONFIG, tiny_hybrid_state_dict
@@ -45,6 +45,7 @@ RANDOM_CONFIG = dict(
     num_attention_heads=2, num_key_value_heads=1, head_dim=24, intermediate_size=96,
     mamba_num_heads=6, mamba_head_dim=8, ssm_state_size=12, n_groups=1, conv_kernel=3, chunk_size=8,
     use_conv_bias=False, tie_word_embeddings=False, layer_norm_epsilon=1e-6, bos_token_id=1, eos_token_id=2,
+    time_step_limit=(0.001, float("inf")),  # a clamp of its own (NemotronH's default is none)
 )
 
 
@@ -139,8 +140,8 @@ def tiny_hybrid_dir() -> Path:
 
 
 def _hf_model(model_dir: Path):
-    return transformers.NemotronHForCausalLM.from_pretrained(
-        str(model_dir), dtype=torch.float32, attn_implementation="eager").eval()
+    return pin_dt_limit(transformers.NemotronHForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch.float32, attn_implementation="eager").eval())
 
 
 @pytest.fixture(scope="module")
@@ -218,7 +219,7 @@ def test_random_model_arch_reads_transformers_config(models, random_dir):
     assert a.layer_types == tuple("*M-M*M") and a.num_layers == 2 and a.num_mamba_layers == 3
     assert (a.n_groups, a.conv_kernel, a.chunk_size, a.ssm_state_size) == (c.n_groups, c.conv_kernel, c.chunk_size,
                                                                             c.ssm_state_size)
-    assert a.time_step_min == c.time_step_min and a.rms_norm_eps == c.layer_norm_epsilon
+    assert a.dt_min == c.time_step_limit[0] == 0.001 and a.rms_norm_eps == c.layer_norm_epsilon
     assert not a.use_conv_bias and not a.tie_word_embeddings and ours.lm_head is not ours.embed_tokens
 
 
@@ -378,12 +379,14 @@ def test_legacy_config_keys_read_like_transformers():
     legacy = dict(vocab_size=300, hidden_size=32, hybrid_override_pattern="M*-M", num_attention_heads=2,
                   num_key_value_heads=1, head_dim=16, intermediate_size=64, mamba_num_heads=4, mamba_head_dim=8,
                   ssm_state_size=8, mamba_n_groups=2, mamba_d_conv=3, mamba_chunk_size=32, mamba_dt_min=0.002,
+                  mamba_dt_limit=[0.003, float("inf")],
                   mamba_conv_bias=False, n_groups=8, conv_kernel=4, rms_norm_eps=1e-6)
     ours = HybridArch.from_config(legacy)
     theirs = transformers.NemotronHConfig(**legacy)
     assert ours.layer_types == tuple(theirs.hybrid_override_pattern) == tuple("M*-M")
-    assert (ours.n_groups, ours.conv_kernel, ours.chunk_size, ours.time_step_min, ours.use_conv_bias) == (
-        theirs.n_groups, theirs.conv_kernel, theirs.chunk_size, theirs.time_step_min, theirs.use_conv_bias)
+    assert (ours.n_groups, ours.conv_kernel, ours.chunk_size, ours.dt_min, ours.use_conv_bias) == (
+        theirs.n_groups, theirs.conv_kernel, theirs.chunk_size, theirs.time_step_limit[0], theirs.use_conv_bias)
+    assert ours.dt_min == 0.003  # the clamp is time_step_limit's; time_step_min (0.002) only sets dt_bias's init
     assert ours.num_layers == 1 and ours.num_mamba_layers == 2
     assert (ours.rms_norm_eps, ours.bos_token_id, ours.eos_token_ids, ours.num_kv_heads) == (
         theirs.layer_norm_epsilon, theirs.bos_token_id, (theirs.eos_token_id,), theirs.num_key_value_heads)

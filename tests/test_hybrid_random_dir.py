@@ -4,12 +4,12 @@ prompts, with chunked prefill and under preemption.
 
 The model is test_hybrid_model.py's ``random_dir``: another shape than tiny-hybrid ("*M-M*M":
 attention first, n_groups 1, conv kernel 3 without bias, state size 12, scan chunk 8, untied head),
-weights redrawn so the logits are O(10), and transformers' dt_bias init, so the time_step_min clamp
-fires on some tokens.
+weights redrawn so the logits are O(10), and transformers' dt_bias init, so its time_step_limit clamp
+(0.001) fires on some tokens.
 
 The oracle is repeated full forwards (no cache): for every new token, the argmax of
 ``model(prompt + tokens so far).logits[0, -1]``. Not ``generate()``: transformers' cached one-token
-Mamba path does not clamp dt to time_step_min while its chunked (prefill) path does, so on this model
+Mamba path does not clamp dt to time_step_limit while its chunked (prefill) path does, so on this model
 its own generate() drifts from its own full forward. Our engine clamps on every path, so it must
 equal the full forward.
 """

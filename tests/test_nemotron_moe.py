@@ -29,7 +29,7 @@ import torch
 from conftest import make_engine
 from pdcluster.engine.models.architectures import arch_from_dir, load_model
 from pdcluster.engine.models.nemotron_moe import NemotronMoeArch
-from pdcluster.engine.models.random_weights import redraw_nemotron_h
+from pdcluster.engine.models.random_weights import pin_dt_limit, redraw_nemotron_h
 from pdcluster.engine.models.registry import resolve_model
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kernels import cpu_gemm, cpu_grouped_mm
@@ -80,8 +80,8 @@ def dirs(tmp_path_factory) -> dict[str, Path]:
 
 
 def _hf_model(model_dir: Path):
-    return transformers.NemotronHForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
-                                                            attn_implementation="eager").eval()
+    return pin_dt_limit(transformers.NemotronHForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
+                                                                         attn_implementation="eager").eval())
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +90,10 @@ def hf_models(dirs):
 
 
 def _hf_logits(hf, tokens: list[int]) -> torch.Tensor:
+    # No cache: a full forward needs none, and transformers 5.25's cache fails where the first block has no state
+    # (DummyLayer has no get_seq_length).
     with torch.inference_mode():
-        return hf(torch.tensor([tokens])).logits[0]
+        return hf(torch.tensor([tokens]), use_cache=False).logits[0]
 
 
 def assert_greedy_of(hf, prompts: list[list[int]], outputs: list[list[int]], num_new: int = NUM_NEW) -> None:

@@ -63,9 +63,7 @@ def granite_fields(cfg: dict, where: str) -> dict:
     position = get("position_embedding_type", None)
     if position not in (None, "nope", "rope"):
         raise ValueError(f"{where}: position_embedding_type {position!r} is not supported (None, 'nope' or 'rope')")
-    limit = tuple(_number(x) for x in get("time_step_limit", (0.0, float("inf"))))
-    if len(limit) != 2 or limit[1] != float("inf"):
-        raise ValueError(f"{where}: time_step_limit {list(limit)} is not supported (an upper limit other than inf)")
+    dt_min = dt_lower_limit(get("time_step_limit", None), where)
     hidden, mamba_heads = get("hidden_size", 4096), get("mamba_n_heads", 128)
     mamba_intermediate = get("mamba_expand", 2) * hidden
     head_dim = get("mamba_d_head", "auto")
@@ -99,9 +97,19 @@ def granite_fields(cfg: dict, where: str) -> dict:
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (eos,),
         layer_types=layer_types, num_hidden_layers=len(layer_types), mamba_num_heads=mamba_heads,
         mamba_head_dim=head_dim, ssm_state_size=get("mamba_d_state", 256), n_groups=n_groups,
-        conv_kernel=get("mamba_d_conv", 4), chunk_size=get("mamba_chunk_size", 256), time_step_min=float(limit[0]),
+        conv_kernel=get("mamba_d_conv", 4), chunk_size=get("mamba_chunk_size", 256), dt_min=dt_min,
         use_conv_bias=bool(get("mamba_conv_bias", True)), use_bias=bool(get("mamba_proj_bias", False)),
         mlp_bias=False, granite=granite)
+
+
+def dt_lower_limit(limit, where: str) -> float:
+    """The lower bound of dt's clamp from a config's time_step_limit (default (0, inf): no clamp, as mamba_ssm's Mamba2,
+    vLLM's MambaMixer2 and transformers >= 5.25); ValueError for an upper bound other than inf, which no kernel of
+    ours applies."""
+    bounds = tuple(_number(x) for x in (limit if limit is not None else (0.0, float("inf"))))
+    if len(bounds) != 2 or bounds[1] != float("inf"):
+        raise ValueError(f"{where}: time_step_limit {list(bounds)} is not supported (an upper limit other than inf)")
+    return bounds[0]
 
 
 def _number(value) -> float:

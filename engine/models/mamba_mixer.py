@@ -5,7 +5,7 @@ conv and SSM state live in ``MambaStatePool`` at the row's slot (engine/mamba_st
 
     in_proj -> z (gate) | xBC | dt
     xBC -> causal depthwise conv (continuing from the slot's conv state) -> SiLU -> x | B | C
-    SSM (kernels/mamba_reference.py: dt softplus + dt_bias, clamped below by time_step_min) -> y
+    SSM (kernels/mamba_reference.py: dt softplus + dt_bias, clamped below by the config's time_step_limit) -> y
     gated RMSNorm: group-wise norm of y * silu(z), times its weight -> out_proj
 
 Three kinds of row, each written back to its slot once the row is done:
@@ -52,7 +52,7 @@ class Mamba2Mixer:
         self.intermediate = arch.mamba_intermediate_size
         self.conv_dim = arch.mamba_conv_dim
         self.chunk_size = arch.chunk_size
-        self.dt_min = arch.time_step_min
+        self.dt_min = arch.dt_min
         self.eps = arch.rms_norm_eps
         self.in_proj = Linear(w("in_proj.weight"), deterministic=deterministic)
         self.in_proj_bias = w_opt("in_proj.bias")

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from pdcluster.engine.attention import AttentionMetadata
 from pdcluster.engine.models.causal_lm import CausalLM
 from pdcluster.engine.models.granite_hybrid import ARCHITECTURE as GRANITE_HYBRID
-from pdcluster.engine.models.granite_hybrid import GraniteHybrid, granite_fields, nemotron_names
+from pdcluster.engine.models.granite_hybrid import GraniteHybrid, dt_lower_limit, granite_fields, nemotron_names
 from pdcluster.engine.models.mamba_mixer import MambaStepPlan
 from pdcluster.engine.models.nemotron_blocks import (ATTENTION, GRANITE_MLP, MAMBA, MLP, MOE, TYPE_NAMES,
                                                      TokenChunked, build_blocks, run_blocks)
@@ -42,9 +42,9 @@ _BLOCK_TYPES = {"linear_attention": MAMBA, "mamba": MAMBA, "full_attention": ATT
                 "mlp": MLP, "moe": MOE}
 # Legacy config keys NemotronHConfig.__post_init__ maps (the legacy name wins when both are present).
 _LEGACY_KEYS = {"n_groups": "mamba_n_groups", "conv_kernel": "mamba_d_conv", "expand": "mamba_expand",
-                "time_step_min": "mamba_dt_min", "use_conv_bias": "mamba_conv_bias", "chunk_size": "mamba_chunk_size"}
+                "time_step_limit": "mamba_dt_limit", "use_conv_bias": "mamba_conv_bias", "chunk_size": "mamba_chunk_size"}
 _MTP_DEFAULT = ["full_attention", "moe"]  # NemotronHConfig's mtp_layers_block_type
-_DEFAULTS = {"n_groups": 8, "conv_kernel": 4, "expand": 2, "time_step_min": 0.001, "use_conv_bias": True,
+_DEFAULTS = {"n_groups": 8, "conv_kernel": 4, "expand": 2, "use_conv_bias": True,
              "chunk_size": 128}
 
 
@@ -111,7 +111,9 @@ class HybridArch:
     n_groups: int
     conv_kernel: int
     chunk_size: int
-    time_step_min: float  # dt is clamped to [time_step_min, inf) as transformers' mixer does
+    # dt is clamped to [dt_min, inf): the config's time_step_limit (default (0, inf), no clamp). Not time_step_min,
+    # which sets dt_bias's init range; transformers <= 5.24's NemotronH mixer clamped at it, vLLM never did.
+    dt_min: float
     use_conv_bias: bool
     use_bias: bool  # Mamba in_proj / out_proj biases
     mlp_bias: bool
@@ -178,7 +180,7 @@ class HybridArch:
             n_groups=n_groups,
             conv_kernel=get("conv_kernel"),
             chunk_size=get("chunk_size"),
-            time_step_min=float(get("time_step_min")),
+            dt_min=dt_lower_limit(get("time_step_limit"), where),
             use_conv_bias=bool(get("use_conv_bias")),
             use_bias=bool(cfg.get("use_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),

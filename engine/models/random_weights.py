@@ -2,7 +2,8 @@
 (``NemotronHForCausalLM(config)``): transformers' own std-0.02 init gives near-flat logits, so greedy
 tokens would hinge on ties. The tests' transformers-made NemotronH models (tests/test_hybrid_model.py,
 tests/test_nemotron_moe.py) and bench/gpu_check.py's draw theirs here, so both check the same kind of
-model. A_log and dt_bias keep transformers' init (A = 1..H, dt in [time_step_min, time_step_max])."""
+model. A_log and dt_bias keep transformers' init (A = 1..H, dt in [time_step_min, time_step_max]). ``pin_dt_limit``
+makes such a model's dt clamp the same on every transformers version."""
 
 from __future__ import annotations
 
@@ -33,3 +34,15 @@ def redraw_nemotron_h(model: torch.nn.Module, seed: int = 0) -> None:
                 output = name.endswith(("out_proj.weight", "o_proj.weight", "down_proj.weight"))
                 gain = OUTPUT_GAIN if output else INPUT_GAIN
                 p.copy_(torch.randn(p.shape, generator=gen) * gain / p.shape[-1] ** 0.5)
+
+
+def pin_dt_limit(model: torch.nn.Module) -> torch.nn.Module:
+    """Every Mamba mixer of a transformers NemotronH clamps dt at its config's ``time_step_limit``, as transformers
+    >= 5.25, vLLM and mamba_ssm do (and our engine: engine/models/nemotron_h.py). Older transformers clamped its
+    chunked path at ``time_step_min`` (the dt_bias init's lower end); the oracle means the same on either version.
+    Returns the model."""
+    limit = tuple(float(x) for x in getattr(model.config, "time_step_limit", (0.0, float("inf"))))
+    for module in model.modules():
+        if hasattr(module, "time_step_limit") and hasattr(module, "dt_bias"):
+            module.time_step_limit = limit
+    return model
