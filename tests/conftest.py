@@ -278,3 +278,18 @@ def ray_session(tiny_dir):
              log_to_driver=False, _temp_dir=tmp)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _sigint_left_as_found(request):
+    """A test that leaves SIGINT ignored in this process makes every later subprocess ignore Ctrl-C (an ignored
+    disposition survives exec): later Ctrl-C tests then time out in another file's name. Restored after each test,
+    with a warning naming the test that changed it."""
+    import signal
+    import warnings
+
+    before = signal.getsignal(signal.SIGINT)
+    yield
+    if signal.getsignal(signal.SIGINT) is not before:
+        signal.signal(signal.SIGINT, before)
+        warnings.warn(f"{request.node.nodeid} changed the SIGINT handler (restored)", stacklevel=1)
