@@ -41,7 +41,9 @@ def pin_dt_limit(model: torch.nn.Module) -> torch.nn.Module:
     >= 5.25, vLLM and mamba_ssm do (and our engine: engine/models/nemotron_h.py). Older transformers clamped its
     chunked path at ``time_step_min`` (the dt_bias init's lower end); the oracle means the same on either version.
     Returns the model."""
-    limit = tuple(float(x) for x in getattr(model.config, "time_step_limit", (0.0, float("inf"))))
+    from pdcluster.engine.models.granite_hybrid import _number  # a saved config may spell inf {"__float__": ...}
+
+    limit = tuple(_number(x) for x in getattr(model.config, "time_step_limit", (0.0, float("inf"))))
     for module in model.modules():
         if hasattr(module, "time_step_limit") and hasattr(module, "dt_bias"):
             module.time_step_limit = limit
