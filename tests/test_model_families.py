@@ -930,9 +930,10 @@ def test_glm4_rotation_and_lora_equal_transformers(dirs, reference, tmp_path):
 
 
 def test_qwen2_moe_lora_on_attention_equals_peft(dirs, reference, tmp_path):
-    """A peft adapter on Qwen2-MoE's attention: peft's greedy, beside base-model requests. On the MLP peft adapts the
-    shared expert's projections, which (as Qwen3-MoE's experts) take no adapters: that adapter is refused by name."""
-    from pdcluster.engine.lora import LoraAdapterError
+    """peft adapters on Qwen2-MoE's attention, and on its attention and MLPs (peft adapts the dense layer's MLP and the
+    shared expert's projections; transformers 5 keeps the routed experts in one parameter, which peft leaves alone):
+    peft's greedy, beside base-model requests (routed experts' adapters: tests/test_lora_experts.py)."""
+    from safetensors.torch import load_file
 
     peft = pytest.importorskip("peft")
     attention, mlp = ["q_proj", "k_proj", "v_proj", "o_proj"], ["gate_proj", "up_proj", "down_proj"]
@@ -944,16 +945,16 @@ def test_qwen2_moe_lora_on_attention_equals_peft(dirs, reference, tmp_path):
         adapted.save_pretrained(out)
         return adapted
 
-    make(attention + mlp, tmp_path / "mlp")
-    with pytest.raises(LoraAdapterError, match="shared_expert"):
-        _engine(dirs["qwen2-moe"], lora_modules=(f"a={tmp_path / 'mlp'}",))
-    want = _hf_greedy(make(attention, tmp_path / "adapter"), PROMPTS[:3])
-    assert want != reference["qwen2-moe"][:3]
-    engine = _engine(dirs["qwen2-moe"], lora_modules=(f"a={tmp_path / 'adapter'}",))
-    params = [SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True, lora_name=n) for n in ("a", None)]
+    want = {"a": _hf_greedy(make(attention, tmp_path / "a"), PROMPTS[:3]),
+            "m": _hf_greedy(make(attention + mlp, tmp_path / "m"), PROMPTS[:3])}
+    assert want["a"] != reference["qwen2-moe"][:3] and want["m"] != want["a"]
+    assert any(".shared_expert." in k for k in load_file(tmp_path / "m" / "adapter_model.safetensors"))
+    engine = _engine(dirs["qwen2-moe"], lora_modules=(f"a={tmp_path / 'a'}", f"m={tmp_path / 'm'}"))
+    names = ("a", None, "m")
+    params = [SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True, lora_name=n) for n in names]
     outs = engine.generate([p for p in PROMPTS[:3] for _ in params], [sp for _ in PROMPTS[:3] for sp in params])
-    assert [o.token_ids for o in outs[::2]] == want
-    assert [o.token_ids for o in outs[1::2]] == reference["qwen2-moe"][:3]
+    for j, name in enumerate(names):
+        assert [o.token_ids for o in outs[j::3]] == (want[name] if name else reference["qwen2-moe"][:3]), name
 
 
 def test_gemma3_logits_equal_transformers(dirs, tmp_path):

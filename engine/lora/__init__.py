@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import Sequence
 
 from pdcluster.engine.lora.adapter import LoraAdapter, LoraAdapterError, LoraWeights, load_adapter
+from pdcluster.engine.lora.experts import ExpertLora, expert_update
 from pdcluster.engine.lora.layers import LoraLinear, LoraSet, grouped_way, slice_updates
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,11 @@ def install(model, adapters: Sequence[LoraAdapter], runtime: bool = False) -> Lo
         if updates or runtime:
             setattr(owner, attr, LoraLinear(getattr(owner, attr), lora, updates, model.dtype, model.device,
                                             model.deterministic))
+    for target in model.lora_expert_targets():
+        updates = {slot: update for slot, adapter in enumerate(adapters)
+                   if (update := expert_update(adapter, target)) is not None}
+        if updates or runtime:
+            target.experts.lora = ExpertLora(lora, updates, model.dtype, model.device, model.deterministic)
     model.run_unchunked()  # the adapter rows index the whole step
     model.lora = lora
     if adapters:
@@ -74,14 +80,21 @@ def check_fits(model, adapter: LoraAdapter) -> None:
         in_features = getattr(holder, inner).in_features
         for name, offset, width in slices:
             where[(layer, name)] = full_shape(name, width, in_features, world_size)
+    for target in model.lora_expert_targets():
+        for name, shape in target.shapes().items():
+            where.update(((target.layer, f"experts.{e}.{name}"), shape) for e in range(target.num_experts))
     num_layers = model.lora_num_layers
     for (layer, module), w in adapter.modules.items():
         refuse = f"LoRA adapter {adapter.name!r} ({adapter.path}): layer {layer} {module}: "
         if layer >= num_layers:
             raise LoraAdapterError(f"{refuse}layer {layer} but the base model has {num_layers} layers")
+        if world_size > 1 and module.startswith(("experts.", "shared_expert.")):
+            raise LoraAdapterError(f"{refuse}adapters on a mixture-of-experts layer's experts are served on a whole "
+                                   f"model only, not split {world_size} ways (tensor_parallel_size 1)")
         if (layer, module) not in where:
-            raise LoraAdapterError(f"{refuse}this layer has no such projection that takes adapters (a "
-                                   "mixture-of-experts layer, or another kind of layer)")
+            raise LoraAdapterError(f"{refuse}this layer has no such projection that takes adapters (experts of "
+                                   "a mixture-of-experts family whose experts take none, a dense layer's "
+                                   "experts, an expert past the layer's count, or another kind of layer)")
         width, in_features = where[(layer, module)]
         if w.a.shape[1] != in_features or w.b.shape[0] != width:
             raise LoraAdapterError(f"{refuse}lora_A {tuple(w.a.shape)} / lora_B {tuple(w.b.shape)} do not fit "
@@ -127,6 +140,10 @@ def add(model, adapter: LoraAdapter) -> int:
             wrapped.set_update(slot, update)
         elif grows and wrapped.slice_updates:
             wrapped.rebuild()  # the grouped layout has a place per slot: one more now
+    for target in model.lora_expert_targets():
+        update = expert_update(adapter, target)
+        if update is not None and isinstance(target.experts.lora, ExpertLora):
+            target.experts.lora.set_update(slot, update)
     lora.index[adapter.name] = slot
     log.info("LoRA adapter %s loaded (rank %d, %d modules, slot %d)", adapter.name, adapter.max_rank,
              len(adapter.modules), slot)

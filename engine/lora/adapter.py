@@ -3,12 +3,15 @@
 
 What is served: LoRA (not DoRA) on a decoder layer's projections: q/k/v/o and gate/up/down of a Llama-family or
 Qwen3 model; q/k/v/o, up/down and the Mamba in_proj / out_proj of a NemotronH; q/k/v/o, the Mamba in_proj / out_proj
-and the shared MLP's input_linear / output_linear of a Granite 4.0 hybrid; any rank up to the engine's
-``max_lora_rank`` (PEFT's ``rank_pattern`` too: each module's rank is its tensors'), scaled by lora_alpha / r
-(rsLoRA: lora_alpha / sqrt(r)). What an adapter may carry that we do not run is refused by name when it loads,
-never silently dropped: embedding or LM-head adapters, modules_to_save, biases, DoRA, per-module alphas,
-fan_in_fan_out weights, experts of an MoE layer. This file reads and checks the adapter itself; engine/lora/
-__init__.py checks it against the model.
+and the shared MLP's input_linear / output_linear of a Granite 4.0 hybrid; the routed experts of a Qwen3-MoE,
+Qwen2-MoE or Mixtral layer in PEFT's per-expert form (``mlp.experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``,
+Mixtral's ``block_sparse_moe.experts.{e}.w1`` / ``w3`` / ``w2``: what PEFT writes for checkpoints that keep an expert's
+projections as Linear modules, and what vLLM loads) and Qwen2-MoE's shared expert (``mlp.shared_expert.*``); any
+rank up to the engine's ``max_lora_rank`` (PEFT's ``rank_pattern`` too: each module's rank is its tensors'), scaled
+by lora_alpha / r (rsLoRA: lora_alpha / sqrt(r)). What an adapter may carry that we do not run is refused by name
+when it loads, never silently dropped: embedding or LM-head adapters, modules_to_save, biases, DoRA, per-module
+alphas, fan_in_fan_out weights, experts stored as one stacked parameter (PEFT's ``target_parameters``: gpt-oss,
+Granite MoE). This file reads and checks the adapter itself; engine/lora/__init__.py checks it against the model.
 """
 
 from __future__ import annotations
@@ -29,9 +32,26 @@ MODULES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_pr
                      "in_proj", "out_proj",  # a Mamba mixer's
                      "input_linear", "output_linear",  # a Granite hybrid's shared MLP (never its experts' stacks)
                      "qkv_proj", "gate_up_proj"})  # checkpoints that store them fused (Phi-3)
-# Under a decoder layer's attention, MLP or mixer (NemotronH), or a Granite hybrid's mamba / shared_mlp: a Granite MoE
-# layer's experts (block_sparse_moe.input_linear) are refused by name.
-_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp|mixer|mamba|shared_mlp)\.(\w+)\.lora_([AB])\.weight$")
+# A routed expert's projections (engine/lora/experts.py), by the names its checkpoint gives them: Qwen's and Mixtral's.
+EXPERT_MODULES = frozenset({"gate_proj", "up_proj", "down_proj", "w1", "w3", "w2"})
+# Under a decoder layer's attention, MLP or mixer (NemotronH), or a Granite hybrid's mamba / shared_mlp; an expert
+# (``experts.{e}.``, under mlp or Mixtral's block_sparse_moe) or Qwen2-MoE's shared expert (``shared_expert.``). A
+# Granite MoE layer's stacked experts (block_sparse_moe.input_linear) are refused by name.
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp|mixer|mamba|shared_mlp|block_sparse_moe)\."
+                  r"((?:experts\.\d+\.|shared_expert\.)?\w+)\.lora_([AB])\.weight$")
+
+
+def _module_name(block: str, module: str) -> str | None:
+    """The name an adapter's tensor is kept under (its module's, with ``experts.{e}.`` / ``shared_expert.`` where it
+    has one), None for a module we do not run."""
+    *prefix, leaf = module.split(".")
+    if prefix and prefix[0] == "experts":
+        return module if leaf in EXPERT_MODULES else None
+    if block == "block_sparse_moe":  # anything but a per-expert projection: a Granite MoE's stacks, the router
+        return None
+    if prefix:  # shared_expert.
+        return module if block == "mlp" and leaf in ("gate_proj", "up_proj", "down_proj") else None
+    return module if leaf in MODULES else None
 
 
 class LoraAdapterError(ValueError):
@@ -55,7 +75,7 @@ class LoraWeights:
 class LoraAdapter:
     name: str
     path: str
-    # (layer index, HF module name: "q_proj", ...) -> its update
+    # (layer index, HF module name: "q_proj", "experts.3.down_proj", "shared_expert.up_proj", ...) -> its update
     modules: dict[tuple[int, str], LoraWeights]
     # Of its files' contents: workers that exchange KV must hold the same adapter under each name, and KV
     # kept on disk must not outlive a change of it (engine/lora/__init__.py fingerprint).
@@ -138,10 +158,12 @@ def parse_adapter(name: str, path: str | Path, cfg_bytes: bytes, weights_bytes: 
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         m = _KEY.search(key)
-        if m is None or m.group(2) not in MODULES:
+        module = _module_name(m.group(2), m.group(3)) if m is not None else None
+        if module is None:
             raise _refuse(name, path, f"tensor {key!r} is not a LoRA A/B weight of a decoder layer's projection "
-                                      "(embedding, LM-head, expert and DoRA adapters are not supported)")
-        pairs.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = tensor.float()
+                                      "(embedding, LM-head, DoRA adapters and experts stacked in one parameter are "
+                                      "not supported)")
+        pairs.setdefault((int(m.group(1)), module), {})[m.group(4)] = tensor.float()
     if not pairs:
         raise _refuse(name, path, "adapter_model.safetensors holds no LoRA weights")
     modules: dict[tuple[int, str], LoraWeights] = {}

@@ -57,12 +57,14 @@ class LoraSet:
         # Adapters come and go while serving (EngineConfig.enable_lora): workers then check each request's adapter
         # content (SamplingParams.lora_digest) instead of comparing a fixed set in the fingerprint.
         self.runtime = False
-        self.layers: list[LoraLinear] = []  # every wrapped projection (each takes updates when an adapter comes)
+        # Every wrapped projection and MoE layer's experts (each takes updates when an adapter comes).
+        self.layers: list = []  # LoraLinear, engine/lora/experts.py ExpertLora
         # Bumped when any projection's updates change (an adapter loaded or dropped): CUDA graphs captured
         # over the old stacked updates are recaptured.
         self.version = 0
         # Set by ``step`` for one forward, None outside it:
-        self.token_slot: torch.Tensor | None = None  # each token's adapter slot, -1 for none (the stacked way)
+        self.token_slot: torch.Tensor | None = None  # each token's adapter slot, -1 for none
+        self.step_slots: frozenset[int] = frozenset()  # the slots with rows in the step
         self.sorted_rows: cpu_lora.LoraRows | None = None  # every adapter row, sorted by adapter (the grouped way)
         # The step's own arguments while it has adapter rows: what a split model's other ranks run the step's
         # rows with (engine/tensor_parallel/driver.py forward).
@@ -119,13 +121,14 @@ class LoraSet:
                     spans[-1] = (spans[-1][0], end)
                 else:
                     spans.append((start, end))
-        if runs and not self.grouped:
+        if runs:  # the stacked way's masks, and the experts' in both ways (engine/lora/experts.py)
             token_slot_np = np.full(int(query_start_loc_np[len(adapter_of_row)]), -1, dtype=np.int64)
             for i, spans in runs.items():
                 for start, end in spans:
                     token_slot_np[start:end] = i
             self.token_slot = host_to_device(token_slot_np, device)  # without waiting for the queued work
-        elif runs:
+            self.step_slots = frozenset(runs)
+        if runs and self.grouped:
             counts = np.zeros(self.num_slots + 1, dtype=np.int64)
             for i, spans in runs.items():
                 counts[i + 1] = sum(e - s for s, e in spans)
@@ -138,7 +141,7 @@ class LoraSet:
         try:
             yield bool(runs)
         finally:
-            self.token_slot, self.sorted_rows, self.step_rows = None, None, None
+            self.token_slot, self.sorted_rows, self.step_rows, self.step_slots = None, None, None, frozenset()
 
     def changed(self) -> None:
         """A projection's updates changed (called by its ``rebuild``)."""

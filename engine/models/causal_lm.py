@@ -187,6 +187,11 @@ class CausalLM:
         model takes no adapters."""
         return None
 
+    def lora_expert_targets(self) -> list:
+        """The MoE layers whose routed experts LoRA adapters may add to (engine/lora/experts.py ExpertTarget); none
+        by default, and none on a split model (a rank holds a slice of every expert)."""
+        return []
+
     def hand_forward_to_ranks(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> None:
         """On rank 0 of a split model, the other ranks start this forward (with the step's LoRA rows, if any) before
         this rank runs its own slice; nothing on a whole model."""

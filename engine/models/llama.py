@@ -468,10 +468,35 @@ class LlamaModel(CausalLM):
         targets = []
         for i, layer in enumerate(self.layers):
             targets += [(i, layer, "qkv_proj", qkv), (i, layer, "o_proj", (("o_proj", 0, a.hidden_size),))]
-            if layer.moe is None:  # a sparse layer's experts (and Qwen2-MoE's shared expert) take no adapters
+            if layer.moe is None:  # a sparse layer's routed experts: lora_expert_targets
                 targets += [(i, layer, "gate_up_proj", gate_up),
                             (i, layer, "down_proj", (("down_proj", 0, a.hidden_size),))]
+            elif self._whole and a.moe.layout == "qwen2_moe":  # its shared expert: a dense SwiGLU
+                width = a.moe.shared_expert_intermediate_size
+                targets += [(i, layer.moe.shared, "gate_up_proj", (("shared_expert.gate_proj", 0, width),
+                                                                   ("shared_expert.up_proj", width, width))),
+                            (i, layer.moe.shared, "down_proj", (("shared_expert.down_proj", 0, a.hidden_size),))]
         return targets
+
+    @property
+    def _whole(self) -> bool:
+        return self.tp_shard is None or self.tp_shard.world_size == 1
+
+    def lora_expert_targets(self) -> list:
+        """Qwen3-MoE's, Qwen2-MoE's and Mixtral's routed experts (per-expert gate/up/down or w1/w3/w2 in PEFT's
+        names); gpt-oss's, Llama 4's, Granite MoE's and GLM-4.5's take none."""
+        from pdcluster.engine.lora.experts import ExpertTarget
+        from pdcluster.engine.models.moe import SparseMoe
+
+        moe = self.arch.moe
+        names = {"qwen3": ("gate_proj", "up_proj", "down_proj"), "qwen2_moe": ("gate_proj", "up_proj", "down_proj"),
+                 "mixtral": ("w1", "w3", "w2")}.get(moe.layout) if moe is not None else None
+        if names is None or not self._whole:
+            return []
+        gate, up, down = names
+        width = moe.intermediate_size
+        return [ExpertTarget(i, layer.moe.experts, ((gate, 0, width), (up, width, width)), down)
+                for i, layer in enumerate(self.layers) if isinstance(layer.moe, SparseMoe)]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)

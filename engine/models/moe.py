@@ -175,6 +175,7 @@ class FusedExperts:
         self.activation = activation
         self.up_bias, self.down_bias = up_bias, down_bias
         self.scale_inputs = scale_inputs
+        self.lora = None  # LoRA adapters' updates of these experts (engine/lora/experts.py ExpertLora), if any
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """``x`` [T, H]; ``weights`` [T, k] (float32, or the dtype the products are rounded to); ``experts``
@@ -188,7 +189,15 @@ class FusedExperts:
         rows_in = x[order // k]
         if self.scale_inputs:
             rows_in = rows_in * weights.reshape(-1)[order].unsqueeze(-1)
-        if self.up_bias is None:
+        lora = self.lora
+        if lora is not None and lora.lora.token_slot is not None:  # a step with adapter rows
+            row_tokens = order // k
+            up = self.up(rows_in, offs)
+            lora.add(up, rows_in, offs, row_tokens, "up")
+            hidden = self.activation(up)
+            rows = self.down(hidden, offs)
+            lora.add(rows, hidden, offs, row_tokens, "down")
+        elif self.up_bias is None:
             rows = self.down(self.activation(self.up(rows_in, offs)), offs)
         else:  # each row's expert, in the sorted order: its bias row
             row_experts = flat[order]

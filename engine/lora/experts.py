@@ -1,0 +1,138 @@
+"""LoRA on a mixture-of-experts layer's routed experts (engine/models/moe.py ``FusedExperts``), as vLLM serves
+adapters trained on Qwen3-MoE, Qwen2-MoE, Mixtral or NemotronH with every expert's projections targeted.
+
+An adapter holds, for some experts e of a layer, low-rank updates of each expert's up projection (gate and up
+stacked, as the fused weight keeps them) and down projection. Per adapter slot and projection they are kept as two
+expert stacks, ``a`` [E, R, in] (each expert's A matrices stacked, zero-padded to the layer's largest rank R; zeros
+for experts the adapter leaves alone) and ``b`` [E, out, R] (block-diagonal over gate and up, the lora_alpha / r
+scale folded in), each a ``GroupedLinear`` like the experts' own weights. The routed rows are sorted by expert with
+their offsets already (FusedExperts), so a slot's update of every routed row is two grouped matmuls over those same
+offsets; a row of another slot (or of the base model) has its low-rank product zeroed between the two, so it gets
+exact zeros. The grouped matmuls are the experts' own kernels (batch-invariant on CPU and in Triton), so a row's
+update depends on that row alone: deterministic mode and the batch-invariance tests hold with adapters on experts.
+
+Which slots run: on CPU (the grouped way) only the adapters that have rows in the step; elsewhere (CUDA) every slot
+that has an update of this layer, masked, so that a decode step's shapes follow its number of tokens alone and the
+CUDA graphs capture it (``LoraSet.token_slot`` is their static buffer there). A slot costs two grouped matmuls of
+rank R over the routed rows: R / (2I) of the up projection's work (rank 16 on a 768-wide expert: 1%).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdcluster.engine.lora.adapter import LoraAdapter, LoraWeights
+
+# A projection of every expert: its output slices (Hugging Face module name, offset, width) and its in_features.
+ExpertSlices = tuple[tuple[str, int, int], ...]
+
+
+@dataclass(frozen=True)
+class ExpertTarget:
+    """Where an adapter may add to one MoE layer's routed experts: the checkpoint's layer, the ``FusedExperts``, the
+    up projection's slices (gate then up, or up alone) and the down projection's name."""
+
+    layer: int
+    experts: object  # engine/models/moe.py FusedExperts
+    up: ExpertSlices
+    down: str
+
+    @property
+    def num_experts(self) -> int:
+        return self.experts.num_experts
+
+    def shapes(self) -> dict[str, tuple[int, int]]:
+        """Each expert module's [out, in] by its name under ``experts.{e}.``."""
+        up, down = self.experts.up, self.experts.down
+        out = {name: (width, up.in_features) for name, _, width in self.up}
+        out[self.down] = (down.out_features, down.in_features)
+        return out
+
+
+# One adapter's update of one layer's experts, float32 on the CPU: per projection ("up", "down") the expert stacks
+# (a [E, R, in], b [E, out, R] with the scale folded in), or None where it targets no expert's projection of that kind.
+ExpertUpdate = dict[str, tuple[torch.Tensor, torch.Tensor] | None]
+
+
+def expert_update(adapter: LoraAdapter, target: ExpertTarget) -> ExpertUpdate | None:
+    """``adapter``'s update of ``target``'s experts, None where it targets none of them."""
+    def stack(slices: ExpertSlices, out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        per_expert: list[list[tuple[int, LoraWeights]]] = [
+            [(offset, w) for name, offset, _ in slices
+             if (w := adapter.modules.get((target.layer, f"experts.{e}.{name}"))) is not None]
+            for e in range(target.num_experts)]
+        rank = max((sum(w.rank for _, w in ws) for ws in per_expert), default=0)
+        if rank == 0:
+            return None
+        a = torch.zeros(target.num_experts, rank, in_features)
+        b = torch.zeros(target.num_experts, out_features, rank)
+        for e, ws in enumerate(per_expert):
+            col = 0
+            for offset, w in ws:
+                a[e, col : col + w.rank] = w.a
+                b[e, offset : offset + w.b.shape[0], col : col + w.rank] = w.b * w.scale
+                col += w.rank
+        return a, b
+
+    up, down = target.experts.up, target.experts.down
+    update = {"up": stack(target.up, up.out_features, up.in_features),
+              "down": stack(((target.down, 0, down.out_features),), down.out_features, down.in_features)}
+    return update if any(v is not None for v in update.values()) else None
+
+
+class ExpertLora:
+    """The adapters' updates of one MoE layer's experts; ``FusedExperts`` calls ``add`` after each projection."""
+
+    def __init__(self, lora, updates: dict[int, ExpertUpdate], dtype: torch.dtype, device: torch.device,
+                 deterministic: bool):
+        """``lora``: the model's LoraSet; ``updates``: slot -> its update, for the adapters that target these experts
+        (none yet: experts wrapped for adapters loaded later)."""
+        self.lora = lora
+        self.dtype, self.device, self.deterministic = dtype, device, deterministic
+        self.updates: dict[int, ExpertUpdate] = dict(updates)  # float32, on the CPU: what ``rebuild`` packs
+        self.grouped: dict[int, dict[str, tuple[object, object] | None]] = {}
+        self.rebuild()
+        lora.layers.append(self)
+
+    def set_update(self, slot: int, update: ExpertUpdate | None) -> None:
+        """Slot ``slot``'s update from now on (None: it has none); called between steps."""
+        if update is None and slot not in self.updates:
+            return
+        if update is None:
+            del self.updates[slot]
+        else:
+            self.updates[slot] = update
+        self.rebuild()
+
+    def rebuild(self) -> None:
+        from pdcluster.engine.models.moe import GroupedLinear  # the model imports the LoRA layers, not the reverse
+
+        def grouped(pair):
+            if pair is None:
+                return None
+            return tuple(GroupedLinear(t.to(self.dtype).to(self.device).contiguous(), self.deterministic)
+                         for t in pair)
+
+        self.grouped = {slot: {proj: grouped(pair) for proj, pair in update.items()}
+                        for slot, update in sorted(self.updates.items())}
+        self.lora.changed()
+
+    def add(self, out: torch.Tensor, rows: torch.Tensor, offs: torch.Tensor, row_tokens: torch.Tensor,
+            proj: str) -> None:
+        """``out`` [R, N] (projection ``proj`` of the routed ``rows`` [R, K], sorted by expert, ``offs`` [E + 1]) plus
+        each row's adapter update, in place; ``row_tokens`` [R]: each row's token in the step."""
+        token_slot = self.lora.token_slot
+        if token_slot is None or not self.grouped:
+            return
+        row_slot = token_slot[row_tokens]
+        only = self.lora.step_slots if self.lora.grouped else None
+        for slot, projections in self.grouped.items():
+            pair = projections[proj]
+            if pair is None or (only is not None and slot not in only):
+                continue
+            a, b = pair
+            low = a(rows, offs)
+            low.masked_fill_((row_slot != slot).unsqueeze(1), 0)
+            out.add_(b(low, offs))

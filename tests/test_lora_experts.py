@@ -1,0 +1,224 @@
+"""LoRA adapters on a mixture-of-experts layer's routed experts (engine/lora/experts.py) and on Qwen2-MoE's shared
+expert, in PEFT's per-expert names (``mlp.experts.{e}.gate_proj``, Mixtral's ``block_sparse_moe.experts.{e}.w1``).
+
+The models are transformers-made Qwen3-MoE, Qwen2-MoE and Mixtral directories (random weights, test_qwen3.py's and
+test_model_families.py's shapes); the adapters are written here in PEFT's layout (random A and B, ranks that differ
+by module, some experts left alone, attention projections too). The oracle is transformers on the base checkpoint
+with each adapter's update merged into the weights (W + alpha / r * B @ A: what PEFT's merge_and_unload gives):
+- float32: an adapter request's greedy tokens equal the merged model's, the base model's equal the base's, in one
+  batch that mixes both adapters and the base model, both ways of running the updates (CPU grouped, CUDA's stacked);
+- deterministic bf16: every request of such a batch is bit for bit what it is alone (a row that got another row's
+  expert update, or none, would differ);
+- an adapter loaded while serving is the start-up one; what cannot run is refused with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import test_model_families
+import test_qwen3
+from conftest import make_engine
+from pdcluster.engine.lora import LoraAdapterError
+from pdcluster.engine.sampling_params import SamplingParams
+
+transformers = pytest.importorskip("transformers")
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread_per_module")]
+
+NUM_NEW = 10
+PROMPTS = [p[:24] for p in test_qwen3.PROMPTS[:5]]
+CONFIGS = {"qwen3-moe": test_qwen3.CONFIGS["qwen3-moe"], "mixtral": test_model_families.CONFIGS["mixtral"],
+           "qwen2-moe": test_model_families.CONFIGS["qwen2-moe"]}
+# Per family: the MoE block's name, the experts' gate / up / down names.
+FAMILY = {"qwen3-moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+          "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+          "qwen2-moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+PREFIX = "base_model.model.model.layers"
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory) -> dict[str, Path]:
+    return test_qwen3.save_random_models(tmp_path_factory, CONFIGS)
+
+
+def _write_adapter(path: Path, model_dir: Path, name: str, seed: int, shared: bool, attention: bool) -> Path:
+    """A PEFT adapter directory on ``name``'s experts: every sparse layer, experts 0 .. E-2 (the last left alone),
+    gate / up / down of ranks 4 / 8 / 6 (rank_pattern), lora_alpha 16; q_proj and v_proj (rank 8) with
+    ``attention``; Qwen2-MoE's shared expert with ``shared``."""
+    block, names = FAMILY[name]
+    gen = torch.Generator().manual_seed(seed)
+    weights = load_file(model_dir / "model.safetensors")
+    expert_keys = [k.split(".") for k in weights if f".{block}.experts." in k and k.endswith(f"{names[0]}.weight")]
+    layers = sorted({int(k[2]) for k in expert_keys})  # model.layers.{L}.{block}.experts.{e}.{gate}.weight
+    num_experts = 1 + max(int(k[5]) for k in expert_keys)
+    tensors = {}
+
+    def add(module_path: str, rank: int) -> None:
+        out_features, in_features = weights[f"model.layers.{module_path}.weight"].shape
+        tensors[f"{PREFIX}.{module_path}.lora_A.weight"] = torch.randn(rank, in_features, generator=gen) / in_features ** 0.5
+        tensors[f"{PREFIX}.{module_path}.lora_B.weight"] = torch.randn(out_features, rank, generator=gen) * 0.6 / rank
+
+    for layer in layers:
+        for e in range(num_experts - 1):
+            for module, rank in zip(names, (4, 8, 6)):
+                add(f"{layer}.{block}.experts.{e}.{module}", rank)
+        if shared:
+            for module in ("gate_proj", "up_proj", "down_proj"):
+                add(f"{layer}.mlp.shared_expert.{module}", 4)
+        if attention:
+            for module in ("q_proj", "v_proj"):
+                add(f"{layer}.self_attn.{module}", 8)
+    path.mkdir(parents=True)
+    save_file(tensors, path / "adapter_model.safetensors")
+    config = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": list(names) + ["q_proj", "v_proj"],
+              "rank_pattern": {names[0]: 4, names[2]: 6}, "bias": "none"}
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    return path
+
+
+def _merged(model_dir: Path, adapter: Path, out: Path) -> Path:
+    """``model_dir`` with ``adapter``'s updates merged into its weights (alpha / r by each module's own rank)."""
+    shutil.copytree(model_dir, out)
+    weights = load_file(model_dir / "model.safetensors")
+    lora = load_file(adapter / "adapter_model.safetensors")
+    for key, a in lora.items():
+        if ".lora_A." not in key:
+            continue
+        b = lora[key.replace(".lora_A.", ".lora_B.")]
+        target = key.replace(f"{PREFIX}.", "model.layers.").replace(".lora_A.weight", ".weight")
+        weights[target] = weights[target] + (16 / a.shape[0]) * b @ a
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def _hf_greedy(model_dir: Path, cls: str) -> list[list[int]]:
+    hf = test_qwen3._hf_model(model_dir, cls)
+    outs = []
+    for p in PROMPTS:
+        ids = list(p)
+        for _ in range(NUM_NEW):
+            ids.append(int(test_qwen3._hf_logits(hf, ids)[-1].argmax()))
+        outs.append(ids[len(p):])
+    return outs
+
+
+@pytest.fixture(scope="module")
+def adapters(dirs, tmp_path_factory) -> dict[str, dict[str, Path]]:
+    """family -> {"e1": experts + attention (+ shared expert on Qwen2-MoE), "e2": experts only, another seed}."""
+    root = tmp_path_factory.mktemp("expert_lora")
+    return {name: {"e1": _write_adapter(root / name / "e1", d, name, 1, shared=name == "qwen2-moe", attention=True),
+                   "e2": _write_adapter(root / name / "e2", d, name, 2, shared=False, attention=False)}
+            for name, d in dirs.items()}
+
+
+@pytest.fixture(scope="module")
+def references(dirs, adapters, tmp_path_factory) -> dict[str, dict[str | None, list[list[int]]]]:
+    """family -> adapter name (None: the base model) -> transformers' greedy tokens per prompt, float32."""
+    root = tmp_path_factory.mktemp("merged")
+    out = {}
+    for name, d in dirs.items():
+        cls = CONFIGS[name][1]
+        out[name] = {None: _hf_greedy(d, cls)}
+        for adapter, path in adapters[name].items():
+            out[name][adapter] = _hf_greedy(_merged(d, path, root / f"{name}-{adapter}"), cls)
+    return out
+
+
+def _params(adapter: str | None) -> SamplingParams:
+    return SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True, lora_name=adapter)
+
+
+def _engine(model_dir: Path, adapters: dict[str, Path], **kw):
+    kw = {"dtype": "float32", "max_model_len": 256, "num_kv_blocks": 256, "max_num_seqs": 16, **kw}
+    return make_engine(str(model_dir), lora_modules=tuple(f"{n}={p}" for n, p in adapters.items()), **kw)
+
+
+def test_references_differ_by_adapter(references):
+    """Each adapter changes what each model says (else the equalities below prove nothing)."""
+    for name, refs in references.items():
+        assert refs["e1"] != refs[None] and refs["e2"] != refs[None] and refs["e1"] != refs["e2"], name
+
+
+@pytest.mark.parametrize("way", ["grouped", "stacked"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_expert_adapters_match_the_merged_model_in_one_batch_float32(dirs, adapters, references, name, way,
+                                                                     monkeypatch):
+    from pdcluster.engine.lora import layers
+
+    if way == "stacked":
+        monkeypatch.setattr(layers.cpu_lora, "available", lambda: False)
+    engine = _engine(dirs[name], adapters[name], prefill_chunk_size=16)
+    assert engine.model.lora.grouped == (way == "grouped")
+    experts = [layer.moe.experts for layer in engine.model.layers if layer.moe is not None]
+    assert experts and all(e.lora is not None and set(e.lora.grouped) == {0, 1} for e in experts)
+    jobs = [(adapter, i) for i in range(len(PROMPTS)) for adapter in (None, "e1", "e2")]
+    outs = engine.generate([PROMPTS[i] for _, i in jobs], [_params(adapter) for adapter, _ in jobs])
+    assert [o.token_ids for o in outs] == [references[name][adapter][i] for adapter, i in jobs]
+    assert engine.scheduler.block_manager.num_free_blocks == engine.kv_spec.num_blocks
+
+
+def test_mixed_batch_is_bitwise_each_request_alone_bf16(dirs, adapters):
+    """Deterministic bf16, prefix caching off: a batch of base, e1 and e2 requests (chunked prefills beside decodes)
+    gives each request exactly its tokens alone."""
+    engine = _engine(dirs["qwen3-moe"], adapters["qwen3-moe"], dtype="bfloat16", deterministic=True,
+                     enable_prefix_caching=False, prefill_chunk_size=16)
+    jobs = [(PROMPTS[i % 3], _params(a)) for i, a in enumerate(["e1", None, "e2", "e1", "e2", None, "e1"])]
+    alone = [engine.generate([p], [sp])[0].token_ids for p, sp in jobs]
+    together = [o.token_ids for o in engine.generate([p for p, _ in jobs], [sp for _, sp in jobs])]
+    assert together == alone
+    first = {sp.lora_name: toks for (p, sp), toks in zip(jobs, alone) if p is PROMPTS[0]}
+    assert len({tuple(t) for t in first.values()}) == len(first), "an adapter changed nothing"
+
+
+def test_expert_adapter_loaded_while_serving_is_the_start_up_one(dirs, adapters, references):
+    engine = _engine(dirs["qwen3-moe"], {}, enable_lora=True, max_loras=2)
+    engine.load_lora("e2", str(adapters["qwen3-moe"]["e2"]))
+    outs = engine.generate(PROMPTS, [_params("e2")] * len(PROMPTS))
+    assert [o.token_ids for o in outs] == references["qwen3-moe"]["e2"]
+    engine.unload_lora("e2")
+    outs = engine.generate(PROMPTS[:2], [_params(None)] * 2)
+    assert [o.token_ids for o in outs] == references["qwen3-moe"][None][:2]
+
+
+def _copy_with(src: Path, dst: Path, change) -> Path:
+    shutil.copytree(src, dst)
+    tensors = change(load_file(src / "adapter_model.safetensors"))
+    save_file(tensors, dst / "adapter_model.safetensors")
+    return dst
+
+
+def _renamed(old: str, new: str):
+    return lambda w: {k.replace(old, new): v for k, v in w.items()}
+
+
+REFUSED = {
+    # An expert past the layer's 8.
+    "expert_index": (_renamed(".experts.0.", ".experts.8."), r"layer 0 experts\.8\.\w+: this layer has no such"),
+    # Layer 1 is dense (mlp_only_layers): it has no experts.
+    "dense_layer": (_renamed("layers.0.mlp.experts", "layers.1.mlp.experts"), r"layer 1 experts\.0\.\w+: this layer has no such"),
+    "shape": (lambda w: {**w, f"{PREFIX}.0.mlp.experts.1.down_proj.lora_A.weight": torch.zeros(6, 7)},
+              r"experts.1.down_proj: lora_A \(6, 7\) / lora_B .* do not fit"),
+    # PEFT's target_parameters form (one parameter for every expert): not served.
+    "stacked_parameter": (lambda w: {**w, f"{PREFIX}.0.mlp.experts.lora_A.weight": torch.zeros(8, 64)},
+                          "'base_model.model.model.layers.0.mlp.experts.lora_A.weight' is not a LoRA A/B weight"),
+    # A shared expert on a model that has none.
+    "shared_expert": (lambda w: {**w, f"{PREFIX}.0.mlp.shared_expert.up_proj.lora_A.weight": torch.zeros(4, 64),
+                                 f"{PREFIX}.0.mlp.shared_expert.up_proj.lora_B.weight": torch.zeros(48, 4)},
+                      "layer 0 shared_expert.up_proj: this layer has no such"),
+    "router": (lambda w: {**w, f"{PREFIX}.0.mlp.gate.lora_A.weight": torch.zeros(4, 64)},
+               "mlp.gate.lora_A.weight' is not a LoRA A/B weight"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_expert_adapters_we_cannot_run_are_refused_with_the_reason(dirs, adapters, tmp_path, case):
+    change, message = REFUSED[case]
+    path = _copy_with(adapters["qwen3-moe"]["e2"], tmp_path / case, change)
+    with pytest.raises(LoraAdapterError, match=message):
+        _engine(dirs["qwen3-moe"], {"x": path})
