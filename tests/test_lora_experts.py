@@ -60,9 +60,7 @@ def _write_adapter(path: Path, model_dir: Path, name: str, seed: int, shared: bo
     tensors = {}
 
     def add(module_path: str, rank: int) -> None:
-        out_features, in_features = weights[f"model.layers.{module_path}.weight"].shape
-        tensors[f"{PREFIX}.{module_path}.lora_A.weight"] = torch.randn(rank, in_features, generator=gen) / in_features ** 0.5
-        tensors[f"{PREFIX}.{module_path}.lora_B.weight"] = torch.randn(out_features, rank, generator=gen) * 0.6 / rank
+        _add_pair(tensors, weights, f"model.layers.{module_path}", rank, gen)
 
     for layer in layers:
         for e in range(num_experts - 1):
@@ -82,6 +80,14 @@ def _write_adapter(path: Path, model_dir: Path, name: str, seed: int, shared: bo
     return path
 
 
+def _add_pair(tensors: dict, weights: dict, module: str, rank: int, gen: torch.Generator) -> None:
+    """A random lora_A / lora_B pair of ``rank`` for the checkpoint's ``module`` (its weight's key less
+    ``.weight``), under PEFT's name for it."""
+    out_features, in_features = weights[f"{module}.weight"].shape
+    tensors[f"base_model.model.{module}.lora_A.weight"] = torch.randn(rank, in_features, generator=gen) / in_features ** 0.5
+    tensors[f"base_model.model.{module}.lora_B.weight"] = torch.randn(out_features, rank, generator=gen) * 0.6 / rank
+
+
 def _merged(model_dir: Path, adapter: Path, out: Path) -> Path:
     """``model_dir`` with ``adapter``'s updates merged into its weights (alpha / r by each module's own rank)."""
     shutil.copytree(model_dir, out)
@@ -91,7 +97,7 @@ def _merged(model_dir: Path, adapter: Path, out: Path) -> Path:
         if ".lora_A." not in key:
             continue
         b = lora[key.replace(".lora_A.", ".lora_B.")]
-        target = key.replace(f"{PREFIX}.", "model.layers.").replace(".lora_A.weight", ".weight")
+        target = key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
         weights[target] = weights[target] + (16 / a.shape[0]) * b @ a
     save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
     return out
@@ -222,3 +228,52 @@ def test_expert_adapters_we_cannot_run_are_refused_with_the_reason(dirs, adapter
     path = _copy_with(adapters["qwen3-moe"]["e2"], tmp_path / case, change)
     with pytest.raises(LoraAdapterError, match=message):
         _engine(dirs["qwen3-moe"], {"x": path})
+
+
+# ---------------------------------------------------------------------------------------------------
+# NemotronH (the source reports' model shape): routed experts on the hidden or the latent width, the shared expert
+
+
+@pytest.fixture(scope="module")
+def nemotron(tmp_path_factory) -> dict[str, tuple[Path, Path, object]]:
+    """name -> (model directory, adapter on every MoE layer's experts 0-6 (up rank 4, down rank 8), its shared
+    experts and its Mamba in_proj, transformers on the merged weights)."""
+    import test_nemotron_moe
+
+    out = {}
+    for name, kwargs in test_nemotron_moe.CONFIGS.items():
+        d = test_nemotron_moe.save_nemotron_h(tmp_path_factory.mktemp(f"nemotron-{name}"), kwargs)
+        weights = load_file(d / "model.safetensors")
+        gen = torch.Generator().manual_seed(3)
+        tensors = {}
+        for key in sorted(weights):
+            module = key.removesuffix(".weight")
+            expert = ".mixer.experts." in key and int(key.split(".experts.")[1].split(".")[0]) < 7
+            if (expert or ".mixer.shared_experts." in key or key.endswith("mixer.in_proj.weight")) and key.endswith(
+                    ("up_proj.weight", "down_proj.weight", "in_proj.weight")):
+                _add_pair(tensors, weights, module, 8 if key.endswith("down_proj.weight") else 4, gen)
+        assert any(".experts.6.up_proj" in k for k in tensors) and any(".shared_experts." in k for k in tensors)
+        adapter = tmp_path_factory.mktemp(f"nemotron-{name}-lora") / "n1"
+        adapter.mkdir()
+        save_file(tensors, adapter / "adapter_model.safetensors")
+        (adapter / "adapter_config.json").write_text(json.dumps(
+            {"peft_type": "LORA", "r": 4, "lora_alpha": 16, "rank_pattern": {"down_proj": 8}, "bias": "none",
+             "target_modules": ["up_proj", "down_proj", "in_proj"]}))
+        merged = _merged(d, adapter, tmp_path_factory.mktemp(f"nemotron-{name}-merged") / "m")
+        out[name] = (d, adapter, test_nemotron_moe._hf_model(merged))
+    return out
+
+
+@pytest.mark.parametrize("name", ["moe", "latent"])
+def test_nemotron_h_expert_adapter_matches_the_merged_model(nemotron, name):
+    import test_nemotron_moe
+
+    model_dir, adapter, hf_merged = nemotron[name]
+    engine = _engine(model_dir, {"n1": adapter}, prefill_chunk_size=16)
+    experts = engine.model.lora_expert_targets()
+    assert experts and all(t.experts.lora is not None and set(t.experts.lora.grouped) == {0} for t in experts)
+    jobs = [(p, adapter_name) for p in PROMPTS for adapter_name in ("n1", None)]
+    outs = [o.token_ids for o in engine.generate([p for p, _ in jobs], [_params(a) for _, a in jobs])]
+    test_nemotron_moe.assert_greedy_of(hf_merged, PROMPTS, outs[::2])
+    base = [o.token_ids for o in _engine(model_dir, {}).generate(PROMPTS, _params(None))]
+    assert outs[1::2] == base and outs[::2] != base

@@ -4,9 +4,10 @@
 What is served: LoRA (not DoRA) on a decoder layer's projections: q/k/v/o and gate/up/down of a Llama-family or
 Qwen3 model; q/k/v/o, up/down and the Mamba in_proj / out_proj of a NemotronH; q/k/v/o, the Mamba in_proj / out_proj
 and the shared MLP's input_linear / output_linear of a Granite 4.0 hybrid; the routed experts of a Qwen3-MoE,
-Qwen2-MoE or Mixtral layer in PEFT's per-expert form (``mlp.experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``,
-Mixtral's ``block_sparse_moe.experts.{e}.w1`` / ``w3`` / ``w2``: what PEFT writes for checkpoints that keep an expert's
-projections as Linear modules, and what vLLM loads) and Qwen2-MoE's shared expert (``mlp.shared_expert.*``); any
+Qwen2-MoE, Mixtral or NemotronH layer in PEFT's per-expert form (``mlp.experts.{e}.gate_proj`` / ``up_proj`` /
+``down_proj``, Mixtral's ``block_sparse_moe.experts.{e}.w1`` / ``w3`` / ``w2``, NemotronH's ``mixer.experts.{e}.up_proj``
+/ ``down_proj``: what PEFT writes for checkpoints that keep an expert's projections as Linear modules, and what vLLM
+loads) and the shared expert (Qwen2-MoE's ``mlp.shared_expert.*``, NemotronH's ``mixer.shared_experts.*``); any
 rank up to the engine's ``max_lora_rank`` (PEFT's ``rank_pattern`` too: each module's rank is its tensors'), scaled
 by lora_alpha / r (rsLoRA: lora_alpha / sqrt(r)). What an adapter may carry that we do not run is refused by name
 when it loads, never silently dropped: embedding or LM-head adapters, modules_to_save, biases, DoRA, per-module
@@ -38,7 +39,7 @@ EXPERT_MODULES = frozenset({"gate_proj", "up_proj", "down_proj", "w1", "w3", "w2
 # (``experts.{e}.``, under mlp or Mixtral's block_sparse_moe) or Qwen2-MoE's shared expert (``shared_expert.``). A
 # Granite MoE layer's stacked experts (block_sparse_moe.input_linear) are refused by name.
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp|mixer|mamba|shared_mlp|block_sparse_moe)\."
-                  r"((?:experts\.\d+\.|shared_expert\.)?\w+)\.lora_([AB])\.weight$")
+                  r"((?:experts\.\d+\.|shared_experts?\.)?\w+)\.lora_([AB])\.weight$")
 
 
 def _module_name(block: str, module: str) -> str | None:
@@ -49,8 +50,10 @@ def _module_name(block: str, module: str) -> str | None:
         return module if leaf in EXPERT_MODULES else None
     if block == "block_sparse_moe":  # anything but a per-expert projection: a Granite MoE's stacks, the router
         return None
-    if prefix:  # shared_expert.
+    if prefix == ["shared_expert"]:  # Qwen2-MoE's
         return module if block == "mlp" and leaf in ("gate_proj", "up_proj", "down_proj") else None
+    if prefix:  # NemotronH's shared_experts.
+        return module if block == "mixer" and leaf in ("up_proj", "down_proj") else None
     return module if leaf in MODULES else None
 
 
