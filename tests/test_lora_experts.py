@@ -1,7 +1,8 @@
-"""LoRA adapters on a mixture-of-experts layer's routed experts (engine/lora/experts.py) and on Qwen2-MoE's shared
-expert, in PEFT's per-expert names (``mlp.experts.{e}.gate_proj``, Mixtral's ``block_sparse_moe.experts.{e}.w1``).
+"""LoRA adapters on a mixture-of-experts layer's routed experts (engine/lora/experts.py) and on the shared expert,
+in PEFT's per-expert names (``mlp.experts.{e}.gate_proj``, Mixtral's ``block_sparse_moe.experts.{e}.w1``, NemotronH's
+``mixer.experts.{e}.up_proj``).
 
-The models are transformers-made Qwen3-MoE, Qwen2-MoE and Mixtral directories (random weights, test_qwen3.py's and
+The models are transformers-made Qwen3-MoE, Qwen2-MoE, Mixtral and NemotronH (plain and latent MoE) directories (random weights, test_qwen3.py's and
 test_model_families.py's shapes); the adapters are written here in PEFT's layout (random A and B, ranks that differ
 by module, some experts left alone, attention projections too). The oracle is transformers on the base checkpoint
 with each adapter's update merged into the weights (W + alpha / r * B @ A: what PEFT's merge_and_unload gives):
@@ -228,6 +229,12 @@ def test_expert_adapters_we_cannot_run_are_refused_with_the_reason(dirs, adapter
     path = _copy_with(adapters["qwen3-moe"]["e2"], tmp_path / case, change)
     with pytest.raises(LoraAdapterError, match=message):
         _engine(dirs["qwen3-moe"], {"x": path})
+
+
+def test_expert_adapters_on_a_split_model_are_refused(dirs, adapters):
+    """A rank holds a slice of every expert: adapters on experts are served on a whole model only, said so."""
+    with pytest.raises(LoraAdapterError, match="served on a whole model only, not split 2 ways"):
+        _engine(dirs["qwen3-moe"], {"e2": adapters["qwen3-moe"]["e2"]}, tensor_parallel_size=2)
 
 
 # ---------------------------------------------------------------------------------------------------
