@@ -339,7 +339,7 @@ BAD = {
     "dora": (dict(config={"use_dora": True}), "DoRA"),
     "modules_to_save": (dict(config={"modules_to_save": ["lm_head"]}), "modules_to_save"),
     "bias": (dict(config={"bias": "lora_only"}), "bias='lora_only'"),
-    "alpha_pattern": (dict(config={"alpha_pattern": {"q_proj": 3}}), "alpha_pattern"),
+    "alpha_pattern": (dict(config={"alpha_pattern": {"q_proj": "three"}}), "alpha_pattern .* is not a mapping"),
     "lm_head": (dict(tensors=lambda w: {**w, "base_model.model.lm_head.lora_A.weight": torch.zeros(8, _hidden(w))}),
                 "'base_model.model.lm_head.lora_A.weight' is not a LoRA A/B weight"),
     "unpaired": (dict(tensors=lambda w: {k: v for k, v in w.items() if k != _first(w, "q_proj.lora_B.weight")}),
@@ -348,6 +348,25 @@ BAD = {
               r"o_proj: lora_A \(8, 7\) / lora_B .* do not fit"),
     "layer": (dict(tensors=_with_layer_99), "layer 99 but the base model has"),
 }
+
+
+def test_rank_and_alpha_patterns_match_peft(tiny_dir, tmp_path):
+    """PEFT's rank_pattern and alpha_pattern (a module's own r and lora_alpha, by name or by regular expression):
+    peft's greedy tokens in fp32."""
+    torch.manual_seed(5)
+    config = peft.LoraConfig(r=8, lora_alpha=16, init_lora_weights=False, target_modules=ALL_MODULES,
+                             rank_pattern={"q_proj": 2}, alpha_pattern={"v_proj": 64, r".*\.0\.mlp\.down_proj": 1})
+    model = peft.get_peft_model(_hf(tiny_dir), config).eval()
+    model.save_pretrained(tmp_path / "p")
+    engine = make_engine(MODEL, dtype="float32", lora_modules=(f"p={tmp_path / 'p'}",))
+    for prompt in PROMPTS:
+        with torch.no_grad():
+            want = model.generate(torch.tensor([prompt]), max_new_tokens=NUM_TOKENS, do_sample=False,
+                                  min_new_tokens=NUM_TOKENS)[0, len(prompt):].tolist()
+        assert engine.generate([prompt], [_params("p")])[0].token_ids == want
+    adapter = engine.model.lora.adapters[0]
+    assert adapter.modules[(0, "q_proj")].rank == 2 and adapter.modules[(0, "v_proj")].scale == 64 / 8
+    assert adapter.modules[(0, "down_proj")].scale == 1 / 8 and adapter.modules[(1, "down_proj")].scale == 16 / 8
 
 
 @pytest.mark.parametrize("case", sorted(BAD))

@@ -211,9 +211,18 @@ REFUSED = {
     "dense_layer": (_renamed("layers.0.mlp.experts", "layers.1.mlp.experts"), r"layer 1 experts\.0\.\w+: this layer has no such"),
     "shape": (lambda w: {**w, f"{PREFIX}.0.mlp.experts.1.down_proj.lora_A.weight": torch.zeros(6, 7)},
               r"experts.1.down_proj: lora_A \(6, 7\) / lora_B .* do not fit"),
-    # PEFT's target_parameters form (one parameter for every expert): not served.
-    "stacked_parameter": (lambda w: {**w, f"{PREFIX}.0.mlp.experts.lora_A.weight": torch.zeros(8, 64)},
-                          "'base_model.model.model.layers.0.mlp.experts.lora_A.weight' is not a LoRA A/B weight"),
+    # PEFT's target_parameters form (one parameter for every expert; served: tests/test_qwen3.py), broken three ways.
+    "stacked_unpaired": (lambda w: {**w, f"{PREFIX}.0.mlp.experts.lora_A.weight": torch.zeros(8, 64)},
+                         "layer 0 experts: a stacked parameter's lora_A / lora_B are not a"),
+    "stacked_shape": (lambda w: {**w, f"{PREFIX}.0.mlp.experts.lora_A.weight": torch.zeros(16, 64),
+                                 f"{PREFIX}.0.mlp.experts.lora_B.weight": torch.zeros(50, 16)},
+                      r"layer 0 experts: lora_A \(16, 64\) / lora_B \(50, 16\) fit neither expert projection"),
+    "stacked_rank": (lambda w: {**w, f"{PREFIX}.0.mlp.experts.lora_A.weight": torch.zeros(12, 64),
+                                f"{PREFIX}.0.mlp.experts.lora_B.weight": torch.zeros(96, 12)},
+                     "lora_A's 12 rows are not a rank for each of 8 experts"),
+    "stacked_twice": (lambda w: {**w, f"{PREFIX}.0.mlp.experts.lora_A.weight": torch.zeros(16, 64),
+                                 f"{PREFIX}.0.mlp.experts.lora_B.weight": torch.zeros(96, 16)},
+                      "expert 0 gate_proj is adapted twice"),
     # A shared expert on a model that has none.
     "shared_expert": (lambda w: {**w, f"{PREFIX}.0.mlp.shared_expert.up_proj.lora_A.weight": torch.zeros(4, 64),
                                  f"{PREFIX}.0.mlp.shared_expert.up_proj.lora_B.weight": torch.zeros(48, 4)},
@@ -284,3 +293,27 @@ def test_nemotron_h_expert_adapter_matches_the_merged_model(nemotron, name):
     test_nemotron_moe.assert_greedy_of(hf_merged, PROMPTS, outs[::2])
     base = [o.token_ids for o in _engine(model_dir, {}).generate(PROMPTS, _params(None))]
     assert outs[1::2] == base and outs[::2] != base
+
+
+@pytest.mark.parametrize("name", ["moe", "latent"])
+def test_nemotron_h_peft_adapter_on_stacked_experts_matches_peft(nemotron, name, tmp_path):
+    """An adapter made by peft on transformers' NemotronH: its routed experts through target_parameters (the stacked
+    form), the shared experts and the Mamba in_proj as modules; greedy tokens equal peft's, beside base requests."""
+    import test_nemotron_moe
+
+    peft = pytest.importorskip("peft")
+    model_dir = nemotron[name][0]
+    torch.manual_seed(4)
+    adapted = peft.get_peft_model(test_nemotron_moe._hf_model(model_dir), peft.LoraConfig(
+        r=4, lora_alpha=8, init_lora_weights=False, target_modules=["up_proj", "down_proj", "in_proj"],
+        target_parameters=["experts.up_proj", "experts.down_proj"])).eval()
+    adapted.save_pretrained(tmp_path / "p")
+    keys = list(load_file(tmp_path / "p" / "adapter_model.safetensors"))
+    assert any(k.endswith("mixer.experts.base_layer.lora_A.weight") for k in keys), keys
+    engine = _engine(model_dir, {"p": tmp_path / "p"}, prefill_chunk_size=16)
+    outs = [o.token_ids for o in engine.generate([p for p in PROMPTS for _ in (0, 1)],
+                                                 [_params(a) for _ in PROMPTS for a in ("p", None)])]
+    test_nemotron_moe.assert_greedy_of(adapted, PROMPTS, outs[::2])
+    with adapted.disable_adapter():
+        test_nemotron_moe.assert_greedy_of(adapted, PROMPTS, outs[1::2])
+    assert outs[::2] != outs[1::2]

@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Sequence
 
 from pdcluster.engine.lora.adapter import LoraAdapter, LoraAdapterError, LoraWeights, load_adapter
-from pdcluster.engine.lora.experts import ExpertLora, expert_update
+from pdcluster.engine.lora.experts import ExpertLora, expert_update, unstack
 from pdcluster.engine.lora.layers import LoraLinear, LoraSet, grouped_way, slice_updates
 
 log = logging.getLogger(__name__)
@@ -105,8 +105,9 @@ def check_fits(model, adapter: LoraAdapter) -> None:
 def _fitted(model, adapter: LoraAdapter) -> LoraAdapter:
     """``adapter`` checked against the model (check_fits), as this model runs it: cut to its rank's slice on a
     split model."""
-    check_fits(model, adapter)
     shard = model.tp_shard
+    adapter = unstack(adapter, model.lora_expert_targets(), shard is None or shard.world_size == 1)
+    check_fits(model, adapter)
     if shard is None or shard.world_size == 1:
         return adapter
     from pdcluster.engine.tensor_parallel.shard_lora import shard_adapter

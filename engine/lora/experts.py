@@ -19,11 +19,11 @@ rank R over the routed rows: R / (2I) of the up projection's work (rank 16 on a 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from pdcluster.engine.lora.adapter import LoraAdapter, LoraWeights
+from pdcluster.engine.lora.adapter import LoraAdapter, LoraAdapterError, LoraWeights, lora_scale
 
 # A projection of every expert: its output slices (Hugging Face module name, offset, width) and its in_features.
 ExpertSlices = tuple[tuple[str, int, int], ...]
@@ -38,6 +38,8 @@ class ExpertTarget:
     experts: object  # engine/models/moe.py FusedExperts
     up: ExpertSlices
     down: str
+    # transformers 5's names of the experts' stacked parameters (up, down): what PEFT's target_parameters name
+    params: tuple[str, str] = ("gate_up_proj", "down_proj")
 
     @property
     def num_experts(self) -> int:
@@ -49,6 +51,50 @@ class ExpertTarget:
         out = {name: (width, up.in_features) for name, _, width in self.up}
         out[self.down] = (down.out_features, down.in_features)
         return out
+
+
+def unstack(adapter: LoraAdapter, targets: list[ExpertTarget], whole: bool) -> LoraAdapter:
+    """``adapter`` with PEFT's target_parameters form of experts (``adapter.stacked``: one A and B per expert-stack
+    parameter, what PEFT >= 0.17 writes for transformers 5's fused experts) turned into per-expert modules, as the
+    per-expert form names them. Which parameter a pair adapts is read from its shapes (the up projection's
+    [in, out] differs from the down projection's); its rank is its rows over the layer's number of experts, its
+    lora_alpha the config's for ``{module}.{parameter}`` (PEFT doubles a fused gate/up parameter's rank and alpha
+    through rank_pattern / alpha_pattern). LoraAdapterError for a layer whose experts take no adapters here."""
+    if not adapter.stacked:
+        return adapter
+    by_layer = {t.layer: t for t in targets}
+    modules = dict(adapter.modules)
+    for (layer, _), stacked in sorted(adapter.stacked.items()):
+        refuse = f"LoRA adapter {adapter.name!r} ({adapter.path}): layer {layer} experts: "
+        target = by_layer.get(layer)
+        if target is None:
+            raise LoraAdapterError(refuse + ("adapters on a mixture-of-experts layer's experts are served on a whole "
+                                             "model only, not split (tensor_parallel_size 1)" if not whole else
+                                             "this layer has no experts that take adapters"))
+        num_experts, (rows, in_features), out_features = target.num_experts, stacked.a.shape, stacked.b.shape[0]
+        up, down = target.experts.up, target.experts.down
+        if (in_features, out_features) == (up.in_features, up.out_features):
+            param, slices = target.params[0], target.up
+        elif (in_features, out_features) == (down.in_features, down.out_features):
+            param, slices = target.params[1], ((target.down, 0, down.out_features),)
+        else:
+            raise LoraAdapterError(f"{refuse}lora_A {tuple(stacked.a.shape)} / lora_B {tuple(stacked.b.shape)} fit "
+                                   f"neither expert projection of the base model (up [{up.out_features}, "
+                                   f"{up.in_features}], down [{down.out_features}, {down.in_features}] for each of "
+                                   f"{num_experts} experts)")
+        if rows % num_experts:
+            raise LoraAdapterError(f"{refuse}lora_A's {rows} rows are not a rank for each of {num_experts} experts")
+        rank = rows // num_experts
+        scale = lora_scale(adapter.alphas.of(f"{stacked.path}.{param}"), rank, adapter.rslora)
+        a = stacked.a.reshape(num_experts, rank, in_features)
+        b = stacked.b.reshape(out_features, rank, num_experts)
+        for e in range(num_experts):
+            for name, offset, width in slices:
+                key = (layer, f"experts.{e}.{name}")
+                if key in modules:
+                    raise LoraAdapterError(f"{refuse}expert {e} {name} is adapted twice (per expert and stacked)")
+                modules[key] = LoraWeights(a[e].contiguous(), b[offset : offset + width, :, e].contiguous(), scale)
+    return replace(adapter, modules=modules, stacked={})
 
 
 # One adapter's update of one layer's experts, float32 on the CPU: per projection ("up", "down") the expert stacks

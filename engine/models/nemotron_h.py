@@ -313,7 +313,7 @@ class NemotronHModel(CausalLM):
         if self.arch.granite is not None or not self._whole:
             return []
         return [ExpertTarget(i, block.mixer.mixer.experts, (("up_proj", 0, block.mixer.mixer.experts.up.out_features),),
-                             "down_proj")
+                             "down_proj", params=("up_proj", "down_proj"))
                 for i, block in enumerate(self.layers) if block.kind == MOE]
 
     @property
