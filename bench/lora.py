@@ -3,7 +3,7 @@ request on the base model, every request on one adapter, requests spread over al
 one adapter; for pdcluster also with no adapters loaded at all; with ``--vllm-python``, the same on vLLM's CPU
 build (``enable_lora``), the same prompts and adapters, timed by the same code. Prints one JSON object.
 
-    python bench/lora.py [--model smollm2] [--num-adapters 4] [--rank 16] [--batch 8] [--input-len 128]
+    python bench/lora.py [--model smollm2 | random-qwen3-moe | DIR] [--num-adapters 4] [--rank 16] [--batch 8] [--input-len 128]
                          [--output-len 64] [--repeats 3] [--threads 2] [--tensor-parallel-size 1]
                          [--vllm-python /work/vllmv/bin/python]
                          [--out bench/results/lora.json]
@@ -49,6 +49,33 @@ def make_adapters(model_dir: Path, num: int, rank: int, folder: Path) -> list[tu
         model.save_pretrained(folder / f"lora{i}")
         out.append((f"lora{i}", str(folder / f"lora{i}")))
     return out
+
+
+RANDOM_MOE = "random-qwen3-moe"
+
+
+def random_qwen3_moe(folder: Path) -> Path:
+    """A Qwen3-MoE made by transformers with random weights (std 0.02), smollm2's tokenizer beside it: 8 layers,
+    hidden 1024, 32 experts of width 384, top 4, GQA 16/4 heads of 64, vocab 32,000 (~0.4B parameters, ~0.1B read
+    per token). peft adapts its experts in the stacked form (target_parameters) and its attention as modules."""
+    import shutil
+
+    import torch
+    import transformers
+
+    from pdcluster.engine.models.registry import resolve_model
+
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(vocab_size=32000, hidden_size=1024, num_hidden_layers=8,
+                                         num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+                                         intermediate_size=2048, moe_intermediate_size=384, num_experts=32,
+                                         num_experts_per_tok=4, norm_topk_prob=True, max_position_embeddings=2048,
+                                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    transformers.Qwen3MoeForCausalLM(config).to(torch.bfloat16).save_pretrained(str(folder))
+    smollm2 = resolve_model("smollm2", progress=False)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2 / name, folder / name)
+    return folder
 
 
 def scenarios_for(names: list[str], batch: int) -> dict[str, list[str | None]]:
@@ -121,15 +148,18 @@ def main() -> None:
 
     from pdcluster.engine.models.registry import resolve_model
 
-    model_dir = resolve_model(args.model, progress=False)
-    rng = random.Random(0)
-    prompts = [[rng.randrange(100, 40000) for _ in range(args.input_len)] for _ in range(args.batch)]
+    label = args.model
     with tempfile.TemporaryDirectory() as tmp:
+        if args.model == RANDOM_MOE:
+            args.model = str(random_qwen3_moe(Path(tmp) / RANDOM_MOE))
+        model_dir = resolve_model(args.model, progress=False)
+        rng = random.Random(0)
+        prompts = [[rng.randrange(100, 30000) for _ in range(args.input_len)] for _ in range(args.batch)]
         adapters = make_adapters(model_dir, args.num_adapters, args.rank, Path(tmp))
         spec = {"prompts": prompts, "adapters": adapters, "rank": args.rank, "dtype": args.dtype,
                 "output_len": args.output_len, "repeats": args.repeats,
                 "scenarios": scenarios_for([n for n, _ in adapters], args.batch)}
-        report = {"model": args.model, "num_adapters": args.num_adapters, "rank": args.rank, "batch": args.batch,
+        report = {"model": label, "num_adapters": args.num_adapters, "rank": args.rank, "batch": args.batch,
                   "input_len": args.input_len, "output_len": args.output_len, "repeats": args.repeats,
                   "threads": args.threads, "ratio_definition": "vllm / ours for times: > 1 means pdcluster is better"}
         report["pdcluster"] = ours(spec, args.model, args.threads, args.tensor_parallel_size)

@@ -170,9 +170,14 @@ def test_expert_adapters_match_the_merged_model_in_one_batch_float32(dirs, adapt
     assert engine.scheduler.block_manager.num_free_blocks == engine.kv_spec.num_blocks
 
 
-def test_mixed_batch_is_bitwise_each_request_alone_bf16(dirs, adapters):
+@pytest.mark.parametrize("way", ["grouped", "stacked"])
+def test_mixed_batch_is_bitwise_each_request_alone_bf16(dirs, adapters, way, monkeypatch):
     """Deterministic bf16, prefix caching off: a batch of base, e1 and e2 requests (chunked prefills beside decodes)
-    gives each request exactly its tokens alone."""
+    gives each request exactly its tokens alone, with each adapter over its own rows (CPU) or every slot masked."""
+    from pdcluster.engine.lora import layers
+
+    if way == "stacked":
+        monkeypatch.setattr(layers.cpu_lora, "available", lambda: False)
     engine = _engine(dirs["qwen3-moe"], adapters["qwen3-moe"], dtype="bfloat16", deterministic=True,
                      enable_prefix_caching=False, prefill_chunk_size=16)
     jobs = [(PROMPTS[i % 3], _params(a)) for i, a in enumerate(["e1", None, "e2", "e1", "e2", None, "e1"])]

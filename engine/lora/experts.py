@@ -11,10 +11,11 @@ offsets; a row of another slot (or of the base model) has its low-rank product z
 exact zeros. The grouped matmuls are the experts' own kernels (batch-invariant on CPU and in Triton), so a row's
 update depends on that row alone: deterministic mode and the batch-invariance tests hold with adapters on experts.
 
-Which slots run: on CPU (the grouped way) only the adapters that have rows in the step; elsewhere (CUDA) every slot
-that has an update of this layer, masked, so that a decode step's shapes follow its number of tokens alone and the
-CUDA graphs capture it (``LoraSet.token_slot`` is their static buffer there). A slot costs two grouped matmuls of
-rank R over the routed rows: R / (2I) of the up projection's work (rank 16 on a 768-wide expert: 1%).
+Which rows run: on CPU (the grouped way) each adapter of the step over its own rows only (picked out, with offsets
+of their own), so an adapter reads only the A and B of the experts its rows were routed to; elsewhere (CUDA) every
+slot that has an update of this layer over every routed row, masked, so that a decode step's shapes follow its
+number of tokens alone and the CUDA graphs capture it (``LoraSet.token_slot`` is their static buffer there). Either
+way a row gets its own adapter's update computed from that row alone, so both give the same bits.
 """
 
 from __future__ import annotations
@@ -165,20 +166,35 @@ class ExpertLora:
                         for slot, update in sorted(self.updates.items())}
         self.lora.changed()
 
-    def add(self, out: torch.Tensor, rows: torch.Tensor, offs: torch.Tensor, row_tokens: torch.Tensor,
-            proj: str) -> None:
-        """``out`` [R, N] (projection ``proj`` of the routed ``rows`` [R, K], sorted by expert, ``offs`` [E + 1]) plus
-        each row's adapter update, in place; ``row_tokens`` [R]: each row's token in the step."""
+    def plan(self, offs: torch.Tensor, order: torch.Tensor, experts: torch.Tensor, top_k: int) -> list | None:
+        """For one call of the experts (``experts`` [T * k] each (token, slot) pair's expert, ``order`` those pairs
+        sorted by expert: the routed rows, ``offs`` [E + 1] each expert's), which rows each adapter updates, shared
+        by the up and the down projection: [(slot, its rows or a mask of the others', their offsets)]; None: no
+        adapter row in the step."""
         token_slot = self.lora.token_slot
         if token_slot is None or not self.grouped:
-            return
-        row_slot = token_slot[row_tokens]
-        only = self.lora.step_slots if self.lora.grouped else None
-        for slot, projections in self.grouped.items():
-            pair = projections[proj]
-            if pair is None or (only is not None and slot not in only):
+            return None
+        row_slot, row_experts = token_slot[order // top_k], experts[order]
+        if not self.lora.grouped:  # CUDA: every slot over every row, masked (shapes fixed for the graphs)
+            return [(slot, row_slot != slot, offs) for slot in self.grouped]
+        plan = []  # CPU: each adapter of the step over its own rows (its experts' A and B read alone)
+        for slot in sorted(self.lora.step_slots & self.grouped.keys()):
+            picked = (row_slot == slot).nonzero().squeeze(1)
+            if picked.numel():
+                counts = torch.bincount(row_experts[picked], minlength=len(offs) - 1)
+                plan.append((slot, picked, torch.cat([counts.new_zeros(1), counts.cumsum(0)])))
+        return plan
+
+    def add(self, out: torch.Tensor, rows: torch.Tensor, plan: list, proj: str) -> None:
+        """``out`` [R, N] (projection ``proj`` of the routed ``rows`` [R, K]) plus each row's adapter update, in place,
+        as ``plan`` says."""
+        for slot, picked, offs in plan:
+            pair = self.grouped[slot][proj]
+            if pair is None:
                 continue
             a, b = pair
-            low = a(rows, offs)
-            low.masked_fill_((row_slot != slot).unsqueeze(1), 0)
-            out.add_(b(low, offs))
+            if picked.dtype == torch.bool:  # a mask of the rows of other slots
+                low = a(rows, offs)
+                out.add_(b(low.masked_fill_(picked.unsqueeze(1), 0), offs))
+            else:
+                out.index_add_(0, picked, b(a(rows[picked], offs), offs))

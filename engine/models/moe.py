@@ -189,14 +189,13 @@ class FusedExperts:
         rows_in = x[order // k]
         if self.scale_inputs:
             rows_in = rows_in * weights.reshape(-1)[order].unsqueeze(-1)
-        lora = self.lora
-        if lora is not None and lora.lora.token_slot is not None:  # a step with adapter rows
-            row_tokens = order // k
+        plan = self.lora.plan(offs, order, flat, k) if self.lora is not None else None
+        if plan is not None:  # a step with adapter rows (engine/lora/experts.py)
             up = self.up(rows_in, offs)
-            lora.add(up, rows_in, offs, row_tokens, "up")
+            self.lora.add(up, rows_in, plan, "up")
             hidden = self.activation(up)
             rows = self.down(hidden, offs)
-            lora.add(rows, hidden, offs, row_tokens, "down")
+            self.lora.add(rows, hidden, plan, "down")
         elif self.up_bias is None:
             rows = self.down(self.activation(self.up(rows_in, offs)), offs)
         else:  # each row's expert, in the sorted order: its bias row
