@@ -36,8 +36,12 @@ def write_kv(
     layer_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # int64 [num_tokens]
 ) -> None:
-    """Write each token's K and V into its slot of the paged cache (in place)."""
+    """Write each token's K and V into its slot of the paged cache (in place); a slot of -1 (a padded row of a CUDA
+    graph's batch, vLLM's PAD_SLOT_ID) writes nothing, as in the C and Triton kernels."""
     _, num_blocks, block_size, num_kv_heads, head_dim = layer_cache.shape
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
     flat = layer_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
     key, value = to_cache_dtype(key, layer_cache.dtype), to_cache_dtype(value, layer_cache.dtype)
     if layer_cache.dtype in FP8_MAX:  # torch has no index_copy_ for fp8: the same bytes through uint8 views
