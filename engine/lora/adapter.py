@@ -96,6 +96,7 @@ class LoraAdapter:
     stacked: dict[tuple[int, int], "StackedParameter"] = field(default_factory=dict)
     alphas: "AlphaPattern | None" = None  # lora_alpha by module (the config's alpha_pattern)
     rslora: bool = False
+    rank_limit: int = 0  # the max_lora_rank it was read under (a stacked parameter's rank is checked once unstacked)
 
     @property
     def max_rank(self) -> int:
@@ -244,7 +245,7 @@ def parse_adapter(name: str, path: str | Path, cfg_bytes: bytes, weights_bytes: 
                                                lora_scale(alphas.of(paths[(layer, module)]), rank, rslora))
     return LoraAdapter(name, str(path), modules, digest,
                        {w: StackedParameter(ab["A"], ab["B"], stacked_paths[w]) for w, ab in stacked.items()},
-                       alphas, rslora)
+                       alphas, rslora, max_rank)
 
 
 def lora_scale(alpha: float, rank: int, rslora: bool) -> float:

@@ -86,6 +86,9 @@ def unstack(adapter: LoraAdapter, targets: list[ExpertTarget], whole: bool) -> L
         if rows % num_experts:
             raise LoraAdapterError(f"{refuse}lora_A's {rows} rows are not a rank for each of {num_experts} experts")
         rank = rows // num_experts
+        if adapter.rank_limit and rank > adapter.rank_limit:
+            raise LoraAdapterError(f"{refuse}{param}: rank {rank} exceeds max_lora_rank {adapter.rank_limit} (raise "
+                                   "--max-lora-rank)")
         scale = lora_scale(adapter.alphas.of(f"{stacked.path}.{param}"), rank, adapter.rslora)
         a = stacked.a.reshape(num_experts, rank, in_features)
         b = stacked.b.reshape(out_features, rank, num_experts)
