@@ -362,8 +362,12 @@ def test_local_router_merges_the_deltas_a_slow_consumer_left_queued(stack, engin
     deltas = asyncio.run(run())
     assert len(deltas) == 2, [len(d.new_token_ids) for d in deltas]
     first, rest = deltas
-    assert first.new_token_ids == ref.token_ids[:1] and first.ttft_breakdown.keys() >= {"queue", "prefill"}
-    assert rest.new_token_ids == ref.token_ids[1:]
+    # The first read takes what has arrived by then: the first token, or (on a loaded machine, where the engine's
+    # thread ran a step before this loop read) the first few, already merged.
+    num_first = len(first.new_token_ids)
+    assert 1 <= num_first <= 8, num_first
+    assert first.new_token_ids == ref.token_ids[:num_first] and first.ttft_breakdown.keys() >= {"queue", "prefill"}
+    assert rest.new_token_ids == ref.token_ids[num_first:]
     assert [lp.token_id for lp in first.logprobs + rest.logprobs] == ref.token_ids
     assert [lp.top_token_ids for lp in first.logprobs + rest.logprobs] == [lp.top_token_ids for lp in ref.logprobs]
     assert (rest.finished, rest.finish_reason, rest.num_output_tokens) == (True, "length", 16)
