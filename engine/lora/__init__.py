@@ -88,7 +88,7 @@ def check_fits(model, adapter: LoraAdapter) -> None:
         refuse = f"LoRA adapter {adapter.name!r} ({adapter.path}): layer {layer} {module}: "
         if layer >= num_layers:
             raise LoraAdapterError(f"{refuse}layer {layer} but the base model has {num_layers} layers")
-        if world_size > 1 and module.startswith(("experts.", "shared_expert.")):
+        if world_size > 1 and module.startswith(("experts.", "shared_expert.", "shared_experts.")):
             raise LoraAdapterError(f"{refuse}adapters on a mixture-of-experts layer's experts are served on a whole "
                                    f"model only, not split {world_size} ways (tensor_parallel_size 1)")
         if (layer, module) not in where:
@@ -105,14 +105,13 @@ def check_fits(model, adapter: LoraAdapter) -> None:
 def _fitted(model, adapter: LoraAdapter) -> LoraAdapter:
     """``adapter`` checked against the model (check_fits), as this model runs it: cut to its rank's slice on a
     split model."""
-    shard = model.tp_shard
-    adapter = unstack(adapter, model.lora_expert_targets(), shard is None or shard.world_size == 1)
+    adapter = unstack(adapter, model.lora_expert_targets(), model.is_whole)
     check_fits(model, adapter)
-    if shard is None or shard.world_size == 1:
+    if model.is_whole:
         return adapter
     from pdcluster.engine.tensor_parallel.shard_lora import shard_adapter
 
-    return shard_adapter(adapter, model.unsplit_arch, shard)
+    return shard_adapter(adapter, model.unsplit_arch, model.tp_shard)
 
 
 def _update_of(model, adapter: LoraAdapter, layer: int, attr: str, slices):

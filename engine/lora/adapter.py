@@ -116,15 +116,12 @@ class StackedParameter:
 @dataclass(frozen=True)
 class AlphaPattern:
     """lora_alpha by module: the first of the config's alpha_pattern keys that matches a module's path (PEFT's
-    rule: the key equals the path, or is a regular expression matching its end after a dot), else lora_alpha."""
+    get_pattern_key: a regular expression matching the path's end after a dot, or the whole path), else lora_alpha."""
 
     default: float
     patterns: tuple[tuple[str, float], ...] = ()
 
     def of(self, module_path: str) -> float:
-        for key, alpha in self.patterns:
-            if key == module_path:
-                return alpha
         for key, alpha in self.patterns:
             if re.match(rf"(.*\.)?({key})$", module_path):
                 return alpha
@@ -218,8 +215,8 @@ def parse_adapter(name: str, path: str | Path, cfg_bytes: bytes, weights_bytes: 
         module = _module_name(m.group(2), m.group(3)) if m is not None else None
         if module is None:
             raise _refuse(name, path, f"tensor {key!r} is not a LoRA A/B weight of a decoder layer's projection "
-                                      "(embedding, LM-head, DoRA adapters and experts stacked in one parameter are "
-                                      "not supported)")
+                                      "(embedding, LM-head, router and DoRA adapters are not supported, nor a Granite "
+                                      "MoE's stacked experts)")
         pairs.setdefault((int(m.group(1)), module), {})[m.group(4)] = tensor.float()
         paths[(int(m.group(1)), module)] = _module_path(key.removesuffix(f".lora_{m.group(4)}.weight"))
     if not pairs and not stacked:

@@ -177,9 +177,10 @@ class ExpertLora:
         token_slot = self.lora.token_slot
         if token_slot is None or not self.grouped:
             return None
-        row_slot, row_experts = token_slot[order // top_k], experts[order]
+        row_slot = token_slot[order // top_k]
         if not self.lora.grouped:  # CUDA: every slot over every row, masked (shapes fixed for the graphs)
             return [(slot, row_slot != slot, offs) for slot in self.grouped]
+        row_experts = experts[order]
         plan = []  # CPU: each adapter of the step over its own rows (its experts' A and B read alone)
         for slot in sorted(self.lora.step_slots & self.grouped.keys()):
             picked = (row_slot == slot).nonzero().squeeze(1)

@@ -187,6 +187,11 @@ class CausalLM:
         model takes no adapters."""
         return None
 
+    @property
+    def is_whole(self) -> bool:
+        """Every rank's slice is here: not one rank of a tensor-parallel split."""
+        return self.tp_shard is None or self.tp_shard.world_size == 1
+
     def lora_expert_targets(self) -> list:
         """The MoE layers whose routed experts LoRA adapters may add to (engine/lora/experts.py ExpertTarget); none
         by default, and none on a split model (a rank holds a slice of every expert)."""

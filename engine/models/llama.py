@@ -471,16 +471,12 @@ class LlamaModel(CausalLM):
             if layer.moe is None:  # a sparse layer's routed experts: lora_expert_targets
                 targets += [(i, layer, "gate_up_proj", gate_up),
                             (i, layer, "down_proj", (("down_proj", 0, a.hidden_size),))]
-            elif self._whole and a.moe.layout == "qwen2_moe":  # its shared expert: a dense SwiGLU
+            elif self.is_whole and a.moe.layout == "qwen2_moe":  # its shared expert: a dense SwiGLU
                 width = a.moe.shared_expert_intermediate_size
                 targets += [(i, layer.moe.shared, "gate_up_proj", (("shared_expert.gate_proj", 0, width),
                                                                    ("shared_expert.up_proj", width, width))),
                             (i, layer.moe.shared, "down_proj", (("shared_expert.down_proj", 0, a.hidden_size),))]
         return targets
-
-    @property
-    def _whole(self) -> bool:
-        return self.tp_shard is None or self.tp_shard.world_size == 1
 
     def lora_expert_targets(self) -> list:
         """Qwen3-MoE's, Qwen2-MoE's and Mixtral's routed experts (per-expert gate/up/down or w1/w3/w2 in PEFT's
@@ -491,7 +487,7 @@ class LlamaModel(CausalLM):
         moe = self.arch.moe
         names = {"qwen3": ("gate_proj", "up_proj", "down_proj"), "qwen2_moe": ("gate_proj", "up_proj", "down_proj"),
                  "mixtral": ("w1", "w3", "w2")}.get(moe.layout) if moe is not None else None
-        if names is None or not self._whole:
+        if names is None or not self.is_whole:
             return []
         gate, up, down = names
         width = moe.intermediate_size

@@ -295,22 +295,18 @@ class NemotronHModel(CausalLM):
                 shared = block.mixer.mixer.shared  # the shared SwiGLU inside its TokenChunked (and its sum when split)
                 targets += [(i, shared, "gate_up_proj", (("input_linear", 0, shared.gate_up_proj.out_features),)),
                             (i, shared, "down_proj", (("output_linear", 0, a.hidden_size),))]
-            elif block.kind == MOE and self._whole:  # the shared expert, a NemotronH MLP; the routed experts below
+            elif block.kind == MOE and self.is_whole:  # the shared expert, a NemotronH MLP; the routed experts below
                 shared = block.mixer.mixer.shared
                 targets += [(i, shared, "up_proj", (("shared_experts.up_proj", 0, shared.up_proj.out_features),)),
                             (i, shared, "down_proj", (("shared_experts.down_proj", 0, shared.down_proj.out_features),))]
         return targets
-
-    @property
-    def _whole(self) -> bool:
-        return self.tp_shard is None or self.tp_shard.world_size == 1
 
     def lora_expert_targets(self) -> list:
         """A NemotronH MoE layer's routed experts (``mixer.experts.{e}.up_proj`` / ``down_proj``; on the latent width
         where the model has one); a Granite hybrid's experts take none (stored stacked)."""
         from pdcluster.engine.lora.experts import ExpertTarget
 
-        if self.arch.granite is not None or not self._whole:
+        if self.arch.granite is not None or not self.is_whole:
             return []
         return [ExpertTarget(i, block.mixer.mixer.experts, (("up_proj", 0, block.mixer.mixer.experts.up.out_features),),
                              "down_proj", params=("up_proj", "down_proj"))
