@@ -30,20 +30,27 @@ class Block:
 
 def block_hash_root(params) -> int | None:
     """The parent hash of a request's first block (``params``: its SamplingParams): None for the base model
-    without a cache salt, else a digest of its LoRA adapter's name and content digest and its ``cache_salt``.
+    without a cache salt or images, else a digest of its LoRA adapter's name and content digest, its ``cache_salt``
+    and its images' digests and places.
     An adapter changes the KV a prompt makes, and a salt keeps one tenant's cached prompts from another's (vLLM's cache_salt:
     a hit's speed would tell a guessed prompt), so such blocks hash apart in the prefix cache, the offload
-    tiers and the router's KV index."""
-    lora_name, salt = params.lora_name, params.cache_salt
-    if lora_name is None and salt is None:
+    tiers and the router's KV index. An image's placeholder tokens are the same whatever the image: its digest
+    keeps two prompts that differ only in their images apart (engine/multimodal/)."""
+    lora_name, salt, images = params.lora_name, params.cache_salt, params.mm_inputs
+    if lora_name is None and salt is None and not images:
         return None
     if lora_name is not None and params.lora_digest is not None:  # an adapter reloaded under its name: new KV
         lora_name = f"{lora_name}\0{params.lora_digest}"
-    if salt is None:
+    if salt is None and lora_name is not None:
         digest = hashlib.blake2b(b"lora\0" + lora_name.encode(), digest_size=8).digest()
-    else:
+    elif salt is not None:
         digest = hashlib.blake2b(b"salt\0" + salt.encode() + b"\0lora\0" + (lora_name or "").encode()
                                  + (b"\1" if lora_name is not None else b"\0"), digest_size=8).digest()
+    else:
+        digest = b""
+    if images:
+        digest = hashlib.blake2b(b"images\0" + digest + "".join(
+            f"{item['offset']}:{item['length']}:{item['digest']};" for item in images).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little", signed=True)
 
 

@@ -18,6 +18,8 @@ from pdcluster.engine.kv_offload.events import KVEventLog, make_offload_manager
 from pdcluster.engine.loaded_model import LoadedModel
 from pdcluster.engine.lora.runtime import RuntimeLora
 from pdcluster.engine.model_runner import ModelRunner
+from pdcluster.engine.multimodal.images import image_bytes, open_image
+from pdcluster.engine.multimodal.spec import ImageInputError
 from pdcluster.engine.pooling import finish_embedding
 from pdcluster.engine.proposers import make_proposer
 from pdcluster.engine.remote_admission import RemoteReservation
@@ -156,6 +158,7 @@ class LLMEngine:
         None when the pool cannot hold it now (the router then tries another worker).
         The connector reports its KV's arrival (``poll_kv``); ``abort_request`` gives it up."""
         self.check_task(params)
+        self.check_images(prompt_token_ids, params)
         params = self.bind_lora(params)
         self.prepare_grammar(params)
         request = Request(request_id, list(prompt_token_ids), params, arrival_time=time.monotonic())
@@ -208,15 +211,20 @@ class LLMEngine:
             raise InvalidRequestError(f"this model is a sequence classifier ({classifier.spec.num_labels} labels): it "
                                       "does not generate; classify, score or embed with it")
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+    def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str | None = None,
                     validate: bool = True, follow: str | None = None) -> str:
         """``validate=False``: the caller's edge validated the request already (a served request is
         validated once, by the HTTP API). ``follow``: the id of a running request with the same prompt
-        (a sibling choice of an n > 1 request): start once its prompt is in the prefix cache."""
+        (a sibling choice of an n > 1 request): start once its prompt is in the prefix cache.
+        ``prompt`` may be vLLM's dict with images, ``{"prompt": text or ids, "multi_modal_data": {"image": one or
+        a list}}`` (bytes, file paths or PIL images; one image token in the prompt where each goes)."""
+        if isinstance(prompt, dict):
+            prompt, params = self.with_images(prompt, params)
         prompt_token_ids = self.tokenize(prompt)
         if validate:
             self.validate(prompt_token_ids, params)
         self.check_task(params)
+        self.check_images(prompt_token_ids, params)
         params = self.assign_seed(params)
         params = self.bind_lora(params)
         self.prepare_grammar(params)
@@ -224,6 +232,45 @@ class LLMEngine:
         request = Request(request_id, prompt_token_ids, params, arrival_time=time.monotonic())
         self.scheduler.add_request(request, follow=follow)
         return request_id
+
+    def with_images(self, prompt: dict, params: SamplingParams) -> tuple[list[int], SamplingParams]:
+        """vLLM's multimodal prompt dict as the expanded prompt's ids and ``params`` carrying its images."""
+        unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
+        if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+            raise InvalidRequestError(f"a prompt dict holds 'prompt' (text) or 'prompt_token_ids', and "
+                                      f"'multi_modal_data'; got {sorted(prompt)}")
+        data = dict(prompt.get("multi_modal_data") or {})
+        images = data.pop("image", [])
+        if data:
+            raise InvalidRequestError(f"multi_modal_data: only images are served, got {sorted(data)}")
+        images = images if isinstance(images, (list, tuple)) else [images]
+        encoder = getattr(self.model, "image_encoder", None)
+        if images and encoder is None:
+            raise InvalidRequestError(f"this model ({self.model.architecture_name}) takes no images")
+        ids = self.tokenize(prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"])
+        if not images:
+            return ids, params
+        try:
+            ids, items = encoder.spec.expand(ids, [image_bytes(image) for image in images])
+        except ImageInputError as e:
+            raise InvalidRequestError(str(e)) from None
+        return ids, replace(params, mm_inputs=items)
+
+    def check_images(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """A request's images fit its prompt and this model (checked on every worker: a bad request is an error for
+        that request, not a failed step)."""
+        encoder = getattr(self.model, "image_encoder", None)
+        if encoder is None:
+            if params.mm_inputs:
+                raise InvalidRequestError(f"this model ({self.model.architecture_name}) takes no images"
+                                          + (" on a tensor-parallel split" if self.model.tp_driver else ""))
+            return
+        try:
+            encoder.spec.check(prompt_token_ids, params.mm_inputs)
+            for i, item in enumerate(params.mm_inputs):  # bytes that are no image fail here, not in a step
+                open_image(item["data"], f"image {i}")
+        except ImageInputError as e:
+            raise InvalidRequestError(str(e)) from None
 
     @property
     def lora_names(self) -> tuple[str, ...]:
@@ -345,7 +392,8 @@ class LLMEngine:
         )
 
     def generate(
-        self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams], max_steps: int = 1_000_000
+        self, prompts: list[str | list[int] | dict], params: SamplingParams | list[SamplingParams],
+        max_steps: int = 1_000_000
     ) -> list[RequestOutput]:
         """Run the prompts to completion (offline batch). Outputs in prompt order, with their text; a
         request whose text reaches one of its stop strings ends there (finish_reason "stop"), its

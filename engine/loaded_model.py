@@ -24,6 +24,7 @@ from pdcluster.engine.memory import keep_freed_memory
 from pdcluster.engine.models.architectures import (arch_from_dir, is_hybrid, load_model, max_model_len_for,
                                                    model_class_of)
 from pdcluster.engine.models.registry import resolve_model
+from pdcluster.engine.multimodal.spec import ImageSpec
 from pdcluster.engine.proposers import num_draft_layers as proposer_draft_layers
 from pdcluster.engine.tensor_parallel.driver import (TensorParallelDriver, check_engine_config, check_shared_caches,
                                                      check_speculation)
@@ -123,6 +124,14 @@ class LoadedModel:
                                max_model_len=max_model_len, shard=shard, group=driver and driver.group)
             if config.lora_modules or config.enable_lora:
                 install(model, adapters, runtime=config.enable_lora)
+            if ImageSpec.from_dir(model_dir) is not None:
+                if driver is None:
+                    from pdcluster.engine.multimodal.llava import LlavaImageEncoder
+
+                    model.image_encoder = LlavaImageEncoder(model_dir, dtype, config.device)
+                else:
+                    log.warning("%s takes images, but not on a tensor-parallel split: served for text",
+                                config.model)
         except BaseException:
             if driver is not None:
                 driver.close()

@@ -32,6 +32,7 @@ from pdcluster.engine.batch_classifier import BatchKind, uniform_decode_query_le
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.cuda_graphs import DecodeGraphs
 from pdcluster.engine.input_batch import StepRows, prepare_inputs, step_rows
+from pdcluster.engine.multimodal.step import ImageEmbeds
 from pdcluster.engine.logits_processors import RowContext, apply_penalties
 from pdcluster.engine.logprobs import PendingLogprobs, launch_token_logprobs, token_logprobs
 from pdcluster.engine.mamba_state import MambaStatePool
@@ -124,6 +125,8 @@ class ModelRunner:
         self.states = RequestStates(config.max_num_seqs, max_model_len + self.num_spec_steps + 1, max_blocks)
         self.connector = connector or KVConnector()
         self.proposer = proposer or make_proposer(config, model, kv_cache)
+        # A model that takes images: its encoder's outputs by image digest (engine/multimodal/step.py).
+        self.image_embeds = ImageEmbeds(encoder) if (encoder := getattr(model, "image_encoder", None)) is not None else None
         # Async scheduling schedules exactly min(k, room) draft placeholders per decode row, so every
         # sampling row must then come with that many drafts (a short n-gram match is padded).
         self.fixed_num_drafts = config.async_scheduling
@@ -298,8 +301,13 @@ class ModelRunner:
             return
         rows = step_rows(sched, idx_mapping, self.states, self._prev, ahead)
         sends_layers = self.connector.wants_layers()  # layer callbacks run Python mid-forward: no graph then
-        # A step with adapter rows replays only where the graphs hold the updates (the stacked way).
-        graphs = self.graphs if (self.graphs is not None and not sends_layers and (
+        images = None
+        if self.image_embeds is not None:  # prompt chunks over image placeholders (engine/multimodal/)
+            params = self.states.sampling_params
+            images = self.image_embeds.for_step(rows.starts_np, rows.q_lens_np, lambda i: params[idx_mapping[i]])
+        # A step with adapter rows replays only where the graphs hold the updates (the stacked way); one with
+        # image rows runs eagerly.
+        graphs = self.graphs if (self.graphs is not None and not sends_layers and images is None and (
             self.graphs.lora is not None or not self._has_lora_rows(idx_mapping))) else None
         batch = prepare_inputs(rows, idx_mapping, self.states, self.inputs, self.block_size, self.num_spec_steps,
                                self.model.scale, self.mamba_pool, graphs)
@@ -311,11 +319,16 @@ class ModelRunner:
             if graphs is not None and kind == BatchKind.UNIFORM_DECODE:
                 hidden = graphs.run(batch.input_ids, batch.positions, meta)
             # The pieces read no adapter slots: steps run them only while no adapter is held.
-            if hidden is None and self.mixed_graphs is not None and self.model.lora is None and not sends_layers:
+            if (hidden is None and self.mixed_graphs is not None and self.model.lora is None and not sends_layers
+                    and images is None):
                 hidden = self.mixed_graphs.run(batch.input_ids, batch.positions, meta)
             if hidden is None:
-                hidden = self.model.forward(batch.input_ids, batch.positions, self.kv_cache, meta,
-                                            self.connector.save_layer)
+                self.model.image_rows = images
+                try:
+                    hidden = self.model.forward(batch.input_ids, batch.positions, self.kv_cache, meta,
+                                                self.connector.save_layer)
+                finally:
+                    self.model.image_rows = None
         self._state = ExecuteModelState(
             sched, req_ids, idx_mapping, kind, hidden, batch.logits_start_np, batch.logits_count_np,
             batch.logits_indices, set(sched.finished_req_ids), rows, batch.query_start_loc_np,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdcluster.engine.multimodal.spec import check_mm_inputs
+
 # How an embedding request (/v1/embeddings) pools its prompt's final hidden states into one vector: "last" the
 # last position's (vLLM's default for a decoder model), "mean" their average over the prompt.
 POOLING_TYPES = ("last", "mean")
@@ -79,6 +81,10 @@ class SamplingParams:
     # ("classify"), returned with the one token such a request samples (RequestOutput.pooled; max_tokens 1: it is
     # computed where the prompt is). None: a generation.
     pooling: str | None = None
+    # The prompt's images (engine/multimodal/): each {"offset", "length": its placeholder tokens in the prompt,
+    # "digest": its content digest, "data": its encoded bytes}, in prompt order. Carried here because they go
+    # wherever the parameters go (router, prefill and decode workers, a request resumed elsewhere).
+    mm_inputs: list[dict] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -118,6 +124,8 @@ class SamplingParams:
             self.stop = [self.stop]
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.mm_inputs:
+            self.mm_inputs = check_mm_inputs(self.mm_inputs)
         if self.pooling is not None:
             if self.pooling not in REQUEST_POOLINGS:
                 raise ValueError(f"pooling must be one of {', '.join(REQUEST_POOLINGS)}, got {self.pooling!r}")

@@ -151,10 +151,20 @@ class TextPart(StrictModel):
     text: str
 
 
+class ImageURL(StrictModel):
+    url: str  # a data: URL (base64) or an http(s) URL the server fetches
+    detail: Literal["auto", "low", "high"] | None = None  # OpenAI's; one resolution is served whatever it says
+
+
+class ImagePart(StrictModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 Content = Annotated[
-    str | list[TextPart] | None,
-    one_of('a string or a list of text parts ({"type": "text", "text": "..."}); '
-            "image and audio parts are not supported"),
+    str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None,
+    one_of('a string or a list of parts: {"type": "text", "text": "..."} or {"type": "image_url", "image_url": '
+           '{"url": "..."}} (images for a model that takes them); audio and file parts are not supported'),
 ]
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 
 import anyio
 
+from pdcluster.cluster.api.images import chat_images, expand_images, image_token_text, template_takes_parts
 from pdcluster.cluster.api.middleware import APIError
 from pdcluster.cluster.api.protocol import (CHAT_COMPLETION, TEXT_COMPLETION, ChatCompletionRequest,
                                             ChatMessage, CompletionRequest, SamplingFields, short)
@@ -113,18 +114,24 @@ async def prepare(body: SamplingFields, router, served_model_name: str,
         template_kwargs = chat_template_kwargs(body.chat_template_kwargs)
         if body.reasoning_effort is not None:
             template_kwargs = {"reasoning_effort": body.reasoning_effort, **template_kwargs}
+        images = await chat_images(body.messages, tokenizer)
         ids = await anyio.to_thread.run_sync(
             lambda: chat_prompt_ids(body.messages, body.add_generation_prompt is not False, tokenizer, tools,
                                     tool_parser, template_kwargs, bool(body.add_special_tokens)))
         prompts = [(ids, None)]
     else:
+        images = []
         prompts = await anyio.to_thread.run_sync(_completion_prompts, body, n, output.echo, tokenizer)
     prompts = _truncate_prompts(body.truncate_prompt_tokens, prompts, router.max_model_len, tokenizer)
     inputs = []
     for i, (ids, text) in enumerate(prompts):
         label = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        # A model that takes images: each image token widened to its placeholders (one without images is refused).
+        ids, mm_inputs = (expand_images(ids, images, tokenizer) if is_chat
+                          else expand_images(ids, [], tokenizer, "prompt", label))
         max_tokens = _max_tokens(body, len(ids), router.max_model_len, label, output)
-        inputs.append(PromptInput(ids, sampling_params(body, max_tokens, tokenizer.vocab_size, extras), text))
+        params = sampling_params(body, max_tokens, tokenizer.vocab_size, extras)
+        inputs.append(PromptInput(ids, replace(params, mm_inputs=mm_inputs) if mm_inputs else params, text))
     prefix, kind = ("chatcmpl", CHAT_COMPLETION) if is_chat else ("cmpl", TEXT_COMPLETION)
     options = body.stream_options
     if options is not None and not body.stream and (options.include_usage or options.continuous_usage_stats):
@@ -338,8 +345,7 @@ def chat_prompt_text(messages: list[ChatMessage], add_generation_prompt: bool, t
     inject = bool(tools) and tool_parser is not None and not _template_takes_tools(tokenizer)
     rendered = []
     for m in messages:
-        content = m.content if isinstance(m.content, str) or m.content is None else "\n".join(p.text for p in m.content)
-        message = {"role": m.role, "content": content or ""}
+        message = {"role": m.role, "content": _content(m.content, tokenizer)}
         for key in ("name", "tool_calls", "tool_call_id"):
             if getattr(m, key):
                 message[key] = getattr(m, key)
@@ -362,6 +368,25 @@ def chat_prompt_text(messages: list[ChatMessage], add_generation_prompt: bool, t
         return tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt, **kwargs)
     except ChatTemplateError as e:
         raise APIError(400, f"messages: {e}", param="messages") from e
+
+
+def _content(content, tokenizer) -> str | list[dict]:
+    """A message's content for the chat template: its text, or with images, the parts as the template reads them
+    (LLaVA's: {"type": "image"} where each goes) or, for a template that reads text only, the image token before
+    the text (vLLM's "string" content format)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = [p.text for p in content if p.type == "text"]
+    num_images = len(content) - len(texts)
+    if not num_images:
+        return "\n".join(texts)
+    token = image_token_text(tokenizer)
+    if token is None:
+        raise APIError(400, "messages: this model takes no images (image_url parts); send text",
+                       param="messages", code="unsupported_content")
+    if template_takes_parts(tokenizer):
+        return [{"type": "text", "text": p.text} if p.type == "text" else {"type": "image"} for p in content]
+    return "\n".join([token] * num_images + texts)
 
 
 def _template_takes_tools(tokenizer) -> bool:

@@ -16,6 +16,8 @@
     Ministral3ForCausalLM, SeedOssForCausalLM -> the same (a position-dependent query scale; biases)
     Mistral3ForConditionalGeneration, Qwen2VL / Qwen2_5_VL / Qwen3VLForConditionalGeneration
                                          -> the same, their language model for text
+    LlavaForConditionalGeneration        -> the same, with images (engine/multimodal/: its vision tower and
+                                            projector encode them into the prompt's image tokens)
     Olmo2ForCausalLM, Olmo3ForCausalLM   -> the same (norms after each sublayer, q/k norms over all heads)
     GptOssForCausalLM                    -> the same (attention sinks, every other layer sliding, MoE MLPs with
                                             biased experts in moe.py; MXFP4 experts dequantized by mxfp4.py)
@@ -83,6 +85,7 @@ ARCHITECTURES = {
     "Llama4ForConditionalGeneration": (ModelArch, LlamaModel),  # its language model, for text
     # Multimodal checkpoints: their language model, for text (llama.py MULTIMODAL_TEXT)
     "Mistral3ForConditionalGeneration": (ModelArch, LlamaModel),
+    "LlavaForConditionalGeneration": (ModelArch, LlamaModel),  # its language model; its images: engine/multimodal/
     "Qwen2VLForConditionalGeneration": (ModelArch, LlamaModel),
     "Qwen2_5_VLForConditionalGeneration": (ModelArch, LlamaModel),
     "Qwen3VLForConditionalGeneration": (ModelArch, LlamaModel),

@@ -106,6 +106,10 @@ class CausalLM:
     tp_shard = None
     tp_group = None
     unsplit_arch = None
+    # A checkpoint that takes images (engine/multimodal/): its image encoder, and for one forward the packed rows
+    # that are image placeholders with the embeddings they take (row ids [n] int64, [n, hidden]).
+    image_encoder = None
+    image_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __init__(self, arch, dtype: torch.dtype, deterministic: bool, embed_tokens: torch.Tensor,
                  lm_head: torch.Tensor):

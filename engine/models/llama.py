@@ -550,6 +550,9 @@ class LlamaModel(CausalLM):
         hidden = F.embedding(input_ids, self.embed_tokens)
         if self.arch.embedding_multiplier != 1.0:
             hidden.mul_(self.arch.embedding_multiplier)
+        if self.image_rows is not None:  # image placeholders read the image's embeddings (engine/multimodal/)
+            rows, embeds = self.image_rows
+            hidden.index_copy_(0, rows, embeds.to(hidden.dtype))
         if self._fuses_norms():
             return self._forward_normed(hidden, positions, kv_cache, meta, on_layer_done)
         residual = None

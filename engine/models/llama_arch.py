@@ -53,7 +53,9 @@ MULTIMODAL_TEXT = {"Mistral3ForConditionalGeneration": "MistralForCausalLM",  # 
                    "Qwen2VLForConditionalGeneration": "Qwen2ForCausalLM",
                    "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",
                    "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",
-                   "Llama4ForConditionalGeneration": "Llama4ForCausalLM"}
+                   "Llama4ForConditionalGeneration": "Llama4ForCausalLM",
+                   # LLaVA 1.5 and its kind (a CLIP or SigLIP tower, an MLP projector): images too, engine/multimodal/
+                   "LlavaForConditionalGeneration": "LlamaForCausalLM"}
 # Cohere Command R / R+ / Aya, and Cohere2 (Command R7B, Command A): LayerNorm (no bias) instead of RMSNorm, attention
 # and the MLP in parallel on one normed input, RoPE in interleaved pairs, the logits times logit_scale; Cohere2 slides
 # three layers of four and gives its full layers no RoPE.
@@ -83,6 +85,10 @@ SUPPORTED = (LLAMA_FAMILY + MIXTRAL + QWEN2 + PHI3 + QWEN3 + QWEN2_MOE + GRANITE
              + GLM4_MOE + COHERE + EXAONE4 + MINISTRAL3 + SEED_OSS + GPT_OSS + LLAMA4 + tuple(MULTIMODAL_TEXT))
 # Mistral3ForConditionalGeneration's language models by text_config.model_type.
 _MISTRAL3_TEXT = {"mistral": "MistralForCausalLM", "ministral3": "Ministral3ForCausalLM"}
+# LlavaForConditionalGeneration's language models by text_config.model_type (LlavaConfig's default: llama).
+_LLAVA_TEXT = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_TEXT_BY_MODEL_TYPE = {"Mistral3ForConditionalGeneration": ("mistral", _MISTRAL3_TEXT, "Mistral3"),
+                       "LlavaForConditionalGeneration": ("llama", _LLAVA_TEXT, "LLaVA")}
 
 
 @dataclass(frozen=True)
@@ -249,14 +255,15 @@ class ModelArch:
 
 
 def _text_architecture(cfg: dict, architecture: str, where: str) -> str:
-    """The architecture a multimodal checkpoint's language model is (Mistral3's by its text model_type)."""
-    if architecture != "Mistral3ForConditionalGeneration":
+    """The architecture a multimodal checkpoint's language model is (Mistral3's and LLaVA's by their text model_type)."""
+    if architecture not in _TEXT_BY_MODEL_TYPE:
         return MULTIMODAL_TEXT[architecture]
-    model_type = (cfg.get("text_config") or {}).get("model_type", "mistral")
-    if model_type not in _MISTRAL3_TEXT:
-        raise ValueError(f"{where}: a Mistral3 checkpoint whose text model is {model_type!r} is not supported "
-                         f"({', '.join(_MISTRAL3_TEXT)})")
-    return _MISTRAL3_TEXT[model_type]
+    default, by_type, family = _TEXT_BY_MODEL_TYPE[architecture]
+    model_type = (cfg.get("text_config") or {}).get("model_type", default)
+    if model_type not in by_type:
+        raise ValueError(f"{where}: a {family} checkpoint whose text model is {model_type!r} is not supported "
+                         f"({', '.join(by_type)})")
+    return by_type[model_type]
 
 
 def _text_config(cfg: dict, architecture: str) -> dict:

@@ -1,0 +1,140 @@
+"""Images in chat messages (OpenAI's ``image_url`` parts): what the model takes, fetching each image, and the
+prompt's image tokens widened to the model's placeholders (engine/multimodal/).
+
+A ``data:`` URL carries the image itself (base64); an http(s) URL is fetched by this process, within
+``VLLM_IMAGE_FETCH_TIMEOUT`` seconds (vLLM's variable, default 5) and ``MAX_IMAGE_BYTES``. Every image is opened
+here once, so an unreadable one is a 400 naming it, never a failed step on a worker.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import functools
+import os
+
+import anyio
+import httpx
+
+from pdcluster.cluster.api.middleware import APIError
+from pdcluster.engine.multimodal.images import open_image
+from pdcluster.engine.multimodal.spec import ImageInputError, ImageSpec
+
+MAX_IMAGE_BYTES = 20 * 1024 * 1024
+DEFAULT_FETCH_TIMEOUT_S = 5.0
+
+
+@functools.lru_cache(maxsize=8)
+def _spec_of_dir(model_dir: str) -> ImageSpec | None:
+    return ImageSpec.from_dir(model_dir)
+
+
+def image_spec(tokenizer) -> ImageSpec | None:
+    """The served model's image spec (None: it takes no images), read from its directory's config.json."""
+    model_dir = getattr(tokenizer, "model_dir", None)
+    return None if model_dir is None else _spec_of_dir(str(model_dir))
+
+
+def image_urls(messages) -> list[str]:
+    """The URLs of the messages' image parts, in order."""
+    return [part.image_url.url for m in messages if isinstance(m.content, list)
+            for part in m.content if part.type == "image_url"]
+
+
+def template_takes_parts(tokenizer) -> bool:
+    """Whether the chat template renders a message's content parts itself (LLaVA's iterate them and write the
+    image token for each {"type": "image"}); otherwise images go into the text as their token."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return "'image'" in template or '"image"' in template
+
+
+def _fetch_timeout_s() -> float:
+    try:
+        return float(os.environ.get("VLLM_IMAGE_FETCH_TIMEOUT", DEFAULT_FETCH_TIMEOUT_S))
+    except ValueError:
+        return DEFAULT_FETCH_TIMEOUT_S
+
+
+def _bad(where: str, message: str) -> APIError:
+    return APIError(400, f"{where}: {message}", param="messages")
+
+
+def _data_url(url: str, where: str) -> bytes:
+    head, sep, payload = url.partition(",")
+    if not sep or not head.endswith(";base64"):
+        raise _bad(where, "a data URL must be base64: data:image/png;base64,...")
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise _bad(where, "the data URL's base64 does not decode") from None
+    if len(data) > MAX_IMAGE_BYTES:
+        raise _bad(where, f"the image has {len(data)} bytes, more than {MAX_IMAGE_BYTES}")
+    return data
+
+
+async def _http(url: str, where: str) -> bytes:
+    timeout = _fetch_timeout_s()
+    try:
+        with anyio.fail_after(timeout):
+            async with httpx.AsyncClient(follow_redirects=True, timeout=timeout) as client:
+                async with client.stream("GET", url) as answer:
+                    if answer.status_code != 200:
+                        raise _bad(where, f"fetching {url} answered HTTP {answer.status_code}")
+                    body = bytearray()
+                    async for chunk in answer.aiter_bytes():
+                        body += chunk
+                        if len(body) > MAX_IMAGE_BYTES:
+                            raise _bad(where, f"{url} holds more than {MAX_IMAGE_BYTES} bytes")
+                    return bytes(body)
+    except TimeoutError:
+        raise _bad(where, f"fetching {url} took more than {timeout:g} s (VLLM_IMAGE_FETCH_TIMEOUT)") from None
+    except httpx.HTTPError as exc:
+        raise _bad(where, f"fetching {url} failed: {exc}") from None
+
+
+async def fetch_image(url: str, where: str) -> bytes:
+    """The image a URL names, as encoded bytes, checked to open as an image."""
+    if url.startswith("data:"):
+        data = _data_url(url, where)
+    elif url.startswith(("http://", "https://")):
+        data = await _http(url, where)
+    else:
+        scheme = url.split(":", 1)[0] if ":" in url else url[:20]
+        raise _bad(where, f"image URLs are data: (base64) or http(s): URLs, got {scheme!r}")
+    try:
+        await anyio.to_thread.run_sync(open_image, data, where)
+    except ImageInputError as e:
+        raise _bad(where, str(e).removeprefix(f"{where}: ")) from None
+    return data
+
+
+async def chat_images(messages, tokenizer) -> list[bytes]:
+    """The messages' images, fetched (400 for a model that takes none)."""
+    urls = image_urls(messages)
+    if not urls:
+        return []
+    if image_spec(tokenizer) is None:
+        raise APIError(400, "messages: this model takes no images (image_url parts); send text",
+                       param="messages", code="unsupported_content")
+    out = []
+    for i, url in enumerate(urls):
+        out.append(await fetch_image(url, f"messages: image {i}"))
+    return out
+
+
+def expand_images(ids: list[int], images: list[bytes], tokenizer, param: str = "messages",
+                  label: str = "messages") -> tuple[list[int], list[dict]]:
+    """The rendered prompt's image tokens widened to the model's placeholders, and the images for the params (a
+    prompt with image tokens and no images is a 400: completions take no images)."""
+    spec = image_spec(tokenizer)
+    if spec is None:
+        return ids, []
+    try:
+        return spec.expand(ids, images)
+    except ImageInputError as e:
+        raise APIError(400, f"{label}: {e}", param=param) from None
+
+
+def image_token_text(tokenizer) -> str | None:
+    spec = image_spec(tokenizer)
+    return None if spec is None else tokenizer.id_to_token(spec.image_token_id)

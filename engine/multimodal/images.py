@@ -1,0 +1,42 @@
+"""An image's encoded bytes to pixels (Pillow), with the errors a client should see."""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+
+from pdcluster.engine.multimodal.spec import ImageInputError
+
+# Pillow refuses larger images as decompression bombs; we name the limit instead of a warning or a traceback.
+MAX_IMAGE_PIXELS = 64 * 1024 * 1024
+
+
+def open_image(data: bytes, label: str = "image"):
+    """The image as an RGB PIL image; ImageInputError for bytes that are no image Pillow reads, or too large."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            width, height = image.size
+            if width * height > MAX_IMAGE_PIXELS:
+                raise ImageInputError(f"{label}: {width}x{height} pixels is more than the {MAX_IMAGE_PIXELS} "
+                                      "an image may have")
+            return image.convert("RGB")
+    except ImageInputError:
+        raise
+    except (OSError, ValueError, Image.DecompressionBombError, SyntaxError) as exc:
+        raise ImageInputError(f"{label}: cannot be read as an image ({exc})") from None
+
+
+def image_bytes(image) -> bytes:
+    """An image as the encoded bytes a request carries: bytes as they are, a path's file, a PIL image as PNG."""
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        return bytes(image)
+    if isinstance(image, (str, os.PathLike)):
+        return Path(image).read_bytes()
+    if hasattr(image, "save"):  # a PIL image
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        return buf.getvalue()
+    raise ImageInputError(f"an image must be bytes, a file path or a PIL image, got {type(image).__name__}")

@@ -1,0 +1,112 @@
+"""A LLaVA checkpoint's image encoder: its image processor, vision tower and projector.
+
+The tower is transformers' own module for its type (CLIPVisionModel, SiglipVisionModel: built from the checkpoint's
+``vision_config``, its weights read from the checkpoint), the processor transformers' for the checkpoint
+(``preprocessor_config.json``); the projector (linear, activation, linear) is ours. An image's embeddings are the
+tower's hidden states at ``vision_feature_layer`` (a list: concatenated), CLIP's class token dropped under the
+"default" strategy, through the projector: what transformers' LlavaModel.get_image_features computes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from pdcluster.engine.multimodal.images import open_image
+from pdcluster.engine.multimodal.spec import ImageSpec
+
+# Where checkpoints keep the tower and the projector (transformers 5's names, then 4's).
+_TOWER_PREFIXES = ("model.vision_tower.", "vision_tower.")
+_PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
+_ACTIVATIONS = {"gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu,
+                "relu": F.relu, "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x)}
+
+
+def _read_tensors(model_dir: Path, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    out = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                prefix = next((p for p in prefixes if name.startswith(p)), None)
+                if prefix is not None:
+                    out[name[len(prefix):]] = f.get_tensor(name)
+    return out
+
+
+def _tower_names(state: dict[str, torch.Tensor], expected: dict) -> dict[str, torch.Tensor]:
+    """The checkpoint's tower tensors under the tower module's names: transformers versions differ on whether a
+    CLIPVisionModel's names start with "vision_model." (checkpoints of either kind exist)."""
+    out = {}
+    for name, tensor in state.items():
+        for candidate in (name, "vision_model." + name, name.removeprefix("vision_model.")):
+            if candidate in expected:
+                out[candidate] = tensor
+                break
+    return out
+
+
+class LlavaImageEncoder:
+    def __init__(self, model_dir: str | Path, dtype: torch.dtype, device: torch.device | str):
+        import transformers
+
+        model_dir = Path(model_dir)
+        cfg = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+        self.spec = ImageSpec.from_config(cfg, str(model_dir / "config.json"))
+        self.dtype, self.device = dtype, torch.device(device)
+        self.feature_layer = cfg.get("vision_feature_layer", -2)
+        self.strategy = cfg.get("vision_feature_select_strategy", "default")
+        act = cfg.get("projector_hidden_act", "gelu")
+        if act not in _ACTIVATIONS:
+            raise ValueError(f"{model_dir}: projector_hidden_act {act!r} is not supported ({', '.join(_ACTIVATIONS)})")
+        self.act = _ACTIVATIONS[act]
+        if not (model_dir / "preprocessor_config.json").is_file():
+            raise ValueError(f"{model_dir}: no preprocessor_config.json (the image processor's settings)")
+        # transformers warns once when torchvision is missing and it uses its Pillow processor: the same pixels.
+        logging.getLogger("transformers.models.auto.image_processing_auto").setLevel(logging.ERROR)
+        self.processor = transformers.AutoImageProcessor.from_pretrained(str(model_dir), local_files_only=True)
+        vision_cfg = transformers.AutoConfig.for_model(**cfg["vision_config"])
+        vision_cfg._attn_implementation = "sdpa"
+        with torch.device("meta"):
+            tower = transformers.AutoModel.from_config(vision_cfg)
+        expected = tower.state_dict()
+        state = _tower_names(_read_tensors(model_dir, _TOWER_PREFIXES), expected)
+        # Buffers transformers builds itself (CLIP's position_ids) may be absent from a checkpoint; SigLIP's pooling
+        # head is not read by LLaVA.
+        missing = {n for n in set(expected) - set(state) if not n.endswith("position_ids") and "head." not in n}
+        if missing:
+            raise ValueError(f"{model_dir}: the vision tower's weights lack {', '.join(sorted(missing)[:3])}"
+                             f"{' ...' if len(missing) > 3 else ''}")
+        tower = tower.to_empty(device=self.device)
+        tower.load_state_dict(state, strict=False)
+        for name, buf in tower.named_buffers():  # position_ids: arange, rebuilt on the device
+            if name.endswith("position_ids"):
+                buf.copy_(torch.arange(buf.shape[-1], device=self.device).expand_as(buf))
+        self.tower = tower.to(dtype).eval()
+        proj = _read_tensors(model_dir, _PROJECTOR_PREFIXES)
+        self.w1, self.w2 = (proj[f"linear_{i}.weight"].to(self.device, dtype) for i in (1, 2))
+        self.b1, self.b2 = (proj[f"linear_{i}.bias"].to(self.device, dtype) if f"linear_{i}.bias" in proj else None
+                            for i in (1, 2))
+
+    @torch.inference_mode()
+    def encode(self, images: list[bytes]) -> list[torch.Tensor]:
+        """Each image's embeddings, [tokens_per_image, text hidden] in the model's dtype on its device."""
+        pil = [open_image(data, f"image {i}") for i, data in enumerate(images)]
+        pixels = self.processor(images=pil, return_tensors="pt")["pixel_values"].to(self.device, self.dtype)
+        states = self.tower(pixels, output_hidden_states=True).hidden_states
+        layers = [self.feature_layer] if isinstance(self.feature_layer, int) else self.feature_layer
+        picked = [states[i][:, 1:] if self.strategy == "default" and self._has_cls else states[i] for i in layers]
+        features = torch.cat(picked, dim=-1)
+        out = F.linear(self.act(F.linear(features, self.w1, self.b1)), self.w2, self.b2)
+        if out.shape[1] != self.spec.tokens_per_image:
+            raise RuntimeError(f"the vision tower gave {out.shape[1]} tokens an image, expected "
+                               f"{self.spec.tokens_per_image}")
+        return list(out)
+
+    @property
+    def _has_cls(self) -> bool:
+        return self.tower.config.model_type == "clip_vision_model"

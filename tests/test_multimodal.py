@@ -1,0 +1,290 @@
+"""Images in prompts: a LLaVA checkpoint (LlavaForConditionalGeneration: a CLIP tower and an MLP projector over a
+Llama) made by transformers, its images encoded by our engine (engine/multimodal/), against transformers' greedy
+with the same image processor, offline, batched with text, chunked through an image's placeholders, preempted,
+with the prefix cache, disaggregated over tcp, and served (the real HTTP server and the `openai` client)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+import openai
+import pytest
+import torch
+from tokenizers import Tokenizer as HFTokenizer
+
+from conftest import engine_config
+from pdcluster.cluster.api.app import build_app
+from pdcluster.cluster.local_router import LocalRouter
+from pdcluster.engine.block_manager import block_hash_root, chained_block_hashes
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.llm_engine import InvalidRequestError, LLMEngine
+from pdcluster.engine.models.registry import resolve_model
+from pdcluster.engine.multimodal.spec import ImageInputError, ImageSpec
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.kv_transfer.config import TransferConfig
+from test_api import serving
+from test_kv_transfer_e2e import Events, _collect_tokens, _wait_free, connected_pair
+
+transformers = pytest.importorskip("transformers")
+PIL = pytest.importorskip("PIL.Image")
+
+NUM_NEW = 8
+PROMPT = "USER: <image>\nWhat is in this picture? ASSISTANT:"
+TWO = "USER: <image>\nand <image>\nWhich one is brighter? ASSISTANT:"
+TEXT = "USER: Tell me a story about a cat. ASSISTANT:"
+# LLaVA's chat template as llava-hf ships it: the content's parts, the image token where an image part is.
+TEMPLATE = ("{% for message in messages %}{% if message['role'] == 'user' %}USER: {% else %}ASSISTANT: {% endif %}"
+            "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for item in message['content'] %}"
+            "{% if item['type'] == 'image' %}<image>\n{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}"
+            "{% endfor %}{% endif %}{% if message['role'] != 'user' %}</s>{% endif %} {% endfor %}"
+            "{% if add_generation_prompt %}ASSISTANT:{% endif %}")
+
+
+def _png(seed: int, width: int, height: int) -> bytes:
+    pixels = (np.random.default_rng(seed).random((height, width, 3)) * 255).astype("uint8")
+    buf = io.BytesIO()
+    PIL.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+IMAGES = [_png(1, 40, 36), _png(2, 64, 48), _png(3, 33, 50)]
+
+
+def _build(d: Path) -> Path:
+    src = resolve_model("tiny-random", progress=False)
+    tok = HFTokenizer.from_file(str(src / "tokenizer.json"))
+    tok.add_special_tokens(["<image>"])
+    image_id = tok.token_to_id("<image>")
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "eos_token": "<|im_end|>"}))
+    text = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, vocab_size=image_id + 1, max_position_embeddings=512,
+                rms_norm_eps=1e-5, tie_word_embeddings=False)
+    vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=32, patch_size=8, projection_dim=32)
+    cfg = transformers.LlavaConfig(text_config=text, vision_config=vision, image_token_index=image_id,
+                                   vision_feature_layer=-2, image_seq_length=16, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.LlavaForConditionalGeneration(cfg)
+    with torch.no_grad():  # weights that make each image matter to the next token (std 0.02 gives flat logits)
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.5 if "embed" in name else 1.5 / p.shape[1] ** 0.5)
+    model.save_pretrained(str(d))
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(str(d))
+    return d
+
+
+@pytest.fixture(scope="module")
+def llava_dir(tmp_path_factory) -> Path:
+    return _build(tmp_path_factory.mktemp("llava"))
+
+
+@pytest.fixture(scope="module")
+def engine(llava_dir) -> LLMEngine:
+    return LLMEngine.from_config(EngineConfig(model=str(llava_dir), dtype="float32", max_model_len=256,
+                                              num_kv_blocks=64, block_size=16, max_num_seqs=8), progress=False)
+
+
+def _hf_greedy(llava_dir: Path, prompt_ids: list[int], images: list[bytes]) -> list[int]:
+    hf = _hf_greedy.models.get(llava_dir)
+    if hf is None:
+        hf = _hf_greedy.models[llava_dir] = transformers.LlavaForConditionalGeneration.from_pretrained(
+            str(llava_dir), dtype=torch.float32).eval()
+    processor = transformers.AutoImageProcessor.from_pretrained(str(llava_dir))
+    kwargs = {}
+    if images:
+        kwargs["pixel_values"] = processor(images=[PIL.open(io.BytesIO(b)).convert("RGB") for b in images],
+                                           return_tensors="pt")["pixel_values"]
+    seq = list(prompt_ids)
+    with torch.inference_mode():
+        for _ in range(NUM_NEW):
+            seq.append(int(hf(input_ids=torch.tensor([seq]), **kwargs).logits[0, -1].argmax()))
+    return seq[len(prompt_ids):]
+
+
+_hf_greedy.models = {}
+
+CASES = [(PROMPT, [IMAGES[0]]), (PROMPT, [IMAGES[1]]), (TWO, [IMAGES[2], IMAGES[0]]), (TEXT, [])]
+
+
+@pytest.fixture(scope="module")
+def reference(llava_dir, engine) -> list[list[int]]:
+    out = []
+    for text, images in CASES:
+        ids, _ = engine.model.image_encoder.spec.expand(engine.tokenizer.encode(text), images)
+        out.append(_hf_greedy(llava_dir, ids, images))
+    return out
+
+
+def _prompt(text: str, images: list[bytes]):
+    return {"prompt": text, "multi_modal_data": {"image": images}} if images else text
+
+
+PARAMS = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+
+
+def test_spec_read_from_the_checkpoint(llava_dir, engine):
+    spec = ImageSpec.from_dir(llava_dir)
+    # a 32-pixel image in 8-pixel patches: 16 patches, CLIP's class token dropped ("default")
+    assert spec.tokens_per_image == 16 and spec.image_token_id == engine.tokenizer.token_to_id("<image>")
+    cfg = json.loads((llava_dir / "config.json").read_text())
+    assert ImageSpec.from_config({**cfg, "vision_feature_select_strategy": "full"}).tokens_per_image == 17
+    with pytest.raises(ValueError, match="'pixtral' vision tower is not supported"):
+        ImageSpec.from_config({**cfg, "vision_config": {"model_type": "pixtral"}})
+    assert ImageSpec.from_dir(resolve_model("tiny-random", progress=False)) is None
+
+
+def test_equals_transformers_alone_and_batched(engine, reference):
+    """Each prompt alone, then all in one batch (images beside a text-only prompt): transformers' tokens; the images
+    matter (two images, two answers)."""
+    assert reference[0] != reference[1]
+    alone = [engine.generate([_prompt(t, i)], PARAMS)[0].token_ids for t, i in CASES]
+    assert alone == reference
+    assert [o.token_ids for o in engine.generate([_prompt(t, i) for t, i in CASES], PARAMS)] == reference
+
+
+def test_chunked_through_the_image_and_preempted(llava_dir, reference):
+    """Prefill chunks of 5 tokens cut each image's 16 placeholders across steps, and a pool too small for all at
+    once preempts and recomputes: the same tokens. The encoder runs once an image, its cache serving the rest."""
+    eng = LLMEngine.from_config(EngineConfig(model=str(llava_dir), dtype="float32", max_model_len=256,
+                                             num_kv_blocks=9, block_size=8, max_num_seqs=4, max_num_batched_tokens=5,
+                                             enable_prefix_caching=False), progress=False)
+    outs = eng.generate([_prompt(t, i) for t, i in CASES], PARAMS)
+    assert [o.token_ids for o in outs] == reference
+    assert eng.scheduler.num_preemptions_total > 0, "the pool was meant to be too small"
+    assert eng.runner.image_embeds.num_encoded == 3  # three distinct images, each encoded once
+
+
+def test_prefix_cache_keeps_images_apart(llava_dir, engine, reference):
+    """Two prompts that differ only in their image have the same tokens: their block hashes still differ, and the
+    second is not served the first's KV. The same image again is (its blocks cached) and answers the same."""
+    spec = engine.model.image_encoder.spec
+    ids = engine.tokenizer.encode(PROMPT)
+    roots = []
+    for image in IMAGES[:2]:
+        expanded, items = spec.expand(ids, [image])
+        roots.append(chained_block_hashes(expanded, 16, block_hash_root(SamplingParams(mm_inputs=items))))
+    assert not set(roots[0]) & set(roots[1])
+    engine = LLMEngine.from_config(EngineConfig(model=str(llava_dir), dtype="float32", max_model_len=256,
+                                                num_kv_blocks=64, block_size=16), progress=False)  # an empty cache
+    first = engine.generate([_prompt(PROMPT, [IMAGES[0]])], PARAMS)[0]
+    other = engine.generate([_prompt(PROMPT, [IMAGES[1]])], PARAMS)[0]
+    again = engine.generate([_prompt(PROMPT, [IMAGES[0]])], PARAMS)[0]
+    assert (first.token_ids, other.token_ids, again.token_ids) == (reference[0], reference[1], reference[0])
+    assert other.num_cached_tokens == 0 and again.num_cached_tokens >= 16
+
+
+def test_bad_image_requests_are_refused(engine, tiny_dir):
+    with pytest.raises(InvalidRequestError, match=r"1 image token\(s\) .* but 2 image\(s\)"):
+        engine.add_request(_prompt(PROMPT, IMAGES[:2]), PARAMS)
+    with pytest.raises(InvalidRequestError, match="image tokens .* each image token stands for an image"):
+        engine.add_request(PROMPT, PARAMS)  # the image token typed in, no image
+    with pytest.raises(InvalidRequestError, match="cannot be read as an image"):
+        engine.add_request(_prompt(PROMPT, [b"not a png"]), PARAMS)
+    with pytest.raises(InvalidRequestError, match="only images are served"):
+        engine.add_request({"prompt": PROMPT, "multi_modal_data": {"audio": b"x"}}, PARAMS)
+    ids, items = engine.model.image_encoder.spec.expand(engine.tokenizer.encode(PROMPT), [IMAGES[0]])
+    shifted = [{**items[0], "offset": items[0]["offset"] + 1}]
+    with pytest.raises(InvalidRequestError, match="are not its image token"):
+        engine.add_remote_request("r", ids, SamplingParams(mm_inputs=shifted))
+    with pytest.raises(ValueError, match="digest does not match"):
+        SamplingParams(mm_inputs=[{**items[0], "digest": "0" * 32}])
+    assert not engine.has_unfinished()
+    text_engine = LLMEngine.from_config(engine_config(), progress=False)
+    with pytest.raises(InvalidRequestError, match="takes no images"):
+        text_engine.add_request(_prompt("hello <image>", [IMAGES[0]]), PARAMS)
+    with pytest.raises(InvalidRequestError, match="takes no images"):
+        text_engine.add_request([1, 2, 3], SamplingParams(mm_inputs=items))
+
+
+def test_disaggregated_over_tcp(llava_dir, engine, reference):
+    """The prefill worker encodes the images and sends the prompt's KV; the decode worker decodes it: the same tokens
+    (the images travel in the request's parameters, over the workers' msgpack messages)."""
+    cfg = EngineConfig(model=str(llava_dir), dtype="float32", max_model_len=256, num_kv_blocks=64, block_size=16)
+    events, ids = Events(), [f"r{i}" for i in range(len(CASES))]
+    with connected_pair(cfg, TransferConfig(transport="tcp", secret="s3cret"), events) as (p, d):
+        for rid, (text, images) in zip(ids, CASES):
+            prompt, params = engine.with_images(_prompt(text, images), PARAMS) if images else (
+                engine.tokenizer.encode(text), PARAMS)
+            d.submit(rid, prompt, params, "p0")
+        tokens = _collect_tokens(events, ids, timeout_s=120)
+        for worker in (p, d):
+            _wait_free(worker, 64, 5)
+        assert p.engine.runner.image_embeds.num_encoded == 3
+    assert [tokens[rid] for rid in ids] == reference
+
+
+class _ImageServer(BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        if self.path != "/cat.png":
+            self.send_response(404)
+            self.end_headers()
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "image/png")
+        self.send_header("Content-Length", str(len(IMAGES[1])))
+        self.end_headers()
+        self.wfile.write(IMAGES[1])
+
+    def log_message(self, *args):
+        pass
+
+
+def _data_url(image: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(image).decode()
+
+
+def test_served_chat_with_images(llava_dir, reference):
+    """The OpenAI client's image_url parts (a data URL, an http URL the server fetches from 127.0.0.1) through the
+    real HTTP server: transformers' tokens; bad images are 400s that name the image."""
+    images_http = ThreadingHTTPServer(("127.0.0.1", 0), _ImageServer)
+    threading.Thread(target=images_http.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{images_http.server_address[1]}"
+    router = LocalRouter(EngineConfig(model=str(llava_dir), dtype="float32", max_model_len=256, num_kv_blocks=64,
+                                      block_size=16), request_timeout_s=60)
+    try:
+        with serving(build_app(router, "llava", max_body_bytes=1 << 20)) as base_url:
+            client = openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0, timeout=60)
+
+            def chat(parts, **kw):
+                out = client.chat.completions.create(
+                    model="llava", messages=[{"role": "user", "content": parts}], max_tokens=NUM_NEW, temperature=0,
+                    extra_body={"ignore_eos": True, "return_token_ids": True}, **kw)
+                return out
+
+            text = "What is in this picture?"
+            first = chat([{"type": "image_url", "image_url": {"url": _data_url(IMAGES[0])}},
+                          {"type": "text", "text": text}])
+            assert first.choices[0].token_ids == reference[0]
+            fetched = chat([{"type": "image_url", "image_url": {"url": f"{url}/cat.png"}},
+                            {"type": "text", "text": text}])
+            assert fetched.choices[0].token_ids == reference[1]
+            assert first.usage.prompt_tokens == fetched.usage.prompt_tokens == len(
+                router.tokenizer.encode(PROMPT)) - 1 + 16  # the image token widened to 16 placeholders
+            streamed = client.chat.completions.create(
+                model="llava", stream=True, max_tokens=NUM_NEW, temperature=0, extra_body={"ignore_eos": True},
+                messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(IMAGES[0])}},
+                                                       {"type": "text", "text": text}]}])
+            assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == first.choices[0].message.content
+            for url_, match in ((f"{url}/missing.png", "answered HTTP 404"), ("data:image/png;base64,@@", "base64"),
+                                (_data_url(b"not an image"), "cannot be read as an image"),
+                                ("file:///etc/passwd", "data: .* or http")):
+                with pytest.raises(openai.BadRequestError, match=match) as e:
+                    chat([{"type": "image_url", "image_url": {"url": url_}}, {"type": "text", "text": text}])
+                assert "image 0" in str(e.value)
+            with pytest.raises(openai.BadRequestError, match=r"prompt: the prompt has 2 image token\(s\) .* but 0"):
+                client.completions.create(model="llava", prompt=PROMPT.replace("<image>", "<image><image>"),
+                                          max_tokens=2)
+            assert router.worker.engine.runner.image_embeds.num_encoded == 2
+    finally:
+        router.close()
+        images_http.shutdown()
