@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from pdcluster.cluster.engine_args import add_engine_args, engine_config_from_args
 from pdcluster.engine.sampling_params import SamplingParams
@@ -23,6 +24,9 @@ def add_generate_parser(sub) -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--lora", default=None, metavar="NAME",
                      help="generate with this adapter of --lora-modules (default: the base model)")
+    gen.add_argument("--image", action="append", default=[], metavar="PATH",
+                     help="an image file for a model that takes images (LLaVA; repeatable): they fill the prompts' "
+                          "image tokens (<image>) in order; with --chat, one prompt's images, placed before its text")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt, one per line")
     gen.set_defaults(func=generate_main)
     return gen
@@ -40,6 +44,11 @@ def generate_main(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         lora_name=args.lora,
     )
+    if args.image and args.chat and len(args.prompt) > 1:
+        raise SystemExit("pdcluster generate: error: with --chat, --image goes with one --prompt")
+    for path in args.image:
+        if not os.path.isfile(path):
+            raise SystemExit(f"pdcluster generate: error: --image {path}: no such file")
     config = engine_config_from_args(args)
     from pdcluster.engine.llm_engine import LLMEngine  # torch: when generating, not at `pdcluster --help`
 
@@ -49,7 +58,10 @@ def generate_main(args: argparse.Namespace) -> int:
     freeze_startup_objects()  # one engine for the process's life (engine/gc_heap.py)
     prompts = args.prompt
     if args.chat:
-        prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+        prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": _chat_content(engine, p, args.image)}])
+                   for p in prompts]
+    if args.image:
+        prompts = _with_images(engine, prompts, args.image)
     try:
         outputs = engine.generate(prompts, params)  # validates every prompt before the first step
     finally:
@@ -69,3 +81,35 @@ def generate_main(args: argparse.Namespace) -> int:
         else:
             print(f"{prompt!r} -> {out.text!r}", flush=True)
     return 0
+
+
+def _chat_content(engine, text: str, images: list[str]):
+    """A chat message's content with ``images`` before the text, as the model's chat template reads them."""
+    if not images:
+        return text
+    spec = engine.model.image_encoder.spec if engine.model.image_encoder is not None else None
+    if spec is None:
+        raise SystemExit(f"pdcluster generate: error: --image: this model ({engine.model.architecture_name}) takes "
+                         "no images")
+    template = engine.tokenizer.chat_template or ""
+    if "'image'" in template or '"image"' in template:
+        return [{"type": "image"}] * len(images) + [{"type": "text", "text": text}]
+    return "\n".join([engine.tokenizer.id_to_token(spec.image_token_id)] * len(images) + [text])
+
+
+def _with_images(engine, prompts: list[str], images: list[str]) -> list:
+    """Each prompt as vLLM's dict with the images its image tokens take, in order."""
+    spec = engine.model.image_encoder.spec if engine.model.image_encoder is not None else None
+    if spec is None:
+        raise SystemExit(f"pdcluster generate: error: --image: this model ({engine.model.architecture_name}) takes "
+                         "no images")
+    out, left = [], list(images)
+    for prompt in prompts:
+        n = engine.tokenizer.encode(prompt).count(spec.image_token_id)
+        out.append({"prompt": prompt, "multi_modal_data": {"image": left[:n]}})
+        left = left[n:]
+    if left:
+        raise SystemExit(f"pdcluster generate: error: {len(images)} --image files for {len(images) - len(left)} image "
+                         f"tokens in the prompts: put one {engine.tokenizer.id_to_token(spec.image_token_id)} where "
+                         "each image goes")
+    return out

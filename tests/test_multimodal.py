@@ -288,3 +288,61 @@ def test_served_chat_with_images(llava_dir, reference):
     finally:
         router.close()
         images_http.shutdown()
+
+
+def test_bf16_deterministic_batch_invariant(llava_dir):
+    """bf16 in deterministic mode (the CPU default where it has avx512_bf16): a request with images gets its tokens
+    alone, bit for bit, in a batch with other images and text (each image encoded alone, its rows the same)."""
+    eng = LLMEngine.from_config(EngineConfig(model=str(llava_dir), dtype="bfloat16", deterministic=True,
+                                             max_model_len=256, num_kv_blocks=64, block_size=16,
+                                             enable_prefix_caching=False), progress=False)
+    prompts = [_prompt(t, i) for t, i in CASES]
+    batched = [o.token_ids for o in eng.generate(prompts, PARAMS)]
+    eng.runner.image_embeds.clear()
+    assert [eng.generate([p], PARAMS)[0].token_ids for p in prompts] == batched
+
+
+@pytest.mark.timeout(400)
+def test_disagg_ray_cluster(ray_session, llava_dir, engine, reference):  # noqa: F811
+    """Through the router of a disaggregated Ray cluster (prefill and decode actors, KV over tcp): the images ride
+    in the request's parameters to both actors; the same tokens as transformers."""
+    import asyncio
+
+    from pdcluster.cluster.launcher import Cluster, ClusterSpec
+
+    cluster = Cluster(ClusterSpec(engine=engine_config(str(llava_dir), dtype="float32", max_model_len=256,
+                                                       num_kv_blocks=64),
+                                  transfer=TransferConfig(transport="tcp"), mode="disagg"))
+
+    async def main():
+        cluster.router.start(asyncio.get_running_loop())
+
+        async def one(k, text, images):
+            prompt, params = engine.with_images(_prompt(text, images), PARAMS) if images else (
+                engine.tokenizer.encode(text), PARAMS)
+            return [t async for d in cluster.router.generate(f"img-{k}", prompt, params) for t in d.new_token_ids]
+
+        return await asyncio.gather(*[one(k, t, i) for k, (t, i) in enumerate(CASES)])
+
+    try:
+        assert asyncio.run(main()) == reference
+    finally:
+        cluster.shutdown()
+
+
+def test_generate_cli_with_an_image(llava_dir, reference, tmp_path):
+    """`pdcluster generate --image` as a user runs it: the image fills the prompt's image token."""
+    import os
+    import subprocess
+    import sys
+
+    image = tmp_path / "cat.png"
+    image.write_bytes(IMAGES[0])
+    cmd = [sys.executable, "-m", "pdcluster.cli", "generate", "--model", str(llava_dir), "--dtype", "float32",
+           "--prompt", PROMPT, "--image", str(image), "--max-tokens", str(NUM_NEW), "--ignore-eos", "--json"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=os.environ.copy(), cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads(run.stdout.strip().splitlines()[-1])["token_ids"] == reference[0]
+    no_token = [("no image token here" if a == PROMPT else a) for a in cmd]
+    run = subprocess.run(no_token, capture_output=True, text=True, timeout=300, env=os.environ.copy(), cwd=tmp_path)
+    assert run.returncode != 0 and "put one <image> where each image goes" in run.stderr

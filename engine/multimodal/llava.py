@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from pdcluster.engine.checkout_path import drop_checkout_from_sys_path
 from pdcluster.engine.multimodal.images import open_image
 from pdcluster.engine.multimodal.spec import ImageSpec
 
@@ -52,6 +53,7 @@ def _tower_names(state: dict[str, torch.Tensor], expected: dict) -> dict[str, to
 
 class LlavaImageEncoder:
     def __init__(self, model_dir: str | Path, dtype: torch.dtype, device: torch.device | str):
+        drop_checkout_from_sys_path()
         import transformers
 
         model_dir = Path(model_dir)
@@ -92,11 +94,16 @@ class LlavaImageEncoder:
         self.b1, self.b2 = (proj[f"linear_{i}.bias"].to(self.device, dtype) if f"linear_{i}.bias" in proj else None
                             for i in (1, 2))
 
-    @torch.inference_mode()
     def encode(self, images: list[bytes]) -> list[torch.Tensor]:
-        """Each image's embeddings, [tokens_per_image, text hidden] in the model's dtype on its device."""
-        pil = [open_image(data, f"image {i}") for i, data in enumerate(images)]
-        pixels = self.processor(images=pil, return_tensors="pt")["pixel_values"].to(self.device, self.dtype)
+        """Each image's embeddings, [tokens_per_image, text hidden] in the model's dtype on its device. One image at
+        a time: an image's embeddings are then the same bits whatever other images a step holds (deterministic
+        mode's promise; the encoder cache keeps each image's once)."""
+        return [self._encode_one(data, f"image {i}")[0] for i, data in enumerate(images)]
+
+    @torch.inference_mode()
+    def _encode_one(self, data: bytes, label: str) -> torch.Tensor:
+        pil = open_image(data, label)
+        pixels = self.processor(images=[pil], return_tensors="pt")["pixel_values"].to(self.device, self.dtype)
         states = self.tower(pixels, output_hidden_states=True).hidden_states
         layers = [self.feature_layer] if isinstance(self.feature_layer, int) else self.feature_layer
         picked = [states[i][:, 1:] if self.strategy == "default" and self._has_cls else states[i] for i in layers]
@@ -105,7 +112,7 @@ class LlavaImageEncoder:
         if out.shape[1] != self.spec.tokens_per_image:
             raise RuntimeError(f"the vision tower gave {out.shape[1]} tokens an image, expected "
                                f"{self.spec.tokens_per_image}")
-        return list(out)
+        return out
 
     @property
     def _has_cls(self) -> bool:
