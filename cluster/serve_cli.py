@@ -59,7 +59,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         f"{MIN_CORES_FOR_API_SERVERS} cores, else 1")
     g.add_argument("--request-timeout-s", type=float, default=300.0,
                    help="abort a request that makes no progress for this long")
-    g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    g.add_argument("--max-body-bytes", type=int, default=None,
+                   help="larger request bodies get 413 (default 1 MiB; 32 MiB for a model that takes images)")
     g.add_argument("--tool-call-parser", choices=PARSER_CHOICES, default="auto",
                    help="the model's tool-call format, read for tool_choice 'auto': hermes (<tool_call> JSON "
                         "blocks), llama3_json, pythonic ([f(a=1)]), mistral ([TOOL_CALLS]), qwen3_coder "
@@ -156,7 +157,7 @@ def _check_args(args: argparse.Namespace) -> None:
             print(f"pdcluster serve: --api-servers auto -> {args.api_servers}", file=sys.stderr, flush=True)
     for flag, value in (("--num-prefill", args.num_prefill), ("--num-decode", args.num_decode),
                         ("--max-body-bytes", args.max_body_bytes), ("--api-servers", args.api_servers)):
-        if value < 1:
+        if value is not None and value < 1:
             raise ConfigError(f"{flag}: must be at least 1, got {value}")
     if args.mode == "local" and args.router_policy != "least_loaded":
         print(f"pdcluster serve: --router-policy {args.router_policy}: --mode local serves one engine, there is "

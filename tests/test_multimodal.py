@@ -252,7 +252,7 @@ def test_served_chat_with_images(llava_dir, reference):
     router = LocalRouter(EngineConfig(model=str(llava_dir), dtype="float32", max_model_len=256, num_kv_blocks=64,
                                       block_size=16), request_timeout_s=60)
     try:
-        with serving(build_app(router, "llava", max_body_bytes=1 << 20)) as base_url:
+        with serving(build_app(router, "llava")) as base_url:  # the default body limit: 32 MiB with images
             client = openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0, timeout=60)
 
             def chat(parts, **kw):
@@ -284,7 +284,12 @@ def test_served_chat_with_images(llava_dir, reference):
             with pytest.raises(openai.BadRequestError, match=r"prompt: the prompt has 2 image token\(s\) .* but 0"):
                 client.completions.create(model="llava", prompt=PROMPT.replace("<image>", "<image><image>"),
                                           max_tokens=2)
-            assert router.worker.engine.runner.image_embeds.num_encoded == 2
+            big = _png(5, 640, 640)  # noise: a PNG over 1 MiB, base64 larger still (a text model's whole limit)
+            assert len(_data_url(big)) > 1 << 20
+            answer = chat([{"type": "image_url", "image_url": {"url": _data_url(big), "detail": "high"}},
+                           {"type": "text", "text": text}])
+            assert answer.usage.prompt_tokens == first.usage.prompt_tokens
+            assert router.worker.engine.runner.image_embeds.num_encoded == 3
     finally:
         router.close()
         images_http.shutdown()
@@ -346,3 +351,25 @@ def test_generate_cli_with_an_image(llava_dir, reference, tmp_path):
     no_token = [("no image token here" if a == PROMPT else a) for a in cmd]
     run = subprocess.run(no_token, capture_output=True, text=True, timeout=300, env=os.environ.copy(), cwd=tmp_path)
     assert run.returncode != 0 and "put one <image> where each image goes" in run.stderr
+
+
+def test_text_model_refuses_images_at_the_api():
+    """A model without a vision tower: an image part is a 400 naming the reason, and the body limit stays 1 MiB."""
+    import httpx
+
+    router = LocalRouter(engine_config(num_kv_blocks=64, max_model_len=256), request_timeout_s=30)
+    try:
+        with serving(build_app(router, "tiny")) as base_url:
+            client = openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0, timeout=60)
+            with pytest.raises(openai.BadRequestError, match="this model takes no images"):
+                client.chat.completions.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": _data_url(IMAGES[0])}}, {"type": "text", "text": "hi"}]}])
+            with pytest.raises(openai.BadRequestError, match="audio and file parts are not supported"):
+                client.chat.completions.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": [
+                    {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}])
+            body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x" * (1 << 20)}]})
+            r = httpx.post(base_url + "/v1/chat/completions", content=body,
+                           headers={"Content-Type": "application/json"}, timeout=30)
+            assert r.status_code == 413 and str(1 << 20) in r.json()["error"]["message"]
+    finally:
+        router.close()

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from pdcluster.cluster.api.beam import serve_beam_search
 from pdcluster.cluster.api.classify import ClassifyRequest, check_generates, serve_classify, serve_pooling
 from pdcluster.cluster.api.embeddings import EmbeddingRequest, PoolerConfig, pooler_config, serve_embeddings
+from pdcluster.cluster.api.images import image_spec
 from pdcluster.cluster.api.logprobs import TokenStrings
 from pdcluster.cluster.api.lora_routes import install_lora_routes
 from pdcluster.cluster.api.middleware import install_error_handlers, install_middleware
@@ -40,7 +41,12 @@ def package_version() -> str:
         return "unknown"
 
 
-def build_app(router, served_model_name: str, api_key: str | None = None, max_body_bytes: int = 1 << 20,
+# Request bodies up to: text, and a model that takes images (base64 data URLs: a 20 MiB image is 27 MiB).
+TEXT_BODY_BYTES = 1 << 20
+IMAGE_BODY_BYTES = 32 << 20
+
+
+def build_app(router, served_model_name: str, api_key: str | None = None, max_body_bytes: int | None = None,
               metrics: Metrics | None = None, tool_call_parser: str = "auto",
               reasoning_parser: str | None = None, runtime_lora: bool = False,
               pooler: PoolerConfig | str | None = None) -> FastAPI:
@@ -50,7 +56,10 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
     refused). ``reasoning_parser``: qwen3 or deepseek_r1 to give chat answers' reasoning apart
     (cluster/api/reasoning.py); None: the text as the model wrote it. ``pooler``: how /v1/embeddings pools
     (cluster/api/embeddings.py), or the JSON of ``serve --pooler-config`` over what the model's directory says (None:
-    that alone; without one, the last token, normalised)."""
+    that alone; without one, the last token, normalised). ``max_body_bytes`` (None: 1 MiB, 32 MiB for a model that
+    takes images, whose data URLs carry them): larger bodies get 413."""
+    if max_body_bytes is None:
+        max_body_bytes = IMAGE_BODY_BYTES if image_spec(router.tokenizer) is not None else TEXT_BODY_BYTES
     if max_body_bytes <= 0:
         raise ValueError(f"max_body_bytes must be > 0, got {max_body_bytes!r}")
     tool_parser = select_parser(tool_call_parser, getattr(router.tokenizer, "chat_template", None))

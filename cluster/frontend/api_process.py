@@ -23,7 +23,7 @@ class ApiConfig:
     port: int
     served_model_name: str
     api_key: str | None
-    max_body_bytes: int
+    max_body_bytes: int | None  # None: build_app's default for the model
     tool_call_parser: str
     reasoning_parser: str | None = None
     runtime_lora: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter, answered by the router process

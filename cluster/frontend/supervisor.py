@@ -49,7 +49,7 @@ class ApiServers:
         enable_multiprocess(self.metrics_dir)
         self._procs: list[multiprocessing.Process] = []
 
-    def run(self, router, served_model_name: str, *, api_key: str | None, max_body_bytes: int,
+    def run(self, router, served_model_name: str, *, api_key: str | None, max_body_bytes: int | None,
             tool_call_parser: str, reasoning_parser: str | None = None, admin_app=None, on_ready=None,
             runtime_lora: bool = False, pooler: str | None = None) -> int:
         """Serve until SIGINT/SIGTERM (0) or an API process's death (1). ``admin_app``: an ASGI app whose
