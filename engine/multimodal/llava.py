@@ -66,8 +66,9 @@ class LlavaImageEncoder:
         if act not in _ACTIVATIONS:
             raise ValueError(f"{model_dir}: projector_hidden_act {act!r} is not supported ({', '.join(_ACTIVATIONS)})")
         self.act = _ACTIVATIONS[act]
-        if not (model_dir / "preprocessor_config.json").is_file():
-            raise ValueError(f"{model_dir}: no preprocessor_config.json (the image processor's settings)")
+        if not any((model_dir / name).is_file() for name in ("preprocessor_config.json", "processor_config.json")):
+            raise ValueError(f"{model_dir}: no preprocessor_config.json or processor_config.json (the image "
+                             "processor's settings)")
         # transformers warns once when torchvision is missing and it uses its Pillow processor: the same pixels.
         logging.getLogger("transformers.models.auto.image_processing_auto").setLevel(logging.ERROR)
         self.processor = transformers.AutoImageProcessor.from_pretrained(str(model_dir), local_files_only=True)

