@@ -224,7 +224,7 @@ class LLMEngine:
         if validate:
             self.validate(prompt_token_ids, params)
         self.check_task(params)
-        self.check_images(prompt_token_ids, params)
+        self.check_images(prompt_token_ids, params, client_prompt=validate)
         params = self.assign_seed(params)
         params = self.bind_lora(params)
         self.prepare_grammar(params)
@@ -256,9 +256,10 @@ class LLMEngine:
             raise InvalidRequestError(str(e)) from None
         return ids, replace(params, mm_inputs=items)
 
-    def check_images(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def check_images(self, prompt_token_ids: list[int], params: SamplingParams, client_prompt: bool = False) -> None:
         """A request's images fit its prompt and this model (checked on every worker: a bad request is an error for
-        that request, not a failed step)."""
+        that request, not a failed step). ``client_prompt``: the prompt is as the client gave it, so a prompt
+        without images must hold no image token."""
         encoder = getattr(self.model, "image_encoder", None)
         if encoder is None:
             if params.mm_inputs:
@@ -266,6 +267,8 @@ class LLMEngine:
                                           + (" on a tensor-parallel split" if self.model.tp_driver else ""))
             return
         try:
+            if client_prompt and not params.mm_inputs:
+                encoder.spec.check_no_image_tokens(prompt_token_ids)
             encoder.spec.check(prompt_token_ids, params.mm_inputs)
             for i, item in enumerate(params.mm_inputs):  # bytes that are no image fail here, not in a step
                 open_image(item["data"], f"image {i}")
