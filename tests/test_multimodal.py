@@ -56,6 +56,19 @@ def _png(seed: int, width: int, height: int) -> bytes:
 IMAGES = [_png(1, 40, 36), _png(2, 64, 48), _png(3, 33, 50)]
 
 
+def hub_tower_names(d: Path) -> None:
+    """The checkpoint's tower tensors renamed as the llava-hf checkpoints on the Hub have them
+    (``vision_tower.vision_model.*``), not as transformers >= 5.2x saves them (``vision_tower.*``)."""
+    from safetensors.torch import load_file, save_file
+
+    path = d / "model.safetensors"
+    weights = load_file(str(path))
+    renamed = {("vision_tower.vision_model." + k.removeprefix("vision_tower.")
+                if k.startswith("vision_tower.") and not k.startswith("vision_tower.vision_model.") else k): v
+               for k, v in weights.items()}
+    save_file(renamed, str(path), metadata={"format": "pt"})
+
+
 def _build(d: Path) -> Path:
     src = resolve_model("tiny-random", progress=False)
     tok = HFTokenizer.from_file(str(src / "tokenizer.json"))
@@ -77,6 +90,7 @@ def _build(d: Path) -> Path:
             if p.dim() > 1:
                 p.normal_(0, 0.5 if "embed" in name else 1.5 / p.shape[1] ** 0.5)
     model.save_pretrained(str(d))
+    hub_tower_names(d)  # as llava-hf's checkpoints name the tower (transformers 5 writes it without vision_model.)
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
     CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(str(d))
