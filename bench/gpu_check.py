@@ -535,6 +535,55 @@ def lora_check(model_dir: Path, prompts, expected_base, num_new: int, device: st
                                 for i, (n, g, e) in enumerate(zip(names, got, expected)) if g != e), None)}
 
 
+def images_check(tokenizer_dir: Path, num_new: int, device: str, work: Path) -> dict:
+    """Image prompts (engine/multimodal/) on a tiny LLaVA made by transformers: a batch of prompts with one image, two
+    images and none, then the same chunked through the images' placeholders with preemption, equal transformers'
+    greedy on the same pixels, fp32 on the device (the tower, the projector and the image rows there). Needs Pillow
+    (carried as a wheel: bench/gpu_session.sh)."""
+    import importlib.util
+
+    if importlib.util.find_spec("PIL") is None:
+        return {"ok": False, "error": "Pillow is not installed: carry its wheel in .whl (bench/gpu_session.sh)"}
+    import torch
+    import transformers
+
+    from pdcluster.engine.config import EngineConfig
+    from pdcluster.engine.llm_engine import LLMEngine
+    from pdcluster.engine.multimodal.spec import ImageSpec
+    from pdcluster.engine.multimodal.tiny_llava import build_tiny_llava, png, transformers_greedy
+    from pdcluster.engine.sampling_params import SamplingParams
+    from pdcluster.engine.tokenizer import Tokenizer
+
+    model_dir = build_tiny_llava(work / "tiny-llava", tokenizer_dir)
+    images = [png(1, 40, 36), png(2, 64, 48), png(3, 33, 50)]
+    cases = [("USER: <image>\nWhat is this? ASSISTANT:", images[:1]),
+             ("USER: <image>\nWhat is this? ASSISTANT:", images[1:2]),
+             ("USER: <image>\nand <image>\nWhich is brighter? ASSISTANT:", images[2:] + images[:1]),
+             ("USER: Tell me a story. ASSISTANT:", [])]
+    spec, tokenizer = ImageSpec.from_dir(model_dir), Tokenizer(model_dir)
+    hf = transformers.LlavaForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32)
+    hf = hf.to(device).eval()
+    expected = [transformers_greedy(model_dir, spec.expand(tokenizer.encode(t), i)[0], i, num_new, device, hf)
+                for t, i in cases]
+    del hf
+    prompts = [{"prompt": t, "multi_modal_data": {"image": i}} if i else t for t, i in cases]
+    params = SamplingParams(max_tokens=num_new, temperature=0.0, ignore_eos=True)
+    out = {"images_change_output": expected[0] != expected[1]}
+    for vname, cfg in (("batch", {}), ("chunked+preemption", dict(max_num_batched_tokens=5, block_size=8,
+                                                                   num_kv_blocks=9, enable_prefix_caching=False))):
+        engine = LLMEngine.from_config(EngineConfig(**{**dict(model=str(model_dir), device=device, dtype="float32",
+                                                              num_kv_blocks=64, max_model_len=256), **cfg}),
+                                       progress=False)
+        got = [o.token_ids for o in engine.generate(prompts, params)]
+        ok = got == expected and (vname == "batch" or engine.scheduler.num_preemptions_total > 0)
+        out[vname] = {"ok": ok, "num_preemptions": engine.scheduler.num_preemptions_total,
+                      "images_encoded": engine.runner.image_embeds.num_encoded,
+                      "first_diff": next(({"prompt": k, "got": g, "expected": e}
+                                          for k, (g, e) in enumerate(zip(got, expected)) if g != e), None)}
+    out["ok"] = out["images_change_output"] and all(out[v]["ok"] for v in ("batch", "chunked+preemption"))
+    return out
+
+
 CORRECTNESS_MODELS = ("tiny-random", "tiny-hybrid", "nemotron-h-random", *FAMILIES)
 
 
@@ -627,6 +676,14 @@ def correctness_section(entry: dict, device: str, work: Path, quick: bool, only:
                 result["lora"] = {"ok": False, "error": f"{type(e).__name__}: {e}",
                                   "traceback": traceback.format_exc()[-1500:]}
             all_ok = all_ok and result["lora"]["ok"]
+            try:
+                result["images"] = images_check(model_dir, num_new, device, work)
+            except Exception as e:  # noqa: BLE001
+                result["images"] = {"ok": False, "error": f"{type(e).__name__}: {e}",
+                                    "traceback": traceback.format_exc()[-1500:]}
+                if device == "cuda" and _is_device_fault(e):
+                    fault = f"{name} images: {type(e).__name__}"
+            all_ok = all_ok and result["images"]["ok"]
         entry[name] = result
         del entry["in_progress"]
         on_progress()

@@ -11,7 +11,8 @@
 # ignored by git):
 #   python bench/gpu_check.py --prepare-assets
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#       --platform manylinux_2_28_x86_64 -d .whl pyzmq==27.3.0          # .whl/ in .git/info/exclude
+#       --platform manylinux_2_28_x86_64 -d .whl pyzmq==27.3.0 pillow==13.0.0   # .whl/ in .git/info/exclude
+#   (Pillow: gpu_check's image prompts on a tiny LLaVA; the machine's transformers needs it for the image processor)
 #   # GPU_SERVE only: the serving stack, at the versions the tests run (9.7 MB with pyzmq)
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \

@@ -128,7 +128,7 @@ class LoadedModel:
                 if driver is None:
                     from pdcluster.engine.multimodal.llava import LlavaImageEncoder
 
-                    model.image_encoder = LlavaImageEncoder(model_dir, dtype, config.device)
+                    model.image_encoder = LlavaImageEncoder(model_dir, dtype, config.device, deterministic)
                 else:
                     log.warning("%s takes images, but not on a tensor-parallel split: served for text",
                                 config.model)

@@ -12,11 +12,9 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import numpy as np
 import openai
 import pytest
 import torch
-from tokenizers import Tokenizer as HFTokenizer
 
 from conftest import engine_config
 from pdcluster.cluster.api.app import build_app
@@ -25,7 +23,8 @@ from pdcluster.engine.block_manager import block_hash_root, chained_block_hashes
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.llm_engine import InvalidRequestError, LLMEngine
 from pdcluster.engine.models.registry import resolve_model
-from pdcluster.engine.multimodal.spec import ImageInputError, ImageSpec
+from pdcluster.engine.multimodal.spec import ImageSpec
+from pdcluster.engine.multimodal.tiny_llava import build_tiny_llava, png, transformers_greedy
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kv_transfer.config import TransferConfig
 from test_api import serving
@@ -38,68 +37,12 @@ NUM_NEW = 8
 PROMPT = "USER: <image>\nWhat is in this picture? ASSISTANT:"
 TWO = "USER: <image>\nand <image>\nWhich one is brighter? ASSISTANT:"
 TEXT = "USER: Tell me a story about a cat. ASSISTANT:"
-# LLaVA's chat template as llava-hf ships it: the content's parts, the image token where an image part is.
-TEMPLATE = ("{% for message in messages %}{% if message['role'] == 'user' %}USER: {% else %}ASSISTANT: {% endif %}"
-            "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for item in message['content'] %}"
-            "{% if item['type'] == 'image' %}<image>\n{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}"
-            "{% endfor %}{% endif %}{% if message['role'] != 'user' %}</s>{% endif %} {% endfor %}"
-            "{% if add_generation_prompt %}ASSISTANT:{% endif %}")
-
-
-def _png(seed: int, width: int, height: int) -> bytes:
-    pixels = (np.random.default_rng(seed).random((height, width, 3)) * 255).astype("uint8")
-    buf = io.BytesIO()
-    PIL.fromarray(pixels).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-IMAGES = [_png(1, 40, 36), _png(2, 64, 48), _png(3, 33, 50)]
-
-
-def hub_tower_names(d: Path) -> None:
-    """The checkpoint's tower tensors renamed as the llava-hf checkpoints on the Hub have them
-    (``vision_tower.vision_model.*``), not as transformers >= 5.2x saves them (``vision_tower.*``)."""
-    from safetensors.torch import load_file, save_file
-
-    path = d / "model.safetensors"
-    weights = load_file(str(path))
-    renamed = {("vision_tower.vision_model." + k.removeprefix("vision_tower.")
-                if k.startswith("vision_tower.") and not k.startswith("vision_tower.vision_model.") else k): v
-               for k, v in weights.items()}
-    save_file(renamed, str(path), metadata={"format": "pt"})
-
-
-def _build(d: Path) -> Path:
-    src = resolve_model("tiny-random", progress=False)
-    tok = HFTokenizer.from_file(str(src / "tokenizer.json"))
-    tok.add_special_tokens(["<image>"])
-    image_id = tok.token_to_id("<image>")
-    tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "eos_token": "<|im_end|>"}))
-    text = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, vocab_size=image_id + 1, max_position_embeddings=512,
-                rms_norm_eps=1e-5, tie_word_embeddings=False)
-    vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=2, image_size=32, patch_size=8, projection_dim=32)
-    cfg = transformers.LlavaConfig(text_config=text, vision_config=vision, image_token_index=image_id,
-                                   vision_feature_layer=-2, image_seq_length=16, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = transformers.LlavaForConditionalGeneration(cfg)
-    with torch.no_grad():  # weights that make each image matter to the next token (std 0.02 gives flat logits)
-        for name, p in model.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.5 if "embed" in name else 1.5 / p.shape[1] ** 0.5)
-    model.save_pretrained(str(d))
-    hub_tower_names(d)  # as llava-hf's checkpoints name the tower (transformers 5 writes it without vision_model.)
-    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
-
-    CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(str(d))
-    return d
+IMAGES = [png(1, 40, 36), png(2, 64, 48), png(3, 33, 50)]
 
 
 @pytest.fixture(scope="module")
 def llava_dir(tmp_path_factory) -> Path:
-    return _build(tmp_path_factory.mktemp("llava"))
+    return build_tiny_llava(tmp_path_factory.mktemp("llava"), resolve_model("tiny-random", progress=False))
 
 
 @pytest.fixture(scope="module")
@@ -108,34 +51,16 @@ def engine(llava_dir) -> LLMEngine:
                                               num_kv_blocks=64, block_size=16, max_num_seqs=8), progress=False)
 
 
-def _hf_greedy(llava_dir: Path, prompt_ids: list[int], images: list[bytes]) -> list[int]:
-    hf = _hf_greedy.models.get(llava_dir)
-    if hf is None:
-        hf = _hf_greedy.models[llava_dir] = transformers.LlavaForConditionalGeneration.from_pretrained(
-            str(llava_dir), dtype=torch.float32).eval()
-    processor = transformers.AutoImageProcessor.from_pretrained(str(llava_dir))
-    kwargs = {}
-    if images:
-        kwargs["pixel_values"] = processor(images=[PIL.open(io.BytesIO(b)).convert("RGB") for b in images],
-                                           return_tensors="pt")["pixel_values"]
-    seq = list(prompt_ids)
-    with torch.inference_mode():
-        for _ in range(NUM_NEW):
-            seq.append(int(hf(input_ids=torch.tensor([seq]), **kwargs).logits[0, -1].argmax()))
-    return seq[len(prompt_ids):]
-
-
-_hf_greedy.models = {}
-
 CASES = [(PROMPT, [IMAGES[0]]), (PROMPT, [IMAGES[1]]), (TWO, [IMAGES[2], IMAGES[0]]), (TEXT, [])]
 
 
 @pytest.fixture(scope="module")
 def reference(llava_dir, engine) -> list[list[int]]:
+    hf = transformers.LlavaForConditionalGeneration.from_pretrained(str(llava_dir), dtype=torch.float32).eval()
     out = []
     for text, images in CASES:
         ids, _ = engine.model.image_encoder.spec.expand(engine.tokenizer.encode(text), images)
-        out.append(_hf_greedy(llava_dir, ids, images))
+        out.append(transformers_greedy(llava_dir, ids, images, NUM_NEW, model=hf))
     return out
 
 
@@ -300,7 +225,7 @@ def test_served_chat_with_images(llava_dir, reference):
             with pytest.raises(openai.BadRequestError, match=r"prompt: the prompt has 2 image token\(s\) .* but 0"):
                 client.completions.create(model="llava", prompt=PROMPT.replace("<image>", "<image><image>"),
                                           max_tokens=2)
-            big = _png(5, 640, 640)  # noise: a PNG over 1 MiB, base64 larger still (a text model's whole limit)
+            big = png(5, 640, 640)  # noise: a PNG over 1 MiB, base64 larger still (a text model's whole limit)
             assert len(_data_url(big)) > 1 << 20
             answer = chat([{"type": "image_url", "image_url": {"url": _data_url(big), "detail": "high"}},
                            {"type": "text", "text": text}])
