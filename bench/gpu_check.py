@@ -556,10 +556,10 @@ def images_check(tokenizer_dir: Path, num_new: int, device: str, work: Path) -> 
 
     model_dir = build_tiny_llava(work / "tiny-llava", tokenizer_dir)
     images = [png(1, 40, 36), png(2, 64, 48), png(3, 33, 50)]
-    cases = [("USER: <image>\nWhat is this? ASSISTANT:", images[:1]),
-             ("USER: <image>\nWhat is this? ASSISTANT:", images[1:2]),
-             ("USER: <image>\nand <image>\nWhich is brighter? ASSISTANT:", images[2:] + images[:1]),
-             ("USER: Tell me a story. ASSISTANT:", [])]
+    one = "USER: <image>\nWhat is in this picture? ASSISTANT:"  # tests/test_multimodal.py's prompts
+    cases = [(one, images[:1]), (one, images[1:2]),
+             ("USER: <image>\nand <image>\nWhich one is brighter? ASSISTANT:", images[2:] + images[:1]),
+             ("USER: Tell me a story about a cat. ASSISTANT:", [])]
     spec, tokenizer = ImageSpec.from_dir(model_dir), Tokenizer(model_dir)
     hf = transformers.LlavaForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32)
     hf = hf.to(device).eval()

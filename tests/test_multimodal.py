@@ -314,3 +314,16 @@ def test_text_model_refuses_images_at_the_api():
             assert r.status_code == 413 and str(1 << 20) in r.json()["error"]["message"]
     finally:
         router.close()
+
+
+def test_fast_mode_encodes_a_steps_images_together(llava_dir, reference):
+    """Outside deterministic mode (a GPU's default) the step's images go through the tower as one batch: the same
+    tokens as transformers."""
+    eng = LLMEngine.from_config(EngineConfig(model=str(llava_dir), dtype="float32", deterministic=False,
+                                             max_model_len=256, num_kv_blocks=64, block_size=16), progress=False)
+    encoder = eng.model.image_encoder
+    batches = []
+    encode = encoder._encode
+    encoder._encode = lambda images, first: batches.append(len(images)) or encode(images, first)
+    assert [o.token_ids for o in eng.generate([_prompt(t, i) for t, i in CASES], PARAMS)] == reference
+    assert batches == [3]  # the first step's three distinct images (one is in two prompts), one tower call
