@@ -231,6 +231,12 @@ def test_served_chat_with_images(llava_dir, reference):
                            {"type": "text", "text": text}])
             assert answer.usage.prompt_tokens == first.usage.prompt_tokens
             assert router.worker.engine.runner.image_embeds.num_encoded == 3
+            import httpx
+
+            counted = httpx.post(base_url + "/tokenize", timeout=30, json={"model": "llava", "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(IMAGES[0])}},
+                                             {"type": "text", "text": text}]}]}).json()
+            assert counted["count"] == first.usage.prompt_tokens  # /tokenize counts an image as its placeholders
     finally:
         router.close()
         images_http.shutdown()

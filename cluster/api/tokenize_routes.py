@@ -15,6 +15,7 @@ from typing import Annotated
 
 import anyio
 from fastapi import FastAPI
+from pdcluster.cluster.api.images import image_spec, image_urls
 from pdcluster.cluster.api.middleware import APIError
 from pdcluster.cluster.api.protocol import ChatMessage, one_of, StrictModel, short
 from pdcluster.cluster.api.validation import chat_prompt_text, chat_template_kwargs, check_model
@@ -47,7 +48,11 @@ def _tokenize(body: TokenizeRequest, tokenizer) -> list[int]:
     text = chat_prompt_text(body.messages, body.add_generation_prompt is not False, tokenizer,
                             template_kwargs=chat_template_kwargs(body.chat_template_kwargs))
     # The template spells its own special tokens: by default none are added (as chat completions).
-    return tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+    ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+    spec = image_spec(tokenizer)
+    if spec is not None and image_urls(body.messages):  # each image as its placeholders, as the request would be
+        ids = spec.widen(ids)
+    return ids
 
 
 def install_tokenize_routes(app: FastAPI, router, served_model_name: str) -> None:

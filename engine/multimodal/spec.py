@@ -79,6 +79,14 @@ class ImageSpec:
         out += prompt_token_ids[last:]
         return out, items
 
+    def widen(self, prompt_token_ids: list[int]) -> list[int]:
+        """The prompt with every image token widened to its placeholders (what ``expand`` makes of it, images
+        aside: /tokenize's count)."""
+        out: list[int] = []
+        for t in prompt_token_ids:
+            out += [t] * self.tokens_per_image if t == self.image_token_id else [t]
+        return out
+
     def check(self, prompt_token_ids: list[int], mm_inputs: list[dict]) -> None:
         """That ``mm_inputs`` name placeholder runs of this prompt, in order, one image each (a request built
         elsewhere: checked where it is run). Image tokens outside them are not looked for here: a request resumed
