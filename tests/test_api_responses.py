@@ -148,8 +148,13 @@ def test_tool_calls_are_function_call_items(tiny_dir):
 @pytest.mark.parametrize("body, status, param, words", [
     ({"input": "x", "previous_response_id": "resp_1"}, 400, "previous_response_id", "not stored"),
     ({"input": "x", "max_output_tokens": -3}, 400, "max_output_tokens", "max_output_tokens"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, 400,
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, 400,
      "input[0].content[0]", "only text parts"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]}, 400,
+     "input[0].content[0]", "input_image parts with an image_url"),
+    # An image for a model that takes none (LLaVA's are served: tests/test_multimodal.py).
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, 400,
+     "input", "this model takes no images"),
     ({"input": [{"type": "file_search_call"}]}, 400, "input[0].type", "not supported"),
     ({"input": [{"role": "robot", "content": "x"}]}, 400, "input[0].role", "robot"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, 400, "tools[0].type", "only function tools"),

@@ -237,6 +237,11 @@ def test_served_chat_with_images(llava_dir, reference):
                 {"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(IMAGES[0])}},
                                              {"type": "text", "text": text}]}]}).json()
             assert counted["count"] == first.usage.prompt_tokens  # /tokenize counts an image as its placeholders
+            answer = client.responses.create(model="llava", max_output_tokens=NUM_NEW, temperature=0,
+                                             extra_body={"ignore_eos": True}, input=[{"role": "user", "content": [
+                                                 {"type": "input_image", "image_url": _data_url(IMAGES[0])},
+                                                 {"type": "input_text", "text": text}]}])
+            assert answer.output_text == first.choices[0].message.content  # the Responses API's input_image
     finally:
         router.close()
         images_http.shutdown()

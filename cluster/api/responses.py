@@ -14,8 +14,8 @@ events around ``response.output_text.delta`` per piece of text, then ``response.
 call tools streams its items once the text is whole (its text is a call or not only at the end).
 
 Not kept: responses are not stored (``store`` is answered false), so ``previous_response_id`` is refused
-with a 400 that says to send the conversation in ``input``; image, audio and file inputs are refused as
-in chat; one output (no ``n``).
+with a 400 that says to send the conversation in ``input``; ``input_image`` parts (an ``image_url``) go to chat's
+image_url parts, for a model that takes images; audio and file inputs are refused as in chat; one output (no ``n``).
 """
 
 from __future__ import annotations
@@ -72,20 +72,28 @@ def _bad(param: str, message: str) -> APIError:
     return APIError(400, f"{param}: {message}", param=param)
 
 
-def _text_of(content: Any, where: str) -> str:
-    """A message item's content: a string, or text parts (input_text / output_text / text)."""
+def _content_of(content: Any, where: str) -> str | list[dict]:
+    """A message item's content: a string, or text parts (input_text / output_text / text) joined, or with
+    ``input_image`` parts (an image_url: a data: or http(s) URL) the chat's text and image_url parts."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise _bad(where, f"must be a string or a list of content parts, got {wire.short(content)}")
-    texts = []
+    parts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
-            raise _bad(f"{where}[{j}]", f"only text parts (input_text, output_text) are supported, got "
-                                        f"{wire.short(kind if kind else part)}")
-        texts.append(part["text"])
-    return "".join(texts)
+        if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "input_image" and isinstance(part.get("image_url"), str):
+            detail = part.get("detail")
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"], **(
+                {"detail": detail} if detail in ("auto", "low", "high") else {})}})
+        else:
+            raise _bad(f"{where}[{j}]", f"only text parts (input_text, output_text) and input_image parts with an "
+                                        f"image_url are supported, got {wire.short(kind if kind else part)}")
+    if any(p["type"] == "image_url" for p in parts):
+        return parts
+    return "".join(p["text"] for p in parts)
 
 
 def chat_messages(body: ResponsesRequest) -> list[dict]:
@@ -103,7 +111,7 @@ def chat_messages(body: ResponsesRequest) -> list[dict]:
             role = item.get("role")
             if role not in ("system", "developer", "user", "assistant"):
                 raise _bad(f"{where}.role", f"must be system, developer, user or assistant, got {wire.short(role)}")
-            messages.append({"role": role, "content": _text_of(item.get("content"), f"{where}.content")})
+            messages.append({"role": role, "content": _content_of(item.get("content"), f"{where}.content")})
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
