@@ -25,6 +25,9 @@ from pdcluster.engine.multimodal.spec import ImageSpec
 # Where checkpoints keep the tower and the projector (transformers 5's names, then 4's).
 _TOWER_PREFIXES = ("model.vision_tower.", "vision_tower.")
 _PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
+# Fast mode encodes a step's images together, at most this many a tower call: the tower's activations are not in the
+# GPU's KV budget (engine/kv_budget.py profiles the language model), so one call's peak stays a few images'.
+MAX_IMAGES_A_CALL = 8
 _ACTIVATIONS = {"gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu,
                 "relu": F.relu, "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x)}
 
@@ -129,7 +132,10 @@ class LlavaImageEncoder:
         step holds; otherwise the step's images in one batch (a GPU's wider GEMMs)."""
         if self.deterministic:
             return [self._encode([data], i)[0] for i, data in enumerate(images)]
-        return list(self._encode(images, 0))
+        out: list[torch.Tensor] = []
+        for first in range(0, len(images), MAX_IMAGES_A_CALL):
+            out += list(self._encode(images[first:first + MAX_IMAGES_A_CALL], first))
+        return out
 
     @torch.inference_mode()
     def _encode(self, images: list[bytes], first: int) -> torch.Tensor:
