@@ -29,45 +29,22 @@ from multimodal_vllm_side import measure  # noqa: E402  (stdlib only)
 from vs_vllm import VLLM_ENV, run_child, vllm_bind  # noqa: E402
 
 PROMPT = "USER: <image>\nDescribe this picture in one sentence. ASSISTANT:"
-TEMPLATE = ("{% for message in messages %}{% if message['role'] == 'user' %}USER: {% else %}ASSISTANT: {% endif %}"
-            "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for item in message['content'] %}"
-            "{% if item['type'] == 'image' %}<image>\n{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}"
-            "{% endfor %}{% endif %}{% if message['role'] != 'user' %}</s>{% endif %} {% endfor %}"
-            "{% if add_generation_prompt %}ASSISTANT:{% endif %}")
-
-
-def hub_tower_names(d: Path) -> None:
-    """The checkpoint's tower tensors renamed as the llava-hf checkpoints on the Hub have them
-    (``vision_tower.vision_model.*``), not as transformers >= 5.2x saves them (``vision_tower.*``)."""
-    from safetensors.torch import load_file, save_file
-
-    path = d / "model.safetensors"
-    weights = load_file(str(path))
-    renamed = {("vision_tower.vision_model." + k.removeprefix("vision_tower.")
-                if k.startswith("vision_tower.") and not k.startswith("vision_tower.vision_model.") else k): v
-               for k, v in weights.items()}
-    save_file(renamed, str(path), metadata={"format": "pt"})
-
-
 def build_llava(out: Path) -> Path:
     """SmolLM2's weights under a LLaVA 1.5 shape with a random CLIP ViT-B/16 tower and projector (bf16)."""
     import torch
     import transformers
     from safetensors.torch import load_file
-    from tokenizers import Tokenizer
 
     from pdcluster.engine.checkout_path import drop_checkout_from_sys_path
     from pdcluster.engine.models.registry import resolve_model
+    from pdcluster.engine.multimodal.tiny_llava import CHAT_TEMPLATE, hub_tower_names, tokenizer_with_image_token
 
     drop_checkout_from_sys_path()
     src = resolve_model("smollm2", progress=False)
     out.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer.from_file(str(src / "tokenizer.json"))
-    tok.add_special_tokens(["<image>"])
-    image_id = tok.token_to_id("<image>")
-    tok.save(str(out / "tokenizer.json"))
+    image_id = tokenizer_with_image_token(src, out)
     tc = json.loads((src / "tokenizer_config.json").read_text())
-    tc.update(chat_template=TEMPLATE, tokenizer_class="PreTrainedTokenizerFast")
+    tc.update(chat_template=CHAT_TEMPLATE, tokenizer_class="PreTrainedTokenizerFast")
     tc.pop("added_tokens_decoder", None)
     (out / "tokenizer_config.json").write_text(json.dumps(tc))
     text = json.loads((src / "config.json").read_text())
@@ -93,7 +70,7 @@ def build_llava(out: Path) -> Path:
     hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(out / "tokenizer.json"), eos_token="<|im_end|>")
     transformers.LlavaProcessor(image_processor=processor, tokenizer=hf_tok, patch_size=16,
                                 vision_feature_select_strategy="default", image_token="<image>",
-                                num_additional_image_tokens=1, chat_template=TEMPLATE).save_pretrained(str(out))
+                                num_additional_image_tokens=1, chat_template=CHAT_TEMPLATE).save_pretrained(str(out))
     (out / "tokenizer_config.json").write_text(json.dumps(tc))  # ours again (the processor wrote its own)
     return out
 

@@ -7,6 +7,7 @@ import json
 import os
 
 from pdcluster.cluster.engine_args import add_engine_args, engine_config_from_args
+from pdcluster.engine.multimodal.spec import chat_content
 from pdcluster.engine.sampling_params import SamplingParams
 
 
@@ -57,11 +58,13 @@ def generate_main(args: argparse.Namespace) -> int:
     engine = LLMEngine.from_config(config)
     freeze_startup_objects()  # one engine for the process's life (engine/gc_heap.py)
     prompts = args.prompt
+    spec = _image_spec(engine) if args.image else None
     if args.chat:
-        prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": _chat_content(engine, p, args.image)}])
+        prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": _chat_content(engine, spec, p,
+                                                                                                    args.image)}])
                    for p in prompts]
     if args.image:
-        prompts = _with_images(engine, prompts, args.image)
+        prompts = _with_images(engine, spec, prompts, args.image)
     try:
         outputs = engine.generate(prompts, params)  # validates every prompt before the first step
     finally:
@@ -83,26 +86,25 @@ def generate_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _chat_content(engine, text: str, images: list[str]):
+def _image_spec(engine):
+    """The model's image spec; a model that takes no images ends the command in one line."""
+    encoder = engine.model.image_encoder
+    if encoder is None:
+        raise SystemExit(f"pdcluster generate: error: --image: this model ({engine.model.architecture_name}) takes "
+                         "no images")
+    return encoder.spec
+
+
+def _chat_content(engine, spec, text: str, images: list[str]):
     """A chat message's content with ``images`` before the text, as the model's chat template reads them."""
     if not images:
         return text
-    spec = engine.model.image_encoder.spec if engine.model.image_encoder is not None else None
-    if spec is None:
-        raise SystemExit(f"pdcluster generate: error: --image: this model ({engine.model.architecture_name}) takes "
-                         "no images")
-    template = engine.tokenizer.chat_template or ""
-    if "'image'" in template or '"image"' in template:
-        return [{"type": "image"}] * len(images) + [{"type": "text", "text": text}]
-    return "\n".join([engine.tokenizer.id_to_token(spec.image_token_id)] * len(images) + [text])
+    parts = [{"type": "image"}] * len(images) + [{"type": "text", "text": text}]
+    return chat_content(parts, engine.tokenizer.chat_template, engine.tokenizer.id_to_token(spec.image_token_id))
 
 
-def _with_images(engine, prompts: list[str], images: list[str]) -> list:
+def _with_images(engine, spec, prompts: list[str], images: list[str]) -> list:
     """Each prompt as vLLM's dict with the images its image tokens take, in order."""
-    spec = engine.model.image_encoder.spec if engine.model.image_encoder is not None else None
-    if spec is None:
-        raise SystemExit(f"pdcluster generate: error: --image: this model ({engine.model.architecture_name}) takes "
-                         "no images")
     out, left = [], list(images)
     for prompt in prompts:
         n = engine.tokenizer.encode(prompt).count(spec.image_token_id)

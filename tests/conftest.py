@@ -6,16 +6,15 @@ temp dirs so tests never write into the user's home.
 """
 
 import os
-import sys
 import time
-from pathlib import Path
 
 # `python -m pytest` puts the checkout on sys.path, where its top-level folders (kernels/, engine/, ...) would shadow
 # distributions of the same name: transformers >= 5.2x imports the Hugging Face `kernels` package and got ours
 # (ImportError: cannot import name 'CUDAProperties'). The project's code is imported as pdcluster.*; the checkout
 # itself is never needed on the path.
-_CHECKOUT = Path(__file__).resolve().parents[1]
-sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != _CHECKOUT]
+from pdcluster.engine.checkout_path import drop_checkout_from_sys_path  # noqa: E402 (a leaf module: no torch)
+
+drop_checkout_from_sys_path()
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")

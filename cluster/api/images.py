@@ -41,13 +41,6 @@ def image_urls(messages) -> list[str]:
             for part in m.content if part.type == "image_url"]
 
 
-def template_takes_parts(tokenizer) -> bool:
-    """Whether the chat template renders a message's content parts itself (LLaVA's iterate them and write the
-    image token for each {"type": "image"}); otherwise images go into the text as their token."""
-    template = getattr(tokenizer, "chat_template", None) or ""
-    return "'image'" in template or '"image"' in template
-
-
 def _fetch_timeout_s() -> float:
     try:
         return float(os.environ.get("VLLM_IMAGE_FETCH_TIMEOUT", DEFAULT_FETCH_TIMEOUT_S))

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 
 import anyio
 
-from pdcluster.cluster.api.images import chat_images, expand_images, image_token_text, template_takes_parts
+from pdcluster.cluster.api.images import chat_images, expand_images, image_token_text
 from pdcluster.cluster.api.middleware import APIError
 from pdcluster.cluster.api.protocol import (CHAT_COMPLETION, TEXT_COMPLETION, ChatCompletionRequest,
                                             ChatMessage, CompletionRequest, SamplingFields, short)
@@ -30,6 +30,7 @@ from pdcluster.cluster.api.sampling import INT64_MAX, Extras, bad_words_token_id
 from pdcluster.cluster.api.structured import ToolCalls, structured_request
 from pdcluster.cluster.api.tool_parsers import ToolParser
 from pdcluster.engine.beam_search import BeamSearchParams
+from pdcluster.engine.multimodal.spec import chat_content
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.engine.tokenizer import ChatTemplateError
 
@@ -384,9 +385,8 @@ def _content(content, tokenizer) -> str | list[dict]:
     if token is None:
         raise APIError(400, "messages: this model takes no images (image_url parts); send text",
                        param="messages", code="unsupported_content")
-    if template_takes_parts(tokenizer):
-        return [{"type": "text", "text": p.text} if p.type == "text" else {"type": "image"} for p in content]
-    return "\n".join([token] * num_images + texts)
+    parts = [{"type": "text", "text": p.text} if p.type == "text" else {"type": "image"} for p in content]
+    return chat_content(parts, getattr(tokenizer, "chat_template", None), token)
 
 
 def _template_takes_tools(tokenizer) -> bool:

@@ -110,6 +110,18 @@ class ImageSpec:
                                   "each image token stands for an image (give one an image token)")
 
 
+def chat_content(parts: list[dict], chat_template: str | None, image_token: str) -> str | list[dict]:
+    """A chat message's parts ({"type": "text", "text": ...} / {"type": "image"}, in order) as its chat template
+    reads them: the parts themselves for a template that renders image parts (LLaVA's iterates them and writes the
+    image token for each image), else the text with an image token before it for each image (vLLM's "string" content
+    format)."""
+    template = chat_template or ""
+    if "'image'" in template or '"image"' in template:
+        return parts
+    texts = [p["text"] for p in parts if p["type"] == "text"]
+    return "\n".join([image_token] * (len(parts) - len(texts)) + texts)
+
+
 def image_digest(data: bytes) -> str:
     """The content digest an image is known by (block hashes, the encoder cache): its encoded bytes'."""
     return hashlib.blake2b(data, digest_size=16).hexdigest()

@@ -46,17 +46,23 @@ def hub_tower_names(model_dir: Path) -> None:
     save_file(renamed, str(path), metadata={"format": "pt"})
 
 
+def tokenizer_with_image_token(src_dir: Path, out: Path) -> int:
+    """``src_dir``'s tokenizer.json with an ``<image>`` special token added, written to ``out``; the token's id."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(src_dir / "tokenizer.json"))
+    tok.add_special_tokens(["<image>"])
+    tok.save(str(out / "tokenizer.json"))
+    return tok.token_to_id("<image>")
+
+
 def build_tiny_llava(out: Path, tokenizer_dir: Path) -> Path:
     """The checkpoint in ``out`` (created), its tokenizer ``tokenizer_dir``'s tokenizer.json with ``<image>`` added."""
     import torch
     import transformers
-    from tokenizers import Tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
-    tok.add_special_tokens(["<image>"])
-    image_id = tok.token_to_id("<image>")
-    tok.save(str(out / "tokenizer.json"))
+    image_id = tokenizer_with_image_token(tokenizer_dir, out)
     (out / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE,
                                                            "eos_token": "<|im_end|>"}))
     text = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
