@@ -177,6 +177,7 @@ class Cluster:
             {}, {}, self.tokenizer, spec.served_model_name or spec.engine.model,
             max_model_len=max_model_len_for(arch, engine.max_model_len),
             block_size=engine.block_size, lora_names=tuple(engine.lora_paths()),
+            max_images_per_prompt=engine.max_images_per_prompt(),
             config=RouterConfig(policy=spec.policy, mode=spec.mode, num_spec_tokens=engine.num_spec_steps,
                                 conditional_prefill_tokens=spec.conditional_prefill_tokens,
                                 busy_prefill_tokens=spec.busy_prefill_tokens, request_timeout_s=spec.request_timeout_s,
@@ -413,6 +414,7 @@ def run_cluster(args) -> int:
         tool_call_parser = getattr(args, "tool_call_parser", "auto")
         reasoning_parser = getattr(args, "reasoning_parser", None)
         pooler = getattr(args, "pooler_config", None)
+        media = getattr(args, "media_policy", None)
         if servers is not None:
             admin_app = FastAPI()  # /admin/* of every API process is answered here, beside the cluster
             install_error_handlers(admin_app)
@@ -420,10 +422,11 @@ def run_cluster(args) -> int:
             return servers.run(cluster.router, cluster.router.model_name, api_key=args.api_key,
                                max_body_bytes=args.max_body_bytes, tool_call_parser=tool_call_parser,
                                reasoning_parser=reasoning_parser, admin_app=admin_app, on_ready=on_ready,
-                               runtime_lora=cluster.spec.engine.enable_lora, pooler=pooler)
+                               runtime_lora=cluster.spec.engine.enable_lora, pooler=pooler, media=media)
         app = build_app(cluster.router, cluster.router.model_name, api_key=args.api_key,
                         max_body_bytes=args.max_body_bytes, metrics=metrics, tool_call_parser=tool_call_parser,
-                        reasoning_parser=reasoning_parser, runtime_lora=cluster.spec.engine.enable_lora, pooler=pooler)
+                        reasoning_parser=reasoning_parser, runtime_lora=cluster.spec.engine.enable_lora, pooler=pooler,
+                        media=media)
         install_admin_routes(app, cluster, args.admin_key)  # /admin/drain: `pdcluster drain`, preStop hooks
         return run_server(app, args.host, args.port, cluster.router.model_name, on_ready=on_ready)
     finally:

@@ -146,6 +146,7 @@ class LocalRouter:
         engine = self.worker.engine
         self.model_name = engine_config.model
         self.max_model_len = engine.max_model_len
+        self.max_images_per_prompt = engine.max_images_per_prompt
         self.lora_names = engine.lora_names
         self.tokenizer = engine.tokenizer
         # request id -> (its event loop, its queue); written on the loop, read on the engine thread.

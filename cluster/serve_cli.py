@@ -12,6 +12,7 @@ import argparse
 import os
 import sys
 
+from pdcluster.cluster.api.media_policy import MediaPolicy
 from pdcluster.cluster.api.reasoning import PARSERS as REASONING_PARSERS
 from pdcluster.cluster.api.tool_parsers import PARSER_CHOICES
 from pdcluster.cluster.autoscale import AutoscaleConfig
@@ -61,6 +62,12 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="abort a request that makes no progress for this long")
     g.add_argument("--max-body-bytes", type=int, default=None,
                    help="larger request bodies get 413 (default 1 MiB; 32 MiB for a model that takes images)")
+    g.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="image_url parts may be file: URLs of images under DIR, read by the API process (vLLM's "
+                        "flag; a security risk: set it only where every client may read DIR). Default: no file: URLs")
+    g.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                   help="image_url http(s) URLs (and their redirects) may name only these hosts (vLLM's flag). "
+                        "Default: any host this process reaches")
     g.add_argument("--tool-call-parser", choices=PARSER_CHOICES, default="auto",
                    help="the model's tool-call format, read for tool_choice 'auto': hermes (<tool_call> JSON "
                         "blocks), llama3_json, pythonic ([f(a=1)]), mistral ([TOOL_CALLS]), qwen3_coder "
@@ -159,6 +166,10 @@ def _check_args(args: argparse.Namespace) -> None:
                         ("--max-body-bytes", args.max_body_bytes), ("--api-servers", args.api_servers)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag}: must be at least 1, got {value}")
+    try:
+        args.media_policy = MediaPolicy.from_flags(args.allowed_local_media_path, args.allowed_media_domains)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if args.mode == "local" and args.router_policy != "least_loaded":
         print(f"pdcluster serve: --router-policy {args.router_policy}: --mode local serves one engine, there is "
               "nothing to place (accepted, no effect)", file=sys.stderr, flush=True)
@@ -286,13 +297,13 @@ def _serve_local(args: argparse.Namespace) -> int:
                 return servers.run(router, args.served_model_name, api_key=args.api_key,
                                    max_body_bytes=args.max_body_bytes, tool_call_parser=args.tool_call_parser,
                                    reasoning_parser=args.reasoning_parser, runtime_lora=engine_config.enable_lora,
-                                   pooler=args.pooler_config)
+                                   pooler=args.pooler_config, media=args.media_policy)
             finally:
                 servers.close()
         app = build_app(router, args.served_model_name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                         metrics=Metrics(args.served_model_name), tool_call_parser=args.tool_call_parser,
                         reasoning_parser=args.reasoning_parser, runtime_lora=engine_config.enable_lora,
-                        pooler=args.pooler_config)
+                        pooler=args.pooler_config, media=args.media_policy)
         return run_server(app, args.host, args.port, args.served_model_name, sock=sock)
     finally:
         router.close()

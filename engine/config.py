@@ -9,6 +9,7 @@ from pathlib import Path
 
 from pdcluster.engine.kv_offload.config import OffloadConfig
 from pdcluster.engine.models.hf_overrides import parse_hf_overrides
+from pdcluster.engine.multimodal.limits import max_images_per_prompt
 
 
 class ConfigError(ValueError):
@@ -156,6 +157,9 @@ class EngineConfig:
     # wrapped from the start. ``max_loras``: how many adapters are held at once (all of them can share a batch).
     enable_lora: bool = False
     max_loras: int = 16
+    # vLLM's --limit-mm-per-prompt, its JSON ('{"image": 4}'): the images one prompt may hold (engine/multimodal/
+    # limits.py); "" = 16. '{"image": 0}' serves a LLaVA as a text model, its vision tower not loaded.
+    limit_mm_per_prompt: str = ""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -203,6 +207,10 @@ class EngineConfig:
             parse_hf_overrides(self.hf_overrides)
         except ValueError as e:  # json.JSONDecodeError is one
             raise ConfigError(f"hf_overrides: {e}") from None
+        try:
+            self.max_images_per_prompt()
+        except ValueError as e:
+            raise ConfigError(f"limit_mm_per_prompt: {e}") from None
         if not isinstance(self.max_lora_rank, int) or self.max_lora_rank <= 0:
             raise ConfigError(f"max_lora_rank: must be a positive integer, got {self.max_lora_rank!r}")
         if not isinstance(self.max_loras, int) or self.max_loras <= 0:
@@ -221,6 +229,10 @@ class EngineConfig:
     def lora_paths(self) -> dict[str, str]:
         """``lora_modules`` as {adapter name: directory}."""
         return parse_lora_modules(self.lora_modules)
+
+    def max_images_per_prompt(self) -> int:
+        """The images one prompt may hold (``limit_mm_per_prompt``; 0: images are off)."""
+        return max_images_per_prompt(self.limit_mm_per_prompt)
 
     def offload_config(self) -> OffloadConfig:
         return OffloadConfig(self.kv_offload_host_gib, self.kv_offload_disk_dir, self.kv_offload_disk_gib)

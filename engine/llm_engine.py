@@ -19,7 +19,7 @@ from pdcluster.engine.loaded_model import LoadedModel
 from pdcluster.engine.lora.runtime import RuntimeLora
 from pdcluster.engine.model_runner import ModelRunner
 from pdcluster.engine.multimodal.images import image_bytes, open_image
-from pdcluster.engine.multimodal.spec import ImageInputError
+from pdcluster.engine.multimodal.spec import ImageInputError, ImageSpec, check_image_count
 from pdcluster.engine.pooling import finish_embedding
 from pdcluster.engine.proposers import make_proposer
 from pdcluster.engine.remote_admission import RemoteReservation
@@ -246,12 +246,13 @@ class LLMEngine:
         images = images if isinstance(images, (list, tuple)) else [images]
         encoder = getattr(self.model, "image_encoder", None)
         if images and encoder is None:
-            raise InvalidRequestError(f"this model ({self.model.architecture_name}) takes no images")
+            raise InvalidRequestError(self._no_images())
         ids = self.tokenize(prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"])
         if not images:
             return ids, params
         try:
-            ids, items = encoder.spec.expand(ids, [image_bytes(image) for image in images])
+            ids, items = encoder.spec.expand(ids, [image_bytes(image) for image in images],
+                                             self.config.max_images_per_prompt())
         except ImageInputError as e:
             raise InvalidRequestError(str(e)) from None
         return ids, replace(params, mm_inputs=items)
@@ -263,17 +264,34 @@ class LLMEngine:
         encoder = getattr(self.model, "image_encoder", None)
         if encoder is None:
             if params.mm_inputs:
-                raise InvalidRequestError(f"this model ({self.model.architecture_name}) takes no images"
-                                          + (" on a tensor-parallel split" if self.model.tp_driver else ""))
+                raise InvalidRequestError(self._no_images())
             return
         try:
             if client_prompt and not params.mm_inputs:
                 encoder.spec.check_no_image_tokens(prompt_token_ids)
+            check_image_count(len(params.mm_inputs), self.config.max_images_per_prompt())
             encoder.spec.check(prompt_token_ids, params.mm_inputs)
             for i, item in enumerate(params.mm_inputs):  # bytes that are no image fail here, not in a step
                 open_image(item["data"], f"image {i}")
         except ImageInputError as e:
             raise InvalidRequestError(str(e)) from None
+
+    def _no_images(self) -> str:
+        if self.model.tp_driver:
+            return f"this model ({self.model.architecture_name}) takes no images on a tensor-parallel split"
+        if self.config.max_images_per_prompt() == 0 and self.model_takes_images:
+            return "images are off on this server (--limit-mm-per-prompt '{\"image\": 0}'): send text"
+        return f"this model ({self.model.architecture_name}) takes no images"
+
+    @property
+    def model_takes_images(self) -> bool:
+        """The checkpoint has a vision tower (whether or not this engine loaded it)."""
+        return ImageSpec.from_dir(self.model_dir) is not None
+
+    @property
+    def max_images_per_prompt(self) -> int:
+        """The images one prompt may hold here (0: none; this engine encodes none, or the limit turned them off)."""
+        return 0 if getattr(self.model, "image_encoder", None) is None else self.config.max_images_per_prompt()
 
     @property
     def lora_names(self) -> tuple[str, ...]:

@@ -125,7 +125,10 @@ class LoadedModel:
             if config.lora_modules or config.enable_lora:
                 install(model, adapters, runtime=config.enable_lora)
             if ImageSpec.from_dir(model_dir) is not None:
-                if driver is None:
+                if config.max_images_per_prompt() == 0:
+                    log.info("%s takes images, but --limit-mm-per-prompt allows none: served for text, its vision "
+                             "tower not loaded", config.model)
+                elif driver is None:
                     from pdcluster.engine.multimodal.llava import LlavaImageEncoder
 
                     model.image_encoder = LlavaImageEncoder(model_dir, dtype, config.device, deterministic)

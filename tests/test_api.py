@@ -787,7 +787,7 @@ class _FailingRouter:
     """A router whose requests fail after one token (or blow up at once), to see what clients get."""
 
     model_name, max_model_len = "fake", 64
-    lora_names = ()
+    lora_names, max_images_per_prompt = (), 0
 
     def __init__(self, tokenizer, mode: str):
         self.tokenizer, self.mode, self.aborted = tokenizer, mode, []

@@ -18,6 +18,7 @@ import torch
 
 from conftest import engine_config
 from pdcluster.cluster.api.app import build_app
+from pdcluster.cluster.api.media_policy import MediaPolicy
 from pdcluster.cluster.local_router import LocalRouter
 from pdcluster.engine.block_manager import block_hash_root, chained_block_hashes
 from pdcluster.engine.config import EngineConfig
@@ -165,7 +166,15 @@ def test_disaggregated_over_tcp(llava_dir, engine, reference):
 
 
 class _ImageServer(BaseHTTPRequestHandler):
+    paths: list[str] = []  # every GET, in order
+
     def do_GET(self):  # noqa: N802 (http.server's name)
+        self.paths.append(self.path)
+        if self.path == "/redirect":  # to the same server under another host name
+            self.send_response(302)
+            self.send_header("Location", f"http://localhost:{self.server.server_address[1]}/cat.png")
+            self.end_headers()
+            return
         if self.path != "/cat.png":
             self.send_response(404)
             self.end_headers()
@@ -218,7 +227,8 @@ def test_served_chat_with_images(llava_dir, reference):
             assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == first.choices[0].message.content
             for url_, match in ((f"{url}/missing.png", "answered HTTP 404"), ("data:image/png;base64,@@", "base64"),
                                 (_data_url(b"not an image"), "cannot be read as an image"),
-                                ("file:///etc/passwd", "data: .* or http")):
+                                ("file:///etc/passwd", "file: URLs are off: serve with --allowed-local-media-path"),
+                                ("ftp://127.0.0.1/cat.png", r"data: \(base64\), http\(s\): or file:")):
                 with pytest.raises(openai.BadRequestError, match=match) as e:
                     chat([{"type": "image_url", "image_url": {"url": url_}}, {"type": "text", "text": text}])
                 assert "image 0" in str(e.value)
@@ -245,6 +255,104 @@ def test_served_chat_with_images(llava_dir, reference):
     finally:
         router.close()
         images_http.shutdown()
+
+
+def _llava_config(llava_dir, **kw) -> EngineConfig:
+    return EngineConfig(model=str(llava_dir), dtype="float32", max_model_len=256, num_kv_blocks=64, block_size=16, **kw)
+
+
+def test_limit_mm_per_prompt(llava_dir, reference):
+    """vLLM's --limit-mm-per-prompt: a prompt with more images is refused offline and on a worker (whatever its edge
+    checked); '{"image": 0}' serves the LLaVA as a text model, its vision tower not loaded."""
+    one = LLMEngine.from_config(_llava_config(llava_dir, limit_mm_per_prompt='{"image": 1, "video": 0}'),
+                                progress=False)
+    assert one.max_images_per_prompt == 1
+    with pytest.raises(InvalidRequestError, match=r"2 images in one prompt: at most 1 \(--limit-mm-per-prompt\)"):
+        one.add_request(_prompt(TWO, IMAGES[:2]), PARAMS)
+    ids, items = one.model.image_encoder.spec.expand(one.tokenizer.encode(TWO), IMAGES[:2])  # the default limit
+    with pytest.raises(InvalidRequestError, match="at most 1"):
+        one.add_remote_request("r", ids, SamplingParams(mm_inputs=items))
+    assert not one.has_unfinished()
+    assert one.generate([_prompt(PROMPT, [IMAGES[0]])], PARAMS)[0].token_ids == reference[0]
+    off = LLMEngine.from_config(_llava_config(llava_dir, limit_mm_per_prompt='{"image": 0}'), progress=False)
+    assert off.model.image_encoder is None and off.max_images_per_prompt == 0
+    for refused in (lambda: off.add_request(_prompt(PROMPT, [IMAGES[0]]), PARAMS),
+                    lambda: off.add_remote_request("r", ids, SamplingParams(mm_inputs=items))):
+        with pytest.raises(InvalidRequestError, match=r"images are off on this server \(--limit-mm-per-prompt"):
+            refused()
+    assert off.generate([TEXT], PARAMS)[0].token_ids == reference[3]
+    with pytest.raises(ValueError, match="'video': this engine serves images only"):
+        _llava_config(llava_dir, limit_mm_per_prompt='{"video": 1}')
+
+
+def test_served_image_limit_and_media_policy(llava_dir, reference, tmp_path):
+    """Served: more images than --limit-mm-per-prompt is a 400 before any image is fetched; file: URLs are read under
+    --allowed-local-media-path only (a symlink out of it refused); --allowed-media-domains refuses other hosts, a
+    redirect to one too."""
+    media = tmp_path / "media"
+    media.mkdir()
+    (media / "cat.png").write_bytes(IMAGES[1])
+    (tmp_path / "secret.png").write_bytes(IMAGES[1])
+    (media / "link.png").symlink_to(tmp_path / "secret.png")
+    images_http = ThreadingHTTPServer(("127.0.0.1", 0), _ImageServer)
+    threading.Thread(target=images_http.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{images_http.server_address[1]}"
+    router = LocalRouter(_llava_config(llava_dir, limit_mm_per_prompt='{"image": 1}'), request_timeout_s=60)
+    policy = MediaPolicy.from_flags(str(media), ["127.0.0.1"])
+    try:
+        with serving(build_app(router, "llava", media=policy)) as base_url:
+            client = openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0, timeout=60)
+
+            def chat(*urls):
+                parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+                return client.chat.completions.create(
+                    model="llava", max_tokens=NUM_NEW, temperature=0, extra_body={"ignore_eos": True,
+                                                                                  "return_token_ids": True},
+                    messages=[{"role": "user", "content": [*parts, {"type": "text", "text": "What is this?"}]}])
+
+            assert chat((media / "cat.png").as_uri()).choices[0].token_ids == \
+                chat(f"{url}/cat.png").choices[0].token_ids
+            _ImageServer.paths.clear()
+            with pytest.raises(openai.BadRequestError, match=r"2 images in one prompt: at most 1"):
+                chat(f"{url}/cat.png", f"{url}/cat.png")
+            assert _ImageServer.paths == []  # refused before fetching
+            for url_, match in (((tmp_path / "secret.png").as_uri(), "outside --allowed-local-media-path"),
+                                ((media / "link.png").as_uri(), "outside --allowed-local-media-path"),
+                                ((media / "none.png").as_uri(), "no such file"),
+                                ("file://otherhost/cat.png", "names a file of this machine"),
+                                (f"{url}/redirect", r"http://localhost:\d+/cat.png is not on an allowed host"),
+                                ("http://localhost:9/cat.png", r"not on an allowed host \(--allowed-media-domains: "
+                                                               r"127.0.0.1\)")):
+                with pytest.raises(openai.BadRequestError, match=match) as e:
+                    chat(url_)
+                assert "image 0" in str(e.value)
+            assert _ImageServer.paths == ["/redirect"]  # the redirect's target was never asked for
+            assert router.worker.engine.runner.image_embeds.num_encoded == 1
+    finally:
+        router.close()
+        images_http.shutdown()
+
+
+def test_media_policy_flags(tmp_path):
+    from pdcluster.cli.main import build_parser
+    from pdcluster.cluster.launcher import spec_from_args
+    from pdcluster.cluster.serve_cli import _check_args
+    from pdcluster.engine.config import ConfigError
+
+    def checked(*argv):
+        args = build_parser().parse_args(["serve", "--port", "0", "--device", "cpu", *argv])
+        _check_args(args)
+        return args
+
+    args = checked("--mode", "disagg", "--allowed-local-media-path", str(tmp_path), "--allowed-media-domains",
+                   "Upload.Wikimedia.org", "127.0.0.1", "--limit-mm-per-prompt", '{"image": 3}')
+    assert args.media_policy == MediaPolicy(tmp_path.resolve(), ("upload.wikimedia.org", "127.0.0.1"))
+    assert spec_from_args(args).engine.max_images_per_prompt() == 3
+    assert checked("--mode", "local").media_policy == MediaPolicy()
+    with pytest.raises(ConfigError, match="--allowed-local-media-path: .* is not a directory"):
+        checked("--allowed-local-media-path", str(tmp_path / "missing"))
+    with pytest.raises(ConfigError, match="--allowed-media-domains: 'http://x.org' is not a host name"):
+        checked("--allowed-media-domains", "http://x.org")
 
 
 def test_bf16_deterministic_batch_invariant(llava_dir):

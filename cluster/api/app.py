@@ -18,6 +18,7 @@ from pdcluster.cluster.api.classify import ClassifyRequest, check_generates, ser
 from pdcluster.cluster.api.embeddings import EmbeddingRequest, PoolerConfig, pooler_config, serve_embeddings
 from pdcluster.cluster.api.images import image_spec
 from pdcluster.cluster.api.logprobs import TokenStrings
+from pdcluster.cluster.api.media_policy import MediaPolicy
 from pdcluster.cluster.api.lora_routes import install_lora_routes
 from pdcluster.cluster.api.middleware import install_error_handlers, install_middleware
 from pdcluster.cluster.api.protocol import ChatCompletionRequest, CompletionRequest
@@ -49,7 +50,7 @@ IMAGE_BODY_BYTES = 32 << 20
 def build_app(router, served_model_name: str, api_key: str | None = None, max_body_bytes: int | None = None,
               metrics: Metrics | None = None, tool_call_parser: str = "auto",
               reasoning_parser: str | None = None, runtime_lora: bool = False,
-              pooler: PoolerConfig | str | None = None) -> FastAPI:
+              pooler: PoolerConfig | str | None = None, media: MediaPolicy | None = None) -> FastAPI:
     """``runtime_lora``: serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (cluster/api/lora_routes.py;
     the workers must run with EngineConfig.enable_lora). ``tool_call_parser``: the model's tool-call format for tool_choice "auto" (cluster/api/tool_parsers/:
     hermes, llama3_json, pythonic; ``auto`` reads it off the chat template, and without one "auto" is
@@ -57,7 +58,9 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
     (cluster/api/reasoning.py); None: the text as the model wrote it. ``pooler``: how /v1/embeddings pools
     (cluster/api/embeddings.py), or the JSON of ``serve --pooler-config`` over what the model's directory says (None:
     that alone; without one, the last token, normalised). ``max_body_bytes`` (None: 1 MiB, 32 MiB for a model that
-    takes images, whose data URLs carry them): larger bodies get 413."""
+    takes images, whose data URLs carry them): larger bodies get 413. ``media``: where chat images may be fetched
+    from (cluster/api/media_policy.py; None: data: and http(s) URLs of any host, no file: URLs)."""
+    media = media or MediaPolicy()
     if max_body_bytes is None:
         max_body_bytes = IMAGE_BODY_BYTES if image_spec(router.tokenizer) is not None else TEXT_BODY_BYTES
     if max_body_bytes <= 0:
@@ -84,7 +87,7 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_generates(pooler, served_model_name)
-        prep = await prepare(body, router, served_model_name, tool_parser, reasoning_parser)
+        prep = await prepare(body, router, served_model_name, tool_parser, reasoning_parser, media)
         if prep.beam is not None:
             return await serve_beam_search(prep, request, router, metrics, strings)
         return await serve_request(prep, request, router, metrics, strings)
@@ -93,7 +96,7 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
     async def responses(body: ResponsesRequest, request: Request):
         check_generates(pooler, served_model_name)
         return await serve_response(body, request, router, served_model_name, metrics, strings, tool_parser,
-                                    reasoning_parser)
+                                    reasoning_parser, media)
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request):

@@ -2,8 +2,10 @@
 prompt's image tokens widened to the model's placeholders (engine/multimodal/).
 
 A ``data:`` URL carries the image itself (base64); an http(s) URL is fetched by this process, within
-``VLLM_IMAGE_FETCH_TIMEOUT`` seconds (vLLM's variable, default 5) and ``MAX_IMAGE_BYTES``. Every image is opened
-here once, so an unreadable one is a 400 naming it, never a failed step on a worker.
+``VLLM_IMAGE_FETCH_TIMEOUT`` seconds (vLLM's variable, default 5) and ``MAX_IMAGE_BYTES``, from the hosts the
+server's MediaPolicy allows (cluster/api/media_policy.py); a ``file:`` URL is read from under its
+--allowed-local-media-path, when one is set. A prompt's image count is checked before anything is fetched. Every
+image is opened here once, so an unreadable one is a 400 naming it, never a failed step on a worker.
 """
 
 from __future__ import annotations
@@ -12,13 +14,17 @@ import base64
 import binascii
 import functools
 import os
+from pathlib import Path
+from urllib.parse import urlsplit
+from urllib.request import url2pathname
 
 import anyio
 import httpx
 
+from pdcluster.cluster.api.media_policy import MediaPolicy
 from pdcluster.cluster.api.middleware import APIError
 from pdcluster.engine.multimodal.images import open_image
-from pdcluster.engine.multimodal.spec import ImageInputError, ImageSpec
+from pdcluster.engine.multimodal.spec import ImageInputError, ImageSpec, check_image_count
 
 MAX_IMAGE_BYTES = 20 * 1024 * 1024
 DEFAULT_FETCH_TIMEOUT_S = 5.0
@@ -65,11 +71,38 @@ def _data_url(url: str, where: str) -> bytes:
     return data
 
 
-async def _http(url: str, where: str) -> bytes:
+def _local_file(url: str, where: str, root: Path | None) -> bytes:
+    if root is None:
+        raise _bad(where, "file: URLs are off: serve with --allowed-local-media-path DIR to read images under DIR")
+    parts = urlsplit(url)
+    if parts.netloc not in ("", "localhost"):
+        raise _bad(where, f"a file: URL names a file of this machine (file:///path), got host {parts.netloc!r}")
+    path = Path(url2pathname(parts.path)).resolve()
+    if not path.is_relative_to(root):
+        raise _bad(where, f"{url} is outside --allowed-local-media-path {root}")
+    try:
+        size = path.stat().st_size
+        if size > MAX_IMAGE_BYTES:
+            raise _bad(where, f"{url} holds {size} bytes, more than {MAX_IMAGE_BYTES}")
+        return path.read_bytes()
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        raise _bad(where, f"{url}: no such file") from None
+    except OSError as e:
+        raise _bad(where, f"{url} cannot be read: {e.strerror or e}") from None
+
+
+async def _http(url: str, where: str, media: MediaPolicy) -> bytes:
     timeout = _fetch_timeout_s()
+
+    async def check_host(request: httpx.Request) -> None:  # the URL's and each redirect's
+        if not media.allows_host(request.url.host):
+            raise _bad(where, f"{request.url} is not on an allowed host (--allowed-media-domains: "
+                              f"{', '.join(media.allowed_media_domains)})")
+
     try:
         with anyio.fail_after(timeout):
-            async with httpx.AsyncClient(follow_redirects=True, timeout=timeout) as client:
+            async with httpx.AsyncClient(follow_redirects=True, timeout=timeout,
+                                         event_hooks={"request": [check_host]}) as client:
                 async with client.stream("GET", url) as answer:
                     if answer.status_code != 200:
                         raise _bad(where, f"fetching {url} answered HTTP {answer.status_code}")
@@ -85,15 +118,18 @@ async def _http(url: str, where: str) -> bytes:
         raise _bad(where, f"fetching {url} failed: {exc}") from None
 
 
-async def fetch_image(url: str, where: str) -> bytes:
+async def fetch_image(url: str, where: str, media: MediaPolicy = MediaPolicy()) -> bytes:
     """The image a URL names, as encoded bytes, checked to open as an image."""
     if url.startswith("data:"):
         data = _data_url(url, where)
     elif url.startswith(("http://", "https://")):
-        data = await _http(url, where)
+        data = await _http(url, where, media)
+    elif url.startswith("file:"):
+        data = await anyio.to_thread.run_sync(_local_file, url, where, media.allowed_local_media_path)
     else:
         scheme = url.split(":", 1)[0] if ":" in url else url[:20]
-        raise _bad(where, f"image URLs are data: (base64) or http(s): URLs, got {scheme!r}")
+        raise _bad(where, f"image URLs are data: (base64), http(s): or file: (under --allowed-local-media-path) "
+                          f"URLs, got {scheme!r}")
     try:
         await anyio.to_thread.run_sync(open_image, data, where)
     except ImageInputError as e:
@@ -101,21 +137,26 @@ async def fetch_image(url: str, where: str) -> bytes:
     return data
 
 
-async def chat_images(messages, tokenizer) -> list[bytes]:
-    """The messages' images, fetched (400 for a model that takes none)."""
+async def chat_images(messages, tokenizer, max_images: int, media: MediaPolicy = MediaPolicy()) -> list[bytes]:
+    """The messages' images, fetched (400 for a model that takes none, or for more than ``max_images``: vLLM's
+    --limit-mm-per-prompt, checked before anything is fetched)."""
     urls = image_urls(messages)
     if not urls:
         return []
     if image_spec(tokenizer) is None:
         raise APIError(400, "messages: this model takes no images (image_url parts); send text",
                        param="messages", code="unsupported_content")
+    try:
+        check_image_count(len(urls), max_images)
+    except ImageInputError as e:
+        raise APIError(400, f"messages: {e}", param="messages", code="unsupported_content") from None
     out = []
     for i, url in enumerate(urls):
-        out.append(await fetch_image(url, f"messages: image {i}"))
+        out.append(await fetch_image(url, f"messages: image {i}", media))
     return out
 
 
-def expand_images(ids: list[int], images: list[bytes], tokenizer, param: str = "messages",
+def expand_images(ids: list[int], images: list[bytes], tokenizer, max_images: int, param: str = "messages",
                   label: str = "messages") -> tuple[list[int], list[dict]]:
     """The rendered prompt's image tokens widened to the model's placeholders, and the images for the params (a
     prompt with image tokens and no images is a 400: completions take no images)."""
@@ -123,7 +164,7 @@ def expand_images(ids: list[int], images: list[bytes], tokenizer, param: str = "
     if spec is None:
         return ids, []
     try:
-        return spec.expand(ids, images)
+        return spec.expand(ids, images, max_images)
     except ImageInputError as e:
         raise APIError(400, f"{label}: {e}", param=param) from None
 

@@ -54,6 +54,8 @@ class Router(Protocol):
     max_model_len: int
     lora_names: tuple[str, ...]  # the LoRA adapters every worker serves (a request names one in ``params.lora_name``)
     tokenizer: object  # pdcluster.engine.tokenizer.Tokenizer
+    # Images one prompt may hold, for a model that takes them (EngineConfig.limit_mm_per_prompt; 0: images off).
+    max_images_per_prompt: int
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
         """Stream the request's tokens. Raises RouterError (before the first delta) when it cannot

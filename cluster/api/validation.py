@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 import anyio
 
 from pdcluster.cluster.api.images import chat_images, expand_images, image_token_text
+from pdcluster.cluster.api.media_policy import MediaPolicy
 from pdcluster.cluster.api.middleware import APIError
 from pdcluster.cluster.api.protocol import (CHAT_COMPLETION, TEXT_COMPLETION, ChatCompletionRequest,
                                             ChatMessage, CompletionRequest, SamplingFields, short)
@@ -88,9 +89,11 @@ def _bad(param: str, message: str) -> APIError:
 
 
 async def prepare(body: SamplingFields, router, served_model_name: str,
-                  tool_parser: ToolParser | None = None, reasoning_parser: str | None = None) -> Prepared:
+                  tool_parser: ToolParser | None = None, reasoning_parser: str | None = None,
+                  media: MediaPolicy = MediaPolicy()) -> Prepared:
     """``tool_parser``: the model's tool-call format (tool_choice "auto", tools in the prompt);
-    ``reasoning_parser``: the model's reasoning format (cluster/api/reasoning.py), for chat."""
+    ``reasoning_parser``: the model's reasoning format (cluster/api/reasoning.py), for chat; ``media``: where a
+    chat's images may be fetched from (cluster/api/media_policy.py)."""
     lora_name = check_model(body.model, served_model_name, router.lora_names)
     n = _check_n(body)
     _reject_unsupported(body)
@@ -115,7 +118,7 @@ async def prepare(body: SamplingFields, router, served_model_name: str,
         template_kwargs = chat_template_kwargs(body.chat_template_kwargs)
         if body.reasoning_effort is not None:
             template_kwargs = {"reasoning_effort": body.reasoning_effort, **template_kwargs}
-        images = await chat_images(body.messages, tokenizer)
+        images = await chat_images(body.messages, tokenizer, router.max_images_per_prompt, media)
         ids = await anyio.to_thread.run_sync(
             lambda: chat_prompt_ids(body.messages, body.add_generation_prompt is not False, tokenizer, tools,
                                     tool_parser, template_kwargs, bool(body.add_special_tokens)))
@@ -128,8 +131,8 @@ async def prepare(body: SamplingFields, router, served_model_name: str,
     for i, (ids, text) in enumerate(prompts):
         label = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
         # A model that takes images: each image token widened to its placeholders (one without images is refused).
-        ids, mm_inputs = (expand_images(ids, images, tokenizer) if is_chat
-                          else expand_images(ids, [], tokenizer, "prompt", label))
+        ids, mm_inputs = (expand_images(ids, images, tokenizer, router.max_images_per_prompt) if is_chat
+                          else expand_images(ids, [], tokenizer, router.max_images_per_prompt, "prompt", label))
         max_tokens = _max_tokens(body, len(ids), router.max_model_len, label, output)
         params = sampling_params(body, max_tokens, tokenizer.vocab_size, extras)
         inputs.append(PromptInput(ids, replace(params, mm_inputs=mm_inputs) if mm_inputs else params, text))

@@ -12,6 +12,8 @@ import signal
 import socket
 from dataclasses import dataclass
 
+from pdcluster.cluster.api.media_policy import MediaPolicy  # standard library only
+
 HANDSHAKE_TIMEOUT_S = 120.0
 
 
@@ -28,6 +30,7 @@ class ApiConfig:
     reasoning_parser: str | None = None
     runtime_lora: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter, answered by the router process
     pooler_config: str | None = None  # serve --pooler-config (JSON), over the model directory's own pooler
+    media: MediaPolicy | None = None  # where chat images may be fetched from (None: build_app's default)
 
 
 def router_endpoint(socket_dir: str) -> str:
@@ -52,7 +55,7 @@ def main(config: ApiConfig, index: int, sock: socket.socket) -> int:
     app = build_app(router, config.served_model_name, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
                     metrics=Metrics(config.served_model_name, multiprocess_dir=config.metrics_dir),
                     tool_call_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser,
-                    runtime_lora=config.runtime_lora, pooler=config.pooler_config)
+                    runtime_lora=config.runtime_lora, pooler=config.pooler_config, media=config.media)
 
     install_admin_proxy(app, router)
     try:

@@ -49,6 +49,7 @@ class Welcome(Record):
     max_model_len: int
     tokenizer_dir: str
     lora_names: list[str] = field(default_factory=list)  # the router's LoRA adapters (Router.lora_names)
+    max_images_per_prompt: int = 0  # Router.max_images_per_prompt
 
 
 @dataclass(frozen=True)

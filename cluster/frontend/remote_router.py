@@ -70,6 +70,7 @@ class RemoteRouter:
         self.silence_limit_s = silence_limit_s
         self.model_name, self.max_model_len = welcome.model_name, welcome.max_model_len
         self.lora_names = tuple(welcome.lora_names)
+        self.max_images_per_prompt = welcome.max_images_per_prompt
         self.tokenizer = Tokenizer(welcome.tokenizer_dir)
         self._sock: zmq.asyncio.Socket | None = None
         self._pull: zmq.asyncio.Socket | None = None

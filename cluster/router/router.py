@@ -33,6 +33,7 @@ from pdcluster.cluster.router.state import RequestState
 from pdcluster.cluster.router.stream import RequestStreams
 from pdcluster.cluster.router.submit import Submitter
 from pdcluster.cluster.token_deltas import can_merge, merge_queued
+from pdcluster.engine.multimodal.limits import DEFAULT_MAX_IMAGES_PER_PROMPT
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.node.events import (ADMITTED, UNREACHABLE, Admission, Event, Failed, KVEvents, KVReady, StepTokens,
                                    Tokens, WorkerError)
@@ -42,12 +43,14 @@ log = logging.getLogger(__name__)
 
 class ClusterRouter:
     def __init__(self, prefill: dict, decode: dict, tokenizer, model_name: str, max_model_len: int,
-                 block_size: int, config: RouterConfig | None = None, lora_names: tuple[str, ...] = ()):
+                 block_size: int, config: RouterConfig | None = None, lora_names: tuple[str, ...] = (),
+                 max_images_per_prompt: int = DEFAULT_MAX_IMAGES_PER_PROMPT):
         self.prefill = prefill  # worker id -> Ray actor handle
         self.decode = decode
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
+        self.max_images_per_prompt = max_images_per_prompt  # the workers' --limit-mm-per-prompt (checked there too)
         # The LoRA adapters requests may name (the workers' --lora-modules, and those loaded while serving).
         self.lora = LoraRegistry(tuple(lora_names))
         self.block_size = block_size

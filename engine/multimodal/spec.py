@@ -8,11 +8,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdcluster.engine.multimodal.limits import DEFAULT_MAX_IMAGES_PER_PROMPT
+
 # Vision towers whose output is a fixed number of tokens an image (the processor resizes and crops to one size).
 FIXED_SIZE_TOWERS = ("clip_vision_model", "siglip_vision_model")
 IMAGE_ARCHITECTURES = ("LlavaForConditionalGeneration",)
-# vLLM's --limit-mm-per-prompt default for images is higher; a prompt's images are all encoded at once.
-MAX_IMAGES_PER_PROMPT = 16
 
 
 class ImageInputError(ValueError):
@@ -58,15 +58,15 @@ class ImageSpec:
             return None
         return cls.from_config(json.loads(path.read_text(encoding="utf-8")), str(path))
 
-    def expand(self, prompt_token_ids: list[int], images: list[bytes]) -> tuple[list[int], list[dict]]:
+    def expand(self, prompt_token_ids: list[int], images: list[bytes],
+               max_images: int = DEFAULT_MAX_IMAGES_PER_PROMPT) -> tuple[list[int], list[dict]]:
         """The prompt with each image token widened to ``tokens_per_image`` placeholders, and the images as
         ``SamplingParams.mm_inputs`` entries, in prompt order: one image an image token."""
+        check_image_count(len(images), max_images)
         at = [i for i, t in enumerate(prompt_token_ids) if t == self.image_token_id]
         if len(at) != len(images):
             raise ImageInputError(f"the prompt has {len(at)} image token(s) (id {self.image_token_id}) but "
                                   f"{len(images)} image(s) were given: put one image token where each image goes")
-        if len(images) > MAX_IMAGES_PER_PROMPT:
-            raise ImageInputError(f"{len(images)} images in one prompt: at most {MAX_IMAGES_PER_PROMPT}")
         out: list[int] = []
         items = []
         last = 0
@@ -108,6 +108,15 @@ class ImageSpec:
         if count:
             raise ImageInputError(f"the prompt has {count} image token(s) (id {self.image_token_id}) and no image: "
                                   "each image token stands for an image (give one an image token)")
+
+
+def check_image_count(num_images: int, max_images: int) -> None:
+    """At most ``max_images`` images in one prompt (vLLM's --limit-mm-per-prompt; 0: images are off)."""
+    if num_images > max_images:
+        if max_images == 0:
+            raise ImageInputError("images are off on this server (--limit-mm-per-prompt '{\"image\": 0}'): send text")
+        raise ImageInputError(f"{num_images} images in one prompt: at most {max_images} "
+                              "(--limit-mm-per-prompt)")
 
 
 def chat_content(parts: list[dict], chat_template: str | None, image_token: str) -> str | list[dict]:
