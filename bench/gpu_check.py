@@ -580,8 +580,40 @@ def images_check(tokenizer_dir: Path, num_new: int, device: str, work: Path) -> 
                       "images_encoded": engine.runner.image_embeds.num_encoded,
                       "first_diff": next(({"prompt": k, "got": g, "expected": e}
                                           for k, (g, e) in enumerate(zip(got, expected)) if g != e), None)}
-    out["ok"] = out["images_change_output"] and all(out[v]["ok"] for v in ("batch", "chunked+preemption"))
+    out["llava_next"] = _llava_next_check(tokenizer_dir, num_new, device, work, params)
+    out["ok"] = out["images_change_output"] and all(out[v]["ok"] for v in ("batch", "chunked+preemption",
+                                                                          "llava_next"))
     return out
+
+
+def _llava_next_check(tokenizer_dir: Path, num_new: int, device: str, work: Path, params) -> dict:
+    """LLaVA-NeXT's tiles on the device: images of three sizes (three counts of placeholders), batched, equal
+    transformers' LlavaNextForConditionalGeneration greedy."""
+    import torch
+    import transformers
+
+    from pdcluster.engine.config import EngineConfig
+    from pdcluster.engine.llm_engine import LLMEngine
+    from pdcluster.engine.multimodal.spec import ImageSpec
+    from pdcluster.engine.multimodal.tiny_llava import build_tiny_llava, png, transformers_greedy
+    from pdcluster.engine.tokenizer import Tokenizer
+
+    model_dir = build_tiny_llava(work / "tiny-llava-next", tokenizer_dir, next_=True)
+    one = "USER: <image>\nWhat is in this picture? ASSISTANT:"
+    images = [png(11, 40, 36), png(13, 33, 90), png(14, 100, 20)]
+    spec, tokenizer = ImageSpec.from_dir(model_dir), Tokenizer(model_dir)
+    hf = transformers.LlavaNextForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32)
+    hf = hf.to(device).eval()
+    expected = [transformers_greedy(model_dir, spec.expand(tokenizer.encode(one), [i])[0], [i], num_new, device, hf)
+                for i in images]
+    del hf
+    engine = LLMEngine.from_config(EngineConfig(model=str(model_dir), device=device, dtype="float32",
+                                                num_kv_blocks=128, max_model_len=512), progress=False)
+    got = [o.token_ids for o in engine.generate([{"prompt": one, "multi_modal_data": {"image": i}} for i in images],
+                                                params)]
+    return {"ok": got == expected, "placeholders": [spec.tokens_for(i) for i in images],
+            "first_diff": next(({"prompt": k, "got": g, "expected": e}
+                                for k, (g, e) in enumerate(zip(got, expected)) if g != e), None)}
 
 
 CORRECTNESS_MODELS = ("tiny-random", "tiny-hybrid", "nemotron-h-random", *FAMILIES)

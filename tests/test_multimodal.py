@@ -24,7 +24,7 @@ from pdcluster.engine.block_manager import block_hash_root, chained_block_hashes
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.llm_engine import InvalidRequestError, LLMEngine
 from pdcluster.engine.models.registry import resolve_model
-from pdcluster.engine.multimodal.spec import ImageSpec
+from pdcluster.engine.multimodal.spec import ImageSpec, image_digest
 from pdcluster.engine.multimodal.tiny_llava import build_tiny_llava, png, transformers_greedy
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kv_transfer.config import TransferConfig
@@ -353,6 +353,82 @@ def test_media_policy_flags(tmp_path):
         checked("--allowed-local-media-path", str(tmp_path / "missing"))
     with pytest.raises(ConfigError, match="--allowed-media-domains: 'http://x.org' is not a host name"):
         checked("--allowed-media-domains", "http://x.org")
+
+
+@pytest.fixture(scope="module")
+def next_dir(tmp_path_factory) -> Path:
+    return build_tiny_llava(tmp_path_factory.mktemp("llava_next"), resolve_model("tiny-random", progress=False),
+                            next_=True)
+
+
+# Sizes that pick each pinpoint, wide and tall, with padding dropped in rows and in columns.
+NEXT_IMAGES = [png(11, 40, 36), png(12, 64, 48), png(13, 33, 90), png(14, 100, 20), png(15, 70, 70)]
+
+
+@pytest.fixture(scope="module")
+def next_engine(next_dir) -> LLMEngine:
+    return LLMEngine.from_config(EngineConfig(model=str(next_dir), dtype="float32", max_model_len=512,
+                                              num_kv_blocks=128, block_size=16, max_num_seqs=8), progress=False)
+
+
+def test_llava_next_tiles_equal_transformers(next_dir, next_engine):
+    """LLaVA-NeXT (anyres tiles): each image's count of placeholders follows its size (AnyResGrid, the same layout
+    transformers picks), and the tokens equal transformers' LlavaNextForConditionalGeneration greedy, alone, two
+    images in one prompt batched with others and with text, and chunked through the images (prefill chunks of 16)."""
+    from transformers.image_processing_utils import select_best_resolution
+
+    spec = ImageSpec.from_dir(next_dir)
+    rng = torch.Generator().manual_seed(0)
+    for height, width in torch.randint(1, 400, (300, 2), generator=rng).tolist():
+        assert spec.grid.best_resolution(height, width) == tuple(select_best_resolution(
+            (height, width), [list(p) for p in spec.grid.pinpoints]))
+    engine = next_engine
+    hf = transformers.LlavaNextForConditionalGeneration.from_pretrained(str(next_dir), dtype=torch.float32).eval()
+    cases = [(PROMPT, [image]) for image in NEXT_IMAGES] + [(TWO, NEXT_IMAGES[2:4]), (TEXT, [])]
+    lengths, reference = [], []
+    for text, images in cases:
+        ids, items = spec.expand(engine.tokenizer.encode(text), images)
+        lengths.append([item["length"] for item in items])
+        reference.append(transformers_greedy(next_dir, ids, images, NUM_NEW, model=hf))
+    assert lengths[:5] == [[88], [70], [66], [42], [88]]  # 16 for the whole image, the tiles' kept rows + newlines
+    outs = engine.generate([_prompt(text, images) for text, images in cases], PARAMS)
+    assert [o.token_ids for o in outs] == reference
+    chunked = LLMEngine.from_config(EngineConfig(model=str(next_dir), dtype="float32", max_model_len=512,
+                                                 num_kv_blocks=128, block_size=16, prefill_chunk_size=16,
+                                                 max_num_batched_tokens=32), progress=False)
+    outs = chunked.generate([_prompt(text, images) for text, images in cases[4:]], PARAMS)
+    assert [o.token_ids for o in outs] == reference[4:]
+    ids, items = spec.expand(engine.tokenizer.encode(PROMPT), [NEXT_IMAGES[0]])
+    swapped = [{**items[0], "data": NEXT_IMAGES[1], "digest": image_digest(NEXT_IMAGES[1])}]  # 70 placeholders, not 88
+    with pytest.raises(InvalidRequestError, match="88 placeholders at .* do not fit this model \\(70 for this image"):
+        engine.add_remote_request("r", ids, SamplingParams(mm_inputs=swapped))
+
+
+def test_llava_next_served(next_dir, next_engine):
+    """Served: a chat's image becomes its own count of placeholders (usage and /tokenize agree) and the tokens are
+    those of the offline engine."""
+    router = LocalRouter(EngineConfig(model=str(next_dir), dtype="float32", max_model_len=512, num_kv_blocks=128,
+                                      block_size=16), request_timeout_s=60)
+    try:
+        engine = next_engine
+        want = [engine.generate([_prompt(PROMPT, [image])], PARAMS)[0].token_ids for image in NEXT_IMAGES[:2]]
+        with serving(build_app(router, "llava-next")) as base_url:
+            client = openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0, timeout=60)
+            import httpx
+
+            for image, tokens in zip(NEXT_IMAGES[:2], want):
+                messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(image)}},
+                                                         {"type": "text", "text": "What is in this picture?"}]}]
+                out = client.chat.completions.create(model="llava-next", messages=messages, max_tokens=NUM_NEW,
+                                                     temperature=0, extra_body={"ignore_eos": True,
+                                                                                "return_token_ids": True})
+                assert out.choices[0].token_ids == tokens
+                counted = httpx.post(base_url + "/tokenize", timeout=30,
+                                     json={"model": "llava-next", "messages": messages}).json()
+                assert counted["count"] == out.usage.prompt_tokens == len(
+                    engine.tokenizer.encode(PROMPT)) - 1 + engine.model.image_encoder.spec.tokens_for(image)
+    finally:
+        router.close()
 
 
 def test_bf16_deterministic_batch_invariant(llava_dir):

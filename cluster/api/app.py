@@ -169,7 +169,7 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
             log.warning("router stats failed while scraping metrics: %r", e)
         return Response(metrics.render(), media_type=metrics.content_type)
 
-    install_tokenize_routes(app, router, served_model_name)
+    install_tokenize_routes(app, router, served_model_name, media)
     if runtime_lora:
         install_lora_routes(app, router, served_model_name)
     install_middleware(app, max_body_bytes, api_key)

@@ -15,7 +15,8 @@ from typing import Annotated
 
 import anyio
 from fastapi import FastAPI
-from pdcluster.cluster.api.images import image_spec, image_urls
+from pdcluster.cluster.api.images import chat_images, expand_images
+from pdcluster.cluster.api.media_policy import MediaPolicy
 from pdcluster.cluster.api.middleware import APIError
 from pdcluster.cluster.api.protocol import ChatMessage, one_of, StrictModel, short
 from pdcluster.cluster.api.validation import chat_prompt_text, chat_template_kwargs, check_model
@@ -37,7 +38,7 @@ class DetokenizeRequest(StrictModel):
     tokens: Annotated[list[int], one_of("a list of token ids")]
 
 
-def _tokenize(body: TokenizeRequest, tokenizer) -> list[int]:
+def _tokenize(body: TokenizeRequest, tokenizer, images: list[bytes], max_images: int) -> list[int]:
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt (text) or messages (a chat)", param="prompt")
     if body.continue_final_message:
@@ -49,20 +50,21 @@ def _tokenize(body: TokenizeRequest, tokenizer) -> list[int]:
                             template_kwargs=chat_template_kwargs(body.chat_template_kwargs))
     # The template spells its own special tokens: by default none are added (as chat completions).
     ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
-    spec = image_spec(tokenizer)
-    if spec is not None and image_urls(body.messages):  # each image as its placeholders, as the request would be
-        ids = spec.widen(ids)
+    if images:  # each image as its placeholders, as the request would be (LLaVA-NeXT's count follows its size)
+        ids, _ = expand_images(ids, images, tokenizer, max_images)
     return ids
 
 
-def install_tokenize_routes(app: FastAPI, router, served_model_name: str) -> None:
+def install_tokenize_routes(app: FastAPI, router, served_model_name: str, media: MediaPolicy = MediaPolicy()) -> None:
     tokenizer = router.tokenizer
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         if body.model is not None:  # an adapter shares the base model's tokenizer
             check_model(body.model, served_model_name, router.lora_names)
-        ids = await anyio.to_thread.run_sync(_tokenize, body, tokenizer)
+        max_images = router.max_images_per_prompt
+        images = await chat_images(body.messages, tokenizer, max_images, media) if body.messages else []
+        ids = await anyio.to_thread.run_sync(_tokenize, body, tokenizer, images, max_images)
         strs = [tokenizer.id_to_token(t) for t in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": router.max_model_len, "tokens": ids, "token_strs": strs}
 

@@ -18,6 +18,7 @@
                                          -> the same, their language model for text
     LlavaForConditionalGeneration        -> the same, with images (engine/multimodal/: its vision tower and
                                             projector encode them into the prompt's image tokens)
+    LlavaNextForConditionalGeneration    -> the same, each image in tiles (its count of tokens by its size)
     Olmo2ForCausalLM, Olmo3ForCausalLM   -> the same (norms after each sublayer, q/k norms over all heads)
     GptOssForCausalLM                    -> the same (attention sinks, every other layer sliding, MoE MLPs with
                                             biased experts in moe.py; MXFP4 experts dequantized by mxfp4.py)
@@ -86,6 +87,7 @@ ARCHITECTURES = {
     # Multimodal checkpoints: their language model, for text (llama.py MULTIMODAL_TEXT)
     "Mistral3ForConditionalGeneration": (ModelArch, LlamaModel),
     "LlavaForConditionalGeneration": (ModelArch, LlamaModel),  # its language model; its images: engine/multimodal/
+    "LlavaNextForConditionalGeneration": (ModelArch, LlamaModel),  # the same, images in tiles
     "Qwen2VLForConditionalGeneration": (ModelArch, LlamaModel),
     "Qwen2_5_VLForConditionalGeneration": (ModelArch, LlamaModel),
     "Qwen3VLForConditionalGeneration": (ModelArch, LlamaModel),

@@ -70,7 +70,8 @@ def load_weights(model_dir: Path, dtype: torch.dtype, device: str | torch.device
 _TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
                   "language_model.lm_head.": "lm_head."}
 _VISION_PREFIXES = ("visual.", "vision_tower.", "multi_modal_projector.", "model.visual.", "model.vision_tower.",
-                    "model.multi_modal_projector.", "vision_model.", "model.vision_model.")
+                    "model.multi_modal_projector.", "vision_model.", "model.vision_model.", "image_newline",
+                    "model.image_newline")
 
 
 def text_name(name: str) -> str | None:

@@ -55,7 +55,8 @@ MULTIMODAL_TEXT = {"Mistral3ForConditionalGeneration": "MistralForCausalLM",  # 
                    "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",
                    "Llama4ForConditionalGeneration": "Llama4ForCausalLM",
                    # LLaVA 1.5 and its kind (a CLIP or SigLIP tower, an MLP projector): images too, engine/multimodal/
-                   "LlavaForConditionalGeneration": "LlamaForCausalLM"}
+                   "LlavaForConditionalGeneration": "LlamaForCausalLM",
+                   "LlavaNextForConditionalGeneration": "LlamaForCausalLM"}  # LLaVA-NeXT (1.6): its tiles too
 # Cohere Command R / R+ / Aya, and Cohere2 (Command R7B, Command A): LayerNorm (no bias) instead of RMSNorm, attention
 # and the MLP in parallel on one normed input, RoPE in interleaved pairs, the logits times logit_scale; Cohere2 slides
 # three layers of four and gives its full layers no RoPE.
@@ -88,7 +89,8 @@ _MISTRAL3_TEXT = {"mistral": "MistralForCausalLM", "ministral3": "Ministral3ForC
 # LlavaForConditionalGeneration's language models by text_config.model_type (LlavaConfig's default: llama).
 _LLAVA_TEXT = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _TEXT_BY_MODEL_TYPE = {"Mistral3ForConditionalGeneration": ("mistral", _MISTRAL3_TEXT, "Mistral3"),
-                       "LlavaForConditionalGeneration": ("llama", _LLAVA_TEXT, "LLaVA")}
+                       "LlavaForConditionalGeneration": ("llama", _LLAVA_TEXT, "LLaVA"),
+                       "LlavaNextForConditionalGeneration": ("llama", _LLAVA_TEXT, "LLaVA-NeXT")}
 
 
 @dataclass(frozen=True)

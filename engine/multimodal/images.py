@@ -29,6 +29,17 @@ def open_image(data: bytes, label: str = "image"):
         raise ImageInputError(f"{label}: cannot be read as an image ({exc})") from None
 
 
+def image_size(data: bytes, label: str = "image") -> tuple[int, int]:
+    """(width, height) of an encoded image, from its header (no decode); ImageInputError as ``open_image``."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return image.size
+    except (OSError, ValueError, Image.DecompressionBombError, SyntaxError) as exc:
+        raise ImageInputError(f"{label}: cannot be read as an image ({exc})") from None
+
+
 def image_bytes(image) -> bytes:
     """An image as the encoded bytes a request carries: bytes as they are, a path's file, a PIL image as PNG."""
     if isinstance(image, (bytes, bytearray, memoryview)):

@@ -5,6 +5,11 @@ The tower is transformers' own module for its type (CLIPVisionModel, SiglipVisio
 (``preprocessor_config.json``); the projector (linear, activation, linear) is ours. An image's embeddings are the
 tower's hidden states at ``vision_feature_layer`` (a list: concatenated), CLIP's class token dropped under the
 "default" strategy, through the projector: what transformers' LlavaModel.get_image_features computes.
+
+LLaVA-NeXT (``LlavaNextForConditionalGeneration``): the processor cuts each image into its tiles and a whole-image
+tile; every tile goes through the tower and projector as above; the image's embeddings are the whole-image tile's,
+then the tiles' patches as one grid, the padding dropped, each row closed by the checkpoint's ``image_newline``
+(transformers' LlavaNextModel.pack_image_features; the layout is spec.AnyResGrid's, which also counts them).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from pdcluster.engine.multimodal.spec import ImageSpec
 # Where checkpoints keep the tower and the projector (transformers 5's names, then 4's).
 _TOWER_PREFIXES = ("model.vision_tower.", "vision_tower.")
 _PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
+_NEWLINE_NAMES = ("model.image_newline", "image_newline")  # LLaVA-NeXT's row separator
 # Fast mode encodes a step's images together, at most this many a tower call: the tower's activations are not in the
 # GPU's KV budget (engine/kv_budget.py profiles the language model), so one call's peak stays a few images'.
 MAX_IMAGES_A_CALL = 8
@@ -125,22 +131,57 @@ class LlavaImageEncoder:
                             for i in (1, 2))
         self.b1, self.b2 = (proj[f"linear_{i}.bias"].to(self.device, dtype) if f"linear_{i}.bias" in proj else None
                             for i in (1, 2))
+        self.image_newline = None
+        if self.spec.grid is not None:
+            found = _read_tensors(model_dir, _NEWLINE_NAMES[:1]) or _read_tensors(model_dir, _NEWLINE_NAMES[1:])
+            if "" not in found:
+                raise ValueError(f"{model_dir}: a LLaVA-NeXT checkpoint without image_newline")
+            self.image_newline = found[""].to(self.device, dtype)
 
     def encode(self, images: list[bytes]) -> list[torch.Tensor]:
-        """Each image's embeddings, [tokens_per_image, text hidden] in the model's dtype on its device. In
+        """Each image's embeddings, [its placeholders, text hidden] in the model's dtype on its device. In
         deterministic mode one image at a time, so an image's embeddings are the same bits whatever other images a
         step holds; otherwise the step's images in one batch (a GPU's wider GEMMs)."""
         if self.deterministic:
             return [self._encode([data], i)[0] for i, data in enumerate(images)]
         out: list[torch.Tensor] = []
         for first in range(0, len(images), MAX_IMAGES_A_CALL):
-            out += list(self._encode(images[first:first + MAX_IMAGES_A_CALL], first))
+            out += self._encode(images[first:first + MAX_IMAGES_A_CALL], first)
         return out
 
     @torch.inference_mode()
-    def _encode(self, images: list[bytes], first: int) -> torch.Tensor:
+    def _encode(self, images: list[bytes], first: int) -> list[torch.Tensor]:
         pil = [open_image(data, f"image {first + i}") for i, data in enumerate(images)]
-        pixels = self.processor(images=pil, return_tensors="pt")["pixel_values"].to(self.device, self.dtype)
+        processed = self.processor(images=pil, return_tensors="pt")
+        pixels = processed["pixel_values"]
+        if self.spec.grid is None:
+            out = list(self._features(pixels.to(self.device, self.dtype)))
+        else:  # LLaVA-NeXT: [images, most tiles, 3, h, w], each image's tiles first (the rest padding)
+            layouts = [self.spec.grid.layout(image.height, image.width) for image in pil]
+            counts = [high * wide + 1 for high, wide, *_ in layouts]
+            tiles = torch.cat([pixels[i, :n] for i, n in enumerate(counts)]).to(self.device, self.dtype)
+            features = self._features(tiles).split(counts)
+            out = [self._pack(f, layout) for f, layout in zip(features, layouts)]
+        for i, (data, embeds) in enumerate(zip(images, out)):
+            want = self.spec.tokens_for(data, f"image {first + i}")
+            if embeds.shape[0] != want:
+                raise RuntimeError(f"the vision tower gave {embeds.shape[0]} tokens for image {first + i}, expected "
+                                   f"{want}")
+        return out
+
+    def _pack(self, features: torch.Tensor, layout: tuple[int, ...]) -> torch.Tensor:
+        """One LLaVA-NeXT image's tiles' embeddings [1 + tiles, patches, hidden] as its placeholders' rows."""
+        tiles_high, tiles_wide, row0, rows, col0, cols = layout
+        side = self.spec.grid.patches_per_side
+        hidden = features.shape[-1]
+        grid = (features[1:].view(tiles_high, tiles_wide, side, side, hidden).permute(0, 2, 1, 3, 4)
+                .reshape(tiles_high * side, tiles_wide * side, hidden))
+        grid = grid[row0:row0 + rows, col0:col0 + cols]
+        newline = self.image_newline.expand(rows, 1, hidden)
+        return torch.cat([features[0], torch.cat([grid, newline], dim=1).reshape(-1, hidden)])
+
+    def _features(self, pixels: torch.Tensor) -> torch.Tensor:
+        """The tower and projector on a batch of crops [n, 3, h, w]: [n, tokens a crop, text hidden]."""
         states = self.tower(pixels, output_hidden_states=True).hidden_states
         layers = [self.feature_layer] if isinstance(self.feature_layer, int) else self.feature_layer
         picked = [states[i][:, 1:] if self.strategy == "default" and self._has_cls else states[i] for i in layers]
@@ -152,11 +193,7 @@ class LlavaImageEncoder:
         out = self.w2(self.act(hidden))
         if self.b2 is not None:
             out = out + self.b2
-        out = out.reshape(features.shape[0], features.shape[1], -1)
-        if out.shape[1] != self.spec.tokens_per_image:
-            raise RuntimeError(f"the vision tower gave {out.shape[1]} tokens an image, expected "
-                               f"{self.spec.tokens_per_image}")
-        return out
+        return out.reshape(features.shape[0], features.shape[1], -1)
 
     @property
     def _has_cls(self) -> bool:

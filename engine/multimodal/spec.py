@@ -1,5 +1,10 @@
 """What a checkpoint's prompts hold for an image: its image token, how many placeholder tokens each image becomes,
-and the expansion of a prompt's image tokens into them (the same at the API and in the engine)."""
+and the expansion of a prompt's image tokens into them (the same at the API and in the engine).
+
+LLaVA 1.5's tower sees one fixed-size crop: every image is the same number of tokens. LLaVA-NeXT's ("anyres") sees
+the image resized onto the best of its grid of tile layouts plus the whole image at one tile's size; its placeholders
+are one tile's patches, then the tiles' patches with the padding rows or columns the resize left dropped, a newline
+embedding closing each row: the count follows the image's size (``AnyResGrid``)."""
 
 from __future__ import annotations
 
@@ -12,7 +17,8 @@ from pdcluster.engine.multimodal.limits import DEFAULT_MAX_IMAGES_PER_PROMPT
 
 # Vision towers whose output is a fixed number of tokens an image (the processor resizes and crops to one size).
 FIXED_SIZE_TOWERS = ("clip_vision_model", "siglip_vision_model")
-IMAGE_ARCHITECTURES = ("LlavaForConditionalGeneration",)
+LLAVA_NEXT = "LlavaNextForConditionalGeneration"
+IMAGE_ARCHITECTURES = ("LlavaForConditionalGeneration", LLAVA_NEXT)
 
 
 class ImageInputError(ValueError):
@@ -20,10 +26,53 @@ class ImageInputError(ValueError):
 
 
 @dataclass(frozen=True)
+class AnyResGrid:
+    """LLaVA-NeXT's tiling: ``tile_size`` pixels a tile side (the tower's image size), ``patches_per_side`` patches a
+    tile side, ``pinpoints`` the (height, width) in pixels an image may be resized onto (multiples of a tile)."""
+
+    tile_size: int
+    patches_per_side: int
+    pinpoints: tuple[tuple[int, int], ...]
+
+    def best_resolution(self, height: int, width: int) -> tuple[int, int]:
+        """The pinpoint an image is resized onto: the most of its pixels kept, then the least area wasted (as
+        transformers' select_best_resolution)."""
+        best, best_kept, best_wasted = self.pinpoints[0], -1, float("inf")
+        for pin_h, pin_w in self.pinpoints:
+            scale = min(pin_w / width, pin_h / height)
+            kept = min(int(width * scale) * int(height * scale), width * height)
+            wasted = pin_h * pin_w - kept
+            if kept > best_kept or (kept == best_kept and wasted < best_wasted):
+                best, best_kept, best_wasted = (pin_h, pin_w), kept, wasted
+        return best
+
+    def layout(self, height: int, width: int) -> tuple[int, int, int, int, int, int]:
+        """(tiles high, tiles wide, first row, rows, first column, columns) of an image ``height`` x ``width`` pixels:
+        its tiles' patch grid and the part of it the image covers (the padding the aspect-preserving resize left,
+        centred, is dropped; transformers' unpad_image)."""
+        pin_h, pin_w = self.best_resolution(height, width)
+        tiles_high, tiles_wide = pin_h // self.tile_size, pin_w // self.tile_size
+        grid_h, grid_w = tiles_high * self.patches_per_side, tiles_wide * self.patches_per_side
+        if width / height > grid_w / grid_h:
+            new_h = int(round(height * (grid_w / width), 7))
+            pad = (grid_h - new_h) // 2
+            return tiles_high, tiles_wide, pad, grid_h - 2 * pad, 0, grid_w
+        new_w = int(round(width * (grid_h / height), 7))
+        pad = (grid_w - new_w) // 2
+        return tiles_high, tiles_wide, 0, grid_h, pad, grid_w - 2 * pad
+
+    def num_tokens(self, height: int, width: int) -> int:
+        """The placeholders of an image: the whole image's tile, then each kept row of patches and its newline."""
+        _, _, _, rows, _, cols = self.layout(height, width)
+        return self.patches_per_side ** 2 + rows * (cols + 1)
+
+
+@dataclass(frozen=True)
 class ImageSpec:
     architecture: str
     image_token_id: int
-    tokens_per_image: int
+    tokens_per_image: int  # LLaVA-NeXT: one tile's (the fewest an image may have); see tokens_for
+    grid: AnyResGrid | None = None  # LLaVA-NeXT's tiling: the count follows each image's size
 
     @classmethod
     def from_config(cls, cfg: dict, where: str = "config.json") -> ImageSpec | None:
@@ -49,7 +98,18 @@ class ImageSpec:
         has_cls = tower == "clip_vision_model"
         tokens = num_patches + (1 if has_cls and strategy == "full" else 0)
         token_id = cfg.get("image_token_id", cfg.get("image_token_index", 32000))
-        return cls(architecture, int(token_id), tokens)
+        grid = None
+        if architecture == LLAVA_NEXT:
+            if not has_cls or strategy != "default":
+                raise ValueError(f"{where}: a LLaVA-NeXT checkpoint needs a CLIP tower and the 'default' feature "
+                                 f"strategy (its tiles' patch grids), got {tower!r} and {strategy!r}")
+            pins = cfg.get("image_grid_pinpoints") or []
+            if not pins or not all(isinstance(p, list) and len(p) == 2 and all(
+                    isinstance(v, int) and v > 0 and v % image_size == 0 for v in p) for p in pins):
+                raise ValueError(f"{where}: image_grid_pinpoints must list [height, width] pairs, multiples of the "
+                                 f"tower's image_size {image_size}, got {pins!r}")
+            grid = AnyResGrid(image_size, image_size // patch_size, tuple((h, w) for h, w in pins))
+        return cls(architecture, int(token_id), tokens, grid)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ImageSpec | None:
@@ -58,9 +118,18 @@ class ImageSpec:
             return None
         return cls.from_config(json.loads(path.read_text(encoding="utf-8")), str(path))
 
+    def tokens_for(self, data: bytes, label: str = "image") -> int:
+        """How many placeholders an image (its encoded bytes) becomes; ImageInputError for bytes that are no image."""
+        if self.grid is None:
+            return self.tokens_per_image
+        from pdcluster.engine.multimodal.images import image_size  # images.py imports this module
+
+        width, height = image_size(data, label)
+        return self.grid.num_tokens(height, width)
+
     def expand(self, prompt_token_ids: list[int], images: list[bytes],
                max_images: int = DEFAULT_MAX_IMAGES_PER_PROMPT) -> tuple[list[int], list[dict]]:
-        """The prompt with each image token widened to ``tokens_per_image`` placeholders, and the images as
+        """The prompt with each image token widened to its image's placeholders, and the images as
         ``SamplingParams.mm_inputs`` entries, in prompt order: one image an image token."""
         check_image_count(len(images), max_images)
         at = [i for i, t in enumerate(prompt_token_ids) if t == self.image_token_id]
@@ -70,22 +139,14 @@ class ImageSpec:
         out: list[int] = []
         items = []
         last = 0
-        for pos, data in zip(at, images):
+        for i, (pos, data) in enumerate(zip(at, images)):
             out += prompt_token_ids[last:pos]
-            items.append({"offset": len(out), "length": self.tokens_per_image, "digest": image_digest(data),
-                          "data": data})
-            out += [self.image_token_id] * self.tokens_per_image
+            length = self.tokens_for(data, f"image {i}")
+            items.append({"offset": len(out), "length": length, "digest": image_digest(data), "data": data})
+            out += [self.image_token_id] * length
             last = pos + 1
         out += prompt_token_ids[last:]
         return out, items
-
-    def widen(self, prompt_token_ids: list[int]) -> list[int]:
-        """The prompt with every image token widened to its placeholders (what ``expand`` makes of it, images
-        aside: /tokenize's count)."""
-        out: list[int] = []
-        for t in prompt_token_ids:
-            out += [t] * self.tokens_per_image if t == self.image_token_id else [t]
-        return out
 
     def check(self, prompt_token_ids: list[int], mm_inputs: list[dict]) -> None:
         """That ``mm_inputs`` name placeholder runs of this prompt, in order, one image each (a request built
@@ -94,9 +155,10 @@ class ImageSpec:
         end = -1
         for i, item in enumerate(mm_inputs):
             offset, length = item["offset"], item["length"]
-            if length != self.tokens_per_image or offset <= end or offset + length > len(prompt_token_ids):
+            want = self.tokens_for(item["data"], f"image {i}")
+            if length != want or offset <= end or offset + length > len(prompt_token_ids):
                 raise ImageInputError(f"image {i}: {length} placeholders at {offset} do not fit this model "
-                                      f"({self.tokens_per_image} an image) and prompt ({len(prompt_token_ids)} tokens)")
+                                      f"({want} for this image) and prompt ({len(prompt_token_ids)} tokens)")
             if any(t != self.image_token_id for t in prompt_token_ids[offset:offset + length]):
                 raise ImageInputError(f"image {i}: the prompt's tokens {offset}..{offset + length} are not its "
                                       f"image token (id {self.image_token_id})")

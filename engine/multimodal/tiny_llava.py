@@ -1,7 +1,8 @@
 """`tiny-llava`: a small, seeded LlavaForConditionalGeneration (a 2-layer CLIP tower of 32-pixel images in 8-pixel
-patches, 16 image tokens, over a 2-layer Llama with tiny-random's tokenizer and an ``<image>`` token added), made by
-transformers, for the tests (tests/test_multimodal.py) and the GPU check (bench/gpu_check.py). Needs transformers
-and Pillow. Its weights are drawn wider than transformers' std 0.02 so each image moves the next token (flat logits
+patches, 16 image tokens, over a 2-layer Llama with tiny-random's tokenizer and an ``<image>`` token added), or its
+LLaVA-NeXT twin (the same tower over 32-pixel tiles: an image's count of tokens by its size), made by transformers,
+for the tests (tests/test_multimodal.py) and the GPU check (bench/gpu_check.py). Needs transformers and Pillow. Its
+weights are drawn wider than transformers' std 0.02 so each image moves the next token (flat logits
 would let a tie decide). The tower's tensors are named as the llava-hf checkpoints on the Hub name them
 (``vision_tower.vision_model.*``; transformers >= 5.2x writes them without ``vision_model.``, and reads both).
 """
@@ -56,8 +57,13 @@ def tokenizer_with_image_token(src_dir: Path, out: Path) -> int:
     return tok.token_to_id("<image>")
 
 
-def build_tiny_llava(out: Path, tokenizer_dir: Path) -> Path:
-    """The checkpoint in ``out`` (created), its tokenizer ``tokenizer_dir``'s tokenizer.json with ``<image>`` added."""
+# tiny-llava-next's tiles: 32-pixel tiles (4 x 4 patches), an image resized onto one of these (height, width).
+NEXT_GRID_PINPOINTS = [[32, 64], [64, 32], [64, 64], [32, 96], [96, 32]]
+
+
+def build_tiny_llava(out: Path, tokenizer_dir: Path, next_: bool = False) -> Path:
+    """The checkpoint in ``out`` (created), its tokenizer ``tokenizer_dir``'s tokenizer.json with ``<image>`` added;
+    ``next_``: a LlavaNextForConditionalGeneration (LLaVA-NeXT's tiles, NEXT_GRID_PINPOINTS)."""
     import torch
     import transformers
 
@@ -70,14 +76,16 @@ def build_tiny_llava(out: Path, tokenizer_dir: Path) -> Path:
                 rms_norm_eps=1e-5, tie_word_embeddings=False)
     vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=2, image_size=32, patch_size=8, projection_dim=32)
-    cfg = transformers.LlavaConfig(text_config=text, vision_config=vision, image_token_index=image_id,
-                                   vision_feature_layer=-2, image_seq_length=NUM_IMAGE_TOKENS, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = transformers.LlavaForConditionalGeneration(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.5 if "embed" in name else 1.5 / p.shape[1] ** 0.5)
+    if next_:
+        cfg = transformers.LlavaNextConfig(text_config=text, vision_config=vision, image_token_index=image_id,
+                                           vision_feature_layer=-2, image_grid_pinpoints=NEXT_GRID_PINPOINTS,
+                                           image_seq_length=NUM_IMAGE_TOKENS, tie_word_embeddings=False)
+        model = _seeded(transformers.LlavaNextForConditionalGeneration, cfg)
+    else:
+        cfg = transformers.LlavaConfig(text_config=text, vision_config=vision, image_token_index=image_id,
+                                       vision_feature_layer=-2, image_seq_length=NUM_IMAGE_TOKENS,
+                                       tie_word_embeddings=False)
+        model = _seeded(transformers.LlavaForConditionalGeneration, cfg)
     model.save_pretrained(str(out))
     hub_tower_names(out)
     processor = dict(do_resize=True, size={"shortest_edge": 32}, do_center_crop=True,
@@ -85,8 +93,25 @@ def build_tiny_llava(out: Path, tokenizer_dir: Path) -> Path:
                      do_normalize=True, image_mean=[0.48145466, 0.4578275, 0.40821073],
                      image_std=[0.26862954, 0.26130258, 0.27577711], do_convert_rgb=True, resample=3,
                      image_processor_type="CLIPImageProcessor")
+    if next_:
+        processor.update(image_processor_type="LlavaNextImageProcessor", image_grid_pinpoints=NEXT_GRID_PINPOINTS,
+                         do_pad=True)
     (out / "preprocessor_config.json").write_text(json.dumps(processor))
     return out
+
+
+def _seeded(model_class, cfg):
+    import torch
+
+    torch.manual_seed(0)
+    model = model_class(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.5 if "embed" in name else 1.5 / p.shape[1] ** 0.5)
+            elif "image_newline" in name:
+                p.normal_(0, 0.5)
+    return model
 
 
 def transformers_greedy(model_dir: Path, prompt_ids: list[int], images: list[bytes], num_new: int,
@@ -97,13 +122,14 @@ def transformers_greedy(model_dir: Path, prompt_ids: list[int], images: list[byt
     from PIL import Image
 
     if model is None:
-        model = transformers.LlavaForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32)
-        model = model.to(device).eval()
+        model_class = transformers.AutoModelForImageTextToText
+        model = model_class.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
     kwargs = {}
     if images:
         processor = transformers.AutoImageProcessor.from_pretrained(str(model_dir))
         pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
-        kwargs["pixel_values"] = processor(images=pil, return_tensors="pt")["pixel_values"].to(device)
+        processed = processor(images=pil, return_tensors="pt")
+        kwargs = {k: processed[k].to(device) for k in ("pixel_values", "image_sizes") if k in processed}
     seq = list(prompt_ids)
     with torch.inference_mode():
         for _ in range(num_new):
