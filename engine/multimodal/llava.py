@@ -31,9 +31,10 @@ from pdcluster.engine.multimodal.spec import ImageSpec
 _TOWER_PREFIXES = ("model.vision_tower.", "vision_tower.")
 _PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
 _NEWLINE_NAMES = ("model.image_newline", "image_newline")  # LLaVA-NeXT's row separator
-# Fast mode encodes a step's images together, at most this many a tower call: the tower's activations are not in the
-# GPU's KV budget (engine/kv_budget.py profiles the language model), so one call's peak stays a few images'.
-MAX_IMAGES_A_CALL = 8
+# Fast mode encodes a step's images together, at most this many crops a tower call (a LLaVA-NeXT image is up to 1 +
+# its most tiles): the tower's activations are not in the GPU's KV budget (engine/kv_budget.py profiles the language
+# model), so one call's peak stays a few crops'.
+MAX_CROPS_A_CALL = 8
 _ACTIVATIONS = {"gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu,
                 "relu": F.relu, "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x)}
 
@@ -144,9 +145,12 @@ class LlavaImageEncoder:
         step holds; otherwise the step's images in one batch (a GPU's wider GEMMs)."""
         if self.deterministic:
             return [self._encode([data], i)[0] for i, data in enumerate(images)]
+        grid = self.spec.grid
+        most_crops = 1 if grid is None else 1 + max(h * w for h, w in grid.pinpoints) // grid.tile_size ** 2
+        per_call = max(1, MAX_CROPS_A_CALL // most_crops)
         out: list[torch.Tensor] = []
-        for first in range(0, len(images), MAX_IMAGES_A_CALL):
-            out += self._encode(images[first:first + MAX_IMAGES_A_CALL], first)
+        for first in range(0, len(images), per_call):
+            out += self._encode(images[first:first + per_call], first)
         return out
 
     @torch.inference_mode()
