@@ -277,8 +277,6 @@ class LLMEngine:
             raise InvalidRequestError(str(e)) from None
 
     def _no_images(self) -> str:
-        if self.model.tp_driver:
-            return f"this model ({self.model.architecture_name}) takes no images on a tensor-parallel split"
         if self.config.max_images_per_prompt() == 0 and self.model_takes_images:
             return "images are off on this server (--limit-mm-per-prompt '{\"image\": 0}'): send text"
         return f"this model ({self.model.architecture_name}) takes no images"

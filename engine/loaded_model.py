@@ -128,13 +128,10 @@ class LoadedModel:
                 if config.max_images_per_prompt() == 0:
                     log.info("%s takes images, but --limit-mm-per-prompt allows none: served for text, its vision "
                              "tower not loaded", config.model)
-                elif driver is None:
+                else:  # on rank 0 of a split: the other ranks get the embeddings with each forward
                     from pdcluster.engine.multimodal.llava import LlavaImageEncoder
 
                     model.image_encoder = LlavaImageEncoder(model_dir, dtype, config.device, deterministic)
-                else:
-                    log.warning("%s takes images, but not on a tensor-parallel split: served for text",
-                                config.model)
         except BaseException:
             if driver is not None:
                 driver.close()

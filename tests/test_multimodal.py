@@ -431,6 +431,18 @@ def test_llava_next_served(next_dir, next_engine):
         router.close()
 
 
+@pytest.mark.usefixtures("one_torch_thread")
+def test_tensor_parallel_split_takes_images(llava_dir, reference):
+    """On a tensor-parallel split (2 CPU ranks) rank 0 encodes the images and the other rank gets their embeddings
+    with each forward: transformers' tokens, as the whole model's."""
+    split = LLMEngine.from_config(_llava_config(llava_dir, tensor_parallel_size=2, max_num_seqs=8), progress=False)
+    try:
+        assert split.model.tp_driver is not None and split.max_images_per_prompt == 16
+        assert [o.token_ids for o in split.generate([_prompt(t, i) for t, i in CASES], PARAMS)] == reference
+    finally:
+        split.close()
+
+
 def test_bf16_deterministic_batch_invariant(llava_dir):
     """bf16 in deterministic mode (the CPU default where it has avx512_bf16): a request with images gets its tokens
     alone, bit for bit, in a batch with other images and text (each image encoded alone, its rows the same)."""

@@ -438,6 +438,12 @@ def test_rank_messages_round_trip_as_msgpack_and_garbage_is_refused():
     assert got.meta.block_tables.is_contiguous() and got.meta.scale == 0.125 and got.meta.uniform_q_len is None
     assert np.array_equal(got.meta.no_context_query_lens_np, meta.no_context_query_lens_np)
     assert torch.equal(got.meta.seq_lens, meta.seq_lens) and got.meta.seq_lens.dtype == torch.int32
+    rows, embeds = torch.tensor([2, 3, 4]), torch.randn(3, 8).to(torch.bfloat16)  # a step's image rows (LLaVA)
+    got = decode(encode(Forward(ids, torch.arange(7), meta, image_rows=(rows, embeds))))
+    assert torch.equal(got.image_rows[0], rows) and torch.equal(got.image_rows[1], embeds)
+    assert got.image_rows[1].dtype == torch.bfloat16 and decode(encode(Forward(ids, ids, meta))).image_rows is None
+    with pytest.raises(ValueError, match="do not pair"):
+        decode(encode(Forward(ids, torch.arange(7), meta, image_rows=(rows, embeds[:2]))))
     spec = KVCacheSpec(4, 0, 64, 16, 1, 32, torch.bfloat16)
     assert decode(encode(AllocateCache(spec))) == AllocateCache(spec)
     assert isinstance(decode(encode(Stop())), Stop)

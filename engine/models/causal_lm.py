@@ -203,10 +203,11 @@ class CausalLM:
         return []
 
     def hand_forward_to_ranks(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> None:
-        """On rank 0 of a split model, the other ranks start this forward (with the step's LoRA rows, if any) before
-        this rank runs its own slice; nothing on a whole model."""
+        """On rank 0 of a split model, the other ranks start this forward (with the step's LoRA rows and image rows, if
+        any) before this rank runs its own slice; nothing on a whole model."""
         if self.tp_driver is not None:
-            self.tp_driver.forward(input_ids, positions, meta, self.lora.step_rows if self.lora is not None else None)
+            self.tp_driver.forward(input_ids, positions, meta, self.lora.step_rows if self.lora is not None else None,
+                                   self.image_rows)
 
     @property
     def lora_num_layers(self) -> int:

@@ -68,6 +68,9 @@ class Forward:
     # The step's LoRA rows (LoraSet.step's arguments): each row's adapter slot (-1: none) and the rows' token offsets;
     # None when no row has an adapter.
     lora_rows: tuple[np.ndarray, np.ndarray] | None = None
+    # The step's image placeholder rows and their embeddings (CausalLM.image_rows: rank 0 encodes the images, every
+    # rank's whole embedding table then takes them); None when no row is an image's.
+    image_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -139,6 +142,8 @@ def encode(message: Message) -> bytes:
                 "meta": _meta(message.meta)}
         if message.lora_rows is not None:
             body["lora_rows"] = [_array(a) for a in message.lora_rows]
+        if message.image_rows is not None:
+            body["image_rows"] = [_tensor(t) for t in message.image_rows]
     elif isinstance(message, AddLora):
         body = {"kind": "add_lora", "slot": int(message.slot), "name": message.name, "path": message.path,
                 "config": message.config_bytes, "weights": message.weights_bytes, "max_rank": int(message.max_rank)}
@@ -176,7 +181,14 @@ def decode(payload: bytes) -> Message:
             if lora_rows is not None:
                 adapter_of_row, query_start_loc = (_unarray(a) for a in lora_rows)
                 lora_rows = (adapter_of_row, query_start_loc)
-            return Forward(_untensor(body["input_ids"]), _untensor(body["positions"]), meta, pool_size, lora_rows)
+            image_rows = body.get("image_rows")
+            if image_rows is not None:
+                rows, embeds = (_untensor(t) for t in image_rows)
+                if rows.dim() != 1 or embeds.dim() != 2 or rows.shape[0] != embeds.shape[0]:
+                    raise ValueError(f"image rows {list(rows.shape)} and embeddings {list(embeds.shape)} do not pair")
+                image_rows = (rows, embeds)
+            return Forward(_untensor(body["input_ids"]), _untensor(body["positions"]), meta, pool_size, lora_rows,
+                           image_rows)
         if kind == "add_lora":
             config, weights = body["config"], body["weights"]
             if not isinstance(config, bytes) or not isinstance(weights, bytes):

@@ -122,8 +122,14 @@ def _serve(conn, spec: WorkerSpec) -> None:
             if model.lora is None:
                 raise RuntimeError("a forward with LoRA rows reached a rank that holds no adapters")
             lora_rows = model.lora.step(*message.lora_rows, device)
-        with torch.inference_mode(), lora_rows:
-            last_hidden = model.forward(message.input_ids.to(device), message.positions.to(device), kv_cache, meta)
+        if message.image_rows is not None:
+            rows, embeds = message.image_rows
+            model.image_rows = (rows.to(device), embeds.to(device))
+        try:
+            with torch.inference_mode(), lora_rows:
+                last_hidden = model.forward(message.input_ids.to(device), message.positions.to(device), kv_cache, meta)
+        finally:
+            model.image_rows = None
 
 
 def _install_lora(model, spec: WorkerSpec) -> None:
