@@ -333,6 +333,16 @@ def test_served_image_limit_and_media_policy(llava_dir, reference, tmp_path):
         images_http.shutdown()
 
 
+def test_api_processes_learn_the_image_limit(tiny_dir):
+    """Behind --api-servers, each API process's RemoteRouter learns the image limit from the router's Welcome."""
+    from pdcluster.cluster.frontend.protocol import FRONTEND_CODEC, MAX_FRONTEND_BYTES, Welcome
+    from pdcluster.cluster.frontend.remote_router import RemoteRouter
+
+    welcome = FRONTEND_CODEC.decode(FRONTEND_CODEC.encode(Welcome("m", 64, str(tiny_dir), [], 3)), MAX_FRONTEND_BYTES)
+    router = RemoteRouter("ipc:///nowhere", "ipc:///nowhere-either", 0, welcome)
+    assert router.max_images_per_prompt == 3
+
+
 def test_media_policy_flags(tmp_path):
     from pdcluster.cli.main import build_parser
     from pdcluster.cluster.launcher import spec_from_args
@@ -464,8 +474,9 @@ def test_disagg_ray_cluster(ray_session, llava_dir, engine, reference):  # noqa:
     from pdcluster.cluster.launcher import Cluster, ClusterSpec
 
     cluster = Cluster(ClusterSpec(engine=engine_config(str(llava_dir), dtype="float32", max_model_len=256,
-                                                       num_kv_blocks=64),
+                                                       num_kv_blocks=64, limit_mm_per_prompt='{"image": 2}'),
                                   transfer=TransferConfig(transport="tcp"), mode="disagg"))
+    assert cluster.router.max_images_per_prompt == 2  # what the API checks a chat's images against
 
     async def main():
         cluster.router.start(asyncio.get_running_loop())
