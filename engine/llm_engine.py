@@ -18,7 +18,7 @@ from pdcluster.engine.kv_offload.events import KVEventLog, make_offload_manager
 from pdcluster.engine.loaded_model import LoadedModel
 from pdcluster.engine.lora.runtime import RuntimeLora
 from pdcluster.engine.model_runner import ModelRunner
-from pdcluster.engine.multimodal.images import image_bytes, open_image
+from pdcluster.engine.multimodal.images import image_bytes, image_size, open_image
 from pdcluster.engine.multimodal.spec import ImageInputError, ImageSpec, check_image_count
 from pdcluster.engine.pooling import finish_embedding
 from pdcluster.engine.proposers import make_proposer
@@ -158,7 +158,9 @@ class LLMEngine:
         None when the pool cannot hold it now (the router then tries another worker).
         The connector reports its KV's arrival (``poll_kv``); ``abort_request`` gives it up."""
         self.check_task(params)
-        self.check_images(prompt_token_ids, params)
+        # Its images were decoded where it was prefilled (and at the API): their headers suffice here, where they are
+        # encoded only if the request is preempted (the same bytes: the digest is checked).
+        self.check_images(prompt_token_ids, params, decode_images=False)
         params = self.bind_lora(params)
         self.prepare_grammar(params)
         request = Request(request_id, list(prompt_token_ids), params, arrival_time=time.monotonic())
@@ -257,10 +259,12 @@ class LLMEngine:
             raise InvalidRequestError(str(e)) from None
         return ids, replace(params, mm_inputs=items)
 
-    def check_images(self, prompt_token_ids: list[int], params: SamplingParams, client_prompt: bool = False) -> None:
+    def check_images(self, prompt_token_ids: list[int], params: SamplingParams, client_prompt: bool = False,
+                     decode_images: bool = True) -> None:
         """A request's images fit its prompt and this model (checked on every worker: a bad request is an error for
         that request, not a failed step). ``client_prompt``: the prompt is as the client gave it, so a prompt
-        without images must hold no image token."""
+        without images must hold no image token. ``decode_images``: each image is decoded (bytes that are no image
+        fail here, not in a step); False: its header is read (a decode worker's, whose prefill worker decoded it)."""
         encoder = getattr(self.model, "image_encoder", None)
         if encoder is None:
             if params.mm_inputs:
@@ -272,7 +276,7 @@ class LLMEngine:
             check_image_count(len(params.mm_inputs), self.config.max_images_per_prompt())
             encoder.spec.check(prompt_token_ids, params.mm_inputs)
             for i, item in enumerate(params.mm_inputs):  # bytes that are no image fail here, not in a step
-                open_image(item["data"], f"image {i}")
+                (open_image if decode_images else image_size)(item["data"], f"image {i}")
         except ImageInputError as e:
             raise InvalidRequestError(str(e)) from None
 

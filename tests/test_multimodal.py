@@ -136,6 +136,9 @@ def test_bad_image_requests_are_refused(engine, tiny_dir):
     shifted = [{**items[0], "offset": items[0]["offset"] + 1}]
     with pytest.raises(InvalidRequestError, match="are not its image token"):
         engine.add_remote_request("r", ids, SamplingParams(mm_inputs=shifted))
+    garbage = [{**items[0], "data": b"not a png", "digest": image_digest(b"not a png")}]
+    with pytest.raises(InvalidRequestError, match="image 0: cannot be read as an image"):  # a decode worker: its header
+        engine.add_remote_request("r", ids, SamplingParams(mm_inputs=garbage))
     # A request resumed on another worker carries its output in its prompt: the model may have written the token.
     engine.check_images(ids + [engine.model.image_encoder.spec.image_token_id], SamplingParams(mm_inputs=items))
     with pytest.raises(ValueError, match="digest does not match"):
