@@ -6,6 +6,7 @@ with the prefix cache, disaggregated over tcp, and served (the real HTTP server 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import json
 import threading
@@ -143,6 +144,8 @@ def test_bad_image_requests_are_refused(engine, tiny_dir):
     engine.check_images(ids + [engine.model.image_encoder.spec.image_token_id], SamplingParams(mm_inputs=items))
     with pytest.raises(ValueError, match="digest does not match"):
         SamplingParams(mm_inputs=[{**items[0], "digest": "0" * 32}])
+    checked = SamplingParams(mm_inputs=items)
+    assert dataclasses.replace(checked, seed=7).mm_inputs is checked.mm_inputs  # checked once, not at every copy
     assert not engine.has_unfinished()
     text_engine = LLMEngine.from_config(engine_config(), progress=False)
     with pytest.raises(InvalidRequestError, match="takes no images"):
