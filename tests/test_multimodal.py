@@ -500,6 +500,32 @@ def test_disagg_ray_cluster(ray_session, llava_dir, engine, reference):  # noqa:
         cluster.shutdown()
 
 
+@pytest.mark.timeout(300)
+def test_recovery_after_a_decode_worker_dies_keeps_the_images(ray_session, llava_dir, engine):  # noqa: F811
+    """A decode worker killed mid-stream: the request is re-prefilled, prompt and streamed tokens, on a healthy pair,
+    its images encoded again there (they ride in its parameters): the client's tokens equal an uninterrupted run."""
+    import asyncio
+
+    from pdcluster.cluster.launcher import Cluster, ClusterSpec
+    from test_recovery import _stream_and_kill
+
+    prompt, params = engine.with_images(_prompt(TWO, IMAGES[1:3]), SamplingParams(max_tokens=40, temperature=0.0,
+                                                                                   ignore_eos=True))
+    expected = engine.generate([_prompt(TWO, IMAGES[1:3])], params)[0].token_ids
+    cluster = Cluster(ClusterSpec(engine=engine_config(str(llava_dir), dtype="float32", max_model_len=256,
+                                                       num_kv_blocks=64, prefill_chunk_size=16),
+                                  transfer=TransferConfig(transport="tcp"), mode="disagg", num_prefill=1,
+                                  num_decode=2))
+    try:
+        tokens, last, _, _ = asyncio.run(_stream_and_kill(cluster, ray_session, prompt, params, kill_after=10,
+                                                          kill_role="decode"))
+        assert last.finished and last.finish_reason == "length", (last.finish_reason, last.error)
+        assert cluster.router.recorder.recoveries, "the request was never recovered"
+        assert tokens == expected
+    finally:
+        cluster.shutdown()
+
+
 def test_generate_cli_with_an_image(llava_dir, reference, tmp_path):
     """`pdcluster generate --image` as a user runs it: the image fills the prompt's image token."""
     import os
