@@ -258,6 +258,8 @@ def _closed_port() -> int:
     (["--dataset", "no-such-dataset"], "unknown dataset"),
     (["--random-input-len", "9:3"], "--random-input-len"),
     (["--num-prompts", "0"], "--num-prompts"),
+    (["--random-images", "1"], "--random-images: for --dataset random on --endpoint chat"),
+    (["--endpoint", "chat", "--random-images", "1", "--random-image-size", "big"], "--random-image-size"),
     ([], "cannot reach"),  # nobody listens at the base URL
 ])
 def test_bad_arguments_give_one_clear_line(capsys, argv, says):

@@ -577,3 +577,32 @@ def test_fast_mode_encodes_a_steps_images_together(llava_dir, reference):
     encoder._encode = lambda images, first: batches.append(len(images)) or encode(images, first)
     assert [o.token_ids for o in eng.generate([_prompt(t, i) for t, i in CASES], PARAMS)] == reference
     assert batches == [3]  # the first step's three distinct images (one is in two prompts), one tower call
+
+
+@pytest.mark.timeout(300)
+def test_loadtest_with_images_against_a_served_llava(llava_dir, tmp_path):
+    """`pdcluster loadtest --random-images` (vLLM's random-mm) against `pdcluster serve` of a LLaVA, both as a user
+    runs them: every request carries its own images, all complete, and the input tokens are the server's count
+    (each image's 16 placeholders included); more images than the server's --limit-mm-per-prompt all fail as 400s."""
+    from pdcluster.cli.main import main
+    from pdcluster.tools.server_process import ServeProcess
+
+    server = ServeProcess(["--mode", "local", "--model", str(llava_dir), "--dtype", "float32", "--num-kv-blocks", "128",
+                           "--max-model-len", "256", "--limit-mm-per-prompt", '{"image": 2}'])
+    try:
+        def run(images: int, out: Path) -> dict:
+            rc = main(["loadtest", "--no-progress", "--base-url", server.base_url, "--model", str(llava_dir),
+                       "--tokenizer", str(llava_dir), "--endpoint", "chat", "--random-input-len", "12",
+                       "--random-output-len", "4", "--num-prompts", "6", "--num-warmups", "0",
+                       "--random-images", str(images), "--random-image-size", "64x48", "--result-json", str(out)])
+            assert rc in (0, 1)
+            return json.loads(out.read_text())
+
+        ok = run(2, tmp_path / "two.json")
+        assert (ok["completed"], ok["failed"]) == (6, 0), ok["errors"]
+        assert ok["total_input_tokens"] >= 6 * (2 * 16 + 12)
+        refused = run(3, tmp_path / "three.json")
+        assert (refused["completed"], refused["failed"]) == (0, 6)
+        assert refused["errors"] == {"http_400": 6}
+    finally:
+        server.close()

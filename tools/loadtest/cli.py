@@ -80,6 +80,11 @@ def add_loadtest_parser(subparsers) -> argparse.ArgumentParser:
     d.add_argument("--random-output-len", default="32", help="random: output tokens, same forms")
     d.add_argument("--output-len", type=int, default=None,
                    help="max_tokens for every sharegpt/humaneval/JSONL request (default: per dataset)")
+    d.add_argument("--random-images", type=int, default=0, metavar="N",
+                   help="random, --endpoint chat: each request also carries N images (seeded JPEG data URLs, all "
+                        "different), as vLLM's random-mm dataset; input tokens are the server's usage counts, "
+                        "placeholders included")
+    d.add_argument("--random-image-size", default="336x336", metavar="WxH", help="the images' width x height")
     d.add_argument("--prompt-format", choices=("auto", "ids", "text"), default="auto",
                    help="random: send token ids or text (auto: ids on completions, text on chat)")
     d.add_argument("--temperature", type=float, default=0.0)
@@ -150,6 +155,17 @@ def _base_url(url: str) -> str:
     if not url.startswith(("http://", "https://")):
         raise LoadtestError(f"--base-url: must start with http:// or https://, got {url!r}")
     return url[: -len("/v1")] if url.endswith("/v1") else url  # both spellings are common
+
+
+def _image_size(args: argparse.Namespace) -> tuple[int, int]:
+    if args.random_images < 0:
+        raise LoadtestError(f"--random-images: must be >= 0, got {args.random_images}")
+    if args.random_images and (args.dataset != "random" or args.endpoint != "chat"):
+        raise LoadtestError("--random-images: for --dataset random on --endpoint chat")
+    width, sep, height = args.random_image_size.lower().partition("x")
+    if not (sep and width.isdigit() and height.isdigit() and 0 < int(width) <= 4096 and 0 < int(height) <= 4096):
+        raise LoadtestError(f"--random-image-size: want WIDTHxHEIGHT (1..4096 each), got {args.random_image_size!r}")
+    return int(width), int(height)
 
 
 def _rates(args: argparse.Namespace) -> list[float]:
@@ -230,7 +246,8 @@ def _plan(args: argparse.Namespace) -> Plan:
         num_prompts=args.num_prompts, seed=args.seed,
         input_len=LengthDist.parse(args.random_input_len, "--random-input-len"),
         output_len=LengthDist.parse(args.random_output_len, "--random-output-len"),
-        fixed_output_len=args.output_len, prompt_format=prompt_format, chat=args.endpoint == "chat")
+        fixed_output_len=args.output_len, prompt_format=prompt_format, chat=args.endpoint == "chat",
+        images_per_request=args.random_images, image_size=_image_size(args))
     api_key = args.api_key or os.environ.get("PDCLUSTER_API_KEY") or os.environ.get("OPENAI_API_KEY") or None
     target = Target(base_url=_base_url(args.base_url), model=args.model, endpoint=args.endpoint, api_key=api_key,
                     temperature=args.temperature, ignore_eos=args.ignore_eos, timeout_s=args.timeout_s)

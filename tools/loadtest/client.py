@@ -57,7 +57,11 @@ class Target:
         if self.endpoint == "chat":
             if not isinstance(sample.prompt, str):
                 raise ValueError("the chat endpoint takes text prompts: use --prompt-format text")
-            body["messages"] = [{"role": "user", "content": sample.prompt}]
+            content = sample.prompt
+            if sample.images:
+                content = [*({"type": "image_url", "image_url": {"url": url}} for url in sample.images),
+                           {"type": "text", "text": sample.prompt}]
+            body["messages"] = [{"role": "user", "content": content}]
         else:
             body["prompt"] = sample.prompt
         return body

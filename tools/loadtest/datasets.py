@@ -38,8 +38,9 @@ class DatasetError(ValueError):
 @dataclass
 class SampleRequest:
     prompt: str | list[int]  # text, or token ids (sent as ``prompt: [ids]``)
-    prompt_len: int  # tokens by our tokenizer; 0 = unknown (no tokenizer)
+    prompt_len: int  # tokens by our tokenizer; 0 = unknown (no tokenizer; images, whose placeholders the server counts)
     output_len: int  # max_tokens to ask for
+    images: list[str] = field(default_factory=list)  # data: URLs sent as chat image_url parts before the text
 
 
 @dataclass
@@ -52,6 +53,9 @@ class DatasetOptions:
     prompt_format: str = "ids"  # random only: "ids" or "text"
     max_model_len: int | None = None  # the server's context, when it tells us
     chat: bool = False  # prompts go to the chat endpoint: count them as the chat template renders them
+    # random only (vLLM's random-mm): images each request carries, each its own seeded noise JPEG of this size.
+    images_per_request: int = 0
+    image_size: tuple[int, int] = (336, 336)  # width, height in pixels
 
 
 def check_dataset_name(name: str) -> None:
@@ -99,7 +103,30 @@ def random_requests(options: DatasetOptions, tokenizer) -> list[SampleRequest]:
         # On the chat endpoint the template wraps the text: the server counts more than n_in.
         prompt_len = _count(tokenizer, text, chat=True) if options.chat else n_in
         requests.append(SampleRequest(ids if options.prompt_format == "ids" else text, prompt_len, n_out))
+    if options.images_per_request:
+        if not options.chat:
+            raise DatasetError("--random-images: images go to the chat endpoint (--endpoint chat)")
+        for sample in requests:
+            sample.images = [random_image_url(rng, *options.image_size) for _ in range(options.images_per_request)]
+            sample.prompt_len = 0  # the server's usage counts the images' placeholders
     return requests
+
+
+def random_image_url(rng: np.random.Generator, width: int, height: int) -> str:
+    """A seeded image as a ``data:image/jpeg;base64,`` URL: smooth gradients under noise, so JPEG sizes it as it
+    would a photo (tens of KiB at 336 x 336) and no two images are alike (the server's caches find no repeat)."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    y, x = np.mgrid[0:height, 0:width]
+    shift = rng.integers(0, 256, 3)
+    base = np.stack([(x + shift[0]) % 256, (y * 2 + shift[1]) % 256, (x + y + shift[2]) % 256], axis=-1)
+    pixels = np.clip(base + rng.normal(0, 12, base.shape), 0, 255).astype("uint8")
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="JPEG", quality=85)
+    return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 # ---------------------------------------------------------------------------------------- sharegpt
