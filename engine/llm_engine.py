@@ -18,7 +18,7 @@ from pdcluster.engine.kv_offload.events import KVEventLog, make_offload_manager
 from pdcluster.engine.loaded_model import LoadedModel
 from pdcluster.engine.lora.runtime import RuntimeLora
 from pdcluster.engine.model_runner import ModelRunner
-from pdcluster.engine.multimodal.images import image_bytes, image_size, open_image
+from pdcluster.engine.multimodal.images import image_inputs, image_size, open_image
 from pdcluster.engine.multimodal.spec import ImageInputError, ImageSpec, check_image_count
 from pdcluster.engine.pooling import finish_embedding
 from pdcluster.engine.proposers import make_proposer
@@ -253,8 +253,7 @@ class LLMEngine:
         if not images:
             return ids, params
         try:
-            ids, items = encoder.spec.expand(ids, [image_bytes(image) for image in images],
-                                             self.config.max_images_per_prompt())
+            ids, items = encoder.spec.expand(ids, image_inputs(images), self.config.max_images_per_prompt())
         except ImageInputError as e:
             raise InvalidRequestError(str(e)) from None
         return ids, replace(params, mm_inputs=items)
@@ -276,6 +275,11 @@ class LLMEngine:
             check_image_count(len(params.mm_inputs), self.config.max_images_per_prompt())
             encoder.spec.check(prompt_token_ids, params.mm_inputs)
             for i, item in enumerate(params.mm_inputs):  # bytes that are no image fail here, not in a step
+                if "embeds" in item:  # embeddings given for the image: they must be the language model's width
+                    if item["embeds"][2] != self.arch.hidden_size:
+                        raise ImageInputError(f"image {i}: embeddings {item['embeds'][2]} wide, but this model's "
+                                              f"hidden size is {self.arch.hidden_size}")
+                    continue
                 (open_image if decode_images else image_size)(item["data"], f"image {i}")
         except ImageInputError as e:
             raise InvalidRequestError(str(e)) from None

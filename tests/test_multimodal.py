@@ -124,6 +124,37 @@ def test_prefix_cache_keeps_images_apart(llava_dir, engine, reference):
     assert other.num_cached_tokens == 0 and again.num_cached_tokens >= 16
 
 
+def test_image_embeddings_as_input(llava_dir, engine, reference):
+    """vLLM's embedding inputs: a tensor of an image's embeddings ([rows, hidden], or [images, rows, hidden]) in
+    place of the image; its rows are its placeholders, no tower runs, and the tokens are the image's. They travel as
+    bytes in the request's parameters (msgpack) and are kept apart from other images in the prefix cache."""
+    import msgpack
+
+    fresh = LLMEngine.from_config(_llava_config(llava_dir), progress=False)
+    encoder = fresh.model.image_encoder
+    one = encoder.encode([IMAGES[0]])[0]
+    two = torch.stack(encoder.encode([IMAGES[2], IMAGES[0]]))
+    outs = fresh.generate([{"prompt": PROMPT, "multi_modal_data": {"image": one}},
+                           {"prompt": TWO, "multi_modal_data": {"image": two.to(torch.bfloat16).float()}},
+                           {"prompt": TWO, "multi_modal_data": {"image": [IMAGES[2], one]}}], PARAMS)
+    assert outs[0].token_ids == reference[0] and outs[2].token_ids == reference[2] and len(outs[1].token_ids) == NUM_NEW
+    assert fresh.runner.image_embeds.num_encoded == 1  # IMAGES[2] alone went through the tower
+    ids, params = fresh.with_images({"prompt": PROMPT, "multi_modal_data": {"image": one.to(torch.bfloat16)}}, PARAMS)
+    item = params.mm_inputs[0]
+    assert item["embeds"] == ["bfloat16", 16, one.shape[1]] and len(item["data"]) == 16 * one.shape[1] * 2
+    assert item["digest"] != image_digest(IMAGES[0])  # its own digest: KV made from it is its own
+    wired = SamplingParams(**{**dataclasses.asdict(params), "mm_inputs": msgpack.unpackb(msgpack.packb(
+        list(params.mm_inputs), use_bin_type=True), raw=False)})
+    assert wired.mm_inputs == params.mm_inputs
+    for bad, says in ((torch.zeros(16, 7), "embeddings 7 wide, but this model's hidden size is 64"),
+                      (torch.zeros(16, 64, dtype=torch.int32), "tensor of float32, bfloat16, float16")):
+        with pytest.raises(InvalidRequestError, match=says):
+            fresh.add_request({"prompt": PROMPT, "multi_modal_data": {"image": bad}}, PARAMS)
+    with pytest.raises(ValueError, match="embeds must be"):
+        SamplingParams(mm_inputs=[{**item, "embeds": ["bfloat16", 15, one.shape[1]]}])
+    assert not fresh.has_unfinished()
+
+
 def test_bad_image_requests_are_refused(engine, tiny_dir):
     with pytest.raises(InvalidRequestError, match=r"1 image token\(s\) .* but 2 image\(s\)"):
         engine.add_request(_prompt(PROMPT, IMAGES[:2]), PARAMS)

@@ -6,7 +6,7 @@ import io
 import os
 from pathlib import Path
 
-from pdcluster.engine.multimodal.spec import ImageInputError
+from pdcluster.engine.multimodal.spec import EMBED_DTYPES, ImageEmbedding, ImageInputError
 
 # Pillow refuses larger images as decompression bombs; we name the limit instead of a warning or a traceback.
 MAX_IMAGE_PIXELS = 64 * 1024 * 1024
@@ -38,6 +38,32 @@ def image_size(data: bytes, label: str = "image") -> tuple[int, int]:
             return image.size
     except (OSError, ValueError, Image.DecompressionBombError, SyntaxError) as exc:
         raise ImageInputError(f"{label}: cannot be read as an image ({exc})") from None
+
+
+def image_inputs(images) -> list[bytes | ImageEmbedding]:
+    """vLLM's ``multi_modal_data["image"]`` as a list: each image as encoded bytes (``image_bytes``), or, for a tensor
+    of embeddings ([rows, hidden], or [images, rows, hidden]: vLLM's embedding inputs), one ImageEmbedding each."""
+    out: list[bytes | ImageEmbedding] = []
+    for image in images if isinstance(images, (list, tuple)) else [images]:
+        if hasattr(image, "dim") and hasattr(image, "dtype"):  # a torch tensor
+            out += _embeddings(image)
+        else:
+            out.append(image_bytes(image))
+    return out
+
+
+def _embeddings(tensor) -> list[ImageEmbedding]:
+    import torch
+
+    if tensor.dim() == 2:
+        tensor = tensor[None]
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    if tensor.dim() != 3 or 0 in tensor.shape or dtype not in EMBED_DTYPES:
+        raise ImageInputError(f"image embeddings must be a [rows, hidden] or [images, rows, hidden] tensor of "
+                              f"{', '.join(EMBED_DTYPES)}, got {tuple(tensor.shape)} {dtype}")
+    tensor = tensor.detach().to("cpu").contiguous()
+    return [ImageEmbedding(t.reshape(-1).view(torch.uint8).numpy().tobytes(), t.shape[0], t.shape[1], dtype)
+            for t in tensor]
 
 
 def image_bytes(image) -> bytes:

@@ -25,6 +25,20 @@ class ImageInputError(ValueError):
     """A request's images do not fit its prompt or cannot be read (a 400 at the API)."""
 
 
+EMBED_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}  # name -> bytes an element
+
+
+@dataclass(frozen=True)
+class ImageEmbedding:
+    """An image given as its embeddings, [rows, hidden] in ``dtype`` (vLLM's embedding inputs: what the projector
+    would make of it), ``data`` their raw little-endian bytes: its placeholders are its rows, no tower runs."""
+
+    data: bytes
+    rows: int
+    hidden: int
+    dtype: str
+
+
 @dataclass(frozen=True)
 class AnyResGrid:
     """LLaVA-NeXT's tiling: ``tile_size`` pixels a tile side (the tower's image size), ``patches_per_side`` patches a
@@ -127,10 +141,10 @@ class ImageSpec:
         width, height = image_size(data, label)
         return self.grid.num_tokens(height, width)
 
-    def expand(self, prompt_token_ids: list[int], images: list[bytes],
+    def expand(self, prompt_token_ids: list[int], images: list[bytes | ImageEmbedding],
                max_images: int = DEFAULT_MAX_IMAGES_PER_PROMPT) -> tuple[list[int], list[dict]]:
-        """The prompt with each image token widened to its image's placeholders, and the images as
-        ``SamplingParams.mm_inputs`` entries, in prompt order: one image an image token."""
+        """The prompt with each image token widened to its image's placeholders, and the images (encoded bytes, or
+        ImageEmbedding) as ``SamplingParams.mm_inputs`` entries, in prompt order: one image an image token."""
         check_image_count(len(images), max_images)
         at = [i for i, t in enumerate(prompt_token_ids) if t == self.image_token_id]
         if len(at) != len(images):
@@ -139,10 +153,15 @@ class ImageSpec:
         out: list[int] = []
         items = []
         last = 0
-        for i, (pos, data) in enumerate(zip(at, images)):
+        for i, (pos, image) in enumerate(zip(at, images)):
             out += prompt_token_ids[last:pos]
-            length = self.tokens_for(data, f"image {i}")
-            items.append({"offset": len(out), "length": length, "digest": image_digest(data), "data": data})
+            if isinstance(image, ImageEmbedding):
+                length = image.rows
+                items.append({"offset": len(out), "length": length, "digest": image_digest(image.data),
+                              "data": image.data, "embeds": [image.dtype, image.rows, image.hidden]})
+            else:
+                length = self.tokens_for(image, f"image {i}")
+                items.append({"offset": len(out), "length": length, "digest": image_digest(image), "data": image})
             out += [self.image_token_id] * length
             last = pos + 1
         out += prompt_token_ids[last:]
@@ -155,7 +174,8 @@ class ImageSpec:
         end = -1
         for i, item in enumerate(mm_inputs):
             offset, length = item["offset"], item["length"]
-            want = self.tokens_for(item["data"], f"image {i}")
+            # Embeddings' rows are their placeholders (check_mm_inputs saw that they agree).
+            want = length if "embeds" in item else self.tokens_for(item["data"], f"image {i}")
             if length != want or offset <= end or offset + length > len(prompt_token_ids):
                 raise ImageInputError(f"image {i}: {length} placeholders at {offset} do not fit this model "
                                       f"({want} for this image) and prompt ({len(prompt_token_ids)} tokens)")
@@ -221,5 +241,13 @@ def check_mm_inputs(items: list) -> list[dict]:
         offset, length = item["offset"], item["length"]
         if not isinstance(offset, int) or not isinstance(length, int) or offset < 0 or length <= 0:
             raise ValueError(f"mm_inputs[{i}]: offset and length must be integers (offset >= 0, length > 0)")
-        out.append({"offset": offset, "length": length, "digest": item["digest"], "data": data})
+        checked = {"offset": offset, "length": length, "digest": item["digest"], "data": data}
+        if item.get("embeds") is not None:  # embeddings given for the image: [dtype, rows, hidden]
+            embeds = item["embeds"]
+            if (not isinstance(embeds, (list, tuple)) or len(embeds) != 3 or embeds[0] not in EMBED_DTYPES
+                    or not all(isinstance(n, int) and n > 0 for n in embeds[1:]) or embeds[1] != length
+                    or len(data) != embeds[1] * embeds[2] * EMBED_DTYPES[embeds[0]]):
+                raise ValueError(f"mm_inputs[{i}].embeds must be [dtype, rows, hidden] of its data, rows its length")
+            checked["embeds"] = [embeds[0], embeds[1], embeds[2]]
+        out.append(checked)
     return out
