@@ -19,7 +19,7 @@ from pdcluster.engine.loaded_model import LoadedModel
 from pdcluster.engine.lora.runtime import RuntimeLora
 from pdcluster.engine.model_runner import ModelRunner
 from pdcluster.engine.multimodal.images import image_inputs, image_size, open_image
-from pdcluster.engine.multimodal.spec import ImageInputError, ImageSpec, check_image_count
+from pdcluster.engine.multimodal.spec import IMAGES_OFF, ImageInputError, ImageSpec, check_image_count
 from pdcluster.engine.pooling import finish_embedding
 from pdcluster.engine.proposers import make_proposer
 from pdcluster.engine.remote_admission import RemoteReservation
@@ -286,7 +286,7 @@ class LLMEngine:
 
     def _no_images(self) -> str:
         if self.config.max_images_per_prompt() == 0 and self.model_takes_images:
-            return "images are off on this server (--limit-mm-per-prompt '{\"image\": 0}'): send text"
+            return IMAGES_OFF
         return f"this model ({self.model.architecture_name}) takes no images"
 
     @property

@@ -3,6 +3,7 @@ only; 0 images turns them off (a LLaVA then serves text alone and its vision tow
 
 from __future__ import annotations
 
+import functools
 import json
 
 # vLLM's default is higher (999); every image is fetched, decoded and encoded before the prompt starts, and a
@@ -12,6 +13,7 @@ DEFAULT_MAX_IMAGES_PER_PROMPT = 16
 OTHER_MODALITIES = ("video", "audio", "vision_chunk")
 
 
+@functools.lru_cache(maxsize=8)  # read for every request of a model that takes images: the JSON parsed once
 def max_images_per_prompt(limit_mm_per_prompt: str) -> int:
     """The images one prompt may hold under ``limit_mm_per_prompt`` (vLLM's JSON: ``{"image": 4}``, or
     ``{"image": {"count": 4, "width": 512, "height": 512}}`` whose size hints only shape vLLM's profiling run);

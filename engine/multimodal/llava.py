@@ -134,7 +134,7 @@ class LlavaImageEncoder:
                             for i in (1, 2))
         self.image_newline = None
         if self.spec.grid is not None:
-            found = _read_tensors(model_dir, _NEWLINE_NAMES[:1]) or _read_tensors(model_dir, _NEWLINE_NAMES[1:])
+            found = _read_tensors(model_dir, _NEWLINE_NAMES)  # either name, read as ""
             if "" not in found:
                 raise ValueError(f"{model_dir}: a LLaVA-NeXT checkpoint without image_newline")
             self.image_newline = found[""].to(self.device, dtype)
@@ -166,8 +166,8 @@ class LlavaImageEncoder:
             tiles = torch.cat([pixels[i, :n] for i, n in enumerate(counts)]).to(self.device, self.dtype)
             features = self._features(tiles).split(counts)
             out = [self._pack(f, layout) for f, layout in zip(features, layouts)]
-        for i, (data, embeds) in enumerate(zip(images, out)):
-            want = self.spec.tokens_for(data, f"image {first + i}")
+        for i, (image, embeds) in enumerate(zip(pil, out)):
+            want = self.spec.tokens_for_size(image.width, image.height)
             if embeds.shape[0] != want:
                 raise RuntimeError(f"the vision tower gave {embeds.shape[0]} tokens for image {first + i}, expected "
                                    f"{want}")

@@ -21,6 +21,10 @@ LLAVA_NEXT = "LlavaNextForConditionalGeneration"
 IMAGE_ARCHITECTURES = ("LlavaForConditionalGeneration", LLAVA_NEXT)
 
 
+# What a request with images is told where --limit-mm-per-prompt turned them off (the API's and the engine's words).
+IMAGES_OFF = "images are off on this server (--limit-mm-per-prompt '{\"image\": 0}'): send text"
+
+
 class ImageInputError(ValueError):
     """A request's images do not fit its prompt or cannot be read (a 400 at the API)."""
 
@@ -138,8 +142,11 @@ class ImageSpec:
             return self.tokens_per_image
         from pdcluster.engine.multimodal.images import image_size  # images.py imports this module
 
-        width, height = image_size(data, label)
-        return self.grid.num_tokens(height, width)
+        return self.tokens_for_size(*image_size(data, label))
+
+    def tokens_for_size(self, width: int, height: int) -> int:
+        """How many placeholders an image of ``width`` x ``height`` pixels becomes."""
+        return self.tokens_per_image if self.grid is None else self.grid.num_tokens(height, width)
 
     def expand(self, prompt_token_ids: list[int], images: list[bytes | ImageEmbedding],
                max_images: int = DEFAULT_MAX_IMAGES_PER_PROMPT) -> tuple[list[int], list[dict]]:
@@ -196,7 +203,7 @@ def check_image_count(num_images: int, max_images: int) -> None:
     """At most ``max_images`` images in one prompt (vLLM's --limit-mm-per-prompt; 0: images are off)."""
     if num_images > max_images:
         if max_images == 0:
-            raise ImageInputError("images are off on this server (--limit-mm-per-prompt '{\"image\": 0}'): send text")
+            raise ImageInputError(IMAGES_OFF)
         raise ImageInputError(f"{num_images} images in one prompt: at most {max_images} "
                               "(--limit-mm-per-prompt)")
 
