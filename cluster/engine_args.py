@@ -39,7 +39,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="share of the GPU's memory a worker may use in all (workers sharing one GPU split it)")
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--prefill-chunk-size", type=int, default=512)
+    g.add_argument("--prefill-chunk-size", type=int, default=0,
+                   help="at most this many prompt tokens of one request per step (chunked prefill); 0 = up to the "
+                        "step's whole --max-num-batched-tokens, as vLLM")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--kv-offload-host-gib", type=float, default=0.0,
                    help="host memory for KV blocks the device pool evicts (pinned on a GPU); a prompt whose prefix "

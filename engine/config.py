@@ -89,8 +89,11 @@ class EngineConfig:
     max_num_seqs: int = 64
     # Token budget of one step (all requests together).
     max_num_batched_tokens: int = 2048
-    # Chunked prefill: at most this many prompt tokens of one request per step.
-    prefill_chunk_size: int = 512
+    # Chunked prefill: at most this many prompt tokens of one request per step; 0 = the step's whole budget (vLLM's
+    # long_prefill_token_threshold 0, its default). A cap costs a CPU one more pass over the weights per chunk: an
+    # 850-token prompt took 337 ms as two 512-token chunks, 316 ms as one (bench/results/
+    # vs_vllm_850_token_prompts_s77.json), against vLLM's 284.
+    prefill_chunk_size: int = 0
     enable_prefix_caching: bool = True
     # KV offload tiers (engine/kv_offload/): blocks the device pool evicts move to host memory, then to a
     # disk directory, and come back on a prefix hit. 0 / "" = that tier off.
@@ -174,13 +177,13 @@ class EngineConfig:
             raise ConfigError(
                 f"spec_method: {self.spec_method!r} is unknown; choose one of {', '.join(SPEC_METHODS)}"
             )
-        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size",
-                    "tensor_parallel_size")
+        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
-        for name in ("max_model_len", "num_kv_blocks", "num_spec_tokens", "num_threads", "mixed_cuda_graph_tokens"):
+        for name in ("max_model_len", "num_kv_blocks", "num_spec_tokens", "num_threads", "mixed_cuda_graph_tokens",
+                     "prefill_chunk_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{name}: must be a non-negative integer, got {value!r}")
@@ -279,6 +282,11 @@ class EngineConfig:
         if name in ("float16", "bfloat16") and self.device == "cpu":
             return "bfloat16" if cpu_has_fast_bf16() else "float32"
         return name if name in DTYPES else "float32"
+
+    @property
+    def prefill_chunk_tokens(self) -> int:
+        """The most prompt tokens of one request a step computes: ``prefill_chunk_size``, or the step's budget."""
+        return min(self.prefill_chunk_size or self.max_num_batched_tokens, self.max_num_batched_tokens)
 
     @property
     def num_spec_steps(self) -> int:

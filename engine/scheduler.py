@@ -221,7 +221,7 @@ class Scheduler:
         preempted: set[str] = set()
 
         # The running rows: one pass, its calls bound once (a decode step does this for every row).
-        running, chunk_size, allocate = self.running, cfg.prefill_chunk_size, self.block_manager.allocate_slots
+        running, chunk_size, allocate = self.running, cfg.prefill_chunk_tokens, self.block_manager.allocate_slots
         # Most urgent first (stable: admission order within a priority; linear on an already sorted list):
         # the budget goes to them, and running.pop() below preempts the least urgent. Every running request
         # came through the waiting queue, which says whether any had a priority other than 0.
@@ -293,7 +293,7 @@ class Scheduler:
                 continue
             num_computed = request.num_computed_tokens + len(cached) * cfg.block_size
             # num_tokens_with_spec: a request prefilled elsewhere may arrive with drafts.
-            num_new = min(request.num_tokens_with_spec - num_computed, cfg.prefill_chunk_size, budget)
+            num_new = min(request.num_tokens_with_spec - num_computed, cfg.prefill_chunk_tokens, budget)
             if not self.block_manager.allocate_slots(request, self._num_slots(request, num_computed, num_new), cached):
                 break
             self.waiting.popleft()

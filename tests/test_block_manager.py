@@ -90,6 +90,28 @@ def test_without_prefix_caching_nothing_is_hashed(monkeypatch):
     assert calls == []
 
 
+def test_default_prefill_takes_the_whole_step_budget():
+    """prefill_chunk_size 0 (the default, vLLM's): a prompt is cut only by the step's token budget, which running
+    requests share; a positive size still caps one request's chunk; a negative one is refused."""
+    from pdcluster.engine.config import ConfigError
+
+    cfg = EngineConfig(model="x", block_size=4, max_num_batched_tokens=40)
+    assert cfg.prefill_chunk_size == 0 and cfg.prefill_chunk_tokens == 40
+    s = Scheduler(cfg, num_blocks=64, max_model_len=128, eos_token_ids={0})
+    s.add_request(_req("a", range(1, 34), max_tokens=2))  # 33 tokens: one step, not cut at any fixed chunk
+    s.add_request(_req("b", range(1, 31), max_tokens=2))  # what the budget leaves: 7 of 30
+    out = s.schedule()
+    assert [(x.request_id, x.num_scheduled_tokens) for x in out.scheduled] == [("a", 33), ("b", 7)]
+    capped = EngineConfig(model="x", block_size=4, max_num_batched_tokens=40, prefill_chunk_size=16)
+    assert capped.prefill_chunk_tokens == 16
+    s = Scheduler(capped, num_blocks=64, max_model_len=128, eos_token_ids={0})
+    s.add_request(_req("a", range(1, 34), max_tokens=2))
+    assert [x.num_scheduled_tokens for x in s.schedule().scheduled] == [16]
+    assert EngineConfig(model="x", max_num_batched_tokens=40, prefill_chunk_size=100).prefill_chunk_tokens == 40
+    with pytest.raises(ConfigError, match="prefill_chunk_size: must be a non-negative integer"):
+        EngineConfig(model="x", prefill_chunk_size=-1)
+
+
 def test_chained_hash_depends_on_prefix():
     h1 = chained_block_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4)
     h2 = chained_block_hashes([9, 2, 3, 4, 5, 6, 7, 8], 4)

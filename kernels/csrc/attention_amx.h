@@ -4,15 +4,15 @@
  *
  * A work item is what attend_item_bf16's is (a request's chunk of query tokens, every head). The queries that
  * share a kv head -- token t, head g of its group: row r = t * group + g -- go in row groups of 16. For each
- * 16-key block, kv head and row group:
- *   S^T = K Q^T  on tiles: A = the block's 16 K rows read in place from the cache (32 dims a step), B = the
- *                group's queries as bf16 pairs [dim pair][16 rows] (staged once per item), C = 16 keys x 16
- *                rows in fp32.
- *   softmax      on S^T's rows: a key per vector, a query row per lane, so the masks, the block max, exp and
+ * key group (two 16-key blocks, AMX_KEYS), kv head and row group:
+ *   S^T = K Q^T  on tiles, a block at a time: A = the block's 16 K rows read in place from the cache (32 dims a
+ *                step), B = the group's queries as bf16 pairs [dim pair][16 rows] (staged once per item), C = 16
+ *                keys x 16 rows in fp32.
+ *   softmax      on S^T's rows: a key per vector, a query row per lane, so the masks, the group max, exp and
  *                every row's running max and sum are whole-vector operations (no horizontal reductions).
- *   O += P V     on tiles: A = P (S^T transposed: rows x 16 keys, bf16), B = V as bf16 pairs of consecutive
- *                keys [8][16 dims] (attend_item_bf16's layout), C = rows x 16 dims a tile; then every row's
- *                accumulator becomes fma(acc, alpha, that row of the tile).
+ *   O += P V     on tiles: A = P (S^T transposed: rows x 32 keys, bf16), B = V as bf16 pairs of consecutive
+ *                keys [16][16 dims] (attend_item_bf16's layout, both blocks' pairs), C = rows x 16 dims a tile;
+ *                then every row's accumulator becomes fma(acc, alpha, that row of the tile).
  * Batch invariance (issue 24): a row's values come from that row alone, by operations that do not depend on
  * the item's size, the row's place in a tile or the thread. tdpbf16ps computes each output element from its
  * own A row and B column over a fixed k; the softmax is lane-wise; a block's probabilities are summed over
@@ -27,20 +27,25 @@
 #ifdef PD_HAVE_AMX
 #include <limits.h>
 
-/* Tiles: 0 S^T (16 keys x 16 rows fp32), 1 K (16 keys x 32 dims), 2 Q^T (16 dim pairs x 16 rows), 3 and 6 two
- * 16-dim strips of P V (rows x 16 fp32), 4 P (rows x 16 keys), 5 and 7 V (8 key pairs x 16 dims). rows is the
- * row count of P and the P V strips: an item's queries per kv head, at most 16 (a decode step of a model with
- * groups of 3 computes 3 rows, not 16). Tile state is per thread: each thread configures it before its first
- * item (again when rows changes) and releases it after its last. */
+/* Keys per softmax update: two 16-token blocks, a group starting at an even block index. Groups are fixed by key
+ * position, never by the call, so every query row sees the same groups in a prefill chunk and a decode step. One
+ * update for 32 keys halves the accumulators' rescaling (tile store, load, fma, store per row) and fills the P V
+ * product's depth (16 key pairs, a whole tile) where a 16-key block filled half of it. */
+enum { AMX_GROUP_BLOCKS = 2, AMX_KEYS = 32 };
+
+/* Tiles: 0 and 7 S^T of a group's two blocks (16 keys x 16 rows fp32 each), 1 and 5 K (16 keys x 32 dims) then V
+ * (16 key pairs x 16 dims), 2 Q^T (16 dim pairs x 16 rows), 3 and 6 two 16-dim strips of P V (rows x 16 fp32), 4 P
+ * (rows x 32 keys). rows is the row count of P and the P V strips: an item's queries per kv head, at most 16 (a
+ * decode step of a model with groups of 3 computes 3 rows, not 16). Tile state is per thread: each thread
+ * configures it before its first item (again when rows changes) and releases it after its last. */
 static void attn_amx_configure(int rows) {
     amx_tilecfg cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    const uint8_t tile_rows[8] = {16, 16, 16, (uint8_t)rows, (uint8_t)rows, 8, (uint8_t)rows, 8};
-    const uint16_t tile_colsb[8] = {64, 64, 64, 64, 32, 64, 64, 64};
+    const uint8_t tile_rows[8] = {16, 16, 16, (uint8_t)rows, (uint8_t)rows, 16, (uint8_t)rows, 16};
     for (int t = 0; t < 8; t++) {
         cfg.rows[t] = tile_rows[t];
-        cfg.colsb[t] = tile_colsb[t];
+        cfg.colsb[t] = 64;
     }
     amx_load_tilecfg(&cfg);
 }
@@ -54,12 +59,12 @@ static inline __m512 exp512_nonpos_or_zero(__m512 x) {
 /* The stack an item takes (bytes), for pd_paged_attention's limit: accumulators, Q^T, V pairs, fp8 staging. */
 static inline int64_t attn_amx_stack_bytes(int q_chunk, int num_q_heads, int num_kv_heads, int head_dim) {
     const int64_t rows = (int64_t)q_chunk * (num_q_heads / num_kv_heads) + 15; /* per kv head, padded */
-    return (int64_t)num_kv_heads * rows * head_dim * (4 + 2) + (int64_t)num_kv_heads * 8 * head_dim * 4 +
-           (int64_t)2 * 16 * num_kv_heads * head_dim * 2;
+    return (int64_t)num_kv_heads * rows * head_dim * (4 + 2) + (int64_t)num_kv_heads * (AMX_KEYS / 2) * head_dim * 4 +
+           (int64_t)AMX_GROUP_BLOCKS * 2 * 16 * num_kv_heads * head_dim * 2;
 }
 
-/* The sum of a block's 16 rounded weights, in one fixed tree that both softmax forms compute: p_i + p_(i+8), then
- * 4 apart, 2 apart, 1 apart. As vectors (a key each, a row per lane) ... */
+/* The sum of 16 rounded weights, in one fixed tree that both softmax forms compute: p_i + p_(i+8), then 4 apart, 2
+ * apart, 1 apart; a group's sum is its first block's plus its second's. As vectors (a key each, a row per lane) ... */
 static inline __m512 sum16_columns(const __m512 p[16]) {
     __m512 a[8];
     for (int i = 0; i < 8; i++) a[i] = _mm512_add_ps(p[i], p[i + 8]);
@@ -80,72 +85,97 @@ static inline __m512 round_to_bf16(__m512 x) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
 }
 
-/* The online softmax of one row group over one block, from its scores S^T (st[key][row], unscaled): updates each
- * row's running max and sum (m_rows, l_rows), writes the factor its accumulator is to be rescaled by (alpha_rows)
- * and its weights in bf16 (pb[row][key]); returns the rows that saw a key of the block. Two forms, the same
- * arithmetic on every (row, key) -- the same lane-wise operations, the same sum tree -- so the same bits:
+/* The online softmax of one row group over one key group, from its scores S^T (st[key][row], unscaled; the
+ * columns form overwrites them with the masked scaled scores): updates each row's running max and sum (m_rows,
+ * l_rows), writes the factor its accumulator is to be rescaled by (alpha_rows) and its weights in bf16
+ * (pb[row][key]); returns the rows that saw a key of the group. Two forms, the same arithmetic on every (row, key)
+ * -- the same lane-wise operations, the same sum tree -- so the same bits:
  *   columns: a key per vector, a row per lane; for groups of many rows (prefill).
  *   rows:    S^T transposed first, a row per vector; for a few rows (decode: a kv head's group of query heads), where
  *            the columns form would do 16 lanes' work for each of 3 or 4. */
 #define AMX_ROW_FORM_ROWS 8
 
-static inline __mmask16 softmax_columns(const float st[16][16], int block_start, const int32_t *pos_rows,
+static inline __mmask16 softmax_columns(float st[AMX_KEYS][16], int group_start, const int32_t *pos_rows,
                                         const int32_t *ws_rows, float scale, float *m_rows, float *l_rows,
-                                        float *alpha_rows, uint16_t pb[16][16]) {
+                                        float *alpha_rows, uint16_t pb[16][AMX_KEYS]) {
     const __m512 vscale = _mm512_set1_ps(scale), vlow = _mm512_set1_ps(-FLT_MAX);
     const __m512i pos_v = _mm512_load_si512(pos_rows), ws_v = _mm512_load_si512(ws_rows);
-    __mmask16 key_mask[16], seen = 0;
-    __m512 p[16], block_max = vlow;
-    for (int j = 0; j < 16; j++) {
-        const __m512i key = _mm512_set1_epi32(block_start + j);
+    __mmask16 key_mask[AMX_KEYS], seen = 0;
+    __m512 block_max = vlow;
+    for (int j = 0; j < AMX_KEYS; j++) {
+        const __m512i key = _mm512_set1_epi32(group_start + j);
         key_mask[j] = _mm512_cmple_epi32_mask(ws_v, key) & _mm512_cmple_epi32_mask(key, pos_v);
         seen |= key_mask[j];
-        p[j] = _mm512_mask_mov_ps(vlow, key_mask[j], _mm512_mul_ps(_mm512_load_ps(st[j]), vscale));
-        block_max = _mm512_max_ps(block_max, p[j]);
+        const __m512 sc = _mm512_mask_mov_ps(vlow, key_mask[j], _mm512_mul_ps(_mm512_load_ps(st[j]), vscale));
+        _mm512_store_ps(st[j], sc);
+        block_max = _mm512_max_ps(block_max, sc);
     }
     if (!seen) return 0;
     const __m512 m_old = _mm512_load_ps(m_rows), l_old = _mm512_load_ps(l_rows);
     const __m512 m_new = _mm512_max_ps(m_old, block_max);
     const __m512 alpha = exp512_nonpos_or_zero(_mm512_sub_ps(m_old, m_new));
     /* P in bf16 for the P V product; the sum adds the same rounded weights, so the output stays a convex
-     * combination of V rows. */
-    for (int j = 0; j < 16; j++)
-        p[j] = round_to_bf16(_mm512_maskz_mov_ps(key_mask[j], exp512_nonpos(_mm512_sub_ps(p[j], m_new))));
-    const __m512 sum = sum16_columns(p);
-    /* Rows that saw no key of this block keep their state. */
+     * combination of V rows. A block (16 keys) at a time: 16 vectors in registers. */
+    __m512 sums[AMX_GROUP_BLOCKS];
+    for (int half = 0; half < AMX_GROUP_BLOCKS; half++) {
+        __m512 p[16];
+        for (int j = 0; j < 16; j++)
+            p[j] = round_to_bf16(_mm512_maskz_mov_ps(key_mask[16 * half + j],
+                                                     exp512_nonpos(_mm512_sub_ps(_mm512_load_ps(st[16 * half + j]), m_new))));
+        sums[half] = sum16_columns(p);
+        transpose16x16(p); /* p[row]: the row's 16 weights of this block (exact bf16 values) */
+        for (int r = 0; r < 16; r++) _mm256_store_si256((__m256i *)&pb[r][16 * half], (__m256i)_mm512_cvtneps_pbh(p[r]));
+    }
+    const __m512 sum = _mm512_add_ps(sums[0], sums[1]);
+    /* Rows that saw no key of this group keep their state. */
     _mm512_store_ps(m_rows, _mm512_mask_mov_ps(m_old, seen, m_new));
     _mm512_store_ps(l_rows, _mm512_mask_mov_ps(l_old, seen, _mm512_fmadd_ps(l_old, alpha, sum)));
     _mm512_store_ps(alpha_rows, alpha);
-    transpose16x16(p); /* p[row]: the row's 16 weights (exact bf16 values) */
-    for (int r = 0; r < 16; r++) _mm256_store_si256((__m256i *)pb[r], (__m256i)_mm512_cvtneps_pbh(p[r]));
     return seen;
 }
 
-static inline __mmask16 softmax_rows(const float st[16][16], int num_rows, int block_start, const int32_t *pos_rows,
+static inline __mmask16 softmax_rows(float st[AMX_KEYS][16], int num_rows, int group_start, const int32_t *pos_rows,
                                      const int32_t *ws_rows, float scale, float *m_rows, float *l_rows,
-                                     float *alpha_rows, uint16_t pb[16][16]) {
+                                     float *alpha_rows, uint16_t pb[16][AMX_KEYS]) {
     const __m512 vscale = _mm512_set1_ps(scale), vlow = _mm512_set1_ps(-FLT_MAX);
-    __m512 x[16];
-    for (int j = 0; j < 16; j++) x[j] = _mm512_load_ps(st[j]);
-    transpose16x16(x); /* x[row]: the row's 16 scores */
-    const __m512i keys = _mm512_add_epi32(_mm512_set1_epi32(block_start),
-                                          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    float sr[16][AMX_KEYS] __attribute__((aligned(64))); /* S, a row's keys in order */
+    for (int half = 0; half < AMX_GROUP_BLOCKS; half++) {
+        __m512 x[16];
+        for (int j = 0; j < 16; j++) x[j] = _mm512_load_ps(st[16 * half + j]);
+        transpose16x16(x);
+        for (int r = 0; r < num_rows; r++) _mm512_store_ps(&sr[r][16 * half], x[r]);
+    }
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i keys[2] = {_mm512_add_epi32(_mm512_set1_epi32(group_start), lane),
+                             _mm512_add_epi32(_mm512_set1_epi32(group_start + 16), lane)};
     __mmask16 seen = 0;
     for (int r = 0; r < num_rows; r++) {
-        const __mmask16 mask = _mm512_cmple_epi32_mask(_mm512_set1_epi32(ws_rows[r]), keys) &
-                               _mm512_cmple_epi32_mask(keys, _mm512_set1_epi32(pos_rows[r]));
-        if (!mask) continue;
+        __mmask16 mask[2];
+        for (int half = 0; half < 2; half++)
+            mask[half] = _mm512_cmple_epi32_mask(_mm512_set1_epi32(ws_rows[r]), keys[half]) &
+                         _mm512_cmple_epi32_mask(keys[half], _mm512_set1_epi32(pos_rows[r]));
+        if (!(mask[0] | mask[1])) continue;
         seen |= (__mmask16)(1u << r);
-        const __m512 sc = _mm512_mask_mov_ps(vlow, mask, _mm512_mul_ps(x[r], vscale));
-        const float block_max = _mm512_reduce_max_ps(sc); /* a max is exact in any order */
+        __m512 sc[2];
+        float block_max = -FLT_MAX;
+        for (int half = 0; half < 2; half++) {
+            sc[half] = _mm512_mask_mov_ps(vlow, mask[half], _mm512_mul_ps(_mm512_load_ps(&sr[r][16 * half]), vscale));
+            const float mx = _mm512_reduce_max_ps(sc[half]); /* a max is exact in any order */
+            block_max = mx > block_max ? mx : block_max;
+        }
         const float m_old = m_rows[r];
         const float m_new = m_old > block_max ? m_old : block_max; /* _mm512_max_ps(m_old, block_max) */
         const float alpha = _mm512_cvtss_f32(exp512_nonpos_or_zero(_mm512_set1_ps(m_old - m_new)));
-        const __m512 p = round_to_bf16(_mm512_maskz_mov_ps(mask, exp512_nonpos(_mm512_sub_ps(sc, _mm512_set1_ps(m_new)))));
+        float sums[2];
+        for (int half = 0; half < 2; half++) {
+            const __m512 p = round_to_bf16(
+                _mm512_maskz_mov_ps(mask[half], exp512_nonpos(_mm512_sub_ps(sc[half], _mm512_set1_ps(m_new)))));
+            sums[half] = sum16_row(p);
+            _mm256_store_si256((__m256i *)&pb[r][16 * half], (__m256i)_mm512_cvtneps_pbh(p));
+        }
         m_rows[r] = m_new;
-        l_rows[r] = fmaf(l_rows[r], alpha, sum16_row(p)); /* one rounding, as _mm512_fmadd_ps */
+        l_rows[r] = fmaf(l_rows[r], alpha, sums[0] + sums[1]); /* one rounding, as _mm512_fmadd_ps */
         alpha_rows[r] = alpha;
-        _mm256_store_si256((__m256i *)pb[r], (__m256i)_mm512_cvtneps_pbh(p));
     }
     return seen;
 }
@@ -157,7 +187,7 @@ static inline void attend_item_amx(const AttnItem item, const int HD, int kv_dty
                                    const int32_t *seq_lens, const int32_t *query_start_loc, int num_q_heads,
                                    int num_kv_heads, float scale, int window, int chunk, void *out, int out_dtype,
                                    int64_t out_tok_stride, int64_t out_head_stride, int *tile_rows) {
-    enum { BS = 16 };
+    enum { BS = 16, NP = AMX_KEYS / 2 /* key pairs of a group */ };
     const int group = num_q_heads / num_kv_heads;
     const int r = item.req;
     const int q_len = query_start_loc[r + 1] - query_start_loc[r];
@@ -177,11 +207,11 @@ static inline void attend_item_amx(const AttnItem item, const int HD, int kv_dty
     float l_rows[num_kv_heads][ngroups][16] __attribute__((aligned(64)));
     uint32_t qt[num_kv_heads][ngroups][np][16] __attribute__((aligned(64)));
     int32_t pos_rows[ngroups * 16] __attribute__((aligned(64))), ws_rows[ngroups * 16] __attribute__((aligned(64)));
-    uint32_t vp[num_kv_heads][BS / 2][HD] __attribute__((aligned(64)));
+    uint32_t vp[num_kv_heads][NP][HD] __attribute__((aligned(64)));
     const int fp8 = kv_dtype >= 2;
     const int row_elems = num_kv_heads * HD;
-    uint16_t kst[fp8 ? BS : 1][fp8 ? row_elems : 1] __attribute__((aligned(64)));
-    uint16_t vst[fp8 ? BS : 1][fp8 ? row_elems : 1] __attribute__((aligned(64)));
+    uint16_t kst[AMX_GROUP_BLOCKS][fp8 ? BS : 1][fp8 ? row_elems : 1] __attribute__((aligned(64)));
+    uint16_t vst[AMX_GROUP_BLOCKS][fp8 ? BS : 1][fp8 ? row_elems : 1] __attribute__((aligned(64)));
 
     memset(acc, 0, sizeof acc);
     for (int h = 0; h < num_kv_heads; h++)
@@ -213,59 +243,80 @@ static inline void attend_item_amx(const AttnItem item, const int HD, int kv_dty
     const int last_pos = first_pos + item.q_end - 1;
     const int num_blocks = last_pos / BS + 1;
     const int32_t *table = block_tables + (int64_t)r * bt_stride;
-    const int first_key = window_start(first_pos + item.q_begin, window, chunk);
-    for (int b = first_key / BS; b < num_blocks; b++) {
-        const int64_t base = (int64_t)table[b] * cache_blk_stride;
-        /* The block after next is asked for (into L2) while this one is computed, adjacent or not: decode is bound
-         * by fetching blocks, and one block ahead into L1 (attend_item_bf16's way) left too few lines in flight
-         * (cold cache, 32 x 232 tokens over 30 layers, scattered blocks: 25.3 -> 23.2 ms; adjacent ones 22.1 ->
-         * 21.6-22.7). */
-        const int64_t next = b + 2 < num_blocks ? (int64_t)table[b + 2] * cache_blk_stride : -1;
-        const int block_start = b * BS;
-        int n_valid = last_pos + 1 - block_start;
-        if (n_valid > BS) n_valid = BS;
-        const uint16_t *kb, *vb;
-        const int64_t tok_stride = block_rows_bf16(k_cache_raw, v_cache_raw, base, cache_tok_stride, n_valid,
-                                                   row_elems, kv_dtype, &kst[0][0], &vst[0][0], &kb, &vb);
-        for (int j = 0; j < BS; j++) {
-            if (next >= 0) PD_PREFETCH_BLOCK_ROW(fp8, k_cache_raw, v_cache_raw, next, j, cache_tok_stride, row_elems, 2);
-            /* V pairs; a pair wholly past the block's end is zero (P V reads all 8) */
-            if ((j & 1) && j - 1 < n_valid) v_pairs(vb, tok_stride, j, n_valid, num_kv_heads, cache_head_stride, HD, &vp[0][0][0]);
-            else if (j & 1)
-                for (int h = 0; h < num_kv_heads; h++)
-                    for (int c = 0; c < HD; c += 16) _mm512_store_si512(&vp[h][j / 2][c], _mm512_setzero_si512());
+    /* Blocks before this one hold no key any row of the item sees (window starts grow with the position); the
+     * first group may begin one block earlier, which then takes no part (zero scores, all masked; zero V). */
+    const int first_block = window_start(first_pos + item.q_begin, window, chunk) / BS;
+    for (int b = first_block - first_block % AMX_GROUP_BLOCKS; b < num_blocks; b += AMX_GROUP_BLOCKS) {
+        const uint16_t *kb[AMX_GROUP_BLOCKS], *vb[AMX_GROUP_BLOCKS];
+        int64_t tok_stride[AMX_GROUP_BLOCKS];
+        int present[AMX_GROUP_BLOCKS];
+        for (int i = 0; i < AMX_GROUP_BLOCKS; i++) {
+            const int bi = b + i;
+            present[i] = bi >= first_block && bi < num_blocks;
+            int n_valid = last_pos + 1 - bi * BS;
+            if (n_valid > BS) n_valid = BS;
+            if (present[i])
+                tok_stride[i] = block_rows_bf16(k_cache_raw, v_cache_raw, (int64_t)table[bi] * cache_blk_stride,
+                                                cache_tok_stride, n_valid, row_elems, kv_dtype, &kst[i][0][0],
+                                                &vst[i][0][0], &kb[i], &vb[i]);
+            /* The next group's blocks are asked for (into L2) while this one is computed, adjacent or not: decode
+             * is bound by fetching blocks, and one block ahead into L1 (attend_item_bf16's way) left too few lines
+             * in flight (cold cache, 32 x 232 tokens over 30 layers, scattered blocks: 25.3 -> 23.2 ms; adjacent
+             * ones 22.1 -> 21.6-22.7, with 16-key updates and the block after next). */
+            const int nb = bi + AMX_GROUP_BLOCKS;
+            const int64_t next = nb < num_blocks ? (int64_t)table[nb] * cache_blk_stride : -1;
+            for (int j = 0; j < BS; j++) {
+                if (next >= 0) PD_PREFETCH_BLOCK_ROW(fp8, k_cache_raw, v_cache_raw, next, j, cache_tok_stride, row_elems, 2);
+                /* V pairs; a pair wholly past the block's end, or of a block that takes no part, is zero (P V reads
+                 * all of a group's pairs) */
+                if (!(j & 1)) continue;
+                if (present[i] && j - 1 < n_valid)
+                    v_pairs(vb[i], tok_stride[i], j, n_valid, num_kv_heads, cache_head_stride, HD, NP,
+                            &vp[0][BS / 2 * i][0]);
+                else
+                    for (int h = 0; h < num_kv_heads; h++)
+                        for (int c = 0; c < HD; c += 16)
+                            _mm512_store_si512(&vp[h][BS / 2 * i + j / 2][c], _mm512_setzero_si512());
+            }
         }
         for (int h = 0; h < num_kv_heads; h++) {
-            const uint16_t *kh = kb + h * cache_head_stride;
             for (int g2 = 0; g2 < ngroups; g2++) {
-                /* K rows past n_valid are read too (the block is whole in memory); their scores are masked. */
-                float st[16][16] __attribute__((aligned(64)));
+                /* K rows past a block's end are read too (the block is whole in memory); their scores are masked. */
+                float st[AMX_KEYS][16] __attribute__((aligned(64)));
                 _tile_zero(0);
+                _tile_zero(7);
                 for (int s = 0; s < HD / 32; s++) {
-                    _tile_loadd(1, kh + 32 * s, tok_stride * 2);
                     _tile_loadd(2, qt[h][g2][16 * s], 64);
-                    _tile_dpbf16ps(0, 1, 2);
+                    if (present[0]) {
+                        _tile_loadd(1, kb[0] + h * cache_head_stride + 32 * s, tok_stride[0] * 2);
+                        _tile_dpbf16ps(0, 1, 2);
+                    }
+                    if (present[1]) {
+                        _tile_loadd(5, kb[1] + h * cache_head_stride + 32 * s, tok_stride[1] * 2);
+                        _tile_dpbf16ps(7, 5, 2);
+                    }
                 }
-                _tile_stored(0, st, 64);
+                _tile_stored(0, st[0], 64);
+                _tile_stored(7, st[16], 64);
                 const int rows_here = rows - g2 * 16 < 16 ? rows - g2 * 16 : 16;
                 float alpha_rows[16] __attribute__((aligned(64)));
-                uint16_t pb[16][16] __attribute__((aligned(64)));
+                uint16_t pb[16][AMX_KEYS] __attribute__((aligned(64)));
                 const __mmask16 seen =
                     R <= AMX_ROW_FORM_ROWS
-                        ? softmax_rows(st, rows_here, block_start, &pos_rows[g2 * 16], &ws_rows[g2 * 16], scale,
+                        ? softmax_rows(st, rows_here, b * BS, &pos_rows[g2 * 16], &ws_rows[g2 * 16], scale,
                                        m_rows[h][g2], l_rows[h][g2], alpha_rows, pb)
-                        : softmax_columns(st, block_start, &pos_rows[g2 * 16], &ws_rows[g2 * 16], scale,
+                        : softmax_columns(st, b * BS, &pos_rows[g2 * 16], &ws_rows[g2 * 16], scale,
                                           m_rows[h][g2], l_rows[h][g2], alpha_rows, pb);
-                if (!seen) continue; /* the block is outside every row's window: nothing changes */
-                _tile_loadd(4, pb, 32);
+                if (!seen) continue; /* the group is outside every row's window: nothing changes */
+                _tile_loadd(4, pb, 2 * AMX_KEYS);
                 for (int c = 0; c < HD; c += 32) {
                     float o[2][16][16] __attribute__((aligned(64)));
                     _tile_zero(3);
                     _tile_zero(6);
-                    _tile_loadd(5, &vp[h][0][c], HD * 4);
-                    _tile_dpbf16ps(3, 4, 5);
-                    _tile_loadd(7, &vp[h][0][c + 16], HD * 4);
-                    _tile_dpbf16ps(6, 4, 7);
+                    _tile_loadd(1, &vp[h][0][c], HD * 4);
+                    _tile_dpbf16ps(3, 4, 1);
+                    _tile_loadd(5, &vp[h][0][c + 16], HD * 4);
+                    _tile_dpbf16ps(6, 4, 5);
                     _tile_stored(3, o[0], 64);
                     _tile_stored(6, o[1], 64);
                     for (int rr = 0; rr < rows_here; rr++) {

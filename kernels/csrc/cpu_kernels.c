@@ -548,13 +548,14 @@ static inline int64_t block_rows_bf16(const void *k_cache, const void *v_cache, 
 
 /* V rows j - 1 and j (j odd) of every kv head as bf16 pairs of consecutive keys: lane d of pair j / 2 holds
  * (v[j-1][d], v[j][d]), so one dpbf16 (or tdpbf16ps, whose B layout this is) adds two keys' weighted rows. Row j
- * past the block's end (n_valid) is zero: unused slots may hold anything, NaN included. vp: [kv head][8][HD]. */
+ * past the block's end (n_valid) is zero: unused slots may hold anything, NaN included. vp: [kv head][head_pairs][HD]
+ * (head_pairs: 8, a block's pairs, or more where several blocks' pairs sit one after another). */
 static inline void v_pairs(const uint16_t *vb, int64_t tok_stride, int j, int n_valid, int num_kv_heads,
-                           int64_t head_stride, int HD, uint32_t *vp) {
+                           int64_t head_stride, int HD, int head_pairs, uint32_t *vp) {
     for (int h = 0; h < num_kv_heads; h++) {
         const uint16_t *v0 = vb + (j - 1) * tok_stride + h * head_stride;
         const uint16_t *v1 = v0 + tok_stride;
-        uint32_t *dst = vp + ((int64_t)h * 8 + j / 2) * HD;
+        uint32_t *dst = vp + ((int64_t)h * head_pairs + j / 2) * HD;
         for (int c = 0; c < HD; c += 16) {
             const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v0 + c)));
             const __m512i hi = j < n_valid ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v1 + c)))
@@ -632,7 +633,8 @@ static inline void attend_item_bf16(const AttnItem item, const int HD, int kv_dt
                 for (int e = 0; e < row_elems; e += 32)
                     _mm512_store_si512(&kc[j][e], _mm512_loadu_si512(kb + j * tok_stride + e));
             /* V pairs (a pair wholly past the block's end is never read here) */
-            if ((j & 1) && j - 1 < n_valid) v_pairs(vb, tok_stride, j, n_valid, num_kv_heads, cache_head_stride, HD, &vp[0][0][0]);
+            if ((j & 1) && j - 1 < n_valid) v_pairs(vb, tok_stride, j, n_valid, num_kv_heads, cache_head_stride, HD, BS / 2,
+                                                            &vp[0][0][0]);
         }
         if (pair_scores) /* K as [head][dim pair][key]: bf16 pairs, so one dpbf16 covers 16 keys */
             for (int h = 0; h < num_kv_heads; h++)

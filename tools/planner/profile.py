@@ -112,7 +112,7 @@ def run_profile(model: str = "smollm2", threads: int = 1, grid: ProfileGrid | No
                  "load_avg_at_start": load_at_start, "background_cores": others_cores(background),
                  "background_cpu": background},
         "engine": {"block_size": cfg.block_size, "max_num_batched_tokens": cfg.max_num_batched_tokens,
-                   "prefill_chunk_size": cfg.prefill_chunk_size, "max_num_seqs": cfg.max_num_seqs,
+                   "prefill_chunk_size": cfg.prefill_chunk_tokens, "max_num_seqs": cfg.max_num_seqs,
                    "kv_capacity_tokens": serve_pool * cfg.block_size},
         "kv_bytes_per_token": spec.bytes_per_token,
         "num_layers": spec.num_layers,

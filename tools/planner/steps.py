@@ -79,7 +79,7 @@ def warm_up(engine, prompts: RandomPrompts, grid: ProfileGrid) -> None:
 
 def measure_prefill(engine, prompts: RandomPrompts, grid: ProfileGrid) -> list[dict]:
     """One point per step: prompt tokens computed, attention pairs, seconds."""
-    chunk_size = engine.config.prefill_chunk_size
+    chunk_size = engine.config.prefill_chunk_tokens
     points = []
     for n in grid.prefill_sizes:
         for _ in range(grid.reps):
@@ -170,7 +170,7 @@ def measure_decode(engine, prompts: RandomPrompts, grid: ProfileGrid) -> tuple[l
                 point = batch.features()
                 engine.add_request(prompts.make(n), greedy(4))
                 seconds = timed_step(engine)  # running decodes first, then the new prompt's chunk
-                chunk = min(n, engine.config.prefill_chunk_size)
+                chunk = min(n, engine.config.prefill_chunk_tokens)
                 mixed.append({"batch": point["batch"], "context": point["context"], "tokens": chunk,
                               "attn": attn_pairs(chunk, 0), "seconds": seconds})
         clear_requests(engine)
