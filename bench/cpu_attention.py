@@ -4,7 +4,7 @@ SmolLM2-135M's shape (9 query / 3 KV heads of 64) and a Llama-8B-like one (32 / 
 the same inputs, both paths alternating, median of --repeats; outputs are compared with the torch reference. Prints
 JSON (and writes it with --out).
 
-    python bench/cpu_attention.py [--threads 1] [--repeats 20] [--out bench/results/cpu_attention_amx_s72.json]
+    python bench/cpu_attention.py [--threads 1] [--repeats 20] [--out bench/results/cpu_attention_amx_s78.json]
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ SHAPES = {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128)}
 # name -> (q_lens, seq_lens): prefill of fresh prompts, a chunk after a prefix, decode batches
 CASES = {
     "prefill_1x512": ([512], [512]),
+    "prefill_1x850": ([850], [850]),
     "prefill_4x200": ([200] * 4, [200] * 4),
     "chunk_256_after_768": ([256], [1024]),
     "decode_32x300": ([1] * 32, [300] * 32),

@@ -56,6 +56,22 @@ static inline __m512 exp512_nonpos_or_zero(__m512 x) {
     return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ), exp512_nonpos(x));
 }
 
+/* exp(x) for x <= 0 on 16 lanes, for the softmax weights, which are rounded to bf16 next (a relative error of 2^-9):
+ * 2^f for f = x log2(e) - n by a degree-4 fit (relative error 2.7e-6), times 2^n in one vscalefps (below about -87
+ * it underflows to a denormal or 0). 9 operations where exp512_nonpos takes 15: the weights' exps are most of a
+ * prefill's softmax. Both softmax forms call it, so both compute the same bits. */
+static inline __m512 exp512_weights(__m512 x) {
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(0.00956051983f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.0559171228f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.240249817f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.693121958f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.99999919f));
+    return _mm512_scalef_ps(p, n);
+}
+
 /* The stack an item takes (bytes), for pd_paged_attention's limit: accumulators, Q^T, V pairs, fp8 staging. */
 static inline int64_t attn_amx_stack_bytes(int q_chunk, int num_q_heads, int num_kv_heads, int head_dim) {
     const int64_t rows = (int64_t)q_chunk * (num_q_heads / num_kv_heads) + 15; /* per kv head, padded */
@@ -95,20 +111,30 @@ static inline __m512 round_to_bf16(__m512 x) {
  *            the columns form would do 16 lanes' work for each of 3 or 4. */
 #define AMX_ROW_FORM_ROWS 8
 
-static inline __mmask16 softmax_columns(float st[AMX_KEYS][16], int group_start, const int32_t *pos_rows,
-                                        const int32_t *ws_rows, float scale, float *m_rows, float *l_rows,
-                                        float *alpha_rows, uint16_t pb[16][AMX_KEYS]) {
+static inline __mmask16 softmax_columns(float st[AMX_KEYS][16], int group_start, int all_see_all,
+                                        const int32_t *pos_rows, const int32_t *ws_rows, float scale, float *m_rows,
+                                        float *l_rows, float *alpha_rows, uint16_t pb[16][AMX_KEYS]) {
     const __m512 vscale = _mm512_set1_ps(scale), vlow = _mm512_set1_ps(-FLT_MAX);
     const __m512i pos_v = _mm512_load_si512(pos_rows), ws_v = _mm512_load_si512(ws_rows);
     __mmask16 key_mask[AMX_KEYS], seen = 0;
     __m512 block_max = vlow;
-    for (int j = 0; j < AMX_KEYS; j++) {
-        const __m512i key = _mm512_set1_epi32(group_start + j);
-        key_mask[j] = _mm512_cmple_epi32_mask(ws_v, key) & _mm512_cmple_epi32_mask(key, pos_v);
-        seen |= key_mask[j];
-        const __m512 sc = _mm512_mask_mov_ps(vlow, key_mask[j], _mm512_mul_ps(_mm512_load_ps(st[j]), vscale));
-        _mm512_store_ps(st[j], sc);
-        block_max = _mm512_max_ps(block_max, sc);
+    if (all_see_all) { /* every row sees every key of the group (most of a long prefill): no masks, the same values */
+        for (int j = 0; j < AMX_KEYS; j++) {
+            key_mask[j] = 0xFFFF;
+            const __m512 sc = _mm512_mul_ps(_mm512_load_ps(st[j]), vscale);
+            _mm512_store_ps(st[j], sc);
+            block_max = _mm512_max_ps(block_max, sc);
+        }
+        seen = 0xFFFF;
+    } else {
+        for (int j = 0; j < AMX_KEYS; j++) {
+            const __m512i key = _mm512_set1_epi32(group_start + j);
+            key_mask[j] = _mm512_cmple_epi32_mask(ws_v, key) & _mm512_cmple_epi32_mask(key, pos_v);
+            seen |= key_mask[j];
+            const __m512 sc = _mm512_mask_mov_ps(vlow, key_mask[j], _mm512_mul_ps(_mm512_load_ps(st[j]), vscale));
+            _mm512_store_ps(st[j], sc);
+            block_max = _mm512_max_ps(block_max, sc);
+        }
     }
     if (!seen) return 0;
     const __m512 m_old = _mm512_load_ps(m_rows), l_old = _mm512_load_ps(l_rows);
@@ -121,7 +147,7 @@ static inline __mmask16 softmax_columns(float st[AMX_KEYS][16], int group_start,
         __m512 p[16];
         for (int j = 0; j < 16; j++)
             p[j] = round_to_bf16(_mm512_maskz_mov_ps(key_mask[16 * half + j],
-                                                     exp512_nonpos(_mm512_sub_ps(_mm512_load_ps(st[16 * half + j]), m_new))));
+                                                     exp512_weights(_mm512_sub_ps(_mm512_load_ps(st[16 * half + j]), m_new))));
         sums[half] = sum16_columns(p);
         transpose16x16(p); /* p[row]: the row's 16 weights of this block (exact bf16 values) */
         for (int r = 0; r < 16; r++) _mm256_store_si256((__m256i *)&pb[r][16 * half], (__m256i)_mm512_cvtneps_pbh(p[r]));
@@ -169,7 +195,7 @@ static inline __mmask16 softmax_rows(float st[AMX_KEYS][16], int num_rows, int g
         float sums[2];
         for (int half = 0; half < 2; half++) {
             const __m512 p = round_to_bf16(
-                _mm512_maskz_mov_ps(mask[half], exp512_nonpos(_mm512_sub_ps(sc[half], _mm512_set1_ps(m_new)))));
+                _mm512_maskz_mov_ps(mask[half], exp512_weights(_mm512_sub_ps(sc[half], _mm512_set1_ps(m_new)))));
             sums[half] = sum16_row(p);
             _mm256_store_si256((__m256i *)&pb[r][16 * half], (__m256i)_mm512_cvtneps_pbh(p));
         }
@@ -219,11 +245,21 @@ static inline void attend_item_amx(const AttnItem item, const int HD, int kv_dty
             _mm512_store_ps(m_rows[h][g2], _mm512_set1_ps(-FLT_MAX));
             _mm512_store_ps(l_rows[h][g2], _mm512_setzero_ps());
         }
-    /* Each row sees keys ws ..= pos; padding rows (pos -1) see none. */
+    /* Each row sees keys ws ..= pos; padding rows (pos -1) see none. Per row group, over its real rows: the
+     * smallest pos and the largest ws (a key group between them is seen whole by every row). */
+    int pos_min[ngroups], ws_max[ngroups];
     for (int row = 0; row < ngroups * 16; row++) {
         const int pos = first_pos + item.q_begin + row / group;
         pos_rows[row] = row < rows ? pos : -1;
         ws_rows[row] = row < rows ? window_start(pos, window, chunk) : 0;
+        if (row % 16 == 0) {
+            pos_min[row / 16] = INT_MAX;
+            ws_max[row / 16] = 0;
+        }
+        if (row < rows) {
+            if (pos < pos_min[row / 16]) pos_min[row / 16] = pos;
+            if (ws_rows[row] > ws_max[row / 16]) ws_max[row / 16] = ws_rows[row];
+        }
     }
     /* Q^T: 16 rows' next 16 dim pairs as 16 vectors, transposed (32-bit lanes: a pair moves whole). */
     for (int h = 0; h < num_kv_heads; h++)
@@ -279,25 +315,37 @@ static inline void attend_item_amx(const AttnItem item, const int HD, int kv_dty
                             _mm512_store_si512(&vp[h][BS / 2 * i + j / 2][c], _mm512_setzero_si512());
             }
         }
-        for (int h = 0; h < num_kv_heads; h++) {
-            for (int g2 = 0; g2 < ngroups; g2++) {
-                /* K rows past a block's end are read too (the block is whole in memory); their scores are masked. */
-                float st[AMX_KEYS][16] __attribute__((aligned(64)));
-                _tile_zero(0);
-                _tile_zero(7);
-                for (int s = 0; s < HD / 32; s++) {
-                    _tile_loadd(2, qt[h][g2][16 * s], 64);
-                    if (present[0]) {
-                        _tile_loadd(1, kb[0] + h * cache_head_stride + 32 * s, tok_stride[0] * 2);
-                        _tile_dpbf16ps(0, 1, 2);
-                    }
-                    if (present[1]) {
-                        _tile_loadd(5, kb[1] + h * cache_head_stride + 32 * s, tok_stride[1] * 2);
-                        _tile_dpbf16ps(7, 5, 2);
-                    }
-                }
-                _tile_stored(0, st[0], 64);
-                _tile_stored(7, st[16], 64);
+        /* One unit per (kv head, row group). Each unit's scores are computed and stored before the previous
+         * unit's softmax, so the tiles compute them while the vector units work (the unit after that reuses the
+         * other buffer). K rows past a block's end are read too (the block is whole in memory); their scores are
+         * masked. */
+        const int num_units = num_kv_heads * ngroups;
+        float st_buf[2][AMX_KEYS][16] __attribute__((aligned(64)));
+#define PD_AMX_SCORES(unit)                                                                                      \
+    do {                                                                                                        \
+        const int h_ = (unit) / ngroups, g_ = (unit) % ngroups;                                                  \
+        _tile_zero(0);                                                                                          \
+        _tile_zero(7);                                                                                          \
+        for (int s = 0; s < HD / 32; s++) {                                                                     \
+            _tile_loadd(2, qt[h_][g_][16 * s], 64);                                                             \
+            if (present[0]) {                                                                                   \
+                _tile_loadd(1, kb[0] + h_ * cache_head_stride + 32 * s, tok_stride[0] * 2);                     \
+                _tile_dpbf16ps(0, 1, 2);                                                                        \
+            }                                                                                                   \
+            if (present[1]) {                                                                                   \
+                _tile_loadd(5, kb[1] + h_ * cache_head_stride + 32 * s, tok_stride[1] * 2);                     \
+                _tile_dpbf16ps(7, 5, 2);                                                                        \
+            }                                                                                                   \
+        }                                                                                                       \
+        _tile_stored(0, st_buf[(unit) & 1][0], 64);                                                             \
+        _tile_stored(7, st_buf[(unit) & 1][16], 64);                                                            \
+    } while (0)
+        PD_AMX_SCORES(0);
+        for (int unit = 0; unit < num_units; unit++) {
+            {
+                const int h = unit / ngroups, g2 = unit % ngroups;
+                if (unit + 1 < num_units) PD_AMX_SCORES(unit + 1);
+                float (*st)[16] = st_buf[unit & 1];
                 const int rows_here = rows - g2 * 16 < 16 ? rows - g2 * 16 : 16;
                 float alpha_rows[16] __attribute__((aligned(64)));
                 uint16_t pb[16][AMX_KEYS] __attribute__((aligned(64)));
@@ -305,8 +353,9 @@ static inline void attend_item_amx(const AttnItem item, const int HD, int kv_dty
                     R <= AMX_ROW_FORM_ROWS
                         ? softmax_rows(st, rows_here, b * BS, &pos_rows[g2 * 16], &ws_rows[g2 * 16], scale,
                                        m_rows[h][g2], l_rows[h][g2], alpha_rows, pb)
-                        : softmax_columns(st, b * BS, &pos_rows[g2 * 16], &ws_rows[g2 * 16], scale,
-                                          m_rows[h][g2], l_rows[h][g2], alpha_rows, pb);
+                        : softmax_columns(st, b * BS, ws_max[g2] <= b * BS && b * BS + AMX_KEYS - 1 <= pos_min[g2],
+                                          &pos_rows[g2 * 16], &ws_rows[g2 * 16], scale, m_rows[h][g2], l_rows[h][g2],
+                                          alpha_rows, pb);
                 if (!seen) continue; /* the group is outside every row's window: nothing changes */
                 _tile_loadd(4, pb, 2 * AMX_KEYS);
                 for (int c = 0; c < HD; c += 32) {
@@ -329,6 +378,7 @@ static inline void attend_item_amx(const AttnItem item, const int HD, int kv_dty
                 }
             }
         }
+#undef PD_AMX_SCORES
     }
     for (int h = 0; h < num_kv_heads; h++)
         for (int row = 0; row < rows; row++) {
