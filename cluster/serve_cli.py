@@ -68,6 +68,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
                    help="image_url http(s) URLs (and their redirects) may name only these hosts (vLLM's flag). "
                         "Default: any host this process reaches")
+    g.add_argument("--enable-mm-embeds", action="store_true",
+                   help="chat messages may carry image_embeds parts in place of images (vLLM's flag): base64 of a "
+                        "[rows, hidden] tensor, as torch.save writes it (loaded weights-only) or as a .npy file; its "
+                        "rows become the image's placeholders and no vision tower runs. Default: refused (400)")
     g.add_argument("--tool-call-parser", choices=PARSER_CHOICES, default="auto",
                    help="the model's tool-call format, read for tool_choice 'auto': hermes (<tool_call> JSON "
                         "blocks), llama3_json, pythonic ([f(a=1)]), mistral ([TOOL_CALLS]), qwen3_coder "
@@ -167,7 +171,8 @@ def _check_args(args: argparse.Namespace) -> None:
         if value is not None and value < 1:
             raise ConfigError(f"{flag}: must be at least 1, got {value}")
     try:
-        args.media_policy = MediaPolicy.from_flags(args.allowed_local_media_path, args.allowed_media_domains)
+        args.media_policy = MediaPolicy.from_flags(args.allowed_local_media_path, args.allowed_media_domains,
+                                                   args.enable_mm_embeds)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if args.mode == "local" and args.router_policy != "least_loaded":

@@ -370,6 +370,100 @@ def test_served_image_limit_and_media_policy(llava_dir, reference, tmp_path):
         images_http.shutdown()
 
 
+def _torch_b64(tensor) -> str:
+    buf = io.BytesIO()
+    torch.save(tensor, buf)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+class _Reduces:
+    """Unpickling this calls os.mkdir(path): what a weights-only load must refuse to do."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        import os
+
+        return os.mkdir, (str(self.path),)
+
+
+def test_served_image_embeds(llava_dir, engine, reference, tmp_path):
+    """vLLM's image_embeds parts (--enable-mm-embeds): an image's embeddings, base64 of torch.save's bytes or of a
+    .npy array, in place of the image: the image's tokens and token count, /tokenize agreeing. Refused with a 400
+    that says why: the flag off, images mixed with embeddings, the dict form, a pickle that calls a function (never
+    run), a sparse or 3-D tensor, the wrong width, more than --limit-mm-per-prompt."""
+    import pickle
+
+    import numpy as np
+
+    one = engine.model.image_encoder.encode([IMAGES[0]])[0]  # [16, 64] float32, what the tower makes of it
+    npy = io.BytesIO()
+    np.save(npy, one.numpy())
+    npy_b64 = base64.b64encode(npy.getvalue()).decode()
+    text = {"type": "text", "text": "What is in this picture?"}
+    router = LocalRouter(_llava_config(llava_dir, limit_mm_per_prompt='{"image": 1}'), request_timeout_s=60)
+    try:
+        for media in (MediaPolicy(), MediaPolicy(enable_mm_embeds=True)):
+            with serving(build_app(router, "llava", media=media)) as base_url:
+                client = openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0, timeout=60)
+
+                def chat(*parts):
+                    return client.chat.completions.create(
+                        model="llava", messages=[{"role": "user", "content": [*parts, text]}], max_tokens=NUM_NEW,
+                        temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+
+                embeds = {"type": "image_embeds", "image_embeds": _torch_b64(one)}
+                if not media.enable_mm_embeds:
+                    with pytest.raises(openai.BadRequestError, match="serve with --enable-mm-embeds"):
+                        chat(embeds)
+                    continue
+                by_image = chat({"type": "image_url", "image_url": {"url": _data_url(IMAGES[0])}})
+                assert by_image.choices[0].token_ids == reference[0]
+                encoded_before = router.worker.engine.runner.image_embeds.num_encoded
+                for part in (embeds, {"type": "image_embeds", "image_embeds": npy_b64, "uuid": "cat-0"}):
+                    answer = chat(part)
+                    assert answer.choices[0].token_ids == reference[0]
+                    assert answer.usage.prompt_tokens == by_image.usage.prompt_tokens
+                assert router.worker.engine.runner.image_embeds.num_encoded == encoded_before  # no tower ran
+                import httpx
+
+                counted = httpx.post(base_url + "/tokenize", timeout=30, json={
+                    "model": "llava", "messages": [{"role": "user", "content": [embeds, text]}]}).json()
+                assert counted["count"] == by_image.usage.prompt_tokens
+                evil = base64.b64encode(pickle.dumps(_Reduces(tmp_path / "ran"))).decode()
+                sparse = one.to_sparse()
+                for parts, match in (
+                        ([embeds, {"type": "image_url", "image_url": {"url": _data_url(IMAGES[0])}}],
+                         "2 images in one prompt: at most 1"),
+                        ([{"type": "image_embeds", "image_embeds": {"image_embeds": _torch_b64(one)}}],
+                         "dict form .* is not supported"),
+                        ([{"type": "image_embeds", "image_embeds": evil}], "neither torch.save'd tensor bytes"),
+                        ([{"type": "image_embeds", "image_embeds": "@@"}], "base64 does not decode"),
+                        ([{"type": "image_embeds", "image_embeds": _torch_b64(sparse)}], "one dense tensor"),
+                        ([{"type": "image_embeds", "image_embeds": _torch_b64(one[None])}], r"\[rows, hidden\]"),
+                        ([{"type": "image_embeds", "image_embeds": _torch_b64(one[:, :7])}],
+                         "7 wide, but this model's hidden size is 64"),
+                        ([{"type": "image_embeds", "image_embeds": _torch_b64(one.int())}],
+                         "float32, bfloat16, float16")):
+                    with pytest.raises(openai.BadRequestError, match=match):
+                        chat(*parts)
+                assert not (tmp_path / "ran").exists()  # the pickle's call never ran
+        mixed = LocalRouter(_llava_config(llava_dir), request_timeout_s=60)
+        try:
+            with serving(build_app(mixed, "llava", media=MediaPolicy(enable_mm_embeds=True))) as base_url:
+                client = openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0, timeout=60)
+                with pytest.raises(openai.BadRequestError, match="mixing image_url and image_embeds"):
+                    client.chat.completions.create(model="llava", max_tokens=2, messages=[{"role": "user", "content": [
+                        {"type": "image_url", "image_url": {"url": _data_url(IMAGES[0])}},
+                        {"type": "image_embeds", "image_embeds": _torch_b64(one)}, text]}])
+                assert mixed.worker.engine.runner.image_embeds.num_encoded == 0
+        finally:
+            mixed.close()
+    finally:
+        router.close()
+
+
 def test_api_processes_learn_the_image_limit(tiny_dir):
     """Behind --api-servers, each API process's RemoteRouter learns the image limit from the router's Welcome."""
     from pdcluster.cluster.frontend.protocol import FRONTEND_CODEC, MAX_FRONTEND_BYTES, Welcome
@@ -396,6 +490,7 @@ def test_media_policy_flags(tmp_path):
     assert args.media_policy == MediaPolicy(tmp_path.resolve(), ("upload.wikimedia.org", "127.0.0.1"))
     assert spec_from_args(args).engine.max_images_per_prompt() == 3
     assert checked("--mode", "local").media_policy == MediaPolicy()
+    assert checked("--enable-mm-embeds").media_policy == MediaPolicy(enable_mm_embeds=True)
     with pytest.raises(ConfigError, match="--allowed-local-media-path: .* is not a directory"):
         checked("--allowed-local-media-path", str(tmp_path / "missing"))
     with pytest.raises(ConfigError, match="--allowed-media-domains: 'http://x.org' is not a host name"):

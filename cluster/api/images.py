@@ -1,5 +1,6 @@
-"""Images in chat messages (OpenAI's ``image_url`` parts): what the model takes, fetching each image, and the
-prompt's image tokens widened to the model's placeholders (engine/multimodal/).
+"""Images in chat messages (OpenAI's ``image_url`` parts, vLLM's ``image_embeds``): what the model takes, fetching
+each image or decoding its embeddings, and the prompt's image tokens widened to the model's placeholders
+(engine/multimodal/).
 
 A ``data:`` URL carries the image itself (base64); an http(s) URL is fetched by this process, within
 ``VLLM_IMAGE_FETCH_TIMEOUT`` seconds (vLLM's variable, default 5) and ``MAX_IMAGE_BYTES``, from the hosts the
@@ -13,6 +14,7 @@ from __future__ import annotations
 import base64
 import binascii
 import functools
+import io
 import os
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -23,10 +25,13 @@ import httpx
 
 from pdcluster.cluster.api.media_policy import MediaPolicy
 from pdcluster.cluster.api.middleware import APIError
-from pdcluster.engine.multimodal.images import open_image
-from pdcluster.engine.multimodal.spec import ImageInputError, ImageSpec, check_image_count
+from pdcluster.engine.multimodal.images import image_inputs, open_image
+from pdcluster.engine.multimodal.spec import ImageEmbedding, ImageInputError, ImageSpec, check_image_count
 
 MAX_IMAGE_BYTES = 20 * 1024 * 1024
+# A LLaVA-NeXT image's embeddings in float32 (5 tiles of 576 rows, 4,096 wide) are 47 MiB: more than a body takes.
+MAX_EMBEDS_BYTES = 64 * 1024 * 1024
+NUMPY_MAGIC = b"\x93NUMPY"
 DEFAULT_FETCH_TIMEOUT_S = 5.0
 
 
@@ -41,10 +46,14 @@ def image_spec(tokenizer) -> ImageSpec | None:
     return None if model_dir is None else _spec_of_dir(str(model_dir))
 
 
+def image_parts(messages) -> list:
+    """The messages' image parts (image_url and image_embeds), in order."""
+    return [part for m in messages if isinstance(m.content, list) for part in m.content if part.type != "text"]
+
+
 def image_urls(messages) -> list[str]:
-    """The URLs of the messages' image parts, in order."""
-    return [part.image_url.url for m in messages if isinstance(m.content, list)
-            for part in m.content if part.type == "image_url"]
+    """The URLs of the messages' image_url parts, in order."""
+    return [part.image_url.url for part in image_parts(messages) if part.type == "image_url"]
 
 
 def _fetch_timeout_s() -> float:
@@ -137,23 +146,75 @@ async def fetch_image(url: str, where: str, media: MediaPolicy = MediaPolicy()) 
     return data
 
 
-async def chat_images(messages, tokenizer, max_images: int, media: MediaPolicy = MediaPolicy()) -> list[bytes]:
-    """The messages' images, fetched (400 for a model that takes none, or for more than ``max_images``: vLLM's
-    --limit-mm-per-prompt, checked before anything is fetched)."""
-    urls = image_urls(messages)
-    if not urls:
+async def chat_images(messages, tokenizer, max_images: int,
+                      media: MediaPolicy = MediaPolicy()) -> list[bytes | ImageEmbedding]:
+    """The messages' images, fetched, or given as embeddings (400 for a model that takes none, or for more than
+    ``max_images``: vLLM's --limit-mm-per-prompt, checked before anything is fetched or decoded)."""
+    parts = image_parts(messages)
+    if not parts:
         return []
-    if image_spec(tokenizer) is None:
+    spec = image_spec(tokenizer)
+    if spec is None:
         raise APIError(400, "messages: this model takes no images (image_url parts); send text",
                        param="messages", code="unsupported_content")
     try:
-        check_image_count(len(urls), max_images)
+        check_image_count(len(parts), max_images)
     except ImageInputError as e:
         raise APIError(400, f"messages: {e}", param="messages", code="unsupported_content") from None
-    out = []
-    for i, url in enumerate(urls):
-        out.append(await fetch_image(url, f"messages: image {i}", media))
+    kinds = {part.type for part in parts}
+    if "image_embeds" in kinds:
+        if not media.enable_mm_embeds:
+            raise APIError(400, "messages: image_embeds parts are off on this server: serve with --enable-mm-embeds",
+                           param="messages", code="unsupported_content")
+        if len(kinds) > 1:  # as vLLM: one request's images are all images or all embeddings
+            raise APIError(400, "messages: mixing image_url and image_embeds parts in one request is not allowed",
+                           param="messages")
+    out: list[bytes | ImageEmbedding] = []
+    for i, part in enumerate(parts):
+        where = f"messages: image {i}"
+        if part.type == "image_url":
+            out.append(await fetch_image(part.image_url.url, where, media))
+        else:
+            out.append(await anyio.to_thread.run_sync(decode_embeds, part.image_embeds, where, spec))
     return out
+
+
+def decode_embeds(payload, where: str, spec: ImageSpec) -> ImageEmbedding:
+    """An image_embeds part's tensor (base64 of a torch.save'd tensor, unpickled weights-only as vLLM does, or of a
+    .npy array, never with pickles), as the ImageEmbedding the engine takes in place of the image."""
+    import numpy as np
+    import torch
+
+    if not isinstance(payload, str):
+        raise _bad(where, "image_embeds must be one base64 string (a tensor's torch.save or .npy bytes); the dict "
+                          "form (extra tensors for a model's processor) is not supported")
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise _bad(where, "image_embeds' base64 does not decode") from None
+    if len(data) > MAX_EMBEDS_BYTES:
+        raise _bad(where, f"image_embeds hold {len(data)} bytes, more than {MAX_EMBEDS_BYTES}")
+    try:
+        if data[:6] == NUMPY_MAGIC:
+            tensor = torch.from_numpy(np.load(io.BytesIO(data)))  # allow_pickle is False by default: no object arrays
+        else:
+            tensor = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - any undecodable payload is the client's 400
+        raise _bad(where, f"image_embeds are neither torch.save'd tensor bytes nor a .npy array "
+                          f"({type(e).__name__}: {str(e)[:200]})") from None
+    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
+        kind = type(tensor).__name__ if not isinstance(tensor, torch.Tensor) else f"a {tensor.layout} tensor"
+        raise _bad(where, f"image_embeds must hold one dense tensor, got {kind}")
+    if tensor.dim() != 2:
+        raise _bad(where, f"image_embeds must be one image's [rows, hidden] tensor, got shape {tuple(tensor.shape)}")
+    if spec.hidden_size is not None and tensor.shape[1] != spec.hidden_size:
+        raise _bad(where, f"image_embeds are {tensor.shape[1]} wide, but this model's hidden size is "
+                          f"{spec.hidden_size}")
+    try:
+        (embedding,) = image_inputs(tensor)
+    except ImageInputError as e:
+        raise _bad(where, str(e)) from None
+    return embedding
 
 
 def expand_images(ids: list[int], images: list[bytes], tokenizer, max_images: int, param: str = "messages",

@@ -161,10 +161,20 @@ class ImagePart(StrictModel):
     image_url: ImageURL
 
 
+class ImageEmbedsPart(StrictModel):
+    """vLLM's image_embeds part (served with --enable-mm-embeds): an image's embeddings, base64 of a torch.save'd
+    tensor or of a .npy array. (vLLM's dict form, extra tensors a model's processor reads, is refused by name.)"""
+
+    type: Literal["image_embeds"]
+    image_embeds: str | dict | None = None
+    uuid: str | None = None
+
+
 Content = Annotated[
-    str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None,
+    str | list[Annotated[TextPart | ImagePart | ImageEmbedsPart, Field(discriminator="type")]] | None,
     one_of('a string or a list of parts: {"type": "text", "text": "..."} or {"type": "image_url", "image_url": '
-           '{"url": "..."}} (images for a model that takes them); audio and file parts are not supported'),
+           '{"url": "..."}} (images for a model that takes them; {"type": "image_embeds", "image_embeds": BASE64} '
+           'with --enable-mm-embeds); audio and file parts are not supported'),
 ]
 
 

@@ -91,6 +91,7 @@ class ImageSpec:
     image_token_id: int
     tokens_per_image: int  # LLaVA-NeXT: one tile's (the fewest an image may have); see tokens_for
     grid: AnyResGrid | None = None  # LLaVA-NeXT's tiling: the count follows each image's size
+    hidden_size: int | None = None  # the language model's (an image's embeddings are this wide); None: not stated
 
     @classmethod
     def from_config(cls, cfg: dict, where: str = "config.json") -> ImageSpec | None:
@@ -127,7 +128,8 @@ class ImageSpec:
                 raise ValueError(f"{where}: image_grid_pinpoints must list [height, width] pairs, multiples of the "
                                  f"tower's image_size {image_size}, got {pins!r}")
             grid = AnyResGrid(image_size, image_size // patch_size, tuple((h, w) for h, w in pins))
-        return cls(architecture, int(token_id), tokens, grid)
+        hidden = (cfg.get("text_config") or {}).get("hidden_size")
+        return cls(architecture, int(token_id), tokens, grid, int(hidden) if isinstance(hidden, int) else None)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ImageSpec | None:

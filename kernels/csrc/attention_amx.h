@@ -147,10 +147,12 @@ static inline __mmask16 softmax_columns(float st[AMX_KEYS][16], int group_start,
         __m512 p[16];
         for (int j = 0; j < 16; j++)
             p[j] = round_to_bf16(_mm512_maskz_mov_ps(key_mask[16 * half + j],
-                                                     exp512_weights(_mm512_sub_ps(_mm512_load_ps(st[16 * half + j]), m_new))));
+                                                     exp512_weights(_mm512_sub_ps(_mm512_load_ps(st[16 * half + j]),
+                                                                                  m_new))));
         sums[half] = sum16_columns(p);
         transpose16x16(p); /* p[row]: the row's 16 weights of this block (exact bf16 values) */
-        for (int r = 0; r < 16; r++) _mm256_store_si256((__m256i *)&pb[r][16 * half], (__m256i)_mm512_cvtneps_pbh(p[r]));
+        for (int r = 0; r < 16; r++)
+            _mm256_store_si256((__m256i *)&pb[r][16 * half], (__m256i)_mm512_cvtneps_pbh(p[r]));
     }
     const __m512 sum = _mm512_add_ps(sums[0], sums[1]);
     /* Rows that saw no key of this group keep their state. */
@@ -302,7 +304,8 @@ static inline void attend_item_amx(const AttnItem item, const int HD, int kv_dty
             const int nb = bi + AMX_GROUP_BLOCKS;
             const int64_t next = nb < num_blocks ? (int64_t)table[nb] * cache_blk_stride : -1;
             for (int j = 0; j < BS; j++) {
-                if (next >= 0) PD_PREFETCH_BLOCK_ROW(fp8, k_cache_raw, v_cache_raw, next, j, cache_tok_stride, row_elems, 2);
+                if (next >= 0)
+                    PD_PREFETCH_BLOCK_ROW(fp8, k_cache_raw, v_cache_raw, next, j, cache_tok_stride, row_elems, 2);
                 /* V pairs; a pair wholly past the block's end, or of a block that takes no part, is zero (P V reads
                  * all of a group's pairs) */
                 if (!(j & 1)) continue;
