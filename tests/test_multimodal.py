@@ -418,7 +418,7 @@ def test_served_image_embeds(llava_dir, engine, reference, tmp_path):
                     with pytest.raises(openai.BadRequestError, match="serve with --enable-mm-embeds"):
                         chat(embeds)
                     continue
-                by_image = chat({"type": "image_url", "image_url": {"url": _data_url(IMAGES[0])}})
+                by_image = chat({"type": "image_url", "image_url": {"url": _data_url(IMAGES[0])}, "uuid": "cat"})
                 assert by_image.choices[0].token_ids == reference[0]
                 encoded_before = router.worker.engine.runner.image_embeds.num_encoded
                 for part in (embeds, {"type": "image_embeds", "image_embeds": npy_b64, "uuid": "cat-0"}):

@@ -159,6 +159,9 @@ class ImageURL(StrictModel):
 class ImagePart(StrictModel):
     type: Literal["image_url"]
     image_url: ImageURL
+    # vLLM's: the client's key for the image in its caches. Accepted and not needed: an image's digest (its bytes'
+    # hash) keys our caches and its KV.
+    uuid: str | None = None
 
 
 class ImageEmbedsPart(StrictModel):
