@@ -102,6 +102,9 @@ def test_default_prefill_takes_the_whole_step_budget():
     s.add_request(_req("b", range(1, 31), max_tokens=2))  # what the budget leaves: 7 of 30
     out = s.schedule()
     assert [(x.request_id, x.num_scheduled_tokens) for x in out.scheduled] == [("a", 33), ("b", 7)]
+    s = Scheduler(EngineConfig(model="x"), num_blocks=64, max_model_len=2048, eos_token_ids={0})
+    s.add_request(_req("long", range(1, 851), max_tokens=2))  # 850 tokens: one step within the default 2,048
+    assert [x.num_scheduled_tokens for x in s.schedule().scheduled] == [850]
     capped = EngineConfig(model="x", block_size=4, max_num_batched_tokens=40, prefill_chunk_size=16)
     assert capped.prefill_chunk_tokens == 16
     s = Scheduler(capped, num_blocks=64, max_model_len=128, eos_token_ids={0})
