@@ -133,18 +133,24 @@ def test_transfer_longer_than_prefill_is_exposed():
 
 
 def test_one_request_alone_colocated_and_chunked_prefill():
-    """A 1200-token prompt is three chunks of 512, 512, 176 on one worker; then decode at batch 1."""
-    (r,), _ = run("colocatedx1", [SimRequest(0, 0.0, 1200, 3)])
+    """With --prefill-chunk-size 512 a 1200-token prompt is three chunks of 512, 512, 176 on one worker; then decode
+    at batch 1. With the engine's default (no cap below the 2,048-token step budget) it is one step."""
+    (r,), _ = run("colocatedx1", [SimRequest(0, 0.0, 1200, 3)], cost_model(prefill_chunk_size=512))
     prefill = sum(0.010 + 0.001 * n for n in (512, 512, 176))
     assert r.t_first_token == pytest.approx(prefill)
     assert r.t_done == pytest.approx(prefill + decode_step(1, 1201) + decode_step(1, 1202))
     assert r.t_kv_ready < 0  # nothing was transferred
+    (r,), _ = run("colocatedx1", [SimRequest(0, 0.0, 1200, 3)])
+    assert r.t_first_token == pytest.approx(0.010 + 0.001 * 1200)
 
 
 def test_attention_term_counts_cached_context():
     cost = cost_model()
-    cost = CostModel(Fit(0.0, {"tokens": 0.0, "attn": 1e-6}), cost.decode, cost.transfer, 1000, 10)
+    cost = CostModel(Fit(0.0, {"tokens": 0.0, "attn": 1e-6}), cost.decode, cost.transfer, 1000, 10,
+                     limits=EngineLimits(prefill_chunk_size=512))
+    # Two chunks: the second's queries see the first's 512 keys too (the same pairs as one 1,024-token step).
     assert cost.prefill_s(1024) == pytest.approx(1e-6 * (attn_pairs(512, 0) + attn_pairs(512, 512)))
+    assert cost.prefill_s(1024) == pytest.approx(1e-6 * attn_pairs(1024, 0))
 
 
 def test_saturated_decode_worker_tpot_is_the_step_time_at_that_batch():
@@ -433,7 +439,7 @@ def test_served_probe_times_a_real_pair_and_the_planner_applies_it(tmp_path):
     served = measure_served(cost, "tiny-random", "float32", 1, "tcp", 0, log=print)
     assert served["measured"], served
     prompts = {r["prefill_tokens"] for r in served["prefill_steps"]}
-    assert set(PREFILL_SIZES) <= prompts, prompts  # every lone prompt in one step (chunk 512)
+    assert set(PREFILL_SIZES) <= prompts, prompts  # every lone prompt in one step
     batches = {r["num_decode"] for r in served["decode_steps"]}
     assert 1 in batches and max(batches) == max(DECODE_BATCHES), batches
     assert all(r["seconds"] > 0 and r["context"] > 0 for r in served["decode_steps"])
