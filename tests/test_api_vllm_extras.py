@@ -465,3 +465,26 @@ def test_template_that_renders_tools_gets_them(templated_dir):
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     text = chat_prompt_text([ChatMessage(role="user", content="Hi")], True, tok, tools, HermesParser())
     assert text.startswith("<|user|>Hi\n<tools>") and '"name": "f"' in text
+
+
+def test_chat_takes_vllms_other_part_names(stack, tok):
+    """Parts vLLM's chat reads under other names: input_text and output_text (the Responses API's, with its
+    annotations) and an assistant's refusal are text parts, the same prompt as plain text parts; a part with a field
+    none of them has is a 400 that says what is accepted; input_image to a text model is refused as image_url is."""
+    def chat(user, assistant):
+        stack.client.chat.completions.create(model=MODEL, max_tokens=2, temperature=0.0, messages=[
+            {"role": "user", "content": user}, {"role": "assistant", "content": assistant},
+            {"role": "user", "content": [{"type": "text", "text": "And then?"}]}])
+        return stack.recording.prompts[_last_request(stack)[0]]
+
+    plain = chat([{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}],
+                 [{"type": "text", "text": "I cannot say."}])
+    renamed = chat([{"type": "input_text", "text": "Hello"}, {"type": "text", "text": "there"}],
+                   [{"type": "refusal", "refusal": "I cannot say."}])
+    replayed = chat([{"type": "input_text", "text": "Hello"}, {"type": "input_text", "text": "there"}],
+                    [{"type": "output_text", "text": "I cannot say.", "annotations": []}])
+    assert plain == renamed == replayed
+    assert tok.decode(plain).count("I cannot say.") == 1
+    _bad_request(lambda: chat([{"type": "input_text", "text": "Hi", "color": "red"}], "ok"), "output_text, refusal")
+    _bad_request(lambda: chat([{"type": "input_image", "image_url": "data:image/png;base64,AAAA"}], "ok"),
+                 "takes no images")

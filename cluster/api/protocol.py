@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WrapValidator
 
 
 def short(value: Any, limit: int = 80) -> str:
@@ -173,11 +173,38 @@ class ImageEmbedsPart(StrictModel):
     uuid: str | None = None
 
 
+# The other names vLLM's chat takes for a text part, with the fields each may carry: the Responses API's (clients
+# replay a Responses conversation in chat) and an assistant's refusal, whose text is the message's.
+_TEXT_PARTS = {"input_text": ("text", {"type", "text"}),
+               "output_text": ("text", {"type", "text", "annotations", "logprobs"}),
+               "refusal": ("refusal", {"type", "refusal"})}
+
+
+def _canonical_parts(value):
+    """input_text / output_text / refusal parts as text parts, input_image (the Responses API's: a URL string) as an
+    image_url part, as vLLM's chat reads them; a part with fields they do not have is left to fail validation."""
+    if not isinstance(value, list):
+        return value
+    out = []
+    for part in value:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in _TEXT_PARTS and set(part) <= _TEXT_PARTS[kind][1]:
+            part = {"type": "text", "text": part.get(_TEXT_PARTS[kind][0])}
+        elif kind == "input_image" and isinstance(part.get("image_url"), str) and set(part) <= {
+                "type", "image_url", "detail"}:
+            part = {"type": "image_url", "image_url": {"url": part["image_url"], **(
+                {"detail": part["detail"]} if "detail" in part else {})}}
+        out.append(part)
+    return out
+
+
 Content = Annotated[
     str | list[Annotated[TextPart | ImagePart | ImageEmbedsPart, Field(discriminator="type")]] | None,
-    one_of('a string or a list of parts: {"type": "text", "text": "..."} or {"type": "image_url", "image_url": '
-           '{"url": "..."}} (images for a model that takes them; {"type": "image_embeds", "image_embeds": BASE64} '
-           'with --enable-mm-embeds); audio and file parts are not supported'),
+    one_of('a string or a list of parts: {"type": "text", "text": "..."} (or input_text, output_text, refusal) or '
+           '{"type": "image_url", "image_url": {"url": "..."}} (or input_image; images for a model that takes them; '
+           '{"type": "image_embeds", "image_embeds": BASE64} with --enable-mm-embeds); audio and file parts are not '
+           'supported'),
+    BeforeValidator(_canonical_parts),
 ]
 
 
