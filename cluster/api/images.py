@@ -217,8 +217,8 @@ def decode_embeds(payload, where: str, spec: ImageSpec) -> ImageEmbedding:
     return embedding
 
 
-def expand_images(ids: list[int], images: list[bytes], tokenizer, max_images: int, param: str = "messages",
-                  label: str = "messages") -> tuple[list[int], list[dict]]:
+def expand_images(ids: list[int], images: list[bytes | ImageEmbedding], tokenizer, max_images: int,
+                  param: str = "messages", label: str = "messages") -> tuple[list[int], list[dict]]:
     """The rendered prompt's image tokens widened to the model's placeholders, and the images for the params (a
     prompt with image tokens and no images is a 400: completions take no images)."""
     spec = image_spec(tokenizer)
