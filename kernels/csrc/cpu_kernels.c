@@ -568,7 +568,10 @@ static inline void v_pairs(const uint16_t *vb, int64_t tok_stride, int j, int n_
 /* The bf16 / block size 16 / head_dim multiple of 32 path of attend_item: scores with the
  * avx512_bf16 dot-product instruction straight from the cache (no widening of K), 16 keys per
  * reduce16, softmax on whole vectors, V widened once per block and shared by every query. Unpermuted
- * lanes of reduce16 are in key order: lane j of v[j]'s sum is key j. */
+ * lanes of reduce16 are in key order: lane j of v[j]'s sum is key j. The online softmax is updated once
+ * per key group of two blocks (32 keys; groups start at even block indices, fixed by position, so a query
+ * sees the same groups in every call): one max, one exp for the rescale and one rescale of the accumulator
+ * per 32 keys, where the horizontal max and sum and the scalar exp were most of a prefill's time. */
 static inline void attend_item_bf16(const AttnItem item, const int HD, int kv_dtype, const uint16_t *query,
                                     int64_t q_tok_stride, int64_t q_head_stride, const void *k_cache_raw,
                                     const void *v_cache_raw,
@@ -577,7 +580,7 @@ static inline void attend_item_bf16(const AttnItem item, const int HD, int kv_dt
                                     const int32_t *query_start_loc, int num_q_heads, int num_kv_heads, float scale,
                                     int window, int chunk, void *out, int out_dtype, int64_t out_tok_stride,
                                     int64_t out_head_stride) {
-    enum { BS = 16 };
+    enum { BS = 16, GB = 2 /* blocks a softmax update */, GP = GB * BS / 2 /* V pairs a group */ };
     const int group = num_q_heads / num_kv_heads;
     const int r = item.req;
     const int q_len = query_start_loc[r + 1] - query_start_loc[r];
@@ -587,17 +590,17 @@ static inline void attend_item_bf16(const AttnItem item, const int HD, int kv_dt
     const int nc = HD / 16; /* 16-float chunks of a head */
     float acc[nq][HD] __attribute__((aligned(64)));
     float m[nq], l[nq];
-    uint32_t vp[num_kv_heads][BS / 2][HD] __attribute__((aligned(64)));
-    uint16_t kc[BS][num_kv_heads * HD + 32] __attribute__((aligned(64)));
+    uint32_t vp[num_kv_heads][GP][HD] __attribute__((aligned(64)));
+    uint16_t kc[GB][BS][num_kv_heads * HD + 32] __attribute__((aligned(64)));
     /* Several query tokens share each block (prefill): re-laying K once per block pays for itself. */
     const int pair_scores = nq_tok >= 4;
-    uint32_t kp[pair_scores ? num_kv_heads : 1][HD / 2][BS] __attribute__((aligned(64)));
+    uint32_t kp[GB][pair_scores ? num_kv_heads : 1][HD / 2][BS] __attribute__((aligned(64)));
     /* An fp8 cache: each block's rows widened to bf16 here first (fp8x32_to_bf16), the rest reads them as a bf16
      * cache's; rows are then row_elems apart. */
     const int fp8 = kv_dtype >= 2;
     const int row_elems_all = num_kv_heads * HD;
-    uint16_t kst[fp8 ? BS : 1][fp8 ? row_elems_all : 1] __attribute__((aligned(64)));
-    uint16_t vst[fp8 ? BS : 1][fp8 ? row_elems_all : 1] __attribute__((aligned(64)));
+    uint16_t kst[GB][fp8 ? BS : 1][fp8 ? row_elems_all : 1] __attribute__((aligned(64)));
+    uint16_t vst[GB][fp8 ? BS : 1][fp8 ? row_elems_all : 1] __attribute__((aligned(64)));
     for (int qi = 0; qi < nq; qi++) {
         for (int d = 0; d < HD; d++) acc[qi][d] = 0.0f;
         m[qi] = -FLT_MAX;
@@ -607,108 +610,139 @@ static inline void attend_item_bf16(const AttnItem item, const int HD, int kv_dt
     const int last_pos = first_pos + item.q_end - 1;
     const int num_blocks = last_pos / BS + 1;
     const int32_t *table = block_tables + (int64_t)r * bt_stride;
-    const int first_key = window_start(first_pos + item.q_begin, window, chunk);
-    for (int b = first_key / BS; b < num_blocks; b++) {
-        const int64_t base = (int64_t)table[b] * cache_blk_stride;
-        /* Decode is bound by fetching blocks from memory: while this block's rows are laid out,
-         * ask for the same row of the next block's K and V (each row: every kv head), so the next
-         * block streams in while this one is computed. Spread out, not one burst: a burst of
-         * prefetches fills the miss buffers and stalls the core. This block's K rows are copied to
-         * L1 in memory order first (kc): reading them straight from the cache in the per-query
-         * loops, head by head, defeated the hardware prefetcher (cold cache: 1.05 -> 0.79 ms a
-         * layer at batch 32 x 264 tokens). */
-        /* Only a jump needs it: the hardware prefetcher already follows physically adjacent blocks
-         * (measured: prefetching those too is slower). */
-        const int64_t next = b + 1 < num_blocks && table[b + 1] != table[b] + 1 ? (int64_t)table[b + 1] * cache_blk_stride : -1;
-        const int row_elems = num_kv_heads * (int)cache_head_stride;
-        const int block_start = b * BS;
-        int n_valid = last_pos + 1 - block_start;
-        if (n_valid > BS) n_valid = BS;
-        const uint16_t *kb, *vb;
-        const int64_t tok_stride = block_rows_bf16(k_cache_raw, v_cache_raw, base, cache_tok_stride, n_valid,
-                                                   row_elems, kv_dtype, &kst[0][0], &vst[0][0], &kb, &vb);
-        for (int j = 0; j < BS; j++) {
-            if (next >= 0) PD_PREFETCH_BLOCK_ROW(fp8, k_cache_raw, v_cache_raw, next, j, cache_tok_stride, row_elems, 3);
-            if (!pair_scores && j < n_valid) /* this block's K rows, swept in memory order into L1 */
-                for (int e = 0; e < row_elems; e += 32)
-                    _mm512_store_si512(&kc[j][e], _mm512_loadu_si512(kb + j * tok_stride + e));
-            /* V pairs (a pair wholly past the block's end is never read here) */
-            if ((j & 1) && j - 1 < n_valid) v_pairs(vb, tok_stride, j, n_valid, num_kv_heads, cache_head_stride, HD, BS / 2,
-                                                            &vp[0][0][0]);
+    /* Blocks before this one hold no key any query of the item sees (window starts grow with the position); the
+     * first group may begin one block earlier, which then takes no part. */
+    const int first_block = window_start(first_pos + item.q_begin, window, chunk) / BS;
+    for (int b = first_block - first_block % GB; b < num_blocks; b += GB) {
+        int present[GB], n_valid[GB];
+        for (int i = 0; i < GB; i++) {
+            const int bi = b + i;
+            present[i] = bi >= first_block && bi < num_blocks;
+            n_valid[i] = last_pos + 1 - bi * BS < BS ? last_pos + 1 - bi * BS : BS;
+            if (!present[i]) continue;
+            const int64_t base = (int64_t)table[bi] * cache_blk_stride;
+            /* Decode is bound by fetching blocks from memory: while this block's rows are laid out,
+             * ask for the same row of the next block's K and V (each row: every kv head), so the next
+             * block streams in while this one is computed. Spread out, not one burst: a burst of
+             * prefetches fills the miss buffers and stalls the core. This block's K rows are copied to
+             * L1 in memory order first (kc): reading them straight from the cache in the per-query
+             * loops, head by head, defeated the hardware prefetcher (cold cache: 1.05 -> 0.79 ms a
+             * layer at batch 32 x 264 tokens). */
+            /* Only a jump needs it: the hardware prefetcher already follows physically adjacent blocks
+             * (measured: prefetching those too is slower). */
+            const int64_t next = bi + 1 < num_blocks && table[bi + 1] != table[bi] + 1
+                                     ? (int64_t)table[bi + 1] * cache_blk_stride : -1;
+            const int row_elems = num_kv_heads * (int)cache_head_stride;
+            const uint16_t *kb, *vb;
+            const int64_t tok_stride = block_rows_bf16(k_cache_raw, v_cache_raw, base, cache_tok_stride, n_valid[i],
+                                                       row_elems, kv_dtype, &kst[i][0][0], &vst[i][0][0], &kb, &vb);
+            for (int j = 0; j < BS; j++) {
+                if (next >= 0)
+                    PD_PREFETCH_BLOCK_ROW(fp8, k_cache_raw, v_cache_raw, next, j, cache_tok_stride, row_elems, 3);
+                if (!pair_scores && j < n_valid[i]) /* this block's K rows, swept in memory order into L1 */
+                    for (int e = 0; e < row_elems; e += 32)
+                        _mm512_store_si512(&kc[i][j][e], _mm512_loadu_si512(kb + j * tok_stride + e));
+                /* V pairs (a pair wholly past the block's end is never read here) */
+                if ((j & 1) && j - 1 < n_valid[i])
+                    v_pairs(vb, tok_stride, j, n_valid[i], num_kv_heads, cache_head_stride, HD, GP,
+                            &vp[0][i * BS / 2][0]);
+            }
+            if (pair_scores) /* K as [head][dim pair][key]: bf16 pairs, so one dpbf16 covers 16 keys */
+                for (int h = 0; h < num_kv_heads; h++)
+                    for (int j = 0; j < BS; j++) {
+                        const uint32_t *k = (const uint32_t *)(kb + j * tok_stride + h * cache_head_stride);
+                        for (int d2 = 0; d2 < HD / 2; d2++) kp[i][h][d2][j] = j < n_valid[i] ? k[d2] : 0u;
+                    }
         }
-        if (pair_scores) /* K as [head][dim pair][key]: bf16 pairs, so one dpbf16 covers 16 keys */
-            for (int h = 0; h < num_kv_heads; h++)
-                for (int j = 0; j < BS; j++) {
-                    const uint32_t *k = (const uint32_t *)(kb + j * tok_stride + h * cache_head_stride);
-                    for (int d2 = 0; d2 < HD / 2; d2++) kp[h][d2][j] = j < n_valid ? k[d2] : 0u;
-                }
         for (int t = 0; t < nq_tok; t++) {
             const int pos = first_pos + item.q_begin + t;
-            int nk = pos + 1 - block_start;
-            if (nk <= 0) continue;
-            if (nk > n_valid) nk = n_valid;
-            const int j0 = window_start(pos, window, chunk) > block_start ? window_start(pos, window, chunk) - block_start
-                                                                          : 0;
-            if (j0 >= nk) continue; /* the block ends before this query's window */
-            const __mmask16 valid = (__mmask16)(((1u << nk) - 1u) & ~((1u << j0) - 1u));
+            const int ws = window_start(pos, window, chunk);
+            /* Per block of the group: the keys this query sees (nk: up to, j0: from), as a lane mask. */
+            __mmask16 valid[GB];
+            int nk[GB];
+            for (int i = 0; i < GB; i++) {
+                const int block_start = (b + i) * BS;
+                nk[i] = pos + 1 - block_start < n_valid[i] ? pos + 1 - block_start : n_valid[i];
+                const int j0 = ws > block_start ? ws - block_start : 0;
+                valid[i] = present[i] && nk[i] > j0 ? (__mmask16)(((1u << nk[i]) - 1u) & ~((1u << j0) - 1u)) : 0;
+            }
+            if (!(valid[0] | valid[1])) continue; /* the group is past this query or before its window */
             const int64_t tok = query_start_loc[r] + item.q_begin + t;
             for (int h = 0; h < num_q_heads; h++) {
                 const int qi = t * num_q_heads + h;
                 const int kvh = h / group;
                 const uint16_t *q = query + tok * q_tok_stride + h * q_head_stride;
-                __m512 raw;
-                if (pair_scores) {
-                    /* Lane j accumulates q . k_j directly, in exactly the order of the other branch
-                     * (batch invariance, issue 24: a query's score must not depend on whether its item
-                     * has 1 or 4+ tokens): chain l (l = 0..15) takes dim pairs 16c + l for c = 0, 1, ...
-                     * (lane l of the other branch's dpbf16 over 32-element chunks), and the 16 chains
-                     * are added in reduce16's tree: ((Q0 + Q1) + (Q2 + Q3)), Qk = (a[4k] + a[4k+2]) +
-                     * (a[4k+1] + a[4k+3]). */
-                    const uint32_t *q32 = (const uint32_t *)q;
-                    __m512 a[16];
-                    for (int l = 0; l < 16; l++) a[l] = _mm512_setzero_ps();
-                    for (int d2 = 0; d2 < HD / 2; d2 += 16) /* HD % 32 == 0, so HD / 2 % 16 == 0 */
-                        for (int l = 0; l < 16; l++)
-                            a[l] = _mm512_dpbf16_ps(a[l], (__m512bh)_mm512_set1_epi32((int)q32[d2 + l]),
-                                                    (__m512bh)_mm512_load_si512(kp[kvh][d2 + l]));
-                    __m512 qk[4];
-                    for (int k4 = 0; k4 < 4; k4++)
-                        qk[k4] = _mm512_add_ps(_mm512_add_ps(a[4 * k4], a[4 * k4 + 2]),
-                                               _mm512_add_ps(a[4 * k4 + 1], a[4 * k4 + 3]));
-                    raw = _mm512_add_ps(_mm512_add_ps(qk[0], qk[1]), _mm512_add_ps(qk[2], qk[3]));
-                } else {
-                    __m512 dots[BS];
-                    for (int j = 0; j < BS; j++) {
-                        dots[j] = _mm512_setzero_ps();
-                        if (j < nk) {
-                            const uint16_t *k = &kc[j][kvh * cache_head_stride];
-                            for (int c = 0; c < HD; c += 32)
-                                dots[j] = _mm512_dpbf16_ps(dots[j], (__m512bh)_mm512_loadu_si512(q + c),
-                                                           (__m512bh)_mm512_loadu_si512(k + c));
+                __m512 sc[GB];
+                float group_max = -FLT_MAX;
+                for (int i = 0; i < GB; i++) {
+                    if (!valid[i]) continue;
+                    __m512 raw;
+                    if (pair_scores) {
+                        /* Lane j accumulates q . k_j directly, in exactly the order of the other branch
+                         * (batch invariance, issue 24: a query's score must not depend on whether its item
+                         * has 1 or 4+ tokens): chain l (l = 0..15) takes dim pairs 16c + l for c = 0, 1, ...
+                         * (lane l of the other branch's dpbf16 over 32-element chunks), and the 16 chains
+                         * are added in reduce16's tree: ((Q0 + Q1) + (Q2 + Q3)), Qk = (a[4k] + a[4k+2]) +
+                         * (a[4k+1] + a[4k+3]). */
+                        const uint32_t *q32 = (const uint32_t *)q;
+                        __m512 a[16];
+                        for (int l2 = 0; l2 < 16; l2++) a[l2] = _mm512_setzero_ps();
+                        for (int d2 = 0; d2 < HD / 2; d2 += 16) /* HD % 32 == 0, so HD / 2 % 16 == 0 */
+                            for (int l2 = 0; l2 < 16; l2++)
+                                a[l2] = _mm512_dpbf16_ps(a[l2], (__m512bh)_mm512_set1_epi32((int)q32[d2 + l2]),
+                                                         (__m512bh)_mm512_load_si512(kp[i][kvh][d2 + l2]));
+                        __m512 qk[4];
+                        for (int k4 = 0; k4 < 4; k4++)
+                            qk[k4] = _mm512_add_ps(_mm512_add_ps(a[4 * k4], a[4 * k4 + 2]),
+                                                   _mm512_add_ps(a[4 * k4 + 1], a[4 * k4 + 3]));
+                        raw = _mm512_add_ps(_mm512_add_ps(qk[0], qk[1]), _mm512_add_ps(qk[2], qk[3]));
+                    } else {
+                        __m512 dots[BS];
+                        for (int j = 0; j < BS; j++) {
+                            dots[j] = _mm512_setzero_ps();
+                            if (j < nk[i]) {
+                                const uint16_t *k = &kc[i][j][kvh * cache_head_stride];
+                                for (int c = 0; c < HD; c += 32)
+                                    dots[j] = _mm512_dpbf16_ps(dots[j], (__m512bh)_mm512_loadu_si512(q + c),
+                                                               (__m512bh)_mm512_loadu_si512(k + c));
+                            }
                         }
+                        raw = reduce16(dots);
                     }
-                    raw = reduce16(dots);
+                    sc[i] = _mm512_mask_mov_ps(_mm512_set1_ps(-FLT_MAX), valid[i], _mm512_mul_ps(raw, vscale));
+                    const float block_max = _mm512_mask_reduce_max_ps(valid[i], sc[i]); /* exact in any order */
+                    group_max = block_max > group_max ? block_max : group_max;
                 }
-                const __m512 sc = _mm512_mask_mov_ps(_mm512_set1_ps(-FLT_MAX), valid, _mm512_mul_ps(raw, vscale));
-                const float block_max = _mm512_mask_reduce_max_ps(valid, sc);
-                const float m_new = block_max > m[qi] ? block_max : m[qi];
+                const float m_new = group_max > m[qi] ? group_max : m[qi];
                 const float alpha = exp_nonpos(m[qi] - m_new);
-                const __m512 p = _mm512_maskz_mov_ps(valid, exp512_nonpos(_mm512_sub_ps(sc, _mm512_set1_ps(m_new))));
                 /* P in bf16 for the PV product (as flash attention does on GPUs); the normaliser sums
-                 * the same rounded weights, so the output stays a convex combination of V rows. */
-                const __m256bh p_bf16 = _mm512_cvtneps_pbh(p);
-                l[qi] = l[qi] * alpha + _mm512_reduce_add_ps(
-                    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)p_bf16), 16)));
+                 * the same rounded weights, so the output stays a convex combination of V rows. A group's
+                 * sum: its first block's, then its second's added (a block this query does not see adds
+                 * nothing, in every call alike). */
+                uint32_t pairs[GB][BS / 2] __attribute__((aligned(32)));
+                float sum = 0.0f;
+                for (int i = 0; i < GB; i++) {
+                    if (!valid[i]) continue;
+                    const __m512 p = _mm512_maskz_mov_ps(valid[i],
+                                                         exp512_nonpos(_mm512_sub_ps(sc[i], _mm512_set1_ps(m_new))));
+                    const __m256bh p_bf16 = _mm512_cvtneps_pbh(p);
+                    sum += _mm512_reduce_add_ps(
+                        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)p_bf16), 16)));
+                    _mm256_store_si256((__m256i *)pairs[i], (__m256i)p_bf16);
+                }
+                l[qi] = l[qi] * alpha + sum;
                 m[qi] = m_new;
-                uint32_t pairs[BS / 2] __attribute__((aligned(32)));
-                _mm256_store_si256((__m256i *)pairs, (__m256i)p_bf16);
                 const __m512 valpha = _mm512_set1_ps(alpha);
-                __m512 a[HD / 16]; /* the query's output row in registers for the whole block */
+                __m512 a[HD / 16]; /* the query's output row in registers for the whole group */
                 for (int c = 0; c < nc; c++) a[c] = _mm512_mul_ps(_mm512_load_ps(&acc[qi][16 * c]), valpha);
-                for (int j2 = 0; j2 < (nk + 1) / 2; j2++) {
-                    const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)pairs[j2]);
-                    for (int c = 0; c < nc; c++)
-                        a[c] = _mm512_dpbf16_ps(a[c], pb, (__m512bh)_mm512_load_si512(&vp[kvh][j2][16 * c]));
+                for (int i = 0; i < GB; i++) {
+                    if (!valid[i]) continue;
+                    for (int j2 = 0; j2 < (nk[i] + 1) / 2; j2++) {
+                        const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)pairs[i][j2]);
+                        for (int c = 0; c < nc; c++)
+                            a[c] = _mm512_dpbf16_ps(a[c], pb,
+                                                    (__m512bh)_mm512_load_si512(&vp[kvh][i * BS / 2 + j2][16 * c]));
+                    }
                 }
                 for (int c = 0; c < nc; c++) _mm512_store_ps(&acc[qi][16 * c], a[c]);
             }
@@ -767,9 +801,16 @@ int pd_paged_attention(int dtype, int kv_dtype, const void *query, int64_t q_tok
     /* The vector path reads q and K rows as whole 32-element bf16 vectors. */
     /* An fp8 cache takes it too (its blocks widened to bf16 on the way in), where its staging fits the stack. */
     const int fast_kv = kv_dtype == 1 || (kv_dtype >= 2 && num_kv_heads * head_dim * 16 * 2 * 2 <= (256 << 10));
+    /* attend_item_bf16's stack: accumulators, a key group's V pairs, K rows (copied and as pairs), fp8 staging.
+     * Half of the 8 MiB a thread's stack usually is (a model with 32 kv heads of 128 and an fp8 cache: 1.4 MiB). */
+    const int64_t row_elems = (int64_t)num_kv_heads * head_dim;
+    const int64_t bf16_stack_bytes = (int64_t)q_chunk * num_q_heads * head_dim * 4 + row_elems * 16 * 4 +
+                                     2 * 16 * (row_elems + 32) * 2 + 2 * row_elems / 2 * 16 * 4 +
+                                     (kv_dtype >= 2 ? 2 * 2 * 16 * row_elems * 2 : 0);
     const int fast_bf16 = dtype == 1 && fast_kv && block_size == 16 && head_dim % 32 == 0 &&
                           cache_head_stride == head_dim && cache_tok_stride == (int64_t)num_kv_heads * head_dim &&
-                          softcap <= 0.0f && sinks == NULL && getenv("PDCLUSTER_ATTN_GENERIC") == NULL;
+                          softcap <= 0.0f && sinks == NULL && bf16_stack_bytes <= (4 << 20) &&
+                          getenv("PDCLUSTER_ATTN_GENERIC") == NULL;
     (void)fast_bf16;
     int amx = 0;
     (void)amx;
