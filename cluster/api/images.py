@@ -51,11 +51,6 @@ def image_parts(messages) -> list:
     return [part for m in messages if isinstance(m.content, list) for part in m.content if part.type != "text"]
 
 
-def image_urls(messages) -> list[str]:
-    """The URLs of the messages' image_url parts, in order."""
-    return [part.image_url.url for part in image_parts(messages) if part.type == "image_url"]
-
-
 def _fetch_timeout_s() -> float:
     try:
         return float(os.environ.get("VLLM_IMAGE_FETCH_TIMEOUT", DEFAULT_FETCH_TIMEOUT_S))
