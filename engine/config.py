@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from pdcluster.engine.kv_offload.config import OffloadConfig
@@ -86,9 +86,11 @@ class EngineConfig:
     num_kv_blocks: int = 0
     kv_cache_memory_gib: float = 0.0
     gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 64
-    # Token budget of one step (all requests together).
-    max_num_batched_tokens: int = 2048
+    # The cap on running requests and the token budget of one step (all requests together); 0 = the device's
+    # default (engine/batch_limits.py, as vLLM's: 1,024 and 8,192 on an H100/H200, 64 and 2,048 on a CPU), resolved
+    # where the engine loads (resolve_batch_limits).
+    max_num_seqs: int = 0
+    max_num_batched_tokens: int = 0
     # Chunked prefill: at most this many prompt tokens of one request per step; 0 = the step's whole budget (vLLM's
     # long_prefill_token_threshold 0, its default). A cap costs a CPU one more pass over the weights per chunk: an
     # 850-token prompt took 337 ms as two 512-token chunks, 316 ms as one (bench/results/
@@ -177,13 +179,13 @@ class EngineConfig:
             raise ConfigError(
                 f"spec_method: {self.spec_method!r} is unknown; choose one of {', '.join(SPEC_METHODS)}"
             )
-        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size")
+        positive = ("block_size", "tensor_parallel_size")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
         for name in ("max_model_len", "num_kv_blocks", "num_spec_tokens", "num_threads", "mixed_cuda_graph_tokens",
-                     "prefill_chunk_size"):
+                     "prefill_chunk_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{name}: must be a non-negative integer, got {value!r}")
@@ -271,6 +273,25 @@ class EngineConfig:
             return bool(self.async_scheduling)
         return device.startswith("cuda")
 
+    def resolve_batch_limits(self, device: str, hybrid: bool = False) -> EngineConfig:
+        """This config with ``max_num_seqs`` and ``max_num_batched_tokens`` filled in where 0: the defaults of
+        ``device`` (resolved: "cpu", "cuda" or "cuda:N"; engine/batch_limits.py); a hybrid's request cap stays
+        HYBRID_MAX_NUM_SEQS. Values given are kept."""
+        from pdcluster.engine.batch_limits import CPU_LIMITS, HYBRID_MAX_NUM_SEQS, cuda_batch_limits
+
+        if self.max_num_seqs and self.max_num_batched_tokens:
+            return self
+        limits = cuda_batch_limits(device) if device.startswith("cuda") else CPU_LIMITS
+        seqs = min(limits.max_num_seqs, HYBRID_MAX_NUM_SEQS) if hybrid else limits.max_num_seqs
+        return replace(self, max_num_seqs=self.max_num_seqs or seqs,
+                       max_num_batched_tokens=self.max_num_batched_tokens or limits.max_num_batched_tokens)
+
+    def require_batch_limits(self) -> None:
+        """ConfigError unless the batch limits are resolved (a scheduler or the chunk size needs them)."""
+        if not (self.max_num_seqs and self.max_num_batched_tokens):
+            raise ConfigError("max_num_seqs / max_num_batched_tokens are 0 (the device's default): resolve them "
+                              "for a device first (EngineConfig.resolve_batch_limits)")
+
     def resolve_dtype(self, model_config: dict) -> str:
         """The dtype name to run in: ``dtype`` itself unless "auto"; for "auto", the checkpoint's
         ``torch_dtype`` (``dtype`` in newer configs) with float16 run as bfloat16 on CPU (the CPU
@@ -286,6 +307,8 @@ class EngineConfig:
     @property
     def prefill_chunk_tokens(self) -> int:
         """The most prompt tokens of one request a step computes: ``prefill_chunk_size``, or the step's budget."""
+        if not self.max_num_batched_tokens:
+            self.require_batch_limits()
         return min(self.prefill_chunk_size or self.max_num_batched_tokens, self.max_num_batched_tokens)
 
     @property

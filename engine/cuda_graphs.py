@@ -4,8 +4,8 @@ A decode step of a small model on a GPU is mostly kernel-launch overhead: hundre
 step, each launched from Python. Captured once per batch-size bucket, a step replays as one graph.
 
 How (vLLM's recipe):
-- buckets of batch sizes (1, 2, 4, 8, then every 16 up to ``max_num_seqs``); a batch runs in the
-  smallest bucket that holds it, the rows past it padded;
+- buckets of batch sizes (1, 2, 4, 8, then every 16 up to ``max_num_seqs``, at most MAX_GRAPH_BATCH); a batch
+  runs in the smallest bucket that holds it, the rows past it padded (a larger one runs eager);
 - every input lives in a static buffer the graph was captured over (token ids, positions, slot
   mapping, block tables at full width, context lengths). The runner's step stages its per-token and
   per-row host arrays straight into them, padded, with one host-to-device copy (``stage``); the block
@@ -52,9 +52,16 @@ from pdcluster.engine.step_inputs import MAX_CACHED_VIEWS, StepInputs
 PAD_SLOT = -1  # write kernels skip negative slots
 
 
+# The largest captured batch (vLLM's max_cudagraph_capture_size default is 512 too): an H100/H200's default of
+# 1,024 running requests would otherwise be 68 captures at start-up; a larger batch runs eager, where launch
+# overhead is a small share of its step.
+MAX_GRAPH_BATCH = 512
+
+
 def batch_buckets(max_num_seqs: int) -> list[int]:
-    small = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
-    return small + list(range(16, max_num_seqs, 16)) + [max_num_seqs]
+    top = min(max_num_seqs, MAX_GRAPH_BATCH)
+    small = [b for b in (1, 2, 4, 8) if b < top]
+    return small + list(range(16, top, 16)) + [top]
 
 
 class DecodeGraphs:

@@ -87,6 +87,7 @@ class LoadedModel:
         tokenizer = Tokenizer(model_dir)
         arch = arch_from_dir(model_dir)
         hybrid = is_hybrid(arch)
+        config = config.resolve_batch_limits(config.device, hybrid)  # 0 = this device's defaults
         if hybrid and config.offload_config().enabled:
             raise ValueError(f"kv_offload_*: model {config.model} is a hybrid (Mamba): it has no prefix cache (no "
                              "recurrent state at block boundaries), so nothing to offload; drop the --kv-offload-* flags")

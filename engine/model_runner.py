@@ -108,6 +108,7 @@ class ModelRunner:
         prompt's that carry its Mamba state in a KV transfer (engine/mamba_state_blocks.py): read when a
         request arrives with its prompt computed elsewhere, and written for every finished prompt when
         ``connector`` is a producer."""
+        config.require_batch_limits()  # its request slots and graph buckets are sized by them
         self.config = config
         self.model = model
         self.kv_cache = kv_cache

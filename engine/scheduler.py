@@ -60,6 +60,7 @@ class Scheduler:
         offload: OffloadManager | None = None,
         on_kv_event: Callable[[str, str, list[int]], None] | None = None,
     ):
+        config.require_batch_limits()
         self.config = config
         # The KV transfer's scheduler-side hooks (a null object by default): may hold a finished request's
         # blocks until they are sent (producer) or nothing can write them any more (consumer); free_held()

@@ -83,7 +83,7 @@ def test_without_prefix_caching_nothing_is_hashed(monkeypatch):
     monkeypatch.setattr(block_manager_module, "chained_block_hashes", lambda *a, **k: calls.append(a) or [])
     cfg = EngineConfig(model="x", block_size=4, max_num_batched_tokens=64, prefill_chunk_size=64,
                        enable_prefix_caching=False)
-    s = Scheduler(cfg, num_blocks=16, max_model_len=64, eos_token_ids={0})
+    s = Scheduler(cfg.resolve_batch_limits("cpu"), num_blocks=16, max_model_len=64, eos_token_ids={0})
     s.add_request(_req("a", range(1, 30)))
     s.schedule()
     assert s.add_remote_request(_req("b", range(1, 30))).num_reused_blocks == 0
@@ -97,17 +97,17 @@ def test_default_prefill_takes_the_whole_step_budget():
 
     cfg = EngineConfig(model="x", block_size=4, max_num_batched_tokens=40)
     assert cfg.prefill_chunk_size == 0 and cfg.prefill_chunk_tokens == 40
-    s = Scheduler(cfg, num_blocks=64, max_model_len=128, eos_token_ids={0})
+    s = Scheduler(cfg.resolve_batch_limits("cpu"), num_blocks=64, max_model_len=128, eos_token_ids={0})
     s.add_request(_req("a", range(1, 34), max_tokens=2))  # 33 tokens: one step, not cut at any fixed chunk
     s.add_request(_req("b", range(1, 31), max_tokens=2))  # what the budget leaves: 7 of 30
     out = s.schedule()
     assert [(x.request_id, x.num_scheduled_tokens) for x in out.scheduled] == [("a", 33), ("b", 7)]
-    s = Scheduler(EngineConfig(model="x"), num_blocks=64, max_model_len=2048, eos_token_ids={0})
+    s = Scheduler(EngineConfig(model="x").resolve_batch_limits("cpu"), num_blocks=64, max_model_len=2048, eos_token_ids={0})
     s.add_request(_req("long", range(1, 851), max_tokens=2))  # 850 tokens: one step within the default 2,048
     assert [x.num_scheduled_tokens for x in s.schedule().scheduled] == [850]
     capped = EngineConfig(model="x", block_size=4, max_num_batched_tokens=40, prefill_chunk_size=16)
     assert capped.prefill_chunk_tokens == 16
-    s = Scheduler(capped, num_blocks=64, max_model_len=128, eos_token_ids={0})
+    s = Scheduler(capped.resolve_batch_limits("cpu"), num_blocks=64, max_model_len=128, eos_token_ids={0})
     s.add_request(_req("a", range(1, 34), max_tokens=2))
     assert [x.num_scheduled_tokens for x in s.schedule().scheduled] == [16]
     assert EngineConfig(model="x", max_num_batched_tokens=40, prefill_chunk_size=100).prefill_chunk_tokens == 40
@@ -123,7 +123,7 @@ def test_chained_hash_depends_on_prefix():
 
 def test_scheduler_chunks_budget_and_frees_on_finish():
     cfg = EngineConfig(model="x", block_size=4, max_num_batched_tokens=10, prefill_chunk_size=6)
-    s = Scheduler(cfg, num_blocks=16, max_model_len=64, eos_token_ids={0})
+    s = Scheduler(cfg.resolve_batch_limits("cpu"), num_blocks=16, max_model_len=64, eos_token_ids={0})
     s.add_request(_req("a", range(1, 14), max_tokens=2))
     s.add_request(_req("b", range(1, 4), max_tokens=2))
     out = s.schedule()

@@ -21,6 +21,34 @@ def test_batch_buckets():
     assert batch_buckets(10) == [1, 2, 4, 8, 10]
     assert batch_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
     assert batch_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
+    # An H100/H200 runs up to 1,024 requests (engine/batch_limits.py): captures stop at 512, as vLLM's.
+    assert batch_buckets(1024) == [1, 2, 4, 8] + list(range(16, 512, 16)) + [512]
+    assert batch_buckets(600)[-1] == 512
+
+
+def test_batches_over_the_largest_bucket_run_eager(tiny_dir, monkeypatch):
+    """A decode batch larger than MAX_GRAPH_BATCH runs eager (same tokens); once it shrinks to a bucket it replays."""
+    import pdcluster.engine.cuda_graphs as cuda_graphs
+
+    monkeypatch.setattr(cuda_graphs, "MAX_GRAPH_BATCH", 4)
+    cfg = dict(max_num_seqs=10, num_kv_blocks=128)
+    eager = _generate(make_engine("tiny-random", **cfg), graphs=False)
+    engine = make_engine("tiny-random", **cfg)
+    runs = []  # (rows, replayed) of every uniform decode step offered to the graphs
+    run = cuda_graphs.DecodeGraphs.run
+
+    def recorded(self, ids, pos, meta):
+        out = run(self, ids, pos, meta)
+        runs.append((meta.seq_lens.shape[0], out))
+        return out
+
+    monkeypatch.setattr(cuda_graphs.DecodeGraphs, "run", recorded)
+    graphed = _generate(engine, graphs=True)
+    assert engine.runner.graphs.buckets == [1, 2, 4]
+    rows = {(n, out is not None) for n, out in runs}
+    assert {n for n, replayed in rows if not replayed} == {5, 6, 7}, rows  # no bucket holds them: eager
+    assert {n for n, replayed in rows if replayed} == {1, 2, 3, 4}, rows
+    assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
 
 
 def _generate(engine, graphs: bool, emulate: bool = True):

@@ -44,7 +44,7 @@ BS = 4
 
 def _scheduler(num_blocks=16, num_state_blocks=0, **cfg):
     config = EngineConfig(model="x", block_size=BS, max_num_batched_tokens=64, prefill_chunk_size=64, **cfg)
-    return Scheduler(config, num_blocks=num_blocks, max_model_len=64, eos_token_ids={0},
+    return Scheduler(config.resolve_batch_limits("cpu"), num_blocks=num_blocks, max_model_len=64, eos_token_ids={0},
                      num_state_blocks=num_state_blocks)
 
 
@@ -147,7 +147,7 @@ class _LowerTiers:
 def _tiered_scheduler(**cfg):
     tiers = _LowerTiers()
     config = EngineConfig(model="x", block_size=BS, max_num_batched_tokens=64, prefill_chunk_size=64, **cfg)
-    s = Scheduler(config, num_blocks=16, max_model_len=64, eos_token_ids={0}, offload=tiers)
+    s = Scheduler(config.resolve_batch_limits("cpu"), num_blocks=16, max_model_len=64, eos_token_ids={0}, offload=tiers)
     _cache_turn(s, list(range(1, 6)))  # 1 block in the device pool
     tiers.holding = True  # and the rest of any prompt in the lower tiers
     return s, tiers

@@ -25,7 +25,7 @@ def test_S0_warmup_prefill_then_uniform_decode(base_engine, num_spec_steps):
     from pdcluster.engine.model_runner import ModelRunner
 
     spec = "none" if num_spec_steps == 0 else "ngram"
-    config = EngineConfig(model="tiny-random", num_kv_blocks=64, spec_method=spec, num_spec_tokens=num_spec_steps)
+    config = EngineConfig(model="tiny-random", num_kv_blocks=64, spec_method=spec, num_spec_tokens=num_spec_steps).resolve_batch_limits("cpu")
     runner = ModelRunner(config, base_engine.model, base_engine.kv_cache, base_engine.max_model_len)
     kinds = warmup(runner)
     assert warmup_prompt_len(num_spec_steps) > 1 + num_spec_steps

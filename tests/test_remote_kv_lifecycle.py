@@ -32,7 +32,7 @@ class Consumer(SchedulerConnector):
 
 def _scheduler(connector=None, num_state_blocks=0, **cfg):
     config = EngineConfig(model="x", block_size=BS, max_num_batched_tokens=64, prefill_chunk_size=64, **cfg)
-    return Scheduler(config, num_blocks=NUM_BLOCKS, max_model_len=64, eos_token_ids={0}, connector=connector,
+    return Scheduler(config.resolve_batch_limits("cpu"), num_blocks=NUM_BLOCKS, max_model_len=64, eos_token_ids={0}, connector=connector,
                      num_state_blocks=num_state_blocks)
 
 

@@ -149,7 +149,7 @@ class EngineLimits:
     """The scheduler settings the profile ran with (the simulator schedules the same way)."""
 
     block_size: int = 16
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = 2048  # the engine's CPU defaults (engine/batch_limits.py); a profile says its own
     prefill_chunk_size: int = 2048  # resolved (EngineConfig.prefill_chunk_tokens): the engine default
     max_num_seqs: int = 64
     kv_capacity_tokens: int = 0  # a decode worker's KV pool, in tokens (0: unlimited)

@@ -1,0 +1,48 @@
+"""A step's token budget (``max_num_batched_tokens``) and the cap on running requests (``max_num_seqs``) when the
+config leaves them 0: chosen for the device the engine runs on, as vLLM's serving defaults are.
+
+vLLM's ``vllm serve`` (arg_utils ``get_batch_defaults``) takes 8,192 tokens and 1,024 sequences on an H100/H200
+(70 GiB or more and not an A100, where a larger budget measured slower), 16,384 and 1,024 from 160 GiB (B200), and
+2,048 and 256 on other GPUs. A CPU keeps our own measured 2,048 and 64 (vLLM's CPU serving default is 2,048 and 128):
+on a CPU a step is weight-streaming bound and more rows add little. A 64-sequence cap on an H200, our old default
+everywhere, left most of a decode batch's throughput unused.
+
+Hybrids (Mamba layers) keep 64 on every device: each running request holds a recurrent-state slot of the
+``MambaStatePool``, which is allocated beside the KV pool rather than from its budget, so the cap is what bounds that
+memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    max_num_batched_tokens: int
+    max_num_seqs: int
+
+
+CPU_LIMITS = BatchLimits(max_num_batched_tokens=2048, max_num_seqs=64)
+HYBRID_MAX_NUM_SEQS = 64
+
+
+def device_batch_limits(device_type: str, total_memory_bytes: int = 0, device_name: str = "") -> BatchLimits:
+    """The defaults for a device: ``device_type`` "cpu" or "cuda"; for a GPU its total memory and name."""
+    if device_type != "cuda":
+        return CPU_LIMITS
+    if total_memory_bytes >= 160 * GIB:
+        return BatchLimits(16384, 1024)
+    if total_memory_bytes >= 70 * GIB and "a100" not in device_name.lower():
+        return BatchLimits(8192, 1024)
+    return BatchLimits(2048, 256)
+
+
+def cuda_batch_limits(device: str) -> BatchLimits:
+    """device_batch_limits for the CUDA device ``device`` ("cuda" or "cuda:N"), read from torch."""
+    import torch
+
+    props = torch.cuda.get_device_properties(torch.device(device))
+    return device_batch_limits("cuda", props.total_memory, props.name)
