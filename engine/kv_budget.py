@@ -2,7 +2,8 @@
 
 The engine may use ``gpu_memory_utilization`` of the GPU's memory in all. What it needs besides the KV pool is
 the weights (allocated when this runs), the peak of one step's activations (measured: a profile forward of a
-full step, ``max_num_batched_tokens`` prompt tokens and the logits of ``max_num_seqs`` rows, over a scratch
+full step, ``max_num_batched_tokens`` prompt tokens as requests of at most ``max_model_len`` each and the
+logits of ``max_num_seqs`` rows, over a scratch
 cache) and what the process holds outside torch's allocator (the CUDA context, cuBLAS workspaces). The pool
 gets the rest:
 
@@ -73,11 +74,13 @@ def snapshot(device: torch.device) -> MemorySnapshot:
 
 
 def profile_activation_peak(model, num_tokens: int, num_logit_rows: int, block_size: int, device: torch.device,
-                            measure=None) -> int:
-    """Bytes a step of ``num_tokens`` prompt tokens (one request from position 0) and the logits of
-    ``num_logit_rows`` rows add at their peak over what is allocated before it, over a scratch cache of
-    just those tokens (freed after). ``measure``: (reset, peak, allocated) callables (tests pass their own;
-    default torch.cuda's peak statistics on ``device``)."""
+                            measure=None, max_seq_len: int = 0) -> int:
+    """Bytes a step of ``num_tokens`` prompt tokens and the logits of ``num_logit_rows`` rows add at their peak over
+    what is allocated before it, over a scratch cache of just those tokens (freed after). The tokens are requests
+    from position 0 of at most ``max_seq_len`` tokens each (0: one request), as vLLM's profile run splits its
+    budget: a step's budget may be larger than the model's context (8,192 tokens on an H100, the context capped
+    at 4,096), and a position past the rotary table would be read out of bounds. ``measure``: (reset, peak,
+    allocated) callables (tests pass their own; default torch.cuda's peak statistics on ``device``)."""
     from pdcluster.engine.attention import AttentionMetadata
 
     if measure is None:
@@ -85,16 +88,21 @@ def profile_activation_peak(model, num_tokens: int, num_logit_rows: int, block_s
                    lambda: torch.cuda.memory_allocated(device))
     reset, peak, allocated = measure
     a = model.arch
-    num_blocks = -(-num_tokens // block_size)
+    seq_lens = profile_seq_lens(num_tokens, max_seq_len)
+    blocks_per_seq = -(-max(seq_lens) // block_size)
+    num_blocks = blocks_per_seq * len(seq_lens)
     spec = KVCacheSpec(a.num_layers, 0, num_blocks, block_size, a.num_kv_heads, a.head_dim, model.dtype,
                        num_planes=kv_planes(a))
     cache = torch.zeros(spec.shape, dtype=model.dtype, device=device)
-    positions = torch.arange(num_tokens, device=device)
+    # Request i holds blocks [i * blocks_per_seq, (i + 1) * blocks_per_seq): its slots start at its first block.
+    positions = torch.cat([torch.arange(n) for n in seq_lens]).to(device)
+    first_slot = torch.cat([torch.full((n,), i * blocks_per_seq * block_size) for i, n in enumerate(seq_lens)])
+    block_tables = torch.arange(num_blocks, dtype=torch.int32).view(len(seq_lens), blocks_per_seq)
+    starts = torch.tensor([0, *seq_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     meta = AttentionMetadata(
-        slot_mapping=positions.clone(), block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None],
-        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
-        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device), uniform_q_len=None,
-        scale=model.scale)
+        slot_mapping=positions + first_slot.to(device), block_tables=block_tables.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device), query_start_loc=starts.to(device),
+        uniform_q_len=None, scale=model.scale)
     input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
     before = allocated()
     reset()
@@ -110,14 +118,24 @@ def profile_activation_peak(model, num_tokens: int, num_logit_rows: int, block_s
     return used
 
 
-def cuda_kv_pool_bytes(model, config, hybrid: bool, device: torch.device) -> int:
-    """The pool's bytes on this GPU for ``config`` (EngineConfig: gpu_memory_utilization, the step sizes)."""
+def profile_seq_lens(num_tokens: int, max_seq_len: int) -> list[int]:
+    """``num_tokens`` as requests of at most ``max_seq_len`` tokens (0: one request)."""
+    if max_seq_len <= 0 or num_tokens <= max_seq_len:
+        return [num_tokens]
+    full, rest = divmod(num_tokens, max_seq_len)
+    return [max_seq_len] * full + ([rest] if rest else [])
+
+
+def cuda_kv_pool_bytes(model, config, hybrid: bool, device: torch.device, max_model_len: int) -> int:
+    """The pool's bytes on this GPU for ``config`` (EngineConfig: gpu_memory_utilization, the step sizes); the
+    profile step's requests are at most ``max_model_len`` tokens."""
     total = torch.cuda.mem_get_info(device)[1]
     if hybrid:
         peak = int(HYBRID_ACTIVATION_FRACTION * total)
     else:
         peak = profile_activation_peak(model, config.max_num_batched_tokens, min(config.max_num_seqs,
-                                       config.max_num_batched_tokens), config.block_size, device)
+                                       config.max_num_batched_tokens), config.block_size, device,
+                                       max_seq_len=max_model_len)
     snap = snapshot(device)
     pool = kv_pool_bytes(snap, peak, config.gpu_memory_utilization)
     log.info("KV cache: %.2f GiB (gpu_memory_utilization %g of %.2f GiB; weights %.2f GiB, activation peak "

@@ -142,7 +142,8 @@ class LoadedModel:
         probe = KVCacheSpec(arch.num_layers + num_draft_layers, num_draft_layers, 1, config.block_size,
                             arch.num_kv_heads, arch.head_dim, kv_cache_dtype(config.kv_cache_dtype, dtype, arch),
                             num_planes=kv_planes(arch))
-        num_blocks = config.num_kv_blocks or _num_kv_blocks(model, config, probe.bytes_per_block, hybrid)
+        num_blocks = config.num_kv_blocks or _num_kv_blocks(model, config, probe.bytes_per_block, hybrid,
+                                                                 max_model_len)
         kv_spec = replace(probe, num_blocks=num_blocks)
         allocate = kv_cache_allocator or (lambda shape, dtype, device: allocate_kv_cache(kv_spec, device))
         kv_cache = allocate(kv_spec.shape, kv_spec.dtype, config.device)
@@ -169,7 +170,7 @@ class LoadedModel:
         )
 
 
-def _num_kv_blocks(model, config: EngineConfig, bytes_per_block: int, hybrid: bool) -> int:
+def _num_kv_blocks(model, config: EngineConfig, bytes_per_block: int, hybrid: bool, max_model_len: int) -> int:
     """Blocks of the KV pool: kv_cache_memory_gib's, or (0, auto) on a GPU what gpu_memory_utilization leaves
     (engine/kv_budget.py), on a CPU 1 GiB's."""
     if config.kv_cache_memory_gib:
@@ -177,7 +178,7 @@ def _num_kv_blocks(model, config: EngineConfig, bytes_per_block: int, hybrid: bo
     device = torch.device(config.device)
     if device.type != "cuda":
         return num_blocks_for_budget(bytes_per_block, CPU_DEFAULT_GIB)
-    return max(1, cuda_kv_pool_bytes(model, config, hybrid, device) // bytes_per_block)
+    return max(1, cuda_kv_pool_bytes(model, config, hybrid, device, max_model_len) // bytes_per_block)
 
 
 def _resolve_deterministic(config: EngineConfig) -> bool:

@@ -38,6 +38,41 @@ def test_profile_forward_runs_a_full_step(model):
     assert calls == ["before", "reset"]
 
 
+def test_profile_step_stays_inside_the_context():
+    """A step's budget larger than the context (an H100's 8,192 tokens, the context capped at 4,096) is profiled as
+    several requests of at most the context each, every one from position 0 in blocks of its own: no position past
+    the rotary table (the kernels read it unchecked), no slot outside the scratch cache, logits of the rows asked."""
+    from pdcluster.engine.kv_budget import profile_seq_lens
+
+    assert profile_seq_lens(8192, 4096) == [4096, 4096]
+    assert profile_seq_lens(2048, 600) == [600, 600, 600, 248]
+    assert profile_seq_lens(512, 600) == profile_seq_lens(512, 0) == [512]
+    m = load_model(resolve_model("tiny-random", progress=False), torch.float32, 601)
+    seen = {}
+    forward, logits = m.forward, m.compute_logits
+
+    def recording_forward(input_ids, positions, cache, meta, *rest):
+        seen.update(positions=positions.clone(), slots=meta.slot_mapping.clone(), seq_lens=meta.seq_lens.tolist(),
+                    starts=meta.query_start_loc.tolist(), tables=meta.block_tables.clone(), cache_shape=cache.shape)
+        return forward(input_ids, positions, cache, meta, *rest)
+
+    m.forward = recording_forward
+    m.compute_logits = lambda hidden: seen.update(logit_rows=hidden.shape[0]) or logits(hidden)
+    meter = (lambda: None, lambda: 5_000, lambda: 1_000)
+    assert profile_activation_peak(m, 2048, 64, 16, torch.device("cpu"), measure=meter, max_seq_len=600) == 4_000
+    assert seen["seq_lens"] == [600, 600, 600, 248] and seen["starts"] == [0, 600, 1200, 1800, 2048]
+    assert int(seen["positions"].max()) == 599
+    for i, (lo, hi) in enumerate(zip(seen["starts"], seen["starts"][1:])):
+        assert seen["positions"][lo:hi].tolist() == list(range(hi - lo))
+        # the request's slots are its own blocks', in order
+        table = seen["tables"][i]
+        expected = [int(table[p // 16]) * 16 + p % 16 for p in range(hi - lo)]
+        assert seen["slots"][lo:hi].tolist() == expected
+    assert len(set(seen["slots"].tolist())) == 2048
+    assert int(seen["slots"].max()) < seen["cache_shape"][2] * 16  # inside the scratch cache's blocks
+    assert seen["logit_rows"] == 64
+
+
 def test_cpu_auto_budget_is_one_gib():
     engine = make_engine("tiny-random", num_kv_blocks=0)  # kv_cache_memory_gib 0: automatic
     assert engine.kv_spec.num_blocks == GIB // engine.kv_spec.bytes_per_block
