@@ -38,8 +38,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="share of the GPU's memory a worker may use in all (workers sharing one GPU split it)")
     g.add_argument("--max-num-seqs", type=int, default=0,
-                   help="most requests running at once; 0 = the device's default (64 on a CPU, 256 on a GPU, 1024 on "
-                        "one of 70 GiB or more other than an A100: vLLM's serving defaults)")
+                   help="most requests running at once; 0 = the device's default (128 on a CPU, 256 on a GPU, 1024 on "
+                        "one of 70 GiB or more other than an A100: vLLM's serving defaults; 64 for a hybrid)")
     g.add_argument("--max-num-batched-tokens", type=int, default=0,
                    help="token budget of one step; 0 = the device's default (2048 on a CPU and smaller GPUs, 8192 on "
                         "an H100/H200, 16384 from 160 GiB)")

@@ -3,9 +3,10 @@ config leaves them 0: chosen for the device the engine runs on, as vLLM's servin
 
 vLLM's ``vllm serve`` (arg_utils ``get_batch_defaults``) takes 8,192 tokens and 1,024 sequences on an H100/H200
 (70 GiB or more and not an A100, where a larger budget measured slower), 16,384 and 1,024 from 160 GiB (B200), and
-2,048 and 256 on other GPUs. A CPU keeps our own measured 2,048 and 64 (vLLM's CPU serving default is 2,048 and 128):
-on a CPU a step is weight-streaming bound and more rows add little. A 64-sequence cap on an H200, our old default
-everywhere, left most of a decode batch's throughput unused.
+2,048 and 256 on other GPUs, and 2,048 and 128 on a CPU. Our old cap of 64 everywhere left most of an H200's decode
+batch unused, and on a CPU too 128 measured better at saturation: 256 queued SmolLM2 prompts (256 tokens in, 64 out,
+bf16, a 2-core AMX Xeon) gave 642 and 659 output tok/s at 128 against 598-617 and 577-580 at 64 in two runs; 256 gave
+637 and 611, the 1 GiB pool no longer holding every running request (bench/results/cpu_max_num_seqs_amx_s79.json).
 
 Hybrids (Mamba layers) keep 64 on every device: each running request holds a recurrent-state slot of the
 ``MambaStatePool``, which is allocated beside the KV pool rather than from its budget, so the cap is what bounds that
@@ -25,7 +26,7 @@ class BatchLimits:
     max_num_seqs: int
 
 
-CPU_LIMITS = BatchLimits(max_num_batched_tokens=2048, max_num_seqs=64)
+CPU_LIMITS = BatchLimits(max_num_batched_tokens=2048, max_num_seqs=128)
 HYBRID_MAX_NUM_SEQS = 64
 
 

@@ -87,7 +87,7 @@ class EngineConfig:
     kv_cache_memory_gib: float = 0.0
     gpu_memory_utilization: float = 0.9
     # The cap on running requests and the token budget of one step (all requests together); 0 = the device's
-    # default (engine/batch_limits.py, as vLLM's: 1,024 and 8,192 on an H100/H200, 64 and 2,048 on a CPU), resolved
+    # default (engine/batch_limits.py, as vLLM's: 1,024 and 8,192 on an H100/H200, 128 and 2,048 on a CPU), resolved
     # where the engine loads (resolve_batch_limits).
     max_num_seqs: int = 0
     max_num_batched_tokens: int = 0

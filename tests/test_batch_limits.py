@@ -1,6 +1,7 @@
 """max_num_seqs and max_num_batched_tokens default per device (engine/batch_limits.py): 0 in the config means the
 device's default, resolved where the engine loads; given values are kept. A GPU's are vLLM's serving defaults (an
-H200 runs 1,024 requests and 8,192 tokens a step, where we capped it at 64 and 2,048); a CPU keeps 64 and 2,048."""
+H200 runs 1,024 requests and 8,192 tokens a step, where we capped it at 64 and 2,048); a CPU 128 and 2,048, as vLLM's
+CPU serving default; a hybrid's cap stays 64."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pdcluster.engine.scheduler import Scheduler
 
 
 @pytest.mark.parametrize("device, memory_gib, name, expected", [
-    ("cpu", 0, "", (2048, 64)),
+    ("cpu", 0, "", (2048, 128)),
     ("cuda", 139.8, "NVIDIA H200", (8192, 1024)),
     ("cuda", 79.1, "NVIDIA H100 80GB HBM3", (8192, 1024)),
     ("cuda", 79.1, "NVIDIA A100-SXM4-80GB", (2048, 256)),  # a larger budget measured slower there (vLLM #17885)
@@ -40,7 +41,7 @@ def test_resolution_fills_only_what_is_zero(monkeypatch):
     gpu = auto.resolve_batch_limits("cuda")
     assert (gpu.max_num_seqs, gpu.max_num_batched_tokens) == (1024, 8192)
     cpu = auto.resolve_batch_limits("cpu")
-    assert (cpu.max_num_seqs, cpu.max_num_batched_tokens) == (64, 2048)
+    assert (cpu.max_num_seqs, cpu.max_num_batched_tokens) == (128, 2048)
     # A hybrid's requests each hold a Mamba state slot outside the KV budget: its cap stays 64 on any device.
     hybrid = auto.resolve_batch_limits("cuda:0", hybrid=True)
     assert (hybrid.max_num_seqs, hybrid.max_num_batched_tokens) == (64, 8192)
@@ -63,12 +64,15 @@ def test_unresolved_limits_are_refused_where_they_are_needed():
             EngineConfig(model="x", **{name: -1})
 
 
-@pytest.mark.parametrize("model", ["tiny-random", "tiny-hybrid"])
-def test_an_engine_on_a_cpu_runs_with_the_cpu_defaults(model):
+@pytest.mark.parametrize("model, max_num_seqs", [("tiny-random", 128), ("tiny-hybrid", 64)])
+def test_an_engine_on_a_cpu_runs_with_the_cpu_defaults(model, max_num_seqs):
     engine = make_engine(model, num_kv_blocks=64, max_model_len=256)
-    assert (engine.config.max_num_seqs, engine.config.max_num_batched_tokens) == (64, 2048)
+    assert (engine.config.max_num_seqs, engine.config.max_num_batched_tokens) == (max_num_seqs, 2048)
     assert engine.scheduler.config.max_num_batched_tokens == 2048
-    assert engine.runner.states.block_table_np.shape[0] == 64  # the runner's request slots follow the cap
+    # the runner's request slots (and a hybrid's Mamba state slots, one spare) follow the cap
+    assert engine.runner.states.block_table_np.shape[0] == max_num_seqs
+    if engine.runner.mamba_pool is not None:
+        assert engine.runner.mamba_pool.num_slots == max_num_seqs + 1
     given = make_engine(model, num_kv_blocks=64, max_model_len=256, max_num_seqs=5, max_num_batched_tokens=96)
     assert (given.config.max_num_seqs, given.config.max_num_batched_tokens) == (5, 96)
 

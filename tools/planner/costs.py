@@ -151,7 +151,7 @@ class EngineLimits:
     block_size: int = 16
     max_num_batched_tokens: int = 2048  # the engine's CPU defaults (engine/batch_limits.py); a profile says its own
     prefill_chunk_size: int = 2048  # resolved (EngineConfig.prefill_chunk_tokens): the engine default
-    max_num_seqs: int = 64
+    max_num_seqs: int = 128
     kv_capacity_tokens: int = 0  # a decode worker's KV pool, in tokens (0: unlimited)
 
 
