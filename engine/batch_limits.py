@@ -17,7 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-GIB = 1 << 30
+import torch
+
+from pdcluster.engine.kv_budget import GIB
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,5 @@ def device_batch_limits(device_type: str, total_memory_bytes: int = 0, device_na
 
 def cuda_batch_limits(device: str) -> BatchLimits:
     """device_batch_limits for the CUDA device ``device`` ("cuda" or "cuda:N"), read from torch."""
-    import torch
-
     props = torch.cuda.get_device_properties(torch.device(device))
     return device_batch_limits("cuda", props.total_memory, props.name)
