@@ -141,15 +141,19 @@ def pack_any_rows(rows: StepRows, idx_mapping: np.ndarray, states: RequestStates
 
 def prepare_inputs(rows: StepRows, idx_mapping: np.ndarray, states: RequestStates, inputs: StepInputs,
                    block_size: int, num_spec_steps: int, scale: float, mamba_pool: MambaStatePool | None,
-                   graphs: DecodeGraphs | None = None) -> InputBatch:
+                   graphs: DecodeGraphs | None = None, rope_positions=None) -> InputBatch:
     """Pack ``rows`` (requests at slots ``idx_mapping``) into one batch; ``inputs`` moves the host arrays to
     the device, ``scale`` is the attention scale, ``mamba_pool`` the hybrid's state pool (None if none).
     ``graphs``: the CUDA graphs the runner would replay a uniform decode batch of this step through; such a
-    batch's per-token inputs then go straight into their static buffers (``DecodeGraphs.stage``)."""
+    batch's per-token inputs then go straight into their static buffers (``DecodeGraphs.stage``).
+    ``rope_positions(positions, query_start_loc, idx_mapping)``: the tokens' rotary positions where they are not
+    their sequence positions (M-RoPE: engine/multimodal/mrope.py); KV slots stay by sequence position."""
     q_lens, starts = rows.q_lens_np, rows.starts_np
     (query_start_loc, positions, slot_mapping, input_ids, seq_lens, block_tables,
      logits_start, logits_count, logits_indices) = pack_rows(rows, idx_mapping, states, block_size)
     kind = classify_batch(q_lens, num_spec_steps)
+    if rope_positions is not None:
+        positions = rope_positions(positions, query_start_loc, idx_mapping)
     # Every array of the step to the device in one copy (engine/step_inputs.py).
     host = {"slot_mapping": slot_mapping, "block_tables": block_tables, "seq_lens": seq_lens,
             "query_start_loc": query_start_loc.astype(np.int32), "input_ids": input_ids,

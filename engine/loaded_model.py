@@ -125,14 +125,16 @@ class LoadedModel:
                                max_model_len=max_model_len, shard=shard, group=driver and driver.group)
             if config.lora_modules or config.enable_lora:
                 install(model, adapters, runtime=config.enable_lora)
-            if ImageSpec.from_dir(model_dir) is not None:
+            if (spec := ImageSpec.from_dir(model_dir)) is not None:
                 if config.max_images_per_prompt() == 0:
                     log.info("%s takes images, but --limit-mm-per-prompt allows none: served for text, its vision "
                              "tower not loaded", config.model)
                 else:  # on rank 0 of a split: the other ranks get the embeddings with each forward
-                    from pdcluster.engine.multimodal.llava import LlavaImageEncoder
+                    from pdcluster.engine.multimodal.encoders import image_encoder
 
-                    model.image_encoder = LlavaImageEncoder(model_dir, dtype, config.device, deterministic)
+                    if spec.patches is not None:  # M-RoPE: image rows' scratch rows of the rotary tables
+                        install_mrope(model, spec, model_dir, config)
+                    model.image_encoder = image_encoder(model_dir, dtype, config.device, deterministic)
         except BaseException:
             if driver is not None:
                 driver.close()
@@ -168,6 +170,19 @@ class LoadedModel:
             eos_token_ids=frozenset(arch.eos_token_ids) | frozenset(tokenizer.stop_token_ids),
             rank_kv_caches=rank_kv_caches,
         )
+
+
+def install_mrope(model, spec, model_dir: Path, config: EngineConfig) -> None:
+    """A Qwen2-VL's M-RoPE (engine/multimodal/mrope.py) on the loaded model, before any graph is captured."""
+    from pdcluster.engine.multimodal.mrope import MRope, mrope_sections
+
+    if config.tensor_parallel_size > 1:
+        raise ValueError(f"{config.model}: images on a tensor-parallel split of an M-RoPE model are not supported: "
+                         "serve it with --tensor-parallel-size 1, or for text with --limit-mm-per-prompt "
+                         "'{\"image\": 0}'")
+    cfg = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    sections = mrope_sections(cfg, model.arch.head_dim, str(model_dir / "config.json"))
+    model.mrope = MRope(spec, model.rope, sections, config.max_num_batched_tokens)
 
 
 def _num_kv_blocks(model, config: EngineConfig, bytes_per_block: int, hybrid: bool, max_model_len: int) -> int:

@@ -128,6 +128,10 @@ class ModelRunner:
         self.proposer = proposer or make_proposer(config, model, kv_cache)
         # A model that takes images: its encoder's outputs by image digest (engine/multimodal/step.py).
         self.image_embeds = ImageEmbeds(encoder) if (encoder := getattr(model, "image_encoder", None)) is not None else None
+        # M-RoPE (Qwen2-VL): each slot's image layout and the shift its positions after the images take.
+        self.mrope = getattr(model, "mrope", None)
+        self._rope_layouts: list = [None] * config.max_num_seqs
+        self._rope_delta_np = np.zeros(config.max_num_seqs, dtype=np.int64)
         # Async scheduling schedules exactly min(k, room) draft placeholders per decode row, so every
         # sampling row must then come with that many drafts (a short n-gram match is padded).
         self.fixed_num_drafts = config.async_scheduling
@@ -277,6 +281,9 @@ class ModelRunner:
             self._lora_index_np[idx] = -1 if params.lora_name is None else self._lora_slot(params)
         num_client_prompt = s.num_prompt_tokens - params.output_position_offset
         self.states.client_prompt_len_np[idx] = num_client_prompt
+        if self.mrope is not None:
+            layout = self._rope_layouts[idx] = self.mrope.layout(params)
+            self._rope_delta_np[idx] = 0 if layout is None else layout.delta
         self._prompt_logprobs.pop(s.request_id, None)
         self._pooling_sums.pop(s.request_id, None)  # recomputed from its first token (no prefix hit for "mean")
         self.grammars.pop(s.request_id, None)
@@ -311,7 +318,8 @@ class ModelRunner:
         graphs = self.graphs if (self.graphs is not None and not sends_layers and images is None and (
             self.graphs.lora is not None or not self._has_lora_rows(idx_mapping))) else None
         batch = prepare_inputs(rows, idx_mapping, self.states, self.inputs, self.block_size, self.num_spec_steps,
-                               self.model.scale, self.mamba_pool, graphs)
+                               self.model.scale, self.mamba_pool, graphs,
+                               None if self.mrope is None else self._rope_positions)
         kind, meta = batch.batch_kind, batch.attn_metadata
         self.last_batch_kind = kind
         self.connector.pre_forward(sched)
@@ -335,6 +343,13 @@ class ModelRunner:
             batch.logits_indices, set(sched.finished_req_ids), rows, batch.query_start_loc_np,
             batch.logits_all_tokens,
         )
+
+    def _rope_positions(self, positions_np: np.ndarray, query_start_loc_np: np.ndarray,
+                        idx_mapping: np.ndarray) -> np.ndarray:
+        """M-RoPE's rotary positions of a step's tokens (engine/multimodal/mrope.py)."""
+        layouts = self._rope_layouts
+        return self.mrope.rope_positions(positions_np, query_start_loc_np, self._rope_delta_np[idx_mapping],
+                                         [layouts[i] for i in idx_mapping.tolist()])
 
     def _lora_slot(self, params) -> int:
         """The slot of the adapter a request runs with: by name and content (an adapter unloaded meanwhile is

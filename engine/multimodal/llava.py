@@ -39,7 +39,7 @@ _ACTIVATIONS = {"gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approxi
                 "relu": F.relu, "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x)}
 
 
-def _read_tensors(model_dir: Path, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+def read_tensors(model_dir: Path, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
     out = {}
     for path in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
@@ -78,7 +78,7 @@ class _EngineLinear(torch.nn.Module):
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def _engine_linears(module: torch.nn.Module, deterministic: bool) -> None:
+def engine_linears(module: torch.nn.Module, deterministic: bool) -> None:
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, torch.nn.Linear):
@@ -112,7 +112,7 @@ class LlavaImageEncoder:
         with torch.device("meta"):
             tower = transformers.AutoModel.from_config(vision_cfg)
         expected = tower.state_dict()
-        state = _tower_names(_read_tensors(model_dir, _TOWER_PREFIXES), expected)
+        state = _tower_names(read_tensors(model_dir, _TOWER_PREFIXES), expected)
         # Buffers transformers builds itself (CLIP's position_ids) may be absent from a checkpoint; SigLIP's pooling
         # head is not read by LLaVA.
         missing = {n for n in set(expected) - set(state) if not n.endswith("position_ids") and "head." not in n}
@@ -126,15 +126,15 @@ class LlavaImageEncoder:
                 buf.copy_(torch.arange(buf.shape[-1], device=self.device).expand_as(buf))
         self.tower = tower.to(dtype).eval()
         self.deterministic = deterministic
-        _engine_linears(self.tower, deterministic)
-        proj = _read_tensors(model_dir, _PROJECTOR_PREFIXES)
+        engine_linears(self.tower, deterministic)
+        proj = read_tensors(model_dir, _PROJECTOR_PREFIXES)
         self.w1, self.w2 = (Linear(proj[f"linear_{i}.weight"].to(self.device, dtype), deterministic=deterministic)
                             for i in (1, 2))
         self.b1, self.b2 = (proj[f"linear_{i}.bias"].to(self.device, dtype) if f"linear_{i}.bias" in proj else None
                             for i in (1, 2))
         self.image_newline = None
         if self.spec.grid is not None:
-            found = _read_tensors(model_dir, _NEWLINE_NAMES)  # either name, read as ""
+            found = read_tensors(model_dir, _NEWLINE_NAMES)  # either name, read as ""
             if "" not in found:
                 raise ValueError(f"{model_dir}: a LLaVA-NeXT checkpoint without image_newline")
             self.image_newline = found[""].to(self.device, dtype)

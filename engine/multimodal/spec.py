@@ -4,12 +4,17 @@ and the expansion of a prompt's image tokens into them (the same at the API and 
 LLaVA 1.5's tower sees one fixed-size crop: every image is the same number of tokens. LLaVA-NeXT's ("anyres") sees
 the image resized onto the best of its grid of tile layouts plus the whole image at one tile's size; its placeholders
 are one tile's patches, then the tiles' patches with the padding rows or columns the resize left dropped, a newline
-embedding closing each row: the count follows the image's size (``AnyResGrid``)."""
+embedding closing each row: the count follows the image's size (``AnyResGrid``).
+
+Qwen2-VL and Qwen2.5-VL resize each image to multiples of a merged patch (28 pixels) within a pixel budget and give
+one placeholder per merged patch (``MergedPatchGrid``): the count follows the size too, and the placeholders take
+M-RoPE positions by their row and column (engine/multimodal/mrope.py)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +23,8 @@ from pdcluster.engine.multimodal.limits import DEFAULT_MAX_IMAGES_PER_PROMPT
 # Vision towers whose output is a fixed number of tokens an image (the processor resizes and crops to one size).
 FIXED_SIZE_TOWERS = ("clip_vision_model", "siglip_vision_model")
 LLAVA_NEXT = "LlavaNextForConditionalGeneration"
-IMAGE_ARCHITECTURES = ("LlavaForConditionalGeneration", LLAVA_NEXT)
+QWEN_VL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+IMAGE_ARCHITECTURES = ("LlavaForConditionalGeneration", LLAVA_NEXT) + QWEN_VL_ARCHITECTURES
 
 
 # What a request with images is told where --limit-mm-per-prompt turned them off (the API's and the engine's words).
@@ -86,20 +92,75 @@ class AnyResGrid:
 
 
 @dataclass(frozen=True)
+class MergedPatchGrid:
+    """Qwen2-VL's image layout: an image resized to multiples of ``patch_size * merge_size`` pixels a side, its pixel
+    count within [min_pixels, max_pixels] (transformers' smart_resize), then one placeholder per merged patch."""
+
+    patch_size: int = 14
+    merge_size: int = 2
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+
+    def resized(self, height: int, width: int) -> tuple[int, int]:
+        """(height, width) in pixels the processor resizes an image to; ImageInputError past 200:1."""
+        factor = self.patch_size * self.merge_size
+        if max(height, width) / min(height, width) > 200:
+            raise ImageInputError(f"a {width}x{height} image: the aspect ratio must be at most 200:1")
+        h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
+        if h_bar * w_bar > self.max_pixels:
+            beta = math.sqrt(height * width / self.max_pixels)
+            h_bar = max(factor, math.floor(height / beta / factor) * factor)
+            w_bar = max(factor, math.floor(width / beta / factor) * factor)
+        elif h_bar * w_bar < self.min_pixels:
+            beta = math.sqrt(self.min_pixels / (height * width))
+            h_bar, w_bar = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+        return h_bar, w_bar
+
+    def merged_grid(self, height: int, width: int) -> tuple[int, int]:
+        """(rows, columns) of an image's placeholders: its merged patches."""
+        factor = self.patch_size * self.merge_size
+        h_bar, w_bar = self.resized(height, width)
+        return h_bar // factor, w_bar // factor
+
+    def num_tokens(self, height: int, width: int) -> int:
+        rows, cols = self.merged_grid(height, width)
+        return rows * cols
+
+    @classmethod
+    def from_configs(cls, vision: dict, processor: dict) -> MergedPatchGrid:
+        """From config.json's ``vision_config`` and preprocessor_config.json (its ``min_pixels`` / ``max_pixels``
+        over ``size``'s, as transformers reads them)."""
+        size = processor.get("size") or {}
+        patch = int(processor.get("patch_size") or vision.get("patch_size") or vision.get("spatial_patch_size") or 14)
+        merge = int(processor.get("merge_size") or vision.get("spatial_merge_size") or 2)
+        least = processor.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels") or 56 * 56
+        most = processor.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels") or 28 * 28 * 1280
+        return cls(patch, merge, int(least), int(most))
+
+
+@dataclass(frozen=True)
 class ImageSpec:
     architecture: str
     image_token_id: int
     tokens_per_image: int  # LLaVA-NeXT: one tile's (the fewest an image may have); see tokens_for
     grid: AnyResGrid | None = None  # LLaVA-NeXT's tiling: the count follows each image's size
     hidden_size: int | None = None  # the language model's (an image's embeddings are this wide); None: not stated
+    patches: MergedPatchGrid | None = None  # Qwen2-VL's layout: the count follows each image's size, M-RoPE rows
 
     @classmethod
-    def from_config(cls, cfg: dict, where: str = "config.json") -> ImageSpec | None:
+    def from_config(cls, cfg: dict, where: str = "config.json", processor: dict | None = None) -> ImageSpec | None:
         """The spec of a checkpoint that takes images, None for one that does not. A LLaVA whose tower gives a
-        varying number of tokens an image (Pixtral's) is refused by name."""
+        varying number of tokens an image (Pixtral's) is refused by name. ``processor``: preprocessor_config.json
+        (Qwen2-VL's pixel budget; transformers' defaults without it)."""
         architecture = (cfg.get("architectures") or [None])[0]
         if architecture not in IMAGE_ARCHITECTURES:
             return None
+        if architecture in QWEN_VL_ARCHITECTURES:
+            text = {**cfg, **(cfg.get("text_config") or {})}
+            patches = MergedPatchGrid.from_configs(cfg.get("vision_config") or {}, processor or {})
+            hidden = text.get("hidden_size")
+            return cls(architecture, int(cfg.get("image_token_id", 151655)), 1,
+                       hidden_size=int(hidden) if isinstance(hidden, int) else None, patches=patches)
         vision = cfg.get("vision_config") or {}
         tower = vision.get("model_type", "clip_vision_model")
         if tower not in FIXED_SIZE_TOWERS:
@@ -136,11 +197,13 @@ class ImageSpec:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             return None
-        return cls.from_config(json.loads(path.read_text(encoding="utf-8")), str(path))
+        processor = Path(model_dir) / "preprocessor_config.json"
+        return cls.from_config(json.loads(path.read_text(encoding="utf-8")), str(path),
+                               json.loads(processor.read_text(encoding="utf-8")) if processor.is_file() else None)
 
     def tokens_for(self, data: bytes, label: str = "image") -> int:
         """How many placeholders an image (its encoded bytes) becomes; ImageInputError for bytes that are no image."""
-        if self.grid is None:
+        if self.grid is None and self.patches is None:
             return self.tokens_per_image
         from pdcluster.engine.multimodal.images import image_size  # images.py imports this module
 
@@ -148,6 +211,8 @@ class ImageSpec:
 
     def tokens_for_size(self, width: int, height: int) -> int:
         """How many placeholders an image of ``width`` x ``height`` pixels becomes."""
+        if self.patches is not None:
+            return self.patches.num_tokens(height, width)
         return self.tokens_per_image if self.grid is None else self.grid.num_tokens(height, width)
 
     def expand(self, prompt_token_ids: list[int], images: list[bytes | ImageEmbedding],

@@ -1,0 +1,90 @@
+"""A Qwen2-VL / Qwen2.5-VL checkpoint's image encoder: its image processor and vision tower (with the merger).
+
+The tower is transformers' own module for the architecture (Qwen2VisionTransformerPretrainedModel,
+Qwen2_5_VisionTransformerPretrainedModel: patch embedding, 2-D rotary ViT blocks, Qwen2.5's windowed attention, the
+2 x 2 patch merger), built from the checkpoint's ``vision_config`` and given the checkpoint's ``visual.*`` weights; the
+processor is transformers' for the checkpoint (``preprocessor_config.json``: the resize within the pixel budget,
+patches flattened in merge order). An image's embeddings are the merger's rows, one per merged patch, in the order
+spec.MergedPatchGrid counts them (rows of columns): what transformers' get_image_features computes. Their M-RoPE
+positions are engine/multimodal/mrope.py's.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from pdcluster.engine.checkout_path import drop_checkout_from_sys_path
+from pdcluster.engine.multimodal.images import open_image
+from pdcluster.engine.multimodal.llava import MAX_CROPS_A_CALL, engine_linears, read_tensors
+from pdcluster.engine.multimodal.spec import ImageSpec
+
+# transformers 5 saves the tower under model.visual, the Hub's Qwen2-VL / Qwen2.5-VL checkpoints under visual.
+_TOWER_PREFIXES = ("model.visual.", "visual.")
+_TOWERS = {"Qwen2VLForConditionalGeneration": ("qwen2_vl", "Qwen2VisionTransformerPretrainedModel"),
+           "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2_5_VisionTransformerPretrainedModel")}
+
+
+class QwenVLImageEncoder:
+    def __init__(self, model_dir: str | Path, dtype: torch.dtype, device: torch.device | str,
+                 deterministic: bool = False):
+        drop_checkout_from_sys_path()
+        import importlib
+
+        import transformers
+
+        model_dir = Path(model_dir)
+        self.spec = ImageSpec.from_dir(model_dir)
+        self.dtype, self.device, self.deterministic = dtype, torch.device(device), deterministic
+        if not (model_dir / "preprocessor_config.json").is_file():
+            raise ValueError(f"{model_dir}: no preprocessor_config.json (the image processor's settings)")
+        logging.getLogger("transformers.models.auto.image_processing_auto").setLevel(logging.ERROR)
+        self.processor = transformers.AutoImageProcessor.from_pretrained(str(model_dir), local_files_only=True)
+        module, name = _TOWERS[self.spec.architecture]
+        tower_class = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)
+        vision_cfg = transformers.AutoConfig.from_pretrained(str(model_dir), local_files_only=True).vision_config
+        vision_cfg._attn_implementation = "sdpa"
+        with torch.device("meta"):
+            tower = tower_class(vision_cfg)
+        expected = tower.state_dict()
+        state = read_tensors(model_dir, _TOWER_PREFIXES)
+        missing = set(expected) - set(state)
+        if missing:
+            raise ValueError(f"{model_dir}: the vision tower's weights lack {', '.join(sorted(missing)[:3])}"
+                             f"{' ...' if len(missing) > 3 else ''}")
+        tower = tower.to_empty(device=self.device)
+        tower.load_state_dict({k: state[k] for k in expected}, strict=True)
+        tower = tower.to(dtype).eval()
+        # The rotary table's frequencies are a buffer transformers computes, not a weight: made again, in float32.
+        tower.rotary_pos_emb = type(tower.rotary_pos_emb)(vision_cfg).to(self.device)
+        engine_linears(tower, deterministic)
+        self.tower = tower
+        self.merge_size = vision_cfg.spatial_merge_size
+
+    def encode(self, images: list[bytes]) -> list[torch.Tensor]:
+        """Each image's embeddings, [its placeholders, text hidden] in the model's dtype on its device; one image a
+        tower call in deterministic mode (its bits whatever else a step holds), else up to MAX_CROPS_A_CALL a call
+        (the tower's activations are outside the GPU's KV budget)."""
+        per_call = 1 if self.deterministic else MAX_CROPS_A_CALL
+        out: list[torch.Tensor] = []
+        for first in range(0, len(images), per_call):
+            out += self._encode(images[first:first + per_call], first)
+        return out
+
+    @torch.inference_mode()
+    def _encode(self, images: list[bytes], first: int) -> list[torch.Tensor]:
+        pil = [open_image(data, f"image {first + i}") for i, data in enumerate(images)]
+        processed = self.processor(images=pil, return_tensors="pt")
+        grid_thw = processed["image_grid_thw"]
+        merged = self.tower(processed["pixel_values"].to(self.device, self.dtype),
+                            grid_thw=grid_thw.to(self.device)).pooler_output
+        out = list(merged.split((grid_thw.prod(-1) // self.merge_size ** 2).tolist()))
+        for i, (image, embeds) in enumerate(zip(pil, out)):
+            want = self.spec.tokens_for_size(image.width, image.height)
+            if embeds.shape[0] != want:
+                raise RuntimeError(f"the vision tower gave {embeds.shape[0]} tokens for image {first + i}, expected "
+                                   f"{want}")
+        return out
+
