@@ -48,8 +48,7 @@ def rope_layout(spec: ImageSpec, mm_inputs: list[dict]) -> RopeLayout | None:
     images, shift = [], 0
     for i, item in enumerate(mm_inputs):
         if "embeds" in item:
-            raise ImageInputError(f"image {i}: a {spec.architecture} takes images, not their embeddings (M-RoPE "
-                                  "needs each image's grid of patches)")
+            raise ImageInputError(spec.embeddings_refused(i))
         width, height = image_size(item["data"], f"image {i}")
         rows, cols = spec.patches.merged_grid(height, width)
         if rows * cols != item["length"]:

@@ -159,7 +159,8 @@ class ImageSpec:
             text = {**cfg, **(cfg.get("text_config") or {})}
             patches = MergedPatchGrid.from_configs(cfg.get("vision_config") or {}, processor or {})
             hidden = text.get("hidden_size")
-            return cls(architecture, int(cfg.get("image_token_id", 151655)), 1,
+            least = max(1, patches.min_pixels // (patches.patch_size * patches.merge_size) ** 2)
+            return cls(architecture, int(cfg.get("image_token_id", 151655)), least,
                        hidden_size=int(hidden) if isinstance(hidden, int) else None, patches=patches)
         vision = cfg.get("vision_config") or {}
         tower = vision.get("model_type", "clip_vision_model")
@@ -194,12 +195,18 @@ class ImageSpec:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ImageSpec | None:
+        """The spec of the checkpoint in ``model_dir`` (with its preprocessor_config.json; a Qwen2-VL without one is
+        served for text)."""
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             return None
+        cfg = json.loads(path.read_text(encoding="utf-8"))
         processor = Path(model_dir) / "preprocessor_config.json"
-        return cls.from_config(json.loads(path.read_text(encoding="utf-8")), str(path),
-                               json.loads(processor.read_text(encoding="utf-8")) if processor.is_file() else None)
+        if not processor.is_file():
+            if (cfg.get("architectures") or [None])[0] in QWEN_VL_ARCHITECTURES:
+                return None  # no pixel budget to place images by: its language model served for text
+            return cls.from_config(cfg, str(path))
+        return cls.from_config(cfg, str(path), json.loads(processor.read_text(encoding="utf-8")))
 
     def tokens_for(self, data: bytes, label: str = "image") -> int:
         """How many placeholders an image (its encoded bytes) becomes; ImageInputError for bytes that are no image."""
@@ -229,6 +236,8 @@ class ImageSpec:
         last = 0
         for i, (pos, image) in enumerate(zip(at, images)):
             out += prompt_token_ids[last:pos]
+            if isinstance(image, ImageEmbedding) and self.patches is not None:
+                raise ImageInputError(self.embeddings_refused(i))
             if isinstance(image, ImageEmbedding):
                 length = image.rows
                 items.append({"offset": len(out), "length": length, "digest": image_digest(image.data),
@@ -248,6 +257,8 @@ class ImageSpec:
         end = -1
         for i, item in enumerate(mm_inputs):
             offset, length = item["offset"], item["length"]
+            if "embeds" in item and self.patches is not None:
+                raise ImageInputError(self.embeddings_refused(i))
             # Embeddings' rows are their placeholders (check_mm_inputs saw that they agree).
             want = length if "embeds" in item else self.tokens_for(item["data"], f"image {i}")
             if length != want or offset <= end or offset + length > len(prompt_token_ids):
@@ -257,6 +268,10 @@ class ImageSpec:
                 raise ImageInputError(f"image {i}: the prompt's tokens {offset}..{offset + length} are not its "
                                       f"image token (id {self.image_token_id})")
             end = offset + length - 1
+
+    def embeddings_refused(self, i: int) -> str:
+        return (f"image {i}: a {self.architecture} takes images, not their embeddings (its M-RoPE positions need "
+                "each image's grid of patches)")
 
     def check_no_image_tokens(self, prompt_token_ids: list[int]) -> None:
         """A prompt given without images holds no image token (a client's prompt: the token typed in)."""
