@@ -581,8 +581,53 @@ def images_check(tokenizer_dir: Path, num_new: int, device: str, work: Path) -> 
                       "first_diff": next(({"prompt": k, "got": g, "expected": e}
                                           for k, (g, e) in enumerate(zip(got, expected)) if g != e), None)}
     out["llava_next"] = _llava_next_check(tokenizer_dir, num_new, device, work, params)
+    for v25 in (False, True):
+        out["qwen2.5-vl" if v25 else "qwen2-vl"] = _qwen2_vl_check(tokenizer_dir, num_new, device, work, params, v25)
     out["ok"] = out["images_change_output"] and all(out[v]["ok"] for v in ("batch", "chunked+preemption",
-                                                                          "llava_next"))
+                                                                          "llava_next", "qwen2-vl", "qwen2.5-vl"))
+    return out
+
+
+def _qwen2_vl_check(tokenizer_dir: Path, num_new: int, device: str, work: Path, params, v25: bool) -> dict:
+    """Qwen2-VL / Qwen2.5-VL on the device: M-RoPE image rows (scratch rows of the rotary table) and shifted decode
+    positions, batched and chunked through the placeholders with preemption, equal transformers' greedy (tests/
+    test_qwen2_vl.py's prompts)."""
+    import torch
+    import transformers
+
+    from pdcluster.engine.config import EngineConfig
+    from pdcluster.engine.llm_engine import LLMEngine
+    from pdcluster.engine.multimodal.spec import ImageSpec
+    from pdcluster.engine.multimodal.tiny_llava import png
+    from pdcluster.engine.multimodal.tiny_qwen2_vl import build_tiny_qwen2_vl, transformers_greedy
+    from pdcluster.engine.tokenizer import Tokenizer
+
+    model_dir = build_tiny_qwen2_vl(work / ("tiny-qwen2.5-vl" if v25 else "tiny-qwen2-vl"), tokenizer_dir, v25=v25)
+    image = "<|vision_start|><|image_pad|><|vision_end|>"
+    one = f"<|im_start|>user\n{image}What is in this picture?<|im_end|>\n<|im_start|>assistant\n"
+    two = f"<|im_start|>user\n{image}and{image}Which one is brighter?<|im_end|>\n<|im_start|>assistant\n"
+    images = [png(1, 40, 36), png(2, 48, 30), png(3, 33, 50)]
+    cases = [(one, images[:1]), (one, images[1:2]), (two, images[2:] + images[:1]),
+             ("<|im_start|>user\nTell me a story about a cat.<|im_end|>\n<|im_start|>assistant\n", [])]
+    spec, tokenizer = ImageSpec.from_dir(model_dir), Tokenizer(model_dir)
+    hf = transformers.AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=torch.float32)
+    hf = hf.to(device).eval()
+    expected = [transformers_greedy(model_dir, spec.expand(tokenizer.encode(t), i)[0], i, num_new, device, hf)
+                for t, i in cases]
+    del hf
+    prompts = [{"prompt": t, "multi_modal_data": {"image": i}} if i else t for t, i in cases]
+    out = {"images_change_output": expected[0] != expected[1]}
+    for vname, cfg in (("batch", {}), ("chunked+preemption", dict(max_num_batched_tokens=5, block_size=8,
+                                                                   num_kv_blocks=10, enable_prefix_caching=False))):
+        engine = LLMEngine.from_config(EngineConfig(**{**dict(model=str(model_dir), device=device, dtype="float32",
+                                                              num_kv_blocks=64, max_model_len=256), **cfg}),
+                                       progress=False)
+        got = [o.token_ids for o in engine.generate(prompts, params)]
+        ok = got == expected and (vname == "batch" or engine.scheduler.num_preemptions_total > 0)
+        out[vname] = {"ok": ok, "num_preemptions": engine.scheduler.num_preemptions_total,
+                      "first_diff": next(({"prompt": k, "got": g, "expected": e}
+                                          for k, (g, e) in enumerate(zip(got, expected)) if g != e), None)}
+    out["ok"] = out["images_change_output"] and out["batch"]["ok"] and out["chunked+preemption"]["ok"]
     return out
 
 

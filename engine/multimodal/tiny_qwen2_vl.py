@@ -6,6 +6,7 @@ by transformers, with tiny-random's tokenizer and Qwen2-VL's vision tokens added
 
 from __future__ import annotations
 
+import inspect
 import io
 import json
 from pathlib import Path
@@ -78,7 +79,9 @@ def transformers_greedy(model_dir: Path, prompt_ids: list[int], images: list[byt
         processed = processor(images=[Image.open(io.BytesIO(b)).convert("RGB") for b in images], return_tensors="pt")
         kwargs = {k: processed[k].to(device) for k in ("pixel_values", "image_grid_thw")}
     ids = torch.tensor([prompt_ids], device=device)
-    if images:  # which tokens are an image's (transformers' processor returns it): its M-RoPE positions from them
+    # Which tokens are an image's (transformers' processor returns it; 5.2x computes M-RoPE positions from it, older
+    # versions from the vision tokens).
+    if images and "mm_token_type_ids" in inspect.signature(model.forward).parameters:
         kwargs["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
     with torch.inference_mode():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_new,
