@@ -113,6 +113,12 @@ class LoadedModel:
 
             adapters = [load_adapter(name, path, config.max_lora_rank) for name, path in config.lora_paths().items()]
         driver = shard = None
+        spec = ImageSpec.from_dir(model_dir)
+        if spec is not None and spec.patches is not None and config.tensor_parallel_size > 1 and \
+                config.max_images_per_prompt() > 0:  # the other ranks' rotary tables would need the image rows too
+            raise ValueError(f"{config.model}: images on a tensor-parallel split of an M-RoPE model (Qwen2-VL) are not "
+                             "supported: serve it with --tensor-parallel-size 1, or for text with "
+                             "--limit-mm-per-prompt '{\"image\": 0}'")
         if config.tensor_parallel_size > 1:  # the other ranks load their slices while this one loads its own
             check_shardable(model_class_of(model_dir), arch, config.tensor_parallel_size)
             draft = check_speculation(config, arch)
@@ -125,7 +131,7 @@ class LoadedModel:
                                max_model_len=max_model_len, shard=shard, group=driver and driver.group)
             if config.lora_modules or config.enable_lora:
                 install(model, adapters, runtime=config.enable_lora)
-            if (spec := ImageSpec.from_dir(model_dir)) is not None:
+            if spec is not None:
                 if config.max_images_per_prompt() == 0:
                     log.info("%s takes images, but --limit-mm-per-prompt allows none: served for text, its vision "
                              "tower not loaded", config.model)
@@ -176,10 +182,6 @@ def install_mrope(model, spec, model_dir: Path, config: EngineConfig) -> None:
     """A Qwen2-VL's M-RoPE (engine/multimodal/mrope.py) on the loaded model, before any graph is captured."""
     from pdcluster.engine.multimodal.mrope import MRope, mrope_sections
 
-    if config.tensor_parallel_size > 1:
-        raise ValueError(f"{config.model}: images on a tensor-parallel split of an M-RoPE model are not supported: "
-                         "serve it with --tensor-parallel-size 1, or for text with --limit-mm-per-prompt "
-                         "'{\"image\": 0}'")
     cfg = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     sections = mrope_sections(cfg, model.arch.head_dim, str(model_dir / "config.json"))
     model.mrope = MRope(spec, model.rope, sections, config.max_num_batched_tokens)

@@ -210,3 +210,28 @@ def test_decode_graphs_and_async_scheduling_keep_the_positions(qwen_dir, referen
     outs = eng.generate([_prompt(t, i) for t, i in CASES], PARAMS)
     assert [o.token_ids for o in outs] == reference
     assert eng.runner.graphs.num_replays > 0 and eng.num_steps_launched_ahead > 0
+
+
+def test_bf16_deterministic_batch_invariant(qwen_dir):
+    """bf16 in deterministic mode (the CPU default with avx512_bf16): a request with images gets its tokens alone, bit
+    for bit, in a batch with other images and text (the scratch rows of one step hold every row's image tokens)."""
+    eng = LLMEngine.from_config(_config(qwen_dir, dtype="bfloat16", deterministic=True, enable_prefix_caching=False),
+                                progress=False)
+    prompts = [_prompt(t, i) for t, i in CASES]
+    batched = [o.token_ids for o in eng.generate(prompts, PARAMS)]
+    eng.runner.image_embeds.clear()
+    assert [eng.generate([p], PARAMS)[0].token_ids for p in prompts] == batched
+
+
+def test_tensor_parallel_images_refused_before_loading(qwen_dir, reference):
+    """A split's other ranks would need the image rows' rotary rows too: refused by name before any rank starts; for
+    text (images off) the split is served."""
+    with pytest.raises(ValueError, match="tensor-parallel split of an M-RoPE model"):
+        LLMEngine.from_config(_config(qwen_dir, tensor_parallel_size=2), progress=False)
+    split = LLMEngine.from_config(_config(qwen_dir, tensor_parallel_size=2, limit_mm_per_prompt='{"image": 0}'),
+                                  progress=False)
+    try:
+        assert split.generate([CASES[3][0]], PARAMS)[0].token_ids == reference[3]
+    finally:
+        split.close()
+
