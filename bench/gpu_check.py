@@ -581,15 +581,17 @@ def images_check(tokenizer_dir: Path, num_new: int, device: str, work: Path) -> 
                       "first_diff": next(({"prompt": k, "got": g, "expected": e}
                                           for k, (g, e) in enumerate(zip(got, expected)) if g != e), None)}
     out["llava_next"] = _llava_next_check(tokenizer_dir, num_new, device, work, params)
-    for v25 in (False, True):
-        out["qwen2.5-vl" if v25 else "qwen2-vl"] = _qwen2_vl_check(tokenizer_dir, num_new, device, work, params, v25)
+    from pdcluster.engine.multimodal.tiny_qwen2_vl import VERSIONS
+
+    for version in VERSIONS:
+        out[version] = _qwen2_vl_check(tokenizer_dir, num_new, device, work, params, version)
     out["ok"] = out["images_change_output"] and all(out[v]["ok"] for v in ("batch", "chunked+preemption",
-                                                                          "llava_next", "qwen2-vl", "qwen2.5-vl"))
+                                                                          "llava_next", *VERSIONS))
     return out
 
 
-def _qwen2_vl_check(tokenizer_dir: Path, num_new: int, device: str, work: Path, params, v25: bool) -> dict:
-    """Qwen2-VL / Qwen2.5-VL on the device: M-RoPE image rows (scratch rows of the rotary table) and shifted decode
+def _qwen2_vl_check(tokenizer_dir: Path, num_new: int, device: str, work: Path, params, version: str) -> dict:
+    """Qwen2-VL / Qwen2.5-VL / Qwen3-VL on the device: M-RoPE image rows (scratch rows of the rotary table) and shifted decode
     positions, batched and chunked through the placeholders with preemption, equal transformers' greedy (tests/
     test_qwen2_vl.py's prompts)."""
     import torch
@@ -602,7 +604,7 @@ def _qwen2_vl_check(tokenizer_dir: Path, num_new: int, device: str, work: Path, 
     from pdcluster.engine.multimodal.tiny_qwen2_vl import build_tiny_qwen2_vl, transformers_greedy
     from pdcluster.engine.tokenizer import Tokenizer
 
-    model_dir = build_tiny_qwen2_vl(work / ("tiny-qwen2.5-vl" if v25 else "tiny-qwen2-vl"), tokenizer_dir, v25=v25)
+    model_dir = build_tiny_qwen2_vl(work / f"tiny-{version}", tokenizer_dir, version)
     image = "<|vision_start|><|image_pad|><|vision_end|>"
     one = f"<|im_start|>user\n{image}What is in this picture?<|im_end|>\n<|im_start|>assistant\n"
     two = f"<|im_start|>user\n{image}and{image}Which one is brighter?<|im_end|>\n<|im_start|>assistant\n"

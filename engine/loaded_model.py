@@ -183,8 +183,8 @@ def install_mrope(model, spec, model_dir: Path, config: EngineConfig) -> None:
     from pdcluster.engine.multimodal.mrope import MRope, mrope_sections
 
     cfg = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-    sections = mrope_sections(cfg, model.arch.head_dim, str(model_dir / "config.json"))
-    model.mrope = MRope(spec, model.rope, sections, config.max_num_batched_tokens)
+    sections, interleaved = mrope_sections(cfg, model.arch.head_dim, str(model_dir / "config.json"))
+    model.mrope = MRope(spec, model.rope, sections, config.max_num_batched_tokens, interleaved)
 
 
 def _num_kv_blocks(model, config: EngineConfig, bytes_per_block: int, hybrid: bool, max_model_len: int) -> int:

@@ -24,7 +24,7 @@ from pdcluster.engine.models.registry import resolve_model
 from pdcluster.engine.multimodal.mrope import MRope, rope_layout
 from pdcluster.engine.multimodal.spec import ImageInputError, ImageSpec, MergedPatchGrid
 from pdcluster.engine.multimodal.tiny_llava import png
-from pdcluster.engine.multimodal.tiny_qwen2_vl import build_tiny_qwen2_vl, transformers_greedy
+from pdcluster.engine.multimodal.tiny_qwen2_vl import VERSIONS, build_tiny_qwen2_vl, transformers_greedy
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kv_transfer.config import TransferConfig
 from test_api import serving
@@ -44,10 +44,10 @@ CASES = [(PROMPT, [IMAGES[0]]), (PROMPT, [IMAGES[1]]), (TWO, [IMAGES[2], IMAGES[
 PARAMS = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=["qwen2-vl", "qwen2.5-vl"])
+@pytest.fixture(scope="module", params=VERSIONS)
 def qwen_dir(request, tmp_path_factory):
     return build_tiny_qwen2_vl(tmp_path_factory.mktemp(request.param), resolve_model("tiny-random", progress=False),
-                               v25=request.param == "qwen2.5-vl")
+                               request.param)
 
 
 def _config(model_dir, **kw) -> EngineConfig:

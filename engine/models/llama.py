@@ -550,10 +550,14 @@ class LlamaModel(CausalLM):
         hidden = F.embedding(input_ids, self.embed_tokens)
         if self.arch.embedding_multiplier != 1.0:
             hidden.mul_(self.arch.embedding_multiplier)
+        deepstack = None
         if self.image_rows is not None:  # image placeholders read the image's embeddings (engine/multimodal/)
             rows, embeds = self.image_rows
-            hidden.index_copy_(0, rows, embeds.to(hidden.dtype))
-        if self._fuses_norms():
+            width = hidden.shape[1]
+            hidden.index_copy_(0, rows, embeds[:, :width].to(hidden.dtype))
+            if embeds.shape[1] > width:  # Qwen3-VL's deepstack rows, one slice a layer from the first
+                deepstack = embeds[:, width:].to(hidden.dtype).split(width, dim=1)
+        if self._fuses_norms() and deepstack is None:
             return self._forward_normed(hidden, positions, kv_cache, meta, on_layer_done)
         residual = None
         aux = self.aux_layers
@@ -562,6 +566,12 @@ class LlamaModel(CausalLM):
             if aux and i in aux:
                 self._store_aux(i, hidden if residual is None else hidden + residual)
             hidden, residual = layer.forward(hidden, residual, positions, rope, kv_cache[i], meta)
+            if deepstack is not None and i < len(deepstack):
+                # The layer's output stream (as transformers adds it: stream, then the image's rows) carried on as a
+                # first layer's input (no residual).
+                hidden = hidden if residual is None else hidden + residual
+                hidden.index_add_(0, rows, deepstack[i])
+                residual = None
             if on_layer_done is not None:
                 on_layer_done(i)
         if self.arch.layer_norm:  # Cohere

@@ -2,7 +2,8 @@
 
 M-RoPE gives every token three positions (time, row, column) and rotates each frequency of a head by one of them:
 the config's ``mrope_section`` splits the head's frequencies into three runs, the first rotated by the time
-position, the second by the row, the third by the column (transformers' ``recomposition_frequencies``). A text token's
+position, the second by the row, the third by the column (transformers' ``recomposition_frequencies``; Qwen3-VL
+interleaves them: ``frequency_axes``). A text token's
 three positions are equal, so for text it is plain RoPE at one position; an image's placeholders take the image's
 start position in time, start + row in height and start + column in width (one per merged patch), and the text after
 an image continues from start + max(rows, columns), not from start + rows * columns: every position from the first
@@ -60,32 +61,47 @@ def rope_layout(spec: ImageSpec, mm_inputs: list[dict]) -> RopeLayout | None:
     return RopeLayout(tuple(images), shift, last[0] + last[1])
 
 
-def mrope_sections(cfg: dict, head_dim: int, where: str = "config.json") -> tuple[int, int, int]:
-    """``mrope_section`` of a Qwen2-VL config (text_config's rope_scaling / rope_parameters, or the top level's)."""
+def mrope_sections(cfg: dict, head_dim: int, where: str = "config.json") -> tuple[tuple[int, int, int], bool]:
+    """(``mrope_section``, interleaved) of a Qwen-VL config (text_config's rope_scaling / rope_parameters, or the top
+    level's); Qwen3-VL's are interleaved (its own model type, or ``mrope_interleaved``)."""
+    interleaved = (cfg.get("model_type") == "qwen3_vl")
     for scope in (cfg.get("text_config") or {}, cfg):
         for key in ("rope_parameters", "rope_scaling"):
             params = scope.get(key)
             if isinstance(params, dict) and "mrope_section" in params:
-                if params.get("mrope_interleaved"):
-                    raise ValueError(f"{where}: interleaved M-RoPE is not supported")
                 sections = tuple(int(n) for n in params["mrope_section"])
                 if len(sections) != 3 or sum(sections) != head_dim // 2:
                     raise ValueError(f"{where}: mrope_section {list(sections)} must be three runs summing to "
                                      f"head_dim / 2 = {head_dim // 2}")
-                return sections
+                return sections, bool(params.get("mrope_interleaved", interleaved))
     raise ValueError(f"{where}: no mrope_section in rope_scaling / rope_parameters")
+
+
+def frequency_axes(sections: tuple[int, int, int], interleaved: bool) -> torch.Tensor:
+    """The axis (0 time, 1 row, 2 column) each of a head's frequencies turns by: three runs (Qwen2-VL's
+    ``recomposition_frequencies``), or interleaved t, h, w, t, h, w, ... while each axis has frequencies left, then
+    time (Qwen3-VL's ``apply_interleaved_mrope``: frequency j is the row's where j % 3 == 1 and j < 3 * sections[1],
+    the column's where j % 3 == 2 and j < 3 * sections[2])."""
+    if not interleaved:
+        return torch.repeat_interleave(torch.arange(3), torch.tensor(sections))
+    j = torch.arange(sum(sections))
+    axis = torch.zeros_like(j)
+    for dim in (1, 2):
+        axis[(j % 3 == dim) & (j < 3 * sections[dim])] = dim
+    return axis
 
 
 class MRope:
     """The scratch rows of a model's rotary tables and the rotary positions of each step."""
 
-    def __init__(self, spec: ImageSpec, rope, sections: tuple[int, int, int], scratch_rows: int):
+    def __init__(self, spec: ImageSpec, rope, sections: tuple[int, int, int], scratch_rows: int,
+                 interleaved: bool = False):
         self.spec, self.rope = spec, rope
         self.num_positions = rope.cos_sin.shape[0]
         self.scratch_rows = scratch_rows
         half = rope.cos_sin.shape[1] // 2
-        # The axis (0 time, 1 row, 2 column) each frequency turns by, for the [cos | sin] row and HF's [f | f] row.
-        axis = torch.repeat_interleave(torch.arange(3), torch.tensor(sections))
+        # The axis each frequency turns by, for the [cos | sin] row and HF's [f | f] row.
+        axis = frequency_axes(sections, interleaved)
         self._axis_of_col = torch.cat((axis, axis)).to(rope.cos_sin.device)
         if axis.numel() != half:
             raise ValueError(f"mrope_section {list(sections)} does not cover the head's {half} frequencies")

@@ -1,12 +1,15 @@
-"""A Qwen2-VL / Qwen2.5-VL checkpoint's image encoder: its image processor and vision tower (with the merger).
+"""A Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint's image encoder: its image processor and vision tower (with the
+merger).
 
 The tower is transformers' own module for the architecture (Qwen2VisionTransformerPretrainedModel,
-Qwen2_5_VisionTransformerPretrainedModel: patch embedding, 2-D rotary ViT blocks, Qwen2.5's windowed attention, the
-2 x 2 patch merger), built from the checkpoint's ``vision_config`` and given the checkpoint's ``visual.*`` weights; the
+Qwen2_5_VisionTransformerPretrainedModel, Qwen3VLVisionModel: patch embedding, 2-D rotary ViT blocks, Qwen2.5's
+windowed attention, Qwen3's interpolated position embeddings and deepstack mergers, the 2 x 2 patch merger), built from the checkpoint's ``vision_config`` and given the checkpoint's ``visual.*`` weights; the
 processor is transformers' for the checkpoint (``preprocessor_config.json``: the resize within the pixel budget,
 patches flattened in merge order). An image's embeddings are the merger's rows, one per merged patch, in the order
 spec.MergedPatchGrid counts them (rows of columns): what transformers' get_image_features computes. Their M-RoPE
-positions are engine/multimodal/mrope.py's.
+positions are engine/multimodal/mrope.py's. Qwen3-VL's tower also gives each image's rows from some of its layers
+("deepstack"), which the language model adds to its first layers' outputs at the image's rows: they travel beside the
+embeddings as one row, [hidden | deepstack 0 | deepstack 1 | ...] (engine/models/llama.py splits it).
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from pdcluster.engine.multimodal.spec import ImageSpec
 # transformers 5 saves the tower under model.visual, the Hub's Qwen2-VL / Qwen2.5-VL checkpoints under visual.
 _TOWER_PREFIXES = ("model.visual.", "visual.")
 _TOWERS = {"Qwen2VLForConditionalGeneration": ("qwen2_vl", "Qwen2VisionTransformerPretrainedModel"),
-           "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2_5_VisionTransformerPretrainedModel")}
+           "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2_5_VisionTransformerPretrainedModel"),
+           "Qwen3VLForConditionalGeneration": ("qwen3_vl", "Qwen3VLVisionModel")}
 
 
 class QwenVLImageEncoder:
@@ -78,8 +82,11 @@ class QwenVLImageEncoder:
         pil = [open_image(data, f"image {first + i}") for i, data in enumerate(images)]
         processed = self.processor(images=pil, return_tensors="pt")
         grid_thw = processed["image_grid_thw"]
-        merged = self.tower(processed["pixel_values"].to(self.device, self.dtype),
-                            grid_thw=grid_thw.to(self.device)).pooler_output
+        result = self.tower(processed["pixel_values"].to(self.device, self.dtype), grid_thw=grid_thw.to(self.device))
+        merged = result.pooler_output
+        deepstack = getattr(result, "deepstack_features", None)
+        if deepstack:  # Qwen3-VL: [embeddings | each deepstack layer's], which the language model splits
+            merged = torch.cat([merged, *deepstack], dim=-1)
         out = list(merged.split((grid_thw.prod(-1) // self.merge_size ** 2).tolist()))
         for i, (image, embeds) in enumerate(zip(pil, out)):
             want = self.spec.tokens_for_size(image.width, image.height)

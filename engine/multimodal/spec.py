@@ -6,7 +6,8 @@ the image resized onto the best of its grid of tile layouts plus the whole image
 are one tile's patches, then the tiles' patches with the padding rows or columns the resize left dropped, a newline
 embedding closing each row: the count follows the image's size (``AnyResGrid``).
 
-Qwen2-VL and Qwen2.5-VL resize each image to multiples of a merged patch (28 pixels) within a pixel budget and give
+Qwen2-VL, Qwen2.5-VL and Qwen3-VL resize each image to multiples of a merged patch (28 pixels; Qwen3-VL's 32) within a
+pixel budget and give
 one placeholder per merged patch (``MergedPatchGrid``): the count follows the size too, and the placeholders take
 M-RoPE positions by their row and column (engine/multimodal/mrope.py)."""
 
@@ -23,7 +24,8 @@ from pdcluster.engine.multimodal.limits import DEFAULT_MAX_IMAGES_PER_PROMPT
 # Vision towers whose output is a fixed number of tokens an image (the processor resizes and crops to one size).
 FIXED_SIZE_TOWERS = ("clip_vision_model", "siglip_vision_model")
 LLAVA_NEXT = "LlavaNextForConditionalGeneration"
-QWEN_VL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+QWEN_VL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+                         "Qwen3VLForConditionalGeneration")
 IMAGE_ARCHITECTURES = ("LlavaForConditionalGeneration", LLAVA_NEXT) + QWEN_VL_ARCHITECTURES
 
 

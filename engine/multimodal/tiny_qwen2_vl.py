@@ -1,6 +1,7 @@
 """`tiny-qwen2-vl`: a small, seeded Qwen2VLForConditionalGeneration (a 2-layer vision tower of 4-pixel patches merged
 2 x 2, so an image is one placeholder per 8 x 8 pixels within a 1,600-pixel budget, over a 2-layer Qwen2 with M-RoPE
-sections [2, 3, 3]), or its Qwen2.5-VL twin (RMSNorm and SwiGLU blocks, windowed attention in its first layer), made
+sections [2, 3, 3]), or its Qwen2.5-VL twin (RMSNorm and SwiGLU blocks, windowed attention in its first layer), or
+a Qwen3-VL (Qwen3 text, interleaved M-RoPE, learned position embeddings and deepstack rows from both tower layers), made
 by transformers, with tiny-random's tokenizer and Qwen2-VL's vision tokens added: for the tests
 (tests/test_qwen2_vl.py) and the GPU check. Its weights are drawn wide so each image moves the next token."""
 
@@ -25,8 +26,11 @@ MAX_PIXELS = 1600
 MIN_PIXELS = 256
 
 
-def build_tiny_qwen2_vl(out: Path, tokenizer_dir: Path, v25: bool = False) -> Path:
-    """The checkpoint in ``out`` (created); ``v25``: a Qwen2_5_VLForConditionalGeneration."""
+VERSIONS = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")
+
+
+def build_tiny_qwen2_vl(out: Path, tokenizer_dir: Path, version: str = "qwen2-vl") -> Path:
+    """The checkpoint in ``out`` (created); ``version``: one of VERSIONS."""
     import transformers
     from tokenizers import Tokenizer
 
@@ -43,16 +47,25 @@ def build_tiny_qwen2_vl(out: Path, tokenizer_dir: Path, v25: bool = False) -> Pa
                 tie_word_embeddings=False, bos_token_id=None, eos_token_id=tok.token_to_id("<|im_end|>"))
     common = dict(image_token_id=image_id, video_token_id=image_id + 2, vision_start_token_id=start_id,
                   vision_end_token_id=end_id, tie_word_embeddings=False)
-    if v25:
+    if version == "qwen3-vl":  # Qwen3 text (q/k norms), interleaved M-RoPE, deepstack from both tower layers
+        text.update(head_dim=16, rope_parameters={**text["rope_parameters"], "mrope_interleaved": True})
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                      spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
+                      deepstack_visual_indexes=[0, 1])
+        cfg = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **common)
+        model = _seeded(transformers.Qwen3VLForConditionalGeneration, cfg)
+    elif version == "qwen2.5-vl":
         vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
                       spatial_merge_size=2, temporal_patch_size=2, window_size=16, fullatt_block_indexes=[1])
         cfg = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **common)
         model = _seeded(transformers.Qwen2_5_VLForConditionalGeneration, cfg)
-    else:
+    elif version == "qwen2-vl":
         vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=4,
                       spatial_merge_size=2, temporal_patch_size=2)
         cfg = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, **common)
         model = _seeded(transformers.Qwen2VLForConditionalGeneration, cfg)
+    else:
+        raise ValueError(f"version must be one of {', '.join(VERSIONS)}, got {version!r}")
     model.save_pretrained(str(out))
     processor = dict(image_processor_type="Qwen2VLImageProcessor", do_resize=True, do_rescale=True,
                      rescale_factor=1 / 255, do_normalize=True, image_mean=[0.48145466, 0.4578275, 0.40821073],
