@@ -132,6 +132,7 @@ class ModelRunner:
         self.mrope = getattr(model, "mrope", None)
         self._rope_layouts: list = [None] * config.max_num_seqs
         self._rope_delta_np = np.zeros(config.max_num_seqs, dtype=np.int64)
+        self._rope_end_np = np.zeros(config.max_num_seqs, dtype=np.int64)  # where the slot's last image ends
         # Async scheduling schedules exactly min(k, room) draft placeholders per decode row, so every
         # sampling row must then come with that many drafts (a short n-gram match is padded).
         self.fixed_num_drafts = config.async_scheduling
@@ -284,6 +285,7 @@ class ModelRunner:
         if self.mrope is not None:
             layout = self._rope_layouts[idx] = self.mrope.layout(params)
             self._rope_delta_np[idx] = 0 if layout is None else layout.delta
+            self._rope_end_np[idx] = 0 if layout is None else layout.end
         self._prompt_logprobs.pop(s.request_id, None)
         self._pooling_sums.pop(s.request_id, None)  # recomputed from its first token (no prefix hit for "mean")
         self.grammars.pop(s.request_id, None)
@@ -349,7 +351,7 @@ class ModelRunner:
         """M-RoPE's rotary positions of a step's tokens (engine/multimodal/mrope.py)."""
         layouts = self._rope_layouts
         return self.mrope.rope_positions(positions_np, query_start_loc_np, self._rope_delta_np[idx_mapping],
-                                         [layouts[i] for i in idx_mapping.tolist()])
+                                         self._rope_end_np[idx_mapping], lambda row: layouts[idx_mapping[row]])
 
     def _lora_slot(self, params) -> int:
         """The slot of the adapter a request runs with: by name and content (an adapter unloaded meanwhile is

@@ -127,12 +127,14 @@ def test_mrope_positions_equal_transformers_rope_index(qwen_dir):
     axis = torch.repeat_interleave(torch.arange(3), torch.tensor([2, 3, 3])).repeat(2)
     for cuts in ((0, len(ids)), (0, 5, 17, 30, len(ids)), (0, 1, 2, 40, len(ids))):
         for lo, hi in zip(cuts, cuts[1:]):
-            got = mrope.rope_positions(np.arange(lo, hi), np.array([0, hi - lo]), np.array([layout.delta]), [layout])
+            got = mrope.rope_positions(np.arange(lo, hi), np.array([0, hi - lo]), np.array([layout.delta]),
+                                       np.array([layout.end]), lambda row: layout)
             for i, row in zip(range(lo, hi), got.tolist()):
                 want = table[torch.from_numpy(want_np[:, i])][axis, torch.arange(16)]
                 assert torch.equal(rope.cos_sin[row], want), (cuts, i)
-    decode = mrope.rope_positions(np.array([len(ids) + 3]), np.array([0, 1]), np.array([layout.delta]), [layout])
-    assert decode.tolist() == [len(ids) + 3 + layout.delta]
+    decode = mrope.rope_positions(np.array([len(ids) + 3, 9]), np.array([0, 1, 2]), np.array([layout.delta, 0]),
+                                  np.array([layout.end, 0]), lambda row: pytest.fail("no row covers an image"))
+    assert decode.tolist() == [len(ids) + 3 + layout.delta, 9]
 
 
 def test_chunked_through_the_image_and_preempted(qwen_dir, reference):

@@ -114,18 +114,17 @@ class MRope:
         return rope_layout(self.spec, params.mm_inputs)
 
     def rope_positions(self, positions_np: np.ndarray, query_start_loc_np: np.ndarray, deltas_np: np.ndarray,
-                       layouts: list[RopeLayout | None]) -> np.ndarray:
+                       ends_np: np.ndarray, layout_of) -> np.ndarray:
         """Each packed token's rotary position: ``positions_np`` (sequence positions) shifted by ``deltas_np`` (each
-        row's request's ``delta``), and where a row (``layouts[row]``) still covers its images, per token, the image
-        placeholders at scratch rows this call fills."""
-        num_rows = len(query_start_loc_np) - 1
+        row's request's ``delta``), and for the rows that start before their request's last image ends
+        (``ends_np``; ``layout_of(row)`` their layout), per token, the image placeholders at scratch rows this call
+        fills. A decode step (every row past its images) is two numpy operations."""
         out = positions_np + np.repeat(deltas_np, np.diff(query_start_loc_np)) if deltas_np.any() else positions_np
+        covering = np.flatnonzero(positions_np[query_start_loc_np[:-1]] < ends_np) if len(positions_np) else ()
         scratch: list[np.ndarray] = []  # [3, n] (time, row, column) of each image token, in packed order
-        for r in range(num_rows):
-            layout = layouts[r]
+        for r in np.asarray(covering).tolist():
+            layout = layout_of(r)
             lo, hi = int(query_start_loc_np[r]), int(query_start_loc_np[r + 1])
-            if layout is None or hi == lo or positions_np[lo] >= layout.end:
-                continue
             if out is positions_np:
                 out = positions_np.copy()
             seq = positions_np[lo:hi]
