@@ -21,8 +21,9 @@ import torch
 
 from pdcluster.engine.checkout_path import drop_checkout_from_sys_path
 from pdcluster.engine.multimodal.images import open_image
-from pdcluster.engine.multimodal.llava import MAX_CROPS_A_CALL, engine_linears, read_tensors
+from pdcluster.engine.multimodal.llava import MAX_CROPS_A_CALL, engine_linears
 from pdcluster.engine.multimodal.spec import ImageSpec
+from pdcluster.engine.multimodal.tower_weights import loaded_module
 
 # transformers 5 saves the tower under model.visual, the Hub's Qwen2-VL / Qwen2.5-VL checkpoints under visual.
 _TOWER_PREFIXES = ("model.visual.", "visual.")
@@ -50,19 +51,8 @@ class QwenVLImageEncoder:
         tower_class = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)
         vision_cfg = transformers.AutoConfig.from_pretrained(str(model_dir), local_files_only=True).vision_config
         vision_cfg._attn_implementation = "sdpa"
-        with torch.device("meta"):
-            tower = tower_class(vision_cfg)
-        expected = tower.state_dict()
-        state = read_tensors(model_dir, _TOWER_PREFIXES)
-        missing = set(expected) - set(state)
-        if missing:
-            raise ValueError(f"{model_dir}: the vision tower's weights lack {', '.join(sorted(missing)[:3])}"
-                             f"{' ...' if len(missing) > 3 else ''}")
-        tower = tower.to_empty(device=self.device)
-        tower.load_state_dict({k: state[k] for k in expected}, strict=True)
-        tower = tower.to(dtype).eval()
-        # The rotary table's frequencies are a buffer transformers computes, not a weight: made again, in float32.
-        tower.rotary_pos_emb = type(tower.rotary_pos_emb)(vision_cfg).to(self.device)
+        tower = loaded_module(lambda: tower_class(vision_cfg), model_dir, _TOWER_PREFIXES, dtype, self.device,
+                              "vision tower")
         engine_linears(tower, deterministic)
         self.tower = tower
         self.merge_size = vision_cfg.spatial_merge_size

@@ -24,9 +24,10 @@ from pdcluster.engine.multimodal.limits import DEFAULT_MAX_IMAGES_PER_PROMPT
 # Vision towers whose output is a fixed number of tokens an image (the processor resizes and crops to one size).
 FIXED_SIZE_TOWERS = ("clip_vision_model", "siglip_vision_model")
 LLAVA_NEXT = "LlavaNextForConditionalGeneration"
+MISTRAL3 = "Mistral3ForConditionalGeneration"
 QWEN_VL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
                          "Qwen3VLForConditionalGeneration")
-IMAGE_ARCHITECTURES = ("LlavaForConditionalGeneration", LLAVA_NEXT) + QWEN_VL_ARCHITECTURES
+IMAGE_ARCHITECTURES = ("LlavaForConditionalGeneration", LLAVA_NEXT, MISTRAL3) + QWEN_VL_ARCHITECTURES
 
 
 # What a request with images is told where --limit-mm-per-prompt turned them off (the API's and the engine's words).
@@ -141,6 +142,31 @@ class MergedPatchGrid:
 
 
 @dataclass(frozen=True)
+class PixtralGrid:
+    """Mistral 3's (Pixtral's) image layout: an image shrunk to fit ``longest_edge`` pixels a side, then padded up to
+    multiples of ``cell`` pixels (a patch times the spatial merge); each row of cells is an image token a cell then
+    a break token, the last break an end token (transformers' PixtralProcessor.replace_image_token)."""
+
+    cell: int
+    longest_edge: int
+    break_token_id: int
+    end_token_id: int
+
+    def cells(self, height: int, width: int) -> tuple[int, int]:
+        """(rows, columns) of an image's cells."""
+        ratio = max(height / self.longest_edge, width / self.longest_edge)
+        if ratio > 1:
+            height, width = int(math.floor(height / ratio)), int(math.floor(width / ratio))
+        return (height - 1) // self.cell + 1, (width - 1) // self.cell + 1
+
+    def run(self, rows: int, cols: int, image_token_id: int) -> list[int]:
+        """The placeholder run of an image of ``rows`` x ``cols`` cells."""
+        out = ([image_token_id] * cols + [self.break_token_id]) * rows
+        out[-1] = self.end_token_id
+        return out
+
+
+@dataclass(frozen=True)
 class ImageSpec:
     architecture: str
     image_token_id: int
@@ -148,15 +174,20 @@ class ImageSpec:
     grid: AnyResGrid | None = None  # LLaVA-NeXT's tiling: the count follows each image's size
     hidden_size: int | None = None  # the language model's (an image's embeddings are this wide); None: not stated
     patches: MergedPatchGrid | None = None  # Qwen2-VL's layout: the count follows each image's size, M-RoPE rows
+    pixtral: PixtralGrid | None = None  # Mistral 3's layout: rows of cells closed by break tokens
 
     @classmethod
-    def from_config(cls, cfg: dict, where: str = "config.json", processor: dict | None = None) -> ImageSpec | None:
+    def from_config(cls, cfg: dict, where: str = "config.json", processor: dict | None = None,
+                    tokens: dict[str, int] | None = None) -> ImageSpec | None:
         """The spec of a checkpoint that takes images, None for one that does not. A LLaVA whose tower gives a
         varying number of tokens an image (Pixtral's) is refused by name. ``processor``: preprocessor_config.json
-        (Qwen2-VL's pixel budget; transformers' defaults without it)."""
+        (Qwen2-VL's pixel budget, Pixtral's longest edge; transformers' defaults without it); ``tokens``: the
+        tokenizer's added tokens by content (Mistral 3's break and end tokens)."""
         architecture = (cfg.get("architectures") or [None])[0]
         if architecture not in IMAGE_ARCHITECTURES:
             return None
+        if architecture == MISTRAL3:
+            return cls._mistral3(cfg, where, processor or {}, tokens or {})
         if architecture in QWEN_VL_ARCHITECTURES:
             text = {**cfg, **(cfg.get("text_config") or {})}
             patches = MergedPatchGrid.from_configs(cfg.get("vision_config") or {}, processor or {})
@@ -196,6 +227,25 @@ class ImageSpec:
         return cls(architecture, int(token_id), tokens, grid, int(hidden) if isinstance(hidden, int) else None)
 
     @classmethod
+    def _mistral3(cls, cfg: dict, where: str, processor: dict, tokens: dict[str, int]) -> ImageSpec | None:
+        """Mistral 3 (Pixtral's tower); None (served for text) where the tokenizer lacks the break / end tokens."""
+        vision = cfg.get("vision_config") or {}
+        if vision.get("model_type", "pixtral") != "pixtral":
+            raise ValueError(f"{where}: a Mistral 3 checkpoint with a {vision.get('model_type')!r} tower is not "
+                             "supported (pixtral)")
+        names = (processor.get("image_break_token", "[IMG_BREAK]"), processor.get("image_end_token", "[IMG_END]"))
+        if not all(name in tokens for name in names):
+            return None
+        patch = processor.get("patch_size") or vision.get("patch_size") or 14
+        patch = int(patch["height"] if isinstance(patch, dict) else patch)
+        size = processor.get("size") or {}
+        longest = int(size.get("longest_edge") or vision.get("image_size") or 1540)
+        grid = PixtralGrid(patch * int(cfg.get("spatial_merge_size", 2)), longest, tokens[names[0]], tokens[names[1]])
+        hidden = (cfg.get("text_config") or {}).get("hidden_size")
+        return cls(MISTRAL3, int(cfg.get("image_token_index", cfg.get("image_token_id", 10))), 1,
+                   hidden_size=int(hidden) if isinstance(hidden, int) else None, pixtral=grid)
+
+    @classmethod
     def from_dir(cls, model_dir: str | Path) -> ImageSpec | None:
         """The spec of the checkpoint in ``model_dir`` (with its preprocessor_config.json; a Qwen2-VL without one is
         served for text)."""
@@ -203,16 +253,18 @@ class ImageSpec:
         if not path.is_file():
             return None
         cfg = json.loads(path.read_text(encoding="utf-8"))
+        architecture = (cfg.get("architectures") or [None])[0]
         processor = Path(model_dir) / "preprocessor_config.json"
         if not processor.is_file():
-            if (cfg.get("architectures") or [None])[0] in QWEN_VL_ARCHITECTURES:
+            if architecture in QWEN_VL_ARCHITECTURES or architecture == MISTRAL3:
                 return None  # no pixel budget to place images by: its language model served for text
             return cls.from_config(cfg, str(path))
-        return cls.from_config(cfg, str(path), json.loads(processor.read_text(encoding="utf-8")))
+        tokens = _added_tokens(Path(model_dir)) if architecture == MISTRAL3 else None
+        return cls.from_config(cfg, str(path), json.loads(processor.read_text(encoding="utf-8")), tokens)
 
     def tokens_for(self, data: bytes, label: str = "image") -> int:
         """How many placeholders an image (its encoded bytes) becomes; ImageInputError for bytes that are no image."""
-        if self.grid is None and self.patches is None:
+        if self.grid is None and self.patches is None and self.pixtral is None:
             return self.tokens_per_image
         from pdcluster.engine.multimodal.images import image_size  # images.py imports this module
 
@@ -222,6 +274,9 @@ class ImageSpec:
         """How many placeholders an image of ``width`` x ``height`` pixels becomes."""
         if self.patches is not None:
             return self.patches.num_tokens(height, width)
+        if self.pixtral is not None:
+            rows, cols = self.pixtral.cells(height, width)
+            return rows * (cols + 1)
         return self.tokens_per_image if self.grid is None else self.grid.num_tokens(height, width)
 
     def expand(self, prompt_token_ids: list[int], images: list[bytes | ImageEmbedding],
@@ -238,7 +293,7 @@ class ImageSpec:
         last = 0
         for i, (pos, image) in enumerate(zip(at, images)):
             out += prompt_token_ids[last:pos]
-            if isinstance(image, ImageEmbedding) and self.patches is not None:
+            if isinstance(image, ImageEmbedding) and not self.takes_embeddings:
                 raise ImageInputError(self.embeddings_refused(i))
             if isinstance(image, ImageEmbedding):
                 length = image.rows
@@ -247,7 +302,7 @@ class ImageSpec:
             else:
                 length = self.tokens_for(image, f"image {i}")
                 items.append({"offset": len(out), "length": length, "digest": image_digest(image), "data": image})
-            out += [self.image_token_id] * length
+            out += self.placeholder_ids(length, None if isinstance(image, ImageEmbedding) else image)
             last = pos + 1
         out += prompt_token_ids[last:]
         return out, items
@@ -259,21 +314,36 @@ class ImageSpec:
         end = -1
         for i, item in enumerate(mm_inputs):
             offset, length = item["offset"], item["length"]
-            if "embeds" in item and self.patches is not None:
+            if "embeds" in item and not self.takes_embeddings:
                 raise ImageInputError(self.embeddings_refused(i))
             # Embeddings' rows are their placeholders (check_mm_inputs saw that they agree).
             want = length if "embeds" in item else self.tokens_for(item["data"], f"image {i}")
             if length != want or offset <= end or offset + length > len(prompt_token_ids):
                 raise ImageInputError(f"image {i}: {length} placeholders at {offset} do not fit this model "
                                       f"({want} for this image) and prompt ({len(prompt_token_ids)} tokens)")
-            if any(t != self.image_token_id for t in prompt_token_ids[offset:offset + length]):
+            if prompt_token_ids[offset:offset + length] != self.placeholder_ids(length, item.get("data")):
                 raise ImageInputError(f"image {i}: the prompt's tokens {offset}..{offset + length} are not its "
                                       f"image token (id {self.image_token_id})")
             end = offset + length - 1
 
+    @property
+    def takes_embeddings(self) -> bool:
+        """Whether an image may be given as its embeddings (not where the layout needs the image's grid)."""
+        return self.patches is None and self.pixtral is None
+
+    def placeholder_ids(self, length: int, data: bytes | None) -> list[int]:
+        """The prompt's run of ``length`` placeholders for an image (``data``, its encoded bytes; None for
+        embeddings): the image token each, or Mistral 3's rows of image tokens closed by break / end tokens."""
+        if self.pixtral is None or data is None:
+            return [self.image_token_id] * length
+        from pdcluster.engine.multimodal.images import image_size
+
+        width, height = image_size(data)
+        return self.pixtral.run(*self.pixtral.cells(height, width), self.image_token_id)
+
     def embeddings_refused(self, i: int) -> str:
-        return (f"image {i}: a {self.architecture} takes images, not their embeddings (its M-RoPE positions need "
-                "each image's grid of patches)")
+        return (f"image {i}: a {self.architecture} takes images, not their embeddings (its placeholders and "
+                "positions follow each image's grid of patches)")
 
     def check_no_image_tokens(self, prompt_token_ids: list[int]) -> None:
         """A prompt given without images holds no image token (a client's prompt: the token typed in)."""
@@ -281,6 +351,15 @@ class ImageSpec:
         if count:
             raise ImageInputError(f"the prompt has {count} image token(s) (id {self.image_token_id}) and no image: "
                                   "each image token stands for an image (give one an image token)")
+
+
+def _added_tokens(model_dir: Path) -> dict[str, int]:
+    """tokenizer.json's added tokens, content -> id (empty without one)."""
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        return {}
+    added = json.loads(path.read_text(encoding="utf-8")).get("added_tokens") or []
+    return {t["content"]: int(t["id"]) for t in added if isinstance(t, dict) and "content" in t and "id" in t}
 
 
 def check_image_count(num_images: int, max_images: int) -> None:
