@@ -585,24 +585,17 @@ def images_check(tokenizer_dir: Path, num_new: int, device: str, work: Path) -> 
 
     for version in VERSIONS:
         out[version] = _qwen2_vl_check(tokenizer_dir, num_new, device, work, params, version)
+    out["mistral3"] = _mistral3_check(tokenizer_dir, num_new, device, work, params)
     out["ok"] = out["images_change_output"] and all(out[v]["ok"] for v in ("batch", "chunked+preemption",
-                                                                          "llava_next", *VERSIONS))
+                                                                          "llava_next", *VERSIONS, "mistral3"))
     return out
 
 
 def _qwen2_vl_check(tokenizer_dir: Path, num_new: int, device: str, work: Path, params, version: str) -> dict:
-    """Qwen2-VL / Qwen2.5-VL / Qwen3-VL on the device: M-RoPE image rows (scratch rows of the rotary table) and shifted decode
-    positions, batched and chunked through the placeholders with preemption, equal transformers' greedy (tests/
-    test_qwen2_vl.py's prompts)."""
-    import torch
-    import transformers
-
-    from pdcluster.engine.config import EngineConfig
-    from pdcluster.engine.llm_engine import LLMEngine
-    from pdcluster.engine.multimodal.spec import ImageSpec
+    """Qwen2-VL / Qwen2.5-VL / Qwen3-VL on the device: M-RoPE image rows (scratch rows of the rotary table), shifted
+    decode positions, Qwen3-VL's deepstack rows (tests/test_qwen2_vl.py's prompts)."""
     from pdcluster.engine.multimodal.tiny_llava import png
     from pdcluster.engine.multimodal.tiny_qwen2_vl import build_tiny_qwen2_vl, transformers_greedy
-    from pdcluster.engine.tokenizer import Tokenizer
 
     model_dir = build_tiny_qwen2_vl(work / f"tiny-{version}", tokenizer_dir, version)
     image = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -611,6 +604,36 @@ def _qwen2_vl_check(tokenizer_dir: Path, num_new: int, device: str, work: Path, 
     images = [png(1, 40, 36), png(2, 48, 30), png(3, 33, 50)]
     cases = [(one, images[:1]), (one, images[1:2]), (two, images[2:] + images[:1]),
              ("<|im_start|>user\nTell me a story about a cat.<|im_end|>\n<|im_start|>assistant\n", [])]
+    return _tiny_images_check(model_dir, cases, transformers_greedy, num_new, device, params, num_kv_blocks=10)
+
+
+def _mistral3_check(tokenizer_dir: Path, num_new: int, device: str, work: Path, params) -> dict:
+    """Mistral 3 (Pixtral's tower) on the device: runs of [IMG] rows closed by break / end tokens (tests/
+    test_mistral3_images.py's prompts)."""
+    from pdcluster.engine.multimodal.tiny_llava import png
+    from pdcluster.engine.multimodal.tiny_mistral3 import build_tiny_mistral3, transformers_greedy
+
+    model_dir = build_tiny_mistral3(work / "tiny-mistral3", tokenizer_dir)
+    one = "[INST][IMG]What is in this picture?[/INST]"
+    images = [png(1, 40, 36), png(2, 64, 48), png(3, 33, 50)]
+    cases = [(one, images[:1]), (one, images[1:2]), ("[INST][IMG]and[IMG]Which one is brighter?[/INST]",
+                                                     images[2:] + images[:1]),
+             ("[INST]Tell me a story about a cat.[/INST]", [])]
+    return _tiny_images_check(model_dir, cases, transformers_greedy, num_new, device, params, num_kv_blocks=11)
+
+
+def _tiny_images_check(model_dir: Path, cases, transformers_greedy, num_new: int, device: str, params,
+                       num_kv_blocks: int) -> dict:
+    """A tiny image checkpoint's ``cases`` (prompt, images) batched, then in prefill chunks of 5 through the
+    placeholders with a pool of ``num_kv_blocks`` blocks of 8 (preempting), equal transformers' greedy."""
+    import torch
+    import transformers
+
+    from pdcluster.engine.config import EngineConfig
+    from pdcluster.engine.llm_engine import LLMEngine
+    from pdcluster.engine.multimodal.spec import ImageSpec
+    from pdcluster.engine.tokenizer import Tokenizer
+
     spec, tokenizer = ImageSpec.from_dir(model_dir), Tokenizer(model_dir)
     hf = transformers.AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=torch.float32)
     hf = hf.to(device).eval()
@@ -620,7 +643,8 @@ def _qwen2_vl_check(tokenizer_dir: Path, num_new: int, device: str, work: Path, 
     prompts = [{"prompt": t, "multi_modal_data": {"image": i}} if i else t for t, i in cases]
     out = {"images_change_output": expected[0] != expected[1]}
     for vname, cfg in (("batch", {}), ("chunked+preemption", dict(max_num_batched_tokens=5, block_size=8,
-                                                                   num_kv_blocks=10, enable_prefix_caching=False))):
+                                                                   num_kv_blocks=num_kv_blocks,
+                                                                   enable_prefix_caching=False))):
         engine = LLMEngine.from_config(EngineConfig(**{**dict(model=str(model_dir), device=device, dtype="float32",
                                                               num_kv_blocks=64, max_model_len=256), **cfg}),
                                        progress=False)
