@@ -1,4 +1,5 @@
-"""Images on Mistral 3 (Pixtral's tower): a tiny seeded Mistral3ForConditionalGeneration made by transformers
+"""Images on Mistral 3 (Pixtral's tower): a tiny seeded Mistral3ForConditionalGeneration, and Pixtral-12B's LLaVA
+form of it (LlavaForConditionalGeneration with a Pixtral tower), made by transformers
 (engine/multimodal/tiny_mistral3.py), its images encoded by transformers' tower and projector in our engine, each
 image's run of placeholders (rows of image tokens closed by break tokens, the last by an end token) against
 transformers' greedy with the same processor: alone and batched, two images a prompt, fast mode's batched tower
@@ -38,9 +39,10 @@ CASES = [(PROMPT, [IMAGES[0]]), (PROMPT, [IMAGES[1]]), (TWO, [IMAGES[2], IMAGES[
 PARAMS = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_mistral3(tmp_path_factory.mktemp("mistral3"), resolve_model("tiny-random", progress=False))
+@pytest.fixture(scope="module", params=["mistral3", "pixtral-llava"])
+def model_dir(request, tmp_path_factory):
+    return build_tiny_mistral3(tmp_path_factory.mktemp(request.param), resolve_model("tiny-random", progress=False),
+                               llava=request.param == "pixtral-llava")
 
 
 def _config(model_dir, **kw) -> EngineConfig:

@@ -1,5 +1,6 @@
 """A Mistral 3 checkpoint's image encoder (Mistral Small 3.1 / 3.2, Magistral, Ministral 3): Pixtral's tower and
-Mistral 3's projector.
+Mistral 3's projector; and Pixtral-12B's in LLaVA's form (LlavaForConditionalGeneration with a Pixtral tower: LLaVA's
+projector, one patch a cell).
 
 The tower (PixtralVisionModel: a patch convolution, 2-D rotary ViT blocks over each image at its own size) and the
 projector (Mistral3MultiModalProjector: RMSNorm, the learned 2 x 2 patch merger, linear, activation, linear) are
@@ -20,7 +21,7 @@ import torch
 from pdcluster.engine.checkout_path import drop_checkout_from_sys_path
 from pdcluster.engine.multimodal.images import open_image
 from pdcluster.engine.multimodal.llava import MAX_CROPS_A_CALL, engine_linears
-from pdcluster.engine.multimodal.spec import ImageSpec
+from pdcluster.engine.multimodal.spec import MISTRAL3, ImageSpec
 from pdcluster.engine.multimodal.tower_weights import loaded_module
 
 _TOWER_PREFIXES = ("model.vision_tower.", "vision_tower.")
@@ -33,6 +34,7 @@ class PixtralImageEncoder:
         """``text_embeddings``: the language model's token table (the break and end tokens' rows come from it)."""
         drop_checkout_from_sys_path()
         import transformers
+        from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
         from transformers.models.mistral3.modeling_mistral3 import Mistral3MultiModalProjector
         from transformers.models.pixtral.modeling_pixtral import PixtralVisionModel
 
@@ -46,8 +48,11 @@ class PixtralImageEncoder:
         self.feature_layer = cfg.vision_feature_layer
         self.tower = loaded_module(lambda: PixtralVisionModel(cfg.vision_config), model_dir, _TOWER_PREFIXES, dtype,
                                    self.device, "vision tower")
-        self.projector = loaded_module(lambda: Mistral3MultiModalProjector(cfg), model_dir, _PROJECTOR_PREFIXES,
-                                       dtype, self.device, "projector")
+        # Mistral 3's projector merges 2 x 2 patches by the images' sizes; Pixtral-12B's (LLaVA's) maps each patch.
+        self.merges = self.spec.architecture == MISTRAL3
+        projector = Mistral3MultiModalProjector if self.merges else LlavaMultiModalProjector
+        self.projector = loaded_module(lambda: projector(cfg), model_dir, _PROJECTOR_PREFIXES, dtype, self.device,
+                                       "projector")
         engine_linears(self.tower, deterministic)
         engine_linears(self.projector, deterministic)
         grid = self.spec.pixtral
@@ -74,7 +79,7 @@ class PixtralImageEncoder:
                             output_hidden_states=True).hidden_states
         layers = [self.feature_layer] if isinstance(self.feature_layer, int) else self.feature_layer
         features = torch.cat([states[i] for i in layers], dim=-1).squeeze(0)
-        merged = self.projector(features, image_sizes)
+        merged = self.projector(features, image_sizes) if self.merges else self.projector(features)
         cells = [(int(h) // self.cell, int(w) // self.cell) for h, w in image_sizes.tolist()]
         out = []
         for i, ((rows, cols), rows_of_image) in enumerate(zip(cells, merged.split([r * c for r, c in cells]))):

@@ -179,15 +179,15 @@ class ImageSpec:
     @classmethod
     def from_config(cls, cfg: dict, where: str = "config.json", processor: dict | None = None,
                     tokens: dict[str, int] | None = None) -> ImageSpec | None:
-        """The spec of a checkpoint that takes images, None for one that does not. A LLaVA whose tower gives a
-        varying number of tokens an image (Pixtral's) is refused by name. ``processor``: preprocessor_config.json
+        """The spec of a checkpoint that takes images, None for one that does not. A LLaVA with a tower other than
+        CLIP's, SigLIP's or Pixtral's is refused by name. ``processor``: preprocessor_config.json
         (Qwen2-VL's pixel budget, Pixtral's longest edge; transformers' defaults without it); ``tokens``: the
         tokenizer's added tokens by content (Mistral 3's break and end tokens)."""
         architecture = (cfg.get("architectures") or [None])[0]
         if architecture not in IMAGE_ARCHITECTURES:
             return None
         if architecture == MISTRAL3:
-            return cls._mistral3(cfg, where, processor or {}, tokens or {})
+            return cls._pixtral(cfg, where, processor or {}, tokens or {}, merge=int(cfg.get("spatial_merge_size", 2)))
         if architecture in QWEN_VL_ARCHITECTURES:
             text = {**cfg, **(cfg.get("text_config") or {})}
             patches = MergedPatchGrid.from_configs(cfg.get("vision_config") or {}, processor or {})
@@ -197,6 +197,11 @@ class ImageSpec:
                        hidden_size=int(hidden) if isinstance(hidden, int) else None, patches=patches)
         vision = cfg.get("vision_config") or {}
         tower = vision.get("model_type", "clip_vision_model")
+        if tower == "pixtral" and architecture == "LlavaForConditionalGeneration":  # Pixtral-12B in LLaVA's form
+            if cfg.get("vision_feature_select_strategy", "default") != "full":
+                raise ValueError(f"{where}: a LLaVA checkpoint with a Pixtral tower needs vision_feature_select_"
+                                 "strategy 'full' (the tower has no class token)")
+            return cls._pixtral(cfg, where, processor or {}, tokens or {}, merge=1)
         if tower not in FIXED_SIZE_TOWERS:
             raise ValueError(f"{where}: a LLaVA checkpoint with a {tower!r} vision tower is not supported (towers: "
                              f"{', '.join(FIXED_SIZE_TOWERS)})")
@@ -227,8 +232,10 @@ class ImageSpec:
         return cls(architecture, int(token_id), tokens, grid, int(hidden) if isinstance(hidden, int) else None)
 
     @classmethod
-    def _mistral3(cls, cfg: dict, where: str, processor: dict, tokens: dict[str, int]) -> ImageSpec | None:
-        """Mistral 3 (Pixtral's tower); None (served for text) where the tokenizer lacks the break / end tokens."""
+    def _pixtral(cls, cfg: dict, where: str, processor: dict, tokens: dict[str, int], merge: int) -> ImageSpec | None:
+        """Pixtral's tower (Mistral 3, merging ``merge`` x ``merge`` patches into a cell; Pixtral-12B as a LLaVA, one
+        patch a cell); None (served for text) where the tokenizer lacks the break / end tokens."""
+        architecture = (cfg.get("architectures") or [None])[0]
         vision = cfg.get("vision_config") or {}
         if vision.get("model_type", "pixtral") != "pixtral":
             raise ValueError(f"{where}: a Mistral 3 checkpoint with a {vision.get('model_type')!r} tower is not "
@@ -240,9 +247,9 @@ class ImageSpec:
         patch = int(patch["height"] if isinstance(patch, dict) else patch)
         size = processor.get("size") or {}
         longest = int(size.get("longest_edge") or vision.get("image_size") or 1540)
-        grid = PixtralGrid(patch * int(cfg.get("spatial_merge_size", 2)), longest, tokens[names[0]], tokens[names[1]])
+        grid = PixtralGrid(patch * merge, longest, tokens[names[0]], tokens[names[1]])
         hidden = (cfg.get("text_config") or {}).get("hidden_size")
-        return cls(MISTRAL3, int(cfg.get("image_token_index", cfg.get("image_token_id", 10))), 1,
+        return cls(architecture, int(cfg.get("image_token_index", cfg.get("image_token_id", 10))), 1,
                    hidden_size=int(hidden) if isinstance(hidden, int) else None, pixtral=grid)
 
     @classmethod
@@ -255,11 +262,12 @@ class ImageSpec:
         cfg = json.loads(path.read_text(encoding="utf-8"))
         architecture = (cfg.get("architectures") or [None])[0]
         processor = Path(model_dir) / "preprocessor_config.json"
+        pixtral = architecture == MISTRAL3 or (cfg.get("vision_config") or {}).get("model_type") == "pixtral"
         if not processor.is_file():
             if architecture in QWEN_VL_ARCHITECTURES or architecture == MISTRAL3:
                 return None  # no pixel budget to place images by: its language model served for text
             return cls.from_config(cfg, str(path))
-        tokens = _added_tokens(Path(model_dir)) if architecture == MISTRAL3 else None
+        tokens = _added_tokens(Path(model_dir)) if pixtral else None
         return cls.from_config(cfg, str(path), json.loads(processor.read_text(encoding="utf-8")), tokens)
 
     def tokens_for(self, data: bytes, label: str = "image") -> int:

@@ -1,6 +1,6 @@
 """`tiny-mistral3`: a small, seeded Mistral3ForConditionalGeneration (a 2-layer Pixtral tower of 4-pixel patches,
-merged 2 x 2 into 8-pixel cells, images shrunk to at most 48 pixels a side, over a 2-layer Mistral), made by
-transformers, with tiny-random's tokenizer and Pixtral's [IMG], [IMG_BREAK] and [IMG_END] tokens added: for the tests
+merged 2 x 2 into 8-pixel cells, images shrunk to at most 48 pixels a side, over a 2-layer Mistral), or Pixtral-12B's
+LLaVA form of it (8-pixel patches, LLaVA's projector), made by transformers, with tiny-random's tokenizer and Pixtral's [IMG], [IMG_BREAK] and [IMG_END] tokens added: for the tests
 (tests/test_mistral3_images.py) and the GPU check. Its weights are drawn wide so each image moves the next token."""
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% endif %}{% if message['role'] == 'user' %}[/INST]{% else %}</s>{% endif %}{% endfor %}")
 
 
-def build_tiny_mistral3(out: Path, tokenizer_dir: Path) -> Path:
+def build_tiny_mistral3(out: Path, tokenizer_dir: Path, llava: bool = False) -> Path:
+    """The checkpoint in ``out`` (created); ``llava``: Pixtral-12B's form instead, a LlavaForConditionalGeneration
+    with a Pixtral tower of 8-pixel patches (one patch a cell, no merge) and LLaVA's projector."""
     import transformers
     from tokenizers import Tokenizer
 
@@ -36,12 +38,20 @@ def build_tiny_mistral3(out: Path, tokenizer_dir: Path) -> Path:
                 max_position_embeddings=512, rms_norm_eps=1e-5, sliding_window=None, tie_word_embeddings=False)
     vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=2, head_dim=16, image_size=48, patch_size=4)
-    cfg = transformers.Mistral3Config(text_config=text, vision_config=vision, image_token_index=image_id,
-                                      spatial_merge_size=2, vision_feature_layer=-1, projector_hidden_act="gelu",
-                                      multimodal_projector_bias=False, tie_word_embeddings=False)
-    _seeded(transformers.Mistral3ForConditionalGeneration, cfg).save_pretrained(str(out))
+    if llava:
+        vision["patch_size"] = CELL
+        cfg = transformers.LlavaConfig(text_config=text, vision_config=vision, image_token_index=image_id,
+                                       vision_feature_layer=-1, vision_feature_select_strategy="full",
+                                       projector_hidden_act="gelu", tie_word_embeddings=False)
+        _seeded(transformers.LlavaForConditionalGeneration, cfg).save_pretrained(str(out))
+    else:
+        cfg = transformers.Mistral3Config(text_config=text, vision_config=vision, image_token_index=image_id,
+                                          spatial_merge_size=2, vision_feature_layer=-1, projector_hidden_act="gelu",
+                                          multimodal_projector_bias=False, tie_word_embeddings=False)
+        _seeded(transformers.Mistral3ForConditionalGeneration, cfg).save_pretrained(str(out))
+    patch = vision["patch_size"]
     processor = dict(image_processor_type="PixtralImageProcessor", do_resize=True, size={"longest_edge": 48},
-                     patch_size={"height": 4, "width": 4}, do_rescale=True, rescale_factor=1 / 255, do_normalize=True,
+                     patch_size={"height": patch, "width": patch}, do_rescale=True, rescale_factor=1 / 255, do_normalize=True,
                      image_mean=[0.48145466, 0.4578275, 0.40821073], image_std=[0.26862954, 0.26130258, 0.27577711],
                      do_convert_rgb=True, resample=3)
     (out / "preprocessor_config.json").write_text(json.dumps(processor))
