@@ -585,9 +585,10 @@ def images_check(tokenizer_dir: Path, num_new: int, device: str, work: Path) -> 
 
     for version in VERSIONS:
         out[version] = _qwen2_vl_check(tokenizer_dir, num_new, device, work, params, version)
-    out["mistral3"] = _mistral3_check(tokenizer_dir, num_new, device, work, params)
-    out["ok"] = out["images_change_output"] and all(out[v]["ok"] for v in ("batch", "chunked+preemption",
-                                                                          "llava_next", *VERSIONS, "mistral3"))
+    for name in ("mistral3", "pixtral-llava"):
+        out[name] = _mistral3_check(tokenizer_dir, num_new, device, work, params, name == "pixtral-llava")
+    out["ok"] = out["images_change_output"] and all(out[v]["ok"] for v in (
+        "batch", "chunked+preemption", "llava_next", *VERSIONS, "mistral3", "pixtral-llava"))
     return out
 
 
@@ -607,13 +608,13 @@ def _qwen2_vl_check(tokenizer_dir: Path, num_new: int, device: str, work: Path, 
     return _tiny_images_check(model_dir, cases, transformers_greedy, num_new, device, params, num_kv_blocks=10)
 
 
-def _mistral3_check(tokenizer_dir: Path, num_new: int, device: str, work: Path, params) -> dict:
-    """Mistral 3 (Pixtral's tower) on the device: runs of [IMG] rows closed by break / end tokens (tests/
-    test_mistral3_images.py's prompts)."""
+def _mistral3_check(tokenizer_dir: Path, num_new: int, device: str, work: Path, params, llava: bool) -> dict:
+    """Mistral 3 (Pixtral's tower; ``llava``: Pixtral-12B's LLaVA form) on the device: runs of [IMG] rows closed by
+    break / end tokens (tests/test_mistral3_images.py's prompts)."""
     from pdcluster.engine.multimodal.tiny_llava import png
     from pdcluster.engine.multimodal.tiny_mistral3 import build_tiny_mistral3, transformers_greedy
 
-    model_dir = build_tiny_mistral3(work / "tiny-mistral3", tokenizer_dir)
+    model_dir = build_tiny_mistral3(work / ("tiny-pixtral-llava" if llava else "tiny-mistral3"), tokenizer_dir, llava)
     one = "[INST][IMG]What is in this picture?[/INST]"
     images = [png(1, 40, 36), png(2, 64, 48), png(3, 33, 50)]
     cases = [(one, images[:1]), (one, images[1:2]), ("[INST][IMG]and[IMG]Which one is brighter?[/INST]",
