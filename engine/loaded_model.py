@@ -140,7 +140,7 @@ class LoadedModel:
 
                     if spec.patches is not None:  # M-RoPE: image rows' scratch rows of the rotary tables
                         install_mrope(model, spec, model_dir, config)
-                    model.image_encoder = image_encoder(model_dir, dtype, config.device, deterministic,
+                    model.image_encoder = image_encoder(spec, model_dir, dtype, config.device, deterministic,
                                                         getattr(model, "embed_tokens", None))
         except BaseException:
             if driver is not None:

@@ -39,6 +39,15 @@ _ACTIVATIONS = {"gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approxi
                 "relu": F.relu, "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x)}
 
 
+def encode_in_calls(encode, images: list[bytes], per_call: int) -> list[torch.Tensor]:
+    """``encode(images, first)`` (an encoder's one tower call: each image's rows, ``first`` the index of the call's
+    first image, for error messages) over ``images``, ``per_call`` images a call."""
+    out: list[torch.Tensor] = []
+    for first in range(0, len(images), per_call):
+        out += encode(images[first:first + per_call], first)
+    return out
+
+
 def read_tensors(model_dir: Path, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
     out = {}
     for path in sorted(model_dir.glob("*.safetensors")):
@@ -144,14 +153,10 @@ class LlavaImageEncoder:
         deterministic mode one image at a time, so an image's embeddings are the same bits whatever other images a
         step holds; otherwise the step's images in one batch (a GPU's wider GEMMs)."""
         if self.deterministic:
-            return [self._encode([data], i)[0] for i, data in enumerate(images)]
+            return encode_in_calls(self._encode, images, 1)
         grid = self.spec.grid
         most_crops = 1 if grid is None else 1 + max(h * w for h, w in grid.pinpoints) // grid.tile_size ** 2
-        per_call = max(1, MAX_CROPS_A_CALL // most_crops)
-        out: list[torch.Tensor] = []
-        for first in range(0, len(images), per_call):
-            out += self._encode(images[first:first + per_call], first)
-        return out
+        return encode_in_calls(self._encode, images, max(1, MAX_CROPS_A_CALL // most_crops))
 
     @torch.inference_mode()
     def _encode(self, images: list[bytes], first: int) -> list[torch.Tensor]:

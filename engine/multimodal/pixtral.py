@@ -20,7 +20,7 @@ import torch
 
 from pdcluster.engine.checkout_path import drop_checkout_from_sys_path
 from pdcluster.engine.multimodal.images import open_image
-from pdcluster.engine.multimodal.llava import MAX_CROPS_A_CALL, engine_linears
+from pdcluster.engine.multimodal.llava import MAX_CROPS_A_CALL, encode_in_calls, engine_linears
 from pdcluster.engine.multimodal.spec import MISTRAL3, ImageSpec
 from pdcluster.engine.multimodal.tower_weights import loaded_module
 
@@ -29,9 +29,10 @@ _PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
 
 
 class PixtralImageEncoder:
-    def __init__(self, model_dir: str | Path, dtype: torch.dtype, device: torch.device | str,
+    def __init__(self, spec: ImageSpec, model_dir: str | Path, dtype: torch.dtype, device: torch.device | str,
                  deterministic: bool, text_embeddings: torch.Tensor):
-        """``text_embeddings``: the language model's token table (the break and end tokens' rows come from it)."""
+        """``spec``: the checkpoint's (ImageSpec.from_dir: it reads the tokenizer's added tokens, once);
+        ``text_embeddings``: the language model's token table (the break and end tokens' rows come from it)."""
         drop_checkout_from_sys_path()
         import transformers
         from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
@@ -39,7 +40,7 @@ class PixtralImageEncoder:
         from transformers.models.pixtral.modeling_pixtral import PixtralVisionModel
 
         model_dir = Path(model_dir)
-        self.spec = ImageSpec.from_dir(model_dir)
+        self.spec = spec
         self.dtype, self.device, self.deterministic = dtype, torch.device(device), deterministic
         logging.getLogger("transformers.models.auto.image_processing_auto").setLevel(logging.ERROR)
         self.processor = transformers.AutoImageProcessor.from_pretrained(str(model_dir), local_files_only=True)
@@ -63,11 +64,7 @@ class PixtralImageEncoder:
     def encode(self, images: list[bytes]) -> list[torch.Tensor]:
         """Each image's run of placeholder rows, [rows x (columns + 1), text hidden] in the model's dtype on its
         device; one image a tower call in deterministic mode, else up to MAX_CROPS_A_CALL a call."""
-        per_call = 1 if self.deterministic else MAX_CROPS_A_CALL
-        out: list[torch.Tensor] = []
-        for first in range(0, len(images), per_call):
-            out += self._encode(images[first:first + per_call], first)
-        return out
+        return encode_in_calls(self._encode, images, 1 if self.deterministic else MAX_CROPS_A_CALL)
 
     @torch.inference_mode()
     def _encode(self, images: list[bytes], first: int) -> list[torch.Tensor]:

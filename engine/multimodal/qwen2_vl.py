@@ -21,7 +21,7 @@ import torch
 
 from pdcluster.engine.checkout_path import drop_checkout_from_sys_path
 from pdcluster.engine.multimodal.images import open_image
-from pdcluster.engine.multimodal.llava import MAX_CROPS_A_CALL, engine_linears
+from pdcluster.engine.multimodal.llava import MAX_CROPS_A_CALL, encode_in_calls, engine_linears
 from pdcluster.engine.multimodal.spec import ImageSpec
 from pdcluster.engine.multimodal.tower_weights import loaded_module
 
@@ -33,15 +33,16 @@ _TOWERS = {"Qwen2VLForConditionalGeneration": ("qwen2_vl", "Qwen2VisionTransform
 
 
 class QwenVLImageEncoder:
-    def __init__(self, model_dir: str | Path, dtype: torch.dtype, device: torch.device | str,
+    def __init__(self, spec: ImageSpec, model_dir: str | Path, dtype: torch.dtype, device: torch.device | str,
                  deterministic: bool = False):
+        """``spec``: the checkpoint's (ImageSpec.from_dir)."""
         drop_checkout_from_sys_path()
         import importlib
 
         import transformers
 
         model_dir = Path(model_dir)
-        self.spec = ImageSpec.from_dir(model_dir)
+        self.spec = spec
         self.dtype, self.device, self.deterministic = dtype, torch.device(device), deterministic
         if not (model_dir / "preprocessor_config.json").is_file():
             raise ValueError(f"{model_dir}: no preprocessor_config.json (the image processor's settings)")
@@ -61,11 +62,7 @@ class QwenVLImageEncoder:
         """Each image's embeddings, [its placeholders, text hidden] in the model's dtype on its device; one image a
         tower call in deterministic mode (its bits whatever else a step holds), else up to MAX_CROPS_A_CALL a call
         (the tower's activations are outside the GPU's KV budget)."""
-        per_call = 1 if self.deterministic else MAX_CROPS_A_CALL
-        out: list[torch.Tensor] = []
-        for first in range(0, len(images), per_call):
-            out += self._encode(images[first:first + per_call], first)
-        return out
+        return encode_in_calls(self._encode, images, 1 if self.deterministic else MAX_CROPS_A_CALL)
 
     @torch.inference_mode()
     def _encode(self, images: list[bytes], first: int) -> list[torch.Tensor]:
