@@ -22,9 +22,8 @@ from pdcluster.engine.multimodal.spec import ImageSpec, PixtralGrid
 from pdcluster.engine.multimodal.tiny_llava import png
 from pdcluster.engine.multimodal.tiny_mistral3 import CELL, build_tiny_mistral3, transformers_greedy
 from pdcluster.engine.sampling_params import SamplingParams
-from pdcluster.kv_transfer.config import TransferConfig
 from test_api import serving
-from test_kv_transfer_e2e import Events, _collect_tokens, _wait_free, connected_pair
+from test_multimodal import _prompt, disagg_tokens, greedy_references
 
 transformers = pytest.importorskip("transformers")
 PIL = pytest.importorskip("PIL.Image")
@@ -57,16 +56,7 @@ def engine(model_dir) -> LLMEngine:
 
 @pytest.fixture(scope="module")
 def reference(model_dir, engine) -> list[list[int]]:
-    hf = transformers.AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    out = []
-    for text, images in CASES:
-        ids, _ = engine.model.image_encoder.spec.expand(engine.tokenizer.encode(text), images)
-        out.append(transformers_greedy(model_dir, ids, images, NUM_NEW, model=hf))
-    return out
-
-
-def _prompt(text: str, images: list[bytes]):
-    return {"prompt": text, "multi_modal_data": {"image": images}} if images else text
+    return greedy_references(model_dir, engine, CASES, transformers_greedy, NUM_NEW)
 
 
 def test_runs_follow_transformers_processor(model_dir, engine):
@@ -125,16 +115,8 @@ def test_bad_runs_and_embeddings_are_refused(engine):
 
 
 def test_disaggregated_over_tcp(model_dir, engine, reference):
-    events, ids = Events(), [f"r{i}" for i in range(len(CASES))]
-    with connected_pair(_config(model_dir), TransferConfig(transport="tcp", secret="s3cret"), events) as (p, d):
-        for rid, (text, images) in zip(ids, CASES):
-            prompt, params = engine.with_images(_prompt(text, images), PARAMS) if images else (
-                engine.tokenizer.encode(text), PARAMS)
-            d.submit(rid, prompt, params, "p0")
-        tokens = _collect_tokens(events, ids, timeout_s=120)
-        for worker in (p, d):
-            _wait_free(worker, 64, 5)
-    assert [tokens[rid] for rid in ids] == reference
+    tokens, num_encoded = disagg_tokens(_config(model_dir), engine, CASES, PARAMS)
+    assert tokens == reference
 
 
 def test_served_chat_with_images(model_dir, reference):

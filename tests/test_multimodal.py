@@ -56,14 +56,36 @@ def engine(llava_dir) -> LLMEngine:
 CASES = [(PROMPT, [IMAGES[0]]), (PROMPT, [IMAGES[1]]), (TWO, [IMAGES[2], IMAGES[0]]), (TEXT, [])]
 
 
+def greedy_references(model_dir, engine, cases, greedy, num_new: int) -> list[list[int]]:
+    """transformers' greedy tokens (``greedy``: a tiny builder's oracle) of each (text, images) case, its prompt
+    expanded by the engine's image spec."""
+    hf = transformers.AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    out = []
+    for text, images in cases:
+        ids, _ = engine.model.image_encoder.spec.expand(engine.tokenizer.encode(text), images)
+        out.append(greedy(model_dir, ids, images, num_new, model=hf))
+    return out
+
+
+def disagg_tokens(cfg: EngineConfig, engine, cases, params) -> tuple[list[list[int]], int]:
+    """Each (text, images) case through a prefill / decode pair over tcp (the decode worker submits; the images
+    travel in the request's parameters): its tokens, and how many images the prefill worker encoded. Both workers'
+    blocks are all free after."""
+    events, ids = Events(), [f"r{i}" for i in range(len(cases))]
+    with connected_pair(cfg, TransferConfig(transport="tcp", secret="s3cret"), events) as (p, d):
+        for rid, (text, images) in zip(ids, cases):
+            prompt, req_params = engine.with_images(_prompt(text, images), params) if images else (
+                engine.tokenizer.encode(text), params)
+            d.submit(rid, prompt, req_params, "p0")
+        tokens = _collect_tokens(events, ids, timeout_s=120)
+        for worker in (p, d):
+            _wait_free(worker, cfg.num_kv_blocks, 5)
+        return [tokens[rid] for rid in ids], p.engine.runner.image_embeds.num_encoded
+
+
 @pytest.fixture(scope="module")
 def reference(llava_dir, engine) -> list[list[int]]:
-    hf = transformers.LlavaForConditionalGeneration.from_pretrained(str(llava_dir), dtype=torch.float32).eval()
-    out = []
-    for text, images in CASES:
-        ids, _ = engine.model.image_encoder.spec.expand(engine.tokenizer.encode(text), images)
-        out.append(transformers_greedy(llava_dir, ids, images, NUM_NEW, model=hf))
-    return out
+    return greedy_references(llava_dir, engine, CASES, transformers_greedy, NUM_NEW)
 
 
 def _prompt(text: str, images: list[bytes]):
@@ -192,17 +214,9 @@ def test_disaggregated_over_tcp(llava_dir, engine, reference):
     """The prefill worker encodes the images and sends the prompt's KV; the decode worker decodes it: the same tokens
     (the images travel in the request's parameters, over the workers' msgpack messages)."""
     cfg = EngineConfig(model=str(llava_dir), dtype="float32", max_model_len=256, num_kv_blocks=64, block_size=16)
-    events, ids = Events(), [f"r{i}" for i in range(len(CASES))]
-    with connected_pair(cfg, TransferConfig(transport="tcp", secret="s3cret"), events) as (p, d):
-        for rid, (text, images) in zip(ids, CASES):
-            prompt, params = engine.with_images(_prompt(text, images), PARAMS) if images else (
-                engine.tokenizer.encode(text), PARAMS)
-            d.submit(rid, prompt, params, "p0")
-        tokens = _collect_tokens(events, ids, timeout_s=120)
-        for worker in (p, d):
-            _wait_free(worker, 64, 5)
-        assert p.engine.runner.image_embeds.num_encoded == 3
-    assert [tokens[rid] for rid in ids] == reference
+    tokens, num_encoded = disagg_tokens(cfg, engine, CASES, PARAMS)
+    assert num_encoded == 3
+    assert tokens == reference
 
 
 class _ImageServer(BaseHTTPRequestHandler):

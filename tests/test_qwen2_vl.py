@@ -26,9 +26,8 @@ from pdcluster.engine.multimodal.spec import ImageInputError, ImageSpec, MergedP
 from pdcluster.engine.multimodal.tiny_llava import png
 from pdcluster.engine.multimodal.tiny_qwen2_vl import VERSIONS, build_tiny_qwen2_vl, transformers_greedy
 from pdcluster.engine.sampling_params import SamplingParams
-from pdcluster.kv_transfer.config import TransferConfig
 from test_api import serving
-from test_kv_transfer_e2e import Events, _collect_tokens, _wait_free, connected_pair
+from test_multimodal import _prompt, disagg_tokens, greedy_references
 
 transformers = pytest.importorskip("transformers")
 PIL = pytest.importorskip("PIL.Image")
@@ -62,16 +61,7 @@ def engine(qwen_dir) -> LLMEngine:
 
 @pytest.fixture(scope="module")
 def reference(qwen_dir, engine) -> list[list[int]]:
-    hf = transformers.AutoModelForImageTextToText.from_pretrained(str(qwen_dir), dtype=torch.float32).eval()
-    out = []
-    for text, images in CASES:
-        ids, _ = engine.model.image_encoder.spec.expand(engine.tokenizer.encode(text), images)
-        out.append(transformers_greedy(qwen_dir, ids, images, NUM_NEW, model=hf))
-    return out
-
-
-def _prompt(text: str, images: list[bytes]):
-    return {"prompt": text, "multi_modal_data": {"image": images}} if images else text
+    return greedy_references(qwen_dir, engine, CASES, transformers_greedy, NUM_NEW)
 
 
 def test_placeholders_follow_transformers_processor(qwen_dir):
@@ -168,17 +158,9 @@ def test_image_embeddings_are_refused(engine):
 def test_disaggregated_over_tcp(qwen_dir, engine, reference):
     """The prefill worker encodes the images and sends the prompt's KV; the decode worker continues at the request's
     shifted positions (its layout from the images in the request's parameters): the same tokens."""
-    events, ids = Events(), [f"r{i}" for i in range(len(CASES))]
-    with connected_pair(_config(qwen_dir), TransferConfig(transport="tcp", secret="s3cret"), events) as (p, d):
-        for rid, (text, images) in zip(ids, CASES):
-            prompt, params = engine.with_images(_prompt(text, images), PARAMS) if images else (
-                engine.tokenizer.encode(text), PARAMS)
-            d.submit(rid, prompt, params, "p0")
-        tokens = _collect_tokens(events, ids, timeout_s=120)
-        for worker in (p, d):
-            _wait_free(worker, 64, 5)
-        assert p.engine.runner.image_embeds.num_encoded == 3
-    assert [tokens[rid] for rid in ids] == reference
+    tokens, num_encoded = disagg_tokens(_config(qwen_dir), engine, CASES, PARAMS)
+    assert num_encoded == 3
+    assert tokens == reference
 
 
 def test_served_chat_with_images(qwen_dir, reference):

@@ -115,8 +115,9 @@ def _seeded(model_class, cfg):
 
 
 def transformers_greedy(model_dir: Path, prompt_ids: list[int], images: list[bytes], num_new: int,
-                        device: str = "cpu", model=None) -> list[int]:
-    """transformers' greedy tokens for the expanded prompt with ``images`` (its own processor for the pixels)."""
+                        device: str = "cpu", model=None, processor_kwargs: dict | None = None) -> list[int]:
+    """transformers' greedy tokens for the expanded prompt with ``images`` (its own processor for the pixels, called
+    with ``processor_kwargs``)."""
     import torch
     import transformers
     from PIL import Image
@@ -128,7 +129,7 @@ def transformers_greedy(model_dir: Path, prompt_ids: list[int], images: list[byt
     if images:
         processor = transformers.AutoImageProcessor.from_pretrained(str(model_dir))
         pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
-        processed = processor(images=pil, return_tensors="pt")
+        processed = processor(images=pil, return_tensors="pt", **(processor_kwargs or {}))
         kwargs = {k: processed[k].to(device) for k in ("pixel_values", "image_sizes") if k in processed}
     seq = list(prompt_ids)
     with torch.inference_mode():

@@ -5,11 +5,11 @@ LLaVA form of it (8-pixel patches, LLaVA's projector), made by transformers, wit
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 
 from pdcluster.engine.multimodal.tiny_llava import _seeded
+from pdcluster.engine.multimodal.tiny_llava import transformers_greedy as llava_greedy
 
 IMAGE_TOKENS = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
 CELL = 8  # pixels: a 4-pixel patch times the 2 x 2 merge
@@ -62,22 +62,5 @@ def transformers_greedy(model_dir: Path, prompt_ids: list[int], images: list[byt
                         device: str = "cpu", model=None) -> list[int]:
     """transformers' greedy tokens for the expanded prompt with ``images`` (its processor's pixels, in cells of
     CELL pixels as PixtralProcessor asks)."""
-    import torch
-    import transformers
-    from PIL import Image
-
-    if model is None:
-        model = transformers.AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=torch.float32)
-        model = model.to(device).eval()
-    kwargs = {}
-    if images:
-        processor = transformers.AutoImageProcessor.from_pretrained(str(model_dir))
-        processed = processor(images=[Image.open(io.BytesIO(b)).convert("RGB") for b in images],
-                              patch_size={"height": CELL, "width": CELL}, return_tensors="pt")
-        kwargs = {k: processed[k].to(device) for k in ("pixel_values", "image_sizes")}
-    seq = list(prompt_ids)
-    with torch.inference_mode():
-        for _ in range(num_new):
-            ids = torch.tensor([seq], device=device)
-            seq.append(int(model(input_ids=ids, **kwargs).logits[0, -1].argmax()))
-    return seq[len(prompt_ids):]
+    return llava_greedy(model_dir, prompt_ids, images, num_new, device, model,
+                        {"patch_size": {"height": CELL, "width": CELL}})
