@@ -544,15 +544,8 @@ def images_check(tokenizer_dir: Path, num_new: int, device: str, work: Path) -> 
 
     if importlib.util.find_spec("PIL") is None:
         return {"ok": False, "error": "Pillow is not installed: carry its wheel in .whl (bench/gpu_session.sh)"}
-    import torch
-    import transformers
-
-    from pdcluster.engine.config import EngineConfig
-    from pdcluster.engine.llm_engine import LLMEngine
-    from pdcluster.engine.multimodal.spec import ImageSpec
     from pdcluster.engine.multimodal.tiny_llava import build_tiny_llava, png, transformers_greedy
     from pdcluster.engine.sampling_params import SamplingParams
-    from pdcluster.engine.tokenizer import Tokenizer
 
     model_dir = build_tiny_llava(work / "tiny-llava", tokenizer_dir)
     images = [png(1, 40, 36), png(2, 64, 48), png(3, 33, 50)]
@@ -560,26 +553,8 @@ def images_check(tokenizer_dir: Path, num_new: int, device: str, work: Path) -> 
     cases = [(one, images[:1]), (one, images[1:2]),
              ("USER: <image>\nand <image>\nWhich one is brighter? ASSISTANT:", images[2:] + images[:1]),
              ("USER: Tell me a story about a cat. ASSISTANT:", [])]
-    spec, tokenizer = ImageSpec.from_dir(model_dir), Tokenizer(model_dir)
-    hf = transformers.LlavaForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32)
-    hf = hf.to(device).eval()
-    expected = [transformers_greedy(model_dir, spec.expand(tokenizer.encode(t), i)[0], i, num_new, device, hf)
-                for t, i in cases]
-    del hf
-    prompts = [{"prompt": t, "multi_modal_data": {"image": i}} if i else t for t, i in cases]
     params = SamplingParams(max_tokens=num_new, temperature=0.0, ignore_eos=True)
-    out = {"images_change_output": expected[0] != expected[1]}
-    for vname, cfg in (("batch", {}), ("chunked+preemption", dict(max_num_batched_tokens=5, block_size=8,
-                                                                   num_kv_blocks=9, enable_prefix_caching=False))):
-        engine = LLMEngine.from_config(EngineConfig(**{**dict(model=str(model_dir), device=device, dtype="float32",
-                                                              num_kv_blocks=64, max_model_len=256), **cfg}),
-                                       progress=False)
-        got = [o.token_ids for o in engine.generate(prompts, params)]
-        ok = got == expected and (vname == "batch" or engine.scheduler.num_preemptions_total > 0)
-        out[vname] = {"ok": ok, "num_preemptions": engine.scheduler.num_preemptions_total,
-                      "images_encoded": engine.runner.image_embeds.num_encoded,
-                      "first_diff": next(({"prompt": k, "got": g, "expected": e}
-                                          for k, (g, e) in enumerate(zip(got, expected)) if g != e), None)}
+    out = _tiny_images_check(model_dir, cases, transformers_greedy, num_new, device, params, num_kv_blocks=9)
     out["llava_next"] = _llava_next_check(tokenizer_dir, num_new, device, work, params)
     from pdcluster.engine.multimodal.tiny_qwen2_vl import VERSIONS
 
@@ -652,6 +627,7 @@ def _tiny_images_check(model_dir: Path, cases, transformers_greedy, num_new: int
         got = [o.token_ids for o in engine.generate(prompts, params)]
         ok = got == expected and (vname == "batch" or engine.scheduler.num_preemptions_total > 0)
         out[vname] = {"ok": ok, "num_preemptions": engine.scheduler.num_preemptions_total,
+                      "images_encoded": engine.runner.image_embeds.num_encoded,
                       "first_diff": next(({"prompt": k, "got": g, "expected": e}
                                           for k, (g, e) in enumerate(zip(got, expected)) if g != e), None)}
     out["ok"] = out["images_change_output"] and out["batch"]["ok"] and out["chunked+preemption"]["ok"]
