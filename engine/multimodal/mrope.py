@@ -122,6 +122,7 @@ class MRope:
         out = positions_np + np.repeat(deltas_np, np.diff(query_start_loc_np)) if deltas_np.any() else positions_np
         covering = np.flatnonzero(positions_np[query_start_loc_np[:-1]] < ends_np) if len(positions_np) else ()
         scratch: list[np.ndarray] = []  # [3, n] (time, row, column) of each image token, in packed order
+        num_scratch = 0
         for r in np.asarray(covering).tolist():
             layout = layout_of(r)
             lo, hi = int(query_start_loc_np[r]), int(query_start_loc_np[r + 1])
@@ -139,9 +140,9 @@ class MRope:
                 k = seq[inside] - offset
                 start = offset + shift
                 tokens = np.stack((np.full_like(k, start), start + k // cols, start + k % cols))
-                first = self.num_positions + sum(t.shape[1] for t in scratch)
-                rope[inside] = first + np.arange(tokens.shape[1])
+                rope[inside] = self.num_positions + num_scratch + np.arange(tokens.shape[1])
                 scratch.append(tokens)
+                num_scratch += tokens.shape[1]
             out[lo:hi] = rope
         if scratch:
             self._fill(np.concatenate(scratch, axis=1))
