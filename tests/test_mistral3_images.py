@@ -15,7 +15,6 @@ import torch
 
 from pdcluster.cluster.api.app import build_app
 from pdcluster.cluster.local_router import LocalRouter
-from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.llm_engine import InvalidRequestError, LLMEngine
 from pdcluster.engine.models.registry import resolve_model
 from pdcluster.engine.multimodal.spec import ImageSpec, PixtralGrid
@@ -23,7 +22,7 @@ from pdcluster.engine.multimodal.tiny_llava import png
 from pdcluster.engine.multimodal.tiny_mistral3 import CELL, build_tiny_mistral3, transformers_greedy
 from pdcluster.engine.sampling_params import SamplingParams
 from test_api import serving
-from test_multimodal import _prompt, disagg_tokens, greedy_references
+from test_multimodal import _prompt, disagg_tokens, greedy_references, tiny_image_config as _config
 
 transformers = pytest.importorskip("transformers")
 PIL = pytest.importorskip("PIL.Image")
@@ -42,11 +41,6 @@ PARAMS = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
 def model_dir(request, tmp_path_factory):
     return build_tiny_mistral3(tmp_path_factory.mktemp(request.param), resolve_model("tiny-random", progress=False),
                                llava=request.param == "pixtral-llava")
-
-
-def _config(model_dir, **kw) -> EngineConfig:
-    return EngineConfig(**{"model": str(model_dir), "dtype": "float32", "max_model_len": 256, "num_kv_blocks": 64,
-                           "block_size": 16, "max_num_seqs": 8, **kw})
 
 
 @pytest.fixture(scope="module")

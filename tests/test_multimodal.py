@@ -56,6 +56,12 @@ def engine(llava_dir) -> LLMEngine:
 CASES = [(PROMPT, [IMAGES[0]]), (PROMPT, [IMAGES[1]]), (TWO, [IMAGES[2], IMAGES[0]]), (TEXT, [])]
 
 
+def tiny_image_config(model_dir, **kw) -> EngineConfig:
+    """The engine the tiny Qwen-VL and Mistral 3 checkpoints' tests run (float32, a 64-block pool, 8 requests)."""
+    return EngineConfig(**{"model": str(model_dir), "dtype": "float32", "max_model_len": 256, "num_kv_blocks": 64,
+                           "block_size": 16, "max_num_seqs": 8, **kw})
+
+
 def greedy_references(model_dir, engine, cases, greedy, num_new: int) -> list[list[int]]:
     """transformers' greedy tokens (``greedy``: a tiny builder's oracle) of each (text, images) case, its prompt
     expanded by the engine's image spec."""

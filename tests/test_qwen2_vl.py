@@ -17,7 +17,6 @@ import torch
 
 from pdcluster.cluster.api.app import build_app
 from pdcluster.cluster.local_router import LocalRouter
-from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.llm_engine import InvalidRequestError, LLMEngine
 from pdcluster.engine.models.llama import RotaryEmbedding
 from pdcluster.engine.models.registry import resolve_model
@@ -27,7 +26,7 @@ from pdcluster.engine.multimodal.tiny_llava import png
 from pdcluster.engine.multimodal.tiny_qwen2_vl import VERSIONS, build_tiny_qwen2_vl, transformers_greedy
 from pdcluster.engine.sampling_params import SamplingParams
 from test_api import serving
-from test_multimodal import _prompt, disagg_tokens, greedy_references
+from test_multimodal import _prompt, disagg_tokens, greedy_references, tiny_image_config as _config
 
 transformers = pytest.importorskip("transformers")
 PIL = pytest.importorskip("PIL.Image")
@@ -47,11 +46,6 @@ PARAMS = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
 def qwen_dir(request, tmp_path_factory):
     return build_tiny_qwen2_vl(tmp_path_factory.mktemp(request.param), resolve_model("tiny-random", progress=False),
                                request.param)
-
-
-def _config(model_dir, **kw) -> EngineConfig:
-    return EngineConfig(**{"model": str(model_dir), "dtype": "float32", "max_model_len": 256, "num_kv_blocks": 64,
-                           "block_size": 16, "max_num_seqs": 8, **kw})
 
 
 @pytest.fixture(scope="module")
