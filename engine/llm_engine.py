@@ -19,6 +19,7 @@ from pdcluster.engine.loaded_model import LoadedModel
 from pdcluster.engine.lora.runtime import RuntimeLora
 from pdcluster.engine.model_runner import ModelRunner
 from pdcluster.engine.multimodal.images import image_inputs, image_size, open_image
+from pdcluster.engine.multimodal.chunks import check_images_fit_a_chunk
 from pdcluster.engine.multimodal.spec import IMAGES_OFF, ImageInputError, ImageSpec, check_image_count
 from pdcluster.engine.pooling import finish_embedding
 from pdcluster.engine.proposers import make_proposer
@@ -103,6 +104,11 @@ class LLMEngine:
         scheduler_cls = AsyncScheduler if config.async_scheduling else Scheduler
         self.scheduler = scheduler_cls(config, num_blocks, self.max_model_len, set(loaded.eos_token_ids),
                                        self.connector, self.num_state_blocks, self.offload, self.kv_events.record)
+        encoder = getattr(self.model, "image_encoder", None)
+        if encoder is not None and encoder.spec.bidirectional:  # Gemma 3: a step holds an image whole
+            check_images_fit_a_chunk(encoder.spec.tokens_per_image, config.prefill_chunk_tokens,
+                                     config.max_num_batched_tokens, config.model)
+            self.scheduler.whole_images = True
         self.mtp_source = None
         mtp_weights = None
         if config.spec_method == "mtp":

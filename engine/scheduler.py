@@ -23,6 +23,7 @@ from pdcluster.engine.forks import ForkGate
 from pdcluster.engine.kv_offload.gate import NoOffload, OffloadGate
 from pdcluster.engine.kv_offload.manager import OffloadManager
 from pdcluster.engine.mamba_state_blocks import tokens_with_state
+from pdcluster.engine.multimodal.chunks import chunk_outside_images
 from pdcluster.engine.remote_admission import RemoteReservation, reservation_after_load, reserve_remote
 from pdcluster.engine.request import Request, RequestStatus
 from pdcluster.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -94,6 +95,9 @@ class Scheduler:
         # worker (engine/mamba_state_blocks.py). A producer allocates them with each prompt's last chunk.
         self.num_state_blocks = num_state_blocks
         self._num_state_blocks_out = num_state_blocks if self.connector.is_producer else 0
+        # A model whose images attend to themselves both ways (Gemma 3): no prefill chunk ends inside an image
+        # (engine/multimodal/chunks.py). Set by the engine that loaded it.
+        self.whole_images = False
 
     # ---- requests in and out -----------------------------------------------------------------
     def add_request(self, request: Request, follow: str | None = None) -> None:
@@ -236,6 +240,8 @@ class Scheduler:
         while i < len(running) and budget > 0:
             request = running[i]
             num_new = min(num_new_tokens(request), chunk_size, budget)
+            if self.whole_images and request.sampling_params.mm_inputs:
+                num_new = chunk_outside_images(request.sampling_params.mm_inputs, request.num_computed_tokens, num_new)
             if num_new <= 0:
                 i += 1
                 continue
@@ -295,6 +301,10 @@ class Scheduler:
             num_computed = request.num_computed_tokens + len(cached) * cfg.block_size
             # num_tokens_with_spec: a request prefilled elsewhere may arrive with drafts.
             num_new = min(request.num_tokens_with_spec - num_computed, cfg.prefill_chunk_tokens, budget)
+            if self.whole_images and params.mm_inputs:
+                num_new = chunk_outside_images(params.mm_inputs, num_computed, num_new)
+                if num_new <= 0:  # the step has no room for the image it starts with: next step
+                    break
             if not self.block_manager.allocate_slots(request, self._num_slots(request, num_computed, num_new), cached):
                 break
             self.waiting.popleft()

@@ -50,7 +50,7 @@ def write_kv(
     flat[1].index_copy_(0, slot_mapping, value)
 
 
-def _gather_context(
+def gather_context(
     layer_cache: torch.Tensor, block_table_row: torch.Tensor, context_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of one request's first ``context_len`` tokens, contiguous: [context_len, Hkv, D]."""
@@ -99,7 +99,7 @@ def paged_attention(
         q_len = q_end - q_start
         if q_len == 0:
             continue
-        k, v = _gather_context(layer_cache, block_tables[r], context_len)
+        k, v = gather_context(layer_cache, block_tables[r], context_len)
         q = query[q_start:q_end].transpose(0, 1)  # [Hq, q_len, D]
         k = k.transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, L, D]
         v = v.transpose(0, 1).repeat_interleave(group, dim=0)

@@ -14,6 +14,10 @@ for text, its vision tower left unloaded). What Gemma changes:
   table (``rope_local_base_freq`` / the "sliding_attention" parameters), its full layers the global one;
 - Gemma 2: attention scores soft-capped, softcap * tanh(s / softcap), in the attention kernels;
 - final logit soft-capping (cap * tanh(logits / cap)).
+
+Gemma 3's images (``Gemma3ForConditionalGeneration`` with its preprocessor_config.json: engine/multimodal/gemma3.py)
+replace their soft tokens' embeddings after the embedding scale, and attend to each other both ways
+(engine/multimodal/bidirectional.py).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from pdcluster.engine.models.causal_lm import embedding_and_lm_head
 from pdcluster.engine.models.classifier import causal_architecture
 from pdcluster.engine.models.llama import DecoderLayer, LlamaModel, ModelArch, RotaryEmbedding
 from pdcluster.engine.models.rope import RopeScaling, rope_from_config
+from pdcluster.engine.multimodal.bidirectional import ImageSpan, attend_images_both_ways, image_spans
 
 GEMMA2 = ("Gemma2ForCausalLM",)
 GEMMA3 = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
@@ -152,8 +157,10 @@ class GemmaLayer(DecoderLayer):
         self.softcap = arch.attn_logit_softcapping or 0.0
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                layer_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The residual stream after this block (Gemma norms each sublayer's output before adding it)."""
+                layer_cache: torch.Tensor, meta: AttentionMetadata,
+                image_spans: list[ImageSpan] | None = None) -> torch.Tensor:
+        """The residual stream after this block (Gemma norms each sublayer's output before adding it);
+        ``image_spans``: the step's Gemma 3 images, whose soft tokens attend to each other both ways."""
         a = self.arch
         eps = a.rms_norm_eps
         x = gemma_rms_norm(hidden, self.input_norm, eps)
@@ -165,6 +172,8 @@ class GemmaLayer(DecoderLayer):
         rope.rotate_(k, positions)
         o = attend(q, k, v, layer_cache, meta, batch_invariant=self.deterministic, window=self.window,
                    softcap=self.softcap)
+        if image_spans:
+            attend_images_both_ways(q, o, layer_cache, meta.block_tables, image_spans, meta.scale, self.window)
         attn = self.o_proj(o.reshape(-1, self.q_size))
         hidden = hidden + gemma_rms_norm(attn, self.post_norm, eps)
         mlp = self.mlp(gemma_rms_norm(hidden, self.pre_ff_norm, eps))
@@ -204,8 +213,14 @@ class GemmaModel(LlamaModel):
                 meta: AttentionMetadata, on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
         self.hand_forward_to_ranks(input_ids, positions, meta)  # tensor parallelism: the other ranks' slices
         hidden = F.embedding(input_ids, self.embed_tokens) * self.embed_scale
+        spans = None
+        if self.image_rows is not None:  # Gemma 3's images: their rows are not scaled (engine/multimodal/gemma3.py)
+            rows, embeds = self.image_rows
+            hidden.index_copy_(0, rows, embeds.to(hidden.dtype))
+            spans = image_spans(rows, meta.query_start_loc.cpu().numpy(), meta.seq_lens.cpu().numpy())
         for i, layer in enumerate(self.layers):
-            hidden = layer.forward(hidden, positions, self.local_rope if layer.local else self.rope, kv_cache[i], meta)
+            hidden = layer.forward(hidden, positions, self.local_rope if layer.local else self.rope, kv_cache[i], meta,
+                                   spans)
             if on_layer_done is not None:
                 on_layer_done(i)
         return gemma_rms_norm(hidden, self.norm, self.arch.rms_norm_eps)

@@ -13,6 +13,10 @@ def image_encoder(spec: ImageSpec, model_dir: str | Path, dtype: torch.dtype, de
                   text_embeddings: torch.Tensor | None = None):
     """The image encoder of a checkpoint that takes images (``spec``: its ImageSpec.from_dir); ``text_embeddings``:
     the language model's token table (Mistral 3's break / end rows)."""
+    if spec.frame is not None:
+        from pdcluster.engine.multimodal.gemma3 import Gemma3ImageEncoder
+
+        return Gemma3ImageEncoder(spec, model_dir, dtype, device, deterministic)
     if spec.pixtral is not None:
         from pdcluster.engine.multimodal.pixtral import PixtralImageEncoder
 

@@ -9,10 +9,16 @@ embedding closing each row: the count follows the image's size (``AnyResGrid``).
 Qwen2-VL, Qwen2.5-VL and Qwen3-VL resize each image to multiples of a merged patch (28 pixels; Qwen3-VL's 32) within a
 pixel budget and give
 one placeholder per merged patch (``MergedPatchGrid``): the count follows the size too, and the placeholders take
-M-RoPE positions by their row and column (engine/multimodal/mrope.py)."""
+M-RoPE positions by their row and column (engine/multimodal/mrope.py).
+
+Gemma 3 resizes every image to one square (SigLIP's 896 pixels) and pools it to ``mm_tokens_per_image`` soft tokens;
+the prompt's ``<start_of_image>`` becomes "\n\n", itself, the soft tokens, ``<end_of_image>``, "\n\n" (``Gemma3Frame``),
+the newlines merged with their neighbours as the tokenizer would have them, and an image's soft tokens attend to each
+other both ways (engine/multimodal/bidirectional.py)."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -27,7 +33,8 @@ LLAVA_NEXT = "LlavaNextForConditionalGeneration"
 MISTRAL3 = "Mistral3ForConditionalGeneration"
 QWEN_VL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
                          "Qwen3VLForConditionalGeneration")
-IMAGE_ARCHITECTURES = ("LlavaForConditionalGeneration", LLAVA_NEXT, MISTRAL3) + QWEN_VL_ARCHITECTURES
+GEMMA3 = "Gemma3ForConditionalGeneration"
+IMAGE_ARCHITECTURES = ("LlavaForConditionalGeneration", LLAVA_NEXT, MISTRAL3, GEMMA3) + QWEN_VL_ARCHITECTURES
 
 
 # What a request with images is told where --limit-mm-per-prompt turned them off (the API's and the engine's words).
@@ -167,6 +174,39 @@ class PixtralGrid:
 
 
 @dataclass(frozen=True)
+class Gemma3Frame:
+    """Gemma 3's frame around an image's soft tokens (Gemma3Processor's full_image_sequence): the prompt's
+    ``boi_token_id`` (its image token) becomes "\\n\\n", itself, the soft tokens, ``eoi_token_id``, "\\n\\n".
+    ``newline_ids[k - 1]``: the tokenizer's one token for k newlines (k = 1, 2, ...: a "\\n\\n" next to other
+    newlines is merged with them into one token where one exists, as tokenizing the processor's text would)."""
+
+    boi_token_id: int
+    eoi_token_id: int
+    soft_token_id: int
+    newline_ids: tuple[int, ...]
+
+    def newlines(self, token_id: int) -> int:
+        """How many newlines the token is (0: not a run of newlines)."""
+        return self.newline_ids.index(token_id) + 1 if token_id in self.newline_ids else 0
+
+    def join(self, out: list[int], tokens: list[int]) -> None:
+        """``tokens`` appended to ``out``, the newline tokens meeting at the seam merged into one where the
+        tokenizer has one for their count."""
+        if out and tokens:
+            k = self.newlines(out[-1]) + self.newlines(tokens[0]) if self.newlines(out[-1]) and self.newlines(
+                tokens[0]) else 0
+            if 0 < k <= len(self.newline_ids):
+                out[-1] = self.newline_ids[k - 1]
+                tokens = tokens[1:]
+        out += tokens
+
+    def run(self, length: int) -> tuple[list[int], list[int], list[int]]:
+        """(before, soft tokens, after) of an image of ``length`` soft tokens."""
+        two = self.newline_ids[1]
+        return [two, self.boi_token_id], [self.soft_token_id] * length, [self.eoi_token_id, two]
+
+
+@dataclass(frozen=True)
 class ImageSpec:
     architecture: str
     image_token_id: int
@@ -175,6 +215,12 @@ class ImageSpec:
     hidden_size: int | None = None  # the language model's (an image's embeddings are this wide); None: not stated
     patches: MergedPatchGrid | None = None  # Qwen2-VL's layout: the count follows each image's size, M-RoPE rows
     pixtral: PixtralGrid | None = None  # Mistral 3's layout: rows of cells closed by break tokens
+    frame: Gemma3Frame | None = None  # Gemma 3: image_token_id is <start_of_image>, the placeholders soft tokens
+
+    @property
+    def bidirectional(self) -> bool:
+        """An image's placeholders attend to each other both ways (Gemma 3): a prefill chunk never ends inside one."""
+        return self.frame is not None
 
     @classmethod
     def from_config(cls, cfg: dict, where: str = "config.json", processor: dict | None = None,
@@ -186,6 +232,8 @@ class ImageSpec:
         architecture = (cfg.get("architectures") or [None])[0]
         if architecture not in IMAGE_ARCHITECTURES:
             return None
+        if architecture == GEMMA3:
+            return cls._gemma3(cfg, where, processor or {}, tokens)
         if architecture == MISTRAL3:
             return cls._pixtral(cfg, where, processor or {}, tokens or {}, merge=int(cfg.get("spatial_merge_size", 2)))
         if architecture in QWEN_VL_ARCHITECTURES:
@@ -253,6 +301,30 @@ class ImageSpec:
                    hidden_size=int(hidden) if isinstance(hidden, int) else None, pixtral=grid)
 
     @classmethod
+    def _gemma3(cls, cfg: dict, where: str, processor: dict, newline_ids) -> ImageSpec | None:
+        """Gemma 3's SigLIP tower pooled to ``mm_tokens_per_image`` soft tokens an image (``newline_ids``: the
+        tokenizer's newline-run tokens, _newline_ids; None, or without "\\n\\n": served for text)."""
+        vision = cfg.get("vision_config") or {}
+        if vision.get("model_type", "siglip_vision_model") != "siglip_vision_model":
+            raise ValueError(f"{where}: a Gemma 3 checkpoint with a {vision.get('model_type')!r} tower is not "
+                             "supported (siglip_vision_model)")
+        if processor.get("do_pan_and_scan"):
+            raise ValueError(f"{where}: the image processor's do_pan_and_scan is not supported (each image is one "
+                             "square crop)")
+        if not newline_ids or len(newline_ids) < 2:
+            return None
+        num_tokens = int(cfg.get("mm_tokens_per_image", 256))
+        side = int(vision.get("image_size", 224)) // int(vision.get("patch_size", 14))
+        per_side = math.isqrt(num_tokens)
+        if per_side * per_side != num_tokens or side % per_side:
+            raise ValueError(f"{where}: mm_tokens_per_image {num_tokens} must be a square whose side divides the "
+                             f"tower's {side} patches a side")
+        frame = Gemma3Frame(int(cfg.get("boi_token_index", 255_999)), int(cfg.get("eoi_token_index", 256_000)),
+                            int(cfg.get("image_token_index", 262_144)), tuple(newline_ids))
+        hidden = (cfg.get("text_config") or {}).get("hidden_size", 2304)
+        return cls(GEMMA3, frame.boi_token_id, num_tokens, hidden_size=int(hidden), frame=frame)
+
+    @classmethod
     def from_dir(cls, model_dir: str | Path) -> ImageSpec | None:
         """The spec of the checkpoint in ``model_dir`` (with its preprocessor_config.json; a Qwen2-VL without one is
         served for text)."""
@@ -268,6 +340,8 @@ class ImageSpec:
                 return None  # no pixel budget to place images by: its language model served for text
             return cls.from_config(cfg, str(path))
         tokens = _added_tokens(Path(model_dir)) if pixtral else None
+        if architecture == GEMMA3:
+            tokens = _newline_ids(str(Path(model_dir) / "tokenizer.json"))
         return cls.from_config(cfg, str(path), json.loads(processor.read_text(encoding="utf-8")), tokens)
 
     def tokens_for(self, data: bytes, label: str = "image") -> int:
@@ -299,21 +373,34 @@ class ImageSpec:
         out: list[int] = []
         items = []
         last = 0
+        frame = self.frame
         for i, (pos, image) in enumerate(zip(at, images)):
-            out += prompt_token_ids[last:pos]
+            self._join(out, prompt_token_ids[last:pos])
             if isinstance(image, ImageEmbedding) and not self.takes_embeddings:
                 raise ImageInputError(self.embeddings_refused(i))
             if isinstance(image, ImageEmbedding):
                 length = image.rows
+                if frame is not None:
+                    self._join(out, frame.run(length)[0])
                 items.append({"offset": len(out), "length": length, "digest": image_digest(image.data),
                               "data": image.data, "embeds": [image.dtype, image.rows, image.hidden]})
             else:
                 length = self.tokens_for(image, f"image {i}")
+                if frame is not None:
+                    self._join(out, frame.run(length)[0])
                 items.append({"offset": len(out), "length": length, "digest": image_digest(image), "data": image})
             out += self.placeholder_ids(length, None if isinstance(image, ImageEmbedding) else image)
+            if frame is not None:
+                out += frame.run(length)[2]
             last = pos + 1
-        out += prompt_token_ids[last:]
+        self._join(out, prompt_token_ids[last:])
         return out, items
+
+    def _join(self, out: list[int], tokens: list[int]) -> None:
+        if self.frame is None:
+            out += tokens
+        else:
+            self.frame.join(out, tokens)
 
     def check(self, prompt_token_ids: list[int], mm_inputs: list[dict]) -> None:
         """That ``mm_inputs`` name placeholder runs of this prompt, in order, one image each (a request built
@@ -342,6 +429,8 @@ class ImageSpec:
     def placeholder_ids(self, length: int, data: bytes | None) -> list[int]:
         """The prompt's run of ``length`` placeholders for an image (``data``, its encoded bytes; None for
         embeddings): the image token each, or Mistral 3's rows of image tokens closed by break / end tokens."""
+        if self.frame is not None:
+            return [self.frame.soft_token_id] * length
         if self.pixtral is None or data is None:
             return [self.image_token_id] * length
         from pdcluster.engine.multimodal.images import image_size
@@ -368,6 +457,24 @@ def _added_tokens(model_dir: Path) -> dict[str, int]:
         return {}
     added = json.loads(path.read_text(encoding="utf-8")).get("added_tokens") or []
     return {t["content"]: int(t["id"]) for t in added if isinstance(t, dict) and "content" in t and "id" in t}
+
+
+@functools.lru_cache(maxsize=8)
+def _newline_ids(tokenizer_path: str) -> tuple[int, ...] | None:
+    """The tokenizer's tokens for 1, 2, ... newlines (each the one token the tokenizer makes of that run), up to the
+    first run it makes two tokens of; None without a tokenizer.json."""
+    if not Path(tokenizer_path).is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(tokenizer_path)
+    out: list[int] = []
+    while len(out) < 64:
+        ids = tok.encode("\n" * (len(out) + 1), add_special_tokens=False).ids
+        if len(ids) != 1:
+            break
+        out.append(ids[0])
+    return tuple(out)
 
 
 def check_image_count(num_images: int, max_images: int) -> None:

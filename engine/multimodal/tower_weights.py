@@ -1,8 +1,9 @@
 """Building a transformers vision module for the engine: on the meta device, then given the checkpoint's tensors.
 
 A module built on "meta" and moved with ``to_empty`` has no values in the buffers transformers computes in
-``__init__`` rather than reads from a checkpoint: the rotary frequency tables (``inv_freq``). ``loaded_module``
-builds them again from each rotary module's own config, in float32.
+``__init__`` rather than reads from a checkpoint: the rotary frequency tables (``inv_freq``), the position indices of
+a learned position embedding (SigLIP's ``position_ids``). ``loaded_module`` builds them again: each rotary module
+from its own config, in float32; position indices as the arange they are.
 """
 
 from __future__ import annotations
@@ -33,9 +34,12 @@ def loaded_module(build, model_dir: Path, prefixes: tuple[str, ...], dtype: torc
         for name, child in list(parent.named_children()):
             if hasattr(child, "inv_freq") and hasattr(child, "config"):
                 setattr(parent, name, type(child)(child.config).to(device))
-    # Any other computed buffer would hold whatever the memory held: refused rather than run.
     computed = {n for n, _ in module.named_buffers()} - set(module.state_dict())
-    rebuilt = {n for n in computed if n.rsplit(".", 1)[-1] in ("inv_freq", "original_inv_freq")}
+    for name, buf in module.named_buffers():
+        if name in computed and name.rsplit(".", 1)[-1] == "position_ids":
+            buf.copy_(torch.arange(buf.shape[-1], device=buf.device).expand_as(buf))
+    # Any other computed buffer would hold whatever the memory held: refused rather than run.
+    rebuilt = {n for n in computed if n.rsplit(".", 1)[-1] in ("inv_freq", "original_inv_freq", "position_ids")}
     if computed - rebuilt:
         raise ValueError(f"{model_dir}: the {what} computes buffers this loader does not rebuild: "
                          f"{', '.join(sorted(computed - rebuilt)[:3])}")
