@@ -24,7 +24,7 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for item in message['content'] %}"
     "{% if item['type'] == 'image' %}<start_of_image>{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}\n{% endfor %}{% if add_generation_prompt %}model\n{% endif %}")
+    "{% endfor %}{% endif %}{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}model\n{% endif %}")
 
 
 def build_tiny_gemma3(out: Path, tokenizer_dir: Path) -> Path:
