@@ -562,8 +562,58 @@ def images_check(tokenizer_dir: Path, num_new: int, device: str, work: Path) -> 
         out[version] = _qwen2_vl_check(tokenizer_dir, num_new, device, work, params, version)
     for name in ("mistral3", "pixtral-llava"):
         out[name] = _mistral3_check(tokenizer_dir, num_new, device, work, params, name == "pixtral-llava")
+    out["gemma3"] = _gemma3_check(tokenizer_dir, num_new, device, work, params)
     out["ok"] = out["images_change_output"] and all(out[v]["ok"] for v in (
-        "batch", "chunked+preemption", "llava_next", *VERSIONS, "mistral3", "pixtral-llava"))
+        "batch", "chunked+preemption", "llava_next", *VERSIONS, "mistral3", "pixtral-llava", "gemma3"))
+    return out
+
+
+def _gemma3_check(tokenizer_dir: Path, num_new: int, device: str, work: Path, params) -> dict:
+    """Gemma 3 on the device (tests/test_gemma3_images.py's prompts): the framed soft tokens, prefill chunks of 18
+    that end before an image instead of inside it, and the first token's top-5 logprobs of a two-image prompt equal
+    transformers' with its image mask (the soft tokens' both-ways attention on the device), not without it."""
+    import io
+
+    import torch
+    import transformers
+    from PIL import Image
+
+    from pdcluster.engine.config import EngineConfig
+    from pdcluster.engine.llm_engine import LLMEngine
+    from pdcluster.engine.multimodal.tiny_gemma3 import build_tiny_gemma3, transformers_greedy
+    from pdcluster.engine.multimodal.tiny_llava import png
+    from pdcluster.engine.sampling_params import SamplingParams
+
+    model_dir = build_tiny_gemma3(work / "tiny-gemma3", tokenizer_dir)
+    one = "user\n<start_of_image>What is in this picture?\nmodel\n"
+    two = "user\n<start_of_image>and<start_of_image>\n\nWhich one is brighter?\nmodel\n"
+    images = [png(1, 40, 36), png(2, 64, 48), png(3, 33, 50)]
+    cases = [(one, images[:1]), (one, images[1:2]), (two, images[2:] + images[:1]),
+             ("user\nTell me a story about a cat.\nmodel\n", [])]
+    out = _tiny_images_check(model_dir, cases, transformers_greedy, num_new, device, params, num_kv_blocks=13,
+                             chunk_tokens=18)
+    hf = transformers.Gemma3ForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32)
+    hf = hf.to(device).eval()
+    engine = LLMEngine.from_config(EngineConfig(model=str(model_dir), device=device, dtype="float32",
+                                                num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=18),
+                                   progress=False)
+    pair = images[2:] + images[:1]
+    ids, _ = engine.model.image_encoder.spec.expand(engine.tokenizer.encode(two), pair)
+    processor = transformers.AutoImageProcessor.from_pretrained(str(model_dir))
+    pixels = processor(images=[Image.open(io.BytesIO(b)).convert("RGB") for b in pair],
+                       return_tensors="pt")["pixel_values"].to(device)
+    t = torch.tensor([ids], device=device)
+    with torch.inference_mode():
+        both, causal = (hf(input_ids=t, pixel_values=pixels, **kw).logits[0, -1].float().log_softmax(-1).cpu()
+                        for kw in ({"token_type_ids": (t == hf.config.image_token_index).long()}, {}))
+    top = engine.generate([{"prompt": two, "multi_modal_data": {"image": pair}}],
+                          SamplingParams(max_tokens=1, temperature=0.0, logprobs=5))[0].logprobs[0]
+    got, want = torch.tensor(top.top_logprobs), both[top.top_token_ids]
+    out["both_ways"] = {"ok": bool(torch.allclose(got, want, atol=1e-3)
+                                   and (causal[top.top_token_ids] - want).abs().max() > 1e-3),
+                        "max_abs_diff": float((got - want).abs().max()),
+                        "causal_max_abs_diff": float((causal[top.top_token_ids] - want).abs().max())}
+    out["ok"] = out["ok"] and out["both_ways"]["ok"]
     return out
 
 
@@ -599,9 +649,9 @@ def _mistral3_check(tokenizer_dir: Path, num_new: int, device: str, work: Path, 
 
 
 def _tiny_images_check(model_dir: Path, cases, transformers_greedy, num_new: int, device: str, params,
-                       num_kv_blocks: int) -> dict:
-    """A tiny image checkpoint's ``cases`` (prompt, images) batched, then in prefill chunks of 5 through the
-    placeholders with a pool of ``num_kv_blocks`` blocks of 8 (preempting), equal transformers' greedy."""
+                       num_kv_blocks: int, chunk_tokens: int = 5) -> dict:
+    """A tiny image checkpoint's ``cases`` (prompt, images) batched, then in prefill chunks of ``chunk_tokens`` through
+    the placeholders with a pool of ``num_kv_blocks`` blocks of 8 (preempting), equal transformers' greedy."""
     import torch
     import transformers
 
@@ -618,7 +668,7 @@ def _tiny_images_check(model_dir: Path, cases, transformers_greedy, num_new: int
     del hf
     prompts = [{"prompt": t, "multi_modal_data": {"image": i}} if i else t for t, i in cases]
     out = {"images_change_output": expected[0] != expected[1]}
-    for vname, cfg in (("batch", {}), ("chunked+preemption", dict(max_num_batched_tokens=5, block_size=8,
+    for vname, cfg in (("batch", {}), ("chunked+preemption", dict(max_num_batched_tokens=chunk_tokens, block_size=8,
                                                                    num_kv_blocks=num_kv_blocks,
                                                                    enable_prefix_caching=False))):
         engine = LLMEngine.from_config(EngineConfig(**{**dict(model=str(model_dir), device=device, dtype="float32",
