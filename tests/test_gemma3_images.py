@@ -154,6 +154,17 @@ def test_fast_mode_chunked_with_preemption(model_dir, reference):
     assert eng.runner.image_embeds.num_encoded == 3
 
 
+def test_async_scheduling_and_image_embeddings(model_dir, engine, reference):
+    """Async scheduling in prefill chunks of 18 (the next step scheduled while this one runs: the same cut before an
+    image); an image given as its embeddings (the encoder's rows) framed as an image and giving its tokens."""
+    eng = LLMEngine.from_config(_config(model_dir, async_scheduling=True, max_num_batched_tokens=18), progress=False)
+    assert [o.token_ids for o in eng.generate([_prompt(t, i) for t, i in CASES], PARAMS)] == reference
+    rows = engine.model.image_encoder.encode([IMAGES[0]])[0]
+    assert rows.shape == (NUM_SOFT_TOKENS, 64)
+    out = engine.generate([{"prompt": PROMPT, "multi_modal_data": {"image": rows}}], PARAMS)[0]
+    assert out.token_ids == reference[0]
+
+
 def test_disaggregated_over_tcp(model_dir, engine, reference):
     tokens, num_encoded = disagg_tokens(_config(model_dir), engine, CASES, PARAMS)
     assert tokens == reference and num_encoded == 3
