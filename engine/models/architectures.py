@@ -91,6 +91,7 @@ ARCHITECTURES = {
     "Qwen2VLForConditionalGeneration": (ModelArch, LlamaModel),
     "Qwen2_5_VLForConditionalGeneration": (ModelArch, LlamaModel),
     "Qwen3VLForConditionalGeneration": (ModelArch, LlamaModel),
+    "Qwen3VLMoeForConditionalGeneration": (ModelArch, LlamaModel),
     "Gemma2ForCausalLM": (GemmaArch, GemmaModel),
     "Gemma3ForCausalLM": (GemmaArch, GemmaModel),
     "Gemma3ForConditionalGeneration": (GemmaArch, GemmaModel),  # its language model, for text

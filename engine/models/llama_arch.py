@@ -53,6 +53,8 @@ MULTIMODAL_TEXT = {"Mistral3ForConditionalGeneration": "MistralForCausalLM",  # 
                    "Qwen2VLForConditionalGeneration": "Qwen2ForCausalLM",
                    "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",
                    "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",
+                   # Qwen3-VL-30B-A3B / 235B-A22B: Qwen3-MoE text, its experts fused (engine/models/moe.py)
+                   "Qwen3VLMoeForConditionalGeneration": "Qwen3MoeForCausalLM",
                    "Llama4ForConditionalGeneration": "Llama4ForCausalLM",
                    # LLaVA 1.5 and its kind (a CLIP or SigLIP tower, an MLP projector): images too, engine/multimodal/
                    "LlavaForConditionalGeneration": "LlamaForCausalLM",
@@ -393,6 +395,9 @@ def _granite_multipliers(cfg: dict, architecture: str) -> dict:
 def _moe(cfg: dict, architecture: str, where: str) -> MoeArch | None:
     """The MoE layout of a sparse architecture (None: dense MLPs)."""
     num_layers = cfg["num_hidden_layers"]
+    if architecture == "Qwen3MoeForCausalLM" and cfg.get("model_type") == "qwen3_vl_moe_text":
+        # Qwen3VLMoeTextTopKRouter renormalises its top k always (its config has no norm_topk_prob).
+        return replace(MoeArch.from_config(cfg, num_layers, where, layout="qwen3_vl_moe"), norm_topk_prob=True)
     if architecture == "Qwen3MoeForCausalLM":
         return MoeArch.from_config(cfg, num_layers, where)
     if architecture in QWEN2_MOE:

@@ -25,6 +25,9 @@ probabilities (divided by their sum when ``norm_topk_prob``), experts ``down(sil
 weights are stacked at load into ``gate_up`` [E, 2I, H] (gate rows, then up rows) and ``down`` [E, H, I] from
 either layout a checkpoint has: per expert (``mlp.experts.{e}.gate_proj.weight``, ..., what Qwen's checkpoints
 and transformers 5's ``save_pretrained`` write) or fused (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``).
+Qwen3-VL-MoE's language model (Qwen3-VL-30B-A3B, 235B-A22B) is Qwen3-MoE whose router always renormalises, its
+experts fused as the Hub's checkpoints keep them, ``gate_up_proj`` [E, H, 2I] and ``down_proj`` [E, I, H], transposed
+at load (as transformers' conversion does).
 
 Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): Qwen3-MoE's router and experts (other config defaults), plus a
 shared expert every token runs: a dense SwiGLU MLP of width ``shared_expert_intermediate_size``
@@ -69,6 +72,7 @@ _DEFAULTS = {
     "qwen3": dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
     "qwen2_moe": dict(num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408,
                       shared_expert_intermediate_size=5632),
+    "qwen3_vl_moe": dict(num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408),  # Qwen3VLMoeTextConfig
 }
 
 
@@ -222,6 +226,8 @@ class MoeArch:
     sparse_layers: tuple[bool, ...]  # per layer: MoE (True) or the dense MLP of width intermediate_size
     # "qwen3": mlp.gate + mlp.experts.{e}.gate_proj/up_proj/down_proj, routing weights rounded to the model dtype;
     # "qwen2_moe": the same, and the gated shared expert (module docstring);
+    # "qwen3_vl_moe": Qwen3-VL-MoE's language model: "qwen3"'s router (always renormalised) and experts, stored fused
+    # as mlp.experts.gate_up_proj [E, H, 2I] (gate columns, then up) and down_proj [E, I, H];
     # "mixtral": block_sparse_moe.gate + block_sparse_moe.experts.{e}.w1/w3/w2, weights kept float32 (as
     # transformers' MixtralExperts multiplies);
     # "granitemoe": block_sparse_moe.router.layer + input_linear / output_linear, softmax over the top-k logits;
@@ -321,7 +327,16 @@ def take_expert_weights(weights: dict[str, torch.Tensor], prefix: str, moe: MoeA
     """(gate_up [E, 2I, H], down [E, H, I]) popped from ``weights`` under ``{prefix}.experts.``, in the
     checkpoint's layout (Qwen3's gate_proj / up_proj / down_proj, Mixtral's w1 / w3 / w2)."""
     E, I, H = moe.num_experts, moe.intermediate_size, hidden_size
-    if moe.layout in ("gpt_oss", "llama4"):  # transformers' [E, in, out] parameters
+    if moe.layout == "qwen3_vl_moe":
+        gate_up, down = (_pop(weights, f"{prefix}.experts.{name}") for name in ("gate_up_proj", "down_proj"))
+        # The Hub's checkpoints keep [E, H, 2I] and [E, I, H] (transformers transposes them at load); a checkpoint
+        # in transformers' own layout, [E, 2I, H] and [E, H, I], is taken as it is.
+        if tuple(gate_up.shape) == (E, H, 2 * I):
+            gate_up = gate_up.transpose(1, 2)
+        if tuple(down.shape) == (E, I, H):
+            down = down.transpose(1, 2)
+        gate_up, down = gate_up.contiguous(), down.contiguous()
+    elif moe.layout in ("gpt_oss", "llama4"):  # transformers' [E, in, out] parameters
         gate_up, down = (_pop(weights, f"{prefix}.experts.{name}") for name in ("gate_up_proj", "down_proj"))
         check_shape(f"{prefix}.experts.gate_up_proj", gate_up, (E, H, 2 * I), "num_local_experts, hidden_size, "
                     "intermediate_size")

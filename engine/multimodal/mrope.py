@@ -64,7 +64,7 @@ def rope_layout(spec: ImageSpec, mm_inputs: list[dict]) -> RopeLayout | None:
 def mrope_sections(cfg: dict, head_dim: int, where: str = "config.json") -> tuple[tuple[int, int, int], bool]:
     """(``mrope_section``, interleaved) of a Qwen-VL config (text_config's rope_scaling / rope_parameters, or the top
     level's); Qwen3-VL's are interleaved (its own model type, or ``mrope_interleaved``)."""
-    interleaved = (cfg.get("model_type") == "qwen3_vl")
+    interleaved = cfg.get("model_type") in ("qwen3_vl", "qwen3_vl_moe")
     for scope in (cfg.get("text_config") or {}, cfg):
         for key in ("rope_parameters", "rope_scaling"):
             params = scope.get(key)

@@ -29,7 +29,8 @@ from pdcluster.engine.multimodal.tower_weights import loaded_module
 _TOWER_PREFIXES = ("model.visual.", "visual.")
 _TOWERS = {"Qwen2VLForConditionalGeneration": ("qwen2_vl", "Qwen2VisionTransformerPretrainedModel"),
            "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2_5_VisionTransformerPretrainedModel"),
-           "Qwen3VLForConditionalGeneration": ("qwen3_vl", "Qwen3VLVisionModel")}
+           "Qwen3VLForConditionalGeneration": ("qwen3_vl", "Qwen3VLVisionModel"),
+           "Qwen3VLMoeForConditionalGeneration": ("qwen3_vl_moe", "Qwen3VLMoeVisionModel")}
 
 
 class QwenVLImageEncoder:

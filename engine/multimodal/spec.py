@@ -32,7 +32,7 @@ FIXED_SIZE_TOWERS = ("clip_vision_model", "siglip_vision_model")
 LLAVA_NEXT = "LlavaNextForConditionalGeneration"
 MISTRAL3 = "Mistral3ForConditionalGeneration"
 QWEN_VL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
-                         "Qwen3VLForConditionalGeneration")
+                         "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
 GEMMA3 = "Gemma3ForConditionalGeneration"
 IMAGE_ARCHITECTURES = ("LlavaForConditionalGeneration", LLAVA_NEXT, MISTRAL3, GEMMA3) + QWEN_VL_ARCHITECTURES
 

@@ -1,8 +1,8 @@
 """`tiny-qwen2-vl`: a small, seeded Qwen2VLForConditionalGeneration (a 2-layer vision tower of 4-pixel patches merged
 2 x 2, so an image is one placeholder per 8 x 8 pixels within a 1,600-pixel budget, over a 2-layer Qwen2 with M-RoPE
 sections [2, 3, 3]), or its Qwen2.5-VL twin (RMSNorm and SwiGLU blocks, windowed attention in its first layer), or
-a Qwen3-VL (Qwen3 text, interleaved M-RoPE, learned position embeddings and deepstack rows from both tower layers), made
-by transformers, with tiny-random's tokenizer and Qwen2-VL's vision tokens added: for the tests
+a Qwen3-VL (Qwen3 text, interleaved M-RoPE, learned position embeddings and deepstack rows from both tower layers), or
+its Qwen3-VL-MoE twin (Qwen3-MoE text, its experts stored fused), made by transformers, with tiny-random's tokenizer and Qwen2-VL's vision tokens added: for the tests
 (tests/test_qwen2_vl.py) and the GPU check. Its weights are drawn wide so each image moves the next token."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ MAX_PIXELS = 1600
 MIN_PIXELS = 256
 
 
-VERSIONS = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")
+VERSIONS = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe")
 
 
 def build_tiny_qwen2_vl(out: Path, tokenizer_dir: Path, version: str = "qwen2-vl") -> Path:
@@ -47,13 +47,18 @@ def build_tiny_qwen2_vl(out: Path, tokenizer_dir: Path, version: str = "qwen2-vl
                 tie_word_embeddings=False, bos_token_id=None, eos_token_id=tok.token_to_id("<|im_end|>"))
     common = dict(image_token_id=image_id, video_token_id=image_id + 2, vision_start_token_id=start_id,
                   vision_end_token_id=end_id, tie_word_embeddings=False)
-    if version == "qwen3-vl":  # Qwen3 text (q/k norms), interleaved M-RoPE, deepstack from both tower layers
-        text.update(head_dim=16, rope_parameters={**text["rope_parameters"], "mrope_interleaved": True})
+    if version in ("qwen3-vl", "qwen3-vl-moe"):  # Qwen3 text (q/k norms), interleaved M-RoPE, deepstack from both
+        text.update(head_dim=16, rope_parameters={**text["rope_parameters"], "mrope_interleaved": True})  # layers
         vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
                       spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
                       deepstack_visual_indexes=[0, 1])
-        cfg = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **common)
-        model = _seeded(transformers.Qwen3VLForConditionalGeneration, cfg)
+        if version == "qwen3-vl-moe":  # Qwen3-MoE text: 8 experts of width 48, top 2, in both layers
+            text.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, decoder_sparse_step=1)
+            cfg = transformers.Qwen3VLMoeConfig(text_config=text, vision_config=vision, **common)
+            model = _seeded(transformers.Qwen3VLMoeForConditionalGeneration, cfg)
+        else:
+            cfg = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **common)
+            model = _seeded(transformers.Qwen3VLForConditionalGeneration, cfg)
     elif version == "qwen2.5-vl":
         vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
                       spatial_merge_size=2, temporal_patch_size=2, window_size=16, fullatt_block_indexes=[1])
@@ -67,12 +72,26 @@ def build_tiny_qwen2_vl(out: Path, tokenizer_dir: Path, version: str = "qwen2-vl
     else:
         raise ValueError(f"version must be one of {', '.join(VERSIONS)}, got {version!r}")
     model.save_pretrained(str(out))
+    if version == "qwen3-vl-moe":
+        hub_expert_layout(out)
     processor = dict(image_processor_type="Qwen2VLImageProcessor", do_resize=True, do_rescale=True,
                      rescale_factor=1 / 255, do_normalize=True, image_mean=[0.48145466, 0.4578275, 0.40821073],
                      image_std=[0.26862954, 0.26130258, 0.27577711], do_convert_rgb=True, resample=3,
                      min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=4, temporal_patch_size=2, merge_size=2)
     (out / "preprocessor_config.json").write_text(json.dumps(processor))
     return out
+
+
+def hub_expert_layout(model_dir: Path) -> None:
+    """The fused experts rewritten as the Hub's Qwen3-VL-MoE checkpoints keep them, gate_up_proj [E, H, 2I] and
+    down_proj [E, I, H] (transformers 5 saves its own [E, 2I, H] / [E, H, I], and transposes the Hub's at load)."""
+    from safetensors.torch import load_file, save_file
+
+    path = model_dir / "model.safetensors"
+    weights = load_file(str(path))
+    fused = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+    save_file({k: (v.transpose(1, 2).contiguous() if k.endswith(fused) else v) for k, v in weights.items()}, str(path),
+              metadata={"format": "pt"})
 
 
 def transformers_greedy(model_dir: Path, prompt_ids: list[int], images: list[bytes], num_new: int,

@@ -80,7 +80,7 @@ def check_shardable(model_class: type, arch, world_size: int) -> None:
 # MoE layouts whose experts split (each expert's intermediate rows, as vLLM's tensor-parallel MoE): the router stays
 # whole, so every rank routes a token to the same experts and the layer's output is a sum like a dense MLP's (an
 # expert's down bias, gpt-oss's, added by rank 0 alone). Every layout engine/models/moe.py reads.
-SPLIT_MOE_LAYOUTS = ("qwen3", "qwen2_moe", "mixtral", "granitemoe", "gpt_oss", "llama4", "glm4_moe")
+SPLIT_MOE_LAYOUTS = ("qwen3", "qwen2_moe", "mixtral", "granitemoe", "gpt_oss", "llama4", "glm4_moe", "qwen3_vl_moe")
 
 
 def shard_arch(arch, world_size: int):
@@ -130,6 +130,10 @@ def shard_layer_tensor(name: str, t: torch.Tensor, arch, shard: Shard) -> torch.
         leaf = "mlp." + leaf[len("feed_forward."):]
     moe = getattr(arch, "moe", None)  # a hybrid's (a draft head's layer on it) is named routed_experts
     in_out = moe is not None and moe.layout in ("gpt_oss", "llama4")  # transformers' [E, in, out] experts
+    if moe is not None and moe.layout == "qwen3_vl_moe" and leaf == "mlp.experts.gate_up_proj":
+        in_out = t.shape[1] == arch.hidden_size  # the Hub's [E, H, 2I] (take_expert_weights reads either way)
+    elif moe is not None and moe.layout == "qwen3_vl_moe" and leaf == "mlp.experts.down_proj":
+        in_out = t.shape[2] == arch.hidden_size  # the Hub's [E, I, H]
     if _is_mla(arch) and leaf.startswith("self_attn."):
         cut = _mla_part(leaf, t, arch, shard)
         if cut is t:
