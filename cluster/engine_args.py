@@ -30,6 +30,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--limit-mm-per-prompt", default="", metavar="JSON",
                    help="how many images one prompt may hold, as vLLM's flag: '{\"image\": 4}' (default 16); "
                         "'{\"image\": 0}' serves a LLaVA as a text model without loading its vision tower")
+    g.add_argument("--mm-processor-kwargs", default="", metavar="JSON",
+                   help="image processor settings, as vLLM's flag: Qwen-VL's '{\"max_pixels\": 1003520}' (and "
+                        "min_pixels: the pixel budget an image is resized within, so its placeholders), Gemma 3's "
+                        "do_pan_and_scan (false only)")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=0, help="0 = size the pool from --kv-cache-memory-gib")
     g.add_argument("--kv-cache-memory-gib", type=float, default=0.0,
@@ -161,7 +165,7 @@ SAME_NAMED_FLAGS = (
     "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "kv_offload_host_gib", "kv_offload_disk_dir",
     "kv_offload_disk_gib", "mtp_checkpoint", "num_threads", "seed", "cache_dir", "max_lora_rank",
     "enable_lora", "max_loras", "mixed_cuda_graph_tokens", "hf_overrides", "tensor_parallel_size",
-    "limit_mm_per_prompt",
+    "limit_mm_per_prompt", "mm_processor_kwargs",
 )
 
 

@@ -147,6 +147,7 @@ class LocalRouter:
         self.model_name = engine_config.model
         self.max_model_len = engine.max_model_len
         self.max_images_per_prompt = engine.max_images_per_prompt
+        self.mm_processor_kwargs = engine_config.mm_processor_kwargs
         self.lora_names = engine.lora_names
         self.tokenizer = engine.tokenizer
         # request id -> (its event loop, its queue); written on the loop, read on the engine thread.

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pdcluster.engine.kv_offload.config import OffloadConfig
 from pdcluster.engine.models.hf_overrides import parse_hf_overrides
-from pdcluster.engine.multimodal.limits import max_images_per_prompt
+from pdcluster.engine.multimodal.limits import image_processor_kwargs, max_images_per_prompt
 
 
 class ConfigError(ValueError):
@@ -165,6 +165,10 @@ class EngineConfig:
     # vLLM's --limit-mm-per-prompt, its JSON ('{"image": 4}'): the images one prompt may hold (engine/multimodal/
     # limits.py); "" = 16. '{"image": 0}' serves a LLaVA as a text model, its vision tower not loaded.
     limit_mm_per_prompt: str = ""
+    # vLLM's --mm-processor-kwargs, its JSON: settings of the image processor that change what an image becomes
+    # (Qwen-VL's '{"min_pixels": ..., "max_pixels": ...}': the pixel budget, so the placeholders an image takes;
+    # Gemma 3's '{"do_pan_and_scan": false}'). Each model takes its own keys (engine/multimodal/spec.py); "" = none.
+    mm_processor_kwargs: str = ""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -216,6 +220,10 @@ class EngineConfig:
             self.max_images_per_prompt()
         except ValueError as e:
             raise ConfigError(f"limit_mm_per_prompt: {e}") from None
+        try:
+            self.image_processor_kwargs()
+        except ValueError as e:
+            raise ConfigError(f"mm_processor_kwargs: {e}") from None
         if not isinstance(self.max_lora_rank, int) or self.max_lora_rank <= 0:
             raise ConfigError(f"max_lora_rank: must be a positive integer, got {self.max_lora_rank!r}")
         if not isinstance(self.max_loras, int) or self.max_loras <= 0:
@@ -238,6 +246,10 @@ class EngineConfig:
     def max_images_per_prompt(self) -> int:
         """The images one prompt may hold (``limit_mm_per_prompt``; 0: images are off)."""
         return max_images_per_prompt(self.limit_mm_per_prompt)
+
+    def image_processor_kwargs(self) -> dict:
+        """``mm_processor_kwargs`` parsed (not to be changed: the same dict for the same text)."""
+        return image_processor_kwargs(self.mm_processor_kwargs)
 
     def offload_config(self) -> OffloadConfig:
         return OffloadConfig(self.kv_offload_host_gib, self.kv_offload_disk_dir, self.kv_offload_disk_gib)

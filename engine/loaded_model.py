@@ -113,7 +113,13 @@ class LoadedModel:
 
             adapters = [load_adapter(name, path, config.max_lora_rank) for name, path in config.lora_paths().items()]
         driver = shard = None
-        spec = ImageSpec.from_dir(model_dir)
+        try:
+            spec = ImageSpec.from_dir(model_dir, config.image_processor_kwargs())
+        except ValueError as e:
+            raise ValueError(f"{config.model}: --mm-processor-kwargs: {e}") from None
+        if spec is None and config.image_processor_kwargs():
+            raise ValueError(f"{config.model}: --mm-processor-kwargs {config.mm_processor_kwargs} given, but this "
+                             "model takes no images")
         if spec is not None and spec.patches is not None and config.tensor_parallel_size > 1 and \
                 config.max_images_per_prompt() > 0:  # the other ranks' rotary tables would need the image rows too
             raise ValueError(f"{config.model}: images on a tensor-parallel split of an M-RoPE model (Qwen2-VL) are not "

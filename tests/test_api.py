@@ -273,7 +273,7 @@ def test_detokenizer_streams_decodes_text_cut_at_the_first_stop(tiny_dir, data):
     """Any tokens (real text or random ids), any stop strings, any chunking: the streamed text is
     decode()'s text cut before its earliest stop string; the tokenizer that cleans up spaces over the
     whole text (decoded whole each time) gives the same."""
-    from pdcluster.engine.tokenizer import Tokenizer, find_stop
+    from pdcluster.engine.tokenizer import find_stop
 
     tok = _detok_tokenizer(tiny_dir)
     text_ids = tok.encode(_DETOK_TEXT)
@@ -787,7 +787,7 @@ class _FailingRouter:
     """A router whose requests fail after one token (or blow up at once), to see what clients get."""
 
     model_name, max_model_len = "fake", 64
-    lora_names, max_images_per_prompt = (), 0
+    lora_names, max_images_per_prompt, mm_processor_kwargs = (), 0, ""
 
     def __init__(self, tokenizer, mode: str):
         self.tokenizer, self.mode, self.aborted = tokenizer, mode, []

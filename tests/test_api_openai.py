@@ -254,7 +254,7 @@ class Script:
 
 class ScriptedRouter:
     model_name, max_model_len = "scripted", 512
-    lora_names, max_images_per_prompt = (), 0
+    lora_names, max_images_per_prompt, mm_processor_kwargs = (), 0, ""
 
     def __init__(self, tokenizer, script: Script):
         self.tokenizer, self.script = tokenizer, script

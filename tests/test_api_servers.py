@@ -228,7 +228,7 @@ class _DeafRouter:
     this stand-in holds it open. It records the streams closed on it (what frees a request there)."""
 
     model_name, max_model_len = "deaf", 256
-    lora_names, max_images_per_prompt = (), 0
+    lora_names, max_images_per_prompt, mm_processor_kwargs = (), 0, ""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer

@@ -488,13 +488,15 @@ def test_served_image_embeds(llava_dir, engine, reference, tmp_path):
 
 
 def test_api_processes_learn_the_image_limit(tiny_dir):
-    """Behind --api-servers, each API process's RemoteRouter learns the image limit from the router's Welcome."""
+    """Behind --api-servers, each API process's RemoteRouter learns the image limit and the image processor's settings
+    (--mm-processor-kwargs, which the placeholders it counts follow) from the router's Welcome."""
     from pdcluster.cluster.frontend.protocol import FRONTEND_CODEC, MAX_FRONTEND_BYTES, Welcome
     from pdcluster.cluster.frontend.remote_router import RemoteRouter
 
-    welcome = FRONTEND_CODEC.decode(FRONTEND_CODEC.encode(Welcome("m", 64, str(tiny_dir), [], 3)), MAX_FRONTEND_BYTES)
+    sent = Welcome("m", 64, str(tiny_dir), [], 3, '{"max_pixels": 784}')
+    welcome = FRONTEND_CODEC.decode(FRONTEND_CODEC.encode(sent), MAX_FRONTEND_BYTES)
     router = RemoteRouter("ipc:///nowhere", "ipc:///nowhere-either", 0, welcome)
-    assert router.max_images_per_prompt == 3
+    assert (router.max_images_per_prompt, router.mm_processor_kwargs) == (3, '{"max_pixels": 784}')
 
 
 def test_media_policy_flags(tmp_path):

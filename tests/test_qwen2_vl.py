@@ -7,16 +7,20 @@ server and the `openai` client)."""
 
 from __future__ import annotations
 
+import argparse
 import base64
 import io
 
+import httpx
 import numpy as np
 import openai
 import pytest
 import torch
 
 from pdcluster.cluster.api.app import build_app
+from pdcluster.cluster.engine_args import add_engine_args, engine_config_from_args
 from pdcluster.cluster.local_router import LocalRouter
+from pdcluster.engine.config import ConfigError
 from pdcluster.engine.llm_engine import InvalidRequestError, LLMEngine
 from pdcluster.engine.models.llama import RotaryEmbedding
 from pdcluster.engine.models.registry import resolve_model
@@ -178,6 +182,48 @@ def test_served_chat_with_images(qwen_dir, reference):
                     {"type": "image_url", "image_url": {"url": thin}}, {"type": "text", "text": "hi"}]}])
     finally:
         router.close()
+
+
+def test_mm_processor_kwargs_set_the_pixel_budget(qwen_dir, engine):
+    """--mm-processor-kwargs '{"max_pixels": 784}' (vLLM's flag): each image resized within 784 pixels, so the
+    40 x 36 image takes 9 placeholders, not 20; transformers' tokens with its processor given that budget, served
+    (usage and /tokenize count them) and offline; a key the processor does not take here, or bad JSON, is refused by
+    name; the flag reaches the config from the command line."""
+    small = _config(qwen_dir, mm_processor_kwargs='{"max_pixels": 784}')
+    eng = LLMEngine.from_config(small, progress=False)
+    spec = eng.model.image_encoder.spec
+    assert (spec.patches.max_pixels, spec.tokens_for_size(40, 36)) == (784, 9)
+    ids, items = spec.expand(eng.tokenizer.encode(PROMPT), IMAGES[:1])
+    want = transformers_greedy(qwen_dir, ids, IMAGES[:1], NUM_NEW,
+                               processor_kwargs={"size": {"shortest_edge": 256, "longest_edge": 784}})
+    assert eng.generate([_prompt(PROMPT, IMAGES[:1])], PARAMS)[0].token_ids == want
+    assert items[0]["length"] == 9
+    router = LocalRouter(small, request_timeout_s=60)
+    try:
+        with serving(build_app(router, "qwen")) as base_url:
+            client = openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0, timeout=60)
+            url = "data:image/png;base64," + base64.b64encode(IMAGES[0]).decode()
+            messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                     {"type": "text", "text": "What is in this picture?"}]}]
+            out = client.chat.completions.create(model="qwen", max_tokens=NUM_NEW, temperature=0, messages=messages,
+                                                 extra_body={"ignore_eos": True, "return_token_ids": True})
+            assert out.choices[0].token_ids == want
+            assert out.usage.prompt_tokens == len(ids)
+            counted = httpx.post(base_url + "/tokenize", json={"model": "qwen", "messages": messages}, timeout=30)
+            assert counted.json()["count"] == len(ids)
+    finally:
+        router.close()
+    with pytest.raises(ValueError, match="'do_pan_and_scan' is not a setting of a .* image processor here"):
+        LLMEngine.from_config(_config(qwen_dir, mm_processor_kwargs='{"do_pan_and_scan": false}'), progress=False)
+    with pytest.raises(ConfigError, match="mm_processor_kwargs: not JSON"):
+        _config(qwen_dir, mm_processor_kwargs="max_pixels=784")
+    with pytest.raises(ValueError, match="min_pixels 900 is more than max_pixels 784"):
+        LLMEngine.from_config(_config(qwen_dir, mm_processor_kwargs='{"min_pixels": 900, "max_pixels": 784}'),
+                              progress=False)
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--model", str(qwen_dir), "--mm-processor-kwargs", '{"max_pixels": 784}'])
+    assert engine_config_from_args(args).image_processor_kwargs() == {"max_pixels": 784}
 
 
 def test_decode_graphs_and_async_scheduling_keep_the_positions(qwen_dir, reference):

@@ -26,6 +26,7 @@ import httpx
 from pdcluster.cluster.api.media_policy import MediaPolicy
 from pdcluster.cluster.api.middleware import APIError
 from pdcluster.engine.multimodal.images import image_inputs, open_image
+from pdcluster.engine.multimodal.limits import image_processor_kwargs
 from pdcluster.engine.multimodal.spec import ImageEmbedding, ImageInputError, ImageSpec, check_image_count
 
 MAX_IMAGE_BYTES = 20 * 1024 * 1024
@@ -36,14 +37,15 @@ DEFAULT_FETCH_TIMEOUT_S = 5.0
 
 
 @functools.lru_cache(maxsize=8)
-def _spec_of_dir(model_dir: str) -> ImageSpec | None:
-    return ImageSpec.from_dir(model_dir)
+def _spec_of_dir(model_dir: str, mm_processor_kwargs: str) -> ImageSpec | None:
+    return ImageSpec.from_dir(model_dir, image_processor_kwargs(mm_processor_kwargs))
 
 
-def image_spec(tokenizer) -> ImageSpec | None:
-    """The served model's image spec (None: it takes no images), read from its directory's config.json."""
+def image_spec(tokenizer, mm_processor_kwargs: str = "") -> ImageSpec | None:
+    """The served model's image spec (None: it takes no images), read from its directory's config.json, under the
+    workers' --mm-processor-kwargs (Router.mm_processor_kwargs: the placeholders an image takes may follow it)."""
     model_dir = getattr(tokenizer, "model_dir", None)
-    return None if model_dir is None else _spec_of_dir(str(model_dir))
+    return None if model_dir is None else _spec_of_dir(str(model_dir), mm_processor_kwargs)
 
 
 def image_parts(messages) -> list:
@@ -213,10 +215,11 @@ def decode_embeds(payload, where: str, spec: ImageSpec) -> ImageEmbedding:
 
 
 def expand_images(ids: list[int], images: list[bytes | ImageEmbedding], tokenizer, max_images: int,
-                  param: str = "messages", label: str = "messages") -> tuple[list[int], list[dict]]:
+                  param: str = "messages", label: str = "messages",
+                  mm_processor_kwargs: str = "") -> tuple[list[int], list[dict]]:
     """The rendered prompt's image tokens widened to the model's placeholders, and the images for the params (a
     prompt with image tokens and no images is a 400: completions take no images)."""
-    spec = image_spec(tokenizer)
+    spec = image_spec(tokenizer, mm_processor_kwargs)
     if spec is None:
         return ids, []
     try:

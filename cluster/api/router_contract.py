@@ -56,6 +56,9 @@ class Router(Protocol):
     tokenizer: object  # pdcluster.engine.tokenizer.Tokenizer
     # Images one prompt may hold, for a model that takes them (EngineConfig.limit_mm_per_prompt; 0: images off).
     max_images_per_prompt: int
+    # The workers' --mm-processor-kwargs (EngineConfig.mm_processor_kwargs, its JSON; ""): the API counts an image's
+    # placeholders by the same processor settings.
+    mm_processor_kwargs: str
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
         """Stream the request's tokens. Raises RouterError (before the first delta) when it cannot

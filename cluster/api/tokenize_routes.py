@@ -38,7 +38,8 @@ class DetokenizeRequest(StrictModel):
     tokens: Annotated[list[int], one_of("a list of token ids")]
 
 
-def _tokenize(body: TokenizeRequest, tokenizer, images: list[bytes], max_images: int) -> list[int]:
+def _tokenize(body: TokenizeRequest, tokenizer, images: list[bytes], max_images: int,
+              mm_processor_kwargs: str = "") -> list[int]:
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt (text) or messages (a chat)", param="prompt")
     if body.continue_final_message:
@@ -51,7 +52,7 @@ def _tokenize(body: TokenizeRequest, tokenizer, images: list[bytes], max_images:
     # The template spells its own special tokens: by default none are added (as chat completions).
     ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
     if images:  # each image as its placeholders, as the request would be (LLaVA-NeXT's count follows its size)
-        ids, _ = expand_images(ids, images, tokenizer, max_images)
+        ids, _ = expand_images(ids, images, tokenizer, max_images, mm_processor_kwargs=mm_processor_kwargs)
     return ids
 
 
@@ -64,7 +65,8 @@ def install_tokenize_routes(app: FastAPI, router, served_model_name: str, media:
             check_model(body.model, served_model_name, router.lora_names)
         max_images = router.max_images_per_prompt
         images = await chat_images(body.messages, tokenizer, max_images, media) if body.messages else []
-        ids = await anyio.to_thread.run_sync(_tokenize, body, tokenizer, images, max_images)
+        ids = await anyio.to_thread.run_sync(_tokenize, body, tokenizer, images, max_images,
+                                             router.mm_processor_kwargs)
         strs = [tokenizer.id_to_token(t) for t in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": router.max_model_len, "tokens": ids, "token_strs": strs}
 

@@ -131,7 +131,8 @@ async def prepare(body: SamplingFields, router, served_model_name: str,
     for i, (ids, text) in enumerate(prompts):
         label = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
         # A model that takes images: each image token widened to its placeholders (one without images is refused).
-        ids, mm_inputs = (expand_images(ids, images, tokenizer, router.max_images_per_prompt) if is_chat
+        ids, mm_inputs = (expand_images(ids, images, tokenizer, router.max_images_per_prompt,
+                                        mm_processor_kwargs=router.mm_processor_kwargs) if is_chat
                           else expand_images(ids, [], tokenizer, router.max_images_per_prompt, "prompt", label))
         max_tokens = _max_tokens(body, len(ids), router.max_model_len, label, output)
         params = sampling_params(body, max_tokens, tokenizer.vocab_size, extras)

@@ -50,6 +50,7 @@ class Welcome(Record):
     tokenizer_dir: str
     lora_names: list[str] = field(default_factory=list)  # the router's LoRA adapters (Router.lora_names)
     max_images_per_prompt: int = 0  # Router.max_images_per_prompt
+    mm_processor_kwargs: str = ""  # Router.mm_processor_kwargs
 
 
 @dataclass(frozen=True)

@@ -71,6 +71,7 @@ class RemoteRouter:
         self.model_name, self.max_model_len = welcome.model_name, welcome.max_model_len
         self.lora_names = tuple(welcome.lora_names)
         self.max_images_per_prompt = welcome.max_images_per_prompt
+        self.mm_processor_kwargs = welcome.mm_processor_kwargs
         self.tokenizer = Tokenizer(welcome.tokenizer_dir)
         self._sock: zmq.asyncio.Socket | None = None
         self._pull: zmq.asyncio.Socket | None = None

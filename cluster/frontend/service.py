@@ -85,7 +85,7 @@ class RouterService:
                  on_hello: Callable[[int, bool], None] | None = None):
         self.router, self.endpoint = router, endpoint
         self._welcome = Welcome(router.model_name, router.max_model_len, tokenizer_dir,
-                               list(router.lora_names), router.max_images_per_prompt)
+                               list(router.lora_names), router.max_images_per_prompt, router.mm_processor_kwargs)
         self._admin, self._on_hello = admin, on_hello
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)

@@ -44,13 +44,14 @@ log = logging.getLogger(__name__)
 class ClusterRouter:
     def __init__(self, prefill: dict, decode: dict, tokenizer, model_name: str, max_model_len: int,
                  block_size: int, config: RouterConfig | None = None, lora_names: tuple[str, ...] = (),
-                 max_images_per_prompt: int = DEFAULT_MAX_IMAGES_PER_PROMPT):
+                 max_images_per_prompt: int = DEFAULT_MAX_IMAGES_PER_PROMPT, mm_processor_kwargs: str = ""):
         self.prefill = prefill  # worker id -> Ray actor handle
         self.decode = decode
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.max_images_per_prompt = max_images_per_prompt  # the workers' --limit-mm-per-prompt (checked there too)
+        self.mm_processor_kwargs = mm_processor_kwargs  # the workers' --mm-processor-kwargs (the API counts by it)
         # The LoRA adapters requests may name (the workers' --lora-modules, and those loaded while serving).
         self.lora = LoraRegistry(tuple(lora_names))
         self.block_size = block_size

@@ -59,7 +59,7 @@ class Gemma3ImageEncoder:
     @torch.inference_mode()
     def _encode(self, images: list[bytes], first: int) -> list[torch.Tensor]:
         pil = [open_image(data, f"image {first + i}") for i, data in enumerate(images)]
-        pixels = self.processor(images=pil, return_tensors="pt")["pixel_values"].to(self.device, self.dtype)
+        pixels = self.processor(images=pil, return_tensors="pt", do_pan_and_scan=False)["pixel_values"].to(self.device, self.dtype)
         rows = self.projector(self.tower(pixel_values=pixels).last_hidden_state)
         if rows.shape[1] != self.spec.tokens_per_image:
             raise RuntimeError(f"the projector gave {rows.shape[1]} rows an image, expected "

@@ -39,3 +39,20 @@ def max_images_per_prompt(limit_mm_per_prompt: str) -> int:
         else:
             raise ValueError(f"{modality!r} is no modality (image, {', '.join(OTHER_MODALITIES)})")
     return out
+
+
+@functools.lru_cache(maxsize=8)
+def image_processor_kwargs(mm_processor_kwargs: str) -> dict:
+    """vLLM's ``--mm-processor-kwargs`` JSON object (``{"max_pixels": 1003520}``) as a dict ("" is none; the same
+    object for the same text: not to be changed). Which keys a model's processor takes is its spec's to say
+    (spec.ImageSpec.from_dir); a ValueError names what is wrong here."""
+    if not mm_processor_kwargs.strip():
+        return {}
+    try:
+        kwargs = json.loads(mm_processor_kwargs)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not JSON ({e}): want e.g. '{{\"max_pixels\": 1003520}}'") from None
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"want a JSON object of setting: value, e.g. '{{\"max_pixels\": 1003520}}', got "
+                         f"{mm_processor_kwargs!r}")
+    return kwargs

@@ -68,7 +68,10 @@ class QwenVLImageEncoder:
     @torch.inference_mode()
     def _encode(self, images: list[bytes], first: int) -> list[torch.Tensor]:
         pil = [open_image(data, f"image {first + i}") for i, data in enumerate(images)]
-        processed = self.processor(images=pil, return_tensors="pt")
+        # The spec's pixel budget (the checkpoint's, or --mm-processor-kwargs' over it): what the placeholders count.
+        patches = self.spec.patches
+        processed = self.processor(images=pil, return_tensors="pt",
+                                   size={"shortest_edge": patches.min_pixels, "longest_edge": patches.max_pixels})
         grid_thw = processed["image_grid_thw"]
         result = self.tower(processed["pixel_values"].to(self.device, self.dtype), grid_thw=grid_thw.to(self.device))
         merged = result.pooler_output

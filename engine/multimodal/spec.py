@@ -325,14 +325,17 @@ class ImageSpec:
         return cls(GEMMA3, frame.boi_token_id, num_tokens, hidden_size=int(hidden), frame=frame)
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> ImageSpec | None:
+    def from_dir(cls, model_dir: str | Path, processor_kwargs: dict | None = None) -> ImageSpec | None:
         """The spec of the checkpoint in ``model_dir`` (with its preprocessor_config.json; a Qwen2-VL without one is
-        served for text)."""
+        served for text); ``processor_kwargs``: the server's --mm-processor-kwargs over the processor's settings
+        (ValueError for a key this model's processor does not take here)."""
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             return None
         cfg = json.loads(path.read_text(encoding="utf-8"))
         architecture = (cfg.get("architectures") or [None])[0]
+        if processor_kwargs:
+            check_processor_kwargs(architecture, processor_kwargs)
         processor = Path(model_dir) / "preprocessor_config.json"
         pixtral = architecture == MISTRAL3 or (cfg.get("vision_config") or {}).get("model_type") == "pixtral"
         if not processor.is_file():
@@ -342,7 +345,8 @@ class ImageSpec:
         tokens = _added_tokens(Path(model_dir)) if pixtral else None
         if architecture == GEMMA3:
             tokens = _newline_ids(str(Path(model_dir) / "tokenizer.json"))
-        return cls.from_config(cfg, str(path), json.loads(processor.read_text(encoding="utf-8")), tokens)
+        settings = {**json.loads(processor.read_text(encoding="utf-8")), **(processor_kwargs or {})}
+        return cls.from_config(cfg, str(path), settings, tokens)
 
     def tokens_for(self, data: bytes, label: str = "image") -> int:
         """How many placeholders an image (its encoded bytes) becomes; ImageInputError for bytes that are no image."""
@@ -448,6 +452,28 @@ class ImageSpec:
         if count:
             raise ImageInputError(f"the prompt has {count} image token(s) (id {self.image_token_id}) and no image: "
                                   "each image token stands for an image (give one an image token)")
+
+
+# The --mm-processor-kwargs each family's processor takes here (vLLM's flag passes any key to transformers' processor;
+# these are the ones that change what an image becomes and that this engine applies everywhere the count is made).
+PROCESSOR_KWARGS = {**{a: ("min_pixels", "max_pixels") for a in QWEN_VL_ARCHITECTURES}, GEMMA3: ("do_pan_and_scan",)}
+
+
+def check_processor_kwargs(architecture: str | None, kwargs: dict) -> None:
+    """ValueError naming a key the model's image processor does not take here, or a value of the wrong kind."""
+    allowed = PROCESSOR_KWARGS.get(architecture, ())
+    for key, value in kwargs.items():
+        if key not in allowed:
+            takes = f"it takes {', '.join(allowed)}" if allowed else "it takes none"
+            raise ValueError(f"{key!r} is not a setting of a {architecture}'s image processor here ({takes})")
+        if key in ("min_pixels", "max_pixels") and (not isinstance(value, int) or isinstance(value, bool)
+                                                    or value <= 0):
+            raise ValueError(f"{key} must be a positive number of pixels, got {value!r}")
+        if key == "do_pan_and_scan" and not isinstance(value, bool):
+            raise ValueError(f"do_pan_and_scan must be true or false, got {value!r}")
+    if isinstance(kwargs.get("min_pixels"), int) and isinstance(kwargs.get("max_pixels"), int) and \
+            kwargs["min_pixels"] > kwargs["max_pixels"]:
+        raise ValueError(f"min_pixels {kwargs['min_pixels']} is more than max_pixels {kwargs['max_pixels']}")
 
 
 def _added_tokens(model_dir: Path) -> dict[str, int]:

@@ -95,9 +95,9 @@ def hub_expert_layout(model_dir: Path) -> None:
 
 
 def transformers_greedy(model_dir: Path, prompt_ids: list[int], images: list[bytes], num_new: int,
-                        device: str = "cpu", model=None) -> list[int]:
-    """transformers' greedy tokens for the expanded prompt with ``images`` (its processor's pixels and grids; its
-    own M-RoPE positions from them)."""
+                        device: str = "cpu", model=None, processor_kwargs: dict | None = None) -> list[int]:
+    """transformers' greedy tokens for the expanded prompt with ``images`` (its processor's pixels and grids, the
+    processor called with ``processor_kwargs``; its own M-RoPE positions from them)."""
     import torch
     import transformers
     from PIL import Image
@@ -108,7 +108,8 @@ def transformers_greedy(model_dir: Path, prompt_ids: list[int], images: list[byt
     kwargs = {}
     if images:
         processor = transformers.AutoImageProcessor.from_pretrained(str(model_dir))
-        processed = processor(images=[Image.open(io.BytesIO(b)).convert("RGB") for b in images], return_tensors="pt")
+        processed = processor(images=[Image.open(io.BytesIO(b)).convert("RGB") for b in images], return_tensors="pt",
+                              **(processor_kwargs or {}))
         kwargs = {k: processed[k].to(device) for k in ("pixel_values", "image_grid_thw")}
     ids = torch.tensor([prompt_ids], device=device)
     # Which tokens are an image's (transformers' processor returns it; 5.2x computes M-RoPE positions from it, older
