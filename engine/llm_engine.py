@@ -77,6 +77,8 @@ class KVPoll:
 
 
 class LLMEngine:
+    encoder_only = False  # an encoder-only model (engine/models/bert.py): pools, never generates
+
     def __init__(self, loaded: LoadedModel, connector: KVConnector | None = None, cumulative_outputs: bool = True):
         """``connector``: the KV transfer this engine takes part in, made on ``loaded.kv_cache``; the
         same object serves the scheduler (its request hooks) and the runner (its step hooks).
@@ -109,6 +111,8 @@ class LLMEngine:
             check_images_fit_a_chunk(encoder.spec.tokens_per_image, config.prefill_chunk_tokens,
                                      config.max_num_batched_tokens, config.model)
             self.scheduler.whole_images = True
+        # An encoder (engine/models/bert.py): each prompt whole in one step.
+        self.scheduler.whole_prompts = self.encoder_only = bool(getattr(self.model, "encoder_only", False))
         self.mtp_source = None
         mtp_weights = None
         if config.spec_method == "mtp":
@@ -185,8 +189,8 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, str):  # an encoder reads its [CLS] ... [SEP] (what its tokenizer adds), as vLLM's
+            return self.tokenizer.encode(prompt, add_special_tokens=self.encoder_only)
         return list(prompt)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -215,6 +219,10 @@ class LLMEngine:
         if params.pooling == "classify" and classifier is None:
             raise InvalidRequestError(f"this model ({self.model.architecture_name}) has no classification head: "
                                       "serve a *ForSequenceClassification checkpoint to classify")
+        if self.encoder_only and params.pooling is None:
+            raise InvalidRequestError(f"this model ({self.model.architecture_name}) is encoder-only: it does not "
+                                      "generate; embed" + (", classify or score" if classifier is not None else
+                                                           " or score") + " with it")
         if classifier is not None and params.pooling is None:
             raise InvalidRequestError(f"this model is a sequence classifier ({classifier.spec.num_labels} labels): it "
                                       "does not generate; classify, score or embed with it")

@@ -21,7 +21,7 @@ from pdcluster.engine.linear import DeterministicUnavailable, check_deterministi
 from pdcluster.engine.mamba_state import MambaStateShape
 from pdcluster.engine.mamba_state_blocks import num_state_blocks
 from pdcluster.engine.memory import keep_freed_memory
-from pdcluster.engine.models.architectures import (arch_from_dir, is_hybrid, load_model, max_model_len_for,
+from pdcluster.engine.models.architectures import (arch_from_dir, is_encoder, is_hybrid, load_model, max_model_len_for,
                                                    model_class_of)
 from pdcluster.engine.models.registry import resolve_model
 from pdcluster.engine.multimodal.spec import ImageSpec
@@ -98,6 +98,9 @@ class LoadedModel:
                      config.model)
             config = replace(config, enable_prefix_caching=False)
         max_model_len = max_model_len_for(arch, config.max_model_len)
+        encoder = is_encoder(arch)
+        if encoder:
+            config = encoder_config(config, max_model_len)
         dtype_name = config.resolve_dtype(json.loads((model_dir / "config.json").read_text()))
         dtype = DTYPES[dtype_name]
         # Deterministic mode (issue 24): batch-invariant kernels on CPU. CUDA has none yet (cuBLAS and the
@@ -157,8 +160,11 @@ class LoadedModel:
         probe = KVCacheSpec(arch.num_layers + num_draft_layers, num_draft_layers, 1, config.block_size,
                             arch.num_kv_heads, arch.head_dim, kv_cache_dtype(config.kv_cache_dtype, dtype, arch),
                             num_planes=kv_planes(arch))
-        num_blocks = config.num_kv_blocks or _num_kv_blocks(model, config, probe.bytes_per_block, hybrid,
-                                                                 max_model_len)
+        if encoder:  # nothing is cached: the blocks only count each running prompt's tokens, one small plane each
+            probe = KVCacheSpec(1, 0, 1, config.block_size, 1, 1, dtype)
+        num_blocks = config.num_kv_blocks or (
+            config.max_num_seqs * -(-(max_model_len + 1) // config.block_size) + 1 if encoder
+            else _num_kv_blocks(model, config, probe.bytes_per_block, hybrid, max_model_len))
         kv_spec = replace(probe, num_blocks=num_blocks)
         allocate = kv_cache_allocator or (lambda shape, dtype, device: allocate_kv_cache(kv_spec, device))
         kv_cache = allocate(kv_spec.shape, kv_spec.dtype, config.device)
@@ -183,6 +189,27 @@ class LoadedModel:
             eos_token_ids=frozenset(arch.eos_token_ids) | frozenset(tokenizer.stop_token_ids),
             rank_kv_caches=rank_kv_caches,
         )
+
+
+def encoder_config(config: EngineConfig, max_model_len: int) -> EngineConfig:
+    """An encoder-only model's engine config (engine/models/bert.py): each prompt in one step, nothing cached, no
+    CUDA graph (its steps are prompts); what it cannot do refused in one line."""
+    refused = [what for what, on in (("speculative decoding (--spec)", config.spec_method != "none"),
+                                     ("LoRA adapters", bool(config.lora_modules or config.enable_lora)),
+                                     ("tensor parallelism", config.tensor_parallel_size > 1),
+                                     ("KV offloading (--kv-offload-*)", config.offload_config().enabled)) if on]
+    if refused:
+        raise ValueError(f"{config.model} is an encoder-only model (it pools prompts and generates nothing): "
+                         f"{', '.join(refused)} not supported for it")
+    room = config.prefill_chunk_tokens
+    if max_model_len > room:
+        raise ValueError(f"{config.model}: an encoder computes each prompt in one step, but a step holds {room} prompt "
+                         f"tokens and max_model_len is {max_model_len}: raise --max-num-batched-tokens (and "
+                         f"--long-prefill-token-threshold, where set) to {max_model_len}, or lower --max-model-len")
+    if config.enable_prefix_caching:
+        log.info("prefix caching is off for encoder-only model %s (a prompt's tokens attend to later ones)",
+                 config.model)
+    return replace(config, enable_prefix_caching=False, cuda_graphs=False)
 
 
 def install_mrope(model, spec, model_dir: Path, config: EngineConfig) -> None:

@@ -657,7 +657,7 @@ class ModelRunner:
 
     def _pooling_step(self, state: ExecuteModelState) -> dict[str, torch.Tensor]:
         """The pooled vectors (float32, on the device) of the pooling requests whose prompt this step completes:
-        the last prompt position's final hidden state ("last"), or the mean over the prompt's ("mean", summed
+        the last prompt position's final hidden state ("last"), the first one's ("cls", an encoder's), or the mean over the prompt's ("mean", summed
         chunk by chunk: such a request takes no prefix-cache hit, so every position passes here), or a classifier's
         logits from the last one ("classify")."""
         st, rows, done = self.states, state.rows, {}
@@ -671,8 +671,16 @@ class ModelRunner:
                     done[req_id] = state.hidden_states[first + q_len - 1].to(torch.float32, copy=True)
                 continue
             if pooling == "classify":  # a sequence classifier's logits (engine/models/classifier.py): a new tensor
+                if completes:  # an encoder's head reads the first token ([CLS]), a decoder's the last
+                    classifier = self.model.classifier
+                    row = first if getattr(classifier, "reads_first_token", False) else first + q_len - 1
+                    done[req_id] = classifier.logits(state.hidden_states[row])
+                continue
+            if pooling == "cls":  # position 0's ([CLS] in an encoder), kept from the prompt's first chunk
+                if int(rows.starts_np[i]) == 0:
+                    self._pooling_sums[req_id] = state.hidden_states[first].to(torch.float32, copy=True)
                 if completes:
-                    done[req_id] = self.model.classifier.logits(state.hidden_states[first + q_len - 1])
+                    done[req_id] = self._pooling_sums.pop(req_id)
                 continue
             chunk_sum = state.hidden_states[first : first + q_len].float().sum(0)
             total = self._pooling_sums.pop(req_id, None)

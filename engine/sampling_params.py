@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 from pdcluster.engine.multimodal.spec import check_mm_inputs
 
 # How an embedding request (/v1/embeddings) pools its prompt's final hidden states into one vector: "last" the
-# last position's (vLLM's default for a decoder model), "mean" their average over the prompt.
-POOLING_TYPES = ("last", "mean")
+# last position's (vLLM's default for a decoder model), "mean" their average over the prompt, "cls" the first
+# position's (an encoder's [CLS] token: vLLM's default for BERT-like models).
+POOLING_TYPES = ("last", "mean", "cls")
 # A request's pooling: an embedding's, or "classify" (a sequence classifier's score head on the last position's
 # hidden state: its logits; engine/models/classifier.py).
 REQUEST_POOLINGS = (*POOLING_TYPES, "classify")

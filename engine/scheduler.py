@@ -98,6 +98,9 @@ class Scheduler:
         # A model whose images attend to themselves both ways (Gemma 3): no prefill chunk ends inside an image
         # (engine/multimodal/chunks.py). Set by the engine that loaded it.
         self.whole_images = False
+        # An encoder-only model (engine/models/bert.py): each prompt is computed in one step, whole, from its first
+        # token (every token attends to every other). Set by the engine that loaded it.
+        self.whole_prompts = False
 
     # ---- requests in and out -----------------------------------------------------------------
     def add_request(self, request: Request, follow: str | None = None) -> None:
@@ -242,6 +245,8 @@ class Scheduler:
             num_new = min(num_new_tokens(request), chunk_size, budget)
             if self.whole_images and request.sampling_params.mm_inputs:
                 num_new = chunk_outside_images(request.sampling_params.mm_inputs, request.num_computed_tokens, num_new)
+            if self.whole_prompts and num_new < num_new_tokens(request):
+                num_new = 0
             if num_new <= 0:
                 i += 1
                 continue
@@ -281,11 +286,11 @@ class Scheduler:
         cfg = self.config
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             request = self.waiting[0]
-            # Prompt logprobs need every prompt position's logits, mean pooling every position's hidden state:
-            # such a request computes its prompt.
+            # Prompt logprobs need every prompt position's logits, mean pooling every position's hidden state, cls
+            # pooling the first's: such a request computes its prompt.
             params = request.sampling_params
             use_cache = (request.num_computed_tokens == 0 and params.prompt_logprobs is None
-                         and params.pooling != "mean")
+                         and params.pooling not in ("mean", "cls"))
             # Hashed once here: the device lookup and the lower tiers' both walk them.
             hashes = self.block_manager.usable_block_hashes(request) if use_cache else []
             cached = self.block_manager.find_cached_prefix(request, hashes) if use_cache else []
@@ -305,6 +310,8 @@ class Scheduler:
                 num_new = chunk_outside_images(params.mm_inputs, num_computed, num_new)
                 if num_new <= 0:  # the step has no room for the image it starts with: next step
                     break
+            if self.whole_prompts and (num_computed or num_new < request.num_tokens_with_spec):
+                break  # the step has no room for the whole prompt: a later one has
             if not self.block_manager.allocate_slots(request, self._num_slots(request, num_computed, num_new), cached):
                 break
             self.waiting.popleft()

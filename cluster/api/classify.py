@@ -62,7 +62,11 @@ def check_classifier(pooler: PoolerConfig, served_model_name: str) -> Classifier
 
 
 def check_generates(pooler: PoolerConfig, served_model_name: str) -> None:
-    """A classifier's checkpoint has no LM head: generation routes refuse it, in one line naming what it serves."""
+    """A classifier's checkpoint has no LM head, an encoder generates nothing: generation routes refuse them, in one
+    line naming what they serve."""
+    if pooler.encoder_only and pooler.classifier is None:
+        raise APIError(400, f"the model {served_model_name!r} is an encoder-only embedding model: it does not "
+                            "generate; POST /v1/embeddings, /score or /rerank", code="unsupported_model")
     if pooler.classifier is not None:
         raise APIError(400, f"the model {served_model_name!r} is a sequence classifier "
                             f"({pooler.classifier.num_labels} labels): it does not generate; POST /classify, /score, "

@@ -37,12 +37,13 @@ from pdcluster.cluster.api.serving import ClientGone, unless_disconnected
 from pdcluster.cluster.api.validation import MAX_PROMPTS, chat_prompt_ids, chat_template_kwargs, check_model
 from pdcluster.cluster.api.whole_request import whole_request
 from pdcluster.cluster.metrics import Metrics
+from pdcluster.engine.models.bert_names import is_encoder_dir
 from pdcluster.engine.models.classifier import ClassifierSpec, classifier_spec_of_dir
 from pdcluster.engine.pooling import finish_embedding, pooled_vector
 from pdcluster.engine.sampling_params import POOLING_TYPES, SamplingParams
 
 # sentence-transformers' Pooling modes -> ours (the ones a decoder model's embedding checkpoints use).
-_ST_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean"}
+_ST_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,8 @@ class PoolerConfig:
     # A sequence classifier's labels (engine/models/classifier.py), from its config.json: /classify serves it, a
     # one-label one scores /score and /rerank as a cross-encoder, and it does not generate. None: a causal model.
     classifier: ClassifierSpec | None = None
+    # An encoder-only model (engine/models/bert.py: BERT, RoBERTa, XLM-RoBERTa): it pools and does not generate.
+    encoder_only: bool = False
 
     def __post_init__(self) -> None:
         if self.unavailable is None and self.pooling_type not in POOLING_TYPES:
@@ -74,12 +77,14 @@ def check_pooler_flag(value: str) -> None:
 
 
 def pooler_config(model_dir: str | Path | None, override: str | dict | None = None) -> PoolerConfig:
-    """The server's pooler: ``override`` (vLLM's ``--pooler-config`` JSON: ``pooling_type`` LAST | MEAN,
+    """The server's pooler: ``override`` (vLLM's ``--pooler-config`` JSON: ``pooling_type`` LAST | MEAN | CLS,
     ``normalize``) over what the model directory says, over the default (last token, normalised)."""
-    pooling, normalize = "last", True
+    root = Path(model_dir) if model_dir is not None else None
+    encoder_only = is_encoder_dir(root)
+    # An encoder's default is its [CLS] token's state (vLLM's for BERT-like models), a decoder's its last token's.
+    pooling, normalize = "cls" if encoder_only else "last", True
     matryoshka: tuple[int, ...] | None = None
     unavailable = None
-    root = Path(model_dir) if model_dir is not None else None
     if root is not None and (root / "modules.json").is_file():
         modules = json.loads((root / "modules.json").read_text())
         types = [str(m.get("type", "")) for m in modules]
@@ -112,7 +117,7 @@ def pooler_config(model_dir: str | Path | None, override: str | dict | None = No
             if not isinstance(values["normalize"], bool):
                 raise ValueError(f"normalize must be true or false, got {values['normalize']!r}")
             normalize = values["normalize"]
-    return PoolerConfig(pooling, normalize, matryoshka, unavailable, classifier_spec_of_dir(root))
+    return PoolerConfig(pooling, normalize, matryoshka, unavailable, classifier_spec_of_dir(root), encoder_only)
 
 
 def check_available(pooler: PoolerConfig) -> None:

@@ -34,6 +34,9 @@
                                             NemotronH blocks)
     <Family>ForSequenceClassification    -> the Llama family's or Gemma's causal model above with a score head
                                             (engine/models/classifier.py: reward models, classifiers, rerankers)
+    BertModel, RobertaModel, XLMRobertaModel and their *ForSequenceClassification
+                                         -> engine.models.bert.BertArch / BertModel (encoder-only: embedding
+                                            models and cross-encoders, pooled; they do not generate)
 
 Errors are one line naming what is wrong (a missing file, an unsupported architecture) and what is
 supported; they are ValueErrors (UnknownModelError), which the CLI reports without a traceback.
@@ -46,6 +49,8 @@ from pathlib import Path
 
 import torch
 
+from pdcluster.engine.models.bert import BertArch, BertModel
+from pdcluster.engine.models.bert_names import ENCODER_ARCHITECTURES
 from pdcluster.engine.models.classifier import SUFFIX as CLASSIFIER_SUFFIX
 from pdcluster.engine.models.classifier import causal_architecture
 from pdcluster.engine.models.deepseek import DeepseekArch, DeepseekModel
@@ -99,6 +104,8 @@ ARCHITECTURES = {
     "DeepseekV3ForCausalLM": (DeepseekArch, DeepseekModel),
     "NemotronHForCausalLM": (HybridArch, NemotronHModel),
     "GraniteMoeHybridForCausalLM": (HybridArch, NemotronHModel),
+    # Encoder-only models (engine/models/bert.py): embedding models and cross-encoders, pooled, never generating.
+    **{name: (BertArch, BertModel) for name in ENCODER_ARCHITECTURES},
 }
 REQUIRED_FILES = ("config.json", "tokenizer.json")
 # The causal architectures whose *ForSequenceClassification checkpoint (a flat text config with a score head) is
@@ -141,7 +148,7 @@ def architecture_of(model_dir: str | Path) -> str:
 
 def _classes(model_dir: str | Path):
     name = architecture_of(model_dir)
-    if name.endswith(CLASSIFIER_SUFFIX):  # a causal model with a score head (engine/models/classifier.py)
+    if name.endswith(CLASSIFIER_SUFFIX) and name not in ENCODER_ARCHITECTURES:  # a causal model with a score head (engine/models/classifier.py)
         base = causal_architecture(name)
         if base not in CLASSIFIER_BASES:
             served = [n.replace("ForCausalLM", CLASSIFIER_SUFFIX) for n in CLASSIFIER_BASES]
@@ -187,3 +194,9 @@ def max_model_len_for(arch, requested: int = 0) -> int:
 def is_hybrid(arch) -> bool:
     """Whether the model has Mamba layers with per-request recurrent state (engine/mamba_state.py)."""
     return isinstance(arch, HybridArch)
+
+
+def is_encoder(arch) -> bool:
+    """Whether the model is encoder-only (engine/models/bert.py): every prompt computed whole in one step, pooled,
+    nothing kept in the KV cache, no generation."""
+    return isinstance(arch, BertArch)

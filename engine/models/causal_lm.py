@@ -110,6 +110,8 @@ class CausalLM:
     # A checkpoint that takes images (engine/multimodal/): its image encoder, and for one forward the packed rows
     # that are image placeholders with the embeddings they take (row ids [n] int64, [n, hidden]).
     image_encoder = None
+    # An encoder-only model (engine/models/bert.py): its prompts are computed whole and pooled; it never generates.
+    encoder_only = False
     image_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __init__(self, arch, dtype: torch.dtype, deterministic: bool, embed_tokens: torch.Tensor,

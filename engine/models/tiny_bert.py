@@ -1,0 +1,119 @@
+"""Tiny seeded encoders made by transformers (engine/models/bert.py's models), for the tests (tests/test_bert.py) and
+the GPU check: a BERT and an XLM-RoBERTa, each as an embedding model (``BertModel`` / ``XLMRobertaModel``, with a
+sentence-transformers Pooling module where asked) or as a one-label cross-encoder (``*ForSequenceClassification``).
+
+Their tokenizer is a WordPiece one trained here on a fixed text (deterministic), with BERT's pair template
+([CLS] a [SEP] b [SEP], type ids 1 from b on) or RoBERTa's (<s> a </s></s> b </s>, no type ids). Weights are drawn
+wider than transformers' init, so that a token's type, position or neighbour moves the output well past rounding."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+KINDS = ("bert", "bert-cross", "xlm-roberta", "xlm-roberta-cross")
+_TEXT = ("the quick brown fox jumps over the lazy dog while a cat sleeps in the warm sun . paged attention moves "
+         "blocks of keys and values between prefill and decode workers ; an encoder reads every token both ways "
+         "and pools them into one vector , which a search index compares by cosine . what is the capital of france "
+         "? paris is the capital and largest city of france . berlin is in germany , rome in italy . 0 1 2 3 4 5 6 7 "
+         "8 9 ! ? , . ; : ' \" ( ) - embeddings rerankers queries documents passages relevant")
+
+
+def _tokenizer(roberta: bool):
+    from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers.models import WordPiece
+
+    specials = ["<s>", "<pad>", "</s>", "<unk>"] if roberta else ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    unk = "<unk>" if roberta else "[UNK]"
+    tok = Tokenizer(WordPiece(unk_token=unk))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    trainer = trainers.WordPieceTrainer(vocab_size=300, special_tokens=specials, min_frequency=1)
+    tok.train_from_iterator([_TEXT] * 4, trainer)
+    if roberta:
+        cls, sep = ("<s>", tok.token_to_id("<s>")), ("</s>", tok.token_to_id("</s>"))
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>", special_tokens=[cls, sep])
+    else:
+        cls, sep = ("[CLS]", tok.token_to_id("[CLS]")), ("[SEP]", tok.token_to_id("[SEP]"))
+        tok.post_processor = processors.TemplateProcessing(
+            single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[cls, sep])
+    return tok
+
+
+def build_tiny_bert(out: Path, kind: str = "bert", pooling: str | None = None, seed: int = 0) -> Path:
+    """The checkpoint of ``kind`` (one of KINDS) in ``out`` (created); ``pooling``: a sentence-transformers Pooling
+    module's mode ("cls", "mean", "lasttoken") with a Normalize module after it, None for no modules.json."""
+    import torch
+    import transformers
+
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    out.mkdir(parents=True, exist_ok=True)
+    roberta, cross = kind.startswith("xlm-roberta"), kind.endswith("-cross")
+    tok = _tokenizer(roberta)
+    tok.save(str(out / "tokenizer.json"))
+    specials = ({"bos_token": "<s>", "eos_token": "</s>", "sep_token": "</s>", "cls_token": "<s>",
+                 "pad_token": "<pad>", "unk_token": "<unk>"} if roberta else
+                {"cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]", "unk_token": "[UNK]",
+                 "mask_token": "[MASK]"})
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        **specials, "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 64}))
+    shape = dict(vocab_size=tok.get_vocab_size(), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                 intermediate_size=64, hidden_act="gelu", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    if roberta:  # XLM-R's: positions from pad + 1, one token type
+        cfg = transformers.XLMRobertaConfig(**shape, max_position_embeddings=66, type_vocab_size=1,
+                                            pad_token_id=tok.token_to_id("<pad>"), bos_token_id=tok.token_to_id("<s>"),
+                                            eos_token_id=tok.token_to_id("</s>"), layer_norm_eps=1e-5)
+        model_class = (transformers.XLMRobertaForSequenceClassification if cross else transformers.XLMRobertaModel)
+    else:
+        cfg = transformers.BertConfig(**shape, max_position_embeddings=64, type_vocab_size=2,
+                                      pad_token_id=tok.token_to_id("[PAD]"))
+        model_class = transformers.BertForSequenceClassification if cross else transformers.BertModel
+    if cross:
+        cfg.num_labels = 1
+    torch.manual_seed(seed)
+    model = model_class(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0, 1.0 if "embeddings" in name else 1.2 / p.shape[1] ** 0.5)
+            elif "LayerNorm.weight" in name:
+                p.normal_(1.0, 0.2)
+            else:
+                p.normal_(0, 0.2)
+    model.eval()
+    model.save_pretrained(str(out))
+    if pooling is not None:
+        (out / "modules.json").write_text(json.dumps([
+            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+            {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+        (out / "1_Pooling").mkdir(exist_ok=True)
+        chosen = {"cls": "cls_token", "mean": "mean_tokens", "lasttoken": "lasttoken"}[pooling]
+        modes = {f"pooling_mode_{m}": m == chosen for m in ("cls_token", "mean_tokens", "max_tokens", "lasttoken")}
+        (out / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 32, **modes}))
+    return out
+
+
+def transformers_outputs(model_dir: Path, texts: list[str | tuple[str, str]]) -> list:
+    """transformers' reference per input (a text, or a pair as the tokenizer's pair template reads it, with its type
+    ids): an embedding model's last hidden states [n, hidden] (float32), a cross-encoder's logits [num_labels]."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    model_class = getattr(transformers, cfg["architectures"][0])
+    model = model_class.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    outs = []
+    with torch.no_grad():
+        for text in texts:
+            enc = tok.encode(*text) if isinstance(text, tuple) else tok.encode(text)
+            ids = torch.tensor([enc.ids])
+            kwargs = {"token_type_ids": torch.tensor([enc.type_ids])} if cfg.get("type_vocab_size", 2) > 1 else {}
+            result = model(input_ids=ids, **kwargs)
+            outs.append(result.logits[0] if hasattr(result, "logits") and result.logits is not None
+                        else result.last_hidden_state[0])
+    return outs
