@@ -84,8 +84,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "<think>) or deepseek_r1 (DeepSeek-R1: reasoning until </think>); default: the text as written")
     g.add_argument("--pooler-config", default=None, metavar="JSON",
                    help="how /v1/embeddings pools the prompt's final hidden states (vLLM's flag): "
-                        "'{\"pooling_type\": \"LAST\" | \"MEAN\", \"normalize\": true | false}'; default: a "
-                        "sentence-transformers model directory's own pooling, else the last token, normalised")
+                        "'{\"pooling_type\": \"LAST\" | \"MEAN\" | \"CLS\", \"normalize\": true | false}'; default: a "
+                        "sentence-transformers model directory's own pooling, else the last token (an encoder's "
+                        "[CLS]), normalised")
     c = p.add_argument_group("cluster")
     c.add_argument("--mode", choices=MODES, default="auto",
                    help="disagg: prefill and decode workers; colocated: both in one worker; local: no Ray; "

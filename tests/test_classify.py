@@ -132,7 +132,7 @@ def test_a_classifier_does_not_generate_and_a_causal_model_does_not_classify(thr
                  lambda: causal.generate([PROMPTS[0]], SamplingParams(max_tokens=1, pooling="classify"))):
         with pytest.raises(InvalidRequestError, match="has no classification head"):
             call()
-    with pytest.raises(ValueError, match="pooling must be one of last, mean, classify"):
+    with pytest.raises(ValueError, match="pooling must be one of last, mean, cls, classify"):
         SamplingParams(max_tokens=1, pooling="score")
     # The refusal ended nothing else: the classifier still answers.
     assert engine.classify([PROMPTS[1]])[0].shape == (3,)
@@ -443,30 +443,15 @@ def test_generate_cli_on_a_classifier_is_one_line(three_labels, capsys):
 def test_the_prefill_worker_classifies_and_no_kv_moves(three_labels):
     """A real prefill and decode worker over tcp: the decode worker asks the prefill worker for the logits alone (no
     decode-side block, no KV moved); they equal the single engine's."""
-    from pdcluster.engine.pooling import pooled_vector
-    from pdcluster.kv_transfer.config import TransferConfig
-    from pdcluster.node.events import KVReady, Tokens
-    from test_kv_transfer_e2e import Events, _collect_tokens, _wait_free, connected_pair
+    from disagg_pooling import pooled_over_tcp
 
     path, _ = three_labels
     num_blocks = 64
     cfg = engine_config(str(path), num_kv_blocks=num_blocks, max_model_len=256, prefill_chunk_size=16)
     want = make_engine(str(path), num_kv_blocks=num_blocks, max_model_len=256).classify(PROMPTS, activation=False)
-    events = Events()
-    with connected_pair(cfg, TransferConfig(transport="tcp", secret="s3cret"), events) as (p, d):
-        ids = [f"c{i}" for i in range(len(PROMPTS))]
-        for rid, prompt in zip(ids, PROMPTS):
-            d.submit(rid, prompt, SamplingParams(max_tokens=1, pooling="classify"), "p0")
-        _collect_tokens(events, ids)
-        with events.lock:
-            finals = {e.request_id: e for e in events.items if isinstance(e, Tokens) and e.finished}
-            assert not [e for e in events.items if isinstance(e, KVReady)]
-        for rid, logits in zip(ids, want):
-            assert np.abs(pooled_vector(finals[rid].pooled) - logits).max() < 1e-5, rid
-        assert p.stats()["bytes_sent"] == 0
-        dst = d.stats()
-        assert dst["num_prompt_tokens_computed"] == 0 and dst["num_free_blocks"] == num_blocks
-        _wait_free(p, num_blocks, 5)
+    got = pooled_over_tcp(cfg, PROMPTS, SamplingParams(max_tokens=1, pooling="classify"))
+    for i, (vec, logits) in enumerate(zip(got, want)):
+        assert np.abs(vec - logits).max() < 1e-5, i
 
 
 # ---- on a GPU -----------------------------------------------------------------------------------------------------

@@ -50,7 +50,7 @@ def oracle(hf_model, engine):
 
 
 def _reference(hidden: torch.Tensor, pooling: str) -> np.ndarray:
-    pooled = hidden[-1] if pooling == "last" else hidden.mean(0)
+    pooled = hidden[-1] if pooling == "last" else hidden[0] if pooling == "cls" else hidden.mean(0)
     return torch.nn.functional.normalize(pooled, dim=0).numpy()
 
 
@@ -61,7 +61,7 @@ def _all_free(engine) -> None:
 
 # ---- the engine ---------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("pooling", ["last", "mean"])
+@pytest.mark.parametrize("pooling", ["last", "mean", "cls"])
 def test_engine_embeddings_equal_transformers(engine, oracle, pooling):
     vectors = engine.embed(TEXTS, pooling=pooling)
     for text, vec in zip(TEXTS, vectors):
@@ -83,7 +83,7 @@ def test_unnormalized_is_the_raw_pooled_state(engine, oracle):
 def test_chunked_prefill_and_batching_keep_the_vector(engine):
     """One prompt alone in one chunk against the batch above in chunks of 32, beside generations."""
     whole = make_engine("smollm2", dtype="float32", prefill_chunk_size=512, max_model_len=512, num_kv_blocks=128)
-    for pooling in ("last", "mean"):
+    for pooling in ("last", "mean", "cls"):  # cls: the first position's, kept from the first of the chunks
         alone = whole.embed([TEXTS[1]], pooling=pooling)[0]
         ids = [engine.add_request(t, SamplingParams(max_tokens=8)) for t in TEXTS[:2]]
         chunked = engine.embed([TEXTS[1], TEXTS[0]], pooling=pooling)[0]
@@ -92,9 +92,9 @@ def test_chunked_prefill_and_batching_keep_the_vector(engine):
         assert ids and np.abs(alone - chunked).max() < TOL
 
 
-def test_mean_takes_no_prefix_hit_and_last_may(engine):
+def test_mean_and_cls_take_no_prefix_hit_and_last_may(engine):
     prompt = engine.tokenize(TEXTS[1])  # 80 tokens: four full blocks of 16
-    for pooling, hit in (("mean", False), ("last", True)):
+    for pooling, hit in (("mean", False), ("cls", False), ("last", True)):
         first, second = (engine.generate([prompt], SamplingParams(max_tokens=1, pooling=pooling))[0] for _ in range(2))
         assert (second.num_cached_tokens > 0) is hit, (pooling, second.num_cached_tokens)
         assert np.array_equal(first.pooled, second.pooled)
@@ -102,8 +102,8 @@ def test_mean_takes_no_prefix_hit_and_last_may(engine):
 
 
 def test_pooling_params_are_checked():
-    with pytest.raises(ValueError, match="pooling must be one of last, mean"):
-        SamplingParams(max_tokens=1, pooling="cls")
+    with pytest.raises(ValueError, match="pooling must be one of last, mean, cls"):
+        SamplingParams(max_tokens=1, pooling="max")
     with pytest.raises(ValueError, match="max_tokens 1"):
         SamplingParams(max_tokens=2, pooling="last")
 
@@ -135,13 +135,15 @@ def test_speculation_and_async_scheduling_keep_the_vector(tiny_dir, kw):
 # ---- the pooler's configuration -----------------------------------------------------------------------------------
 
 def _st_dir(tmp_path, mode: str, normalize: bool, hf: dict | None = None):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
     if normalize:
         modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
     (tmp_path / "modules.json").write_text(json.dumps(modules))
     (tmp_path / "1_Pooling").mkdir()
-    flags = {k: k == mode for k in ("pooling_mode_cls_token", "pooling_mode_mean_tokens", "pooling_mode_lasttoken")}
+    flags = {k: k == mode for k in ("pooling_mode_cls_token", "pooling_mode_mean_tokens", "pooling_mode_lasttoken",
+                                    "pooling_mode_max_tokens")}
     (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 576, **flags}))
     (tmp_path / "config.json").write_text(json.dumps(hf or {}))
     return tmp_path
@@ -156,21 +158,24 @@ def test_pooler_config_reads_sentence_transformers_and_overrides(tmp_path):
     assert pooler_config(st, '{"pooling_type": "LAST", "normalize": true}') == PoolerConfig("last", True, (64, 256))
     with pytest.raises(ValueError, match="unknown keys"):
         pooler_config(st, '{"pooling": "mean"}')
+    assert pooler_config(st, {"pooling_type": "CLS"}) == PoolerConfig("cls", False, (64, 256))
     with pytest.raises(ValueError, match="pooling_type must be one of"):
-        pooler_config(st, {"pooling_type": "cls"})
+        pooler_config(st, {"pooling_type": "max"})
 
 
 def test_a_pooling_mode_not_served_turns_the_routes_off_not_the_server(tmp_path):
-    """A directory asking for CLS pooling still serves generation; its embeddings, score and rerank answer 400 naming
+    """A directory asking for max pooling still serves generation; its embeddings, score and rerank answer 400 naming
     the reason, unless --pooler-config chooses a pooling."""
     import httpx
 
     from pdcluster.cluster.api.app import build_app
-    from pdcluster.cluster.api.embeddings import pooler_config
+    from pdcluster.cluster.api.embeddings import PoolerConfig, pooler_config
     from pdcluster.cluster.local_router import LocalRouter
     from test_api import serving
 
-    st = _st_dir(tmp_path, "pooling_mode_cls_token", normalize=True)
+    cls = _st_dir(tmp_path / "cls", "pooling_mode_cls_token", normalize=True)
+    assert pooler_config(cls) == PoolerConfig("cls", True, None)  # a decoder's first token, as vLLM's CLS
+    st = _st_dir(tmp_path / "max", "pooling_mode_max_tokens", normalize=True)
     assert "Pooling config asks for a mode not served" in pooler_config(st).unavailable
     assert pooler_config(st, '{"pooling_type": "MEAN"}').unavailable is None
     with pytest.raises(ValueError, match="a JSON object is expected"):

@@ -71,10 +71,11 @@ def _as_list(texts: Texts) -> list[str]:
     return [texts] if isinstance(texts, str) else list(texts)
 
 
-def _tokenize(texts: list[str], tokenizer, param: str) -> list[list[int]]:
+def _tokenize(texts: list[str], tokenizer, param: str, add_special_tokens: bool = False) -> list[list[int]]:
+    """Each text's ids, as LLMEngine.tokenize makes them (an encoder's with its [CLS] ... [SEP])."""
     out = []
     for i, text in enumerate(texts):
-        ids = tokenizer.encode(text)
+        ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
         if not ids:
             label = param if len(texts) == 1 else f"{param}[{i}]"
             raise APIError(400, f"{label} is empty: give at least one token of text", param=param)
@@ -111,7 +112,8 @@ async def _similarities(router, served_model_name: str, pooler: PoolerConfig, me
         params = pooling_params("classify", lora_name, body.priority)
     else:
         prompts = await anyio.to_thread.run_sync(
-            lambda: _tokenize(firsts, tokenizer, first_name) + _tokenize(seconds, tokenizer, second_name))
+            lambda: _tokenize(firsts, tokenizer, first_name, pooler.encoder_only)
+            + _tokenize(seconds, tokenizer, second_name, pooler.encoder_only))
         params = pooling_params(pooler.pooling_type, lora_name, body.priority)
     prompts = check_lengths(prompts, body.truncate_prompt_tokens, router.max_model_len, param=second_name)
     started = time.monotonic()
