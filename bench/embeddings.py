@@ -3,12 +3,17 @@
 
     python bench/embeddings.py [--vllm-python /work/vllmenv/bin/python] [--threads 1] [--dtype bfloat16]
                                [--num-prompts 32] [--prompt-len 200] [--task embed|classify] [--out FILE]
+                               [--model smollm2|bge-small]
                                [--served [--served-modes colocated local disagg] [--no-offline]]
 
 ``--task classify``: the same model served as a cross-encoder by both (``hf_overrides`` RERANKER_OVERRIDES: vLLM's
 conversion of a causal reranker, the LM head's "yes" row less its "no" row), ``LLMEngine.classify`` against vLLM's
 ``LLM.classify``; "emb" in the figures is then one classification, and the agreement the largest difference of
 the two engines' probabilities.
+
+``--model bge-small``: an encoder of bge-small-en-v1.5's shape (BertModel, 12 layers, hidden 384; random weights made
+by transformers, engine/models/tiny_bert.py BGE_SMALL), [CLS] pooling, normalised (vLLM's default for BERT); each
+prompt is [CLS] + text + [SEP].
 
 SmolLM2-135M, last-token pooling, normalised (vLLM's default for a decoder model), prefix caching off in both. vLLM
 needs an instance started as a pooling model for this; pdcluster embeds with the engine that generates.
@@ -79,11 +84,13 @@ def ours_child(spec_file: str) -> int:
 
     spec = json.loads(Path(spec_file).read_text())
     classify = spec.get("task") == "classify"
-    config = EngineConfig(model="smollm2", dtype=spec["dtype"], enable_prefix_caching=False, num_threads=spec["threads"],
-                          max_num_batched_tokens=8192, max_num_seqs=64, num_kv_blocks=2048, seed=0,
+    config = EngineConfig(model=spec["model_dir"], dtype=spec["dtype"], enable_prefix_caching=False,
+                          num_threads=spec["threads"], max_num_batched_tokens=8192, max_num_seqs=64,
+                          num_kv_blocks=2048, seed=0, max_model_len=spec["max_model_len"],
                           hf_overrides=json.dumps(RERANKER_OVERRIDES) if classify else "")
     engine = LLMEngine.from_config(config, progress=False)
-    run = (lambda batch: engine.classify(batch)) if classify else (lambda batch: engine.embed(batch, pooling="last"))
+    pooling = spec["pooling"]
+    run = (lambda batch: engine.classify(batch)) if classify else (lambda batch: engine.embed(batch, pooling=pooling))
     result = timed_embed(run, spec["prompts"])
     result["torch_threads"] = torch.get_num_threads()
     print("OURS_RESULT " + json.dumps(result), flush=True)
@@ -138,6 +145,17 @@ def served(args, model_dir: Path) -> dict:
     return out
 
 
+def bge_small_dir() -> Path:
+    """The random-weight encoder of bge-small's shape, built once into the bench cache."""
+    from pdcluster.engine.models.registry import default_cache_dir
+    from pdcluster.engine.models.tiny_bert import BGE_SMALL, build_tiny_bert
+
+    out = Path(default_cache_dir()) / "bench" / "bge-small-shape"
+    if not (out / "config.json").is_file():
+        build_tiny_bert(out, "bert", shape=BGE_SMALL)
+    return out
+
+
 def agreement(a: list[list[float]], b: list[list[float]], task: str = "embed") -> dict:
     import numpy as np
 
@@ -156,6 +174,7 @@ def main() -> int:
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=200)
     p.add_argument("--task", default="embed", choices=["embed", "classify"])
+    p.add_argument("--model", default="smollm2", choices=["smollm2", "bge-small"])
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--served", action="store_true", help="also serve both (vllm serve --runner pooling against "
                    "pdcluster serve) and drive them with pdcluster loadtest --endpoint embeddings")
@@ -173,12 +192,21 @@ def main() -> int:
     from pdcluster.engine.models.registry import resolve_model
     from pdcluster.engine.tokenizer import Tokenizer
 
-    model_dir = resolve_model("smollm2", progress=False)
-    prompts = make_prompts(Tokenizer(model_dir), args.num_prompts, args.prompt_len)
-    result: dict = {"model": "smollm2", "dtype": args.dtype, "threads": args.threads, "num_prompts": args.num_prompts,
+    encoder = args.model == "bge-small"
+    if encoder and (args.task != "embed" or args.served):
+        p.error("--model bge-small measures offline embeddings only")
+    model_dir = bge_small_dir() if encoder else resolve_model("smollm2", progress=False)
+    tokenizer = Tokenizer(model_dir)
+    if encoder:  # [CLS] text [SEP], as the tokenizer's template makes a prompt
+        cls, sep = tokenizer.encode("", add_special_tokens=True)
+        prompts = [[cls, *body, sep] for body in make_prompts(tokenizer, args.num_prompts, args.prompt_len - 2)]
+    else:
+        prompts = make_prompts(tokenizer, args.num_prompts, args.prompt_len)
+    pooling = "cls" if encoder else "last"
+    result: dict = {"model": args.model, "dtype": args.dtype, "threads": args.threads, "num_prompts": args.num_prompts,
                     "prompt_len": args.prompt_len, "task": args.task, "prefix_caching": False,
                     **({"hf_overrides": RERANKER_OVERRIDES} if args.task == "classify"
-                       else {"pooling": "last, normalised"})}
+                       else {"pooling": f"{pooling}, normalised"})}
     if args.served and not args.vllm_python:
         p.error("--served needs --vllm-python")
     if args.served and args.task != "embed":
@@ -190,6 +218,7 @@ def main() -> int:
         return 0
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({"prompts": prompts, "dtype": args.dtype, "threads": args.threads, "task": args.task,
+                   "model_dir": str(model_dir), "pooling": pooling, "max_model_len": 512 if encoder else 1024,
                    "hf_overrides": RERANKER_OVERRIDES if args.task == "classify" else None}, f)
     try:
         result["pdcluster"] = ours = run_child([sys.executable, str(Path(__file__).resolve()), "--_ours", f.name],

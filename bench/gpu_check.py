@@ -535,6 +535,44 @@ def lora_check(model_dir: Path, prompts, expected_base, num_new: int, device: st
                                 for i, (n, g, e) in enumerate(zip(names, got, expected)) if g != e), None)}
 
 
+def encoders_check(device: str, work: Path) -> dict:
+    """Encoder-only models (engine/models/bert.py) made tiny by transformers: a BERT's [CLS] and mean embeddings of a
+    batch of four prompt lengths and an XLM-R cross-encoder's scores, fp32 on the device, against transformers' on the
+    CPU (within 1e-4); bf16 on the device near fp32 (within 0.05 of a unit vector)."""
+    import numpy as np
+    import torch
+
+    from pdcluster.engine.config import EngineConfig
+    from pdcluster.engine.llm_engine import LLMEngine
+    from pdcluster.engine.models.tiny_bert import build_tiny_bert, transformers_outputs
+
+    texts = ["the quick brown fox", "paris is the capital of france . berlin is in germany , rome in italy",
+             "an encoder reads every token both ways and pools them into one vector", "dog"]
+    query, docs = "what is the capital of france ?", texts[:3]
+    out: dict = {}
+    bert = build_tiny_bert(work / "tiny-bert", "bert")
+    want = transformers_outputs(bert, texts)
+
+    def engine(path, dtype):
+        return LLMEngine.from_config(EngineConfig(model=str(path), device=device, dtype=dtype, num_kv_blocks=0,
+                                                  max_model_len=0), progress=False)
+
+    fp32 = engine(bert, "float32")
+    cls = fp32.embed(texts, pooling="cls", normalize=False)
+    mean = fp32.embed(texts, pooling="mean", normalize=False)
+    out["embed_max_abs_diff"] = max(max(float(np.abs(c - w[0].numpy()).max()), float(np.abs(m - w.mean(0).numpy()).max()))
+                                    for c, m, w in zip(cls, mean, want))
+    unit32 = fp32.embed(texts, pooling="cls")
+    unit16 = engine(bert, "bfloat16").embed(texts, pooling="cls")
+    out["bf16_max_abs_diff"] = max(float(np.abs(a - b).max()) for a, b in zip(unit32, unit16))
+    cross = build_tiny_bert(work / "tiny-xlmr-cross", "xlm-roberta-cross")
+    want_scores = [float(torch.sigmoid(x)[0]) for x in transformers_outputs(cross, [(query, d) for d in docs])]
+    got_scores = engine(cross, "float32").score(query, docs)
+    out["score_max_abs_diff"] = float(np.abs(np.array(got_scores) - np.array(want_scores)).max())
+    out["ok"] = out["embed_max_abs_diff"] < 1e-4 and out["score_max_abs_diff"] < 1e-4 and out["bf16_max_abs_diff"] < 0.05
+    return out
+
+
 def images_check(tokenizer_dir: Path, num_new: int, device: str, work: Path) -> dict:
     """Image prompts (engine/multimodal/) on a tiny LLaVA made by transformers: a batch of prompts with one image, two
     images and none, then the same chunked through the images' placeholders with preemption, equal transformers'
@@ -814,6 +852,15 @@ def correctness_section(entry: dict, device: str, work: Path, quick: bool, only:
                 if device == "cuda" and _is_device_fault(e):
                     fault = f"{name} images: {type(e).__name__}"
             all_ok = all_ok and result["images"]["ok"]
+            if fault is None:
+                try:
+                    result["encoders"] = encoders_check(device, work)
+                except Exception as e:  # noqa: BLE001
+                    result["encoders"] = {"ok": False, "error": f"{type(e).__name__}: {e}",
+                                          "traceback": traceback.format_exc()[-1500:]}
+                    if device == "cuda" and _is_device_fault(e):
+                        fault = f"{name} encoders: {type(e).__name__}"
+                all_ok = all_ok and result["encoders"]["ok"]
         entry[name] = result
         del entry["in_progress"]
         on_progress()

@@ -23,11 +23,11 @@ def main() -> int:
     spec = json.loads(Path(spec_file).read_text())
     from vllm import LLM
 
-    # A decoder run as an embedding model: vLLM's default pooler for it is the last token, normalised. With
+    # A decoder run as an embedding model: vLLM's default pooler for it is the last token, normalised (a BERT's: [CLS]). With
     # hf_overrides (--task classify): the causal model converted to a one-label cross-encoder.
     overrides = spec.get("hf_overrides")
     llm = LLM(model=model_dir, runner="pooling", dtype=spec["dtype"], enable_prefix_caching=False, max_num_seqs=64,
-              max_model_len=1024, max_num_batched_tokens=8192, seed=0, **({"hf_overrides": overrides} if overrides
+              max_model_len=spec.get("max_model_len", 1024), max_num_batched_tokens=8192, seed=0, **({"hf_overrides": overrides} if overrides
                                                                           else {}))
 
     def embed(batch):

@@ -41,9 +41,17 @@ def _tokenizer(roberta: bool):
     return tok
 
 
-def build_tiny_bert(out: Path, kind: str = "bert", pooling: str | None = None, seed: int = 0) -> Path:
+# bge-small-en-v1.5's shape (BAAI/bge-small-en-v1.5: BertModel, 33M parameters), for bench/embeddings.py.
+BGE_SMALL = dict(hidden_size=384, num_hidden_layers=12, num_attention_heads=12, intermediate_size=1536,
+                 vocab_size=30522, max_position_embeddings=512)
+
+
+def build_tiny_bert(out: Path, kind: str = "bert", pooling: str | None = None, seed: int = 0,
+                    shape: dict | None = None) -> Path:
     """The checkpoint of ``kind`` (one of KINDS) in ``out`` (created); ``pooling``: a sentence-transformers Pooling
-    module's mode ("cls", "mean", "lasttoken") with a Normalize module after it, None for no modules.json."""
+    module's mode ("cls", "mean", "lasttoken") with a Normalize module after it, None for no modules.json; ``shape``:
+    config sizes in place of the tiny ones (BGE_SMALL: a real model's, random weights, its vocabulary mostly unused
+    by the small tokenizer)."""
     import torch
     import transformers
 
@@ -58,16 +66,20 @@ def build_tiny_bert(out: Path, kind: str = "bert", pooling: str | None = None, s
                 {"cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]", "unk_token": "[UNK]",
                  "mask_token": "[MASK]"})
     (out / "tokenizer_config.json").write_text(json.dumps({
-        **specials, "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 64}))
-    shape = dict(vocab_size=tok.get_vocab_size(), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                 intermediate_size=64, hidden_act="gelu", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        **specials, "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": (shape or {}).get("max_position_embeddings", 64)}))
+    sizes = dict(vocab_size=tok.get_vocab_size(), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                 intermediate_size=64, max_position_embeddings=64)
+    sizes.update(shape or {})
+    positions = sizes.pop("max_position_embeddings")
+    shape = dict(**sizes, hidden_act="gelu", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     if roberta:  # XLM-R's: positions from pad + 1, one token type
-        cfg = transformers.XLMRobertaConfig(**shape, max_position_embeddings=66, type_vocab_size=1,
+        cfg = transformers.XLMRobertaConfig(**shape, max_position_embeddings=positions + 2, type_vocab_size=1,
                                             pad_token_id=tok.token_to_id("<pad>"), bos_token_id=tok.token_to_id("<s>"),
                                             eos_token_id=tok.token_to_id("</s>"), layer_norm_eps=1e-5)
         model_class = (transformers.XLMRobertaForSequenceClassification if cross else transformers.XLMRobertaModel)
     else:
-        cfg = transformers.BertConfig(**shape, max_position_embeddings=64, type_vocab_size=2,
+        cfg = transformers.BertConfig(**shape, max_position_embeddings=positions, type_vocab_size=2,
                                       pad_token_id=tok.token_to_id("[PAD]"))
         model_class = transformers.BertForSequenceClassification if cross else transformers.BertModel
     if cross:
@@ -92,7 +104,8 @@ def build_tiny_bert(out: Path, kind: str = "bert", pooling: str | None = None, s
         (out / "1_Pooling").mkdir(exist_ok=True)
         chosen = {"cls": "cls_token", "mean": "mean_tokens", "lasttoken": "lasttoken"}[pooling]
         modes = {f"pooling_mode_{m}": m == chosen for m in ("cls_token", "mean_tokens", "max_tokens", "lasttoken")}
-        (out / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 32, **modes}))
+        (out / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": cfg.hidden_size,
+                                                                   **modes}))
     return out
 
 
