@@ -104,8 +104,12 @@ class Linear:
     embedding); otherwise a packed weight is the only copy (no doubled memory)."""
 
     def __init__(self, weight: torch.Tensor, prepack: bool = True, keep_weight: bool = False,
-                 pack_float32: bool = False, deterministic: bool = False):
+                 pack_float32: bool = False, deterministic: bool = False, bias: torch.Tensor | None = None):
+        """``bias`` [out_features]: ``y = x @ weight.T + bias``, in the GEMM's epilogue where its kernel has one (the
+        C GEMM and oneDNN: added to the fp32 accumulator, rounded once), else added after."""
         self.weight: torch.Tensor | None = weight
+        self.bias = bias
+        self._bias_f32 = bias.float().contiguous() if bias is not None and weight.device.type == "cpu" else None
         self.out_features, self.in_features = weight.shape
         self._packed = None
         self._packed_f32 = None  # beside the plain weight: up to PACKED_F32_MAX_ROWS rows
@@ -145,7 +149,7 @@ class Linear:
     def _skinny_tiles(self, x: torch.Tensor, silu_and_mul: bool, gated: bool = False):
         """The skinny kernel's tiles for ``x`` (None: cuBLAS; skinny_linear.choose measures once a shape and row
         count, and keeps the answer). Only inside a CUDA graph's forward (kernels/graph_region.py)."""
-        if not self._skinny or not in_graph_region() or x.dim() != 2 or x.shape[0] == 0 \
+        if not self._skinny or self.bias is not None or not in_graph_region() or x.dim() != 2 or x.shape[0] == 0 \
                 or x.shape[0] > skinny_linear.MAX_ROWS or x.stride(-1) != 1 or x.dtype is not self.weight.dtype:
             return None
         return skinny_linear.choose(self.weight, x.shape[0], silu_and_mul, gated)
@@ -210,6 +214,21 @@ class Linear:
         return self(ops.silu_and_mul(x))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is None:
+            return self._matmul(x)
+        if self._packed_bi is not None:  # the bias in the C GEMM's epilogue
+            return cpu_gemm.linear_bi(x if x.dtype is self._packed_bi.dtype else x.to(self._packed_bi.dtype),
+                                      self._packed_bi, bias=self._bias_f32)
+        if self._packed is not None:  # in oneDNN's
+            return _linear_pointwise(x if x.dtype is torch.bfloat16 else x.to(torch.bfloat16), self._packed,
+                                     self.bias.to(torch.bfloat16), "none", [], "")
+        if self._skinny or self._cuda_bi is not None or (self._packed_f32 is not None and x.dtype is torch.float32):
+            return self._matmul(x).add_(self.bias)
+        if x.dtype is torch.float32 and 2 * x.shape[-1] <= x.numel() <= cpu_ops.SMALL_M * x.shape[-1]:
+            return self._matmul(x).add_(self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self._skinny:
             tiles = self._skinny_tiles(x, False)
             if tiles is not None:

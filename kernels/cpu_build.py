@@ -52,6 +52,8 @@ CORE_SIGNATURES = {
 }
 GEMM_BI_SIGNATURES = {  # kernels/csrc/gemm_bi.c: the batch-invariant linear (kernels/cpu_gemm.py)
     "pd_gemm_bi": [_c_int, _ptr, _c_i64, _c_i64, _ptr, _c_i64, _c_i64, _ptr, _c_i64, _c_int, _c_int, _c_int],
+    "pd_gemm_bi_bias": [_c_int, _ptr, _c_i64, _c_i64, _ptr, _c_i64, _c_i64, _ptr, _c_i64, _c_int, _c_int, _c_int,
+                        _ptr],
     "pd_gemm_bi_isa": [_c_int],
 }
 GROUPED_GEMM_BI_SIGNATURES = {  # kernels/csrc/grouped_gemm_bi.c: the MoE's grouped linear (kernels/cpu_grouped_mm.py)

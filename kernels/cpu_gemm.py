@@ -75,23 +75,29 @@ def pack_bi(weight: torch.Tensor) -> PackedWeight | None:
 
 
 def linear_bi(x: torch.Tensor, packed: PackedWeight, out_dtype: torch.dtype | None = None, isa: int = 0,
-              num_threads: int | None = None) -> torch.Tensor | None:
-    """``F.linear(x, weight)`` for the weight ``packed`` came from, batch-invariant (see the module).
-    ``x`` must have the weight's dtype; the output has it too unless ``out_dtype=torch.float32``.
+              num_threads: int | None = None, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``F.linear(x, weight, bias)`` for the weight ``packed`` came from, batch-invariant (see the module).
+    ``x`` must have the weight's dtype; the output has it too unless ``out_dtype=torch.float32``. ``bias``: float32
+    [out_features], added to each fp32 accumulator before it is rounded (one rounding, as oneDNN's fused bias).
     ``isa`` forces a path (tests, benchmarks; 0 = best). None when not applicable."""
     lib = _lib()
     out_dtype = out_dtype or x.dtype
     if (lib is None or x.dtype is not packed.dtype or x.device.type != "cpu" or packed.data.device.type != "cpu"
             or x.shape[-1] != packed.in_features or out_dtype not in (x.dtype, torch.float32)):
         return None
+    if bias is not None and (not hasattr(lib, "pd_gemm_bi_bias") or bias.dtype is not torch.float32
+                             or bias.device.type != "cpu" or bias.shape != (packed.out_features,)
+                             or not bias.is_contiguous()):
+        return None
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < rows.shape[1]):
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], packed.out_features, dtype=out_dtype)
     threads = torch.get_num_threads() if num_threads is None else num_threads
-    rc = lib.pd_gemm_bi(_DTYPE_CODE[x.dtype], rows.data_ptr(), rows.stride(0), rows.shape[0], packed.data.data_ptr(),
-                        packed.out_features, packed.in_features, out.data_ptr(), out.stride(0),
-                        int(out_dtype is torch.float32), isa, threads)
+    args = (_DTYPE_CODE[x.dtype], rows.data_ptr(), rows.stride(0), rows.shape[0], packed.data.data_ptr(),
+            packed.out_features, packed.in_features, out.data_ptr(), out.stride(0), int(out_dtype is torch.float32),
+            isa, threads)
+    rc = lib.pd_gemm_bi(*args) if bias is None else lib.pd_gemm_bi_bias(*args, bias.data_ptr())
     if rc != 0:
         raise ValueError(f"pd_gemm_bi refused isa {isa} for {x.dtype} (this machine's best is "
                          f"{lib.pd_gemm_bi_isa(_DTYPE_CODE[x.dtype])}; see cpu_gemm.ISA_NAMES)")

@@ -208,3 +208,38 @@ def test_the_detector_sees_torch_bf16_gemm_vary_where_it_does():
     if not found:
         pytest.skip("torch's bf16 GEMM happens to be batch-invariant at this shape on this machine")
     assert max(found.values()) >= 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n,k", SHAPES + [(50, 96)])  # 50: three whole strips and a partial one (AMX's strip pairs)
+def test_bias_is_added_to_the_accumulator_before_rounding(dtype, n, k):
+    """``bias``: on every ISA the output is the float32 GEMM plus the bias, rounded once (as oneDNN's fused bias), and
+    each row is still the same as alone."""
+    w, x = _data(n, k, dtype, rows=97)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    packed = cpu_gemm.pack_bi(w)
+    for isa in _isas(dtype):
+        acc = cpu_gemm.linear_bi(x, packed, out_dtype=torch.float32, isa=isa)
+        for out_dtype in (None, torch.float32):
+            got = cpu_gemm.linear_bi(x, packed, out_dtype=out_dtype, isa=isa, bias=bias)
+            assert torch.equal(got, (acc + bias).to(got.dtype)), (isa, out_dtype)
+        assert not rows_that_vary(lambda rows: cpu_gemm.linear_bi(rows, packed, isa=isa, bias=bias), x, [1, 2, 33, 97])
+    with_wrong = torch.randn(n + 1)
+    assert cpu_gemm.linear_bi(x, packed, bias=with_wrong) is None  # refused: the caller adds it
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_linear_with_a_bias_equals_f_linear(dtype, deterministic):
+    """engine/linear.Linear(bias=...) on every path it picks here (the C GEMM's epilogue, oneDNN's, or added after)
+    equals F.linear with the bias, for a few rows and many."""
+    from pdcluster.engine.linear import Linear
+
+    w, x = _data(83, 37, dtype, rows=97)
+    bias = torch.randn(83).to(dtype)
+    lin = Linear(w, deterministic=deterministic, bias=bias)
+    for rows in (1, 3, 97):
+        want = F.linear(x[:rows].float(), w.float(), bias.float())
+        got = lin(x[:rows])
+        assert got.dtype == dtype and got.shape == want.shape
+        assert (got.float() - want).abs().max() < (2e-2 if dtype is torch.bfloat16 else 1e-4)

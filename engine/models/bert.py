@@ -109,11 +109,11 @@ class _Dense:
     """``x @ W.T + b`` (every encoder projection has a bias); ``names``: projections stored apart, run as one."""
 
     def __init__(self, weights: dict[str, torch.Tensor], names: tuple[str, ...], deterministic: bool):
-        self.proj = Linear(torch.cat([weights.pop(f"{n}.weight") for n in names]), deterministic=deterministic)
-        self.bias = torch.cat([weights.pop(f"{n}.bias") for n in names])
+        self.proj = Linear(torch.cat([weights.pop(f"{n}.weight") for n in names]), deterministic=deterministic,
+                           bias=torch.cat([weights.pop(f"{n}.bias") for n in names]))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(x).add_(self.bias)
+        return self.proj(x)  # the bias in the GEMM's epilogue where it has one (engine/linear.py)
 
 
 class _LayerNorm:

@@ -69,6 +69,7 @@ typedef struct {
     int out_fp32;
     const float *xf; /* AVX2 / scalar bf16: x widened to fp32, rows kx apart (K rounded up to even, pad 0) */
     int64_t kx;
+    const float *bias; /* [N] fp32 added to each accumulator once, after its k loop, before rounding; NULL: none */
 } gemm_args;
 
 typedef void (*tile_fn)(const gemm_args *a, int64_t m0, int64_t s0);
@@ -101,6 +102,11 @@ static inline float bf16_to_f32(uint16_t h) {
 
 /* Stores n_valid (<= count) fp32 accumulators at column col of row r. */
 static inline void store_scalar(const gemm_args *a, int64_t r, int64_t col, const float *acc, int n_valid) {
+    float biased[STRIP];
+    if (a->bias != NULL) {
+        for (int i = 0; i < n_valid; i++) biased[i] = acc[i] + a->bias[col + i];
+        acc = biased;
+    }
     if (a->out_fp32) {
         memcpy((float *)a->y + r * a->ldy + col, acc, (size_t)n_valid * 4);
     } else {
@@ -144,6 +150,10 @@ static void scalar_tile(const gemm_args *a, int64_t m0, int64_t s0, int mr, int 
 static inline void avx2_store(const gemm_args *a, int64_t r, int64_t s, __m256 lo, __m256 hi) {
     const int64_t col = s * STRIP;
     const int nvalid = valid_cols(a, s);
+    if (a->bias != NULL && nvalid == STRIP) { /* a partial strip's bias: store_scalar's */
+        lo = _mm256_add_ps(lo, _mm256_loadu_ps(a->bias + col));
+        hi = _mm256_add_ps(hi, _mm256_loadu_ps(a->bias + col + 8));
+    }
     if (a->out_fp32 && nvalid == STRIP) {
         float *y = (float *)a->y + r * a->ldy + col;
         _mm256_storeu_ps(y, lo);
@@ -257,6 +267,7 @@ static inline void avx512_store(const gemm_args *a, int64_t r, int64_t s, __m512
     const int64_t col = s * STRIP;
     const int nvalid = valid_cols(a, s);
     const __mmask16 mask = nvalid >= STRIP ? (__mmask16)0xffff : (__mmask16)((1u << nvalid) - 1);
+    if (a->bias != NULL) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, a->bias + col));
     if (a->out_fp32) {
         _mm512_mask_storeu_ps((float *)a->y + r * a->ldy + col, mask, v);
         return;
@@ -401,11 +412,17 @@ static inline void amx_store_row(const gemm_args *a, int64_t r, int64_t s, int t
         for (int v = 0; v <= two_strips; v++) avx512_store(a, r, s + v, _mm512_load_ps(acc + v * STRIP));
         return;
     }
-    const __m512 lo = _mm512_load_ps(acc), hi = _mm512_load_ps(acc + STRIP);
+    const int64_t valid = a->n - s * STRIP;
+    __m512 lo = _mm512_load_ps(acc), hi = _mm512_load_ps(acc + STRIP);
+    if (a->bias != NULL) { /* two strips: the first is whole */
+        const int64_t rest = valid - STRIP;
+        lo = _mm512_add_ps(lo, _mm512_loadu_ps(a->bias + s * STRIP));
+        hi = _mm512_add_ps(hi, _mm512_maskz_loadu_ps(rest >= STRIP ? (__mmask16)0xffff : (__mmask16)((1u << rest) - 1),
+                                                     a->bias + s * STRIP + STRIP));
+    }
     const __mmask32 nan = (__mmask32)_mm512_cmp_ps_mask(lo, lo, _CMP_UNORD_Q) |
                           ((__mmask32)_mm512_cmp_ps_mask(hi, hi, _CMP_UNORD_Q) << 16);
     const __m512i bf = _mm512_mask_blend_epi16(nan, (__m512i)_mm512_cvtne2ps_pbh(hi, lo), _mm512_set1_epi16(0x7fc0));
-    const int64_t valid = a->n - s * STRIP;
     const __mmask32 cols = valid >= 2 * STRIP ? (__mmask32)0xffffffffu : (__mmask32)((1u << valid) - 1);
     _mm512_mask_storeu_epi16((uint16_t *)a->y + r * a->ldy + s * STRIP, cols, bf);
 }
@@ -628,15 +645,25 @@ int pd_gemm_bi_isa(int dtype) {
 
 /* dtype: 0 float32, 1 bfloat16 (x and packed w). y is float32 when out_fp32, else x's dtype.
  * Returns 0, or -1 for a bad argument / an ISA this build lacks. */
+int pd_gemm_bi_bias(int dtype, const void *x, int64_t ldx, int64_t m, const void *w_packed, int64_t n, int64_t k,
+                    void *y, int64_t ldy, int out_fp32, int isa, int num_threads, const float *bias);
+
 int pd_gemm_bi(int dtype, const void *x, int64_t ldx, int64_t m, const void *w_packed, int64_t n, int64_t k,
                void *y, int64_t ldy, int out_fp32, int isa, int num_threads) {
+    return pd_gemm_bi_bias(dtype, x, ldx, m, w_packed, n, k, y, ldy, out_fp32, isa, num_threads, NULL);
+}
+
+/* pd_gemm_bi with a bias: y = x @ w.T + bias, the fp32 bias [n] added to each accumulator before it is rounded (one
+ * more fixed operation per element: batch-invariant still). */
+int pd_gemm_bi_bias(int dtype, const void *x, int64_t ldx, int64_t m, const void *w_packed, int64_t n, int64_t k,
+                    void *y, int64_t ldy, int out_fp32, int isa, int num_threads, const float *bias) {
     if ((dtype != 0 && dtype != 1) || m < 0 || n < 1 || k < 1) return -1;
     const int best = pd_gemm_bi_isa(dtype);
     if (isa == 0) isa = best;
     if (isa < 1 || isa > best) return -1;
     if (m == 0) return 0;
     const int64_t kx = (k + 1) / 2 * 2;
-    gemm_args a = {x, ldx, w_packed, dtype == 1 ? kx * STRIP : k * STRIP, n, k, y, ldy, out_fp32, NULL, kx};
+    gemm_args a = {x, ldx, w_packed, dtype == 1 ? kx * STRIP : k * STRIP, n, k, y, ldy, out_fp32, NULL, kx, bias};
     const tiling *t = NULL;
     float *xf = NULL;
     if (dtype == 1 && isa < 3) { /* AVX2 / scalar bf16 read x widened to fp32 (exact) */
