@@ -213,6 +213,13 @@ def test_served_embeddings_scores_and_a_clear_400_for_generation(models):
                 assert np.abs(np.array(item.embedding) - w).max() < 1e-5
             assert got.usage.prompt_tokens == sum(len(router.tokenizer.encode(t, add_special_tokens=True))
                                                   for t in TEXTS)
+            # truncate_prompt_tokens keeps [CLS] (what is pooled) and the last k - 1 tokens, [SEP] among them.
+            ids = router.tokenizer.encode(TEXTS[1], add_special_tokens=True)
+            r = _post(url, "/v1/embeddings", {"model": "emb", "input": TEXTS[1], "truncate_prompt_tokens": 6})
+            assert r.status_code == 200, r.text
+            cut = _engine(path).embed([ids[:1] + ids[-5:]], pooling="cls")[0]
+            assert r.json()["usage"]["prompt_tokens"] == 6
+            assert np.abs(np.array(r.json()["data"][0]["embedding"]) - cut).max() < 1e-5
             for route, body in (("/v1/completions", {"prompt": "the fox", "max_tokens": 3}),
                                 ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
                 r = _post(url, route, {"model": "emb", **body})

@@ -99,7 +99,8 @@ async def serve_classify(body: ClassifyRequest, request: Request, router, served
         raise APIError(400, "activation and use_activation disagree: give one", param="use_activation")
     activate = next((v for v in (body.use_activation, body.activation) if v is not None), True)
     prompts = await anyio.to_thread.run_sync(_prompts, body, router.tokenizer)
-    prompts = check_lengths(prompts, body.truncate_prompt_tokens, router.max_model_len)
+    prompts = check_lengths(prompts, body.truncate_prompt_tokens, router.max_model_len,
+                            keep_first=pooler.encoder_only)
     params = pooling_params("classify", lora_name, body.priority)
     request_id = f"{'pool' if as_pooling else 'classify'}-{uuid.uuid4().hex}"  # vLLM's id prefixes
     started = time.monotonic()

@@ -180,9 +180,11 @@ def _prompts(body: EmbeddingRequest, tokenizer) -> list[list[int]]:
 
 
 def check_lengths(prompts: list[list[int]], truncate_prompt_tokens: int | None, max_model_len: int,
-                  param: str = "input") -> list[list[int]]:
+                  param: str = "input", keep_first: bool = False) -> list[list[int]]:
     """vLLM's ``truncate_prompt_tokens`` (each prompt's last k tokens; -1: as many as fit) applied, then every prompt
-    within what a pooling request may hold: ``max_model_len`` less the one token it samples."""
+    within what a pooling request may hold: ``max_model_len`` less the one token it samples. ``keep_first``: an
+    encoder's prompt keeps its first token ([CLS], what it pools) and its last k - 1, as a tokenizer truncating from
+    the left keeps its special tokens."""
     limit = max_model_len - 1
     keep = truncate_prompt_tokens
     if keep is not None:
@@ -190,7 +192,10 @@ def check_lengths(prompts: list[list[int]], truncate_prompt_tokens: int | None, 
         if keep < 1:
             raise APIError(400, f"truncate_prompt_tokens must be >= 1 (or -1 for the context), got "
                                 f"{truncate_prompt_tokens}", param="truncate_prompt_tokens")
-        prompts = [ids[-keep:] for ids in prompts]
+        if keep_first and keep > 1:
+            prompts = [ids if len(ids) <= keep else ids[:1] + ids[-(keep - 1):] for ids in prompts]
+        else:
+            prompts = [ids[-keep:] for ids in prompts]
     for i, ids in enumerate(prompts):
         if len(ids) > limit:
             label = param if len(prompts) == 1 else f"{param}[{i}]"
@@ -220,7 +225,8 @@ async def _prepare(body: EmbeddingRequest, router, served_model_name: str, poole
                        else ">= 1")
             raise APIError(400, f"dimensions must be {allowed}, got {dimensions}", param="dimensions")
     prompts = await anyio.to_thread.run_sync(_prompts, body, router.tokenizer)
-    prompts = check_lengths(prompts, body.truncate_prompt_tokens, router.max_model_len)
+    prompts = check_lengths(prompts, body.truncate_prompt_tokens, router.max_model_len,
+                            keep_first=pooler.encoder_only)
     normalize = pooler.normalize if body.normalize is None else body.normalize
     return _Prepared(f"{id_prefix}-{uuid.uuid4().hex}", prompts, pooling_params(pooler.pooling_type, lora_name, body.priority),
                      normalize, dimensions)

@@ -115,7 +115,8 @@ async def _similarities(router, served_model_name: str, pooler: PoolerConfig, me
             lambda: _tokenize(firsts, tokenizer, first_name, pooler.encoder_only)
             + _tokenize(seconds, tokenizer, second_name, pooler.encoder_only))
         params = pooling_params(pooler.pooling_type, lora_name, body.priority)
-    prompts = check_lengths(prompts, body.truncate_prompt_tokens, router.max_model_len, param=second_name)
+    prompts = check_lengths(prompts, body.truncate_prompt_tokens, router.max_model_len, param=second_name,
+                            keep_first=pooler.encoder_only)
     started = time.monotonic()
     try:
         pooled = await unless_disconnected(embed_all(router, f"{prefix}-{uuid.uuid4().hex}", prompts, params), request)
