@@ -144,6 +144,19 @@ def test_prompts_are_never_split_and_nothing_is_cached(models):
         _engine(path, max_num_batched_tokens=32)
 
 
+def test_async_scheduling_keeps_the_vectors(models):
+    """Async scheduling (the next step scheduled while this one runs) in 64-token steps: the same vectors as the
+    synchronous engine, every block free after."""
+    path = models["bert"]
+    texts = TEXTS * 4
+    want = _engine(path).embed(texts, pooling="cls")
+    engine = _engine(path, async_scheduling=True, max_num_batched_tokens=64)
+    assert engine.config.async_scheduling
+    for got, w in zip(engine.embed(texts, pooling="cls"), want):
+        assert np.array_equal(got, w)
+    assert engine.scheduler.block_manager.num_free_blocks == engine.kv_spec.num_blocks
+
+
 def test_an_encoder_does_not_generate(models):
     engine = _engine(models["bert"])
     with pytest.raises(InvalidRequestError, match="encoder-only: it does not generate"):
