@@ -157,6 +157,21 @@ def test_async_scheduling_keeps_the_vectors(models):
     assert engine.scheduler.block_manager.num_free_blocks == engine.kv_spec.num_blocks
 
 
+def test_a_bare_encoder_saved_under_its_model_prefix_loads(models, tmp_path):
+    """Some BertModel checkpoints keep the encoder's tensors under ``bert.`` (saved from a task model): the same
+    vectors."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(models["bert"], tmp_path / "prefixed")
+    weights = load_file(str(tmp_path / "prefixed" / "model.safetensors"))
+    save_file({f"bert.{k}": v for k, v in weights.items()}, str(tmp_path / "prefixed" / "model.safetensors"))
+    want = _engine(models["bert"]).embed(TEXTS, pooling="cls")
+    for got, w in zip(_engine(tmp_path / "prefixed").embed(TEXTS, pooling="cls"), want):
+        assert np.array_equal(got, w)
+
+
 def test_an_encoder_does_not_generate(models):
     engine = _engine(models["bert"])
     with pytest.raises(InvalidRequestError, match="encoder-only: it does not generate"):

@@ -209,6 +209,9 @@ class BertModel(CausalLM):
                         max_positions: int, deterministic: bool) -> "BertModel":
         name = json.loads((Path(model_dir) / "config.json").read_text()).get("architectures", ["BertModel"])[0]
         prefix = ENCODER_ARCHITECTURES.get(name, "")
+        if f"{prefix}embeddings.word_embeddings.weight" not in weights:  # a bare encoder saved under its model's name
+            prefix = next((p for p in ("bert.", "roberta.", "model.") if f"{p}embeddings.word_embeddings.weight"
+                           in weights), prefix)
         spec = classifier_spec_of_dir(model_dir)
         head = EncoderClassifierHead(spec, weights, arch.family, prefix, arch.hidden_size) if spec is not None else None
         # The encoder's tensors under a bare encoder's names (a classifier keeps them under bert. / roberta.).
