@@ -13,6 +13,7 @@ transformers (engine/models/tiny_bert.py) and checked against transformers itsel
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -170,6 +171,21 @@ def test_a_bare_encoder_saved_under_its_model_prefix_loads(models, tmp_path):
     want = _engine(models["bert"]).embed(TEXTS, pooling="cls")
     for got, w in zip(_engine(tmp_path / "prefixed").embed(TEXTS, pooling="cls"), want):
         assert np.array_equal(got, w)
+
+
+@pytest.mark.parametrize("change, needle", [({"position_embedding_type": "relative_key"}, "position_embedding_type"),
+                                            ({"is_decoder": True}, "only encoders"),
+                                            ({"hidden_act": "swish"}, "hidden_act 'swish' is not supported")])
+def test_what_is_not_served_is_refused_in_one_line(models, tmp_path, change, needle):
+    import shutil
+
+    from pdcluster.engine.models.bert import BertArch
+
+    path = shutil.copytree(models["bert"], tmp_path / "changed")
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, **change}))
+    with pytest.raises(ValueError, match=needle):
+        BertArch.from_dir(path)
 
 
 def test_an_encoder_does_not_generate(models):
