@@ -83,7 +83,7 @@ def test_dtype_auto_takes_the_checkpoints_dtype(monkeypatch):
         (["--mode", "local", "--autoscale"], "--autoscale: needs --mode disagg or colocated"),
         (["--mode", "disagg", "--autoscale", "--min-decode", "3", "--max-decode", "2"], "--min-decode/--max-decode"),
         (["--mode", "disagg", "--autoscale", "--slo-ttft-ms", "0"], "--slo-ttft-ms"),
-        (["--mode", "local", "--pooler-config", '{"pooling_type": "CLS"}'], "--pooler-config: pooling_type must be"),
+        (["--mode", "local", "--pooler-config", '{"pooling_type": "MAX"}'], "--pooler-config: pooling_type must be"),
         (["--mode", "disagg", "-tp", "2", "--transport", "cuda_ipc"], "tensor_parallel_size 2: cuda_ipc moves one cache on one GPU"),
         pytest.param(["--mode", "disagg", "--device", "cuda"], "sees no CUDA device",
                      marks=pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is here")),

@@ -194,3 +194,16 @@ def test_the_isolation_refuses_what_is_not_declared():
     proc = subprocess.run([sys.executable, "-c", _ISOLATED, json.dumps(_top_level_names(_closure())),
                            json.dumps(["psutil"]), "-"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode != 0 and "No module named 'psutil' (not a declared dependency)" in proc.stderr
+
+
+def test_every_package_folder_is_in_the_wheel():
+    """A folder with an __init__.py under a packaged folder is a package the wheel must list (the Docker image and
+    `ray up` install the wheel: engine/lora, engine/multimodal, engine/kv_offload, engine/tensor_parallel and
+    cluster/frontend were left out once, and an installed pdcluster failed to import its engine)."""
+    packaged = PYPROJECT["tool"]["setuptools"]["packages"]
+    folders = PYPROJECT["tool"]["setuptools"]["package-dir"]
+    assert sorted(packaged) == sorted(folders), "packages and package-dir must name the same packages"
+    listed = {(ROOT / folder).resolve() for folder in folders.values()}
+    missing = sorted(str(init.parent.relative_to(ROOT)) for folder in folders.values()
+                     for init in (ROOT / folder).glob("*/__init__.py") if init.parent.resolve() not in listed)
+    assert not missing, f"package folders the wheel would leave out (add them to pyproject.toml): {missing}"
