@@ -2,9 +2,10 @@
 the GPU check: a BERT and an XLM-RoBERTa, each as an embedding model (``BertModel`` / ``XLMRobertaModel``, with a
 sentence-transformers Pooling module where asked) or as a one-label cross-encoder (``*ForSequenceClassification``).
 
-Their tokenizer is a WordPiece one trained here on a fixed text (deterministic), with BERT's pair template
-([CLS] a [SEP] b [SEP], type ids 1 from b on) or RoBERTa's (<s> a </s></s> b </s>, no type ids). Weights are drawn
-wider than transformers' init, so that a token's type, position or neighbour moves the output well past rounding."""
+Their tokenizer is a WordPiece one whose vocabulary is written from a fixed text (sorted: the same ids on every run),
+with BERT's pair template ([CLS] a [SEP] b [SEP], type ids 1 from b on) or RoBERTa's (<s> a </s></s> b </s>, no type
+ids). Weights are drawn wider than transformers' init, so that a token's type, position or neighbour moves the output
+well past rounding."""
 
 from __future__ import annotations
 
@@ -20,16 +21,20 @@ _TEXT = ("the quick brown fox jumps over the lazy dog while a cat sleeps in the 
 
 
 def _tokenizer(roberta: bool):
-    from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors
     from tokenizers.models import WordPiece
 
     specials = ["<s>", "<pad>", "</s>", "<unk>"] if roberta else ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
     unk = "<unk>" if roberta else "[UNK]"
-    tok = Tokenizer(WordPiece(unk_token=unk))
-    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    trainer = trainers.WordPieceTrainer(vocab_size=300, special_tokens=specials, min_frequency=1)
-    tok.train_from_iterator([_TEXT] * 4, trainer)
+    normalizer, pre_tokenizer = normalizers.BertNormalizer(lowercase=True), pre_tokenizers.BertPreTokenizer()
+    # The vocabulary is written, not trained: tokenizers' WordPieceTrainer breaks ties in hash order, so two processes
+    # got two vocabularies (and two different tiny models) from one text. Every word of the text, then every character
+    # alone and as a continuation piece, each list sorted: the same ids on every run.
+    words = sorted({w for w, _ in pre_tokenizer.pre_tokenize_str(normalizer.normalize_str(_TEXT))})
+    chars = sorted({c for w in words for c in w})
+    pieces = specials + [w for w in words if w not in chars] + chars + [f"##{c}" for c in chars]
+    tok = Tokenizer(WordPiece({piece: i for i, piece in enumerate(pieces)}, unk_token=unk))
+    tok.normalizer, tok.pre_tokenizer = normalizer, pre_tokenizer
     if roberta:
         cls, sep = ("<s>", tok.token_to_id("<s>")), ("</s>", tok.token_to_id("</s>"))
         tok.post_processor = processors.TemplateProcessing(
