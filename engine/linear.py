@@ -141,6 +141,8 @@ class Linear:
         elif skinny_linear.takes(weight):
             skinny_linear.register(weight)
             self._skinny = True
+        # oneDNN's fused bias takes the weight's dtype: converted once here, not on every call.
+        self._bias_bf16 = bias.to(torch.bfloat16) if bias is not None and self._packed is not None else None
 
     @property
     def deterministic(self) -> bool:
@@ -221,10 +223,11 @@ class Linear:
                                       self._packed_bi, bias=self._bias_f32)
         if self._packed is not None:  # in oneDNN's
             return _linear_pointwise(x if x.dtype is torch.bfloat16 else x.to(torch.bfloat16), self._packed,
-                                     self.bias.to(torch.bfloat16), "none", [], "")
-        if self._skinny or self._cuda_bi is not None or (self._packed_f32 is not None and x.dtype is torch.float32):
-            return self._matmul(x).add_(self.bias)
-        if x.dtype is torch.float32 and 2 * x.shape[-1] <= x.numel() <= cpu_ops.SMALL_M * x.shape[-1]:
+                                     self._bias_bf16, "none", [], "")
+        # Paths with no epilogue of their own (the skinny and batch-invariant Triton GEMMs, the packed fp32 and
+        # small-M kernels _matmul picks) add the bias after; the rest is F.linear's.
+        if self._skinny or self._cuda_bi is not None or (x.dtype is torch.float32 and (
+                self._packed_f32 is not None or 2 * x.shape[-1] <= x.numel() <= cpu_ops.SMALL_M * x.shape[-1])):
             return self._matmul(x).add_(self.bias)
         return F.linear(x, self.weight, self.bias)
 

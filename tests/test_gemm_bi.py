@@ -6,6 +6,8 @@ is batch-variant (it is on our AMD EPYC box at K=1536)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -230,14 +232,22 @@ def test_bias_is_added_to_the_accumulator_before_rounding(dtype, n, k):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_linear_with_a_bias_equals_f_linear(dtype, deterministic):
+@pytest.mark.parametrize("bf16_gemm", ["auto", "onednn"])
+def test_linear_with_a_bias_equals_f_linear(dtype, deterministic, bf16_gemm, monkeypatch):
     """engine/linear.Linear(bias=...) on every path it picks here (the C GEMM's epilogue, oneDNN's, or added after)
-    equals F.linear with the bias, for a few rows and many."""
+    equals F.linear with the bias, for a few rows and many. ``onednn``: fast mode's bf16 weight packed for oneDNN
+    (its fused bias) even on an AMX CPU, where our GEMM would take it."""
+    from pdcluster.engine import linear
     from pdcluster.engine.linear import Linear
 
+    if bf16_gemm == "onednn":
+        monkeypatch.setenv("PDCLUSTER_CPU_BF16_GEMM", "onednn")
+        monkeypatch.setattr(linear, "_amx_gemm", functools.cache(linear._amx_gemm.__wrapped__))
     w, x = _data(83, 37, dtype, rows=97)
     bias = torch.randn(83).to(dtype)
     lin = Linear(w, deterministic=deterministic, bias=bias)
+    if bf16_gemm == "onednn" and dtype is torch.bfloat16 and not deterministic and linear._can_prepack():
+        assert lin._packed is not None and lin._bias_bf16 is not None  # the path this case is for
     for rows in (1, 3, 97):
         want = F.linear(x[:rows].float(), w.float(), bias.float())
         got = lin(x[:rows])

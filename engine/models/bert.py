@@ -105,15 +105,11 @@ ROW_CHUNK = 256
 ROW_CHUNK_CUDA = 16384
 
 
-class _Dense:
-    """``x @ W.T + b`` (every encoder projection has a bias); ``names``: projections stored apart, run as one."""
-
-    def __init__(self, weights: dict[str, torch.Tensor], names: tuple[str, ...], deterministic: bool):
-        self.proj = Linear(torch.cat([weights.pop(f"{n}.weight") for n in names]), deterministic=deterministic,
-                           bias=torch.cat([weights.pop(f"{n}.bias") for n in names]))
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(x)  # the bias in the GEMM's epilogue where it has one (engine/linear.py)
+def _dense(weights: dict[str, torch.Tensor], names: tuple[str, ...], deterministic: bool) -> Linear:
+    """``x @ W.T + b`` (every encoder projection has a bias, run in the GEMM's epilogue where it has one); ``names``:
+    projections stored apart, run as one."""
+    return Linear(torch.cat([weights.pop(f"{n}.weight") for n in names]), deterministic=deterministic,
+                  bias=torch.cat([weights.pop(f"{n}.bias") for n in names]))
 
 
 class _LayerNorm:
@@ -128,11 +124,11 @@ class EncoderLayer:
     def __init__(self, arch: BertArch, weights: dict[str, torch.Tensor], i: int, deterministic: bool):
         p = f"encoder.layer.{i}."
         self.arch = arch
-        self.qkv = _Dense(weights, tuple(p + f"attention.self.{n}" for n in ("query", "key", "value")), deterministic)
-        self.out = _Dense(weights, (p + "attention.output.dense",), deterministic)
+        self.qkv = _dense(weights, tuple(p + f"attention.self.{n}" for n in ("query", "key", "value")), deterministic)
+        self.out = _dense(weights, (p + "attention.output.dense",), deterministic)
         self.attn_norm = _LayerNorm(weights, p + "attention.output.LayerNorm", arch.layer_norm_eps)
-        self.up = _Dense(weights, (p + "intermediate.dense",), deterministic)
-        self.down = _Dense(weights, (p + "output.dense",), deterministic)
+        self.up = _dense(weights, (p + "intermediate.dense",), deterministic)
+        self.down = _dense(weights, (p + "output.dense",), deterministic)
         self.mlp_norm = _LayerNorm(weights, p + "output.LayerNorm", arch.layer_norm_eps)
         self.act = _ACTIVATIONS[arch.hidden_act]
 

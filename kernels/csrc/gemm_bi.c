@@ -643,18 +643,9 @@ int pd_gemm_bi_isa(int dtype) {
     return 1;
 }
 
-/* dtype: 0 float32, 1 bfloat16 (x and packed w). y is float32 when out_fp32, else x's dtype.
- * Returns 0, or -1 for a bad argument / an ISA this build lacks. */
-int pd_gemm_bi_bias(int dtype, const void *x, int64_t ldx, int64_t m, const void *w_packed, int64_t n, int64_t k,
-                    void *y, int64_t ldy, int out_fp32, int isa, int num_threads, const float *bias);
-
-int pd_gemm_bi(int dtype, const void *x, int64_t ldx, int64_t m, const void *w_packed, int64_t n, int64_t k,
-               void *y, int64_t ldy, int out_fp32, int isa, int num_threads) {
-    return pd_gemm_bi_bias(dtype, x, ldx, m, w_packed, n, k, y, ldy, out_fp32, isa, num_threads, NULL);
-}
-
-/* pd_gemm_bi with a bias: y = x @ w.T + bias, the fp32 bias [n] added to each accumulator before it is rounded (one
- * more fixed operation per element: batch-invariant still). */
+/* y = x @ w.T + bias. dtype: 0 float32, 1 bfloat16 (x and packed w). y is float32 when out_fp32, else x's dtype.
+ * bias: fp32 [n] added to each accumulator before it is rounded (one more fixed operation per element:
+ * batch-invariant still), or NULL. Returns 0, or -1 for a bad argument / an ISA this build lacks. */
 int pd_gemm_bi_bias(int dtype, const void *x, int64_t ldx, int64_t m, const void *w_packed, int64_t n, int64_t k,
                     void *y, int64_t ldy, int out_fp32, int isa, int num_threads, const float *bias) {
     if ((dtype != 0 && dtype != 1) || m < 0 || n < 1 || k < 1) return -1;
@@ -705,4 +696,10 @@ int pd_gemm_bi_bias(int dtype, const void *x, int64_t ldx, int64_t m, const void
     }
     free(xf);
     return failed ? -1 : 0;
+}
+
+/* pd_gemm_bi_bias without a bias. */
+int pd_gemm_bi(int dtype, const void *x, int64_t ldx, int64_t m, const void *w_packed, int64_t n, int64_t k,
+               void *y, int64_t ldy, int out_fp32, int isa, int num_threads) {
+    return pd_gemm_bi_bias(dtype, x, ldx, m, w_packed, n, k, y, ldy, out_fp32, isa, num_threads, NULL);
 }
