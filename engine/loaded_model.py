@@ -28,7 +28,8 @@ from pdcluster.engine.multimodal.spec import ImageSpec
 from pdcluster.engine.proposers import num_draft_layers as proposer_draft_layers
 from pdcluster.engine.tensor_parallel.driver import (TensorParallelDriver, check_engine_config, check_shared_caches,
                                                      check_speculation)
-from pdcluster.engine.tensor_parallel.shard import Shard, check_shardable
+from pdcluster.engine.tensor_parallel.layers import Shard
+from pdcluster.engine.tensor_parallel.shard import check_shardable
 from pdcluster.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

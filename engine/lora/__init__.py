@@ -62,7 +62,7 @@ def install(model, adapters: Sequence[LoraAdapter], runtime: bool = False) -> Lo
 def _holder(owner, attr: str) -> tuple[object, str]:
     """Where the projection ``owner.attr`` itself is held: inside a row-parallel wrapper on a split model (the
     adapter's partial update then joins the projection's partial sum before the wrapper's all-reduce)."""
-    from pdcluster.engine.tensor_parallel.shard import RowParallelLinear
+    from pdcluster.engine.tensor_parallel.layers import RowParallelLinear
 
     inner = getattr(owner, attr)
     return (inner, "linear") if isinstance(inner, RowParallelLinear) else (owner, attr)

@@ -294,6 +294,7 @@ class DeepseekLayer:
 
 class DeepseekModel(LlamaModel):
     arch_class = DeepseekArch
+    TENSOR_PARALLEL_SPLIT = "layers"  # MLA's heads and the experts' rows, as the Llama family's
 
     def __init__(self, arch: DeepseekArch, weights: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int,
                  deterministic: bool = False):

@@ -191,6 +191,7 @@ class GemmaModel(LlamaModel):
     head (Gemma 3's q/k norms), its soft-caps on one head's scores or on the whole logits."""
 
     arch_class = GemmaArch
+    TENSOR_PARALLEL_SPLIT = "layers"
 
     def __init__(self, arch: GemmaArch, weights: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int,
                  deterministic: bool = False):

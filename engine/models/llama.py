@@ -117,7 +117,7 @@ class DecoderLayer:
     # False: the MLP runs over all of a step's tokens at once (LoRA: an adapter's rows index the whole step).
     chunked_mlp = True
     # A q/k norm over all of a token's heads on a model split over ranks (OLMo 2): ``split_norm(heads, weight, eps)``
-    # sums the squares over the ranks (engine/tensor_parallel/shard.py SplitWidthNorm). None: computed here.
+    # sums the squares over the ranks (engine/tensor_parallel/layers.py SplitWidthNorm). None: computed here.
     split_norm = None
 
     def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], prefix: str, deterministic: bool = False,
@@ -434,6 +434,9 @@ class DecoderLayer:
 
 class LlamaModel(CausalLM):
     arch_class = ModelArch
+    # How tensor parallelism cuts it (engine/tensor_parallel/shard.py), read from each class itself, not inherited: a
+    # subclass that computes across heads splits only where it says so.
+    TENSOR_PARALLEL_SPLIT = "layers"
 
     def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int,
                  deterministic: bool = False):

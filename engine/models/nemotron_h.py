@@ -242,6 +242,7 @@ class NemotronHModel(CausalLM):
     ``deterministic`` also runs Mamba prefill rows token by token (engine/models/mamba_mixer.py)."""
 
     arch_class = HybridArch
+    TENSOR_PARALLEL_SPLIT = "hybrid"  # engine/tensor_parallel/shard_hybrid.py
 
     def __init__(self, arch: HybridArch, weights: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int,
                  deterministic: bool = False):

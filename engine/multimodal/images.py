@@ -6,7 +6,7 @@ import io
 import os
 from pathlib import Path
 
-from pdcluster.engine.multimodal.spec import EMBED_DTYPES, ImageEmbedding, ImageInputError
+from pdcluster.engine.multimodal.inputs import EMBED_DTYPES, ImageEmbedding, ImageInputError
 
 # Pillow refuses larger images as decompression bombs; we name the limit instead of a warning or a traceback.
 MAX_IMAGE_PIXELS = 64 * 1024 * 1024

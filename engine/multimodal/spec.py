@@ -25,6 +25,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdcluster.engine.multimodal.images import image_size as encoded_image_size  # apart from towers' image_size
+from pdcluster.engine.multimodal.inputs import EMBED_DTYPES, ImageEmbedding, ImageInputError
 from pdcluster.engine.multimodal.limits import DEFAULT_MAX_IMAGES_PER_PROMPT
 
 # Vision towers whose output is a fixed number of tokens an image (the processor resizes and crops to one size).
@@ -39,24 +41,6 @@ IMAGE_ARCHITECTURES = ("LlavaForConditionalGeneration", LLAVA_NEXT, MISTRAL3, GE
 
 # What a request with images is told where --limit-mm-per-prompt turned them off (the API's and the engine's words).
 IMAGES_OFF = "images are off on this server (--limit-mm-per-prompt '{\"image\": 0}'): send text"
-
-
-class ImageInputError(ValueError):
-    """A request's images do not fit its prompt or cannot be read (a 400 at the API)."""
-
-
-EMBED_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}  # name -> bytes an element
-
-
-@dataclass(frozen=True)
-class ImageEmbedding:
-    """An image given as its embeddings, [rows, hidden] in ``dtype`` (vLLM's embedding inputs: what the projector
-    would make of it), ``data`` their raw little-endian bytes: its placeholders are its rows, no tower runs."""
-
-    data: bytes
-    rows: int
-    hidden: int
-    dtype: str
 
 
 @dataclass(frozen=True)
@@ -352,9 +336,7 @@ class ImageSpec:
         """How many placeholders an image (its encoded bytes) becomes; ImageInputError for bytes that are no image."""
         if self.grid is None and self.patches is None and self.pixtral is None:
             return self.tokens_per_image
-        from pdcluster.engine.multimodal.images import image_size  # images.py imports this module
-
-        return self.tokens_for_size(*image_size(data, label))
+        return self.tokens_for_size(*encoded_image_size(data, label))
 
     def tokens_for_size(self, width: int, height: int) -> int:
         """How many placeholders an image of ``width`` x ``height`` pixels becomes."""
@@ -437,9 +419,7 @@ class ImageSpec:
             return [self.frame.soft_token_id] * length
         if self.pixtral is None or data is None:
             return [self.image_token_id] * length
-        from pdcluster.engine.multimodal.images import image_size
-
-        width, height = image_size(data)
+        width, height = encoded_image_size(data)
         return self.pixtral.run(*self.pixtral.cells(height, width), self.image_token_id)
 
     def embeddings_refused(self, i: int) -> str:

@@ -1,4 +1,4 @@
-"""The ranks' collective: one node's ranks sum their row-parallel partial outputs (shard.RowParallelLinear). CPU ranks
+"""The ranks' collective: one node's ranks sum their row-parallel partial outputs (layers.RowParallelLinear). CPU ranks
 through a shared-memory segment (shm_allreduce.py: microseconds, where gloo over loopback took milliseconds); GPU ranks
 over NCCL, a process group of their own (not torch.distributed's default group) met through a TCP store on loopback,
 so the engine shares its process with a KV transport's groups (kv_transfer/transports/nccl) and with the next engine a

@@ -1,7 +1,7 @@
 """Which models split over ranks, and how (Megatron's layout, vLLM's): each rank holds num_heads / n query heads and
 num_kv_heads / n KV heads of every attention layer (its q/k/v rows, its o_proj columns) and intermediate_size / n of
 every MLP (its gate/up rows, its down_proj columns); norms, the embedding and the LM head are whole on every rank.
-o_proj and down_proj then give each rank a partial sum, which one all-reduce makes whole (RowParallelLinear).
+o_proj and down_proj then give each rank a partial sum, which one all-reduce makes whole (layers.py RowParallelLinear).
 
 The cut is made on the checkpoint's own tensors (Hugging Face names), before the loader fuses and packs them, so the
 layer code runs unchanged over a rank's slice (its arch says how many heads it has: ``shard_arch``). Hybrids (NemotronH,
@@ -9,54 +9,25 @@ Granite 4.0-H) are cut by shard_hybrid.py: each function here hands their arch o
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
-
-@dataclass(frozen=True)
-class Shard:
-    rank: int
-    world_size: int
-
-    def part(self, total: int) -> slice:
-        """This rank's equal part of ``total`` rows (``total`` divisible: check_shardable)."""
-        size = total // self.world_size
-        return slice(self.rank * size, (self.rank + 1) * size)
-
-    def rows(self, count: int, width: int) -> slice:
-        """This rank's rows of ``count`` runs of ``width`` rows each (heads of head_dim rows, Mamba groups, gpt-oss's
-        interleaved (gate, up) pairs)."""
-        part = self.part(count)
-        return slice(part.start * width, part.stop * width)
-
-    def halves(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
-        """A gate-then-up tensor (two halves along ``dim``) cut to this rank's part of each half."""
-        gate, up = t.chunk(2, dim=dim)
-        part = self.part(gate.shape[dim])
-        return torch.cat([h.narrow(dim, part.start, part.stop - part.start) for h in (gate, up)], dim=dim)
-
-    def summed_bias(self, t: torch.Tensor) -> torch.Tensor:
-        """A bias added inside a layer's one sum over the ranks: rank 0's is the bias, the others' zeros, so the sum
-        adds it once (vLLM's RowParallelLinear adds its bias on rank 0 alone)."""
-        return t if self.rank == 0 else torch.zeros_like(t)
+from pdcluster.engine.tensor_parallel.layers import RowParallelLinear, Shard, SplitWidthNorm, SummedMoe
 
 
 def check_shardable(model_class: type, arch, world_size: int) -> None:
     """ValueError naming why a model does not split ``world_size`` ways (nothing for 1)."""
     if world_size == 1:
         return
-    from pdcluster.engine.models.deepseek import DeepseekModel
-    from pdcluster.engine.models.gemma import GemmaModel
-    from pdcluster.engine.models.llama import LlamaModel
-    from pdcluster.engine.models.nemotron_h import NemotronHModel
-
     name = model_class.__name__
-    if model_class is NemotronHModel:
+    # Read from the class itself, not inherited: a subclass may compute across heads (the split would be wrong).
+    split = vars(model_class).get("TENSOR_PARALLEL_SPLIT")
+    if split == "hybrid":
         from pdcluster.engine.tensor_parallel.shard_hybrid import check_hybrid_shardable
 
         return check_hybrid_shardable(arch, world_size)
-    if model_class not in (LlamaModel, GemmaModel, DeepseekModel):  # exact: a subclass may compute across heads
+    if split != "layers":
         raise ValueError(f"tensor_parallel_size {world_size}: tensor parallelism splits the Llama family's models "
                          f"(Llama, Mistral, Qwen2/3, Phi-3, Granite, Mixtral, Qwen-MoE, Gemma 2/3, ...), DeepSeek and "
                          f"NemotronH hybrids; {name} runs "
@@ -212,47 +183,6 @@ def _head_norm_part(weight: torch.Tensor, shard: Shard, num_heads: int, head_dim
     raise ValueError(f"tensor parallelism: this model's q/k norm weight has {weight.shape[0]} channels, a norm over "
                      "all heads at once as OLMo 2's, in a family not known to split one (OLMo 2/3 and OLMoE do); run "
                      "it with --tensor-parallel-size 1")
-
-
-class RowParallelLinear:
-    """A projection whose input is split over the ranks (o_proj, down_proj): the local matmul gives a partial sum,
-    the all-reduce the whole output on every rank. Not a ``Linear``: the layer then takes its plain path (matmul,
-    then the residual add and norm apart) instead of fusing them into a kernel that would run before the sum."""
-
-    def __init__(self, linear, group) -> None:
-        self.linear, self.group = linear, group
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.all_reduce_(self.linear(x))
-
-
-class SplitWidthNorm:
-    """An RMSNorm over all of a token's heads (OLMo 2's q_norm / k_norm) where each rank holds some of them: each rank
-    sums its channels' squares, one all-reduce of that [tokens, 1] float32 sum makes the whole row's, and each rank
-    scales its own channels, as the unsplit norm does (float32, then the model dtype, then the weight)."""
-
-    def __init__(self, group) -> None:
-        self.group = group
-
-    def __call__(self, heads: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        rows = heads.reshape(heads.shape[0], -1).float()  # a copy: the heads are a strided view of qkv
-        sum_sq = self.group.all_reduce_(rows.pow(2).sum(dim=-1, keepdim=True))
-        mean_sq = sum_sq / (rows.shape[1] * self.group.world_size)
-        return (weight * (rows * torch.rsqrt(mean_sq + eps)).to(heads.dtype)).view(heads.shape)
-
-
-class SummedMoe:
-    """A sparse layer whose experts hold this rank's slice of their rows: its output (routed plus shared, each a
-    linear function of the experts' partial sums) summed over the ranks. Everything else is the layer's own."""
-
-    def __init__(self, moe, group) -> None:
-        self.inner, self.group = moe, group
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.all_reduce_(self.inner(x))
-
-    def __getattr__(self, name: str):
-        return getattr(self.inner, name)
 
 
 def _is_mla(arch) -> bool:

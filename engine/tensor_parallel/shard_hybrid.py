@@ -25,7 +25,7 @@ from dataclasses import replace
 import torch
 
 from pdcluster.engine.models.granite_hybrid import nemotron_names
-from pdcluster.engine.tensor_parallel.shard import RowParallelLinear, Shard, SummedMoe
+from pdcluster.engine.tensor_parallel.layers import RowParallelLinear, Shard, SummedMoe
 
 
 def check_hybrid_shardable(arch, world_size: int) -> None:

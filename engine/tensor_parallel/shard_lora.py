@@ -17,7 +17,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from pdcluster.engine.lora.adapter import LoraAdapter
-from pdcluster.engine.tensor_parallel.shard import Shard, shard_tensor
+from pdcluster.engine.tensor_parallel.layers import Shard
+from pdcluster.engine.tensor_parallel.shard import shard_tensor
 
 # Modules whose input the ranks split (their output is a sum over the ranks); every other adaptable one is
 # split by its output rows.

@@ -48,11 +48,10 @@ def _parent_alive(parent_pid: int):
 
 def _serve(conn, spec: WorkerSpec) -> None:
     from pdcluster.engine.kv_cache import allocate_kv_cache
-    from pdcluster.engine.loaded_model import DTYPES
     from pdcluster.engine.memory import keep_freed_memory
     from pdcluster.engine.models.architectures import load_model
     from pdcluster.engine.tensor_parallel.group import TPGroup
-    from pdcluster.engine.tensor_parallel.shard import Shard
+    from pdcluster.engine.tensor_parallel.layers import Shard
     from pdcluster.engine.tensor_parallel.shared_cache import map_shared_cache
 
     device = torch.device(spec.device)
@@ -66,7 +65,7 @@ def _serve(conn, spec: WorkerSpec) -> None:
     if group.shm is not None:
         group.shm.check_peers = _parent_alive(os.getppid())
     with torch.inference_mode():
-        model = load_model(spec.model_dir, DTYPES[spec.dtype_name], spec.max_positions, device,
+        model = load_model(spec.model_dir, getattr(torch, spec.dtype_name), spec.max_positions, device,
                            deterministic=spec.deterministic, max_model_len=spec.max_model_len,
                            shard=Shard(spec.rank, spec.world_size), group=group)
     if spec.lora_modules or spec.enable_lora:
