@@ -569,7 +569,19 @@ def encoders_check(device: str, work: Path) -> dict:
     want_scores = [float(torch.sigmoid(x)[0]) for x in transformers_outputs(cross, [(query, d) for d in docs])]
     got_scores = engine(cross, "float32").score(query, docs)
     out["score_max_abs_diff"] = float(np.abs(np.array(got_scores) - np.array(want_scores)).max())
-    out["ok"] = out["embed_max_abs_diff"] < 1e-4 and out["score_max_abs_diff"] < 1e-4 and out["bf16_max_abs_diff"] < 0.05
+    # ModernBERT (engine/models/modernbert.py): rotary, band layers (a 53-token prompt over a +-4 band), mean-pooled
+    # cross-encoder with every bias.
+    modern = build_tiny_bert(work / "tiny-modernbert", "modernbert")
+    long_texts = texts[:2] + [" ".join(texts[2].split() * 4)]
+    want = transformers_outputs(modern, long_texts)
+    got = engine(modern, "float32").embed(long_texts, pooling="mean", normalize=False)
+    out["modernbert_embed_max_abs_diff"] = max(float(np.abs(g - w.mean(0).numpy()).max()) for g, w in zip(got, want))
+    modern_cross = build_tiny_bert(work / "tiny-modernbert-cross", "modernbert-cross")
+    want_scores = [float(torch.sigmoid(x)[0]) for x in transformers_outputs(modern_cross, [(query, d) for d in docs])]
+    got_scores = engine(modern_cross, "float32").score(query, docs)
+    out["modernbert_score_max_abs_diff"] = float(np.abs(np.array(got_scores) - np.array(want_scores)).max())
+    out["ok"] = (out["embed_max_abs_diff"] < 1e-4 and out["score_max_abs_diff"] < 1e-4 and out["bf16_max_abs_diff"] < 0.05
+                 and out["modernbert_embed_max_abs_diff"] < 1e-4 and out["modernbert_score_max_abs_diff"] < 1e-4)
     return out
 
 

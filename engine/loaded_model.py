@@ -88,6 +88,7 @@ class LoadedModel:
         tokenizer = Tokenizer(model_dir)
         arch = arch_from_dir(model_dir)
         hybrid = is_hybrid(arch)
+        step_given = bool(config.max_num_batched_tokens)
         config = config.resolve_batch_limits(config.device, hybrid)  # 0 = this device's defaults
         if hybrid and config.offload_config().enabled:
             raise ValueError(f"kv_offload_*: model {config.model} is a hybrid (Mamba): it has no prefix cache (no "
@@ -101,7 +102,7 @@ class LoadedModel:
         max_model_len = max_model_len_for(arch, config.max_model_len)
         encoder = is_encoder(arch)
         if encoder:
-            config = encoder_config(config, max_model_len)
+            config = encoder_config(config, max_model_len, step_given)
         dtype_name = config.resolve_dtype(json.loads((model_dir / "config.json").read_text()))
         dtype = DTYPES[dtype_name]
         # Deterministic mode (issue 24): batch-invariant kernels on CPU. CUDA has none yet (cuBLAS and the
@@ -192,9 +193,11 @@ class LoadedModel:
         )
 
 
-def encoder_config(config: EngineConfig, max_model_len: int) -> EngineConfig:
+def encoder_config(config: EngineConfig, max_model_len: int, step_given: bool = True) -> EngineConfig:
     """An encoder-only model's engine config (engine/models/bert.py): each prompt in one step, nothing cached, no
-    CUDA graph (its steps are prompts); what it cannot do refused in one line."""
+    CUDA graph (its steps are prompts); what it cannot do refused in one line. ``step_given``: whether the user set
+    max_num_batched_tokens; where not, a step grows to hold a whole prompt of the model's context (vLLM's rule for
+    models that do not chunk prompts: ModernBERT's 8,192 tokens over a CPU's default 2,048)."""
     refused = [what for what, on in (("speculative decoding (--spec)", config.spec_method != "none"),
                                      ("LoRA adapters", bool(config.lora_modules or config.enable_lora)),
                                      ("tensor parallelism", config.tensor_parallel_size > 1),
@@ -203,6 +206,10 @@ def encoder_config(config: EngineConfig, max_model_len: int) -> EngineConfig:
         raise ValueError(f"{config.model} is an encoder-only model (it pools prompts and generates nothing): "
                          f"{', '.join(refused)} not supported for it")
     room = config.prefill_chunk_tokens
+    if max_model_len > room and not step_given and not config.prefill_chunk_size:
+        log.info("encoder-only model %s: a step holds %d tokens (its context; the default was %d)", config.model,
+                 max_model_len, room)
+        config, room = replace(config, max_num_batched_tokens=max_model_len), max_model_len
     if max_model_len > room:
         raise ValueError(f"{config.model}: an encoder computes each prompt in one step, but a step holds {room} prompt "
                          f"tokens and max_model_len is {max_model_len}: raise --max-num-batched-tokens (and "

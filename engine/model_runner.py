@@ -673,6 +673,10 @@ class ModelRunner:
             if pooling == "classify":  # a sequence classifier's logits (engine/models/classifier.py): a new tensor
                 if completes:  # an encoder's head reads the first token ([CLS]), a decoder's the last
                     classifier = self.model.classifier
+                    if getattr(classifier, "reads_prompt_mean", False):  # ModernBERT's mean pooling: an encoder's
+                        # prompt is whole in this step (the scheduler's whole_prompts)
+                        done[req_id] = classifier.logits(state.hidden_states[first:first + q_len].float().mean(0))
+                        continue
                     row = first if getattr(classifier, "reads_first_token", False) else first + q_len - 1
                     done[req_id] = classifier.logits(state.hidden_states[row])
                 continue

@@ -14,13 +14,13 @@ transformers (engine/models/tiny_bert.py) and checked against transformers itsel
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 import pytest
 import torch
 
 from conftest import engine_config, make_engine
+from encoder_cuda import assert_equal_to_transformers_on_cuda, on_cuda
 from pdcluster.engine.llm_engine import InvalidRequestError
 from pdcluster.engine.models.tiny_bert import build_tiny_bert, transformers_outputs
 from pdcluster.engine.sampling_params import SamplingParams
@@ -325,17 +325,7 @@ def test_the_prefill_worker_embeds_and_no_kv_moves(models):
 
 # ---- on a GPU -----------------------------------------------------------------------------------------------------
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
-                    reason="needs a CUDA device")
+@on_cuda
 def test_on_cuda_embeddings_and_scores_equal_transformers(models):
     """float32 on the GPU: [CLS] and mean embeddings of prompts of four lengths, and a cross-encoder's scores."""
-    want = transformers_outputs(models["bert"], TEXTS)
-    engine = _engine(models["bert"], device="cuda")
-    for got, ref in zip(engine.embed(TEXTS, pooling="cls", normalize=False), want):
-        assert np.abs(got - ref[0].numpy()).max() < 1e-4
-    for got, ref in zip(engine.embed(TEXTS, pooling="mean", normalize=False), want):
-        assert np.abs(got - ref.mean(0).numpy()).max() < 1e-4
-    path = models["bert-cross"]
-    scores = [float(torch.sigmoid(x)[0]) for x in transformers_outputs(path, [(QUERY, d) for d in DOCS])]
-    assert np.abs(np.array(_engine(path, device="cuda").score(QUERY, DOCS)) - np.array(scores)).max() < 1e-4
+    assert_equal_to_transformers_on_cuda(_engine, models["bert"], models["bert-cross"], TEXTS, QUERY, DOCS)

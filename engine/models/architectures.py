@@ -37,6 +37,9 @@
     BertModel, RobertaModel, XLMRobertaModel and their *ForSequenceClassification
                                          -> engine.models.bert.BertArch / BertModel (encoder-only: embedding
                                             models and cross-encoders, pooled; they do not generate)
+    ModernBertModel, ModernBertForSequenceClassification
+                                         -> engine.models.modernbert.ModernBertArch / ModernBertModel (the same,
+                                            with rotary positions and local / global attention layers)
 
 Errors are one line naming what is wrong (a missing file, an unsupported architecture) and what is
 supported; they are ValueErrors (UnknownModelError), which the CLI reports without a traceback.
@@ -50,10 +53,11 @@ from pathlib import Path
 import torch
 
 from pdcluster.engine.models.bert import BertArch, BertModel
-from pdcluster.engine.models.bert_names import ENCODER_ARCHITECTURES
+from pdcluster.engine.models.bert_names import ENCODER_ARCHITECTURES, MODERNBERT_ARCHITECTURES
 from pdcluster.engine.models.classifier import SUFFIX as CLASSIFIER_SUFFIX
 from pdcluster.engine.models.classifier import causal_architecture
 from pdcluster.engine.models.deepseek import DeepseekArch, DeepseekModel
+from pdcluster.engine.models.modernbert import ModernBertArch, ModernBertModel
 from pdcluster.engine.models.gemma import GemmaArch, GemmaModel
 from pdcluster.engine.models.llama import LlamaModel
 from pdcluster.engine.models.llama_arch import ModelArch
@@ -105,7 +109,8 @@ ARCHITECTURES = {
     "NemotronHForCausalLM": (HybridArch, NemotronHModel),
     "GraniteMoeHybridForCausalLM": (HybridArch, NemotronHModel),
     # Encoder-only models (engine/models/bert.py): embedding models and cross-encoders, pooled, never generating.
-    **{name: (BertArch, BertModel) for name in ENCODER_ARCHITECTURES},
+    **{name: (BertArch, BertModel) for name in ENCODER_ARCHITECTURES if name not in MODERNBERT_ARCHITECTURES},
+    **{name: (ModernBertArch, ModernBertModel) for name in MODERNBERT_ARCHITECTURES},  # engine/models/modernbert.py
 }
 REQUIRED_FILES = ("config.json", "tokenizer.json")
 # The causal architectures whose *ForSequenceClassification checkpoint (a flat text config with a score head) is

@@ -184,6 +184,9 @@ class BertModel(CausalLM):
 
     arch_class = BertArch
     encoder_only = True
+    # The encoder's first tensor, and the prefixes a bare encoder may be saved under (its model class's name).
+    embedding_tensor = "embeddings.word_embeddings.weight"
+    bare_prefixes = ("bert.", "roberta.", "model.")
 
     def __init__(self, arch: BertArch, weights: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int,
                  deterministic: bool = False):
@@ -203,19 +206,23 @@ class BertModel(CausalLM):
     @classmethod
     def build_with_head(cls, model_dir: Path, arch: BertArch, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                         max_positions: int, deterministic: bool) -> "BertModel":
-        name = json.loads((Path(model_dir) / "config.json").read_text()).get("architectures", ["BertModel"])[0]
+        name = json.loads((Path(model_dir) / "config.json").read_text()).get("architectures", [""])[0]
         prefix = ENCODER_ARCHITECTURES.get(name, "")
-        if f"{prefix}embeddings.word_embeddings.weight" not in weights:  # a bare encoder saved under its model's name
-            prefix = next((p for p in ("bert.", "roberta.", "model.") if f"{p}embeddings.word_embeddings.weight"
-                           in weights), prefix)
+        if f"{prefix}{cls.embedding_tensor}" not in weights:  # a bare encoder saved under its model's name
+            prefix = next((p for p in cls.bare_prefixes if f"{p}{cls.embedding_tensor}" in weights), prefix)
         spec = classifier_spec_of_dir(model_dir)
-        head = EncoderClassifierHead(spec, weights, arch.family, prefix, arch.hidden_size) if spec is not None else None
+        head = cls.classifier_head(spec, weights, arch, prefix) if spec is not None else None
         # The encoder's tensors under a bare encoder's names (a classifier keeps them under bert. / roberta.).
         for key in [k for k in weights if prefix and k.startswith(prefix)]:
             weights[key[len(prefix):]] = weights.pop(key)
         model = cls(arch, weights, dtype, max_positions, deterministic)
         model.classifier = head
         return model
+
+    @staticmethod
+    def classifier_head(spec: ClassifierSpec, weights: dict[str, torch.Tensor], arch: BertArch, prefix: str):
+        """A cross-encoder's head, taken out of ``weights``."""
+        return EncoderClassifierHead(spec, weights, arch.family, prefix, arch.hidden_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta,
                 on_layer_done=None) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Which checkpoints are encoder-only (engine/models/bert.py), readable without torch: the API processes ask, to
+"""Which checkpoints are encoder-only (engine/models/bert.py, modernbert.py), readable without torch: the API processes ask, to
 refuse generation and to pool by [CLS]."""
 
 from __future__ import annotations
@@ -11,7 +11,10 @@ ENCODER_ARCHITECTURES = {
     "BertModel": "", "RobertaModel": "", "XLMRobertaModel": "",
     "BertForSequenceClassification": "bert.", "RobertaForSequenceClassification": "roberta.",
     "XLMRobertaForSequenceClassification": "roberta.",
+    # engine/models/modernbert.py
+    "ModernBertModel": "", "ModernBertForSequenceClassification": "model.",
 }
+MODERNBERT_ARCHITECTURES = ("ModernBertModel", "ModernBertForSequenceClassification")
 
 
 def is_encoder_architecture(name: str) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-KINDS = ("bert", "bert-cross", "xlm-roberta", "xlm-roberta-cross")
+KINDS = ("bert", "bert-cross", "xlm-roberta", "xlm-roberta-cross", "modernbert", "modernbert-cross")
 _TEXT = ("the quick brown fox jumps over the lazy dog while a cat sleeps in the warm sun . paged attention moves "
          "blocks of keys and values between prefill and decode workers ; an encoder reads every token both ways "
          "and pools them into one vector , which a search index compares by cosine . what is the capital of france "
@@ -20,7 +20,7 @@ _TEXT = ("the quick brown fox jumps over the lazy dog while a cat sleeps in the 
          "8 9 ! ? , . ; : ' \" ( ) - embeddings rerankers queries documents passages relevant")
 
 
-def _tokenizer(roberta: bool):
+def _tokenizer(roberta: bool, typed_pairs: bool = True):
     from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors
     from tokenizers.models import WordPiece
 
@@ -42,7 +42,8 @@ def _tokenizer(roberta: bool):
     else:
         cls, sep = ("[CLS]", tok.token_to_id("[CLS]")), ("[SEP]", tok.token_to_id("[SEP]"))
         tok.post_processor = processors.TemplateProcessing(
-            single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[cls, sep])
+            single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1" if typed_pairs else "[CLS] $A [SEP] $B [SEP]",
+            special_tokens=[cls, sep])
     return tok
 
 
@@ -63,8 +64,8 @@ def build_tiny_bert(out: Path, kind: str = "bert", pooling: str | None = None, s
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
     out.mkdir(parents=True, exist_ok=True)
-    roberta, cross = kind.startswith("xlm-roberta"), kind.endswith("-cross")
-    tok = _tokenizer(roberta)
+    roberta, cross, modern = kind.startswith("xlm-roberta"), kind.endswith("-cross"), kind.startswith("modernbert")
+    tok = _tokenizer(roberta, typed_pairs=not modern)  # ModernBERT's tokenizer gives a pair no token types
     tok.save(str(out / "tokenizer.json"))
     specials = ({"bos_token": "<s>", "eos_token": "</s>", "sep_token": "</s>", "cls_token": "<s>",
                  "pad_token": "<pad>", "unk_token": "<unk>"} if roberta else
@@ -72,13 +73,23 @@ def build_tiny_bert(out: Path, kind: str = "bert", pooling: str | None = None, s
                  "mask_token": "[MASK]"})
     (out / "tokenizer_config.json").write_text(json.dumps({
         **specials, "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": (shape or {}).get("max_position_embeddings", 64)}))
+        "model_max_length": 4096 if modern else (shape or {}).get("max_position_embeddings", 64)}))
     sizes = dict(vocab_size=tok.get_vocab_size(), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                  intermediate_size=64, max_position_embeddings=64)
     sizes.update(shape or {})
     positions = sizes.pop("max_position_embeddings")
     shape = dict(**sizes, hidden_act="gelu", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    if roberta:  # XLM-R's: positions from pad + 1, one token type
+    if modern:  # rotary, layers 0 and 3 global, the others a +-4 band; the cross-encoder with every bias, mean-pooled
+        del shape["hidden_act"], shape["hidden_dropout_prob"], shape["attention_probs_dropout_prob"]
+        biases = dict(norm_bias=True, attention_bias=True, mlp_bias=True, classifier_bias=True,
+                      classifier_pooling="mean") if cross else {}
+        ids = {k: tok.token_to_id(t) for k, t in (("pad", "[PAD]"), ("cls", "[CLS]"), ("sep", "[SEP]"))}
+        cfg = transformers.ModernBertConfig(**{**shape, "num_hidden_layers": 4}, max_position_embeddings=4096,
+                                            local_attention=8, global_attn_every_n_layers=3,
+                                            pad_token_id=ids["pad"], cls_token_id=ids["cls"], bos_token_id=ids["cls"],
+                                            sep_token_id=ids["sep"], eos_token_id=ids["sep"], **biases)
+        model_class = transformers.ModernBertForSequenceClassification if cross else transformers.ModernBertModel
+    elif roberta:  # XLM-R's: positions from pad + 1, one token type
         cfg = transformers.XLMRobertaConfig(**shape, max_position_embeddings=positions + 2, type_vocab_size=1,
                                             pad_token_id=tok.token_to_id("<pad>"), bos_token_id=tok.token_to_id("<s>"),
                                             eos_token_id=tok.token_to_id("</s>"), layer_norm_eps=1e-5)
@@ -95,7 +106,7 @@ def build_tiny_bert(out: Path, kind: str = "bert", pooling: str | None = None, s
         for name, p in model.named_parameters():
             if p.dim() > 1:
                 p.normal_(0, 1.0 if "embeddings" in name else 1.2 / p.shape[1] ** 0.5)
-            elif "LayerNorm.weight" in name:
+            elif name.endswith("weight") and "norm" in name.lower():  # BERT's LayerNorm, ModernBERT's *norm
                 p.normal_(1.0, 0.2)
             else:
                 p.normal_(0, 0.2)
@@ -130,7 +141,8 @@ def transformers_outputs(model_dir: Path, texts: list[str | tuple[str, str]]) ->
         for text in texts:
             enc = tok.encode(*text) if isinstance(text, tuple) else tok.encode(text)
             ids = torch.tensor([enc.ids])
-            kwargs = {"token_type_ids": torch.tensor([enc.type_ids])} if cfg.get("type_vocab_size", 2) > 1 else {}
+            typed = cfg.get("model_type") == "bert" and cfg.get("type_vocab_size", 2) > 1
+            kwargs = {"token_type_ids": torch.tensor([enc.type_ids])} if typed else {}
             result = model(input_ids=ids, **kwargs)
             outs.append(result.logits[0] if hasattr(result, "logits") and result.logits is not None
                         else result.last_hidden_state[0])
