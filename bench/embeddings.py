@@ -3,7 +3,7 @@
 
     python bench/embeddings.py [--vllm-python /work/vllmenv/bin/python] [--threads 1] [--dtype bfloat16]
                                [--num-prompts 32] [--prompt-len 200] [--task embed|classify] [--out FILE]
-                               [--model smollm2|bge-small]
+                               [--model smollm2|bge-small|modernbert-base]
                                [--served [--served-modes colocated local disagg] [--no-offline]]
 
 ``--task classify``: the same model served as a cross-encoder by both (``hf_overrides`` RERANKER_OVERRIDES: vLLM's
@@ -13,7 +13,8 @@ the two engines' probabilities.
 
 ``--model bge-small``: an encoder of bge-small-en-v1.5's shape (BertModel, 12 layers, hidden 384; random weights made
 by transformers, engine/models/tiny_bert.py BGE_SMALL), [CLS] pooling, normalised (vLLM's default for BERT); each
-prompt is [CLS] + text + [SEP].
+prompt is [CLS] + text + [SEP]. ``--model modernbert-base``: the same with ModernBERT-base's shape (ModernBertModel,
+22 layers, hidden 768, a band of 64 tokens either side in two layers of three, rotary; tiny_bert MODERNBERT_BASE).
 
 SmolLM2-135M, last-token pooling, normalised (vLLM's default for a decoder model), prefix caching off in both. vLLM
 needs an instance started as a pooling model for this; pdcluster embeds with the engine that generates.
@@ -145,14 +146,15 @@ def served(args, model_dir: Path) -> dict:
     return out
 
 
-def bge_small_dir() -> Path:
-    """The random-weight encoder of bge-small's shape, built once into the bench cache."""
+def encoder_dir(model: str) -> Path:
+    """The random-weight encoder of bge-small's or ModernBERT-base's shape, built once into the bench cache."""
     from pdcluster.engine.models.registry import default_cache_dir
-    from pdcluster.engine.models.tiny_bert import BGE_SMALL, build_tiny_bert
+    from pdcluster.engine.models.tiny_bert import BGE_SMALL, MODERNBERT_BASE, build_tiny_bert
 
-    out = Path(default_cache_dir()) / "bench" / "bge-small-shape"
+    kind, shape = {"bge-small": ("bert", BGE_SMALL), "modernbert-base": ("modernbert", MODERNBERT_BASE)}[model]
+    out = Path(default_cache_dir()) / "bench" / f"{model}-shape"
     if not (out / "config.json").is_file():
-        build_tiny_bert(out, "bert", shape=BGE_SMALL)
+        build_tiny_bert(out, kind, shape=shape)
     return out
 
 
@@ -174,7 +176,7 @@ def main() -> int:
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=200)
     p.add_argument("--task", default="embed", choices=["embed", "classify"])
-    p.add_argument("--model", default="smollm2", choices=["smollm2", "bge-small"])
+    p.add_argument("--model", default="smollm2", choices=["smollm2", "bge-small", "modernbert-base"])
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--served", action="store_true", help="also serve both (vllm serve --runner pooling against "
                    "pdcluster serve) and drive them with pdcluster loadtest --endpoint embeddings")
@@ -192,10 +194,10 @@ def main() -> int:
     from pdcluster.engine.models.registry import resolve_model
     from pdcluster.engine.tokenizer import Tokenizer
 
-    encoder = args.model == "bge-small"
+    encoder = args.model != "smollm2"
     if encoder and (args.task != "embed" or args.served):
-        p.error("--model bge-small measures offline embeddings only")
-    model_dir = bge_small_dir() if encoder else resolve_model("smollm2", progress=False)
+        p.error(f"--model {args.model} measures offline embeddings only")
+    model_dir = encoder_dir(args.model) if encoder else resolve_model("smollm2", progress=False)
     tokenizer = Tokenizer(model_dir)
     if encoder:  # [CLS] text [SEP], as the tokenizer's template makes a prompt
         cls, sep = tokenizer.encode("", add_special_tokens=True)

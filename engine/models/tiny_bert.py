@@ -50,6 +50,10 @@ def _tokenizer(roberta: bool, typed_pairs: bool = True):
 # bge-small-en-v1.5's shape (BAAI/bge-small-en-v1.5: BertModel, 33M parameters), for bench/embeddings.py.
 BGE_SMALL = dict(hidden_size=384, num_hidden_layers=12, num_attention_heads=12, intermediate_size=1536,
                  vocab_size=30522, max_position_embeddings=512)
+# ModernBERT-base's (answerdotai/ModernBERT-base, gte-modernbert-base: 22 layers, 149M parameters); its band of 64
+# tokens either side and every third layer global are build_tiny_bert's defaults for a full-size shape.
+MODERNBERT_BASE = dict(hidden_size=768, num_hidden_layers=22, num_attention_heads=12, intermediate_size=1152,
+                       vocab_size=50368, max_position_embeddings=8192)
 
 
 def build_tiny_bert(out: Path, kind: str = "bert", pooling: str | None = None, seed: int = 0,
@@ -73,19 +77,23 @@ def build_tiny_bert(out: Path, kind: str = "bert", pooling: str | None = None, s
                  "mask_token": "[MASK]"})
     (out / "tokenizer_config.json").write_text(json.dumps({
         **specials, "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": 4096 if modern else (shape or {}).get("max_position_embeddings", 64)}))
+        "model_max_length": (shape or {}).get("max_position_embeddings", 4096 if modern else 64)}))
     sizes = dict(vocab_size=tok.get_vocab_size(), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                  intermediate_size=64, max_position_embeddings=64)
     sizes.update(shape or {})
     positions = sizes.pop("max_position_embeddings")
     shape = dict(**sizes, hidden_act="gelu", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    if modern:  # rotary, layers 0 and 3 global, the others a +-4 band; the cross-encoder with every bias, mean-pooled
+    if modern:  # tiny: rotary, layers 0 and 3 global, the others a +-4 band; the cross-encoder with every bias and
+        # mean-pooled. A full-size ``shape`` keeps its own layers, positions and ModernBERT's band of +-64.
         del shape["hidden_act"], shape["hidden_dropout_prob"], shape["attention_probs_dropout_prob"]
+        full = positions > 64
+        if not full:
+            shape["num_hidden_layers"] = 4
         biases = dict(norm_bias=True, attention_bias=True, mlp_bias=True, classifier_bias=True,
                       classifier_pooling="mean") if cross else {}
         ids = {k: tok.token_to_id(t) for k, t in (("pad", "[PAD]"), ("cls", "[CLS]"), ("sep", "[SEP]"))}
-        cfg = transformers.ModernBertConfig(**{**shape, "num_hidden_layers": 4}, max_position_embeddings=4096,
-                                            local_attention=8, global_attn_every_n_layers=3,
+        cfg = transformers.ModernBertConfig(**shape, max_position_embeddings=positions if full else 4096,
+                                            local_attention=128 if full else 8, global_attn_every_n_layers=3,
                                             pad_token_id=ids["pad"], cls_token_id=ids["cls"], bos_token_id=ids["cls"],
                                             sep_token_id=ids["sep"], eos_token_id=ids["sep"], **biases)
         model_class = transformers.ModernBertForSequenceClassification if cross else transformers.ModernBertModel
