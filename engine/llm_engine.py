@@ -21,11 +21,11 @@ from pdcluster.engine.model_runner import ModelRunner
 from pdcluster.engine.multimodal.images import image_inputs, image_size, open_image
 from pdcluster.engine.multimodal.chunks import check_images_fit_a_chunk
 from pdcluster.engine.multimodal.spec import IMAGES_OFF, ImageInputError, ImageSpec, check_image_count
-from pdcluster.engine.pooling import finish_embedding
+from pdcluster.engine.pooling import finish_embedding, finish_token_embeddings
 from pdcluster.engine.proposers import make_proposer
 from pdcluster.engine.remote_admission import RemoteReservation
 from pdcluster.engine.request import Request, RequestStatus
-from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.engine.sampling_params import TOKEN_POOLINGS, SamplingParams
 from pdcluster.engine.scheduler import Scheduler
 from pdcluster.engine.step_trace import StepTrace
 from pdcluster.engine.tokenizer import Detokenizer
@@ -216,16 +216,26 @@ class LLMEngine:
         model does not classify. Checked on every worker whatever the edge validated: a request the model cannot
         run is an error for that request, not a failed step."""
         classifier = self.model.classifier
+        per_token = classifier is not None and classifier.spec.per_token
         if params.pooling == "classify" and classifier is None:
             raise InvalidRequestError(f"this model ({self.model.architecture_name}) has no classification head: "
                                       "serve a *ForSequenceClassification checkpoint to classify")
+        if params.pooling == "classify" and per_token:
+            raise InvalidRequestError(f"this model ({self.model.architecture_name}) is a token classifier: it labels "
+                                      "each token (token_classify), not the sequence")
+        if params.pooling == "token_classify" and not per_token:
+            raise InvalidRequestError(f"this model ({self.model.architecture_name}) has no token classification "
+                                      "head: serve a *ForTokenClassification checkpoint for token_classify")
         if self.encoder_only and params.pooling is None:
+            uses = ("embed or token_classify (a token classifier)" if per_token else
+                    "embed, classify or score" if classifier is not None else "embed or score")
             raise InvalidRequestError(f"this model ({self.model.architecture_name}) is encoder-only: it does not "
-                                      "generate; embed" + (", classify or score" if classifier is not None else
-                                                           " or score") + " with it")
+                                      f"generate; {uses} with it")
         if classifier is not None and params.pooling is None:
-            raise InvalidRequestError(f"this model is a sequence classifier ({classifier.spec.num_labels} labels): it "
-                                      "does not generate; classify, score or embed with it")
+            raise InvalidRequestError(f"this model is a {'token' if per_token else 'sequence'} classifier "
+                                      f"({classifier.spec.num_labels} labels): it does not generate; "
+                                      + ("token_classify or embed" if per_token else "classify, score or embed")
+                                      + " with it")
 
     def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str | None = None,
                     validate: bool = True, follow: str | None = None) -> str:
@@ -493,6 +503,27 @@ class LLMEngine:
         outputs = self.generate(prompts, _pooling_params(request, "classify"))
         logits = [np.asarray(out.pooled, dtype=np.float32) for out in outputs]
         return [self.model.classifier.spec.activate(x) if activation else x for x in logits]
+
+    def encode(self, prompts: list[str | list[int]], pooling_task: str = "token_embed", activation: bool = True,
+               request: SamplingParams | None = None) -> list[np.ndarray]:
+        """vLLM's ``LLM.encode(prompts, pooling_task=...)`` for the per-token tasks: "token_embed", every prompt
+        token's final hidden state (float32 [num_tokens, hidden], each row scaled to unit length where
+        ``activation``), or "token_classify", a token classifier's (NER's) label probabilities at every token
+        ([num_tokens, num_labels], each row activated as ``classify`` does, the raw logits where not ``activation``).
+        "embed" and "classify" answer as ``embed`` (the model's default pooling) and ``classify`` do."""
+        if pooling_task == "embed":
+            return self.embed(prompts, pooling="cls" if self.encoder_only else "last", normalize=activation,
+                              request=request)
+        if pooling_task == "classify":
+            return self.classify(prompts, activation, request)
+        if pooling_task not in TOKEN_POOLINGS:
+            raise InvalidRequestError(f"pooling_task must be one of embed, classify, {', '.join(TOKEN_POOLINGS)}; "
+                                      f"got {pooling_task!r}")
+        rows = [np.asarray(out.pooled, dtype=np.float32) for out in self.generate(prompts, _pooling_params(
+            request, pooling_task))]
+        if pooling_task == "token_classify":
+            return [self.model.classifier.spec.activate(x) if activation else x for x in rows]
+        return [finish_token_embeddings(x, activation) for x in rows]
 
     def score(self, text_1: str | list[str], text_2: str | list[str], pooling: str = "last",
               request: SamplingParams | None = None) -> list[float]:

@@ -41,6 +41,7 @@ from pdcluster.engine.piecewise_graphs import PiecewiseGraphs, takes_model
 from pdcluster.engine.proposers import ProposeBatch, Proposer, make_proposer
 from pdcluster.engine.rejection_sampler import num_valid_tokens, rejection_sample
 from pdcluster.engine.sampler import sample, sample_draw_rows
+from pdcluster.engine.sampling_params import TOKEN_POOLINGS
 from pdcluster.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pdcluster.engine.mamba_state_blocks import pack_state, state_block_ids, unpack_state
 from pdcluster.engine.request_slots import RequestStates
@@ -143,7 +144,8 @@ class ModelRunner:
         self.grammars: dict[str, object] = {}  # request id -> GrammarState (engine/structured_output.py)
         # Prompt logprobs of requests whose prompt is still being prefilled (chunk by chunk).
         self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
-        # Mean pooling's running sum (float32, on the device) of a prompt still being prefilled.
+        # Mean pooling's running sum (float32, on the device) of a prompt still being prefilled; per-token pooling's rows
+        # so far (TOKEN_POOLINGS); cls pooling's first row.
         self._pooling_sums: dict[str, torch.Tensor] = {}
         self.last_batch_kind: BatchKind | None = None
         self._state: ExecuteModelState | None = None
@@ -657,9 +659,10 @@ class ModelRunner:
 
     def _pooling_step(self, state: ExecuteModelState) -> dict[str, torch.Tensor]:
         """The pooled vectors (float32, on the device) of the pooling requests whose prompt this step completes:
-        the last prompt position's final hidden state ("last"), the first one's ("cls", an encoder's), or the mean over the prompt's ("mean", summed
-        chunk by chunk: such a request takes no prefix-cache hit, so every position passes here), or a classifier's
-        logits from the last one ("classify")."""
+        the last prompt position's final hidden state ("last"), the first one's ("cls", an encoder's), or the mean over
+        the prompt's ("mean", summed chunk by chunk: such a request takes no prefix-cache hit, so every position passes
+        here), a classifier's logits from the last one ("classify"; an encoder's head reads the first or the mean), or
+        every position's row ("token_embed", "token_classify": [num_tokens, width], gathered chunk by chunk)."""
         st, rows, done = self.states, state.rows, {}
         for i in np.flatnonzero(st.pools_np[state.idx_mapping_np] & (rows.num_output_np == 0)).tolist():
             req_id, idx = state.req_ids[i], int(state.idx_mapping_np[i])
@@ -679,6 +682,17 @@ class ModelRunner:
                         continue
                     row = first if getattr(classifier, "reads_first_token", False) else first + q_len - 1
                     done[req_id] = classifier.logits(state.hidden_states[row])
+                continue
+            if pooling in TOKEN_POOLINGS:  # every position's row (a token classifier's logits at each), chunk by chunk
+                rows_now = state.hidden_states[first : first + q_len]
+                rows_now = (self.model.classifier.logits(rows_now) if pooling == "token_classify"
+                            else rows_now.to(torch.float32, copy=True))
+                so_far = self._pooling_sums.pop(req_id, None)
+                rows_now = rows_now if so_far is None else torch.cat([so_far, rows_now])
+                if completes:
+                    done[req_id] = rows_now[: int(st.client_prompt_len_np[idx])]
+                else:
+                    self._pooling_sums[req_id] = rows_now
                 continue
             if pooling == "cls":  # position 0's ([CLS] in an encoder), kept from the prompt's first chunk
                 if int(rows.starts_np[i]) == 0:

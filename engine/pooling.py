@@ -26,6 +26,15 @@ def finish_embedding(pooled: np.ndarray, normalize: bool = True, dimensions: int
     return vec
 
 
+def finish_token_embeddings(rows: np.ndarray, normalize: bool = True) -> np.ndarray:
+    """A "token_embed" request's rows [num_tokens, hidden], each scaled to unit L2 norm where ``normalize`` (vLLM's
+    token_embed head)."""
+    rows = np.asarray(rows, dtype=np.float32)
+    if rows.ndim != 2:
+        raise ValueError(f"token embeddings are [num_tokens, hidden], got shape {rows.shape}")
+    return rows / np.maximum(np.linalg.norm(rows, axis=-1, keepdims=True), _NORM_EPS) if normalize else rows
+
+
 def pooled_bytes(pooled: np.ndarray | None) -> bytes:
     """A pooled vector as it crosses processes (worker events, the control plane): float32 little-endian; b"" for
     none. A fraction of a msgpack float list's size, and no float64 round trip."""

@@ -10,9 +10,15 @@ from pdcluster.engine.multimodal.spec import check_mm_inputs
 # last position's (vLLM's default for a decoder model), "mean" their average over the prompt, "cls" the first
 # position's (an encoder's [CLS] token: vLLM's default for BERT-like models).
 POOLING_TYPES = ("last", "mean", "cls")
-# A request's pooling: an embedding's, or "classify" (a sequence classifier's score head on the last position's
-# hidden state: its logits; engine/models/classifier.py).
-REQUEST_POOLINGS = (*POOLING_TYPES, "classify")
+# Per-token outputs (vLLM's pooling tasks of the same names): every prompt position's final hidden state
+# ("token_embed": [num_tokens, hidden]) or a token classifier's logits at each ("token_classify": [num_tokens,
+# num_labels]); a request computes its whole prompt for them (no prefix-cache hit), as for "mean".
+TOKEN_POOLINGS = ("token_embed", "token_classify")
+# A request's pooling: an embedding's, "classify" (a sequence classifier's score head on the last position's
+# hidden state: its logits; engine/models/classifier.py), or one of TOKEN_POOLINGS.
+REQUEST_POOLINGS = (*POOLING_TYPES, "classify", *TOKEN_POOLINGS)
+# Poolings that read every prompt position (or the first): such a request takes no prefix-cache hit.
+WHOLE_PROMPT_POOLINGS = ("mean", "cls", *TOKEN_POOLINGS)
 
 
 @dataclass

@@ -26,6 +26,7 @@ from pdcluster.engine.mamba_state_blocks import tokens_with_state
 from pdcluster.engine.multimodal.chunks import chunk_outside_images
 from pdcluster.engine.remote_admission import RemoteReservation, reservation_after_load, reserve_remote
 from pdcluster.engine.request import Request, RequestStatus
+from pdcluster.engine.sampling_params import WHOLE_PROMPT_POOLINGS
 from pdcluster.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pdcluster.engine.waiting_queue import WaitingQueue, priority_of
 from pdcluster.wire.kv_connector import KVConnectorOutput, LoadedKV, SchedulerConnector
@@ -286,11 +287,11 @@ class Scheduler:
         cfg = self.config
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             request = self.waiting[0]
-            # Prompt logprobs need every prompt position's logits, mean pooling every position's hidden state, cls
-            # pooling the first's: such a request computes its prompt.
+            # Prompt logprobs need every prompt position's logits, mean and per-token pooling every position's hidden
+            # state, cls pooling the first's: such a request computes its prompt.
             params = request.sampling_params
             use_cache = (request.num_computed_tokens == 0 and params.prompt_logprobs is None
-                         and params.pooling not in ("mean", "cls"))
+                         and params.pooling not in WHOLE_PROMPT_POOLINGS)
             # Hashed once here: the device lookup and the lower tiers' both walk them.
             hashes = self.block_manager.usable_block_hashes(request) if use_cache else []
             cached = self.block_manager.find_cached_prefix(request, hashes) if use_cache else []

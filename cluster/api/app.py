@@ -14,7 +14,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pdcluster.cluster.api.beam import serve_beam_search
-from pdcluster.cluster.api.classify import ClassifyRequest, check_generates, serve_classify, serve_pooling
+from pdcluster.cluster.api.classify import (ClassifyRequest, PoolingRequest, check_generates, serve_classify,
+                                            serve_pooling)
 from pdcluster.cluster.api.embeddings import EmbeddingRequest, PoolerConfig, pooler_config, serve_embeddings
 from pdcluster.cluster.api.images import image_spec
 from pdcluster.cluster.api.logprobs import TokenStrings
@@ -117,7 +118,7 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
         app.add_api_route(path, classify, methods=["POST"])
 
     @app.post("/pooling")  # vLLM's generic route: an embedding model's vectors or a classifier's probabilities
-    async def pooling(body: EmbeddingRequest, request: Request):
+    async def pooling(body: PoolingRequest, request: Request):
         return await serve_pooling(body, request, router, served_model_name, pooler, metrics)
 
     for path in ("/score", "/v1/score"):

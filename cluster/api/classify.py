@@ -10,8 +10,9 @@ the logits come back as an embedding's vector does (no decode-side block, no KV 
 activated as vLLM does (softmax over several labels, a sigmoid for one, or as config.json's ``problem_type`` says;
 the raw logits where ``activation`` is false); ``label`` names the highest.
 
-POST /pooling (vLLM's generic pooling route, an embeddings body): ``data: [{"index", "object": "pooling", "data"}]``
-with an embedding model's vectors or a classifier's probabilities (``serve_pooling``).
+POST /pooling (vLLM's generic pooling route, an embeddings body with vLLM's ``task``): ``data: [{"index", "object":
+"pooling", "data"}]`` with an embedding model's vectors, a classifier's probabilities, or a row a prompt token
+(``token_embed``, or a token classifier's ``token_classify``: NER; ``serve_pooling``).
 
 A one-label classifier is a cross-encoder: /score and /rerank (cluster/api/scoring.py) read each pair as one input
 (``tokenizer(text_1, text_2)``'s pair template) and score it by the head. A classifier does not generate: the
@@ -23,20 +24,23 @@ from __future__ import annotations
 import base64
 import time
 import uuid
+from typing import Literal
 
 import anyio
 import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pdcluster.cluster.api.embeddings import (EmbeddingRequest, PoolerConfig, _prompts, check_lengths, embed_all,
-                                              observe, pooling_params, serve_embeddings)
+from pdcluster.cluster.api.embeddings import (EmbeddingRequest, PoolerConfig, _prompts, check_available,
+                                              check_lengths, embed_all, observe, pooling_params, serve_embeddings)
 from pdcluster.cluster.api.middleware import APIError
 from pdcluster.cluster.api.protocol import ChatMessage, Prompt, StrictModel
 from pdcluster.cluster.api.serving import ClientGone, unless_disconnected
 from pdcluster.cluster.api.validation import check_model
 from pdcluster.cluster.metrics import Metrics
 from pdcluster.engine.models.classifier import ClassifierSpec
+from pdcluster.engine.pooling import finish_token_embeddings
+from pdcluster.engine.sampling_params import TOKEN_POOLINGS
 
 
 class ClassifyRequest(StrictModel):
@@ -58,6 +62,9 @@ def check_classifier(pooler: PoolerConfig, served_model_name: str) -> Classifier
     if pooler.classifier is None:
         raise APIError(400, f"the model {served_model_name!r} has no classification head: /classify needs a "
                             "*ForSequenceClassification checkpoint", code="unsupported_model")
+    if pooler.classifier.per_token:
+        raise APIError(400, f"the model {served_model_name!r} is a token classifier: it labels each token, not the "
+                            "sequence; POST /pooling with task token_classify", code="unsupported_model")
     return pooler.classifier
 
 
@@ -67,25 +74,96 @@ def check_generates(pooler: PoolerConfig, served_model_name: str) -> None:
     if pooler.encoder_only and pooler.classifier is None:
         raise APIError(400, f"the model {served_model_name!r} is an encoder-only embedding model: it does not "
                             "generate; POST /v1/embeddings, /score or /rerank", code="unsupported_model")
+    if pooler.classifier is not None and pooler.classifier.per_token:
+        raise APIError(400, f"the model {served_model_name!r} is a token classifier "
+                            f"({pooler.classifier.num_labels} labels): it does not generate; POST /pooling (task "
+                            "token_classify) or /v1/embeddings", code="unsupported_model")
     if pooler.classifier is not None:
         raise APIError(400, f"the model {served_model_name!r} is a sequence classifier "
                             f"({pooler.classifier.num_labels} labels): it does not generate; POST /classify, /score, "
                             "/rerank or /v1/embeddings", code="unsupported_model")
 
 
-async def serve_pooling(body: EmbeddingRequest, request: Request, router, served_model_name: str,
-                        pooler: PoolerConfig, metrics: Metrics) -> Response:
-    """vLLM's /pooling: what the model pools, as ``data: [{"index", "object": "pooling", "data"}]``: an embedding
-    model's vectors (as /v1/embeddings makes them), a classifier's probabilities (as /classify)."""
+class PoolingRequest(EmbeddingRequest):
+    """/pooling's body: an embeddings body, vLLM's ``task`` (POOLING_TASKS; default: the model's own: token_classify
+    for a token classifier, classify for a sequence classifier, embed for the rest) and ``use_activation``."""
+
+    task: Literal["embed", "classify", "token_embed", "token_classify"] | None = None
+    activation: bool | None = None  # vLLM's older name of use_activation
+    use_activation: bool | None = None  # false: the raw logits (classify), rows as they are (token_embed)
+
+
+def _default_task(pooler: PoolerConfig) -> str:
     if pooler.classifier is None:
+        return "embed"
+    return "token_classify" if pooler.classifier.per_token else "classify"
+
+
+async def serve_pooling(body: PoolingRequest, request: Request, router, served_model_name: str,
+                        pooler: PoolerConfig, metrics: Metrics) -> Response:
+    """vLLM's /pooling: what the model pools (``task``), as ``data: [{"index", "object": "pooling", "data"}]``: an
+    embedding model's vectors (as /v1/embeddings makes them), a classifier's probabilities (as /classify), or one row
+    a prompt token ("token_embed": the final hidden states, each normalised; "token_classify": a token classifier's
+    label probabilities)."""
+    task = body.task or _default_task(pooler)
+    if body.activation is not None and body.use_activation is not None and body.activation != body.use_activation:
+        raise APIError(400, "activation and use_activation disagree: give one", param="use_activation")
+    if task in TOKEN_POOLINGS:
+        return await serve_token_pooling(body, task, request, router, served_model_name, pooler, metrics)
+    if task == "embed":
         return await serve_embeddings(body, request, router, served_model_name, pooler, metrics, as_pooling=True)
     if body.dimensions is not None:
         raise APIError(400, "dimensions: a classifier's output has one entry a label: leave dimensions out",
                        param="dimensions")
-    common = set(ClassifyRequest.model_fields) & set(EmbeddingRequest.model_fields)
+    common = set(ClassifyRequest.model_fields) & set(PoolingRequest.model_fields)
     as_classify = ClassifyRequest.model_construct(**{k: getattr(body, k) for k in common})  # validated already
     return await serve_classify(as_classify, request, router, served_model_name, pooler, metrics, as_pooling=True,
                                 encoding_format=body.encoding_format)
+
+
+async def serve_token_pooling(body: PoolingRequest, task: str, request: Request, router, served_model_name: str,
+                              pooler: PoolerConfig, metrics: Metrics) -> Response:
+    """/pooling's per-token tasks: each prompt's rows, [num_tokens][width], as vLLM's ``LLM.encode`` gives them
+    (base64: the rows' float32 bytes in order, where ``encoding_format`` says)."""
+    spec = pooler.classifier
+    if task == "token_classify" and (spec is None or not spec.per_token):
+        raise APIError(400, f"task token_classify: the model {served_model_name!r} has no token classification head "
+                            "(a *ForTokenClassification checkpoint)", param="task", code="unsupported_model")
+    if task == "token_embed":
+        check_available(pooler)
+    if body.dimensions is not None:
+        raise APIError(400, f"dimensions: not for task {task}: leave dimensions out", param="dimensions")
+    lora_name = check_model(body.model, served_model_name, router.lora_names) if body.model is not None else None
+    activate = next((v for v in (body.use_activation, body.activation, body.normalize) if v is not None), True)
+    prompts = await anyio.to_thread.run_sync(_prompts, body, router.tokenizer)
+    prompts = check_lengths(prompts, body.truncate_prompt_tokens, router.max_model_len,
+                            keep_first=pooler.encoder_only)
+    params = pooling_params(task, lora_name, body.priority)
+    request_id = f"pool-{uuid.uuid4().hex}"
+    started = time.monotonic()
+    try:  # each prompt's rows come back flat, as an embedding's vector does
+        flat = await unless_disconnected(embed_all(router, request_id, prompts, params), request)
+    except ClientGone:
+        return Response(status_code=499)
+    observe(metrics, started, prompts, params)
+    data = []
+    for i, (raw, ids) in enumerate(zip(flat, prompts)):
+        width = raw.shape[0] // len(ids) if ids else 0
+        if width == 0 or raw.shape[0] != width * len(ids) or (task == "token_classify" and width != spec.num_labels):
+            raise APIError(503, f"{task} failed: {raw.shape[0]} values for {len(ids)} tokens", kind="server_error")
+        rows = raw.reshape(len(ids), width)
+        if task == "token_classify":
+            rows = spec.activate(rows) if activate else rows
+        else:
+            rows = finish_token_embeddings(rows, activate)
+        data.append({"index": i, "object": "pooling",
+                     "data": base64.b64encode(rows.astype("<f4").tobytes()).decode("ascii")
+                     if body.encoding_format == "base64" else rows.tolist()})
+    num_prompt = sum(len(ids) for ids in prompts)
+    return JSONResponse({"id": request_id, "object": "list", "created": int(time.time()),
+                         "model": body.model or served_model_name, "data": data,
+                         "usage": {"prompt_tokens": num_prompt, "total_tokens": num_prompt, "completion_tokens": 0,
+                                   "prompt_tokens_details": None}})
 
 
 async def serve_classify(body: ClassifyRequest, request: Request, router, served_model_name: str,

@@ -90,6 +90,9 @@ async def _similarities(router, served_model_name: str, pooler: PoolerConfig, me
     the client left. An embedding model's score is the cosine of the two texts' vectors; a one-label classifier's
     (a cross-encoder) is its head's on the pair read as one input."""
     cross = pooler.classifier is not None
+    if cross and pooler.classifier.per_token:
+        raise APIError(400, f"the model {served_model_name!r} is a token classifier: it labels each token and scores "
+                            "no pairs; POST /pooling with task token_classify", code="unsupported_model")
     if cross and pooler.classifier.num_labels != 1:
         raise APIError(400, f"the model {served_model_name!r} is a classifier of {pooler.classifier.num_labels} "
                             "labels: only a one-label classifier (a cross-encoder) scores pairs; POST /classify",

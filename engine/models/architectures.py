@@ -34,10 +34,11 @@
                                             NemotronH blocks)
     <Family>ForSequenceClassification    -> the Llama family's or Gemma's causal model above with a score head
                                             (engine/models/classifier.py: reward models, classifiers, rerankers)
-    BertModel, RobertaModel, XLMRobertaModel and their *ForSequenceClassification
+    BertModel, RobertaModel, XLMRobertaModel and their *ForSequenceClassification, *ForTokenClassification
                                          -> engine.models.bert.BertArch / BertModel (encoder-only: embedding
-                                            models and cross-encoders, pooled; they do not generate)
-    ModernBertModel, ModernBertForSequenceClassification
+                                            models, cross-encoders and token classifiers, pooled; they do not
+                                            generate)
+    ModernBertModel, ModernBertForSequenceClassification, ModernBertForTokenClassification
                                          -> engine.models.modernbert.ModernBertArch / ModernBertModel (the same,
                                             with rotary positions and local / global attention layers)
 

@@ -178,6 +178,25 @@ class EncoderClassifierHead:
         return pooled @ self.out_w.T + self.out_b
 
 
+class EncoderTokenClassifierHead:
+    """A token classifier's head (``BertForTokenClassification``, ``XLMRobertaForTokenClassification``: NER): one
+    linear layer over each token's final hidden state, in float32."""
+
+    def __init__(self, spec: ClassifierSpec, weights: dict[str, torch.Tensor], hidden_size: int):
+        self.spec = spec
+        if "classifier.weight" not in weights:
+            raise ValueError("a token classifier needs classifier.weight (its head); not in the weights")
+        self.out_w = weights.pop("classifier.weight").float()
+        self.out_b = weights.pop("classifier.bias").float() if "classifier.bias" in weights else None
+        if tuple(self.out_w.shape) != (spec.num_labels, hidden_size):
+            raise ValueError(f"classifier.weight has shape {tuple(self.out_w.shape)}, expected ({spec.num_labels}, "
+                             f"{hidden_size}) for {spec.num_labels} labels (config.json id2label / num_labels)")
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] -> float32 [n, num_labels]."""
+        return F.linear(hidden.float(), self.out_w, self.out_b)
+
+
 class BertModel(CausalLM):
     """An encoder served for pooling. Its LM head is the word embedding (a stand-in: the one token a pooling request
     samples is never shown)."""
@@ -221,7 +240,9 @@ class BertModel(CausalLM):
 
     @staticmethod
     def classifier_head(spec: ClassifierSpec, weights: dict[str, torch.Tensor], arch: BertArch, prefix: str):
-        """A cross-encoder's head, taken out of ``weights``."""
+        """A cross-encoder's head (or a token classifier's), taken out of ``weights``."""
+        if spec.per_token:
+            return EncoderTokenClassifierHead(spec, weights, arch.hidden_size)
         return EncoderClassifierHead(spec, weights, arch.family, prefix, arch.hidden_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta,

@@ -11,10 +11,14 @@ ENCODER_ARCHITECTURES = {
     "BertModel": "", "RobertaModel": "", "XLMRobertaModel": "",
     "BertForSequenceClassification": "bert.", "RobertaForSequenceClassification": "roberta.",
     "XLMRobertaForSequenceClassification": "roberta.",
+    # token classifiers (NER): a label for every prompt token
+    "BertForTokenClassification": "bert.", "RobertaForTokenClassification": "roberta.",
+    "XLMRobertaForTokenClassification": "roberta.",
     # engine/models/modernbert.py
-    "ModernBertModel": "", "ModernBertForSequenceClassification": "model.",
+    "ModernBertModel": "", "ModernBertForSequenceClassification": "model.", "ModernBertForTokenClassification": "model.",
 }
-MODERNBERT_ARCHITECTURES = ("ModernBertModel", "ModernBertForSequenceClassification")
+MODERNBERT_ARCHITECTURES = ("ModernBertModel", "ModernBertForSequenceClassification",
+                            "ModernBertForTokenClassification")
 
 
 def is_encoder_architecture(name: str) -> bool:

@@ -24,6 +24,8 @@ if TYPE_CHECKING:  # the API processes read a classifier's labels without torch
     import torch
 
 SUFFIX = "ForSequenceClassification"
+# A token classifier (an encoder's: NER, engine/models/bert.py and modernbert.py): labels for every prompt token.
+TOKEN_SUFFIX = "ForTokenClassification"
 # transformers' problem types -> what turns logits into a client's scores.
 _ACTIVATIONS = {"regression": "identity", "single_label_classification": "softmax",
                 "multi_label_classification": "sigmoid"}
@@ -51,6 +53,9 @@ class ClassifierSpec:
     # The head made from LM-head rows of these tokens by ``method`` (FROM_TOKEN_METHODS); () for a score.weight.
     from_tokens: tuple[str, ...] = ()
     method: str = ""
+    # A *ForTokenClassification head: it labels each prompt token (SamplingParams.pooling "token_classify"), not the
+    # sequence.
+    per_token: bool = False
 
     @property
     def num_labels(self) -> int:
@@ -65,22 +70,25 @@ class ClassifierSpec:
         return "sigmoid" if self.num_labels == 1 else "softmax"
 
     def activate(self, logits: np.ndarray) -> np.ndarray:
-        """A client's scores from the head's logits (float32 [num_labels])."""
+        """A client's scores from the head's logits (float32 [num_labels], or [num_tokens, num_labels] for a token
+        classifier: each row alone)."""
         x = np.asarray(logits, dtype=np.float64)
         if self.activation == "softmax":
-            e = np.exp(x - x.max())
-            x = e / e.sum()
+            e = np.exp(x - x.max(axis=-1, keepdims=True))
+            x = e / e.sum(axis=-1, keepdims=True)
         elif self.activation == "sigmoid":
             x = 1.0 / (1.0 + np.exp(-x))
         return x.astype(np.float32)
 
 
 def classifier_spec(config: dict) -> ClassifierSpec | None:
-    """The labels of a ``*ForSequenceClassification`` config (None for a causal model). transformers' rules: labels
-    from ``id2label`` (keys are ids, JSON strings), else ``num_labels`` of them named LABEL_i, else two."""
+    """The labels of a ``*ForSequenceClassification`` or ``*ForTokenClassification`` config (None for a causal model).
+    transformers' rules: labels from ``id2label`` (keys are ids, JSON strings), else ``num_labels`` of them named
+    LABEL_i, else two."""
     names = config.get("architectures") or []
-    if not names or not str(names[0]).endswith(SUFFIX):
+    if not names or not str(names[0]).endswith((SUFFIX, TOKEN_SUFFIX)):
         return None
+    per_token = str(names[0]).endswith(TOKEN_SUFFIX)
     method, tokens = config.get("method"), config.get("classifier_from_token")
     if method is not None or tokens is not None:
         if method not in FROM_TOKEN_METHODS:
@@ -109,7 +117,7 @@ def classifier_spec(config: dict) -> ClassifierSpec | None:
         if num_labels < 1:
             raise ValueError(f"config.json num_labels must be >= 1, got {num_labels}")
         labels = tuple(f"LABEL_{i}" for i in range(num_labels))
-    return ClassifierSpec(labels, str(config.get("problem_type") or ""))
+    return ClassifierSpec(labels, str(config.get("problem_type") or ""), per_token=per_token)
 
 
 def classifier_spec_of_dir(model_dir: str | Path | None) -> ClassifierSpec | None:

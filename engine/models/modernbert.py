@@ -203,7 +203,8 @@ class ModernBertLayer:
 
 class ModernBertClassifierHead:
     """LN(act(dense(pooled))) then the classifier, in float32; ``pooled``: the [CLS] row, or the prompt's mean
-    (``classifier_pooling``), of the final hidden states."""
+    (``classifier_pooling``), of the final hidden states; a token classifier's (ModernBertForTokenClassification)
+    applies the same to every row."""
 
     def __init__(self, spec: ClassifierSpec, weights: dict[str, torch.Tensor], arch: ModernBertArch):
         self.spec = spec

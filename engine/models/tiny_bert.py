@@ -1,6 +1,8 @@
-"""Tiny seeded encoders made by transformers (engine/models/bert.py's models), for the tests (tests/test_bert.py) and
-the GPU check: a BERT and an XLM-RoBERTa, each as an embedding model (``BertModel`` / ``XLMRobertaModel``, with a
-sentence-transformers Pooling module where asked) or as a one-label cross-encoder (``*ForSequenceClassification``).
+"""Tiny seeded encoders made by transformers (engine/models/bert.py's and modernbert.py's models), for the tests
+(tests/test_bert.py, test_modernbert.py, test_token_pooling.py) and the GPU check: a BERT, an XLM-RoBERTa and a
+ModernBERT, each as an embedding model (``BertModel`` / ``XLMRobertaModel`` / ``ModernBertModel``, with a
+sentence-transformers Pooling module where asked), a one-label cross-encoder (``*ForSequenceClassification``) or a
+token classifier of TOKEN_LABELS (``*ForTokenClassification``).
 
 Their tokenizer is a WordPiece one whose vocabulary is written from a fixed text (sorted: the same ids on every run),
 with BERT's pair template ([CLS] a [SEP] b [SEP], type ids 1 from b on) or RoBERTa's (<s> a </s></s> b </s>, no type
@@ -12,7 +14,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-KINDS = ("bert", "bert-cross", "xlm-roberta", "xlm-roberta-cross", "modernbert", "modernbert-cross")
+KINDS = ("bert", "bert-cross", "xlm-roberta", "xlm-roberta-cross", "modernbert", "modernbert-cross",
+         "bert-token", "xlm-roberta-token", "modernbert-token")
+# A token classifier's labels (NER's BIO tags).
+TOKEN_LABELS = ("O", "B-PER", "I-PER", "B-LOC", "I-LOC")
 _TEXT = ("the quick brown fox jumps over the lazy dog while a cat sleeps in the warm sun . paged attention moves "
          "blocks of keys and values between prefill and decode workers ; an encoder reads every token both ways "
          "and pools them into one vector , which a search index compares by cosine . what is the capital of france "
@@ -69,6 +74,7 @@ def build_tiny_bert(out: Path, kind: str = "bert", pooling: str | None = None, s
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
     out.mkdir(parents=True, exist_ok=True)
     roberta, cross, modern = kind.startswith("xlm-roberta"), kind.endswith("-cross"), kind.startswith("modernbert")
+    token = kind.endswith("-token")
     tok = _tokenizer(roberta, typed_pairs=not modern)  # ModernBERT's tokenizer gives a pair no token types
     tok.save(str(out / "tokenizer.json"))
     specials = ({"bos_token": "<s>", "eos_token": "</s>", "sep_token": "</s>", "cls_token": "<s>",
@@ -96,18 +102,24 @@ def build_tiny_bert(out: Path, kind: str = "bert", pooling: str | None = None, s
                                             local_attention=128 if full else 8, global_attn_every_n_layers=3,
                                             pad_token_id=ids["pad"], cls_token_id=ids["cls"], bos_token_id=ids["cls"],
                                             sep_token_id=ids["sep"], eos_token_id=ids["sep"], **biases)
-        model_class = transformers.ModernBertForSequenceClassification if cross else transformers.ModernBertModel
+        model_class = (transformers.ModernBertForSequenceClassification if cross else
+                       transformers.ModernBertForTokenClassification if token else transformers.ModernBertModel)
     elif roberta:  # XLM-R's: positions from pad + 1, one token type
         cfg = transformers.XLMRobertaConfig(**shape, max_position_embeddings=positions + 2, type_vocab_size=1,
                                             pad_token_id=tok.token_to_id("<pad>"), bos_token_id=tok.token_to_id("<s>"),
                                             eos_token_id=tok.token_to_id("</s>"), layer_norm_eps=1e-5)
-        model_class = (transformers.XLMRobertaForSequenceClassification if cross else transformers.XLMRobertaModel)
+        model_class = (transformers.XLMRobertaForSequenceClassification if cross else
+                       transformers.XLMRobertaForTokenClassification if token else transformers.XLMRobertaModel)
     else:
         cfg = transformers.BertConfig(**shape, max_position_embeddings=positions, type_vocab_size=2,
                                       pad_token_id=tok.token_to_id("[PAD]"))
-        model_class = transformers.BertForSequenceClassification if cross else transformers.BertModel
+        model_class = (transformers.BertForSequenceClassification if cross else
+                       transformers.BertForTokenClassification if token else transformers.BertModel)
     if cross:
         cfg.num_labels = 1
+    if token:
+        cfg.id2label = dict(enumerate(TOKEN_LABELS))
+        cfg.label2id = {label: i for i, label in enumerate(TOKEN_LABELS)}
     torch.manual_seed(seed)
     model = model_class(cfg)
     with torch.no_grad():
