@@ -536,9 +536,10 @@ def lora_check(model_dir: Path, prompts, expected_base, num_new: int, device: st
 
 
 def encoders_check(device: str, work: Path) -> dict:
-    """Encoder-only models (engine/models/bert.py) made tiny by transformers: a BERT's [CLS] and mean embeddings of a
-    batch of four prompt lengths and an XLM-R cross-encoder's scores, fp32 on the device, against transformers' on the
-    CPU (within 1e-4); bf16 on the device near fp32 (within 0.05 of a unit vector)."""
+    """Encoder-only models (engine/models/bert.py, modernbert.py) made tiny by transformers: a BERT's [CLS] and mean
+    embeddings of a batch of four prompt lengths, an XLM-R cross-encoder's scores, a ModernBERT's mean embeddings and
+    mean-pooled cross-encoder's scores, and a BERT token classifier's logits at every token, fp32 on the device,
+    against transformers' on the CPU (within 1e-4); bf16 on the device near fp32 (within 0.05 of a unit vector)."""
     import numpy as np
     import torch
 
@@ -580,8 +581,14 @@ def encoders_check(device: str, work: Path) -> dict:
     want_scores = [float(torch.sigmoid(x)[0]) for x in transformers_outputs(modern_cross, [(query, d) for d in docs])]
     got_scores = engine(modern_cross, "float32").score(query, docs)
     out["modernbert_score_max_abs_diff"] = float(np.abs(np.array(got_scores) - np.array(want_scores)).max())
+    # A token classifier (NER): every token's logits (the per-token pooling path, "token_classify").
+    ner = build_tiny_bert(work / "tiny-bert-token", "bert-token")
+    want = transformers_outputs(ner, long_texts)
+    got = engine(ner, "float32").encode(long_texts, "token_classify", activation=False)
+    out["token_classify_max_abs_diff"] = max(float(np.abs(g - w.numpy()).max()) for g, w in zip(got, want))
     out["ok"] = (out["embed_max_abs_diff"] < 1e-4 and out["score_max_abs_diff"] < 1e-4 and out["bf16_max_abs_diff"] < 0.05
-                 and out["modernbert_embed_max_abs_diff"] < 1e-4 and out["modernbert_score_max_abs_diff"] < 1e-4)
+                 and out["modernbert_embed_max_abs_diff"] < 1e-4 and out["modernbert_score_max_abs_diff"] < 1e-4
+                 and out["token_classify_max_abs_diff"] < 1e-4)
     return out
 
 
