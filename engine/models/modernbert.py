@@ -29,6 +29,7 @@ from pdcluster.engine.linear import Linear
 from pdcluster.engine.models.bert import _ACTIVATIONS, ROW_CHUNK, ROW_CHUNK_CUDA, BertArch, BertModel
 from pdcluster.engine.models.causal_lm import CausalLM
 from pdcluster.engine.models.classifier import ClassifierSpec
+from pdcluster.engine.models.llama import RotaryEmbedding
 
 # Query rows a local layer computes together: their keys are the chunk and the window either side of it.
 LOCAL_QUERY_CHUNK = 256
@@ -109,30 +110,6 @@ def _rope_theta(cfg: dict, layer_type: str, where: str) -> float:
     return float(cfg.get(key) or default)
 
 
-class _Rotary:
-    """cos / sin of every position for one base, float32 [positions, head_dim / 2], grown on demand."""
-
-    def __init__(self, theta: float, head_dim: int):
-        self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        self.cos = self.sin = torch.empty(0, head_dim // 2)
-
-    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        need = int(positions.max()) + 1 if positions.numel() else 0
-        if need > self.cos.shape[0] or self.cos.device != positions.device:
-            freqs = torch.arange(max(need, 64), dtype=torch.float32, device=positions.device)[:, None] \
-                * self.inv_freq.to(positions.device)
-            self.cos, self.sin = freqs.cos(), freqs.sin()
-        return self.cos[positions], self.sin[positions]
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [n, heads, head_dim] rotated by position (halves paired: transformers' rotate_half), computed in float32."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    # cos / sin rounded to the model's dtype first, as transformers' rotary embedding hands them over.
-    cos, sin = cos.to(x.dtype).float()[:, None, :], sin.to(x.dtype).float()[:, None, :]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-
-
 def _norm(weights: dict[str, torch.Tensor], name: str, eps: float):
     """A LayerNorm, with its bias where the checkpoint has one (``norm_bias``)."""
     weight, bias = weights.pop(f"{name}.weight"), weights.pop(f"{name}.bias", None)
@@ -175,7 +152,8 @@ class ModernBertLayer:
         self.down = _linear(weights, p + "mlp.Wo", deterministic)
         self.act = _ACTIVATIONS[arch.hidden_act]
 
-    def forward(self, x: torch.Tensor, spans: list[tuple[int, int]], rotary: tuple[torch.Tensor, torch.Tensor]):
+    def forward(self, x: torch.Tensor, spans: list[tuple[int, int]], rotary: RotaryEmbedding,
+                positions: torch.Tensor):
         a = self.arch
         n, chunk = x.shape[0], ROW_CHUNK_CUDA if x.is_cuda else ROW_CHUNK
         qkv = x.new_empty(n, 3 * a.hidden_size)
@@ -183,8 +161,8 @@ class ModernBertLayer:
             h = x[s:s + chunk] if self.attn_norm is None else self.attn_norm(x[s:s + chunk])
             qkv[s:s + chunk] = self.qkv(h)
         q, k, v = qkv.view(n, 3, a.num_heads, a.head_dim).unbind(1)  # [n, heads, head_dim] each
-        cos, sin = rotary
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        rotary.rotate_(q, positions)  # in place on the strided views (kernels/ops.rotary: rotate-half pairs)
+        rotary.rotate_(k, positions)
         o = torch.empty_like(q)
         # Each prompt attends to itself, alone: its rows never depend on the batch around it.
         for start, end in spans:
@@ -246,8 +224,9 @@ class ModernBertModel(BertModel):
         self.scale = arch.head_dim ** -0.5  # the attention metadata's (SDPA's default, the one ModernBERT uses)
         self.layers = [ModernBertLayer(arch, weights, i, deterministic) for i in range(arch.num_layers)]
         self.final_norm = _norm(weights, "final_norm", arch.layer_norm_eps)
-        self.rotary = {True: _Rotary(arch.global_rope_theta, arch.head_dim),
-                       False: _Rotary(arch.local_rope_theta, arch.head_dim)}
+        self.rotary = {is_global: RotaryEmbedding(arch.head_dim, theta, arch.max_position_embeddings, dtype,
+                                                  embed.device)
+                       for is_global, theta in ((True, arch.global_rope_theta), (False, arch.local_rope_theta))}
         if weights:
             raise ValueError(f"unexpected tensors in a ModernBERT checkpoint: {sorted(weights)[:5]}")
 
@@ -261,10 +240,9 @@ class ModernBertModel(BertModel):
         ``kv_cache`` is not read or written."""
         starts = meta.query_start_loc.cpu().tolist()
         spans = [(s, e) for s, e in zip(starts[:-1], starts[1:]) if e > s]
-        rotary = {kind: table(positions) for kind, table in self.rotary.items()}
         hidden = self.embed_norm(F.embedding(input_ids, self.embed_tokens))
         for i, layer in enumerate(self.layers):
-            hidden = layer.forward(hidden, spans, rotary[layer.is_global])
+            hidden = layer.forward(hidden, spans, self.rotary[layer.is_global], positions)
             if on_layer_done is not None:
                 on_layer_done(i)
         return self.final_norm(hidden)
