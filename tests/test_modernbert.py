@@ -102,7 +102,7 @@ def test_the_hub_config_keys_read_as_transformers_5s(models, tmp_path):
     src = models["modernbert"]
     new = ModernBertArch.from_dir(src)
     assert new.global_layers == (True, False, False, True) and new.local_window == 4
-    assert (new.global_rope_theta, new.local_rope_theta) == (160000.0, 10000.0)
+    assert (new.rope_theta, new.local_rope_theta) == (160000.0, 10000.0)  # the global layers' base, the local
     hub = tmp_path / "hub"
     shutil.copytree(src, hub)
     cfg = json.loads((hub / "config.json").read_text())

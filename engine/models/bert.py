@@ -105,19 +105,38 @@ ROW_CHUNK = 256
 ROW_CHUNK_CUDA = 16384
 
 
-def _dense(weights: dict[str, torch.Tensor], names: tuple[str, ...], deterministic: bool) -> Linear:
-    """``x @ W.T + b`` (every encoder projection has a bias, run in the GEMM's epilogue where it has one); ``names``:
-    projections stored apart, run as one."""
-    return Linear(torch.cat([weights.pop(f"{n}.weight") for n in names]), deterministic=deterministic,
-                  bias=torch.cat([weights.pop(f"{n}.bias") for n in names]))
+def _joined(weights: dict[str, torch.Tensor], names: tuple[str, ...], leaf: str, optional: bool = False):
+    """The ``leaf`` tensors of ``names`` taken out of ``weights``, joined along rows (one name: the tensor itself);
+    None where ``optional`` and the checkpoint has none."""
+    parts = [weights.pop(f"{n}.{leaf}", None) if optional else weights.pop(f"{n}.{leaf}") for n in names]
+    if any(p is None for p in parts):
+        return None
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _dense(weights: dict[str, torch.Tensor], names: tuple[str, ...], deterministic: bool,
+           optional_bias: bool = False) -> Linear:
+    """``x @ W.T + b``, the bias run in the GEMM's epilogue where it has one (every BERT projection has one; a
+    ModernBERT's where its config says so: ``optional_bias``); ``names``: projections stored apart, run as one."""
+    return Linear(_joined(weights, names, "weight"), deterministic=deterministic,
+                  bias=_joined(weights, names, "bias", optional_bias))
 
 
 class _LayerNorm:
-    def __init__(self, weights: dict[str, torch.Tensor], name: str, eps: float):
-        self.weight, self.bias, self.eps = weights.pop(f"{name}.weight"), weights.pop(f"{name}.bias"), eps
+    """``optional_bias``: a LayerNorm that may have no bias (ModernBERT's unless ``norm_bias``)."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], name: str, eps: float, optional_bias: bool = False):
+        self.weight, self.eps = weights.pop(f"{name}.weight"), eps
+        self.bias = _joined(weights, (name,), "bias", optional_bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+
+def prompt_spans(meta) -> list[tuple[int, int]]:
+    """Each prompt's (start, end) rows in the step (empty ones left out): an encoder attends within each alone."""
+    starts = meta.query_start_loc.cpu().tolist()
+    return [(s, e) for s, e in zip(starts[:-1], starts[1:]) if e > s]
 
 
 class EncoderLayer:
@@ -250,8 +269,7 @@ class BertModel(CausalLM):
         """Final hidden states [num_tokens, hidden] of the step's prompts, each computed whole (the scheduler never
         splits one: ``whole_prompts``); ``kv_cache`` is not read or written."""
         a = self.arch
-        starts = meta.query_start_loc.cpu().tolist()
-        spans = [(s, e) for s, e in zip(starts[:-1], starts[1:]) if e > s]
+        spans = prompt_spans(meta)
         if a.family == "roberta" and a.pad_token_id is not None:
             # transformers' create_position_ids_from_input_ids: non-pad tokens count from pad + 1, pads stay at pad.
             keep = (input_ids != a.pad_token_id).to(torch.int64)

@@ -18,6 +18,7 @@ What differs from BERT (transformers' ModernBertModel):
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,8 +26,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pdcluster.engine.linear import Linear
-from pdcluster.engine.models.bert import _ACTIVATIONS, ROW_CHUNK, ROW_CHUNK_CUDA, BertArch, BertModel
+from pdcluster.engine.models.bert import (_ACTIVATIONS, ROW_CHUNK, ROW_CHUNK_CUDA, BertArch, BertModel, _dense,
+                                         _LayerNorm, prompt_spans)
 from pdcluster.engine.models.causal_lm import CausalLM
 from pdcluster.engine.models.classifier import ClassifierSpec
 from pdcluster.engine.models.llama import RotaryEmbedding
@@ -40,8 +41,7 @@ class ModernBertArch(BertArch):
     family: str = "modernbert"
     global_layers: tuple[bool, ...] = ()  # per layer: attends over the whole prompt (else within local_window)
     local_window: int = 64  # a local layer's token sees those at most this many positions away (local_attention / 2)
-    global_rope_theta: float = 160000.0
-    local_rope_theta: float = 10000.0
+    local_rope_theta: float = 10000.0  # the local layers' rotary base (the global ones': ModelArch.rope_theta)
     norm_bias: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
@@ -53,8 +53,7 @@ class ModernBertArch(BertArch):
     def from_dir(cls, model_dir: Path) -> "ModernBertArch":
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
         where = f"{model_dir}/config.json"
-        acts = {name: cfg.get(key, "gelu") for name, key in (("hidden_activation", "hidden_activation"),
-                                                               ("classifier_activation", "classifier_activation"))}
+        acts = {key: cfg.get(key, "gelu") for key in ("hidden_activation", "classifier_activation")}
         for name, act in acts.items():
             if act not in _ACTIVATIONS:
                 raise ValueError(f"{where}: {name} {act!r} is not supported (supported: {', '.join(_ACTIVATIONS)})")
@@ -75,8 +74,7 @@ class ModernBertArch(BertArch):
             bos_token_id=None, eos_token_ids=(int(sep),) if sep is not None else (), type_vocab_size=1,
             pad_token_id=None if pad is None else int(pad), sep_token_id=None, hidden_act=acts["hidden_activation"],
             layer_norm_eps=float(cfg.get("norm_eps", 1e-5)), global_layers=_global_layers(cfg, num_layers, where),
-            local_window=local_attention // 2, global_rope_theta=_rope_theta(cfg, "full_attention", where),
-            local_rope_theta=_rope_theta(cfg, "sliding_attention", where), norm_bias=bool(cfg.get("norm_bias", False)),
+            local_window=local_attention // 2, local_rope_theta=_rope_theta(cfg, "sliding_attention", where), norm_bias=bool(cfg.get("norm_bias", False)),
             attention_bias=bool(cfg.get("attention_bias", False)), mlp_bias=bool(cfg.get("mlp_bias", False)),
             classifier_pooling=pooling, classifier_activation=acts["classifier_activation"],
             classifier_bias=bool(cfg.get("classifier_bias", False)),
@@ -110,16 +108,6 @@ def _rope_theta(cfg: dict, layer_type: str, where: str) -> float:
     return float(cfg.get(key) or default)
 
 
-def _norm(weights: dict[str, torch.Tensor], name: str, eps: float):
-    """A LayerNorm, with its bias where the checkpoint has one (``norm_bias``)."""
-    weight, bias = weights.pop(f"{name}.weight"), weights.pop(f"{name}.bias", None)
-    return lambda x: F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
-
-
-def _linear(weights: dict[str, torch.Tensor], name: str, deterministic: bool) -> Linear:
-    return Linear(weights.pop(f"{name}.weight"), deterministic=deterministic, bias=weights.pop(f"{name}.bias", None))
-
-
 def band_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
                    chunk: int | None = None) -> torch.Tensor:
     """One prompt's attention where query i sees keys j with |i - j| <= window: q, k, v [heads, n, head_dim]. Query
@@ -132,11 +120,18 @@ def band_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: in
     for qs in range(0, n, chunk):
         qe = min(n, qs + chunk)
         ks, ke = max(0, qs - window), min(n, qe + window)
-        rows = torch.arange(qs, qe, device=q.device)[:, None]
-        cols = torch.arange(ks, ke, device=q.device)[None, :]
         out[:, qs:qe] = F.scaled_dot_product_attention(q[:, qs:qe], k[:, ks:ke], v[:, ks:ke],
-                                                       attn_mask=(rows - cols).abs() <= window)
+                                                       attn_mask=_band_mask(qe - qs, ke - ks, qs - ks, window,
+                                                                            q.device))
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _band_mask(num_rows: int, num_cols: int, offset: int, window: int, device: torch.device) -> torch.Tensor:
+    """[num_rows, num_cols] bool: query row i (at column offset + i) sees key column j where |offset + i - j| <=
+    window. A chunk's mask depends on its shape alone, so every local layer and every prompt of a length reuse it."""
+    rows = torch.arange(offset, offset + num_rows, device=device)[:, None]
+    return (rows - torch.arange(num_cols, device=device)[None, :]).abs() <= window
 
 
 class ModernBertLayer:
@@ -144,12 +139,14 @@ class ModernBertLayer:
         p = f"layers.{i}."
         self.arch, self.is_global = arch, arch.global_layers[i]
         eps = arch.layer_norm_eps
-        self.attn_norm = _norm(weights, p + "attn_norm", eps) if f"{p}attn_norm.weight" in weights else None
-        self.qkv = _linear(weights, p + "attn.Wqkv", deterministic)
-        self.out = _linear(weights, p + "attn.Wo", deterministic)
-        self.mlp_norm = _norm(weights, p + "mlp_norm", eps)
-        self.up = _linear(weights, p + "mlp.Wi", deterministic)  # [input; gate]
-        self.down = _linear(weights, p + "mlp.Wo", deterministic)
+        # Layer 0 has no attention norm (its input is the normalised embedding).
+        self.attn_norm = (_LayerNorm(weights, p + "attn_norm", eps, optional_bias=True)
+                          if f"{p}attn_norm.weight" in weights else None)
+        self.qkv = _dense(weights, (p + "attn.Wqkv",), deterministic, optional_bias=True)
+        self.out = _dense(weights, (p + "attn.Wo",), deterministic, optional_bias=True)
+        self.mlp_norm = _LayerNorm(weights, p + "mlp_norm", eps, optional_bias=True)
+        self.up = _dense(weights, (p + "mlp.Wi",), deterministic, optional_bias=True)  # [input; gate]
+        self.down = _dense(weights, (p + "mlp.Wo",), deterministic, optional_bias=True)
         self.act = _ACTIVATIONS[arch.hidden_act]
 
     def forward(self, x: torch.Tensor, spans: list[tuple[int, int]], rotary: RotaryEmbedding,
@@ -220,13 +217,13 @@ class ModernBertModel(BertModel):
                  max_positions: int, deterministic: bool = False):
         embed = weights.pop("embeddings.tok_embeddings.weight")
         CausalLM.__init__(self, arch, dtype, deterministic, embed, embed)
-        self.embed_norm = _norm(weights, "embeddings.norm", arch.layer_norm_eps)
+        self.embed_norm = _LayerNorm(weights, "embeddings.norm", arch.layer_norm_eps, optional_bias=True)
         self.scale = arch.head_dim ** -0.5  # the attention metadata's (SDPA's default, the one ModernBERT uses)
         self.layers = [ModernBertLayer(arch, weights, i, deterministic) for i in range(arch.num_layers)]
-        self.final_norm = _norm(weights, "final_norm", arch.layer_norm_eps)
+        self.final_norm = _LayerNorm(weights, "final_norm", arch.layer_norm_eps, optional_bias=True)
         self.rotary = {is_global: RotaryEmbedding(arch.head_dim, theta, arch.max_position_embeddings, dtype,
                                                   embed.device)
-                       for is_global, theta in ((True, arch.global_rope_theta), (False, arch.local_rope_theta))}
+                       for is_global, theta in ((True, arch.rope_theta), (False, arch.local_rope_theta))}
         if weights:
             raise ValueError(f"unexpected tensors in a ModernBERT checkpoint: {sorted(weights)[:5]}")
 
@@ -238,8 +235,7 @@ class ModernBertModel(BertModel):
                 on_layer_done=None) -> torch.Tensor:
         """Final hidden states [num_tokens, hidden] of the step's prompts, each computed whole (``whole_prompts``);
         ``kv_cache`` is not read or written."""
-        starts = meta.query_start_loc.cpu().tolist()
-        spans = [(s, e) for s, e in zip(starts[:-1], starts[1:]) if e > s]
+        spans = prompt_spans(meta)
         hidden = self.embed_norm(F.embedding(input_ids, self.embed_tokens))
         for i, layer in enumerate(self.layers):
             hidden = layer.forward(hidden, spans, self.rotary[layer.is_global], positions)
