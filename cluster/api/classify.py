@@ -106,8 +106,7 @@ async def serve_pooling(body: PoolingRequest, request: Request, router, served_m
     a prompt token ("token_embed": the final hidden states, each normalised; "token_classify": a token classifier's
     label probabilities)."""
     task = body.task or _default_task(pooler)
-    if body.activation is not None and body.use_activation is not None and body.activation != body.use_activation:
-        raise APIError(400, "activation and use_activation disagree: give one", param="use_activation")
+    _use_activation(body)  # the two names disagreeing is a 400 whatever the task
     if task in TOKEN_POOLINGS:
         return await serve_token_pooling(body, task, request, router, served_model_name, pooler, metrics)
     if task == "embed":
@@ -133,19 +132,11 @@ async def serve_token_pooling(body: PoolingRequest, task: str, request: Request,
         check_available(pooler)
     if body.dimensions is not None:
         raise APIError(400, f"dimensions: not for task {task}: leave dimensions out", param="dimensions")
-    lora_name = check_model(body.model, served_model_name, router.lora_names) if body.model is not None else None
-    activate = next((v for v in (body.use_activation, body.activation, body.normalize) if v is not None), True)
-    prompts = await anyio.to_thread.run_sync(_prompts, body, router.tokenizer)
-    prompts = check_lengths(prompts, body.truncate_prompt_tokens, router.max_model_len,
-                            keep_first=pooler.encoder_only)
-    params = pooling_params(task, lora_name, body.priority)
-    request_id = f"pool-{uuid.uuid4().hex}"
-    started = time.monotonic()
-    try:  # each prompt's rows come back flat, as an embedding's vector does
-        flat = await unless_disconnected(embed_all(router, request_id, prompts, params), request)
-    except ClientGone:
+    activate = _use_activation(body, body.normalize)
+    ran = await _run_pooling(body, task, "pool", request, router, served_model_name, pooler, metrics)
+    if ran is None:
         return Response(status_code=499)
-    observe(metrics, started, prompts, params)
+    request_id, prompts, flat = ran  # each prompt's rows come back flat, as an embedding's vector does
     data = []
     for i, (raw, ids) in enumerate(zip(flat, prompts)):
         width = raw.shape[0] // len(ids) if ids else 0
@@ -156,14 +147,8 @@ async def serve_token_pooling(body: PoolingRequest, task: str, request: Request,
             rows = spec.activate(rows) if activate else rows
         else:
             rows = finish_token_embeddings(rows, activate)
-        data.append({"index": i, "object": "pooling",
-                     "data": base64.b64encode(rows.astype("<f4").tobytes()).decode("ascii")
-                     if body.encoding_format == "base64" else rows.tolist()})
-    num_prompt = sum(len(ids) for ids in prompts)
-    return JSONResponse({"id": request_id, "object": "list", "created": int(time.time()),
-                         "model": body.model or served_model_name, "data": data,
-                         "usage": {"prompt_tokens": num_prompt, "total_tokens": num_prompt, "completion_tokens": 0,
-                                   "prompt_tokens_details": None}})
+        data.append(_pooling_item(i, rows, body.encoding_format))
+    return _list_response(request_id, body.model or served_model_name, data, prompts)
 
 
 async def serve_classify(body: ClassifyRequest, request: Request, router, served_model_name: str,
@@ -172,22 +157,13 @@ async def serve_classify(body: ClassifyRequest, request: Request, router, served
     """``as_pooling``: vLLM's /pooling answer for a classifier (each item ``{"index", "object": "pooling", "data"}``,
     the probabilities, base64 float32 where ``encoding_format`` says)."""
     spec = check_classifier(pooler, served_model_name)
-    lora_name = check_model(body.model, served_model_name, router.lora_names) if body.model is not None else None
-    if body.activation is not None and body.use_activation is not None and body.activation != body.use_activation:
-        raise APIError(400, "activation and use_activation disagree: give one", param="use_activation")
-    activate = next((v for v in (body.use_activation, body.activation) if v is not None), True)
-    prompts = await anyio.to_thread.run_sync(_prompts, body, router.tokenizer)
-    prompts = check_lengths(prompts, body.truncate_prompt_tokens, router.max_model_len,
-                            keep_first=pooler.encoder_only)
-    params = pooling_params("classify", lora_name, body.priority)
-    request_id = f"{'pool' if as_pooling else 'classify'}-{uuid.uuid4().hex}"  # vLLM's id prefixes
-    started = time.monotonic()
-    try:
-        # Each prompt's logits (float32 [num_labels]) come back as an embedding's vector does.
-        logits = await unless_disconnected(embed_all(router, request_id, prompts, params), request)
-    except ClientGone:
+    activate = _use_activation(body)
+    # Each prompt's logits (float32 [num_labels]) come back as an embedding's vector does.
+    ran = await _run_pooling(body, "classify", "pool" if as_pooling else "classify",  # vLLM's id prefixes
+                             request, router, served_model_name, pooler, metrics)
+    if ran is None:
         return Response(status_code=499)
-    observe(metrics, started, prompts, params)
+    request_id, prompts, logits = ran
     data = []
     for i, raw in enumerate(logits):
         if raw.shape != (spec.num_labels,):
@@ -195,14 +171,49 @@ async def serve_classify(body: ClassifyRequest, request: Request, router, served
                            kind="server_error")
         probs = spec.activate(raw) if activate else raw
         if as_pooling:
-            data.append({"index": i, "object": "pooling",
-                         "data": base64.b64encode(probs.astype("<f4").tobytes()).decode("ascii")
-                         if encoding_format == "base64" else probs.tolist()})
+            data.append(_pooling_item(i, probs, encoding_format))
             continue
         data.append({"index": i, "label": spec.labels[int(np.argmax(raw))], "probs": probs.tolist(),
                      "num_classes": spec.num_labels})
+    return _list_response(request_id, body.model or served_model_name, data, prompts)
+
+
+def _use_activation(body, fallback: bool | None = None) -> bool:
+    """vLLM's ``use_activation`` (``activation`` its older name; ``fallback``: another field that says the same where
+    neither is given): true unless one says false; the two names disagreeing is a 400."""
+    if body.activation is not None and body.use_activation is not None and body.activation != body.use_activation:
+        raise APIError(400, "activation and use_activation disagree: give one", param="use_activation")
+    return next((v for v in (body.use_activation, body.activation, fallback) if v is not None), True)
+
+
+async def _run_pooling(body, pooling: str, id_prefix: str, request: Request, router, served_model_name: str,
+                       pooler: PoolerConfig, metrics: Metrics) -> tuple[str, list[list[int]], list[np.ndarray]] | None:
+    """One router request of ``pooling`` a prompt of ``body`` (its input or messages, truncated and checked), all at
+    once: (the request id, the prompts, each one's flat float32 result); None when the client left."""
+    lora_name = check_model(body.model, served_model_name, router.lora_names) if body.model is not None else None
+    prompts = await anyio.to_thread.run_sync(_prompts, body, router.tokenizer)
+    prompts = check_lengths(prompts, body.truncate_prompt_tokens, router.max_model_len,
+                            keep_first=pooler.encoder_only)
+    params = pooling_params(pooling, lora_name, body.priority)
+    request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+    started = time.monotonic()
+    try:
+        results = await unless_disconnected(embed_all(router, request_id, prompts, params), request)
+    except ClientGone:
+        return None
+    observe(metrics, started, prompts, params)
+    return request_id, prompts, results
+
+
+def _pooling_item(index: int, values: np.ndarray, encoding_format: str | None) -> dict:
+    """One /pooling answer: the values as (nested) floats, or their float32 bytes in order, base64."""
+    return {"index": index, "object": "pooling",
+            "data": base64.b64encode(values.astype("<f4").tobytes()).decode("ascii")
+            if encoding_format == "base64" else values.tolist()}
+
+
+def _list_response(request_id: str, model: str, data: list[dict], prompts: list[list[int]]) -> JSONResponse:
     num_prompt = sum(len(ids) for ids in prompts)
-    return JSONResponse({"id": request_id, "object": "list", "created": int(time.time()),
-                         "model": body.model or served_model_name, "data": data,
-                         "usage": {"prompt_tokens": num_prompt, "total_tokens": num_prompt, "completion_tokens": 0,
-                                   "prompt_tokens_details": None}})
+    return JSONResponse({"id": request_id, "object": "list", "created": int(time.time()), "model": model,
+                         "data": data, "usage": {"prompt_tokens": num_prompt, "total_tokens": num_prompt,
+                                                 "completion_tokens": 0, "prompt_tokens_details": None}})
