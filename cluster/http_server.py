@@ -34,10 +34,13 @@ def run_server(app, host: str, port: int, model_name: str, sock: socket.socket |
             if threading.current_thread() is not threading.main_thread():
                 yield
                 return
-            previous = {sig: signal.signal(sig, self.handle_exit) for sig in signals_to_capture()}
+            captured = signals_to_capture()
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in captured}
+            was_blocked = unblock(captured)
             try:
                 yield
             finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, was_blocked)
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)
 
@@ -70,6 +73,13 @@ def signals_to_capture() -> list[int]:
     supervisor's SIGTERM a second signal, which uvicorn treats as "force exit": its lifespan task was cancelled
     mid-shutdown (a traceback on Ctrl-C)."""
     return [sig for sig in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(sig) is not signal.SIG_IGN]
+
+
+def unblock(signals) -> set:
+    """Unblock ``signals`` in this thread; the mask before. A signal mask survives fork and exec: started by a thread
+    that had SIGINT blocked (a supervisor's, a test runner's), a server held Ctrl-C pending for ever and only SIGTERM
+    stopped it. A signal a server takes is one it must receive."""
+    return signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
 
 
 def run_serving_loop(main):

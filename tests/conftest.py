@@ -281,9 +281,9 @@ def ray_session(tiny_dir):
 
 @pytest.fixture(autouse=True)
 def _sigint_left_as_found(request):
-    """A test that leaves SIGINT ignored in this process makes every later subprocess ignore Ctrl-C (an ignored
-    disposition survives exec): later Ctrl-C tests then time out in another file's name. Restored after each test,
-    with a warning naming the test that changed it."""
+    """A test that leaves SIGINT ignored (or blocked) in this process makes every later subprocess ignore Ctrl-C (an
+    ignored disposition and a signal mask survive exec): later Ctrl-C tests then time out in another file's name.
+    Restored after each test, with a warning naming the test that changed it."""
     import signal
     import warnings
 
@@ -292,3 +292,7 @@ def _sigint_left_as_found(request):
     if signal.getsignal(signal.SIGINT) is not before:
         signal.signal(signal.SIGINT, before)
         warnings.warn(f"{request.node.nodeid} changed the SIGINT handler (restored)", stacklevel=1)
+    # A blocked SIGINT survives fork and exec too (a server then never sees Ctrl-C): unblocked, and named.
+    if signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+        warnings.warn(f"{request.node.nodeid} left SIGINT blocked in the main thread (unblocked)", stacklevel=1)

@@ -17,6 +17,8 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -632,3 +634,34 @@ def test_an_api_process_takes_only_the_signals_it_does_not_ignore():
         assert signals_to_capture() == [signal.SIGTERM]
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_a_server_started_with_sigint_blocked_still_stops_on_ctrl_c(tmp_path):
+    """A signal mask survives fork and exec: a server started by a thread that had SIGINT blocked held Ctrl-C pending
+    for ever (seen once in the suite: an idle server ignored SIGINT for 120 s, then stopped on SIGTERM). run_server
+    unblocks the signals it takes; an ignored SIGINT stays ignored (the test above)."""
+    from pdcluster.tools.server_process import signal_state
+
+    script = tmp_path / "blocked.py"
+    script.write_text(
+        "import signal\n"
+        "signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])\n"
+        "from fastapi import FastAPI\n"
+        "from pdcluster.cluster.http_server import run_server\n"
+        "raise SystemExit(run_server(FastAPI(), '127.0.0.1', 0, 'blocked-sigint'))\n")
+    log = tmp_path / "log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, str(script)], stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while "pdcluster serving blocked-sigint" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.1)
+        assert signal_state(proc.pid)["blocked"] is False, "the serving process kept SIGINT blocked"
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(30) == 0, log.read_text()[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)

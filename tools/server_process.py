@@ -70,9 +70,18 @@ class ServeProcess:
         return self.log_path.read_text(errors="replace")
 
     def interrupt(self, timeout_s: float | None = None) -> int:
-        """SIGINT to the server's process group (what Ctrl-C in its terminal does); its exit status."""
+        """SIGINT to the server's process group (what Ctrl-C in its terminal does); its exit status. Where it has
+        not exited in time, ServeProcessError with the server's signal state (a SIGINT it blocks, ignores or holds
+        pending) and its log's tail."""
+        before = signal_state(self.proc.pid)
         os.killpg(self.proc.pid, signal.SIGINT)
-        return self.proc.wait(timeout_s if timeout_s is not None else self.stop_timeout_s)
+        timeout_s = timeout_s if timeout_s is not None else self.stop_timeout_s
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            after = signal_state(self.proc.pid)
+            raise ServeProcessError(f"server did not exit {timeout_s:.0f} s after SIGINT; its SIGINT before: {before}, "
+                                    f"after: {after}; log: {self.output()[-3000:]}") from None
 
     def close(self) -> None:
         """SIGTERM; SIGKILL if it has not exited within ``stop_timeout_s``. Idempotent."""
@@ -89,3 +98,16 @@ class ServeProcess:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def signal_state(pid: int) -> dict:
+    """Whether process ``pid``'s SIGINT is blocked, ignored, caught (a handler) or pending, from /proc (Linux);
+    {} where that cannot be read."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    except OSError:
+        return {}
+    bit = 1 << (signal.SIGINT - 1)
+    return {name: bool(int(fields[key].strip(), 16) & bit) for name, key in
+            (("blocked", "SigBlk"), ("ignored", "SigIgn"), ("caught", "SigCgt"), ("pending", "SigPnd"),
+             ("pending_process", "ShdPnd")) if key in fields}

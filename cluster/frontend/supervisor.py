@@ -24,7 +24,7 @@ from pdcluster.cluster.api.media_policy import MediaPolicy
 from pdcluster.cluster.frontend.api_process import ApiConfig, main as api_process_main, router_endpoint
 from pdcluster.cluster.frontend.protocol import AdminCall, AdminReply
 from pdcluster.cluster.frontend.service import RouterService
-from pdcluster.cluster.http_server import announce_serving, run_serving_loop
+from pdcluster.cluster.http_server import announce_serving, run_serving_loop, unblock
 from pdcluster.cluster.metrics import enable_multiprocess
 
 log = logging.getLogger(__name__)
@@ -76,6 +76,7 @@ class ApiServers:
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        unblock((signal.SIGINT, signal.SIGTERM))
         ready: set[int] = set()
 
         def on_hello(index: int, is_ready: bool) -> None:
