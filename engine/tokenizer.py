@@ -210,10 +210,21 @@ class Tokenizer:
             raise ChatTemplateError(f"chat template of {str(self.model_dir)!r} does not compile: {exc}") from exc
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None, **template_kwargs) -> str:
+                            tools: list[dict] | None = None, continue_final_message: bool = False,
+                            **template_kwargs) -> str:
         """The prompt text for `messages` ([{"role": ..., "content": ...}, ...]); ``tools`` (OpenAI function
         tools) for templates that render them, ``template_kwargs`` more variables (vLLM's
-        chat_template_kwargs, e.g. Qwen3's enable_thinking)."""
+        chat_template_kwargs, e.g. Qwen3's enable_thinking).
+
+        ``continue_final_message`` (transformers' and vLLM's): the text ends inside the final message, right after
+        its content, without the template's end of turn, so that generation continues that message (an assistant
+        reply started by the client). ChatTemplateError where it cannot: with ``add_generation_prompt``, a final
+        message without text, or a template that does not write that text."""
+        if continue_final_message:
+            if add_generation_prompt:
+                raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be true: "
+                                        "set add_generation_prompt to false to continue the final message")
+            return _cut_at_mark(self.apply_chat_template(_marked(messages), False, tools, **template_kwargs))
         import jinja2
 
         try:
@@ -233,6 +244,37 @@ class Tokenizer:
             raise
         except (jinja2.TemplateError, TypeError, ValueError) as exc:  # e.g. content that is not a string / not JSON
             raise ChatTemplateError(f"chat template failed on these messages: {exc}") from exc
+
+
+# Written after the final message's text, then cut off with everything after it (transformers 5's way, so both give
+# the same prompt): where the template trims the message, the text before it is trimmed too.
+_CONTINUE_MARK = "PDCLUSTER_CONTINUE_FINAL_MESSAGE "
+
+
+def _marked(messages: list[dict]) -> list[dict]:
+    """``messages`` with the mark after the final message's text (its last text part)."""
+    final = dict(messages[-1]) if messages else {}
+    content = final.get("content")
+    if isinstance(content, str) and content:
+        final["content"] = content + _CONTINUE_MARK
+    elif isinstance(content, list) and any(isinstance(p, dict) and isinstance(p.get("text"), str) for p in content):
+        parts = [dict(p) if isinstance(p, dict) else p for p in content]
+        last = max(i for i, p in enumerate(parts) if isinstance(p, dict) and isinstance(p.get("text"), str))
+        parts[last]["text"] += _CONTINUE_MARK
+        final["content"] = parts
+    else:
+        raise ChatTemplateError("continue_final_message: the final message has no text to continue")
+    return [*messages[:-1], final]
+
+
+def _cut_at_mark(rendered: str) -> str:
+    at = rendered.rfind(_CONTINUE_MARK.strip())
+    if at < 0:
+        raise ChatTemplateError("continue_final_message: the chat template does not write the final message's "
+                                "text, so there is no place to continue it from")
+    if rendered.startswith(_CONTINUE_MARK, at):
+        return rendered[:at]
+    return rendered[:at].rstrip()  # the template trimmed the message's end: its trailing whitespace goes too
 
 
 # ---------------------------------------------------------------------------------- output text

@@ -237,12 +237,47 @@ def test_chat_fields_served_only_at_defaults(stack):
         return stack.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
                                                     max_tokens=2, extra_body=extra)
 
-    for field, value in (("chat_template", "{{ messages }}"), ("continue_final_message", True),
-                         ("documents", [{"text": "x"}]), ("echo", True)):
+    for field, value in (("chat_template", "{{ messages }}"), ("documents", [{"text": "x"}]), ("echo", True)):
         _bad_request(lambda: chat(**{field: value}), field)
     _bad_request(lambda: chat(chat_template_kwargs={"messages": []}), "chat_template_kwargs", "messages")
     with_special = chat(add_special_tokens=True).usage.prompt_tokens
     assert with_special >= chat().usage.prompt_tokens
+
+
+def test_continue_final_message_continues_the_assistants_reply(stack, tiny_dir, engine):
+    """vLLM's continue_final_message: the prompt stops right after the final (assistant) message's text, as
+    transformers renders it, and the reply is the model's continuation of that text; /tokenize gives the same ids.
+    Refused in one line with add_generation_prompt, or a final message with no text."""
+    from transformers import AutoTokenizer
+
+    started = "The capital of France is"
+    messages = [{"role": "user", "content": "Where is Paris?"}, {"role": "assistant", "content": started}]
+    want_text = AutoTokenizer.from_pretrained(tiny_dir).apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=False, continue_final_message=True)
+    assert want_text.endswith(started)  # no end of turn after the reply begun
+    want_ids = Tokenizer(tiny_dir).encode(want_text)
+    r = stack.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                             extra_body={"continue_final_message": True,
+                                                         "add_generation_prompt": False})
+    assert stack.recording.prompts[_last_request(stack)[0]] == want_ids
+    greedy = engine.generate([want_ids], SamplingParams(max_tokens=8, temperature=0.0))[0]
+    assert r.choices[0].message.content == greedy.text and r.usage.prompt_tokens == len(want_ids)
+    tokenized = stack.http.post("/tokenize", json={"messages": messages, "continue_final_message": True,
+                                                   "add_generation_prompt": False}).json()
+    assert tokenized["tokens"] == want_ids
+    # Without it the same chat ends the assistant's turn: a different prompt.
+    plain = stack.http.post("/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
+    assert plain["tokens"] != want_ids and plain["tokens"][:len(want_ids)] == want_ids
+
+    def chat(msgs, **extra):
+        return stack.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2,
+                                                    extra_body={"continue_final_message": True, **extra})
+
+    _bad_request(lambda: chat(messages), "continue_final_message", "add_generation_prompt")
+    _bad_request(lambda: chat([*messages[:1], {"role": "assistant", "content": ""}], add_generation_prompt=False),
+                 "continue_final_message", "no text")
+    r = stack.http.post("/tokenize", json={"messages": messages, "continue_final_message": True})
+    assert r.status_code == 400 and "add_generation_prompt" in r.json()["error"]["message"], r.text
 
 
 def test_unknown_fields_are_logged(stack, caplog):

@@ -211,11 +211,20 @@ CONVERSATIONS = [
 ]
 
 
+# Replies the client began, for continue_final_message: the text alone, with trailing and leading whitespace.
+STARTED_REPLIES = ["The answer is", "The answer is ", "  padded both ways  ", "Line one.\n"]
+
+
 def _assert_same_chat_rendering(ours: Tokenizer, ref) -> None:
     for messages in CONVERSATIONS:
         for gen_prompt in (True, False):
             expected = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen_prompt)
             assert ours.apply_chat_template(messages, add_generation_prompt=gen_prompt) == expected
+    for started in STARTED_REPLIES:  # the prompt stops inside the final message, where transformers stops it
+        messages = [*CONVERSATIONS[0], {"role": "assistant", "content": started}]
+        expected = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                           continue_final_message=True)
+        assert ours.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True) == expected
 
 
 def test_chat_template_renders_like_transformers_on_our_files(smollm2_dir, hf_tokenizer_on_our_dir):

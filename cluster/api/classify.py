@@ -52,6 +52,7 @@ class ClassifyRequest(StrictModel):
     truncate_prompt_tokens: int | None = None
     add_special_tokens: bool | None = None  # default: true for input, false for messages (the template's own)
     add_generation_prompt: bool | None = False
+    continue_final_message: bool | None = False
     chat_template_kwargs: dict | None = None
     priority: int | None = 0  # lower first (engine/waiting_queue.py)
     activation: bool | None = None  # vLLM's older name of use_activation

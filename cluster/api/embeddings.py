@@ -136,6 +136,7 @@ class EmbeddingRequest(StrictModel):
     truncate_prompt_tokens: int | None = None
     add_special_tokens: bool | None = None  # default: true for input, false for messages (the template's own)
     add_generation_prompt: bool | None = False
+    continue_final_message: bool | None = False
     chat_template_kwargs: dict | None = None
     normalize: bool | None = None  # default: the server's pooler
     priority: int | None = 0  # lower first (engine/waiting_queue.py)
@@ -156,7 +157,8 @@ def _prompts(body: EmbeddingRequest, tokenizer) -> list[list[int]]:
     if body.messages is not None:
         return [chat_prompt_ids(body.messages, bool(body.add_generation_prompt), tokenizer,
                                 template_kwargs=chat_template_kwargs(body.chat_template_kwargs),
-                                add_special_tokens=bool(body.add_special_tokens))]
+                                add_special_tokens=bool(body.add_special_tokens),
+                                continue_final_message=bool(body.continue_final_message))]
     one = body.input
     batch = one if isinstance(one, list) and one and isinstance(one[0], (str, list)) else [one]
     if len(batch) > MAX_PROMPTS:

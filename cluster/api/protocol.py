@@ -257,6 +257,9 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: ToolChoice = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool | None = True  # extension (as vLLM)
+    # vLLM's: the prompt stops inside the final message (an assistant reply the client began), which the model then
+    # continues; needs add_generation_prompt false.
+    continue_final_message: bool | None = False
     # vLLM's chat extensions: extra variables for the chat template (e.g. Qwen3's enable_thinking), special
     # tokens added when tokenizing the rendered text (the template writes its own by default).
     chat_template_kwargs: dict | None = None
@@ -266,7 +269,6 @@ class ChatCompletionRequest(SamplingFields):
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
     # ... and those served only at their defaults:
     chat_template: str | None = None
-    continue_final_message: bool | None = False
     documents: list | None = None
     echo: bool | None = False
 

@@ -1,8 +1,8 @@
 """POST /tokenize and POST /detokenize, as vLLM serves them.
 
 /tokenize: ``{"model"?, "prompt", "add_special_tokens"?: true}`` or ``{"model"?, "messages",
-"add_generation_prompt"?: true, "add_special_tokens"?: false}`` (the chat template rendered as chat
-completions renders it), ``"return_token_strs"?`` -> ``{"count", "max_model_len", "tokens",
+"add_generation_prompt"?: true, "continue_final_message"?: false, "add_special_tokens"?: false}`` (the chat
+template rendered as chat completions renders it), ``"return_token_strs"?`` -> ``{"count", "max_model_len", "tokens",
 "token_strs"}`` (``token_strs``: the vocabulary's strings, null unless asked for).
 /detokenize: ``{"model"?, "tokens"}`` -> ``{"prompt"}`` (special tokens kept, as vLLM).
 
@@ -42,13 +42,11 @@ def _tokenize(body: TokenizeRequest, tokenizer, images: list[bytes], max_images:
               mm_processor_kwargs: str = "") -> list[int]:
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt (text) or messages (a chat)", param="prompt")
-    if body.continue_final_message:
-        raise APIError(400, "continue_final_message: not supported (leave it out or send false)",
-                       param="continue_final_message", code="unsupported_parameter")
     if body.prompt is not None:
         return tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
     text = chat_prompt_text(body.messages, body.add_generation_prompt is not False, tokenizer,
-                            template_kwargs=chat_template_kwargs(body.chat_template_kwargs))
+                            template_kwargs=chat_template_kwargs(body.chat_template_kwargs),
+                            continue_final_message=bool(body.continue_final_message))
     # The template spells its own special tokens: by default none are added (as chat completions).
     ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
     if images:  # each image as its placeholders, as the request would be (LLaVA-NeXT's count follows its size)

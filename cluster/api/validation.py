@@ -121,7 +121,8 @@ async def prepare(body: SamplingFields, router, served_model_name: str,
         images = await chat_images(body.messages, tokenizer, router.max_images_per_prompt, media)
         ids = await anyio.to_thread.run_sync(
             lambda: chat_prompt_ids(body.messages, body.add_generation_prompt is not False, tokenizer, tools,
-                                    tool_parser, template_kwargs, bool(body.add_special_tokens)))
+                                    tool_parser, template_kwargs, bool(body.add_special_tokens),
+                                    bool(body.continue_final_message)))
         prompts = [(ids, None)]
     else:
         images = []
@@ -211,7 +212,6 @@ _VLLM_DEFAULTS_ONLY = {
     "spaces_between_special_tokens": (True, "special tokens are decoded as the tokenizer joins them"),
     "chat_template": (None, "the model's own chat template is used (a request's template would run as code "
                             "on the server)"),
-    "continue_final_message": (False, "the chat ends with the generation prompt"),
     "documents": (None, "put the documents in the messages"),
 }
 # Variables the chat template gets from the server, which chat_template_kwargs cannot replace.
@@ -337,8 +337,9 @@ def _truncate_prompts(keep: int | None, prompts: list[tuple[list[int], str | Non
 
 def chat_prompt_text(messages: list[ChatMessage], add_generation_prompt: bool, tokenizer,
                      tools: list[dict] | None = None, tool_parser: ToolParser | None = None,
-                     template_kwargs: dict | None = None) -> str:
-    """``messages`` rendered by the model's chat template (also /tokenize's).
+                     template_kwargs: dict | None = None, continue_final_message: bool = False) -> str:
+    """``messages`` rendered by the model's chat template (also /tokenize's). ``continue_final_message`` (vLLM's):
+    the text stops right after the final message's content, so generation continues it (engine/tokenizer.py).
 
     With ``tools`` and a ``tool_parser``: a template that renders ``tools`` itself gets them (when the
     tokenizer passes them on); any other template (SmolLM2's plain ChatML) gets them as HF's tool
@@ -369,10 +370,17 @@ def chat_prompt_text(messages: list[ChatMessage], add_generation_prompt: bool, t
             rendered.insert(0, {"role": "system", "content": prompt})
     elif tools and _template_takes_tools(tokenizer):
         kwargs["tools"] = tools
+    if continue_final_message:
+        if add_generation_prompt:
+            raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true: send "
+                                "add_generation_prompt false to continue the final message",
+                           param="continue_final_message")
+        kwargs["continue_final_message"] = True
     try:
         return tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt, **kwargs)
     except ChatTemplateError as e:
-        raise APIError(400, f"messages: {e}", param="messages") from e
+        param = "continue_final_message" if str(e).startswith("continue_final_message") else "messages"
+        raise APIError(400, f"{param}: {e}" if param == "messages" else str(e), param=param) from e
 
 
 def _content(content, tokenizer) -> str | list[dict]:
@@ -401,8 +409,10 @@ def _template_takes_tools(tokenizer) -> bool:
 
 def chat_prompt_ids(messages: list[ChatMessage], add_generation_prompt: bool, tokenizer,
                     tools: list[dict] | None = None, tool_parser: ToolParser | None = None,
-                    template_kwargs: dict | None = None, add_special_tokens: bool = False) -> list[int]:
-    text = chat_prompt_text(messages, add_generation_prompt, tokenizer, tools, tool_parser, template_kwargs)
+                    template_kwargs: dict | None = None, add_special_tokens: bool = False,
+                    continue_final_message: bool = False) -> list[int]:
+    text = chat_prompt_text(messages, add_generation_prompt, tokenizer, tools, tool_parser, template_kwargs,
+                            continue_final_message)
     # The template writes its own special tokens: none are added unless asked for (vLLM's add_special_tokens).
     ids = tokenizer.encode(text, add_special_tokens=True) if add_special_tokens else tokenizer.encode(text)
     if not ids:
