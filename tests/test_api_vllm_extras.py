@@ -237,7 +237,7 @@ def test_chat_fields_served_only_at_defaults(stack):
         return stack.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
                                                     max_tokens=2, extra_body=extra)
 
-    for field, value in (("chat_template", "{{ messages }}"), ("documents", [{"text": "x"}]), ("echo", True)):
+    for field, value in (("chat_template", "{{ messages }}"), ("echo", True)):
         _bad_request(lambda: chat(**{field: value}), field)
     _bad_request(lambda: chat(chat_template_kwargs={"messages": []}), "chat_template_kwargs", "messages")
     with_special = chat(add_special_tokens=True).usage.prompt_tokens
@@ -458,6 +458,8 @@ def test_continuous_usage_stats(stack):
 
 TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
             "{% if tools %}<tools>{{ tools | tojson }}</tools>\n{% endif %}"
+            "{% if documents %}<docs>{% for d in documents %}[{{ d.title }}] {{ d.text }};{% endfor %}</docs>\n"
+            "{% endif %}"
             "{% if enable_thinking is defined and not enable_thinking %}<no_think>\n{% endif %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
@@ -492,6 +494,33 @@ def test_chat_template_kwargs(templated_dir):
             assert r.usage.prompt_tokens == len(off)
     finally:
         local.close()
+
+
+def test_documents_reach_a_template_that_renders_them(templated_dir, stack):
+    """vLLM's ``documents`` (retrieval-augmented chat) are the chat template's ``documents`` variable; a model whose
+    template does not render them answers 400 rather than dropping them, and chat_template_kwargs cannot set them."""
+    local = LocalRouter(EngineConfig(model=str(templated_dir), num_kv_blocks=64, max_model_len=256),
+                        request_timeout_s=30)
+    name = "templated"
+    messages = [{"role": "user", "content": "Where is it?"}]
+    documents = [{"title": "Paris", "text": "The capital of France."}, {"title": "Rome", "text": "Of Italy."}]
+    try:
+        with serving(build_app(local, name, api_key=API_KEY, metrics=Metrics(name))) as base_url:
+            s = Stack(local, Metrics(name), base_url)
+            plain = s.http.post("/tokenize", json={"model": name, "messages": messages}).json()["tokens"]
+            r = s.client.chat.completions.create(model=name, messages=messages, max_tokens=2,
+                                                 extra_body={"documents": documents})
+            text = Tokenizer(templated_dir).apply_chat_template(messages, documents=documents)
+            assert "<docs>[Paris] The capital of France.;[Rome] Of Italy.;</docs>" in text
+            assert r.usage.prompt_tokens == len(Tokenizer(templated_dir).encode(text)) > len(plain)
+    finally:
+        local.close()
+
+    def chat(**extra):
+        return stack.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, extra_body=extra)
+
+    _bad_request(lambda: chat(documents=documents), "documents", "does not render")
+    _bad_request(lambda: chat(chat_template_kwargs={"documents": documents}), "chat_template_kwargs", "documents")
 
 
 def test_template_that_renders_tools_gets_them(templated_dir):

@@ -267,9 +267,11 @@ class ChatCompletionRequest(SamplingFields):
     # OpenAI's: how hard a reasoning model thinks; reaches the chat template as ``reasoning_effort`` (gpt-oss's
     # template writes it into its system message), unless chat_template_kwargs names it.
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+    # vLLM's: documents for a retrieval-augmented chat, the chat template's ``documents`` variable (a template that
+    # does not render them is a 400).
+    documents: list[dict[str, str]] | None = None
     # ... and those served only at their defaults:
     chat_template: str | None = None
-    documents: list | None = None
     echo: bool | None = False
 
 

@@ -118,6 +118,8 @@ async def prepare(body: SamplingFields, router, served_model_name: str,
         template_kwargs = chat_template_kwargs(body.chat_template_kwargs)
         if body.reasoning_effort is not None:
             template_kwargs = {"reasoning_effort": body.reasoning_effort, **template_kwargs}
+        if body.documents is not None:
+            template_kwargs = {**template_kwargs, "documents": template_documents(body.documents, tokenizer)}
         images = await chat_images(body.messages, tokenizer, router.max_images_per_prompt, media)
         ids = await anyio.to_thread.run_sync(
             lambda: chat_prompt_ids(body.messages, body.add_generation_prompt is not False, tokenizer, tools,
@@ -212,10 +214,9 @@ _VLLM_DEFAULTS_ONLY = {
     "spaces_between_special_tokens": (True, "special tokens are decoded as the tokenizer joins them"),
     "chat_template": (None, "the model's own chat template is used (a request's template would run as code "
                             "on the server)"),
-    "documents": (None, "put the documents in the messages"),
 }
 # Variables the chat template gets from the server, which chat_template_kwargs cannot replace.
-_TEMPLATE_RESERVED = frozenset({"messages", "add_generation_prompt", "tools", "bos_token", "eos_token",
+_TEMPLATE_RESERVED = frozenset({"messages", "add_generation_prompt", "tools", "documents", "bos_token", "eos_token",
                                 "raise_exception", "strftime_now"})
 
 
@@ -310,6 +311,15 @@ def _completion_prompts(body: CompletionRequest, n: int, echo: bool, tokenizer) 
             text = tokenizer.decode(ids)
         out.append((ids, text if echo else None))
     return out
+
+
+def template_documents(documents: list[dict], tokenizer) -> list[dict]:
+    """vLLM's ``documents`` (retrieval-augmented chat: Granite's, Command R's templates): handed to the chat template
+    as its ``documents`` variable. A template that does not read that variable would drop them silently: a 400 says
+    so instead."""
+    if "documents" not in (getattr(tokenizer, "chat_template", None) or ""):
+        raise _bad("documents", "this model's chat template does not render documents: put them in the messages")
+    return documents
 
 
 def chat_template_kwargs(kwargs: dict | None) -> dict:
