@@ -280,6 +280,32 @@ def test_continue_final_message_continues_the_assistants_reply(stack, tiny_dir, 
     assert r.status_code == 400 and "add_generation_prompt" in r.json()["error"]["message"], r.text
 
 
+def test_client_request_id_names_the_response_and_the_router_request(stack):
+    """vLLM's request_id (an X-Request-Id header wins): the response's id is "<kind>-<client id>", streamed chunks
+    too, and the router's request id starts with it (so every worker's log names the client's id); two requests
+    with one client id both run, each under an id of its own. An id that is not 1-128 safe characters is a 400."""
+    import concurrent.futures
+
+    r = _complete(stack, max_tokens=2, request_id="trace-7")
+    assert r.id == "cmpl-trace-7" and _last_request(stack)[0].startswith("cmpl-trace-7-")
+    chat = stack.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                max_tokens=2, extra_body={"request_id": "trace-8"},
+                                                extra_headers={"X-Request-Id": "from-header"})
+    assert chat.id == "chatcmpl-from-header" and _last_request(stack)[0].startswith("chatcmpl-from-header-")
+    chunks = list(stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, stream=True,
+                                                  extra_body={"request_id": "streamed"}))
+    assert chunks and {c.id for c in chunks} == {"cmpl-streamed"}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        twins = list(pool.map(lambda _: _complete(stack, max_tokens=4, request_id="twin"), range(2)))
+    assert [t.id for t in twins] == ["cmpl-twin", "cmpl-twin"] and twins[0].choices[0].text == twins[1].choices[0].text
+    assert len([rid for rid in stack.recording.params if rid.startswith("cmpl-twin-")]) == 2
+    assert _complete(stack, max_tokens=1).id.startswith("cmpl-")  # without one: an id of the server's
+    _bad_request(lambda: _complete(stack, max_tokens=1, request_id="has space"), "request_id", "1-128")
+    _bad_request(lambda: _complete(stack, max_tokens=1, request_id="x" * 129), "request_id")
+    _bad_request(lambda: stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1,
+                                                         extra_headers={"X-Request-Id": "a/b"}), "X-Request-Id")
+
+
 def test_unknown_fields_are_logged(stack, caplog):
     with caplog.at_level(logging.WARNING, logger="pdcluster.cluster.api.validation"):
         _complete(stack, max_tokens=2, frobnicate=3, top_a=0.5)

@@ -97,6 +97,9 @@ class SamplingFields(StrictModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # vLLM's: the client's id for the request (an X-Request-Id header wins): the response's id is "<kind>-<it>", and
+    # every worker's log names the request by it (each request still runs under an id of its own).
+    request_id: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]

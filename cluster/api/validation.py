@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -80,6 +81,7 @@ class Prepared:
     include_usage: bool
     continuous_usage: bool = False  # every chunk carries the usage so far (vLLM's continuous_usage_stats)
     beam: BeamSearchParams | None = None  # use_beam_search: n is the beam width (cluster/api/beam.py)
+    response_id: str = ""  # the id the response shows, where the client named the request (else request_id)
     created: int = field(default_factory=lambda: int(time.time()))
     arrival: float = field(default_factory=time.monotonic)
 
@@ -90,7 +92,7 @@ def _bad(param: str, message: str) -> APIError:
 
 async def prepare(body: SamplingFields, router, served_model_name: str,
                   tool_parser: ToolParser | None = None, reasoning_parser: str | None = None,
-                  media: MediaPolicy = MediaPolicy()) -> Prepared:
+                  media: MediaPolicy = MediaPolicy(), header_request_id: str | None = None) -> Prepared:
     """``tool_parser``: the model's tool-call format (tool_choice "auto", tools in the prompt);
     ``reasoning_parser``: the model's reasoning format (cluster/api/reasoning.py), for chat; ``media``: where a
     chat's images may be fetched from (cluster/api/media_policy.py)."""
@@ -150,9 +152,26 @@ async def prepare(body: SamplingFields, router, served_model_name: str,
     if body.length_penalty not in (None, 1.0) and beam is None:
         raise _bad("length_penalty", f"applies to beam search only: set use_beam_search=true or leave it out, "
                                      f"got {body.length_penalty}")
+    client_id = client_request_id(header_request_id or body.request_id,
+                                  "X-Request-Id" if header_request_id else "request_id")
+    # Two requests may carry one client id: each runs under an id of its own, which starts with the client's.
+    request_id = f"{prefix}-{client_id}-{uuid.uuid4().hex[:12]}" if client_id else f"{prefix}-{uuid.uuid4().hex}"
     # Answers name the model asked for: the adapter's name for an adapter (as vLLM).
-    return Prepared(f"{prefix}-{uuid.uuid4().hex}", kind, body.model, inputs, n, output,
-                    bool(body.stream), include_usage, continuous_usage=continuous, beam=beam)
+    return Prepared(request_id, kind, body.model, inputs, n, output, bool(body.stream), include_usage,
+                    continuous_usage=continuous, beam=beam, response_id=f"{prefix}-{client_id}" if client_id else "")
+
+
+_CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def client_request_id(value: str | None, param: str) -> str | None:
+    """The client's id for a request (vLLM's request_id, or the X-Request-Id header), checked: it names the
+    request in every log line and becomes part of internal ids, so 1-128 letters, digits and ._:- only."""
+    if value is None:
+        return None
+    if not _CLIENT_ID.fullmatch(value):
+        raise _bad(param, f"must be 1-128 letters, digits, '.', '_', ':' or '-', got {short(value)}")
+    return value
 
 
 def _beam_search(body: SamplingFields, n: int, output: Output, inputs: list[PromptInput]) -> BeamSearchParams:
