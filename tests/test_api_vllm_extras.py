@@ -199,6 +199,13 @@ def test_truncate_prompt_tokens(stack, tok):
     _complete(stack, truncate_prompt_tokens=-1)  # max_model_len: the whole prompt
     assert stack.recording.prompts[_last_request(stack)[0]] == ids
     _bad_request(lambda: _complete(stack, truncate_prompt_tokens=0), "truncate_prompt_tokens")
+    # vLLM's truncation_side: "right" keeps the first k tokens ("left", the default, the last k); echo shows them.
+    r = _complete(stack, truncate_prompt_tokens=3, truncation_side="right", echo=True, max_tokens=1)
+    assert stack.recording.prompts[_last_request(stack)[0]] == ids[:3] and r.usage.prompt_tokens == 3
+    assert r.choices[0].text.startswith(tok.decode(ids[:3]))
+    _complete(stack, truncate_prompt_tokens=3, truncation_side="left")
+    assert stack.recording.prompts[_last_request(stack)[0]] == ids[-3:]
+    _bad_request(lambda: _complete(stack, truncate_prompt_tokens=3, truncation_side="middle"), "truncation_side")
 
 
 def test_cache_salt_separates_prefix_cache(stack):

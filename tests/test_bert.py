@@ -276,6 +276,12 @@ def test_served_embeddings_scores_and_a_clear_400_for_generation(models):
             cut = _engine(path).embed([ids[:1] + ids[-5:]], pooling="cls")[0]
             assert r.json()["usage"]["prompt_tokens"] == 6
             assert np.abs(np.array(r.json()["data"][0]["embedding"]) - cut).max() < 1e-5
+            # truncation_side "right": [CLS], the first k - 2 text tokens and [SEP].
+            r = _post(url, "/v1/embeddings", {"model": "emb", "input": TEXTS[1], "truncate_prompt_tokens": 6,
+                                              "truncation_side": "right"})
+            first = _engine(path).embed([ids[:5] + ids[-1:]], pooling="cls")[0]
+            assert r.status_code == 200 and np.abs(np.array(r.json()["data"][0]["embedding"]) - first).max() < 1e-5
+            assert np.abs(first - cut).max() > 1e-3  # the two sides keep different tokens
             for route, body in (("/v1/completions", {"prompt": "the fox", "max_tokens": 3}),
                                 ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
                 r = _post(url, route, {"model": "emb", **body})

@@ -258,6 +258,10 @@ def test_token_ids_chat_truncation_normalize_and_dimensions(served, engine):
     truncated = _post(url, {"input": [ids], "truncate_prompt_tokens": 5}).json()
     assert truncated["usage"]["prompt_tokens"] == 5
     assert np.abs(np.array(truncated["data"][0]["embedding"]) - np.array(by_ids[1]["embedding"])).max() < TOL
+    first = _post(url, {"input": [ids], "truncate_prompt_tokens": 5, "truncation_side": "right"}).json()
+    head = np.array(_post(url, {"input": [ids[:5]]}).json()["data"][0]["embedding"])
+    assert np.abs(np.array(first["data"][0]["embedding"]) - head).max() < TOL
+    assert np.abs(head - np.array(by_ids[1]["embedding"])).max() > 1e-3  # the first 5 tokens, not the last 5
     raw = np.array(_post(url, {"input": TEXTS[3], "normalize": False}).json()["data"][0]["embedding"])
     assert np.abs(raw / np.linalg.norm(raw) - by_text).max() < TOL and np.linalg.norm(raw) > 2
     short = np.array(_post(url, {"input": TEXTS[3], "dimensions": 64}).json()["data"][0]["embedding"])

@@ -50,6 +50,7 @@ class ClassifyRequest(StrictModel):
     user: str | None = None
     # vLLM's extras:
     truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None  # "right": the first tokens are kept
     add_special_tokens: bool | None = None  # default: true for input, false for messages (the template's own)
     add_generation_prompt: bool | None = False
     continue_final_message: bool | None = False
@@ -194,7 +195,7 @@ async def _run_pooling(body, pooling: str, id_prefix: str, request: Request, rou
     lora_name = check_model(body.model, served_model_name, router.lora_names) if body.model is not None else None
     prompts = await anyio.to_thread.run_sync(_prompts, body, router.tokenizer)
     prompts = check_lengths(prompts, body.truncate_prompt_tokens, router.max_model_len,
-                            keep_first=pooler.encoder_only)
+                            keep_first=pooler.encoder_only, from_right=body.truncation_side == "right")
     params = pooling_params(pooling, lora_name, body.priority)
     request_id = f"{id_prefix}-{uuid.uuid4().hex}"
     started = time.monotonic()

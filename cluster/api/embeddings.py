@@ -134,6 +134,7 @@ class EmbeddingRequest(StrictModel):
     user: str | None = None
     # vLLM's extras:
     truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None  # "right": the first tokens are kept
     add_special_tokens: bool | None = None  # default: true for input, false for messages (the template's own)
     add_generation_prompt: bool | None = False
     continue_final_message: bool | None = False
@@ -182,11 +183,12 @@ def _prompts(body: EmbeddingRequest, tokenizer) -> list[list[int]]:
 
 
 def check_lengths(prompts: list[list[int]], truncate_prompt_tokens: int | None, max_model_len: int,
-                  param: str = "input", keep_first: bool = False) -> list[list[int]]:
-    """vLLM's ``truncate_prompt_tokens`` (each prompt's last k tokens; -1: as many as fit) applied, then every prompt
-    within what a pooling request may hold: ``max_model_len`` less the one token it samples. ``keep_first``: an
-    encoder's prompt keeps its first token ([CLS], what it pools) and its last k - 1, as a tokenizer truncating from
-    the left keeps its special tokens."""
+                  param: str = "input", keep_first: bool = False, from_right: bool = False) -> list[list[int]]:
+    """vLLM's ``truncate_prompt_tokens`` (each prompt's last k tokens; -1: as many as fit; its first k with
+    ``from_right``, truncation_side "right") applied, then every prompt within what a pooling request may hold:
+    ``max_model_len`` less the one token it samples. ``keep_first``: an encoder's prompt keeps its first token ([CLS],
+    what it pools) and its last k - 1 (from the right: its first k - 1 and its last, [SEP]), as a tokenizer
+    truncating keeps its special tokens."""
     limit = max_model_len - 1
     keep = truncate_prompt_tokens
     if keep is not None:
@@ -195,9 +197,10 @@ def check_lengths(prompts: list[list[int]], truncate_prompt_tokens: int | None, 
             raise APIError(400, f"truncate_prompt_tokens must be >= 1 (or -1 for the context), got "
                                 f"{truncate_prompt_tokens}", param="truncate_prompt_tokens")
         if keep_first and keep > 1:
-            prompts = [ids if len(ids) <= keep else ids[:1] + ids[-(keep - 1):] for ids in prompts]
+            prompts = [ids if len(ids) <= keep else ids[:keep - 1] + ids[-1:] if from_right
+                       else ids[:1] + ids[-(keep - 1):] for ids in prompts]
         else:
-            prompts = [ids[-keep:] for ids in prompts]
+            prompts = [ids[:keep] if from_right else ids[-keep:] for ids in prompts]
     for i, ids in enumerate(prompts):
         if len(ids) > limit:
             label = param if len(prompts) == 1 else f"{param}[{i}]"
@@ -228,7 +231,7 @@ async def _prepare(body: EmbeddingRequest, router, served_model_name: str, poole
             raise APIError(400, f"dimensions must be {allowed}, got {dimensions}", param="dimensions")
     prompts = await anyio.to_thread.run_sync(_prompts, body, router.tokenizer)
     prompts = check_lengths(prompts, body.truncate_prompt_tokens, router.max_model_len,
-                            keep_first=pooler.encoder_only)
+                            keep_first=pooler.encoder_only, from_right=body.truncation_side == "right")
     normalize = pooler.normalize if body.normalize is None else body.normalize
     return _Prepared(f"{id_prefix}-{uuid.uuid4().hex}", prompts, pooling_params(pooler.pooling_type, lora_name, body.priority),
                      normalize, dimensions)

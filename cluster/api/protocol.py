@@ -116,6 +116,7 @@ class SamplingFields(StrictModel):
     spaces_between_special_tokens: bool | None = True  # only true (tokenizers' decode has no such switch)
     include_stop_str_in_output: bool | None = False
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: max_model_len
+    truncation_side: Literal["left", "right"] | None = None  # vLLM's: "right" keeps the first k tokens instead
     cache_salt: str | None = None
     # Structured output, vLLM's two spellings (cluster/api/structured.py):
     structured_outputs: StructuredOutputs | None = None

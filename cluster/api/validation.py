@@ -131,7 +131,8 @@ async def prepare(body: SamplingFields, router, served_model_name: str,
     else:
         images = []
         prompts = await anyio.to_thread.run_sync(_completion_prompts, body, n, output.echo, tokenizer)
-    prompts = _truncate_prompts(body.truncate_prompt_tokens, prompts, router.max_model_len, tokenizer)
+    prompts = _truncate_prompts(body.truncate_prompt_tokens, prompts, router.max_model_len, tokenizer,
+                                body.truncation_side == "right")
     inputs = []
     for i, (ids, text) in enumerate(prompts):
         label = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
@@ -351,17 +352,17 @@ def chat_template_kwargs(kwargs: dict | None) -> dict:
 
 
 def _truncate_prompts(keep: int | None, prompts: list[tuple[list[int], str | None]], max_model_len: int,
-                      tokenizer) -> list[tuple[list[int], str | None]]:
-    """vLLM's truncate_prompt_tokens: each prompt's last ``keep`` tokens (-1: max_model_len); echo then shows
-    the tokens kept."""
+                      tokenizer, from_right: bool = False) -> list[tuple[list[int], str | None]]:
+    """vLLM's truncate_prompt_tokens: each prompt's last ``keep`` tokens (-1: max_model_len), its first with
+    ``from_right`` (truncation_side "right"); echo then shows the tokens kept."""
     if keep is None:
         return prompts
     if keep == -1:
         keep = max_model_len
     if keep < 1:
         raise _bad("truncate_prompt_tokens", f"must be >= 1 (or -1 for max_model_len), got {keep}")
-    return [(ids[-keep:], None if text is None or len(ids) <= keep else tokenizer.decode(ids[-keep:]))
-            for ids, text in prompts]
+    kept = [(ids[:keep] if from_right else ids[-keep:], ids, text) for ids, text in prompts]
+    return [(ids, None if text is None or len(whole) <= keep else tokenizer.decode(ids)) for ids, whole, text in kept]
 
 
 def chat_prompt_text(messages: list[ChatMessage], add_generation_prompt: bool, tokenizer,
