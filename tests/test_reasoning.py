@@ -104,6 +104,23 @@ def test_chat_reasoning_whole_and_streamed(tiny_dir):
         assert deltas[-1]["finish_reason"] == "length"
 
 
+def test_include_reasoning_false_shows_the_answer_alone(tiny_dir):
+    """vLLM's include_reasoning false: the answer without its reasoning, whole and streamed (no reasoning delta, no
+    tag); logprobs or token ids, which would show the reasoning's tokens, are refused with it."""
+    no_reasoning = {**CHAT, "extra_body": {"include_reasoning": False}}
+    with _server(tiny_dir, {0: THOUGHT}, "qwen3") as (router, http, client):
+        m = client.chat.completions.create(**no_reasoning).choices[0].message
+        assert m.content == "\n\nParis." and getattr(m, "reasoning", None) is None
+        assert getattr(m, "reasoning_content", None) is None
+        events = _sse_events(http, "/v1/chat/completions", {**CHAT, "include_reasoning": False})
+        deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+        assert "".join(d.get("content") or "" for d in deltas) == "\n\nParis."
+        assert not any(d.get("reasoning") or d.get("reasoning_content") for d in deltas)
+        for extra in ({"logprobs": True}, {"return_token_ids": True}):
+            r = http.post("/v1/chat/completions", json={**CHAT, "include_reasoning": False, **extra})
+            assert r.status_code == 400 and "include_reasoning" in r.json()["error"]["message"], r.text
+
+
 def test_without_the_flag_or_the_tag_the_text_is_the_answer(tiny_dir):
     with _server(tiny_dir, {0: THOUGHT}, None) as (_, _, client):
         m = client.chat.completions.create(**CHAT).choices[0].message

@@ -271,6 +271,8 @@ class ChatCompletionRequest(SamplingFields):
     # OpenAI's: how hard a reasoning model thinks; reaches the chat template as ``reasoning_effort`` (gpt-oss's
     # template writes it into its system message), unless chat_template_kwargs names it.
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+    # vLLM's: false leaves the reasoning (with --reasoning-parser) out of the answer, whole and streamed.
+    include_reasoning: bool | None = True
     # vLLM's: documents for a retrieval-augmented chat, the chat template's ``documents`` variable (a template that
     # does not render them is a 400).
     documents: list[dict[str, str]] | None = None

@@ -143,7 +143,8 @@ class Reply:
         if self.prep.output.reasoning_parser is not None:
             message = choice["message"]
             message["content"] = message["content"] or None  # as vLLM: no answer yet is null
-            message.update(reasoning_fields(reasoning))
+            if self.prep.output.include_reasoning:
+                message.update(reasoning_fields(reasoning))
         return choice
 
     def _chat_choice(self, run: ChoiceRun, text: str, logprobs: dict | None) -> dict:
@@ -187,7 +188,7 @@ class Reply:
             if finish_reason is not None:
                 split = split + reasoning_stream.finish()
             text = split.content
-            if split.reasoning:
+            if split.reasoning and self.prep.output.include_reasoning:
                 deltas.append(reasoning_fields(split.reasoning))
         if stream is None:
             deltas += [{"content": text}] if text else []

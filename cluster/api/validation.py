@@ -65,6 +65,7 @@ class Output:
     drop_output: bool = False  # max_tokens 0 with echo (scoring): the one token generated is not shown
     tool_calls: ToolCalls | None = None  # the text is tool calls (cluster/api/structured.py)
     reasoning_parser: str | None = None  # chat: the reasoning comes apart from the answer (cluster/api/reasoning.py)
+    include_reasoning: bool = True  # vLLM's: false, the reasoning is not shown (only the answer)
 
 
 @dataclass
@@ -108,7 +109,11 @@ async def prepare(body: SamplingFields, router, served_model_name: str,
     # A grammar forces the output from its first token (structured output, a required or named tool): it
     # holds no reasoning. Tool calls read by a parser ("auto") are free text, reasoning first.
     if is_chat and reasoning_parser is not None and spec is None:
-        output = replace(output, reasoning_parser=reasoning_parser)
+        output = replace(output, reasoning_parser=reasoning_parser, include_reasoning=body.include_reasoning is not False)
+        if not output.include_reasoning and (output.num_logprobs is not None or output.return_token_ids):
+            param = "logprobs" if output.num_logprobs is not None else "return_token_ids"
+            raise _bad(param, "would show the reasoning's tokens, which include_reasoning false leaves out: ask for "
+                              "one or the other")
     bad_words = bad_words_token_ids(body.bad_words, tokenizer) if body.bad_words else ()
     tool_parser_reads_special = (tool_calls is not None and tool_calls.parser is not None
                                  and tool_calls.parser.needs_special_tokens)
