@@ -244,7 +244,7 @@ def test_chat_fields_served_only_at_defaults(stack):
         return stack.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
                                                     max_tokens=2, extra_body=extra)
 
-    for field, value in (("chat_template", "{{ messages }}"), ("echo", True)):
+    for field, value in (("chat_template", "{{ messages }}"),):
         _bad_request(lambda: chat(**{field: value}), field)
     _bad_request(lambda: chat(chat_template_kwargs={"messages": []}), "chat_template_kwargs", "messages")
     with_special = chat(add_special_tokens=True).usage.prompt_tokens
@@ -285,6 +285,29 @@ def test_continue_final_message_continues_the_assistants_reply(stack, tiny_dir, 
                  "continue_final_message", "no text")
     r = stack.http.post("/tokenize", json={"messages": messages, "continue_final_message": True})
     assert r.status_code == 400 and "add_generation_prompt" in r.json()["error"]["message"], r.text
+
+
+def test_chat_echo_shows_the_reply_the_client_began(stack):
+    """vLLM's chat echo: the final assistant message's text comes before the reply's content (with
+    continue_final_message, the whole reply), whole and streamed (with the role); a chat ending with the user's turn
+    echoes nothing."""
+    started = "The capital of France is"
+    messages = [{"role": "user", "content": "Where is Paris?"}, {"role": "assistant", "content": started}]
+    extra = {"continue_final_message": True, "add_generation_prompt": False}
+    plain = stack.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                                 extra_body=extra).choices[0].message.content
+    echoed = stack.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                                  extra_body={**extra, "echo": True}).choices[0].message.content
+    assert echoed == started + plain
+    chunks = list(stack.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                                       stream=True, extra_body={**extra, "echo": True}))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == started
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == echoed
+    user_last = [{"role": "user", "content": "Hi"}]
+    assert (stack.client.chat.completions.create(model=MODEL, messages=user_last, max_tokens=4, temperature=0,
+                                                 extra_body={"echo": True}).choices[0].message.content
+            == stack.client.chat.completions.create(model=MODEL, messages=user_last, max_tokens=4,
+                                                    temperature=0).choices[0].message.content)
 
 
 def test_client_request_id_names_the_response_and_the_router_request(stack):

@@ -140,6 +140,8 @@ class Reply:
             split = split_reasoning(self.prep.output.reasoning_parser, text)
             text, reasoning = split.content, split.reasoning or None
         choice = self._chat_choice(run, text, logprobs)
+        if self.prep.output.chat_echo:  # vLLM's chat echo: the reply the client began, then its continuation
+            choice["message"]["content"] = self.prep.output.chat_echo + (choice["message"]["content"] or "")
         if self.prep.output.reasoning_parser is not None:
             message = choice["message"]
             message["content"] = message["content"] or None  # as vLLM: no answer yet is null
@@ -162,7 +164,9 @@ class Reply:
         if self.prep.object_kind == wire.CHAT_COMPLETION:
             ids = self.prep.output.return_token_ids
             extra = {"prompt_token_ids": list(run.request.prompt.token_ids)} if ids else {}
-            return self._sse(self._with_ids(wire.chat_chunk_choice(run.index, "", None, None, True), run, None), extra)
+            echoed = self.prep.output.chat_echo  # chat's echo goes out with the role
+            return self._sse(self._with_ids(wire.chat_chunk_choice(run.index, echoed, None, None, True), run, None),
+                             extra)
         if not self.prep.output.return_token_ids:
             return None
         return self._sse(self._with_ids(wire.completion_choice(run.index, "", None, None), run, None, first=True))

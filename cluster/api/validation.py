@@ -66,6 +66,7 @@ class Output:
     tool_calls: ToolCalls | None = None  # the text is tool calls (cluster/api/structured.py)
     reasoning_parser: str | None = None  # chat: the reasoning comes apart from the answer (cluster/api/reasoning.py)
     include_reasoning: bool = True  # vLLM's: false, the reasoning is not shown (only the answer)
+    chat_echo: str = ""  # chat's echo (vLLM's): the final assistant message's text, before the reply's content
 
 
 @dataclass
@@ -194,7 +195,7 @@ def _beam_search(body: SamplingFields, n: int, output: Output, inputs: list[Prom
         no("stream", "beams are returned whole, not streamed: set stream=false")
     if output.num_prompt_logprobs is not None:
         no("prompt_logprobs", "the prompt's logprobs are not returned")
-    if output.echo:
+    if output.echo or output.chat_echo:
         no("echo", "the prompt is not echoed")
     if output.return_token_ids:
         no("return_token_ids", "token ids are not returned")
@@ -253,8 +254,6 @@ def _reject_unsupported(body: SamplingFields) -> None:
         value = getattr(body, param, default)
         if value is not None and value != default:
             no(param, f"only {default!r} is supported, got {short(value)}: {instead}")
-    if isinstance(body, ChatCompletionRequest) and body.echo:
-        no("echo", "echo is not served for chat completions (the messages are the client's own)")
     if body.model_extra:
         # As vLLM: a field nothing here reads is ignored, and said so in the log (a client's typo shows).
         log.warning("request fields ignored (not OpenAI's or vLLM's, or not read here): %s",
@@ -283,13 +282,26 @@ def _output_and_extras(body: SamplingFields) -> tuple[Output, Extras]:
             raise _bad("top_logprobs", f"needs logprobs=true, got top_logprobs={body.top_logprobs} with "
                                        f"logprobs={body.logprobs}")
         num = _num_logprobs_in_range("top_logprobs", body.top_logprobs or 0) if body.logprobs else None
-        return Output(num_logprobs=num, **ids), Extras(logprobs=num, prompt_logprobs=num_prompt)
+        echoed = _final_assistant_text(body.messages) if body.echo else ""
+        return (Output(num_logprobs=num, chat_echo=echoed, **ids),
+                Extras(logprobs=num, prompt_logprobs=num_prompt))
     num = None if body.logprobs is None else _num_logprobs_in_range("logprobs", body.logprobs)
     echo = bool(body.echo)
     output = Output(num_logprobs=num, echo=echo, drop_output=echo and body.max_tokens == 0, **ids)
     # The engine computes the prompt's records once, for the most alternatives either view shows.
     wanted = [k for k in (num if echo else None, num_prompt) if k is not None]
     return output, Extras(logprobs=num, prompt_logprobs=max(wanted) if wanted else None)
+
+
+def _final_assistant_text(messages: list[ChatMessage]) -> str:
+    """What chat's echo shows before the reply (vLLM's): the final message's text where it is the assistant's (a
+    reply the client began, continued with continue_final_message), else nothing."""
+    final = messages[-1] if messages else None
+    if final is None or final.role != "assistant" or final.content is None:
+        return ""
+    if isinstance(final.content, str):
+        return final.content
+    return "".join(getattr(part, "text", None) or "" for part in final.content)
 
 
 def _num_prompt_logprobs(body: SamplingFields) -> int | None:
