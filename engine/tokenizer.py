@@ -28,6 +28,10 @@ class ChatTemplateError(ValueError):
     """The chat template rejected the conversation (its `raise_exception`) or is missing or broken."""
 
 
+class ContinueFinalMessageError(ChatTemplateError):
+    """continue_final_message cannot be done for this conversation (its message says why)."""
+
+
 def _token_content(value) -> str | None:
     # Older tokenizer_config.json files spell special tokens as {"content": "...", ...}.
     if isinstance(value, dict):
@@ -222,8 +226,9 @@ class Tokenizer:
         message without text, or a template that does not write that text."""
         if continue_final_message:
             if add_generation_prompt:
-                raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be true: "
-                                        "set add_generation_prompt to false to continue the final message")
+                raise ContinueFinalMessageError("continue_final_message and add_generation_prompt cannot both be "
+                                                "true: set add_generation_prompt to false to continue the final "
+                                                "message")
             return _cut_at_mark(self.apply_chat_template(_marked(messages), False, tools, **template_kwargs))
         import jinja2
 
@@ -255,23 +260,24 @@ def _marked(messages: list[dict]) -> list[dict]:
     """``messages`` with the mark after the final message's text (its last text part)."""
     final = dict(messages[-1]) if messages else {}
     content = final.get("content")
+    text_parts = ([i for i, p in enumerate(content) if isinstance(p, dict) and isinstance(p.get("text"), str)]
+                  if isinstance(content, list) else [])
     if isinstance(content, str) and content:
         final["content"] = content + _CONTINUE_MARK
-    elif isinstance(content, list) and any(isinstance(p, dict) and isinstance(p.get("text"), str) for p in content):
-        parts = [dict(p) if isinstance(p, dict) else p for p in content]
-        last = max(i for i, p in enumerate(parts) if isinstance(p, dict) and isinstance(p.get("text"), str))
-        parts[last]["text"] += _CONTINUE_MARK
+    elif text_parts:
+        parts = list(content)
+        parts[text_parts[-1]] = {**parts[text_parts[-1]], "text": parts[text_parts[-1]]["text"] + _CONTINUE_MARK}
         final["content"] = parts
     else:
-        raise ChatTemplateError("continue_final_message: the final message has no text to continue")
+        raise ContinueFinalMessageError("continue_final_message: the final message has no text to continue")
     return [*messages[:-1], final]
 
 
 def _cut_at_mark(rendered: str) -> str:
     at = rendered.rfind(_CONTINUE_MARK.strip())
     if at < 0:
-        raise ChatTemplateError("continue_final_message: the chat template does not write the final message's "
-                                "text, so there is no place to continue it from")
+        raise ContinueFinalMessageError("continue_final_message: the chat template does not write the final "
+                                        "message's text, so there is no place to continue it from")
     if rendered.startswith(_CONTINUE_MARK, at):
         return rendered[:at]
     return rendered[:at].rstrip()  # the template trimmed the message's end: its trailing whitespace goes too

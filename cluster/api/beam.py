@@ -101,6 +101,6 @@ async def serve_beam_search(prep: Prepared, request: Request, router, metrics: M
                 choices.append(wire.chat_choice(index, beam.text, logprobs, beam.finish_reason))
     num_prompt = sum(len(p.token_ids) for p in prep.prompts)
     num_output = sum(len(beam.output_token_ids) for beams in results for beam in beams)
-    body = {**wire.header(prep.response_id or prep.request_id, prep.object_kind, prep.created, prep.model, False),
+    body = {**wire.header(prep.response_id, prep.object_kind, prep.created, prep.model, False),
             "choices": choices, "usage": wire.usage(num_prompt, num_output, 0)}
     return JSONResponse(body)

@@ -196,11 +196,15 @@ def check_lengths(prompts: list[list[int]], truncate_prompt_tokens: int | None, 
         if keep < 1:
             raise APIError(400, f"truncate_prompt_tokens must be >= 1 (or -1 for the context), got "
                                 f"{truncate_prompt_tokens}", param="truncate_prompt_tokens")
-        if keep_first and keep > 1:
-            prompts = [ids if len(ids) <= keep else ids[:keep - 1] + ids[-1:] if from_right
-                       else ids[:1] + ids[-(keep - 1):] for ids in prompts]
-        else:
-            prompts = [ids[:keep] if from_right else ids[-keep:] for ids in prompts]
+
+        def cut(ids: list[int]) -> list[int]:
+            if len(ids) <= keep:
+                return ids
+            if keep_first and keep > 1:  # [CLS] kept, and from the right the last token ([SEP]) too
+                return ids[:keep - 1] + ids[-1:] if from_right else ids[:1] + ids[-(keep - 1):]
+            return ids[:keep] if from_right else ids[-keep:]
+
+        prompts = [cut(ids) for ids in prompts]
     for i, ids in enumerate(prompts):
         if len(ids) > limit:
             label = param if len(prompts) == 1 else f"{param}[{i}]"

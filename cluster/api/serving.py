@@ -78,7 +78,7 @@ class Reply:
 
     def header(self, chunk: bool) -> dict:
         p = self.prep
-        return wire.header(p.response_id or p.request_id, p.object_kind, p.created, p.model, chunk)
+        return wire.header(p.response_id, p.object_kind, p.created, p.model, chunk)
 
     def logprobs(self, positions: Positions | None) -> dict | None:
         num_top = self.prep.output.num_logprobs

@@ -34,7 +34,7 @@ from pdcluster.cluster.api.tool_parsers import ToolParser
 from pdcluster.engine.beam_search import BeamSearchParams
 from pdcluster.engine.multimodal.spec import chat_content
 from pdcluster.engine.sampling_params import SamplingParams
-from pdcluster.engine.tokenizer import ChatTemplateError
+from pdcluster.engine.tokenizer import ChatTemplateError, ContinueFinalMessageError
 
 log = logging.getLogger(__name__)
 
@@ -81,9 +81,9 @@ class Prepared:
     output: Output
     stream: bool
     include_usage: bool
+    response_id: str  # the id the response shows: request_id, or "<kind>-<client id>" where the client named it
     continuous_usage: bool = False  # every chunk carries the usage so far (vLLM's continuous_usage_stats)
     beam: BeamSearchParams | None = None  # use_beam_search: n is the beam width (cluster/api/beam.py)
-    response_id: str = ""  # the id the response shows, where the client named the request (else request_id)
     created: int = field(default_factory=lambda: int(time.time()))
     arrival: float = field(default_factory=time.monotonic)
 
@@ -165,7 +165,7 @@ async def prepare(body: SamplingFields, router, served_model_name: str,
     request_id = f"{prefix}-{client_id}-{uuid.uuid4().hex[:12]}" if client_id else f"{prefix}-{uuid.uuid4().hex}"
     # Answers name the model asked for: the adapter's name for an adapter (as vLLM).
     return Prepared(request_id, kind, body.model, inputs, n, output, bool(body.stream), include_usage,
-                    continuous_usage=continuous, beam=beam, response_id=f"{prefix}-{client_id}" if client_id else "")
+                    f"{prefix}-{client_id}" if client_id else request_id, continuous_usage=continuous, beam=beam)
 
 
 _CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -417,17 +417,14 @@ def chat_prompt_text(messages: list[ChatMessage], add_generation_prompt: bool, t
             rendered.insert(0, {"role": "system", "content": prompt})
     elif tools and _template_takes_tools(tokenizer):
         kwargs["tools"] = tools
-    if continue_final_message:
-        if add_generation_prompt:
-            raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true: send "
-                                "add_generation_prompt false to continue the final message",
-                           param="continue_final_message")
+    if continue_final_message:  # the tokenizer checks it (ContinueFinalMessageError)
         kwargs["continue_final_message"] = True
     try:
         return tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt, **kwargs)
+    except ContinueFinalMessageError as e:  # its message names the field
+        raise APIError(400, str(e), param="continue_final_message") from e
     except ChatTemplateError as e:
-        param = "continue_final_message" if str(e).startswith("continue_final_message") else "messages"
-        raise APIError(400, f"{param}: {e}" if param == "messages" else str(e), param=param) from e
+        raise APIError(400, f"messages: {e}", param="messages") from e
 
 
 def _content(content, tokenizer) -> str | list[dict]:
