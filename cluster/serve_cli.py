@@ -81,7 +81,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="give a thinking model's reasoning (<think>...</think>) apart from its chat answer, as "
                         "message.reasoning / reasoning_content: qwen3 (Qwen3, QwQ: only an output that opens "
-                        "<think>) or deepseek_r1 (DeepSeek-R1: reasoning until </think>); default: the text as written")
+                        "<think>) or deepseek_r1 (DeepSeek-R1: reasoning until </think>); default: the text as written. "
+                        "Its markers also serve requests' thinking_token_budget")
     g.add_argument("--pooler-config", default=None, metavar="JSON",
                    help="how /v1/embeddings pools the prompt's final hidden states (vLLM's flag): "
                         "'{\"pooling_type\": \"LAST\" | \"MEAN\" | \"CLS\", \"normalize\": true | false}'; default: a "

@@ -9,7 +9,8 @@ processed distribution, so speculation stays lossless with penalties on.
 
 Order (vLLM v1): allowed_token_ids, bad words, logit bias and min_tokens first, then repetition (divides positive logits, multiplies
 negative ones, over prompt and output tokens), frequency (minus ``f * count`` over output tokens) and
-presence (minus ``p`` once a token appeared in the output).
+presence (minus ``p`` once a token appeared in the output). Last, a thinking budget that is spent
+(engine/thinking_budget.py) leaves one token possible: the end marker's next one, whatever came before.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.engine.thinking_budget import forced_token, prompt_state
 
 
 @dataclass
@@ -40,7 +42,24 @@ def stop_ids_for(params: SamplingParams, eos_token_ids: set[int] | frozenset[int
 def apply_penalties(logits: torch.Tensor, rows: list[RowContext], eos_token_ids: set[int]) -> torch.Tensor:
     """Processed float32 logits [R, V] (a new tensor when anything applies). A handful of batched
     [R, V] operations whatever the number of rows: per-row work is only building index lists."""
-    active = [i for i, row in enumerate(rows) if row.params.has_penalties]
+    processed = _penalised(logits, rows, eos_token_ids)
+    forced = [(i, forced_token(row.prompt_token_ids, row.output_token_ids, row.params.thinking_token_budget,
+                               row.params.reasoning_start_token_ids, row.params.reasoning_end_token_ids,
+                               prompt_state(row.params, row.prompt_token_ids)))
+              for i, row in enumerate(rows) if row.params.thinking_token_budget is not None]
+    forced = [(i, t) for i, t in forced if t is not None and 0 <= t < logits.shape[1]]
+    if forced:
+        if processed is logits:  # nothing copied the model's logits yet
+            processed = logits.float().clone()
+        dev = processed.device
+        at = torch.tensor([i for i, _ in forced], device=dev)
+        processed[at] = float("-inf")
+        processed[at, torch.tensor([t for _, t in forced], device=dev)] = 0.0
+    return processed
+
+
+def _penalised(logits: torch.Tensor, rows: list[RowContext], eos_token_ids: set[int]) -> torch.Tensor:
+    active = [i for i, row in enumerate(rows) if row.params.has_logit_changes]
     if not active:
         return logits
     logits = logits.float().clone()

@@ -92,6 +92,12 @@ class SamplingParams:
     # "digest": its content digest, "data": its encoded bytes}, in prompt order. Carried here because they go
     # wherever the parameters go (router, prefill and decode workers, a request resumed elsewhere).
     mm_inputs: list[dict] = field(default_factory=list, repr=False)
+    # vLLM's thinking_token_budget (engine/thinking_budget.py): at most this many tokens inside a thinking
+    # section, between the model's reasoning start and end markers (token ids, set where the request enters from
+    # the server's reasoning parser), then the end marker is forced. None: no limit.
+    thinking_token_budget: int | None = None
+    reasoning_start_token_ids: list[int] = field(default_factory=list)
+    reasoning_end_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -133,11 +139,26 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if self.mm_inputs:
             self.mm_inputs = check_mm_inputs(self.mm_inputs)
+        if self.thinking_token_budget is not None:
+            self._check_thinking_budget()
         if self.pooling is not None:
             if self.pooling not in REQUEST_POOLINGS:
                 raise ValueError(f"pooling must be one of {', '.join(REQUEST_POOLINGS)}, got {self.pooling!r}")
             if self.max_tokens != 1:
                 raise ValueError(f"a pooling request samples one token (max_tokens 1), got max_tokens={self.max_tokens}")
+
+    def _check_thinking_budget(self) -> None:
+        budget = self.thinking_token_budget
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+            raise ValueError(f"thinking_token_budget must be an integer >= 0, got {budget!r}")
+        self.reasoning_start_token_ids = [int(t) for t in self.reasoning_start_token_ids]
+        self.reasoning_end_token_ids = [int(t) for t in self.reasoning_end_token_ids]
+        if not self.reasoning_start_token_ids or not self.reasoning_end_token_ids:
+            raise ValueError("thinking_token_budget needs the model's reasoning start and end markers "
+                             "(reasoning_start_token_ids, reasoning_end_token_ids)")
+        if self.structured_output is not None:
+            raise ValueError("thinking_token_budget cannot be combined with structured output: a grammar forces "
+                             "the output from its first token, which holds no thinking section")
 
     @property
     def greedy(self) -> bool:
@@ -146,6 +167,11 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         """Anything that changes the logits before sampling (engine/logits_processors.py)."""
+        return self.has_logit_changes or self.thinking_token_budget is not None
+
+    @property
+    def has_logit_changes(self) -> bool:
+        """The penalties, biases and masks that apply at every position (a thinking budget only at some)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
                     or self.logit_bias or self.min_tokens or self.allowed_token_ids is not None
                     or self.bad_words_token_ids)

@@ -18,7 +18,7 @@ import pytest
 
 from pdcluster.cluster.api.app import build_app
 from pdcluster.cluster.api.protocol import ChatMessage
-from pdcluster.cluster.api.reasoning import ReasoningStream, reasoning_stream, split_reasoning
+from pdcluster.cluster.api.reasoning import ReasoningStream, reasoning_stream, split_reasoning, thinking_markers
 from pdcluster.cluster.api.validation import chat_prompt_text
 from pdcluster.engine.tokenizer import Tokenizer
 from test_api import serving
@@ -269,6 +269,16 @@ def test_gpt_oss_tool_call_after_its_reasoning(harmony_dir):
         assert calls[0]["function"]["name"] == "get_weather"
         assert "".join(c["function"].get("arguments") or "" for c in calls) == '{"city": "Paris"}'
         assert deltas[-1]["finish_reason"] == "tool_calls"
+
+
+def test_gpt_oss_thinking_markers_are_its_special_tokens(harmony_dir):
+    """thinking_token_budget's markers for gpt-oss: its analysis header opens the section, <|end|> (one token)
+    closes it; the model heads its final message itself."""
+    tok = Tokenizer(harmony_dir)
+    start, end = thinking_markers("openai_gptoss", tok)
+    assert end == [tok.token_to_id("<|end|>")]
+    assert start[0] == tok.token_to_id("<|channel|>") and start[-1] == tok.token_to_id("<|message|>")
+    assert tok.decode(start, skip_special_tokens=False) == "<|channel|>analysis<|message|>"
 
 
 def test_reasoning_effort_reaches_the_chat_template(harmony_dir, tmp_path):

@@ -80,7 +80,9 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_generates(pooler, served_model_name)
-        prep = await prepare(body, router, served_model_name, header_request_id=request.headers.get("x-request-id"))
+        # The reasoning parser names the thinking markers (thinking_token_budget); completions' text is not split.
+        prep = await prepare(body, router, served_model_name, reasoning_parser=reasoning_parser,
+                             header_request_id=request.headers.get("x-request-id"))
         if prep.beam is not None:
             return await serve_beam_search(prep, request, router, metrics, strings)
         return await serve_request(prep, request, router, metrics, strings)

@@ -138,6 +138,9 @@ class SamplingFields(StrictModel):
     # logprob by (prompt + output tokens) ** length_penalty.
     use_beam_search: bool | None = False
     length_penalty: float | None = 1.0
+    # vLLM's: at most this many tokens inside the model's thinking section, then its end marker is forced
+    # (engine/thinking_budget.py; the markers come from the server's --reasoning-parser).
+    thinking_token_budget: int | None = None
     # vLLM fields served only at their defaults (anything else is a 400 naming the field):
     logits_processors: list | None = None
 

@@ -32,6 +32,19 @@ HARMONY = "openai_gptoss"
 PARSERS = (*THINK_TAG_PARSERS, HARMONY)
 
 
+# Each parser's thinking section as the model writes it: its start and end markers, for thinking_token_budget. A
+# gpt-oss analysis message ends at <|end|>, after which the model heads its next message (the final answer) itself.
+MARKERS = {"qwen3": (START, END), "deepseek_r1": (START, END),
+           HARMONY: ("<|channel|>analysis<|message|>", "<|end|>")}
+
+
+def thinking_markers(parser: str, tokenizer) -> tuple[list[int], list[int]]:
+    """The token ids of ``parser``'s start and end markers (a thinking model has a token for each; another model
+    spells them in pieces, as the same text in its output would be)."""
+    start, end = MARKERS[parser]
+    return tokenizer.encode(start), tokenizer.encode(end)
+
+
 def check_reasoning_parser(name: str | None) -> str | None:
     if name is not None and name not in PARSERS:
         raise ValueError(f"reasoning parser {name!r} is not one of {', '.join(PARSERS)}")

@@ -36,6 +36,8 @@ class Extras:
     lora_name: str | None = None  # the LoRA adapter the request's ``model`` names (None: the base model)
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # ``bad_words`` tokenized (bad_words_token_ids)
     keep_special_tokens: bool = False  # the tool-call parser reads special tokens (Mistral's [TOOL_CALLS])
+    # thinking_token_budget's markers (cluster/api/reasoning.py MARKERS): (start ids, end ids), set with a budget.
+    thinking_markers: tuple[list[int], list[int]] | None = None
 
 
 def sampling_params(body: SamplingFields, max_tokens: int, vocab_size: int, extras: Extras) -> SamplingParams:
@@ -74,7 +76,8 @@ def sampling_params(body: SamplingFields, max_tokens: int, vocab_size: int, extr
             allowed_token_ids=(None if allowed is None else _token_ids("allowed_token_ids", allowed, vocab_size)),
             bad_words_token_ids=[list(seq) for seq in extras.bad_words_token_ids], cache_salt=body.cache_salt,
             skip_special_tokens=body.skip_special_tokens is not False and not extras.keep_special_tokens,
-            include_stop_str_in_output=bool(body.include_stop_str_in_output), priority=_priority(body))
+            include_stop_str_in_output=bool(body.include_stop_str_in_output), priority=_priority(body),
+            **_thinking(body, extras))
     except ValueError as e:
         raise APIError(400, str(e)) from e
 
@@ -92,6 +95,19 @@ def bad_words_token_ids(words: list[str], tokenizer) -> tuple[tuple[int, ...], .
         if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
             out.append(spaced)
     return tuple(out)
+
+
+def _thinking(body: SamplingFields, extras: Extras) -> dict:
+    budget = body.thinking_token_budget
+    if budget is None:
+        return {}
+    if budget < 0:
+        raise _bad("thinking_token_budget", f"must be >= 0 (leave it out for no limit), got {budget}")
+    if extras.thinking_markers is None:
+        raise _bad("thinking_token_budget", "needs the model's thinking markers: start the server with "
+                                            "--reasoning-parser")
+    start, end = extras.thinking_markers
+    return {"thinking_token_budget": budget, "reasoning_start_token_ids": start, "reasoning_end_token_ids": end}
 
 
 def _priority(body: SamplingFields) -> int:

@@ -27,7 +27,7 @@ from pdcluster.cluster.api.media_policy import MediaPolicy
 from pdcluster.cluster.api.middleware import APIError
 from pdcluster.cluster.api.protocol import (CHAT_COMPLETION, TEXT_COMPLETION, ChatCompletionRequest,
                                             ChatMessage, CompletionRequest, SamplingFields, short)
-from pdcluster.cluster.api.reasoning import needs_special_tokens
+from pdcluster.cluster.api.reasoning import needs_special_tokens, thinking_markers
 from pdcluster.cluster.api.sampling import INT64_MAX, Extras, bad_words_token_ids, sampling_params
 from pdcluster.cluster.api.structured import ToolCalls, structured_request
 from pdcluster.cluster.api.tool_parsers import ToolParser
@@ -121,6 +121,12 @@ async def prepare(body: SamplingFields, router, served_model_name: str,
     keep_special = tool_parser_reads_special or needs_special_tokens(output.reasoning_parser)
     extras = replace(extras, structured_output=spec, lora_name=lora_name, bad_words_token_ids=bad_words,
                      keep_special_tokens=keep_special)
+    if body.thinking_token_budget is not None and reasoning_parser is not None:
+        if spec is not None:
+            raise _bad("thinking_token_budget", "cannot be combined with response_format, structured outputs or a "
+                                                "required or named tool: the grammar forces the output from its "
+                                                "first token, which then holds no thinking")
+        extras = replace(extras, thinking_markers=thinking_markers(reasoning_parser, tokenizer))
     if is_chat:
         tools = [t.model_dump(exclude_none=True) for t in body.tools or []] if body.tool_choice != "none" else []
         template_kwargs = chat_template_kwargs(body.chat_template_kwargs)
@@ -203,6 +209,8 @@ def _beam_search(body: SamplingFields, n: int, output: Output, inputs: list[Prom
         no("response_format", "the output is not constrained (no structured output, no tool calls)")
     if inputs[0].params.stop:
         no("stop", "beams end at end tokens only (no stop strings)")
+    if inputs[0].params.thinking_token_budget is not None:
+        no("thinking_token_budget", "beams are scored by the model's own log-probabilities (nothing is forced)")
     params = inputs[0].params
     length_penalty = 1.0 if body.length_penalty is None else float(body.length_penalty)
     if not math.isfinite(length_penalty):
