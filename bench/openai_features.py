@@ -1,5 +1,6 @@
 """What the OpenAI features cost on the offline engine (SmolLM2): decode tokens/s of a batch with
-logprobs, with penalties, with a JSON schema, against the same batch plain; and n=4 parallel sampling
+logprobs, with penalties, with a JSON schema, with a thinking budget (each prompt ends in <think>, the budget
+closes the section halfway: engine/thinking_budget.py), against the same batch plain; and n=4 parallel sampling
 with the prompt forked (engine/forks.py) against four independent requests (prompt tokens computed,
 wall time). Medians of --repeats runs, in one process. Prints JSON.
 
@@ -31,9 +32,9 @@ def _engine(model: str, prefix_caching: bool):
                      progress=False)
 
 
-def _prompts(engine, batch: int, prompt_len: int) -> list[list[int]]:
+def _prompts(engine, batch: int, prompt_len: int, suffix: str = "") -> list[list[int]]:
     ids = engine.tokenizer.encode("The history of computing is a story of people, machines and ideas. " * 60)
-    return [ids[i : i + prompt_len] for i in range(batch)]
+    return [ids[i : i + prompt_len] + engine.tokenizer.encode(suffix) for i in range(batch)]
 
 
 def _decode_tok_s(engine, prompts, params) -> float:
@@ -77,7 +78,7 @@ def main() -> None:
     args = ap.parse_args()
 
     engine = _engine(args.model, prefix_caching=False)
-    prompts = _prompts(engine, args.batch, args.prompt_len)
+    prompts = _prompts(engine, args.batch, args.prompt_len, "<think>")
     base = SamplingParams(max_tokens=args.new_tokens, temperature=0.8, seed=0)
     variants = {
         "plain": replace(base, ignore_eos=True),
@@ -85,6 +86,9 @@ def main() -> None:
         "penalties": replace(base, ignore_eos=True, presence_penalty=0.5, frequency_penalty=0.5,
                              repetition_penalty=1.1, logit_bias=[[28, 1.0]]),
         "json_schema": replace(base, structured_output=json.dumps({"type": "json_schema", "schema": SCHEMA})),
+        "thinking_budget": replace(base, ignore_eos=True, thinking_token_budget=args.new_tokens // 2,
+                                   reasoning_start_token_ids=engine.tokenizer.encode("<think>"),
+                                   reasoning_end_token_ids=engine.tokenizer.encode("</think>")),
     }
     engine.generate(prompts[:2], SamplingParams(max_tokens=4))  # warm up
     engine.prepare_grammar(variants["json_schema"])  # compiled once per engine, as when serving
