@@ -25,6 +25,7 @@ from fastapi import FastAPI
 from pdcluster.cluster.api.admin import install_admin_routes
 from pdcluster.cluster.api.app import build_app
 from pdcluster.cluster.api.middleware import install_error_handlers
+from pdcluster.cluster.api.options import ApiOptions
 from pdcluster.cluster.autoscale import Planner
 from pdcluster.cluster.engine_args import engine_config_from_args
 from pdcluster.cluster.http_server import listen, run_server
@@ -411,22 +412,14 @@ def run_cluster(args) -> int:
                 cluster.router.start(loop)
                 loop.create_task(planner.run(lambda: cluster.router.closed))
 
-        tool_call_parser = getattr(args, "tool_call_parser", "auto")
-        reasoning_parser = getattr(args, "reasoning_parser", None)
-        pooler = getattr(args, "pooler_config", None)
-        media = getattr(args, "media_policy", None)
+        options = ApiOptions.from_args(args, runtime_lora=cluster.spec.engine.enable_lora)
         if servers is not None:
             admin_app = FastAPI()  # /admin/* of every API process is answered here, beside the cluster
             install_error_handlers(admin_app)
             install_admin_routes(admin_app, cluster, args.admin_key)
-            return servers.run(cluster.router, cluster.router.model_name, api_key=args.api_key,
-                               max_body_bytes=args.max_body_bytes, tool_call_parser=tool_call_parser,
-                               reasoning_parser=reasoning_parser, admin_app=admin_app, on_ready=on_ready,
-                               runtime_lora=cluster.spec.engine.enable_lora, pooler=pooler, media=media)
-        app = build_app(cluster.router, cluster.router.model_name, api_key=args.api_key,
-                        max_body_bytes=args.max_body_bytes, metrics=metrics, tool_call_parser=tool_call_parser,
-                        reasoning_parser=reasoning_parser, runtime_lora=cluster.spec.engine.enable_lora, pooler=pooler,
-                        media=media)
+            return servers.run(cluster.router, cluster.router.model_name, options, admin_app=admin_app,
+                               on_ready=on_ready)
+        app = build_app(cluster.router, cluster.router.model_name, metrics=metrics, **options.app_kwargs())
         install_admin_routes(app, cluster, args.admin_key)  # /admin/drain: `pdcluster drain`, preStop hooks
         return run_server(app, args.host, args.port, cluster.router.model_name, on_ready=on_ready)
     finally:

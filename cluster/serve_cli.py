@@ -9,10 +9,13 @@ server starts: they load torch and the engine (about 1.5 s), which `pdcluster --
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
+from pdcluster.cluster.api.generation_defaults import sampling_defaults
 from pdcluster.cluster.api.media_policy import MediaPolicy
+from pdcluster.cluster.api.options import ApiOptions
 from pdcluster.cluster.api.reasoning import PARSERS as REASONING_PARSERS
 from pdcluster.cluster.api.tool_parsers import PARSER_CHOICES
 from pdcluster.cluster.autoscale import AutoscaleConfig
@@ -83,6 +86,14 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "message.reasoning / reasoning_content: qwen3 (Qwen3, QwQ: only an output that opens "
                         "<think>) or deepseek_r1 (DeepSeek-R1: reasoning until </think>); default: the text as written. "
                         "Its markers also serve requests' thinking_token_budget")
+    g.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="where the sampling defaults of requests that leave temperature, top_p, top_k, min_p or "
+                        "repetition_penalty out (and chat's max_tokens: max_new_tokens) come from (vLLM's flag): auto "
+                        "(default): the model's generation_config.json; vllm: none (temperature 1, no top-k, ...); DIR: "
+                        "DIR/generation_config.json")
+    g.add_argument("--override-generation-config", default=None, metavar="JSON",
+                   help="sampling defaults over --generation-config's (vLLM's flag), e.g. "
+                        "'{\"temperature\": 0.6, \"top_p\": 0.95, \"max_new_tokens\": 1024}'")
     g.add_argument("--pooler-config", default=None, metavar="JSON",
                    help="how /v1/embeddings pools the prompt's final hidden states (vLLM's flag): "
                         "'{\"pooling_type\": \"LAST\" | \"MEAN\" | \"CLS\", \"normalize\": true | false}'; default: a "
@@ -198,6 +209,7 @@ def _check_args(args: argparse.Namespace) -> None:
         from pdcluster.engine.models.mtp import find_mtp_checkpoint  # torch: when asked for, not at --help
 
         find_mtp_checkpoint(args.mtp_checkpoint, args.cache_dir or default_cache_dir(), args.model)
+    _check_generation_config(args)
     if args.pooler_config is not None:  # fastapi and the API modules: only when the flag is given
         from pdcluster.cluster.api.embeddings import check_pooler_flag
 
@@ -236,6 +248,24 @@ def _check_args(args: argparse.Namespace) -> None:
 
             if args.device.startswith("cuda") or torch.cuda.is_available():
                 check_shared_caches(EngineConfig(device="cuda", tensor_parallel_size=most_ranks))
+
+
+def _check_generation_config(args: argparse.Namespace) -> None:
+    """--generation-config DIR must hold the file and --override-generation-config be a JSON object of good values:
+    said in one line now, not by every API process once the workers are up."""
+    overrides = args.override_generation_config
+    if isinstance(overrides, str):
+        try:
+            overrides = json.loads(overrides)
+        except ValueError as e:
+            raise ConfigError(f"--override-generation-config: not JSON ({e})") from None
+    try:
+        sampling_defaults(None, "vllm", overrides)
+        if args.generation_config not in ("auto", "vllm"):
+            sampling_defaults(None, args.generation_config)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    args.override_generation_config = overrides
 
 
 def role_splits(args: argparse.Namespace) -> tuple[int, int]:
@@ -292,6 +322,7 @@ def _serve_local(args: argparse.Namespace) -> int:
     try:
         engine_config = engine_config_from_args(args)
         router = LocalRouter(engine_config, request_timeout_s=args.request_timeout_s)
+        options = ApiOptions.from_args(args, runtime_lora=engine_config.enable_lora)
     except BaseException:
         sock.close()
         raise
@@ -301,16 +332,11 @@ def _serve_local(args: argparse.Namespace) -> int:
 
             servers = ApiServers(args.api_servers, sock, args.host)
             try:
-                return servers.run(router, args.served_model_name, api_key=args.api_key,
-                                   max_body_bytes=args.max_body_bytes, tool_call_parser=args.tool_call_parser,
-                                   reasoning_parser=args.reasoning_parser, runtime_lora=engine_config.enable_lora,
-                                   pooler=args.pooler_config, media=args.media_policy)
+                return servers.run(router, args.served_model_name, options)
             finally:
                 servers.close()
-        app = build_app(router, args.served_model_name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                        metrics=Metrics(args.served_model_name), tool_call_parser=args.tool_call_parser,
-                        reasoning_parser=args.reasoning_parser, runtime_lora=engine_config.enable_lora,
-                        pooler=args.pooler_config, media=args.media_policy)
+        app = build_app(router, args.served_model_name, metrics=Metrics(args.served_model_name),
+                        **options.app_kwargs())
         return run_server(app, args.host, args.port, args.served_model_name, sock=sock)
     finally:
         router.close()

@@ -446,7 +446,9 @@ def _scrape(server) -> dict:
 
 @pytest.mark.timeout(600)
 def test_serve_with_two_api_processes(expected):  # noqa: F811 - the fixture
-    server = Server("--mode", "local", "--api-servers", "2", *MEAN_POOLER)
+    # (Every request below names its max_tokens; a chat that names none stops at max_new_tokens.)
+    server = Server("--mode", "local", "--api-servers", "2", *MEAN_POOLER,
+                    "--override-generation-config", '{"max_new_tokens": 3}')
     try:
         assert len(_api_processes(server)) == 2
         _check_server(server, expected)  # 9 requests finish (two more are refused)
@@ -468,6 +470,10 @@ def test_serve_with_two_api_processes(expected):  # noqa: F811 - the fixture
             assert metrics.get("pdcluster:e2e_request_latency_seconds_count") == 25
         _until_idle(server)  # (the router's gauges reach the API processes every 0.5 s)
         _check_embeddings(server, "mean")  # --pooler-config reaches the API processes
+        for _ in range(4):  # so does --override-generation-config, whichever process answers
+            r = server.client.chat.completions.create(model="tiny-random", messages=[{"role": "user", "content": "Hi"}],
+                                                      extra_body={"ignore_eos": True})
+            assert r.usage.completion_tokens == 3
 
         # A client that leaves mid-stream: its request is aborted and its blocks freed.
         with httpx.stream("POST", f"{server.base_url}/v1/completions", timeout=60,

@@ -17,6 +17,7 @@ from pdcluster.cluster.api.beam import serve_beam_search
 from pdcluster.cluster.api.classify import (ClassifyRequest, PoolingRequest, check_generates, serve_classify,
                                             serve_pooling)
 from pdcluster.cluster.api.embeddings import EmbeddingRequest, PoolerConfig, pooler_config, serve_embeddings
+from pdcluster.cluster.api.generation_defaults import sampling_defaults
 from pdcluster.cluster.api.images import image_spec
 from pdcluster.cluster.api.logprobs import TokenStrings
 from pdcluster.cluster.api.media_policy import MediaPolicy
@@ -51,7 +52,8 @@ IMAGE_BODY_BYTES = 32 << 20
 def build_app(router, served_model_name: str, api_key: str | None = None, max_body_bytes: int | None = None,
               metrics: Metrics | None = None, tool_call_parser: str = "auto",
               reasoning_parser: str | None = None, runtime_lora: bool = False,
-              pooler: PoolerConfig | str | None = None, media: MediaPolicy | None = None) -> FastAPI:
+              pooler: PoolerConfig | str | None = None, media: MediaPolicy | None = None,
+              generation_config: str = "auto", override_generation_config: dict | None = None) -> FastAPI:
     """``runtime_lora``: serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (cluster/api/lora_routes.py;
     the workers must run with EngineConfig.enable_lora). ``tool_call_parser``: the model's tool-call format for tool_choice "auto" (cluster/api/tool_parsers/:
     hermes, llama3_json, pythonic; ``auto`` reads it off the chat template, and without one "auto" is
@@ -60,7 +62,9 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
     (cluster/api/embeddings.py), or the JSON of ``serve --pooler-config`` over what the model's directory says (None:
     that alone; without one, the last token, normalised). ``max_body_bytes`` (None: 1 MiB, 32 MiB for a model that
     takes images, whose data URLs carry them): larger bodies get 413. ``media``: where chat images may be fetched
-    from (cluster/api/media_policy.py; None: data: and http(s) URLs of any host, no file: URLs)."""
+    from (cluster/api/media_policy.py; None: data: and http(s) URLs of any host, no file: URLs).
+    ``generation_config`` / ``override_generation_config``: where requests' sampling defaults come from (vLLM's flags:
+    cluster/api/generation_defaults.py; auto: the model's generation_config.json)."""
     media = media or MediaPolicy()
     if max_body_bytes is None:
         max_body_bytes = IMAGE_BODY_BYTES if image_spec(router.tokenizer) is not None else TEXT_BODY_BYTES
@@ -68,6 +72,8 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
         raise ValueError(f"max_body_bytes must be > 0, got {max_body_bytes!r}")
     tool_parser = select_parser(tool_call_parser, getattr(router.tokenizer, "chat_template", None))
     check_reasoning_parser(reasoning_parser)
+    defaults = sampling_defaults(getattr(router.tokenizer, "model_dir", None), generation_config,
+                                 override_generation_config)
     if not isinstance(pooler, PoolerConfig):
         pooler = pooler_config(getattr(router.tokenizer, "model_dir", None), pooler)
     metrics = metrics or Metrics(served_model_name)
@@ -82,7 +88,7 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
         check_generates(pooler, served_model_name)
         # The reasoning parser names the thinking markers (thinking_token_budget); completions' text is not split.
         prep = await prepare(body, router, served_model_name, reasoning_parser=reasoning_parser,
-                             header_request_id=request.headers.get("x-request-id"))
+                             header_request_id=request.headers.get("x-request-id"), defaults=defaults)
         if prep.beam is not None:
             return await serve_beam_search(prep, request, router, metrics, strings)
         return await serve_request(prep, request, router, metrics, strings)
@@ -91,7 +97,7 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_generates(pooler, served_model_name)
         prep = await prepare(body, router, served_model_name, tool_parser, reasoning_parser, media,
-                             request.headers.get("x-request-id"))
+                             request.headers.get("x-request-id"), defaults)
         if prep.beam is not None:
             return await serve_beam_search(prep, request, router, metrics, strings)
         return await serve_request(prep, request, router, metrics, strings)
@@ -100,7 +106,7 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
     async def responses(body: ResponsesRequest, request: Request):
         check_generates(pooler, served_model_name)
         return await serve_response(body, request, router, served_model_name, metrics, strings, tool_parser,
-                                    reasoning_parser, media)
+                                    reasoning_parser, media, defaults)
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdcluster.cluster.api.generation_defaults import NO_DEFAULTS, SamplingDefaults
 from pdcluster.cluster.api.middleware import APIError
 from pdcluster.cluster.api.protocol import SamplingFields, short
 from pdcluster.engine.sampling_params import SamplingParams
@@ -38,18 +39,21 @@ class Extras:
     keep_special_tokens: bool = False  # the tool-call parser reads special tokens (Mistral's [TOOL_CALLS])
     # thinking_token_budget's markers (cluster/api/reasoning.py MARKERS): (start ids, end ids), set with a budget.
     thinking_markers: tuple[list[int], list[int]] | None = None
+    defaults: SamplingDefaults = NO_DEFAULTS  # the model's generation config, for the fields a request leaves out
 
 
 def sampling_params(body: SamplingFields, max_tokens: int, vocab_size: int, extras: Extras) -> SamplingParams:
-    temperature = 1.0 if body.temperature is None else body.temperature
+    defaults = extras.defaults
+    temperature = defaults.pick("temperature", body.temperature, 1.0)
     if temperature < 0:
         raise _bad("temperature", f"must be >= 0 (0 = greedy), got {temperature!r}")
     if temperature < GREEDY_EPS:
         temperature = 0.0
-    top_p = 1.0 if body.top_p is None else body.top_p
+    top_p = defaults.pick("top_p", body.top_p, 1.0)
     if not 0.0 < top_p <= 1.0:
         raise _bad("top_p", f"must be in (0, 1], got {top_p!r}")
-    top_k = 0 if body.top_k in (None, -1) else body.top_k
+    top_k = defaults.pick("top_k", body.top_k, 0)
+    top_k = 0 if top_k == -1 else top_k
     if top_k < 0:
         raise _bad("top_k", f"must be >= 0 (0 or -1 disables it), got {body.top_k!r}")
     if body.seed is not None and not INT64_MIN <= body.seed <= INT64_MAX:
@@ -57,7 +61,7 @@ def sampling_params(body: SamplingFields, max_tokens: int, vocab_size: int, extr
     min_tokens = body.min_tokens or 0
     if not 0 <= min_tokens <= max_tokens:
         raise _bad("min_tokens", f"must be in [0, max_tokens={max_tokens}], got {min_tokens}")
-    min_p = body.min_p or 0.0
+    min_p = defaults.pick("min_p", body.min_p, 0.0)
     if not 0.0 <= min_p <= 1.0:
         raise _bad("min_p", f"must be in [0, 1] (0 = off), got {min_p!r}")
     allowed = body.allowed_token_ids
@@ -70,7 +74,7 @@ def sampling_params(body: SamplingFields, max_tokens: int, vocab_size: int, extr
             max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=body.seed,
             stop=_stop_strings(body), stop_token_ids=_token_ids("stop_token_ids", body.stop_token_ids or [],
                                                                 vocab_size),
-            ignore_eos=bool(body.ignore_eos), min_tokens=min_tokens, **_penalties(body, vocab_size),
+            ignore_eos=bool(body.ignore_eos), min_tokens=min_tokens, **_penalties(body, vocab_size, defaults),
             logprobs=extras.logprobs, prompt_logprobs=extras.prompt_logprobs,
             structured_output=extras.structured_output, lora_name=extras.lora_name, min_p=min_p,
             allowed_token_ids=(None if allowed is None else _token_ids("allowed_token_ids", allowed, vocab_size)),
@@ -133,14 +137,14 @@ def _token_ids(param: str, ids: list[int], vocab_size: int) -> list[int]:
     return list(ids)
 
 
-def _penalties(body: SamplingFields, vocab_size: int) -> dict:
+def _penalties(body: SamplingFields, vocab_size: int, defaults: SamplingDefaults) -> dict:
     out = {}
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(body, name) or 0.0
         if not -MAX_PENALTY <= value <= MAX_PENALTY:
             raise _bad(name, f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}")
         out[name] = value
-    repetition = 1.0 if body.repetition_penalty is None else body.repetition_penalty
+    repetition = defaults.pick("repetition_penalty", body.repetition_penalty, 1.0)
     if not repetition > 0:
         raise _bad("repetition_penalty", f"must be > 0 (1 = off), got {repetition!r}")
     out["repetition_penalty"] = repetition

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 
 import anyio
 
+from pdcluster.cluster.api.generation_defaults import NO_DEFAULTS, SamplingDefaults
 from pdcluster.cluster.api.images import chat_images, expand_images, image_token_text
 from pdcluster.cluster.api.media_policy import MediaPolicy
 from pdcluster.cluster.api.middleware import APIError
@@ -94,10 +95,12 @@ def _bad(param: str, message: str) -> APIError:
 
 async def prepare(body: SamplingFields, router, served_model_name: str,
                   tool_parser: ToolParser | None = None, reasoning_parser: str | None = None,
-                  media: MediaPolicy = MediaPolicy(), header_request_id: str | None = None) -> Prepared:
+                  media: MediaPolicy = MediaPolicy(), header_request_id: str | None = None,
+                  defaults: SamplingDefaults = NO_DEFAULTS) -> Prepared:
     """``tool_parser``: the model's tool-call format (tool_choice "auto", tools in the prompt);
-    ``reasoning_parser``: the model's reasoning format (cluster/api/reasoning.py), for chat; ``media``: where a
-    chat's images may be fetched from (cluster/api/media_policy.py)."""
+    ``reasoning_parser``: the model's reasoning format (cluster/api/reasoning.py), for chat, and its thinking markers
+    (thinking_token_budget); ``media``: where a chat's images may be fetched from (cluster/api/media_policy.py);
+    ``defaults``: the model's sampling defaults (cluster/api/generation_defaults.py)."""
     lora_name = check_model(body.model, served_model_name, router.lora_names)
     n = _check_n(body)
     _reject_unsupported(body)
@@ -120,7 +123,7 @@ async def prepare(body: SamplingFields, router, served_model_name: str,
                                  and tool_calls.parser.needs_special_tokens)
     keep_special = tool_parser_reads_special or needs_special_tokens(output.reasoning_parser)
     extras = replace(extras, structured_output=spec, lora_name=lora_name, bad_words_token_ids=bad_words,
-                     keep_special_tokens=keep_special)
+                     keep_special_tokens=keep_special, defaults=defaults)
     if body.thinking_token_budget is not None and reasoning_parser is not None:
         if spec is not None:
             raise _bad("thinking_token_budget", "cannot be combined with response_format, structured outputs or a "
@@ -152,7 +155,7 @@ async def prepare(body: SamplingFields, router, served_model_name: str,
         ids, mm_inputs = (expand_images(ids, images, tokenizer, router.max_images_per_prompt,
                                         mm_processor_kwargs=router.mm_processor_kwargs) if is_chat
                           else expand_images(ids, [], tokenizer, router.max_images_per_prompt, "prompt", label))
-        max_tokens = _max_tokens(body, len(ids), router.max_model_len, label, output)
+        max_tokens = _max_tokens(body, len(ids), router.max_model_len, label, output, defaults.max_tokens)
         params = sampling_params(body, max_tokens, tokenizer.vocab_size, extras)
         inputs.append(PromptInput(ids, replace(params, mm_inputs=mm_inputs) if mm_inputs else params, text))
     prefix, kind = ("chatcmpl", CHAT_COMPLETION) if is_chat else ("cmpl", TEXT_COMPLETION)
@@ -472,12 +475,14 @@ def chat_prompt_ids(messages: list[ChatMessage], add_generation_prompt: bool, to
     return ids
 
 
-def _max_tokens(body: SamplingFields, num_prompt: int, max_model_len: int, label: str, output: Output) -> int:
-    """Tokens the router generates for one prompt (1 when scoring: max_tokens 0 with echo)."""
+def _max_tokens(body: SamplingFields, num_prompt: int, max_model_len: int, label: str, output: Output,
+                chat_default: int | None = None) -> int:
+    """Tokens the router generates for one prompt (1 when scoring: max_tokens 0 with echo). ``chat_default``: a
+    chat's when it names none (the model's max_new_tokens; None: up to the context's end)."""
     if isinstance(body, ChatCompletionRequest):
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        default = None
+        default = chat_default
     else:
         max_tokens, param, default = body.max_tokens, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS
     prompt_param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"

@@ -12,7 +12,7 @@ import signal
 import socket
 from dataclasses import dataclass
 
-from pdcluster.cluster.api.media_policy import MediaPolicy  # standard library only
+from pdcluster.cluster.api.options import ApiOptions  # standard library only
 
 HANDSHAKE_TIMEOUT_S = 120.0
 
@@ -24,13 +24,7 @@ class ApiConfig:
     host: str
     port: int
     served_model_name: str
-    api_key: str | None
-    max_body_bytes: int | None  # None: build_app's default for the model
-    tool_call_parser: str
-    reasoning_parser: str | None = None
-    runtime_lora: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter, answered by the router process
-    pooler_config: str | None = None  # serve --pooler-config (JSON), over the model directory's own pooler
-    media: MediaPolicy | None = None  # where chat images may be fetched from (None: build_app's default)
+    options: ApiOptions  # build_app's keyword arguments (runtime LoRA routes are answered by the router process)
 
 
 def router_endpoint(socket_dir: str) -> str:
@@ -52,10 +46,9 @@ def main(config: ApiConfig, index: int, sock: socket.socket) -> int:
 
     endpoint, reply_endpoint = router_endpoint(config.socket_dir), f"ipc://{config.socket_dir}/api-{index}"
     router = RemoteRouter(endpoint, reply_endpoint, index, handshake(endpoint, index, HANDSHAKE_TIMEOUT_S))
-    app = build_app(router, config.served_model_name, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
+    app = build_app(router, config.served_model_name,
                     metrics=Metrics(config.served_model_name, multiprocess_dir=config.metrics_dir),
-                    tool_call_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser,
-                    runtime_lora=config.runtime_lora, pooler=config.pooler_config, media=config.media)
+                    **config.options.app_kwargs())
 
     install_admin_proxy(app, router)
     try:

@@ -20,7 +20,7 @@ import socket
 import sys
 import tempfile
 
-from pdcluster.cluster.api.media_policy import MediaPolicy
+from pdcluster.cluster.api.options import ApiOptions
 from pdcluster.cluster.frontend.api_process import ApiConfig, main as api_process_main, router_endpoint
 from pdcluster.cluster.frontend.protocol import AdminCall, AdminReply
 from pdcluster.cluster.frontend.service import RouterService
@@ -50,16 +50,14 @@ class ApiServers:
         enable_multiprocess(self.metrics_dir)
         self._procs: list[multiprocessing.Process] = []
 
-    def run(self, router, served_model_name: str, *, api_key: str | None, max_body_bytes: int | None,
-            tool_call_parser: str, reasoning_parser: str | None = None, admin_app=None, on_ready=None,
-            runtime_lora: bool = False, pooler: str | None = None, media: MediaPolicy | None = None) -> int:
-        """Serve until SIGINT/SIGTERM (0) or an API process's death (1). ``admin_app``: an ASGI app whose
-        /admin/* routes answer the API processes' admin calls. ``on_ready(loop)``: as run_server's.
-        ``runtime_lora``: the API processes serve vLLM's runtime LoRA routes, answered here, on ``router``,
-        beside the admin routes (cluster/api/lora_routes.py)."""
-        config = ApiConfig(self.dir, self.metrics_dir, self.host, self.port, served_model_name, api_key,
-                           max_body_bytes, tool_call_parser, reasoning_parser, runtime_lora, pooler, media)
-        if runtime_lora:
+    def run(self, router, served_model_name: str, options: ApiOptions, *, admin_app=None, on_ready=None) -> int:
+        """Serve until SIGINT/SIGTERM (0) or an API process's death (1). ``options``: every API process's app
+        (build_app's keyword arguments). ``admin_app``: an ASGI app whose /admin/* routes answer the API processes'
+        admin calls. ``on_ready(loop)``: as run_server's. With ``options.runtime_lora`` the API processes serve
+        vLLM's runtime LoRA routes, answered here, on ``router``, beside the admin routes
+        (cluster/api/lora_routes.py)."""
+        config = ApiConfig(self.dir, self.metrics_dir, self.host, self.port, served_model_name, options)
+        if options.runtime_lora:
             from fastapi import FastAPI
 
             from pdcluster.cluster.api.lora_routes import install_lora_routes
