@@ -15,7 +15,7 @@ import sys
 
 from pdcluster.cluster.api.generation_defaults import sampling_defaults
 from pdcluster.cluster.api.media_policy import MediaPolicy
-from pdcluster.cluster.api.options import ApiOptions
+from pdcluster.cluster.api.options import ApiOptions, chat_template_text, check_template_kwargs
 from pdcluster.cluster.api.reasoning import PARSERS as REASONING_PARSERS
 from pdcluster.cluster.api.tool_parsers import PARSER_CHOICES
 from pdcluster.cluster.autoscale import AutoscaleConfig
@@ -86,6 +86,15 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "message.reasoning / reasoning_content: qwen3 (Qwen3, QwQ: only an output that opens "
                         "<think>) or deepseek_r1 (DeepSeek-R1: reasoning until </think>); default: the text as written. "
                         "Its markers also serve requests' thinking_token_budget")
+    g.add_argument("--chat-template", default=None, metavar="TEMPLATE|FILE",
+                   help="the Jinja chat template to serve in place of the model's (vLLM's flag): the template itself "
+                        "(single-line form, \\n escapes read) or a file holding it; for a base model without one")
+    g.add_argument("--default-chat-template-kwargs", default=None, metavar="JSON",
+                   help="chat template variables every request gets under its own chat_template_kwargs (vLLM's "
+                        "flag), e.g. '{\"enable_thinking\": false}'")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM's command lines: tool_choice 'auto' is served whenever the tool-call "
+                        "parser is known (--tool-call-parser)")
     g.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
                    help="where the sampling defaults of requests that leave temperature, top_p, top_k, min_p or "
                         "repetition_penalty out (and chat's max_tokens: max_new_tokens) come from (vLLM's flag): auto "
@@ -210,6 +219,7 @@ def _check_args(args: argparse.Namespace) -> None:
 
         find_mtp_checkpoint(args.mtp_checkpoint, args.cache_dir or default_cache_dir(), args.model)
     _check_generation_config(args)
+    _check_chat_template(args)
     if args.pooler_config is not None:  # fastapi and the API modules: only when the flag is given
         from pdcluster.cluster.api.embeddings import check_pooler_flag
 
@@ -266,6 +276,25 @@ def _check_generation_config(args: argparse.Namespace) -> None:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     args.override_generation_config = overrides
+
+
+def _check_chat_template(args: argparse.Namespace) -> None:
+    """--chat-template read (a file, or the template) and compiled, --default-chat-template-kwargs parsed: a bad
+    one is one line now. The flags then carry the template's text and the variables' dict."""
+    try:
+        if args.chat_template is not None:
+            from pdcluster.engine.tokenizer import compile_chat_template  # jinja2: only when asked for
+
+            args.chat_template = chat_template_text(args.chat_template)
+            compile_chat_template(args.chat_template, "--chat-template")
+        if isinstance(args.default_chat_template_kwargs, str):
+            try:
+                kwargs = json.loads(args.default_chat_template_kwargs)
+            except ValueError as e:
+                raise ValueError(f"--default-chat-template-kwargs: not JSON ({e})") from None
+            args.default_chat_template_kwargs = check_template_kwargs(kwargs, "--default-chat-template-kwargs")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def role_splits(args: argparse.Namespace) -> tuple[int, int]:

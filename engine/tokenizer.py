@@ -43,6 +43,26 @@ def _raise_exception(message: str):
     raise ChatTemplateError(message)
 
 
+def compile_chat_template(template: str, what: str):
+    """``template`` compiled in transformers' environment (so it renders byte-identically): a sandbox, since a
+    template is code; ChatTemplateError naming ``what`` if it does not compile."""
+    import jinja2
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    # transformers' tojson (argument order included): no HTML escaping, unlike jinja's own.
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateError as exc:
+        raise ChatTemplateError(f"{what} does not compile: {exc}") from exc
+
+
 def _clean_up_tokenization(text: str) -> str:
     # transformers' clean_up_tokenization, applied only when the directory asks for it.
     for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"),
@@ -70,6 +90,7 @@ class Tokenizer:
         self._clean_up_spaces = bool(self._config.get("clean_up_tokenization_spaces", False))
         # decode() then cleans up spaces over the whole text: a Detokenizer cannot decode in windows.
         self.cleans_up_spaces = self._clean_up_spaces
+        self._default_template_kwargs: dict = {}  # use_chat_template's: under every render's own variables
 
     def _read_json(self, name: str) -> dict:
         path = self.model_dir / name
@@ -194,24 +215,18 @@ class Tokenizer:
 
     @cached_property
     def _compiled_template(self):
-        import jinja2
-        from jinja2.ext import loopcontrols
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
         if self.chat_template is None:
             raise ChatTemplateError(f"model directory {str(self.model_dir)!r} has no chat template")
-        # Same environment settings as transformers, so templates render byte-identically.
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-        # transformers' tojson (argument order included): no HTML escaping, unlike jinja's own.
-        env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
-            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-        )
-        env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        try:
-            return env.from_string(self.chat_template)
-        except jinja2.TemplateError as exc:
-            raise ChatTemplateError(f"chat template of {str(self.model_dir)!r} does not compile: {exc}") from exc
+        return compile_chat_template(self.chat_template, f"chat template of {str(self.model_dir)!r}")
+
+    def use_chat_template(self, template: str | None = None, default_kwargs: dict | None = None) -> None:
+        """Render chats with ``template`` in place of the model directory's (``serve --chat-template``), and with
+        ``default_kwargs`` under every render's own variables (``--default-chat-template-kwargs``). A template that
+        does not compile is a ChatTemplateError now, not at the first chat."""
+        if template is not None:
+            compiled = compile_chat_template(template, "--chat-template")
+            self.__dict__["chat_template"], self.__dict__["_compiled_template"] = template, compiled
+        self._default_template_kwargs = dict(default_kwargs or {})
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, continue_final_message: bool = False,
@@ -233,6 +248,7 @@ class Tokenizer:
         import jinja2
 
         try:
+            template_kwargs = {**self._default_template_kwargs, **template_kwargs}
             # Templates are untrusted code: they see plain JSON data only, never caller objects.
             plain = json.loads(json.dumps({"messages": messages, "tools": tools, "kwargs": template_kwargs}))
             extra = plain["kwargs"]

@@ -84,6 +84,16 @@ def test_dtype_auto_takes_the_checkpoints_dtype(monkeypatch):
         (["--mode", "disagg", "--autoscale", "--min-decode", "3", "--max-decode", "2"], "--min-decode/--max-decode"),
         (["--mode", "disagg", "--autoscale", "--slo-ttft-ms", "0"], "--slo-ttft-ms"),
         (["--mode", "local", "--pooler-config", '{"pooling_type": "MAX"}'], "--pooler-config: pooling_type must be"),
+        # vLLM's generation-config and chat-template flags (tests/test_generation_defaults.py, test_chat_template_flags.py)
+        (["--mode", "local", "--override-generation-config", "{temperature"], "--override-generation-config: not JSON"),
+        (["--mode", "local", "--override-generation-config", '{"top_p": 2}'], "top_p must be in (0, 1]"),
+        (["--mode", "local", "--generation-config", "/nonexistent"], "/nonexistent/generation_config.json does not exist"),
+        (["--mode", "local", "--chat-template", "/nonexistent/t.jinja"], "--chat-template: '/nonexistent/t.jinja' looks "
+                                                                         "like a file name"),
+        (["--mode", "local", "--chat-template", "{% for m in messages %}"], "--chat-template does not compile"),
+        (["--mode", "local", "--default-chat-template-kwargs", "{mood"], "--default-chat-template-kwargs: not JSON"),
+        (["--mode", "local", "--default-chat-template-kwargs", '{"tools": []}'], "['tools'] are set by the server"),
+        (["--mode", "local", "--default-chat-template-kwargs", "[1]"], "want a JSON object"),
         (["--mode", "disagg", "-tp", "2", "--transport", "cuda_ipc"], "tensor_parallel_size 2: cuda_ipc moves one cache on one GPU"),
         pytest.param(["--mode", "disagg", "--device", "cuda"], "sees no CUDA device",
                      marks=pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is here")),

@@ -17,7 +17,6 @@ from pdcluster.cluster.api.generation_defaults import NO_DEFAULTS, SamplingDefau
 from pdcluster.engine.tokenizer import Tokenizer
 from test_api import serving
 from test_api_openai import Script, ScriptedRouter
-from test_cli import _run
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -120,14 +119,3 @@ def test_without_a_generation_config_nothing_changes(tiny_dir):
     p = _params(router)
     assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty) == (1.0, 1.0, 0, 0.0, 1.0)
     assert 16 < p.max_tokens < router.max_model_len  # up to the context's end
-
-
-@pytest.mark.parametrize("flags,message", [
-    (["--override-generation-config", "{temperature"], "--override-generation-config: not JSON"),
-    (["--override-generation-config", '{"top_p": 2}'], "top_p must be in (0, 1]"),
-    (["--generation-config", "/nonexistent"], "/nonexistent/generation_config.json does not exist"),
-])
-def test_bad_flags_are_one_line_before_anything_starts(flags, message):
-    r = _run("serve", "--model", "tiny-random", "--port", "0", "--mode", "local", *flags)
-    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
-    assert message in r.stderr and "Traceback" not in r.stderr

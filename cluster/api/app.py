@@ -23,6 +23,7 @@ from pdcluster.cluster.api.logprobs import TokenStrings
 from pdcluster.cluster.api.media_policy import MediaPolicy
 from pdcluster.cluster.api.lora_routes import install_lora_routes
 from pdcluster.cluster.api.middleware import install_error_handlers, install_middleware
+from pdcluster.cluster.api.options import check_template_kwargs
 from pdcluster.cluster.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdcluster.cluster.api.reasoning import check_reasoning_parser
 from pdcluster.cluster.api.responses import ResponsesRequest, serve_response
@@ -53,7 +54,8 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
               metrics: Metrics | None = None, tool_call_parser: str = "auto",
               reasoning_parser: str | None = None, runtime_lora: bool = False,
               pooler: PoolerConfig | str | None = None, media: MediaPolicy | None = None,
-              generation_config: str = "auto", override_generation_config: dict | None = None) -> FastAPI:
+              generation_config: str = "auto", override_generation_config: dict | None = None,
+              chat_template: str | None = None, default_chat_template_kwargs: dict | None = None) -> FastAPI:
     """``runtime_lora``: serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (cluster/api/lora_routes.py;
     the workers must run with EngineConfig.enable_lora). ``tool_call_parser``: the model's tool-call format for tool_choice "auto" (cluster/api/tool_parsers/:
     hermes, llama3_json, pythonic; ``auto`` reads it off the chat template, and without one "auto" is
@@ -64,12 +66,18 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
     takes images, whose data URLs carry them): larger bodies get 413. ``media``: where chat images may be fetched
     from (cluster/api/media_policy.py; None: data: and http(s) URLs of any host, no file: URLs).
     ``generation_config`` / ``override_generation_config``: where requests' sampling defaults come from (vLLM's flags:
-    cluster/api/generation_defaults.py; auto: the model's generation_config.json)."""
+    cluster/api/generation_defaults.py; auto: the model's generation_config.json). ``chat_template`` (a template's
+    text) renders chats in place of the model's, ``default_chat_template_kwargs`` go under every request's
+    chat_template_kwargs (vLLM's --chat-template and --default-chat-template-kwargs): set on the router's tokenizer,
+    so chat completions, /tokenize and chat embeddings all render alike."""
     media = media or MediaPolicy()
     if max_body_bytes is None:
         max_body_bytes = IMAGE_BODY_BYTES if image_spec(router.tokenizer) is not None else TEXT_BODY_BYTES
     if max_body_bytes <= 0:
         raise ValueError(f"max_body_bytes must be > 0, got {max_body_bytes!r}")
+    if chat_template is not None or default_chat_template_kwargs:
+        router.tokenizer.use_chat_template(chat_template, check_template_kwargs(
+            default_chat_template_kwargs or {}, "default_chat_template_kwargs"))
     tool_parser = select_parser(tool_call_parser, getattr(router.tokenizer, "chat_template", None))
     check_reasoning_parser(reasoning_parser)
     defaults = sampling_defaults(getattr(router.tokenizer, "model_dir", None), generation_config,

@@ -7,6 +7,7 @@ Imports only the standard library at module level (the multi-process supervisor 
 from __future__ import annotations
 
 import argparse
+import codecs
 from dataclasses import dataclass, fields
 
 from pdcluster.cluster.api.media_policy import MediaPolicy  # standard library only
@@ -25,6 +26,8 @@ class ApiOptions:
     media: MediaPolicy | None = None  # where chat images may be fetched from (None: build_app's default)
     generation_config: str = "auto"  # where requests' sampling defaults come from (cluster/api/generation_defaults.py)
     override_generation_config: dict | None = None
+    chat_template: str | None = None  # serve --chat-template's text, over the model directory's template
+    default_chat_template_kwargs: dict | None = None  # under every request's chat_template_kwargs
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, runtime_lora: bool) -> ApiOptions:
@@ -34,7 +37,42 @@ class ApiOptions:
                    reasoning_parser=getattr(args, "reasoning_parser", None), runtime_lora=runtime_lora,
                    pooler=getattr(args, "pooler_config", None), media=getattr(args, "media_policy", None),
                    generation_config=getattr(args, "generation_config", "auto"),
-                   override_generation_config=getattr(args, "override_generation_config", None))
+                   override_generation_config=getattr(args, "override_generation_config", None),
+                   chat_template=getattr(args, "chat_template", None),
+                   default_chat_template_kwargs=getattr(args, "default_chat_template_kwargs", None))
 
     def app_kwargs(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+# Variables the chat template gets from the server, which chat_template_kwargs (the request's or the server's
+# defaults) cannot replace.
+TEMPLATE_RESERVED = frozenset({"messages", "add_generation_prompt", "tools", "documents", "bos_token", "eos_token",
+                               "raise_exception", "strftime_now"})
+# vLLM's test for an inline template: a file name has none of these.
+_TEMPLATE_CHARS = "{}\n"
+
+
+def chat_template_text(value: str) -> str:
+    """``serve --chat-template``'s value as vLLM reads it: the template itself (single-line form, ``\\n`` escapes
+    decoded) when it holds a brace or a newline, else the path of a file holding it (ValueError if unreadable)."""
+    if any(c in value for c in _TEMPLATE_CHARS):
+        if "\\" in value and value.isascii():
+            value = codecs.decode(value, "unicode_escape")
+        return value
+    try:
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"--chat-template: {value!r} looks like a file name (no braces or newlines), but cannot be "
+                         f"read: {e.strerror}") from None
+
+
+def check_template_kwargs(kwargs, what: str) -> dict:
+    """A JSON object of chat template variables that leaves the server's own alone (ValueError naming ``what``)."""
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"{what}: want a JSON object of chat template variables, got {kwargs!r}")
+    reserved = sorted(TEMPLATE_RESERVED & set(kwargs))
+    if reserved:
+        raise ValueError(f"{what}: {reserved} are set by the server; other variables are passed to the chat template")
+    return kwargs

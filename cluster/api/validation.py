@@ -26,6 +26,7 @@ from pdcluster.cluster.api.generation_defaults import NO_DEFAULTS, SamplingDefau
 from pdcluster.cluster.api.images import chat_images, expand_images, image_token_text
 from pdcluster.cluster.api.media_policy import MediaPolicy
 from pdcluster.cluster.api.middleware import APIError
+from pdcluster.cluster.api.options import check_template_kwargs
 from pdcluster.cluster.api.protocol import (CHAT_COMPLETION, TEXT_COMPLETION, ChatCompletionRequest,
                                             ChatMessage, CompletionRequest, SamplingFields, short)
 from pdcluster.cluster.api.reasoning import needs_special_tokens, thinking_markers
@@ -252,9 +253,6 @@ _VLLM_DEFAULTS_ONLY = {
     "chat_template": (None, "the model's own chat template is used (a request's template would run as code "
                             "on the server)"),
 }
-# Variables the chat template gets from the server, which chat_template_kwargs cannot replace.
-_TEMPLATE_RESERVED = frozenset({"messages", "add_generation_prompt", "tools", "documents", "bos_token", "eos_token",
-                                "raise_exception", "strftime_now"})
 
 
 def _reject_unsupported(body: SamplingFields) -> None:
@@ -371,12 +369,10 @@ def template_documents(documents: list[dict], tokenizer) -> list[dict]:
 
 
 def chat_template_kwargs(kwargs: dict | None) -> dict:
-    kwargs = kwargs or {}
-    reserved = sorted(_TEMPLATE_RESERVED & set(kwargs))
-    if reserved:
-        raise _bad("chat_template_kwargs", f"{reserved} are set by the server; other variables are passed to the "
-                                           "chat template")
-    return kwargs
+    try:
+        return check_template_kwargs(kwargs or {}, "chat_template_kwargs")
+    except ValueError as e:
+        raise APIError(400, str(e), param="chat_template_kwargs") from e
 
 
 def _truncate_prompts(keep: int | None, prompts: list[tuple[list[int], str | None]], max_model_len: int,
