@@ -7,12 +7,19 @@ from __future__ import annotations
 import argparse
 import os
 
-from pdcluster.engine.config import DTYPES, KV_CACHE_DTYPES, SPEC_METHODS, EngineConfig
+from pdcluster.engine.config import DTYPES, KV_CACHE_DTYPES, SPEC_METHODS, ConfigError, EngineConfig
+
+DEFAULT_MODEL = "smollm2"
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default="smollm2", help="built-in name (smollm2, tiny-random) or an HF model directory")
+    g.add_argument("--model", default=DEFAULT_MODEL,
+                   help="built-in name (smollm2, tiny-random), a Hugging Face model directory, or a Hub id "
+                        "(owner/name: fetched into the Hugging Face cache, HF_HOME, HF_TOKEN)")
+    g.add_argument("--revision", default="", help="the Hub id's branch, tag or commit (default: main)")
+    g.add_argument("--download-dir", default="",
+                   help="where a Hub id's files go (default: the Hugging Face cache, $HF_HOME/hub)")
     g.add_argument("--device", default="auto",
                    help="auto (CUDA where torch sees a GPU: in a cluster, the GPU Ray gave the worker), cpu, cuda "
                         "or cuda:N")
@@ -51,6 +58,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="at most this many prompt tokens of one request per step (chunked prefill); 0 = up to the "
                         "step's whole --max-num-batched-tokens, as vLLM")
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="vLLM's spelling: --no-enable-prefix-caching is --no-prefix-caching (on by default)")
     g.add_argument("--kv-offload-host-gib", type=float, default=0.0,
                    help="host memory for KV blocks the device pool evicts (pinned on a GPU); a prompt whose prefix "
                         "is there is loaded back instead of recomputed (0 = off)")
@@ -163,7 +172,8 @@ SAME_NAMED_FLAGS = (
     "model", "dtype", "kv_cache_dtype", "device", "max_model_len", "block_size", "num_kv_blocks", "kv_cache_memory_gib",
     "gpu_memory_utilization",
     "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "kv_offload_host_gib", "kv_offload_disk_dir",
-    "kv_offload_disk_gib", "mtp_checkpoint", "num_threads", "seed", "cache_dir", "max_lora_rank",
+    "kv_offload_disk_gib", "mtp_checkpoint", "num_threads", "seed", "cache_dir", "revision", "download_dir",
+    "max_lora_rank",
     "enable_lora", "max_loras", "mixed_cuda_graph_tokens", "hf_overrides", "tensor_parallel_size",
     "limit_mm_per_prompt", "mm_processor_kwargs",
 )
@@ -174,6 +184,13 @@ def runtime_lora_env() -> bool:
     return os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true", "yes")
 
 
+def _prefix_caching(args: argparse.Namespace) -> bool:
+    vllm_spelling = getattr(args, "enable_prefix_caching", None)
+    if vllm_spelling and args.no_prefix_caching:
+        raise ConfigError("--enable-prefix-caching and --no-prefix-caching: give one")
+    return not args.no_prefix_caching if vllm_spelling is None else vllm_spelling
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     num_spec = args.num_spec_tokens
     if args.spec != "none" and num_spec == 0:
@@ -181,7 +198,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         **{name: getattr(args, name) for name in SAME_NAMED_FLAGS if name != "enable_lora"},
         enable_lora=args.enable_lora or runtime_lora_env(),
-        enable_prefix_caching=not args.no_prefix_caching,
+        enable_prefix_caching=_prefix_caching(args),
         decode_prefix_reuse=not args.no_decode_prefix_reuse,
         cuda_graphs=not args.no_cuda_graphs,
         skinny_gemm=not args.no_skinny_gemm,

@@ -127,7 +127,8 @@ class Cluster:
         num_prefill = spec.num_prefill if spec.mode == "disagg" else 0
         num_workers = num_prefill + spec.num_decode
         self.model_dir = resolve_model(spec.engine.model, cache_dir=spec.engine.cache_dir or None,
-                                       hf_overrides=spec.engine.hf_overrides)
+                                       hf_overrides=spec.engine.hf_overrides, revision=spec.engine.revision,
+                                       download_dir=spec.engine.download_dir)
         self.tokenizer = Tokenizer(self.model_dir)
         arch = arch_from_dir(self.model_dir)
         self._started_ray = False

@@ -19,10 +19,11 @@ from pdcluster.cluster.api.options import ApiOptions, chat_template_text, check_
 from pdcluster.cluster.api.reasoning import PARSERS as REASONING_PARSERS
 from pdcluster.cluster.api.tool_parsers import PARSER_CHOICES
 from pdcluster.cluster.autoscale import AutoscaleConfig
-from pdcluster.cluster.engine_args import add_engine_args, engine_config_from_args
+from pdcluster.cluster.engine_args import DEFAULT_MODEL, add_engine_args, engine_config_from_args
 from pdcluster.cluster.http_server import listen, run_server
 from pdcluster.cluster.metrics import Metrics
 from pdcluster.cluster.policies import POLICIES
+from pdcluster.cluster.vllm_flags import add_vllm_flags, apply_vllm_flags
 from pdcluster.engine.config import ConfigError, EngineConfig
 from pdcluster.engine.models.registry import default_cache_dir
 
@@ -44,6 +45,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                               description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health "
                                           "and /metrics. The engine flags apply to every worker.")
     add_engine_args(p)  # --model, --spec, --num-spec-tokens, ... (shared with `generate`)
+    add_vllm_flags(p)  # `serve MODEL`, and vLLM's flags that need nothing here
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     g.add_argument("--port", type=_port, default=os.environ.get("PDCLUSTER_PORT") or "8000",
@@ -178,6 +180,7 @@ def _serves_from_gpu(args: argparse.Namespace) -> bool:
 
 def _check_args(args: argparse.Namespace) -> None:
     """Resolve the env defaults and refuse impossible values, naming the flag."""
+    apply_vllm_flags(args, DEFAULT_MODEL)
     args.api_key = args.api_key or os.environ.get("PDCLUSTER_API_KEY") or None
     args.cluster_secret = args.cluster_secret or os.environ.get("PDCLUSTER_CLUSTER_SECRET") or None
     args.admin_key = args.admin_key or os.environ.get("PDCLUSTER_ADMIN_KEY") or None

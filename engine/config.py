@@ -149,6 +149,10 @@ class EngineConfig:
     deterministic: bool | None = None
     seed: int = 0
     cache_dir: str = ""
+    # A Hugging Face Hub id's revision (branch, tag or commit; "" for main) and where its files go ("": the Hugging
+    # Face cache), vLLM's --revision and --download-dir (engine/models/hub.py).
+    revision: str = ""
+    download_dir: str = ""
     # vLLM's --hf-overrides: JSON keys set over the model's config.json (engine/models/hf_overrides.py: an overlay
     # directory), e.g. a causal reranker served as a classifier; "" for none.
     hf_overrides: str = ""

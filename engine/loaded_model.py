@@ -84,7 +84,8 @@ class LoadedModel:
         if config.device == "cpu":
             keep_freed_memory()
         model_dir: Path = resolve_model(config.model, cache_dir=config.cache_dir or None, progress=progress,
-                                       hf_overrides=config.hf_overrides)
+                                       hf_overrides=config.hf_overrides, revision=config.revision,
+                                       download_dir=config.download_dir)
         tokenizer = Tokenizer(model_dir)
         arch = arch_from_dir(model_dir)
         hybrid = is_hybrid(arch)

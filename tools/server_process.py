@@ -32,15 +32,16 @@ class ServeProcess:
     a file in its temp dir)."""
 
     def __init__(self, flags: list[str], log_path: str | os.PathLike | None = None, timeout_s: float = 240.0,
-                 stop_timeout_s: float = 30.0, entry: list[str] | None = None):
+                 stop_timeout_s: float = 30.0, entry: list[str] | None = None, extra_env: dict | None = None):
         """``entry``: the command before ``serve`` (default: this Python's ``-m pdcluster.cli``; a benchmark's
-        wrapper of the CLI, e.g. bench/serve_stubbed.py)."""
+        wrapper of the CLI, e.g. bench/serve_stubbed.py). ``extra_env``: variables over this process's own."""
         self.tmp = tempfile.mkdtemp(prefix="pdcluster-serve-")
         self.log_path = Path(log_path) if log_path is not None else Path(self.tmp) / "serve.log"
         self.stop_timeout_s = stop_timeout_s
         # Ray's files and HOME go to the temp dir; the model cache must not follow HOME there (every
         # server would convert the model again).
-        env = dict(os.environ, PDCLUSTER_CACHE_DIR=str(default_cache_dir()), RAY_TMPDIR=self.tmp, HOME=self.tmp)
+        env = dict(os.environ, PDCLUSTER_CACHE_DIR=str(default_cache_dir()), RAY_TMPDIR=self.tmp, HOME=self.tmp,
+                   **(extra_env or {}))
         cmd = [*(entry or [sys.executable, "-m", "pdcluster.cli"]), "serve", *flags]
         if "--port" not in flags:
             cmd += ["--port", "0"]

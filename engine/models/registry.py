@@ -22,7 +22,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from . import gguf_convert, tiny_hybrid, tiny_hybrid_moe, tiny_random
+from . import gguf_convert, hub, tiny_hybrid, tiny_hybrid_moe, tiny_random
 from .hf_overrides import overlay_dir, parse_hf_overrides
 
 CACHE_ENV = "PDCLUSTER_CACHE_DIR"
@@ -82,13 +82,14 @@ def default_cache_dir() -> Path:
 
 def resolve_model(
     name_or_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None, progress: bool = True,
-    hf_overrides: str | dict | None = None,
+    hf_overrides: str | dict | None = None, revision: str | None = None, download_dir: str | None = None,
 ) -> Path:
-    """The HF directory for a built-in model name (built on first use) or an existing model directory; with
-    ``hf_overrides`` (vLLM's, JSON or a dict) an overlay of it whose config.json has them set
-    (engine/models/hf_overrides.py).
+    """The HF directory for a built-in model name (built on first use), an existing model directory or a Hugging
+    Face Hub id (``owner/name``, fetched at ``revision`` into ``download_dir`` or the Hugging Face cache:
+    engine/models/hub.py); with ``hf_overrides`` (vLLM's, JSON or a dict) an overlay of it whose config.json has
+    them set (engine/models/hf_overrides.py).
 
-    A built-in name wins over a same-named folder in the working directory.
+    A built-in name wins over a same-named folder in the working directory, and a folder over a Hub id.
     """
     name = os.fspath(name_or_path)
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
@@ -96,22 +97,38 @@ def resolve_model(
     if name in BUILTIN_MODELS:
         return overlay_dir(_ensure_built(name, cache / "models", progress), overrides, cache)
     path = Path(name).expanduser()
+    if not path.is_dir() and hub.is_hub_id(name):
+        try:
+            path = hub.hub_snapshot(name, revision or None, download_dir or None, progress)
+        except LookupError as e:
+            raise UnknownModelError(f"model {name!r}: {e}") from None
+        missing = _missing_files(path)
+        if missing:
+            raise UnknownModelError(f"model {name!r} from the Hugging Face Hub: its files ({path}) lack "
+                                    f"{', '.join(missing)}; served here are repositories of safetensors weights with "
+                                    "config.json and tokenizer.json")
+        return overlay_dir(path, overrides, cache)
     problem = _hf_dir_problem(path)
     if problem is None:
         return overlay_dir(path.resolve(), overrides, cache)
     raise UnknownModelError(
-        f"unknown model {name!r}: {problem}; give a built-in name ({', '.join(sorted(BUILTIN_MODELS))}) "
-        "or a Hugging Face model directory with config.json, *.safetensors and tokenizer.json"
+        f"unknown model {name!r}: {problem}; give a built-in name ({', '.join(sorted(BUILTIN_MODELS))}), "
+        "a Hugging Face model directory with config.json, *.safetensors and tokenizer.json, or a Hub id (owner/name)"
     )
 
 
 def _hf_dir_problem(path: Path) -> str | None:
     if not path.is_dir():
         return "it is not a built-in name and no such directory exists"
+    missing = _missing_files(path)
+    return f"directory lacks {', '.join(missing)}" if missing else None
+
+
+def _missing_files(path: Path) -> list[str]:
     missing = [f for f in REQUIRED_FILES if not (path / f).is_file()]
     if not any(path.glob("*.safetensors")):
         missing.append("*.safetensors")
-    return f"directory lacks {', '.join(missing)}" if missing else None
+    return missing
 
 
 def _stamp(name: str) -> dict:
