@@ -15,7 +15,7 @@ import sys
 
 from pdcluster.cluster.api.generation_defaults import sampling_defaults
 from pdcluster.cluster.api.media_policy import MediaPolicy
-from pdcluster.cluster.api.options import ApiOptions, chat_template_text, check_template_kwargs
+from pdcluster.cluster.api.options import ApiOptions, CorsPolicy, chat_template_text, check_template_kwargs
 from pdcluster.cluster.api.reasoning import PARSERS as REASONING_PARSERS
 from pdcluster.cluster.api.tool_parsers import PARSER_CHOICES
 from pdcluster.cluster.autoscale import AutoscaleConfig
@@ -88,6 +88,15 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "message.reasoning / reasoning_content: qwen3 (Qwen3, QwQ: only an output that opens "
                         "<think>) or deepseek_r1 (DeepSeek-R1: reasoning until </think>); default: the text as written. "
                         "Its markers also serve requests' thinking_token_budget")
+    g.add_argument("--allowed-origins", default=None, metavar="JSON",
+                   help="web pages (origins) whose scripts may call the API from a browser, e.g. "
+                        "'[\"http://localhost:3000\"]' or '[\"*\"]' (vLLM's flag; default: none, where vLLM "
+                        "allows every origin)")
+    g.add_argument("--allowed-methods", default=None, metavar="JSON", help="with --allowed-origins (default [\"*\"])")
+    g.add_argument("--allowed-headers", default=None, metavar="JSON", help="with --allowed-origins (default [\"*\"])")
+    g.add_argument("--allow-credentials", action="store_true", help="with --allowed-origins: cookies and auth headers")
+    g.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="leave /docs, /redoc and /openapi.json out (vLLM's flag)")
     g.add_argument("--chat-template", default=None, metavar="TEMPLATE|FILE",
                    help="the Jinja chat template to serve in place of the model's (vLLM's flag): the template itself "
                         "(single-line form, \\n escapes read) or a file holding it; for a base model without one")
@@ -223,6 +232,11 @@ def _check_args(args: argparse.Namespace) -> None:
         find_mtp_checkpoint(args.mtp_checkpoint, args.cache_dir or default_cache_dir(), args.model)
     _check_generation_config(args)
     _check_chat_template(args)
+    try:
+        args.cors = CorsPolicy.from_flags(args.allowed_origins, args.allowed_methods, args.allowed_headers,
+                                          args.allow_credentials)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if args.pooler_config is not None:  # fastapi and the API modules: only when the flag is given
         from pdcluster.cluster.api.embeddings import check_pooler_flag
 

@@ -23,7 +23,7 @@ from pdcluster.cluster.api.logprobs import TokenStrings
 from pdcluster.cluster.api.media_policy import MediaPolicy
 from pdcluster.cluster.api.lora_routes import install_lora_routes
 from pdcluster.cluster.api.middleware import install_error_handlers, install_middleware
-from pdcluster.cluster.api.options import check_template_kwargs
+from pdcluster.cluster.api.options import CorsPolicy, check_template_kwargs
 from pdcluster.cluster.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdcluster.cluster.api.reasoning import check_reasoning_parser
 from pdcluster.cluster.api.responses import ResponsesRequest, serve_response
@@ -55,7 +55,8 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
               reasoning_parser: str | None = None, runtime_lora: bool = False,
               pooler: PoolerConfig | str | None = None, media: MediaPolicy | None = None,
               generation_config: str = "auto", override_generation_config: dict | None = None,
-              chat_template: str | None = None, default_chat_template_kwargs: dict | None = None) -> FastAPI:
+              chat_template: str | None = None, default_chat_template_kwargs: dict | None = None,
+              cors: CorsPolicy | None = None, fastapi_docs: bool = True) -> FastAPI:
     """``runtime_lora``: serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (cluster/api/lora_routes.py;
     the workers must run with EngineConfig.enable_lora). ``tool_call_parser``: the model's tool-call format for tool_choice "auto" (cluster/api/tool_parsers/:
     hermes, llama3_json, pythonic; ``auto`` reads it off the chat template, and without one "auto" is
@@ -69,7 +70,8 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
     cluster/api/generation_defaults.py; auto: the model's generation_config.json). ``chat_template`` (a template's
     text) renders chats in place of the model's, ``default_chat_template_kwargs`` go under every request's
     chat_template_kwargs (vLLM's --chat-template and --default-chat-template-kwargs): set on the router's tokenizer,
-    so chat completions, /tokenize and chat embeddings all render alike."""
+    so chat completions, /tokenize and chat embeddings all render alike. ``cors``: the browser pages that may call
+    (None: none); ``fastapi_docs`` false leaves /docs, /redoc and /openapi.json out."""
     media = media or MediaPolicy()
     if max_body_bytes is None:
         max_body_bytes = IMAGE_BODY_BYTES if image_spec(router.tokenizer) is not None else TEXT_BODY_BYTES
@@ -85,7 +87,9 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
     if not isinstance(pooler, PoolerConfig):
         pooler = pooler_config(getattr(router.tokenizer, "model_dir", None), pooler)
     metrics = metrics or Metrics(served_model_name)
-    app = FastAPI(title="pdcluster", description="OpenAI-compatible API of a disaggregated prefill/decode cluster")
+    docs = {} if fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="pdcluster", description="OpenAI-compatible API of a disaggregated prefill/decode cluster",
+                  **docs)
     app.state.router, app.state.metrics = router, metrics
     started = int(time.time())
     strings = TokenStrings(router.tokenizer)  # token id -> its string in logprobs, shared by all requests
@@ -190,5 +194,5 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
     install_tokenize_routes(app, router, served_model_name, media)
     if runtime_lora:
         install_lora_routes(app, router, served_model_name)
-    install_middleware(app, max_body_bytes, api_key)
+    install_middleware(app, max_body_bytes, api_key, cors)
     return app

@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from pdcluster.cluster.api.protocol import error_body, short
 
@@ -188,10 +189,15 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def install_middleware(app: FastAPI, max_body_bytes: int, api_key: str | None) -> None:
+def install_middleware(app: FastAPI, max_body_bytes: int, api_key: str | None, cors=None) -> None:
     """The middleware stack, innermost first: catch-all 500, body limit, then (outermost, so no body is
-    read without a key) the API key."""
+    read without a key) the API key; around them all, with a ``cors`` policy (options.CorsPolicy), CORS: a
+    browser's preflight carries no key, and a refusal must still carry the CORS headers for the page to read it."""
     app.add_middleware(CatchAllMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    if cors is not None:
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors.allowed_origins),
+                           allow_methods=list(cors.allowed_methods), allow_headers=list(cors.allowed_headers),
+                           allow_credentials=cors.allow_credentials)

@@ -8,9 +8,44 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import json
 from dataclasses import dataclass, fields
 
 from pdcluster.cluster.api.media_policy import MediaPolicy  # standard library only
+
+
+@dataclass(frozen=True)
+class CorsPolicy:
+    """Which web pages' scripts may call the API from a browser (vLLM's --allowed-origins and its three siblings).
+    Served only when origins are named: unlike vLLM (every origin by default), a page the user merely visits cannot
+    drive a server on their machine unless told it may."""
+
+    allowed_origins: tuple[str, ...]
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+    @classmethod
+    def from_flags(cls, origins, methods, headers, credentials: bool) -> CorsPolicy | None:
+        """From the flags' JSON lists (ValueError naming the flag); None without --allowed-origins."""
+        def strings(flag: str, value, default: tuple[str, ...]) -> tuple[str, ...]:
+            if value is None:
+                return default
+            try:
+                items = json.loads(value) if isinstance(value, str) else value
+            except ValueError as e:
+                raise ValueError(f"{flag}: not JSON ({e}); want a list such as '[\"http://localhost:3000\"]'") from None
+            if not isinstance(items, list) or not items or not all(isinstance(x, str) and x for x in items):
+                raise ValueError(f"{flag}: want a non-empty JSON list of strings, got {value!r}")
+            return tuple(items)
+
+        if origins is None:
+            for flag, value in (("--allowed-methods", methods), ("--allowed-headers", headers)):
+                if value is not None:
+                    raise ValueError(f"{flag}: applies with --allowed-origins (no origin may call from a browser)")
+            return None
+        return cls(strings("--allowed-origins", origins, ()), strings("--allowed-methods", methods, ("*",)),
+                   strings("--allowed-headers", headers, ("*",)), bool(credentials))
 
 
 @dataclass(frozen=True)
@@ -28,6 +63,8 @@ class ApiOptions:
     override_generation_config: dict | None = None
     chat_template: str | None = None  # serve --chat-template's text, over the model directory's template
     default_chat_template_kwargs: dict | None = None  # under every request's chat_template_kwargs
+    cors: CorsPolicy | None = None  # browser pages allowed to call (None: none)
+    fastapi_docs: bool = True  # /docs, /redoc and /openapi.json (vLLM's --disable-fastapi-docs turns them off)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, runtime_lora: bool) -> ApiOptions:
@@ -39,7 +76,8 @@ class ApiOptions:
                    generation_config=getattr(args, "generation_config", "auto"),
                    override_generation_config=getattr(args, "override_generation_config", None),
                    chat_template=getattr(args, "chat_template", None),
-                   default_chat_template_kwargs=getattr(args, "default_chat_template_kwargs", None))
+                   default_chat_template_kwargs=getattr(args, "default_chat_template_kwargs", None),
+                   cors=getattr(args, "cors", None), fastapi_docs=not getattr(args, "disable_fastapi_docs", False))
 
     def app_kwargs(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
