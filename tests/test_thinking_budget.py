@@ -173,14 +173,16 @@ SPEC_PARAMS = _budget(3, max_tokens=14, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def plain_spec_tokens(engine):
-    return [o.token_ids for o in engine.generate(SPEC_PROMPTS, SPEC_PARAMS)]
+def plain_spec_tokens(tiny_dir):
+    plain = make_engine(num_kv_blocks=NUM_BLOCKS, async_scheduling=False)
+    return [o.token_ids for o in plain.generate(SPEC_PROMPTS, SPEC_PARAMS)]
 
 
-@pytest.mark.parametrize("method,async_scheduling", [("ngram", False), ("ngram", True), ("mtp", False),
-                                                     ("mtp", True)])
-def test_speculative_decoding_is_lossless_with_a_budget(plain_spec_tokens, method, async_scheduling):
-    spec = make_engine(num_kv_blocks=NUM_BLOCKS, spec_method=method, num_spec_tokens=3,
+@pytest.mark.parametrize("method,async_scheduling", [("none", True), ("ngram", False), ("ngram", True),
+                                                     ("mtp", False), ("mtp", True)])
+def test_speculative_decoding_and_async_scheduling_are_lossless_with_a_budget(plain_spec_tokens, method,
+                                                                               async_scheduling):
+    spec = make_engine(num_kv_blocks=NUM_BLOCKS, spec_method=method, num_spec_tokens=0 if method == "none" else 3,
                        async_scheduling=async_scheduling)
     assert [o.token_ids for o in spec.generate(SPEC_PROMPTS, SPEC_PARAMS)] == plain_spec_tokens
     assert plain_spec_tokens[0][3:6] == END
