@@ -11,7 +11,9 @@ import logging
 import time
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 
 from pdcluster.cluster.api.beam import serve_beam_search
 from pdcluster.cluster.api.classify import (ClassifyRequest, PoolingRequest, check_generates, serve_classify,
@@ -19,6 +21,7 @@ from pdcluster.cluster.api.classify import (ClassifyRequest, PoolingRequest, che
 from pdcluster.cluster.api.embeddings import EmbeddingRequest, PoolerConfig, pooler_config, serve_embeddings
 from pdcluster.cluster.api.generation_defaults import sampling_defaults
 from pdcluster.cluster.api.images import image_spec
+from pdcluster.cluster.api.invocations import json_object, route_for
 from pdcluster.cluster.api.logprobs import TokenStrings
 from pdcluster.cluster.api.media_policy import MediaPolicy
 from pdcluster.cluster.api.lora_routes import install_lora_routes
@@ -178,6 +181,21 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
 
     for method in ("GET", "POST"):  # one route a method: one OpenAPI operation id each
         app.add_api_route("/ping", ping, methods=[method], operation_id=f"ping_{method.lower()}")
+
+    # vLLM's (SageMaker's) one inference path: the body's shape says which route answers it (invocations.py).
+    routes = {"chat": (ChatCompletionRequest, chat_completions), "completions": (CompletionRequest, completions),
+              "embeddings": (EmbeddingRequest, embeddings), "pooling": (PoolingRequest, pooling),
+              "score": (ScoreRequest, score), "rerank": (RerankRequest, rerank)}
+
+    @app.post("/invocations")
+    async def invocations(request: Request):
+        body = await json_object(request)
+        model, handler = routes[route_for(body)]
+        try:
+            parsed = model.model_validate(body)
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
+        return await handler(parsed, request)
 
     @app.get("/version")
     async def version():

@@ -166,7 +166,8 @@ class BodyLimitMiddleware:
 
 
 # Besides /v1/*: they cost CPU (and a model's time) like any API call.
-PROTECTED_PATHS = ("/tokenize", "/detokenize", "/score", "/rerank", "/v2/rerank", "/classify", "/pooling")
+PROTECTED_PATHS = ("/tokenize", "/detokenize", "/score", "/rerank", "/v2/rerank", "/classify", "/pooling",
+                   "/invocations")
 
 
 class ApiKeyMiddleware:
