@@ -95,6 +95,13 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--allowed-methods", default=None, metavar="JSON", help="with --allowed-origins (default [\"*\"])")
     g.add_argument("--allowed-headers", default=None, metavar="JSON", help="with --allowed-origins (default [\"*\"])")
     g.add_argument("--allow-credentials", action="store_true", help="with --allowed-origins: cookies and auth headers")
+    g.add_argument("--max-logprobs", type=int, default=20, metavar="N",
+                   help="the most alternatives per position a request may ask for (logprobs, top_logprobs, "
+                        "prompt_logprobs; vLLM's flag, default 20; -1: the whole vocabulary)")
+    g.add_argument("--enable-force-include-usage", action="store_true",
+                   help="every streamed response ends with its usage chunk, asked for or not (vLLM's flag)")
+    g.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprob tokens as 'token_id:<id>' for requests that do not say (vLLM's flag)")
     g.add_argument("--disable-fastapi-docs", action="store_true",
                    help="leave /docs, /redoc and /openapi.json out (vLLM's flag)")
     g.add_argument("--chat-template", default=None, metavar="TEMPLATE|FILE",
@@ -232,6 +239,8 @@ def _check_args(args: argparse.Namespace) -> None:
         find_mtp_checkpoint(args.mtp_checkpoint, args.cache_dir or default_cache_dir(), args.model)
     _check_generation_config(args)
     _check_chat_template(args)
+    if args.max_logprobs < -1:
+        raise ConfigError(f"--max-logprobs: must be >= 0 (or -1: the whole vocabulary), got {args.max_logprobs}")
     try:
         args.cors = CorsPolicy.from_flags(args.allowed_origins, args.allowed_methods, args.allowed_headers,
                                           args.allow_credentials)

@@ -21,6 +21,8 @@ NO_OP_FLAGS = {
     "disable_log_stats": ("--disable-log-stats", "engine statistics are served on /metrics, not logged"),
     "enable_chunked_prefill": ("--enable-chunked-prefill", "prompts are always prefilled in chunks "
                                                            "(--prefill-chunk-size)"),
+    "enable_prompt_tokens_details": ("--enable-prompt-tokens-details", "usage always gives "
+                                                                       "prompt_tokens_details.cached_tokens"),
 }
 
 

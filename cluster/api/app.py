@@ -34,7 +34,7 @@ from pdcluster.cluster.api.scoring import RerankRequest, ScoreRequest, serve_rer
 from pdcluster.cluster.api.serving import serve_request
 from pdcluster.cluster.api.tokenize_routes import install_tokenize_routes
 from pdcluster.cluster.api.tool_parsers import select_parser
-from pdcluster.cluster.api.validation import check_model, prepare
+from pdcluster.cluster.api.validation import MAX_LOGPROBS, ServerPolicy, check_model, prepare
 from pdcluster.cluster.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,8 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
               pooler: PoolerConfig | str | None = None, media: MediaPolicy | None = None,
               generation_config: str = "auto", override_generation_config: dict | None = None,
               chat_template: str | None = None, default_chat_template_kwargs: dict | None = None,
-              cors: CorsPolicy | None = None, fastapi_docs: bool = True) -> FastAPI:
+              cors: CorsPolicy | None = None, fastapi_docs: bool = True, max_logprobs: int = MAX_LOGPROBS,
+              force_include_usage: bool = False, return_tokens_as_token_ids: bool = False) -> FastAPI:
     """``runtime_lora``: serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (cluster/api/lora_routes.py;
     the workers must run with EngineConfig.enable_lora). ``tool_call_parser``: the model's tool-call format for tool_choice "auto" (cluster/api/tool_parsers/:
     hermes, llama3_json, pythonic; ``auto`` reads it off the chat template, and without one "auto" is
@@ -74,7 +75,9 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
     text) renders chats in place of the model's, ``default_chat_template_kwargs`` go under every request's
     chat_template_kwargs (vLLM's --chat-template and --default-chat-template-kwargs): set on the router's tokenizer,
     so chat completions, /tokenize and chat embeddings all render alike. ``cors``: the browser pages that may call
-    (None: none); ``fastapi_docs`` false leaves /docs, /redoc and /openapi.json out."""
+    (None: none); ``fastapi_docs`` false leaves /docs, /redoc and /openapi.json out. ``max_logprobs`` (-1: the
+    vocabulary), ``force_include_usage``, ``return_tokens_as_token_ids``: vLLM's flags of those names, for every
+    request (cluster/api/validation.py ServerPolicy)."""
     media = media or MediaPolicy()
     if max_body_bytes is None:
         max_body_bytes = IMAGE_BODY_BYTES if image_spec(router.tokenizer) is not None else TEXT_BODY_BYTES
@@ -85,8 +88,14 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
             default_chat_template_kwargs or {}, "default_chat_template_kwargs"))
     tool_parser = select_parser(tool_call_parser, getattr(router.tokenizer, "chat_template", None))
     check_reasoning_parser(reasoning_parser)
-    defaults = sampling_defaults(getattr(router.tokenizer, "model_dir", None), generation_config,
-                                 override_generation_config)
+    if max_logprobs < -1:
+        raise ValueError(f"max_logprobs must be >= 0 (or -1: the whole vocabulary), got {max_logprobs}")
+    policy = ServerPolicy(
+        tool_parser=tool_parser, reasoning_parser=reasoning_parser, media=media,
+        defaults=sampling_defaults(getattr(router.tokenizer, "model_dir", None), generation_config,
+                                   override_generation_config),
+        max_logprobs=router.tokenizer.vocab_size if max_logprobs == -1 else max_logprobs,
+        force_include_usage=force_include_usage, return_tokens_as_token_ids=return_tokens_as_token_ids)
     if not isinstance(pooler, PoolerConfig):
         pooler = pooler_config(getattr(router.tokenizer, "model_dir", None), pooler)
     metrics = metrics or Metrics(served_model_name)
@@ -101,9 +110,7 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_generates(pooler, served_model_name)
-        # The reasoning parser names the thinking markers (thinking_token_budget); completions' text is not split.
-        prep = await prepare(body, router, served_model_name, reasoning_parser=reasoning_parser,
-                             header_request_id=request.headers.get("x-request-id"), defaults=defaults)
+        prep = await prepare(body, router, served_model_name, policy, request.headers.get("x-request-id"))
         if prep.beam is not None:
             return await serve_beam_search(prep, request, router, metrics, strings)
         return await serve_request(prep, request, router, metrics, strings)
@@ -111,8 +118,7 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_generates(pooler, served_model_name)
-        prep = await prepare(body, router, served_model_name, tool_parser, reasoning_parser, media,
-                             request.headers.get("x-request-id"), defaults)
+        prep = await prepare(body, router, served_model_name, policy, request.headers.get("x-request-id"))
         if prep.beam is not None:
             return await serve_beam_search(prep, request, router, metrics, strings)
         return await serve_request(prep, request, router, metrics, strings)
@@ -120,8 +126,7 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request):
         check_generates(pooler, served_model_name)
-        return await serve_response(body, request, router, served_model_name, metrics, strings, tool_parser,
-                                    reasoning_parser, media, defaults)
+        return await serve_response(body, request, router, served_model_name, metrics, strings, policy)
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request):

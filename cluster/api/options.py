@@ -65,6 +65,9 @@ class ApiOptions:
     default_chat_template_kwargs: dict | None = None  # under every request's chat_template_kwargs
     cors: CorsPolicy | None = None  # browser pages allowed to call (None: none)
     fastapi_docs: bool = True  # /docs, /redoc and /openapi.json (vLLM's --disable-fastapi-docs turns them off)
+    max_logprobs: int = 20  # alternatives per position a request may ask for (-1: the vocabulary)
+    force_include_usage: bool = False  # every stream ends with its usage chunk
+    return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:<id>" unless a request says otherwise
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, runtime_lora: bool) -> ApiOptions:
@@ -77,7 +80,10 @@ class ApiOptions:
                    override_generation_config=getattr(args, "override_generation_config", None),
                    chat_template=getattr(args, "chat_template", None),
                    default_chat_template_kwargs=getattr(args, "default_chat_template_kwargs", None),
-                   cors=getattr(args, "cors", None), fastapi_docs=not getattr(args, "disable_fastapi_docs", False))
+                   cors=getattr(args, "cors", None), fastapi_docs=not getattr(args, "disable_fastapi_docs", False),
+                   max_logprobs=getattr(args, "max_logprobs", 20),
+                   force_include_usage=getattr(args, "enable_force_include_usage", False),
+                   return_tokens_as_token_ids=getattr(args, "return_tokens_as_token_ids", False))
 
     def app_kwargs(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -132,7 +132,7 @@ class SamplingFields(StrictModel):
     # vLLM's token-id views (what RL and evaluation frameworks read): ``return_token_ids`` adds the prompt's
     # and each choice's token ids; ``return_tokens_as_token_ids`` names logprob tokens "token_id:<id>".
     return_token_ids: bool | None = None
-    return_tokens_as_token_ids: bool | None = False
+    return_tokens_as_token_ids: bool | None = None  # None: the server's --return-tokens-as-token-ids
     priority: int | None = 0  # lower first (engine/waiting_queue.py)
     # vLLM's beam search (cluster/api/beam.py): n is the beam width; the score divides the cumulative
     # logprob by (prompt + output tokens) ** length_penalty.

@@ -32,12 +32,10 @@ from pydantic import ValidationError
 from pdcluster.cluster.api import protocol as wire
 from pdcluster.cluster.api.choice import ChoiceRun
 from pdcluster.cluster.api.fanout import interleaved
-from pdcluster.cluster.api.generation_defaults import NO_DEFAULTS, SamplingDefaults
-from pdcluster.cluster.api.media_policy import MediaPolicy
 from pdcluster.cluster.api.middleware import APIError, validation_message
 from pdcluster.cluster.api.protocol import ChatCompletionRequest, StrictModel, one_of
 from pdcluster.cluster.api.serving import Reply, close_all, serve_runs
-from pdcluster.cluster.api.validation import prepare
+from pdcluster.cluster.api.validation import ServerPolicy, prepare
 
 log = logging.getLogger(__name__)
 
@@ -330,11 +328,9 @@ async def _event_stream(out: _Output, reply: Reply, firsts) -> AsyncIterator[byt
 
 
 async def serve_response(body: ResponsesRequest, request: Request, router, served_model_name: str, metrics,
-                         strings, tool_parser, reasoning_parser: str | None = None,
-                         media: MediaPolicy = MediaPolicy(), defaults: SamplingDefaults = NO_DEFAULTS) -> Response:
+                         strings, policy: ServerPolicy = ServerPolicy()) -> Response:
     try:
-        prep = await prepare(to_chat(body), router, served_model_name, tool_parser, reasoning_parser, media,
-                             defaults=defaults)
+        prep = await prepare(to_chat(body), router, served_model_name, policy)
     except APIError as e:
         raise in_responses_terms(e) from e
     out = _Output(body, prep.model)

@@ -94,19 +94,31 @@ def _bad(param: str, message: str) -> APIError:
     return APIError(400, f"{param}: {message}", param=param)
 
 
-async def prepare(body: SamplingFields, router, served_model_name: str,
-                  tool_parser: ToolParser | None = None, reasoning_parser: str | None = None,
-                  media: MediaPolicy = MediaPolicy(), header_request_id: str | None = None,
-                  defaults: SamplingDefaults = NO_DEFAULTS) -> Prepared:
-    """``tool_parser``: the model's tool-call format (tool_choice "auto", tools in the prompt);
-    ``reasoning_parser``: the model's reasoning format (cluster/api/reasoning.py), for chat, and its thinking markers
-    (thinking_token_budget); ``media``: where a chat's images may be fetched from (cluster/api/media_policy.py);
-    ``defaults``: the model's sampling defaults (cluster/api/generation_defaults.py)."""
+@dataclass(frozen=True)
+class ServerPolicy:
+    """What the server's flags decide for every generation request (build_app makes one)."""
+
+    tool_parser: ToolParser | None = None  # the model's tool-call format (tool_choice "auto", tools in the prompt)
+    # The model's reasoning format (cluster/api/reasoning.py), for chat, and its thinking markers (thinking_token_budget)
+    reasoning_parser: str | None = None
+    media: MediaPolicy = MediaPolicy()  # where a chat's images may be fetched from (cluster/api/media_policy.py)
+    defaults: SamplingDefaults = NO_DEFAULTS  # the model's sampling defaults (cluster/api/generation_defaults.py)
+    max_logprobs: int = MAX_LOGPROBS  # vLLM's --max-logprobs: alternatives per position a request may ask for
+    force_include_usage: bool = False  # vLLM's --enable-force-include-usage: every stream ends with its usage
+    return_tokens_as_token_ids: bool = False  # vLLM's server flag: every request's logprob tokens as "token_id:<id>"
+
+
+async def prepare(body: SamplingFields, router, served_model_name: str, policy: ServerPolicy = ServerPolicy(),
+                  header_request_id: str | None = None) -> Prepared:
+    """``body`` checked and turned into router requests under the server's ``policy``; ``header_request_id``: the
+    X-Request-Id header's value."""
+    tool_parser, reasoning_parser, media, defaults = (policy.tool_parser, policy.reasoning_parser, policy.media,
+                                                      policy.defaults)
     lora_name = check_model(body.model, served_model_name, router.lora_names)
     n = _check_n(body)
     _reject_unsupported(body)
     is_chat = isinstance(body, ChatCompletionRequest)
-    output, extras = _output_and_extras(body)
+    output, extras = _output_and_extras(body, policy)
     tokenizer = router.tokenizer
     # Checking a schema and tokenising long prompts take a while: keep them off the event loop.
     spec, tool_calls = await anyio.to_thread.run_sync(structured_request, body, tool_parser)
@@ -163,9 +175,9 @@ async def prepare(body: SamplingFields, router, served_model_name: str,
     options = body.stream_options
     if options is not None and not body.stream and (options.include_usage or options.continuous_usage_stats):
         raise _bad("stream_options", "stream_options are for streamed responses: set stream=true or leave them out")
-    include_usage = bool(body.stream and options and options.include_usage)
-    continuous = include_usage and bool(options.continuous_usage_stats)
-    beam = _beam_search(body, n, output, inputs) if body.use_beam_search else None
+    include_usage = bool(body.stream and ((options and options.include_usage) or policy.force_include_usage))
+    continuous = include_usage and bool(options and options.continuous_usage_stats)
+    beam = _beam_search(body, n, output, inputs, policy.max_logprobs) if body.use_beam_search else None
     if body.length_penalty not in (None, 1.0) and beam is None:
         raise _bad("length_penalty", f"applies to beam search only: set use_beam_search=true or leave it out, "
                                      f"got {body.length_penalty}")
@@ -191,16 +203,17 @@ def client_request_id(value: str | None, param: str) -> str | None:
     return value
 
 
-def _beam_search(body: SamplingFields, n: int, output: Output, inputs: list[PromptInput]) -> BeamSearchParams:
+def _beam_search(body: SamplingFields, n: int, output: Output, inputs: list[PromptInput],
+                 max_logprobs: int = MAX_LOGPROBS) -> BeamSearchParams:
     """The search's parameters, or a 400 for what it does not combine with: it returns whole beams (with their
     tokens' logprobs when asked), scored by their log-probabilities, ending at end tokens (vLLM's beam search
     ignores the sampling filters)."""
     def no(param: str, what: str) -> None:
         raise APIError(400, f"{param}: {what} with use_beam_search", param=param, code="unsupported_parameter")
 
-    if n > MAX_LOGPROBS // 2:
-        raise _bad("n", f"is the beam width with use_beam_search, at most {MAX_LOGPROBS // 2} (each step asks for "
-                        f"2 x n alternatives, at most {MAX_LOGPROBS}), got {n}")
+    if n > max_logprobs // 2:
+        raise _bad("n", f"is the beam width with use_beam_search, at most {max_logprobs // 2} (each step asks for "
+                        f"2 x n alternatives, at most --max-logprobs {max_logprobs}), got {n}")
     if body.stream:
         no("stream", "beams are returned whole, not streamed: set stream=false")
     if output.num_prompt_logprobs is not None:
@@ -276,25 +289,29 @@ def _reject_unsupported(body: SamplingFields) -> None:
             no("suffix", "suffix (insertion) is not supported (leave it out)")
 
 
-def _num_logprobs_in_range(param: str, value: int, note: str = "") -> int:
-    if not 0 <= value <= MAX_LOGPROBS:
-        raise _bad(param, f"must be in [0, {MAX_LOGPROBS}], got {value}{note}")
+def _num_logprobs_in_range(param: str, value: int, limit: int, note: str = "") -> int:
+    if not 0 <= value <= limit:
+        raise _bad(param, f"must be in [0, {limit}], got {value}{note}"
+                          + (" (the server's --max-logprobs)" if limit != MAX_LOGPROBS else ""))
     return value
 
 
-def _output_and_extras(body: SamplingFields) -> tuple[Output, Extras]:
-    num_prompt = _num_prompt_logprobs(body)
+def _output_and_extras(body: SamplingFields, policy: ServerPolicy) -> tuple[Output, Extras]:
+    limit = policy.max_logprobs
+    num_prompt = _num_prompt_logprobs(body, limit)
+    tokens_as_ids = (policy.return_tokens_as_token_ids if body.return_tokens_as_token_ids is None
+                     else bool(body.return_tokens_as_token_ids))
     ids = dict(num_prompt_logprobs=num_prompt, return_token_ids=bool(body.return_token_ids),
-               tokens_as_ids=bool(body.return_tokens_as_token_ids))
+               tokens_as_ids=tokens_as_ids)
     if isinstance(body, ChatCompletionRequest):
         if body.top_logprobs is not None and not body.logprobs:
             raise _bad("top_logprobs", f"needs logprobs=true, got top_logprobs={body.top_logprobs} with "
                                        f"logprobs={body.logprobs}")
-        num = _num_logprobs_in_range("top_logprobs", body.top_logprobs or 0) if body.logprobs else None
+        num = _num_logprobs_in_range("top_logprobs", body.top_logprobs or 0, limit) if body.logprobs else None
         echoed = _final_assistant_text(body.messages) if body.echo else ""
         return (Output(num_logprobs=num, chat_echo=echoed, **ids),
                 Extras(logprobs=num, prompt_logprobs=num_prompt))
-    num = None if body.logprobs is None else _num_logprobs_in_range("logprobs", body.logprobs)
+    num = None if body.logprobs is None else _num_logprobs_in_range("logprobs", body.logprobs, limit)
     echo = bool(body.echo)
     output = Output(num_logprobs=num, echo=echo, drop_output=echo and body.max_tokens == 0, **ids)
     # The engine computes the prompt's records once, for the most alternatives either view shows.
@@ -313,14 +330,14 @@ def _final_assistant_text(messages: list[ChatMessage]) -> str:
     return "".join(getattr(part, "text", None) or "" for part in final.content)
 
 
-def _num_prompt_logprobs(body: SamplingFields) -> int | None:
+def _num_prompt_logprobs(body: SamplingFields, limit: int) -> int | None:
     """vLLM's ``prompt_logprobs``, checked as vLLM checks it: at most MAX_LOGPROBS alternatives (vLLM's
     -1, the whole vocabulary, exceeds its default max_logprobs too), none in a stream (stream chunks have
     no field for them; 0 is accepted there and shows nothing, as vLLM)."""
     value = body.prompt_logprobs
     if value is None:
         return None
-    _num_logprobs_in_range("prompt_logprobs", value,
+    _num_logprobs_in_range("prompt_logprobs", value, limit,
                            " (-1, the whole vocabulary, is not served)" if value == -1 else "")
     if body.stream:
         if value > 0:
