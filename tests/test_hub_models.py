@@ -108,6 +108,20 @@ def test_a_vllm_serve_command_line(hf_home):
     assert "--trust-remote-code: accepted, no effect" in output and "--disable-log-requests: accepted" in output
 
 
+def test_a_load_tests_tokenizer_from_the_hub(hf_home):
+    """`pdcluster loadtest --model owner/name` counts with the Hub's tokenizer files (no weights fetched); a model
+    the Hub cannot give leaves the run without exact counts, a --tokenizer it cannot give is an error."""
+    code = ("from pdcluster.tools.loadtest.tokenizer_source import load_tokenizer, TokenizerSourceError\n"
+            "print(load_tokenizer(None, 'testorg/tiny').encode('hello world'))\n"
+            "print(load_tokenizer(None, 'testorg/missing'))\n"
+            "try:\n    load_tokenizer('testorg/missing', 'x')\nexcept TokenizerSourceError as e:\n    print(e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=_env(hf_home))
+    assert r.returncode == 0, r.stderr
+    counted, missing, refused = r.stdout.strip().splitlines()
+    assert counted == "[28120, 905]" and missing == "None"
+    assert refused.startswith("--tokenizer: testorg/missing is not in the Hugging Face cache")
+
+
 def test_the_model_given_twice_and_prefix_caching_both_ways():
     from pdcluster.cli.main import build_parser
     from pdcluster.cluster.engine_args import engine_config_from_args

@@ -18,6 +18,8 @@ from pathlib import Path
 # owner/name, as the Hub spells repository ids
 HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.tiktoken"]
+# What counting tokens needs (a load test's tokenizer): no weights.
+TOKENIZER_PATTERNS = ["*.json", "*.jinja", "tokenizer.model", "*.tiktoken"]
 # Mistral's repositories carry the same weights twice: consolidated.safetensors in its own format, beside HF's.
 IGNORE_PATTERNS = ["original/*", "consolidated*.safetensors"]
 
@@ -28,9 +30,10 @@ def is_hub_id(name: str) -> bool:
 
 @functools.lru_cache(maxsize=16)
 def hub_snapshot(repo_id: str, revision: str | None = None, download_dir: str | None = None,
-                 progress: bool = True) -> Path:
+                 progress: bool = True, weights: bool = True) -> Path:
     """The local snapshot directory of ``repo_id`` at ``revision`` (a branch, tag or commit; None: main), fetched
-    into ``download_dir`` (vLLM's --download-dir; None: the Hugging Face cache). LookupError saying why not."""
+    into ``download_dir`` (vLLM's --download-dir; None: the Hugging Face cache); without ``weights`` only the
+    configs and tokenizer. LookupError saying why not."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
                                         RepositoryNotFoundError, RevisionNotFoundError)
@@ -41,7 +44,8 @@ def hub_snapshot(repo_id: str, revision: str | None = None, download_dir: str | 
         disable_progress_bars()
     try:
         return Path(snapshot_download(repo_id, revision=revision, cache_dir=download_dir,
-                                      allow_patterns=ALLOW_PATTERNS, ignore_patterns=IGNORE_PATTERNS))
+                                      allow_patterns=ALLOW_PATTERNS if weights else TOKENIZER_PATTERNS,
+                                      ignore_patterns=IGNORE_PATTERNS))
     except GatedRepoError:
         raise LookupError(f"{where} is gated: accept its terms on huggingface.co and set HF_TOKEN") from None
     except RepositoryNotFoundError:
