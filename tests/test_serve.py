@@ -97,17 +97,17 @@ def test_serve_modes_match_engine(expected, flags):
 def test_serve_tensor_parallel_colocated_matches_engine(expected):
     """A colocated worker whose model is split over two ranks (engine/tensor_parallel/: the Ray actor is rank 0 and
     starts the other) serves what the whole model computes; the server's stop takes the other rank with it."""
-    before = set(_tp_ranks())
     server = Server("--mode", "colocated", "--tensor-parallel-size", "2")
     try:
         _check_server(server, expected)
-        assert len(set(_tp_ranks()) - before) == 1  # rank 1 (rank 0 is the worker actor itself)
+        ranks = _tp_ranks(server)
+        assert len(ranks) == 1  # rank 1 (rank 0 is the worker actor itself)
     finally:
         server.close()
     deadline = time.monotonic() + 30
-    while set(_tp_ranks()) - before and time.monotonic() < deadline:
+    while _alive(ranks) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not set(_tp_ranks()) - before
+    assert not _alive(ranks)
 
 
 @pytest.mark.timeout(600)
@@ -123,11 +123,10 @@ def test_serve_tensor_parallel_disagg_matches_engine(expected, flags, num_other_
     served is what the whole model computes."""
     import httpx
 
-    before = set(_tp_ranks())
     server = Server("--mode", "auto", *flags) if num_other_ranks == 1 else Server("--mode", "disagg", *flags)
     try:
         _check_server(server, expected)
-        assert len(set(_tp_ranks()) - before) == num_other_ranks  # each split worker's ranks past rank 0
+        assert len(_tp_ranks(server)) == num_other_ranks  # each split worker's ranks past rank 0
         metrics = httpx.get(f"http://127.0.0.1:{server.port}/metrics", timeout=10).text
         assert _metric(metrics, "pdcluster:ttft_kv_transfer_seconds_count") > 0
         assert (_metric(metrics, "pdcluster:kv_transfer_bytes_total") or 0) > 0
@@ -135,10 +134,31 @@ def test_serve_tensor_parallel_disagg_matches_engine(expected, flags, num_other_
         server.close()
 
 
-def _tp_ranks() -> list[str]:
-    """Live processes running a tensor-parallel rank's entry (engine/tensor_parallel/worker.py)."""
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if "multiprocessing.spawn" in line and "defunct" not in line]
+def _tp_ranks(server) -> list:
+    """``server``'s live processes running a tensor-parallel rank's entry (engine/tensor_parallel/worker.py): its
+    descendants only (Ray's raylet and workers are), as another test's processes may run beside it."""
+    import psutil
+
+    ranks = []
+    for proc in psutil.Process(server.proc.pid).children(recursive=True):
+        try:
+            if "multiprocessing.spawn" in " ".join(proc.cmdline()) and proc.status() != psutil.STATUS_ZOMBIE:
+                ranks.append(proc)
+        except psutil.NoSuchProcess:
+            pass
+    return ranks
+
+
+def _alive(procs) -> list:
+    import psutil
+
+    def running(proc) -> bool:
+        try:
+            return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    return [proc for proc in procs if running(proc)]
 
 
 @pytest.mark.timeout(900)
