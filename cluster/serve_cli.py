@@ -9,13 +9,13 @@ server starts: they load torch and the engine (about 1.5 s), which `pdcluster --
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 from pdcluster.cluster.api.generation_defaults import sampling_defaults
 from pdcluster.cluster.api.media_policy import MediaPolicy
-from pdcluster.cluster.api.options import ApiOptions, CorsPolicy, chat_template_text, check_template_kwargs
+from pdcluster.cluster.api.options import (MAX_LOGPROBS, ApiOptions, CorsPolicy, chat_template_text,
+                                           check_max_logprobs, check_template_kwargs, json_flag)
 from pdcluster.cluster.api.reasoning import PARSERS as REASONING_PARSERS
 from pdcluster.cluster.api.tool_parsers import PARSER_CHOICES
 from pdcluster.cluster.autoscale import AutoscaleConfig
@@ -95,7 +95,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--allowed-methods", default=None, metavar="JSON", help="with --allowed-origins (default [\"*\"])")
     g.add_argument("--allowed-headers", default=None, metavar="JSON", help="with --allowed-origins (default [\"*\"])")
     g.add_argument("--allow-credentials", action="store_true", help="with --allowed-origins: cookies and auth headers")
-    g.add_argument("--max-logprobs", type=int, default=20, metavar="N",
+    g.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS, metavar="N",
                    help="the most alternatives per position a request may ask for (logprobs, top_logprobs, "
                         "prompt_logprobs; vLLM's flag, default 20; -1: the whole vocabulary)")
     g.add_argument("--enable-force-include-usage", action="store_true",
@@ -239,9 +239,8 @@ def _check_args(args: argparse.Namespace) -> None:
         find_mtp_checkpoint(args.mtp_checkpoint, args.cache_dir or default_cache_dir(), args.model)
     _check_generation_config(args)
     _check_chat_template(args)
-    if args.max_logprobs < -1:
-        raise ConfigError(f"--max-logprobs: must be >= 0 (or -1: the whole vocabulary), got {args.max_logprobs}")
     try:
+        check_max_logprobs(args.max_logprobs)
         args.cors = CorsPolicy.from_flags(args.allowed_origins, args.allowed_methods, args.allowed_headers,
                                           args.allow_credentials)
     except ValueError as e:
@@ -289,13 +288,8 @@ def _check_args(args: argparse.Namespace) -> None:
 def _check_generation_config(args: argparse.Namespace) -> None:
     """--generation-config DIR must hold the file and --override-generation-config be a JSON object of good values:
     said in one line now, not by every API process once the workers are up."""
-    overrides = args.override_generation_config
-    if isinstance(overrides, str):
-        try:
-            overrides = json.loads(overrides)
-        except ValueError as e:
-            raise ConfigError(f"--override-generation-config: not JSON ({e})") from None
     try:
+        overrides = json_flag("--override-generation-config", args.override_generation_config)
         sampling_defaults(None, "vllm", overrides)
         if args.generation_config not in ("auto", "vllm"):
             sampling_defaults(None, args.generation_config)
@@ -314,10 +308,7 @@ def _check_chat_template(args: argparse.Namespace) -> None:
             args.chat_template = chat_template_text(args.chat_template)
             compile_chat_template(args.chat_template, "--chat-template")
         if isinstance(args.default_chat_template_kwargs, str):
-            try:
-                kwargs = json.loads(args.default_chat_template_kwargs)
-            except ValueError as e:
-                raise ValueError(f"--default-chat-template-kwargs: not JSON ({e})") from None
+            kwargs = json_flag("--default-chat-template-kwargs", args.default_chat_template_kwargs)
             args.default_chat_template_kwargs = check_template_kwargs(kwargs, "--default-chat-template-kwargs")
     except ValueError as e:
         raise ConfigError(str(e)) from None

@@ -26,15 +26,15 @@ from pdcluster.cluster.api.logprobs import TokenStrings
 from pdcluster.cluster.api.media_policy import MediaPolicy
 from pdcluster.cluster.api.lora_routes import install_lora_routes
 from pdcluster.cluster.api.middleware import install_error_handlers, install_middleware
-from pdcluster.cluster.api.options import CorsPolicy, check_template_kwargs
+from pdcluster.cluster.api.options import MAX_LOGPROBS, CorsPolicy, check_max_logprobs, check_template_kwargs
 from pdcluster.cluster.api.protocol import ChatCompletionRequest, CompletionRequest
-from pdcluster.cluster.api.reasoning import check_reasoning_parser
+from pdcluster.cluster.api.reasoning import check_reasoning_parser, thinking_markers
 from pdcluster.cluster.api.responses import ResponsesRequest, serve_response
 from pdcluster.cluster.api.scoring import RerankRequest, ScoreRequest, serve_rerank, serve_score
 from pdcluster.cluster.api.serving import serve_request
 from pdcluster.cluster.api.tokenize_routes import install_tokenize_routes
 from pdcluster.cluster.api.tool_parsers import select_parser
-from pdcluster.cluster.api.validation import MAX_LOGPROBS, ServerPolicy, check_model, prepare
+from pdcluster.cluster.api.validation import ServerPolicy, check_model, prepare
 from pdcluster.cluster.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -88,13 +88,12 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
             default_chat_template_kwargs or {}, "default_chat_template_kwargs"))
     tool_parser = select_parser(tool_call_parser, getattr(router.tokenizer, "chat_template", None))
     check_reasoning_parser(reasoning_parser)
-    if max_logprobs < -1:
-        raise ValueError(f"max_logprobs must be >= 0 (or -1: the whole vocabulary), got {max_logprobs}")
     policy = ServerPolicy(
         tool_parser=tool_parser, reasoning_parser=reasoning_parser, media=media,
+        thinking_markers=None if reasoning_parser is None else thinking_markers(reasoning_parser, router.tokenizer),
         defaults=sampling_defaults(getattr(router.tokenizer, "model_dir", None), generation_config,
                                    override_generation_config),
-        max_logprobs=router.tokenizer.vocab_size if max_logprobs == -1 else max_logprobs,
+        max_logprobs=router.tokenizer.vocab_size if check_max_logprobs(max_logprobs) == -1 else max_logprobs,
         force_include_usage=force_include_usage, return_tokens_as_token_ids=return_tokens_as_token_ids)
     if not isinstance(pooler, PoolerConfig):
         pooler = pooler_config(getattr(router.tokenizer, "model_dir", None), pooler)

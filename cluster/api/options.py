@@ -13,6 +13,25 @@ from dataclasses import dataclass, fields
 
 from pdcluster.cluster.api.media_policy import MediaPolicy  # standard library only
 
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI (chat) and vLLM's default --max-logprobs
+
+
+def json_flag(flag: str, value, hint: str = ""):
+    """A flag's JSON value parsed (a value that is not a string is taken as parsed already); ValueError naming the
+    flag, then ``hint``, when it is not JSON."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError as e:
+        raise ValueError(f"{flag}: not JSON ({e}){hint}") from None
+
+
+def check_max_logprobs(value: int) -> int:
+    if value < -1:
+        raise ValueError(f"--max-logprobs: must be >= 0 (or -1: the whole vocabulary), got {value}")
+    return value
+
 
 @dataclass(frozen=True)
 class CorsPolicy:
@@ -31,10 +50,7 @@ class CorsPolicy:
         def strings(flag: str, value, default: tuple[str, ...]) -> tuple[str, ...]:
             if value is None:
                 return default
-            try:
-                items = json.loads(value) if isinstance(value, str) else value
-            except ValueError as e:
-                raise ValueError(f"{flag}: not JSON ({e}); want a list such as '[\"http://localhost:3000\"]'") from None
+            items = json_flag(flag, value, "; want a list such as '[\"http://localhost:3000\"]'")
             if not isinstance(items, list) or not items or not all(isinstance(x, str) and x for x in items):
                 raise ValueError(f"{flag}: want a non-empty JSON list of strings, got {value!r}")
             return tuple(items)
@@ -65,7 +81,7 @@ class ApiOptions:
     default_chat_template_kwargs: dict | None = None  # under every request's chat_template_kwargs
     cors: CorsPolicy | None = None  # browser pages allowed to call (None: none)
     fastapi_docs: bool = True  # /docs, /redoc and /openapi.json (vLLM's --disable-fastapi-docs turns them off)
-    max_logprobs: int = 20  # alternatives per position a request may ask for (-1: the vocabulary)
+    max_logprobs: int = MAX_LOGPROBS  # alternatives per position a request may ask for (-1: the vocabulary)
     force_include_usage: bool = False  # every stream ends with its usage chunk
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:<id>" unless a request says otherwise
 
@@ -81,7 +97,7 @@ class ApiOptions:
                    chat_template=getattr(args, "chat_template", None),
                    default_chat_template_kwargs=getattr(args, "default_chat_template_kwargs", None),
                    cors=getattr(args, "cors", None), fastapi_docs=not getattr(args, "disable_fastapi_docs", False),
-                   max_logprobs=getattr(args, "max_logprobs", 20),
+                   max_logprobs=getattr(args, "max_logprobs", MAX_LOGPROBS),
                    force_include_usage=getattr(args, "enable_force_include_usage", False),
                    return_tokens_as_token_ids=getattr(args, "return_tokens_as_token_ids", False))
 

@@ -26,10 +26,10 @@ from pdcluster.cluster.api.generation_defaults import NO_DEFAULTS, SamplingDefau
 from pdcluster.cluster.api.images import chat_images, expand_images, image_token_text
 from pdcluster.cluster.api.media_policy import MediaPolicy
 from pdcluster.cluster.api.middleware import APIError
-from pdcluster.cluster.api.options import check_template_kwargs
+from pdcluster.cluster.api.options import MAX_LOGPROBS, check_template_kwargs
 from pdcluster.cluster.api.protocol import (CHAT_COMPLETION, TEXT_COMPLETION, ChatCompletionRequest,
                                             ChatMessage, CompletionRequest, SamplingFields, short)
-from pdcluster.cluster.api.reasoning import needs_special_tokens, thinking_markers
+from pdcluster.cluster.api.reasoning import needs_special_tokens
 from pdcluster.cluster.api.sampling import INT64_MAX, Extras, bad_words_token_ids, sampling_params
 from pdcluster.cluster.api.structured import ToolCalls, structured_request
 from pdcluster.cluster.api.tool_parsers import ToolParser
@@ -41,7 +41,6 @@ from pdcluster.engine.tokenizer import ChatTemplateError, ContinueFinalMessageEr
 log = logging.getLogger(__name__)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: up to the context's end)
-MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI (chat) and vLLM's default max_logprobs
 MAX_PROMPTS = 64  # prompts in one completions request
 MAX_CHOICES = 128  # prompts x n: each is a router request
 
@@ -99,8 +98,9 @@ class ServerPolicy:
     """What the server's flags decide for every generation request (build_app makes one)."""
 
     tool_parser: ToolParser | None = None  # the model's tool-call format (tool_choice "auto", tools in the prompt)
-    # The model's reasoning format (cluster/api/reasoning.py), for chat, and its thinking markers (thinking_token_budget)
-    reasoning_parser: str | None = None
+    reasoning_parser: str | None = None  # the model's reasoning format (cluster/api/reasoning.py), for chat
+    # That format's thinking markers as token ids (start, end), for thinking_token_budget: tokenized once per server
+    thinking_markers: tuple[list[int], list[int]] | None = None
     media: MediaPolicy = MediaPolicy()  # where a chat's images may be fetched from (cluster/api/media_policy.py)
     defaults: SamplingDefaults = NO_DEFAULTS  # the model's sampling defaults (cluster/api/generation_defaults.py)
     max_logprobs: int = MAX_LOGPROBS  # vLLM's --max-logprobs: alternatives per position a request may ask for
@@ -137,12 +137,12 @@ async def prepare(body: SamplingFields, router, served_model_name: str, policy: 
     keep_special = tool_parser_reads_special or needs_special_tokens(output.reasoning_parser)
     extras = replace(extras, structured_output=spec, lora_name=lora_name, bad_words_token_ids=bad_words,
                      keep_special_tokens=keep_special, defaults=defaults)
-    if body.thinking_token_budget is not None and reasoning_parser is not None:
+    if body.thinking_token_budget is not None and policy.thinking_markers is not None:
         if spec is not None:
             raise _bad("thinking_token_budget", "cannot be combined with response_format, structured outputs or a "
                                                 "required or named tool: the grammar forces the output from its "
                                                 "first token, which then holds no thinking")
-        extras = replace(extras, thinking_markers=thinking_markers(reasoning_parser, tokenizer))
+        extras = replace(extras, thinking_markers=policy.thinking_markers)
     if is_chat:
         tools = [t.model_dump(exclude_none=True) for t in body.tools or []] if body.tool_choice != "none" else []
         template_kwargs = chat_template_kwargs(body.chat_template_kwargs)
