@@ -132,6 +132,13 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         f"auto (default): disagg with --address, a GPU or at least {MIN_CORES_FOR_DISAGG} cores, "
                         "else colocated")
     c.add_argument("--transport", choices=TRANSPORTS, default="tcp", help="KV transfer transport (disagg)")
+    c.add_argument("--kv-transfer-config", default="", metavar="JSON",
+                   help="vLLM's flag: this instance is one side of an external proxy's prefill/decode split (vLLM's "
+                        "toy proxy, llm-d, Ray Serve LLM), e.g. '{\"kv_connector\": \"NixlConnector\", "
+                        "\"kv_role\": \"kv_both\", \"kv_ip\": \"127.0.0.1\", \"kv_port\": 0}': requests with "
+                        "kv_transfer_params.do_remote_decode keep their prompt's KV for the decode instance, which pulls "
+                        "it (kv_connector_extra_config: advertise_host, hold_timeout_s, fetch_timeout_s); serves "
+                        "colocated")
     c.add_argument("--num-prefill", type=int, default=1, help="prefill workers (disagg)")
     c.add_argument("--num-decode", type=int, default=1, help="decode workers")
     c.add_argument("--prefill-tensor-parallel-size", type=int, default=None, metavar="N",
@@ -260,6 +267,7 @@ def _check_args(args: argparse.Namespace) -> None:
         args.mode = "disagg"  # a split for each role says there are workers of each role
         print("pdcluster serve: --mode auto -> disagg (--prefill/--decode-tensor-parallel-size)", file=sys.stderr,
               flush=True)
+    _check_kv_transfer_config(args)
     _check_role_splits(args)
     if args.mode == "auto":
         import torch  # 1.5 s: only when a server starts
@@ -283,6 +291,25 @@ def _check_args(args: argparse.Namespace) -> None:
 
             if args.device.startswith("cuda") or torch.cuda.is_available():
                 check_shared_caches(EngineConfig(device="cuda", tensor_parallel_size=most_ranks))
+
+
+def _check_kv_transfer_config(args: argparse.Namespace) -> None:
+    """--kv-transfer-config parses, and the instance serves colocated (its proxy splits prefill from decode)."""
+    if not args.kv_transfer_config:
+        return
+    from pdcluster.wire.external_kv import parse_config
+
+    try:
+        parse_config(args.kv_transfer_config)
+    except ValueError as e:
+        raise ConfigError(f"--kv-transfer-config: {e}") from None
+    if args.mode == "disagg":
+        raise ConfigError("--kv-transfer-config: an external proxy splits prefill from decode across instances; "
+                          "each instance serves --mode colocated or local, not disagg")
+    if args.mode == "auto":
+        args.mode = "colocated"
+        print("pdcluster serve: --mode auto -> colocated (--kv-transfer-config: the proxy disaggregates)",
+              file=sys.stderr, flush=True)
 
 
 def _check_generation_config(args: argparse.Namespace) -> None:

@@ -40,6 +40,7 @@ def token_delta(event: Tokens, *, num_prompt_tokens: int, num_output_tokens: int
         num_cached_tokens=num_cached_tokens,
         num_offloaded_tokens=num_offloaded_tokens,
         logprobs=list(event.logprobs),
+        kv_transfer_params=dict(event.kv_transfer_params) if event.finished and event.kv_transfer_params else None,
     )
     if first:
         if prompt_logprobs:
@@ -75,6 +76,7 @@ def merged(a: TokenDelta, b: TokenDelta) -> TokenDelta:
         prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
         ttft_breakdown={**b.ttft_breakdown, **a.ttft_breakdown},
         pooled=a.pooled if a.pooled is not None else b.pooled,
+        kv_transfer_params=b.kv_transfer_params,
     )
 
 

@@ -13,8 +13,10 @@ event of a request goes to the router on this worker's one typed stream (node/ev
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 
 from pdcluster.engine.config import EngineConfig
@@ -29,6 +31,7 @@ from pdcluster.kv_transfer.transports import get_transport_class
 from pdcluster.kv_transfer.transports.ranked import check_rank_transport
 from pdcluster.node.events import (ADMITTED, FULL, INVALID, UNREACHABLE, Admission, Failed, KVReady, StepTokens,
                                    Tokens)
+from pdcluster.node.external_kv import make_external_connector
 from pdcluster.node.kv_transport import rank_cache_allocator
 from pdcluster.node.worker_loop import WorkerLoop, engine_stats
 from pdcluster.decode_node.remote_kv import NoRemoteKV, RemoteKV, UnreachablePrefill
@@ -64,12 +67,22 @@ class DecodeWorker(WorkerLoop):
         # connector.
         if transfer is not None:
             check_rank_transport(transfer.transport, engine_config.tensor_parallel_size)
+        external = bool(engine_config.kv_transfer_config)
+        if external and transfer is not None:
+            raise ValueError("kv_transfer_config (an external proxy's prefill/decode split) runs on colocated "
+                             "workers: this cluster disaggregates itself (--mode disagg); use one or the other")
         model = LoadedModel.load(engine_config, progress=False, kv_cache_allocator=allocator,
-                                 share_rank_caches=transfer is not None,
+                                 share_rank_caches=transfer is not None or external,
                                  rank_cache_allocator=rank_cache_allocator(transfer) if transfer else None)
         self.kv = (RemoteKV(worker_id, model, transfer, self._on_first_token)
                    if transfer is not None else NoRemoteKV())
-        self.engine = LLMEngine(model, self.kv.connector, cumulative_outputs=False)  # streams new tokens
+        connector = self.kv.connector
+        if external:  # vLLM's external P/D protocol: this worker holds prompts for, and pulls them from, others
+            index = re.match(r"decode-(\d+)-", worker_id)
+            connector = make_external_connector(model, f"{worker_id}-{uuid.uuid4().hex[:8]}",
+                                                int(index.group(1)) if index else 0)
+        self.external_kv = connector if external else None
+        self.engine = LLMEngine(model, connector, cumulative_outputs=False)  # streams new tokens
         self._first_tokens: dict[str, _FirstTokenStream] = {}
         self._first_token_only: dict[str, _FirstTokenStream] = {}  # of those, the asks whose token ends them
         # Admitted requests loading their prefix from the offload tiers -> the prefill worker to ask once
@@ -114,6 +127,8 @@ class DecodeWorker(WorkerLoop):
         self.stop()
         self.close_kv_offload()
         self.kv.close()
+        if self.external_kv is not None:
+            self.external_kv.close()
         self.engine.close()  # a tensor-parallel model's other ranks
 
     # ---- engine thread --------------------------------------------------------------------------------
@@ -367,4 +382,5 @@ class DecodeWorker(WorkerLoop):
             logprobs=list(out.new_logprobs),
             prompt_logprobs=list(out.prompt_logprobs or []),
             pooled=pooled_bytes(out.pooled),
+            kv_transfer_params=out.kv_transfer_params or {},
         ))

@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from pdcluster.engine.kv_offload.config import OffloadConfig
+from pdcluster.wire.external_kv import parse_config as parse_external_kv
 from pdcluster.engine.models.hf_overrides import parse_hf_overrides
 from pdcluster.engine.multimodal.limits import image_processor_kwargs, max_images_per_prompt
 
@@ -97,6 +98,9 @@ class EngineConfig:
     # vs_vllm_850_token_prompts_s77.json), against vLLM's 284.
     prefill_chunk_size: int = 0
     enable_prefix_caching: bool = True
+    # vLLM's --kv-transfer-config (wire/external_kv.py): this instance takes part in an external proxy's
+    # prefill/decode split (a request's kv_transfer_params). "" = off.
+    kv_transfer_config: str = ""
     # KV offload tiers (engine/kv_offload/): blocks the device pool evicts move to host memory, then to a
     # disk directory, and come back on a prefix hit. 0 / "" = that tier off.
     kv_offload_host_gib: float = 0.0
@@ -216,6 +220,13 @@ class EngineConfig:
         if self.offload_config().enabled and not self.enable_prefix_caching:
             raise ConfigError("kv_offload_*: the offload tiers keep prefix-cache blocks; turn prefix caching on "
                               "(drop --no-prefix-caching) or the tiers off")
+        try:
+            external = parse_external_kv(self.kv_transfer_config)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if external is not None and not self.enable_prefix_caching:
+            raise ConfigError("kv_transfer_config: a decode instance takes the pulled blocks as a prefix-cache hit; "
+                              "turn prefix caching on (drop --no-enable-prefix-caching)")
         try:
             parse_hf_overrides(self.hf_overrides)
         except ValueError as e:  # json.JSONDecodeError is one

@@ -63,6 +63,9 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     # With params.pooling: the prompt's pooled final hidden state (float32, not normalised), with the first token.
     pooled: np.ndarray | None = None
+    # On a finished output of a request prefilled for another instance (vLLM's do_remote_decode): where its
+    # prompt's blocks are held (the answer's kv_transfer_params).
+    kv_transfer_params: dict | None = None
 
 
 @dataclass
@@ -102,7 +105,8 @@ class LLMEngine:
         self.kv_events = KVEventLog()
         # A split model's tiers read and write every rank's cache (rank_kv_caches: offload loads it so).
         self.offload = make_offload_manager(config, loaded.rank_kv_caches or (self.kv_cache,), str(self.model_dir),
-                                            self.dtype_name, self.kv_events, self.model.kv_fingerprint)
+                                            self.dtype_name, self.kv_events, self.model.kv_fingerprint,
+                                            loader=self.connector.fetches_external)
         scheduler_cls = AsyncScheduler if config.async_scheduling else Scheduler
         self.scheduler = scheduler_cls(config, num_blocks, self.max_model_len, set(loaded.eos_token_ids),
                                        self.connector, self.num_state_blocks, self.offload, self.kv_events.record)
@@ -211,6 +215,14 @@ class LLMEngine:
                 f"prompt needs {need} KV blocks but the pool holds {self.kv_spec.num_blocks}"
             )
 
+    def check_kv_transfer(self, params: SamplingParams) -> None:
+        """vLLM's external prefill/decode fields need an engine whose connector takes part in it."""
+        kv = params.kv_transfer_params
+        if kv and (kv.get("do_remote_decode") or kv.get("do_remote_prefill")) and not self.connector.fetches_external:
+            raise InvalidRequestError("kv_transfer_params: this server takes no part in an external prefill/decode "
+                                      "split; start it with --kv-transfer-config "
+                                      "'{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"kv_both\"}'")
+
     def check_task(self, params: SamplingParams) -> None:
         """A sequence classifier (engine/models/classifier.py) pools and classifies and does not generate; another
         model does not classify. Checked on every worker whatever the edge validated: a request the model cannot
@@ -250,6 +262,7 @@ class LLMEngine:
         if validate:
             self.validate(prompt_token_ids, params)
         self.check_task(params)
+        self.check_kv_transfer(params)
         self.check_images(prompt_token_ids, params, client_prompt=validate)
         params = self.assign_seed(params)
         params = self.bind_lora(params)
@@ -440,6 +453,7 @@ class LLMEngine:
             prompt_logprobs,
             [],  # logprobs
             pooled,
+            request.kv_transfer_out if finished else None,
         )
 
     def generate(

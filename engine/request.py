@@ -57,6 +57,11 @@ class Request:
     num_accepted_tokens: int = 0
     # The prompt's full blocks are registered in the prefix cache (engine/forks.py releases followers).
     prompt_cached: bool = False
+    # vLLM's external prefill/decode protocol (kv_transfer/connector/external.py): where the prompt's KV may be
+    # pulled from before the first step (taken once by the offload gate), and on a prefill instance the
+    # kv_transfer_params its answer gives the proxy (set when it finishes).
+    kv_source: object = field(default=None, repr=False, compare=False)
+    kv_transfer_out: dict | None = None
     # block_table()'s snapshot and the list it was taken of (see there).
     _block_table: tuple[int, ...] = field(default=(), repr=False, compare=False)
     _block_table_of: list[int] | None = field(default=None, repr=False, compare=False)

@@ -98,6 +98,9 @@ class SamplingParams:
     thinking_token_budget: int | None = None
     reasoning_start_token_ids: list[int] = field(default_factory=list)
     reasoning_end_token_ids: list[int] = field(default_factory=list)
+    # vLLM's external prefill/decode protocol (wire/external_kv.py): do_remote_decode (prefill this prompt for
+    # another instance, keep its blocks for it) or do_remote_prefill with the prefill instance's answer.
+    kv_transfer_params: dict | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:

@@ -75,7 +75,7 @@ class Scheduler:
         self.offload = OffloadGate(offload, config.block_size) if offload is not None else NoOffload()
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching,
-            on_evict=offload.on_evict if offload is not None else None,
+            on_evict=offload.on_evict if offload is not None and offload.tiers.tiers else None,
             on_event=(lambda kind, hashes: on_kv_event(kind, "device", hashes)) if on_kv_event else None)
         self.waiting = WaitingQueue()  # by priority, first come first served within one
         self.running: list[Request] = []
@@ -109,6 +109,8 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        if request.sampling_params.kv_transfer_params:  # vLLM's external P/D: its prompt's KV waits elsewhere
+            request.kv_source = self.connector.external_source(request)
         leader = self.requests.get(follow) if follow is not None else None
         # Not cached yet: the leader computes its prompt, or waits for its KV (WAITING_FOR_REMOTE_KV).
         if leader is not None and not leader.is_finished and not leader.prompt_cached:
@@ -505,6 +507,7 @@ class Scheduler:
         # A request whose offload load is under way: the loader may still write its blocks (gate.poll frees them).
         loading = request.request_id in self.offload.loading
         self.offload.forget(request.request_id)
+        self.offload.drop_source(request)
         if self.connector.request_finished(request) or loading:
             self.held[request.request_id] = request
         else:

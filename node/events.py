@@ -20,7 +20,7 @@ the overlap it would have seen, never correctness.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Union
+from typing import Any, Union
 
 from pdcluster.wire.logprobs import TokenLogprobs
 from pdcluster.wire.records import Codec, Record, _require, assemble, require_token_columns
@@ -69,6 +69,9 @@ class Tokens(Record):
     # An embedding request's vector (SamplingParams.pooling), on the Tokens that ends it: float32 little-endian
     # (engine/pooling.py pooled_bytes); b"": none.
     pooled: bytes = b""
+    # On the Tokens that ends a request prefilled for another instance (vLLM's do_remote_decode): the answer's
+    # kv_transfer_params (kv_transfer/connector/external.py); {}: none.
+    kv_transfer_params: dict[str, Any] = field(default_factory=dict)
 
 
 # StepTokens' per-row columns, each a list[int] with one value per request.

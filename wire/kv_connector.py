@@ -58,6 +58,15 @@ class SchedulerConnector:
     # blocks their Mamba state travels in (engine/mamba_state_blocks.py).
     is_producer = False
 
+    # Loads prompts' KV from elsewhere before their first step (vLLM's external prefill/decode protocol:
+    # kv_transfer/connector/external.py): the engine then keeps an offload loader even without tiers.
+    fetches_external = False
+
+    def external_source(self, request):
+        """Where a new request's prompt KV may be pulled from (an object with ``num_blocks``, ``fetch`` and
+        ``release``: kv_transfer/external/pull.py), or None: the request computes its prompt."""
+        return None
+
     def request_finished(self, request) -> bool:
         """A request just finished (any way: done, aborted, failed). Return True to keep its blocks
         until the connector reports the transfer over (``finished_sending`` or ``failed``)."""

@@ -58,6 +58,7 @@ class ChoiceRun:
         self.num_output = self.num_draft = self.num_accepted = self.num_cached = self.num_offloaded = 0
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self.kv_transfer_params: dict | None = None  # on a do_remote_decode request's end (wire/external_kv.py)
         # Everything shown so far (a JSON response shows it at once).
         self.text = ""
         self.positions = Positions.empty() if self.track_tokens else None
@@ -140,6 +141,8 @@ class ChoiceRun:
         self.num_accepted = max(self.num_accepted, delta.num_accepted_tokens)
         self.num_cached = max(self.num_cached, delta.num_cached_tokens)
         self.num_offloaded = max(self.num_offloaded, delta.num_offloaded_tokens)
+        if delta.kv_transfer_params:
+            self.kv_transfer_params = delta.kv_transfer_params
 
     async def collect(self, first: TokenDelta) -> None:
         self.feed(first)

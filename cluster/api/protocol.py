@@ -118,6 +118,9 @@ class SamplingFields(StrictModel):
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: max_model_len
     truncation_side: Literal["left", "right"] | None = None  # vLLM's: "right" keeps the first k tokens instead
     cache_salt: str | None = None
+    # vLLM's external prefill/decode protocol (wire/external_kv.py; a server started with --kv-transfer-config):
+    # do_remote_decode on the prefill instance, its answer's kv_transfer_params on the decode instance.
+    kv_transfer_params: dict | None = None
     # Structured output, vLLM's two spellings (cluster/api/structured.py):
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict | str | None = None

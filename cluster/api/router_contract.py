@@ -47,6 +47,9 @@ class TokenDelta:
     ttft_breakdown: dict[str, float] = field(default_factory=dict)
     # An embedding request's vector (params.pooling), on its one delta: float32 little-endian (engine/pooling.py).
     pooled: bytes | None = None
+    # On the last delta of a request prefilled for another instance (vLLM's do_remote_decode): where its prompt's
+    # KV is held, the response's kv_transfer_params (kv_transfer/connector/external.py).
+    kv_transfer_params: dict | None = None
 
 
 class Router(Protocol):

@@ -81,6 +81,7 @@ def sampling_params(body: SamplingFields, max_tokens: int, vocab_size: int, extr
             bad_words_token_ids=[list(seq) for seq in extras.bad_words_token_ids], cache_salt=body.cache_salt,
             skip_special_tokens=body.skip_special_tokens is not False and not extras.keep_special_tokens,
             include_stop_str_in_output=bool(body.include_stop_str_in_output), priority=_priority(body),
+            kv_transfer_params=body.kv_transfer_params,
             **_thinking(body, extras))
     except ValueError as e:
         raise APIError(400, str(e)) from e

@@ -259,8 +259,11 @@ async def _sse_stream(resp: Reply, firsts) -> AsyncIterator[bytes]:
 async def serve_request(prep: Prepared, request: Request, router, metrics: Metrics,
                         strings: TokenStrings) -> Response:
     def json_body(resp: Reply) -> dict:
-        return {**resp.header(False), "choices": [resp.choice(run) for run in resp.runs], "usage": resp.usage(),
+        body = {**resp.header(False), "choices": [resp.choice(run) for run in resp.runs], "usage": resp.usage(),
                 **resp.json_extras()}
+        if prep.prompts[0].params.kv_transfer_params is not None:  # vLLM's field, for its proxies
+            body["kv_transfer_params"] = resp.runs[0].kv_transfer_params
+        return body
 
     return await serve_runs(prep, request, router, metrics, strings, _sse_stream, json_body)
 

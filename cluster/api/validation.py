@@ -37,6 +37,8 @@ from pdcluster.engine.beam_search import BeamSearchParams
 from pdcluster.engine.multimodal.spec import chat_content
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.engine.tokenizer import ChatTemplateError, ContinueFinalMessageError
+from pdcluster.wire.external_kv import ExternalKVError, wants_remote_decode
+from pdcluster.wire.external_kv import check_request_params as check_kv_transfer_params
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +183,8 @@ async def prepare(body: SamplingFields, router, served_model_name: str, policy: 
     if body.length_penalty not in (None, 1.0) and beam is None:
         raise _bad("length_penalty", f"applies to beam search only: set use_beam_search=true or leave it out, "
                                      f"got {body.length_penalty}")
+    if body.kv_transfer_params is not None:
+        _check_kv_transfer(body, n, len(inputs), beam is not None)
     client_id = client_request_id(header_request_id or body.request_id,
                                   "X-Request-Id" if header_request_id else "request_id")
     # Two requests may carry one client id: each runs under an id of its own, which starts with the client's.
@@ -188,6 +192,21 @@ async def prepare(body: SamplingFields, router, served_model_name: str, policy: 
     # Answers name the model asked for: the adapter's name for an adapter (as vLLM).
     return Prepared(request_id, kind, body.model, inputs, n, output, bool(body.stream), include_usage,
                     f"{prefix}-{client_id}" if client_id else request_id, continuous_usage=continuous, beam=beam)
+
+
+def _check_kv_transfer(body: SamplingFields, n: int, num_prompts: int, beam: bool) -> None:
+    """vLLM's kv_transfer_params (wire/external_kv.py): well formed, and on a request that is one engine request
+    whose answer can carry them back (one prompt, one choice, no beam, not streamed for do_remote_decode)."""
+    try:
+        check_kv_transfer_params(body.kv_transfer_params)
+    except ExternalKVError as e:
+        raise APIError(400, str(e), param="kv_transfer_params") from None
+    if n != 1 or num_prompts != 1 or beam:
+        raise _bad("kv_transfer_params", f"apply to one prompt with n=1 and no beam search, got {num_prompts} "
+                                         f"prompt(s), n={n}{' with use_beam_search' if beam else ''}")
+    if body.stream and wants_remote_decode(body.kv_transfer_params):
+        raise _bad("kv_transfer_params", "do_remote_decode answers with kv_transfer_params in the JSON response: "
+                                         "set stream=false (as vLLM's proxies do for the prefill request)")
 
 
 _CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")

@@ -86,6 +86,7 @@ class Delta(Record):
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     ttft_breakdown: dict[str, Any] = field(default_factory=dict)
     pooled: bytes = b""  # an embedding's vector, float32 little-endian; b"": none
+    kv_transfer_params: dict[str, Any] = field(default_factory=dict)  # {}: none
 
 
 # Deltas' per-row columns, each a list[int] with one value per plain row.
@@ -170,7 +171,7 @@ def to_delta(request_id: str, delta: TokenDelta) -> Delta:
                  delta.num_prompt_tokens, delta.num_output_tokens, delta.num_draft_tokens, delta.num_accepted_tokens,
                  delta.num_cached_tokens, delta.num_offloaded_tokens, delta.error or "", list(delta.logprobs),
                  delta.prompt_logprobs is not None, list(delta.prompt_logprobs or ()), dict(delta.ttft_breakdown),
-                 delta.pooled or b"")
+                 delta.pooled or b"", dict(delta.kv_transfer_params or {}))
 
 
 def from_delta(d: Delta) -> TokenDelta:
@@ -180,7 +181,8 @@ def from_delta(d: Delta) -> TokenDelta:
                       num_cached_tokens=d.num_cached_tokens, num_offloaded_tokens=d.num_offloaded_tokens,
                       error=d.error or None, logprobs=list(d.logprobs),
                       prompt_logprobs=list(d.prompt_logprobs) if d.has_prompt_logprobs else None,
-                      ttft_breakdown={k: float(v) for k, v in d.ttft_breakdown.items()}, pooled=d.pooled or None)
+                      ttft_breakdown={k: float(v) for k, v in d.ttft_breakdown.items()}, pooled=d.pooled or None,
+                      kv_transfer_params=dict(d.kv_transfer_params) or None)
 
 
 def sampling_map(params) -> dict[str, Any]:

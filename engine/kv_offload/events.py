@@ -58,10 +58,11 @@ def layout_namespace(model_dir: str, dtype_name: str, kv_cache: torch.Tensor, kv
 
 
 def make_offload_manager(config: EngineConfig, kv_caches: Sequence[torch.Tensor], model_dir: str, dtype_name: str,
-                         events: KVEventLog, kv_fingerprint: str = "") -> OffloadManager | None:
-    """``kv_caches``: the engine's cache, or every rank's of a split model (rank 0's first)."""
+                         events: KVEventLog, kv_fingerprint: str = "", loader: bool = False) -> OffloadManager | None:
+    """``kv_caches``: the engine's cache, or every rank's of a split model (rank 0's first). ``loader``: a manager
+    (its loader thread) even without tiers, for a connector that loads prompts' KV from elsewhere."""
     offload = config.offload_config()
-    if not offload.enabled:
+    if not offload.enabled and not loader:
         return None
     namespace = layout_namespace(model_dir, dtype_name, kv_caches[0], kv_fingerprint, len(kv_caches))
     return OffloadManager(offload, kv_caches, namespace, on_event=events.on_offload_event)

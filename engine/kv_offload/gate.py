@@ -14,7 +14,11 @@ again before it runs recomputes instead of loading forever).
 A decode worker's remote request (engine/remote_admission.py) loads its lower-tier prefix the same way,
 at admission: it keeps its blocks (they are its reservation), and when the load ends it goes back to
 WAITING_FOR_REMOTE_KV and is handed out (``OffloadPoll.remote_ready``) for the worker to ask the prefill
-worker for the blocks after the ones that arrived intact."""
+worker for the blocks after the ones that arrived intact.
+
+A request with a ``kv_source`` (vLLM's external prefill/decode protocol: kv_transfer/connector/external.py)
+loads the blocks another instance holds for it the same way, from the source instead of the tiers, once; the
+blocks it does not bring are computed."""
 
 from __future__ import annotations
 
@@ -60,6 +64,9 @@ class NoOffload:
     def forget(self, request_id: str) -> None:
         pass
 
+    def drop_source(self, request: Request) -> None:
+        request.kv_source = None
+
     def settle_evictions(self) -> None:
         """Blocks just taken for a writer outside the steps' queue may be named to it (OffloadManager's)."""
 
@@ -84,13 +91,31 @@ class OffloadGate(NoOffload):
         if self._num_loads.get(request.request_id, 0) >= MAX_LOADS:
             return False
         num_lower = self.num_lower_blocks(cached, block_hashes, keep_last)
+        source = request.kv_source
+        if num_lower == 0 and source is not None:
+            # Another instance holds the prompt's first ``source.num_blocks`` blocks (vLLM's external P/D): load
+            # those past the device hit, as a lower tier's.
+            num_lower = max(0, min(source.num_blocks, len(block_hashes)) - len(cached) - int(keep_last))
+            if num_lower == 0:
+                self.drop_source(request)
+                return False
+        elif num_lower:
+            source = None
         if num_lower == 0:
             return False
         if not block_manager.allocate_slots(request, num_lower * self.block_size, cached, out_of_stream=True):
             return False
         self._num_loads[request.request_id] = self._num_loads.get(request.request_id, 0) + 1
-        self._start(request, len(cached), block_hashes[len(cached): len(cached) + num_lower])
+        if source is not None:
+            request.kv_source = None  # one pull: what it did not bring is computed
+        self._start(request, len(cached), block_hashes[len(cached): len(cached) + num_lower], source)
         return True
+
+    def drop_source(self, request: Request) -> None:
+        """The request will not pull the blocks another instance holds for it: that instance may free them."""
+        if request.kv_source is not None:
+            self.manager.discard_source(request.kv_source)
+            request.kv_source = None
 
     def num_lower_blocks(self, cached: list[int], block_hashes: list[int], keep_last: bool) -> int:
         """How many of the blocks after ``cached`` (the device hit) the lower tiers hold, from the first."""
@@ -105,12 +130,13 @@ class OffloadGate(NoOffload):
         self._remote.add(request.request_id)
         self._start(request, num_base_blocks, block_hashes)
 
-    def _start(self, request: Request, num_base_blocks: int, block_hashes: list[int]) -> None:
+    def _start(self, request: Request, num_base_blocks: int, block_hashes: list[int], source=None) -> None:
         request.status = RequestStatus.WAITING_FOR_OFFLOAD
         request.num_offload_base_blocks = num_base_blocks
         self.loading[request.request_id] = request
         block_ids = request.block_ids[num_base_blocks: num_base_blocks + len(block_hashes)]
-        self.manager.start_load(LoadJob(request.request_id, list(block_hashes), list(block_ids)))
+        self.manager.start_load(LoadJob(request.request_id, list(block_hashes), list(block_ids), source=source,
+                                        first_block=num_base_blocks))
 
     def poll(self, block_manager: BlockManager) -> OffloadPoll:
         """The loads that ended: local requests go back to the queue, remote ones to waiting for their

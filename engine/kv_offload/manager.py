@@ -41,6 +41,10 @@ class LoadJob:
     block_hashes: list[int]
     block_ids: list[int]  # device blocks reserved for them, same order
     num_loaded: int = 0  # blocks that arrived intact, from the first
+    # Where the blocks come from instead of the tiers: another instance (kv_transfer/external/pull.py), which
+    # answers the hashes it holds from ``first_block`` (the request's block index of the job's first block).
+    source: object = None
+    first_block: int = 0
 
 
 class OffloadManager:
@@ -81,6 +85,10 @@ class OffloadManager:
         self.num_loading += 1
         self._jobs.put(job)
 
+    def discard_source(self, source) -> None:
+        """Tell another instance, off the engine thread, that the blocks it holds for us are not wanted."""
+        self._jobs.put(source)
+
     def poll(self) -> list[LoadJob]:
         done = []
         while True:
@@ -113,11 +121,29 @@ class OffloadManager:
             job = self._jobs.get()
             if job is None:
                 return
+            if not isinstance(job, LoadJob):  # a source to release (discard_source)
+                try:
+                    job.release()
+                except Exception:  # noqa: BLE001  the holder's deadline frees its blocks anyway
+                    log.exception("KV offload: releasing a remote hold failed")
+                continue
             try:
-                self._load(job)
+                self._load(job) if job.source is None else self._pull(job)
             except Exception:  # noqa: BLE001  a failed load is a miss: the request recomputes
                 log.exception("KV offload: loading %d blocks for %s failed", len(job.block_ids), job.request_id)
             self._done.put(job)
+
+    def _pull(self, job: LoadJob) -> None:
+        """A job whose blocks another instance holds: one pull for all of them, then each written in place."""
+        columns = job.source.fetch(job.first_block, job.block_hashes)
+        if self._stream is not None:
+            self._stream.wait_stream(self._evict_stream)
+        for column_kv, block_id in zip(columns, job.block_ids):
+            with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+                self.columns.write(block_id, lambda column: column.copy_(column_kv) is not None)
+            job.num_loaded += 1
+        if self._stream is not None:
+            self._stream.synchronize()
 
     def _load(self, job: LoadJob) -> None:
         if self._stream is not None:
