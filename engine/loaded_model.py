@@ -94,6 +94,10 @@ class LoadedModel:
         if hybrid and config.offload_config().enabled:
             raise ValueError(f"kv_offload_*: model {config.model} is a hybrid (Mamba): it has no prefix cache (no "
                              "recurrent state at block boundaries), so nothing to offload; drop the --kv-offload-* flags")
+        if hybrid and config.kv_transfer_config:
+            raise ValueError(f"kv_transfer_config: model {config.model} is a hybrid (Mamba): its recurrent state is not "
+                             "in blocks a prefix hit can take, so it cannot decode from another instance's prefill; "
+                             "serve it without --kv-transfer-config")
         if hybrid and config.enable_prefix_caching:
             # A cached block holds KV but no Mamba state for its boundary: a hit would resume the
             # recurrence from nothing. Hybrids compute every prompt (vLLM's default for Mamba too).

@@ -29,10 +29,7 @@ def make_external_connector(loaded: LoadedModel, engine_id: str, worker_index: i
     config = parse_config(loaded.config.kv_transfer_config)
     if config is None:
         return None
-    if loaded.is_hybrid:
-        raise ValueError(f"kv_transfer_config: model {loaded.config.model} is a hybrid (Mamba): its recurrent state "
-                         "is not in blocks a prefix hit can take, so it cannot decode from another instance's "
-                         "prefill; serve it without --kv-transfer-config")
+    assert not loaded.is_hybrid, "LoadedModel.load refuses a hybrid with kv_transfer_config"
     columns = BlockColumns(loaded.rank_kv_caches or (loaded.kv_cache,))
     block_size = loaded.config.block_size
 

@@ -60,7 +60,8 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
               generation_config: str = "auto", override_generation_config: dict | None = None,
               chat_template: str | None = None, default_chat_template_kwargs: dict | None = None,
               cors: CorsPolicy | None = None, fastapi_docs: bool = True, max_logprobs: int = MAX_LOGPROBS,
-              force_include_usage: bool = False, return_tokens_as_token_ids: bool = False) -> FastAPI:
+              force_include_usage: bool = False, return_tokens_as_token_ids: bool = False,
+              kv_transfer: bool = False) -> FastAPI:
     """``runtime_lora``: serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (cluster/api/lora_routes.py;
     the workers must run with EngineConfig.enable_lora). ``tool_call_parser``: the model's tool-call format for tool_choice "auto" (cluster/api/tool_parsers/:
     hermes, llama3_json, pythonic; ``auto`` reads it off the chat template, and without one "auto" is
@@ -77,7 +78,8 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
     so chat completions, /tokenize and chat embeddings all render alike. ``cors``: the browser pages that may call
     (None: none); ``fastapi_docs`` false leaves /docs, /redoc and /openapi.json out. ``max_logprobs`` (-1: the
     vocabulary), ``force_include_usage``, ``return_tokens_as_token_ids``: vLLM's flags of those names, for every
-    request (cluster/api/validation.py ServerPolicy)."""
+    request (cluster/api/validation.py ServerPolicy). ``kv_transfer``: the workers run with --kv-transfer-config, so
+    requests' kv_transfer_params (vLLM's external prefill/decode protocol) are served, not refused."""
     media = media or MediaPolicy()
     if max_body_bytes is None:
         max_body_bytes = IMAGE_BODY_BYTES if image_spec(router.tokenizer) is not None else TEXT_BODY_BYTES
@@ -94,7 +96,8 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
         defaults=sampling_defaults(getattr(router.tokenizer, "model_dir", None), generation_config,
                                    override_generation_config),
         max_logprobs=router.tokenizer.vocab_size if check_max_logprobs(max_logprobs) == -1 else max_logprobs,
-        force_include_usage=force_include_usage, return_tokens_as_token_ids=return_tokens_as_token_ids)
+        force_include_usage=force_include_usage, return_tokens_as_token_ids=return_tokens_as_token_ids,
+        kv_transfer=kv_transfer)
     if not isinstance(pooler, PoolerConfig):
         pooler = pooler_config(getattr(router.tokenizer, "model_dir", None), pooler)
     metrics = metrics or Metrics(served_model_name)

@@ -84,6 +84,7 @@ class ApiOptions:
     max_logprobs: int = MAX_LOGPROBS  # alternatives per position a request may ask for (-1: the vocabulary)
     force_include_usage: bool = False  # every stream ends with its usage chunk
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:<id>" unless a request says otherwise
+    kv_transfer: bool = False  # --kv-transfer-config given: requests' kv_transfer_params are served
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, runtime_lora: bool) -> ApiOptions:
@@ -99,7 +100,8 @@ class ApiOptions:
                    cors=getattr(args, "cors", None), fastapi_docs=not getattr(args, "disable_fastapi_docs", False),
                    max_logprobs=getattr(args, "max_logprobs", MAX_LOGPROBS),
                    force_include_usage=getattr(args, "enable_force_include_usage", False),
-                   return_tokens_as_token_ids=getattr(args, "return_tokens_as_token_ids", False))
+                   return_tokens_as_token_ids=getattr(args, "return_tokens_as_token_ids", False),
+                   kv_transfer=bool(getattr(args, "kv_transfer_config", "")))
 
     def app_kwargs(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -108,6 +108,7 @@ class ServerPolicy:
     max_logprobs: int = MAX_LOGPROBS  # vLLM's --max-logprobs: alternatives per position a request may ask for
     force_include_usage: bool = False  # vLLM's --enable-force-include-usage: every stream ends with its usage
     return_tokens_as_token_ids: bool = False  # vLLM's server flag: every request's logprob tokens as "token_id:<id>"
+    kv_transfer: bool = False  # vLLM's --kv-transfer-config: requests' kv_transfer_params are served
 
 
 async def prepare(body: SamplingFields, router, served_model_name: str, policy: ServerPolicy = ServerPolicy(),
@@ -184,7 +185,7 @@ async def prepare(body: SamplingFields, router, served_model_name: str, policy: 
         raise _bad("length_penalty", f"applies to beam search only: set use_beam_search=true or leave it out, "
                                      f"got {body.length_penalty}")
     if body.kv_transfer_params is not None:
-        _check_kv_transfer(body, n, len(inputs), beam is not None)
+        _check_kv_transfer(body, n, len(inputs), beam is not None, policy.kv_transfer)
     client_id = client_request_id(header_request_id or body.request_id,
                                   "X-Request-Id" if header_request_id else "request_id")
     # Two requests may carry one client id: each runs under an id of its own, which starts with the client's.
@@ -194,13 +195,19 @@ async def prepare(body: SamplingFields, router, served_model_name: str, policy: 
                     f"{prefix}-{client_id}" if client_id else request_id, continuous_usage=continuous, beam=beam)
 
 
-def _check_kv_transfer(body: SamplingFields, n: int, num_prompts: int, beam: bool) -> None:
-    """vLLM's kv_transfer_params (wire/external_kv.py): well formed, and on a request that is one engine request
-    whose answer can carry them back (one prompt, one choice, no beam, not streamed for do_remote_decode)."""
+def _check_kv_transfer(body: SamplingFields, n: int, num_prompts: int, beam: bool, served: bool) -> None:
+    """vLLM's kv_transfer_params (wire/external_kv.py): well formed, on a server that serves them, and on a request
+    that is one engine request whose answer can carry them back (one prompt, one choice, no beam, not streamed for
+    do_remote_decode)."""
     try:
         check_kv_transfer_params(body.kv_transfer_params)
     except ExternalKVError as e:
         raise APIError(400, str(e), param="kv_transfer_params") from None
+    params = body.kv_transfer_params
+    if not served and (params.get("do_remote_decode") or params.get("do_remote_prefill")):
+        raise _bad("kv_transfer_params", "this server takes no part in an external prefill/decode split: start it "
+                                         "with --kv-transfer-config (vLLM's flag), e.g. "
+                                         "'{\"kv_connector\": \"NixlConnector\", \"kv_role\": \"kv_both\"}'")
     if n != 1 or num_prompts != 1 or beam:
         raise _bad("kv_transfer_params", f"apply to one prompt with n=1 and no beam search, got {num_prompts} "
                                          f"prompt(s), n={n}{' with use_beam_search' if beam else ''}")

@@ -94,8 +94,9 @@ class OffloadGate(NoOffload):
         source = request.kv_source
         if num_lower == 0 and source is not None:
             # Another instance holds the prompt's first ``source.num_blocks`` blocks (vLLM's external P/D): load
-            # those past the device hit, as a lower tier's.
-            num_lower = max(0, min(source.num_blocks, len(block_hashes)) - len(cached) - int(keep_last))
+            # those past the device hit, as a lower tier's (under MTP the schedule that takes them as a hit leaves
+            # the last one out: it is recomputed).
+            num_lower = max(0, min(source.num_blocks, len(block_hashes)) - len(cached))
             if num_lower == 0:
                 self.drop_source(request)
                 return False
