@@ -1,5 +1,5 @@
 """The `pdcluster` command (the console script): one parser over every subcommand, each defined next to
-what it drives: `serve` (cluster/serve_cli.py), `generate`, `run-batch` and `drain` (here), `loadtest`
+what it drives: `serve` (cluster/serve_cli.py), `generate`, `run-batch`, `drain` and `pd-proxy` (here), `loadtest`
 (tools/loadtest/cli.py), `profile` and `plan` (tools/planner/cli.py).
 
 Errors in what the user typed print one line to stderr and exit with status 2, never a traceback.
@@ -12,6 +12,7 @@ import sys
 
 from pdcluster.cli.drain import add_drain_parser
 from pdcluster.cli.generate import add_generate_parser
+from pdcluster.cli.pd_proxy import add_pd_proxy_parser
 from pdcluster.cli.run_batch import add_run_batch_parser
 from pdcluster.cluster.serve_cli import add_serve_parser
 from pdcluster.tools.loadtest.cli import add_loadtest_parser
@@ -24,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_parser(sub)
     add_run_batch_parser(sub)
     add_serve_parser(sub)
+    add_pd_proxy_parser(sub)
     add_loadtest_parser(sub)
     add_drain_parser(sub)
     add_planner_parsers(sub)

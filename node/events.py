@@ -125,7 +125,7 @@ class StepTokens(Record):
             "finished": False, "finish_reason": "", "num_draft_tokens": self.num_draft_tokens[i],
             "num_accepted_tokens": self.num_accepted_tokens[i], "num_cached_tokens": self.num_cached_tokens[i],
             "num_offloaded_tokens": self.num_offloaded_tokens[i], "queue_s": 0.0, "prefill_s": 0.0, "logprobs": [],
-            "prompt_logprobs": [], "pooled": b""})
+            "prompt_logprobs": [], "pooled": b"", "kv_transfer_params": {}})
 
 
 _STEP_FIELDS = tuple(f.name for f in fields(StepTokens))

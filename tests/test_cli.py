@@ -94,6 +94,11 @@ def test_dtype_auto_takes_the_checkpoints_dtype(monkeypatch):
         (["--mode", "local", "--default-chat-template-kwargs", "{mood"], "--default-chat-template-kwargs: not JSON"),
         (["--mode", "local", "--default-chat-template-kwargs", '{"tools": []}'], "['tools'] are set by the server"),
         (["--mode", "local", "--default-chat-template-kwargs", "[1]"], "want a JSON object"),
+        # vLLM's external prefill/decode flag (tests/test_external_pd_serve.py)
+        (["--mode", "local", "--kv-transfer-config", "{"], "--kv-transfer-config: kv_transfer_config: not JSON"),
+        (["--mode", "local", "--kv-transfer-config", '{"kv_connector": "Nope"}'], "is not one of PdclusterConnector"),
+        (["--mode", "disagg", "--kv-transfer-config", "{}"], "each instance serves --mode colocated or local"),
+        (["--mode", "local", "--kv-transfer-config", "{}", "--no-enable-prefix-caching"], "turn prefix caching on"),
         (["--mode", "disagg", "-tp", "2", "--transport", "cuda_ipc"], "tensor_parallel_size 2: cuda_ipc moves one cache on one GPU"),
         pytest.param(["--mode", "disagg", "--device", "cuda"], "sees no CUDA device",
                      marks=pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is here")),
