@@ -79,6 +79,9 @@ class KVPoll:
     ready_to_ask: dict[str, RemoteReservation] = field(default_factory=dict)
 
 
+LOAD_WAIT_S = 0.005  # the longest an engine with nothing to run but loads waits for one of them, per step
+
+
 class LLMEngine:
     encoder_only = False  # an encoder-only model (engine/models/bert.py): pools, never generates
 
@@ -414,6 +417,11 @@ class LLMEngine:
 
     # ---- the loop ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        scheduler = self.scheduler
+        if scheduler.offload.num_loading and not (scheduler.running or scheduler.waiting):
+            # Only loads are under way (offload tiers, another instance's KV): wait for one to end instead of spinning
+            # empty steps, which would hold the GIL the loader thread needs (a 2,048-token pull took 5x longer).
+            self.offload.wait_done(LOAD_WAIT_S)
         if self._stepper is not None:  # async scheduling: step n+1 already runs while the caller reads these outputs
             step_results, kv_output = self._stepper.step()
         else:

@@ -45,3 +45,13 @@ class BlockColumns:
         for cache, part in zip(self.caches, column.split(self.heads_per_cache, dim=-2)):
             cache[:, :, block_id].copy_(part)
         return True
+
+    def write_many(self, block_ids: list[int], blocks_kv: torch.Tensor) -> None:
+        """``blocks_kv`` ([n, *block_shape], any device) into blocks ``block_ids`` of every cache, one copy per cache."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        start = 0
+        for cache, heads in zip(self.caches, self.heads_per_cache):
+            part = blocks_kv[..., start:start + heads, :] if len(self.caches) > 1 else blocks_kv
+            # [n, layers, planes, block, heads, dim] -> the cache's [layers, planes, n, block, heads, dim]
+            cache.index_copy_(2, index, part.movedim(0, 2).to(cache.device, non_blocking=True))
+            start += heads

@@ -29,7 +29,7 @@ class ExternalKVConnector(KVConnector):
     fetches_external = True
 
     def __init__(self, config: ExternalKVConfig, engine_id: str, port: int, layout: str, block_size: int,
-                 block_shape: tuple[int, ...], dtype: torch.dtype, read_blocks: Callable[[list[int]], bytes],
+                 block_shape: tuple[int, ...], dtype: torch.dtype, read_blocks: Callable[[list[int]], memoryview],
                  hash_prompt_blocks: Callable[[object, int], list[int]]) -> None:
         """``hash_prompt_blocks(request, n)``: the chained hashes of the request's first n prompt blocks (as its
         engine's prefix cache names them); ``read_blocks``: KVExportServer's; ``port``: this worker's (0: any)."""

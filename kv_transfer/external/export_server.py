@@ -40,8 +40,8 @@ class Hold:
 
 class KVExportServer:
     def __init__(self, host: str, port: int, layout: str, block_nbytes: int,
-                 read_blocks: Callable[[list[int]], bytes]) -> None:
-        """``read_blocks(block_ids)``: those blocks' KV columns, concatenated, as host bytes."""
+                 read_blocks: Callable[[list[int]], memoryview]) -> None:
+        """``read_blocks(block_ids)``: those blocks' KV columns, concatenated, as host bytes (any buffer)."""
         self.layout, self.block_nbytes, self._read_blocks = layout, block_nbytes, read_blocks
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -127,7 +127,7 @@ class KVExportServer:
         header, payload = self._take(pull)
         self._sock.send_multipart([peer, CODEC.encode(header), payload], copy=False)
 
-    def _take(self, pull: Pull) -> tuple[Blocks, bytes]:
+    def _take(self, pull: Pull) -> tuple[Blocks, memoryview | bytes]:
         def refuse(error: str) -> tuple[Blocks, bytes]:
             self.counters["refused"] += 1
             return Blocks(self.layout, 0, self.block_nbytes, error), b""
@@ -155,7 +155,7 @@ class KVExportServer:
         finally:
             with self._lock:
                 self._end(pull.request_id, "pulled" if pull.block_hashes else "released")
-        self.counters["bytes"] += len(payload)
+        self.counters["bytes"] += memoryview(payload).nbytes
         return Blocks(self.layout, num, self.block_nbytes), payload
 
     def _end(self, request_id: str, how: str) -> None:

@@ -9,6 +9,7 @@ prefill instance its blocks are not wanted (a request that found its prefix here
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -42,37 +43,42 @@ class PullSource:
     def num_blocks(self) -> int:
         return self.remote.num_blocks
 
-    def fetch(self, first_block: int, block_hashes: list[int]) -> list[torch.Tensor]:
-        """Blocks ``first_block`` on whose hashes are ``block_hashes`` (leading matches only)."""
+    def fetch(self, first_block: int, block_hashes: list[int]) -> torch.Tensor:
+        """Blocks ``first_block`` on whose hashes are ``block_hashes`` (leading matches only), as one host tensor
+        [num_blocks, *column shape] (no blocks: empty)."""
+        none = torch.empty((0, *self.block_shape), dtype=self.dtype)
         answer = self._ask(first_block, block_hashes)
         if answer is None:
-            return []
+            return none
         header, payload = answer
+        size = memoryview(payload).nbytes
         if header.error:
             log.warning("KV pull for %s from %s:%d: %s; computing the prompt here", self.remote.request_id,
                         self.remote.host, self.remote.port, header.error)
             self._stats.num_failed += 1
-            return []
+            return none
         num = header.num_blocks
         if (header.layout != self.layout or header.block_nbytes != self.block_nbytes or num > len(block_hashes)
-                or len(payload) != num * self.block_nbytes):
+                or size != num * self.block_nbytes):
             log.warning("KV pull for %s: answer does not fit (%d blocks of %d bytes in %d bytes, layout %s); "
                         "computing the prompt here", self.remote.request_id, num, header.block_nbytes,
-                        len(payload), header.layout)
+                        size, header.layout)
             self._stats.num_failed += 1
-            return []
+            return none
         self._stats.num_pulls += 1
         self._stats.num_blocks += num
-        self._stats.num_bytes += len(payload)
+        self._stats.num_bytes += size
         if not num:
-            return []
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.dtype).view(num, *self.block_shape)
-        return list(data.unbind(0))
+            return none
+        with warnings.catch_warnings():  # zmq's frame is read-only, and only read (copied into the cache)
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.frombuffer(payload, dtype=torch.uint8)
+        return data.view(self.dtype).view(num, *self.block_shape)
 
     def release(self) -> None:
         self._ask(0, [])
 
-    def _ask(self, first_block: int, block_hashes: list[int]) -> tuple[Blocks, bytes] | None:
+    def _ask(self, first_block: int, block_hashes: list[int]) -> tuple[Blocks, memoryview] | None:
         r = self.remote
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -84,13 +90,13 @@ class PullSource:
                             r.request_id, r.host, r.port, self.timeout_s)
                 self._stats.num_failed += 1
                 return None
-            frames = sock.recv_multipart()
+            frames = sock.recv_multipart(copy=False)  # the KV frame is read in place (one copy: into the cache)
             if len(frames) != 2:
                 raise ProtocolError(f"answer of {len(frames)} frames (want 2)")
-            header = CODEC.decode(frames[0], _MAX_HEADER_BYTES)
+            header = CODEC.decode(frames[0].bytes, _MAX_HEADER_BYTES)
             if not isinstance(header, Blocks):
                 raise ProtocolError(f"expected Blocks, got {type(header).__name__}")
-            return header, frames[1]
+            return header, frames[1].buffer
         except (zmq.ZMQError, ProtocolError) as e:
             log.warning("KV pull for %s from %s:%d failed: %s; computing the prompt here", r.request_id, r.host,
                         r.port, e)
