@@ -282,6 +282,8 @@ class DecodeWorker(WorkerLoop):
             "num_prompt_tokens_reused": sched.num_prompt_tokens_reused,  # held here, not transferred
             # Asks for a first token alone (max_tokens 1) not yet answered: no block held for them.
             "num_first_token_only": len(self._first_token_only),
+            # vLLM's external P/D split: prompts held for other instances, pulls made from them.
+            **({"external_kv": self.external_kv.stats()} if self.external_kv is not None else {}),
         }
 
     def _on_first_token(self, peer_id: str, msg: FirstToken) -> None:
