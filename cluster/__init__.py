@@ -10,6 +10,8 @@ above it; the `pdcluster` command in cli/).
 - launcher.py: the workers as Ray actors in a placement group, wired to each other and the router;
 - autoscale.py: adds and drains workers to hold the SLOs (``--autoscale``);
 - metrics.py: what /metrics serves;
+- pd_proxy.py: ``pdcluster pd-proxy``, vLLM's proxy of an external prefill/decode split over instances started
+  with ``serve --kv-transfer-config`` (wire/external_kv.py);
 - serve_cli.py: the ``serve`` subcommand, with engine_args.py (the engine flags, shared with
   ``generate``) and http_server.py (uvicorn on a socket bound first).
 """

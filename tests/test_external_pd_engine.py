@@ -277,10 +277,14 @@ def test_settings_and_requests_are_checked():
     assert parse_config("") is None
     config = parse_config('{"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_port": 5600, '
                           '"kv_connector_extra_config": {"hold_timeout_s": 30, "backends": ["UCX"]}}')
-    assert config.port == 5600 and config.hold_timeout_s == 30.0
+    assert config.port == 5600 and config.hold_timeout_s == 30.0 and config.public_host == "127.0.0.1"
+    # A wildcard listener names this machine's address in its answers (a pod's IP), or the one given.
+    assert parse_config('{"kv_ip": "0.0.0.0"}').public_host == socket.gethostbyname(socket.gethostname())
+    assert parse_config('{"kv_ip": "0.0.0.0", "kv_connector_extra_config": {"advertise_host": "p.svc"}}'
+                        ).public_host == "p.svc"
     for text, match in (("{", "not JSON"), ('{"kv_connector": "Nope"}', "kv_connector"),
                         ('{"kv_role": "kv_sideways"}', "kv_role"), ('{"kv_port": 70000}', "kv_port"),
-                        ('{"kv_ip": "0.0.0.0"}', "advertise_host"), ('{"kv_typo": 1}', "unknown key"),
+                        ('{"kv_typo": 1}', "unknown key"),
                         ('{"kv_connector_extra_config": {"hold_timeout_s": -1}}', "hold_timeout_s")):
         with pytest.raises(ExternalKVError, match=match):
             parse_config(text)

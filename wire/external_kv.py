@@ -26,6 +26,7 @@ from typing import Any
 CONNECTOR_NAMES = ("PdclusterConnector", "NixlConnector", "P2pNcclConnector", "LMCacheConnectorV1",
                    "MooncakeConnector")
 ROLES = ("kv_both", "kv_producer", "kv_consumer")
+WILDCARDS = ("0.0.0.0", "::")
 EXTRA_KEYS = {"advertise_host": str, "hold_timeout_s": (int, float), "fetch_timeout_s": (int, float)}
 
 
@@ -39,7 +40,9 @@ class ExternalKVConfig:
     role: str = "kv_both"
     host: str = "127.0.0.1"  # where the KV export server binds (kv_ip)
     port: int = 0  # kv_port: the first worker's; worker i binds port + i (0: any free port for each)
-    advertise_host: str = ""  # what the answers name (default host; needed where host is 0.0.0.0)
+    # What the answers name: default kv_ip, or where kv_ip is a wildcard (0.0.0.0, ::) "auto": this machine's
+    # address as its host name resolves (a pod's IP on Kubernetes).
+    advertise_host: str = ""
     # A held prompt's blocks go back to the pool after this, pulled or not (a proxy that dropped the decode
     # leg must not strand them; vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT is 480 s).
     hold_timeout_s: float = 120.0
@@ -47,7 +50,12 @@ class ExternalKVConfig:
 
     @property
     def public_host(self) -> str:
-        return self.advertise_host or self.host
+        host = self.advertise_host or ("auto" if self.host in WILDCARDS else self.host)
+        if host == "auto":
+            import socket
+
+            return socket.gethostbyname(socket.gethostname())
+        return host
 
     @property
     def produces(self) -> bool:
@@ -100,9 +108,6 @@ def parse_config(text: str) -> ExternalKVConfig | None:
         if key.endswith("_s") and not (math.isfinite(value) and value > 0):
             raise ExternalKVError(f"kv_transfer_config.kv_connector_extra_config.{key}: must be > 0, got {value!r}")
         values[key] = float(value) if key.endswith("_s") else value
-    if host in ("0.0.0.0", "::") and not values.get("advertise_host"):
-        raise ExternalKVError("kv_transfer_config: kv_ip is a wildcard, so answers cannot name it: set "
-                              "kv_connector_extra_config.advertise_host to this instance's address")
     return ExternalKVConfig(connector=connector, role=role, host=host, port=port, **values)
 
 
