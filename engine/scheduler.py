@@ -75,7 +75,7 @@ class Scheduler:
         self.offload = OffloadGate(offload, config.block_size) if offload is not None else NoOffload()
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching,
-            on_evict=offload.on_evict if offload is not None and offload.tiers.tiers else None,
+            on_evict=offload.on_evict if offload is not None else None,
             on_event=(lambda kind, hashes: on_kv_event(kind, "device", hashes)) if on_kv_event else None)
         self.waiting = WaitingQueue()  # by priority, first come first served within one
         self.running: list[Request] = []

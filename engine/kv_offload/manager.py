@@ -56,6 +56,7 @@ class OffloadManager:
         self.on_gpu = self.columns.device.type == "cuda"
         self.tiers = OffloadTiers(config, self.columns.block_shape, self.columns.dtype, namespace,
                                   pin_memory=self.on_gpu, on_event=on_event)
+        self._has_tiers = bool(self.tiers.tiers)
         self._jobs: queue.Queue = queue.Queue()
         self._done: queue.Queue = queue.Queue()
         self._done_event = threading.Event()  # set when a load ends, cleared by poll
@@ -67,6 +68,8 @@ class OffloadManager:
 
     # ---- eviction (engine thread) -----------------------------------------------------------
     def on_evict(self, block_id: int, block_hash: int, out_of_stream: bool = False) -> None:
+        if not self._has_tiers:  # a loader for another instance's KV only (kv_transfer/external/): nothing to keep
+            return
         apart = out_of_stream and self._evict_stream is not None
         with torch.cuda.stream(self._evict_stream) if apart else contextlib.nullcontext():
             self.tiers.offload(block_hash, self.columns.read(block_id))
