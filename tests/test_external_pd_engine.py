@@ -297,3 +297,27 @@ def test_settings_and_requests_are_checked():
     plain = LLMEngine.from_config(engine_config())
     with pytest.raises(InvalidRequestError, match="--kv-transfer-config"):
         plain.add_request([1, 2, 3], SamplingParams(kv_transfer_params=DO_REMOTE_DECODE))
+
+
+def test_a_model_split_over_ranks_pulls_every_ranks_heads():
+    """-tp 2 on both sides: a block's column is every rank's heads side by side (BlockColumns), pulled as one and
+    written back into each rank's cache."""
+    def split(name: str):
+        loaded = LoadedModel.load(engine_config(dtype="bfloat16", kv_transfer_config=_config(), tensor_parallel_size=2),
+                                  progress=False, share_rank_caches=True)
+        connector = make_external_connector(loaded, name)
+        return LLMEngine(loaded, connector), connector
+
+    (p, p_conn), (d, d_conn) = split("p"), split("d")
+    try:
+        prompt = _prompt(14, 90)
+        reference = d.generate([prompt], SamplingParams(max_tokens=8, cache_salt="ref"))[0].token_ids
+        kv = p.generate([prompt], SamplingParams(max_tokens=1, kv_transfer_params=DO_REMOTE_DECODE))[0].kv_transfer_params
+        out = d.generate([prompt], SamplingParams(max_tokens=8, kv_transfer_params=kv))[0]
+        assert out.token_ids == reference and out.num_cached_tokens == 5 * BLOCK
+        assert d_conn.pull_stats.num_blocks == 5
+    finally:
+        p_conn.close()
+        d_conn.close()
+        p.close()
+        d.close()
