@@ -30,6 +30,7 @@ from pdcluster.engine.scheduler import Scheduler
 from pdcluster.engine.step_trace import StepTrace
 from pdcluster.engine.tokenizer import Detokenizer
 from pdcluster.engine.warmup import warmup
+from pdcluster.wire.external_kv import asks_for_split
 from pdcluster.wire.kv_connector import KVConnector, LoadedKV
 from pdcluster.wire.logprobs import TokenLogprobs
 
@@ -220,8 +221,7 @@ class LLMEngine:
 
     def check_kv_transfer(self, params: SamplingParams) -> None:
         """vLLM's external prefill/decode fields need an engine whose connector takes part in it."""
-        kv = params.kv_transfer_params
-        if kv and (kv.get("do_remote_decode") or kv.get("do_remote_prefill")) and not self.connector.fetches_external:
+        if asks_for_split(params.kv_transfer_params) and not self.connector.fetches_external:
             raise InvalidRequestError("kv_transfer_params: this server takes no part in an external prefill/decode "
                                       "split; start it with --kv-transfer-config "
                                       "'{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"kv_both\"}'")

@@ -127,6 +127,12 @@ def wants_remote_decode(params: dict | None) -> bool:
     return bool(params) and params.get("do_remote_decode") is True
 
 
+def asks_for_split(params: dict | None) -> bool:
+    """Whether the parameters ask this instance to take part (either side): only a server started with
+    --kv-transfer-config may serve them."""
+    return bool(params) and bool(params.get("do_remote_decode") or params.get("do_remote_prefill"))
+
+
 def remote_prefill(params: dict | None) -> RemotePrefill | None:
     """The pull a request's ``kv_transfer_params`` asks for, or None (no params, or not do_remote_prefill).
     Raises ExternalKVError naming the key when do_remote_prefill is set and the rest is malformed."""

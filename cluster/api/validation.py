@@ -37,7 +37,7 @@ from pdcluster.engine.beam_search import BeamSearchParams
 from pdcluster.engine.multimodal.spec import chat_content
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.engine.tokenizer import ChatTemplateError, ContinueFinalMessageError
-from pdcluster.wire.external_kv import ExternalKVError, wants_remote_decode
+from pdcluster.wire.external_kv import ExternalKVError, asks_for_split, wants_remote_decode
 from pdcluster.wire.external_kv import check_request_params as check_kv_transfer_params
 
 log = logging.getLogger(__name__)
@@ -203,8 +203,7 @@ def _check_kv_transfer(body: SamplingFields, n: int, num_prompts: int, beam: boo
         check_kv_transfer_params(body.kv_transfer_params)
     except ExternalKVError as e:
         raise APIError(400, str(e), param="kv_transfer_params") from None
-    params = body.kv_transfer_params
-    if not served and (params.get("do_remote_decode") or params.get("do_remote_prefill")):
+    if not served and asks_for_split(body.kv_transfer_params):
         raise _bad("kv_transfer_params", "this server takes no part in an external prefill/decode split: start it "
                                          "with --kv-transfer-config (vLLM's flag), e.g. "
                                          "'{\"kv_connector\": \"NixlConnector\", \"kv_role\": \"kv_both\"}'")

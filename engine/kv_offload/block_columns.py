@@ -46,6 +46,13 @@ class BlockColumns:
             cache[:, :, block_id].copy_(part)
         return True
 
+    def read_many(self, block_ids: list[int]) -> torch.Tensor:
+        """The columns of ``block_ids`` as one new tensor [n, *block_shape], one gather per cache."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        # the cache's [layers, planes, n, block, heads, dim] -> [n, layers, planes, block, heads, dim]
+        parts = [cache.index_select(2, index).movedim(2, 0) for cache in self.caches]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
+
     def write_many(self, block_ids: list[int], blocks_kv: torch.Tensor) -> None:
         """``blocks_kv`` ([n, *block_shape], any device) into blocks ``block_ids`` of every cache, one copy per cache."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)

@@ -35,8 +35,8 @@ class ExternalKVConnector(KVConnector):
         engine's prefix cache names them); ``read_blocks``: KVExportServer's; ``port``: this worker's (0: any)."""
         self.config, self.engine_id, self.layout, self.block_size = config, engine_id, layout, block_size
         self.block_shape, self.dtype, self._hash_prompt_blocks = tuple(block_shape), dtype, hash_prompt_blocks
-        block_nbytes = torch.Size(self.block_shape).numel() * torch.empty((), dtype=dtype).element_size()
-        self.server = (KVExportServer(config.host, port, layout, block_nbytes, read_blocks)
+        self.block_nbytes = torch.Size(self.block_shape).numel() * torch.empty((), dtype=dtype).element_size()
+        self.server = (KVExportServer(config.host, port, layout, self.block_nbytes, read_blocks)
                        if config.produces else None)
         self._ctx = zmq.Context()
         self.pull_stats = PullStats()
@@ -69,8 +69,8 @@ class ExternalKVConnector(KVConnector):
         remote = remote_prefill(request.sampling_params.kv_transfer_params) if self.config.consumes else None
         if remote is None or not remote.num_blocks:
             return None
-        return PullSource(remote, self.layout, self.block_shape, self.dtype, self.config.fetch_timeout_s, self._ctx,
-                          self.pull_stats)
+        return PullSource(remote, self.layout, self.block_shape, self.dtype, self.block_nbytes,
+                          self.config.fetch_timeout_s, self._ctx, self.pull_stats)
 
     def stats(self) -> dict:
         out = {"pulls": self.pull_stats.__dict__.copy()}

@@ -34,10 +34,9 @@ class PullStats:
 
 class PullSource:
     def __init__(self, remote: RemotePrefill, layout: str, block_shape: tuple[int, ...], dtype: torch.dtype,
-                 timeout_s: float, ctx: zmq.Context, stats: PullStats) -> None:
+                 block_nbytes: int, timeout_s: float, ctx: zmq.Context, stats: PullStats) -> None:
         self.remote, self.layout, self.block_shape, self.dtype = remote, layout, tuple(block_shape), dtype
-        self.timeout_s, self._ctx, self._stats = timeout_s, ctx, stats
-        self.block_nbytes = torch.Size(self.block_shape).numel() * torch.empty((), dtype=dtype).element_size()
+        self.block_nbytes, self.timeout_s, self._ctx, self._stats = block_nbytes, timeout_s, ctx, stats
 
     @property
     def num_blocks(self) -> int:
