@@ -888,13 +888,14 @@ def correctness_section(entry: dict, device: str, work: Path, quick: bool, only:
     entry["ok"] = all_ok and all(entry.get(m, {}).get("ok", True) for m in ("nemotron-h-random", *FAMILIES))
 
 
-def isolated_correctness(entry: dict, args, report: "Report") -> None:
+def isolated_correctness(entry: dict, args, report: "Report", work: Path) -> None:
     """The correctness section in child processes: a device fault (an illegal address poisons a CUDA context)
     costs the model that met it, not the models after it or the speed section, which run in fresh processes.
     A child that dies or faults mid-model leaves that model marked failed; the next child takes the rest."""
     wanted = [n for n in CORRECTNESS_MODELS if not args.models or n in args.models.split(",")]
     names = list(wanted)  # those still to check
-    child_out = Path(tempfile.mkdtemp(prefix="pdcluster-gpu-check-child-")) / "correctness.json"
+    # Under this process's work folder, which it removes: a child that aborts cannot leave its models behind.
+    child_out = work / "child-correctness.json"
     entry["processes"] = 0
     while names and entry["processes"] < len(CORRECTNESS_MODELS):
         if entry["processes"] and report.left_s() < 30:
@@ -903,7 +904,8 @@ def isolated_correctness(entry: dict, args, report: "Report") -> None:
         # The child's own budget is unbounded: it checks every model it is given (this process's budget decides
         # whether another child starts).
         cmd = [sys.executable, __file__, "--device", args.device, "--sections", "correctness", "--in-process",
-               "--models", ",".join(names), "--out", str(child_out), "--budget-s", "1e9"]
+               "--models", ",".join(names), "--out", str(child_out), "--budget-s", "1e9",
+               "--work-dir", str(work / f"child{entry['processes']}")]
         cmd += ["--quick"] * args.quick + ["--simulate-gpu-box"] * args.simulate_gpu_box
         if args.crash_in and entry["processes"] == 0:
             cmd += ["--crash-in", args.crash_in]
@@ -1396,6 +1398,7 @@ def main() -> int:
                    help="correctness in this process (a child of the isolated run) instead of child processes")
     p.add_argument("--crash-in", default=None, metavar="MODEL",
                    help="the dry run of the isolation: the first correctness process dies as MODEL starts")
+    p.add_argument("--work-dir", default=None, help=argparse.SUPPRESS)  # a child's, under its parent's
     p.add_argument("--models", default=None,
                    help="correctness: these models only (comma list: tiny-random, tiny-hybrid, nemotron-h-random "
                         "or a family), default all")
@@ -1418,7 +1421,19 @@ def main() -> int:
     gpu = torch.cuda.get_device_name().split()[-1] if args.device == "cuda" else "cpu"
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"gpu_check_{gpu.lower()}.json"
     report = Report(out, args.budget_s)
-    work = Path(tempfile.mkdtemp(prefix="pdcluster-gpu-check-"))
+    if args.work_dir:
+        work = Path(args.work_dir)
+        work.mkdir(parents=True, exist_ok=True)
+    else:
+        work = Path(tempfile.mkdtemp(prefix="pdcluster-gpu-check-"))
+    try:
+        return run_sections(args, report, work)
+    finally:
+        # The models built here are hundreds of MB each: never leave them in /tmp, failed or not.
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run_sections(args, report: "Report", work: Path) -> int:
     wanted = set(args.sections.split(","))
     with report.section("env", 0) as entry:
         if entry is not None:
@@ -1438,7 +1453,7 @@ def main() -> int:
                     correctness_section(entry, args.device, work, args.quick,
                                         set(args.models.split(",")) if args.models else None, progress)
                 else:
-                    isolated_correctness(entry, args, report)
+                    isolated_correctness(entry, args, report, work)
     if kernel_tests is not None:  # done before the timings: they must have the GPU to themselves
         with report.section("kernel_tests", 0) as entry:
             if entry is not None:
@@ -1452,7 +1467,6 @@ def main() -> int:
         with report.section("deterministic", 60) as entry:
             if entry is not None:
                 deterministic_section(entry, args.device, work, args.quick)
-    shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(report.data, indent=2))
     return 0 if all(s.get("ok", True) for s in report.data["sections"].values()) else 1
 

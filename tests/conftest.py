@@ -271,12 +271,21 @@ def ray_session(tiny_dir):
     import tempfile
 
     ray = pytest.importorskip("ray")
+    import shutil
+
     tmp = tempfile.mkdtemp(prefix="pdcluster-ray-")
-    os.environ.setdefault("RAY_TMPDIR", tmp)
+    before = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = tmp
     ray.init(num_cpus=2, resources={"prefill_slot": 4, "decode_slot": 4}, include_dashboard=False,
              log_to_driver=False, _temp_dir=tmp)
     yield ray
     ray.shutdown()
+    if before is None:
+        os.environ.pop("RAY_TMPDIR", None)
+    else:
+        os.environ["RAY_TMPDIR"] = before
+    # Ray's session files (logs, sockets): tens of MB a module, which a long suite must not leave behind.
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

@@ -22,11 +22,17 @@ def _dry_run(tmp_path: Path, *flags: str) -> dict:
     out = tmp_path / "gpu_check.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PDCLUSTER_GPU_ASSETS"] = str(tmp_path / "assets")  # the tokenizer files the GPU machine is carried
+    scratch = tmp_path / "tmp"  # the check's temporary folders, to see that it removes them
+    scratch.mkdir()
+    env["TMPDIR"] = str(scratch)
     subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--prepare-assets"], cwd=ROOT, env=env,
                    check=True, timeout=300, capture_output=True)
     subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device", "cpu", "--quick",
                     "--simulate-gpu-box", "--sections", "env,correctness", "--out", str(out), *flags],
                    cwd=ROOT, env=env, check=False, timeout=540, capture_output=True)
+    # Its models are hundreds of MB: a child that aborts, or a finished check, leaves none of them behind.
+    leftover = [p.name for p in scratch.iterdir() if p.name.startswith("pdcluster-gpu-check")]
+    assert not leftover, leftover
     return json.loads(out.read_text())["sections"]["correctness"]
 
 

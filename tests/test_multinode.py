@@ -15,6 +15,7 @@ Kubernetes pod is by its pod IP). Workers land on different Ray nodes (checked: 
 import asyncio
 import dataclasses
 import os
+import shutil
 import tempfile
 import time
 import warnings
@@ -80,6 +81,7 @@ def ray_nodes(tiny_dir):
             os.environ.pop("RAY_TMPDIR", None)
         else:
             os.environ["RAY_TMPDIR"] = before
+        shutil.rmtree(tmp, ignore_errors=True)  # the three nodes' session files
 
 
 async def _until(condition, what: str, timeout_s: float = 60.0) -> None:

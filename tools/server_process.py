@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -50,6 +51,7 @@ class ServeProcess:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.base_url = ""
         self.port = 0
+        self._final_output: str | None = None  # the log's text once close() removed the temp dir
         self._wait_ready(timeout_s)
 
     def _wait_ready(self, timeout_s: float) -> None:
@@ -67,7 +69,9 @@ class ServeProcess:
         raise ServeProcessError(f"server not ready in {timeout_s:.0f} s: {self.output()[-3000:]}")
 
     def output(self) -> str:
-        """Everything the server printed so far (stdout and stderr)."""
+        """Everything the server printed so far (stdout and stderr); after close(), all it printed."""
+        if self._final_output is not None:
+            return self._final_output
         return self.log_path.read_text(errors="replace")
 
     def interrupt(self, timeout_s: float | None = None) -> int:
@@ -85,7 +89,9 @@ class ServeProcess:
                                     f"after: {after}; log: {self.output()[-3000:]}") from None
 
     def close(self) -> None:
-        """SIGTERM; SIGKILL if it has not exited within ``stop_timeout_s``. Idempotent."""
+        """SIGTERM; SIGKILL if it has not exited within ``stop_timeout_s``; then removes its temp dir (Ray's
+        session files: a test suite starts hundreds of servers), keeping the log's text for output().
+        Idempotent."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -93,6 +99,9 @@ class ServeProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+        if self._final_output is None and os.path.isdir(self.tmp):
+            self._final_output = self.output()
+            shutil.rmtree(self.tmp, ignore_errors=True)
 
     def __enter__(self) -> ServeProcess:
         return self
