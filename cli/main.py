@@ -10,30 +10,44 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pdcluster.cli.config_file import expand_config_file
 from pdcluster.cli.drain import add_drain_parser
 from pdcluster.cli.generate import add_generate_parser
 from pdcluster.cli.pd_proxy import add_pd_proxy_parser
 from pdcluster.cli.run_batch import add_run_batch_parser
+from pdcluster.cluster.engine_args import DEFAULT_MODEL
 from pdcluster.cluster.serve_cli import add_serve_parser
 from pdcluster.tools.loadtest.cli import add_loadtest_parser
 from pdcluster.tools.planner.cli import add_planner_parsers
 
 
 def build_parser() -> argparse.ArgumentParser:
+    return _build_parsers()[0]
+
+
+def _build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The command's parser and its `serve` subparser (which --config files are checked against)."""
     parser = argparse.ArgumentParser(prog="pdcluster", description="Disaggregated prefill/decode LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(sub)
     add_run_batch_parser(sub)
-    add_serve_parser(sub)
+    serve_parser = add_serve_parser(sub)
     add_pd_proxy_parser(sub)
     add_loadtest_parser(sub)
     add_drain_parser(sub)
     add_planner_parsers(sub)
-    return parser
+    return parser, serve_parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    parser, serve_parser = _build_parsers()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        try:  # vLLM's --config FILE.yaml: its flags go before the typed ones, which win
+            argv = ["serve", *expand_config_file(argv[1:], serve_parser, DEFAULT_MODEL)]
+        except ValueError as e:
+            print(f"pdcluster serve: error: {e}", file=sys.stderr)
+            return 2
     args = parser.parse_args(argv)
     try:
         return args.func(args)

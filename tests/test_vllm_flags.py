@@ -1,0 +1,150 @@
+"""`vllm serve` command lines and config files run as they are (cluster/vllm_flags.py, cli/config_file.py): vLLM's
+flags without one of ours are mapped onto ours, accepted with a line saying why they change nothing, or refused in
+one line saying what to do instead; never "unrecognized arguments". `--config FILE.yaml` puts a file's flags under
+the typed ones."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from pdcluster.cli.main import build_parser, main
+from pdcluster.cluster.engine_args import engine_config_from_args
+from pdcluster.cluster.serve_cli import _check_args
+from pdcluster.cluster.vllm_flags import NO_OP_FLAGS, NO_OP_VALUE_FLAGS, REFUSED_FLAGS
+from pdcluster.engine.config import ConfigError
+from pdcluster.tools.server_process import ServeProcess
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _args(*argv):
+    parsed = build_parser().parse_args(["serve", "--mode", "local", "--port", "0", "--model", "tiny-random", *argv])
+    _check_args(parsed)
+    return parsed
+
+
+# A production manifest's vLLM line (flags as vLLM's docs and Helm charts write them).
+VLLM_LINE = ["--enforce-eager", "--swap-space", "4", "--distributed-executor-backend", "mp",
+             "--disable-custom-all-reduce", "-tp", "1", "-pp", "1", "--data-parallel-size", "1",
+             "--compilation-config", '{"level": 3}', "--cuda-graph-sizes", "1", "2", "4",
+             "--max-seq-len-to-capture", "8192", "--tokenizer-mode", "auto", "--load-format", "safetensors",
+             "--quantization", "fp8", "--guided-decoding-backend", "xgrammar", "--enable-expert-parallel",
+             "--num-scheduler-steps", "1", "--prefix-caching-hash-algo", "sha256", "--tokenizer", "tiny-random",
+             "--tokenizer-revision", "main", "--trust-remote-code", "--cpu-offload-gb", "0"]
+
+
+def test_a_manifests_vllm_line_parses_and_says_what_changes_nothing(capsys):
+    args = _args(*VLLM_LINE)
+    err = capsys.readouterr().err
+    for flag in ("--swap-space", "--distributed-executor-backend", "--disable-custom-all-reduce",
+                 "--compilation-config", "--cuda-graph-sizes", "--quantization", "--enable-expert-parallel"):
+        assert f"pdcluster serve: {flag}: accepted, no effect (" in err, flag
+    # Mapped, not announced as a no-op: --enforce-eager is --no-cuda-graphs.
+    assert "--enforce-eager" not in err
+    config = engine_config_from_args(args)
+    assert config.cuda_graphs is False and config.mixed_cuda_graph_tokens == 0
+    assert engine_config_from_args(_args()).cuda_graphs is True
+
+
+def test_every_table_flag_is_a_flag_of_serve():
+    """Each no-op and refused flag parses (a typo in a table would leave the flag "unrecognized")."""
+    actions = build_parser()._subparsers._group_actions[0].choices["serve"]._option_string_actions
+    names = [flag for flag, _ in NO_OP_FLAGS.values()] + [f for flags, *_ in NO_OP_VALUE_FLAGS.values() for f in flags]
+    names += [flag for flag, *_ in REFUSED_FLAGS.values()]
+    assert [n for n in names if n not in actions] == []
+
+
+def test_kv_offloading_size_is_the_host_tier():
+    assert engine_config_from_args(_args("--kv-offloading-size", "2")).kv_offload_host_gib == 2.0
+    assert engine_config_from_args(_args("--kv-offloading-size", "2", "--kv-offload-host-gib", "2")) \
+        .kv_offload_host_gib == 2.0
+    with pytest.raises(ConfigError, match="the same setting twice"):
+        _args("--kv-offloading-size", "2", "--kv-offload-host-gib", "3")
+    with pytest.raises(ConfigError, match="must be > 0 GiB"):
+        _args("--kv-offloading-size", "0")
+    with pytest.raises(ConfigError, match="lmcache: not supported here: the native host tier"):
+        _args("--kv-offloading-backend", "lmcache")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--enable-sleep-mode"], "--enable-sleep-mode: not supported here: there are no /sleep and /wake_up"),
+    (["--middleware", "my.module.Middleware"], "--middleware: not supported here: no code is imported"),
+    (["--otlp-traces-endpoint", "http://127.0.0.1:4317"], "--otlp-traces-endpoint: not supported here"),
+    (["--headless"], "--headless: not supported here"),
+    (["-pp", "2"], "--pipeline-parallel-size 2: only 1 is served here: split a model across devices with "
+                   "--tensor-parallel-size"),
+    (["-dp", "4"], "--data-parallel-size 4: only 1 is served here: more engines are --num-prefill"),
+    (["--cpu-offload-gb", "8"], "--cpu-offload-gb 8: not supported here: weights stay on the device"),
+    (["--tokenizer-mode", "mistral"], "--tokenizer-mode mistral: not served here .*: give one of auto, hf, slow"),
+    (["--load-format", "dummy"], "--load-format dummy: not served here"),
+    (["--tokenizer", "other/model"], "--tokenizer other/model: only the model's own tokenizer is served"),
+    (["--tokenizer-revision", "v2"], "--tokenizer-revision v2: the tokenizer comes from the model's revision"),
+])
+def test_what_would_serve_something_else_is_refused_in_one_line(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        _args(*argv)
+
+
+def test_a_config_file_is_under_the_typed_flags(tmp_path, capsys):
+    from pdcluster.cli.config_file import expand_config_file
+    from pdcluster.cli.main import _build_parsers
+
+    path = tmp_path / "vllm.yaml"
+    path.write_text("model: tiny-random\nmax_model_len: 256\nenable-prefix-caching: false\nenforce-eager: true\n"
+                    "hf-overrides: {rms_norm_eps: 1.0e-5}\nswap-space: 4\ndisable-log-requests: false\n"
+                    "port: 0\nmode: local\n")
+    parser, serve = _build_parsers()
+
+    def parsed(*typed):
+        args = parser.parse_args(["serve", *expand_config_file(["--config", str(path), *typed], serve, "smollm2")])
+        _check_args(args)
+        return args
+
+    args = parsed()
+    config = engine_config_from_args(args)
+    assert (args.model, config.max_model_len, config.enable_prefix_caching, config.cuda_graphs) == \
+        ("tiny-random", 256, False, False)
+    assert json.loads(config.hf_overrides) == {"rms_norm_eps": 1e-5} and args.disable_log_requests is False
+    # A typed flag wins over the file's, a typed model over the file's model.
+    assert engine_config_from_args(parsed("--max-model-len", "128")).max_model_len == 128
+    assert parsed("smollm2").model == "smollm2" and parsed("--model", "smollm2").model == "smollm2"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[1, 2]", "want a mapping of flag names to values, got a list"),
+    ("port: [unclosed", "not YAML"),
+    ("bogus-flag: 1", "'bogus-flag' is not a flag of `pdcluster serve`"),
+    ("enforce-eager: 3", "enforce-eager is a switch: give true or false"),
+    ("config: other.yaml", "a config file cannot name another"),
+])
+def test_a_bad_config_file_is_one_line(tmp_path, capsys, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    assert main(["serve", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"pdcluster serve: error: --config {path}: ") and message in err
+    assert "Traceback" not in err
+    assert main(["serve", "--config", str(tmp_path / "missing.yaml")]) == 2
+    assert "cannot read it" in capsys.readouterr().err
+
+
+def test_a_server_started_from_a_vllm_config_file(tmp_path):
+    """The real CLI on a vLLM-style config file and vLLM flags typed beside it: it serves, and says what it ignored."""
+    path = tmp_path / "vllm.yaml"
+    path.write_text("model: tiny-random\nmode: local\nnum-kv-blocks: 64\nmax-model-len: 512\n"
+                    "served-model-name: from-file\nenforce-eager: true\nswap-space: 4\n"
+                    "disable-custom-all-reduce: true\ndistributed-executor-backend: mp\n")
+    with ServeProcess(["--config", str(path), "--served-model-name", "typed", "--tokenizer-mode", "auto"],
+                      timeout_s=240) as server:
+        models = httpx.get(f"{server.base_url}/v1/models", timeout=30).json()
+        assert [m["id"] for m in models["data"]] == ["typed"]  # the typed flag over the file's
+        r = httpx.post(f"{server.base_url}/v1/completions", timeout=60,
+                       json={"model": "typed", "prompt": "The quick brown fox", "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 4
+        output = server.output()
+    for flag in ("--swap-space", "--disable-custom-all-reduce", "--distributed-executor-backend", "--tokenizer-mode"):
+        assert f"{flag}: accepted, no effect" in output, flag
