@@ -20,6 +20,7 @@ import sys
 import uuid
 from pathlib import Path
 
+from pdcluster.cluster.api.served_names import add_served_model_name_arg, check_served_names
 from pdcluster.cluster.engine_args import add_engine_args, engine_config_from_args
 from pdcluster.engine.config import ConfigError
 
@@ -33,7 +34,8 @@ def add_run_batch_parser(sub) -> argparse.ArgumentParser:
     add_engine_args(p)
     p.add_argument("-i", "--input-file", required=True, help="the Batch input (JSONL), or - for stdin")
     p.add_argument("-o", "--output-file", required=True, help="where the answers go (JSONL), or - for stdout")
-    p.add_argument("--served-model-name", default=None, help="the name bodies give as model (default: --model)")
+    add_served_model_name_arg(p, "the names bodies may give as model, as serve's; answers give the first "
+                                 "(default: --model)")
     p.add_argument("--max-concurrency", type=int, default=256, help="requests in flight at once")
     p.add_argument("--request-timeout-s", type=float, default=3600.0,
                    help="abort a request that makes no progress for this long (queued ones wait their turn)")
@@ -121,6 +123,8 @@ def run_batch_main(args: argparse.Namespace) -> int:
         check_pooler_flag(args.pooler_config)
     lines = _read_lines(args.input_file)
     config = engine_config_from_args(args)
+    served_model_name = args.model if args.served_model_name is None else args.served_model_name
+    check_served_names((served_model_name, *args.served_model_aliases), config.lora_paths())  # before the model loads
     outputs: list = [None] * len(lines)
     requests, seen = [], set()
     for i, text in enumerate(lines):
@@ -138,7 +142,8 @@ def run_batch_main(args: argparse.Namespace) -> int:
 
     router = LocalRouter(config, request_timeout_s=args.request_timeout_s)
     try:
-        app = build_app(router, args.served_model_name or args.model, pooler=args.pooler_config)
+        app = build_app(router, served_model_name, served_model_aliases=args.served_model_aliases,
+                        pooler=args.pooler_config)
         with tqdm(total=len(requests), desc="run-batch", unit="req", disable=args.no_progress, file=sys.stderr) as bar:
             asyncio.run(_run(app, requests, outputs, args.max_concurrency, bar))
     finally:

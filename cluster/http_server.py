@@ -14,17 +14,19 @@ import threading
 
 import uvicorn
 
+from pdcluster.cluster.http_options import HttpOptions
 from pdcluster.engine.config import ConfigError
 from pdcluster.engine.gc_heap import freeze_startup_objects
 
 
 def run_server(app, host: str, port: int, model_name: str, sock: socket.socket | None = None,
-               on_ready=None, announce: bool = True) -> int:
+               on_ready=None, announce: bool = True, http: HttpOptions = HttpOptions()) -> int:
     """Run uvicorn until SIGINT/SIGTERM, then return (so the caller's cleanup runs); print "pdcluster
-    serving <model> on http://host:port" to stderr once the socket listens (the real port when ``port``
-    is 0). ``sock``: a socket already bound to host:port (see ``listen``); closed on return.
+    serving <model> on http://host:port" (https:// with TLS) to stderr once the socket listens (the real port
+    when ``port`` is 0). ``sock``: a socket already bound to host:port (see ``listen``); closed on return.
     ``on_ready(loop)``: called once the server listens, on its event loop (background tasks).
-    ``announce=False``: no serving line (an API process of several: cluster/frontend/ prints one for all)."""
+    ``announce=False``: no serving line (an API process of several: cluster/frontend/ prints one for all).
+    ``http``: the serve flags for uvicorn (cluster/http_options.py: log level, access log, root path, TLS)."""
 
     class Server(uvicorn.Server):
         @contextlib.contextmanager
@@ -46,8 +48,11 @@ def run_server(app, host: str, port: int, model_name: str, sock: socket.socket |
 
     sock = sock or listen(host, port)  # bound before uvicorn, so a busy port is one clear error line
     bound = sock.getsockname()[1]
-    server = Server(uvicorn.Config(app, host=host, port=bound, log_level="info", timeout_graceful_shutdown=5,
-                                   http="httptools" if _has("httptools") else "h11"))
+    try:
+        server = Server(uvicorn_config(app, host, bound, http))
+    except BaseException:
+        sock.close()
+        raise
 
     async def serve() -> None:
         task = asyncio.create_task(server.serve(sockets=[sock]))
@@ -55,7 +60,7 @@ def run_server(app, host: str, port: int, model_name: str, sock: socket.socket |
             await asyncio.sleep(0.05)
         if server.started:
             if announce:
-                announce_serving(model_name, host, bound)
+                announce_serving(model_name, host, bound, http.scheme)
             if on_ready is not None:
                 on_ready(asyncio.get_running_loop())
         await task
@@ -65,6 +70,19 @@ def run_server(app, host: str, port: int, model_name: str, sock: socket.socket |
     finally:
         sock.close()
     return 0 if server.started else 1
+
+
+def uvicorn_config(app, host: str, port: int, http: HttpOptions) -> uvicorn.Config:
+    """uvicorn's Config, which configures logging as it is made: a --log-config-file whose handlers or formatters
+    cannot be built is one line naming the flag (http_options.py checked only that it parses)."""
+    try:
+        return uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=5,
+                              http="httptools" if _has("httptools") else "h11", **http.uvicorn_kwargs())
+    except (ValueError, TypeError, AttributeError, ImportError, KeyError, OSError) as e:
+        if http.log_config_file is None:
+            raise
+        raise ConfigError(f"--log-config-file: {http.log_config_file}: logging cannot be configured with it: {e}") \
+            from None
 
 
 def signals_to_capture() -> list[int]:
@@ -94,10 +112,10 @@ def run_serving_loop(main):
     return asyncio.run(main)
 
 
-def announce_serving(model_name: str, host: str, port: int) -> None:
-    """The line tools wait for (tools/server_process.py READY)."""
+def announce_serving(model_name: str, host: str, port: int, scheme: str = "http") -> None:
+    """The line tools wait for (tools/server_process.py READY); ``scheme`` https where the server speaks TLS."""
     shown = f"[{host}]" if ":" in host else host
-    print(f"pdcluster serving {model_name} on http://{shown}:{port}", file=sys.stderr, flush=True)
+    print(f"pdcluster serving {model_name} on {scheme}://{shown}:{port}", file=sys.stderr, flush=True)
 
 
 def listen(host: str, port: int) -> socket.socket:

@@ -28,6 +28,7 @@ from pdcluster.cluster.api.middleware import install_error_handlers
 from pdcluster.cluster.api.options import ApiOptions
 from pdcluster.cluster.autoscale import Planner
 from pdcluster.cluster.engine_args import engine_config_from_args
+from pdcluster.cluster.http_options import HttpOptions
 from pdcluster.cluster.http_server import listen, run_server
 from pdcluster.cluster.metrics import Metrics
 from pdcluster.cluster.router import ClusterRouter, RouterConfig
@@ -414,15 +415,16 @@ def run_cluster(args) -> int:
                 loop.create_task(planner.run(lambda: cluster.router.closed))
 
         options = ApiOptions.from_args(args, runtime_lora=cluster.spec.engine.enable_lora)
+        http = getattr(args, "http_options", None) or HttpOptions.from_args(args)  # serve_cli checked it
         if servers is not None:
             admin_app = FastAPI()  # /admin/* of every API process is answered here, beside the cluster
             install_error_handlers(admin_app)
             install_admin_routes(admin_app, cluster, args.admin_key)
             return servers.run(cluster.router, cluster.router.model_name, options, admin_app=admin_app,
-                               on_ready=on_ready)
+                               on_ready=on_ready, http=http)
         app = build_app(cluster.router, cluster.router.model_name, metrics=metrics, **options.app_kwargs())
         install_admin_routes(app, cluster, args.admin_key)  # /admin/drain: `pdcluster drain`, preStop hooks
-        return run_server(app, args.host, args.port, cluster.router.model_name, on_ready=on_ready)
+        return run_server(app, args.host, args.port, cluster.router.model_name, on_ready=on_ready, http=http)
     finally:
         if servers is not None:
             servers.close()

@@ -17,14 +17,16 @@ from pdcluster.cluster.api.media_policy import MediaPolicy
 from pdcluster.cluster.api.options import (MAX_LOGPROBS, ApiOptions, CorsPolicy, chat_template_text,
                                            check_max_logprobs, check_template_kwargs, json_flag)
 from pdcluster.cluster.api.reasoning import PARSERS as REASONING_PARSERS
+from pdcluster.cluster.api.served_names import add_served_model_name_arg, check_served_names
 from pdcluster.cluster.api.tool_parsers import PARSER_CHOICES
 from pdcluster.cluster.autoscale import AutoscaleConfig
 from pdcluster.cluster.engine_args import DEFAULT_MODEL, add_engine_args, engine_config_from_args
+from pdcluster.cluster.http_options import HttpOptions, add_http_flags
 from pdcluster.cluster.http_server import listen, run_server
 from pdcluster.cluster.metrics import Metrics
 from pdcluster.cluster.policies import POLICIES
 from pdcluster.cluster.vllm_flags import add_vllm_flags, apply_vllm_flags
-from pdcluster.engine.config import ConfigError, EngineConfig
+from pdcluster.engine.config import ConfigError, EngineConfig, parse_lora_modules
 from pdcluster.engine.models.registry import default_cache_dir
 
 MODES = ("auto", "disagg", "colocated", "local")
@@ -50,7 +52,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     g.add_argument("--port", type=_port, default=os.environ.get("PDCLUSTER_PORT") or "8000",
                    help="0 = any free port (printed when ready); default: $PDCLUSTER_PORT, else 8000")
-    g.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    add_served_model_name_arg(g, "the model names clients may send, as vLLM's; answers and metrics give the first "
+                                 "(default: --model)")
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $PDCLUSTER_API_KEY; none = open)")
     g.add_argument("--admin-key", default=None,
@@ -126,6 +129,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "'{\"pooling_type\": \"LAST\" | \"MEAN\" | \"CLS\", \"normalize\": true | false}'; default: a "
                         "sentence-transformers model directory's own pooling, else the last token (an encoder's "
                         "[CLS]), normalised")
+    add_http_flags(p)  # --uvicorn-log-level, --root-path, --ssl-*: how the HTTP server listens (vLLM's flags)
     c = p.add_argument_group("cluster")
     c.add_argument("--mode", choices=MODES, default="auto",
                    help="disagg: prefill and decode workers; colocated: both in one worker; local: no Ray; "
@@ -207,9 +211,15 @@ def _check_args(args: argparse.Namespace) -> None:
     args.api_key = args.api_key or os.environ.get("PDCLUSTER_API_KEY") or None
     args.cluster_secret = args.cluster_secret or os.environ.get("PDCLUSTER_CLUSTER_SECRET") or None
     args.admin_key = args.admin_key or os.environ.get("PDCLUSTER_ADMIN_KEY") or None
-    args.served_model_name = args.served_model_name or args.model
+    if args.served_model_name is None:  # not `or`: an empty name is refused below, not replaced
+        args.served_model_name = args.model
+    try:  # here, before a model loads or an API process starts
+        check_served_names((args.served_model_name, *args.served_model_aliases), parse_lora_modules(args.lora_modules))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port: must be in 0..65535, got {args.port}")
+    args.http_options = HttpOptions.from_args(args).check()  # before the model loads: a bad TLS file is one line
     if args.api_servers == "auto":
         args.api_servers = resolve_api_servers(os.cpu_count() or 1, _serves_from_gpu(args))
         if args.api_servers > 1:
@@ -405,11 +415,11 @@ def _serve_local(args: argparse.Namespace) -> int:
 
             servers = ApiServers(args.api_servers, sock, args.host)
             try:
-                return servers.run(router, args.served_model_name, options)
+                return servers.run(router, args.served_model_name, options, http=args.http_options)
             finally:
                 servers.close()
         app = build_app(router, args.served_model_name, metrics=Metrics(args.served_model_name),
                         **options.app_kwargs())
-        return run_server(app, args.host, args.port, args.served_model_name, sock=sock)
+        return run_server(app, args.host, args.port, args.served_model_name, sock=sock, http=args.http_options)
     finally:
         router.close()

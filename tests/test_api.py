@@ -749,6 +749,67 @@ def test_models_and_health(stack):
     assert stack.http.get("/version").json() == {"version": importlib.metadata.version("pdcluster")}
 
 
+# ================================================================================== served model names
+
+
+class _WithAdapter:
+    """``router`` listing one LoRA adapter: only the name checks and /v1/models read it (nothing runs on it)."""
+
+    lora_names = ("adapter",)
+
+    def __init__(self, router):
+        self._router = router
+
+    def __getattr__(self, name):
+        return getattr(self._router, name)
+
+
+def test_served_model_name_takes_several_names(stack):
+    """vLLM's --served-model-name a b: a request's model may be either; /v1/models lists (and retrieves) each, the
+    model as each one's root; every answer's model and the metrics' model_name are the first name, whichever one
+    the request named (vLLM's model_name()); any other name is a 404 model_not_found that lists both."""
+    with serving(build_app(stack.router, "a", served_model_aliases=("b",), runtime_lora=True)) as base_url:
+        client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        http = httpx.Client(base_url=base_url, timeout=60)
+        cards = client.models.list().data
+        assert [(m.id, m.root, m.parent) for m in cards] == [("a", MODEL, None), ("b", MODEL, None)]
+        assert client.models.retrieve("b").model_dump() == cards[1].model_dump()
+        for name in ("a", "b"):
+            completion = client.completions.create(model=name, prompt=PROMPTS[1], max_tokens=3, temperature=0)
+            chat = client.chat.completions.create(model=name, messages=CHATS[0], max_tokens=3, temperature=0)
+            assert completion.model == chat.model == "a"
+        chunks = list(client.chat.completions.create(model="b", messages=CHATS[0], max_tokens=3, stream=True))
+        assert chunks and {c.model for c in chunks} == {"a"}
+        assert client.responses.create(model="b", input="Hi", max_output_tokens=3).model == "a"
+        assert client.embeddings.create(model="b", input=PROMPTS[0]).model == "a"
+        assert http.post("/tokenize", json={"model": "b", "prompt": "Hi"}).status_code == 200
+        with pytest.raises(openai.NotFoundError) as e:
+            client.completions.create(model="c", prompt="Hi", max_tokens=2)
+        assert e.value.code == "model_not_found" and "serves 'a', 'b'" in e.value.message
+        for path, body in (("/v1/embeddings", {"model": "c", "input": "Hi"}),
+                           ("/tokenize", {"model": "c", "prompt": "Hi"})):
+            r = http.post(path, json=body)
+            assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", (path, r.text)
+        assert http.get("/v1/models/c").status_code == 404
+        # No adapter may take a served name: a runtime load is refused before any worker is asked.
+        r = http.post("/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": "/nowhere"})
+        assert r.status_code == 400 and "'b' is the base model's name" in r.text, r.text
+        text = http.get("/metrics").text
+        assert 'model_name="a"' in text and 'model_name="b"' not in text
+        assert _metric_samples(text)[("pdcluster:e2e_request_latency_seconds_count",
+                                      frozenset({("model_name", "a")}))] >= 6
+    # An adapter's card names the first served name as its parent.
+    with serving(build_app(_WithAdapter(stack.router), "a", served_model_aliases=("b",))) as base_url:
+        cards = httpx.get(base_url + "/v1/models").json()["data"]
+        assert [(m["id"], m["root"], m["parent"]) for m in cards] == \
+            [("a", MODEL, None), ("b", MODEL, None), ("adapter", "adapter", "a")]
+    # Names that cannot all be served are refused when the app is built.
+    for aliases, says in ((("a",), "'a' is given twice"), (("",), "must not be empty"),
+                          (("adapter",), "'adapter' is also a LoRA adapter's name")):
+        with pytest.raises(ValueError, match=says):
+            build_app(_WithAdapter(stack.router), "a", served_model_aliases=aliases)
+
+
 def test_metrics_after_requests(stack):
     for _ in range(2):
         stack.client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=0,
@@ -979,6 +1040,30 @@ def test_serve_flags_parse():
                            "--request-timeout-s", "5", "--max-body-bytes", "100"])
     assert (a.port, a.served_model_name, a.num_prefill, a.num_decode, a.address, a.cluster_secret) == \
         (9000, "m", 2, 3, "ray://h:10001", "s")
+    assert a.served_model_aliases == ()
+
+
+def test_served_model_names_reach_the_app_and_bad_ones_are_one_line(capsys):
+    """--served-model-name a b c: the first is served_model_name (what answers and metrics say), the others go to
+    every API process's app (ApiOptions, pickled to them); an empty or repeated name, or an adapter's, is one line
+    (status 2) before any model loads."""
+    import argparse
+
+    from pdcluster.cli.main import main
+    from pdcluster.cluster.api.options import ApiOptions
+    from pdcluster.cluster.serve_cli import add_serve_parser
+
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    a = parser.parse_args(["serve", "--served-model-name", "a", "b", "c", "--port", "0"])
+    assert (a.served_model_name, a.served_model_aliases) == ("a", ("b", "c"))
+    assert ApiOptions.from_args(a, runtime_lora=False).app_kwargs()["served_model_aliases"] == ("b", "c")
+    for names, says in ((["a", "a"], "'a' is given twice"), (["a", ""], "must not be empty"),
+                        ([""], "must not be empty"), (["a", "x"], "'x' is also a LoRA adapter's name")):
+        rc = main(["serve", "--mode", "local", "--model", MODEL, "--port", "0", "--lora-modules", "x=/nowhere",
+                   "--served-model-name", *names])
+        err = capsys.readouterr().err
+        assert rc == 2 and says in err and err.count("\n") == 1, (names, err)
 
 
 def test_auto_mode_disaggregates_only_when_each_role_gets_a_device():
@@ -1035,3 +1120,20 @@ def test_serve_local_subprocess(tiny_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+@pytest.mark.timeout(300)
+def test_serve_answers_under_every_served_model_name(tiny_dir):
+    """`pdcluster serve --served-model-name a b` through the real openai client: /v1/models lists both, a completion
+    naming "b" is served and answered as "a" (the first name, as vLLM), and "c" is a 404 model_not_found."""
+    from pdcluster.tools.server_process import ServeProcess
+
+    with ServeProcess(["--model", MODEL, "--mode", "local", "--num-kv-blocks", "64", "--max-model-len", "256",
+                       "--served-model-name", "a", "b"]) as server:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data] == ["a", "b"]
+        completion = client.completions.create(model="b", prompt="Hello", max_tokens=3, temperature=0)
+        assert completion.model == "a" and completion.usage.completion_tokens >= 1
+        with pytest.raises(openai.NotFoundError) as e:
+            client.completions.create(model="c", prompt="Hello", max_tokens=3)
+        assert e.value.code == "model_not_found" and "'c'" in e.value.message

@@ -448,7 +448,8 @@ def _scrape(server) -> dict:
 def test_serve_with_two_api_processes(expected):  # noqa: F811 - the fixture
     # (Every request below names its max_tokens; a chat that names none stops at max_new_tokens.)
     server = Server("--mode", "local", "--api-servers", "2", *MEAN_POOLER,
-                    "--override-generation-config", '{"max_new_tokens": 3}')
+                    "--override-generation-config", '{"max_new_tokens": 3}',
+                    "--served-model-name", "tiny-random", "tiny-alias")
     try:
         assert len(_api_processes(server)) == 2
         _check_server(server, expected)  # 9 requests finish (two more are refused)
@@ -474,6 +475,13 @@ def test_serve_with_two_api_processes(expected):  # noqa: F811 - the fixture
             r = server.client.chat.completions.create(model="tiny-random", messages=[{"role": "user", "content": "Hi"}],
                                                       extra_body={"ignore_eos": True})
             assert r.usage.completion_tokens == 3
+        for _ in range(8):  # and --served-model-name's other names (each a new connection: either process answers)
+            assert [m["id"] for m in httpx.get(f"{server.base_url}/v1/models", timeout=30).json()["data"]] == \
+                ["tiny-random", "tiny-alias"]
+            body = {"model": "tiny-alias", "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0}
+            r = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200 and r.json()["model"] == "tiny-random", r.text
+            assert r.json()["choices"][0]["text"] == completions[0]
 
         # A client that leaves mid-stream: its request is aborted and its blocks freed.
         with httpx.stream("POST", f"{server.base_url}/v1/completions", timeout=60,

@@ -139,7 +139,7 @@ def test_api_processes_load_through_the_router_process(adapters, references):  #
     socket_dir = tempfile.mkdtemp(prefix="pdc-")
     admin_app = FastAPI()
     install_error_handlers(admin_app)
-    install_lora_routes(admin_app, router, MODEL)
+    install_lora_routes(admin_app, router, MODEL, ("alias",))  # serve --served-model-name MODEL alias
 
     async def main():
         service = RouterService(router, f"ipc://{socket_dir}/router", str(router.tokenizer.model_dir),
@@ -150,6 +150,9 @@ def test_api_processes_load_through_the_router_process(adapters, references):  #
             remote.announce_ready()  # as an API process does once its HTTP server listens: Stats come from now on
         try:
             assert first.lora_names == second.lora_names == ()
+            with pytest.raises(RouterError, match="'alias' is the base model's name") as taken:
+                await first.load_lora("alias", adapters["a2"])  # a served name is no adapter's
+            assert taken.value.status == 400 and router.lora_names == ()
             await first.load_lora("a2", adapters["a2"])
             assert first.lora_names == ("a2",)
             deadline = time.monotonic() + 10

@@ -85,13 +85,28 @@ def test_a_batch_answers_each_line_in_order(tiny_dir, tmp_path):
     assert "custom_id must be" in out[13]["error"]["message"]
 
 
+@pytest.mark.timeout(300)
+def test_served_model_name_takes_several_names(tiny_dir, tmp_path):
+    """--served-model-name a b (as vllm run-batch): a body's model may be either, and the answers name the first;
+    --model's own name is then not served."""
+    lines = [_line(f"{model}-{i}", url, {"model": model, **body}) for model in ("a", "b", MODEL)
+             for i, (url, body) in enumerate((("/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 2}),
+                                              ("/v1/embeddings", {"input": PROMPTS[0]})))]
+    rc, out = _run(tmp_path, lines, "--served-model-name", "a", "b")
+    assert rc == 0
+    assert [o["response"]["status_code"] for o in out] == [200, 200, 200, 200, 404, 404]
+    assert [o["response"]["body"]["model"] for o in out[:4]] == ["a"] * 4
+    assert out[4]["error"]["code"] == "model_not_found" and "'a', 'b'" in out[4]["error"]["message"]
+
+
 def test_bad_files_and_flags_are_one_line(tiny_dir, tmp_path, capsys):
     rc = main(["run-batch", "--model", MODEL, "-i", str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "o")])
     assert rc == 2 and "--input-file: cannot read" in capsys.readouterr().err
     (tmp_path / "in.jsonl").write_text("")
     for flags, says in ((["--max-concurrency", "0"], "--max-concurrency: must be at least 1"),
                         (["--request-timeout-s", "0"], "--request-timeout-s: must be > 0"),
-                        (["--pooler-config", "{x"], "--pooler-config:")):
+                        (["--pooler-config", "{x"], "--pooler-config:"),
+                        (["--served-model-name", "a", "a"], "--served-model-name: 'a' is given twice")):
         rc = main(["run-batch", "--model", MODEL, "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "o"), *flags])
         assert rc == 2 and says in capsys.readouterr().err
     assert not (tmp_path / "o").exists()

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from pdcluster.engine.models.registry import default_cache_dir
 
-READY = re.compile(r"pdcluster serving \S+ on (http://\S+)")
+READY = re.compile(r"pdcluster serving \S+ on (https?://\S+)")  # https: served with --ssl-certfile
 
 
 class ServeProcessError(RuntimeError):

@@ -14,6 +14,8 @@ cluster's, cluster/router/; one in-process engine's, cluster/local_router.py). O
 - responses.py: OpenAI's Responses API (/v1/responses) as a chat completion, its answer and events;
 - tokenize_routes.py: /tokenize and /detokenize (not ``tokenize.py``: that would shadow the standard
   library's module wherever this folder lands on sys.path);
+- served_names.py: the names the base model is served under (--served-model-name NAME...: any may be asked for,
+  answers give the first);
 - middleware.py: errors in OpenAI's format (4xx for client mistakes, generic 5xx), the body limit, the
   API key;
 - admin.py: /admin/drain and /admin/workers (``pdcluster drain``), added by the Ray launcher;

@@ -31,6 +31,7 @@ from pdcluster.cluster.api.protocol import ChatCompletionRequest, CompletionRequ
 from pdcluster.cluster.api.reasoning import check_reasoning_parser, thinking_markers
 from pdcluster.cluster.api.responses import ResponsesRequest, serve_response
 from pdcluster.cluster.api.scoring import RerankRequest, ScoreRequest, serve_rerank, serve_score
+from pdcluster.cluster.api.served_names import check_served_names
 from pdcluster.cluster.api.serving import serve_request
 from pdcluster.cluster.api.tokenize_routes import install_tokenize_routes
 from pdcluster.cluster.api.tool_parsers import select_parser
@@ -61,9 +62,12 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
               chat_template: str | None = None, default_chat_template_kwargs: dict | None = None,
               cors: CorsPolicy | None = None, fastapi_docs: bool = True, max_logprobs: int = MAX_LOGPROBS,
               force_include_usage: bool = False, return_tokens_as_token_ids: bool = False,
-              kv_transfer: bool = False) -> FastAPI:
-    """``runtime_lora``: serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (cluster/api/lora_routes.py;
-    the workers must run with EngineConfig.enable_lora). ``tool_call_parser``: the model's tool-call format for tool_choice "auto" (cluster/api/tool_parsers/:
+              kv_transfer: bool = False, served_model_aliases: tuple[str, ...] = ()) -> FastAPI:
+    """``served_model_aliases``: more names the base model is served under, after ``served_model_name`` (vLLM's
+    --served-model-name NAME...): a request's ``model`` may be any, /v1/models lists each, answers and metrics give
+    ``served_model_name`` (cluster/api/served_names.py); ValueError for an empty or repeated name, or one that is a
+    LoRA adapter's. ``runtime_lora``: serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+    (cluster/api/lora_routes.py; the workers must run with EngineConfig.enable_lora). ``tool_call_parser``: the model's tool-call format for tool_choice "auto" (cluster/api/tool_parsers/:
     hermes, llama3_json, pythonic; ``auto`` reads it off the chat template, and without one "auto" is
     refused). ``reasoning_parser``: qwen3 or deepseek_r1 to give chat answers' reasoning apart
     (cluster/api/reasoning.py); None: the text as the model wrote it. ``pooler``: how /v1/embeddings pools
@@ -81,6 +85,7 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
     request (cluster/api/validation.py ServerPolicy). ``kv_transfer``: the workers run with --kv-transfer-config, so
     requests' kv_transfer_params (vLLM's external prefill/decode protocol) are served, not refused."""
     media = media or MediaPolicy()
+    served_names = check_served_names((served_model_name, *served_model_aliases), router.lora_names)
     if max_body_bytes is None:
         max_body_bytes = IMAGE_BODY_BYTES if image_spec(router.tokenizer) is not None else TEXT_BODY_BYTES
     if max_body_bytes <= 0:
@@ -111,46 +116,46 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        check_generates(pooler, served_model_name)
-        prep = await prepare(body, router, served_model_name, policy, request.headers.get("x-request-id"))
+        check_generates(pooler, served_names)
+        prep = await prepare(body, router, served_names, policy, request.headers.get("x-request-id"))
         if prep.beam is not None:
             return await serve_beam_search(prep, request, router, metrics, strings)
         return await serve_request(prep, request, router, metrics, strings)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        check_generates(pooler, served_model_name)
-        prep = await prepare(body, router, served_model_name, policy, request.headers.get("x-request-id"))
+        check_generates(pooler, served_names)
+        prep = await prepare(body, router, served_names, policy, request.headers.get("x-request-id"))
         if prep.beam is not None:
             return await serve_beam_search(prep, request, router, metrics, strings)
         return await serve_request(prep, request, router, metrics, strings)
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request):
-        check_generates(pooler, served_model_name)
-        return await serve_response(body, request, router, served_model_name, metrics, strings, policy)
+        check_generates(pooler, served_names)
+        return await serve_response(body, request, router, served_names, metrics, strings, policy)
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request):
-        return await serve_embeddings(body, request, router, served_model_name, pooler, metrics)
+        return await serve_embeddings(body, request, router, served_names, pooler, metrics)
 
     # vLLM's scoring routes for an embedding model: /score beside /v1 (and its older /v1/score), /rerank as Jina's and
     # Cohere's clients call it (/v1/rerank, /v2/rerank): cluster/api/scoring.py.
     async def score(body: ScoreRequest, request: Request):
-        return await serve_score(body, request, router, served_model_name, pooler, metrics)
+        return await serve_score(body, request, router, served_names, pooler, metrics)
 
     async def rerank(body: RerankRequest, request: Request):
-        return await serve_rerank(body, request, router, served_model_name, pooler, metrics)
+        return await serve_rerank(body, request, router, served_names, pooler, metrics)
 
     async def classify(body: ClassifyRequest, request: Request):  # vLLM's, for a sequence classifier
-        return await serve_classify(body, request, router, served_model_name, pooler, metrics)
+        return await serve_classify(body, request, router, served_names, pooler, metrics)
 
     for path in ("/classify", "/v1/classify"):
         app.add_api_route(path, classify, methods=["POST"])
 
     @app.post("/pooling")  # vLLM's generic route: an embedding model's vectors or a classifier's probabilities
     async def pooling(body: PoolingRequest, request: Request):
-        return await serve_pooling(body, request, router, served_model_name, pooler, metrics)
+        return await serve_pooling(body, request, router, served_names, pooler, metrics)
 
     for path in ("/score", "/v1/score"):
         app.add_api_route(path, score, methods=["POST"])
@@ -158,19 +163,20 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
         app.add_api_route(path, rerank, methods=["POST"])
 
     def model_card(model_id: str) -> dict:
+        # Each served name is a card of its own over the same model (vLLM's: root = the model for each).
         card = {"id": model_id, "object": "model", "created": started, "owned_by": "pdcluster",
                 "root": router.model_name, "parent": None, "max_model_len": router.max_model_len}
-        if model_id != served_model_name:  # a LoRA adapter over the base model (vLLM's card: parent = the base)
-            card.update(root=model_id, parent=served_model_name)
+        if model_id not in served_names:  # a LoRA adapter over the base model (vLLM's card: parent = the first name)
+            card.update(root=model_id, parent=served_names[0])
         return card
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card(m) for m in (served_model_name, *router.lora_names)]}
+        return {"object": "list", "data": [model_card(m) for m in (*served_names, *router.lora_names)]}
 
     @app.get("/v1/models/{model_id:path}")  # OpenAI's retrieve (client.models.retrieve)
     async def model(model_id: str):
-        check_model(model_id, served_model_name, router.lora_names)  # 404 model_not_found for another name
+        check_model(model_id, served_names, router.lora_names)  # 404 model_not_found for another name
         return model_card(model_id)
 
     @app.get("/health")
@@ -216,8 +222,8 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
             log.warning("router stats failed while scraping metrics: %r", e)
         return Response(metrics.render(), media_type=metrics.content_type)
 
-    install_tokenize_routes(app, router, served_model_name, media)
+    install_tokenize_routes(app, router, served_names, media)
     if runtime_lora:
-        install_lora_routes(app, router, served_model_name)
+        install_lora_routes(app, router, served_model_name, served_model_aliases)
     install_middleware(app, max_body_bytes, api_key, cors)
     return app

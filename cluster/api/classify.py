@@ -35,6 +35,7 @@ from pdcluster.cluster.api.embeddings import (EmbeddingRequest, PoolerConfig, _p
                                               check_lengths, embed_all, observe, pooling_params, serve_embeddings)
 from pdcluster.cluster.api.middleware import APIError
 from pdcluster.cluster.api.protocol import ChatMessage, Prompt, StrictModel
+from pdcluster.cluster.api.served_names import answered_name
 from pdcluster.cluster.api.serving import ClientGone, unless_disconnected
 from pdcluster.cluster.api.validation import check_model
 from pdcluster.cluster.metrics import Metrics
@@ -60,28 +61,28 @@ class ClassifyRequest(StrictModel):
     use_activation: bool | None = None  # false: the raw logits
 
 
-def check_classifier(pooler: PoolerConfig, served_model_name: str) -> ClassifierSpec:
+def check_classifier(pooler: PoolerConfig, served_names: tuple[str, ...]) -> ClassifierSpec:
     if pooler.classifier is None:
-        raise APIError(400, f"the model {served_model_name!r} has no classification head: /classify needs a "
+        raise APIError(400, f"the model {served_names[0]!r} has no classification head: /classify needs a "
                             "*ForSequenceClassification checkpoint", code="unsupported_model")
     if pooler.classifier.per_token:
-        raise APIError(400, f"the model {served_model_name!r} is a token classifier: it labels each token, not the "
+        raise APIError(400, f"the model {served_names[0]!r} is a token classifier: it labels each token, not the "
                             "sequence; POST /pooling with task token_classify", code="unsupported_model")
     return pooler.classifier
 
 
-def check_generates(pooler: PoolerConfig, served_model_name: str) -> None:
+def check_generates(pooler: PoolerConfig, served_names: tuple[str, ...]) -> None:
     """A classifier's checkpoint has no LM head, an encoder generates nothing: generation routes refuse them, in one
     line naming what they serve."""
     if pooler.encoder_only and pooler.classifier is None:
-        raise APIError(400, f"the model {served_model_name!r} is an encoder-only embedding model: it does not "
+        raise APIError(400, f"the model {served_names[0]!r} is an encoder-only embedding model: it does not "
                             "generate; POST /v1/embeddings, /score or /rerank", code="unsupported_model")
     if pooler.classifier is not None and pooler.classifier.per_token:
-        raise APIError(400, f"the model {served_model_name!r} is a token classifier "
+        raise APIError(400, f"the model {served_names[0]!r} is a token classifier "
                             f"({pooler.classifier.num_labels} labels): it does not generate; POST /pooling (task "
                             "token_classify) or /v1/embeddings", code="unsupported_model")
     if pooler.classifier is not None:
-        raise APIError(400, f"the model {served_model_name!r} is a sequence classifier "
+        raise APIError(400, f"the model {served_names[0]!r} is a sequence classifier "
                             f"({pooler.classifier.num_labels} labels): it does not generate; POST /classify, /score, "
                             "/rerank or /v1/embeddings", code="unsupported_model")
 
@@ -101,7 +102,7 @@ def _default_task(pooler: PoolerConfig) -> str:
     return "token_classify" if pooler.classifier.per_token else "classify"
 
 
-async def serve_pooling(body: PoolingRequest, request: Request, router, served_model_name: str,
+async def serve_pooling(body: PoolingRequest, request: Request, router, served_names: tuple[str, ...],
                         pooler: PoolerConfig, metrics: Metrics) -> Response:
     """vLLM's /pooling: what the model pools (``task``), as ``data: [{"index", "object": "pooling", "data"}]``: an
     embedding model's vectors (as /v1/embeddings makes them), a classifier's probabilities (as /classify), or one row
@@ -110,32 +111,32 @@ async def serve_pooling(body: PoolingRequest, request: Request, router, served_m
     task = body.task or _default_task(pooler)
     _use_activation(body)  # the two names disagreeing is a 400 whatever the task
     if task in TOKEN_POOLINGS:
-        return await serve_token_pooling(body, task, request, router, served_model_name, pooler, metrics)
+        return await serve_token_pooling(body, task, request, router, served_names, pooler, metrics)
     if task == "embed":
-        return await serve_embeddings(body, request, router, served_model_name, pooler, metrics, as_pooling=True)
+        return await serve_embeddings(body, request, router, served_names, pooler, metrics, as_pooling=True)
     if body.dimensions is not None:
         raise APIError(400, "dimensions: a classifier's output has one entry a label: leave dimensions out",
                        param="dimensions")
     common = set(ClassifyRequest.model_fields) & set(PoolingRequest.model_fields)
     as_classify = ClassifyRequest.model_construct(**{k: getattr(body, k) for k in common})  # validated already
-    return await serve_classify(as_classify, request, router, served_model_name, pooler, metrics, as_pooling=True,
+    return await serve_classify(as_classify, request, router, served_names, pooler, metrics, as_pooling=True,
                                 encoding_format=body.encoding_format)
 
 
-async def serve_token_pooling(body: PoolingRequest, task: str, request: Request, router, served_model_name: str,
+async def serve_token_pooling(body: PoolingRequest, task: str, request: Request, router, served_names: tuple[str, ...],
                               pooler: PoolerConfig, metrics: Metrics) -> Response:
     """/pooling's per-token tasks: each prompt's rows, [num_tokens][width], as vLLM's ``LLM.encode`` gives them
     (base64: the rows' float32 bytes in order, where ``encoding_format`` says)."""
     spec = pooler.classifier
     if task == "token_classify" and (spec is None or not spec.per_token):
-        raise APIError(400, f"task token_classify: the model {served_model_name!r} has no token classification head "
+        raise APIError(400, f"task token_classify: the model {served_names[0]!r} has no token classification head "
                             "(a *ForTokenClassification checkpoint)", param="task", code="unsupported_model")
     if task == "token_embed":
         check_available(pooler)
     if body.dimensions is not None:
         raise APIError(400, f"dimensions: not for task {task}: leave dimensions out", param="dimensions")
     activate = _use_activation(body, body.normalize)
-    ran = await _run_pooling(body, task, "pool", request, router, served_model_name, pooler, metrics)
+    ran = await _run_pooling(body, task, "pool", request, router, served_names, pooler, metrics)
     if ran is None:
         return Response(status_code=499)
     request_id, prompts, flat = ran  # each prompt's rows come back flat, as an embedding's vector does
@@ -150,19 +151,19 @@ async def serve_token_pooling(body: PoolingRequest, task: str, request: Request,
         else:
             rows = finish_token_embeddings(rows, activate)
         data.append(_pooling_item(i, rows, body.encoding_format))
-    return _list_response(request_id, body.model or served_model_name, data, prompts)
+    return _list_response(request_id, answered_name(body.model, served_names), data, prompts)
 
 
-async def serve_classify(body: ClassifyRequest, request: Request, router, served_model_name: str,
+async def serve_classify(body: ClassifyRequest, request: Request, router, served_names: tuple[str, ...],
                          pooler: PoolerConfig, metrics: Metrics, as_pooling: bool = False,
                          encoding_format: str | None = "float") -> Response:
     """``as_pooling``: vLLM's /pooling answer for a classifier (each item ``{"index", "object": "pooling", "data"}``,
     the probabilities, base64 float32 where ``encoding_format`` says)."""
-    spec = check_classifier(pooler, served_model_name)
+    spec = check_classifier(pooler, served_names)
     activate = _use_activation(body)
     # Each prompt's logits (float32 [num_labels]) come back as an embedding's vector does.
     ran = await _run_pooling(body, "classify", "pool" if as_pooling else "classify",  # vLLM's id prefixes
-                             request, router, served_model_name, pooler, metrics)
+                             request, router, served_names, pooler, metrics)
     if ran is None:
         return Response(status_code=499)
     request_id, prompts, logits = ran
@@ -177,7 +178,7 @@ async def serve_classify(body: ClassifyRequest, request: Request, router, served
             continue
         data.append({"index": i, "label": spec.labels[int(np.argmax(raw))], "probs": probs.tolist(),
                      "num_classes": spec.num_labels})
-    return _list_response(request_id, body.model or served_model_name, data, prompts)
+    return _list_response(request_id, answered_name(body.model, served_names), data, prompts)
 
 
 def _use_activation(body, fallback: bool | None = None) -> bool:
@@ -188,11 +189,11 @@ def _use_activation(body, fallback: bool | None = None) -> bool:
     return next((v for v in (body.use_activation, body.activation, fallback) if v is not None), True)
 
 
-async def _run_pooling(body, pooling: str, id_prefix: str, request: Request, router, served_model_name: str,
+async def _run_pooling(body, pooling: str, id_prefix: str, request: Request, router, served_names: tuple[str, ...],
                        pooler: PoolerConfig, metrics: Metrics) -> tuple[str, list[list[int]], list[np.ndarray]] | None:
     """One router request of ``pooling`` a prompt of ``body`` (its input or messages, truncated and checked), all at
     once: (the request id, the prompts, each one's flat float32 result); None when the client left."""
-    lora_name = check_model(body.model, served_model_name, router.lora_names) if body.model is not None else None
+    lora_name = check_model(body.model, served_names, router.lora_names) if body.model is not None else None
     prompts = await anyio.to_thread.run_sync(_prompts, body, router.tokenizer)
     prompts = check_lengths(prompts, body.truncate_prompt_tokens, router.max_model_len,
                             keep_first=pooler.encoder_only, from_right=body.truncation_side == "right")

@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pdcluster.cluster.api.middleware import APIError
 from pdcluster.cluster.api.protocol import ChatMessage, Prompt, StrictModel, short
+from pdcluster.cluster.api.served_names import answered_name
 from pdcluster.cluster.api.serving import ClientGone, unless_disconnected
 from pdcluster.cluster.api.validation import MAX_PROMPTS, chat_prompt_ids, chat_template_kwargs, check_model
 from pdcluster.cluster.api.whole_request import whole_request
@@ -219,14 +220,14 @@ def pooling_params(pooling: str, lora_name: str | None, priority: int | None) ->
                           priority=0 if priority is None else priority)
 
 
-async def _prepare(body: EmbeddingRequest, router, served_model_name: str, pooler: PoolerConfig,
+async def _prepare(body: EmbeddingRequest, router, served_names: tuple[str, ...], pooler: PoolerConfig,
                    id_prefix: str = "embd") -> _Prepared:
     check_available(pooler)
-    lora_name = check_model(body.model, served_model_name, router.lora_names) if body.model is not None else None
+    lora_name = check_model(body.model, served_names, router.lora_names) if body.model is not None else None
     dimensions = body.dimensions
     if dimensions is not None:
         if pooler.matryoshka_dimensions is None:
-            raise APIError(400, f"dimensions: the model {served_model_name!r} was not trained for shorter embeddings "
+            raise APIError(400, f"dimensions: the model {served_names[0]!r} was not trained for shorter embeddings "
                                 "(matryoshka): leave dimensions out", param="dimensions",
                            code="unsupported_parameter")
         if dimensions < 1 or (pooler.matryoshka_dimensions and dimensions not in pooler.matryoshka_dimensions):
@@ -269,10 +270,10 @@ def observe(metrics: Metrics, started: float, prompts: list[list[int]], params: 
         metrics.on_finish(e2e_s, len(ids), 0, "length", lora_name=params.lora_name)
 
 
-async def serve_embeddings(body: EmbeddingRequest, request: Request, router, served_model_name: str,
+async def serve_embeddings(body: EmbeddingRequest, request: Request, router, served_names: tuple[str, ...],
                            pooler: PoolerConfig, metrics: Metrics, as_pooling: bool = False) -> Response:
     """``as_pooling``: vLLM's /pooling answer (each item ``{"index", "object": "pooling", "data"}``)."""
-    prep = await _prepare(body, router, served_model_name, pooler, "pool" if as_pooling else "embd")  # vLLM's ids
+    prep = await _prepare(body, router, served_names, pooler, "pool" if as_pooling else "embd")  # vLLM's ids
     started = time.monotonic()
     try:
         pooled = await unless_disconnected(embed_all(router, prep.request_id, prep.prompts, prep.params), request)
@@ -288,5 +289,5 @@ async def serve_embeddings(body: EmbeddingRequest, request: Request, router, ser
                     {"object": "embedding", "index": i, "embedding": embedding})
     num_prompt = sum(len(ids) for ids in prep.prompts)
     return JSONResponse({"id": prep.request_id, "object": "list", "created": int(time.time()),
-                         "model": body.model or served_model_name, "data": data,
+                         "model": answered_name(body.model, served_names), "data": data,
                          "usage": {"prompt_tokens": num_prompt, "total_tokens": num_prompt}})

@@ -35,10 +35,15 @@ class UnloadLoraAdapterRequest(BaseModel):
     lora_int_id: int | None = None  # vLLM's request carries it; names identify adapters here
 
 
-def install_lora_routes(app: FastAPI, router, served_model_name: str) -> None:
+def install_lora_routes(app: FastAPI, router, served_model_name: str,
+                        served_model_aliases: tuple[str, ...] = ()) -> None:
+    """``served_model_name`` and ``served_model_aliases``: the names the base model is served under (serve
+    --served-model-name NAME...), which no adapter may take: a request naming one could mean either."""
+    served_names = (served_model_name, *served_model_aliases)
+
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoraAdapterRequest):
-        if body.lora_name == served_model_name:
+        if body.lora_name in served_names:
             return error_response(400, f"lora_name: {body.lora_name!r} is the base model's name; give the adapter "
                                        "another", param="lora_name")
         try:

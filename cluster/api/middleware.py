@@ -178,7 +178,7 @@ class ApiKeyMiddleware:
         self.app, self.expected = app, api_key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and (scope["path"].startswith("/v1") or scope["path"] in PROTECTED_PATHS):
+        if scope["type"] == "http" and ((path := route_path(scope)).startswith("/v1") or path in PROTECTED_PATHS):
             given = dict(scope.get("headers") or []).get(b"authorization", b"")
             scheme, _, token = given.partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.expected):
@@ -188,6 +188,15 @@ class ApiKeyMiddleware:
                                           headers={"WWW-Authenticate": "Bearer"})
                 return await response(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+def route_path(scope) -> str:
+    """The path the routes match: behind --root-path uvicorn puts the prefix before it, and Starlette's routing takes it
+    off (its get_route_path); the prefixed path would leave /v1/* open to anyone without the key."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root):len(root) + 1] in ("/", ""):
+        return path[len(root):]
+    return path
 
 
 def install_middleware(app: FastAPI, max_body_bytes: int, api_key: str | None, cors=None) -> None:

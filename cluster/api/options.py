@@ -85,6 +85,8 @@ class ApiOptions:
     force_include_usage: bool = False  # every stream ends with its usage chunk
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:<id>" unless a request says otherwise
     kv_transfer: bool = False  # --kv-transfer-config given: requests' kv_transfer_params are served
+    # --served-model-name's names after the first (cluster/api/served_names.py): here, every API process gets them
+    served_model_aliases: tuple[str, ...] = ()
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, runtime_lora: bool) -> ApiOptions:
@@ -101,7 +103,8 @@ class ApiOptions:
                    max_logprobs=getattr(args, "max_logprobs", MAX_LOGPROBS),
                    force_include_usage=getattr(args, "enable_force_include_usage", False),
                    return_tokens_as_token_ids=getattr(args, "return_tokens_as_token_ids", False),
-                   kv_transfer=bool(getattr(args, "kv_transfer_config", "")))
+                   kv_transfer=bool(getattr(args, "kv_transfer_config", "")),
+                   served_model_aliases=tuple(getattr(args, "served_model_aliases", ())))
 
     def app_kwargs(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}

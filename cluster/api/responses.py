@@ -327,10 +327,10 @@ async def _event_stream(out: _Output, reply: Reply, firsts) -> AsyncIterator[byt
         await close_all(reply.runs)
 
 
-async def serve_response(body: ResponsesRequest, request: Request, router, served_model_name: str, metrics,
+async def serve_response(body: ResponsesRequest, request: Request, router, served_names: tuple[str, ...], metrics,
                          strings, policy: ServerPolicy = ServerPolicy()) -> Response:
     try:
-        prep = await prepare(to_chat(body), router, served_model_name, policy)
+        prep = await prepare(to_chat(body), router, served_names, policy)
     except APIError as e:
         raise in_responses_terms(e) from e
     out = _Output(body, prep.model)

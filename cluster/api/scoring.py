@@ -26,6 +26,7 @@ from pdcluster.cluster.api.embeddings import (PoolerConfig, check_available, che
                                               pooling_params)
 from pdcluster.cluster.api.middleware import APIError
 from pdcluster.cluster.api.protocol import StrictModel
+from pdcluster.cluster.api.served_names import answered_name
 from pdcluster.cluster.api.serving import ClientGone, unless_disconnected
 from pdcluster.cluster.api.validation import MAX_CHOICES, check_model
 from pdcluster.cluster.metrics import Metrics
@@ -83,7 +84,7 @@ def _tokenize(texts: list[str], tokenizer, param: str, add_special_tokens: bool 
     return out
 
 
-async def _similarities(router, served_model_name: str, pooler: PoolerConfig, metrics: Metrics, request: Request,
+async def _similarities(router, served_names: tuple[str, ...], pooler: PoolerConfig, metrics: Metrics, request: Request,
                         body: _ScoringFields, firsts: list[str], seconds: list[str], first_name: str,
                         second_name: str, prefix: str) -> tuple[list[float], int] | None:
     """Each pair's score (the one first text against every second, or pair by pair) and the tokens read; None when
@@ -91,15 +92,15 @@ async def _similarities(router, served_model_name: str, pooler: PoolerConfig, me
     (a cross-encoder) is its head's on the pair read as one input."""
     cross = pooler.classifier is not None
     if cross and pooler.classifier.per_token:
-        raise APIError(400, f"the model {served_model_name!r} is a token classifier: it labels each token and scores "
+        raise APIError(400, f"the model {served_names[0]!r} is a token classifier: it labels each token and scores "
                             "no pairs; POST /pooling with task token_classify", code="unsupported_model")
     if cross and pooler.classifier.num_labels != 1:
-        raise APIError(400, f"the model {served_model_name!r} is a classifier of {pooler.classifier.num_labels} "
+        raise APIError(400, f"the model {served_names[0]!r} is a classifier of {pooler.classifier.num_labels} "
                             "labels: only a one-label classifier (a cross-encoder) scores pairs; POST /classify",
                        code="unsupported_model")
     if not cross:
         check_available(pooler)
-    lora_name = check_model(body.model, served_model_name, router.lora_names) if body.model is not None else None
+    lora_name = check_model(body.model, served_names, router.lora_names) if body.model is not None else None
     if not firsts or not seconds:
         raise APIError(400, "at least one text is needed on each side", param=second_name)
     if len(firsts) > 1 and len(firsts) != len(seconds):
@@ -147,27 +148,27 @@ def _tokenize_pairs(pairs: list[tuple[str, str]], tokenizer, param: str) -> list
     return out
 
 
-async def serve_score(body: ScoreRequest, request: Request, router, served_model_name: str, pooler: PoolerConfig,
+async def serve_score(body: ScoreRequest, request: Request, router, served_names: tuple[str, ...], pooler: PoolerConfig,
                       metrics: Metrics) -> Response:
     firsts, seconds, first_name, second_name = body.sides()
-    result = await _similarities(router, served_model_name, pooler, metrics, request, body, firsts, seconds,
+    result = await _similarities(router, served_names, pooler, metrics, request, body, firsts, seconds,
                                  first_name, second_name, "score")
     if result is None:
         return Response(status_code=499)
     scores, num_tokens = result
     return JSONResponse({"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
-                         "model": body.model or served_model_name,
+                         "model": answered_name(body.model, served_names),
                          "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
                          "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0}})
 
 
-async def serve_rerank(body: RerankRequest, request: Request, router, served_model_name: str, pooler: PoolerConfig,
-                       metrics: Metrics) -> Response:
+async def serve_rerank(body: RerankRequest, request: Request, router, served_names: tuple[str, ...],
+                       pooler: PoolerConfig, metrics: Metrics) -> Response:
     documents = _as_list(body.documents)
     top_n = body.top_n or 0
     if top_n < 0:
         raise APIError(400, f"top_n must be >= 0 (0: every document), got {top_n}", param="top_n")
-    result = await _similarities(router, served_model_name, pooler, metrics, request, body, [body.query], documents,
+    result = await _similarities(router, served_names, pooler, metrics, request, body, [body.query], documents,
                                  "query", "documents", "rerank")
     if result is None:
         return Response(status_code=499)
@@ -175,7 +176,7 @@ async def serve_rerank(body: RerankRequest, request: Request, router, served_mod
     ranked = sorted(range(len(documents)), key=lambda i: scores[i], reverse=True)
     if top_n:
         ranked = ranked[:top_n]
-    return JSONResponse({"id": f"rerank-{uuid.uuid4().hex}", "model": body.model or served_model_name,
+    return JSONResponse({"id": f"rerank-{uuid.uuid4().hex}", "model": answered_name(body.model, served_names),
                          "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
                          "results": [{"index": i, "document": {"text": documents[i]}, "relevance_score": scores[i]}
                                      for i in ranked]})

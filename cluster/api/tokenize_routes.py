@@ -54,13 +54,14 @@ def _tokenize(body: TokenizeRequest, tokenizer, images: list[bytes], max_images:
     return ids
 
 
-def install_tokenize_routes(app: FastAPI, router, served_model_name: str, media: MediaPolicy = MediaPolicy()) -> None:
+def install_tokenize_routes(app: FastAPI, router, served_names: tuple[str, ...],
+                            media: MediaPolicy = MediaPolicy()) -> None:
     tokenizer = router.tokenizer
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         if body.model is not None:  # an adapter shares the base model's tokenizer
-            check_model(body.model, served_model_name, router.lora_names)
+            check_model(body.model, served_names, router.lora_names)
         max_images = router.max_images_per_prompt
         images = await chat_images(body.messages, tokenizer, max_images, media) if body.messages else []
         ids = await anyio.to_thread.run_sync(_tokenize, body, tokenizer, images, max_images,
@@ -71,7 +72,7 @@ def install_tokenize_routes(app: FastAPI, router, served_model_name: str, media:
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         if body.model is not None:
-            check_model(body.model, served_model_name, router.lora_names)
+            check_model(body.model, served_names, router.lora_names)
         vocab_size = tokenizer.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab_size]
         if bad:

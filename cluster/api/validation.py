@@ -111,13 +111,13 @@ class ServerPolicy:
     kv_transfer: bool = False  # vLLM's --kv-transfer-config: requests' kv_transfer_params are served
 
 
-async def prepare(body: SamplingFields, router, served_model_name: str, policy: ServerPolicy = ServerPolicy(),
+async def prepare(body: SamplingFields, router, served_names: tuple[str, ...], policy: ServerPolicy = ServerPolicy(),
                   header_request_id: str | None = None) -> Prepared:
     """``body`` checked and turned into router requests under the server's ``policy``; ``header_request_id``: the
     X-Request-Id header's value."""
     tool_parser, reasoning_parser, media, defaults = (policy.tool_parser, policy.reasoning_parser, policy.media,
                                                       policy.defaults)
-    lora_name = check_model(body.model, served_model_name, router.lora_names)
+    lora_name = check_model(body.model, served_names, router.lora_names)
     n = _check_n(body)
     _reject_unsupported(body)
     is_chat = isinstance(body, ChatCompletionRequest)
@@ -190,8 +190,9 @@ async def prepare(body: SamplingFields, router, served_model_name: str, policy: 
                                   "X-Request-Id" if header_request_id else "request_id")
     # Two requests may carry one client id: each runs under an id of its own, which starts with the client's.
     request_id = f"{prefix}-{client_id}-{uuid.uuid4().hex[:12]}" if client_id else f"{prefix}-{uuid.uuid4().hex}"
-    # Answers name the model asked for: the adapter's name for an adapter (as vLLM).
-    return Prepared(request_id, kind, body.model, inputs, n, output, bool(body.stream), include_usage,
+    # Answers name the adapter for an adapter, else the first served name whichever alias was asked for (vLLM's
+    # model_name()).
+    return Prepared(request_id, kind, lora_name or served_names[0], inputs, n, output, bool(body.stream), include_usage,
                     f"{prefix}-{client_id}" if client_id else request_id, continuous_usage=continuous, beam=beam)
 
 
@@ -262,14 +263,14 @@ def _beam_search(body: SamplingFields, n: int, output: Output, inputs: list[Prom
                             length_penalty=length_penalty, num_logprobs=output.num_logprobs or 0)
 
 
-def check_model(model: str | None, served_model_name: str, lora_names: tuple[str, ...] = ()) -> str | None:
-    """The LoRA adapter ``model`` names (None: the base model, ``served_model_name``); any other name is a
-    404, as OpenAI answers an unknown model."""
-    if model == served_model_name:
+def check_model(model: str | None, served_names: tuple[str, ...], lora_names: tuple[str, ...] = ()) -> str | None:
+    """The LoRA adapter ``model`` names (None: the base model, which every one of ``served_names`` names, as vLLM's
+    --served-model-name NAME...); any other name is a 404, as OpenAI answers an unknown model."""
+    if model in served_names:
         return None
     if model in lora_names:
         return model
-    served = ", ".join(repr(m) for m in (served_model_name, *lora_names))
+    served = ", ".join(repr(m) for m in (*served_names, *lora_names))
     raise APIError(404, f"The model {model!r} does not exist: this server serves {served}",
                    param="model", code="model_not_found")
 

@@ -18,7 +18,8 @@ def install_admin_proxy(app: FastAPI, router) -> None:
 
     @app.api_route("/admin/{path:path}", methods=["GET", "POST", "PUT", "DELETE"], include_in_schema=False)
     async def admin(path: str, request: Request):
-        target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        # The route's own path: behind --root-path the URL's carries the prefix, which the router process has not.
+        target = f"/admin/{path}" + (f"?{request.url.query}" if request.url.query else "")
         headers = [(k, v) for k, v in request.headers.items() if k in FORWARDED_HEADERS]
         try:
             reply = await router.admin(request.method, target, headers, await request.body())

@@ -13,6 +13,7 @@ import socket
 from dataclasses import dataclass
 
 from pdcluster.cluster.api.options import ApiOptions  # standard library only
+from pdcluster.cluster.http_options import HttpOptions  # standard library only
 
 HANDSHAKE_TIMEOUT_S = 120.0
 
@@ -25,6 +26,7 @@ class ApiConfig:
     port: int
     served_model_name: str
     options: ApiOptions  # build_app's keyword arguments (runtime LoRA routes are answered by the router process)
+    http: HttpOptions = HttpOptions()  # uvicorn's log level, access log, root path and TLS, as the serve flags say
 
 
 def router_endpoint(socket_dir: str) -> str:
@@ -53,6 +55,6 @@ def main(config: ApiConfig, index: int, sock: socket.socket) -> int:
     install_admin_proxy(app, router)
     try:
         return run_server(app, config.host, config.port, config.served_model_name, sock=sock,
-                          on_ready=lambda loop: router.announce_ready(), announce=False)
+                          on_ready=lambda loop: router.announce_ready(), announce=False, http=config.http)
     finally:
         router.close()

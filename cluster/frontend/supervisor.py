@@ -24,6 +24,7 @@ from pdcluster.cluster.api.options import ApiOptions
 from pdcluster.cluster.frontend.api_process import ApiConfig, main as api_process_main, router_endpoint
 from pdcluster.cluster.frontend.protocol import AdminCall, AdminReply
 from pdcluster.cluster.frontend.service import RouterService
+from pdcluster.cluster.http_options import HttpOptions
 from pdcluster.cluster.http_server import announce_serving, run_serving_loop, unblock
 from pdcluster.cluster.metrics import enable_multiprocess
 
@@ -50,13 +51,14 @@ class ApiServers:
         enable_multiprocess(self.metrics_dir)
         self._procs: list[multiprocessing.Process] = []
 
-    def run(self, router, served_model_name: str, options: ApiOptions, *, admin_app=None, on_ready=None) -> int:
+    def run(self, router, served_model_name: str, options: ApiOptions, *, admin_app=None, on_ready=None,
+            http: HttpOptions = HttpOptions()) -> int:
         """Serve until SIGINT/SIGTERM (0) or an API process's death (1). ``options``: every API process's app
         (build_app's keyword arguments). ``admin_app``: an ASGI app whose /admin/* routes answer the API processes'
         admin calls. ``on_ready(loop)``: as run_server's. With ``options.runtime_lora`` the API processes serve
         vLLM's runtime LoRA routes, answered here, on ``router``, beside the admin routes
-        (cluster/api/lora_routes.py)."""
-        config = ApiConfig(self.dir, self.metrics_dir, self.host, self.port, served_model_name, options)
+        (cluster/api/lora_routes.py). ``http``: every API process's uvicorn settings (its log level, root path, TLS)."""
+        config = ApiConfig(self.dir, self.metrics_dir, self.host, self.port, served_model_name, options, http)
         if options.runtime_lora:
             from fastapi import FastAPI
 
@@ -66,7 +68,7 @@ class ApiServers:
             if admin_app is None:
                 admin_app = FastAPI()
                 install_error_handlers(admin_app)
-            install_lora_routes(admin_app, router, served_model_name)
+            install_lora_routes(admin_app, router, served_model_name, options.served_model_aliases)
         return run_serving_loop(self._serve(router, config, admin_app, on_ready))
 
     async def _serve(self, router, config: ApiConfig, admin_app, on_ready) -> int:
@@ -81,7 +83,7 @@ class ApiServers:
             if is_ready and index not in ready:
                 ready.add(index)
                 if len(ready) == self.num_processes:
-                    announce_serving(config.served_model_name, self.host, self.port)
+                    announce_serving(config.served_model_name, self.host, self.port, config.http.scheme)
 
         admin = _asgi_admin(admin_app) if admin_app is not None else None
         service = RouterService(router, self.endpoint, str(router.tokenizer.model_dir), admin=admin, on_hello=on_hello)
