@@ -15,7 +15,7 @@ import sys
 from pdcluster.cluster.api.generation_defaults import sampling_defaults
 from pdcluster.cluster.api.media_policy import MediaPolicy
 from pdcluster.cluster.api.options import (MAX_LOGPROBS, ApiOptions, CorsPolicy, chat_template_text,
-                                           check_max_logprobs, check_template_kwargs, json_flag)
+                                           check_max_logprobs, check_response_role, check_template_kwargs, json_flag)
 from pdcluster.cluster.api.reasoning import PARSERS as REASONING_PARSERS
 from pdcluster.cluster.api.served_names import add_served_model_name_arg, check_served_names
 from pdcluster.cluster.api.tool_parsers import PARSER_CHOICES
@@ -107,6 +107,15 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="logprob tokens as 'token_id:<id>' for requests that do not say (vLLM's flag)")
     g.add_argument("--disable-fastapi-docs", action="store_true",
                    help="leave /docs, /redoc and /openapi.json out (vLLM's flag)")
+    g.add_argument("--response-role", default="assistant", metavar="ROLE",
+                   help="the role of a chat answer's message (vLLM's flag; default assistant)")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render a chat request's own chat_template (sandboxed, as every template) instead of refusing "
+                        "it (vLLM's flag)")
+    g.add_argument("--enable-server-load-tracking", action="store_true",
+                   help="GET /load answers the requests in flight in this API process (vLLM's flag; 0 without it)")
+    g.add_argument("--enable-request-id-headers", action="store_true",
+                   help="every response carries X-Request-Id: the client's, else a new one (vLLM's flag)")
     g.add_argument("--chat-template", default=None, metavar="TEMPLATE|FILE",
                    help="the Jinja chat template to serve in place of the model's (vLLM's flag): the template itself "
                         "(single-line form, \\n escapes read) or a file holding it; for a base model without one")
@@ -258,6 +267,7 @@ def _check_args(args: argparse.Namespace) -> None:
     _check_chat_template(args)
     try:
         check_max_logprobs(args.max_logprobs)
+        check_response_role(args.response_role)
         args.cors = CorsPolicy.from_flags(args.allowed_origins, args.allowed_methods, args.allowed_headers,
                                           args.allow_credentials)
     except ValueError as e:

@@ -90,6 +90,11 @@ NO_OP_VALUE_FLAGS = {
     "max_log_len": (("--max-log-len",), "prompts are not logged", None),
     "max_parallel_loading_workers": (("--max-parallel-loading-workers",), "each worker loads its own shard", None),
     "model_impl": (("--model-impl",), "every model is this project's own implementation", None),
+    "scheduling_policy": (("--scheduling-policy",), "requests are ordered by their priority field, lower first, "
+                                                    "first come first served among equals (no priority: 0)",
+                          ("fcfs", "priority")),
+    "chat_template_content_format": (("--chat-template-content-format",), "a message's text parts reach the template "
+                                                                          "as one string", ("auto", "string")),
     "h11_max_incomplete_event_size": (("--h11-max-incomplete-event-size",), "the server parses HTTP with httptools",
                                       None),
 }

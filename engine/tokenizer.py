@@ -3,11 +3,12 @@ jinja2 environment (the same one transformers uses) for chat templates. No trans
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
 from datetime import datetime
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 
@@ -61,6 +62,12 @@ def compile_chat_template(template: str, what: str):
         return env.from_string(template)
     except jinja2.TemplateError as exc:
         raise ChatTemplateError(f"{what} does not compile: {exc}") from exc
+
+
+@lru_cache(maxsize=32)
+def _request_template(template: str):
+    """A request's own template compiled once: a client sends the same one with every request."""
+    return compile_chat_template(template, "the request's chat_template")
 
 
 def _clean_up_tokenization(text: str) -> str:
@@ -227,6 +234,15 @@ class Tokenizer:
             compiled = compile_chat_template(template, "--chat-template")
             self.__dict__["chat_template"], self.__dict__["_compiled_template"] = template, compiled
         self._default_template_kwargs = dict(default_kwargs or {})
+
+    def with_chat_template(self, template: str) -> Tokenizer:
+        """This tokenizer rendering chats with ``template`` (a request's, vLLM's ``chat_template`` field under
+        ``--trust-request-chat-template``), the server's left as it is: a shallow copy sharing the vocabulary.
+        ChatTemplateError if it does not compile."""
+        compiled = _request_template(template)
+        view = copy.copy(self)
+        view.__dict__["chat_template"], view.__dict__["_compiled_template"] = template, compiled
+        return view
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, continue_final_message: bool = False,

@@ -18,6 +18,8 @@ cluster's, cluster/router/; one in-process engine's, cluster/local_router.py). O
   answers give the first);
 - middleware.py: errors in OpenAI's format (4xx for client mistakes, generic 5xx), the body limit, the
   API key;
+- request_tracking.py: GET /load and its count of requests in flight, X-Request-Id on every response (vLLM's
+  --enable-server-load-tracking, --enable-request-id-headers);
 - admin.py: /admin/drain and /admin/workers (``pdcluster drain``), added by the Ray launcher;
 - router_contract.py: what the API needs from a router (``Router``, ``TokenDelta``, ``RouterError``).
 """

@@ -26,7 +26,9 @@ from pdcluster.cluster.api.logprobs import TokenStrings
 from pdcluster.cluster.api.media_policy import MediaPolicy
 from pdcluster.cluster.api.lora_routes import install_lora_routes
 from pdcluster.cluster.api.middleware import install_error_handlers, install_middleware
-from pdcluster.cluster.api.options import MAX_LOGPROBS, CorsPolicy, check_max_logprobs, check_template_kwargs
+from pdcluster.cluster.api.request_tracking import install_request_tracking
+from pdcluster.cluster.api.options import (MAX_LOGPROBS, CorsPolicy, check_max_logprobs, check_response_role,
+                                          check_template_kwargs)
 from pdcluster.cluster.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdcluster.cluster.api.reasoning import check_reasoning_parser, thinking_markers
 from pdcluster.cluster.api.responses import ResponsesRequest, serve_response
@@ -62,7 +64,9 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
               chat_template: str | None = None, default_chat_template_kwargs: dict | None = None,
               cors: CorsPolicy | None = None, fastapi_docs: bool = True, max_logprobs: int = MAX_LOGPROBS,
               force_include_usage: bool = False, return_tokens_as_token_ids: bool = False,
-              kv_transfer: bool = False, served_model_aliases: tuple[str, ...] = ()) -> FastAPI:
+              kv_transfer: bool = False, served_model_aliases: tuple[str, ...] = (), response_role: str = "assistant",
+              trust_request_chat_template: bool = False, server_load_tracking: bool = False,
+              request_id_headers: bool = False) -> FastAPI:
     """``served_model_aliases``: more names the base model is served under, after ``served_model_name`` (vLLM's
     --served-model-name NAME...): a request's ``model`` may be any, /v1/models lists each, answers and metrics give
     ``served_model_name`` (cluster/api/served_names.py); ValueError for an empty or repeated name, or one that is a
@@ -83,7 +87,10 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
     (None: none); ``fastapi_docs`` false leaves /docs, /redoc and /openapi.json out. ``max_logprobs`` (-1: the
     vocabulary), ``force_include_usage``, ``return_tokens_as_token_ids``: vLLM's flags of those names, for every
     request (cluster/api/validation.py ServerPolicy). ``kv_transfer``: the workers run with --kv-transfer-config, so
-    requests' kv_transfer_params (vLLM's external prefill/decode protocol) are served, not refused."""
+    requests' kv_transfer_params (vLLM's external prefill/decode protocol) are served, not refused.
+    ``response_role`` (vLLM's --response-role): a chat answer's role; ``trust_request_chat_template``: a chat request's
+    ``chat_template`` renders its prompt instead of being refused. ``server_load_tracking`` (GET /load counts the
+    requests in flight) and ``request_id_headers`` (X-Request-Id on every response): cluster/api/request_tracking.py."""
     media = media or MediaPolicy()
     served_names = check_served_names((served_model_name, *served_model_aliases), router.lora_names)
     if max_body_bytes is None:
@@ -102,7 +109,8 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
                                    override_generation_config),
         max_logprobs=router.tokenizer.vocab_size if check_max_logprobs(max_logprobs) == -1 else max_logprobs,
         force_include_usage=force_include_usage, return_tokens_as_token_ids=return_tokens_as_token_ids,
-        kv_transfer=kv_transfer)
+        kv_transfer=kv_transfer, response_role=check_response_role(response_role),
+        trust_request_chat_template=trust_request_chat_template)
     if not isinstance(pooler, PoolerConfig):
         pooler = pooler_config(getattr(router.tokenizer, "model_dir", None), pooler)
     metrics = metrics or Metrics(served_model_name)
@@ -226,4 +234,5 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
     if runtime_lora:
         install_lora_routes(app, router, served_model_name, served_model_aliases)
     install_middleware(app, max_body_bytes, api_key, cors)
+    install_request_tracking(app, server_load_tracking, request_id_headers)  # outermost: every answer gets its id
     return app

@@ -98,7 +98,7 @@ async def serve_beam_search(prep: Prepared, request: Request, router, metrics: M
             if prep.object_kind == wire.TEXT_COMPLETION:
                 choices.append(wire.completion_choice(index, beam.text, logprobs, beam.finish_reason))
             else:
-                choices.append(wire.chat_choice(index, beam.text, logprobs, beam.finish_reason))
+                choices.append(wire.chat_choice(index, beam.text, logprobs, beam.finish_reason, role=prep.output.role))
     num_prompt = sum(len(p.token_ids) for p in prep.prompts)
     num_output = sum(len(beam.output_token_ids) for beams in results for beam in beams)
     body = {**wire.header(prep.response_id, prep.object_kind, prep.created, prep.model, False),

@@ -85,6 +85,10 @@ class ApiOptions:
     force_include_usage: bool = False  # every stream ends with its usage chunk
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:<id>" unless a request says otherwise
     kv_transfer: bool = False  # --kv-transfer-config given: requests' kv_transfer_params are served
+    response_role: str = "assistant"  # vLLM's --response-role
+    trust_request_chat_template: bool = False  # vLLM's --trust-request-chat-template
+    server_load_tracking: bool = False  # vLLM's --enable-server-load-tracking: GET /load counts requests in flight
+    request_id_headers: bool = False  # vLLM's --enable-request-id-headers: X-Request-Id on every response
     # --served-model-name's names after the first (cluster/api/served_names.py): here, every API process gets them
     served_model_aliases: tuple[str, ...] = ()
 
@@ -104,6 +108,10 @@ class ApiOptions:
                    force_include_usage=getattr(args, "enable_force_include_usage", False),
                    return_tokens_as_token_ids=getattr(args, "return_tokens_as_token_ids", False),
                    kv_transfer=bool(getattr(args, "kv_transfer_config", "")),
+                   response_role=getattr(args, "response_role", "assistant"),
+                   trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
+                   server_load_tracking=getattr(args, "enable_server_load_tracking", False),
+                   request_id_headers=getattr(args, "enable_request_id_headers", False),
                    served_model_aliases=tuple(getattr(args, "served_model_aliases", ())))
 
     def app_kwargs(self) -> dict:
@@ -116,6 +124,13 @@ TEMPLATE_RESERVED = frozenset({"messages", "add_generation_prompt", "tools", "do
                                "raise_exception", "strftime_now"})
 # vLLM's test for an inline template: a file name has none of these.
 _TEMPLATE_CHARS = "{}\n"
+
+
+def check_response_role(role: str) -> str:
+    """--response-role: a non-empty name without spaces (a chat message's role); ValueError naming the flag."""
+    if not isinstance(role, str) or not role or role != role.strip() or " " in role:
+        raise ValueError(f"--response-role: want a role name such as 'assistant', got {role!r}")
+    return role
 
 
 def chat_template_text(value: str) -> str:

@@ -307,17 +307,17 @@ def completion_choice(index: int, text: str, logprobs: dict | None, finish_reaso
 
 
 def chat_choice(index: int, content: str | None, logprobs: dict | None, finish_reason: str | None,
-                tool_calls: list[dict] | None = None) -> dict:
-    message: dict = {"role": "assistant", "content": content}
+                tool_calls: list[dict] | None = None, role: str = "assistant") -> dict:
+    message: dict = {"role": role, "content": content}
     if tool_calls:
         message["tool_calls"] = tool_calls
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def chat_chunk_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None,
-                      first: bool = False) -> dict:
-    """A choice of a chat stream chunk (``first``: the choice's first chunk, which carries the role)."""
-    delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+                      first: bool = False, role: str = "assistant") -> dict:
+    """A choice of a chat stream chunk (``first``: the choice's first chunk, which carries the ``role``)."""
+    delta = {"role": role, "content": text} if first else ({"content": text} if text else {})
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 

@@ -150,13 +150,13 @@ class Reply:
         return choice
 
     def _chat_choice(self, run: ChoiceRun, text: str, logprobs: dict | None) -> dict:
-        mode = self.prep.output.tool_calls
+        mode, role = self.prep.output.tool_calls, self.prep.output.role
         if mode is None:
-            return wire.chat_choice(run.index, text, logprobs, run.finish_reason)
+            return wire.chat_choice(run.index, text, logprobs, run.finish_reason, role=role)
         content, calls = mode.reader().parse(text, mode.max_calls)
         if calls:
-            return wire.chat_choice(run.index, content or None, logprobs, "tool_calls", calls)
-        return wire.chat_choice(run.index, content, logprobs, run.finish_reason)
+            return wire.chat_choice(run.index, content or None, logprobs, "tool_calls", calls, role=role)
+        return wire.chat_choice(run.index, content, logprobs, run.finish_reason, role=role)
 
     def opening(self, run: ChoiceRun) -> bytes | None:
         """A choice's first stream chunk, before its text: chat's role chunk (with the response-level
@@ -165,8 +165,8 @@ class Reply:
             ids = self.prep.output.return_token_ids
             extra = {"prompt_token_ids": list(run.request.prompt.token_ids)} if ids else {}
             echoed = self.prep.output.chat_echo  # chat's echo goes out with the role
-            return self._sse(self._with_ids(wire.chat_chunk_choice(run.index, echoed, None, None, True), run, None),
-                             extra)
+            first = wire.chat_chunk_choice(run.index, echoed, None, None, True, self.prep.output.role)
+            return self._sse(self._with_ids(first, run, None), extra)
         if not self.prep.output.return_token_ids:
             return None
         return self._sse(self._with_ids(wire.completion_choice(run.index, "", None, None), run, None, first=True))

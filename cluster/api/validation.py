@@ -70,6 +70,7 @@ class Output:
     reasoning_parser: str | None = None  # chat: the reasoning comes apart from the answer (cluster/api/reasoning.py)
     include_reasoning: bool = True  # vLLM's: false, the reasoning is not shown (only the answer)
     chat_echo: str = ""  # chat's echo (vLLM's): the final assistant message's text, before the reply's content
+    role: str = "assistant"  # chat: the answer's role (vLLM's: --response-role, or the final message's role)
 
 
 @dataclass
@@ -109,6 +110,10 @@ class ServerPolicy:
     force_include_usage: bool = False  # vLLM's --enable-force-include-usage: every stream ends with its usage
     return_tokens_as_token_ids: bool = False  # vLLM's server flag: every request's logprob tokens as "token_id:<id>"
     kv_transfer: bool = False  # vLLM's --kv-transfer-config: requests' kv_transfer_params are served
+    response_role: str = "assistant"  # vLLM's --response-role: the role of a chat answer's message
+    # vLLM's --trust-request-chat-template: a chat request's chat_template renders its prompt (in the sandbox every
+    # template runs in); without it such a request is refused.
+    trust_request_chat_template: bool = False
 
 
 async def prepare(body: SamplingFields, router, served_names: tuple[str, ...], policy: ServerPolicy = ServerPolicy(),
@@ -119,10 +124,14 @@ async def prepare(body: SamplingFields, router, served_names: tuple[str, ...], p
                                                       policy.defaults)
     lora_name = check_model(body.model, served_names, router.lora_names)
     n = _check_n(body)
-    _reject_unsupported(body)
+    _reject_unsupported(body, policy.trust_request_chat_template)
     is_chat = isinstance(body, ChatCompletionRequest)
     output, extras = _output_and_extras(body, policy)
     tokenizer = router.tokenizer
+    if is_chat:
+        output = replace(output, role=_answer_role(body, policy.response_role))
+        if body.chat_template is not None:  # trusted, or _reject_unsupported refused it
+            tokenizer = await anyio.to_thread.run_sync(_request_template, tokenizer, body.chat_template)
     # Checking a schema and tokenising long prompts take a while: keep them off the event loop.
     spec, tool_calls = await anyio.to_thread.run_sync(structured_request, body, tool_parser)
     output = replace(output, tool_calls=tool_calls)
@@ -290,15 +299,37 @@ _VLLM_DEFAULTS_ONLY = {
     "logits_processors": (None, "custom logits processors are not loaded"),
     "spaces_between_special_tokens": (True, "special tokens are decoded as the tokenizer joins them"),
     "chat_template": (None, "the model's own chat template is used (a request's template would run as code "
-                            "on the server)"),
+                            "on the server: serve --trust-request-chat-template allows it)"),
 }
 
 
-def _reject_unsupported(body: SamplingFields) -> None:
+def _answer_role(body: ChatCompletionRequest, response_role: str) -> str:
+    """vLLM's: the server's response role for a new turn; the final message's role when the answer continues it
+    (add_generation_prompt false)."""
+    if body.add_generation_prompt is not False or not body.messages:
+        return response_role
+    return body.messages[-1].role
+
+
+def _request_template(tokenizer, template: str):
+    """The router's tokenizer rendering chats with a request's ``chat_template`` (a 400 naming it if it does not
+    compile)."""
+    if not hasattr(tokenizer, "with_chat_template"):
+        raise APIError(400, "chat_template: this model's tokenizer renders its own template only",
+                       param="chat_template", code="unsupported_parameter")
+    try:
+        return tokenizer.with_chat_template(template)
+    except ChatTemplateError as e:
+        raise APIError(400, f"chat_template: {e}", param="chat_template") from e
+
+
+def _reject_unsupported(body: SamplingFields, trust_request_chat_template: bool = False) -> None:
     def no(param: str, what: str) -> None:
         raise APIError(400, f"{param}: {what}", param=param, code="unsupported_parameter")
 
     for param, (default, instead) in _VLLM_DEFAULTS_ONLY.items():
+        if param == "chat_template" and trust_request_chat_template:
+            continue
         value = getattr(body, param, default)
         if value is not None and value != default:
             no(param, f"only {default!r} is supported, got {short(value)}: {instead}")
