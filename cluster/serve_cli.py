@@ -55,7 +55,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     add_served_model_name_arg(g, "the model names clients may send, as vLLM's; answers and metrics give the first "
                                  "(default: --model)")
     g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $PDCLUSTER_API_KEY; none = open)")
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $PDCLUSTER_API_KEY, else vLLM's $VLLM_API_KEY; none = open)")
     g.add_argument("--admin-key", default=None,
                    help="enable /admin/drain and /admin/workers (`pdcluster drain`) for 'Authorization: Bearer KEY' "
                         "(default: $PDCLUSTER_ADMIN_KEY; none = those routes answer 403). Not the API key: API "
@@ -217,7 +217,8 @@ def _serves_from_gpu(args: argparse.Namespace) -> bool:
 def _check_args(args: argparse.Namespace) -> None:
     """Resolve the env defaults and refuse impossible values, naming the flag."""
     apply_vllm_flags(args, DEFAULT_MODEL)
-    args.api_key = args.api_key or os.environ.get("PDCLUSTER_API_KEY") or None
+    # vLLM's variable too: a deployment moved from vLLM keeps its key in VLLM_API_KEY (a Kubernetes secret).
+    args.api_key = args.api_key or os.environ.get("PDCLUSTER_API_KEY") or os.environ.get("VLLM_API_KEY") or None
     args.cluster_secret = args.cluster_secret or os.environ.get("PDCLUSTER_CLUSTER_SECRET") or None
     args.admin_key = args.admin_key or os.environ.get("PDCLUSTER_ADMIN_KEY") or None
     if args.served_model_name is None:  # not `or`: an empty name is refused below, not replaced

@@ -148,3 +148,15 @@ def test_a_server_started_from_a_vllm_config_file(tmp_path):
         output = server.output()
     for flag in ("--swap-space", "--disable-custom-all-reduce", "--distributed-executor-backend", "--tokenizer-mode"):
         assert f"{flag}: accepted, no effect" in output, flag
+
+
+def test_vllms_api_key_variable_is_the_api_key(monkeypatch):
+    """A deployment moved from vLLM keeps its key in VLLM_API_KEY; ours and the flag win over it."""
+    monkeypatch.delenv("PDCLUSTER_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
+    assert _args().api_key == "from-vllm"
+    monkeypatch.setenv("PDCLUSTER_API_KEY", "ours")
+    assert _args().api_key == "ours" and _args("--api-key", "typed").api_key == "typed"
+    monkeypatch.delenv("VLLM_API_KEY")
+    monkeypatch.delenv("PDCLUSTER_API_KEY")
+    assert _args().api_key is None
