@@ -89,6 +89,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="on a GPU, prefill and mixed steps of up to N tokens through piecewise CUDA graphs (the "
                         "forward between attention calls captured per token-count bucket, attention eager between; "
                         "dense attention models). Default 0: such steps run eagerly (not yet measured on a GPU)")
+    g.add_argument("--max-cudagraph-capture-size", dest="max_cuda_graph_batch", type=int, default=512, metavar="N",
+                   help="on a GPU, the largest decode batch run as a CUDA graph (vLLM's flag; default 512): buckets "
+                        "1, 2, 4, 8, then every 16 up to it, each captured at start-up; larger batches run eagerly")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule step n+1 while step n runs and, without speculation, penalties or grammars, queue "
                         "it on the device before step n's tokens are read (vLLM's --async-scheduling). In a "
@@ -175,7 +178,7 @@ SAME_NAMED_FLAGS = (
     "kv_offload_disk_gib", "mtp_checkpoint", "num_threads", "seed", "cache_dir", "revision", "download_dir",
     "max_lora_rank",
     "enable_lora", "max_loras", "mixed_cuda_graph_tokens", "hf_overrides", "tensor_parallel_size",
-    "limit_mm_per_prompt", "mm_processor_kwargs",
+    "limit_mm_per_prompt", "mm_processor_kwargs", "max_cuda_graph_batch",
 )
 
 

@@ -57,10 +57,6 @@ NO_OP_VALUE_FLAGS = {
                                                             "decode steps are CUDA graphs on a GPU", None),
     "max_seq_len_to_capture": (("--max-seq-len-to-capture",), "CUDA graphs capture decode batches, whatever the "
                                                               "sequence length", None),
-    "cuda_graph_sizes": (("--cuda-graph-sizes",), "decode batches of 1, 2, 4, 8, then every 16 up to "
-                                                  "min(--max-num-seqs, 512) are captured", None),
-    "max_cudagraph_capture_size": (("--max-cudagraph-capture-size",), "decode batches up to min(--max-num-seqs, "
-                                                                      "512) are captured", None),
     "prefix_caching_hash_algo": (("--prefix-caching-hash-algo",), "blocks are named by a 64-bit BLAKE2b chain of "
                                                                   "their tokens, the same in every process", None),
     "long_prefill_token_threshold": (("--long-prefill-token-threshold",), "prompts are prefilled in chunks of "
@@ -144,6 +140,9 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
                    help="1 only: a model is split by --tensor-parallel-size")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="1 only: more engines are --num-prefill/--num-decode workers")
+    g.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
+                   help="the largest is --max-cudagraph-capture-size (the buckets below it are ours: 1, 2, 4, 8, "
+                        "then every 16)")
     g.add_argument("--tokenizer", default=None, help="the model's own tokenizer only (its name or directory)")
     g.add_argument("--tokenizer-revision", default=None, help="the same as --revision only")
     g = parser.add_argument_group("vLLM flags accepted without effect (each says why when given)")
@@ -189,6 +188,16 @@ def apply_vllm_flags(args: argparse.Namespace, default_model: str) -> None:
 
 
 def _apply_mapped(args: argparse.Namespace) -> None:
+    if args.cuda_graph_sizes is not None:
+        top = max(args.cuda_graph_sizes)
+        if top < 1:
+            raise ConfigError(f"--cuda-graph-sizes: want positive batch sizes, got {args.cuda_graph_sizes}")
+        if args.max_cuda_graph_batch not in (512, top):  # 512: --max-cudagraph-capture-size's default
+            raise ConfigError(f"--cuda-graph-sizes up to {top} and --max-cudagraph-capture-size "
+                              f"{args.max_cuda_graph_batch}: the same setting twice; give one")
+        args.max_cuda_graph_batch = top
+        print(f"pdcluster serve: --cuda-graph-sizes: decode batches up to {top} run as CUDA graphs (buckets 1, 2, 4, "
+              "8, then every 16)", file=sys.stderr, flush=True)
     if args.enforce_eager:
         args.no_cuda_graphs = True
         args.mixed_cuda_graph_tokens = 0

@@ -127,6 +127,9 @@ class EngineConfig:
     # Capture every decode bucket at start-up (vLLM does), so no first step at a new batch size while serving stalls
     # on its capture; False: each bucket at its first use (a faster start, for benchmarks that build many engines).
     cuda_graph_capture_at_start: bool = True
+    # The largest decode batch captured (vLLM's --max-cudagraph-capture-size, default 512 there too): each bucket up
+    # to it is a capture at start-up and a graph's memory; a larger batch runs eager.
+    max_cuda_graph_batch: int = 512
     # Prefill and mixed steps of up to this many tokens through piecewise CUDA graphs (engine/piecewise_graphs.py:
     # the forward between attention calls captured per token-count bucket, attention eager between); 0 = eager.
     # Off by default until it has run on a GPU: the H200 run of s51 had such steps at ~10.7 ms of host time.
@@ -191,7 +194,7 @@ class EngineConfig:
             raise ConfigError(
                 f"spec_method: {self.spec_method!r} is unknown; choose one of {', '.join(SPEC_METHODS)}"
             )
-        positive = ("block_size", "tensor_parallel_size")
+        positive = ("block_size", "tensor_parallel_size", "max_cuda_graph_batch")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:

@@ -4,7 +4,8 @@ A decode step of a small model on a GPU is mostly kernel-launch overhead: hundre
 step, each launched from Python. Captured once per batch-size bucket, a step replays as one graph.
 
 How (vLLM's recipe):
-- buckets of batch sizes (1, 2, 4, 8, then every 16 up to ``max_num_seqs``, at most MAX_GRAPH_BATCH); a batch
+- buckets of batch sizes (1, 2, 4, 8, then every 16 up to ``max_num_seqs``, at most ``max_graph_batch``:
+  EngineConfig.max_cuda_graph_batch, MAX_GRAPH_BATCH by default); a batch
   runs in the smallest bucket that holds it, the rows past it padded (a larger one runs eager);
 - every input lives in a static buffer the graph was captured over (token ids, positions, slot
   mapping, block tables at full width, context lengths). The runner's step stages its per-token and
@@ -58,8 +59,8 @@ PAD_SLOT = -1  # write kernels skip negative slots
 MAX_GRAPH_BATCH = 512
 
 
-def batch_buckets(max_num_seqs: int) -> list[int]:
-    top = min(max_num_seqs, MAX_GRAPH_BATCH)
+def batch_buckets(max_num_seqs: int, max_graph_batch: int = MAX_GRAPH_BATCH) -> list[int]:
+    top = min(max_num_seqs, max_graph_batch)
     small = [b for b in (1, 2, 4, 8) if b < top]
     return small + list(range(16, top, 16)) + [top]
 
@@ -67,13 +68,14 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
                  device: torch.device, max_num_seqs: int, q_len: int, max_blocks_per_req: int, scale: float,
-                 emulate: bool = False, mamba_pool: MambaStatePool | None = None, lora=None):
+                 emulate: bool = False, mamba_pool: MambaStatePool | None = None, lora=None,
+                 max_graph_batch: int = MAX_GRAPH_BATCH):
         """``mamba_pool``: a hybrid's state pool, with a scratch slot past ``max_num_seqs`` rows'. ``lora``: the
         model's LoraSet when its updates run the stacked way (the graphs then take steps with adapter rows)."""
         self.forward = forward  # (input_ids, positions, meta) -> hidden [num_tokens, H]
         self.device, self.q_len, self.scale, self.emulate = device, q_len, scale, emulate
         self.mamba_pool = mamba_pool
-        self.buckets = batch_buckets(max_num_seqs)
+        self.buckets = batch_buckets(max_num_seqs, max_graph_batch)
         max_rows, max_tokens = self.buckets[-1], self.buckets[-1] * q_len
         # The per-token and per-row inputs live in one device arena, so a step's host arrays land in them with one
         # copy (``stage``); each region is sized for the largest bucket, a bucket's graph reads its prefixes.

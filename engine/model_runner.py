@@ -191,7 +191,8 @@ class ModelRunner:
             lambda ids, pos, meta: self.model.forward(ids, pos, self.kv_cache, meta, None), self.device,
             self.config.max_num_seqs, uniform_decode_query_len(self.num_spec_steps),
             self.states.block_table_np.shape[1], self.model.scale, emulate=emulate, mamba_pool=self.mamba_pool,
-            lora=self.model.lora if self.model.lora is not None and not self.model.lora.grouped else None)
+            lora=self.model.lora if self.model.lora is not None and not self.model.lora.grouped else None,
+            max_graph_batch=self.config.max_cuda_graph_batch)
 
     # ---- state -----------------------------------------------------------------------------------
     def update_requests(self, sched: SchedulerOutput) -> np.ndarray:

@@ -24,14 +24,15 @@ def test_batch_buckets():
     # An H100/H200 runs up to 1,024 requests (engine/batch_limits.py): captures stop at 512, as vLLM's.
     assert batch_buckets(1024) == [1, 2, 4, 8] + list(range(16, 512, 16)) + [512]
     assert batch_buckets(600)[-1] == 512
+    assert batch_buckets(1024, 64) == [1, 2, 4, 8, 16, 32, 48, 64]  # --max-cudagraph-capture-size 64
 
 
 def test_batches_over_the_largest_bucket_run_eager(tiny_dir, monkeypatch):
-    """A decode batch larger than MAX_GRAPH_BATCH runs eager (same tokens); once it shrinks to a bucket it replays."""
+    """A decode batch larger than max_cuda_graph_batch (vLLM's --max-cudagraph-capture-size) runs eager (same tokens);
+    once it shrinks to a bucket it replays."""
     import pdcluster.engine.cuda_graphs as cuda_graphs
 
-    monkeypatch.setattr(cuda_graphs, "MAX_GRAPH_BATCH", 4)
-    cfg = dict(max_num_seqs=10, num_kv_blocks=128)
+    cfg = dict(max_num_seqs=10, num_kv_blocks=128, max_cuda_graph_batch=4)
     eager = _generate(make_engine("tiny-random", **cfg), graphs=False)
     engine = make_engine("tiny-random", **cfg)
     runs = []  # (rows, replayed) of every uniform decode step offered to the graphs

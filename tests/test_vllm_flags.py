@@ -40,12 +40,13 @@ def test_a_manifests_vllm_line_parses_and_says_what_changes_nothing(capsys):
     args = _args(*VLLM_LINE)
     err = capsys.readouterr().err
     for flag in ("--swap-space", "--distributed-executor-backend", "--disable-custom-all-reduce",
-                 "--compilation-config", "--cuda-graph-sizes", "--quantization", "--enable-expert-parallel"):
+                 "--compilation-config", "--quantization", "--enable-expert-parallel"):
         assert f"pdcluster serve: {flag}: accepted, no effect (" in err, flag
     # Mapped, not announced as a no-op: --enforce-eager is --no-cuda-graphs.
     assert "--enforce-eager" not in err
     config = engine_config_from_args(args)
     assert config.cuda_graphs is False and config.mixed_cuda_graph_tokens == 0
+    assert config.max_cuda_graph_batch == 4  # --cuda-graph-sizes 1 2 4: the largest
     assert engine_config_from_args(_args()).cuda_graphs is True
 
 
@@ -55,6 +56,16 @@ def test_every_table_flag_is_a_flag_of_serve():
     names = [flag for flag, _ in NO_OP_FLAGS.values()] + [f for flags, *_ in NO_OP_VALUE_FLAGS.values() for f in flags]
     names += [flag for flag, *_ in REFUSED_FLAGS.values()]
     assert [n for n in names if n not in actions] == []
+
+
+def test_cuda_graph_capture_sizes():
+    assert engine_config_from_args(_args()).max_cuda_graph_batch == 512
+    assert engine_config_from_args(_args("--max-cudagraph-capture-size", "64")).max_cuda_graph_batch == 64
+    assert engine_config_from_args(_args("--cuda-graph-sizes", "8", "256")).max_cuda_graph_batch == 256
+    with pytest.raises(ConfigError, match="the same setting twice"):
+        _args("--cuda-graph-sizes", "256", "--max-cudagraph-capture-size", "64")
+    with pytest.raises(ConfigError, match="max_cuda_graph_batch: must be a positive integer"):
+        engine_config_from_args(_args("--max-cudagraph-capture-size", "0"))
 
 
 def test_kv_offloading_size_is_the_host_tier():
