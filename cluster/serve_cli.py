@@ -133,7 +133,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--override-generation-config", default=None, metavar="JSON",
                    help="sampling defaults over --generation-config's (vLLM's flag), e.g. "
                         "'{\"temperature\": 0.6, \"top_p\": 0.95, \"max_new_tokens\": 1024}'")
-    g.add_argument("--pooler-config", default=None, metavar="JSON",
+    g.add_argument("--pooler-config", "--override-pooler-config", dest="pooler_config", default=None, metavar="JSON",
                    help="how /v1/embeddings pools the prompt's final hidden states (vLLM's flag): "
                         "'{\"pooling_type\": \"LAST\" | \"MEAN\" | \"CLS\", \"normalize\": true | false}'; default: a "
                         "sentence-transformers model directory's own pooling, else the last token (an encoder's "

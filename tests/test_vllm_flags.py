@@ -48,6 +48,8 @@ def test_a_manifests_vllm_line_parses_and_says_what_changes_nothing(capsys):
     assert config.cuda_graphs is False and config.mixed_cuda_graph_tokens == 0
     assert config.max_cuda_graph_batch == 4  # --cuda-graph-sizes 1 2 4: the largest
     assert engine_config_from_args(_args()).cuda_graphs is True
+    # vLLM's older name of --pooler-config.
+    assert _args("--override-pooler-config", '{"pooling_type": "MEAN"}').pooler_config == '{"pooling_type": "MEAN"}'
 
 
 def test_every_table_flag_is_a_flag_of_serve():
