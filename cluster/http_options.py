@@ -146,16 +146,12 @@ def _check_log_config(path: str) -> None:
     be built is only known when logging is configured with it (run_server names the flag then)."""
     flag = "--log-config-file"
     text = _read(flag, path).decode("utf-8", errors="replace")
-    if path.endswith((".yaml", ".yml")):
-        try:
-            import yaml  # PyYAML: uvicorn needs it for YAML too
-        except ImportError:
-            raise ConfigError(f"{flag}: {path} is YAML and PyYAML is not installed (pip install pyyaml), or give it "
-                              "as JSON") from None
     try:
         if path.endswith(".json"):
             parsed = json.loads(text)
         elif path.endswith((".yaml", ".yml")):
+            import yaml  # a dependency (serve --config); only read here for a YAML file
+
             parsed = yaml.safe_load(text)
         else:
             ini = configparser.ConfigParser()
