@@ -12,6 +12,7 @@ import sys
 
 from pdcluster.cli.config_file import expand_config_file
 from pdcluster.cli.drain import add_drain_parser
+from pdcluster.cli.json_args import expand_dotted_json_args
 from pdcluster.cli.generate import add_generate_parser
 from pdcluster.cli.pd_proxy import add_pd_proxy_parser
 from pdcluster.cli.run_batch import add_run_batch_parser
@@ -42,11 +43,15 @@ def _build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
 def main(argv: list[str] | None = None) -> int:
     parser, serve_parser = _build_parsers()
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["serve"]:
-        try:  # vLLM's --config FILE.yaml: its flags go before the typed ones, which win
-            argv = ["serve", *expand_config_file(argv[1:], serve_parser, DEFAULT_MODEL)]
+    command = parser._subparsers._group_actions[0].choices.get(argv[0]) if argv else None
+    if command is not None:
+        try:
+            if argv[0] == "serve":  # vLLM's --config FILE.yaml: its flags go before the typed ones, which win
+                argv = ["serve", *expand_config_file(argv[1:], serve_parser, DEFAULT_MODEL)]
+            # vLLM's --json-flag.key value
+            argv = [argv[0], *expand_dotted_json_args(argv[1:], command)]
         except ValueError as e:
-            print(f"pdcluster serve: error: {e}", file=sys.stderr)
+            print(f"pdcluster {argv[0]}: error: {e}", file=sys.stderr)
             return 2
     args = parser.parse_args(argv)
     try:

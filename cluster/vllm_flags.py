@@ -149,8 +149,9 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     for dest, (flag, why) in NO_OP_FLAGS.items():
         g.add_argument(flag, dest=dest, action="store_true", help=why)
     for dest, (flags, why, values) in NO_OP_VALUE_FLAGS.items():
-        g.add_argument(*flags, dest=dest, default=None, nargs="+" if dest == "cuda_graph_sizes" else None,
-                       metavar="VALUE", help=why + ("" if values is None else f" ({', '.join(values)})"))
+        metavar = "JSON" if dest in ("compilation_config", "structured_outputs_config") else "VALUE"
+        g.add_argument(*flags, dest=dest, default=None, metavar=metavar,
+                       help=why + ("" if values is None else f" ({', '.join(values)})"))
     g = parser.add_argument_group("vLLM flags refused (each says what to do instead)")
     for dest, (flag, nargs, why) in REFUSED_FLAGS.items():
         if nargs == 0:

@@ -173,3 +173,40 @@ def test_vllms_api_key_variable_is_the_api_key(monkeypatch):
     monkeypatch.delenv("VLLM_API_KEY")
     monkeypatch.delenv("PDCLUSTER_API_KEY")
     assert _args().api_key is None
+
+
+def _expanded(*typed):
+    from pdcluster.cli.json_args import expand_dotted_json_args
+    from pdcluster.cli.main import _build_parsers
+
+    _, serve = _build_parsers()
+    return expand_dotted_json_args(list(typed), serve)
+
+
+def test_dotted_json_flags_fold_into_their_json():
+    """vLLM's `--json-flag.key value` (newer manifests): folded into the flag's JSON, over its plain form."""
+    argv = _expanded("--hf-overrides.rms_norm_eps", "1e-5", "--port", "0", "--hf-overrides", '{"a": {"b": 1}}',
+                     "--hf-overrides.a.c=true", "--speculative-config.method=ngram",
+                     "--speculative-config.num_speculative_tokens", "3", "--override-generation-config.stop+", "x",
+                     "--override-generation-config.stop+=y,z", "--limit-mm-per-prompt.image", "2")
+    assert argv == ["--hf-overrides", json.dumps({"a": {"b": 1, "c": True}, "rms_norm_eps": 1e-5}), "--port", "0",
+                    "--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 3}),
+                    "--override-generation-config", json.dumps({"stop": ["x", "y", "z"]}),
+                    "--limit-mm-per-prompt", json.dumps({"image": 2})]
+    args = _args(*argv[:6])
+    assert args.spec == "ngram" and engine_config_from_args(args).num_spec_tokens == 3
+    assert json.loads(engine_config_from_args(args).hf_overrides)["rms_norm_eps"] == 1e-5
+    plain = ["--hf-overrides", "{not json"]  # no dotted form: left to the flag's own check, untouched
+    assert _expanded(*plain) == plain
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--port.x", "1"], "--port.x: --port takes no JSON object, so it has no keys to set"),
+    (["--hf-overrides.a"], "--hf-overrides.a: give a value"),
+    (["--hf-overrides.a", "1", "--hf-overrides", "[1]"], "--hf-overrides: want a JSON object"),
+    (["--hf-overrides.a", "1", "--hf-overrides.a.b", "2"], "--hf-overrides.a.b: a is already set to 1"),
+])
+def test_a_bad_dotted_flag_is_one_line(capsys, argv, message):
+    assert main(["serve", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pdcluster serve: error: ") and message in err and "Traceback" not in err
