@@ -13,6 +13,7 @@ import argparse
 import json
 
 from pdcluster.engine.config import ConfigError
+from pdcluster.engine.models.hf_overrides import merged_config  # nested objects merged key by key
 
 
 def json_flags(parser: argparse.ArgumentParser) -> set[str]:
@@ -74,7 +75,7 @@ def expand_dotted_json_args(argv: list[str], parser: argparse.ArgumentParser) ->
             raise ConfigError(f"{flag}: want a JSON object, got {value!r}")
         plain[flag] = whole
     for flag, place in sorted(where.items(), key=lambda item: -item[1]):
-        out.insert(place + 1, json.dumps(_merge(plain.get(flag, {}), values[flag])))
+        out.insert(place + 1, json.dumps(merged_config(plain.get(flag, {}), values[flag])))
     return out
 
 
@@ -102,14 +103,3 @@ def _set(obj: dict, path: str, text: str, head: str) -> None:
     if not isinstance(items, list):
         raise ConfigError(f"{head}: {keys[-1]} is already set to {items!r}, not a list")
     items.extend(_value(part) for part in text.split(","))
-
-
-def _merge(whole: dict, dotted: dict) -> dict:
-    """The dotted keys over the plain form's object, wherever each stood on the line."""
-    merged = dict(whole)
-    for key, value in dotted.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _merge(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
