@@ -20,6 +20,13 @@ import sys
 
 from pdcluster.engine.config import ConfigError
 
+# Reasons several flags share.
+_CHUNKED = "prompts are prefilled in chunks of --prefill-chunk-size beside decodes"
+_XGRAMMAR = "structured output is always compiled by xgrammar; the answers follow the same schema"
+_NO_IMAGE_CACHE = "images are processed once per request, with no cache to size or turn off"
+_NO_TRACING = "there is no OpenTelemetry tracing; each request's time to first token is broken down on /metrics"
+_RAY_PLACES = "engines are placed by Ray across machines (--address): use --num-prefill/--num-decode"
+
 # dest -> (flag, why it changes nothing here): switches.
 NO_OP_FLAGS = {
     "trust_remote_code": ("--trust-remote-code", "no model code is downloaded or run: an architecture served here is "
@@ -43,8 +50,7 @@ NO_OP_FLAGS = {
                                                            "tensor-parallel MoE); the answers are the same"),
     "ray_workers_use_nsight": ("--ray-workers-use-nsight", "profile with `pdcluster profile` or nsys around the "
                                                            "worker instead"),
-    "disable_mm_preprocessor_cache": ("--disable-mm-preprocessor-cache", "images are processed once per request, "
-                                                                         "with no cache to turn off"),
+    "disable_mm_preprocessor_cache": ("--disable-mm-preprocessor-cache", _NO_IMAGE_CACHE),
 }
 
 # dest -> (flags, why it changes nothing here, the values accepted or None for any): flags with a value.
@@ -59,19 +65,13 @@ NO_OP_VALUE_FLAGS = {
                                                               "sequence length", None),
     "prefix_caching_hash_algo": (("--prefix-caching-hash-algo",), "blocks are named by a 64-bit BLAKE2b chain of "
                                                                   "their tokens, the same in every process", None),
-    "long_prefill_token_threshold": (("--long-prefill-token-threshold",), "prompts are prefilled in chunks of "
-                                                                          "--prefill-chunk-size beside decodes", None),
-    "max_num_partial_prefills": (("--max-num-partial-prefills",), "prompts are prefilled in chunks of "
-                                                                  "--prefill-chunk-size beside decodes", None),
-    "max_long_partial_prefills": (("--max-long-partial-prefills",), "prompts are prefilled in chunks of "
-                                                                    "--prefill-chunk-size beside decodes", None),
+    "long_prefill_token_threshold": (("--long-prefill-token-threshold",), _CHUNKED, None),
+    "max_num_partial_prefills": (("--max-num-partial-prefills",), _CHUNKED, None),
+    "max_long_partial_prefills": (("--max-long-partial-prefills",), _CHUNKED, None),
     "num_scheduler_steps": (("--num-scheduler-steps",), "every step is scheduled (vLLM's V1 engine dropped the "
                                                         "flag); --async-scheduling overlaps them", None),
-    "guided_decoding_backend": (("--guided-decoding-backend",), "structured output is always compiled by xgrammar; "
-                                                                "the answers follow the same schema", None),
-    "structured_outputs_config": (("--structured-outputs-config",), "structured output is always compiled by "
-                                                                    "xgrammar; the answers follow the same schema",
-                                  None),
+    "guided_decoding_backend": (("--guided-decoding-backend",), _XGRAMMAR, None),
+    "structured_outputs_config": (("--structured-outputs-config",), _XGRAMMAR, None),
     "lora_dtype": (("--lora-dtype",), "adapters run in the model's dtype", ("auto", "bfloat16", "float16", "float32")),
     "code_revision": (("--code-revision",), "no model code is downloaded or run", None),
     "tokenizer_mode": (("--tokenizer-mode",), "the model's tokenizer.json is read by the tokenizers library",
@@ -81,8 +81,7 @@ NO_OP_VALUE_FLAGS = {
     "quantization": (("--quantization", "-q"), "a quantized checkpoint's method is read from its config.json (FP8, "
                                                "INT8, AWQ, GPTQ and MXFP4 weights are dequantized at load); a bf16 "
                                                "checkpoint is not quantized on the fly", None),
-    "mm_processor_cache_gb": (("--mm-processor-cache-gb",), "images are processed once per request, with no cache "
-                                                            "to size", None),
+    "mm_processor_cache_gb": (("--mm-processor-cache-gb",), _NO_IMAGE_CACHE, None),
     "max_log_len": (("--max-log-len",), "prompts are not logged", None),
     "max_parallel_loading_workers": (("--max-parallel-loading-workers",), "each worker loads its own shard", None),
     "model_impl": (("--model-impl",), "every model is this project's own implementation", None),
@@ -104,18 +103,13 @@ REFUSED_FLAGS = {
                                                       "logit_bias, bad_words and allowed_token_ids are served)"),
     "tool_parser_plugin": ("--tool-parser-plugin", 1, "no code is imported into the server by name; "
                                                       "--tool-call-parser names the built-in parsers"),
-    "otlp_traces_endpoint": ("--otlp-traces-endpoint", 1, "there is no OpenTelemetry tracing; each request's time "
-                                                          "to first token is broken down on /metrics"),
-    "collect_detailed_traces": ("--collect-detailed-traces", 1, "there is no OpenTelemetry tracing; each request's "
-                                                                "time to first token is broken down on /metrics"),
+    "otlp_traces_endpoint": ("--otlp-traces-endpoint", 1, _NO_TRACING),
+    "collect_detailed_traces": ("--collect-detailed-traces", 1, _NO_TRACING),
     "headless": ("--headless", 0, "a machine joins a cluster as a Ray node (`ray start --address`), not as a "
                                   "headless data-parallel engine"),
-    "data_parallel_address": ("--data-parallel-address", 1, "engines are placed by Ray across machines "
-                                                            "(--address): use --num-prefill/--num-decode"),
-    "data_parallel_rpc_port": ("--data-parallel-rpc-port", 1, "engines are placed by Ray across machines "
-                                                              "(--address): use --num-prefill/--num-decode"),
-    "data_parallel_size_local": ("--data-parallel-size-local", 1, "engines are placed by Ray across machines "
-                                                                  "(--address): use --num-prefill/--num-decode"),
+    "data_parallel_address": ("--data-parallel-address", 1, _RAY_PLACES),
+    "data_parallel_rpc_port": ("--data-parallel-rpc-port", 1, _RAY_PLACES),
+    "data_parallel_size_local": ("--data-parallel-size-local", 1, _RAY_PLACES),
     "enable_ssl_refresh": ("--enable-ssl-refresh", 0, "certificates are read when the server starts; restart it "
                                                       "(`pdcluster drain` first) to take new ones"),
     "kv_events_config": ("--kv-events-config", 1, "cached blocks are not published as events; the router places "
