@@ -212,6 +212,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_spec_tokens=num_spec,
         lora_modules=tuple(args.lora_modules),
         kv_transfer_config=getattr(args, "kv_transfer_config", ""),  # serve's flag
+        kv_events_config=getattr(args, "kv_events_config", ""),  # serve's flag
         **({} if getattr(args, "deterministic", None) is None else {"deterministic": args.deterministic}),
         # --speculative-config's n-gram bounds (no flags of their own).
         **{field: getattr(args, field) for field in ("ngram_min", "ngram_max") if hasattr(args, field)},

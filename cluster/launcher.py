@@ -195,19 +195,20 @@ class Cluster:
         ray.get(self.placement_group.ready(), timeout=120)
         env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
         tag = uuid.uuid4().hex[:6]
+        self._next_event_rank = 0  # _ranked
         self.prefill_handles, self.decode_handles = {}, {}
         for i in range(num_prefill):
             opts = self._actor_options(PlacementGroupSchedulingStrategy(self.placement_group, i), gpu_shares["prefill"],
                                        slot["prefill"], spec.max_worker_restarts)
             wid = f"prefill-{i}-{tag}"
             self.prefill_handles[wid] = ray.remote(PrefillActor).options(**opts).remote(
-                wid, engines["prefill"], transfer, self.router.event_address, env)  # its KV events
+                wid, self._ranked(engines["prefill"]), transfer, self.router.event_address, env)  # its KV events
         for j in range(spec.num_decode):
             opts = self._actor_options(PlacementGroupSchedulingStrategy(self.placement_group, num_prefill + j),
                                        gpu_shares["decode"], slot["decode"], spec.max_worker_restarts)
             wid = f"decode-{j}-{tag}"
             self.decode_handles[wid] = ray.remote(DecodeActor).options(**opts).remote(
-                wid, engine, transfer if spec.mode == "disagg" else None, self.router.event_address, env)
+                wid, self._ranked(engine), transfer if spec.mode == "disagg" else None, self.router.event_address, env)
         addresses = dict(zip(self.prefill_handles, ray.get([h.address.remote() for h in self.prefill_handles.values()], timeout=300)))
         for handle in self.decode_handles.values():
             ray.get([handle.connect_prefill.remote(addr) for addr in addresses.values()], timeout=60)
@@ -223,7 +224,7 @@ class Cluster:
             role = "prefill" if wid in self.prefill_handles else "decode"
             ping = pings[wid]
             self.router.membership.add(wid, role, handle, num_blocks[wid], engine.block_size, ping.incarnation, ping.pid,
-                                       state_blocks.get(wid, 0))
+                                       state_blocks.get(wid, 0), ping.kv_event_source)
         # One set of handles: workers added or removed later (add_worker, remove_worker) show in both.
         self.prefill_handles, self.decode_handles = self.router.prefill, self.router.decode
         self._engine, self._transfer, self._env, self._tag = engine, transfer, env, tag
@@ -231,6 +232,13 @@ class Cluster:
         self._next_index = {"prefill": num_prefill, "decode": spec.num_decode}
         self.router.health.on_worker_restarted = self.rewire
         self.router.health.on_pair_lost = self.rewire_pair
+
+    def _ranked(self, engine_config: EngineConfig) -> EngineConfig:
+        """The config of the next worker started: under --kv-events-config its rank, its place in the start order
+        (prefill workers, then decode workers, then those added later), offsets its endpoint's port as vLLM's
+        data-parallel rank does. A worker Ray restarts keeps it (the same constructor arguments)."""
+        rank, self._next_event_rank = self._next_event_rank, self._next_event_rank + 1
+        return replace(engine_config, kv_events_rank=rank) if engine_config.kv_events_config else engine_config
 
     async def rewire_pair(self, prefill_id: str, decode_id: str, timeout_s: float = 30.0) -> None:
         """Have decode worker ``decode_id`` handshake with prefill worker ``prefill_id`` again: it
@@ -287,14 +295,15 @@ class Cluster:
             return await asyncio.wait_for(ref, timeout_s)
 
         if role == "prefill":
-            handle = ray.remote(PrefillActor).options(**opts).remote(wid, self._engines["prefill"], self._transfer,
+            handle = ray.remote(PrefillActor).options(**opts).remote(wid, self._ranked(self._engines["prefill"]),
+                                                                    self._transfer,
                                                                     self.router.event_address, self._env)
             address = await call(handle.address.remote())
             await asyncio.gather(*(call(h.connect_prefill.remote(address)) for h in list(self.decode_handles.values())))
             num_blocks, num_state_blocks = self._engine.num_kv_blocks, 0
         else:
             transfer = self._transfer if self.spec.mode == "disagg" else None
-            handle = ray.remote(DecodeActor).options(**opts).remote(wid, self._engine, transfer,
+            handle = ray.remote(DecodeActor).options(**opts).remote(wid, self._ranked(self._engine), transfer,
                                                                    self.router.event_address, self._env)
             for prefill in list(self.prefill_handles.values()):
                 await call(handle.connect_prefill.remote(await call(prefill.address.remote())))
@@ -304,7 +313,7 @@ class Cluster:
         async with self.router.lora.lock:  # no adapter load between its sync and its joining
             await self.router.lora.sync(wid, handle)
             self.router.membership.add(wid, role, handle, num_blocks, self._engine.block_size, ping.incarnation,
-                                       ping.pid, num_state_blocks)
+                                       ping.pid, num_state_blocks, ping.kv_event_source)
         log.info("worker %s added and in rotation", wid)
         return wid
 

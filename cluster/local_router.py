@@ -358,7 +358,8 @@ class LocalRouter:
             "num_requests_running": s["num_running"],
             "num_requests_waiting": s["num_waiting"],
             "kv_cache_usage_perc": 1.0 - s["num_free_blocks"] / s["num_blocks"],
-            "workers": [s],
+            "workers": [s if (publisher := self.worker.kv_event_publisher) is None
+                        else {**s, "kv_event_source": publisher.source()}],
         }
 
     def close(self) -> None:

@@ -110,6 +110,8 @@ class WorkerView:
     queued_prefill_tokens: int = 0
     # Per KV tier: {"blocks": held, "capacity_blocks": ...}, as the worker's last health check said (/metrics).
     kv_tiers: dict = field(default_factory=dict)
+    # Where it publishes vLLM's KV events (--kv-events-config; KVEventPublisher.source), as its last ping said.
+    kv_event_source: dict | None = None
     # Prefix affinity: recently seen prompt block hashes (LRU).
     recent_hashes: OrderedDict = field(default_factory=OrderedDict)
 

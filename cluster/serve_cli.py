@@ -145,6 +145,12 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         f"auto (default): disagg with --address, a GPU or at least {MIN_CORES_FOR_DISAGG} cores, "
                         "else colocated")
     c.add_argument("--transport", choices=TRANSPORTS, default="tcp", help="KV transfer transport (disagg)")
+    c.add_argument("--kv-events-config", default="", metavar="JSON",
+                   help="vLLM's flag: every worker publishes its prefix-cache blocks stored and removed as vLLM's KV "
+                        "events over ZeroMQ, for a router outside the cluster (llm-d, Dynamo), e.g. "
+                        "'{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", \"topic\": \"kv\"}' "
+                        "(default endpoint tcp://127.0.0.1:5557; worker k takes port + k; GET /kv_event_sources lists "
+                        "them)")
     c.add_argument("--kv-transfer-config", default="", metavar="JSON",
                    help="vLLM's flag: this instance is one side of an external proxy's prefill/decode split (vLLM's "
                         "toy proxy, llm-d, Ray Serve LLM), e.g. '{\"kv_connector\": \"NixlConnector\", "

@@ -112,8 +112,6 @@ REFUSED_FLAGS = {
     "data_parallel_size_local": ("--data-parallel-size-local", 1, _RAY_PLACES),
     "enable_ssl_refresh": ("--enable-ssl-refresh", 0, "certificates are read when the server starts; restart it "
                                                       "(`pdcluster drain` first) to take new ones"),
-    "kv_events_config": ("--kv-events-config", 1, "cached blocks are not published as events; the router places "
-                                                  "requests on the worker holding their prefix itself"),
 }
 
 def add_vllm_flags(parser: argparse.ArgumentParser) -> None:

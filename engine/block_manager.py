@@ -28,6 +28,21 @@ class Block:
     token_ids: tuple[int, ...] = ()  # kept to rule out hash collisions on a hit
 
 
+@dataclass
+class StoredRun:
+    """Consecutive blocks of one request that entered the prefix cache together, told in full for the KV events
+    published outside the cluster (vLLM's BlockStored: wire/kv_events.py, node/kv_event_publisher.py). Made only
+    where such events are on (``BlockManager.describe_stored``)."""
+
+    block_hashes: list[int]
+    parent_hash: int | None  # the block before the first; None where the first is the request's first block
+    token_ids: list[int]
+    first_token: int  # where the run starts in the request's tokens (its images' places are relative to it)
+    lora_name: str | None = None
+    cache_salt: str | None = None
+    mm_inputs: tuple = ()  # the request's images ({"offset", "length", "digest", ...}), for their extra keys
+
+
 def block_hash_root(params) -> int | None:
     """The parent hash of a request's first block (``params``: its SamplingParams): None for the base model
     without a cache salt or images, else a digest of its LoRA adapter's name and content digest, its ``cache_salt``
@@ -74,7 +89,8 @@ class BlockManager:
     """``on_evict(block_id, block_hash, out_of_stream)`` runs when a cached block is handed to a new owner, while
     its KV is still in place (the offload tiers copy it out: engine/kv_offload/); ``out_of_stream``: the new owner
     writes it outside the steps' queue (allocate_slots). ``on_event(kind, hashes)``
-    reports blocks entering ("stored") and leaving ("removed") the prefix cache, for KV events."""
+    reports blocks entering ("stored") and leaving ("removed") the prefix cache, for KV events; with
+    ``describe_stored`` a store is ``on_event("stored", hashes, runs)``, ``runs`` the StoredRuns of those hashes."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  on_evict: Callable[[int, int, bool], None] | None = None,
@@ -96,6 +112,7 @@ class BlockManager:
         # device queue, so it may take them; writers outside that queue (a KV transfer landing, an
         # offload load) may not until ``lift_fences`` says the step finished.
         self._fenced: dict[int, int] = {}
+        self.describe_stored = False  # set by an engine publishing vLLM's KV events (engine/llm_engine.py)
 
     # ---- questions -------------------------------------------------------------------------
     @property
@@ -215,6 +232,7 @@ class BlockManager:
             token_ids[start_block * self.block_size : num_full * self.block_size], self.block_size, parent
         )
         stored = []
+        runs: list[StoredRun] | None = [] if self.describe_stored else None
         for i, h in enumerate(new_hashes):
             block_index = start_block + i
             block = self.blocks[request.block_ids[block_index]]
@@ -227,23 +245,55 @@ class BlockManager:
             block.token_ids = tuple(token_ids[block_index * self.block_size : (block_index + 1) * self.block_size])
             self._hash_to_block_id[h] = block.block_id
             stored.append(h)
+            if runs is not None:
+                self._add_to_run(runs, request, block_index, h, known[block_index - 1] if block_index else None,
+                                 block.token_ids)
         if stored and self.on_event is not None:
-            self.on_event("stored", stored)
+            if runs is None:
+                self.on_event("stored", stored)
+            else:
+                self.on_event("stored", stored, runs)
+
+    def _add_to_run(self, runs: list[StoredRun], request: Request, block_index: int, block_hash: int,
+                    parent_hash: int | None, token_ids: tuple[int, ...]) -> None:
+        """The block at ``block_index`` of ``request`` onto the last run where it follows it, else a new run."""
+        first_token = block_index * self.block_size
+        last = runs[-1] if runs else None
+        if last is not None and last.first_token + len(last.token_ids) == first_token:
+            last.block_hashes.append(block_hash)
+            last.token_ids.extend(token_ids)
+            return
+        params = request.sampling_params
+        runs.append(StoredRun([block_hash], parent_hash, list(token_ids), first_token, params.lora_name,
+                              params.cache_salt, tuple(params.mm_inputs or ())))
 
     def cache_loaded_blocks(self, block_ids: list[int], block_hashes: list[int],
-                            token_chunks: list[tuple[int, ...]]) -> None:
+                            token_chunks: list[tuple[int, ...]], request: Request | None = None,
+                            first_block: int = 0) -> None:
         """Register blocks whose KV was loaded from a lower tier (engine/kv_offload/) in the prefix cache,
-        as if computed here: the request that loaded them finds them like any cached prefix."""
+        as if computed here: the request that loaded them finds them like any cached prefix. ``request`` and
+        ``first_block`` (the request's block the first of them is) tell them in full (``describe_stored``)."""
         stored = []
-        for block_id, h, chunk in zip(block_ids, block_hashes, token_chunks):
+        runs: list[StoredRun] | None = [] if self.describe_stored and request is not None else None
+        parent = None
+        if runs is not None and first_block:
+            bs = self.block_size
+            parent = chained_block_hashes(request.all_token_ids[: first_block * bs], bs,
+                                          block_hash_root(request.sampling_params))[-1]
+        for i, (block_id, h, chunk) in enumerate(zip(block_ids, block_hashes, token_chunks)):
             block = self.blocks[block_id]
-            if block.block_hash is not None or h in self._hash_to_block_id:
-                continue  # the same content got cached meanwhile (another request computed it)
-            block.block_hash, block.token_ids = h, tuple(chunk)
-            self._hash_to_block_id[h] = block_id
-            stored.append(h)
+            if block.block_hash is None and h not in self._hash_to_block_id:  # else cached meanwhile elsewhere
+                block.block_hash, block.token_ids = h, tuple(chunk)
+                self._hash_to_block_id[h] = block_id
+                stored.append(h)
+                if runs is not None:
+                    self._add_to_run(runs, request, first_block + i, h, parent, block.token_ids)
+            parent = h
         if stored and self.on_event is not None:
-            self.on_event("stored", stored)
+            if runs is None:
+                self.on_event("stored", stored)
+            else:
+                self.on_event("stored", stored, runs)
 
     def free(self, request: Request, fence: int | None = None) -> None:
         """Drop the request's references. Tail blocks go to the free queue first so the shared prefix

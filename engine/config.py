@@ -9,6 +9,7 @@ from pathlib import Path
 
 from pdcluster.engine.kv_offload.config import OffloadConfig
 from pdcluster.wire.external_kv import parse_config as parse_external_kv
+from pdcluster.wire.kv_events import KVEventsConfigError, parse_kv_events_config
 from pdcluster.engine.models.hf_overrides import parse_hf_overrides
 from pdcluster.engine.multimodal.limits import image_processor_kwargs, max_images_per_prompt
 
@@ -106,6 +107,11 @@ class EngineConfig:
     kv_offload_host_gib: float = 0.0
     kv_offload_disk_dir: str = ""
     kv_offload_disk_gib: float = 0.0
+    # vLLM's --kv-events-config (wire/kv_events.py): each worker publishes its prefix-cache blocks stored and
+    # removed over ZeroMQ, for a router outside the cluster. "" = off. ``kv_events_rank``: the worker's place in
+    # the cluster's start order (its endpoint's port offset, the batches' data_parallel_rank), set by the launcher.
+    kv_events_config: str = ""
+    kv_events_rank: int = 0
     # Decode side of a KV transfer: take the prompt's prefix from this worker's own prefix cache and ask
     # the prefill worker only for the rest (engine/remote_admission.py). False: every block is sent.
     decode_prefix_reuse: bool = True
@@ -230,6 +236,13 @@ class EngineConfig:
         if external is not None and not self.enable_prefix_caching:
             raise ConfigError("kv_transfer_config: a decode instance takes the pulled blocks as a prefix-cache hit; "
                               "turn prefix caching on (drop --no-enable-prefix-caching)")
+        try:
+            kv_events = parse_kv_events_config(self.kv_events_config)
+        except KVEventsConfigError as e:
+            raise ConfigError(str(e)) from None
+        if kv_events is not None and not self.enable_prefix_caching:
+            raise ConfigError("kv_events_config: KV events tell the prefix cache's blocks; turn prefix caching on "
+                              "(drop --no-enable-prefix-caching) or the events off")
         try:
             parse_hf_overrides(self.hf_overrides)
         except ValueError as e:  # json.JSONDecodeError is one

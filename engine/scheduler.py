@@ -60,7 +60,7 @@ class Scheduler:
         connector: SchedulerConnector | None = None,
         num_state_blocks: int = 0,
         offload: OffloadManager | None = None,
-        on_kv_event: Callable[[str, str, list[int]], None] | None = None,
+        on_kv_event: Callable[..., None] | None = None,
     ):
         config.require_batch_limits()
         self.config = config
@@ -76,7 +76,7 @@ class Scheduler:
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching,
             on_evict=offload.on_evict if offload is not None else None,
-            on_event=(lambda kind, hashes: on_kv_event(kind, "device", hashes)) if on_kv_event else None)
+            on_event=(lambda kind, hashes, runs=None: on_kv_event(kind, "device", hashes, runs)) if on_kv_event else None)
         self.waiting = WaitingQueue()  # by priority, first come first served within one
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}

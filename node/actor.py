@@ -32,6 +32,8 @@ class Ping:
     # Per KV tier (device, host, disk): {"blocks": held, "capacity_blocks": ...} (node/worker_loop.py
     # kv_tier_usage), for /metrics; empty before the engine is built.
     kv_tiers: dict = dataclasses.field(default_factory=dict)
+    # Where it publishes vLLM's KV events (node/kv_event_publisher.py source()); None without --kv-events-config.
+    kv_event_source: dict | None = None
 
 
 def worker_engine_config(engine_config: EngineConfig, worker_id: str) -> EngineConfig:
@@ -83,7 +85,8 @@ class WorkerActor:
         has been inside one turn of its loop (a stuck step shows here), the pid, and the peers lost."""
         return Ping(alive=self.worker.loop_error is None and self.worker.is_running(), incarnation=self.incarnation,
                     stalled_s=self.worker.stalled_s(), pid=os.getpid(), lost_peers=tuple(self.lost_peers()),
-                    kv_tiers=kv_tier_usage(self.worker.engine))
+                    kv_tiers=kv_tier_usage(self.worker.engine),
+                    kv_event_source=publisher.source() if (publisher := self.worker.kv_event_publisher) else None)
 
     def lost_peers(self) -> list[str]:
         """Peers this worker lost to silence and that only a new handshake brings back (decode role)."""

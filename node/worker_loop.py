@@ -1,6 +1,7 @@
 """A worker's engine thread: every engine call happens on this one thread, so nothing in the engine
 needs a lock. Other threads (Ray method calls, the HTTP server) hand it work through a queue. After
-each turn it publishes the engine's KV events (one ``KVEvents`` record, when there are any)."""
+each turn it publishes the engine's KV events (one ``KVEvents`` record, when there are any), to the router and,
+under ``--kv-events-config``, to subscribers outside the cluster as vLLM's (node/kv_event_publisher.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any, Callable
 
 from pdcluster.engine.kv_offload.audit import offload_audit
 from pdcluster.node.events import Event, WorkerError, kv_event_records
+from pdcluster.node.kv_event_publisher import KVEventPublisher, make_kv_event_publisher
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +28,7 @@ class WorkerLoop:
         self.name = name
         self.worker_id = name  # the id the router knows: subclasses set it (their thread's name differs)
         self.engine = None  # the subclass's LLMEngine, once built (its KV events are published each turn)
+        self.kv_event_publisher: KVEventPublisher | None = None  # vLLM's KV events, where configured (start)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.on_event: Callable[[Event], None] = lambda event: None
         self.loop_error: BaseException | None = None
@@ -34,6 +37,8 @@ class WorkerLoop:
         self.last_turn_s = time.monotonic()
 
     def start(self) -> None:
+        if self.engine is not None:
+            self.kv_event_publisher = make_kv_event_publisher(self.engine, self.worker_id)
         self._thread.start()
 
     def call(self, fn: Callable, *args: Any, timeout_s: float = 30.0) -> Any:
@@ -66,6 +71,8 @@ class WorkerLoop:
         self._commands.put(None)
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout_s)
+        if self.kv_event_publisher is not None and not self._thread.is_alive():
+            self.kv_event_publisher.close()  # after the engine thread's last turn: its batches went out
 
     def tick(self) -> bool:
         """One turn of work; return True if there may be more to do right away."""
@@ -114,7 +121,14 @@ class WorkerLoop:
         between turns too: a disk eviction, a failed read)."""
         if self.engine is None:
             return
-        drained = self.engine.kv_events.drain()
+        publisher = self.kv_event_publisher
+        if publisher is None:
+            drained = self.engine.kv_events.drain()
+        else:
+            described = self.engine.kv_events.drain_described()
+            if described:
+                publisher.publish(time.time(), described)
+            drained = [entry[:3] for entry in described]
         if drained:
             for record in kv_event_records(self.worker_id, drained):
                 self.emit(record)

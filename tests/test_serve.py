@@ -7,7 +7,6 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
@@ -196,10 +195,10 @@ def test_ctrl_c_on_an_idle_server_exits_cleanly(tiny_dir):
 
 
 @pytest.mark.timeout(300)
-def test_busy_port_is_one_line_before_ray_starts(tiny_dir):
+def test_busy_port_is_one_line_before_ray_starts(tiny_dir, tmp_path):
     """A port already in use fails at once (before Ray and the workers start): one line naming the
     port, exit status 2, no traceback."""
-    tmp = tempfile.mkdtemp(prefix="pdcluster-busy-port-")
+    tmp = str(tmp_path)
     env = dict(os.environ, RAY_TMPDIR=tmp, HOME=tmp)
     with socket.create_server(("127.0.0.1", 0)) as busy:
         port = busy.getsockname()[1]

@@ -16,10 +16,11 @@ Plain data only (no torch): the CLI, the API and the engine's config read it bef
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Any
+
+from pdcluster.wire.json_config import parse_json_object
 
 # vLLM's connector names a proxy's manifests carry; every one means this protocol here (the wire between
 # the two instances is ours: a pdcluster instance pairs with a pdcluster instance).
@@ -71,17 +72,9 @@ def parse_config(text: str) -> ExternalKVConfig | None:
     kv_connector_extra_config); "" is None (the protocol is off)."""
     if not text:
         return None
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ExternalKVError(f"kv_transfer_config: not JSON ({e.msg} at character {e.pos})") from None
-    if not isinstance(raw, dict):
-        raise ExternalKVError(f"kv_transfer_config: must be a JSON object, got {type(raw).__name__}")
     known = {"kv_connector", "kv_role", "kv_ip", "kv_port", "kv_connector_extra_config", "kv_buffer_device",
              "kv_buffer_size", "kv_rank", "kv_parallel_size", "engine_id", "kv_load_failure_policy"}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise ExternalKVError(f"kv_transfer_config: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
+    raw = parse_json_object(text, "kv_transfer_config", ExternalKVError, known)
     connector = raw.get("kv_connector", "PdclusterConnector")
     if connector not in CONNECTOR_NAMES:
         raise ExternalKVError(f"kv_transfer_config.kv_connector: {connector!r} is not one of "

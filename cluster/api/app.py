@@ -222,6 +222,13 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
     async def version():
         return {"version": package_version()}
 
+    @app.get("/kv_event_sources")
+    async def kv_event_sources():
+        """vLLM's: where each worker publishes its KV events (--kv-events-config), by rank; {} without."""
+        workers = router.stats().get("workers", [])
+        return {str(w["kv_event_source"]["rank"]): w["kv_event_source"] for w in workers
+                if isinstance(w, dict) and w.get("kv_event_source")}
+
     @app.get("/metrics")
     async def prometheus_metrics():
         try:

@@ -110,14 +110,14 @@ class HealthMonitor:
                 return
             self.incarnations[wid] = incarnation
             self._wired(wid)
-            view.pid, view.kv_tiers = ping.pid, dict(ping.kv_tiers)
+            view.pid, view.kv_tiers, view.kv_event_source = ping.pid, dict(ping.kv_tiers), ping.kv_event_source
             log.warning("worker %s restarted (incarnation %s): re-wired, back in rotation", wid, incarnation)
             view.healthy = True
             return
         if ping is not None:
             if known is None:
                 self.incarnations[wid] = incarnation
-            view.pid, view.kv_tiers = ping.pid, dict(ping.kv_tiers)
+            view.pid, view.kv_tiers, view.kv_event_source = ping.pid, dict(ping.kv_tiers), ping.kv_event_source
             self._note_lost(view, ping.lost_peers, asked)
         if not view.healthy:
             log.warning("worker %s answers again: back in rotation", wid)

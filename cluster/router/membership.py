@@ -32,15 +32,17 @@ class Membership:
         self.health = health
 
     def add(self, worker_id: str, role: str, handle, num_blocks: int, block_size: int, incarnation: str | None,
-            pid: int | None = None, num_state_blocks: int = 0) -> None:
+            pid: int | None = None, num_state_blocks: int = 0, kv_event_source: dict | None = None) -> None:
         """Put a started, wired worker into rotation. ``num_state_blocks``: a hybrid decode worker
-        reserves that many blocks more per transferred prompt, for its Mamba state."""
+        reserves that many blocks more per transferred prompt, for its Mamba state. ``kv_event_source``: where it
+        publishes vLLM's KV events (its first ping's)."""
         (self.prefill if role == "prefill" else self.decode)[worker_id] = handle
         if incarnation is not None:
             self.health.incarnations[worker_id] = incarnation
         self.placement.add_worker(worker_id, role, num_blocks, block_size)
         self.placement.views[worker_id].pid = pid
         self.placement.views[worker_id].num_state_blocks = num_state_blocks
+        self.placement.views[worker_id].kv_event_source = kv_event_source
 
     def dependents(self, worker_id: str) -> list[str]:
         """Requests that still need ``worker_id``: placed on it as decode, or waiting for its KV."""

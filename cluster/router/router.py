@@ -178,6 +178,7 @@ class ClusterRouter:
                 {"worker_id": v.worker_id, "role": v.role, "pid": v.pid, "kv_tokens": v.kv_tokens,
                  "num_requests": v.num_requests, "queued_prefill_tokens": v.queued_prefill_tokens,
                  "num_state_blocks": v.num_state_blocks, "kv_tiers": v.kv_tiers,
+                 "kv_event_source": v.kv_event_source,
                  "healthy": v.healthy and v.worker_id not in cut_off, "draining": v.draining}
                 for v in self.placement.views.values()
             ],

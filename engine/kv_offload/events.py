@@ -19,23 +19,30 @@ MAX_PENDING_EVENTS = 100_000  # an undrained log drops its oldest (the router's 
 
 
 class KVEventLog:
+    """Entries (kind, tier, block hashes, runs): ``runs`` the device tier's StoredRuns (engine/block_manager.py)
+    where the engine describes its stores for events published outside the cluster, else None."""
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         # Bounded: an engine nobody drains (offline generate) drops its oldest events in O(1) each.
-        self._events: deque[tuple[str, str, list[int]]] = deque(maxlen=MAX_PENDING_EVENTS)
+        self._events: deque[tuple[str, str, list[int], list | None]] = deque(maxlen=MAX_PENDING_EVENTS)
         self.num_dropped = 0
 
-    def record(self, kind: str, tier: str, block_hashes: list[int]) -> None:
+    def record(self, kind: str, tier: str, block_hashes: list[int], runs: list | None = None) -> None:
         with self._lock:
             if len(self._events) == MAX_PENDING_EVENTS:
                 self.num_dropped += 1
-            self._events.append((kind, tier, list(block_hashes)))
+            self._events.append((kind, tier, list(block_hashes), runs))
 
     def on_offload_event(self, event: OffloadEvent) -> None:
         self.record(event.kind, event.tier, event.block_hashes)
 
     def drain(self) -> list[tuple[str, str, list[int]]]:
         """Every event since the last drain, oldest first: (kind "stored"|"removed", tier, block hashes)."""
+        return [entry[:3] for entry in self.drain_described()]
+
+    def drain_described(self) -> list[tuple[str, str, list[int], list | None]]:
+        """``drain`` with each entry's StoredRuns (or None) as a fourth item."""
         with self._lock:
             events = list(self._events)
             self._events.clear()

@@ -156,7 +156,7 @@ class OffloadGate(NoOffload):
             chunks = [tuple(request.all_token_ids[(first + i) * bs: (first + i + 1) * bs])
                       for i in range(job.num_loaded)]
             block_manager.cache_loaded_blocks(job.block_ids[: job.num_loaded], job.block_hashes[: job.num_loaded],
-                                              chunks)
+                                              chunks, request, first)
             request.num_offloaded_tokens = job.num_loaded * bs
             if remote:  # its blocks are its reservation: the ones that did not arrive become destinations
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KV
