@@ -116,6 +116,13 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="GET /load answers the requests in flight in this API process (vLLM's flag; 0 without it)")
     g.add_argument("--enable-request-id-headers", action="store_true",
                    help="every response carries X-Request-Id: the client's, else a new one (vLLM's flag)")
+    g.add_argument("--otlp-traces-endpoint", default="", metavar="URL",
+                   help="send each request's OpenTelemetry span (vLLM's attributes, and the TTFT's parts) to this OTLP "
+                        "collector (vLLM's flag; gRPC, or OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf); needs "
+                        "the otel extra")
+    g.add_argument("--collect-detailed-traces", default="", metavar="model|worker|all",
+                   help="each span gets children for the queue, prefill, KV transfer, first decode step and decode "
+                        "(vLLM's flag; any of its values)")
     g.add_argument("--chat-template", default=None, metavar="TEMPLATE|FILE",
                    help="the Jinja chat template to serve in place of the model's (vLLM's flag): the template itself "
                         "(single-line form, \\n escapes read) or a file holding it; for a base model without one")
@@ -295,6 +302,7 @@ def _check_args(args: argparse.Namespace) -> None:
         print("pdcluster serve: --mode auto -> disagg (--prefill/--decode-tensor-parallel-size)", file=sys.stderr,
               flush=True)
     _check_kv_transfer_config(args)
+    _check_tracing(args)
     _check_role_splits(args)
     if args.mode == "auto":
         import torch  # 1.5 s: only when a server starts
@@ -318,6 +326,15 @@ def _check_args(args: argparse.Namespace) -> None:
 
             if args.device.startswith("cuda") or torch.cuda.is_available():
                 check_shared_caches(EngineConfig(device="cuda", tensor_parallel_size=most_ranks))
+
+
+def _check_tracing(args: argparse.Namespace) -> None:
+    from pdcluster.cluster.api.tracing import TracingUnavailable, check_tracing_flags
+
+    try:
+        check_tracing_flags(args.otlp_traces_endpoint, args.collect_detailed_traces)
+    except TracingUnavailable as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check_kv_transfer_config(args: argparse.Namespace) -> None:

@@ -24,7 +24,6 @@ from pdcluster.engine.config import ConfigError
 _CHUNKED = "prompts are prefilled in chunks of --prefill-chunk-size beside decodes"
 _XGRAMMAR = "structured output is always compiled by xgrammar; the answers follow the same schema"
 _NO_IMAGE_CACHE = "images are processed once per request, with no cache to size or turn off"
-_NO_TRACING = "there is no OpenTelemetry tracing; each request's time to first token is broken down on /metrics"
 _RAY_PLACES = "engines are placed by Ray across machines (--address): use --num-prefill/--num-decode"
 
 # dest -> (flag, why it changes nothing here): switches.
@@ -103,8 +102,6 @@ REFUSED_FLAGS = {
                                                       "logit_bias, bad_words and allowed_token_ids are served)"),
     "tool_parser_plugin": ("--tool-parser-plugin", 1, "no code is imported into the server by name; "
                                                       "--tool-call-parser names the built-in parsers"),
-    "otlp_traces_endpoint": ("--otlp-traces-endpoint", 1, _NO_TRACING),
-    "collect_detailed_traces": ("--collect-detailed-traces", 1, _NO_TRACING),
     "headless": ("--headless", 0, "a machine joins a cluster as a Ray node (`ray start --address`), not as a "
                                   "headless data-parallel engine"),
     "data_parallel_address": ("--data-parallel-address", 1, _RAY_PLACES),

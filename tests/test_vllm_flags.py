@@ -85,7 +85,7 @@ def test_kv_offloading_size_is_the_host_tier():
 @pytest.mark.parametrize("argv, message", [
     (["--enable-sleep-mode"], "--enable-sleep-mode: not supported here: there are no /sleep and /wake_up"),
     (["--middleware", "my.module.Middleware"], "--middleware: not supported here: no code is imported"),
-    (["--otlp-traces-endpoint", "http://127.0.0.1:4317"], "--otlp-traces-endpoint: not supported here"),
+    (["--enable-ssl-refresh"], "--enable-ssl-refresh: not supported here: certificates are read when the server"),
     (["--headless"], "--headless: not supported here"),
     (["-pp", "2"], "--pipeline-parallel-size 2: only 1 is served here: split a model across devices with "
                    "--tensor-parallel-size"),

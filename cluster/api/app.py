@@ -37,6 +37,7 @@ from pdcluster.cluster.api.served_names import check_served_names
 from pdcluster.cluster.api.serving import serve_request
 from pdcluster.cluster.api.tokenize_routes import install_tokenize_routes
 from pdcluster.cluster.api.tool_parsers import select_parser
+from pdcluster.cluster.api.tracing import RequestTracer, check_detailed, check_tracing_flags
 from pdcluster.cluster.api.validation import ServerPolicy, check_model, prepare
 from pdcluster.cluster.metrics import Metrics
 
@@ -66,7 +67,8 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
               force_include_usage: bool = False, return_tokens_as_token_ids: bool = False,
               kv_transfer: bool = False, served_model_aliases: tuple[str, ...] = (), response_role: str = "assistant",
               trust_request_chat_template: bool = False, server_load_tracking: bool = False,
-              request_id_headers: bool = False) -> FastAPI:
+              request_id_headers: bool = False, otlp_traces_endpoint: str = "",
+              collect_detailed_traces: str = "") -> FastAPI:
     """``served_model_aliases``: more names the base model is served under, after ``served_model_name`` (vLLM's
     --served-model-name NAME...): a request's ``model`` may be any, /v1/models lists each, answers and metrics give
     ``served_model_name`` (cluster/api/served_names.py); ValueError for an empty or repeated name, or one that is a
@@ -90,7 +92,9 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
     requests' kv_transfer_params (vLLM's external prefill/decode protocol) are served, not refused.
     ``response_role`` (vLLM's --response-role): a chat answer's role; ``trust_request_chat_template``: a chat request's
     ``chat_template`` renders its prompt instead of being refused. ``server_load_tracking`` (GET /load counts the
-    requests in flight) and ``request_id_headers`` (X-Request-Id on every response): cluster/api/request_tracking.py."""
+    requests in flight) and ``request_id_headers`` (X-Request-Id on every response): cluster/api/request_tracking.py.
+    ``otlp_traces_endpoint`` / ``collect_detailed_traces``: each request's OpenTelemetry span (cluster/api/tracing.py;
+    "": none); TracingUnavailable (a ValueError) where they cannot be served."""
     media = media or MediaPolicy()
     served_names = check_served_names((served_model_name, *served_model_aliases), router.lora_names)
     if max_body_bytes is None:
@@ -118,6 +122,9 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
     app = FastAPI(title="pdcluster", description="OpenAI-compatible API of a disaggregated prefill/decode cluster",
                   **docs)
     app.state.router, app.state.metrics = router, metrics
+    check_tracing_flags(otlp_traces_endpoint, collect_detailed_traces)
+    app.state.tracer = (RequestTracer(otlp_traces_endpoint, check_detailed(collect_detailed_traces))
+                        if otlp_traces_endpoint else None)
     started = int(time.time())
     strings = TokenStrings(router.tokenizer)  # token id -> its string in logprobs, shared by all requests
     install_error_handlers(app)

@@ -19,6 +19,7 @@ import anyio
 from pdcluster.cluster.api.logprobs import Positions
 from pdcluster.cluster.api.router_contract import TokenDelta
 from pdcluster.cluster.api.text import AlignedText, Piece, prompt_positions
+from pdcluster.cluster.api.tracing import ChoiceTiming, RequestTrace
 from pdcluster.cluster.api.validation import Prepared, PromptInput
 from pdcluster.cluster.metrics import Metrics
 from pdcluster.engine.sampling_params import SamplingParams
@@ -42,8 +43,10 @@ class ChoiceRun:
     """One choice's stream from the router: shown text and logprob positions, counts, finish, metrics
     (recorded once, on close)."""
 
-    def __init__(self, prep: Prepared, request: ChoiceRequest, router, metrics: Metrics):
+    def __init__(self, prep: Prepared, request: ChoiceRequest, router, metrics: Metrics,
+                 trace: RequestTrace | None = None):
         self.prep, self.request, self.router, self.metrics = prep, request, router, metrics
+        self.trace = trace  # OpenTelemetry (cluster/api/tracing.py): a span when it ends
         self.index = request.index
         out = prep.output
         # Tokens are kept aligned with the text for logprobs and for return_token_ids.
@@ -65,6 +68,8 @@ class ChoiceRun:
         # vLLM's prompt_logprobs: the first delta's records (one per prompt token after the first).
         self.prompt_records: list[TokenLogprobs] | None = None
         self._last_token_at: float | None = None
+        self._first_token_at: float | None = None
+        self._ttft_parts: dict[str, float] = {}  # the router's TTFT parts, as they come (for the trace)
         self._num_deltas = 0
         self._started = False  # the router admitted it and sent a first delta
         self._closed = False
@@ -126,8 +131,11 @@ class ChoiceRun:
     def _observe(self, delta: TokenDelta) -> None:
         now = time.monotonic()
         n = len(delta.new_token_ids)
+        if delta.ttft_breakdown:
+            self._ttft_parts.update(delta.ttft_breakdown)
         if n:
             if self._last_token_at is None:
+                self._first_token_at = now
                 self.metrics.on_first_token(now - self.prep.arrival, delta.ttft_breakdown)
             else:
                 self.metrics.on_tokens(now - self._last_token_at, n)
@@ -169,3 +177,16 @@ class ChoiceRun:
                 self.metrics.on_finish(time.monotonic() - self.prep.arrival, len(self.request.prompt.token_ids),
                                        self.num_output, self.finish_reason, self.num_draft, self.num_accepted,
                                        self.num_cached, self.num_offloaded, self.request.params.lora_name)
+                if self.trace is not None:
+                    self._record_trace()
+
+    def _record_trace(self) -> None:
+        r = self.request
+        try:
+            self.trace.record(ChoiceTiming(
+                r.request_id, self.prep.model, self.prep.arrival, time.monotonic(), self._first_token_at,
+                dict(self._ttft_parts), len(r.prompt.token_ids), self.num_shown_output, self.finish_reason,
+                self.error, r.params, self.prep.n, self.num_cached, self.num_offloaded, self.num_draft,
+                self.num_accepted, {"pdcluster.choice_index": self.index}))
+        except Exception:  # noqa: BLE001 - tracing never fails a request
+            log.exception("tracing request %s failed", r.request_id)

@@ -22,6 +22,7 @@ from starlette.background import BackgroundTask
 
 from pdcluster.cluster.api import protocol as wire
 from pdcluster.cluster.api.choice import ChoiceRun
+from pdcluster.cluster.api.tracing import trace_of
 from pdcluster.cluster.api.fanout import choice_requests, collect_all, interleaved, start_all
 from pdcluster.cluster.api.logprobs import (Positions, TokenIdStrings, TokenStrings, chat_logprobs,
                                             completion_logprobs, vllm_prompt_logprobs)
@@ -274,7 +275,8 @@ async def serve_runs(prep: Prepared, request: Request, router, metrics: Metrics,
     """Start every choice, then answer ``stream_body(reply, first deltas)`` as SSE (``prep.stream``) or
     ``json_body(reply)`` once all ended (503 if one failed): chat and completions here, the Responses API's
     own layout (responses.py)."""
-    runs = [ChoiceRun(prep, c, router, metrics) for c in choice_requests(prep)]
+    trace = trace_of(request)
+    runs = [ChoiceRun(prep, c, router, metrics, trace) for c in choice_requests(prep)]
     resp = Reply(prep, runs, strings)
     handed_off = False
     try:
