@@ -180,6 +180,7 @@ class Cluster:
             {}, {}, self.tokenizer, spec.served_model_name or spec.engine.model,
             max_model_len=max_model_len_for(arch, engine.max_model_len),
             block_size=engine.block_size, lora_names=tuple(engine.lora_paths()),
+            max_loras=engine.max_loras if engine.enable_lora or engine.lora_modules else 0,
             max_images_per_prompt=engine.max_images_per_prompt(), mm_processor_kwargs=engine.mm_processor_kwargs,
             config=RouterConfig(policy=spec.policy, mode=spec.mode, num_spec_tokens=engine.num_spec_steps,
                                 conditional_prefill_tokens=spec.conditional_prefill_tokens,
@@ -411,7 +412,8 @@ def run_cluster(args) -> int:
             from pdcluster.cluster.frontend.supervisor import ApiServers
 
             servers = ApiServers(num_api_servers, listen(args.host, args.port), args.host)
-        metrics = Metrics(cluster.router.model_name, multiprocess_dir=servers.metrics_dir if servers else None)
+        metrics = Metrics(cluster.router.model_name, multiprocess_dir=servers.metrics_dir if servers else None,
+                          prefix=getattr(args, "metrics_prefix", "pdcluster"))
         cluster.router.on_kv_transfer = metrics.observe_kv_transfer
         print(f"pdcluster: {spec.mode}, {len(cluster.prefill_handles)} prefill + {len(cluster.decode_handles)} decode "
               f"workers, transport {spec.transfer.transport}, policy {spec.policy}", file=sys.stderr, flush=True)

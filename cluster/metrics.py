@@ -18,7 +18,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client import values
 from prometheus_client.multiprocess import MultiProcessCollector
 
-PREFIX = "pdcluster:"
+# --metrics-prefix: ours, or vLLM's (every metric named as vLLM names it: llm-d's endpoint picker, KEDA and HPA rules and
+# Grafana dashboards written for vLLM read a pdcluster server unchanged).
+METRIC_PREFIXES = ("pdcluster", "vllm")
 
 # vLLM's buckets, so histogram_quantile panels compare like with like.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -67,22 +69,25 @@ def enable_multiprocess(directory: str) -> None:
 class Metrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, model_name: str = "", multiprocess_dir: str | None = None):
+    def __init__(self, model_name: str = "", multiprocess_dir: str | None = None, prefix: str = "pdcluster"):
         """``multiprocess_dir``: render every process's values in that directory (``enable_multiprocess``
-        must have been called with it in each process first)."""
+        must have been called with it in each process first). ``prefix``: one of METRIC_PREFIXES."""
+        if prefix not in METRIC_PREFIXES:
+            raise ValueError(f"--metrics-prefix: {prefix!r} is not one of {', '.join(METRIC_PREFIXES)}")
+        self.prefix = p = prefix + ":"
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         self.multiprocess_dir = multiprocess_dir
         r, m = self.registry, ["model_name"]
 
         def hist(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(PREFIX + name, doc, m, buckets=buckets, registry=r).labels(model_name)
+            return Histogram(p + name, doc, m, buckets=buckets, registry=r).labels(model_name)
 
         def model_counter(name: str, doc: str) -> Counter:  # one series: this model's
-            return Counter(PREFIX + name, doc, m, registry=r).labels(model_name)
+            return Counter(p + name, doc, m, registry=r).labels(model_name)
 
         def model_gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, m, registry=r, multiprocess_mode="mostrecent").labels(model_name)
+            return Gauge(p + name, doc, m, registry=r, multiprocess_mode="mostrecent").labels(model_name)
 
         self.ttft = hist("time_to_first_token_seconds", "Time to first token (arrival at the API to first token).",
                          TTFT_BUCKETS)
@@ -97,35 +102,46 @@ class Metrics:
         }
         self.prompt_tokens_total = model_counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens_total = model_counter("generation_tokens", "Tokens generated.")
-        cached = Counter(PREFIX + "prompt_tokens_cached", "Prompt tokens served from a KV cache instead of computed, "
+        cached = Counter(p + "prompt_tokens_cached", "Prompt tokens served from a KV cache instead of computed, "
                          "by tier: device (the prefix cache in the worker's pool) or offload (loaded back from "
                          "host memory or disk).", m + ["tier"], registry=r)
         self.prompt_tokens_cached = {tier: cached.labels(model_name, tier) for tier in CACHE_TIERS}
-        self._success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
+        self._success = Counter(p + "request_success", "Finished requests by finish reason.",
                                 m + ["finished_reason"], registry=r)
-        self._lora_requests = Counter(PREFIX + "lora_requests", "Finished requests that ran with a LoRA adapter, by "
+        self._lora_requests = Counter(p + "lora_requests", "Finished requests that ran with a LoRA adapter, by "
                                       "adapter.", m + ["lora_name"], registry=r)
-        self._lora_tokens = Counter(PREFIX + "lora_generation_tokens", "Tokens generated with a LoRA adapter, by "
+        self._lora_tokens = Counter(p + "lora_generation_tokens", "Tokens generated with a LoRA adapter, by "
                                     "adapter.", m + ["lora_name"], registry=r)
         self.spec_draft = model_counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
         self.spec_accepted = model_counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
-        self._kv_bytes = Counter(PREFIX + "kv_transfer_bytes", "KV cache bytes moved from prefill to decode.",
+        self._kv_bytes = Counter(p + "kv_transfer_bytes", "KV cache bytes moved from prefill to decode.",
                                  m + ["transport"], registry=r)
-        self._kv_seconds = Counter(PREFIX + "kv_transfer_seconds", "Seconds spent moving KV cache.",
+        self._kv_seconds = Counter(p + "kv_transfer_seconds", "Seconds spent moving KV cache.",
                                    m + ["transport"], registry=r)
         self.running = model_gauge("num_requests_running", "Requests in a decode batch.")
         self.waiting = model_gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = model_gauge("kv_cache_usage_perc", "KV cache usage (1 = full).")
-        self._autoscale = Counter(PREFIX + "autoscale_actions", "Workers added or drained by the autoscaler.",
+        self._autoscale = Counter(p + "autoscale_actions", "Workers added or drained by the autoscaler.",
                                   m + ["action", "role"], registry=r)
-        self._workers = Gauge(PREFIX + "num_workers", "Workers in rotation.", m + ["role"], registry=r,
+        self._workers = Gauge(p + "num_workers", "Workers in rotation.", m + ["role"], registry=r,
                               multiprocess_mode="mostrecent")
-        self._tier_blocks = Gauge(PREFIX + "kv_tier_blocks", "KV blocks held per tier, summed over workers "
+        self._tier_blocks = Gauge(p + "kv_tier_blocks", "KV blocks held per tier, summed over workers "
                                   "(device: in use by requests; host, disk: offloaded blocks kept).",
                                   m + ["tier"], registry=r, multiprocess_mode="mostrecent")
-        self._tier_capacity = Gauge(PREFIX + "kv_tier_capacity_blocks", "KV blocks each tier can hold, summed "
+        self._tier_capacity = Gauge(p + "kv_tier_capacity_blocks", "KV blocks each tier can hold, summed "
                                     "over workers.", m + ["tier"], registry=r, multiprocess_mode="mostrecent")
         self._tiers_seen: set[str] = set()
+        # What llm-d's endpoint picker reads besides the request gauges (the model server protocol of the Gateway API
+        # Inference Extension): the KV block size and pool size as labels of an info gauge, and the LoRA adapters
+        # running and waiting as labels of one whose value is when it was set (the newest set wins).
+        self._cache_info = Gauge(p + "cache_config_info", "KV cache configuration (labels; value 1): the block size "
+                                 "and the decode workers' device pool in blocks.", ["block_size", "num_gpu_blocks"],
+                                 registry=r, multiprocess_mode="mostrecent")
+        self._cache_info_labels: tuple[str, str] | None = None
+        self._lora_info = Gauge(p + "lora_requests_info", "LoRA adapters of the requests running and waiting "
+                                "(labels; value: when set)", ["max_lora", "running_lora_adapters",
+                                                              "waiting_lora_adapters"],
+                                registry=r, multiprocess_mode="mostrecent")
 
     # ---- per request (the HTTP layer) ---------------------------------------------------------------
     def on_first_token(self, ttft_s: float, breakdown: dict[str, float]) -> None:
@@ -190,6 +206,16 @@ class Metrics:
                                and not w.get("draining", False)]
                 self._workers.labels(self.model_name, role).set(len(in_rotation))
             self._refresh_tiers(workers)
+        if isinstance(stats.get("block_size"), int) and isinstance(stats.get("num_gpu_blocks"), int):
+            labels = (str(stats["block_size"]), str(stats["num_gpu_blocks"]))
+            if labels != self._cache_info_labels:  # one series: the pool's size changes as workers come and go
+                self._cache_info.clear()
+                self._cache_info.labels(*labels).set(1)
+                self._cache_info_labels = labels
+        lora = stats.get("lora")
+        if isinstance(lora, dict):
+            self._lora_info.labels(str(lora.get("max_lora", 0)), ",".join(lora.get("running", ())),
+                                   ",".join(lora.get("waiting", ()))).set_to_current_time()
 
     def _refresh_tiers(self, workers: list) -> None:
         """Per tier, the workers' ``kv_tiers`` summed (a tier no worker reports any more reads 0)."""

@@ -116,6 +116,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="GET /load answers the requests in flight in this API process (vLLM's flag; 0 without it)")
     g.add_argument("--enable-request-id-headers", action="store_true",
                    help="every response carries X-Request-Id: the client's, else a new one (vLLM's flag)")
+    g.add_argument("--metrics-prefix", default="pdcluster", choices=("pdcluster", "vllm"),
+                   help="/metrics names: pdcluster:* (default), or vllm:* as vLLM names them, for llm-d's endpoint "
+                        "picker, KEDA / HPA rules and dashboards written for vLLM")
     g.add_argument("--otlp-traces-endpoint", default="", metavar="URL",
                    help="send each request's OpenTelemetry span (vLLM's attributes, and the TTFT's parts) to this OTLP "
                         "collector (vLLM's flag; gRPC, or OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf); needs "
@@ -452,7 +455,8 @@ def _serve_local(args: argparse.Namespace) -> int:
                 return servers.run(router, args.served_model_name, options, http=args.http_options)
             finally:
                 servers.close()
-        app = build_app(router, args.served_model_name, metrics=Metrics(args.served_model_name),
+        app = build_app(router, args.served_model_name, metrics=Metrics(args.served_model_name,
+                                                                        prefix=options.metrics_prefix),
                         **options.app_kwargs())
         return run_server(app, args.host, args.port, args.served_model_name, sock=sock, http=args.http_options)
     finally:

@@ -172,7 +172,20 @@ def engine_stats(worker_id: str, engine) -> dict:
         "kv_tier_audit": offload_audit(engine),
         # Async scheduling (--async-scheduling): steps queued on the device before the previous one ended.
         "num_steps_launched_ahead": engine.num_steps_launched_ahead,
+        **lora_usage(engine),
     }
+
+
+def lora_usage(engine) -> dict:
+    """An engine serving LoRA adapters: the adapters of its running and waiting requests and how many it holds at
+    once (the ``lora`` of ``router.stats()``: vLLM's lora_requests_info); {} for one that serves none."""
+    config = engine.config
+    if not (config.enable_lora or config.lora_modules):
+        return {}
+    sched = engine.scheduler
+    return {"lora": {"max_lora": config.max_loras,
+                     "running": sorted({r.sampling_params.lora_name for r in sched.running} - {None}),
+                     "waiting": sorted({r.sampling_params.lora_name for r in sched.waiting} - {None})}}
 
 
 def kv_tier_usage(engine) -> dict[str, dict[str, int]]:

@@ -67,7 +67,7 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
               force_include_usage: bool = False, return_tokens_as_token_ids: bool = False,
               kv_transfer: bool = False, served_model_aliases: tuple[str, ...] = (), response_role: str = "assistant",
               trust_request_chat_template: bool = False, server_load_tracking: bool = False,
-              request_id_headers: bool = False, otlp_traces_endpoint: str = "",
+              request_id_headers: bool = False, metrics_prefix: str = "pdcluster", otlp_traces_endpoint: str = "",
               collect_detailed_traces: str = "") -> FastAPI:
     """``served_model_aliases``: more names the base model is served under, after ``served_model_name`` (vLLM's
     --served-model-name NAME...): a request's ``model`` may be any, /v1/models lists each, answers and metrics give
@@ -93,7 +93,8 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
     ``response_role`` (vLLM's --response-role): a chat answer's role; ``trust_request_chat_template``: a chat request's
     ``chat_template`` renders its prompt instead of being refused. ``server_load_tracking`` (GET /load counts the
     requests in flight) and ``request_id_headers`` (X-Request-Id on every response): cluster/api/request_tracking.py.
-    ``otlp_traces_endpoint`` / ``collect_detailed_traces``: each request's OpenTelemetry span (cluster/api/tracing.py;
+    ``metrics_prefix``: /metrics names (pdcluster or vllm: cluster/metrics.py). ``otlp_traces_endpoint`` /
+    ``collect_detailed_traces``: each request's OpenTelemetry span (cluster/api/tracing.py;
     "": none); TracingUnavailable (a ValueError) where they cannot be served."""
     media = media or MediaPolicy()
     served_names = check_served_names((served_model_name, *served_model_aliases), router.lora_names)
@@ -117,7 +118,9 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
         trust_request_chat_template=trust_request_chat_template)
     if not isinstance(pooler, PoolerConfig):
         pooler = pooler_config(getattr(router.tokenizer, "model_dir", None), pooler)
-    metrics = metrics or Metrics(served_model_name)
+    metrics = metrics or Metrics(served_model_name, prefix=metrics_prefix)
+    if metrics.prefix != metrics_prefix + ":":
+        raise ValueError(f"metrics named {metrics.prefix}* given to an app built for --metrics-prefix {metrics_prefix}")
     docs = {} if fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="pdcluster", description="OpenAI-compatible API of a disaggregated prefill/decode cluster",
                   **docs)

@@ -89,6 +89,7 @@ class ApiOptions:
     trust_request_chat_template: bool = False  # vLLM's --trust-request-chat-template
     server_load_tracking: bool = False  # vLLM's --enable-server-load-tracking: GET /load counts requests in flight
     request_id_headers: bool = False  # vLLM's --enable-request-id-headers: X-Request-Id on every response
+    metrics_prefix: str = "pdcluster"  # /metrics names: pdcluster:* or vllm:* (cluster/metrics.py METRIC_PREFIXES)
     otlp_traces_endpoint: str = ""  # vLLM's --otlp-traces-endpoint: a span per request (cluster/api/tracing.py)
     collect_detailed_traces: str = ""  # vLLM's --collect-detailed-traces: the span's children
     # --served-model-name's names after the first (cluster/api/served_names.py): here, every API process gets them
@@ -114,6 +115,7 @@ class ApiOptions:
                    trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
                    server_load_tracking=getattr(args, "enable_server_load_tracking", False),
                    request_id_headers=getattr(args, "enable_request_id_headers", False),
+                   metrics_prefix=getattr(args, "metrics_prefix", "pdcluster"),
                    otlp_traces_endpoint=getattr(args, "otlp_traces_endpoint", ""),
                    collect_detailed_traces=getattr(args, "collect_detailed_traces", ""),
                    served_model_aliases=tuple(getattr(args, "served_model_aliases", ())))

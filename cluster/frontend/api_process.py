@@ -49,7 +49,8 @@ def main(config: ApiConfig, index: int, sock: socket.socket) -> int:
     endpoint, reply_endpoint = router_endpoint(config.socket_dir), f"ipc://{config.socket_dir}/api-{index}"
     router = RemoteRouter(endpoint, reply_endpoint, index, handshake(endpoint, index, HANDSHAKE_TIMEOUT_S))
     app = build_app(router, config.served_model_name,
-                    metrics=Metrics(config.served_model_name, multiprocess_dir=config.metrics_dir),
+                    metrics=Metrics(config.served_model_name, multiprocess_dir=config.metrics_dir,
+                                    prefix=config.options.metrics_prefix),
                     **config.options.app_kwargs())
 
     install_admin_proxy(app, router)

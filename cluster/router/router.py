@@ -44,7 +44,8 @@ log = logging.getLogger(__name__)
 class ClusterRouter:
     def __init__(self, prefill: dict, decode: dict, tokenizer, model_name: str, max_model_len: int,
                  block_size: int, config: RouterConfig | None = None, lora_names: tuple[str, ...] = (),
-                 max_images_per_prompt: int = DEFAULT_MAX_IMAGES_PER_PROMPT, mm_processor_kwargs: str = ""):
+                 max_images_per_prompt: int = DEFAULT_MAX_IMAGES_PER_PROMPT, mm_processor_kwargs: str = "",
+                 max_loras: int = 0):
         self.prefill = prefill  # worker id -> Ray actor handle
         self.decode = decode
         self.tokenizer = tokenizer
@@ -54,6 +55,7 @@ class ClusterRouter:
         self.mm_processor_kwargs = mm_processor_kwargs  # the workers' --mm-processor-kwargs (the API counts by it)
         # The LoRA adapters requests may name (the workers' --lora-modules, and those loaded while serving).
         self.lora = LoraRegistry(tuple(lora_names))
+        self.max_loras = max_loras  # adapters a worker holds at once; 0: the workers serve no LoRA (stats' "lora")
         self.block_size = block_size
         self.config = config or RouterConfig()
         # Which worker holds which prompt block, in which tier: fed by every worker's KVEvents, read by
@@ -183,8 +185,20 @@ class ClusterRouter:
                 for v in self.placement.views.values()
             ],
             "unwired_pairs": [{"prefill": p, "decode": d} for p, d in unwired],
+            "block_size": self.block_size, "num_gpu_blocks": sum(v.num_blocks for v in decodes),
+            **self._lora_usage(),
             **self.counters,
         }
+
+    def _lora_usage(self) -> dict:
+        """The adapters of the requests running (placed) and waiting (not yet), for stats' "lora"; {} without LoRA."""
+        if not self.max_loras:
+            return {}
+        running, waiting = set(), set()
+        for r in self.streams.requests.values():
+            if r.params.lora_name is not None:
+                (running if r.running else waiting).add(r.params.lora_name)
+        return {"lora": {"max_lora": self.max_loras, "running": sorted(running), "waiting": sorted(waiting)}}
 
     # ---- events (on the asyncio loop) ------------------------------------------------------------------
     def on_event(self, event: Event) -> None:
