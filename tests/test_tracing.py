@@ -192,6 +192,33 @@ def test_a_chat_is_a_span_in_the_clients_trace_with_its_phases(http_collector, m
         router.close()
 
 
+def test_beam_search_and_embeddings_are_spans_too(http_collector, monkeypatch):
+    collector, endpoint = http_collector
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+    router = LocalRouter(EngineConfig(model=MODEL, num_kv_blocks=128, max_model_len=512), request_timeout_s=60)
+    try:
+        app = build_app(router, MODEL, otlp_traces_endpoint=endpoint)
+        with serving(app) as base_url:
+            http = httpx.Client(base_url=base_url, timeout=60, headers={"traceparent": TRACEPARENT})
+            beams = http.post("/v1/completions", json={"model": MODEL, "prompt": "a b", "max_tokens": 3, "n": 2,
+                                                       "use_beam_search": True}).json()
+            vectors = http.post("/v1/embeddings", json={"model": MODEL, "input": ["x y", "z"]}).json()
+            assert app.state.tracer.flush()
+        spans = collector.wait_for("llm_request", 4)
+        assert all(s["trace_id"] == TRACE_ID and s["parent"] == PARENT_ID for s in spans)
+        beam = sorted((s for s in spans if "pdcluster.beam_rank" in s["attributes"]),
+                      key=lambda s: s["attributes"]["pdcluster.beam_rank"])
+        assert [s["attributes"]["pdcluster.beam_rank"] for s in beam] == [0, 1]
+        assert sum(s["attributes"]["gen_ai.usage.completion_tokens"] for s in beam) == \
+            beams["usage"]["completion_tokens"]
+        embedded = [s for s in spans if s["attributes"]["gen_ai.request.id"].startswith("embd-")]
+        assert len(embedded) == 2 and all(s["attributes"]["gen_ai.usage.completion_tokens"] == 0 for s in embedded)
+        assert sum(s["attributes"]["gen_ai.usage.prompt_tokens"] for s in embedded) == \
+            vectors["usage"]["prompt_tokens"]
+    finally:
+        router.close()
+
+
 def test_no_endpoint_no_tracer(tiny_dir):
     router = LocalRouter(EngineConfig(model=MODEL, num_kv_blocks=64, max_model_len=256), request_timeout_s=60)
     try:

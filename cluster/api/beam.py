@@ -23,6 +23,7 @@ from pdcluster.cluster.api.logprobs import TokenIdStrings, TokenStrings, chat_lo
 from pdcluster.cluster.api.middleware import APIError
 from pdcluster.cluster.api.serving import ClientGone, unless_disconnected
 from pdcluster.cluster.api.text import AlignedText
+from pdcluster.cluster.api.tracing import ChoiceTiming, trace_finished
 from pdcluster.cluster.api.validation import Prepared
 from pdcluster.cluster.api.whole_request import whole_request
 from pdcluster.cluster.metrics import Metrics
@@ -85,11 +86,16 @@ async def serve_beam_search(prep: Prepared, request: Request, router, metrics: M
         return Response(status_code=499)
     # Each returned beam counts as a finished request in /metrics (its output tokens as generated ones); the
     # step requests behind them are the search's own business.
-    e2e_s = time.monotonic() - prep.arrival
-    for prompt, beams in zip(prep.prompts, results):
-        for beam in beams:
-            metrics.on_finish(e2e_s, len(prompt.token_ids), len(beam.output_token_ids), beam.finish_reason,
-                              lora_name=prompt.params.lora_name)
+    now = time.monotonic()
+    timings = []
+    for i, (prompt, beams) in enumerate(zip(prep.prompts, results)):
+        for rank, beam in enumerate(beams):
+            metrics.on_finish(now - prep.arrival, len(prompt.token_ids), len(beam.output_token_ids),
+                              beam.finish_reason, lora_name=prompt.params.lora_name)
+            timings.append(ChoiceTiming(f"{prep.request_id}-{i * prep.n + rank}", prep.model, prep.arrival, now, None,
+                                        {}, len(prompt.token_ids), len(beam.output_token_ids), beam.finish_reason,
+                                        params=prompt.params, n=prep.n, extra={"pdcluster.beam_rank": rank}))
+    trace_finished(request, timings)
     choices = []
     for i, beams in enumerate(results):
         for rank, beam in enumerate(beams):

@@ -204,7 +204,7 @@ async def _run_pooling(body, pooling: str, id_prefix: str, request: Request, rou
         results = await unless_disconnected(embed_all(router, request_id, prompts, params), request)
     except ClientGone:
         return None
-    observe(metrics, started, prompts, params)
+    observe(metrics, started, prompts, params, request, request_id)
     return request_id, prompts, results
 
 

@@ -35,6 +35,7 @@ from pdcluster.cluster.api.middleware import APIError
 from pdcluster.cluster.api.protocol import ChatMessage, Prompt, StrictModel, short
 from pdcluster.cluster.api.served_names import answered_name
 from pdcluster.cluster.api.serving import ClientGone, unless_disconnected
+from pdcluster.cluster.api.tracing import ChoiceTiming, trace_finished
 from pdcluster.cluster.api.validation import MAX_PROMPTS, chat_prompt_ids, chat_template_kwargs, check_model
 from pdcluster.cluster.api.whole_request import whole_request
 from pdcluster.cluster.metrics import Metrics
@@ -263,11 +264,16 @@ async def embed_all(router, request_id: str, prompts: list[list[int]], params: S
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def observe(metrics: Metrics, started: float, prompts: list[list[int]], params: SamplingParams) -> None:
-    """In /metrics each embedded prompt is a finished request with its prompt tokens and none generated."""
-    e2e_s = time.monotonic() - started
+def observe(metrics: Metrics, started: float, prompts: list[list[int]], params: SamplingParams, request=None,
+            request_id: str = "") -> None:
+    """In /metrics each embedded prompt is a finished request with its prompt tokens and none generated; where the
+    app traces (``request``: the HTTP request), each is a span too (id ``<request_id>-<i>``, as embed_all names it)."""
+    now = time.monotonic()
     for ids in prompts:
-        metrics.on_finish(e2e_s, len(ids), 0, "length", lora_name=params.lora_name)
+        metrics.on_finish(now - started, len(ids), 0, "length", lora_name=params.lora_name)
+    if request is not None:
+        trace_finished(request, [ChoiceTiming(f"{request_id}-{i}", metrics.model_name, started, now, None, {}, len(ids),
+                                              0, "length", params=params) for i, ids in enumerate(prompts)])
 
 
 async def serve_embeddings(body: EmbeddingRequest, request: Request, router, served_names: tuple[str, ...],
@@ -279,7 +285,7 @@ async def serve_embeddings(body: EmbeddingRequest, request: Request, router, ser
         pooled = await unless_disconnected(embed_all(router, prep.request_id, prep.prompts, prep.params), request)
     except ClientGone:
         return Response(status_code=499)
-    observe(metrics, started, prep.prompts, prep.params)
+    observe(metrics, started, prep.prompts, prep.params, request, prep.request_id)
     data = []
     for i, raw in enumerate(pooled):
         vec = finish_embedding(raw, prep.normalize, prep.dimensions)

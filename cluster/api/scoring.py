@@ -123,10 +123,11 @@ async def _similarities(router, served_names: tuple[str, ...], pooler: PoolerCon
                             keep_first=pooler.encoder_only)
     started = time.monotonic()
     try:
-        pooled = await unless_disconnected(embed_all(router, f"{prefix}-{uuid.uuid4().hex}", prompts, params), request)
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        pooled = await unless_disconnected(embed_all(router, request_id, prompts, params), request)
     except ClientGone:
         return None
-    observe(metrics, started, prompts, params)
+    observe(metrics, started, prompts, params, request, request_id)
     num_tokens = sum(len(ids) for ids in prompts)
     if cross:
         return [float(pooler.classifier.activate(logits)[0]) for logits in pooled], num_tokens

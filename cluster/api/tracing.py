@@ -1,5 +1,6 @@
 """OpenTelemetry traces of served requests (vLLM's ``--otlp-traces-endpoint`` and ``--collect-detailed-traces``):
-each choice of a completion, chat or Responses request ends as one ``llm_request`` span (kind SERVER) exported over
+each choice of a completion, chat or Responses request (each beam a beam search returns, each input of an embedding,
+score or classify request) ends as one ``llm_request`` span (kind SERVER) exported over
 OTLP to a collector (Jaeger, Tempo, an OpenTelemetry Collector), a child of the client's trace when the request
 carried W3C ``traceparent`` / ``tracestate`` headers. Its attributes are vLLM's (``gen_ai.*``: the request's
 sampling, token counts, time to first token, queue, prefill, decode, end to end), and ours beside them: the
@@ -16,10 +17,13 @@ collector. Needs the ``otel`` extra (OpenTelemetry's SDK and OTLP exporters); th
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
+
+log = logging.getLogger(__name__)
 
 TRACE_HEADERS = ("traceparent", "tracestate")
 DETAILED_CHOICES = ("model", "worker", "all")  # vLLM's values; any of them gives the child spans here
@@ -100,6 +104,18 @@ class RequestTrace:
 
     def record(self, timing: ChoiceTiming) -> None:
         self.tracer.record(timing, self.context)
+
+
+def trace_finished(request, timings: list[ChoiceTiming]) -> None:
+    """Spans of requests answered whole (beam search, embeddings, scores), where the app traces; never raises."""
+    trace = trace_of(request)
+    if trace is None:
+        return
+    for timing in timings:
+        try:
+            trace.record(timing)
+        except Exception:  # noqa: BLE001 - tracing never fails a request
+            log.exception("tracing request %s failed", timing.request_id)
 
 
 def trace_of(request) -> RequestTrace | None:
