@@ -114,6 +114,9 @@ class RemotePrefill:
     token: str
     engine_id: str
     num_blocks: int  # the prompt's full blocks the prefill instance holds
+    # SGLang's router starts both legs at once (wire/sglang_bootstrap.py): the hold may not be there yet, so the
+    # pull asks again until its timeout.
+    wait_for_hold: bool = False
 
 
 def wants_remote_decode(params: dict | None) -> bool:
@@ -131,6 +134,11 @@ def remote_prefill(params: dict | None) -> RemotePrefill | None:
     Raises ExternalKVError naming the key when do_remote_prefill is set and the rest is malformed."""
     if not params or params.get("do_remote_prefill") is not True:
         return None
+    if "bootstrap_room" in params:  # SGLang's router's fields, translated by the API (checked there)
+        from pdcluster.wire.sglang_bootstrap import bootstrap_remote
+
+        return bootstrap_remote(params)
+
     def need(key: str, kind, check=lambda v: True, what: str = ""):
         value = params.get(key)
         if isinstance(value, bool) or not isinstance(value, kind) or not check(value):

@@ -65,7 +65,7 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
               chat_template: str | None = None, default_chat_template_kwargs: dict | None = None,
               cors: CorsPolicy | None = None, fastapi_docs: bool = True, max_logprobs: int = MAX_LOGPROBS,
               force_include_usage: bool = False, return_tokens_as_token_ids: bool = False,
-              kv_transfer: bool = False, served_model_aliases: tuple[str, ...] = (), response_role: str = "assistant",
+              kv_transfer: bool = False, kv_role: str = "", served_model_aliases: tuple[str, ...] = (), response_role: str = "assistant",
               trust_request_chat_template: bool = False, server_load_tracking: bool = False,
               request_id_headers: bool = False, metrics_prefix: str = "pdcluster", otlp_traces_endpoint: str = "",
               collect_detailed_traces: str = "") -> FastAPI:
@@ -89,7 +89,9 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
     (None: none); ``fastapi_docs`` false leaves /docs, /redoc and /openapi.json out. ``max_logprobs`` (-1: the
     vocabulary), ``force_include_usage``, ``return_tokens_as_token_ids``: vLLM's flags of those names, for every
     request (cluster/api/validation.py ServerPolicy). ``kv_transfer``: the workers run with --kv-transfer-config, so
-    requests' kv_transfer_params (vLLM's external prefill/decode protocol) are served, not refused.
+    requests' kv_transfer_params (vLLM's external prefill/decode protocol) are served, not refused; ``kv_role`` its
+    kv_role, which says whether SGLang's router's bootstrap fields make a request a prefill or a decode leg
+    (wire/sglang_bootstrap.py).
     ``response_role`` (vLLM's --response-role): a chat answer's role; ``trust_request_chat_template``: a chat request's
     ``chat_template`` renders its prompt instead of being refused. ``server_load_tracking`` (GET /load counts the
     requests in flight) and ``request_id_headers`` (X-Request-Id on every response): cluster/api/request_tracking.py.
@@ -114,7 +116,8 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
                                    override_generation_config),
         max_logprobs=router.tokenizer.vocab_size if check_max_logprobs(max_logprobs) == -1 else max_logprobs,
         force_include_usage=force_include_usage, return_tokens_as_token_ids=return_tokens_as_token_ids,
-        kv_transfer=kv_transfer, response_role=check_response_role(response_role),
+        kv_transfer=kv_transfer, kv_role=kv_role or ("kv_both" if kv_transfer else ""),
+        response_role=check_response_role(response_role),
         trust_request_chat_template=trust_request_chat_template)
     if not isinstance(pooler, PoolerConfig):
         pooler = pooler_config(getattr(router.tokenizer, "model_dir", None), pooler)

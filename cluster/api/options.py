@@ -64,6 +64,15 @@ class CorsPolicy:
                    strings("--allowed-headers", headers, ("*",)), bool(credentials))
 
 
+def _kv_role(kv_transfer_config: str) -> str:
+    """--kv-transfer-config's kv_role ("" without one; serve_cli checked the JSON)."""
+    if not kv_transfer_config:
+        return ""
+    from pdcluster.wire.external_kv import parse_config  # plain data, standard library and json only
+
+    return parse_config(kv_transfer_config).role
+
+
 @dataclass(frozen=True)
 class ApiOptions:
     """``build_app``'s keyword arguments as `serve` sets them (see build_app for each one's meaning)."""
@@ -85,6 +94,7 @@ class ApiOptions:
     force_include_usage: bool = False  # every stream ends with its usage chunk
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:<id>" unless a request says otherwise
     kv_transfer: bool = False  # --kv-transfer-config given: requests' kv_transfer_params are served
+    kv_role: str = ""  # its kv_role (SGLang's router's bootstrap fields: a prefill or a decode server)
     response_role: str = "assistant"  # vLLM's --response-role
     trust_request_chat_template: bool = False  # vLLM's --trust-request-chat-template
     server_load_tracking: bool = False  # vLLM's --enable-server-load-tracking: GET /load counts requests in flight
@@ -111,6 +121,7 @@ class ApiOptions:
                    force_include_usage=getattr(args, "enable_force_include_usage", False),
                    return_tokens_as_token_ids=getattr(args, "return_tokens_as_token_ids", False),
                    kv_transfer=bool(getattr(args, "kv_transfer_config", "")),
+                   kv_role=_kv_role(getattr(args, "kv_transfer_config", "")),
                    response_role=getattr(args, "response_role", "assistant"),
                    trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
                    server_load_tracking=getattr(args, "enable_server_load_tracking", False),

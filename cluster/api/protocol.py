@@ -121,6 +121,10 @@ class SamplingFields(StrictModel):
     # vLLM's external prefill/decode protocol (wire/external_kv.py; a server started with --kv-transfer-config):
     # do_remote_decode on the prefill instance, its answer's kv_transfer_params on the decode instance.
     kv_transfer_params: dict | None = None
+    # SGLang's router's prefill/decode fields (wire/sglang_bootstrap.py), turned into kv_transfer_params.
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
     # Structured output, vLLM's two spellings (cluster/api/structured.py):
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict | str | None = None

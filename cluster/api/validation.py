@@ -39,6 +39,7 @@ from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.engine.tokenizer import ChatTemplateError, ContinueFinalMessageError
 from pdcluster.wire.external_kv import ExternalKVError, asks_for_split, wants_remote_decode
 from pdcluster.wire.external_kv import check_request_params as check_kv_transfer_params
+from pdcluster.wire.sglang_bootstrap import bootstrap_kv_params
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,7 @@ class ServerPolicy:
     force_include_usage: bool = False  # vLLM's --enable-force-include-usage: every stream ends with its usage
     return_tokens_as_token_ids: bool = False  # vLLM's server flag: every request's logprob tokens as "token_id:<id>"
     kv_transfer: bool = False  # vLLM's --kv-transfer-config: requests' kv_transfer_params are served
+    kv_role: str = ""  # its kv_role: SGLang's router's bootstrap fields read as a prefill or a decode server's
     response_role: str = "assistant"  # vLLM's --response-role: the role of a chat answer's message
     # vLLM's --trust-request-chat-template: a chat request's chat_template renders its prompt (in the sandbox every
     # template runs in); without it such a request is refused.
@@ -124,6 +126,8 @@ async def prepare(body: SamplingFields, router, served_names: tuple[str, ...], p
                                                       policy.defaults)
     lora_name = check_model(body.model, served_names, router.lora_names)
     n = _check_n(body)
+    if body.bootstrap_room is not None:
+        body = _from_bootstrap(body, policy.kv_role)
     _reject_unsupported(body, policy.trust_request_chat_template)
     is_chat = isinstance(body, ChatCompletionRequest)
     output, extras = _output_and_extras(body, policy)
@@ -205,6 +209,24 @@ async def prepare(body: SamplingFields, router, served_names: tuple[str, ...], p
                     f"{prefix}-{client_id}" if client_id else request_id, continuous_usage=continuous, beam=beam)
 
 
+def _from_bootstrap(body: SamplingFields, kv_role: str) -> SamplingFields:
+    """SGLang's router's request (wire/sglang_bootstrap.py) as its kv_transfer_params say it; on the prefill side one
+    token is generated (the router shows the decode side's answer)."""
+    if body.kv_transfer_params is not None:
+        raise _bad("kv_transfer_params", "give kv_transfer_params (vLLM's proxies) or bootstrap_room (SGLang's "
+                                         "router), not both")
+    try:
+        params = bootstrap_kv_params(body.bootstrap_host, body.bootstrap_port, body.bootstrap_room, kv_role)
+    except ExternalKVError as e:
+        raise APIError(400, str(e), param=str(e).split(":")[0]) from None
+    update = {"kv_transfer_params": params}
+    if wants_remote_decode(params):
+        update.update(max_tokens=1, min_tokens=None)
+        if isinstance(body, ChatCompletionRequest):
+            update["max_completion_tokens"] = None
+    return body.model_copy(update=update)
+
+
 def _check_kv_transfer(body: SamplingFields, n: int, num_prompts: int, beam: bool, served: bool) -> None:
     """vLLM's kv_transfer_params (wire/external_kv.py): well formed, on a server that serves them, and on a request
     that is one engine request whose answer can carry them back (one prompt, one choice, no beam, not streamed for
@@ -220,7 +242,7 @@ def _check_kv_transfer(body: SamplingFields, n: int, num_prompts: int, beam: boo
     if n != 1 or num_prompts != 1 or beam:
         raise _bad("kv_transfer_params", f"apply to one prompt with n=1 and no beam search, got {num_prompts} "
                                          f"prompt(s), n={n}{' with use_beam_search' if beam else ''}")
-    if body.stream and wants_remote_decode(body.kv_transfer_params):
+    if body.stream and wants_remote_decode(body.kv_transfer_params) and "bootstrap_room" not in body.kv_transfer_params:
         raise _bad("kv_transfer_params", "do_remote_decode answers with kv_transfer_params in the JSON response: "
                                          "set stream=false (as vLLM's proxies do for the prefill request)")
 

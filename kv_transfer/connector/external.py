@@ -21,6 +21,7 @@ from pdcluster.kv_transfer.external.export_server import KVExportServer
 from pdcluster.kv_transfer.external.pull import PullSource, PullStats
 from pdcluster.wire.external_kv import ExternalKVConfig, remote_prefill, wants_remote_decode
 from pdcluster.wire.kv_connector import KVConnector, KVConnectorOutput
+from pdcluster.wire.sglang_bootstrap import room_key
 
 ENDED_NORMALLY = ("length", "stop")
 
@@ -48,8 +49,13 @@ class ExternalKVConnector(KVConnector):
             return False
         num_blocks = min(len(request.prompt_token_ids) // self.block_size, len(request.block_ids))
         block_ids = list(request.block_ids[:num_blocks])
-        token = self.server.hold(request.request_id, block_ids, self._hash_prompt_blocks(request, num_blocks),
-                                 self.config.hold_timeout_s) if num_blocks else ""
+        # SGLang's router: pulled by its room (wire/sglang_bootstrap.py); held even without a full block, so that
+        # the decode side, which asks without knowing, learns it at once instead of waiting out its pull.
+        room = params.get("bootstrap_room")
+        token = ""
+        if num_blocks or room is not None:
+            token = self.server.hold(request.request_id, block_ids, self._hash_prompt_blocks(request, num_blocks),
+                                     self.config.hold_timeout_s, None if room is None else room_key(room))
         request.kv_transfer_out = {
             "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
             "remote_request_id": request.request_id, "remote_block_ids": block_ids,

@@ -21,16 +21,21 @@ from typing import Callable
 
 import zmq
 
-from pdcluster.kv_transfer.external.wire import CODEC, MAX_PULL_BYTES, Blocks, Pull
+from pdcluster.kv_transfer.external.wire import CODEC, MAX_PULL_BYTES, NOT_HELD, Blocks, Pull
 from pdcluster.wire.records import ProtocolError
+from pdcluster.wire.sglang_bootstrap import ROOM_PREFIX
 
 log = logging.getLogger(__name__)
 
 _POLL_MS = 100
+# A release that came before its hold (SGLang's bootstrap: both legs start at once) is remembered this long.
+RELEASED_EARLY_S = 300.0
+MAX_RELEASED_EARLY = 100_000
 
 
 @dataclass
 class Hold:
+    request_id: str  # the engine's (its blocks go back under it); the hold's key may be another name (a room)
     block_ids: list[int]
     block_hashes: list[int]
     token: str
@@ -57,31 +62,44 @@ class KVExportServer:
             self._ctx.term()
             raise OSError(f"KV export server: cannot listen on {host}:{port}: {e}") from None
         self._lock = threading.Lock()
-        self._holds: dict[str, Hold] = {}
+        self._holds: dict[str, Hold] = {}  # by key: the request id, or the name a pull asks by (an SGLang room)
         self._ended: list[str] = []
+        # Keys released before their hold was made (SGLang's router starts both legs at once: a decode side that
+        # found the prompt in its own cache may say so first) -> until when: such a hold ends as soon as it is made.
+        self._released_early: dict[str, float] = {}
         self.counters = {"held": 0, "pulled": 0, "released": 0, "expired": 0, "refused": 0, "bytes": 0}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="kv-export", daemon=True)
         self._thread.start()
 
     # ---- engine thread ---------------------------------------------------------------------------------
-    def hold(self, request_id: str, block_ids: list[int], block_hashes: list[int], timeout_s: float) -> str:
-        """Keep ``block_ids`` (the prompt's full blocks, hashes in the same order) for one pull; returns its token."""
-        token = secrets.token_hex(16)
+    def hold(self, request_id: str, block_ids: list[int], block_hashes: list[int], timeout_s: float,
+             key: str | None = None) -> str:
+        """Keep ``block_ids`` (the prompt's full blocks, hashes in the same order) for one pull; returns its token.
+        ``key``: the name pulls ask for it by, with no token (an SGLang bootstrap room: random, the router's and the
+        two servers' alone); default the request id, with a fresh token."""
+        token = "" if key is not None else secrets.token_hex(16)
+        key = request_id if key is None else key
         with self._lock:
-            self._holds[request_id] = Hold(list(block_ids), list(block_hashes), token, time.monotonic() + timeout_s)
+            self._holds[key] = Hold(request_id, list(block_ids), list(block_hashes), token,
+                                    time.monotonic() + timeout_s)
             self.counters["held"] += 1
+            if self._released_early.pop(key, None) is not None:
+                self._end(key, "released")
         return token
 
     def take_ended(self) -> list[str]:
         """Holds that ended since the last call (served, released or expired): their blocks may go back."""
         now = time.monotonic()
         with self._lock:
-            for request_id, hold in list(self._holds.items()):
+            for key, hold in list(self._holds.items()):
                 if not hold.serving and now >= hold.deadline:
-                    del self._holds[request_id]
-                    self._ended.append(request_id)
+                    del self._holds[key]
+                    self._ended.append(hold.request_id)
                     self.counters["expired"] += 1
+            for key, until in list(self._released_early.items()):
+                if now >= until:
+                    del self._released_early[key]
             ended, self._ended = self._ended, []
         return ended
 
@@ -134,8 +152,14 @@ class KVExportServer:
 
         with self._lock:
             hold = self._holds.get(pull.request_id)
+            if hold is None and not pull.block_hashes and pull.request_id.startswith(ROOM_PREFIX):
+                # A room's release ahead of its hold (bounded: a flood of them forgets the oldest).
+                if len(self._released_early) >= MAX_RELEASED_EARLY:
+                    self._released_early.pop(next(iter(self._released_early)))
+                self._released_early[pull.request_id] = time.monotonic() + RELEASED_EARLY_S
+                return Blocks(self.layout, 0, self.block_nbytes), b""
             if hold is None or hold.serving:
-                return refuse(f"no blocks held for request {pull.request_id!r} (never, pulled already, or expired)")
+                return refuse(f"{NOT_HELD} for request {pull.request_id!r} (never, pulled already, or expired)")
             if not hmac.compare_digest(hold.token.encode(), pull.token.encode()):
                 return refuse(f"wrong token for request {pull.request_id!r}")
             if pull.layout != self.layout:
@@ -158,7 +182,8 @@ class KVExportServer:
         self.counters["bytes"] += memoryview(payload).nbytes
         return Blocks(self.layout, num, self.block_nbytes), payload
 
-    def _end(self, request_id: str, how: str) -> None:
-        if self._holds.pop(request_id, None) is not None:
-            self._ended.append(request_id)
+    def _end(self, key: str, how: str) -> None:
+        hold = self._holds.pop(key, None)
+        if hold is not None:
+            self._ended.append(hold.request_id)
             self.counters[how] += 1

@@ -9,19 +9,23 @@ prefill instance its blocks are not wanted (a request that found its prefix here
 from __future__ import annotations
 
 import logging
+import time
 import warnings
 from dataclasses import dataclass
 
 import torch
 import zmq
 
-from pdcluster.kv_transfer.external.wire import CODEC, Blocks, Pull
+from pdcluster.kv_transfer.external.wire import CODEC, NOT_HELD, Blocks, Pull
 from pdcluster.wire.external_kv import RemotePrefill
 from pdcluster.wire.records import ProtocolError
 
 log = logging.getLogger(__name__)
 
 _MAX_HEADER_BYTES = 1 << 16
+# A bootstrap pull whose hold is not there yet asks again after these waits, doubling (wire/sglang_bootstrap.py).
+FIRST_WAIT_S = 0.01
+MAX_WAIT_S = 0.2
 
 
 @dataclass
@@ -46,15 +50,25 @@ class PullSource:
         """Blocks ``first_block`` on whose hashes are ``block_hashes`` (leading matches only), as one host tensor
         [num_blocks, *column shape] (no blocks: empty)."""
         none = torch.empty((0, *self.block_shape), dtype=self.dtype)
-        answer = self._ask(first_block, block_hashes)
-        if answer is None:
-            return none
-        header, payload = answer
+        deadline = time.monotonic() + self.timeout_s
+        wait_s = FIRST_WAIT_S
+        while True:  # bounded: by the deadline
+            answer = self._ask(first_block, block_hashes, deadline)
+            if answer is None:
+                return none
+            header, payload = answer
+            if not (self.remote.wait_for_hold and header.error.startswith(NOT_HELD)
+                    and time.monotonic() + wait_s < deadline):
+                break
+            time.sleep(wait_s)  # the prefill side is still computing the prompt (both legs started together)
+            wait_s = min(2 * wait_s, MAX_WAIT_S)
         size = memoryview(payload).nbytes
         if header.error:
             log.warning("KV pull for %s from %s:%d: %s; computing the prompt here", self.remote.request_id,
                         self.remote.host, self.remote.port, header.error)
             self._stats.num_failed += 1
+            if self.remote.wait_for_hold:
+                self.release()  # its hold may still come: it ends as soon as it does
             return none
         num = header.num_blocks
         if (header.layout != self.layout or header.block_nbytes != self.block_nbytes or num > len(block_hashes)
@@ -77,14 +91,16 @@ class PullSource:
     def release(self) -> None:
         self._ask(0, [])
 
-    def _ask(self, first_block: int, block_hashes: list[int]) -> tuple[Blocks, memoryview] | None:
+    def _ask(self, first_block: int, block_hashes: list[int],
+             deadline: float | None = None) -> tuple[Blocks, memoryview] | None:
         r = self.remote
+        timeout_s = self.timeout_s if deadline is None else max(0.0, deadline - time.monotonic())
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         try:
             sock.connect(f"tcp://{r.host}:{r.port}")
             sock.send(CODEC.encode(Pull(r.request_id, r.token, self.layout, first_block, list(block_hashes))))
-            if not sock.poll(int(self.timeout_s * 1000)):
+            if not sock.poll(int(timeout_s * 1000)):
                 log.warning("KV pull for %s: %s:%d did not answer in %.1f s; computing the prompt here",
                             r.request_id, r.host, r.port, self.timeout_s)
                 self._stats.num_failed += 1

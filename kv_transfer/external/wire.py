@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pdcluster.wire.records import Codec, Record
 
 MAX_PULL_BYTES = 1 << 20  # a Pull's size bound: hashes of ~100k blocks
+NOT_HELD = "no blocks held"  # how a refusal for a name with no hold begins (a bootstrap pull asks again)
 
 
 @dataclass(frozen=True)
