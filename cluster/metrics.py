@@ -30,6 +30,7 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's for request_params_n
 # The TTFT parts (keys of TokenDelta.ttft_breakdown) and their histograms.
 TTFT_PARTS = ("queue", "prefill", "kv_transfer", "first_decode")
 # Where cached prompt tokens came from: the worker's device pool, or loaded back from an offload tier
@@ -138,6 +139,22 @@ class Metrics:
                                  "and the decode workers' device pool in blocks.", ["block_size", "num_gpu_blocks"],
                                  registry=r, multiprocess_mode="mostrecent")
         self._cache_info_labels: tuple[str, str] | None = None
+        # vLLM's per-request phases and parameters (its Grafana dashboard's panels), from what the API process saw:
+        # the queue and prefill parts of the time to first token (the router's), the decode from the first token to
+        # the last, the inference from the end of the queue to the last, each request's mean time per output token.
+        self.request_queue = hist("request_queue_time_seconds", "Time waiting to be placed (the queue part of the "
+                                  "time to first token).", E2E_BUCKETS)
+        self.request_prefill = hist("request_prefill_time_seconds", "Time in prefill (placed to first token).",
+                                    E2E_BUCKETS)
+        self.request_decode = hist("request_decode_time_seconds", "Time in decode (first token to last).",
+                                   E2E_BUCKETS)
+        self.request_inference = hist("request_inference_time_seconds", "Time placed (queue end to last token).",
+                                      E2E_BUCKETS)
+        self.request_tpot = hist("request_time_per_output_token_seconds", "Each request's mean time per output "
+                                 "token after the first.", ITL_BUCKETS)
+        self.params_max_tokens = hist("request_params_max_tokens", "The max_tokens each request asked for.",
+                                      TOKEN_BUCKETS)
+        self.params_n = hist("request_params_n", "The n each request asked for.", N_BUCKETS)
         self._lora_info = Gauge(p + "lora_requests_info", "LoRA adapters of the requests running and waiting "
                                 "(labels; value: when set)", ["max_lora", "running_lora_adapters",
                                                               "waiting_lora_adapters"],
@@ -162,11 +179,29 @@ class Metrics:
 
     def on_finish(self, e2e_s: float, num_prompt_tokens: int, num_output_tokens: int, finish_reason: str,
                   num_draft_tokens: int = 0, num_accepted_tokens: int = 0, num_cached_tokens: int = 0,
-                  num_offloaded_tokens: int = 0, lora_name: str | None = None) -> None:
+                  num_offloaded_tokens: int = 0, lora_name: str | None = None, ttft_s: float | None = None,
+                  ttft_parts: dict[str, float] | None = None, max_tokens: int | None = None,
+                  n: int | None = None) -> None:
         """``num_cached_tokens``: of the prompt's, served from a cache; ``num_offloaded_tokens``: of those,
         loaded back from an offload tier (the rest were in the device pool); ``lora_name``: the request's LoRA
-        adapter (None: the base model)."""
+        adapter (None: the base model). ``ttft_s`` (None: no token came) and the router's ``ttft_parts`` give the
+        request's phases; ``max_tokens`` and ``n`` (once per request: its first choice's) what it asked for."""
         self.e2e.observe(e2e_s)
+        if ttft_s is not None:
+            decode_s = max(0.0, e2e_s - ttft_s)
+            self.request_decode.observe(decode_s)
+            if num_output_tokens > 1:
+                self.request_tpot.observe(decode_s / (num_output_tokens - 1))
+            parts = ttft_parts or {}
+            if parts.get("queue", -1.0) >= 0:
+                self.request_queue.observe(parts["queue"])
+                self.request_inference.observe(max(0.0, e2e_s - parts["queue"]))
+            if parts.get("prefill", -1.0) >= 0:
+                self.request_prefill.observe(parts["prefill"])
+        if max_tokens is not None:
+            self.params_max_tokens.observe(max_tokens)
+        if n is not None:
+            self.params_n.observe(n)
         self.prompt_tokens.observe(num_prompt_tokens)
         self.generation_tokens.observe(num_output_tokens)
         self.prompt_tokens_total.inc(num_prompt_tokens)

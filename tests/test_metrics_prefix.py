@@ -76,10 +76,23 @@ def test_served_local_mode_with_vllm_names(tiny_dir):
     router = LocalRouter(EngineConfig(model="tiny-random", num_kv_blocks=96, max_model_len=256), request_timeout_s=60)
     try:
         with serving(build_app(router, "tiny-random", metrics_prefix="vllm")) as base_url:
+            httpx.post(f"{base_url}/v1/completions", timeout=60, json={
+                "model": "tiny-random", "prompt": "a b c", "max_tokens": 2, "ignore_eos": True}).raise_for_status()
             httpx.post(f"{base_url}/v1/completions", timeout=60,
-                       json={"model": "tiny-random", "prompt": "a b c", "max_tokens": 2}).raise_for_status()
+                       json={"model": "tiny-random", "prompt": "d e", "max_tokens": 3, "n": 2,
+                             "ignore_eos": True}).raise_for_status()
             families = _samples(httpx.get(f"{base_url}/metrics", timeout=30).text)
-        assert families["vllm:request_success"][0].value == 1
+        assert families["vllm:request_success"][0].value == 3  # a choice each
+        # vLLM's dashboard's per-request panels: the phases of every choice, the parameters once per request.
+        counts = {name: next(s.value for s in families[name] if s.name.endswith("_count")) for name in (
+            "vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
+            "vllm:request_inference_time_seconds", "vllm:request_time_per_output_token_seconds",
+            "vllm:request_params_max_tokens", "vllm:request_params_n")}
+        assert counts == {"vllm:request_queue_time_seconds": 3, "vllm:request_prefill_time_seconds": 3,
+                          "vllm:request_decode_time_seconds": 3, "vllm:request_inference_time_seconds": 3,
+                          "vllm:request_time_per_output_token_seconds": 3, "vllm:request_params_max_tokens": 2,
+                          "vllm:request_params_n": 2}
+        assert next(s.value for s in families["vllm:request_params_n"] if s.name.endswith("_sum")) == 3  # 1 + 2
         assert families["vllm:num_requests_waiting"][0].value == 0
         (info,) = families["vllm:cache_config_info"]
         assert info.labels == {"block_size": str(router.worker.engine.config.block_size), "num_gpu_blocks": "96"}

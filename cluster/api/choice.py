@@ -174,9 +174,14 @@ class ChoiceRun:
             except Exception:  # noqa: BLE001 - cleanup must not mask the request's outcome
                 log.exception("closing request %s failed", self.request.request_id)
             if self._started:  # a request refused at admission is no finished request
+                first = self.index % self.prep.n == 0  # a prompt's parameters, once (its first choice)
                 self.metrics.on_finish(time.monotonic() - self.prep.arrival, len(self.request.prompt.token_ids),
                                        self.num_output, self.finish_reason, self.num_draft, self.num_accepted,
-                                       self.num_cached, self.num_offloaded, self.request.params.lora_name)
+                                       self.num_cached, self.num_offloaded, self.request.params.lora_name,
+                                       ttft_s=None if self._first_token_at is None
+                                       else self._first_token_at - self.prep.arrival,
+                                       ttft_parts=self._ttft_parts, max_tokens=self.request.params.max_tokens
+                                       if first else None, n=self.prep.n if first else None)
                 if self.trace is not None:
                     self._record_trace()
 
