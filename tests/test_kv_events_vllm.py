@@ -307,11 +307,20 @@ def test_local_server_lists_its_source_and_publishes_a_prompts_blocks(tiny_dir):
             sources = httpx.get(f"{base_url}/kv_event_sources", timeout=30).json()
             assert list(sources) == ["0"] and sources["0"]["endpoint"].startswith("tcp://127.0.0.1:")
             sub = _subscriber(ctx, sources["0"]["endpoint"])
-            time.sleep(0.3)
+            # `pdcluster kv-events` watching the same server, replaying from the first batch (AllBlocksCleared).
+            watch = subprocess.Popen([sys.executable, "-m", "pdcluster.cli", "kv-events", "--url", base_url,
+                                      "--seconds", "20", "--max-batches", "2", "--replay-from", "0", "--json"],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            time.sleep(3.0)  # its start and subscription
             prompt = list(range(200, 240))
             httpx.post(f"{base_url}/v1/completions", timeout=60,
                        json={"model": "tiny-random", "prompt": prompt, "max_tokens": 2}).raise_for_status()
             assert _stored_tokens(sub, 3.0)[:32] == prompt[:32]
+            out, err = watch.communicate(timeout=60)
+        assert watch.returncode == 0, err
+        batches = [json.loads(line) for line in out.splitlines()]
+        assert batches[0]["events"] == [{"type": "AllBlocksCleared"}] and batches[0]["seq"] == 0
+        assert batches[1]["events"][0]["token_ids"][:32] == prompt[:32] and batches[1]["rank"] == 0
     finally:
         router.close()
         ctx.destroy(linger=0)
