@@ -712,6 +712,20 @@ def test_ray_yaml_and_chart_share_one_serve_script():
     assert "deploy/helm/pdcluster/files" in text
 
 
+def test_dockerfile_python_imports_exist():
+    """The image's build steps import what the package has (no Docker engine here: the Dockerfile is not built), and
+    it installs the extras its README promises."""
+    import importlib
+    import re
+
+    text = (sc.REPO / "deploy" / "docker" / "Dockerfile").read_text()
+    imports = re.findall(r"from (pdcluster[\w.]*) import (\w+)", text)
+    assert imports
+    for module, name in imports:
+        assert hasattr(importlib.import_module(module), name), f"{module}.{name}"
+    assert "[otel]" in text
+
+
 def test_readme_serve_commands_are_accepted():
     """The `pdcluster serve` lines users copy from the deploy READMEs parse, with full flag names."""
     import re
