@@ -12,6 +12,7 @@ cases above it are not passing by luck. Slow-marked: the costlier smollm2 varian
 from __future__ import annotations
 
 import functools
+import gc
 import random
 from dataclasses import replace
 
@@ -32,6 +33,15 @@ def _engine(model: str, **kwargs):
     """One engine per configuration for the whole module (loading smollm2 takes seconds)."""
     kwargs = {**BF16, "num_kv_blocks": 1024, "max_model_len": 1024, **kwargs}
     return make_engine(model, **kwargs)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _engines_leave_with_the_module():
+    """The cached engines (a dozen smollm2 configurations, GBs) go when the module ends: one process runs many
+    modules (an xdist worker, `pytest -m slow`), and the next ones need the memory."""
+    yield
+    _engine.cache_clear()
+    gc.collect()
 
 
 def _vocab(model: str) -> int:
