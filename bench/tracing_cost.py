@@ -2,7 +2,8 @@
 serve --mode local` on tiny-random (a fast engine, so the API process's own work shows), `pdcluster loadtest` at a
 fixed concurrency, each run once without tracing (A) and once with spans (and their children) sent to a collector on
 loopback over HTTP/protobuf that counts them (B), turns A B A B. Prints JSON: output tokens/s, mean TTFT and TPOT per
-run, the ratios B/A, and the spans the collector got (one ``llm_request`` per request, six with the children).
+run, the ratios B/A, and the spans the collector got (one ``llm_request`` per request and its children: queue,
+prefill and decode in local mode, kv_transfer and first_decode too disaggregated).
 
     python bench/tracing_cost.py [--rounds 2] [--num-prompts 256] [--max-concurrency 64] [--out F]
 """
