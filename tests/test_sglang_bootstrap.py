@@ -25,7 +25,8 @@ from pdcluster.kv_transfer.external.export_server import KVExportServer
 from pdcluster.kv_transfer.external.pull import PullSource, PullStats
 from pdcluster.tools.server_process import ServeProcess
 from pdcluster.wire.external_kv import ExternalKVError, check_request_params
-from pdcluster.wire.sglang_bootstrap import ALL_BLOCKS, bootstrap_kv_params, bootstrap_remote, room_key
+from pdcluster.wire.sglang_bootstrap import (ALL_BLOCKS, bootstrap_kv_params, bootstrap_remote, is_bootstrap_pull,
+                                             room_key)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -44,7 +45,7 @@ def test_fields_become_kv_transfer_params_by_the_servers_role():
     remote = bootstrap_remote(consumer)
     assert (remote.host, remote.port, remote.request_id, remote.token) == ("10.0.0.1", 8998, room_key(7), "")
     assert remote.wait_for_hold and remote.num_blocks == ALL_BLOCKS
-    check_request_params(consumer)  # what the API checks again
+    assert is_bootstrap_pull(consumer) and not is_bootstrap_pull({"do_remote_decode": True, "bootstrap_room": 7})
     for args, names in [(("h", 1, -1, "kv_producer"), "bootstrap_room"), (("h", 1, 2**64, "kv_consumer"), "bootstrap_room"),
                         (("h", 1, True, "kv_producer"), "bootstrap_room"), (("", 1, 3, "kv_consumer"), "bootstrap_host"),
                         (("h", 0, 3, "kv_consumer"), "bootstrap_port"), (("h", 1, 3, "kv_both"), "kv_role is kv_both"),
@@ -52,7 +53,9 @@ def test_fields_become_kv_transfer_params_by_the_servers_role():
         with pytest.raises(ExternalKVError, match=names):
             bootstrap_kv_params(*args)
     with pytest.raises(ExternalKVError, match="bootstrap_host"):
-        check_request_params({"do_remote_prefill": True, "bootstrap_room": 5})  # not a 500
+        bootstrap_remote({"do_remote_prefill": True, "bootstrap_room": 5})  # not a KeyError
+    with pytest.raises(ExternalKVError, match="remote_block_ids"):  # vLLM's form needs vLLM's fields
+        check_request_params({"do_remote_prefill": True, "bootstrap_room": 5})
 
 
 # ---- the export server and the pull --------------------------------------------------------------------------------
@@ -222,6 +225,11 @@ def test_bootstrap_fields_on_servers_that_cannot_take_them_are_400(sglang_router
     r = httpx.post(f"{prefill.base_url}/v1/completions", timeout=30,
                    json={**body, "bootstrap_room": 5, "kv_transfer_params": {"do_remote_decode": True}})
     assert r.status_code == 400 and "not both" in r.json()["error"]["message"]
+    r = httpx.post(f"{decode.base_url}/v1/completions", timeout=30, json={
+        "model": "tiny-random", "prompt": "hi", "max_tokens": 2,
+        "kv_transfer_params": {"do_remote_prefill": True, "bootstrap_room": 5, "bootstrap_host": "127.0.0.1",
+                               "bootstrap_port": 1}})
+    assert r.status_code == 400 and "field of the request itself" in r.json()["error"]["message"]
     # The servers live on.
     assert httpx.post(f"{decode.base_url}/v1/completions", json={"model": "tiny-random", "prompt": "hi",
                                                                  "max_tokens": 2}, timeout=30).status_code == 200

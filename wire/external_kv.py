@@ -134,11 +134,6 @@ def remote_prefill(params: dict | None) -> RemotePrefill | None:
     Raises ExternalKVError naming the key when do_remote_prefill is set and the rest is malformed."""
     if not params or params.get("do_remote_prefill") is not True:
         return None
-    if "bootstrap_room" in params:  # SGLang's router's fields, translated by the API (checked there)
-        from pdcluster.wire.sglang_bootstrap import bootstrap_remote
-
-        return bootstrap_remote(params)
-
     def need(key: str, kind, check=lambda v: True, what: str = ""):
         value = params.get(key)
         if isinstance(value, bool) or not isinstance(value, kind) or not check(value):

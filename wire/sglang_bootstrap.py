@@ -32,6 +32,11 @@ def room_key(room: int) -> str:
     return f"{ROOM_PREFIX}{room}"
 
 
+def is_bootstrap_pull(params: dict | None) -> bool:
+    """Whether a request's ``kv_transfer_params`` are a decode leg's from SGLang's router (``bootstrap_kv_params``)."""
+    return bool(params) and params.get("do_remote_prefill") is True and "bootstrap_room" in params
+
+
 def bootstrap_remote(params: dict) -> RemotePrefill:
     """The pull a decode server's translated ``kv_transfer_params`` asks for (``bootstrap_kv_params``' output);
     ExternalKVError where they are not well formed."""

@@ -126,6 +126,9 @@ async def prepare(body: SamplingFields, router, served_names: tuple[str, ...], p
                                                       policy.defaults)
     lora_name = check_model(body.model, served_names, router.lora_names)
     n = _check_n(body)
+    if isinstance(body.kv_transfer_params, dict) and "bootstrap_room" in body.kv_transfer_params:
+        raise _bad("kv_transfer_params", "bootstrap_room is a field of the request itself (SGLang's router sends "
+                                         "it so), not of kv_transfer_params")
     if body.bootstrap_room is not None:
         body = _from_bootstrap(body, policy.kv_role)
     _reject_unsupported(body, policy.trust_request_chat_template)
@@ -232,7 +235,8 @@ def _check_kv_transfer(body: SamplingFields, n: int, num_prompts: int, beam: boo
     that is one engine request whose answer can carry them back (one prompt, one choice, no beam, not streamed for
     do_remote_decode)."""
     try:
-        check_kv_transfer_params(body.kv_transfer_params)
+        if "bootstrap_room" not in body.kv_transfer_params:  # SGLang's, checked as they were made (_from_bootstrap)
+            check_kv_transfer_params(body.kv_transfer_params)
     except ExternalKVError as e:
         raise APIError(400, str(e), param="kv_transfer_params") from None
     if not served and asks_for_split(body.kv_transfer_params):

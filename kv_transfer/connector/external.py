@@ -21,7 +21,7 @@ from pdcluster.kv_transfer.external.export_server import KVExportServer
 from pdcluster.kv_transfer.external.pull import PullSource, PullStats
 from pdcluster.wire.external_kv import ExternalKVConfig, remote_prefill, wants_remote_decode
 from pdcluster.wire.kv_connector import KVConnector, KVConnectorOutput
-from pdcluster.wire.sglang_bootstrap import room_key
+from pdcluster.wire.sglang_bootstrap import bootstrap_remote, is_bootstrap_pull, room_key
 
 ENDED_NORMALLY = ("length", "stop")
 
@@ -72,7 +72,11 @@ class ExternalKVConnector(KVConnector):
 
     # ---- decode side ----------------------------------------------------------------------------------------
     def external_source(self, request) -> PullSource | None:
-        remote = remote_prefill(request.sampling_params.kv_transfer_params) if self.config.consumes else None
+        if not self.config.consumes:
+            return None
+        params = request.sampling_params.kv_transfer_params
+        # SGLang's router's decode leg (its bootstrap fields, translated and checked by the API) or vLLM's.
+        remote = bootstrap_remote(params) if is_bootstrap_pull(params) else remote_prefill(params)
         if remote is None or not remote.num_blocks:
             return None
         return PullSource(remote, self.layout, self.block_shape, self.dtype, self.block_nbytes,
