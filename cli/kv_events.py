@@ -64,9 +64,20 @@ def kv_events_main(args: argparse.Namespace) -> int:
             print(f"rank={rank} seq={seq} {e['type']} medium={e.get('medium')} blocks={blocks}{extra}", flush=True)
 
     try:
+        # Subscribed first, then the replay: a batch published meanwhile comes both ways and is shown once (by seq).
         subs = []
         for source in sources.values():
-            if args.replay_from is not None and source.get("replay_endpoint"):
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.connect(source["endpoint"])
+            sub.setsockopt(zmq.SUBSCRIBE, source.get("topic", "").encode())
+            subs.append((sub, source))
+        shown_seq = [-1] * len(subs)  # per worker, the last sequence number shown
+        if args.replay_from is not None:
+            time.sleep(0.2)  # the subscriptions reach the publishers (zmq's slow joiner)
+            for i, (_, source) in enumerate(subs):
+                if not source.get("replay_endpoint"):
+                    continue
                 replay = ctx.socket(zmq.DEALER)
                 replay.setsockopt(zmq.LINGER, 0)
                 replay.connect(source["replay_endpoint"])
@@ -77,22 +88,21 @@ def kv_events_main(args: argparse.Namespace) -> int:
                     _, _, seq, payload = replay.recv_multipart()
                     if seq == END_SEQ:
                         break
-                    show(source, int.from_bytes(seq, "big"), payload)
+                    shown_seq[i] = int.from_bytes(seq, "big")
+                    show(source, shown_seq[i], payload)
                 replay.close()
-            sub = ctx.socket(zmq.SUB)
-            sub.setsockopt(zmq.LINGER, 0)
-            sub.connect(source["endpoint"])
-            sub.setsockopt(zmq.SUBSCRIBE, source.get("topic", "").encode())
-            subs.append((sub, source))
         poller = zmq.Poller()
         for sub, _ in subs:
             poller.register(sub, zmq.POLLIN)
         deadline = time.monotonic() + args.seconds
         while (left := deadline - time.monotonic()) > 0 and not (args.max_batches and shown >= args.max_batches):
             for sock, _ in poller.poll(int(min(left, 1.0) * 1000) + 1):
-                source = next(s for sub, s in subs if sub is sock)
-                _, seq, payload = sock.recv_multipart()
-                show(source, int.from_bytes(seq, "big"), payload)
+                i = next(i for i, (sub, _) in enumerate(subs) if sub is sock)
+                _, seq_bytes, payload = sock.recv_multipart()
+                seq = int.from_bytes(seq_bytes, "big")
+                if seq > shown_seq[i] or seq == 0:  # not replayed already (0: the worker restarted, counting anew)
+                    shown_seq[i] = seq
+                    show(subs[i][1], seq, payload)
     except KeyboardInterrupt:
         pass
     finally:
