@@ -180,7 +180,7 @@ class Cluster:
             {}, {}, self.tokenizer, spec.served_model_name or spec.engine.model,
             max_model_len=max_model_len_for(arch, engine.max_model_len),
             block_size=engine.block_size, lora_names=tuple(engine.lora_paths()),
-            max_loras=engine.max_loras if engine.enable_lora or engine.lora_modules else 0,
+            max_loras=engine.max_loras if engine.serves_lora else 0,
             max_images_per_prompt=engine.max_images_per_prompt(), mm_processor_kwargs=engine.mm_processor_kwargs,
             config=RouterConfig(policy=spec.policy, mode=spec.mode, num_spec_tokens=engine.num_spec_steps,
                                 conditional_prefill_tokens=spec.conditional_prefill_tokens,

@@ -23,7 +23,7 @@ from pdcluster.cluster.autoscale import AutoscaleConfig
 from pdcluster.cluster.engine_args import DEFAULT_MODEL, add_engine_args, engine_config_from_args
 from pdcluster.cluster.http_options import HttpOptions, add_http_flags
 from pdcluster.cluster.http_server import listen, run_server
-from pdcluster.cluster.metrics import Metrics
+from pdcluster.cluster.metrics import METRIC_PREFIXES, Metrics
 from pdcluster.cluster.policies import POLICIES
 from pdcluster.cluster.vllm_flags import add_vllm_flags, apply_vllm_flags
 from pdcluster.engine.config import ConfigError, EngineConfig, parse_lora_modules
@@ -116,7 +116,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="GET /load answers the requests in flight in this API process (vLLM's flag; 0 without it)")
     g.add_argument("--enable-request-id-headers", action="store_true",
                    help="every response carries X-Request-Id: the client's, else a new one (vLLM's flag)")
-    g.add_argument("--metrics-prefix", default="pdcluster", choices=("pdcluster", "vllm"),
+    g.add_argument("--metrics-prefix", default="pdcluster", choices=METRIC_PREFIXES,
                    help="/metrics names: pdcluster:* (default), or vllm:* as vLLM names them, for llm-d's endpoint "
                         "picker, KEDA / HPA rules and dashboards written for vLLM")
     g.add_argument("--otlp-traces-endpoint", default="", metavar="URL",

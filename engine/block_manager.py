@@ -248,6 +248,9 @@ class BlockManager:
             if runs is not None:
                 self._add_to_run(runs, request, block_index, h, known[block_index - 1] if block_index else None,
                                  block.token_ids)
+        self._tell_stored(stored, runs)
+
+    def _tell_stored(self, stored: list[int], runs: list[StoredRun] | None) -> None:
         if stored and self.on_event is not None:
             if runs is None:
                 self.on_event("stored", stored)
@@ -289,11 +292,7 @@ class BlockManager:
                 if runs is not None:
                     self._add_to_run(runs, request, first_block + i, h, parent, block.token_ids)
             parent = h
-        if stored and self.on_event is not None:
-            if runs is None:
-                self.on_event("stored", stored)
-            else:
-                self.on_event("stored", stored, runs)
+        self._tell_stored(stored, runs)
 
     def free(self, request: Request, fence: int | None = None) -> None:
         """Drop the request's references. Tail blocks go to the free queue first so the shared prefix

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pdcluster.engine.kv_offload.config import OffloadConfig
 from pdcluster.wire.external_kv import parse_config as parse_external_kv
-from pdcluster.wire.kv_events import KVEventsConfigError, parse_kv_events_config
+from pdcluster.wire.kv_events import KVEventsConfig, KVEventsConfigError, parse_kv_events_config
 from pdcluster.engine.models.hf_overrides import parse_hf_overrides
 from pdcluster.engine.multimodal.limits import image_processor_kwargs, max_images_per_prompt
 
@@ -237,7 +237,7 @@ class EngineConfig:
             raise ConfigError("kv_transfer_config: a decode instance takes the pulled blocks as a prefix-cache hit; "
                               "turn prefix caching on (drop --no-enable-prefix-caching)")
         try:
-            kv_events = parse_kv_events_config(self.kv_events_config)
+            kv_events = self.kv_events()
         except KVEventsConfigError as e:
             raise ConfigError(str(e)) from None
         if kv_events is not None and not self.enable_prefix_caching:
@@ -284,6 +284,15 @@ class EngineConfig:
 
     def offload_config(self) -> OffloadConfig:
         return OffloadConfig(self.kv_offload_host_gib, self.kv_offload_disk_dir, self.kv_offload_disk_gib)
+
+    def kv_events(self) -> KVEventsConfig | None:
+        """``kv_events_config`` parsed (checked when the config was made); None where no events are published."""
+        return parse_kv_events_config(self.kv_events_config)
+
+    @property
+    def serves_lora(self) -> bool:
+        """Adapters named at start-up, or loaded while serving (--enable-lora)."""
+        return bool(self.lora_modules or self.enable_lora)
 
     def resolve_deterministic(self) -> tuple[bool, bool]:
         """(wanted, asked): whether deterministic mode is wanted, and whether someone asked for it

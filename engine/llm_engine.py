@@ -32,7 +32,6 @@ from pdcluster.engine.tokenizer import Detokenizer
 from pdcluster.engine.warmup import warmup
 from pdcluster.wire.external_kv import asks_for_split
 from pdcluster.wire.kv_connector import KVConnector, LoadedKV
-from pdcluster.wire.kv_events import parse_kv_events_config
 from pdcluster.wire.logprobs import TokenLogprobs
 
 
@@ -117,7 +116,7 @@ class LLMEngine:
                                        self.connector, self.num_state_blocks, self.offload, self.kv_events.record)
         # vLLM's KV events published outside the cluster carry each stored block's tokens and parent: the block
         # manager tells them (node/kv_event_publisher.py reads them off the log).
-        self.scheduler.block_manager.describe_stored = parse_kv_events_config(config.kv_events_config) is not None
+        self.scheduler.block_manager.describe_stored = config.kv_events() is not None
         encoder = getattr(self.model, "image_encoder", None)
         if encoder is not None and encoder.spec.bidirectional:  # Gemma 3: a step holds an image whole
             check_images_fit_a_chunk(encoder.spec.tokens_per_image, config.prefill_chunk_tokens,

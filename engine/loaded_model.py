@@ -118,7 +118,7 @@ class LoadedModel:
         # The adapters named at start-up, read before any weight (a bad one is refused at once); the other ranks of a
         # split model read the same files and check they hold these contents (WorkerSpec.lora_digests).
         adapters = []
-        if config.lora_modules or config.enable_lora:
+        if config.serves_lora:
             from pdcluster.engine.lora import install, load_adapter
 
             adapters = [load_adapter(name, path, config.max_lora_rank) for name, path in config.lora_paths().items()]
@@ -145,7 +145,7 @@ class LoadedModel:
         try:
             model = load_model(model_dir, dtype, max_positions, config.device, deterministic=deterministic,
                                max_model_len=max_model_len, shard=shard, group=driver and driver.group)
-            if config.lora_modules or config.enable_lora:
+            if config.serves_lora:
                 install(model, adapters, runtime=config.enable_lora)
             if spec is not None:
                 if config.max_images_per_prompt() == 0:
@@ -204,7 +204,7 @@ def encoder_config(config: EngineConfig, max_model_len: int, step_given: bool = 
     max_num_batched_tokens; where not, a step grows to hold a whole prompt of the model's context (vLLM's rule for
     models that do not chunk prompts: ModernBERT's 8,192 tokens over a CPU's default 2,048)."""
     refused = [what for what, on in (("speculative decoding (--spec)", config.spec_method != "none"),
-                                     ("LoRA adapters", bool(config.lora_modules or config.enable_lora)),
+                                     ("LoRA adapters", config.serves_lora),
                                      ("tensor parallelism", config.tensor_parallel_size > 1),
                                      ("KV offloading (--kv-offload-*)", config.offload_config().enabled)) if on]
     if refused:

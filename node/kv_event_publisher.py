@@ -21,8 +21,7 @@ from collections import deque
 import zmq
 
 from pdcluster.wire.kv_events import (END_SEQ, LOCAL_ENDPOINT, MEDIUM_BY_TIER, KVEventsConfig, all_blocks_cleared,
-                                      binds, block_removed, block_stored, encode_batch, endpoint_for_rank,
-                                      parse_kv_events_config)
+                                      binds, block_removed, block_stored, encode_batch, endpoint_for_rank)
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +193,7 @@ class KVEventPublisher:
 
 def make_kv_event_publisher(engine, worker_id: str) -> KVEventPublisher | None:
     """The publisher of ``engine``'s config (EngineConfig.kv_events_config, .kv_events_rank), or None where off."""
-    config = parse_kv_events_config(engine.config.kv_events_config)
+    config = engine.config.kv_events()
     if config is None:
         return None
     return KVEventPublisher(config, engine.config.kv_events_rank, engine.config.block_size, worker_id)

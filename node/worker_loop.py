@@ -180,7 +180,7 @@ def lora_usage(engine) -> dict:
     """An engine serving LoRA adapters: the adapters of its running and waiting requests and how many it holds at
     once (the ``lora`` of ``router.stats()``: vLLM's lora_requests_info); {} for one that serves none."""
     config = engine.config
-    if not (config.enable_lora or config.lora_modules):
+    if not config.serves_lora:
         return {}
     sched = engine.scheduler
     return {"lora": {"max_lora": config.max_loras,

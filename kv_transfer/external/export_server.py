@@ -97,9 +97,9 @@ class KVExportServer:
                     del self._holds[key]
                     self._ended.append(hold.request_id)
                     self.counters["expired"] += 1
-            for key, until in list(self._released_early.items()):
-                if now >= until:
-                    del self._released_early[key]
+            # Oldest first (each one is put at the end: ``_take``): the expired ones lead.
+            while self._released_early and now >= next(iter(self._released_early.values())):
+                del self._released_early[next(iter(self._released_early))]
             ended, self._ended = self._ended, []
         return ended
 
@@ -156,6 +156,7 @@ class KVExportServer:
                 # A room's release ahead of its hold (bounded: a flood of them forgets the oldest).
                 if len(self._released_early) >= MAX_RELEASED_EARLY:
                     self._released_early.pop(next(iter(self._released_early)))
+                self._released_early.pop(pull.request_id, None)  # a repeat goes to the end, in deadline order
                 self._released_early[pull.request_id] = time.monotonic() + RELEASED_EARLY_S
                 return Blocks(self.layout, 0, self.block_nbytes), b""
             if hold is None or hold.serving:
