@@ -32,6 +32,7 @@ from pdcluster.cluster.http_options import HttpOptions
 from pdcluster.cluster.http_server import listen, run_server
 from pdcluster.cluster.metrics import Metrics
 from pdcluster.cluster.router import ClusterRouter, RouterConfig
+from pdcluster.cluster.router.weights import WorkerWeights
 from pdcluster.decode_node.actor import DecodeActor
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.models.architectures import arch_from_dir, max_model_len_for
@@ -278,7 +279,15 @@ class Cluster:
         handle = self.prefill_handles.get(worker_id) or self.decode_handles.get(worker_id)
         async with self.router.lora.lock:  # the adapters loaded while serving: not in its config
             await self.router.lora.sync(worker_id, handle)
+        await self._sync_weights(worker_id, handle)
         await asyncio.wait_for(handle.announce_kv.remote(), timeout_s)
+
+    async def _sync_weights(self, worker_id: str, handle) -> None:
+        """The weights the cluster serves since an update (cluster/generation_control.py), for a restarted or new
+        worker that loaded the start-up checkpoint; under the update lock, so no update passes it by."""
+        generation = self.router.generation
+        async with generation.update_lock:
+            await WorkerWeights.sync(worker_id, handle, generation.weights_path, generation.weight_version)
 
     async def add_worker(self, role: str, timeout_s: float = 300.0) -> str:
         """Start one more worker of ``role`` ("prefill" in disagg mode, or "decode"), wire it to the other
@@ -311,6 +320,7 @@ class Cluster:
             st = await call(handle.stats.remote())
             num_blocks, num_state_blocks = st["num_blocks"], st.get("num_state_blocks", 0)
         ping = await call(handle.ping.remote())
+        await self._sync_weights(wid, handle)
         async with self.router.lora.lock:  # no adapter load between its sync and its joining
             await self.router.lora.sync(wid, handle)
             self.router.membership.add(wid, role, handle, num_blocks, self._engine.block_size, ping.incarnation,

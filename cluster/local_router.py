@@ -13,18 +13,20 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import AsyncIterator, Callable
 
 from pdcluster.cluster.api.router_contract import RouterError, TokenDelta
 from pdcluster.cluster.delta_queue import DeltaQueue
+from pdcluster.cluster.generation_control import DEFAULT_DRAIN_TIMEOUT_S, GenerationControl
 from pdcluster.cluster.router.lora import already_loaded, not_found
 from pdcluster.cluster.token_deltas import can_merge, is_first_token, is_progress_report, merge_queued, token_delta
 from pdcluster.decode_node.worker import DecodeWorker
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.lora.adapter import LoraAdapterError
 from pdcluster.engine.sampling_params import SamplingParams
-from pdcluster.node.actor import LORA_LOAD_TIMEOUT_S
+from pdcluster.engine.weight_update import WeightUpdateError
+from pdcluster.node.actor import LORA_LOAD_TIMEOUT_S, WEIGHTS_COMMIT_TIMEOUT_S
 from pdcluster.node.events import ADMITTED, Admission, Failed, KVEvents, StepTokens, Tokens, WorkerError
 
 class _Aborted:
@@ -135,6 +137,25 @@ class _TimedDecodeWorker(DecodeWorker):
         self.first_sent.discard(request_id)
 
 
+class _EngineWeights:
+    """A weight update's targets (cluster/generation_control.py): the one engine. It reads the checkpoint on a thread
+    of its own (the engine only reads its config for it) and copies it in on the engine thread."""
+
+    def __init__(self, worker: DecodeWorker):
+        self.worker = worker
+
+    async def prepare(self, model_path: str, weight_version: str) -> None:
+        try:
+            await asyncio.to_thread(self.worker.engine.prepare_weights, model_path, weight_version)
+        except WeightUpdateError as e:
+            raise RouterError(str(e), status=400, kind="invalid_request_error") from None
+
+    async def commit(self) -> list[dict]:
+        update = await asyncio.to_thread(self.worker.call, self.worker.engine.commit_weights,
+                                         timeout_s=WEIGHTS_COMMIT_TIMEOUT_S)
+        return [{"worker_id": self.worker.worker_id, **asdict(update)}]
+
+
 class LocalRouter:
     """Router contract (cluster/api/router_contract.py) over one colocated DecodeWorker built from ``engine_config``."""
 
@@ -154,6 +175,8 @@ class LocalRouter:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, DeltaQueue]] = {}
         self._closed = False
         self.worker.on_event = self._on_event
+        # Pause / resume and weight updates (cluster/generation_control.py): every request passes its gate.
+        self.generation = GenerationControl(self.abort, _EngineWeights(self.worker), request_timeout_s)
 
     # ---- engine thread ------------------------------------------------------------------------------
     def _on_event(self, event) -> None:
@@ -230,6 +253,13 @@ class LocalRouter:
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[TokenDelta]:
         self._admit(request_id, prompt_token_ids, params)
+        async with self.generation.entered(request_id):
+            async for delta in self._generate(request_id, prompt_token_ids, self.generation.stamp(params)):
+                yield delta
+
+    async def _generate(self, request_id: str, prompt_token_ids: list[int],
+                        params: SamplingParams) -> AsyncIterator[TokenDelta]:
+        self._admit(request_id, prompt_token_ids, params)
         queue = DeltaQueue()
         loop = asyncio.get_running_loop()
         self._streams[request_id] = (loop, queue)
@@ -264,6 +294,13 @@ class LocalRouter:
         event's delta goes to ``on_delta`` from the loop's hand-over of the engine's step, with no queue, waiter
         or generator per request in between (as ClusterRouter.deliver). With ``on_row``, a step's row of a stream
         under way goes to it as its parts (_on_step_tokens); one it declines comes to ``on_delta`` as its delta."""
+        self._admit(request_id, prompt_token_ids, params)
+        async with self.generation.entered(request_id):
+            await self._deliver_now(request_id, prompt_token_ids, self.generation.stamp(params), on_delta, on_row)
+
+    async def _deliver_now(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                           on_delta: Callable[[TokenDelta], None],
+                           on_row: Callable[[list[int], int, int, int], bool] | None = None) -> None:
         self._admit(request_id, prompt_token_ids, params)
         loop = asyncio.get_running_loop()
         done = loop.create_future()
@@ -334,6 +371,26 @@ class LocalRouter:
             return engine.lora_names
 
         self.lora_names = await asyncio.to_thread(self.worker.call, unload)
+
+    async def pause(self, mode: str = "abort", timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> int:
+        """vLLM's pause_generation (cluster/generation_control.py): how many requests were in flight."""
+        return await self.generation.pause(mode, timeout_s)
+
+    async def resume(self) -> None:
+        self.generation.resume()
+
+    @property
+    def is_paused(self) -> bool:
+        return self.generation.is_paused
+
+    @property
+    def weight_version(self) -> str:
+        return self.generation.weight_version
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
+                                       abort_all: bool = False, timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> dict:
+        """The engine serves the checkpoint at ``model_path`` (cluster/generation_control.py)."""
+        return await self.generation.update_weights(model_path, weight_version, abort_all, timeout_s)
 
     async def abort(self, request_id: str) -> None:
         stream = self._streams.get(request_id)

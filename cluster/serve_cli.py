@@ -114,6 +114,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "it (vLLM's flag)")
     g.add_argument("--enable-server-load-tracking", action="store_true",
                    help="GET /load answers the requests in flight in this API process (vLLM's flag; 0 without it)")
+    g.add_argument("--enable-weight-updates", action="store_true",
+                   help="serve the routes an RL trainer drives between rollouts: POST /pause, /resume, GET /is_paused "
+                        "(vLLM's), POST /update_weights_from_disk, GET /get_weight_version (SGLang's), GET "
+                        "/weight_info; on with VLLM_SERVER_DEV_MODE=1 too (cluster/api/weight_routes.py)")
     g.add_argument("--enable-request-id-headers", action="store_true",
                    help="every response carries X-Request-Id: the client's, else a new one (vLLM's flag)")
     g.add_argument("--metrics-prefix", default="pdcluster", choices=METRIC_PREFIXES,

@@ -12,10 +12,11 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from pdcluster.engine.request import Request
+from pdcluster.engine.sampling_params import DEFAULT_WEIGHT_VERSION
 
 NO_HASH = None
 
@@ -50,8 +51,16 @@ def block_hash_root(params) -> int | None:
     An adapter changes the KV a prompt makes, and a salt keeps one tenant's cached prompts from another's (vLLM's cache_salt:
     a hit's speed would tell a guessed prompt), so such blocks hash apart in the prefix cache, the offload
     tiers and the router's KV index. An image's placeholder tokens are the same whatever the image: its digest
-    keeps two prompts that differ only in their images apart (engine/multimodal/)."""
+    keeps two prompts that differ only in their images apart (engine/multimodal/). A request under updated weights
+    (``weight_version`` other than the start-up weights': engine/weight_update.py) chains from a digest of its
+    version over all that: KV of other weights is never a hit."""
     lora_name, salt, images = params.lora_name, params.cache_salt, params.mm_inputs
+    version = params.weight_version
+    if version is not None and version != DEFAULT_WEIGHT_VERSION:  # KV of other weights: another chain
+        root = block_hash_root(replace(params, weight_version=None))
+        digest = hashlib.blake2b(b"weights\0" + version.encode() + b"\0"
+                                 + (b"" if root is None else root.to_bytes(8, "little", signed=True)), digest_size=8)
+        return int.from_bytes(digest.digest(), "little", signed=True)
     if lora_name is None and salt is None and not images:
         return None
     if lora_name is not None and params.lora_digest is not None:  # an adapter reloaded under its name: new KV

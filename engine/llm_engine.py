@@ -30,6 +30,8 @@ from pdcluster.engine.scheduler import Scheduler
 from pdcluster.engine.step_trace import StepTrace
 from pdcluster.engine.tokenizer import Detokenizer
 from pdcluster.engine.warmup import warmup
+from pdcluster.engine import weight_update
+from pdcluster.engine.weight_update import DEFAULT_WEIGHT_VERSION, WeightUpdate
 from pdcluster.wire.external_kv import asks_for_split
 from pdcluster.wire.kv_connector import KVConnector, LoadedKV
 from pdcluster.wire.logprobs import TokenLogprobs
@@ -146,6 +148,11 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self.runtime_lora = RuntimeLora(self.model, self.scheduler, config)
+        # The weights served (engine/weight_update.py): their version roots every request's block hashes.
+        self.weight_version = DEFAULT_WEIGHT_VERSION
+        self.used_weight_versions: set[str] = set()
+        self.weights_path = str(self.model_dir)
+        self.pending_weights: weight_update.PreparedWeights | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig, connector: KVConnector | None = None,
@@ -182,7 +189,7 @@ class LLMEngine:
         # Its images were decoded where it was prefilled (and at the API): their headers suffice here, where they are
         # encoded only if the request is preempted (the same bytes: the digest is checked).
         self.check_images(prompt_token_ids, params, decode_images=False)
-        params = self.bind_lora(params)
+        params = self.bind_weights(self.bind_lora(params))
         self.prepare_grammar(params)
         request = Request(request_id, list(prompt_token_ids), params, arrival_time=time.monotonic())
         return self.scheduler.add_remote_request(request)
@@ -271,7 +278,7 @@ class LLMEngine:
         self.check_kv_transfer(params)
         self.check_images(prompt_token_ids, params, client_prompt=validate)
         params = self.assign_seed(params)
-        params = self.bind_lora(params)
+        params = self.bind_weights(self.bind_lora(params))
         self.prepare_grammar(params)
         request_id = request_id or f"req-{next(self._ids)}"
         request = Request(request_id, prompt_token_ids, params, arrival_time=time.monotonic())
@@ -383,6 +390,42 @@ class LLMEngine:
         """New requests naming ``name`` are refused from now on; those running with it finish with it
         (engine/lora/runtime.py). KeyError if no adapter has that name."""
         self.runtime_lora.unload(name)
+
+    def bind_weights(self, params: SamplingParams) -> SamplingParams:
+        """``params`` stamped with the weight version served here (engine/weight_update.py; the default version
+        leaves them as they are), or, stamped already (by the router), checked against it: a request placed under
+        other weights than these is refused (WeightVersionMismatch), never run on a mix of two."""
+        asked, held = params.weight_version, self.weight_version
+        if asked is None:
+            return params if held == DEFAULT_WEIGHT_VERSION else replace(params, weight_version=held)
+        if asked != held:
+            raise weight_update.WeightVersionMismatch(f"weight_version: this worker serves weights {held!r}, the "
+                                                      f"request was placed under {asked!r}")
+        return params
+
+    def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> WeightUpdate:
+        """New weights in place, between requests: ``prepare_weights`` and ``commit_weights`` at once."""
+        self.prepare_weights(model_path, weight_version)
+        return self.commit_weights()
+
+    def prepare_weights(self, model_path: str, weight_version: str | None = None) -> str:
+        """Read and check a checkpoint for this model (engine/weight_update.py ``prepare``), held until
+        ``commit_weights`` or ``discard_weights``; returns its version. WeightUpdateError where it does not fit."""
+        self.pending_weights = None  # a prepare nobody committed: its memory goes first
+        self.pending_weights = weight_update.prepare(self, model_path, weight_version)
+        return self.pending_weights.weight_version
+
+    def commit_weights(self) -> WeightUpdate:
+        """Serve the prepared weights from now on (engine/weight_update.py ``commit``)."""
+        if self.pending_weights is None:
+            raise weight_update.WeightUpdateError("no weights were prepared (or they were discarded)")
+        try:
+            return weight_update.commit(self, self.pending_weights)
+        finally:
+            self.pending_weights = None
+
+    def discard_weights(self) -> None:
+        self.pending_weights = None
 
     def prepare_grammar(self, params: SamplingParams) -> None:
         """Compile a structured-output spec now (cached per spec), so a spec the grammar engine refuses

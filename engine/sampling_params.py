@@ -21,6 +21,9 @@ REQUEST_POOLINGS = (*POOLING_TYPES, "classify", *TOKEN_POOLINGS)
 WHOLE_PROMPT_POOLINGS = ("mean", "cls", *TOKEN_POOLINGS)
 
 
+# The weights a worker started with (SGLang's name for them): requests under them hash as if no version existed.
+DEFAULT_WEIGHT_VERSION = "default"
+
 @dataclass
 class SamplingParams:
     """What to generate and when to stop.
@@ -67,6 +70,9 @@ class SamplingParams:
     # The content digest of that adapter (LoraAdapter.digest), set where the request enters (the router, the
     # engine): its block hashes start from it, and a worker holding other files under that name refuses it.
     lora_digest: str | None = None
+    # The weights the request runs under (engine/weight_update.py), set where it enters (the router, the engine): a
+    # version other than the start-up weights' roots its block hashes, and a worker serving other weights refuses it.
+    weight_version: str | None = None
     # vLLM's extensions, with its meanings:
     # min_p: tokens below min_p x the most likely token's probability are not sampled (after temperature).
     min_p: float = 0.0

@@ -46,6 +46,7 @@ def worker_engine_config(engine_config: EngineConfig, worker_id: str) -> EngineC
 
 
 LORA_LOAD_TIMEOUT_S = 300.0  # reading an adapter's files and packing them, on the engine thread
+WEIGHTS_COMMIT_TIMEOUT_S = 120.0  # copying a prepared checkpoint into the served tensors, on the engine thread
 
 
 class WorkerActor:
@@ -105,6 +106,24 @@ class WorkerActor:
     def lora_adapters(self) -> dict[str, str]:
         """{adapter name: content digest} of the adapters requests may name here."""
         return self.worker.call(lambda: self.worker.engine.lora_adapters)
+
+    def prepare_weights(self, model_path: str, weight_version: str) -> str:
+        """Read and check a new checkpoint, held until ``commit_weights`` (engine/weight_update.py); its version.
+        WeightUpdateError (a ValueError) with the reason where it does not fit. On this call's thread, not the
+        engine's: reading a large checkpoint must not look like a stuck step to the health check (the engine
+        only reads its config for it)."""
+        return self.worker.engine.prepare_weights(model_path, weight_version)
+
+    def commit_weights(self) -> dict:
+        """Serve the prepared weights from now on: the WeightUpdate as a dict."""
+        return dataclasses.asdict(self.worker.call(self.worker.engine.commit_weights,
+                                                   timeout_s=WEIGHTS_COMMIT_TIMEOUT_S))
+
+    def discard_weights(self) -> None:
+        self.worker.call(self.worker.engine.discard_weights)
+
+    def weight_version(self) -> str:
+        return self.worker.engine.weight_version
 
     def announce_kv(self) -> int:
         """Publish every KV block this worker holds, by tier (after a restart: node/worker_loop.py)."""

@@ -25,6 +25,7 @@ from pdcluster.cluster.api.invocations import json_object, route_for
 from pdcluster.cluster.api.logprobs import TokenStrings
 from pdcluster.cluster.api.media_policy import MediaPolicy
 from pdcluster.cluster.api.lora_routes import install_lora_routes
+from pdcluster.cluster.api.weight_routes import install_weight_routes
 from pdcluster.cluster.api.middleware import install_error_handlers, install_middleware
 from pdcluster.cluster.api.request_tracking import install_request_tracking
 from pdcluster.cluster.api.options import (MAX_LOGPROBS, CorsPolicy, check_max_logprobs, check_response_role,
@@ -68,7 +69,7 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
               kv_transfer: bool = False, kv_role: str = "", served_model_aliases: tuple[str, ...] = (), response_role: str = "assistant",
               trust_request_chat_template: bool = False, server_load_tracking: bool = False,
               request_id_headers: bool = False, metrics_prefix: str = "pdcluster", otlp_traces_endpoint: str = "",
-              collect_detailed_traces: str = "") -> FastAPI:
+              collect_detailed_traces: str = "", weight_updates: bool = False) -> FastAPI:
     """``served_model_aliases``: more names the base model is served under, after ``served_model_name`` (vLLM's
     --served-model-name NAME...): a request's ``model`` may be any, /v1/models lists each, answers and metrics give
     ``served_model_name`` (cluster/api/served_names.py); ValueError for an empty or repeated name, or one that is a
@@ -97,7 +98,9 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
     requests in flight) and ``request_id_headers`` (X-Request-Id on every response): cluster/api/request_tracking.py.
     ``metrics_prefix``: /metrics names (pdcluster or vllm: cluster/metrics.py). ``otlp_traces_endpoint`` /
     ``collect_detailed_traces``: each request's OpenTelemetry span (cluster/api/tracing.py;
-    "": none); TracingUnavailable (a ValueError) where they cannot be served."""
+    "": none); TracingUnavailable (a ValueError) where they cannot be served. ``weight_updates``: serve the routes an RL
+    trainer drives (pause, resume, weight updates: cluster/api/weight_routes.py) on ``router`` (a LocalRouter or
+    ClusterRouter; an API process behind a router process installs cluster/frontend/admin_proxy.py's instead)."""
     media = media or MediaPolicy()
     served_names = check_served_names((served_model_name, *served_model_aliases), router.lora_names)
     if max_body_bytes is None:
@@ -253,6 +256,8 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
     install_tokenize_routes(app, router, served_names, media)
     if runtime_lora:
         install_lora_routes(app, router, served_model_name, served_model_aliases)
+    if weight_updates:
+        install_weight_routes(app, router)
     install_middleware(app, max_body_bytes, api_key, cors)
     install_request_tracking(app, server_load_tracking, request_id_headers)  # outermost: every answer gets its id
     return app

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import codecs
 import json
+import os
 from dataclasses import dataclass, fields
 
 from pdcluster.cluster.api.media_policy import MediaPolicy  # standard library only
@@ -102,6 +103,7 @@ class ApiOptions:
     metrics_prefix: str = "pdcluster"  # /metrics names: pdcluster:* or vllm:* (cluster/metrics.py METRIC_PREFIXES)
     otlp_traces_endpoint: str = ""  # vLLM's --otlp-traces-endpoint: a span per request (cluster/api/tracing.py)
     collect_detailed_traces: str = ""  # vLLM's --collect-detailed-traces: the span's children
+    weight_updates: bool = False  # the RL routes: pause / resume and weight updates (cluster/api/weight_routes.py)
     # --served-model-name's names after the first (cluster/api/served_names.py): here, every API process gets them
     served_model_aliases: tuple[str, ...] = ()
 
@@ -129,6 +131,7 @@ class ApiOptions:
                    metrics_prefix=getattr(args, "metrics_prefix", "pdcluster"),
                    otlp_traces_endpoint=getattr(args, "otlp_traces_endpoint", ""),
                    collect_detailed_traces=getattr(args, "collect_detailed_traces", ""),
+                   weight_updates=getattr(args, "enable_weight_updates", False) or dev_mode_env(),
                    served_model_aliases=tuple(getattr(args, "served_model_aliases", ())))
 
     def app_kwargs(self) -> dict:
@@ -173,3 +176,8 @@ def check_template_kwargs(kwargs, what: str) -> dict:
     if reserved:
         raise ValueError(f"{what}: {reserved} are set by the server; other variables are passed to the chat template")
     return kwargs
+
+
+def dev_mode_env() -> bool:
+    """vLLM's VLLM_SERVER_DEV_MODE=1, which serves its pause and weight routes: honoured as --enable-weight-updates."""
+    return os.environ.get("VLLM_SERVER_DEV_MODE", "").strip().lower() in ("1", "true", "yes")

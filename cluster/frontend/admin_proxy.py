@@ -8,6 +8,7 @@ from fastapi.responses import Response
 
 from pdcluster.cluster.api.middleware import error_response
 from pdcluster.cluster.api.router_contract import RouterError
+from pdcluster.cluster.api.weight_routes import WEIGHT_ROUTES
 
 # What the admin routes read of a request: the admin key and the body's type.
 FORWARDED_HEADERS = ("authorization", "content-type")
@@ -27,3 +28,20 @@ def install_admin_proxy(app: FastAPI, router) -> None:
             return error_response(e.status, str(e), kind=e.kind)
         return Response(reply.body, status_code=reply.status,
                         headers=dict(zip(reply.header_names, reply.header_values)))
+
+
+def install_weight_routes_proxy(app: FastAPI, router) -> None:
+    """The weight routes (cluster/api/weight_routes.py) in an API process, answered by the router process's."""
+    async def forward(request: Request):
+        target = request.url.path.removeprefix(request.scope.get("root_path", "") or "")
+        target += f"?{request.url.query}" if request.url.query else ""
+        headers = [(k, v) for k, v in request.headers.items() if k in FORWARDED_HEADERS]
+        try:
+            reply = await router.admin(request.method, target, headers, await request.body())
+        except RouterError as e:
+            return error_response(e.status, str(e), kind=e.kind)
+        return Response(reply.body, status_code=reply.status,
+                        headers=dict(zip(reply.header_names, reply.header_values)))
+
+    for path, method in WEIGHT_ROUTES.items():
+        app.add_api_route(path, forward, methods=[method], include_in_schema=False)

@@ -57,18 +57,24 @@ class ApiServers:
         (build_app's keyword arguments). ``admin_app``: an ASGI app whose /admin/* routes answer the API processes'
         admin calls. ``on_ready(loop)``: as run_server's. With ``options.runtime_lora`` the API processes serve
         vLLM's runtime LoRA routes, answered here, on ``router``, beside the admin routes
-        (cluster/api/lora_routes.py). ``http``: every API process's uvicorn settings (its log level, root path, TLS)."""
+        (cluster/api/lora_routes.py); with ``options.weight_updates`` the pause and weight routes
+        (cluster/api/weight_routes.py) likewise. ``http``: every API process's uvicorn settings (its log level, root path, TLS)."""
         config = ApiConfig(self.dir, self.metrics_dir, self.host, self.port, served_model_name, options, http)
-        if options.runtime_lora:
+        if (options.runtime_lora or options.weight_updates) and admin_app is None:
             from fastapi import FastAPI
 
-            from pdcluster.cluster.api.lora_routes import install_lora_routes
             from pdcluster.cluster.api.middleware import install_error_handlers
 
-            if admin_app is None:
-                admin_app = FastAPI()
-                install_error_handlers(admin_app)
+            admin_app = FastAPI()
+            install_error_handlers(admin_app)
+        if options.runtime_lora:
+            from pdcluster.cluster.api.lora_routes import install_lora_routes
+
             install_lora_routes(admin_app, router, served_model_name, options.served_model_aliases)
+        if options.weight_updates:  # the API processes forward them here (cluster/frontend/admin_proxy.py)
+            from pdcluster.cluster.api.weight_routes import install_weight_routes
+
+            install_weight_routes(admin_app, router)
         return run_serving_loop(self._serve(router, config, admin_app, on_ready))
 
     async def _serve(self, router, config: ApiConfig, admin_app, on_ready) -> int:

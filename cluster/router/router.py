@@ -21,6 +21,7 @@ from typing import AsyncIterator, Callable
 
 from pdcluster.cluster.api.router_contract import RouterError, TokenDelta
 from pdcluster.cluster.delta_queue import DeltaQueue
+from pdcluster.cluster.generation_control import DEFAULT_DRAIN_TIMEOUT_S, GenerationControl
 from pdcluster.cluster.router.config import RouterConfig
 from pdcluster.cluster.router.events import EventReceiver
 from pdcluster.cluster.router.health import HealthMonitor
@@ -32,6 +33,7 @@ from pdcluster.cluster.router.recorder import DecisionRecorder
 from pdcluster.cluster.router.state import RequestState
 from pdcluster.cluster.router.stream import RequestStreams
 from pdcluster.cluster.router.submit import Submitter
+from pdcluster.cluster.router.weights import WorkerWeights
 from pdcluster.cluster.token_deltas import can_merge, merge_queued
 from pdcluster.engine.multimodal.limits import DEFAULT_MAX_IMAGES_PER_PROMPT
 from pdcluster.engine.sampling_params import SamplingParams
@@ -82,6 +84,12 @@ class ClusterRouter:
                           KVReady: self._on_kv_ready, Failed: self._on_failed, WorkerError: self._on_worker_error,
                           KVEvents: self._on_kv_events}
         self._rng = random.Random(0)
+        # Pause / resume and weight updates (cluster/generation_control.py): every request passes its gate.
+        views = self.placement.views
+        self.generation = GenerationControl(
+            self.abort, WorkerWeights(lambda: {**self.prefill, **self.decode},
+                                      lambda wid: wid in views and views[wid].healthy, self.mark_down),
+            self.config.request_timeout_s)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._health_task: asyncio.Task | None = None
         self._closed = False
@@ -107,6 +115,26 @@ class ClusterRouter:
     @property
     def views(self):
         return self.placement.views
+
+    async def pause(self, mode: str = "abort", timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> int:
+        """vLLM's pause_generation (cluster/generation_control.py): how many requests were in flight."""
+        return await self.generation.pause(mode, timeout_s)
+
+    async def resume(self) -> None:
+        self.generation.resume()
+
+    @property
+    def is_paused(self) -> bool:
+        return self.generation.is_paused
+
+    @property
+    def weight_version(self) -> str:
+        return self.generation.weight_version
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
+                                       abort_all: bool = False, timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> dict:
+        """Every worker serves the checkpoint at ``model_path`` (cluster/generation_control.py)."""
+        return await self.generation.update_weights(model_path, weight_version, abort_all, timeout_s)
 
     def record(self) -> DecisionRecorder:
         """Start recording decisions, recoveries and reports (tests, benchmarks); returns the record."""
@@ -366,7 +394,16 @@ class ClusterRouter:
         loop = asyncio.get_running_loop()
         self.start(loop)
         self._check(request_id, prompt_token_ids)
-        params = self.lora.stamp(params)
+        async with self.generation.entered(request_id):
+            async with self._placed_now(request_id, prompt_token_ids, params, deliver, deliver_row) as r:
+                yield r
+
+    @contextlib.asynccontextmanager
+    async def _placed_now(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                          deliver: Callable[[TokenDelta], None],
+                          deliver_row: Callable[[list[int], int, int, int], bool] | None = None):
+        loop = asyncio.get_running_loop()
+        params = self.generation.stamp(self.lora.stamp(params))
         if params.seed is None:
             # Prefill and decode must draw from the same per-position streams.
             params = replace(params, seed=self._rng.randrange(1 << 31))

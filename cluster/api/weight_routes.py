@@ -1,0 +1,88 @@
+"""Routes an RL trainer drives between rollouts, on a server started with ``--enable-weight-updates`` (or vLLM's
+VLLM_SERVER_DEV_MODE=1, which serves vLLM's): vLLM's pause routes and SGLang's weight update from disk.
+
+- ``POST /pause?mode=abort|wait`` (vLLM's; ``clear_cache`` accepted: KV of old weights never matches anyway): no
+  request starts from the answer on; ``abort`` ends those in flight (finish_reason "abort"), ``wait`` lets them
+  finish; answers once none is left. ``mode=keep`` is refused (400): a request never runs on two sets of weights.
+  ``timeout_s`` (ours; default 600) bounds the wait: 504 when requests outlast it (generation stays paused).
+- ``POST /resume``; ``GET /is_paused`` -> ``{"is_paused": bool}``. Requests sent while paused wait (up to the
+  server's request timeout), as vLLM's.
+- ``POST /update_weights_from_disk`` (SGLang's) ``{"model_path": DIR, "weight_version": NAME?,
+  "abort_all_requests": false, "load_format": null|"auto"|"safetensors", "flush_cache": true, "timeout_s": 600}``:
+  every worker serves the checkpoint in DIR (a path on the workers' machines, or a Hub id) from the answer on; the
+  requests in flight finish first (or are aborted). 200 ``{"success": true, "message", "num_paused_requests",
+  "weight_version", "workers": [...]}``; 400 ``{"success": false, "message"}`` when it does not fit (another
+  architecture, a version name used before), nothing changed.
+- ``GET /get_weight_version`` (SGLang's) and ``GET /weight_info`` (vLLM's) -> ``{"weight_version": NAME}``
+  ("default" until an update).
+
+With ``--api-key`` they need it (middleware.PROTECTED_PATHS). The router does the work
+(cluster/generation_control.py); behind several API processes the router process answers them
+(cluster/frontend/admin_proxy.py ``install_weight_routes_proxy``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from fastapi import FastAPI, Query
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from pdcluster.cluster.api.middleware import error_response
+from pdcluster.cluster.api.router_contract import RouterError
+from pdcluster.cluster.generation_control import DEFAULT_DRAIN_TIMEOUT_S
+
+WEIGHT_ROUTES = {"/pause": "POST", "/resume": "POST", "/is_paused": "GET", "/update_weights_from_disk": "POST",
+                 "/get_weight_version": "GET", "/weight_info": "GET"}
+MAX_TIMEOUT_S = 24 * 3600.0
+
+
+class UpdateWeightsFromDiskRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model_path: str = Field(min_length=1, max_length=4096)
+    weight_version: str | None = Field(None, min_length=1, max_length=256)
+    abort_all_requests: bool = False
+    load_format: Literal["auto", "safetensors"] | None = None  # SGLang's; safetensors is what is read here
+    flush_cache: bool = True  # SGLang's; KV of the old weights never matches a request under the new ones
+    timeout_s: float = Field(DEFAULT_DRAIN_TIMEOUT_S, gt=0, le=MAX_TIMEOUT_S)
+
+
+def install_weight_routes(app: FastAPI, router) -> None:
+    """``router``: a LocalRouter or ClusterRouter (their ``generation``: cluster/generation_control.py)."""
+
+    @app.post("/pause")
+    async def pause(mode: str = Query("abort"), clear_cache: bool = Query(True),
+                    timeout_s: float = Query(DEFAULT_DRAIN_TIMEOUT_S, gt=0, le=MAX_TIMEOUT_S)):
+        try:
+            await router.pause(mode, timeout_s)
+        except RouterError as e:
+            return error_response(e.status, str(e), kind=e.kind, param="mode" if e.status == 400 else None)
+        return {"status": "paused"}
+
+    @app.post("/resume")
+    async def resume():
+        await router.resume()
+        return {"status": "resumed"}
+
+    @app.get("/is_paused")
+    async def is_paused():
+        return {"is_paused": router.is_paused}
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(body: UpdateWeightsFromDiskRequest):
+        try:
+            answer = await router.update_weights_from_disk(body.model_path, body.weight_version,
+                                                           body.abort_all_requests, body.timeout_s)
+        except RouterError as e:
+            return JSONResponse({"success": False, "message": str(e), "num_paused_requests": 0}, status_code=e.status)
+        return answer
+
+    @app.get("/get_weight_version")
+    async def get_weight_version():
+        return {"weight_version": router.weight_version}
+
+    @app.get("/weight_info")
+    async def weight_info():
+        return {"weight_version": router.weight_version}

@@ -1,0 +1,161 @@
+"""Pausing generation and swapping the weights under a router: what an RL trainer does between rollouts.
+
+One ``GenerationControl`` per router (cluster/router/router.py for the Ray cluster, cluster/local_router.py for one
+engine), behind vLLM's routes (POST /pause, /resume, GET /is_paused) and SGLang's (POST /update_weights_from_disk,
+GET /get_weight_version): cluster/api/weight_routes.py.
+
+- A request enters through ``entered`` (a context manager around its whole life in the router): while generation is
+  paused it waits there, bounded by the router's request timeout, as vLLM queues requests while paused.
+- ``pause("abort")`` aborts every request in flight (their streams end with finish_reason "abort"), ``pause("wait")``
+  lets them finish; both return once none is left. vLLM's "keep" (freeze them mid-stream and go on after the
+  update) is refused: here a request never runs on two sets of weights.
+- ``update_weights`` pauses (abort or wait), has every worker read and check the checkpoint (``prepare``), and only
+  once all could, copies it in on each (``commit``); a worker that cannot read it leaves every worker as it was. The
+  router then stamps each request with the new version (``stamp``): its block hashes start from it (KV of the old
+  weights never serves it, in any worker's cache or tier, or in the router's index) and a worker still holding other
+  weights refuses it instead of mixing the two (engine/weight_update.py). Then generation resumes, unless a caller
+  had paused it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import replace
+from typing import Awaitable, Callable, Protocol
+
+from pdcluster.cluster.api.router_contract import RouterError
+from pdcluster.engine.sampling_params import DEFAULT_WEIGHT_VERSION, SamplingParams
+from pdcluster.engine.weight_update import WeightUpdateError, check_version
+
+log = logging.getLogger(__name__)
+
+PAUSE_MODES = ("abort", "wait", "keep")  # vLLM's PauseMode
+DEFAULT_DRAIN_TIMEOUT_S = 600.0
+_POLL_S = (0.005, 0.1)  # the drain's poll: first wait, longest wait
+
+
+class WeightTargets(Protocol):
+    """The workers a weight update goes to (every worker of the router)."""
+
+    async def prepare(self, model_path: str, weight_version: str) -> None:
+        """Every worker reads and checks the checkpoint; RouterError (400 with the reason) when one cannot, every
+        worker having dropped what it read."""
+        ...
+
+    async def commit(self) -> list[dict]:
+        """Every worker serves what it prepared: each one's WeightUpdate as a dict."""
+        ...
+
+
+class GenerationControl:
+    def __init__(self, abort: Callable[[str], Awaitable[None]], targets: WeightTargets, admit_timeout_s: float):
+        self._abort = abort
+        self._targets = targets
+        self._admit_timeout_s = admit_timeout_s
+        self._open = asyncio.Event()
+        self._open.set()
+        self._paused_by_caller = False
+        self._in_flight: set[str] = set()
+        self.update_lock = asyncio.Lock()  # one update at a time; a joining worker's sync holds it too
+        self.weight_version = DEFAULT_WEIGHT_VERSION
+        self.weights_path: str | None = None  # None: the checkpoint the workers started with
+        self._used: set[str] = set()
+
+    # ---- requests -----------------------------------------------------------------------------------
+    @property
+    def is_paused(self) -> bool:
+        return not self._open.is_set()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    @contextlib.asynccontextmanager
+    async def entered(self, request_id: str):
+        """Around a request's life in the router: waits while generation is paused (RouterError 503 after the
+        router's request timeout), then counts it in flight until the block ends."""
+        if not self._open.is_set():
+            try:
+                await asyncio.wait_for(self._open.wait(), self._admit_timeout_s)
+            except asyncio.TimeoutError:
+                raise RouterError(f"generation is paused (POST /resume) and stayed paused for "
+                                  f"{self._admit_timeout_s:.0f} s", status=503) from None
+        self._in_flight.add(request_id)  # no await since the gate: an update that closes it now waits for this one
+        try:
+            yield
+        finally:
+            self._in_flight.discard(request_id)
+
+    def stamp(self, params: SamplingParams) -> SamplingParams:
+        """``params`` under the weights the workers serve now."""
+        if params.weight_version == self.weight_version:
+            return params
+        return replace(params, weight_version=self.weight_version)
+
+    # ---- pause / resume -----------------------------------------------------------------------------
+    async def pause(self, mode: str = "abort", timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> int:
+        """Stop starting requests; ``mode`` abort: end those in flight, wait: let them finish. Returns once none is
+        in flight, with how many there were; RouterError 400 for another mode, 504 when they outlast ``timeout_s``
+        (generation stays paused)."""
+        check_mode(mode)
+        self._open.clear()
+        self._paused_by_caller = True
+        return await self._drain(mode, timeout_s)
+
+    def resume(self) -> None:
+        self._paused_by_caller = False
+        if not self.update_lock.locked():  # an update resumes when it ends
+            self._open.set()
+
+    async def _drain(self, mode: str, timeout_s: float) -> int:
+        count = len(self._in_flight)
+        deadline = time.monotonic() + timeout_s
+        wait_s = _POLL_S[0]
+        while self._in_flight:
+            if mode == "abort":  # again each time: a request may have been between the gate and its placement
+                await asyncio.gather(*(self._abort(rid) for rid in list(self._in_flight)), return_exceptions=True)
+            if time.monotonic() > deadline:
+                raise RouterError(f"{len(self._in_flight)} requests still ran after {timeout_s:.0f} s (generation "
+                                  "stays paused: POST /resume, or pause with mode=abort)", status=504)
+            await asyncio.sleep(wait_s)
+            wait_s = min(wait_s * 2, _POLL_S[1])
+        return count
+
+    # ---- weights ------------------------------------------------------------------------------------
+    async def update_weights(self, model_path: str, weight_version: str | None = None, abort_all: bool = False,
+                             timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> dict:
+        """Every worker serves the checkpoint at ``model_path`` from the answer on (see the module). Returns
+        SGLang's answer ({"success", "message", "num_paused_requests"}) with the version and each worker's figures;
+        RouterError 400 when the checkpoint does not fit (nothing changed), 504 when the requests in flight outlast
+        ``timeout_s`` (nothing changed, generation goes on)."""
+        async with self.update_lock:
+            try:
+                version = check_version(weight_version or f"{model_path.rstrip('/').rsplit('/', 1)[-1]}-"
+                                                          f"{len(self._used) + 1}", self._used)
+            except WeightUpdateError as e:
+                raise RouterError(str(e), status=400, kind="invalid_request_error") from None
+            self._open.clear()
+            try:
+                num_paused = await self._drain("abort" if abort_all else "wait", timeout_s)
+                await self._targets.prepare(model_path, version)
+                updates = await self._targets.commit()
+                self.weight_version, self.weights_path = version, model_path
+                self._used.add(version)
+            finally:
+                if not self._paused_by_caller:
+                    self._open.set()
+        log.info("weights %s (%s) served by %d workers", version, model_path, len(updates))
+        return {"success": True, "message": f"Succeeded to update model weights ({version}).",
+                "num_paused_requests": num_paused, "weight_version": version, "workers": updates}
+
+
+def check_mode(mode: str) -> None:
+    if mode == "keep":
+        raise RouterError("mode=keep is not supported here: a request never runs on two sets of weights; pause "
+                          "with mode=wait (in-flight requests finish) or mode=abort", status=400,
+                          kind="invalid_request_error")
+    if mode not in PAUSE_MODES:
+        raise RouterError(f"mode: one of abort, wait (got {mode!r})", status=400, kind="invalid_request_error")

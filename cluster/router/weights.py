@@ -1,0 +1,71 @@
+"""A weight update's calls to the Ray cluster's workers (the targets of cluster/generation_control.py).
+
+Two phases: every worker in rotation reads and checks the checkpoint (``prepare``; on its actor's own thread, so its
+health checks go on answering), and only when all could does each copy it in (``commit``, a copy between steps). A
+worker that cannot read it makes every worker drop what it read: nothing changed. A worker that fails its commit
+(it died meanwhile) is marked down: Ray restarts it, and the restart gives it the weights the cluster serves
+(``sync``, beside the LoRA adapters' in cluster/launcher.py) before it takes requests again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+from pdcluster.cluster.api.router_contract import RouterError
+from pdcluster.cluster.router.lora import _reason
+
+log = logging.getLogger(__name__)
+
+PREPARE_TIMEOUT_S = 1800.0  # reading a checkpoint (a large model from a network disk)
+COMMIT_TIMEOUT_S = 180.0
+
+
+class WorkerWeights:
+    def __init__(self, handles: Callable[[], dict], healthy: Callable[[str], bool],
+                 mark_down: Callable[[str, str], None]):
+        self._handles, self._healthy, self._mark_down = handles, healthy, mark_down
+        self._prepared: dict = {}
+
+    async def prepare(self, model_path: str, weight_version: str) -> None:
+        handles = {w: h for w, h in self._handles().items() if self._healthy(w)}
+        if not handles:
+            raise RouterError("no worker is up to take the weights", status=503)
+        answers = await asyncio.gather(
+            *(asyncio.wait_for(h.prepare_weights.remote(model_path, weight_version), PREPARE_TIMEOUT_S)
+              for h in handles.values()), return_exceptions=True)
+        failed = {w: a for w, a in zip(handles, answers) if isinstance(a, BaseException)}
+        if failed:
+            await asyncio.gather(*(asyncio.wait_for(h.discard_weights.remote(), COMMIT_TIMEOUT_S)
+                                   for h in handles.values()), return_exceptions=True)
+            worker, error = next(iter(failed.items()))
+            raise RouterError(f"{_reason(error)} (worker {worker}; no worker changed its weights)", status=400,
+                              kind="invalid_request_error")
+        self._prepared = handles
+
+    async def commit(self) -> list[dict]:
+        handles, self._prepared = self._prepared, {}
+        answers = await asyncio.gather(
+            *(asyncio.wait_for(h.commit_weights.remote(), COMMIT_TIMEOUT_S) for h in handles.values()),
+            return_exceptions=True)
+        updates = []
+        for worker, answer in zip(handles, answers):
+            if isinstance(answer, BaseException):
+                # It serves the old weights or none: out of rotation, and its restart brings the new ones (sync).
+                self._mark_down(worker, f"it could not take the new weights: {_reason(answer)}")
+            else:
+                updates.append({"worker_id": worker, **answer})
+        if not updates:
+            raise RouterError("no worker could take the new weights (each was marked down)", status=503)
+        return updates
+
+    @staticmethod
+    async def sync(worker_id: str, handle, model_path: str | None, weight_version: str) -> None:
+        """Give a restarted or new worker the weights the cluster serves (``model_path`` None: the checkpoint it
+        started with, nothing to do). Raises when it cannot: it must not serve requests it would refuse."""
+        if model_path is None:
+            return
+        await asyncio.wait_for(handle.prepare_weights.remote(model_path, weight_version), PREPARE_TIMEOUT_S)
+        await asyncio.wait_for(handle.commit_weights.remote(), COMMIT_TIMEOUT_S)
+        log.info("worker %s now serves weights %s (%s)", worker_id, weight_version, model_path)
