@@ -372,3 +372,30 @@ def _until(condition, timeout_s: float = 30.0) -> None:
         assert time.monotonic() < deadline, "timed out waiting"
         time.sleep(0.01)
 
+
+
+@pytest.mark.timeout(300)
+def test_serve_with_api_processes_updates_through_any_of_them(checkpoints):
+    """`pdcluster serve --api-servers 2 --enable-weight-updates`: whichever API process takes the update, the
+    router process does it, and every process answers from the new weights and names their version."""
+    from test_serve import Server
+
+    new_dir = checkpoints[("tiny-random", 1)]
+    engine = make_engine(new_dir, num_kv_blocks=256)
+    want = engine.tokenizer.decode(engine.generate([PROMPTS[1]], _params())[0].token_ids)
+    server = Server("--mode", "local", "--api-servers", "2", "--enable-weight-updates", "--api-key", "k")
+    auth = {"Authorization": "Bearer k"}
+    try:
+        base = server.base_url
+        assert httpx.post(f"{base}/update_weights_from_disk", json={"model_path": new_dir}).status_code == 401
+        r = httpx.post(f"{base}/update_weights_from_disk", json={"model_path": new_dir, "weight_version": "rl-1"},
+                       headers=auth, timeout=120)
+        assert r.status_code == 200 and r.json()["success"] is True, r.text
+        client = openai.OpenAI(base_url=base + "/v1", api_key="k", max_retries=0, timeout=60)
+        for _ in range(6):  # the kernel spreads connections over both processes
+            assert httpx.get(f"{base}/get_weight_version", headers=auth, timeout=30).json() == {"weight_version": "rl-1"}
+            r = client.completions.create(model="tiny-random", prompt=PROMPTS[1], max_tokens=NUM_TOKENS,
+                                          temperature=0, extra_body={"ignore_eos": True})
+            assert r.choices[0].text == want
+    finally:
+        server.close()

@@ -20,6 +20,8 @@ cluster's, cluster/router/; one in-process engine's, cluster/local_router.py). O
   API key;
 - request_tracking.py: GET /load and its count of requests in flight, X-Request-Id on every response (vLLM's
   --enable-server-load-tracking, --enable-request-id-headers);
+- weight_routes.py: /pause, /resume, /is_paused (vLLM's) and /update_weights_from_disk, /get_weight_version
+  (SGLang's), with --enable-weight-updates (cluster/generation_control.py does the work);
 - admin.py: /admin/drain and /admin/workers (``pdcluster drain``), added by the Ray launcher;
 - router_contract.py: what the API needs from a router (``Router``, ``TokenDelta``, ``RouterError``).
 """

@@ -1,0 +1,115 @@
+"""What a weight update costs an RL loop (engine/weight_update.py), against restarting the engine on the checkpoint.
+
+SmolLM2 (or --model) is copied with every floating tensor perturbed (a stand-in for a training step's checkpoint),
+then one engine alternates between the two checkpoints --rounds times: each update's read-and-check (prepare, off
+the engine thread when served) and in-place copy (commit, the only part the engine thread waits for) are timed; a
+fresh engine built on the checkpoint (what a restart costs, before the process and Ray start) is timed beside it.
+After the last update the engine's greedy tokens are compared with the fresh engine's on the same checkpoint.
+Prints JSON (and writes it with --out).
+
+    python bench/weight_update.py [--model smollm2] [--dtype bfloat16] [--rounds 3] [--out F.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def perturbed_copy(model_dir: Path, out_dir: Path, seed: int = 1) -> Path:
+    """``model_dir`` with every floating tensor scaled per element by 1 + 0.05 x a seeded normal draw."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, out_dir)
+    gen = torch.Generator().manual_seed(seed)
+    for f in sorted(out_dir.glob("*.safetensors")):
+        tensors = load_file(str(f))
+        for name in sorted(tensors):
+            t = tensors[name]
+            if t.is_floating_point():
+                noise = torch.randn(t.shape, generator=gen, dtype=torch.float32)
+                tensors[name] = (t.float() * (1 + 0.05 * noise)).to(t.dtype).contiguous()
+        save_file(tensors, str(f))
+    return out_dir
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", default="")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(ROOT.parent))
+    import torch
+
+    from pdcluster.engine.config import EngineConfig
+    from pdcluster.engine.llm_engine import LLMEngine
+    from pdcluster.engine.models.registry import resolve_model
+    from pdcluster.engine.sampling_params import SamplingParams
+
+    base = resolve_model(args.model, progress=False)
+    with tempfile.TemporaryDirectory(prefix="pdc-weights-") as tmp:
+        other = perturbed_copy(base, Path(tmp) / "step-1")
+
+        def config(model: Path) -> EngineConfig:
+            return EngineConfig(model=str(model), device="cpu", dtype=args.dtype, max_model_len=1024,
+                                num_kv_blocks=256)
+
+        t0 = time.perf_counter()
+        engine = LLMEngine.from_config(config(base), progress=False)
+        first_start_s = time.perf_counter() - t0
+        prepare_s, commit_s, restart_s = [], [], []
+        targets = [other, base] * args.rounds
+        for i, target in enumerate(targets[: args.rounds * 2]):
+            t0 = time.perf_counter()
+            engine.prepare_weights(str(target), f"v{i + 1}")
+            t1 = time.perf_counter()
+            update = engine.commit_weights()
+            t2 = time.perf_counter()
+            prepare_s.append(t1 - t0)
+            commit_s.append(t2 - t1)
+            if i < args.rounds:
+                t0 = time.perf_counter()
+                fresh = LLMEngine.from_config(config(target), progress=False)
+                restart_s.append(time.perf_counter() - t0)
+                del fresh
+        engine.update_weights_from_disk(str(other), "check")
+        params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+        prompts = ["The capital of France is", "def fibonacci(n):"]
+        served = [o.token_ids for o in engine.generate(prompts, params)]
+        fresh = LLMEngine.from_config(config(other), progress=False)
+        want = [o.token_ids for o in fresh.generate(prompts, params)]
+        result = {
+            "model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(),
+            "weight_bytes": update.num_bytes, "num_tensors": update.num_tensors,
+            "update_prepare_s_median": round(statistics.median(prepare_s), 3),
+            "update_commit_s_median": round(statistics.median(commit_s), 4),
+            "update_total_s_median": round(statistics.median(p + c for p, c in zip(prepare_s, commit_s)), 3),
+            "restart_engine_s_median": round(statistics.median(restart_s), 3),
+            "first_engine_start_s": round(first_start_s, 3),
+            "prepare_s": [round(x, 3) for x in prepare_s], "commit_s": [round(x, 4) for x in commit_s],
+            "restart_s": [round(x, 3) for x in restart_s],
+            "tokens_equal_fresh_engine": served == want,
+            "note": "prepare reads and checks the checkpoint (off the engine thread when served); commit is the copy "
+                    "the engine thread waits for; restart_engine_s is LLMEngine.from_config on the checkpoint (a "
+                    "restart's engine part, before its process, Ray actor and warm-up of the server).",
+        }
+    print(json.dumps(result, indent=2))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
