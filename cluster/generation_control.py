@@ -57,12 +57,32 @@ class GenerationControl:
         self._admit_timeout_s = admit_timeout_s
         self._open = asyncio.Event()
         self._open.set()
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._paused_by_caller = False
         self._in_flight: set[str] = set()
         self.update_lock = asyncio.Lock()  # one update at a time; a joining worker's sync holds it too
         self.weight_version = DEFAULT_WEIGHT_VERSION
         self.weights_path: str | None = None  # None: the checkpoint the workers started with
-        self._used: set[str] = set()
+        self._used: dict[str, str] = {}  # version -> the model_path it named
+
+    def _bind(self) -> None:
+        """The gate and the lock on the running loop: a router moved to another loop (router.start) takes its
+        state along, not primitives bound to the loop it left."""
+        loop = asyncio.get_running_loop()
+        if self._loop is loop:
+            return
+        if self._loop is not None:
+            was_open, self._open = self._open.is_set(), asyncio.Event()
+            if was_open:
+                self._open.set()
+            self.update_lock = asyncio.Lock()
+        self._loop = loop
+
+    def exclusive(self) -> asyncio.Lock:
+        """The update lock on the running loop: held by an update, and by a worker's weight sync (no update passes
+        a joining worker by)."""
+        self._bind()
+        return self.update_lock
 
     # ---- requests -----------------------------------------------------------------------------------
     @property
@@ -78,6 +98,7 @@ class GenerationControl:
         """Around a request's life in the router: waits while generation is paused (RouterError 503 after the
         router's request timeout), then counts it in flight until the block ends."""
         if not self._open.is_set():
+            self._bind()
             try:
                 await asyncio.wait_for(self._open.wait(), self._admit_timeout_s)
             except asyncio.TimeoutError:
@@ -101,6 +122,7 @@ class GenerationControl:
         in flight, with how many there were; RouterError 400 for another mode, 504 when they outlast ``timeout_s``
         (generation stays paused)."""
         check_mode(mode)
+        self._bind()
         self._open.clear()
         self._paused_by_caller = True
         return await self._drain(mode, timeout_s)
@@ -131,10 +153,10 @@ class GenerationControl:
         SGLang's answer ({"success", "message", "num_paused_requests"}) with the version and each worker's figures;
         RouterError 400 when the checkpoint does not fit (nothing changed), 504 when the requests in flight outlast
         ``timeout_s`` (nothing changed, generation goes on)."""
-        async with self.update_lock:
+        async with self.exclusive():
             try:
                 version = check_version(weight_version or f"{model_path.rstrip('/').rsplit('/', 1)[-1]}-"
-                                                          f"{len(self._used) + 1}", self._used)
+                                                          f"{len(self._used) + 1}", self._used, model_path)
             except WeightUpdateError as e:
                 raise RouterError(str(e), status=400, kind="invalid_request_error") from None
             self._open.clear()
@@ -143,7 +165,7 @@ class GenerationControl:
                 await self._targets.prepare(model_path, version)
                 updates = await self._targets.commit()
                 self.weight_version, self.weights_path = version, model_path
-                self._used.add(version)
+                self._used[version] = model_path
             finally:
                 if not self._paused_by_caller:
                     self._open.set()

@@ -286,7 +286,7 @@ class Cluster:
         """The weights the cluster serves since an update (cluster/generation_control.py), for a restarted or new
         worker that loaded the start-up checkpoint; under the update lock, so no update passes it by."""
         generation = self.router.generation
-        async with generation.update_lock:
+        async with generation.exclusive():
             await WorkerWeights.sync(worker_id, handle, generation.weights_path, generation.weight_version)
 
     async def add_worker(self, role: str, timeout_s: float = 300.0) -> str:

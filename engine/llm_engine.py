@@ -150,7 +150,7 @@ class LLMEngine:
         self.runtime_lora = RuntimeLora(self.model, self.scheduler, config)
         # The weights served (engine/weight_update.py): their version roots every request's block hashes.
         self.weight_version = DEFAULT_WEIGHT_VERSION
-        self.used_weight_versions: set[str] = set()
+        self.used_weight_versions: dict[str, str] = {}  # version -> the checkpoint it named
         self.weights_path = str(self.model_dir)
         self.pending_weights: weight_update.PreparedWeights | None = None
 

@@ -55,19 +55,21 @@ class WeightUpdate:
     seconds: float
 
 
-def check_version(version: str, used: set[str] | frozenset[str]) -> str:
-    """A new update's version: non-empty, at most MAX_VERSION_CHARS, never ``default`` nor one used before on this
-    engine (a version roots block hashes: one name for two sets of weights would let KV of the first serve the
-    second)."""
+def check_version(version: str, used: dict[str, str], model_path: str) -> str:
+    """A new update's version: non-empty, at most MAX_VERSION_CHARS, never ``default``, and not a name given before
+    to another checkpoint (``used``: version -> checkpoint path). A version roots block hashes: one name for two
+    sets of weights would let KV of the first serve the second. The same name for the same checkpoint is the same
+    weights (a worker brought back in line after it missed an update)."""
     if not isinstance(version, str) or not version.strip() or len(version) > MAX_VERSION_CHARS:
         raise WeightUpdateError(f"weight_version: give a non-empty name of at most {MAX_VERSION_CHARS} characters, "
                                 f"got {version!r}")
     if version == DEFAULT_WEIGHT_VERSION:
         raise WeightUpdateError(f"weight_version: {DEFAULT_WEIGHT_VERSION!r} names the weights the server started "
                                 "with; give the update another name")
-    if version in used:
-        raise WeightUpdateError(f"weight_version: {version!r} was used by an earlier update here; each update needs "
-                                "a name of its own (KV computed under one version is matched by its name)")
+    if used.get(version, model_path) != model_path:
+        raise WeightUpdateError(f"weight_version: {version!r} was used by an earlier update here for {used[version]}; "
+                                "each checkpoint needs a name of its own (KV computed under one version is matched "
+                                "by its name)")
     return version
 
 
@@ -211,13 +213,15 @@ def prepare(engine, model_path: str, weight_version: str | None = None) -> Prepa
     if getattr(model, "image_encoder", None) is not None:
         raise WeightUpdateError("weight updates of a model serving images are not supported yet (its vision tower "
                                 "is not in a text checkpoint's load): restart the workers on the new checkpoint")
-    version = check_version(weight_version or f"{Path(model_path).name}-{len(engine.used_weight_versions) + 1}",
-                            engine.used_weight_versions)
+    if weight_version is not None:  # a bad name is refused before any file is read
+        check_version(weight_version, {}, "")
     started = time.monotonic()
     try:
         new_dir = resolve_model(model_path, cache_dir=config.cache_dir or None, progress=False)
     except (UnknownModelError, OSError) as e:
         raise WeightUpdateError(f"model_path: {e}") from None
+    version = check_version(weight_version or f"{Path(model_path).name}-{len(engine.used_weight_versions) + 1}",
+                            engine.used_weight_versions, str(new_dir))
     if model_class_of(new_dir) is not model_class_of(engine.model_dir):
         raise WeightUpdateError(f"model_path: {new_dir} holds a {model_class_of(new_dir).__name__}, the server "
                                 f"runs a {model_class_of(engine.model_dir).__name__}")
@@ -238,8 +242,7 @@ def commit(engine, prepared: PreparedWeights) -> WeightUpdate:
     (a router pauses and drains first, so no request ever runs on two versions); nothing is changed then."""
     import time
 
-    if prepared.weight_version in engine.used_weight_versions:
-        raise WeightUpdateError(f"weight_version: {prepared.weight_version!r} was committed here already")
+    check_version(prepared.weight_version, engine.used_weight_versions, prepared.model_path)
     if engine.scheduler.has_unfinished():
         raise WeightUpdateError(f"{len(engine.scheduler.requests)} requests are running: pause generation first "
                                 "(POST /pause?mode=wait or mode=abort); no request runs on two sets of weights")
@@ -254,7 +257,7 @@ def commit(engine, prepared: PreparedWeights) -> WeightUpdate:
         torch.cuda.synchronize(model.device)
     prepared.model = None  # the copy's source goes now, not when the caller drops the record
     engine.weight_version = prepared.weight_version
-    engine.used_weight_versions.add(prepared.weight_version)
+    engine.used_weight_versions[prepared.weight_version] = prepared.model_path
     engine.weights_path = prepared.model_path
     return WeightUpdate(prepared.weight_version, prepared.model_path, num_tensors, num_bytes,
                         time.monotonic() - prepared.started)

@@ -34,6 +34,8 @@ class Ping:
     kv_tiers: dict = dataclasses.field(default_factory=dict)
     # Where it publishes vLLM's KV events (node/kv_event_publisher.py source()); None without --kv-events-config.
     kv_event_source: dict | None = None
+    # The weights it serves (engine/weight_update.py): the router brings a worker that missed an update back in line.
+    weight_version: str = "default"
 
 
 def worker_engine_config(engine_config: EngineConfig, worker_id: str) -> EngineConfig:
@@ -87,7 +89,8 @@ class WorkerActor:
         return Ping(alive=self.worker.loop_error is None and self.worker.is_running(), incarnation=self.incarnation,
                     stalled_s=self.worker.stalled_s(), pid=os.getpid(), lost_peers=tuple(self.lost_peers()),
                     kv_tiers=kv_tier_usage(self.worker.engine),
-                    kv_event_source=publisher.source() if (publisher := self.worker.kv_event_publisher) else None)
+                    kv_event_source=publisher.source() if (publisher := self.worker.kv_event_publisher) else None,
+                    weight_version=self.worker.engine.weight_version)
 
     def lost_peers(self) -> list[str]:
         """Peers this worker lost to silence and that only a new handshake brings back (decode role)."""

@@ -141,8 +141,9 @@ def test_refusals_change_nothing(checkpoints, tmp_path):
     with pytest.raises(WeightUpdateError, match="rms_norm_eps"):
         engine.update_weights_from_disk(str(other), "v1")
     engine.update_weights_from_disk(checkpoints[("tiny-random", 1)], "v1")
-    with pytest.raises(WeightUpdateError, match="was used by an earlier update"):
+    with pytest.raises(WeightUpdateError, match="was used by an earlier update here for .*tiny-random-1"):
         engine.update_weights_from_disk(checkpoints[("tiny-random", 2)], "v1")
+    engine.update_weights_from_disk(checkpoints[("tiny-random", 1)], "v1")  # the same name, the same checkpoint
     engine.update_weights_from_disk(str(resolve_model("tiny-random", progress=False)), "v2")
     assert _run(engine) == before and engine.weight_version == "v2"
 
@@ -263,7 +264,8 @@ def test_pause_resume_and_update_over_http(checkpoints):
             assert complete().text == want_new
             # Refused: nothing changes, SGLang's failure body.
             for payload, status, message in [
-                ({"model_path": new_dir, "weight_version": "step-1"}, 400, "was used by an earlier update"),
+                ({"model_path": checkpoints[("tiny-random", 2)], "weight_version": "step-1"}, 400,
+                 "was used by an earlier update"),
                 ({"model_path": checkpoints[("tiny-hybrid", 1)]}, 400, "holds a"),
                 ({"model_path": new_dir, "load_format": "pt"}, 400, "load_format"),  # the body's check
             ]:

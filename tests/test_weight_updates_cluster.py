@@ -6,7 +6,8 @@ prefill and the decode worker of every request serve one version of the weights.
 - A checkpoint one worker cannot take changes no worker; the prompts' old KV is never a hit afterwards (its blocks
   hash under the old version in every worker's cache and in the router's KV index).
 - A decode worker added after an update takes the served weights before it takes requests.
-- A worker holding other weights refuses a request placed under the new version (it is placed elsewhere).
+- A worker holding other weights refuses a request placed under the new version (it is placed elsewhere), and the
+  health check takes it out of rotation and gives it the served weights.
 - Nothing is stranded: every worker's blocks are free at the end.
 """
 
@@ -83,10 +84,12 @@ def test_disagg_cluster_updates_every_worker(ray_session, tmp_path):
         added = await cluster.add_worker("decode")
         assert versions()[added] == "v1"
         assert [t for t, _, _ in await run("added")] == new_ref
-        # A worker still on other weights (as one Ray restarted before its sync) refuses v1's requests: the router
-        # places them on another; none is answered from the wrong weights. The first decode worker goes stale: the
-        # placement tries it first (least loaded, first in order).
+        # A worker on other weights (it missed the update) refuses v1's requests: the router places them on another;
+        # none is answered from the wrong weights. The first decode worker goes stale (the placement tries it first:
+        # least loaded, first in order), with the health check's repair held off to see the refusals.
         stale = next(w for w in cluster.decode_handles if w != added)
+        expected = router.health.weight_version
+        router.health.weight_version = lambda: None
         ray.get(cluster.decode_handles[stale].prepare_weights.remote(str(cluster._engine.model), "stale"), timeout=60)
         ray.get(cluster.decode_handles[stale].commit_weights.remote(), timeout=60)
         assert versions()[stale] == "stale"
@@ -95,6 +98,13 @@ def test_disagg_cluster_updates_every_worker(ray_session, tmp_path):
             assert [t for t, _, _ in await run(f"mixed-{round_}")] == new_ref
         tried = {d.decode_id for d in recorder.decisions}
         assert stale in tried, f"no request was offered to the stale worker: the test proves nothing ({tried})"
+        # The health check finds it stale, takes it out of rotation and gives it the served weights.
+        router.health.weight_version = expected
+        deadline = asyncio.get_running_loop().time() + 30
+        while versions()[stale] != "v1" or not router.views[stale].healthy:
+            assert asyncio.get_running_loop().time() < deadline, (versions(), router.views[stale].healthy)
+            await asyncio.sleep(0.1)
+        assert [t for t, _, _ in await run("repaired")] == new_ref
 
     try:
         asyncio.run(asyncio.wait_for(main(), 300))

@@ -8,7 +8,11 @@ the control plane's peer timeout is dropped by its peers, and when it resumes it
 (same incarnation), so nothing would handshake again. A decode worker reports the prefill workers it
 lost that way in its ping (``Ping.lost_peers``); the pair is left out of placement and out of /health's
 "ok" for that prefill worker, and re-wired (``on_pair_lost``: the decode worker connects again, the
-handshake a restart runs) as soon as the prefill worker answers."""
+handshake a restart runs) as soon as the prefill worker answers.
+
+A worker that answers with other weights than the cluster serves (it missed an update: it was down, or its commit
+failed) is out of rotation until ``on_weights_stale`` has given it the served ones (cluster/router/weights.py);
+``weight_version()`` says which version every worker should serve (None while an update runs, or before any)."""
 
 from __future__ import annotations
 
@@ -54,6 +58,10 @@ class HealthMonitor:
         # before that reports a loss the wiring already repaired, and is not acted on.
         self._wired_at: dict = {}
         self._rewiring: dict[tuple[str, str], asyncio.Task] = {}  # one re-wiring of a pair at a time
+        # The weight version every worker should serve (None: not checked now), and what brings one in line.
+        self.weight_version: Callable[[], str | None] = lambda: None
+        self.on_weights_stale: Callable[[str], Awaitable[None]] = _no_rewire
+        self._syncing: dict[str, asyncio.Task] = {}  # one weight sync of a worker at a time
 
     async def run(self, stopped: Callable[[], bool]) -> None:
         while not stopped():
@@ -119,9 +127,23 @@ class HealthMonitor:
                 self.incarnations[wid] = incarnation
             view.pid, view.kv_tiers, view.kv_event_source = ping.pid, dict(ping.kv_tiers), ping.kv_event_source
             self._note_lost(view, ping.lost_peers, asked)
+            expected = self.weight_version()
+            if expected is not None and ping.weight_version != expected:
+                self._mark_down(wid, f"it serves weights {ping.weight_version!r}, the cluster {expected!r}")
+                if wid not in self._syncing:
+                    self._syncing[wid] = asyncio.get_running_loop().create_task(self._sync_weights(wid))
+                return
         if not view.healthy:
             log.warning("worker %s answers again: back in rotation", wid)
             view.healthy = True
+
+    async def _sync_weights(self, worker_id: str) -> None:
+        try:
+            await self.on_weights_stale(worker_id)
+        except Exception as e:  # noqa: BLE001 - stays out of rotation; tried again on a later check
+            log.warning("could not give worker %s the served weights: %s", worker_id, e)
+        finally:
+            self._syncing.pop(worker_id, None)
 
     # ---- pairs whose decode side lost the prefill peer ----------------------------------------------
     def _wired(self, worker_id: str) -> None:

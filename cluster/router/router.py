@@ -90,6 +90,8 @@ class ClusterRouter:
             self.abort, WorkerWeights(lambda: {**self.prefill, **self.decode},
                                       lambda wid: wid in views and views[wid].healthy, self.mark_down),
             self.config.request_timeout_s)
+        self.health.weight_version = self._expected_weight_version
+        self.health.on_weights_stale = self._resync_weights
         self._loop: asyncio.AbstractEventLoop | None = None
         self._health_task: asyncio.Task | None = None
         self._closed = False
@@ -130,6 +132,21 @@ class ClusterRouter:
     @property
     def weight_version(self) -> str:
         return self.generation.weight_version
+
+    def _expected_weight_version(self) -> str | None:
+        """What every worker should serve, for the health check; None while an update or a sync runs (workers
+        change one by one) and before any update (a worker's start-up weights are the cluster's)."""
+        g = self.generation
+        return None if g.weights_path is None or g.update_lock.locked() else g.weight_version
+
+    async def _resync_weights(self, worker_id: str) -> None:
+        """Give a worker that missed an update the served weights (the health check found it stale)."""
+        handle = {**self.prefill, **self.decode}.get(worker_id)
+        if handle is None:
+            return
+        g = self.generation
+        async with g.exclusive():
+            await WorkerWeights.sync(worker_id, handle, g.weights_path, g.weight_version)
 
     async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
                                        abort_all: bool = False, timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> dict:
