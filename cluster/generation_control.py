@@ -40,9 +40,14 @@ _POLL_S = (0.005, 0.1)  # the drain's poll: first wait, longest wait
 class WeightTargets(Protocol):
     """The workers a weight update goes to (every worker of the router)."""
 
-    async def prepare(self, model_path: str, weight_version: str) -> None:
-        """Every worker reads and checks the checkpoint; RouterError (400 with the reason) when one cannot, every
-        worker having dropped what it read."""
+    async def prepare(self, model_path: str, weight_version: str) -> str:
+        """Every worker reads and checks the checkpoint; returns its contents' digest (engine/weight_update.py
+        ``checkpoint_digest``, the same on every worker). RouterError (400 with the reason) when one cannot or the
+        workers read different contents, every worker having dropped what it read."""
+        ...
+
+    async def discard(self) -> None:
+        """Every worker drops what it prepared."""
         ...
 
     async def commit(self) -> list[dict]:
@@ -63,7 +68,8 @@ class GenerationControl:
         self.update_lock = asyncio.Lock()  # one update at a time; a joining worker's sync holds it too
         self.weight_version = DEFAULT_WEIGHT_VERSION
         self.weights_path: str | None = None  # None: the checkpoint the workers started with
-        self._used: dict[str, str] = {}  # version -> the model_path it named
+        self.weights_digest = ""  # engine/weight_update.py checkpoint_digest of what is served since an update
+        self._used: dict[str, str] = {}  # version -> the digest of the contents it named
 
     def _bind(self) -> None:
         """The gate and the lock on the running loop: a router moved to another loop (router.start) takes its
@@ -156,16 +162,21 @@ class GenerationControl:
         async with self.exclusive():
             try:
                 version = check_version(weight_version or f"{model_path.rstrip('/').rsplit('/', 1)[-1]}-"
-                                                          f"{len(self._used) + 1}", self._used, model_path)
+                                                          f"{len(self._used) + 1}", {}, "")  # the name's form
             except WeightUpdateError as e:
                 raise RouterError(str(e), status=400, kind="invalid_request_error") from None
             self._open.clear()
             try:
                 num_paused = await self._drain("abort" if abort_all else "wait", timeout_s)
-                await self._targets.prepare(model_path, version)
+                digest = await self._targets.prepare(model_path, version)
+                try:
+                    check_version(version, self._used, digest)
+                except WeightUpdateError as e:
+                    await self._targets.discard()
+                    raise RouterError(str(e), status=400, kind="invalid_request_error") from None
                 updates = await self._targets.commit()
-                self.weight_version, self.weights_path = version, model_path
-                self._used[version] = model_path
+                self.weight_version, self.weights_path, self.weights_digest = version, model_path, digest
+                self._used[version] = digest
             finally:
                 if not self._paused_by_caller:
                     self._open.set()

@@ -287,7 +287,8 @@ class Cluster:
         worker that loaded the start-up checkpoint; under the update lock, so no update passes it by."""
         generation = self.router.generation
         async with generation.exclusive():
-            await WorkerWeights.sync(worker_id, handle, generation.weights_path, generation.weight_version)
+            await WorkerWeights.sync(worker_id, handle, generation.weights_path, generation.weight_version,
+                                     generation.weights_digest)
 
     async def add_worker(self, role: str, timeout_s: float = 300.0) -> str:
         """Start one more worker of ``role`` ("prefill" in disagg mode, or "decode"), wire it to the other
@@ -319,12 +320,19 @@ class Cluster:
                 await call(handle.connect_prefill.remote(await call(prefill.address.remote())))
             st = await call(handle.stats.remote())
             num_blocks, num_state_blocks = st["num_blocks"], st.get("num_state_blocks", 0)
-        ping = await call(handle.ping.remote())
-        await self._sync_weights(wid, handle)
-        async with self.router.lora.lock:  # no adapter load between its sync and its joining
-            await self.router.lora.sync(wid, handle)
-            self.router.membership.add(wid, role, handle, num_blocks, self._engine.block_size, ping.incarnation,
-                                       ping.pid, num_state_blocks, ping.kv_event_source)
+        try:
+            ping = await call(handle.ping.remote())
+            await self._sync_weights(wid, handle)
+            async with self.router.lora.lock:  # no adapter load between its sync and its joining
+                await self.router.lora.sync(wid, handle)
+                self.router.membership.add(wid, role, handle, num_blocks, self._engine.block_size, ping.incarnation,
+                                           ping.pid, num_state_blocks, ping.kv_event_source)
+        except BaseException:  # it cannot serve what the cluster serves: it goes, and nothing is left wired to it
+            if role == "prefill":
+                await asyncio.gather(*(asyncio.wait_for(h.disconnect_prefill.remote(wid), 30)
+                                       for h in list(self.decode_handles.values())), return_exceptions=True)
+            ray.kill(handle, no_restart=True)
+            raise
         log.info("worker %s added and in rotation", wid)
         return wid
 

@@ -144,11 +144,14 @@ class _EngineWeights:
     def __init__(self, worker: DecodeWorker):
         self.worker = worker
 
-    async def prepare(self, model_path: str, weight_version: str) -> None:
+    async def prepare(self, model_path: str, weight_version: str) -> str:
         try:
-            await asyncio.to_thread(self.worker.engine.prepare_weights, model_path, weight_version)
+            return await asyncio.to_thread(self.worker.engine.prepare_weights, model_path, weight_version)
         except WeightUpdateError as e:
             raise RouterError(str(e), status=400, kind="invalid_request_error") from None
+
+    async def discard(self) -> None:
+        self.worker.engine.discard_weights()
 
     async def commit(self) -> list[dict]:
         update = await asyncio.to_thread(self.worker.call, self.worker.engine.commit_weights,

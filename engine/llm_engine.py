@@ -150,7 +150,7 @@ class LLMEngine:
         self.runtime_lora = RuntimeLora(self.model, self.scheduler, config)
         # The weights served (engine/weight_update.py): their version roots every request's block hashes.
         self.weight_version = DEFAULT_WEIGHT_VERSION
-        self.used_weight_versions: dict[str, str] = {}  # version -> the checkpoint it named
+        self.used_weight_versions: dict[str, str] = {}  # version -> the digest of the checkpoint it named
         self.weights_path = str(self.model_dir)
         self.pending_weights: weight_update.PreparedWeights | None = None
 
@@ -410,10 +410,11 @@ class LLMEngine:
 
     def prepare_weights(self, model_path: str, weight_version: str | None = None) -> str:
         """Read and check a checkpoint for this model (engine/weight_update.py ``prepare``), held until
-        ``commit_weights`` or ``discard_weights``; returns its version. WeightUpdateError where it does not fit."""
+        ``commit_weights`` or ``discard_weights``; returns its contents' digest (``checkpoint_digest``).
+        WeightUpdateError where it does not fit. Any thread: it only reads the engine's config."""
         self.pending_weights = None  # a prepare nobody committed: its memory goes first
         self.pending_weights = weight_update.prepare(self, model_path, weight_version)
-        return self.pending_weights.weight_version
+        return self.pending_weights.digest
 
     def commit_weights(self) -> WeightUpdate:
         """Serve the prepared weights from now on (engine/weight_update.py ``commit``)."""

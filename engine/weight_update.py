@@ -18,8 +18,10 @@ version ``default`` (SGLang's name for them), whose hashes are the plain ones: s
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import types
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -50,24 +52,51 @@ class WeightUpdate:
 
     weight_version: str
     model_path: str
+    digest: str  # checkpoint_digest of what was read
     num_tensors: int
     num_bytes: int
     seconds: float
 
 
-def check_version(version: str, used: dict[str, str], model_path: str) -> str:
+DIGEST_SAMPLES = 64  # 4 KiB pieces read from each weight file, evenly spaced
+_PIECE_BYTES = 4096
+_HEAD_BYTES = 1 << 16
+
+
+def checkpoint_digest(model_dir: str | Path) -> str:
+    """A digest of a checkpoint's contents that costs a few hundred small reads, not the whole files: config.json,
+    and of each weight file its name, size, first 64 KiB (safetensors' header: names, shapes, offsets) and
+    DIGEST_SAMPLES pieces spread over it. A training step changes every weight, so its checkpoint's digest
+    differs; two nodes holding copies of one checkpoint agree on it."""
+    digest = hashlib.blake2b(digest_size=12)
+    model_dir = Path(model_dir)
+    config = model_dir / "config.json"
+    if config.exists():
+        digest.update(config.read_bytes())
+    for f in sorted(model_dir.glob("*.safetensors")):
+        size = f.stat().st_size
+        digest.update(f"{f.name}\0{size}\0".encode())
+        with open(f, "rb") as fh:
+            digest.update(fh.read(_HEAD_BYTES))
+            for i in range(DIGEST_SAMPLES):
+                fh.seek(size * i // DIGEST_SAMPLES)
+                digest.update(fh.read(_PIECE_BYTES))
+    return digest.hexdigest()
+
+
+def check_version(version: str, used: dict[str, str], digest: str) -> str:
     """A new update's version: non-empty, at most MAX_VERSION_CHARS, never ``default``, and not a name given before
-    to another checkpoint (``used``: version -> checkpoint path). A version roots block hashes: one name for two
-    sets of weights would let KV of the first serve the second. The same name for the same checkpoint is the same
-    weights (a worker brought back in line after it missed an update)."""
+    to other weights (``used``: version -> checkpoint_digest). A version roots block hashes: one name for two sets
+    of weights would let KV of the first serve the second. The same name for the same contents is the same weights
+    (a worker brought back in line after it missed an update)."""
     if not isinstance(version, str) or not version.strip() or len(version) > MAX_VERSION_CHARS:
         raise WeightUpdateError(f"weight_version: give a non-empty name of at most {MAX_VERSION_CHARS} characters, "
                                 f"got {version!r}")
     if version == DEFAULT_WEIGHT_VERSION:
         raise WeightUpdateError(f"weight_version: {DEFAULT_WEIGHT_VERSION!r} names the weights the server started "
                                 "with; give the update another name")
-    if used.get(version, model_path) != model_path:
-        raise WeightUpdateError(f"weight_version: {version!r} was used by an earlier update here for {used[version]}; "
+    if used.get(version, digest) != digest:
+        raise WeightUpdateError(f"weight_version: {version!r} was given to other weights by an earlier update here; "
                                 "each checkpoint needs a name of its own (KV computed under one version is matched "
                                 "by its name)")
     return version
@@ -190,6 +219,7 @@ class PreparedWeights:
 
     weight_version: str
     model_path: str
+    digest: str  # checkpoint_digest
     model: object
     started: float
 
@@ -201,7 +231,6 @@ def prepare(engine, model_path: str, weight_version: str | None = None) -> Prepa
     model or one serving images. Nothing served changes. The new checkpoint is read whole before the copy: for a
     while the device holds the weights twice."""
     import time
-    from pathlib import Path
 
     from pdcluster.engine.models.architectures import arch_from_dir, load_model, model_class_of
     from pdcluster.engine.models.registry import UnknownModelError, resolve_model
@@ -220,8 +249,9 @@ def prepare(engine, model_path: str, weight_version: str | None = None) -> Prepa
         new_dir = resolve_model(model_path, cache_dir=config.cache_dir or None, progress=False)
     except (UnknownModelError, OSError) as e:
         raise WeightUpdateError(f"model_path: {e}") from None
+    digest = checkpoint_digest(new_dir)
     version = check_version(weight_version or f"{Path(model_path).name}-{len(engine.used_weight_versions) + 1}",
-                            engine.used_weight_versions, str(new_dir))
+                            engine.used_weight_versions, digest)
     if model_class_of(new_dir) is not model_class_of(engine.model_dir):
         raise WeightUpdateError(f"model_path: {new_dir} holds a {model_class_of(new_dir).__name__}, the server "
                                 f"runs a {model_class_of(engine.model_dir).__name__}")
@@ -234,7 +264,7 @@ def prepare(engine, model_path: str, weight_version: str | None = None) -> Prepa
                          deterministic=engine.deterministic, max_model_len=engine.max_model_len)
     except (OSError, KeyError, ValueError) as e:  # a missing or short weight file
         raise WeightUpdateError(f"model_path: {new_dir}: its weights could not be read: {e}") from None
-    return PreparedWeights(version, str(new_dir), new, started)
+    return PreparedWeights(version, str(new_dir), digest, new, started)
 
 
 def commit(engine, prepared: PreparedWeights) -> WeightUpdate:
@@ -242,7 +272,7 @@ def commit(engine, prepared: PreparedWeights) -> WeightUpdate:
     (a router pauses and drains first, so no request ever runs on two versions); nothing is changed then."""
     import time
 
-    check_version(prepared.weight_version, engine.used_weight_versions, prepared.model_path)
+    check_version(prepared.weight_version, engine.used_weight_versions, prepared.digest)
     if engine.scheduler.has_unfinished():
         raise WeightUpdateError(f"{len(engine.scheduler.requests)} requests are running: pause generation first "
                                 "(POST /pause?mode=wait or mode=abort); no request runs on two sets of weights")
@@ -257,7 +287,7 @@ def commit(engine, prepared: PreparedWeights) -> WeightUpdate:
         torch.cuda.synchronize(model.device)
     prepared.model = None  # the copy's source goes now, not when the caller drops the record
     engine.weight_version = prepared.weight_version
-    engine.used_weight_versions[prepared.weight_version] = prepared.model_path
+    engine.used_weight_versions[prepared.weight_version] = prepared.digest
     engine.weights_path = prepared.model_path
-    return WeightUpdate(prepared.weight_version, prepared.model_path, num_tensors, num_bytes,
+    return WeightUpdate(prepared.weight_version, prepared.model_path, prepared.digest, num_tensors, num_bytes,
                         time.monotonic() - prepared.started)

@@ -111,7 +111,8 @@ class WorkerActor:
         return self.worker.call(lambda: self.worker.engine.lora_adapters)
 
     def prepare_weights(self, model_path: str, weight_version: str) -> str:
-        """Read and check a new checkpoint, held until ``commit_weights`` (engine/weight_update.py); its version.
+        """Read and check a new checkpoint, held until ``commit_weights`` (engine/weight_update.py); its contents'
+        digest (the router checks every worker read the same).
         WeightUpdateError (a ValueError) with the reason where it does not fit. On this call's thread, not the
         engine's: reading a large checkpoint must not look like a stuck step to the health check (the engine
         only reads its config for it)."""

@@ -141,7 +141,7 @@ def test_refusals_change_nothing(checkpoints, tmp_path):
     with pytest.raises(WeightUpdateError, match="rms_norm_eps"):
         engine.update_weights_from_disk(str(other), "v1")
     engine.update_weights_from_disk(checkpoints[("tiny-random", 1)], "v1")
-    with pytest.raises(WeightUpdateError, match="was used by an earlier update here for .*tiny-random-1"):
+    with pytest.raises(WeightUpdateError, match="was given to other weights by an earlier update here"):
         engine.update_weights_from_disk(checkpoints[("tiny-random", 2)], "v1")
     engine.update_weights_from_disk(checkpoints[("tiny-random", 1)], "v1")  # the same name, the same checkpoint
     engine.update_weights_from_disk(str(resolve_model("tiny-random", progress=False)), "v2")
@@ -178,6 +178,17 @@ def test_no_update_under_a_running_request_and_no_request_under_other_weights(ch
     assert engine.scheduler.requests[rid].sampling_params.weight_version == "v1"
     rid = engine.add_request(PROMPTS[1], _params())  # unstamped: stamped with what is served
     assert engine.scheduler.requests[rid].sampling_params.weight_version == "v1"
+
+
+def test_a_checkpoints_digest_follows_its_contents(checkpoints, tmp_path):
+    from pdcluster.engine.weight_update import checkpoint_digest
+
+    one, two = checkpoints[("tiny-random", 1)], checkpoints[("tiny-random", 2)]
+    copy = tmp_path / "copy"
+    shutil.copytree(one, copy)
+    assert checkpoint_digest(copy) == checkpoint_digest(one) != checkpoint_digest(two)
+    _add_tensor(copy, "model.embed_tokens.weight", "model.embed_tokens.weight", 1.0001)  # a small training step
+    assert checkpoint_digest(copy) != checkpoint_digest(one)
 
 
 def test_block_hashes_are_rooted_in_the_version():
@@ -265,7 +276,7 @@ def test_pause_resume_and_update_over_http(checkpoints):
             # Refused: nothing changes, SGLang's failure body.
             for payload, status, message in [
                 ({"model_path": checkpoints[("tiny-random", 2)], "weight_version": "step-1"}, 400,
-                 "was used by an earlier update"),
+                 "was given to other weights by an earlier update"),
                 ({"model_path": checkpoints[("tiny-hybrid", 1)]}, 400, "holds a"),
                 ({"model_path": new_dir, "load_format": "pt"}, 400, "load_format"),  # the body's check
             ]:

@@ -7,13 +7,15 @@ prefill and the decode worker of every request serve one version of the weights.
   hash under the old version in every worker's cache and in the router's KV index).
 - A decode worker added after an update takes the served weights before it takes requests.
 - A worker holding other weights refuses a request placed under the new version (it is placed elsewhere), and the
-  health check takes it out of rotation and gives it the served weights.
+  health check takes it out of rotation and gives it the served weights, unless the files at the update's path
+  changed since (then it stays out).
 - Nothing is stranded: every worker's blocks are free at the end.
 """
 
 from __future__ import annotations
 
 import asyncio
+import shutil
 
 import pytest
 
@@ -105,6 +107,17 @@ def test_disagg_cluster_updates_every_worker(ray_session, tmp_path):
             assert asyncio.get_running_loop().time() < deadline, (versions(), router.views[stale].healthy)
             await asyncio.sleep(0.1)
         assert [t for t, _, _ in await run("repaired")] == new_ref
+        # The trainer wrote the next checkpoint over v1's path: a worker that misses v1 now cannot take it from
+        # there (other contents under v1's name), so it stays out of rotation; the others serve on.
+        shutil.rmtree(new_dir)
+        shutil.copytree(perturbed_checkpoint("tiny-random", tmp_path / "tiny-random-2", 2), new_dir)
+        ray.get(cluster.decode_handles[stale].prepare_weights.remote(str(cluster._engine.model), "stale"), timeout=60)
+        ray.get(cluster.decode_handles[stale].commit_weights.remote(), timeout=60)
+        await asyncio.sleep(3 * router.config.health_interval_s + 1)
+        assert versions()[stale] == "stale" and not router.views[stale].healthy
+        assert [t for t, _, _ in await run("without-stale")] == new_ref
+        with pytest.raises(Exception, match="no longer holds the checkpoint of weights 'v1'"):
+            await cluster.add_worker("decode")  # a new worker (nothing held before) is refused the same way
 
     try:
         asyncio.run(asyncio.wait_for(main(), 300))

@@ -146,7 +146,7 @@ class ClusterRouter:
             return
         g = self.generation
         async with g.exclusive():
-            await WorkerWeights.sync(worker_id, handle, g.weights_path, g.weight_version)
+            await WorkerWeights.sync(worker_id, handle, g.weights_path, g.weight_version, g.weights_digest)
 
     async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
                                        abort_all: bool = False, timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> dict:

@@ -4,7 +4,9 @@ Two phases: every worker in rotation reads and checks the checkpoint (``prepare`
 health checks go on answering), and only when all could does each copy it in (``commit``, a copy between steps). A
 worker that cannot read it makes every worker drop what it read: nothing changed. A worker that fails its commit
 (it died meanwhile) is marked down: Ray restarts it, and the restart gives it the weights the cluster serves
-(``sync``, beside the LoRA adapters' in cluster/launcher.py) before it takes requests again.
+(``sync``, beside the LoRA adapters' in cluster/launcher.py) before it takes requests again. Every worker must
+read the same contents (engine/weight_update.py ``checkpoint_digest``), as every worker must read the same LoRA
+adapter: a path that holds other files on some node is refused.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ class WorkerWeights:
         self._handles, self._healthy, self._mark_down = handles, healthy, mark_down
         self._prepared: dict = {}
 
-    async def prepare(self, model_path: str, weight_version: str) -> None:
+    async def prepare(self, model_path: str, weight_version: str) -> str:
         handles = {w: h for w, h in self._handles().items() if self._healthy(w)}
         if not handles:
             raise RouterError("no worker is up to take the weights", status=503)
@@ -36,13 +38,21 @@ class WorkerWeights:
             *(asyncio.wait_for(h.prepare_weights.remote(model_path, weight_version), PREPARE_TIMEOUT_S)
               for h in handles.values()), return_exceptions=True)
         failed = {w: a for w, a in zip(handles, answers) if isinstance(a, BaseException)}
-        if failed:
-            await asyncio.gather(*(asyncio.wait_for(h.discard_weights.remote(), COMMIT_TIMEOUT_S)
-                                   for h in handles.values()), return_exceptions=True)
-            worker, error = next(iter(failed.items()))
-            raise RouterError(f"{_reason(error)} (worker {worker}; no worker changed its weights)", status=400,
-                              kind="invalid_request_error")
+        reason = next((f"{_reason(e)} (worker {w}; no worker changed its weights)" for w, e in failed.items()), None)
+        if reason is None and len(set(answers)) > 1:
+            reason = (f"the workers read different files at {model_path} ("
+                      + ", ".join(f"{w}: {d}" for w, d in sorted(zip(handles, answers)))
+                      + "); give a path that holds the same checkpoint on every node")
         self._prepared = handles
+        if reason is not None:
+            await self.discard()
+            raise RouterError(reason, status=400, kind="invalid_request_error")
+        return answers[0]
+
+    async def discard(self) -> None:
+        handles, self._prepared = self._prepared, {}
+        await asyncio.gather(*(asyncio.wait_for(h.discard_weights.remote(), COMMIT_TIMEOUT_S)
+                               for h in handles.values()), return_exceptions=True)
 
     async def commit(self) -> list[dict]:
         handles, self._prepared = self._prepared, {}
@@ -61,11 +71,17 @@ class WorkerWeights:
         return updates
 
     @staticmethod
-    async def sync(worker_id: str, handle, model_path: str | None, weight_version: str) -> None:
+    async def sync(worker_id: str, handle, model_path: str | None, weight_version: str, digest: str) -> None:
         """Give a restarted or new worker the weights the cluster serves (``model_path`` None: the checkpoint it
-        started with, nothing to do). Raises when it cannot: it must not serve requests it would refuse."""
+        started with, nothing to do). Raises when it cannot, or when the files at ``model_path`` are no longer
+        those of ``digest`` (a trainer wrote the next checkpoint there): it must not serve requests it would
+        refuse, nor other weights under the cluster's version."""
         if model_path is None:
             return
-        await asyncio.wait_for(handle.prepare_weights.remote(model_path, weight_version), PREPARE_TIMEOUT_S)
+        read = await asyncio.wait_for(handle.prepare_weights.remote(model_path, weight_version), PREPARE_TIMEOUT_S)
+        if read != digest:
+            await asyncio.wait_for(handle.discard_weights.remote(), COMMIT_TIMEOUT_S)
+            raise RuntimeError(f"{model_path} no longer holds the checkpoint of weights {weight_version!r} (digest "
+                               f"{read}, was {digest}): update the cluster to it for worker {worker_id} to serve")
         await asyncio.wait_for(handle.commit_weights.remote(), COMMIT_TIMEOUT_S)
         log.info("worker %s now serves weights %s (%s)", worker_id, weight_version, model_path)
