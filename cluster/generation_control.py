@@ -70,6 +70,8 @@ class GenerationControl:
         self.weights_path: str | None = None  # None: the checkpoint the workers started with
         self.weights_digest = ""  # engine/weight_update.py checkpoint_digest of what is served since an update
         self._used: dict[str, str] = {}  # version -> the digest of the contents it named
+        self.num_updates = 0
+        self.last_update_s = 0.0
 
     def _bind(self) -> None:
         """The gate and the lock on the running loop: a router moved to another loop (router.start) takes its
@@ -98,6 +100,11 @@ class GenerationControl:
     @property
     def num_in_flight(self) -> int:
         return len(self._in_flight)
+
+    def stats(self) -> dict:
+        """For the router's stats (/health, /metrics)."""
+        return {"weight_version": self.weight_version, "paused": self.is_paused, "num_updates": self.num_updates,
+                "last_update_s": round(self.last_update_s, 3)}
 
     @contextlib.asynccontextmanager
     async def entered(self, request_id: str):
@@ -166,6 +173,7 @@ class GenerationControl:
             except WeightUpdateError as e:
                 raise RouterError(str(e), status=400, kind="invalid_request_error") from None
             self._open.clear()
+            started = time.monotonic()
             try:
                 num_paused = await self._drain("abort" if abort_all else "wait", timeout_s)
                 digest = await self._targets.prepare(model_path, version)
@@ -177,6 +185,8 @@ class GenerationControl:
                 updates = await self._targets.commit()
                 self.weight_version, self.weights_path, self.weights_digest = version, model_path, digest
                 self._used[version] = digest
+                self.num_updates += 1
+                self.last_update_s = time.monotonic() - started
             finally:
                 if not self._paused_by_caller:
                     self._open.set()

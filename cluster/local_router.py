@@ -420,6 +420,7 @@ class LocalRouter:
             "kv_cache_usage_perc": 1.0 - s["num_free_blocks"] / s["num_blocks"],
             "block_size": self.worker.engine.config.block_size, "num_gpu_blocks": s["num_blocks"],
             **({"lora": s["lora"]} if "lora" in s else {}),
+            "weights": self.generation.stats(),
             "workers": [s if (publisher := self.worker.kv_event_publisher) is None
                         else {**s, "kv_event_source": publisher.source()}],
         }

@@ -155,6 +155,17 @@ class Metrics:
         self.params_max_tokens = hist("request_params_max_tokens", "The max_tokens each request asked for.",
                                       TOKEN_BUCKETS)
         self.params_n = hist("request_params_n", "The n each request asked for.", N_BUCKETS)
+        # Weight updates (cluster/generation_control.py): which weights are served, whether generation is paused.
+        self._weights_info = Gauge(p + "weight_version_info", "The weight version the workers serve (label; value 1): "
+                                   "'default' until an update", ["weight_version"], registry=r,
+                                   multiprocess_mode="mostrecent")
+        self._weights_label: str | None = None
+        self._paused = Gauge(p + "generation_paused", "1 while generation is paused (POST /pause, a weight update)",
+                             registry=r, multiprocess_mode="mostrecent")
+        self._weight_updates = Gauge(p + "weight_updates", "Weight updates done since the server started",
+                                     registry=r, multiprocess_mode="mostrecent")
+        self._weight_update_s = Gauge(p + "weight_update_last_seconds", "How long the last weight update took, from "
+                                      "the pause to the resume", registry=r, multiprocess_mode="mostrecent")
         self._lora_info = Gauge(p + "lora_requests_info", "LoRA adapters of the requests running and waiting "
                                 "(labels; value: when set)", ["max_lora", "running_lora_adapters",
                                                               "waiting_lora_adapters"],
@@ -247,6 +258,16 @@ class Metrics:
                 self._cache_info.clear()
                 self._cache_info.labels(*labels).set(1)
                 self._cache_info_labels = labels
+        weights = stats.get("weights")
+        if isinstance(weights, dict):
+            version = str(weights.get("weight_version", ""))
+            if version != self._weights_label:  # one series: the version served now
+                self._weights_info.clear()
+                self._weights_info.labels(version).set(1)
+                self._weights_label = version
+            self._paused.set(1 if weights.get("paused") else 0)
+            self._weight_updates.set(weights.get("num_updates", 0))
+            self._weight_update_s.set(weights.get("last_update_s", 0.0))
         lora = stats.get("lora")
         if isinstance(lora, dict):
             self._lora_info.labels(str(lora.get("max_lora", 0)), ",".join(lora.get("running", ())),

@@ -285,6 +285,10 @@ def test_pause_resume_and_update_over_http(checkpoints):
                 if "load_format" not in payload:
                     assert r.json()["success"] is False
             assert get("weight_info") == {"weight_version": "step-1"} and complete().text == want_new
+            metrics = httpx.get(f"{base_url}/metrics", timeout=30).text
+            assert 'pdcluster:weight_version_info{weight_version="step-1"} 1.0' in metrics
+            assert 'weight_version="default"' not in metrics
+            assert "pdcluster:weight_updates 1.0" in metrics and "pdcluster:generation_paused 0.0" in metrics
             assert router.num_open_streams == 0
         with serving(build_app(router, "tiny-random")) as base_url:  # the routes only with the flag
             assert httpx.post(f"{base_url}/pause").status_code == 404

@@ -232,6 +232,7 @@ class ClusterRouter:
             "unwired_pairs": [{"prefill": p, "decode": d} for p, d in unwired],
             "block_size": self.block_size, "num_gpu_blocks": sum(v.num_blocks for v in decodes),
             **self._lora_usage(),
+            "weights": self.generation.stats(),
             **self.counters,
         }
 
