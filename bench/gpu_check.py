@@ -535,6 +535,32 @@ def lora_check(model_dir: Path, prompts, expected_base, num_new: int, device: st
                                 for i, (n, g, e) in enumerate(zip(names, got, expected)) if g != e), None)}
 
 
+def weight_update_check(model_dir: Path, prompts, expected, num_new: int, device: str, work: Path) -> dict:
+    """An engine started on other weights (engine/models/perturbed.py), its decode steps captured and replayed
+    through CUDA graphs, then updated in place to ``model_dir``'s (engine/weight_update.py): it answers as
+    transformers does on ``model_dir``, the graphs replaying on the copied weights."""
+    from pdcluster.engine.config import EngineConfig
+    from pdcluster.engine.llm_engine import LLMEngine
+    from pdcluster.engine.models.perturbed import perturb_checkpoint
+    from pdcluster.engine.sampling_params import SamplingParams
+
+    other = perturb_checkpoint(model_dir, work / "weights-other", seed=1)
+    engine = LLMEngine.from_config(EngineConfig(model=str(other), device=device, dtype="float32", num_kv_blocks=256,
+                                                max_model_len=256, max_num_seqs=16), progress=False)
+    params = SamplingParams(max_tokens=num_new, temperature=0.0, ignore_eos=True)
+    before = [o.token_ids for o in engine.generate(prompts, params)]
+    graphs = engine.runner.graphs
+    replays_before = graphs.num_replays if graphs is not None else 0
+    update = engine.update_weights_from_disk(str(model_dir), "gpu-check")
+    got = [o.token_ids for o in engine.generate(prompts, params)]
+    replays = (graphs.num_replays if graphs is not None else 0) - replays_before
+    return {"ok": got == expected and before != expected and (device != "cuda" or replays > 0),
+            "other_weights_differ": before != expected, "graph_replays_after": replays,
+            "update_s": round(update.seconds, 3), "num_bytes": update.num_bytes,
+            "first_diff": next(({"prompt": i, "got": g, "expected": e} for i, (g, e) in enumerate(zip(got, expected))
+                                if g != e), None)}
+
+
 def encoders_check(device: str, work: Path) -> dict:
     """Encoder-only models (engine/models/bert.py, modernbert.py) made tiny by transformers: a BERT's [CLS] and mean
     embeddings of a batch of four prompt lengths, an XLM-R cross-encoder's scores, a ModernBERT's mean embeddings and
@@ -863,6 +889,14 @@ def correctness_section(entry: dict, device: str, work: Path, quick: bool, only:
                 result["lora"] = {"ok": False, "error": f"{type(e).__name__}: {e}",
                                   "traceback": traceback.format_exc()[-1500:]}
             all_ok = all_ok and result["lora"]["ok"]
+            try:
+                result["weight_update"] = weight_update_check(model_dir, prompts, expected, num_new, device, work)
+            except Exception as e:  # noqa: BLE001
+                result["weight_update"] = {"ok": False, "error": f"{type(e).__name__}: {e}",
+                                           "traceback": traceback.format_exc()[-1500:]}
+                if device == "cuda" and _is_device_fault(e):
+                    fault = f"{name} weight_update: {type(e).__name__}"
+            all_ok = all_ok and result["weight_update"]["ok"]
             try:
                 result["images"] = images_check(model_dir, num_new, device, work)
             except Exception as e:  # noqa: BLE001

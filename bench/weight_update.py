@@ -23,26 +23,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def perturbed_copy(model_dir: Path, out_dir: Path, seed: int = 1) -> Path:
-    """``model_dir`` with every floating tensor scaled per element by 1 + 0.05 x a seeded normal draw."""
-    import shutil
-
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(model_dir, out_dir)
-    gen = torch.Generator().manual_seed(seed)
-    for f in sorted(out_dir.glob("*.safetensors")):
-        tensors = load_file(str(f))
-        for name in sorted(tensors):
-            t = tensors[name]
-            if t.is_floating_point():
-                noise = torch.randn(t.shape, generator=gen, dtype=torch.float32)
-                tensors[name] = (t.float() * (1 + 0.05 * noise)).to(t.dtype).contiguous()
-        save_file(tensors, str(f))
-    return out_dir
-
-
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
@@ -55,12 +35,13 @@ def main(argv=None) -> dict:
 
     from pdcluster.engine.config import EngineConfig
     from pdcluster.engine.llm_engine import LLMEngine
+    from pdcluster.engine.models.perturbed import perturb_checkpoint
     from pdcluster.engine.models.registry import resolve_model
     from pdcluster.engine.sampling_params import SamplingParams
 
     base = resolve_model(args.model, progress=False)
     with tempfile.TemporaryDirectory(prefix="pdc-weights-") as tmp:
-        other = perturbed_copy(base, Path(tmp) / "step-1")
+        other = perturb_checkpoint(base, Path(tmp) / "step-1", scale=0.05)
 
         def config(model: Path) -> EngineConfig:
             return EngineConfig(model=str(model), device="cpu", dtype=args.dtype, max_model_len=1024,

@@ -121,15 +121,15 @@ def _unwrapped(obj):
     return base if base is not None and type(obj).__name__ == "LoraLinear" else obj
 
 
-def _tensors(root) -> dict[int, str]:
-    """Every tensor reachable from ``root`` outside _NOT_WEIGHTS, by id: the first path it was found at."""
-    found: dict[int, str] = {}
+def _tensors(root) -> dict[int, tuple[str, torch.Tensor]]:
+    """Every tensor reachable from ``root`` outside _NOT_WEIGHTS, by id: the first path it was found at, and it."""
+    found: dict[int, tuple[str, torch.Tensor]] = {}
     seen: set[int] = set()
     stack = [(root, "model")]
     while stack:
         obj, path = stack.pop()
         if isinstance(obj, torch.Tensor):
-            found.setdefault(id(obj), path)
+            found.setdefault(id(obj), (path, obj))
             continue
         if _is_leaf(obj) or id(obj) in seen:
             continue
@@ -141,6 +141,11 @@ def _tensors(root) -> dict[int, str]:
         elif (attrs := _fields(obj)) is not None:
             stack.extend((v, f"{path}.{k}") for k, v in attrs.items() if k not in _NOT_WEIGHTS)
     return found
+
+
+def served_bytes(model) -> int:
+    """Bytes of ``model``'s weights (its tensors outside _NOT_WEIGHTS, each once): what a second copy needs."""
+    return sum(t.numel() * t.element_size() for _, t in _tensors(model).values())
 
 
 def copy_weights(dst, src) -> tuple[int, int]:
@@ -185,7 +190,7 @@ def copy_weights(dst, src) -> tuple[int, int]:
             raise WeightUpdateError(f"{first[id(d)][1]} and {path} are one tensor in the served model (tied) but "
                                     "differ in the new checkpoint: save it with its tied weights equal")
     placed = {id(s) for _, s, _ in pairs}
-    missing = [path for tid, path in _tensors(src).items() if tid not in placed]
+    missing = [path for tid, (path, _) in _tensors(src).items() if tid not in placed]
     if missing:
         raise WeightUpdateError(f"{len(missing)} tensors of the new checkpoint's model have no place in the served "
                                 f"one (e.g. {', '.join(sorted(missing)[:3])})")
@@ -228,8 +233,9 @@ def prepare(engine, model_path: str, weight_version: str | None = None) -> Prepa
     """Read the checkpoint at ``model_path`` (a Hugging Face directory, a built-in name or a Hub id, as --model) for
     ``engine``'s model, as ``weight_version`` (None: a name made from the path and the update's count), and check
     it fits: WeightUpdateError for a checkpoint of another architecture, a used or reserved version name, a split
-    model or one serving images. Nothing served changes. The new checkpoint is read whole before the copy: for a
-    while the device holds the weights twice."""
+    model or one serving images, or (CUDA) too little free device memory to hold it beside the served weights.
+    Nothing served changes. The new checkpoint is read whole before the copy: for a while the device holds the
+    weights twice."""
     import time
 
     from pdcluster.engine.models.architectures import arch_from_dir, load_model, model_class_of
@@ -259,6 +265,13 @@ def prepare(engine, model_path: str, weight_version: str | None = None) -> Prepa
     if differences:
         raise WeightUpdateError(f"model_path: {new_dir}'s config.json differs from the served model's: "
                                 + "; ".join(differences[:4]))
+    if model.device.type == "cuda":  # the new weights sit beside the served ones until the copy
+        need = served_bytes(model)
+        free, _ = torch.cuda.mem_get_info(model.device)
+        if need > free * 0.95:
+            raise WeightUpdateError(f"model_path: reading {need / 2**30:.1f} GiB of weights beside the served ones "
+                                    f"needs that much free on {model.device}, which has {free / 2**30:.1f} GiB: serve "
+                                    "with a lower --gpu-memory-utilization to leave room for weight updates")
     try:
         new = load_model(new_dir, model.dtype, engine.max_model_len + config.num_spec_steps + 1, config.device,
                          deterministic=engine.deterministic, max_model_len=engine.max_model_len)
