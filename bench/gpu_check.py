@@ -883,37 +883,23 @@ def correctness_section(entry: dict, device: str, work: Path, quick: bool, only:
                     break
             all_ok = all_ok and result[vname]["ok"]
         if name == "tiny-random" and fault is None:
-            try:
-                result["lora"] = lora_check(model_dir, prompts, expected, num_new, device, work)
-            except Exception as e:  # noqa: BLE001
-                result["lora"] = {"ok": False, "error": f"{type(e).__name__}: {e}",
-                                  "traceback": traceback.format_exc()[-1500:]}
-            all_ok = all_ok and result["lora"]["ok"]
-            try:
-                result["weight_update"] = weight_update_check(model_dir, prompts, expected, num_new, device, work)
-            except Exception as e:  # noqa: BLE001
-                result["weight_update"] = {"ok": False, "error": f"{type(e).__name__}: {e}",
-                                           "traceback": traceback.format_exc()[-1500:]}
-                if device == "cuda" and _is_device_fault(e):
-                    fault = f"{name} weight_update: {type(e).__name__}"
-            all_ok = all_ok and result["weight_update"]["ok"]
-            try:
-                result["images"] = images_check(model_dir, num_new, device, work)
-            except Exception as e:  # noqa: BLE001
-                result["images"] = {"ok": False, "error": f"{type(e).__name__}: {e}",
-                                    "traceback": traceback.format_exc()[-1500:]}
-                if device == "cuda" and _is_device_fault(e):
-                    fault = f"{name} images: {type(e).__name__}"
-            all_ok = all_ok and result["images"]["ok"]
-            if fault is None:
+            checks = {  # the tiny Llama's other paths, each on its own; a device fault ends them (the context is lost)
+                "lora": lambda: lora_check(model_dir, prompts, expected, num_new, device, work),
+                "weight_update": lambda: weight_update_check(model_dir, prompts, expected, num_new, device, work),
+                "images": lambda: images_check(model_dir, num_new, device, work),
+                "encoders": lambda: encoders_check(device, work),
+            }
+            for check, run in checks.items():
+                if fault is not None:
+                    break
                 try:
-                    result["encoders"] = encoders_check(device, work)
+                    result[check] = run()
                 except Exception as e:  # noqa: BLE001
-                    result["encoders"] = {"ok": False, "error": f"{type(e).__name__}: {e}",
-                                          "traceback": traceback.format_exc()[-1500:]}
+                    result[check] = {"ok": False, "error": f"{type(e).__name__}: {e}",
+                                     "traceback": traceback.format_exc()[-1500:]}
                     if device == "cuda" and _is_device_fault(e):
-                        fault = f"{name} encoders: {type(e).__name__}"
-                all_ok = all_ok and result["encoders"]["ok"]
+                        fault = f"{name} {check}: {type(e).__name__}"
+                all_ok = all_ok and result[check]["ok"]
         entry[name] = result
         del entry["in_progress"]
         on_progress()
