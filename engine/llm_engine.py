@@ -426,6 +426,8 @@ class LLMEngine:
             self.pending_weights = None
 
     def discard_weights(self) -> None:
+        if self.pending_weights is not None and self.model.tp_driver is not None:
+            self.model.tp_driver.discard_weights()
         self.pending_weights = None
 
     def prepare_grammar(self, params: SamplingParams) -> None:

@@ -30,10 +30,10 @@ from pdcluster.engine.sampling_params import DEFAULT_WEIGHT_VERSION
 MAX_VERSION_CHARS = 256
 
 # Parts of a served model that are not its checkpoint's weights: the LoRA adapters (kept across an update, as vLLM
-# keeps them), a split model's driver and group, an image tower attached after loading (not in a text checkpoint's
+# keeps them), a split model's driver and group (and its row-parallel layers' group), an image tower attached after loading (not in a text checkpoint's
 # load), the architecture (compared before any copy) and a step's image rows.
 _NOT_WEIGHTS = frozenset({"lora", "tp_driver", "tp_group", "tp_shard", "image_encoder", "image_rows", "arch",
-                          "unsplit_arch"})
+                          "unsplit_arch", "group"})
 
 
 class WeightUpdateError(ValueError):
@@ -196,7 +196,7 @@ def copy_weights(dst, src) -> tuple[int, int]:
                                 f"one (e.g. {', '.join(sorted(missing)[:3])})")
     done: set[int] = set()
     num_bytes = 0
-    with torch.no_grad():
+    with torch.inference_mode():  # a split model's other ranks loaded theirs as inference tensors
         for d, s, _ in pairs:
             if id(d) in done:  # a tensor two places share (a tied embedding): once
                 continue
@@ -242,9 +242,10 @@ def prepare(engine, model_path: str, weight_version: str | None = None) -> Prepa
     from pdcluster.engine.models.registry import UnknownModelError, resolve_model
 
     config, model = engine.config, engine.model
-    if config.tensor_parallel_size > 1:
-        raise WeightUpdateError("weight updates on a tensor-parallel split are not supported yet: serve the model "
-                                "with --tensor-parallel-size 1, or restart the workers on the new checkpoint")
+    driver = model.tp_driver
+    if driver is not None and engine.scheduler.has_unfinished():  # the other ranks read instead of forwarding
+        raise WeightUpdateError(f"{len(engine.scheduler.requests)} requests are running: pause generation first "
+                                "(a split model's other ranks stop forwarding while they read the checkpoint)")
     if getattr(model, "image_encoder", None) is not None:
         raise WeightUpdateError("weight updates of a model serving images are not supported yet (its vision tower "
                                 "is not in a text checkpoint's load): restart the workers on the new checkpoint")
@@ -272,11 +273,22 @@ def prepare(engine, model_path: str, weight_version: str | None = None) -> Prepa
             raise WeightUpdateError(f"model_path: reading {need / 2**30:.1f} GiB of weights beside the served ones "
                                     f"needs that much free on {model.device}, which has {free / 2**30:.1f} GiB: serve "
                                     "with a lower --gpu-memory-utilization to leave room for weight updates")
+    shard = None
+    if driver is not None:  # a split model: this rank's slice here, the others' there
+        from pdcluster.engine.tensor_parallel.layers import Shard
+
+        shard = Shard(0, config.tensor_parallel_size)
     try:
         new = load_model(new_dir, model.dtype, engine.max_model_len + config.num_spec_steps + 1, config.device,
-                         deterministic=engine.deterministic, max_model_len=engine.max_model_len)
+                         deterministic=engine.deterministic, max_model_len=engine.max_model_len, shard=shard,
+                         group=model.tp_group)
     except (OSError, KeyError, ValueError) as e:  # a missing or short weight file
         raise WeightUpdateError(f"model_path: {new_dir}: its weights could not be read: {e}") from None
+    if driver is not None:
+        try:
+            driver.read_weights(str(new_dir), digest)
+        except ValueError as e:
+            raise WeightUpdateError(f"model_path: {e}") from None
     return PreparedWeights(version, str(new_dir), digest, new, started)
 
 
@@ -295,7 +307,14 @@ def commit(engine, prepared: PreparedWeights) -> WeightUpdate:
     cuda = model.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(model.device)
-    num_tensors, num_bytes = copy_weights(model, prepared.model)
+    try:
+        num_tensors, num_bytes = copy_weights(model, prepared.model)
+    except WeightUpdateError:
+        if model.tp_driver is not None:
+            model.tp_driver.discard_weights()
+        raise
+    if model.tp_driver is not None:
+        model.tp_driver.commit_weights()  # the other ranks copy theirs (before the next forward: the pipe's order)
     if cuda:
         torch.cuda.synchronize(model.device)
     prepared.model = None  # the copy's source goes now, not when the caller drops the record

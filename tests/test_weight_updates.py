@@ -96,6 +96,41 @@ def test_update_on_cuda_replays_the_graphs_on_the_new_weights(checkpoints, model
     assert engine.runner.graphs.num_replays > replays
 
 
+@pytest.mark.parametrize("model", ["tiny-random", "tiny-hybrid"])
+def test_a_split_model_updates_every_rank(checkpoints, model, tmp_path):
+    """Tensor parallelism over two ranks: each rank reads its slice of the checkpoint (checked against rank 0's
+    digest) and copies it in, so the split answers as a fresh split on the checkpoint; a checkpoint a rank cannot
+    read changes no rank, and the split serves on."""
+    engine = make_engine(model, tensor_parallel_size=2)
+    try:
+        before = _run(engine)
+        new_dir = checkpoints[(model, 1)]
+        fresh = make_engine(new_dir, tensor_parallel_size=2)
+        try:
+            want = _run(fresh)
+        finally:
+            fresh.close()
+        assert [t for t, _ in before] != [t for t, _ in want]
+        broken = tmp_path / "broken"  # rank 0 reads it whole; the file is cut short once rank 0 has read it
+        shutil.copytree(new_dir, broken)
+        real_read = engine.model.tp_driver.read_weights
+
+        def cut_then_read(model_dir, digest):
+            for f in Path(model_dir).glob("*.safetensors"):
+                f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+            return real_read(model_dir, digest)
+
+        engine.model.tp_driver.read_weights = cut_then_read
+        with pytest.raises(WeightUpdateError, match="tensor-parallel rank 1: .*other contents here"):
+            engine.update_weights_from_disk(str(broken), "broken")
+        engine.model.tp_driver.read_weights = real_read
+        assert _run(engine) == before and engine.weight_version == "default"
+        engine.update_weights_from_disk(new_dir, "v1")
+        assert _run(engine) == want
+    finally:
+        engine.close()
+
+
 def test_old_kv_is_never_a_hit_after_an_update(checkpoints):
     engine = make_engine("tiny-random", enable_prefix_caching=True)
     prompt = PROMPTS[0]

@@ -24,9 +24,9 @@ import torch
 from pdcluster.engine.config import ConfigError, EngineConfig
 from pdcluster.engine.kv_cache import KVCacheSpec
 from pdcluster.engine.tensor_parallel.group import TPGroup, open_store
-from pdcluster.engine.tensor_parallel.messages import (AddLora, AllocateCache, DraftForward, Forward, KeepStates,
-                                                       MoveStates, RemoveLora, Stop, WorkerSpec, decode_status,
-                                                       encode)
+from pdcluster.engine.tensor_parallel.messages import (AddLora, AllocateCache, CommitWeights, DraftForward, Forward,
+                                                       KeepStates, MoveStates, ReadWeights, RemoveLora, Stop,
+                                                       WorkerSpec, decode_status, encode)
 from pdcluster.engine.tensor_parallel.shared_cache import create_shared_cache
 from pdcluster.engine.tensor_parallel.shm_allreduce import create_segment, remove_segment
 from pdcluster.engine.tensor_parallel.worker import worker_main
@@ -34,6 +34,7 @@ from pdcluster.engine.tensor_parallel.worker import worker_main
 log = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 600.0  # a rank loading its slice of a large checkpoint from a slow disk
+WEIGHTS_TIMEOUT_S = 1800.0  # a rank reading its slice of a new checkpoint (engine/weight_update.py)
 STOP_TIMEOUT_S = 10.0
 
 
@@ -214,6 +215,42 @@ class TensorParallelDriver:
     def remove_lora(self, slot: int) -> None:
         """Every other rank empties adapter slot ``slot`` (no request runs with it any more)."""
         self._send(RemoveLora(slot))
+
+    def read_weights(self, model_dir: str, digest: str) -> None:
+        """Every other rank reads its slice of the checkpoint in ``model_dir`` (contents ``digest``) and holds it;
+        returns once all have. ValueError with a rank's reason where one could not (every rank then drops its)."""
+        self._send(ReadWeights(model_dir, digest))
+        refused = self._answers("weights_read", WEIGHTS_TIMEOUT_S)
+        if refused:
+            self._send(CommitWeights(discard=True))
+            raise ValueError(refused)
+
+    def commit_weights(self) -> None:
+        """Every other rank copies the slice it read into its served tensors; returns once all have."""
+        self._send(CommitWeights())
+        refused = self._answers("weights_copied", WEIGHTS_TIMEOUT_S)
+        if refused:  # a rank that read and cannot copy: the split no longer computes one model
+            raise RuntimeError(f"a weight update reached some ranks and not others: {refused}")
+
+    def discard_weights(self) -> None:
+        self._send(CommitWeights(discard=True))
+
+    def _answers(self, expected: str, timeout_s: float) -> str:
+        """Every other rank's answer to a weight message: "" when all said ``expected``, else the first refusal."""
+        refusals = []
+        deadline = time.monotonic() + timeout_s
+        for rank, (process, conn) in enumerate(zip(self.processes, self.conns), start=1):
+            while not conn.poll(0.2):
+                if not process.is_alive():
+                    raise RuntimeError(f"tensor-parallel rank {rank} exited (code {process.exitcode})")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"tensor-parallel rank {rank} did not answer within {timeout_s:.0f} s")
+            status, detail = decode_status(conn.recv_bytes())
+            if status == "error":
+                raise RuntimeError(detail)
+            if status != expected:
+                refusals.append(detail or f"rank {rank}: {status}")
+        return "; ".join(refusals)
 
     def draft_forward(self, from_target: bool, rows_np, next_token_ids_np, positions_np, meta) -> None:
         """Hands the other ranks one forward of the MTP draft (engine/tensor_parallel/draft.py)."""

@@ -131,9 +131,26 @@ class Stop:
     pass
 
 
+@dataclass(frozen=True)
+class ReadWeights:
+    """Read this rank's slice of the checkpoint in ``model_dir`` and hold it (engine/weight_update.py); its contents
+    must have rank 0's ``digest``. Answered "weights_read" or "refused" (with the reason: the rank serves on)."""
+
+    model_dir: str
+    digest: str
+
+
+@dataclass(frozen=True)
+class CommitWeights:
+    """Copy the slice read into the served tensors (answered "weights_copied" or "refused"); ``discard``: drop it."""
+
+    discard: bool = False
+
+
 # ---- rank 0 -> the others -------------------------------------------------------------------------------------
 
-Message = AllocateCache | Forward | DraftForward | MoveStates | KeepStates | AddLora | RemoveLora | Stop
+Message = (AllocateCache | Forward | DraftForward | MoveStates | KeepStates | AddLora | RemoveLora | ReadWeights
+           | CommitWeights | Stop)
 
 
 def encode(message: Message) -> bytes:
@@ -163,6 +180,10 @@ def encode(message: Message) -> bytes:
         spec = message.kv_spec
         sizes = {f.name: getattr(spec, f.name) for f in fields(spec) if f.name != "dtype"}
         body = {"kind": "allocate", "kv_spec": sizes, "dtype": _dtype_name(spec.dtype), "shared": message.shared}
+    elif isinstance(message, ReadWeights):
+        body = {"kind": "read_weights", "model_dir": message.model_dir, "digest": message.digest}
+    elif isinstance(message, CommitWeights):
+        body = {"kind": "commit_weights", "discard": bool(message.discard)}
     elif isinstance(message, Stop):
         body = {"kind": "stop"}
     else:
@@ -209,6 +230,10 @@ def decode(payload: bytes) -> Message:
             return KeepStates(_unarray(body["slots"]), _unarray(body["positions"]))
         if kind == "allocate":
             return AllocateCache(KVCacheSpec(**body["kv_spec"], dtype=_dtype(body["dtype"])), bool(body["shared"]))
+        if kind == "read_weights":
+            return ReadWeights(str(body["model_dir"]), str(body["digest"]))
+        if kind == "commit_weights":
+            return CommitWeights(bool(body["discard"]))
         if kind == "stop":
             return Stop()
     except (ValueError, KeyError, TypeError, AttributeError, msgpack.UnpackException) as e:
@@ -218,7 +243,7 @@ def decode(payload: bytes) -> Message:
 
 # ---- the others -> rank 0 -------------------------------------------------------------------------------------
 
-STATUSES = ("loaded", "ready", "error")
+STATUSES = ("loaded", "ready", "error", "weights_read", "weights_copied", "refused")
 
 
 def encode_status(status: str, detail: str = "") -> bytes:

@@ -16,9 +16,9 @@ from multiprocessing.reduction import recv_handle
 
 import torch
 
-from pdcluster.engine.tensor_parallel.messages import (AddLora, AllocateCache, DraftForward, Forward, KeepStates,
-                                                       MoveStates, RemoveLora, Stop, WorkerSpec, decode, encode_status,
-                                                       on_device)
+from pdcluster.engine.tensor_parallel.messages import (AddLora, AllocateCache, CommitWeights, DraftForward, Forward,
+                                                       KeepStates, MoveStates, ReadWeights, RemoveLora, Stop,
+                                                       WorkerSpec, decode, encode_status, on_device)
 
 
 def worker_main(conn, spec: WorkerSpec) -> None:
@@ -85,10 +85,14 @@ def _serve(conn, spec: WorkerSpec) -> None:
     conn.send_bytes(encode_status("ready"))
     states = _RankStates(model, device)
     last_hidden = None  # the last target forward's (an MTP draft's first forward reads rows of it)
+    read_weights = None  # a new checkpoint's slice, read and not yet copied in (ReadWeights, CommitWeights)
     while True:
         message = decode(conn.recv_bytes())
         if isinstance(message, Stop):
             return
+        if isinstance(message, (ReadWeights, CommitWeights)):
+            read_weights = _weights_message(conn, spec, model, group, message, read_weights)
+            continue
         if isinstance(message, KeepStates):
             states.pool.select(message.slots_np, message.position_index_np)
             continue
@@ -129,6 +133,41 @@ def _serve(conn, spec: WorkerSpec) -> None:
                 last_hidden = model.forward(message.input_ids.to(device), message.positions.to(device), kv_cache, meta)
         finally:
             model.image_rows = None
+
+
+def _weights_message(conn, spec: WorkerSpec, model, group, message, read_weights):
+    """A weight update's step on this rank (engine/weight_update.py): read this rank's slice of the new checkpoint
+    (its contents checked against rank 0's digest) or copy it in; answers rank 0. A failure is told as "refused" and
+    the rank serves on with the weights it has. Returns the slice now held (None after a copy or a discard)."""
+    from pdcluster.engine.models.architectures import load_model
+    from pdcluster.engine.tensor_parallel.layers import Shard
+    from pdcluster.engine.weight_update import checkpoint_digest, copy_weights
+
+    try:
+        if isinstance(message, ReadWeights):
+            read_weights = None  # the one held before goes first
+            digest = checkpoint_digest(message.model_dir)
+            if digest != message.digest:
+                raise ValueError(f"{message.model_dir} holds other contents here ({digest}) than rank 0 read "
+                                 f"({message.digest})")
+            with torch.inference_mode():
+                read_weights = load_model(message.model_dir, getattr(torch, spec.dtype_name), spec.max_positions,
+                                          torch.device(spec.device), deterministic=spec.deterministic,
+                                          max_model_len=spec.max_model_len, shard=Shard(spec.rank, spec.world_size),
+                                          group=group)
+            read_weights.lm_head = None  # as the served slice: rank 0 alone computes logits
+            conn.send_bytes(encode_status("weights_read"))
+            return read_weights
+        if message.discard:
+            return None
+        if read_weights is None:
+            raise ValueError("no weights were read to copy")
+        copy_weights(model, read_weights)
+        conn.send_bytes(encode_status("weights_copied"))
+        return None
+    except Exception as e:  # noqa: BLE001 - told to rank 0; this rank goes on serving its weights
+        conn.send_bytes(encode_status("refused", f"tensor-parallel rank {spec.rank}: {type(e).__name__}: {e}"))
+        return None
 
 
 def _install_lora(model, spec: WorkerSpec) -> None:
