@@ -158,18 +158,24 @@ class TensorParallelDriver:
     def wait(self, what: str) -> None:
         """Blocks until every rank reports ``what`` ("loaded", "ready"); RuntimeError with a rank's own error."""
         deadline = time.monotonic() + READY_TIMEOUT_S
-        for rank, (process, conn) in enumerate(zip(self.processes, self.conns), start=1):
-            while not conn.poll(0.2):
-                if not process.is_alive():
-                    raise RuntimeError(f"tensor-parallel rank {rank} exited (code {process.exitcode}) before "
-                                       f"it was {what}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"tensor-parallel rank {rank} not {what} after {READY_TIMEOUT_S:.0f} s")
-            status, detail = decode_status(conn.recv_bytes())
-            if status == "error":
-                raise RuntimeError(detail)
+        for rank in range(1, len(self.conns) + 1):
+            status, _ = self._status(rank, what, deadline)
             if status != what:
                 raise RuntimeError(f"tensor-parallel rank {rank}: expected {what!r}, got {status!r}")
+
+    def _status(self, rank: int, what: str, deadline: float) -> tuple[str, str]:
+        """Rank ``rank``'s next status (waiting for it up to ``deadline``); RuntimeError with its own error, or when
+        it exits or stays silent."""
+        process, conn = self.processes[rank - 1], self.conns[rank - 1]
+        while not conn.poll(0.2):
+            if not process.is_alive():
+                raise RuntimeError(f"tensor-parallel rank {rank} exited (code {process.exitcode}) before it was {what}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tensor-parallel rank {rank} not {what} within the time allowed")
+        status, detail = decode_status(conn.recv_bytes())
+        if status == "error":
+            raise RuntimeError(detail)
+        return status, detail
 
     def allocate_cache(self, kv_spec: KVCacheSpec, shared: bool = False, allocator=None) -> list[torch.Tensor]:
         """Every rank makes its cache like rank 0's (after every rank loaded its slice); returns once all have.
@@ -239,15 +245,8 @@ class TensorParallelDriver:
         """Every other rank's answer to a weight message: "" when all said ``expected``, else the first refusal."""
         refusals = []
         deadline = time.monotonic() + timeout_s
-        for rank, (process, conn) in enumerate(zip(self.processes, self.conns), start=1):
-            while not conn.poll(0.2):
-                if not process.is_alive():
-                    raise RuntimeError(f"tensor-parallel rank {rank} exited (code {process.exitcode})")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"tensor-parallel rank {rank} did not answer within {timeout_s:.0f} s")
-            status, detail = decode_status(conn.recv_bytes())
-            if status == "error":
-                raise RuntimeError(detail)
+        for rank in range(1, len(self.conns) + 1):
+            status, detail = self._status(rank, expected, deadline)
             if status != expected:
                 refusals.append(detail or f"rank {rank}: {status}")
         return "; ".join(refusals)
