@@ -73,6 +73,14 @@ def test_pause_resume_and_update_over_http(checkpoints):  # noqa: F811
                 httpx.post(f"{base_url}/resume", timeout=60)
             r = httpx.post(f"{base_url}/pause?mode=keep", timeout=60)
             assert r.status_code == 400 and "mode=keep is not supported" in r.text and not router.is_paused
+            # SGLang's names for abort and resume; its modes that keep requests across the pause are refused.
+            assert httpx.post(f"{base_url}/pause_generation", json={"mode": "abort"}, timeout=60).status_code == 200
+            assert router.is_paused
+            assert httpx.post(f"{base_url}/continue_generation", timeout=60).json() == {"status": "resumed"}
+            assert not router.is_paused
+            for mode in ("retract", "in_place"):
+                r = httpx.post(f"{base_url}/pause_generation", json={"mode": mode}, timeout=60)
+                assert r.status_code == 400 and f"mode {mode!r} is not supported" in r.text and not router.is_paused
             # SGLang's update: in-flight requests finish first, the answer's counts, new tokens from then on.
             with ThreadPool() as pool:
                 long = pool.submit(lambda: complete(300))

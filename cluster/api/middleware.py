@@ -168,7 +168,7 @@ class BodyLimitMiddleware:
 # Besides /v1/*: they cost CPU (and a model's time) like any API call.
 PROTECTED_PATHS = ("/tokenize", "/detokenize", "/score", "/rerank", "/v2/rerank", "/classify", "/pooling",
                    "/invocations", "/pause", "/resume", "/is_paused", "/update_weights_from_disk",
-                   "/get_weight_version", "/weight_info")
+                   "/get_weight_version", "/weight_info", "/pause_generation", "/continue_generation")
 
 
 class ApiKeyMiddleware:

@@ -15,6 +15,9 @@ VLLM_SERVER_DEV_MODE=1, which serves vLLM's): vLLM's pause routes and SGLang's w
   architecture, a version name used before), nothing changed.
 - ``GET /get_weight_version`` (SGLang's) and ``GET /weight_info`` (vLLM's) -> ``{"weight_version": NAME}``
   ("default" until an update).
+- SGLang's ``POST /pause_generation`` ``{"mode": "abort"}`` and ``POST /continue_generation``: /pause?mode=abort and
+  /resume under SGLang's names. Its modes "retract" and "in_place" keep requests across the pause (to go on under
+  the new weights): refused (400), as vLLM's keep.
 
 With ``--api-key`` they need it (middleware.PROTECTED_PATHS). The router does the work
 (cluster/generation_control.py); behind several API processes the router process answers them
@@ -34,7 +37,8 @@ from pdcluster.cluster.api.router_contract import RouterError
 from pdcluster.cluster.generation_control import DEFAULT_DRAIN_TIMEOUT_S
 
 WEIGHT_ROUTES = {"/pause": "POST", "/resume": "POST", "/is_paused": "GET", "/update_weights_from_disk": "POST",
-                 "/get_weight_version": "GET", "/weight_info": "GET"}
+                 "/get_weight_version": "GET", "/weight_info": "GET", "/pause_generation": "POST",
+                 "/continue_generation": "POST"}
 MAX_TIMEOUT_S = 24 * 3600.0
 
 
@@ -46,6 +50,13 @@ class UpdateWeightsFromDiskRequest(BaseModel):
     abort_all_requests: bool = False
     load_format: Literal["auto", "safetensors"] | None = None  # SGLang's; safetensors is what is read here
     flush_cache: bool = True  # SGLang's; KV of the old weights never matches a request under the new ones
+    timeout_s: float = Field(DEFAULT_DRAIN_TIMEOUT_S, gt=0, le=MAX_TIMEOUT_S)
+
+
+class PauseGenerationRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["abort", "retract", "in_place"] = "abort"  # SGLang's modes
     timeout_s: float = Field(DEFAULT_DRAIN_TIMEOUT_S, gt=0, le=MAX_TIMEOUT_S)
 
 
@@ -63,6 +74,22 @@ def install_weight_routes(app: FastAPI, router) -> None:
 
     @app.post("/resume")
     async def resume():
+        await router.resume()
+        return {"status": "resumed"}
+
+    @app.post("/pause_generation")
+    async def pause_generation(body: PauseGenerationRequest):
+        if body.mode != "abort":
+            return error_response(400, f"mode {body.mode!r} is not supported here: a request never runs on two sets "
+                                       "of weights; pause with mode 'abort' (or POST /pause?mode=wait)", param="mode")
+        try:
+            await router.pause("abort", body.timeout_s)
+        except RouterError as e:
+            return error_response(e.status, str(e), kind=e.kind)
+        return {"status": "paused"}
+
+    @app.post("/continue_generation")
+    async def continue_generation():
         await router.resume()
         return {"status": "resumed"}
 
