@@ -152,12 +152,7 @@ class LoadedModel:
                     log.info("%s takes images, but --limit-mm-per-prompt allows none: served for text, its vision "
                              "tower not loaded", config.model)
                 else:  # on rank 0 of a split: the other ranks get the embeddings with each forward
-                    from pdcluster.engine.multimodal.encoders import image_encoder
-
-                    if spec.patches is not None:  # M-RoPE: image rows' scratch rows of the rotary tables
-                        install_mrope(model, spec, model_dir, config)
-                    model.image_encoder = image_encoder(spec, model_dir, dtype, config.device, deterministic,
-                                                        getattr(model, "embed_tokens", None))
+                    attach_image_encoder(model, spec, model_dir, config, dtype, deterministic)
         except BaseException:
             if driver is not None:
                 driver.close()
@@ -223,6 +218,18 @@ def encoder_config(config: EngineConfig, max_model_len: int, step_given: bool = 
         log.info("prefix caching is off for encoder-only model %s (a prompt's tokens attend to later ones)",
                  config.model)
     return replace(config, enable_prefix_caching=False, cuda_graphs=False)
+
+
+def attach_image_encoder(model, spec: ImageSpec, model_dir: Path, config: EngineConfig, dtype: torch.dtype,
+                         deterministic: bool) -> None:
+    """The image tower of ``model_dir`` on its loaded text model (and a Qwen2-VL's M-RoPE: the image rows' scratch
+    rows of the rotary tables); also what a weight update loads beside the served one (engine/weight_update.py)."""
+    from pdcluster.engine.multimodal.encoders import image_encoder
+
+    if spec.patches is not None:
+        install_mrope(model, spec, model_dir, config)
+    model.image_encoder = image_encoder(spec, model_dir, dtype, config.device, deterministic,
+                                        getattr(model, "embed_tokens", None))
 
 
 def install_mrope(model, spec, model_dir: Path, config: EngineConfig) -> None:

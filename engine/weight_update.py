@@ -232,8 +232,9 @@ class PreparedWeights:
 def prepare(engine, model_path: str, weight_version: str | None = None) -> PreparedWeights:
     """Read the checkpoint at ``model_path`` (a Hugging Face directory, a built-in name or a Hub id, as --model) for
     ``engine``'s model, as ``weight_version`` (None: a name made from the path and the update's count), and check
-    it fits: WeightUpdateError for a checkpoint of another architecture, a used or reserved version name, a split
-    model or one serving images, or (CUDA) too little free device memory to hold it beside the served weights.
+    it fits: WeightUpdateError for a checkpoint of another architecture (or other image processing), a version name
+    given to other contents or reserved, or (CUDA) too little free device memory to hold it beside the served
+    weights. A split model's other ranks read their slices too; a model serving images, its image tower.
     Nothing served changes. The new checkpoint is read whole before the copy: for a while the device holds the
     weights twice."""
     import time
@@ -246,9 +247,6 @@ def prepare(engine, model_path: str, weight_version: str | None = None) -> Prepa
     if driver is not None and engine.scheduler.has_unfinished():  # the other ranks read instead of forwarding
         raise WeightUpdateError(f"{len(engine.scheduler.requests)} requests are running: pause generation first "
                                 "(a split model's other ranks stop forwarding while they read the checkpoint)")
-    if getattr(model, "image_encoder", None) is not None:
-        raise WeightUpdateError("weight updates of a model serving images are not supported yet (its vision tower "
-                                "is not in a text checkpoint's load): restart the workers on the new checkpoint")
     if weight_version is not None:  # a bad name is refused before any file is read
         check_version(weight_version, {}, "")
     started = time.monotonic()
@@ -266,6 +264,17 @@ def prepare(engine, model_path: str, weight_version: str | None = None) -> Prepa
     if differences:
         raise WeightUpdateError(f"model_path: {new_dir}'s config.json differs from the served model's: "
                                 + "; ".join(differences[:4]))
+    encoder = getattr(model, "image_encoder", None)
+    if encoder is not None:  # its tower too, read the way the served one was
+        from pdcluster.engine.multimodal.spec import ImageSpec
+
+        try:
+            spec = ImageSpec.from_dir(new_dir, config.image_processor_kwargs())
+        except ValueError as e:
+            raise WeightUpdateError(f"model_path: {new_dir}: {e}") from None
+        if spec != encoder.spec:
+            raise WeightUpdateError(f"model_path: {new_dir} processes images otherwise than the served model "
+                                    f"({spec} != {encoder.spec})")
     if model.device.type == "cuda":  # the new weights sit beside the served ones until the copy
         need = served_bytes(model)
         free, _ = torch.cuda.mem_get_info(model.device)
@@ -282,6 +291,10 @@ def prepare(engine, model_path: str, weight_version: str | None = None) -> Prepa
         new = load_model(new_dir, model.dtype, engine.max_model_len + config.num_spec_steps + 1, config.device,
                          deterministic=engine.deterministic, max_model_len=engine.max_model_len, shard=shard,
                          group=model.tp_group)
+        if encoder is not None:
+            from pdcluster.engine.loaded_model import attach_image_encoder
+
+            attach_image_encoder(new, encoder.spec, Path(new_dir), config, model.dtype, engine.deterministic)
     except (OSError, KeyError, ValueError) as e:  # a missing or short weight file
         raise WeightUpdateError(f"model_path: {new_dir}: its weights could not be read: {e}") from None
     if driver is not None:
@@ -308,7 +321,9 @@ def commit(engine, prepared: PreparedWeights) -> WeightUpdate:
     if cuda:
         torch.cuda.synchronize(model.device)
     try:
-        num_tensors, num_bytes = copy_weights(model, prepared.model)
+        # The model and its image tower (outside the model's walk: _NOT_WEIGHTS) in one validated copy.
+        num_tensors, num_bytes = copy_weights((model, getattr(model, "image_encoder", None)),
+                                              (prepared.model, getattr(prepared.model, "image_encoder", None)))
     except WeightUpdateError:
         if model.tp_driver is not None:
             model.tp_driver.discard_weights()
@@ -318,6 +333,8 @@ def commit(engine, prepared: PreparedWeights) -> WeightUpdate:
     if cuda:
         torch.cuda.synchronize(model.device)
     prepared.model = None  # the copy's source goes now, not when the caller drops the record
+    if engine.runner.image_embeds is not None:  # the old tower's embeddings of images seen before
+        engine.runner.image_embeds.clear()
     engine.weight_version = prepared.weight_version
     engine.used_weight_versions[prepared.weight_version] = prepared.digest
     engine.weights_path = prepared.model_path

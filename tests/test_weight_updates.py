@@ -131,6 +131,35 @@ def test_a_split_model_updates_every_rank(checkpoints, model, tmp_path):
         engine.close()
 
 
+@pytest.mark.parametrize("family", ["llava", "qwen2-vl"])
+def test_a_model_serving_images_updates_its_tower_too(family, tmp_path):
+    """A LLaVA (its CLIP tower and projector) and a Qwen2-VL (its own tower, M-RoPE) answer image prompts after an
+    update as a fresh engine on the new checkpoint: the tower's weights were copied with the text model's."""
+    from pdcluster.engine.models.perturbed import perturb_checkpoint
+    from pdcluster.engine.multimodal.tiny_llava import build_tiny_llava, png
+    from pdcluster.engine.multimodal.tiny_qwen2_vl import build_tiny_qwen2_vl
+
+    tokenizer_dir = resolve_model("tiny-random", progress=False)
+    built = (build_tiny_llava(tmp_path / "llava", tokenizer_dir) if family == "llava"
+             else build_tiny_qwen2_vl(tmp_path / "qwen2-vl", tokenizer_dir))
+    other = perturb_checkpoint(built, tmp_path / "other", seed=3, scale=0.2)
+    cfg = dict(max_model_len=256, num_kv_blocks=64, max_num_seqs=8)
+    engine = make_engine(str(built), **cfg)
+    prompt = ("USER: <image>\nWhat is in this picture? ASSISTANT:" if family == "llava" else
+              "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is in this picture?<|im_end|>\n"
+              "<|im_start|>assistant\n")
+    prompts = [{"prompt": prompt, "multi_modal_data": {"image": [png(seed, 40, 36)]}} for seed in (1, 2)]
+
+    def run(e):
+        return [o.token_ids for o in e.generate(prompts, _params())]
+
+    before = run(engine)
+    want = run(make_engine(str(other), **cfg))
+    assert before != want
+    engine.update_weights_from_disk(str(other), "vlm-1")
+    assert run(engine) == want
+
+
 def test_old_kv_is_never_a_hit_after_an_update(checkpoints):
     engine = make_engine("tiny-random", enable_prefix_caching=True)
     prompt = PROMPTS[0]
