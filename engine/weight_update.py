@@ -33,7 +33,7 @@ MAX_VERSION_CHARS = 256
 # keeps them), a split model's driver and group (and its row-parallel layers' group), an image tower attached after loading (not in a text checkpoint's
 # load), the architecture (compared before any copy) and a step's image rows.
 _NOT_WEIGHTS = frozenset({"lora", "tp_driver", "tp_group", "tp_shard", "image_encoder", "image_rows", "arch",
-                          "unsplit_arch", "group"})
+                          "unsplit_arch", "group", "draft_head"})
 
 
 class WeightUpdateError(ValueError):
@@ -295,6 +295,10 @@ def prepare(engine, model_path: str, weight_version: str | None = None) -> Prepa
             from pdcluster.engine.loaded_model import attach_image_encoder
 
             attach_image_encoder(new, encoder.spec, Path(new_dir), config, model.dtype, engine.deterministic)
+        if driver is None:
+            new_draft = _draft_on(engine, new, Path(new_dir))
+            if new_draft is not None:
+                new.draft_head = new_draft  # the draft, carried to the commit beside the model
     except (OSError, KeyError, ValueError) as e:  # a missing or short weight file
         raise WeightUpdateError(f"model_path: {new_dir}: its weights could not be read: {e}") from None
     if driver is not None:
@@ -303,6 +307,26 @@ def prepare(engine, model_path: str, weight_version: str | None = None) -> Prepa
         except ValueError as e:
             raise WeightUpdateError(f"model_path: {e}") from None
     return PreparedWeights(version, str(new_dir), digest, new, started)
+
+
+def _draft_on(engine, new, new_dir: Path):
+    """The MTP draft head (or EAGLE draft) the engine runs, built again on the new model: a checkpoint's own MTP
+    layers from the new checkpoint, any other draft from where it came from, on the new target's weights (a head that
+    slices the target's LM head holds a copy of it). None without an MTP proposer."""
+    head = getattr(engine.runner.proposer, "head", None)
+    if head is None:
+        return None
+    from pdcluster.engine.models.mtp import find_mtp_checkpoint, resolve_mtp_weights
+    from pdcluster.engine.models.registry import default_cache_dir
+    from pdcluster.engine.proposers import make_proposer
+
+    config = engine.config
+    cache = config.cache_dir or default_cache_dir()
+    arch = new.unsplit_arch or new.arch
+    own = find_mtp_checkpoint(config.mtp_checkpoint, cache, config.model, arch).kind == "own"
+    weights, _ = resolve_mtp_weights(config.mtp_checkpoint, cache, str(new_dir) if own else config.model, arch,
+                                     config.seed)
+    return make_proposer(config, new, engine.kv_cache, weights).head
 
 
 def commit(engine, prepared: PreparedWeights) -> WeightUpdate:
@@ -321,9 +345,12 @@ def commit(engine, prepared: PreparedWeights) -> WeightUpdate:
     if cuda:
         torch.cuda.synchronize(model.device)
     try:
-        # The model and its image tower (outside the model's walk: _NOT_WEIGHTS) in one validated copy.
-        num_tensors, num_bytes = copy_weights((model, getattr(model, "image_encoder", None)),
-                                              (prepared.model, getattr(prepared.model, "image_encoder", None)))
+        # The model, its image tower and its draft head (outside the model's walk) in one validated copy.
+        new = prepared.model
+        draft = getattr(new, "draft_head", None)
+        num_tensors, num_bytes = copy_weights(
+            (model, getattr(model, "image_encoder", None), engine.runner.proposer.head if draft is not None else None),
+            (new, getattr(new, "image_encoder", None), draft))
     except WeightUpdateError:
         if model.tp_driver is not None:
             model.tp_driver.discard_weights()

@@ -160,6 +160,38 @@ def test_a_model_serving_images_updates_its_tower_too(family, tmp_path):
     assert run(engine) == want
 
 
+@pytest.mark.parametrize("model,mtp_checkpoint", [("tiny-hybrid-moe", "")])
+def test_the_draft_follows_the_update(model, mtp_checkpoint, tmp_path):
+    """MTP speculation after an update drafts as a fresh engine on the checkpoint does (the same tokens accepted):
+    a NemotronH's own MTP layers come from the new checkpoint (any other draft is built again on the new target:
+    our MTP head holds a copy of a slice of its LM head)."""
+    import torch
+
+    from pdcluster.engine.models.perturbed import perturb_checkpoint
+    from pdcluster.engine.weight_update import _tensors
+
+    new_dir = str(perturb_checkpoint(resolve_model(model, progress=False), tmp_path / "new", seed=1, scale=0.1))
+    cfg = dict(spec_method="mtp", num_spec_tokens=2, mtp_checkpoint=mtp_checkpoint)
+
+    def run(e):
+        outs = e.generate(PROMPTS, _params())
+        return [o.token_ids for o in outs], sum(o.num_accepted_tokens for o in outs)
+
+    engine = make_engine(model, **cfg)
+    before = run(engine)
+    fresh = make_engine(new_dir, **cfg)
+    want = run(fresh)
+    assert before[0] != want[0] and want[1] > 0
+    engine.update_weights_from_disk(new_dir, "v1")
+    assert run(engine) == want
+    # Every tensor of the draft is the fresh engine's (the draft's own layers by their place in it): on a model this
+    # small, the acceptance alone cannot tell a stale draft.
+    got = {path: t for path, t in _tensors(engine.runner.proposer.head).values()}
+    fresh_draft = {path: t for path, t in _tensors(fresh.runner.proposer.head).values()}
+    assert got.keys() == fresh_draft.keys()
+    assert [p for p in got if not torch.equal(got[p], fresh_draft[p])] == []
+
+
 def test_old_kv_is_never_a_hit_after_an_update(checkpoints):
     engine = make_engine("tiny-random", enable_prefix_caching=True)
     prompt = PROMPTS[0]
