@@ -65,6 +65,7 @@ class GenerationControl:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._paused_by_caller = False
         self._in_flight: set[str] = set()
+        self._groups: dict[str, int] = {}  # fork group -> its choices in flight
         self.update_lock = asyncio.Lock()  # one update at a time; a joining worker's sync holds it too
         self.weight_version = DEFAULT_WEIGHT_VERSION
         self.weights_path: str | None = None  # None: the checkpoint the workers started with
@@ -107,10 +108,12 @@ class GenerationControl:
                 "last_update_s": round(self.last_update_s, 3)}
 
     @contextlib.asynccontextmanager
-    async def entered(self, request_id: str):
+    async def entered(self, request_id: str, fork_group: str | None = None):
         """Around a request's life in the router: waits while generation is paused (RouterError 503 after the
-        router's request timeout), then counts it in flight until the block ends."""
-        if not self._open.is_set():
+        router's request timeout), then counts it in flight until the block ends. A choice of an n > 1 request
+        (``fork_group``) whose sibling is in flight does not wait: the choices of one request run on one set of
+        weights, and the drain waits for it as for its siblings."""
+        if not self._open.is_set() and (fork_group is None or not self._groups.get(fork_group)):
             self._bind()
             try:
                 await asyncio.wait_for(self._open.wait(), self._admit_timeout_s)
@@ -118,10 +121,16 @@ class GenerationControl:
                 raise RouterError(f"generation is paused (POST /resume) and stayed paused for "
                                   f"{self._admit_timeout_s:.0f} s", status=503) from None
         self._in_flight.add(request_id)  # no await since the gate: an update that closes it now waits for this one
+        if fork_group is not None:
+            self._groups[fork_group] = self._groups.get(fork_group, 0) + 1
         try:
             yield
         finally:
             self._in_flight.discard(request_id)
+            if fork_group is not None:
+                left = self._groups.pop(fork_group) - 1
+                if left:
+                    self._groups[fork_group] = left
 
     def stamp(self, params: SamplingParams) -> SamplingParams:
         """``params`` under the weights the workers serve now."""

@@ -256,7 +256,7 @@ class LocalRouter:
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[TokenDelta]:
         self._admit(request_id, prompt_token_ids, params)
-        async with self.generation.entered(request_id):
+        async with self.generation.entered(request_id, params.fork_group):
             async for delta in self._generate(request_id, prompt_token_ids, self.generation.stamp(params)):
                 yield delta
 
@@ -298,7 +298,7 @@ class LocalRouter:
         or generator per request in between (as ClusterRouter.deliver). With ``on_row``, a step's row of a stream
         under way goes to it as its parts (_on_step_tokens); one it declines comes to ``on_delta`` as its delta."""
         self._admit(request_id, prompt_token_ids, params)
-        async with self.generation.entered(request_id):
+        async with self.generation.entered(request_id, params.fork_group):
             await self._deliver_now(request_id, prompt_token_ids, self.generation.stamp(params), on_delta, on_row)
 
     async def _deliver_now(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

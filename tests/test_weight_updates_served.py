@@ -236,3 +236,30 @@ def test_serve_with_api_processes_updates_through_any_of_them(checkpoints):  # n
             assert r.choices[0].text == want
     finally:
         server.close()
+
+
+def test_the_choices_of_one_request_run_on_one_set_of_weights():
+    """A pause that comes while an n > 1 request fans out: a choice whose sibling is in flight still enters (the
+    drain waits for it), so all of a response's choices run before the update; another request waits."""
+    from pdcluster.cluster.generation_control import GenerationControl
+
+    async def no_abort(request_id: str) -> None:
+        return None
+
+    async def main():
+        control = GenerationControl(no_abort, targets=None, admit_timeout_s=5)
+        async with control.entered("r-0", "r"):
+            drained = asyncio.ensure_future(control.pause("wait", timeout_s=5))
+            await asyncio.sleep(0.05)
+            assert control.is_paused and not drained.done()
+            async with control.entered("r-1", "r"):  # the sibling: in, though paused
+                assert control.num_in_flight == 2
+            other = asyncio.ensure_future(control.entered("s-0", "s").__aenter__())
+            await asyncio.sleep(0.1)
+            assert not other.done(), "a new request entered while paused"
+        assert await asyncio.wait_for(drained, 5) == 1
+        assert not other.done()
+        control.resume()
+        await asyncio.wait_for(other, 5)
+
+    asyncio.run(asyncio.wait_for(main(), 30))

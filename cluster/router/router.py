@@ -412,7 +412,7 @@ class ClusterRouter:
         loop = asyncio.get_running_loop()
         self.start(loop)
         self._check(request_id, prompt_token_ids)
-        async with self.generation.entered(request_id):
+        async with self.generation.entered(request_id, params.fork_group):
             async with self._placed_now(request_id, prompt_token_ids, params, deliver, deliver_row) as r:
                 yield r
 
