@@ -96,3 +96,24 @@ class Router(Protocol):
         """Gauges for /metrics and /health: e.g. num_requests_running, num_requests_waiting,
         kv_cache_usage_perc, workers: [...], healthy: bool."""
         ...
+
+
+class WeightControl(Protocol):
+    """What cluster/api/weight_routes.py needs besides ``Router`` (--enable-weight-updates): the local and the Ray
+    router have it, through cluster/generation_control.py; an API process behind a router process forwards the routes
+    instead (cluster/frontend/admin_proxy.py)."""
+
+    is_paused: bool
+    weight_version: str  # "default" until an update
+
+    async def pause(self, mode: str = "abort", timeout_s: float = 600.0) -> int:
+        """Stop starting requests; abort or wait for those in flight. RouterError 400 / 504."""
+        ...
+
+    async def resume(self) -> None:
+        ...
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
+                                       abort_all: bool = False, timeout_s: float = 600.0) -> dict:
+        """Every worker serves the checkpoint at ``model_path``; SGLang's answer. RouterError 400 / 503 / 504."""
+        ...

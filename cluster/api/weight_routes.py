@@ -61,7 +61,7 @@ class PauseGenerationRequest(BaseModel):
 
 
 def install_weight_routes(app: FastAPI, router) -> None:
-    """``router``: a LocalRouter or ClusterRouter (their ``generation``: cluster/generation_control.py)."""
+    """``router``: a WeightControl (cluster/api/router_contract.py): a LocalRouter or ClusterRouter."""
 
     @app.post("/pause")
     async def pause(mode: str = Query("abort"), clear_cache: bool = Query(True),
