@@ -1,6 +1,6 @@
 """The `pdcluster` command (the console script): one parser over every subcommand, each defined next to
-what it drives: `serve` (cluster/serve_cli.py), `generate`, `run-batch`, `drain`, `kv-events` and `pd-proxy` (here),
-`loadtest`
+what it drives: `serve` (cluster/serve_cli.py), `generate`, `run-batch`, `drain`, `kv-events`, `update-weights` and
+`pd-proxy` (here), `loadtest`
 (tools/loadtest/cli.py), `profile` and `plan` (tools/planner/cli.py).
 
 Errors in what the user typed print one line to stderr and exit with status 2, never a traceback.
@@ -15,6 +15,7 @@ from pdcluster.cli.config_file import expand_config_file
 from pdcluster.cli.drain import add_drain_parser
 from pdcluster.cli.json_args import expand_dotted_json_args
 from pdcluster.cli.kv_events import add_kv_events_parser
+from pdcluster.cli.update_weights import add_update_weights_parser
 from pdcluster.cli.generate import add_generate_parser
 from pdcluster.cli.pd_proxy import add_pd_proxy_parser
 from pdcluster.cli.run_batch import add_run_batch_parser
@@ -39,6 +40,7 @@ def _build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     add_loadtest_parser(sub)
     add_drain_parser(sub)
     add_kv_events_parser(sub)
+    add_update_weights_parser(sub)
     add_planner_parsers(sub)
     return parser, serve_parser
 

@@ -263,3 +263,34 @@ def test_the_choices_of_one_request_run_on_one_set_of_weights():
         await asyncio.wait_for(other, 5)
 
     asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_the_update_weights_command(checkpoints, capsys, monkeypatch):  # noqa: F811
+    """`pdcluster update-weights` against the real HTTP server: the answer printed and exit 0; a refusal's reason
+    and exit 1; a server without the routes told to start with the flag."""
+    import json
+
+    from pdcluster.cli.main import main as cli
+    from pdcluster.cluster.api.app import build_app
+    from test_api import serving
+
+    monkeypatch.delenv("PDCLUSTER_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    router = _local_router()
+    try:
+        with serving(build_app(router, "tiny-random", api_key="k", weight_updates=True)) as base_url:
+            new_dir = checkpoints[("tiny-random", 1)]
+            assert cli(["update-weights", "--url", base_url, "--model-path", new_dir, "--weight-version", "c1",
+                        "--api-key", "k"]) == 0
+            assert json.loads(capsys.readouterr().out)["weight_version"] == "c1" and router.weight_version == "c1"
+            assert cli(["update-weights", "--url", base_url, "--model-path", new_dir, "--api-key", "wrong"]) == 1
+            assert "HTTP 401" in capsys.readouterr().err
+            monkeypatch.setenv("PDCLUSTER_API_KEY", "k")
+            assert cli(["update-weights", "--url", base_url, "--model-path", checkpoints[("tiny-hybrid", 1)]]) == 1
+            err = capsys.readouterr().err
+            assert "HTTP 400" in err and "holds a" in err and router.weight_version == "c1"
+        with serving(build_app(router, "tiny-random")) as base_url:
+            assert cli(["update-weights", "--url", base_url, "--model-path", new_dir]) == 1
+            assert "start it with --enable-weight-updates" in capsys.readouterr().err
+    finally:
+        router.close()
