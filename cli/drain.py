@@ -9,6 +9,7 @@ import sys
 
 import httpx
 
+from pdcluster.cli.http_answers import error_message, json_body
 from pdcluster.engine.config import ConfigError
 
 
@@ -49,12 +50,9 @@ def drain_main(args: argparse.Namespace) -> int:
     except httpx.HTTPError as e:
         print(f"pdcluster drain: error: {url}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    try:
-        answer = r.json()
-    except ValueError:
-        answer = None
-    if r.status_code != 200 or not isinstance(answer, dict):
-        message = ((answer or {}).get("error") or {}).get("message") if isinstance(answer, dict) else None
+    answer = json_body(r)
+    if r.status_code != 200 or answer is None:
+        message = error_message(answer)
         print(f"pdcluster drain: error: HTTP {r.status_code}: {message or r.text[:500]}", file=sys.stderr)
         return 1
     if args.list:

@@ -10,6 +10,7 @@ import sys
 
 import httpx
 
+from pdcluster.cli.http_answers import error_message, json_body
 from pdcluster.engine.config import ConfigError
 
 
@@ -47,17 +48,11 @@ def update_weights_main(args: argparse.Namespace) -> int:
     except httpx.HTTPError as e:
         print(f"pdcluster update-weights: error: {url}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    try:
-        answer = r.json()
-    except ValueError:
-        answer = None
-    if r.status_code == 200 and isinstance(answer, dict) and answer.get("success"):
+    answer = json_body(r)
+    if r.status_code == 200 and answer is not None and answer.get("success"):
         print(json.dumps(answer, indent=2))
         return 0
-    message = None
-    if isinstance(answer, dict):
-        message = answer.get("message") or ((answer.get("error") or {}).get("message")
-                                            if isinstance(answer.get("error"), dict) else None)
+    message = error_message(answer)
     if r.status_code == 404:
         message = "the server has no weight routes: start it with --enable-weight-updates"
     print(f"pdcluster update-weights: error: HTTP {r.status_code}: {message or r.text[:500]}", file=sys.stderr)

@@ -24,6 +24,7 @@ from pdcluster.engine.memory import keep_freed_memory
 from pdcluster.engine.models.architectures import (arch_from_dir, is_encoder, is_hybrid, load_model, max_model_len_for,
                                                    model_class_of)
 from pdcluster.engine.models.registry import resolve_model
+from pdcluster.engine.multimodal.attach import attach_image_encoder
 from pdcluster.engine.multimodal.spec import ImageSpec
 from pdcluster.engine.proposers import num_draft_layers as proposer_draft_layers
 from pdcluster.engine.tensor_parallel.driver import (TensorParallelDriver, check_engine_config, check_shared_caches,
@@ -218,27 +219,6 @@ def encoder_config(config: EngineConfig, max_model_len: int, step_given: bool = 
         log.info("prefix caching is off for encoder-only model %s (a prompt's tokens attend to later ones)",
                  config.model)
     return replace(config, enable_prefix_caching=False, cuda_graphs=False)
-
-
-def attach_image_encoder(model, spec: ImageSpec, model_dir: Path, config: EngineConfig, dtype: torch.dtype,
-                         deterministic: bool) -> None:
-    """The image tower of ``model_dir`` on its loaded text model (and a Qwen2-VL's M-RoPE: the image rows' scratch
-    rows of the rotary tables); also what a weight update loads beside the served one (engine/weight_update.py)."""
-    from pdcluster.engine.multimodal.encoders import image_encoder
-
-    if spec.patches is not None:
-        install_mrope(model, spec, model_dir, config)
-    model.image_encoder = image_encoder(spec, model_dir, dtype, config.device, deterministic,
-                                        getattr(model, "embed_tokens", None))
-
-
-def install_mrope(model, spec, model_dir: Path, config: EngineConfig) -> None:
-    """A Qwen2-VL's M-RoPE (engine/multimodal/mrope.py) on the loaded model, before any graph is captured."""
-    from pdcluster.engine.multimodal.mrope import MRope, mrope_sections
-
-    cfg = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-    sections, interleaved = mrope_sections(cfg, model.arch.head_dim, str(model_dir / "config.json"))
-    model.mrope = MRope(spec, model.rope, sections, config.max_num_batched_tokens, interleaved)
 
 
 def _num_kv_blocks(model, config: EngineConfig, bytes_per_block: int, hybrid: bool, max_model_len: int) -> int:

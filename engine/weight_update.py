@@ -292,7 +292,7 @@ def prepare(engine, model_path: str, weight_version: str | None = None) -> Prepa
                          deterministic=engine.deterministic, max_model_len=engine.max_model_len, shard=shard,
                          group=model.tp_group)
         if encoder is not None:
-            from pdcluster.engine.loaded_model import attach_image_encoder
+            from pdcluster.engine.multimodal.attach import attach_image_encoder
 
             attach_image_encoder(new, encoder.spec, Path(new_dir), config, model.dtype, engine.deterministic)
         if driver is None:
