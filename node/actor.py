@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 import uuid
 
 import torch
@@ -49,6 +50,7 @@ def worker_engine_config(engine_config: EngineConfig, worker_id: str) -> EngineC
 
 LORA_LOAD_TIMEOUT_S = 300.0  # reading an adapter's files and packing them, on the engine thread
 WEIGHTS_COMMIT_TIMEOUT_S = 120.0  # copying a prepared checkpoint into the served tensors, on the engine thread
+COMMIT_IDLE_WAIT_S = 30.0  # aborts still on their way when a commit comes (commit_weights)
 
 
 class WorkerActor:
@@ -119,7 +121,12 @@ class WorkerActor:
         return self.worker.engine.prepare_weights(model_path, weight_version)
 
     def commit_weights(self) -> dict:
-        """Serve the prepared weights from now on: the WeightUpdate as a dict."""
+        """Serve the prepared weights from now on: the WeightUpdate as a dict. The router drained its requests first,
+        but an abort it sent may still be on its way here (a threaded actor's calls are not ordered): the engine
+        is given a moment to let such requests go before the commit, which refuses while any runs."""
+        deadline = time.monotonic() + COMMIT_IDLE_WAIT_S
+        while self.worker.call(self.worker.engine.has_unfinished) and time.monotonic() < deadline:
+            time.sleep(0.01)
         return dataclasses.asdict(self.worker.call(self.worker.engine.commit_weights,
                                                    timeout_s=WEIGHTS_COMMIT_TIMEOUT_S))
 

@@ -82,6 +82,18 @@ def test_disagg_cluster_updates_every_worker(ray_session, tmp_path):
         after = await run("new")
         assert [t for t, _, _ in after] == new_ref
         assert after[0][1] == 0, "KV of the old weights was a prefix hit under the new ones"
+        # abort_all_requests: the request in flight ends with "abort", every worker takes the weights (an abort still
+        # on its way to a worker does not make its commit fail), none leaves rotation.
+        long = asyncio.ensure_future(_collect(router, "long-abort", PROMPTS[1], 900))
+        while not router.generation.num_in_flight:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)
+        answer = await router.update_weights_from_disk(new_dir, "v1b", abort_all=True)
+        assert (await long)[2] == "abort" and answer["num_paused_requests"] == 1 and len(answer["workers"]) == 2
+        assert set(versions().values()) == {"v1b"} and all(v.healthy for v in router.views.values())
+        assert [t for t, _, _ in await run("after-abort")] == new_ref
+        answer = await router.update_weights_from_disk(new_dir, "v1")  # back to v1's name: the same contents
+        assert set(versions().values()) == {"v1"}
         # A decode worker added now serves v1 before it takes requests.
         added = await cluster.add_worker("decode")
         assert versions()[added] == "v1"
