@@ -422,6 +422,9 @@ class LLMEngine:
             raise weight_update.WeightUpdateError("no weights were prepared (or they were discarded)")
         try:
             return weight_update.commit(self, self.pending_weights)
+        except BaseException:
+            self.discard_weights()  # a split model's other ranks drop theirs too
+            raise
         finally:
             self.pending_weights = None
 
