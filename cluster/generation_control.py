@@ -211,3 +211,30 @@ def check_mode(mode: str) -> None:
                           kind="invalid_request_error")
     if mode not in PAUSE_MODES:
         raise RouterError(f"mode: one of abort, wait (got {mode!r})", status=400, kind="invalid_request_error")
+
+
+class WeightControlled:
+    """The routes' side of a router that has a ``generation`` (GenerationControl): cluster/api/router_contract.py's
+    WeightControl, the same for the local and the Ray router."""
+
+    generation: GenerationControl
+
+    async def pause(self, mode: str = "abort", timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> int:
+        """vLLM's pause_generation: how many requests were in flight."""
+        return await self.generation.pause(mode, timeout_s)
+
+    async def resume(self) -> None:
+        self.generation.resume()
+
+    @property
+    def is_paused(self) -> bool:
+        return self.generation.is_paused
+
+    @property
+    def weight_version(self) -> str:
+        return self.generation.weight_version
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
+                                       abort_all: bool = False, timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> dict:
+        """Every worker serves the checkpoint at ``model_path``."""
+        return await self.generation.update_weights(model_path, weight_version, abort_all, timeout_s)

@@ -18,7 +18,7 @@ from typing import AsyncIterator, Callable
 
 from pdcluster.cluster.api.router_contract import RouterError, TokenDelta
 from pdcluster.cluster.delta_queue import DeltaQueue
-from pdcluster.cluster.generation_control import DEFAULT_DRAIN_TIMEOUT_S, GenerationControl
+from pdcluster.cluster.generation_control import GenerationControl, WeightControlled
 from pdcluster.cluster.router.lora import already_loaded, not_found
 from pdcluster.cluster.token_deltas import can_merge, is_first_token, is_progress_report, merge_queued, token_delta
 from pdcluster.decode_node.worker import DecodeWorker
@@ -159,7 +159,7 @@ class _EngineWeights:
         return [{"worker_id": self.worker.worker_id, **asdict(update)}]
 
 
-class LocalRouter:
+class LocalRouter(WeightControlled):
     """Router contract (cluster/api/router_contract.py) over one colocated DecodeWorker built from ``engine_config``."""
 
     def __init__(self, engine_config: EngineConfig, request_timeout_s: float = 300.0, worker_id: str = "local"):
@@ -374,26 +374,6 @@ class LocalRouter:
             return engine.lora_names
 
         self.lora_names = await asyncio.to_thread(self.worker.call, unload)
-
-    async def pause(self, mode: str = "abort", timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> int:
-        """vLLM's pause_generation (cluster/generation_control.py): how many requests were in flight."""
-        return await self.generation.pause(mode, timeout_s)
-
-    async def resume(self) -> None:
-        self.generation.resume()
-
-    @property
-    def is_paused(self) -> bool:
-        return self.generation.is_paused
-
-    @property
-    def weight_version(self) -> str:
-        return self.generation.weight_version
-
-    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
-                                       abort_all: bool = False, timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> dict:
-        """The engine serves the checkpoint at ``model_path`` (cluster/generation_control.py)."""
-        return await self.generation.update_weights(model_path, weight_version, abort_all, timeout_s)
 
     async def abort(self, request_id: str) -> None:
         stream = self._streams.get(request_id)

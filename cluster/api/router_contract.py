@@ -100,8 +100,8 @@ class Router(Protocol):
 
 class WeightControl(Protocol):
     """What cluster/api/weight_routes.py needs besides ``Router`` (--enable-weight-updates): the local and the Ray
-    router have it, through cluster/generation_control.py; an API process behind a router process forwards the routes
-    instead (cluster/frontend/admin_proxy.py)."""
+    router have it (cluster/generation_control.py's WeightControlled); an API process behind a router process
+    forwards the routes instead (cluster/frontend/admin_proxy.py)."""
 
     is_paused: bool
     weight_version: str  # "default" until an update

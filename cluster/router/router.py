@@ -21,7 +21,7 @@ from typing import AsyncIterator, Callable
 
 from pdcluster.cluster.api.router_contract import RouterError, TokenDelta
 from pdcluster.cluster.delta_queue import DeltaQueue
-from pdcluster.cluster.generation_control import DEFAULT_DRAIN_TIMEOUT_S, GenerationControl
+from pdcluster.cluster.generation_control import GenerationControl, WeightControlled
 from pdcluster.cluster.router.config import RouterConfig
 from pdcluster.cluster.router.events import EventReceiver
 from pdcluster.cluster.router.health import HealthMonitor
@@ -43,7 +43,7 @@ from pdcluster.node.events import (ADMITTED, UNREACHABLE, Admission, Event, Fail
 log = logging.getLogger(__name__)
 
 
-class ClusterRouter:
+class ClusterRouter(WeightControlled):
     def __init__(self, prefill: dict, decode: dict, tokenizer, model_name: str, max_model_len: int,
                  block_size: int, config: RouterConfig | None = None, lora_names: tuple[str, ...] = (),
                  max_images_per_prompt: int = DEFAULT_MAX_IMAGES_PER_PROMPT, mm_processor_kwargs: str = "",
@@ -118,21 +118,6 @@ class ClusterRouter:
     def views(self):
         return self.placement.views
 
-    async def pause(self, mode: str = "abort", timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> int:
-        """vLLM's pause_generation (cluster/generation_control.py): how many requests were in flight."""
-        return await self.generation.pause(mode, timeout_s)
-
-    async def resume(self) -> None:
-        self.generation.resume()
-
-    @property
-    def is_paused(self) -> bool:
-        return self.generation.is_paused
-
-    @property
-    def weight_version(self) -> str:
-        return self.generation.weight_version
-
     def _expected_weight_version(self) -> str | None:
         """What every worker should serve, for the health check; None while an update or a sync runs (workers
         change one by one) and before any update (a worker's start-up weights are the cluster's)."""
@@ -147,11 +132,6 @@ class ClusterRouter:
         g = self.generation
         async with g.exclusive():
             await WorkerWeights.sync(worker_id, handle, g.weights_path, g.weight_version, g.weights_digest)
-
-    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
-                                       abort_all: bool = False, timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> dict:
-        """Every worker serves the checkpoint at ``model_path`` (cluster/generation_control.py)."""
-        return await self.generation.update_weights(model_path, weight_version, abort_all, timeout_s)
 
     def record(self) -> DecisionRecorder:
         """Start recording decisions, recoveries and reports (tests, benchmarks); returns the record."""
