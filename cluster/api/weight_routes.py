@@ -63,33 +63,28 @@ class PauseGenerationRequest(BaseModel):
 def install_weight_routes(app: FastAPI, router) -> None:
     """``router``: a WeightControl (cluster/api/router_contract.py): a LocalRouter or ClusterRouter."""
 
-    @app.post("/pause")
-    async def pause(mode: str = Query("abort"), clear_cache: bool = Query(True),
-                    timeout_s: float = Query(DEFAULT_DRAIN_TIMEOUT_S, gt=0, le=MAX_TIMEOUT_S)):
+    async def paused(mode: str, timeout_s: float):
         try:
             await router.pause(mode, timeout_s)
         except RouterError as e:
             return error_response(e.status, str(e), kind=e.kind, param="mode" if e.status == 400 else None)
         return {"status": "paused"}
 
-    @app.post("/resume")
-    async def resume():
-        await router.resume()
-        return {"status": "resumed"}
+    @app.post("/pause")
+    async def pause(mode: str = Query("abort"), clear_cache: bool = Query(True),
+                    timeout_s: float = Query(DEFAULT_DRAIN_TIMEOUT_S, gt=0, le=MAX_TIMEOUT_S)):
+        return await paused(mode, timeout_s)
 
     @app.post("/pause_generation")
     async def pause_generation(body: PauseGenerationRequest):
         if body.mode != "abort":
             return error_response(400, f"mode {body.mode!r} is not supported here: a request never runs on two sets "
                                        "of weights; pause with mode 'abort' (or POST /pause?mode=wait)", param="mode")
-        try:
-            await router.pause("abort", body.timeout_s)
-        except RouterError as e:
-            return error_response(e.status, str(e), kind=e.kind)
-        return {"status": "paused"}
+        return await paused("abort", body.timeout_s)
 
-    @app.post("/continue_generation")
-    async def continue_generation():
+    @app.post("/resume")
+    @app.post("/continue_generation")  # SGLang's name
+    async def resume():
         await router.resume()
         return {"status": "resumed"}
 
@@ -106,10 +101,7 @@ def install_weight_routes(app: FastAPI, router) -> None:
             return JSONResponse({"success": False, "message": str(e), "num_paused_requests": 0}, status_code=e.status)
         return answer
 
-    @app.get("/get_weight_version")
-    async def get_weight_version():
-        return {"weight_version": router.weight_version}
-
-    @app.get("/weight_info")
-    async def weight_info():
+    @app.get("/get_weight_version")  # SGLang's name
+    @app.get("/weight_info")  # vLLM's
+    async def weight_version():
         return {"weight_version": router.weight_version}

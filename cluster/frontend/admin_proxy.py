@@ -14,34 +14,36 @@ from pdcluster.cluster.api.weight_routes import WEIGHT_ROUTES
 FORWARDED_HEADERS = ("authorization", "content-type")
 
 
+async def _forward(router, request: Request, target: str) -> Response:
+    """``request`` answered by the router process at ``target`` (a path and query as the router process routes it)."""
+    headers = [(k, v) for k, v in request.headers.items() if k in FORWARDED_HEADERS]
+    try:
+        reply = await router.admin(request.method, target, headers, await request.body())
+    except RouterError as e:
+        return error_response(e.status, str(e), kind=e.kind)
+    return Response(reply.body, status_code=reply.status, headers=dict(zip(reply.header_names, reply.header_values)))
+
+
+def _with_query(path: str, request: Request) -> str:
+    return path + (f"?{request.url.query}" if request.url.query else "")
+
+
 def install_admin_proxy(app: FastAPI, router) -> None:
     """``router``: a RemoteRouter (its ``admin`` call)."""
 
     @app.api_route("/admin/{path:path}", methods=["GET", "POST", "PUT", "DELETE"], include_in_schema=False)
     async def admin(path: str, request: Request):
         # The route's own path: behind --root-path the URL's carries the prefix, which the router process has not.
-        target = f"/admin/{path}" + (f"?{request.url.query}" if request.url.query else "")
-        headers = [(k, v) for k, v in request.headers.items() if k in FORWARDED_HEADERS]
-        try:
-            reply = await router.admin(request.method, target, headers, await request.body())
-        except RouterError as e:
-            return error_response(e.status, str(e), kind=e.kind)
-        return Response(reply.body, status_code=reply.status,
-                        headers=dict(zip(reply.header_names, reply.header_values)))
+        return await _forward(router, request, _with_query(f"/admin/{path}", request))
 
 
 def install_weight_routes_proxy(app: FastAPI, router) -> None:
     """The weight routes (cluster/api/weight_routes.py) in an API process, answered by the router process's."""
-    async def forward(request: Request):
-        target = request.url.path.removeprefix(request.scope.get("root_path", "") or "")
-        target += f"?{request.url.query}" if request.url.query else ""
-        headers = [(k, v) for k, v in request.headers.items() if k in FORWARDED_HEADERS]
-        try:
-            reply = await router.admin(request.method, target, headers, await request.body())
-        except RouterError as e:
-            return error_response(e.status, str(e), kind=e.kind)
-        return Response(reply.body, status_code=reply.status,
-                        headers=dict(zip(reply.header_names, reply.header_values)))
+    def forwarding(path: str):
+        async def forward(request: Request):  # the route's own path: the router process has no --root-path prefix
+            return await _forward(router, request, _with_query(path, request))
+
+        return forward
 
     for path, method in WEIGHT_ROUTES.items():
-        app.add_api_route(path, forward, methods=[method], include_in_schema=False)
+        app.add_api_route(path, forwarding(path), methods=[method], include_in_schema=False)
