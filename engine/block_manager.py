@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 from pdcluster.engine.request import Request
@@ -54,13 +54,18 @@ def block_hash_root(params) -> int | None:
     keeps two prompts that differ only in their images apart (engine/multimodal/). A request under updated weights
     (``weight_version`` other than the start-up weights': engine/weight_update.py) chains from a digest of its
     version over all that: KV of other weights is never a hit."""
-    lora_name, salt, images = params.lora_name, params.cache_salt, params.mm_inputs
+    root = _content_root(params)
     version = params.weight_version
-    if version is not None and version != DEFAULT_WEIGHT_VERSION:  # KV of other weights: another chain
-        root = block_hash_root(replace(params, weight_version=None))
-        digest = hashlib.blake2b(b"weights\0" + version.encode() + b"\0"
-                                 + (b"" if root is None else root.to_bytes(8, "little", signed=True)), digest_size=8)
-        return int.from_bytes(digest.digest(), "little", signed=True)
+    if version is None or version == DEFAULT_WEIGHT_VERSION:
+        return root
+    digest = hashlib.blake2b(b"weights\0" + version.encode() + b"\0"  # KV of other weights: another chain
+                             + (b"" if root is None else root.to_bytes(8, "little", signed=True)), digest_size=8)
+    return int.from_bytes(digest.digest(), "little", signed=True)
+
+
+def _content_root(params) -> int | None:
+    """block_hash_root's part from what the request holds (adapter, salt, images), whatever the weights."""
+    lora_name, salt, images = params.lora_name, params.cache_salt, params.mm_inputs
     if lora_name is None and salt is None and not images:
         return None
     if lora_name is not None and params.lora_digest is not None:  # an adapter reloaded under its name: new KV
