@@ -75,9 +75,16 @@ async def _remote(socket_dir: str, index: int, **kw) -> RemoteRouter:
     return RemoteRouter(endpoint, f"ipc://{socket_dir}/api-{index}", index, welcome, **kw)
 
 
-def _run_with_service(router, socket_dir: str, body) -> None:
+def _run_with_service(router, socket_dir: str, body, admin_app=None) -> None:
+    """``body(service)`` beside a RouterService over ``router`` (``admin_app``: the ASGI app answering the API
+    processes' admin calls, as serve's supervisor gives it)."""
     async def main():
-        service = RouterService(router, f"ipc://{socket_dir}/router", str(router.tokenizer.model_dir))
+        admin = None
+        if admin_app is not None:
+            from pdcluster.cluster.frontend.supervisor import _asgi_admin
+
+            admin = _asgi_admin(admin_app)
+        service = RouterService(router, f"ipc://{socket_dir}/router", str(router.tokenizer.model_dir), admin=admin)
         serving = asyncio.create_task(service.run())
         try:
             await asyncio.wait_for(body(service), 120)

@@ -131,9 +131,7 @@ def test_api_processes_load_through_the_router_process(adapters, references):  #
 
     from pdcluster.cluster.api.lora_routes import install_lora_routes
     from pdcluster.cluster.api.middleware import install_error_handlers
-    from pdcluster.cluster.frontend.service import RouterService
-    from pdcluster.cluster.frontend.supervisor import _asgi_admin
-    from test_api_servers import _remote, _tokens
+    from test_api_servers import _remote, _run_with_service, _tokens
 
     router = _local_router()
     socket_dir = tempfile.mkdtemp(prefix="pdc-")
@@ -141,10 +139,7 @@ def test_api_processes_load_through_the_router_process(adapters, references):  #
     install_error_handlers(admin_app)
     install_lora_routes(admin_app, router, MODEL, ("alias",))  # serve --served-model-name MODEL alias
 
-    async def main():
-        service = RouterService(router, f"ipc://{socket_dir}/router", str(router.tokenizer.model_dir),
-                                admin=_asgi_admin(admin_app))
-        serving = asyncio.create_task(service.run())
+    async def main(service):
         first, second = await _remote(socket_dir, 0), await _remote(socket_dir, 1)
         for remote in (first, second):
             remote.announce_ready()  # as an API process does once its HTTP server listens: Stats come from now on
@@ -171,12 +166,9 @@ def test_api_processes_load_through_the_router_process(adapters, references):  #
         finally:
             first.close()
             second.close()
-            serving.cancel()
-            await asyncio.gather(serving, return_exceptions=True)
-            service.close()
 
     try:
-        asyncio.run(asyncio.wait_for(main(), 120))
+        _run_with_service(router, socket_dir, main, admin_app)
     finally:
         router.close()
         shutil.rmtree(socket_dir, ignore_errors=True)

@@ -145,9 +145,7 @@ def test_api_processes_forward_the_routes_to_the_router_process(checkpoints):  #
     from pdcluster.cluster.api.middleware import install_error_handlers
     from pdcluster.cluster.api.weight_routes import install_weight_routes
     from pdcluster.cluster.frontend.admin_proxy import install_weight_routes_proxy
-    from pdcluster.cluster.frontend.service import RouterService
-    from pdcluster.cluster.frontend.supervisor import _asgi_admin
-    from test_api_servers import _remote
+    from test_api_servers import _remote, _run_with_service
 
     router = _local_router()
     socket_dir = tempfile.mkdtemp(prefix="pdc-")
@@ -155,10 +153,7 @@ def test_api_processes_forward_the_routes_to_the_router_process(checkpoints):  #
     install_error_handlers(admin_app)
     install_weight_routes(admin_app, router)
 
-    async def main():
-        service = RouterService(router, f"ipc://{socket_dir}/router", str(router.tokenizer.model_dir),
-                                admin=_asgi_admin(admin_app))
-        serving = asyncio.create_task(service.run())
+    async def main(service):
         remote = await _remote(socket_dir, 0)
         remote.announce_ready()
         api = FastAPI()
@@ -178,12 +173,9 @@ def test_api_processes_forward_the_routes_to_the_router_process(checkpoints):  #
                 assert r.status_code == 400 and r.json()["success"] is False
         finally:
             remote.close()
-            serving.cancel()
-            await asyncio.gather(serving, return_exceptions=True)
-            service.close()
 
     try:
-        asyncio.run(asyncio.wait_for(main(), 120))
+        _run_with_service(router, socket_dir, main, admin_app)
     finally:
         router.close()
         shutil.rmtree(socket_dir, ignore_errors=True)
