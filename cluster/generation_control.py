@@ -9,6 +9,7 @@ GET /get_weight_version): cluster/api/weight_routes.py.
 - ``pause("abort")`` aborts every request in flight (their streams end with finish_reason "abort"), ``pause("wait")``
   lets them finish; both return once none is left. vLLM's "keep" (freeze them mid-stream and go on after the
   update) is refused: here a request never runs on two sets of weights.
+- ``abort_matching`` aborts the requests in flight whose id matches a regular expression (SGLang's /abort_request).
 - ``update_weights`` pauses (abort or wait), has every worker read and check the checkpoint (``prepare``), and only
   once all could, copies it in on each (``commit``); a worker that cannot read it leaves every worker as it was. The
   router then stamps each request with the new version (``stamp``): its block hashes start from it (KV of the old
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from dataclasses import replace
 from typing import Awaitable, Callable, Protocol
@@ -132,6 +134,21 @@ class GenerationControl:
                 if left:
                     self._groups[fork_group] = left
 
+    async def abort_matching(self, pattern: str) -> int:
+        """SGLang's /abort_request by id pattern: abort every request in flight whose router id the regular
+        expression ``pattern`` matches whole (``re.fullmatch``: "" matches only an empty id); their streams end with
+        finish_reason "abort". Returns how many. ValueError when ``pattern`` is no regular expression."""
+        try:
+            matcher = re.compile(pattern)
+        except re.error as e:
+            raise ValueError(f"abort pattern {pattern!r} is not a regular expression: {e}") from None
+        matched = [request_id for request_id in self._in_flight if matcher.fullmatch(request_id)]
+        answers = await asyncio.gather(*(self._abort(request_id) for request_id in matched), return_exceptions=True)
+        for request_id, answer in zip(matched, answers):
+            if isinstance(answer, BaseException):
+                log.warning("aborting request %s failed: %s", request_id, answer)
+        return len(matched)
+
     def stamp(self, params: SamplingParams) -> SamplingParams:
         """``params`` under the weights the workers serve now."""
         if params.weight_version == self.weight_version:
@@ -238,3 +255,7 @@ class WeightControlled:
                                        abort_all: bool = False, timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> dict:
         """Every worker serves the checkpoint at ``model_path``."""
         return await self.generation.update_weights(model_path, weight_version, abort_all, timeout_s)
+
+    async def abort_matching(self, pattern: str) -> int:
+        """SGLang's abort_request by id pattern: how many requests in flight it aborted."""
+        return await self.generation.abort_matching(pattern)

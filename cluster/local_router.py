@@ -26,7 +26,7 @@ from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.lora.adapter import LoraAdapterError
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.engine.weight_update import WeightUpdateError
-from pdcluster.node.actor import LORA_LOAD_TIMEOUT_S, WEIGHTS_COMMIT_TIMEOUT_S
+from pdcluster.node.actor import FLUSH_TIMEOUT_S, LORA_LOAD_TIMEOUT_S, WEIGHTS_COMMIT_TIMEOUT_S
 from pdcluster.node.events import ADMITTED, Admission, Failed, KVEvents, StepTokens, Tokens, WorkerError
 
 class _Aborted:
@@ -375,6 +375,12 @@ class LocalRouter(WeightControlled):
 
         self.lora_names = await asyncio.to_thread(self.worker.call, unload)
 
+    async def flush_cache(self) -> bool:
+        """Forget every cached prefix, in every KV tier (LLMEngine.reset_prefix_cache, on the engine thread): SGLang's
+        /flush_cache, vLLM's /reset_prefix_cache. False, nothing changed, while a request is on the engine."""
+        return await asyncio.to_thread(self.worker.call, self.worker.engine.reset_prefix_cache,
+                                       timeout_s=FLUSH_TIMEOUT_S)
+
     async def abort(self, request_id: str) -> None:
         stream = self._streams.get(request_id)
         self.worker.abort(request_id)
@@ -432,6 +438,7 @@ class _Deltas:
     def __init__(self, request_id: str, num_prompt_tokens: int, params: SamplingParams, timeout_s: float):
         self.request_id, self.num_prompt, self.timeout_s = request_id, num_prompt_tokens, timeout_s
         self.wants_prompt_logprobs = params.prompt_logprobs is not None
+        self.weight_version = params.weight_version
         self.seen_first_token = False
         self.ended_on_worker = False
 
@@ -446,7 +453,8 @@ class _Deltas:
                                num_cached_tokens=event.num_cached_tokens, first=first,
                                prompt_logprobs=self.wants_prompt_logprobs,
                                ttft_breakdown={"queue": event.queue_s, "prefill": event.prefill_s} if first else None,
-                               num_offloaded_tokens=event.num_offloaded_tokens)
+                               num_offloaded_tokens=event.num_offloaded_tokens,
+                               weight_version=self.weight_version)
         if isinstance(event, _TimedOut):  # leaving the stream aborts it on the worker
             return _error_delta(self.num_prompt, f"request {self.request_id} made no progress for "
                                                  f"{self.timeout_s:g} s and was aborted")

@@ -26,9 +26,9 @@ def is_first_token(event: Tokens, seen_first_token: bool) -> bool:
 
 def token_delta(event: Tokens, *, num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int,
                 first: bool, prompt_logprobs: bool, ttft_breakdown: dict[str, float] | None = None,
-                num_offloaded_tokens: int = 0) -> TokenDelta:
+                num_offloaded_tokens: int = 0, weight_version: str | None = None) -> TokenDelta:
     """The delta for ``event``. On the first token's event: the prompt logprobs (when ``prompt_logprobs``:
-    they travel with the first token, engine/model_runner.py) and the TTFT breakdown."""
+    they travel with the first token, engine/model_runner.py), the TTFT breakdown and ``weight_version``."""
     delta = TokenDelta(
         list(event.new_token_ids),
         finished=event.finished,
@@ -47,6 +47,7 @@ def token_delta(event: Tokens, *, num_prompt_tokens: int, num_output_tokens: int
             delta.prompt_logprobs = list(event.prompt_logprobs)
         delta.ttft_breakdown = dict(ttft_breakdown or {})
         delta.pooled = event.pooled or None
+        delta.weight_version = weight_version
     return delta
 
 

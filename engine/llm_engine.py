@@ -454,6 +454,28 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def is_idle(self) -> bool:
+        """No request is here in any state (waiting, running, preempted, parked behind a sibling, waiting for its
+        KV), no load from a lower tier is under way, and no block is held (a finished request's, until its KV
+        transfer is over or another instance pulled it): the pool is all free."""
+        scheduler = self.scheduler
+        return (not scheduler.requests and not scheduler.offload.num_loading
+                and scheduler.num_free_blocks == scheduler.block_manager.num_blocks)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every computed prefix: the device pool's block hashes and every block of the offload tiers (host
+        memory, disk), each told removed in the KV events, so the router's index drops them too. SGLang's
+        /flush_cache and vLLM's /reset_prefix_cache. Only while ``is_idle``: a request's blocks are in use then
+        (SGLang refuses while requests run); False, nothing changed, otherwise. On the engine thread, between
+        steps. Nothing else here caches KV by content: a hybrid has no prefix cache (engine/mamba_state.py), and
+        a split model's other ranks hold their caches' slices by block id only (the hashes live here, on rank 0)."""
+        if not self.is_idle():
+            return False
+        self.scheduler.block_manager.reset_prefix_cache()
+        if self.offload is not None:
+            self.offload.clear()
+        return True
+
     def has_pending(self) -> bool:
         """Requests to run, or KV transfers / finish notices still to be driven by steps."""
         return self.scheduler.has_pending()

@@ -51,6 +51,8 @@ def worker_engine_config(engine_config: EngineConfig, worker_id: str) -> EngineC
 LORA_LOAD_TIMEOUT_S = 300.0  # reading an adapter's files and packing them, on the engine thread
 WEIGHTS_COMMIT_TIMEOUT_S = 120.0  # copying a prepared checkpoint into the served tensors, on the engine thread
 COMMIT_IDLE_WAIT_S = 30.0  # aborts still on their way when a commit comes (commit_weights)
+FLUSH_TIMEOUT_S = 60.0  # forgetting the cached prefixes on the engine thread (the disk tier waits for its writer)
+FLUSH_IDLE_WAIT_S = 5.0  # a request that just ended letting go of its blocks before a flush (reset_prefix_cache)
 
 
 class WorkerActor:
@@ -129,6 +131,17 @@ class WorkerActor:
             time.sleep(0.01)
         return dataclasses.asdict(self.worker.call(self.worker.engine.commit_weights,
                                                    timeout_s=WEIGHTS_COMMIT_TIMEOUT_S))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, in every KV tier (LLMEngine.reset_prefix_cache): False, nothing changed, while
+        a request is here. The router asks only when none is in flight, but one that just ended may hold its blocks a
+        moment longer (until its KV transfer is acknowledged, or an abort on its way arrives: a threaded actor's
+        calls are not ordered): the engine is given FLUSH_IDLE_WAIT_S to let go of them first."""
+        engine = self.worker.engine
+        deadline = time.monotonic() + FLUSH_IDLE_WAIT_S
+        while not self.worker.call(engine.is_idle) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.worker.call(engine.reset_prefix_cache, timeout_s=FLUSH_TIMEOUT_S)
 
     def discard_weights(self) -> None:
         self.worker.call(self.worker.engine.discard_weights)

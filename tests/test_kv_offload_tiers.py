@@ -91,6 +91,47 @@ def test_disk_capacity_drops_oldest_files(tmp_path):
     assert sorted(p.name for p in disk.directory.iterdir()) == sorted(disk.path_of(h).name for h in (2, 3, 4))
 
 
+def test_clear_forgets_every_block_of_every_tier_and_says_so(tmp_path, monkeypatch):
+    """A prefix-cache reset (LLMEngine.reset_prefix_cache) empties host memory and disk, each block told removed in
+    its tier, the tiers' accounting whole (audit.py); a disk write under way when the index empties lands no file (a
+    restarted worker would find it again), and writes still queued are skipped."""
+    import time
+
+    from pdcluster.engine.kv_offload.audit import audit_tiers
+
+    events = []
+    tiers = OffloadTiers(OffloadConfig(host_gib=2 * 256 / (1 << 30), disk_dir=str(tmp_path), disk_gib=0.001),
+                         SHAPE, torch.bfloat16, "layout-a", on_event=events.append)
+    disk = tiers.disk
+    for h in (10, 11, 12):  # 10 moves on to disk
+        tiers.offload(h, _block(h))
+    assert disk.flush()
+    write = disk._write
+    monkeypatch.setattr(disk, "_write", lambda *a: (time.sleep(0.2), write(*a)))  # slow: writes queue up
+    for h in (13, 14, 15):  # 11, 12, 13 move on to disk, not yet written
+        tiers.offload(h, _block(h))
+    time.sleep(0.05)  # the writer is inside the first of them
+    held = tiers.held_hashes()
+    assert held == {"host": [14, 15], "disk": [10, 11, 12, 13]}
+    events.clear()
+    tiers.clear()
+    assert {(e.kind, e.tier): sorted(e.block_hashes) for e in events} == {("removed", "host"): [14, 15],
+                                                                           ("removed", "disk"): [10, 11, 12, 13]}
+    assert tiers.held_hashes() == {"host": [], "disk": []} and tiers.match([10, 14]) == 0
+    assert not tiers.load(14, torch.empty(SHAPE, dtype=torch.bfloat16))
+    assert not list(disk.directory.iterdir()), "a block file outlived the clear"
+    report = audit_tiers(tiers)
+    assert report["problems"] == [] and report["tiers"]["host"]["free_slots"] == 2
+    # The tiers serve on: a block stored after the clear is kept and loads back.
+    tiers.offload(16, _block(16))
+    out = torch.empty(SHAPE, dtype=torch.bfloat16)
+    assert tiers.load(16, out) and torch.equal(out, _block(16))
+    tiers.close()
+    restarted = DiskTier(tmp_path, 0.001 * (1 << 30), SHAPE, torch.bfloat16, "layout-a")
+    assert restarted.hashes() == [], "a restarted worker found blocks written before the clear"
+    restarted.close()
+
+
 def test_bad_configurations_name_the_flag():
     import pytest
 

@@ -93,6 +93,12 @@ def test_pause_resume_and_update_over_http(checkpoints):  # noqa: F811
             assert body["weight_version"] == "step-1" and body["workers"][0]["num_tensors"] > 0
             assert get("get_weight_version") == {"weight_version": "step-1"} and get("is_paused")["is_paused"] is False
             assert complete().text == want_new
+            # SGLang's /generate names the weights each answer came from (RL loops drop stale rollouts by it).
+            r = httpx.post(f"{base_url}/generate", timeout=60, json={
+                "input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": NUM_TOKENS, "temperature": 0,
+                                                        "ignore_eos": True}})
+            assert r.json()["text"] == want_new and r.json()["meta_info"]["weight_version"] == "step-1", r.text
+            assert get("get_model_info")["weight_version"] == "step-1"
             # Refused: nothing changes, SGLang's failure body.
             for payload, status, message in [
                 ({"model_path": checkpoints[("tiny-random", 2)], "weight_version": "step-1"}, 400,
@@ -139,12 +145,15 @@ def test_the_flag_and_vllms_dev_mode_turn_the_routes_on(monkeypatch):
 
 def test_api_processes_forward_the_routes_to_the_router_process(checkpoints):  # noqa: F811
     """Behind --api-servers N: the routes in an API process are answered by the router process (its admin app),
-    so a pause or an update sent to any API process holds for all of them."""
+    so a pause or an update sent to any API process holds for all of them; so does SGLang's /abort_request, for a
+    request of any API process."""
     from fastapi import FastAPI
 
+    from pdcluster.cluster.api.app import build_app
     from pdcluster.cluster.api.middleware import install_error_handlers
+    from pdcluster.cluster.api.sglang_routes import install_router_control_routes
     from pdcluster.cluster.api.weight_routes import install_weight_routes
-    from pdcluster.cluster.frontend.admin_proxy import install_weight_routes_proxy
+    from pdcluster.cluster.frontend.admin_proxy import install_router_control_proxy, install_weight_routes_proxy
     from test_api_servers import _remote, _run_with_service
 
     router = _local_router()
@@ -152,15 +161,24 @@ def test_api_processes_forward_the_routes_to_the_router_process(checkpoints):  #
     admin_app = FastAPI()
     install_error_handlers(admin_app)
     install_weight_routes(admin_app, router)
+    install_router_control_routes(admin_app, router)
 
     async def main(service):
         remote = await _remote(socket_dir, 0)
         remote.announce_ready()
-        api = FastAPI()
+        api = build_app(remote, "tiny-random", router_control=False)
         install_weight_routes_proxy(api, remote)
+        install_router_control_proxy(api, remote)
         transport = httpx.ASGITransport(app=api)
         try:
             async with httpx.AsyncClient(transport=transport, base_url="http://api") as client:
+                long = asyncio.ensure_future(client.post("/generate", timeout=60, json={
+                    "input_ids": PROMPTS[0], "rid": "far", "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}}))
+                while router.generation.num_in_flight != 1:
+                    assert not long.done(), (await long).text
+                    await asyncio.sleep(0.01)
+                assert (await client.post("/abort_request", json={"rid": "far"})).json() == {"num_aborted": 1}
+                assert (await long).json()["meta_info"]["finish_reason"]["type"] == "abort"
                 assert (await client.post("/pause?mode=wait")).json() == {"status": "paused"}
                 assert router.is_paused and (await client.get("/is_paused")).json() == {"is_paused": True}
                 assert (await client.post("/resume")).status_code == 200 and not router.is_paused
@@ -226,6 +244,18 @@ def test_serve_with_api_processes_updates_through_any_of_them(checkpoints):  # n
             r = client.completions.create(model="tiny-random", prompt=PROMPTS[1], max_tokens=NUM_TOKENS,
                                           temperature=0, extra_body={"ignore_eos": True})
             assert r.choices[0].text == want
+            # SGLang's /generate: the version travels from the router process with the first token.
+            r = httpx.post(f"{base}/generate", headers=auth, timeout=60, json={
+                "input_ids": PROMPTS[1], "sampling_params": {"max_new_tokens": NUM_TOKENS, "temperature": 0,
+                                                        "ignore_eos": True}})
+            assert r.json()["text"] == want and r.json()["meta_info"]["weight_version"] == "rl-1", r.text
+            # An API process reads it off the router process's stats (sent every 0.5 s): it follows within one.
+            _until(lambda: httpx.get(f"{base}/get_model_info", headers=auth,
+                                     timeout=30).json()["weight_version"] == "rl-1", timeout_s=5)
+            # /flush_cache and /abort_request: the router process's (admin_proxy.install_router_control_proxy).
+            assert httpx.post(f"{base}/flush_cache", headers=auth, timeout=60).status_code == 200
+            r = httpx.post(f"{base}/abort_request", headers=auth, timeout=60, json={"rid": "none-such"})
+            assert r.json() == {"num_aborted": 0}, r.text
     finally:
         server.close()
 

@@ -22,6 +22,8 @@ cluster's, cluster/router/; one in-process engine's, cluster/local_router.py). O
   --enable-server-load-tracking, --enable-request-id-headers);
 - weight_routes.py: /pause, /resume, /is_paused (vLLM's) and /update_weights_from_disk, /get_weight_version
   (SGLang's), with --enable-weight-updates (cluster/generation_control.py does the work);
+- sglang_routes.py: SGLang's native routes: /generate (sglang_protocol.py: its body as completions bodies;
+  sglang_generate.py: its answer and stream), /abort_request, /flush_cache, /get_model_info, /health_generate;
 - admin.py: /admin/drain and /admin/workers (``pdcluster drain``), added by the Ray launcher;
 - router_contract.py: what the API needs from a router (``Router``, ``TokenDelta``, ``RouterError``).
 """

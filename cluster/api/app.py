@@ -26,7 +26,7 @@ from pdcluster.cluster.api.logprobs import TokenStrings
 from pdcluster.cluster.api.media_policy import MediaPolicy
 from pdcluster.cluster.api.lora_routes import install_lora_routes
 from pdcluster.cluster.api.weight_routes import install_weight_routes
-from pdcluster.cluster.api.middleware import install_error_handlers, install_middleware
+from pdcluster.cluster.api.middleware import APIError, install_error_handlers, install_middleware
 from pdcluster.cluster.api.request_tracking import install_request_tracking
 from pdcluster.cluster.api.options import (MAX_LOGPROBS, CorsPolicy, check_max_logprobs, check_response_role,
                                           check_template_kwargs)
@@ -35,6 +35,7 @@ from pdcluster.cluster.api.reasoning import check_reasoning_parser, thinking_mar
 from pdcluster.cluster.api.responses import ResponsesRequest, serve_response
 from pdcluster.cluster.api.scoring import RerankRequest, ScoreRequest, serve_rerank, serve_score
 from pdcluster.cluster.api.served_names import check_served_names
+from pdcluster.cluster.api.sglang_routes import install_sglang_routes
 from pdcluster.cluster.api.serving import serve_request
 from pdcluster.cluster.api.tokenize_routes import install_tokenize_routes
 from pdcluster.cluster.api.tool_parsers import select_parser
@@ -69,7 +70,7 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
               kv_transfer: bool = False, kv_role: str = "", served_model_aliases: tuple[str, ...] = (), response_role: str = "assistant",
               trust_request_chat_template: bool = False, server_load_tracking: bool = False,
               request_id_headers: bool = False, metrics_prefix: str = "pdcluster", otlp_traces_endpoint: str = "",
-              collect_detailed_traces: str = "", weight_updates: bool = False) -> FastAPI:
+              collect_detailed_traces: str = "", weight_updates: bool = False, router_control: bool = True) -> FastAPI:
     """``served_model_aliases``: more names the base model is served under, after ``served_model_name`` (vLLM's
     --served-model-name NAME...): a request's ``model`` may be any, /v1/models lists each, answers and metrics give
     ``served_model_name`` (cluster/api/served_names.py); ValueError for an empty or repeated name, or one that is a
@@ -100,7 +101,10 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
     ``collect_detailed_traces``: each request's OpenTelemetry span (cluster/api/tracing.py;
     "": none); TracingUnavailable (a ValueError) where they cannot be served. ``weight_updates``: serve the routes an RL
     trainer drives (pause, resume, weight updates: cluster/api/weight_routes.py) on ``router`` (a LocalRouter or
-    ClusterRouter; an API process behind a router process installs cluster/frontend/admin_proxy.py's instead)."""
+    ClusterRouter; an API process behind a router process installs cluster/frontend/admin_proxy.py's instead).
+    SGLang's native routes (/generate, /abort_request, /flush_cache, ...: cluster/api/sglang_routes.py) are always
+    served; ``router_control`` false leaves /abort_request and the flushes to an API process's proxy (the router
+    process answers them)."""
     media = media or MediaPolicy()
     served_names = check_served_names((served_model_name, *served_model_aliases), router.lora_names)
     if max_body_bytes is None:
@@ -254,6 +258,13 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
         return Response(metrics.render(), media_type=metrics.content_type)
 
     install_tokenize_routes(app, router, served_names, media)
+    try:
+        check_generates(pooler, served_names)
+        generates = True
+    except APIError:
+        generates = False
+    install_sglang_routes(app, router, served_names, policy, metrics, strings, generates, package_version(),
+                          router_control)
     if runtime_lora:
         install_lora_routes(app, router, served_model_name, served_model_aliases)
     if weight_updates:

@@ -62,6 +62,7 @@ class ChoiceRun:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.kv_transfer_params: dict | None = None  # on a do_remote_decode request's end (wire/external_kv.py)
+        self.weight_version: str | None = None  # the weights it runs under, as the router says on the first delta
         # Everything shown so far (a JSON response shows it at once).
         self.text = ""
         self.positions = Positions.empty() if self.track_tokens else None
@@ -151,6 +152,8 @@ class ChoiceRun:
         self.num_offloaded = max(self.num_offloaded, delta.num_offloaded_tokens)
         if delta.kv_transfer_params:
             self.kv_transfer_params = delta.kv_transfer_params
+        if delta.weight_version:
+            self.weight_version = delta.weight_version
 
     async def collect(self, first: TokenDelta) -> None:
         self.feed(first)

@@ -50,6 +50,9 @@ class TokenDelta:
     # On the last delta of a request prefilled for another instance (vLLM's do_remote_decode): where its prompt's
     # KV is held, the response's kv_transfer_params (kv_transfer/connector/external.py).
     kv_transfer_params: dict | None = None
+    # On the first delta: the weights the request runs under (SamplingParams.weight_version as the router stamped it:
+    # a request never spans a weight update, cluster/generation_control.py). None: the router did not say.
+    weight_version: str | None = None
 
 
 class Router(Protocol):

@@ -580,7 +580,9 @@ def _max_tokens(body: SamplingFields, num_prompt: int, max_model_len: int, label
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         default = chat_default
     else:
-        max_tokens, param, default = body.max_tokens, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS
+        # A body type may say its own (cluster/api/sglang_protocol.py: SGLang's max_new_tokens null, the context's end).
+        max_tokens, param = body.max_tokens, "max_tokens"
+        default = getattr(type(body), "default_max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
     prompt_param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
     if num_prompt >= max_model_len:
         raise APIError(400, f"{label if prompt_param == 'prompt' else 'prompt'} has {num_prompt} tokens, but "

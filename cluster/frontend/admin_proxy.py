@@ -8,6 +8,7 @@ from fastapi.responses import Response
 
 from pdcluster.cluster.api.middleware import error_response
 from pdcluster.cluster.api.router_contract import RouterError
+from pdcluster.cluster.api.sglang_routes import ROUTER_CONTROL_ROUTES
 from pdcluster.cluster.api.weight_routes import WEIGHT_ROUTES
 
 # What the admin routes read of a request: the admin key and the body's type.
@@ -28,6 +29,13 @@ def _with_query(path: str, request: Request) -> str:
     return path + (f"?{request.url.query}" if request.url.query else "")
 
 
+def _forwarding(router, path: str):
+    async def forward(request: Request):  # the route's own path: the router process has no --root-path prefix
+        return await _forward(router, request, _with_query(path, request))
+
+    return forward
+
+
 def install_admin_proxy(app: FastAPI, router) -> None:
     """``router``: a RemoteRouter (its ``admin`` call)."""
 
@@ -39,11 +47,12 @@ def install_admin_proxy(app: FastAPI, router) -> None:
 
 def install_weight_routes_proxy(app: FastAPI, router) -> None:
     """The weight routes (cluster/api/weight_routes.py) in an API process, answered by the router process's."""
-    def forwarding(path: str):
-        async def forward(request: Request):  # the route's own path: the router process has no --root-path prefix
-            return await _forward(router, request, _with_query(path, request))
-
-        return forward
-
     for path, method in WEIGHT_ROUTES.items():
-        app.add_api_route(path, forwarding(path), methods=[method], include_in_schema=False)
+        app.add_api_route(path, _forwarding(router, path), methods=[method], include_in_schema=False)
+
+
+def install_router_control_proxy(app: FastAPI, router) -> None:
+    """/abort_request and the cache flushes (cluster/api/sglang_routes.py) in an API process, answered by the router
+    process's: it holds every API process's requests and the workers."""
+    for path, methods in ROUTER_CONTROL_ROUTES.items():
+        app.add_api_route(path, _forwarding(router, path), methods=list(methods), include_in_schema=False)

@@ -28,7 +28,7 @@ from pdcluster.cluster.api.router_contract import TokenDelta
 from pdcluster.wire.logprobs import TokenLogprobs
 from pdcluster.wire.records import Codec, Record, _require, require_token_columns
 
-FRONTEND_VERSION = 2  # 2: Deltas.full_positions
+FRONTEND_VERSION = 3  # 2: Deltas.full_positions; 3: Delta.weight_version
 # A Generate carries a prompt (up to max_model_len ids, ~5 bytes each) and a Deltas batch a step's
 # tokens for every request of a process; 64 MiB is far above both.
 MAX_FRONTEND_BYTES = 64 << 20
@@ -87,6 +87,7 @@ class Delta(Record):
     ttft_breakdown: dict[str, Any] = field(default_factory=dict)
     pooled: bytes = b""  # an embedding's vector, float32 little-endian; b"": none
     kv_transfer_params: dict[str, Any] = field(default_factory=dict)  # {}: none
+    weight_version: str = ""  # "": none
 
 
 # Deltas' per-row columns, each a list[int] with one value per plain row.
@@ -171,7 +172,7 @@ def to_delta(request_id: str, delta: TokenDelta) -> Delta:
                  delta.num_prompt_tokens, delta.num_output_tokens, delta.num_draft_tokens, delta.num_accepted_tokens,
                  delta.num_cached_tokens, delta.num_offloaded_tokens, delta.error or "", list(delta.logprobs),
                  delta.prompt_logprobs is not None, list(delta.prompt_logprobs or ()), dict(delta.ttft_breakdown),
-                 delta.pooled or b"", dict(delta.kv_transfer_params or {}))
+                 delta.pooled or b"", dict(delta.kv_transfer_params or {}), delta.weight_version or "")
 
 
 def from_delta(d: Delta) -> TokenDelta:
@@ -182,7 +183,7 @@ def from_delta(d: Delta) -> TokenDelta:
                       error=d.error or None, logprobs=list(d.logprobs),
                       prompt_logprobs=list(d.prompt_logprobs) if d.has_prompt_logprobs else None,
                       ttft_breakdown={k: float(v) for k, v in d.ttft_breakdown.items()}, pooled=d.pooled or None,
-                      kv_transfer_params=dict(d.kv_transfer_params) or None)
+                      kv_transfer_params=dict(d.kv_transfer_params) or None, weight_version=d.weight_version or None)
 
 
 def sampling_map(params) -> dict[str, Any]:

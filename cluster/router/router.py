@@ -26,7 +26,7 @@ from pdcluster.cluster.router.config import RouterConfig
 from pdcluster.cluster.router.events import EventReceiver
 from pdcluster.cluster.router.health import HealthMonitor
 from pdcluster.cluster.router.kv_index import KVIndex
-from pdcluster.cluster.router.lora import LoraRegistry
+from pdcluster.cluster.router.lora import LoraRegistry, _reason
 from pdcluster.cluster.router.membership import Membership
 from pdcluster.cluster.router.placement import PairPlacement
 from pdcluster.cluster.router.recorder import DecisionRecorder
@@ -41,6 +41,10 @@ from pdcluster.node.events import (ADMITTED, UNREACHABLE, Admission, Event, Fail
                                    Tokens, WorkerError)
 
 log = logging.getLogger(__name__)
+
+# One worker's flush: its wait for a request that just ended to let go of its blocks, then its tiers' clear
+# (node/actor.py FLUSH_IDLE_WAIT_S, FLUSH_TIMEOUT_S), with room to spare.
+FLUSH_TIMEOUT_S = 90.0
 
 
 class ClusterRouter(WeightControlled):
@@ -113,6 +117,37 @@ class ClusterRouter(WeightControlled):
 
     async def unload_lora(self, name: str) -> None:
         await self.lora.unload(name, {**self.prefill, **self.decode})
+
+    async def flush_cache(self) -> bool:
+        """Every live worker forgets its cached prefixes, in every KV tier (WorkerActor.reset_prefix_cache): SGLang's
+        /flush_cache, vLLM's /reset_prefix_cache. True only when every one did. False, asking none, while requests
+        are in flight (SGLang refuses then; asking would flush some workers and not others); False when a worker
+        refused (a request there), failed or outlasted FLUSH_TIMEOUT_S, each logged (the others have flushed).
+        The KV index forgets the flushed blocks by the workers' own "removed" events; the prefix_aware policy's
+        memory of where prompts went (WorkerView.recent_hashes) is only the router's, so it is dropped here."""
+        if self.generation.num_in_flight or self.streams.requests:
+            log.warning("cache not flushed: %d requests in flight", max(self.generation.num_in_flight,
+                                                                        len(self.streams.requests)))
+            return False
+        views = self.placement.views
+        handles = {w: h for w, h in {**self.prefill, **self.decode}.items() if w in views and views[w].healthy}
+        down = sorted((set(self.prefill) | set(self.decode)) - set(handles))
+        if down:  # a worker Ray restarts keeps its disk tier: it may announce those blocks again
+            log.warning("cache flush skips workers that are down: %s", ", ".join(down))
+        if not handles:
+            log.warning("cache not flushed: no worker is up")
+            return False
+        answers = await asyncio.gather(*(asyncio.wait_for(h.reset_prefix_cache.remote(), FLUSH_TIMEOUT_S)
+                                         for h in handles.values()), return_exceptions=True)
+        for worker_id, answer in zip(handles, answers):
+            if answer is True:
+                views[worker_id].recent_hashes.clear()
+            else:
+                why = ("a request holds blocks there" if answer is False else
+                       f"no answer within {FLUSH_TIMEOUT_S:.0f} s" if isinstance(answer, asyncio.TimeoutError)
+                       else _reason(answer))
+                log.warning("worker %s did not flush its cache: %s", worker_id, why)
+        return all(answer is True for answer in answers)
 
     @property
     def views(self):

@@ -155,7 +155,7 @@ class RequestStreams:
         delta = token_delta(ev, num_prompt_tokens=r.num_prompt_tokens, num_output_tokens=len(r.emitted),
                             num_cached_tokens=r.num_cached_tokens, first=first, prompt_logprobs=with_prompt_logprobs,
                             ttft_breakdown={"queue": a.t_submit - r.t_arrival, "prefill": now - a.t_submit} if first else None,
-                            num_offloaded_tokens=r.num_offloaded_tokens)
+                            num_offloaded_tokens=r.num_offloaded_tokens, weight_version=r.params.weight_version)
         if first and with_prompt_logprobs:
             r.prompt_logprobs_sent = True
         if ev.finished:

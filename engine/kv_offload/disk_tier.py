@@ -117,6 +117,24 @@ class DiskTier:
             self._copied.pop(block_hash, None)
         self.path_of(block_hash).unlink(missing_ok=True)
 
+    def clear(self) -> list[int]:
+        """Forget every block and delete its file (a prefix-cache reset); returns their hashes. Writes still queued
+        are skipped by the writer (their block left ``_pending``); the one it may be writing now lands its file
+        after the index was emptied, so the folder is emptied only once the writer is past it (``flush``): a file
+        left behind would be found again by a restarted worker (``_recover_index``). Call it from the thread that
+        stores (the engine's): nothing may be stored meanwhile."""
+        with self._lock:
+            block_hashes = list(self._files) + list(self._pending)
+            self._files.clear()
+            self._pending.clear()
+            self._copied.clear()
+        if not self.flush():
+            log.warning("disk tier: the writer did not catch up within its timeout while clearing %s; a block it "
+                        "writes later may stay on disk", self.directory)
+        for path in self.directory.glob(f"*{SUFFIX}"):
+            path.unlink(missing_ok=True)
+        return block_hashes
+
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until every queued write has landed (tests, shutdown). True when it did in time."""
         done = threading.Event()

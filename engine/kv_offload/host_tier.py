@@ -118,6 +118,14 @@ class HostTier:
         if self._unpin is not None:
             self._unpin()
 
+    def clear(self) -> list[int]:
+        """Forget every block (a prefix-cache reset: engine/llm_engine.py ``reset_prefix_cache``); returns their
+        hashes. Each slot is freed as ``drop`` frees it, so used + free stays the capacity (audit.py)."""
+        block_hashes = list(self._slot_of)
+        for block_hash in block_hashes:
+            self.drop(block_hash)
+        return block_hashes
+
     def drop(self, block_hash: int) -> bool:
         slot = self._slot_of.pop(block_hash, None)
         if slot is None:

@@ -119,6 +119,11 @@ class OffloadManager:
         self.num_loading -= len(done)
         return done
 
+    def clear(self) -> None:
+        """Forget every block the tiers hold (LLMEngine.reset_prefix_cache: no load is under way then)."""
+        assert not self.num_loading, "the tiers are cleared only while nothing loads from them"
+        self.tiers.clear()
+
     def close(self) -> None:
         self._jobs.put(None)
         self._thread.join(timeout=30)

@@ -119,6 +119,15 @@ class OffloadTiers:
             return True
         return False
 
+    def clear(self) -> None:
+        """Forget every block of every tier (a prefix-cache reset), each tier's blocks told removed, so the router's
+        index drops them too. The counters (stored, hits) are totals over the tiers' life: they stay."""
+        with self._lock:  # the loader reads host slots under it
+            for tier in self.tiers:
+                block_hashes = tier.clear()
+                if block_hashes:
+                    self.on_event(OffloadEvent("removed", tier.name, block_hashes))
+
     def held_hashes(self) -> dict[str, list[int]]:
         """Per tier, the hashes of the blocks it holds."""
         with self._lock:

@@ -1,0 +1,285 @@
+"""SGLang's native POST /generate body (its io_struct.GenerateReqInput and SamplingParams, the fields served here),
+checked and turned into one completions body per prompt (cluster/api/protocol.py's CompletionRequest), so a /generate
+request is validated exactly as a /v1/completions one: the context length, token ids in the vocabulary, every
+sampling value, the grammar.
+
+A body holds one prompt (``text`` or ``input_ids``) or a batch (a list of either). ``sampling_params``,
+``return_logprob``, ``logprob_start_len``, ``top_logprobs_num``, ``rid`` and ``lora_path`` are one value for all, or a
+list with one per prompt. The answer's logprob layout (``return_logprob``, ``logprob_start_len``, ``top_logprobs_num``,
+``return_text_in_logprobs``) is one for the whole batch here: a batch that asks for different ones is refused (send
+them as separate requests). SGLang's fields for what is not served here (input embeddings, images, sessions,
+hidden states, custom logit processors) are refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from pydantic import ConfigDict, Field, ValidationError
+
+from pdcluster.cluster.api.middleware import APIError
+from pdcluster.cluster.api.protocol import CompletionRequest, StrictModel, short
+
+SGLANG_MAX_NEW_TOKENS = 128  # SGLang's SamplingParams default
+
+
+class GenerateCompletion(CompletionRequest):
+    """A /generate prompt as a completions body: ``max_tokens`` None runs to the context's end (SGLang's
+    ``max_new_tokens: null``), not OpenAI's 16."""
+
+    default_max_tokens: ClassVar[int | None] = None
+
+
+class SGLangSamplingParams(StrictModel):
+    """SGLang's ``sampling_params`` (its defaults; what a field means is SGLang's)."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
+
+    max_new_tokens: int | None = SGLANG_MAX_NEW_TOKENS
+    min_new_tokens: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    n: int | None = 1
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    ignore_eos: bool | None = False
+    skip_special_tokens: bool | None = True
+    spaces_between_special_tokens: bool | None = True
+    no_stop_trim: bool | None = False
+    logit_bias: dict[str, float] | None = None
+    sampling_seed: int | None = None
+    stream_interval: int | None = None  # accepted: a stream here carries every piece as it comes
+
+
+# SGLang's sampling fields not served here, and what to do instead.
+_SAMPLING_REFUSED = {
+    "stop_regex": "stop at a regular expression is not served: use stop strings or stop_token_ids",
+    "structural_tag": "structural tags are not served: use json_schema, regex or ebnf",
+    "custom_params": "custom logit processors are not served",
+}
+
+# SGLang's request fields not served here, and what to do instead.
+_REQUEST_REFUSED = {
+    "input_embeds": "prompts as embeddings are not served: send text or input_ids",
+    "image_data": "images go through POST /v1/chat/completions (image_url parts)",
+    "video_data": "video is not served",
+    "audio_data": "audio is not served",
+    "session_params": "sessions are not served: send the whole context as the prompt (the prefix cache reuses it)",
+    "return_hidden_states": "hidden states are not returned",
+    "custom_logit_processor": "custom logit processors are not served",
+    "token_ids_logprob": "logprobs of chosen token ids are not served: use top_logprobs_num",
+    "return_routed_experts": "routed experts are not returned",
+    "input_ids_logprob": "not served",
+}
+
+
+class GenerateRequest(StrictModel):
+    """SGLang's /generate body, the fields served here."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    return_logprob: bool | list[bool] | None = None
+    logprob_start_len: int | list[int] | None = None
+    top_logprobs_num: int | list[int] | None = None
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    rid: str | list[str] | None = None
+    lora_path: str | list[str | None] | None = None
+    log_metrics: bool = True
+    priority: int | None = None
+    extra_key: str | None = None  # SGLang's cache namespace: vLLM's cache_salt
+    bootstrap_host: str | None = None  # SGLang's router's prefill/decode fields (wire/sglang_bootstrap.py)
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
+    model: str | None = Field(default=None, exclude=True)  # not SGLang's; accepted: a served name or an adapter
+
+
+@dataclass
+class LogprobLayout:
+    """What the answer's ``meta_info`` shows of logprobs (one for the whole request)."""
+
+    return_logprob: bool = False
+    logprob_start_len: int = -1  # prompt positions from here get input_token_logprobs; -1: none
+    top_logprobs_num: int = 0  # alternatives per position (0: output_top_logprobs left out)
+    return_text_in_logprobs: bool = False
+
+
+@dataclass
+class GenerateItem:
+    """One prompt of the request: its completions body and its client id."""
+
+    body: GenerateCompletion
+    rid: str | None
+
+
+@dataclass
+class GenerateInput:
+    items: list[GenerateItem]
+    n: int
+    logprobs: LogprobLayout
+    stream: bool
+    batch: bool  # the client sent a list of prompts: the answer is a list
+
+
+def _bad(param: str, message: str) -> APIError:
+    return APIError(400, f"{param}: {message}", param=param)
+
+
+def _per_item(req: GenerateRequest, name: str, num_items: int, batch: bool) -> list:
+    """``name``'s value for each prompt: a list (one per prompt, only for a batch) or one value for all."""
+    value = getattr(req, name)
+    if not isinstance(value, list):
+        return [value] * num_items
+    if not batch:
+        raise _bad(name, "a list is for a batch of prompts (text or input_ids a list); this request has one")
+    if len(value) != num_items:
+        raise _bad(name, f"has {len(value)} values for {num_items} prompts: give one per prompt, or one for all")
+    return list(value)
+
+
+def _one_layout(req: GenerateRequest, num_items: int, batch: bool) -> LogprobLayout:
+    values = {}
+    for name in ("return_logprob", "logprob_start_len", "top_logprobs_num"):
+        per_item = _per_item(req, name, num_items, batch)
+        if any(v != per_item[0] for v in per_item):
+            raise _bad(name, "differs between the prompts of this batch: a batch here shows one logprob layout; send "
+                             "the prompts as separate requests")
+        values[name] = per_item[0]
+    top = values["top_logprobs_num"] or 0
+    start = -1 if values["logprob_start_len"] is None else values["logprob_start_len"]
+    if top < 0:
+        raise _bad("top_logprobs_num", f"must be >= 0, got {top}")
+    if start < -1:
+        raise _bad("logprob_start_len", f"must be >= -1 (-1: output tokens only), got {start}")
+    return LogprobLayout(bool(values["return_logprob"]), start, top, req.return_text_in_logprobs)
+
+
+def _prompts(req: GenerateRequest) -> tuple[list, bool]:
+    if (req.text is None) == (req.input_ids is None):
+        raise APIError(400, "give exactly one of text and input_ids", param="text")
+    if req.text is not None:
+        batch = isinstance(req.text, list)
+        prompts = list(req.text) if batch else [req.text]
+    else:
+        batch = bool(req.input_ids) and isinstance(req.input_ids[0], list)
+        prompts = [list(p) for p in req.input_ids] if batch else [list(req.input_ids)]
+    if not prompts:
+        raise _bad("text" if req.text is not None else "input_ids", "an empty batch")
+    return prompts, batch
+
+
+def _sampling(raw: dict | None, param: str) -> SGLangSamplingParams:
+    raw = dict(raw or {})
+    for name, why in _SAMPLING_REFUSED.items():
+        if raw.get(name) not in (None, {}, ""):
+            raise APIError(400, f"{param}.{name}: {why}", param=f"{param}.{name}", code="unsupported_parameter")
+        raw.pop(name, None)
+    try:
+        sp = SGLangSamplingParams.model_validate(raw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        raise _bad(f"{param}.{where}", f"{err['msg']} (got {short(err.get('input'))})") from None
+    if sp.model_extra:
+        name = sorted(sp.model_extra)[0]
+        raise APIError(400, f"{param}.{name}: not a sampling parameter of SGLang's /generate (served: "
+                            f"{', '.join(SGLangSamplingParams.model_fields)})", param=f"{param}.{name}",
+                       code="unsupported_parameter")
+    if sum(x is not None for x in (sp.json_schema, sp.regex, sp.ebnf)) > 1:
+        raise _bad(param, "give at most one of json_schema, regex and ebnf")
+    return sp
+
+
+def _structured(sp: SGLangSamplingParams, param: str) -> dict:
+    if sp.json_schema is not None:
+        try:
+            schema = json.loads(sp.json_schema)
+        except json.JSONDecodeError as e:
+            raise _bad(f"{param}.json_schema", f"is not JSON: {e}") from None
+        return {"structured_outputs": {"json": schema}}
+    if sp.regex is not None:
+        return {"structured_outputs": {"regex": sp.regex}}
+    if sp.ebnf is not None:
+        return {"structured_outputs": {"grammar": sp.ebnf}}
+    return {}
+
+
+def _completion_body(prompt, sp: SGLangSamplingParams, model: str, layout: LogprobLayout, req: GenerateRequest,
+                     param: str) -> GenerateCompletion:
+    given = sp.model_fields_set
+    fields: dict[str, Any] = {"model": model, "prompt": prompt, "stream": False, "n": sp.n if sp.n is not None else 1,
+                              # unset: SGLang's 128; null: to the context's end
+                              "max_tokens": sp.max_new_tokens}
+    renamed = {"min_new_tokens": "min_tokens", "sampling_seed": "seed", "no_stop_trim": "include_stop_str_in_output"}
+    for name in ("min_new_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k", "min_p",
+                 "frequency_penalty", "presence_penalty", "repetition_penalty", "ignore_eos", "skip_special_tokens",
+                 "spaces_between_special_tokens", "no_stop_trim", "logit_bias", "sampling_seed"):
+        if name in given and getattr(sp, name) is not None:  # unset: the server's defaults (generation_config.json)
+            fields[renamed.get(name, name)] = getattr(sp, name)
+    fields.update(_structured(sp, param))
+    if layout.return_logprob:
+        fields["logprobs"] = layout.top_logprobs_num
+        if layout.logprob_start_len >= 0:
+            fields["prompt_logprobs"] = layout.top_logprobs_num
+    if req.priority is not None:
+        fields["priority"] = req.priority
+    if req.extra_key is not None:
+        fields["cache_salt"] = req.extra_key
+    for name in ("bootstrap_host", "bootstrap_port", "bootstrap_room"):
+        if getattr(req, name) is not None:
+            fields[name] = getattr(req, name)
+    try:
+        return GenerateCompletion.model_validate(fields)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise _bad(param, f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}") from None
+
+
+def generate_input(req: GenerateRequest, served_model: str) -> GenerateInput:
+    """``req`` checked: one completions body per prompt, their client ids, the logprob layout; APIError (400) naming
+    the field otherwise."""
+    for name, why in _REQUEST_REFUSED.items():
+        value = (req.model_extra or {}).get(name)
+        if value not in (None, False, [], {}, ""):
+            raise APIError(400, f"{name}: {why}", param=name, code="unsupported_parameter")
+    unknown = sorted(set(req.model_extra or {}) - set(_REQUEST_REFUSED))
+    if unknown:
+        raise APIError(400, f"{unknown[0]}: not a field of SGLang's /generate served here", param=unknown[0],
+                       code="unsupported_parameter")
+    prompts, batch = _prompts(req)
+    layout = _one_layout(req, len(prompts), batch)
+    samplings = _per_item(req, "sampling_params", len(prompts), batch)
+    rids = _per_item(req, "rid", len(prompts), batch)
+    loras = _per_item(req, "lora_path", len(prompts), batch)
+    if req.model is not None and any(lora is not None for lora in loras):
+        raise _bad("lora_path", "give the adapter as lora_path or as model, not both")
+    items, n = [], None
+    for i, (prompt, raw, rid, lora) in enumerate(zip(prompts, samplings, rids, loras)):
+        param = f"sampling_params[{i}]" if isinstance(req.sampling_params, list) else "sampling_params"
+        if raw is not None and not isinstance(raw, dict):
+            raise _bad(param, f"must be an object, got {short(raw)}")
+        sp = _sampling(raw, param)
+        if n is not None and sp.n != n:
+            raise _bad("sampling_params", "n differs between the prompts of this batch: send them as separate requests")
+        n = sp.n
+        if rid is not None and not (isinstance(rid, str) and rid):
+            raise _bad("rid", f"must be a non-empty string, got {short(rid)}")
+        items.append(GenerateItem(_completion_body(prompt, sp, lora or req.model or served_model, layout, req, param),
+                                  rid))
+    rids_given = [item.rid for item in items if item.rid is not None]
+    if len(set(rids_given)) != len(rids_given):
+        raise _bad("rid", "the same rid names two prompts of this batch")
+    return GenerateInput(items, n if n is not None else 1, layout, req.stream, batch)
