@@ -87,10 +87,7 @@ def main() -> int:
         ratios = [g / c for g, c in zip(times["generate"][k], times["completions"][k])]
         report[f"generate_over_completions_{k[:-2]}"] = {"median": statistics.median(ratios), "min": min(ratios),
                                                          "max": max(ratios)}
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit_json(report, args.out, indent=2)
     return 0
 
 
