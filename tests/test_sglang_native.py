@@ -257,7 +257,8 @@ def test_info_and_health_routes(server):
     ({"text": PROMPT, "sampling_params": {"json_schema": "{"}}, "sampling_params.json_schema", "not JSON"),
     ({"text": PROMPT, "input_embeds": [[0.1]]}, "input_embeds", "embeddings"),
     ({"text": PROMPT, "session_params": {"id": "s"}}, "session_params", "sessions"),
-    ({"text": PROMPT, "no_such_field": 1}, "no_such_field", "not a field"),
+    ({"text": PROMPT, "return_entropy": True}, "return_entropy", "not returned"),
+    ({"text": PROMPT, "extra_key": "a", "cache_salt": "b"}, "cache_salt", "not two different ones"),
     ({"text": PROMPT, "rid": ["a"]}, "rid", "a list is for a batch"),
     ({"text": [PROMPT, PROMPT], "rid": ["a", "a"]}, "rid", "the same rid"),
     ({"text": [PROMPT, PROMPT], "rid": ["a"]}, "rid", "1 values for 2 prompts"),
@@ -276,6 +277,22 @@ def test_refusals_name_the_field(server, body, param, says):
     assert says in error["message"], error
     if param is not None:
         assert error["param"] == param or error["message"].startswith(param), error
+
+
+def test_fields_not_read_are_ignored_and_the_cache_namespace_holds(server):
+    _, client = server
+    sampling = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
+    prompt = list(range(600, 600 + 3 * CHUNK))
+    plain = _generate(client, input_ids=prompt, sampling_params=sampling)
+    # SGLang's routing hints and switches nothing here reads, and a field of a newer SGLang: ignored (and logged).
+    hinted = _generate(client, input_ids=prompt, sampling_params=sampling, routed_dp_rank=0, session_id="s",
+                       log_metrics=False, return_hidden_states=False, no_such_field=1)
+    assert hinted["output_ids"] == plain["output_ids"] and hinted["meta_info"]["cached_tokens"] > 0
+    # extra_key (or cache_salt): a namespace of its own in the prefix cache, the same tokens.
+    salted = _generate(client, input_ids=prompt, sampling_params=sampling, extra_key="tenant-a")
+    assert salted["output_ids"] == plain["output_ids"] and salted["meta_info"]["cached_tokens"] == 0
+    again = _generate(client, input_ids=prompt, sampling_params=sampling, cache_salt="tenant-a")
+    assert again["meta_info"]["cached_tokens"] > 0
 
 
 def test_api_key_guards_the_native_routes(server):

@@ -8,19 +8,23 @@ A body holds one prompt (``text`` or ``input_ids``) or a batch (a list of either
 list with one per prompt. The answer's logprob layout (``return_logprob``, ``logprob_start_len``, ``top_logprobs_num``,
 ``return_text_in_logprobs``) is one for the whole batch here: a batch that asks for different ones is refused (send
 them as separate requests). SGLang's fields for what is not served here (input embeddings, images, sessions,
-hidden states, custom logit processors) are refused by name.
+hidden states, custom logit processors) are refused by name; a field nothing here reads (routing hints such as
+routed_dp_rank, logging switches) is ignored and named in the log, as SGLang's server ignores what it does not know.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from pydantic import ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, ValidationError
 
 from pdcluster.cluster.api.middleware import APIError
 from pdcluster.cluster.api.protocol import CompletionRequest, StrictModel, short
+
+log = logging.getLogger(__name__)
 
 SGLANG_MAX_NEW_TOKENS = 128  # SGLang's SamplingParams default
 
@@ -79,7 +83,13 @@ _REQUEST_REFUSED = {
     "custom_logit_processor": "custom logit processors are not served",
     "token_ids_logprob": "logprobs of chosen token ids are not served: use top_logprobs_num",
     "return_routed_experts": "routed experts are not returned",
-    "input_ids_logprob": "not served",
+    "return_entropy": "entropies are not returned: compute them from top_logprobs_num alternatives",
+    "return_sampling_mask": "sampling masks are not returned",
+    "return_flat_raw_top_logprobs": "the flat layout is not served: top logprobs come as per-position lists",
+    "positional_embed_overrides": "embedding overrides are not served",
+    "multi_item_delimiter_indices": "multi-item scoring is not served: POST /v1/score",
+    "max_thinking_tokens": "thinking budgets are served on /v1/chat/completions (thinking_token_budget)",
+    "require_reasoning": "served on /v1/chat/completions with --reasoning-parser",
 }
 
 
@@ -104,7 +114,8 @@ class GenerateRequest(StrictModel):
     bootstrap_host: str | None = None  # SGLang's router's prefill/decode fields (wire/sglang_bootstrap.py)
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
-    model: str | None = Field(default=None, exclude=True)  # not SGLang's; accepted: a served name or an adapter
+    cache_salt: str | None = None  # SGLang's newer name for a cache namespace
+    model: str | None = None  # not SGLang's; accepted: a served name or an adapter
 
 
 @dataclass
@@ -236,8 +247,10 @@ def _completion_body(prompt, sp: SGLangSamplingParams, model: str, layout: Logpr
             fields["prompt_logprobs"] = layout.top_logprobs_num
     if req.priority is not None:
         fields["priority"] = req.priority
-    if req.extra_key is not None:
-        fields["cache_salt"] = req.extra_key
+    if req.extra_key is not None or req.cache_salt is not None:
+        if req.extra_key is not None and req.cache_salt is not None and req.extra_key != req.cache_salt:
+            raise _bad("cache_salt", "give the cache namespace as extra_key or as cache_salt, not two different ones")
+        fields["cache_salt"] = req.cache_salt if req.cache_salt is not None else req.extra_key
     for name in ("bootstrap_host", "bootstrap_port", "bootstrap_room"):
         if getattr(req, name) is not None:
             fields[name] = getattr(req, name)
@@ -255,10 +268,11 @@ def generate_input(req: GenerateRequest, served_model: str) -> GenerateInput:
         value = (req.model_extra or {}).get(name)
         if value not in (None, False, [], {}, ""):
             raise APIError(400, f"{name}: {why}", param=name, code="unsupported_parameter")
-    unknown = sorted(set(req.model_extra or {}) - set(_REQUEST_REFUSED))
-    if unknown:
-        raise APIError(400, f"{unknown[0]}: not a field of SGLang's /generate served here", param=unknown[0],
-                       code="unsupported_parameter")
+    ignored = sorted(set(req.model_extra or {}) - set(_REQUEST_REFUSED))
+    if ignored:
+        # As SGLang's own server and vLLM's: a field nothing here reads (a routing hint such as routed_dp_rank or
+        # session_id, a logging switch, a newer field) is ignored, and said so in the log (a client's typo shows).
+        log.warning("/generate fields ignored (not read here): %s", ", ".join(ignored[:20]))
     prompts, batch = _prompts(req)
     layout = _one_layout(req, len(prompts), batch)
     samplings = _per_item(req, "sampling_params", len(prompts), batch)
