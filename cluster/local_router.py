@@ -26,7 +26,7 @@ from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.lora.adapter import LoraAdapterError
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.engine.weight_update import WeightUpdateError
-from pdcluster.node.actor import FLUSH_TIMEOUT_S, LORA_LOAD_TIMEOUT_S, WEIGHTS_COMMIT_TIMEOUT_S
+from pdcluster.node.actor import LORA_LOAD_TIMEOUT_S, WEIGHTS_COMMIT_TIMEOUT_S, flush_when_idle
 from pdcluster.node.events import ADMITTED, Admission, Failed, KVEvents, StepTokens, Tokens, WorkerError
 
 class _Aborted:
@@ -377,9 +377,11 @@ class LocalRouter(WeightControlled):
 
     async def flush_cache(self) -> bool:
         """Forget every cached prefix, in every KV tier (LLMEngine.reset_prefix_cache, on the engine thread): SGLang's
-        /flush_cache, vLLM's /reset_prefix_cache. False, nothing changed, while a request is on the engine."""
-        return await asyncio.to_thread(self.worker.call, self.worker.engine.reset_prefix_cache,
-                                       timeout_s=FLUSH_TIMEOUT_S)
+        /flush_cache, vLLM's /reset_prefix_cache. False, nothing changed, while a request is on the engine (one that
+        just ended is given a moment: node/actor.py flush_when_idle)."""
+        if self.generation.num_in_flight or self._streams:
+            return False  # at once: the wait below is for a request that just ended, not one that runs
+        return await asyncio.to_thread(flush_when_idle, self.worker)
 
     async def abort(self, request_id: str) -> None:
         stream = self._streams.get(request_id)

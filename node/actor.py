@@ -55,6 +55,19 @@ FLUSH_TIMEOUT_S = 60.0  # forgetting the cached prefixes on the engine thread (t
 FLUSH_IDLE_WAIT_S = 5.0  # a request that just ended letting go of its blocks before a flush (reset_prefix_cache)
 
 
+def flush_when_idle(worker) -> bool:
+    """``worker``'s engine forgets every cached prefix, in every KV tier (LLMEngine.reset_prefix_cache): False,
+    nothing changed, while a request is there. The routers ask only when none is in flight, but one that just ended
+    may hold its blocks a moment longer (until its KV transfer is acknowledged, or an abort on its way arrives: a
+    stop string's, or a threaded actor's call, which is not ordered): the engine is given FLUSH_IDLE_WAIT_S to let go
+    of them first. Blocks the calling thread (not the engine's)."""
+    engine = worker.engine
+    deadline = time.monotonic() + FLUSH_IDLE_WAIT_S
+    while not worker.call(engine.is_idle) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return worker.call(engine.reset_prefix_cache, timeout_s=FLUSH_TIMEOUT_S)
+
+
 class WorkerActor:
     """Subclasses say which worker they run (``make_worker``) and add their role's methods."""
 
@@ -133,15 +146,8 @@ class WorkerActor:
                                                    timeout_s=WEIGHTS_COMMIT_TIMEOUT_S))
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix, in every KV tier (LLMEngine.reset_prefix_cache): False, nothing changed, while
-        a request is here. The router asks only when none is in flight, but one that just ended may hold its blocks a
-        moment longer (until its KV transfer is acknowledged, or an abort on its way arrives: a threaded actor's
-        calls are not ordered): the engine is given FLUSH_IDLE_WAIT_S to let go of them first."""
-        engine = self.worker.engine
-        deadline = time.monotonic() + FLUSH_IDLE_WAIT_S
-        while not self.worker.call(engine.is_idle) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return self.worker.call(engine.reset_prefix_cache, timeout_s=FLUSH_TIMEOUT_S)
+        """Forget every cached prefix, in every KV tier (``flush_when_idle``)."""
+        return flush_when_idle(self.worker)
 
     def discard_weights(self) -> None:
         self.worker.call(self.worker.engine.discard_weights)
