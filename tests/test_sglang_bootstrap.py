@@ -216,6 +216,36 @@ def test_sglang_router_splits_requests_token_exactly(sglang_router):
     assert float(re.search(r"^pdcluster:kv_cache_usage_perc\{[^}]*\} (\S+)$", text, re.M).group(1)) == 0.0
 
 
+def test_sglang_router_splits_native_generate_token_exactly(sglang_router):
+    """SGLang's own route through SGLang's own router: /generate (cluster/api/sglang_generate.py) sent to both servers
+    with the bootstrap fields; the answer, streamed or not, with logprobs or not, is the decode server's alone."""
+    url, prefill, decode = sglang_router
+    body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 24, "temperature": 0}}
+    whole = httpx.post(f"{decode.base_url}/generate", json={**body, "extra_key": "whole", "return_logprob": True,
+                                                            "logprob_start_len": 0}, timeout=120).json()
+    split = httpx.post(f"{url}/generate", json=body, timeout=120).json()
+    assert split["output_ids"] == whole["output_ids"] and split["text"] == whole["text"]
+    full_blocks = (split["meta_info"]["prompt_tokens"] - 1) // BLOCK
+    assert split["meta_info"]["cached_tokens"] == full_blocks * BLOCK  # the prompt's KV came from the prefill server
+    # Prompt logprobs: the prefill server's, which the router puts before the decode server's (none: it pulled the
+    # prompt's KV, which carries no logprobs).
+    scored = httpx.post(f"{url}/generate", json={**body, "return_logprob": True, "logprob_start_len": 0},
+                        timeout=120).json()
+    assert scored["meta_info"]["cached_tokens"] == full_blocks * BLOCK
+    for key in ("output_token_logprobs", "input_token_logprobs"):
+        got, want = scored["meta_info"][key], whole["meta_info"][key]
+        assert [e[1] for e in got] == [e[1] for e in want], key
+        assert [e[0] or 0.0 for e in got] == pytest.approx([e[0] or 0.0 for e in want], abs=1e-4), key
+    with httpx.stream("POST", f"{url}/generate", json={**body, "stream": True}, timeout=120) as r:
+        events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["output_ids"] == whole["output_ids"]
+    deadline = time.monotonic() + 10  # nothing stranded on the prefill server
+    while time.monotonic() < deadline and _export_stats(prefill)["export"]["num_held"]:
+        time.sleep(0.1)
+    export = _export_stats(prefill)["export"]
+    assert export["num_held"] == 0 and export["expired"] == 0
+
+
 def test_bootstrap_fields_on_servers_that_cannot_take_them_are_400(sglang_router):
     url, prefill, decode = sglang_router
     body = {"model": "tiny-random", "prompt": "hi", "max_tokens": 2, "bootstrap_host": "127.0.0.1",

@@ -10,7 +10,8 @@ list (prompt-major: prompt i's sample j is item ``i * n + j``, as SGLang). ``fin
 text|null], ...]`` and, with ``logprob_start_len`` k >= 0, ``input_token_logprobs`` of the prompt from position k (the
 first prompt token's logprob null); with ``top_logprobs_num`` N > 0, ``output_top_logprobs`` /
 ``input_top_logprobs``: per position the N most likely as ``[logprob, token_id, text|null]``. ``text`` is the token's
-own string with ``return_text_in_logprobs``, else null. Logprobs are log_softmax of the raw logits (as vLLM's
+own string with ``return_text_in_logprobs``, else null. On a decode leg of SGLang's router (its bootstrap fields on a
+kv_consumer server) ``input_token_logprobs`` is empty: the router puts the prefill server's in front. Logprobs are log_softmax of the raw logits (as vLLM's
 default), -inf shown as -9999.0.
 
 ``stream``: server-sent events, each ``data:`` the whole answer so far (SGLang's default, cumulative text and ids;
@@ -111,7 +112,7 @@ class GenerateAnswer:
         if num_top:
             out["output_top_logprobs"] = [_top(r, num_top, strings) for r in positions.records]
         start = self.layout.logprob_start_len
-        if start < 0:
+        if not self.layout.shows_prompt:
             out["input_token_logprobs"] = []
             if num_top:
                 out["input_top_logprobs"] = []
@@ -155,7 +156,7 @@ class GenerateAnswer:
 
 async def serve_generate(body: GenerateRequest, request: Request, router, served_names: tuple[str, ...],
                          policy: ServerPolicy, metrics: Metrics, strings: TokenStrings):
-    gin = generate_input(body, served_names[0])
+    gin = generate_input(body, served_names[0], policy.kv_role)
     preps = []
     for i, item in enumerate(gin.items):
         try:

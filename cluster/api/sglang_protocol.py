@@ -126,6 +126,13 @@ class LogprobLayout:
     logprob_start_len: int = -1  # prompt positions from here get input_token_logprobs; -1: none
     top_logprobs_num: int = 0  # alternatives per position (0: output_top_logprobs left out)
     return_text_in_logprobs: bool = False
+    # A decode leg of SGLang's router (bootstrap fields on a kv_consumer server): the router puts the prefill
+    # server's input_token_logprobs before this server's, so this one shows none (and computes none: it pulls the KV).
+    prompt_elsewhere: bool = False
+
+    @property
+    def shows_prompt(self) -> bool:
+        return self.return_logprob and self.logprob_start_len >= 0 and not self.prompt_elsewhere
 
 
 @dataclass
@@ -243,7 +250,7 @@ def _completion_body(prompt, sp: SGLangSamplingParams, model: str, layout: Logpr
     fields.update(_structured(sp, param))
     if layout.return_logprob:
         fields["logprobs"] = layout.top_logprobs_num
-        if layout.logprob_start_len >= 0:
+        if layout.shows_prompt:
             fields["prompt_logprobs"] = layout.top_logprobs_num
     if req.priority is not None:
         fields["priority"] = req.priority
@@ -261,9 +268,10 @@ def _completion_body(prompt, sp: SGLangSamplingParams, model: str, layout: Logpr
         raise _bad(param, f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}") from None
 
 
-def generate_input(req: GenerateRequest, served_model: str) -> GenerateInput:
+def generate_input(req: GenerateRequest, served_model: str, kv_role: str = "") -> GenerateInput:
     """``req`` checked: one completions body per prompt, their client ids, the logprob layout; APIError (400) naming
-    the field otherwise."""
+    the field otherwise. ``kv_role``: the server's (--kv-transfer-config), which makes a request with SGLang's
+    bootstrap fields a prefill or a decode leg."""
     for name, why in _REQUEST_REFUSED.items():
         value = (req.model_extra or {}).get(name)
         if value not in (None, False, [], {}, ""):
@@ -275,6 +283,7 @@ def generate_input(req: GenerateRequest, served_model: str) -> GenerateInput:
         log.warning("/generate fields ignored (not read here): %s", ", ".join(ignored[:20]))
     prompts, batch = _prompts(req)
     layout = _one_layout(req, len(prompts), batch)
+    layout.prompt_elsewhere = req.bootstrap_room is not None and kv_role == "kv_consumer"
     samplings = _per_item(req, "sampling_params", len(prompts), batch)
     rids = _per_item(req, "rid", len(prompts), batch)
     loras = _per_item(req, "lora_path", len(prompts), batch)
