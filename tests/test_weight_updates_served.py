@@ -151,9 +151,9 @@ def test_api_processes_forward_the_routes_to_the_router_process(checkpoints):  #
 
     from pdcluster.cluster.api.app import build_app
     from pdcluster.cluster.api.middleware import install_error_handlers
-    from pdcluster.cluster.api.sglang_routes import install_router_control_routes
+    from pdcluster.cluster.api.control_routes import install_control_routes
     from pdcluster.cluster.api.weight_routes import install_weight_routes
-    from pdcluster.cluster.frontend.admin_proxy import install_router_control_proxy, install_weight_routes_proxy
+    from pdcluster.cluster.frontend.admin_proxy import install_control_proxy, install_weight_routes_proxy
     from test_api_servers import _remote, _run_with_service
 
     router = _local_router()
@@ -161,14 +161,14 @@ def test_api_processes_forward_the_routes_to_the_router_process(checkpoints):  #
     admin_app = FastAPI()
     install_error_handlers(admin_app)
     install_weight_routes(admin_app, router)
-    install_router_control_routes(admin_app, router)
+    install_control_routes(admin_app, router)
 
     async def main(service):
         remote = await _remote(socket_dir, 0)
         remote.announce_ready()
         api = build_app(remote, "tiny-random", router_control=False)
         install_weight_routes_proxy(api, remote)
-        install_router_control_proxy(api, remote)
+        install_control_proxy(api, remote)
         transport = httpx.ASGITransport(app=api)
         try:
             async with httpx.AsyncClient(transport=transport, base_url="http://api") as client:
@@ -252,7 +252,7 @@ def test_serve_with_api_processes_updates_through_any_of_them(checkpoints):  # n
             # An API process reads it off the router process's stats (sent every 0.5 s): it follows within one.
             _until(lambda: httpx.get(f"{base}/get_model_info", headers=auth,
                                      timeout=30).json()["weight_version"] == "rl-1", timeout_s=5)
-            # /flush_cache and /abort_request: the router process's (admin_proxy.install_router_control_proxy).
+            # /flush_cache and /abort_request: the router process's (admin_proxy.install_control_proxy).
             assert httpx.post(f"{base}/flush_cache", headers=auth, timeout=60).status_code == 200
             r = httpx.post(f"{base}/abort_request", headers=auth, timeout=60, json={"rid": "none-such"})
             assert r.json() == {"num_aborted": 0}, r.text

@@ -23,7 +23,10 @@ cluster's, cluster/router/; one in-process engine's, cluster/local_router.py). O
 - weight_routes.py: /pause, /resume, /is_paused (vLLM's) and /update_weights_from_disk, /get_weight_version
   (SGLang's), with --enable-weight-updates (cluster/generation_control.py does the work);
 - sglang_routes.py: SGLang's native routes: /generate (sglang_protocol.py: its body as completions bodies;
-  sglang_generate.py: its answer and stream), /abort_request, /flush_cache, /get_model_info, /health_generate;
+  sglang_generate.py: its answer and stream), /get_model_info, /get_server_info, /health_generate;
+- vllm_tokens.py: vLLM's tokens-in, tokens-out /inference/v1/generate;
+- control_routes.py: the aborts (SGLang's /abort_request, vLLM's /abort_requests) and the cache flushes
+  (/flush_cache, /reset_prefix_cache), which the router process answers for every API process;
 - admin.py: /admin/drain and /admin/workers (``pdcluster drain``), added by the Ray launcher;
 - router_contract.py: what the API needs from a router (``Router``, ``TokenDelta``, ``RouterError``).
 """

@@ -1,6 +1,7 @@
 """The app and its routes: POST /v1/completions, POST /v1/chat/completions (streaming SSE or not),
 POST /v1/responses (cluster/api/responses.py), GET /v1/models (and /v1/models/{id}), POST /tokenize,
-POST /detokenize, GET /health, GET|POST /ping, GET /version, GET /metrics, over any router of
+POST /detokenize, GET /health, GET|POST /ping, GET /version, GET /metrics, vLLM's POST /inference/v1/generate
+(cluster/api/vllm_tokens.py) and SGLang's native routes (cluster/api/sglang_routes.py), over any router of
 router_contract.py. The pieces it composes are listed in __init__.py.
 """
 
@@ -41,6 +42,7 @@ from pdcluster.cluster.api.tokenize_routes import install_tokenize_routes
 from pdcluster.cluster.api.tool_parsers import select_parser
 from pdcluster.cluster.api.tracing import RequestTracer, check_detailed, check_tracing_flags
 from pdcluster.cluster.api.validation import ServerPolicy, check_model, prepare
+from pdcluster.cluster.api.vllm_tokens import TokensRequest, serve_tokens
 from pdcluster.cluster.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -157,6 +159,11 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
         if prep.beam is not None:
             return await serve_beam_search(prep, request, router, metrics, strings)
         return await serve_request(prep, request, router, metrics, strings)
+
+    @app.post("/inference/v1/generate")  # vLLM's tokens in, tokens out (cluster/api/vllm_tokens.py)
+    async def generate_tokens(body: TokensRequest, request: Request):
+        check_generates(pooler, served_names)
+        return await serve_tokens(body, request, router, served_names, policy, metrics, strings)
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request):

@@ -171,7 +171,9 @@ PROTECTED_PATHS = ("/tokenize", "/detokenize", "/score", "/rerank", "/v2/rerank"
                    "/get_weight_version", "/weight_info", "/pause_generation", "/continue_generation",
                    # SGLang's native routes (sglang_routes.py), as SGLang's --api-key guards them
                    "/generate", "/abort_request", "/flush_cache", "/reset_prefix_cache", "/get_model_info", "/model_info",
-                   "/get_server_info", "/server_info")
+                   "/get_server_info", "/server_info",
+                   # vLLM's tokens-in route and its abort (vllm_tokens.py, control_routes.py)
+                   "/inference/v1/generate", "/abort_requests")
 
 
 class ApiKeyMiddleware:

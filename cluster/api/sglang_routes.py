@@ -2,20 +2,14 @@
 such as slime and verl's server mode, SGLang's own benchmarks and router):
 
 - ``POST /generate``: text or token ids in, text, token ids and logprobs out (cluster/api/sglang_generate.py);
-- ``POST /abort_request`` ``{"rid": str, "abort_all": bool}``: ends /generate's request named ``rid`` (each of its
-  samples: finish_reason ``{"type": "abort"}``), or with ``abort_all`` every request in flight, OpenAI's too;
-  200 ``{"num_aborted"}`` (0 when none matched: it may have finished);
-- ``GET|POST /flush_cache`` (and vLLM's ``POST /reset_prefix_cache``): every worker forgets its cached prefixes
-  (device pool and host / disk tiers); 200 when done, 400 while requests run (SGLang's rule: nothing changed then);
+- ``POST /abort_request``, ``GET|POST /flush_cache``: cluster/api/control_routes.py (with vLLM's
+  ``/abort_requests`` and ``/reset_prefix_cache``);
 - ``GET /get_model_info`` (``/model_info``), ``GET /get_server_info`` (``/server_info``): what is served, in SGLang's
   keys where they have a meaning here;
 - ``GET /health_generate``: 200 once a one-token greedy generation came back within HEALTH_GENERATE_TIMEOUT_S, else
   503 saying why (SGLang's deep health check).
 
-With ``--api-key`` every one but /health_generate needs it (middleware.PROTECTED_PATHS). The router does the work
-(``abort_matching``, ``flush_cache``: cluster/generation_control.py, cluster/local_router.py, cluster/router/);
-behind several API processes the router process answers /abort_request and the flushes
-(cluster/frontend/admin_proxy.py ``install_router_control_proxy``).
+With ``--api-key`` every one but /health_generate needs it (middleware.PROTECTED_PATHS).
 """
 
 from __future__ import annotations
@@ -28,52 +22,18 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
 
 from pdcluster.cluster.api.images import image_spec
 from pdcluster.cluster.api.middleware import error_response
+from pdcluster.cluster.api.control_routes import install_control_routes
 from pdcluster.cluster.api.router_contract import RouterError
-from pdcluster.cluster.api.sglang_generate import abort_pattern, serve_generate
+from pdcluster.cluster.api.sglang_generate import serve_generate
 from pdcluster.cluster.api.sglang_protocol import GenerateRequest
 from pdcluster.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-# Routes the router process answers for every API process (the admin proxy forwards them), with their methods.
-ROUTER_CONTROL_ROUTES = {"/abort_request": ("POST",), "/flush_cache": ("GET", "POST"), "/reset_prefix_cache": ("POST",)}
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's
-
-
-class AbortRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # SGLang's finished_reason / abort_message: the answer says "abort"
-
-    rid: str = Field("", max_length=4096)
-    abort_all: bool = False
-
-
-def install_router_control_routes(app: FastAPI, router) -> None:
-    """/abort_request and the cache flushes on ``router`` (a LocalRouter or ClusterRouter: ``abort_matching``,
-    ``flush_cache``)."""
-
-    @app.post("/abort_request")
-    async def abort_request(body: AbortRequest):
-        if not body.abort_all and not body.rid:
-            return error_response(400, "give the rid of a /generate request, or abort_all true", param="rid")
-        pattern = ".*" if body.abort_all else abort_pattern(body.rid)
-        return {"num_aborted": await router.abort_matching(pattern)}
-
-    async def flush():
-        try:
-            flushed = await router.flush_cache()
-        except RouterError as e:
-            return error_response(e.status, f"cache not flushed: {e}", kind=e.kind)
-        if not flushed:
-            return error_response(400, "cache not flushed: requests are running or waiting on a worker (flush when "
-                                       "none is, e.g. after POST /pause)")
-        return {"success": True, "message": "cache flushed"}
-
-    app.add_api_route("/flush_cache", flush, methods=["GET", "POST"])
-    app.add_api_route("/reset_prefix_cache", flush, methods=["POST"])  # vLLM's
 
 
 def _model_config(tokenizer) -> dict:
@@ -87,8 +47,8 @@ def _model_config(tokenizer) -> dict:
 def install_sglang_routes(app: FastAPI, router, served_names: tuple[str, ...], policy, metrics, strings,
                           generates: bool, version: str, router_control: bool = True) -> None:
     """SGLang's routes on ``app`` over ``router``; ``generates``: the model generates (not an embedding model);
-    ``router_control``: /abort_request and the flushes answered here (an API process behind a router process forwards
-    them instead)."""
+    ``router_control``: the aborts and the flushes (control_routes.py) answered here (an API process behind a router
+    process forwards them instead)."""
     config = _model_config(router.tokenizer)
 
     @app.post("/generate")
@@ -150,4 +110,4 @@ def install_sglang_routes(app: FastAPI, router, served_names: tuple[str, ...], p
         return JSONResponse({"status": "ok"})
 
     if router_control:
-        install_router_control_routes(app, router)
+        install_control_routes(app, router)

@@ -8,7 +8,7 @@ from fastapi.responses import Response
 
 from pdcluster.cluster.api.middleware import error_response
 from pdcluster.cluster.api.router_contract import RouterError
-from pdcluster.cluster.api.sglang_routes import ROUTER_CONTROL_ROUTES
+from pdcluster.cluster.api.control_routes import CONTROL_ROUTES
 from pdcluster.cluster.api.weight_routes import WEIGHT_ROUTES
 
 # What the admin routes read of a request: the admin key and the body's type.
@@ -51,8 +51,8 @@ def install_weight_routes_proxy(app: FastAPI, router) -> None:
         app.add_api_route(path, _forwarding(router, path), methods=[method], include_in_schema=False)
 
 
-def install_router_control_proxy(app: FastAPI, router) -> None:
-    """/abort_request and the cache flushes (cluster/api/sglang_routes.py) in an API process, answered by the router
+def install_control_proxy(app: FastAPI, router) -> None:
+    """The aborts and the cache flushes (cluster/api/control_routes.py) in an API process, answered by the router
     process's: it holds every API process's requests and the workers."""
-    for path, methods in ROUTER_CONTROL_ROUTES.items():
+    for path, methods in CONTROL_ROUTES.items():
         app.add_api_route(path, _forwarding(router, path), methods=list(methods), include_in_schema=False)

@@ -41,7 +41,7 @@ def main(config: ApiConfig, index: int, sock: socket.socket) -> int:
 
     enable_multiprocess(config.metrics_dir)  # before any metric exists
     from pdcluster.cluster.api.app import build_app
-    from pdcluster.cluster.frontend.admin_proxy import (install_admin_proxy, install_router_control_proxy,
+    from pdcluster.cluster.frontend.admin_proxy import (install_admin_proxy, install_control_proxy,
                                                         install_weight_routes_proxy)
     from pdcluster.cluster.frontend.remote_router import RemoteRouter, handshake
     from pdcluster.cluster.http_server import run_server
@@ -57,7 +57,7 @@ def main(config: ApiConfig, index: int, sock: socket.socket) -> int:
                     router_control=False, **kwargs)
 
     install_admin_proxy(app, router)
-    install_router_control_proxy(app, router)
+    install_control_proxy(app, router)
     if weight_updates:
         install_weight_routes_proxy(app, router)
     try:

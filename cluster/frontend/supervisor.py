@@ -58,9 +58,9 @@ class ApiServers:
         admin calls. ``on_ready(loop)``: as run_server's. With ``options.runtime_lora`` the API processes serve
         vLLM's runtime LoRA routes, answered here, on ``router``, beside the admin routes
         (cluster/api/lora_routes.py); with ``options.weight_updates`` the pause and weight routes
-        (cluster/api/weight_routes.py) likewise; SGLang's /abort_request and /flush_cache always (cluster/api/sglang_routes.py). ``http``: every API process's uvicorn settings (its log level, root path, TLS)."""
+        (cluster/api/weight_routes.py) likewise; the aborts and cache flushes always (cluster/api/control_routes.py). ``http``: every API process's uvicorn settings (its log level, root path, TLS)."""
         config = ApiConfig(self.dir, self.metrics_dir, self.host, self.port, served_model_name, options, http)
-        if admin_app is None:  # /abort_request and the flushes at least (cluster/api/sglang_routes.py)
+        if admin_app is None:  # the aborts and the flushes at least (cluster/api/control_routes.py)
             from fastapi import FastAPI
 
             from pdcluster.cluster.api.middleware import error_response, install_error_handlers
@@ -75,9 +75,9 @@ class ApiServers:
             from pdcluster.cluster.api.lora_routes import install_lora_routes
 
             install_lora_routes(admin_app, router, served_model_name, options.served_model_aliases)
-        from pdcluster.cluster.api.sglang_routes import install_router_control_routes
+        from pdcluster.cluster.api.control_routes import install_control_routes
 
-        install_router_control_routes(admin_app, router)  # the API processes forward them here (admin_proxy.py)
+        install_control_routes(admin_app, router)  # the API processes forward them here (admin_proxy.py)
         if options.weight_updates:  # the API processes forward them here (cluster/frontend/admin_proxy.py)
             from pdcluster.cluster.api.weight_routes import install_weight_routes
 
