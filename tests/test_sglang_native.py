@@ -8,6 +8,7 @@ key.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,22 +25,28 @@ API_KEY = "k-sglang"
 CHUNK = 16
 
 
-@pytest.fixture(scope="module")
-def server():
+@contextlib.contextmanager
+def served_local_router(api_key: str, **config):
+    """A LocalRouter over tiny-random (fp32, ``config`` over it) behind the real app on uvicorn, and a client with the
+    key: (router, client)."""
     from pdcluster.cluster.api.app import build_app
     from pdcluster.cluster.local_router import LocalRouter
     from test_api import serving
 
-    # Prefill in chunks of 16 tokens: prompt logprobs of longer prompts span chunks (issue 22's shape).
-    router = LocalRouter(engine_config(MODEL, dtype="float32", prefill_chunk_size=CHUNK, enable_prefix_caching=True),
-                         request_timeout_s=60)
+    router = LocalRouter(engine_config(MODEL, dtype="float32", **config), request_timeout_s=60)
     try:
-        with serving(build_app(router, MODEL, api_key=API_KEY)) as base_url:
-            client = httpx.Client(base_url=base_url, timeout=60, headers={"Authorization": f"Bearer {API_KEY}"})
+        with serving(build_app(router, MODEL, api_key=api_key)) as base_url, \
+                httpx.Client(base_url=base_url, timeout=60, headers={"Authorization": f"Bearer {api_key}"}) as client:
             yield router, client
-            client.close()
     finally:
         router.close()
+
+
+@pytest.fixture(scope="module")
+def server():
+    # Prefill in chunks of 16 tokens: prompt logprobs of longer prompts span chunks (issue 22's shape).
+    with served_local_router(API_KEY, prefill_chunk_size=CHUNK, enable_prefix_caching=True) as served:
+        yield served
 
 
 def _generate(client, **body):

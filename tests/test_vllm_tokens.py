@@ -6,16 +6,14 @@ answer; aborts by id; refusals naming the field; the API key."""
 from __future__ import annotations
 
 import json
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import engine_config
+from test_sglang_native import MODEL, _completion, _until, served_local_router
 
 httpx = pytest.importorskip("httpx")
 
-MODEL = "tiny-random"
 API_KEY = "k-tokens"
 CHUNK = 16
 PROMPT = list(range(200, 200 + 2 * CHUNK + 3))  # prefilled in three chunks
@@ -23,38 +21,14 @@ PROMPT = list(range(200, 200 + 2 * CHUNK + 3))  # prefilled in three chunks
 
 @pytest.fixture(scope="module")
 def server():
-    from pdcluster.cluster.api.app import build_app
-    from pdcluster.cluster.local_router import LocalRouter
-    from test_api import serving
-
-    router = LocalRouter(engine_config(MODEL, dtype="float32", prefill_chunk_size=CHUNK), request_timeout_s=60)
-    try:
-        with serving(build_app(router, MODEL, api_key=API_KEY)) as base_url:
-            client = httpx.Client(base_url=base_url, timeout=60, headers={"Authorization": f"Bearer {API_KEY}"})
-            yield router, client
-            client.close()
-    finally:
-        router.close()
+    with served_local_router(API_KEY, prefill_chunk_size=CHUNK) as served:
+        yield served
 
 
 def _tokens(client, **body):
     r = client.post("/inference/v1/generate", json=body)
     assert r.status_code == 200, r.text
     return r.json()
-
-
-def _completion(client, prompt, **fields):
-    r = client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "temperature": 0,
-                                             "return_token_ids": True, **fields})
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def _until(predicate, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 def test_tokens_logprobs_and_prompt_logprobs_as_completions(server):
