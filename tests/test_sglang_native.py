@@ -267,6 +267,8 @@ def test_info_and_health_routes(server):
     ({"text": PROMPT, "return_entropy": True}, "return_entropy", "not returned"),
     ({"text": PROMPT, "extra_key": "a", "cache_salt": "b"}, "cache_salt", "not two different ones"),
     ({"text": PROMPT, "rid": ["a"]}, "rid", "a list is for a batch"),
+    ({"text": PROMPT, "rid": "two words"}, "rid", "letters, digits"),
+    ({"text": PROMPT, "rid": ""}, "rid", "letters, digits"),
     ({"text": [PROMPT, PROMPT], "rid": ["a", "a"]}, "rid", "the same rid"),
     ({"text": [PROMPT, PROMPT], "rid": ["a"]}, "rid", "1 values for 2 prompts"),
     ({"text": [PROMPT, PROMPT], "return_logprob": [True, False]}, "return_logprob", "separate requests"),

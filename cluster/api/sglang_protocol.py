@@ -23,6 +23,7 @@ from pydantic import ConfigDict, ValidationError
 
 from pdcluster.cluster.api.middleware import APIError
 from pdcluster.cluster.api.protocol import CompletionRequest, StrictModel, short
+from pdcluster.cluster.api.validation import client_request_id
 
 log = logging.getLogger(__name__)
 
@@ -298,8 +299,9 @@ def generate_input(req: GenerateRequest, served_model: str, kv_role: str = "") -
         if n is not None and sp.n != n:
             raise _bad("sampling_params", "n differs between the prompts of this batch: send them as separate requests")
         n = sp.n
-        if rid is not None and not (isinstance(rid, str) and rid):
-            raise _bad("rid", f"must be a non-empty string, got {short(rid)}")
+        if rid is not None and not isinstance(rid, str):
+            raise _bad("rid", f"must be a string, got {short(rid)}")
+        client_request_id(rid, "rid")  # it names the request in logs and in its router ids: the OpenAI ids' rule
         items.append(GenerateItem(_completion_body(prompt, sp, lora or req.model or served_model, layout, req, param),
                                   rid))
     rids_given = [item.rid for item in items if item.rid is not None]
