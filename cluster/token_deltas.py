@@ -61,7 +61,8 @@ def can_merge(params) -> bool:
 def merged(a: TokenDelta, b: TokenDelta) -> TokenDelta:
     """``a`` then ``b`` (of one request; ``a`` not its last) as one delta: what a consumer that fell behind
     streams as one chunk (vLLM's output collector merges the same way). Tokens and logprobs in order; the counts
-    so far and the end are ``b``'s; the first delta's own fields (prompt logprobs, TTFT parts) are kept."""
+    so far and the end are ``b``'s; the first delta's own fields (prompt logprobs, TTFT parts, the weight version)
+    are kept."""
     return TokenDelta(
         a.new_token_ids + b.new_token_ids,
         finished=b.finished,
@@ -78,6 +79,7 @@ def merged(a: TokenDelta, b: TokenDelta) -> TokenDelta:
         ttft_breakdown={**b.ttft_breakdown, **a.ttft_breakdown},
         pooled=a.pooled if a.pooled is not None else b.pooled,
         kv_transfer_params=b.kv_transfer_params,
+        weight_version=a.weight_version or b.weight_version,
     )
 
 

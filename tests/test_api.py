@@ -498,7 +498,7 @@ def test_merged_token_deltas_keep_order_counts_and_the_first_deltas_fields():
 
     lp = [TokenLogprobs(token_id=t, logprob=-0.5 * t, rank=1) for t in (5, 6, 7)]
     a = TokenDelta([5], num_prompt_tokens=9, num_output_tokens=1, num_cached_tokens=4, logprobs=lp[:1],
-                   prompt_logprobs=[], ttft_breakdown={"queue": 0.1, "prefill": 0.2})
+                   prompt_logprobs=[], ttft_breakdown={"queue": 0.1, "prefill": 0.2}, weight_version="step-3")
     b = TokenDelta([6, 7], num_prompt_tokens=9, num_output_tokens=3, num_draft_tokens=4, num_accepted_tokens=1,
                    num_cached_tokens=4, logprobs=lp[1:], ttft_breakdown={"kv_transfer": 0.3})
     m = merged(a, b)
@@ -506,6 +506,7 @@ def test_merged_token_deltas_keep_order_counts_and_the_first_deltas_fields():
     assert (m.num_prompt_tokens, m.num_output_tokens, m.num_draft_tokens, m.num_accepted_tokens,
             m.num_cached_tokens) == (9, 3, 4, 1, 4)
     assert m.prompt_logprobs == [] and m.ttft_breakdown == {"queue": 0.1, "prefill": 0.2, "kv_transfer": 0.3}
+    assert m.weight_version == "step-3"  # SGLang's /generate shows it: a consumer that fell behind must not lose it
     assert not m.finished and a.new_token_ids == [5] and b.new_token_ids == [6, 7]  # inputs left as they were
     end = merged(m, TokenDelta([], finished=True, finish_reason="stop", num_output_tokens=3))
     assert (end.finished, end.finish_reason, end.new_token_ids) == (True, "stop", [5, 6, 7])

@@ -82,6 +82,10 @@ def test_disagg_cluster_updates_every_worker(ray_session, tmp_path):
         after = await run("new")
         assert [t for t, _, _ in after] == new_ref
         assert after[0][1] == 0, "KV of the old weights was a prefix hit under the new ones"
+        # The first delta names the weights (SGLang's /generate shows it in meta_info.weight_version).
+        stream = router.generate("named", list(PROMPTS[2]), _params())
+        assert (await stream.__anext__()).weight_version == "v1"
+        await stream.aclose()
         # abort_all_requests: the request in flight ends with "abort", every worker takes the weights (an abort still
         # on its way to a worker does not make its commit fail), none leaves rotation.
         long = asyncio.ensure_future(_collect(router, "long-abort", PROMPTS[1], 900))
