@@ -6,7 +6,7 @@ both routes, alternating A B A B: --rounds sequential requests of --max-tokens t
 logprobs: what an RL rollout worker sends), and --rounds bursts of --concurrency requests at once. Each request's
 tokens through /generate are checked equal to /v1/completions'. Prints JSON (and writes it with --out).
 
-    python bench/sglang_generate.py [--model smollm2] [--dtype bfloat16] [--rounds 10] [--max-tokens 32]
+    python bench/sglang_generate.py [--model smollm2] [--dtype auto] [--rounds 10] [--max-tokens 32]
                                     [--concurrency 16] [--out F.json]
 """
 
@@ -27,7 +27,7 @@ from json_report import emit_json  # noqa: E402
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--dtype", default="auto", help="auto: what `serve` runs (bf16 where the CPU has avx512_bf16/AMX)")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=16)
@@ -42,7 +42,7 @@ def main() -> int:
     from test_api import serving
 
     config = EngineConfig(model=args.model, num_kv_blocks=1024, max_model_len=2048,
-                          enable_prefix_caching=False, **({"dtype": args.dtype} if args.dtype else {}))
+                          enable_prefix_caching=False, dtype=args.dtype)
     router = LocalRouter(config, request_timeout_s=300)
     engine_dtype = router.worker.engine.dtype_name
     prompts = [router.tokenizer.encode(f"Question {i}: explain in detail why the sky looks blue at noon.")
