@@ -135,6 +135,22 @@ def test_logprobs_as_completions(server):
                 top = meta["input_top_logprobs"][position - start]
                 ranked = sorted((v for v in want_prompt[position].values() if v["rank"] <= 2), key=lambda v: v["rank"])
                 assert [e[0] for e in top] == pytest.approx([v["logprob"] for v in ranked])
+    # max_new_tokens 0: the prompt scored alone (SGLang's prefill-only request), streamed or not.
+    for stream in (False, True):
+        body = {"input_ids": prompt, "return_logprob": True, "logprob_start_len": 1, "stream": stream,
+                "sampling_params": {"max_new_tokens": 0}}
+        if stream:
+            with client.stream("POST", "/generate", json=body) as r:
+                events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            scored = json.loads(events[-2])
+        else:
+            scored = _generate(client, **body)
+        assert scored["text"] == "" and scored["output_ids"] == [] and scored["meta_info"]["completion_tokens"] == 0
+        assert scored["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+        assert scored["meta_info"]["output_token_logprobs"] == []
+        assert [e[0] for e in scored["meta_info"]["input_token_logprobs"]] == pytest.approx(
+            [want_prompt[p][str(prompt[p])]["logprob"] for p in range(1, len(prompt))])
     # return_text_in_logprobs: each token's own string; logprob_start_len -1 (the default): no prompt positions.
     got = _generate(client, input_ids=prompt, return_logprob=True, return_text_in_logprobs=True,
                     sampling_params={"max_new_tokens": 2, "temperature": 0, "ignore_eos": True})

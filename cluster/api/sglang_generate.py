@@ -6,7 +6,8 @@ cluster/api/choice.py), and the answer takes SGLang's layout:
 "completion_tokens", "cached_tokens", "weight_version", "e2e_latency"}}``; one object for one prompt and n = 1, else a
 list (prompt-major: prompt i's sample j is item ``i * n + j``, as SGLang). ``finish_reason``: ``{"type": "stop",
 "matched": the stop string, or the token id that ended it}``, ``{"type": "length", "length": max_new_tokens}``,
-``{"type": "abort", "message"}``. With ``return_logprob``: ``output_token_logprobs`` ``[[logprob, token_id,
+``{"type": "abort", "message"}``. ``max_new_tokens`` 0 scores the prompt alone (SGLang's prefill-only request:
+``input_token_logprobs`` of a given sequence): no output, finish_reason ``{"type": "length", "length": 0}``. With ``return_logprob``: ``output_token_logprobs`` ``[[logprob, token_id,
 text|null], ...]`` and, with ``logprob_start_len`` k >= 0, ``input_token_logprobs`` of the prompt from position k (the
 first prompt token's logprob null); with ``top_logprobs_num`` N > 0, ``output_top_logprobs`` /
 ``input_top_logprobs``: per position the N most likely as ``[logprob, token_id, text|null]``. ``text`` is the token's
@@ -79,12 +80,11 @@ class GenerateAnswer:
             return run.request.request_id
         return rid if self.prep.n == 1 else f"{rid}-{run.index % self.prep.n}"
 
-    @staticmethod
-    def finish_reason(run: ChoiceRun, reason: str | None, output_ids: list[int]) -> dict | None:
+    def finish_reason(self, run: ChoiceRun, reason: str | None, output_ids: list[int]) -> dict | None:
         if reason is None:
             return None
         if reason == "length":
-            return {"type": "length", "length": run.request.params.max_tokens}
+            return {"type": "length", "length": 0 if self.prep.output.drop_output else run.request.params.max_tokens}
         if reason == "stop":
             stop = run.aligned.detok.stop
             return {"type": "stop", "matched": stop if stop is not None else (output_ids[-1] if output_ids else None)}
@@ -93,6 +93,8 @@ class GenerateAnswer:
         return {"type": reason}
 
     def answer(self, run: ChoiceRun, text: str, positions: Positions, reason: str | None, num_output: int) -> dict:
+        if self.prep.output.drop_output:  # max_new_tokens 0: the prompt scored, nothing shown of the echo or the token
+            text, positions, num_output = "", Positions.empty(), 0
         ids = list(positions.token_ids)
         meta = {"id": self.client_id(run), "finish_reason": self.finish_reason(run, reason, ids),
                 "prompt_tokens": len(run.request.prompt.token_ids), "completion_tokens": num_output,

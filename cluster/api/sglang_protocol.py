@@ -242,6 +242,8 @@ def _completion_body(prompt, sp: SGLangSamplingParams, model: str, layout: Logpr
     fields: dict[str, Any] = {"model": model, "prompt": prompt, "stream": False, "n": sp.n if sp.n is not None else 1,
                               # unset: SGLang's 128; null: to the context's end
                               "max_tokens": sp.max_new_tokens}
+    if sp.max_new_tokens == 0:  # SGLang's prefill only (scoring a sequence): completions' max_tokens 0 with echo
+        fields["echo"] = True
     renamed = {"min_new_tokens": "min_tokens", "sampling_seed": "seed", "no_stop_trim": "include_stop_str_in_output"}
     for name in ("min_new_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k", "min_p",
                  "frequency_penalty", "presence_penalty", "repetition_penalty", "ignore_eos", "skip_special_tokens",
