@@ -9,7 +9,7 @@ answers them for every API process (cluster/frontend/admin_proxy.py ``install_co
   (device pool and host / disk tiers); 200 when done, 400 while requests run (SGLang's rule: nothing changed then).
 
 The router does the work: ``abort_matching`` (cluster/generation_control.py) over the router request ids the routes
-give each request (sglang_generate.abort_pattern, vllm_tokens.abort_pattern), ``flush_cache`` (cluster/local_router.py,
+give each request (fanout.named_prompt_id, matched by fanout.named_ids_pattern), ``flush_cache`` (cluster/local_router.py,
 cluster/router/router.py).
 """
 
@@ -20,8 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pdcluster.cluster.api.middleware import error_response
 from pdcluster.cluster.api.router_contract import RouterError
-from pdcluster.cluster.api.sglang_generate import abort_pattern as generate_abort_pattern
-from pdcluster.cluster.api.vllm_tokens import abort_pattern as tokens_abort_pattern
+from pdcluster.cluster.api import sglang_generate, vllm_tokens
+from pdcluster.cluster.api.fanout import named_ids_pattern
 
 # Routes the router process answers for every API process (the admin proxy forwards them), with their methods.
 CONTROL_ROUTES = {"/abort_request": ("POST",), "/abort_requests": ("POST",), "/flush_cache": ("GET", "POST"),
@@ -49,14 +49,15 @@ def install_control_routes(app: FastAPI, router) -> None:
     async def abort_request(body: AbortRequest):
         if not body.abort_all and not body.rid:
             return error_response(400, "give the rid of a /generate request, or abort_all true", param="rid")
-        pattern = ".*" if body.abort_all else generate_abort_pattern(body.rid)
+        pattern = ".*" if body.abort_all else named_ids_pattern(sglang_generate.REQUEST_ID_PREFIX, body.rid)
         return {"num_aborted": await router.abort_matching(pattern)}
 
     @app.post("/abort_requests")
     async def abort_requests(body: AbortRequests):
         if not body.request_ids:
             return {"num_aborted": 0}
-        pattern = "|".join(f"(?:{tokens_abort_pattern(request_id)})" for request_id in body.request_ids)
+        pattern = "|".join(f"(?:{named_ids_pattern(vllm_tokens.REQUEST_ID_PREFIX, request_id)})"
+                           for request_id in body.request_ids)
         return {"num_aborted": await router.abort_matching(pattern)}
 
     async def flush():

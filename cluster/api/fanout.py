@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
+import uuid
 from dataclasses import replace
 from typing import AsyncIterator
 
@@ -18,9 +20,22 @@ from pdcluster.cluster.api.text import Piece
 from pdcluster.cluster.api.validation import Prepared
 
 
-def choice_requests(prep: Prepared) -> list[ChoiceRequest]:
+def named_prompt_id(prefix: str, client_id: str) -> str:
+    """The base of the router request ids of a prompt the client named ``client_id`` (SGLang's rid, vLLM's tokens
+    route's request_id): ``<prefix>-<client id>-<12 hex>``, its choices ``<base>-<sample>`` (``choice_requests``). The
+    hex keeps two requests under one client id apart; ``named_ids_pattern`` finds them again."""
+    return f"{prefix}-{client_id}-{uuid.uuid4().hex[:12]}"
+
+
+def named_ids_pattern(prefix: str, client_id: str) -> str:
+    """The regular expression (re.fullmatch) of every router request id of the prompts named ``client_id`` (its
+    aborts: cluster/api/control_routes.py); never one of a client id it is a prefix of (``job-1``, ``job-10``)."""
+    return re.escape(f"{prefix}-{client_id}-") + r"[0-9a-f]{12}-[0-9]+"
+
+
+def choice_requests(prep: Prepared, prompt_ids: list[str] | None = None) -> list[ChoiceRequest]:
     """One router request per choice: prompt i's choice j is choice ``i * n + j`` with request id
-    ``<request id>-<choice index>``.
+    ``<request id>-<choice index>``, or with ``prompt_ids`` (one a prompt: ``named_prompt_id``) ``<prompt_ids[i]>-<j>``.
 
     Seeds: with ``seed`` s, choice j (of every prompt) samples with seed ``s + j``, so it equals the same
     prompt sent alone (n=1) with seed s + j, token for token (sampling draws are a pure function of the
@@ -40,7 +55,8 @@ def choice_requests(prep: Prepared) -> list[ChoiceRequest]:
             seed = {"seed": (prompt.params.seed + j + (1 << 63)) % (1 << 64) - (1 << 63)} \
                 if prompt.params.seed is not None else {}
             params = replace(prompt.params, **seed, **group)
-            out.append(ChoiceRequest(index, i, f"{prep.request_id}-{index}", prompt, params))
+            request_id = f"{prep.request_id}-{index}" if prompt_ids is None else f"{prompt_ids[i]}-{j}"
+            out.append(ChoiceRequest(index, i, request_id, prompt, params))
     return out
 
 

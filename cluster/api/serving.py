@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from pdcluster.cluster.api import protocol as wire
-from pdcluster.cluster.api.choice import ChoiceRequest, ChoiceRun
+from pdcluster.cluster.api.choice import ChoiceRun
 from pdcluster.cluster.api.tracing import trace_of
 from pdcluster.cluster.api.fanout import choice_requests, collect_all, interleaved, start_all
 from pdcluster.cluster.api.logprobs import (Positions, TokenIdStrings, TokenStrings, chat_logprobs,
@@ -271,14 +271,13 @@ async def serve_request(prep: Prepared, request: Request, router, metrics: Metri
 
 async def serve_runs(prep: Prepared, request: Request, router, metrics: Metrics, strings: TokenStrings,
                      stream_body: Callable[[Reply, list], AsyncIterator[bytes]],
-                     json_body: Callable[[Reply], dict | list],
-                     choices: list[ChoiceRequest] | None = None) -> Response:
+                     json_body: Callable[[Reply], dict | list], prompt_ids: list[str] | None = None) -> Response:
     """Start every choice, then answer ``stream_body(reply, first deltas)`` as SSE (``prep.stream``) or
     ``json_body(reply)`` once all ended (503 if one failed): chat and completions here, the Responses API's
-    own layout (responses.py), SGLang's /generate (sglang_generate.py, which names the router requests: ``choices``;
-    None: fanout.choice_requests(prep))."""
+    own layout (responses.py), SGLang's /generate and vLLM's tokens route (sglang_generate.py, vllm_tokens.py, whose
+    clients name the prompts: ``prompt_ids``, fanout.choice_requests)."""
     trace = trace_of(request)
-    runs = [ChoiceRun(prep, c, router, metrics, trace) for c in choices or choice_requests(prep)]
+    runs = [ChoiceRun(prep, c, router, metrics, trace) for c in choice_requests(prep, prompt_ids)]
     resp = Reply(prep, runs, strings)
     handed_off = False
     try:

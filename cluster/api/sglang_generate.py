@@ -18,14 +18,13 @@ default), -inf shown as -9999.0.
 ``stream``: server-sent events, each ``data:`` the whole answer so far (SGLang's default, cumulative text and ids;
 ``index`` names the item in a batch or for n > 1), then ``data: [DONE]``.
 
-``rid`` names a prompt's request for POST /abort_request (cluster/api/sglang_routes.py): its router requests' ids are
-``gen-<rid>-<12 hex>-<sample>``, which ``abort_pattern`` matches.
+``rid`` names a prompt's request for POST /abort_request (cluster/api/control_routes.py): its router requests' ids are
+``gen-<rid>-<12 hex>-<sample>`` (fanout.named_prompt_id, found again by fanout.named_ids_pattern).
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import time
 import uuid
 from dataclasses import replace
@@ -35,7 +34,7 @@ from fastapi import Request
 
 from pdcluster.cluster.api import protocol as wire
 from pdcluster.cluster.api.choice import ChoiceRun
-from pdcluster.cluster.api.fanout import choice_requests, interleaved
+from pdcluster.cluster.api.fanout import interleaved, named_prompt_id
 from pdcluster.cluster.api.logprobs import LOGPROB_FLOOR, Positions, TokenStrings
 from pdcluster.cluster.api.middleware import APIError
 from pdcluster.cluster.api.serving import Reply, close_all, serve_runs
@@ -47,11 +46,6 @@ from pdcluster.wire.logprobs import TokenLogprobs
 log = logging.getLogger(__name__)
 
 REQUEST_ID_PREFIX = "gen"
-
-
-def abort_pattern(rid: str) -> str:
-    """The regular expression (re.fullmatch) of the router request ids of /generate's prompt named ``rid``."""
-    return re.escape(f"{REQUEST_ID_PREFIX}-{rid}-") + r"[0-9a-f]{12}-[0-9]+"
 
 
 def _entry(logprob: float | None, token_id: int, strings: TokenStrings | None) -> list:
@@ -169,14 +163,13 @@ async def serve_generate(body: GenerateRequest, request: Request, router, served
                 e.args = (e.message,)
             raise
     uid = uuid.uuid4().hex[:12]
-    item_ids = [f"{REQUEST_ID_PREFIX}-{item.rid}-{uid}" if item.rid is not None else f"{REQUEST_ID_PREFIX}-{uid}-p{i}"
-                for i, item in enumerate(gin.items)]
+    item_ids = [named_prompt_id(REQUEST_ID_PREFIX, item.rid) if item.rid is not None
+                else f"{REQUEST_ID_PREFIX}-{uid}-p{i}" for i, item in enumerate(gin.items)]
     first = preps[0]
     # One request of every prompt's choices; token ids tracked for output_ids. The prompt's logprobs come with the
     # first delta, streamed or not (validation refuses them in an OpenAI stream, whose chunks have no field for them).
     prep = replace(first, request_id=f"{REQUEST_ID_PREFIX}-{uid}", response_id=f"{REQUEST_ID_PREFIX}-{uid}",
                    prompts=[p for each in preps for p in each.prompts], n=gin.n, stream=gin.stream,
                    include_usage=False, output=replace(first.output, return_token_ids=True))
-    choices = [replace(c, request_id=f"{item_ids[c.prompt_index]}-{c.index % prep.n}") for c in choice_requests(prep)]
     answer = GenerateAnswer(prep, gin, strings)
-    return await serve_runs(prep, request, router, metrics, strings, answer.stream, answer.json_body, choices)
+    return await serve_runs(prep, request, router, metrics, strings, answer.stream, answer.json_body, item_ids)

@@ -16,12 +16,11 @@ position, null for the first). ``stream``: a chunk per piece, ``choices[0].token
 on the last), the usage after them with ``stream_options.include_usage``, then ``[DONE]``.
 
 ``POST /abort_requests {"request_ids": [...]}`` (vLLM's, for the same front ends) ends the requests of those ids: the
-router request ids of a request are ``generate-tokens-<request_id>-<12 hex>-<sample>`` (``abort_pattern``).
+router request ids of a request are ``generate-tokens-<request_id>-<12 hex>-<sample>`` (fanout.named_prompt_id).
 """
 
 from __future__ import annotations
 
-import re
 import time
 import uuid
 from dataclasses import replace
@@ -32,7 +31,7 @@ from pydantic import ConfigDict, Field, ValidationError
 
 from pdcluster.cluster.api import protocol as wire
 from pdcluster.cluster.api.choice import ChoiceRun
-from pdcluster.cluster.api.fanout import choice_requests, interleaved
+from pdcluster.cluster.api.fanout import interleaved, named_prompt_id
 from pdcluster.cluster.api.logprobs import TokenIdStrings, TokenStrings, chat_logprobs
 from pdcluster.cluster.api.middleware import APIError
 from pdcluster.cluster.api.protocol import StreamOptions, StrictModel
@@ -62,11 +61,6 @@ class TokensRequest(StrictModel):
     priority: int | None = 0
     kv_transfer_params: dict | None = None
     features: None = None  # vLLM's multimodal features: refused (images go through chat completions)
-
-
-def abort_pattern(request_id: str) -> str:
-    """The regular expression (re.fullmatch) of the router request ids of the request ``request_id``."""
-    return re.escape(f"{REQUEST_ID_PREFIX}-{request_id}-") + r"[0-9a-f]{12}-[0-9]+"
 
 
 def _completion_body(req: TokensRequest, served_model: str) -> GenerateCompletion:
@@ -142,11 +136,10 @@ async def serve_tokens(body: TokensRequest, request: Request, router, served_nam
     completion = _completion_body(body, served_names[0])
     prep = await prepare(completion, router, served_names, policy)
     client_id = client_request_id(body.request_id, "request_id") or uuid.uuid4().hex
-    base = f"{REQUEST_ID_PREFIX}-{client_id}-{uuid.uuid4().hex[:12]}"
+    base = named_prompt_id(REQUEST_ID_PREFIX, client_id)
     options = body.stream_options
     include_usage = bool(body.stream and options is not None and options.include_usage)
     # The prompt's logprobs come with the first delta, streamed or not (prepare saw a body that does not stream).
     prep = replace(prep, request_id=base, response_id=client_id, stream=bool(body.stream), include_usage=include_usage)
-    choices = [replace(c, request_id=f"{base}-{c.index}") for c in choice_requests(prep)]
     answer = TokensAnswer(client_id, strings, include_usage)
-    return await serve_runs(prep, request, router, metrics, strings, answer.stream, answer.json_body, choices)
+    return await serve_runs(prep, request, router, metrics, strings, answer.stream, answer.json_body, [base])
