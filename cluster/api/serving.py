@@ -13,6 +13,7 @@ choices run concurrently and may find each other's blocks: the smallest is what 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import AsyncIterator, Callable
 
@@ -225,36 +226,49 @@ async def close_all(runs: list[ChoiceRun]) -> None:
     await asyncio.gather(*(run.close() for run in runs))
 
 
-async def _sse_stream(resp: Reply, firsts) -> AsyncIterator[bytes]:
-    prep, runs = resp.prep, resp.runs
+async def guarded_sse(events: AsyncIterator[bytes], runs: list[ChoiceRun], request_id: str) -> AsyncIterator[bytes]:
+    """``events`` (a response's SSE events, ending with its ``[DONE]``) as they come; an exception among them is
+    reported in the stream, which then ends (the status line is gone); every run is closed at the end, however it
+    came (a client disconnect cancels us here: every router request is aborted)."""
     try:
-        for run in runs:
-            opening = resp.opening(run)
-            if opening is not None:
-                yield opening
-        failed = None
-        async with interleaved(runs, firsts) as pieces:
-            async for run, piece, finish_reason in pieces:
-                has_tokens = piece.positions is not None and bool(piece.positions.token_ids)
-                if finish_reason == "error":
-                    if piece.text or has_tokens:
-                        for chunk in resp.chunks(run, piece.text, piece.positions, None):
-                            yield chunk
-                    failed = run
-                elif finish_reason is not None or piece.text or has_tokens:
-                    for chunk in resp.chunks(run, piece.text, piece.positions, finish_reason):
-                        yield chunk
-        if failed is not None:
-            yield wire.sse(wire.error_body(f"generation failed: {failed.error}", "server_error"))
-        elif prep.include_usage:
-            yield wire.sse({**resp.header(True), "choices": [], "usage": resp.usage()})
-        yield wire.sse("[DONE]")
+        async with contextlib.aclosing(events):  # closed now, not when collected: it holds the runs' reading tasks
+            async for event in events:
+                yield event
     except Exception:  # noqa: BLE001 - the status line is gone: report it in the stream
-        log.exception("stream of %s failed", prep.request_id)
+        log.exception("stream of %s failed", request_id)
         yield wire.sse(wire.error_body("internal error while streaming", "server_error"))
         yield wire.sse("[DONE]")
     finally:
-        await close_all(runs)  # a client disconnect cancels us here: every router request is aborted
+        await close_all(runs)
+
+
+def _sse_stream(resp: Reply, firsts) -> AsyncIterator[bytes]:
+    return guarded_sse(_sse_events(resp, firsts), resp.runs, resp.prep.request_id)
+
+
+async def _sse_events(resp: Reply, firsts) -> AsyncIterator[bytes]:
+    prep, runs = resp.prep, resp.runs
+    for run in runs:
+        opening = resp.opening(run)
+        if opening is not None:
+            yield opening
+    failed = None
+    async with interleaved(runs, firsts) as pieces:
+        async for run, piece, finish_reason in pieces:
+            has_tokens = piece.positions is not None and bool(piece.positions.token_ids)
+            if finish_reason == "error":
+                if piece.text or has_tokens:
+                    for chunk in resp.chunks(run, piece.text, piece.positions, None):
+                        yield chunk
+                failed = run
+            elif finish_reason is not None or piece.text or has_tokens:
+                for chunk in resp.chunks(run, piece.text, piece.positions, finish_reason):
+                    yield chunk
+    if failed is not None:
+        yield wire.sse(wire.error_body(f"generation failed: {failed.error}", "server_error"))
+    elif prep.include_usage:
+        yield wire.sse({**resp.header(True), "choices": [], "usage": resp.usage()})
+    yield wire.sse("[DONE]")
 
 
 async def serve_request(prep: Prepared, request: Request, router, metrics: Metrics,

@@ -24,7 +24,6 @@ default), -inf shown as -9999.0.
 
 from __future__ import annotations
 
-import logging
 import time
 import uuid
 from dataclasses import replace
@@ -37,13 +36,11 @@ from pdcluster.cluster.api.choice import ChoiceRun
 from pdcluster.cluster.api.fanout import interleaved, named_prompt_id
 from pdcluster.cluster.api.logprobs import LOGPROB_FLOOR, Positions, TokenStrings
 from pdcluster.cluster.api.middleware import APIError
-from pdcluster.cluster.api.serving import Reply, close_all, serve_runs
+from pdcluster.cluster.api.serving import Reply, guarded_sse, serve_runs
 from pdcluster.cluster.api.sglang_protocol import GenerateInput, GenerateRequest, LogprobLayout, generate_input
 from pdcluster.cluster.api.validation import Prepared, ServerPolicy, prepare
 from pdcluster.cluster.metrics import Metrics
 from pdcluster.wire.logprobs import TokenLogprobs
-
-log = logging.getLogger(__name__)
 
 REQUEST_ID_PREFIX = "gen"
 
@@ -126,28 +123,24 @@ class GenerateAnswer:
         answers = [self.answer(run, run.text, run.positions, run.finish_reason, run.num_output) for run in resp.runs]
         return answers if self.gin.batch or self.prep.n > 1 else answers[0]
 
-    async def stream(self, resp: Reply, firsts) -> AsyncIterator[bytes]:
+    def stream(self, resp: Reply, firsts) -> AsyncIterator[bytes]:
+        return guarded_sse(self._events(resp, firsts), resp.runs, self.prep.request_id)
+
+    async def _events(self, resp: Reply, firsts) -> AsyncIterator[bytes]:
         # Each run's answer so far, from the pieces as they are read (a run's own text may be ahead of them).
         texts = {run.index: "" for run in resp.runs}
         shown = {run.index: Positions.empty() for run in resp.runs}
-        try:
-            async with interleaved(resp.runs, firsts) as pieces:
-                async for run, piece, reason in pieces:
-                    texts[run.index] += piece.text
-                    shown[run.index].extend(piece.positions)
-                    if reason == "error":
-                        yield wire.sse(wire.error_body(f"generation failed: {run.error}", "server_error"))
-                        break
-                    if reason is not None or piece.text or piece.positions.token_ids:
-                        num_output = run.num_output if reason is not None else len(shown[run.index].token_ids)
-                        yield wire.sse(self.answer(run, texts[run.index], shown[run.index], reason, num_output))
-            yield wire.sse("[DONE]")
-        except Exception:  # noqa: BLE001 - the status line is gone: report it in the stream
-            log.exception("stream of %s failed", self.prep.request_id)
-            yield wire.sse(wire.error_body("internal error while streaming", "server_error"))
-            yield wire.sse("[DONE]")
-        finally:
-            await close_all(resp.runs)  # a client disconnect cancels us here: every router request is aborted
+        async with interleaved(resp.runs, firsts) as pieces:
+            async for run, piece, reason in pieces:
+                texts[run.index] += piece.text
+                shown[run.index].extend(piece.positions)
+                if reason == "error":
+                    yield wire.sse(wire.error_body(f"generation failed: {run.error}", "server_error"))
+                    break
+                if reason is not None or piece.text or piece.positions.token_ids:
+                    num_output = run.num_output if reason is not None else len(shown[run.index].token_ids)
+                    yield wire.sse(self.answer(run, texts[run.index], shown[run.index], reason, num_output))
+        yield wire.sse("[DONE]")
 
 
 async def serve_generate(body: GenerateRequest, request: Request, router, served_names: tuple[str, ...],

@@ -35,7 +35,7 @@ from pdcluster.cluster.api.fanout import interleaved, named_prompt_id
 from pdcluster.cluster.api.logprobs import TokenIdStrings, TokenStrings, chat_logprobs
 from pdcluster.cluster.api.middleware import APIError
 from pdcluster.cluster.api.protocol import StreamOptions, StrictModel
-from pdcluster.cluster.api.serving import Reply, close_all, serve_runs
+from pdcluster.cluster.api.serving import Reply, guarded_sse, serve_runs
 from pdcluster.cluster.api.sglang_protocol import GenerateCompletion
 from pdcluster.cluster.api.validation import ServerPolicy, client_request_id, prepare
 from pdcluster.cluster.metrics import Metrics
@@ -109,23 +109,23 @@ class TokensAnswer:
             out["prompt_logprobs"] = resp.prompt_logprobs(resp.runs[0])
         return out
 
-    async def stream(self, resp: Reply, firsts) -> AsyncIterator[bytes]:
-        try:
-            async with interleaved(resp.runs, firsts) as pieces:
-                async for run, piece, reason in pieces:
-                    if reason == "error":
-                        yield wire.sse(wire.error_body(f"generation failed: {run.error}", "server_error"))
-                        break
-                    if piece.positions.token_ids or reason is not None:
-                        yield wire.sse({"request_id": self.request_id, "id": self.request_id,
-                                        "choices": [self._choice(resp, run, piece.positions, reason)]})
-                else:
-                    if self.include_usage:
-                        yield wire.sse({"request_id": self.request_id, "id": self.request_id, "choices": [],
-                                        "usage": resp.usage()})
-            yield wire.sse("[DONE]")
-        finally:
-            await close_all(resp.runs)
+    def stream(self, resp: Reply, firsts) -> AsyncIterator[bytes]:
+        return guarded_sse(self._events(resp, firsts), resp.runs, resp.prep.request_id)
+
+    async def _events(self, resp: Reply, firsts) -> AsyncIterator[bytes]:
+        async with interleaved(resp.runs, firsts) as pieces:
+            async for run, piece, reason in pieces:
+                if reason == "error":
+                    yield wire.sse(wire.error_body(f"generation failed: {run.error}", "server_error"))
+                    break
+                if piece.positions.token_ids or reason is not None:
+                    yield wire.sse({"request_id": self.request_id, "id": self.request_id,
+                                    "choices": [self._choice(resp, run, piece.positions, reason)]})
+            else:
+                if self.include_usage:
+                    yield wire.sse({"request_id": self.request_id, "id": self.request_id, "choices": [],
+                                    "usage": resp.usage()})
+        yield wire.sse("[DONE]")
 
 
 async def serve_tokens(body: TokensRequest, request: Request, router, served_names: tuple[str, ...],
