@@ -561,6 +561,28 @@ def weight_update_check(model_dir: Path, prompts, expected, num_new: int, device
                                 if g != e), None)}
 
 
+def draft_model_check(model_dir: Path, prompts, expected, num_new: int, device: str, work: Path) -> dict:
+    """Draft-model speculation (engine/proposers/draft_model.py) on the device: the model as its own draft (every
+    draft accepted in fp32) and its first layers as the draft (engine/models/layer_skip.py), chunked prefill and
+    async scheduling too; each equals transformers' greedy and leaks no block."""
+    from pdcluster.engine.models.layer_skip import write_layer_skip_draft
+
+    first = write_layer_skip_draft(model_dir, work / "draft-first-layers", 2)
+    result, ok = {}, True
+    for name, cfg in {"self": dict(draft_model=str(model_dir)),
+                      "first_layers+chunked": dict(draft_model=str(first), prefill_chunk_size=7,
+                                                   max_num_batched_tokens=32),
+                      "self+other_scheduling": dict(draft_model=str(model_dir), async_scheduling=device != "cuda")
+                      }.items():
+        got, stats = _ours(model_dir, prompts, num_new, device, spec_method="draft_model", num_spec_tokens=3, **cfg)
+        case_ok = got == expected and stats["blocks_leaked"] == 0 and stats["num_draft_tokens"] > 0
+        if name.startswith("self"):
+            case_ok = case_ok and stats["num_accepted_tokens"] == stats["num_draft_tokens"]
+        result[name] = {"ok": case_ok, **{k: stats[k] for k in ("num_draft_tokens", "num_accepted_tokens")}}
+        ok = ok and case_ok
+    return {"ok": ok, **result}
+
+
 def encoders_check(device: str, work: Path) -> dict:
     """Encoder-only models (engine/models/bert.py, modernbert.py) made tiny by transformers: a BERT's [CLS] and mean
     embeddings of a batch of four prompt lengths, an XLM-R cross-encoder's scores, a ModernBERT's mean embeddings and
@@ -886,6 +908,7 @@ def correctness_section(entry: dict, device: str, work: Path, quick: bool, only:
             checks = {  # the tiny Llama's other paths, each on its own; a device fault ends them (the context is lost)
                 "lora": lambda: lora_check(model_dir, prompts, expected, num_new, device, work),
                 "weight_update": lambda: weight_update_check(model_dir, prompts, expected, num_new, device, work),
+                "draft_model": lambda: draft_model_check(model_dir, prompts, expected, num_new, device, work),
                 "images": lambda: images_check(model_dir, num_new, device, work),
                 "encoders": lambda: encoders_check(device, work),
             }

@@ -78,11 +78,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="MTP head for --spec mtp: a safetensors file from bench/train_mtp.py (default: the one "
                         "trained for --model in the cache dir; refused when there is none), an EAGLE draft's "
                         "directory (EAGLE-1 or HASS, as vLLM's method eagle), or 'random'")
+    g.add_argument("--draft-model", default="",
+                   help="the draft for --spec draft_model: a smaller causal LM with the model's tokenizer and KV "
+                        "shape (KV heads x head size), as a directory, a Hub id or a built-in name")
     g.add_argument("--speculative-config", action=SpeculativeConfig, metavar="JSON",
-                   help="vLLM's form of the three flags above, e.g. '{\"method\": \"eagle\", \"model\": DIR, "
+                   help="vLLM's form of the flags above, e.g. '{\"method\": \"eagle\", \"model\": DIR, "
                         "\"num_speculative_tokens\": 3}': method ngram (prompt_lookup_min / _max), eagle or eagle3 "
                         "(model: the draft's directory), mtp or deepseek_mtp (the model's own MTP layers, or model: "
-                        "a head)")
+                        "a head), draft_model (model: the draft model; the method when only a model is given)")
     g.add_argument("--no-cuda-graphs", action="store_true",
                    help="on a GPU, run decode steps eagerly instead of through CUDA graphs (vLLM's --enforce-eager)")
     g.add_argument("--mixed-cuda-graph-tokens", type=int, default=0, metavar="N",
@@ -131,11 +134,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 class SpeculativeConfig(argparse.Action):
-    """``--speculative-config JSON`` (vLLM's flag), set as --spec, --num-spec-tokens and --mtp-checkpoint (and the
-    n-gram lookup's bounds) as it is parsed, so every command reads one set of fields. What this engine does not
-    draft with (draft_model, medusa, suffix, ...) and keys it does not know are refused by name (exit 2)."""
+    """``--speculative-config JSON`` (vLLM's flag), set as --spec, --num-spec-tokens and --mtp-checkpoint or
+    --draft-model (and the n-gram lookup's bounds) as it is parsed, so every command reads one set of fields. What
+    this engine does not draft with (medusa, suffix, ...) and keys it does not know are refused by name (exit 2)."""
 
-    METHODS = {"ngram": "ngram", "eagle": "mtp", "eagle3": "mtp", "mtp": "mtp", "deepseek_mtp": "mtp"}
+    METHODS = {"ngram": "ngram", "eagle": "mtp", "eagle3": "mtp", "mtp": "mtp", "deepseek_mtp": "mtp",
+               "draft_model": "draft_model"}
     KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
 
     def __call__(self, parser, namespace, values, option_string=None):
@@ -151,18 +155,21 @@ class SpeculativeConfig(argparse.Action):
         if unknown:
             parser.error(f"{option_string}: unknown key {unknown[0]!r} (this engine reads {', '.join(self.KEYS)})")
         method = config.get("method")
+        if method is None and config.get("model"):
+            method = "draft_model"  # vLLM's rule: a model with no method is a draft model
         if method not in self.METHODS:
             parser.error(f"{option_string}: method {method!r} is not served (use one of "
-                         f"{', '.join(self.METHODS)}; separate draft models are not)")
+                         f"{', '.join(self.METHODS)})")
         model = config.get("model") or ""
-        if not isinstance(model, str) or (method in ("eagle", "eagle3") and not model):
+        if not isinstance(model, str) or (method in ("eagle", "eagle3", "draft_model") and not model):
             parser.error(f"{option_string}: method {method!r} needs \"model\": the draft's directory")
         if method == "ngram" and model:
             parser.error(f"{option_string}: method 'ngram' drafts from the prompt; it takes no \"model\"")
         k = config.get("num_speculative_tokens", 0)
         if not isinstance(k, int) or isinstance(k, bool) or k < 0:
             parser.error(f"{option_string}: num_speculative_tokens must be a non-negative integer, got {k!r}")
-        namespace.spec, namespace.num_spec_tokens, namespace.mtp_checkpoint = self.METHODS[method], k, model
+        namespace.spec, namespace.num_spec_tokens = self.METHODS[method], k
+        namespace.mtp_checkpoint, namespace.draft_model = ("", model) if method == "draft_model" else (model, "")
         for key, field in (("prompt_lookup_min", "ngram_min"), ("prompt_lookup_max", "ngram_max")):
             if key in config:
                 if method != "ngram" or not isinstance(config[key], int) or isinstance(config[key], bool):
@@ -175,7 +182,7 @@ SAME_NAMED_FLAGS = (
     "model", "dtype", "kv_cache_dtype", "device", "max_model_len", "block_size", "num_kv_blocks", "kv_cache_memory_gib",
     "gpu_memory_utilization",
     "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "kv_offload_host_gib", "kv_offload_disk_dir",
-    "kv_offload_disk_gib", "mtp_checkpoint", "num_threads", "seed", "cache_dir", "revision", "download_dir",
+    "kv_offload_disk_gib", "mtp_checkpoint", "draft_model", "num_threads", "seed", "cache_dir", "revision", "download_dir",
     "max_lora_rank",
     "enable_lora", "max_loras", "mixed_cuda_graph_tokens", "hf_overrides", "tensor_parallel_size",
     "limit_mm_per_prompt", "mm_processor_kwargs", "max_cuda_graph_batch",

@@ -34,7 +34,7 @@ def cpu_has_fast_bf16() -> bool:
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
-SPEC_METHODS = ("none", "ngram", "mtp")
+SPEC_METHODS = ("none", "ngram", "mtp", "draft_model")
 
 
 def parse_lora_modules(specs: tuple[str, ...] | list[str]) -> dict[str, str]:
@@ -122,6 +122,9 @@ class EngineConfig:
     # "" = the model's own MTP layers when its config declares them (NemotronH), else our trained head from
     # the cache dir (refused when there is none); a path; or "random" (tests).
     mtp_checkpoint: str = ""
+    # spec_method "draft_model": a separate, smaller causal LM of the same tokenizer that drafts (vLLM's and SGLang's
+    # draft-model speculation): a model name, directory or Hub id as ``model`` takes (engine/draft_model.py).
+    draft_model: str = ""
     # Schedule step n+1 while step n runs (engine/async_scheduler.py). None: on where the engine runs on
     # CUDA (as vLLM does), off on a CPU, where the scheduler's thread and the model share the cores; an H100
     # decode step of a 1.1B model took 1.56 / 2.71 / 3.24 ms async against 2.16 / 3.22 / 5.42 ms synchronous
@@ -218,10 +221,15 @@ class EngineConfig:
         if self.spec_method == "none" and self.num_spec_tokens:
             raise ConfigError(
                 f"num_spec_tokens: {self.num_spec_tokens} given but spec_method is 'none'; "
-                "set spec_method to 'ngram' or 'mtp'"
+                "set spec_method to 'ngram', 'mtp' or 'draft_model'"
             )
         if self.spec_method != "none" and self.num_spec_tokens == 0:
             raise ConfigError(f"num_spec_tokens: must be >= 1 with spec_method={self.spec_method!r}")
+        if (self.spec_method == "draft_model") != bool(self.draft_model):
+            raise ConfigError("draft_model: spec_method 'draft_model' drafts with a separate model: name it (a "
+                              "directory, a Hub id or a built-in name)" if not self.draft_model else
+                              f"draft_model: {self.draft_model!r} given but spec_method is {self.spec_method!r}; "
+                              "set spec_method to 'draft_model'")
         try:
             self.offload_config().validate()
         except ValueError as e:

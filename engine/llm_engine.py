@@ -138,7 +138,7 @@ class LLMEngine:
                 config.mtp_checkpoint, config.cache_dir or default_cache_dir(), config.model,
                 self.model.unsplit_arch or self.arch, config.seed
             )
-        proposer = make_proposer(config, self.model, self.kv_cache, mtp_weights)
+        proposer = make_proposer(config, self.model, self.kv_cache, mtp_weights, loaded.draft_model)
         self.runner = ModelRunner(config, self.model, self.kv_cache, self.max_model_len, self.connector, proposer,
                                   eos_token_ids=set(loaded.eos_token_ids), num_state_blocks=self.num_state_blocks)
         # Async scheduling: step n+1 is scheduled while step n runs (engine/async_scheduler.py).

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.draft_model import check_draft_target, load_draft_model
 from pdcluster.engine.kv_budget import CPU_DEFAULT_GIB, cuda_kv_pool_bytes
 from pdcluster.engine.kv_cache import KVCacheSpec, allocate_kv_cache, kv_cache_dtype, kv_planes, num_blocks_for_budget
 from pdcluster.engine.linear import DeterministicUnavailable, check_deterministic_available
@@ -59,6 +60,8 @@ class LoadedModel:
     # Tensor parallelism under a KV transport or the KV offload tiers: every rank's cache, rank 0's (kv_cache) first,
     # the others mapped here from shared memory (tensor_parallel/shared_cache.py). Empty otherwise.
     rank_kv_caches: tuple[torch.Tensor, ...] = ()
+    # spec_method "draft_model": the draft (engine/draft_model.py), its layers' KV in ``kv_cache`` after the target's.
+    draft_model: object | None = None
 
     @classmethod
     def load(cls, config: EngineConfig, progress: bool = True, kv_cache_allocator=None,
@@ -136,6 +139,8 @@ class LoadedModel:
             raise ValueError(f"{config.model}: images on a tensor-parallel split of an M-RoPE model (Qwen2-VL) are not "
                              "supported: serve it with --tensor-parallel-size 1, or for text with "
                              "--limit-mm-per-prompt '{\"image\": 0}'")
+        if config.spec_method == "draft_model":  # before any weight is read
+            check_draft_target(config, arch)
         if config.tensor_parallel_size > 1:  # the other ranks load their slices while this one loads its own
             check_shardable(model_class_of(model_dir), arch, config.tensor_parallel_size)
             draft = check_speculation(config, arch)
@@ -159,7 +164,16 @@ class LoadedModel:
                 driver.close()
             raise
         arch = model.arch  # as this engine serves it (longrope's table follows max_model_len)
-        num_draft_layers = proposer_draft_layers(config, arch)  # MTP: its layers after the target's (S2)
+        draft_model = None
+        if config.spec_method == "draft_model":
+            try:
+                draft_model = load_draft_model(config, arch, tokenizer, dtype, max_positions, deterministic, progress)
+            except BaseException:
+                if driver is not None:
+                    driver.close()
+                raise
+        # MTP's or a draft model's layers after the target's (S2)
+        num_draft_layers = proposer_draft_layers(config, arch, draft_model)
         probe = KVCacheSpec(arch.num_layers + num_draft_layers, num_draft_layers, 1, config.block_size,
                             arch.num_kv_heads, arch.head_dim, kv_cache_dtype(config.kv_cache_dtype, dtype, arch),
                             num_planes=kv_planes(arch))
@@ -190,7 +204,7 @@ class LoadedModel:
             kv_spec=kv_spec, kv_cache=kv_cache, state_shape=state_shape,
             num_state_blocks=num_state_blocks(state_shape, kv_spec.bytes_per_block) if hybrid else 0,
             eos_token_ids=frozenset(arch.eos_token_ids) | frozenset(tokenizer.stop_token_ids),
-            rank_kv_caches=rank_kv_caches,
+            rank_kv_caches=rank_kv_caches, draft_model=draft_model,
         )
 
 

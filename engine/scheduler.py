@@ -91,7 +91,10 @@ class Scheduler:
         self.remote_ready: dict[str, RemoteReservation] = {}  # filled by poll_offload, emptied by the engine
         # MTP writes its draft layer's KV for k - 1 chained positions past the verified ones
         # (engine/proposers/mtp.py): reserve those slots with every allocation.
-        self.num_lookahead_tokens = max(config.num_spec_tokens - 1, 0) if config.spec_method == "mtp" else 0
+        # Slots past a row's tokens the proposer writes KV to: MTP's chain k - 1, a draft model's k (the sampled
+        # token's entry, then k - 1 drafts').
+        self.num_lookahead_tokens = {"mtp": max(config.num_spec_tokens - 1, 0),
+                                     "draft_model": config.num_spec_tokens}.get(config.spec_method, 0)
         # A hybrid in a KV transfer: blocks after each prompt's that carry its Mamba state to the decode
         # worker (engine/mamba_state_blocks.py). A producer allocates them with each prompt's last chunk.
         self.num_state_blocks = num_state_blocks

@@ -119,6 +119,10 @@ class Tokenizer:
         text = self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return _clean_up_tokenization(text) if self._clean_up_spaces else text
 
+    def vocab(self) -> dict[str, int]:
+        """Every token (added ones too) and its id."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 

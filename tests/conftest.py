@@ -6,6 +6,7 @@ temp dirs so tests never write into the user's home.
 """
 
 import os
+from pathlib import Path
 import time
 
 # `python -m pytest` puts the checkout on sys.path, where its top-level folders (kernels/, engine/, ...) would shadow
@@ -126,24 +127,53 @@ def engine_config(model: str = "tiny-random", **kwargs):
     if kwargs.get("spec_method") == "mtp":
         # The tiny models have no trained head; losslessness never depends on draft quality.
         kwargs.setdefault("mtp_checkpoint", "random")
+    if kwargs.get("spec_method") == "draft_model" and "draft_model" not in kwargs:
+        kwargs["draft_model"] = layer_skip_draft_dir(model)  # the model's first layers (mostly rejected drafts)
     return EngineConfig(model=model, **kwargs)
+
+
+def layer_skip_draft_dir(model: str = "tiny-random", num_layers: int = 3) -> str:
+    """A draft model for ``--spec draft_model``: ``model``'s first ``num_layers`` layers (engine/models/layer_skip.py),
+    written once into the test cache (beside it, then renamed into place: xdist workers may race)."""
+    import shutil
+    import tempfile
+
+    from pdcluster.engine.models.layer_skip import write_layer_skip_draft
+    from pdcluster.engine.models.registry import default_cache_dir, resolve_model
+
+    out = default_cache_dir() / "drafts" / f"{model}-first{num_layers}"
+    if not (out / "config.json").is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + "."))
+        write_layer_skip_draft(resolve_model(model, progress=False), tmp, num_layers)
+        try:
+            tmp.rename(out)
+        except OSError:  # another worker's copy landed first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)
 
 
 def forward_from_scratch(model, token_ids: list[int]):
     """``model``'s final hidden states over ``token_ids`` from position 0, in a paged cache of its own (one block
     table, 16-token blocks): the from-scratch reference the draft-head and model tests compare against."""
+    return paged_from_scratch(model, token_ids)[0]
+
+
+def paged_from_scratch(model, token_ids: list[int], block_size: int = 16):
+    """(final hidden states, the paged cache it wrote: [layers, 2, blocks, block_size, kv heads, head_dim]) of
+    ``model`` over ``token_ids`` from position 0, one block table."""
     import torch
 
     from pdcluster.engine.attention import AttentionMetadata
 
-    a, bs, n = model.arch, 16, len(token_ids)
+    a, bs, n = model.arch, block_size, len(token_ids)
     num_blocks = -(-n // bs)
     cache = torch.zeros((a.num_layers, 2, num_blocks, bs, a.num_kv_heads, a.head_dim))
     pos = torch.arange(n)
     meta = AttentionMetadata(pos.clone(), torch.arange(num_blocks, dtype=torch.int32)[None],
                              torch.tensor([n], dtype=torch.int32), torch.tensor([0, n], dtype=torch.int32), None,
                              model.scale)
-    return model.forward(torch.tensor(token_ids), pos, cache, meta)
+    return model.forward(torch.tensor(token_ids), pos, cache, meta), cache
 
 
 def paged_in_chunks(forward, arch, scale: float, length: int, split: int = 20):

@@ -79,7 +79,7 @@ def test_colocated_equals_engine(ray_session, expected_greedy):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("method", ["ngram", "mtp"])
+@pytest.mark.parametrize("method", ["ngram", "mtp", "draft_model"])
 def test_disagg_with_speculation_equals_engine(ray_session, expected_greedy, method):
     prompts, params, expected = expected_greedy
     spec = ClusterSpec(engine=_config(spec_method=method, num_spec_tokens=3), transfer=TransferConfig(), mode="disagg")

@@ -204,7 +204,8 @@ def test_vllms_speculative_config_flag(target, tmp_path, capsys):
     assert (own.spec_method, own.num_spec_tokens, own.mtp_checkpoint) == ("mtp", 3, "")  # k: --spec's default
     eagle3 = engine_config_from_args(parser.parse_args(["--speculative-config", '{"method": "eagle3", "model": "d"}']))
     assert (eagle3.spec_method, eagle3.mtp_checkpoint) == ("mtp", "d")
-    for bad, why in (('{"method": "draft_model", "model": "x"}', "method 'draft_model' is not served"),
+    for bad, why in (('{"method": "medusa", "model": "x"}', "method 'medusa' is not served"),
+                     ('{"method": "draft_model"}', "needs \"model\""),
                      ('{"method": "eagle3"}', "needs \"model\""),
                      ('{"method": "eagle"}', "needs \"model\""),
                      ('{"method": "ngram", "draft_tensor_parallel_size": 1}', "unknown key"),

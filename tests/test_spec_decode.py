@@ -1,5 +1,6 @@
-"""Speculative decoding is lossless: with greedy sampling, output with --spec ngram and --spec mtp
-(random head, and the trained one when its checkpoint exists), k in {1, 3, 5}, async scheduling on and
+"""Speculative decoding is lossless: with greedy sampling, output with --spec ngram, --spec mtp
+(random head, and the trained one when its checkpoint exists) and --spec draft_model (the model's first layers as
+the draft: tests/conftest.py layer_skip_draft_dir), k in {1, 3, 5}, async scheduling on and
 off, equals output without speculation, token for token, for batches of mixed prompts (chunked
 prefill, prefix-cache hits, preemption). Proposers are exercised as they are (mostly rejected drafts on
 tiny-random) and wrapped in an oracle that drafts the true continuation with random corruption (long
@@ -66,19 +67,19 @@ def _assert_same(outs, expected, label):
 # ---- lossless on tiny-random -------------------------------------------------------------------------
 @pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("k", [1, 3, 5])
-@pytest.mark.parametrize("spec", ["ngram", "mtp"])
+@pytest.mark.parametrize("spec", ["ngram", "mtp", "draft_model"])
 def test_spec_lossless_tiny(tiny_reference, spec, k, use_async):
     expected, _ = tiny_reference
     engine = _spec_engine("tiny-random", spec, k, use_async, **TINY_CFG)
     outs = engine.generate(TINY_PROMPTS, _params())
     _assert_same(outs, expected, f"{spec} k={k} async={use_async}")
-    _check_counters(outs, drafts_expected=spec == "mtp" or use_async)
+    _check_counters(outs, drafts_expected=spec != "ngram" or use_async)
     assert engine.scheduler.num_free_blocks == engine.kv_spec.num_blocks
 
 
 @pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("k", [1, 3, 5])
-@pytest.mark.parametrize("spec", ["ngram", "mtp"])
+@pytest.mark.parametrize("spec", ["ngram", "mtp", "draft_model"])
 def test_spec_lossless_tiny_high_acceptance(tiny_reference, spec, k, use_async):
     expected, refs = tiny_reference
     engine = _spec_engine("tiny-random", spec, k, use_async, oracle_refs=refs, **TINY_CFG)
@@ -204,7 +205,8 @@ def _smol_case(smol_reference, spec, k, use_async, head="random"):
 
 @pytest.mark.parametrize(
     "spec, k, use_async, head",
-    [("ngram", 3, False, None), ("mtp", 3, True, "random"), ("mtp", 3, False, "trained")],
+    [("ngram", 3, False, None), ("mtp", 3, True, "random"), ("mtp", 3, False, "trained"),
+     ("draft_model", 3, False, None)],
 )
 def test_spec_lossless_smollm2(smol_reference, spec, k, use_async, head):
     outs = _smol_case(smol_reference, spec, k, use_async, head)
@@ -215,7 +217,7 @@ def test_spec_lossless_smollm2(smol_reference, spec, k, use_async, head):
 @pytest.mark.slow
 @pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("k", [1, 3, 5])
-@pytest.mark.parametrize("spec, head", [("ngram", None), ("mtp", "random"), ("mtp", "trained")])
+@pytest.mark.parametrize("spec, head", [("ngram", None), ("mtp", "random"), ("mtp", "trained"), ("draft_model", None)])
 def test_spec_lossless_smollm2_matrix(smol_reference, spec, head, k, use_async):
     _smol_case(smol_reference, spec, k, use_async, head)
 

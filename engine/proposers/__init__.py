@@ -13,6 +13,7 @@ from pdcluster.engine.models.mtp import (DRAFT_VOCAB_SIZE, latent_attention_refu
 from pdcluster.engine.models.nemotron_blocks import ATTENTION
 from pdcluster.engine.models.nemotron_mtp import is_own_mtp_weights
 from pdcluster.engine.proposers.base import ProposeBatch, Proposer
+from pdcluster.engine.proposers.draft_model import DraftModelProposer
 from pdcluster.engine.proposers.mtp import MTPProposer
 from pdcluster.engine.proposers.ngram import NgramProposer
 from pdcluster.engine.tensor_parallel.draft import draft_head, eagle3_buffer_tokens, own_mtp_head
@@ -20,9 +21,11 @@ from pdcluster.engine.tensor_parallel.draft import draft_head, eagle3_buffer_tok
 __all__ = ["ProposeBatch", "Proposer", "make_proposer", "num_draft_layers"]
 
 
-def num_draft_layers(config: EngineConfig, arch=None) -> int:
+def num_draft_layers(config: EngineConfig, arch=None, draft_model=None) -> int:
     """Layers the proposer adds to the paged KV cache (after the target's): MTP's one, or one per attention
-    block of a NemotronH's own MTP layers (``arch``: the model's)."""
+    block of a NemotronH's own MTP layers (``arch``: the model's), or a draft model's (``draft_model``) every layer."""
+    if config.spec_method == "draft_model":
+        return draft_model.arch.num_layers
     if config.spec_method != "mtp":
         return 0
     if uses_own_mtp_layers(config.mtp_checkpoint, arch):
@@ -33,12 +36,18 @@ def num_draft_layers(config: EngineConfig, arch=None) -> int:
     return 1
 
 
-def make_proposer(config: EngineConfig, model, kv_cache: torch.Tensor, mtp_weights: dict | None = None) -> Proposer:
+def make_proposer(config: EngineConfig, model, kv_cache: torch.Tensor, mtp_weights: dict | None = None,
+                  draft_model=None) -> Proposer:
     """The proposer for ``config.spec_method``. For MTP: a NemotronH's (DeepSeek's) own MTP layers when
     ``mtp_weights`` are those (engine/models/mtp.py resolve_mtp_weights), an EAGLE draft when they are its
-    (engine/models/eagle.py), our MTP head otherwise (seeded random without weights)."""
+    (engine/models/eagle.py), our MTP head otherwise (seeded random without weights). For a draft model: the one
+    loaded beside the model (engine/draft_model.py)."""
     if config.spec_method == "none":
         return Proposer()
+    if config.spec_method == "draft_model":
+        if draft_model is None:
+            raise ValueError("spec_method 'draft_model': no draft model loaded (LoadedModel.load loads it)")
+        return DraftModelProposer(draft_model, kv_cache, model.arch.num_layers, config.block_size)
     if config.spec_method == "ngram":
         return NgramProposer(config.ngram_min, config.ngram_max)
     if config.spec_method == "mtp":

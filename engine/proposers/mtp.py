@@ -22,11 +22,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pdcluster.engine.attention import AttentionMetadata
 from pdcluster.engine.models.mtp import MTPHead
 from pdcluster.engine.models.nemotron_mtp import NemotronMTP
 from pdcluster.engine.proposers.base import ProposeBatch, Proposer
-from pdcluster.engine.step_inputs import host_to_device
+from pdcluster.engine.proposers.paged import PagedDraftRows, ragged
 
 
 class MTPProposer(Proposer):
@@ -45,39 +44,10 @@ class MTPProposer(Proposer):
         self._target_hidden = getattr(head, "target_hidden", None)
         self.layer_index = num_target_layers  # the draft layers sit right after the target's
         self.layer_cache = head.draft_cache(kv_cache, num_target_layers)
-        self.device = kv_cache.device
-        self.block_size = block_size
-        self.scale = head.target.scale
+        self.rows = PagedDraftRows(kv_cache.device, block_size, head.target.scale, "MTP draft")
         # A split model (engine/tensor_parallel/draft.py): each MTP forward goes to the other ranks first, naming
         # the rows of their own hidden states it reads (an EAGLE-3 draft: of their own aux hidden states).
         self.mirror = head.target.tp_driver
-
-    def _slots(self, states, idx: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        block_col = positions // self.block_size
-        short = block_col >= states.num_blocks_np[idx]
-        if short.any():
-            r = int(np.flatnonzero(short)[0])
-            raise RuntimeError(
-                f"MTP draft position {int(positions[r])} of request slot {int(idx[r])} lies past its "
-                f"{int(states.num_blocks_np[idx[r]])} allocated blocks: the scheduler must reserve lookahead slots"
-            )
-        return states.block_table_np[idx, block_col].astype(np.int64) * self.block_size + positions % self.block_size
-
-    def _t(self, array_np: np.ndarray) -> torch.Tensor:
-        """A host array on the cache's device (as is on the CPU)."""
-        return host_to_device(array_np, self.device)
-
-    def _meta(self, states, idx_rows: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
-              query_start_loc: np.ndarray, uniform_q_len: int | None) -> AttentionMetadata:
-        max_blocks = int(-(-int(seq_lens.max()) // self.block_size))
-        return AttentionMetadata(
-            slot_mapping=self._t(slots),
-            block_tables=self._t(states.block_table_np[idx_rows, :max_blocks]),
-            seq_lens=self._t(seq_lens.astype(np.int32)),
-            query_start_loc=self._t(query_start_loc.astype(np.int32)),
-            uniform_q_len=uniform_q_len,
-            scale=self.scale,
-        )
 
     def propose(self, batch: ProposeBatch) -> list[list[int]]:
         st = batch.states
@@ -91,22 +61,19 @@ class MTPProposer(Proposer):
         idx = batch.idx_mapping_np[rows]
         n = batch.num_verified_np[rows].astype(np.int64)
         starts = batch.starts_np[rows].astype(np.int64)
-        qsl = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(n, out=qsl[1:])
-        row_of = np.repeat(np.arange(len(rows)), n)
-        offset = np.arange(qsl[-1]) - qsl[row_of]
+        qsl, row_of, offset = ragged(n)
         positions = starts[row_of] + offset
         next_ids = st.token_ids_np[idx[row_of], positions + 1].astype(np.int64)
         assert (next_ids >= 0).all(), "MTP input past the committed tokens"
         hidden_rows = batch.query_start_loc_np[rows][row_of] + offset
         seq_lens = starts + n
-        meta = self._meta(st, idx, self._slots(st, idx[row_of], positions), seq_lens, qsl, None)
-        rows_t = self._t(hidden_rows)
+        meta = self.rows.meta(st, idx, self.rows.slots(st, idx[row_of], positions), seq_lens, qsl, None)
+        rows_t = self.rows.t(hidden_rows)
         take = self._target_hidden
         hidden = batch.hidden_states[rows_t] if take is None else take(batch.hidden_states, rows_t)
         if self.mirror is not None:
             self.mirror.draft_forward(True, hidden_rows, next_ids, positions, meta)
-        g = self.head.forward(hidden, self._t(next_ids), self._t(positions), self.layer_cache, meta)
+        g = self.head.forward(hidden, self.rows.t(next_ids), self.rows.t(positions), self.layer_cache, meta)
 
         # ---- chain: k drafts per proposing row ---------------------------------------------------
         k_rows = batch.num_drafts_np[rows]
@@ -114,7 +81,7 @@ class MTPProposer(Proposer):
         if live.size == 0:
             return drafts
         g_rows = qsl[1:][live] - 1  # which rows of the last MTP forward's output g holds (for the other ranks)
-        g = g[self._t(g_rows)]
+        g = g[self.rows.t(g_rows)]
         pos = seq_lens[live] - 1  # p0: the last verified position
         tokens = self.head.draft_tokens(g)
         for r, t in zip(live, tokens.tolist()):
@@ -123,15 +90,15 @@ class MTPProposer(Proposer):
             keep = k_rows[live] > j
             if not keep.any():
                 break
-            keep_t = self._t(keep)
+            keep_t = self.rows.t(keep)
             live, pos, g, tokens = live[keep], pos[keep] + 1, g[keep_t], tokens[keep_t]
             g_rows = g_rows[keep]
             idx_live = idx[live]
             ones = np.arange(len(live) + 1, dtype=np.int64)
-            meta = self._meta(st, idx_live, self._slots(st, idx_live, pos), pos + 1, ones, 1)
+            meta = self.rows.meta(st, idx_live, self.rows.slots(st, idx_live, pos), pos + 1, ones, 1)
             if self.mirror is not None:
                 self.mirror.draft_forward(False, g_rows, tokens.cpu().numpy(), pos, meta)
-            g = self.head.forward(g, tokens, self._t(pos), self.layer_cache, meta)
+            g = self.head.forward(g, tokens, self.rows.t(pos), self.layer_cache, meta)
             g_rows = np.arange(len(live))
             tokens = self.head.draft_tokens(g)
             for r, t in zip(live, tokens.tolist()):

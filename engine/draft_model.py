@@ -1,0 +1,94 @@
+"""Draft-model speculation's draft (``spec_method="draft_model"``, vLLM's and SGLang's ``draft_model`` method): a
+separate, smaller causal LM over the same tokenizer, loaded beside the target and run by
+engine/proposers/draft_model.py.
+
+Its layers keep their KV in the target's paged cache, as draft layers after the target's (as MTP's do): the same
+blocks, block tables and slots, so the scheduler's blocks, prefix caching, preemption, the offload tiers and a KV
+transfer carry the draft's KV with the target's (S2) and nothing else is allocated. That asks the draft's KV of one
+token to have the target's shape: the same number of KV heads and head size (Llama 3.2 3B for Llama 3.1 8B and 70B,
+Qwen3 0.6B-8B for each other and for 14B and 32B, Qwen2.5 1.5B for 3B, 14B for 32B and 72B). Any other pair is
+refused at start-up naming both shapes.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from pdcluster.engine.config import ConfigError, EngineConfig
+from pdcluster.engine.kv_cache import kv_planes
+from pdcluster.engine.models.architectures import arch_from_dir, is_encoder, is_hybrid, load_model
+from pdcluster.engine.models.registry import resolve_model
+from pdcluster.engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def check_draft_target(config: EngineConfig, target_arch) -> None:
+    """ConfigError where the target cannot keep a draft model's KV beside its own: a hybrid (Mamba state), latent
+    attention (one plane), an encoder, or a split model (tensor parallelism)."""
+    what = f"spec_method 'draft_model' on {config.model}"
+    if is_hybrid(target_arch):
+        raise ConfigError(f"{what}: a hybrid (Mamba) target keeps recurrent state a draft model's rejected drafts would "
+                          "have to roll back; use --spec mtp (its own MTP layers) or --spec ngram")
+    if kv_planes(target_arch) != 2:
+        raise ConfigError(f"{what}: a latent-attention (MLA) target's cache has one plane a draft model's K and V do "
+                          "not fit; use --spec mtp (its own MTP layer) or --spec ngram")
+    if is_encoder(target_arch):
+        raise ConfigError(f"{what}: an encoder generates nothing")
+    if config.tensor_parallel_size > 1:
+        raise ConfigError(f"{what}: a draft model on a tensor-parallel split is not supported yet; use "
+                          "--tensor-parallel-size 1, or --spec mtp / ngram on the split")
+
+
+def load_draft_model(config: EngineConfig, target_arch, target_tokenizer: Tokenizer, dtype: torch.dtype,
+                     max_positions: int, deterministic: bool, progress: bool = True) -> object:
+    """The draft named by ``config.draft_model``, on the target's device and dtype; ConfigError (naming what
+    differs) where it cannot draft for the target."""
+    check_draft_target(config, target_arch)
+    try:
+        draft_dir: Path = resolve_model(config.draft_model, cache_dir=config.cache_dir or None, progress=progress,
+                                        revision=None, download_dir=config.download_dir)
+    except ValueError as e:
+        raise ConfigError(f"draft_model: {e}") from None
+    try:
+        arch = arch_from_dir(draft_dir)
+    except ValueError as e:
+        raise ConfigError(f"draft_model {config.draft_model!r}: {e}") from None
+    name = f"draft model {config.draft_model!r}"
+    if is_hybrid(arch) or is_encoder(arch) or kv_planes(arch) != 2:
+        raise ConfigError(f"{name}: only attention-only causal LMs (Llama-family) draft; this one is "
+                          f"{type(arch).__name__}")
+    target_kv = (target_arch.num_kv_heads, target_arch.head_dim)
+    if (arch.num_kv_heads, arch.head_dim) != target_kv:
+        raise ConfigError(
+            f"{name}: its KV is {arch.num_kv_heads} heads x {arch.head_dim} a token, the target's "
+            f"{target_kv[0]} x {target_kv[1]}: a draft keeps its KV in the target's paged cache, which needs the same "
+            "KV heads and head size (e.g. Llama 3.2 3B for Llama 3.1 8B, Qwen3 0.6B for Qwen3 8B)")
+    if arch.vocab_size > target_arch.vocab_size:
+        raise ConfigError(f"{name}: its vocabulary ({arch.vocab_size}) is larger than the target's "
+                          f"({target_arch.vocab_size}): it would draft ids the target has no logits for")
+    differs = _vocab_difference(Tokenizer(draft_dir), target_tokenizer)
+    if differs:
+        raise ConfigError(f"{name}: its tokenizer differs from the target's ({differs}); a draft must share the "
+                          "target's token ids")
+    if max_positions > arch.max_position_embeddings:
+        log.info("%s: its own context is %d tokens, the engine's %d: drafts past it are rarely accepted",
+                 name, arch.max_position_embeddings, max_positions)
+    draft = load_model(draft_dir, dtype, max_positions, config.device, deterministic=deterministic,
+                       max_model_len=max_positions)
+    log.info("draft model %s: %d layers of width %d, from %s", config.draft_model, arch.num_layers,
+             arch.hidden_size, draft_dir)
+    return draft
+
+
+def _vocab_difference(draft: Tokenizer, target: Tokenizer) -> str:
+    """'' where every token of the draft's vocabulary has the target's id for it, else what differs first."""
+    target_vocab = target.vocab()
+    for token, token_id in sorted(draft.vocab().items(), key=lambda item: item[1]):  # the lowest id first
+        if target_vocab.get(token) != token_id:
+            return f"token {token!r} is id {token_id} in the draft's, " + (
+                f"{target_vocab[token]} in the target's" if token in target_vocab else "absent from the target's")
+    return ""
