@@ -36,6 +36,7 @@ from pdcluster.cluster.router.weights import WorkerWeights
 from pdcluster.decode_node.actor import DecodeActor
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.models.architectures import arch_from_dir, max_model_len_for
+from pdcluster.engine.draft_model import check_draft_model
 from pdcluster.engine.models.registry import resolve_model
 from pdcluster.engine.tensor_parallel.driver import check_shared_caches
 from pdcluster.engine.tokenizer import Tokenizer
@@ -133,6 +134,8 @@ class Cluster:
                                        download_dir=spec.engine.download_dir)
         self.tokenizer = Tokenizer(self.model_dir)
         arch = arch_from_dir(self.model_dir)
+        if spec.engine.spec_method == "draft_model":  # one line now, not a failure in every worker after start
+            check_draft_model(spec.engine, arch, self.tokenizer)
         self._started_ray = False
         if not ray.is_initialized():
             if spec.address:

@@ -106,6 +106,22 @@ def test_the_model_as_its_own_draft_under_preemption(self_draft):
     assert engine.scheduler.num_free_blocks == 24
 
 
+@pytest.mark.parametrize("model, cfg", [("smollm2", dict(dtype="bfloat16")), (MODEL, dict(kv_cache_dtype="fp8"))],
+                         ids=["smollm2-bf16", "fp8-kv-cache"])
+def test_the_model_as_its_own_draft_in_bf16_and_over_an_fp8_cache(smollm2_dir, model, cfg):
+    """What users run: SmolLM2 in bf16 (the CPU default where avx512_bf16 is) drafts for itself losslessly, every
+    draft accepted (deterministic mode: the draft's one-token steps compute what the target's verification does);
+    the draft's KV written and read through an fp8 cache as the target's is."""
+    prompts = [[1, 504, 3458, 282, 4649, 314], [1, 1589, 28265, 30, 94, 1351, 104, 30]] if model == "smollm2" else PROMPTS
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    expected = _tokens(make_engine(model, num_kv_blocks=NUM_BLOCKS, **cfg).generate(prompts, params))
+    engine = make_engine(model, num_kv_blocks=NUM_BLOCKS, spec_method="draft_model", draft_model=model,
+                         num_spec_tokens=3, **cfg)
+    outs = engine.generate(prompts, params)
+    assert _tokens(outs) == expected
+    assert _rate(outs)[0] == _rate(outs)[1] > 0
+
+
 def test_sampled_speculation_gives_the_seeded_tokens_of_no_speculation(self_draft):
     params = SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.8, top_p=0.9, seed=11)
     plain = make_engine(MODEL, num_kv_blocks=NUM_BLOCKS).generate(PROMPTS, params)
@@ -269,3 +285,13 @@ def test_cli_flags_and_vllms_json(first3):
                           "--spec", "draft_model", "--draft-model", "smollm2"], capture_output=True, text=True,
                          timeout=300)
     assert bad.returncode == 2 and "its KV is 3 heads x 64 a token, the target's 2 x 32" in bad.stderr
+
+
+@pytest.mark.parametrize("mode", ["local", "colocated"])
+def test_serve_refuses_a_draft_that_cannot_draft_in_one_line_before_any_worker(tiny_dir, mode):
+    run = subprocess.run([sys.executable, "-m", "pdcluster.cli", "serve", "--port", "0", "--mode", mode, "--model",
+                          MODEL, "--spec", "draft_model", "--draft-model", "smollm2"], capture_output=True, text=True,
+                         timeout=300)
+    lines = [line for line in run.stderr.splitlines() if "error:" in line]
+    assert run.returncode == 2 and len(lines) == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert "its KV is 3 heads x 64 a token, the target's 2 x 32" in lines[0]
