@@ -55,7 +55,6 @@ def ours_child(spec_file: str) -> int:
 
         results[name] = {f"batch_{b}": measure_generation(run, spec["prompts"], b, spec["repeats"])
                          for b in spec["batches"]}
-        del engine
     print("OURS_DRAFT_RESULT " + json.dumps(results), flush=True)
     return 0
 

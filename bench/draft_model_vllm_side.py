@@ -66,7 +66,6 @@ def main() -> int:
 
         results[name] = {f"batch_{b}": measure_generation(run, spec["prompts"], b, spec["repeats"])
                          for b in spec["batches"]}
-        del llm
     print("VLLM_DRAFT_RESULT " + json.dumps(results), flush=True)
     return 0
 
