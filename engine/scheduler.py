@@ -89,10 +89,9 @@ class Scheduler:
         self.num_prompt_tokens_computed = 0
         self.num_prompt_tokens_reused = 0  # of remote requests' prompts, found here instead of transferred
         self.remote_ready: dict[str, RemoteReservation] = {}  # filled by poll_offload, emptied by the engine
-        # MTP writes its draft layer's KV for k - 1 chained positions past the verified ones
-        # (engine/proposers/mtp.py): reserve those slots with every allocation.
-        # Slots past a row's tokens the proposer writes KV to: MTP's chain k - 1, a draft model's k (the sampled
-        # token's entry, then k - 1 drafts').
+        # Slots past a row's tokens the proposer writes draft KV to, reserved with every allocation: MTP's chain
+        # k - 1 (engine/proposers/mtp.py), a draft model's k (the sampled token's entry, then k - 1 drafts':
+        # engine/proposers/draft_model.py).
         self.num_lookahead_tokens = {"mtp": max(config.num_spec_tokens - 1, 0),
                                      "draft_model": config.num_spec_tokens}.get(config.spec_method, 0)
         # A hybrid in a KV transfer: blocks after each prompt's that carry its Mamba state to the decode
