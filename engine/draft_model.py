@@ -43,10 +43,11 @@ def check_draft_target(config: EngineConfig, target_arch) -> None:
                           "--tensor-parallel-size 1, or --spec mtp / ngram on the split")
 
 
-def check_draft_model(config: EngineConfig, target_arch, target_tokenizer: Tokenizer, progress: bool = True) -> Path:
-    """The directory of the draft named by ``config.draft_model``, its config and tokenizer read (no weight);
-    ConfigError (naming what differs) where it cannot draft for the target. A launcher calls it before any worker
-    starts, each worker again as it loads."""
+def check_draft_model(config: EngineConfig, target_arch, target_tokenizer: Tokenizer,
+                      progress: bool = True) -> tuple[Path, object]:
+    """(directory, architecture) of the draft named by ``config.draft_model``, its config and tokenizer read (no
+    weight); ConfigError (naming what differs) where it cannot draft for the target. A launcher calls it before any
+    worker starts, each worker again before it reads any weight."""
     check_draft_target(config, target_arch)
     try:
         draft_dir: Path = resolve_model(config.draft_model, cache_dir=config.cache_dir or None, progress=progress,
@@ -74,14 +75,12 @@ def check_draft_model(config: EngineConfig, target_arch, target_tokenizer: Token
     if differs:
         raise ConfigError(f"{name}: its tokenizer differs from the target's ({differs}); a draft must share the "
                           "target's token ids")
-    return draft_dir
+    return draft_dir, arch
 
 
-def load_draft_model(config: EngineConfig, target_arch, target_tokenizer: Tokenizer, dtype: torch.dtype,
-                     max_positions: int, deterministic: bool, progress: bool = True) -> object:
-    """The draft named by ``config.draft_model``, on the target's device and dtype (check_draft_model first)."""
-    draft_dir = check_draft_model(config, target_arch, target_tokenizer, progress)
-    arch = arch_from_dir(draft_dir)
+def load_draft_model(config: EngineConfig, draft_dir: Path, arch, dtype: torch.dtype, max_positions: int,
+                     deterministic: bool) -> object:
+    """The draft ``check_draft_model`` found (``draft_dir``, its ``arch``), on the target's device and dtype."""
     name = f"draft model {config.draft_model!r}"
     if max_positions > arch.max_position_embeddings:
         log.info("%s: its own context is %d tokens, the engine's %d: drafts past it are rarely accepted",

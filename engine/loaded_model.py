@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from pdcluster.engine.config import EngineConfig
-from pdcluster.engine.draft_model import check_draft_target, load_draft_model
+from pdcluster.engine.draft_model import check_draft_model, load_draft_model
 from pdcluster.engine.kv_budget import CPU_DEFAULT_GIB, cuda_kv_pool_bytes
 from pdcluster.engine.kv_cache import KVCacheSpec, allocate_kv_cache, kv_cache_dtype, kv_planes, num_blocks_for_budget
 from pdcluster.engine.linear import DeterministicUnavailable, check_deterministic_available
@@ -139,8 +139,9 @@ class LoadedModel:
             raise ValueError(f"{config.model}: images on a tensor-parallel split of an M-RoPE model (Qwen2-VL) are not "
                              "supported: serve it with --tensor-parallel-size 1, or for text with "
                              "--limit-mm-per-prompt '{\"image\": 0}'")
-        if config.spec_method == "draft_model":  # before any weight is read
-            check_draft_target(config, arch)
+        draft_found = None
+        if config.spec_method == "draft_model":  # before any weight is read: (its directory, its arch)
+            draft_found = check_draft_model(config, arch, tokenizer, progress)
         if config.tensor_parallel_size > 1:  # the other ranks load their slices while this one loads its own
             check_shardable(model_class_of(model_dir), arch, config.tensor_parallel_size)
             draft = check_speculation(config, arch)
@@ -164,14 +165,8 @@ class LoadedModel:
                 driver.close()
             raise
         arch = model.arch  # as this engine serves it (longrope's table follows max_model_len)
-        draft_model = None
-        if config.spec_method == "draft_model":
-            try:
-                draft_model = load_draft_model(config, arch, tokenizer, dtype, max_positions, deterministic, progress)
-            except BaseException:
-                if driver is not None:
-                    driver.close()
-                raise
+        # (no tensor-parallel driver to close on failure: check_draft_model refused a split)
+        draft_model = load_draft_model(config, *draft_found, dtype, max_positions, deterministic) if draft_found else None
         # MTP's or a draft model's layers after the target's (S2)
         num_draft_layers = proposer_draft_layers(config, arch, draft_model)
         probe = KVCacheSpec(arch.num_layers + num_draft_layers, num_draft_layers, 1, config.block_size,
