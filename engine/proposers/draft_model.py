@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from pdcluster.engine.proposers.base import ProposeBatch, Proposer
-from pdcluster.engine.proposers.paged import PagedDraftRows, ragged
+from pdcluster.engine.proposers.paged import PagedDraftRows
 
 
 class DraftModelProposer(Proposer):
@@ -55,12 +55,9 @@ class DraftModelProposer(Proposer):
         k_rows = batch.num_drafts_np[rows].astype(np.int64)
         n = batch.num_verified_np[rows].astype(np.int64) + (k_rows > 0)
         starts = batch.starts_np[rows].astype(np.int64)
-        qsl, row_of, offset = ragged(n)
-        positions = starts[row_of] + offset
+        qsl, row_of, _, positions, meta = rows_of.spans(st, idx, starts, n)
         ids = st.token_ids_np[idx[row_of], positions].astype(np.int64)
         assert (ids >= 0).all(), "draft model input past the committed tokens"
-        seq_lens = starts + n
-        meta = rows_of.meta(st, idx, rows_of.slots(st, idx[row_of], positions), seq_lens, qsl, None)
         hidden = self.draft.forward(rows_of.t(ids), rows_of.t(positions), self.layer_cache, meta)
 
         # ---- chain: k drafts per drafting row ------------------------------------------------------
@@ -68,7 +65,7 @@ class DraftModelProposer(Proposer):
         if live.size == 0:
             return drafts
         tokens = self._draft_tokens(hidden[rows_of.t(qsl[1:][live] - 1)])
-        pos = seq_lens[live] - 1  # the sampled token's position
+        pos = starts[live] + n[live] - 1  # the sampled token's position
         for r, t in zip(live, tokens.tolist()):
             drafts[rows[r]].append(t)
         for j in range(1, int(k_rows.max())):
@@ -76,9 +73,7 @@ class DraftModelProposer(Proposer):
             if not keep.any():
                 break
             live, pos, tokens = live[keep], pos[keep] + 1, tokens[rows_of.t(keep)]
-            idx_live = idx[live]
-            ones = np.arange(len(live) + 1, dtype=np.int64)
-            meta = rows_of.meta(st, idx_live, rows_of.slots(st, idx_live, pos), pos + 1, ones, 1)
+            meta = rows_of.one_token_meta(st, idx[live], pos)
             hidden = self.draft.forward(tokens, rows_of.t(pos), self.layer_cache, meta)
             tokens = self._draft_tokens(hidden)
             for r, t in zip(live, tokens.tolist()):

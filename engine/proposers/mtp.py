@@ -25,7 +25,7 @@ import torch
 from pdcluster.engine.models.mtp import MTPHead
 from pdcluster.engine.models.nemotron_mtp import NemotronMTP
 from pdcluster.engine.proposers.base import ProposeBatch, Proposer
-from pdcluster.engine.proposers.paged import PagedDraftRows, ragged
+from pdcluster.engine.proposers.paged import PagedDraftRows
 
 
 class MTPProposer(Proposer):
@@ -61,13 +61,10 @@ class MTPProposer(Proposer):
         idx = batch.idx_mapping_np[rows]
         n = batch.num_verified_np[rows].astype(np.int64)
         starts = batch.starts_np[rows].astype(np.int64)
-        qsl, row_of, offset = ragged(n)
-        positions = starts[row_of] + offset
+        qsl, row_of, offset, positions, meta = self.rows.spans(st, idx, starts, n)
         next_ids = st.token_ids_np[idx[row_of], positions + 1].astype(np.int64)
         assert (next_ids >= 0).all(), "MTP input past the committed tokens"
         hidden_rows = batch.query_start_loc_np[rows][row_of] + offset
-        seq_lens = starts + n
-        meta = self.rows.meta(st, idx, self.rows.slots(st, idx[row_of], positions), seq_lens, qsl, None)
         rows_t = self.rows.t(hidden_rows)
         take = self._target_hidden
         hidden = batch.hidden_states[rows_t] if take is None else take(batch.hidden_states, rows_t)
@@ -82,7 +79,7 @@ class MTPProposer(Proposer):
             return drafts
         g_rows = qsl[1:][live] - 1  # which rows of the last MTP forward's output g holds (for the other ranks)
         g = g[self.rows.t(g_rows)]
-        pos = seq_lens[live] - 1  # p0: the last verified position
+        pos = starts[live] + n[live] - 1  # p0: the last verified position
         tokens = self.head.draft_tokens(g)
         for r, t in zip(live, tokens.tolist()):
             drafts[rows[r]].append(t)
@@ -93,9 +90,7 @@ class MTPProposer(Proposer):
             keep_t = self.rows.t(keep)
             live, pos, g, tokens = live[keep], pos[keep] + 1, g[keep_t], tokens[keep_t]
             g_rows = g_rows[keep]
-            idx_live = idx[live]
-            ones = np.arange(len(live) + 1, dtype=np.int64)
-            meta = self.rows.meta(st, idx_live, self.rows.slots(st, idx_live, pos), pos + 1, ones, 1)
+            meta = self.rows.one_token_meta(st, idx[live], pos)
             if self.mirror is not None:
                 self.mirror.draft_forward(False, g_rows, tokens.cpu().numpy(), pos, meta)
             g = self.head.forward(g, tokens, self.rows.t(pos), self.layer_cache, meta)

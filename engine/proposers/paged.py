@@ -45,6 +45,19 @@ class PagedDraftRows:
         """A host array on the cache's device (as is on the CPU)."""
         return host_to_device(array_np, self.device)
 
+    def spans(self, states, idx: np.ndarray, starts: np.ndarray, num_tokens: np.ndarray):
+        """A varlen forward over rows of ``num_tokens[r]`` positions from ``starts[r]`` of request slots ``idx``:
+        (query_start_loc, each token's row, its offset in the row, its position, the attention metadata)."""
+        qsl, row_of, offset = ragged(num_tokens)
+        positions = starts[row_of] + offset
+        meta = self.meta(states, idx, self.slots(states, idx[row_of], positions), starts + num_tokens, qsl, None)
+        return qsl, row_of, offset, positions, meta
+
+    def one_token_meta(self, states, idx: np.ndarray, positions: np.ndarray) -> AttentionMetadata:
+        """A chained draft step: one token per row, at ``positions`` of request slots ``idx``."""
+        ones = np.arange(len(idx) + 1, dtype=np.int64)
+        return self.meta(states, idx, self.slots(states, idx, positions), positions + 1, ones, 1)
+
     def meta(self, states, idx_rows: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
              query_start_loc: np.ndarray, uniform_q_len: int | None) -> AttentionMetadata:
         max_blocks = int(-(-int(seq_lens.max()) // self.block_size))
