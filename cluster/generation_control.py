@@ -56,6 +56,15 @@ class WeightTargets(Protocol):
         """Every worker serves what it prepared: each one's WeightUpdate as a dict."""
         ...
 
+    async def release(self, tags: tuple[str, ...], level: int) -> list[dict]:
+        """Every worker gives back the memory of ``tags`` (engine/sleep.py): each one's sleep state. RouterError 400
+        with the reason when one cannot, every worker then awake as before."""
+        ...
+
+    async def wake_up(self, tags: tuple[str, ...]) -> list[dict]:
+        """Every worker takes back the memory of ``tags``: each one's sleep state. RouterError where one cannot."""
+        ...
+
 
 class GenerationControl:
     def __init__(self, abort: Callable[[str], Awaitable[None]], targets: WeightTargets, admit_timeout_s: float):
@@ -75,6 +84,8 @@ class GenerationControl:
         self._used: dict[str, str] = {}  # version -> the digest of the contents it named
         self.num_updates = 0
         self.last_update_s = 0.0
+        self.asleep_tags: set[str] = set()  # engine/sleep.py's tags the workers released (sleep mode)
+        self.sleep_level = 0
 
     def _bind(self) -> None:
         """The gate and the lock on the running loop: a router moved to another loop (router.start) takes its
@@ -104,10 +115,20 @@ class GenerationControl:
     def num_in_flight(self) -> int:
         return len(self._in_flight)
 
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self.asleep_tags)
+
     def stats(self) -> dict:
         """For the router's stats (/health, /metrics)."""
         return {"weight_version": self.weight_version, "paused": self.is_paused, "num_updates": self.num_updates,
-                "last_update_s": round(self.last_update_s, 3)}
+                "last_update_s": round(self.last_update_s, 3), "sleep_level": self.sleep_level if self.asleep_tags
+                else 0}
+
+    def _open_unless_held(self) -> None:
+        """Open the gate unless a caller paused generation or the workers sleep."""
+        if not self._paused_by_caller and not self.asleep_tags:
+            self._open.set()
 
     @contextlib.asynccontextmanager
     async def entered(self, request_id: str, fork_group: str | None = None):
@@ -115,6 +136,9 @@ class GenerationControl:
         router's request timeout), then counts it in flight until the block ends. A choice of an n > 1 request
         (``fork_group``) whose sibling is in flight does not wait: the choices of one request run on one set of
         weights, and the drain waits for it as for its siblings."""
+        if self.asleep_tags:  # as vLLM answers while it sleeps, at once
+            raise RouterError(f"the model is sleeping ({', '.join(sorted(self.asleep_tags))} released): POST "
+                              "/wake_up first", status=503)
         if not self._open.is_set() and (fork_group is None or not self._groups.get(fork_group)):
             self._bind()
             try:
@@ -169,7 +193,7 @@ class GenerationControl:
     def resume(self) -> None:
         self._paused_by_caller = False
         if not self.update_lock.locked():  # an update resumes when it ends
-            self._open.set()
+            self._open_unless_held()
 
     async def _drain(self, mode: str, timeout_s: float) -> int:
         count = len(self._in_flight)
@@ -213,12 +237,51 @@ class GenerationControl:
                 self._used[version] = digest
                 self.num_updates += 1
                 self.last_update_s = time.monotonic() - started
+                self.asleep_tags.discard("weights")  # every weight written: a level-2 sleep's are back
             finally:
-                if not self._paused_by_caller:
-                    self._open.set()
+                self._open_unless_held()
         log.info("weights %s (%s) served by %d workers", version, model_path, len(updates))
         return {"success": True, "message": f"Succeeded to update model weights ({version}).",
                 "num_paused_requests": num_paused, "weight_version": version, "workers": updates}
+
+
+    # ---- sleep mode ---------------------------------------------------------------------------------
+    async def sleep(self, tags: tuple[str, ...], level: int, mode: str = "wait",
+                    timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> dict:
+        """Every worker gives back the memory of ``tags`` (engine/sleep.py; ``level`` as vLLM's). Requests in flight
+        finish first (``mode`` wait) or end (abort); from the answer on until the wake-up, requests are answered 503
+        at once, as vLLM answers while it sleeps. RouterError 400 when a worker cannot (every worker awake again),
+        504 when the requests in flight outlast ``timeout_s`` (nothing released, generation goes on)."""
+        check_mode(mode)
+        async with self.exclusive():
+            self._open.clear()
+            try:
+                await self._drain(mode, timeout_s)
+                workers = await self._targets.release(tuple(tags), level)
+            except BaseException:
+                self._open_unless_held()
+                raise
+            self.asleep_tags.update(tags)
+            self.sleep_level = max(self.sleep_level, level)
+        log.info("workers asleep (%s), level %d", ", ".join(sorted(self.asleep_tags)), self.sleep_level)
+        return {"is_sleeping": True, "sleep_level": self.sleep_level, "asleep_tags": sorted(self.asleep_tags),
+                "workers": workers}
+
+    async def wake_up(self, tags: tuple[str, ...]) -> dict:
+        """Every worker takes back the memory of ``tags``; generation goes on once nothing sleeps (unless a caller
+        paused it). RouterError where a worker cannot (its reason; what it could not take back stays asleep)."""
+        async with self.exclusive():
+            try:
+                workers = await self._targets.wake_up(tuple(tags))
+            except BaseException:
+                self._open_unless_held()  # what it asked stays asleep where a worker could not take it back
+                raise
+            self.asleep_tags = {tag for worker in workers for tag in worker.get("asleep_tags", ())}
+            if not self.asleep_tags:
+                self.sleep_level = 0
+            self._open_unless_held()
+        log.info("workers awake (%s)", ", ".join(tags))
+        return {"is_sleeping": bool(self.asleep_tags), "asleep_tags": sorted(self.asleep_tags), "workers": workers}
 
 
 def check_mode(mode: str) -> None:
@@ -259,3 +322,15 @@ class WeightControlled:
     async def abort_matching(self, pattern: str) -> int:
         """SGLang's abort_request by id pattern: how many requests in flight it aborted."""
         return await self.generation.abort_matching(pattern)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.generation.is_sleeping
+
+    async def sleep(self, tags: tuple[str, ...], level: int, mode: str = "wait",
+                    timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> dict:
+        """Every worker gives back the memory of ``tags`` (engine/sleep.py)."""
+        return await self.generation.sleep(tags, level, mode, timeout_s)
+
+    async def wake_up(self, tags: tuple[str, ...]) -> dict:
+        return await self.generation.wake_up(tags)

@@ -32,7 +32,7 @@ from pdcluster.cluster.http_options import HttpOptions
 from pdcluster.cluster.http_server import listen, run_server
 from pdcluster.cluster.metrics import Metrics
 from pdcluster.cluster.router import ClusterRouter, RouterConfig
-from pdcluster.cluster.router.weights import WorkerWeights
+from pdcluster.cluster.router.weights import SLEEP_TIMEOUT_S, WorkerWeights
 from pdcluster.decode_node.actor import DecodeActor
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.models.architectures import arch_from_dir, max_model_len_for
@@ -292,6 +292,9 @@ class Cluster:
         async with generation.exclusive():
             await WorkerWeights.sync(worker_id, handle, generation.weights_path, generation.weight_version,
                                      generation.weights_digest)
+            if generation.asleep_tags:  # the cluster sleeps: so does a worker that comes meanwhile
+                await asyncio.wait_for(handle.release_memory.remote(tuple(sorted(generation.asleep_tags)),
+                                                                    generation.sleep_level), SLEEP_TIMEOUT_S)
 
     async def add_worker(self, role: str, timeout_s: float = 300.0) -> str:
         """Start one more worker of ``role`` ("prefill" in disagg mode, or "decode"), wire it to the other

@@ -25,8 +25,10 @@ from pdcluster.decode_node.worker import DecodeWorker
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.lora.adapter import LoraAdapterError
 from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.engine.sleep import SleepError
 from pdcluster.engine.weight_update import WeightUpdateError
-from pdcluster.node.actor import LORA_LOAD_TIMEOUT_S, WEIGHTS_COMMIT_TIMEOUT_S, flush_when_idle
+from pdcluster.node.actor import (LORA_LOAD_TIMEOUT_S, WEIGHTS_COMMIT_TIMEOUT_S, flush_when_idle, sleep_when_idle,
+                                  wake_worker)
 from pdcluster.node.events import ADMITTED, Admission, Failed, KVEvents, StepTokens, Tokens, WorkerError
 
 class _Aborted:
@@ -157,6 +159,20 @@ class _EngineWeights:
         update = await asyncio.to_thread(self.worker.call, self.worker.engine.commit_weights,
                                          timeout_s=WEIGHTS_COMMIT_TIMEOUT_S)
         return [{"worker_id": self.worker.worker_id, **asdict(update)}]
+
+    async def release(self, tags: tuple[str, ...], level: int) -> list[dict]:
+        return [await _sleep_call(sleep_when_idle, self.worker, tags, level)]
+
+    async def wake_up(self, tags: tuple[str, ...]) -> list[dict]:
+        return [await _sleep_call(wake_worker, self.worker, tags)]
+
+
+async def _sleep_call(fn, *args) -> dict:
+    """``fn`` (node/actor.py's sleep_when_idle or wake_worker) off the event loop; its SleepError as a 400."""
+    try:
+        return await asyncio.to_thread(fn, *args)
+    except SleepError as e:
+        raise RouterError(str(e), status=400, kind="invalid_request_error") from None
 
 
 class LocalRouter(WeightControlled):

@@ -166,6 +166,9 @@ class Metrics:
                                      registry=r, multiprocess_mode="mostrecent")
         self._weight_update_s = Gauge(p + "weight_update_last_seconds", "How long the last weight update took, from "
                                       "the pause to the resume", registry=r, multiprocess_mode="mostrecent")
+        self._sleep_level = Gauge(p + "engine_sleep_level", "Sleep mode: 0 awake, 1 the KV cache released, 2 the "
+                                  "weights too (POST /sleep?level=N until /wake_up)", registry=r,
+                                  multiprocess_mode="mostrecent")
         self._lora_info = Gauge(p + "lora_requests_info", "LoRA adapters of the requests running and waiting "
                                 "(labels; value: when set)", ["max_lora", "running_lora_adapters",
                                                               "waiting_lora_adapters"],
@@ -268,6 +271,7 @@ class Metrics:
             self._paused.set(1 if weights.get("paused") else 0)
             self._weight_updates.set(weights.get("num_updates", 0))
             self._weight_update_s.set(weights.get("last_update_s", 0.0))
+            self._sleep_level.set(weights.get("sleep_level", 0))
         lora = stats.get("lora")
         if isinstance(lora, dict):
             self._lora_info.labels(str(lora.get("max_lora", 0)), ",".join(lora.get("running", ())),

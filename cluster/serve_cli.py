@@ -118,6 +118,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="serve the routes an RL trainer drives between rollouts: POST /pause, /resume, GET /is_paused "
                         "(vLLM's), POST /update_weights_from_disk, GET /get_weight_version (SGLang's), GET "
                         "/weight_info; on with VLLM_SERVER_DEV_MODE=1 too (cluster/api/weight_routes.py)")
+    g.add_argument("--enable-sleep-mode", action="store_true",
+                   help="serve POST /sleep?level=1|2, /wake_up, GET /is_sleeping (vLLM's) and POST "
+                        "/release_memory_occupation, /resume_memory_occupation (SGLang's): idle workers give back the "
+                        "KV cache's memory and, at level 2, the weights' (engine/sleep.py; CPU workers)")
     g.add_argument("--enable-request-id-headers", action="store_true",
                    help="every response carries X-Request-Id: the client's, else a new one (vLLM's flag)")
     g.add_argument("--metrics-prefix", default="pdcluster", choices=METRIC_PREFIXES,

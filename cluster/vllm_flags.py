@@ -95,10 +95,6 @@ NO_OP_VALUE_FLAGS = {
 
 # dest -> (flag, nargs, what to do instead): refused in one line, whatever the value.
 REFUSED_FLAGS = {
-    "enable_sleep_mode": ("--enable-sleep-mode", 0, "there are no /sleep and /wake_up endpoints (device memory is "
-                                                    "not released); for RL rollouts, --enable-weight-updates serves "
-                                                    "/pause, /resume and /update_weights_from_disk; to free the "
-                                                    "machines, stop the workers with `pdcluster drain`"),
     "middleware": ("--middleware", "+", "no code is imported into the server by name"),
     "logits_processors": ("--logits-processors", "+", "no code is imported into the engine by name (requests' "
                                                       "logit_bias, bad_words and allowed_token_ids are served)"),

@@ -332,7 +332,12 @@ class BlockManager:
     def fenced_block_ids(self) -> set[int]:
         return set(self._fenced)
 
-    def reset_prefix_cache(self) -> None:
+    def reset_prefix_cache(self, evict: bool = False) -> None:
+        """Forget every block's hash. ``evict``: each cached block goes through ``on_evict`` first, as if handed to a
+        new owner (the offload tiers keep a copy: a sleep's release of the pool, engine/sleep.py)."""
+        if evict and self.on_evict is not None:
+            for block_hash, block_id in list(self._hash_to_block_id.items()):
+                self.on_evict(block_id, block_hash, False)
         if self.on_event is not None and self._hash_to_block_id:
             self.on_event("removed", list(self._hash_to_block_id))
         for block in self.blocks:

@@ -30,7 +30,7 @@ from pdcluster.engine.scheduler import Scheduler
 from pdcluster.engine.step_trace import StepTrace
 from pdcluster.engine.tokenizer import Detokenizer
 from pdcluster.engine.warmup import warmup
-from pdcluster.engine import weight_update
+from pdcluster.engine import sleep, weight_update
 from pdcluster.engine.weight_update import DEFAULT_WEIGHT_VERSION, WeightUpdate
 from pdcluster.wire.external_kv import asks_for_split
 from pdcluster.wire.kv_connector import KVConnector, LoadedKV
@@ -153,6 +153,7 @@ class LLMEngine:
         self.used_weight_versions: dict[str, str] = {}  # version -> the digest of the checkpoint it named
         self.weights_path = str(self.model_dir)
         self.pending_weights: weight_update.PreparedWeights | None = None
+        self.sleep_state = sleep.SleepState()  # engine/sleep.py
 
     @classmethod
     def from_config(cls, config: EngineConfig, connector: KVConnector | None = None,
@@ -185,6 +186,7 @@ class LLMEngine:
         leading prompt blocks this worker's prefix cache already holds (the producer skips those), or
         None when the pool cannot hold it now (the router then tries another worker).
         The connector reports its KV's arrival (``poll_kv``); ``abort_request`` gives it up."""
+        sleep.check_awake(self)
         self.check_task(params)
         # Its images were decoded where it was prefilled (and at the API): their headers suffice here, where they are
         # encoded only if the request is preempted (the same bytes: the digest is checked).
@@ -269,6 +271,7 @@ class LLMEngine:
         (a sibling choice of an n > 1 request): start once its prompt is in the prefix cache.
         ``prompt`` may be vLLM's dict with images, ``{"prompt": text or ids, "multi_modal_data": {"image": one or
         a list}}`` (bytes, file paths or PIL images; one image token in the prompt where each goes)."""
+        sleep.check_awake(self)
         if isinstance(prompt, dict):
             prompt, params = self.with_images(prompt, params)
         prompt_token_ids = self.tokenize(prompt)
@@ -421,17 +424,38 @@ class LLMEngine:
         if self.pending_weights is None:
             raise weight_update.WeightUpdateError("no weights were prepared (or they were discarded)")
         try:
-            return weight_update.commit(self, self.pending_weights)
+            update = weight_update.commit(self, self.pending_weights)
         except BaseException:
             self.discard_weights()  # a split model's other ranks drop theirs too
             raise
         finally:
             self.pending_weights = None
+        sleep.weights_restored(self)  # weights a level-2 sleep discarded are all written now
+        return update
 
     def discard_weights(self) -> None:
         if self.pending_weights is not None and self.model.tp_driver is not None:
             self.model.tp_driver.discard_weights()
         self.pending_weights = None
+
+    # ---- sleep mode (engine/sleep.py) ------------------------------------------------------------
+    def sleep(self, level: int = 1) -> dict:
+        """vLLM's sleep between requests: level 1 gives back the KV cache's memory (its contents forgotten), level 2
+        the weights' too (read again at the wake unless a weight update writes them first). SleepError while a
+        request is here."""
+        return sleep.sleep(self, level)
+
+    def release_memory(self, tags=None) -> dict:
+        """SGLang's release_memory_occupation: ``tags`` among "weights", "kv_cache" (None: both)."""
+        return sleep.release(self, tags)
+
+    def wake_up(self, tags=None) -> dict:
+        """Take back what ``tags`` released (None: all; vLLM's wake_up, SGLang's resume_memory_occupation)."""
+        return sleep.wake_up(self, tags)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self.sleep_state.asleep)
 
     def prepare_grammar(self, params: SamplingParams) -> None:
         """Compile a structured-output spec now (cached per spec), so a spec the grammar engine refuses

@@ -143,6 +143,30 @@ def _tensors(root) -> dict[int, tuple[str, torch.Tensor]]:
     return found
 
 
+def served_tensors(roots) -> list[torch.Tensor]:
+    """The tensors a weight update writes under ``roots`` (walked as ``copy_weights`` walks the served model: a LoRA
+    wrapper's base projection, nothing under _NOT_WEIGHTS), each once: what a level-2 sleep discards
+    (engine/sleep.py)."""
+    found: dict[int, torch.Tensor] = {}
+    seen: set[int] = set()
+    stack = [roots]
+    while stack:
+        obj = _unwrapped(stack.pop())
+        if isinstance(obj, torch.Tensor):
+            found.setdefault(id(obj), obj)
+            continue
+        if _is_leaf(obj) or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif (attrs := _fields(obj)) is not None:
+            stack.extend(v for k, v in attrs.items() if k not in _NOT_WEIGHTS)
+    return list(found.values())
+
+
 def served_bytes(model) -> int:
     """Bytes of ``model``'s weights (its tensors outside _NOT_WEIGHTS, each once): what a second copy needs."""
     return sum(t.numel() * t.element_size() for _, t in _tensors(model).values())
@@ -239,7 +263,7 @@ def prepare(engine, model_path: str, weight_version: str | None = None) -> Prepa
     weights twice."""
     import time
 
-    from pdcluster.engine.models.architectures import arch_from_dir, load_model, model_class_of
+    from pdcluster.engine.models.architectures import arch_from_dir, model_class_of
     from pdcluster.engine.models.registry import UnknownModelError, resolve_model
 
     config, model = engine.config, engine.model
@@ -282,6 +306,30 @@ def prepare(engine, model_path: str, weight_version: str | None = None) -> Prepa
             raise WeightUpdateError(f"model_path: reading {need / 2**30:.1f} GiB of weights beside the served ones "
                                     f"needs that much free on {model.device}, which has {free / 2**30:.1f} GiB: serve "
                                     "with a lower --gpu-memory-utilization to leave room for weight updates")
+    new = _read_model(engine, Path(new_dir), digest)
+    return PreparedWeights(version, str(new_dir), digest, new, started)
+
+
+def prepare_reload(engine) -> PreparedWeights:
+    """The served checkpoint (``engine.weights_path``) read again under the served version: what a level-2 sleep
+    discarded (engine/sleep.py checks its files are unchanged first). A single-process model only (a split one is
+    not put to sleep)."""
+    import time
+
+    started = time.monotonic()
+    path = Path(engine.weights_path)
+    return PreparedWeights(engine.weight_version, str(path), "", _read_model(engine, path, ""), started)
+
+
+def _read_model(engine, new_dir: Path, digest: str):
+    """The checkpoint in ``new_dir`` loaded as a second model of the served one's kind, on its device and dtype (its
+    image tower and its draft head with it; a split model's other ranks read their slices). WeightUpdateError where
+    its weights cannot be read."""
+    from pdcluster.engine.models.architectures import load_model
+
+    config, model = engine.config, engine.model
+    driver = model.tp_driver
+    encoder = getattr(model, "image_encoder", None)
     shard = None
     if driver is not None:  # a split model: this rank's slice here, the others' there
         from pdcluster.engine.tensor_parallel.layers import Shard
@@ -306,7 +354,7 @@ def prepare(engine, model_path: str, weight_version: str | None = None) -> Prepa
             driver.read_weights(str(new_dir), digest)
         except ValueError as e:
             raise WeightUpdateError(f"model_path: {e}") from None
-    return PreparedWeights(version, str(new_dir), digest, new, started)
+    return new
 
 
 def _draft_on(engine, new, new_dir: Path):
@@ -338,6 +386,17 @@ def commit(engine, prepared: PreparedWeights) -> WeightUpdate:
     if engine.scheduler.has_unfinished():
         raise WeightUpdateError(f"{len(engine.scheduler.requests)} requests are running: pause generation first "
                                 "(POST /pause?mode=wait or mode=abort); no request runs on two sets of weights")
+    num_tensors, num_bytes = copy_prepared(engine, prepared)
+    engine.weight_version = prepared.weight_version
+    engine.used_weight_versions[prepared.weight_version] = prepared.digest
+    engine.weights_path = prepared.model_path
+    return WeightUpdate(prepared.weight_version, prepared.model_path, prepared.digest, num_tensors, num_bytes,
+                        time.monotonic() - prepared.started)
+
+
+def copy_prepared(engine, prepared: PreparedWeights) -> tuple[int, int]:
+    """Copy ``prepared`` into the served tensors, in place, between steps: (tensors, bytes). The caller checked no
+    request runs."""
     model = engine.model
     if engine._stepper is not None:
         engine._stepper.drain()  # a step of finished rows may still be in flight: it reads the old weights
@@ -362,8 +421,4 @@ def commit(engine, prepared: PreparedWeights) -> WeightUpdate:
     prepared.model = None  # the copy's source goes now, not when the caller drops the record
     if engine.runner.image_embeds is not None:  # the old tower's embeddings of images seen before
         engine.runner.image_embeds.clear()
-    engine.weight_version = prepared.weight_version
-    engine.used_weight_versions[prepared.weight_version] = prepared.digest
-    engine.weights_path = prepared.model_path
-    return WeightUpdate(prepared.weight_version, prepared.model_path, prepared.digest, num_tensors, num_bytes,
-                        time.monotonic() - prepared.started)
+    return num_tensors, num_bytes

@@ -12,6 +12,7 @@ import uuid
 
 import torch
 
+from pdcluster.engine import sleep
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.gc_heap import freeze_startup_objects
 from pdcluster.kv_transfer.config import TransferConfig
@@ -61,11 +62,33 @@ def flush_when_idle(worker) -> bool:
     may hold its blocks a moment longer (until its KV transfer is acknowledged, or an abort on its way arrives: a
     stop string's, or a threaded actor's call, which is not ordered): the engine is given FLUSH_IDLE_WAIT_S to let go
     of them first. Blocks the calling thread (not the engine's)."""
-    engine = worker.engine
+    _wait_idle(worker)
+    return worker.call(worker.engine.reset_prefix_cache, timeout_s=FLUSH_TIMEOUT_S)
+
+
+def _wait_idle(worker) -> None:
+    """Up to FLUSH_IDLE_WAIT_S for ``worker``'s engine to hold no request and no block."""
     deadline = time.monotonic() + FLUSH_IDLE_WAIT_S
-    while not worker.call(engine.is_idle) and time.monotonic() < deadline:
+    while not worker.call(worker.engine.is_idle) and time.monotonic() < deadline:
         time.sleep(0.01)
-    return worker.call(engine.reset_prefix_cache, timeout_s=FLUSH_TIMEOUT_S)
+
+
+SLEEP_TIMEOUT_S = 300.0  # giving back or taking back memory on the engine thread (a level-2 wake reads the checkpoint)
+
+
+def sleep_when_idle(worker, tags: tuple[str, ...], level: int) -> dict:
+    """``worker``'s engine gives back the memory of ``tags`` (engine/sleep.py): its sleep state. The router drained
+    its requests first, but one that just ended may hold its blocks a moment longer (``flush_when_idle``): the
+    engine is given FLUSH_IDLE_WAIT_S to let them go; SleepError (a ValueError) where it still cannot."""
+    _wait_idle(worker)
+    return {"worker_id": worker.worker_id,
+            **worker.call(lambda: sleep.release(worker.engine, tags, level), timeout_s=SLEEP_TIMEOUT_S)}
+
+
+def wake_worker(worker, tags: tuple[str, ...]) -> dict:
+    """``worker``'s engine takes back the memory of ``tags``: its sleep state."""
+    return {"worker_id": worker.worker_id,
+            **worker.call(lambda: worker.engine.wake_up(tags), timeout_s=SLEEP_TIMEOUT_S)}
 
 
 class WorkerActor:
@@ -154,6 +177,13 @@ class WorkerActor:
 
     def weight_version(self) -> str:
         return self.worker.engine.weight_version
+
+    def release_memory(self, tags: tuple[str, ...], level: int) -> dict:
+        """Sleep mode: give back the memory of ``tags`` (``sleep_when_idle``)."""
+        return sleep_when_idle(self.worker, tags, level)
+
+    def wake_up(self, tags: tuple[str, ...]) -> dict:
+        return wake_worker(self.worker, tags)
 
     def announce_kv(self) -> int:
         """Publish every KV block this worker holds, by tier (after a restart: node/worker_loop.py)."""

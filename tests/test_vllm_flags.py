@@ -83,7 +83,6 @@ def test_kv_offloading_size_is_the_host_tier():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--enable-sleep-mode"], "--enable-sleep-mode: not supported here: there are no /sleep and /wake_up"),
     (["--middleware", "my.module.Middleware"], "--middleware: not supported here: no code is imported"),
     (["--enable-ssl-refresh"], "--enable-ssl-refresh: not supported here: certificates are read when the server"),
     (["--headless"], "--headless: not supported here"),

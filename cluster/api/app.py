@@ -26,6 +26,7 @@ from pdcluster.cluster.api.invocations import json_object, route_for
 from pdcluster.cluster.api.logprobs import TokenStrings
 from pdcluster.cluster.api.media_policy import MediaPolicy
 from pdcluster.cluster.api.lora_routes import install_lora_routes
+from pdcluster.cluster.api.sleep_routes import install_sleep_routes
 from pdcluster.cluster.api.weight_routes import install_weight_routes
 from pdcluster.cluster.api.middleware import APIError, install_error_handlers, install_middleware
 from pdcluster.cluster.api.request_tracking import install_request_tracking
@@ -72,7 +73,8 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
               kv_transfer: bool = False, kv_role: str = "", served_model_aliases: tuple[str, ...] = (), response_role: str = "assistant",
               trust_request_chat_template: bool = False, server_load_tracking: bool = False,
               request_id_headers: bool = False, metrics_prefix: str = "pdcluster", otlp_traces_endpoint: str = "",
-              collect_detailed_traces: str = "", weight_updates: bool = False, router_control: bool = True) -> FastAPI:
+              collect_detailed_traces: str = "", weight_updates: bool = False, sleep_mode: bool = False,
+              router_control: bool = True) -> FastAPI:
     """``served_model_aliases``: more names the base model is served under, after ``served_model_name`` (vLLM's
     --served-model-name NAME...): a request's ``model`` may be any, /v1/models lists each, answers and metrics give
     ``served_model_name`` (cluster/api/served_names.py); ValueError for an empty or repeated name, or one that is a
@@ -104,6 +106,8 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
     "": none); TracingUnavailable (a ValueError) where they cannot be served. ``weight_updates``: serve the routes an RL
     trainer drives (pause, resume, weight updates: cluster/api/weight_routes.py) on ``router`` (a LocalRouter or
     ClusterRouter; an API process behind a router process installs cluster/frontend/admin_proxy.py's instead).
+    ``sleep_mode``: serve /sleep, /wake_up, /is_sleeping and SGLang's release / resume_memory_occupation likewise
+    (cluster/api/sleep_routes.py).
     SGLang's native routes (/generate, /abort_request, /flush_cache, ...: cluster/api/sglang_routes.py) are always
     served; ``router_control`` false leaves /abort_request and the flushes to an API process's proxy (the router
     process answers them)."""
@@ -276,6 +280,8 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
         install_lora_routes(app, router, served_model_name, served_model_aliases)
     if weight_updates:
         install_weight_routes(app, router)
+    if sleep_mode:
+        install_sleep_routes(app, router)
     install_middleware(app, max_body_bytes, api_key, cors)
     install_request_tracking(app, server_load_tracking, request_id_headers)  # outermost: every answer gets its id
     return app

@@ -169,6 +169,8 @@ class BodyLimitMiddleware:
 PROTECTED_PATHS = ("/tokenize", "/detokenize", "/score", "/rerank", "/v2/rerank", "/classify", "/pooling",
                    "/invocations", "/pause", "/resume", "/is_paused", "/update_weights_from_disk",
                    "/get_weight_version", "/weight_info", "/pause_generation", "/continue_generation",
+                   # sleep mode (sleep_routes.py)
+                   "/sleep", "/wake_up", "/is_sleeping", "/release_memory_occupation", "/resume_memory_occupation",
                    # SGLang's native routes (sglang_routes.py), as SGLang's --api-key guards them
                    "/generate", "/abort_request", "/flush_cache", "/reset_prefix_cache", "/get_model_info", "/model_info",
                    "/get_server_info", "/server_info",

@@ -9,6 +9,7 @@ from fastapi.responses import Response
 from pdcluster.cluster.api.middleware import error_response
 from pdcluster.cluster.api.router_contract import RouterError
 from pdcluster.cluster.api.control_routes import CONTROL_ROUTES
+from pdcluster.cluster.api.sleep_routes import SLEEP_ROUTES
 from pdcluster.cluster.api.weight_routes import WEIGHT_ROUTES
 
 # What the admin routes read of a request: the admin key and the body's type.
@@ -48,6 +49,12 @@ def install_admin_proxy(app: FastAPI, router) -> None:
 def install_weight_routes_proxy(app: FastAPI, router) -> None:
     """The weight routes (cluster/api/weight_routes.py) in an API process, answered by the router process's."""
     for path, method in WEIGHT_ROUTES.items():
+        app.add_api_route(path, _forwarding(router, path), methods=[method], include_in_schema=False)
+
+
+def install_sleep_routes_proxy(app: FastAPI, router) -> None:
+    """Sleep mode's routes (cluster/api/sleep_routes.py) in an API process, answered by the router process's."""
+    for path, method in SLEEP_ROUTES.items():
         app.add_api_route(path, _forwarding(router, path), methods=[method], include_in_schema=False)
 
 

@@ -42,7 +42,7 @@ def main(config: ApiConfig, index: int, sock: socket.socket) -> int:
     enable_multiprocess(config.metrics_dir)  # before any metric exists
     from pdcluster.cluster.api.app import build_app
     from pdcluster.cluster.frontend.admin_proxy import (install_admin_proxy, install_control_proxy,
-                                                        install_weight_routes_proxy)
+                                                        install_sleep_routes_proxy, install_weight_routes_proxy)
     from pdcluster.cluster.frontend.remote_router import RemoteRouter, handshake
     from pdcluster.cluster.http_server import run_server
     from pdcluster.cluster.metrics import Metrics
@@ -51,6 +51,7 @@ def main(config: ApiConfig, index: int, sock: socket.socket) -> int:
     router = RemoteRouter(endpoint, reply_endpoint, index, handshake(endpoint, index, HANDSHAKE_TIMEOUT_S))
     kwargs = config.options.app_kwargs()
     weight_updates = kwargs.pop("weight_updates")  # answered by the router process (its admin app), not here
+    sleep_mode = kwargs.pop("sleep_mode")  # likewise
     app = build_app(router, config.served_model_name,
                     metrics=Metrics(config.served_model_name, multiprocess_dir=config.metrics_dir,
                                     prefix=config.options.metrics_prefix),
@@ -60,6 +61,8 @@ def main(config: ApiConfig, index: int, sock: socket.socket) -> int:
     install_control_proxy(app, router)
     if weight_updates:
         install_weight_routes_proxy(app, router)
+    if sleep_mode:
+        install_sleep_routes_proxy(app, router)
     try:
         return run_server(app, config.host, config.port, config.served_model_name, sock=sock,
                           on_ready=lambda loop: router.announce_ready(), announce=False, http=config.http)

@@ -82,6 +82,10 @@ class ApiServers:
             from pdcluster.cluster.api.weight_routes import install_weight_routes
 
             install_weight_routes(admin_app, router)
+        if options.sleep_mode:  # likewise (cluster/api/sleep_routes.py)
+            from pdcluster.cluster.api.sleep_routes import install_sleep_routes
+
+            install_sleep_routes(admin_app, router)
         return run_serving_loop(self._serve(router, config, admin_app, on_ready))
 
     async def _serve(self, router, config: ApiConfig, admin_app, on_ready) -> int:

@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 
 PREPARE_TIMEOUT_S = 1800.0  # reading a checkpoint (a large model from a network disk)
 COMMIT_TIMEOUT_S = 180.0
+SLEEP_TIMEOUT_S = 330.0  # a worker's own bound (node/actor.py SLEEP_TIMEOUT_S) and the call's way there
 
 
 class WorkerWeights:
@@ -69,6 +70,38 @@ class WorkerWeights:
         if not updates:
             raise RouterError("no worker could take the new weights (each was marked down)", status=503)
         return updates
+
+    async def release(self, tags: tuple[str, ...], level: int) -> list[dict]:
+        """Sleep mode: every worker in rotation gives back the memory of ``tags`` (engine/sleep.py). Where one cannot,
+        those that could take theirs back: RouterError 400 with its reason, every worker as before."""
+        handles = {w: h for w, h in self._handles().items() if self._healthy(w)}
+        if not handles:
+            raise RouterError("no worker is up to put to sleep", status=503)
+        answers = await asyncio.gather(
+            *(asyncio.wait_for(h.release_memory.remote(tags, level), SLEEP_TIMEOUT_S) for h in handles.values()),
+            return_exceptions=True)
+        failed = {w: a for w, a in zip(handles, answers) if isinstance(a, BaseException)}
+        if failed:
+            slept = [h for w, h in handles.items() if w not in failed]
+            await asyncio.gather(*(asyncio.wait_for(h.wake_up.remote(tags), SLEEP_TIMEOUT_S) for h in slept),
+                                 return_exceptions=True)
+            worker, error = next(iter(failed.items()))
+            raise RouterError(f"{_reason(error)} (worker {worker}; every worker is awake as before)", status=400,
+                              kind="invalid_request_error")
+        return list(answers)
+
+    async def wake_up(self, tags: tuple[str, ...]) -> list[dict]:
+        """Every worker takes back the memory of ``tags``: each one's sleep state. RouterError 400 with the first
+        reason where one cannot (what it could not take back stays asleep; the others are awake)."""
+        handles = self._handles()
+        answers = await asyncio.gather(
+            *(asyncio.wait_for(h.wake_up.remote(tags), SLEEP_TIMEOUT_S) for h in handles.values()),
+            return_exceptions=True)
+        failed = {w: a for w, a in zip(handles, answers) if isinstance(a, BaseException)}
+        if failed:
+            worker, error = next(iter(failed.items()))
+            raise RouterError(f"{_reason(error)} (worker {worker})", status=400, kind="invalid_request_error")
+        return list(answers)
 
     @staticmethod
     async def sync(worker_id: str, handle, model_path: str | None, weight_version: str, digest: str) -> None:

@@ -1,0 +1,256 @@
+"""Sleep mode: an idle engine lets go of its memory and takes it back (vLLM's ``LLM.sleep`` / ``wake_up`` and
+/sleep, /wake_up; SGLang's /release_memory_occupation, /resume_memory_occupation). An RL trainer on the same
+machines trains meanwhile, in the memory the engine held.
+
+Two kinds of memory, named by vLLM's and SGLang's tags:
+
+- ``kv_cache``: the paged KV cache (a decode worker's shared-memory cache too) and a hybrid's Mamba state pool. Its
+  contents are forgotten: the device pool's prefix cache is reset first (each block told removed in the KV events,
+  so the router's index drops them), each cached block copied into the offload tiers first, as an evicted one is
+  (with --kv-offload-host-gib or a disk tier): there a prefix hits again after the wake.
+- ``weights``: the checkpoint's tensors (the model, its image tower, an MTP head: what a weight update copies). Level
+  1 keeps them: vLLM offloads them to CPU memory, and on a CPU they are there already. Level 2 discards them. A
+  discarded set comes back with the next weight update (``update_weights_from_disk``, which an RL trainer sends
+  anyway: nothing is read twice) or, when the engine is woken whole without one, is read again from the checkpoint
+  it was served from, whose files must still hold it (vLLM leaves them garbage until its caller reloads them).
+
+Released memory keeps its addresses: the pages go back to the kernel (``madvise``: MADV_REMOVE for a shared
+segment, MADV_DONTNEED for private memory) and fault in again, zeroed, when written. So whatever holds a pointer
+into them (the KV transports' shared segments and their peers' mappings, views of the cache, packed weights) keeps
+working across a sleep without being told.
+
+Only between requests (``LLMEngine.is_idle``): a router drains first. On CUDA, device memory would have to be
+unmapped behind stable addresses (vLLM's CuMemAllocator); that is not built yet: refused by name.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pdcluster.engine import weight_update
+
+SLEEP_TAGS = ("weights", "kv_cache")  # vLLM's and SGLang's names
+LEVEL_TAGS = {1: ("kv_cache",), 2: ("kv_cache", "weights")}  # what each level releases here
+_PAGE = mmap.PAGESIZE
+
+
+class SleepError(ValueError):
+    """The call cannot be made (a request runs, an unknown level or tag, a device or split this does not serve);
+    nothing changed."""
+
+
+class EngineSleeping(RuntimeError):
+    """A request came while the engine sleeps: not the request's fault (HTTP 503, as vLLM answers then)."""
+
+
+@dataclass
+class SleepState:
+    asleep: set[str] = field(default_factory=set)  # tags released and not yet woken
+    level: int = 0  # the deepest level asked since the last full wake
+    weights_discarded: bool = False  # level 2: nothing restored them since (a weight update or the reload)
+    discarded_digest: str = ""  # engine/weight_update.py checkpoint_digest of the weights discarded
+    released_bytes: dict[str, int] = field(default_factory=dict)
+    num_sleeps: int = 0
+    num_reloads: int = 0  # level-2 weights read again at a wake (none where an update came first)
+
+    def describe(self) -> dict:
+        return {"is_sleeping": bool(self.asleep), "sleep_level": self.level if self.asleep else 0,
+                "asleep_tags": sorted(self.asleep), "released_bytes": dict(self.released_bytes)}
+
+
+def check_tags(tags, what: str = "tags") -> tuple[str, ...]:
+    """``tags`` as a tuple of SLEEP_TAGS (None: all of them); SleepError naming an unknown one."""
+    if tags is None:
+        return SLEEP_TAGS
+    if isinstance(tags, str):
+        tags = [tags]
+    unknown = [t for t in tags if t not in SLEEP_TAGS]
+    if unknown:
+        raise SleepError(f"{what}: {unknown[0]!r} is not one of {', '.join(SLEEP_TAGS)}")
+    return tuple(dict.fromkeys(tags))
+
+
+def check_level(level) -> tuple[str, ...]:
+    if isinstance(level, bool) or level not in LEVEL_TAGS:
+        raise SleepError(f"level: 1 (discard the KV cache, keep the weights) or 2 (discard both), got {level!r}")
+    return LEVEL_TAGS[level]
+
+
+def sleep(engine, level: int = 1) -> dict:
+    """Release what ``level`` names (see the module); returns the state with the bytes given back per tag. An engine
+    asleep already goes deeper or stays as it is."""
+    tags = check_level(level)
+    return release(engine, tags, level)
+
+
+def release(engine, tags, level: int | None = None) -> dict:
+    """Release the memory of ``tags`` (SGLang's release_memory_occupation; ``sleep`` by level). Tag ``weights``
+    discards them (level 2)."""
+    tags = check_tags(tags)
+    _check_can_sleep(engine)
+    state: SleepState = engine.sleep_state
+    started = time.monotonic()
+    if "kv_cache" in tags and "kv_cache" not in state.asleep:
+        # The pool's contents go, so no hash may point into it; the offload tiers keep a copy of each cached block,
+        # as of one evicted (a prefix hits again from host memory after the wake).
+        engine.scheduler.block_manager.reset_prefix_cache(evict=True)
+        state.released_bytes["kv_cache"] = release_host_memory(_kv_tensors(engine))
+        state.asleep.add("kv_cache")
+    if "weights" in tags and "weights" not in state.asleep:
+        if not state.weights_discarded:
+            state.discarded_digest = weight_update.checkpoint_digest(engine.weights_path)
+        state.released_bytes["weights"] = release_host_memory(_weight_tensors(engine))
+        state.asleep.add("weights")
+        state.weights_discarded = True
+        if engine.runner.image_embeds is not None:  # computed by the discarded tower
+            engine.runner.image_embeds.clear()
+    state.level = max(state.level, level or (2 if "weights" in tags else 1))
+    state.num_sleeps += 1
+    return {**state.describe(), "seconds": round(time.monotonic() - started, 4)}
+
+
+def wake_up(engine, tags=None) -> dict:
+    """Take back the memory of ``tags`` (None: all; vLLM's wake_up, SGLang's resume_memory_occupation). Once nothing
+    sleeps, weights that level 2 discarded and no update restored are read again from the checkpoint they came from;
+    SleepError when its files changed since (the weights stay asleep: a weight update brings them back)."""
+    tags = check_tags(tags)
+    state: SleepState = engine.sleep_state
+    started = time.monotonic()
+    if "kv_cache" in tags and "kv_cache" in state.asleep:
+        for tensor in _kv_tensors(engine):
+            tensor.zero_()  # fault the pages in now, as at start (engine/kv_cache.py), not under the first requests
+        state.asleep.discard("kv_cache")
+        state.released_bytes.pop("kv_cache", None)
+    if "weights" in tags and "weights" in state.asleep:
+        state.asleep.discard("weights")
+        state.released_bytes.pop("weights", None)
+    if not state.asleep and state.weights_discarded:
+        _reload_weights(engine, state)
+    if not state.asleep:
+        state.level = 0
+    return {**state.describe(), "seconds": round(time.monotonic() - started, 4)}
+
+
+def weights_restored(engine) -> None:
+    """A weight update wrote every weight: whatever level 2 discarded is back, and need not be read again."""
+    state: SleepState = engine.sleep_state
+    state.weights_discarded = False
+    state.discarded_digest = ""
+    state.asleep.discard("weights")
+    state.released_bytes.pop("weights", None)
+    if not state.asleep:
+        state.level = 0
+
+
+def check_awake(engine) -> None:
+    """EngineSleeping where the engine sleeps (a request must not run on released memory)."""
+    state: SleepState = engine.sleep_state
+    if state.asleep:
+        raise EngineSleeping(f"the model is sleeping ({', '.join(sorted(state.asleep))} released): wake it up first "
+                             "(POST /wake_up, or LLMEngine.wake_up())")
+    if state.weights_discarded:
+        raise EngineSleeping("the model's weights were discarded by a level-2 sleep and could not be read again: "
+                             "update them (POST /update_weights_from_disk)")
+
+
+def _check_can_sleep(engine) -> None:
+    if engine.model.device.type != "cpu":
+        raise SleepError(f"sleep mode on {engine.model.device.type}: releasing device memory needs it mapped behind "
+                         "addresses that survive (vLLM's CuMemAllocator), not built yet; on a CPU the KV cache and "
+                         "the weights are given back")
+    if engine.model.tp_driver is not None:
+        raise SleepError("sleep mode with tensor parallelism: the other ranks' memory is not released yet; serve "
+                         "with --tensor-parallel-size 1 to sleep")
+    if engine.pending_weights is not None:
+        raise SleepError("a weight update is prepared and not committed: commit or discard it first")
+    if not engine.is_idle():
+        raise SleepError(f"{len(engine.scheduler.requests)} requests are here: pause generation first "
+                         "(POST /pause?mode=wait, or sleep with mode=wait or mode=abort)")
+
+
+def _reload_weights(engine, state: SleepState) -> None:
+    """Read the discarded weights again from the checkpoint they came from, in place."""
+    digest = weight_update.checkpoint_digest(engine.weights_path)
+    if digest != state.discarded_digest:
+        state.asleep.add("weights")
+        raise SleepError(f"{engine.weights_path} no longer holds the checkpoint of weights "
+                         f"{engine.weight_version!r} (digest {digest}, was {state.discarded_digest}), so the weights "
+                         "level 2 discarded cannot be read again: update the weights (POST /update_weights_from_disk) "
+                         "to serve that checkpoint")
+    prepared = weight_update.prepare_reload(engine)
+    weight_update.copy_prepared(engine, prepared)
+    state.num_reloads += 1
+    weights_restored(engine)
+
+
+def _kv_tensors(engine) -> list[torch.Tensor]:
+    tensors = [engine.kv_cache]
+    pool = engine.runner.mamba_pool
+    if pool is not None:
+        tensors += pool.conv + pool.ssm + pool.spec_conv + pool.spec_ssm
+    return tensors
+
+
+def _weight_tensors(engine) -> list[torch.Tensor]:
+    """The tensors a weight update writes (engine/weight_update.py ``served_tensors``): the model's, its image
+    tower's and an MTP head's."""
+    roots = (engine.model, getattr(engine.model, "image_encoder", None),
+             getattr(engine.runner.proposer, "head", None))
+    return weight_update.served_tensors(roots)
+
+
+# ---- host memory --------------------------------------------------------------------------------------
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_libc.madvise.restype = ctypes.c_int
+
+
+def release_host_memory(tensors) -> int:
+    """Give the pages wholly inside each tensor's storage back to the kernel, keeping the addresses (see the module);
+    the contents read zero (or, for a shared segment another process keeps, are undefined) until written. Returns
+    the bytes released. Storages are counted once however many tensors view them."""
+    spans: dict[int, int] = {}
+    for tensor in tensors:
+        if tensor is None or tensor.device.type != "cpu":
+            continue
+        storage = tensor.untyped_storage()
+        start = storage.data_ptr()
+        if start:
+            spans[start] = max(spans.get(start, 0), storage.nbytes())
+    shared = _shared_memory_mappings() if spans else []
+    released = 0
+    for start, nbytes in spans.items():
+        begin = -(-start // _PAGE) * _PAGE  # the partial pages at either end may hold another allocation's bytes
+        end = (start + nbytes) // _PAGE * _PAGE
+        if end > begin:
+            in_shared = any(lo <= begin and end <= hi for lo, hi in shared)
+            _madvise(begin, end - begin, mmap.MADV_REMOVE if in_shared else mmap.MADV_DONTNEED)
+            released += end - begin
+    return released
+
+
+def _shared_memory_mappings() -> list[tuple[int, int]]:
+    """This process's shared mappings of memory segments (memfd, /dev/shm: the shm and cuda_ipc transports' caches),
+    whose pages only MADV_REMOVE frees (MADV_DONTNEED would only unmap them here). A shared mapping of any other file
+    is left out: MADV_REMOVE would punch a hole in that file."""
+    found = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            path = parts[5].strip() if len(parts) == 6 else ""
+            if parts[1][3] == "s" and (path.startswith("/memfd:") or path.startswith("/dev/shm/")):
+                lo, hi = parts[0].split("-")
+                found.append((int(lo, 16), int(hi, 16)))
+    return found
+
+
+def _madvise(address: int, length: int, advice: int) -> None:
+    if _libc.madvise(address, length, advice) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"madvise: {os.strerror(errno)}")
