@@ -125,6 +125,10 @@ class GenerationControl:
                 "last_update_s": round(self.last_update_s, 3), "sleep_level": self.sleep_level if self.asleep_tags
                 else 0}
 
+    def _sleeping(self) -> RouterError:
+        return RouterError(f"the model is sleeping ({', '.join(sorted(self.asleep_tags))} released): POST /wake_up "
+                           "first", status=503)
+
     def _open_unless_held(self) -> None:
         """Open the gate unless a caller paused generation or the workers sleep."""
         if not self._paused_by_caller and not self.asleep_tags:
@@ -137,13 +141,14 @@ class GenerationControl:
         (``fork_group``) whose sibling is in flight does not wait: the choices of one request run on one set of
         weights, and the drain waits for it as for its siblings."""
         if self.asleep_tags:  # as vLLM answers while it sleeps, at once
-            raise RouterError(f"the model is sleeping ({', '.join(sorted(self.asleep_tags))} released): POST "
-                              "/wake_up first", status=503)
+            raise self._sleeping()
         if not self._open.is_set() and (fork_group is None or not self._groups.get(fork_group)):
             self._bind()
             try:
                 await asyncio.wait_for(self._open.wait(), self._admit_timeout_s)
             except asyncio.TimeoutError:
+                if self.asleep_tags:  # it came during the drain before a sleep
+                    raise self._sleeping() from None
                 raise RouterError(f"generation is paused (POST /resume) and stayed paused for "
                                   f"{self._admit_timeout_s:.0f} s", status=503) from None
         self._in_flight.add(request_id)  # no await since the gate: an update that closes it now waits for this one

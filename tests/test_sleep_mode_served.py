@@ -204,3 +204,34 @@ def test_disagg_cluster_sleeps_and_wakes_every_worker(ray_session):
             assert st["num_free_blocks"] == st["num_blocks"], (wid, st)
     finally:
         cluster.shutdown()
+
+
+def test_serve_with_api_processes_sleeps_through_any_of_them():
+    """`pdcluster serve --api-servers 2 --enable-sleep-mode`: whichever API process takes the sleep, the router
+    process does it, and every process answers 503 until the wake, then the same text as before."""
+    from test_serve import Server
+
+    server = Server("--mode", "local", "--api-servers", "2", "--enable-sleep-mode", "--api-key", "k")
+    auth = {"Authorization": "Bearer k"}
+    try:
+        base = server.base_url
+        client = openai.OpenAI(base_url=base + "/v1", api_key="k", max_retries=0, timeout=60)
+
+        def complete():
+            return client.completions.create(model="tiny-random", prompt=PROMPTS[1], max_tokens=NUM_TOKENS,
+                                             temperature=0, extra_body={"ignore_eos": True}).choices[0].text
+
+        want = complete()
+        assert httpx.post(f"{base}/sleep", timeout=60).status_code == 401
+        r = httpx.post(f"{base}/sleep?level=2", headers=auth, timeout=120)
+        assert r.status_code == 200 and r.json()["sleep_level"] == 2, r.text
+        for _ in range(6):  # the kernel spreads connections over both processes
+            assert httpx.get(f"{base}/is_sleeping", headers=auth, timeout=30).json() == {"is_sleeping": True}
+            with pytest.raises(openai.APIStatusError, match="the model is sleeping"):
+                complete()
+        r = httpx.post(f"{base}/wake_up", headers=auth, timeout=120)
+        assert r.status_code == 200 and r.json()["is_sleeping"] is False, r.text
+        for _ in range(6):
+            assert complete() == want
+    finally:
+        server.close()
