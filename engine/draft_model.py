@@ -4,10 +4,11 @@ engine/proposers/draft_model.py.
 
 Its layers keep their KV in the target's paged cache, as draft layers after the target's (as MTP's do): the same
 blocks, block tables and slots, so the scheduler's blocks, prefix caching, preemption, the offload tiers and a KV
-transfer carry the draft's KV with the target's (S2) and nothing else is allocated. That asks the draft's KV of one
-token to have the target's shape: the same number of KV heads and head size (Llama 3.2 3B for Llama 3.1 8B and 70B,
-Qwen3 0.6B-8B for each other and for 14B and 32B, Qwen2.5 1.5B for 3B, 14B for 32B and 72B). Any other pair is
-refused at start-up naming both shapes.
+transfer carry the draft's KV with the target's (S2) and nothing else is allocated. A draft whose KV of one token has
+the target's shape (KV heads x head size: Llama 3.2 3B for Llama 3.1 8B and 70B, Qwen3 0.6B-8B for each other and
+for 14B and 32B) takes one cache layer a layer; one whose KV is a whole fraction of it (Llama 3.2 1B's 8 x 64 for
+Llama 3.1 8B's 8 x 128, Qwen2.5 0.5B's 2 x 64 for Qwen2.5 7B's 4 x 128) packs that many of its layers into each
+(engine/kv_cache.py ``packed_layer_views``). Any other pair is refused at start-up naming both shapes.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 
 from pdcluster.engine.config import ConfigError, EngineConfig
-from pdcluster.engine.kv_cache import kv_planes
+from pdcluster.engine.kv_cache import kv_planes, packed_layers_per_slot
 from pdcluster.engine.models.architectures import arch_from_dir, is_encoder, is_hybrid, load_model
 from pdcluster.engine.models.registry import resolve_model
 from pdcluster.engine.tokenizer import Tokenizer
@@ -62,12 +63,10 @@ def check_draft_model(config: EngineConfig, target_arch, target_tokenizer: Token
     if is_hybrid(arch) or is_encoder(arch) or kv_planes(arch) != 2:
         raise ConfigError(f"{name}: only attention-only causal LMs (Llama-family) draft; this one is "
                           f"{type(arch).__name__}")
-    target_kv = (target_arch.num_kv_heads, target_arch.head_dim)
-    if (arch.num_kv_heads, arch.head_dim) != target_kv:
-        raise ConfigError(
-            f"{name}: its KV is {arch.num_kv_heads} heads x {arch.head_dim} a token, the target's "
-            f"{target_kv[0]} x {target_kv[1]}: a draft keeps its KV in the target's paged cache, which needs the same "
-            "KV heads and head size (e.g. Llama 3.2 3B for Llama 3.1 8B, Qwen3 0.6B for Qwen3 8B)")
+    try:
+        packed_layers_per_slot((target_arch.num_kv_heads, target_arch.head_dim), (arch.num_kv_heads, arch.head_dim))
+    except ValueError as e:
+        raise ConfigError(f"{name}: {e}") from None
     if arch.vocab_size > target_arch.vocab_size:
         raise ConfigError(f"{name}: its vocabulary ({arch.vocab_size}) is larger than the target's "
                           f"({target_arch.vocab_size}): it would draft ids the target has no logits for")

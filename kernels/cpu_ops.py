@@ -57,7 +57,8 @@ def write_kv(
     src_code, cache_code = _DTYPE_CODE.get(key.dtype), _CACHE_DTYPE_CODE.get(layer_cache.dtype)
     if (lib is None or not _on_cpu(key, value, layer_cache, slot_mapping) or value.dtype != key.dtype
             or src_code is None or cache_code is None or (cache_code < 2 and key.dtype != layer_cache.dtype)
-            or key.stride() != value.stride() or key.stride(-1) != 1 or not layer_cache.is_contiguous()
+            or key.stride() != value.stride() or key.stride(-1) != 1
+            or not (layer_cache[0].is_contiguous() and layer_cache[1].is_contiguous())  # each plane by its pointer
             or slot_mapping.dtype != torch.int64):
         return False
     slot_mapping = slot_mapping.contiguous()

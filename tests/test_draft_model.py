@@ -81,11 +81,16 @@ def test_the_model_as_its_own_draft_accepts_every_draft(greedy_reference, self_d
                          async_scheduling=use_async, num_kv_blocks=NUM_BLOCKS, max_model_len=512, **CHUNKED)
     assert engine.kv_spec.num_draft_layers == engine.arch.num_layers == 4
     assert engine.kv_cache.shape[0] == 8 and engine.scheduler.num_lookahead_tokens == k
+    _accepts_every_draft(engine, greedy_reference, k)
+
+
+def _accepts_every_draft(engine, reference, k: int) -> None:
+    """``engine`` gives ``reference`` on PROMPTS with every draft accepted, then again on a prefix-cache hit (draft
+    layers shared with the blocks), and holds no block after."""
     outs = engine.generate(PROMPTS, GREEDY)
-    assert _tokens(outs) == greedy_reference
+    assert _tokens(outs) == reference
     accepted, drafted = _rate(outs)
     assert drafted >= len(PROMPTS) * ((GREEDY.max_tokens - 1) // (k + 1)) and accepted == drafted, (accepted, drafted)
-    # A prefix-cache hit (draft layers shared with the blocks) and a second round: still every draft accepted.
     again = engine.generate([p + [7, 8, 9] for p in PROMPTS], GREEDY)
     assert sum(o.num_cached_tokens for o in again) >= 16 * 5
     assert _rate(again)[0] == _rate(again)[1] > 0
@@ -131,6 +136,87 @@ def test_sampled_speculation_gives_the_seeded_tokens_of_no_speculation(self_draf
     assert 0 < _rate(spec)[0] <= _rate(spec)[1]
 
 
+# ---- a draft whose KV of a token is a fraction of the target's: packed ------------------------------------------
+def _twin_pair(out) -> dict[str, str]:
+    """tiny-random with its second KV head a copy of its first (the target), and the same model with that one KV head
+    (the draft): one function, the draft's KV of a token half the target's (2 of its layers to a cache layer)."""
+    from safetensors.torch import load_file, save_file
+
+    src = resolve_model(MODEL, progress=False)
+    config = json.loads((src / "config.json").read_text())
+    head_dim, kv_heads = config["head_dim"], config["num_key_value_heads"]
+    weights = load_file(str(src / "model.safetensors"))
+    target, draft = dict(weights), dict(weights)
+    for name, w in weights.items():
+        if name.endswith(("k_proj.weight", "v_proj.weight")):
+            target[name] = w[:head_dim].repeat(kv_heads, 1).contiguous()
+            draft[name] = w[:head_dim].clone()
+    dirs = {}
+    for kind, tensors, heads in (("target", target, kv_heads), ("draft", draft, 1)):
+        shutil.copytree(src, out / kind)
+        (out / kind / "config.json").write_text(json.dumps(dict(config, num_key_value_heads=heads)))
+        save_file(tensors, str(out / kind / "model.safetensors"), metadata={"format": "pt"})
+        dirs[kind] = str(out / kind)
+    return dirs
+
+
+def _narrow_draft(out) -> str:
+    """A random 3-layer draft over tiny-random's tokenizer whose KV of a token is a quarter of tiny-random's (1 head x
+    16 against 2 x 32): its 3 layers take one cache layer, a quarter of it unused. Drafts mostly rejected."""
+    from safetensors.torch import save_file
+
+    from pdcluster.engine.models.tiny_random import tiny_random_state_dict
+
+    src = resolve_model(MODEL, progress=False)
+    config = dict(json.loads((src / "config.json").read_text()), num_hidden_layers=3, num_key_value_heads=1,
+                  head_dim=16)
+    shutil.copytree(src, out)
+    (out / "config.json").write_text(json.dumps(config))
+    save_file(tiny_random_state_dict(config, seed=7), str(out / "model.safetensors"), metadata={"format": "pt"})
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def twin(tmp_path_factory):
+    return _twin_pair(tmp_path_factory.mktemp("twin"))
+
+
+@pytest.fixture(scope="module")
+def narrow(tmp_path_factory) -> str:
+    return _narrow_draft(tmp_path_factory.mktemp("narrow") / "draft")
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("k", [1, 4])
+def test_a_draft_of_half_the_kv_packs_two_layers_to_one_and_accepts_every_draft(twin, k, use_async):
+    """The twin draft computes what its target does with half its KV: packed 2 layers to a cache layer, it must draft
+    exactly the target's tokens (every draft accepted, the output that of no speculation) across chunked prefill, a
+    prefix-cache hit and async scheduling; the target's own layers untouched by the draft's writes."""
+    reference = _tokens(make_engine(twin["target"], num_kv_blocks=NUM_BLOCKS, max_model_len=512).generate(PROMPTS,
+                                                                                                        GREEDY))
+    engine = make_engine(twin["target"], spec_method="draft_model", draft_model=twin["draft"], num_spec_tokens=k,
+                         async_scheduling=use_async, num_kv_blocks=NUM_BLOCKS, max_model_len=512, **CHUNKED)
+    assert engine.runner.proposer.per_slot == 2 and engine.kv_spec.num_draft_layers == 2
+    assert engine.kv_cache.shape[0] == 6  # 4 target layers + 4 draft layers in 2
+    _accepts_every_draft(engine, reference, k)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_narrow_draft_is_lossless_under_preemption(greedy_reference, narrow, dtype):
+    prompts = [torch.randint(100, 49000, (int(n),), generator=torch.Generator().manual_seed(int(n))).tolist()
+               for n in (40, 33, 57, 21, 64, 48, 12, 30)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    cfg = dict(num_kv_blocks=24, max_model_len=256, dtype=dtype, **CHUNKED)  # too small for all at once: recompute
+    expected = _tokens(make_engine(MODEL, **cfg).generate(prompts, params))
+    engine = make_engine(MODEL, spec_method="draft_model", draft_model=narrow, num_spec_tokens=3, **cfg)
+    assert engine.runner.proposer.per_slot == 4 and engine.kv_spec.num_draft_layers == 1
+    outs = engine.generate(prompts, params)
+    assert engine.scheduler.num_preemptions_total > 0
+    assert _tokens(outs) == expected
+    assert _rate(outs)[1] > 0
+    assert engine.scheduler.num_free_blocks == 24
+
+
 # ---- S2: the draft layers' KV is final at post_forward ---------------------------------------------------
 def _draft_kv_from_scratch(draft, token_ids: list[int], block_size: int) -> torch.Tensor:
     """The draft's KV for ``token_ids`` from position 0 in a fresh paged cache: [layers, 2, n, heads, head_dim]."""
@@ -139,12 +225,17 @@ def _draft_kv_from_scratch(draft, token_ids: list[int], block_size: int) -> torc
 
 
 @pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
-def test_S2_every_draft_layer_is_complete_at_post_forward(first3, use_async):
+@pytest.mark.parametrize("which", ["first3", "narrow"])
+def test_S2_every_draft_layer_is_complete_at_post_forward(first3, narrow, which, use_async):
+    """``narrow``: its 3 layers packed into one cache layer (a quarter of the target's KV a token each)."""
     connector = RecordingConnector()
-    engine = LLMEngine.from_config(_config(spec_method="draft_model", draft_model=first3, num_spec_tokens=3,
-                                           async_scheduling=use_async), connector=connector, progress=False)
-    target_layers, draft = engine.arch.num_layers, engine.runner.proposer.draft
-    assert engine.kv_spec.num_draft_layers == draft.arch.num_layers == 3
+    engine = LLMEngine.from_config(_config(spec_method="draft_model", draft_model=first3 if which == "first3" else narrow,
+                                           num_spec_tokens=3, async_scheduling=use_async), connector=connector,
+                                   progress=False)
+    proposer = engine.runner.proposer
+    draft, per_slot = proposer.draft, proposer.per_slot
+    assert draft.arch.num_layers == 3
+    assert (engine.kv_spec.num_draft_layers, per_slot) == ((3, 1) if which == "first3" else (1, 4))
     checked = []
 
     def check(sched, finished_req_ids):
@@ -155,8 +246,8 @@ def test_S2_every_draft_layer_is_complete_at_post_forward(first3, use_async):
             n = int(st.num_tokens_np[idx]) - 1 if end >= s.num_tokens else end  # the scheduler's num_computed
             expected = _draft_kv_from_scratch(draft, st.token_ids_np[idx, :n].tolist(), bs)
             pos = torch.arange(n)
-            slots = torch.from_numpy(st.block_table_np[idx, (pos // bs).numpy()]).long() * bs + pos % bs
-            got = engine.kv_cache[target_layers:].flatten(2, 3)[:, :, slots]
+            blocks = torch.from_numpy(st.block_table_np[idx, (pos // bs).numpy()]).long() * per_slot
+            got = torch.stack([layer.flatten(1, 2)[:, blocks * bs + pos % bs] for layer in proposer.layer_cache])
             torch.testing.assert_close(got, expected, atol=2e-3, rtol=1e-3,
                                        msg=lambda m: f"{s.request_id}: draft KV of positions < {n}: {m}")
             checked.append((s.request_id, n))
@@ -173,11 +264,11 @@ def test_S2_every_draft_layer_is_complete_at_post_forward(first3, use_async):
 
 # ---- disaggregated --------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def draft_cases(tiny_dir, first3):
+def draft_cases(tiny_dir, first3, narrow):
     """Per draft: (its directory, colocated (drafted, accepted) per request drafting from the second token on, as
     disagg does)."""
     cases = {}
-    for name, draft in (("self", str(tiny_dir)), ("first3", first3)):
+    for name, draft in (("self", str(tiny_dir)), ("first3", first3), ("narrow", narrow)):
         engine = make_engine(MODEL, num_kv_blocks=NUM_BLOCKS, max_model_len=512, prefill_chunk_size=16,
                              spec_method="draft_model", draft_model=draft, num_spec_tokens=3)
         engine.runner.proposer = NoDraftsWithTheFirstToken(engine.runner.proposer)
@@ -186,7 +277,7 @@ def draft_cases(tiny_dir, first3):
     return cases
 
 
-@pytest.mark.parametrize("draft", ["self", "first3"])
+@pytest.mark.parametrize("draft", ["self", "first3", "narrow"])
 @pytest.mark.parametrize("transport,use_async", [(t, False) for t in usable_transports()] + [("tcp", True)])
 def test_disagg_equals_colocated(greedy_reference, draft_cases, draft, transport, use_async):
     directory, colocated_tokens, colocated_counts = draft_cases[draft]
@@ -241,7 +332,11 @@ def test_what_cannot_draft_is_refused_naming_what_differs(tmp_path, first3, smol
         with pytest.raises(ConfigError, match=why):
             make_engine(cfg.pop("model", MODEL), spec_method="draft_model", num_spec_tokens=2, num_kv_blocks=32, **cfg)
 
-    refused(r"its KV is 3 heads x 64 a token, the target's 2 x 32", draft_model=str(smollm2_dir))
+    refused(r"its KV is 3 heads x 64 a token, the target's 2 x 32: a draft keeps its KV in the target's paged cache, "
+            r"which needs the target's KV of a token to be a whole multiple of the draft's", draft_model=str(smollm2_dir))
+    odd = _copy(resolve_model(first3), tmp_path / "odd", edit_config=lambda c: c.update(num_key_value_heads=1,
+                                                                                        head_dim=24))
+    refused(r"its KV is 1 heads x 24 a token, the target's 2 x 32: .* a whole multiple", draft_model=odd)
     refused(r"its tokenizer differs from the target's \(token '(hello|world)' is id \d+ in the draft's, \d+ in the ",
             draft_model=_copy(resolve_model(first3), tmp_path / "tok", edit_tokenizer=_swap_two_tokens))
     wide = _copy(resolve_model(first3), tmp_path / "wide", edit_config=lambda c: c.update(vocab_size=50000))

@@ -593,3 +593,40 @@ def test_reference_and_triton_attention_on_cuda_equal_the_cpu_reference(dtype):
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(on_cuda.cpu().float(), expected.float(), **tol)
     torch.testing.assert_close(ops.paged_attention(*cuda_args).cpu().float(), expected.float(), **tol)
+
+
+@pytest.mark.parametrize("route", ["c", "reference", "triton"])
+def test_a_packed_draft_layer_is_written_and_read_in_place(route):
+    """engine/kv_cache.py packed_layer_views: a draft layer whose KV of a token is a quarter of the target's is a
+    view of a target-shaped cache layer starting at its own block of every group of 4 (each plane contiguous, the
+    two planes not). The KV write and paged attention (the C kernel, the torch reference, Triton under the
+    interpreter) take it in place: the attention equals that over a contiguous cache of the same KV, and the write
+    touches the layer's own blocks only."""
+    from pdcluster.engine.kv_cache import packed_layer_views
+
+    if route == "c" and not cpu_ops.available():
+        pytest.skip("the C kernels are not built here")
+    batch = make_batch(MIXED_Q_LENS, MIXED_SEQ_LENS, 4, 2)
+    num_blocks, per_slot = batch.layer_cache.shape[1], 4
+    slot = torch.full((1, 2, num_blocks, BLOCK_SIZE, 2 * per_slot, HEAD_DIM), 0.5)
+    views = packed_layer_views(slot, per_slot, per_slot, 2, HEAD_DIM)
+    layer = views[2]
+    assert layer.shape[1] == num_blocks * per_slot - 2 and not layer.is_contiguous() and layer[0].is_contiguous()
+    for r, (k, v) in enumerate(batch.dense_kv):
+        positions = torch.arange(k.shape[0])
+        blocks = batch.block_tables[r, positions // BLOCK_SIZE].long() * per_slot
+        slots = blocks * BLOCK_SIZE + positions % BLOCK_SIZE
+        if route == "c":
+            assert cpu_ops.write_kv(k, v, layer, slots)
+        elif route == "reference":
+            reference.write_kv(k, v, layer, slots)
+        else:
+            write_kv_triton(k, v, layer, slots)
+        assert torch.equal(layer[0].flatten(0, 1)[slots], k) and torch.equal(layer[1].flatten(0, 1)[slots], v)
+    for i in (0, 1, 3):  # the other layers' blocks in the slot: untouched
+        assert bool((views[i][:, ::per_slot] == 0.5).all())
+    args = (batch.query, layer, batch.block_tables * per_slot, batch.seq_lens, batch.query_start_loc, SCALE)
+    expected = reference.paged_attention(*batch.args())
+    got = {"c": lambda: cpu_ops.paged_attention(*args), "reference": lambda: reference.paged_attention(*args),
+           "triton": lambda: paged_attention_triton(*args)}[route]()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

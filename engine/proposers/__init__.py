@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from pdcluster.engine.config import ConfigError, EngineConfig
-from pdcluster.engine.kv_cache import kv_planes
+from pdcluster.engine.kv_cache import kv_planes, num_packed_slots, packed_layers_per_slot
 from pdcluster.engine.models.deepseek_mtp import is_own_mtp_weights as is_own_deepseek_mtp_weights
 from pdcluster.engine.models.mtp import (DRAFT_VOCAB_SIZE, latent_attention_refusal, random_mtp_weights,
                                          uses_own_mtp_layers)
@@ -23,9 +23,12 @@ __all__ = ["ProposeBatch", "Proposer", "make_proposer", "num_draft_layers"]
 
 def num_draft_layers(config: EngineConfig, arch=None, draft_model=None) -> int:
     """Layers the proposer adds to the paged KV cache (after the target's): MTP's one, or one per attention
-    block of a NemotronH's own MTP layers (``arch``: the model's), or a draft model's (``draft_model``) every layer."""
-    if config.spec_method == "draft_model":
-        return draft_model.arch.num_layers
+    block of a NemotronH's own MTP layers (``arch``: the model's), or a draft model's (``draft_model``) every layer,
+    packed where smaller (engine/kv_cache.py)."""
+    if config.spec_method == "draft_model":  # packed where its KV of a token is a fraction of the target's
+        per_slot = packed_layers_per_slot((arch.num_kv_heads, arch.head_dim),
+                                          (draft_model.arch.num_kv_heads, draft_model.arch.head_dim))
+        return num_packed_slots(draft_model.arch.num_layers, per_slot)
     if config.spec_method != "mtp":
         return 0
     if uses_own_mtp_layers(config.mtp_checkpoint, arch):

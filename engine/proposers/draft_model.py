@@ -1,7 +1,8 @@
 """Draft-model proposer: a separate, smaller causal LM (engine/draft_model.py) completes its own KV for every
 position the target verified this step, then drafts k tokens greedily, one forward each.
 
-Its layers keep their KV in the paged cache's draft layers, right after the target's; its entry at position ``p``
+Its layers keep their KV in the paged cache's draft layers, right after the target's (several to a layer where its KV
+of a token is a fraction of the target's: engine/kv_cache.py ``packed_layer_views``); its entry at position ``p``
 depends on tokens ``0..p`` only (unlike MTP's, which reads token ``p + 1``), so a prefix-cache hit shares every
 block whole.
 
@@ -21,21 +22,25 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pdcluster.engine.kv_cache import num_packed_slots, packed_layer_views, packed_layers_per_slot
 from pdcluster.engine.proposers.base import ProposeBatch, Proposer
 from pdcluster.engine.proposers.paged import PagedDraftRows
 
 
 class DraftModelProposer(Proposer):
     def __init__(self, draft: torch.nn.Module, kv_cache: torch.Tensor, num_target_layers: int, block_size: int):
-        self.num_draft_layers = draft.arch.num_layers
+        arch = draft.arch
+        self.per_slot = packed_layers_per_slot(tuple(kv_cache.shape[-2:]), (arch.num_kv_heads, arch.head_dim))
+        self.num_draft_layers = num_packed_slots(arch.num_layers, self.per_slot)  # the cache layers it takes
         if kv_cache.shape[0] < num_target_layers + self.num_draft_layers:
             raise ValueError(
                 f"kv_cache has {kv_cache.shape[0]} layers but the draft model needs {num_target_layers} target "
                 f"layers + {self.num_draft_layers} draft layers; allocate it with KVCacheSpec.num_draft_layers="
                 f"{self.num_draft_layers}")
         self.draft = draft
-        self.layer_cache = kv_cache[num_target_layers : num_target_layers + self.num_draft_layers]
-        self.rows = PagedDraftRows(kv_cache.device, block_size, draft.scale, "draft model")
+        self.layer_cache = packed_layer_views(kv_cache[num_target_layers:], arch.num_layers, self.per_slot,
+                                              arch.num_kv_heads, arch.head_dim)
+        self.rows = PagedDraftRows(kv_cache.device, block_size, draft.scale, "draft model", self.per_slot)
 
     def _draft_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """Greedy drafts (the rejection sampler keeps the target's distribution whatever the draft proposes)."""
