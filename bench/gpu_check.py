@@ -563,15 +563,22 @@ def weight_update_check(model_dir: Path, prompts, expected, num_new: int, device
 
 def draft_model_check(model_dir: Path, prompts, expected, num_new: int, device: str, work: Path) -> dict:
     """Draft-model speculation (engine/proposers/draft_model.py) on the device: the model as its own draft (every
-    draft accepted in fp32) and its first layers as the draft (engine/models/layer_skip.py), chunked prefill and
-    async scheduling too; each equals transformers' greedy and leaks no block."""
+    draft accepted in fp32), its first layers as the draft (engine/models/layer_skip.py) and a random draft of a
+    quarter of its KV a token (packed), chunked prefill and async scheduling too; each equals transformers' greedy
+    and leaks no block."""
     from pdcluster.engine.models.layer_skip import write_layer_skip_draft
+    from pdcluster.engine.models.tiny_random import write_random_draft
 
     first = write_layer_skip_draft(model_dir, work / "draft-first-layers", 2)
+    # A quarter of the target's KV a token: its 3 layers packed into one cache layer (engine/kv_cache.py), read and
+    # written in place by the Triton kernels.
+    narrow = write_random_draft(model_dir, work / "draft-narrow", 3, 1, 16)
     result, ok = {}, True
     for name, cfg in {"self": dict(draft_model=str(model_dir)),
                       "first_layers+chunked": dict(draft_model=str(first), prefill_chunk_size=7,
                                                    max_num_batched_tokens=32),
+                      "narrow_packed+chunked": dict(draft_model=str(narrow), prefill_chunk_size=7,
+                                                    max_num_batched_tokens=32),
                       "self+other_scheduling": dict(draft_model=str(model_dir), async_scheduling=device != "cuda")
                       }.items():
         got, stats = _ours(model_dir, prompts, num_new, device, spec_method="draft_model", num_spec_tokens=3, **cfg)

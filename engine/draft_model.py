@@ -6,9 +6,9 @@ Its layers keep their KV in the target's paged cache, as draft layers after the 
 blocks, block tables and slots, so the scheduler's blocks, prefix caching, preemption, the offload tiers and a KV
 transfer carry the draft's KV with the target's (S2) and nothing else is allocated. A draft whose KV of one token has
 the target's shape (KV heads x head size: Llama 3.2 3B for Llama 3.1 8B and 70B, Qwen3 0.6B-8B for each other and
-for 14B and 32B) takes one cache layer a layer; one whose KV is a whole fraction of it (Llama 3.2 1B's 8 x 64 for
-Llama 3.1 8B's 8 x 128, Qwen2.5 0.5B's 2 x 64 for Qwen2.5 7B's 4 x 128) packs that many of its layers into each
-(engine/kv_cache.py ``packed_layer_views``). Any other pair is refused at start-up naming both shapes.
+for 14B and 32B) takes one cache layer a layer; one whose KV is smaller (Llama 3.2 1B's 8 x 64 for Llama 3.1 8B's 8 x 128, Qwen2.5
+0.5B's 2 x 64 for Qwen2.5 7B's 4 x 128) packs as many of its layers into each as fit (engine/kv_cache.py
+``packed_layer_views``). A draft whose KV of a token is larger is refused at start-up naming both shapes.
 """
 
 from __future__ import annotations

@@ -9,12 +9,13 @@ token (engine/models/deepseek.py), and its attention reads that plane as both (k
 ``layer_planes``). ``num_layers`` counts the target model's layers followed by the draft (MTP) layers, so a request's
 draft-layer KV lives in the same blocks and travels with the target's in a KV transfer (S2).
 
-A draft model whose KV of one token is smaller than the target's (Llama 3.2 1B's 8 x 64 for Llama 3.1 8B's 8 x 128)
-packs ``per_slot`` of its layers into each draft layer of the target's shape (``packed_layer_views``): a slot's plane
-of ``num_blocks`` target blocks holds ``num_blocks * per_slot`` blocks of the draft's shape, and block ``b`` of draft
-layer ``i`` is the slot's draft-shaped block ``b * per_slot + i % per_slot``. The draft still fills block ``b`` of
-the shared block table only (its attention metadata scales the block ids by ``per_slot``), so whatever moves a
-block (a transfer, the offload tiers, a prefix-cache hit) moves the draft's entries of it with the target's.
+A draft model whose KV of one token is smaller than the target's (SmolLM2 135M's 3 x 64 for SmolLM2 1.7B's 32 x 64,
+Llama 3.2 1B's 8 x 64 for Llama 3.1 8B's 8 x 128) packs ``per_slot`` of its layers into each draft layer of the
+target's shape (``packed_layer_views``): within each target block of a slot, draft layer ``i`` holds its own block
+(block_size tokens of its shape) at offset ``i % per_slot`` of the draft's block size. Its views keep the shared
+block ids and slots (a block further apart than the draft's own block size: the kernels take the plane's strides),
+so whatever moves a block (a transfer, the offload tiers, a prefix-cache hit) moves the draft's entries of it with
+the target's.
 """
 
 from __future__ import annotations
@@ -110,14 +111,14 @@ def _zeroed_huge_page_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torc
 
 def packed_layers_per_slot(target_token_kv: tuple[int, int], draft_token_kv: tuple[int, int]) -> int:
     """How many layers of a draft whose KV of one token is ``draft_token_kv`` (KV heads, head size) pack into one
-    cache layer of the target's ``target_token_kv`` (see the module); ValueError naming both where none does (the
-    draft's is larger) or the target's is not a whole multiple of the draft's."""
+    cache layer of the target's ``target_token_kv`` (see the module); ValueError naming both where the draft's is
+    larger."""
     target, draft = target_token_kv[0] * target_token_kv[1], draft_token_kv[0] * draft_token_kv[1]
-    if draft > target or target % draft:
+    if draft > target:
         raise ValueError(f"its KV is {draft_token_kv[0]} heads x {draft_token_kv[1]} a token, the target's "
                          f"{target_token_kv[0]} x {target_token_kv[1]}: a draft keeps its KV in the target's paged "
-                         "cache, which needs the target's KV of a token to be a whole multiple of the draft's (the "
-                         "same shape, or e.g. Llama 3.2 1B's 8 x 64 for Llama 3.1 8B's 8 x 128)")
+                         "cache, which holds no more than the target's KV of a token a layer (the same shape or less: "
+                         "e.g. Llama 3.2 1B's 8 x 64 for Llama 3.1 8B's 8 x 128)")
     return target // draft
 
 
@@ -128,14 +129,17 @@ def num_packed_slots(num_layers: int, per_slot: int) -> int:
 def packed_layer_views(slots: torch.Tensor, num_layers: int, per_slot: int, num_kv_heads: int,
                        head_dim: int) -> torch.Tensor | list[torch.Tensor]:
     """``num_layers`` draft layers of ``num_kv_heads`` x ``head_dim`` a token over ``slots`` (the cache's draft layers,
-    [slots, planes, num_blocks, block_size, target heads, target head size]): ``slots`` itself where one layer fills
-    a slot, else one view a layer, [planes, num_blocks * per_slot - i % per_slot, block_size, heads, head size],
-    starting at the layer's own block of each group of ``per_slot`` (each plane contiguous)."""
-    if per_slot == 1:
+    [slots, planes, num_blocks, block_size, target heads, target head size]): ``slots`` itself where a layer has the
+    target's shape, else one view a layer, [planes, num_blocks, block_size, heads, head size], its blocks at the
+    target's block stride and offset by its place in its slot (see the module)."""
+    if tuple(slots.shape[-2:]) == (num_kv_heads, head_dim):
         return slots[:num_layers]
     num_planes, num_blocks, block_size = slots.shape[1:4]
+    draft_block = block_size * num_kv_heads * head_dim
     views = []
     for i in range(num_layers):
-        plane = slots[i // per_slot].view(num_planes, num_blocks * per_slot, block_size, num_kv_heads, head_dim)
-        views.append(plane[:, i % per_slot:])
+        flat = slots[i // per_slot].view(num_planes, num_blocks, -1)
+        start = (i % per_slot) * draft_block
+        views.append(flat[:, :, start:start + draft_block].view(num_planes, num_blocks, block_size, num_kv_heads,
+                                                                head_dim))
     return views

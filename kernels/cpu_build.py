@@ -48,7 +48,7 @@ CORE_SIGNATURES = {
     "pd_argmax_rows": [_c_int, _ptr, _c_i64, _c_i64, _c_i64, _ptr, _c_int],
     "pd_linear_small_m": [_ptr, _c_i64, _c_i64, _ptr, _c_i64, _c_i64, _ptr, _c_i64, _c_int],
     "pd_write_kv": [_ptr, _ptr, _c_i64, _c_i64, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_int, _c_int, _c_int, _c_int,
-                    _c_int],
+                    _c_int, _c_i64, _c_i64, _c_i64, _c_i64],
 }
 GEMM_BI_SIGNATURES = {  # kernels/csrc/gemm_bi.c: the batch-invariant linear (kernels/cpu_gemm.py)
     "pd_gemm_bi": [_c_int, _ptr, _c_i64, _c_i64, _ptr, _c_i64, _c_i64, _ptr, _c_i64, _c_int, _c_int, _c_int],

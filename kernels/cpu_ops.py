@@ -57,14 +57,16 @@ def write_kv(
     src_code, cache_code = _DTYPE_CODE.get(key.dtype), _CACHE_DTYPE_CODE.get(layer_cache.dtype)
     if (lib is None or not _on_cpu(key, value, layer_cache, slot_mapping) or value.dtype != key.dtype
             or src_code is None or cache_code is None or (cache_code < 2 and key.dtype != layer_cache.dtype)
-            or key.stride() != value.stride() or key.stride(-1) != 1
-            or not (layer_cache[0].is_contiguous() and layer_cache[1].is_contiguous())  # each plane by its pointer
+            or key.stride() != value.stride() or key.stride(-1) != 1 or layer_cache.stride(-1) != 1
             or slot_mapping.dtype != torch.int64):
         return False
     slot_mapping = slot_mapping.contiguous()
+    # The plane's own strides: a packed draft layer's blocks lie further apart than its slots (kv_cache.py).
+    block_stride, slot_stride, head_stride = layer_cache.stride()[1:4]
     rc = lib.pd_write_kv(key.data_ptr(), value.data_ptr(), key.stride(0), key.stride(1), layer_cache[0].data_ptr(),
                          layer_cache[1].data_ptr(), slot_mapping.data_ptr(), key.shape[0], key.shape[1], key.shape[2],
-                         key.element_size(), src_code, cache_code, _threads())
+                         key.element_size(), src_code, cache_code, _threads(), layer_cache.shape[2], block_stride,
+                         slot_stride, head_stride)
     return rc == 0
 
 

@@ -42,12 +42,18 @@ def write_kv(
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
-    flat = layer_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
     key, value = to_cache_dtype(key, layer_cache.dtype), to_cache_dtype(value, layer_cache.dtype)
-    if layer_cache.dtype in FP8_MAX:  # torch has no index_copy_ for fp8: the same bytes through uint8 views
-        flat, key, value = flat.view(torch.uint8), key.view(torch.uint8), value.view(torch.uint8)
-    flat[0].index_copy_(0, slot_mapping, key)
-    flat[1].index_copy_(0, slot_mapping, value)
+    cache = layer_cache
+    if layer_cache.dtype in FP8_MAX:  # torch has no index_copy_ / index_put_ for fp8: the same bytes through uint8
+        cache, key, value = cache.view(torch.uint8), key.view(torch.uint8), value.view(torch.uint8)
+    if cache.stride(1) == block_size * cache.stride(2):
+        flat = cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+        flat[0].index_copy_(0, slot_mapping, key)
+        flat[1].index_copy_(0, slot_mapping, value)
+    else:  # a packed draft layer (engine/kv_cache.py): its blocks lie further apart than its slots
+        index = (slot_mapping // block_size, slot_mapping % block_size)
+        cache[0].index_put_(index, key)
+        cache[1].index_put_(index, value)
 
 
 def gather_context(

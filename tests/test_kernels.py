@@ -598,10 +598,10 @@ def test_reference_and_triton_attention_on_cuda_equal_the_cpu_reference(dtype):
 @pytest.mark.parametrize("route", ["c", "reference", "triton"])
 def test_a_packed_draft_layer_is_written_and_read_in_place(route):
     """engine/kv_cache.py packed_layer_views: a draft layer whose KV of a token is a quarter of the target's is a
-    view of a target-shaped cache layer starting at its own block of every group of 4 (each plane contiguous, the
-    two planes not). The KV write and paged attention (the C kernel, the torch reference, Triton under the
-    interpreter) take it in place: the attention equals that over a contiguous cache of the same KV, and the write
-    touches the layer's own blocks only."""
+    view of a target-shaped cache layer, its blocks at the target's block stride and offset by its place (no plane
+    contiguous). The KV write and paged attention (the C kernel, the torch reference, Triton under the interpreter)
+    take it in place: the attention equals that over a contiguous cache of the same KV, and the write touches the
+    layer's own part of each block only."""
     from pdcluster.engine.kv_cache import packed_layer_views
 
     if route == "c" and not cpu_ops.available():
@@ -611,10 +611,10 @@ def test_a_packed_draft_layer_is_written_and_read_in_place(route):
     slot = torch.full((1, 2, num_blocks, BLOCK_SIZE, 2 * per_slot, HEAD_DIM), 0.5)
     views = packed_layer_views(slot, per_slot, per_slot, 2, HEAD_DIM)
     layer = views[2]
-    assert layer.shape[1] == num_blocks * per_slot - 2 and not layer.is_contiguous() and layer[0].is_contiguous()
+    assert layer.shape == batch.layer_cache.shape and not layer[0].is_contiguous()
     for r, (k, v) in enumerate(batch.dense_kv):
         positions = torch.arange(k.shape[0])
-        blocks = batch.block_tables[r, positions // BLOCK_SIZE].long() * per_slot
+        blocks = batch.block_tables[r, positions // BLOCK_SIZE].long()
         slots = blocks * BLOCK_SIZE + positions % BLOCK_SIZE
         if route == "c":
             assert cpu_ops.write_kv(k, v, layer, slots)
@@ -622,10 +622,11 @@ def test_a_packed_draft_layer_is_written_and_read_in_place(route):
             reference.write_kv(k, v, layer, slots)
         else:
             write_kv_triton(k, v, layer, slots)
-        assert torch.equal(layer[0].flatten(0, 1)[slots], k) and torch.equal(layer[1].flatten(0, 1)[slots], v)
-    for i in (0, 1, 3):  # the other layers' blocks in the slot: untouched
-        assert bool((views[i][:, ::per_slot] == 0.5).all())
-    args = (batch.query, layer, batch.block_tables * per_slot, batch.seq_lens, batch.query_start_loc, SCALE)
+        offsets = positions % BLOCK_SIZE
+        assert torch.equal(layer[0][blocks, offsets], k) and torch.equal(layer[1][blocks, offsets], v)
+    for i in (0, 1, 3):  # the slot's other layers: untouched
+        assert bool((views[i] == 0.5).all())
+    args = (batch.query, layer, batch.block_tables, batch.seq_lens, batch.query_start_loc, SCALE)
     expected = reference.paged_attention(*batch.args())
     got = {"c": lambda: cpu_ops.paged_attention(*args), "reference": lambda: reference.paged_attention(*args),
            "triton": lambda: paged_attention_triton(*args)}[route]()

@@ -98,3 +98,28 @@ def write_tiny_model(out_dir: str | os.PathLike, gguf_path: str | os.PathLike, b
     config["pad_token_id"] = generation["pad_token_id"]
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     save_file(state_dict_of(config), str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def write_random_draft(model_dir: str | os.PathLike, out_dir: str | os.PathLike, num_layers: int, num_kv_heads: int,
+                       head_dim: int, seed: int = 7) -> Path:
+    """A seeded random Llama draft for the Llama-family model in ``model_dir`` (its width, vocabulary and tokenizer
+    files), of ``num_layers`` layers whose KV of a token is ``num_kv_heads`` x ``head_dim``: a draft of another KV
+    shape than its target's for the tests and the device check (engine/kv_cache.py packed_layer_views). Its drafts
+    are mostly rejected."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from .layer_skip import TOKENIZER_FILES
+
+    src, out = Path(model_dir), Path(out_dir)
+    config = json.loads((src / "config.json").read_text(encoding="utf-8"))
+    config.update(num_hidden_layers=num_layers, num_key_value_heads=num_kv_heads, head_dim=head_dim,
+                  tie_word_embeddings=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    save_file(tiny_random_state_dict(config, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, out / name)
+    return out

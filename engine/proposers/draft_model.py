@@ -40,7 +40,7 @@ class DraftModelProposer(Proposer):
         self.draft = draft
         self.layer_cache = packed_layer_views(kv_cache[num_target_layers:], arch.num_layers, self.per_slot,
                                               arch.num_kv_heads, arch.head_dim)
-        self.rows = PagedDraftRows(kv_cache.device, block_size, draft.scale, "draft model", self.per_slot)
+        self.rows = PagedDraftRows(kv_cache.device, block_size, draft.scale, "draft model")
 
     def _draft_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """Greedy drafts (the rejection sampler keeps the target's distribution whatever the draft proposes)."""

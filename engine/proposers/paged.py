@@ -22,14 +22,11 @@ def ragged(num_tokens_np: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarra
 class PagedDraftRows:
     """Builds a draft forward's inputs for rows of the engine's request slots (``RequestStates``)."""
 
-    def __init__(self, device: torch.device, block_size: int, scale: float, what: str = "draft", per_slot: int = 1):
+    def __init__(self, device: torch.device, block_size: int, scale: float, what: str = "draft"):
         self.device = device
         self.block_size = block_size
         self.scale = scale  # the attention scale of the draft's layers
         self.what = what  # names the proposer in errors
-        # Draft layers packed ``per_slot`` to a cache layer (engine/kv_cache.py packed_layer_views): block b of the
-        # shared table is block b * per_slot of each draft layer's view.
-        self.per_slot = per_slot
 
     def slots(self, states, idx: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Cache slots of ``positions`` of request slots ``idx``; RuntimeError where a position lies past the
@@ -42,8 +39,7 @@ class PagedDraftRows:
                 f"{self.what} position {int(positions[r])} of request slot {int(idx[r])} lies past its "
                 f"{int(states.num_blocks_np[idx[r]])} allocated blocks: the scheduler must reserve lookahead slots"
             )
-        blocks = states.block_table_np[idx, block_col].astype(np.int64) * self.per_slot
-        return blocks * self.block_size + positions % self.block_size
+        return states.block_table_np[idx, block_col].astype(np.int64) * self.block_size + positions % self.block_size
 
     def t(self, array_np: np.ndarray) -> torch.Tensor:
         """A host array on the cache's device (as is on the CPU)."""
@@ -62,15 +58,12 @@ class PagedDraftRows:
         ones = np.arange(len(idx) + 1, dtype=np.int64)
         return self.meta(states, idx, self.slots(states, idx, positions), positions + 1, ones, 1)
 
-    def _scaled(self, block_table_np: np.ndarray) -> np.ndarray:
-        return block_table_np if self.per_slot == 1 else block_table_np * np.int32(self.per_slot)
-
     def meta(self, states, idx_rows: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
              query_start_loc: np.ndarray, uniform_q_len: int | None) -> AttentionMetadata:
         max_blocks = int(-(-int(seq_lens.max()) // self.block_size))
         return AttentionMetadata(
             slot_mapping=self.t(slots),
-            block_tables=self.t(self._scaled(states.block_table_np[idx_rows, :max_blocks])),
+            block_tables=self.t(states.block_table_np[idx_rows, :max_blocks]),
             seq_lens=self.t(seq_lens.astype(np.int32)),
             query_start_loc=self.t(query_start_loc.astype(np.int32)),
             uniform_q_len=uniform_q_len,

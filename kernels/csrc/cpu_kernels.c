@@ -1065,18 +1065,21 @@ static inline void store_row_fp8x16(const void *src, int src_dtype, int64_t src_
 }
 #endif
 
+/* The cache plane's strides in elements: a block, a slot in it, a head (a draft layer packed into a wider cache layer
+   has blocks further apart than its own slots: engine/kv_cache.py packed_layer_views). */
 int pd_write_kv(const void *key, const void *value, int64_t kv_tok_stride, int64_t kv_head_stride,
                 void *k_cache, void *v_cache, const int64_t *slot_mapping, int64_t num_tokens, int num_kv_heads,
-                int head_dim, int elem_bytes, int src_dtype, int cache_dtype, int num_threads) {
-    const int64_t row = (int64_t)num_kv_heads * head_dim;
-    if (head_dim > MAX_HEAD_DIM) return -1;
+                int head_dim, int elem_bytes, int src_dtype, int cache_dtype, int num_threads, int64_t block_size,
+                int64_t cache_block_stride, int64_t cache_slot_stride, int64_t cache_head_stride) {
+    if (head_dim > MAX_HEAD_DIM || block_size <= 0) return -1;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_tokens > 256)
     for (int64_t t = 0; t < num_tokens; t++) {
         const int64_t slot = slot_mapping[t];
         if (slot < 0) continue;
         for (int h = 0; h < num_kv_heads; h++) {
             const int64_t src = t * kv_tok_stride + h * kv_head_stride;
-            const int64_t dst = slot * row + (int64_t)h * head_dim;
+            const int64_t dst = (slot / block_size) * cache_block_stride + (slot % block_size) * cache_slot_stride
+                                + (int64_t)h * cache_head_stride;
             if (src_dtype == cache_dtype) {
                 memcpy((char *)k_cache + dst * elem_bytes, (const char *)key + src * elem_bytes,
                        (size_t)head_dim * elem_bytes);
