@@ -14,6 +14,7 @@ for 14B and 32B) takes one cache layer a layer; one whose KV is smaller (Llama 3
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -77,6 +78,21 @@ def check_draft_model(config: EngineConfig, target_arch, target_tokenizer: Token
     return draft_dir, arch
 
 
+@dataclass(frozen=True)
+class DraftSource:
+    """Where a loaded draft came from and how it was loaded: a level-2 sleep reads it again (engine/sleep.py)."""
+
+    directory: Path
+    dtype: torch.dtype
+    max_positions: int
+    device: str
+    deterministic: bool
+
+    def load(self):
+        return load_model(self.directory, self.dtype, self.max_positions, self.device,
+                          deterministic=self.deterministic, max_model_len=self.max_positions)
+
+
 def load_draft_model(config: EngineConfig, draft_dir: Path, arch, dtype: torch.dtype, max_positions: int,
                      deterministic: bool) -> object:
     """The draft ``check_draft_model`` found (``draft_dir``, its ``arch``), on the target's device and dtype."""
@@ -84,8 +100,9 @@ def load_draft_model(config: EngineConfig, draft_dir: Path, arch, dtype: torch.d
     if max_positions > arch.max_position_embeddings:
         log.info("%s: its own context is %d tokens, the engine's %d: drafts past it are rarely accepted",
                  name, arch.max_position_embeddings, max_positions)
-    draft = load_model(draft_dir, dtype, max_positions, config.device, deterministic=deterministic,
-                       max_model_len=max_positions)
+    source = DraftSource(Path(draft_dir), dtype, max_positions, config.device, deterministic)
+    draft = source.load()
+    draft.source = source
     log.info("draft model %s: %d layers of width %d, from %s", config.draft_model, arch.num_layers,
              arch.hidden_size, draft_dir)
     return draft

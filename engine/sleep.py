@@ -8,11 +8,13 @@ Two kinds of memory, named by vLLM's and SGLang's tags:
   contents are forgotten: the device pool's prefix cache is reset first (each block told removed in the KV events,
   so the router's index drops them), each cached block copied into the offload tiers first, as an evicted one is
   (with --kv-offload-host-gib or a disk tier): there a prefix hits again after the wake.
-- ``weights``: the checkpoint's tensors (the model, its image tower, an MTP head: what a weight update copies). Level
-  1 keeps them: vLLM offloads them to CPU memory, and on a CPU they are there already. Level 2 discards them. A
-  discarded set comes back with the next weight update (``update_weights_from_disk``, which an RL trainer sends
-  anyway: nothing is read twice) or, when the engine is woken whole without one, is read again from the checkpoint
-  it was served from, whose files must still hold it (vLLM leaves them garbage until its caller reloads them).
+- ``weights``: the checkpoint's tensors (the model, its image tower, an MTP head: what a weight update copies) and a
+  draft model's. Level 1 keeps them: vLLM offloads them to CPU memory, and on a CPU they are there already. Level 2
+  discards them. The checkpoint's come back with the next weight update (``update_weights_from_disk``, which an RL
+  trainer sends anyway: nothing is read twice) or, when the engine is woken whole without one, are read again from
+  the checkpoint they were served from, whose files must still hold them (vLLM leaves them garbage until its caller
+  reloads them); a draft model's are read again from its directory at that wake (an update leaves the draft as it
+  is).
 
 Released memory keeps its addresses: the pages go back to the kernel (``madvise``: MADV_REMOVE for a shared
 segment, MADV_DONTNEED for private memory) and fault in again, zeroed, when written. So whatever holds a pointer
@@ -55,6 +57,8 @@ class SleepState:
     level: int = 0  # the deepest level asked since the last full wake
     weights_discarded: bool = False  # level 2: nothing restored them since (a weight update or the reload)
     discarded_digest: str = ""  # engine/weight_update.py checkpoint_digest of the weights discarded
+    draft_discarded: bool = False  # level 2: a draft model's weights, read again at the full wake
+    draft_digest: str = ""
     released_bytes: dict[str, int] = field(default_factory=dict)
     num_sleeps: int = 0
     num_reloads: int = 0  # level-2 weights read again at a wake (none where an update came first)
@@ -105,7 +109,12 @@ def release(engine, tags, level: int | None = None) -> dict:
     if "weights" in tags and "weights" not in state.asleep:
         if not state.weights_discarded:
             state.discarded_digest = weight_update.checkpoint_digest(engine.weights_path)
-        state.released_bytes["weights"] = release_host_memory(_weight_tensors(engine))
+        draft = _draft_model(engine)
+        if draft is not None and not state.draft_discarded:
+            state.draft_digest = weight_update.checkpoint_digest(draft.source.directory)
+            state.draft_discarded = True
+        state.released_bytes["weights"] = release_host_memory(
+            _weight_tensors(engine) + (weight_update.served_tensors(draft) if draft is not None else []))
         state.asleep.add("weights")
         state.weights_discarded = True
         if engine.runner.image_embeds is not None:  # computed by the discarded tower
@@ -132,13 +141,16 @@ def wake_up(engine, tags=None) -> dict:
         state.released_bytes.pop("weights", None)
     if not state.asleep and state.weights_discarded:
         _reload_weights(engine, state)
+    if not state.asleep and state.draft_discarded:
+        _reload_draft(engine, state)
     if not state.asleep:
         state.level = 0
     return {**state.describe(), "seconds": round(time.monotonic() - started, 4)}
 
 
 def weights_restored(engine) -> None:
-    """A weight update wrote every weight: whatever level 2 discarded is back, and need not be read again."""
+    """A weight update wrote every weight of the checkpoint: whatever level 2 discarded of them is back, and need not
+    be read again (a draft model's, which no update writes, is read again once nothing else sleeps)."""
     state: SleepState = engine.sleep_state
     state.weights_discarded = False
     state.discarded_digest = ""
@@ -146,6 +158,8 @@ def weights_restored(engine) -> None:
     state.released_bytes.pop("weights", None)
     if not state.asleep:
         state.level = 0
+        if state.draft_discarded:
+            _reload_draft(engine, state)
 
 
 def check_awake(engine) -> None:
@@ -154,7 +168,7 @@ def check_awake(engine) -> None:
     if state.asleep:
         raise EngineSleeping(f"the model is sleeping ({', '.join(sorted(state.asleep))} released): wake it up first "
                              "(POST /wake_up, or LLMEngine.wake_up())")
-    if state.weights_discarded:
+    if state.weights_discarded or state.draft_discarded:
         raise EngineSleeping("the model's weights were discarded by a level-2 sleep and could not be read again: "
                              "update them (POST /update_weights_from_disk)")
 
@@ -187,6 +201,26 @@ def _reload_weights(engine, state: SleepState) -> None:
     weight_update.copy_prepared(engine, prepared)
     state.num_reloads += 1
     weights_restored(engine)
+
+
+def _reload_draft(engine, state: SleepState) -> None:
+    """Read a draft model's discarded weights again from its directory, in place."""
+    draft = _draft_model(engine)
+    digest = weight_update.checkpoint_digest(draft.source.directory)
+    if digest != state.draft_digest:
+        state.asleep.add("weights")
+        raise SleepError(f"the draft model's directory {draft.source.directory} changed since the sleep (digest "
+                         f"{digest}, was {state.draft_digest}): its discarded weights cannot be read again; restart "
+                         "the server on the draft wanted")
+    weight_update.copy_weights(draft, draft.source.load())
+    state.draft_discarded = False
+    state.num_reloads += 1
+
+
+def _draft_model(engine):
+    """The draft model a draft-model proposer runs (engine/proposers/draft_model.py), else None."""
+    draft = getattr(engine.runner.proposer, "draft", None)
+    return draft if getattr(draft, "source", None) is not None else None
 
 
 def _kv_tensors(engine) -> list[torch.Tensor]:

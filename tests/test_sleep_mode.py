@@ -222,3 +222,37 @@ def test_a_shared_segments_pages_go_back_for_every_process_that_maps_it():
     assert resident_bytes([private])[0] == private.numel() * 4
     release_host_memory([private])
     assert resident_bytes([private])[0] == 0 and float(private.abs().sum()) == 0.0
+
+
+def test_level_2_discards_a_draft_models_weights_too(tmp_path):
+    """A draft model (--spec draft_model) is weights too: level 2 gives back its pages, the wake reads it again (an
+    update of the target's weights leaves it as it is: read again when nothing else sleeps)."""
+    from conftest import layer_skip_draft_dir
+
+    draft_dir = layer_skip_draft_dir("tiny-random", 3)
+    engine = make_engine("tiny-random", dtype="float32", spec_method="draft_model", draft_model=draft_dir,
+                         num_spec_tokens=3)
+    def counts():
+        outs = engine.generate(PROMPTS, _params())
+        return [(o.token_ids, o.num_draft_tokens, o.num_accepted_tokens) for o in outs]
+
+    before = counts()
+    assert sum(c[2] for c in before) > 0
+    draft = engine.runner.proposer.draft
+    from pdcluster.engine.weight_update import served_tensors
+
+    draft_tensors = served_tensors(draft)
+    total = resident_bytes(draft_tensors)[1]
+    state = engine.sleep(level=2)
+    assert resident_bytes(draft_tensors)[0] < 0.05 * total
+    assert state["released_bytes"]["weights"] > total
+    engine.wake_up()
+    assert engine.sleep_state.num_reloads == 2  # the target's and the draft's
+    assert resident_bytes(draft_tensors)[0] > 0.9 * total
+    assert counts() == before, "the draft drafts as before: its weights are back"
+    # An update while only the weights sleep: the target's come from it, the draft's are read again at once.
+    engine.sleep(level=2)
+    engine.wake_up(["kv_cache"])
+    engine.update_weights_from_disk(perturbed_checkpoint("tiny-random", tmp_path / "new", 1), "new")
+    assert not engine.is_sleeping and not engine.sleep_state.draft_discarded
+    assert resident_bytes(draft_tensors)[0] > 0.9 * total

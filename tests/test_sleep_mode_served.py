@@ -164,6 +164,7 @@ def test_api_processes_forward_the_routes_to_the_router_process():
         shutil.rmtree(socket_dir, ignore_errors=True)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_disagg_cluster_sleeps_and_wakes_every_worker(ray_session):
     """Over shm the decode worker's cache is a shared segment its prefill peer maps: released with MADV_REMOVE, both
@@ -206,6 +207,7 @@ def test_disagg_cluster_sleeps_and_wakes_every_worker(ray_session):
         cluster.shutdown()
 
 
+@pytest.mark.slow
 def test_serve_with_api_processes_sleeps_through_any_of_them():
     """`pdcluster serve --api-servers 2 --enable-sleep-mode`: whichever API process takes the sleep, the router
     process does it, and every process answers 503 until the wake, then the same text as before."""
