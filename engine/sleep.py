@@ -132,8 +132,8 @@ def wake_up(engine, tags=None) -> dict:
     state: SleepState = engine.sleep_state
     started = time.monotonic()
     if "kv_cache" in tags and "kv_cache" in state.asleep:
-        for tensor in _kv_tensors(engine):
-            tensor.zero_()  # fault the pages in now, as at start (engine/kv_cache.py), not under the first requests
+        # The pages faulted in now, as at start (engine/kv_cache.py), not under the first requests; they read zero.
+        populate_host_memory(_kv_tensors(engine))
         state.asleep.discard("kv_cache")
         state.released_bytes.pop("kv_cache", None)
     if "weights" in tags and "weights" in state.asleep:
@@ -245,10 +245,21 @@ _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _libc.madvise.restype = ctypes.c_int
 
 
-def release_host_memory(tensors) -> int:
-    """Give the pages wholly inside each tensor's storage back to the kernel, keeping the addresses (see the module);
-    the contents read zero (or, for a shared segment another process keeps, are undefined) until written. Returns
-    the bytes released. Storages are counted once however many tensors view them."""
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable without touching them from here
+
+
+def populate_host_memory(tensors) -> None:
+    """Fault in again the pages ``release_host_memory`` gave back (zeroed by the kernel): one madvise a tensor where
+    the kernel has MADV_POPULATE_WRITE, else a zero fill (the same pages, written from here)."""
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        begin, end = _whole_pages(storage.data_ptr(), storage.nbytes())
+        if end <= begin or _libc.madvise(begin, end - begin, _MADV_POPULATE_WRITE) != 0:
+            tensor.zero_()
+
+
+def _storage_spans(tensors) -> dict[int, int]:
+    """Each CPU storage under ``tensors`` once: its address -> its bytes."""
     spans: dict[int, int] = {}
     for tensor in tensors:
         if tensor is None or tensor.device.type != "cpu":
@@ -257,11 +268,24 @@ def release_host_memory(tensors) -> int:
         start = storage.data_ptr()
         if start:
             spans[start] = max(spans.get(start, 0), storage.nbytes())
+    return spans
+
+
+def _whole_pages(start: int, nbytes: int) -> tuple[int, int]:
+    """The pages wholly inside [start, start + nbytes): the partial ones at either end may hold another
+    allocation's bytes."""
+    return -(-start // _PAGE) * _PAGE, (start + nbytes) // _PAGE * _PAGE
+
+
+def release_host_memory(tensors) -> int:
+    """Give the pages wholly inside each tensor's storage back to the kernel, keeping the addresses (see the module);
+    the contents read zero (or, for a shared segment another process keeps, are undefined) until written. Returns
+    the bytes released. Storages are counted once however many tensors view them."""
+    spans = _storage_spans(tensors)
     shared = _shared_memory_mappings() if spans else []
     released = 0
     for start, nbytes in spans.items():
-        begin = -(-start // _PAGE) * _PAGE  # the partial pages at either end may hold another allocation's bytes
-        end = (start + nbytes) // _PAGE * _PAGE
+        begin, end = _whole_pages(start, nbytes)
         if end > begin:
             in_shared = any(lo <= begin and end <= hi for lo, hi in shared)
             _madvise(begin, end - begin, mmap.MADV_REMOVE if in_shared else mmap.MADV_DONTNEED)

@@ -256,3 +256,21 @@ def test_level_2_discards_a_draft_models_weights_too(tmp_path):
     engine.update_weights_from_disk(perturbed_checkpoint("tiny-random", tmp_path / "new", 1), "new")
     assert not engine.is_sleeping and not engine.sleep_state.draft_discarded
     assert resident_bytes(draft_tensors)[0] > 0.9 * total
+
+
+@pytest.mark.parametrize("populate_write", [True, False], ids=["madvise", "zero-fill"])
+def test_the_wake_faults_every_page_in_zeroed(monkeypatch, populate_write):
+    """MADV_POPULATE_WRITE (Linux 5.14+) where the kernel has it, a zero fill where it refuses (an older kernel)."""
+    import torch
+
+    from pdcluster.engine import sleep
+    from pdcluster.engine.kv_cache import KVCacheSpec, allocate_kv_cache
+
+    cache = allocate_kv_cache(KVCacheSpec(2, 0, 64, 16, 2, 64, torch.float32))
+    cache.fill_(3.0)
+    sleep.release_host_memory([cache])
+    assert resident_bytes([cache])[0] == 0
+    if not populate_write:
+        monkeypatch.setattr(sleep, "_MADV_POPULATE_WRITE", -1)  # an advice no kernel takes: EINVAL
+    sleep.populate_host_memory([cache])
+    assert resident_bytes([cache]) == (cache.numel() * 4,) * 2 and float(cache.abs().sum()) == 0.0
