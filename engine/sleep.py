@@ -98,6 +98,8 @@ def release(engine, tags, level: int | None = None) -> dict:
     discards them (level 2)."""
     tags = check_tags(tags)
     _check_can_sleep(engine)
+    if engine._stepper is not None:
+        engine._stepper.drain()  # async scheduling: a step of finished rows may still be in flight, reading both
     state: SleepState = engine.sleep_state
     started = time.monotonic()
     if "kv_cache" in tags and "kv_cache" not in state.asleep:
