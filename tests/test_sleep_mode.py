@@ -71,8 +71,10 @@ def _run(engine, prompts=PROMPTS):
     return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outs], [o.num_cached_tokens for o in outs]
 
 
-@pytest.mark.parametrize("model,kw", [("tiny-random", {"dtype": "float32"}), ("tiny-hybrid", {"dtype": "float32"}),
-                                      ("smollm2", {"dtype": "auto"})], ids=["fp32", "hybrid", "smollm2-default"])
+@pytest.mark.parametrize("model,kw", [("tiny-random", {"dtype": "float32"}),
+                                      ("tiny-random", {"dtype": "float32", "async_scheduling": True}),
+                                      ("tiny-hybrid", {"dtype": "float32"}), ("smollm2", {"dtype": "auto"})],
+                         ids=["fp32", "fp32-async", "hybrid", "smollm2-default"])
 def test_level_1_gives_back_the_kv_cache_and_answers_as_before(model, kw):
     engine = make_engine(model, enable_prefix_caching=not model.endswith("hybrid"), **kw)
     before, _ = _run(engine)
