@@ -30,9 +30,10 @@ NUM_TOKENS = 16
 
 
 def rss_mib() -> float:
-    with open("/proc/self/status") as f:
+    """The process's resident memory, from its page tables (smaps_rollup: VmRSS's counters are approximate)."""
+    with open("/proc/self/smaps_rollup") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith("Rss:"):
                 return int(line.split()[1]) / 1024
     return 0.0
 
@@ -65,8 +66,8 @@ def main(argv=None) -> dict:
         return time.monotonic() - t0, out.token_ids
 
     first_request_s()  # warm
-    before_s, want = first_request_s()
-    awake_mib = rss_mib()
+    before_s, _ = first_request_s()
+    start_mib = rss_mib()
     base_dir = resolve_model(args.model, progress=False)
     checkpoint = perturb_checkpoint(base_dir,
                                     Path(tempfile.mkdtemp(prefix="pdc-sleep-")) / "step", 1)
@@ -74,8 +75,10 @@ def main(argv=None) -> dict:
     for r in range(args.rounds):
         for kind in rounds:
             gc.collect()
+            _, want = first_request_s()  # this round's weights (an update round changed them)
+            awake_mib = rss_mib()
             t0 = time.monotonic()
-            engine.sleep(level=1 if kind == "level1" else 2)
+            state = engine.sleep(level=1 if kind == "level1" else 2)
             sleep_s = time.monotonic() - t0
             asleep_mib = rss_mib()
             t0 = time.monotonic()
@@ -90,14 +93,16 @@ def main(argv=None) -> dict:
             after_s, tokens = first_request_s()
             rounds[kind].append({"sleep_s": round(sleep_s, 4), "wake_s": round(wake_s, 4),
                                  "asleep_rss_mib": round(asleep_mib), "released_mib": round(awake_mib - asleep_mib),
+                                 "released_by_engine_mib": round(sum(state["released_bytes"].values()) / 2**20),
                                  "first_request_after_wake_s": round(after_s, 4),
                                  "tokens_as_before": tokens == want if kind != "level2_update" else None})
     summary = {kind: {key: statistics.median(x[key] for x in runs) for key in
-                      ("sleep_s", "wake_s", "asleep_rss_mib", "released_mib", "first_request_after_wake_s")}
+                      ("sleep_s", "wake_s", "asleep_rss_mib", "released_mib", "released_by_engine_mib",
+                       "first_request_after_wake_s")}
                | {"tokens_as_before": all(x["tokens_as_before"] is not False for x in runs)}
                for kind, runs in rounds.items()}
     result = {"model": args.model, "dtype": engine.dtype_name, "kv_cache_gib": args.kv_gib,
-              "awake_rss_mib": round(awake_mib), "first_request_awake_s": round(before_s, 4),
+              "awake_rss_mib": round(start_mib), "first_request_awake_s": round(before_s, 4),
               "fresh_engine_build_s": round(build_s, 3), "median": summary, "rounds": rounds,
               "num_reloads": engine.sleep_state.num_reloads}
     emit_json(result, args.out)

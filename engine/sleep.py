@@ -115,8 +115,9 @@ def release(engine, tags, level: int | None = None) -> dict:
         if draft is not None and not state.draft_discarded:
             state.draft_digest = weight_update.checkpoint_digest(draft.source.directory)
             state.draft_discarded = True
-        state.released_bytes["weights"] = release_host_memory(
-            _weight_tensors(engine) + (weight_update.served_tensors(draft) if draft is not None else []))
+        weights = _weight_tensors(engine) + (weight_update.served_tensors(draft) if draft is not None else [])
+        state.released_bytes["weights"] = release_host_memory(weights)
+        release_checkpoint_mappings(weights)
         state.asleep.add("weights")
         state.weights_discarded = True
         if engine.runner.image_embeds is not None:  # computed by the discarded tower
@@ -141,10 +142,12 @@ def wake_up(engine, tags=None) -> dict:
     if "weights" in tags and "weights" in state.asleep:
         state.asleep.discard("weights")
         state.released_bytes.pop("weights", None)
-    if not state.asleep and state.weights_discarded:
-        _reload_weights(engine, state)
-    if not state.asleep and state.draft_discarded:
-        _reload_draft(engine, state)
+    if not state.asleep and (state.weights_discarded or state.draft_discarded):
+        if state.weights_discarded:
+            _reload_weights(engine, state)
+        if state.draft_discarded:
+            _reload_draft(engine, state)
+        _trim_heap()  # the checkpoint read beside the served tensors is freed: its heap pages go back too
     if not state.asleep:
         state.level = 0
     return {**state.describe(), "seconds": round(time.monotonic() - started, 4)}
@@ -247,6 +250,12 @@ _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _libc.madvise.restype = ctypes.c_int
 
 
+def _trim_heap() -> None:
+    trim = getattr(_libc, "malloc_trim", None)  # glibc's
+    if trim is not None:
+        trim(0)
+
+
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable without touching them from here
 
 
@@ -295,19 +304,38 @@ def release_host_memory(tensors) -> int:
     return released
 
 
-def _shared_memory_mappings() -> list[tuple[int, int]]:
-    """This process's shared mappings of memory segments (memfd, /dev/shm: the shm and cuda_ipc transports' caches),
-    whose pages only MADV_REMOVE frees (MADV_DONTNEED would only unmap them here). A shared mapping of any other file
-    is left out: MADV_REMOVE would punch a hole in that file."""
+def release_checkpoint_mappings(tensors) -> None:
+    """Drop from this process every page of the private file mappings (a safetensors checkpoint read in place) that
+    hold a storage under ``tensors``: the pages the loader read there and no tensor holds any more (converted or
+    packed into other memory) stay mapped otherwise. They are the file's (clean, or the discarded weights' own
+    copies): reading one again reads the file."""
+    starts = sorted(_storage_spans(tensors))
+    if not starts:
+        return
+    for lo, hi in _mappings(lambda perms, path: perms[3] == "p" and path.startswith("/")):
+        if any(lo <= start < hi for start in starts):
+            _madvise(lo, hi - lo, mmap.MADV_DONTNEED)
+
+
+def _mappings(keep) -> list[tuple[int, int]]:
+    """This process's mappings (start, end) whose permissions and path ``keep(perms, path)`` takes."""
     found = []
     with open("/proc/self/maps") as f:
         for line in f:
             parts = line.split(maxsplit=5)
             path = parts[5].strip() if len(parts) == 6 else ""
-            if parts[1][3] == "s" and (path.startswith("/memfd:") or path.startswith("/dev/shm/")):
+            if keep(parts[1], path):
                 lo, hi = parts[0].split("-")
                 found.append((int(lo, 16), int(hi, 16)))
     return found
+
+
+def _shared_memory_mappings() -> list[tuple[int, int]]:
+    """This process's shared mappings of memory segments (memfd, /dev/shm: the shm and cuda_ipc transports' caches),
+    whose pages only MADV_REMOVE frees (MADV_DONTNEED would only unmap them here). A shared mapping of any other file
+    is left out: MADV_REMOVE would punch a hole in that file."""
+    return _mappings(lambda perms, path: perms[3] == "s" and (path.startswith("/memfd:") or
+                                                           path.startswith("/dev/shm/")))
 
 
 def _madvise(address: int, length: int, advice: int) -> None:
