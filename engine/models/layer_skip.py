@@ -12,14 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import shutil
 from pathlib import Path
 
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-                   "chat_template.jinja", "chat_template.json")
+from .hf_files import copy_tokenizer_files
+
 LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
 
 
@@ -45,9 +44,7 @@ def write_layer_skip_draft(model_dir: str | Path, out_dir: str | Path, num_layer
         if isinstance(config.get(key), list):
             config[key] = config[key][:num_layers]
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    for name in TOKENIZER_FILES:
-        if (src / name).is_file():
-            shutil.copyfile(src / name, out / name)
+    copy_tokenizer_files(src, out)
     return out
 
 

@@ -106,11 +106,9 @@ def write_random_draft(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
     files), of ``num_layers`` layers whose KV of a token is ``num_kv_heads`` x ``head_dim``: a draft of another KV
     shape than its target's for the tests and the device check (engine/kv_cache.py packed_layer_views). Its drafts
     are mostly rejected."""
-    import shutil
-
     from safetensors.torch import save_file
 
-    from .layer_skip import TOKENIZER_FILES
+    from .hf_files import copy_tokenizer_files
 
     src, out = Path(model_dir), Path(out_dir)
     config = json.loads((src / "config.json").read_text(encoding="utf-8"))
@@ -119,7 +117,5 @@ def write_random_draft(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     save_file(tiny_random_state_dict(config, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
-    for name in TOKENIZER_FILES:
-        if (src / name).is_file():
-            shutil.copyfile(src / name, out / name)
+    copy_tokenizer_files(src, out)
     return out
