@@ -69,8 +69,8 @@ def main(argv=None) -> dict:
     before_s, _ = first_request_s()
     start_mib = rss_mib()
     base_dir = resolve_model(args.model, progress=False)
-    checkpoint = perturb_checkpoint(base_dir,
-                                    Path(tempfile.mkdtemp(prefix="pdc-sleep-")) / "step", 1)
+    work = tempfile.TemporaryDirectory(prefix="pdc-sleep-")  # the perturbed checkpoint, removed at the end
+    checkpoint = perturb_checkpoint(base_dir, Path(work.name) / "step", 1)
     rounds: dict[str, list[dict]] = {"level1": [], "level2_reload": [], "level2_update": []}
     for r in range(args.rounds):
         for kind in rounds:
@@ -105,6 +105,7 @@ def main(argv=None) -> dict:
               "awake_rss_mib": round(start_mib), "first_request_awake_s": round(before_s, 4),
               "fresh_engine_build_s": round(build_s, 3), "median": summary, "rounds": rounds,
               "num_reloads": engine.sleep_state.num_reloads}
+    work.cleanup()
     emit_json(result, args.out)
     return result
 
