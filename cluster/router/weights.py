@@ -31,14 +31,18 @@ class WorkerWeights:
         self._handles, self._healthy, self._mark_down = handles, healthy, mark_down
         self._prepared: dict = {}
 
-    async def prepare(self, model_path: str, weight_version: str) -> str:
+    def _in_rotation(self, what: str) -> dict:
+        """The handles of the workers in rotation; RouterError 503 naming ``what`` where none is."""
         handles = {w: h for w, h in self._handles().items() if self._healthy(w)}
         if not handles:
-            raise RouterError("no worker is up to take the weights", status=503)
-        answers = await asyncio.gather(
-            *(asyncio.wait_for(h.prepare_weights.remote(model_path, weight_version), PREPARE_TIMEOUT_S)
-              for h in handles.values()), return_exceptions=True)
-        failed = {w: a for w, a in zip(handles, answers) if isinstance(a, BaseException)}
+            raise RouterError(f"no worker is up to {what}", status=503)
+        return handles
+
+    async def prepare(self, model_path: str, weight_version: str) -> str:
+        handles = self._in_rotation("take the weights")
+        answers = await _on_each(handles, lambda h: h.prepare_weights.remote(model_path, weight_version),
+                                 PREPARE_TIMEOUT_S)
+        failed = _failures(handles, answers)
         reason = next((f"{_reason(e)} (worker {w}; no worker changed its weights)" for w, e in failed.items()), None)
         if reason is None and len(set(answers)) > 1:
             reason = (f"the workers read different files at {model_path} ("
@@ -52,14 +56,11 @@ class WorkerWeights:
 
     async def discard(self) -> None:
         handles, self._prepared = self._prepared, {}
-        await asyncio.gather(*(asyncio.wait_for(h.discard_weights.remote(), COMMIT_TIMEOUT_S)
-                               for h in handles.values()), return_exceptions=True)
+        await _on_each(handles, lambda h: h.discard_weights.remote(), COMMIT_TIMEOUT_S)
 
     async def commit(self) -> list[dict]:
         handles, self._prepared = self._prepared, {}
-        answers = await asyncio.gather(
-            *(asyncio.wait_for(h.commit_weights.remote(), COMMIT_TIMEOUT_S) for h in handles.values()),
-            return_exceptions=True)
+        answers = await _on_each(handles, lambda h: h.commit_weights.remote(), COMMIT_TIMEOUT_S)
         updates = []
         for worker, answer in zip(handles, answers):
             if isinstance(answer, BaseException):
@@ -74,17 +75,12 @@ class WorkerWeights:
     async def release(self, tags: tuple[str, ...], level: int) -> list[dict]:
         """Sleep mode: every worker in rotation gives back the memory of ``tags`` (engine/sleep.py). Where one cannot,
         those that could take theirs back: RouterError 400 with its reason, every worker as before."""
-        handles = {w: h for w, h in self._handles().items() if self._healthy(w)}
-        if not handles:
-            raise RouterError("no worker is up to put to sleep", status=503)
-        answers = await asyncio.gather(
-            *(asyncio.wait_for(h.release_memory.remote(tags, level), SLEEP_TIMEOUT_S) for h in handles.values()),
-            return_exceptions=True)
-        failed = {w: a for w, a in zip(handles, answers) if isinstance(a, BaseException)}
+        handles = self._in_rotation("put to sleep")
+        answers = await _on_each(handles, lambda h: h.release_memory.remote(tags, level), SLEEP_TIMEOUT_S)
+        failed = _failures(handles, answers)
         if failed:
-            slept = [h for w, h in handles.items() if w not in failed]
-            await asyncio.gather(*(asyncio.wait_for(h.wake_up.remote(tags), SLEEP_TIMEOUT_S) for h in slept),
-                                 return_exceptions=True)
+            await _on_each({w: h for w, h in handles.items() if w not in failed}, lambda h: h.wake_up.remote(tags),
+                           SLEEP_TIMEOUT_S)
             worker, error = next(iter(failed.items()))
             raise RouterError(f"{_reason(error)} (worker {worker}; every worker is awake as before)", status=400,
                               kind="invalid_request_error")
@@ -94,10 +90,8 @@ class WorkerWeights:
         """Every worker takes back the memory of ``tags``: each one's sleep state. RouterError 400 with the first
         reason where one cannot (what it could not take back stays asleep; the others are awake)."""
         handles = self._handles()
-        answers = await asyncio.gather(
-            *(asyncio.wait_for(h.wake_up.remote(tags), SLEEP_TIMEOUT_S) for h in handles.values()),
-            return_exceptions=True)
-        failed = {w: a for w, a in zip(handles, answers) if isinstance(a, BaseException)}
+        answers = await _on_each(handles, lambda h: h.wake_up.remote(tags), SLEEP_TIMEOUT_S)
+        failed = _failures(handles, answers)
         if failed:
             worker, error = next(iter(failed.items()))
             raise RouterError(f"{_reason(error)} (worker {worker})", status=400, kind="invalid_request_error")
@@ -118,3 +112,15 @@ class WorkerWeights:
                                f"{read}, was {digest}): update the cluster to it for worker {worker_id} to serve")
         await asyncio.wait_for(handle.commit_weights.remote(), COMMIT_TIMEOUT_S)
         log.info("worker %s now serves weights %s (%s)", worker_id, weight_version, model_path)
+
+
+async def _on_each(handles: dict, call: Callable, timeout_s: float) -> list:
+    """``call(handle)`` (a Ray call) on every worker of ``handles`` at once, each bounded by ``timeout_s``: the answers
+    in ``handles``' order, the exception where one failed."""
+    return await asyncio.gather(*(asyncio.wait_for(call(h), timeout_s) for h in handles.values()),
+                                return_exceptions=True)
+
+
+def _failures(handles: dict, answers: list) -> dict:
+    """worker id -> exception, for the workers whose answer is one."""
+    return {w: a for w, a in zip(handles, answers) if isinstance(a, BaseException)}
