@@ -96,10 +96,11 @@ def _run_with_service(router, socket_dir: str, body, admin_app=None) -> None:
     asyncio.run(main())
 
 
-def with_one_api_process(router, body) -> None:
+def with_one_api_process(router, body, admin_app=None) -> None:
     """``body(remote)`` against one API process's RemoteRouter handshaken with a RouterService over ``router`` on
     real zmq ipc sockets in a fresh directory; the remote, the service, the router and the directory are closed
-    after (other files' tests of what crosses the frontend codec)."""
+    after (other files' tests of what crosses the frontend codec). ``admin_app``: the router process's app answering
+    the API processes' admin calls (routes an API process forwards)."""
     import shutil
     import tempfile
 
@@ -113,7 +114,7 @@ def with_one_api_process(router, body) -> None:
             remote.close()
 
     try:
-        _run_with_service(router, socket_dir, with_remote)
+        _run_with_service(router, socket_dir, with_remote, admin_app)
     finally:
         router.close()
         shutil.rmtree(socket_dir, ignore_errors=True)

@@ -9,8 +9,6 @@ shared-memory cache too) sleeps and wakes.
 from __future__ import annotations
 
 import asyncio
-import shutil
-import tempfile
 
 import pytest
 
@@ -131,37 +129,28 @@ def test_api_processes_forward_the_routes_to_the_router_process():
     from pdcluster.cluster.api.middleware import install_error_handlers
     from pdcluster.cluster.api.sleep_routes import install_sleep_routes
     from pdcluster.cluster.frontend.admin_proxy import install_sleep_routes_proxy
-    from test_api_servers import _remote, _run_with_service
+    from test_api_servers import with_one_api_process
 
     router = _local_router()
-    socket_dir = tempfile.mkdtemp(prefix="pdc-")
     admin_app = FastAPI()
     install_error_handlers(admin_app)
     install_sleep_routes(admin_app, router)
 
-    async def main(service):
-        remote = await _remote(socket_dir, 0)
+    async def body(remote):
         remote.announce_ready()
         api = build_app(remote, "tiny-random", router_control=False)
         install_sleep_routes_proxy(api, remote)
-        try:
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=api), base_url="http://api") as client:
-                r = await client.post("/sleep?level=2", timeout=60)
-                assert r.status_code == 200 and r.json()["sleep_level"] == 2, r.text
-                assert router.is_sleeping and (await client.get("/is_sleeping")).json() == {"is_sleeping": True}
-                r = await client.post("/generate", timeout=60, json={"input_ids": PROMPTS[0]})
-                assert r.status_code == 503 and "sleeping" in r.text
-                assert (await client.post("/wake_up?tags=everything")).status_code == 400
-                assert (await client.post("/wake_up", timeout=120)).status_code == 200 and not router.is_sleeping
-                assert router.worker.engine.sleep_state.num_reloads == 1
-        finally:
-            remote.close()
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=api), base_url="http://api") as client:
+            r = await client.post("/sleep?level=2", timeout=60)
+            assert r.status_code == 200 and r.json()["sleep_level"] == 2, r.text
+            assert router.is_sleeping and (await client.get("/is_sleeping")).json() == {"is_sleeping": True}
+            r = await client.post("/generate", timeout=60, json={"input_ids": PROMPTS[0]})
+            assert r.status_code == 503 and "sleeping" in r.text
+            assert (await client.post("/wake_up?tags=everything")).status_code == 400
+            assert (await client.post("/wake_up", timeout=120)).status_code == 200 and not router.is_sleeping
+            assert router.worker.engine.sleep_state.num_reloads == 1
 
-    try:
-        _run_with_service(router, socket_dir, main, admin_app)
-    finally:
-        router.close()
-        shutil.rmtree(socket_dir, ignore_errors=True)
+    with_one_api_process(router, body, admin_app)
 
 
 @pytest.mark.slow

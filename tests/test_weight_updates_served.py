@@ -7,8 +7,6 @@ real ``pdcluster serve --api-servers 2`` does it through either process.
 from __future__ import annotations
 
 import asyncio
-import shutil
-import tempfile
 import time
 
 import pytest
@@ -154,49 +152,40 @@ def test_api_processes_forward_the_routes_to_the_router_process(checkpoints):  #
     from pdcluster.cluster.api.control_routes import install_control_routes
     from pdcluster.cluster.api.weight_routes import install_weight_routes
     from pdcluster.cluster.frontend.admin_proxy import install_control_proxy, install_weight_routes_proxy
-    from test_api_servers import _remote, _run_with_service
+    from test_api_servers import with_one_api_process
 
     router = _local_router()
-    socket_dir = tempfile.mkdtemp(prefix="pdc-")
     admin_app = FastAPI()
     install_error_handlers(admin_app)
     install_weight_routes(admin_app, router)
     install_control_routes(admin_app, router)
 
-    async def main(service):
-        remote = await _remote(socket_dir, 0)
+    async def body(remote):
         remote.announce_ready()
         api = build_app(remote, "tiny-random", router_control=False)
         install_weight_routes_proxy(api, remote)
         install_control_proxy(api, remote)
         transport = httpx.ASGITransport(app=api)
-        try:
-            async with httpx.AsyncClient(transport=transport, base_url="http://api") as client:
-                long = asyncio.ensure_future(client.post("/generate", timeout=60, json={
-                    "input_ids": PROMPTS[0], "rid": "far", "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}}))
-                while router.generation.num_in_flight != 1:
-                    assert not long.done(), (await long).text
-                    await asyncio.sleep(0.01)
-                assert (await client.post("/abort_request", json={"rid": "far"})).json() == {"num_aborted": 1}
-                assert (await long).json()["meta_info"]["finish_reason"]["type"] == "abort"
-                assert (await client.post("/pause?mode=wait")).json() == {"status": "paused"}
-                assert router.is_paused and (await client.get("/is_paused")).json() == {"is_paused": True}
-                assert (await client.post("/resume")).status_code == 200 and not router.is_paused
-                r = await client.post("/update_weights_from_disk", timeout=120,
-                                      json={"model_path": checkpoints[("tiny-random", 1)], "weight_version": "w"})
-                assert r.status_code == 200 and r.json()["success"] is True
-                assert (await client.get("/get_weight_version")).json() == {"weight_version": "w"}
-                assert router.weight_version == "w"
-                r = await client.post("/update_weights_from_disk", json={"model_path": "nowhere/at/all"})
-                assert r.status_code == 400 and r.json()["success"] is False
-        finally:
-            remote.close()
+        async with httpx.AsyncClient(transport=transport, base_url="http://api") as client:
+            long = asyncio.ensure_future(client.post("/generate", timeout=60, json={
+                "input_ids": PROMPTS[0], "rid": "far", "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}}))
+            while router.generation.num_in_flight != 1:
+                assert not long.done(), (await long).text
+                await asyncio.sleep(0.01)
+            assert (await client.post("/abort_request", json={"rid": "far"})).json() == {"num_aborted": 1}
+            assert (await long).json()["meta_info"]["finish_reason"]["type"] == "abort"
+            assert (await client.post("/pause?mode=wait")).json() == {"status": "paused"}
+            assert router.is_paused and (await client.get("/is_paused")).json() == {"is_paused": True}
+            assert (await client.post("/resume")).status_code == 200 and not router.is_paused
+            r = await client.post("/update_weights_from_disk", timeout=120,
+                                  json={"model_path": checkpoints[("tiny-random", 1)], "weight_version": "w"})
+            assert r.status_code == 200 and r.json()["success"] is True
+            assert (await client.get("/get_weight_version")).json() == {"weight_version": "w"}
+            assert router.weight_version == "w"
+            r = await client.post("/update_weights_from_disk", json={"model_path": "nowhere/at/all"})
+            assert r.status_code == 400 and r.json()["success"] is False
 
-    try:
-        _run_with_service(router, socket_dir, main, admin_app)
-    finally:
-        router.close()
-        shutil.rmtree(socket_dir, ignore_errors=True)
+    with_one_api_process(router, body, admin_app)
 
 
 class ThreadPool:
