@@ -329,6 +329,7 @@ class ClusterRouter(WeightControlled):
             self.streams.fail(r, f"{reason} (gave up after {r.num_recoveries} recoveries)")
             return
         r.num_recoveries += 1
+        recovery = r.num_recoveries
         log.warning("recovering request %s after %d tokens: %s", r.request_id, len(r.emitted), reason)
         r.recovering = True
         r.attempt = None
@@ -346,7 +347,8 @@ class ClusterRouter(WeightControlled):
             except Exception as e:  # noqa: BLE001 - no healthy pair: end clearly, within the deadline
                 self.streams.fail(r, f"{reason}; recovery failed: {e}")
             finally:
-                r.recovering = False
+                if r.num_recoveries == recovery:  # not when its placement failed before this returned: the
+                    r.recovering = False           # recovery that started then is still placing
 
         self._loop.create_task(place_again())
 

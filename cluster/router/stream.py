@@ -74,12 +74,14 @@ class RequestStreams:
 
     def current(self, wid: str, worker_id: str) -> tuple[RequestState, Attempt] | None:
         """As ``lookup``, and only while ``wid`` is the request's placement now (not one a recovery left behind,
-        nor while it is being placed again): whose tokens and failures count."""
+        nor one still waiting for its verdict): whose tokens and failures count. A recovery's new placement counts
+        from its admission (``admitted`` makes it the request's attempt), not from the return of the call that
+        placed it: its first tokens may come before Ray's reply to that call does."""
         found = self._by_wid.get(wid)
         if found is None:
             return None
         r, a = found
-        if worker_id != a.decode_id or r.finished or r.recovering or r.attempt is not a:
+        if worker_id != a.decode_id or r.finished or r.attempt is not a:
             return None
         return found
 
