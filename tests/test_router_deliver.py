@@ -298,6 +298,50 @@ def test_a_worker_that_fails_after_admitting_is_placed_once(how):
     assert not router.requests and router.streams.num_placements == 0
 
 
+def _recovered_onto_a_spare(after_admission, num_placements_on_spare: int, tail: list[int]) -> list[TokenDelta]:
+    """Stream a request of 3 tokens: the first (11) from decode worker d0, which is then marked down; the recovery
+    goes to d1, whose submit calls run ``after_admission(spare, router)`` after admitting. Once d1 has been asked
+    ``num_placements_on_spare`` times and the recovery is done, d1's last placement sends ``tail`` (its last token
+    finishes the request). Returns the deltas streamed, after checking that no placement was left behind."""
+    router = ClusterRouter({}, {}, None, "m", max_model_len=128, block_size=16,
+                           config=RouterConfig(health_interval_s=3600))
+    got: list[TokenDelta] = []
+    first = _ScriptedDecode(router.event_address, "d0")
+    router.decode["d0"] = first
+    router.membership.add("d0", "decode", first, 64, 16, incarnation="i0")
+    spare = _ScriptedDecode(router.event_address, "d1", after_admission=lambda: after_admission(spare, router))
+
+    async def main():
+        task = asyncio.ensure_future(router.deliver("a", PROMPT, SamplingParams(max_tokens=3), got.append))
+        await _until(lambda: first.submitted)
+        first.step({first.submitted[0]: [11]}, 1)
+        await _until(lambda: got)
+        router.decode["d1"] = spare
+        router.membership.add("d1", "decode", spare, 64, 16, incarnation="i1")
+        router.mark_down("d0", "killed")
+        r = router.requests["a"]
+        await _until(lambda: len(spare.submitted) == num_placements_on_spare and not r.recovering)
+        await asyncio.sleep(0.3)  # a further placement, if any, is made by now
+        assert len(spare.submitted) == num_placements_on_spare, spare.submitted
+        assert spare.aborted == spare.submitted[:-1]
+        assert router.streams.num_placements == 1
+        wid, num_output_tokens = spare.submitted[-1], 3 - len(tail)
+        for token in tail[:-1]:
+            num_output_tokens += 1
+            spare.step({wid: [token]}, num_output_tokens)
+        spare.last(wid, tail[-1], num_output_tokens + 1)
+        await asyncio.wait_for(task, 10)
+
+    try:
+        asyncio.run(main())
+    finally:
+        first.pusher.close()
+        spare.pusher.close()
+        router.close()
+    assert not router.requests and router.streams.num_placements == 0
+    return got
+
+
 def test_a_recovered_placement_streams_the_tokens_sent_before_its_placing_call_returned():
     """A recovery places the request again; the new decode worker admits it and its first tokens reach the router
     before Ray's reply to the submit call does (events and replies travel separately: a fast re-prefill, as a
@@ -305,42 +349,13 @@ def test_a_recovered_placement_streams_the_tokens_sent_before_its_placing_call_r
     admission on and must be streamed: the CI run of 7fa8135 lost one (test_multimodal's decode-worker recovery
     streamed 39 of 40 tokens, the one at the kill missing) while the router still counted it in its prompt for the
     recovery. Fails with stream.py's ``current`` dropping events while the request is ``recovering``."""
-    router = ClusterRouter({}, {}, None, "m", max_model_len=128, block_size=16,
-                           config=RouterConfig(health_interval_s=3600))
-    got: list[TokenDelta] = []
-    first = _ScriptedDecode(router.event_address, "d0")
-    router.decode["d0"] = first
-    router.membership.add("d0", "decode", first, 64, 16, incarnation="i0")
-
-    async def first_token_before_the_reply():
-        wid = spare.submitted[-1]
-        spare.step({wid: [12]}, 1)
+    async def first_token_before_the_reply(spare, router):
+        spare.step({spare.submitted[-1]: [12]}, 1)
         await asyncio.sleep(0.3)  # the router's loop handles the step before this call returns
 
-    spare = _ScriptedDecode(router.event_address, "d1", after_admission=first_token_before_the_reply)
-
-    async def main():
-        task = asyncio.ensure_future(router.deliver("a", PROMPT, SamplingParams(max_tokens=3), got.append))
-        await _until(lambda: first.submitted)
-        first.step({first.submitted[0]: [11]}, 1)
-        await _until(lambda: got)
-        router.decode["d1"] = spare
-        router.membership.add("d1", "decode", spare, 64, 16, incarnation="i1")
-        router.mark_down("d0", "killed")
-        r = router.requests["a"]
-        await _until(lambda: spare.submitted and not r.recovering)
-        spare.last(spare.submitted[0], 13, 2)
-        await asyncio.wait_for(task, 10)
-
-    try:
-        asyncio.run(main())
-    finally:
-        first.pusher.close()
-        spare.pusher.close()
-        router.close()
+    got = _recovered_onto_a_spare(first_token_before_the_reply, 1, tail=[13])
     assert [t for d in got for t in d.new_token_ids] == [11, 12, 13] and got[-1].finished
     assert got[-1].num_output_tokens == 3
-    assert not router.requests and router.streams.num_placements == 0
 
 
 def test_a_recovered_placement_that_fails_before_its_placing_call_returned_is_recovered_again():
@@ -348,43 +363,10 @@ def test_a_recovered_placement_that_fails_before_its_placing_call_returned_is_re
     its submit: that failure is the request's and places it once more, and the stream ends whole. Dropped (as
     ``current`` did while the request was ``recovering``), the request would wait for tokens that never come until
     its deadline."""
-    router = ClusterRouter({}, {}, None, "m", max_model_len=128, block_size=16,
-                           config=RouterConfig(health_interval_s=3600))
-    got: list[TokenDelta] = []
-    first = _ScriptedDecode(router.event_address, "d0")
-    router.decode["d0"] = first
-    router.membership.add("d0", "decode", first, 64, 16, incarnation="i0")
-
-    async def fail_once_before_the_reply():
+    async def fail_once_before_the_reply(spare, router):
         if len(spare.submitted) == 1:
             spare.pusher(Failed(spare.submitted[-1], "d1", "the KV transfer failed"))
             await asyncio.sleep(0.3)  # the router's loop handles the failure before this call returns
 
-    spare = _ScriptedDecode(router.event_address, "d1", after_admission=fail_once_before_the_reply)
-
-    async def main():
-        task = asyncio.ensure_future(router.deliver("a", PROMPT, SamplingParams(max_tokens=3), got.append))
-        await _until(lambda: first.submitted)
-        first.step({first.submitted[0]: [11]}, 1)
-        await _until(lambda: got)
-        router.decode["d1"] = spare
-        router.membership.add("d1", "decode", spare, 64, 16, incarnation="i1")
-        router.mark_down("d0", "killed")
-        r = router.requests["a"]
-        await _until(lambda: len(spare.submitted) == 2 and not r.recovering)
-        await asyncio.sleep(0.3)  # a further placement, if any, is made by now
-        assert len(spare.submitted) == 2 and spare.aborted == spare.submitted[:1]
-        assert router.streams.num_placements == 1
-        wid = spare.submitted[1]
-        spare.step({wid: [12]}, 1)
-        spare.last(wid, 13, 2)
-        await asyncio.wait_for(task, 10)
-
-    try:
-        asyncio.run(main())
-    finally:
-        first.pusher.close()
-        spare.pusher.close()
-        router.close()
+    got = _recovered_onto_a_spare(fail_once_before_the_reply, 2, tail=[12, 13])
     assert [t for d in got for t in d.new_token_ids] == [11, 12, 13] and got[-1].finished
-    assert not router.requests and router.streams.num_placements == 0
