@@ -37,34 +37,52 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_and_update(mode: str, base: Path, other: Path, rounds: int, dtype: str, work: Path) -> dict:
-    """A real server of ``mode`` on ``base``: seconds from its start to its first completion, and each update's
-    round trip over HTTP (alternating ``other`` and ``base``); its answers after the last update."""
+def start_server(mode: str, base: Path, dtype: str, work: Path, *extra: str):
+    """A real ``pdcluster serve --mode MODE --enable-weight-updates`` on ``base``, once it answered a completion:
+    (process, url, seconds from its start to that answer, its log file)."""
     import httpx
 
     port = _free_port()
     flags = ["--mode", mode, "--model", str(base), "--dtype", dtype, "--port", str(port), "--enable-weight-updates",
-             "--num-kv-blocks", "256", "--max-model-len", "1024"]
+             "--num-kv-blocks", "256", "--max-model-len", "1024", *extra]
     if mode == "disagg":
         flags += ["--num-prefill", "1", "--num-decode", "1"]
     log = open(work / f"serve-{mode}.log", "w")
     started = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "pdcluster.cli", "serve", *flags], stdout=log,
                             stderr=subprocess.STDOUT, env={**os.environ, "RAY_TMPDIR": str(work)})
+    url = f"http://127.0.0.1:{port}"
+    body = {"model": str(base), "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+    deadline = time.monotonic() + 600
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_server(proc, log)
+            raise RuntimeError(f"serve --mode {mode} did not come up: see {log.name}")
+        try:
+            if httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    return proc, url, time.perf_counter() - started, log
+
+
+def stop_server(proc, log) -> None:
+    proc.terminate()
     try:
-        url = f"http://127.0.0.1:{port}"
-        body = {"model": str(base), "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
-        deadline = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"serve --mode {mode} did not come up: see {log.name}")
-            try:
-                if httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        ready_s = time.perf_counter() - started
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
+
+
+def serve_and_update(mode: str, base: Path, other: Path, rounds: int, dtype: str, work: Path) -> dict:
+    """A real server of ``mode`` on ``base``: seconds from its start to its first completion, and each update's
+    round trip over HTTP (alternating ``other`` and ``base``); its answers after the last update."""
+    import httpx
+
+    proc, url, ready_s, log = start_server(mode, base, dtype, work)
+    try:
         updates = []
         for i, target in enumerate([other, base] * rounds):
             t0 = time.perf_counter()
@@ -77,12 +95,7 @@ def serve_and_update(mode: str, base: Path, other: Path, rounds: int, dtype: str
                 "update_http_s_median": round(statistics.median(updates), 3),
                 "update_http_s": [round(x, 3) for x in updates]}
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        stop_server(proc, log)
 
 
 def main(argv=None) -> dict:

@@ -30,6 +30,7 @@ from typing import Awaitable, Callable, Protocol
 
 from pdcluster.cluster.api.router_contract import RouterError
 from pdcluster.engine.sampling_params import DEFAULT_WEIGHT_VERSION, SamplingParams
+from pdcluster.cluster.weights_from_trainer import WeightsFromTrainer
 from pdcluster.engine.weight_update import WeightUpdateError, check_version
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,7 @@ class GenerationControl:
         self.update_lock = asyncio.Lock()  # one update at a time; a joining worker's sync holds it too
         self.weight_version = DEFAULT_WEIGHT_VERSION
         self.weights_path: str | None = None  # None: the checkpoint the workers started with
+        self.start_path: str | None = None  # that checkpoint's directory (set by the router's maker)
         self.weights_digest = ""  # engine/weight_update.py checkpoint_digest of what is served since an update
         self._used: dict[str, str] = {}  # version -> the digest of the contents it named
         self.num_updates = 0
@@ -303,13 +305,29 @@ class WeightControlled:
     WeightControl, the same for the local and the Ray router."""
 
     generation: GenerationControl
+    _trainer_weights: WeightsFromTrainer | None = None
+
+    @property
+    def trainer_weights(self) -> WeightsFromTrainer:
+        """SGLang's weight update from a trainer's process group (cluster/weights_from_trainer.py)."""
+        if self._trainer_weights is None:
+            self._trainer_weights = WeightsFromTrainer(self.generation)
+        return self._trainer_weights
+
+    def close_trainer_weights(self) -> None:
+        if self._trainer_weights is not None:
+            self._trainer_weights.close()
 
     async def pause(self, mode: str = "abort", timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> int:
         """vLLM's pause_generation: how many requests were in flight."""
         return await self.generation.pause(mode, timeout_s)
 
-    async def resume(self) -> None:
+    async def resume(self) -> dict | None:
+        """Generation goes on, on the weights a trainer sent while it was paused where it did (their update's
+        answer; None where none came). RouterError where they cannot be served: generation stays paused."""
+        answer = await self._trainer_weights.apply_staged() if self._trainer_weights is not None else None
         self.generation.resume()
+        return answer
 
     @property
     def is_paused(self) -> bool:
@@ -322,6 +340,8 @@ class WeightControlled:
     async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
                                        abort_all: bool = False, timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> dict:
         """Every worker serves the checkpoint at ``model_path``."""
+        if self._trainer_weights is not None:
+            self._trainer_weights.check_nothing_staged()
         return await self.generation.update_weights(model_path, weight_version, abort_all, timeout_s)
 
     async def abort_matching(self, pattern: str) -> int:

@@ -191,6 +191,7 @@ class Cluster:
                                 busy_prefill_tokens=spec.busy_prefill_tokens, request_timeout_s=spec.request_timeout_s,
                                 event_host=event_host),
         )
+        self.router.generation.start_path = str(self.model_dir)
         slot = {"prefill": "prefill_slot", "decode": "decode_slot"}
         # On GPU clusters the role slot still decides the node type (prefill vs decode nodes).
         role_slots = ray.cluster_resources()

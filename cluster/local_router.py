@@ -196,6 +196,7 @@ class LocalRouter(WeightControlled):
         self.worker.on_event = self._on_event
         # Pause / resume and weight updates (cluster/generation_control.py): every request passes its gate.
         self.generation = GenerationControl(self.abort, _EngineWeights(self.worker), request_timeout_s)
+        self.generation.start_path = engine.weights_path
 
     # ---- engine thread ------------------------------------------------------------------------------
     def _on_event(self, event) -> None:
@@ -435,6 +436,7 @@ class LocalRouter(WeightControlled):
         for loop, queue in list(self._streams.values()):
             self._deliver(loop, queue, Failed(request_id="", worker_id="", reason="router is shutting down"))
         self.worker.close()
+        self.close_trainer_weights()
 
 
 class _Push:

@@ -118,6 +118,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="serve the routes an RL trainer drives between rollouts: POST /pause, /resume, GET /is_paused "
                         "(vLLM's), POST /update_weights_from_disk, GET /get_weight_version (SGLang's), GET "
                         "/weight_info; on with VLLM_SERVER_DEV_MODE=1 too (cluster/api/weight_routes.py)")
+    g.add_argument("--weight-staging-dir", default="", metavar="DIR",
+                   help="with --enable-weight-updates: where the weights a trainer broadcasts "
+                        "(/update_weights_from_distributed) are written as a checkpoint for the workers to read; "
+                        "default the system's temporary directory; on a multi-node cluster a directory every node "
+                        "sees")
     g.add_argument("--enable-sleep-mode", action="store_true",
                    help="serve POST /sleep?level=1|2, /wake_up, GET /is_sleeping (vLLM's) and POST "
                         "/release_memory_occupation, /resume_memory_occupation (SGLang's): idle workers give back the "

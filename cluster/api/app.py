@@ -73,7 +73,8 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
               kv_transfer: bool = False, kv_role: str = "", served_model_aliases: tuple[str, ...] = (), response_role: str = "assistant",
               trust_request_chat_template: bool = False, server_load_tracking: bool = False,
               request_id_headers: bool = False, metrics_prefix: str = "pdcluster", otlp_traces_endpoint: str = "",
-              collect_detailed_traces: str = "", weight_updates: bool = False, sleep_mode: bool = False,
+              collect_detailed_traces: str = "", weight_updates: bool = False, weight_staging_dir: str = "",
+              sleep_mode: bool = False,
               router_control: bool = True) -> FastAPI:
     """``served_model_aliases``: more names the base model is served under, after ``served_model_name`` (vLLM's
     --served-model-name NAME...): a request's ``model`` may be any, /v1/models lists each, answers and metrics give
@@ -279,7 +280,7 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
     if runtime_lora:
         install_lora_routes(app, router, served_model_name, served_model_aliases)
     if weight_updates:
-        install_weight_routes(app, router)
+        install_weight_routes(app, router, weight_staging_dir)
     if sleep_mode:
         install_sleep_routes(app, router)
     install_middleware(app, max_body_bytes, api_key, cors)

@@ -104,6 +104,9 @@ class ApiOptions:
     otlp_traces_endpoint: str = ""  # vLLM's --otlp-traces-endpoint: a span per request (cluster/api/tracing.py)
     collect_detailed_traces: str = ""  # vLLM's --collect-detailed-traces: the span's children
     weight_updates: bool = False  # the RL routes: pause / resume and weight updates (cluster/api/weight_routes.py)
+    # Where checkpoints a trainer broadcast are written for the workers to read (cluster/weights_from_trainer.py):
+    # "" = the system's temporary directory; a directory every node sees on a multi-node cluster.
+    weight_staging_dir: str = ""
     sleep_mode: bool = False  # vLLM's --enable-sleep-mode: /sleep, /wake_up and SGLang's pair (cluster/api/sleep_routes.py)
     # --served-model-name's names after the first (cluster/api/served_names.py): here, every API process gets them
     served_model_aliases: tuple[str, ...] = ()
@@ -133,6 +136,7 @@ class ApiOptions:
                    otlp_traces_endpoint=getattr(args, "otlp_traces_endpoint", ""),
                    collect_detailed_traces=getattr(args, "collect_detailed_traces", ""),
                    weight_updates=getattr(args, "enable_weight_updates", False) or dev_mode_env(),
+                   weight_staging_dir=getattr(args, "weight_staging_dir", ""),
                    sleep_mode=getattr(args, "enable_sleep_mode", False),
                    served_model_aliases=tuple(getattr(args, "served_model_aliases", ())))
 

@@ -113,7 +113,13 @@ class WeightControl(Protocol):
         """Stop starting requests; abort or wait for those in flight. RouterError 400 / 504."""
         ...
 
-    async def resume(self) -> None:
+    # SGLang's weight update from a trainer's process group (cluster/weights_from_trainer.py WeightsFromTrainer:
+    # init_group, update, destroy_group).
+    trainer_weights: object
+
+    async def resume(self) -> dict | None:
+        """Generation goes on (on a trainer's staged weights where it sent some while paused: their update's
+        answer). RouterError where those cannot be served (generation stays paused)."""
         ...
 
     async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,

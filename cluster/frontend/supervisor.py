@@ -81,7 +81,7 @@ class ApiServers:
         if options.weight_updates:  # the API processes forward them here (cluster/frontend/admin_proxy.py)
             from pdcluster.cluster.api.weight_routes import install_weight_routes
 
-            install_weight_routes(admin_app, router)
+            install_weight_routes(admin_app, router, options.weight_staging_dir)
         if options.sleep_mode:  # likewise (cluster/api/sleep_routes.py)
             from pdcluster.cluster.api.sleep_routes import install_sleep_routes
 

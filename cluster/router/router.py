@@ -194,6 +194,7 @@ class ClusterRouter(WeightControlled):
         if task is not None and loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(task.cancel)
         self._events.close()
+        self.close_trainer_weights()
 
     # ---- health ------------------------------------------------------------------------------------
     def mark_down(self, worker_id: str, reason: str) -> None:

@@ -1,0 +1,197 @@
+"""SGLang's weight update from a trainer's process group, for the local and the Ray router: what RL frameworks that
+train on other machines than their rollouts call (slime, AReaL, OpenRLHF with SGLang; verl's non-colocated mode).
+
+- ``init_group``: join the trainer's group (cluster/trainer_group.py) as its rank ``rank_offset``.
+- ``update``: receive the tensors the call names, by broadcast from rank 0, in order; check them against the served
+  checkpoint (Hugging Face names and shapes, cluster/staged_checkpoint.py); then
+  - generation running: every worker serves them from the answer on, as one weight update from disk
+    (cluster/generation_control.py: in-flight requests finish first, or are aborted; a new weight version);
+  - generation paused by the caller (slime, AReaL pause around an update sent in buckets, each call naming the same
+    ``weight_version``): they are staged, and the staged tensors of every call since are served together, as one
+    update under the last version named, when generation resumes (or an update from disk comes, which refuses while
+    any are staged). One version, one set of weights: a bucket never runs as a version of its own.
+- ``destroy_group``: leave the group.
+
+The tensors are received before anything else is checked, so the trainer's broadcasts always complete: a refused
+update (unknown names, other shapes) answers 400 having taken them, and the trainer goes on. Only an update whose
+form is wrong (lengths, dtypes) or that names more bytes than the served checkpoint could hold is refused before,
+as its broadcasts cannot be matched anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import time
+from pathlib import Path
+
+from pdcluster.cluster.api.router_contract import RouterError
+from pdcluster.cluster.staged_checkpoint import (StagedCheckpointError, check_names, checkpoint_shapes, is_staged,
+                                                 write_staged_checkpoint)
+from pdcluster.cluster.trainer_group import BACKENDS, TrainerGroup, TrainerGroupError, tensor_specs
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GROUP_NAME = "weight_update_group"  # SGLang's
+JOIN_TIMEOUT_S = 600.0
+MAX_BYTES_PER_ELEMENT = 8  # an update names at most the served checkpoint's elements, at 8 bytes each
+
+
+def _bad(message: str) -> RouterError:
+    return RouterError(message, status=400, kind="invalid_request_error")
+
+
+class WeightsFromTrainer:
+    def __init__(self, generation, staging_dir: str | None = None):
+        self.generation = generation  # cluster/generation_control.py GenerationControl
+        self.staging_dir = staging_dir  # where staged checkpoints go (None: the system's temporary directory)
+        self.groups: dict[str, TrainerGroup] = {}
+        self.staged: dict = {}  # name -> tensor, received while generation was paused, not yet served
+        self.staged_version: str | None = None
+        self.num_received = 0  # tensors received since the server started
+        self._lock = asyncio.Lock()  # one group operation at a time: a group's broadcasts are matched in order
+        self._num_updates = 0
+
+    # ---- the group ----------------------------------------------------------------------------------
+    async def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                         group_name: str = DEFAULT_GROUP_NAME, backend: str = "gloo",
+                         timeout_s: float = JOIN_TIMEOUT_S) -> dict:
+        if backend not in BACKENDS:
+            raise _bad(f"backend {backend!r}: this server receives the weights in its router's process, which holds no "
+                       f"GPU; make the group with backend 'gloo' (it sends from the trainer's GPUs too)")
+        if not 0 < rank_offset < world_size:
+            raise _bad(f"rank_offset {rank_offset} must be within the group (1 .. world_size - 1 = {world_size - 1}): "
+                       "rank 0 is the trainer, and this server receives as one rank")
+        async with self._lock:
+            if group_name in self.groups:
+                raise _bad(f"group {group_name!r} was joined already: POST /destroy_weights_update_group first")
+            group = TrainerGroup(group_name, rank_offset, world_size, backend, timeout_s)
+            try:
+                await asyncio.to_thread(group.join, master_address, master_port)
+            except Exception as e:  # noqa: BLE001 - the rendezvous: an unreachable master, a timeout
+                raise RouterError(f"joining group {group_name!r} at {master_address}:{master_port} failed: {e}",
+                                  status=400, kind="invalid_request_error") from None
+            self.groups[group_name] = group
+        log.info("joined the trainer's weight group %s as rank %d of %d", group_name, rank_offset, world_size)
+        return {"success": True, "message": f"Joined group {group_name} as rank {rank_offset} of {world_size}."}
+
+    async def destroy_group(self, group_name: str = DEFAULT_GROUP_NAME) -> dict:
+        async with self._lock:
+            group = self.groups.pop(group_name, None)
+            if group is None:
+                raise _bad(f"no group {group_name!r} was joined here")
+            await asyncio.to_thread(group.close)
+        return {"success": True, "message": f"Left group {group_name}."}
+
+    def close(self) -> None:
+        """Leave every group; the staged checkpoint served now goes (the workers go with the router)."""
+        if is_staged(self.generation.weights_path):
+            shutil.rmtree(self.generation.weights_path, ignore_errors=True)
+        for group in self.groups.values():
+            _close_quietly(group)
+        self.groups.clear()
+
+    # ---- an update ----------------------------------------------------------------------------------
+    async def update(self, names: list, dtypes: list, shapes: list, group_name: str = DEFAULT_GROUP_NAME,
+                     weight_version: str | None = None, abort_all: bool = False,
+                     timeout_s: float = 600.0) -> dict:
+        async with self._lock:
+            group = self.groups.get(group_name)
+            if group is None:
+                raise _bad(f"no group {group_name!r} was joined here: POST /init_weights_update_group first")
+            try:
+                specs = tensor_specs(names, dtypes, shapes)
+            except TrainerGroupError as e:
+                raise _bad(str(e)) from None
+            base = self._served_path()
+            try:
+                served = checkpoint_shapes(base)
+            except StagedCheckpointError as e:  # a GGUF file: nothing to replace tensors of
+                raise _bad(str(e)) from None
+            limit = MAX_BYTES_PER_ELEMENT * sum(_numel(shape) for shape, _ in served.values())
+            if sum(s.num_bytes for s in specs) > limit:
+                raise _bad(f"the update names {sum(s.num_bytes for s in specs) / 2**30:.2f} GiB, more than the served "
+                           "checkpoint could hold")
+            started = time.monotonic()
+            try:
+                tensors = await asyncio.to_thread(group.receive, specs)
+            except Exception as e:  # noqa: BLE001 - a trainer that died or sent other sizes: the group is broken
+                self.groups.pop(group_name, None)
+                await asyncio.to_thread(_close_quietly, group)
+                raise RouterError(f"receiving the weights over group {group_name!r} failed ({e}); the group is left: "
+                                  "POST /init_weights_update_group again", status=503) from None
+            received_s = time.monotonic() - started
+            self.num_received += len(tensors)
+            try:
+                check_names(base, {s.name: s.shape for s in specs})
+            except StagedCheckpointError as e:
+                raise _bad(f"{e}; the tensors were received and dropped, nothing changed") from None
+            update = dict(zip((s.name for s in specs), tensors))
+            if self.generation.is_paused:  # buckets of one version: served together at the resume
+                self.staged.update(update)
+                self.staged_version = weight_version or self.staged_version
+                return {"success": True, "num_paused_requests": 0, "weight_version": self.staged_version,
+                        "message": f"Received {len(tensors)} tensors in {received_s:.2f} s; {len(self.staged)} staged, "
+                                   "served when generation resumes."}
+            answer = await self._serve(update, weight_version, abort_all, timeout_s)
+            answer["message"] = f"Received {len(tensors)} tensors in {received_s:.2f} s. " + answer["message"]
+            return answer
+
+    async def apply_staged(self, timeout_s: float = 600.0) -> dict | None:
+        """Serve the staged tensors (on the resume); None when none are."""
+        async with self._lock:
+            if not self.staged:
+                return None
+            try:
+                answer = await self._serve(self.staged, self.staged_version, False, timeout_s)
+            except RouterError as e:
+                if e.status == 400:  # they can never be served (a version name used before): dropped
+                    self.staged, self.staged_version = {}, None
+                raise  # else (workers down, a drain that timed out) kept, for the next resume
+            self.staged, self.staged_version = {}, None
+            return answer
+
+    def check_nothing_staged(self) -> None:
+        """RouterError 409 while tensors are staged (an update from disk would serve without them)."""
+        if self.staged:
+            raise RouterError(f"{len(self.staged)} tensors received from the trainer are staged while generation is "
+                              "paused: POST /continue_generation (or /resume) serves them first", status=409)
+
+    async def _serve(self, tensors: dict, weight_version: str | None, abort_all: bool, timeout_s: float) -> dict:
+        base = self._served_path()
+        try:
+            staged = await asyncio.to_thread(write_staged_checkpoint, base, tensors, self.staging_dir)
+        except StagedCheckpointError as e:
+            raise _bad(str(e)) from None
+        self._num_updates += 1
+        version = weight_version or f"trainer-{self._num_updates}"
+        try:
+            answer = await self.generation.update_weights(str(staged), version, abort_all, timeout_s)
+        except BaseException:
+            shutil.rmtree(staged, ignore_errors=True)
+            raise
+        if is_staged(base) and Path(base) != staged:  # the checkpoint served before: no worker reads it any more
+            shutil.rmtree(base, ignore_errors=True)
+        return answer
+
+    def _served_path(self) -> str:
+        path = self.generation.weights_path or self.generation.start_path
+        if path is None:
+            raise RouterError("this router does not know the served checkpoint's directory", status=500)
+        return path
+
+
+
+def _close_quietly(group: TrainerGroup) -> None:
+    try:
+        group.close()
+    except Exception as e:  # noqa: BLE001 - a broken group, or shutting down
+        log.warning("leaving group %s: %s", group.name, e)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    numel = 1
+    for size in shape:
+        numel *= size
+    return numel
