@@ -114,6 +114,11 @@ class GenerationControl:
         return not self._open.is_set()
 
     @property
+    def paused_by_caller(self) -> bool:
+        """Paused by /pause (not only for an update's drain or a sleep): until /resume."""
+        return self._paused_by_caller
+
+    @property
     def num_in_flight(self) -> int:
         return len(self._in_flight)
 

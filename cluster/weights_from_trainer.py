@@ -128,7 +128,9 @@ class WeightsFromTrainer:
             except StagedCheckpointError as e:
                 raise _bad(f"{e}; the tensors were received and dropped, nothing changed") from None
             update = dict(zip((s.name for s in specs), tensors))
-            if self.generation.is_paused:  # buckets of one version: served together at the resume
+            # Paused by the caller: buckets of one version, served together at the resume. (Not for a gate closed by
+            # an update's drain or a sleep: verl's order sleeps, updates, then wakes, with no resume.)
+            if self.generation.paused_by_caller:
                 self.staged.update(update)
                 self.staged_version = weight_version or self.staged_version
                 return {"success": True, "num_paused_requests": 0, "weight_version": self.staged_version,

@@ -360,3 +360,34 @@ def test_a_trainer_that_dies_mid_update_ends_the_call_and_a_new_group_works(chec
                 s.trainer.close()
     finally:
         router.close()
+
+
+def test_verls_order_sleep_update_wake_serves_the_new_weights(checkpoints):  # noqa: F811
+    """Sleep (level 2: the weights discarded), the update from the trainer, wake: the update is served at once (the
+    gate a sleep closes is not a caller's pause: nothing is staged, as no resume will come), restoring the weights,
+    and after the wake the server answers on them."""
+    from pdcluster.cluster.api.app import build_app
+    from test_api import serving
+
+    new_dir = checkpoints[("tiny-random", 1)]
+    want = _texts(make_engine(new_dir), PROMPTS[:1])[0]
+    router = _local_router()
+    try:
+        with serving(build_app(router, "tiny-random", weight_updates=True, sleep_mode=True)) as base_url, \
+                ThreadPool() as pool:
+            s = _Session(base_url, pool)
+            try:
+                s.join()
+                assert s.post("sleep?level=2").status_code == 200
+                r = s.update(new_dir, _names(new_dir), weight_version="rollout-2")
+                assert r.status_code == 200 and router.weight_version == "rollout-2", r.text
+                assert not router.trainer_weights.staged
+                assert s.post("wake_up").status_code == 200
+            finally:
+                s.trainer.close()
+            client = openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0, timeout=60)
+            text = client.completions.create(model="tiny-random", prompt=PROMPTS[0], max_tokens=NUM_TOKENS,
+                                             temperature=0, extra_body={"ignore_eos": True}).choices[0].text
+            assert text == want
+    finally:
+        router.close()
