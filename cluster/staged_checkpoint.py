@@ -29,7 +29,15 @@ class StagedCheckpointError(ValueError):
 
 
 def checkpoint_shapes(model_dir: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Tensor name -> (shape, the file holding it) of the directory's *.safetensors, read from their headers."""
+    """Tensor name -> (shape, the file holding it) of the directory's *.safetensors, read from their headers.
+    StagedCheckpointError for a quantized checkpoint: a trainer's full-precision tensors of its names and shapes
+    would be read as its quantized codes (beside the old scales)."""
+    config = Path(model_dir) / "config.json"
+    quantization = json.loads(config.read_text()).get("quantization_config") if config.is_file() else None
+    if quantization:
+        raise StagedCheckpointError(f"{model_dir}: the served checkpoint is quantized "
+                                    f"({quantization.get('quant_method', 'quantization_config')}); a trainer's tensors "
+                                    "replace full-precision checkpoints only: serve the unquantized one")
     found: dict[str, tuple[tuple[int, ...], str]] = {}
     for f in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as tensors:

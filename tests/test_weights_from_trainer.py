@@ -192,6 +192,15 @@ def test_staged_checkpoint_links_what_it_does_not_replace(tmp_path, checkpoints)
     with pytest.raises(StagedCheckpointError, match="differ in shape"):
         write_staged_checkpoint(base, {"model.norm.weight": torch.zeros(3)}, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([one.name, two.name])
+    import json
+
+    quantized = tmp_path / "quantized"  # a trainer's tensors would be read as its fp8 codes: refused by name
+    quantized.mkdir()
+    (quantized / "model.safetensors").symlink_to(base / "model.safetensors")
+    config = json.loads((base / "config.json").read_text())
+    (quantized / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "fp8"}}))
+    with pytest.raises(StagedCheckpointError, match=r"quantized \(fp8\)"):
+        write_staged_checkpoint(quantized, {"model.norm.weight": served["model.norm.weight"]}, tmp_path)
 
 
 def test_through_an_api_process_the_router_process_receives(checkpoints):  # noqa: F811
