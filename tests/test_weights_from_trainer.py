@@ -2,7 +2,8 @@
 cluster/staged_checkpoint.py) behind the real HTTP server: a trainer process (tests/trainer_rank0.py, made as RL
 frameworks make theirs) joins a gloo group with the server's router and broadcasts a checkpoint's tensors; the
 server then answers as a fresh engine on that checkpoint answers. In buckets while paused (slime's order), in one
-call while running, refused by name, and (slow) on a disaggregated Ray cluster, every worker."""
+call while running, refused by name, in verl's sleep order; (slow) through an API process, with a trainer that dies
+mid-update, and on a disaggregated Ray cluster, every worker."""
 
 from __future__ import annotations
 
@@ -203,6 +204,7 @@ def test_staged_checkpoint_links_what_it_does_not_replace(tmp_path, checkpoints)
         write_staged_checkpoint(quantized, {"model.norm.weight": served["model.norm.weight"]}, tmp_path)
 
 
+@pytest.mark.slow
 def test_through_an_api_process_the_router_process_receives(checkpoints):  # noqa: F811
     """Behind API processes (``serve --api-servers N``) the router process joins the group and receives: the routes
     cross the admin proxy like the other weight routes, and the API process's /generate answers on the new weights."""
@@ -337,6 +339,7 @@ def test_disagg_cluster_every_worker_serves_the_trainers_weights(ray_session, ch
     assert staged and not Path(staged).exists()
 
 
+@pytest.mark.slow
 def test_a_trainer_that_dies_mid_update_ends_the_call_and_a_new_group_works(checkpoints):  # noqa: F811
     """The trainer process dies before its broadcasts: the update answers 503 naming the group (not a hang, not a
     500), the broken group is left, nothing changed; a new trainer joins under the same name and updates."""
