@@ -104,7 +104,3 @@ def write_staged_checkpoint(base_dir: str | Path, tensors: dict[str, torch.Tenso
         raise
     return out
 
-
-def is_staged(path: str | Path | None) -> bool:
-    """Whether ``path`` is a directory ``write_staged_checkpoint`` made (the one to remove once it is not served)."""
-    return path is not None and Path(path).name.startswith("pdcluster-weights-")

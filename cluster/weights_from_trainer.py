@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from pdcluster.cluster.api.router_contract import RouterError
-from pdcluster.cluster.staged_checkpoint import (StagedCheckpointError, check_names, checkpoint_shapes, is_staged,
+from pdcluster.cluster.staged_checkpoint import (StagedCheckpointError, check_names, checkpoint_shapes,
                                                  write_staged_checkpoint)
 from pdcluster.cluster.trainer_group import BACKENDS, TrainerGroup, TrainerGroupError, tensor_specs
 
@@ -52,6 +52,7 @@ class WeightsFromTrainer:
         self.num_received = 0  # tensors received since the server started
         self._lock = asyncio.Lock()  # one group operation at a time: a group's broadcasts are matched in order
         self._num_updates = 0
+        self._made: list[Path] = []  # the staged checkpoints written here and not removed yet
 
     # ---- the group ----------------------------------------------------------------------------------
     async def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
@@ -85,9 +86,8 @@ class WeightsFromTrainer:
         return {"success": True, "message": f"Left group {group_name}."}
 
     def close(self) -> None:
-        """Leave every group; the staged checkpoint served now goes (the workers go with the router)."""
-        if is_staged(self.generation.weights_path):
-            shutil.rmtree(self.generation.weights_path, ignore_errors=True)
+        """Leave every group; the staged checkpoints go, the one served now too (the workers go with the router)."""
+        self._remove_unserved(keep_served=False)
         for group in self.groups.values():
             _close_quietly(group)
         self.groups.clear()
@@ -166,16 +166,22 @@ class WeightsFromTrainer:
             staged = await asyncio.to_thread(write_staged_checkpoint, base, tensors, self.staging_dir)
         except StagedCheckpointError as e:
             raise _bad(str(e)) from None
+        self._made.append(staged)
         self._num_updates += 1
         version = weight_version or f"trainer-{self._num_updates}"
         try:
-            answer = await self.generation.update_weights(str(staged), version, abort_all, timeout_s)
-        except BaseException:
-            shutil.rmtree(staged, ignore_errors=True)
-            raise
-        if is_staged(base) and Path(base) != staged:  # the checkpoint served before: no worker reads it any more
-            shutil.rmtree(base, ignore_errors=True)
-        return answer
+            return await self.generation.update_weights(str(staged), version, abort_all, timeout_s)
+        finally:
+            # Every staged checkpoint but the one served now (this one, or, where the update failed, the one before;
+            # an update from disk since serves none of them): no worker reads it any more.
+            self._remove_unserved()
+
+    def _remove_unserved(self, keep_served: bool = True) -> None:
+        served = self.generation.weights_path
+        for path in list(self._made):
+            if not (keep_served and served is not None and Path(served) == path):
+                shutil.rmtree(path, ignore_errors=True)
+                self._made.remove(path)
 
     def _served_path(self) -> str:
         path = self.generation.weights_path or self.generation.start_path

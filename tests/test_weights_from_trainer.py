@@ -100,13 +100,18 @@ def test_buckets_while_paused_then_one_call_while_running(checkpoints):  # noqa:
                 assert r.status_code == 200 and r.json()["weight_version"] == "trainer-2", r.text
                 assert router.weight_version == "trainer-2" and complete() == want[second]
                 assert not staged_first.exists()
+                staged_second = Path(router.generation.weights_path)
                 assert s.post("destroy_weights_update_group", {}).json()["success"] is True
             finally:
                 s.trainer.close()
             assert complete() == want[second]
+            # An update from disk serves no staged checkpoint: the last one goes (at the latest with the server).
+            assert s.post("update_weights_from_disk", {"model_path": first}).status_code == 200
+            assert complete() == want[first]
     finally:
         router.close()
-    assert not Path(router.generation.weights_path).exists(), "the served staged checkpoint outlived the server"
+    assert not staged_second.exists(), "a staged checkpoint outlived the server"
+    assert Path(first).is_dir() and Path(router.generation.weights_path) == Path(first)  # never one it did not write
 
 
 def test_refusals_take_the_broadcasts_and_change_nothing(checkpoints):  # noqa: F811
