@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -56,8 +57,8 @@ def main(argv=None) -> dict:
         shapes = checkpoint_shapes(base)
         names = sorted(shapes)
         wire_dtype = _stored_dtype(base, names[0])  # the checkpoint's own: the tensors arrive as stored
-        element_size = torch.empty((), dtype=getattr(torch, wire_dtype)).element_size()
-        num_bytes = sum(_numel(s) for s, _ in shapes.values()) * element_size
+        element_size = getattr(torch, wire_dtype).itemsize
+        num_bytes = sum(math.prod(s) for s, _ in shapes.values()) * element_size
         proc, url, _, log = start_server("local", base, args.dtype, Path(tmp))
         port = free_port()
         trainer = Trainer(port, timeout_s=600)
@@ -138,13 +139,6 @@ def _stored_dtype(model_dir: Path, name: str) -> str:
             if name in st.keys():  # noqa: SIM118
                 return str(st.get_tensor(name).dtype).removeprefix("torch.")
     raise KeyError(name)
-
-
-def _numel(shape) -> int:
-    numel = 1
-    for size in shape:
-        numel *= size
-    return numel
 
 
 if __name__ == "__main__":

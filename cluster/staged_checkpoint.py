@@ -53,10 +53,12 @@ def tied_embeddings(model_dir: str | Path) -> bool:
     return config.is_file() and bool(json.loads(config.read_text()).get("tie_word_embeddings", False))
 
 
-def check_names(model_dir: str | Path, shapes: dict[str, tuple[int, ...]]) -> list[str]:
+def check_names(model_dir: str | Path, shapes: dict[str, tuple[int, ...]],
+                served: dict[str, tuple[tuple[int, ...], str]] | None = None) -> list[str]:
     """The names of ``shapes`` (name -> shape) the checkpoint at ``model_dir`` takes, a tied LM head left out;
-    StagedCheckpointError naming the first few that it has not, or whose shape differs."""
-    served = checkpoint_shapes(model_dir)
+    StagedCheckpointError naming the first few that it has not, or whose shape differs. ``served``: its
+    ``checkpoint_shapes`` where the caller read them already."""
+    served = checkpoint_shapes(model_dir) if served is None else served
     tied = tied_embeddings(model_dir)
     unknown, wrong, taken = [], [], []
     for name, shape in shapes.items():
@@ -82,9 +84,10 @@ def write_staged_checkpoint(base_dir: str | Path, tensors: dict[str, torch.Tenso
     them are links to the served ones (to their real paths: ``base_dir`` may be an earlier staged checkpoint that
     goes when this one is served)."""
     base = Path(base_dir)
-    taken = set(check_names(base, {name: tuple(t.shape) for name, t in tensors.items()}))
+    served = checkpoint_shapes(base)
+    taken = set(check_names(base, {name: tuple(t.shape) for name, t in tensors.items()}, served))
     by_file: dict[str, list[str]] = {}
-    for name, (_, file) in checkpoint_shapes(base).items():
+    for name, (_, file) in served.items():
         if name in taken:
             by_file.setdefault(file, []).append(name)
     out = Path(tempfile.mkdtemp(prefix="pdcluster-weights-", dir=parent))

@@ -16,6 +16,7 @@ rank: ``world_size`` = 1 + the number of such servers, ``rank_offset`` = this se
 from __future__ import annotations
 
 import datetime
+import math
 from dataclasses import dataclass
 
 import torch
@@ -47,10 +48,7 @@ class TensorSpec:
 
     @property
     def num_bytes(self) -> int:
-        numel = 1
-        for size in self.shape:
-            numel *= size
-        return numel * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def tensor_specs(names, dtypes, shapes) -> list[TensorSpec]:

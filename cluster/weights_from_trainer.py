@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import shutil
 import time
 from pathlib import Path
@@ -49,7 +50,6 @@ class WeightsFromTrainer:
         self.groups: dict[str, TrainerGroup] = {}
         self.staged: dict = {}  # name -> tensor, received while generation was paused, not yet served
         self.staged_version: str | None = None
-        self.num_received = 0  # tensors received since the server started
         self._lock = asyncio.Lock()  # one group operation at a time: a group's broadcasts are matched in order
         self._num_updates = 0
         self._made: list[Path] = []  # the staged checkpoints written here and not removed yet
@@ -109,7 +109,7 @@ class WeightsFromTrainer:
                 served = checkpoint_shapes(base)
             except StagedCheckpointError as e:  # a GGUF file: nothing to replace tensors of
                 raise _bad(str(e)) from None
-            limit = MAX_BYTES_PER_ELEMENT * sum(_numel(shape) for shape, _ in served.values())
+            limit = MAX_BYTES_PER_ELEMENT * sum(math.prod(shape) for shape, _ in served.values())
             if sum(s.num_bytes for s in specs) > limit:
                 raise _bad(f"the update names {sum(s.num_bytes for s in specs) / 2**30:.2f} GiB, more than the served "
                            "checkpoint could hold")
@@ -122,9 +122,8 @@ class WeightsFromTrainer:
                 raise RouterError(f"receiving the weights over group {group_name!r} failed ({e}); the group is left: "
                                   "POST /init_weights_update_group again", status=503) from None
             received_s = time.monotonic() - started
-            self.num_received += len(tensors)
             try:
-                check_names(base, {s.name: s.shape for s in specs})
+                check_names(base, {s.name: s.shape for s in specs}, served)
             except StagedCheckpointError as e:
                 raise _bad(f"{e}; the tensors were received and dropped, nothing changed") from None
             update = dict(zip((s.name for s in specs), tensors))
@@ -190,16 +189,9 @@ class WeightsFromTrainer:
         return path
 
 
-
 def _close_quietly(group: TrainerGroup) -> None:
     try:
         group.close()
     except Exception as e:  # noqa: BLE001 - a broken group, or shutting down
         log.warning("leaving group %s: %s", group.name, e)
 
-
-def _numel(shape: tuple[int, ...]) -> int:
-    numel = 1
-    for size in shape:
-        numel *= size
-    return numel
