@@ -47,6 +47,11 @@ class _ScriptedDecode:
 
         self.submit, self.abort = submit, abort
 
+    def join(self, router) -> None:
+        """Join ``router`` as a decode worker in rotation (64 blocks of 16), as the launcher adds a worker."""
+        router.decode[self.worker_id] = self
+        router.membership.add(self.worker_id, "decode", self, 64, 16, incarnation=f"i-{self.worker_id}")
+
     def step(self, rows: dict[str, list[int]], num_output_tokens: int) -> None:
         """One decode step's columnar event: each request's new tokens."""
         wids = list(rows)
@@ -68,8 +73,7 @@ def cluster():
     router = ClusterRouter({}, {}, None, "m", max_model_len=128, block_size=16,
                            config=RouterConfig(health_interval_s=3600))  # the worker is a script, not an actor
     worker = _ScriptedDecode(router.event_address)
-    router.decode["d0"] = worker
-    router.membership.add("d0", "decode", worker, 64, 16, incarnation="i0")
+    worker.join(router)
     try:
         yield router, worker
     finally:
@@ -267,15 +271,13 @@ def test_a_worker_that_fails_after_admitting_is_placed_once(how):
 
     async def fail_after_admitting():
         await _until(lambda: "a" in router.requests and router.requests["a"].attempt is not None)
-        router.decode["d1"] = spare  # a healthy worker to place on, from now on
-        router.membership.add("d1", "decode", spare, 64, 16, incarnation="i1")
+        spare.join(router)  # a healthy worker to place on, from now on
         if how == "hangs":
             await asyncio.sleep(30)  # past the admission timeout; the probe's ping then fails (no ping here)
         raise RuntimeError("ActorDiedError: the actor died unexpectedly")
 
     failing = _ScriptedDecode(router.event_address, "d0", after_admission=fail_after_admitting)
-    router.decode["d0"] = failing
-    router.membership.add("d0", "decode", failing, 64, 16, incarnation="i0")
+    failing.join(router)
 
     async def main():
         task = asyncio.ensure_future(router.deliver("a", PROMPT, SamplingParams(max_tokens=2), got.append))
@@ -307,8 +309,7 @@ def _recovered_onto_a_spare(after_admission, num_placements_on_spare: int, tail:
                            config=RouterConfig(health_interval_s=3600))
     got: list[TokenDelta] = []
     first = _ScriptedDecode(router.event_address, "d0")
-    router.decode["d0"] = first
-    router.membership.add("d0", "decode", first, 64, 16, incarnation="i0")
+    first.join(router)
     spare = _ScriptedDecode(router.event_address, "d1", after_admission=lambda: after_admission(spare, router))
 
     async def main():
@@ -316,8 +317,7 @@ def _recovered_onto_a_spare(after_admission, num_placements_on_spare: int, tail:
         await _until(lambda: first.submitted)
         first.step({first.submitted[0]: [11]}, 1)
         await _until(lambda: got)
-        router.decode["d1"] = spare
-        router.membership.add("d1", "decode", spare, 64, 16, incarnation="i1")
+        spare.join(router)
         router.mark_down("d0", "killed")
         r = router.requests["a"]
         await _until(lambda: len(spare.submitted) == num_placements_on_spare and not r.recovering)
