@@ -90,6 +90,10 @@ class TrainerGroup:
         c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
         self._group = group
 
+    @property
+    def joined(self) -> bool:
+        return self._group is not None
+
     def receive(self, specs: list[TensorSpec]) -> list[torch.Tensor]:
         """One broadcast from rank 0 per spec, in order, into new host tensors."""
         tensors = [torch.empty(s.shape, dtype=s.dtype) for s in specs]

@@ -69,7 +69,11 @@ class WeightsFromTrainer:
                 raise _bad(f"group {group_name!r} was joined already: POST /destroy_weights_update_group first")
             group = TrainerGroup(group_name, rank_offset, world_size, backend, timeout_s)
             try:
-                await asyncio.to_thread(group.join, master_address, master_port)
+                # The caller gone, the rendezvous went on: the joined group is kept (the trainer broadcasts into it
+                # next; a second join is refused by name until it is destroyed).
+                await _to_thread_to_the_end(group.join, master_address, master_port,
+                                            if_cancelled=lambda f: f.exception() is None
+                                            and self.groups.setdefault(group_name, group))
             except Exception as e:  # noqa: BLE001 - the rendezvous: an unreachable master, a timeout
                 raise RouterError(f"joining group {group_name!r} at {master_address}:{master_port} failed: {e}",
                                   status=400, kind="invalid_request_error") from None
@@ -82,7 +86,7 @@ class WeightsFromTrainer:
             group = self.groups.pop(group_name, None)
             if group is None:
                 raise _bad(f"no group {group_name!r} was joined here")
-            await asyncio.to_thread(group.close)
+            await _to_thread_to_the_end(group.close)
         return {"success": True, "message": f"Left group {group_name}."}
 
     def close(self) -> None:
@@ -115,10 +119,12 @@ class WeightsFromTrainer:
                            "checkpoint could hold")
             started = time.monotonic()
             try:
-                tensors = await asyncio.to_thread(group.receive, specs)
+                # Cancelled: the tensors are dropped once taken (the caller never heard of them); a failed receive
+                # leaves the group as below.
+                tensors = await _to_thread_to_the_end(group.receive, specs, if_cancelled=lambda f: f.exception()
+                                                      and self._leave_broken(group_name, group))
             except Exception as e:  # noqa: BLE001 - a trainer that died or sent other sizes: the group is broken
-                self.groups.pop(group_name, None)
-                await asyncio.to_thread(_close_quietly, group)
+                await _to_thread_to_the_end(self._leave_broken, group_name, group)
                 raise RouterError(f"receiving the weights over group {group_name!r} failed ({e}); the group is left: "
                                   "POST /init_weights_update_group again", status=503) from None
             received_s = time.monotonic() - started
@@ -162,7 +168,9 @@ class WeightsFromTrainer:
     async def _serve(self, tensors: dict, weight_version: str | None, abort_all: bool, timeout_s: float) -> dict:
         base = self._served_path()
         try:
-            staged = await asyncio.to_thread(write_staged_checkpoint, base, tensors, self.staging_dir)
+            staged = await _to_thread_to_the_end(write_staged_checkpoint, base, tensors, self.staging_dir,
+                                                 if_cancelled=lambda f: f.exception() is None
+                                                 and shutil.rmtree(f.result(), ignore_errors=True))
         except StagedCheckpointError as e:
             raise _bad(str(e)) from None
         self._made.append(staged)
@@ -174,6 +182,11 @@ class WeightsFromTrainer:
             # Every staged checkpoint but the one served now (this one, or, where the update failed, the one before;
             # an update from disk since serves none of them): no worker reads it any more.
             self._remove_unserved()
+
+    def _leave_broken(self, group_name: str, group: TrainerGroup) -> None:
+        if self.groups.get(group_name) is group:
+            del self.groups[group_name]
+        _close_quietly(group)
 
     def _remove_unserved(self, keep_served: bool = True) -> None:
         served = self.generation.weights_path
@@ -187,6 +200,33 @@ class WeightsFromTrainer:
         if path is None:
             raise RouterError("this router does not know the served checkpoint's directory", status=500)
         return path
+
+
+async def _to_thread_to_the_end(fn, *args, if_cancelled=None):
+    """``fn(*args)`` in a thread. A caller cancelled meanwhile (a client that timed out, a server shutting down) is
+    cancelled only once the thread ended: a thread cannot be stopped, and the lock held around it is what keeps one
+    call's broadcasts from being matched to the next call's receives (a second update's thread posting its
+    broadcasts first would take the first update's tensors). ``if_cancelled(future)`` (the thread's, done) then keeps or
+    undoes what the thread made."""
+    future = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        while not future.done():
+            try:
+                await asyncio.shield(future)
+            except asyncio.CancelledError:
+                continue  # cancelled again: still wait
+            except Exception:  # noqa: BLE001 - reported below
+                break
+        name = getattr(fn, "__name__", fn)
+        log.warning("%s ended after its call was cancelled: %s", name, future.exception() or "done")
+        if if_cancelled is not None:
+            try:
+                if_cancelled(future)
+            except Exception:  # noqa: BLE001 - the cancellation goes on
+                log.exception("undoing %s after its call was cancelled", name)
+        raise
 
 
 def _close_quietly(group: TrainerGroup) -> None:

@@ -408,3 +408,64 @@ def test_verls_order_sleep_update_wake_serves_the_new_weights(checkpoints):  # n
             assert text == want
     finally:
         router.close()
+
+
+def test_a_cancelled_update_holds_the_group_until_its_broadcasts_are_taken(checkpoints):  # noqa: F811
+    """A caller that goes away mid-update (a client's timeout, a shutdown: its task cancelled) cannot stop the thread
+    that receives the broadcasts. The call ends only once they were taken (dropped: nothing staged), and holds the
+    group until then, so the next update's receives are never posted beside them (gloo would match the trainer's
+    next broadcasts to whichever were posted first). The next update then stages exactly its own tensors."""
+    import asyncio
+
+    import torch
+    from safetensors.torch import load_file
+
+    first, second = checkpoints[("tiny-random", 1)], checkpoints[("tiny-random", 2)]
+    names = _names(first)
+    want = {}
+    for f in Path(second).glob("*.safetensors"):
+        want.update({n: t for n, t in load_file(str(f)).items() if n in names})
+    router = _local_router()
+    port = free_port()
+    trainer = Trainer(port)
+
+    async def scenario():
+        try:
+            await steps()
+        except BaseException:
+            trainer.process.kill()  # a receive left waiting fails at once (asyncio.run waits for its thread)
+            raise
+
+    async def steps():
+        await router.pause("abort")
+        weights = router.trainer_weights
+        trainer.join()
+        joining = asyncio.create_task(weights.init_group("127.0.0.1", port, 1, 2, timeout_s=60))
+        await asyncio.to_thread(trainer.wait_joined)
+        assert (await joining)["success"] is True
+        body = dict(names=names, dtypes=["float32"] * len(names), shapes=[list(_shape(first, n)) for n in names])
+        cancelled = asyncio.create_task(weights.update(**body, weight_version="cancelled"))
+        for _ in range(100):  # until its receive runs (bounded: 5 s)
+            if weights._lock.locked():
+                break
+            await asyncio.sleep(0.05)
+        cancelled.cancel()
+        await asyncio.sleep(0.5)
+        assert not cancelled.done(), "the cancelled update ended before its broadcasts were taken"
+        assert weights._lock.locked(), "the group was let go while a receive still runs"
+        following = asyncio.create_task(weights.update(**body, weight_version="following"))
+        await asyncio.to_thread(trainer.send, first, names)  # the cancelled update's broadcasts
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        assert not weights.staged
+        await asyncio.to_thread(trainer.send, second, names)
+        assert (await following)["success"] is True
+        assert weights.staged_version == "following" and sorted(weights.staged) == sorted(names)
+        for name in names:
+            assert torch.equal(weights.staged[name], want[name].float()), name
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 120))
+    finally:
+        trainer.close()
+        router.close()
