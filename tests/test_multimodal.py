@@ -9,6 +9,7 @@ import base64
 import dataclasses
 import io
 import json
+import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -388,6 +389,59 @@ def test_served_image_limit_and_media_policy(llava_dir, reference, tmp_path):
                 assert "image 0" in str(e.value)
             assert _ImageServer.paths == ["/redirect"]  # the redirect's target was never asked for
             assert router.worker.engine.runner.image_embeds.num_encoded == 1
+    finally:
+        router.close()
+        images_http.shutdown()
+
+
+def test_sglang_generate_with_image_data(llava_dir, reference, tmp_path):
+    """SGLang's /generate with ``image_data`` (verl's and slime's rollouts of a vision model): text or input_ids with
+    the model's image token, the images as a data URL, bare base64, an http URL the server fetches, or a path under
+    --allowed-local-media-path, one prompt or a batch (one entry per prompt), each equal to transformers' tokens;
+    an image count that does not match the prompt's image tokens, undecodable base64 and a path outside the
+    directory are 400s naming image_data, and nothing runs for them."""
+    import httpx
+
+    media = tmp_path / "media"
+    media.mkdir()
+    (media / "first.png").write_bytes(IMAGES[0])
+    (tmp_path / "secret.png").write_bytes(IMAGES[0])
+    images_http = ThreadingHTTPServer(("127.0.0.1", 0), _ImageServer)
+    threading.Thread(target=images_http.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{images_http.server_address[1]}"
+    router = LocalRouter(_llava_config(llava_dir), request_timeout_s=60)
+    policy = MediaPolicy.from_flags(str(media), ["127.0.0.1"])
+    try:
+        with serving(build_app(router, "llava", media=policy)) as base_url:
+            def generate(**body) -> httpx.Response:
+                body["sampling_params"] = {"max_new_tokens": NUM_NEW, "temperature": 0, "ignore_eos": True}
+                return httpx.post(base_url + "/generate", json=body, timeout=60)
+
+            one = generate(text=PROMPT, image_data=_data_url(IMAGES[0]))
+            assert one.status_code == 200, one.text
+            assert one.json()["output_ids"] == reference[0]
+            assert one.json()["meta_info"]["prompt_tokens"] == len(router.tokenizer.encode(PROMPT)) - 1 + 16
+            bare = generate(input_ids=router.tokenizer.encode(PROMPT),
+                            image_data=[base64.b64encode(IMAGES[1]).decode()])
+            assert bare.status_code == 200 and bare.json()["output_ids"] == reference[1], bare.text
+            batch = generate(text=[PROMPT, TWO, TEXT, PROMPT],
+                             image_data=[f"{url}/cat.png", [_data_url(IMAGES[2]), str(media / "first.png")], None,
+                                         (media / "first.png").as_uri()])
+            assert batch.status_code == 200, batch.text
+            assert [a["output_ids"] for a in batch.json()] == [reference[1], reference[2], reference[3], reference[0]]
+            num_encoded = router.worker.engine.runner.image_embeds.num_encoded
+            for body, says in (
+                    (dict(text=PROMPT, image_data=[_data_url(IMAGES[0])] * 2), r"1 image token\(s\) .* but 2"),
+                    (dict(text=TEXT, image_data=_data_url(IMAGES[0])), r"0 image token\(s\) .* but 1"),
+                    (dict(text=PROMPT), r"1 image token\(s\) .* but 0"),
+                    (dict(text=PROMPT, image_data="@@not base64@@"), r"image_data\[0\]: an image is an http"),
+                    (dict(text=PROMPT, image_data=str(tmp_path / "secret.png")), r"image_data\[0\]: an image is"),
+                    (dict(text=[TEXT, PROMPT], image_data=[None, f"{url}/missing.png"]),
+                     r"image_data\[1\]\[0\]: fetching .* answered HTTP 404")):
+                r = generate(**body)
+                assert r.status_code == 400, (body, r.text)
+                assert re.search(says, r.json()["error"]["message"]), (says, r.text)
+            assert router.worker.engine.runner.image_embeds.num_encoded == num_encoded
     finally:
         router.close()
         images_http.shutdown()

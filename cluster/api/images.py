@@ -176,6 +176,48 @@ async def chat_images(messages, tokenizer, max_images: int,
     return out
 
 
+async def generate_images(items: list[str], tokenizer, max_images: int, param: str,
+                          media: MediaPolicy = MediaPolicy()) -> list[bytes]:
+    """SGLang's ``image_data`` of one prompt (POST /generate), fetched. Each item is what SGLang takes: an http(s)
+    URL, a data URL, a ``file:`` URL or a local path (read under --allowed-local-media-path only), or an image's bytes
+    in base64; the same checks as a chat's images, errors naming ``param[j]``."""
+    if not items:
+        return []
+    if image_spec(tokenizer) is None:
+        raise APIError(400, f"{param}: this model takes no images; send text", param=param, code="unsupported_content")
+    try:
+        check_image_count(len(items), max_images)
+    except ImageInputError as e:
+        raise APIError(400, f"{param}: {e}", param=param, code="unsupported_content") from None
+    out = []
+    for j, item in enumerate(items):
+        where = f"{param}[{j}]"
+        try:
+            out.append(await fetch_image(_as_url(item, where, media), where, media))
+        except APIError as e:
+            e.param = param
+            raise
+    return out
+
+
+def _as_url(item: str, where: str, media: MediaPolicy) -> str:
+    if item.startswith(("data:", "http://", "https://", "file:")):
+        return item
+    # A path where local files may be read (SGLang reads any the server can), else base64 (a JPEG's starts with "/").
+    # Only a path under the allowed directory is taken as one: what a refusal says never tells whether a file exists.
+    root = media.allowed_local_media_path
+    if root is not None and Path(item).is_absolute() and Path(item).resolve().is_relative_to(root):
+        return Path(item).as_uri()
+    compact = "".join(item.split())
+    try:
+        base64.b64decode(compact, validate=True)
+    except (binascii.Error, ValueError):
+        raise APIError(400, f"{where}: an image is an http(s), data: or file: URL, a local path (with "
+                            f"--allowed-local-media-path), or base64 of its bytes; got {item[:40]!r}",
+                       param=where) from None
+    return "data:image;base64," + compact
+
+
 def decode_embeds(payload, where: str, spec: ImageSpec) -> ImageEmbedding:
     """An image_embeds part's tensor (base64 of a torch.save'd tensor, unpickled weights-only as vLLM does, or of a
     .npy array, never with pickles), as the ImageEmbedding the engine takes in place of the image."""

@@ -18,6 +18,9 @@ default), -inf shown as -9999.0.
 ``stream``: server-sent events, each ``data:`` the whole answer so far (SGLang's default, cumulative text and ids;
 ``index`` names the item in a batch or for n > 1), then ``data: [DONE]``.
 
+``image_data`` gives a prompt's images (cluster/api/sglang_protocol.py): fetched as a chat's are, each image token of
+the prompt widened to the model's placeholders in order, as SGLang's processors do.
+
 ``rid`` names a prompt's request for POST /abort_request (cluster/api/control_routes.py): its router requests' ids are
 ``gen-<rid>-<12 hex>-<sample>`` (fanout.named_prompt_id, found again by fanout.named_ids_pattern).
 """
@@ -34,6 +37,7 @@ from fastapi import Request
 from pdcluster.cluster.api import protocol as wire
 from pdcluster.cluster.api.choice import ChoiceRun
 from pdcluster.cluster.api.fanout import interleaved, named_prompt_id
+from pdcluster.cluster.api.images import generate_images
 from pdcluster.cluster.api.logprobs import LOGPROB_FLOOR, Positions, TokenStrings
 from pdcluster.cluster.api.middleware import APIError
 from pdcluster.cluster.api.serving import Reply, guarded_sse, serve_runs
@@ -149,7 +153,9 @@ async def serve_generate(body: GenerateRequest, request: Request, router, served
     preps = []
     for i, item in enumerate(gin.items):
         try:
-            preps.append(await prepare(item.body, router, served_names, policy))
+            images = await generate_images(item.images, router.tokenizer, router.max_images_per_prompt,
+                                           f"image_data[{i}]" if gin.batch else "image_data", policy.media)
+            preps.append(await prepare(item.body, router, served_names, policy, images=images))
         except APIError as e:
             if gin.batch:
                 e.message = f"prompt {i}: {e.message}"

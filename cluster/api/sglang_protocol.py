@@ -7,8 +7,11 @@ A body holds one prompt (``text`` or ``input_ids``) or a batch (a list of either
 ``return_logprob``, ``logprob_start_len``, ``top_logprobs_num``, ``rid`` and ``lora_path`` are one value for all, or a
 list with one per prompt. The answer's logprob layout (``return_logprob``, ``logprob_start_len``, ``top_logprobs_num``,
 ``return_text_in_logprobs``) is one for the whole batch here: a batch that asks for different ones is refused (send
-them as separate requests). SGLang's fields for what is not served here (input embeddings, images, sessions,
-hidden states, custom logit processors) are refused by name; a field nothing here reads (routing hints such as
+them as separate requests). ``image_data`` gives a prompt's images (for a model that takes them): an image or a list
+of them for one prompt, one entry per prompt (an image, a list, or null) for a batch; each a URL, a data URL, base64
+or a local path, taken in order by the prompt's image tokens (cluster/api/images.py ``generate_images``). SGLang's
+fields for what is not served here (input embeddings, video, audio, sessions, hidden states, custom logit processors)
+are refused by name; a field nothing here reads (routing hints such as
 routed_dp_rank, logging switches) is ignored and named in the log, as SGLang's server ignores what it does not know.
 """
 
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from pydantic import ConfigDict, ValidationError
@@ -76,7 +79,6 @@ _SAMPLING_REFUSED = {
 # SGLang's request fields not served here, and what to do instead.
 _REQUEST_REFUSED = {
     "input_embeds": "prompts as embeddings are not served: send text or input_ids",
-    "image_data": "images go through POST /v1/chat/completions (image_url parts)",
     "video_data": "video is not served",
     "audio_data": "audio is not served",
     "session_params": "sessions are not served: send the whole context as the prompt (the prefix cache reuses it)",
@@ -101,6 +103,7 @@ class GenerateRequest(StrictModel):
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
+    image_data: str | list[str | list[str] | None] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     return_logprob: bool | list[bool] | None = None
     logprob_start_len: int | list[int] | None = None
@@ -138,10 +141,12 @@ class LogprobLayout:
 
 @dataclass
 class GenerateItem:
-    """One prompt of the request: its completions body and its client id."""
+    """One prompt of the request: its completions body, its client id and its images (as given: URLs, base64 or
+    paths, fetched by the route)."""
 
     body: GenerateCompletion
     rid: str | None
+    images: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -167,6 +172,30 @@ def _per_item(req: GenerateRequest, name: str, num_items: int, batch: bool) -> l
     if len(value) != num_items:
         raise _bad(name, f"has {len(value)} values for {num_items} prompts: give one per prompt, or one for all")
     return list(value)
+
+
+def _images(req: GenerateRequest, num_items: int, batch: bool) -> list[list[str]]:
+    """Each prompt's images: one prompt takes an image or a list of them; a batch one entry per prompt (an image, a
+    list, or null), or one image for every prompt."""
+    value = req.image_data
+    if value is None:
+        return [[] for _ in range(num_items)]
+    if isinstance(value, str):
+        per_item = [[value] for _ in range(num_items)]
+    elif not batch:
+        if not all(isinstance(image, str) for image in value):
+            raise _bad("image_data", "for one prompt: an image (a URL, data URL, base64 or path) or a list of them; a "
+                                     "list of lists is for a batch of prompts")
+        per_item = [list(value)]
+    else:
+        if len(value) != num_items:
+            raise _bad("image_data", f"has {len(value)} entries for {num_items} prompts: give one per prompt (an "
+                                     "image, a list of them, or null)")
+        per_item = [[] if each is None else [each] if isinstance(each, str) else list(each) for each in value]
+    for images in per_item:
+        if any(not image for image in images):
+            raise _bad("image_data", "an empty string is not an image")
+    return per_item
 
 
 def _one_layout(req: GenerateRequest, num_items: int, batch: bool) -> LogprobLayout:
@@ -290,10 +319,11 @@ def generate_input(req: GenerateRequest, served_model: str, kv_role: str = "") -
     samplings = _per_item(req, "sampling_params", len(prompts), batch)
     rids = _per_item(req, "rid", len(prompts), batch)
     loras = _per_item(req, "lora_path", len(prompts), batch)
+    images = _images(req, len(prompts), batch)
     if req.model is not None and any(lora is not None for lora in loras):
         raise _bad("lora_path", "give the adapter as lora_path or as model, not both")
     items, n = [], None
-    for i, (prompt, raw, rid, lora) in enumerate(zip(prompts, samplings, rids, loras)):
+    for i, (prompt, raw, rid, lora, item_images) in enumerate(zip(prompts, samplings, rids, loras, images)):
         param = f"sampling_params[{i}]" if isinstance(req.sampling_params, list) else "sampling_params"
         if raw is not None and not isinstance(raw, dict):
             raise _bad(param, f"must be an object, got {short(raw)}")
@@ -305,7 +335,7 @@ def generate_input(req: GenerateRequest, served_model: str, kv_role: str = "") -
             raise _bad("rid", f"must be a string, got {short(rid)}")
         client_request_id(rid, "rid")  # it names the request in logs and in its router ids: the OpenAI ids' rule
         items.append(GenerateItem(_completion_body(prompt, sp, lora or req.model or served_model, layout, req, param),
-                                  rid))
+                                  rid, item_images))
     rids_given = [item.rid for item in items if item.rid is not None]
     if len(set(rids_given)) != len(rids_given):
         raise _bad("rid", "the same rid names two prompts of this batch")

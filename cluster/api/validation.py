@@ -119,9 +119,10 @@ class ServerPolicy:
 
 
 async def prepare(body: SamplingFields, router, served_names: tuple[str, ...], policy: ServerPolicy = ServerPolicy(),
-                  header_request_id: str | None = None) -> Prepared:
+                  header_request_id: str | None = None, images: list[bytes] | None = None) -> Prepared:
     """``body`` checked and turned into router requests under the server's ``policy``; ``header_request_id``: the
-    X-Request-Id header's value."""
+    X-Request-Id header's value. ``images``: a completions body's one prompt's images, fetched (SGLang's /generate
+    ``image_data``; a chat's come in its messages)."""
     tool_parser, reasoning_parser, media, defaults = (policy.tool_parser, policy.reasoning_parser, policy.media,
                                                       policy.defaults)
     lora_name = check_model(body.model, served_names, router.lora_names)
@@ -176,8 +177,9 @@ async def prepare(body: SamplingFields, router, served_names: tuple[str, ...], p
                                     bool(body.continue_final_message)))
         prompts = [(ids, None)]
     else:
-        images = []
         prompts = await anyio.to_thread.run_sync(_completion_prompts, body, n, output.echo, tokenizer)
+        images = list(images or [])
+        assert not images or len(prompts) == 1, "images go with one prompt"
     prompts = _truncate_prompts(body.truncate_prompt_tokens, prompts, router.max_model_len, tokenizer,
                                 body.truncation_side == "right")
     inputs = []
@@ -186,7 +188,8 @@ async def prepare(body: SamplingFields, router, served_names: tuple[str, ...], p
         # A model that takes images: each image token widened to its placeholders (one without images is refused).
         ids, mm_inputs = (expand_images(ids, images, tokenizer, router.max_images_per_prompt,
                                         mm_processor_kwargs=router.mm_processor_kwargs) if is_chat
-                          else expand_images(ids, [], tokenizer, router.max_images_per_prompt, "prompt", label))
+                          else expand_images(ids, images, tokenizer, router.max_images_per_prompt, "prompt", label,
+                                             mm_processor_kwargs=router.mm_processor_kwargs))
         max_tokens = _max_tokens(body, len(ids), router.max_model_len, label, output, defaults.max_tokens)
         params = sampling_params(body, max_tokens, tokenizer.vocab_size, extras)
         inputs.append(PromptInput(ids, replace(params, mm_inputs=mm_inputs) if mm_inputs else params, text))
