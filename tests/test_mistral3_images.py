@@ -22,7 +22,8 @@ from pdcluster.engine.multimodal.tiny_llava import png
 from pdcluster.engine.multimodal.tiny_mistral3 import CELL, build_tiny_mistral3, transformers_greedy
 from pdcluster.engine.sampling_params import SamplingParams
 from test_api import serving
-from test_multimodal import _prompt, disagg_tokens, greedy_references, tiny_image_config as _config
+from test_multimodal import (_prompt, check_a_widened_prompt_is_taken, disagg_tokens, greedy_references,
+                             tiny_image_config as _config)
 
 transformers = pytest.importorskip("transformers")
 PIL = pytest.importorskip("PIL.Image")
@@ -73,6 +74,11 @@ def test_runs_follow_transformers_processor(model_dir, engine):
     run = ids[items[0]["offset"]:items[0]["offset"] + items[0]["length"]]
     img, brk, end = (tok.token_to_id(t) for t in ("[IMG]", "[IMG_BREAK]", "[IMG_END]"))
     assert run == ([img] * 5 + [brk]) * 4 + [img] * 5 + [end]
+
+
+def test_a_widened_prompt_is_taken_as_it_is(engine, reference):
+    """Token ids from the model's processor (each image's run written out) with the images: the same tokens."""
+    check_a_widened_prompt_is_taken(engine, CASES, reference, PARAMS)
 
 
 def test_equals_transformers_alone_and_batched(engine, reference):

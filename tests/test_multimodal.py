@@ -95,6 +95,29 @@ def reference(llava_dir, engine) -> list[list[int]]:
     return greedy_references(llava_dir, engine, CASES, transformers_greedy, NUM_NEW)
 
 
+def check_a_widened_prompt_is_taken(engine, cases, reference, params) -> None:
+    """Token ids already widened (each image's whole run of placeholders, as the model's processor writes them) with
+    their images: the tokens of the same prompt with one image token an image (vLLM takes both forms); a run one
+    placeholder short is refused, naming both forms, and nothing is queued."""
+    spec = engine.model.image_encoder.spec
+    for (text, images), want in zip(cases, reference):
+        if images:
+            ids, _ = spec.expand(engine.tokenizer.encode(text), images)
+            out = engine.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": images}}], params)[0]
+            assert out.token_ids == want, text
+    text, images = next(case for case in cases if case[1])
+    ids, items = spec.expand(engine.tokenizer.encode(text), images)
+    short = ids[:items[0]["offset"]] + ids[items[0]["offset"] + 1:]
+    with pytest.raises(InvalidRequestError, match="whole run of placeholders"):
+        engine.generate([{"prompt_token_ids": short, "multi_modal_data": {"image": images}}], params)
+    assert not engine.has_unfinished()
+
+
+def test_a_widened_prompt_is_taken_as_it_is(engine, reference):
+    check_a_widened_prompt_is_taken(engine, CASES, reference, SamplingParams(max_tokens=NUM_NEW, temperature=0.0,
+                                                                             ignore_eos=True))
+
+
 def _prompt(text: str, images: list[bytes]):
     return {"prompt": text, "multi_modal_data": {"image": images}} if images else text
 
@@ -424,6 +447,10 @@ def test_sglang_generate_with_image_data(llava_dir, reference, tmp_path):
             bare = generate(input_ids=router.tokenizer.encode(PROMPT),
                             image_data=[base64.b64encode(IMAGES[1]).decode()])
             assert bare.status_code == 200 and bare.json()["output_ids"] == reference[1], bare.text
+            widened, _ = router.worker.engine.model.image_encoder.spec.expand(router.tokenizer.encode(TWO),
+                                                                             [IMAGES[2], IMAGES[0]])
+            taken = generate(input_ids=widened, image_data=[_data_url(IMAGES[2]), _data_url(IMAGES[0])])
+            assert taken.status_code == 200 and taken.json()["output_ids"] == reference[2], taken.text
             batch = generate(text=[PROMPT, TWO, TEXT, PROMPT],
                              image_data=[f"{url}/cat.png", [_data_url(IMAGES[2]), str(media / "first.png")], None,
                                          (media / "first.png").as_uri()])

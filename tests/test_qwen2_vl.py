@@ -30,7 +30,8 @@ from pdcluster.engine.multimodal.tiny_llava import png
 from pdcluster.engine.multimodal.tiny_qwen2_vl import VERSIONS, build_tiny_qwen2_vl, transformers_greedy
 from pdcluster.engine.sampling_params import SamplingParams
 from test_api import serving
-from test_multimodal import _prompt, disagg_tokens, greedy_references, tiny_image_config as _config
+from test_multimodal import (_prompt, check_a_widened_prompt_is_taken, disagg_tokens, greedy_references,
+                             tiny_image_config as _config)
 
 transformers = pytest.importorskip("transformers")
 PIL = pytest.importorskip("PIL.Image")
@@ -80,6 +81,11 @@ def test_placeholders_follow_transformers_processor(qwen_dir):
         "min_pixels": 3136, "max_pixels": 12845056, "size": {"shortest_edge": 1, "longest_edge": 2}})
     assert hub == MergedPatchGrid(14, 2, 3136, 12845056)
     assert hub.num_tokens(1080, 1920) == 39 * 69  # 1092 x 1932 pixels
+
+
+def test_a_widened_prompt_is_taken_as_it_is(engine, reference):
+    """Token ids from the model's processor (each image's run written out) with the images: the same tokens."""
+    check_a_widened_prompt_is_taken(engine, CASES, reference, PARAMS)
 
 
 def test_equals_transformers_alone_and_batched(engine, reference):

@@ -350,12 +350,19 @@ class ImageSpec:
     def expand(self, prompt_token_ids: list[int], images: list[bytes | ImageEmbedding],
                max_images: int = DEFAULT_MAX_IMAGES_PER_PROMPT) -> tuple[list[int], list[dict]]:
         """The prompt with each image token widened to its image's placeholders, and the images (encoded bytes, or
-        ImageEmbedding) as ``SamplingParams.mm_inputs`` entries, in prompt order: one image an image token."""
+        ImageEmbedding) as ``SamplingParams.mm_inputs`` entries, in prompt order: one image an image token. A prompt
+        already widened (token ids from the model's own processor, as vLLM takes them too) is taken as it is."""
         check_image_count(len(images), max_images)
         at = [i for i, t in enumerate(prompt_token_ids) if t == self.image_token_id]
         if len(at) != len(images):
-            raise ImageInputError(f"the prompt has {len(at)} image token(s) (id {self.image_token_id}) but "
-                                  f"{len(images)} image(s) were given: put one image token where each image goes")
+            collapsed = self._collapse(prompt_token_ids, images)
+            if collapsed is None:
+                raise ImageInputError(f"the prompt has {len(at)} image token(s) (id {self.image_token_id}) but "
+                                      f"{len(images)} image(s) were given: put one image token where each image goes "
+                                      "(or each image's whole run of placeholders, as the model's processor writes "
+                                      "it)")
+            prompt_token_ids = collapsed
+            at = [i for i, t in enumerate(prompt_token_ids) if t == self.image_token_id]
         out: list[int] = []
         items = []
         last = 0
@@ -381,6 +388,30 @@ class ImageSpec:
             last = pos + 1
         self._join(out, prompt_token_ids[last:])
         return out, items
+
+    def _collapse(self, prompt_token_ids: list[int], images: list) -> list[int] | None:
+        """The prompt with each image's whole run of placeholders back to one image token, where it holds exactly
+        those runs, in order (else None). Not for Gemma 3, whose image token is not a placeholder."""
+        if self.frame is not None or not images:
+            return None
+        out: list[int] = []
+        cursor = 0
+        for i, image in enumerate(images):
+            embedded = isinstance(image, ImageEmbedding)
+            length = image.rows if embedded else self.tokens_for(image, f"image {i}")
+            run = self.placeholder_ids(length, None if embedded else image)
+            try:
+                start = prompt_token_ids.index(self.image_token_id, cursor)
+            except ValueError:
+                return None
+            if prompt_token_ids[start:start + len(run)] != run:
+                return None
+            out += prompt_token_ids[cursor:start]
+            out.append(self.image_token_id)
+            cursor = start + len(run)
+        if self.image_token_id in prompt_token_ids[cursor:]:
+            return None
+        return out + prompt_token_ids[cursor:]
 
     def _join(self, out: list[int], tokens: list[int]) -> None:
         if self.frame is None:
