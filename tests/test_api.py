@@ -720,6 +720,34 @@ def test_api_key(stack):
     assert stack.client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].text is not None
 
 
+def test_every_route_needs_the_key_but_the_open_ones(tiny_dir):
+    """A server with every optional route on (LoRA loading, weight updates, trainer weights, sleep mode, load
+    tracking): each route of each method answers 401 without the key, but the probes and docs of OPEN_PATHS; a route
+    added later must be put in one list or the other (the trainer-weights routes were once in neither: open)."""
+    from pdcluster.cluster.api.middleware import OPEN_PATHS
+
+    router = LocalRouter(EngineConfig(model=MODEL, num_kv_blocks=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN),
+                         request_timeout_s=30)
+    app = build_app(router, MODEL, api_key=API_KEY, runtime_lora=True, weight_updates=True, sleep_mode=True,
+                    server_load_tracking=True)
+    try:
+        with serving(app) as base_url:
+            anon = httpx.Client(base_url=base_url, timeout=30)
+            routes = [(method, route.path) for route in app.routes for method in sorted(getattr(route, "methods", ()))
+                      if method != "HEAD"]
+            assert ("POST", "/update_weights_from_distributed") in routes and ("POST", "/sleep") in routes
+            for method, path in routes:
+                concrete = path.replace("{model_id}", MODEL).replace("{response_id}", "resp-x")
+                r = anon.request(method, concrete, json={})
+                if path in OPEN_PATHS:
+                    assert r.status_code != 401, (method, path)
+                else:
+                    assert r.status_code == 401, (method, path, r.status_code)
+            assert {path for _, path in routes} >= {"/health", "/metrics", "/get_load"}
+    finally:
+        router.close()
+
+
 def test_openai_client_errors_are_typed(stack):
     with pytest.raises(openai.NotFoundError, match="gpt-9"):
         stack.client.completions.create(model="gpt-9", prompt="hi", max_tokens=2)

@@ -269,6 +269,33 @@ def test_info_and_health_routes(server):
     _until(lambda: router.generation.num_in_flight == 0)
 
 
+def test_get_load_counts_what_runs(server):
+    """SGLang's /get_load (what sglang-router's power-of-two and cache-aware policies poll): idle, no request and no
+    KV in use; while a long generation streams, one request holding at least its prompt's tokens in KV; once the
+    client leaves (the request aborted), idle again. Behind the API key, as SGLang's."""
+    router, client = server
+    _until(lambda: router.generation.num_in_flight == 0)
+
+    def load() -> dict:
+        (entry,) = client.get("/get_load").json()
+        return entry
+
+    idle = load()
+    assert set(idle) == {"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens", "num_pending_tokens", "ts_tic"}
+    assert (idle["num_reqs"], idle["num_waiting_reqs"], idle["num_tokens"]) == (0, 0, 0), idle
+    num_prompt = len(router.tokenizer.encode(PROMPT))
+    with client.stream("POST", "/generate", json={"text": PROMPT, "stream": True, "sampling_params": {
+            "max_new_tokens": 400, "ignore_eos": True, "temperature": 0}}) as events:
+        lines = events.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        _until(lambda: load()["num_reqs"] == 1)
+        busy = load()
+        assert busy["num_tokens"] >= num_prompt and busy["num_waiting_reqs"] == 0, busy
+    _until(lambda: router.generation.num_in_flight == 0 and load()["num_reqs"] == 0)
+    assert load()["num_tokens"] == 0
+    assert httpx.get(str(client.base_url) + "/get_load", timeout=10).status_code == 401
+
+
 @pytest.mark.parametrize("body, param, says", [
     ({"text": PROMPT, "input_ids": [1, 2]}, "text", "exactly one of text and input_ids"),
     ({"sampling_params": {}}, "text", "exactly one of text and input_ids"),

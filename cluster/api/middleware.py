@@ -165,17 +165,26 @@ class BodyLimitMiddleware:
         await self.app(scope, limited_receive, send)
 
 
-# Besides /v1/*: they cost CPU (and a model's time) like any API call.
+# Besides /v1/*: they cost CPU (and a model's time) like any API call, or change what is served. Every route is one
+# of these or of OPEN_PATHS (tests/test_api.py checks each route of a server with every feature on).
 PROTECTED_PATHS = ("/tokenize", "/detokenize", "/score", "/rerank", "/v2/rerank", "/classify", "/pooling",
                    "/invocations", "/pause", "/resume", "/is_paused", "/update_weights_from_disk",
                    "/get_weight_version", "/weight_info", "/pause_generation", "/continue_generation",
+                   # a trainer's weights (weight_routes.py): joining a process group and serving its tensors
+                   "/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group",
                    # sleep mode (sleep_routes.py)
                    "/sleep", "/wake_up", "/is_sleeping", "/release_memory_occupation", "/resume_memory_occupation",
                    # SGLang's native routes (sglang_routes.py), as SGLang's --api-key guards them
                    "/generate", "/abort_request", "/flush_cache", "/reset_prefix_cache", "/get_model_info", "/model_info",
-                   "/get_server_info", "/server_info",
+                   "/get_server_info", "/server_info", "/get_load",
                    # vLLM's tokens-in route and its abort (vllm_tokens.py, control_routes.py)
                    "/inference/v1/generate", "/abort_requests")
+
+
+# Open with --api-key too: probes and what a load balancer or a KV-aware router polls (vLLM and SGLang leave them
+# open), the docs.
+OPEN_PATHS = ("/health", "/ping", "/version", "/metrics", "/load", "/kv_event_sources", "/health_generate",
+              "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 
 
 class ApiKeyMiddleware:

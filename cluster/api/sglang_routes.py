@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import uuid
 from pathlib import Path
 
@@ -34,6 +35,17 @@ from pdcluster.engine.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's
+
+
+def load_entry(stats: dict) -> dict:
+    """SGLang's /get_load entry of a router's stats (cluster/api/router_contract.py's ``stats()``)."""
+    running, waiting = int(stats.get("num_requests_running", 0)), int(stats.get("num_requests_waiting", 0))
+    pool_tokens = int(stats.get("num_gpu_blocks", 0)) * int(stats.get("block_size", 0))
+    used_tokens = round(float(stats.get("kv_cache_usage_perc", 0.0)) * pool_tokens)
+    queued_tokens = sum(int(w.get("queued_prefill_tokens") or 0) for w in stats.get("workers", []))
+    return {"dp_rank": 0, "num_reqs": running + waiting, "num_waiting_reqs": waiting,
+            "num_tokens": used_tokens + queued_tokens, "num_pending_tokens": queued_tokens,
+            "ts_tic": time.perf_counter()}
 
 
 def _model_config(tokenizer) -> dict:
@@ -80,6 +92,17 @@ def install_sglang_routes(app: FastAPI, router, served_names: tuple[str, ...], p
         return {"model_path": router.model_name, "served_model_name": served_names[0],
                 "context_length": router.max_model_len, "version": version, "weight_version": weight_version(),
                 "lora_paths": list(router.lora_names), "internal_states": [stats]}
+
+    @app.get("/get_load")
+    async def get_load():
+        """SGLang's load report, which its router's power-of-two and cache-aware policies poll (sglang-router's
+        worker load probe): one entry, as this whole server is one rank to that router. ``num_tokens``: the KV tokens
+        in use plus the prompt tokens queued for prefill, SGLang's measure of a server's load."""
+        try:
+            stats = router.stats()
+        except Exception as e:  # noqa: BLE001 - a router that cannot say is not "idle"
+            return error_response(503, f"router stats failed: {e!r}", kind="server_error")
+        return [load_entry(stats)]
 
     for path in ("/get_model_info", "/model_info"):
         app.add_api_route(path, model_info, methods=["GET"])
