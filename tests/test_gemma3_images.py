@@ -27,7 +27,8 @@ from pdcluster.engine.multimodal.tiny_gemma3 import (IMAGE_TOKENS, NUM_SOFT_TOKE
 from pdcluster.engine.multimodal.tiny_llava import png
 from pdcluster.engine.sampling_params import SamplingParams
 from test_api import serving
-from test_multimodal import _prompt, disagg_tokens, greedy_references, tiny_image_config as _config
+from test_multimodal import (_prompt, check_a_widened_prompt_is_taken, disagg_tokens, greedy_references,
+                             tiny_image_config as _config)
 
 transformers = pytest.importorskip("transformers")
 PIL = pytest.importorskip("PIL.Image")
@@ -91,6 +92,7 @@ def test_frame_equals_gemma3_processor(model_dir, engine):
         assert ids == out["input_ids"][0].tolist(), text
         types = out["token_type_ids"][0].tolist()
         assert [i for i, t in enumerate(types) if t == 1] == [i["offset"] + j for i in items for j in range(i["length"])]
+        assert spec.expand(out["input_ids"][0].tolist(), images) == (ids, items), text  # the processor's own, as is
     ids, _ = spec.expand(tok.encode(PROMPT), IMAGES[:1])
     assert tok.encode("\n\n\n")[0] in ids  # "user\n" + the frame's "\n\n": one token
 
@@ -114,6 +116,12 @@ def test_soft_tokens_attend_both_ways(model_dir, engine, hf):
         assert (causal[top.top_token_ids] - want).abs().max() > 1e-3
         cached.append(out.num_cached_tokens)
     assert cached[1] == 0 and cached[2] >= 32
+
+
+def test_a_widened_prompt_is_taken_as_it_is(engine, reference):
+    """Token ids from the model's processor (each image's frame and soft tokens written out) with the images: the
+    same tokens; soft tokens that are no image's whole run are refused, not widened again."""
+    check_a_widened_prompt_is_taken(engine, CASES, reference, PARAMS)
 
 
 def test_equals_transformers_alone_and_batched(engine, reference):

@@ -190,6 +190,14 @@ class Gemma3Frame:
         return [two, self.boi_token_id], [self.soft_token_id] * length, [self.eoi_token_id, two]
 
 
+def _mm_item(image: bytes | ImageEmbedding, offset: int, length: int) -> dict:
+    """An image's ``SamplingParams.mm_inputs`` entry: its placeholders' place in the prompt, its digest and data."""
+    if isinstance(image, ImageEmbedding):
+        return {"offset": offset, "length": length, "digest": image_digest(image.data), "data": image.data,
+                "embeds": [image.dtype, image.rows, image.hidden]}
+    return {"offset": offset, "length": length, "digest": image_digest(image), "data": image}
+
+
 @dataclass(frozen=True)
 class ImageSpec:
     architecture: str
@@ -353,35 +361,33 @@ class ImageSpec:
         ImageEmbedding) as ``SamplingParams.mm_inputs`` entries, in prompt order: one image an image token. A prompt
         already widened (token ids from the model's own processor, as vLLM takes them too) is taken as it is."""
         check_image_count(len(images), max_images)
+        for i, image in enumerate(images):
+            if isinstance(image, ImageEmbedding) and not self.takes_embeddings:
+                raise ImageInputError(self.embeddings_refused(i))
         at = [i for i, t in enumerate(prompt_token_ids) if t == self.image_token_id]
+        # Widened already: more image tokens than images, or Gemma 3's soft tokens (its image token opens the run).
+        marker = self.image_token_id if self.frame is None else self.frame.soft_token_id
+        if images and (len(at) != len(images) or self.frame is not None and marker in prompt_token_ids):
+            items = self._widened_items(prompt_token_ids, images, marker)
+            if items is not None:
+                return list(prompt_token_ids), items
+            if self.frame is not None:  # soft tokens that are no image's run: widening again would keep them
+                raise ImageInputError(f"the prompt holds image placeholders (id {marker}) that are not each image's "
+                                      "whole run of placeholders, in order, as the model's processor writes it")
         if len(at) != len(images):
-            collapsed = self._collapse(prompt_token_ids, images)
-            if collapsed is None:
-                raise ImageInputError(f"the prompt has {len(at)} image token(s) (id {self.image_token_id}) but "
-                                      f"{len(images)} image(s) were given: put one image token where each image goes "
-                                      "(or each image's whole run of placeholders, as the model's processor writes "
-                                      "it)")
-            prompt_token_ids = collapsed
-            at = [i for i, t in enumerate(prompt_token_ids) if t == self.image_token_id]
+            raise ImageInputError(f"the prompt has {len(at)} image token(s) (id {self.image_token_id}) but "
+                                  f"{len(images)} image(s) were given: put one image token where each image goes "
+                                  "(or each image's whole run of placeholders, as the model's processor writes it)")
         out: list[int] = []
         items = []
         last = 0
         frame = self.frame
         for i, (pos, image) in enumerate(zip(at, images)):
             self._join(out, prompt_token_ids[last:pos])
-            if isinstance(image, ImageEmbedding) and not self.takes_embeddings:
-                raise ImageInputError(self.embeddings_refused(i))
-            if isinstance(image, ImageEmbedding):
-                length = image.rows
-                if frame is not None:
-                    self._join(out, frame.run(length)[0])
-                items.append({"offset": len(out), "length": length, "digest": image_digest(image.data),
-                              "data": image.data, "embeds": [image.dtype, image.rows, image.hidden]})
-            else:
-                length = self.tokens_for(image, f"image {i}")
-                if frame is not None:
-                    self._join(out, frame.run(length)[0])
-                items.append({"offset": len(out), "length": length, "digest": image_digest(image), "data": image})
+            length = self._length(image, i)
+            if frame is not None:
+                self._join(out, frame.run(length)[0])
+            items.append(_mm_item(image, len(out), length))
             out += self.placeholder_ids(length, None if isinstance(image, ImageEmbedding) else image)
             if frame is not None:
                 out += frame.run(length)[2]
@@ -389,29 +395,30 @@ class ImageSpec:
         self._join(out, prompt_token_ids[last:])
         return out, items
 
-    def _collapse(self, prompt_token_ids: list[int], images: list) -> list[int] | None:
-        """The prompt with each image's whole run of placeholders back to one image token, where it holds exactly
-        those runs, in order (else None). Not for Gemma 3, whose image token is not a placeholder."""
-        if self.frame is not None or not images:
-            return None
-        out: list[int] = []
+    def _length(self, image: bytes | ImageEmbedding, i: int) -> int:
+        return image.rows if isinstance(image, ImageEmbedding) else self.tokens_for(image, f"image {i}")
+
+    def _widened_items(self, prompt_token_ids: list[int], images: list, marker: int) -> list[dict] | None:
+        """The images' entries where the prompt holds each image's whole run of placeholders, in order, and no other
+        (Gemma 3's framed by its begin and end tokens); else None."""
+        items = []
         cursor = 0
         for i, image in enumerate(images):
-            embedded = isinstance(image, ImageEmbedding)
-            length = image.rows if embedded else self.tokens_for(image, f"image {i}")
-            run = self.placeholder_ids(length, None if embedded else image)
+            length = self._length(image, i)
+            run = self.placeholder_ids(length, None if isinstance(image, ImageEmbedding) else image)
             try:
-                start = prompt_token_ids.index(self.image_token_id, cursor)
+                start = prompt_token_ids.index(marker, cursor)
             except ValueError:
                 return None
-            if prompt_token_ids[start:start + len(run)] != run:
+            end = start + len(run)
+            if prompt_token_ids[start:end] != run:
                 return None
-            out += prompt_token_ids[cursor:start]
-            out.append(self.image_token_id)
-            cursor = start + len(run)
-        if self.image_token_id in prompt_token_ids[cursor:]:
-            return None
-        return out + prompt_token_ids[cursor:]
+            if self.frame is not None and (start == 0 or prompt_token_ids[start - 1] != self.frame.boi_token_id
+                                           or prompt_token_ids[end:end + 1] != [self.frame.eoi_token_id]):
+                return None
+            items.append(_mm_item(image, start, length))
+            cursor = end
+        return None if marker in prompt_token_ids[cursor:] else items
 
     def _join(self, out: list[int], tokens: list[int]) -> None:
         if self.frame is None:
