@@ -748,6 +748,43 @@ def test_every_route_needs_the_key_but_the_open_ones(tiny_dir):
         router.close()
 
 
+# Bodies a client may send by mistake: not JSON, JSON of the wrong shape, fields of the wrong types.
+_MALFORMED_BODIES = (b"{not json", b"[1, 2]", b'"text"', b"null", json.dumps({
+    "model": 5, "prompt": {}, "messages": 3, "names": "x", "text": 7, "input": [], "lora_name": 1, "model_path": 3,
+    "master_port": "x", "request_ids": "a", "rid": 5, "level": "x", "tags": 3, "input_ids": "abc", "token_ids": {},
+    "sampling_params": [], "query": 1, "documents": 2}).encode(), json.dumps({
+    "model": MODEL, "prompt": ["a", 5], "messages": [{"role": 1}], "input": [{"x": 1}], "sampling_params": {"n": "a"},
+    "text": ["a", None], "input_ids": [[1], 2], "image_data": [[1]]}).encode())
+
+
+def test_every_route_answers_malformed_bodies_without_a_server_error(tiny_dir):
+    """Every route of a server with every optional route on, each method, six malformed bodies: never a 5xx (a
+    client's mistake is a 4xx naming it, or a route that reads no body answers as usual). The routes that stop
+    generation (pause, sleep) are left out: a body they do not read would pause the server for the routes after."""
+    from pdcluster.cluster.api.middleware import OPEN_PATHS
+
+    router = LocalRouter(EngineConfig(model=MODEL, num_kv_blocks=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN),
+                         request_timeout_s=30)
+    app = build_app(router, MODEL, api_key=API_KEY, runtime_lora=True, weight_updates=True, sleep_mode=True,
+                    server_load_tracking=True)
+    stopping = {"/pause", "/pause_generation", "/sleep", "/release_memory_occupation"}
+    try:
+        with serving(app) as base_url:
+            client = httpx.Client(base_url=base_url, timeout=60, headers={"Authorization": f"Bearer {API_KEY}",
+                                                                          "Content-Type": "application/json"})
+            routes = [(method, route.path) for route in app.routes for method in sorted(getattr(route, "methods", ()))
+                      if method != "HEAD" and route.path not in OPEN_PATHS and route.path not in stopping]
+            assert ("POST", "/generate") in routes and ("POST", "/init_weights_update_group") in routes
+            for method, path in routes:
+                concrete = path.replace("{model_id}", MODEL).replace("{response_id}", "resp-x")
+                for body in _MALFORMED_BODIES:
+                    r = client.request(method, concrete, content=body)
+                    assert r.status_code < 500, (method, path, body[:40], r.status_code, r.text[:300])
+            assert client.post("/v1/completions", json=_OK).status_code == 200  # and it still serves
+    finally:
+        router.close()
+
+
 def test_openai_client_errors_are_typed(stack):
     with pytest.raises(openai.NotFoundError, match="gpt-9"):
         stack.client.completions.create(model="gpt-9", prompt="hi", max_tokens=2)
