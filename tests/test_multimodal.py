@@ -456,8 +456,17 @@ def test_sglang_generate_with_image_data(llava_dir, reference, tmp_path):
                                          (media / "first.png").as_uri()])
             assert batch.status_code == 200, batch.text
             assert [a["output_ids"] for a in batch.json()] == [reference[1], reference[2], reference[3], reference[0]]
+            # A JPEG's base64 starts with "/" (and holds many): base64, never a path, however long.
+            jpeg = io.BytesIO()
+            PIL.open(io.BytesIO(IMAGES[0])).convert("RGB").save(jpeg, format="JPEG")
+            as_b64 = base64.b64encode(jpeg.getvalue()).decode()
+            assert as_b64.startswith("/9j/")
+            r = generate(text=PROMPT, image_data=as_b64)
+            assert r.status_code == 200 and len(r.json()["output_ids"]) == NUM_NEW, r.text
             num_encoded = router.worker.engine.runner.image_embeds.num_encoded
             for body, says in (
+                    (dict(text=PROMPT, image_data="/" + "A/" * 300_000), r"image_data\[0\]: "),
+                    (dict(text=PROMPT, image_data=str(media / "first.png") + "\x00"), r"image_data\[0\]: "),
                     (dict(text=PROMPT, image_data=[_data_url(IMAGES[0])] * 2), r"1 image token\(s\) .* but 2"),
                     (dict(text=TEXT, image_data=_data_url(IMAGES[0])), r"0 image token\(s\) .* but 1"),
                     (dict(text=PROMPT), r"1 image token\(s\) .* but 0"),

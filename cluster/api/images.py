@@ -34,6 +34,7 @@ MAX_IMAGE_BYTES = 20 * 1024 * 1024
 MAX_EMBEDS_BYTES = 64 * 1024 * 1024
 NUMPY_MAGIC = b"\x93NUMPY"
 DEFAULT_FETCH_TIMEOUT_S = 5.0
+MAX_PATH_CHARS = 4096  # Linux's PATH_MAX: a longer image_data item is no path
 
 
 @functools.lru_cache(maxsize=8)
@@ -204,10 +205,13 @@ def _as_url(item: str, where: str, media: MediaPolicy) -> str:
     if item.startswith(("data:", "http://", "https://", "file:")):
         return item
     # A path where local files may be read (SGLang reads any the server can), else base64 (a JPEG's starts with "/").
-    # Only a path under the allowed directory is taken as one: what a refusal says never tells whether a file exists.
+    # Only a path under the allowed directory is taken as one, judged by its text alone (no file is looked at for
+    # megabytes of base64, and a refusal never tells whether a file exists); reading it resolves it (_local_file).
     root = media.allowed_local_media_path
-    if root is not None and Path(item).is_absolute() and Path(item).resolve().is_relative_to(root):
-        return Path(item).as_uri()
+    if root is not None and item.startswith("/") and len(item) <= MAX_PATH_CHARS and "\x00" not in item:
+        path = Path(os.path.normpath(item))
+        if path.is_relative_to(root):
+            return path.as_uri()
     compact = "".join(item.split())
     try:
         base64.b64decode(compact, validate=True)
