@@ -403,6 +403,7 @@ def test_served_image_limit_and_media_policy(llava_dir, reference, tmp_path):
             for url_, match in (((tmp_path / "secret.png").as_uri(), "outside --allowed-local-media-path"),
                                 ((media / "link.png").as_uri(), "outside --allowed-local-media-path"),
                                 ((media / "none.png").as_uri(), "no such file"),
+                                ((media / "cat.png").as_uri() + "%00.png", "holds a NUL byte"),
                                 ("file://otherhost/cat.png", "names a file of this machine"),
                                 (f"{url}/redirect", r"http://localhost:\d+/cat.png is not on an allowed host"),
                                 ("http://localhost:9/cat.png", r"not on an allowed host \(--allowed-media-domains: "

@@ -84,7 +84,10 @@ def _local_file(url: str, where: str, root: Path | None) -> bytes:
     parts = urlsplit(url)
     if parts.netloc not in ("", "localhost"):
         raise _bad(where, f"a file: URL names a file of this machine (file:///path), got host {parts.netloc!r}")
-    path = Path(url2pathname(parts.path)).resolve()
+    name = url2pathname(parts.path)
+    if "\x00" in name:  # %00: no file has it in its name (and resolving it would raise)
+        raise _bad(where, f"{url} holds a NUL byte")
+    path = Path(name).resolve()
     if not path.is_relative_to(root):
         raise _bad(where, f"{url} is outside --allowed-local-media-path {root}")
     try:
