@@ -720,32 +720,43 @@ def test_api_key(stack):
     assert stack.client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].text is not None
 
 
-def test_every_route_needs_the_key_but_the_open_ones(tiny_dir):
-    """A server with every optional route on (LoRA loading, weight updates, trainer weights, sleep mode, load
-    tracking): each route of each method answers 401 without the key, but the probes and docs of OPEN_PATHS; a route
-    added later must be put in one list or the other (the trainer-weights routes were once in neither: open)."""
-    from pdcluster.cluster.api.middleware import OPEN_PATHS
-
+@contextlib.contextmanager
+def _every_route_server():
+    """A served app with every optional route on (LoRA loading, weight updates, trainer weights, sleep mode, load
+    tracking) behind API_KEY: (app, base URL, its routes as (method, path), HEAD left out)."""
     router = LocalRouter(EngineConfig(model=MODEL, num_kv_blocks=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN),
                          request_timeout_s=30)
     app = build_app(router, MODEL, api_key=API_KEY, runtime_lora=True, weight_updates=True, sleep_mode=True,
                     server_load_tracking=True)
+    routes = [(method, route.path) for route in app.routes for method in sorted(getattr(route, "methods", ()))
+              if method != "HEAD"]
     try:
         with serving(app) as base_url:
-            anon = httpx.Client(base_url=base_url, timeout=30)
-            routes = [(method, route.path) for route in app.routes for method in sorted(getattr(route, "methods", ()))
-                      if method != "HEAD"]
-            assert ("POST", "/update_weights_from_distributed") in routes and ("POST", "/sleep") in routes
-            for method, path in routes:
-                concrete = path.replace("{model_id}", MODEL).replace("{response_id}", "resp-x")
-                r = anon.request(method, concrete, json={})
-                if path in OPEN_PATHS:
-                    assert r.status_code != 401, (method, path)
-                else:
-                    assert r.status_code == 401, (method, path, r.status_code)
-            assert {path for _, path in routes} >= {"/health", "/metrics", "/get_load"}
+            yield base_url, routes
     finally:
         router.close()
+
+
+def _concrete(path: str) -> str:
+    return path.replace("{model_id}", MODEL).replace("{response_id}", "resp-x")
+
+
+def test_every_route_needs_the_key_but_the_open_ones(tiny_dir):
+    """Each route of each method of a server with every optional route on answers 401 without the key, but the
+    probes and docs of OPEN_PATHS; a route added later must be put in one list or the other (the trainer-weights
+    routes were once in neither: open)."""
+    from pdcluster.cluster.api.middleware import OPEN_PATHS
+
+    with _every_route_server() as (base_url, routes):
+        anon = httpx.Client(base_url=base_url, timeout=30)
+        assert ("POST", "/update_weights_from_distributed") in routes and ("POST", "/sleep") in routes
+        for method, path in routes:
+            r = anon.request(method, _concrete(path), json={})
+            if path in OPEN_PATHS:
+                assert r.status_code != 401, (method, path)
+            else:
+                assert r.status_code == 401, (method, path, r.status_code)
+        assert {path for _, path in routes} >= {"/health", "/metrics", "/get_load"}
 
 
 # Bodies a client may send by mistake: not JSON, JSON of the wrong shape, fields of the wrong types.
@@ -763,26 +774,17 @@ def test_every_route_answers_malformed_bodies_without_a_server_error(tiny_dir):
     generation (pause, sleep) are left out: a body they do not read would pause the server for the routes after."""
     from pdcluster.cluster.api.middleware import OPEN_PATHS
 
-    router = LocalRouter(EngineConfig(model=MODEL, num_kv_blocks=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN),
-                         request_timeout_s=30)
-    app = build_app(router, MODEL, api_key=API_KEY, runtime_lora=True, weight_updates=True, sleep_mode=True,
-                    server_load_tracking=True)
     stopping = {"/pause", "/pause_generation", "/sleep", "/release_memory_occupation"}
-    try:
-        with serving(app) as base_url:
-            client = httpx.Client(base_url=base_url, timeout=60, headers={"Authorization": f"Bearer {API_KEY}",
-                                                                          "Content-Type": "application/json"})
-            routes = [(method, route.path) for route in app.routes for method in sorted(getattr(route, "methods", ()))
-                      if method != "HEAD" and route.path not in OPEN_PATHS and route.path not in stopping]
-            assert ("POST", "/generate") in routes and ("POST", "/init_weights_update_group") in routes
-            for method, path in routes:
-                concrete = path.replace("{model_id}", MODEL).replace("{response_id}", "resp-x")
-                for body in _MALFORMED_BODIES:
-                    r = client.request(method, concrete, content=body)
-                    assert r.status_code < 500, (method, path, body[:40], r.status_code, r.text[:300])
-            assert client.post("/v1/completions", json=_OK).status_code == 200  # and it still serves
-    finally:
-        router.close()
+    with _every_route_server() as (base_url, routes):
+        client = httpx.Client(base_url=base_url, timeout=60, headers={"Authorization": f"Bearer {API_KEY}",
+                                                                      "Content-Type": "application/json"})
+        routes = [(method, path) for method, path in routes if path not in OPEN_PATHS and path not in stopping]
+        assert ("POST", "/generate") in routes and ("POST", "/init_weights_update_group") in routes
+        for method, path in routes:
+            for body in _MALFORMED_BODIES:
+                r = client.request(method, _concrete(path), content=body)
+                assert r.status_code < 500, (method, path, body[:40], r.status_code, r.text[:300])
+        assert client.post("/v1/completions", json=_OK).status_code == 200  # and it still serves
 
 
 def test_openai_client_errors_are_typed(stack):

@@ -69,10 +69,15 @@ def _data_url(url: str, where: str) -> bytes:
     head, sep, payload = url.partition(",")
     if not sep or not head.endswith(";base64"):
         raise _bad(where, "a data URL must be base64: data:image/png;base64,...")
+    return _base64_image(payload, where, "the data URL's base64 does not decode")
+
+
+def _base64_image(payload: str, where: str, undecodable: str) -> bytes:
+    """An image's bytes from its base64 (``undecodable``: what a 400 says when it is not base64)."""
     try:
         data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
-        raise _bad(where, "the data URL's base64 does not decode") from None
+        raise _bad(where, undecodable) from None
     if len(data) > MAX_IMAGE_BYTES:
         raise _bad(where, f"the image has {len(data)} bytes, more than {MAX_IMAGE_BYTES}")
     return data
@@ -140,11 +145,30 @@ async def fetch_image(url: str, where: str, media: MediaPolicy = MediaPolicy()) 
         scheme = url.split(":", 1)[0] if ":" in url else url[:20]
         raise _bad(where, f"image URLs are data: (base64), http(s): or file: (under --allowed-local-media-path) "
                           f"URLs, got {scheme!r}")
+    return await _opened(data, where)
+
+
+async def _opened(data: bytes, where: str) -> bytes:
+    """``data``, checked to open as an image (an unreadable one is a 400 naming it, never a failed step)."""
     try:
         await anyio.to_thread.run_sync(open_image, data, where)
     except ImageInputError as e:
         raise _bad(where, str(e).removeprefix(f"{where}: ")) from None
     return data
+
+
+def _spec_taking(tokenizer, num_images: int, max_images: int, param: str, parts: str = "") -> ImageSpec:
+    """The served model's image spec, where it takes images and ``num_images`` of them (vLLM's
+    --limit-mm-per-prompt), else a 400 naming ``param``: checked before anything is fetched or decoded."""
+    spec = image_spec(tokenizer)
+    if spec is None:
+        raise APIError(400, f"{param}: this model takes no images{parts}; send text", param=param,
+                       code="unsupported_content")
+    try:
+        check_image_count(num_images, max_images)
+    except ImageInputError as e:
+        raise APIError(400, f"{param}: {e}", param=param, code="unsupported_content") from None
+    return spec
 
 
 async def chat_images(messages, tokenizer, max_images: int,
@@ -154,14 +178,7 @@ async def chat_images(messages, tokenizer, max_images: int,
     parts = image_parts(messages)
     if not parts:
         return []
-    spec = image_spec(tokenizer)
-    if spec is None:
-        raise APIError(400, "messages: this model takes no images (image_url parts); send text",
-                       param="messages", code="unsupported_content")
-    try:
-        check_image_count(len(parts), max_images)
-    except ImageInputError as e:
-        raise APIError(400, f"messages: {e}", param="messages", code="unsupported_content") from None
+    spec = _spec_taking(tokenizer, len(parts), max_images, "messages", " (image_url parts)")
     kinds = {part.type for part in parts}
     if "image_embeds" in kinds:
         if not media.enable_mm_embeds:
@@ -187,26 +204,20 @@ async def generate_images(items: list[str], tokenizer, max_images: int, param: s
     in base64; the same checks as a chat's images, errors naming ``param[j]``."""
     if not items:
         return []
-    if image_spec(tokenizer) is None:
-        raise APIError(400, f"{param}: this model takes no images; send text", param=param, code="unsupported_content")
-    try:
-        check_image_count(len(items), max_images)
-    except ImageInputError as e:
-        raise APIError(400, f"{param}: {e}", param=param, code="unsupported_content") from None
+    _spec_taking(tokenizer, len(items), max_images, param)
     out = []
     for j, item in enumerate(items):
-        where = f"{param}[{j}]"
         try:
-            out.append(await fetch_image(_as_url(item, where, media), where, media))
+            out.append(await _generate_image(item, f"{param}[{j}]", media))
         except APIError as e:
             e.param = param
             raise
     return out
 
 
-def _as_url(item: str, where: str, media: MediaPolicy) -> str:
+async def _generate_image(item: str, where: str, media: MediaPolicy) -> bytes:
     if item.startswith(("data:", "http://", "https://", "file:")):
-        return item
+        return await fetch_image(item, where, media)
     # A path where local files may be read (SGLang reads any the server can), else base64 (a JPEG's starts with "/").
     # Only a path under the allowed directory is taken as one, judged by its text alone (no file is looked at for
     # megabytes of base64, and a refusal never tells whether a file exists); reading it resolves it (_local_file).
@@ -214,15 +225,10 @@ def _as_url(item: str, where: str, media: MediaPolicy) -> str:
     if root is not None and item.startswith("/") and len(item) <= MAX_PATH_CHARS and "\x00" not in item:
         path = Path(os.path.normpath(item))
         if path.is_relative_to(root):
-            return path.as_uri()
-    compact = "".join(item.split())
-    try:
-        base64.b64decode(compact, validate=True)
-    except (binascii.Error, ValueError):
-        raise APIError(400, f"{where}: an image is an http(s), data: or file: URL, a local path (with "
-                            f"--allowed-local-media-path), or base64 of its bytes; got {item[:40]!r}",
-                       param=where) from None
-    return "data:image;base64," + compact
+            return await fetch_image(path.as_uri(), where, media)
+    return await _opened(_base64_image("".join(item.split()), where, (
+        f"an image is an http(s), data: or file: URL, a local path (with --allowed-local-media-path), or base64 of "
+        f"its bytes; got {item[:40]!r}")), where)
 
 
 def decode_embeds(payload, where: str, spec: ImageSpec) -> ImageEmbedding:

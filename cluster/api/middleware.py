@@ -188,8 +188,7 @@ OPEN_PATHS = ("/health", "/ping", "/version", "/metrics", "/load", "/kv_event_so
 
 
 class ApiKeyMiddleware:
-    """``Authorization: Bearer <key>`` on /v1/* and PROTECTED_PATHS; /health, /metrics and the
-    docs stay open."""
+    """``Authorization: Bearer <key>`` on /v1/* and PROTECTED_PATHS; the rest (OPEN_PATHS) stays open."""
 
     def __init__(self, app, api_key: str):
         self.app, self.expected = app, api_key.encode()
