@@ -131,6 +131,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="adapters may also be loaded and unloaded while serving (POST /v1/load_lora_adapter and "
                         "/v1/unload_lora_adapter, vLLM's routes; on with VLLM_ALLOW_RUNTIME_LORA_UPDATING=true too)")
     g.add_argument("--max-loras", type=int, default=16, help="how many LoRA adapters are held at once")
+    g.add_argument("--enable-prompt-embeds", action="store_true",
+                   help="requests may give their prompt as embeddings (vLLM's prompt_embeds on /v1/completions, "
+                        "SGLang's input_embeds on /generate; offline {\"prompt_embeds\": tensor})")
 
 
 class SpeculativeConfig(argparse.Action):
@@ -185,7 +188,7 @@ SAME_NAMED_FLAGS = (
     "kv_offload_disk_gib", "mtp_checkpoint", "draft_model", "num_threads", "seed", "cache_dir", "revision", "download_dir",
     "max_lora_rank",
     "enable_lora", "max_loras", "mixed_cuda_graph_tokens", "hf_overrides", "tensor_parallel_size",
-    "limit_mm_per_prompt", "mm_processor_kwargs", "max_cuda_graph_batch",
+    "limit_mm_per_prompt", "mm_processor_kwargs", "max_cuda_graph_batch", "enable_prompt_embeds",
 )
 
 

@@ -269,7 +269,7 @@ def _check_args(args: argparse.Namespace) -> None:
             raise ConfigError(f"{flag}: must be at least 1, got {value}")
     try:
         args.media_policy = MediaPolicy.from_flags(args.allowed_local_media_path, args.allowed_media_domains,
-                                                   args.enable_mm_embeds)
+                                                   args.enable_mm_embeds, args.enable_prompt_embeds)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if args.mode == "local" and args.router_policy != "least_loaded":

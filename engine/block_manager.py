@@ -42,6 +42,7 @@ class StoredRun:
     lora_name: str | None = None
     cache_salt: str | None = None
     mm_inputs: tuple = ()  # the request's images ({"offset", "length", "digest", ...}), for their extra keys
+    prompt_embeds: tuple[str, int] | None = None  # (digest, num_tokens) of a prompt given as embeddings, likewise
 
 
 def block_hash_root(params) -> int | None:
@@ -51,7 +52,8 @@ def block_hash_root(params) -> int | None:
     An adapter changes the KV a prompt makes, and a salt keeps one tenant's cached prompts from another's (vLLM's cache_salt:
     a hit's speed would tell a guessed prompt), so such blocks hash apart in the prefix cache, the offload
     tiers and the router's KV index. An image's placeholder tokens are the same whatever the image: its digest
-    keeps two prompts that differ only in their images apart (engine/multimodal/). A request under updated weights
+    keeps two prompts that differ only in their images apart (engine/multimodal/), and a prompt given as embeddings
+    is rooted at their digest (engine/prompt_embeds.py). A request under updated weights
     (``weight_version`` other than the start-up weights': engine/weight_update.py) chains from a digest of its
     version over all that: KV of other weights is never a hit."""
     root = _content_root(params)
@@ -64,9 +66,11 @@ def block_hash_root(params) -> int | None:
 
 
 def _content_root(params) -> int | None:
-    """block_hash_root's part from what the request holds (adapter, salt, images), whatever the weights."""
+    """block_hash_root's part from what the request holds (adapter, salt, images, prompt embeddings), whatever the
+    weights."""
     lora_name, salt, images = params.lora_name, params.cache_salt, params.mm_inputs
-    if lora_name is None and salt is None and not images:
+    embeds = params.prompt_embeds
+    if lora_name is None and salt is None and not images and embeds is None:
         return None
     if lora_name is not None and params.lora_digest is not None:  # an adapter reloaded under its name: new KV
         lora_name = f"{lora_name}\0{params.lora_digest}"
@@ -80,6 +84,8 @@ def _content_root(params) -> int | None:
     if images:
         digest = hashlib.blake2b(b"images\0" + digest + "".join(
             f"{item['offset']}:{item['length']}:{item['digest']};" for item in images).encode(), digest_size=8).digest()
+    if embeds is not None:  # the prompt's placeholder ids are the same whatever its embeddings (engine/prompt_embeds.py)
+        digest = hashlib.blake2b(b"prompt_embeds\0" + digest + embeds["digest"].encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little", signed=True)
 
 
@@ -282,7 +288,9 @@ class BlockManager:
             return
         params = request.sampling_params
         runs.append(StoredRun([block_hash], parent_hash, list(token_ids), first_token, params.lora_name,
-                              params.cache_salt, tuple(params.mm_inputs or ())))
+                              params.cache_salt, tuple(params.mm_inputs or ()),
+                              None if params.prompt_embeds is None else
+                              (params.prompt_embeds["digest"], params.prompt_embeds["num_tokens"])))
 
     def cache_loaded_blocks(self, block_ids: list[int], block_hashes: list[int],
                             token_chunks: list[tuple[int, ...]], request: Request | None = None,

@@ -189,6 +189,9 @@ class EngineConfig:
     # (Qwen-VL's '{"min_pixels": ..., "max_pixels": ...}': the pixel budget, so the placeholders an image takes;
     # Gemma 3's '{"do_pan_and_scan": false}'). Each model takes its own keys (engine/multimodal/spec.py); "" = none.
     mm_processor_kwargs: str = ""
+    # vLLM's --enable-prompt-embeds: requests may give their prompt as embeddings (engine/prompt_embeds.py). Off by
+    # default as vLLM's: a step then looks for such rows, and a client's tensor is read from its bytes.
+    enable_prompt_embeds: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -22,6 +22,7 @@ from pdcluster.engine.multimodal.images import image_inputs, image_size, open_im
 from pdcluster.engine.multimodal.chunks import check_images_fit_a_chunk
 from pdcluster.engine.multimodal.spec import IMAGES_OFF, ImageInputError, ImageSpec, check_image_count
 from pdcluster.engine.pooling import finish_embedding, finish_token_embeddings
+from pdcluster.engine import prompt_embeds
 from pdcluster.engine.proposers import make_proposer
 from pdcluster.engine.remote_admission import RemoteReservation
 from pdcluster.engine.request import Request, RequestStatus
@@ -191,6 +192,7 @@ class LLMEngine:
         # Its images were decoded where it was prefilled (and at the API): their headers suffice here, where they are
         # encoded only if the request is preempted (the same bytes: the digest is checked).
         self.check_images(prompt_token_ids, params, decode_images=False)
+        self.check_prompt_embeds(prompt_token_ids, params)  # read again only if the request is preempted
         params = self.bind_weights(self.bind_lora(params))
         self.prepare_grammar(params)
         request = Request(request_id, list(prompt_token_ids), params, arrival_time=time.monotonic())
@@ -270,16 +272,19 @@ class LLMEngine:
         validated once, by the HTTP API). ``follow``: the id of a running request with the same prompt
         (a sibling choice of an n > 1 request): start once its prompt is in the prefix cache.
         ``prompt`` may be vLLM's dict with images, ``{"prompt": text or ids, "multi_modal_data": {"image": one or
-        a list}}`` (bytes, file paths or PIL images; one image token in the prompt where each goes)."""
+        a list}}`` (bytes, file paths or PIL images; one image token in the prompt where each goes), or
+        ``{"prompt_embeds": tensor}`` ([num_tokens, hidden]: engine/prompt_embeds.py, with enable_prompt_embeds)."""
         sleep.check_awake(self)
         if isinstance(prompt, dict):
-            prompt, params = self.with_images(prompt, params)
+            prompt, params = (self.with_prompt_embeds(prompt, params) if "prompt_embeds" in prompt
+                              else self.with_images(prompt, params))
         prompt_token_ids = self.tokenize(prompt)
         if validate:
             self.validate(prompt_token_ids, params)
         self.check_task(params)
         self.check_kv_transfer(params)
         self.check_images(prompt_token_ids, params, client_prompt=validate)
+        self.check_prompt_embeds(prompt_token_ids, params)
         params = self.assign_seed(params)
         params = self.bind_weights(self.bind_lora(params))
         self.prepare_grammar(params)
@@ -310,6 +315,25 @@ class LLMEngine:
         except ImageInputError as e:
             raise InvalidRequestError(str(e)) from None
         return ids, replace(params, mm_inputs=items)
+
+    def with_prompt_embeds(self, prompt: dict, params: SamplingParams) -> tuple[list[int], SamplingParams]:
+        """vLLM's ``{"prompt_embeds": tensor}`` as the prompt's placeholder ids and ``params`` carrying the rows."""
+        if not self.config.enable_prompt_embeds:
+            raise InvalidRequestError(prompt_embeds.PROMPT_EMBEDS_OFF.replace(
+                "start the server with --enable-prompt-embeds", "set EngineConfig(enable_prompt_embeds=True)"))
+        try:
+            return prompt_embeds.embeds_prompt(prompt, params)
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
+
+    def check_prompt_embeds(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """A prompt given as embeddings fits this engine (checked on every worker, as images are)."""
+        try:
+            prompt_embeds.check_fits(prompt_token_ids, params, enabled=self.config.enable_prompt_embeds,
+                                     takes_embeds=self.model.takes_prompt_embeds and not self.encoder_only,
+                                     hidden_size=self.arch.hidden_size, model_name=self.model.architecture_name)
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
 
     def check_images(self, prompt_token_ids: list[int], params: SamplingParams, client_prompt: bool = False,
                      decode_images: bool = True) -> None:

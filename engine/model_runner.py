@@ -33,6 +33,7 @@ from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.cuda_graphs import DecodeGraphs
 from pdcluster.engine.input_batch import StepRows, prepare_inputs, step_rows
 from pdcluster.engine.multimodal.step import ImageEmbeds
+from pdcluster.engine import prompt_embeds
 from pdcluster.engine.logits_processors import RowContext, apply_penalties
 from pdcluster.engine.logprobs import PendingLogprobs, launch_token_logprobs, token_logprobs
 from pdcluster.engine.mamba_state import MambaStatePool
@@ -314,13 +315,17 @@ class ModelRunner:
             return
         rows = step_rows(sched, idx_mapping, self.states, self._prev, ahead)
         sends_layers = self.connector.wants_layers()  # layer callbacks run Python mid-forward: no graph then
-        images = None
+        images = given = None
+        params = self.states.sampling_params
         if self.image_embeds is not None:  # prompt chunks over image placeholders (engine/multimodal/)
-            params = self.states.sampling_params
             images = self.image_embeds.for_step(rows.starts_np, rows.q_lens_np, lambda i: params[idx_mapping[i]])
+        if self.config.enable_prompt_embeds:  # prompt chunks given as embeddings (engine/prompt_embeds.py)
+            given = prompt_embeds.rows_for_step(rows.starts_np, rows.q_lens_np, lambda i: params[idx_mapping[i]],
+                                                self.device, self.model.dtype)
         # A step with adapter rows replays only where the graphs hold the updates (the stacked way); one with
-        # image rows runs eagerly.
-        graphs = self.graphs if (self.graphs is not None and not sends_layers and images is None and (
+        # image rows or rows given as embeddings runs eagerly.
+        eager_rows = images is not None or given is not None
+        graphs = self.graphs if (self.graphs is not None and not sends_layers and not eager_rows and (
             self.graphs.lora is not None or not self._has_lora_rows(idx_mapping))) else None
         batch = prepare_inputs(rows, idx_mapping, self.states, self.inputs, self.block_size, self.num_spec_steps,
                                self.model.scale, self.mamba_pool, graphs,
@@ -334,15 +339,15 @@ class ModelRunner:
                 hidden = graphs.run(batch.input_ids, batch.positions, meta)
             # The pieces read no adapter slots: steps run them only while no adapter is held.
             if (hidden is None and self.mixed_graphs is not None and self.model.lora is None and not sends_layers
-                    and images is None):
+                    and not eager_rows):
                 hidden = self.mixed_graphs.run(batch.input_ids, batch.positions, meta)
             if hidden is None:
-                self.model.image_rows = images
+                self.model.image_rows, self.model.prompt_rows = images, given
                 try:
                     hidden = self.model.forward(batch.input_ids, batch.positions, self.kv_cache, meta,
                                                 self.connector.save_layer)
                 finally:
-                    self.model.image_rows = None
+                    self.model.image_rows = self.model.prompt_rows = None
         self._state = ExecuteModelState(
             sched, req_ids, idx_mapping, kind, hidden, batch.logits_start_np, batch.logits_count_np,
             batch.logits_indices, set(sched.finished_req_ids), rows, batch.query_start_loc_np,
@@ -625,8 +630,10 @@ class ModelRunner:
             idx = int(state.idx_mapping_np[i])
             num_prompt = int(st.client_prompt_len_np[idx])
             tokens = st.token_ids_np[idx, : int(state.rows.num_tokens_np[i])].tolist()
+            # A prompt given as embeddings has placeholder ids: no prompt token is penalised (vLLM's penalises 0s).
+            prompt = tokens[:num_prompt] if params[r].prompt_embeds is None else []
             for j in range(int(counts[i])):
-                contexts[starts[i] + j] = RowContext(params[r], tokens[:num_prompt], tokens[num_prompt:] + drafts[r][:j])
+                contexts[starts[i] + j] = RowContext(params[r], prompt, tokens[num_prompt:] + drafts[r][:j])
         active = [k for k, c in enumerate(contexts) if c is not None]
         if active:
             logits[active] = apply_penalties(logits[active], [contexts[k] for k in active], self.eos_token_ids)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdcluster.engine.multimodal.spec import check_mm_inputs
+from pdcluster.engine.prompt_embeds import check_prompt_embeds
 
 # How an embedding request (/v1/embeddings) pools its prompt's final hidden states into one vector: "last" the
 # last position's (vLLM's default for a decoder model), "mean" their average over the prompt, "cls" the first
@@ -98,6 +99,10 @@ class SamplingParams:
     # "digest": its content digest, "data": its encoded bytes}, in prompt order. Carried here because they go
     # wherever the parameters go (router, prefill and decode workers, a request resumed elsewhere).
     mm_inputs: list[dict] = field(default_factory=list, repr=False)
+    # The prompt given as embeddings (engine/prompt_embeds.py: vLLM's prompt_embeds): {"dtype", "num_tokens",
+    # "hidden", "data": their raw bytes, "digest"}; the prompt's token ids are then placeholders. Carried here for
+    # the same reason as the images.
+    prompt_embeds: dict | None = field(default=None, repr=False)
     # vLLM's thinking_token_budget (engine/thinking_budget.py): at most this many tokens inside a thinking
     # section, between the model's reasoning start and end markers (token ids, set where the request enters from
     # the server's reasoning parser), then the end marker is forced. None: no limit.
@@ -148,6 +153,12 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if self.mm_inputs:
             self.mm_inputs = check_mm_inputs(self.mm_inputs)
+        if self.prompt_embeds is not None:
+            self.prompt_embeds = check_prompt_embeds(self.prompt_embeds)
+            if self.mm_inputs:
+                raise ValueError("prompt_embeds: a prompt given as embeddings holds no images")
+            if self.prompt_logprobs is not None:
+                raise ValueError("prompt_logprobs is not compatible with prompt embeds: the prompt has no tokens")
         if self.thinking_token_budget is not None:
             self._check_thinking_budget()
         if self.pooling is not None:

@@ -297,15 +297,19 @@ def test_get_load_counts_what_runs(server):
 
 
 @pytest.mark.parametrize("body, param, says", [
-    ({"text": PROMPT, "input_ids": [1, 2]}, "text", "exactly one of text and input_ids"),
-    ({"sampling_params": {}}, "text", "exactly one of text and input_ids"),
+    ({"text": PROMPT, "input_ids": [1, 2]}, "text", "exactly one of text, input_ids and input_embeds"),
+    ({"sampling_params": {}}, "text", "exactly one of text, input_ids and input_embeds"),
     ({"text": PROMPT, "sampling_params": {"max_new_token": 5}}, "sampling_params.max_new_token",
      "not a sampling parameter"),
     ({"text": PROMPT, "sampling_params": {"temperature": "hot"}}, "sampling_params.temperature", "hot"),
     ({"text": PROMPT, "sampling_params": {"stop_regex": "a+"}}, "sampling_params.stop_regex", "not served"),
     ({"text": PROMPT, "sampling_params": {"json_schema": "{", "regex": "a"}}, "sampling_params", "at most one"),
     ({"text": PROMPT, "sampling_params": {"json_schema": "{"}}, "sampling_params.json_schema", "not JSON"),
-    ({"text": PROMPT, "input_embeds": [[0.1]]}, "input_embeds", "embeddings"),
+    ({"text": PROMPT, "input_embeds": [[0.1]]}, "text", "exactly one of text, input_ids and input_embeds"),
+    ({"input_embeds": [[0.1], [0.1, 0.2]]}, "input_embeds", "a non-empty [num_tokens][hidden_size] list"),
+    ({"input_embeds": [[[0.1]], []]}, "input_embeds[1]", "a non-empty [num_tokens][hidden_size] list"),
+    ({"input_embeds": [[0.1] * 64]}, "prompt_embeds", "--enable-prompt-embeds"),
+    ({"input_embeds": [[0.1]], "image_data": "a"}, "image_data", "holds no images"),
     ({"text": PROMPT, "video_data": "v.mp4"}, "video_data", "video is not served"),
     ({"text": PROMPT, "image_data": "data:image/png;base64,AAAA"}, "image_data", "this model takes no images"),
     ({"text": PROMPT, "image_data": [["a"]]}, "image_data", "a list of lists is for a batch"),

@@ -86,7 +86,7 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
     (cluster/api/reasoning.py); None: the text as the model wrote it. ``pooler``: how /v1/embeddings pools
     (cluster/api/embeddings.py), or the JSON of ``serve --pooler-config`` over what the model's directory says (None:
     that alone; without one, the last token, normalised). ``max_body_bytes`` (None: 1 MiB, 32 MiB for a model that
-    takes images, whose data URLs carry them): larger bodies get 413. ``media``: where chat images may be fetched
+    takes images, whose data URLs carry them, or with prompts as embeddings): larger bodies get 413. ``media``: where chat images may be fetched
     from (cluster/api/media_policy.py; None: data: and http(s) URLs of any host, no file: URLs).
     ``generation_config`` / ``override_generation_config``: where requests' sampling defaults come from (vLLM's flags:
     cluster/api/generation_defaults.py; auto: the model's generation_config.json). ``chat_template`` (a template's
@@ -115,7 +115,9 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
     media = media or MediaPolicy()
     served_names = check_served_names((served_model_name, *served_model_aliases), router.lora_names)
     if max_body_bytes is None:
-        max_body_bytes = IMAGE_BODY_BYTES if image_spec(router.tokenizer) is not None else TEXT_BODY_BYTES
+        # Images' data URLs and prompts given as embeddings need larger bodies than text.
+        takes_tensors = image_spec(router.tokenizer) is not None or media.enable_prompt_embeds
+        max_body_bytes = IMAGE_BODY_BYTES if takes_tensors else TEXT_BODY_BYTES
     if max_body_bytes <= 0:
         raise ValueError(f"max_body_bytes must be > 0, got {max_body_bytes!r}")
     if chat_template is not None or default_chat_template_kwargs:

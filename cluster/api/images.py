@@ -14,7 +14,6 @@ from __future__ import annotations
 import base64
 import binascii
 import functools
-import io
 import os
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -25,14 +24,12 @@ import httpx
 
 from pdcluster.cluster.api.media_policy import MediaPolicy
 from pdcluster.cluster.api.middleware import APIError
+from pdcluster.cluster.api.tensor_payload import load_tensor
 from pdcluster.engine.multimodal.images import image_inputs, open_image
 from pdcluster.engine.multimodal.limits import image_processor_kwargs
 from pdcluster.engine.multimodal.spec import ImageEmbedding, ImageInputError, ImageSpec, check_image_count
 
 MAX_IMAGE_BYTES = 20 * 1024 * 1024
-# A LLaVA-NeXT image's embeddings in float32 (5 tiles of 576 rows, 4,096 wide) are 47 MiB: more than a body takes.
-MAX_EMBEDS_BYTES = 64 * 1024 * 1024
-NUMPY_MAGIC = b"\x93NUMPY"
 DEFAULT_FETCH_TIMEOUT_S = 5.0
 MAX_PATH_CHARS = 4096  # Linux's PATH_MAX: a longer image_data item is no path
 
@@ -233,30 +230,12 @@ async def _generate_image(item: str, where: str, media: MediaPolicy) -> bytes:
 
 def decode_embeds(payload, where: str, spec: ImageSpec) -> ImageEmbedding:
     """An image_embeds part's tensor (base64 of a torch.save'd tensor, unpickled weights-only as vLLM does, or of a
-    .npy array, never with pickles), as the ImageEmbedding the engine takes in place of the image."""
-    import numpy as np
-    import torch
-
+    .npy array, never with pickles: cluster/api/tensor_payload.py), as the ImageEmbedding the engine takes in place of
+    the image."""
     if not isinstance(payload, str):
         raise _bad(where, "image_embeds must be one base64 string (a tensor's torch.save or .npy bytes); the dict "
                           "form (extra tensors for a model's processor) is not supported")
-    try:
-        data = base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError):
-        raise _bad(where, "image_embeds' base64 does not decode") from None
-    if len(data) > MAX_EMBEDS_BYTES:
-        raise _bad(where, f"image_embeds hold {len(data)} bytes, more than {MAX_EMBEDS_BYTES}")
-    try:
-        if data[:6] == NUMPY_MAGIC:
-            tensor = torch.from_numpy(np.load(io.BytesIO(data)))  # allow_pickle is False by default: no object arrays
-        else:
-            tensor = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-    except Exception as e:  # noqa: BLE001 - any undecodable payload is the client's 400
-        raise _bad(where, f"image_embeds are neither torch.save'd tensor bytes nor a .npy array "
-                          f"({type(e).__name__}: {str(e)[:200]})") from None
-    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
-        kind = type(tensor).__name__ if not isinstance(tensor, torch.Tensor) else f"a {tensor.layout} tensor"
-        raise _bad(where, f"image_embeds must hold one dense tensor, got {kind}")
+    tensor = load_tensor(payload, "image_embeds", where, "messages")
     if tensor.dim() != 2:
         raise _bad(where, f"image_embeds must be one image's [rows, hidden] tensor, got shape {tuple(tensor.shape)}")
     if spec.hidden_size is not None and tensor.shape[1] != spec.hidden_size:

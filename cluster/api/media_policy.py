@@ -1,5 +1,6 @@
 """Where the API process may fetch a request's images from (vLLM's --allowed-local-media-path and
---allowed-media-domains), and whether it takes images as embeddings (--enable-mm-embeds). Standard library only:
+--allowed-media-domains), and whether it takes images or prompts as embeddings (--enable-mm-embeds,
+--enable-prompt-embeds). Standard library only:
 the API processes' config (cluster/frontend/api_process.py) carries one to each process before it imports anything
 else.
 
@@ -22,10 +23,13 @@ class MediaPolicy:
     allowed_media_domains: tuple[str, ...] = ()
     # image_embeds parts (vLLM's --enable-mm-embeds): an image's embeddings instead of the image; off, a 400.
     enable_mm_embeds: bool = False
+    # prompt_embeds on completions, input_embeds on /generate (vLLM's --enable-prompt-embeds, an engine flag the
+    # workers read too): a prompt given as embeddings; off, a 400.
+    enable_prompt_embeds: bool = False
 
     @classmethod
     def from_flags(cls, local_media_path: str | None, media_domains: list[str] | tuple[str, ...] | None,
-                   enable_mm_embeds: bool = False) -> MediaPolicy:
+                   enable_mm_embeds: bool = False, enable_prompt_embeds: bool = False) -> MediaPolicy:
         """The policy of the serve flags; a ValueError names the flag and what is wrong."""
         root = None
         if local_media_path:
@@ -38,7 +42,7 @@ class MediaPolicy:
             if not host or "/" in host or ":" in host:
                 raise ValueError(f"--allowed-media-domains: {domain!r} is not a host name (e.g. upload.wikimedia.org)")
             domains.append(host)
-        return cls(root, tuple(domains), bool(enable_mm_embeds))
+        return cls(root, tuple(domains), bool(enable_mm_embeds), bool(enable_prompt_embeds))
 
     def allows_host(self, host: str | None) -> bool:
         return not self.allowed_media_domains or (host or "").lower() in self.allowed_media_domains

@@ -153,7 +153,10 @@ class SamplingFields(StrictModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Prompt
+    prompt: Prompt | None = None
+    # vLLM's: prompts given as embeddings, base64 of a torch.save'd [num_tokens, hidden] tensor each (served with
+    # --enable-prompt-embeds: cluster/api/prompt_embeds.py); with ``prompt`` too, these come first.
+    prompt_embeds: str | list[str] | None = None
     logprobs: int | None = None
     echo: bool | None = False
     best_of: int | None = None

@@ -32,6 +32,7 @@ import uuid
 from dataclasses import replace
 from typing import AsyncIterator
 
+import anyio
 from fastapi import Request
 
 from pdcluster.cluster.api import protocol as wire
@@ -149,7 +150,7 @@ class GenerateAnswer:
 
 async def serve_generate(body: GenerateRequest, request: Request, router, served_names: tuple[str, ...],
                          policy: ServerPolicy, metrics: Metrics, strings: TokenStrings):
-    gin = generate_input(body, served_names[0], policy.kv_role)
+    gin = await anyio.to_thread.run_sync(generate_input, body, served_names[0], policy.kv_role)  # input_embeds: numpy
     preps = []
     for i, item in enumerate(gin.items):
         try:

@@ -17,6 +17,8 @@ routed_dp_rank, logging switches) is ignored and named in the log, as SGLang's s
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import logging
 from dataclasses import dataclass, field
@@ -78,7 +80,6 @@ _SAMPLING_REFUSED = {
 
 # SGLang's request fields not served here, and what to do instead.
 _REQUEST_REFUSED = {
-    "input_embeds": "prompts as embeddings are not served: send text or input_ids",
     "video_data": "video is not served",
     "audio_data": "audio is not served",
     "session_params": "sessions are not served: send the whole context as the prompt (the prefix cache reuses it)",
@@ -103,6 +104,9 @@ class GenerateRequest(StrictModel):
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
+    # A prompt as embeddings ([num_tokens][hidden] numbers), or a batch of them (served with --enable-prompt-embeds:
+    # each becomes vLLM's prompt_embeds, cluster/api/prompt_embeds.py).
+    input_embeds: list | None = None
     image_data: str | list[str | list[str] | None] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     return_logprob: bool | list[bool] | None = None
@@ -216,8 +220,17 @@ def _one_layout(req: GenerateRequest, num_items: int, batch: bool) -> LogprobLay
 
 
 def _prompts(req: GenerateRequest) -> tuple[list, bool]:
-    if (req.text is None) == (req.input_ids is None):
-        raise APIError(400, "give exactly one of text and input_ids", param="text")
+    """Each prompt: text, token ids, or an EmbedsPrompt; and whether the body held a batch."""
+    if sum(x is not None for x in (req.text, req.input_ids, req.input_embeds)) != 1:
+        raise APIError(400, "give exactly one of text, input_ids and input_embeds", param="text")
+    if req.input_embeds is not None:
+        embeds = req.input_embeds
+        batch = bool(embeds) and isinstance(embeds[0], list) and bool(embeds[0]) and isinstance(embeds[0][0], list)
+        prompts = ([EmbedsPrompt(rows, f"input_embeds[{i}]") for i, rows in enumerate(embeds)] if batch
+                   else [EmbedsPrompt(embeds, "input_embeds")])
+        if not embeds:
+            raise _bad("input_embeds", "an empty batch")
+        return prompts, batch
     if req.text is not None:
         batch = isinstance(req.text, list)
         prompts = list(req.text) if batch else [req.text]
@@ -265,12 +278,39 @@ def _structured(sp: SGLangSamplingParams, param: str) -> dict:
     return {}
 
 
+@dataclass(frozen=True)
+class EmbedsPrompt:
+    """One prompt of ``input_embeds``: its rows as the client sent them (JSON numbers), and its name in errors."""
+
+    rows: list
+    param: str
+
+    def as_prompt_embeds(self) -> str:
+        """The rows as vLLM's prompt_embeds (base64 of a .npy array); a 400 for anything but a [num_tokens, hidden]
+        list of numbers."""
+        import numpy as np
+
+        try:
+            array = np.asarray(self.rows, dtype=np.float32)
+        except (TypeError, ValueError):
+            array = None
+        if array is None or array.ndim != 2 or 0 in array.shape:
+            raise _bad(self.param, "a prompt's input_embeds are a non-empty [num_tokens][hidden_size] list of numbers")
+        buf = io.BytesIO()
+        np.save(buf, array, allow_pickle=False)
+        return base64.b64encode(buf.getvalue()).decode()
+
+
 def _completion_body(prompt, sp: SGLangSamplingParams, model: str, layout: LogprobLayout, req: GenerateRequest,
                      param: str) -> GenerateCompletion:
     given = sp.model_fields_set
-    fields: dict[str, Any] = {"model": model, "prompt": prompt, "stream": False, "n": sp.n if sp.n is not None else 1,
+    fields: dict[str, Any] = {"model": model, "stream": False, "n": sp.n if sp.n is not None else 1,
                               # unset: SGLang's 128; null: to the context's end
                               "max_tokens": sp.max_new_tokens}
+    if isinstance(prompt, EmbedsPrompt):
+        fields["prompt_embeds"] = prompt.as_prompt_embeds()
+    else:
+        fields["prompt"] = prompt
     if sp.max_new_tokens == 0:  # SGLang's prefill only (scoring a sequence): completions' max_tokens 0 with echo
         fields["echo"] = True
     renamed = {"min_new_tokens": "min_tokens", "sampling_seed": "seed", "no_stop_trim": "include_stop_str_in_output"}
@@ -320,6 +360,8 @@ def generate_input(req: GenerateRequest, served_model: str, kv_role: str = "") -
     rids = _per_item(req, "rid", len(prompts), batch)
     loras = _per_item(req, "lora_path", len(prompts), batch)
     images = _images(req, len(prompts), batch)
+    if req.input_embeds is not None and req.image_data is not None:
+        raise _bad("image_data", "a prompt given as input_embeds holds no images")
     if req.model is not None and any(lora is not None for lora in loras):
         raise _bad("lora_path", "give the adapter as lora_path or as model, not both")
     items, n = [], None

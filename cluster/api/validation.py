@@ -25,6 +25,7 @@ import anyio
 from pdcluster.cluster.api.generation_defaults import NO_DEFAULTS, SamplingDefaults
 from pdcluster.cluster.api.images import chat_images, expand_images, image_token_text
 from pdcluster.cluster.api.media_policy import MediaPolicy
+from pdcluster.cluster.api.prompt_embeds import given_prompt_embeds, model_hidden_size
 from pdcluster.cluster.api.middleware import APIError
 from pdcluster.cluster.api.options import MAX_LOGPROBS, check_template_kwargs
 from pdcluster.cluster.api.protocol import (CHAT_COMPLETION, TEXT_COMPLETION, ChatCompletionRequest,
@@ -35,6 +36,7 @@ from pdcluster.cluster.api.structured import ToolCalls, structured_request
 from pdcluster.cluster.api.tool_parsers import ToolParser
 from pdcluster.engine.beam_search import BeamSearchParams
 from pdcluster.engine.multimodal.spec import chat_content
+from pdcluster.engine.prompt_embeds import PLACEHOLDER_TOKEN_ID
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.engine.tokenizer import ChatTemplateError, ContinueFinalMessageError
 from pdcluster.wire.external_kv import ExternalKVError, asks_for_split, wants_remote_decode
@@ -163,6 +165,7 @@ async def prepare(body: SamplingFields, router, served_names: tuple[str, ...], p
                                                 "required or named tool: the grammar forces the output from its "
                                                 "first token, which then holds no thinking")
         extras = replace(extras, thinking_markers=policy.thinking_markers)
+    embedded = []
     if is_chat:
         tools = [t.model_dump(exclude_none=True) for t in body.tools or []] if body.tool_choice != "none" else []
         template_kwargs = chat_template_kwargs(body.chat_template_kwargs)
@@ -177,14 +180,25 @@ async def prepare(body: SamplingFields, router, served_names: tuple[str, ...], p
                                     bool(body.continue_final_message)))
         prompts = [(ids, None)]
     else:
-        prompts = await anyio.to_thread.run_sync(_completion_prompts, body, n, output.echo, tokenizer)
+        if body.prompt_embeds is not None:
+            embedded = await anyio.to_thread.run_sync(lambda: given_prompt_embeds(
+                body.prompt_embeds, enabled=media.enable_prompt_embeds, echo=output.echo,
+                prompt_logprobs=output.num_prompt_logprobs is not None, keep=body.truncate_prompt_tokens,
+                keep_first=body.truncation_side == "right", max_model_len=router.max_model_len,
+                max_prompts=MAX_PROMPTS, hidden_size=model_hidden_size(getattr(tokenizer, "model_dir", None))))
+        prompts = await anyio.to_thread.run_sync(_completion_prompts, body, n, output.echo, tokenizer, len(embedded))
         images = list(images or [])
-        assert not images or len(prompts) == 1, "images go with one prompt"
+        assert not images or (len(prompts) == 1 and not embedded), "images go with one prompt"
     prompts = _truncate_prompts(body.truncate_prompt_tokens, prompts, router.max_model_len, tokenizer,
                                 body.truncation_side == "right")
+    # Prompts given as embeddings first (vLLM's order): their ids are placeholders (engine/prompt_embeds.py).
+    given = [*embedded, *[None] * len(prompts)]
+    prompts = [([PLACEHOLDER_TOKEN_ID] * e.num_tokens, None) for e in embedded] + prompts
     inputs = []
     for i, (ids, text) in enumerate(prompts):
         label = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        if given[i] is not None:
+            label = "prompt_embeds" if len(embedded) == 1 else f"prompt_embeds[{i}]"
         # A model that takes images: each image token widened to its placeholders (one without images is refused).
         ids, mm_inputs = (expand_images(ids, images, tokenizer, router.max_images_per_prompt,
                                         mm_processor_kwargs=router.mm_processor_kwargs) if is_chat
@@ -192,7 +206,9 @@ async def prepare(body: SamplingFields, router, served_names: tuple[str, ...], p
                                              mm_processor_kwargs=router.mm_processor_kwargs))
         max_tokens = _max_tokens(body, len(ids), router.max_model_len, label, output, defaults.max_tokens)
         params = sampling_params(body, max_tokens, tokenizer.vocab_size, extras)
-        inputs.append(PromptInput(ids, replace(params, mm_inputs=mm_inputs) if mm_inputs else params, text))
+        if mm_inputs or given[i] is not None:
+            params = replace(params, mm_inputs=mm_inputs, prompt_embeds=given[i])
+        inputs.append(PromptInput(ids, params, text))
     prefix, kind = ("chatcmpl", CHAT_COMPLETION) if is_chat else ("cmpl", TEXT_COMPLETION)
     options = body.stream_options
     if options is not None and not body.stream and (options.include_usage or options.continuous_usage_stats):
@@ -433,14 +449,21 @@ def _num_prompt_logprobs(body: SamplingFields, limit: int) -> int | None:
     return value
 
 
-def _completion_prompts(body: CompletionRequest, n: int, echo: bool, tokenizer) -> list[tuple[list[int], str | None]]:
+def _completion_prompts(body: CompletionRequest, n: int, echo: bool, tokenizer,
+                        num_embedded: int = 0) -> list[tuple[list[int], str | None]]:
+    """The text prompts' (ids, text to echo); ``num_embedded`` prompts given as embeddings count towards the
+    limits too."""
     prompt = body.prompt
-    batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
-    if len(batch) > MAX_PROMPTS:
-        raise _bad("prompt", f"a batch of at most {MAX_PROMPTS} prompts is supported, got {len(batch)}: "
-                             "split it over several requests")
-    if len(batch) * n > MAX_CHOICES:
-        raise _bad("n", f"{len(batch)} prompts x n={n} = {len(batch) * n} choices, more than the limit of "
+    if prompt is None and not num_embedded:
+        raise _bad("prompt", "field required: give prompt (text or token ids) or prompt_embeds")
+    batch = ([] if prompt is None else
+             prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt])
+    num_prompts = len(batch) + num_embedded
+    if num_prompts > MAX_PROMPTS:
+        raise _bad("prompt" if batch else "prompt_embeds", f"a batch of at most {MAX_PROMPTS} prompts is supported, "
+                                                           f"got {num_prompts}: split it over several requests")
+    if num_prompts * n > MAX_CHOICES:
+        raise _bad("n", f"{num_prompts} prompts x n={n} = {num_prompts * n} choices, more than the limit of "
                         f"{MAX_CHOICES}: lower n or split the batch")
     vocab_size = tokenizer.vocab_size
     out = []

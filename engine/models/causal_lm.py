@@ -113,6 +113,10 @@ class CausalLM:
     # An encoder-only model (engine/models/bert.py): its prompts are computed whole and pooled; it never generates.
     encoder_only = False
     image_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Prompt rows given as embeddings (engine/prompt_embeds.py), for one forward: (packed row ids [n] int64,
+    # [n, hidden]). A model whose forward puts them in place of its table's rows says so.
+    takes_prompt_embeds = False
+    prompt_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __init__(self, arch, dtype: torch.dtype, deterministic: bool, embed_tokens: torch.Tensor,
                  lm_head: torch.Tensor):
@@ -204,12 +208,19 @@ class CausalLM:
         by default, and none on a split model (a rank holds a slice of every expert)."""
         return []
 
+    def put_prompt_rows(self, hidden: torch.Tensor) -> None:
+        """The step's prompt rows given as embeddings in place of the embedding table's rows in ``hidden`` (where
+        transformers and vLLM take ``inputs_embeds``: before a Granite's multiplier, after Gemma's scale)."""
+        if self.prompt_rows is not None:
+            rows, embeds = self.prompt_rows
+            hidden.index_copy_(0, rows, embeds.to(hidden.dtype))
+
     def hand_forward_to_ranks(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> None:
         """On rank 0 of a split model, the other ranks start this forward (with the step's LoRA rows and image rows, if
         any) before this rank runs its own slice; nothing on a whole model."""
         if self.tp_driver is not None:
             self.tp_driver.forward(input_ids, positions, meta, self.lora.step_rows if self.lora is not None else None,
-                                   self.image_rows)
+                                   self.image_rows, self.prompt_rows)
 
     @property
     def lora_num_layers(self) -> int:

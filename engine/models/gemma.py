@@ -214,6 +214,7 @@ class GemmaModel(LlamaModel):
                 meta: AttentionMetadata, on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
         self.hand_forward_to_ranks(input_ids, positions, meta)  # tensor parallelism: the other ranks' slices
         hidden = F.embedding(input_ids, self.embed_tokens) * self.embed_scale
+        self.put_prompt_rows(hidden)  # scaled already, as vLLM's and transformers' Gemma inputs_embeds
         spans = None
         if self.image_rows is not None:  # Gemma 3's images: their rows are not scaled (engine/multimodal/gemma3.py)
             rows, embeds = self.image_rows

@@ -437,6 +437,7 @@ class LlamaModel(CausalLM):
     # How tensor parallelism cuts it (engine/tensor_parallel/shard.py), read from each class itself, not inherited: a
     # subclass that computes across heads splits only where it says so.
     TENSOR_PARALLEL_SPLIT = "layers"
+    takes_prompt_embeds = True  # its forward puts prompt rows given as embeddings in (CausalLM.put_prompt_rows)
 
     def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int,
                  deterministic: bool = False):
@@ -551,6 +552,7 @@ class LlamaModel(CausalLM):
         as layer i's KV is in the cache, so a KV connector can start sending it mid-forward."""
         self.hand_forward_to_ranks(input_ids, positions, meta)  # tensor parallelism: the other ranks' slices
         hidden = F.embedding(input_ids, self.embed_tokens)
+        self.put_prompt_rows(hidden)
         if self.arch.embedding_multiplier != 1.0:
             hidden.mul_(self.arch.embedding_multiplier)
         deepstack = None

@@ -243,6 +243,7 @@ class NemotronHModel(CausalLM):
 
     arch_class = HybridArch
     TENSOR_PARALLEL_SPLIT = "hybrid"  # engine/tensor_parallel/shard_hybrid.py
+    takes_prompt_embeds = True  # its forward puts prompt rows given as embeddings in (CausalLM.put_prompt_rows)
 
     def __init__(self, arch: HybridArch, weights: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int,
                  deterministic: bool = False):
@@ -338,6 +339,7 @@ class NemotronHModel(CausalLM):
             plan = meta.mamba.plan or MambaStepPlan.build(meta.mamba, input_ids.device,
                                                           recurrent_prefill=self.deterministic)
         hidden = F.embedding(input_ids, self.embed_tokens)
+        self.put_prompt_rows(hidden)
         granite = self.arch.granite
         if granite is not None and granite.embedding_multiplier != 1.0:
             hidden.mul_(granite.embedding_multiplier)

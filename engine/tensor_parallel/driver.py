@@ -207,11 +207,14 @@ class TensorParallelDriver:
         self.wait("ready")
         return caches
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, lora_rows=None, image_rows=None) -> None:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, lora_rows=None, image_rows=None,
+                prompt_rows=None) -> None:
         """Hands a forward's inputs to the other ranks, which start it at once (rank 0 runs its own next).
         ``lora_rows``: the step's adapter of each row and its rows' token offsets (LoraSet.step_rows), None without
-        adapter rows; ``image_rows``: the image placeholder rows and the embeddings rank 0 encoded for them."""
-        self._send(Forward(input_ids, positions, meta, lora_rows=lora_rows, image_rows=image_rows))
+        adapter rows; ``image_rows``: the image placeholder rows and the embeddings rank 0 encoded for them;
+        ``prompt_rows``: the prompt rows given as embeddings and theirs."""
+        self._send(Forward(input_ids, positions, meta, lora_rows=lora_rows, image_rows=image_rows,
+                           prompt_rows=prompt_rows))
 
     def add_lora(self, slot: int, name: str, path: str, files: tuple[bytes, bytes], max_rank: int) -> None:
         """Every other rank holds the adapter made of ``files`` (the bytes rank 0 parsed) in ``slot``, its slice of it,

@@ -71,6 +71,8 @@ class Forward:
     # The step's image placeholder rows and their embeddings (CausalLM.image_rows: rank 0 encodes the images, every
     # rank's whole embedding table then takes them); None when no row is an image's.
     image_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+    # The step's prompt rows given as embeddings and theirs (CausalLM.prompt_rows: engine/prompt_embeds.py).
+    prompt_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -159,8 +161,9 @@ def encode(message: Message) -> bytes:
                 "meta": _meta(message.meta)}
         if message.lora_rows is not None:
             body["lora_rows"] = [_array(a) for a in message.lora_rows]
-        if message.image_rows is not None:
-            body["image_rows"] = [_tensor(t) for t in message.image_rows]
+        for name in ("image_rows", "prompt_rows"):
+            if getattr(message, name) is not None:
+                body[name] = [_tensor(t) for t in getattr(message, name)]
     elif isinstance(message, AddLora):
         body = {"kind": "add_lora", "slot": int(message.slot), "name": message.name, "path": message.path,
                 "config": message.config_bytes, "weights": message.weights_bytes, "max_rank": int(message.max_rank)}
@@ -191,6 +194,16 @@ def encode(message: Message) -> bytes:
     return msgpack.packb(body, use_bin_type=True)
 
 
+def _rows(encoded, what: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A forward's (row ids, embeddings) pair as encode wrote it, or None."""
+    if encoded is None:
+        return None
+    rows, embeds = (_untensor(t) for t in encoded)
+    if rows.dim() != 1 or embeds.dim() != 2 or rows.shape[0] != embeds.shape[0]:
+        raise ValueError(f"{what} rows {list(rows.shape)} and embeddings {list(embeds.shape)} do not pair")
+    return rows, embeds
+
+
 def decode(payload: bytes) -> Message:
     """ValueError for anything not encode's."""
     try:
@@ -202,14 +215,8 @@ def decode(payload: bytes) -> Message:
             if lora_rows is not None:
                 adapter_of_row, query_start_loc = (_unarray(a) for a in lora_rows)
                 lora_rows = (adapter_of_row, query_start_loc)
-            image_rows = body.get("image_rows")
-            if image_rows is not None:
-                rows, embeds = (_untensor(t) for t in image_rows)
-                if rows.dim() != 1 or embeds.dim() != 2 or rows.shape[0] != embeds.shape[0]:
-                    raise ValueError(f"image rows {list(rows.shape)} and embeddings {list(embeds.shape)} do not pair")
-                image_rows = (rows, embeds)
             return Forward(_untensor(body["input_ids"]), _untensor(body["positions"]), meta, pool_size, lora_rows,
-                           image_rows)
+                           _rows(body.get("image_rows"), "image"), _rows(body.get("prompt_rows"), "prompt"))
         if kind == "add_lora":
             config, weights = body["config"], body["weights"]
             if not isinstance(config, bytes) or not isinstance(weights, bytes):

@@ -128,11 +128,14 @@ def _serve(conn, spec: WorkerSpec) -> None:
         if message.image_rows is not None:
             rows, embeds = message.image_rows
             model.image_rows = (rows.to(device), embeds.to(device))
+        if message.prompt_rows is not None:
+            rows, embeds = message.prompt_rows
+            model.prompt_rows = (rows.to(device), embeds.to(device))
         try:
             with torch.inference_mode(), lora_rows:
                 last_hidden = model.forward(message.input_ids.to(device), message.positions.to(device), kv_cache, meta)
         finally:
-            model.image_rows = None
+            model.image_rows = model.prompt_rows = None
 
 
 def _weights_message(conn, spec: WorkerSpec, model, group, message, read_weights):

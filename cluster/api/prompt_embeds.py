@@ -1,0 +1,75 @@
+"""vLLM's ``prompt_embeds`` on /v1/completions (served with --enable-prompt-embeds): one prompt, or a batch, given as
+embeddings, each base64 of a torch.save'd [num_tokens, hidden] tensor (or of a .npy array). Decoded here, in the API
+process; the engine takes them in place of its embedding table's rows (engine/prompt_embeds.py).
+
+As vLLM: such prompts come before the text prompts of the same request (their choices' indexes first), echo and
+prompt_logprobs are refused (the prompt has no tokens to show), and truncate_prompt_tokens keeps the last (or, with
+truncation_side "right", the first) rows."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+from pdcluster.cluster.api.middleware import APIError
+from pdcluster.cluster.api.tensor_payload import load_tensor
+from pdcluster.engine.prompt_embeds import PromptEmbeds, prompt_embeds_from_tensor
+
+PROMPT_EMBEDS_OFF = ("prompt_embeds: prompts as embeddings are off on this server: serve with "
+                     "--enable-prompt-embeds")
+
+
+def _bad(message: str) -> APIError:
+    return APIError(400, message, param="prompt_embeds")
+
+
+@functools.lru_cache(maxsize=8)
+def model_hidden_size(model_dir: str | None) -> int | None:
+    """The language model's hidden size, from the checkpoint's config.json (its text_config's for a model that
+    takes images); None where it does not say (the workers check the width then)."""
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    except (TypeError, OSError, ValueError):
+        return None
+    hidden = {**cfg, **(cfg.get("text_config") or {})}.get("hidden_size")
+    return hidden if isinstance(hidden, int) and not isinstance(hidden, bool) else None
+
+
+def given_prompt_embeds(payload, *, enabled: bool, echo: bool, prompt_logprobs: bool, keep: int | None,
+                        keep_first: bool, max_model_len: int, max_prompts: int,
+                        hidden_size: int | None) -> list[PromptEmbeds]:
+    """The request's ``prompt_embeds`` (one base64 string or a list of them) decoded, in order; a 400 naming the
+    entry for anything wrong. ``keep``: vLLM's truncate_prompt_tokens (-1: max_model_len); ``hidden_size``: the
+    model's (None: not known here)."""
+    if not enabled:
+        raise APIError(400, PROMPT_EMBEDS_OFF, param="prompt_embeds", code="unsupported_parameter")
+    if echo:
+        raise _bad("echo is not supported with prompt_embeds: the prompt has no text to echo")
+    if prompt_logprobs:
+        raise APIError(400, "prompt_logprobs is not compatible with prompt_embeds: the prompt has no tokens to score",
+                       param="prompt_logprobs")
+    batch = payload if isinstance(payload, list) else [payload]
+    if not batch:
+        raise _bad("prompt_embeds is an empty list: give at least one prompt's embeddings")
+    if len(batch) > max_prompts:
+        raise _bad(f"a batch of at most {max_prompts} prompts is supported, got {len(batch)} in prompt_embeds: split "
+                   "it over several requests")
+    if keep == -1:
+        keep = max_model_len
+    out = []
+    for i, one in enumerate(batch):
+        where = "prompt_embeds" if len(batch) == 1 else f"prompt_embeds[{i}]"
+        tensor = load_tensor(one, "prompt_embeds", where, "prompt_embeds")
+        if tensor.dim() == 3 and tensor.shape[0] == 1:
+            tensor = tensor[0]
+        if tensor.dim() == 2 and keep is not None:
+            tensor = tensor[:keep] if keep_first else tensor[-keep:]
+        try:
+            embeds = prompt_embeds_from_tensor(tensor, where)
+        except ValueError as e:
+            raise _bad(str(e)) from None
+        if hidden_size is not None and embeds["hidden"] != hidden_size:
+            raise _bad(f"{where}: hidden size {embeds['hidden']} does not match the model's hidden size {hidden_size}")
+        out.append(embeds)
+    return out

@@ -1,0 +1,153 @@
+"""Prompts given as embeddings (vLLM's ``prompt_embeds``, SGLang's ``input_embeds``): a [num_tokens, hidden] tensor
+that stands where the embedding table's rows of a prompt would.
+
+A request carries them in ``SamplingParams.prompt_embeds`` (their raw bytes, dtype and shape, and a content
+digest), so they go wherever the parameters go: the router, a prefill worker, a decode worker that recomputes the
+prompt after a preemption or a recovery. The prompt's token ids are placeholders (``PLACEHOLDER_TOKEN_ID``, as
+vLLM's) that only count positions: the step reads each prompt row's embedding from the request
+(``rows_for_step``), never the table. The digest roots the request's block hashes (engine/block_manager.py), so
+a prompt given as embeddings is a prefix-cache hit only for the same embeddings.
+
+The rows are what the model's own embedding lookup gives (vLLM's ``embed_input_ids``; transformers'
+``get_input_embeddings()(ids)``): what the model does after it (a Granite's embedding multiplier) applies to them
+too, and for Gemma they carry the sqrt(hidden) scale as transformers' and vLLM's do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from pdcluster.engine.multimodal.inputs import EMBED_DTYPES  # the element types carried; another is sent as float32
+
+if TYPE_CHECKING:  # torch and numpy are imported where rows are made or read: SamplingParams imports this module
+    import numpy as np
+    import torch
+
+PLACEHOLDER_TOKEN_ID = 0  # a prompt row's token id when the row is given as an embedding (vLLM's)
+
+
+class PromptEmbeds(dict):
+    """A checked ``SamplingParams.prompt_embeds``: {"dtype", "num_tokens", "hidden", "data", "digest"}. A copy
+    made by dataclasses.replace keeps this object (its digest not computed again); one that crossed msgpack or
+    Ray arrives as a plain dict and is checked once there."""
+
+    @property
+    def num_tokens(self) -> int:
+        return self["num_tokens"]
+
+    def rows(self, lo: int, hi: int) -> torch.Tensor:
+        """Rows ``lo .. hi`` as a CPU tensor of the request's dtype (a copy of those rows' bytes: the request's
+        own are immutable)."""
+        import torch
+
+        width = self["hidden"] * EMBED_DTYPES[self["dtype"]]
+        data = bytearray(memoryview(self["data"])[lo * width : hi * width])
+        return torch.frombuffer(data, dtype=getattr(torch, self["dtype"])).view(hi - lo, self["hidden"])
+
+
+def embeds_digest(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def prompt_embeds_from_tensor(tensor: torch.Tensor, what: str = "prompt_embeds") -> PromptEmbeds:
+    """A [num_tokens, hidden] floating tensor (or [1, num_tokens, hidden]) as a request's ``prompt_embeds``; a
+    ValueError naming ``what`` for anything else."""
+    import torch
+
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{what} must be a tensor of shape (num_tokens, hidden_size), got {type(tensor).__name__}")
+    if tensor.layout != torch.strided:
+        raise ValueError(f"{what} must be a dense tensor, got a {str(tensor.layout).removeprefix('torch.')} one")
+    if tensor.dim() == 3 and tensor.shape[0] == 1:
+        tensor = tensor[0]
+    if tensor.dim() != 2 or tensor.shape[0] == 0 or tensor.shape[1] == 0:
+        raise ValueError(f"{what} must be a non-empty 2D tensor of shape (num_tokens, hidden_size); got shape "
+                         f"{tuple(tensor.shape)}")
+    if not tensor.is_floating_point():
+        raise ValueError(f"{what} must be a floating-point tensor, got {str(tensor.dtype).removeprefix('torch.')}")
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    if dtype not in EMBED_DTYPES:
+        tensor, dtype = tensor.float(), "float32"
+    if not bool(torch.isfinite(tensor).all()):
+        raise ValueError(f"{what} holds a NaN or an infinity")
+    tensor = tensor.detach().to("cpu").contiguous()
+    data = tensor.view(torch.uint8).numpy().tobytes()
+    return PromptEmbeds(dtype=dtype, num_tokens=int(tensor.shape[0]), hidden=int(tensor.shape[1]), data=data,
+                        digest=embeds_digest(data))
+
+
+def check_prompt_embeds(value) -> PromptEmbeds:
+    """``SamplingParams.prompt_embeds`` as a PromptEmbeds of the right types (it crosses msgpack and Ray)."""
+    if isinstance(value, PromptEmbeds):
+        return value
+    if not isinstance(value, dict) or set(value) != {"dtype", "num_tokens", "hidden", "data", "digest"}:
+        raise ValueError("prompt_embeds must be a dict with dtype, num_tokens, hidden, data and digest")
+    dtype, num_tokens, hidden, data = value["dtype"], value["num_tokens"], value["hidden"], value["data"]
+    if dtype not in EMBED_DTYPES:
+        raise ValueError(f"prompt_embeds.dtype must be one of {', '.join(EMBED_DTYPES)}, got {dtype!r}")
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in (num_tokens, hidden)):
+        raise ValueError("prompt_embeds: num_tokens and hidden must be positive integers")
+    if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) != num_tokens * hidden * EMBED_DTYPES[dtype]:
+        raise ValueError(f"prompt_embeds.data must be {num_tokens} x {hidden} {dtype} values")
+    data = bytes(data)
+    if value["digest"] != embeds_digest(data):
+        raise ValueError("prompt_embeds.digest does not match its data")
+    return PromptEmbeds(dtype=dtype, num_tokens=num_tokens, hidden=hidden, data=data, digest=value["digest"])
+
+
+def rows_for_step(starts_np: np.ndarray, q_lens_np: np.ndarray, params_of_row, device: torch.device,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(packed row indices [n] int64, embeddings [n, hidden] in ``dtype``) on ``device`` for the step's rows
+    ``start .. start + q_len`` that are prompt rows given as embeddings (``params_of_row(i)``: row i's
+    SamplingParams), or None when no row is."""
+    import numpy as np
+    import torch
+
+    rows: list[np.ndarray] = []
+    pieces: list[torch.Tensor] = []
+    first = 0
+    for i, (start, q_len) in enumerate(zip(starts_np.tolist(), q_lens_np.tolist())):
+        embeds = params_of_row(i).prompt_embeds
+        if embeds is not None and start < embeds.num_tokens:
+            hi = min(start + q_len, embeds.num_tokens)
+            rows.append(np.arange(first, first + hi - start, dtype=np.int64))
+            pieces.append(embeds.rows(start, hi))
+        first += q_len
+    if not pieces:
+        return None
+    embeds = torch.cat([p.to(dtype) for p in pieces]).to(device, non_blocking=True)
+    return torch.from_numpy(np.concatenate(rows)).to(device, non_blocking=True), embeds
+
+
+PROMPT_EMBEDS_OFF = "prompt embeddings are off: start the server with --enable-prompt-embeds to send prompt_embeds"
+
+
+def embeds_prompt(prompt: dict, params) -> tuple[list[int], object]:
+    """vLLM's ``{"prompt_embeds": tensor}`` prompt as its placeholder ids and ``params`` carrying the embeddings
+    (a ValueError naming what is wrong)."""
+    if set(prompt) != {"prompt_embeds"}:
+        raise ValueError(f"a prompt given as embeddings is {{'prompt_embeds': tensor}} alone; got {sorted(prompt)}")
+    embeds = prompt_embeds_from_tensor(prompt["prompt_embeds"])
+    return [PLACEHOLDER_TOKEN_ID] * embeds.num_tokens, replace(params, prompt_embeds=embeds)
+
+
+def check_fits(prompt_token_ids: list[int], params, *, enabled: bool, takes_embeds: bool, hidden_size: int,
+               model_name: str) -> None:
+    """A request's prompt embeddings fit this engine and its prompt (checked on every worker, as images are: a bad
+    request is an error for that request, not a failed step). A ValueError saying what does not."""
+    embeds = params.prompt_embeds
+    if embeds is None:
+        return
+    if not enabled:
+        raise ValueError(PROMPT_EMBEDS_OFF)
+    if not takes_embeds:
+        raise ValueError(f"this model ({model_name}) does not take its prompt as embeddings")
+    if embeds["hidden"] != hidden_size:
+        raise ValueError(f"prompt_embeds hidden size {embeds['hidden']} does not match the model's hidden size "
+                         f"{hidden_size}")
+    # A request resumed elsewhere (a recovery) carries its outputs so far after the prompt (output_position_offset).
+    if embeds.num_tokens != len(prompt_token_ids) - params.output_position_offset:
+        raise ValueError(f"prompt_embeds has {embeds.num_tokens} rows for a prompt of "
+                         f"{len(prompt_token_ids) - params.output_position_offset} tokens")
