@@ -42,7 +42,7 @@ class StoredRun:
     lora_name: str | None = None
     cache_salt: str | None = None
     mm_inputs: tuple = ()  # the request's images ({"offset", "length", "digest", ...}), for their extra keys
-    prompt_embeds: tuple[str, int] | None = None  # (digest, num_tokens) of a prompt given as embeddings, likewise
+    prompt_embeds_keys: tuple[bytes, ...] = ()  # the request's block keys from its rows (block_keys), likewise
 
 
 def block_hash_root(params) -> int | None:
@@ -52,8 +52,8 @@ def block_hash_root(params) -> int | None:
     An adapter changes the KV a prompt makes, and a salt keeps one tenant's cached prompts from another's (vLLM's cache_salt:
     a hit's speed would tell a guessed prompt), so such blocks hash apart in the prefix cache, the offload
     tiers and the router's KV index. An image's placeholder tokens are the same whatever the image: its digest
-    keeps two prompts that differ only in their images apart (engine/multimodal/), and a prompt given as embeddings
-    is rooted at their digest (engine/prompt_embeds.py). A request under updated weights
+    keeps two prompts that differ only in their images apart (engine/multimodal/); a prompt given as embeddings keys
+    each block by its rows instead (``block_keys``). A request under updated weights
     (``weight_version`` other than the start-up weights': engine/weight_update.py) chains from a digest of its
     version over all that: KV of other weights is never a hit."""
     root = _content_root(params)
@@ -66,11 +66,9 @@ def block_hash_root(params) -> int | None:
 
 
 def _content_root(params) -> int | None:
-    """block_hash_root's part from what the request holds (adapter, salt, images, prompt embeddings), whatever the
-    weights."""
+    """block_hash_root's part from what the request holds (adapter, salt, images), whatever the weights."""
     lora_name, salt, images = params.lora_name, params.cache_salt, params.mm_inputs
-    embeds = params.prompt_embeds
-    if lora_name is None and salt is None and not images and embeds is None:
+    if lora_name is None and salt is None and not images:
         return None
     if lora_name is not None and params.lora_digest is not None:  # an adapter reloaded under its name: new KV
         lora_name = f"{lora_name}\0{params.lora_digest}"
@@ -84,22 +82,32 @@ def _content_root(params) -> int | None:
     if images:
         digest = hashlib.blake2b(b"images\0" + digest + "".join(
             f"{item['offset']}:{item['length']}:{item['digest']};" for item in images).encode(), digest_size=8).digest()
-    if embeds is not None:  # the prompt's placeholder ids are the same whatever its embeddings (engine/prompt_embeds.py)
-        digest = hashlib.blake2b(b"prompt_embeds\0" + digest + embeds["digest"].encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little", signed=True)
 
 
-def chained_block_hashes(token_ids: list[int], block_size: int, parent: int | None = None) -> list[int]:
-    """Hash of every *full* block of ``token_ids``; each hash covers the whole prefix up to its end.
+def block_keys(params, block_size: int, first_block: int = 0) -> list[bytes]:
+    """What a request's blocks from ``first_block`` hash besides their token ids: the digest of each block's rows
+    where its prompt was given as embeddings (engine/prompt_embeds.py: the placeholder ids are the same whatever the
+    rows), as vLLM hashes them; empty otherwise (and past the rows)."""
+    embeds = params.prompt_embeds
+    return [] if embeds is None else embeds.block_keys(block_size)[first_block:]
+
+
+def chained_block_hashes(token_ids: list[int], block_size: int, parent: int | None = None,
+                         keys: list[bytes] = ()) -> list[int]:
+    """Hash of every *full* block of ``token_ids``; each hash covers the whole prefix up to its end. ``keys``: the
+    blocks' extra keys in order (``block_keys``), for as many blocks as it has.
 
     A 64-bit BLAKE2b digest, not Python's ``hash()``: the value must be the same in every process and
     every run (``hash(None)`` is not on Python 3.11), because it names a block to the router's global
     index (KV events) and names the block's file in the disk tier (engine/kv_offload/)."""
     hashes = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
+    for i, start in enumerate(range(0, len(token_ids) - block_size + 1, block_size)):
         digest = hashlib.blake2b(digest_size=8)
         digest.update(b"" if parent is None else parent.to_bytes(8, "little", signed=True))
         digest.update(array("q", token_ids[start : start + block_size]).tobytes())
+        if i < len(keys):
+            digest.update(keys[i])
         parent = int.from_bytes(digest.digest(), "little", signed=True)
         hashes.append(parent)
     return hashes
@@ -159,8 +167,9 @@ class BlockManager:
         step that follows produces logits. None without prefix caching (nothing is hashed then)."""
         if not self.enable_prefix_caching:
             return []
+        params = request.sampling_params
         return chained_block_hashes(request.all_token_ids[: request.num_tokens - 1], self.block_size,
-                                    block_hash_root(request.sampling_params))
+                                    block_hash_root(params), block_keys(params, self.block_size))
 
     def find_cached_prefix(self, request: Request, block_hashes: list[int] | None = None) -> list[int]:
         """Block ids of the longest cached prefix of the request's committed tokens (at least one token is
@@ -249,7 +258,8 @@ class BlockManager:
         parent = known[-1] if known else block_hash_root(request.sampling_params)
         start_block = len(known)
         new_hashes = chained_block_hashes(
-            token_ids[start_block * self.block_size : num_full * self.block_size], self.block_size, parent
+            token_ids[start_block * self.block_size : num_full * self.block_size], self.block_size, parent,
+            block_keys(request.sampling_params, self.block_size, start_block)
         )
         stored = []
         runs: list[StoredRun] | None = [] if self.describe_stored else None
@@ -289,8 +299,7 @@ class BlockManager:
         params = request.sampling_params
         runs.append(StoredRun([block_hash], parent_hash, list(token_ids), first_token, params.lora_name,
                               params.cache_salt, tuple(params.mm_inputs or ()),
-                              None if params.prompt_embeds is None else
-                              (params.prompt_embeds["digest"], params.prompt_embeds["num_tokens"])))
+                              tuple(block_keys(params, self.block_size))))
 
     def cache_loaded_blocks(self, block_ids: list[int], block_hashes: list[int],
                             token_chunks: list[tuple[int, ...]], request: Request | None = None,
@@ -303,8 +312,9 @@ class BlockManager:
         parent = None
         if runs is not None and first_block:
             bs = self.block_size
-            parent = chained_block_hashes(request.all_token_ids[: first_block * bs], bs,
-                                          block_hash_root(request.sampling_params))[-1]
+            params = request.sampling_params
+            parent = chained_block_hashes(request.all_token_ids[: first_block * bs], bs, block_hash_root(params),
+                                          block_keys(params, bs))[-1]
         for i, (block_id, h, chunk) in enumerate(zip(block_ids, block_hashes, token_chunks)):
             block = self.blocks[block_id]
             if block.block_hash is None and h not in self._hash_to_block_id:  # else cached meanwhile elsewhere

@@ -5,8 +5,9 @@ A request carries them in ``SamplingParams.prompt_embeds`` (their raw bytes, dty
 digest), so they go wherever the parameters go: the router, a prefill worker, a decode worker that recomputes the
 prompt after a preemption or a recovery. The prompt's token ids are placeholders (``PLACEHOLDER_TOKEN_ID``, as
 vLLM's) that only count positions: the step reads each prompt row's embedding from the request
-(``rows_for_step``), never the table. The digest roots the request's block hashes (engine/block_manager.py), so
-a prompt given as embeddings is a prefix-cache hit only for the same embeddings.
+(``rows_for_step``), never the table. Each block of rows is keyed by its digest in the block hashes
+(engine/block_manager.py ``block_keys``), so the prefix cache shares a prefix of the same rows, never other rows
+behind the same placeholder ids.
 
 The rows are what the model's own embedding lookup gives (vLLM's ``embed_input_ids``; transformers'
 ``get_input_embeddings()(ids)``): what the model does after it (a Granite's embedding multiplier) applies to them
@@ -36,6 +37,23 @@ class PromptEmbeds(dict):
     @property
     def num_tokens(self) -> int:
         return self["num_tokens"]
+
+    def block_keys(self, block_size: int) -> list[bytes]:
+        """A digest of each block's rows (the last block's may be part of one), computed once per block size: what
+        the prefix cache keys the blocks by besides their placeholder ids (engine/block_manager.py ``block_keys``),
+        so a prefix of rows shared by two prompts is a hit, as vLLM's."""
+        cached = self.__dict__.get("_block_keys")
+        if cached is not None and cached[0] == block_size:
+            return cached[1]
+        width = self["hidden"] * EMBED_DTYPES[self["dtype"]]
+        data, keys = memoryview(self["data"]), []
+        for lo in range(0, self.num_tokens, block_size):
+            hi = min(lo + block_size, self.num_tokens)
+            digest = hashlib.blake2b(f"{self['dtype']}:{hi - lo}:".encode(), digest_size=16)
+            digest.update(data[lo * width : hi * width])
+            keys.append(digest.digest())
+        self.__dict__["_block_keys"] = (block_size, keys)
+        return keys
 
     def rows(self, lo: int, hi: int) -> torch.Tensor:
         """Rows ``lo .. hi`` as a CPU tensor of the request's dtype (a copy of those rows' bytes: the request's

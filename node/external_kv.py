@@ -8,7 +8,7 @@ import hashlib
 
 import torch
 
-from pdcluster.engine.block_manager import block_hash_root, chained_block_hashes
+from pdcluster.engine.block_manager import block_hash_root, block_keys, chained_block_hashes
 from pdcluster.engine.kv_offload.block_columns import BlockColumns
 from pdcluster.engine.loaded_model import LoadedModel
 from pdcluster.kv_transfer.config import model_fingerprint
@@ -40,8 +40,9 @@ def make_external_connector(loaded: LoadedModel, engine_id: str, worker_index: i
         return memoryview(data.view(torch.uint8).numpy()).cast("B")
 
     def hash_prompt_blocks(request, num_blocks: int) -> list[int]:
+        params = request.sampling_params
         return chained_block_hashes(request.prompt_token_ids[:num_blocks * block_size], block_size,
-                                    block_hash_root(request.sampling_params))
+                                    block_hash_root(params), block_keys(params, block_size))
 
     port = config.port + worker_index if config.port else 0
     return ExternalKVConnector(config, engine_id, port, external_layout(loaded, columns.block_shape), block_size,

@@ -40,7 +40,7 @@ def lora_id(lora_name: str | None) -> int | None:
 def extra_keys(run, block_size: int) -> list | None:
     """vLLM's per-block ``extra_keys`` of a StoredRun (engine/block_manager.py), as it publishes them untagged: the
     LoRA name, (image digest, its offset from the block's start) for each image the block holds part of, ("prompt_embeds",
-    digest) where the block's rows were given as embeddings, and the cache salt on the prompt's first block. None where no block has any."""
+    its rows' digest) where the block's rows were given as embeddings, and the cache salt on the prompt's first block. None where no block has any."""
     keys_per_block = []
     for k in range(len(run.block_hashes)):
         start = run.first_token + k * block_size
@@ -50,8 +50,9 @@ def extra_keys(run, block_size: int) -> list | None:
             offset, length = item["offset"], item["length"]
             if offset < end and start < offset + length:
                 keys.append((item["digest"], offset - start))
-        if run.prompt_embeds is not None and start < run.prompt_embeds[1]:  # vLLM's ("prompt_embeds", digest)
-            keys.append(("prompt_embeds", run.prompt_embeds[0]))
+        block_index = start // block_size
+        if block_index < len(run.prompt_embeds_keys):  # vLLM's ("prompt_embeds", the block's rows' digest)
+            keys.append(("prompt_embeds", run.prompt_embeds_keys[block_index].hex()))
         if run.cache_salt is not None and start == 0:
             keys.append(run.cache_salt)
         keys_per_block.append(tuple(keys) if keys else None)

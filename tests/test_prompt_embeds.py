@@ -20,7 +20,7 @@ from conftest import engine_config
 from pdcluster.cluster.api.app import build_app
 from pdcluster.cluster.api.media_policy import MediaPolicy
 from pdcluster.cluster.local_router import LocalRouter
-from pdcluster.engine.block_manager import block_hash_root
+from pdcluster.engine.block_manager import StoredRun, block_keys, chained_block_hashes
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.llm_engine import InvalidRequestError, LLMEngine
 from pdcluster.engine.models.registry import resolve_model
@@ -28,6 +28,7 @@ from pdcluster.engine.models.random_weights import redraw_nemotron_h
 from pdcluster.engine.prompt_embeds import PromptEmbeds, prompt_embeds_from_tensor
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kv_transfer.config import TransferConfig
+from pdcluster.node.kv_event_publisher import extra_keys
 from test_api import serving
 from test_kv_transfer_e2e import Events, _collect_tokens, _wait_free, connected_pair
 
@@ -97,13 +98,15 @@ def test_rows_no_token_gives_equal_transformers_inputs_embeds(smollm2, random_ca
 
 def test_chunked_preempted_and_kept_apart_in_the_prefix_cache(tiny_dir):
     """Prefill chunks of 5 rows and a pool too small for all at once (preemption recomputes from the rows the request
-    carries): each prompt's tokens alone. The same rows again are a prefix-cache hit; other rows of the same length
-    (the same placeholder ids) are not, and get their own tokens."""
+    carries): each prompt's tokens alone. In the prefix cache each block is keyed by its rows: the same rows again are
+    a hit, a prompt sharing its first 20 rows hits the two whole blocks of them, other rows of the same length (the
+    same placeholder ids) hit nothing; each gets its own tokens."""
     roomy = LLMEngine.from_config(engine_config(enable_prompt_embeds=True), progress=False)
     table = roomy.model.embed_tokens
     given = [_random_rows(table, n, seed) for seed, n in enumerate((37, 41, 37, 29))]
+    given.append(torch.cat([given[0][:20], given[1][20:]]))  # 41 rows, the first 20 of given[0]
     alone = [roomy.generate([{"prompt_embeds": rows}], PARAMS)[0].token_ids for rows in given]
-    assert alone[0] != alone[2]
+    assert alone[0] != alone[2] and alone[0] != alone[4]
     tight = LLMEngine.from_config(engine_config(enable_prompt_embeds=True, num_kv_blocks=9, block_size=8, max_num_seqs=4,
                                                 max_num_batched_tokens=5, enable_prefix_caching=False), progress=False)
     assert [o.token_ids for o in tight.generate([{"prompt_embeds": r} for r in given], PARAMS)] == alone
@@ -112,10 +115,16 @@ def test_chunked_preempted_and_kept_apart_in_the_prefix_cache(tiny_dir):
     first = cached.generate([{"prompt_embeds": given[0]}], PARAMS)[0]
     other = cached.generate([{"prompt_embeds": given[2]}], PARAMS)[0]  # same length, other rows
     again = cached.generate([{"prompt_embeds": given[0]}], PARAMS)[0]
-    assert (first.token_ids, other.token_ids, again.token_ids) == (alone[0], alone[2], alone[0])
-    assert other.num_cached_tokens == 0 and again.num_cached_tokens >= 32
-    roots = [block_hash_root(SamplingParams(prompt_embeds=prompt_embeds_from_tensor(r))) for r in given[:3:2]]
-    assert roots[0] != roots[1] and None not in roots
+    shared = cached.generate([{"prompt_embeds": given[4]}], PARAMS)[0]
+    assert [o.token_ids for o in (first, other, again, shared)] == [alone[0], alone[2], alone[0], alone[4]]
+    assert (other.num_cached_tokens, again.num_cached_tokens, shared.num_cached_tokens) == (0, 32, 16)
+    hashes = [chained_block_hashes([0] * 37, 8, None, block_keys(SamplingParams(prompt_embeds=prompt_embeds_from_tensor(
+        r)), 8)) for r in (given[0], given[2], given[4])]
+    assert not set(hashes[0]) & set(hashes[1]) and hashes[2][:2] == hashes[0][:2] and hashes[2][2] != hashes[0][2]
+    # KV events tag those blocks as vLLM's do: ("prompt_embeds", the block's rows' digest).
+    keys = block_keys(SamplingParams(prompt_embeds=prompt_embeds_from_tensor(given[3])), 8)  # 29 rows: 4 blocks
+    run = StoredRun(hashes[0][:4], None, [0] * 32, 0, prompt_embeds_keys=tuple(keys))
+    assert extra_keys(run, 8) == [(("prompt_embeds", k.hex()),) for k in keys]
 
 
 def test_resumed_as_a_recovery_resumes_it(tiny_dir):

@@ -18,7 +18,7 @@ from pdcluster.cluster.router.config import RouterConfig
 from pdcluster.cluster.router.placement import PairPlacement
 from pdcluster.cluster.router.state import Attempt, RequestState
 from pdcluster.cluster.router.stream import RequestStreams
-from pdcluster.engine.block_manager import block_hash_root, chained_block_hashes
+from pdcluster.engine.block_manager import block_hash_root, block_keys, chained_block_hashes
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.node.events import ADMITTED, FULL, INVALID
 
@@ -43,7 +43,8 @@ class Submitter:
         """Returns once a decode worker admitted the request (or it finished meanwhile); raises
         RouterError when no pair takes it within ``admission_wait_s`` or it is invalid."""
         deadline = time.monotonic() + self.config.admission_wait_s
-        hashes = chained_block_hashes(prompt, self.block_size, block_hash_root(params))
+        hashes = chained_block_hashes(prompt, self.block_size, block_hash_root(params),
+                                      block_keys(params, self.block_size))
         while not r.finished:
             self.placement.refresh(self.streams.requests.values())
             local = self.placement.wants_local(len(prompt), bool(self.placement.role_views("prefill", True)))
