@@ -50,11 +50,12 @@ class BeamSearchParams:
     def step_params(self, request: SamplingParams | None = None) -> SamplingParams:
         """One model step of one beam: a token and the 2 x beam_width most likely continuations. From the
         request's own parameters it keeps what says where and how it runs (adapter, cache salt, priority, seed,
-        the prompt's images),
+        the prompt's images or its rows given as embeddings),
         not the sampling filters (vLLM's beam search ignores them: the scores are raw log-probabilities)."""
         keep = {} if request is None else dict(lora_name=request.lora_name, lora_digest=request.lora_digest,
                                                 cache_salt=request.cache_salt, priority=request.priority,
-                                                seed=request.seed, mm_inputs=request.mm_inputs)
+                                                seed=request.seed, mm_inputs=request.mm_inputs,
+                                                prompt_embeds=request.prompt_embeds)
         return SamplingParams(max_tokens=1, temperature=self.temperature,
                               logprobs=max(2 * self.beam_width, self.num_logprobs), ignore_eos=True, **keep)
 

@@ -630,8 +630,10 @@ class ModelRunner:
             idx = int(state.idx_mapping_np[i])
             num_prompt = int(st.client_prompt_len_np[idx])
             tokens = st.token_ids_np[idx, : int(state.rows.num_tokens_np[i])].tolist()
-            # A prompt given as embeddings has placeholder ids: no prompt token is penalised (vLLM's penalises 0s).
-            prompt = tokens[:num_prompt] if params[r].prompt_embeds is None else []
+            # A prompt's rows given as embeddings have placeholder ids: they are no prompt tokens to penalise (vLLM's
+            # penalises token 0 for each).
+            embeds = params[r].prompt_embeds
+            prompt = tokens[0 if embeds is None else embeds.num_tokens : num_prompt]
             for j in range(int(counts[i])):
                 contexts[starts[i] + j] = RowContext(params[r], prompt, tokens[num_prompt:] + drafts[r][:j])
         active = [k for k, c in enumerate(contexts) if c is not None]

@@ -165,7 +165,7 @@ def check_fits(prompt_token_ids: list[int], params, *, enabled: bool, takes_embe
     if embeds["hidden"] != hidden_size:
         raise ValueError(f"prompt_embeds hidden size {embeds['hidden']} does not match the model's hidden size "
                          f"{hidden_size}")
-    # A request resumed elsewhere (a recovery) carries its outputs so far after the prompt (output_position_offset).
-    if embeds.num_tokens != len(prompt_token_ids) - params.output_position_offset:
-        raise ValueError(f"prompt_embeds has {embeds.num_tokens} rows for a prompt of "
-                         f"{len(prompt_token_ids) - params.output_position_offset} tokens")
+    # The rows are the prompt's first positions; token ids may follow them: a request resumed elsewhere (a recovery)
+    # carries its outputs so far after the prompt, a beam search step its beam's.
+    if embeds.num_tokens > len(prompt_token_ids):
+        raise ValueError(f"prompt_embeds has {embeds.num_tokens} rows for a prompt of {len(prompt_token_ids)} tokens")

@@ -82,5 +82,6 @@ def test_the_key_and_bad_bodies(base_url):
 def test_route_for():
     assert route_for({"messages": [], "prompt": "x"}) == "chat"  # messages first, as vLLM tries chat first
     assert route_for({"input": "x", "task": "embed"}) == "pooling"
+    assert route_for({"prompt_embeds": "AAAA"}) == "completions"  # vLLM's prompt embeddings alone
     assert route_for({"items": ["a"]}) == "score" and route_for({"queries": "a", "documents": ["b"]}) == "score"
     assert route_for({"query": "a", "documents": ["b"]}) == "rerank"

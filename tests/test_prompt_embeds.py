@@ -20,6 +20,7 @@ from conftest import engine_config
 from pdcluster.cluster.api.app import build_app
 from pdcluster.cluster.api.media_policy import MediaPolicy
 from pdcluster.cluster.local_router import LocalRouter
+from pdcluster.engine.beam_search import BeamSearchParams
 from pdcluster.engine.block_manager import StoredRun, block_keys, chained_block_hashes
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.llm_engine import InvalidRequestError, LLMEngine
@@ -141,6 +142,35 @@ def test_resumed_as_a_recovery_resumes_it(tiny_dir):
         assert full[:3] + rest == full
 
 
+@pytest.mark.parametrize("spec_method", ["ngram", "mtp", "draft_model", "async"])
+def test_speculation_stays_lossless(tiny_dir, spec_method):
+    """Drafts made from placeholder ids (n-gram), from the target's hidden states (MTP) or by a draft model that
+    reads the ids, and async scheduling (the next step prepared while this one runs): the tokens of a plain run."""
+    plain = LLMEngine.from_config(engine_config(enable_prompt_embeds=True), progress=False)
+    given = [_random_rows(plain.model.embed_tokens, n, n) for n in (13, 26)]
+    want = [o.token_ids for o in plain.generate([{"prompt_embeds": r} for r in given], PARAMS)]
+    how = dict(async_scheduling=True) if spec_method == "async" else dict(spec_method=spec_method, num_spec_tokens=3)
+    spec = LLMEngine.from_config(engine_config(enable_prompt_embeds=True, **how), progress=False)
+    assert [o.token_ids for o in spec.generate([{"prompt_embeds": r} for r in given], PARAMS)] == want
+
+
+def test_beam_search_steps_carry_the_rows(tiny_dir):
+    """vLLM's beam search (one engine call a step: the beam's tokens after the prompt's rows): the table's rows of a
+    prompt give that prompt's beams; random rows give beams of their own."""
+    eng = LLMEngine.from_config(engine_config(enable_prompt_embeds=True), progress=False)
+    ids = eng.tokenize(TEXTS[2])
+    beam = BeamSearchParams(beam_width=3, max_tokens=6)
+
+    def beams(prompt, request=None):
+        return [(b.output_token_ids, round(b.cum_logprob, 4)) for b in eng.beam_search([prompt], beam, request)[0]]
+
+    rows = eng.model.embed_tokens[ids].clone()
+    by_ids = beams(ids)
+    assert beams([0] * len(ids), dataclasses.replace(PARAMS, prompt_embeds=prompt_embeds_from_tensor(rows))) == by_ids
+    other = _random_rows(eng.model.embed_tokens, len(ids), 3)
+    assert beams([0] * len(ids), dataclasses.replace(PARAMS, prompt_embeds=prompt_embeds_from_tensor(other))) != by_ids
+
+
 def test_bf16_rows_of_the_ids_and_batch_invariant(smollm2_dir):
     """bf16 (the CPU default where it has avx512_bf16), deterministic: the table's rows of a prompt give its tokens,
     and a prompt given as rows gets the same tokens alone and in a batch."""
@@ -246,8 +276,8 @@ def test_refused_with_reasons(tiny_dir):
         eng.add_request({"prompt_embeds": torch.zeros(3, hidden), "prompt": "x"}, PARAMS)
     with pytest.raises(ValueError, match="prompt_logprobs is not compatible"):
         eng.add_request({"prompt_embeds": torch.zeros(3, hidden)}, SamplingParams(prompt_logprobs=1))
-    with pytest.raises(InvalidRequestError, match="rows for a prompt of 4 tokens"):
-        eng.add_remote_request("r", [0, 0, 0, 0], dataclasses.replace(PARAMS, prompt_embeds=embeds))
+    with pytest.raises(InvalidRequestError, match="3 rows for a prompt of 2 tokens"):
+        eng.add_remote_request("r", [0, 0], dataclasses.replace(PARAMS, prompt_embeds=embeds))
     assert not eng.has_unfinished() and not off.has_unfinished()
     params = dataclasses.replace(PARAMS, prompt_embeds=embeds)
     assert dataclasses.replace(params, seed=3).prompt_embeds is params.prompt_embeds  # checked once

@@ -1,7 +1,7 @@
 """POST /invocations, vLLM's (and Amazon SageMaker's) one inference path: the body's own fields say which route
 answers it, as the route itself would (same validation, same answer, streamed where the body asks).
 
-- ``messages``: chat completions; ``prompt``: completions;
+- ``messages``: chat completions; ``prompt`` (or ``prompt_embeds``): completions;
 - ``query`` with ``documents``: rerank; ``text_1`` / ``text_2``, ``queries`` / ``documents``, ``data_1`` /
   ``data_2`` or ``items``: score;
 - ``input`` with vLLM's pooling ``task``: /pooling; ``input`` alone: embeddings.
@@ -17,7 +17,7 @@ from fastapi import Request
 from pdcluster.cluster.api.middleware import APIError
 
 _SCORE_PAIRS = (("text_1", "text_2"), ("queries", "documents"), ("data_1", "data_2"))
-SHAPES = ("messages (chat completions), prompt (completions), input (embeddings; with task: pooling), query and "
+SHAPES = ("messages (chat completions), prompt or prompt_embeds (completions), input (embeddings; with task: pooling), query and "
           "documents (rerank), or text_1 and text_2 / queries and documents / data_1 and data_2 / items (score)")
 
 
@@ -35,7 +35,7 @@ def route_for(body: dict) -> str:
     """The route whose request ``body`` is (a key of app.py's routes)."""
     if "messages" in body:
         return "chat"
-    if "prompt" in body:
+    if "prompt" in body or "prompt_embeds" in body:
         return "completions"
     if "query" in body and "documents" in body:
         return "rerank"
