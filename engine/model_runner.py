@@ -633,7 +633,7 @@ class ModelRunner:
             # A prompt's rows given as embeddings have placeholder ids: they are no prompt tokens to penalise (vLLM's
             # penalises token 0 for each).
             embeds = params[r].prompt_embeds
-            prompt = tokens[0 if embeds is None else embeds.num_tokens : num_prompt]
+            prompt = tokens[:num_prompt] if embeds is None else embeds.outside_rows(tokens[:num_prompt])
             for j in range(int(counts[i])):
                 contexts[starts[i] + j] = RowContext(params[r], prompt, tokens[num_prompt:] + drafts[r][:j])
         active = [k for k, c in enumerate(contexts) if c is not None]

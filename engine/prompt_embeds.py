@@ -30,34 +30,66 @@ PLACEHOLDER_TOKEN_ID = 0  # a prompt row's token id when the row is given as an 
 
 
 class PromptEmbeds(dict):
-    """A checked ``SamplingParams.prompt_embeds``: {"dtype", "num_tokens", "hidden", "data", "digest"}. A copy
-    made by dataclasses.replace keeps this object (its digest not computed again); one that crossed msgpack or
-    Ray arrives as a plain dict and is checked once there."""
+    """A checked ``SamplingParams.prompt_embeds``: {"dtype", "num_tokens": its rows, "hidden", "data", "digest",
+    "spans": [[offset, length], ...]: where the rows stand in the prompt, in order (one span from 0 for a prompt
+    given whole as embeddings; a chat's prompt_embeds parts stand between its template's tokens)}. A copy made by
+    dataclasses.replace keeps this object (its digest not computed again); one that crossed msgpack or Ray arrives
+    as a plain dict and is checked once there."""
 
     @property
     def num_tokens(self) -> int:
         return self["num_tokens"]
 
+    @property
+    def end(self) -> int:
+        """The prompt position after the last row."""
+        offset, length = self["spans"][-1]
+        return offset + length
+
+    def pieces(self, start: int, end: int) -> list[tuple[int, int, int]]:
+        """(first position, end position, first row) of each run of rows within prompt positions ``start .. end``."""
+        out, row = [], 0
+        for offset, length in self["spans"]:
+            lo, hi = max(offset, start), min(offset + length, end)
+            if lo < hi:
+                out.append((lo, hi, row + lo - offset))
+            row += length
+        return out
+
+    def outside_rows(self, token_ids: list[int]) -> list[int]:
+        """The tokens of ``token_ids`` (the prompt's first positions) that are no row's placeholder."""
+        kept, last = [], 0
+        for offset, length in self["spans"]:
+            kept += token_ids[last:offset]
+            last = offset + length
+        return kept + token_ids[last:]
+
     def block_keys(self, block_size: int) -> list[bytes]:
-        """A digest of each block's rows (the last block's may be part of one), computed once per block size: what
-        the prefix cache keys the blocks by besides their placeholder ids (engine/block_manager.py ``block_keys``),
-        so a prefix of rows shared by two prompts is a hit, as vLLM's."""
+        """A digest of each block's rows and their places in it (b"" for a block without rows), up to the last
+        row's block, computed once per block size: what the prefix cache keys the blocks by besides their
+        placeholder ids (engine/block_manager.py ``block_keys``), so a prefix of rows shared by two prompts is a
+        hit, as vLLM's."""
         cached = self.__dict__.get("_block_keys")
         if cached is not None and cached[0] == block_size:
             return cached[1]
         width = self["hidden"] * EMBED_DTYPES[self["dtype"]]
         data, keys = memoryview(self["data"]), []
-        for lo in range(0, self.num_tokens, block_size):
-            hi = min(lo + block_size, self.num_tokens)
-            digest = hashlib.blake2b(f"{self['dtype']}:{hi - lo}:".encode(), digest_size=16)
-            digest.update(data[lo * width : hi * width])
+        for first in range(0, self.end, block_size):
+            pieces = self.pieces(first, first + block_size)
+            if not pieces:
+                keys.append(b"")
+                continue
+            digest = hashlib.blake2b(self["dtype"].encode(), digest_size=16)
+            for lo, hi, row in pieces:
+                digest.update(f":{lo - first}:{hi - lo}:".encode())
+                digest.update(data[row * width : (row + hi - lo) * width])
             keys.append(digest.digest())
         self.__dict__["_block_keys"] = (block_size, keys)
         return keys
 
     def rows(self, lo: int, hi: int) -> torch.Tensor:
-        """Rows ``lo .. hi`` as a CPU tensor of the request's dtype (a copy of those rows' bytes: the request's
-        own are immutable)."""
+        """Rows ``lo .. hi`` (in the order given) as a CPU tensor of the request's dtype (a copy of those rows'
+        bytes: the request's own are immutable)."""
         import torch
 
         width = self["hidden"] * EMBED_DTYPES[self["dtype"]]
@@ -69,9 +101,8 @@ def embeds_digest(data: bytes) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
-def prompt_embeds_from_tensor(tensor: torch.Tensor, what: str = "prompt_embeds") -> PromptEmbeds:
-    """A [num_tokens, hidden] floating tensor (or [1, num_tokens, hidden]) as a request's ``prompt_embeds``; a
-    ValueError naming ``what`` for anything else."""
+def _checked_rows(tensor, what: str):
+    """``tensor`` as a contiguous CPU [num_tokens, hidden] tensor of a carried dtype, and that dtype's name."""
     import torch
 
     if not isinstance(tensor, torch.Tensor):
@@ -90,29 +121,73 @@ def prompt_embeds_from_tensor(tensor: torch.Tensor, what: str = "prompt_embeds")
         tensor, dtype = tensor.float(), "float32"
     if not bool(torch.isfinite(tensor).all()):
         raise ValueError(f"{what} holds a NaN or an infinity")
-    tensor = tensor.detach().to("cpu").contiguous()
-    data = tensor.view(torch.uint8).numpy().tobytes()
-    return PromptEmbeds(dtype=dtype, num_tokens=int(tensor.shape[0]), hidden=int(tensor.shape[1]), data=data,
-                        digest=embeds_digest(data))
+    return tensor.detach().to("cpu").contiguous(), dtype
+
+
+def prompt_embeds_from_tensor(tensor: torch.Tensor, what: str = "prompt_embeds") -> PromptEmbeds:
+    """A [num_tokens, hidden] floating tensor (or [1, num_tokens, hidden]) as a request's ``prompt_embeds``, the
+    whole prompt; a ValueError naming ``what`` for anything else."""
+    return prompt_embeds_from_pieces([tensor], [0], [what])
+
+
+def prompt_embeds_from_pieces(tensors: list, offsets: list[int], names: list[str]) -> PromptEmbeds:
+    """Runs of rows standing at prompt positions ``offsets`` (ascending, not overlapping) as one ``prompt_embeds``
+    (a chat's prompt_embeds parts); a ValueError naming the piece (``names``) that is wrong. Pieces of different
+    element types are carried as float32."""
+    checked = [_checked_rows(t, name) for t, name in zip(tensors, names)]
+    hidden = checked[0][0].shape[1]
+    for (rows, _), name in zip(checked, names):
+        if rows.shape[1] != hidden:
+            raise ValueError(f"{name} is {rows.shape[1]} wide, but {names[0]} is {hidden}")
+    dtypes = {dtype for _, dtype in checked}
+    dtype = dtypes.pop() if len(dtypes) == 1 else "float32"
+    spans, end = [], 0
+    for (rows, _), offset in zip(checked, offsets):
+        if offset < end:
+            raise ValueError("prompt_embeds: runs of rows overlap or are out of order")
+        spans.append([int(offset), int(rows.shape[0])])
+        end = offset + rows.shape[0]
+    import torch
+
+    whole = torch.cat([rows.to(getattr(torch, dtype)) for rows, _ in checked])
+    data = whole.view(torch.uint8).numpy().tobytes()
+    return PromptEmbeds(dtype=dtype, num_tokens=int(whole.shape[0]), hidden=int(hidden), data=data,
+                        digest=embeds_digest(data), spans=spans)
+
+
+_FIELDS = {"dtype", "num_tokens", "hidden", "data", "digest", "spans"}
 
 
 def check_prompt_embeds(value) -> PromptEmbeds:
     """``SamplingParams.prompt_embeds`` as a PromptEmbeds of the right types (it crosses msgpack and Ray)."""
     if isinstance(value, PromptEmbeds):
         return value
-    if not isinstance(value, dict) or set(value) != {"dtype", "num_tokens", "hidden", "data", "digest"}:
-        raise ValueError("prompt_embeds must be a dict with dtype, num_tokens, hidden, data and digest")
+    if not isinstance(value, dict) or set(value) != _FIELDS:
+        raise ValueError(f"prompt_embeds must be a dict with {', '.join(sorted(_FIELDS))}")
     dtype, num_tokens, hidden, data = value["dtype"], value["num_tokens"], value["hidden"], value["data"]
     if dtype not in EMBED_DTYPES:
         raise ValueError(f"prompt_embeds.dtype must be one of {', '.join(EMBED_DTYPES)}, got {dtype!r}")
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in (num_tokens, hidden)):
+    if not all(_positive(n) for n in (num_tokens, hidden)):
         raise ValueError("prompt_embeds: num_tokens and hidden must be positive integers")
     if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) != num_tokens * hidden * EMBED_DTYPES[dtype]:
         raise ValueError(f"prompt_embeds.data must be {num_tokens} x {hidden} {dtype} values")
+    spans, end, total = value["spans"], 0, 0
+    for span in spans if isinstance(spans, (list, tuple)) else [None]:
+        if (not isinstance(span, (list, tuple)) or len(span) != 2 or not _positive(span[1])
+                or not isinstance(span[0], int) or isinstance(span[0], bool) or span[0] < end):
+            raise ValueError("prompt_embeds.spans must be [offset, length] pairs in order, not overlapping")
+        end, total = span[0] + span[1], total + span[1]
+    if not spans or total != num_tokens:
+        raise ValueError(f"prompt_embeds.spans must place its {num_tokens} rows")
     data = bytes(data)
     if value["digest"] != embeds_digest(data):
         raise ValueError("prompt_embeds.digest does not match its data")
-    return PromptEmbeds(dtype=dtype, num_tokens=num_tokens, hidden=hidden, data=data, digest=value["digest"])
+    return PromptEmbeds(dtype=dtype, num_tokens=num_tokens, hidden=hidden, data=data, digest=value["digest"],
+                        spans=[[int(o), int(n)] for o, n in spans])
+
+
+def _positive(n) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n > 0
 
 
 def rows_for_step(starts_np: np.ndarray, q_lens_np: np.ndarray, params_of_row, device: torch.device,
@@ -128,10 +203,10 @@ def rows_for_step(starts_np: np.ndarray, q_lens_np: np.ndarray, params_of_row, d
     first = 0
     for i, (start, q_len) in enumerate(zip(starts_np.tolist(), q_lens_np.tolist())):
         embeds = params_of_row(i).prompt_embeds
-        if embeds is not None and start < embeds.num_tokens:
-            hi = min(start + q_len, embeds.num_tokens)
-            rows.append(np.arange(first, first + hi - start, dtype=np.int64))
-            pieces.append(embeds.rows(start, hi))
+        if embeds is not None and start < embeds.end:
+            for lo, hi, row in embeds.pieces(start, start + q_len):
+                rows.append(np.arange(first + lo - start, first + hi - start, dtype=np.int64))
+                pieces.append(embeds.rows(row, row + hi - lo))
         first += q_len
     if not pieces:
         return None
@@ -165,7 +240,7 @@ def check_fits(prompt_token_ids: list[int], params, *, enabled: bool, takes_embe
     if embeds["hidden"] != hidden_size:
         raise ValueError(f"prompt_embeds hidden size {embeds['hidden']} does not match the model's hidden size "
                          f"{hidden_size}")
-    # The rows are the prompt's first positions; token ids may follow them: a request resumed elsewhere (a recovery)
-    # carries its outputs so far after the prompt, a beam search step its beam's.
-    if embeds.num_tokens > len(prompt_token_ids):
-        raise ValueError(f"prompt_embeds has {embeds.num_tokens} rows for a prompt of {len(prompt_token_ids)} tokens")
+    # Token ids may follow the last row: a chat template's, a recovery's outputs so far, a beam search step's beam.
+    if embeds.end > len(prompt_token_ids):
+        raise ValueError(f"prompt_embeds places rows up to position {embeds.end} in a prompt of "
+                         f"{len(prompt_token_ids)} tokens")

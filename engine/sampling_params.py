@@ -99,9 +99,9 @@ class SamplingParams:
     # "digest": its content digest, "data": its encoded bytes}, in prompt order. Carried here because they go
     # wherever the parameters go (router, prefill and decode workers, a request resumed elsewhere).
     mm_inputs: list[dict] = field(default_factory=list, repr=False)
-    # The prompt given as embeddings (engine/prompt_embeds.py: vLLM's prompt_embeds): {"dtype", "num_tokens",
-    # "hidden", "data": their raw bytes, "digest"}; the prompt's token ids are then placeholders. Carried here for
-    # the same reason as the images.
+    # Prompt rows given as embeddings (engine/prompt_embeds.py: vLLM's prompt_embeds): {"dtype", "num_tokens",
+    # "hidden", "data": their raw bytes, "digest", "spans": where they stand in the prompt}; the prompt's token ids
+    # there are placeholders. Carried here for the same reason as the images.
     prompt_embeds: dict | None = field(default=None, repr=False)
     # vLLM's thinking_token_budget (engine/thinking_budget.py): at most this many tokens inside a thinking
     # section, between the model's reasoning start and end markers (token ids, set where the request enters from

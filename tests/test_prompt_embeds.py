@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import io
+import re
 import shutil
 
 import httpx
@@ -26,7 +27,7 @@ from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.llm_engine import InvalidRequestError, LLMEngine
 from pdcluster.engine.models.registry import resolve_model
 from pdcluster.engine.models.random_weights import redraw_nemotron_h
-from pdcluster.engine.prompt_embeds import PromptEmbeds, prompt_embeds_from_tensor
+from pdcluster.engine.prompt_embeds import PromptEmbeds, prompt_embeds_from_pieces, prompt_embeds_from_tensor
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kv_transfer.config import TransferConfig
 from pdcluster.node.kv_event_publisher import extra_keys
@@ -276,7 +277,7 @@ def test_refused_with_reasons(tiny_dir):
         eng.add_request({"prompt_embeds": torch.zeros(3, hidden), "prompt": "x"}, PARAMS)
     with pytest.raises(ValueError, match="prompt_logprobs is not compatible"):
         eng.add_request({"prompt_embeds": torch.zeros(3, hidden)}, SamplingParams(prompt_logprobs=1))
-    with pytest.raises(InvalidRequestError, match="3 rows for a prompt of 2 tokens"):
+    with pytest.raises(InvalidRequestError, match="rows up to position 3 in a prompt of 2 tokens"):
         eng.add_remote_request("r", [0, 0], dataclasses.replace(PARAMS, prompt_embeds=embeds))
     assert not eng.has_unfinished() and not off.has_unfinished()
     params = dataclasses.replace(PARAMS, prompt_embeds=embeds)
@@ -380,6 +381,76 @@ def test_served_on_sglang_generate(served, smollm2, random_cases):
                                                 "sampling_params": sampling})
     assert batch.status_code == 200, batch.text
     assert [answer["output_ids"] for answer in batch.json()] == want
+
+
+def test_served_chat_prompt_embeds_parts(served, smollm2, hf_model):
+    """vLLM's chat prompt_embeds parts: the rows stand where the part is among the chat template's tokens. The
+    table's rows of a message's text answer as that text does; random rows answer as transformers does from the
+    template's token embeddings with the rows between them; two parts in two messages each stand in their own."""
+    table = smollm2.model.embed_tokens
+    text = "What is the capital of France?"
+    plain = served.client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": text}], max_tokens=NUM_NEW, temperature=0.0,
+        extra_body={"ignore_eos": True, "return_token_ids": True})
+    rows = table[smollm2.tokenizer.encode(text)].clone()
+    as_rows = served.client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": [{"type": "prompt_embeds", "data": _b64(rows)}]}],
+        max_tokens=NUM_NEW, temperature=0.0, extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert as_rows.choices[0].token_ids == plain.choices[0].token_ids
+    head, tail = (len(smollm2.tokenizer.encode(t)) for t in ("<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n"))
+    assert as_rows.prompt_token_ids == plain.prompt_token_ids[:-len(rows) - tail] + [0] * len(rows) + \
+        plain.prompt_token_ids[-tail:]
+    assert plain.prompt_token_ids[-len(rows) - tail - head:-len(rows) - tail] == smollm2.tokenizer.encode(
+        "<|im_start|>user\n")
+    first, second = _random_rows(table, 6, 8), _random_rows(table, 9, 9)
+    messages = [{"role": "user", "content": [{"type": "prompt_embeds", "data": _b64(first)}, {"type": "text",
+                                                                                        "text": "and"}]},
+                {"role": "assistant", "content": "Yes."},
+                {"role": "user", "content": [{"type": "prompt_embeds", "data": _b64(second)}]}]
+    answer = served.client.chat.completions.create(model="smollm2", messages=messages, max_tokens=NUM_NEW,
+                                                   temperature=0.0, extra_body={"ignore_eos": True,
+                                                                                "return_token_ids": True})
+    ids = answer.prompt_token_ids
+    runs = [i for i, t in enumerate(ids) if t == 0]
+    assert len(runs) == 15 and runs[:6] == list(range(runs[0], runs[0] + 6))
+    embeds = table[torch.tensor(ids)].clone().float()
+    embeds[runs[:6]], embeds[runs[6:]] = first, second
+    assert answer.choices[0].token_ids == hf_greedy_from_embeds(hf_model, embeds, NUM_NEW)
+    refusals = [([{"role": "user", "content": [{"type": "prompt_embeds", "data": _b64(torch.zeros(3, 5))}]}],
+                 "hidden size 5"),
+                ([{"role": "user", "content": "say <|pdcluster_prompt_embeds_0|>"}], "marks where prompt_embeds"),
+                ([{"role": "user", "content": [{"type": "prompt_embeds", "data": "@@"}]}], "base64 does not decode")]
+    for bad, says in refusals:
+        with pytest.raises(openai.BadRequestError, match=re.escape(says)):
+            served.client.chat.completions.create(model="smollm2", messages=bad, max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        served.client.chat.completions.create(model="smollm2", messages=messages, max_tokens=2,
+                                              extra_body={"prompt_logprobs": 1})
+    r = served.http.post("/tokenize", json={"messages": messages})
+    assert r.status_code == 400 and "served on /v1/chat/completions" in r.json()["error"]["message"]
+
+
+def test_mixed_rows_and_ids_equal_transformers(smollm2, hf_model):
+    """Rows standing between token ids (a chat's parts: spans), offline: transformers' greedy tokens from the same
+    inputs_embeds, also with prefill chunks cutting through the runs."""
+    table = smollm2.model.embed_tokens
+    ids = smollm2.tokenize("Here is a thing: and here another one: so what are they?")
+    pieces = [_random_rows(table, 5, 21), _random_rows(table, 7, 22)]
+    offsets = [3, 12]
+    prompt = list(ids)
+    prompt[3:3] = [0] * 5
+    prompt[12:12] = [0] * 7
+    embeds = table[torch.tensor(prompt)].clone().float()
+    embeds[3:8], embeds[12:19] = pieces
+    want = hf_greedy_from_embeds(hf_model, embeds, NUM_NEW)
+    params = dataclasses.replace(PARAMS, prompt_embeds=prompt_embeds_from_pieces(pieces, offsets, ["a", "b"]))
+    assert smollm2.generate([prompt], params)[0].token_ids == want
+    chunked = LLMEngine.from_config(EngineConfig(model=str(smollm2.model_dir), dtype="float32", num_kv_blocks=64,
+                                                 max_model_len=256, enable_prompt_embeds=True,
+                                                 max_num_batched_tokens=4), progress=False)
+    assert chunked.generate([prompt], params)[0].token_ids == want
+    with pytest.raises(ValueError, match="overlap"):
+        prompt_embeds_from_pieces(pieces, [3, 5], ["a", "b"])
 
 
 def test_served_refusals(served, smollm2, smollm2_dir):

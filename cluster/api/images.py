@@ -48,7 +48,8 @@ def image_spec(tokenizer, mm_processor_kwargs: str = "") -> ImageSpec | None:
 
 def image_parts(messages) -> list:
     """The messages' image parts (image_url and image_embeds), in order."""
-    return [part for m in messages if isinstance(m.content, list) for part in m.content if part.type != "text"]
+    return [part for m in messages if isinstance(m.content, list) for part in m.content
+            if part.type in ("image_url", "image_embeds")]
 
 
 def _fetch_timeout_s() -> float:

@@ -1,6 +1,8 @@
-"""vLLM's ``prompt_embeds`` on /v1/completions (served with --enable-prompt-embeds): one prompt, or a batch, given as
-embeddings, each base64 of a torch.save'd [num_tokens, hidden] tensor (or of a .npy array). Decoded here, in the API
-process; the engine takes them in place of its embedding table's rows (engine/prompt_embeds.py).
+"""vLLM's ``prompt_embeds`` (served with --enable-prompt-embeds): on /v1/completions one prompt, or a batch, given as
+embeddings; in a chat's messages ``{"type": "prompt_embeds", "data": BASE64}`` parts, rows that stand where the part is
+among the chat template's tokens. Each is base64 of a torch.save'd [num_tokens, hidden] tensor (or of a .npy array),
+decoded here, in the API process; the engine takes them in place of its embedding table's rows
+(engine/prompt_embeds.py).
 
 As vLLM: such prompts come before the text prompts of the same request (their choices' indexes first), echo and
 prompt_logprobs are refused (the prompt has no tokens to show), and truncate_prompt_tokens keeps the last (or, with
@@ -10,11 +12,13 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from pathlib import Path
 
 from pdcluster.cluster.api.middleware import APIError
 from pdcluster.cluster.api.tensor_payload import load_tensor
-from pdcluster.engine.prompt_embeds import PromptEmbeds, prompt_embeds_from_tensor
+from pdcluster.engine.prompt_embeds import (PLACEHOLDER_TOKEN_ID, PromptEmbeds, prompt_embeds_from_pieces,
+                                            prompt_embeds_from_tensor)
 
 PROMPT_EMBEDS_OFF = ("prompt_embeds: prompts as embeddings are off on this server: serve with "
                      "--enable-prompt-embeds")
@@ -73,3 +77,60 @@ def given_prompt_embeds(payload, *, enabled: bool, echo: bool, prompt_logprobs: 
             raise _bad(f"{where}: hidden size {embeds['hidden']} does not match the model's hidden size {hidden_size}")
         out.append(embeds)
     return out
+
+
+# A chat's prompt_embeds part is rendered by the chat template as this marker (its index among the request's parts),
+# then the rendered text is tokenized piece by piece around the markers and each marker's place takes the part's
+# rows (vLLM registers a special token for the same purpose: a boundary the tokenizer does not merge across).
+_MARKER = "<|pdcluster_prompt_embeds_{}|>"
+_MARKER_RE = re.compile(r"<\|pdcluster_prompt_embeds_(\d+)\|>")
+
+
+def chat_marker(index: int) -> str:
+    return _MARKER.format(index)
+
+
+def check_no_marker(text: str) -> None:
+    if _MARKER_RE.search(text):
+        raise APIError(400, f"messages: text may not hold {_MARKER.format('N')!r}, which marks where prompt_embeds "
+                            "parts go", param="messages")
+
+
+def chat_prompt_embeds(text: str, payloads: list[str], tokenizer, add_special_tokens: bool, *,
+                       hidden_size: int | None) -> tuple[list[int], PromptEmbeds]:
+    """The rendered chat ``text`` holding one marker per prompt_embeds part (``payloads``: each part's base64) as the
+    prompt's ids, each part's rows standing where its marker was (placeholder ids there), and the rows."""
+    tensors = [_part_rows(payload, i, hidden_size) for i, payload in enumerate(payloads)]
+    ids, offsets, found, last = [], [], [], 0
+    for match in _MARKER_RE.finditer(text):
+        ids += tokenizer.encode(text[last:match.start()], add_special_tokens=add_special_tokens and not ids)
+        index = int(match.group(1))
+        if index >= len(tensors):
+            raise _chat_bad(f"the rendered prompt holds a prompt_embeds marker {index} no part made")
+        found.append(index)
+        offsets.append(len(ids))
+        ids += [PLACEHOLDER_TOKEN_ID] * tensors[index].shape[0]
+        last = match.end()
+    ids += tokenizer.encode(text[last:], add_special_tokens=add_special_tokens and not ids)
+    if sorted(found) != list(range(len(tensors))):
+        raise _chat_bad("the chat template did not render each prompt_embeds part exactly once (a template that drops "
+                        "or repeats a message's content cannot take them)")
+    names = [f"messages: prompt_embeds part {i}" for i in found]
+    try:
+        return ids, prompt_embeds_from_pieces([tensors[i] for i in found], offsets, names)
+    except ValueError as e:
+        raise _chat_bad(str(e)) from None
+
+
+def _part_rows(payload: str, index: int, hidden_size: int | None):
+    where = f"messages: prompt_embeds part {index}"
+    tensor = load_tensor(payload, "prompt_embeds", where, "messages")
+    if tensor.dim() == 3 and tensor.shape[0] == 1:
+        tensor = tensor[0]
+    if tensor.dim() == 2 and hidden_size is not None and tensor.shape[1] != hidden_size:
+        raise _chat_bad(f"{where}: hidden size {tensor.shape[1]} does not match the model's hidden size {hidden_size}")
+    return tensor
+
+
+def _chat_bad(message: str) -> APIError:
+    return APIError(400, message if message.startswith("messages") else f"messages: {message}", param="messages")

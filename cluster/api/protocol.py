@@ -190,6 +190,14 @@ class ImageEmbedsPart(StrictModel):
     uuid: str | None = None
 
 
+class PromptEmbedsPart(StrictModel):
+    """vLLM's prompt_embeds part (served with --enable-prompt-embeds): rows that stand in the prompt where the part
+    is, base64 of a torch.save'd [num_tokens, hidden] tensor or of a .npy array (cluster/api/prompt_embeds.py)."""
+
+    type: Literal["prompt_embeds"]
+    data: str
+
+
 # The other names vLLM's chat takes for a text part, with the fields each may carry: the Responses API's (clients
 # replay a Responses conversation in chat) and an assistant's refusal, whose text is the message's.
 _TEXT_PARTS = {"input_text": ("text", {"type", "text"}),
@@ -216,11 +224,12 @@ def _canonical_parts(value):
 
 
 Content = Annotated[
-    str | list[Annotated[TextPart | ImagePart | ImageEmbedsPart, Field(discriminator="type")]] | None,
+    str | list[Annotated[TextPart | ImagePart | ImageEmbedsPart | PromptEmbedsPart, Field(discriminator="type")]]
+    | None,
     one_of('a string or a list of parts: {"type": "text", "text": "..."} (or input_text, output_text, refusal) or '
            '{"type": "image_url", "image_url": {"url": "..."}} (or input_image; images for a model that takes them; '
-           '{"type": "image_embeds", "image_embeds": BASE64} with --enable-mm-embeds); audio and file parts are not '
-           'supported'),
+           '{"type": "image_embeds", "image_embeds": BASE64} with --enable-mm-embeds) or {"type": "prompt_embeds", '
+           '"data": BASE64} (with --enable-prompt-embeds); audio and file parts are not supported'),
     BeforeValidator(_canonical_parts),
 ]
 

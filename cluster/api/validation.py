@@ -25,7 +25,8 @@ import anyio
 from pdcluster.cluster.api.generation_defaults import NO_DEFAULTS, SamplingDefaults
 from pdcluster.cluster.api.images import chat_images, expand_images, image_token_text
 from pdcluster.cluster.api.media_policy import MediaPolicy
-from pdcluster.cluster.api.prompt_embeds import given_prompt_embeds, model_hidden_size
+from pdcluster.cluster.api.prompt_embeds import (PROMPT_EMBEDS_OFF, chat_marker, chat_prompt_embeds, check_no_marker,
+                                                 given_prompt_embeds, model_hidden_size)
 from pdcluster.cluster.api.middleware import APIError
 from pdcluster.cluster.api.options import MAX_LOGPROBS, check_template_kwargs
 from pdcluster.cluster.api.protocol import (CHAT_COMPLETION, TEXT_COMPLETION, ChatCompletionRequest,
@@ -36,7 +37,7 @@ from pdcluster.cluster.api.structured import ToolCalls, structured_request
 from pdcluster.cluster.api.tool_parsers import ToolParser
 from pdcluster.engine.beam_search import BeamSearchParams
 from pdcluster.engine.multimodal.spec import chat_content
-from pdcluster.engine.prompt_embeds import PLACEHOLDER_TOKEN_ID
+from pdcluster.engine.prompt_embeds import PLACEHOLDER_TOKEN_ID, PromptEmbeds
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.engine.tokenizer import ChatTemplateError, ContinueFinalMessageError
 from pdcluster.wire.external_kv import ExternalKVError, asks_for_split, wants_remote_decode
@@ -165,7 +166,7 @@ async def prepare(body: SamplingFields, router, served_names: tuple[str, ...], p
                                                 "required or named tool: the grammar forces the output from its "
                                                 "first token, which then holds no thinking")
         extras = replace(extras, thinking_markers=policy.thinking_markers)
-    embedded = []
+    embedded, chat_embeds = [], None
     if is_chat:
         tools = [t.model_dump(exclude_none=True) for t in body.tools or []] if body.tool_choice != "none" else []
         template_kwargs = chat_template_kwargs(body.chat_template_kwargs)
@@ -174,10 +175,13 @@ async def prepare(body: SamplingFields, router, served_names: tuple[str, ...], p
         if body.documents is not None:
             template_kwargs = {**template_kwargs, "documents": template_documents(body.documents, tokenizer)}
         images = await chat_images(body.messages, tokenizer, router.max_images_per_prompt, media)
-        ids = await anyio.to_thread.run_sync(
-            lambda: chat_prompt_ids(body.messages, body.add_generation_prompt is not False, tokenizer, tools,
-                                    tool_parser, template_kwargs, bool(body.add_special_tokens),
-                                    bool(body.continue_final_message)))
+        embeds_policy = (media.enable_prompt_embeds, model_hidden_size(getattr(tokenizer, "model_dir", None)))
+        ids, chat_embeds = await anyio.to_thread.run_sync(
+            lambda: chat_prompt_ids_and_embeds(body.messages, body.add_generation_prompt is not False, tokenizer,
+                                               tools, tool_parser, template_kwargs, bool(body.add_special_tokens),
+                                               bool(body.continue_final_message), embeds_policy))
+        if chat_embeds is not None and output.num_prompt_logprobs is not None:
+            raise _bad("prompt_logprobs", "is not compatible with prompt_embeds parts: their rows have no tokens")
         prompts = [(ids, None)]
     else:
         if body.prompt_embeds is not None:
@@ -192,7 +196,7 @@ async def prepare(body: SamplingFields, router, served_names: tuple[str, ...], p
     prompts = _truncate_prompts(body.truncate_prompt_tokens, prompts, router.max_model_len, tokenizer,
                                 body.truncation_side == "right")
     # Prompts given as embeddings first (vLLM's order): their ids are placeholders (engine/prompt_embeds.py).
-    given = [*embedded, *[None] * len(prompts)]
+    given = [*embedded, *[None] * len(prompts)] if not is_chat else [chat_embeds]
     prompts = [([PLACEHOLDER_TOKEN_ID] * e.num_tokens, None) for e in embedded] + prompts
     inputs = []
     for i, (ids, text) in enumerate(prompts):
@@ -517,7 +521,8 @@ def _truncate_prompts(keep: int | None, prompts: list[tuple[list[int], str | Non
 
 def chat_prompt_text(messages: list[ChatMessage], add_generation_prompt: bool, tokenizer,
                      tools: list[dict] | None = None, tool_parser: ToolParser | None = None,
-                     template_kwargs: dict | None = None, continue_final_message: bool = False) -> str:
+                     template_kwargs: dict | None = None, continue_final_message: bool = False,
+                     embeds_parts: list[str] | None = None) -> str:
     """``messages`` rendered by the model's chat template (also /tokenize's). ``continue_final_message`` (vLLM's):
     the text stops right after the final message's content, so generation continues it (engine/tokenizer.py).
 
@@ -525,13 +530,14 @@ def chat_prompt_text(messages: list[ChatMessage], add_generation_prompt: bool, t
     tokenizer passes them on); any other template (SmolLM2's plain ChatML) gets them as HF's tool
     templates show them, in a system prompt of the parser's format (before the client's own system
     text), and past calls (an assistant's ``tool_calls``) written in that format as the message's text.
+    ``embeds_parts``: where prompt_embeds parts' payloads go (their markers are in the text); None: refused.
     """
     if not messages:
         raise APIError(400, "messages is empty: give at least one message", param="messages")
     inject = bool(tools) and tool_parser is not None and not _template_takes_tools(tokenizer)
     rendered = []
     for m in messages:
-        message = {"role": m.role, "content": _content(m.content, tokenizer)}
+        message = {"role": m.role, "content": _content(m.content, tokenizer, embeds_parts)}
         for key in ("name", "tool_calls", "tool_call_id"):
             if getattr(m, key):
                 message[key] = getattr(m, key)
@@ -560,13 +566,33 @@ def chat_prompt_text(messages: list[ChatMessage], add_generation_prompt: bool, t
         raise APIError(400, f"messages: {e}", param="messages") from e
 
 
-def _content(content, tokenizer) -> str | list[dict]:
+def _content(content, tokenizer, embeds_parts: list[str] | None = None) -> str | list[dict]:
     """A message's content for the chat template: its text, or with images, the parts as the template reads them
     (LLaVA's: {"type": "image"} where each goes) or, for a template that reads text only, the image token before
-    the text (vLLM's "string" content format)."""
+    the text (vLLM's "string" content format). prompt_embeds parts go in front of the text as markers, as vLLM puts
+    its placeholders (cluster/api/prompt_embeds.py), their payloads onto ``embeds_parts`` (None: a route that takes
+    none)."""
     if content is None or isinstance(content, str):
+        if embeds_parts is not None and content:
+            check_no_marker(content)
         return content or ""
     texts = [p.text for p in content if p.type == "text"]
+    embeds = [p.data for p in content if p.type == "prompt_embeds"]
+    if embeds:
+        if embeds_parts is None:
+            raise APIError(400, "messages: prompt_embeds parts are served on /v1/chat/completions", param="messages",
+                           code="unsupported_content")
+        if len(texts) + len(embeds) < len(content):
+            raise APIError(400, "messages: prompt_embeds parts and images cannot be combined in one request",
+                           param="messages", code="unsupported_content")
+        markers = [chat_marker(len(embeds_parts) + i) for i in range(len(embeds))]
+        embeds_parts += embeds
+        for text in texts:
+            check_no_marker(text)
+        return "\n".join(markers + texts)
+    if embeds_parts is not None:
+        for text in texts:
+            check_no_marker(text)
     num_images = len(content) - len(texts)
     if not num_images:
         return "\n".join(texts)
@@ -588,13 +614,34 @@ def chat_prompt_ids(messages: list[ChatMessage], add_generation_prompt: bool, to
                     tools: list[dict] | None = None, tool_parser: ToolParser | None = None,
                     template_kwargs: dict | None = None, add_special_tokens: bool = False,
                     continue_final_message: bool = False) -> list[int]:
+    ids, _ = chat_prompt_ids_and_embeds(messages, add_generation_prompt, tokenizer, tools, tool_parser,
+                                        template_kwargs, add_special_tokens, continue_final_message)
+    return ids
+
+
+def chat_prompt_ids_and_embeds(messages: list[ChatMessage], add_generation_prompt: bool, tokenizer,
+                               tools: list[dict] | None = None, tool_parser: ToolParser | None = None,
+                               template_kwargs: dict | None = None, add_special_tokens: bool = False,
+                               continue_final_message: bool = False, embeds_policy: tuple[bool, int | None] | None = None,
+                               ) -> tuple[list[int], PromptEmbeds | None]:
+    """The chat's prompt ids, and the rows of its prompt_embeds parts where ``embeds_policy`` (whether the server
+    takes them, the model's hidden size) says the route serves them (chat completions); None: refused."""
+    parts: list[str] | None = None if embeds_policy is None else []
     text = chat_prompt_text(messages, add_generation_prompt, tokenizer, tools, tool_parser, template_kwargs,
-                            continue_final_message)
-    # The template writes its own special tokens: none are added unless asked for (vLLM's add_special_tokens).
-    ids = tokenizer.encode(text, add_special_tokens=True) if add_special_tokens else tokenizer.encode(text)
+                            continue_final_message, parts)
+    embeds = None
+    if parts:
+        enabled, hidden_size = embeds_policy
+        if not enabled:
+            raise APIError(400, f"messages: {PROMPT_EMBEDS_OFF.removeprefix('prompt_embeds: ')}", param="messages",
+                           code="unsupported_content")
+        ids, embeds = chat_prompt_embeds(text, parts, tokenizer, add_special_tokens, hidden_size=hidden_size)
+    else:
+        # The template writes its own special tokens: none are added unless asked for (vLLM's add_special_tokens).
+        ids = tokenizer.encode(text, add_special_tokens=True) if add_special_tokens else tokenizer.encode(text)
     if not ids:
         raise APIError(400, "messages render to an empty prompt", param="messages")
-    return ids
+    return ids, embeds
 
 
 def _max_tokens(body: SamplingFields, num_prompt: int, max_model_len: int, label: str, output: Output,
