@@ -348,10 +348,10 @@ def served(smollm2_dir, smollm2):
         router.close()
 
 
-def test_served_on_completions(served, smollm2, random_cases):
+def test_served_on_completions(served, smollm2, random_cases, hf_model):
     """vLLM's prompt_embeds on /v1/completions with the openai client: transformers' tokens for the rows; with a
     text prompt too, the rows' choices first; streamed the same; usage counts the rows; return_token_ids shows the
-    placeholders."""
+    placeholders; truncate_prompt_tokens keeps the last rows."""
     rows, want = random_cases
     extra = {"prompt_embeds": _b64(rows[0]), "ignore_eos": True, "return_token_ids": True}
     one = served.completions.create(model="smollm2", prompt=None, max_tokens=NUM_NEW, temperature=0.0,
@@ -367,6 +367,10 @@ def test_served_on_completions(served, smollm2, random_cases):
                                        stream=True, extra_body={"prompt_embeds": _b64(rows[1]), "ignore_eos": True})
     text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
     assert text == smollm2.tokenizer.decode(want[1])
+    cut = served.completions.create(model="smollm2", prompt=None, max_tokens=NUM_NEW, temperature=0.0,
+                                    extra_body={**extra, "truncate_prompt_tokens": 5})  # vLLM's: the last 5 rows
+    assert cut.usage.prompt_tokens == 5 and cut.choices[0].token_ids == hf_greedy_from_embeds(hf_model, rows[0][-5:],
+                                                                                                NUM_NEW)
 
 
 def test_served_on_sglang_generate(served, smollm2, random_cases):

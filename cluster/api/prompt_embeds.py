@@ -67,7 +67,7 @@ def given_prompt_embeds(payload, *, enabled: bool, echo: bool, prompt_logprobs: 
         tensor = load_tensor(one, "prompt_embeds", where, "prompt_embeds")
         if tensor.dim() == 3 and tensor.shape[0] == 1:
             tensor = tensor[0]
-        if tensor.dim() == 2 and keep is not None:
+        if tensor.dim() == 2 and keep is not None and keep >= 1:  # another value is refused by its own check
             tensor = tensor[:keep] if keep_first else tensor[-keep:]
         try:
             embeds = prompt_embeds_from_tensor(tensor, where)
