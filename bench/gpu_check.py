@@ -590,6 +590,41 @@ def draft_model_check(model_dir: Path, prompts, expected, num_new: int, device: 
     return {"ok": ok, **result}
 
 
+def prompt_embeds_check(model_dir: Path, prompts, expected, num_new: int, device: str) -> dict:
+    """Prompts given as embeddings (engine/prompt_embeds.py): each prompt's table rows, whole and with its middle
+    third as rows between ids (a chat's prompt_embeds part), batched and in prefill chunks of 7: transformers'
+    greedy tokens of the ids; the prompt steps run eagerly, the decode steps through the graphs."""
+    import dataclasses
+
+    from pdcluster.engine.config import EngineConfig
+    from pdcluster.engine.llm_engine import LLMEngine
+    from pdcluster.engine.prompt_embeds import prompt_embeds_from_pieces
+    from pdcluster.engine.sampling_params import SamplingParams
+
+    result, ok = {}, True
+    for name, cfg in {"batch": {}, "chunked": dict(prefill_chunk_size=7, max_num_batched_tokens=32)}.items():
+        engine = LLMEngine.from_config(EngineConfig(model=str(model_dir), device=device, dtype="float32",
+                                                    num_kv_blocks=256, max_model_len=256, max_num_seqs=16,
+                                                    enable_prompt_embeds=True, **cfg), progress=False)
+        table = engine.model.embed_tokens.float().cpu()
+        params = SamplingParams(max_tokens=num_new, temperature=0.0, ignore_eos=True)
+        whole = [o.token_ids for o in engine.generate([{"prompt_embeds": table[p]} for p in prompts], params)]
+        mixed_prompts, mixed_params = [], []
+        for p in prompts:
+            lo, hi = len(p) // 3, max(len(p) // 3 + 1, 2 * len(p) // 3)
+            rows = prompt_embeds_from_pieces([table[p[lo:hi]]], [lo], [f"prompt of {len(p)}"])
+            mixed_prompts.append(p[:lo] + [0] * (hi - lo) + p[hi:])
+            mixed_params.append(dataclasses.replace(params, prompt_embeds=rows))
+        mixed = [o.token_ids for o in engine.generate(mixed_prompts, mixed_params)]
+        replays = engine.runner.graphs.num_replays if engine.runner.graphs is not None else 0
+        case_ok = whole == expected and mixed == expected and (device != "cuda" or replays > 0)
+        result[name] = {"ok": case_ok, "whole_ok": whole == expected, "mixed_ok": mixed == expected,
+                        "graph_replays": replays,
+                        "blocks_leaked": engine.kv_spec.num_blocks - engine.scheduler.block_manager.num_free_blocks}
+        ok = ok and case_ok and result[name]["blocks_leaked"] == 0
+    return {"ok": ok, **result}
+
+
 def encoders_check(device: str, work: Path) -> dict:
     """Encoder-only models (engine/models/bert.py, modernbert.py) made tiny by transformers: a BERT's [CLS] and mean
     embeddings of a batch of four prompt lengths, an XLM-R cross-encoder's scores, a ModernBERT's mean embeddings and
@@ -917,6 +952,7 @@ def correctness_section(entry: dict, device: str, work: Path, quick: bool, only:
                 "weight_update": lambda: weight_update_check(model_dir, prompts, expected, num_new, device, work),
                 "draft_model": lambda: draft_model_check(model_dir, prompts, expected, num_new, device, work),
                 "images": lambda: images_check(model_dir, num_new, device, work),
+                "prompt_embeds": lambda: prompt_embeds_check(model_dir, prompts, expected, num_new, device),
                 "encoders": lambda: encoders_check(device, work),
             }
             for check, run in checks.items():
