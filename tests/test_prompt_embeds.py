@@ -325,13 +325,17 @@ def test_disaggregated_over_tcp(tiny_dir):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_cuda_prompt_steps_run_eagerly_and_decode_replays_graphs(tiny_dir):
-    """On a GPU: random rows give the CPU engine's tokens (fp32), rows between ids too; the steps holding rows run
-    eagerly and the decode steps replay the CUDA graphs."""
-    cpu = LLMEngine.from_config(engine_config(enable_prompt_embeds=True), progress=False)
-    given = [_random_rows(cpu.model.embed_tokens, n, n) for n in (9, 30)]
-    want = [o.token_ids for o in cpu.generate([{"prompt_embeds": r} for r in given], PARAMS)]
+    """On a GPU: each prompt's table rows, whole or between its ids, give the tokens of its ids on the same GPU; the
+    steps holding rows run eagerly and the decode steps replay the CUDA graphs."""
     gpu = LLMEngine.from_config(engine_config(enable_prompt_embeds=True, device="cuda"), progress=False)
-    assert [o.token_ids for o in gpu.generate([{"prompt_embeds": r} for r in given], PARAMS)] == want
+    table = gpu.model.embed_tokens.float().cpu()
+    ids = [gpu.tokenize(t) for t in TEXTS]
+    want = [o.token_ids for o in gpu.generate(ids, PARAMS)]
+    assert [o.token_ids for o in gpu.generate([{"prompt_embeds": table[i]} for i in ids], PARAMS)] == want
+    between = [dataclasses.replace(PARAMS, prompt_embeds=prompt_embeds_from_pieces([table[i[1:3]]], [1], ["b"]))
+               for i in ids]
+    got = [o.token_ids for o in gpu.generate([i[:1] + [0, 0] + i[3:] for i in ids], between)]
+    assert got == want
     assert gpu.runner.graphs is not None and gpu.runner.graphs.num_replays > 0
 
 
