@@ -143,8 +143,12 @@ def main() -> int:
     print(f"+ {line}   (PDCLUSTER_PORT={port}, a new cache in {work})", flush=True)
     t0 = time.monotonic()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(["bash", "-c", line], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        # SIGINT and SIGQUIT at their defaults, as a terminal's shell starts a command: a CI run started in the
+        # background without job control ignores them, and a shell cannot undo an ignore it was started with.
+        terminal = [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                    "signal.signal(signal.SIGQUIT, signal.SIG_DFL); os.execvp(sys.argv[1], sys.argv[1:])"]
+        proc = subprocess.Popen([*terminal, "bash", "-c", line], cwd=ROOT, env=env, stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     try:
         wait_healthy(base, proc, log_path)
         print(f"  healthy after {time.monotonic() - t0:.0f} s (install and start)", flush=True)

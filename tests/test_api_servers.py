@@ -662,7 +662,7 @@ def test_a_server_started_with_sigint_blocked_still_stops_on_ctrl_c(tmp_path):
     """A signal mask survives fork and exec: a server started by a thread that had SIGINT blocked held Ctrl-C pending
     for ever (seen once in the suite: an idle server ignored SIGINT for 120 s, then stopped on SIGTERM). run_server
     unblocks the signals it takes; an ignored SIGINT stays ignored (the test above)."""
-    from pdcluster.tools.server_process import signal_state
+    from pdcluster.tools.server_process import AS_FROM_A_TERMINAL, signal_state
 
     script = tmp_path / "blocked.py"
     script.write_text(
@@ -673,8 +673,8 @@ def test_a_server_started_with_sigint_blocked_still_stops_on_ctrl_c(tmp_path):
         "raise SystemExit(run_server(FastAPI(), '127.0.0.1', 0, 'blocked-sigint'))\n")
     log = tmp_path / "log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, str(script)], stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen([*AS_FROM_A_TERMINAL, sys.executable, str(script)], stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 60
         while "pdcluster serving blocked-sigint" not in log.read_text():

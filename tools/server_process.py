@@ -27,6 +27,13 @@ class ServeProcessError(RuntimeError):
     """The server exited or did not become ready in time; the message ends with its log's tail."""
 
 
+# Runs the command after it with SIGINT and SIGQUIT at their defaults, as a shell in a terminal starts it. A process
+# started in the background by a shell without job control ignores them, and so does all it starts (a CI run
+# launched with "... &": its servers then never saw Ctrl-C); a command cannot undo an ignore it was started with.
+AS_FROM_A_TERMINAL = [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                      "signal.signal(signal.SIGQUIT, signal.SIG_DFL); os.execvp(sys.argv[1], sys.argv[1:])"]
+
+
 class ServeProcess:
     """``flags`` are `pdcluster serve`'s; without ``--port`` it listens on a free port (``--port 0``),
     which ``base_url`` and ``port`` tell once ready. Its stdout and stderr go to ``log_path`` (default:
@@ -48,7 +55,8 @@ class ServeProcess:
             cmd += ["--port", "0"]
         with open(self.log_path, "w") as log:
             # Its own session: interrupt() signals the server's whole process group, as Ctrl-C does.
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            self.proc = subprocess.Popen([*AS_FROM_A_TERMINAL, *cmd], stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
         self.base_url = ""
         self.port = 0
         self._final_output: str | None = None  # the log's text once close() removed the temp dir
