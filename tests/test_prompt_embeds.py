@@ -439,7 +439,9 @@ def test_served_chat_prompt_embeds_parts(served, smollm2, hf_model):
     assert answer.choices[0].token_ids == hf_greedy_from_embeds(hf_model, embeds, NUM_NEW)
     refusals = [([{"role": "user", "content": [{"type": "prompt_embeds", "data": _b64(torch.zeros(3, 5))}]}],
                  "hidden size 5"),
-                ([{"role": "user", "content": "say <|pdcluster_prompt_embeds_0|>"}], "marks where prompt_embeds"),
+                ([{"role": "user", "content": [{"type": "prompt_embeds", "data": _b64(first)},
+                                               {"type": "text", "text": "say <|pdcluster_prompt_embeds_0|>"}]}],
+                 "text may not hold it"),
                 ([{"role": "user", "content": [{"type": "prompt_embeds", "data": "@@"}]}], "base64 does not decode")]
     for bad, says in refusals:
         with pytest.raises(openai.BadRequestError, match=re.escape(says)):

@@ -90,12 +90,6 @@ def chat_marker(index: int) -> str:
     return _MARKER.format(index)
 
 
-def check_no_marker(text: str) -> None:
-    if _MARKER_RE.search(text):
-        raise APIError(400, f"messages: text may not hold {_MARKER.format('N')!r}, which marks where prompt_embeds "
-                            "parts go", param="messages")
-
-
 def chat_prompt_embeds(text: str, payloads: list[str], tokenizer, add_special_tokens: bool, *,
                        hidden_size: int | None) -> tuple[list[int], PromptEmbeds]:
     """The rendered chat ``text`` holding one marker per prompt_embeds part (``payloads``: each part's base64) as the
@@ -105,16 +99,17 @@ def chat_prompt_embeds(text: str, payloads: list[str], tokenizer, add_special_to
     for match in _MARKER_RE.finditer(text):
         ids += tokenizer.encode(text[last:match.start()], add_special_tokens=add_special_tokens and not ids)
         index = int(match.group(1))
-        if index >= len(tensors):
-            raise _chat_bad(f"the rendered prompt holds a prompt_embeds marker {index} no part made")
+        if index >= len(tensors) or index in found:
+            raise _chat_bad(f"a prompt_embeds part's marker {_MARKER.format('N')!r} appears where no part put it: "
+                            "text may not hold it (nor may a chat template repeat a message's content)")
         found.append(index)
         offsets.append(len(ids))
         ids += [PLACEHOLDER_TOKEN_ID] * tensors[index].shape[0]
         last = match.end()
     ids += tokenizer.encode(text[last:], add_special_tokens=add_special_tokens and not ids)
-    if sorted(found) != list(range(len(tensors))):
-        raise _chat_bad("the chat template did not render each prompt_embeds part exactly once (a template that drops "
-                        "or repeats a message's content cannot take them)")
+    if sorted(found) != list(range(len(tensors))):  # (a repeated one was refused above: text may have written it)
+        raise _chat_bad("the chat template did not render each prompt_embeds part (a template that drops a "
+                        "message's content cannot take them)")
     names = [f"messages: prompt_embeds part {i}" for i in found]
     try:
         return ids, prompt_embeds_from_pieces([tensors[i] for i in found], offsets, names)

@@ -25,8 +25,8 @@ import anyio
 from pdcluster.cluster.api.generation_defaults import NO_DEFAULTS, SamplingDefaults
 from pdcluster.cluster.api.images import chat_images, expand_images, image_token_text
 from pdcluster.cluster.api.media_policy import MediaPolicy
-from pdcluster.cluster.api.prompt_embeds import (PROMPT_EMBEDS_OFF, chat_marker, chat_prompt_embeds, check_no_marker,
-                                                 given_prompt_embeds, model_hidden_size)
+from pdcluster.cluster.api.prompt_embeds import (PROMPT_EMBEDS_OFF, chat_marker, chat_prompt_embeds, given_prompt_embeds,
+                                                 model_hidden_size)
 from pdcluster.cluster.api.middleware import APIError
 from pdcluster.cluster.api.options import MAX_LOGPROBS, check_template_kwargs
 from pdcluster.cluster.api.protocol import (CHAT_COMPLETION, TEXT_COMPLETION, ChatCompletionRequest,
@@ -573,8 +573,6 @@ def _content(content, tokenizer, embeds_parts: list[str] | None = None) -> str |
     its placeholders (cluster/api/prompt_embeds.py), their payloads onto ``embeds_parts`` (None: a route that takes
     none)."""
     if content is None or isinstance(content, str):
-        if embeds_parts is not None and content:
-            check_no_marker(content)
         return content or ""
     texts = [p.text for p in content if p.type == "text"]
     embeds = [p.data for p in content if p.type == "prompt_embeds"]
@@ -587,12 +585,7 @@ def _content(content, tokenizer, embeds_parts: list[str] | None = None) -> str |
                            param="messages", code="unsupported_content")
         markers = [chat_marker(len(embeds_parts) + i) for i in range(len(embeds))]
         embeds_parts += embeds
-        for text in texts:
-            check_no_marker(text)
         return "\n".join(markers + texts)
-    if embeds_parts is not None:
-        for text in texts:
-            check_no_marker(text)
     num_images = len(content) - len(texts)
     if not num_images:
         return "\n".join(texts)
