@@ -297,7 +297,11 @@ def test_prefill_worker_waiting_for_acks_does_not_step(tiny_dir):
     finishes and its blocks stay held with no ack coming; then it is killed and the blocks come back."""
     from pdcluster.prefill_node.worker import PrefillWorker
 
-    p = PrefillWorker("p0", _engine_config(prefill_chunk_size=8), TransferConfig(transport="tcp"))
+    # A peer timeout well past the prompt's time: on a loaded host the prompt's last chunks after the first bytes
+    # took over 2.5 s (the default), the stopped receiver was declared dead first, and no wait was left to watch.
+    peer_timeout_s = 15.0
+    p = PrefillWorker("p0", _engine_config(prefill_chunk_size=8),
+                      TransferConfig(transport="tcp", peer_timeout_s=peer_timeout_s))
     steps = [0]
     real_step = p.engine.step
 
@@ -318,7 +322,8 @@ def test_prefill_worker_waiting_for_acks_does_not_step(tiny_dir):
         while (p.engine.has_work() or p.stats()["num_held"] == 0) and time.monotonic() < deadline:
             time.sleep(0.005)
         assert p.stats()["num_held"] == 1 and not p.engine.has_work(), p.stats()
-        assert time.monotonic() - stopped_at < 1.5, "the prompt took too long: the peer timeout would end the wait"
+        assert time.monotonic() - stopped_at < peer_timeout_s - 2, "the prompt took too long: the peer timeout " \
+                                                                    "would end the wait"
         before = steps[0]
         time.sleep(0.5)
         assert p.stats()["num_held"] == 1, "no ack can have come from a stopped receiver"

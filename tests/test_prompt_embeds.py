@@ -35,6 +35,9 @@ from test_api import serving
 from test_kv_transfer_e2e import Events, _collect_tokens, _wait_free, connected_pair
 
 transformers = pytest.importorskip("transformers")
+# One torch thread, models and references included: on the 2-core CI box a second thread starves the other xdist
+# worker's timing-sensitive tests (a transfer's peer timeout ran out beside this file's transformers references).
+pytestmark = pytest.mark.usefixtures("one_torch_thread_per_module")
 
 NUM_NEW = 8
 PARAMS = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
