@@ -325,23 +325,6 @@ def test_disaggregated_over_tcp(tiny_dir):
     assert [tokens[rid] for rid in ids] == want
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_on_cuda_prompt_steps_run_eagerly_and_decode_replays_graphs(tiny_dir):
-    """On a GPU: each prompt's table rows, whole or between its ids, give the tokens of its ids on the same GPU; the
-    steps holding rows run eagerly and the decode steps replay the CUDA graphs."""
-    gpu = LLMEngine.from_config(engine_config(enable_prompt_embeds=True, device="cuda"), progress=False)
-    table = gpu.model.embed_tokens.float().cpu()
-    ids = [gpu.tokenize(t) for t in TEXTS]
-    want = [o.token_ids for o in gpu.generate(ids, PARAMS)]
-    assert [o.token_ids for o in gpu.generate([{"prompt_embeds": table[i]} for i in ids], PARAMS)] == want
-    between = [dataclasses.replace(PARAMS, prompt_embeds=prompt_embeds_from_pieces([table[i[1:3]]], [1], ["b"]))
-               for i in ids]
-    got = [o.token_ids for o in gpu.generate([i[:1] + [0, 0] + i[3:] for i in ids], between)]
-    assert got == want
-    assert gpu.runner.graphs is not None and gpu.runner.graphs.num_replays > 0
-
-
 # ================================================================================== served
 
 
