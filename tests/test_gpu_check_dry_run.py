@@ -50,3 +50,17 @@ def test_every_model_in_one_process_when_none_dies(tmp_path):
     got = _dry_run(tmp_path, "--models", "tiny-hybrid,gemma2")
     assert got["processes"] == 1 and got["ok"] is True
     assert set(got) >= {"tiny-hybrid", "gemma2"}
+
+
+def test_every_gpu_marked_module_imports_on_the_gpu_machine(tmp_path):
+    """gpu_check runs every gpu-marked module on the GPU machine, which lacks the serving packages (GPU_BOX_MISSING:
+    FastAPI, openai, Ray, ...): collected here with those refused, each imports. A gpu-marked test in a module that
+    imports them at its top would fail the whole device test run (tests/test_prompt_embeds_cuda.py is its own module
+    for that reason)."""
+    out = tmp_path / "kernel_tests.json"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device", "cpu", "--quick",
+                    "--simulate-gpu-box", "--sections", "kernel_tests", "--out", str(out)],
+                   cwd=ROOT, check=False, timeout=300, capture_output=True)
+    entry = json.loads(out.read_text())["sections"]["kernel_tests"]
+    assert entry["collect_only"] and entry["ok"], entry.get("output_tail", entry)
+    assert "tests/test_prompt_embeds_cuda.py" in entry["files"]
