@@ -64,18 +64,13 @@ def given_prompt_embeds(payload, *, enabled: bool, echo: bool, prompt_logprobs: 
     out = []
     for i, one in enumerate(batch):
         where = "prompt_embeds" if len(batch) == 1 else f"prompt_embeds[{i}]"
-        tensor = load_tensor(one, "prompt_embeds", where, "prompt_embeds")
-        if tensor.dim() == 3 and tensor.shape[0] == 1:
-            tensor = tensor[0]
+        tensor = loaded_rows(one, where, "prompt_embeds", hidden_size)
         if tensor.dim() == 2 and keep is not None and keep >= 1:  # another value is refused by its own check
             tensor = tensor[:keep] if keep_first else tensor[-keep:]
         try:
-            embeds = prompt_embeds_from_tensor(tensor, where)
+            out.append(prompt_embeds_from_tensor(tensor, where))
         except ValueError as e:
             raise _bad(str(e)) from None
-        if hidden_size is not None and embeds["hidden"] != hidden_size:
-            raise _bad(f"{where}: hidden size {embeds['hidden']} does not match the model's hidden size {hidden_size}")
-        out.append(embeds)
     return out
 
 
@@ -94,7 +89,8 @@ def chat_prompt_embeds(text: str, payloads: list[str], tokenizer, add_special_to
                        hidden_size: int | None) -> tuple[list[int], PromptEmbeds]:
     """The rendered chat ``text`` holding one marker per prompt_embeds part (``payloads``: each part's base64) as the
     prompt's ids, each part's rows standing where its marker was (placeholder ids there), and the rows."""
-    tensors = [_part_rows(payload, i, hidden_size) for i, payload in enumerate(payloads)]
+    tensors = [loaded_rows(payload, f"messages: prompt_embeds part {i}", "messages", hidden_size)
+               for i, payload in enumerate(payloads)]
     ids, offsets, found, last = [], [], [], 0
     for match in _MARKER_RE.finditer(text):
         ids += tokenizer.encode(text[last:match.start()], add_special_tokens=add_special_tokens and not ids)
@@ -117,13 +113,16 @@ def chat_prompt_embeds(text: str, payloads: list[str], tokenizer, add_special_to
         raise _chat_bad(str(e)) from None
 
 
-def _part_rows(payload: str, index: int, hidden_size: int | None):
-    where = f"messages: prompt_embeds part {index}"
-    tensor = load_tensor(payload, "prompt_embeds", where, "messages")
+def loaded_rows(payload, where: str, param: str, hidden_size: int | None):
+    """One prompt_embeds payload (a completion's or a chat part's) as its tensor, [1, n, hidden] taken as [n, hidden];
+    a 400 naming ``where`` (``param`` the field) for bytes that are no tensor or rows of another width than the
+    model's (``hidden_size``; None: not known here, the workers check)."""
+    tensor = load_tensor(payload, "prompt_embeds", where, param)
     if tensor.dim() == 3 and tensor.shape[0] == 1:
         tensor = tensor[0]
     if tensor.dim() == 2 and hidden_size is not None and tensor.shape[1] != hidden_size:
-        raise _chat_bad(f"{where}: hidden size {tensor.shape[1]} does not match the model's hidden size {hidden_size}")
+        raise APIError(400, f"{where}: hidden size {tensor.shape[1]} does not match the model's hidden size "
+                            f"{hidden_size}", param=param)
     return tensor
 
 
