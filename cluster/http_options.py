@@ -40,6 +40,9 @@ def add_http_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE), metavar="N",
                    help="whether clients must present a certificate, as Python's ssl.CERT_*: 0 none (default), "
                         "1 optional, 2 required")
+    g.add_argument("--enable-ssl-refresh", action="store_true",
+                   help="take renewed TLS files while serving: each second a serving process looks at --ssl-certfile, "
+                        "--ssl-keyfile and --ssl-ca-certs, and new connections get what changed (cluster/ssl_refresh.py)")
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class HttpOptions:
     ssl_certfile: str | None = None
     ssl_ca_certs: str | None = None
     ssl_cert_reqs: int = int(ssl.CERT_NONE)
+    ssl_refresh: bool = False  # --enable-ssl-refresh: run_server reloads the TLS files when they change
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> HttpOptions:
@@ -63,7 +67,8 @@ class HttpOptions:
                    ssl_keyfile=getattr(args, "ssl_keyfile", None) or None,
                    ssl_certfile=getattr(args, "ssl_certfile", None) or None,
                    ssl_ca_certs=getattr(args, "ssl_ca_certs", None) or None,
-                   ssl_cert_reqs=getattr(args, "ssl_cert_reqs", int(ssl.CERT_NONE)))
+                   ssl_cert_reqs=getattr(args, "ssl_cert_reqs", int(ssl.CERT_NONE)),
+                   ssl_refresh=bool(getattr(args, "enable_ssl_refresh", False)))
 
     @property
     def ssl(self) -> bool:
@@ -96,7 +101,8 @@ class HttpOptions:
         if not self.ssl:
             # uvicorn would ignore them and serve plain HTTP: a server the user thinks checks clients would not.
             for flag, value in (("--ssl-ca-certs", self.ssl_ca_certs),
-                                ("--ssl-cert-reqs", self.ssl_cert_reqs or None)):
+                                ("--ssl-cert-reqs", self.ssl_cert_reqs or None),
+                                ("--enable-ssl-refresh", self.ssl_refresh or None)):
                 if value is not None:
                     raise ConfigError(f"{flag}: needs HTTPS (--ssl-certfile, and --ssl-keyfile unless the certificate "
                                       "file holds the key)")

@@ -47,6 +47,8 @@ def run_server(app, host: str, port: int, model_name: str, sock: socket.socket |
                     signal.signal(sig, handler)
 
     sock = sock or listen(host, port)  # bound before uvicorn, so a busy port is one clear error line
+    # The TLS files' identity before uvicorn reads them: a renewal while the server starts is taken too.
+    refresher = ssl_refresher(http) if http.ssl and http.ssl_refresh else None
     bound = sock.getsockname()[1]
     try:
         server = Server(uvicorn_config(app, host, bound, http))
@@ -58,12 +60,20 @@ def run_server(app, host: str, port: int, model_name: str, sock: socket.socket |
         task = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started and not task.done():
             await asyncio.sleep(0.05)
+        refreshing = None
         if server.started:
             if announce:
                 announce_serving(model_name, host, bound, http.scheme)
+            if refresher is not None:
+                refresher.context = server.config.ssl  # the context the listening socket serves with
+                refreshing = asyncio.create_task(refresher.run())
             if on_ready is not None:
                 on_ready(asyncio.get_running_loop())
-        await task
+        try:
+            await task
+        finally:
+            if refreshing is not None:
+                refreshing.cancel()
 
     try:
         run_serving_loop(serve())
@@ -83,6 +93,13 @@ def uvicorn_config(app, host: str, port: int, http: HttpOptions) -> uvicorn.Conf
             raise
         raise ConfigError(f"--log-config-file: {http.log_config_file}: logging cannot be configured with it: {e}") \
             from None
+
+
+def ssl_refresher(http: HttpOptions):
+    """--enable-ssl-refresh: a refresher of ``http``'s TLS files, for the SSLContext uvicorn will make of them."""
+    from pdcluster.cluster.ssl_refresh import SSLCertRefresher
+
+    return SSLCertRefresher(None, http.ssl_certfile, http.ssl_keyfile, http.ssl_ca_certs)
 
 
 def signals_to_capture() -> list[int]:

@@ -105,8 +105,6 @@ REFUSED_FLAGS = {
     "data_parallel_address": ("--data-parallel-address", 1, _RAY_PLACES),
     "data_parallel_rpc_port": ("--data-parallel-rpc-port", 1, _RAY_PLACES),
     "data_parallel_size_local": ("--data-parallel-size-local", 1, _RAY_PLACES),
-    "enable_ssl_refresh": ("--enable-ssl-refresh", 0, "certificates are read when the server starts; restart it "
-                                                      "(`pdcluster drain` first) to take new ones"),
 }
 
 def add_vllm_flags(parser: argparse.ArgumentParser) -> None:

@@ -177,6 +177,7 @@ def test_bad_values_are_named_at_start_up(tmp_path, tls):
         (["--ssl-keyfile", key, "--ssl-certfile", cert, "--ssl-cert-reqs", "3"], "--ssl-cert-reqs: want 0 (none), 1"),
         (["--ssl-ca-certs", cert], "--ssl-ca-certs: needs HTTPS"),
         (["--ssl-cert-reqs", "2"], "--ssl-cert-reqs: needs HTTPS"),
+        (["--enable-ssl-refresh"], "--enable-ssl-refresh: needs HTTPS"),
         (["--log-config-file", missing], f"--log-config-file: cannot read {missing}"),
         (["--log-config-file", str(bad_json)], f"--log-config-file: cannot parse {bad_json}"),
         (["--log-config-file", str(no_version)], "is not a logging.config dictConfig object"),

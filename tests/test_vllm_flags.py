@@ -84,7 +84,7 @@ def test_kv_offloading_size_is_the_host_tier():
 
 @pytest.mark.parametrize("argv, message", [
     (["--middleware", "my.module.Middleware"], "--middleware: not supported here: no code is imported"),
-    (["--enable-ssl-refresh"], "--enable-ssl-refresh: not supported here: certificates are read when the server"),
+    (["--enable-ssl-refresh"], "--enable-ssl-refresh: needs HTTPS"),  # served (cluster/ssl_refresh.py) with TLS
     (["--headless"], "--headless: not supported here"),
     (["-pp", "2"], "--pipeline-parallel-size 2: only 1 is served here: split a model across devices with "
                    "--tensor-parallel-size"),
