@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import ssl
 import sys
 
 import httpx
@@ -28,6 +29,9 @@ def add_drain_parser(subparsers) -> None:
     p.add_argument("--timeout-s", type=float, default=600.0,
                    help="give up waiting after this long (the workers stay out of rotation)")
     p.add_argument("--admin-key", default=None, help="the server's admin key (default: $PDCLUSTER_ADMIN_KEY)")
+    p.add_argument("--cacert", default=None, metavar="PATH",
+                   help="an https server's certificate is checked against the CA certificates in this PEM file "
+                        "(default: the system's)")
     p.set_defaults(func=drain_main)
 
 
@@ -39,8 +43,9 @@ def drain_main(args: argparse.Namespace) -> int:
         raise ConfigError(f"--timeout-s: must be > 0, got {args.timeout_s}")
     url = args.url.rstrip("/")
     headers = {"Authorization": f"Bearer {key}"}
+    verify = _verify(args.cacert)
     try:
-        with httpx.Client(timeout=httpx.Timeout(args.timeout_s + 60, connect=10)) as http:
+        with httpx.Client(timeout=httpx.Timeout(args.timeout_s + 60, connect=10), verify=verify) as http:
             if args.list:
                 r = http.get(f"{url}/admin/workers", headers=headers)
             else:
@@ -66,3 +71,15 @@ def drain_main(args: argparse.Namespace) -> int:
     for warning in answer.get("warnings", []):
         print(f"pdcluster drain: warning: {warning}", file=sys.stderr)
     return 0
+
+
+def _verify(cacert: str | None) -> ssl.SSLContext | bool:
+    """httpx's ``verify``: the CAs of --cacert (the Helm chart's drain hook: the API Service's certificate is checked
+    against its Secret's ca.crt), else the system's."""
+    if cacert is None:
+        return True
+    try:
+        return ssl.create_default_context(cafile=cacert)
+    except (ssl.SSLError, OSError) as e:
+        reason = getattr(e, "strerror", None) or getattr(e, "reason", None) or str(e)
+        raise ConfigError(f"--cacert: cannot load {cacert} (PEM CA certificates): {reason}") from None

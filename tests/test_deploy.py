@@ -416,9 +416,12 @@ def test_chart_gpu_groups(rendered):
     {"serve": {"tensorParallelSize": 2}, "prefill": {"tensorParallelSize": 4}},
     {"serve": {"mode": "colocated"}, "prefill": {"replicas": 0, "gpusPerWorker": 4},
      "decode": {"replicas": 2, "gpusPerWorker": 4, "tensorParallelSize": 2}},
+    {"tls": {"secretName": "api-tls"}, "metrics": {"serviceMonitor": {"enabled": True}}},
+    {"tls": {"secretName": "api-tls", "refresh": False, "caKey": "ca.pem"}, "drain": {"enabled": False,
+                                                                              "timeoutS": 600}},
 ], ids=["colocated", "two-gpus-per-pod", "existing-secret", "extra-args", "no-drain", "short-drain",
         "tensor-parallel-cpu", "tensor-parallel-gpu", "each-role-its-split-cpu", "each-group-its-split-values",
-        "one-group-overrides-serve", "group-split-gpu-colocated"])
+        "one-group-overrides-serve", "group-split-gpu-colocated", "tls", "tls-no-refresh-no-drain"])
 def test_chart_behaviour_follows_values(helm, helm_home, tmp_path, overrides):
     values = tmp_path / "values.yaml"
     values.write_text(yaml.safe_dump(overrides))
@@ -431,6 +434,9 @@ def test_chart_behaviour_follows_values(helm, helm_home, tmp_path, overrides):
         drain = overrides.get("drain", {"enabled": True, "timeoutS": 600})
         assert ("lifecycle" in pod["containers"][0]) == drain["enabled"]
         assert pod.get("terminationGracePeriodSeconds") == (drain["timeoutS"] + 30 if drain["enabled"] else None)
+        # A worker pod mounts the TLS Secret's CA only where its drain hook needs it.
+        mounts = [m["mountPath"] for m in pod["containers"][0].get("volumeMounts", [])]
+        assert ("/etc/pdcluster-tls" in mounts) == bool(overrides.get("tls") and drain["enabled"])
 
 
 def _group(docs, name):
@@ -550,6 +556,48 @@ def test_chart_behaviour_check_fails_on_broken_fixtures(rendered, mutate, messag
     mutate(docs)
     with pytest.raises(CheckFailed, match=message):
         bc.check_chart(docs, sc.merged_values(("values-gpu.yaml",)))
+
+
+TLS_VALUES = {"tls": {"secretName": "api-tls"}, "metrics": {"serviceMonitor": {"enabled": True}}}
+
+
+def _probe_over_http(docs):
+    _head(docs)["readinessProbe"]["httpGet"].pop("scheme")
+
+
+def _worker_mounts_the_whole_secret(docs):
+    volume = next(v for v in _group(docs, "decode")["template"]["spec"]["volumes"] if v["name"] == "pdcluster-tls-ca")
+    volume["secret"].pop("items")
+
+
+def _monitor_without_ca(docs):
+    _kind(docs, "ServiceMonitor")["spec"]["endpoints"][0].pop("tlsConfig")
+
+
+def _head_without_the_secret(docs):
+    spec = _kind(docs, "RayCluster")["spec"]["headGroupSpec"]["template"]["spec"]
+    spec["volumes"] = [v for v in spec["volumes"] if v["name"] != "pdcluster-tls"]
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (_probe_over_http, "readinessProbe must speak HTTPS"),
+    (_worker_mounts_the_whole_secret, "must mount only ca.crt"),
+    (_monitor_without_ca, "scrapes with"),
+    (_head_without_the_secret, "--ssl-certfile /etc/pdcluster-tls/tls.crt must be key tls.crt"),
+    (_edit_chart("serve", " '--enable-ssl-refresh'", ""), "tls.refresh"),
+    (_edit_chart("hook", "https://", "http://"), "must be the API Service: https://"),
+    (_edit_chart("hook", " --cacert /etc/pdcluster-tls/ca.crt", ""), "preStop --cacert None"),
+], ids=lambda x: getattr(x, "__name__", None) or str(x))
+def test_chart_tls_check_fails_on_broken_fixtures(helm, helm_home, tmp_path, mutate, message):
+    """tls.secretName: HTTPS probes, the certificate files from the Secret, the drain hook and the ServiceMonitor
+    checking the Secret's CA; each broken rendering is caught."""
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump(TLS_VALUES))
+    docs = sc.render(helm, helm_home, [str(values)])
+    bc.check_chart(docs, sc.merged_values(overrides=TLS_VALUES))  # the rendering itself passes
+    mutate(docs)
+    with pytest.raises(CheckFailed, match=message):
+        bc.check_chart(docs, sc.merged_values(overrides=TLS_VALUES))
 
 
 @pytest.mark.parametrize("overrides, flags", [
@@ -794,6 +842,64 @@ def test_prestop_hook_drains_this_pod_through_the_admin_route(rendered, tmp_path
     assert got["path"] == "/admin/drain" and got["auth"] == "Bearer adm-1"
     body = DrainRequest.model_validate(got["body"])
     assert (body.node_ip, body.timeout_s, body.worker_id, body.all) == ("10.4.0.17", 600, None, False)
+
+
+def test_prestop_hook_over_tls_checks_the_secrets_ca(helm, helm_home, tmp_path, monkeypatch, capsys):
+    """tls.secretName: the hook drains over HTTPS, trusting the Secret's CA file (--cacert) and nothing else: the
+    same command against a server whose certificate that CA did not sign fails; a --cacert that cannot be read is
+    one line."""
+    import http.server
+    import shutil
+    import ssl
+    import threading
+
+    from pdcluster.cli.main import main
+
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is not installed (it makes the test's certificates)")
+    for name in ("server", "other"):
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(tmp_path / name)
+                        + ".key", "-out", str(tmp_path / name) + ".crt", "-days", "1", "-subj", "/CN=127.0.0.1",
+                        "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True, timeout=60)
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump(TLS_VALUES))
+    command = _worker(sc.render(helm, helm_home, [str(values)]))["lifecycle"]["preStop"]["exec"]["command"][2]
+    argv = bc.drain_argv_from_shell(command)
+    assert argv[argv.index("--cacert") + 1] == "/etc/pdcluster-tls/ca.crt" and argv[3].startswith("https://")
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            self.rfile.read(int(self.headers["Content-Length"]))
+            reply = json.dumps({"drained": [], "workers_in_rotation": {}, "warnings": []}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(reply)))
+            self.end_headers()
+            self.wfile.write(reply)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(str(tmp_path / "server.crt"), str(tmp_path / "server.key"))
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("PDCLUSTER_ADMIN_KEY", "adm-1")
+    try:
+        argv[argv.index("--url") + 1] = f"https://127.0.0.1:{server.server_address[1]}"
+        argv[argv.index("--node-ip") + 1] = "10.4.0.17"
+        at = argv.index("--cacert") + 1
+        argv[at] = str(tmp_path / "server.crt")  # the Secret's CA (the certificate is its own)
+        assert main(argv[1:]) == 0
+        argv[at] = str(tmp_path / "other.crt")
+        assert main(argv[1:]) == 1
+        assert "CERTIFICATE_VERIFY_FAILED" in capsys.readouterr().err
+        argv[at] = str(tmp_path / "missing.crt")
+        assert main(argv[1:]) == 2
+        assert "--cacert: cannot load" in capsys.readouterr().err
+    finally:
+        server.shutdown()
 
 
 def test_readme_and_ray_yaml_drain_commands_are_accepted():

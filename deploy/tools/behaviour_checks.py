@@ -242,6 +242,7 @@ def check_chart(docs: list[dict], values: dict) -> None:
         got["prefill_split"] = args.prefill_tensor_parallel_size or args.tensor_parallel_size
     if got != expect:
         fail(where, f"serve flags {got} != values {expect}")
+    _check_tls(hc, head["template"]["spec"], args, values, where)
 
     secret = values["auth"]["existingSecret"] or next(
         (d["metadata"]["name"] for d in docs if d["kind"] == "Secret"), None)
@@ -251,10 +252,14 @@ def check_chart(docs: list[dict], values: dict) -> None:
             fail(where, f"{var} must come from Secret {secret} key {key}, has {env.get(var)}")
     if _container_port(hc, "http") != serve["port"]:
         fail(where, f"head port 'http' must be {serve['port']}")
+    scheme = "HTTPS" if values["tls"]["secretName"] else "HTTP"
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         get = hc.get(probe, {}).get("httpGet", {})
         if get.get("path") != "/health" or get.get("port") != "http":
             fail(where, f"{probe} must GET /health on the http port, has {hc.get(probe)}")
+        if get.get("scheme", "HTTP") != scheme:  # HTTP to a TLS port: every probe fails and the head restarts
+            fail(where, f"{probe} must speak {scheme} (tls.secretName {values['tls']['secretName']!r}), "
+                        f"has scheme {get.get('scheme', 'HTTP')}")
     if env.get("PDCLUSTER_ADMIN_KEY") != {"name": secret, "key": "admin-key", "optional": True}:
         fail(where, f"PDCLUSTER_ADMIN_KEY (enables /admin/drain) must come from Secret {secret} key admin-key, "
                     f"optional; has {env.get('PDCLUSTER_ADMIN_KEY')}")
@@ -288,6 +293,18 @@ def check_chart(docs: list[dict], values: dict) -> None:
             fail(f"ServiceMonitor/{sm['metadata']['name']}", f"selector {labels} misses the API Service")
         if [e["port"] for e in sm["spec"]["endpoints"]] != ["http"]:
             fail(f"ServiceMonitor/{sm['metadata']['name']}", "must scrape the Service's http port")
+        endpoint, tls = sm["spec"]["endpoints"][0], values["tls"]
+        # Over TLS: the Secret's CA, and the API Service's in-cluster name (<service>.<namespace>.svc) as the name
+        # the certificate is checked for (Prometheus scrapes the pod's IP, which no certificate names).
+        server_name = endpoint.get("tlsConfig", {}).get("serverName") or ""
+        got = {"scheme": endpoint.get("scheme", "http"),
+               "ca": endpoint.get("tlsConfig", {}).get("ca", {}).get("secret"),
+               "names the Service": server_name.startswith(svc["metadata"]["name"] + ".")
+               and server_name.endswith(".svc")}
+        want = ({"scheme": "https", "ca": {"name": tls["secretName"], "key": tls["caKey"]}, "names the Service": True}
+                if tls["secretName"] else {"scheme": "http", "ca": None, "names the Service": False})
+        if got != want:
+            fail(f"ServiceMonitor/{sm['metadata']['name']}", f"scrapes with {got}, want {want}")
 
 
 def _check_drain_hook(group: dict, values: dict, secret: str, svc: dict, where: str) -> None:
@@ -312,8 +329,10 @@ def _check_drain_hook(group: dict, values: dict, secret: str, svc: dict, where: 
         fail(where, f"preStop --timeout-s {args.timeout_s:g} != drain.timeoutS {drain['timeoutS']}")
     url = urlsplit(args.url)
     name, port = svc["metadata"]["name"], values["service"]["port"]
-    if url.scheme != "http" or url.port != port or (url.hostname or "").split(".")[0] != name:
-        fail(where, f"preStop --url {args.url} must be the API Service: http://{name}...:{port}")
+    scheme = "https" if values["tls"]["secretName"] else "http"
+    if url.scheme != scheme or url.port != port or (url.hostname or "").split(".")[0] != name:
+        fail(where, f"preStop --url {args.url} must be the API Service: {scheme}://{name}...:{port}")
+    _check_drain_ca(pod, container, args, values, where)
     grace = pod.get("terminationGracePeriodSeconds", 30)  # Kubernetes' default
     if grace < drain["timeoutS"] + 10:
         fail(where, f"terminationGracePeriodSeconds {grace} must exceed drain.timeoutS {drain['timeoutS']} by 10 s "
@@ -324,3 +343,56 @@ def _check_drain_hook(group: dict, values: dict, secret: str, svc: dict, where: 
     key = env.get("PDCLUSTER_ADMIN_KEY", {}).get("secretKeyRef")
     if key != {"name": secret, "key": "admin-key", "optional": True}:
         fail(where, f"PDCLUSTER_ADMIN_KEY must come from Secret {secret} key admin-key (optional), has {key}")
+
+
+TLS_DIR = "/etc/pdcluster-tls"
+
+
+def _mounted_secret(pod: dict, container: dict, path: str) -> tuple[dict, str] | None:
+    """(the Secret volume, the file's path inside it) that ``path`` is read from in ``container``, else None."""
+    for mount in container.get("volumeMounts", []):
+        root = mount["mountPath"].rstrip("/") + "/"
+        if path.startswith(root):
+            volume = next((v for v in pod.get("volumes", []) if v["name"] == mount["name"]), {})
+            return (volume["secret"], path[len(root):]) if "secret" in volume else None
+    return None
+
+
+def _secret_key(secret: dict, file: str) -> str:
+    """The Secret's key a file of its volume holds (``items`` map keys to paths; without them each key is a file)."""
+    items = secret.get("items")
+    if items is None:
+        return file
+    return next((i["key"] for i in items if i["path"] == file), "")
+
+
+def _check_tls(container: dict, pod: dict, args, values: dict, where: str) -> None:
+    """tls.secretName: the server reads tls.crt and tls.key from that Secret's volume (and takes renewals with
+    tls.refresh); without it, plain HTTP."""
+    tls = values["tls"]
+    if not tls["secretName"]:
+        if args.ssl_certfile or args.ssl_keyfile or args.enable_ssl_refresh:
+            fail(where, "tls.secretName is empty but the server is given TLS flags")
+        return
+    for flag, path, key in (("--ssl-certfile", args.ssl_certfile, "tls.crt"), ("--ssl-keyfile", args.ssl_keyfile,
+                                                                             "tls.key")):
+        found = _mounted_secret(pod, container, path or "")
+        if found is None or found[0].get("secretName") != tls["secretName"] or _secret_key(*found) != key:
+            fail(where, f"{flag} {path} must be key {key} of Secret {tls['secretName']} mounted in the head")
+    if args.enable_ssl_refresh != tls["refresh"]:
+        fail(where, f"--enable-ssl-refresh is {args.enable_ssl_refresh}, tls.refresh is {tls['refresh']}")
+
+
+def _check_drain_ca(pod: dict, container: dict, args, values: dict, where: str) -> None:
+    """Over TLS the hook checks the API's certificate against tls.caKey of the Secret, mounted alone (a worker pod
+    gets no private key)."""
+    tls = values["tls"]
+    if not tls["secretName"]:
+        if args.cacert is not None:
+            fail(where, f"plain HTTP but the drain hook is given --cacert {args.cacert}")
+        return
+    found = _mounted_secret(pod, container, args.cacert or "")
+    if found is None or found[0].get("secretName") != tls["secretName"] or _secret_key(*found) != tls["caKey"]:
+        fail(where, f"preStop --cacert {args.cacert} must be key {tls['caKey']} of Secret {tls['secretName']}")
+    if [i["key"] for i in found[0].get("items") or [{"key": "*"}]] != [tls["caKey"]]:
+        fail(where, f"a worker pod must mount only {tls['caKey']} of Secret {tls['secretName']} (not its key)")

@@ -109,6 +109,12 @@ app.kubernetes.io/part-of: pdcluster
 {{- $args = concat $args (list "--tensor-parallel-size" (toString $tp)) -}}
 {{- end }}
 {{- $args = concat $args (list "--model" $s.model "--dtype" $s.dtype "--spec" $s.spec "--num-spec-tokens" (toString $s.numSpecTokens)) -}}
+{{- if .Values.tls.secretName }}
+{{- $args = concat $args (list "--ssl-certfile" "/etc/pdcluster-tls/tls.crt" "--ssl-keyfile" "/etc/pdcluster-tls/tls.key") -}}
+{{- if .Values.tls.refresh }}
+{{- $args = append $args "--enable-ssl-refresh" -}}
+{{- end }}
+{{- end }}
 {{- $args = concat $args $s.extraArgs -}}
 {{- range $i, $a := $args }}{{ if $i }} {{ end }}{{ $a | squote }}{{ end }}
 {{- end }}
@@ -116,7 +122,13 @@ app.kubernetes.io/part-of: pdcluster
 {{/* The worker pods' preStop command: drain every worker on this pod's Ray node (its address is the pod
      IP) through the API Service, waiting up to drain.timeoutS. The admin key comes from the environment. */}}
 {{- define "pdcluster.drainCommand" -}}
-pdcluster drain --url http://{{ include "pdcluster.fullname" . }}-api.{{ .Release.Namespace }}.svc:{{ .Values.service.port }} --node-ip "$PDCLUSTER_POD_IP" --timeout-s {{ .Values.drain.timeoutS }}
+pdcluster drain --url {{ include "pdcluster.scheme" . }}://{{ include "pdcluster.fullname" . }}-api.{{ .Release.Namespace }}.svc:{{ .Values.service.port }} --node-ip "$PDCLUSTER_POD_IP" --timeout-s {{ .Values.drain.timeoutS }}
+{{- if .Values.tls.secretName }} --cacert /etc/pdcluster-tls/ca.crt{{ end }}
+{{- end }}
+
+{{/* The API's scheme: https where tls.secretName names the certificate's Secret. */}}
+{{- define "pdcluster.scheme" -}}
+{{- if .Values.tls.secretName }}https{{ else }}http{{ end }}
 {{- end }}
 
 {{/* A worker group: KubeRay's generated `ray start` (KUBERAY_GEN_RAY_START_CMD), since the cluster
@@ -195,13 +207,31 @@ pdcluster drain --url http://{{ include "pdcluster.fullname" . }}-api.{{ .Releas
             {{- with $root.Values.env }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
-          {{- with $root.Values.volumeMounts }}
+          {{- $caMount := and $root.Values.tls.secretName $root.Values.drain.enabled }}
+          {{- if or $caMount $root.Values.volumeMounts }}
           volumeMounts:
+            {{- if $caMount }}
+            # The CA the preStop drain checks the API's certificate against (the Secret's key stays on the head).
+            - name: pdcluster-tls-ca
+              mountPath: /etc/pdcluster-tls
+              readOnly: true
+            {{- end }}
+            {{- with $root.Values.volumeMounts }}
             {{- toYaml . | nindent 12 }}
+            {{- end }}
           {{- end }}
-      {{- with $root.Values.volumes }}
+      {{- if or $caMount $root.Values.volumes }}
       volumes:
+        {{- if $caMount }}
+        - name: pdcluster-tls-ca
+          secret:
+            secretName: {{ $root.Values.tls.secretName }}
+            items:
+              - {key: {{ $root.Values.tls.caKey }}, path: ca.crt}
+        {{- end }}
+        {{- with $root.Values.volumes }}
         {{- toYaml . | nindent 8 }}
+        {{- end }}
       {{- end }}
       {{- with $g.nodeSelector }}
       nodeSelector:
