@@ -792,12 +792,36 @@ def test_readme_serve_commands_are_accepted():
 
 # --- the worker pods' preStop drain -----------------------------------------------------------------------
 
-def test_prestop_hook_drains_this_pod_through_the_admin_route(rendered, tmp_path, monkeypatch):
-    """The hook as the kubelet runs it (bash, the pod's env): `pdcluster drain` gets this pod's IP and
-    the admin key from the Secret; sent to a server, it is the request /admin/drain accepts."""
+def _admin_stub(got: dict, context=None):
+    """A server on loopback answering POST /admin/drain as the real one does when nothing is left to drain (over TLS
+    with ``context``), recording the request's path, Authorization header and body in ``got``; serving already."""
     import http.server
     import threading
 
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            got["path"], got["auth"] = self.path, self.headers["Authorization"]
+            got["body"] = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            reply = json.dumps({"drained": [], "workers_in_rotation": {}, "warnings": []}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(reply)))
+            self.end_headers()
+            self.wfile.write(reply)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    if context is not None:
+        server.socket = context.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_prestop_hook_drains_this_pod_through_the_admin_route(rendered, tmp_path, monkeypatch):
+    """The hook as the kubelet runs it (bash, the pod's env): `pdcluster drain` gets this pod's IP and
+    the admin key from the Secret; sent to a server, it is the request /admin/drain accepts."""
     from pdcluster.cluster.api.admin import DrainRequest
     from pdcluster.cli.main import main
 
@@ -816,23 +840,7 @@ def test_prestop_hook_drains_this_pod_through_the_admin_route(rendered, tmp_path
     assert (tmp_path / "stub.key").read_text() == "adm-1"
 
     got = {}
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 - http.server's name
-            got["path"], got["auth"] = self.path, self.headers["Authorization"]
-            got["body"] = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            reply = json.dumps({"drained": [], "workers_in_rotation": {}, "warnings": []}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(reply)))
-            self.end_headers()
-            self.wfile.write(reply)
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = _admin_stub(got)
     try:
         argv[argv.index("--url") + 1] = f"http://127.0.0.1:{server.server_address[1]}"
         monkeypatch.setenv("PDCLUSTER_ADMIN_KEY", "adm-1")
@@ -848,10 +856,8 @@ def test_prestop_hook_over_tls_checks_the_secrets_ca(helm, helm_home, tmp_path, 
     """tls.secretName: the hook drains over HTTPS, trusting the Secret's CA file (--cacert) and nothing else: the
     same command against a server whose certificate that CA did not sign fails; a --cacert that cannot be read is
     one line."""
-    import http.server
     import shutil
     import ssl
-    import threading
 
     from pdcluster.cli.main import main
 
@@ -867,24 +873,9 @@ def test_prestop_hook_over_tls_checks_the_secrets_ca(helm, helm_home, tmp_path, 
     argv = bc.drain_argv_from_shell(command)
     assert argv[argv.index("--cacert") + 1] == "/etc/pdcluster-tls/ca.crt" and argv[3].startswith("https://")
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 - http.server's name
-            self.rfile.read(int(self.headers["Content-Length"]))
-            reply = json.dumps({"drained": [], "workers_in_rotation": {}, "warnings": []}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(reply)))
-            self.end_headers()
-            self.wfile.write(reply)
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(str(tmp_path / "server.crt"), str(tmp_path / "server.key"))
-    server.socket = context.wrap_socket(server.socket, server_side=True)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = _admin_stub({}, context)
     monkeypatch.setenv("PDCLUSTER_ADMIN_KEY", "adm-1")
     try:
         argv[argv.index("--url") + 1] = f"https://127.0.0.1:{server.server_address[1]}"
