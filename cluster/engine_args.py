@@ -20,6 +20,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--revision", default="", help="the Hub id's branch, tag or commit (default: main)")
     g.add_argument("--download-dir", default="",
                    help="where a Hub id's files go (default: the Hugging Face cache, $HF_HOME/hub)")
+    g.add_argument("--tokenizer", default="",
+                   help="another tokenizer for the model, as vLLM's: a built-in name, a directory with tokenizer.json "
+                        "or a Hub id (its tokenizer and chat template replace the model's; default: the model's own)")
+    g.add_argument("--tokenizer-revision", default="", help="the --tokenizer Hub id's branch, tag or commit")
     g.add_argument("--device", default="auto",
                    help="auto (CUDA where torch sees a GPU: in a cluster, the GPU Ray gave the worker), cpu, cuda "
                         "or cuda:N")
@@ -186,7 +190,7 @@ SAME_NAMED_FLAGS = (
     "gpu_memory_utilization",
     "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "kv_offload_host_gib", "kv_offload_disk_dir",
     "kv_offload_disk_gib", "mtp_checkpoint", "draft_model", "num_threads", "seed", "cache_dir", "revision", "download_dir",
-    "max_lora_rank",
+    "tokenizer", "tokenizer_revision", "max_lora_rank",
     "enable_lora", "max_loras", "mixed_cuda_graph_tokens", "hf_overrides", "tensor_parallel_size",
     "limit_mm_per_prompt", "mm_processor_kwargs", "max_cuda_graph_batch", "enable_prompt_embeds",
 )

@@ -38,6 +38,7 @@ from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.models.architectures import arch_from_dir, max_model_len_for
 from pdcluster.engine.draft_model import check_draft_model
 from pdcluster.engine.models.registry import resolve_model
+from pdcluster.engine.models.tokenizer_overlay import check_tokenizer_fits
 from pdcluster.engine.tensor_parallel.driver import check_shared_caches
 from pdcluster.engine.tokenizer import Tokenizer
 from pdcluster.kv_transfer.config import TransferConfig
@@ -131,9 +132,12 @@ class Cluster:
         num_workers = num_prefill + spec.num_decode
         self.model_dir = resolve_model(spec.engine.model, cache_dir=spec.engine.cache_dir or None,
                                        hf_overrides=spec.engine.hf_overrides, revision=spec.engine.revision,
-                                       download_dir=spec.engine.download_dir)
+                                       download_dir=spec.engine.download_dir, tokenizer=spec.engine.tokenizer,
+                                       tokenizer_revision=spec.engine.tokenizer_revision)
         self.tokenizer = Tokenizer(self.model_dir)
         arch = arch_from_dir(self.model_dir)
+        if spec.engine.tokenizer:  # one line now, not a failure in every worker after start
+            check_tokenizer_fits(self.tokenizer, arch, spec.engine.tokenizer)
         if spec.engine.spec_method == "draft_model":  # one line now, not a failure in every worker after start
             check_draft_model(spec.engine, arch, self.tokenizer)
         self._started_ray = False

@@ -128,8 +128,6 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
                    help="the largest is --max-cudagraph-capture-size (the buckets below it are ours: 1, 2, 4, 8, "
                         "then every 16)")
-    g.add_argument("--tokenizer", default=None, help="the model's own tokenizer only (its name or directory)")
-    g.add_argument("--tokenizer-revision", default=None, help="the same as --revision only")
     g = parser.add_argument_group("vLLM flags accepted without effect (each says why when given)")
     for dest, (flag, why) in NO_OP_FLAGS.items():
         g.add_argument(flag, dest=dest, action="store_true", help=why)
@@ -207,9 +205,7 @@ def _apply_mapped(args: argparse.Namespace) -> None:
                                   "more engines are --num-prefill / --num-decode workers, placed by Ray")):
         if value != 1:
             raise ConfigError(f"{flag} {value}: only 1 is served here: {instead}")
-    if args.tokenizer is not None and args.tokenizer.rstrip("/") != args.model.rstrip("/"):
-        raise ConfigError(f"--tokenizer {args.tokenizer}: only the model's own tokenizer is served (--model "
-                          f"{args.model}): leave --tokenizer out")
-    if args.tokenizer_revision is not None and args.tokenizer_revision != (args.revision or "main"):
-        raise ConfigError(f"--tokenizer-revision {args.tokenizer_revision}: the tokenizer comes from the model's "
-                          f"revision (--revision {args.revision or 'main'}): give that one, or leave it out")
+    if args.tokenizer and args.tokenizer.rstrip("/") == args.model.rstrip("/"):
+        args.tokenizer = ""  # the model's own, as a vLLM line often spells it out
+    if args.tokenizer_revision and not args.tokenizer and args.tokenizer_revision == (args.revision or "main"):
+        args.tokenizer_revision = ""  # the model's own revision, spelled out (any other: EngineConfig refuses it)

@@ -172,6 +172,10 @@ class EngineConfig:
     # vLLM's --hf-overrides: JSON keys set over the model's config.json (engine/models/hf_overrides.py: an overlay
     # directory), e.g. a causal reranker served as a classifier; "" for none.
     hf_overrides: str = ""
+    # vLLM's --tokenizer / --tokenizer-revision: another directory's, built-in model's or Hub repository's tokenizer
+    # (and chat template) for the model (engine/models/tokenizer_overlay.py); "" for the model's own.
+    tokenizer: str = ""
+    tokenizer_revision: str = ""
     # LoRA adapters served beside the base model (engine/lora/), as ``name=path`` (a PEFT directory); a
     # request picks one by name (SamplingParams.lora_name, the API's ``model`` field). Every adapter is loaded
     # at start-up and kept; ``max_lora_rank`` refuses larger ones (vLLM's --max-lora-rank).
@@ -258,6 +262,9 @@ class EngineConfig:
             parse_hf_overrides(self.hf_overrides)
         except ValueError as e:  # json.JSONDecodeError is one
             raise ConfigError(f"hf_overrides: {e}") from None
+        if self.tokenizer_revision and not self.tokenizer:
+            raise ConfigError(f"tokenizer_revision {self.tokenizer_revision!r}: the revision of a --tokenizer Hub id; "
+                              "the model's own tokenizer comes at the model's --revision")
         try:
             self.max_images_per_prompt()
         except ValueError as e:

@@ -25,6 +25,7 @@ from pdcluster.engine.memory import keep_freed_memory
 from pdcluster.engine.models.architectures import (arch_from_dir, is_encoder, is_hybrid, load_model, max_model_len_for,
                                                    model_class_of)
 from pdcluster.engine.models.registry import resolve_model
+from pdcluster.engine.models.tokenizer_overlay import check_tokenizer_fits
 from pdcluster.engine.multimodal.attach import attach_image_encoder
 from pdcluster.engine.multimodal.spec import ImageSpec
 from pdcluster.engine.proposers import num_draft_layers as proposer_draft_layers
@@ -89,9 +90,12 @@ class LoadedModel:
             keep_freed_memory()
         model_dir: Path = resolve_model(config.model, cache_dir=config.cache_dir or None, progress=progress,
                                        hf_overrides=config.hf_overrides, revision=config.revision,
-                                       download_dir=config.download_dir)
+                                       download_dir=config.download_dir, tokenizer=config.tokenizer,
+                                       tokenizer_revision=config.tokenizer_revision)
         tokenizer = Tokenizer(model_dir)
         arch = arch_from_dir(model_dir)
+        if config.tokenizer:
+            check_tokenizer_fits(tokenizer, arch, config.tokenizer)
         hybrid = is_hybrid(arch)
         step_given = bool(config.max_num_batched_tokens)
         config = config.resolve_batch_limits(config.device, hybrid)  # 0 = this device's defaults

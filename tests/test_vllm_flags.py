@@ -92,12 +92,11 @@ def test_kv_offloading_size_is_the_host_tier():
     (["--cpu-offload-gb", "8"], "--cpu-offload-gb 8: not supported here: weights stay on the device"),
     (["--tokenizer-mode", "mistral"], "--tokenizer-mode mistral: not served here .*: give one of auto, hf, slow"),
     (["--load-format", "dummy"], "--load-format dummy: not served here"),
-    (["--tokenizer", "other/model"], "--tokenizer other/model: only the model's own tokenizer is served"),
-    (["--tokenizer-revision", "v2"], "--tokenizer-revision v2: the tokenizer comes from the model's revision"),
+    (["--tokenizer-revision", "v2"], "tokenizer_revision 'v2': the revision of a --tokenizer Hub id"),
 ])
 def test_what_would_serve_something_else_is_refused_in_one_line(argv, message):
     with pytest.raises(ConfigError, match=message):
-        _args(*argv)
+        engine_config_from_args(_args(*argv))  # most at parsing, the engine's settings (the tokenizer's) at its config
 
 
 def test_a_config_file_is_under_the_typed_flags(tmp_path, capsys):

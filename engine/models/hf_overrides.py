@@ -3,20 +3,18 @@ reranker served as a classifier: ``{"architectures": ["Qwen3ForSequenceClassific
 ["no", "yes"], "method": "from_2_way_softmax"}``).
 
 Every part of the engine and the API reads config.json from the model directory, so the override is a directory: an
-overlay in the cache (``<cache>/overrides/<digest>/``) holding links to every file of the model and its own
-config.json, the original with the overrides merged in (nested objects merged key by key, as vLLM updates a config).
-The overlay is named by the model directory and the overrides, built once in a temp directory and renamed into place,
-so processes that resolve it together (Ray workers) share one.
+overlay in the cache (``<cache>/overrides/<digest>/``, engine/models/overlay.py) holding links to every file of the
+model and its own config.json, the original with the overrides merged in (nested objects merged key by key, as vLLM
+updates a config), named by the model directory and the overrides.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
+
+from .overlay import place_overlay
 
 
 def parse_hf_overrides(text: str | dict | None) -> dict:
@@ -47,35 +45,6 @@ def overlay_dir(model_dir: Path, overrides: dict, cache_dir: Path) -> Path:
     model_dir = Path(model_dir).resolve()
     key = json.dumps({"model": str(model_dir), "overrides": overrides}, sort_keys=True)
     target = Path(cache_dir) / "overrides" / hashlib.sha256(key.encode()).hexdigest()[:24]
-    config = json.loads((model_dir / "config.json").read_text())
-    want = merged_config(config, overrides)
-    if target.is_dir():
-        if _config_of(target) == want:
-            return target
-        stale = target.with_name(f".{target.name}.stale-{os.getpid()}")  # the checkpoint's config.json was edited
-        os.rename(target, stale)
-        shutil.rmtree(stale, ignore_errors=True)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        for f in model_dir.iterdir():
-            if f.name != "config.json":
-                os.symlink(f, tmp / f.name)
-        (tmp / "config.json").write_text(json.dumps(want, indent=2) + "\n")
-        os.chmod(tmp, 0o755)
-        os.rename(tmp, target)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if _config_of(target) != want:  # not another process's same overlay placed first
-            raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
-
-
-def _config_of(folder: Path) -> dict | None:
-    try:
-        return json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
+    want = merged_config(json.loads((model_dir / "config.json").read_text()), overrides)
+    links = {f.name: f for f in model_dir.iterdir() if f.name != "config.json"}
+    return place_overlay(target, links, {"config.json": json.dumps(want, indent=2) + "\n"})

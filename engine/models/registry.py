@@ -24,6 +24,7 @@ from pathlib import Path
 
 from . import gguf_convert, hub, tiny_hybrid, tiny_hybrid_moe, tiny_random
 from .hf_overrides import overlay_dir, parse_hf_overrides
+from .tokenizer_overlay import with_tokenizer
 
 CACHE_ENV = "PDCLUSTER_CACHE_DIR"
 STAMP_FILE = ".pdcluster-build.json"
@@ -83,49 +84,84 @@ def default_cache_dir() -> Path:
 def resolve_model(
     name_or_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None, progress: bool = True,
     hf_overrides: str | dict | None = None, revision: str | None = None, download_dir: str | None = None,
+    tokenizer: str | None = None, tokenizer_revision: str | None = None,
 ) -> Path:
     """The HF directory for a built-in model name (built on first use), an existing model directory or a Hugging
     Face Hub id (``owner/name``, fetched at ``revision`` into ``download_dir`` or the Hugging Face cache:
     engine/models/hub.py); with ``hf_overrides`` (vLLM's, JSON or a dict) an overlay of it whose config.json has
-    them set (engine/models/hf_overrides.py).
+    them set (engine/models/hf_overrides.py); with ``tokenizer`` (vLLM's --tokenizer: a built-in name, a directory or
+    a Hub id at ``tokenizer_revision``) an overlay of it whose tokenizer files are that one's
+    (engine/models/tokenizer_overlay.py); the model directory then need not have a tokenizer of its own.
 
     A built-in name wins over a same-named folder in the working directory, and a folder over a Hub id.
     """
     name = os.fspath(name_or_path)
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     overrides = parse_hf_overrides(hf_overrides)
+    tokenizer_dir = (resolve_tokenizer(tokenizer, cache, progress, tokenizer_revision, download_dir)
+                     if tokenizer else None)
+    needed = REQUIRED_FILES if tokenizer_dir is None else ("config.json",)
+    model_dir = _model_dir(name, cache, progress, revision, download_dir, needed)
+    if tokenizer_dir is not None:
+        model_dir = with_tokenizer(model_dir, tokenizer_dir, cache)
+    return overlay_dir(model_dir, overrides, cache)
+
+
+def _model_dir(name: str, cache: Path, progress: bool, revision: str | None, download_dir: str | None,
+               needed: tuple[str, ...]) -> Path:
     if name in BUILTIN_MODELS:
-        return overlay_dir(_ensure_built(name, cache / "models", progress), overrides, cache)
+        return _ensure_built(name, cache / "models", progress)
     path = Path(name).expanduser()
     if not path.is_dir() and hub.is_hub_id(name):
         try:
             path = hub.hub_snapshot(name, revision or None, download_dir or None, progress)
         except LookupError as e:
             raise UnknownModelError(f"model {name!r}: {e}") from None
-        missing = _missing_files(path)
+        missing = _missing_files(path, needed)
         if missing:
             raise UnknownModelError(f"model {name!r} from the Hugging Face Hub: its files ({path}) lack "
                                     f"{', '.join(missing)}; served here are repositories of safetensors weights with "
-                                    "config.json and tokenizer.json")
-        return overlay_dir(path, overrides, cache)
-    problem = _hf_dir_problem(path)
+                                    "config.json and tokenizer.json (or a --tokenizer of their own)")
+        return path
+    problem = _hf_dir_problem(path, needed)
     if problem is None:
-        return overlay_dir(path.resolve(), overrides, cache)
+        return path.resolve()
     raise UnknownModelError(
         f"unknown model {name!r}: {problem}; give a built-in name ({', '.join(sorted(BUILTIN_MODELS))}), "
         "a Hugging Face model directory with config.json, *.safetensors and tokenizer.json, or a Hub id (owner/name)"
     )
 
 
-def _hf_dir_problem(path: Path) -> str | None:
+def resolve_tokenizer(name: str, cache: Path, progress: bool = True, revision: str | None = None,
+                      download_dir: str | None = None) -> Path:
+    """The directory of vLLM's ``--tokenizer NAME``: a built-in model's, a directory with tokenizer.json, or a Hub
+    repository's configs and tokenizer (no weights) at ``revision``; UnknownModelError naming the flag otherwise."""
+    if name in BUILTIN_MODELS:
+        return _ensure_built(name, cache / "models", progress)
+    path = Path(name).expanduser()
+    if not path.is_dir() and hub.is_hub_id(name):
+        try:
+            path = hub.hub_snapshot(name, revision or None, download_dir or None, progress, weights=False)
+        except LookupError as e:
+            raise UnknownModelError(f"--tokenizer {name!r}: {e}") from None
+    elif not path.is_dir():
+        raise UnknownModelError(f"--tokenizer {name!r}: no such directory, and not a built-in name "
+                                f"({', '.join(sorted(BUILTIN_MODELS))}) or a Hub id (owner/name)")
+    if not (path / "tokenizer.json").is_file():
+        raise UnknownModelError(f"--tokenizer {name!r}: {path} has no tokenizer.json (the tokenizers library's "
+                                "file, which every tokenizer served here is read from)")
+    return path.resolve()
+
+
+def _hf_dir_problem(path: Path, needed: tuple[str, ...] = REQUIRED_FILES) -> str | None:
     if not path.is_dir():
         return "it is not a built-in name and no such directory exists"
-    missing = _missing_files(path)
+    missing = _missing_files(path, needed)
     return f"directory lacks {', '.join(missing)}" if missing else None
 
 
-def _missing_files(path: Path) -> list[str]:
-    missing = [f for f in REQUIRED_FILES if not (path / f).is_file()]
+def _missing_files(path: Path, needed: tuple[str, ...] = REQUIRED_FILES) -> list[str]:
+    missing = [f for f in needed if not (path / f).is_file()]
     if not any(path.glob("*.safetensors")):
         missing.append("*.safetensors")
     return missing
