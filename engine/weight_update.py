@@ -275,7 +275,9 @@ def prepare(engine, model_path: str, weight_version: str | None = None) -> Prepa
         check_version(weight_version, {}, "")
     started = time.monotonic()
     try:
-        new_dir = resolve_model(model_path, cache_dir=config.cache_dir or None, progress=False)
+        # With --tokenizer the served tokenizer is that one: a trainer's checkpoint need not carry one either.
+        new_dir = resolve_model(model_path, cache_dir=config.cache_dir or None, progress=False,
+                                tokenizer=config.tokenizer or None, tokenizer_revision=config.tokenizer_revision or None)
     except (UnknownModelError, OSError) as e:
         raise WeightUpdateError(f"model_path: {e}") from None
     digest = checkpoint_digest(new_dir)

@@ -202,3 +202,24 @@ def test_what_cannot_be_served_is_one_line(dirs, tmp_path, tiny_dir):
                         "--port", "0", "--tokenizer", str(big)], capture_output=True, text=True, timeout=240)
     errors = [line for line in r.stderr.splitlines() if "error:" in line]
     assert r.returncode == 2 and len(errors) == 1 and "embedding rows" in errors[0], r.stderr[-2000:]
+
+
+def test_a_weight_update_from_a_checkpoint_without_a_tokenizer(dirs, tiny_dir, tmp_path):
+    """Served with --tokenizer, a trainer's checkpoint need not carry a tokenizer either (RL rollouts)."""
+    from pdcluster.engine.models.perturbed import perturb_checkpoint
+
+    perturbed = perturb_checkpoint(tiny_dir, tmp_path / "perturbed", 1)
+    bare = _weights_only(Path(perturbed), tmp_path / "perturbed-bare")
+    want = _engine(str(perturbed))
+    try:
+        want_ids = _greedy(want, "The quick brown fox")
+    finally:
+        want.close()
+    engine = _engine(str(dirs["bare"]), tokenizer="tiny-random")
+    try:
+        before = _greedy(engine, "The quick brown fox")
+        engine.update_weights_from_disk(str(bare), "step-1")
+        after = _greedy(engine, "The quick brown fox")
+    finally:
+        engine.close()
+    assert before != want_ids and after == want_ids
