@@ -85,7 +85,10 @@ def _as_flags(flag: str, action: argparse.Action, value, path: str) -> list[str]
     if action.nargs == 0:
         raise ConfigError(f"--config {path}: {flag[2:]} is a switch: give true or false, got {value!r}")
     if isinstance(value, list):
-        return [flag, *(json.dumps(v) if isinstance(v, (dict, list)) else str(v) for v in value)]
+        items = [json.dumps(v) if isinstance(v, (dict, list)) else str(v) for v in value]
+        if isinstance(action, argparse._AppendAction):  # a flag given once per item (--middleware a --middleware b)
+            return [token for item in items for token in (flag, item)]
+        return [flag, *items]
     if isinstance(value, dict):
         return [flag, json.dumps(value)]
     return [flag, str(value)]

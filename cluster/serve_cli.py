@@ -98,6 +98,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--allowed-methods", default=None, metavar="JSON", help="with --allowed-origins (default [\"*\"])")
     g.add_argument("--allowed-headers", default=None, metavar="JSON", help="with --allowed-origins (default [\"*\"])")
     g.add_argument("--allow-credentials", action="store_true", help="with --allowed-origins: cookies and auth headers")
+    g.add_argument("--middleware", action="append", default=[], metavar="MODULE.NAME",
+                   help="your ASGI middleware around the API, as vLLM's flag (once per middleware): a class, or an "
+                        "async function (request, call_next); outermost, before the API key check "
+                        "(cluster/api/user_middleware.py)")
     g.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS, metavar="N",
                    help="the most alternatives per position a request may ask for (logprobs, top_logprobs, "
                         "prompt_logprobs; vLLM's flag, default 20; -1: the whole vocabulary)")
@@ -300,6 +304,11 @@ def _check_args(args: argparse.Namespace) -> None:
         check_response_role(args.response_role)
         args.cors = CorsPolicy.from_flags(args.allowed_origins, args.allowed_methods, args.allowed_headers,
                                           args.allow_credentials)
+        if args.middleware:  # imported now, before the model loads: a wrong name is one line
+            from pdcluster.cluster.api.user_middleware import load_middleware
+
+            for qualname in args.middleware:
+                load_middleware(qualname)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if args.pooler_config is not None:  # fastapi and the API modules: only when the flag is given

@@ -95,7 +95,6 @@ NO_OP_VALUE_FLAGS = {
 
 # dest -> (flag, nargs, what to do instead): refused in one line, whatever the value.
 REFUSED_FLAGS = {
-    "middleware": ("--middleware", "+", "no code is imported into the server by name"),
     "logits_processors": ("--logits-processors", "+", "no code is imported into the engine by name (requests' "
                                                       "logit_bias, bad_words and allowed_token_ids are served)"),
     "tool_parser_plugin": ("--tool-parser-plugin", 1, "no code is imported into the server by name; "

@@ -83,7 +83,7 @@ def test_kv_offloading_size_is_the_host_tier():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--middleware", "my.module.Middleware"], "--middleware: not supported here: no code is imported"),
+    (["--middleware", "my.module.Middleware"], "--middleware my.module.Middleware: cannot import my.module"),
     (["--enable-ssl-refresh"], "--enable-ssl-refresh: needs HTTPS"),  # served (cluster/ssl_refresh.py) with TLS
     (["--headless"], "--headless: not supported here"),
     (["-pp", "2"], "--pipeline-parallel-size 2: only 1 is served here: split a model across devices with "
@@ -208,3 +208,15 @@ def test_a_bad_dotted_flag_is_one_line(capsys, argv, message):
     assert main(["serve", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("pdcluster serve: error: ") and message in err and "Traceback" not in err
+
+
+def test_a_config_files_list_gives_a_repeated_flag_once_per_item(tmp_path):
+    """`middleware: [a.B, c.d]` is --middleware given twice (the flag is repeated, not given a list)."""
+    from pdcluster.cli.config_file import expand_config_file
+    from pdcluster.cli.main import _build_parsers
+
+    path = tmp_path / "vllm.yaml"
+    path.write_text("middleware: [site.Tenant, site.stamp]\nallowed-origins: '[\"http://a\"]'\n")
+    parser, serve = _build_parsers()
+    argv = expand_config_file(["--config", str(path)], serve, "smollm2")
+    assert parser.parse_args(["serve", *argv]).middleware == ["site.Tenant", "site.stamp"]

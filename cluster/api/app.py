@@ -42,6 +42,7 @@ from pdcluster.cluster.api.serving import serve_request
 from pdcluster.cluster.api.tokenize_routes import install_tokenize_routes
 from pdcluster.cluster.api.tool_parsers import select_parser
 from pdcluster.cluster.api.tracing import RequestTracer, check_detailed, check_tracing_flags
+from pdcluster.cluster.api.user_middleware import install_user_middleware
 from pdcluster.cluster.api.validation import ServerPolicy, check_model, prepare
 from pdcluster.cluster.api.vllm_tokens import TokensRequest, serve_tokens
 from pdcluster.cluster.metrics import Metrics
@@ -74,7 +75,7 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
               trust_request_chat_template: bool = False, server_load_tracking: bool = False,
               request_id_headers: bool = False, metrics_prefix: str = "pdcluster", otlp_traces_endpoint: str = "",
               collect_detailed_traces: str = "", weight_updates: bool = False, weight_staging_dir: str = "",
-              sleep_mode: bool = False,
+              sleep_mode: bool = False, middleware: tuple[str, ...] = (),
               router_control: bool = True) -> FastAPI:
     """``served_model_aliases``: more names the base model is served under, after ``served_model_name`` (vLLM's
     --served-model-name NAME...): a request's ``model`` may be any, /v1/models lists each, answers and metrics give
@@ -110,7 +111,8 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
     ``sleep_mode``: serve /sleep, /wake_up, /is_sleeping and SGLang's release / resume_memory_occupation likewise
     (cluster/api/sleep_routes.py).
     SGLang's native routes (/generate, /abort_request, /flush_cache, ...: cluster/api/sglang_routes.py) are always
-    served; ``router_control`` false leaves /abort_request and the flushes to an API process's proxy (the router
+    served. ``middleware``: vLLM's --middleware names, the operator's ASGI middleware outermost
+    (cluster/api/user_middleware.py). ``router_control`` false leaves /abort_request and the flushes to an API process's proxy (the router
     process answers them)."""
     media = media or MediaPolicy()
     served_names = check_served_names((served_model_name, *served_model_aliases), router.lora_names)
@@ -286,5 +288,6 @@ def build_app(router, served_model_name: str, api_key: str | None = None, max_bo
     if sleep_mode:
         install_sleep_routes(app, router)
     install_middleware(app, max_body_bytes, api_key, cors)
-    install_request_tracking(app, server_load_tracking, request_id_headers)  # outermost: every answer gets its id
+    install_request_tracking(app, server_load_tracking, request_id_headers)  # every answer gets its id
+    install_user_middleware(app, middleware)  # the operator's, outermost (as vLLM's): they see every request
     return app

@@ -110,6 +110,7 @@ class ApiOptions:
     sleep_mode: bool = False  # vLLM's --enable-sleep-mode: /sleep, /wake_up and SGLang's pair (cluster/api/sleep_routes.py)
     # --served-model-name's names after the first (cluster/api/served_names.py): here, every API process gets them
     served_model_aliases: tuple[str, ...] = ()
+    middleware: tuple[str, ...] = ()  # vLLM's --middleware: the operator's ASGI middleware (cluster/api/user_middleware.py)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, runtime_lora: bool) -> ApiOptions:
@@ -138,7 +139,8 @@ class ApiOptions:
                    weight_updates=getattr(args, "enable_weight_updates", False) or dev_mode_env(),
                    weight_staging_dir=getattr(args, "weight_staging_dir", ""),
                    sleep_mode=getattr(args, "enable_sleep_mode", False),
-                   served_model_aliases=tuple(getattr(args, "served_model_aliases", ())))
+                   served_model_aliases=tuple(getattr(args, "served_model_aliases", ())),
+                   middleware=tuple(getattr(args, "middleware", None) or ()))
 
     def app_kwargs(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
