@@ -73,6 +73,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "subdirectory named after its id (needs --kv-offload-disk-gib)")
     g.add_argument("--kv-offload-disk-gib", type=float, default=0.0,
                    help="how much of --kv-offload-disk-dir each worker may fill")
+    g.add_argument("--kv-offload-shared-dir", default="",
+                   help="a directory every worker sees (a node's disk, an NFS export, a volume every pod mounts): "
+                        "KV blocks any worker evicts are written there for all of them, and a prefix found there is "
+                        "loaded by whichever worker serves it (needs --kv-offload-shared-gib)")
+    g.add_argument("--kv-offload-shared-gib", type=float, default=0.0,
+                   help="how much of --kv-offload-shared-dir the workers may fill together")
     g.add_argument("--no-decode-prefix-reuse", action="store_true",
                    help="disagg: a decode worker receives a prompt's whole KV even when its own prefix cache "
                         "holds the start of it (default: it asks the prefill worker only for the rest)")
@@ -189,6 +195,7 @@ SAME_NAMED_FLAGS = (
     "model", "dtype", "kv_cache_dtype", "device", "max_model_len", "block_size", "num_kv_blocks", "kv_cache_memory_gib",
     "gpu_memory_utilization",
     "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "kv_offload_host_gib", "kv_offload_disk_dir",
+    "kv_offload_shared_dir", "kv_offload_shared_gib",
     "kv_offload_disk_gib", "mtp_checkpoint", "draft_model", "num_threads", "seed", "cache_dir", "revision", "download_dir",
     "tokenizer", "tokenizer_revision", "max_lora_rank",
     "enable_lora", "max_loras", "mixed_cuda_graph_tokens", "hf_overrides", "tensor_parallel_size",

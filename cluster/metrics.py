@@ -127,7 +127,8 @@ class Metrics:
         self._workers = Gauge(p + "num_workers", "Workers in rotation.", m + ["role"], registry=r,
                               multiprocess_mode="mostrecent")
         self._tier_blocks = Gauge(p + "kv_tier_blocks", "KV blocks held per tier, summed over workers "
-                                  "(device: in use by requests; host, disk: offloaded blocks kept).",
+                                  "(device: in use by requests; host, disk: offloaded blocks kept; shared: the folder every worker "
+                                  "shares, counted once).",
                                   m + ["tier"], registry=r, multiprocess_mode="mostrecent")
         self._tier_capacity = Gauge(p + "kv_tier_capacity_blocks", "KV blocks each tier can hold, summed "
                                     "over workers.", m + ["tier"], registry=r, multiprocess_mode="mostrecent")
@@ -278,13 +279,15 @@ class Metrics:
                                    ",".join(lora.get("waiting", ()))).set_to_current_time()
 
     def _refresh_tiers(self, workers: list) -> None:
-        """Per tier, the workers' ``kv_tiers`` summed (a tier no worker reports any more reads 0)."""
+        """Per tier, the workers' ``kv_tiers`` summed (a tier no worker reports any more reads 0); the shared tier,
+        one folder every worker reports, counted once (the largest report: the freshest look at it)."""
         held, capacity = dict.fromkeys(self._tiers_seen, 0), dict.fromkeys(self._tiers_seen, 0)
         for w in workers:
             tiers = w.get("kv_tiers") if isinstance(w, dict) else None
             for tier, usage in (tiers or {}).items():
-                held[tier] = held.get(tier, 0) + usage.get("blocks", 0)
-                capacity[tier] = capacity.get(tier, 0) + usage.get("capacity_blocks", 0)
+                add = max if tier == "shared" else (lambda a, b: a + b)
+                held[tier] = add(held.get(tier, 0), usage.get("blocks", 0))
+                capacity[tier] = add(capacity.get(tier, 0), usage.get("capacity_blocks", 0))
         for tier in held:
             self._tier_blocks.labels(self.model_name, tier).set(held[tier])
             self._tier_capacity.labels(self.model_name, tier).set(capacity[tier])

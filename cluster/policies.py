@@ -24,7 +24,8 @@ def kv_aware_score(overlap_blocks: float, block_size: int, load_tokens: float) -
         score = overlap_blocks * block_size - load_tokens
 
     ``overlap_blocks``: the prompt's leading blocks the worker holds, each weighted by its best tier
-    (KVIndex.overlap: device 1, host 0.8, disk 0.5: a lower tier still costs a copy or a read).
+    (KVIndex.overlap: device 1, host 0.8, disk 0.5, the shared folder 0.4 for every worker: a lower tier still costs a
+    copy or a read).
 
     ``load_tokens``, for a prefill worker: its queued prefill tokens (the prompts placed on it that have
     not produced their first token). A prompt's first token waits for those and then for its own

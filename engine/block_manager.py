@@ -118,14 +118,18 @@ class BlockManager:
     its KV is still in place (the offload tiers copy it out: engine/kv_offload/); ``out_of_stream``: the new owner
     writes it outside the steps' queue (allocate_slots). ``on_event(kind, hashes)``
     reports blocks entering ("stored") and leaving ("removed") the prefix cache, for KV events; with
-    ``describe_stored`` a store is ``on_event("stored", hashes, runs)``, ``runs`` the StoredRuns of those hashes."""
+    ``describe_stored`` a store is ``on_event("stored", hashes, runs)``, ``runs`` the StoredRuns of those hashes.
+    ``on_cached(block_ids, hashes)`` runs when blocks enter the prefix cache, their KV written (the shared offload
+    tier writes them through: engine/kv_offload/manager.py)."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  on_evict: Callable[[int, int, bool], None] | None = None,
-                 on_event: Callable[[str, list[int]], None] | None = None) -> None:
+                 on_event: Callable[[str, list[int]], None] | None = None,
+                 on_cached: Callable[[list[int], list[int]], None] | None = None) -> None:
         assert num_blocks > 0 and block_size > 0
         self.on_evict = on_evict
         self.on_event = on_event
+        self.on_cached = on_cached
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -279,6 +283,8 @@ class BlockManager:
                 self._add_to_run(runs, request, block_index, h, known[block_index - 1] if block_index else None,
                                  block.token_ids)
         self._tell_stored(stored, runs)
+        if stored and self.on_cached is not None:
+            self.on_cached([self._hash_to_block_id[h] for h in stored], stored)
 
     def _tell_stored(self, stored: list[int], runs: list[StoredRun] | None) -> None:
         if stored and self.on_event is not None:

@@ -107,6 +107,10 @@ class EngineConfig:
     kv_offload_host_gib: float = 0.0
     kv_offload_disk_dir: str = ""
     kv_offload_disk_gib: float = 0.0
+    # A tier below them that every worker shares (engine/kv_offload/shared_tier.py): a folder they all see (a node's
+    # disk, an NFS export, a volume every pod mounts) holding what any of them evicted, for all of them.
+    kv_offload_shared_dir: str = ""
+    kv_offload_shared_gib: float = 0.0
     # vLLM's --kv-events-config (wire/kv_events.py): each worker publishes its prefix-cache blocks stored and
     # removed over ZeroMQ, for a router outside the cluster. "" = off. ``kv_events_rank``: the worker's place in
     # the cluster's start order (its endpoint's port offset, the batches' data_parallel_rank), set by the launcher.
@@ -301,7 +305,8 @@ class EngineConfig:
         return image_processor_kwargs(self.mm_processor_kwargs)
 
     def offload_config(self) -> OffloadConfig:
-        return OffloadConfig(self.kv_offload_host_gib, self.kv_offload_disk_dir, self.kv_offload_disk_gib)
+        return OffloadConfig(self.kv_offload_host_gib, self.kv_offload_disk_dir, self.kv_offload_disk_gib,
+                             self.kv_offload_shared_dir, self.kv_offload_shared_gib)
 
     def kv_events(self) -> KVEventsConfig | None:
         """``kv_events_config`` parsed (checked when the config was made); None where no events are published."""

@@ -76,6 +76,7 @@ class Scheduler:
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching,
             on_evict=offload.on_evict if offload is not None else None,
+            on_cached=offload.on_cached if offload is not None and offload.writes_through else None,
             on_event=(lambda kind, hashes, runs=None: on_kv_event(kind, "device", hashes, runs)) if on_kv_event else None)
         self.waiting = WaitingQueue()  # by priority, first come first served within one
         self.running: list[Request] = []

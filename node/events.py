@@ -28,7 +28,7 @@ from pdcluster.wire.records import Codec, Record, _require, assemble, require_to
 EVENTS_VERSION = 2  # 2: StepTokens
 ADMITTED, FULL, INVALID, UNREACHABLE = "admitted", "full", "invalid", "unreachable"
 KV_EVENT_KINDS = ("stored", "removed")
-KV_TIERS = ("device", "host", "disk")  # engine/kv_offload/: the device pool, then the offload tiers
+KV_TIERS = ("device", "host", "disk", "shared")  # engine/kv_offload/: the device pool, then the offload tiers
 # Block hashes per KVEvents record: a burst (a reset prefix cache, a long prompt's blocks) goes out as
 # several records, each far below MAX_EVENT_BYTES (a hash packs into at most 9 bytes).
 MAX_KV_EVENT_HASHES = 65536
@@ -158,7 +158,7 @@ class KVEvent(Record):
     """Blocks (chained prefix hashes, engine/block_manager.py) that entered or left one tier."""
 
     kind: str  # "stored" | "removed"
-    tier: str  # "device" | "host" | "disk"
+    tier: str  # "device" | "host" | "disk" | "shared"
     block_hashes: list[int]
 
     def _check_values(self, path: str) -> None:

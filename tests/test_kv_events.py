@@ -95,7 +95,7 @@ def test_the_router_applies_events_of_known_workers():
                                         KVEvent("removed", "device", [3])]))
         router.on_event(KVEvents("gone", [KVEvent("stored", "device", [1, 2, 3])]))  # not in the cluster
         assert router.kv_index.overlap("p0", [1, 2, 3]) == 2.8
-        assert router.kv_index.num_blocks("p0") == {"device": 2, "host": 1, "disk": 0}
+        assert router.kv_index.num_blocks("p0") == {"device": 2, "host": 1, "disk": 0, "shared": 0}
         assert router.kv_index.overlap("gone", [1]) == 0.0
         # A worker that leaves is forgotten (membership drops it through the health monitor).
         router.membership.forget("p0")

@@ -22,7 +22,7 @@ def test_removed_and_forgotten_blocks_stop_counting():
     index.stored("d0", "device", [1, 2])
     index.stored("d0", "host", [2])
     index.removed("d0", "device", [2])
-    assert index.overlap("d0", [1, 2]) == 1.8 and index.num_blocks("d0") == {"device": 1, "host": 1, "disk": 0}
+    assert index.overlap("d0", [1, 2]) == 1.8 and index.num_blocks("d0") == {"device": 1, "host": 1, "disk": 0, "shared": 0}
     index.removed("d0", "device", [7])  # unknown: ignored
     index.forget_worker("d0")
     assert index.overlap("d0", [1, 2]) == 0.0 and index.num_blocks("d0")["device"] == 0

@@ -26,7 +26,7 @@ from pdcluster.wire.json_config import parse_json_object
 MASK_64 = (1 << 64) - 1
 # vLLM's media: the engine's own KV pool (GPU, also on a CPU engine: vLLM's CPU build says GPU for its pool),
 # the host-memory offload tier, the disk tier.
-MEDIUM_BY_TIER = {"device": "GPU", "host": "CPU", "disk": "STORAGE"}
+MEDIUM_BY_TIER = {"device": "GPU", "host": "CPU", "disk": "STORAGE", "shared": "STORAGE"}
 PUBLISHERS = ("null", "zmq")
 LOCAL_ENDPOINT = "tcp://127.0.0.1:5557"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # a replay's last frame set

@@ -13,6 +13,7 @@ import os
 import queue
 import struct
 import threading
+import time
 import zlib
 from collections import OrderedDict
 from pathlib import Path
@@ -171,29 +172,41 @@ class DiskTier:
                 log.warning("disk tier: writing block %016x failed: %s", item & 0xFFFFFFFFFFFFFFFF, e)
                 with self._lock:
                     self._pending.pop(item, None)
-                self.path_of(item).with_suffix(".tmp").unlink(missing_ok=True)
+                self._tmp_path(self.path_of(item)).unlink(missing_ok=True)
                 self.on_evicted([item])  # announced as stored when queued: the router forgets it
                 continue
-            evicted = []
             with self._lock:
                 if self._pending.pop(item, None) is not None:
                     self._files[item] = None
-                while len(self._files) > self.capacity_blocks:
-                    evicted.append(self._files.popitem(last=False)[0])
-            for block_hash in evicted:
-                self.path_of(block_hash).unlink(missing_ok=True)
+            evicted = self._evict_past_capacity()
             if evicted:
                 self.on_evicted(evicted)
+
+    def _evict_past_capacity(self) -> list[int]:
+        """After a write (the writer thread): the least recently used blocks past the capacity, deleted."""
+        evicted = []
+        with self._lock:
+            while len(self._files) > self.capacity_blocks:
+                evicted.append(self._files.popitem(last=False)[0])
+        for block_hash in evicted:
+            self.path_of(block_hash).unlink(missing_ok=True)
+        return evicted
 
     def _write(self, block_hash: int, block_kv: torch.Tensor) -> None:
         payload = block_kv.contiguous().view(torch.uint8).numpy().tobytes()
         header = HEADER.pack(MAGIC, block_hash, len(payload), zlib.crc32(payload))
         path = self.path_of(block_hash)
-        tmp = path.with_suffix(".tmp")
+        tmp = self._tmp_path(path)
         with open(tmp, "wb") as f:
             f.write(header)
             f.write(payload)
         os.replace(tmp, path)
+
+    @staticmethod
+    def _tmp_path(path: Path) -> Path:
+        """Where a block is written before it is renamed into place: this process's own name (two writers of one
+        folder, the shared tier's, never write into each other's file)."""
+        return path.with_name(f"{path.stem}.{os.getpid()}.tmp")
 
     def _read(self, block_hash: int) -> bytes | None:
         try:
@@ -210,13 +223,26 @@ class DiskTier:
             return None
         return payload
 
+    # A temporary file older than this is a dead writer's (the shared tier's folder has live writers beside ours).
+    STALE_TMP_AGE_S = 0.0
+
     def _recover_index(self) -> None:
         """Files left by an earlier run of the same layout count as stored (checked when read)."""
-        files = sorted(self.directory.glob(f"*{SUFFIX}"), key=lambda p: p.stat().st_mtime)
-        for path in files:
+        files = []
+        for path in self.directory.glob(f"*{SUFFIX}"):
+            try:
+                files.append((path.stat().st_mtime, path))
+            except OSError:  # deleted meanwhile (another worker of a shared folder)
+                continue
+        for _, path in sorted(files):
             try:
                 self._files[int.from_bytes(bytes.fromhex(path.stem), "big", signed=True)] = None
             except ValueError:
                 continue
+        now = time.time()
         for stale in self.directory.glob("*.tmp"):
-            stale.unlink(missing_ok=True)
+            try:
+                if now - stale.stat().st_mtime >= self.STALE_TMP_AGE_S:
+                    stale.unlink(missing_ok=True)
+            except OSError:
+                continue

@@ -74,6 +74,18 @@ class OffloadManager:
         with torch.cuda.stream(self._evict_stream) if apart else contextlib.nullcontext():
             self.tiers.offload(block_hash, self.columns.read(block_id))
 
+    @property
+    def writes_through(self) -> bool:
+        """Blocks entering the prefix cache are written to the shared tier at once (on_cached)."""
+        return self.tiers.shared is not None
+
+    def on_cached(self, block_ids: list[int], block_hashes: list[int]) -> None:
+        """Blocks just cached (their KV written by the steps before): into the shared folder, for every worker,
+        where it lacks them. On a GPU the copies are queued on the compute stream, after the steps that wrote the
+        blocks and before any later write of them; the folder's writer waits for them (its own thread)."""
+        for block_id, block_hash in zip(block_ids, block_hashes):
+            self.tiers.write_through(block_hash, self.columns.read(block_id))
+
     def settle_evictions(self) -> None:
         """Return once the copies out of blocks taken for writers outside the steps' queue have run (a few
         blocks on an idle stream: microseconds), so such a writer may be told the blocks."""

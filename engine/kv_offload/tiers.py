@@ -1,9 +1,11 @@
-"""The tiers below the device pool, as one store: host memory, then disk.
+"""The tiers below the device pool, as one store: host memory, then disk, then the folder every worker shares.
 
 ``offload`` takes a block the device pool is about to reuse (its KV still in place) and keeps it in the
-highest tier with room; a block pushed out of the host tier moves on to disk. ``match`` answers how
-many of a prompt's next blocks some tier holds, ``load`` copies one back. Every change is reported to
-``on_event`` (stored / removed, with the tier), which feeds the router's global index (KV events)."""
+highest tier with room; a block pushed out of the host tier moves on to disk. The shared tier (shared_tier.py) is
+written through: an evicted block the shared folder lacks is written there too, whatever the worker's own tiers
+keep. ``match`` answers how many of a prompt's next blocks some tier holds, ``load`` copies one back (the worker's
+own tiers first). Every change is reported to ``on_event`` (stored / removed, with the tier), which feeds the
+router's global index (KV events)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 from pdcluster.engine.kv_offload.config import GIB, OffloadConfig
 from pdcluster.engine.kv_offload.disk_tier import DiskTier
 from pdcluster.engine.kv_offload.host_tier import HostTier
+from pdcluster.engine.kv_offload.shared_tier import SharedDiskTier
 
 
 
@@ -29,7 +32,7 @@ class TierCounters:
 @dataclass
 class OffloadEvent:
     kind: str  # "stored" | "removed"
-    tier: str  # "host" | "disk"
+    tier: str  # "host" | "disk" | "shared"
     block_hashes: list[int] = field(default_factory=list)
 
 
@@ -47,6 +50,10 @@ class OffloadTiers:
                      if config.disk_dir else None)
         if self.disk is not None:
             self.disk.on_evicted = lambda hashes: self.on_event(OffloadEvent("removed", "disk", hashes))
+        self.shared = (SharedDiskTier(config.shared_dir, int(config.shared_gib * GIB), block_shape, dtype, namespace)
+                       if config.shared_dir else None)
+        if self.shared is not None:
+            self.shared.on_evicted = lambda hashes: self.on_event(OffloadEvent("removed", "shared", hashes))
         # The engine thread offloads and matches while the loader thread loads: one lock over the
         # tiers' indexes and the host tier's slots (a slot must not be reused while it is read).
         self._lock = threading.RLock()
@@ -54,7 +61,7 @@ class OffloadTiers:
 
     @property
     def tiers(self) -> list:
-        return [t for t in (self.host, self.disk) if t is not None]
+        return [t for t in (self.host, self.disk, self.shared) if t is not None]
 
     def tier_of(self, block_hash: int) -> str | None:
         with self._lock:
@@ -80,8 +87,16 @@ class OffloadTiers:
         with self._lock:
             self._offload(block_hash, block_kv)
 
+    def write_through(self, block_hash: int, block_kv: torch.Tensor) -> None:
+        """A block into the shared folder unless it is there (for every worker). ``block_kv`` is read (copied)
+        before this returns."""
+        if self.shared is not None and block_hash not in self.shared:
+            if self.shared.store(block_hash, *_host_copy(block_kv)):
+                self._stored("shared", block_hash)
+
     def _offload(self, block_hash: int, block_kv: torch.Tensor) -> None:
-        if self._tier_of(block_hash) is not None:
+        self.write_through(block_hash, block_kv)  # a block cached before the folder lost it (its sweep) goes back
+        if any(block_hash in tier for tier in (self.host, self.disk) if tier is not None):
             return
         if self.host is not None:
             evicted = self.host.store(block_hash, block_kv)
@@ -91,15 +106,7 @@ class OffloadTiers:
                 if self.disk is not None and self.disk.store(evicted[0], evicted[1]):
                     self._stored("disk", evicted[0])
         elif self.disk is not None:
-            copied = None
-            if block_kv.is_cuda:  # queued into pinned memory; the disk tier's writer waits for the event
-                host_kv = torch.empty(block_kv.shape, dtype=block_kv.dtype, pin_memory=True)
-                host_kv.copy_(block_kv, non_blocking=True)
-                copied = torch.cuda.Event()
-                copied.record()
-            else:
-                host_kv = block_kv.clone()
-            if self.disk.store(block_hash, host_kv, copied):
+            if self.disk.store(block_hash, *_host_copy(block_kv)):
                 self._stored("disk", block_hash)
 
     def load(self, block_hash: int, out: torch.Tensor) -> bool:
@@ -108,14 +115,16 @@ class OffloadTiers:
             if self.host is not None and self.host.load(block_hash, out):
                 self.counters["host"].hits += 1
                 return True
-        if self.disk is not None and block_hash in self.disk:
-            block_kv = self.disk.load(block_hash)  # a file read: outside the lock, the disk tier has its own
+        for tier in (self.disk, self.shared):
+            if tier is None or block_hash not in tier:
+                continue
+            block_kv = tier.load(block_hash)  # a file read: outside the lock, a disk tier has its own
             if block_kv is None:
-                self.counters["disk"].failed_loads += 1
-                self.on_event(OffloadEvent("removed", "disk", [block_hash]))
-                return False
+                self.counters[tier.name].failed_loads += 1
+                self.on_event(OffloadEvent("removed", tier.name, [block_hash]))
+                continue  # the shared folder may still have it
             out.copy_(block_kv)
-            self.counters["disk"].hits += 1
+            self.counters[tier.name].hits += 1
             return True
         return False
 
@@ -138,11 +147,24 @@ class OffloadTiers:
         return {t.name: {"blocks": t.num_blocks, "capacity_blocks": t.capacity_blocks} for t in self.tiers}
 
     def close(self) -> None:
-        if self.disk is not None:
-            self.disk.close()
+        for tier in (self.disk, self.shared):
+            if tier is not None:
+                tier.close()
         if self.host is not None:
             self.host.close()
 
     def _stored(self, tier: str, block_hash: int) -> None:
         self.counters[tier].stored += 1
         self.on_event(OffloadEvent("stored", tier, [block_hash]))
+
+
+def _host_copy(block_kv: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
+    """A copy of a block for a disk tier to own, and the CUDA event its writer waits for (None on a CPU): from a GPU
+    the copy is queued into pinned memory, not waited for."""
+    if not block_kv.is_cuda:
+        return block_kv.clone(), None
+    host_kv = torch.empty(block_kv.shape, dtype=block_kv.dtype, pin_memory=True)
+    host_kv.copy_(block_kv, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return host_kv, copied
