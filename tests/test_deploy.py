@@ -157,6 +157,8 @@ def test_helm_template_renders(rendered, values_file):
     ("drain.timeout=60", "drain"),
     ("serve.tensorParallelSize=0", "serve.tensorParallelSize"),
     ("decode.tensorParallelSize=-1", "decode.tensorParallelSize"),
+    ("kvSharedTier.existingClaim=kv-rwx", "kvSharedTier.gib"),  # a shared tier of no size
+    ("tls.secretName=Bad_Name", "tls.secretName"),
 ])
 def test_bad_values_fail_lint_and_template(helm, helm_home, setting, field):
     """Broken fixtures for values.schema.json: helm lint and helm template both refuse them."""
@@ -419,9 +421,11 @@ def test_chart_gpu_groups(rendered):
     {"tls": {"secretName": "api-tls"}, "metrics": {"serviceMonitor": {"enabled": True}}},
     {"tls": {"secretName": "api-tls", "refresh": False, "caKey": "ca.pem"}, "drain": {"enabled": False,
                                                                               "timeoutS": 600}},
+    {"kvSharedTier": {"existingClaim": "kv-rwx", "gib": 50}, "tls": {"secretName": "api-tls"}},
 ], ids=["colocated", "two-gpus-per-pod", "existing-secret", "extra-args", "no-drain", "short-drain",
         "tensor-parallel-cpu", "tensor-parallel-gpu", "each-role-its-split-cpu", "each-group-its-split-values",
-        "one-group-overrides-serve", "group-split-gpu-colocated", "tls", "tls-no-refresh-no-drain"])
+        "one-group-overrides-serve", "group-split-gpu-colocated", "tls", "tls-no-refresh-no-drain",
+        "kv-shared-tier"])
 def test_chart_behaviour_follows_values(helm, helm_home, tmp_path, overrides):
     values = tmp_path / "values.yaml"
     values.write_text(yaml.safe_dump(overrides))
@@ -434,9 +438,10 @@ def test_chart_behaviour_follows_values(helm, helm_home, tmp_path, overrides):
         drain = overrides.get("drain", {"enabled": True, "timeoutS": 600})
         assert ("lifecycle" in pod["containers"][0]) == drain["enabled"]
         assert pod.get("terminationGracePeriodSeconds") == (drain["timeoutS"] + 30 if drain["enabled"] else None)
-        # A worker pod mounts the TLS Secret's CA only where its drain hook needs it.
+        # A worker pod mounts the TLS Secret's CA only where its drain hook needs it, the shared KV tier where asked.
         mounts = [m["mountPath"] for m in pod["containers"][0].get("volumeMounts", [])]
         assert ("/etc/pdcluster-tls" in mounts) == bool(overrides.get("tls") and drain["enabled"])
+        assert ("/var/lib/pdcluster/kv-shared" in mounts) == ("kvSharedTier" in overrides)
 
 
 def _group(docs, name):
@@ -598,6 +603,30 @@ def test_chart_tls_check_fails_on_broken_fixtures(helm, helm_home, tmp_path, mut
     mutate(docs)
     with pytest.raises(CheckFailed, match=message):
         bc.check_chart(docs, sc.merged_values(overrides=TLS_VALUES))
+
+
+KV_SHARED_VALUES = {"kvSharedTier": {"existingClaim": "kv-rwx", "gib": 50}}
+
+
+def _prefill_without_the_claim(docs):
+    spec = _group(docs, "prefill")["template"]["spec"]
+    spec["volumes"] = [v for v in spec["volumes"] if v["name"] != "pdcluster-kv-shared"]
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (_prefill_without_the_claim, "group prefill: --kv-offload-shared-dir /var/lib/pdcluster/kv-shared must be claim"),
+    (_edit_chart("serve", "'--kv-offload-shared-gib' '50'", "'--kv-offload-shared-gib' '5'"),
+     "--kv-offload-shared-gib 5 != kvSharedTier.gib 50"),
+    (_edit_chart("serve", "'/var/lib/pdcluster/kv-shared'", "'/tmp/kv'"), "must be claim kv-rwx mounted"),
+], ids=lambda x: getattr(x, "__name__", None) or str(x))
+def test_chart_kv_shared_tier_check_fails_on_broken_fixtures(helm, helm_home, tmp_path, mutate, message):
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump(KV_SHARED_VALUES))
+    docs = sc.render(helm, helm_home, [str(values)])
+    bc.check_chart(docs, sc.merged_values(overrides=KV_SHARED_VALUES))
+    mutate(docs)
+    with pytest.raises(CheckFailed, match=message):
+        bc.check_chart(docs, sc.merged_values(overrides=KV_SHARED_VALUES))
 
 
 @pytest.mark.parametrize("overrides, flags", [

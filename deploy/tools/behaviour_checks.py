@@ -243,6 +243,7 @@ def check_chart(docs: list[dict], values: dict) -> None:
     if got != expect:
         fail(where, f"serve flags {got} != values {expect}")
     _check_tls(hc, head["template"]["spec"], args, values, where)
+    _check_kv_shared_tier(groups, args, values, where)
 
     secret = values["auth"]["existingSecret"] or next(
         (d["metadata"]["name"] for d in docs if d["kind"] == "Secret"), None)
@@ -396,3 +397,27 @@ def _check_drain_ca(pod: dict, container: dict, args, values: dict, where: str) 
         fail(where, f"preStop --cacert {args.cacert} must be key {tls['caKey']} of Secret {tls['secretName']}")
     if [i["key"] for i in found[0].get("items") or [{"key": "*"}]] != [tls["caKey"]]:
         fail(where, f"a worker pod must mount only {tls['caKey']} of Secret {tls['secretName']} (not its key)")
+
+
+def _check_kv_shared_tier(groups: dict, args, values: dict, where: str) -> None:
+    """kvSharedTier.existingClaim: the server's --kv-offload-shared-dir is that claim's volume in every worker pod (the
+    workers are the ones that read and write it), its size the value's; without it, no shared tier."""
+    tier = values["kvSharedTier"]
+    if not tier["existingClaim"]:
+        if args.kv_offload_shared_dir:
+            fail(where, f"kvSharedTier.existingClaim is empty but the server is given --kv-offload-shared-dir "
+                        f"{args.kv_offload_shared_dir}")
+        return
+    if args.kv_offload_shared_gib != tier["gib"]:
+        fail(where, f"--kv-offload-shared-gib {args.kv_offload_shared_gib:g} != kvSharedTier.gib {tier['gib']}")
+    for name, g in groups.items():
+        pod = g["template"]["spec"]
+        container = pod["containers"][0]
+        found = None
+        for mount in container.get("volumeMounts", []):
+            if mount["mountPath"].rstrip("/") == (args.kv_offload_shared_dir or "").rstrip("/"):
+                found = next((v for v in pod.get("volumes", []) if v["name"] == mount["name"]), {})
+        claim = (found or {}).get("persistentVolumeClaim", {}).get("claimName")
+        if claim != tier["existingClaim"]:
+            fail(where, f"group {name}: --kv-offload-shared-dir {args.kv_offload_shared_dir} must be claim "
+                        f"{tier['existingClaim']} mounted in its pods, is {claim}")

@@ -109,6 +109,9 @@ app.kubernetes.io/part-of: pdcluster
 {{- $args = concat $args (list "--tensor-parallel-size" (toString $tp)) -}}
 {{- end }}
 {{- $args = concat $args (list "--model" $s.model "--dtype" $s.dtype "--spec" $s.spec "--num-spec-tokens" (toString $s.numSpecTokens)) -}}
+{{- if .Values.kvSharedTier.existingClaim }}
+{{- $args = concat $args (list "--kv-offload-shared-dir" "/var/lib/pdcluster/kv-shared" "--kv-offload-shared-gib" (toString .Values.kvSharedTier.gib)) -}}
+{{- end }}
 {{- if .Values.tls.secretName }}
 {{- $args = concat $args (list "--ssl-certfile" "/etc/pdcluster-tls/tls.crt" "--ssl-keyfile" "/etc/pdcluster-tls/tls.key") -}}
 {{- if .Values.tls.refresh }}
@@ -208,8 +211,14 @@ pdcluster drain --url {{ include "pdcluster.scheme" . }}://{{ include "pdcluster
             {{- toYaml . | nindent 12 }}
             {{- end }}
           {{- $caMount := and $root.Values.tls.secretName $root.Values.drain.enabled }}
-          {{- if or $caMount $root.Values.volumeMounts }}
+          {{- $kvShared := $root.Values.kvSharedTier.existingClaim }}
+          {{- if or $caMount $kvShared $root.Values.volumeMounts }}
           volumeMounts:
+            {{- if $kvShared }}
+            # The shared KV tier (--kv-offload-shared-dir): the same folder in every worker pod.
+            - name: pdcluster-kv-shared
+              mountPath: /var/lib/pdcluster/kv-shared
+            {{- end }}
             {{- if $caMount }}
             # The CA the preStop drain checks the API's certificate against (the Secret's key stays on the head).
             - name: pdcluster-tls-ca
@@ -220,8 +229,13 @@ pdcluster drain --url {{ include "pdcluster.scheme" . }}://{{ include "pdcluster
             {{- toYaml . | nindent 12 }}
             {{- end }}
           {{- end }}
-      {{- if or $caMount $root.Values.volumes }}
+      {{- if or $caMount $kvShared $root.Values.volumes }}
       volumes:
+        {{- if $kvShared }}
+        - name: pdcluster-kv-shared
+          persistentVolumeClaim:
+            claimName: {{ $kvShared }}
+        {{- end }}
         {{- if $caMount }}
         - name: pdcluster-tls-ca
           secret:
