@@ -178,3 +178,43 @@ def test_serve_a_second_worker_serves_the_firsts_prompt_from_the_folder(tiny_dir
             time.sleep(0.5)
     files = len(list(tmp_path.glob("*/*.kvb")))
     assert held is not None and 3 * 8 <= held <= files, (held, files)  # three prompts' blocks, not one per worker
+
+
+def _hammer(folder: str, seed: int, rounds: int, queue) -> None:
+    """One worker's side of the race: store and load random blocks of a small folder others sweep meanwhile."""
+    rng = random.Random(seed)
+    tier = _tier(folder, num_blocks=16)
+    wrong = loaded = 0
+    try:
+        for _ in range(rounds):
+            h = rng.randrange(64)
+            if rng.random() < 0.5:
+                tier.store(h, _block(h))
+            else:
+                kv = tier.load(h) if h in tier else None
+                if kv is not None:
+                    loaded += 1
+                    wrong += not torch.equal(kv, _block(h))
+        tier.flush()
+        tier.close()
+        queue.put((seed, wrong, loaded, None))
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        queue.put((seed, wrong, loaded, repr(e)))
+
+
+def test_workers_racing_on_one_small_folder_never_read_wrong_kv(tmp_path):
+    """Three processes store, load and sweep one 16-block folder at once (64 hashes between them): every load is the
+    block's KV or a miss, nothing raises, and the folder ends within its size."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_hammer, args=(str(tmp_path), seed, 400, queue)) for seed in range(3)]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=240) for _ in procs]
+    for p in procs:
+        p.join(30)
+    assert all(error is None for *_, error in results), results
+    assert sum(wrong for _, wrong, _, _ in results) == 0 and sum(loaded for _, _, loaded, _ in results) > 0, results
+    assert len(list(tmp_path.glob("*/*.kvb"))) <= 16 + 3  # each worker's last writes may land after its last sweep
