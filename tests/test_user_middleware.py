@@ -102,9 +102,23 @@ def test_every_api_process_imports_them(site, tiny_dir):
     ("site_middleware.plain", "a function, not a middleware"),
     ("Tenant", "want module.Name"),
 ])
-def test_what_is_not_a_middleware_is_one_line(site, name, message):
-    r = subprocess.run([sys.executable, "-m", "pdcluster.cli", "serve", *BASE, "--port", "0", "--middleware", name],
-                       capture_output=True, text=True, timeout=120, env={**os.environ, **site})
+def test_what_is_not_a_middleware_is_one_line(site, name, message, monkeypatch):
+    """Checked as `serve` checks its flags before the model loads (in-process; the command's exit below)."""
+    from pdcluster.cli.main import build_parser
+    from pdcluster.cluster.serve_cli import _check_args
+    from pdcluster.engine.config import ConfigError
+
+    monkeypatch.syspath_prepend(site["PYTHONPATH"].split(os.pathsep)[0])
+    args = build_parser().parse_args(["serve", *BASE, "--port", "0", "--api-servers", "1", "--middleware", name])
+    with pytest.raises(ConfigError) as info:
+        _check_args(args)
+    assert message in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+def test_the_command_says_one_line_and_exits_2(site):
+    r = subprocess.run([sys.executable, "-m", "pdcluster.cli", "serve", *BASE, "--port", "0", "--middleware",
+                        "site_middleware.plain"], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, **site})
     errors = [line for line in r.stderr.splitlines() if "error:" in line]
-    assert r.returncode == 2 and len(errors) == 1 and message in errors[0], r.stderr[-3000:]
+    assert r.returncode == 2 and len(errors) == 1 and "a function, not a middleware" in errors[0], r.stderr[-3000:]
     assert "Traceback" not in r.stderr
