@@ -625,6 +625,36 @@ def prompt_embeds_check(model_dir: Path, prompts, expected, num_new: int, device
     return {"ok": ok, **result}
 
 
+def shared_kv_tier_check(model_dir: Path, prompts, expected, num_new: int, device: str, work: Path) -> dict:
+    """The shared KV tier (engine/kv_offload/shared_tier.py) on the device: one engine computes the prompts, writing
+    each cached block through to a folder (a pinned copy queued on the compute stream, the file written by its own
+    thread); a second engine on that folder, which never computed them, loads their prefixes from it onto the device
+    and answers as transformers does."""
+    from pdcluster.engine.config import EngineConfig
+    from pdcluster.engine.llm_engine import LLMEngine
+    from pdcluster.engine.sampling_params import SamplingParams
+
+    folder = work / "kv-shared"
+    shutil.rmtree(folder, ignore_errors=True)
+    params = SamplingParams(max_tokens=num_new, temperature=0.0, ignore_eos=True)
+    got, offloaded = [], []
+    for _ in ("writer", "reader"):
+        engine = LLMEngine.from_config(EngineConfig(model=str(model_dir), device=device, dtype="float32",
+                                                    num_kv_blocks=256, max_model_len=256, max_num_seqs=16,
+                                                    block_size=16, kv_offload_shared_dir=str(folder),
+                                                    kv_offload_shared_gib=0.25), progress=False)
+        outs = [engine.generate([p], params)[0] for p in prompts]  # one at a time: each a whole prompt's blocks
+        got.append([o.token_ids for o in outs])
+        offloaded.append(sum(o.num_offloaded_tokens for o in outs))
+        engine.offload.tiers.shared.flush()
+        engine.offload.close()
+        del engine
+    files = len(list(folder.glob("*/*.kvb")))
+    return {"ok": got[0] == expected and got[1] == expected and offloaded[0] == 0 and offloaded[1] > 0,
+            "writer_ok": got[0] == expected, "reader_ok": got[1] == expected,
+            "reader_offloaded_tokens": offloaded[1], "files": files}
+
+
 def encoders_check(device: str, work: Path) -> dict:
     """Encoder-only models (engine/models/bert.py, modernbert.py) made tiny by transformers: a BERT's [CLS] and mean
     embeddings of a batch of four prompt lengths, an XLM-R cross-encoder's scores, a ModernBERT's mean embeddings and
@@ -953,6 +983,7 @@ def correctness_section(entry: dict, device: str, work: Path, quick: bool, only:
                 "draft_model": lambda: draft_model_check(model_dir, prompts, expected, num_new, device, work),
                 "images": lambda: images_check(model_dir, num_new, device, work),
                 "prompt_embeds": lambda: prompt_embeds_check(model_dir, prompts, expected, num_new, device),
+                "shared_kv_tier": lambda: shared_kv_tier_check(model_dir, prompts, expected, num_new, device, work),
                 "encoders": lambda: encoders_check(device, work),
             }
             for check, run in checks.items():
