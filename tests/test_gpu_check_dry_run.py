@@ -18,7 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-def _dry_run(tmp_path: Path, *flags: str) -> dict:
+def _gpu_check(tmp_path: Path, sections: str, *flags: str) -> dict:
+    """The dry run of ``sections`` as a clean checkout runs it: its tokenizer assets prepared first (a clone has none:
+    they are carried to the GPU machine), in a scratch temp dir; the sections' results."""
     out = tmp_path / "gpu_check.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PDCLUSTER_GPU_ASSETS"] = str(tmp_path / "assets")  # the tokenizer files the GPU machine is carried
@@ -27,13 +29,18 @@ def _dry_run(tmp_path: Path, *flags: str) -> dict:
     env["TMPDIR"] = str(scratch)
     subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--prepare-assets"], cwd=ROOT, env=env,
                    check=True, timeout=300, capture_output=True)
-    subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device", "cpu", "--quick",
-                    "--simulate-gpu-box", "--sections", "env,correctness", "--out", str(out), *flags],
-                   cwd=ROOT, env=env, check=False, timeout=540, capture_output=True)
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device", "cpu", "--quick",
+                          "--simulate-gpu-box", "--sections", sections, "--out", str(out), *flags],
+                         cwd=ROOT, env=env, check=False, timeout=540, capture_output=True, text=True)
+    assert out.is_file(), f"gpu_check wrote no result (exit {run.returncode}): {run.stderr[-3000:]}"
     # Its models are hundreds of MB: a child that aborts, or a finished check, leaves none of them behind.
     leftover = [p.name for p in scratch.iterdir() if p.name.startswith("pdcluster-gpu-check")]
     assert not leftover, leftover
-    return json.loads(out.read_text())["sections"]["correctness"]
+    return json.loads(out.read_text())["sections"]
+
+
+def _dry_run(tmp_path: Path, *flags: str) -> dict:
+    return _gpu_check(tmp_path, "env,correctness", *flags)["correctness"]
 
 
 def test_a_process_that_dies_in_one_model_costs_only_that_model(tmp_path):
@@ -57,10 +64,6 @@ def test_every_gpu_marked_module_imports_on_the_gpu_machine(tmp_path):
     FastAPI, openai, Ray, ...): collected here with those refused, each imports. A gpu-marked test in a module that
     imports them at its top would fail the whole device test run (tests/test_prompt_embeds_cuda.py is its own module
     for that reason)."""
-    out = tmp_path / "kernel_tests.json"
-    subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device", "cpu", "--quick",
-                    "--simulate-gpu-box", "--sections", "kernel_tests", "--out", str(out)],
-                   cwd=ROOT, check=False, timeout=300, capture_output=True)
-    entry = json.loads(out.read_text())["sections"]["kernel_tests"]
+    entry = _gpu_check(tmp_path, "kernel_tests")["kernel_tests"]
     assert entry["collect_only"] and entry["ok"], entry.get("output_tail", entry)
     assert "tests/test_prompt_embeds_cuda.py" in entry["files"]
