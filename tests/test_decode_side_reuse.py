@@ -119,6 +119,8 @@ class _LowerTiers:
     """An offload manager (engine/kv_offload/manager.py) whose lower tiers hold every block asked about
     once ``holding`` is set; ``finish(n)`` ends the last load with its first ``n`` blocks intact."""
 
+    writes_through = False  # no shared tier: nothing is written as it is cached
+
     def __init__(self):
         self.loads, self._done = [], []
         self.holding = False
