@@ -596,13 +596,19 @@ def _head_without_the_secret(docs):
 def test_chart_tls_check_fails_on_broken_fixtures(helm, helm_home, tmp_path, mutate, message):
     """tls.secretName: HTTPS probes, the certificate files from the Secret, the drain hook and the ServiceMonitor
     checking the Secret's CA; each broken rendering is caught."""
+    _check_fails_when_broken(helm, helm_home, tmp_path, TLS_VALUES, mutate, message)
+
+
+def _check_fails_when_broken(helm, helm_home, tmp_path, overrides: dict, mutate, message: str) -> None:
+    """The chart rendered with ``overrides`` passes the behaviour check; after ``mutate``, the check fails saying
+    ``message``."""
     values = tmp_path / "values.yaml"
-    values.write_text(yaml.safe_dump(TLS_VALUES))
+    values.write_text(yaml.safe_dump(overrides))
     docs = sc.render(helm, helm_home, [str(values)])
-    bc.check_chart(docs, sc.merged_values(overrides=TLS_VALUES))  # the rendering itself passes
+    bc.check_chart(docs, sc.merged_values(overrides=overrides))  # the rendering itself passes
     mutate(docs)
     with pytest.raises(CheckFailed, match=message):
-        bc.check_chart(docs, sc.merged_values(overrides=TLS_VALUES))
+        bc.check_chart(docs, sc.merged_values(overrides=overrides))
 
 
 KV_SHARED_VALUES = {"kvSharedTier": {"existingClaim": "kv-rwx", "gib": 50}}
@@ -620,13 +626,7 @@ def _prefill_without_the_claim(docs):
     (_edit_chart("serve", "'/var/lib/pdcluster/kv-shared'", "'/tmp/kv'"), "must be claim kv-rwx mounted"),
 ], ids=lambda x: getattr(x, "__name__", None) or str(x))
 def test_chart_kv_shared_tier_check_fails_on_broken_fixtures(helm, helm_home, tmp_path, mutate, message):
-    values = tmp_path / "values.yaml"
-    values.write_text(yaml.safe_dump(KV_SHARED_VALUES))
-    docs = sc.render(helm, helm_home, [str(values)])
-    bc.check_chart(docs, sc.merged_values(overrides=KV_SHARED_VALUES))
-    mutate(docs)
-    with pytest.raises(CheckFailed, match=message):
-        bc.check_chart(docs, sc.merged_values(overrides=KV_SHARED_VALUES))
+    _check_fails_when_broken(helm, helm_home, tmp_path, KV_SHARED_VALUES, mutate, message)
 
 
 @pytest.mark.parametrize("overrides, flags", [

@@ -346,17 +346,20 @@ def _check_drain_hook(group: dict, values: dict, secret: str, svc: dict, where: 
         fail(where, f"PDCLUSTER_ADMIN_KEY must come from Secret {secret} key admin-key (optional), has {key}")
 
 
-TLS_DIR = "/etc/pdcluster-tls"
+def _mounted_volume(pod: dict, container: dict, path: str) -> tuple[dict, str] | None:
+    """(the volume, the path inside it: "" for its root) that ``path`` is read from in ``container``, else None."""
+    for mount in container.get("volumeMounts", []):
+        root = mount["mountPath"].rstrip("/") + "/"
+        if (path.rstrip("/") + "/").startswith(root):
+            volume = next((v for v in pod.get("volumes", []) if v["name"] == mount["name"]), {})
+            return volume, path[len(root):]
+    return None
 
 
 def _mounted_secret(pod: dict, container: dict, path: str) -> tuple[dict, str] | None:
     """(the Secret volume, the file's path inside it) that ``path`` is read from in ``container``, else None."""
-    for mount in container.get("volumeMounts", []):
-        root = mount["mountPath"].rstrip("/") + "/"
-        if path.startswith(root):
-            volume = next((v for v in pod.get("volumes", []) if v["name"] == mount["name"]), {})
-            return (volume["secret"], path[len(root):]) if "secret" in volume else None
-    return None
+    found = _mounted_volume(pod, container, path)
+    return (found[0]["secret"], found[1]) if found is not None and "secret" in found[0] else None
 
 
 def _secret_key(secret: dict, file: str) -> str:
@@ -412,12 +415,8 @@ def _check_kv_shared_tier(groups: dict, args, values: dict, where: str) -> None:
         fail(where, f"--kv-offload-shared-gib {args.kv_offload_shared_gib:g} != kvSharedTier.gib {tier['gib']}")
     for name, g in groups.items():
         pod = g["template"]["spec"]
-        container = pod["containers"][0]
-        found = None
-        for mount in container.get("volumeMounts", []):
-            if mount["mountPath"].rstrip("/") == (args.kv_offload_shared_dir or "").rstrip("/"):
-                found = next((v for v in pod.get("volumes", []) if v["name"] == mount["name"]), {})
-        claim = (found or {}).get("persistentVolumeClaim", {}).get("claimName")
+        found = _mounted_volume(pod, pod["containers"][0], args.kv_offload_shared_dir or "")
+        claim = found[0].get("persistentVolumeClaim", {}).get("claimName") if found and not found[1] else None
         if claim != tier["existingClaim"]:
             fail(where, f"group {name}: --kv-offload-shared-dir {args.kv_offload_shared_dir} must be claim "
                         f"{tier['existingClaim']} mounted in its pods, is {claim}")
