@@ -11,6 +11,7 @@ import sys
 import httpx
 
 from pdcluster.cli.http_answers import error_message, json_body
+from pdcluster.cluster.http_options import error_reason
 from pdcluster.engine.config import ConfigError
 
 
@@ -81,5 +82,4 @@ def _verify(cacert: str | None) -> ssl.SSLContext | bool:
     try:
         return ssl.create_default_context(cafile=cacert)
     except (ssl.SSLError, OSError) as e:
-        reason = getattr(e, "strerror", None) or getattr(e, "reason", None) or str(e)
-        raise ConfigError(f"--cacert: cannot load {cacert} (PEM CA certificates): {reason}") from None
+        raise ConfigError(f"--cacert: cannot load {cacert} (PEM CA certificates): {error_reason(e)}") from None

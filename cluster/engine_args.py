@@ -75,8 +75,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="how much of --kv-offload-disk-dir each worker may fill")
     g.add_argument("--kv-offload-shared-dir", default="",
                    help="a directory every worker sees (a node's disk, an NFS export, a volume every pod mounts): "
-                        "KV blocks any worker evicts are written there for all of them, and a prefix found there is "
-                        "loaded by whichever worker serves it (needs --kv-offload-shared-gib)")
+                        "each worker writes the KV blocks it caches there for all of them, and a prefix found there "
+                        "is loaded by whichever worker serves it (needs --kv-offload-shared-gib)")
     g.add_argument("--kv-offload-shared-gib", type=float, default=0.0,
                    help="how much of --kv-offload-shared-dir the workers may fill together")
     g.add_argument("--no-decode-prefix-reuse", action="store_true",

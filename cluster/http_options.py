@@ -119,13 +119,13 @@ class HttpOptions:
         except (ssl.SSLError, OSError) as e:
             key = f"with {self.ssl_keyfile}" if self.ssl_keyfile else "alone (no --ssl-keyfile: it must hold the key too)"
             raise ConfigError(f"--ssl-keyfile/--ssl-certfile: cannot load {self.ssl_certfile} {key} (a PEM "
-                              f"certificate and its unencrypted key): {_reason(e)}") from None
+                              f"certificate and its unencrypted key): {error_reason(e)}") from None
         if self.ssl_ca_certs is not None:
             try:
                 context.load_verify_locations(self.ssl_ca_certs)
             except (ssl.SSLError, OSError) as e:
                 raise ConfigError(f"--ssl-ca-certs: cannot load {self.ssl_ca_certs} (PEM certificates): "
-                                  f"{_reason(e)}") from None
+                                  f"{error_reason(e)}") from None
 
     def uvicorn_kwargs(self) -> dict:
         """uvicorn.Config's keyword arguments. Without --log-config-file uvicorn keeps its own logging config (None
@@ -175,5 +175,6 @@ def _check_log_config(path: str) -> None:
         raise ConfigError(f"{flag}: {path} is not a logging.config dictConfig object (a mapping with \"version\": 1)")
 
 
-def _reason(e: Exception) -> str:
+def error_reason(e: Exception) -> str:
+    """What an ssl or OS error says, in a few words (OpenSSL's reason, else the system's)."""
     return getattr(e, "reason", None) or getattr(e, "strerror", None) or str(e)

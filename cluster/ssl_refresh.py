@@ -30,6 +30,8 @@ import ssl
 import tempfile
 from dataclasses import dataclass
 
+from pdcluster.cluster.http_options import error_reason
+
 # The HTTP server's own log (uvicorn's general logger): --uvicorn-log-level and --log-config-file apply to these lines.
 log = logging.getLogger("uvicorn.error")
 
@@ -89,7 +91,7 @@ class SSLCertRefresher:
                 self.context.load_cert_chain(cert_path, key_path, password=lambda: b"")
         except (ssl.SSLError, OSError, ValueError) as e:
             log.warning("TLS: %s changed but cannot be loaded%s (%s); still serving the previous certificate",
-                        self.certfile, f" with {self.keyfile}" if self.keyfile else "", _reason(e))
+                        self.certfile, f" with {self.keyfile}" if self.keyfile else "", error_reason(e))
             return
         self.reloads += 1
         log.info("TLS: serving the renewed certificate %s", self.certfile)
@@ -103,7 +105,7 @@ class SSLCertRefresher:
                 self.context.load_verify_locations(path)
         except (ssl.SSLError, OSError, ValueError) as e:
             log.warning("TLS: %s changed but cannot be loaded (%s); client certificates are checked against the "
-                        "CAs loaded before", self.ca_certs, _reason(e))
+                        "CAs loaded before", self.ca_certs, error_reason(e))
             return
         self.ca_reloads += 1
         log.info("TLS: client certificates are now also checked against the CAs in %s", self.ca_certs)
@@ -126,7 +128,3 @@ def _write(directory: str, name: str, data: bytes) -> str:
     with os.fdopen(fd, "wb") as f:
         f.write(data)
     return path
-
-
-def _reason(e: Exception) -> str:
-    return getattr(e, "reason", None) or getattr(e, "strerror", None) or str(e)

@@ -108,7 +108,7 @@ class EngineConfig:
     kv_offload_disk_dir: str = ""
     kv_offload_disk_gib: float = 0.0
     # A tier below them that every worker shares (engine/kv_offload/shared_tier.py): a folder they all see (a node's
-    # disk, an NFS export, a volume every pod mounts) holding what any of them evicted, for all of them.
+    # disk, an NFS export, a volume every pod mounts) holding the blocks any of them cached, for all of them.
     kv_offload_shared_dir: str = ""
     kv_offload_shared_gib: float = 0.0
     # vLLM's --kv-events-config (wire/kv_events.py): each worker publishes its prefix-cache blocks stored and

@@ -236,7 +236,7 @@ class DiskTier:
                 continue
         for _, path in sorted(files):
             try:
-                self._files[int.from_bytes(bytes.fromhex(path.stem), "big", signed=True)] = None
+                self._files[block_hash_of(path.name)] = None
             except ValueError:
                 continue
         now = time.time()
@@ -246,3 +246,8 @@ class DiskTier:
                     stale.unlink(missing_ok=True)
             except OSError:
                 continue
+
+
+def block_hash_of(file_name: str) -> int:
+    """The block hash a block file's name spells (``DiskTier.path_of``'s inverse); ValueError for another name."""
+    return int.from_bytes(bytes.fromhex(file_name.removesuffix(SUFFIX)), "big", signed=True)

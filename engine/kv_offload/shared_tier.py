@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from pdcluster.engine.kv_offload.disk_tier import SUFFIX, DiskTier
+from pdcluster.engine.kv_offload.disk_tier import SUFFIX, DiskTier, block_hash_of
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class SharedDiskTier(DiskTier):
                         if not entry.name.endswith(SUFFIX):
                             continue
                         try:
-                            listed[_hash_of(entry.name)] = entry.stat().st_mtime_ns
+                            listed[block_hash_of(entry.name)] = entry.stat().st_mtime_ns
                         except (OSError, ValueError):  # deleted meanwhile, or not a block file's name
                             continue
             except OSError as e:
@@ -146,6 +146,3 @@ class SharedDiskTier(DiskTier):
             self.num_swept += len(deleted)
         return sorted(set(gone) | set(deleted))
 
-
-def _hash_of(file_name: str) -> int:
-    return int.from_bytes(bytes.fromhex(file_name[: -len(SUFFIX)]), "big", signed=True)

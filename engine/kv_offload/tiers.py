@@ -2,8 +2,8 @@
 
 ``offload`` takes a block the device pool is about to reuse (its KV still in place) and keeps it in the
 highest tier with room; a block pushed out of the host tier moves on to disk. The shared tier (shared_tier.py) is
-written through: an evicted block the shared folder lacks is written there too, whatever the worker's own tiers
-keep. ``match`` answers how many of a prompt's next blocks some tier holds, ``load`` copies one back (the worker's
+written through (``write_through``): a block is written there as it enters the prefix cache (OffloadManager.on_cached)
+and, where the folder has lost it since, again as it is evicted, whatever the worker's own tiers keep. ``match`` answers how many of a prompt's next blocks some tier holds, ``load`` copies one back (the worker's
 own tiers first). Every change is reported to ``on_event`` (stored / removed, with the tier), which feeds the
 router's global index (KV events)."""
 
