@@ -5,7 +5,7 @@ its first start for nothing. Each is one of three kinds:
 - accepted without effect, with one line saying why (``NO_OP_FLAGS``, ``NO_OP_VALUE_FLAGS``): what they tune does not
   exist here or is always done;
 - mapped onto ours (``--enforce-eager`` = ``--no-cuda-graphs``, ``--kv-offloading-size`` = ``--kv-offload-host-gib``,
-  ``--pipeline-parallel-size 1``, ...): ``apply_vllm_flags``;
+  ``--pipeline-parallel-size 1``, ``--data-parallel-size N`` = N workers, ...): ``apply_vllm_flags``;
 - refused in one line naming what to do instead (``REFUSED_FLAGS``, and values of the others that would change what a
   user gets: ``--tokenizer-mode mistral``, ``--cpu-offload-gb 8``): accepting them would serve something else.
 
@@ -123,7 +123,8 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                    help="1 only: a model is split by --tensor-parallel-size")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                   help="1 only: more engines are --num-prefill/--num-decode workers")
+                   help="N engines, each the whole model: N colocated workers (with --mode disagg: --num-prefill N "
+                        "--num-decode N)")
     g.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
                    help="the largest is --max-cudagraph-capture-size (the buckets below it are ours: 1, 2, 4, 8, "
                         "then every 16)")
@@ -170,6 +171,31 @@ def apply_vllm_flags(args: argparse.Namespace, default_model: str) -> None:
         _say(flags[0], why)
 
 
+def _apply_data_parallel(args: argparse.Namespace) -> None:
+    """vLLM's ``--data-parallel-size N``: N engine replicas behind one API, each holding the whole model (split by
+    --tensor-parallel-size). Here those are N workers placed by Ray and fed by the router: N colocated workers (mode
+    auto serves colocated, as vLLM's replicas each prefill and decode), or with --mode disagg N of each role."""
+    size = args.data_parallel_size
+    if size == 1:
+        return
+    if size < 1:
+        raise ConfigError(f"--data-parallel-size: must be at least 1, got {size}")
+    if args.mode == "local":
+        raise ConfigError(f"--data-parallel-size {size}: --mode local serves one in-process engine; give --mode "
+                          f"colocated (or leave --mode out) for {size} engines")
+    roles = [("--num-decode", "num_decode")] + ([("--num-prefill", "num_prefill")] if args.mode == "disagg" else [])
+    for flag, dest in roles:
+        if getattr(args, dest) not in (1, size):  # 1: the flag's default
+            raise ConfigError(f"--data-parallel-size {size} and {flag} {getattr(args, dest)}: the same setting "
+                              "twice; give one")
+        setattr(args, dest, size)
+    if args.mode == "auto":
+        args.mode = "colocated"
+    what = "prefill and decode workers each" if args.mode == "disagg" else "colocated workers"
+    print(f"pdcluster serve: --data-parallel-size {size}: {size} {what}, placed by Ray, fed by the router",
+          file=sys.stderr, flush=True)
+
+
 def _apply_mapped(args: argparse.Namespace) -> None:
     if args.cuda_graph_sizes is not None:
         top = max(args.cuda_graph_sizes)
@@ -198,12 +224,10 @@ def _apply_mapped(args: argparse.Namespace) -> None:
     if args.cpu_offload_gb != 0:
         raise ConfigError(f"--cpu-offload-gb {args.cpu_offload_gb:g}: not supported here: weights stay on the device "
                           "(a model too large for one is split by --tensor-parallel-size)")
-    for flag, value, instead in (("--pipeline-parallel-size", args.pipeline_parallel_size,
-                                  "split a model across devices with --tensor-parallel-size"),
-                                 ("--data-parallel-size", args.data_parallel_size,
-                                  "more engines are --num-prefill / --num-decode workers, placed by Ray")):
-        if value != 1:
-            raise ConfigError(f"{flag} {value}: only 1 is served here: {instead}")
+    if args.pipeline_parallel_size != 1:
+        raise ConfigError(f"--pipeline-parallel-size {args.pipeline_parallel_size}: only 1 is served here: split a "
+                          "model across devices with --tensor-parallel-size")
+    _apply_data_parallel(args)
     if args.tokenizer and args.tokenizer.rstrip("/") == args.model.rstrip("/"):
         args.tokenizer = ""  # the model's own, as a vLLM line often spells it out
     if args.tokenizer_revision and not args.tokenizer and args.tokenizer_revision == (args.revision or "main"):

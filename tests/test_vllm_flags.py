@@ -6,6 +6,7 @@ the typed ones."""
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import pytest
@@ -88,7 +89,7 @@ def test_kv_offloading_size_is_the_host_tier():
     (["--headless"], "--headless: not supported here"),
     (["-pp", "2"], "--pipeline-parallel-size 2: only 1 is served here: split a model across devices with "
                    "--tensor-parallel-size"),
-    (["-dp", "4"], "--data-parallel-size 4: only 1 is served here: more engines are --num-prefill"),
+    (["-dp", "4"], "--data-parallel-size 4: --mode local serves one in-process engine; give --mode colocated"),
     (["--cpu-offload-gb", "8"], "--cpu-offload-gb 8: not supported here: weights stay on the device"),
     (["--tokenizer-mode", "mistral"], "--tokenizer-mode mistral: not served here .*: give one of auto, hf, slow"),
     (["--load-format", "dummy"], "--load-format dummy: not served here"),
@@ -97,6 +98,52 @@ def test_kv_offloading_size_is_the_host_tier():
 def test_what_would_serve_something_else_is_refused_in_one_line(argv, message):
     with pytest.raises(ConfigError, match=message):
         engine_config_from_args(_args(*argv))  # most at parsing, the engine's settings (the tokenizer's) at its config
+
+
+def _cluster_args(*argv):
+    parsed = build_parser().parse_args(["serve", "--port", "0", "--model", "tiny-random", *argv])
+    _check_args(parsed)
+    return parsed
+
+
+def test_data_parallel_size_is_that_many_whole_engines(capsys):
+    """vLLM's -dp N: N engine replicas, each the whole model: N colocated workers (mode auto serves colocated, as
+    vLLM's replicas each prefill and decode); with --mode disagg N workers of each role."""
+    args = _cluster_args("-dp", "3")
+    assert (args.mode, args.num_decode) == ("colocated", 3)
+    assert "--data-parallel-size 3: 3 colocated workers" in capsys.readouterr().err
+    args = _cluster_args("--mode", "disagg", "--data-parallel-size", "2")
+    assert (args.mode, args.num_prefill, args.num_decode) == ("disagg", 2, 2)
+    assert _cluster_args("-dp", "2", "--num-decode", "2").num_decode == 2  # the same, spelled twice
+    assert _cluster_args("-dp", "1", "--num-decode", "3").num_decode == 3  # -dp 1: vLLM's default, no say
+    with pytest.raises(ConfigError, match="--data-parallel-size 2 and --num-decode 3: the same setting twice"):
+        _cluster_args("-dp", "2", "--num-decode", "3")
+    with pytest.raises(ConfigError, match="--data-parallel-size 2 and --num-prefill 4: the same setting twice"):
+        _cluster_args("--mode", "disagg", "-dp", "2", "--num-prefill", "4")
+    with pytest.raises(ConfigError, match="--data-parallel-size: must be at least 1, got 0"):
+        _cluster_args("-dp", "0")
+
+
+def test_data_parallel_serves_each_request_on_its_own_engine():
+    """`serve MODEL -dp 2`, as a vLLM line gives it: two colocated workers in rotation (the admin list, /metrics),
+    round robin placing consecutive requests on each; both answer the same prompt alike."""
+    flags = ["tiny-random", "-dp", "2", "--router-policy", "round_robin", "--num-kv-blocks", "64",
+             "--max-model-len", "256", "--dtype", "float32", "--admin-key", "adm"]
+    with ServeProcess(flags) as server, httpx.Client(base_url=server.base_url, timeout=120) as http:
+        r = http.get("/admin/workers", headers={"Authorization": "Bearer adm"})
+        assert r.status_code == 200, r.text
+        workers = r.json()["workers"]
+        assert len(workers) == 2 and all(w["role"] == "decode" and w["in_rotation"] for w in workers), workers
+        texts = []
+        for _ in range(2):
+            r = http.post("/v1/completions", json={"model": "tiny-random", "prompt": "one two three", "max_tokens": 6,
+                                                    "temperature": 0})
+            assert r.status_code == 200, r.text
+            texts.append(r.json()["choices"][0]["text"])
+        assert texts[0] == texts[1]
+        gauge = re.search(r'^pdcluster:num_workers\{[^}]*role="decode"[^}]*\} ([0-9.]+)$', http.get("/metrics").text,
+                          re.M)
+        assert gauge is not None and float(gauge.group(1)) == 2
 
 
 def test_a_config_file_is_under_the_typed_flags(tmp_path, capsys):
