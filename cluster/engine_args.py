@@ -24,6 +24,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="another tokenizer for the model, as vLLM's: a built-in name, a directory with tokenizer.json "
                         "or a Hub id (its tokenizer and chat template replace the model's; default: the model's own)")
     g.add_argument("--tokenizer-revision", default="", help="the --tokenizer Hub id's branch, tag or commit")
+    g.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "gguf", "dummy"),
+                   help="auto (the same as safetensors and gguf: the checkpoint's safetensors, or its GGUF converted); "
+                        "dummy, as vLLM's: random weights in the model's shapes, no weight file read or fetched (a "
+                        "Hub id's configs and tokenizer only), for benchmarks: real step times and memory, noise "
+                        "for tokens")
     g.add_argument("--device", default="auto",
                    help="auto (CUDA where torch sees a GPU: in a cluster, the GPU Ray gave the worker), cpu, cuda "
                         "or cuda:N")
@@ -223,6 +228,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         **{name: getattr(args, name) for name in SAME_NAMED_FLAGS if name != "enable_lora"},
         enable_lora=args.enable_lora or runtime_lora_env(),
         enable_prefix_caching=_prefix_caching(args),
+        load_format="dummy" if args.load_format == "dummy" else "auto",  # safetensors, gguf: what auto reads
         decode_prefix_reuse=not args.no_decode_prefix_reuse,
         cuda_graphs=not args.no_cuda_graphs,
         skinny_gemm=not args.no_skinny_gemm,

@@ -133,7 +133,8 @@ class Cluster:
         self.model_dir = resolve_model(spec.engine.model, cache_dir=spec.engine.cache_dir or None,
                                        hf_overrides=spec.engine.hf_overrides, revision=spec.engine.revision,
                                        download_dir=spec.engine.download_dir, tokenizer=spec.engine.tokenizer,
-                                       tokenizer_revision=spec.engine.tokenizer_revision)
+                                       tokenizer_revision=spec.engine.tokenizer_revision,
+                                       load_format=spec.engine.load_format)
         self.tokenizer = Tokenizer(self.model_dir)
         arch = arch_from_dir(self.model_dir)
         if spec.engine.tokenizer:  # one line now, not a failure in every worker after start

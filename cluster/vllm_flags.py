@@ -75,8 +75,6 @@ NO_OP_VALUE_FLAGS = {
     "code_revision": (("--code-revision",), "no model code is downloaded or run", None),
     "tokenizer_mode": (("--tokenizer-mode",), "the model's tokenizer.json is read by the tokenizers library",
                        ("auto", "hf", "slow")),
-    "load_format": (("--load-format",), "weights are read from the model's safetensors (or converted from its GGUF)",
-                    ("auto", "safetensors", "gguf")),
     "quantization": (("--quantization", "-q"), "a quantized checkpoint's method is read from its config.json (FP8, "
                                                "INT8, AWQ, GPTQ and MXFP4 weights are dequantized at load); a bf16 "
                                                "checkpoint is not quantized on the fly", None),

@@ -13,6 +13,9 @@ from pdcluster.wire.kv_events import KVEventsConfig, KVEventsConfigError, parse_
 from pdcluster.engine.models.hf_overrides import parse_hf_overrides
 from pdcluster.engine.multimodal.limits import image_processor_kwargs, max_images_per_prompt
 
+# vLLM's --load-format values served: auto (the checkpoint's safetensors, a GGUF converted) and dummy (random weights).
+LOAD_FORMATS = ("auto", "dummy")
+
 
 class ConfigError(ValueError):
     pass
@@ -180,6 +183,9 @@ class EngineConfig:
     # (and chat template) for the model (engine/models/tokenizer_overlay.py); "" for the model's own.
     tokenizer: str = ""
     tokenizer_revision: str = ""
+    # vLLM's --load-format: "auto" reads the checkpoint; "dummy" serves random weights in its shapes and reads none
+    # (engine/models/dummy_weights.py), for benchmarks.
+    load_format: str = "auto"
     # LoRA adapters served beside the base model (engine/lora/), as ``name=path`` (a PEFT directory); a
     # request picks one by name (SamplingParams.lora_name, the API's ``model`` field). Every adapter is loaded
     # at start-up and kept; ``max_lora_rank`` refuses larger ones (vLLM's --max-lora-rank).
@@ -266,6 +272,8 @@ class EngineConfig:
             parse_hf_overrides(self.hf_overrides)
         except ValueError as e:  # json.JSONDecodeError is one
             raise ConfigError(f"hf_overrides: {e}") from None
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(f"load_format {self.load_format!r}: give one of {', '.join(LOAD_FORMATS)}")
         if self.tokenizer_revision and not self.tokenizer:
             raise ConfigError(f"tokenizer_revision {self.tokenizer_revision!r}: the revision of a --tokenizer Hub id; "
                               "the model's own tokenizer comes at the model's --revision")

@@ -91,7 +91,7 @@ class LoadedModel:
         model_dir: Path = resolve_model(config.model, cache_dir=config.cache_dir or None, progress=progress,
                                        hf_overrides=config.hf_overrides, revision=config.revision,
                                        download_dir=config.download_dir, tokenizer=config.tokenizer,
-                                       tokenizer_revision=config.tokenizer_revision)
+                                       tokenizer_revision=config.tokenizer_revision, load_format=config.load_format)
         tokenizer = Tokenizer(model_dir)
         arch = arch_from_dir(model_dir)
         if config.tokenizer:

@@ -94,6 +94,14 @@ def test_what_cannot_be_served_is_one_line(hf_home, model, message):
     assert message in r.stderr and "Traceback" not in r.stderr
 
 
+def test_a_repository_without_weights_serves_dummy_weights(hf_home):
+    """--load-format dummy: a Hub id's configs and tokenizer alone are fetched (a repository without weights is served,
+    engine/models/dummy_weights.py)."""
+    r = _cli(hf_home, *GENERATE, "--model", "testorg/noweights", "--load-format", "dummy")
+    assert r.returncode == 0, r.stderr
+    assert len(json.loads(r.stdout)["token_ids"]) == 8
+
+
 def test_a_vllm_serve_command_line(hf_home):
     """`serve MODEL` with vLLM's flags: the model named as the Hub id, the no-op flags said so, prefix caching off."""
     flags = ["testorg/tiny", "--mode", "local", "--num-kv-blocks", "64", "--max-model-len", "512",

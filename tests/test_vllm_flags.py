@@ -48,6 +48,8 @@ def test_a_manifests_vllm_line_parses_and_says_what_changes_nothing(capsys):
     config = engine_config_from_args(args)
     assert config.cuda_graphs is False and config.mixed_cuda_graph_tokens == 0
     assert config.max_cuda_graph_batch == 4  # --cuda-graph-sizes 1 2 4: the largest
+    assert config.load_format == "auto"  # --load-format safetensors: what auto reads
+    assert engine_config_from_args(_args("--load-format", "dummy")).load_format == "dummy"  # tests/test_dummy_weights.py
     assert engine_config_from_args(_args()).cuda_graphs is True
     # vLLM's older name of --pooler-config.
     assert _args("--override-pooler-config", '{"pooling_type": "MEAN"}').pooler_config == '{"pooling_type": "MEAN"}'
@@ -92,7 +94,6 @@ def test_kv_offloading_size_is_the_host_tier():
     (["-dp", "4"], "--data-parallel-size 4: --mode local serves one in-process engine; give --mode colocated"),
     (["--cpu-offload-gb", "8"], "--cpu-offload-gb 8: not supported here: weights stay on the device"),
     (["--tokenizer-mode", "mistral"], "--tokenizer-mode mistral: not served here .*: give one of auto, hf, slow"),
-    (["--load-format", "dummy"], "--load-format dummy: not served here"),
     (["--tokenizer-revision", "v2"], "tokenizer_revision 'v2': the revision of a --tokenizer Hub id"),
 ])
 def test_what_would_serve_something_else_is_refused_in_one_line(argv, message):

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from pdcluster.engine.linear import Linear
 from pdcluster.engine.models.classifier import ClassifierHead, classifier_spec_of_dir, take_classifier_head
+from pdcluster.engine.models.dummy_weights import dummy_weights, is_dummy
 from pdcluster.engine.models.packed_int import dequantize_packed, packed_ints_of
 from pdcluster.engine.models.quantized import dequantize_weights, scaled_weights_of
 from pdcluster.engine.models.mxfp4 import dequantize_checkpoint, is_mxfp4
@@ -30,6 +31,8 @@ def load_weights(model_dir: Path, dtype: torch.dtype, device: str | torch.device
     ``device`` (read on the host, cast there, then moved: one device copy per tensor). ``cut(name, tensor)``: what of
     each tensor to keep (a tensor-parallel rank's slice, engine/tensor_parallel/shard.py), applied to each tensor as it
     is read, so the host never holds the whole checkpoint; a quantized checkpoint's after it is dequantized."""
+    if is_dummy(model_dir):  # --load-format dummy: random weights, no checkpoint (engine/models/dummy_weights.py)
+        return dummy_weights(model_dir, dtype, device, cut)
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{model_dir}: no *.safetensors weight files")

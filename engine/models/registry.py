@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from . import gguf_convert, hub, tiny_hybrid, tiny_hybrid_moe, tiny_random
+from .dummy_weights import with_dummy_weights
 from .hf_overrides import overlay_dir, parse_hf_overrides
 from .tokenizer_overlay import with_tokenizer
 
@@ -84,14 +85,16 @@ def default_cache_dir() -> Path:
 def resolve_model(
     name_or_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None, progress: bool = True,
     hf_overrides: str | dict | None = None, revision: str | None = None, download_dir: str | None = None,
-    tokenizer: str | None = None, tokenizer_revision: str | None = None,
+    tokenizer: str | None = None, tokenizer_revision: str | None = None, load_format: str = "auto",
 ) -> Path:
     """The HF directory for a built-in model name (built on first use), an existing model directory or a Hugging
     Face Hub id (``owner/name``, fetched at ``revision`` into ``download_dir`` or the Hugging Face cache:
     engine/models/hub.py); with ``hf_overrides`` (vLLM's, JSON or a dict) an overlay of it whose config.json has
     them set (engine/models/hf_overrides.py); with ``tokenizer`` (vLLM's --tokenizer: a built-in name, a directory or
     a Hub id at ``tokenizer_revision``) an overlay of it whose tokenizer files are that one's
-    (engine/models/tokenizer_overlay.py); the model directory then need not have a tokenizer of its own.
+    (engine/models/tokenizer_overlay.py); the model directory then need not have a tokenizer of its own. With
+    ``load_format`` "dummy" (vLLM's) an overlay with random weights (engine/models/dummy_weights.py): a Hub id's
+    configs and tokenizer alone are fetched, and a directory need hold no weights.
 
     A built-in name wins over a same-named folder in the working directory, and a folder over a Hub id.
     """
@@ -101,34 +104,38 @@ def resolve_model(
     tokenizer_dir = (resolve_tokenizer(tokenizer, cache, progress, tokenizer_revision, download_dir)
                      if tokenizer else None)
     needed = REQUIRED_FILES if tokenizer_dir is None else ("config.json",)
-    model_dir = _model_dir(name, cache, progress, revision, download_dir, needed)
+    dummy = load_format == "dummy"  # (EngineConfig checks the value)
+    model_dir = _model_dir(name, cache, progress, revision, download_dir, needed, weights=not dummy)
     if tokenizer_dir is not None:
         model_dir = with_tokenizer(model_dir, tokenizer_dir, cache)
-    return overlay_dir(model_dir, overrides, cache)
+    model_dir = overlay_dir(model_dir, overrides, cache)
+    return with_dummy_weights(model_dir, cache) if dummy else model_dir
 
 
 def _model_dir(name: str, cache: Path, progress: bool, revision: str | None, download_dir: str | None,
-               needed: tuple[str, ...]) -> Path:
+               needed: tuple[str, ...], weights: bool = True) -> Path:
     if name in BUILTIN_MODELS:
         return _ensure_built(name, cache / "models", progress)
     path = Path(name).expanduser()
     if not path.is_dir() and hub.is_hub_id(name):
         try:
-            path = hub.hub_snapshot(name, revision or None, download_dir or None, progress)
+            path = hub.hub_snapshot(name, revision or None, download_dir or None, progress, weights=weights)
         except LookupError as e:
             raise UnknownModelError(f"model {name!r}: {e}") from None
-        missing = _missing_files(path, needed)
+        missing = _missing_files(path, needed, weights)
         if missing:
             raise UnknownModelError(f"model {name!r} from the Hugging Face Hub: its files ({path}) lack "
                                     f"{', '.join(missing)}; served here are repositories of safetensors weights with "
-                                    "config.json and tokenizer.json (or a --tokenizer of their own)")
+                                    "config.json and tokenizer.json (or a --tokenizer of their own; "
+                                    "--load-format dummy for random weights)")
         return path
-    problem = _hf_dir_problem(path, needed)
+    problem = _hf_dir_problem(path, needed, weights)
     if problem is None:
         return path.resolve()
     raise UnknownModelError(
         f"unknown model {name!r}: {problem}; give a built-in name ({', '.join(sorted(BUILTIN_MODELS))}), "
-        "a Hugging Face model directory with config.json, *.safetensors and tokenizer.json, or a Hub id (owner/name)"
+        "a Hugging Face model directory with config.json, *.safetensors and tokenizer.json (--load-format dummy: no "
+        "weights), or a Hub id (owner/name)"
     )
 
 
@@ -153,16 +160,16 @@ def resolve_tokenizer(name: str, cache: Path, progress: bool = True, revision: s
     return path.resolve()
 
 
-def _hf_dir_problem(path: Path, needed: tuple[str, ...] = REQUIRED_FILES) -> str | None:
+def _hf_dir_problem(path: Path, needed: tuple[str, ...] = REQUIRED_FILES, weights: bool = True) -> str | None:
     if not path.is_dir():
         return "it is not a built-in name and no such directory exists"
-    missing = _missing_files(path, needed)
+    missing = _missing_files(path, needed, weights)
     return f"directory lacks {', '.join(missing)}" if missing else None
 
 
-def _missing_files(path: Path, needed: tuple[str, ...] = REQUIRED_FILES) -> list[str]:
+def _missing_files(path: Path, needed: tuple[str, ...] = REQUIRED_FILES, weights: bool = True) -> list[str]:
     missing = [f for f in needed if not (path / f).is_file()]
-    if not any(path.glob("*.safetensors")):
+    if weights and not any(path.glob("*.safetensors")):
         missing.append("*.safetensors")
     return missing
 

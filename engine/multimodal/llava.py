@@ -24,6 +24,7 @@ from safetensors import safe_open
 
 from pdcluster.engine.checkout_path import drop_checkout_from_sys_path
 from pdcluster.engine.linear import Linear
+from pdcluster.engine.models.dummy_weights import dummy_tensors, is_dummy
 from pdcluster.engine.multimodal.images import open_image
 from pdcluster.engine.multimodal.spec import ImageSpec
 
@@ -50,6 +51,11 @@ def encode_in_calls(encode, images: list[bytes], per_call: int) -> list[torch.Te
 
 def read_tensors(model_dir: Path, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
     out = {}
+    if is_dummy(model_dir):  # --load-format dummy: the tower's weights drawn (engine/models/dummy_weights.py)
+        for name, tensor in dummy_tensors(model_dir, torch.float32, keep=lambda n: n.startswith(prefixes)):
+            prefix = next(p for p in prefixes if name.startswith(p))
+            out[name[len(prefix):]] = tensor
+        return out
     for path in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
