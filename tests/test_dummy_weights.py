@@ -67,6 +67,27 @@ def test_a_transformers_moe_is_drawn_in_its_saved_layout(tmp_path):
     assert _drawn_shapes(tmp_path) == saved
 
 
+def test_a_model_that_takes_images_draws_its_tower_too(tmp_path, tiny_dir):
+    """A LLaVA made by transformers: its tower's and projector's tensors are drawn under their saved names (the image
+    encoder reads them: engine/multimodal/llava.py), and a prompt with an image is answered."""
+    from pdcluster.engine.multimodal.tiny_llava import build_tiny_llava, png
+
+    model_dir = build_tiny_llava(tmp_path / "llava", tiny_dir)
+    # The builder names the tower as the Hub's llava-hf checkpoints do (vision_tower.vision_model.*); transformers
+    # >= 5.2x saves it without vision_model., and the encoder reads either.
+    saved = {name.replace("vision_tower.vision_model.", "vision_tower."): shape
+             for name, shape in _saved_shapes(model_dir).items()}
+    assert _drawn_shapes(model_dir) == saved and any(name.startswith("vision_tower.") for name in saved)
+    only = tmp_path / "llava-configs"
+    shutil.copytree(model_dir, only, ignore=shutil.ignore_patterns("*.safetensors"))
+    engine = LLMEngine.from_config(engine_config(str(only), dtype="float32", load_format="dummy", max_model_len=512))
+    assert engine.model.image_encoder is not None
+    prompt = {"prompt": "USER: <image>\nWhat is in this picture? ASSISTANT:",
+              "multi_modal_data": {"image": [png(1, 16, 16)]}}
+    out = engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4 and len(out.prompt_token_ids) > 20  # the image's placeholder rows
+
+
 def test_each_tensor_is_drawn_in_range_by_its_name(tiny_dir):
     first = dummy_weights(tiny_dir, torch.float32)
     again = dict(dummy_tensors(tiny_dir, torch.float32, keep=lambda n: n.endswith("q_proj.weight")))
