@@ -1,8 +1,10 @@
 """Tensor parallelism's cost and agreement: prefill and decode tokens/s of one engine with the model whole and split
 over N ranks (engine/tensor_parallel/), the greedy tokens' agreement with the whole model, and the latency of one
-all-reduce of a decode step's hidden states between two ranks (two per layer per step). Prints JSON.
+all-reduce of a decode step's hidden states between two ranks (two per layer per step). Prints JSON. With
+``--pipeline`` the sizes are pipeline stages (engine/pipeline_parallel.py) instead, with rank 0's share of the weights
+and of the KV cache's layers.
 
-    python bench/tensor_parallel.py [--model smollm2] [--sizes 1 3] [--dtype bfloat16] [--batches 1 8]
+    python bench/tensor_parallel.py [--model smollm2] [--sizes 1 3] [--dtype bfloat16] [--batches 1 8] [--pipeline]
 
 On a CPU the ranks share the cores (each takes cores / N threads): the split buys memory per rank, not speed, and this
 measures what it costs. On GPUs each rank has its own device and bandwidth: there the split is the speed-up.
@@ -30,16 +32,21 @@ def _prompts(tokenizer, batch: int, prompt_len: int) -> list[list[int]]:
     return [ids[i : i + prompt_len] for i in range(batch)]
 
 
-def bench_engine(model: str, dtype: str, tp: int, batches: list[int], prompt_len: int, new_tokens: int) -> dict:
+def bench_engine(model: str, dtype: str, tp: int, batches: list[int], prompt_len: int, new_tokens: int,
+                 pipeline: bool = False) -> dict:
     from pdcluster.engine.config import EngineConfig
     from pdcluster.engine.llm_engine import LLMEngine
     from pdcluster.engine.sampling_params import SamplingParams
 
-    engine = LLMEngine.from_config(EngineConfig(model=model, dtype=dtype, num_kv_blocks=2048, tensor_parallel_size=tp,
+    from pdcluster.engine.weight_update import served_bytes
+
+    split = {"pipeline_parallel_size" if pipeline else "tensor_parallel_size": tp}
+    engine = LLMEngine.from_config(EngineConfig(model=model, dtype=dtype, num_kv_blocks=2048, **split,
                                                 max_num_batched_tokens=max(2048, max(batches) * prompt_len),
                                                 enable_prefix_caching=False), progress=False)
     try:
-        out = {"num_threads_per_rank": torch.get_num_threads(), "batches": {}}
+        out = {"num_threads_per_rank": torch.get_num_threads(), "rank0_weight_bytes": served_bytes(engine.model),
+               "rank0_kv_cache_bytes": engine.kv_cache.numel() * engine.kv_cache.element_size(), "batches": {}}
         for batch in batches:
             prompts = _prompts(engine.tokenizer, batch, prompt_len)
             engine.generate(prompts[:1], SamplingParams(max_tokens=2))  # warm caches
@@ -140,6 +147,7 @@ def main() -> int:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--pipeline", action="store_true", help="the sizes are pipeline stages, not tensor-parallel ranks")
     p.add_argument("--out", default="")
     args = p.parse_args()
     from pdcluster.engine.models.architectures import arch_from_dir
@@ -151,23 +159,25 @@ def main() -> int:
         args.model = str(random_llama_dir(Path(os.environ.get("PDCLUSTER_CACHE_DIR") or default_cache_dir())
                                           / "bench-random-llama"))
     arch = arch_from_dir(resolve_model(args.model, progress=False))
-    runs = {tp: bench_engine(args.model, args.dtype, tp, args.batches, args.prompt_len, args.new_tokens)
+    runs = {tp: bench_engine(args.model, args.dtype, tp, args.batches, args.prompt_len, args.new_tokens, args.pipeline)
             for tp in args.sizes}
+    kind = "pp" if args.pipeline else "tp"
     base = runs[args.sizes[0]]
     result = {
         "model": args.model, "dtype": args.dtype, "cores": len(os.sched_getaffinity(0)),
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-        "allreduces_per_step": 2 * arch.num_layers,
+        "allreduces_per_step": 2 * arch.num_layers if not args.pipeline else None,
+        "hand_overs_per_step": {f"pp{n}": n for n in args.sizes} if args.pipeline else None,
         "allreduce_us": {f"decode_batch_{b}": allreduce_us(arch.hidden_size, b) for b in args.batches},
         "runs": {},
     }
     for tp, run in runs.items():
-        summary = {"num_threads_per_rank": run["num_threads_per_rank"]}
+        summary = {k: run[k] for k in ("num_threads_per_rank", "rank0_weight_bytes", "rank0_kv_cache_bytes")}
         for b, r in run["batches"].items():
             summary[f"batch_{b}"] = {k: v for k, v in r.items() if k != "tokens"}
-            summary[f"batch_{b}"][f"greedy_agreement_with_tp{args.sizes[0]}"] = agreement(
+            summary[f"batch_{b}"][f"greedy_agreement_with_{kind}{args.sizes[0]}"] = agreement(
                 base["batches"][b]["tokens"], r["tokens"])
-        result["runs"][f"tp{tp}"] = summary
+        result["runs"][f"{kind}{tp}"] = summary
     emit_json(result, args.out)
     return 0
 

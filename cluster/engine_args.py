@@ -131,6 +131,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many ranks (GPUs cuda:0..n-1 of a worker, or processes sharing its "
                         "CPU cores), vLLM's tensor parallelism: the Llama family and its Mixtral / Qwen-MoE / GraniteMoe models")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="cut the model's layers into this many consecutive stages, a rank each (GPUs cuda:0..n-1 of a "
+                        "worker, or processes sharing its CPU cores), vLLM's pipeline parallelism: a model too large "
+                        "for one device, the Llama family (dense and MoE); each rank holds its layers' weights and KV")
     g.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
                    help="batch-invariant kernels: a request's tokens and logprobs are bitwise the same whatever the "
                         "batch, chunking, speculation, placement or recovery (on by default on CPU, --no-deterministic for the "
@@ -204,6 +208,7 @@ SAME_NAMED_FLAGS = (
     "kv_offload_disk_gib", "mtp_checkpoint", "draft_model", "num_threads", "seed", "cache_dir", "revision", "download_dir",
     "tokenizer", "tokenizer_revision", "max_lora_rank",
     "enable_lora", "max_loras", "mixed_cuda_graph_tokens", "hf_overrides", "tensor_parallel_size",
+    "pipeline_parallel_size",
     "limit_mm_per_prompt", "mm_processor_kwargs", "max_cuda_graph_batch", "enable_prompt_embeds",
 )
 

@@ -90,6 +90,10 @@ class ClusterSpec:
                                  f"got {self.role_tensor_parallel_size(role)}")
         if self.mode != "disagg" and self.role_tensor_parallel_size("prefill") != self.engine.tensor_parallel_size:
             raise ValueError(f"prefill_tensor_parallel_size: {self.mode} mode has no prefill workers")
+        if self.mode == "disagg" and self.engine.pipeline_parallel_size > 1:
+            raise ValueError(f"pipeline_parallel_size {self.engine.pipeline_parallel_size}: a KV transfer sends rank "
+                             "0's cache, which holds its stage's layers only: serve pipeline-parallel workers "
+                             "colocated")
         if self.num_decode < 1 or (self.mode == "disagg" and self.num_prefill < 1):
             raise ValueError(f"need at least one decode worker and, in disagg mode, one prefill worker "
                              f"(got num_prefill={self.num_prefill}, num_decode={self.num_decode})")
@@ -157,17 +161,20 @@ class Cluster:
         # the workers share them, each asking Ray for its fraction (Ray then gives them the same device).
         gpu_share = gpu_share_per_worker(num_gpus, num_workers) if use_gpu else 0.0
         tps = {role: spec.role_tensor_parallel_size(role) for role in ("prefill", "decode")}
-        num_ranks = num_prefill * tps["prefill"] + spec.num_decode * tps["decode"]
-        split_roles = [role for role in ("prefill", "decode") if tps[role] > 1 and (role == "decode" or num_prefill)]
+        stages = spec.engine.pipeline_parallel_size  # a pipeline-parallel worker's ranks (colocated only)
+        ranks = {role: tp * stages for role, tp in tps.items()}
+        num_ranks = num_prefill * ranks["prefill"] + spec.num_decode * ranks["decode"]
+        split_roles = [role for role in ("prefill", "decode") if ranks[role] > 1 and (role == "decode" or num_prefill)]
         if use_gpu and split_roles and spec.mode == "disagg" and spec.engine.device != "cpu":
             for role in split_roles:  # what the workers would refuse, after loading
                 check_shared_caches(replace(spec.engine, device="cuda", tensor_parallel_size=tps[role]))
         gpu_shares = dict.fromkeys(tps, gpu_share)
         if use_gpu and split_roles:  # a worker's ranks each take a whole GPU of the worker's (cuda:0 .. tp-1)
             if num_gpus < num_ranks:
-                raise ValueError(f"tensor_parallel_size {'/'.join(str(tps[r]) for r in split_roles)}: {num_workers} "
-                                 f"worker(s) need {num_ranks} GPUs, the cluster has {num_gpus:g}")
-            gpu_shares = {role: float(tp) for role, tp in tps.items()}
+                raise ValueError(f"ranks per worker {'/'.join(str(ranks[r]) for r in split_roles)} (tensor x pipeline "
+                                 f"parallel): {num_workers} worker(s) need {num_ranks} GPUs, the cluster has "
+                                 f"{num_gpus:g}")
+            gpu_shares = {role: float(n) for role, n in ranks.items()}
         event_host = "127.0.0.1" if not spec.address else ray.util.get_node_ip_address()
         engine = spec.engine
         if not engine.num_threads and not use_gpu and not spec.address:

@@ -329,6 +329,13 @@ def _check_args(args: argparse.Namespace) -> None:
     _check_kv_transfer_config(args)
     _check_tracing(args)
     _check_role_splits(args)
+    if args.pipeline_parallel_size > 1:
+        if args.mode == "disagg":
+            raise ConfigError(f"--pipeline-parallel-size {args.pipeline_parallel_size}: --mode disagg moves KV from "
+                              "rank 0's cache, which holds its stage's layers only: serve colocated (or local)")
+        if args.mode == "auto":
+            args.mode = "colocated"
+            print("pdcluster serve: --mode auto -> colocated (--pipeline-parallel-size)", file=sys.stderr, flush=True)
     if args.mode == "auto":
         import torch  # 1.5 s: only when a server starts
 

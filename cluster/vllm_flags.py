@@ -5,7 +5,7 @@ its first start for nothing. Each is one of three kinds:
 - accepted without effect, with one line saying why (``NO_OP_FLAGS``, ``NO_OP_VALUE_FLAGS``): what they tune does not
   exist here or is always done;
 - mapped onto ours (``--enforce-eager`` = ``--no-cuda-graphs``, ``--kv-offloading-size`` = ``--kv-offload-host-gib``,
-  ``--pipeline-parallel-size 1``, ``--data-parallel-size N`` = N workers, ...): ``apply_vllm_flags``;
+  ``--data-parallel-size N`` = N workers, ...): ``apply_vllm_flags``;
 - refused in one line naming what to do instead (``REFUSED_FLAGS``, and values of the others that would change what a
   user gets: ``--tokenizer-mode mistral``, ``--cpu-offload-gb 8``): accepting them would serve something else.
 
@@ -118,8 +118,6 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
                    help="native (the host tier); lmcache is refused")
     g.add_argument("--cpu-offload-gb", type=float, default=0.0, metavar="GIB",
                    help="0 only: weights are not offloaded to CPU memory")
-    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
-                   help="1 only: a model is split by --tensor-parallel-size")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="N engines, each the whole model: N colocated workers (with --mode disagg: --num-prefill N "
                         "--num-decode N)")
@@ -222,9 +220,6 @@ def _apply_mapped(args: argparse.Namespace) -> None:
     if args.cpu_offload_gb != 0:
         raise ConfigError(f"--cpu-offload-gb {args.cpu_offload_gb:g}: not supported here: weights stay on the device "
                           "(a model too large for one is split by --tensor-parallel-size)")
-    if args.pipeline_parallel_size != 1:
-        raise ConfigError(f"--pipeline-parallel-size {args.pipeline_parallel_size}: only 1 is served here: split a "
-                          "model across devices with --tensor-parallel-size")
     _apply_data_parallel(args)
     if args.tokenizer and args.tokenizer.rstrip("/") == args.model.rstrip("/"):
         args.tokenizer = ""  # the model's own, as a vLLM line often spells it out

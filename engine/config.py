@@ -11,6 +11,7 @@ from pdcluster.engine.kv_offload.config import OffloadConfig
 from pdcluster.wire.external_kv import parse_config as parse_external_kv
 from pdcluster.wire.kv_events import KVEventsConfig, KVEventsConfigError, parse_kv_events_config
 from pdcluster.engine.models.hf_overrides import parse_hf_overrides
+from pdcluster.engine.pipeline_checks import pipeline_refusals
 from pdcluster.engine.multimodal.limits import image_processor_kwargs, max_images_per_prompt
 
 # vLLM's --load-format values served: auto (the checkpoint's safetensors, a GGUF converted) and dummy (random weights).
@@ -165,6 +166,10 @@ class EngineConfig:
     # slice of every layer and of the KV cache, on its own GPU (cuda:0 .. n-1) or its share of the CPU cores
     # (engine/tensor_parallel/). 1: the whole model in this process.
     tensor_parallel_size: int = 1
+    # Pipeline parallelism (vLLM's --pipeline-parallel-size): the model's layers cut into this many consecutive
+    # stages, each a rank (a process: its own GPU cuda:0 .. n-1, or its share of the CPU cores) holding its layers and
+    # their KV cache; rank 0 also the embedding, the head, the scheduler (engine/pipeline_parallel.py). 1: whole.
+    pipeline_parallel_size: int = 1
     # Batch-invariant kernels (issue 24): each request's tokens and logprobs are bitwise the same whatever
     # the batch, the prefill chunking, speculation, placement or a recovery re-prefill (CPU: the C GEMM;
     # CUDA: the Triton matmul and fixed-tile attention, bitwise among workers with the same GPU model; see README).
@@ -220,7 +225,7 @@ class EngineConfig:
             raise ConfigError(
                 f"spec_method: {self.spec_method!r} is unknown; choose one of {', '.join(SPEC_METHODS)}"
             )
-        positive = ("block_size", "tensor_parallel_size", "max_cuda_graph_batch")
+        positive = ("block_size", "tensor_parallel_size", "pipeline_parallel_size", "max_cuda_graph_batch")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -272,6 +277,9 @@ class EngineConfig:
             parse_hf_overrides(self.hf_overrides)
         except ValueError as e:  # json.JSONDecodeError is one
             raise ConfigError(f"hf_overrides: {e}") from None
+        if self.pipeline_parallel_size > 1 and pipeline_refusals(self):
+            raise ConfigError(f"pipeline_parallel_size {self.pipeline_parallel_size}: " + "; ".join(
+                pipeline_refusals(self)))
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(f"load_format {self.load_format!r}: give one of {', '.join(LOAD_FORMATS)}")
         if self.tokenizer_revision and not self.tokenizer:

@@ -146,6 +146,15 @@ class LoadedModel:
         draft_found = None
         if config.spec_method == "draft_model":  # before any weight is read: (its directory, its arch)
             draft_found = check_draft_model(config, arch, tokenizer, progress)
+        stage = None
+        if config.pipeline_parallel_size > 1:  # the other stages load their layers while this one loads its own
+            from pdcluster.engine.pipeline_parallel import check_model, stage_of
+
+            check_model(model_class_of(model_dir), arch, config.pipeline_parallel_size,
+                        spec is not None and config.max_images_per_prompt() > 0)
+            driver = TensorParallelDriver.start(config, str(model_dir), dtype_name, max_positions, max_model_len,
+                                                deterministic)
+            stage = stage_of(0, config.pipeline_parallel_size, arch.num_layers)
         if config.tensor_parallel_size > 1:  # the other ranks load their slices while this one loads its own
             check_shardable(model_class_of(model_dir), arch, config.tensor_parallel_size)
             draft = check_speculation(config, arch)
@@ -155,7 +164,7 @@ class LoadedModel:
             shard = Shard(0, config.tensor_parallel_size)
         try:
             model = load_model(model_dir, dtype, max_positions, config.device, deterministic=deterministic,
-                               max_model_len=max_model_len, shard=shard, group=driver and driver.group)
+                               max_model_len=max_model_len, shard=shard, group=driver and driver.group, stage=stage)
             if config.serves_lora:
                 install(model, adapters, runtime=config.enable_lora)
             if spec is not None:
@@ -173,14 +182,22 @@ class LoadedModel:
         draft_model = load_draft_model(config, *draft_found, dtype, max_positions, deterministic) if draft_found else None
         # MTP's or a draft model's layers after the target's (S2)
         num_draft_layers = proposer_draft_layers(config, arch, draft_model)
-        probe = KVCacheSpec(arch.num_layers + num_draft_layers, num_draft_layers, 1, config.block_size,
+        # A pipeline stage's cache holds its layers (rank 0's: the first ones); the pool is sized for the largest
+        # stage's, which every rank then holds (engine/pipeline_parallel.py).
+        num_layers = arch.num_layers if stage is None else -(-arch.num_layers // config.pipeline_parallel_size)
+        budget_probe = KVCacheSpec(num_layers + num_draft_layers, num_draft_layers, 1, config.block_size,
+                                   arch.num_kv_heads, arch.head_dim, kv_cache_dtype(config.kv_cache_dtype, dtype, arch),
+                                   num_planes=kv_planes(arch))
+        if stage is not None:
+            num_layers = len(stage.layers)
+        probe = KVCacheSpec(num_layers + num_draft_layers, num_draft_layers, 1, config.block_size,
                             arch.num_kv_heads, arch.head_dim, kv_cache_dtype(config.kv_cache_dtype, dtype, arch),
                             num_planes=kv_planes(arch))
         if encoder:  # nothing is cached: the blocks only count each running prompt's tokens, one small plane each
             probe = KVCacheSpec(1, 0, 1, config.block_size, 1, 1, dtype)
         num_blocks = config.num_kv_blocks or (
             config.max_num_seqs * -(-(max_model_len + 1) // config.block_size) + 1 if encoder
-            else _num_kv_blocks(model, config, probe.bytes_per_block, hybrid, max_model_len))
+            else _num_kv_blocks(model, config, budget_probe.bytes_per_block, hybrid, max_model_len))
         kv_spec = replace(probe, num_blocks=num_blocks)
         allocate = kv_cache_allocator or (lambda shape, dtype, device: allocate_kv_cache(kv_spec, device))
         kv_cache = allocate(kv_spec.shape, kv_spec.dtype, config.device)

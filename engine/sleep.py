@@ -184,8 +184,8 @@ def _check_can_sleep(engine) -> None:
                          "addresses that survive (vLLM's CuMemAllocator), not built yet; on a CPU the KV cache and "
                          "the weights are given back")
     if engine.model.tp_driver is not None:
-        raise SleepError("sleep mode with tensor parallelism: the other ranks' memory is not released yet; serve "
-                         "with --tensor-parallel-size 1 to sleep")
+        raise SleepError("sleep mode with tensor or pipeline parallelism: the other ranks' memory is not released "
+                         "yet; serve with --tensor-parallel-size 1 and --pipeline-parallel-size 1 to sleep")
     if engine.pending_weights is not None:
         raise SleepError("a weight update is prepared and not committed: commit or discard it first")
     if not engine.is_idle():

@@ -267,6 +267,10 @@ def prepare(engine, model_path: str, weight_version: str | None = None) -> Prepa
     from pdcluster.engine.models.registry import UnknownModelError, resolve_model
 
     config, model = engine.config, engine.model
+    if config.pipeline_parallel_size > 1:
+        raise WeightUpdateError(f"pipeline_parallel_size {config.pipeline_parallel_size}: weight updates are not "
+                                "served on a pipeline split yet (each stage would read its layers): restart the "
+                                "server on the new checkpoint")
     driver = model.tp_driver
     if driver is not None and engine.scheduler.has_unfinished():  # the other ranks read instead of forwarding
         raise WeightUpdateError(f"{len(engine.scheduler.requests)} requests are running: pause generation first "

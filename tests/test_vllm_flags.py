@@ -89,8 +89,8 @@ def test_kv_offloading_size_is_the_host_tier():
     (["--middleware", "my.module.Middleware"], "--middleware my.module.Middleware: cannot import my.module"),
     (["--enable-ssl-refresh"], "--enable-ssl-refresh: needs HTTPS"),  # served (cluster/ssl_refresh.py) with TLS
     (["--headless"], "--headless: not supported here"),
-    (["-pp", "2"], "--pipeline-parallel-size 2: only 1 is served here: split a model across devices with "
-                   "--tensor-parallel-size"),
+    (["-pp", "2", "-tp", "2"], "pipeline_parallel_size 2: tensor_parallel_size 2 with pipeline_parallel_size 2: "
+                               "split a model one way"),  # -pp alone: tests/test_pipeline_parallel.py
     (["-dp", "4"], "--data-parallel-size 4: --mode local serves one in-process engine; give --mode colocated"),
     (["--cpu-offload-gb", "8"], "--cpu-offload-gb 8: not supported here: weights stay on the device"),
     (["--tokenizer-mode", "mistral"], "--tokenizer-mode mistral: not served here .*: give one of auto, hf, slow"),

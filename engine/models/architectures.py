@@ -174,11 +174,15 @@ def arch_from_dir(model_dir: str | Path) -> ModelArch | HybridArch:
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, max_positions: int,
                device: str | torch.device = "cpu", deterministic: bool = False,
-               max_model_len: int | None = None, shard=None, group=None) -> LlamaModel | NemotronHModel:
+               max_model_len: int | None = None, shard=None, group=None, stage=None) -> LlamaModel | NemotronHModel:
     """The model's weights loaded onto ``device`` into the engine's model class for its architecture;
     ``deterministic``: batch-invariant kernels throughout (EngineConfig.deterministic); ``max_model_len``: the
     engine's, which picks longrope's table (None: ``max_positions``); ``shard`` and ``group``: one rank's slice of a
-    tensor-parallel model (engine/tensor_parallel/), None for the whole model."""
+    tensor-parallel model (engine/tensor_parallel/), None for the whole model; ``stage`` and ``group``: a pipeline
+    stage's layers (engine/pipeline_parallel.py)."""
+    if stage is not None:
+        return _classes(model_dir)[1].load(Path(model_dir), dtype, max_positions, device, deterministic,
+                                           max_model_len=max_model_len, group=group, stage=stage)
     return _classes(model_dir)[1].load(Path(model_dir), dtype, max_positions, device, deterministic,
                                        max_model_len=max_model_len, shard=shard, group=group)
 

@@ -25,12 +25,35 @@ from pdcluster.engine.models.quantized import dequantize_weights, scaled_weights
 from pdcluster.engine.models.mxfp4 import dequantize_checkpoint, is_mxfp4
 
 
+def _reads_whole_checkpoint(model_dir: Path) -> bool:
+    config_file = Path(model_dir) / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    return scaled_weights_of(config) is not None or packed_ints_of(config) is not None or is_mxfp4(config)
+
+
 def load_weights(model_dir: Path, dtype: torch.dtype, device: str | torch.device = "cpu",
-                 cut: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                 cut: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+                 keep: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of the directory's *.safetensors files, by Hugging Face name, in ``dtype`` on
     ``device`` (read on the host, cast there, then moved: one device copy per tensor). ``cut(name, tensor)``: what of
     each tensor to keep (a tensor-parallel rank's slice, engine/tensor_parallel/shard.py), applied to each tensor as it
-    is read, so the host never holds the whole checkpoint; a quantized checkpoint's after it is dequantized."""
+    is read, so the host never holds the whole checkpoint; a quantized checkpoint's after it is dequantized.
+    ``keep(name)``: which tensors to read at all (a pipeline stage's: engine/pipeline_parallel.py); None: every one."""
+    if keep is not None:
+        if is_dummy(model_dir):
+            return {name: t for name, t in dummy_weights(model_dir, dtype, device, cut, keep=keep).items()}
+        if _reads_whole_checkpoint(model_dir):  # quantized: a weight and its scales are paired once all are read
+            return {name: t for name, t in load_weights(model_dir, dtype, device, cut).items() if keep(name)}
+        cut_kept = cut or (lambda name, t: t)
+        weights = {}
+        for f in sorted(Path(model_dir).glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as tensors:
+                for name in tensors.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    if keep(name):
+                        weights[name] = cut_kept(name, tensors.get_tensor(name)).to(dtype).to(device)
+        if not weights:
+            raise FileNotFoundError(f"{model_dir}: no *.safetensors weight files")
+        return weights
     if is_dummy(model_dir):  # --load-format dummy: random weights, no checkpoint (engine/models/dummy_weights.py)
         return dummy_weights(model_dir, dtype, device, cut)
     files = sorted(Path(model_dir).glob("*.safetensors"))
@@ -136,13 +159,22 @@ class CausalLM:
     @classmethod
     def load(cls, model_dir: Path, dtype: torch.dtype, max_positions: int,
              device: str | torch.device = "cpu", deterministic: bool = False,
-             max_model_len: int | None = None, shard=None, group=None) -> "CausalLM":
+             max_model_len: int | None = None, shard=None, group=None, stage=None) -> "CausalLM":
         """``max_model_len``: the engine's (None: ``max_positions``), where the arch depends on it (longrope).
         ``shard`` (engine/tensor_parallel/shard.py): this rank's slice of each layer, cut on the host before it moves
-        to ``device``, its output projections summed over ``group``."""
+        to ``device``, its output projections summed over ``group``. ``stage`` (engine/pipeline_parallel.py): the
+        layers this rank holds, its hidden states handed over ``group``."""
         arch = cls.arch_class.from_dir(model_dir)
         if hasattr(arch, "for_context"):
             arch = arch.for_context(max_positions if max_model_len is None else max_model_len)
+        if stage is not None:
+            from pdcluster.engine.pipeline_parallel import keeps_tensor
+
+            weights = text_weights(load_weights(model_dir, dtype, device, keep=keeps_tensor(stage)))
+            model = cls.build_with_head(model_dir, arch, weights, dtype, max_positions, deterministic,
+                                        layers=stage.layers)
+            model.pp_stage, model.pp_group = stage, group
+            return model
         if shard is None or shard.world_size == 1:
             return cls.build_with_head(model_dir, arch, text_weights(load_weights(model_dir, dtype, device)), dtype,
                                        max_positions, deterministic)
@@ -163,12 +195,13 @@ class CausalLM:
 
     @classmethod
     def build_with_head(cls, model_dir: Path, arch, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                        max_positions: int, deterministic: bool) -> "CausalLM":
+                        max_positions: int, deterministic: bool, layers: range | None = None) -> "CausalLM":
         """``cls(arch, weights, ...)``, and a sequence classifier's score head where config.json names one
-        (engine/models/classifier.py: taken out of ``weights`` first)."""
+        (engine/models/classifier.py: taken out of ``weights`` first). ``layers``: a pipeline stage's (LlamaModel)."""
         spec = classifier_spec_of_dir(model_dir)
         head = take_classifier_head(weights, spec, arch.hidden_size, model_dir) if spec is not None else None
-        model = cls(arch, weights, dtype, max_positions, deterministic)
+        model = (cls(arch, weights, dtype, max_positions, deterministic) if layers is None
+                 else cls(arch, weights, dtype, max_positions, deterministic, layers=layers))
         model.classifier = head
         return model
 

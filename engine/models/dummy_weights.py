@@ -85,12 +85,13 @@ def dummy_tensors(model_dir: str | Path, dtype: torch.dtype, device: str | torch
 
 
 def dummy_weights(model_dir: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu",
-                  cut: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """``load_weights``' answer for a dummy directory: every tensor by its checkpoint name, ``cut`` applied to each
-    as it is drawn (a tensor-parallel rank's slice)."""
+                  cut: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+                  keep: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
+    """``load_weights``' answer for a dummy directory: every tensor by its checkpoint name (those ``keep`` takes),
+    ``cut`` applied to each as it is drawn (a tensor-parallel rank's slice)."""
     if cut is None:
-        return dict(dummy_tensors(model_dir, dtype, device))
-    return {name: cut(name, t).contiguous() for name, t in dummy_tensors(model_dir, dtype, device)}
+        return dict(dummy_tensors(model_dir, dtype, device, keep))
+    return {name: cut(name, t).contiguous() for name, t in dummy_tensors(model_dir, dtype, device, keep)}
 
 
 @functools.lru_cache(maxsize=8)

@@ -439,15 +439,21 @@ class LlamaModel(CausalLM):
     TENSOR_PARALLEL_SPLIT = "layers"
     takes_prompt_embeds = True  # its forward puts prompt rows given as embeddings in (CausalLM.put_prompt_rows)
 
+    # A pipeline-parallel stage's model (engine/pipeline_parallel.py): its Stage (which layers it holds) and the group
+    # its hidden states go through. None: every layer is here.
+    pp_stage = None
+    pp_group = None
+
     def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int,
-                 deterministic: bool = False):
+                 deterministic: bool = False, layers: range | None = None):
+        """``layers``: the layers this model holds (a pipeline stage's; None: all), each built with its own index."""
         if arch.moe is not None and arch.moe.layout == "llama4":  # its checkpoints' name for the MLP
             weights = {name.replace(".feed_forward.", ".mlp."): t for name, t in weights.items()}
         embed_tokens, lm_head = embedding_and_lm_head(arch, weights)
         super().__init__(arch, dtype, deterministic, embed_tokens, lm_head)
         self.norm = weights["model.norm.weight"]
         self.layers = [DecoderLayer(arch, weights, f"model.layers.{i}", deterministic, layer_index=i)
-                       for i in range(arch.num_layers)]
+                       for i in (range(arch.num_layers) if layers is None else layers)]
         if arch.qk_norm and any(layer.q_norm is None or layer.k_norm is None for layer in self.layers):
             raise ValueError("weights lack self_attn.q_norm.weight / k_norm.weight in some layer (the config asks for "
                              "q/k norms in every layer)")
@@ -551,6 +557,10 @@ class LlamaModel(CausalLM):
         """Hidden states after the final norm, [num_tokens, hidden]. ``on_layer_done(i)`` runs as soon
         as layer i's KV is in the cache, so a KV connector can start sending it mid-forward."""
         self.hand_forward_to_ranks(input_ids, positions, meta)  # tensor parallelism: the other ranks' slices
+        if self.pp_stage is not None:  # pipeline parallelism: this stage's layers between the hand-overs
+            from pdcluster.engine.pipeline_parallel import forward_stage
+
+            return forward_stage(self, input_ids, positions, kv_cache, meta, on_layer_done)
         hidden = F.embedding(input_ids, self.embed_tokens)
         self.put_prompt_rows(hidden)
         if self.arch.embedding_multiplier != 1.0:

@@ -42,7 +42,7 @@ def check_engine_config(config: EngineConfig) -> EngineConfig:
     """``config`` (device resolved) for a tensor-parallel engine, or ConfigError naming what does not combine with
     it. CUDA graphs are turned off: a captured graph would replay this rank's kernels without handing the other ranks
     their inputs. On a CPU each rank takes an equal share of the cores unless num_threads says otherwise."""
-    n = config.tensor_parallel_size
+    n = ranks_of(config)
     if n == 1:
         return config
     if config.offload_config().enabled and config.device != "cpu":
@@ -50,11 +50,13 @@ def check_engine_config(config: EngineConfig) -> EngineConfig:
                           f"only (shared memory); on {config.device} drop the --kv-offload-* flags or serve with "
                           "--tensor-parallel-size 1")
     if config.device.startswith("cuda"):
+        size = (f"tensor_parallel_size {n}" if config.tensor_parallel_size > 1
+                else f"pipeline_parallel_size {n}")
         if config.device != "cuda":
-            raise ConfigError(f"tensor_parallel_size {n}: device {config.device!r}; with tensor parallelism rank r "
-                              "runs on cuda:r of the visible GPUs: use --device cuda (CUDA_VISIBLE_DEVICES picks them)")
+            raise ConfigError(f"{size}: device {config.device!r}; split over ranks, rank r runs on cuda:r of the "
+                              "visible GPUs: use --device cuda (CUDA_VISIBLE_DEVICES picks them)")
         if torch.cuda.device_count() < n:
-            raise ConfigError(f"tensor_parallel_size {n} needs {n} GPUs; {torch.cuda.device_count()} visible")
+            raise ConfigError(f"{size} needs {n} GPUs; {torch.cuda.device_count()} visible")
         if config.cuda_graphs:
             log.info("tensor parallelism: CUDA graphs off (each forward hands the other ranks their inputs)")
             config = replace(config, cuda_graphs=False)
@@ -62,6 +64,11 @@ def check_engine_config(config: EngineConfig) -> EngineConfig:
         cores = len(_cores())
         config = replace(config, num_threads=max(1, cores // n))
     return config
+
+
+def ranks_of(config: EngineConfig) -> int:
+    """The engine's ranks: its tensor-parallel slices or its pipeline stages (one of the two is 1)."""
+    return config.tensor_parallel_size * config.pipeline_parallel_size
 
 
 def check_speculation(config: EngineConfig, arch) -> str:
@@ -128,7 +135,7 @@ class TensorParallelDriver:
         from pdcluster.engine.models.registry import default_cache_dir
         from pdcluster.engine.tensor_parallel.draft import eagle3_buffer_tokens
 
-        n = config.tensor_parallel_size
+        n = ranks_of(config)
         on_gpu = config.device == "cuda"
         store = open_store(n) if on_gpu else None
         shm_path = "" if on_gpu else create_segment(n)
@@ -140,7 +147,8 @@ class TensorParallelDriver:
                               max_positions, max_model_len, device, deterministic, config.num_threads, draft,
                               config.mtp_checkpoint, str(config.cache_dir or default_cache_dir()), config.model,
                               config.seed, DRAFT_VOCAB_SIZE, eagle3_buffer_tokens(config),
-                              config.lora_paths(), dict(lora_digests or {}), config.max_lora_rank, config.enable_lora)
+                              config.lora_paths(), dict(lora_digests or {}), config.max_lora_rank, config.enable_lora,
+                              pipeline=config.pipeline_parallel_size > 1)
             ours, theirs = ctx.Pipe()
             process = ctx.Process(target=worker_main, args=(theirs, spec), name=f"pdcluster-tp{rank}", daemon=True)
             process.start()

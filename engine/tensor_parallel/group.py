@@ -61,3 +61,16 @@ class TPGroup:
             return self.shm.all_reduce_(x)
         self.process_group.allreduce([x]).wait()
         return x
+
+    def broadcast_(self, x: torch.Tensor, src: int) -> torch.Tensor:
+        """Rank ``src``'s ``x`` on every rank, in place (pipeline parallelism's hand-over of a stage's hidden states:
+        engine/pipeline_parallel.py). CPU ranks: the all-reduce with every other rank's part zero (a float32 sum of
+        one value and zeros: the value, bit for bit); GPU ranks: NCCL's broadcast."""
+        if self.shm is not None:
+            if self.rank != src:
+                x.zero_()
+            return self.shm.all_reduce_(x)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        self.process_group.broadcast([x], opts).wait()
+        return x

@@ -49,6 +49,9 @@ class WorkerSpec:
     lora_digests: dict[str, str] = field(default_factory=dict)
     max_lora_rank: int = 0
     enable_lora: bool = False
+    # Pipeline parallelism (engine/pipeline_parallel.py): the rank is a stage of the model's layers, not a slice of
+    # every layer; world_size counts the stages.
+    pipeline: bool = False
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,6 @@ def _serve(conn, spec: WorkerSpec) -> None:
     from pdcluster.engine.memory import keep_freed_memory
     from pdcluster.engine.models.architectures import load_model
     from pdcluster.engine.tensor_parallel.group import TPGroup
-    from pdcluster.engine.tensor_parallel.layers import Shard
     from pdcluster.engine.tensor_parallel.shared_cache import map_shared_cache
 
     device = torch.device(spec.device)
@@ -67,11 +66,13 @@ def _serve(conn, spec: WorkerSpec) -> None:
     with torch.inference_mode():
         model = load_model(spec.model_dir, getattr(torch, spec.dtype_name), spec.max_positions, device,
                            deterministic=spec.deterministic, max_model_len=spec.max_model_len,
-                           shard=Shard(spec.rank, spec.world_size), group=group)
+                           group=group, **_split(spec))
     if spec.lora_modules or spec.enable_lora:
         _install_lora(model, spec)
     draft = _RankDraft(model, spec) if spec.draft else None
     model.lm_head = None  # rank 0 alone computes logits (a tied head is the embedding, still held)
+    if spec.pipeline:  # a later stage: rank 0 embeds and computes the logits
+        model.embed_tokens = model.lm_head_proj = None
     conn.send_bytes(encode_status("loaded"))
     message = decode(conn.recv_bytes())
     if isinstance(message, Stop):
@@ -80,6 +81,8 @@ def _serve(conn, spec: WorkerSpec) -> None:
         raise RuntimeError(f"expected the KV cache's spec, got {type(message).__name__}")
     if message.shared:  # rank 0's KV transport moves this cache too: compute in the segment rank 0 made
         kv_cache = map_shared_cache(recv_handle(conn), message.kv_spec)
+    elif spec.pipeline:  # rank 0's spec, with this stage's layers
+        kv_cache = allocate_kv_cache(replace(message.kv_spec, num_layers=len(model.layers)), device)
     else:
         kv_cache = allocate_kv_cache(message.kv_spec, device)
     conn.send_bytes(encode_status("ready"))
@@ -136,6 +139,18 @@ def _serve(conn, spec: WorkerSpec) -> None:
                 last_hidden = model.forward(message.input_ids.to(device), message.positions.to(device), kv_cache, meta)
         finally:
             model.image_rows = model.prompt_rows = None
+
+
+def _split(spec: WorkerSpec) -> dict:
+    """load_model's keyword for this rank's part: its slice of every layer, or its stage of the layers."""
+    if spec.pipeline:
+        from pdcluster.engine.models.architectures import arch_from_dir
+        from pdcluster.engine.pipeline_parallel import stage_of
+
+        return {"stage": stage_of(spec.rank, spec.world_size, arch_from_dir(spec.model_dir).num_layers)}
+    from pdcluster.engine.tensor_parallel.layers import Shard
+
+    return {"shard": Shard(spec.rank, spec.world_size)}
 
 
 def _weights_message(conn, spec: WorkerSpec, model, group, message, read_weights):
