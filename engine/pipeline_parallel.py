@@ -54,15 +54,21 @@ def stage_of(index: int, num_stages: int, num_layers: int) -> Stage:
 
 
 def keeps_tensor(stage: Stage) -> Callable[[str], bool]:
-    """Which checkpoint tensors a stage reads: its layers', and everything not of a layer (the embedding, the final
-    norm, the head: small beside the layers; a later stage drops the embedding and head once built)."""
+    """Which checkpoint tensors a stage reads: its layers' (a multimodal checkpoint's language model named either
+    way), and the language model's tensors of no layer (the embedding, the final norm, the head: small beside the
+    layers; a later stage drops the embedding and head once built). A vision tower's are not read (images are not
+    served on a split)."""
+    from pdcluster.engine.models.causal_lm import text_name
+
     prefix = "model.layers."
 
     def keep(name: str) -> bool:
-        at = name.find(prefix)
-        if at < 0:
+        text = text_name(name)
+        if text is None:
+            return False
+        if not text.startswith(prefix):
             return True
-        index = name[at + len(prefix):].split(".", 1)[0]
+        index = text[len(prefix):].split(".", 1)[0]
         return not index.isdigit() or int(index) in stage.layers
 
     return keep

@@ -65,6 +65,10 @@ def test_stages_cover_the_layers_in_order():
     assert keep("model.layers.2.mlp.down_proj.weight") and keep("model.layers.3.self_attn.q_proj.weight")
     assert not keep("model.layers.1.mlp.down_proj.weight") and not keep("model.layers.21.mlp.down_proj.weight")
     assert keep("model.embed_tokens.weight") and keep("model.norm.weight") and keep("lm_head.weight")
+    # A multimodal checkpoint's language model, named as transformers 4 and 5 save it; its tower is not read.
+    assert keep("language_model.model.layers.2.mlp.down_proj.weight")
+    assert not keep("model.language_model.layers.0.mlp.down_proj.weight")
+    assert not keep("vision_tower.encoder.layers.2.mlp.fc1.weight")
 
 
 @pytest.fixture(scope="module")
