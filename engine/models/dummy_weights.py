@@ -21,11 +21,12 @@ import functools
 import json
 import zlib
 from pathlib import Path
-from typing import Callable, Iterator
-
-import torch
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from .overlay import place_overlay
+
+if TYPE_CHECKING:  # torch is imported where tensors are drawn: the registry (and the CLI's parsing) imports this file
+    import torch
 
 DUMMY_MARKER = "pdcluster_dummy_weights.json"
 LOW, HIGH = -1e-3, 1e-3  # vLLM's initialize_dummy_weights
@@ -74,6 +75,8 @@ def dummy_tensors(model_dir: str | Path, dtype: torch.dtype, device: str | torch
                   keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` for each tensor of the checkpoint the config describes (those ``keep(name)`` takes), drawn
     in ``dtype`` on ``device`` (integer tensors: zeros)."""
+    import torch
+
     for name, (shape, stored) in checkpoint_shapes(str(Path(model_dir).resolve())).items():
         if keep is not None and not keep(name):
             continue
@@ -124,6 +127,8 @@ def checkpoint_shapes(model_dir: str) -> dict[str, tuple[torch.Size, torch.dtype
 def _meta_model(transformers, config, raw: dict):
     """The config's architecture class (config.json's ``architectures``), else the causal LM or image-text-to-text
     auto class, built on the meta device."""
+    import torch
+
     candidates = [getattr(transformers, name, None) for name in raw.get("architectures") or []]
     candidates = [c for c in candidates if c is not None and hasattr(c, "_from_config")]
     autos = [getattr(transformers, name, None) for name in ("AutoModelForCausalLM", "AutoModelForImageTextToText")]
