@@ -10,8 +10,8 @@ list with one per prompt. The answer's logprob layout (``return_logprob``, ``log
 them as separate requests). ``image_data`` gives a prompt's images (for a model that takes them): an image or a list
 of them for one prompt, one entry per prompt (an image, a list, or null) for a batch; each a URL, a data URL, base64
 or a local path, taken in order by the prompt's image tokens (cluster/api/images.py ``generate_images``). SGLang's
-fields for what is not served here (input embeddings, video, audio, sessions, hidden states, custom logit processors)
-are refused by name; a field nothing here reads (routing hints such as
+fields for what is not served here (video, audio, sessions, hidden states, custom logit processors) are refused by
+name (``input_embeds`` is served with --enable-prompt-embeds: cluster/api/prompt_embeds.py); a field nothing here reads (routing hints such as
 routed_dp_rank, logging switches) is ignored and named in the log, as SGLang's server ignores what it does not know.
 """
 
