@@ -53,32 +53,10 @@ def stage_of(index: int, num_stages: int, num_layers: int) -> Stage:
     return Stage(index, num_stages, first, first + size)
 
 
-def keeps_tensor(stage: Stage) -> Callable[[str], bool]:
-    """Which checkpoint tensors a stage reads: its layers' (a multimodal checkpoint's language model named either
-    way), and the language model's tensors of no layer (the embedding, the final norm, the head: small beside the
-    layers; a later stage drops the embedding and head once built). A vision tower's are not read (images are not
-    served on a split)."""
-    from pdcluster.engine.models.causal_lm import text_name
-
-    prefix = "model.layers."
-
-    def keep(name: str) -> bool:
-        text = text_name(name)
-        if text is None:
-            return False
-        if not text.startswith(prefix):
-            return True
-        index = text[len(prefix):].split(".", 1)[0]
-        return not index.isdigit() or int(index) in stage.layers
-
-    return keep
-
-
 def check_model(model_class, arch, num_stages: int, takes_images: bool) -> None:
-    """ValueError naming why the model does not cut into ``num_stages`` stages here."""
-    from pdcluster.engine.models.llama import LlamaModel
-
-    if model_class is not LlamaModel:
+    """ValueError naming why the model does not cut into ``num_stages`` stages here (a model class says it cuts with
+    ``PIPELINE_PARALLEL`` of its own: LlamaModel)."""
+    if not vars(model_class).get("PIPELINE_PARALLEL"):
         raise ValueError(f"pipeline_parallel_size {num_stages}: {model_class.__name__} models are not cut into stages "
                          "here (the Llama family is: Llama, Qwen, Mistral, Mixtral, Qwen-MoE, ...); use "
                          "--tensor-parallel-size")
@@ -115,15 +93,7 @@ def forward_stage(model, input_ids: torch.Tensor, positions: torch.Tensor, kv_ca
             hidden, residual = handed[:, :width].contiguous(), handed[:, width:].contiguous()
             hidden, residual = _run_layers(model, hidden, residual, positions, kv_cache, meta, on_layer_done)
     if stage.is_last:
-        if model.arch.layer_norm:  # Cohere
-            from pdcluster.engine.models.llama import layer_norm
-
-            out = layer_norm(hidden.add_(residual), model.norm, model.arch.rms_norm_eps)
-        else:
-            from pdcluster.kernels import ops
-
-            out = ops.rms_norm(hidden, model.norm, model.arch.rms_norm_eps, residual=residual)
-        out = out.contiguous()
+        out = model.final_norm(hidden, residual).contiguous()
     else:
         out = torch.empty(num_tokens, width, dtype=dtype, device=device)
     return group.broadcast_(out, stage.num_stages - 1)

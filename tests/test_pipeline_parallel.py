@@ -22,7 +22,8 @@ import torch
 from conftest import engine_config
 from pdcluster.engine.config import ConfigError, EngineConfig
 from pdcluster.engine.llm_engine import LLMEngine
-from pdcluster.engine.pipeline_parallel import keeps_tensor, stage_of
+from pdcluster.engine.models.causal_lm import stage_keeps
+from pdcluster.engine.pipeline_parallel import stage_of
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.tools.server_process import ServeProcess
 
@@ -61,7 +62,7 @@ def test_stages_cover_the_layers_in_order():
         sizes = [len(s.layers) for s in stages]
         assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes)  # the remainder to the later stages
         assert [s.is_last for s in stages] == [False] * (num_stages - 1) + [True]
-    keep = keeps_tensor(stage_of(1, 2, 4))
+    keep = stage_keeps(stage_of(1, 2, 4).layers)
     assert keep("model.layers.2.mlp.down_proj.weight") and keep("model.layers.3.self_attn.q_proj.weight")
     assert not keep("model.layers.1.mlp.down_proj.weight") and not keep("model.layers.21.mlp.down_proj.weight")
     assert keep("model.embed_tokens.weight") and keep("model.norm.weight") and keep("lm_head.weight")

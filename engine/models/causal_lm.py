@@ -108,6 +108,25 @@ def text_name(name: str) -> str | None:
     return None if name.startswith(_VISION_PREFIXES) else name
 
 
+def stage_keeps(layers: range) -> Callable[[str], bool]:
+    """Which checkpoint tensors a pipeline stage holding ``layers`` reads (engine/pipeline_parallel.py): its layers'
+    (a multimodal checkpoint's language model named either way), and the language model's tensors of no layer (the
+    embedding, the final norm, the head: small beside the layers; a later stage drops the embedding and head once
+    built). A vision tower's are not read (images are not served on a split)."""
+    prefix = "model.layers."
+
+    def keep(name: str) -> bool:
+        text = text_name(name)
+        if text is None:
+            return False
+        if not text.startswith(prefix):
+            return True
+        index = text[len(prefix):].split(".", 1)[0]
+        return not index.isdigit() or int(index) in layers
+
+    return keep
+
+
 def text_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A checkpoint's language-model tensors under a text model's names (a text checkpoint's as they are)."""
     return {text: tensor for name, tensor in weights.items() if (text := text_name(name)) is not None}
@@ -168,9 +187,7 @@ class CausalLM:
         if hasattr(arch, "for_context"):
             arch = arch.for_context(max_positions if max_model_len is None else max_model_len)
         if stage is not None:
-            from pdcluster.engine.pipeline_parallel import keeps_tensor
-
-            weights = text_weights(load_weights(model_dir, dtype, device, keep=keeps_tensor(stage)))
+            weights = text_weights(load_weights(model_dir, dtype, device, keep=stage_keeps(stage.layers)))
             model = cls.build_with_head(model_dir, arch, weights, dtype, max_positions, deterministic,
                                         layers=stage.layers)
             model.pp_stage, model.pp_group = stage, group

@@ -437,6 +437,9 @@ class LlamaModel(CausalLM):
     # How tensor parallelism cuts it (engine/tensor_parallel/shard.py), read from each class itself, not inherited: a
     # subclass that computes across heads splits only where it says so.
     TENSOR_PARALLEL_SPLIT = "layers"
+    # Whether pipeline parallelism cuts it into stages (engine/pipeline_parallel.py), read from the class itself: a
+    # subclass whose forward differs (Gemma's, DeepSeek's) is not cut unless it says so.
+    PIPELINE_PARALLEL = True
     takes_prompt_embeds = True  # its forward puts prompt rows given as embeddings in (CausalLM.put_prompt_rows)
 
     # A pipeline-parallel stage's model (engine/pipeline_parallel.py): its Stage (which layers it holds) and the group
@@ -589,6 +592,10 @@ class LlamaModel(CausalLM):
                 residual = None
             if on_layer_done is not None:
                 on_layer_done(i)
+        return self.final_norm(hidden, residual)
+
+    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The last block's output and residual added and normed: the hidden states the head reads."""
         if self.arch.layer_norm:  # Cohere
             return layer_norm(hidden.add_(residual), self.norm, self.arch.rms_norm_eps)
         return ops.rms_norm(hidden, self.norm, self.arch.rms_norm_eps, residual=residual)
